@@ -1,0 +1,17 @@
+"""lightning-pulse: pulse training, energy accounting and stability for PyTorch Lightning."""
+
+from lightning_pulse.callbacks.pulse_cycle import PulseCycle, phase_of, pulse_cycle_of
+from lightning_pulse.phase import Duration, Phase, PhaseChange, PhaseClock, parse_duration
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Duration",
+    "Phase",
+    "PhaseChange",
+    "PhaseClock",
+    "PulseCycle",
+    "parse_duration",
+    "phase_of",
+    "pulse_cycle_of",
+]

@@ -1,0 +1,99 @@
+"""The only module that touches private Lightning (and torchmetrics) internals.
+
+Every access is version-guarded and covered by ``tests/test_lightning_compat.py``, which fails loudly
+when an upgrade moves an attribute, instead of letting a callback silently do nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torchmetrics import Metric
+
+LIGHTNING_VERSION = pl.__version__
+
+_PROGRESS_ITEMS_ATTR = "_lightning_pulse_progress_items"
+
+
+def add_progress_bar_item(trainer: pl.Trainer, key: str, value: Callable[[], str | float | None]) -> None:
+    """Show ``key: value()`` in the Trainer's progress bar, whatever progress bar it has.
+
+    ``ProgressBar.get_metrics`` is the documented override point; we wrap the bound method of the one
+    instance the Trainer uses, so the user's own progress bar subclass keeps its behaviour.
+    """
+    bar = trainer.progress_bar_callback
+    if bar is None:
+        return
+    items: dict[str, Callable[[], Any]] | None = getattr(bar, _PROGRESS_ITEMS_ATTR, None)
+    if items is None:
+        items = {}
+        original = bar.get_metrics
+
+        def get_metrics(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+            metrics = dict(original(trainer, pl_module))
+            for name, getter in items.items():
+                shown = getter()
+                if shown is not None:
+                    metrics[name] = shown
+            return metrics
+
+        bar.get_metrics = get_metrics  # type: ignore[method-assign]
+        setattr(bar, _PROGRESS_ITEMS_ATTR, items)
+    items[key] = value
+
+
+def val_dataloader_of(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any | None:
+    """The validation dataloader(s) of the run, even before Lightning's validation loop has built them.
+
+    ``trainer.val_dataloaders`` is only filled once the validation loop has run (sanity check or first
+    epoch end); before that we ask the same sources Lightning would ask.
+    """
+    loaders = trainer.val_dataloaders
+    if loaders is not None:
+        return loaders
+    datamodule = trainer.datamodule
+    if datamodule is not None and is_overridden("val_dataloader", datamodule):
+        return datamodule.val_dataloader()
+    if is_overridden("val_dataloader", pl_module):
+        return pl_module.val_dataloader()
+    return None
+
+
+@contextmanager
+def frozen_metric_states(module: Any) -> Iterator[None]:
+    """Run a block that may update torchmetrics metrics, then put every metric back as it was.
+
+    An out-of-loop evaluation (PulseCycle's maintain probe) calls the module's ``validation_step``, which
+    updates the module's metric objects; without this, those updates would leak into the real epoch-end
+    validation figures.
+    """
+    saved = []
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            states = {name: copy.deepcopy(getattr(metric, name)) for name in metric._defaults}
+            saved.append((metric, states, metric._update_count, metric._computed))
+    try:
+        yield
+    finally:
+        for metric, states, update_count, computed in saved:
+            for name, value in states.items():
+                setattr(metric, name, value)
+            metric._update_count = update_count
+            metric._computed = computed
+
+
+def private_api_problems() -> list[str]:
+    """Names of the private attributes this module relies on that the installed versions no longer have."""
+    from torchmetrics.aggregation import MeanMetric
+
+    metric_attributes = vars(MeanMetric())
+    return [
+        f"torchmetrics.Metric.{name}"
+        for name in ("_defaults", "_update_count", "_computed")
+        if name not in metric_attributes
+    ]

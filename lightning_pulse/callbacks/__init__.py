@@ -1,0 +1,1 @@
+"""Lightning callbacks: one file per callback, thin glue over ``lightning_pulse.core``."""

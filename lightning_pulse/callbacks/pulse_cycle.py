@@ -1,0 +1,328 @@
+"""PulseCycle: the conductor of pulse training.
+
+It owns the one :class:`~lightning_pulse.phase.PhaseClock` of a run. Other callbacks never keep their own
+notion of time: they call :func:`phase_of` and may implement ``on_pulse_phase_change``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
+
+PROBE_MODES = ("probe", "none")
+
+
+def pulse_cycle_of(trainer: pl.Trainer | None) -> PulseCycle | None:
+    """The :class:`PulseCycle` attached to ``trainer``, or ``None``."""
+    if trainer is None:
+        return None
+    for callback in trainer.callbacks:
+        if isinstance(callback, PulseCycle):
+            return callback
+    return None
+
+
+def phase_of(trainer: pl.Trainer | None, default: Phase = Phase.BURST) -> Phase:
+    """The current pulse phase of ``trainer``.
+
+    Args:
+        trainer: the running Trainer (``None`` is allowed and gives ``default``).
+        default: what to answer when no :class:`PulseCycle` is attached. ``Phase.BURST``, i.e. ordinary
+            training, unless the caller has a better standalone behaviour (``HardSampleReplay`` passes
+            ``Phase.REPLAY`` to select continuously when it runs alone).
+
+    Example::
+
+        from lightning_pulse import Phase, phase_of
+
+        class SkipEvalInBurst(Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if phase_of(trainer) is Phase.BURST:
+                    ...
+    """
+    cycle = pulse_cycle_of(trainer)
+    return default if cycle is None else cycle.phase
+
+
+class PulseCycle(Callback):
+    r"""Gives training a rhythm: bursts of ordinary training, then light replay and maintain phases.
+
+    The cycle ``order`` (default burst -> replay -> maintain) repeats for the whole run, after a pure-burst
+    warm-up and before a pure-burst anneal. PulseCycle alone changes no batch and no gradient: it decides
+    the phase, logs it, runs the maintain-phase evaluation probe, and tells listeners. The light-phase work
+    is done by the callbacks listening to it (``HardSampleReplay``, ``GradientCache``, ``ScheduledPrune``).
+
+    Phases advance on optimizer steps, so an accumulation window is never split between two phases.
+    Listeners are every callback in ``trainer.callbacks`` with a method
+    ``on_pulse_phase_change(trainer, pl_module, change)``, plus functions given to :meth:`add_listener`.
+
+    Args:
+        burst: length of the burst phase. An ``int`` counts optimizer steps; a ``float`` counts epochs (so
+            ``0.25`` is a quarter of an epoch); a string carries its unit: ``"200steps"``, ``"0.5epoch"``,
+            ``"90s"``, ``"15min"``, ``"1h"``. Zero skips the phase.
+        replay: length of the replay phase, same forms.
+        maintain: length of the maintain phase, same forms.
+        order: the phases of one cycle, each at most once.
+        warmup: share of the run's optimizer steps, at the start, that is pure burst (InfoBatch-style), in
+            ``[0, 1)``.
+        anneal: share of the run's optimizer steps, at the end, that is pure burst, in ``[0, 1)``.
+        maintain_eval: ``"probe"`` evaluates the module's own ``validation_step`` on ``probe_batches`` held-out
+            batches when a maintain phase starts and logs the means under ``pulse/probe/``; ``"none"``
+            does not.
+        probe_batches: how many validation batches the probe uses (taken once, from the start of the
+            validation dataloader, so every probe sees the same data).
+        time_source: seconds counter for wall-clock phases; ``time.monotonic`` by default. Tests inject a
+            fake one.
+
+    Raises:
+        ValueError: at construction, naming the field, for an unparsable or negative duration, an unknown
+            phase, all-zero durations, ``warmup + anneal >= 1``, an unknown ``maintain_eval`` or a
+            non-positive ``probe_batches``. At fit start, for epoch-based durations on an infinite
+            dataloader or warm-up/anneal on a run without a finite length.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_pulse import PulseCycle
+
+        trainer = Trainer(max_epochs=20, callbacks=[PulseCycle(burst="15min", replay="10min", maintain="5min")])
+
+    The same in LightningCLI YAML::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_pulse.PulseCycle
+              init_args: {burst: 15min, replay: 10min, maintain: 5min}
+    """
+
+    def __init__(
+        self,
+        burst: int | float | str = 60,
+        replay: int | float | str = 30,
+        maintain: int | float | str = 10,
+        order: Sequence[str] = PHASE_NAMES,
+        warmup: float = 0.1,
+        anneal: float = 0.1,
+        maintain_eval: str = "probe",
+        probe_batches: int = 4,
+        time_source: Callable[[], float] | None = None,
+    ) -> None:
+        super().__init__()
+        self.clock = PhaseClock(
+            {"burst": burst, "replay": replay, "maintain": maintain}, order=list(order), warmup=warmup, anneal=anneal
+        )
+        if maintain_eval not in PROBE_MODES:
+            raise ValueError(f"`maintain_eval`={maintain_eval!r} is not one of {list(PROBE_MODES)}.")
+        if isinstance(probe_batches, bool) or not isinstance(probe_batches, int) or probe_batches < 1:
+            raise ValueError(f"`probe_batches`={probe_batches!r} must be a positive int.")
+        self.maintain_eval = maintain_eval
+        self.probe_batches = probe_batches
+        self.time_source = time_source or time.monotonic
+        self._listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
+        self._last_global_step = 0
+        self._last_tick: float | None = None
+        self._probe_data: list[Any] | None = None
+        self._probe_unavailable = False
+        self.last_probe: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def phase(self) -> Phase:
+        """The current phase (``Phase.BURST`` before training starts)."""
+        return self.clock.phase
+
+    @property
+    def cycle(self) -> int:
+        return self.clock.cycle
+
+    @property
+    def history(self) -> list[PhaseChange]:
+        """Every phase change so far, resumed runs included."""
+        return list(self.clock.history)
+
+    def add_listener(self, listener: Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]) -> None:
+        """Call ``listener(trainer, pl_module, change)`` at every phase change, on every rank."""
+        self._listeners.append(listener)
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        total_steps = self._total_steps(trainer)
+        if self.clock.uses_epochs and not math.isfinite(trainer.num_training_batches):
+            raise ValueError(
+                "PulseCycle: epoch-based phase durations need a dataloader with a length; "
+                "give the durations in steps or seconds instead."
+            )
+        self._last_global_step = trainer.global_step
+        self._last_tick = self.time_source()
+        self._probe_data = None
+        compat.add_progress_bar_item(trainer, "phase", self._progress_label)
+        change = self.clock.start(total_steps)
+        if change is None:  # resumed: tell listeners where we are
+            change = PhaseChange(None, self.clock.phase, self.clock.cycle, self.clock.step, "resume")
+            rank_zero_info(f"PulseCycle: resuming in {change.current} of cycle {change.cycle} at step {change.step}.")
+        self._announce(trainer, pl_module, change)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        steps = trainer.global_step - self._last_global_step
+        if steps <= 0:  # inside an accumulation window, or a skipped step
+            return
+        self._last_global_step = trainer.global_step
+        now = self.time_source()
+        seconds = now - (self._last_tick if self._last_tick is not None else now)
+        self._last_tick = now
+        if self.clock.uses_wall_clock and trainer.world_size > 1:
+            # rank 0's clock decides, so every rank switches at the same step
+            seconds = float(trainer.strategy.broadcast(seconds, src=0))
+        changes = self.clock.advance(
+            steps=steps,
+            seconds=seconds,
+            steps_per_epoch=self._steps_per_epoch(trainer),
+            total_steps=self._total_steps(trainer),
+        )
+        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+            self._log(trainer, {"pulse/phase": self.clock.phase.code, "pulse/cycle": self.clock.cycle})
+        for change in changes:
+            self._announce(trainer, pl_module, change)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"clock": self.clock.state_dict(), "last_probe": dict(self.last_probe)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.clock.load_state_dict(state_dict["clock"])
+        self.last_probe = dict(state_dict.get("last_probe", {}))
+
+    # ------------------------------------------------------------------ internals
+    def _announce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange) -> None:
+        if change.previous is not None:
+            ended = change.previous.value
+            self._log(
+                trainer,
+                {
+                    f"pulse/{ended}_steps": float(change.ended_steps),
+                    f"pulse/{ended}_seconds": change.ended_seconds,
+                    "pulse/phase": change.current.code,
+                    "pulse/cycle": change.cycle,
+                },
+            )
+        if change.current is Phase.MAINTAIN and change.reason != "resume" and self.maintain_eval == "probe":
+            self._run_probe(trainer, pl_module)
+        for callback in trainer.callbacks:
+            hook = getattr(callback, "on_pulse_phase_change", None)
+            if callable(hook) and callback is not self:
+                hook(trainer, pl_module, change)
+        for listener in self._listeners:
+            listener(trainer, pl_module, change)
+
+    def _progress_label(self) -> str:
+        stage = self.clock.stage
+        if stage in ("warmup", "anneal"):
+            return f"{self.clock.phase}({stage})"
+        return f"{self.clock.phase}·c{self.clock.cycle}"
+
+    @staticmethod
+    def _steps_per_epoch(trainer: pl.Trainer) -> float | None:
+        batches = trainer.num_training_batches
+        if not math.isfinite(batches) or batches <= 0:
+            return None
+        return float(math.ceil(batches / trainer.accumulate_grad_batches))
+
+    @staticmethod
+    def _total_steps(trainer: pl.Trainer) -> float:
+        return float(trainer.estimated_stepping_batches)
+
+    @staticmethod
+    def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+        # straight to the loggers: a per-step `pl_module.log` costs more than the whole clock
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _probe_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
+        if self._probe_data is None:
+            loaders = compat.val_dataloader_of(trainer, pl_module)
+            if isinstance(loaders, (list, tuple)):
+                loaders = loaders[0] if loaders else None
+            batches: list[Any] = []
+            if loaders is not None:
+                for batch in loaders:
+                    batches.append(batch)
+                    if len(batches) >= self.probe_batches:
+                        break
+            self._probe_data = batches
+        return self._probe_data
+
+    def _run_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._probe_unavailable:
+            return
+        batches = self._probe_batches(trainer, pl_module)
+        if not batches or not callable(getattr(pl_module, "validation_step", None)):
+            rank_zero_warn("PulseCycle: no validation dataloader or `validation_step`; the maintain probe is off.")
+            self._probe_unavailable = True
+            return
+        self.last_probe = run_validation_probe(trainer, pl_module, batches)
+        if self.last_probe:
+            self._log(trainer, {f"pulse/probe/{name}": value for name, value in self.last_probe.items()})
+
+
+def run_validation_probe(trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any]) -> dict[str, float]:
+    """Evaluate the module's own ``validation_step`` on ``batches`` and return the mean of what it logs.
+
+    The module's ``self.log`` calls are captured instead of reaching Lightning's logger connector, and its
+    torchmetrics states are restored afterwards, so the real validation loop sees nothing of the probe.
+    Under DDP the means are averaged over ranks (every rank calls this at the same step).
+    """
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+
+    def capture(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if hasattr(value, "compute") and callable(value.compute):  # a torchmetrics Metric object
+            value = value.compute()
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                return
+            value = value.detach().float().item()
+        if isinstance(value, (int, float)):
+            sums[name] = sums.get(name, 0.0) + float(value)
+            counts[name] = counts.get(name, 0) + 1
+
+    def capture_dict(dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        for name, value in dictionary.items():
+            capture(name, value)
+
+    modes = {module: module.training for module in pl_module.modules()}
+    pl_module.eval()
+    pl_module.log = capture  # type: ignore[method-assign]
+    pl_module.log_dict = capture_dict  # type: ignore[method-assign]
+    try:
+        with compat.frozen_metric_states(pl_module), torch.no_grad(), trainer.precision_plugin.val_step_context():
+            for index, batch in enumerate(batches):
+                batch = trainer.strategy.batch_to_device(batch, pl_module.device)
+                pl_module.validation_step(batch, index)
+    finally:
+        del pl_module.log
+        del pl_module.log_dict
+        for module, training in modes.items():
+            module.train(training)
+    means = {name: sums[name] / counts[name] for name in sorted(sums)}
+    if trainer.world_size > 1 and means:
+        stacked = torch.tensor(list(means.values()), dtype=torch.float64, device=pl_module.device)
+        stacked = trainer.strategy.reduce(stacked, reduce_op="mean")
+        means = dict(zip(means, stacked.tolist()))
+    return means

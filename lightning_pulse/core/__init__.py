@@ -1,0 +1,1 @@
+"""Framework-free torch code: loss capture, sample scores, gradient caches, pruning schedules."""

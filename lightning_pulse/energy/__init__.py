@@ -1,0 +1,1 @@
+"""Energy meters, carbon-intensity series and reports."""

@@ -1,0 +1,1 @@
+"""Model-side building blocks."""

@@ -1,0 +1,443 @@
+"""The pulse rhythm as plain Python: phases, durations and the :class:`PhaseClock`.
+
+Nothing here imports Lightning. :class:`~lightning_pulse.callbacks.pulse_cycle.PulseCycle` feeds the
+clock with optimizer steps and seconds; everything else asks the clock which phase it is.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+
+class Phase(str, Enum):
+    """The phases of a pulse cycle.
+
+    * ``BURST``: ordinary training on fresh data, at full cost.
+    * ``REPLAY``: a light phase that reuses what the run already has (hard-sample replay, cached
+      gradient information).
+    * ``MAINTAIN``: a light phase for evaluation, pruning and snapshots.
+    """
+
+    BURST = "burst"
+    REPLAY = "replay"
+    MAINTAIN = "maintain"
+
+    @property
+    def code(self) -> int:
+        """A stable integer for loggers that only take numbers: burst=0, replay=1, maintain=2."""
+        return _PHASE_CODES[self]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_PHASE_CODES = {Phase.BURST: 0, Phase.REPLAY: 1, Phase.MAINTAIN: 2}
+PHASE_NAMES = tuple(p.value for p in Phase)
+
+_UNIT_ALIASES = {
+    "step": "steps",
+    "steps": "steps",
+    "epoch": "epochs",
+    "epochs": "epochs",
+    "s": "seconds",
+    "sec": "seconds",
+    "secs": "seconds",
+    "second": "seconds",
+    "seconds": "seconds",
+    "m": "minutes",
+    "min": "minutes",
+    "mins": "minutes",
+    "minute": "minutes",
+    "minutes": "minutes",
+    "h": "hours",
+    "hr": "hours",
+    "hour": "hours",
+    "hours": "hours",
+}
+_SECONDS_PER_UNIT = {"seconds": 1.0, "minutes": 60.0, "hours": 3600.0}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*$")
+
+
+@dataclass(frozen=True)
+class Duration:
+    """How long a phase lasts, in one of three units.
+
+    Attributes:
+        kind: ``"steps"`` (optimizer steps), ``"epochs"`` (fractions of an epoch allowed) or ``"seconds"``
+            (wall clock).
+        amount: a non-negative number in that unit; ``0`` means the phase is skipped.
+    """
+
+    kind: str
+    amount: float
+
+    @property
+    def is_zero(self) -> bool:
+        return self.amount == 0
+
+    def __str__(self) -> str:
+        if self.kind == "steps":
+            return f"{int(self.amount)}steps"
+        if self.kind == "epochs":
+            return f"{self.amount:g}epochs"
+        return f"{self.amount:g}s"
+
+
+DurationLike = int | float | str | Duration
+
+
+def parse_duration(value: DurationLike, field: str = "duration") -> Duration:
+    """Turn a user-facing duration into a :class:`Duration`.
+
+    Accepted forms:
+
+    * an ``int``: optimizer steps (``200``);
+    * a ``float``: epochs, fractions allowed (``0.25`` is a quarter of an epoch);
+    * a string with a unit: ``"200steps"``, ``"0.5epoch"``, ``"90s"``, ``"15min"``, ``"1.5h"``.
+      A bare number in a string follows the int/float rule.
+
+    Raises:
+        ValueError: naming ``field``, the value and what is allowed, if the value is negative, not finite,
+            or cannot be parsed.
+    """
+    allowed = "an int of optimizer steps, a float of epochs, or a string like '200steps', '0.5epoch', '90s', '15min', '1h'"
+    if isinstance(value, Duration):
+        duration = value
+    elif isinstance(value, bool):
+        raise ValueError(f"`{field}`={value!r} is not a duration; expected {allowed}.")
+    elif isinstance(value, int):
+        duration = Duration("steps", float(value))
+    elif isinstance(value, float):
+        duration = Duration("epochs", value)
+    elif isinstance(value, str):
+        text = value.strip()
+        try:
+            number: int | float = int(text)
+        except ValueError:
+            try:
+                number = float(text)
+            except ValueError:
+                number = None  # type: ignore[assignment]
+        if number is not None:
+            return parse_duration(number, field)
+        match = _DURATION_RE.match(text)
+        unit = _UNIT_ALIASES.get(match.group(2).lower()) if match else None
+        if match is None or unit is None:
+            raise ValueError(f"`{field}`={value!r} cannot be parsed; expected {allowed}.")
+        amount = float(match.group(1))
+        if unit in _SECONDS_PER_UNIT:
+            duration = Duration("seconds", amount * _SECONDS_PER_UNIT[unit])
+        else:
+            if unit == "steps" and not amount.is_integer():
+                raise ValueError(f"`{field}`={value!r}: a step count must be a whole number.")
+            duration = Duration(unit, amount)
+    else:
+        raise ValueError(f"`{field}`={value!r} has type {type(value).__name__}; expected {allowed}.")
+    if not math.isfinite(duration.amount) or duration.amount < 0:
+        raise ValueError(f"`{field}`={value!r} must be finite and non-negative; expected {allowed}.")
+    return duration
+
+
+@dataclass(frozen=True)
+class PhaseChange:
+    """One transition of the clock, as told to listeners and kept in the clock's history.
+
+    Attributes:
+        previous: the phase that ended, or ``None`` at the start of training.
+        current: the phase that starts now.
+        cycle: index of the cycle the new phase belongs to (0-based; warm-up and anneal keep the index of
+            the cycle around them).
+        step: the optimizer step at which the new phase starts.
+        reason: ``"start"``, ``"budget"`` (the previous phase used up its duration), ``"warmup_end"``,
+            ``"anneal"`` or ``"resume"``.
+        ended_steps: optimizer steps the previous phase lasted (0 at the start).
+        ended_seconds: wall-clock seconds the previous phase lasted (0 at the start).
+    """
+
+    previous: Phase | None
+    current: Phase
+    cycle: int
+    step: int
+    reason: str
+    ended_steps: int = 0
+    ended_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["previous"] = None if self.previous is None else self.previous.value
+        data["current"] = self.current.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PhaseChange:
+        previous = data["previous"]
+        return cls(
+            previous=None if previous is None else Phase(previous),
+            current=Phase(data["current"]),
+            cycle=int(data["cycle"]),
+            step=int(data["step"]),
+            reason=str(data["reason"]),
+            ended_steps=int(data.get("ended_steps", 0)),
+            ended_seconds=float(data.get("ended_seconds", 0.0)),
+        )
+
+
+class PhaseClock:
+    """Decides the current phase from optimizer steps, epochs and seconds.
+
+    The clock is a pure state machine: the caller reports progress with :meth:`advance` and reads
+    :attr:`phase`. Identical inputs give identical phase sequences, which is what makes DDP ranks agree
+    (the callback broadcasts rank 0's seconds before calling :meth:`advance`).
+
+    Training starts with a pure burst warm-up for the first ``warmup`` share of steps, then repeats the
+    cycle ``order`` (each phase for its duration; zero-length phases are skipped), and ends with a pure
+    burst anneal for the last ``anneal`` share of steps, so the end of training sees the full data.
+
+    Args:
+        durations: phase name -> duration (see :func:`parse_duration`). Phases missing from the mapping
+            last zero.
+        order: the phases of one cycle, in order. Each must be a :class:`Phase` name and appear once.
+        warmup: share of total optimizer steps, at the start, that is pure burst. In ``[0, 1)``.
+        anneal: share of total optimizer steps, at the end, that is pure burst. In ``[0, 1)``.
+
+    Raises:
+        ValueError: on an unknown phase, a bad duration, a cycle whose durations are all zero, or
+            ``warmup + anneal >= 1``.
+    """
+
+    def __init__(
+        self,
+        durations: Mapping[str, DurationLike],
+        order: Sequence[str] = PHASE_NAMES,
+        warmup: float = 0.0,
+        anneal: float = 0.0,
+    ) -> None:
+        unknown = [name for name in list(durations) + list(order) if name not in PHASE_NAMES]
+        if unknown:
+            raise ValueError(f"Unknown phase {unknown[0]!r}; allowed phases are {list(PHASE_NAMES)}.")
+        if len(set(order)) != len(order) or not order:
+            raise ValueError(f"`order`={list(order)!r} must list each phase at most once and not be empty.")
+        for name, share in (("warmup", warmup), ("anneal", anneal)):
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+                raise ValueError(f"`{name}`={share!r} must be a number in [0, 1).")
+        if warmup + anneal >= 1:
+            raise ValueError(
+                f"`warmup` + `anneal` = {warmup} + {anneal} = {warmup + anneal:g} must be below 1, "
+                "or no step would be left for the cycle."
+            )
+        self.durations = {Phase(name): parse_duration(durations.get(name, 0), name) for name in order}
+        self.order = tuple(Phase(name) for name in order)
+        if all(d.is_zero for d in self.durations.values()):
+            raise ValueError("Every phase in the cycle has zero duration; give at least one phase a length.")
+        self.warmup = float(warmup)
+        self.anneal = float(anneal)
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        self.phase: Phase = Phase.BURST
+        self.position = 0  # index into `order` of the current cycle phase
+        self.cycle = 0
+        self.step = 0  # optimizer steps seen
+        self.steps_in_phase = 0
+        self.seconds_in_phase = 0.0
+        self.epochs_in_phase = 0.0
+        self.stage = "pending"  # pending -> warmup -> cycle -> anneal
+        self.history: list[PhaseChange] = []
+        self.steps_by_phase = {phase.value: 0 for phase in Phase}
+        self.seconds_by_phase = {phase.value: 0.0 for phase in Phase}
+        # the current segment (one stay in one phase), which warm-up's hand-over to a burst does not end
+        self._segment_steps = 0
+        self._segment_seconds = 0.0
+
+    @property
+    def uses_wall_clock(self) -> bool:
+        """Whether any phase is measured in seconds (then DDP ranks must share rank 0's seconds)."""
+        return any(d.kind == "seconds" for d in self.durations.values())
+
+    @property
+    def uses_epochs(self) -> bool:
+        return any(d.kind == "epochs" for d in self.durations.values())
+
+    @property
+    def in_cycle(self) -> bool:
+        """False during warm-up and anneal."""
+        return self.stage == "cycle"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase.value,
+            "position": self.position,
+            "cycle": self.cycle,
+            "step": self.step,
+            "steps_in_phase": self.steps_in_phase,
+            "seconds_in_phase": self.seconds_in_phase,
+            "epochs_in_phase": self.epochs_in_phase,
+            "stage": self.stage,
+            "history": [change.to_dict() for change in self.history],
+            "steps_by_phase": dict(self.steps_by_phase),
+            "seconds_by_phase": dict(self.seconds_by_phase),
+            "segment_steps": self._segment_steps,
+            "segment_seconds": self._segment_seconds,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.phase = Phase(state["phase"])
+        self.position = int(state["position"])
+        self.cycle = int(state["cycle"])
+        self.step = int(state["step"])
+        self.steps_in_phase = int(state["steps_in_phase"])
+        self.seconds_in_phase = float(state["seconds_in_phase"])
+        self.epochs_in_phase = float(state["epochs_in_phase"])
+        self.stage = str(state["stage"])
+        self.history = [PhaseChange.from_dict(item) for item in state["history"]]
+        self.steps_by_phase = {k: int(v) for k, v in state["steps_by_phase"].items()}
+        self.seconds_by_phase = {k: float(v) for k, v in state["seconds_by_phase"].items()}
+        self._segment_steps = int(state["segment_steps"])
+        self._segment_seconds = float(state["segment_seconds"])
+
+    # ------------------------------------------------------------------ progress
+    def start(self, total_steps: int | float | None) -> PhaseChange | None:
+        """Enter the first phase. Returns the change, or ``None`` if the clock was already running
+        (a resumed run keeps its restored phase)."""
+        if self.stage != "pending":
+            return None
+        if self._warmup_steps(total_steps) > 0:
+            self.stage = "warmup"
+            return self._enter(Phase.BURST, "start")
+        self.stage = "cycle"
+        self.position = self._first_nonzero(0)
+        return self._enter(self.order[self.position], "start")
+
+    def advance(
+        self,
+        steps: int = 1,
+        seconds: float = 0.0,
+        steps_per_epoch: float | None = None,
+        total_steps: int | float | None = None,
+    ) -> list[PhaseChange]:
+        """Report ``steps`` finished optimizer steps that took ``seconds`` of wall clock.
+
+        Args:
+            steps: optimizer steps finished since the last call.
+            seconds: wall-clock seconds they took.
+            steps_per_epoch: optimizer steps in one epoch; needed by epoch-based durations.
+            total_steps: the run's total optimizer steps; needed by warm-up and anneal.
+
+        Returns:
+            The phase changes that happened, in order (usually none or one).
+        """
+        if self.stage == "pending":
+            self.start(total_steps)
+        changes: list[PhaseChange] = []
+        self.step += steps
+        self.steps_in_phase += steps
+        self.seconds_in_phase += seconds
+        self._segment_steps += steps
+        self._segment_seconds += seconds
+        self.steps_by_phase[self.phase.value] += steps
+        self.seconds_by_phase[self.phase.value] += seconds
+        if steps_per_epoch:
+            self.epochs_in_phase += steps / steps_per_epoch
+
+        anneal_from = self._anneal_start(total_steps)
+        if self.stage != "anneal" and anneal_from is not None and self.step >= anneal_from:
+            self.stage = "anneal"
+            if self.phase is not Phase.BURST:
+                changes.append(self._enter(Phase.BURST, "anneal"))
+            return changes
+        if self.stage == "warmup":
+            if self.step >= self._warmup_steps(total_steps):
+                self.stage = "cycle"
+                self.position = self._first_nonzero(0)
+                next_phase = self.order[self.position]
+                if next_phase is not self.phase:
+                    changes.append(self._enter(next_phase, "warmup_end"))
+                else:
+                    self._restart_budget()
+            return changes
+        if self.stage != "cycle":
+            return changes
+        while self._budget_spent(steps_per_epoch):
+            wrapped_position = self._first_nonzero(self.position + 1)
+            if wrapped_position <= self.position:
+                self.cycle += 1
+            self.position = wrapped_position
+            next_phase = self.order[self.position]
+            if next_phase is self.phase:
+                # a one-phase cycle: only the budget restarts
+                self._restart_budget()
+                break
+            changes.append(self._enter(next_phase, "budget"))
+        return changes
+
+    def remaining(self, steps_per_epoch: float | None = None) -> float:
+        """Share of the current phase's budget still left, in ``[0, 1]`` (1 outside the cycle)."""
+        if self.stage != "cycle":
+            return 1.0
+        duration = self.durations[self.phase]
+        used = self._used(duration, steps_per_epoch)
+        return max(0.0, 1.0 - used / duration.amount) if duration.amount else 0.0
+
+    # ------------------------------------------------------------------ internals
+    def _enter(self, phase: Phase, reason: str) -> PhaseChange:
+        change = PhaseChange(
+            previous=None if reason == "start" else self.phase,
+            current=phase,
+            cycle=self.cycle,
+            step=self.step,
+            reason=reason,
+            ended_steps=self._segment_steps,
+            ended_seconds=self._segment_seconds,
+        )
+        self.phase = phase
+        self._segment_steps = 0
+        self._segment_seconds = 0.0
+        self._restart_budget()
+        self.history.append(change)
+        return change
+
+    def _restart_budget(self) -> None:
+        self.steps_in_phase = 0
+        self.seconds_in_phase = 0.0
+        self.epochs_in_phase = 0.0
+
+    def _first_nonzero(self, position: int) -> int:
+        for offset in range(len(self.order)):
+            candidate = (position + offset) % len(self.order)
+            if not self.durations[self.order[candidate]].is_zero:
+                return candidate
+        raise AssertionError("unreachable: constructor rejects all-zero cycles")
+
+    def _used(self, duration: Duration, steps_per_epoch: float | None) -> float:
+        if duration.kind == "steps":
+            return float(self.steps_in_phase)
+        if duration.kind == "seconds":
+            return self.seconds_in_phase
+        if not steps_per_epoch:
+            raise ValueError("An epoch-based phase duration needs the number of steps per epoch.")
+        return self.epochs_in_phase
+
+    def _budget_spent(self, steps_per_epoch: float | None) -> bool:
+        duration = self.durations[self.phase]
+        # a tiny tolerance keeps epoch fractions like 0.1 * 10 steps from missing their boundary
+        return self._used(duration, steps_per_epoch) >= duration.amount - 1e-9
+
+    def _warmup_steps(self, total_steps: int | float | None) -> int:
+        if not self.warmup:
+            return 0
+        if total_steps is None or not math.isfinite(total_steps):
+            raise ValueError("`warmup` is a share of the run, so the run needs a finite max_steps or max_epochs.")
+        return int(round(self.warmup * total_steps))
+
+    def _anneal_start(self, total_steps: int | float | None) -> int | None:
+        if not self.anneal:
+            return None
+        if total_steps is None or not math.isfinite(total_steps):
+            raise ValueError("`anneal` is a share of the run, so the run needs a finite max_steps or max_epochs.")
+        return int(round((1.0 - self.anneal) * total_steps))
