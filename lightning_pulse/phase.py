@@ -432,12 +432,16 @@ class PhaseClock:
         if not self.warmup:
             return 0
         if total_steps is None or not math.isfinite(total_steps):
-            raise ValueError("`warmup` is a share of the run, so the run needs a finite max_steps or max_epochs.")
+            raise ValueError(
+                "`warmup` is a share of the run, so the run needs a finite max_steps or max_epochs."
+            )
         return int(round(self.warmup * total_steps))
 
     def _anneal_start(self, total_steps: int | float | None) -> int | None:
         if not self.anneal:
             return None
         if total_steps is None or not math.isfinite(total_steps):
-            raise ValueError("`anneal` is a share of the run, so the run needs a finite max_steps or max_epochs.")
+            raise ValueError(
+                "`anneal` is a share of the run, so the run needs a finite max_steps or max_epochs."
+            )
         return int(round((1.0 - self.anneal) * total_steps))

@@ -89,7 +89,9 @@ class MNIST1DClassifier(pl.LightningModule):
         self.log("test_acc", self.test_acc)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        optimizer = torch.optim.Adam(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+        )
         if self.hparams.scheduler == "none":
             return optimizer
         scheduler = torch.optim.lr_scheduler.OneCycleLR(

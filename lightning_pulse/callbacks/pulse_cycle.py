@@ -120,7 +120,10 @@ class PulseCycle(Callback):
     ) -> None:
         super().__init__()
         self.clock = PhaseClock(
-            {"burst": burst, "replay": replay, "maintain": maintain}, order=list(order), warmup=warmup, anneal=anneal
+            {"burst": burst, "replay": replay, "maintain": maintain},
+            order=list(order),
+            warmup=warmup,
+            anneal=anneal,
         )
         if maintain_eval not in PROBE_MODES:
             raise ValueError(f"`maintain_eval`={maintain_eval!r} is not one of {list(PROBE_MODES)}.")
@@ -171,7 +174,9 @@ class PulseCycle(Callback):
         change = self.clock.start(total_steps)
         if change is None:  # resumed: tell listeners where we are
             change = PhaseChange(None, self.clock.phase, self.clock.cycle, self.clock.step, "resume")
-            rank_zero_info(f"PulseCycle: resuming in {change.current} of cycle {change.cycle} at step {change.step}.")
+            rank_zero_info(
+                f"PulseCycle: resuming in {change.current} of cycle {change.cycle} at step {change.step}."
+            )
         self._announce(trainer, pl_module, change)
 
     @override
@@ -273,7 +278,9 @@ class PulseCycle(Callback):
             return
         batches = self._probe_batches(trainer, pl_module)
         if not batches or not callable(getattr(pl_module, "validation_step", None)):
-            rank_zero_warn("PulseCycle: no validation dataloader or `validation_step`; the maintain probe is off.")
+            rank_zero_warn(
+                "PulseCycle: no validation dataloader or `validation_step`; the maintain probe is off."
+            )
             self._probe_unavailable = True
             return
         self.last_probe = run_validation_probe(trainer, pl_module, batches)
@@ -281,7 +288,9 @@ class PulseCycle(Callback):
             self._log(trainer, {f"pulse/probe/{name}": value for name, value in self.last_probe.items()})
 
 
-def run_validation_probe(trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any]) -> dict[str, float]:
+def run_validation_probe(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any]
+) -> dict[str, float]:
     """Evaluate the module's own ``validation_step`` on ``batches`` and return the mean of what it logs.
 
     The module's ``self.log`` calls are captured instead of reaching Lightning's logger connector, and its
@@ -311,7 +320,11 @@ def run_validation_probe(trainer: pl.Trainer, pl_module: pl.LightningModule, bat
     pl_module.log = capture  # type: ignore[method-assign]
     pl_module.log_dict = capture_dict  # type: ignore[method-assign]
     try:
-        with compat.frozen_metric_states(pl_module), torch.no_grad(), trainer.precision_plugin.val_step_context():
+        with (
+            compat.frozen_metric_states(pl_module),
+            torch.no_grad(),
+            trainer.precision_plugin.val_step_context(),
+        ):
             for index, batch in enumerate(batches):
                 batch = trainer.strategy.batch_to_device(batch, pl_module.device)
                 pl_module.validation_step(batch, index)
