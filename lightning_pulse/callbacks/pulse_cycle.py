@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
@@ -135,6 +136,9 @@ class PulseCycle(Callback):
         self._listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
         self._last_global_step = 0
         self._last_tick: float | None = None
+        # refreshed every epoch: both can change when a callback changes the epoch's length
+        self._total_steps = math.inf
+        self._epoch_steps: float | None = None
         self._probe_data: list[Any] | None = None
         self._probe_unavailable = False
         self.last_probe: dict[str, float] = {}
@@ -161,7 +165,7 @@ class PulseCycle(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        total_steps = self._total_steps(trainer)
+        self._refresh_run_length(trainer)
         if self.clock.uses_epochs and not math.isfinite(trainer.num_training_batches):
             raise ValueError(
                 "PulseCycle: epoch-based phase durations need a dataloader with a length; "
@@ -171,7 +175,7 @@ class PulseCycle(Callback):
         self._last_tick = self.time_source()
         self._probe_data = None
         compat.add_progress_bar_item(trainer, "phase", self._progress_label)
-        change = self.clock.start(total_steps)
+        change = self.clock.start(self._total_steps)
         if change is None:  # resumed: tell listeners where we are
             change = PhaseChange(None, self.clock.phase, self.clock.cycle, self.clock.step, "resume")
             rank_zero_info(
@@ -180,13 +184,18 @@ class PulseCycle(Callback):
         self._announce(trainer, pl_module, change)
 
     @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._refresh_run_length(trainer)
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        steps = trainer.global_step - self._last_global_step
+        global_step = trainer.global_step
+        steps = global_step - self._last_global_step
         if steps <= 0:  # inside an accumulation window, or a skipped step
             return
-        self._last_global_step = trainer.global_step
+        self._last_global_step = global_step
         now = self.time_source()
         seconds = now - (self._last_tick if self._last_tick is not None else now)
         self._last_tick = now
@@ -196,10 +205,10 @@ class PulseCycle(Callback):
         changes = self.clock.advance(
             steps=steps,
             seconds=seconds,
-            steps_per_epoch=self._steps_per_epoch(trainer),
-            total_steps=self._total_steps(trainer),
+            steps_per_epoch=self._epoch_steps,
+            total_steps=self._total_steps,
         )
-        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+        if global_step % max(trainer.log_every_n_steps, 1) == 0 and trainer.loggers:
             self._log(trainer, {"pulse/phase": self.clock.phase.code, "pulse/cycle": self.clock.cycle})
         for change in changes:
             self._announce(trainer, pl_module, change)
@@ -241,16 +250,13 @@ class PulseCycle(Callback):
             return f"{self.clock.phase}({stage})"
         return f"{self.clock.phase}·c{self.clock.cycle}"
 
-    @staticmethod
-    def _steps_per_epoch(trainer: pl.Trainer) -> float | None:
+    def _refresh_run_length(self, trainer: pl.Trainer) -> None:
         batches = trainer.num_training_batches
-        if not math.isfinite(batches) or batches <= 0:
-            return None
-        return float(math.ceil(batches / trainer.accumulate_grad_batches))
-
-    @staticmethod
-    def _total_steps(trainer: pl.Trainer) -> float:
-        return float(trainer.estimated_stepping_batches)
+        if math.isfinite(batches) and batches > 0:
+            self._epoch_steps = float(math.ceil(batches / trainer.accumulate_grad_batches))
+        else:
+            self._epoch_steps = None
+        self._total_steps = float(trainer.estimated_stepping_batches)
 
     @staticmethod
     def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
@@ -276,6 +282,11 @@ class PulseCycle(Callback):
     def _run_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._probe_unavailable:
             return
+        # the probe must not move the training run's random streams (a DataLoader iterator draws a seed)
+        with isolate_rng():
+            self._probe_once(trainer, pl_module)
+
+    def _probe_once(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         batches = self._probe_batches(trainer, pl_module)
         if not batches or not callable(getattr(pl_module, "validation_step", None)):
             rank_zero_warn(

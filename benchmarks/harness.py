@@ -1,0 +1,387 @@
+"""The shared benchmark harness: arms x seeds in one process, FLOPs + CPU time, ratios vs a baseline.
+
+Every benchmark in this folder builds a list of :class:`Arm` (the first is the baseline), calls
+:func:`run_arms`, and commits what :func:`write_results` writes to ``benchmarks/results/``.
+
+Measurement rules:
+
+* Arms are interleaved per seed (seed 0: A, B, C; seed 1: A, B, C; ...), so slow drifts of the machine hit
+  every arm alike. Ratios are paired by seed, then the median over seeds is reported.
+* Training FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` active on training batches only
+  (forward, backward and optimizer step). The counter slows a step about 3x, so with ``flops="separate"``
+  it runs in a second pass with the same seed and never in a timed pass.
+* CPU time is process CPU time (``time.process_time``) spent in training, validation excluded. Torch runs
+  on ``threads`` intra-op threads (1 by default) so the figure does not depend on how busy the other core is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks.workloads import get_workload
+from lightning_pulse import pulse_cycle_of
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+@dataclass
+class Arm:
+    """One configuration to compare.
+
+    Attributes:
+        name: label in the tables.
+        callbacks: ``seed -> list of fresh callbacks`` (called once per run, so no state leaks).
+        trainer_kwargs: overrides of the Trainer arguments for this arm only.
+        workload_kwargs: overrides of the workload (``model__x`` / ``data__y``) for this arm only.
+    """
+
+    name: str
+    callbacks: Callable[[int], list[Callback]] = lambda seed: []
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    workload_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class TrainingFlopCounter(Callback):
+    """Counts FLOPs of training batches (forward, backward, optimizer) with ``FlopCounterMode``."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._mode: FlopCounterMode | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._mode = FlopCounterMode(display=False)
+        self._mode.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.total += self._mode.get_total_flops()
+            self._mode = None
+
+
+class CurveRecorder(Callback):
+    """Records, at every validation, cumulative training CPU/wall seconds, training FLOPs and val metrics."""
+
+    def __init__(self, flop_counter: TrainingFlopCounter | None) -> None:
+        self.flop_counter = flop_counter
+        self.curve: list[dict[str, float]] = []
+        self.samples = 0
+        self._cpu_start = self._wall_start = 0.0
+        self._eval_cpu = self._eval_wall = 0.0
+        self._eval_cpu_start = self._eval_wall_start = 0.0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._cpu_start, self._wall_start = time.process_time(), time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values()), None)
+        if isinstance(first, torch.Tensor):
+            self.samples += int(first.shape[0])
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._eval_cpu_start, self._eval_wall_start = time.process_time(), time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._eval_cpu += time.process_time() - self._eval_cpu_start
+        self._eval_wall += time.perf_counter() - self._eval_wall_start
+        if trainer.sanity_checking:
+            return
+        point = {
+            "epoch": trainer.current_epoch,
+            "step": trainer.global_step,
+            "train_cpu_s": self.train_cpu_s,
+            "train_wall_s": self.train_wall_s,
+            "train_flops": float(self.flop_counter.total) if self.flop_counter else math.nan,
+        }
+        point.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")})
+        self.curve.append(point)
+
+    @property
+    def train_cpu_s(self) -> float:
+        return time.process_time() - self._cpu_start - self._eval_cpu
+
+    @property
+    def train_wall_s(self) -> float:
+        return time.perf_counter() - self._wall_start - self._eval_wall
+
+
+def run_one(
+    workload: str,
+    arm: Arm,
+    seed: int,
+    trainer_kwargs: dict[str, Any],
+    workload_kwargs: dict[str, Any],
+    count_flops: bool,
+) -> dict[str, Any]:
+    """Train and test one (arm, seed); return its figures."""
+    spec = get_workload(workload)
+    pl.seed_everything(seed, workers=True, verbose=False)
+    module, datamodule = spec.build(**{**workload_kwargs, **arm.workload_kwargs})
+    flop_counter = TrainingFlopCounter() if count_flops else None
+    recorder = CurveRecorder(flop_counter)
+    callbacks = arm.callbacks(seed)
+    kwargs = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    kwargs.update(trainer_kwargs)
+    kwargs.update(arm.trainer_kwargs)
+    trainer = pl.Trainer(
+        callbacks=[*callbacks, recorder, *([flop_counter] if flop_counter else [])], **kwargs
+    )
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    trainer.fit(module, datamodule)
+    fit_cpu, fit_wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    test = trainer.test(module, datamodule, verbose=False)[0]
+    cycle = pulse_cycle_of(trainer)
+    extra: dict[str, Any] = {}
+    for callback in callbacks:
+        metrics = getattr(callback, "benchmark_metrics", None)
+        if callable(metrics):
+            extra.update(metrics())
+    final = recorder.curve[-1] if recorder.curve else {}
+    return {
+        "arm": arm.name,
+        "seed": seed,
+        "steps": trainer.global_step,
+        "samples": recorder.samples,
+        "train_cpu_s": recorder.train_cpu_s,
+        "train_wall_s": recorder.train_wall_s,
+        "fit_cpu_s": fit_cpu,
+        "fit_wall_s": fit_wall,
+        "train_flops": float(flop_counter.total) if flop_counter else math.nan,
+        "final_val": {k: v for k, v in final.items() if k.startswith("val")},
+        "test": {k: float(v) for k, v in test.items()},
+        "steps_by_phase": dict(cycle.clock.steps_by_phase) if cycle else {"burst": trainer.global_step},
+        "curve": recorder.curve,
+        "extra": extra,
+    }
+
+
+def run_arms(
+    workload: str,
+    arms: Sequence[Arm],
+    seeds: Sequence[int] = (0, 1, 2),
+    trainer_kwargs: dict[str, Any] | None = None,
+    workload_kwargs: dict[str, Any] | None = None,
+    flops: str = "separate",
+    threads: int = 1,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run every arm on every seed and summarise against ``arms[0]``.
+
+    Args:
+        workload: a name from :mod:`benchmarks.workloads`.
+        arms: configurations; the first is the baseline.
+        seeds: training seeds (at least 3 for a reported figure).
+        trainer_kwargs: Trainer arguments shared by all arms (e.g. ``max_epochs``).
+        workload_kwargs: workload overrides shared by all arms.
+        flops: ``"separate"`` (timed pass + counted pass per run), ``"same"`` (count in the timed pass; its
+            times are then not comparable to uncounted runs) or ``"none"``.
+        threads: torch intra-op threads.
+    """
+    if flops not in ("separate", "same", "none"):
+        raise ValueError(f"`flops`={flops!r} is not one of ['separate', 'same', 'none'].")
+    if not arms:
+        raise ValueError("`arms` must not be empty.")
+    torch.set_num_threads(threads)
+    trainer_kwargs = dict(trainer_kwargs or {})
+    workload_kwargs = dict(workload_kwargs or {})
+    runs: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for seed in seeds:
+        for arm in arms:
+            run = run_one(workload, arm, seed, trainer_kwargs, workload_kwargs, count_flops=flops == "same")
+            if flops == "separate":
+                counted = run_one(workload, arm, seed, trainer_kwargs, workload_kwargs, count_flops=True)
+                run["train_flops"] = counted["train_flops"]
+                for point, counted_point in zip(run["curve"], counted["curve"]):
+                    point["train_flops"] = counted_point["train_flops"]
+                run["flops_pass_final_val"] = counted["final_val"]
+            runs.append(run)
+            log(
+                f"[{workload}] seed={seed} {arm.name}: steps={run['steps']} "
+                f"cpu={run['train_cpu_s']:.1f}s flops={run['train_flops']:.3g} val={run['final_val']}"
+            )
+    spec = get_workload(workload)
+    return {
+        "workload": workload,
+        "metric": spec.metric,
+        "mode": spec.mode,
+        "test_metric": spec.test_metric,
+        "seeds": list(seeds),
+        "arms": [arm.name for arm in arms],
+        "trainer_kwargs": {
+            k: repr(v) if not isinstance(v, (int, float, str, bool)) else v for k, v in trainer_kwargs.items()
+        },
+        "workload_kwargs": workload_kwargs,
+        "flops_mode": flops,
+        "threads": threads,
+        "runs": runs,
+        "summary": summarise(runs, [arm.name for arm in arms], spec.metric, spec.mode, spec.test_metric),
+        "environment": environment(),
+        "elapsed_s": time.perf_counter() - started,
+    }
+
+
+def _reached(curve: list[dict[str, float]], metric: str, target: float, mode: str) -> dict[str, float] | None:
+    for point in curve:
+        value = point.get(metric)
+        if value is None:
+            continue
+        if (mode == "max" and value >= target) or (mode == "min" and value <= target):
+            return point
+    return None
+
+
+def _median(values: list[float]) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(values) if values else math.nan
+
+
+def summarise(
+    runs: list[dict[str, Any]], arms: list[str], metric: str, mode: str, test_metric: str
+) -> dict[str, Any]:
+    """Per-arm medians and seed-paired ratios against ``arms[0]``."""
+    baseline = {run["seed"]: run for run in runs if run["arm"] == arms[0]}
+    summary: dict[str, Any] = {}
+    for name in arms:
+        own = [run for run in runs if run["arm"] == name]
+        flops_ratio, cpu_ratio, to_target_flops, to_target_cpu = [], [], [], []
+        reached = 0
+        for run in own:
+            base = baseline[run["seed"]]
+            flops_ratio.append(run["train_flops"] / base["train_flops"] if base["train_flops"] else math.nan)
+            cpu_ratio.append(run["train_cpu_s"] / base["train_cpu_s"])
+            target = base["final_val"].get(metric)
+            point = _reached(run["curve"], metric, target, mode) if target is not None else None
+            if point is not None:
+                reached += 1
+                if base["train_flops"]:
+                    to_target_flops.append(point["train_flops"] / base["train_flops"])
+                to_target_cpu.append(point["train_cpu_s"] / base["train_cpu_s"])
+        summary[name] = {
+            f"final_{metric}": _median([run["final_val"].get(metric, math.nan) for run in own]),
+            f"{test_metric}": _median([run["test"].get(test_metric, math.nan) for run in own]),
+            f"delta_{test_metric}_vs_baseline": _median(
+                [
+                    run["test"].get(test_metric, math.nan)
+                    - baseline[run["seed"]]["test"].get(test_metric, math.nan)
+                    for run in own
+                ]
+            ),
+            "train_flops": _median([run["train_flops"] for run in own]),
+            "train_cpu_s": _median([run["train_cpu_s"] for run in own]),
+            "steps": _median([run["steps"] for run in own]),
+            "flops_ratio": _median(flops_ratio),
+            "cpu_ratio": _median(cpu_ratio),
+            "seeds_reaching_baseline_metric": reached,
+            "flops_to_baseline_metric_ratio": _median(to_target_flops),
+            "cpu_to_baseline_metric_ratio": _median(to_target_cpu),
+            "steps_by_phase": {
+                phase: _median([run["steps_by_phase"].get(phase, 0) for run in own])
+                for phase in ("burst", "replay", "maintain")
+            },
+        }
+    return summary
+
+
+def environment() -> dict[str, Any]:
+    import lightning
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor() or "unknown",
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "n/a"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """A Markdown table of the summary, one row per arm."""
+    metric, test_metric = result["metric"], result["test_metric"]
+    columns = [
+        (f"final {metric}", f"final_{metric}"),
+        (test_metric, test_metric),
+        (f"Δ {test_metric}", f"delta_{test_metric}_vs_baseline"),
+        ("train FLOPs", "train_flops"),
+        ("FLOPs ratio", "flops_ratio"),
+        ("train CPU s", "train_cpu_s"),
+        ("CPU ratio", "cpu_ratio"),
+        ("seeds reaching baseline", "seeds_reaching_baseline_metric"),
+        ("FLOPs to baseline metric", "flops_to_baseline_metric_ratio"),
+        ("CPU to baseline metric", "cpu_to_baseline_metric_ratio"),
+        ("steps b/r/m", None),
+    ]
+    lines = ["| arm | " + " | ".join(title for title, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for arm in result["arms"]:
+        row = result["summary"][arm]
+        cells = []
+        for _, key in columns:
+            if key is None:
+                phases = row["steps_by_phase"]
+                cells.append("/".join(_fmt(phases[p]) for p in ("burst", "replay", "maintain")))
+            else:
+                cells.append(_fmt(row[key]))
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(
+    results: dict[str, Any] | list[dict[str, Any]], name: str, command: str, notes: str = ""
+) -> tuple[Path, Path]:
+    """Write ``benchmarks/results/<name>.json`` and ``.md`` (one section per workload result)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    items = results if isinstance(results, list) else [results]
+    json_path, md_path = RESULTS_DIR / f"{name}.json", RESULTS_DIR / f"{name}.md"
+    payload = {"command": command, "results": items}
+    json_path.write_text(json.dumps(payload, indent=2, default=str))
+    parts = [f"# {name}", "", f"Command: `{command}`", ""]
+    if notes:
+        parts += [notes, ""]
+    for result in items:
+        parts += [
+            f"## {result['workload']}",
+            "",
+            f"Seeds {result['seeds']}, medians; ratios are paired by seed against `{result['arms'][0]}` "
+            f"in the same run. FLOPs: {result['flops_mode']}; torch threads: {result['threads']}; "
+            f"trainer: {result['trainer_kwargs']}; workload: {result['workload_kwargs']}.",
+            "",
+            markdown_table(result),
+            "",
+        ]
+    env = items[0]["environment"] if items else environment()
+    parts.append(f"Environment: {env}; python {sys.version.split()[0]}.")
+    md_path.write_text("\n".join(parts) + "\n")
+    return json_path, md_path

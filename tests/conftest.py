@@ -1,0 +1,39 @@
+"""Shared fixtures: small real workloads that train in seconds on one CPU core."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+torch.set_num_threads(1)
+
+
+def trainer_kwargs(**overrides):
+    """Trainer arguments for fast, quiet test runs."""
+    kwargs = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+@pytest.fixture
+def mnist1d_small():
+    """A fresh (model, datamodule) pair on 1000 generated MNIST-1D samples (720 train: 12 batches of 64)."""
+    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+
+    def make(**model_kwargs):
+        return MNIST1DClassifier(**{"arch": "cnn", **model_kwargs}), MNIST1DDataModule(
+            num_samples=1000, batch_size=64
+        )
+
+    return make

@@ -1,0 +1,89 @@
+"""The lightning-pulse console script: YAML configs end to end, --print_config, and bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_pulse import PulseCycle
+from lightning_pulse.cli import PulseCLI, main
+
+ROOT = Path(__file__).resolve().parents[1]
+PULSE_YAML = str(ROOT / "examples" / "mnist1d" / "pulse.yaml")
+FAST = ["--trainer.max_steps", "8", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
+FAST += ["--data.num_samples", "600", "--trainer.enable_checkpointing", "false"]
+
+
+def test_pulse_yaml_trains_end_to_end_with_the_cycle_attached(tmp_path):
+    cli = PulseCLI(
+        model_class=None,
+        datamodule_class=None,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=["fit", "--config", PULSE_YAML, *FAST, "--trainer.default_root_dir", str(tmp_path)],
+    )
+    cycles = [cb for cb in cli.trainer.callbacks if isinstance(cb, PulseCycle)]
+    assert len(cycles) == 1
+    assert cli.trainer.global_step == 8
+    assert sum(cycles[0].clock.steps_by_phase.values()) == 8
+    assert (tmp_path / "config.yaml").exists()
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", PULSE_YAML, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    first = capsys.readouterr().out
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(first)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(printed), "--print_config"])
+    second = capsys.readouterr().out
+    assert yaml.safe_load(first) == yaml.safe_load(second)
+    callbacks = yaml.safe_load(first)["trainer"]["callbacks"]
+    assert callbacks[0]["class_path"].endswith("PulseCycle")
+    assert callbacks[0]["init_args"]["burst"] == 40
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ("burst: 40", "burst: -5min", "`burst`='-5min' must be finite and non-negative"),
+        ("burst: 40", "burts: 40", "burts"),
+        ("warmup: 0.1", "warmup: lots", "warmup"),
+        ("anneal: 0.1", "anneal: 0.95", "`warmup` + `anneal`"),
+    ],
+)
+def test_bad_yaml_value_stops_before_training_naming_the_field(tmp_path, capsys, old, new, expected):
+    text = Path(PULSE_YAML).read_text()
+    assert old in text
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace(old, new))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(bad), "--trainer.default_root_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.ckpt"))  # nothing trained
+
+
+def test_console_script_resolves_class_paths_from_the_working_directory(tmp_path):
+    """The installed `lightning-pulse` script finds `examples.*` when run from the repo root."""
+    script = Path(sys.executable).with_name("lightning-pulse")
+    if not script.exists():
+        pytest.skip("console script not installed in this environment")
+    env = {**os.environ, "PYTHONPATH": ""}
+    result = subprocess.run(
+        [str(script), "fit", "--config", PULSE_YAML, "--print_config"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "examples.mnist1d.MNIST1DClassifier" in result.stdout

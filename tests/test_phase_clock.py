@@ -1,0 +1,167 @@
+"""Unit tests of the pure-Python rhythm: durations, the cycle, warm-up/anneal, state round-trips."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pulse import Duration, Phase, PhaseClock, parse_duration
+
+
+def run_steps(clock: PhaseClock, n: int, **kwargs) -> list[str]:
+    """The phase of every step (the phase a step trains in), for n optimizer steps."""
+    clock.start(kwargs.get("total_steps"))
+    phases = []
+    for _ in range(n):
+        phases.append(clock.phase.value[0])
+        clock.advance(**kwargs)
+    return phases
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (5, Duration("steps", 5)),
+        ("200steps", Duration("steps", 200)),
+        ("1 step", Duration("steps", 1)),
+        (0.25, Duration("epochs", 0.25)),
+        ("0.5epoch", Duration("epochs", 0.5)),
+        ("2 epochs", Duration("epochs", 2)),
+        ("90s", Duration("seconds", 90)),
+        ("15min", Duration("seconds", 900)),
+        ("1.5h", Duration("seconds", 5400)),
+        ("7", Duration("steps", 7)),
+        ("0", Duration("steps", 0)),
+    ],
+)
+def test_parse_duration_accepts_every_documented_form(value, expected):
+    assert parse_duration(value) == expected
+
+
+@pytest.mark.parametrize("value", ["-5min", -1, "abc", "5 fortnights", True, "1.5steps", float("nan"), None])
+def test_parse_duration_rejects_bad_values_naming_the_field(value):
+    with pytest.raises(ValueError, match="`replay`"):
+        parse_duration(value, "replay")
+
+
+def test_step_cycle_repeats_burst_replay_maintain():
+    clock = PhaseClock({"burst": 3, "replay": 2, "maintain": 1})
+    assert "".join(run_steps(clock, 12)) == "bbbrrmbbbrrm"
+    assert clock.cycle == 2
+    assert clock.steps_by_phase == {"burst": 6, "replay": 4, "maintain": 2}
+
+
+def test_zero_length_phase_is_skipped():
+    clock = PhaseClock({"burst": 2, "replay": 0, "maintain": 1})
+    assert "".join(run_steps(clock, 6)) == "bbmbbm"
+    assert all(change.current is not Phase.REPLAY for change in clock.history)
+
+
+def test_custom_order_is_followed():
+    clock = PhaseClock({"burst": 1, "replay": 2, "maintain": 1}, order=["replay", "burst"])
+    assert "".join(run_steps(clock, 6)) == "rrbrrb"
+
+
+def test_epoch_fractions_use_steps_per_epoch():
+    clock = PhaseClock({"burst": 0.5, "replay": 0.25, "maintain": 0.25})
+    # 8 optimizer steps per epoch: 4 burst, 2 replay, 2 maintain
+    assert "".join(run_steps(clock, 16, steps_per_epoch=8)) == "bbbbrrmm" * 2
+
+
+def test_epoch_duration_without_epoch_length_fails_clearly():
+    clock = PhaseClock({"burst": 0.5, "replay": 2})
+    clock.start(None)
+    with pytest.raises(ValueError, match="steps per epoch"):
+        clock.advance()
+
+
+def test_wall_clock_phases_switch_on_reported_seconds():
+    clock = PhaseClock({"burst": "10s", "replay": "5s", "maintain": "2s"})
+    # each step takes 1 s: 10 burst steps, 5 replay, 2 maintain
+    assert "".join(run_steps(clock, 17, seconds=1.0)) == "b" * 10 + "r" * 5 + "m" * 2
+    assert clock.cycle == 1 and clock.phase is Phase.BURST
+
+
+def test_fifteen_ten_five_minute_cadence():
+    clock = PhaseClock({"burst": "15min", "replay": "10min", "maintain": "5min"})
+    phases = run_steps(clock, 60, seconds=60.0)  # one step per minute, one hour
+    assert "".join(phases) == ("b" * 15 + "r" * 10 + "m" * 5) * 2
+
+
+def test_warmup_and_anneal_are_pure_burst():
+    clock = PhaseClock({"burst": 2, "replay": 2, "maintain": 1}, warmup=0.2, anneal=0.3)
+    phases = "".join(run_steps(clock, 20, total_steps=20))
+    assert phases[:4] == "bbbb"  # 20% of 20 steps of warm-up
+    assert phases[4:14] == "bbrrmbbrrm"
+    assert phases[14:] == "bbbbbb"  # last 30%
+    assert clock.stage == "anneal"
+    reasons = [change.reason for change in clock.history]
+    assert reasons[0] == "start" and reasons[-1] == "anneal"
+
+
+def test_warmup_needs_a_finite_run():
+    clock = PhaseClock({"burst": 2, "replay": 2}, warmup=0.1)
+    with pytest.raises(ValueError, match="finite max_steps"):
+        clock.start(float("inf"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"durations": {"burst": 1, "cooldown": 1}}, "Unknown phase 'cooldown'"),
+        ({"durations": {"burst": 1}, "order": ["burst", "nap"]}, "Unknown phase 'nap'"),
+        ({"durations": {"burst": 1}, "order": ["burst", "burst"]}, "`order`"),
+        ({"durations": {"burst": 0, "replay": 0, "maintain": 0}}, "zero duration"),
+        ({"durations": {"burst": 1}, "warmup": 0.6, "anneal": 0.4}, "`warmup` \\+ `anneal`"),
+        ({"durations": {"burst": 1}, "warmup": 1.5}, "`warmup`"),
+        ({"durations": {"burst": 1}, "anneal": -0.1}, "`anneal`"),
+        ({"durations": {"burst": "-3min"}}, "`burst`"),
+    ],
+)
+def test_invalid_configuration_fails_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PhaseClock(**kwargs)
+
+
+def test_same_configuration_gives_same_sequence():
+    def sequence() -> list:
+        clock = PhaseClock({"burst": "3s", "replay": 0.5, "maintain": 1}, warmup=0.1, anneal=0.1)
+        run_steps(clock, 40, seconds=0.7, steps_per_epoch=6, total_steps=40)
+        return [change.to_dict() for change in clock.history]
+
+    assert sequence() == sequence()
+
+
+def test_state_round_trip_mid_phase_continues_identically():
+    config = dict(durations={"burst": 4, "replay": "3s", "maintain": 0.25}, warmup=0.1, anneal=0.1)
+    kwargs = dict(seconds=0.5, steps_per_epoch=8, total_steps=50)
+    uninterrupted = PhaseClock(**config)
+    full = run_steps(uninterrupted, 50, **kwargs)
+
+    first = PhaseClock(**config)
+    head = run_steps(first, 11, **kwargs)  # stops inside a replay phase
+    assert first.phase is Phase.REPLAY and 0 < first.seconds_in_phase < 3
+    resumed = PhaseClock(**config)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.start(50) is None  # a restored clock keeps its phase
+    tail = []
+    for _ in range(39):
+        tail.append(resumed.phase.value[0])
+        resumed.advance(**kwargs)
+    assert head + tail == full
+    assert resumed.history == uninterrupted.history
+    assert resumed.steps_by_phase == uninterrupted.steps_by_phase
+
+
+def test_remaining_budget_share():
+    clock = PhaseClock({"burst": 4, "replay": 2})
+    clock.start(None)
+    clock.advance()
+    assert clock.remaining() == pytest.approx(0.75)
+
+
+def test_ended_segment_length_is_reported():
+    clock = PhaseClock({"burst": 3, "replay": 2})
+    run_steps(clock, 5, seconds=2.0)
+    change = clock.history[-1]
+    assert (change.previous, change.current) == (Phase.REPLAY, Phase.BURST)
+    assert change.ended_steps == 2 and change.ended_seconds == pytest.approx(4.0)

@@ -1,0 +1,197 @@
+"""PulseCycle through real Trainer.fit runs on MNIST-1D."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_pulse import Phase, PulseCycle, phase_of, pulse_cycle_of
+from tests.conftest import trainer_kwargs
+
+
+class PhaseRecorder(Callback):
+    """Records the phase every training batch runs in, and every change it is told of."""
+
+    def __init__(self) -> None:
+        self.batch_phases: list[tuple[int, int, str]] = []
+        self.changes = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batch_phases.append((trainer.global_step, batch_idx, phase_of(trainer).value))
+
+    def on_pulse_phase_change(self, trainer, pl_module, change):
+        self.changes.append(change)
+
+
+def test_phase_of_without_pulse_cycle_returns_the_default():
+    trainer = pl.Trainer(**trainer_kwargs())
+    assert pulse_cycle_of(trainer) is None
+    assert phase_of(trainer) is Phase.BURST
+    assert phase_of(trainer, default=Phase.REPLAY) is Phase.REPLAY
+    assert phase_of(None) is Phase.BURST
+
+
+def test_fit_follows_the_step_cycle_and_tells_listeners(mnist1d_small):
+    model, data = mnist1d_small()
+    cycle = PulseCycle(burst=4, replay=2, maintain=1, warmup=0.0, anneal=0.0, maintain_eval="none")
+    recorder = PhaseRecorder()
+    heard = []
+    cycle.add_listener(lambda trainer, module, change: heard.append(change.current))
+    trainer = pl.Trainer(callbacks=[cycle, recorder], max_steps=21, **trainer_kwargs())
+    trainer.fit(model, data)
+    phases = "".join(phase[0] for _, _, phase in recorder.batch_phases)
+    assert phases == "bbbbrrm" * 3
+    assert [c.current for c in recorder.changes] == heard
+    assert recorder.changes[0].reason == "start"
+    assert cycle.clock.steps_by_phase == {"burst": 12, "replay": 6, "maintain": 3}
+
+
+def test_accumulation_windows_are_never_split(mnist1d_small):
+    model, data = mnist1d_small()
+    cycle = PulseCycle(burst=3, replay=2, maintain=0, warmup=0.0, anneal=0.0)
+    recorder = PhaseRecorder()
+    trainer = pl.Trainer(
+        callbacks=[cycle, recorder], max_steps=10, accumulate_grad_batches=3, **trainer_kwargs()
+    )
+    trainer.fit(model, data)
+    by_step: dict[int, set[str]] = {}
+    for step, _, phase in recorder.batch_phases:
+        by_step.setdefault(step, set()).add(phase)
+    assert all(len(phases) == 1 for phases in by_step.values())
+    # phases count optimizer steps, not micro-batches
+    assert "".join(next(iter(by_step[s]))[0] for s in sorted(by_step)) == "bbbrrbbbrr"
+
+
+def test_warmup_and_anneal_follow_the_estimated_run_length(mnist1d_small):
+    model, data = mnist1d_small()
+    cycle = PulseCycle(burst=2, replay=2, maintain=0, warmup=0.25, anneal=0.25, maintain_eval="none")
+    recorder = PhaseRecorder()
+    trainer = pl.Trainer(callbacks=[cycle, recorder], max_epochs=4, **trainer_kwargs())  # 12 batches/epoch
+    trainer.fit(model, data)
+    phases = "".join(phase[0] for _, _, phase in recorder.batch_phases)
+    total = trainer.global_step
+    assert total == 48
+    assert phases[:12] == "b" * 12 and phases[-12:] == "b" * 12
+    assert phases[12:36] == "bbrr" * 6
+
+
+def test_maintain_probe_logs_and_leaves_real_validation_untouched(mnist1d_small, tmp_path):
+    def fit(probe: str):
+        pl.seed_everything(3)
+        model, data = mnist1d_small()
+        cycle = PulseCycle(
+            burst=5, replay=0, maintain=2, warmup=0.0, anneal=0.0, maintain_eval=probe, probe_batches=2
+        )
+        logger = CSVLogger(tmp_path, name=probe)
+        trainer = pl.Trainer(
+            callbacks=[cycle], max_epochs=2, **trainer_kwargs(logger=logger, log_every_n_steps=1)
+        )
+        trainer.fit(model, data)
+        return trainer, cycle, logger
+
+    trainer_probe, cycle, logger = fit("probe")
+    trainer_plain, _, _ = fit("none")
+    assert set(cycle.last_probe) == {"val_loss", "val_acc"}
+    assert 0.0 <= cycle.last_probe["val_acc"] <= 1.0
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    assert any(row.get("pulse/probe/val_loss") for row in rows)
+    assert any(row.get("pulse/burst_steps") == "5.0" for row in rows)
+    # the probe runs the module's validation_step and metric updates, but the epoch-end validation
+    # figures (torchmetrics accuracy included) are exactly those of the run without a probe
+    for key in ("val_loss", "val_acc"):
+        assert trainer_probe.callback_metrics[key].item() == trainer_plain.callback_metrics[key].item()
+
+
+def test_phase_shows_in_progress_bar(mnist1d_small):
+    model, data = mnist1d_small()
+    cycle = PulseCycle(burst=3, replay=2, maintain=0, warmup=0.0, anneal=0.0)
+    trainer = pl.Trainer(callbacks=[cycle], max_steps=4, **trainer_kwargs(enable_progress_bar=True))
+    trainer.fit(model, data)
+    shown = trainer.progress_bar_callback.get_metrics(trainer, model)
+    assert shown["phase"] == "replay·c0"
+
+
+def test_bf16_autocast_run_with_probe(mnist1d_small):
+    model, data = mnist1d_small()
+    cycle = PulseCycle(burst=3, replay=1, maintain=1, warmup=0.0, anneal=0.0, probe_batches=1)
+    trainer = pl.Trainer(callbacks=[cycle], max_steps=10, precision="bf16-mixed", **trainer_kwargs())
+    trainer.fit(model, data)
+    assert cycle.last_probe and cycle.clock.steps_by_phase["maintain"] == 2
+
+
+def test_epoch_durations_on_an_infinite_loader_fail_at_fit_start():
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from examples.mnist1d import MNIST1DClassifier
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            while True:
+                yield torch.randn(40), torch.tensor(1)
+
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(burst=0.5, warmup=0, anneal=0)], max_steps=3, **trainer_kwargs()
+    )
+    with pytest.raises(ValueError, match="epoch-based phase durations"):
+        trainer.fit(MNIST1DClassifier(), DataLoader(Stream(), batch_size=4))
+
+
+def test_resume_mid_replay_continues_same_phase(mnist1d_small, tmp_path):
+    config = dict(burst=5, replay="0.5epoch", maintain=2, warmup=0.1, anneal=0.1, maintain_eval="none")
+
+    def trainer_for(recorder, **extra):
+        return pl.Trainer(callbacks=[PulseCycle(**config), recorder, *extra.pop("callbacks", [])], **extra)
+
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    full = PhaseRecorder()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, save_last=False)
+    trainer = trainer_for(
+        full, max_epochs=4, callbacks=[checkpoint], **trainer_kwargs(enable_checkpointing=True)
+    )
+    trainer.fit(model, data)
+    uninterrupted = pulse_cycle_of(trainer)
+
+    # find a checkpoint taken in the middle of a replay phase
+    replay_steps = [step for step, _, phase in full.batch_phases if phase == "replay"]
+    resume_step = next(s for s in replay_steps if s + 1 in replay_steps and s - 1 in replay_steps) + 1
+    ckpt = next(tmp_path.glob(f"*step={resume_step}.ckpt"))
+
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    resumed = PhaseRecorder()
+    trainer = trainer_for(resumed, max_epochs=4, **trainer_kwargs())
+    trainer.fit(model, data, ckpt_path=str(ckpt))
+    cycle = pulse_cycle_of(trainer)
+    assert resumed.changes[0].reason == "resume" and resumed.changes[0].current is Phase.REPLAY
+    assert resumed.batch_phases[0][2] == "replay"
+
+    def without_seconds(history):
+        return [(c.previous, c.current, c.cycle, c.step, c.reason, c.ended_steps) for c in history]
+
+    assert without_seconds(cycle.history) == without_seconds(uninterrupted.history)
+    assert cycle.clock.steps_by_phase == uninterrupted.clock.steps_by_phase
+    full_after = [(step, phase) for step, _, phase in full.batch_phases if step >= resume_step]
+    assert [(step, phase) for step, _, phase in resumed.batch_phases] == full_after
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"burst": "-5min"}, "`burst`"),
+        ({"replay": "soon"}, "`replay`"),
+        ({"order": ["burst", "siesta"]}, "siesta"),
+        ({"warmup": 0.5, "anneal": 0.5}, "`warmup`"),
+        ({"maintain_eval": "full"}, "`maintain_eval`"),
+        ({"probe_batches": 0}, "`probe_batches`"),
+    ],
+)
+def test_invalid_arguments_fail_at_construction(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PulseCycle(**kwargs)
