@@ -1,0 +1,42 @@
+"""Fails loudly when a Lightning or torchmetrics upgrade moves something _lightning_compat relies on."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_pulse import _lightning_compat as compat
+from tests.conftest import trainer_kwargs
+
+
+def test_private_attributes_still_exist():
+    assert compat.private_api_problems() == []
+
+
+def test_frozen_metric_states_restores_accumulated_state():
+    module = torch.nn.Module()
+    module.acc = MulticlassAccuracy(num_classes=3, average="micro")
+    module.acc.update(torch.tensor([0, 1]), torch.tensor([0, 1]))  # 2/2 correct
+    with compat.frozen_metric_states(module):
+        module.acc.update(torch.tensor([0, 0, 0]), torch.tensor([1, 1, 1]))  # 0/3 correct
+        assert abs(module.acc.compute().item() - 0.4) < 1e-6
+    assert module.acc.compute().item() == 1.0
+
+
+def test_progress_bar_item_is_added_to_the_bar_metrics(mnist1d_small):
+    model, data = mnist1d_small()
+    trainer = pl.Trainer(max_steps=1, **trainer_kwargs(enable_progress_bar=True))
+    trainer.fit(model, data)
+    compat.add_progress_bar_item(trainer, "answer", lambda: "42")
+    compat.add_progress_bar_item(trainer, "hidden", lambda: None)
+    shown = trainer.progress_bar_callback.get_metrics(trainer, model)
+    assert shown["answer"] == "42" and "hidden" not in shown
+
+
+def test_val_dataloader_found_before_validation_ran(mnist1d_small):
+    model, data = mnist1d_small()
+    trainer = pl.Trainer(max_steps=1, limit_val_batches=0, **trainer_kwargs())
+    trainer.fit(model, data)
+    loader = compat.val_dataloader_of(trainer, model)
+    assert loader is not None and len(next(iter(loader))) == 2
