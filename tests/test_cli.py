@@ -87,3 +87,15 @@ def test_console_script_resolves_class_paths_from_the_working_directory(tmp_path
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "examples.mnist1d.MNIST1DClassifier" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "config",
+    sorted(str(p) for p in ROOT.glob("examples/*/*.yaml")),
+    ids=lambda p: Path(p).parent.name + "/" + Path(p).name,
+)
+def test_every_example_config_parses(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", config, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "class_path" in capsys.readouterr().out
