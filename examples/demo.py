@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +87,15 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def quiet_lightning() -> None:
+    """The demo prints one table; Lightning's per-fit banners and known warnings would bury it."""
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
 def main() -> None:
+    quiet_lightning()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--config", default=str(DEFAULT_CONFIG), help="a lightning-pulse YAML with trainer.callbacks"
@@ -99,9 +109,18 @@ def main() -> None:
     epochs = args.epochs or config.get("trainer", {}).get("max_epochs", 40)
     names = [spec["class_path"].rpartition(".")[2] for spec in config.get("trainer", {}).get("callbacks", [])]
     print(f"MNIST-1D CNN, {epochs} epochs, seed {args.seed}: plain vs pulse ({', '.join(names)})", flush=True)
+    # model and data arguments come from the same YAML, so the demo trains what `lightning-pulse fit` would
+    overrides = {f"model__{k}": v for k, v in config["model"].get("init_args", {}).items() if k != "arch"}
+    overrides.update({f"data__{k}": v for k, v in config["data"].get("init_args", {}).items()})
     arms = [Arm("plain"), Arm("pulse", callbacks=lambda seed: pulse_callbacks(config))]
     result = run_arms(
-        "mnist1d-cnn", arms, seeds=(args.seed,), trainer_kwargs={"max_epochs": epochs}, flops="separate"
+        "mnist1d-cnn",
+        arms,
+        seeds=(args.seed,),
+        trainer_kwargs={"max_epochs": epochs},
+        workload_kwargs=overrides,
+        flops="separate",
+        log=lambda line: None,
     )
 
     rows = summary_rows(result)
