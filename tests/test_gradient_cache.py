@@ -1,0 +1,286 @@
+"""GradientCache through real Trainer.fit runs on MNIST-1D: FLOPs, phases, resume, accumulation, bf16, setup."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_pulse import PulseCycle, phase_of
+from lightning_pulse.callbacks.gradient_cache import GradientCache
+from tests.conftest import trainer_kwargs
+
+# plasticity threshold 2.0: every unit counts as stable once it has one window of cache, so freezes are certain
+EAGER = dict(measure="plasticity", threshold=2.0, check_every=5, freeze_for=20)
+
+
+class BackwardFlops(Callback):
+    """Counts the FLOPs of every backward with its own FlopCounterMode (independent of GradientCache's)."""
+
+    def __init__(self) -> None:
+        self.per_backward: list[int] = []
+        self._counter: FlopCounterMode | None = None
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self._counter = FlopCounterMode(display=False)
+        self._counter.__enter__()
+
+    def on_after_backward(self, trainer, pl_module):
+        self._counter.__exit__(None, None, None)
+        self.per_backward.append(self._counter.get_total_flops())
+
+
+class Watch(Callback):
+    """Per training batch: step, phase and whether the first conv layer trains; plus that layer's weights."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, str, bool]] = []
+        self.first_weights: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        first = pl_module.net[1].weight
+        self.rows.append((trainer.global_step, phase_of(trainer).value, first.requires_grad))
+        self.first_weights.append(first.detach().clone())
+
+
+def fit(model, data, callbacks, **overrides):
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(**overrides))
+    trainer.fit(model, data)
+    return trainer
+
+
+def test_standalone_freezing_skips_the_backward_flops_it_reports(mnist1d_small):
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    baseline_counter = BackwardFlops()
+    fit(model, data, [baseline_counter], max_steps=60, limit_train_batches=10)
+
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    cache, counter = GradientCache(**EAGER), BackwardFlops()
+    fit(model, data, [cache, counter], max_steps=60, limit_train_batches=10)
+
+    assert all(p.requires_grad for p in model.parameters())  # the module leaves fit as it came in
+    assert cache.events and cache.events[0] == {"step": 5, "from": 0, "to": 3, "reason": "check"}
+    measured_skipped = sum(baseline_counter.per_backward) - sum(counter.per_backward)
+    assert measured_skipped > 0.4 * sum(baseline_counter.per_backward)
+    # every batch has the same size, so the ledger's per-prefix figures add up exactly
+    assert cache.ledger.skipped == pytest.approx(measured_skipped)
+    metrics = cache.benchmark_metrics()
+    assert metrics["gc_units"] == ["net.1", "net.3", "net.5", "net.8"]
+    assert 0.4 < metrics["gc_backward_flops_skipped_share"] < 1.0
+    assert 0.0 < metrics["gc_mean_frozen_share"] < 1.0
+
+
+def test_burst_releases_everything_and_replay_freezes(mnist1d_small, tmp_path):
+    model, data = mnist1d_small()
+    cycle = PulseCycle(burst=15, replay=15, maintain=0, warmup=0.0, anneal=0.0, maintain_eval="none")
+    cache, watch = GradientCache(**EAGER), Watch()
+    logger = CSVLogger(tmp_path, name="gc")
+    fit(model, data, [cycle, cache, watch], max_steps=60, logger=logger, log_every_n_steps=1)
+    for step, phase, trains in watch.rows:
+        if phase == "burst":
+            assert trains, f"step {step}: frozen in a burst"
+    replay_frozen = [not trains for _, phase, trains in watch.rows if phase == "replay"]
+    assert sum(replay_frozen) >= 20  # frozen for most of both replay phases (steps 15-29, 45-59)
+    reasons = {event["reason"] for event in cache.events}
+    assert "phase:burst" in reasons and "phase:replay" in reasons
+    # the frozen conv layer does not move while frozen
+    for (step, _, trains), (_, _, trains_next), before, after in zip(
+        watch.rows, watch.rows[1:], watch.first_weights, watch.first_weights[1:]
+    ):
+        if not trains and not trains_next:
+            assert torch.equal(before, after), f"step {step}: frozen weights moved"
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    logged = {key for row in rows for key, value in row.items() if value}
+    for name in (
+        "frozen_share",
+        "backward_flops_skipped",
+        "staleness",
+        "cache_hit_rate",
+        "similarity_at_refresh",
+    ):
+        assert f"gradient_cache/{name}" in logged
+
+
+def test_release_at_ends_freezing_for_the_rest_of_the_run(mnist1d_small):
+    model, data = mnist1d_small()
+    cache, watch = GradientCache(**EAGER, release_at=0.5), Watch()
+    fit(model, data, [cache, watch], max_steps=40)
+    assert any(not trains for step, _, trains in watch.rows if step < 20)
+    assert all(trains for step, _, trains in watch.rows if step >= 20)
+
+
+def test_accumulation_clipping_and_bf16_change_the_frozen_set_only_between_optimizer_steps(mnist1d_small):
+    model, data = mnist1d_small()
+    cache, watch = GradientCache(**EAGER), Watch()
+    fit(
+        model,
+        data,
+        [cache, watch],
+        max_steps=30,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        precision="bf16-mixed",
+    )
+    assert cache.events and cache.ledger.skipped > 0
+    by_step: dict[int, set[bool]] = {}
+    for step, _, trains in watch.rows:
+        by_step.setdefault(step, set()).add(trains)
+    assert all(len(states) == 1 for states in by_step.values())  # never split inside an accumulation window
+    assert len(watch.rows) == 60
+
+
+def test_resume_mid_freeze_reproduces_the_uninterrupted_run(mnist1d_small, tmp_path):
+    def run(max_epochs: int, ckpt_path: str | None = None, save: Path | None = None):
+        pl.seed_everything(7)
+        model, data = mnist1d_small()
+        data.setup("fit")
+        loader = DataLoader(data.train_set, batch_size=64, shuffle=False)  # order independent of RNG state
+        cycle = PulseCycle(burst=6, replay=14, maintain=0, warmup=0.0, anneal=0.0, maintain_eval="none")
+        cache = GradientCache(measure="plasticity", threshold=0.9, check_every=4, freeze_for=8)
+        trainer = pl.Trainer(
+            callbacks=[cycle, cache], max_epochs=max_epochs, limit_train_batches=9, **trainer_kwargs()
+        )
+        trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
+        if save is not None:
+            trainer.save_checkpoint(save)
+        return model, cache
+
+    whole_model, whole_cache = run(max_epochs=6)
+    checkpoint = tmp_path / "half.ckpt"
+    _, half_cache = run(max_epochs=3, save=checkpoint)
+    assert half_cache.events, "the run must have frozen something before the checkpoint"
+    saved = torch.load(checkpoint, weights_only=False)
+    state = next(value for key, value in saved["callbacks"].items() if key.startswith("GradientCache"))
+    assert any(state["cache"]["frozen"]), "the checkpoint must be written mid-freeze"
+    resumed_model, resumed_cache = run(max_epochs=6, ckpt_path=str(checkpoint))
+    assert resumed_cache.events == whole_cache.events
+    assert resumed_cache.ledger.skipped == whole_cache.ledger.skipped
+    for name, param in whole_model.named_parameters():
+        assert torch.equal(param, dict(resumed_model.named_parameters())[name]), name
+
+
+def test_ddp_without_unused_parameter_detection_fails_at_setup_naming_the_fix(mnist1d_small, monkeypatch):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    model, data = mnist1d_small()
+    trainer = pl.Trainer(
+        callbacks=[GradientCache()],
+        max_steps=2,
+        **trainer_kwargs(strategy=DDPStrategy(find_unused_parameters=False, process_group_backend="gloo")),
+    )
+    try:
+        with pytest.raises(ValueError, match="find_unused_parameters=True"):
+            trainer.fit(model, data)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_manual_optimization_is_refused_at_setup(mnist1d_small):
+    model, data = mnist1d_small()
+    model.automatic_optimization = False
+    with pytest.raises(ValueError, match="automatic optimization"):
+        fit(model, data, [GradientCache()], max_steps=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"measure": "entropy"}, "measure"),
+        ({"freeze_for": 30, "check_every": 20}, "freeze_for"),
+        ({"phases": ["rest"]}, "phases"),
+        ({"phases": "replay"}, "phases"),
+        ({"release_at": 1.5}, "release_at"),
+        ({"start_at": "half"}, "start_at"),
+        ({"release_at": -3}, "release_at"),
+        ({"units": []}, "units"),
+        ({"min_units": 1}, "min_units"),
+    ],
+)
+def test_invalid_arguments_fail_at_construction(kwargs, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        GradientCache(**kwargs)
+
+
+def test_unknown_unit_name_fails_at_fit_start(mnist1d_small):
+    model, data = mnist1d_small()
+    with pytest.raises(ValueError, match="'net.99'"):
+        fit(model, data, [GradientCache(units=["net.1", "net.99"])], max_steps=1)
+
+
+class TrainingFlops(Callback):
+    """Total FLOPs of training batches (forward and backward), counted like the benchmark harness does."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._counter: FlopCounterMode | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._counter = FlopCounterMode(display=False)
+        self._counter.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._counter.__exit__(None, None, None)
+        self.total += self._counter.get_total_flops()
+
+
+class NoisyInputs(torch.utils.data.Dataset):
+    """MNIST-1D samples with fresh noise at every visit: a stand-in for random data augmentation."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        x, y = self.dataset[index]
+        return x + 0.1 * torch.randn_like(x), y
+
+
+def _fit_with_activation_cache(mnist1d_small, megabytes: float, noisy: bool = False):
+    pl.seed_everything(5)
+    model, data = mnist1d_small()
+    data.setup("fit")
+    dataset = NoisyInputs(data.train_set) if noisy else data.train_set
+    loader = DataLoader(dataset, batch_size=60, shuffle=True)
+    cache = GradientCache(
+        measure="plasticity", threshold=2.0, check_every=6, freeze_for=60, activation_cache_mb=megabytes
+    )
+    flops = TrainingFlops()
+    trainer = pl.Trainer(callbacks=[cache, flops], max_steps=60, **trainer_kwargs())
+    trainer.fit(model, train_dataloaders=loader)
+    return model, cache, flops
+
+
+def test_activation_cache_replays_frozen_outputs_exactly_and_skips_their_forward(mnist1d_small):
+    plain_model, plain, plain_flops = _fit_with_activation_cache(mnist1d_small, 0.0)
+    model, cache, flops = _fit_with_activation_cache(mnist1d_small, 4.0)
+    assert plain.activations is None
+    assert cache.events == plain.events and cache.events[0]["to"] == 3
+    assert cache.activations.hits > 0 and cache.activations.disabled_reason is None
+    # 720 samples x (25x19 + 25x10 + 25x5) floats of the three frozen conv layers
+    assert cache.benchmark_metrics()["gc_activation_mb"] == pytest.approx(720 * 850 * 4 / 2**20)
+    assert flops.total < plain_flops.total
+    for (name, param), other in zip(model.named_parameters(), plain_model.parameters()):
+        assert torch.allclose(param, other, rtol=0, atol=1e-6), name
+    assert all(hasattr(type(m), "forward") and "forward" not in vars(m) for m in model.modules())
+
+
+def test_activation_cache_switches_itself_off_when_samples_change_between_visits(mnist1d_small):
+    plain_model, _, _ = _fit_with_activation_cache(mnist1d_small, 0.0, noisy=True)
+    with pytest.warns(UserWarning, match="differs between two visits"):
+        model, cache, _ = _fit_with_activation_cache(mnist1d_small, 4.0, noisy=True)
+    assert cache.activations.hits == 0
+    for param, other in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(param, other)
