@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -28,8 +28,10 @@ from lightning_pulse.core.gradient_cache import (
     order_units,
     record_gradient_order,
 )
-from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange
+
+if TYPE_CHECKING:
+    from lightning_pulse.core.sample_index import SampleIndexTracker
 
 METRIC_PREFIX = "gradient_cache/"
 
@@ -269,6 +271,8 @@ class GradientCache(Callback):
         self._modules = dict(pl_module.named_modules())
         if not self.activation_cache_mb:
             return
+        from lightning_pulse.core.sample_index import SampleIndexTracker
+
         loader = trainer.train_dataloader
         reason = SampleIndexTracker.unsupported_reason(loader)
         if reason is not None:
@@ -439,7 +443,7 @@ class GradientCache(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close_contexts()
         if self._tracker is not None:
-            SampleIndexTracker.uninstall(trainer.train_dataloader)
+            type(self._tracker).uninstall(trainer.train_dataloader)
         if self.cache is not None:
             # the user's module leaves fit exactly as it came in: every parameter trainable
             self.cache.restore_requires_grad()
