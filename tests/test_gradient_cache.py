@@ -169,6 +169,17 @@ def test_resume_mid_freeze_reproduces_the_uninterrupted_run(mnist1d_small, tmp_p
         assert torch.equal(param, dict(resumed_model.named_parameters())[name]), name
 
 
+def test_resume_from_a_checkpoint_written_before_the_first_backward(mnist1d_small, tmp_path):
+    model, data = mnist1d_small()
+    trainer = pl.Trainer(callbacks=[GradientCache(**EAGER)], max_steps=0, **trainer_kwargs())
+    trainer.fit(model, data)
+    trainer.save_checkpoint(tmp_path / "early.ckpt")
+    cache = GradientCache(**EAGER)
+    resumed = pl.Trainer(callbacks=[cache], max_steps=12, **trainer_kwargs())
+    resumed.fit(model, data, ckpt_path=str(tmp_path / "early.ckpt"))
+    assert cache.cache is not None and cache.events
+
+
 def test_ddp_without_unused_parameter_detection_fails_at_setup_naming_the_fix(mnist1d_small, monkeypatch):
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)

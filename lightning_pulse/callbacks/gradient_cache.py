@@ -201,12 +201,10 @@ class GradientCache(Callback):
         self._trace: AbstractContextManager[list[str]] | None = None
         self._trace_order: list[str] | None = None
         self._flop_context: AbstractContextManager[None] | None = None
-        self._flop_prefix = 0
         self._phase_enabled = True
         self._start_step: int | None = None
         self._release_step: int | None = None
         self._step_skipped = 0.0
-        self._last_report: dict[str, float] = {}
         self.activations: PrefixActivationCache | None = None
         self._tracker: SampleIndexTracker | None = None
         self._modules: dict[str, torch.nn.Module] = {}
@@ -228,6 +226,7 @@ class GradientCache(Callback):
         self.events = []
         self._pending_state = None
         self._unit_specs = None
+        self._warned_activations = False
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -261,7 +260,9 @@ class GradientCache(Callback):
                 self._replan()
             self.ledger.load_state_dict(state["ledger"])
             self.events = list(state["events"])
-            return
+            if self.cache is not None:
+                return
+        # fresh run (or a checkpoint from before the first backward): units are ordered at the first backward
         self._unit_specs = discover_units(pl_module, self.min_units, self.unit_names)
         for unit in self._unit_specs:
             unit.bind(named)
@@ -341,7 +342,6 @@ class GradientCache(Callback):
             self._trace_order = self._trace.__enter__()
         prefix = self.cache.frozen_prefix if self.cache is not None else 0
         if self.measure_flops and self._flop_context is None and self.ledger.needs(prefix):
-            self._flop_prefix = prefix
             self._flop_context = self.ledger.measuring(prefix)
             self._flop_context.__enter__()
 
@@ -413,7 +413,6 @@ class GradientCache(Callback):
         if report.similarity_at_refresh is not None:
             metrics["similarity_at_refresh"] = report.similarity_at_refresh
         self._step_skipped = 0.0
-        self._last_report = metrics
         if report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             self._log(trainer, metrics)
 
