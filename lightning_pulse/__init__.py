@@ -1,5 +1,6 @@
 """lightning-pulse: pulse training, energy accounting and stability for PyTorch Lightning."""
 
+from lightning_pulse.callbacks.mhc_monitor import HyperConnectionMonitor
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, phase_of, pulse_cycle_of
 from lightning_pulse.phase import Duration, Phase, PhaseChange, PhaseClock, parse_duration
 
@@ -7,6 +8,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Duration",
+    "HyperConnectionMonitor",
     "Phase",
     "PhaseChange",
     "PhaseClock",

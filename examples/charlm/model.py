@@ -10,6 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples.charlm.data import VOCAB_SIZE
+from lightning_pulse.nn import (
+    RESIDUAL_KINDS,
+    HyperConnection,
+    ManifoldHyperConnection,
+    collapse_streams,
+    expand_streams,
+)
 
 
 class CausalSelfAttention(nn.Module):
@@ -73,7 +80,11 @@ class CharTransformerLM(pl.LightningModule):
         seq_len: maximum context (positional embedding size).
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
-        residual: how branches join the residual stream. ``"plain"``: ``x + F(x)``.
+        residual: how branches join the residual stream. ``"plain"``: ``x + F(x)``; ``"hc"``: unconstrained
+            Hyper-Connections over ``n_streams`` streams; ``"mhc"``: manifold-constrained Hyper-Connections
+            (doubly stochastic stream mixing). For ``"hc"``/``"mhc"`` the embedding is expanded into the streams
+            before the first block and the streams are averaged after the last (``lightning_pulse.nn``).
+        n_streams: residual streams for ``"hc"`` / ``"mhc"`` (ignored for ``"plain"``).
     """
 
     def __init__(
@@ -85,24 +96,32 @@ class CharTransformerLM(pl.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.01,
         residual: str = "plain",
+        n_streams: int = 4,
     ) -> None:
         super().__init__()
-        if residual != "plain":
-            raise ValueError(f"`residual`={residual!r} is not one of ['plain'].")
+        if residual not in RESIDUAL_KINDS:
+            raise ValueError(f"`residual`={residual!r} is not one of {list(RESIDUAL_KINDS)}.")
+        if isinstance(n_streams, bool) or not isinstance(n_streams, int) or n_streams < 1:
+            raise ValueError(f"`n_streams`={n_streams!r} must be a positive int.")
         self.save_hyperparameters()
         self.embed = nn.Embedding(VOCAB_SIZE, d_model)
         self.position = nn.Parameter(torch.zeros(1, seq_len, d_model))
+        connection = {"plain": Residual, "hc": HyperConnection, "mhc": ManifoldHyperConnection}[residual]
+        wrap = connection if residual == "plain" else lambda branch: connection(branch, d_model, n_streams)
         blocks: list[nn.Module] = []
         for _ in range(n_layers):
-            blocks.append(Residual(PreNorm(d_model, CausalSelfAttention(d_model, n_heads))))
-            blocks.append(Residual(PreNorm(d_model, FeedForward(d_model))))
+            blocks.append(wrap(PreNorm(d_model, CausalSelfAttention(d_model, n_heads))))
+            blocks.append(wrap(PreNorm(d_model, FeedForward(d_model))))
         self.blocks = nn.Sequential(*blocks)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, VOCAB_SIZE)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.position[:, : tokens.shape[1]]
-        return self.head(self.norm(self.blocks(x)))
+        if self.hparams.residual == "plain":
+            return self.head(self.norm(self.blocks(x)))
+        streams = self.blocks(expand_streams(x, self.hparams.n_streams))  # (B, T, n, C)
+        return self.head(self.norm(collapse_streams(streams)))
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens, targets = batch

@@ -1,0 +1,223 @@
+"""Stability of a deep hyper-connected stack at high learning rates: plain residual vs HC vs mHC.
+
+The stdlib char LM (``examples.charlm``) with 16 transformer blocks, i.e. 32 residual branches, each wrapped
+by the residual kind under test (``n_streams=4`` for HC and mHC), trained with AdamW at 1e-2 and 3e-2.
+Per run it records:
+
+* the composite gain of the ``H_res`` product over all 32 layers (forward: max absolute row sum, backward:
+  max absolute column sum, max over tokens), measured every 10 steps by ``HyperConnectionMonitor``; a plain
+  residual's composite mapping is the identity, gain 1 by construction;
+* the largest RMS of any layer's output streams (an activation-scale signal);
+* divergence: a non-finite training loss at any step, or a mean loss over the last 20 steps above the mean
+  over the first 5 (i.e. back above the untrained model);
+* training and validation loss, CPU time (harness), and training FLOPs per step (one counted step per arm).
+
+Run: ``python -m benchmarks.mhc_stability`` (about 8 minutes on one busy CPU core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks.harness import Arm, run_arms, write_results
+from benchmarks.workloads import get_workload
+from lightning_pulse import HyperConnectionMonitor
+
+KINDS = ("plain", "hc", "mhc")
+
+
+class LossTrace(Callback):
+    """Per-step training loss, summarised into divergence figures for the benchmark report."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+    def benchmark_metrics(self) -> dict[str, Any]:
+        losses = self.losses
+        finite = [v for v in losses if math.isfinite(v)]
+        nonfinite = len(losses) - len(finite)
+        start = statistics.fmean(losses[:5]) if len(losses) >= 5 else math.nan
+        end = statistics.fmean(losses[-20:]) if len(losses) >= 20 else math.nan
+        return {
+            "nonfinite_steps": nonfinite,
+            "start_train_loss": start,
+            "final_train_loss": end,
+            "max_train_loss_after_50": max(finite[50:], default=math.nan),
+            "diverged": bool(nonfinite or not end <= start),
+        }
+
+
+class GainTrace(HyperConnectionMonitor):
+    """The monitor, plus its whole gain trajectory in the benchmark record."""
+
+    def benchmark_metrics(self) -> dict[str, Any]:
+        metrics = super().benchmark_metrics()
+        metrics["gain_trajectory"] = [
+            (entry["step"], entry["forward_gain"], entry["backward_gain"]) for entry in self.history
+        ]
+        return metrics
+
+
+def flops_per_step(kind: str, workload_kwargs: dict[str, Any]) -> float:
+    """Training FLOPs (forward + backward) of one batch, counted with ``FlopCounterMode``."""
+    torch.manual_seed(0)
+    module, data = get_workload("charlm").build(**workload_kwargs, model__residual=kind)
+    data.setup("fit")
+    tokens, targets = next(iter(data.train_dataloader()))
+    with FlopCounterMode(display=False) as counter:
+        logits = module(tokens)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+    return float(counter.get_total_flops())
+
+
+def arms() -> list[Arm]:
+    def callbacks(kind: str):
+        if kind == "plain":
+            return lambda seed: [LossTrace()]
+        return lambda seed: [LossTrace(), GainTrace(every_n_steps=10)]
+
+    return [Arm(kind, callbacks=callbacks(kind), workload_kwargs={"model__residual": kind}) for kind in KINDS]
+
+
+def _median(values: list[float]) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(values) if values else math.nan
+
+
+def summarise_stability(result: dict[str, Any], lr: float, flops: dict[str, float]) -> list[dict[str, Any]]:
+    rows = []
+    for kind in KINDS:
+        runs = [run for run in result["runs"] if run["arm"] == kind]
+        extra = [run["extra"] for run in runs]
+        rows.append(
+            {
+                "lr": lr,
+                "arm": kind,
+                "max_forward_gain": 1.0
+                if kind == "plain"
+                else _median([e["max_forward_gain"] for e in extra]),
+                "max_backward_gain": 1.0
+                if kind == "plain"
+                else _median([e["max_backward_gain"] for e in extra]),
+                "final_forward_gain": 1.0
+                if kind == "plain"
+                else _median([e["last_forward_gain"] for e in extra]),
+                "final_backward_gain": 1.0
+                if kind == "plain"
+                else _median([e["last_backward_gain"] for e in extra]),
+                "max_stream_rms": math.nan
+                if kind == "plain"
+                else _median([e["max_stream_rms"] for e in extra]),
+                "diverged_runs": sum(bool(e["diverged"]) for e in extra),
+                "runs": len(runs),
+                "final_train_loss": _median([e["final_train_loss"] for e in extra]),
+                "final_val_loss": result["summary"][kind]["final_val_loss"],
+                "cpu_ratio": result["summary"][kind]["cpu_ratio"],
+                "flops_per_step": flops[kind],
+                "flops_ratio": flops[kind] / flops["plain"],
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    def fmt(value: float) -> str:
+        return "n/a" if isinstance(value, float) and math.isnan(value) else f"{value:.3g}"
+
+    lines = [
+        "| lr | arm | max fwd gain | max bwd gain | final fwd gain | final bwd gain | max stream RMS | "
+        "diverged | final train loss | final val loss | CPU ratio | FLOPs/step ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        gain = [
+            fmt(row[k])
+            for k in ("max_forward_gain", "max_backward_gain", "final_forward_gain", "final_backward_gain")
+        ]
+        if row["arm"] == "plain":
+            gain = ["1 (identity)"] * 4
+        lines.append(
+            f"| {row['lr']:g} | {row['arm']} | " + " | ".join(gain) + f" | {fmt(row['max_stream_rms'])} | "
+            f"{row['diverged_runs']}/{row['runs']} | {fmt(row['final_train_loss'])} | {fmt(row['final_val_loss'])} | "
+            f"{fmt(row['cpu_ratio'])} | {fmt(row['flops_ratio'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-2, 3e-2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--layers", type=int, default=16, help="transformer blocks (2 residual branches each)"
+    )
+    parser.add_argument("--width", type=int, default=32)
+    args = parser.parse_args()
+    workload_kwargs = {
+        "model__d_model": args.width,
+        "model__n_layers": args.layers,
+        "model__n_heads": 4,
+        "model__n_streams": 4,
+        "data__seq_len": 32,
+        "data__batch_size": 8,
+        "data__max_chars": 200_000,
+    }
+    trainer_kwargs = {
+        "max_steps": args.steps,
+        "val_check_interval": args.steps // 2,
+        "limit_val_batches": 10,
+        "limit_test_batches": 10,
+    }
+    pl.seed_everything(0, verbose=False)
+    flops = {kind: flops_per_step(kind, workload_kwargs) for kind in KINDS}
+    results, rows = [], []
+    for lr in args.lrs:
+        result = run_arms(
+            "charlm",
+            arms(),
+            seeds=args.seeds,
+            trainer_kwargs=trainer_kwargs,
+            workload_kwargs={**workload_kwargs, "model__lr": lr},
+            flops="none",
+        )
+        results.append(result)
+        rows += summarise_stability(result, lr, flops)
+    table = markdown(rows)
+    notes = "\n".join(
+        [
+            f"Char LM on the stdlib source: {args.layers} transformer blocks = {2 * args.layers} residual branches, "
+            f"width {args.width}, 4 streams for HC/mHC, AdamW, {args.steps} steps, batch 8 x 32 tokens. "
+            f"Medians over seeds {args.seeds}. Gains: the composite H_res product over all "
+            f"{2 * args.layers} layers, max over tokens, measured every 10 steps; 'max' is the largest "
+            "measurement of the run, 'final' the last. Diverged: a non-finite loss, or the mean loss of the last "
+            "20 steps above that of the first 5. FLOPs/step counted on one training batch.",
+            "",
+            table,
+        ]
+    )
+    command = "python -m benchmarks.mhc_stability " + " ".join(
+        ["--steps", str(args.steps), "--lrs", *map(str, args.lrs), "--seeds", *map(str, args.seeds)]
+        + ["--layers", str(args.layers), "--width", str(args.width)]
+    )
+    for result in results:
+        result["stability"] = [row for row in rows if row["lr"] == result["workload_kwargs"]["model__lr"]]
+    write_results(results, "mhc_stability", command, notes=notes)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""HyperConnectionMonitor: logs the stability diagnostics of HC / mHC layers every N optimizer steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
+
+
+class HyperConnectionMonitor(Callback):
+    r"""Logs the composite gain and off-diagonal mass of a model's hyper-connection layers.
+
+    Every ``every_n_steps`` optimizer steps it watches one training forward pass: forward hooks on every
+    :class:`~lightning_pulse.nn.HyperConnection` / :class:`~lightning_pulse.nn.ManifoldHyperConnection` found in
+    ``pl_module.modules()`` recompute each layer's ``H_res`` (no gradient, no change to the module or its
+    outputs), and it logs to every logger of the Trainer, at the measured ``global_step``:
+
+    * ``{prefix}/forward_gain`` and ``{prefix}/backward_gain``: the largest absolute row and column sum of the
+      product ``H_res^{(L)} ... H_res^{(1)}`` in call order, maximised over tokens (the mHC paper's "Amax gain
+      magnitude"); 1 for mHC (doubly stochastic) and for plain residuals, unbounded for HC;
+    * ``{prefix}/off_diagonal_mass``: mean over layers of the share of ``|H_res|`` off the diagonal (0: the
+      streams never mix); with ``per_layer=True`` also ``{prefix}/off_diagonal_mass/layer_NN``;
+    * ``{prefix}/stream_rms``: the largest RMS of any layer's output streams, an activation-scale signal.
+
+    Under DDP every rank measures its own batch; gains and the stream RMS are reduced with max, masses with
+    mean, so every rank logs and keeps the same figures. With gradient accumulation the first micro-batch of
+    the step is measured. Layers are found at every measurement, so the module may be built lazily.
+
+    Args:
+        every_n_steps: measure when ``trainer.global_step`` is a multiple of this (step 0 included).
+        per_layer: also log each layer's off-diagonal mass.
+        prefix: the metric name prefix.
+
+    Raises:
+        ValueError: if ``every_n_steps`` is not a positive int or ``prefix`` is empty.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_pulse import HyperConnectionMonitor
+
+        trainer = Trainer(max_steps=1000, callbacks=[HyperConnectionMonitor(every_n_steps=50)])
+
+    The same in LightningCLI YAML::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_pulse.HyperConnectionMonitor
+              init_args: {every_n_steps: 50}
+    """
+
+    def __init__(self, every_n_steps: int = 50, per_layer: bool = False, prefix: str = "mhc") -> None:
+        super().__init__()
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"`every_n_steps`={every_n_steps!r} must be a positive int.")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"`prefix`={prefix!r} must be a non-empty string.")
+        self.every_n_steps = every_n_steps
+        self.per_layer = bool(per_layer)
+        self.prefix = prefix
+        self.history: list[dict[str, Any]] = []
+        self._recorder: HyperConnectionRecorder | None = None
+        self._last_measured_step = -1
+        self._warned_no_layers = False
+
+    # ------------------------------------------------------------------ public figures
+    @property
+    def last(self) -> dict[str, Any] | None:
+        """The latest measurement: ``{"step", "forward_gain", "backward_gain", "off_diagonal_mass", ...}``."""
+        return self.history[-1] if self.history else None
+
+    def benchmark_metrics(self) -> dict[str, float]:
+        """Run-level figures for benchmark reports: the largest and the last gains measured."""
+        if not self.history:
+            return {}
+        return {
+            "max_forward_gain": max(entry["forward_gain"] for entry in self.history),
+            "max_backward_gain": max(entry["backward_gain"] for entry in self.history),
+            "last_forward_gain": self.history[-1]["forward_gain"],
+            "last_backward_gain": self.history[-1]["backward_gain"],
+            "max_stream_rms": max(entry["stream_rms"] for entry in self.history),
+            "last_off_diagonal_mass": self.history[-1]["off_diagonal_mass"],
+        }
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps or step == self._last_measured_step:
+            return
+        recorder = HyperConnectionRecorder(pl_module)
+        if not recorder.layers:
+            if not self._warned_no_layers:
+                rank_zero_warn(
+                    "HyperConnectionMonitor found no HyperConnection/ManifoldHyperConnection layer with "
+                    "n_streams > 1 in the module; nothing will be logged."
+                )
+                self._warned_no_layers = True
+            return
+        self._recorder = recorder.attach()
+        self._last_measured_step = step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        recorder, self._recorder = self._recorder, None
+        if recorder is None:
+            return
+        recorder.detach()
+        stats = recorder.diagnostics()
+        if stats is None:  # the hooked layers were not called in this forward pass
+            return
+        device = pl_module.device
+        maxima = torch.tensor(
+            [stats["forward_gain"], stats["backward_gain"], stats["stream_rms"]], device=device
+        )
+        masses = torch.tensor(stats["off_diagonal_mass"], dtype=torch.float64, device=device)
+        if trainer.world_size > 1:  # every rank takes this branch on the same step, so the collectives match
+            maxima = trainer.strategy.reduce(maxima, reduce_op="max")
+            masses = trainer.strategy.reduce(masses, reduce_op="mean")
+        forward_gain, backward_gain, stream_rms = (float(v) for v in maxima.cpu())
+        per_layer = [float(v) for v in masses.cpu()]
+        entry = {
+            "step": self._last_measured_step,
+            "forward_gain": forward_gain,
+            "backward_gain": backward_gain,
+            "off_diagonal_mass": sum(per_layer) / len(per_layer),
+            "stream_rms": stream_rms,
+            "layers": len(per_layer),
+        }
+        self.history.append(entry)
+        metrics = {
+            f"{self.prefix}/forward_gain": forward_gain,
+            f"{self.prefix}/backward_gain": backward_gain,
+            f"{self.prefix}/off_diagonal_mass": entry["off_diagonal_mass"],
+            f"{self.prefix}/stream_rms": stream_rms,
+        }
+        if self.per_layer:
+            metrics.update(
+                {f"{self.prefix}/off_diagonal_mass/layer_{i:02d}": mass for i, mass in enumerate(per_layer)}
+            )
+        # Straight to the loggers, as LearningRateMonitor does: ``pl_module.log`` would keep re-emitting the
+        # last value at every step in between. Loggers write on rank 0 only.
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=self._last_measured_step)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._recorder is not None:  # a batch that raised or was skipped never reached on_train_batch_end
+            self._recorder.detach()
+            self._recorder = None
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "history": [dict(entry) for entry in self.history],
+            "last_measured_step": self._last_measured_step,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = [dict(entry) for entry in state_dict.get("history", [])]
+        self._last_measured_step = int(state_dict.get("last_measured_step", -1))

@@ -1,0 +1,487 @@
+r"""Hyper-Connections (HC) and Manifold-Constrained Hyper-Connections (mHC) around any residual branch.
+
+Both widen the residual stream into ``n`` parallel streams of width ``C`` and, around a branch ``F``
+(attention, MLP, conv block), compute (mHC paper Eq. 3)
+
+.. math::  x_{l+1} = H^{res}_l x_l + {H^{post}_l}^\top F(H^{pre}_l x_l),  \qquad x_l \in \mathbb{R}^{n \times C}
+
+with coefficients produced per token (per pixel for images) from the streams themselves (Eq. 7):
+
+.. math::  x' = \mathrm{RMSNorm}(\mathrm{vec}(x_l)) \in \mathbb{R}^{1 \times nC}, \qquad
+           \tilde H^{\{pre,post,res\}} = \alpha_{\{pre,post,res\}} \cdot (x' \varphi_{\{pre,post,res\}}) + b
+
+* :class:`ManifoldHyperConnection` (mHC, Xie et al. 2025, Eq. 8-9): ``H_pre = sigmoid``,
+  ``H_post = 2 sigmoid``, ``H_res = Sinkhorn-Knopp`` (doubly stochastic, so products over depth stay bounded).
+* :class:`HyperConnection` (HC, Zhu et al. 2024): unconstrained, ``H = alpha * tanh(x' phi) + b``. Its
+  ``H_res`` products can grow without bound over depth; it is here for comparison.
+* ``n_streams=1`` makes either class the plain residual ``x + F(x)``, bit for bit.
+
+Layouts: the stream axis sits just before the channel axis. Token data ``(B, T, C)`` becomes
+``(B, T, n, C)`` (``channel_dim=-1``); image data ``(B, C, H, W)`` becomes ``(B, n, C, H, W)``
+(``channel_dim=1``). :func:`expand_streams` and :func:`collapse_streams` convert at the input and output of a
+stack.
+
+Initialisation (the paper leaves it to the implementer; ours makes the network *start as the plain residual
+network* and keeps every coefficient trainable from step 0):
+
+* :func:`expand_streams` puts ``w_i * x`` in stream ``i``, with fixed weights ``w`` evenly spread over
+  ``[1 - spread, 1 + spread]`` (mean 1), and :func:`collapse_streams` takes the stream mean. Distinct streams
+  matter for mHC: a doubly stochastic ``H_res`` maps identical streams to themselves whatever its entries,
+  so with plain copies the first layer's ``H_res`` would get exactly zero gradient at step 0.
+* static ``b_pre`` gives ``H_pre = 1/n`` (the branch reads the stream mean), ``b_post`` gives
+  ``H_post_i = w_i`` (mean 1, spread so the streams keep differing), ``b_res`` gives ``H_res`` a diagonal of
+  ``res_init_diagonal`` (0.9) and ``(1 - 0.9) / (n - 1)`` elsewhere: near the identity, but not so close that
+  the Sinkhorn map saturates. Logits far apart (e.g. diagonal 20) would freeze ``H_res`` at the identity
+  with vanishing gradients: the zero-gradient trap.
+* ``phi ~ N(0, 1/(nC))`` so ``x' phi`` has unit scale, and ``alpha = 0.01``: the dynamic part starts as a 1%
+  perturbation, yet ``phi``, ``b`` and ``alpha`` all receive non-zero gradients at step 0 (a zero ``phi``
+  would leave ``alpha`` with zero gradient).
+
+With these choices the stream mean evolves exactly as the plain residual stream ``x + F(x)`` (up to the 1%
+dynamic terms), because doubly stochastic (and identity) mixings preserve the mean of the streams.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from lightning_pulse.nn.sinkhorn import sinkhorn_knopp
+
+RESIDUAL_KINDS = ("plain", "hc", "mhc")
+ResidualKind = Literal["plain", "hc", "mhc"]
+
+
+class HyperConnectionCoefficients(NamedTuple):
+    """The per-position mixing coefficients of one layer (positions = tokens, or pixels).
+
+    Attributes:
+        pre: ``(..., n)`` weights that read the branch input from the streams.
+        post: ``(..., n)`` weights that write the branch output into the streams.
+        res: ``(..., n, n)`` stream mixing matrix; ``res[..., i, j]`` carries stream ``j`` into stream ``i``.
+    """
+
+    pre: Tensor
+    post: Tensor
+    res: Tensor
+
+
+def stream_weights(n_streams: int, spread: float = 0.5, dtype: torch.dtype | None = None) -> Tensor:
+    """``(n,)`` weights evenly spaced over ``[1 - spread, 1 + spread]``; their mean is exactly 1."""
+    if n_streams == 1:
+        return torch.ones(1, dtype=dtype)
+    return torch.linspace(1.0 - spread, 1.0 + spread, n_streams, dtype=dtype)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}`={value!r} must be a positive int.")
+
+
+def _check_spread(spread: Any) -> None:
+    if not isinstance(spread, (int, float)) or isinstance(spread, bool) or not 0.0 <= spread < 1.0:
+        raise ValueError(f"`spread`={spread!r} must be a number in [0, 1).")
+
+
+def expand_streams(x: Tensor, n_streams: int, channel_dim: int = -1, spread: float = 0.5) -> Tensor:
+    """Widen a residual stream into ``n_streams`` streams, at the input of a hyper-connected stack.
+
+    Stream ``i`` holds ``w_i * x`` with the fixed weights of :func:`stream_weights` (mean 1; ``spread=0`` gives
+    plain copies). With ``n_streams=1`` the result is ``x`` with a size-1 stream axis, bit for bit.
+
+    Args:
+        x: ``(B, T, C)`` with ``channel_dim=-1``, or ``(B, C, H, W)`` with ``channel_dim=1`` (any layout
+            works: the stream axis is inserted just before ``channel_dim``).
+        n_streams: number of streams ``n``.
+        channel_dim: the channel axis of ``x``.
+        spread: how far the stream weights spread around 1, in ``[0, 1)``.
+
+    Returns:
+        ``(B, T, n, C)`` or ``(B, n, C, H, W)``.
+
+    Raises:
+        ValueError: for a non-positive ``n_streams`` or a ``spread`` outside ``[0, 1)``.
+    """
+    _check_positive_int("n_streams", n_streams)
+    _check_spread(spread)
+    stream_axis = channel_dim % x.dim()
+    streams = x.unsqueeze(stream_axis)
+    if n_streams == 1:
+        return streams
+    shape = [1] * streams.dim()
+    shape[stream_axis] = n_streams
+    return streams * stream_weights(n_streams, spread, dtype=x.dtype).to(x.device).view(shape)
+
+
+def collapse_streams(streams: Tensor, channel_dim: int = -1) -> Tensor:
+    """The mean over the streams, at the output of a hyper-connected stack (inverse of :func:`expand_streams`).
+
+    Args:
+        streams: ``(B, T, n, C)`` or ``(B, n, C, H, W)``.
+        channel_dim: the channel axis of the *collapsed* tensor (as given to :func:`expand_streams`).
+
+    Returns:
+        ``(B, T, C)`` or ``(B, C, H, W)``.
+    """
+    stream_axis = channel_dim % (streams.dim() - 1)
+    if streams.shape[stream_axis] == 1:
+        return streams.squeeze(stream_axis)
+    return streams.mean(dim=stream_axis)
+
+
+class _RMSNormalizedProjection(torch.autograd.Function):
+    """``RMSNorm(x) @ phi`` computed as ``(x @ phi) / rms(x)``, with a hand-written backward.
+
+    Equal to normalising first (the RMSNorm has no gain; one would be absorbed by ``phi``), but it never
+    materialises the normalised ``(P, nC)`` copy, and its backward needs two passes over ``x`` instead of the
+    five autograd records: the same reordering the mHC paper uses in its kernels.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, flat: Tensor, phi: Tensor, eps: float) -> Tensor:
+        raw = flat @ phi
+        inv_rms = torch.rsqrt(
+            torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[-1] + eps
+        )
+        ctx.save_for_backward(flat, phi, raw, inv_rms)
+        return raw * inv_rms
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        flat, phi, raw, inv_rms = ctx.saved_tensors
+        grad_raw = grad * inv_rms
+        # d inv_rms / d flat = -inv_rms^3 * flat / K
+        grad_inv_rms = (grad * raw).sum(dim=-1, keepdim=True) * inv_rms.pow(3) / -flat.shape[-1]
+        grad_flat = (grad_raw @ phi.t()).addcmul_(flat, grad_inv_rms)
+        # (g^T x)^T rather than x^T g: MKL runs the skinny product ~3x faster with the long axis innermost.
+        return grad_flat, (grad_raw.t() @ flat).t(), None
+
+
+def _rms_normalized_projection(flat: Tensor, phi: Tensor, eps: float) -> Tensor:
+    """``RMSNorm(flat) @ phi`` for ``flat`` of shape ``(P, nC)`` and ``phi`` of shape ``(nC, k)``."""
+    return _RMSNormalizedProjection.apply(flat, phi, eps)
+
+
+class _ReadStreams(torch.autograd.Function):
+    """``H_pre x``: ``(P, n)`` weights times ``(P, n, C)`` streams -> ``(P, C)``, one product per position.
+
+    Hand-written backward so each product takes its cheapest CPU form: the stream gradient is a rank-1 outer
+    product, which a broadcast multiply writes in one pass where a batched matmul with inner size 1 crawls.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, pre: Tensor, streams: Tensor) -> Tensor:
+        ctx.save_for_backward(pre, streams)
+        return torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        pre, streams = ctx.saved_tensors
+        grad_pre = torch.bmm(streams, grad.unsqueeze(-1)).squeeze(-1)
+        return grad_pre, pre.unsqueeze(-1) * grad.unsqueeze(1)
+
+
+class _WriteStreams(torch.autograd.Function):
+    """``H_res x + H_post^T F``: ``(P, n, n)``, ``(P, n)``, ``(P, n, C)``, ``(P, C)`` -> ``(P, n, C)``.
+
+    The rank-1 update is a broadcast multiply-add in place; the backward uses batched matmuls whose inner
+    size is ``C`` or ``n``, never 1.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, res: Tensor, post: Tensor, streams: Tensor, branch_output: Tensor) -> Tensor:
+        ctx.save_for_backward(res, post, streams, branch_output)
+        return torch.bmm(res, streams).addcmul_(post.unsqueeze(-1), branch_output.unsqueeze(1))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        res, post, streams, branch_output = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_res = torch.bmm(grad, streams.transpose(1, 2))
+        grad_post = torch.bmm(grad, branch_output.unsqueeze(-1)).squeeze(-1)
+        grad_streams = torch.bmm(res.transpose(1, 2), grad)
+        grad_branch_output = torch.bmm(post.unsqueeze(1), grad).squeeze(1)
+        return grad_res, grad_post, grad_streams, grad_branch_output
+
+
+class HyperConnection(nn.Module):
+    r"""Unconstrained Hyper-Connections (Zhu et al. 2024) around a residual branch.
+
+    ``x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)`` over ``n`` streams, with
+    ``H = alpha * tanh(RMSNorm(vec(x_l)) phi) + b`` and no constraint on ``H_res``: over a deep stack the
+    product of ``H_res`` matrices can amplify the signal without bound. Use
+    :class:`ManifoldHyperConnection` for training; this class exists for comparison and ablation.
+
+    Args:
+        branch: the residual branch ``F``, any module mapping the collapsed layout to itself (e.g. a pre-norm
+            attention or MLP block on ``(B, T, C)``, or a conv block on ``(B, C, H, W)``). Extra positional
+            and keyword arguments of :meth:`forward` are passed to it.
+        dim: channel width ``C`` of one stream.
+        n_streams: number of streams ``n``; ``1`` makes this the plain residual ``x + F(x)``.
+        channel_dim: the channel axis of the branch's input (``-1`` for tokens, ``1`` for images).
+        alpha_init: initial value of the three dynamic gates ``alpha_pre``, ``alpha_post``, ``alpha_res``.
+        spread: the spread of the initial ``H_post`` around 1, matching :func:`expand_streams`.
+        eps: RMSNorm epsilon.
+
+    Raises:
+        ValueError: for a non-positive ``dim`` or ``n_streams``, a negative ``alpha_init``, or ``spread`` outside
+            ``[0, 1)``.
+
+    Example::
+
+        >>> block = HyperConnection(nn.Linear(16, 16), dim=16, n_streams=4)
+        >>> streams = expand_streams(torch.randn(2, 5, 16), 4)
+        >>> block(streams).shape
+        torch.Size([2, 5, 4, 16])
+    """
+
+    def __init__(
+        self,
+        branch: nn.Module,
+        dim: int,
+        n_streams: int = 4,
+        channel_dim: int = -1,
+        alpha_init: float = 0.01,
+        spread: float = 0.5,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        _check_positive_int("dim", dim)
+        _check_positive_int("n_streams", n_streams)
+        _check_spread(spread)
+        if not isinstance(alpha_init, (int, float)) or isinstance(alpha_init, bool) or alpha_init < 0:
+            raise ValueError(f"`alpha_init`={alpha_init!r} must be a non-negative number.")
+        self.branch = branch
+        self.dim = dim
+        self.n_streams = n_streams
+        self.channel_dim = channel_dim
+        self.eps = eps
+        if n_streams == 1:
+            return  # the plain residual: no coefficients at all
+        n, width = n_streams, n_streams * dim
+        # phi ~ N(0, 1/(nC)): x' has unit RMS, so x' phi has unit scale and alpha alone sets the dynamic size.
+        self.phi_pre = nn.Parameter(torch.randn(width, n) / math.sqrt(width))
+        self.phi_post = nn.Parameter(torch.randn(width, n) / math.sqrt(width))
+        self.phi_res = nn.Parameter(torch.randn(width, n * n) / math.sqrt(width))
+        self.alpha_pre = nn.Parameter(torch.tensor(float(alpha_init)))
+        self.alpha_post = nn.Parameter(torch.tensor(float(alpha_init)))
+        self.alpha_res = nn.Parameter(torch.tensor(float(alpha_init)))
+        pre, post, res = self._initial_biases(spread)
+        self.b_pre = nn.Parameter(pre)
+        self.b_post = nn.Parameter(post)
+        self.b_res = nn.Parameter(res)
+
+    # ------------------------------------------------------------------ variant-specific parts
+    def _initial_biases(self, spread: float) -> tuple[Tensor, Tensor, Tensor]:
+        """Static coefficients at init: read the stream mean, write ``w_i``, mix by the identity."""
+        n = self.n_streams
+        return torch.full((n,), 1.0 / n), stream_weights(n, spread), torch.eye(n)
+
+    def _coefficient_maps(self, pre: Tensor, post: Tensor, res: Tensor) -> HyperConnectionCoefficients:
+        """From the dynamic projections ``x' phi`` to the coefficients (Zhu et al.: tanh-gated, unconstrained)."""
+        return HyperConnectionCoefficients(
+            self.alpha_pre * torch.tanh(pre) + self.b_pre,
+            self.alpha_post * torch.tanh(post) + self.b_post,
+            self.alpha_res * torch.tanh(res) + self.b_res,
+        )
+
+    # ------------------------------------------------------------------ shared machinery
+    def _stream_axis(self, streams: Tensor) -> int:
+        return self.channel_dim % (streams.dim() - 1)
+
+    def _to_positions_last(self, streams: Tensor) -> Tensor:
+        """``(..., n, C)`` view: every position (token, pixel) in front, the ``n x C`` matrix last."""
+        axis = self._stream_axis(streams)
+        if axis == streams.dim() - 2:
+            return streams
+        return streams.movedim((axis, axis + 1), (-2, -1))
+
+    def coefficients(self, streams: Tensor) -> HyperConnectionCoefficients:
+        """The mixing coefficients this layer uses for ``streams`` (Eq. 7-8), in fp32, with autograd.
+
+        Args:
+            streams: the layer's input, ``(B, T, n, C)`` or ``(B, n, C, H, W)``.
+
+        Returns:
+            :class:`HyperConnectionCoefficients` with ``pre``/``post`` ``(..., n)`` and ``res`` ``(..., n, n)``,
+            where ``...`` are the positions (``(B, T)`` or ``(B, H, W)``).
+        """
+        if self.n_streams == 1:
+            raise ValueError("`n_streams`=1 is the plain residual and has no coefficients.")
+        matrices = self._to_positions_last(streams)
+        positions = matrices.shape[:-2]
+        pre, post, res = self._coefficients(matrices.reshape(-1, self.n_streams, self.dim))
+        return HyperConnectionCoefficients(
+            pre.view(*positions, -1), post.view(*positions, -1), res.view(*positions, *res.shape[-2:])
+        )
+
+    def _coefficients(self, matrices: Tensor) -> HyperConnectionCoefficients:
+        """Coefficients for ``(P, n, C)`` stream matrices, one per position: ``(P, n)``, ``(P, n)``, ``(P, n, n)``."""
+        n = self.n_streams
+        # The coefficient path is tiny (nC -> n^2 + 2n) and feeds an exp(), so it always runs in fp32.
+        with torch.autocast(device_type=matrices.device.type, enabled=False):
+            phi = torch.cat((self.phi_pre, self.phi_post, self.phi_res), dim=1).float()
+            projection = _rms_normalized_projection(matrices.reshape(-1, n * self.dim).float(), phi, self.eps)
+            pre, post, res = projection.split((n, n, n * n), dim=-1)  # x' phi for Eq. 7
+            return self._coefficient_maps(pre, post, res.unflatten(-1, (n, n)))
+
+    def forward(self, streams: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """``x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)`` for ``streams`` of shape ``(B, T, n, C)`` or
+        ``(B, n, C, H, W)``; the output has the same shape."""
+        axis = self._stream_axis(streams)
+        if self.n_streams == 1:
+            x = streams.squeeze(axis)
+            return (x + self.branch(x, *args, **kwargs)).unsqueeze(axis)
+        channels_last = axis == streams.dim() - 2
+        positions_last = self._to_positions_last(streams)  # (..., n, C)
+        positions = positions_last.shape[:-2]
+        matrices = positions_last.reshape(-1, self.n_streams, self.dim)  # (P, n, C); a view for tokens
+        pre, post, res = (c.to(matrices.dtype) for c in self._coefficients(matrices))
+        # The stream mixing stays in the streams' own precision even under autocast: the residual path is
+        # where rounding accumulates over depth. Only the branch runs under the caller's autocast.
+        with torch.autocast(device_type=matrices.device.type, enabled=False):
+            branch_input = _ReadStreams.apply(pre, matrices).view(*positions, self.dim)  # H_pre x_l
+        if not channels_last:
+            branch_input = branch_input.movedim(-1, axis)
+        branch_output = self.branch(branch_input, *args, **kwargs)
+        if not channels_last:
+            branch_output = branch_output.movedim(axis, -1)
+        with torch.autocast(device_type=matrices.device.type, enabled=False):
+            branch_output = branch_output.reshape(-1, self.dim).to(matrices.dtype)
+            # H_res x_l + H_post^T F(H_pre x_l): batched over positions, no loop over streams
+            out = _WriteStreams.apply(res, post, matrices, branch_output)
+        out = out.view(*positions, self.n_streams, self.dim)
+        if not channels_last:
+            out = out.movedim((-2, -1), (axis, axis + 1))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, n_streams={self.n_streams}, channel_dim={self.channel_dim}"
+
+
+class ManifoldHyperConnection(HyperConnection):
+    r"""Manifold-Constrained Hyper-Connections (mHC, Xie et al. 2025) around a residual branch.
+
+    ``x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)`` over ``n`` streams (Eq. 3), with the coefficients of
+    Eq. 7-9: ``x' = RMSNorm(vec(x_l))`` over all ``nC`` values, ``H~ = alpha * (x' phi) + b``,
+    ``H_pre = sigmoid(H~_pre)``, ``H_post = 2 sigmoid(H~_post)``, ``H_res = SinkhornKnopp(H~_res)``. ``H_res``
+    is (approximately) doubly stochastic, so any product of them over depth has spectral norm at most 1 and
+    the streams' mean passes through unchanged: the identity-mapping property that unconstrained HC loses.
+
+    Initialisation is described in :mod:`lightning_pulse.nn.hyper_connections`: the network starts as the
+    plain residual network and every coefficient parameter gets a gradient at step 0.
+
+    Args:
+        branch: the residual branch ``F`` (see :class:`HyperConnection`).
+        dim: channel width ``C`` of one stream.
+        n_streams: number of streams ``n`` (the paper uses 4); ``1`` makes this the plain residual ``x + F(x)``.
+        channel_dim: the channel axis of the branch's input (``-1`` for tokens, ``1`` for images).
+        sinkhorn_iters: Sinkhorn-Knopp iterations (the paper uses 20).
+        res_init_diagonal: the diagonal of ``H_res`` at init, in ``(1/n, 1)``; the rest of each row shares
+            ``1 - res_init_diagonal``. Values very close to 1 saturate the Sinkhorn map (zero-gradient trap).
+        alpha_init: initial value of the three dynamic gates (the paper uses 0.01).
+        spread: the spread of the initial ``H_post`` around 1, matching :func:`expand_streams`.
+        eps: RMSNorm epsilon.
+
+    Raises:
+        ValueError: for a non-positive ``dim``, ``n_streams`` or ``sinkhorn_iters``, a ``res_init_diagonal``
+            outside ``(1/n, 1)``, a negative ``alpha_init``, or ``spread`` outside ``[0, 1)``.
+
+    Example::
+
+        >>> from lightning_pulse.nn import ManifoldHyperConnection, collapse_streams, expand_streams
+        >>> blocks = nn.Sequential(*[ManifoldHyperConnection(nn.Linear(16, 16), dim=16) for _ in range(3)])
+        >>> x = torch.randn(2, 5, 16)
+        >>> collapse_streams(blocks(expand_streams(x, 4))).shape
+        torch.Size([2, 5, 16])
+    """
+
+    def __init__(
+        self,
+        branch: nn.Module,
+        dim: int,
+        n_streams: int = 4,
+        channel_dim: int = -1,
+        sinkhorn_iters: int = 20,
+        res_init_diagonal: float = 0.9,
+        alpha_init: float = 0.01,
+        spread: float = 0.5,
+        eps: float = 1e-6,
+    ) -> None:
+        _check_positive_int("sinkhorn_iters", sinkhorn_iters)
+        _check_positive_int("n_streams", n_streams)
+        if n_streams > 1 and not (1.0 / n_streams < res_init_diagonal < 1.0):
+            raise ValueError(
+                f"`res_init_diagonal`={res_init_diagonal!r} must lie in (1/n_streams, 1) = "
+                f"({1.0 / n_streams:.4g}, 1)."
+            )
+        self.sinkhorn_iters = sinkhorn_iters
+        self.res_init_diagonal = float(res_init_diagonal)
+        super().__init__(branch, dim, n_streams, channel_dim, alpha_init, spread, eps)
+
+    def _initial_biases(self, spread: float) -> tuple[Tensor, Tensor, Tensor]:
+        n = self.n_streams
+        pre = torch.full((n,), math.log(1.0 / (n - 1)))  # sigmoid(b) = 1/n
+        post = torch.logit(stream_weights(n, spread) / 2)  # 2 sigmoid(b) = w_i
+        # exp(d I) has diagonal e^d and ones elsewhere: every row and column sums to e^d + n - 1, so it is
+        # doubly stochastic after scaling, and Sinkhorn returns diagonal e^d / (e^d + n - 1) = p exactly.
+        p = self.res_init_diagonal
+        res = torch.eye(n) * math.log(p * (n - 1) / (1.0 - p))
+        return pre, post, res
+
+    def _coefficient_maps(self, pre: Tensor, post: Tensor, res: Tensor) -> HyperConnectionCoefficients:
+        return HyperConnectionCoefficients(
+            torch.sigmoid(self.alpha_pre * pre + self.b_pre),  # Eq. 8
+            2 * torch.sigmoid(self.alpha_post * post + self.b_post),
+            sinkhorn_knopp(self.alpha_res * res + self.b_res, self.sinkhorn_iters),  # Eq. 9
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, sinkhorn_iters={self.sinkhorn_iters}"
+
+
+class PlainResidual(nn.Module):
+    """The plain residual connection ``x + F(x)``, for stacks that switch between plain, HC and mHC.
+
+    Args:
+        branch: the residual branch ``F``; extra arguments of :meth:`forward` are passed to it.
+    """
+
+    def __init__(self, branch: nn.Module) -> None:
+        super().__init__()
+        self.branch = branch
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return x + self.branch(x, *args, **kwargs)
+
+
+def residual_connection(
+    kind: ResidualKind, branch: nn.Module, dim: int, n_streams: int = 4, **kwargs: Any
+) -> nn.Module:
+    """Wrap ``branch`` in the residual connection named by ``kind``.
+
+    Args:
+        kind: ``"plain"`` (:class:`PlainResidual`, on the collapsed layout), ``"hc"`` (:class:`HyperConnection`)
+            or ``"mhc"`` (:class:`ManifoldHyperConnection`), both on the stream layout.
+        branch: the residual branch ``F``.
+        dim: channel width ``C``.
+        n_streams: streams for ``"hc"`` / ``"mhc"``.
+        **kwargs: further arguments of the chosen class.
+
+    Raises:
+        ValueError: for an unknown ``kind``.
+    """
+    if kind == "plain":
+        return PlainResidual(branch)
+    if kind == "hc":
+        return HyperConnection(branch, dim, n_streams, **kwargs)
+    if kind == "mhc":
+        return ManifoldHyperConnection(branch, dim, n_streams, **kwargs)
+    raise ValueError(f"`residual`={kind!r} is not one of {list(RESIDUAL_KINDS)}.")

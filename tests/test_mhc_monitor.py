@@ -1,0 +1,147 @@
+"""HyperConnectionMonitor through real Trainers on the stdlib char LM."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from examples.charlm import CharLMDataModule, CharTransformerLM
+from lightning_pulse import HyperConnectionMonitor
+from tests.conftest import trainer_kwargs
+
+
+def tiny_lm(residual: str = "mhc", lr: float = 3e-2, **kwargs) -> tuple[CharTransformerLM, CharLMDataModule]:
+    pl.seed_everything(0, verbose=False)
+    data = CharLMDataModule(max_chars=20_000, seq_len=16, batch_size=8)
+    model = CharTransformerLM(
+        d_model=16, n_layers=2, n_heads=2, seq_len=16, lr=lr, residual=residual, **kwargs
+    )
+    return model, data
+
+
+def fixed_order_loader(data: CharLMDataModule, batches: int) -> DataLoader:
+    """Unshuffled training batches, so a resumed run sees the same data as an uninterrupted one."""
+    data.setup("fit")
+    subset = torch.utils.data.Subset(data.train_set, range(batches * data.hparams.batch_size))
+    return DataLoader(subset, batch_size=data.hparams.batch_size)
+
+
+def test_logs_gains_and_off_diagonal_mass_every_n_steps_to_the_trainer_logger(tmp_path):
+    model, data = tiny_lm("mhc")
+    monitor = HyperConnectionMonitor(every_n_steps=3, per_layer=True)
+    logger = CSVLogger(tmp_path, name="run")
+    kwargs = trainer_kwargs(logger=logger, log_every_n_steps=1, limit_val_batches=0)
+    pl.Trainer(callbacks=[monitor], max_steps=8, **kwargs).fit(model, data)
+    assert [entry["step"] for entry in monitor.history] == [0, 3, 6]
+    rows = list(csv.DictReader(open(Path(logger.log_dir, "metrics.csv"))))
+    logged = [row for row in rows if row.get("mhc/forward_gain")]
+    assert [int(row["step"]) for row in logged] == [0, 3, 6]
+    for row in logged:
+        assert float(row["mhc/forward_gain"]) == pytest.approx(1.0, abs=1e-3)  # doubly stochastic product
+        assert 1.0 - 1e-3 <= float(row["mhc/backward_gain"]) <= 1.5
+        assert 0.0 < float(row["mhc/off_diagonal_mass"]) < 0.75
+        assert all(row[f"mhc/off_diagonal_mass/layer_{i:02d}"] for i in range(4))
+    assert monitor.history[0]["off_diagonal_mass"] == pytest.approx(0.1, abs=0.01)  # H_res starts at diag 0.9
+
+
+def test_leaves_training_bit_for_bit_unchanged_and_sees_hc_gain_grow_past_one():
+    results = {}
+    for name, callbacks in (("without", []), ("with", [HyperConnectionMonitor(every_n_steps=2)])):
+        model, data = tiny_lm("hc", lr=5e-2)
+        pl.Trainer(callbacks=callbacks, max_steps=12, **trainer_kwargs(limit_val_batches=0)).fit(model, data)
+        results[name] = (model, callbacks)
+    for (key, with_value), without_value in zip(
+        results["with"][0].state_dict().items(), results["without"][0].state_dict().values()
+    ):
+        assert torch.equal(with_value, without_value), key
+    monitor = results["with"][1][0]
+    assert monitor.history[0]["forward_gain"] == pytest.approx(1.0, abs=0.1)  # H_res starts at the identity
+    assert monitor.benchmark_metrics()["max_forward_gain"] > 1.2  # unconstrained H_res drifts off norm 1
+
+
+def test_measures_once_per_optimizer_step_with_gradient_accumulation_and_under_bf16_autocast():
+    model, data = tiny_lm("mhc")
+    monitor = HyperConnectionMonitor(every_n_steps=2)
+    kwargs = trainer_kwargs(limit_val_batches=0, accumulate_grad_batches=3, precision="bf16-mixed")
+    pl.Trainer(callbacks=[monitor], max_steps=5, **kwargs).fit(model, data)
+    assert [entry["step"] for entry in monitor.history] == [0, 2, 4]
+    for entry in monitor.history:
+        assert entry["forward_gain"] == pytest.approx(1.0, abs=1e-3)  # Sinkhorn stays fp32 under autocast
+        assert entry["layers"] == 4
+
+
+def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_history(tmp_path):
+    kwargs = trainer_kwargs(limit_val_batches=0)
+    model, data = tiny_lm("hc")
+    full = HyperConnectionMonitor(every_n_steps=2)
+    pl.Trainer(callbacks=[full], max_epochs=2, **kwargs).fit(model, fixed_order_loader(data, 5))
+
+    model, data = tiny_lm("hc")
+    first = HyperConnectionMonitor(every_n_steps=2)
+    trainer = pl.Trainer(callbacks=[first], max_epochs=1, **kwargs)
+    trainer.fit(model, fixed_order_loader(data, 5))
+    trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
+
+    model, data = tiny_lm("hc")
+    resumed = HyperConnectionMonitor(every_n_steps=2)
+    trainer = pl.Trainer(callbacks=[resumed], max_epochs=2, **kwargs)
+    trainer.fit(model, fixed_order_loader(data, 5), ckpt_path=tmp_path / "epoch1.ckpt")
+
+    assert [e["step"] for e in full.history] == [0, 2, 4, 6, 8]
+    assert [e["step"] for e in resumed.history] == [e["step"] for e in full.history]
+    for got, want in zip(resumed.history, full.history):
+        assert got["forward_gain"] == pytest.approx(want["forward_gain"], rel=1e-5)
+        assert got["backward_gain"] == pytest.approx(want["backward_gain"], rel=1e-5)
+    assert resumed.benchmark_metrics() == pytest.approx(full.benchmark_metrics(), rel=1e-5)
+
+
+def test_warns_once_and_logs_nothing_for_a_model_without_hyper_connections():
+    model, data = tiny_lm("plain")
+    monitor = HyperConnectionMonitor(every_n_steps=1)
+    with pytest.warns(UserWarning, match="found no HyperConnection"):
+        pl.Trainer(callbacks=[monitor], max_steps=3, **trainer_kwargs(limit_val_batches=0)).fit(model, data)
+    assert monitor.history == [] and monitor.benchmark_metrics() == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"every_n_steps": 2.5}, "every_n_steps"),
+        ({"prefix": ""}, "prefix"),
+    ],
+)
+def test_bad_arguments_fail_at_construction_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        HyperConnectionMonitor(**kwargs)
+
+
+class HistoryDump(HyperConnectionMonitor):
+    """Writes each rank's measurement history to ``<directory>/rank<r>.json`` (spawned ranks import this)."""
+
+    def __init__(self, directory: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(self.history))
+
+
+@pytest.mark.ddp
+def test_ranks_agree_on_the_reduced_figures_under_ddp(tmp_path):
+    model, data = tiny_lm("hc")
+    monitor = HistoryDump(str(tmp_path), every_n_steps=2)
+    kwargs = trainer_kwargs(devices=2, strategy="ddp_spawn", limit_val_batches=0)
+    pl.Trainer(callbacks=[monitor], max_steps=5, **kwargs).fit(model, data)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert [entry["step"] for entry in rank0] == [0, 2, 4]
+    assert rank0 == rank1  # each rank saw different tokens; max/mean reduction makes the figures agree

@@ -1,0 +1,354 @@
+"""HC / mHC layers: the equation, layouts, plain-residual equivalence, initialisation and gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pulse.nn import (
+    HyperConnection,
+    HyperConnectionRecorder,
+    ManifoldHyperConnection,
+    PlainResidual,
+    collapse_streams,
+    composite_gain,
+    doubly_stochastic_error,
+    expand_streams,
+    off_diagonal_mass,
+    residual_connection,
+    sinkhorn_knopp,
+    stack_diagnostics,
+    stream_weights,
+)
+
+WIDTH = 16
+COEFFICIENT_PARAMETERS = ("phi_pre", "phi_post", "phi_res", "b_pre", "b_post", "b_res")
+GATES = ("alpha_pre", "alpha_post", "alpha_res")
+
+
+def mlp_branch(width: int = WIDTH) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+
+def pre_norm_branch(width: int = WIDTH) -> nn.Module:
+    return nn.Sequential(nn.LayerNorm(width), mlp_branch(width))
+
+
+def stack(
+    cls: type[HyperConnection], depth: int, n_streams: int = 4, branch=mlp_branch, **kwargs
+) -> nn.Sequential:
+    return nn.Sequential(*[cls(branch(), WIDTH, n_streams, **kwargs) for _ in range(depth)])
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+# ---------------------------------------------------------------------------------------------- the equation
+def test_forward_is_h_res_x_plus_h_post_transposed_branch_of_h_pre_x():
+    layer = ManifoldHyperConnection(mlp_branch(), WIDTH, n_streams=3)
+    streams = torch.randn(2, 5, 3, WIDTH)
+    pre, post, res = layer.coefficients(streams)
+    expected = torch.empty_like(streams)
+    for b in range(2):
+        for t in range(5):
+            x = streams[b, t]  # (n, C)
+            branch_out = layer.branch(pre[b, t] @ x)  # F(H_pre x)
+            expected[b, t] = res[b, t] @ x + torch.outer(post[b, t], branch_out)
+    torch.testing.assert_close(layer(streams), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_h_res_is_applied_so_changing_its_logits_changes_the_output():
+    layer = ManifoldHyperConnection(mlp_branch(), WIDTH, n_streams=4)
+    streams = expand_streams(torch.randn(2, 5, WIDTH), 4)
+    before = layer(streams)
+    with torch.no_grad():
+        layer.b_res.copy_(torch.eye(4).flip(0) * 5)  # near an anti-diagonal permutation
+    assert not torch.allclose(layer(streams), before, atol=1e-3)
+
+
+def test_mhc_coefficients_follow_eq_8_sigmoid_two_sigmoid_and_a_doubly_stochastic_h_res():
+    layer = ManifoldHyperConnection(mlp_branch(), WIDTH, n_streams=4, alpha_init=0.5)
+    with torch.no_grad():
+        for name in ("b_pre", "b_post", "b_res"):
+            getattr(layer, name).normal_(std=2.0)
+    pre, post, res = layer.coefficients(torch.randn(3, 7, 4, WIDTH))
+    assert ((pre > 0) & (pre < 1)).all() and ((post > 0) & (post < 2)).all()
+    assert (res >= 0).all()
+    row_error, column_error = doubly_stochastic_error(res)
+    assert row_error < 1e-5 and column_error < 5e-2  # logits here have std > 1, so columns lag
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+@pytest.mark.parametrize("cls", [HyperConnection, ManifoldHyperConnection])
+def test_token_layout_b_t_c_keeps_its_shape_through_expand_stack_collapse(cls):
+    x = torch.randn(2, 7, WIDTH)
+    streams = expand_streams(x, 4)
+    assert streams.shape == (2, 7, 4, WIDTH)
+    out = stack(cls, 2)(streams)
+    assert out.shape == (2, 7, 4, WIDTH)
+    assert collapse_streams(out).shape == (2, 7, WIDTH)
+
+
+@pytest.mark.parametrize("cls", [HyperConnection, ManifoldHyperConnection])
+def test_image_layout_b_c_h_w_with_a_conv_branch_equals_the_same_layer_on_channels_last(cls):
+    conv = nn.Sequential(nn.Conv2d(WIDTH, WIDTH, 3, padding=1), nn.GELU())
+    layer = cls(conv, WIDTH, n_streams=4, channel_dim=1)
+    images = torch.randn(2, WIDTH, 5, 6)
+    streams = expand_streams(images, 4, channel_dim=1)
+    assert streams.shape == (2, 4, WIDTH, 5, 6)
+    out = layer(streams)
+    assert out.shape == (2, 4, WIDTH, 5, 6)
+    assert collapse_streams(out, channel_dim=1).shape == (2, WIDTH, 5, 6)
+
+    class ChannelsLastConv(nn.Module):  # the same conv, fed (B, H, W, C)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+
+    tokens = cls(ChannelsLastConv(), WIDTH, n_streams=4)
+    tokens.load_state_dict(
+        {k: v for k, v in layer.state_dict().items() if not k.startswith("branch.")}, strict=False
+    )
+    channels_last = tokens(streams.permute(0, 3, 4, 1, 2))  # (B, H, W, n, C)
+    torch.testing.assert_close(out, channels_last.permute(0, 3, 4, 1, 2), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- n = 1
+@pytest.mark.parametrize("cls", [HyperConnection, ManifoldHyperConnection])
+@pytest.mark.parametrize("shape, channel_dim", [((2, 7, WIDTH), -1), ((2, WIDTH, 3, 4), 1)])
+def test_one_stream_equals_the_plain_residual_bit_for_bit(cls, shape, channel_dim):
+    branch = nn.Conv2d(WIDTH, WIDTH, 1) if channel_dim == 1 else mlp_branch()
+    layer = cls(branch, WIDTH, n_streams=1, channel_dim=channel_dim)
+    assert sum(p.numel() for p in layer.parameters()) == sum(p.numel() for p in branch.parameters())
+    x = torch.randn(*shape)
+    out = collapse_streams(layer(expand_streams(x, 1, channel_dim=channel_dim)), channel_dim=channel_dim)
+    assert torch.equal(out, x + branch(x))
+    assert torch.equal(out, PlainResidual(branch)(x))
+
+
+def test_charlm_mhc_with_one_stream_is_bit_identical_to_the_plain_model():
+    from examples.charlm import CharTransformerLM
+
+    tokens = torch.randint(0, 128, (2, 16))
+    torch.manual_seed(0)
+    plain = CharTransformerLM(d_model=32, n_layers=2, seq_len=16, residual="plain")
+    torch.manual_seed(0)
+    one_stream = CharTransformerLM(d_model=32, n_layers=2, seq_len=16, residual="mhc", n_streams=1)
+    assert torch.equal(plain(tokens), one_stream(tokens))
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_charlm_hyper_connected_variants_train_and_expose_their_layers(residual):
+    from examples.charlm import CharTransformerLM
+
+    model = CharTransformerLM(d_model=32, n_layers=2, seq_len=16, residual=residual, n_streams=4)
+    tokens = torch.randint(0, 128, (2, 16))
+    with HyperConnectionRecorder(model) as recorder:
+        logits = model(tokens)
+    assert logits.shape == (2, 16, 128)
+    assert len(recorder.h_res) == 4  # attention + MLP branch per block
+    logits.sum().backward()
+    assert all(layer.b_res.grad is not None for layer in recorder.layers)
+
+
+# ---------------------------------------------------------------------------------------------- init
+def test_initial_coefficients_read_the_mean_write_the_stream_weights_and_mix_near_identity():
+    layer = ManifoldHyperConnection(mlp_branch(), WIDTH, n_streams=4, alpha_init=0.0)
+    pre, post, res = layer.coefficients(torch.randn(1, 1, 4, WIDTH))
+    torch.testing.assert_close(pre[0, 0], torch.full((4,), 0.25))
+    torch.testing.assert_close(post[0, 0], stream_weights(4))
+    expected = torch.full((4, 4), 0.1 / 3) + torch.eye(4) * (0.9 - 0.1 / 3)
+    torch.testing.assert_close(res[0, 0], expected)
+    assert float(off_diagonal_mass(res.detach()).mean()) == pytest.approx(0.1, abs=1e-6)
+
+
+@pytest.mark.parametrize("cls", [HyperConnection, ManifoldHyperConnection])
+def test_without_dynamic_terms_the_stream_mean_follows_the_plain_residual_network(cls):
+    layers = stack(cls, 6, branch=pre_norm_branch, alpha_init=0.0)
+    x = torch.randn(2, 5, WIDTH)
+    plain = x
+    for layer in layers:
+        plain = plain + layer.branch(plain)
+    torch.testing.assert_close(collapse_streams(layers(expand_streams(x, 4))), plain, atol=1e-5, rtol=1e-5)
+
+
+def _step0_gradients(layers: nn.Sequential, spread: float = 0.5) -> list[dict[str, float]]:
+    x = torch.randn(4, 8, WIDTH)
+    collapse_streams(layers(expand_streams(x, 4, spread=spread))).pow(2).mean().backward()
+    return [
+        {name: float(getattr(layer, name).grad.abs().max()) for name in COEFFICIENT_PARAMETERS + GATES}
+        for layer in layers
+    ]
+
+
+@pytest.mark.parametrize("cls", [HyperConnection, ManifoldHyperConnection])
+def test_gradients_reach_phi_b_and_alpha_of_every_layer_at_step_zero(cls):
+    # Both traps below leave gradients at 1e-11..1e-12 (rounding noise) for this loss; phi gets alpha = 0.01
+    # times the gradient of b, so 1e-8 separates "small because alpha is small" from "trapped".
+    for layer_grads in _step0_gradients(stack(cls, 6)):
+        for name, magnitude in layer_grads.items():
+            assert magnitude > 1e-8, (name, magnitude)
+
+
+def test_far_apart_h_res_logits_fall_into_the_zero_gradient_trap_the_default_init_avoids():
+    default = _step0_gradients(stack(ManifoldHyperConnection, 4))
+    torch.manual_seed(0)
+    saturated = _step0_gradients(stack(ManifoldHyperConnection, 4, res_init_diagonal=1 - 1e-7))
+    for good, trapped in zip(default, saturated):
+        assert trapped["b_res"] < 1e-3 * good["b_res"]
+        assert trapped["phi_res"] < 1e-3 * good["phi_res"]
+
+
+def test_identical_stream_copies_would_leave_the_first_h_res_without_gradient():
+    # A doubly stochastic H_res maps identical streams to themselves, whatever its entries.
+    copies = _step0_gradients(stack(ManifoldHyperConnection, 2, spread=0.0), spread=0.0)
+    assert copies[0]["b_res"] < 1e-7
+    torch.manual_seed(0)
+    spread = _step0_gradients(stack(ManifoldHyperConnection, 2))
+    assert spread[0]["b_res"] > 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- precision, compile
+def test_coefficients_stay_fp32_and_forward_runs_under_bf16_autocast():
+    layer = ManifoldHyperConnection(mlp_branch(), WIDTH, n_streams=4)
+    streams = expand_streams(torch.randn(2, 5, WIDTH), 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        coefficients = layer.coefficients(streams)
+        out = layer(streams)
+    assert coefficients.res.dtype == torch.float32
+    assert doubly_stochastic_error(coefficients.res)[0] < 1e-5
+    assert out.shape == streams.shape and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), layer(streams), atol=0.1, rtol=0.05)
+
+
+def test_torch_compile_traces_the_layer_as_one_graph_and_matches_eager():
+    torch._dynamo.reset()
+    layer = ManifoldHyperConnection(mlp_branch(), WIDTH, n_streams=4, sinkhorn_iters=5)
+    streams = expand_streams(torch.randn(2, 5, WIDTH), 4)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break raises
+    torch.testing.assert_close(compiled(streams), layer(streams))
+    compiled(streams).sum().backward()
+    assert layer.b_res.grad is not None
+
+
+# ---------------------------------------------------------------------------------------------- diagnostics
+def test_composite_gain_multiplies_in_depth_order_and_reads_rows_forward_columns_backward():
+    first = torch.tensor([[1.0, 0.0], [3.0, 1.0]])  # column sums 4, 1; row sums 1, 4
+    second = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+    forward, backward = composite_gain([first, second])
+    product = second @ first  # [[2, 0], [3, 1]]
+    assert float(forward) == 4.0 == float(product.abs().sum(-1).max())
+    assert float(backward) == 5.0 == float(product.abs().sum(-2).max())
+
+
+def test_off_diagonal_mass_is_zero_for_identity_and_n_minus_one_over_n_for_uniform_mixing():
+    assert float(off_diagonal_mass(torch.eye(4))) == 0.0
+    assert float(off_diagonal_mass(torch.full((4, 4), 0.25))) == pytest.approx(0.75)
+
+
+def test_stack_diagnostics_start_a_new_stack_when_the_position_shape_changes():
+    big = sinkhorn_knopp(torch.randn(2, 8, 4, 4))
+    small = torch.eye(4).expand(2, 2, 4, 4) * 3
+    stats = stack_diagnostics([big, big, small, small])
+    assert stats["stacks"] == 2
+    assert stats["forward_gain"] == pytest.approx(9.0)
+    assert len(stats["off_diagonal_mass"]) == 4
+
+
+def test_recorder_sees_layers_in_call_order_and_leaves_outputs_unchanged():
+    layers = stack(HyperConnection, 3)
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            layer.b_res.copy_(torch.eye(4) * (i + 2))  # layer i scales every stream by i + 2
+            layer.alpha_res.zero_()
+    streams = expand_streams(torch.randn(2, 3, WIDTH), 4)
+    expected = layers(streams)
+    with HyperConnectionRecorder(layers) as recorder:
+        out = layers(streams)
+    assert torch.equal(out, expected)
+    assert [float(m[0, 0, 0, 0]) for m in recorder.h_res] == [2.0, 3.0, 4.0]
+    stats = recorder.diagnostics()
+    assert stats["forward_gain"] == pytest.approx(24.0) and stats["backward_gain"] == pytest.approx(24.0)
+    layers(streams)  # detached: nothing more is recorded
+    assert len(recorder.h_res) == 3
+
+
+def test_hc_composite_gain_grows_with_depth_while_mhc_stays_at_one_for_the_same_logits():
+    depth, n = 32, 4
+    logits = torch.eye(n) + torch.randn(depth, n, n) * 0.3
+    hc_forward, _ = composite_gain(list(logits))
+    mhc_forward, mhc_backward = composite_gain(list(sinkhorn_knopp(logits)))
+    assert float(hc_forward) > 10
+    assert float(mhc_forward) == pytest.approx(1.0, abs=1e-4)
+    assert float(mhc_backward) == pytest.approx(1.0, abs=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"dim": 0}, "dim"),
+        ({"n_streams": 0}, "n_streams"),
+        ({"sinkhorn_iters": 0}, "sinkhorn_iters"),
+        ({"res_init_diagonal": 0.2}, "res_init_diagonal"),
+        ({"res_init_diagonal": 1.0}, "res_init_diagonal"),
+        ({"alpha_init": -0.1}, "alpha_init"),
+        ({"spread": 1.0}, "spread"),
+    ],
+)
+def test_bad_arguments_fail_at_construction_naming_the_field(kwargs, field):
+    arguments = {"branch": mlp_branch(), "dim": WIDTH, **kwargs}
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        ManifoldHyperConnection(**arguments)
+
+
+def test_residual_connection_builds_each_kind_and_rejects_unknown_ones():
+    assert isinstance(residual_connection("plain", mlp_branch(), WIDTH), PlainResidual)
+    assert type(residual_connection("hc", mlp_branch(), WIDTH)) is HyperConnection
+    assert isinstance(
+        residual_connection("mhc", mlp_branch(), WIDTH, sinkhorn_iters=5), ManifoldHyperConnection
+    )
+    with pytest.raises(ValueError, match="`residual`='dense'"):
+        residual_connection("dense", mlp_branch(), WIDTH)
+
+
+def test_charlm_rejects_an_unknown_residual_kind():
+    from examples.charlm import CharTransformerLM
+
+    with pytest.raises(ValueError, match="`residual`"):
+        CharTransformerLM(residual="dense")
+    with pytest.raises(ValueError, match="`n_streams`"):
+        CharTransformerLM(residual="mhc", n_streams=0)
+
+
+def test_stream_weights_have_mean_one_so_collapse_inverts_expand():
+    for n in (1, 2, 4, 7):
+        assert float(stream_weights(n).mean()) == pytest.approx(1.0)
+    x = torch.randn(2, 3, WIDTH)
+    torch.testing.assert_close(collapse_streams(expand_streams(x, 4)), x)
+    assert math.isclose(float(stream_weights(4)[0]), 0.5) and math.isclose(float(stream_weights(4)[-1]), 1.5)
+
+
+# ---------------------------------------------------------------------------------------------- hand-written backwards
+def test_hand_written_backwards_match_numerical_gradients_in_double_precision():
+    from lightning_pulse.nn.hyper_connections import _ReadStreams, _RMSNormalizedProjection, _WriteStreams
+
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
+
+    positions, n, width = 5, 3, 4
+    assert torch.autograd.gradcheck(_ReadStreams.apply, (leaf(positions, n), leaf(positions, n, width)))
+    assert torch.autograd.gradcheck(
+        _WriteStreams.apply,
+        (leaf(positions, n, n), leaf(positions, n), leaf(positions, n, width), leaf(positions, width)),
+    )
+    assert torch.autograd.gradcheck(
+        lambda flat, phi: _RMSNormalizedProjection.apply(flat, phi, 1e-6),
+        (leaf(positions, n * width), leaf(n * width, 7)),
+    )

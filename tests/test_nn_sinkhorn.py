@@ -1,0 +1,126 @@
+"""Sinkhorn-Knopp projection: doubly stochastic output, fp32 under autocast, batched, differentiable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pulse.nn import composite_gain, doubly_stochastic_error, sinkhorn_knopp
+
+
+def _logits(*shape: int, std: float = 1.0, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * std
+
+
+@pytest.mark.parametrize("std", [0.25, 0.5, 1.0])
+def test_rows_and_columns_sum_to_one_within_1e_3_at_20_iterations(std):
+    matrices = sinkhorn_knopp(_logits(512, 4, 4, std=std), iters=20)
+    row_error, column_error = doubly_stochastic_error(matrices)
+    assert row_error < 1e-5  # the last normalisation is over rows
+    assert column_error < 1e-3
+
+
+def test_column_error_falls_as_iterations_grow():
+    logits = _logits(512, 4, 4, std=2.0)
+    errors = [float((sinkhorn_knopp(logits, iters=k).sum(-2) - 1).abs().mean()) for k in (1, 5, 20, 80)]
+    assert errors == sorted(errors, reverse=True)
+    assert errors[-1] < errors[0] / 20
+
+
+def test_entries_are_non_negative_and_finite_even_for_far_apart_logits():
+    for std in (1.0, 10.0, 100.0):
+        matrices = sinkhorn_knopp(_logits(256, 4, 4, std=std), iters=20)
+        assert torch.isfinite(matrices).all()
+        assert (matrices >= 0).all()
+        assert torch.allclose(matrices.sum(-1), torch.ones(256, 4), atol=1e-5)
+
+
+def test_spectral_norm_is_at_most_one_plus_tolerance():
+    matrices = sinkhorn_knopp(_logits(512, 4, 4, std=1.0), iters=20)
+    spectral_norm = torch.linalg.matrix_norm(matrices.double(), ord=2)
+    assert float(spectral_norm.max()) <= 1 + 2e-3
+    assert float(spectral_norm.min()) >= 1 - 1e-5  # a doubly stochastic matrix has the all-ones eigenvector
+
+
+def test_products_of_64_projected_matrices_stay_bounded_while_identity_plus_noise_explodes():
+    noise = _logits(64, 4, 4, std=0.5, seed=1)
+    projected = list(sinkhorn_knopp(noise, iters=20))
+    forward_gain, backward_gain = composite_gain(projected)
+    assert float(forward_gain) <= 1 + 1e-3
+    assert float(backward_gain) <= 1 + 1e-2
+    unconstrained = list(torch.eye(4) + noise)
+    exploding_forward, exploding_backward = composite_gain(unconstrained)
+    assert float(exploding_forward) > 1e3
+    assert float(exploding_backward) > 1e3
+
+
+def test_batched_over_leading_dimensions_matches_one_matrix_at_a_time():
+    logits = _logits(2, 3, 5, 5)
+    batched = sinkhorn_knopp(logits, iters=7)
+    assert batched.shape == (2, 3, 5, 5)
+    one_by_one = torch.stack([sinkhorn_knopp(m, iters=7) for m in logits.reshape(-1, 5, 5)]).reshape(
+        2, 3, 5, 5
+    )
+    torch.testing.assert_close(batched, one_by_one)
+
+
+def test_computes_in_fp32_under_bf16_autocast():
+    logits = _logits(64, 4, 4).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        matrices = sinkhorn_knopp(logits, iters=20)
+    assert matrices.dtype == torch.float32
+    row_error, _ = doubly_stochastic_error(matrices)
+    assert row_error < 1e-5  # bf16 arithmetic would leave errors near 1e-2
+
+
+def test_gradients_flow_through_every_iteration_and_match_finite_differences():
+    logits = _logits(4, 4, std=1.0, seed=3).double().requires_grad_()
+    weights = _logits(4, 4, seed=4).double()
+
+    def loss(x: torch.Tensor, iters: int) -> torch.Tensor:
+        return (sinkhorn_knopp(x, iters=iters) * weights).sum()
+
+    (grad_20,) = torch.autograd.grad(loss(logits, 20), logits)
+    (grad_1,) = torch.autograd.grad(loss(logits, 1), logits)
+    assert not torch.allclose(grad_20, grad_1, atol=1e-4)  # later iterations are part of the graph
+    step = 1e-2
+    numeric = torch.zeros_like(logits)
+    with torch.no_grad():
+        for index in range(16):
+            bump = torch.zeros(16, dtype=torch.float64)
+            bump[index] = step
+            bump = bump.view(4, 4)
+            numeric.view(-1)[index] = (loss(logits + bump, 20) - loss(logits - bump, 20)) / (2 * step)
+    torch.testing.assert_close(grad_20, numeric, atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("iters", [0, -1, 2.0, True])
+def test_rejects_a_non_positive_or_non_integer_iteration_count(iters):
+    with pytest.raises(ValueError, match="`iters`"):
+        sinkhorn_knopp(torch.zeros(4, 4), iters=iters)
+
+
+def test_rejects_non_square_logits():
+    with pytest.raises(ValueError, match=r"\(\.\.\., n, n\)"):
+        sinkhorn_knopp(torch.zeros(3, 4))
+
+
+def _sinkhorn_by_plain_autograd(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """The textbook loop, differentiated by autograd: the reference for the hand-written backward."""
+    matrix = (logits - logits.amax(dim=(-2, -1), keepdim=True).detach()).exp()
+    for _ in range(iters):
+        matrix = matrix / matrix.sum(dim=-2, keepdim=True)
+        matrix = matrix / matrix.sum(dim=-1, keepdim=True)
+    return matrix
+
+
+@pytest.mark.parametrize("iters", [1, 2, 7, 20])
+def test_forward_and_gradient_equal_plain_autograd_through_the_unrolled_iterations(iters):
+    logits = _logits(3, 5, 4, 4, std=1.5, seed=5).requires_grad_()
+    upstream = _logits(3, 5, 4, 4, seed=6)
+    reference = _sinkhorn_by_plain_autograd(logits, iters)
+    result = sinkhorn_knopp(logits, iters)
+    torch.testing.assert_close(result, reference, atol=1e-6, rtol=1e-5)
+    (expected,) = torch.autograd.grad(reference, logits, upstream)
+    (actual,) = torch.autograd.grad(result, logits, upstream)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
