@@ -2,6 +2,7 @@
 
 from lightning_pulse.callbacks.mhc_monitor import HyperConnectionMonitor
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, phase_of, pulse_cycle_of
+from lightning_pulse.callbacks.scheduled_prune import ScheduledPrune
 from lightning_pulse.phase import Duration, Phase, PhaseChange, PhaseClock, parse_duration
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ __all__ = [
     "PhaseChange",
     "PhaseClock",
     "PulseCycle",
+    "ScheduledPrune",
     "parse_duration",
     "phase_of",
     "pulse_cycle_of",

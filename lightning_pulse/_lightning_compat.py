@@ -97,3 +97,38 @@ def private_api_problems() -> list[str]:
         for name in ("_defaults", "_update_count", "_computed")
         if name not in metric_attributes
     ]
+
+
+# ---------------------------------------------------------------------------- ScheduledPrune (issue 6)
+def loaded_checkpoint(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """The checkpoint dict Lightning is restoring from right now, or ``None``.
+
+    Lightning loads the whole checkpoint before restoring the module's weights but only hands callbacks their
+    state afterwards; a module whose shapes depend on a callback's state (structured pruning) needs it before.
+    """
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    return getattr(connector, "_loaded_checkpoint", None) or None
+
+
+def spawns_worker_processes(trainer: pl.Trainer) -> bool:
+    """Whether fit runs in spawned/forked workers whose final weights are copied back into the main process."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    return isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher)
+
+
+def rewrap_ddp(trainer: pl.Trainer) -> bool:
+    """Wrap the LightningModule in a fresh ``DistributedDataParallel`` after its parameters were replaced.
+
+    DDP's reducer holds the parameters it was built with; after a structural change it must be rebuilt, as
+    ``DDPStrategy.configure_ddp`` builds it. Returns whether the module was re-wrapped.
+    """
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, DDPStrategy) or not isinstance(strategy.model, DistributedDataParallel):
+        return False
+    strategy.model = strategy._setup_model(strategy.lightning_module)
+    strategy._register_ddp_hooks()
+    return True

@@ -40,3 +40,15 @@ def test_val_dataloader_found_before_validation_ran(mnist1d_small):
     trainer.fit(model, data)
     loader = compat.val_dataloader_of(trainer, model)
     assert loader is not None and len(next(iter(loader))) == 2
+
+
+def test_scheduled_prune_private_api_still_exists():
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: F401
+
+    trainer = pl.Trainer(**trainer_kwargs())
+    assert hasattr(trainer._checkpoint_connector, "_loaded_checkpoint")
+    assert compat.loaded_checkpoint(trainer) is None
+    assert callable(DDPStrategy._setup_model) and callable(DDPStrategy._register_ddp_hooks)
+    assert compat.spawns_worker_processes(pl.Trainer(**trainer_kwargs(devices=2, strategy="ddp_spawn")))
+    assert not compat.rewrap_ddp(trainer)

@@ -1,0 +1,132 @@
+"""Logit distillation (Hinton et al. 2015) added from outside the student's code.
+
+The student's ``training_step`` computes its own loss from its own forward output; we cannot add a term to
+that loss without editing it. We do not need to: adding ``weight * T**2 * KL(p_teacher || p_student)`` to
+the loss only adds ``dKL/dlogits`` to the gradient that reaches the logits. :class:`LogitDistiller` wraps
+the student's forward output in an identity whose backward adds exactly that gradient. The forward values,
+the user's loss and everything logged stay as they were; the autograd graph is the one the student's own
+forward built, so DDP, gradient accumulation and mixed precision see an ordinary backward.
+
+Cost: one teacher forward (no grad) per training forward while attached; memory for one teacher copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``T**2 * KL(softmax(t / T) || softmax(s / T))``, averaged over positions.
+
+    Args:
+        student_logits: ``(..., C)`` logits of the student.
+        teacher_logits: ``(..., C)`` logits of the teacher.
+        temperature: softening temperature ``T``; the ``T**2`` factor keeps gradient sizes comparable across
+            temperatures (Hinton et al. 2015).
+
+    Returns:
+        A scalar: the KL summed over classes, averaged over every leading position (batch, sequence, ...).
+    """
+    classes = student_logits.shape[-1]
+    log_p_student = F.log_softmax(student_logits.float().reshape(-1, classes) / temperature, dim=-1)
+    log_p_teacher = F.log_softmax(teacher_logits.float().reshape(-1, classes) / temperature, dim=-1)
+    return temperature**2 * F.kl_div(log_p_student, log_p_teacher, reduction="batchmean", log_target=True)
+
+
+class _AddDistillationGradient(torch.autograd.Function):
+    """Identity on the student's logits whose backward adds ``weight * d(distillation_loss)/dlogits``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, student: torch.Tensor, teacher: torch.Tensor, weight: float, temperature: float
+    ) -> torch.Tensor:
+        ctx.save_for_backward(student, teacher)
+        ctx.weight = weight
+        ctx.temperature = temperature
+        return student.view_as(student)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        student, teacher = ctx.saved_tensors
+        temperature = ctx.temperature
+        positions = student.numel() // student.shape[-1]
+        p_student = torch.softmax(student.float() / temperature, dim=-1)
+        p_teacher = torch.softmax(teacher.float() / temperature, dim=-1)
+        # d/ds [T^2 * mean_n KL(p_t || softmax(s/T))] = T * (p_s - p_t) / N
+        extra = ctx.weight * temperature * (p_student - p_teacher) / positions
+        return grad_output + extra.to(grad_output.dtype), None, None, None
+
+
+class LogitDistiller:
+    """Distils ``teacher`` into ``student`` through a forward hook on the student.
+
+    Every training-mode, grad-enabled call of ``student`` that returns a floating tensor of at least two
+    dimensions (logits ``(B, C)`` or ``(B, T, C)``) runs ``teacher`` on the same arguments and adds the
+    distillation gradient to that output. Other calls (evaluation, a Lightning strategy's redirected
+    ``training_step`` returning a loss) pass through untouched.
+
+    Args:
+        student: the module being trained (its forward output must be the logits).
+        teacher: a frozen module with the same output shape; it is put in eval mode.
+        weight: multiplier of the distillation term (divide by the gradient-accumulation factor to match a
+            loss that Lightning divides by it).
+        temperature: softening temperature.
+    """
+
+    def __init__(
+        self, student: nn.Module, teacher: nn.Module, weight: float = 1.0, temperature: float = 2.0
+    ) -> None:
+        self.student = student
+        self.teacher = teacher.eval()
+        for parameter in self.teacher.parameters():
+            parameter.requires_grad_(False)
+        self.weight = float(weight)
+        self.temperature = float(temperature)
+        self.calls = 0
+        self.mismatched_calls = 0
+        self._loss_total = torch.zeros((), dtype=torch.float64)
+        self._handle: Any = None
+
+    @property
+    def attached(self) -> bool:
+        return self._handle is not None
+
+    def attach(self) -> None:
+        if self._handle is None:
+            self._handle = self.student.register_forward_hook(self._hook, with_kwargs=True)
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    @property
+    def mean_loss(self) -> float:
+        """Mean distillation loss (before ``weight``) over the calls so far; NaN if none."""
+        return float(self._loss_total) / self.calls if self.calls else float("nan")
+
+    def _hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if module is not self.student or not module.training or not torch.is_grad_enabled():
+            return None
+        if not (isinstance(output, torch.Tensor) and output.is_floating_point() and output.dim() >= 2):
+            return None
+        if not output.requires_grad:
+            return None
+        with torch.no_grad():
+            teacher_output = self.teacher(*args, **kwargs)
+        if not isinstance(teacher_output, torch.Tensor) or teacher_output.shape != output.shape:
+            self.mismatched_calls += 1
+            return None
+        self.calls += 1
+        # accumulated as a tensor: no device sync per step
+        self._loss_total = (
+            self._loss_total.to(output.device)
+            + distillation_loss(output.detach(), teacher_output, self.temperature).double()
+        )
+        return _AddDistillationGradient.apply(output, teacher_output.detach(), self.weight, self.temperature)

@@ -1,0 +1,788 @@
+"""Pruning as plain torch: the cubic sparsity schedule, absolute unstructured masks, dependency-aware channel
+removal, and the bookkeeping a structural change needs (optimizer state, replay on a fresh module).
+
+Nothing here imports Lightning. :class:`~lightning_pulse.callbacks.scheduled_prune.ScheduledPrune` decides
+*when* to prune; this module decides *what* and does it.
+
+* Unstructured: ``torch.nn.utils.prune`` masks. Targets are absolute: a mask is recomputed from scratch for
+  the asked sparsity (never multiplied into the old one), and weights pruned earlier are pruned first, so
+  masks only ever lose entries (Zhu & Gupta 2017).
+* Structured: whole output channels / neurons are removed with torch-pruning's dependency graph (DepGraph,
+  Fang et al. 2023), which also shrinks every coupled layer (the next layer's input, batch norms, the
+  flattened classifier input). Replaced parameters are reported as a :class:`ParameterRemap`, which moves
+  optimizer state (Adam moments, momentum buffers) and any per-parameter tensor onto the new parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import prune
+
+RANKINGS = ("layer", "global")
+IMPORTANCES = ("magnitude", "taylor")
+DEFAULT_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
+
+# Module attributes holding hooks; a copy made for a teacher or a shadow must not carry the live hooks of other
+# callbacks (a bound method would drag its callback, and through it the Trainer, into the copy).
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+def cubic_sparsity(step: float, initial: float, final: float, start_step: float, end_step: float) -> float:
+    """Sparsity at ``step`` on the schedule of Zhu & Gupta (2017), Eq. 1.
+
+    ``s_t = s_f + (s_i - s_f) * (1 - (t - t_0) / (n * dt))**3`` for ``t_0 <= t <= t_0 + n * dt``, with
+    ``t_0 = start_step`` and ``t_0 + n * dt = end_step``; ``s_i`` before the start, ``s_f`` after the end.
+    Pruning is fast early, while the network is redundant, and slows as it approaches the final sparsity.
+    """
+    if step <= start_step:
+        return float(initial)
+    if step >= end_step:
+        return float(final)
+    progress = (step - start_step) / (end_step - start_step)
+    return float(final + (initial - final) * (1.0 - progress) ** 3)
+
+
+def _round_count(share: float, total: int) -> int:
+    # half-up, not Python's banker's rounding, so 0.5 of 25 channels is 13 on every platform and in every run
+    return int(math.floor(share * total + 0.5))
+
+
+# ---------------------------------------------------------------------------------------------- layers
+def resolve_layer_types(
+    layer_types: Sequence[str | type] | None, field: str = "layer_types"
+) -> tuple[type, ...]:
+    """Turn ``["Linear", "torch.nn.Conv2d", MyLayer]`` into module classes.
+
+    A bare name is looked up in ``torch.nn``; a dotted name is imported.
+
+    Raises:
+        ValueError: naming ``field``, for a name that is not a ``torch.nn.Module`` class.
+    """
+    if layer_types is None:
+        return ()
+    if isinstance(layer_types, (str, type)):
+        layer_types = [layer_types]
+    resolved = []
+    for item in layer_types:
+        cls: Any = item
+        if isinstance(item, str):
+            module_path, _, name = item.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module_path) if module_path else nn, name)
+            except (ImportError, AttributeError, ValueError):
+                cls = None
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(
+                f"`{field}` entry {item!r} is not a torch.nn.Module class; give a class, a torch.nn name such "
+                "as 'Linear' or 'Conv2d', or a dotted import path such as 'mypackage.layers.MyConv'."
+            )
+        resolved.append(cls)
+    return tuple(resolved)
+
+
+def _has_weight(module: nn.Module) -> bool:
+    parameters = module._parameters
+    return isinstance(parameters.get("weight"), nn.Parameter) or isinstance(
+        parameters.get("weight_orig"), nn.Parameter
+    )
+
+
+def select_layers(
+    model: nn.Module,
+    layer_types: tuple[type, ...] = (),
+    pattern: str | None = None,
+    exclude: str | None = None,
+) -> dict[str, nn.Module]:
+    """The layers of ``model`` to prune, by qualified name.
+
+    A layer is chosen if it has a ``weight`` parameter, is an instance of one of ``layer_types`` (any type when
+    empty), its name matches ``pattern`` (``re.search``; any name when ``None``) and does not match
+    ``exclude``.
+    """
+    chosen = {}
+    for name, module in model.named_modules():
+        if not name or not _has_weight(module):
+            continue
+        if layer_types and not isinstance(module, layer_types):
+            continue
+        if pattern is not None and re.search(pattern, name) is None:
+            continue
+        if exclude is not None and re.search(exclude, name) is not None:
+            continue
+        chosen[name] = module
+    return chosen
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """``{"params": all parameter elements, "params_nonzero": those not masked or zero}``.
+
+    Masked layers count their dense ``weight_orig``; ``params_nonzero`` counts the effective weights.
+    """
+    total = nonzero = 0
+    for module in model.modules():
+        for name, parameter in module._parameters.items():
+            if parameter is None:
+                continue
+            total += parameter.numel()
+            if name.endswith("_orig") and hasattr(module, name[: -len("_orig")] + "_mask"):
+                mask = getattr(module, name[: -len("_orig")] + "_mask")
+                nonzero += int(torch.count_nonzero(parameter.detach() * mask))
+            else:
+                nonzero += int(torch.count_nonzero(parameter.detach()))
+    return {"params": total, "params_nonzero": nonzero}
+
+
+# ---------------------------------------------------------------------------------------------- unstructured
+def effective_weight(module: nn.Module) -> torch.Tensor:
+    """The weight the layer computes with: ``weight_orig * weight_mask`` when masked, else ``weight``."""
+    if hasattr(module, "weight_mask") and "weight_orig" in module._parameters:
+        return module.weight_orig.detach() * module.weight_mask
+    return module.weight.detach()
+
+
+def current_mask(module: nn.Module) -> torch.Tensor | None:
+    """The layer's weight mask, or ``None`` if it has never been masked."""
+    mask = getattr(module, "weight_mask", None)
+    return mask if isinstance(mask, torch.Tensor) and "weight_orig" in module._parameters else None
+
+
+def unstructured_masks(
+    scores: Mapping[str, torch.Tensor],
+    sparsity: float,
+    ranking: str = "layer",
+    previous_masks: Mapping[str, torch.Tensor | None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Masks with exactly ``round(sparsity * n)`` zeros, lowest scores first.
+
+    Args:
+        scores: layer name -> importance of each weight, same shape as the weight.
+        sparsity: the absolute target share of zeros, in ``[0, 1]``.
+        ranking: ``"layer"`` (each layer reaches ``sparsity``) or ``"global"`` (all layers together do).
+        previous_masks: layer name -> its current mask; entries already pruned rank below everything, so a
+            mask never gains back a weight.
+
+    Returns:
+        layer name -> a 0/1 mask of the weight's shape and dtype ``float32``.
+    """
+    if ranking not in RANKINGS:
+        raise ValueError(f"`ranking`={ranking!r} is not one of {list(RANKINGS)}.")
+    ranked = {}
+    for name, score in scores.items():
+        flat = score.detach().float().flatten()
+        previous = (previous_masks or {}).get(name)
+        if previous is not None:
+            flat = flat.masked_fill(previous.flatten().to(flat.device) == 0, -math.inf)
+        ranked[name] = flat
+    masks = {}
+    if ranking == "layer":
+        for name, flat in ranked.items():
+            mask = torch.ones_like(flat)
+            prune_count = _round_count(sparsity, flat.numel())
+            if prune_count:
+                mask[torch.topk(flat, prune_count, largest=False).indices] = 0.0
+            masks[name] = mask.view_as(scores[name])
+        return masks
+    names = list(ranked)
+    everything = torch.cat([ranked[name].cpu() for name in names])
+    mask = torch.ones_like(everything)
+    prune_count = _round_count(sparsity, everything.numel())
+    if prune_count:
+        mask[torch.topk(everything, prune_count, largest=False).indices] = 0.0
+    for name, chunk in zip(names, torch.split(mask, [ranked[n].numel() for n in names])):
+        masks[name] = chunk.to(scores[name].device).view_as(scores[name])
+    return masks
+
+
+def _move_parameter(module: nn.Module, name: str, position: int) -> None:
+    # `prune` re-registers `weight` as `weight_orig` at the END of `_parameters`; putting it back where `weight`
+    # was keeps `model.parameters()` in the original order, which is what optimizer checkpoints index by.
+    items = list(module._parameters.items())
+    entry = next(item for item in items if item[0] == name)
+    items.remove(entry)
+    items.insert(position, entry)
+    module._parameters.clear()
+    module._parameters.update(items)
+
+
+def add_mask(module: nn.Module, mask: torch.Tensor | None = None) -> None:
+    """Put ``module.weight`` behind a mask (all ones by default), keeping the parameter's position."""
+    if current_mask(module) is not None:
+        return
+    position = list(module._parameters).index("weight")
+    weight = module.weight
+    if mask is None:
+        mask = torch.ones_like(weight)
+    prune.custom_from_mask(module, "weight", mask.to(device=weight.device, dtype=weight.dtype))
+    _move_parameter(module, "weight_orig", position)
+
+
+def apply_masks(layers: Mapping[str, nn.Module], masks: Mapping[str, torch.Tensor]) -> None:
+    """Set each layer's mask to ``masks[name]``, replacing (not multiplying) any mask it had."""
+    for name, mask in masks.items():
+        module = layers[name]
+        existing = current_mask(module)
+        if existing is None:
+            add_mask(module, mask)
+        else:
+            existing.copy_(mask.to(existing))
+            # what the forward pre-hook would compute at the next call; set now so reports see it
+            with torch.no_grad():
+                module.weight = module.weight_orig * module.weight_mask
+
+
+def make_masks_permanent(model: nn.Module) -> list[str]:
+    """Fold every ``torch.nn.utils.prune`` mask into its weight; returns the names of the layers folded."""
+    folded = []
+    for name, module in model.named_modules():
+        for hook in list(module._forward_pre_hooks.values()):
+            if isinstance(hook, prune.BasePruningMethod):
+                tensor_name = hook._tensor_name
+                position = list(module._parameters).index(tensor_name + "_orig")
+                prune.remove(module, tensor_name)
+                _move_parameter(module, tensor_name, position)
+                folded.append(name)
+    return folded
+
+
+def layer_sparsity(layers: Mapping[str, nn.Module]) -> dict[str, float]:
+    """Share of zero effective weights per layer."""
+    return {
+        name: 1.0 - float(torch.count_nonzero(effective_weight(m))) / effective_weight(m).numel()
+        for name, m in layers.items()
+    }
+
+
+def global_sparsity(layers: Mapping[str, nn.Module]) -> float:
+    """Share of zero effective weights over all ``layers`` together."""
+    total = sum(effective_weight(m).numel() for m in layers.values())
+    zeros = sum(
+        effective_weight(m).numel() - int(torch.count_nonzero(effective_weight(m))) for m in layers.values()
+    )
+    return zeros / total if total else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- gradient scores
+class TaylorScores:
+    """First-order Taylor importance ``|w * dL/dw|`` per weight (Molchanov et al. 2019), averaged over steps.
+
+    Call :meth:`update` once per optimizer step (after gradients are final, e.g. Lightning's
+    ``on_before_optimizer_step``). Under DDP the gradients are already averaged over ranks there, so every
+    rank holds the same scores. Keyed by parameter name, so scores survive a checkpoint and a remap.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.steps = 0
+
+    @torch.no_grad()
+    def update(
+        self, named_parameters: Iterator[tuple[str, nn.Parameter]] | Sequence[tuple[str, nn.Parameter]]
+    ) -> None:
+        for name, parameter in named_parameters:
+            if parameter.grad is None:
+                continue
+            score = (parameter.detach() * parameter.grad.detach()).abs().float()
+            if name in self.sums and self.sums[name].shape == score.shape:
+                self.sums[name].add_(score)
+            else:
+                self.sums[name] = score.clone()
+        self.steps += 1
+
+    def mean(self, name: str) -> torch.Tensor | None:
+        total = self.sums.get(name)
+        return None if total is None or not self.steps else total / self.steps
+
+    def reset(self) -> None:
+        self.sums.clear()
+        self.steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sums": {name: value.detach().cpu() for name, value in self.sums.items()},
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
+        self.sums = {name: value.to(device) if device else value for name, value in state["sums"].items()}
+        self.steps = int(state["steps"])
+
+
+# ---------------------------------------------------------------------------------------------- copies
+def copy_without_hooks(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` that carries none of its hooks, except ``torch.nn.utils.prune`` masks.
+
+    Hooks registered by others (callbacks, profilers) are shared, not copied, during the copy (a bound method
+    would otherwise pull its owner, and often the whole Trainer, into the copy) and then dropped from it.
+    """
+    memo: dict[int, Any] = {}
+    for submodule in module.modules():
+        for attribute in _HOOK_DICTS:
+            hooks = getattr(submodule, attribute, None)
+            if isinstance(hooks, dict):
+                for hook in hooks.values():
+                    if callable(hook) and not isinstance(hook, prune.BasePruningMethod):
+                        memo[id(hook)] = hook
+        for hook in submodule._forward_pre_hooks.values():
+            if isinstance(hook, prune.BasePruningMethod):
+                # the masked `weight` attribute is recomputed by every forward, usually with a graph attached,
+                # and a non-leaf tensor cannot be deep-copied; the copy recomputes it below
+                derived = submodule.__dict__.get(hook._tensor_name)
+                if isinstance(derived, torch.Tensor):
+                    memo[id(derived)] = None
+    duplicate = copy.deepcopy(module, memo)
+    for submodule in duplicate.modules():
+        for attribute in _HOOK_DICTS:
+            hooks = getattr(submodule, attribute, None)
+            if isinstance(hooks, dict):
+                for key, hook in list(hooks.items()):
+                    if not isinstance(hook, prune.BasePruningMethod):
+                        del hooks[key]
+        for hook in submodule._forward_pre_hooks.values():
+            if isinstance(hook, prune.BasePruningMethod):
+                with torch.no_grad():
+                    setattr(submodule, hook._tensor_name, hook.apply_mask(submodule))
+    return duplicate
+
+
+# ---------------------------------------------------------------------------------------------- structured
+def import_torch_pruning() -> Any:
+    """``torch_pruning``, or an error that says how to install it."""
+    try:
+        import torch_pruning
+    except ImportError as error:  # pragma: no cover - the dev environment has it
+        raise ModuleNotFoundError(
+            "Structured pruning needs torch-pruning: `pip install 'lightning-pulse[pruning]'` "
+            "(or `pip install torch-pruning`)."
+        ) from error
+    return torch_pruning
+
+
+def as_example_inputs(example: Any) -> tuple[Any, ...]:
+    """Positional arguments for ``model(*args)`` from an example input (a tensor or a tuple/list of them)."""
+    return tuple(example) if isinstance(example, (tuple, list)) else (example,)
+
+
+def _to_device(example: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
+    return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example)
+
+
+def build_dependency_graph(model: nn.Module, example_inputs: Any) -> Any:
+    """torch-pruning's dependency graph of ``model``, traced with ``model(*example_inputs)``.
+
+    The tracer switches the model to eval mode and leaves it there; we put every module back in the mode it
+    had, since this runs in the middle of training.
+    """
+    tp = import_torch_pruning()
+    modes = {module: module.training for module in model.modules()}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    inputs = _to_device(as_example_inputs(example_inputs), device)
+    try:
+        with torch.enable_grad():
+            return tp.DependencyGraph().build_dependency(
+                model, example_inputs=inputs, forward_fn=lambda m, args: m(*args), verbose=False
+            )
+    finally:
+        for module, training in modes.items():
+            module.train(training)
+
+
+@dataclass
+class ChannelGroup:
+    """A set of coupled channels that must be removed together, named after its root layer.
+
+    Attributes:
+        root: qualified name of the layer whose output channels lead the group.
+        module: that layer.
+        channels: its current number of output channels.
+        group: torch-pruning's group over all channels (used for importance).
+    """
+
+    root: str
+    module: nn.Module
+    channels: int
+    group: Any
+
+
+def _touches_output(graph: Any, group: Any) -> bool:
+    # A group that prunes the outputs of a node with no consumer changes the model's output (the classifier's
+    # logits); such groups are never pruned.
+    for dependency, _ in group:
+        if not dependency.target.outputs and graph.is_out_channel_pruning_fn(dependency.handler):
+            return True
+    return False
+
+
+def channel_groups(graph: Any, model: nn.Module, roots: Mapping[str, nn.Module]) -> list[ChannelGroup]:
+    """Prunable channel groups whose root is one of ``roots``.
+
+    A group is left out when it also removes output channels of a layer that was not chosen (a residual
+    coupling with an unchosen layer), or when it would change the model's output shape.
+    """
+    root_types = tuple({type(module) for module in roots.values()})
+    chosen = set(roots.values())
+    unchosen = [m for m in model.modules() if isinstance(m, root_types) and m not in chosen]
+    names = {module: name for name, module in model.named_modules()}
+    groups = []
+    for group in graph.get_all_groups(ignored_layers=unchosen, root_module_types=root_types):
+        root_module = group[0].dep.target.module
+        if root_module not in chosen or _touches_output(graph, group):
+            continue
+        pruner = graph.get_pruner_of_module(root_module)
+        groups.append(
+            ChannelGroup(names[root_module], root_module, int(pruner.get_out_channels(root_module)), group)
+        )
+    return groups
+
+
+class _ScoresInPlaceOfWeights:
+    """Temporarily puts per-weight scores where the weights are, so torch-pruning's group magnitude (with
+    ``p=1``) sums scores over each channel and its coupled layers: a grouped Taylor importance."""
+
+    def __init__(self, model: nn.Module, scores: TaylorScores) -> None:
+        self.model = model
+        self.scores = scores
+        self._saved: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        for name, parameter in self.model.named_parameters():
+            score = self.scores.mean(name)
+            if score is None or score.shape != parameter.shape:
+                score = torch.zeros_like(parameter)
+            self._saved.append((parameter, parameter.data))
+            parameter.data = score.to(parameter.data)
+
+    def __exit__(self, *exc: Any) -> None:
+        for parameter, data in self._saved:
+            parameter.data = data
+        self._saved.clear()
+
+
+def channel_importance(
+    model: nn.Module,
+    groups: Sequence[ChannelGroup],
+    importance: str = "magnitude",
+    scores: TaylorScores | None = None,
+    normalize: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Importance of each channel of each group, by root name.
+
+    ``"magnitude"``: the group L2 norm (each channel's weights in the root layer and in every coupled layer).
+    ``"taylor"``: the group sum of averaged ``|w * dL/dw|``. ``normalize`` divides each group by its mean, so
+    groups can be ranked together (global ranking).
+    """
+    if importance not in IMPORTANCES:
+        raise ValueError(f"`importance`={importance!r} is not one of {list(IMPORTANCES)}.")
+    tp = import_torch_pruning()
+    normalizer = "mean" if normalize else None
+    result = {}
+    if importance == "magnitude":
+        scorer = tp.importance.GroupMagnitudeImportance(p=2, normalizer=normalizer)
+        for channel_group in groups:
+            result[channel_group.root] = scorer(channel_group.group)
+        return {name: imp for name, imp in result.items() if imp is not None}
+    if scores is None or not scores.steps:
+        raise ValueError("`importance`='taylor' needs gradient scores from at least one optimizer step.")
+    scorer = tp.importance.GroupMagnitudeImportance(p=1, normalizer=normalizer)
+    with _ScoresInPlaceOfWeights(model, scores):
+        for channel_group in groups:
+            result[channel_group.root] = scorer(channel_group.group)
+    return {name: imp for name, imp in result.items() if imp is not None}
+
+
+def channels_to_remove(
+    importances: Mapping[str, torch.Tensor],
+    original_channels: Mapping[str, int],
+    sparsity: float,
+    ranking: str = "layer",
+    min_channels: int = 1,
+) -> dict[str, list[int]]:
+    """Which channels (current indices) to remove so that ``sparsity`` of the ORIGINAL channels are gone.
+
+    ``"layer"``: every group keeps ``round(original * (1 - sparsity))`` channels. ``"global"``: all groups
+    together keep ``round(sum(original) * (1 - sparsity))``, the lowest importances across groups going
+    first. No group drops below ``min_channels``.
+    """
+    if ranking not in RANKINGS:
+        raise ValueError(f"`ranking`={ranking!r} is not one of {list(RANKINGS)}.")
+    removals: dict[str, list[int]] = {}
+    current = {name: int(imp.numel()) for name, imp in importances.items()}
+    if ranking == "layer":
+        for name, imp in importances.items():
+            keep = max(min_channels, _round_count(1.0 - sparsity, original_channels[name]))
+            count = current[name] - keep
+            if count > 0:
+                removals[name] = sorted(torch.argsort(imp.float().cpu(), stable=True)[:count].tolist())
+        return removals
+    names = list(importances)
+    keep_total = _round_count(1.0 - sparsity, sum(original_channels[name] for name in names))
+    count = sum(current.values()) - max(keep_total, min_channels * len(names))
+    if count <= 0:
+        return removals
+    flat = torch.cat([importances[name].float().cpu() for name in names])
+    owners = [(name, index) for name in names for index in range(current[name])]
+    left = dict(current)
+    for position in torch.argsort(flat, stable=True).tolist():
+        if count == 0:
+            break
+        name, index = owners[position]
+        if left[name] <= min_channels:
+            continue
+        removals.setdefault(name, []).append(index)
+        left[name] -= 1
+        count -= 1
+    return {name: sorted(indices) for name, indices in removals.items()}
+
+
+class ParameterRemap:
+    """What a structural change did to parameters: ``old -> (new, kept)``.
+
+    ``kept`` holds the flat indices of ``old`` that survive in ``new`` (``new.flatten() ==
+    old.flatten()[kept]``), so any tensor shaped like ``old`` (an Adam moment, a score, a cached gradient)
+    can follow with :meth:`apply`. Replacements chained within one event are composed.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor]] = {}
+        self._key_of_new: dict[int, int] = {}
+
+    def add(self, old: nn.Parameter, new: nn.Parameter, kept: torch.Tensor) -> None:
+        key = self._key_of_new.pop(id(old), None)
+        if key is not None:  # `old` was itself created earlier in this event: compose the index maps
+            first_old, _, first_kept = self._entries[key]
+            self._entries[key] = (first_old, new, first_kept[kept])
+        else:
+            key = id(old)
+            self._entries[key] = (old, new, kept)
+        self._key_of_new[id(new)] = key
+
+    def __iter__(self) -> Iterator[tuple[nn.Parameter, nn.Parameter, torch.Tensor]]:
+        return iter(list(self._entries.values()))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def new_of(self, old: torch.Tensor) -> nn.Parameter | None:
+        entry = self._entries.get(id(old))
+        return None if entry is None else entry[1]
+
+    @staticmethod
+    def apply(
+        tensor: torch.Tensor, old_shape: torch.Size, new_shape: torch.Size, kept: torch.Tensor
+    ) -> torch.Tensor:
+        """``tensor`` (shaped like the old parameter) cut down to the new parameter's shape."""
+        if tensor.shape != old_shape:
+            raise ValueError(
+                f"Cannot remap a tensor of shape {tuple(tensor.shape)} onto parameter shape {tuple(old_shape)}."
+            )
+        return tensor.reshape(-1).index_select(0, kept.to(tensor.device)).reshape(new_shape).clone()
+
+
+def remap_optimizer_state(optimizer: torch.optim.Optimizer, remap: ParameterRemap) -> list[str]:
+    """Swap replaced parameters inside ``optimizer`` and cut their state to the new shapes, in place.
+
+    The optimizer stays the same object, so LR schedulers and Lightning's wrappers that hold it stay valid.
+    State tensors shaped like the parameter are cut with the kept indices; scalars (Adam's ``step``) are
+    kept. A state of any other shape cannot be cut and is dropped (the optimizer re-creates it lazily); the
+    returned messages say which.
+    """
+    problems = []
+    for old, new, kept in remap:
+        found = False
+        for group in optimizer.param_groups:
+            for index, parameter in enumerate(group["params"]):
+                if parameter is old:
+                    group["params"][index] = new
+                    found = True
+        if not found or old not in optimizer.state:
+            continue
+        state = optimizer.state.pop(old)
+        moved = {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.shape == old.shape and value.dim() > 0:
+                moved[key] = ParameterRemap.apply(value, old.shape, new.shape, kept)
+            elif isinstance(value, torch.Tensor) and value.numel() > 1:
+                moved = None
+                problems.append(
+                    f"optimizer state {key!r} of shape {tuple(value.shape)} for a parameter of shape "
+                    f"{tuple(old.shape)} cannot be cut to the pruned shape; that parameter's state was reset."
+                )
+                break
+            else:
+                moved[key] = value
+        if moved is not None:
+            optimizer.state[new] = moved
+    return problems
+
+
+def remap_taylor_scores(scores: TaylorScores, model: nn.Module, remap: ParameterRemap) -> None:
+    """Cut accumulated scores of replaced parameters to their new shapes."""
+    name_of_new = {id(parameter): name for name, parameter in model.named_parameters()}
+    for old, new, kept in remap:
+        name = name_of_new.get(id(new))
+        if name is not None and name in scores.sums and scores.sums[name].shape == old.shape:
+            scores.sums[name] = ParameterRemap.apply(scores.sums[name], old.shape, new.shape, kept)
+
+
+def _index_shadow(module: nn.Module) -> nn.Module:
+    # A copy of the layer whose every parameter holds its own flat indices (float64: exact up to 2**53
+    # elements). Running torch-pruning's handler on it tells which elements the real handler keeps, whatever
+    # the layer type and pruned dimension.
+    shadow = copy_without_hooks(module)
+    for submodule in shadow.modules():
+        for name, parameter in list(submodule._parameters.items()):
+            if parameter is not None:
+                encoding = torch.arange(parameter.numel(), dtype=torch.float64, device=parameter.device)
+                submodule._parameters[name] = nn.Parameter(
+                    encoding.view(parameter.shape), requires_grad=False
+                )
+    return shadow
+
+
+def _named_parameters_of(module: nn.Module) -> dict[tuple[nn.Module, str], nn.Parameter]:
+    return {
+        (submodule, name): parameter
+        for submodule in module.modules()
+        for name, parameter in submodule._parameters.items()
+        if parameter is not None
+    }
+
+
+def prune_group(
+    graph: Any, model: nn.Module, root: nn.Module, indices: Sequence[int], remap: ParameterRemap
+) -> None:
+    """Remove output channels ``indices`` of ``root`` and everything coupled to them; record replacements."""
+    pruner = graph.get_pruner_of_module(root)
+    group = graph.get_pruning_group(root, pruner.prune_out_channels, list(indices))
+    if not graph.check_pruning_group(group):
+        raise ValueError(f"Removing {len(indices)} channels from {root} would leave a layer with no channel.")
+    real_modules = set(model.modules())
+    targets = []
+    for dependency, _ in group:
+        module = dependency.target.module
+        if isinstance(module, nn.Parameter):
+            raise NotImplementedError("Channel groups that cut a bare nn.Parameter are not supported.")
+        if module in real_modules and module not in targets:
+            targets.append(module)
+    shadows = {module: _index_shadow(module) for module in targets}
+    before = {module: _named_parameters_of(module) for module in targets}
+    for dependency, dependency_indices in group:
+        module = dependency.target.module
+        if module in shadows:
+            dependency.handler.__self__.pruning_dim = dependency.target.pruning_dim
+            dependency.handler(shadows[module], list(dependency_indices))
+    group.prune()
+    for module in targets:
+        paths = {submodule: path for path, submodule in module.named_modules()}
+        shadow_modules = dict(shadows[module].named_modules())
+        for (owner, name), old in before[module].items():
+            new = owner._parameters[name]
+            if new is old:
+                continue
+            kept = shadow_modules[paths[owner]]._parameters[name].detach().reshape(-1).long()
+            new.requires_grad_(old.requires_grad)  # torch-pruning creates trainable parameters
+            remap.add(old, new, kept)
+
+
+@dataclass
+class StructuredResult:
+    """Outcome of one structured pruning call.
+
+    Attributes:
+        removed: root name -> number of channels removed now.
+        history: torch-pruning's history entries ``[root name, is_out_channel, indices]`` of this call, in
+            order; replaying all calls' entries on a fresh module reproduces the pruned shapes.
+        remap: the parameters replaced.
+    """
+
+    removed: dict[str, int]
+    history: list[list[Any]]
+    remap: ParameterRemap
+
+
+def prune_channels(
+    model: nn.Module,
+    example_inputs: Any,
+    layers: Mapping[str, nn.Module],
+    sparsity: float,
+    original_channels: dict[str, int],
+    ranking: str = "layer",
+    importance: str = "magnitude",
+    scores: TaylorScores | None = None,
+    min_channels: int = 1,
+) -> StructuredResult:
+    """Physically remove channels so that ``sparsity`` of the original channels of ``layers`` are gone.
+
+    ``original_channels`` maps root names to their channel count before any pruning; groups seen for the
+    first time are added to it (so pass the same dict on every call).
+    """
+    graph = build_dependency_graph(model, example_inputs)
+    groups = channel_groups(graph, model, layers)
+    for channel_group in groups:
+        original_channels.setdefault(channel_group.root, channel_group.channels)
+    importances = channel_importance(model, groups, importance, scores, normalize=ranking == "global")
+    removals = channels_to_remove(importances, original_channels, sparsity, ranking, min_channels)
+    remap = ParameterRemap()
+    roots = {channel_group.root: channel_group.module for channel_group in groups}
+    for root_name, indices in removals.items():
+        prune_group(graph, model, roots[root_name], indices, remap)
+    history = [
+        [str(name), bool(is_out), [int(i) for i in idxs]] for name, is_out, idxs in graph.pruning_history()
+    ]
+    return StructuredResult({name: len(indices) for name, indices in removals.items()}, history, remap)
+
+
+def replay_structure(model: nn.Module, example_inputs: Any, history: Sequence[Sequence[Any]]) -> None:
+    """Re-apply recorded structured pruning to a freshly built ``model``, so a pruned state dict fits it."""
+    if not history:
+        return
+    graph = build_dependency_graph(model, example_inputs)
+    graph.load_pruning_history([[name, is_out, list(indices)] for name, is_out, indices in history])
+
+
+def channel_counts(model: nn.Module, names: Sequence[str]) -> dict[str, int]:
+    """Current output channels of the named layers (``out_channels`` / ``out_features`` / ``num_features``)."""
+    modules = dict(model.named_modules())
+    counts = {}
+    for name in names:
+        module = modules.get(name)
+        if module is None:
+            continue
+        for attribute in ("out_channels", "out_features", "num_features", "num_embeddings"):
+            if isinstance(getattr(module, attribute, None), int):
+                counts[name] = int(getattr(module, attribute))
+                break
+    return counts
+
+
+def channel_sparsity(
+    counts: Mapping[str, int], original_channels: Mapping[str, int]
+) -> tuple[float, dict[str, float]]:
+    """Global and per-layer share of original channels removed."""
+    per_layer = {
+        name: 1.0 - counts[name] / original_channels[name] for name in original_channels if name in counts
+    }
+    total = sum(original_channels[name] for name in per_layer)
+    left = sum(counts[name] for name in per_layer)
+    return (1.0 - left / total if total else 0.0), per_layer

@@ -1,0 +1,267 @@
+"""The pruning and distillation core, on real small networks, without a Trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from examples.mnist1d.models import build_mnist1d_network
+from lightning_pulse.core import pruning
+from lightning_pulse.core.distillation import LogitDistiller, distillation_loss
+
+
+def _cnn(seed: int = 0, channels: int = 25) -> nn.Module:
+    torch.manual_seed(seed)
+    return build_mnist1d_network("cnn", channels=channels)
+
+
+def _layers(model: nn.Module) -> dict[str, nn.Module]:
+    return pruning.select_layers(model, pruning.resolve_layer_types(pruning.DEFAULT_LAYER_TYPES))
+
+
+def _magnitude_scores(layers):
+    return {name: pruning.effective_weight(module).abs() for name, module in layers.items()}
+
+
+def _train_steps(model, optimizer, steps=3, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(32, 40, generator=generator)
+        y = torch.randint(0, 10, (32,), generator=generator)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def test_cubic_schedule_follows_zhu_gupta():
+    values = [pruning.cubic_sparsity(t, 0.1, 0.9, 100, 500) for t in (0, 100, 200, 300, 500, 900)]
+    assert values[0] == values[1] == 0.1 and values[-2] == values[-1] == 0.9
+    # s_t = s_f + (s_i - s_f)(1 - (t - t0)/(n dt))^3 at a quarter and half of the way
+    assert values[2] == pytest.approx(0.9 - 0.8 * 0.75**3)
+    assert values[3] == pytest.approx(0.9 - 0.8 * 0.5**3)
+    # fast early, slow late: the first quarter adds more sparsity than the last half
+    assert values[2] - values[1] > values[4] - values[3]
+
+
+def test_unstructured_targets_are_absolute_and_masks_only_lose_weights():
+    model = _cnn()
+    layers = _layers(model)
+    masks_by_target = {}
+    for target in (0.5, 0.7):
+        previous = {name: pruning.current_mask(module) for name, module in layers.items()}
+        masks = pruning.unstructured_masks(_magnitude_scores(layers), target, "layer", previous)
+        pruning.apply_masks(layers, masks)
+        masks_by_target[target] = {name: module.weight_mask.clone() for name, module in layers.items()}
+        for name, module in layers.items():
+            expected_zeros = int(target * module.weight_orig.numel() + 0.5)
+            assert int((module.weight_mask == 0).sum()) == expected_zeros, name
+    # 50% then 70% is 70%, not the 85% that multiplying the masks would give
+    assert pruning.global_sparsity(layers) == pytest.approx(0.7, abs=1e-3)
+    for name in layers:
+        pruned_at_half = masks_by_target[0.5][name] == 0
+        assert bool((masks_by_target[0.7][name][pruned_at_half] == 0).all())
+
+
+def test_global_ranking_spreads_sparsity_unevenly_and_layer_ranking_evenly():
+    model = _cnn()
+    layers = _layers(model)
+    global_masks = pruning.unstructured_masks(_magnitude_scores(layers), 0.6, "global")
+    zeros = {name: float((mask == 0).float().mean()) for name, mask in global_masks.items()}
+    total = sum(m.numel() for m in global_masks.values())
+    assert sum(int((m == 0).sum()) for m in global_masks.values()) == int(0.6 * total + 0.5)
+    assert max(zeros.values()) - min(zeros.values()) > 0.1  # layers with small weights lose more
+    layer_masks = pruning.unstructured_masks(_magnitude_scores(layers), 0.6, "layer")
+    assert all(abs(float((m == 0).float().mean()) - 0.6) < 0.01 for m in layer_masks.values())
+
+
+def test_masks_keep_parameter_order_and_fold_permanently():
+    model = _cnn()
+    names = [name for name, _ in model.named_parameters()]
+    optimizer = torch.optim.Adam(model.parameters())
+    layers = _layers(model)
+    pruning.apply_masks(layers, pruning.unstructured_masks(_magnitude_scores(layers), 0.5, "layer"))
+    # same order as before masking: optimizer checkpoints index parameters by position
+    assert [name.replace("_orig", "") for name, _ in model.named_parameters()] == names
+    assert [p for p in model.parameters()] == optimizer.param_groups[0]["params"]
+    x = torch.randn(4, 40)
+    masked_output = model(x)
+    assert pruning.make_masks_permanent(model) == list(layers)
+    assert [name for name, _ in model.named_parameters()] == names
+    assert torch.allclose(model(x), masked_output)
+    assert pruning.count_parameters(model)["params_nonzero"] < pruning.count_parameters(model)["params"]
+
+
+def test_structured_pruning_removes_channels_and_cuts_coupled_layers():
+    model = _cnn()
+    layers = _layers(model)
+    original: dict[str, int] = {}
+    x = torch.randn(8, 40)
+    result = pruning.prune_channels(model, x[:2], layers, 0.5, original)
+    # the classifier's output is never cut; its input follows the last conv (13 channels x 5 positions)
+    assert original == {"1": 25, "3": 25, "5": 25} and result.removed == {"1": 12, "3": 12, "5": 12}
+    assert [model[i].out_channels for i in (1, 3, 5)] == [13, 13, 13]
+    assert model[8].in_features == 65 and model[8].out_features == 10
+    assert model(x).shape == (8, 10)
+    assert model.training  # the tracer's eval() was undone
+    for old, new, kept in result.remap:
+        assert torch.equal(new.detach().flatten(), old.detach().flatten()[kept])
+
+
+def test_optimizer_state_follows_the_kept_channels():
+    model = _cnn()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=20)
+    _train_steps(model, optimizer)
+    old_state = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()}
+    result = pruning.prune_channels(model, torch.randn(2, 40), _layers(model), 0.5, {})
+    assert pruning.remap_optimizer_state(optimizer, result.remap) == []
+    assert optimizer.param_groups[0]["params"] == list(model.parameters())
+    for old, new, kept in result.remap:
+        state = optimizer.state[new]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key].flatten(), old_state[id(old)][key].flatten()[kept])
+        assert state["step"] == old_state[id(old)]["step"]
+    assert all(old not in optimizer.state for old, _, _ in result.remap)
+    # the same optimizer and scheduler keep training the smaller model
+    _train_steps(model, optimizer, steps=2)
+    scheduler.step()
+    assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in model.parameters())
+
+
+def test_state_that_cannot_be_cut_is_reset_with_a_message():
+    model = _cnn()
+    optimizer = torch.optim.Adam(model.parameters())
+    _train_steps(model, optimizer, steps=1)
+    weight = model[1].weight
+    optimizer.state[weight]["odd"] = torch.zeros(3, 3)
+    result = pruning.prune_channels(model, torch.randn(2, 40), _layers(model), 0.5, {})
+    problems = pruning.remap_optimizer_state(optimizer, result.remap)
+    assert len(problems) == 1 and "'odd'" in problems[0]
+    assert model[1].weight not in optimizer.state
+
+
+def test_replay_rebuilds_pruned_shapes_on_a_fresh_model():
+    model = _cnn(seed=0)
+    original: dict[str, int] = {}
+    example = torch.randn(2, 40)
+    history = pruning.prune_channels(model, example, _layers(model), 0.4, original).history
+    history += pruning.prune_channels(model, example, _layers(model), 0.7, original, ranking="global").history
+    fresh = _cnn(seed=1)
+    pruning.replay_structure(fresh, example, history)
+    fresh.load_state_dict(model.state_dict())
+    x = torch.randn(16, 40)
+    assert torch.equal(fresh(x), model(x))
+
+
+def test_global_channel_ranking_keeps_min_channels():
+    importances = {"a": torch.tensor([0.1, 0.2, 0.3, 0.4]), "b": torch.tensor([5.0, 6.0, 7.0, 8.0])}
+    removals = pruning.channels_to_remove(importances, {"a": 4, "b": 4}, 0.5, "global", min_channels=2)
+    assert removals == {"a": [0, 1], "b": [0, 1]}
+    removals = pruning.channels_to_remove(importances, {"a": 4, "b": 4}, 0.5, "global", min_channels=1)
+    assert removals == {"a": [0, 1, 2], "b": [0]}
+    assert pruning.channels_to_remove(importances, {"a": 4, "b": 4}, 0.5, "layer") == {
+        "a": [0, 1],
+        "b": [0, 1],
+    }
+
+
+def test_taylor_importance_ranks_by_weight_times_gradient():
+    # two hidden neurons: one with big weights that the loss does not care about, one small but useful
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[5.0, 5.0], [0.5, 0.5]]))
+        model[0].bias.zero_()
+        model[2].weight.copy_(torch.tensor([[1e-4, 1.0]]))
+    scores = pruning.TaylorScores()
+    x = torch.rand(64, 2)
+    model.zero_grad()
+    F.mse_loss(model(x).squeeze(1), torch.zeros(64) - 1).backward()
+    scores.update(model.named_parameters())
+    layers = {"0": model[0]}
+    magnitude = pruning.channels_to_remove(
+        pruning.channel_importance(
+            model, pruning.channel_groups(pruning.build_dependency_graph(model, x[:2]), model, layers)
+        ),
+        {"0": 2},
+        0.5,
+    )
+    graph = pruning.build_dependency_graph(model, x[:2])
+    taylor = pruning.channels_to_remove(
+        pruning.channel_importance(model, pruning.channel_groups(graph, model, layers), "taylor", scores),
+        {"0": 2},
+        0.5,
+    )
+    assert magnitude == {"0": [1]} and taylor == {"0": [0]}
+    assert torch.equal(model[0].weight, torch.tensor([[5.0, 5.0], [0.5, 0.5]]))  # scores were put back
+
+
+def test_layer_selection_by_type_and_name_pattern():
+    model = _cnn()
+    conv_types = pruning.resolve_layer_types(["Conv1d"])
+    assert list(pruning.select_layers(model, conv_types)) == ["1", "3", "5"]
+    assert list(pruning.select_layers(model, (), pattern=r"^[58]$")) == ["5", "8"]
+    assert list(pruning.select_layers(model, conv_types, exclude=r"^1$")) == ["3", "5"]
+    assert pruning.resolve_layer_types(["torch.nn.Linear", nn.Conv2d]) == (nn.Linear, nn.Conv2d)
+    with pytest.raises(ValueError, match="`layer_types` entry 'Nonsense'"):
+        pruning.resolve_layer_types(["Nonsense"])
+
+
+def test_copy_without_hooks_keeps_masks_and_drops_foreign_hooks():
+    model = _cnn()
+    layers = _layers(model)
+    pruning.apply_masks(layers, pruning.unstructured_masks(_magnitude_scores(layers), 0.5, "layer"))
+    calls = []
+
+    class Owner:  # a stand-in for a callback that must not be copied along
+        def hook(self, module, args, output):
+            calls.append(module)
+
+    owner = Owner()
+    model.register_forward_hook(owner.hook)
+    duplicate = pruning.copy_without_hooks(model)
+    x = torch.randn(3, 40)
+    assert torch.equal(duplicate(x), model(x))
+    assert calls == [model]  # the copy did not fire the hook
+    assert pruning.current_mask(duplicate[1]) is not None
+
+
+def test_distillation_gradient_equals_the_gradient_of_the_kl_term():
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(6, 5), nn.Linear(6, 5)
+    x, y = torch.randn(4, 3, 6), torch.randint(0, 5, (4, 3))
+    weight, temperature = 0.7, 2.5
+
+    def user_loss(logits):
+        return F.cross_entropy(logits.reshape(-1, 5), y.reshape(-1))
+
+    distiller = LogitDistiller(student, teacher, weight=weight, temperature=temperature)
+    distiller.attach()
+    logits = student(x)
+    user_loss(logits).backward()
+    hooked = student.weight.grad.clone()
+    distiller.detach()
+    assert distiller.calls == 1
+
+    student.zero_grad()
+    logits = student(x)
+    with torch.no_grad():
+        teacher_logits = teacher(x)
+    (user_loss(logits) + weight * distillation_loss(logits, teacher_logits, temperature)).backward()
+    assert torch.allclose(hooked, student.weight.grad, atol=1e-6)
+    expected = float(distillation_loss(logits.detach(), teacher_logits, temperature))
+    assert distiller.mean_loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_distiller_ignores_evaluation_and_non_logit_outputs():
+    student, teacher = nn.Linear(4, 3), nn.Linear(4, 3)
+    distiller = LogitDistiller(student, teacher)
+    distiller.attach()
+    with torch.no_grad():
+        student(torch.randn(2, 4))
+    student.eval()
+    student(torch.randn(2, 4))
+    student.train()
+    student(torch.randn(4))  # a 1-D output is no batch of logits
+    assert distiller.calls == 0

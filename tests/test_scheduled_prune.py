@@ -1,0 +1,273 @@
+"""ScheduledPrune through real Trainers on MNIST-1D: schedule, phases, structured shrinkage, resume, export."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers.logger import Logger
+from torch.utils.data import DataLoader
+
+from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+from lightning_pulse import Phase, PulseCycle, ScheduledPrune
+from lightning_pulse.core import pruning
+from tests.conftest import trainer_kwargs
+
+
+class RecordingLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.records.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def logged(self, key: str) -> list[tuple[int, float]]:
+        return [(step, metrics[key]) for step, metrics in self.records if key in metrics]
+
+
+class OptimizerWatch(Callback):
+    """Remembers the optimizer and scheduler objects the run started with."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.optimizer = trainer.optimizers[0]
+        self.schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+
+
+def _fixed_order_loaders(data: MNIST1DDataModule) -> tuple[DataLoader, DataLoader]:
+    # an unshuffled loader makes an interrupted and an uninterrupted run see the same batches
+    data.setup()
+    return DataLoader(data.train_set, batch_size=64), DataLoader(data.val_set, batch_size=64)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"final_sparsity": 1.0}, "`final_sparsity`"),
+        ({"final_sparsity": 0.3, "initial_sparsity": 0.5}, "`initial_sparsity`"),
+        ({"mode": "channels"}, "`mode`"),
+        ({"cadence": "hourly"}, "`cadence`"),
+        ({"ranking": "best"}, "`ranking`"),
+        ({"importance": "hessian"}, "`importance`"),
+        ({"start": 1.5}, "`start`"),
+        ({"start": 50, "end": 10}, "`end`"),
+        ({"every": 0}, "`every`"),
+        ({"layer_types": ["Nonsense"]}, "`layer_types`"),
+        ({"layer_pattern": "(unclosed"}, "`layer_pattern`"),
+        ({"mode": "structured", "lottery_ticket_reset": True}, "`lottery_ticket_reset`"),
+        ({"distill_temperature": 0}, "`distill_temperature`"),
+        ({"probe_batches": -1}, "`probe_batches`"),
+        ({"min_channels": True}, "`min_channels`"),
+    ],
+)
+def test_invalid_arguments_fail_at_construction(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ScheduledPrune(**kwargs)
+
+
+def test_step_cadence_follows_the_cubic_schedule_to_an_absolute_target(mnist1d_small):
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    logger = RecordingLogger()
+    prune = ScheduledPrune(final_sparsity=0.7, start=10, end=40, every=10, ranking="global", probe_batches=1)
+    trainer = pl.Trainer(max_steps=48, callbacks=[prune], **trainer_kwargs(logger=logger))
+    trainer.fit(model, data)
+
+    # step 10 is the schedule's start (target 0): no event; then every 10 steps up to the end
+    assert [event["step"] for event in prune.events] == [20, 30, 40]
+    for event in prune.events:
+        assert event["target_sparsity"] == pytest.approx(
+            pruning.cubic_sparsity(event["step"], 0.0, 0.7, 10, 40)
+        )
+        assert event["sparsity"] == pytest.approx(event["target_sparsity"], abs=1e-3)
+        assert set(event["probe_after"]) == {"val_acc", "val_loss"} and event["step_time_before"] > 0
+    assert prune.events[-1]["target_sparsity"] == 0.7 and prune.finished
+    assert (
+        prune.events[0]["step_time_after"] > 0
+        and prune.events[0]["params_nonzero"] < prune.events[0]["params"]
+    )
+    assert [step for step, _ in logger.logged("prune/sparsity")] == [20, 30, 40]
+    assert logger.logged("prune/layer/net.8") and logger.logged("prune/val_acc_after")
+    # masks were made permanent at fit end, with 70% of the chosen weights zero
+    assert not any(name.endswith("_orig") for name, _ in model.named_parameters())
+    weights = [model.net[i].weight for i in (1, 3, 5, 8)]
+    zeros = sum(int((w == 0).sum()) for w in weights) / sum(w.numel() for w in weights)
+    assert zeros == pytest.approx(0.7, abs=1e-3)
+
+
+def test_events_happen_only_when_maintain_phases_start(mnist1d_small):
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    cycle = PulseCycle(burst=6, replay=3, maintain=3, warmup=0, anneal=0, probe_batches=1)
+    prune = ScheduledPrune(final_sparsity=0.5, start=0, end=30, probe_batches=1, make_permanent=False)
+    trainer = pl.Trainer(max_steps=40, callbacks=[cycle, prune], **trainer_kwargs())
+    trainer.fit(model, data)
+
+    maintain_starts = [c.step for c in cycle.history if c.current is Phase.MAINTAIN]
+    assert maintain_starts == [9, 21, 33]
+    assert [event["step"] for event in prune.events] == [9, 21, 33]
+    assert all(event["phase"] == "maintain" for event in prune.events)
+    # the accuracy before an event is the probe PulseCycle ran at that maintain entry
+    assert prune.events[-1]["probe_before"] == cycle.last_probe
+    assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert pruning.current_mask(model.net[1]) is not None  # make_permanent=False keeps the masks
+
+
+def test_structured_pruning_shrinks_the_model_and_training_goes_on(mnist1d_small, tmp_path):
+    pl.seed_everything(0)
+    model, data = mnist1d_small(scheduler="onecycle")
+    watch = OptimizerWatch()
+    cycle = PulseCycle(burst=6, replay=2, maintain=4, warmup=0, anneal=0.1, probe_batches=1)
+    export = tmp_path / "pruned.pt"
+    prune = ScheduledPrune(
+        final_sparsity=0.5,
+        mode="structured",
+        start=0,
+        end=20,
+        distill=True,
+        probe_batches=1,
+        export_path=str(export),
+    )
+    kwargs = trainer_kwargs(accumulate_grad_batches=2, precision="bf16-mixed")
+    trainer = pl.Trainer(max_steps=36, callbacks=[cycle, prune, watch], **kwargs)
+    trainer.fit(model, data)
+
+    assert [model.net[i].out_channels for i in (1, 3, 5)] == [13, 13, 13]
+    assert model.net[8].in_features == 65 and model.net[8].out_features == 10
+    assert prune.events[-1]["params"] < prune.events[0]["params"] < 5210
+    # the optimizer and the OneCycle scheduler are the objects the run started with, now on the new parameters
+    optimizer = trainer.optimizers[0]
+    assert optimizer is watch.optimizer and trainer.lr_scheduler_configs[0].scheduler.optimizer is optimizer
+    assert optimizer.param_groups[0]["params"] == list(model.parameters())
+    assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in model.parameters())
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    # distillation ran in each maintain window after an event, and stopped when the window ended
+    maintain_batches = 4 * 2  # 4 optimizer steps of 2 accumulated batches
+    assert all(0 < event["distill_calls"] <= maintain_batches for event in prune.events)
+    assert prune._distiller is None
+    # the exported model is the pruned one, without masks or hooks
+    exported = torch.load(export, weights_only=False)
+    x = torch.randn(5, 40)
+    assert exported.net[3].out_channels == 13
+    assert torch.allclose(exported(x), model(x))
+
+
+def _structured_resume_callbacks():
+    return ScheduledPrune(
+        final_sparsity=0.6,
+        mode="structured",
+        start=4,
+        end=30,
+        every=6,
+        ranking="global",
+        importance="taylor",
+        distill=True,
+        distill_steps=5,
+        probe_batches=1,
+    )
+
+
+def test_resume_rebuilds_pruned_shapes_and_continues_like_the_uninterrupted_run(tmp_path):
+    data = MNIST1DDataModule(num_samples=1000, batch_size=64)
+    train, val = _fixed_order_loaders(data)
+
+    pl.seed_everything(0)
+    model = MNIST1DClassifier()
+    prune = _structured_resume_callbacks()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1)
+    trainer = pl.Trainer(
+        max_epochs=3, callbacks=[prune, checkpoints], **trainer_kwargs(enable_checkpointing=True)
+    )
+    trainer.fit(model, train, val)
+    uninterrupted, full_events = model, prune.events
+
+    # at the end of epoch 1 (step 24) channels are already gone and a distillation window is open
+    checkpoint = torch.load(next(tmp_path.glob("epoch=1-*.ckpt")), weights_only=False)
+    assert checkpoint["callbacks"]["ScheduledPrune"]["teacher"]["steps_left"] > 0
+    assert checkpoint["state_dict"]["net.3.weight"].shape[0] < 25
+
+    pl.seed_everything(0)
+    model = MNIST1DClassifier()  # freshly built: 25 channels everywhere
+    prune = _structured_resume_callbacks()
+    trainer = pl.Trainer(max_epochs=3, callbacks=[prune], **trainer_kwargs())
+    trainer.fit(model, train, val, ckpt_path=str(next(tmp_path.glob("epoch=1-*.ckpt"))))
+
+    def comparable(events):
+        skip = ("seconds", "step_time_before", "step_time_after", "step_speedup", "distill_loss")
+        return [{k: v for k, v in event.items() if k not in skip} for event in events]
+
+    assert comparable(prune.events) == comparable(full_events)
+    resumed_state, full_state = model.state_dict(), uninterrupted.state_dict()
+    assert resumed_state.keys() == full_state.keys()
+    for key in full_state:
+        assert torch.allclose(resumed_state[key], full_state[key], atol=1e-6), key
+
+    # outside a Trainer, the same checkpoint loads into a fresh module
+    fresh = ScheduledPrune.load_pruned(MNIST1DClassifier(), checkpoint)
+    assert fresh.net[3].weight.shape == checkpoint["state_dict"]["net.3.weight"].shape
+
+
+def test_resume_restores_unstructured_masks_and_optimizer_order(tmp_path):
+    data = MNIST1DDataModule(num_samples=1000, batch_size=64)
+    train, val = _fixed_order_loaders(data)
+
+    def run(ckpt_path=None, checkpoint_dir=None):
+        pl.seed_everything(0)
+        model = MNIST1DClassifier()
+        prune = ScheduledPrune(
+            final_sparsity=0.8, start=4, end=30, every=5, make_permanent=False, probe_batches=0
+        )
+        callbacks = [prune]
+        if checkpoint_dir is not None:
+            callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, every_n_epochs=1, save_top_k=-1))
+        trainer = pl.Trainer(
+            max_epochs=3,
+            callbacks=callbacks,
+            **trainer_kwargs(enable_checkpointing=checkpoint_dir is not None),
+        )
+        trainer.fit(model, train, val, ckpt_path=ckpt_path)
+        return model, trainer
+
+    full_model, full_trainer = run(checkpoint_dir=tmp_path)
+    resumed_model, resumed_trainer = run(ckpt_path=str(next(tmp_path.glob("epoch=1-*.ckpt"))))
+    assert torch.equal(resumed_model.net[3].weight_mask, full_model.net[3].weight_mask)
+    for key, value in full_model.state_dict().items():
+        assert torch.allclose(resumed_model.state_dict()[key], value, atol=1e-6), key
+    full_optimizer, resumed_optimizer = full_trainer.optimizers[0], resumed_trainer.optimizers[0]
+    for full_p, resumed_p in zip(
+        full_optimizer.param_groups[0]["params"], resumed_optimizer.param_groups[0]["params"]
+    ):
+        assert torch.allclose(
+            full_optimizer.state[full_p]["exp_avg"], resumed_optimizer.state[resumed_p]["exp_avg"]
+        )
+
+
+def test_spawning_ddp_refuses_structured_mode_at_setup(mnist1d_small):
+    model, _ = mnist1d_small()
+    trainer = pl.Trainer(**trainer_kwargs(devices=2, strategy="ddp_spawn"))
+    with pytest.raises(ValueError, match="strategy='ddp'"):
+        ScheduledPrune(mode="structured").setup(trainer, model, stage="fit")
+    with pytest.raises(ValueError, match="make_permanent=False"):
+        ScheduledPrune(make_permanent=False).setup(trainer, model, stage="fit")
+    ScheduledPrune().setup(trainer, model, stage="fit")  # masks folded at fit end: fine
+
+
+def test_no_matching_layer_fails_at_fit_start(mnist1d_small):
+    model, data = mnist1d_small()
+    trainer = pl.Trainer(
+        max_steps=2, callbacks=[ScheduledPrune(layer_pattern="^nothing$")], **trainer_kwargs()
+    )
+    with pytest.raises(ValueError, match="no layer"):
+        trainer.fit(model, data)

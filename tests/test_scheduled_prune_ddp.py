@@ -1,0 +1,129 @@
+"""ScheduledPrune under DDP with two CPU processes over gloo.
+
+Unstructured masks under ``ddp_spawn``; structured channel removal under ``strategy="ddp"`` (a subprocess
+launch, since spawning strategies refuse structured mode), where the module must be re-wrapped so the new
+parameters' gradients are still averaged over ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_pulse import ScheduledPrune
+from tests.conftest import trainer_kwargs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class MaskDump(Callback):
+    """Writes each rank's masks (as lists) and pruning events to ``<directory>/rank<r>.json``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        prune = next(c for c in trainer.callbacks if isinstance(c, ScheduledPrune))
+        masks = {
+            name: module.weight_mask.flatten().tolist()
+            for name, module in pl_module.named_modules()
+            if hasattr(module, "weight_mask")
+        }
+        events = [{k: event[k] for k in ("step", "target_sparsity", "sparsity")} for event in prune.events]
+        Path(self.directory, f"rank{trainer.global_rank}.json").write_text(
+            json.dumps({"masks": masks, "events": events})
+        )
+
+
+@pytest.mark.ddp
+def test_ranks_build_identical_masks_under_ddp_spawn(mnist1d_small, tmp_path):
+    model, data = mnist1d_small()
+    prune = ScheduledPrune(final_sparsity=0.6, start=2, end=10, every=4, probe_batches=1)
+    trainer = pl.Trainer(
+        max_steps=12,
+        callbacks=[prune, MaskDump(str(tmp_path))],
+        **trainer_kwargs(devices=2, strategy="ddp_spawn"),
+    )
+    trainer.fit(model, data)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert rank0 == rank1
+    assert [event["step"] for event in rank0["events"]] == [6, 10] and rank0["events"][-1][
+        "sparsity"
+    ] == pytest.approx(0.6, abs=1e-3)
+    # masks were folded at fit end, so the main process received rank 0's dense, 60%-zero weights
+    weight = model.net[3].weight
+    assert float((weight == 0).float().mean()) == pytest.approx(0.6, abs=1e-3)
+
+
+_DDP_SCRIPT = """
+import json, sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+from lightning_pulse import ScheduledPrune
+
+torch.set_num_threads(1)
+out = Path(sys.argv[1])
+
+
+class Dump(Callback):
+    def on_train_end(self, trainer, pl_module):
+        wrapper = trainer.strategy.model
+        Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps({
+            "channels": [pl_module.net[i].out_channels for i in (1, 3, 5)],
+            "params": {name: p.detach().flatten().tolist() for name, p in pl_module.named_parameters()},
+            "wrapped_params": sum(p.numel() for p in wrapper.parameters()),
+            "module_params": sum(p.numel() for p in pl_module.parameters()),
+            "wraps_module": wrapper.module is pl_module,
+            "events": [event["step"] for event in trainer.callbacks[0].events],
+        }))
+
+
+pl.seed_everything(0)
+prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=2, end=8, every=3, probe_batches=1)
+trainer = pl.Trainer(
+    accelerator="cpu", devices=2, strategy="ddp", max_steps=14, callbacks=[prune, Dump()], logger=False,
+    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+)
+trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=32))
+"""
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_structured_pruning_under_ddp_rewraps_and_keeps_ranks_in_sync(tmp_path):
+    script = tmp_path / "structured_ddp.py"
+    script.write_text(textwrap.dedent(_DDP_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    completed = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert rank0["events"] == rank1["events"] == [5, 8]
+    assert rank0["channels"] == rank1["channels"] == [13, 13, 13]
+    # the DDP wrapper holds the pruned module, not stale full-size parameters
+    assert rank0["wraps_module"] and rank0["wrapped_params"] == rank0["module_params"]
+    # six more steps on different data shards after the last event: equal only if gradients were averaged
+    for name, values in rank0["params"].items():
+        assert torch.allclose(torch.tensor(values), torch.tensor(rank1["params"][name]), atol=1e-6), name
