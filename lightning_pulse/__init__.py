@@ -1,6 +1,7 @@
 """lightning-pulse: pulse training, energy accounting and stability for PyTorch Lightning."""
 
 from lightning_pulse.callbacks.mhc_monitor import HyperConnectionMonitor
+from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, phase_of, pulse_cycle_of
 from lightning_pulse.callbacks.scheduled_prune import ScheduledPrune
 from lightning_pulse.phase import Duration, Phase, PhaseChange, PhaseClock, parse_duration
@@ -9,6 +10,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Duration",
+    "EnergyLogger",
     "HyperConnectionMonitor",
     "Phase",
     "PhaseChange",

@@ -1,1 +1,50 @@
-"""Energy meters, carbon-intensity series and reports."""
+"""Energy meters (NVML, RAPL, codecarbon, constant), carbon-intensity and price series, the ledger that
+attributes energy to phases, and the report."""
+
+from lightning_pulse.energy.carbon import Rate, TimeSeries, carbon_intensity_from, price_from
+from lightning_pulse.energy.codecarbon_meter import (
+    CodecarbonMeter,
+    CodecarbonSession,
+    country_carbon_intensity,
+)
+from lightning_pulse.energy.constant import ConstantPowerMeter
+from lightning_pulse.energy.ledger import EnergyLedger, predict_run
+from lightning_pulse.energy.meter import (
+    ESTIMATED,
+    MEASURED,
+    NONE,
+    EnergyMeter,
+    MeterChain,
+    MeterError,
+    MeterUnavailable,
+)
+from lightning_pulse.energy.nvml import NvmlCounterMeter, NvmlPowerMeter
+from lightning_pulse.energy.rapl import RaplMeter
+from lightning_pulse.energy.report import render_report, write_report
+from lightning_pulse.energy.sampler import EnergySampler
+
+__all__ = [
+    "ESTIMATED",
+    "MEASURED",
+    "NONE",
+    "CodecarbonMeter",
+    "CodecarbonSession",
+    "ConstantPowerMeter",
+    "EnergyLedger",
+    "EnergyMeter",
+    "EnergySampler",
+    "MeterChain",
+    "MeterError",
+    "MeterUnavailable",
+    "NvmlCounterMeter",
+    "NvmlPowerMeter",
+    "RaplMeter",
+    "Rate",
+    "TimeSeries",
+    "carbon_intensity_from",
+    "country_carbon_intensity",
+    "predict_run",
+    "price_from",
+    "render_report",
+    "write_report",
+]

@@ -1,0 +1,72 @@
+"""How many samples and tokens a batch holds, for energy per sample and per token.
+
+* Samples: the length of the first tensor found in the batch (depth first through mappings, lists and
+  tuples), i.e. its dimension 0. A batch with no tensor counts 1.
+* Tokens, when the batch tells:
+  - a mapping with ``attention_mask``: the number of non-zero mask entries (padding excluded);
+  - a mapping with ``input_ids``: its number of elements;
+  - a list or tuple whose first item is an integer tensor of rank >= 2 (token ids ``(B, T)``): ``B * T``;
+  - otherwise unknown (``None``), and the per-token figure is reported as *none*.
+
+An ``attention_mask`` sum is returned as a tensor so that a GPU batch is not synchronised every step; the
+caller converts it later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def count_samples(batch: Any) -> int:
+    """Dimension 0 of the first tensor in ``batch`` (``(B, ...)`` -> ``B``); 1 if there is none."""
+    if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor:  # the common case, fast
+        tensor = batch[0]
+        return int(tensor.shape[0]) if tensor.dim() > 0 else 1
+    tensor = _first_tensor(batch)
+    if tensor is None:
+        return 1
+    return int(tensor.shape[0]) if tensor.dim() > 0 else 1
+
+
+def count_tokens(batch: Any) -> int | torch.Tensor | None:
+    """Tokens in ``batch`` by the rules of this module; ``None`` when the batch does not tell."""
+    if isinstance(batch, Mapping):
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            return (mask != 0).sum()
+        ids = batch.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            return int(ids.numel())
+        return None
+    if isinstance(batch, (list, tuple)) and batch:
+        first = batch[0]
+        if (
+            isinstance(first, torch.Tensor)
+            and first.dim() >= 2
+            and not first.is_floating_point()
+            and not first.is_complex()
+        ):
+            if first.dtype is not torch.bool:
+                return int(first.numel())
+    return None
+
+
+def _first_tensor(batch: Any, depth: int = 0) -> torch.Tensor | None:
+    if depth > 8:
+        return None
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, Mapping):
+        items = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return None
+    for item in items:
+        found = _first_tensor(item, depth + 1)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,589 @@
+"""The energy ledger: attributes metered energy to phases, cycles, epochs and stages, and sums it up.
+
+Plain Python + numpy, no Lightning, no threads of its own (it is thread-safe: the sampler thread records
+readings while the training thread marks labels and counts batches).
+
+How attribution works. The training thread marks *labels* (phase, cycle, epoch, stage) with a monotonic
+time stamp whenever one changes; it does nothing per step but count. The sampler records cumulative joules
+per component every period; the energy of each sampling interval is split over the labels that were in
+force during it, in proportion to their time in the interval (constant power within an interval). Each
+label adds to the buckets ``total``, ``stage/<stage>``, and, inside the training loop, ``phase/<phase>``,
+``cycle/<n>`` and ``epoch/<n>``. CO2 and cost of each piece use the mean intensity and price over the
+piece's wall-clock time.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from lightning_pulse.energy.carbon import Rate
+from lightning_pulse.energy.meter import COMPONENTS, ESTIMATED, METHOD_FLAGS, NONE, method_from_flags
+
+J_PER_KWH = 3.6e6
+STAGES = ("train", "validation", "other")
+
+# how each field combines over DDP ranks (over resumed runs every field adds up)
+SUM_FIELDS = ("gpu_j", "cpu_j", "ram_j", "co2_kg", "cost", "samples", "tokens", "batches", "token_batches")
+MAX_FIELDS = ("seconds", "steps")
+MEAN_FIELDS = ("stall_s", "loop_s")
+OR_FIELDS = ("gpu_flags", "cpu_flags", "ram_flags")
+
+
+@dataclass
+class Bucket:
+    """Raw sums of one bucket (e.g. ``phase/burst``): seconds, joules per component, counts, CO2, cost."""
+
+    seconds: float = 0.0
+    gpu_j: float = 0.0
+    cpu_j: float = 0.0
+    ram_j: float = 0.0
+    gpu_flags: int = 0
+    cpu_flags: int = 0
+    ram_flags: int = 0
+    co2_kg: float = 0.0
+    cost: float = 0.0
+    samples: float = 0.0
+    tokens: float = 0.0
+    batches: float = 0.0
+    token_batches: float = 0.0
+    steps: float = 0.0
+    stall_s: float = 0.0
+    loop_s: float = 0.0
+
+    def add(self, other: Bucket) -> None:
+        for item in fields(self):
+            if item.name in OR_FIELDS:
+                setattr(self, item.name, int(getattr(self, item.name)) | int(getattr(other, item.name)))
+            else:
+                setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
+
+    def to_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in BUCKET_FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Bucket:
+        names = {item.name for item in fields(cls)}
+        bucket = cls(**{k: v for k, v in data.items() if k in names})
+        for name in OR_FIELDS:
+            setattr(bucket, name, int(getattr(bucket, name)))
+        return bucket
+
+    @property
+    def joules(self) -> float:
+        return self.gpu_j + self.cpu_j + self.ram_j
+
+
+BUCKET_FIELDS = tuple(item.name for item in fields(Bucket))
+
+
+@dataclass(frozen=True)
+class Label:
+    """What the run is doing: ``phase``/``cycle``/``epoch`` are ``None`` outside the training loop."""
+
+    phase: str | None = None
+    cycle: int | None = None
+    epoch: int | None = None
+    stage: str = "other"
+
+    def keys(self) -> tuple[str, ...]:
+        keys = ["total", f"stage/{self.stage}"]
+        if self.phase is not None:
+            keys.append(f"phase/{self.phase}")
+        if self.cycle is not None:
+            keys.append(f"cycle/{self.cycle}")
+        if self.epoch is not None:
+            keys.append(f"epoch/{self.epoch}")
+        return tuple(keys)
+
+
+_UNCHANGED: Any = object()
+
+
+class _Tally:
+    """Counts of consecutive batches with the same label, kept as plain numbers until flushed."""
+
+    __slots__ = ("keys", "samples", "batches", "tokens", "token_batches", "stall_s", "loop_s", "steps")
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+        self.samples = self.batches = self.tokens = self.token_batches = self.steps = 0
+        self.stall_s = self.loop_s = 0.0
+
+
+class EnergyLedger:
+    """Buckets of energy, time, counts, CO2 and cost for one process.
+
+    Args:
+        intensity: carbon intensity, or ``None`` (then CO2 is not computed).
+        price: electricity price, or ``None``.
+        max_points: the power timeline is thinned to at most this many readings (cumulative energy is kept,
+            so thinning never loses energy, only time resolution).
+    """
+
+    def __init__(
+        self, intensity: Rate | None = None, price: Rate | None = None, max_points: int = 4000
+    ) -> None:
+        self.intensity = intensity
+        self.price = price
+        self.max_points = max(int(max_points), 16)
+        self.lock = threading.RLock()
+        self.buckets: dict[str, Bucket] = {}
+        self.label = Label()
+        self._label_since: float | None = None
+        self._segments: list[tuple[float, Label]] = []
+        self._last_time: float | None = None
+        self._last_wall: float | None = None
+        self.totals_j = {component: 0.0 for component in COMPONENTS}
+        self.methods = {component: NONE for component in COMPONENTS}
+        self.timeline_wall: list[float] = []
+        self.timeline_j: list[tuple[float, float, float]] = []
+        self.phase_segments: list[dict[str, Any]] = []
+        self.first_wall: float | None = None
+        self.last_power_w = 0.0
+        self._keys: tuple[str, ...] = ()
+        self._keys_of: Label | None = None
+        self._bucket_lists: dict[tuple[str, ...], list[Bucket]] = {}
+        self._tally = _Tally(())
+
+    # ------------------------------------------------------------------ time and labels
+    def begin(self, now: float, wall: float, totals: Mapping[str, tuple[float, str]] | None = None) -> None:
+        """Start the clock at the first reading (cumulative ``totals`` become the zero point)."""
+        with self.lock:
+            self._label_since = now
+            self._segments = [(now, self.label)]
+            self._last_time, self._last_wall = now, wall
+            self.first_wall = wall
+            for component, (joules, method) in (totals or {}).items():
+                self.totals_j[component] = float(joules)
+                self.methods[component] = method
+            self._append_timeline(wall)
+
+    @property
+    def last_reading_time(self) -> float | None:
+        """Monotonic time of the latest reading (``None`` before the first)."""
+        return self._last_time
+
+    @property
+    def started(self) -> bool:
+        return self._last_time is not None
+
+    def mark(
+        self,
+        now: float,
+        wall: float,
+        phase: str | None = _UNCHANGED,
+        cycle: int | None = _UNCHANGED,
+        epoch: int | None = _UNCHANGED,
+        stage: str = _UNCHANGED,
+    ) -> None:
+        """Change the label from ``now`` on (only the given fields change)."""
+        with self.lock:
+            old = self.label
+            new = Label(
+                phase=old.phase if phase is _UNCHANGED else (None if phase is None else str(phase)),
+                cycle=old.cycle if cycle is _UNCHANGED else (None if cycle is None else int(cycle)),
+                epoch=old.epoch if epoch is _UNCHANGED else (None if epoch is None else int(epoch)),
+                stage=old.stage if stage is _UNCHANGED else str(stage),
+            )
+            if new == old:
+                return
+            self.flush_counts()
+            self.settle_time(now)
+            self.label = new
+            if self.started:
+                self._segments.append((now, new))
+            if (new.phase, new.cycle) != (old.phase, old.cycle):
+                if self.phase_segments and self.phase_segments[-1]["end_wall"] is None:
+                    self.phase_segments[-1]["end_wall"] = wall
+                if new.phase is not None:
+                    self.phase_segments.append(
+                        {"phase": new.phase, "cycle": new.cycle, "start_wall": wall, "end_wall": None}
+                    )
+
+    def settle_time(self, now: float) -> None:
+        """Credit the time since the last label change to the current label's buckets."""
+        with self.lock:
+            if self._label_since is None:
+                return
+            elapsed = max(now - self._label_since, 0.0)
+            for key in self.label.keys():
+                self._bucket(key).seconds += elapsed
+            self._label_since = now
+
+    # ------------------------------------------------------------------ counts from the training thread
+    def current_keys(self) -> tuple[str, ...]:
+        """The bucket keys of the current label (cached: this is called on every batch)."""
+        label = self.label
+        if self._keys_of is not label:
+            self._keys, self._keys_of = label.keys(), label
+        return self._keys
+
+    def count_batch(
+        self,
+        keys: tuple[str, ...],
+        samples: int,
+        tokens: int | None,
+        stall_s: float | None = None,
+        loop_s: float | None = None,
+    ) -> None:
+        """One training batch: its samples, its tokens (``None``: unknown) and, when known, the loop
+        iteration that led to it (``loop_s`` seconds since the previous batch started, of which ``stall_s``
+        waited for this batch).
+
+        Counts are tallied in plain numbers and reach the buckets at the next label change or read-out, so a
+        batch costs a few additions. Call from the training thread only.
+        """
+        tally = self._tally
+        if tally.keys is not keys:
+            tally = self._switch_tally(keys)
+        tally.samples += samples
+        tally.batches += 1
+        if tokens is not None:
+            tally.tokens += tokens
+            tally.token_batches += 1
+        if loop_s is not None and stall_s is not None:
+            tally.stall_s += stall_s if stall_s > 0 else 0.0
+            tally.loop_s += loop_s if loop_s > 0 else 0.0
+
+    def count_step(self, keys: tuple[str, ...], steps: int = 1) -> None:
+        """Optimizer steps finished in a batch labelled ``keys``. Training thread only."""
+        tally = self._tally
+        if tally.keys is not keys:
+            tally = self._switch_tally(keys)
+        tally.steps += steps
+
+    def flush_counts(self) -> None:
+        """Move the tallied counts into the buckets."""
+        with self.lock:
+            tally = self._tally
+            if tally.keys:
+                for bucket in self._buckets_of(tally.keys):
+                    bucket.samples += tally.samples
+                    bucket.batches += tally.batches
+                    bucket.tokens += tally.tokens
+                    bucket.token_batches += tally.token_batches
+                    bucket.stall_s += tally.stall_s
+                    bucket.loop_s += tally.loop_s
+                    bucket.steps += tally.steps
+            self._tally = _Tally(tally.keys)
+
+    def _switch_tally(self, keys: tuple[str, ...]) -> _Tally:
+        self.flush_counts()
+        self._tally = _Tally(tuple(keys) if not isinstance(keys, tuple) else keys)
+        return self._tally
+
+    def add_tokens(self, keys: Sequence[str], tokens: int) -> None:
+        """Tokens of batches already counted (token counts that were read from the device later)."""
+        with self.lock:
+            for bucket in self._buckets_of(keys):
+                bucket.tokens += tokens
+
+    def _buckets_of(self, keys: Sequence[str]) -> list[Bucket]:
+        # per-batch calls reuse the bucket objects of a label instead of looking up each key
+        keys = tuple(keys)
+        buckets = self._bucket_lists.get(keys)
+        if buckets is None:
+            buckets = self._bucket_lists[keys] = [self._bucket(key) for key in keys]
+        return buckets
+
+    # ------------------------------------------------------------------ readings from the sampler
+    def record(self, now: float, wall: float, totals: Mapping[str, tuple[float, str]]) -> None:
+        """A reading: cumulative joules and method per component at monotonic ``now``."""
+        with self.lock:
+            if self._last_time is None:
+                self.begin(now, wall, totals)
+                return
+            t0, wall0 = self._last_time, self._last_wall
+            assert wall0 is not None
+            span = now - t0
+            deltas: dict[str, float] = {}
+            for component, (joules, method) in totals.items():
+                deltas[component] = max(float(joules) - self.totals_j[component], 0.0)
+                self.totals_j[component] = max(float(joules), self.totals_j[component])
+                self.methods[component] = method
+            if span > 0:
+                pieces = self._pieces(t0, now)
+                for start, end, label in pieces:
+                    share = (end - start) / span
+                    piece_wall0 = wall0 + (start - t0) / span * (wall - wall0)
+                    piece_wall1 = wall0 + (end - t0) / span * (wall - wall0)
+                    self._credit(label, deltas, totals, share, piece_wall0, piece_wall1)
+            else:
+                # two readings at the same instant: nothing to spread over, give it to the current label
+                self._credit(self.label, deltas, totals, 1.0, wall, wall)
+            if span > 0:
+                self.last_power_w = sum(deltas.values()) / span
+            self._segments = [(now, self.label)]
+            self._last_time, self._last_wall = now, wall
+            self._append_timeline(wall)
+
+    def _pieces(self, t0: float, t1: float) -> list[tuple[float, float, Label]]:
+        pieces = []
+        segments = self._segments
+        for index, (start, label) in enumerate(segments):
+            end = segments[index + 1][0] if index + 1 < len(segments) else t1
+            lo, hi = max(start, t0), min(end, t1)
+            if hi > lo:
+                pieces.append((lo, hi, label))
+        if not pieces:
+            pieces.append((t0, t1, self.label))
+        return pieces
+
+    def _credit(
+        self,
+        label: Label,
+        deltas: Mapping[str, float],
+        totals: Mapping[str, tuple[float, str]],
+        share: float,
+        wall0: float,
+        wall1: float,
+    ) -> None:
+        joules = {component: delta * share for component, delta in deltas.items()}
+        kwh = sum(joules.values()) / J_PER_KWH
+        co2 = kwh * self.intensity.mean(wall0, wall1) / 1000.0 if self.intensity is not None and kwh else 0.0
+        cost = kwh * self.price.mean(wall0, wall1) if self.price is not None and kwh else 0.0
+        for key in label.keys():
+            bucket = self._bucket(key)
+            for component, value in joules.items():
+                setattr(bucket, f"{component}_j", getattr(bucket, f"{component}_j") + value)
+                flag_name = f"{component}_flags"
+                setattr(bucket, flag_name, getattr(bucket, flag_name) | METHOD_FLAGS[totals[component][1]])
+            bucket.co2_kg += co2
+            bucket.cost += cost
+
+    def _append_timeline(self, wall: float) -> None:
+        self.timeline_wall.append(wall)
+        self.timeline_j.append(tuple(self.totals_j[c] for c in COMPONENTS))  # type: ignore[arg-type]
+        if len(self.timeline_wall) > self.max_points:
+            # keep the first and last reading, drop every other one in between
+            keep = list(range(0, len(self.timeline_wall) - 1, 2)) + [len(self.timeline_wall) - 1]
+            self.timeline_wall = [self.timeline_wall[i] for i in keep]
+            self.timeline_j = [self.timeline_j[i] for i in keep]
+
+    def _bucket(self, key: str) -> Bucket:
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = Bucket()
+        return bucket
+
+    # ------------------------------------------------------------------ read-out
+    @property
+    def total_joules(self) -> float:
+        with self.lock:
+            return sum(self.totals_j.values())
+
+    def estimate_joules(self, now: float, horizon: float = 10.0) -> float:
+        """The total at the last reading plus the latest average power times the time since (at most
+        ``horizon`` seconds): a smooth figure between readings, at no metering cost."""
+        with self.lock:
+            total = sum(self.totals_j.values())
+            if self._last_time is None:
+                return total
+            return total + self.last_power_w * min(max(now - self._last_time, 0.0), horizon)
+
+    def snapshot(
+        self, now: float, edges: np.ndarray | None = None, max_bins: int = 400, timeline: bool = True
+    ) -> dict[str, Any]:
+        """A JSON-able copy: buckets, the timeline as energy per time bin, phase segments.
+
+        Args:
+            now: monotonic time; the current label's time is credited up to it.
+            edges: wall-clock bin edges for the timeline (DDP ranks use rank 0's); default: evenly spaced
+                over this ledger's readings.
+            max_bins: the most timeline bins.
+            timeline: ``False`` leaves the timeline and phase segments out (figures only, cheaper).
+        """
+        with self.lock:
+            self.flush_counts()
+            self.settle_time(now)
+            snapshot: dict[str, Any] = {
+                "buckets": {key: bucket.to_dict() for key, bucket in self.buckets.items()}
+            }
+            if timeline:
+                if edges is None:
+                    edges = timeline_edges(self.timeline_wall, max_bins)
+                snapshot["timeline"] = bin_timeline(self.timeline_wall, self.timeline_j, edges)
+                snapshot["phase_segments"] = [dict(segment) for segment in self.phase_segments]
+            return snapshot
+
+
+# ---------------------------------------------------------------------- timeline
+def timeline_edges(walls: Sequence[float], max_bins: int = 400) -> np.ndarray:
+    """Evenly spaced wall-clock bin edges covering the readings (no bins for fewer than 2 readings)."""
+    if len(walls) < 2 or walls[-1] <= walls[0]:
+        return np.zeros(0)
+    bins = max(1, min(len(walls) - 1, max_bins))
+    return np.linspace(walls[0], walls[-1], bins + 1)
+
+
+def bin_timeline(
+    walls: Sequence[float], cumulative: Sequence[Sequence[float]], edges: np.ndarray
+) -> dict[str, list]:
+    """Energy per component in each ``[edges[i], edges[i+1])``, from cumulative readings (interpolated)."""
+    edges = np.asarray(edges, dtype=np.float64)
+    out: dict[str, list] = {"start_wall": edges[:-1].tolist(), "end_wall": edges[1:].tolist()}
+    values = np.asarray(cumulative, dtype=np.float64).reshape(-1, len(COMPONENTS))
+    for index, component in enumerate(COMPONENTS):
+        if len(edges) < 2 or len(walls) == 0:
+            out[f"{component}_j"] = []
+            continue
+        at_edges = np.interp(edges, np.asarray(walls, dtype=np.float64), values[:, index])
+        out[f"{component}_j"] = np.diff(at_edges).tolist()
+    return out
+
+
+# ---------------------------------------------------------------------- combining
+def flatten_buckets(buckets: Mapping[str, Mapping[str, float]], keys: Sequence[str]) -> np.ndarray:
+    """``(len(keys), len(BUCKET_FIELDS))`` array; a key this rank has not seen is all zeros."""
+    array = np.zeros((len(keys), len(BUCKET_FIELDS)), dtype=np.float64)
+    for row, key in enumerate(keys):
+        bucket = buckets.get(key)
+        if bucket is not None:
+            array[row] = [float(bucket.get(name, 0.0)) for name in BUCKET_FIELDS]
+    return array
+
+
+def combine_ranks(stacked: np.ndarray, keys: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Buckets of all ranks, from ``(world, len(keys), len(BUCKET_FIELDS))`` gathered arrays.
+
+    Energy, CO2, cost and counts add up; seconds and steps are the same wall clock and loop on every rank
+    (max); stall and loop time are averaged; method flags are or-ed.
+    """
+    stacked = np.asarray(stacked, dtype=np.float64)
+    combined: dict[str, dict[str, float]] = {}
+    for row, key in enumerate(keys):
+        bucket: dict[str, float] = {}
+        for column, name in enumerate(BUCKET_FIELDS):
+            values = stacked[:, row, column]
+            if name in SUM_FIELDS:
+                bucket[name] = float(values.sum())
+            elif name in MAX_FIELDS:
+                bucket[name] = float(values.max())
+            elif name in MEAN_FIELDS:
+                bucket[name] = float(values.mean())
+            else:
+                flags = 0
+                for value in values:
+                    flags |= int(value)
+                bucket[name] = flags
+        combined[key] = bucket
+    return combined
+
+
+def merge_snapshots(earlier: Mapping[str, Any] | None, later: Mapping[str, Any]) -> dict[str, Any]:
+    """One snapshot for a run made of consecutive parts (a resumed run): everything adds up."""
+    if not earlier:
+        return dict(later)  # snapshots are fresh copies already
+    buckets: dict[str, Bucket] = {
+        key: Bucket.from_dict(value) for key, value in earlier.get("buckets", {}).items()
+    }
+    for key, value in later.get("buckets", {}).items():
+        buckets.setdefault(key, Bucket()).add(Bucket.from_dict(value))
+    timeline = {name: list(earlier.get("timeline", {}).get(name, [])) for name in _TIMELINE_KEYS}
+    for name in _TIMELINE_KEYS:
+        timeline[name] += list(later.get("timeline", {}).get(name, []))
+    merged = {key: _copy(value) for key, value in later.items() if key != "buckets"}
+    merged["buckets"] = {key: bucket.to_dict() for key, bucket in buckets.items()}
+    if "timeline" in later:
+        merged.update(
+            timeline=timeline,
+            phase_segments=list(earlier.get("phase_segments", [])) + list(later.get("phase_segments", [])),
+            events=list(earlier.get("events", [])) + list(later.get("events", [])),
+        )
+    return merged
+
+
+_TIMELINE_KEYS = ("start_wall", "end_wall", *(f"{c}_j" for c in COMPONENTS))
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------- figures
+def figures(bucket: Mapping[str, float], has_intensity: bool, has_price: bool) -> dict[str, Any]:
+    """Reportable figures of a raw bucket, each with its method (``measured``/``estimated``/``none``)."""
+    b = Bucket.from_dict(bucket)
+    joules = b.joules
+    methods = {c: method_from_flags(getattr(b, f"{c}_flags")) for c in COMPONENTS}
+    flags = 0
+    for c in COMPONENTS:
+        flags |= getattr(b, f"{c}_flags")
+    method = method_from_flags(flags)
+    kwh = joules / J_PER_KWH
+    tokens_known = b.batches > 0 and b.token_batches == b.batches
+    return {
+        "duration_s": b.seconds,
+        "energy_kwh": kwh,
+        "energy_kwh_by_component": {c: getattr(b, f"{c}_j") / J_PER_KWH for c in COMPONENTS},
+        "energy_method": method,
+        "methods": methods,
+        "avg_power_w": joules / b.seconds if b.seconds > 0 else None,
+        "co2_kg": b.co2_kg if has_intensity and method != NONE else None,
+        "co2_method": ESTIMATED if has_intensity and method != NONE else NONE,
+        "g_co2_per_kwh": (b.co2_kg * 1000.0 / kwh) if has_intensity and kwh > 0 else None,
+        "cost": b.cost if has_price and method != NONE else None,
+        "cost_method": method if has_price else NONE,
+        "samples": int(b.samples),
+        "tokens": int(b.tokens) if tokens_known else None,
+        "steps": int(b.steps),
+        "energy_per_sample_j": joules / b.samples if b.samples > 0 and method != NONE else None,
+        "energy_per_token_j": joules / b.tokens if tokens_known and b.tokens > 0 and method != NONE else None,
+        "per_sample_method": method if b.samples > 0 else NONE,
+        "stall_s": b.stall_s,
+        "loop_s": b.loop_s,
+        "stall_share": b.stall_s / b.loop_s if b.loop_s > 0 else None,
+    }
+
+
+def grouped_figures(
+    buckets: Mapping[str, Mapping[str, float]], has_intensity: bool, has_price: bool
+) -> dict[str, Any]:
+    """``{"total": ..., "phases": {...}, "cycles": {...}, "epochs": {...}, "stages": {...}}``."""
+    groups: dict[str, Any] = {"phases": {}, "cycles": {}, "epochs": {}, "stages": {}}
+    names = {"phase": "phases", "cycle": "cycles", "epoch": "epochs", "stage": "stages"}
+    total = buckets.get("total", {})
+    for key, bucket in buckets.items():
+        kind, _, name = key.partition("/")
+        if kind in names:
+            groups[names[kind]][name] = figures(bucket, has_intensity, has_price)
+    for group in ("cycles", "epochs"):
+        groups[group] = dict(sorted(groups[group].items(), key=lambda item: int(item[0])))
+    order = {"burst": 0, "replay": 1, "maintain": 2}
+    groups["phases"] = dict(sorted(groups["phases"].items(), key=lambda item: order.get(item[0], 9)))
+    groups["stages"] = dict(sorted(groups["stages"].items(), key=lambda item: STAGES.index(item[0])))
+    groups["total"] = figures(total, has_intensity, has_price)
+    return groups
+
+
+def predict_run(
+    epoch_bucket: Mapping[str, float], total_steps: float, intensity_known: bool, price_known: bool
+) -> dict[str, Any] | None:
+    """carbontracker-style forecast from the first epoch: scale its energy and time to ``total_steps``.
+
+    Returns ``None`` when the epoch made no optimizer step, the run has no finite length, or the run ends
+    with this epoch.
+    """
+    b = Bucket.from_dict(epoch_bucket)
+    if b.steps <= 0 or not math.isfinite(total_steps) or total_steps <= b.steps:
+        return None  # nothing to forecast: no step yet, an endless run, or a run that ends with this epoch
+    scale = total_steps / b.steps
+    kwh = b.joules / J_PER_KWH * scale
+    return {
+        "basis": f"epoch 0: {int(b.steps)} optimizer steps, {b.seconds:.1f} s, {b.joules / J_PER_KWH:.6g} kWh",
+        "total_steps": float(total_steps),
+        "energy_kwh": kwh,
+        "duration_s": b.seconds * scale,
+        "co2_kg": b.co2_kg * scale if intensity_known else None,
+        "cost": b.cost * scale if price_known else None,
+    }

@@ -1,0 +1,375 @@
+"""The energy report: ``energy_report.json`` (the data), ``energy_report.md`` and ``energy_report.png``.
+
+The JSON is the source of truth; :func:`render_report` re-renders the Markdown and the PNG from it (this is
+what ``lightning-pulse report DIR`` runs). Every file is written atomically: to a temporary file in the same
+directory, then renamed over the target, so a reader never sees half a report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from lightning_pulse.energy.carbon import Rate
+from lightning_pulse.energy.ledger import grouped_figures
+from lightning_pulse.energy.meter import COMPONENTS, NONE
+
+JSON_NAME = "energy_report.json"
+MARKDOWN_NAME = "energy_report.md"
+PNG_NAME = "energy_report.png"
+SCHEMA = "lightning-pulse/energy-report/1"
+PHASE_COLOURS = {"burst": "#d62728", "replay": "#1f77b4", "maintain": "#2ca02c"}
+COMPONENT_COLOURS = {"gpu": "#9467bd", "cpu": "#ff7f0e", "ram": "#8c564b"}
+
+
+# ---------------------------------------------------------------------- assembling
+def assemble_report(
+    snapshot: Mapping[str, Any],
+    *,
+    status: str = "complete",
+    world_size: int = 1,
+    num_nodes: int = 1,
+    sampling_period_s: float | None = None,
+    resumed_runs: int = 0,
+    meters: Mapping[str, Any] | None = None,
+    intensity: Rate | None = None,
+    price: Rate | None = None,
+    currency: str = "EUR",
+    prediction: Mapping[str, Any] | None = None,
+    counting: Mapping[str, str] | None = None,
+    disabled: str | None = None,
+) -> dict[str, Any]:
+    """The JSON-ready report of a run snapshot (all ranks, all resumed parts already combined)."""
+    groups = grouped_figures(snapshot.get("buckets", {}), intensity is not None, price is not None)
+    return {
+        "schema": SCHEMA,
+        "status": status,
+        "created_utc": utc_now(),
+        "world_size": world_size,
+        "num_nodes": num_nodes,
+        "sampling_period_s": sampling_period_s,
+        "resumed_runs": resumed_runs,
+        "disabled": disabled,
+        "meters": dict(meters or {}),
+        "carbon_intensity": None if intensity is None else intensity.describe(),
+        "price": None if price is None else {**price.describe(), "currency": currency},
+        "currency": currency,
+        "counting": dict(counting or {}),
+        **groups,
+        "prediction": None if prediction is None else dict(prediction),
+        "timeline": snapshot.get("timeline", {}),
+        "phase_segments": snapshot.get("phase_segments", []),
+        "events": snapshot.get("events", []),
+    }
+
+
+# ---------------------------------------------------------------------- atomic files
+def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as stream:
+            os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------- writing and rendering
+def write_report(report: Mapping[str, Any], directory: str | Path) -> list[Path]:
+    """Write the JSON, Markdown and PNG of ``report`` into ``directory``; return the paths written."""
+    directory = Path(directory)
+    written = [write_text_atomic(directory / JSON_NAME, json.dumps(report, indent=2, default=_json_default))]
+    written += _render(report, directory)
+    return written
+
+
+def render_report(directory: str | Path) -> list[Path]:
+    """Re-render ``energy_report.md`` and ``energy_report.png`` from ``directory/energy_report.json``.
+
+    Args:
+        directory: a directory holding ``energy_report.json`` (or the JSON file itself).
+
+    Returns:
+        The files written.
+
+    Raises:
+        FileNotFoundError: if there is no ``energy_report.json``.
+        ValueError: if the JSON is not an energy report.
+    """
+    directory = Path(directory)
+    json_path = directory if directory.is_file() else directory / JSON_NAME
+    if not json_path.is_file():
+        raise FileNotFoundError(f"No {JSON_NAME} in {directory}.")
+    report = json.loads(json_path.read_text(encoding="utf-8"))
+    if not isinstance(report, dict) or report.get("schema") != SCHEMA:
+        raise ValueError(f"{json_path} is not a lightning-pulse energy report (schema {SCHEMA!r}).")
+    return _render(report, json_path.parent)
+
+
+def _render(report: Mapping[str, Any], directory: Path) -> list[Path]:
+    written = [write_text_atomic(directory / MARKDOWN_NAME, report_markdown(report))]
+    png = write_plot(report, directory / PNG_NAME)
+    if png is not None:
+        written.append(png)
+    return written
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+# ---------------------------------------------------------------------- Markdown
+def _num(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "—"
+        if value == 0:
+            return "0"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _with_method(value: Any, method: str, digits: int = 4, unit: str = "") -> str:
+    if method == NONE or value is None:
+        return "— (none)"
+    unit = f" {unit}" if unit else ""
+    return f"{_num(value, digits)}{unit} ({method})"
+
+
+def _is_empty(row: Mapping[str, Any]) -> bool:
+    return not row.get("duration_s") and not row.get("energy_kwh") and not row.get("samples")
+
+
+def _duration(seconds: Any) -> str:
+    if seconds is None:
+        return "—"
+    seconds = float(seconds)
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    hours, rest = divmod(int(round(seconds)), 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def _share(value: Any) -> str:
+    return "—" if value is None else f"{100 * float(value):.1f}%"
+
+
+def _table(title: str, rows: Mapping[str, Mapping[str, Any]], currency: str, first: str) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        f"## {title}",
+        "",
+        f"| {first} | duration | energy (kWh) | avg power (W) | CO2 (kg) | cost ({currency}) | samples | "
+        "J / sample | J / token | data-loader stall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        if _is_empty(row):
+            continue
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    str(name),
+                    _duration(row.get("duration_s")),
+                    _with_method(row.get("energy_kwh"), row.get("energy_method", NONE)),
+                    _with_method(row.get("avg_power_w"), row.get("energy_method", NONE)),
+                    _with_method(row.get("co2_kg"), row.get("co2_method", NONE)),
+                    _with_method(row.get("cost"), row.get("cost_method", NONE)),
+                    _num(row.get("samples")),
+                    _with_method(row.get("energy_per_sample_j"), row.get("per_sample_method", NONE)),
+                    _with_method(row.get("energy_per_token_j"), row.get("per_sample_method", NONE)),
+                    _share(row.get("stall_share")),
+                ]
+            )
+            + " |"
+        )
+    return lines + [""]
+
+
+def report_markdown(report: Mapping[str, Any]) -> str:
+    """The Markdown report: summary, meters, then one table per phase / cycle / epoch / stage."""
+    total = report.get("total", {})
+    currency = (report.get("price") or {}).get("currency") or report.get("currency") or "cost"
+    intensity = report.get("carbon_intensity")
+    lines = [
+        "# Energy report",
+        "",
+        f"Status: **{report.get('status', 'complete')}**; world size {report.get('world_size', 1)}; "
+        f"{report.get('resumed_runs', 0)} resume(s); created {report.get('created_utc', '?')} UTC.",
+        "",
+        "Every figure carries its method: *measured* (NVML counter or power sensor, RAPL), *estimated* "
+        "(codecarbon's model, a configured constant, a carbon intensity) or *none* (not available).",
+        "",
+        "## Summary",
+        "",
+        f"- Energy: {_with_method(total.get('energy_kwh'), total.get('energy_method', NONE), 6, 'kWh')} over "
+        f"{_duration(total.get('duration_s'))}, average "
+        f"{_with_method(total.get('avg_power_w'), total.get('energy_method', NONE), 4, 'W')}.",
+        "- CO2: "
+        + (
+            f"{_with_method(total.get('co2_kg'), total.get('co2_method', NONE), 6, 'kg')} at "
+            f"{_num(total.get('g_co2_per_kwh'))} gCO2eq/kWh on average ({intensity.get('source')})."
+            if intensity
+            else "— (none: no carbon intensity configured)."
+        ),
+        "- Cost: "
+        + (
+            f"{_with_method(total.get('cost'), total.get('cost_method', NONE), 6, currency)}."
+            if report.get("price")
+            else "— (none: no price configured)."
+        ),
+        f"- Per sample: {_with_method(total.get('energy_per_sample_j'), total.get('per_sample_method', NONE), 4, 'J')}"
+        f" over {_num(total.get('samples'))} samples; per token: "
+        f"{_with_method(total.get('energy_per_token_j'), total.get('per_sample_method', NONE), 4, 'J')}.",
+        f"- Data-loader stall: {_share(total.get('stall_share'))} of training-loop time.",
+        "",
+        "## Meters",
+        "",
+        "| component | meter | method | energy (kWh) | counted on |",
+        "|---|---|---|---|---|",
+    ]
+    meters = report.get("meters", {})
+    by_component = total.get("energy_kwh_by_component", {})
+    methods = total.get("methods", {})
+    for component in COMPONENTS:
+        meter = meters.get(component, {})
+        lines.append(
+            f"| {component} | {meter.get('meter', 'none')} | {methods.get(component, NONE)} | "
+            f"{_num(by_component.get(component), 6)} | {meter.get('counted_on', '—')} |"
+        )
+    lines.append("")
+    if report.get("disabled"):
+        lines += [f"Metering stopped early: {report['disabled']}.", ""]
+    events = report.get("events", [])
+    if events:
+        lines += ["Fallbacks during the run:", ""]
+        for event in events:
+            lines.append(
+                f"- {event.get('component')}: '{event.get('failed')}' failed after {_duration(event.get('elapsed_s'))} "
+                f"({event.get('reason')}); then '{event.get('next')}'."
+            )
+        lines.append("")
+    lines += _table("Per phase", report.get("phases", {}), currency, "phase")
+    lines += _table("Per cycle", report.get("cycles", {}), currency, "cycle")
+    lines += _table("Per epoch", report.get("epochs", {}), currency, "epoch")
+    lines += _table("Per stage", report.get("stages", {}), currency, "stage")
+    prediction = report.get("prediction")
+    if prediction:
+        lines += [
+            "## Prediction after the first epoch",
+            "",
+            f"{prediction.get('basis')}; forecast for {_num(prediction.get('total_steps'))} steps: "
+            f"{_num(prediction.get('energy_kwh'), 6)} kWh, {_duration(prediction.get('duration_s'))}, "
+            f"CO2 {_num(prediction.get('co2_kg'), 6)} kg. Actual: {_num(total.get('energy_kwh'), 6)} kWh, "
+            f"{_duration(total.get('duration_s'))}.",
+            "",
+        ]
+    notes = report.get("counting", {})
+    if notes:
+        lines += (
+            ["## How counts are taken", ""] + [f"- {name}: {text}" for name, text in notes.items()] + [""]
+        )
+    if intensity:
+        described = ", ".join(f"{k}={v}" for k, v in intensity.items() if v is not None)
+        lines += [f"Carbon intensity: {described}.", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- PNG
+def write_plot(report: Mapping[str, Any], path: str | Path) -> Path | None:
+    """Power over time (stacked by component, phase bands behind) and energy per phase. ``None`` without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    timeline = report.get("timeline", {})
+    starts = list(timeline.get("start_wall", []))
+    ends = list(timeline.get("end_wall", []))
+    origin = float(starts[0]) if starts else 0.0
+    figure = Figure(figsize=(11, 4.2), constrained_layout=True)
+    power_axes, phase_axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": [2.4, 1]})
+
+    for segment in report.get("phase_segments", []):
+        start = segment.get("start_wall")
+        end = segment.get("end_wall") or (ends[-1] if ends else start)
+        if start is None or end is None:
+            continue
+        power_axes.axvspan(
+            (start - origin) / 60,
+            (end - origin) / 60,
+            color=PHASE_COLOURS.get(segment.get("phase"), "#cccccc"),
+            alpha=0.12,
+            linewidth=0,
+        )
+    if starts:
+        middles = [((s + e) / 2 - origin) / 60 for s, e in zip(starts, ends)]
+        widths = [max(e - s, 1e-9) for s, e in zip(starts, ends)]
+        stacks, labels, colours = [], [], []
+        for component in COMPONENTS:
+            joules = timeline.get(f"{component}_j", [])
+            if joules and any(value > 0 for value in joules):
+                stacks.append([j / w for j, w in zip(joules, widths)])
+                labels.append(component)
+                colours.append(COMPONENT_COLOURS[component])
+        if stacks:
+            power_axes.stackplot(middles, *stacks, labels=labels, colors=colours, alpha=0.85, step="mid")
+            power_axes.legend(loc="upper right", fontsize=8)
+    power_axes.set_xlabel("minutes since start")
+    power_axes.set_ylabel("power (W)")
+    power_axes.set_title("Power over time (bands: burst red, replay blue, maintain green)", fontsize=9)
+
+    phases = report.get("phases", {})
+    names = list(phases)
+    bottoms = [0.0] * len(names)
+    for component in COMPONENTS:
+        values = [
+            phases[name].get("energy_kwh_by_component", {}).get(component, 0.0) * 1000 for name in names
+        ]
+        if any(values):
+            phase_axes.bar(names, values, bottom=bottoms, color=COMPONENT_COLOURS[component], label=component)
+            bottoms = [b + v for b, v in zip(bottoms, values)]
+    for index, name in enumerate(names):
+        method = phases[name].get("energy_method", NONE)
+        phase_axes.annotate(method, (index, bottoms[index]), ha="center", va="bottom", fontsize=7)
+    phase_axes.set_ylabel("energy (Wh)")
+    phase_axes.set_title("Energy per phase", fontsize=9)
+    if not names:
+        phase_axes.text(
+            0.5, 0.5, "no training phases", ha="center", va="center", transform=phase_axes.transAxes
+        )
+    return write_atomic(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")

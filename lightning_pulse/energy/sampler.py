@@ -1,0 +1,110 @@
+"""The background thread that reads the meters every ``period`` seconds into an :class:`EnergyLedger`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from lightning_pulse.energy.ledger import EnergyLedger
+from lightning_pulse.energy.meter import MeterChain
+
+THREAD_NAME = "lightning-pulse-energy-sampler"
+
+
+class EnergySampler:
+    """Reads every :class:`MeterChain` and records the totals, on a daemon thread and on demand.
+
+    Args:
+        chains: one chain per metered component (may be empty on a rank that meters nothing).
+        ledger: where readings go.
+        period: seconds between readings of the thread.
+        clock: monotonic seconds (injectable for tests).
+        wall_clock: Unix seconds, for carbon-intensity and price lookups.
+        warn: called once, with one line, if the thread dies of an unexpected error.
+
+    The thread ends when :meth:`stop` is called or when a reading raises (meter failures are handled inside
+    the chains, so this is a bug path); either way it leaves no thread behind. :meth:`sample` may be called
+    from any thread at any time, e.g. at an epoch end, so the figures include the last instant.
+    """
+
+    def __init__(
+        self,
+        chains: Sequence[MeterChain],
+        ledger: EnergyLedger,
+        period: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        warn: Callable[[str], None] = print,
+    ) -> None:
+        if not period > 0:
+            raise ValueError(f"`period`={period!r} must be a positive number of seconds.")
+        self.chains = list(chains)
+        self.ledger = ledger
+        self.period = float(period)
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.warn = warn
+        self.error: BaseException | None = None
+        self.samples = 0
+        self.last_sample_time: float | None = None
+        self._lock = threading.Lock()
+        self._stop_event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = False
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, thread: bool = True) -> None:
+        """Start every chain, take the first reading, and (unless ``thread=False``) start the thread."""
+        with self._lock:
+            now = self.clock()
+            for chain in self.chains:
+                chain.start(now)
+            self.ledger.begin(now, self.wall_clock(), {c.component: c.read(now) for c in self.chains})
+            self.last_sample_time = now
+            self._started = True
+        if thread and self.chains:
+            self._stop_event.clear()
+            self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+            self._thread.start()
+
+    def sample(self) -> None:
+        """Read every meter now and record it."""
+        with self._lock:
+            if not self._started:
+                return
+            now = self.clock()
+            totals = {chain.component: chain.read(now) for chain in self.chains}
+            self.ledger.record(now, self.wall_clock(), totals)
+            self.samples += 1
+            self.last_sample_time = now
+
+    def _run(self) -> None:
+        try:
+            while not self._stop_event.wait(self.period):
+                self.sample()
+        except BaseException as error:  # the thread must end quietly; the training thread keeps going
+            self.error = error
+            self.warn(
+                f"EnergyLogger: the sampling thread stopped ({type(error).__name__}: {error}); "
+                "energy is now read only at epoch ends."
+            )
+
+    def stop(self, final_sample: bool = True) -> None:
+        """Stop the thread, take a last reading, and close every meter. Safe to call more than once."""
+        self._stop_event.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=max(10.0, 3 * self.period))
+        if final_sample and self._started:
+            try:
+                self.sample()
+            except Exception:  # a last reading is a nicety; closing the meters is what matters here
+                pass
+        with self._lock:
+            self._started = False
+            for chain in self.chains:
+                chain.close()

@@ -1,0 +1,263 @@
+"""The ledger attributes metered energy to labels by time, combines ranks and resumed runs, and predicts."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_pulse.energy.carbon import Rate, TimeSeries
+from lightning_pulse.energy.constant import ConstantPowerMeter
+from lightning_pulse.energy.counting import count_samples, count_tokens
+from lightning_pulse.energy.ledger import (
+    BUCKET_FIELDS,
+    EnergyLedger,
+    combine_ranks,
+    figures,
+    flatten_buckets,
+    grouped_figures,
+    merge_snapshots,
+    predict_run,
+)
+from lightning_pulse.energy.meter import ESTIMATED, MEASURED, NONE, MeterChain
+from lightning_pulse.energy.sampler import THREAD_NAME, EnergySampler
+
+
+def reading(gpu=0.0, cpu=0.0, ram=0.0, gpu_method=MEASURED, cpu_method=ESTIMATED, ram_method=ESTIMATED):
+    return {"gpu": (gpu, gpu_method), "cpu": (cpu, cpu_method), "ram": (ram, ram_method)}
+
+
+def test_energy_of_an_interval_is_split_over_labels_by_time():
+    ledger = EnergyLedger()
+    ledger.begin(0.0, 1000.0, reading())
+    ledger.mark(0.0, 1000.0, stage="train", phase="burst", cycle=0, epoch=0)
+    ledger.mark(1.0, 1001.0, phase="replay")
+    ledger.mark(3.0, 1003.0, phase="maintain")
+    ledger.record(4.0, 1004.0, reading(gpu=400.0, cpu=40.0))
+    snapshot = ledger.snapshot(4.0)
+    buckets = snapshot["buckets"]
+    assert buckets["phase/burst"]["gpu_j"] == pytest.approx(100.0)
+    assert buckets["phase/replay"]["gpu_j"] == pytest.approx(200.0)
+    assert buckets["phase/maintain"]["cpu_j"] == pytest.approx(10.0)
+    assert buckets["phase/replay"]["seconds"] == pytest.approx(2.0)
+    assert buckets["total"]["gpu_j"] == pytest.approx(400.0) and buckets["epoch/0"]["cpu_j"] == pytest.approx(
+        40.0
+    )
+    assert [s["phase"] for s in snapshot["phase_segments"]] == ["burst", "replay", "maintain"]
+
+
+def test_energy_outside_the_training_loop_counts_only_in_total_and_stage():
+    ledger = EnergyLedger()
+    ledger.begin(0.0, 0.0, reading())
+    ledger.record(2.0, 2.0, reading(cpu=20.0))  # setup / sanity check
+    ledger.mark(2.0, 2.0, stage="train", phase="burst", epoch=0)
+    ledger.record(4.0, 4.0, reading(cpu=60.0))
+    buckets = ledger.snapshot(4.0)["buckets"]
+    assert buckets["total"]["cpu_j"] == pytest.approx(60.0)
+    assert buckets["stage/other"]["cpu_j"] == pytest.approx(20.0)
+    assert buckets["phase/burst"]["cpu_j"] == pytest.approx(40.0)
+
+
+def test_co2_integrates_energy_times_a_varying_intensity():
+    # 100 g/kWh for the first 10 s, 500 g/kWh after
+    series = TimeSeries(np.array([0.0, 10.0, 20.0]), np.array([100.0, 500.0, 500.0]))
+    ledger = EnergyLedger(intensity=Rate("series:test", "gCO2eq/kWh", series=series, series_start=0.0))
+    ledger.intensity.anchor(0.0)
+    ledger.begin(0.0, 0.0, reading())
+    ledger.record(20.0, 20.0, reading(cpu=3.6e6))  # 1 kWh over 20 s at constant power
+    total = ledger.snapshot(20.0)["buckets"]["total"]
+    assert total["co2_kg"] == pytest.approx((0.5 * 100 + 0.5 * 500) / 1000)
+
+
+def test_price_gives_cost_and_figures_carry_methods():
+    ledger = EnergyLedger(price=Rate("constant", "EUR/kWh", constant=0.25))
+    ledger.begin(0.0, 0.0, reading())
+    ledger.mark(0.0, 0.0, stage="train", phase="burst", epoch=0)
+    ledger.count_batch(ledger.current_keys(), samples=100, tokens=None)
+    ledger.record(10.0, 10.0, reading(gpu=3.6e6, cpu=3.6e6))
+    row = figures(ledger.snapshot(10.0)["buckets"]["phase/burst"], has_intensity=False, has_price=True)
+    assert row["energy_kwh"] == pytest.approx(2.0) and row["avg_power_w"] == pytest.approx(7.2e5)
+    assert row["cost"] == pytest.approx(0.5) and row["cost_method"] == ESTIMATED
+    assert row["methods"] == {"gpu": MEASURED, "cpu": ESTIMATED, "ram": ESTIMATED}
+    assert row["energy_method"] == ESTIMATED  # a sum with an estimated part is an estimate
+    assert row["co2_kg"] is None and row["co2_method"] == NONE
+    assert row["energy_per_sample_j"] == pytest.approx(7.2e6 / 100)
+    assert row["energy_per_token_j"] is None and row["tokens"] is None
+
+
+def test_counts_tokens_steps_and_stall_share():
+    ledger = EnergyLedger()
+    ledger.begin(0.0, 0.0, reading())
+    ledger.mark(0.0, 0.0, stage="train", phase="replay", epoch=0)
+    keys = ledger.current_keys()
+    ledger.count_batch(keys, samples=8, tokens=8 * 16)  # the first batch of an epoch: no loop time yet
+    ledger.count_batch(keys, samples=8, tokens=8 * 16, stall_s=0.1, loop_s=1.0)
+    ledger.count_step(keys, 1)
+    ledger.count_batch(keys, samples=8, tokens=8 * 16, stall_s=0.3, loop_s=1.0)
+    ledger.count_batch(keys, samples=8, tokens=8 * 16, stall_s=-1e-9, loop_s=0.0)  # clock jitter is clipped
+    ledger.count_step(keys, 1)
+    ledger.record(2.0, 2.0, reading(cpu=512.0))
+    row = figures(ledger.snapshot(2.0)["buckets"]["phase/replay"], False, False)
+    assert (row["samples"], row["tokens"], row["steps"]) == (32, 512, 2)
+    assert row["energy_per_token_j"] == pytest.approx(1.0)
+    assert row["stall_share"] == pytest.approx(0.2)
+
+
+def test_estimate_between_readings_grows_with_the_latest_power():
+    ledger = EnergyLedger()
+    ledger.begin(0.0, 0.0, reading())
+    assert ledger.estimate_joules(5.0) == 0.0
+    ledger.record(2.0, 2.0, reading(cpu=40.0))  # 20 W
+    assert ledger.estimate_joules(2.5) == pytest.approx(50.0)
+    assert ledger.estimate_joules(100.0) == pytest.approx(40.0 + 20.0 * 10.0)  # extrapolates 10 s at most
+
+
+def test_thinning_the_timeline_never_loses_energy():
+    ledger = EnergyLedger(max_points=16)
+    ledger.begin(0.0, 0.0, reading())
+    for second in range(1, 101):
+        ledger.record(float(second), float(second), reading(cpu=5.0 * second))
+    assert len(ledger.timeline_wall) <= 16
+    timeline = ledger.snapshot(100.0)["timeline"]
+    assert sum(timeline["cpu_j"]) == pytest.approx(500.0)
+
+
+def test_ranks_combine_energy_by_sum_time_by_max_and_methods_by_or():
+    keys = ["total", "phase/burst"]
+    rank0 = {
+        "total": {
+            "gpu_j": 100.0,
+            "cpu_j": 50.0,
+            "seconds": 10.0,
+            "gpu_flags": 1,
+            "cpu_flags": 2,
+            "samples": 8,
+        }
+    }
+    rank1 = {
+        "total": {"gpu_j": 80.0, "seconds": 10.5, "gpu_flags": 1, "samples": 8, "stall_s": 2.0, "loop_s": 4.0}
+    }
+    stacked = np.stack([flatten_buckets(rank0, keys), flatten_buckets(rank1, keys)])
+    assert stacked.shape == (2, 2, len(BUCKET_FIELDS))
+    combined = combine_ranks(stacked, keys)
+    total = combined["total"]
+    assert (total["gpu_j"], total["cpu_j"], total["seconds"], total["samples"]) == (180.0, 50.0, 10.5, 16.0)
+    assert total["stall_s"] == pytest.approx(1.0) and total["loop_s"] == pytest.approx(2.0)
+    assert figures(total, False, False)["methods"] == {"gpu": MEASURED, "cpu": ESTIMATED, "ram": NONE}
+    assert combined["phase/burst"]["gpu_j"] == 0.0
+
+
+def test_a_resumed_run_adds_up_with_the_carried_part():
+    first = {
+        "buckets": {"total": {"cpu_j": 10.0, "seconds": 5.0, "samples": 100}, "epoch/0": {"cpu_j": 10.0}},
+        "timeline": {"start_wall": [0.0], "end_wall": [5.0], "gpu_j": [0.0], "cpu_j": [10.0], "ram_j": [0.0]},
+        "phase_segments": [{"phase": "burst", "cycle": 0, "start_wall": 0.0, "end_wall": 5.0}],
+        "events": [{"component": "cpu", "failed": "rapl"}],
+    }
+    second = {
+        "buckets": {"total": {"cpu_j": 30.0, "seconds": 7.0, "samples": 100}, "epoch/1": {"cpu_j": 30.0}},
+        "timeline": {
+            "start_wall": [9.0],
+            "end_wall": [16.0],
+            "gpu_j": [0.0],
+            "cpu_j": [30.0],
+            "ram_j": [0.0],
+        },
+        "phase_segments": [],
+        "events": [],
+    }
+    merged = merge_snapshots(first, second)
+    groups = grouped_figures(merged["buckets"], False, False)
+    assert groups["total"]["energy_kwh"] == pytest.approx(40.0 / 3.6e6)
+    assert groups["total"]["duration_s"] == 12.0 and groups["total"]["samples"] == 200
+    assert list(groups["epochs"]) == ["0", "1"]
+    assert merged["timeline"]["cpu_j"] == [10.0, 30.0] and len(merged["events"]) == 1
+    assert merge_snapshots(None, second)["buckets"] == second["buckets"]
+
+
+def test_prediction_scales_the_first_epoch_to_the_whole_run():
+    epoch = {"cpu_j": 3.6e6, "seconds": 60.0, "steps": 10, "co2_kg": 0.4, "cost": 0.2}
+    forecast = predict_run(epoch, total_steps=100, intensity_known=True, price_known=False)
+    assert forecast["energy_kwh"] == pytest.approx(10.0) and forecast["duration_s"] == pytest.approx(600.0)
+    assert forecast["co2_kg"] == pytest.approx(4.0) and forecast["cost"] is None
+    assert predict_run(epoch, total_steps=float("inf"), intensity_known=False, price_known=False) is None
+    assert predict_run({"seconds": 1.0}, total_steps=10, intensity_known=False, price_known=False) is None
+
+
+def test_batches_tell_samples_and_tokens():
+    assert count_samples((torch.zeros(7, 40), torch.zeros(7, dtype=torch.long))) == 7
+    assert count_samples({"x": [torch.zeros(3, 2)]}) == 3
+    assert count_samples("no tensor") == 1
+    assert count_tokens((torch.zeros(4, 64, dtype=torch.long), torch.zeros(4, 64, dtype=torch.long))) == 256
+    assert (
+        count_tokens((torch.zeros(4, 40), torch.zeros(4, dtype=torch.long))) is None
+    )  # features, not tokens
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert int(count_tokens({"input_ids": torch.zeros(2, 3), "attention_mask": mask})) == 3
+    assert count_tokens({"input_ids": torch.zeros(2, 5, dtype=torch.long)}) == 10
+
+
+# ---------------------------------------------------------------------- sampler thread
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_sampler_records_on_demand_with_an_injected_clock():
+    clock = FakeClock()
+    ledger = EnergyLedger()
+    chain = MeterChain("cpu", [("constant", lambda: ConstantPowerMeter("cpu", 30.0))], warn=print)
+    sampler = EnergySampler([chain], ledger, period=1.0, clock=clock, wall_clock=clock)
+    sampler.start(thread=False)
+    clock.now = 2.0
+    sampler.sample()
+    clock.now = 5.0
+    sampler.stop()  # takes a final reading
+    assert ledger.totals_j["cpu"] == pytest.approx(150.0)
+    assert ledger.methods["cpu"] == ESTIMATED
+
+
+def test_sampler_thread_stops_cleanly_when_a_reading_raises():
+    class BrokenLedger(EnergyLedger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def record(self, now, wall, totals):
+            self.calls += 1
+            raise RuntimeError("ledger bug")
+
+    warnings_seen: list[str] = []
+    done = threading.Event()
+
+    def warn(message: str) -> None:
+        warnings_seen.append(message)
+        done.set()
+
+    chain = MeterChain("cpu", [("constant", lambda: ConstantPowerMeter("cpu", 1.0))], warn=print)
+    ledger = BrokenLedger()
+    sampler = EnergySampler([chain], ledger, period=0.005, warn=warn)
+    sampler.start()
+    assert done.wait(timeout=30)
+    sampler._thread.join(timeout=30)
+    assert not sampler.running and isinstance(sampler.error, RuntimeError)
+    assert len(warnings_seen) == 1 and "ledger bug" in warnings_seen[0]
+    sampler.stop(final_sample=False)
+    assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+def test_sampler_thread_is_joined_on_stop():
+    chain = MeterChain("cpu", [("constant", lambda: ConstantPowerMeter("cpu", 1.0))], warn=print)
+    sampler = EnergySampler([chain], EnergyLedger(), period=0.01)
+    sampler.start()
+    assert sampler.running
+    sampler.stop()
+    sampler.stop()  # twice is harmless
+    assert not sampler.running and not [t for t in threading.enumerate() if t.name == THREAD_NAME]
+    with pytest.raises(ValueError, match="`period`=0"):
+        EnergySampler([], EnergyLedger(), period=0)

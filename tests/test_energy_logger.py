@@ -1,0 +1,376 @@
+"""EnergyLogger through real Trainers: phases, loggers, report, failures mid-run, resume, exceptions, DDP."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pynvml
+import pytest
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+from lightning_pulse import PulseCycle
+from lightning_pulse.callbacks.energy_logger import EnergyLogger
+from lightning_pulse.energy.meter import ESTIMATED, MEASURED, NONE
+from lightning_pulse.energy.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME
+from lightning_pulse.energy.sampler import THREAD_NAME
+from tests.test_energy_meters import FakeGpu, fake_nvml, make_rapl_tree, set_energy  # noqa: F401
+
+BATCH = 20
+
+
+def data() -> MNIST1DDataModule:
+    return MNIST1DDataModule(num_samples=1000, batch_size=BATCH)  # 720 train, 80 val
+
+
+def trainer(callbacks, **kwargs) -> pl.Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        limit_train_batches=12,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+def leftover_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME or isinstance(t, threading.Timer)]
+
+
+def energy_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if str(w.message).startswith("EnergyLogger:")]
+
+
+class ReadEnergyEveryStep(Callback):
+    """What StabilityGuard does: read `energy_so_far_kwh()` after every step."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        energy = next(c for c in trainer.callbacks if isinstance(c, EnergyLogger))
+        self.values.append(energy.energy_so_far_kwh())
+
+
+def test_fit_with_pulse_cycle_attributes_energy_to_every_phase(tmp_path, caplog, capfd):
+    pl.seed_everything(0)
+    cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0.0, anneal=0.0, maintain_eval="none")
+    energy = EnergyLogger(sampling_period=0.05, country_iso_code="DEU", price_per_kwh=0.3)
+    reader = ReadEnergyEveryStep()
+    fit = trainer(
+        [cycle, energy, reader],
+        accumulate_grad_batches=2,
+        precision="bf16-mixed",
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=2,
+        enable_progress_bar=True,
+    )
+    with caplog.at_level(logging.INFO):
+        fit.fit(MNIST1DClassifier(arch="mlp"), data())
+
+    assert fit.global_step == 12
+    log_dir = Path(fit.logger.log_dir)
+    assert {p.name for p in energy.report_paths} == {JSON_NAME, MARKDOWN_NAME, PNG_NAME}
+    assert all(p.parent == log_dir for p in energy.report_paths)
+    report = json.loads((log_dir / JSON_NAME).read_text())
+
+    # the same steps PulseCycle counted, with every micro-batch's samples
+    for phase, steps in cycle.clock.steps_by_phase.items():
+        assert report["phases"][phase]["steps"] == steps
+        assert report["phases"][phase]["samples"] == steps * 2 * BATCH
+    assert list(report["epochs"]) == ["0", "1"]
+    # two full 6-step cycles; the third starts at the very last step
+    assert [row["steps"] for row in report["cycles"].values()] == [6, 6, 0]
+    total = report["total"]
+    assert total["samples"] == 24 * BATCH and total["energy_kwh"] > 0
+    assert total["methods"] == {"gpu": NONE, "cpu": ESTIMATED, "ram": ESTIMATED}
+    assert total["co2_kg"] == pytest.approx(total["energy_kwh"] * 0.38095, rel=1e-3)
+    assert total["cost"] == pytest.approx(total["energy_kwh"] * 0.3, rel=1e-6)
+    assert sum(row["energy_kwh"] for row in report["phases"].values()) <= total["energy_kwh"] * (1 + 1e-9)
+    assert 0 <= total["stall_share"] < 1
+
+    forecasts = [r for r in caplog.records if "EnergyLogger: forecast" in r.getMessage()]
+    assert len(forecasts) == 1 and report["prediction"]["total_steps"] == 12
+
+    with open(log_dir / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    logged = {key for row in rows for key, value in row.items() if value}
+    assert {
+        "energy/total_kwh",
+        "energy/epoch_kwh",
+        "energy/kwh_so_far",
+        "energy/final_kwh",
+        "energy/cycle_kwh",
+    } <= logged
+    assert {"energy/burst_kwh", "energy/replay_stall_share", "energy/predicted_kwh"} <= logged
+    assert "kWh" in fit.progress_bar_callback.get_metrics(fit, fit.lightning_module)
+
+    assert energy.energy_so_far_kwh() >= total["energy_kwh"] > 0
+    assert len(reader.values) == 24 and reader.values == sorted(reader.values) and reader.values[-1] > 0
+    assert leftover_threads() == []
+    assert "[codecarbon" not in capfd.readouterr().err
+
+
+class InjectFailures(Callback):
+    """Breaks the meters one after the other in the middle of training."""
+
+    def __init__(self, rapl_root: Path, gpu: FakeGpu, monkeypatch) -> None:
+        self.rapl_root, self.gpu, self.monkeypatch = rapl_root, gpu, monkeypatch
+        self.energy_uj = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        energy = next(c for c in trainer.callbacks if isinstance(c, EnergyLogger))
+        step = trainer.global_step
+        self.gpu.energy_mj += 5_000
+        if step < 3:
+            self.energy_uj += 2_000_000
+            set_energy(self.rapl_root, 0, self.energy_uj)
+        elif step == 3:
+            wait_for(lambda: chain(energy, "cpu").last_total_j >= 4.0)  # RAPL has read its 4 J
+            counter = self.rapl_root / "intel-rapl:0" / "energy_uj"
+            counter.unlink()
+            counter.mkdir()  # RAPL counter unreadable from here on
+            wait_for(lambda: chain(energy, "cpu").meter_name == "codecarbon")
+        elif step == 5:
+            self.gpu.fail_counter = True  # NVMLError: GPU is lost
+            wait_for(lambda: chain(energy, "gpu").meter_name == "nvml-power")
+        elif step == 7:
+            import codecarbon.external.ram as codecarbon_ram
+
+            def broken(self):
+                raise RuntimeError("injected codecarbon failure")
+
+            self.monkeypatch.setattr(codecarbon_ram.RAM, "total_power", broken)
+            wait_for(lambda: chain(energy, "ram").meter_name == "none")
+
+
+def chain(energy: EnergyLogger, component: str):
+    return next(c for c in energy.chains if c.component == component)
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    """Wait for the sampling thread to notice an injected failure (a condition, not a fixed delay)."""
+    event = threading.Event()
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the sampler never noticed the injected failure"
+        event.wait(0.01)
+
+
+def test_meter_failures_mid_run_never_stop_training(tmp_path, fake_nvml, monkeypatch, recwarn):  # noqa: F811
+    rapl_root = make_rapl_tree(tmp_path / "powercap", {0: 0})
+    energy = EnergyLogger(
+        sampling_period=0.02,
+        rapl_root=str(rapl_root),
+        gpu_devices=[0],
+        cpu_watts=15.0,
+        country_iso_code="BRA",
+    )
+    fit = trainer(
+        [InjectFailures(rapl_root, fake_nvml, monkeypatch), energy], max_epochs=1, default_root_dir=tmp_path
+    )
+    fit.fit(MNIST1DClassifier(arch="mlp"), data())
+
+    assert fit.global_step == 12  # training finished
+    messages = energy_warnings(recwarn)
+    assert len(messages) == 4 and all("\n" not in m for m in messages)
+    report = energy.report
+    assert [(e["component"], e["failed"], e["next"]) for e in report["events"]] == [
+        ("cpu", "rapl", "codecarbon"),
+        ("gpu", "nvml-counter", "nvml-power"),
+        ("cpu", "codecarbon", "constant"),
+        ("ram", "codecarbon", "none"),
+    ]
+    total = report["total"]
+    assert total["methods"] == {"gpu": MEASURED, "cpu": ESTIMATED, "ram": ESTIMATED}
+    by_component = total["energy_kwh_by_component"]
+    assert by_component["cpu"] >= 4.0 / 3.6e6  # at least the 4 J RAPL measured before it broke
+    assert by_component["gpu"] > 0 and by_component["ram"] > 0
+    assert report["meters"]["cpu"]["meter"] == "constant" and report["meters"]["gpu"]["meter"] == "nvml-power"
+    assert leftover_threads() == []
+
+
+def test_resumed_run_reports_the_whole_run_like_an_uninterrupted_one(tmp_path, caplog):
+    def run(max_epochs, ckpt_path=None, root="full"):
+        pl.seed_everything(0)
+        cycle = PulseCycle(burst=4, replay=2, maintain=2, warmup=0.0, anneal=0.0, maintain_eval="none")
+        energy = EnergyLogger(
+            sampling_period=0.05, cpu="constant", cpu_watts=10.0, ram="none", carbon_intensity=200.0
+        )
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / root, save_last=True, save_top_k=0)
+        fit = trainer(
+            [cycle, energy, checkpoint],
+            max_epochs=max_epochs,
+            enable_checkpointing=True,
+            default_root_dir=tmp_path / root,
+        )
+        fit.fit(MNIST1DClassifier(arch="mlp"), data(), ckpt_path=ckpt_path)
+        return energy.report
+
+    full = run(4)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        first = run(2, root="part")
+        resumed = run(4, ckpt_path=str(tmp_path / "part" / "last.ckpt"), root="part")
+    assert resumed["resumed_runs"] == 1 and first["resumed_runs"] == 0
+    assert list(resumed["epochs"]) == ["0", "1", "2", "3"]
+    for name in ("phases", "cycles", "epochs"):
+        assert {k: (v["steps"], v["samples"]) for k, v in resumed[name].items()} == {
+            k: (v["steps"], v["samples"]) for k, v in full[name].items()
+        }
+    assert resumed["total"]["energy_kwh"] > first["total"]["energy_kwh"]
+    assert resumed["total"]["duration_s"] > first["total"]["duration_s"]
+    # a constant 10 W over the metered time, before and after the resume
+    assert resumed["total"]["avg_power_w"] == pytest.approx(10.0, rel=0.05)
+    assert resumed["prediction"] == first["prediction"]
+    assert len([r for r in caplog.records if "EnergyLogger: forecast" in r.getMessage()]) == 1
+
+
+class ExplodingClassifier(MNIST1DClassifier):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 4:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_exception_in_training_stops_the_thread_and_reports_the_interrupted_run(tmp_path):
+    energy = EnergyLogger(sampling_period=0.02, cpu="constant", cpu_watts=5.0, ram="none")
+    fit = trainer([energy], default_root_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="boom"):
+        fit.fit(ExplodingClassifier(arch="mlp"), data())
+    assert leftover_threads() == []
+    report = json.loads((tmp_path / JSON_NAME).read_text())
+    assert report["status"] == "interrupted" and report["total"]["steps"] == 4
+    assert report["total"]["methods"]["cpu"] == ESTIMATED
+
+
+def test_a_bug_in_the_epoch_figures_warns_once_and_training_goes_on(tmp_path, monkeypatch, recwarn):
+    import lightning_pulse.callbacks.energy_logger as energy_logger_module
+
+    def broken(*args, **kwargs):
+        raise KeyError("figures bug")
+
+    monkeypatch.setattr(energy_logger_module, "grouped_figures", broken)
+    energy = EnergyLogger(sampling_period=0.05, cpu="constant", cpu_watts=5.0, ram="none")
+    fit = trainer([energy], max_epochs=3, default_root_dir=tmp_path)
+    fit.fit(MNIST1DClassifier(arch="mlp"), data())
+    assert fit.current_epoch == 3
+    messages = energy_warnings(recwarn)
+    assert messages == ["EnergyLogger: on_train_epoch_end failed (KeyError: 'figures bug')."]
+    assert energy.report["total"]["steps"] == 36 and leftover_threads() == []
+
+
+def test_charlm_batches_give_energy_per_token(tmp_path):
+    from examples.charlm import CharLMDataModule, CharTransformerLM
+
+    energy = EnergyLogger(sampling_period=0.05, cpu="constant", cpu_watts=20.0, ram="none")
+    fit = trainer(
+        [energy], max_epochs=1, limit_train_batches=3, limit_val_batches=1, default_root_dir=tmp_path
+    )
+    fit.fit(CharTransformerLM(d_model=16, n_layers=1, n_heads=2, seq_len=16), CharLMDataModule(20_000, 16, 8))
+    total = energy.report["total"]
+    assert (total["samples"], total["tokens"]) == (24, 24 * 16)
+    assert total["energy_per_token_j"] == pytest.approx(total["energy_per_sample_j"] / 16)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sampling_period": 0}, "`sampling_period`=0"),
+        ({"cpu": "rapl-only"}, "`cpu`='rapl-only' is not one of"),
+        ({"gpu": "nvml"}, "`gpu`='nvml'"),
+        ({"cpu": "constant"}, "`cpu`='constant' needs `cpu_watts`"),
+        ({"cpu_watts": -3}, "`cpu_watts`=-3"),
+        ({"country_iso_code": "Germany"}, "`country_iso_code`='Germany'"),
+        ({"carbon_intensity": "nowhere.csv"}, "`carbon_intensity`='nowhere.csv'"),
+        ({"price_per_kwh": -0.1}, "`price_per_kwh`=-0.1"),
+        ({"gpu_devices": [0, -1]}, "`gpu_devices`="),
+        ({"log_every_n_steps": 0}, "`log_every_n_steps`=0"),
+        ({"codecarbon_tracking_mode": "node"}, "`codecarbon_tracking_mode`='node'"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EnergyLogger(**kwargs)
+
+
+# ---------------------------------------------------------------------- DDP
+class PerRankFakeGpu(Callback):
+    """In each DDP worker, a GPU whose energy counter grows at a rank-specific power (rank 0: 100 W, 1: 50 W)."""
+
+    def setup(self, trainer, pl_module, stage):
+        watts = 100.0 if trainer.global_rank == 0 else 50.0
+        start = time.monotonic()
+        pynvml.nvmlInit = lambda: None
+        pynvml.nvmlShutdown = lambda: None
+        pynvml.nvmlDeviceGetHandleByIndex = lambda index: index
+        pynvml.nvmlDeviceGetName = lambda handle: b"Injected GPU"
+        pynvml.nvmlDeviceGetTotalEnergyConsumption = lambda handle: int(
+            watts * (time.monotonic() - start) * 1000
+        )
+
+
+class WriteRankResult(Callback):
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module):
+        energy = next(c for c in trainer.callbacks if isinstance(c, EnergyLogger))
+        result = {
+            "rank": trainer.global_rank,
+            "report_paths": [str(p) for p in energy.report_paths],
+            "local_components": sorted(c.component for c in energy.chains),
+            "local_cpu_j": energy.ledger.totals_j["cpu"],
+            "report": energy.report,
+        }
+        Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_ddp_sums_gpu_over_ranks_and_counts_cpu_once(tmp_path):
+    energy = EnergyLogger(sampling_period=0.05, gpu_devices=[0], cpu="constant", cpu_watts=10.0, ram="none")
+    fit = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_epochs=2,
+        limit_train_batches=6,
+        limit_val_batches=1,
+        callbacks=[PerRankFakeGpu(), energy, WriteRankResult(str(tmp_path))],
+        default_root_dir=tmp_path,
+        enable_checkpointing=True,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        logger=False,
+    )
+    fit.fit(MNIST1DClassifier(arch="mlp"), data())
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert rank1["report_paths"] == [] and len(rank0["report_paths"]) == 3
+    assert rank0["local_components"] == ["cpu", "gpu"] and rank1["local_components"] == ["gpu"]
+    report = json.loads((tmp_path / JSON_NAME).read_text())
+    assert report["world_size"] == 2 and report == rank0["report"]
+    assert rank1["report"]["total"] == report["total"]  # every rank computed the same figures
+    total = report["total"]
+    seconds = total["duration_s"]
+    by_component = total["energy_kwh_by_component"]
+    assert by_component["gpu"] * 3.6e6 / seconds == pytest.approx(150.0, rel=0.15)  # 100 W + 50 W
+    assert by_component["cpu"] * 3.6e6 / seconds == pytest.approx(10.0, rel=0.15)  # once, not twice
+    assert total["samples"] == 2 * 2 * 6 * BATCH  # two ranks, two epochs, six batches each
+    assert total["methods"] == {"gpu": MEASURED, "cpu": ESTIMATED, "ram": NONE}

@@ -1,0 +1,395 @@
+"""Energy meters: RAPL on a sysfs tree in the kernel's format, NVML with injected binding errors, the real
+codecarbon offline tracker, the constant meter, and the fallback chain that ties them together."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from lightning_pulse.energy.codecarbon_meter import (
+    CodecarbonMeter,
+    CodecarbonSession,
+    country_carbon_intensity,
+    validate_country,
+)
+from lightning_pulse.energy.constant import ConstantPowerMeter
+from lightning_pulse.energy.meter import (
+    ESTIMATED,
+    MEASURED,
+    NONE,
+    MeterChain,
+    MeterError,
+    MeterUnavailable,
+    weakest_method,
+)
+from lightning_pulse.energy.nvml import NvmlCounterMeter, NvmlPowerMeter
+from lightning_pulse.energy.rapl import RaplMeter, counter_delta
+
+# ---------------------------------------------------------------------- sysfs trees
+
+
+def make_rapl_tree(root: Path, packages: dict[int, int], max_range: int = 262143328850) -> Path:
+    """A powercap tree as the intel-rapl driver exposes it: packages, a core sub-zone, and psys."""
+    for index, energy in packages.items():
+        zone = root / f"intel-rapl:{index}"
+        zone.mkdir(parents=True)
+        (zone / "name").write_text(f"package-{index}\n")
+        (zone / "energy_uj").write_text(f"{energy}\n")
+        (zone / "max_energy_range_uj").write_text(f"{max_range}\n")
+        (zone / "enabled").write_text("1\n")
+        core = root / f"intel-rapl:{index}:0"
+        core.mkdir()
+        (core / "name").write_text("core\n")
+        (core / "energy_uj").write_text("999999\n")
+        (core / "max_energy_range_uj").write_text(f"{max_range}\n")
+    psys = root / f"intel-rapl:{len(packages)}"
+    psys.mkdir()
+    (psys / "name").write_text("psys\n")
+    (psys / "energy_uj").write_text("123456789\n")
+    (psys / "max_energy_range_uj").write_text(f"{max_range}\n")
+    return root
+
+
+def set_energy(root: Path, index: int, value: int) -> None:
+    (root / f"intel-rapl:{index}" / "energy_uj").write_text(f"{value}\n")
+
+
+@contextlib.contextmanager
+def without_root():
+    """Run the block with an unprivileged effective uid, so file permissions apply even to a root test run."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+@pytest.fixture
+def public_tmp():
+    """A temporary directory an unprivileged uid can traverse (pytest's tmp_path is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="rapl-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- RAPL
+def test_rapl_sums_packages_only_and_handles_wraparound(tmp_path):
+    max_range = 1_000_000
+    root = make_rapl_tree(tmp_path, {0: 900_000, 1: 10_000}, max_range=max_range)
+    meter = RaplMeter(root)
+    meter.start(0.0)
+    assert [zone.name for zone in meter.zones] == ["package-0", "package-1"]
+    set_energy(root, 0, 950_000)  # +50_000 uJ
+    set_energy(root, 1, 30_000)  # +20_000 uJ
+    assert meter.read_joules(1.0) == pytest.approx(0.07)
+    set_energy(root, 0, 40_000)  # wrapped: +50_000 to the top, then +40_000
+    set_energy(root, 1, 30_000)
+    assert meter.read_joules(2.0) == pytest.approx(0.07 + 0.09)
+    assert counter_delta(999_000, 1_000, max_range) == 2_000
+
+
+def test_rapl_permission_denied_is_a_meter_error(public_tmp):
+    root = make_rapl_tree(public_tmp / "powercap", {0: 5_000_000})
+    for path in root.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o444)
+    (root / "intel-rapl:0" / "energy_uj").chmod(0o400)  # the kernel's mode since Linux 5.10
+    root.chmod(0o755)
+    with without_root(), pytest.raises(MeterError, match="permission denied"):
+        RaplMeter(root).start(0.0)
+
+
+def test_rapl_absent_is_unavailable_not_an_error(tmp_path):
+    with pytest.raises(MeterUnavailable):
+        RaplMeter(tmp_path / "missing").start(0.0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MeterUnavailable):
+        RaplMeter(tmp_path / "empty").start(0.0)
+
+
+def test_rapl_garbage_counter_is_a_meter_error(tmp_path):
+    root = make_rapl_tree(tmp_path, {0: 100})
+    meter = RaplMeter(root)
+    meter.start(0.0)
+    set_energy(root, 0, 5_000_000_000_000)  # above max_energy_range_uj: not a real counter value
+    with pytest.raises(MeterError, match="above its range"):
+        meter.read_joules(1.0)
+
+
+# ---------------------------------------------------------------------- chain
+def test_chain_falls_back_on_permission_denied_with_one_warning(public_tmp):
+    root = make_rapl_tree(public_tmp / "powercap", {0: 1_000})
+    (root / "intel-rapl:0" / "energy_uj").chmod(0o400)
+    for path in [root, *root.iterdir()]:
+        if path.is_dir():
+            path.chmod(0o755)
+    warnings_seen: list[str] = []
+    chain = MeterChain(
+        "cpu",
+        [("rapl", lambda: RaplMeter(root)), ("constant", lambda: ConstantPowerMeter("cpu", 20.0))],
+        warn=warnings_seen.append,
+    )
+    with without_root():
+        chain.start(0.0)
+    assert chain.meter_name == "constant" and chain.method == ESTIMATED
+    assert len(warnings_seen) == 1 and "\n" not in warnings_seen[0]
+    assert "permission denied" in warnings_seen[0] and "'constant'" in warnings_seen[0]
+    assert chain.read(3.0) == (pytest.approx(60.0), ESTIMATED)
+
+
+def test_chain_keeps_total_continuous_across_a_midrun_failure(tmp_path):
+    root = make_rapl_tree(tmp_path, {0: 0})
+    warnings_seen: list[str] = []
+    chain = MeterChain(
+        "cpu",
+        [("rapl", lambda: RaplMeter(root)), ("constant", lambda: ConstantPowerMeter("cpu", 10.0))],
+        warn=warnings_seen.append,
+    )
+    chain.start(0.0)
+    set_energy(root, 0, 5_000_000)
+    assert chain.read(1.0) == (pytest.approx(5.0), MEASURED)
+    zone = root / "intel-rapl:0" / "energy_uj"
+    zone.unlink()
+    zone.mkdir()  # the counter file is gone mid-run (reading now raises IsADirectoryError)
+    total, method = chain.read(2.0)
+    assert (total, method) == (pytest.approx(5.0), ESTIMATED)
+    assert chain.read(4.0) == (pytest.approx(5.0 + 2 * 10.0), ESTIMATED)
+    assert len(warnings_seen) == 1 and "rapl" in warnings_seen[0]
+    assert [(e.failed, e.next) for e in chain.events] == [("rapl", "constant")]
+
+
+def test_chain_with_nothing_left_reports_none_and_stays_flat(tmp_path):
+    warnings_seen: list[str] = []
+    chain = MeterChain("cpu", [("rapl", lambda: RaplMeter(tmp_path / "absent"))], warn=warnings_seen.append)
+    chain.start(0.0)
+    assert chain.read(5.0) == (0.0, NONE)
+    assert warnings_seen == []  # absent hardware is not a failure
+
+
+def test_weakest_method_combines_labels():
+    assert weakest_method([MEASURED, MEASURED]) == MEASURED
+    assert weakest_method([MEASURED, ESTIMATED]) == ESTIMATED
+    assert weakest_method([NONE, MEASURED]) == MEASURED
+    assert weakest_method([NONE]) == NONE
+
+
+def test_constant_meter_validates_and_integrates():
+    meter = ConstantPowerMeter("cpu", 12.5)
+    meter.start(10.0)
+    assert meter.read_joules(14.0) == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="`watts`=-1"):
+        ConstantPowerMeter("cpu", -1)
+
+
+# ---------------------------------------------------------------------- NVML
+def test_real_pynvml_without_a_gpu_is_unavailable():
+    # this machine has no NVIDIA driver: the real binding raises NVMLError_LibraryNotFound (or DriverNotLoaded)
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass
+    else:  # pragma: no cover - only on a GPU machine
+        pynvml.nvmlShutdown()
+        pytest.skip("a real NVML is present")
+    with pytest.raises(MeterUnavailable, match="NVML could not start"):
+        NvmlCounterMeter([0]).start(0.0)
+
+
+class FakeGpu:
+    """State behind the monkeypatched pynvml functions: a counter in mJ and a power in mW."""
+
+    def __init__(self) -> None:
+        self.energy_mj = 1_000_000
+        self.power_mw = 200_000
+        self.fail_counter = False
+        self.counter_supported = True
+        self.inits = 0
+        self.shutdowns = 0
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    gpu = FakeGpu()
+
+    def init():
+        gpu.inits += 1
+
+    def shutdown():
+        gpu.shutdowns += 1
+
+    def energy(handle):
+        if not gpu.counter_supported:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if gpu.fail_counter:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return gpu.energy_mj
+
+    monkeypatch.setattr(pynvml, "nvmlInit", init)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", shutdown)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: ("handle", index))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", lambda uuid: ("handle", uuid))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda handle: b"Injected GPU")
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetTotalEnergyConsumption", energy)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", lambda handle: gpu.power_mw)
+    return gpu
+
+
+def test_nvml_counter_then_power_sampling_after_an_nvml_error(fake_nvml):
+    warnings_seen: list[str] = []
+    chain = MeterChain(
+        "gpu",
+        [("nvml-counter", lambda: NvmlCounterMeter([0])), ("nvml-power", lambda: NvmlPowerMeter([0]))],
+        warn=warnings_seen.append,
+    )
+    chain.start(0.0)
+    fake_nvml.energy_mj += 30_000  # 30 J
+    assert chain.read(1.0) == (pytest.approx(30.0), MEASURED)
+    fake_nvml.fail_counter = True
+    assert chain.read(2.0)[0] == pytest.approx(30.0)
+    assert chain.meter_name == "nvml-power"
+    fake_nvml.power_mw = 300_000  # trapezoid of 200 W and 300 W over 2 s
+    assert chain.read(4.0) == (pytest.approx(30.0 + 500.0), MEASURED)
+    assert (
+        len(warnings_seen) == 1 and "GPU is lost" in warnings_seen[0] and "'nvml-power'" in warnings_seen[0]
+    )
+    chain.close()
+    assert fake_nvml.shutdowns == fake_nvml.inits  # every nvmlInit is matched
+
+
+def test_nvml_without_the_counter_falls_back_quietly(fake_nvml):
+    fake_nvml.counter_supported = False
+    warnings_seen, infos = [], []
+    chain = MeterChain(
+        "gpu",
+        [
+            ("nvml-counter", lambda: NvmlCounterMeter(["GPU-1234"])),
+            ("nvml-power", lambda: NvmlPowerMeter(["GPU-1234"])),
+        ],
+        warn=warnings_seen.append,
+        info=infos.append,
+    )
+    chain.start(0.0)
+    assert chain.meter_name == "nvml-power" and warnings_seen == [] and "no total-energy counter" in infos[0]
+    assert chain.read(0.5)[0] == pytest.approx(100.0)
+
+
+def test_nvml_power_sampling_errors_leave_gpu_unmetered(fake_nvml, monkeypatch):
+    warnings_seen: list[str] = []
+    chain = MeterChain("gpu", [("nvml-power", lambda: NvmlPowerMeter([0]))], warn=warnings_seen.append)
+    chain.start(0.0)
+
+    def lost(handle):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", lost)
+    assert chain.read(1.0) == (0.0, NONE)
+    assert "no energy is counted" in warnings_seen[0]
+
+
+# ---------------------------------------------------------------------- codecarbon (the real tracker)
+def busy(seconds: float) -> None:
+    """Real CPU work for codecarbon's load model (it skips a measurement less than 50 ms after the last)."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        sum(range(1000))
+
+
+def codecarbon_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+
+
+def test_codecarbon_offline_tracker_estimates_cpu_and_ram_quietly(capfd):
+    session = CodecarbonSession(country_iso_code="DEU")
+    cpu, ram = CodecarbonMeter("cpu", session), CodecarbonMeter("ram", session)
+    cpu.start(0.0)
+    ram.start(0.0)
+    assert session.tracker is not None and len(codecarbon_threads()) >= 1
+    busy(0.3)
+    cpu_j, ram_j = cpu.read_joules(1.0), ram.read_joules(1.0)
+    assert cpu_j > 0 and ram_j > 0
+    assert cpu.method == ram.method == ESTIMATED
+    assert cpu.read_joules(2.0) >= cpu_j  # cumulative
+    described = ram.describe()
+    assert described["meter"] == "codecarbon" and described["tracking_mode"] == "machine"
+    cpu.close()
+    assert session.tracker is not None  # RAM still uses it
+    ram.close()
+    assert session.tracker is None and codecarbon_threads() == []
+    assert "codecarbon" not in capfd.readouterr().err  # no log spam
+
+
+def test_codecarbon_readings_between_flushes_are_extrapolated():
+    session = CodecarbonSession(country_iso_code="DEU", min_flush_interval=0.5)
+    meter = CodecarbonMeter("ram", session)
+    meter.start(0.0)
+    busy(0.1)
+    first = meter.read_joules(1.0)  # a real flush, 1 s (of the injected clock) after the start
+    flushes = session.receiver.count
+    assert first > 0
+    extrapolated = meter.read_joules(1.2)  # 0.2 s later: no flush, the latest power carried forward
+    assert session.receiver.count == flushes
+    assert extrapolated == pytest.approx(first + first / 1.0 * 0.2)
+    busy(0.1)
+    meter.read_joules(1.6)  # 0.6 s after the last flush: a real one again
+    assert session.receiver.count == flushes + 1
+    meter.close()
+
+
+def test_codecarbon_raising_inside_flush_becomes_a_fallback(monkeypatch):
+    import codecarbon.external.ram as codecarbon_ram
+
+    session = CodecarbonSession(country_iso_code="BRA")
+    warnings_seen: list[str] = []
+    chain = MeterChain(
+        "ram",
+        [
+            ("codecarbon", lambda: CodecarbonMeter("ram", session)),
+            ("constant", lambda: ConstantPowerMeter("ram", 5.0)),
+        ],
+        warn=warnings_seen.append,
+    )
+    chain.start(0.0)
+    busy(0.1)
+    assert chain.read(1.0)[1] == ESTIMATED and chain.meter_name == "codecarbon"
+
+    def broken(self):
+        raise RuntimeError("injected codecarbon failure")
+
+    monkeypatch.setattr(codecarbon_ram.RAM, "total_power", broken)
+    busy(0.1)
+    chain.read(2.0)
+    assert chain.meter_name == "constant"
+    assert len(warnings_seen) == 1 and "codecarbon" in warnings_seen[0]
+    assert session.tracker is None and codecarbon_threads() == []
+
+
+def test_codecarbon_logging_level_is_restored():
+    logger = logging.getLogger("codecarbon")
+    logger.setLevel(logging.WARNING)
+    session = CodecarbonSession()
+    meter = CodecarbonMeter("cpu", session)
+    meter.start(0.0)
+    assert logger.level == logging.ERROR
+    meter.close()
+    assert logger.level == logging.WARNING
+
+
+def test_country_intensity_comes_from_codecarbon_offline_data():
+    assert country_carbon_intensity("deu") == pytest.approx(380.95, rel=1e-3)
+    assert country_carbon_intensity("FRA") < 100  # nuclear
+    with pytest.raises(ValueError, match="`country_iso_code`='XYZ'"):
+        validate_country("XYZ")
+    with pytest.raises(ValueError, match="3-letter"):
+        validate_country("DE")

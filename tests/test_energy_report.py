@@ -1,0 +1,88 @@
+"""The report: JSON written atomically, Markdown with every figure's method, PNG, and re-rendering."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_pulse.energy.carbon import Rate
+from lightning_pulse.energy.ledger import EnergyLedger
+from lightning_pulse.energy.meter import ESTIMATED, MEASURED
+from lightning_pulse.energy.report import (
+    JSON_NAME,
+    MARKDOWN_NAME,
+    PNG_NAME,
+    assemble_report,
+    render_report,
+    write_report,
+)
+
+
+def small_report() -> dict:
+    ledger = EnergyLedger(intensity=Rate("constant", "gCO2eq/kWh", constant=400.0))
+    ledger.begin(0.0, 100.0, {"gpu": (0.0, MEASURED), "cpu": (0.0, ESTIMATED)})
+    ledger.mark(0.0, 100.0, stage="train", phase="burst", cycle=0, epoch=0)
+    ledger.count_batch(ledger.current_keys(), 50, None)
+    ledger.record(5.0, 105.0, {"gpu": (5000.0, MEASURED), "cpu": (100.0, ESTIMATED)})
+    ledger.mark(5.0, 105.0, phase="replay")
+    ledger.count_batch(ledger.current_keys(), 50, None)
+    ledger.record(8.0, 108.0, {"gpu": (6500.0, MEASURED), "cpu": (160.0, ESTIMATED)})
+    return assemble_report(
+        ledger.snapshot(8.0),
+        meters={"gpu": {"meter": "nvml-counter", "counted_on": "every rank, summed"}},
+        intensity=ledger.intensity,
+    )
+
+
+def test_report_files_are_written_and_labelled(tmp_path):
+    report = small_report()
+    paths = write_report(report, tmp_path / "out")
+    assert [p.name for p in paths] == [JSON_NAME, MARKDOWN_NAME, PNG_NAME]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [JSON_NAME, MARKDOWN_NAME, PNG_NAME]
+    )
+    data = json.loads((tmp_path / "out" / JSON_NAME).read_text())
+    assert data["phases"]["burst"]["energy_kwh"] == pytest.approx(5100 / 3.6e6)
+    assert data["phases"]["replay"]["methods"] == {"gpu": MEASURED, "cpu": ESTIMATED, "ram": "none"}
+    markdown = (tmp_path / "out" / MARKDOWN_NAME).read_text()
+    assert "| burst | 5.0 s | 0.001417 (estimated) |" in markdown
+    assert "| gpu | nvml-counter | measured |" in markdown
+    assert "— (none)" in markdown  # cost: no price given
+    assert (tmp_path / "out" / PNG_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_render_report_rebuilds_markdown_and_png_from_the_json(tmp_path):
+    write_report(small_report(), tmp_path)
+    data = json.loads((tmp_path / JSON_NAME).read_text())
+    data["phases"]["burst"]["energy_kwh"] = 123.0  # an edit to the data shows up in the re-rendered table
+    (tmp_path / JSON_NAME).write_text(json.dumps(data))
+    (tmp_path / PNG_NAME).unlink()
+    paths = render_report(tmp_path)
+    assert [p.name for p in paths] == [MARKDOWN_NAME, PNG_NAME]
+    assert "| burst | 5.0 s | 123 (estimated) |" in (tmp_path / MARKDOWN_NAME).read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_render_report_rejects_a_missing_or_foreign_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match=JSON_NAME):
+        render_report(tmp_path)
+    (tmp_path / JSON_NAME).write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match="not a lightning-pulse energy report"):
+        render_report(tmp_path)
+
+
+def test_a_failed_write_leaves_the_previous_file_intact(tmp_path):
+    from lightning_pulse.energy.report import write_atomic
+
+    target = tmp_path / "energy_report.json"
+    target.write_text("previous")
+
+    def broken(path):
+        path.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(target, broken)
+    assert target.read_text() == "previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["energy_report.json"]
