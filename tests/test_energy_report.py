@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -50,6 +51,9 @@ def test_report_files_are_written_and_labelled(tmp_path):
     assert "| gpu | nvml-counter | measured |" in markdown
     assert "— (none)" in markdown  # cost: no price given
     assert (tmp_path / "out" / PNG_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask for p in paths)  # not mkstemp's private 0600
 
 
 def test_render_report_rebuilds_markdown_and_png_from_the_json(tmp_path):

@@ -78,6 +78,8 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     os.close(handle)
     tmp = Path(tmp_name)
     try:
+        # mkstemp creates the file private (0600); give it the permissions a plain open() would
+        os.chmod(tmp, 0o666 & ~_umask())
         write(tmp)
         with open(tmp, "rb") as stream:
             os.fsync(stream.fileno())
@@ -86,6 +88,19 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (``os.umask`` is process-global)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
