@@ -99,3 +99,19 @@ def test_every_example_config_parses(config, capsys):
         main(["fit", "--config", config, "--print_config"])
     assert exit_info.value.code in (0, None)
     assert "class_path" in capsys.readouterr().out
+
+
+def test_report_subcommand_re_renders_an_energy_report(tmp_path, capsys):
+    from lightning_pulse.energy.report import JSON_NAME, MARKDOWN_NAME, write_report
+    from tests.test_energy_report import small_report
+
+    write_report(small_report(), tmp_path)
+    (tmp_path / MARKDOWN_NAME).unlink()
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / MARKDOWN_NAME).exists()
+    assert MARKDOWN_NAME in capsys.readouterr().out
+    (tmp_path / JSON_NAME).write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "not a lightning-pulse energy report" in capsys.readouterr().err
