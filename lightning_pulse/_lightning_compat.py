@@ -132,3 +132,47 @@ def rewrap_ddp(trainer: pl.Trainer) -> bool:
     strategy.model = strategy._setup_model(strategy.lightning_module)
     strategy._register_ddp_hooks()
     return True
+
+
+# ---------------------------------------------------------------------------- HardSampleReplay (issue 4)
+def on_train_dataloader_ready(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``hook(dataloader)`` for every training DataLoader this trainer prepares, once Lightning has put
+    its distributed sampler in and before the loader is first iterated. Returns a function removing the hook.
+
+    Lightning creates the first epoch's iterator before any callback hook after ``setup`` runs, so a sampler
+    wrapper installed in ``on_train_start`` would miss that epoch. ``Strategy.process_dataloader`` is the
+    public per-loader step inside that window; it is wrapped on this trainer's strategy instance only.
+    """
+    from lightning.pytorch.trainer.states import RunningStage
+
+    strategy = trainer.strategy
+    original = strategy.process_dataloader
+    shadowed = "process_dataloader" in vars(strategy)  # another hook already wraps it on this instance
+    state = {"active": True}
+
+    def process_dataloader(dataloader: object) -> object:
+        dataloader = original(dataloader)
+        if state["active"] and trainer.state.stage == RunningStage.TRAINING:
+            hook(dataloader)
+        return dataloader
+
+    strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+
+    def remove() -> None:
+        state["active"] = False
+        if vars(strategy).get("process_dataloader") is process_dataloader:
+            if shadowed:
+                strategy.process_dataloader = original  # type: ignore[method-assign]
+            else:
+                del strategy.process_dataloader
+
+    return remove
+
+
+def prepare_extra_training_batch(trainer: pl.Trainer, batch: Any) -> Any:
+    """Put a batch built outside the loop through what Lightning does to every training batch before
+    ``on_train_batch_start``: precision input conversion, ``on_before_batch_transfer``, device transfer and
+    ``on_after_batch_transfer`` (module or datamodule hooks)."""
+    batch = trainer.precision_plugin.convert_input(batch)
+    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)

@@ -52,3 +52,21 @@ def test_scheduled_prune_private_api_still_exists():
     assert callable(DDPStrategy._setup_model) and callable(DDPStrategy._register_ddp_hooks)
     assert compat.spawns_worker_processes(pl.Trainer(**trainer_kwargs(devices=2, strategy="ddp_spawn")))
     assert not compat.rewrap_ddp(trainer)
+
+
+def test_train_dataloader_hook_runs_before_the_first_pass_and_extra_batches_get_the_transfer_hooks(mnist1d_small):
+    model, data = mnist1d_small()
+    seen, first_batch = [], []
+
+    class FirstBatch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            first_batch.append((list(seen), compat.prepare_extra_training_batch(trainer, [t[:2] for t in batch])))
+
+    trainer = pl.Trainer(max_steps=1, callbacks=[FirstBatch()], **trainer_kwargs())
+    remove = compat.on_train_dataloader_ready(trainer, seen.append)
+    trainer.fit(model, data)
+    loaders, extra = first_batch[0]
+    assert len(loaders) == 1 and loaders[0] is trainer.train_dataloader
+    assert len(extra) == 2 and extra[0].shape[0] == 2
+    remove()
+    assert "process_dataloader" not in vars(trainer.strategy)

@@ -1,0 +1,269 @@
+"""HardSampleReplay: training compute to reach the baseline's accuracy, against a random-subset control.
+
+Arms, each on every seed, interleaved, in one invocation:
+
+* ``baseline``: the plain Trainer.
+* ``topk-batch-0.5``: HardSampleReplay alone, ``mode="batch"``: every batch keeps the half with the highest
+  stored, age-weighted loss (never-scored samples always kept); steps per epoch unchanged.
+* ``random-batch-0.5``: the control: same callback, same compute, a uniform half instead of the hardest.
+* ``topk-epoch-0.7``: ``mode="epoch"``: each epoch trains on 70% of the dataset (never-scored samples
+  first, then the hardest) in full batches, so epochs have 30% fewer steps.
+* ``random-epoch-0.7``: its control.
+* ``infobatch-batch-0.5``: the InfoBatch rule in batch mode (drop below-mean samples with probability 0.5,
+  rescale the kept ones).
+* ``pulse``: PulseCycle (burst / replay in steps, 10% warm-up and anneal) with batch-mode selection (0.5) in
+  its replay phases only: the pulse-training cadence, which spends full compute in bursts.
+* ``topk-epoch-0.5-2x`` (language model): half of each epoch for twice the epochs, i.e. the baseline's compute.
+
+The figures that answer the issue: ``FLOPs to baseline metric`` and ``CPU to baseline metric`` (compute a run
+needed to first reach the baseline's final validation metric, as a share of the baseline's whole run,
+paired by seed, median over seeds), the final metric itself, and the scoring cost as a share of step time.
+
+Run: ``python -m benchmarks.hard_sample_replay`` (both workloads, 3 seeds; ``--workloads mnist1d-cnn`` for one).
+Settings per workload are in :data:`SETTINGS` (smaller than the examples' defaults, to fit ~15 CPU minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from benchmarks.harness import Arm, TrainingFlopCounter, run_arms, summarise, write_results
+from benchmarks.workloads import get_workload
+from lightning_pulse import PulseCycle
+from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
+from lightning_pulse.core.selection import batch_size_of
+
+#: Workload settings, chosen to fit the whole benchmark in ~15 CPU minutes on 2 shared cores. Arm names read
+#: ``<rule>-<mode>-<replay_fraction>[-<epochs factor>x]``; ``pulse`` adds a PulseCycle.
+SETTINGS: dict[str, dict[str, Any]] = {
+    # 10000 generated samples: 7200 train / 800 val, so one validation sample is 0.125 pp (0.3 pp is 2-3
+    # samples); 15 epochs of OneCycleLR (72 steps each), so the baseline is still learning at the end
+    "mnist1d-cnn": {
+        "trainer_kwargs": {"max_epochs": 15},
+        "workload_kwargs": {"data__num_samples": 10000, "model__scheduler": "onecycle"},
+        "arms": (
+            "topk-batch-0.5",
+            "random-batch-0.5",
+            "topk-epoch-0.7",
+            "random-epoch-0.7",
+            "infobatch-batch-0.5",
+            "pulse",
+        ),
+        "pulse": {"burst": 36, "replay": 72, "maintain": 0},
+    },
+    # 200k characters of stdlib source in windows of 64: 2769 training windows, 87 batches of 32 per epoch;
+    # AdamW at a constant rate
+    "charlm": {
+        "trainer_kwargs": {"max_epochs": 5},
+        "workload_kwargs": {"data__max_chars": 200_000},
+        "arms": (
+            "topk-batch-0.5",
+            "random-batch-0.5",
+            "topk-epoch-0.7",
+            "random-epoch-0.7",
+            "topk-epoch-0.5-2x",
+        ),
+        "pulse": {"burst": 40, "replay": 80, "maintain": 0},
+    },
+}
+
+
+def _arm(name: str, epochs: int, cadence: dict[str, int]) -> Arm:
+    if name == "pulse":
+
+        def pulse(seed: int) -> list:
+            return [
+                PulseCycle(**cadence, warmup=0.1, anneal=0.1, maintain_eval="none"),
+                HardSampleReplay(replay_fraction=0.5, seed=seed),
+            ]
+
+        return Arm(name, callbacks=pulse)
+    rule, mode, fraction, *factor = name.split("-")
+    kwargs: dict[str, Any] = {"rule": rule, "mode": mode}
+    if rule == "infobatch":
+        kwargs["prune_ratio"] = float(fraction)
+    else:
+        kwargs["replay_fraction"] = float(fraction)
+    trainer_kwargs = {"max_epochs": epochs * int(factor[0].rstrip("x"))} if factor else {}
+    return Arm(
+        name,
+        callbacks=lambda seed: [HardSampleReplay(seed=seed, **kwargs)],
+        trainer_kwargs=trainer_kwargs,
+    )
+
+
+class SampleCurve(Callback):
+    """Cumulative training samples at every validation, next to the harness's own curve points."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.curve: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.samples += batch_size_of(batch) or 0
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.curve.append(self.samples)
+
+    def benchmark_metrics(self) -> dict[str, Any]:
+        return {"samples_curve": list(self.curve)}
+
+
+def per_sample_flops(workload: str, workload_kwargs: dict[str, Any]) -> float:
+    """Training FLOPs per sample, counted by the harness's ``FlopCounterMode`` callback on real steps.
+
+    The workloads have fixed shapes, so a step's FLOPs are exactly proportional to its batch size (checked
+    here on a full and a half batch); a run's FLOPs are then its trained samples times this figure, with no
+    second, 3x slower counted pass per run.
+    """
+    spec = get_workload(workload)
+    figures = []
+    for factor in (1, 2):
+        module, data = spec.build(**workload_kwargs)
+        data.hparams.batch_size //= factor
+        counter = TrainingFlopCounter()
+        samples = SampleCurve()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=2,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[counter, samples],
+        )
+        trainer.fit(module, data)
+        figures.append(counter.total / samples.samples)
+    if abs(figures[0] - figures[1]) > 1e-9 * figures[0]:
+        raise RuntimeError(
+            f"{workload}: FLOPs per sample differ between batch sizes ({figures}); count them per run."
+        )
+    return figures[0]
+
+
+def fill_flops(result: dict[str, Any], flops_per_sample: float) -> None:
+    """Put ``samples x FLOPs per sample`` into every run and curve point, then summarise again."""
+    for run in result["runs"]:
+        curve = run["extra"].pop("samples_curve")
+        for point, samples in zip(run["curve"], curve):
+            point["train_flops"] = samples * flops_per_sample
+        run["train_flops"] = run["samples"] * flops_per_sample
+    result["flops_mode"] = f"trained samples x {flops_per_sample:.6g} FLOPs/sample (FlopCounterMode)"
+    result["summary"] = summarise(
+        result["runs"], result["arms"], result["metric"], result["mode"], result["test_metric"]
+    )
+
+
+def arms_for(workload: str) -> list[Arm]:
+    settings = SETTINGS[workload]
+    epochs = settings["trainer_kwargs"]["max_epochs"]
+    arms = [Arm("baseline"), *(_arm(name, epochs, settings["pulse"]) for name in settings["arms"])]
+    for arm in arms:  # every arm also records its trained samples per epoch
+        arm.callbacks = _with_sample_curve(arm.callbacks)
+    return arms
+
+
+def _with_sample_curve(make):
+    return lambda seed: [*make(seed), SampleCurve()]
+
+
+def _median(values: list[float]) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(values) if values else math.nan
+
+
+def add_replay_figures(result: dict[str, Any]) -> None:
+    """Medians of the callback's own figures (scoring share, replay fraction, reuse) per arm."""
+    names = (
+        "hsr_scoring_share",
+        "hsr_selection_share",
+        "hsr_replay_fraction",
+        "hsr_loss_replayed",
+        "hsr_loss_fresh",
+        "hsr_came_back_rate",
+        "hsr_learned_rate",
+        "hsr_table_bytes",
+    )
+    for arm in result["arms"][1:]:
+        runs = [run for run in result["runs"] if run["arm"] == arm]
+        result["summary"][arm]["replay"] = {
+            name: _median([run["extra"].get(name, math.nan) for run in runs]) for name in names
+        }
+        # compute actually spent, relative to the baseline (training FLOPs of the whole run)
+        result["summary"][arm]["samples_ratio"] = _median(
+            [
+                run["samples"]
+                / next(
+                    b["samples"]
+                    for b in result["runs"]
+                    if b["arm"] == result["arms"][0] and b["seed"] == run["seed"]
+                )
+                for run in runs
+            ]
+        )
+
+
+def replay_table(result: dict[str, Any]) -> str:
+    metric = result["metric"]
+    lines = [
+        f"HardSampleReplay figures ({result['workload']}, medians over seeds):",
+        "",
+        "| arm | samples trained / baseline | scoring share of step CPU | selection share | replay fraction | "
+        "loss replayed | loss fresh | came back | learned | table bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm in result["arms"][1:]:
+        row = result["summary"][arm]
+        figures = row["replay"]
+        lines.append(
+            f"| {arm} | {row['samples_ratio']:.3f} | {figures['hsr_scoring_share']:.2%} | "
+            f"{figures['hsr_selection_share']:.2%} | {figures['hsr_replay_fraction']:.3f} | "
+            f"{figures['hsr_loss_replayed']:.4g} | {figures['hsr_loss_fresh']:.4g} | {figures['hsr_came_back_rate']:.3f} | "
+            f"{figures['hsr_learned_rate']:.3f} | {figures['hsr_table_bytes']:.0f} |"
+        )
+    lines += ["", f"Final {metric} per seed:", ""]
+    for arm in result["arms"]:
+        values = [run["final_val"].get(metric, math.nan) for run in result["runs"] if run["arm"] == arm]
+        lines.append(f"- {arm}: " + ", ".join(f"{v:.4f}" for v in values))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--name", default="hard_sample_replay")
+    args = parser.parse_args()
+    results = []
+    notes = []
+    for workload in args.workloads:
+        settings = SETTINGS[workload]
+        flops = per_sample_flops(workload, settings["workload_kwargs"])
+        result = run_arms(
+            workload,
+            arms_for(workload),
+            seeds=args.seeds,
+            trainer_kwargs=settings["trainer_kwargs"],
+            workload_kwargs=settings["workload_kwargs"],
+            flops="none",
+        )
+        fill_flops(result, flops)
+        add_replay_figures(result)
+        results.append(result)
+        notes.append(replay_table(result))
+    command = "python -m benchmarks.hard_sample_replay " + " ".join(
+        ["--workloads", *args.workloads, "--seeds", *map(str, args.seeds)]
+    )
+    write_results(results, args.name, command=command, notes="\n\n".join(notes))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,590 @@
+"""Per-sample losses taken from the loss computation a module already does.
+
+:class:`LossCapture` is a context manager. While it is active, every ``torch.nn.functional`` loss called
+from the same thread (directly, or through a ``torch.nn`` loss module such as ``nn.CrossEntropyLoss``,
+which calls the functional form) also yields one loss per sample, with no second forward pass:
+
+* the caller gets exactly what the original call returns, same value and same autograd graph, so
+  training is bit-for-bit what it would have been;
+* the per-sample losses come from one extra call of the same loss with ``reduction="none"`` under
+  ``torch.no_grad()``. That is a loss evaluation on outputs that already exist (for cross-entropy, a
+  log-softmax over the logits), not a forward pass of the model.
+
+When :attr:`LossCapture.sample_weights` is set (InfoBatch's ``1/(1-r)`` rescale), the loss is instead
+computed once unreduced, weighted per sample and reduced the way the caller asked; that is the one case
+where the caller's loss value changes, on purpose.
+
+A per-sample loss is the mean of the sample's elements: for token losses computed on flattened
+``(B*T, V)`` logits with ``(B*T,)`` (or ``(B, T)`` flattened) targets, the mean over the sample's ``T``
+tokens; ``ignore_index`` tokens are left out and class weights are honoured exactly as the reduced
+cross-entropy does. For ``kl_div(..., reduction="batchmean")`` it is the sample's sum, which is what
+``batchmean`` averages.
+
+For anything capture cannot see (a hand-written loss, a loss imported as a bare function before
+capture started, a model that returns its loss), give a :class:`PerSampleScorer`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+#: The ``torch.nn.functional`` losses that :class:`LossCapture` sees. ``torch.nn`` loss modules call these.
+CAPTURED_LOSSES: tuple[str, ...] = (
+    "cross_entropy",
+    "nll_loss",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "mse_loss",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "kl_div",
+    "poisson_nll_loss",
+    "gaussian_nll_loss",
+    "soft_margin_loss",
+    "multilabel_soft_margin_loss",
+    "multilabel_margin_loss",
+    "multi_margin_loss",
+    "hinge_embedding_loss",
+    "margin_ranking_loss",
+    "cosine_embedding_loss",
+    "triplet_margin_loss",
+    "triplet_margin_with_distance_loss",
+)
+# these two divide a "mean" by the summed class weight of the non-ignored targets, not by the element count
+_CLASS_WEIGHTED = ("cross_entropy", "nll_loss")
+_REDUCTIONS = ("mean", "sum", "none", "batchmean")
+
+
+@dataclass(frozen=True)
+class CapturedLoss:
+    """One loss call seen by a :class:`LossCapture`.
+
+    Attributes:
+        name: the ``torch.nn.functional`` name, e.g. ``"cross_entropy"``.
+        reduction: the reduction the caller asked for.
+        shape: shape of the unreduced loss.
+        per_sample: ``(B,)`` float32 losses, detached, or ``None`` when the unreduced loss could not be
+            mapped onto the batch's ``B`` samples (its leading size is neither ``B`` nor a multiple of it).
+    """
+
+    name: str
+    reduction: str
+    shape: tuple[int, ...]
+    per_sample: Tensor | None
+
+
+def _requested_reduction(arguments: dict[str, Any]) -> str:
+    # the deprecated size_average / reduce pair still overrides `reduction` in torch
+    size_average, reduce = arguments.get("size_average"), arguments.get("reduce")
+    if size_average is not None or reduce is not None:
+        if reduce is False:
+            return "none"
+        return "sum" if size_average is False else "mean"
+    return str(arguments.get("reduction", "mean"))
+
+
+def element_weights(name: str, arguments: dict[str, Any], unreduced: Tensor) -> Tensor | None:
+    """What each element of ``unreduced`` counts for in a ``"mean"`` reduction (bool or float, shaped like
+    ``unreduced``), or ``None`` for "1 each".
+
+    Cross-entropy and NLL with class indices average over the non-ignored targets, weighted by the class
+    weight of each target; every other loss averages over all elements.
+    """
+    if name not in _CLASS_WEIGHTED:
+        return None
+    target = arguments["target"]
+    if target.is_floating_point():  # class probabilities: plain mean, no ignore_index
+        return None
+    ignore_index = arguments.get("ignore_index", -100)
+    valid = target != ignore_index
+    weight = arguments.get("weight")
+    if weight is None:
+        return valid.reshape(unreduced.shape)
+    counted = weight[torch.where(valid, target, torch.zeros_like(target))] * valid
+    return counted.reshape(unreduced.shape)
+
+
+def rows_per_sample(unreduced: Tensor, batch_size: int) -> Tensor | None:
+    """View an unreduced loss as ``(B, elements_per_sample)``, or ``None`` if it does not split into ``B``.
+
+    ``(B, ...)`` losses split along their first dimension; flattened token losses ``(B*T, ...)`` split
+    into ``B`` consecutive blocks of ``T`` (row-major flattening, as ``x.reshape(-1, V)`` does).
+    """
+    if batch_size < 1 or unreduced.dim() == 0 or unreduced.numel() == 0:
+        return None
+    leading = unreduced.shape[0]
+    if leading != batch_size and (leading % batch_size != 0 or leading < batch_size):
+        return None
+    return unreduced.reshape(batch_size, -1)
+
+
+def per_sample_from_unreduced(
+    unreduced: Tensor, batch_size: int, weights: Tensor | None = None, reduction: str = "mean"
+) -> Tensor | None:
+    """``(B,)`` per-sample losses from an unreduced loss (see the module docstring for the rule).
+
+    Args:
+        unreduced: the loss with ``reduction="none"``.
+        batch_size: ``B``.
+        weights: per-element weights from :func:`element_weights` (``None``: every element counts 1).
+        reduction: the caller's reduction; ``"batchmean"`` makes a sample's loss its sum.
+
+    Returns:
+        float32 ``(B,)``, detached; ``NaN`` for a sample with no counted element (all tokens ignored), or
+        ``None`` if the loss does not split into ``B`` samples.
+    """
+    rows = rows_per_sample(unreduced.detach(), batch_size)
+    if rows is None:
+        return None
+    rows = rows.float()
+    if rows.shape[1] == 1:  # one element per sample (classification): no sums needed
+        values = rows[:, 0]
+        if weights is None or reduction == "batchmean":
+            return values
+        if weights.dtype == torch.bool:
+            return values.masked_fill(~weights.reshape(-1), math.nan)
+        return values / weights.reshape(-1)  # class-weighted: the sample's own loss; 0/0 -> NaN if ignored
+    if reduction == "batchmean":
+        return rows.sum(dim=1)
+    if weights is None:
+        return rows.mean(dim=1)
+    counts = weights.detach().reshape(batch_size, -1).sum(dim=1, dtype=torch.float32)
+    return rows.sum(dim=1) / counts  # 0/0 -> NaN: a sample whose every token is ignored has no score
+
+
+def _reduce_weighted(
+    name: str,
+    arguments: dict[str, Any],
+    unreduced: Tensor,
+    reduction: str,
+    sample_weights: Tensor,
+) -> Tensor:
+    """Reduce ``unreduced`` the way the caller asked, after multiplying each sample's elements by its weight."""
+    batch_size = sample_weights.shape[0]
+    rows = rows_per_sample(unreduced, batch_size)
+    assert rows is not None
+    weighted = (rows * sample_weights.to(device=rows.device, dtype=rows.dtype).unsqueeze(1)).reshape(
+        unreduced.shape
+    )
+    if reduction == "none":
+        return weighted
+    if reduction == "sum":
+        return weighted.sum()
+    if reduction == "batchmean":
+        first = next(iter(arguments.values()))
+        return weighted.sum() / first.shape[0]
+    counted = element_weights(name, arguments, unreduced)
+    return weighted.sum() / (counted.sum(dtype=weighted.dtype) if counted is not None else unreduced.numel())
+
+
+class _Interceptor:
+    """Process-wide bookkeeping: which threads have an active capture, and the patched functions."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active: dict[int, list[LossCapture]] = {}
+        self.originals: dict[str, Callable[..., Tensor]] = {}  # filled while patched
+        self.wrappers: dict[str, Callable[..., Tensor]] = {}  # built once, on first use
+        self.holds = 0  # open loss_capture_scope() blocks: keep the patch in place between captures
+        self.local = threading.local()
+
+    def current(self) -> LossCapture | None:
+        if getattr(self.local, "busy", False):  # a loss called from inside a handled loss call
+            return None
+        stack = self.active.get(threading.get_ident())
+        return stack[-1] if stack else None
+
+    def hold(self, delta: int) -> None:
+        with self.lock:
+            self.holds += delta
+            if delta > 0:
+                self._patch()
+            else:
+                self._unpatch_if_idle()
+
+    def _patch(self) -> None:
+        if not self.originals:
+            if not self.wrappers:
+                for name in CAPTURED_LOSSES:
+                    self.wrappers[name] = self._wrap(name, getattr(F, name))
+            for name, wrapper in self.wrappers.items():
+                self.originals[name] = getattr(F, name)
+                setattr(F, name, wrapper)
+
+    def _unpatch_if_idle(self) -> None:
+        if not self.active and self.holds <= 0 and self.originals:
+            for name, original in self.originals.items():
+                setattr(F, name, original)
+            self.originals.clear()
+
+    def push(self, capture: LossCapture) -> None:
+        with self.lock:
+            if not self.originals:
+                self._patch()
+            self.active.setdefault(threading.get_ident(), []).append(capture)
+
+    def pop(self, capture: LossCapture) -> None:
+        with self.lock:
+            stack = self.active.get(threading.get_ident(), [])
+            if capture in stack:
+                stack.remove(capture)
+            if not stack:
+                self.active.pop(threading.get_ident(), None)
+            self._unpatch_if_idle()
+
+    def _wrap(self, name: str, first_original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        signature = _LossSignature(inspect.signature(first_original))
+
+        @functools.wraps(first_original)
+        def captured_loss(*args: Any, **kwargs: Any) -> Tensor:
+            # whatever F.<name> was when this patch went in (another library may have wrapped it too)
+            original = self.originals.get(name, first_original)
+            capture = self.current()
+            if capture is None:
+                return original(*args, **kwargs)
+            self.local.busy = True
+            try:
+                return capture._handle(name, original, signature, args, kwargs)
+            finally:
+                self.local.busy = False
+
+        return captured_loss
+
+
+class _LossSignature:
+    """Argument handling of one loss function, without ``inspect.Signature.bind`` on the hot path."""
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        self.signature = signature
+        self.names = list(signature.parameters)
+        self.defaults = {n: p.default for n, p in signature.parameters.items() if p.default is not p.empty}
+        # calls that pass none of these positionally take the fast path
+        self.first_reduction_position = min(
+            self.names.index(n) for n in ("reduction", "size_average", "reduce") if n in self.names
+        )
+
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Every argument by name (defaults included)."""
+        if len(args) <= self.first_reduction_position:
+            arguments = dict(self.defaults)
+            arguments.update(zip(self.names, args))
+            arguments.update(kwargs)
+            return arguments
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    @staticmethod
+    def unreduced_call(arguments: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments for the same call with ``reduction="none"`` (the losses have no
+        positional-only parameters, so everything can be passed by name)."""
+        arguments = dict(arguments)
+        for legacy in ("size_average", "reduce"):
+            if legacy in arguments:
+                arguments[legacy] = None
+        arguments["reduction"] = "none"
+        return arguments
+
+
+_INTERCEPTOR = _Interceptor()
+
+
+@contextmanager
+def loss_capture_scope() -> Iterator[None]:
+    """Keep ``torch.nn.functional``'s losses patched for a whole block (e.g. one ``fit``).
+
+    Without it, each :class:`LossCapture` patches on entry and restores on exit; inside it, entering and
+    leaving a capture costs only a list append and pop. Outside an active capture, the patched losses pass
+    straight through to the originals.
+    """
+    _INTERCEPTOR.hold(+1)
+    try:
+        yield
+    finally:
+        _INTERCEPTOR.hold(-1)
+
+
+class LossCapture:
+    """Collect per-sample losses from ``torch.nn.functional`` losses called inside the ``with`` block.
+
+    Only calls from the thread that entered the block are captured; other threads see the plain
+    functions. Captures nest (the innermost one handles a call). The patch of ``torch.nn.functional``
+    exists only while at least one capture is active.
+
+    Args:
+        batch_size: ``B``, the number of samples in the batch the block trains on. Needed to map an
+            unreduced loss onto samples.
+        sample_weights: optional ``(B,)`` weights. When set, each sample's elements are multiplied by its
+            weight before the caller's reduction, and the caller gets that weighted loss (with autograd).
+
+    Example::
+
+        capture = LossCapture(batch_size=len(y))
+        with capture:
+            loss = F.cross_entropy(model(x), y)      # unchanged value and graph
+        losses = capture.per_sample()                # (B,) float32, detached
+    """
+
+    def __init__(self, batch_size: int, sample_weights: Tensor | None = None) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`batch_size`={batch_size!r} must be a positive int.")
+        if sample_weights is not None and tuple(sample_weights.shape) != (batch_size,):
+            raise ValueError(
+                f"`sample_weights` has shape {tuple(sample_weights.shape)}; expected ({batch_size},)."
+            )
+        self.batch_size = batch_size
+        self.sample_weights = sample_weights
+        self.records: list[CapturedLoss] = []
+        self.overhead_seconds = 0.0  # CPU seconds spent on the extra unreduced calls and the bookkeeping
+        self._entered = False
+
+    def __enter__(self) -> LossCapture:
+        if self._entered:
+            raise RuntimeError("This LossCapture is already active.")
+        self._entered = True
+        _INTERCEPTOR.push(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop capturing (idempotent). Same as leaving the ``with`` block."""
+        if self._entered:
+            _INTERCEPTOR.pop(self)
+            self._entered = False
+
+    @property
+    def active(self) -> bool:
+        return self._entered
+
+    def per_sample(self) -> Tensor | None:
+        """The ``(B,)`` per-sample loss: the sum over every captured call that maps onto the batch.
+
+        Summing matches a module whose loss is a sum of terms (e.g. a task loss plus a distillation loss).
+        ``None`` if no captured call mapped onto ``B`` samples.
+        """
+        mapped = [record.per_sample for record in self.records if record.per_sample is not None]
+        if not mapped:
+            return None
+        if len(mapped) == 1:
+            return mapped[0]
+        total = mapped[0].clone()
+        for more in mapped[1:]:
+            total += more
+        return total
+
+    def describe(self) -> str:
+        """A one-line account of what was captured, for error messages."""
+        if not self.records:
+            return "no torch.nn.functional / torch.nn loss was called"
+        calls = ", ".join(
+            f"{r.name}(reduction={r.reduction!r}) -> unreduced shape {r.shape}"
+            + ("" if r.per_sample is not None else " [does not split into the batch's samples]")
+            for r in self.records
+        )
+        return f"captured {calls}"
+
+    # ------------------------------------------------------------------ internals
+    def _handle(
+        self,
+        name: str,
+        original: Callable[..., Tensor],
+        signature: _LossSignature,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        try:
+            arguments = signature.arguments(args, kwargs)
+        except TypeError:  # let torch raise its own error message
+            return original(*args, **kwargs)
+        reduction = _requested_reduction(arguments)
+
+        if self.sample_weights is not None:
+            unreduced = original(**signature.unreduced_call(arguments))
+            started = time.process_time()
+            self._record(name, arguments, unreduced, reduction)
+            self.overhead_seconds += time.process_time() - started
+            if rows_per_sample(unreduced, self.batch_size) is not None:
+                return _reduce_weighted(name, arguments, unreduced, reduction, self.sample_weights)
+            return original(*args, **kwargs)
+
+        result = original(*args, **kwargs)
+        started = time.process_time()
+        if reduction == "none":
+            unreduced = result
+        else:
+            with torch.no_grad():
+                unreduced = original(**signature.unreduced_call(arguments))
+        self._record(name, arguments, unreduced, reduction)
+        self.overhead_seconds += time.process_time() - started
+        return result
+
+    def _record(self, name: str, arguments: dict[str, Any], unreduced: Tensor, reduction: str) -> None:
+        per_sample = _per_sample_on_cpu(name, arguments, unreduced, self.batch_size, reduction)
+        if per_sample is _NOT_ON_CPU:
+            with torch.no_grad():
+                weights = element_weights(name, arguments, unreduced)
+                per_sample = per_sample_from_unreduced(unreduced, self.batch_size, weights, reduction)
+        self.records.append(CapturedLoss(name, reduction, tuple(unreduced.shape), per_sample))
+
+
+_NOT_ON_CPU = object()
+
+
+def _per_sample_on_cpu(
+    name: str, arguments: dict[str, Any], unreduced: Tensor, batch_size: int, reduction: str
+) -> Tensor | None | object:
+    """:func:`per_sample_from_unreduced` in NumPy for float CPU tensors, where a step's few hundred values
+    cost far less than the same torch calls; ``_NOT_ON_CPU`` when it does not apply (GPU, bf16)."""
+    if unreduced.device.type != "cpu" or unreduced.dtype not in (torch.float32, torch.float64):
+        return _NOT_ON_CPU
+    target = arguments.get("target")
+    class_indices = name in _CLASS_WEIGHTED and isinstance(target, Tensor) and not target.is_floating_point()
+    if class_indices and target.device.type != "cpu":
+        return _NOT_ON_CPU
+    if unreduced.dim() == 0 or unreduced.numel() == 0:
+        return None
+    leading = unreduced.shape[0]
+    if leading != batch_size and (leading % batch_size != 0 or leading < batch_size):
+        return None
+    rows = unreduced.detach().numpy().reshape(batch_size, -1).astype(np.float32)  # a copy, never a view
+    if reduction == "batchmean":
+        return torch.from_numpy(rows.sum(axis=1))
+    if not class_indices:
+        return torch.from_numpy(rows.mean(axis=1) if rows.shape[1] > 1 else rows[:, 0])
+    targets = target.numpy().reshape(batch_size, -1)
+    valid = targets != arguments.get("ignore_index", -100)
+    weight = arguments.get("weight")
+    if weight is None:
+        counts = valid.sum(axis=1, dtype=np.float32)
+    else:
+        class_weight = weight.detach().cpu().float().numpy()
+        counts = (class_weight[np.where(valid, targets, 0)] * valid).sum(axis=1, dtype=np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return torch.from_numpy(rows.sum(axis=1) / counts)  # 0/0 -> NaN: every token of the sample ignored
+
+
+# ---------------------------------------------------------------------- scorers
+class PerSampleScorer:
+    """Computes one loss per sample for modules whose loss :class:`LossCapture` cannot see.
+
+    Subclass and implement :meth:`__call__`; pass an instance (or, in YAML, a ``class_path``) as
+    ``HardSampleReplay(scorer=...)``. It is called after ``training_step`` on the batch the step trained on.
+    """
+
+    def __call__(self, pl_module: torch.nn.Module, batch: Any, outputs: Any, batch_size: int) -> Tensor:
+        """Return a ``(batch_size,)`` tensor of per-sample losses (detached; any float dtype).
+
+        Args:
+            pl_module: the LightningModule being trained.
+            batch: the batch ``training_step`` received (after any composition).
+            outputs: what ``training_step`` returned.
+            batch_size: the number of samples in ``batch``.
+        """
+        raise NotImplementedError
+
+
+def _pick(batch: Any, key: int | str) -> Any:
+    try:
+        return batch[key]
+    except (KeyError, IndexError, TypeError) as error:
+        raise ValueError(f"The batch has no element {key!r} (batch type {type(batch).__name__}).") from error
+
+
+class OutputKeyScorer(PerSampleScorer):
+    """Reads per-sample losses the module already returns: ``training_step`` returns a dict with ``key``.
+
+    Free: no extra computation.
+
+    Args:
+        key: the entry of ``training_step``'s returned dict holding a ``(B,)`` tensor (or ``(B, ...)``,
+            averaged over the non-batch dimensions).
+    """
+
+    def __init__(self, key: str = "per_sample_loss") -> None:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"`key`={key!r} must be a non-empty string.")
+        self.key = key
+
+    def __call__(self, pl_module: torch.nn.Module, batch: Any, outputs: Any, batch_size: int) -> Tensor:
+        if not isinstance(outputs, dict) or self.key not in outputs:
+            found = sorted(outputs) if isinstance(outputs, dict) else type(outputs).__name__
+            raise ValueError(
+                f"OutputKeyScorer: training_step's output has no {self.key!r} entry (found {found})."
+            )
+        rows = rows_per_sample(torch.as_tensor(outputs[self.key]).detach(), batch_size)
+        if rows is None:
+            raise ValueError(
+                f"OutputKeyScorer: outputs[{self.key!r}] does not split into {batch_size} samples."
+            )
+        return rows.float().mean(dim=1)
+
+
+class ForwardLossScorer(PerSampleScorer):
+    """Scores with a second, gradient-free forward pass: ``loss(pl_module(batch[input]), batch[target])``.
+
+    Costs about one third of a training step (a forward without backward). The module runs in eval mode
+    for it (no dropout, no batch-norm statistics updates) and the global RNG state is preserved, so the
+    training itself is not disturbed.
+
+    Args:
+        loss: a ``torch.nn.functional`` loss name (one of :data:`CAPTURED_LOSSES`).
+        input: index or key of the model input in the batch.
+        target: index or key of the target in the batch.
+        flatten_tokens: reshape outputs ``(B, T, V) -> (B*T, V)`` and targets ``(B, T) -> (B*T,)`` first, as
+            language models do.
+    """
+
+    def __init__(
+        self,
+        loss: str = "cross_entropy",
+        input: int | str = 0,
+        target: int | str = 1,
+        flatten_tokens: bool = False,
+    ) -> None:
+        if loss not in CAPTURED_LOSSES:
+            raise ValueError(f"`loss`={loss!r} is not one of {list(CAPTURED_LOSSES)}.")
+        self.loss = loss
+        self.input = input
+        self.target = target
+        self.flatten_tokens = flatten_tokens
+
+    def __call__(self, pl_module: torch.nn.Module, batch: Any, outputs: Any, batch_size: int) -> Tensor:
+        inputs, targets = _pick(batch, self.input), _pick(batch, self.target)
+        modes = {module: module.training for module in pl_module.modules()}
+        pl_module.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                predictions = pl_module(inputs)
+                if self.flatten_tokens:
+                    predictions = predictions.reshape(-1, predictions.shape[-1])
+                    targets = targets.reshape(-1)
+                loss_fn = _INTERCEPTOR.originals.get(self.loss, getattr(F, self.loss))
+                unreduced = loss_fn(predictions, targets, reduction="none")
+        finally:
+            for module, training in modes.items():
+                module.train(training)
+        per_sample = per_sample_from_unreduced(
+            unreduced, batch_size, element_weights(self.loss, {"target": targets}, unreduced)
+        )
+        if per_sample is None:
+            raise ValueError(
+                f"ForwardLossScorer: the unreduced {self.loss} has shape {tuple(unreduced.shape)}, which does not "
+                f"split into {batch_size} samples."
+            )
+        return per_sample

@@ -1,0 +1,208 @@
+"""Which dataset indices each training batch holds, without changing the batch.
+
+A :class:`RecordingSampler` is slipped in between a DataLoader's ``BatchSampler`` and the sampler it
+draws from (``RandomSampler``, ``SequentialSampler``, Lightning's ``DistributedSampler``, or any
+other index sampler). It hands the same indices on, in the same order, and remembers them. Because a
+DataLoader always draws indices in the main process and returns batches in that order (also with worker
+processes), the ``k``-th batch of an epoch is the ``k``-th group of ``batch_size`` recorded indices.
+
+:class:`SampleIndexTracker` is the public face: install it on a DataLoader once (it is shared: a second
+install returns the same tracker), then ask :meth:`SampleIndexTracker.batch_indices` for each batch.
+
+Example::
+
+    tracker = SampleIndexTracker.install(loader)
+    for batch_idx, (x, y) in enumerate(loader):
+        indices = tracker.batch_indices(batch_idx)   # LongTensor (B,): loader.dataset[indices[i]] is sample i
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+
+
+class RecordingSampler(Sampler[int]):
+    """Yields exactly what ``sampler`` yields and records it, for :class:`SampleIndexTracker`.
+
+    Args:
+        sampler: the index sampler to wrap.
+        forward_set_epoch: call ``sampler.set_epoch`` from this wrapper's ``set_epoch``. Off when the
+            DataLoader also exposes ``sampler`` directly (Lightning then calls it there, and calling it
+            twice is not harmless for every sampler).
+        chunk: how many indices are drawn from ``sampler`` at a time. The batch size: a batch sampler asks for
+            a batch's worth at once anyway, so the sampler is never read further ahead than without the wrapper.
+    """
+
+    def __init__(
+        self, sampler: Sampler[int] | Sequence[int], forward_set_epoch: bool = True, chunk: int = 1
+    ) -> None:
+        self.sampler = sampler
+        self.forward_set_epoch = forward_set_epoch
+        self.chunk = max(1, int(chunk))
+        self.select: Callable[[list[int]], list[int]] | None = None
+        self.length: Callable[[int], int] | None = None
+        self.iteration = 0  # how many passes over the sampler have started
+        self.pending: deque[int] = deque()  # indices drawn in this pass and not yet released
+        self.stream_start = 0  # position in this pass's index stream of pending[0]
+
+    def __iter__(self) -> Iterator[int]:
+        self.iteration += 1
+        self.pending.clear()
+        self.stream_start = 0
+        source: Iterator[int] = iter(self.sampler)
+        if self.select is not None:  # the pass's whole order is decided now, from the sampler's own order
+            source = iter(self.select(list(source)))
+        # pass indices on in chunks: a per-index Python loop would cost more than the sampler itself
+        while chunk := list(islice(source, self.chunk)):
+            self.pending.extend(chunk)
+            yield from chunk
+
+    def __len__(self) -> int:
+        full = len(self.sampler)  # type: ignore[arg-type]
+        return self.length(full) if self.length is not None else full
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if self.forward_set_epoch and callable(set_epoch):
+            set_epoch(epoch)
+
+
+class SampleIndexTracker:
+    """Looks up the dataset indices of every batch a map-style DataLoader yields.
+
+    Works with shuffling, with worker processes (indices are drawn in the main process, batches come back
+    in order) and with ``DistributedSampler`` (install after the distributed sampler is in place: each rank
+    then sees the global dataset indices of its own shard). Use :meth:`install`, not the constructor.
+
+    Contract for callers: ask :meth:`batch_indices` for every batch of an epoch, in order (a Lightning
+    callback does it in ``on_train_batch_start``). The first call of each epoch fixes the alignment, so a
+    ``batch_idx`` that does not start at 0 (a run resumed mid-epoch) is handled. Several callers may share
+    one tracker: asking twice for the same batch returns the same indices.
+
+    Attributes:
+        dataset: the DataLoader's dataset (for fetching samples by index).
+        collate_fn: the DataLoader's ``collate_fn``.
+        batch_size: the DataLoader's batch size.
+    """
+
+    def __init__(self, recorder: RecordingSampler, dataset: Any, collate_fn: Any, batch_size: int) -> None:
+        self.recorder = recorder
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.batch_size = batch_size
+        self._iteration = -1
+        self._base = 0
+        self._ordinal = -1
+        self._indices: Tensor | None = None
+
+    # ------------------------------------------------------------------ install
+    @staticmethod
+    def unsupported_reason(loader: Any) -> str | None:
+        """Why indices cannot be tracked for ``loader``, or ``None`` if they can."""
+        if not isinstance(loader, DataLoader):
+            return f"the training dataloader is a {type(loader).__name__}, not a torch DataLoader"
+        if isinstance(loader.dataset, IterableDataset):
+            return "the dataset is an IterableDataset, which has no indices"
+        batch_sampler = loader.batch_sampler
+        if batch_sampler is None:
+            return "the DataLoader has batch_size=None (no automatic batching)"
+        if type(batch_sampler).__iter__ is not BatchSampler.__iter__ or not hasattr(batch_sampler, "sampler"):
+            return f"the DataLoader uses a custom batch sampler ({type(batch_sampler).__name__})"
+        if not getattr(loader, "in_order", True):
+            return "the DataLoader has in_order=False, so batches may come back out of order"
+        try:
+            len(loader.dataset)
+        except TypeError:
+            return "the dataset has no length"
+        return None
+
+    @classmethod
+    def install(cls, loader: DataLoader) -> SampleIndexTracker:
+        """Put a :class:`RecordingSampler` into ``loader`` (once) and return its tracker.
+
+        Install before the DataLoader is iterated: a pass that already started keeps drawing from the
+        unwrapped sampler.
+
+        Raises:
+            ValueError: if the loader cannot be tracked (see :meth:`unsupported_reason`).
+        """
+        reason = cls.unsupported_reason(loader)
+        if reason is not None:
+            raise ValueError(f"Cannot track sample indices: {reason}.")
+        batch_sampler = loader.batch_sampler
+        existing = batch_sampler.sampler
+        if isinstance(existing, RecordingSampler):
+            return existing.tracker  # type: ignore[attr-defined]
+        recorder = RecordingSampler(
+            existing, forward_set_epoch=loader.sampler is not existing, chunk=batch_sampler.batch_size
+        )
+        batch_sampler.sampler = recorder
+        tracker = cls(recorder, loader.dataset, loader.collate_fn, batch_sampler.batch_size)
+        recorder.tracker = tracker  # type: ignore[attr-defined]
+        return tracker
+
+    @staticmethod
+    def uninstall(loader: DataLoader) -> None:
+        """Put the original sampler back (no-op if none was installed)."""
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        recorder = getattr(batch_sampler, "sampler", None)
+        if isinstance(recorder, RecordingSampler):
+            batch_sampler.sampler = recorder.sampler
+
+    def select_passes(self, select: Callable[[list[int]], list[int]], length: Callable[[int], int]) -> None:
+        """Let ``select`` choose, at the start of every pass, which of the sampler's indices the pass yields
+        (and in which order); ``length(full_length)`` must give how many it yields, so the DataLoader's length
+        (which Lightning reads once, to plan epochs and LR schedules) is right from the start.
+        """
+        self.recorder.select = select
+        self.recorder.length = length
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def dataset_size(self) -> int:
+        return len(self.dataset)
+
+    def batch_indices(self, batch_idx: int) -> Tensor:
+        """The dataset indices ``(B,)`` (int64) of the batch Lightning calls ``batch_idx``, in batch order.
+
+        Raises:
+            RuntimeError: if the batch's indices were not recorded (the tracker was installed after the
+                DataLoader pass started, or batches were asked for out of order).
+        """
+        recorder = self.recorder
+        if recorder.iteration != self._iteration:
+            self._iteration = recorder.iteration
+            self._base = batch_idx
+            self._ordinal = -1
+        ordinal = batch_idx - self._base
+        if ordinal == self._ordinal and self._indices is not None:
+            return self._indices
+        if ordinal < self._ordinal:
+            raise RuntimeError(
+                f"SampleIndexTracker: batch {batch_idx} was asked for after a later batch of the same epoch."
+            )
+        start = ordinal * self.batch_size
+        drop = start - recorder.stream_start
+        for _ in range(min(drop, len(recorder.pending))):
+            recorder.pending.popleft()
+        recorder.stream_start = start
+        count = min(self.batch_size, len(recorder.pending))
+        if count == 0 or drop < 0:
+            raise RuntimeError(
+                f"SampleIndexTracker: no recorded indices for batch {batch_idx}. The tracker must be installed "
+                "before the DataLoader starts a pass, and asked for every batch in order."
+            )
+        self._indices = torch.tensor([int(i) for i in islice(recorder.pending, count)], dtype=torch.long)
+        self._ordinal = ordinal
+        return self._indices
+
+    def fetch(self, indices: Sequence[int] | Tensor) -> Any:
+        """A collated batch of ``dataset[i]`` for ``indices`` (in the calling process, on the CPU)."""
+        return self.collate_fn([self.dataset[int(i)] for i in indices])

@@ -1,0 +1,265 @@
+"""Selection rules over per-sample scores, and applying a selection to a batch in place.
+
+Rules take the (stale, age-weighted) scores of the candidate samples, ``NaN`` for a sample never scored,
+and return a :class:`Selection`: which candidates to train on and, for InfoBatch, the loss weights that
+keep the gradient unbiased. A never-scored sample is always kept, even beyond the requested count: until
+it has been seen once, nothing says it is easy (so the first epoch of a run trains on everything).
+
+* :func:`select_topk`: the ``count`` highest scores.
+* :func:`select_proportional`: ``count`` samples drawn without replacement with probability proportional
+  to ``score ** power``, as Selective-Backprop does.
+* :func:`infobatch_prune`: InfoBatch (Qin et al. 2024): drop each below-threshold sample with probability
+  ``prune_ratio``, weight the kept below-threshold ones by ``1 / (1 - prune_ratio)``.
+* :func:`select_random`: a uniform subset of the scored samples; the control that shows whether scores matter.
+
+The batch helpers (:func:`take_samples`, :func:`concat_samples`, :func:`assign_in_place`) work on any
+nesting of lists, tuples, named tuples and dicts. A *per-sample leaf* is a tensor whose first dimension is
+the batch size ``B`` (or a list of ``B`` strings); every other leaf is shared by the whole batch and kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+RULES = ("topk", "proportional", "infobatch", "random")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The outcome of a rule.
+
+    Attributes:
+        positions: ``(k,)`` int64 positions into the candidates, ascending (batch order is kept).
+        weights: ``(k,)`` float32 loss weights, or ``None`` when the kept samples count equally.
+        threshold: the score that separated kept from dropped (``NaN`` where the rule has none).
+    """
+
+    positions: Tensor
+    weights: Tensor | None
+    threshold: float
+
+    @property
+    def count(self) -> int:
+        return int(self.positions.numel())
+
+
+# The rules run on a few hundred numbers per step, where NumPy's per-call cost is a small fraction of
+# torch's; they take and return tensors, and draw their randomness from a torch.Generator.
+def _as_numpy(scores: Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(scores, torch.Tensor):
+        return scores.detach().cpu().float().numpy()
+    return np.asarray(scores, dtype=np.float32)
+
+
+def _check_count(count: int, available: int) -> int:
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+        raise ValueError(f"`count`={count!r} must be a non-negative int.")
+    return min(int(count), available)
+
+
+def _selection(positions: np.ndarray, weights: np.ndarray | None, threshold: float) -> Selection:
+    order = np.argsort(positions, kind="stable")
+    return Selection(
+        torch.from_numpy(positions[order].astype(np.int64)),
+        None if weights is None else torch.from_numpy(weights[order].astype(np.float32)),
+        threshold,
+    )
+
+
+def select_topk(scores: Tensor | np.ndarray, count: int) -> Selection:
+    """Keep the ``count`` highest scores; never-scored samples are always kept (even beyond ``count``).
+
+    Ties go to the earlier position.
+
+    Args:
+        scores: ``(n,)`` scores, ``NaN`` for never scored.
+        count: how many to keep.
+    """
+    values = _as_numpy(scores)
+    count = _check_count(count, values.size)
+    unseen = np.isnan(values)
+    seen = np.flatnonzero(~unseen)
+    remaining = max(0, count - (values.size - seen.size))
+    order = seen[np.argsort(-values[seen], kind="stable")[:remaining]]
+    threshold = float(values[order[-1]]) if remaining else math.nan
+    return _selection(np.concatenate([np.flatnonzero(unseen), order]), None, threshold)
+
+
+def select_proportional(
+    scores: Tensor | np.ndarray, count: int, generator: torch.Generator | None = None, power: float = 1.0
+) -> Selection:
+    """Draw ``count`` samples without replacement, with probability proportional to ``score ** power``.
+
+    Never-scored samples are always kept (even beyond ``count``). Scores are clamped at 0 (a loss is never
+    negative, but a shrunk stale score may be tiny); if every remaining weight is 0 the draw is uniform.
+    """
+    values = _as_numpy(scores)
+    count = _check_count(count, values.size)
+    unseen = np.isnan(values)
+    seen = np.flatnonzero(~unseen)
+    chosen = np.flatnonzero(unseen)
+    remaining = count - chosen.size
+    if remaining > 0:
+        weights = np.maximum(values[seen].astype(np.float64), 0.0) ** power
+        if not np.isfinite(weights).all() or weights.sum() <= 0.0:
+            weights = np.ones_like(weights)
+        drawn = torch.multinomial(
+            torch.from_numpy(weights), remaining, replacement=False, generator=generator
+        )
+        chosen = np.concatenate([chosen, seen[drawn.numpy()]])
+    return _selection(chosen, None, math.nan)
+
+
+def infobatch_prune(
+    scores: Tensor | np.ndarray,
+    threshold: float,
+    prune_ratio: float,
+    generator: torch.Generator | None = None,
+) -> Selection:
+    """InfoBatch's soft pruning of one batch, with weights that keep the mean loss unbiased.
+
+    Each sample with a score below ``threshold`` is dropped with probability ``prune_ratio``; the others
+    (and never-scored samples) are kept. A kept sample ``i`` was kept with probability ``q_i`` (1, or
+    ``1 - prune_ratio``), so weighting its loss by ``1 / q_i`` makes the sum over the kept samples an
+    unbiased estimate of the sum over the whole batch. The weights returned also carry the factor ``k / n``
+    (kept over offered), so the module's ordinary *mean* over the ``k`` kept samples estimates the mean over
+    all ``n`` without bias, step by step; the number of steps per epoch does not change.
+
+    Args:
+        scores: ``(n,)`` scores, ``NaN`` for never scored.
+        threshold: InfoBatch uses the mean score over the dataset.
+        prune_ratio: ``r`` in ``[0, 1)``.
+    """
+    if not 0.0 <= prune_ratio < 1.0:
+        raise ValueError(f"`prune_ratio`={prune_ratio!r} must be in [0, 1).")
+    values = _as_numpy(scores)
+    n = values.size
+    with np.errstate(invalid="ignore"):
+        below = ~np.isnan(values) & (values < threshold)
+    draws = torch.rand(n, generator=generator, dtype=torch.float64).numpy()
+    positions = np.flatnonzero(~(below & (draws < prune_ratio)))
+    if positions.size == 0:  # keep at least one sample: an empty batch has no mean
+        positions = np.zeros(1, dtype=np.int64)
+    keep_probability = np.where(below[positions], 1.0 - prune_ratio, 1.0)
+    weights = (1.0 / keep_probability) * (positions.size / n)
+    return _selection(positions, weights, float(threshold))
+
+
+def select_random(
+    scores: Tensor | np.ndarray, count: int, generator: torch.Generator | None = None
+) -> Selection:
+    """The control: never-scored samples, then a uniform random subset of the rest, ``count`` in all.
+
+    It spends exactly what :func:`select_topk` spends, so comparing the two shows what the scores add.
+    """
+    values = _as_numpy(scores)
+    count = _check_count(count, values.size)
+    unseen = np.isnan(values)
+    seen = np.flatnonzero(~unseen)
+    remaining = max(0, count - (values.size - seen.size))
+    chosen = seen[torch.randperm(seen.size, generator=generator)[:remaining].numpy()]
+    return _selection(np.concatenate([np.flatnonzero(unseen), chosen]), None, math.nan)
+
+
+# ---------------------------------------------------------------------- batches
+def _is_string_list(value: Any, batch_size: int) -> bool:
+    return isinstance(value, list) and len(value) == batch_size and all(isinstance(v, str) for v in value)
+
+
+def _is_per_sample(value: Any, batch_size: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dim() >= 1 and value.shape[0] == batch_size
+    return _is_string_list(value, batch_size)
+
+
+def _rebuild(container: Any, items: list[Any]) -> Any:
+    if isinstance(container, tuple) and hasattr(container, "_fields"):  # named tuple
+        return type(container)(*items)
+    return type(container)(items)
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The leading size of the first tensor in ``batch`` (depth first), or ``None`` if it has no tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() >= 1 else None
+    if isinstance(batch, Mapping):
+        values = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        values = list(batch)
+    else:
+        return None
+    for value in values:
+        size = batch_size_of(value)
+        if size is not None:
+            return size
+    return None
+
+
+def take_samples(batch: Any, positions: Tensor, batch_size: int) -> Any:
+    """A new batch of the same structure holding only the samples at ``positions`` (in that order)."""
+    if _is_per_sample(batch, batch_size):
+        if isinstance(batch, torch.Tensor):
+            return batch[positions.to(batch.device)]
+        return [batch[int(i)] for i in positions]
+    if isinstance(batch, Mapping):
+        return type(batch)({key: take_samples(value, positions, batch_size) for key, value in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return _rebuild(batch, [take_samples(value, positions, batch_size) for value in batch])
+    return batch
+
+
+def concat_samples(first: Any, second: Any, first_size: int, second_size: int) -> Any:
+    """Append the samples of ``second`` to those of ``first`` (same structure); shared leaves come from ``first``."""
+    if _is_per_sample(first, first_size) and _is_per_sample(second, second_size):
+        if isinstance(first, torch.Tensor):
+            return torch.cat([first, second.to(device=first.device, dtype=first.dtype)])
+        return list(first) + list(second)
+    if isinstance(first, Mapping):
+        return type(first)(
+            {key: concat_samples(first[key], second[key], first_size, second_size) for key in first}
+        )
+    if isinstance(first, (list, tuple)):
+        return _rebuild(first, [concat_samples(a, b, first_size, second_size) for a, b in zip(first, second)])
+    return first
+
+
+def assign_in_place(batch: Any, new: Any) -> None:
+    """Make ``batch`` hold ``new``'s contents without replacing the ``batch`` object itself.
+
+    Lists and dicts get new elements; a tensor held by a tuple is re-pointed at the new data with
+    ``Tensor.set_`` (same Python object, new storage and shape). That is how a callback changes what
+    ``training_step`` receives: Lightning ignores what ``on_train_batch_start`` returns.
+
+    Raises:
+        TypeError: if ``batch`` (or a part of it that changed) is immutable and not a tensor.
+    """
+    if isinstance(batch, torch.Tensor):
+        with torch.no_grad():
+            batch.set_(new)
+        return
+    if isinstance(batch, dict):
+        for key in list(batch):
+            batch[key] = new[key]
+        return
+    if isinstance(batch, list):
+        batch[:] = list(new)
+        return
+    if isinstance(batch, tuple):
+        for old, value in zip(batch, new):
+            if old is value:
+                continue
+            if isinstance(old, (torch.Tensor, list, tuple, Mapping)):
+                assign_in_place(old, value)
+            elif old != value:
+                raise TypeError(f"Cannot change a {type(old).__name__} held by a tuple batch in place.")
+        return
+    if isinstance(batch, Mapping):
+        raise TypeError(f"Cannot change a read-only mapping batch ({type(batch).__name__}) in place.")
+    raise TypeError(f"Cannot change a batch of type {type(batch).__name__} in place.")

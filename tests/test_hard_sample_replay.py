@@ -1,0 +1,386 @@
+"""HardSampleReplay through real Trainer.fit runs on MNIST-1D (720 training samples, batches of 64)."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+from lightning_pulse import PulseCycle
+from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
+from lightning_pulse.core.per_sample_loss import ForwardLossScorer, OutputKeyScorer
+from tests.conftest import trainer_kwargs
+
+BATCHES_PER_EPOCH = 12  # 720 training samples in batches of 64 (the last one holds 16)
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:You defined a `validation_step` but have no `val_dataloader`",
+    "ignore:The number of training batches",
+)
+
+
+class SizeProbe(MNIST1DClassifier):
+    """The example classifier, recording how many samples each training_step receives."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.sizes.append(int(batch[0].shape[0]))
+        return super().training_step(batch, batch_idx)
+
+
+def _data(**kwargs) -> MNIST1DDataModule:
+    return MNIST1DDataModule(num_samples=1000, batch_size=64, **kwargs)
+
+
+def _parameters(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def test_replay_batches_shrink_but_steps_per_epoch_and_onecycle_schedule_hold():
+    pl.seed_everything(0)
+    model = SizeProbe(scheduler="onecycle")
+    replay = HardSampleReplay(replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=3, **trainer_kwargs())
+    trainer.fit(model, _data())
+    # every step ran: OneCycleLR was built for 36 steps and stepped exactly 36 times (InfoBatch issue #27)
+    assert trainer.global_step == 3 * BATCHES_PER_EPOCH
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == 3 * BATCHES_PER_EPOCH
+    # epoch 1 trains on everything (nothing scored yet); afterwards batches of 64 keep their 32 hardest
+    assert model.sizes[:BATCHES_PER_EPOCH] == [64] * 11 + [16]
+    assert model.sizes[BATCHES_PER_EPOCH:] == ([32] * 11 + [8]) * 2
+    metrics = replay.metrics()
+    assert metrics["replay_fraction"] == pytest.approx((720 + 2 * 360) / (3 * 720))
+    assert metrics["table_seen"] == metrics["table_samples"] == 720
+    # top-k trains on the samples that were hardest last time they were seen
+    assert metrics["loss_replayed"] > replay.threshold
+
+
+class _WeightsAt(pl.Callback):
+    """Copies the module's weights when the given optimizer step starts."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.weights: torch.Tensor | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and self.weights is None:
+            self.weights = _parameters(pl_module).clone()
+
+
+def test_burst_phases_train_exactly_as_without_the_callback():
+    burst_steps = BATCHES_PER_EPOCH + 2
+
+    def run(callbacks):
+        pl.seed_everything(1)
+        model, snapshot = SizeProbe(), _WeightsAt(burst_steps)
+        cycle = PulseCycle(
+            burst=burst_steps, replay=4, maintain=0, warmup=0.0, anneal=0.0, maintain_eval="none"
+        )
+        trainer = pl.Trainer(
+            callbacks=[cycle, *callbacks, snapshot], max_steps=burst_steps + 4, **trainer_kwargs()
+        )
+        trainer.fit(model, _data())
+        return model, snapshot.weights
+
+    plain, plain_after_burst = run([])
+    replayed, replayed_after_burst = run([HardSampleReplay(replay_fraction=0.25)])
+    # the burst saw the same batches and made bit-identical updates: capture changes no value and no gradient
+    assert replayed.sizes[:burst_steps] == plain.sizes[:burst_steps]
+    assert torch.equal(replayed_after_burst, plain_after_burst)
+    # the replay phase then trains on a quarter of each batch
+    assert replayed.sizes[burst_steps:] == [16] * 4
+    assert not torch.equal(_parameters(replayed), _parameters(plain))
+
+
+class HandWrittenLoss(MNIST1DClassifier):
+    """A loss built from tensor ops, which no torch.nn.functional loss call reveals."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        per_sample = ((self(x).softmax(-1) - F.one_hot(y, 10).float()) ** 2).sum(-1)
+        return {"loss": per_sample.mean(), "per_sample": per_sample.detach()}
+
+
+def test_a_module_without_a_capturable_loss_fails_at_the_first_step():
+    trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_steps=3, **trainer_kwargs())
+    with pytest.raises(RuntimeError, match="scorer") as error:
+        trainer.fit(HandWrittenLoss(), _data())
+    assert "no torch.nn.functional" in str(error.value)
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("scorer", [OutputKeyScorer("per_sample"), ForwardLossScorer("cross_entropy")])
+def test_a_configured_scorer_covers_any_other_loss(scorer):
+    replay = HardSampleReplay(scorer=scorer)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    trainer.fit(HandWrittenLoss(), _data())
+    assert replay.metrics()["table_seen"] == 720
+    assert replay.metrics()["replay_fraction"] < 0.8
+
+
+class _DictClassifier(MNIST1DClassifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.sizes.append(int(batch["signal"].shape[0]))
+        loss = F.cross_entropy(self(batch["signal"]), batch["label"])
+        return loss
+
+
+class _CollatedData(pl.LightningDataModule):
+    """MNIST-1D with a custom collate: dict batches or tuple batches."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.inner = _data()
+
+    def setup(self, stage=None):
+        self.inner.setup(stage)
+
+    def _collate(self, samples):
+        x = torch.stack([s[0] for s in samples])
+        y = torch.stack([s[1] for s in samples])
+        return {"signal": x, "label": y} if self.kind == "dict" else (x, y)
+
+    def train_dataloader(self):
+        return DataLoader(self.inner.train_set, batch_size=64, shuffle=True, collate_fn=self._collate)
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple"])
+def test_dict_and_tuple_batches_are_composed_in_place(kind):
+    model = _DictClassifier() if kind == "dict" else SizeProbe()
+    replay = HardSampleReplay(replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, limit_val_batches=0, **trainer_kwargs())
+    trainer.fit(model, _CollatedData(kind))
+    assert model.sizes[BATCHES_PER_EPOCH:] == [32] * 11 + [8]
+
+
+def test_pool_replays_the_hardest_samples_fetched_by_index():
+    pl.seed_everything(2)
+    replay = HardSampleReplay(replay_fraction=0.5, pool_fraction=0.5)
+    model = SizeProbe()
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=3, **trainer_kwargs())
+    trainer.fit(model, _data())
+    metrics = replay.metrics()
+    assert 0.2 < metrics["pool_share"] <= 0.5
+    # the pool holds the table's hardest samples: they measure harder than fresh samples do
+    assert metrics["loss_pool"] > metrics["loss_fresh"]
+    assert 0 < metrics["came_back_rate"] <= 1 and 0 < metrics["learned_rate"] <= 1
+    assert max(model.sizes[BATCHES_PER_EPOCH:]) <= 32
+
+
+def test_gradient_accumulation_and_bf16_autocast():
+    replay = HardSampleReplay(rule="proportional", replay_fraction=0.5)
+    model = SizeProbe()
+    trainer = pl.Trainer(
+        callbacks=[replay],
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        precision="bf16-mixed",
+        **trainer_kwargs(),
+    )
+    trainer.fit(model, _data())
+    assert trainer.global_step == 2 * math.ceil(BATCHES_PER_EPOCH / 2)
+    assert model.sizes[BATCHES_PER_EPOCH:] == [32] * 11 + [8]
+    assert replay.metrics()["table_seen"] == 720
+    assert math.isfinite(replay.metrics()["loss_replayed"])
+
+
+def test_infobatch_prunes_below_mean_samples_and_keeps_the_step_count():
+    model = SizeProbe(scheduler="onecycle")
+    replay = HardSampleReplay(rule="infobatch", prune_ratio=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=3, **trainer_kwargs())
+    trainer.fit(model, _data())
+    assert trainer.global_step == 3 * BATCHES_PER_EPOCH
+    later = model.sizes[BATCHES_PER_EPOCH:]
+    assert all(size <= 64 for size in later) and sum(later) < 0.9 * 2 * 720
+    assert replay.threshold == pytest.approx(replay.table.mean_score(trainer.global_step), rel=0.2)
+
+
+class _Stream(IterableDataset):
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self):
+        order = torch.randperm(len(self.dataset))
+        for index in order.tolist():
+            yield self.dataset[index]
+
+
+class _StreamData(pl.LightningDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _data()
+
+    def setup(self, stage=None):
+        self.inner.setup(stage)
+
+    def train_dataloader(self):
+        return DataLoader(_Stream(self.inner.train_set), batch_size=64)
+
+
+def test_without_dataset_indices_a_bounded_buffer_of_hard_samples_is_replayed():
+    replay = HardSampleReplay(replay_fraction=0.5, buffer_size=100, score_half_life=50)
+    model = SizeProbe()
+    trainer = pl.Trainer(callbacks=[replay], max_steps=40, limit_val_batches=0, **trainer_kwargs())
+    with pytest.warns(UserWarning, match="buffer"):
+        trainer.fit(model, _StreamData())
+    metrics = replay.metrics()
+    assert replay.table is None and metrics["buffer_samples"] == 100
+    # a sample is not replayed within 10 steps of being measured, so the pool starts after step 10
+    assert metrics["pool_share"] > 0.2
+    # the buffer holds the hardest of what it saw: above the running mean of measured losses
+    assert float(replay.buffer.scores.mean()) > replay.buffer.prior
+    assert max(model.sizes[1:]) <= 32
+
+
+class _ShuffleFreeData(MNIST1DDataModule):
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=64, shuffle=False)
+
+
+@pytest.mark.parametrize("mode", ["batch", "epoch"])
+def test_resume_from_a_checkpoint_continues_as_the_uninterrupted_run(tmp_path, mode):
+    def trainer(epochs):
+        return pl.Trainer(
+            callbacks=[HardSampleReplay(rule="proportional", replay_fraction=0.4, mode=mode)],
+            max_epochs=epochs,
+            **trainer_kwargs(),
+        )
+
+    pl.seed_everything(3)
+    uninterrupted = MNIST1DClassifier()
+    full = trainer(4)
+    full.fit(uninterrupted, _ShuffleFreeData(num_samples=1000, batch_size=64))
+
+    pl.seed_everything(3)
+    first_half = MNIST1DClassifier()
+    interrupted = trainer(2)
+    interrupted.fit(first_half, _ShuffleFreeData(num_samples=1000, batch_size=64))
+    checkpoint = tmp_path / "half.ckpt"
+    interrupted.save_checkpoint(checkpoint)
+    saved = torch.load(checkpoint, weights_only=False)["callbacks"]
+    assert any("table" in state for state in saved.values())
+
+    resumed_model = MNIST1DClassifier()
+    resumed = trainer(4)
+    resumed.fit(resumed_model, _ShuffleFreeData(num_samples=1000, batch_size=64), ckpt_path=checkpoint)
+    assert torch.equal(_parameters(resumed_model), _parameters(uninterrupted))
+    table_full, table_resumed = full.callbacks[0].table, resumed.callbacks[0].table
+    assert table_full.scores.tobytes() == table_resumed.scores.tobytes()
+
+
+class _RecordingLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict[str, float]] = []
+
+    @property
+    def name(self):
+        return "recording"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append(dict(metrics))
+
+
+def test_replay_metrics_reach_the_loggers():
+    logger = _RecordingLogger()
+    kwargs = {**trainer_kwargs(), "logger": logger}
+    trainer = pl.Trainer(callbacks=[HardSampleReplay(log_every_n_steps=6)], max_epochs=2, **kwargs)
+    trainer.fit(MNIST1DClassifier(), _data())
+    logged = [m for m in logger.metrics if "hard_sample_replay/replay_fraction" in m]
+    assert len(logged) == 2 * BATCHES_PER_EPOCH // 6
+    for name in ("threshold", "table_bytes", "table_seen", "loss_replayed", "learned_rate", "came_back_rate"):
+        assert f"hard_sample_replay/{name}" in logged[-1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"rule": "hardest"}, "rule"),
+        ({"replay_fraction": 0.0}, "replay_fraction"),
+        ({"replay_fraction": 1.5}, "replay_fraction"),
+        ({"pool_fraction": 1.0}, "pool_fraction"),
+        ({"rule": "infobatch", "pool_fraction": 0.2}, "pool_fraction"),
+        ({"prune_ratio": 1.0}, "prune_ratio"),
+        ({"power": 0}, "power"),
+        ({"score_half_life": "10s"}, "score_half_life"),
+        ({"score_half_life": 0}, "score_half_life"),
+        ({"phases": ["warmup"]}, "phases"),
+        ({"tracking": "hash"}, "tracking"),
+        ({"buffer_size": 0}, "buffer_size"),
+        ({"scorer": "cross_entropy"}, "scorer"),
+        ({"rule": "infobatch", "scorer": ForwardLossScorer()}, "scorer"),
+        ({"log_every_n_steps": 0}, "log_every_n_steps"),
+        ({"mode": "step"}, "mode"),
+        ({"mode": "epoch", "rule": "infobatch"}, "mode"),
+        ({"mode": "epoch", "pool_fraction": 0.3}, "pool_fraction"),
+        ({"mode": "epoch", "tracking": "buffer"}, "tracking"),
+    ],
+)
+def test_invalid_arguments_fail_at_construction(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        HardSampleReplay(**kwargs)
+
+
+def test_index_tracking_on_request_fails_clearly_when_the_loader_has_no_indices():
+    trainer = pl.Trainer(callbacks=[HardSampleReplay(tracking="index")], max_steps=2, **trainer_kwargs())
+    with pytest.raises(ValueError, match="IterableDataset"):
+        trainer.fit(SizeProbe(), _StreamData())
+
+
+def test_scores_table_covers_a_tensor_dataset_used_directly():
+    x = torch.randn(96, 40)
+    y = torch.randint(0, 10, (96,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+    replay = HardSampleReplay()
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    trainer.fit(MNIST1DClassifier(), train_dataloaders=loader)
+    assert replay.metrics()["table_seen"] == 96
+
+
+def test_epoch_mode_shortens_epochs_and_tells_lightning_and_onecycle_up_front():
+    pl.seed_everything(4)
+    model = SizeProbe(scheduler="onecycle")
+    replay = HardSampleReplay(mode="epoch", replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=4, **trainer_kwargs())
+    trainer.fit(model, _data())
+    # 360 of 720 samples per epoch in full batches: 6 steps per epoch, planned that way from the start
+    assert trainer.num_training_batches == 6
+    assert model.sizes == ([64] * 5 + [40]) * 4
+    assert trainer.global_step == 24
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.total_steps == scheduler.last_epoch == 24
+    # the first two epochs cover every sample once (never-scored first); later ones pick the hardest
+    metrics = replay.metrics()
+    assert metrics["table_seen"] == 720
+    assert metrics["replay_fraction"] == pytest.approx(0.5)
+    assert metrics["loss_replayed"] > replay.threshold
+
+
+def test_epoch_mode_refuses_a_pulse_cycle():
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(), HardSampleReplay(mode="epoch")], max_steps=2, **trainer_kwargs()
+    )
+    with pytest.raises(ValueError, match="PulseCycle"):
+        trainer.fit(SizeProbe(), _data())

@@ -1,0 +1,263 @@
+"""Per-sample loss capture: exact values and gradients for the caller, correct per-sample figures."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_pulse.core.per_sample_loss import (
+    ForwardLossScorer,
+    LossCapture,
+    OutputKeyScorer,
+    loss_capture_scope,
+    per_sample_from_unreduced,
+)
+
+
+def _logits_and_targets(batch=8, classes=5, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, classes, generator=generator, requires_grad=True)
+    targets = torch.randint(0, classes, (batch,), generator=generator)
+    return logits, targets
+
+
+def test_caller_gets_the_same_loss_value_and_gradient_bit_for_bit():
+    logits, targets = _logits_and_targets()
+    plain = F.cross_entropy(logits, targets, label_smoothing=0.1)
+    (plain_grad,) = torch.autograd.grad(plain, logits)
+    capture = LossCapture(batch_size=8)
+    with capture:
+        captured = F.cross_entropy(logits, targets, label_smoothing=0.1)
+    (captured_grad,) = torch.autograd.grad(captured, logits)
+    assert torch.equal(plain, captured)
+    assert torch.equal(plain_grad, captured_grad)
+    expected = F.cross_entropy(logits, targets, label_smoothing=0.1, reduction="none").detach()
+    assert torch.allclose(capture.per_sample(), expected)
+    assert capture.per_sample().requires_grad is False
+
+
+def test_patch_exists_only_while_a_capture_is_active():
+    original = F.cross_entropy
+    with LossCapture(batch_size=2):
+        assert F.cross_entropy is not original
+    assert F.cross_entropy is original
+    with loss_capture_scope():
+        patched = F.cross_entropy
+        assert patched is not original
+        # outside a capture the patched function passes straight through
+        logits, targets = _logits_and_targets()
+        assert torch.equal(patched(logits, targets), original(logits, targets))
+    assert F.cross_entropy is original
+
+
+def test_nn_loss_modules_are_captured():
+    logits, targets = _logits_and_targets()
+    regression_input, regression_target = torch.randn(8, 3), torch.randn(8, 3)
+    capture = LossCapture(batch_size=8)
+    with capture:
+        nn.CrossEntropyLoss()(logits, targets)
+        nn.MSELoss()(regression_input, regression_target)
+    names = [record.name for record in capture.records]
+    assert names == ["cross_entropy", "mse_loss"]
+    expected = F.cross_entropy(logits, targets, reduction="none").detach() + (
+        (regression_input - regression_target) ** 2
+    ).mean(dim=1)
+    assert torch.allclose(capture.per_sample(), expected)
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "expected"),
+    [
+        ("mse_loss", lambda a, b: F.mse_loss(a, b), lambda a, b: ((a - b) ** 2).mean(1)),
+        ("l1_loss", lambda a, b: F.l1_loss(a, b, reduction="sum"), lambda a, b: (a - b).abs().mean(1)),
+        (
+            "smooth_l1_loss",
+            lambda a, b: F.smooth_l1_loss(a, b),
+            lambda a, b: F.smooth_l1_loss(a, b, reduction="none").mean(1),
+        ),
+        (
+            "binary_cross_entropy_with_logits",
+            lambda a, b: F.binary_cross_entropy_with_logits(a, b.sigmoid()),
+            lambda a, b: F.binary_cross_entropy_with_logits(a, b.sigmoid(), reduction="none").mean(1),
+        ),
+        (
+            "kl_div",
+            lambda a, b: F.kl_div(a.log_softmax(1), b.softmax(1), reduction="batchmean"),
+            lambda a, b: F.kl_div(a.log_softmax(1), b.softmax(1), reduction="none").sum(1),
+        ),
+    ],
+)
+def test_per_sample_loss_is_the_mean_of_each_samples_elements(name, make, expected):
+    a, b = torch.randn(6, 4), torch.randn(6, 4)
+    capture = LossCapture(batch_size=6)
+    with capture:
+        make(a, b)
+    assert capture.records[0].name == name
+    assert torch.allclose(capture.per_sample(), expected(a, b), atol=1e-6)
+
+
+def test_token_losses_average_each_samples_own_tokens_and_skip_ignored_ones():
+    batch, time, vocab = 3, 5, 7
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(batch, time, vocab, generator=generator)
+    targets = torch.randint(0, vocab, (batch, time), generator=generator)
+    targets[0, :2] = -100  # two ignored tokens in sample 0
+    targets[2, :] = -100  # sample 2 has no counted token at all
+    class_weight = torch.rand(vocab, generator=generator) + 0.5
+    capture = LossCapture(batch_size=batch)
+    with capture:
+        reduced = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), weight=class_weight)
+    per_token = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), reduction="none").reshape(
+        batch, time
+    )
+    valid = targets != -100
+    weights = class_weight[targets.clamp_min(0)] * valid
+    expected_0 = (per_token[0] * weights[0]).sum() / weights[0].sum()
+    expected_1 = (per_token[1] * weights[1]).sum() / weights[1].sum()
+    per_sample = capture.per_sample()
+    assert torch.allclose(per_sample[:2], torch.stack([expected_0, expected_1]), atol=1e-6)
+    assert torch.isnan(per_sample[2])
+    assert torch.isfinite(reduced)
+
+
+def test_sample_weights_reweight_the_loss_exactly_as_the_caller_reduces_it():
+    batch, time, vocab = 4, 3, 6
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(batch * time, vocab, generator=generator, requires_grad=True)
+    targets = torch.randint(0, vocab, (batch * time,), generator=generator)
+    targets[1] = -100
+    class_weight = torch.rand(vocab, generator=generator) + 0.5
+    kwargs = dict(weight=class_weight, label_smoothing=0.05)
+    with LossCapture(batch_size=batch, sample_weights=torch.ones(batch)):
+        ones = F.cross_entropy(logits, targets, **kwargs)
+    assert torch.allclose(ones, F.cross_entropy(logits, targets, **kwargs), rtol=1e-6)
+
+    sample_weights = torch.tensor([2.0, 0.5, 1.0, 3.0])
+    with LossCapture(batch_size=batch, sample_weights=sample_weights):
+        weighted = F.cross_entropy(logits, targets, **kwargs)
+    unreduced = F.cross_entropy(logits, targets, reduction="none", **kwargs).reshape(batch, time)
+    counted = (class_weight[targets.clamp_min(0)] * (targets != -100)).sum()
+    expected = (unreduced * sample_weights[:, None]).sum() / counted
+    assert torch.allclose(weighted, expected, rtol=1e-6)
+    (grad,) = torch.autograd.grad(weighted, logits)
+    assert grad.abs().sum() > 0
+
+
+def test_legacy_and_positional_reduction_arguments_are_honoured():
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    capture = LossCapture(batch_size=4)
+    with capture, pytest.warns(UserWarning, match="size_average"):
+        summed = F.mse_loss(a, b, size_average=False)
+    with capture:
+        positional = F.mse_loss(a, b, None, None, "sum")
+    assert torch.allclose(summed, ((a - b) ** 2).sum())
+    assert torch.allclose(positional, summed)
+    assert [record.reduction for record in capture.records] == ["sum", "sum"]
+
+
+def test_unreduced_caller_result_is_used_as_is():
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    capture = LossCapture(batch_size=4)
+    with capture:
+        result = F.l1_loss(a, b, reduction="none")
+    assert result.shape == (4, 3)
+    assert torch.allclose(capture.per_sample(), (a - b).abs().mean(1))
+
+
+def test_a_loss_that_does_not_split_into_the_batch_is_reported_not_guessed():
+    capture = LossCapture(batch_size=4)
+    with capture:
+        F.mse_loss(torch.randn(7), torch.randn(7))
+    assert capture.per_sample() is None
+    assert "does not split" in capture.describe()
+    assert "no torch.nn.functional" in LossCapture(batch_size=4).describe()
+
+
+def test_other_threads_are_not_captured():
+    capture = LossCapture(batch_size=8)
+    logits, targets = _logits_and_targets()
+
+    def other_thread():
+        F.cross_entropy(logits, targets)
+
+    with capture:
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert capture.records == []
+
+
+def test_nested_captures_go_to_the_innermost():
+    outer, inner = LossCapture(batch_size=8), LossCapture(batch_size=8)
+    logits, targets = _logits_and_targets()
+    with outer:
+        F.cross_entropy(logits, targets)
+        with inner:
+            F.cross_entropy(logits, targets)
+    assert len(outer.records) == 1 and len(inner.records) == 1
+
+
+def test_per_sample_from_unreduced_splits_flattened_tokens_row_major():
+    unreduced = torch.arange(6.0)  # (B*T,) with B=2, T=3
+    assert torch.equal(per_sample_from_unreduced(unreduced, 2), torch.tensor([1.0, 4.0]))
+    assert per_sample_from_unreduced(unreduced, 4) is None
+
+
+def test_bad_capture_arguments_fail_with_the_field_name():
+    with pytest.raises(ValueError, match="batch_size"):
+        LossCapture(batch_size=0)
+    with pytest.raises(ValueError, match="sample_weights"):
+        LossCapture(batch_size=3, sample_weights=torch.ones(2))
+    with pytest.raises(ValueError, match="loss"):
+        ForwardLossScorer(loss="hinge")
+    with pytest.raises(ValueError, match="key"):
+        OutputKeyScorer(key="")
+
+
+class _TinyClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_forward_loss_scorer_runs_a_gradient_free_eval_pass_without_touching_rng():
+    module = _TinyClassifier().train()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    state = torch.get_rng_state()
+    scores = ForwardLossScorer()(module, [x, y], None, batch_size=5)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert module.training and module.net[1].training
+    module.eval()
+    assert torch.allclose(scores, F.cross_entropy(module(x), y, reduction="none").detach())
+
+
+def test_output_key_scorer_reads_the_modules_own_per_sample_losses():
+    losses = torch.tensor([0.5, 1.5, 2.5])
+    scores = OutputKeyScorer("per_sample")(
+        None, None, {"loss": losses.mean(), "per_sample": losses}, batch_size=3
+    )
+    assert torch.equal(scores, losses)
+    with pytest.raises(ValueError, match="per_sample"):
+        OutputKeyScorer("per_sample")(None, None, {"loss": losses.mean()}, batch_size=3)
+
+
+def test_numpy_and_torch_paths_give_the_same_per_sample_losses():
+    from lightning_pulse.core.per_sample_loss import _per_sample_on_cpu, element_weights
+
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(4 * 6, 9, generator=generator)
+    targets = torch.randint(0, 9, (4 * 6,), generator=generator)
+    targets[:3] = -100
+    for weight in (None, torch.rand(9, generator=generator) + 0.1):
+        arguments = {"target": targets, "weight": weight, "ignore_index": -100}
+        unreduced = F.cross_entropy(logits, targets, weight=weight, reduction="none")
+        fast = _per_sample_on_cpu("cross_entropy", arguments, unreduced, 4, "mean")
+        slow = per_sample_from_unreduced(unreduced, 4, element_weights("cross_entropy", arguments, unreduced))
+        assert torch.allclose(fast, slow, atol=1e-6, equal_nan=True)
