@@ -10,14 +10,16 @@ Arms (the first is the baseline, all in one invocation, interleaved per seed):
 * CNN only: ``freeze+activations``, the same plus the activation cache (exact replay, so the same accuracy,
   and the frozen prefix's forward FLOPs are saved too); ``pulse``, ``PulseCycle`` + ``GradientCache`` with
   freezing only in replay phases.
-* LM only: ``forced_last_quarter``, freezing whatever is fresh in the last quarter regardless of stability
-  (what forcing the saving costs when the default criterion does not fire).
+* LM only: ``forced_last_quarter`` and ``forced_second_half``, freezing whatever is fresh from 75% / 50% of
+  the run regardless of stability (what forcing the saving costs when the default criterion does not fire).
 * ``stale_replay``: the opt-in mode that replays stale cached gradients for every unit but the head, from
   mid-run.
 
 Backward FLOPs skipped come from GradientCache's ledger (each frozen-prefix configuration measured once with
 ``FlopCounterMode`` on a real backward); total training FLOPs from the harness's own counter (CNN, separate
-pass) and CPU seconds from the timed pass.
+pass) and CPU seconds from the timed pass. "Bookkeeping CPU share" is the process CPU time spent inside
+GradientCache's hooks over the run's training CPU time; "FLOP-measuring CPU s" is the time of the few
+backwards run under the FLOP counter (once per frozen-prefix length).
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ def arms_for(workload: str) -> list[Arm]:
         ]
     else:
         # plasticity scores never exceed 1, so threshold 1.0 freezes whatever is fresh: the cost of forcing it
-        arms.append(
-            Arm("forced_last_quarter", callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=0.75)])
-        )
+        arms += [
+            Arm("forced_last_quarter", callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=0.75)]),
+            Arm("forced_second_half", callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=0.5)]),
+        ]
     arms.append(
         Arm("stale_replay", callbacks=lambda seed: [GradientCache(mode="stale_replay", start_at=0.5)])
     )
@@ -76,8 +79,8 @@ def cache_table(result: dict[str, Any]) -> str:
         f"### {result['workload']}: GradientCache's own figures (medians over seeds)",
         "",
         f"| arm | backward FLOPs skipped | mean frozen share | cache hit rate | similarity at refresh | "
-        f"activation hit rate | Δ {metric} vs baseline (per seed) |",
-        "|---|---|---|---|---|---|---|",
+        f"activation hit rate | bookkeeping CPU share | FLOP-measuring CPU s | Δ {metric} vs baseline (per seed) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     baseline = {run["seed"]: run for run in result["runs"] if run["arm"] == result["arms"][0]}
     for arm in result["arms"][1:]:
@@ -90,6 +93,8 @@ def cache_table(result: dict[str, Any]) -> str:
             f"| {_median([e.get('gc_cache_hit_rate') for e in extra]):.2f} "
             f"| {_median([e.get('gc_mean_similarity_at_refresh') for e in extra]):.3f} "
             f"| {_median([e.get('gc_activation_hit_rate') for e in extra]):.2f} "
+            f"| {_median([run['extra'].get('gc_hook_cpu_s', math.nan) / run['train_cpu_s'] for run in runs]):.4f} "
+            f"| {_median([e.get('gc_flop_measure_cpu_s') for e in extra]):.2f} "
             f"| {', '.join(f'{d:+.4f}' for d in deltas)} |"
         )
     return "\n".join(lines)

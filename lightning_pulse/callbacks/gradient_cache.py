@@ -6,6 +6,7 @@ The algorithm lives in :mod:`lightning_pulse.core.gradient_cache`; this file is 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -209,6 +210,10 @@ class GradientCache(Callback):
         self._tracker: SampleIndexTracker | None = None
         self._modules: dict[str, torch.nn.Module] = {}
         self._warned_activations = False
+        # process CPU seconds spent in this callback's per-step bookkeeping, and in the measured backwards
+        self.hook_cpu_s = 0.0
+        self.flop_measure_cpu_s = 0.0
+        self._measure_started = 0.0
 
     # ------------------------------------------------------------------ setup
     @override
@@ -227,6 +232,8 @@ class GradientCache(Callback):
         self._pending_state = None
         self._unit_specs = None
         self._warned_activations = False
+        self.hook_cpu_s = 0.0
+        self.flop_measure_cpu_s = 0.0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -321,9 +328,11 @@ class GradientCache(Callback):
     ) -> None:
         if self._tracker is None or self.activations is None:
             return
+        started = time.process_time()
         indices = self._tracker.batch_indices(batch_idx)  # asked for every batch, as the tracker requires
         if self.cache is not None and self.cache.frozen_prefix > 0:
             self.activations.begin_batch(indices)
+        self.hook_cpu_s += time.process_time() - started
 
     @override
     def on_train_batch_end(
@@ -335,6 +344,7 @@ class GradientCache(Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
+        started = time.process_time()
         self._end_activation_batch()  # the forward is over: replayed modules get their own forward back
         if self.cache is None and self._unit_specs is not None and self._trace is None:
             params = {name: p for unit in self._unit_specs for name, p in zip(unit.param_names, unit.params)}
@@ -344,19 +354,25 @@ class GradientCache(Callback):
         if self.measure_flops and self._flop_context is None and self.ledger.needs(prefix):
             self._flop_context = self.ledger.measuring(prefix)
             self._flop_context.__enter__()
+            self._measure_started = time.process_time()
+        self.hook_cpu_s += time.process_time() - started
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        started = time.process_time()
         prefix = self.cache.frozen_prefix if self.cache is not None else 0
         if self._flop_context is not None:
             context, self._flop_context = self._flop_context, None
             context.__exit__(None, None, None)
+            self.flop_measure_cpu_s += time.process_time() - self._measure_started
+            started = time.process_time()
         if self._trace is not None:
             self._finish_trace(trainer)
         if self.measure_flops:
             skipped = self.ledger.account(prefix)
             if skipped is not None:
                 self._step_skipped += skipped
+        self.hook_cpu_s += time.process_time() - started
 
     def _finish_trace(self, trainer: pl.Trainer) -> None:
         trace, self._trace = self._trace, None
@@ -382,6 +398,7 @@ class GradientCache(Callback):
     ) -> None:
         if self.cache is None:
             return
+        started = time.process_time()
         enabled_next = self._phase_enabled and self._in_freezing_span(trainer.global_step + 1)
         agree = None
         if trainer.world_size > 1:
@@ -415,6 +432,7 @@ class GradientCache(Callback):
         self._step_skipped = 0.0
         if report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             self._log(trainer, metrics)
+        self.hook_cpu_s += time.process_time() - started
 
     def _in_freezing_span(self, step: int) -> bool:
         started = self._start_step is None or step >= self._start_step
@@ -517,6 +535,8 @@ class GradientCache(Callback):
             "gc_prefix_changes": len(self.events),
             "gc_activation_hit_rate": self.activations.hit_rate if self.activations else None,
             "gc_activation_mb": self.activations.bytes_used / 2**20 if self.activations else 0.0,
+            "gc_hook_cpu_s": self.hook_cpu_s,
+            "gc_flop_measure_cpu_s": self.flop_measure_cpu_s,
         }
 
 
