@@ -1,0 +1,363 @@
+"""StabilityGuard: overhead without faults, and recovery over a sweep of injected faults.
+
+    python -m benchmarks.stability_guard            # the committed figures (about 10 min on 2 busy cores)
+    python -m benchmarks.stability_guard --quick    # a smoke run (1 seed, fewer epochs), not for reporting
+
+Part 1, overhead. The MNIST-1D CNN and MLP reference runs (the cheapest steps we have, so the worst case
+for a per-step cost) and the char-level transformer LM are trained with and without a default
+``StabilityGuard`` through the shared harness: seed-paired process CPU time ratios, plus the CPU time spent
+inside the guard's own hooks as a share of training CPU time, and the spikes it flags on these clean runs
+(false positives).
+
+Part 2, faults. Each fault alone, at 40% and at 80% of a 12-epoch one-cycle run, three seeds:
+
+* ``nan``: one NaN input value in one batch;
+* ``scale``: one batch scaled by 1e4;
+* ``labels``: 8 batches with every label wrong;
+* ``lr``: the learning rate x100 for 8 steps;
+* ``nan_forever``: every batch NaN from 40% on (nothing can recover: the guard must stop cleanly).
+
+Arms: unguarded; ``StabilityGuard()`` with its defaults; and a tuned guard with frequent snapshots. Per
+fault and arm: how many runs finished (no stop, finite loss), how many recovered (final validation loss
+within 5% of the same seed's clean run), the median ratio to the clean run, steps lost, rollbacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from benchmarks.harness import RESULTS_DIR, Arm, environment, markdown_table, run_arms
+from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
+
+FAULT_KINDS = ("nan", "scale", "labels", "lr")
+REFERENCE = {"model__lr": 0.03, "model__weight_decay": 5e-4, "model__scheduler": "onecycle"}
+RECOVERED_WITHIN = 0.05
+
+
+class FaultInjector(Callback):
+    """Corrupts optimizer steps ``start .. start + length - 1`` (all micro-batches of each), from outside
+    the module.
+
+    * ``nan``: one input value becomes NaN;
+    * ``scale``: the inputs are multiplied by ``1e4``;
+    * ``labels``: every label is replaced by a wrong one;
+    * ``lr``: the learning rate is multiplied by ``factor`` for the step, then set back.
+
+    Batches are mutated in place in ``on_train_batch_start``; ``training_step`` sees the same list.
+    ``ranks`` limits the fault to those DDP ranks.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        start: int,
+        length: int = 1,
+        factor: float = 100.0,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"`kind`={kind!r} is not one of {list(FAULT_KINDS)}.")
+        self.kind, self.start, self.length, self.factor = kind, start, length, factor
+        self.ranks = None if ranks is None else tuple(ranks)
+        self._saved_lrs: list[float] | None = None
+
+    def _active(self, trainer: pl.Trainer) -> bool:
+        in_window = self.start <= trainer.global_step < self.start + self.length
+        return in_window and (self.ranks is None or trainer.global_rank in self.ranks)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self._active(trainer):
+            return
+        x, y = batch
+        if self.kind == "nan":
+            x[0, 0] = float("nan")
+        elif self.kind == "scale":
+            x.mul_(1e4)
+        elif self.kind == "labels":
+            generator = torch.Generator().manual_seed(trainer.global_step)
+            y.copy_((y + torch.randint(1, 10, y.shape, generator=generator)) % 10)
+        elif self._saved_lrs is None:
+            groups = trainer.optimizers[0].param_groups
+            self._saved_lrs = [group["lr"] for group in groups]
+            for group in groups:
+                group["lr"] = group["lr"] * self.factor
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._saved_lrs is not None:
+            for group, lr in zip(trainer.optimizers[0].param_groups, self._saved_lrs):
+                group["lr"] = lr  # absolute, so a guard rollback in between cannot compound it
+            self._saved_lrs = None
+
+
+# ------------------------------------------------------------------------------------------ overhead
+def overhead(seeds: Sequence[int], epochs: int, charlm_steps: int) -> list[dict[str, Any]]:
+    results = []
+    setups = [
+        ("mnist1d-cnn", {"max_epochs": epochs}, REFERENCE),
+        ("mnist1d-mlp", {"max_epochs": epochs}, REFERENCE),
+        ("charlm", {"max_epochs": 1, "max_steps": charlm_steps}, {}),
+    ]
+    for workload, trainer_kwargs, workload_kwargs in setups:
+        arms = [Arm("baseline"), Arm("stability_guard", callbacks=lambda seed: [StabilityGuard()])]
+        result = run_arms(workload, arms, seeds, trainer_kwargs, workload_kwargs, flops="none")
+        guarded = [run for run in result["runs"] if run["arm"] == "stability_guard"]
+        result["guard"] = {
+            "hook_cpu_share_median": statistics.median(
+                run["extra"]["guard_cpu_seconds"] / run["train_cpu_s"] for run in guarded
+            ),
+            "hook_cpu_us_per_step_median": statistics.median(
+                1e6 * run["extra"]["guard_cpu_seconds"] / run["steps"] for run in guarded
+            ),
+            "false_positive_spikes": [run["extra"]["spikes_detected"] for run in guarded],
+            "snapshot_bytes": guarded[0]["extra"]["snapshot_bytes"],
+        }
+        results.append(result)
+    return results
+
+
+# ------------------------------------------------------------------------------------------ faults
+def default_guard() -> StabilityGuard:
+    return StabilityGuard()
+
+
+def tuned_guard() -> StabilityGuard:
+    # snapshots of a 6k-parameter model are cheap: take them often, so a rollback undoes few steps
+    return StabilityGuard(
+        snapshot_every=5, max_snapshots=3, rollback_margin=5, rollback_after=2, skip_after_rollback=6
+    )
+
+
+GUARDS: dict[str, Callable[[], StabilityGuard] | None] = {
+    "unguarded": None,
+    "guard_default": default_guard,
+    "guard_tuned": tuned_guard,
+}
+
+
+def run_fault(data, seed: int, epochs: int, faults: list[Callback], guard: StabilityGuard | None, root: str):
+    from examples.mnist1d import MNIST1DClassifier
+
+    pl.seed_everything(seed, verbose=False)
+    model = MNIST1DClassifier(arch="cnn", lr=0.03, weight_decay=5e-4, scheduler="onecycle")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        callbacks=[*faults, *([guard] if guard else [])],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=epochs + 1,
+        default_root_dir=root,
+    )
+    stopped, started = False, time.process_time()
+    try:
+        trainer.fit(model, data)
+    except StabilityGuardError:
+        stopped = True
+    cpu_s = time.process_time() - started
+    val_loss = trainer.validate(model, data, verbose=False)[0]["val_loss"]
+    record = {"val_loss": val_loss, "stopped": stopped, "steps": trainer.global_step, "train_cpu_s": cpu_s}
+    if guard is not None:
+        record.update(guard.benchmark_metrics())
+    return record
+
+
+def fault_sweep(seeds: Sequence[int], epochs: int, positions: Sequence[float], window: int) -> dict[str, Any]:
+    from examples.mnist1d import MNIST1DDataModule
+
+    data = MNIST1DDataModule()
+    data.setup()
+    steps_per_epoch = math.ceil(len(data.train_set) / data.hparams.batch_size)
+    total_steps = epochs * steps_per_epoch
+    scenarios = [(kind, position) for position in positions for kind in FAULT_KINDS]
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as root:
+        for seed in seeds:
+            clean = run_fault(data, seed, epochs, [], None, root)
+            runs.append({"seed": seed, "fault": "none", "position": None, "arm": "clean", **clean})
+            print(f"[faults] seed={seed} clean val_loss={clean['val_loss']:.4f}", flush=True)
+            for kind, position in [*scenarios, ("nan_forever", positions[0])]:
+                start = int(position * total_steps)
+                if kind == "nan_forever":
+                    length = total_steps
+                else:
+                    length = 1 if kind in ("nan", "scale") else window
+                for arm, make_guard in GUARDS.items():
+                    injected = [FaultInjector(kind.removesuffix("_forever"), start, length)]
+                    record = run_fault(
+                        data, seed, epochs, injected, make_guard() if make_guard else None, root
+                    )
+                    record.update(
+                        seed=seed, fault=kind, position=position, arm=arm, start=start, length=length
+                    )
+                    record["val_loss_ratio"] = record["val_loss"] / clean["val_loss"]
+                    runs.append(record)
+                    print(
+                        f"[faults] seed={seed} {kind}@{position:.0%} {arm}: val_loss={record['val_loss']:.4f} "
+                        f"ratio={record['val_loss_ratio']:.3f} stopped={record['stopped']} "
+                        f"lost={record.get('steps_lost', '-')} rollbacks={record.get('rollbacks', '-')}",
+                        flush=True,
+                    )
+    return {
+        "workload": "mnist1d-cnn (reference: Adam 0.03, weight decay 5e-4, one-cycle)",
+        "epochs": epochs,
+        "total_steps": total_steps,
+        "positions": list(positions),
+        "window": window,
+        "seeds": list(seeds),
+        "runs": runs,
+        "summary": summarise_faults(runs),
+    }
+
+
+def _median(values: list[float]) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(values) if values else math.nan
+
+
+def summarise_faults(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    keys = sorted(
+        {(run["fault"], run["position"]) for run in runs if run["fault"] != "none"},
+        key=lambda k: (k[1], FAULT_KINDS.index(k[0]) if k[0] in FAULT_KINDS else 99),
+    )
+    for fault, position in keys:
+        for arm in GUARDS:
+            own = [
+                run for run in runs if (run["fault"], run["position"], run["arm"]) == (fault, position, arm)
+            ]
+            finished = [run for run in own if not run["stopped"] and math.isfinite(run["val_loss"])]
+            recovered = [run for run in finished if run["val_loss_ratio"] <= 1 + RECOVERED_WITHIN]
+            rows.append(
+                {
+                    "fault": fault,
+                    "position": position,
+                    "arm": arm,
+                    "runs": len(own),
+                    "finished": len(finished),
+                    "recovered": len(recovered),
+                    "stopped_with_checkpoint": sum(run["stopped"] for run in own),
+                    "val_loss_ratio_median": _median(
+                        [run["val_loss_ratio"] if math.isfinite(run["val_loss"]) else math.inf for run in own]
+                    ),
+                    "steps_lost_median": _median([run.get("steps_lost", math.nan) for run in own]),
+                    "rollbacks_median": _median([run.get("rollbacks", math.nan) for run in own]),
+                    "spikes_median": _median([run.get("spikes_detected", math.nan) for run in own]),
+                }
+            )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ report
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "n/a"
+        if math.isinf(value):
+            return "inf (NaN loss)"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown(overhead_results: list[dict[str, Any]], faults: dict[str, Any], command: str) -> str:
+    lines = [
+        "# stability_guard",
+        "",
+        f"Command: `{command}`",
+        "",
+        "## Overhead without faults",
+        "",
+        "`StabilityGuard()` with its defaults against no guard, through the shared harness (process CPU "
+        "time of training, seed-paired ratios, medians). *Hook CPU share* is the CPU time spent inside the "
+        "guard's own hooks (detection, snapshots, bookkeeping) over training CPU time: it does not depend on "
+        "how busy the machine is. *False positives* are the spikes flagged on these fault-free runs.",
+        "",
+    ]
+    for result in overhead_results:
+        guard = result["guard"]
+        lines += [
+            f"### {result['workload']}",
+            "",
+            f"Seeds {result['seeds']}; trainer {result['trainer_kwargs']}; workload {result['workload_kwargs']}.",
+            "",
+            markdown_table(result),
+            "",
+            f"- hook CPU share (median): {guard['hook_cpu_share_median']:.2%} "
+            f"({guard['hook_cpu_us_per_step_median']:.0f} µs per optimizer step)",
+            f"- false positives per run: {guard['false_positive_spikes']}",
+            f"- snapshot memory at the end: {guard['snapshot_bytes'] / 1024:.0f} KiB (CPU)",
+            "",
+        ]
+    lines += [
+        "## Recovery from injected faults",
+        "",
+        f"{faults['workload']}, {faults['epochs']} epochs ({faults['total_steps']} optimizer steps), seeds "
+        f"{faults['seeds']}. Each fault alone, starting at the given share of the run; `labels` and `lr` last "
+        f"{faults['window']} steps, `nan_forever` lasts to the end. *finished*: no stop and a finite final "
+        f"validation loss; *recovered*: final validation loss within {RECOVERED_WITHIN:.0%} of the same "
+        "seed's clean run; *ratio*: final validation loss over the clean run's (median; inf = NaN loss). "
+        "*steps lost*: skipped steps plus applied steps undone by rollbacks.",
+        "",
+        "`guard_default` is `StabilityGuard()`; `guard_tuned` is `StabilityGuard(snapshot_every=5, "
+        "max_snapshots=3, rollback_margin=5, rollback_after=2, skip_after_rollback=6)`.",
+        "",
+        "| fault | at | arm | finished | recovered | stopped (checkpoint saved) | val loss ratio | steps lost | "
+        "rollbacks | spikes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in faults["summary"]:
+        lines.append(
+            f"| {row['fault']} | {row['position']:.0%} | {row['arm']} | {row['finished']}/{row['runs']} | "
+            f"{row['recovered']}/{row['runs']} | {row['stopped_with_checkpoint']}/{row['runs']} | "
+            f"{_fmt(row['val_loss_ratio_median'])} | {_fmt(row['steps_lost_median'])} | "
+            f"{_fmt(row['rollbacks_median'])} | {_fmt(row['spikes_median'])} |"
+        )
+    env = environment()
+    lines += ["", f"Environment: {env}; python {sys.version.split()[0]}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="1 seed, short runs: a smoke test, not for reporting"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    seeds = (0,) if args.quick else (0, 1, 2)
+    command = "python -m benchmarks.stability_guard" + (" --quick" if args.quick else "")
+    started = time.perf_counter()
+    overhead_results = overhead(seeds, epochs=3 if args.quick else 10, charlm_steps=30 if args.quick else 150)
+    faults = fault_sweep(seeds, epochs=6 if args.quick else 12, positions=(0.4, 0.8), window=8)
+    name = "stability_guard_quick" if args.quick else "stability_guard"
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": command,
+        "overhead": overhead_results,
+        "faults": faults,
+        "elapsed_s": time.perf_counter() - started,
+    }
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
+    (RESULTS_DIR / f"{name}.md").write_text(markdown(overhead_results, faults, command))
+    print(f"wrote {RESULTS_DIR / name}.json/.md in {payload['elapsed_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

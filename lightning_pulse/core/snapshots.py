@@ -1,0 +1,220 @@
+"""Bounded in-memory snapshots of a training state, kept on the CPU, for rollbacks. Plain torch.
+
+A :class:`TrainingSnapshot` holds copies of everything a rollback returns to: the model's ``state_dict``,
+each optimizer's and LR scheduler's ``state_dict``, the ``state_dict`` of selected callbacks, and whatever
+bookkeeping the caller adds (``extra``). Every tensor is copied to the CPU, so snapshots cost host memory,
+not accelerator memory. :class:`SnapshotRing` keeps the newest ``capacity`` snapshots.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+def copy_to_cpu(obj: Any) -> Any:
+    """A deep copy of ``obj`` in which every tensor is a detached CPU copy (containers are rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        copied = type(obj)() if type(obj) in (dict, OrderedDict) else {}
+        for key, value in obj.items():
+            copied[key] = copy_to_cpu(value)
+        # nn.Module.state_dict() carries per-module versions here, which load_state_dict reads
+        if hasattr(obj, "_metadata"):
+            copied._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
+        return copied
+    if isinstance(obj, list):
+        return [copy_to_cpu(value) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(copy_to_cpu(value) for value in obj)
+    return copy.deepcopy(obj)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes held by the tensors inside ``obj`` (nested dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(tensor_bytes(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(value) for value in obj)
+    return 0
+
+
+@dataclass
+class TrainingSnapshot:
+    """A CPU copy of a training state at optimizer step ``step``.
+
+    Attributes:
+        step: the optimizer step the state belongs to (updates ``0..step-1`` applied).
+        model: the model's ``state_dict``.
+        optimizers: each optimizer's ``state_dict``.
+        schedulers: each LR scheduler's ``state_dict``.
+        callbacks: ``state_dict`` of each selected callback, by key.
+        extra: the caller's bookkeeping at that step (copied, never restored by :func:`restore_snapshot`).
+    """
+
+    step: int
+    model: dict[str, Any]
+    optimizers: list[dict[str, Any]]
+    schedulers: list[dict[str, Any]]
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data the snapshot holds."""
+        return tensor_bytes([self.model, self.optimizers, self.schedulers, self.callbacks, self.extra])
+
+    def fits(self, model: nn.Module) -> bool:
+        """Whether the snapshot can still be loaded into ``model``: same entries with the same shapes.
+
+        A structural change since the snapshot (channels pruned away, pruning masks added) makes it
+        unusable.
+        """
+        current = model.state_dict()
+        if current.keys() != self.model.keys():
+            return False
+        return all(
+            not isinstance(value, torch.Tensor) or value.shape == self.model[name].shape
+            for name, value in current.items()
+        )
+
+
+def take_snapshot(
+    step: int,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    schedulers: Sequence[Stateful] = (),
+    callbacks: Mapping[str, Stateful] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> TrainingSnapshot:
+    """Copy the state of ``model``, ``optimizers``, ``schedulers`` and ``callbacks`` to the CPU."""
+    return TrainingSnapshot(
+        step=int(step),
+        model=copy_to_cpu(model.state_dict()),
+        optimizers=[copy_to_cpu(optimizer.state_dict()) for optimizer in optimizers],
+        schedulers=[copy_to_cpu(scheduler.state_dict()) for scheduler in schedulers],
+        callbacks={key: copy_to_cpu(stateful.state_dict()) for key, stateful in (callbacks or {}).items()},
+        extra=copy_to_cpu(dict(extra or {})),
+    )
+
+
+def restore_snapshot(
+    snapshot: TrainingSnapshot,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    schedulers: Sequence[Stateful] = (),
+    callbacks: Mapping[str, Stateful] | None = None,
+    rewind_schedule: bool = True,
+) -> None:
+    """Return ``model``, ``optimizers``, ``schedulers`` and ``callbacks`` to ``snapshot``.
+
+    Parameters are overwritten in place (``load_state_dict`` copies into the existing tensors), so
+    optimizers and DDP keep pointing at the same parameter objects. Optimizer state goes back to the
+    parameters' devices (``Optimizer.load_state_dict`` moves it). The snapshot itself is left untouched,
+    so it can be restored again.
+
+    Args:
+        rewind_schedule: ``True`` also returns the LR schedulers and the optimizers' hyperparameters
+            (``lr``, momentum, ...) to the snapshot. ``False`` keeps the current schedulers and
+            hyperparameters, so a step-indexed schedule stays where the trainer's step counter is.
+
+    Raises:
+        ValueError: if the number of optimizers or schedulers differs from the snapshot's.
+    """
+    if len(optimizers) != len(snapshot.optimizers) or (
+        rewind_schedule and len(schedulers) != len(snapshot.schedulers)
+    ):
+        raise ValueError(
+            f"The snapshot holds {len(snapshot.optimizers)} optimizer(s) and {len(snapshot.schedulers)} "
+            f"scheduler(s), but {len(optimizers)} and {len(schedulers)} were given."
+        )
+    model.load_state_dict(snapshot.model)
+    for optimizer, state in zip(optimizers, snapshot.optimizers):
+        current_hyperparameters = [
+            {name: value for name, value in group.items() if name != "params"}
+            for group in optimizer.param_groups
+        ]
+        # load_state_dict keeps references into the dict it is given: hand it a copy
+        optimizer.load_state_dict(copy.deepcopy(state))
+        if not rewind_schedule:
+            for group, hyperparameters in zip(optimizer.param_groups, current_hyperparameters):
+                group.update(hyperparameters)
+    if rewind_schedule:
+        for scheduler, state in zip(schedulers, snapshot.schedulers):
+            scheduler.load_state_dict(copy.deepcopy(state))
+    for key, stateful in (callbacks or {}).items():
+        if key in snapshot.callbacks:
+            stateful.load_state_dict(copy.deepcopy(snapshot.callbacks[key]))
+
+
+class SnapshotRing:
+    """The newest ``capacity`` snapshots, oldest evicted first.
+
+    Raises:
+        ValueError: if ``capacity < 1``.
+    """
+
+    def __init__(self, capacity: int = 2) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"`capacity`={capacity!r} must be an int >= 1.")
+        self.capacity = capacity
+        self._snapshots: deque[TrainingSnapshot] = deque(maxlen=capacity)
+
+    def add(self, snapshot: TrainingSnapshot) -> None:
+        # a newer snapshot of the same step replaces the older one (e.g. step and phase triggers together)
+        if self._snapshots and self._snapshots[-1].step == snapshot.step:
+            self._snapshots.pop()
+        self._snapshots.append(snapshot)
+
+    def newest(self) -> TrainingSnapshot | None:
+        return self._snapshots[-1] if self._snapshots else None
+
+    def newest_at_or_before(self, step: int) -> TrainingSnapshot | None:
+        """The newest snapshot taken at or before ``step``, or ``None``."""
+        for snapshot in reversed(self._snapshots):
+            if snapshot.step <= step:
+                return snapshot
+        return None
+
+    def oldest(self) -> TrainingSnapshot | None:
+        return self._snapshots[0] if self._snapshots else None
+
+    def discard(self, snapshot: TrainingSnapshot) -> None:
+        self._snapshots.remove(snapshot)
+
+    def drop_after(self, step: int) -> None:
+        """Forget snapshots newer than ``step`` (they belong to a timeline that was rolled back)."""
+        while self._snapshots and self._snapshots[-1].step > step:
+            self._snapshots.pop()
+
+    def clear(self) -> None:
+        self._snapshots.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(snapshot.nbytes for snapshot in self._snapshots)
+
+    @property
+    def steps(self) -> list[int]:
+        return [snapshot.step for snapshot in self._snapshots]
+
+    def __len__(self) -> int:
+        return len(self._snapshots)
+
+    def __iter__(self) -> Iterator[TrainingSnapshot]:
+        return iter(self._snapshots)

@@ -1,0 +1,452 @@
+"""Loss- and gradient-spike detection, and the escalation policy that answers spikes. Plain Python.
+
+* :func:`robust_zscore` and :class:`RunningRobustZ`: how far a new value sits above the median of a sliding
+  window of accepted values, in units of the window's median absolute deviation (MAD), with a warm-up.
+* :class:`SpikeDetector`: non-finite checks plus robust z-scores of the (log) loss and gradient norm, with one
+  window per key (``StabilityGuard`` keys by pulse phase, so a replay phase that deliberately trains on
+  high-loss samples is compared with earlier replay phases, not with bursts).
+* :class:`EscalationPolicy`: turns a stream of verdicts into actions: apply the update, skip it, roll back
+  to a snapshot, or stop. It is a deterministic state machine, so DDP ranks fed the same (all-reduced)
+  numbers take the same actions.
+
+Nothing here imports Lightning or needs a tensor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from enum import Enum
+from typing import Any, NamedTuple
+
+# MAD * 1.4826 estimates the standard deviation of normally distributed data.
+MAD_TO_STD = 1.4826
+
+
+class Verdict(str, Enum):
+    """What the detector concluded about one optimizer step."""
+
+    OK = "ok"
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_GRAD = "nonfinite_grad"
+    LOSS_SPIKE = "loss_spike"
+    GRAD_SPIKE = "grad_spike"
+
+    @property
+    def is_spike(self) -> bool:
+        return self is not Verdict.OK
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Action(str, Enum):
+    """What :class:`EscalationPolicy` tells the trainer to do with one optimizer step."""
+
+    APPLY = "apply"
+    SKIP = "skip"  # drop this update; parameters and optimizer state stay as they are
+    ROLLBACK = "rollback"  # drop this update, then return to the last good snapshot
+    STOP = "stop"  # drop this update, return to the last good snapshot, save a checkpoint, raise
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def robust_zscore(value: float, history: Iterable[float]) -> float:
+    """One-sided robust z-score of ``value`` against ``history``: ``(value - median) / (1.4826 * MAD)``.
+
+    The median absolute deviation (MAD), scaled to estimate a standard deviation, is not inflated by a few
+    outliers in ``history``, unlike the standard deviation. A zero MAD (constant history) gives ``inf`` for
+    any larger value, so callers pair the score with a minimum ratio (see :class:`SpikeDetector`).
+
+    Args:
+        value: the new observation.
+        history: the reference values (at least one).
+
+    Returns:
+        The z-score; positive when ``value`` is above the median.
+    """
+    values = list(history)
+    if not values:
+        raise ValueError("`history` must hold at least one value.")
+    median = statistics.median(values)
+    scale = MAD_TO_STD * statistics.median(abs(v - median) for v in values)
+    if scale == 0:
+        return 0.0 if value == median else math.copysign(math.inf, value - median)
+    return (value - median) / scale
+
+
+class RunningRobustZ:
+    """Robust z-scores of new values against a sliding window of the values accepted so far.
+
+    Values enter the window only through :meth:`add`, so a caller can keep spikes out of the baseline they
+    are judged against.
+
+    Args:
+        window: how many recent accepted values form the baseline.
+        warmup: how many values the window must hold before :meth:`zscore` gives a score.
+
+    Raises:
+        ValueError: if ``window < 2`` or ``warmup`` is not in ``[2, window]``.
+    """
+
+    def __init__(self, window: int = 100, warmup: int = 50) -> None:
+        _check_int("window", window, minimum=2)
+        _check_int("warmup", warmup, minimum=2)
+        if warmup > window:
+            raise ValueError(f"`warmup`={warmup} must not exceed `window`={window}.")
+        self.window = window
+        self.warmup = warmup
+        self.values: deque[float] = deque()
+        self._sorted: list[float] = []  # the same values, kept sorted so the median costs O(1) per step
+
+    @property
+    def ready(self) -> bool:
+        """Whether the warm-up is over."""
+        return len(self.values) >= self.warmup
+
+    @property
+    def median(self) -> float | None:
+        ordered, n = self._sorted, len(self._sorted)
+        if n == 0:
+            return None
+        middle = n // 2
+        return ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+    def zscore(self, value: float) -> float | None:
+        """The robust z-score of ``value``, or ``None`` during the warm-up."""
+        if not self.ready:
+            return None
+        return robust_zscore(value, self._sorted)
+
+    def add(self, value: float) -> None:
+        value = float(value)
+        if len(self.values) == self.window:
+            del self._sorted[bisect.bisect_left(self._sorted, self.values.popleft())]
+        self.values.append(value)
+        bisect.insort(self._sorted, value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.values = deque(float(v) for v in list(state_dict["values"])[-self.window :])
+        self._sorted = sorted(self.values)
+
+
+SCALES = ("log", "linear")
+POOLED = "*"  # the key of the baseline that pools every other key's values
+
+
+class Assessment(NamedTuple):
+    """The detector's verdict on one step, with the scores that led to it (``None`` = not judged)."""
+
+    verdict: Verdict
+    loss_z: float | None = None
+    grad_norm_z: float | None = None
+
+
+class SpikeDetector:
+    """Flags non-finite values and upward spikes of the loss and the gradient norm.
+
+    A value is a spike when its robust z-score against the running window exceeds the threshold **and** it
+    is at least ``min_ratio`` times the window median. By default both quantities are judged on a log
+    scale: their noise is multiplicative (late in training a loss of 0.05 fluctuates by a factor, not by a
+    constant), and on a log scale the z-score of a loss that trends down or a gradient norm that grows
+    during early training stays small. Losses that can be zero or negative need ``loss_scale="linear"``.
+
+    Each quantity gets a :class:`RunningRobustZ` per ``key``, plus one that pools every key. Only steps
+    judged :attr:`Verdict.OK` should be passed to :meth:`accept`, so a spike never raises the baseline it is
+    judged against. Non-finite values are flagged from the first step; spikes once the key's window is
+    warm, and before that only values at least ``cold_ratio`` times the pooled median (a short phase
+    that has seen few steps is not blind to a 100x loss).
+
+    Args:
+        loss_zscore: robust z-score above which a loss is a spike; ``None`` turns loss spikes off
+            (non-finite losses are still flagged).
+        grad_norm_zscore: the same for the global gradient norm; ``None`` turns it off.
+        window: size of each running window, in optimizer steps.
+        warmup: accepted steps a window needs before it judges spikes.
+        min_ratio: a spike must also be at least this many times the window median (> 1).
+        loss_scale: ``"log"`` or ``"linear"``: the scale the loss is judged on. The gradient norm is always
+            judged on a log scale.
+        cold_ratio: while a key warms up, a value at least this many times the pooled median is a spike.
+
+    Raises:
+        ValueError: naming the argument, for a non-positive threshold, ``min_ratio <= 1``, an unknown scale
+            or a bad window (see :class:`RunningRobustZ`).
+    """
+
+    def __init__(
+        self,
+        loss_zscore: float | None = 6.0,
+        grad_norm_zscore: float | None = 8.0,
+        window: int = 100,
+        warmup: int = 50,
+        min_ratio: float = 1.5,
+        loss_scale: str = "log",
+        cold_ratio: float = 10.0,
+    ) -> None:
+        for name, threshold in (("loss_zscore", loss_zscore), ("grad_norm_zscore", grad_norm_zscore)):
+            if threshold is not None and not _is_positive_number(threshold):
+                raise ValueError(f"`{name}`={threshold!r} must be a positive number, or None to turn it off.")
+        if not _is_positive_number(min_ratio) or min_ratio <= 1:
+            raise ValueError(f"`min_ratio`={min_ratio!r} must be a finite number > 1.")
+        if loss_scale not in SCALES:
+            raise ValueError(f"`loss_scale`={loss_scale!r} is not one of {list(SCALES)}.")
+        if not _is_positive_number(cold_ratio) or cold_ratio < min_ratio:
+            raise ValueError(
+                f"`cold_ratio`={cold_ratio!r} must be a finite number >= `min_ratio`={min_ratio!r}."
+            )
+        RunningRobustZ(window, warmup)  # validates the window arguments
+        self.loss_zscore = loss_zscore
+        self.grad_norm_zscore = grad_norm_zscore
+        self.window = window
+        self.warmup = warmup
+        self.min_ratio = float(min_ratio)
+        self._log_min_ratio = math.log(self.min_ratio)
+        self.cold_ratio = float(cold_ratio)
+        self._log_cold_ratio = math.log(self.cold_ratio)
+        self.loss_scale = loss_scale
+        self.unjudged_losses = 0  # losses <= 0 seen on a log scale
+        self._loss: dict[str, RunningRobustZ] = {}
+        self._grad_norm: dict[str, RunningRobustZ] = {}
+
+    def _tracker(self, trackers: dict[str, RunningRobustZ], key: str) -> RunningRobustZ:
+        tracker = trackers.get(key)
+        if tracker is None:
+            tracker = trackers[key] = RunningRobustZ(self.window, self.warmup)
+        return tracker
+
+    @staticmethod
+    def _on_scale(value: float | None, scale: str) -> float | None:
+        if value is None or scale == "linear":
+            return value
+        return math.log(value) if value > 0 else None
+
+    def _score(
+        self, tracker: RunningRobustZ, value: float | None, threshold: float | None, scale: str
+    ) -> tuple[bool, float | None]:
+        """(is it a spike, its z-score). The z-score is computed only for a value above ``min_ratio`` times
+        the median: the ratio test is O(1), the MAD is not, and most steps fail the ratio test."""
+        if value is None or threshold is None or not tracker.ready:
+            return False, None
+        median = tracker.median
+        assert median is not None  # a warm tracker holds values
+        excess = value - median
+        if excess <= (self._log_min_ratio if scale == "log" else (self.min_ratio - 1) * abs(median)):
+            return False, None
+        z = tracker.zscore(value)
+        return z is not None and z > threshold, z
+
+    def assess(
+        self, loss: float | None, grad_norm: float | None, key: str = "default", accept: bool = False
+    ) -> Assessment:
+        """Judge one step. ``None`` means the value was not observed (it is then not judged).
+
+        With ``accept=True`` a step judged OK also enters the baseline (what :meth:`accept` does, in one
+        pass). The returned z-scores are ``None`` for values that were not judged or not above
+        ``min_ratio`` times the median (they cannot be spikes whatever their z-score).
+        """
+        if loss is not None and not math.isfinite(loss):
+            return Assessment(Verdict.NONFINITE_LOSS)
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            return Assessment(Verdict.NONFINITE_GRAD)
+        scaled_loss = self._on_scale(loss, self.loss_scale)
+        if loss is not None and scaled_loss is None:
+            self.unjudged_losses += 1
+        scaled_grad = self._on_scale(grad_norm, "log")
+        loss_tracker = self._tracker(self._loss, key)
+        grad_tracker = self._tracker(self._grad_norm, key)
+        loss_spike, loss_z = self._score(loss_tracker, scaled_loss, self.loss_zscore, self.loss_scale)
+        grad_spike, grad_z = self._score(grad_tracker, scaled_grad, self.grad_norm_zscore, "log")
+        if key != POOLED and not (loss_tracker.ready and grad_tracker.ready):
+            # a key still warming up is not blind: values far above every key's recent median are caught
+            loss_spike = loss_spike or self._cold_spike(
+                self._loss, loss_tracker, scaled_loss, self.loss_zscore, self.loss_scale
+            )
+            grad_spike = grad_spike or self._cold_spike(
+                self._grad_norm, grad_tracker, scaled_grad, self.grad_norm_zscore, "log"
+            )
+        if loss_spike:
+            return Assessment(Verdict.LOSS_SPIKE, loss_z, grad_z)
+        if grad_spike:
+            return Assessment(Verdict.GRAD_SPIKE, loss_z, grad_z)
+        if accept:
+            self._add(self._loss, loss_tracker, scaled_loss, key)
+            self._add(self._grad_norm, grad_tracker, scaled_grad, key)
+        return Assessment(Verdict.OK, loss_z, grad_z)
+
+    def _cold_spike(
+        self,
+        trackers: dict[str, RunningRobustZ],
+        own: RunningRobustZ,
+        value: float | None,
+        threshold: float | None,
+        scale: str,
+    ) -> bool:
+        if value is None or threshold is None or own.ready:
+            return False
+        pooled = trackers.get(POOLED)
+        if pooled is None or not pooled.ready:
+            return False
+        median = pooled.median
+        assert median is not None
+        if scale == "log":
+            return value - median > self._log_cold_ratio
+        return value - median > (self.cold_ratio - 1) * abs(median)
+
+    def _add(
+        self, trackers: dict[str, RunningRobustZ], own: RunningRobustZ, value: float | None, key: str
+    ) -> None:
+        if value is None:
+            return
+        own.add(value)
+        if key != POOLED:
+            self._tracker(trackers, POOLED).add(value)
+
+    def accept(self, loss: float | None, grad_norm: float | None, key: str = "default") -> None:
+        """Add a healthy step's values to the baseline windows of ``key``."""
+        self._add(self._loss, self._tracker(self._loss, key), self._on_scale(loss, self.loss_scale), key)
+        self._add(self._grad_norm, self._tracker(self._grad_norm, key), self._on_scale(grad_norm, "log"), key)
+
+    def baseline(self, key: str = "default") -> dict[str, float | None]:
+        """Median loss and gradient norm of ``key``'s windows, in their own units (``None`` while empty)."""
+        out: dict[str, float | None] = {}
+        for name, trackers, scale in (
+            ("loss", self._loss, self.loss_scale),
+            ("grad_norm", self._grad_norm, "log"),
+        ):
+            tracker = trackers.get(key)
+            median = tracker.median if tracker is not None else None
+            out[name] = math.exp(median) if median is not None and scale == "log" else median
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss": {key: tracker.state_dict() for key, tracker in self._loss.items()},
+            "grad_norm": {key: tracker.state_dict() for key, tracker in self._grad_norm.items()},
+            "unjudged_losses": self.unjudged_losses,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        for name, trackers in (("loss", self._loss), ("grad_norm", self._grad_norm)):
+            trackers.clear()
+            for key, tracker_state in state_dict[name].items():
+                self._tracker(trackers, key).load_state_dict(tracker_state)
+        self.unjudged_losses = int(state_dict.get("unjudged_losses", 0))
+
+
+class EscalationPolicy:
+    """Decides, step by step, whether to apply, skip, roll back or stop.
+
+    * A flagged step is skipped.
+    * When ``rollback_after`` flagged steps fall within the last ``spike_memory`` steps, the run rolls
+      back to its last good snapshot and then skips the next ``skip_after_rollback`` steps (the batches a
+      spike came with are not trained on again, as PaLM did).
+    * When a rollback is needed but ``max_rollbacks`` rollbacks already happened within the last
+      ``rollback_memory`` steps, the run stops instead.
+
+    ``step`` is the optimizer step being decided (``trainer.global_step`` before it is taken).
+
+    Args:
+        rollback_after: flagged steps within ``spike_memory`` that trigger a rollback.
+        spike_memory: how many recent steps count towards ``rollback_after``.
+        skip_after_rollback: steps skipped right after a rollback.
+        max_rollbacks: rollbacks allowed within ``rollback_memory`` steps before the next one becomes a stop.
+        rollback_memory: how many recent steps count towards ``max_rollbacks``.
+
+    Raises:
+        ValueError: naming the argument, for a non-integer or out-of-range value.
+    """
+
+    def __init__(
+        self,
+        rollback_after: int = 3,
+        spike_memory: int = 50,
+        skip_after_rollback: int = 20,
+        max_rollbacks: int = 3,
+        rollback_memory: int = 1000,
+    ) -> None:
+        _check_int("rollback_after", rollback_after, minimum=1)
+        _check_int("spike_memory", spike_memory, minimum=1)
+        _check_int("skip_after_rollback", skip_after_rollback, minimum=0)
+        _check_int("max_rollbacks", max_rollbacks, minimum=0)
+        _check_int("rollback_memory", rollback_memory, minimum=1)
+        self.rollback_after = rollback_after
+        self.spike_memory = spike_memory
+        self.skip_after_rollback = skip_after_rollback
+        self.max_rollbacks = max_rollbacks
+        self.rollback_memory = rollback_memory
+        self.spike_steps: list[int] = []  # flagged steps of the open incident
+        self.rollback_steps: list[int] = []
+        self.skip_remaining = 0
+
+    @property
+    def in_incident(self) -> bool:
+        """Whether recent flagged steps (not yet resolved by a rollback) are remembered."""
+        return bool(self.spike_steps)
+
+    @property
+    def incident_start(self) -> int | None:
+        """The first flagged step still remembered, i.e. where the current trouble began."""
+        return self.spike_steps[0] if self.spike_steps else None
+
+    def forget_old(self, step: int) -> None:
+        """Drop flagged steps and rollbacks that fell out of their memories."""
+        # both lists are in step order: drop from the front (usually nothing, checked in O(1))
+        while self.spike_steps and step - self.spike_steps[0] >= self.spike_memory:
+            self.spike_steps.pop(0)
+        while self.rollback_steps and step - self.rollback_steps[0] >= self.rollback_memory:
+            self.rollback_steps.pop(0)
+
+    def decide(self, step: int, verdict: Verdict) -> Action:
+        """The action for a step the detector judged ``verdict`` (not called for forced skips)."""
+        self.forget_old(step)
+        if not verdict.is_spike:
+            return Action.APPLY
+        self.spike_steps.append(step)
+        if len(self.spike_steps) < self.rollback_after:
+            return Action.SKIP
+        if len(self.rollback_steps) >= self.max_rollbacks:
+            return Action.STOP
+        return Action.ROLLBACK
+
+    def consume_forced_skip(self) -> bool:
+        """True (and one fewer left) while steps remain to be skipped after a rollback."""
+        if self.skip_remaining > 0:
+            self.skip_remaining -= 1
+            return True
+        return False
+
+    def rolled_back(self, step: int) -> None:
+        """Record a rollback at ``step``: the incident is resolved, the next steps are skipped."""
+        self.rollback_steps.append(step)
+        self.spike_steps = []
+        self.skip_remaining = self.skip_after_rollback
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "spike_steps": list(self.spike_steps),
+            "rollback_steps": list(self.rollback_steps),
+            "skip_remaining": self.skip_remaining,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.spike_steps = [int(s) for s in state_dict["spike_steps"]]
+        self.rollback_steps = [int(s) for s in state_dict["rollback_steps"]]
+        self.skip_remaining = int(state_dict["skip_remaining"])
+
+
+def _is_positive_number(value: Any) -> bool:
+    return (
+        not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    )
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}`={value!r} must be an int >= {minimum}.")

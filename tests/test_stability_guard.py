@@ -1,0 +1,355 @@
+"""StabilityGuard through real Trainers: clean skips, rollbacks, stops, resume, metrics.
+
+Faults are injected from outside the user's module by ``FaultInjector`` (shared with the benchmark), a
+callback that mutates the batch in place (``training_step`` sees the same list) or raises the optimizer's
+learning rate for a window.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from benchmarks.stability_guard import FaultInjector
+from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+from lightning_pulse import PulseCycle
+from lightning_pulse.callbacks.energy_logger import EnergyLogger
+from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
+from lightning_pulse.phase import PhaseChange
+from tests.conftest import trainer_kwargs
+
+
+class StepRecorder(Callback):
+    """Copies params, Adam state and scheduler position at the end of every step (after the update)."""
+
+    restore_on_rollback = True  # a stateful callback the guard must roll back with the model
+
+    def __init__(self) -> None:
+        self.after_step: dict[int, dict] = {}
+        self.batches_seen = 0
+        self.announcements: list[PhaseChange] = []
+        self.lr_at_step: dict[int, float] = {}
+        self.lr_between_steps: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        # placed after the guard in the callback list: sees the rate the update will use
+        self.lr_at_step[trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lr_between_steps[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches_seen += 1
+        self.after_step[trainer.global_step] = capture(trainer, pl_module)
+
+    def on_pulse_phase_change(self, trainer, pl_module, change):
+        self.announcements.append(change)
+
+    def state_dict(self):
+        return {"batches_seen": self.batches_seen}
+
+    def load_state_dict(self, state_dict):
+        self.batches_seen = state_dict["batches_seen"]
+
+
+def capture(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
+    optimizer = trainer.optimizers[0]
+    schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+    return {
+        "params": {name: p.detach().clone() for name, p in pl_module.named_parameters()},
+        "optimizer": copy.deepcopy(optimizer.state_dict()["state"]),
+        "lr": optimizer.param_groups[0]["lr"],
+        "scheduler_epoch": schedulers[0].last_epoch if schedulers else None,
+    }
+
+
+def assert_same_state(actual: dict, expected: dict) -> None:
+    assert actual["params"].keys() == expected["params"].keys()
+    for name, value in expected["params"].items():
+        assert torch.equal(actual["params"][name], value), name
+    assert actual["optimizer"].keys() == expected["optimizer"].keys()
+    for key, state in expected["optimizer"].items():
+        for field, value in state.items():
+            assert torch.equal(actual["optimizer"][key][field], value), (key, field)
+    assert actual["lr"] == expected["lr"]
+    assert actual["scheduler_epoch"] == expected["scheduler_epoch"]
+
+
+@pytest.fixture(scope="module")
+def small_data():
+    """1000 generated MNIST-1D samples: 900 train, 100 val; 15 batches of 60 per epoch."""
+    data = MNIST1DDataModule(num_samples=1000, batch_size=60)
+    data.setup()
+    return data
+
+
+# ---------------------------------------------------------------- skip
+
+
+class StateAroundStep(Callback):
+    """Captures the state before optimizer step ``step`` and after it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.before = self.after = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and self.before is None:
+            self.before = capture(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step + 1 and self.after is None:
+            self.after = capture(trainer, pl_module)
+
+
+@pytest.mark.parametrize(("precision", "accumulate"), [("32-true", 1), ("bf16-mixed", 2)])
+def test_skipped_step_leaves_parameters_and_optimizer_state_unchanged(small_data, precision, accumulate):
+    pl.seed_everything(0)
+    # weight decay on: a step that merely zeroed the gradients would still shrink the weights
+    model = MNIST1DClassifier(arch="mlp", weight_decay=0.1)
+    skipped, following = StateAroundStep(6), StateAroundStep(7)
+    guard = StabilityGuard()
+    trainer = pl.Trainer(
+        callbacks=[FaultInjector("nan", start=6), guard, skipped, following],
+        max_steps=10,
+        precision=precision,
+        accumulate_grad_batches=accumulate,
+        **trainer_kwargs(limit_val_batches=0),
+    )
+    trainer.fit(model, small_data)
+
+    assert guard.events == [{"step": 6, "event": "nonfinite_loss", "action": "skip"}]
+    assert_same_state(skipped.after, skipped.before)
+    assert skipped.after["optimizer"][0]["step"].item() == 6  # Adam's step count did not move either
+    changed = [
+        name
+        for name, value in following.before["params"].items()
+        if not torch.equal(following.after["params"][name], value)
+    ]
+    assert changed, "the step after the skipped one trains again"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert (guard.steps_skipped, guard.steps_lost, guard.rollbacks) == (1, 1, 0)
+
+
+class CountingSGD(torch.optim.SGD):
+    """An optimizer outside ``torch.optim`` with a global counter that moves even without gradients,
+    like schedule-free optimizers do."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            group["k"] = group.get("k", 0) + 1
+        return loss
+
+
+class CountingSGDClassifier(MNIST1DClassifier):
+    def configure_optimizers(self):
+        return CountingSGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_skip_puts_back_the_state_of_an_optimizer_that_steps_without_gradients(small_data):
+    pl.seed_everything(0)
+    model = CountingSGDClassifier(arch="mlp")
+    around = StateAroundStep(4)
+    trainer = pl.Trainer(
+        callbacks=[FaultInjector("nan", start=4), StabilityGuard(), around],
+        max_steps=6,
+        **trainer_kwargs(limit_val_batches=0),
+    )
+    trainer.fit(model, small_data)
+    assert_same_state(around.after, around.before)
+    assert trainer.optimizers[0].param_groups[0]["k"] == 5  # 6 steps, one of them undone
+
+
+# ---------------------------------------------------------------- rollback
+
+
+@pytest.fixture(scope="module")
+def rollback_run(small_data, tmp_path_factory):
+    """A pulse run whose learning rate explodes at step 30; the guard snapshots at maintain phases only."""
+    pl.seed_everything(0)
+    model = MNIST1DClassifier(arch="mlp", scheduler="onecycle")
+    cycle = PulseCycle(burst=8, replay=4, maintain=2, warmup=0, anneal=0, maintain_eval="none")
+    recorder = StepRecorder()
+    energy = EnergyLogger(sampling_period=0.02, cpu="constant", cpu_watts=10.0, ram="none", gpu="none")
+    guard = StabilityGuard(
+        warmup=10,
+        # a 50-step one-cycle schedule ramps the gradient norm up 4x in 15 steps: judge the loss only
+        grad_norm_zscore=None,
+        rollback_after=2,
+        skip_after_rollback=3,
+        snapshot_every=0,
+        max_snapshots=3,
+        rollback_margin=1,
+        lr_factor_after_rollback=0.1,
+        lr_cooldown_steps=4,
+    )
+    trainer = pl.Trainer(
+        callbacks=[cycle, FaultInjector("lr", start=30, length=2, factor=100.0), guard, recorder, energy],
+        max_steps=50,
+        **trainer_kwargs(limit_val_batches=0, default_root_dir=str(tmp_path_factory.mktemp("rollback"))),
+    )
+    trainer.fit(model, small_data)
+    return trainer, guard, recorder, energy
+
+
+def test_repeated_spikes_roll_back_to_the_last_maintain_snapshot(rollback_run):
+    trainer, guard, recorder, _ = rollback_run
+    rollbacks = [event for event in guard.events if event["event"] == "rollback"]
+    assert len(rollbacks) == 1 and guard.rollbacks == 1
+    flagged = [event["step"] for event in guard.events if event["event"] not in ("rollback", "stop")]
+    assert flagged[0] in (31, 32) and rollbacks[0]["step"] == flagged[1]
+    # maintain phases start at steps 12, 26, 40: the newest one before the trouble is 26
+    assert rollbacks[0]["to_step"] == 26
+    rolled_back_at = rollbacks[0]["step"] + 1  # the step counter after the flagged step
+    assert_same_state(recorder.after_step[rolled_back_at], recorder.after_step[26])
+    assert guard.steps_undone == flagged[0] - 26  # the updates 26 .. first flagged - 1
+    assert guard.steps_skipped == 2 + 3
+    assert guard.steps_lost == guard.steps_undone + guard.steps_skipped
+    assert all(math.isfinite(p.sum().item()) for p in trainer.lightning_module.parameters())
+
+
+def test_rollback_restores_the_callbacks_that_opt_in_and_only_those(rollback_run):
+    trainer, guard, recorder, energy = rollback_run
+    assert list(guard._rollback_callbacks(trainer).values()) == [recorder]
+    # the recorder's counter went back with the model: 50 batches ran, those of steps 26..rollback undone
+    rolled_back_at = next(e["step"] for e in guard.events if e["event"] == "rollback") + 1
+    assert recorder.batches_seen == 50 - (rolled_back_at - 26)
+    # ... and, like after a checkpoint restore, it was told the current phase again
+    resumes = [change for change in recorder.announcements if change.reason == "resume"]
+    assert [change.step for change in resumes] == [rolled_back_at]
+    # the clock and the meter kept counting what really happened
+    assert trainer.callbacks[0].clock.step == 50
+    assert energy.report["total"]["steps"] == 50
+
+
+def test_learning_rate_is_lowered_inside_steps_during_the_cooldown_only(rollback_run):
+    _, guard, recorder, _ = rollback_run
+    rolled_back_at = next(e["step"] for e in guard.events if e["event"] == "rollback") + 1
+    first_applied = rolled_back_at + 3  # three steps skipped after the rollback
+    for step in range(first_applied, first_applied + 4):
+        assert recorder.lr_at_step[step] == pytest.approx(0.1 * recorder.lr_between_steps[step])
+    for step in range(first_applied + 4, 50):
+        assert recorder.lr_at_step[step] == recorder.lr_between_steps[step]
+    # the scheduler never saw the lowered rate: it is rewound to the snapshot and steps on from there
+    assert recorder.after_step[50]["scheduler_epoch"] == 50 - (rolled_back_at - 26)
+
+
+def test_energy_of_lost_steps_is_taken_from_the_energy_logger(rollback_run):
+    _, guard, _, energy = rollback_run
+    metrics = guard.metrics()
+    total = energy.energy_so_far_kwh()
+    assert 0 < guard.energy_wasted_kwh < total
+    assert metrics["stability/energy_wasted_kwh"] == guard.energy_wasted_kwh
+    # a constant-power meter: energy is proportional to time, so lost steps hold a comparable share of it
+    share_of_steps = guard.steps_lost / 50
+    assert 0.2 * share_of_steps < guard.energy_wasted_kwh / total < 3 * share_of_steps
+
+
+# ---------------------------------------------------------------- stop
+
+
+def test_stop_saves_the_last_good_state_then_raises(small_data, tmp_path):
+    pl.seed_everything(0)
+    model = MNIST1DClassifier(arch="mlp")
+    recorder = StepRecorder()
+    guard = StabilityGuard(
+        rollback_after=2,
+        skip_after_rollback=2,
+        snapshot_every=5,
+        max_snapshots=2,
+        rollback_margin=2,
+        max_rollbacks=1,
+    )
+    trainer = pl.Trainer(
+        callbacks=[FaultInjector("nan", start=20, length=100), guard, recorder],
+        max_steps=60,
+        **trainer_kwargs(limit_val_batches=0, default_root_dir=str(tmp_path)),
+    )
+    with pytest.raises(StabilityGuardError, match="stopped training at step 25") as raised:
+        trainer.fit(model, small_data)
+    # 20, 21 flagged -> rollback to 15; 22, 23 skipped; 24, 25 flagged -> stop, back to 15 again
+    assert [event["event"] for event in guard.events] == ["nonfinite_loss"] * 2 + ["rollback"] + [
+        "nonfinite_loss"
+    ] * 2 + ["stop"]
+    assert guard.stopped and guard.events[-1]["to_step"] == 15
+    # six steps skipped; updates 15..19 undone, counted once although the run went back to step 15 twice
+    assert (guard.steps_skipped, guard.steps_undone) == (6, 5)
+    path = raised.value.checkpoint_path
+    assert path == str(tmp_path / "stability_guard" / "stopped-step=25.ckpt")
+    checkpoint = torch.load(path, weights_only=False)
+    saved = {name.removeprefix("net."): value for name, value in checkpoint["state_dict"].items()}
+    expected = recorder.after_step[15]["params"]
+    assert all(torch.equal(saved[name.removeprefix("net.")], value) for name, value in expected.items())
+    assert checkpoint["global_step"] == 26  # saved after step 25
+    state = next(value for key, value in checkpoint["callbacks"].items() if key.startswith("StabilityGuard"))
+    assert state["stopped"] is True
+
+
+# ---------------------------------------------------------------- resume
+
+
+def test_resume_restores_baselines_so_spikes_are_caught_without_a_new_warmup(small_data, tmp_path):
+    def fit(max_steps, guard, faults, ckpt_path=None):
+        pl.seed_everything(0)
+        trainer = pl.Trainer(
+            callbacks=[*faults, guard], max_steps=max_steps, **trainer_kwargs(limit_val_batches=0)
+        )
+        trainer.fit(MNIST1DClassifier(arch="mlp"), small_data, ckpt_path=ckpt_path)
+        return trainer
+
+    first = StabilityGuard(warmup=20)
+    fit(30, first, [FaultInjector("nan", start=3)]).save_checkpoint(tmp_path / "mid.ckpt")
+    resumed = StabilityGuard(warmup=20)
+    fit(36, resumed, [FaultInjector("scale", start=32)], ckpt_path=tmp_path / "mid.ckpt")
+    assert resumed.events == [
+        {"step": 3, "event": "nonfinite_loss", "action": "skip"},
+        {"step": 32, "event": "loss_spike", "action": "skip"},
+    ]
+    assert resumed.steps_skipped == 2
+    fresh = StabilityGuard(warmup=20)  # the same fault without the saved baselines goes unnoticed
+    fit(6, fresh, [FaultInjector("scale", start=2)])
+    assert fresh.events == []
+
+
+# ---------------------------------------------------------------- configuration
+
+
+class ManualModule(MNIST1DClassifier):
+    def __init__(self) -> None:
+        super().__init__(arch="mlp")
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_rejected_at_fit_start(small_data):
+    trainer = pl.Trainer(callbacks=[StabilityGuard()], max_steps=1, **trainer_kwargs())
+    with pytest.raises(MisconfigurationException, match="automatic optimization"):
+        trainer.fit(ManualModule(), small_data)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"loss_zscore": -1}, "loss_zscore"),
+        ({"min_ratio": 0.5}, "min_ratio"),
+        ({"loss_scale": "exp"}, "loss_scale"),
+        ({"warmup": 200}, "warmup"),
+        ({"rollback_after": 0}, "rollback_after"),
+        ({"snapshot_every": -1}, "snapshot_every"),
+        ({"max_snapshots": 0}, "max_snapshots"),
+        ({"max_snapshots": 2, "snapshot_every": 5, "rollback_margin": 10}, "rollback_margin"),
+        ({"lr_factor_after_rollback": 2.0}, "lr_factor_after_rollback"),
+        ({"lr_cooldown_steps": 1.5}, "lr_cooldown_steps"),
+        ({"rewind_lr_schedule": "yes"}, "rewind_lr_schedule"),
+        ({"stop_checkpoint_path": ""}, "stop_checkpoint_path"),
+    ],
+)
+def test_bad_arguments_fail_at_construction_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        StabilityGuard(**kwargs)

@@ -1,0 +1,71 @@
+"""StabilityGuard under DDP: two gloo processes take the same decisions at the same steps.
+
+The fault hits rank 1 only. Rank 0's own loss stays normal, so only a decision made from all-reduced
+numbers makes both ranks skip and roll back together (otherwise their parameters would part).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from benchmarks.stability_guard import FaultInjector
+from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+from lightning_pulse.callbacks.stability_guard import StabilityGuard
+from tests.conftest import trainer_kwargs
+
+
+class GuardDump(Callback):
+    """Writes the guard's events and counters, and a digest of the parameters, to ``rank<r>.json``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        guard = next(cb for cb in trainer.callbacks if isinstance(cb, StabilityGuard))
+        params = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        record = {
+            "events": guard.events,
+            "counters": [guard.spikes_detected, guard.steps_skipped, guard.rollbacks, guard.steps_lost],
+            "params": params.tolist(),
+        }
+        Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ddp
+def test_ranks_skip_and_roll_back_together_when_one_rank_sees_the_fault(tmp_path):
+    pl.seed_everything(0)
+    guard = StabilityGuard(
+        warmup=10,
+        grad_norm_zscore=None,
+        rollback_after=2,
+        skip_after_rollback=2,
+        snapshot_every=5,
+        rollback_margin=2,
+    )
+    trainer = pl.Trainer(
+        callbacks=[FaultInjector("scale", start=25, length=3, ranks=(1,)), guard, GuardDump(str(tmp_path))],
+        max_steps=32,
+        **trainer_kwargs(devices=2, strategy="ddp_spawn", limit_val_batches=0),
+    )
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=60))
+
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert (
+        rank0["events"]
+        == rank1["events"]
+        == [
+            {"step": 25, "event": "loss_spike", "action": "skip"},
+            {"step": 26, "event": "loss_spike", "action": "rollback"},
+            {"step": 26, "event": "rollback", "to_step": 20},
+        ]
+    )
+    # flagged 25 and 26, forced skips 27 and 28; updates 20..24 undone
+    assert rank0["counters"] == rank1["counters"] == [2, 4, 1, 9]
+    assert rank0["params"] == rank1["params"]

@@ -1,0 +1,179 @@
+"""CPU snapshots for StabilityGuard's rollbacks, and the clean-skip property of torch's optimizers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import prune
+
+from lightning_pulse.core.snapshots import (
+    SnapshotRing,
+    copy_to_cpu,
+    restore_snapshot,
+    take_snapshot,
+    tensor_bytes,
+)
+
+
+class CountingCallbackState:
+    """Anything with state_dict/load_state_dict, like a pulse callback."""
+
+    def __init__(self) -> None:
+        self.seen = [1, 2]
+
+    def state_dict(self):
+        return {"seen": list(self.seen), "scores": torch.arange(3.0)}
+
+    def load_state_dict(self, state):
+        self.seen = list(state["seen"])
+
+
+def _train_steps(model, optimizer, scheduler, steps, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(8, 4, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=50)
+    return model, optimizer, scheduler
+
+
+def test_restore_returns_model_optimizer_scheduler_and_callbacks_to_the_snapshot():
+    model, optimizer, scheduler = _setup()
+    _train_steps(model, optimizer, scheduler, 5)
+    callback = CountingCallbackState()
+    snapshot = take_snapshot(5, model, [optimizer], [scheduler], {"cb": callback}, extra={"note": 1})
+    expected_model = copy.deepcopy(model.state_dict())
+    expected_optimizer = copy.deepcopy(optimizer.state_dict())
+    expected_lr = scheduler.get_last_lr()
+    params_before = [id(p) for p in model.parameters()]
+
+    _train_steps(model, optimizer, scheduler, 7, seed=1)
+    callback.seen.append(3)
+    restore_snapshot(snapshot, model, [optimizer], [scheduler], {"cb": callback})
+
+    assert [id(p) for p in model.parameters()] == params_before  # copied in place
+    for name, value in expected_model.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    for key, state in expected_optimizer["state"].items():
+        for name, value in state.items():
+            assert torch.equal(optimizer.state_dict()["state"][key][name], value), (key, name)
+    assert scheduler.get_last_lr() == expected_lr
+    assert optimizer.param_groups[0]["lr"] == expected_lr[0]
+    assert callback.seen == [1, 2]
+    # the same training from there reproduces itself: nothing of the undone steps leaked
+    twin_model, twin_optimizer, twin_scheduler = _setup()
+    _train_steps(twin_model, twin_optimizer, twin_scheduler, 5)
+    _train_steps(model, optimizer, scheduler, 3, seed=2)
+    _train_steps(twin_model, twin_optimizer, twin_scheduler, 3, seed=2)
+    for mine, twin in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(mine, twin)
+
+
+def test_restore_without_rewinding_keeps_the_schedule_and_hyperparameters():
+    model, optimizer, scheduler = _setup()
+    _train_steps(model, optimizer, scheduler, 5)
+    snapshot = take_snapshot(5, model, [optimizer], [scheduler])
+    _train_steps(model, optimizer, scheduler, 10)
+    lr_now, epoch_now = optimizer.param_groups[0]["lr"], scheduler.last_epoch
+    restore_snapshot(snapshot, model, [optimizer], [scheduler], rewind_schedule=False)
+    assert optimizer.param_groups[0]["lr"] == lr_now
+    assert scheduler.last_epoch == epoch_now
+    assert optimizer.state_dict()["state"][0]["step"].item() == 5
+
+
+def test_snapshot_is_an_independent_cpu_copy():
+    model, optimizer, scheduler = _setup()
+    _train_steps(model, optimizer, scheduler, 2)
+    snapshot = take_snapshot(2, model, [optimizer], [scheduler])
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    assert not torch.equal(snapshot.model["0.weight"], model[0].weight)
+    assert all(t.device.type == "cpu" for t in snapshot.model.values())
+    assert snapshot.nbytes == tensor_bytes(snapshot.model) + tensor_bytes(snapshot.optimizers) + tensor_bytes(
+        snapshot.schedulers
+    )
+    assert snapshot.nbytes > sum(p.numel() * 4 for p in model.parameters())
+    # module versions (read by BatchNorm's load_state_dict) survive the copy
+    assert copy_to_cpu(model.state_dict())._metadata == model.state_dict()._metadata
+
+
+def test_restore_rejects_a_snapshot_of_another_optimizer_setup():
+    model, optimizer, scheduler = _setup()
+    snapshot = take_snapshot(0, model, [optimizer], [scheduler])
+    with pytest.raises(ValueError, match="optimizer"):
+        restore_snapshot(snapshot, model, [optimizer, optimizer], [scheduler])
+
+
+def test_ring_keeps_the_newest_and_finds_the_newest_before_a_step():
+    model, optimizer, _ = _setup()
+    ring = SnapshotRing(capacity=3)
+    for step in (0, 10, 20, 30):
+        ring.add(take_snapshot(step, model, [optimizer]))
+    assert ring.steps == [10, 20, 30]
+    assert ring.newest_at_or_before(25).step == 20
+    assert ring.newest_at_or_before(5) is None
+    ring.add(take_snapshot(30, model, [optimizer]))  # same step replaces, never duplicates
+    assert ring.steps == [10, 20, 30]
+    ring.drop_after(15)
+    assert ring.steps == [10] and ring.newest().step == 10
+    with pytest.raises(ValueError, match="`capacity`"):
+        SnapshotRing(0)
+
+
+OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
+    "Adam": lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=0.1, weight_decay=0.1),
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=0.1, weight_decay=0.1),
+    "RAdam": lambda p: torch.optim.RAdam(p, lr=0.1, weight_decay=0.1),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.1, momentum=0.5, weight_decay=0.1),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.1),
+    "Adadelta": lambda p: torch.optim.Adadelta(p, weight_decay=0.1),
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=0.1),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=0.1, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_torch_optimizers_change_nothing_when_every_grad_is_none(name):
+    """StabilityGuard's clean skip relies on this for every optimizer class in ``torch.optim``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    optimizer = OPTIMIZERS[name](model.parameters())
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        optimizer.step()
+    state_before = copy.deepcopy(optimizer.state_dict())
+    params_before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.step()
+    for before, after in zip(params_before, model.parameters()):
+        assert torch.equal(before, after)
+    for key, state in state_before["state"].items():
+        for field, value in state.items():
+            now = optimizer.state_dict()["state"][key][field]
+            assert torch.equal(now, value) if isinstance(value, torch.Tensor) else now == value, (key, field)
+
+
+def test_a_snapshot_no_longer_fits_a_model_whose_structure_changed():
+    model, optimizer, _ = _setup()
+    snapshot = take_snapshot(0, model, [optimizer])
+    assert snapshot.fits(model)
+    prune.l1_unstructured(model[0], "weight", amount=0.5)  # adds weight_orig / weight_mask
+    assert not snapshot.fits(model)
+    smaller = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))  # channels pruned away
+    assert not snapshot.fits(smaller)
