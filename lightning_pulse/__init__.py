@@ -1,9 +1,12 @@
 """lightning-pulse: pulse training, energy accounting and stability for PyTorch Lightning."""
 
-from lightning_pulse.callbacks.mhc_monitor import HyperConnectionMonitor
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
+from lightning_pulse.callbacks.gradient_cache import GradientCache
+from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
+from lightning_pulse.callbacks.mhc_monitor import HyperConnectionMonitor
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, phase_of, pulse_cycle_of
 from lightning_pulse.callbacks.scheduled_prune import ScheduledPrune
+from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 from lightning_pulse.phase import Duration, Phase, PhaseChange, PhaseClock, parse_duration
 
 __version__ = "0.1.0"
@@ -11,12 +14,16 @@ __version__ = "0.1.0"
 __all__ = [
     "Duration",
     "EnergyLogger",
+    "GradientCache",
+    "HardSampleReplay",
     "HyperConnectionMonitor",
     "Phase",
     "PhaseChange",
     "PhaseClock",
     "PulseCycle",
     "ScheduledPrune",
+    "StabilityGuard",
+    "StabilityGuardError",
     "parse_duration",
     "phase_of",
     "pulse_cycle_of",
