@@ -108,7 +108,23 @@ trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=
 def test_structured_pruning_under_ddp_rewraps_and_keeps_ranks_in_sync(tmp_path):
     script = tmp_path / "structured_ddp.py"
     script.write_text(textwrap.dedent(_DDP_SCRIPT))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    # an earlier ddp_spawn test in this process leaves LOCAL_RANK/WORLD_SIZE/MASTER_PORT in os.environ; a child
+    # that inherits them believes it is an already-launched rank and waits forever for its peers
+    distributed = {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "GROUP_RANK",
+    }
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in distributed and not k.startswith(("PL_", "TORCHELASTIC"))
+    }
+    env.update({"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"})
     completed = subprocess.run(
         [sys.executable, str(script), str(tmp_path)],
         cwd=REPO,
