@@ -183,6 +183,8 @@ def test_resume_from_a_checkpoint_written_before_the_first_backward(mnist1d_smal
 def test_ddp_without_unused_parameter_detection_fails_at_setup_naming_the_fix(mnist1d_small, monkeypatch):
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
+    # without it, Lightning's DDP set-up raises torch's intra-op threads for every later test in the process
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     model, data = mnist1d_small()
     trainer = pl.Trainer(
         callbacks=[GradientCache()],
