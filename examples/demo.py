@@ -33,8 +33,37 @@ def instantiate(spec: dict[str, Any]) -> Any:
     return cls(**spec.get("init_args", {}))
 
 
-def pulse_callbacks(config: dict[str, Any]) -> list[Any]:
-    return [instantiate(spec) for spec in config.get("trainer", {}).get("callbacks", [])]
+ENERGY_LOGGER = "EnergyLogger"
+
+
+class ArmCallbacks:
+    """Builds an arm's callbacks for each pass; every pass writes its energy report to its own folder.
+
+    Both arms get the YAML's EnergyLogger (it is the measuring instrument, not a pulse method), so their
+    energy figures are comparable; only the pulse arm gets the rest of the suite.
+    """
+
+    def __init__(self, arm: str, specs: list[dict[str, Any]], with_suite: bool, output: Path) -> None:
+        self.arm, self.output, self.passes = arm, output, 0
+        self.specs = [s for s in specs if with_suite or s["class_path"].endswith(ENERGY_LOGGER)]
+
+    def __call__(self, seed: int) -> list[Any]:
+        self.passes += 1
+        callbacks = []
+        for spec in self.specs:
+            if spec["class_path"].endswith(ENERGY_LOGGER):
+                init_args = {**spec.get("init_args", {}), "report_dir": str(self.report_dir(self.passes))}
+                spec = {**spec, "init_args": init_args}
+            callbacks.append(instantiate(spec))
+        return callbacks
+
+    def report_dir(self, index: int = 1) -> Path:
+        # pass 1 is the timed pass; pass 2 counts FLOPs and runs ~3x slower, so its energy is not the run's
+        return self.output / self.arm / f"pass{index}"
+
+    def energy(self) -> dict[str, Any] | None:
+        path = self.report_dir(1) / "energy_report.json"
+        return json.loads(path.read_text())["total"] if path.exists() else None
 
 
 def _fmt(value: float, unit: str = "") -> str:
@@ -80,10 +109,6 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "",
         )
     )
-    for key, value in sorted(pulse["extra"].items()):
-        if key.startswith("energy") and isinstance(value, (int, float)):
-            baseline = plain["extra"].get(key)
-            rows.append((key, _fmt(baseline) if baseline is not None else "n/a", _fmt(float(value)), ""))
     return rows
 
 
@@ -112,7 +137,11 @@ def main() -> None:
     # model and data arguments come from the same YAML, so the demo trains what `lightning-pulse fit` would
     overrides = {f"model__{k}": v for k, v in config["model"].get("init_args", {}).items() if k != "arch"}
     overrides.update({f"data__{k}": v for k, v in config["data"].get("init_args", {}).items()})
-    arms = [Arm("plain"), Arm("pulse", callbacks=lambda seed: pulse_callbacks(config))]
+    specs = config.get("trainer", {}).get("callbacks", [])
+    output_dir = Path(args.output).parent
+    plain_callbacks = ArmCallbacks("plain", specs, with_suite=False, output=output_dir)
+    pulse_callbacks = ArmCallbacks("pulse", specs, with_suite=True, output=output_dir)
+    arms = [Arm("plain", callbacks=plain_callbacks), Arm("pulse", callbacks=pulse_callbacks)]
     result = run_arms(
         "mnist1d-cnn",
         arms,
@@ -124,6 +153,25 @@ def main() -> None:
     )
 
     rows = summary_rows(result)
+    energies = plain_callbacks.energy(), pulse_callbacks.energy()
+    if all(energies):
+        plain_energy, pulse_energy = energies
+        rows.append(
+            (
+                f"energy, kWh ({pulse_energy['energy_method']})",
+                f"{plain_energy['energy_kwh']:.3g}",
+                f"{pulse_energy['energy_kwh']:.3g}",
+                f"{pulse_energy['energy_kwh'] / plain_energy['energy_kwh']:.3f}x",
+            )
+        )
+        rows.append(
+            (
+                f"CO2, kg ({pulse_energy['co2_method']})",
+                f"{plain_energy['co2_kg']:.3g}",
+                f"{pulse_energy['co2_kg']:.3g}",
+                f"{pulse_energy['co2_kg'] / plain_energy['co2_kg']:.3f}x",
+            )
+        )
     widths = [max(len(row[i]) for row in rows + [("", "plain", "pulse", "pulse/plain")]) for i in range(4)]
     header = ("", "plain", "pulse", "pulse/plain")
     print()

@@ -47,14 +47,15 @@ def test_print_config_round_trips(tmp_path, capsys):
     assert yaml.safe_load(first) == yaml.safe_load(second)
     callbacks = yaml.safe_load(first)["trainer"]["callbacks"]
     assert callbacks[0]["class_path"].endswith("PulseCycle")
-    assert callbacks[0]["init_args"]["burst"] == 40
+    assert callbacks[0]["init_args"]["burst"] == 36
 
 
 @pytest.mark.parametrize(
     ("old", "new", "expected"),
     [
-        ("burst: 40", "burst: -5min", "`burst`='-5min' must be finite and non-negative"),
-        ("burst: 40", "burts: 40", "burts"),
+        ("burst: 36", "burst: -5min", "`burst`='-5min' must be finite and non-negative"),
+        ("burst: 36", "burts: 36", "burts"),
+        ("replay_fraction: 0.5", "replay_fraction: 1.5", "replay_fraction"),
         ("warmup: 0.1", "warmup: lots", "warmup"),
         ("anneal: 0.1", "anneal: 0.95", "`warmup` + `anneal`"),
     ],
