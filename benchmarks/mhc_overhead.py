@@ -17,7 +17,7 @@ Method:
 HC (unconstrained, no Sinkhorn) is included to separate the cost of widening the residual stream from the
 cost of the Sinkhorn-Knopp projection.
 
-Run: ``python -m benchmarks.mhc_overhead`` (about 3 minutes on one busy CPU core).
+Run: ``python -m benchmarks.mhc_overhead`` (about 8 wall minutes on the busy 2-core machine).
 """
 
 from __future__ import annotations

@@ -145,7 +145,13 @@ def test_charlm_mhc_with_one_stream_is_bit_identical_to_the_plain_model():
 def test_charlm_hyper_connected_variants_train_and_expose_their_layers(residual):
     from examples.charlm import CharTransformerLM
 
-    model = CharTransformerLM(d_model=32, n_layers=2, seq_len=16, residual=residual, n_streams=4)
+    model = CharTransformerLM(
+        d_model=32, n_layers=2, seq_len=16, residual=residual, n_streams=4, sinkhorn_iters=7
+    )
+    layers = [m for m in model.modules() if isinstance(m, HyperConnection)]
+    assert all(type(m) is (ManifoldHyperConnection if residual == "mhc" else HyperConnection) for m in layers)
+    assert all(m.n_streams == 4 for m in layers)
+    assert residual == "hc" or all(m.sinkhorn_iters == 7 for m in layers)
     tokens = torch.randint(0, 128, (2, 16))
     with HyperConnectionRecorder(model) as recorder:
         logits = model(tokens)

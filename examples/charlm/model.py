@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import lightning.pytorch as pl
 import torch
@@ -85,6 +86,7 @@ class CharTransformerLM(pl.LightningModule):
             (doubly stochastic stream mixing). For ``"hc"``/``"mhc"`` the embedding is expanded into the streams
             before the first block and the streams are averaged after the last (``lightning_pulse.nn``).
         n_streams: residual streams for ``"hc"`` / ``"mhc"`` (ignored for ``"plain"``).
+        sinkhorn_iters: Sinkhorn-Knopp iterations of ``"mhc"`` (the paper's 20 by default).
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class CharTransformerLM(pl.LightningModule):
         weight_decay: float = 0.01,
         residual: str = "plain",
         n_streams: int = 4,
+        sinkhorn_iters: int = 20,
     ) -> None:
         super().__init__()
         if residual not in RESIDUAL_KINDS:
@@ -106,8 +109,14 @@ class CharTransformerLM(pl.LightningModule):
         self.save_hyperparameters()
         self.embed = nn.Embedding(VOCAB_SIZE, d_model)
         self.position = nn.Parameter(torch.zeros(1, seq_len, d_model))
-        connection = {"plain": Residual, "hc": HyperConnection, "mhc": ManifoldHyperConnection}[residual]
-        wrap = connection if residual == "plain" else lambda branch: connection(branch, d_model, n_streams)
+        if residual == "plain":
+            wrap = Residual
+        elif residual == "hc":
+            wrap = partial(HyperConnection, dim=d_model, n_streams=n_streams)
+        else:
+            wrap = partial(
+                ManifoldHyperConnection, dim=d_model, n_streams=n_streams, sinkhorn_iters=sinkhorn_iters
+            )
         blocks: list[nn.Module] = []
         for _ in range(n_layers):
             blocks.append(wrap(PreNorm(d_model, CausalSelfAttention(d_model, n_heads))))
