@@ -137,32 +137,69 @@ def test_skipped_step_leaves_parameters_and_optimizer_state_unchanged(small_data
     assert (guard.steps_skipped, guard.steps_lost, guard.rollbacks) == (1, 1, 0)
 
 
-class CountingSGD(torch.optim.SGD):
-    """An optimizer outside ``torch.optim`` with a global counter that moves even without gradients,
-    like schedule-free optimizers do."""
+def counting_sgd_classifier():
+    """A classifier whose optimizer lives outside ``torch.optim`` and keeps a global counter that moves even
+    without gradients, like schedule-free optimizers do. The classes are fresh on every call: torch wraps a
+    class's ``step`` (to run the instance's hooks) the first time an instance of that very class is built,
+    and never unwraps it, so whether the parent's ``step`` runs the hooks too must not depend on earlier tests.
+    """
 
-    def step(self, closure=None):
-        loss = super().step(closure)
-        for group in self.param_groups:
-            group["k"] = group.get("k", 0) + 1
-        return loss
+    class ParentSGD(torch.optim.Optimizer):  # SGD with momentum, not built on `torch.optim.SGD.step`
+        def __init__(self, params, lr, momentum):
+            super().__init__(params, {"lr": lr, "momentum": momentum})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    state = self.state[param]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = param.grad.clone()
+                    else:
+                        state["momentum_buffer"].mul_(group["momentum"]).add_(param.grad)
+                    param.add_(state["momentum_buffer"], alpha=-group["lr"])
+            return loss
+
+    class CountingSGD(ParentSGD):
+        def step(self, closure=None):
+            loss = super().step(closure)
+            for group in self.param_groups:
+                group["k"] = group.get("k", 0) + 1
+            return loss
+
+    class CountingSGDClassifier(MNIST1DClassifier):
+        def configure_optimizers(self):
+            return CountingSGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    return CountingSGDClassifier(arch="mlp"), ParentSGD
 
 
-class CountingSGDClassifier(MNIST1DClassifier):
-    def configure_optimizers(self):
-        return CountingSGD(self.parameters(), lr=0.05, momentum=0.9)
-
-
-def test_skip_puts_back_the_state_of_an_optimizer_that_steps_without_gradients(small_data):
+@pytest.mark.parametrize("parent_step_hooked", [False, True], ids=["parent-plain", "parent-hooked"])
+def test_skip_puts_back_the_state_of_an_optimizer_that_steps_without_gradients(
+    small_data, parent_step_hooked
+):
     pl.seed_everything(0)
-    model = CountingSGDClassifier(arch="mlp")
+    model, parent = counting_sgd_classifier()
+    if parent_step_hooked:
+        # as after any earlier `torch.optim.SGD(...)` in the process: `super().step()` runs the post-hooks too,
+        # before the subclass moves its counter
+        parent([torch.nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
+    assert bool(getattr(parent.step, "hooked", False)) is parent_step_hooked
     around = StateAroundStep(4)
+    guard = StabilityGuard()
     trainer = pl.Trainer(
-        callbacks=[FaultInjector("nan", start=4), StabilityGuard(), around],
+        callbacks=[FaultInjector("nan", start=4), guard, around],
         max_steps=6,
         **trainer_kwargs(limit_val_batches=0),
     )
     trainer.fit(model, small_data)
+    assert guard.events == [{"step": 4, "event": "nonfinite_loss", "action": "skip"}]
     assert_same_state(around.after, around.before)
     assert trainer.optimizers[0].param_groups[0]["k"] == 5  # 6 steps, one of them undone
 

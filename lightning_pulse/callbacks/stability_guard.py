@@ -219,6 +219,10 @@ class StabilityGuard(Callback):
         self._backup: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self._backup_optimizer: torch.optim.Optimizer | None = None
         self._hook_handles: list[Any] = []
+        # how deep each optimizer is in nested `step` calls: torch hooks the `step` of every optimizer class it
+        # has built, so a subclass's `super().step()` runs the instance's post-hooks before its own step ends
+        self._step_depth: dict[int, int] = {}
+        self._depth_handles: list[Any] = []
         self._energy_source: Callable[[], float] | None = None
         self._energy_step_start: float | None = None
         self._cycle: PulseCycle | None = None
@@ -276,6 +280,11 @@ class StabilityGuard(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         started = time.thread_time()
         self._remove_hooks()
+        self._remove_depth_hooks()
+        self._step_depth = {}
+        for optimizer in trainer.optimizers:
+            self._depth_handles.append(optimizer.register_step_pre_hook(self._enter_optimizer_step))
+            self._depth_handles.append(optimizer.register_step_post_hook(self._leave_optimizer_step))
         self._cycle = pulse_cycle_of(trainer)
         self._world_size = trainer.world_size
         self._energy_source = None
@@ -387,6 +396,7 @@ class StabilityGuard(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove_hooks()
+        self._remove_depth_hooks()
         self._log(trainer, self.metrics())
         if self.spikes_detected or self.rollbacks:
             rank_zero_info(
@@ -397,6 +407,7 @@ class StabilityGuard(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._remove_hooks()
+        self._remove_depth_hooks()
 
     def on_pulse_phase_change(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange
@@ -508,7 +519,18 @@ class StabilityGuard(Callback):
         if not self._hook_handles:
             self._hook_handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
 
+    def _enter_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._step_depth[id(optimizer)] = self._step_depth.get(id(optimizer), 0) + 1
+
+    def _leave_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # registered before :meth:`_after_optimizer_step`, so it runs first: the outermost step reads 0
+        self._step_depth[id(optimizer)] = max(0, self._step_depth.get(id(optimizer), 0) - 1)
+
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._step_depth.get(id(optimizer), 0) > 0:
+            # a subclass's `super().step()` returned (torch hooked the parent's `step` too): the subclass may
+            # still change its state (a global counter) after it; undo once the outermost `step` has returned
+            return
         started = time.thread_time()
         self._undo_pending_changes()
         self.guard_cpu_seconds += time.thread_time() - started
@@ -715,6 +737,11 @@ class StabilityGuard(Callback):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+
+    def _remove_depth_hooks(self) -> None:
+        for handle in self._depth_handles:
+            handle.remove()
+        self._depth_handles = []
 
     @staticmethod
     def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
