@@ -1,7 +1,9 @@
 """GradientCache: backward FLOPs and CPU time saved against accuracy, on the MNIST-1D CNN and the char LM.
 
 Run: ``python -m benchmarks.gradient_cache`` (about 15 minutes of CPU on an idle core; ``--quick`` for a smoke
-run). Writes ``benchmarks/results/gradient_cache.json`` and ``.md``.
+run). Writes ``benchmarks/results/gradient_cache.json`` and ``.md``. ``--study thresholds`` (about 5 minutes)
+writes ``gradient_cache_thresholds.*``: three plasticity thresholds on the CNN, the CNN at constant LR, and
+the LM's per-unit plasticity scores.
 
 Arms (the first is the baseline, all in one invocation, interleaved per seed):
 
@@ -76,7 +78,8 @@ def cache_table(result: dict[str, Any]) -> str:
     """Medians over seeds of what GradientCache itself measured, one row per arm."""
     metric = result["test_metric"]
     lines = [
-        f"### {result['workload']}: GradientCache's own figures (medians over seeds)",
+        f"### {result['workload']} ({result['trainer_kwargs']}, {result['workload_kwargs']}): "
+        "GradientCache's own figures (medians over seeds)",
         "",
         f"| arm | backward FLOPs skipped | mean frozen share | cache hit rate | similarity at refresh | "
         f"activation hit rate | bookkeeping CPU share | FLOP-measuring CPU s | Δ {metric} vs baseline (per seed) |",
@@ -100,12 +103,57 @@ def cache_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def study_thresholds(seeds: tuple[int, ...]) -> tuple[list[dict[str, Any]], str]:
+    """The threshold study: backward saved vs accuracy for three plasticity thresholds, at one-cycle and at
+    constant LR, and the LM's final plasticity scores per unit (why nothing freezes there)."""
+    thresholds = [Arm("baseline")] + [
+        Arm(f"threshold={t}", callbacks=lambda seed, t=t: [GradientCache(threshold=t)])
+        for t in (0.3, 0.2, 0.1)
+    ]
+    results = [
+        run_arms(
+            "mnist1d-cnn", thresholds, seeds, CNN["trainer_kwargs"], CNN["workload_kwargs"], flops="none"
+        ),
+        run_arms(
+            "mnist1d-cnn",
+            [Arm("baseline"), Arm("freeze", callbacks=lambda seed: [GradientCache()])],
+            seeds,
+            {"max_epochs": 30},
+            {"model__lr": 0.01, "model__scheduler": "none"},
+            flops="none",
+        ),
+        run_arms(
+            "charlm",
+            [Arm("freeze", callbacks=lambda seed: [GradientCache()])],
+            seeds,
+            LM["trainer_kwargs"],
+            flops="none",
+        ),
+    ]
+    notes = [cache_table(result) for result in results[:2]]
+    lines = ["### charlm: plasticity score of each unit at the last check (stable when <= 0.2)", ""]
+    for run in results[2]["runs"]:
+        scores = ", ".join(
+            f"{name} {'n/a' if score is None else format(score, '.2f')}"
+            for name, score in run["extra"]["gc_last_scores"].items()
+        )
+        lines.append(f"- seed {run['seed']}: {scores}")
+    notes.append("\n".join(lines))
+    return results, "\n\n".join(notes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--workloads", nargs="+", default=["mnist1d-cnn", "charlm"])
     parser.add_argument("--quick", action="store_true", help="a few steps per run, to check the script runs")
+    parser.add_argument("--study", choices=["thresholds"], help="run a side study instead of the main arms")
     args = parser.parse_args()
+    if args.study == "thresholds":
+        results, notes = study_thresholds(tuple(args.seeds))
+        command = "python -m benchmarks.gradient_cache --study thresholds"
+        write_results(results, "gradient_cache_thresholds", command, notes=notes)
+        return
     results = []
     for spec in (CNN, LM):
         if spec["workload"] not in args.workloads:

@@ -535,6 +535,7 @@ class GradientCache(Callback):
             "gc_prefix_changes": len(self.events),
             "gc_activation_hit_rate": self.activations.hit_rate if self.activations else None,
             "gc_activation_mb": self.activations.bytes_used / 2**20 if self.activations else 0.0,
+            "gc_last_scores": {u.name: score for u, score in zip(cache.units, cache.scores)} if cache else {},
             "gc_hook_cpu_s": self.hook_cpu_s,
             "gc_flop_measure_cpu_s": self.flop_measure_cpu_s,
         }
