@@ -265,29 +265,12 @@ class PulseCycle(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
-    def _probe_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
-        if self._probe_data is None:
-            loaders = compat.val_dataloader_of(trainer, pl_module)
-            if isinstance(loaders, (list, tuple)):
-                loaders = loaders[0] if loaders else None
-            batches: list[Any] = []
-            if loaders is not None:
-                for batch in loaders:
-                    batches.append(batch)
-                    if len(batches) >= self.probe_batches:
-                        break
-            self._probe_data = batches
-        return self._probe_data
-
     def _run_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._probe_unavailable:
             return
-        # the probe must not move the training run's random streams (a DataLoader iterator draws a seed)
-        with isolate_rng():
-            self._probe_once(trainer, pl_module)
-
-    def _probe_once(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        batches = self._probe_batches(trainer, pl_module)
+        if self._probe_data is None:
+            self._probe_data = first_validation_batches(trainer, pl_module, self.probe_batches)
+        batches = self._probe_data
         if not batches or not callable(getattr(pl_module, "validation_step", None)):
             rank_zero_warn(
                 "PulseCycle: no validation dataloader or `validation_step`; the maintain probe is off."
@@ -297,6 +280,26 @@ class PulseCycle(Callback):
         self.last_probe = run_validation_probe(trainer, pl_module, batches)
         if self.last_probe:
             self._log(trainer, {f"pulse/probe/{name}": value for name, value in self.last_probe.items()})
+
+
+def first_validation_batches(trainer: pl.Trainer, pl_module: pl.LightningModule, count: int) -> list[Any]:
+    """The first ``count`` batches of the run's (first) validation dataloader; empty if there is none.
+
+    Taken inside ``isolate_rng``: creating a DataLoader iterator draws a seed from the global generator, and
+    an evaluation must not change the training run's shuffling or dropout.
+    """
+    loaders = compat.val_dataloader_of(trainer, pl_module)
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    batches: list[Any] = []
+    if loaders is None:
+        return batches
+    with isolate_rng():
+        for batch in loaders:
+            batches.append(batch)
+            if len(batches) >= count:
+                break
+    return batches
 
 
 def run_validation_probe(

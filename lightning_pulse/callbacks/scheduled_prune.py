@@ -24,7 +24,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of, run_validation_probe
+from lightning_pulse.callbacks.pulse_cycle import (
+    first_validation_batches,
+    phase_of,
+    pulse_cycle_of,
+    run_validation_probe,
+)
 from lightning_pulse.core import pruning
 from lightning_pulse.core.distillation import LogitDistiller
 from lightning_pulse.phase import Phase, PhaseChange
@@ -765,24 +770,12 @@ class ScheduledPrune(Callback):
             )
         pruning.replay_structure(module, state["example_inputs"], state["history"])
 
-    def _probe_batches_for(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
-        if self._probe_data is None:
-            loaders = compat.val_dataloader_of(trainer, pl_module)
-            if isinstance(loaders, (list, tuple)):
-                loaders = loaders[0] if loaders else None
-            batches: list[Any] = []
-            if loaders is not None:
-                for batch in loaders:
-                    batches.append(batch)
-                    if len(batches) >= self.probe_batches:
-                        break
-            self._probe_data = batches
-        return self._probe_data
-
     def _probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
         if self.probe_batches == 0 or self._probe_unavailable:
             return None
-        batches = self._probe_batches_for(trainer, pl_module)
+        if self._probe_data is None:
+            self._probe_data = first_validation_batches(trainer, pl_module, self.probe_batches)
+        batches = self._probe_data
         if not batches or not callable(getattr(pl_module, "validation_step", None)):
             rank_zero_warn(
                 "ScheduledPrune: no validation data or `validation_step`; accuracy at events is off."
