@@ -187,6 +187,7 @@ def run_arms(
     flops: str = "separate",
     threads: int = 1,
     log: Callable[[str], None] = print,
+    rotate_arms: bool = False,
 ) -> dict[str, Any]:
     """Run every arm on every seed and summarise against ``arms[0]``.
 
@@ -199,6 +200,8 @@ def run_arms(
         flops: ``"separate"`` (timed pass + counted pass per run), ``"same"`` (count in the timed pass; its
             times are then not comparable to uncounted runs) or ``"none"``.
         threads: torch intra-op threads.
+        rotate_arms: start seed ``i``'s round at arm ``i % len(arms)``, so no arm always runs first or last
+            (a run's position in the round shifts its CPU time by a few percent on a busy machine).
     """
     if flops not in ("separate", "same", "none"):
         raise ValueError(f"`flops`={flops!r} is not one of ['separate', 'same', 'none'].")
@@ -209,8 +212,9 @@ def run_arms(
     workload_kwargs = dict(workload_kwargs or {})
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for seed in seeds:
-        for arm in arms:
+    for round_index, seed in enumerate(seeds):
+        shift = round_index % len(arms) if rotate_arms else 0
+        for arm in [*arms[shift:], *arms[:shift]]:
             run = run_one(workload, arm, seed, trainer_kwargs, workload_kwargs, count_flops=flops == "same")
             if flops == "separate":
                 counted = run_one(workload, arm, seed, trainer_kwargs, workload_kwargs, count_flops=True)
@@ -237,6 +241,7 @@ def run_arms(
         "workload_kwargs": workload_kwargs,
         "flops_mode": flops,
         "threads": threads,
+        "rotate_arms": rotate_arms,
         "runs": runs,
         "summary": summarise(runs, [arm.name for arm in arms], spec.metric, spec.mode, spec.test_metric),
         "environment": environment(),
