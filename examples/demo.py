@@ -180,6 +180,10 @@ def main() -> None:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2, default=str))
+    table = ["| | plain | pulse | pulse/plain |", "|---|---|---|---|"]
+    table += [f"| {' | '.join(row)} |" for row in rows]
+    command = f"python -m examples.demo --config {args.config} --epochs {epochs} --seed {args.seed}"
+    output.with_suffix(".md").write_text(f"# make demo\n\nCommand: `{command}`\n\n" + "\n".join(table) + "\n")
     print(f"\nfull figures: {output}")
 
 
