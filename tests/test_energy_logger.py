@@ -21,6 +21,7 @@ from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.energy.meter import ESTIMATED, MEASURED, NONE
 from lightning_pulse.energy.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME
 from lightning_pulse.energy.sampler import THREAD_NAME
+from tests.conftest import trainer_kwargs
 from tests.test_energy_meters import FakeGpu, fake_nvml, make_rapl_tree, set_energy  # noqa: F401
 
 BATCH = 20
@@ -31,18 +32,7 @@ def data() -> MNIST1DDataModule:
 
 
 def trainer(callbacks, **kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        limit_train_batches=12,
-        limit_val_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    options = trainer_kwargs(max_epochs=2, limit_train_batches=12, limit_val_batches=2)
     options.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **options)
 

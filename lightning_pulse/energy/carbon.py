@@ -265,22 +265,16 @@ def carbon_intensity_from(
     """
     unit = "gCO2eq/kWh"
     if carbon_intensity is not None:
-        if isinstance(carbon_intensity, bool):
-            raise ValueError(f"`carbon_intensity`={carbon_intensity!r} must be g/kWh or a CSV path.")
-        if isinstance(carbon_intensity, (int, float)):
-            value = float(carbon_intensity)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(
-                    f"`carbon_intensity`={carbon_intensity!r} must be a finite g/kWh >= 0 or a CSV path."
-                )
-            return Rate("constant", unit, constant=value)
-        if isinstance(carbon_intensity, (str, Path)):
-            series = TimeSeries.from_csv(carbon_intensity, field="carbon_intensity")
-            start = _series_start(series_start, "carbon_intensity_start")
-            return Rate(f"series:{series.name}", unit, series=series, series_start=start, notice=notice)
-        raise ValueError(
-            f"`carbon_intensity`={carbon_intensity!r} has type {type(carbon_intensity).__name__}; "
-            "expected g/kWh (a number) or the path of a `timestamp,value` CSV."
+        return _rate_from(
+            carbon_intensity,
+            field="carbon_intensity",
+            start_field="carbon_intensity_start",
+            unit=unit,
+            series_start=series_start,
+            notice=notice,
+            kind="g/kWh",
+            number="a finite g/kWh >= 0",
+            expected="g/kWh (a number)",
         )
     if country_iso_code is not None:
         from lightning_pulse.energy.codecarbon_meter import country_carbon_intensity, validate_country
@@ -304,18 +298,43 @@ def price_from(
     unit = f"{currency}/kWh"
     if price_per_kwh is None:
         return None
-    if isinstance(price_per_kwh, bool):
-        raise ValueError(f"`price_per_kwh`={price_per_kwh!r} must be a price per kWh or a CSV path.")
-    if isinstance(price_per_kwh, (int, float)):
-        value = float(price_per_kwh)
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"`price_per_kwh`={price_per_kwh!r} must be a finite price >= 0 or a CSV path.")
-        return Rate("constant", unit, constant=value)
-    if isinstance(price_per_kwh, (str, Path)):
-        series = TimeSeries.from_csv(price_per_kwh, field="price_per_kwh")
-        start = _series_start(series_start, "price_start")
+    return _rate_from(
+        price_per_kwh,
+        field="price_per_kwh",
+        start_field="price_start",
+        unit=unit,
+        series_start=series_start,
+        notice=notice,
+        kind="a price per kWh",
+        number="a finite price >= 0",
+        expected="a number",
+    )
+
+
+def _rate_from(
+    value: float | str | Path,
+    field: str,
+    start_field: str,
+    unit: str,
+    series_start: str | None,
+    notice: Callable[[str], None] | None,
+    kind: str,
+    number: str,
+    expected: str,
+) -> Rate:
+    """A constant or CSV-series :class:`Rate` from a user value; errors name ``field``."""
+    if isinstance(value, bool):
+        raise ValueError(f"`{field}`={value!r} must be {kind} or a CSV path.")
+    if isinstance(value, (int, float)):
+        constant = float(value)
+        if not math.isfinite(constant) or constant < 0:
+            raise ValueError(f"`{field}`={value!r} must be {number} or a CSV path.")
+        return Rate("constant", unit, constant=constant)
+    if isinstance(value, (str, Path)):
+        series = TimeSeries.from_csv(value, field=field)
+        start = _series_start(series_start, start_field)
         return Rate(f"series:{series.name}", unit, series=series, series_start=start, notice=notice)
     raise ValueError(
-        f"`price_per_kwh`={price_per_kwh!r} has type {type(price_per_kwh).__name__}; "
-        "expected a number or the path of a `timestamp,value` CSV."
+        f"`{field}`={value!r} has type {type(value).__name__}; "
+        f"expected {expected} or the path of a `timestamp,value` CSV."
     )
