@@ -68,6 +68,9 @@ class Residual(nn.Module):
         return x + self.branch(x)
 
 
+SCHEDULERS = ("none", "cosine")
+
+
 class CharTransformerLM(pl.LightningModule):
     """Next-character prediction with a pre-norm transformer.
 
@@ -87,6 +90,9 @@ class CharTransformerLM(pl.LightningModule):
             before the first block and the streams are averaged after the last (``lightning_pulse.nn``).
         n_streams: residual streams for ``"hc"`` / ``"mhc"`` (ignored for ``"plain"``).
         sinkhorn_iters: Sinkhorn-Knopp iterations of ``"mhc"`` (the paper's 20 by default).
+        scheduler: ``"none"`` (constant learning rate) or ``"cosine"`` (linear warm-up over the first 5% of
+            optimizer steps, then cosine decay to 10% of ``lr``), stepped per optimizer step over
+            ``trainer.estimated_stepping_batches``.
     """
 
     def __init__(
@@ -100,8 +106,11 @@ class CharTransformerLM(pl.LightningModule):
         residual: str = "plain",
         n_streams: int = 4,
         sinkhorn_iters: int = 20,
+        scheduler: str = "none",
     ) -> None:
         super().__init__()
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"`scheduler`={scheduler!r} is not one of {list(SCHEDULERS)}.")
         if residual not in RESIDUAL_KINDS:
             raise ValueError(f"`residual`={residual!r} is not one of {list(RESIDUAL_KINDS)}.")
         if isinstance(n_streams, bool) or not isinstance(n_streams, int) or n_streams < 1:
@@ -153,6 +162,20 @@ class CharTransformerLM(pl.LightningModule):
         self.log("test_bpc", loss / math.log(2))
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
         )
+        if self.hparams.scheduler == "none":
+            return optimizer
+        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup_steps = max(1, round(0.05 * total_steps))
+
+        def warmup_then_cosine(step: int) -> float:
+            if step < warmup_steps:
+                return (step + 1) / warmup_steps
+            # past the planned total (a callback changed the epoch length) the floor holds, never a restart
+            progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
