@@ -63,6 +63,9 @@ class GradientCache(Callback):
     units; the DDP strategy must be built with ``find_unused_parameters=True`` because frozen parameters
     drop out of the autograd graph, and must not use ``static_graph``.
 
+    With a :class:`~lightning_pulse.StabilityGuard` in the Trainer the caches, timers and frozen set roll
+    back with the model (``restore_on_rollback``): ``load_state_dict`` called during training applies at once.
+
     Args:
         measure: how a unit's fresh gradient is compared with its cache. ``"plasticity"``: the unit's relative
             parameter movement over the window, divided by the largest it ever had (stable when <=
@@ -122,6 +125,9 @@ class GradientCache(Callback):
             - class_path: lightning_pulse.GradientCache
               init_args: {measure: plasticity, check_every: 20, freeze_for: 200}
     """
+
+    # load_state_dict works mid-run, so StabilityGuard rolls the caches and the frozen set back with the model
+    restore_on_rollback = True
 
     def __init__(
         self,
@@ -198,6 +204,8 @@ class GradientCache(Callback):
         self.ledger = BackwardFlopLedger()
         self.events: list[dict[str, Any]] = []  # every change of the frozen prefix: step, units, reason
         self._pending_state: dict[str, Any] | None = None
+        # set from on_train_start to the end of training: a load_state_dict then applies at once (a rollback)
+        self._fit_refs: tuple[pl.Trainer, pl.LightningModule] | None = None
         self._unit_specs: list[FreezeUnit] | None = None
         self._trace: AbstractContextManager[list[str]] | None = None
         self._trace_order: list[str] | None = None
@@ -230,6 +238,7 @@ class GradientCache(Callback):
         self.ledger = BackwardFlopLedger()
         self.events = []
         self._pending_state = None
+        self._fit_refs = None
         self._unit_specs = None
         self._warned_activations = False
         self.hook_cpu_s = 0.0
@@ -246,22 +255,11 @@ class GradientCache(Callback):
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
         self._setup_activation_cache(trainer, pl_module)
         named = {name: p for name, p in pl_module.named_parameters() if p.requires_grad}
+        self._fit_refs = (trainer, pl_module)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
-            cache_state = state["cache"]
-            if cache_state is not None:
-                units = [
-                    FreezeUnit(name, list(params), used=bool(used))
-                    for name, params, used in zip(
-                        cache_state["units"], cache_state["unit_params"], cache_state["used"]
-                    )
-                ]
-                # restored units were frozen when saved, so bind against every parameter, trainable or not
-                everything = dict(pl_module.named_parameters())
-                for unit in units:
-                    unit.bind(everything)
-                self.cache = ModuleGradientCache(units, self.settings)
-                self.cache.load_state_dict(cache_state)
+            if state["cache"] is not None:
+                self.cache = self._cache_from_state(state["cache"], pl_module)
                 # applied here, after the strategy wrapped the model: DDP must see every parameter trainable
                 self.cache.apply_requires_grad()
                 self._replan()
@@ -273,6 +271,23 @@ class GradientCache(Callback):
         self._unit_specs = discover_units(pl_module, self.min_units, self.unit_names)
         for unit in self._unit_specs:
             unit.bind(named)
+
+    def _cache_from_state(
+        self, cache_state: dict[str, Any], pl_module: pl.LightningModule
+    ) -> ModuleGradientCache:
+        units = [
+            FreezeUnit(name, list(params), used=bool(used))
+            for name, params, used in zip(
+                cache_state["units"], cache_state["unit_params"], cache_state["used"]
+            )
+        ]
+        # restored units may be frozen now or were frozen when saved: bind against every parameter
+        everything = dict(pl_module.named_parameters())
+        for unit in units:
+            unit.bind(everything)
+        cache = ModuleGradientCache(units, self.settings)
+        cache.load_state_dict(cache_state)
+        return cache
 
     def _setup_activation_cache(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.activations, self._tracker = None, None
@@ -444,10 +459,15 @@ class GradientCache(Callback):
     ) -> None:
         """Release everything when a burst starts; freeze the last stable prefix when a light phase starts."""
         self._phase_enabled = change.current in self.phases
-        if self.cache is None or change.reason == "resume":
-            return  # a restored cache already holds the frozen set of the moment it was saved
+        if self.cache is None:
+            return
         before = self.cache.frozen_prefix
-        if self._phase_enabled and self._in_freezing_span(trainer.global_step):
+        enabled = self._phase_enabled and self._in_freezing_span(trainer.global_step)
+        if change.reason == "resume":
+            # a restored cache holds the frozen set of the moment it was saved; after a rollback the clock did
+            # not go back, so a prefix saved in a light phase must not stay frozen in a burst
+            changed = not enabled and self.cache.release_all()
+        elif enabled:
             changed = self.cache.freeze_from_last_check()
         else:
             changed = self.cache.release_all()
@@ -458,6 +478,7 @@ class GradientCache(Callback):
     # ------------------------------------------------------------------ end
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_refs = None
         self._close_contexts()
         if self._tracker is not None:
             type(self._tracker).uninstall(trainer.train_dataloader)
@@ -469,6 +490,7 @@ class GradientCache(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        self._fit_refs = None
         self._close_contexts()
         if self.cache is not None:
             self.cache.restore_requires_grad()
@@ -494,8 +516,50 @@ class GradientCache(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # applied in on_train_start, once the model is wrapped by the strategy (see there)
-        self._pending_state = dict(state_dict)
+        """Restore the state of :meth:`state_dict`.
+
+        Before training starts (a checkpoint restore, which Lightning runs before the strategy wraps the model)
+        the state is applied in ``on_train_start``: DDP must see every parameter trainable when it wraps the
+        model. During training (a :class:`~lightning_pulse.StabilityGuard` rollback) it applies at once: the
+        caches, windows and timers return to the saved ones, the saved frozen set gets ``requires_grad`` off
+        and every other unit on, and the activation cache starts over. The FLOP ledger and the event history
+        keep counting what really ran.
+        """
+        if self._fit_refs is None:
+            self._pending_state = dict(state_dict)
+            return
+        self._load_mid_run(dict(state_dict))
+
+    def _load_mid_run(self, state: dict[str, Any]) -> None:
+        trainer, pl_module = self._fit_refs  # type: ignore[misc]
+        self._close_contexts()
+        before = self.cache.frozen_prefix if self.cache is not None else 0
+        cache_state = state["cache"]
+        if self.cache is not None:
+            self.cache.restore_requires_grad()
+        if cache_state is None:
+            if self.cache is not None:
+                # saved before the first backward: the units are traced into forward order again
+                self._unit_specs, self.cache = self.cache.units, None
+        else:
+            if self.cache is not None and [unit.name for unit in self.cache.units] == list(
+                cache_state["units"]
+            ):
+                self.cache.load_state_dict(cache_state)
+            else:
+                self.cache = self._cache_from_state(cache_state, pl_module)
+            self.cache.apply_requires_grad()
+            self._unit_specs = None
+        if self.activations is not None:
+            # the records were made with parameters the rollback may have changed: record again
+            self.activations.plan([])
+            self._replan()
+        self._step_skipped = 0.0
+        after = self.cache.frozen_prefix if self.cache is not None else 0
+        if after != before:
+            self.events.append(
+                {"step": int(trainer.global_step), "from": before, "to": after, "reason": "restore"}
+            )
 
     # ------------------------------------------------------------------ reporting
     def _record(self, step: int, before: int, reason: str) -> None:

@@ -615,7 +615,8 @@ class ModuleGradientCache:
                 if item is None:
                     restored.append(None)
                 else:
-                    restored.append([t.to(p.device) for t, p in zip(item, unit.params)])
+                    # copies: the windows are summed into in place, and the caller may load the same state again
+                    restored.append([t.detach().to(p.device, copy=True) for t, p in zip(item, unit.params)])
             return restored
 
         self.steps = int(state["steps"])

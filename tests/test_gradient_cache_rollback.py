@@ -1,0 +1,124 @@
+"""GradientCache under StabilityGuard rollbacks: real guarded fits on MNIST-1D with an injected LR fault.
+
+The guard restores callbacks that set ``restore_on_rollback = True`` by calling their ``load_state_dict`` in the
+middle of training; GradientCache must then return its caches, windows, timers and frozen set (with
+``requires_grad``) to the snapshot at once.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from benchmarks.stability_guard import FaultInjector
+from lightning_pulse.callbacks.gradient_cache import GradientCache
+from lightning_pulse.callbacks.stability_guard import StabilityGuard
+from tests.conftest import trainer_kwargs
+
+# every unit counts as stable after one window: freeze at step 5, release at 25 for one window, refreeze at 30
+EAGER = dict(measure="plasticity", threshold=2.0, check_every=5, freeze_for=20)
+
+
+class CacheRecorder(Callback):
+    """At the end of every step (after the guard, which may have rolled back): GradientCache's state, each
+    parameter's ``requires_grad``, and the first conv layer's weights."""
+
+    def __init__(self, cache: GradientCache) -> None:
+        self.cache = cache
+        self.state: dict[int, dict] = {}
+        self.trains: dict[int, dict[str, bool]] = {}
+        self.first_weight: dict[int, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        self.state[step] = copy.deepcopy(self.cache.state_dict()["cache"])
+        self.trains[step] = {name: p.requires_grad for name, p in pl_module.named_parameters()}
+        self.first_weight[step] = pl_module.net[1].weight.detach().clone()
+
+
+def assert_same_cache_state(actual: dict | None, expected: dict | None) -> None:
+    assert (actual is None) == (expected is None)
+    if expected is None:
+        return
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        if key in ("window_sum", "cached_mean", "snapshot"):
+            assert len(actual[key]) == len(value), key
+            for unit, (got, want) in enumerate(zip(actual[key], value)):
+                assert (got is None) == (want is None), (key, unit)
+                for got_tensor, want_tensor in zip(got or [], want or []):
+                    assert torch.equal(got_tensor, want_tensor), (key, unit)
+        else:
+            assert actual[key] == value, key
+
+
+def guarded_fit(mnist1d_small, snapshot_every: int, max_snapshots: int):
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    cache = GradientCache(**EAGER)
+    recorder = CacheRecorder(cache)
+    guard = StabilityGuard(
+        warmup=8,
+        grad_norm_zscore=None,  # freezing changes the gradient norm on purpose: judge the loss only
+        rollback_after=2,
+        skip_after_rollback=2,
+        snapshot_every=snapshot_every,
+        max_snapshots=max_snapshots,
+        rollback_margin=1,
+    )
+    # the learning rate explodes at steps 26-27, while the refresh window (25-29) trains every unit
+    fault = FaultInjector("lr", start=26, length=2, factor=100.0)
+    trainer = pl.Trainer(
+        callbacks=[fault, cache, guard, recorder], max_steps=45, **trainer_kwargs(limit_val_batches=0)
+    )
+    trainer.fit(model, data)
+    rollbacks = [event for event in guard.events if event["event"] == "rollback"]
+    assert len(rollbacks) == 1, guard.events
+    return model, cache, recorder, rollbacks[0]
+
+
+def test_rollback_returns_the_caches_timers_and_frozen_set_to_the_snapshot(mnist1d_small):
+    model, cache, recorder, rollback = guarded_fit(mnist1d_small, snapshot_every=10, max_snapshots=3)
+    assert rollback["to_step"] == 20
+    rolled_back_at = rollback["step"] + 1  # the step counter after the flagged step that triggered it
+    # the rollback happens in the released refresh window: every unit trained right before it ...
+    assert all(recorder.trains[rolled_back_at - 1].values())
+    # ... and is back to the snapshot's state after it: caches, windows, timers, frozen flags, statistics
+    assert_same_cache_state(recorder.state[rolled_back_at], recorder.state[20])
+    assert recorder.state[20]["frozen"] == [True, True, True, False]
+    assert recorder.trains[rolled_back_at] == recorder.trains[20]
+    assert [name for name, trains in recorder.trains[rolled_back_at].items() if not trains] == [
+        "net.1.weight",
+        "net.1.bias",
+        "net.3.weight",
+        "net.3.bias",
+        "net.5.weight",
+        "net.5.bias",
+    ]
+    assert {"step": rolled_back_at, "from": 0, "to": 3, "reason": "restore"} in cache.events
+    # the restored freeze holds: the frozen layer keeps the snapshot's weights until its timer releases it
+    # (validated at cache step 5, so 20 cache steps later: 5 after the rollback, the skipped batches included)
+    for step in range(rolled_back_at, rolled_back_at + 5):
+        assert torch.equal(recorder.first_weight[step], recorder.first_weight[20]), step
+        assert not recorder.trains[step]["net.1.weight"], step
+    assert recorder.trains[rolled_back_at + 5]["net.1.weight"]
+    assert all(p.requires_grad for p in model.parameters())  # and the module leaves fit as it came in
+
+
+def test_rollback_to_a_snapshot_from_before_the_first_backward_traces_the_units_again(mnist1d_small):
+    # the only snapshot is the one taken at train start, when no backward has ordered the units yet
+    model, cache, recorder, rollback = guarded_fit(mnist1d_small, snapshot_every=0, max_snapshots=1)
+    assert rollback["to_step"] == 0
+    rolled_back_at = rollback["step"] + 1
+    assert recorder.state[rolled_back_at] is None
+    assert all(recorder.trains[rolled_back_at].values())
+    # training goes on: the units are traced again at the next backward and freeze after two windows
+    refrozen = [
+        event for event in cache.events if event["step"] > rolled_back_at and event["reason"] == "check"
+    ]
+    assert refrozen and refrozen[0]["to"] == 3
+    assert cache.benchmark_metrics()["gc_units"] == ["net.1", "net.3", "net.5", "net.8"]
+    assert all(p.requires_grad for p in model.parameters())
