@@ -13,6 +13,13 @@ Two views of the same question:
   One-time costs (starting the meters at fit start, writing the report at the end) are reported
   separately: they do not grow with the run.
 
+Whichever callback Lightning calls first after a training step (or after fetching a batch) runs on cold
+CPU caches and pays a few microseconds more than the same code called later, even when it does nothing.
+That cost is there with or without EnergyLogger (another callback pays it), so every arm, the plain one
+included, starts its callback list with a timed no-op (:class:`FirstCallbackProbe`): it absorbs that cost
+and measures it, and EnergyLogger, second, is timed for its own work. One more arm puts EnergyLogger first,
+with no probe, so the figure as it comes out in that position is in the table too.
+
 Meters are whatever this machine has (here: no GPU, no readable RAPL, so codecarbon's CPU and RAM model).
 
 Run: ``python -m benchmarks.energy_overhead``
@@ -25,6 +32,9 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+
+from lightning.pytorch.callbacks import Callback
 
 from benchmarks.harness import Arm, run_arms, write_results
 from lightning_pulse import EnergyLogger
@@ -40,10 +50,60 @@ LOOP_HOOKS = (
     "on_pulse_phase_change",
 )
 ONCE_HOOKS = ("on_fit_start", "on_train_start", "on_train_end", "on_fit_end")
+PROBED_HOOKS = LOOP_HOOKS[:-1]  # the Lightning hooks among them
+
+
+def _timed(owner: object, names: tuple[str, ...], add: Callable[[float], None]) -> None:
+    """Replace each hook ``names`` of ``owner`` by a wrapper adding its thread CPU seconds through ``add``."""
+    for name in names:
+        hook = getattr(owner, name)
+
+        def timed(*args, _hook=hook, **kwargs):
+            start = time.thread_time()
+            try:
+                return _hook(*args, **kwargs)
+            finally:
+                add(time.thread_time() - start)
+
+        setattr(owner, name, timed)
+
+
+class FirstCallbackProbe(Callback):
+    """A timed no-op, first in every arm's callback list: it pays (and measures) what the first callback
+    called after a training step pays anyway, so the callback after it is timed for its own work."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.batches = 0
+        _timed(self, PROBED_HOOKS, self._add)
+
+    def _add(self, seconds: float) -> None:
+        self.seconds += seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pass
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        pass
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        pass
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        pass
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        pass
+
+    def benchmark_metrics(self) -> dict[str, float]:
+        return {"probe_seconds": self.seconds, "probe_batches": self.batches}
 
 
 class TimedEnergyLogger(EnergyLogger):
-    """EnergyLogger that accumulates the wall time of its hooks and of its sampling thread's readings."""
+    """EnergyLogger that accumulates the thread CPU time of its hooks and of its sampling thread's readings."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -52,20 +112,14 @@ class TimedEnergyLogger(EnergyLogger):
         self.thread_seconds = 0.0
         self.thread_readings = 0
         self._lock = threading.Lock()
-        for name in LOOP_HOOKS + ONCE_HOOKS:
-            self._time_hook(name, "loop_seconds" if name in LOOP_HOOKS else "once_seconds")
+        _timed(self, LOOP_HOOKS, self._add_loop)
+        _timed(self, ONCE_HOOKS, self._add_once)
 
-    def _time_hook(self, name: str, bucket: str) -> None:
-        hook = getattr(self, name)
+    def _add_loop(self, seconds: float) -> None:
+        self.loop_seconds += seconds
 
-        def timed(*args, **kwargs):
-            start = time.thread_time()
-            try:
-                return hook(*args, **kwargs)
-            finally:
-                setattr(self, bucket, getattr(self, bucket) + time.thread_time() - start)
-
-        setattr(self, name, timed)
+    def _add_once(self, seconds: float) -> None:
+        self.once_seconds += seconds
 
     def on_fit_start(self, trainer, pl_module) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -95,6 +149,7 @@ class TimedEnergyLogger(EnergyLogger):
             "once_hook_seconds": self.once_seconds,
             "thread_seconds": self.thread_seconds,
             "thread_readings": self.thread_readings,
+            "batches": self.ledger.buckets["total"].batches if self.ledger is not None else 0,
             "energy_kwh": (report.get("total") or {}).get("energy_kwh"),
             "cpu_meter": (report.get("meters") or {}).get("cpu", {}).get("meter"),
         }
@@ -103,8 +158,26 @@ class TimedEnergyLogger(EnergyLogger):
 def overhead_rows(result: dict, arms: list[Arm]) -> list[str]:
     """Add the in-process shares to ``result["summary"]`` and return the Markdown table rows."""
     rows = []
-    for arm in arms[1:]:
+    for arm in arms:
         runs = [run for run in result["runs"] if run["arm"] == arm.name]
+        row = result["summary"][arm.name]
+        probed = [run for run in runs if run["extra"].get("probe_batches")]
+        row["first_callback_us_per_batch"] = (
+            statistics.median(
+                [1e6 * r["extra"]["probe_seconds"] / r["extra"]["probe_batches"] for r in probed]
+            )
+            if probed
+            else None
+        )
+        row["step_cpu_ms"] = statistics.median([1000 * run["train_cpu_s"] / run["steps"] for run in runs])
+        probe = row["first_callback_us_per_batch"]
+        probe_cell = "none (EnergyLogger is first)" if probe is None else f"{probe:.1f}"
+        if "loop_hook_seconds" not in runs[0]["extra"]:
+            rows.append(
+                f"| {result['workload']} | {arm.name} | {row['step_cpu_ms']:.1f} | {probe_cell} | - | - | - | "
+                "- | - | - | - | 1 |"
+            )
+            continue
         hooks = [run["extra"]["loop_hook_seconds"] / run["train_cpu_s"] for run in runs]
         thread = [run["extra"]["thread_seconds"] / run["train_cpu_s"] for run in runs]
         share = [h + t for h, t in zip(hooks, thread)]
@@ -113,21 +186,24 @@ def overhead_rows(result: dict, arms: list[Arm]) -> list[str]:
             for run in runs
             if run["extra"]["thread_readings"]
         ]
-        row = result["summary"][arm.name]
+        batches = [max(run["extra"]["batches"], 1) for run in runs]
         row.update(
+            loop_hook_us_per_batch=statistics.median(
+                [1e6 * run["extra"]["loop_hook_seconds"] / n for run, n in zip(runs, batches)]
+            ),
             loop_hook_share=statistics.median(hooks),
             thread_share=statistics.median(thread),
             overhead_share=statistics.median(share),
             thread_readings=statistics.median([run["extra"]["thread_readings"] for run in runs]),
             ms_per_reading=statistics.median(per_reading) if per_reading else float("nan"),
             once_seconds=statistics.median([run["extra"]["once_hook_seconds"] for run in runs]),
-            step_cpu_ms=statistics.median([1000 * run["train_cpu_s"] / run["steps"] for run in runs]),
             cpu_meter=runs[0]["extra"]["cpu_meter"],
         )
         rows.append(
-            f"| {result['workload']} | {arm.name} | {row['step_cpu_ms']:.1f} | {row['loop_hook_share']:.3%} | "
-            f"{row['thread_share']:.3%} | **{row['overhead_share']:.3%}** | {row['thread_readings']:.0f} | "
-            f"{row['ms_per_reading']:.2f} | {row['once_seconds']:.2f} | {row['cpu_ratio']:.4f} |"
+            f"| {result['workload']} | {arm.name} | {row['step_cpu_ms']:.1f} | {probe_cell} | "
+            f"{row['loop_hook_us_per_batch']:.1f} | {row['loop_hook_share']:.3%} | {row['thread_share']:.3%} | "
+            f"**{row['overhead_share']:.3%}** | {row['thread_readings']:.0f} | {row['ms_per_reading']:.2f} | "
+            f"{row['once_seconds']:.2f} | {row['cpu_ratio']:.4f} |"
         )
     return rows
 
@@ -142,36 +218,48 @@ def main() -> None:
     args = parser.parse_args()
     report_dir = tempfile.mkdtemp(prefix="energy-overhead-")
 
-    def energy_arm(period: float) -> Arm:
-        return Arm(
-            f"energy_logger@{period:g}s",
-            callbacks=lambda seed: [
-                TimedEnergyLogger(sampling_period=period, country_iso_code="DEU", report_dir=report_dir)
-            ],
-        )
+    def energy_arm(period: float, first: bool = False) -> Arm:
+        def callbacks(seed: int) -> list[Callback]:
+            energy = TimedEnergyLogger(sampling_period=period, country_iso_code="DEU", report_dir=report_dir)
+            return [energy] if first else [FirstCallbackProbe(), energy]
 
+        return Arm(f"energy_logger@{period:g}s" + (", first callback" if first else ""), callbacks=callbacks)
+
+    plain = Arm("plain", callbacks=lambda seed: [FirstCallbackProbe()])
     # tiny steps with short epochs (the worst case for per-step and per-epoch costs), at the default
-    # period and ten times more often; then a char transformer LM with longer steps, at the default period
-    plan = [("mnist1d-cnn", args.epochs, [Arm("plain"), energy_arm(1.0), energy_arm(0.1)])]
+    # period, ten times more often, and first in the callback list; then a char transformer LM with longer
+    # steps, at the default period. Arm order rotates per seed, so no arm always runs first.
+    plan = [
+        ("mnist1d-cnn", args.epochs, [plain, energy_arm(1.0), energy_arm(0.1), energy_arm(1.0, first=True)])
+    ]
     if args.charlm_epochs > 0:
-        plan.append(("charlm", args.charlm_epochs, [Arm("plain"), energy_arm(1.0)]))
+        plan.append(("charlm", args.charlm_epochs, [plain, energy_arm(1.0)]))
     results, rows = [], []
     for workload, epochs, arms in plan:
         result = run_arms(
-            workload, arms, seeds=args.seeds, trainer_kwargs={"max_epochs": epochs}, flops="none"
+            workload,
+            arms,
+            seeds=args.seeds,
+            trainer_kwargs={"max_epochs": epochs},
+            flops="none",
+            rotate_arms=True,
         )
         rows += overhead_rows(result, arms)
         results.append(result)
     lines = [
         "EnergyLogger's CPU time as a share of training CPU time (torch on one thread, so training CPU time is",
-        "step time), median over seeds. Loop hooks: its per-batch, per-epoch and validation hooks; sampling",
-        "thread: the meter readings of its background thread. One-time: starting the meters and writing the",
-        "report, CPU s per fit. The end-to-end ratio (the harness's training CPU with / without, paired by",
-        "seed) also contains the one-time report writing at the end of fit, and the noise of a shared machine.",
+        "step time), median over seeds. Loop hooks: its per-batch, per-epoch and validation hooks (also given",
+        "in microseconds per training batch, per-epoch work included); sampling thread: the meter readings of",
+        "its background thread. First callback: the timed no-op that every arm but one calls first (plain",
+        "included); what it costs, a callback called first pays with or without EnergyLogger. In the",
+        "'first callback' arm there is no probe, so EnergyLogger's hooks pay that too. One-time: starting the",
+        "meters and writing the report, CPU s per fit. The end-to-end ratio (the harness's training CPU with /",
+        "without, paired by seed) also contains the one-time report writing at the end of fit, and the noise",
+        "of a shared machine.",
         "",
-        "| workload | arm | step CPU ms | loop hooks | sampling thread | total share | readings | ms per reading | "
-        "one-time s | end-to-end CPU ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | arm | step CPU ms | first callback µs/batch | loop hooks µs/batch | loop hooks | "
+        "sampling thread | total share | readings | ms per reading | one-time s | end-to-end CPU ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         f"Meters on this machine: CPU '{results[0]['summary']['energy_logger@1s']['cpu_meter']}', RAM 'codecarbon', "

@@ -10,7 +10,7 @@ import torch
 
 from lightning_pulse.energy.carbon import Rate, TimeSeries
 from lightning_pulse.energy.constant import ConstantPowerMeter
-from lightning_pulse.energy.counting import count_samples, count_tokens
+from lightning_pulse.energy.counting import count_batch, count_samples, count_tokens
 from lightning_pulse.energy.ledger import (
     BUCKET_FIELDS,
     EnergyLedger,
@@ -197,6 +197,41 @@ def test_batches_tell_samples_and_tokens():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert int(count_tokens({"input_ids": torch.zeros(2, 3), "attention_mask": mask})) == 3
     assert count_tokens({"input_ids": torch.zeros(2, 5, dtype=torch.long)}) == 10
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        (torch.zeros(7, 40), torch.zeros(7, dtype=torch.long)),
+        [torch.zeros(4, 64, dtype=torch.long), torch.zeros(4, 64, dtype=torch.long)],
+        (torch.zeros(2, 3, dtype=torch.uint8),),
+        (torch.zeros(3, 2, dtype=torch.bool),),
+        (torch.zeros(2, 3, dtype=torch.complex64),),
+        (torch.tensor(3.0),),
+        {"input_ids": torch.zeros(2, 5, dtype=torch.long)},
+        [],
+        "no tensor",
+    ],
+)
+def test_the_per_batch_count_follows_the_same_rules(batch):
+    assert count_batch(batch) == (count_samples(batch), count_tokens(batch))
+
+
+def test_counts_added_in_bulk_and_a_snapshot_of_some_buckets():
+    ledger = EnergyLedger()
+    ledger.record(0.0, 1000.0, reading())
+    ledger.mark(0.0, 1000.0, phase="burst", epoch=0, stage="train")
+    ledger.add_counts(
+        ledger.current_keys(), batches=3, samples=24, tokens=0, stall_s=0.5, loop_s=2.0, steps=3
+    )
+    ledger.mark(4.0, 1004.0, epoch=1)
+    ledger.add_counts(ledger.current_keys(), batches=1, samples=8, steps=1)
+    snapshot = ledger.snapshot(5.0, keys=lambda key: key == "total" or key.startswith("epoch/"))
+    assert set(snapshot["buckets"]) == {"total", "epoch/0", "epoch/1"} and "timeline" in snapshot
+    epoch0, total = snapshot["buckets"]["epoch/0"], snapshot["buckets"]["total"]
+    assert (epoch0["batches"], epoch0["samples"], epoch0["steps"], epoch0["seconds"]) == (3, 24, 3, 4.0)
+    assert (total["batches"], total["samples"], total["steps"], total["stall_s"]) == (4, 32, 4, 0.5)
+    assert ledger.snapshot(5.0)["buckets"]["phase/burst"]["samples"] == 32
 
 
 # ---------------------------------------------------------------------- sampler thread

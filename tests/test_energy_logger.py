@@ -12,11 +12,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pynvml
 import pytest
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
-from lightning_pulse import PulseCycle
+from lightning_pulse import PulseCycle, phase_of
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.energy.meter import ESTIMATED, MEASURED, NONE
 from lightning_pulse.energy.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME
@@ -113,6 +114,84 @@ def test_fit_with_pulse_cycle_attributes_energy_to_every_phase(tmp_path, caplog,
     assert len(reader.values) == 24 and reader.values == sorted(reader.values) and reader.values[-1] > 0
     assert leftover_threads() == []
     assert "[codecarbon" not in capfd.readouterr().err
+
+
+class ManualClock:
+    """Monotonic seconds that move only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SlowToFetch(MNIST1DDataModule):
+    """Every training batch takes `fetch` seconds of the injected clock to come out of the DataLoader."""
+
+    def __init__(self, clock: ManualClock, fetch: float) -> None:
+        super().__init__(num_samples=1000, batch_size=BATCH)
+        self.clock, self.fetch = clock, fetch
+
+    def train_dataloader(self) -> DataLoader:
+        loader = super().train_dataloader()
+
+        def slow_collate(items):
+            self.clock.now += self.fetch
+            return loader.collate_fn(items)
+
+        return DataLoader(loader.dataset, batch_size=BATCH, shuffle=True, collate_fn=slow_collate)
+
+
+class StepTakes(Callback):
+    """Each training step takes a phase-dependent time of the injected clock."""
+
+    def __init__(self, clock: ManualClock, seconds: dict[str, float]) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.clock.now += self.seconds[phase_of(trainer).value]
+
+
+def test_data_loader_stall_share_is_measured_per_phase(tmp_path):
+    clock = ManualClock()
+    energy = EnergyLogger(sampling_period=0.05, cpu="constant", cpu_watts=10.0, ram="none")
+    energy.clock = clock
+    step = {"burst": 0.75, "replay": 0.25, "maintain": 0.5}
+    cycle = PulseCycle(burst=3, replay=2, maintain=2, warmup=0.0, anneal=0.0, maintain_eval="none")
+    fit = trainer([energy, cycle, StepTakes(clock, step)], default_root_dir=tmp_path)
+    fit.fit(MNIST1DClassifier(arch="mlp"), SlowToFetch(clock, fetch=0.25))
+
+    phases = energy.report["phases"]
+    # each gap between two batches of one phase holds one fetch: stall / (stall + step)
+    for phase, seconds in step.items():
+        assert phases[phase]["stall_share"] == pytest.approx(0.25 / (0.25 + seconds))
+        assert phases[phase]["stall_s"] > 0
+    assert phases["burst"]["steps"] + phases["replay"]["steps"] + phases["maintain"]["steps"] == 24
+
+
+def test_total_kwh_is_monitorable_and_logged_without_lightning_module_log(tmp_path):
+    energy = EnergyLogger(sampling_period=0.05, cpu="constant", cpu_watts=10.0, ram="none")
+    stop = EarlyStopping(monitor="energy/total_kwh", mode="min", patience=0, check_on_train_epoch_end=True)
+    best = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor="energy/total_kwh", mode="min", save_on_train_epoch_end=True
+    )
+    fit = trainer(
+        [energy, stop, best],
+        max_epochs=5,
+        enable_checkpointing=True,
+        logger=CSVLogger(tmp_path),
+        default_root_dir=tmp_path,
+    )
+    fit.fit(MNIST1DClassifier(arch="mlp"), data())
+
+    assert fit.current_epoch == 2  # the total only grows: epoch 1 is no better than epoch 0, so it stops
+    with open(Path(fit.logger.log_dir) / "metrics.csv") as handle:
+        logged = [float(row["energy/total_kwh"]) for row in csv.DictReader(handle) if row["energy/total_kwh"]]
+    assert len(logged) == 2 and 0 < logged[0] < logged[1]
+    assert float(best.best_model_score) == pytest.approx(logged[0])
+    assert float(fit.callback_metrics["energy/total_kwh"]) == pytest.approx(logged[1])
+    assert "energy/total_kwh" not in fit.logged_metrics  # not through `LightningModule.log`
 
 
 class InjectFailures(Callback):

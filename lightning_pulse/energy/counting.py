@@ -10,6 +10,9 @@
 
 An ``attention_mask`` sum is returned as a tensor so that a GPU batch is not synchronised every step; the
 caller converts it later.
+
+:func:`count_batch` gives both counts by the same rules, reading a list or tuple batch (the common shape)
+in a few attribute look-ups, since it runs on every training batch.
 """
 
 from __future__ import annotations
@@ -29,6 +32,32 @@ def count_samples(batch: Any) -> int:
     if tensor is None:
         return 1
     return int(tensor.shape[0]) if tensor.dim() > 0 else 1
+
+
+def count_batch(batch: Any) -> tuple[int, int | torch.Tensor | None]:
+    """``(count_samples(batch), count_tokens(batch))``, cheaply for a list or tuple led by a tensor."""
+    if type(batch) in _SEQUENCES and batch and type(batch[0]) is torch.Tensor:
+        shape = batch[0].shape
+        if not shape:
+            return 1, None
+        if len(shape) >= 2 and _holds_token_ids(batch[0].dtype):
+            return shape[0], batch[0].numel()
+        return shape[0], None
+    return count_samples(batch), count_tokens(batch)
+
+
+_SEQUENCES = (list, tuple)
+_TOKEN_DTYPES: dict[torch.dtype, bool] = {}
+
+
+def _holds_token_ids(dtype: torch.dtype) -> bool:
+    """Integer dtypes hold token ids (floating point, complex and bool do not)."""
+    known = _TOKEN_DTYPES.get(dtype)
+    if known is None:
+        known = _TOKEN_DTYPES[dtype] = not (
+            dtype.is_floating_point or dtype.is_complex or dtype is torch.bool
+        )
+    return known
 
 
 def count_tokens(batch: Any) -> int | torch.Tensor | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -80,6 +80,8 @@ class Bucket:
 
 
 BUCKET_FIELDS = tuple(item.name for item in fields(Bucket))
+_JOULE_FIELD = {component: f"{component}_j" for component in COMPONENTS}
+_FLAG_FIELD = {component: f"{component}_flags" for component in COMPONENTS}
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ class EnergyLedger:
         self._keys: tuple[str, ...] = ()
         self._keys_of: Label | None = None
         self._bucket_lists: dict[tuple[str, ...], list[Bucket]] = {}
+        self._label_keys: dict[Label, tuple[str, ...]] = {}  # under `lock` (current_keys() is not)
         self._tally = _Tally(())
 
     # ------------------------------------------------------------------ time and labels
@@ -212,8 +215,8 @@ class EnergyLedger:
             if self._label_since is None:
                 return
             elapsed = max(now - self._label_since, 0.0)
-            for key in self.label.keys():
-                self._bucket(key).seconds += elapsed
+            for bucket in self._buckets_of(self.label.keys()):
+                bucket.seconds += elapsed
             self._label_since = now
 
     # ------------------------------------------------------------------ counts from the training thread
@@ -272,6 +275,29 @@ class EnergyLedger:
                     bucket.loop_s += tally.loop_s
                     bucket.steps += tally.steps
             self._tally = _Tally(tally.keys)
+
+    def add_counts(
+        self,
+        keys: Sequence[str],
+        batches: int,
+        samples: int,
+        tokens: int = 0,
+        token_batches: int = 0,
+        stall_s: float = 0.0,
+        loop_s: float = 0.0,
+        steps: int = 0,
+    ) -> None:
+        """Counts of many batches at once, tallied by the caller (``EnergyLogger`` keeps them in plain ints
+        between label changes): ``token_batches`` of the ``batches`` told their tokens."""
+        with self.lock:
+            for bucket in self._buckets_of(keys):
+                bucket.batches += batches
+                bucket.samples += samples
+                bucket.tokens += tokens
+                bucket.token_batches += token_batches
+                bucket.stall_s += stall_s
+                bucket.loop_s += loop_s
+                bucket.steps += steps
 
     def _switch_tally(self, keys: tuple[str, ...]) -> _Tally:
         self.flush_counts()
@@ -344,16 +370,27 @@ class EnergyLedger:
         wall0: float,
         wall1: float,
     ) -> None:
-        joules = {component: delta * share for component, delta in deltas.items()}
-        kwh = sum(joules.values()) / J_PER_KWH
+        # runs for every label piece of every reading (the sampling thread): names and buckets are looked
+        # up once, not per bucket
+        pieces = [
+            (
+                _JOULE_FIELD[component],
+                _FLAG_FIELD[component],
+                delta * share,
+                METHOD_FLAGS[totals[component][1]],
+            )
+            for component, delta in deltas.items()
+        ]
+        kwh = sum(piece[2] for piece in pieces) / J_PER_KWH
         co2 = kwh * self.intensity.mean(wall0, wall1) / 1000.0 if self.intensity is not None and kwh else 0.0
         cost = kwh * self.price.mean(wall0, wall1) if self.price is not None and kwh else 0.0
-        for key in label.keys():
-            bucket = self._bucket(key)
-            for component, value in joules.items():
-                setattr(bucket, f"{component}_j", getattr(bucket, f"{component}_j") + value)
-                flag_name = f"{component}_flags"
-                setattr(bucket, flag_name, getattr(bucket, flag_name) | METHOD_FLAGS[totals[component][1]])
+        keys = self._label_keys.get(label)
+        if keys is None:
+            keys = self._label_keys[label] = label.keys()
+        for bucket in self._buckets_of(keys):
+            for joule_field, flag_field, value, flag in pieces:
+                setattr(bucket, joule_field, getattr(bucket, joule_field) + value)
+                setattr(bucket, flag_field, getattr(bucket, flag_field) | flag)
             bucket.co2_kg += co2
             bucket.cost += cost
 
@@ -388,7 +425,12 @@ class EnergyLedger:
             return total + self.last_power_w * min(max(now - self._last_time, 0.0), horizon)
 
     def snapshot(
-        self, now: float, edges: np.ndarray | None = None, max_bins: int = 400, timeline: bool = True
+        self,
+        now: float,
+        edges: np.ndarray | None = None,
+        max_bins: int = 400,
+        timeline: bool = True,
+        keys: Callable[[str], bool] | None = None,
     ) -> dict[str, Any]:
         """A JSON-able copy: buckets, the timeline as energy per time bin, phase segments.
 
@@ -398,12 +440,16 @@ class EnergyLedger:
                 over this ledger's readings.
             max_bins: the most timeline bins.
             timeline: ``False`` leaves the timeline and phase segments out (figures only, cheaper).
+            keys: only the buckets whose key passes this test (default: all; a run's epoch and cycle
+                buckets grow with its length, and a per-epoch read-out needs three or four of them).
         """
         with self.lock:
             self.flush_counts()
             self.settle_time(now)
             snapshot: dict[str, Any] = {
-                "buckets": {key: bucket.to_dict() for key, bucket in self.buckets.items()}
+                "buckets": {
+                    key: bucket.to_dict() for key, bucket in self.buckets.items() if keys is None or keys(key)
+                }
             }
             if timeline:
                 if edges is None:
