@@ -271,3 +271,46 @@ def test_no_matching_layer_fails_at_fit_start(mnist1d_small):
     )
     with pytest.raises(ValueError, match="no layer"):
         trainer.fit(model, data)
+
+
+class RestoreAt(Callback):
+    """Saves the model and ScheduledPrune's state after step ``save_at``; loads both back after step
+    ``load_at``, during training, as a StabilityGuard rollback does."""
+
+    def __init__(self, prune: ScheduledPrune, save_at: int, load_at: int) -> None:
+        self.prune, self.save_at, self.load_at = prune, save_at, load_at
+        self.saved: tuple[dict, dict] | None = None
+        self.after_load: dict | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.save_at and self.saved is None:
+            model_state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            self.saved = (model_state, self.prune.state_dict())
+        elif trainer.global_step == self.load_at and self.after_load is None:
+            model_state, prune_state = self.saved
+            pl_module.load_state_dict(model_state)
+            self.prune.load_state_dict(prune_state)
+            self.after_load = {"events": len(self.prune.events), "distill_event": self.prune._distill_event}
+
+
+def test_state_loaded_mid_run_redoes_the_undone_event_and_keeps_timing_and_distillation_consistent(
+    mnist1d_small,
+):
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    prune = ScheduledPrune(
+        final_sparsity=0.7, start=10, end=40, every=10, probe_batches=1, timing_steps=5, distill=True
+    )
+    # saved after the event at 20 (masks exist, distilling from event 0's teacher); loaded two steps after
+    # the event at 30, while that event's timing window is open and its teacher distils
+    restore = RestoreAt(prune, save_at=25, load_at=32)
+    trainer = pl.Trainer(max_steps=48, callbacks=[prune, restore], **trainer_kwargs())
+    trainer.fit(model, data)
+
+    # the event at 30 was undone with the model; the schedule redid it at the next step, at step 33's target
+    assert restore.after_load == {"events": 1, "distill_event": 0}
+    assert [event["step"] for event in prune.events] == [20, 33, 40]
+    assert prune.events[1]["target_sparsity"] == pytest.approx(pruning.cubic_sparsity(33, 0.0, 0.7, 10, 40))
+    # the redone event got its own timing window (the undone one's was dropped, not closed into it)
+    assert prune.events[1]["step_time_after"] > 0
+    assert prune.events[-1]["sparsity"] == pytest.approx(0.7, abs=1e-3) and prune.finished

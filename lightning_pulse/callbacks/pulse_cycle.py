@@ -68,6 +68,13 @@ class PulseCycle(Callback):
     Listeners are every callback in ``trainer.callbacks`` with a method
     ``on_pulse_phase_change(trainer, pl_module, change)``, plus functions given to :meth:`add_listener`.
 
+    A :class:`~lightning_pulse.StabilityGuard` rollback does not rewind the clock: phase budgets measure
+    the run's real progress (``trainer.global_step``, which never goes back, and seconds really spent),
+    warm-up and anneal are shares of that step count, and the per-phase step and time totals account for
+    work that was done (and paid for) even if its result was thrown away. Only the maintain probe's metrics,
+    which describe the model, go back to the snapshot (:meth:`rollback_state_dict`). Restored listeners are
+    told the current phase again with reason ``"resume"``.
+
     Args:
         burst: length of the burst phase. An ``int`` counts optimizer steps; a ``float`` counts epochs (so
             ``0.25`` is a quarter of an epoch); a string carries its unit: ``"200steps"``, ``"0.5epoch"``,
@@ -106,6 +113,9 @@ class PulseCycle(Callback):
             - class_path: lightning_pulse.PulseCycle
               init_args: {burst: 15min, replay: 10min, maintain: 5min}
     """
+
+    # a StabilityGuard rollback restores `rollback_state_dict` (the probe), never the clock
+    restore_on_rollback = True
 
     def __init__(
         self,
@@ -221,6 +231,14 @@ class PulseCycle(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.clock.load_state_dict(state_dict["clock"])
         self.last_probe = dict(state_dict.get("last_probe", {}))
+
+    def rollback_state_dict(self) -> dict[str, Any]:
+        """What a :class:`~lightning_pulse.StabilityGuard` rollback returns to: the last probe's metrics
+        (they describe the model, which goes back). The clock keeps running: see the class docstring."""
+        return {"last_probe": dict(self.last_probe)}
+
+    def load_rollback_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_probe = dict(state_dict["last_probe"])
 
     # ------------------------------------------------------------------ internals
     def _announce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange) -> None:

@@ -133,6 +133,13 @@ class ScheduledPrune(Callback):
     module's ``forward`` must return the logits. Cost: one teacher forward per training step of the window
     and one model copy in memory.
 
+    Rollbacks: a :class:`~lightning_pulse.StabilityGuard` rollback restores this callback with the model
+    (``restore_on_rollback``). Its schedule goes back to the snapshot (sparsity reached, events, next event
+    step), so an event the rollback undid is redone at the next maintain entry (or, on the step cadence, at
+    the next step) at the schedule's value for that step; distillation follows the restored state. A
+    snapshot taken before masks were added or channels were cut no longer fits the model and is never
+    restored, so the masks or channels and this callback's record of them always agree.
+
     Resuming: checkpoints carry masks (as ``weight_orig``/``weight_mask``) and, in structured mode, the
     recorded channel removals and a two-sample example input; when Lightning restores a checkpoint into a
     freshly built module, the removals are replayed before the weights load. To load such a checkpoint
@@ -205,6 +212,9 @@ class ScheduledPrune(Callback):
             - class_path: lightning_pulse.ScheduledPrune
               init_args: {final_sparsity: 0.5, mode: structured}
     """
+
+    # a StabilityGuard rollback may call `load_state_dict` during training (see `_load_mid_run`)
+    restore_on_rollback = True
 
     def __init__(
         self,
@@ -336,6 +346,7 @@ class ScheduledPrune(Callback):
         self._distill_steps_left: int | None = None
         self._distill_event = -1
         self._warned_taylor_fallback = False
+        self._training = False  # between on_train_start and the end of fit: a state load is a rollback
 
     # ------------------------------------------------------------------ public API
     @staticmethod
@@ -386,6 +397,7 @@ class ScheduledPrune(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._training = False
         self._end_distillation(trainer)
         if self._fitter_handle is not None:
             self._fitter_handle.remove()
@@ -425,12 +437,8 @@ class ScheduledPrune(Callback):
             self._initial_weights = {name: pruning.effective_weight(m).clone() for name, m in layers.items()}
         if self._pending_teacher is not None:
             saved, self._pending_teacher = self._pending_teacher, None
-            teacher = torch.load(
-                io.BytesIO(saved["module"]), map_location=pl_module.device, weights_only=False
-            )
-            self._start_distillation(trainer, pl_module, teacher, saved["event"], saved["steps_left"])
-            self._distiller.calls = int(saved["calls"])
-            self._distiller._loss_total = torch.tensor(float(saved["loss_total"]), dtype=torch.float64)
+            self._resume_distillation(trainer, pl_module, saved)
+        self._training = True
         where = "maintain-phase starts" if self._uses_maintain else f"every {self.every} steps"
         rank_zero_info(
             f"ScheduledPrune: {self.mode} pruning of {len(layers)} layers to {self.final_sparsity:.0%} "
@@ -498,6 +506,7 @@ class ScheduledPrune(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training = False
         self._end_distillation(trainer)
         if self._after is not None:
             self._close_after_window(trainer)
@@ -557,6 +566,30 @@ class ScheduledPrune(Callback):
         if "initial_weights" in state_dict:
             self._initial_weights = dict(state_dict["initial_weights"])
         self._pending_teacher = state_dict.get("teacher")
+        if self._training:
+            self._load_mid_run()
+
+    def _load_mid_run(self) -> None:
+        """Bring the run state in line with a state loaded during training (a StabilityGuard rollback).
+
+        Before training starts (a checkpoint restore) there is nothing to do: ``on_train_start`` builds the
+        run state from the loaded one. During training the model has just returned to the snapshot too:
+        the timing window of an event the rollback undid is dropped (its event is gone), this batch's time
+        (which holds the rollback) is not recorded, and distillation restarts from the restored state: the
+        teacher of an undone event is dropped, a teacher saved in the snapshot comes back.
+        """
+        if self._after is not None and self._after["event"] >= len(self.events):
+            self._after = None
+        self._event_in_batch = True
+        if self._distiller is not None:
+            self._distiller.detach()
+            self._distiller = None
+            self._distill_steps_left = None
+            self._distill_event = -1
+        saved, self._pending_teacher = self._pending_teacher, None
+        trainer = self._trainer_ref()
+        if saved is not None and trainer is not None and trainer.lightning_module is not None:
+            self._resume_distillation(trainer, trainer.lightning_module, saved)
 
     # ------------------------------------------------------------------ the event
     def _prune_event(
@@ -808,11 +841,11 @@ class ScheduledPrune(Callback):
     def _close_after_window(self, trainer: pl.Trainer) -> None:
         if self._after is None:
             return
-        times = self._after["times"]
-        event = self.events[self._after["event"]]
+        times, index = self._after["times"], self._after["event"]
         self._after = None
-        if not times:
+        if not times or index >= len(self.events):
             return
+        event = self.events[index]
         event["step_time_after"] = statistics.median(times)
         metrics = {"prune/step_time_after": event["step_time_after"]}
         if event["step_time_before"]:
@@ -835,6 +868,15 @@ class ScheduledPrune(Callback):
         self._distiller.attach()
         self._distill_steps_left = steps_left
         self._distill_event = event_index
+
+    def _resume_distillation(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, saved: dict[str, Any]
+    ) -> None:
+        teacher = torch.load(io.BytesIO(saved["module"]), map_location=pl_module.device, weights_only=False)
+        self._start_distillation(trainer, pl_module, teacher, saved["event"], saved["steps_left"])
+        assert self._distiller is not None
+        self._distiller.calls = int(saved["calls"])
+        self._distiller._loss_total = torch.tensor(float(saved["loss_total"]), dtype=torch.float64)
 
     def _end_distillation(self, trainer: pl.Trainer | None) -> None:
         distiller = self._distiller

@@ -215,6 +215,8 @@ class StabilityGuard(Callback):
         # per-step transient state
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
         self._decided: Action | None = None
+        self._step = 0  # trainer.global_step before the current optimizer step (read once per step)
+        self._snapshot_pending = False  # a maintain phase began or the model's structure changed
         self._saved_lrs: tuple[torch.optim.Optimizer, list[Any]] | None = None
         self._backup: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self._backup_optimizer: torch.optim.Optimizer | None = None
@@ -296,6 +298,7 @@ class StabilityGuard(Callback):
         self._energy_step_start = None
         self._losses = []
         self._decided = None
+        self._snapshot_pending = False
         # the state training starts from (or resumes at) is the first good one
         self.snapshots.clear()
         self._take_snapshot(trainer, pl_module)
@@ -312,7 +315,7 @@ class StabilityGuard(Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        # no host synchronisation (and no extra op) here: the values are read once per optimizer step
+        # no host synchronisation here: the values are read once per optimizer step, with the gradient norms
         self._losses.append(loss)
 
     @override
@@ -320,7 +323,7 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         started = time.thread_time()
-        step = trainer.global_step
+        step = self._step = trainer.global_step
         losses, self._losses = self._losses, []
         if self.policy.consume_forced_skip():
             self._skip_update(optimizer)
@@ -384,6 +387,7 @@ class StabilityGuard(Callback):
             if self._snapshot_due(trainer):
                 self._take_snapshot(trainer, pl_module)
         else:
+            self._snapshot_pending = False  # the maintain entry (or new structure) came with a flagged step
             self.steps_skipped += 1
             self.energy_wasted_kwh += step_energy
             if action is Action.ROLLBACK:
@@ -412,15 +416,25 @@ class StabilityGuard(Callback):
     def on_pulse_phase_change(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange
     ) -> None:
-        """Take a snapshot when a maintain phase starts, if the run is healthy and the probe is finite."""
+        """Snapshot when a maintain phase starts, if the run is healthy and the probe is finite.
+
+        The snapshot is taken at the end of the step (in :meth:`on_train_batch_end`), after every listener
+        has handled the phase change: a pruning event at maintain entry then lies inside the snapshot, which
+        therefore still fits the pruned model.
+        """
         if not self.snapshot_at_maintain or change.current is not Phase.MAINTAIN or change.reason == "resume":
             return
-        started = time.thread_time()
         cycle = pulse_cycle_of(trainer)
         probe = cycle.last_probe if cycle is not None else {}
         if self._healthy() and all(math.isfinite(value) for value in probe.values()):
-            self._take_snapshot(trainer, pl_module)
-        self.guard_cpu_seconds += time.thread_time() - started
+            self._snapshot_pending = True
+
+    def on_pulse_parameters_replaced(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
+    ) -> None:
+        """Snapshot at the end of the step: older snapshots no longer fit a model whose channels were cut."""
+        if self._healthy():
+            self._snapshot_pending = True
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -470,9 +484,7 @@ class StabilityGuard(Callback):
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if world_size == 1:
             # Lightning divides each micro-batch loss by accumulate_grad_batches: their sum is the mean.
-            # One host synchronisation per step: the decision has to exist before the update.
-            loss = sum(value.item() for value in losses) if losses else None
-            return loss, (_total_norm(grads).item() if grads else None)
+            return _loss_and_grad_norm(grads, losses)
         device = grads[0].device if grads else pl_module.device
         stats = torch.zeros(3, dtype=torch.float64, device=device)
         with torch.no_grad():
@@ -655,22 +667,29 @@ class StabilityGuard(Callback):
         shown = ", ".join(str(s) for s in steps[-8:])
         return f"last flagged: {shown}" if steps else "none flagged"
 
-    def _rollback_callbacks(self, trainer: pl.Trainer) -> dict[str, Any]:
+    def _rollback_callbacks(self, trainer: pl.Trainer) -> dict[str, _RollbackState]:
         """The callbacks whose state goes back with the model: those that opt in with a true
-        ``restore_on_rollback`` attribute, which promises that their ``load_state_dict`` works mid-run."""
+        ``restore_on_rollback`` attribute, which promises that their ``load_state_dict`` (or
+        ``load_rollback_state_dict``) works mid-run."""
         return {
-            f"{index}:{callback.state_key}": callback
+            f"{index}:{callback.state_key}": _RollbackState(callback)
             for index, callback in enumerate(trainer.callbacks)
             if callback is not self and getattr(callback, "restore_on_rollback", False) is True
         }
 
     def _announce_restored_phase(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Tell each restored callback the current phase, as PulseCycle does after a checkpoint restore.
+
+        A restored callback may hold state of another phase (a frozen set saved in a light phase, a replay
+        buffer being filled): the clock did not go back (see :class:`~lightning_pulse.PulseCycle`), so the
+        phase it is told is the one training continues in, at the clock's step.
+        """
         cycle = pulse_cycle_of(trainer)
         if cycle is None:
             return
-        change = PhaseChange(None, cycle.phase, cycle.cycle, trainer.global_step, "resume")
-        for callback in self._rollback_callbacks(trainer).values():
-            hook = getattr(callback, "on_pulse_phase_change", None)
+        change = PhaseChange(None, cycle.phase, cycle.cycle, cycle.clock.step, "resume")
+        for state in self._rollback_callbacks(trainer).values():
+            hook = getattr(state.callback, "on_pulse_phase_change", None)
             if callable(hook):
                 hook(trainer, pl_module, change)
 
@@ -689,19 +708,28 @@ class StabilityGuard(Callback):
         )
 
     def _snapshot_due(self, trainer: pl.Trainer) -> bool:
-        if self.snapshot_every == 0 or not self._healthy():
+        """Whether to snapshot at the end of an applied step (called after its update)."""
+        if self._snapshot_pending:
+            self._snapshot_pending = False
+            return self._healthy()
+        if self.snapshot_every == 0:
             return False
         last = self.last_snapshot_step if self.last_snapshot_step is not None else 0
-        return trainer.global_step - last >= self.snapshot_every
+        # the step counter read before the update spares reading Lightning's on most steps
+        if self._step + 1 - last < self.snapshot_every:
+            return False
+        return self._healthy() and trainer.global_step - last >= self.snapshot_every
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
         self.snapshots.add(
             take_snapshot(
-                trainer.global_step,
+                step,
                 pl_module,
                 trainer.optimizers,
                 [config.scheduler for config in trainer.lr_scheduler_configs],
                 self._rollback_callbacks(trainer),
+                reuse=self.snapshots.recycle(step),
                 extra={
                     "detector": self.detector.state_dict(),
                     # an applied step whose on_train_batch_end has not run yet belongs to the lineage
@@ -710,7 +738,7 @@ class StabilityGuard(Callback):
                 },
             )
         )
-        self.last_snapshot_step = trainer.global_step
+        self.last_snapshot_step = step
 
     def _unbooked_step_energy(self) -> float:
         """Energy of an applied step whose on_train_batch_end has not run yet (a snapshot taken at a phase
@@ -748,6 +776,53 @@ class StabilityGuard(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class _RollbackState:
+    """What a snapshot keeps of one opted-in callback: ``rollback_state_dict()`` when the callback defines
+    it (the part of its state that belongs to the model, e.g. :class:`~lightning_pulse.PulseCycle`'s probe
+    but not its clock), else its whole ``state_dict()``; restored through the matching loader."""
+
+    def __init__(self, callback: Callback) -> None:
+        self.callback = callback
+
+    def state_dict(self) -> Any:
+        own = getattr(self.callback, "rollback_state_dict", None)
+        return own() if callable(own) else self.callback.state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        own = getattr(self.callback, "load_rollback_state_dict", None)
+        if callable(own):
+            own(state_dict)
+        else:
+            self.callback.load_state_dict(state_dict)
+
+
+def _loss_and_grad_norm(
+    grads: list[torch.Tensor], losses: list[torch.Tensor]
+) -> tuple[float | None, float | None]:
+    """The summed ``losses`` and the 2-norm of all ``grads`` together, read in one host transfer.
+
+    One fused per-tensor norm (the kernel ``clip_grad_norm_`` uses) and one ``stack`` of those norms with
+    the losses (not detached: a ``detach`` per loss costs more than the graph node of the stack), then a
+    single ``tolist``: one device synchronisation per step, which the decision
+    needs before the update anyway. The norms are combined on the host (``math.hypot``: no overflow for
+    norms near the dtype's maximum). Gradients that the fused path cannot take together (several devices,
+    sparse layouts) go through :func:`_total_norm`.
+    """
+    if not grads:
+        return (sum(value.item() for value in losses) if losses else None), None
+    try:
+        norms = _foreach_norm(grads, 2.0) if _foreach_norm is not None else None
+        if norms is not None:
+            values = torch.stack([*norms, *losses]).tolist() if losses else torch.stack(norms).tolist()
+    except RuntimeError:  # e.g. gradients or losses on more than one device
+        norms = None
+    if norms is None:
+        loss = sum(value.item() for value in losses) if losses else None
+        return loss, _total_norm(grads).item()
+    count = len(grads)
+    return (sum(values[count:]) if losses else None), math.hypot(*values[:count])
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

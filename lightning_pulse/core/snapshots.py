@@ -24,22 +24,45 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Any) -> Any: ...
 
 
-def copy_to_cpu(obj: Any) -> Any:
-    """A deep copy of ``obj`` in which every tensor is a detached CPU copy (containers are rebuilt)."""
+# leaves that need no copy: nothing can change them in place
+_IMMUTABLE = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def copy_to_cpu(obj: Any, into: Any = None) -> Any:
+    """A deep copy of ``obj`` in which every tensor is a detached CPU copy (containers are rebuilt).
+
+    Args:
+        obj: nested dicts, lists and tuples of tensors and plain values (a ``state_dict``).
+        into: an earlier copy of an object of the same structure whose tensors may be overwritten: a tensor
+            of the same shape and dtype is refilled with ``copy_`` instead of allocating a new one, so a
+            ring of snapshots recycles its buffers (no fresh pages to fault in, no allocator churn).
+    """
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        source = obj.detach()
+        if (
+            isinstance(into, torch.Tensor)
+            and into.device.type == "cpu"
+            and into.shape == source.shape
+            and into.dtype == source.dtype
+            and into.layout == source.layout == torch.strided
+        ):
+            return into.copy_(source)
+        return source.to("cpu", copy=True)
+    if isinstance(obj, _IMMUTABLE):
+        return obj
     if isinstance(obj, dict):
         copied = type(obj)() if type(obj) in (dict, OrderedDict) else {}
+        previous = into if isinstance(into, dict) else {}
         for key, value in obj.items():
-            copied[key] = copy_to_cpu(value)
+            copied[key] = copy_to_cpu(value, previous.get(key))
         # nn.Module.state_dict() carries per-module versions here, which load_state_dict reads
         if hasattr(obj, "_metadata"):
             copied._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
         return copied
-    if isinstance(obj, list):
-        return [copy_to_cpu(value) for value in obj]
-    if isinstance(obj, tuple):
-        return tuple(copy_to_cpu(value) for value in obj)
+    if isinstance(obj, (list, tuple)):
+        previous = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
+        items = [copy_to_cpu(value, old) for value, old in zip(obj, previous)]
+        return items if isinstance(obj, list) else tuple(items)
     return copy.deepcopy(obj)
 
 
@@ -101,14 +124,24 @@ def take_snapshot(
     schedulers: Sequence[Stateful] = (),
     callbacks: Mapping[str, Stateful] | None = None,
     extra: Mapping[str, Any] | None = None,
+    reuse: TrainingSnapshot | None = None,
 ) -> TrainingSnapshot:
-    """Copy the state of ``model``, ``optimizers``, ``schedulers`` and ``callbacks`` to the CPU."""
+    """Copy the state of ``model``, ``optimizers``, ``schedulers`` and ``callbacks`` to the CPU.
+
+    Args:
+        reuse: a snapshot that is no longer needed (the one a :class:`SnapshotRing` is about to evict, see
+            :meth:`SnapshotRing.recycle`): its tensors are overwritten where shapes and dtypes match, instead
+            of allocating new ones. It must not be used afterwards.
+    """
+    old = reuse if reuse is not None else TrainingSnapshot(-1, {}, [], [])
     return TrainingSnapshot(
         step=int(step),
-        model=copy_to_cpu(model.state_dict()),
-        optimizers=[copy_to_cpu(optimizer.state_dict()) for optimizer in optimizers],
-        schedulers=[copy_to_cpu(scheduler.state_dict()) for scheduler in schedulers],
-        callbacks={key: copy_to_cpu(stateful.state_dict()) for key, stateful in (callbacks or {}).items()},
+        model=copy_to_cpu(model.state_dict(), old.model),
+        optimizers=copy_to_cpu([optimizer.state_dict() for optimizer in optimizers], old.optimizers),
+        schedulers=copy_to_cpu([scheduler.state_dict() for scheduler in schedulers], old.schedulers),
+        callbacks=copy_to_cpu(
+            {key: stateful.state_dict() for key, stateful in (callbacks or {}).items()}, old.callbacks
+        ),
         extra=copy_to_cpu(dict(extra or {})),
     )
 
@@ -180,6 +213,15 @@ class SnapshotRing:
         if self._snapshots and self._snapshots[-1].step == snapshot.step:
             self._snapshots.pop()
         self._snapshots.append(snapshot)
+
+    def recycle(self, step: int) -> TrainingSnapshot | None:
+        """Remove and return the snapshot that adding one of ``step`` would evict (``None`` if none would be),
+        so that its buffers can be refilled (``take_snapshot(..., reuse=...)``)."""
+        if self._snapshots and self._snapshots[-1].step == step:
+            return self._snapshots.pop()
+        if len(self._snapshots) == self.capacity:
+            return self._snapshots.popleft()
+        return None
 
     def newest(self) -> TrainingSnapshot | None:
         return self._snapshots[-1] if self._snapshots else None

@@ -219,6 +219,16 @@ class SpikeDetector:
         tracker = trackers.get(key)
         if tracker is None:
             tracker = trackers[key] = RunningRobustZ(self.window, self.warmup)
+            if key != POOLED:
+                pooled = trackers.get(POOLED)
+                if pooled is None:
+                    # while one key is in use the pooled window holds exactly its values: share the object, so
+                    # a run without phases (or with one baseline) pays for one window per quantity, not two
+                    trackers[POOLED] = tracker
+                elif any(pooled is other for name, other in trackers.items() if name != POOLED):
+                    trackers[POOLED] = _copy_tracker(
+                        pooled
+                    )  # a second key: the pooled window goes its own way
         return tracker
 
     @staticmethod
@@ -259,8 +269,8 @@ class SpikeDetector:
         if loss is not None and scaled_loss is None:
             self.unjudged_losses += 1
         scaled_grad = self._on_scale(grad_norm, "log")
-        loss_tracker = self._tracker(self._loss, key)
-        grad_tracker = self._tracker(self._grad_norm, key)
+        loss_tracker = self._loss.get(key) or self._tracker(self._loss, key)
+        grad_tracker = self._grad_norm.get(key) or self._tracker(self._grad_norm, key)
         loss_spike, loss_z = self._score(loss_tracker, scaled_loss, self.loss_zscore, self.loss_scale)
         grad_spike, grad_z = self._score(grad_tracker, scaled_grad, self.grad_norm_zscore, "log")
         if key != POOLED and not (loss_tracker.ready and grad_tracker.ready):
@@ -306,7 +316,11 @@ class SpikeDetector:
             return
         own.add(value)
         if key != POOLED:
-            self._tracker(trackers, POOLED).add(value)
+            pooled = trackers.get(POOLED)
+            if pooled is None:
+                pooled = self._tracker(trackers, POOLED)
+            if pooled is not own:
+                pooled.add(value)
 
     def accept(self, loss: float | None, grad_norm: float | None, key: str = "default") -> None:
         """Add a healthy step's values to the baseline windows of ``key``."""
@@ -336,7 +350,12 @@ class SpikeDetector:
         for name, trackers in (("loss", self._loss), ("grad_norm", self._grad_norm)):
             trackers.clear()
             for key, tracker_state in state_dict[name].items():
-                self._tracker(trackers, key).load_state_dict(tracker_state)
+                tracker = trackers[key] = RunningRobustZ(self.window, self.warmup)
+                tracker.load_state_dict(tracker_state)
+            own = [tracker for key, tracker in trackers.items() if key != POOLED]
+            pooled = trackers.get(POOLED)
+            if len(own) == 1 and (pooled is None or pooled.values == own[0].values):
+                trackers[POOLED] = own[0]  # one key in use: share its window again (see `_tracker`)
         self.unjudged_losses = int(state_dict.get("unjudged_losses", 0))
 
 
@@ -439,6 +458,13 @@ class EscalationPolicy:
         self.spike_steps = [int(s) for s in state_dict["spike_steps"]]
         self.rollback_steps = [int(s) for s in state_dict["rollback_steps"]]
         self.skip_remaining = int(state_dict["skip_remaining"])
+
+
+def _copy_tracker(tracker: RunningRobustZ) -> RunningRobustZ:
+    copied = RunningRobustZ(tracker.window, tracker.warmup)
+    copied.values = deque(tracker.values)
+    copied._sorted = list(tracker._sorted)
+    return copied
 
 
 def _is_positive_number(value: Any) -> bool:
