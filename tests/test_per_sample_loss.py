@@ -168,6 +168,16 @@ def test_unreduced_caller_result_is_used_as_is():
     assert torch.allclose(capture.per_sample(), (a - b).abs().mean(1))
 
 
+def test_per_sample_losses_read_later_ignore_what_the_caller_did_to_its_result():
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    capture = LossCapture(batch_size=4)
+    with capture:
+        result = F.l1_loss(a, b, reduction="none")
+        result.mul_(0.0)  # e.g. masking in place; the per-sample losses are read after the step
+    assert capture.records[0].maps_onto_batch
+    assert torch.allclose(capture.per_sample(), (a - b).abs().mean(1))
+
+
 def test_a_loss_that_does_not_split_into_the_batch_is_reported_not_guessed():
     capture = LossCapture(batch_size=4)
     with capture:

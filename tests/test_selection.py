@@ -161,6 +161,46 @@ def test_reuse_and_learned_rates_count_replayed_samples():
     assert stats["table_bytes"] == 5 * BYTES_PER_SAMPLE
 
 
+def _state_arrays(table):
+    return [table.scores.tobytes(), table.steps.tolist(), table.replays.tolist(), table.awaiting.tolist()] + [
+        table.learned.tolist(),
+        table.prior,
+    ]
+
+
+@pytest.mark.parametrize("repeat", [False, True], ids=["distinct", "sample-measured-twice"])
+def test_several_steps_applied_at_once_equal_step_by_step_updates(repeat):
+    generator = torch.Generator().manual_seed(0)
+    sizes = [4, 3, 4]
+    indices = torch.tensor(
+        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10] if not repeat else [0, 1, 2, 3, 4, 5, 6, 0, 8, 9, 10]
+    )
+    losses = torch.rand(11, generator=generator) * 4
+    losses[5] = NAN  # a non-finite loss is not written, but its sample still counts as replayed
+    replayed = np.zeros(11, dtype=bool)
+    replayed[[1, 5, 8]] = True
+    steps, thresholds = [3, 4, 5], [1.0, 2.0, NAN]
+
+    def seeded():
+        table = SampleScoreTable(12, half_life=10)
+        table.update(torch.arange(12), torch.linspace(0.5, 3.0, 12), step=0)
+        table.mark_replayed(torch.tensor([0, 2, 4, 8]))  # awaiting: judged learned or not at the next measure
+        return table
+
+    one_by_one, together = seeded(), seeded()
+    start = 0
+    for size, step, threshold in zip(sizes, steps, thresholds):
+        part = slice(start, start + size)
+        one_by_one.update(indices[part], losses[part], step, threshold, may_repeat=False)
+        one_by_one.mark_replayed(indices[part][torch.from_numpy(replayed[part])], may_repeat=False)
+        start += size
+    together.update_steps(indices, losses, sizes, steps, thresholds, replayed=replayed)
+
+    assert one_by_one.learned.any() and one_by_one.replays.max() >= 1
+    assert _state_arrays(together)[:5] == _state_arrays(one_by_one)[:5]
+    assert together.prior == pytest.approx(one_by_one.prior, rel=1e-12)
+
+
 def test_hardest_skips_recently_trained_and_excluded_samples():
     table = SampleScoreTable(6)
     table.update(torch.arange(6), torch.tensor([1.0, 9.0, 8.0, 7.0, 2.0, 3.0]), step=0)

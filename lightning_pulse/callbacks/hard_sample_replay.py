@@ -121,6 +121,9 @@ class HardSampleReplay(Callback):
               init_args: {rule: topk, replay_fraction: 0.5}
     """
 
+    # load_state_dict works mid-run, so StabilityGuard rolls scores and buffer back with the model
+    restore_on_rollback = True
+
     def __init__(
         self,
         rule: str = "topk",
@@ -216,16 +219,25 @@ class HardSampleReplay(Callback):
         self.untracked_reason: str | None = None
         self._loader: Any = None
         self._remove_hook: Any = None
-        self._pending_state: dict[str, Any] | None = None
+        self._saved_state: dict[str, Any] | None = None
         self._capture: LossCapture | None = None
         self._batch: dict[str, Any] | None = None
         self._threshold = (math.nan, -1)  # (value, step it was computed at)
         self._recent_steps = 1
         self._threshold_every = 1
+        self._apply_every = _APPLY_EVERY
+        self._applied_since_threshold = (
+            False  # a NaN threshold (nothing scored yet) is recomputed after an apply
+        )
         self._half_life_steps: float | None = None
         self._totals = _zero_totals()
         self._window = _zero_totals()
-        self._timing = {"scoring_s": 0.0, "selection_s": 0.0, "step_s": 0.0}
+        self._step_totals = _zero_totals()
+        self._timing = {"scoring_s": 0.0, "selection_s": 0.0, "step_s": 0.0, "apply_s": 0.0}
+        self._unapplied: list[_Measured] = []  # measured steps not yet applied to the table
+        self._store_ready = (
+            False  # the table or buffer of the current fit exists: load_state_dict applies at once
+        )
         self._cycle_mark: float | None = (
             None  # CPU clock at the last batch start (step time = start to start)
         )
@@ -291,6 +303,8 @@ class HardSampleReplay(Callback):
         if stage != "fit":
             return
         self._trainer = trainer
+        self._store_ready = False  # until this fit's table or buffer exists
+        self._unapplied = []
         if self._remove_hook is not None:
             self._remove_hook()
         self._remove_hook = compat.on_train_dataloader_ready(trainer, self._on_train_dataloader)
@@ -317,8 +331,9 @@ class HardSampleReplay(Callback):
             self.table = SampleScoreTable(size)
         self.buffer = None
         self.table.half_life = self._resolve_half_life(self._estimate_steps_per_epoch(loader))
-        if self._pending_state is not None:
-            self._load_pending()
+        if self._saved_state is not None:
+            self._load_saved_state()
+        self._store_ready = True
         if self.mode == "epoch":
             self.tracker.select_passes(self._select_epoch, self._epoch_length)
 
@@ -355,6 +370,9 @@ class HardSampleReplay(Callback):
         # a sample just trained on is not replayed again from the pool for a quarter epoch
         self._recent_steps = max(1, int(steps_per_epoch // 4)) if steps_per_epoch else 10
         self._threshold_every = max(1, int(steps_per_epoch // 2)) if steps_per_epoch else 50
+        # metrics reach the loggers when measured steps are applied: often enough for the logging cadence (a
+        # setting, not whether a logger is attached, so attaching one never changes what is selected)
+        self._apply_every = min(_APPLY_EVERY, self.log_every_n_steps or max(trainer.log_every_n_steps, 1))
 
         if self.table is not None:
             self.table.half_life = self._half_life_steps
@@ -368,8 +386,9 @@ class HardSampleReplay(Callback):
             if self.buffer is None:
                 self.buffer = HardSampleBuffer(self.buffer_size, half_life=self._half_life_steps)
             self.buffer.half_life = self._half_life_steps
-            if self._pending_state is not None:
-                self._load_pending()
+            if self._saved_state is not None:
+                self._load_saved_state()
+        self._store_ready = True
         self._window = _zero_totals()
         if self.scorer is None and self._scope is None:
             self._scope = loss_capture_scope()
@@ -388,6 +407,7 @@ class HardSampleReplay(Callback):
         """The indices an epoch trains on: ``replay_fraction`` of the sampler's order, never-scored samples first,
         then the rule's choice among the scored ones; the sampler's (shuffled) order is kept."""
         count = min(self._epoch_length(len(order)), len(order))
+        self._apply_measured()
         trainer = self._trainer
         step = trainer.global_step if trainer is not None else 0
         rank = trainer.global_rank if trainer is not None else 0
@@ -416,6 +436,7 @@ class HardSampleReplay(Callback):
         started = time.process_time()
         self._mark_cycle(started)
         self._close_capture()
+        applied_before = self._timing["apply_s"]
         offered = batch_size_of(batch)
         if offered is None:
             raise RuntimeError(
@@ -465,10 +486,13 @@ class HardSampleReplay(Callback):
             "trained": trained,
             "active": active,
         }
+        selected = time.process_time()
+        # time spent applying earlier steps' scores (a pool draw or a threshold needs them) is scoring
+        self._timing["selection_s"] += selected - started - (self._timing["apply_s"] - applied_before)
         if self.scorer is None:
             self._capture = LossCapture(batch_size=trained, sample_weights=weights)
             self._capture.__enter__()
-        self._timing["selection_s"] += time.process_time() - started
+            self._timing["scoring_s"] += time.process_time() - selected
 
     def _compose(
         self,
@@ -535,6 +559,7 @@ class HardSampleReplay(Callback):
         )
         # the same draw on every rank; each rank replays its own share of it
         generator = torch.Generator().manual_seed(_mix(self.seed, step, -1, 0))
+        self._apply_measured()
         if self.table is not None and self.tracker is not None:
             world = trainer.world_size
             picked = self.table.hardest(
@@ -562,41 +587,52 @@ class HardSampleReplay(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
         # stop before backward: anything after (e.g. a maintain-phase probe) is not this batch's loss
+        started = time.process_time()
         self._close_capture()
         context = self._batch
         if context is not None and self.scorer is None:
-            self._captured_losses(context)  # fail before the first optimizer step, not after it
+            self._check_captured(context)  # fail before the first optimizer step, not after it
+        self._timing["scoring_s"] += time.process_time() - started
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        started = time.process_time()
         self._close_capture()
         context = self._batch
         if context is None:
             return
         self._batch = None
-        started = time.process_time()
+        # the step's per-sample losses are kept as they are (a capture, or the scorer's tensor, possibly on the
+        # accelerator) and applied to the table every `_APPLY_EVERY` steps in one vectorized pass: no host
+        # transfer, no per-step table writes
         losses = self._per_sample_losses(pl_module, batch, outputs, context)
-        indices, roles = context["indices"], context["roles"]
-        pool_slots = context["pool_slots"]
-        local_losses, local_roles = losses, roles
-        offered = context["offered"]
-        if trainer.world_size > 1:
-            indices, losses, roles, offered = _gather(trainer, indices, losses, roles, offered)
         step = context["step"]
         threshold = self._current_threshold(step)
-        hard = (roles == _SELECTED) | (roles == _POOL)
-        indices = indices.numpy() if indices is not None else None
-        if self.table is not None:
-            self.table.update(indices, losses, step, threshold, may_repeat=trainer.world_size > 1)
-            if context["active"] and hard.any():
-                self.table.mark_replayed(indices[hard], may_repeat=trainer.world_size > 1)
-        elif self.buffer is not None:
-            self._update_buffer(batch, local_losses, local_roles, pool_slots, step, threshold, context)
-        self._count(context["active"], offered, losses, roles)
+        entry = _Measured(
+            context["indices"],
+            losses,
+            context["roles"],
+            step,
+            threshold,
+            context["active"],
+            context["offered"],
+        )
+        if self.buffer is not None or trainer.world_size > 1:
+            entry.losses = torch.from_numpy(_host_losses([losses]))
+        if self.buffer is not None:
+            self._update_buffer(batch, entry.losses, entry.roles, context["pool_slots"], step, threshold)
+        if trainer.world_size > 1:
+            # every rank keeps every rank's rows, so the tables and the selection stay identical
+            entry.indices, entry.losses, entry.roles, entry.offered = _gather(
+                trainer, entry.indices, entry.losses, entry.roles, entry.offered
+            )
+            entry.shared = True
+        self._unapplied.append(entry)
+        if len(self._unapplied) >= self._apply_every or self.buffer is not None:
+            self._apply_measured()
         self._timing["scoring_s"] += time.process_time() - started
-        self._log(trainer)
 
     def _mark_cycle(self, now: float | None) -> None:
         # a training step's full CPU cost (data loading, every hook, forward, backward, optimizer) is the time
@@ -612,27 +648,27 @@ class HardSampleReplay(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._mark_cycle(None)
+        self._apply_measured()  # the next epoch selects from every score of this one
 
     def _per_sample_losses(
         self, pl_module: pl.LightningModule, batch: Any, outputs: Any, context: dict
-    ) -> torch.Tensor:
+    ) -> LossCapture | torch.Tensor:
         trained = context["trained"]
         if self.scorer is not None:
             with torch.no_grad():
                 losses = self.scorer(pl_module, batch, outputs, trained)
-            losses = torch.as_tensor(losses).detach().float().flatten().cpu()
+            losses = torch.as_tensor(losses).detach().flatten()
             if losses.numel() != trained:
                 raise RuntimeError(
                     f"HardSampleReplay: the scorer {type(self.scorer).__name__} returned {losses.numel()} losses for a "
                     f"batch of {trained} samples."
                 )
             return losses
-        return self._captured_losses(context)
+        return self._check_captured(context)
 
-    def _captured_losses(self, context: dict) -> torch.Tensor:
+    def _check_captured(self, context: dict) -> LossCapture:
         capture = context.get("capture")
-        per_sample = capture.per_sample() if capture is not None else None
-        if per_sample is None:
+        if capture is None or not capture.maps_onto_batch:
             account = capture.describe() if capture is not None else "training_step was not run"
             raise RuntimeError(
                 f"HardSampleReplay found no per-sample loss in training_step ({account}; batch of "
@@ -642,7 +678,48 @@ class HardSampleReplay(Callback):
                 "lightning_pulse.core.per_sample_loss.OutputKeyScorer (training_step returns per-sample losses) or "
                 "ForwardLossScorer (a second, gradient-free forward pass)."
             )
-        return per_sample.cpu()
+        return capture
+
+    def _apply_measured(self) -> None:
+        """Apply the kept steps' losses to the table (one vectorized update) and to the running totals."""
+        pending = self._unapplied
+        if not pending:
+            return
+        started = time.process_time()
+        self._unapplied = []
+        losses = _host_losses([entry.losses for entry in pending])
+        roles = np.concatenate([entry.roles for entry in pending])
+        sizes = np.fromiter((entry.roles.size for entry in pending), dtype=np.int64, count=len(pending))
+        if self.table is not None:
+            indices = np.concatenate([entry.indices.numpy() for entry in pending])
+            hard = None
+            if any(entry.active for entry in pending):
+                active = np.repeat([entry.active for entry in pending], sizes)
+                hard = active & ((roles == _SELECTED) | (roles == _POOL))
+            if any(entry.shared for entry in pending):  # DDP: repeated padding samples merge step by step
+                for entry, start, size in zip(pending, np.cumsum(sizes) - sizes, sizes):
+                    part = slice(int(start), int(start + size))
+                    self.table.update(
+                        indices[part], losses[part], entry.step, entry.threshold, may_repeat=True
+                    )
+                    if hard is not None and hard[part].any():
+                        self.table.mark_replayed(indices[part][hard[part]], may_repeat=True)
+            else:
+                self.table.update_steps(
+                    indices,
+                    losses,
+                    sizes,
+                    [entry.step for entry in pending],
+                    [entry.threshold for entry in pending],
+                    replayed=hard,
+                )
+        self._count(pending, losses, roles)
+        self._applied_since_threshold = True
+        elapsed = time.process_time() - started
+        self._timing["apply_s"] += elapsed
+        self._timing["scoring_s"] += elapsed
+        if self._trainer is not None:
+            self._log(self._trainer)
 
     def _update_buffer(
         self,
@@ -652,7 +729,6 @@ class HardSampleReplay(Callback):
         pool_slots: torch.Tensor | None,
         step: int,
         threshold: float,
-        context: dict,
     ) -> None:
         assert self.buffer is not None
         is_pool = torch.from_numpy(roles == _POOL)
@@ -670,8 +746,14 @@ class HardSampleReplay(Callback):
         if store is None:
             return math.nan
         # the threshold scans every score, so it is refreshed a few times per epoch, not every step
-        if computed_at >= 0 and step - computed_at < self._threshold_every and not math.isnan(value):
+        if (
+            computed_at >= 0
+            and step - computed_at < self._threshold_every
+            and not (math.isnan(value) and self._applied_since_threshold)
+        ):
             return value
+        self._apply_measured()
+        self._applied_since_threshold = False
         if self.rule == "infobatch":
             value = store.mean_score(step)
         else:
@@ -690,24 +772,23 @@ class HardSampleReplay(Callback):
             self._timing["scoring_s"] += capture.overhead_seconds
 
     # ------------------------------------------------------------------ metrics
-    def _count(self, active: bool, offered: float, losses: torch.Tensor, roles: np.ndarray) -> None:
-        loss_values, role_values = losses.numpy(), roles
-        finite = np.isfinite(loss_values)
-        counts = np.bincount(role_values[finite], minlength=4).tolist()
-        sums = np.bincount(role_values[finite], weights=loss_values[finite], minlength=4).tolist()
-        for totals in (self._totals, self._window):
-            totals["steps"] += 1
-            if active:
-                totals["active_steps"] += 1
-                totals["offered"] += offered
-                totals["trained"] += int(roles.size)
-            for role, name in enumerate(_ROLE_NAMES):
-                totals[f"{name}_count"] += counts[role]
-                totals[f"{name}_loss"] += sums[role]
+    def _count(self, pending: list[_Measured], losses: np.ndarray, roles: np.ndarray) -> None:
+        step = self._step_totals  # what these steps add to both running totals
+        step[_STEPS] = len(pending)
+        step[_ACTIVE_STEPS] = sum(entry.active for entry in pending)
+        step[_OFFERED] = sum(entry.offered for entry in pending if entry.active)
+        step[_TRAINED] = sum(entry.roles.size for entry in pending if entry.active)
+        finite = np.isfinite(losses)
+        if not finite.all():
+            roles, losses = roles[finite], losses[finite]
+        step[_COUNTS] = np.bincount(roles, minlength=len(_ROLE_NAMES))
+        step[_SUMS] = np.bincount(roles, weights=losses, minlength=len(_ROLE_NAMES))
+        self._totals += step
+        self._window += step
 
     def _log(self, trainer: pl.Trainer) -> None:
         every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
-        if not trainer.is_global_zero or not trainer.loggers or self._window["steps"] < every:
+        if not trainer.is_global_zero or not trainer.loggers or self._window[_STEPS] < every:
             return
         figures = _figures(self._window)
         store = self.table if self.table is not None else self.buffer
@@ -729,6 +810,9 @@ class HardSampleReplay(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close_capture()
+        self._batch = None
+        self._apply_measured()
         self._release()
 
     @override
@@ -750,23 +834,36 @@ class HardSampleReplay(Callback):
             self._loader = None
         self.tracker = None
         self._trainer = None
+        self._store_ready = False
+        self._unapplied = []
 
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "table": self.table.state_dict() if self.table is not None else None,
             "buffer": self.buffer.state_dict() if self.buffer is not None else None,
-            "totals": dict(self._totals),
+            "unapplied": _unapplied_state(self._unapplied),
+            "totals": dict(zip(_TOTAL_NAMES, self._totals.tolist())),
             "threshold": list(self._threshold),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # the table is sized from the DataLoader, which exists only at train start
-        self._pending_state = state_dict
+        """Restore scores, buffer, measured-but-unapplied steps, totals and threshold.
 
-    def _load_pending(self) -> None:
-        state, self._pending_state = self._pending_state, None
+        At a checkpoint restore (before the fit's DataLoader exists, which sizes the table) the state is applied
+        when the table is built. During training (a :class:`~lightning_pulse.StabilityGuard` rollback) it applies
+        at once; a step in flight is then dropped, its losses having been measured on the model being replaced.
+        The DataLoader's pass (which batches come next, an epoch's selection) is not rewound.
+        """
+        self._saved_state = state_dict
+        if self._store_ready:
+            self._close_capture()
+            self._batch = None
+            self._load_saved_state()
+
+    def _load_saved_state(self) -> None:
+        state, self._saved_state = self._saved_state, None
         assert state is not None
         if self.table is not None:
             if state.get("table") is None:
@@ -780,12 +877,104 @@ class HardSampleReplay(Callback):
                     "HardSampleReplay: the checkpoint has a score table, not a hard-sample buffer."
                 )
             self.buffer.load_state_dict(state["buffer"])
-        self._totals = {**_zero_totals(), **state.get("totals", {})}
+        self._unapplied = _unapplied_from_state(state.get("unapplied"))
+        saved = state.get("totals", {})
+        self._totals = np.array([float(saved.get(name, 0.0)) for name in _TOTAL_NAMES])
         value, step = state.get("threshold", (math.nan, -1))
         self._threshold = (float(value), int(step))
 
 
 # ---------------------------------------------------------------------- helpers
+#: measured steps kept before they are applied to the table together (also at every epoch end, and before
+#: anything reads the whole table: a threshold refresh, a pool draw, an epoch's selection)
+_APPLY_EVERY = 32
+
+
+class _Measured:
+    """One training step's measurement, kept until it is applied to the table."""
+
+    __slots__ = ("indices", "losses", "roles", "step", "threshold", "active", "offered", "shared")
+
+    def __init__(
+        self,
+        indices: torch.Tensor | None,
+        losses: LossCapture | torch.Tensor | np.ndarray,
+        roles: np.ndarray,
+        step: int,
+        threshold: float,
+        active: bool,
+        offered: float,
+    ) -> None:
+        self.indices = indices
+        self.losses = losses  # a capture (read when applied), or (B,) losses
+        self.roles = roles
+        self.step = step
+        self.threshold = threshold
+        self.active = active
+        self.offered = offered
+        self.shared = False  # rows of every DDP rank (indices may repeat: padding)
+
+
+def _host_losses(parts: Sequence[LossCapture | torch.Tensor | np.ndarray]) -> np.ndarray:
+    """The per-sample losses of several steps as one float32 host array, with one device transfer."""
+    values = [part.per_sample() if isinstance(part, LossCapture) else part for part in parts]
+    on_device = [v for v in values if isinstance(v, torch.Tensor) and not v.is_cpu]
+    if on_device:
+        device = on_device[0].device
+        joined = torch.cat([torch.as_tensor(v).to(device).float().flatten() for v in values])
+        return joined.cpu().numpy()
+    arrays = [
+        v.detach().float().numpy().reshape(-1)
+        if isinstance(v, torch.Tensor)
+        else np.asarray(v, dtype=np.float32).reshape(-1)
+        for v in values
+    ]
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _unapplied_state(unapplied: list[_Measured]) -> dict[str, Any] | None:
+    """The measured steps not yet applied, as tensors and lists (reading them changes nothing)."""
+    if not unapplied:
+        return None
+    indexed = all(entry.indices is not None for entry in unapplied)
+    return {
+        "indices": torch.cat([entry.indices for entry in unapplied]).clone() if indexed else None,
+        "losses": torch.from_numpy(_host_losses([entry.losses for entry in unapplied]).copy()),
+        "roles": torch.from_numpy(np.concatenate([entry.roles for entry in unapplied])),
+        "sizes": [int(entry.roles.size) for entry in unapplied],
+        "steps": [entry.step for entry in unapplied],
+        "thresholds": [entry.threshold for entry in unapplied],
+        "active": [entry.active for entry in unapplied],
+        "offered": [entry.offered for entry in unapplied],
+        "shared": [entry.shared for entry in unapplied],
+    }
+
+
+def _unapplied_from_state(state: dict[str, Any] | None) -> list[_Measured]:
+    if not state:
+        return []
+    entries = []
+    start = 0
+    losses = torch.as_tensor(state["losses"]).float()
+    roles = torch.as_tensor(state["roles"]).long().numpy()
+    indices = state.get("indices")
+    for position, size in enumerate(state["sizes"]):
+        part = slice(start, start + size)
+        entry = _Measured(
+            None if indices is None else torch.as_tensor(indices)[part].long().clone(),
+            losses[part].clone(),
+            roles[part].copy(),
+            int(state["steps"][position]),
+            float(state["thresholds"][position]),
+            bool(state["active"][position]),
+            float(state["offered"][position]),
+        )
+        entry.shared = bool(state["shared"][position])
+        entries.append(entry)
+        start += size
+    return entries
+
+
 def _not_number(value: Any) -> bool:
     return isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
 
@@ -827,15 +1016,28 @@ def _gather(
     )
 
 
-def _zero_totals() -> dict[str, float]:
-    totals = {"steps": 0.0, "active_steps": 0.0, "offered": 0.0, "trained": 0.0}
-    for name in ("selected", "pool", "untouched", "unseen"):
-        totals[f"{name}_count"] = 0.0
-        totals[f"{name}_loss"] = 0.0
-    return totals
+# running totals are one float64 vector: steps, active steps, offered and trained samples, then the count and the
+# loss sum of each role (untouched, selected, pool, unseen)
+_TOTAL_NAMES = (
+    "steps",
+    "active_steps",
+    "offered",
+    "trained",
+    *(f"{name}_count" for name in _ROLE_NAMES),
+    *(f"{name}_loss" for name in _ROLE_NAMES),
+)
+_STEPS, _ACTIVE_STEPS, _OFFERED, _TRAINED = range(4)
+_COUNTS = slice(4, 4 + len(_ROLE_NAMES))
+_SUMS = slice(4 + len(_ROLE_NAMES), 4 + 2 * len(_ROLE_NAMES))
 
 
-def _figures(totals: dict[str, float]) -> dict[str, float]:
+def _zero_totals() -> np.ndarray:
+    return np.zeros(len(_TOTAL_NAMES))
+
+
+def _figures(vector: np.ndarray) -> dict[str, float]:
+    totals = dict(zip(_TOTAL_NAMES, vector.tolist()))
+
     def mean(names: Sequence[str]) -> float:
         count = sum(totals[f"{n}_count"] for n in names)
         return sum(totals[f"{n}_loss"] for n in names) / count if count else math.nan

@@ -33,7 +33,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,22 +68,59 @@ _CLASS_WEIGHTED = ("cross_entropy", "nll_loss")
 _REDUCTIONS = ("mean", "sum", "none", "batchmean")
 
 
-@dataclass(frozen=True)
 class CapturedLoss:
     """One loss call seen by a :class:`LossCapture`.
+
+    The per-sample losses are computed when first read, not inside the loss call: a training step only
+    keeps the unreduced loss (detached) and, for class-index cross-entropy / NLL, the targets, class weights
+    and ``ignore_index`` it needs. A consumer that reads them every few steps does that work in one place.
 
     Attributes:
         name: the ``torch.nn.functional`` name, e.g. ``"cross_entropy"``.
         reduction: the reduction the caller asked for.
         shape: shape of the unreduced loss.
-        per_sample: ``(B,)`` float32 losses, detached, or ``None`` when the unreduced loss could not be
-            mapped onto the batch's ``B`` samples (its leading size is neither ``B`` nor a multiple of it).
+        maps_onto_batch: whether the unreduced loss splits into the batch's ``B`` samples (its leading size is
+            ``B`` or a multiple of it).
+        per_sample: ``(B,)`` float32 losses, detached (on the loss's device), or ``None`` when
+            ``maps_onto_batch`` is false.
     """
 
-    name: str
-    reduction: str
-    shape: tuple[int, ...]
-    per_sample: Tensor | None
+    __slots__ = ("name", "reduction", "shape", "maps_onto_batch", "_source", "_per_sample")
+
+    def __init__(
+        self,
+        name: str,
+        reduction: str,
+        shape: tuple[int, ...],
+        per_sample: Tensor | None = None,
+        source: tuple[dict[str, Any], Tensor, int] | None = None,
+    ) -> None:
+        self.name = name
+        self.reduction = reduction
+        self.shape = shape
+        self._source = source  # (arguments it needs, detached unreduced loss, batch size), until first read
+        self._per_sample = per_sample
+        self.maps_onto_batch = per_sample is not None if source is None else _splits(shape, source[2])
+
+    @property
+    def per_sample(self) -> Tensor | None:
+        if self._source is not None:
+            arguments, unreduced, batch_size = self._source
+            self._source = None
+            if self.maps_onto_batch:
+                self._per_sample = _per_sample_of(self.name, arguments, unreduced, batch_size, self.reduction)
+        return self._per_sample
+
+    def __repr__(self) -> str:
+        return f"CapturedLoss({self.name!r}, reduction={self.reduction!r}, shape={self.shape})"
+
+
+def _splits(shape: tuple[int, ...], batch_size: int) -> bool:
+    """Whether an unreduced loss of ``shape`` splits into ``batch_size`` samples (see :func:`rows_per_sample`)."""
+    if not shape or batch_size < 1:
+        return False
+    leading = shape[0]
+    return leading >= batch_size and leading % batch_size == 0 and math.prod(shape) > 0
 
 
 def _requested_reduction(arguments: dict[str, Any]) -> str:
@@ -351,6 +387,8 @@ class LossCapture:
         self.records: list[CapturedLoss] = []
         self.overhead_seconds = 0.0  # CPU seconds spent on the extra unreduced calls and the bookkeeping
         self._entered = False
+        self._per_sample: Tensor | None = None
+        self._per_sample_count = 0  # how many records `_per_sample` was computed from
 
     def __enter__(self) -> LossCapture:
         if self._entered:
@@ -372,20 +410,30 @@ class LossCapture:
     def active(self) -> bool:
         return self._entered
 
+    @property
+    def maps_onto_batch(self) -> bool:
+        """Whether a captured call splits into the batch's samples (cheap: shapes only, nothing computed)."""
+        return any(record.maps_onto_batch for record in self.records)
+
     def per_sample(self) -> Tensor | None:
         """The ``(B,)`` per-sample loss: the sum over every captured call that maps onto the batch.
 
         Summing matches a module whose loss is a sum of terms (e.g. a task loss plus a distillation loss).
-        ``None`` if no captured call mapped onto ``B`` samples.
+        ``None`` if no captured call mapped onto ``B`` samples. Computed once per capture and kept (a later
+        captured call recomputes it); do not modify the returned tensor.
         """
-        mapped = [record.per_sample for record in self.records if record.per_sample is not None]
-        if not mapped:
-            return None
+        if self._per_sample_count == len(self.records):
+            return self._per_sample
+        mapped = [record.per_sample for record in self.records if record.maps_onto_batch]
+        mapped = [values for values in mapped if values is not None]
+        total = None
         if len(mapped) == 1:
-            return mapped[0]
-        total = mapped[0].clone()
-        for more in mapped[1:]:
-            total += more
+            total = mapped[0]
+        elif mapped:
+            total = mapped[0].clone()
+            for more in mapped[1:]:
+                total += more
+        self._per_sample, self._per_sample_count = total, len(self.records)
         return total
 
     def describe(self) -> str:
@@ -394,7 +442,7 @@ class LossCapture:
             return "no torch.nn.functional / torch.nn loss was called"
         calls = ", ".join(
             f"{r.name}(reduction={r.reduction!r}) -> unreduced shape {r.shape}"
-            + ("" if r.per_sample is not None else " [does not split into the batch's samples]")
+            + ("" if r.maps_onto_batch else " [does not split into the batch's samples]")
             for r in self.records
         )
         return f"captured {calls}"
@@ -408,6 +456,8 @@ class LossCapture:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Tensor:
+        # overhead = everything here but the caller's own loss computation
+        entered = time.process_time()
         try:
             arguments = signature.arguments(args, kwargs)
         except TypeError:  # let torch raise its own error message
@@ -416,31 +466,46 @@ class LossCapture:
 
         if self.sample_weights is not None:
             unreduced = original(**signature.unreduced_call(arguments))
-            started = time.process_time()
-            self._record(name, arguments, unreduced, reduction)
-            self.overhead_seconds += time.process_time() - started
-            if rows_per_sample(unreduced, self.batch_size) is not None:
-                return _reduce_weighted(name, arguments, unreduced, reduction, self.sample_weights)
-            return original(*args, **kwargs)
+            self._record(name, arguments, unreduced.detach(), reduction)
+            if _splits(tuple(unreduced.shape), self.batch_size):
+                result = _reduce_weighted(name, arguments, unreduced, reduction, self.sample_weights)
+            else:
+                result = original(*args, **kwargs)
+            self.overhead_seconds += time.process_time() - entered
+            return result
 
+        called = time.process_time()
         result = original(*args, **kwargs)
-        started = time.process_time()
+        returned = time.process_time()
         if reduction == "none":
-            unreduced = result
+            unreduced = result.detach().clone()  # the caller may change its result in place later
         else:
             with torch.no_grad():
                 unreduced = original(**signature.unreduced_call(arguments))
         self._record(name, arguments, unreduced, reduction)
-        self.overhead_seconds += time.process_time() - started
+        self.overhead_seconds += (called - entered) + (time.process_time() - returned)
         return result
 
     def _record(self, name: str, arguments: dict[str, Any], unreduced: Tensor, reduction: str) -> None:
-        per_sample = _per_sample_on_cpu(name, arguments, unreduced, self.batch_size, reduction)
-        if per_sample is _NOT_ON_CPU:
-            with torch.no_grad():
-                weights = element_weights(name, arguments, unreduced)
-                per_sample = per_sample_from_unreduced(unreduced, self.batch_size, weights, reduction)
-        self.records.append(CapturedLoss(name, reduction, tuple(unreduced.shape), per_sample))
+        # keep only what the per-sample losses need (never the model's outputs, which hold the graph)
+        kept = {}
+        if name in _CLASS_WEIGHTED:
+            kept = {key: arguments.get(key) for key in ("target", "weight", "ignore_index")}
+        self.records.append(
+            CapturedLoss(name, reduction, tuple(unreduced.shape), source=(kept, unreduced, self.batch_size))
+        )
+        self._per_sample_count = -1
+
+
+def _per_sample_of(
+    name: str, arguments: dict[str, Any], unreduced: Tensor, batch_size: int, reduction: str
+) -> Tensor | None:
+    per_sample = _per_sample_on_cpu(name, arguments, unreduced, batch_size, reduction)
+    if per_sample is _NOT_ON_CPU:
+        with torch.no_grad():
+            weights = element_weights(name, arguments, unreduced)
+            per_sample = per_sample_from_unreduced(unreduced, batch_size, weights, reduction)
+    return per_sample  # type: ignore[return-value]
 
 
 _NOT_ON_CPU = object()
@@ -450,33 +515,43 @@ def _per_sample_on_cpu(
     name: str, arguments: dict[str, Any], unreduced: Tensor, batch_size: int, reduction: str
 ) -> Tensor | None | object:
     """:func:`per_sample_from_unreduced` in NumPy for float CPU tensors, where a step's few hundred values
-    cost far less than the same torch calls; ``_NOT_ON_CPU`` when it does not apply (GPU, bf16)."""
-    if unreduced.device.type != "cpu" or unreduced.dtype not in (torch.float32, torch.float64):
+    cost far less than the same torch calls; ``_NOT_ON_CPU`` when it does not apply (GPU, bf16).
+
+    Kept to as few NumPy calls as the case needs: this runs on every training step.
+    """
+    if not unreduced.is_cpu or unreduced.dtype not in (torch.float32, torch.float64):
         return _NOT_ON_CPU
     target = arguments.get("target")
     class_indices = name in _CLASS_WEIGHTED and isinstance(target, Tensor) and not target.is_floating_point()
-    if class_indices and target.device.type != "cpu":
+    if class_indices and not target.is_cpu:
         return _NOT_ON_CPU
-    if unreduced.dim() == 0 or unreduced.numel() == 0:
+    shape = unreduced.shape
+    if not shape or shape[0] < batch_size or shape[0] % batch_size or unreduced.numel() == 0:
         return None
-    leading = unreduced.shape[0]
-    if leading != batch_size and (leading % batch_size != 0 or leading < batch_size):
-        return None
-    rows = unreduced.detach().numpy().reshape(batch_size, -1).astype(np.float32)  # a copy, never a view
+    rows = unreduced.detach().numpy().reshape(batch_size, -1)
+    if rows.shape[1] == 1 and (reduction == "batchmean" or not class_indices):
+        return torch.from_numpy(rows[:, 0].astype(np.float32))  # astype copies: never a view of the loss
     if reduction == "batchmean":
-        return torch.from_numpy(rows.sum(axis=1))
+        return torch.from_numpy(rows.sum(axis=1, dtype=np.float32))
     if not class_indices:
-        return torch.from_numpy(rows.mean(axis=1) if rows.shape[1] > 1 else rows[:, 0])
+        return torch.from_numpy(rows.mean(axis=1, dtype=np.float32))
     targets = target.numpy().reshape(batch_size, -1)
-    valid = targets != arguments.get("ignore_index", -100)
+    ignored = targets == arguments.get("ignore_index", -100)
     weight = arguments.get("weight")
-    if weight is None:
-        counts = valid.sum(axis=1, dtype=np.float32)
-    else:
+    if weight is not None:
         class_weight = weight.detach().cpu().float().numpy()
-        counts = (class_weight[np.where(valid, targets, 0)] * valid).sum(axis=1, dtype=np.float32)
+        counts = class_weight[np.where(ignored, 0, targets)]
+        counts[ignored] = 0.0
+        with np.errstate(invalid="ignore", divide="ignore"):  # 0/0 -> NaN: every token of the sample ignored
+            return torch.from_numpy(rows.sum(axis=1, dtype=np.float32) / counts.sum(axis=1, dtype=np.float32))
+    if rows.shape[1] == 1:  # one target per sample: its own loss, NaN where it is ignored
+        values = rows[:, 0].astype(np.float32)
+        if ignored.any():
+            values[ignored[:, 0]] = math.nan
+        return torch.from_numpy(values)
+    counts = rows.shape[1] - ignored.sum(axis=1, dtype=np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return torch.from_numpy(rows.sum(axis=1) / counts)  # 0/0 -> NaN: every token of the sample ignored
+        return torch.from_numpy(rows.sum(axis=1, dtype=np.float32) / counts)
 
 
 # ---------------------------------------------------------------------- scorers

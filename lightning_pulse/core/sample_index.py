@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
@@ -199,7 +200,9 @@ class SampleIndexTracker:
                 f"SampleIndexTracker: no recorded indices for batch {batch_idx}. The tracker must be installed "
                 "before the DataLoader starts a pass, and asked for every batch in order."
             )
-        self._indices = torch.tensor([int(i) for i in islice(recorder.pending, count)], dtype=torch.long)
+        self._indices = torch.from_numpy(
+            np.fromiter(islice(recorder.pending, count), dtype=np.int64, count=count)
+        )
         self._ordinal = ordinal
         return self._indices
 

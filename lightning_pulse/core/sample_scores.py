@@ -34,12 +34,16 @@ BYTES_PER_SAMPLE = 4 + 4 + 4 + 1 + 1
 
 def _np_indices(indices: Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
     if isinstance(indices, torch.Tensor):
+        if indices.is_cpu and indices.dtype == torch.int64 and not indices.requires_grad:
+            return indices.numpy()
         return indices.detach().cpu().long().numpy()
     return np.asarray(indices, dtype=np.int64)
 
 
 def _np_values(values: Tensor | np.ndarray | Sequence[float]) -> np.ndarray:
     if isinstance(values, torch.Tensor):
+        if values.is_cpu and values.dtype == torch.float32 and not values.requires_grad:
+            return values.numpy()
         return values.detach().cpu().float().numpy()
     return np.asarray(values, dtype=np.float32)
 
@@ -80,7 +84,9 @@ class _ScoreState:
         finite = np.isfinite(losses)
         if not finite.all():
             slots, losses = slots[finite], losses[finite]
-        if slots.size == 0:
+            if slots.size == 0:
+                return
+        elif slots.size == 0:
             return
         awaiting = self.awaiting[slots]
         if awaiting.any():
@@ -92,8 +98,54 @@ class _ScoreState:
         if fold_prior:
             self._fold_prior(losses)
 
+    def _write_steps(
+        self,
+        slots: np.ndarray,
+        losses: np.ndarray,
+        sizes: np.ndarray,
+        steps: np.ndarray,
+        thresholds: np.ndarray,
+        replayed: np.ndarray | None,
+    ) -> None:
+        """Several steps' writes at once, with the result of a ``_write`` then ``_mark_replayed`` per step, in
+        order. Vectorized when no slot appears twice; step by step otherwise."""
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        if np.unique(slots).size != slots.size:
+            for start, size, step, threshold in zip(starts.tolist(), sizes.tolist(), steps, thresholds):
+                part = slice(start, start + size)
+                self._write(slots[part], losses[part], int(step), float(threshold), may_repeat=False)
+                if replayed is not None:
+                    self._mark_replayed(slots[part][replayed[part]], may_repeat=False)
+            return
+        finite = np.isfinite(losses)
+        written, values = (slots, losses) if finite.all() else (slots[finite], losses[finite])
+        if written.size:
+            awaiting = self.awaiting[written]
+            if awaiting.any():
+                # each slot appears once, so its flag was set before these steps: judge it at its own step
+                entry_thresholds = np.repeat(thresholds, sizes)
+                if not finite.all():
+                    entry_thresholds = entry_thresholds[finite]
+                self.learned[written[awaiting & (values < entry_thresholds)]] = True
+                self.awaiting[written] = False
+            entry_steps = np.repeat(steps.astype(np.int32), sizes)
+            self.scores[written] = values
+            self.steps[written] = entry_steps if finite.all() else entry_steps[finite]
+        # the running mean folds in each step's mean of finite losses, in order
+        sums = np.add.reduceat(np.where(finite, losses, 0.0).astype(np.float64), starts)
+        counts = np.add.reduceat(finite.astype(np.int64), starts)
+        for total, count in zip(sums.tolist(), counts.tolist()):
+            if count:
+                self._fold_mean(total / count)
+        if replayed is not None and replayed.any():
+            marked = slots[replayed]
+            self.replays[marked] += 1
+            self.awaiting[marked] = True
+
     def _fold_prior(self, losses: np.ndarray) -> None:
-        batch_mean = float(losses.mean())
+        self._fold_mean(float(np.add.reduce(losses, dtype=np.float64)) / losses.size)
+
+    def _fold_mean(self, batch_mean: float) -> None:
         if math.isnan(self.prior):
             self.prior = batch_mean
         else:
@@ -256,6 +308,36 @@ class SampleScoreTable(_ScoreState):
         ``may_repeat=False`` to skip that check when indices are known to be distinct.
         """
         self._write(_np_indices(indices), _np_values(losses), step, threshold, may_repeat=may_repeat)
+
+    def update_steps(
+        self,
+        indices: Tensor | np.ndarray,
+        losses: Tensor | np.ndarray,
+        sizes: Sequence[int] | np.ndarray,
+        steps: Sequence[int] | np.ndarray,
+        thresholds: Sequence[float] | np.ndarray | None = None,
+        replayed: np.ndarray | None = None,
+    ) -> None:
+        """Record the measurements of several steps at once, as :meth:`update` then :meth:`mark_replayed` for
+        each step in order would (``may_repeat=False``: indices within one step are distinct).
+
+        Args:
+            indices: ``(n,)`` dataset indices, the steps' batches one after another.
+            losses: ``(n,)`` measured losses.
+            sizes: ``(S,)`` how many of the ``n`` entries each step has.
+            steps: ``(S,)`` the optimizer step of each.
+            thresholds: ``(S,)`` the hardness threshold at each step (``None``: no learned-rate judgement).
+            replayed: ``(n,)`` bool, the entries trained on because they were selected as hard.
+        """
+        sizes = np.asarray(sizes, dtype=np.int64)
+        steps = np.asarray(steps, dtype=np.int64)
+        thresholds = np.full(sizes.size, np.nan) if thresholds is None else np.asarray(thresholds, np.float64)
+        if sizes.size == 0 or int(sizes.sum()) == 0:
+            return
+        if (sizes <= 0).any():
+            keep = sizes > 0
+            sizes, steps, thresholds = sizes[keep], steps[keep], thresholds[keep]
+        self._write_steps(_np_indices(indices), _np_values(losses), sizes, steps, thresholds, replayed)
 
     def mark_replayed(self, indices: Tensor, may_repeat: bool = True) -> None:
         """Note that these samples were trained on because they were selected as hard (``may_repeat=False``
