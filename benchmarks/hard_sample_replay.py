@@ -14,6 +14,9 @@ Arms, each on every seed, interleaved, in one invocation:
 * ``pulse``: PulseCycle (burst / replay in steps, 10% warm-up and anneal) with batch-mode selection (0.5) in
   its replay phases only: the pulse-training cadence, which spends full compute in bursts.
 * ``topk-epoch-0.5-2x`` (language model): half of each epoch for twice the epochs, i.e. the baseline's compute.
+* ``score-only``: the callback scoring every step but never selecting (``phases=("burst",)`` with no
+  PulseCycle): full batches, so its whole-run CPU against the baseline's is the scoring cost measured from
+  outside the callback, next to the callback's own in-code CPU share.
 
 The figures that answer the issue: ``FLOPs to baseline metric`` and ``CPU to baseline metric`` (compute a run
 needed to first reach the baseline's final validation metric, as a share of the baseline's whole run,
@@ -48,6 +51,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "trainer_kwargs": {"max_epochs": 15},
         "workload_kwargs": {"data__num_samples": 10000, "model__scheduler": "onecycle"},
         "arms": (
+            "score-only",
             "topk-batch-0.5",
             "random-batch-0.5",
             "topk-epoch-0.7",
@@ -71,6 +75,21 @@ SETTINGS: dict[str, dict[str, Any]] = {
         ),
         "pulse": {"burst": 40, "replay": 80, "maintain": 0},
     },
+    # the same language model with a warm-up + cosine schedule over 8 epochs (the constant-rate baseline above
+    # is still far from converged at its end), and the variants that fare better than top-k on LMs:
+    # learnability scores (loss above the sample's own best), InfoBatch with its annealing
+    "charlm-cosine": {
+        "workload": "charlm",
+        "trainer_kwargs": {"max_epochs": 8},
+        "workload_kwargs": {"data__max_chars": 200_000, "model__scheduler": "cosine"},
+        "arms": (
+            "random-batch-0.5",
+            "topk-batch-0.5",
+            "topk-batch-0.5-learn",
+            "infobatch-batch-0.7-anneal",
+        ),
+        "pulse": {"burst": 40, "replay": 80, "maintain": 0},
+    },
 }
 
 
@@ -84,13 +103,24 @@ def _arm(name: str, epochs: int, cadence: dict[str, int]) -> Arm:
             ]
 
         return Arm(name, callbacks=pulse)
-    rule, mode, fraction, *factor = name.split("-")
+    if name == "score-only":
+        return Arm(name, callbacks=lambda seed: [HardSampleReplay(phases=("burst",), seed=seed)])
+    rule, mode, fraction, *options = name.split("-")
     kwargs: dict[str, Any] = {"rule": rule, "mode": mode}
     if rule == "infobatch":
         kwargs["prune_ratio"] = float(fraction)
     else:
         kwargs["replay_fraction"] = float(fraction)
-    trainer_kwargs = {"max_epochs": epochs * int(factor[0].rstrip("x"))} if factor else {}
+    trainer_kwargs = {}
+    for option in options:
+        if option.endswith("x"):
+            trainer_kwargs["max_epochs"] = epochs * int(option.rstrip("x"))
+        elif option == "learn":
+            kwargs["score"] = "learnability"
+        elif option == "anneal":
+            kwargs["anneal"] = 0.125  # InfoBatch's: the last 12.5% of the run on whole batches
+        else:
+            raise ValueError(f"Unknown arm option {option!r} in {name!r}.")
     return Arm(
         name,
         callbacks=lambda seed: [HardSampleReplay(seed=seed, **kwargs)],
@@ -186,6 +216,7 @@ def add_replay_figures(result: dict[str, Any]) -> None:
         "hsr_scoring_share",
         "hsr_selection_share",
         "hsr_replay_fraction",
+        "hsr_active_share",
         "hsr_loss_replayed",
         "hsr_loss_fresh",
         "hsr_came_back_rate",
@@ -246,21 +277,25 @@ def main() -> None:
     notes = []
     for workload in args.workloads:
         settings = SETTINGS[workload]
-        flops = per_sample_flops(workload, settings["workload_kwargs"])
+        name = settings.get("workload", workload)
+        flops = per_sample_flops(name, settings["workload_kwargs"])
         result = run_arms(
-            workload,
+            name,
             arms_for(workload),
             seeds=args.seeds,
             trainer_kwargs=settings["trainer_kwargs"],
             workload_kwargs=settings["workload_kwargs"],
             flops="none",
+            rotate_arms=True,
         )
+        result["workload"] = workload  # the settings' name: "charlm-cosine" is the charlm workload, cosine LR
         fill_flops(result, flops)
         add_replay_figures(result)
         results.append(result)
         notes.append(replay_table(result))
     command = "python -m benchmarks.hard_sample_replay " + " ".join(
         ["--workloads", *args.workloads, "--seeds", *map(str, args.seeds)]
+        + (["--name", args.name] if args.name != "hard_sample_replay" else [])
     )
     write_results(results, args.name, command=command, notes="\n\n".join(notes))
 

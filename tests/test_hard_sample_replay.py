@@ -199,6 +199,17 @@ def test_gradient_accumulation_and_bf16_autocast():
     assert math.isfinite(replay.metrics()["loss_replayed"])
 
 
+def test_anneal_trains_the_last_steps_on_whole_batches():
+    model = SizeProbe()
+    replay = HardSampleReplay(replay_fraction=0.5, anneal=0.25, score="learnability")
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=4, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(model, _data())
+    # epoch 1 is unseen (whole batches), epochs 2-3 are selected, the last quarter of the steps is whole again
+    assert model.sizes[BATCHES_PER_EPOCH : 3 * BATCHES_PER_EPOCH] == ([32] * 11 + [8]) * 2
+    assert model.sizes[3 * BATCHES_PER_EPOCH :] == [64] * 11 + [16]
+    assert replay.table.score == "learnability" and replay.table.minima.max() < math.inf
+
+
 def test_infobatch_prunes_below_mean_samples_and_keeps_the_step_count():
     model = SizeProbe(scheduler="onecycle")
     replay = HardSampleReplay(rule="infobatch", prune_ratio=0.5)
@@ -336,6 +347,10 @@ def test_replay_metrics_reach_the_loggers():
         ({"mode": "epoch", "rule": "infobatch"}, "mode"),
         ({"mode": "epoch", "pool_fraction": 0.3}, "pool_fraction"),
         ({"mode": "epoch", "tracking": "buffer"}, "tracking"),
+        ({"score": "margin"}, "score"),
+        ({"score": "learnability", "tracking": "buffer"}, "score"),
+        ({"anneal": 1.0}, "anneal"),
+        ({"mode": "epoch", "anneal": 0.2}, "anneal"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs, field):

@@ -201,6 +201,23 @@ def test_several_steps_applied_at_once_equal_step_by_step_updates(repeat):
     assert together.prior == pytest.approx(one_by_one.prior, rel=1e-12)
 
 
+def test_learnability_scores_are_each_loss_above_the_samples_own_best():
+    table = SampleScoreTable(3, score="learnability")
+    table.update(torch.arange(3), torch.tensor([2.0, 5.0, 1.0]), step=0)
+    assert table.scores.tolist() == [0.0, 0.0, 0.0]  # first measure: the sample's best so far
+    table.update(torch.arange(3), torch.tensor([1.0, 5.5, 3.0]), step=1)
+    # 0 improved (nothing left to reduce), 1 stays hard (irreducible-looking), 2 was learned and forgotten
+    assert table.scores.tolist() == pytest.approx([0.0, 0.5, 2.0])
+    assert table.hardest(1, step=2).tolist() == [2]
+    restored = SampleScoreTable(3, score="learnability")
+    restored.load_state_dict(table.state_dict())
+    assert restored.minima.tolist() == [1.0, 5.0, 1.0]
+    with pytest.raises(ValueError, match="learnability"):
+        SampleScoreTable(3).load_state_dict(table.state_dict())
+    with pytest.raises(ValueError, match="score"):
+        SampleScoreTable(3, score="margin")
+
+
 def test_hardest_skips_recently_trained_and_excluded_samples():
     table = SampleScoreTable(6)
     table.update(torch.arange(6), torch.tensor([1.0, 9.0, 8.0, 7.0, 2.0, 3.0]), step=0)

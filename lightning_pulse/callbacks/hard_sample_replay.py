@@ -19,7 +19,7 @@ from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.core.per_sample_loss import LossCapture, PerSampleScorer, loss_capture_scope
 from lightning_pulse.core.sample_index import SampleIndexTracker
-from lightning_pulse.core.sample_scores import HardSampleBuffer, SampleScoreTable
+from lightning_pulse.core.sample_scores import SCORES, HardSampleBuffer, SampleScoreTable
 from lightning_pulse.core.selection import (
     RULES,
     Selection,
@@ -94,6 +94,11 @@ class HardSampleReplay(Callback):
             indices, rules ``"topk"``, ``"proportional"`` or ``"random"``).
         scorer: a :class:`~lightning_pulse.core.per_sample_loss.PerSampleScorer` for modules whose loss the
             capture cannot see; ``None`` captures the module's own ``torch.nn.functional`` / ``torch.nn`` loss.
+        score: what a sample's stored score is: ``"loss"`` (its last measured loss) or ``"learnability"`` (its
+            last loss minus the lowest loss it has had so far: RHO-LOSS's reducible loss, with the sample's own
+            best standing in for the irreducible-loss model, so no second model; needs dataset indices).
+        anneal: share of the run's optimizer steps, at its end, trained on untouched batches (InfoBatch's
+            annealing, 0.125 in the paper); ``mode="batch"`` only, and the run's length must be known.
         seed: seed of the selection's random draws (identical on every rank).
         log_every_n_steps: how often metrics go to the loggers; ``None`` follows the Trainer's setting.
 
@@ -137,6 +142,8 @@ class HardSampleReplay(Callback):
         buffer_size: int = 4096,
         mode: str = "batch",
         scorer: PerSampleScorer | None = None,
+        score: str = "loss",
+        anneal: float = 0.0,
         seed: int = 0,
         log_every_n_steps: int | None = None,
     ) -> None:
@@ -194,6 +201,18 @@ class HardSampleReplay(Callback):
                 "`scorer` cannot be combined with rule='infobatch': its 1/(1-r) rescale is applied through the "
                 "captured loss, which a custom scorer replaces."
             )
+        if score not in SCORES:
+            raise ValueError(f"`score`={score!r} is not one of {list(SCORES)}.")
+        if score != "loss" and tracking == "buffer":
+            raise ValueError(
+                f"`score`={score!r} needs dataset indices; it cannot be combined with tracking='buffer'."
+            )
+        if _not_number(anneal) or not 0.0 <= anneal < 1.0:
+            raise ValueError(f"`anneal`={anneal!r} must be a number in [0, 1).")
+        if anneal and mode == "epoch":
+            raise ValueError(
+                f"`anneal`={anneal!r} must be 0 with mode='epoch', whose epoch length is fixed when training starts."
+            )
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool)
             or not isinstance(log_every_n_steps, int)
@@ -210,6 +229,8 @@ class HardSampleReplay(Callback):
         self.buffer_size = buffer_size
         self.mode = mode
         self.scorer = scorer
+        self.score = score
+        self.anneal = float(anneal)
         self.seed = int(seed)
         self.log_every_n_steps = log_every_n_steps
 
@@ -226,6 +247,7 @@ class HardSampleReplay(Callback):
         self._recent_steps = 1
         self._threshold_every = 1
         self._apply_every = _APPLY_EVERY
+        self._select_until: float = math.inf  # the step from which `anneal` trains untouched
         self._applied_since_threshold = (
             False  # a NaN threshold (nothing scored yet) is recomputed after an apply
         )
@@ -272,7 +294,10 @@ class HardSampleReplay(Callback):
         return None if self._batch is None else [_ROLE_NAMES[role] for role in self._batch["roles"]]
 
     def metrics(self) -> dict[str, float]:
-        """Totals since fit start: replay fraction, pool share, losses by origin, table/buffer size, reuse."""
+        """Totals since fit start: replay fraction, pool share, losses by origin, table/buffer size, reuse.
+
+        Measured steps reach the table and these totals in bulk (every 32 steps at most, at every epoch end and
+        at the end of training), so during an epoch they may not count the most recent steps yet."""
         totals = self._totals
         figures = _figures(totals)
         store = self.table if self.table is not None else self.buffer
@@ -318,8 +343,12 @@ class HardSampleReplay(Callback):
         reason = reason or SampleIndexTracker.unsupported_reason(loader)
         self.untracked_reason = reason
         if reason is not None:
-            if self.tracking == "index" or self.mode == "epoch":
-                field = "tracking='index'" if self.tracking == "index" else "mode='epoch'"
+            if self.tracking == "index" or self.mode == "epoch" or self.score != "loss":
+                field = (
+                    "tracking='index'"
+                    if self.tracking == "index"
+                    else ("mode='epoch'" if self.mode == "epoch" else f"score={self.score!r}")
+                )
                 raise ValueError(
                     f"HardSampleReplay: {field} needs dataset indices, but {reason}. Use mode='batch' with "
                     "tracking='auto' or 'buffer'."
@@ -327,8 +356,8 @@ class HardSampleReplay(Callback):
             return
         self.tracker = SampleIndexTracker.install(loader)
         size = self.tracker.dataset_size
-        if self.table is None or self.table.num_samples != size:
-            self.table = SampleScoreTable(size)
+        if self.table is None or self.table.num_samples != size or self.table.score != self.score:
+            self.table = SampleScoreTable(size, score=self.score)
         self.buffer = None
         self.table.half_life = self._resolve_half_life(self._estimate_steps_per_epoch(loader))
         if self._saved_state is not None:
@@ -366,6 +395,15 @@ class HardSampleReplay(Callback):
                 "follow a PulseCycle's step-based phases; use mode='batch' with a PulseCycle."
             )
         steps_per_epoch = _steps_per_epoch(trainer)
+        self._select_until = math.inf
+        if self.anneal:
+            total = trainer.estimated_stepping_batches
+            if not math.isfinite(total):
+                raise ValueError(
+                    f"HardSampleReplay: `anneal`={self.anneal} needs a run of known length (max_epochs or max_steps "
+                    "with a finite DataLoader)."
+                )
+            self._select_until = round(total * (1.0 - self.anneal))
         self._half_life_steps = self._resolve_half_life(steps_per_epoch)
         # a sample just trained on is not replayed again from the pool for a quarter epoch
         self._recent_steps = max(1, int(steps_per_epoch // 4)) if steps_per_epoch else 10
@@ -453,7 +491,7 @@ class HardSampleReplay(Callback):
                     "indices were recorded for it; the batch size must be the DataLoader's (no collate_fn that "
                     "adds or drops samples)."
                 )
-        active = phase_of(trainer, default=Phase.REPLAY).value in self.phases
+        active = phase_of(trainer, default=Phase.REPLAY).value in self.phases and step < self._select_until
         roles = np.full(offered, _UNTOUCHED, dtype=np.int64)
         weights = None
         pool_slots = None

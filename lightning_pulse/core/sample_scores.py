@@ -13,7 +13,8 @@ again, and a once-hard sample does not stay "hard" forever on an old measurement
 Memory bounds (documented in ``docs/hard-sample-replay.md``):
 
 * :class:`SampleScoreTable`: 14 bytes per dataset sample (float32 score, int32 step, int32 replay count,
-  two bool flags), allocated once: 14 MB for a million samples.
+  two bool flags), allocated once: 14 MB for a million samples; 18 bytes with learnability scores (the
+  float32 lowest loss too).
 * :class:`HardSampleBuffer`: ``capacity`` samples' tensors plus 14 bytes of bookkeeping each.
 """
 
@@ -30,6 +31,11 @@ from torch import Tensor
 from lightning_pulse.core.selection import batch_size_of, take_samples
 
 BYTES_PER_SAMPLE = 4 + 4 + 4 + 1 + 1
+
+#: What a table keeps per sample: ``"loss"`` (the last measured loss) or ``"learnability"`` (the last
+#: loss minus the lowest loss the sample has had so far: a reducible loss in the spirit of RHO-LOSS, with
+#: the sample's own best standing in for the irreducible-loss model; 4 more bytes per sample).
+SCORES = ("loss", "learnability")
 
 
 def _np_indices(indices: Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
@@ -68,6 +74,16 @@ class _ScoreState:
         self.awaiting = np.zeros(size, dtype=bool)  # replayed, not yet measured again
         self.learned = np.zeros(size, dtype=bool)
         self.prior = math.nan
+        self.minima: np.ndarray | None = None  # lowest loss measured per entry, for learnability scores
+
+    def _as_scores(self, slots: np.ndarray, losses: np.ndarray) -> np.ndarray:
+        """The scores kept for measured (finite) ``losses``: the losses themselves, or, with learnability
+        scores, each loss minus the lowest loss its entry has had so far (and that lowest loss updated)."""
+        if self.minima is None:
+            return losses
+        lowest = np.fmin(self.minima[slots], losses)
+        self.minima[slots] = lowest
+        return losses - lowest
 
     # ------------------------------------------------------------------ writes
     def _write(
@@ -88,6 +104,7 @@ class _ScoreState:
                 return
         elif slots.size == 0:
             return
+        losses = self._as_scores(slots, losses)
         awaiting = self.awaiting[slots]
         if awaiting.any():
             if threshold is not None and math.isfinite(threshold):
@@ -119,6 +136,7 @@ class _ScoreState:
             return
         finite = np.isfinite(losses)
         written, values = (slots, losses) if finite.all() else (slots[finite], losses[finite])
+        values = self._as_scores(written, values)
         if written.size:
             awaiting = self.awaiting[written]
             if awaiting.any():
@@ -132,7 +150,9 @@ class _ScoreState:
             self.scores[written] = values
             self.steps[written] = entry_steps if finite.all() else entry_steps[finite]
         # the running mean folds in each step's mean of finite losses, in order
-        sums = np.add.reduceat(np.where(finite, losses, 0.0).astype(np.float64), starts)
+        kept = np.zeros(losses.size, dtype=np.float64)
+        kept[finite] = values
+        sums = np.add.reduceat(kept, starts)
         counts = np.add.reduceat(finite.astype(np.int64), starts)
         for total, count in zip(sums.tolist(), counts.tolist()):
             if count:
@@ -236,6 +256,7 @@ class _ScoreState:
             "awaiting": torch.from_numpy(self.awaiting.copy()),
             "learned": torch.from_numpy(self.learned.copy()),
             "prior": self.prior,
+            **({"minima": torch.from_numpy(self.minima.copy())} if self.minima is not None else {}),
         }
 
     def _load(self, state: Mapping[str, Any]) -> None:
@@ -244,8 +265,17 @@ class _ScoreState:
                 f"The checkpoint's scores cover {state['scores'].numel()} samples but this store has "
                 f"{self.scores.size}; it was saved for a different dataset or buffer size."
             )
+        if (self.minima is None) != (state.get("minima") is None):
+            raise ValueError(
+                "The checkpoint's scores are "
+                + ("learnability scores" if state.get("minima") is not None else "losses")
+                + " but this store keeps "
+                + ("learnability scores." if self.minima is not None else "losses.")
+            )
         for name in ("scores", "steps", "replays", "awaiting", "learned"):
             getattr(self, name)[:] = torch.as_tensor(state[name]).numpy()
+        if self.minima is not None:
+            self.minima[:] = torch.as_tensor(state["minima"]).numpy()
         self.prior = float(state["prior"])
 
 
@@ -267,7 +297,9 @@ class SampleScoreTable(_ScoreState):
     Args:
         num_samples: the dataset size ``N``.
         half_life: age (in optimizer steps) at which a score counts half; ``None`` disables age weighting.
-        prior_momentum: momentum of the running mean of measured losses that stale scores fade toward.
+        prior_momentum: momentum of the running mean of measured scores that stale scores fade toward.
+        score: what is kept per sample, one of :data:`SCORES`: ``"loss"``, or ``"learnability"`` (the loss
+            minus the lowest loss the sample has had so far).
 
     Example::
 
@@ -276,10 +308,21 @@ class SampleScoreTable(_ScoreState):
         scores = table.effective(indices, step)     # NaN for never-scored samples
     """
 
-    def __init__(self, num_samples: int, half_life: float | None = None, prior_momentum: float = 0.9) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        half_life: float | None = None,
+        prior_momentum: float = 0.9,
+        score: str = "loss",
+    ) -> None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"`num_samples`={num_samples!r} must be a positive int.")
+        if score not in SCORES:
+            raise ValueError(f"`score`={score!r} is not one of {list(SCORES)}.")
         super().__init__(num_samples, half_life, prior_momentum)
+        self.score = score
+        if score == "learnability":
+            self.minima = np.full(num_samples, np.inf, dtype=np.float32)
 
     @property
     def num_samples(self) -> int:
@@ -287,7 +330,7 @@ class SampleScoreTable(_ScoreState):
 
     @property
     def memory_bytes(self) -> int:
-        return self.num_samples * BYTES_PER_SAMPLE
+        return self.num_samples * (BYTES_PER_SAMPLE + (4 if self.minima is not None else 0))
 
     @property
     def seen(self) -> int:
