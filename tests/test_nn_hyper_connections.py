@@ -237,8 +237,13 @@ def test_torch_compile_traces_the_layer_as_one_graph_and_matches_eager():
     streams = expand_streams(torch.randn(2, 5, WIDTH), 4)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break raises
     torch.testing.assert_close(compiled(streams), layer(streams))
-    compiled(streams).sum().backward()
-    assert layer.b_res.grad is not None
+    grads = []
+    for fn in (layer, compiled):  # the traced backward, in-place stream-gradient updates included
+        layer.zero_grad()
+        fn(streams).pow(2).sum().backward()
+        grads.append({name: p.grad.clone() for name, p in layer.named_parameters()})
+    for name, eager_grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], eager_grad, msg=name)
 
 
 # ---------------------------------------------------------------------------------------------- diagnostics
@@ -341,7 +346,7 @@ def test_stream_weights_have_mean_one_so_collapse_inverts_expand():
 
 # ---------------------------------------------------------------------------------------------- hand-written backwards
 def test_hand_written_backwards_match_numerical_gradients_in_double_precision():
-    from lightning_pulse.nn.hyper_connections import _ReadStreams, _RMSNormalizedProjection, _WriteStreams
+    from lightning_pulse.nn.hyper_connections import _AddBranch, _MixStreams, _RMSNormalizedProjection
 
     generator = torch.Generator().manual_seed(0)
 
@@ -349,12 +354,46 @@ def test_hand_written_backwards_match_numerical_gradients_in_double_precision():
         return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
 
     positions, n, width = 5, 3, 4
-    assert torch.autograd.gradcheck(_ReadStreams.apply, (leaf(positions, n), leaf(positions, n, width)))
     assert torch.autograd.gradcheck(
-        _WriteStreams.apply,
-        (leaf(positions, n, n), leaf(positions, n), leaf(positions, n, width), leaf(positions, width)),
+        _MixStreams.apply, (leaf(positions, n), leaf(positions, n, n), leaf(positions, n, width))
     )
+    # _AddBranch writes into its first input, so each evaluation gets a fresh copy of it
     assert torch.autograd.gradcheck(
-        lambda flat, phi: _RMSNormalizedProjection.apply(flat, phi, 1e-6),
-        (leaf(positions, n * width), leaf(n * width, 7)),
+        lambda mixed, post, branch_output: _AddBranch.apply(mixed.clone(), post, branch_output),
+        (leaf(positions, n, width), leaf(positions, n), leaf(positions, width)),
     )
+    # both outputs count: the projection and the streams passed through (whose gradient it adds to)
+    assert torch.autograd.gradcheck(
+        lambda streams, phi: _RMSNormalizedProjection.apply(streams, phi, 1e-6),
+        (leaf(positions, n, width), leaf(n * width, 7)),
+    )
+
+
+def test_the_fused_layer_backward_equals_autograd_through_the_unfused_equation():
+    # Reference: Eq. 3 and Eq. 7 written with plain differentiable ops, reading one shared x three times.
+    layer = ManifoldHyperConnection(mlp_branch(), WIDTH, n_streams=4, alpha_init=0.3).double()
+    streams = torch.randn(2, 5, 4, WIDTH, dtype=torch.float64)
+    grad = torch.randn_like(streams)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, 4 * WIDTH)
+        phi = torch.cat((layer.phi_pre, layer.phi_post, layer.phi_res), dim=1) * layer.phi_scale
+        normed = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + layer.eps)
+        pre, post, res = (normed @ phi).split((4, 4, 16), dim=-1)
+        maps = layer._coefficient_maps(pre, post, res.unflatten(-1, (4, 4)))
+        pre, post, res = (c.to(x.dtype) for c in maps)  # Sinkhorn returns fp32, as in the layer
+        matrices = x.reshape(-1, 4, WIDTH)
+        branch = layer.branch(torch.einsum("pn,pnc->pc", pre, matrices))
+        out = torch.einsum("pij,pjc->pic", res, matrices) + torch.einsum("pn,pc->pnc", post, branch)
+        return out.view_as(x)
+
+    results = []
+    for fn in (layer, reference):
+        x = streams.clone().requires_grad_()
+        layer.zero_grad()
+        fn(x).backward(grad)
+        results.append((x.grad, {name: p.grad.clone() for name, p in layer.named_parameters()}))
+    (fused_x, fused_params), (ref_x, ref_params) = results
+    torch.testing.assert_close(fused_x, ref_x, rtol=1e-5, atol=1e-6)
+    for name in ref_params:
+        torch.testing.assert_close(fused_params[name], ref_params[name], rtol=1e-5, atol=1e-6, msg=name)

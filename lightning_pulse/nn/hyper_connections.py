@@ -134,81 +134,98 @@ def collapse_streams(streams: Tensor, channel_dim: int = -1) -> Tensor:
 
 
 class _RMSNormalizedProjection(torch.autograd.Function):
-    """``RMSNorm(x) @ phi`` computed as ``(x @ phi) / rms(x)``, with a hand-written backward.
+    """``RMSNorm(vec(x)) @ phi`` computed as ``(vec(x) @ phi) / rms(x)``, with a hand-written backward.
+
+    ``(P, n, C)`` streams, ``(nC, k)`` phi -> ``(P, k)`` fp32 projection, and the streams passed through.
 
     Equal to normalising first (the RMSNorm has no gain; one would be absorbed by ``phi``), but it never
-    materialises the normalised ``(P, nC)`` copy, and its backward needs two passes over ``x`` instead of the
-    five autograd records: the same reordering the mHC paper uses in its kernels.
+    materialises the normalised ``(P, nC)`` copy: the same reordering the mHC paper uses in its kernels.
+
+    The pass-through output is what the rest of the layer reads the streams from (:class:`_MixStreams`). So the
+    streams' whole gradient arrives here as one buffer, the one :class:`_MixStreams` allocated, and this
+    function adds its own term into it in place, where two separate gradients would cost a second ``(P, n, C)``
+    buffer and an extra pass for autograd to add them. The buffer is private to the layer: the pass-through has
+    no other reader, so nothing else can hold the gradient being updated.
     """
 
     @staticmethod
-    def forward(ctx: Any, flat: Tensor, phi: Tensor, eps: float) -> Tensor:
+    def forward(ctx: Any, streams: Tensor, phi: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        flat = streams.reshape(streams.shape[0], -1).to(phi.dtype)  # computed in phi's dtype (fp32 in layers)
         raw = flat @ phi
         inv_rms = torch.rsqrt(
             torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[-1] + eps
         )
-        ctx.save_for_backward(flat, phi, raw, inv_rms)
-        return raw * inv_rms
+        ctx.save_for_backward(streams, phi, raw, inv_rms)
+        return raw * inv_rms, streams
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        flat, phi, raw, inv_rms = ctx.saved_tensors
+    def backward(ctx: Any, grad: Tensor, grad_streams: Tensor) -> tuple[Tensor, Tensor, None]:
+        streams, phi, raw, inv_rms = ctx.saved_tensors
+        flat = streams.reshape(streams.shape[0], -1)
         grad_raw = grad * inv_rms
         # d inv_rms / d flat = -inv_rms^3 * flat / K
         grad_inv_rms = (grad * raw).sum(dim=-1, keepdim=True) * inv_rms.pow(3) / -flat.shape[-1]
-        grad_flat = (grad_raw @ phi.t()).addcmul_(flat, grad_inv_rms)
+        grad_streams = grad_streams.contiguous()  # a no-op for the buffer _MixStreams returns
+        grad_flat = grad_streams.view(flat.shape)
+        grad_flat.addmm_(grad_raw.to(flat.dtype), phi.t().to(flat.dtype))
+        grad_flat.addcmul_(flat, grad_inv_rms.to(flat.dtype))
         # (g^T x)^T rather than x^T g: MKL runs the skinny product ~3x faster with the long axis innermost.
-        return grad_flat, (grad_raw.t() @ flat).t(), None
+        return grad_streams, (grad_raw.t() @ flat.to(phi.dtype)).t(), None
 
 
-def _rms_normalized_projection(flat: Tensor, phi: Tensor, eps: float) -> Tensor:
-    """``RMSNorm(flat) @ phi`` for ``flat`` of shape ``(P, nC)`` and ``phi`` of shape ``(nC, k)``."""
-    return _RMSNormalizedProjection.apply(flat, phi, eps)
+class _MixStreams(torch.autograd.Function):
+    """The two products of Eq. 3 that read ``x_l``: the branch input ``H_pre x`` and the mixed streams ``H_res x``.
 
-
-class _ReadStreams(torch.autograd.Function):
-    """``H_pre x``: ``(P, n)`` weights times ``(P, n, C)`` streams -> ``(P, C)``, one product per position.
-
-    Hand-written backward so each product takes its cheapest CPU form: the stream gradient is a rank-1 outer
-    product, which a broadcast multiply writes in one pass where a batched matmul with inner size 1 crawls.
+    ``(P, n)`` pre, ``(P, n, n)`` res, ``(P, n, C)`` streams -> ``(P, C)`` branch input, ``(P, n, C)`` mixed.
+    ``H_res x`` does not depend on the branch, so it is computed here, before the branch runs, and
+    :class:`_AddBranch` adds ``H_post^T F`` into it in place afterwards. One function for both reads means the
+    stream gradient is one buffer: ``H_res^T g`` with the rank-1 ``H_pre`` term added in place, where two
+    functions would each allocate a ``(P, n, C)`` gradient and autograd would add them in a third pass.
     """
 
     @staticmethod
-    def forward(ctx: Any, pre: Tensor, streams: Tensor) -> Tensor:
-        ctx.save_for_backward(pre, streams)
-        return torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
+    def forward(ctx: Any, pre: Tensor, res: Tensor, streams: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(pre, res, streams)
+        return torch.bmm(pre.unsqueeze(1), streams).squeeze(1), torch.bmm(res, streams)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        pre, streams = ctx.saved_tensors
-        grad_pre = torch.bmm(streams, grad.unsqueeze(-1)).squeeze(-1)
-        return grad_pre, pre.unsqueeze(-1) * grad.unsqueeze(1)
+    def backward(ctx: Any, grad_branch_input: Tensor, grad_mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        pre, res, streams = ctx.saved_tensors
+        grad_mixed = grad_mixed.contiguous()
+        grad_pre = torch.bmm(streams, grad_branch_input.unsqueeze(-1)).squeeze(-1)
+        grad_res = torch.bmm(grad_mixed, streams.transpose(1, 2))
+        # the H_pre term is a rank-1 outer product: a broadcast multiply-add, not a bmm with inner size 1
+        grad_streams = torch.bmm(res.transpose(1, 2), grad_mixed).addcmul_(
+            pre.unsqueeze(-1), grad_branch_input.unsqueeze(1)
+        )
+        return grad_pre, grad_res, grad_streams
 
 
-class _WriteStreams(torch.autograd.Function):
-    """``H_res x + H_post^T F``: ``(P, n, n)``, ``(P, n)``, ``(P, n, C)``, ``(P, C)`` -> ``(P, n, C)``.
+class _AddBranch(torch.autograd.Function):
+    """``x_{l+1} = H_res x + H_post^T F``, written into the mixed streams in place.
 
-    The rank-1 update is a broadcast multiply-add in place; the backward uses batched matmuls whose inner
-    size is ``C`` or ``n``, never 1.
+    ``(P, n, C)`` mixed (overwritten), ``(P, n)`` post, ``(P, C)`` branch output -> ``(P, n, C)``. The update
+    is a broadcast multiply-add; the backward passes the incoming gradient through to ``mixed`` unchanged (no
+    copy) and uses batched matmuls with inner size ``C`` or ``n``, never 1.
     """
 
     @staticmethod
-    def forward(ctx: Any, res: Tensor, post: Tensor, streams: Tensor, branch_output: Tensor) -> Tensor:
-        ctx.save_for_backward(res, post, streams, branch_output)
-        return torch.bmm(res, streams).addcmul_(post.unsqueeze(-1), branch_output.unsqueeze(1))
+    def forward(ctx: Any, mixed: Tensor, post: Tensor, branch_output: Tensor) -> Tensor:
+        ctx.mark_dirty(mixed)
+        ctx.save_for_backward(post, branch_output)
+        mixed.addcmul_(post.unsqueeze(-1), branch_output.unsqueeze(1))
+        return mixed  # the dirty input itself, as torch.compile requires of mark_dirty
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        res, post, streams, branch_output = ctx.saved_tensors
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        post, branch_output = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_res = torch.bmm(grad, streams.transpose(1, 2))
         grad_post = torch.bmm(grad, branch_output.unsqueeze(-1)).squeeze(-1)
-        grad_streams = torch.bmm(res.transpose(1, 2), grad)
         grad_branch_output = torch.bmm(post.unsqueeze(1), grad).squeeze(1)
-        return grad_res, grad_post, grad_streams, grad_branch_output
+        return grad, grad_post, grad_branch_output
 
 
 class HyperConnection(nn.Module):
@@ -266,10 +283,15 @@ class HyperConnection(nn.Module):
         if n_streams == 1:
             return  # the plain residual: no coefficients at all
         n, width = n_streams, n_streams * dim
-        # phi ~ N(0, 1/(nC)): x' has unit RMS, so x' phi has unit scale and alpha alone sets the dynamic size.
-        self.phi_pre = nn.Parameter(torch.randn(width, n) / math.sqrt(width))
-        self.phi_post = nn.Parameter(torch.randn(width, n) / math.sqrt(width))
-        self.phi_res = nn.Parameter(torch.randn(width, n * n) / math.sqrt(width))
+        # The projection is phi_scale * phi with phi ~ N(0, 1) stored at unit scale, i.e. N(0, 1/(nC)): x' has
+        # unit RMS, so x' phi has unit scale and alpha alone sets the dynamic size. Storing it at unit scale sets
+        # how far an optimizer step moves it: Adam moves every entry by about lr whatever its scale, which for
+        # N(0, 1/(nC)) entries is a relative change of lr * sqrt(nC) per step (34% at lr 3e-2, nC = 128); the
+        # H_res logits then spread by 100+ within a hundred steps and 20 Sinkhorn iterations stop converging.
+        self.phi_scale = 1.0 / math.sqrt(width)
+        self.phi_pre = nn.Parameter(torch.randn(width, n))
+        self.phi_post = nn.Parameter(torch.randn(width, n))
+        self.phi_res = nn.Parameter(torch.randn(width, n * n))
         self.alpha_pre = nn.Parameter(torch.tensor(float(alpha_init)))
         self.alpha_post = nn.Parameter(torch.tensor(float(alpha_init)))
         self.alpha_res = nn.Parameter(torch.tensor(float(alpha_init)))
@@ -317,20 +339,22 @@ class HyperConnection(nn.Module):
             raise ValueError("`n_streams`=1 is the plain residual and has no coefficients.")
         matrices = self._to_positions_last(streams)
         positions = matrices.shape[:-2]
-        pre, post, res = self._coefficients(matrices.reshape(-1, self.n_streams, self.dim))
+        (pre, post, res), _ = self._coefficients(matrices.reshape(-1, self.n_streams, self.dim))
         return HyperConnectionCoefficients(
             pre.view(*positions, -1), post.view(*positions, -1), res.view(*positions, *res.shape[-2:])
         )
 
-    def _coefficients(self, matrices: Tensor) -> HyperConnectionCoefficients:
-        """Coefficients for ``(P, n, C)`` stream matrices, one per position: ``(P, n)``, ``(P, n)``, ``(P, n, n)``."""
+    def _coefficients(self, matrices: Tensor) -> tuple[HyperConnectionCoefficients, Tensor]:
+        """Coefficients for ``(P, n, C)`` stream matrices, one per position: ``(P, n)``, ``(P, n)``, ``(P, n, n)``,
+        and the matrices again, as passed through the projection: the layer must read them from there (see
+        :class:`_RMSNormalizedProjection`)."""
         n = self.n_streams
         # The coefficient path is tiny (nC -> n^2 + 2n) and feeds an exp(), so it always runs in fp32.
         with torch.autocast(device_type=matrices.device.type, enabled=False):
-            phi = torch.cat((self.phi_pre, self.phi_post, self.phi_res), dim=1).float()
-            projection = _rms_normalized_projection(matrices.reshape(-1, n * self.dim).float(), phi, self.eps)
+            phi = torch.cat((self.phi_pre, self.phi_post, self.phi_res), dim=1).float() * self.phi_scale
+            projection, matrices = _RMSNormalizedProjection.apply(matrices, phi, self.eps)
             pre, post, res = projection.split((n, n, n * n), dim=-1)  # x' phi for Eq. 7
-            return self._coefficient_maps(pre, post, res.unflatten(-1, (n, n)))
+            return self._coefficient_maps(pre, post, res.unflatten(-1, (n, n))), matrices
 
     def forward(self, streams: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """``x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)`` for ``streams`` of shape ``(B, T, n, C)`` or
@@ -343,11 +367,13 @@ class HyperConnection(nn.Module):
         positions_last = self._to_positions_last(streams)  # (..., n, C)
         positions = positions_last.shape[:-2]
         matrices = positions_last.reshape(-1, self.n_streams, self.dim)  # (P, n, C); a view for tokens
-        pre, post, res = (c.to(matrices.dtype) for c in self._coefficients(matrices))
+        coefficients, matrices = self._coefficients(matrices)
+        pre, post, res = (c.to(matrices.dtype) for c in coefficients)
         # The stream mixing stays in the streams' own precision even under autocast: the residual path is
         # where rounding accumulates over depth. Only the branch runs under the caller's autocast.
         with torch.autocast(device_type=matrices.device.type, enabled=False):
-            branch_input = _ReadStreams.apply(pre, matrices).view(*positions, self.dim)  # H_pre x_l
+            branch_input, mixed = _MixStreams.apply(pre, res, matrices)  # H_pre x_l and H_res x_l
+            branch_input = branch_input.view(*positions, self.dim)
         if not channels_last:
             branch_input = branch_input.movedim(-1, axis)
         branch_output = self.branch(branch_input, *args, **kwargs)
@@ -356,7 +382,7 @@ class HyperConnection(nn.Module):
         with torch.autocast(device_type=matrices.device.type, enabled=False):
             branch_output = branch_output.reshape(-1, self.dim).to(matrices.dtype)
             # H_res x_l + H_post^T F(H_pre x_l): batched over positions, no loop over streams
-            out = _WriteStreams.apply(res, post, matrices, branch_output)
+            out = _AddBranch.apply(mixed, post, branch_output)
         out = out.view(*positions, self.n_streams, self.dim)
         if not channels_last:
             out = out.movedim((-2, -1), (axis, axis + 1))

@@ -54,7 +54,7 @@ class _SinkhornKnopp(torch.autograd.Function):
         for step in range((len(saved) - 1) // 2 - 1, -1, -1):
             sums, matrix = saved[2 * step + 1], saved[2 * step + 2]
             dim = step % 2  # even steps normalised columns (sum over dim 0), odd steps rows (dim 1)
-            grad = (grad - (grad * matrix).sum(dim=dim, keepdim=True)) / sums
+            grad = (grad - (grad * matrix).sum(dim=dim, keepdim=True)).div_(sums)
         return grad * saved[0], None
 
 
