@@ -1,12 +1,18 @@
 """StabilityGuard: overhead without faults, and recovery over a sweep of injected faults.
 
-    python -m benchmarks.stability_guard            # the committed figures (about 10 min on 2 busy cores)
-    python -m benchmarks.stability_guard --quick    # a smoke run (1 seed, fewer epochs), not for reporting
+    flock /tmp/lp-bench.lock python -m benchmarks.stability_guard --only overhead   # timing: under the lock
+    python -m benchmarks.stability_guard --only faults     # recovery figures (no timing, no lock needed)
+    python -m benchmarks.stability_guard                   # both parts in one go
+    python -m benchmarks.stability_guard --quick           # a smoke run (1 seed, fewer epochs), not for reporting
+
+``--only`` reruns one part and keeps the other part's committed results (each part records its command).
 
 Part 1, overhead. The MNIST-1D CNN and MLP reference runs (the cheapest steps we have, so the worst case
-for a per-step cost) and the char-level transformer LM are trained with and without a default
-``StabilityGuard`` through the shared harness: seed-paired process CPU time ratios, plus the CPU time spent
-inside the guard's own hooks as a share of training CPU time, and the spikes it flags on these clean runs
+for a per-step cost) and the char-level transformer LM are trained with no callback, with an empty
+``Callback`` (Lightning's own cost of dispatching every hook to one more callback, plus the noise floor of
+the machine) and with a default ``StabilityGuard``, through the shared harness with rotated arm order:
+seed-paired process CPU time ratios, the CPU time spent inside the guard's own hooks as a share of training
+CPU time (its snapshots included, also reported alone), and the spikes it flags on these clean runs
 (false positives).
 
 Part 2, faults. Each fault alone, at 40% and at 80% of a 12-epoch one-cycle run, three seeds:
@@ -110,15 +116,33 @@ def overhead(seeds: Sequence[int], epochs: int, charlm_steps: int) -> list[dict[
         ("charlm", {"max_epochs": 1, "max_steps": charlm_steps}, {}),
     ]
     for workload, trainer_kwargs, workload_kwargs in setups:
-        arms = [Arm("baseline"), Arm("stability_guard", callbacks=lambda seed: [StabilityGuard()])]
-        result = run_arms(workload, arms, seeds, trainer_kwargs, workload_kwargs, flops="none")
+        arms = [
+            Arm("baseline"),
+            Arm("empty_callback", callbacks=lambda seed: [Callback()]),
+            Arm("stability_guard", callbacks=lambda seed: [StabilityGuard()]),
+        ]
+        workload_seeds = seeds if workload.startswith("mnist1d") else seeds[:3]
+        result = run_arms(
+            workload, arms, workload_seeds, trainer_kwargs, workload_kwargs, flops="none", rotate_arms=True
+        )
         guarded = [run for run in result["runs"] if run["arm"] == "stability_guard"]
+        empty = {run["seed"]: run for run in result["runs"] if run["arm"] == "empty_callback"}
         result["guard"] = {
             "hook_cpu_share_median": statistics.median(
                 run["extra"]["guard_cpu_seconds"] / run["train_cpu_s"] for run in guarded
             ),
             "hook_cpu_us_per_step_median": statistics.median(
                 1e6 * run["extra"]["guard_cpu_seconds"] / run["steps"] for run in guarded
+            ),
+            "step_cpu_us_median": statistics.median(
+                1e6 * run["train_cpu_s"] / run["steps"] for run in guarded
+            ),
+            "snapshot_cpu_share_median": statistics.median(
+                run["extra"]["snapshot_cpu_seconds"] / run["train_cpu_s"] for run in guarded
+            ),
+            "snapshots_taken": [run["extra"]["snapshots_taken"] for run in guarded],
+            "cpu_ratio_vs_empty_callback_median": statistics.median(
+                run["train_cpu_s"] / empty[run["seed"]]["train_cpu_s"] for run in guarded
             ),
             "false_positive_spikes": [run["extra"]["spikes_detected"] for run in guarded],
             "snapshot_bytes": guarded[0]["extra"]["snapshot_bytes"],
@@ -274,18 +298,27 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def markdown(overhead_results: list[dict[str, Any]], faults: dict[str, Any], command: str) -> str:
+def markdown(
+    overhead_results: list[dict[str, Any]],
+    faults: dict[str, Any],
+    commands: dict[str, str],
+    environments: dict[str, Any],
+) -> str:
     lines = [
         "# stability_guard",
         "",
-        f"Command: `{command}`",
+        f"Overhead: `{commands.get('overhead')}`",
+        "",
+        f"Faults: `{commands.get('faults')}`",
         "",
         "## Overhead without faults",
         "",
-        "`StabilityGuard()` with its defaults against no guard, through the shared harness (process CPU "
-        "time of training, seed-paired ratios, medians). *Hook CPU share* is the CPU time spent inside the "
-        "guard's own hooks (detection, snapshots, bookkeeping) over training CPU time: it does not depend on "
-        "how busy the machine is. *False positives* are the spikes flagged on these fault-free runs.",
+        "`StabilityGuard()` with its defaults against no callback and against an empty `Callback` (what "
+        "Lightning charges for one more callback, and the noise floor of the machine), through the shared "
+        "harness (process CPU time of training, arm order rotated per seed, seed-paired ratios, medians). "
+        "*Hook CPU share* is the CPU time spent inside the guard's own hooks (detection, snapshots, "
+        "bookkeeping) over training CPU time; it is much less sensitive to a busy machine than the "
+        "end-to-end ratios. *False positives* are the spikes flagged on these fault-free runs.",
         "",
     ]
     for result in overhead_results:
@@ -298,7 +331,12 @@ def markdown(overhead_results: list[dict[str, Any]], faults: dict[str, Any], com
             markdown_table(result),
             "",
             f"- hook CPU share (median): {guard['hook_cpu_share_median']:.2%} "
-            f"({guard['hook_cpu_us_per_step_median']:.0f} µs per optimizer step)",
+            f"({guard['hook_cpu_us_per_step_median']:.0f} µs per optimizer step of "
+            f"{guard['step_cpu_us_median'] / 1000:.2f} ms)",
+            f"- of which snapshots: {guard['snapshot_cpu_share_median']:.2%} "
+            f"({guard['snapshots_taken']} snapshots per run)",
+            f"- end-to-end CPU ratio against the empty callback (median): "
+            f"{guard['cpu_ratio_vs_empty_callback_median']:.4g}",
             f"- false positives per run: {guard['false_positive_spikes']}",
             f"- snapshot memory at the end: {guard['snapshot_bytes'] / 1024:.0f} KiB (CPU)",
             "",
@@ -327,8 +365,9 @@ def markdown(overhead_results: list[dict[str, Any]], faults: dict[str, Any], com
             f"{_fmt(row['val_loss_ratio_median'])} | {_fmt(row['steps_lost_median'])} | "
             f"{_fmt(row['rollbacks_median'])} | {_fmt(row['spikes_median'])} |"
         )
-    env = environment()
-    lines += ["", f"Environment: {env}; python {sys.version.split()[0]}."]
+    lines += [""]
+    for part, env in environments.items():
+        lines.append(f"Environment ({part}): {env}.")
     return "\n".join(lines) + "\n"
 
 
@@ -339,24 +378,56 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="1 seed, short runs: a smoke test, not for reporting"
     )
+    parser.add_argument(
+        "--only",
+        choices=("overhead", "faults"),
+        help="run one part and keep the other part's results from the existing JSON",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    seeds = (0,) if args.quick else (0, 1, 2)
     command = "python -m benchmarks.stability_guard" + (" --quick" if args.quick else "")
-    started = time.perf_counter()
-    overhead_results = overhead(seeds, epochs=3 if args.quick else 10, charlm_steps=30 if args.quick else 150)
-    faults = fault_sweep(seeds, epochs=6 if args.quick else 12, positions=(0.4, 0.8), window=8)
+    command += f" --only {args.only}" if args.only else ""
     name = "stability_guard_quick" if args.quick else "stability_guard"
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "command": command,
-        "overhead": overhead_results,
-        "faults": faults,
-        "elapsed_s": time.perf_counter() - started,
+    path = RESULTS_DIR / f"{name}.json"
+    previous = json.loads(path.read_text()) if args.only and path.exists() else {}
+    legacy_command = previous.get("command")  # results written before the parts had their own commands
+    payload: dict[str, Any] = {
+        "commands": dict(
+            previous.get(
+                "commands", {part: legacy_command for part in ("overhead", "faults") if legacy_command}
+            )
+        ),
+        "environments": dict(previous.get("environments", {})),
+        "elapsed_s": dict(previous.get("elapsed_s", {}))
+        if isinstance(previous.get("elapsed_s"), dict)
+        else {},
+        "overhead": previous.get("overhead"),
+        "faults": previous.get("faults"),
     }
-    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
-    (RESULTS_DIR / f"{name}.md").write_text(markdown(overhead_results, faults, command))
-    print(f"wrote {RESULTS_DIR / name}.json/.md in {payload['elapsed_s']:.0f} s")
+    env = {**environment(), "python": sys.version.split()[0]}
+    if args.only != "faults":
+        started = time.perf_counter()
+        seeds = (0,) if args.quick else (0, 1, 2, 3, 4)
+        epochs, charlm_steps = (3, 30) if args.quick else (10, 150)
+        payload["overhead"] = overhead(seeds, epochs=epochs, charlm_steps=charlm_steps)
+        payload["commands"]["overhead"] = command
+        payload["environments"]["overhead"] = env
+        payload["elapsed_s"]["overhead"] = time.perf_counter() - started
+    if args.only != "overhead":
+        started = time.perf_counter()
+        seeds = (0,) if args.quick else (0, 1, 2)
+        payload["faults"] = fault_sweep(seeds, epochs=6 if args.quick else 12, positions=(0.4, 0.8), window=8)
+        payload["commands"]["faults"] = command
+        payload["environments"]["faults"] = env
+        payload["elapsed_s"]["faults"] = time.perf_counter() - started
+    if payload["overhead"] is None or payload["faults"] is None:
+        parser.error(f"--only {args.only} needs {path} with the other part; run both parts once first")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    (RESULTS_DIR / f"{name}.md").write_text(
+        markdown(payload["overhead"], payload["faults"], payload["commands"], payload["environments"])
+    )
+    print(f"wrote {RESULTS_DIR / name}.json/.md ({payload['elapsed_s']})")
 
 
 if __name__ == "__main__":

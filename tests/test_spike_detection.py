@@ -195,3 +195,42 @@ def test_a_key_still_warming_up_catches_only_huge_spikes_against_the_pooled_base
     assert detector.assess(1.0, 300.0, "maintain").verdict is Verdict.GRAD_SPIKE
     with pytest.raises(ValueError, match="`cold_ratio`"):
         SpikeDetector(min_ratio=2.0, cold_ratio=1.5)
+
+
+def test_the_pooled_window_is_shared_while_one_key_is_in_use_and_splits_at_the_second():
+    detector = SpikeDetector(warmup=20)
+    _warm(detector, key="burst")
+    state = detector.state_dict()
+    # one key so far: the pooled window holds exactly its values (and is saved as such)
+    assert state["loss"]["*"] == state["loss"]["burst"]
+    for _ in range(3):
+        detector.accept(1.0, 2.0, "maintain")
+    state = detector.state_dict()
+    assert len(state["loss"]["burst"]["values"]) == 30 and len(state["loss"]["maintain"]["values"]) == 3
+    assert state["loss"]["*"]["values"] == state["loss"]["burst"]["values"] + [0.0] * 3  # log(1.0)
+    # a restored single-key detector judges like the original, and keeps adding each value once
+    restored = SpikeDetector(warmup=20)
+    single = SpikeDetector(warmup=20)
+    _warm(single, key="burst")
+    restored.load_state_dict(single.state_dict())
+    restored.accept(1.2, 2.0, "burst")
+    single.accept(1.2, 2.0, "burst")
+    assert restored.state_dict() == single.state_dict()
+
+
+def test_the_quiet_step_shortcut_gives_the_general_verdicts_and_baselines():
+    rng = random.Random(3)
+    fast, general = SpikeDetector(warmup=20), SpikeDetector(warmup=20)
+    general._assess_quiet_step = lambda *args: None  # every step through the general path
+    verdicts = set()
+    for step in range(400):
+        loss = rng.lognormvariate(0, 0.1) * (20 if step % 37 == 0 else 1)
+        grad_norm = rng.lognormvariate(1, 0.1) * (30 if step % 53 == 0 else 1.6 if step % 7 == 0 else 1)
+        if step % 101 == 0:
+            loss = float("nan")
+        key = "burst" if step % 10 < 7 else "replay"
+        verdict = fast.assess(loss, grad_norm, key, accept=True)
+        assert verdict == general.assess(loss, grad_norm, key, accept=True), step
+        verdicts.add(verdict.verdict)
+    assert fast.state_dict() == general.state_dict()
+    assert verdicts == {Verdict.OK, Verdict.LOSS_SPIKE, Verdict.GRAD_SPIKE, Verdict.NONFINITE_LOSS}

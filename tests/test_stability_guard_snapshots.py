@@ -177,3 +177,58 @@ def test_a_snapshot_no_longer_fits_a_model_whose_structure_changed():
     assert not snapshot.fits(model)
     smaller = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))  # channels pruned away
     assert not snapshot.fits(smaller)
+
+
+def test_a_recycled_snapshot_is_refilled_in_place_and_equals_a_fresh_one():
+    model, optimizer, scheduler = _setup()
+    ring = SnapshotRing(capacity=2)
+    callback = CountingCallbackState()
+    for step in (0, 1):
+        _train_steps(model, optimizer, scheduler, 1, seed=step)
+        ring.add(take_snapshot(step, model, [optimizer], [scheduler], {"cb": callback}))
+    oldest_weight = ring.oldest().model["0.weight"]
+    _train_steps(model, optimizer, scheduler, 1, seed=2)
+    recycled = ring.recycle(2)  # the ring is full: adding step 2 would evict step 0
+    assert recycled.step == 0 and ring.steps == [1]
+    snapshot = take_snapshot(2, model, [optimizer], [scheduler], {"cb": callback}, reuse=recycled)
+    ring.add(snapshot)
+    fresh = take_snapshot(2, model, [optimizer], [scheduler], {"cb": callback})
+    assert snapshot.model["0.weight"] is oldest_weight  # the evicted buffer, refilled
+    for name, value in fresh.model.items():
+        assert torch.equal(snapshot.model[name], value), name
+    assert snapshot.optimizers[0]["state"].keys() == fresh.optimizers[0]["state"].keys()
+    for index, state in fresh.optimizers[0]["state"].items():
+        for field, value in state.items():
+            assert torch.equal(snapshot.optimizers[0]["state"][index][field], value), (index, field)
+    assert snapshot.schedulers == fresh.schedulers and snapshot.callbacks["cb"]["seen"] == [1, 2]
+    # refilled from the live state, not aliased to it
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert torch.equal(snapshot.model["0.weight"], fresh.model["0.weight"])
+    # a snapshot of the same step replaces the newest one, which is the one recycled
+    assert ring.recycle(2) is snapshot and ring.steps == [1]
+
+
+@pytest.mark.parametrize("read_each", [True, False], ids=["item-per-norm", "one-stacked-read"])
+def test_loss_and_grad_norm_match_clip_grad_norm_and_the_mean_loss(read_each):
+    from lightning_pulse.callbacks.stability_guard import _loss_and_grad_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    losses = []
+    for _ in range(2):  # two micro-batches, each loss divided by 2 as Lightning does
+        loss = model(torch.randn(8, 4)).pow(2).mean() / 2
+        loss.backward()
+        losses.append(loss)
+    grads = [p.grad for p in model.parameters()]
+    expected_norm = torch.nn.utils.get_total_norm(grads, 2.0).item()
+    loss, grad_norm = _loss_and_grad_norm(grads, losses, read_each=read_each)
+    assert grad_norm == pytest.approx(expected_norm, rel=1e-6)
+    assert loss == pytest.approx(sum(value.item() for value in losses), rel=1e-6)
+    grads[0][0, 0] = float("nan")
+    assert (
+        _loss_and_grad_norm(grads, losses, read_each=read_each)[1]
+        != _loss_and_grad_norm(grads, losses, read_each=read_each)[1]
+    )  # NaN: not equal to itself
+    grads[0][0, 0] = float("inf")
+    assert _loss_and_grad_norm(grads, [], read_each=read_each) == (None, float("inf"))

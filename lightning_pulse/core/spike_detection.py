@@ -149,6 +149,9 @@ class Assessment(NamedTuple):
     grad_norm_z: float | None = None
 
 
+_QUIET = Assessment(Verdict.OK)
+
+
 class SpikeDetector:
     """Flags non-finite values and upward spikes of the loss and the gradient norm.
 
@@ -261,6 +264,9 @@ class SpikeDetector:
         pass). The returned z-scores are ``None`` for values that were not judged or not above
         ``min_ratio`` times the median (they cannot be spikes whatever their z-score).
         """
+        quiet = self._assess_quiet_step(loss, grad_norm, key, accept)
+        if quiet is not None:
+            return quiet
         if loss is not None and not math.isfinite(loss):
             return Assessment(Verdict.NONFINITE_LOSS)
         if grad_norm is not None and not math.isfinite(grad_norm):
@@ -289,6 +295,39 @@ class SpikeDetector:
             self._add(self._loss, loss_tracker, scaled_loss, key)
             self._add(self._grad_norm, grad_tracker, scaled_grad, key)
         return Assessment(Verdict.OK, loss_z, grad_z)
+
+    def _assess_quiet_step(
+        self, loss: float | None, grad_norm: float | None, key: str, accept: bool
+    ) -> Assessment | None:
+        """The verdict of the common step in one pass, or ``None`` to take the general path.
+
+        Common: both values observed, finite and positive, the loss judged on a log scale, both of the
+        key's windows warm, and neither value above ``min_ratio`` times its median, so neither can be a
+        spike whatever its z-score (the general path's result too, without its dozen calls).
+        """
+        loss_tracker = self._loss.get(key)
+        grad_tracker = self._grad_norm.get(key)
+        if (
+            loss_tracker is None
+            or grad_tracker is None
+            or loss is None
+            or grad_norm is None
+            or self.loss_scale != "log"
+            or not (0.0 < loss < math.inf and 0.0 < grad_norm < math.inf)  # NaN fails every comparison
+            or len(loss_tracker.values) < loss_tracker.warmup
+            or len(grad_tracker.values) < grad_tracker.warmup
+        ):
+            return None
+        scaled_loss, scaled_grad = math.log(loss), math.log(grad_norm)
+        if (
+            scaled_loss - loss_tracker.median > self._log_min_ratio  # type: ignore[operator]
+            or scaled_grad - grad_tracker.median > self._log_min_ratio  # type: ignore[operator]
+        ):
+            return None
+        if accept:
+            self._add(self._loss, loss_tracker, scaled_loss, key)
+            self._add(self._grad_norm, grad_tracker, scaled_grad, key)
+        return _QUIET
 
     def _cold_spike(
         self,
@@ -424,8 +463,9 @@ class EscalationPolicy:
 
     def decide(self, step: int, verdict: Verdict) -> Action:
         """The action for a step the detector judged ``verdict`` (not called for forced skips)."""
-        self.forget_old(step)
-        if not verdict.is_spike:
+        if self.spike_steps or self.rollback_steps:
+            self.forget_old(step)
+        if verdict is Verdict.OK:
             return Action.APPLY
         self.spike_steps.append(step)
         if len(self.spike_steps) < self.rollback_after:
