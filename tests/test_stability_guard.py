@@ -11,6 +11,7 @@ import copy
 import math
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -18,9 +19,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from benchmarks.stability_guard import FaultInjector
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
-from lightning_pulse import PulseCycle
+from lightning_pulse import GradientCache, HardSampleReplay, PulseCycle, ScheduledPrune
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
+from lightning_pulse.core.snapshots import copy_to_cpu
 from lightning_pulse.phase import PhaseChange
 from tests.conftest import trainer_kwargs
 
@@ -392,3 +394,119 @@ def test_manual_optimization_is_rejected_at_fit_start(small_data):
 def test_bad_arguments_fail_at_construction_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"`{field}`"):
         StabilityGuard(**kwargs)
+
+
+# ---------------------------------------------------------------- the pulse callbacks roll back with the model
+
+
+def _rollback_state(callback) -> dict:
+    own = getattr(callback, "rollback_state_dict", None)
+    return copy_to_cpu(own() if callable(own) else callback.state_dict())
+
+
+def _same(actual, expected, path="state") -> list[str]:
+    """Paths where two states differ (tensors and arrays bit-equal, NaN equal to NaN)."""
+    if isinstance(expected, torch.Tensor):
+        ok = (
+            isinstance(actual, torch.Tensor)
+            and actual.shape == expected.shape
+            and actual.dtype == expected.dtype
+        )
+        return [] if ok and torch.equal(actual.nan_to_num(7.0), expected.nan_to_num(7.0)) else [path]
+    if isinstance(expected, np.ndarray):
+        ok = isinstance(actual, np.ndarray) and actual.shape == expected.shape
+        nan_ok = expected.dtype.kind == "f"
+        return [] if ok and np.array_equal(actual, expected, equal_nan=nan_ok) else [path]
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            return [path]
+        return [p for key in expected for p in _same(actual[key], expected[key], f"{path}.{key}")]
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+            return [path]
+        return [p for i, (a, e) in enumerate(zip(actual, expected)) for p in _same(a, e, f"{path}[{i}]")]
+    if isinstance(expected, float) and math.isnan(expected):
+        return [] if isinstance(actual, float) and math.isnan(actual) else [path]
+    return [] if actual == expected else [path]
+
+
+class PulseStateRecorder(Callback):
+    """Placed last: each opted-in callback's state at the end of every step (after any rollback), and what
+    each one was given, and reported, right when the guard restored it."""
+
+    def __init__(self, callbacks: dict) -> None:
+        self.callbacks = callbacks
+        self.at_step: dict[int, dict] = {}
+        self.loaded: dict[str, tuple[dict, dict]] = {}
+        for name, callback in callbacks.items():
+            method = (
+                "load_rollback_state_dict"
+                if hasattr(callback, "load_rollback_state_dict")
+                else "load_state_dict"
+            )
+            original = getattr(callback, method)
+
+            def spy(state, _original=original, _name=name, _callback=callback):
+                given = copy_to_cpu(state)
+                _original(state)
+                self.loaded[_name] = (given, _rollback_state(_callback))
+
+            setattr(callback, method, spy)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.at_step[trainer.global_step] = {name: _rollback_state(c) for name, c in self.callbacks.items()}
+
+
+def test_rollback_returns_every_opted_in_pulse_callback_to_its_state_at_the_snapshot(small_data):
+    pl.seed_everything(0)
+    model = MNIST1DClassifier(arch="mlp")
+    # cycles of 15 steps: maintain phases (with a probe and a pruning event) start at steps 12, 27 and 42
+    cycle = PulseCycle(burst=8, replay=4, maintain=3, warmup=0, anneal=0, probe_batches=1)
+    replay = HardSampleReplay(replay_fraction=0.5)
+    cache = GradientCache(measure="plasticity", threshold=2.0, check_every=5, freeze_for=20)
+    prune = ScheduledPrune(final_sparsity=0.5, start=0, end=45, probe_batches=1, make_permanent=False)
+    guard = StabilityGuard(
+        loss_zscore=None,  # pruning and freezing move the loss and the gradient norm on purpose:
+        grad_norm_zscore=None,  # only the injected NaN steps are flagged
+        rollback_after=2,
+        skip_after_rollback=2,
+        snapshot_every=5,
+        snapshot_at_maintain=False,
+        max_snapshots=3,
+        rollback_margin=5,
+    )
+    opted_in = {"cycle": cycle, "replay": replay, "cache": cache, "prune": prune}
+    recorder = PulseStateRecorder(opted_in)
+    # NaN at steps 29-30, right after the pruning event at 27: the newest snapshot 5 steps before is step 20
+    fault = FaultInjector("nan", start=29, length=2)
+    trainer = pl.Trainer(
+        callbacks=[cycle, replay, cache, prune, fault, guard, recorder],
+        max_steps=50,
+        **trainer_kwargs(limit_val_batches=1),
+    )
+    trainer.fit(model, small_data)
+
+    rollbacks = [event for event in guard.events if event["event"] == "rollback"]
+    assert [(event["step"], event["to_step"]) for event in rollbacks] == [(30, 20)]
+    assert [state.callback for state in guard._rollback_callbacks(trainer).values()] == list(
+        opted_in.values()
+    )
+    snapshot_state, rolled_back = recorder.at_step[20], recorder.at_step[31]
+    for name in opted_in:
+        given, reported = recorder.loaded[name]
+        # the guard handed each callback its own state of the snapshot step, which had moved on since ...
+        assert _same(given, snapshot_state[name]) == [], name
+        assert name == "cache" or _same(recorder.at_step[30][name], snapshot_state[name]), name
+        # ... and the callback took all of it: its reported state right after the load is that state
+        if name == "cache":  # GradientCache's FLOP ledger and event history keep counting what really ran
+            assert _same(reported["cache"], given["cache"]) == []
+        else:
+            assert _same(reported, given) == [], name
+    # the undone pruning event (27) is gone from the record, as from the model; the next maintain entry redid it
+    assert [event["step"] for event in snapshot_state["prune"]["events"]] == [12]
+    assert [event["step"] for event in rolled_back["prune"]["events"]] == [12]
+    assert [event["step"] for event in prune.events] == [12, 42]
+    # PulseCycle's probe went back with the model (the one of step 12), its clock did not
+    assert rolled_back["cycle"] == snapshot_state["cycle"] != recorder.at_step[30]["cycle"]
+    assert cycle.clock.step == 50 and sum(cycle.clock.steps_by_phase.values()) == 50
+    assert all(math.isfinite(p.sum().item()) for p in model.parameters())

@@ -511,8 +511,10 @@ class ScheduledPrune(Callback):
         if self._after is not None:
             self._close_after_window(trainer)
         if not self.finished and self.events:
+            # on the maintain cadence the schedule's end can pass between two maintain entries
+            when = "before" if trainer.global_step < self._end_step else "with no event at or after"
             rank_zero_warn(
-                f"ScheduledPrune: the run ended at step {trainer.global_step} before the schedule's end (step "
+                f"ScheduledPrune: the run ended at step {trainer.global_step} {when} the schedule's end (step "
                 f"{self._end_step}); sparsity reached {self.sparsity:.3f} of {self.final_sparsity}."
             )
         if self.mode == "unstructured" and self.make_permanent:
