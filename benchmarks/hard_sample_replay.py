@@ -14,6 +14,8 @@ Arms, each on every seed, interleaved, in one invocation:
 * ``pulse``: PulseCycle (burst / replay in steps, 10% warm-up and anneal) with batch-mode selection (0.5) in
   its replay phases only: the pulse-training cadence, which spends full compute in bursts.
 * ``topk-epoch-0.5-2x`` (language model): half of each epoch for twice the epochs, i.e. the baseline's compute.
+* ``shorter-0.7`` (language model): no callback, the whole data, the run and its LR schedule cut to 70% of
+  the baseline's steps: the plain way to spend 30% less compute, which a selection has to beat.
 * ``score-only``: the callback scoring every step but never selecting (``phases=("burst",)`` with no
   PulseCycle): full batches, so its whole-run CPU against the baseline's is the scoring cost measured from
   outside the callback, next to the callback's own in-code CPU share.
@@ -90,10 +92,25 @@ SETTINGS: dict[str, dict[str, Any]] = {
         ),
         "pulse": {"burst": 40, "replay": 80, "maintain": 0},
     },
+    # the same, in epoch mode (full batches, 70% of the windows per epoch, the cosine schedule planned over the
+    # shorter epochs), against the plain way to spend 30% less: full data, the schedule cut to 70% of the steps
+    "charlm-cosine-epoch": {
+        "workload": "charlm",
+        "trainer_kwargs": {"max_epochs": 8},
+        "workload_kwargs": {"data__max_chars": 200_000, "model__scheduler": "cosine"},
+        "arms": ("shorter-0.7", "random-epoch-0.7", "topk-epoch-0.7", "topk-epoch-0.7-learn"),
+        "steps_per_epoch": 87,
+        "pulse": {"burst": 40, "replay": 80, "maintain": 0},
+    },
 }
 
 
-def _arm(name: str, epochs: int, cadence: dict[str, int]) -> Arm:
+def _arm(name: str, epochs: int, cadence: dict[str, int], steps_per_epoch: int | None = None) -> Arm:
+    if name.startswith("shorter-"):
+        # no callback: the whole data, with the run (and its LR schedule) cut to a share of the baseline's steps
+        assert steps_per_epoch is not None, "a 'shorter-' arm needs the workload's steps per epoch"
+        steps = round(float(name.split("-")[1]) * epochs * steps_per_epoch)
+        return Arm(name, trainer_kwargs={"max_steps": steps, "max_epochs": epochs})
     if name == "pulse":
 
         def pulse(seed: int) -> list:
@@ -195,7 +212,13 @@ def fill_flops(result: dict[str, Any], flops_per_sample: float) -> None:
 def arms_for(workload: str) -> list[Arm]:
     settings = SETTINGS[workload]
     epochs = settings["trainer_kwargs"]["max_epochs"]
-    arms = [Arm("baseline"), *(_arm(name, epochs, settings["pulse"]) for name in settings["arms"])]
+    arms = [
+        Arm("baseline"),
+        *(
+            _arm(name, epochs, settings["pulse"], settings.get("steps_per_epoch"))
+            for name in settings["arms"]
+        ),
+    ]
     for arm in arms:  # every arm also records its trained samples per epoch
         arm.callbacks = _with_sample_curve(arm.callbacks)
     return arms
