@@ -17,7 +17,8 @@ Method:
 HC (unconstrained, no Sinkhorn) is included to separate the cost of widening the residual stream from the
 cost of the Sinkhorn-Knopp projection.
 
-Run: ``python -m benchmarks.mhc_overhead`` (about 8 wall minutes on the busy 2-core machine).
+Run: ``python -m benchmarks.mhc_overhead`` (about 4 wall minutes on the busy 2-core machine), inside
+``flock /tmp/lp-bench.lock`` so no other timing run overlaps it.
 """
 
 from __future__ import annotations

@@ -200,6 +200,19 @@ def test_gradients_reach_phi_b_and_alpha_of_every_layer_at_step_zero(cls):
             assert magnitude > 1e-8, (name, magnitude)
 
 
+def test_an_adam_step_moves_the_projection_by_lr_over_sqrt_nc_so_high_lrs_keep_h_res_logits_bounded():
+    # phi is stored at unit scale: Adam's first step moves every entry by lr, so the projection it stands for
+    # (phi_scale * phi, scale 1/sqrt(nC)) moves by lr/sqrt(nC), the same relative step as a unit-scale weight.
+    layer = ManifoldHyperConnection(mlp_branch(), WIDTH, n_streams=4)
+    effective = layer.phi_res.detach() * layer.phi_scale
+    assert float(effective.std()) == pytest.approx(1 / math.sqrt(4 * WIDTH), rel=0.1)
+    optimizer = torch.optim.Adam([layer.phi_res], lr=0.03)
+    layer(expand_streams(torch.randn(2, 5, WIDTH), 4)).pow(2).sum().backward()
+    optimizer.step()
+    change = (layer.phi_res.detach() * layer.phi_scale - effective).abs()
+    assert float(change.amax()) == pytest.approx(0.03 / math.sqrt(4 * WIDTH), rel=1e-3)
+
+
 def test_far_apart_h_res_logits_fall_into_the_zero_gradient_trap_the_default_init_avoids():
     default = _step0_gradients(stack(ManifoldHyperConnection, 4))
     torch.manual_seed(0)

@@ -33,9 +33,13 @@ network* and keeps every coefficient trainable from step 0):
   ``res_init_diagonal`` (0.9) and ``(1 - 0.9) / (n - 1)`` elsewhere: near the identity, but not so close that
   the Sinkhorn map saturates. Logits far apart (e.g. diagonal 20) would freeze ``H_res`` at the identity
   with vanishing gradients: the zero-gradient trap.
-* ``phi ~ N(0, 1/(nC))`` so ``x' phi`` has unit scale, and ``alpha = 0.01``: the dynamic part starts as a 1%
+* the projection is ``phi_scale * phi`` with ``phi ~ N(0, 1)`` and ``phi_scale = 1/sqrt(nC)``, i.e. an
+  ``N(0, 1/(nC))`` matrix, so ``x' phi`` has unit scale, and ``alpha = 0.01``: the dynamic part starts as a 1%
   perturbation, yet ``phi``, ``b`` and ``alpha`` all receive non-zero gradients at step 0 (a zero ``phi``
-  would leave ``alpha`` with zero gradient).
+  would leave ``alpha`` with zero gradient). Storing ``phi`` at unit scale changes no value, only the step an
+  optimizer takes: Adam moves each entry by about ``lr``, which for entries of scale ``1/sqrt(nC)`` would be a
+  ``sqrt(nC)`` times larger relative step than for any unit-scale weight. At lr 3e-2 that made the ``H_res``
+  logits spread by over 100 within a hundred steps, where 20 Sinkhorn iterations no longer converge.
 
 With these choices the stream mean evolves exactly as the plain residual stream ``x + F(x)`` (up to the 1%
 dynamic terms), because doubly stochastic (and identity) mixings preserve the mean of the streams.
