@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from lightning_pulse.core.per_sample_loss import (
     ForwardLossScorer,
     LossCapture,
     OutputKeyScorer,
+    concat_per_sample,
     loss_capture_scope,
     per_sample_from_unreduced,
 )
@@ -25,19 +27,54 @@ def _logits_and_targets(batch=8, classes=5, seed=0):
     return logits, targets
 
 
-def test_caller_gets_the_same_loss_value_and_gradient_bit_for_bit():
-    logits, targets = _logits_and_targets()
-    plain = F.cross_entropy(logits, targets, label_smoothing=0.1)
+@pytest.mark.parametrize("ignored", [False, True], ids=["all-targets", "ignored-targets"])
+@pytest.mark.parametrize("shape", [(8, 5), (96, 40)], ids=["classes", "tokens"])
+def test_caller_gets_the_same_loss_value_and_gradient_bit_for_bit(shape, ignored):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(*shape, generator=generator, requires_grad=True)
+    targets = torch.randint(0, shape[1], (shape[0],), generator=generator)
+    if ignored:
+        targets[::5] = -100
+    plain = F.cross_entropy(logits, targets)
     (plain_grad,) = torch.autograd.grad(plain, logits)
     capture = LossCapture(batch_size=8)
     with capture:
-        captured = F.cross_entropy(logits, targets, label_smoothing=0.1)
+        captured = F.cross_entropy(logits, targets)
     (captured_grad,) = torch.autograd.grad(captured, logits)
     assert torch.equal(plain, captured)
     assert torch.equal(plain_grad, captured_grad)
-    expected = F.cross_entropy(logits, targets, label_smoothing=0.1, reduction="none").detach()
-    assert torch.allclose(capture.per_sample(), expected)
+    expected = F.cross_entropy(logits, targets, reduction="none").detach().reshape(8, -1)
+    valid = (targets != -100).reshape(8, -1)
+    expected = (expected * valid).sum(1) / valid.sum(1)
+    assert torch.allclose(capture.per_sample(), expected, equal_nan=True)
     assert capture.per_sample().requires_grad is False
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("cross_entropy", {"label_smoothing": 0.1, "weight": torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0])}),
+        ("nll_loss", {"ignore_index": 2}),
+        ("mse_loss", {}),
+        ("kl_div", {"reduction": "batchmean"}),
+        ("binary_cross_entropy_with_logits", {"reduction": "sum"}),
+    ],
+)
+def test_sample_weights_of_one_give_torchs_own_reduction(name, kwargs):
+    logits, targets = _logits_and_targets()
+    if name in ("mse_loss", "kl_div", "binary_cross_entropy_with_logits"):
+        targets = torch.softmax(torch.randn(8, 5), dim=1)
+
+    def inputs():
+        return torch.log_softmax(logits, dim=1) if name in ("nll_loss", "kl_div") else logits
+
+    plain = getattr(F, name)(inputs(), targets, **kwargs)
+    with LossCapture(batch_size=8, sample_weights=torch.ones(8)):
+        captured = getattr(F, name)(inputs(), targets, **kwargs)
+    assert captured.item() == pytest.approx(plain.item(), rel=1e-6)
+    (plain_grad,) = torch.autograd.grad(plain, logits)
+    (captured_grad,) = torch.autograd.grad(captured, logits)
+    assert torch.allclose(plain_grad, captured_grad, rtol=1e-5, atol=1e-8)
 
 
 def test_patch_exists_only_while_a_capture_is_active():
@@ -176,6 +213,35 @@ def test_per_sample_losses_read_later_ignore_what_the_caller_did_to_its_result()
         result.mul_(0.0)  # e.g. masking in place; the per-sample losses are read after the step
     assert capture.records[0].maps_onto_batch
     assert torch.allclose(capture.per_sample(), (a - b).abs().mean(1))
+
+
+def test_several_steps_split_together_equal_each_step_split_alone():
+    generator = torch.Generator().manual_seed(0)
+
+    def step(kind, batch):
+        capture = LossCapture(batch_size=batch)
+        with capture:
+            if kind == "tokens":  # (B*T, V) logits, (B, T) targets with ignored tokens
+                logits = torch.randn(batch * 5, 7, generator=generator)
+                targets = torch.randint(0, 7, (batch, 5), generator=generator)
+                targets[0, :2] = -100
+                F.cross_entropy(logits, targets.reshape(-1))
+            elif kind == "classes":
+                targets = torch.randint(0, 4, (batch,), generator=generator)
+                targets[-1] = -100  # an ignored sample has no score
+                F.cross_entropy(torch.randn(batch, 4, generator=generator), targets)
+            else:
+                F.mse_loss(torch.randn(batch, 3, generator=generator), torch.zeros(batch, 3))
+        return capture
+
+    for kinds in (["tokens"] * 3, ["classes"] * 4, ["classes", "tokens", "mse"]):
+        captures = [step(kind, batch) for kind, batch in zip(kinds, [4, 6, 3, 5])]
+        together = concat_per_sample(captures)
+        alone = torch.cat([capture.per_sample() for capture in captures]).numpy()
+        assert together.shape == alone.shape
+        np.testing.assert_allclose(together, alone, rtol=1e-6, equal_nan=True)
+        if "classes" in kinds:
+            assert np.isnan(together).sum() == kinds.count("classes")
 
 
 def test_a_loss_that_does_not_split_into_the_batch_is_reported_not_guessed():

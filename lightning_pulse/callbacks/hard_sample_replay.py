@@ -17,7 +17,12 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
-from lightning_pulse.core.per_sample_loss import LossCapture, PerSampleScorer, loss_capture_scope
+from lightning_pulse.core.per_sample_loss import (
+    LossCapture,
+    PerSampleScorer,
+    concat_per_sample,
+    loss_capture_scope,
+)
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SCORES, HardSampleBuffer, SampleScoreTable
 from lightning_pulse.core.selection import (
@@ -248,6 +253,7 @@ class HardSampleReplay(Callback):
         self._threshold_every = 1
         self._apply_every = _APPLY_EVERY
         self._select_until: float = math.inf  # the step from which `anneal` trains untouched
+        self._world_size = 1
         self._applied_since_threshold = (
             False  # a NaN threshold (nothing scored yet) is recomputed after an apply
         )
@@ -395,6 +401,7 @@ class HardSampleReplay(Callback):
                 "follow a PulseCycle's step-based phases; use mode='batch' with a PulseCycle."
             )
         steps_per_epoch = _steps_per_epoch(trainer)
+        self._world_size = trainer.world_size
         self._select_until = math.inf
         if self.anneal:
             total = trainer.estimated_stepping_batches
@@ -657,11 +664,12 @@ class HardSampleReplay(Callback):
             context["active"],
             context["offered"],
         )
-        if self.buffer is not None or trainer.world_size > 1:
+        shared = self._world_size > 1
+        if self.buffer is not None or shared:
             entry.losses = torch.from_numpy(_host_losses([losses]))
         if self.buffer is not None:
             self._update_buffer(batch, entry.losses, entry.roles, context["pool_slots"], step, threshold)
-        if trainer.world_size > 1:
+        if shared:
             # every rank keeps every rank's rows, so the tables and the selection stay identical
             entry.indices, entry.losses, entry.roles, entry.offered = _gather(
                 trainer, entry.indices, entry.losses, entry.roles, entry.offered
@@ -955,6 +963,10 @@ class _Measured:
 
 def _host_losses(parts: Sequence[LossCapture | torch.Tensor | np.ndarray]) -> np.ndarray:
     """The per-sample losses of several steps as one float32 host array, with one device transfer."""
+    if parts and all(isinstance(part, LossCapture) for part in parts):
+        joined = concat_per_sample(list(parts))  # type: ignore[arg-type]
+        if joined is not None:
+            return joined
     values = [part.per_sample() if isinstance(part, LossCapture) else part for part in parts]
     on_device = [v for v in values if isinstance(v, torch.Tensor) and not v.is_cpu]
     if on_device:

@@ -8,11 +8,14 @@ which calls the functional form) also yields one loss per sample, with no second
   training is bit-for-bit what it would have been;
 * the per-sample losses come from one extra call of the same loss with ``reduction="none"`` under
   ``torch.no_grad()``. That is a loss evaluation on outputs that already exist (for cross-entropy, a
-  log-softmax over the logits), not a forward pass of the model.
+  log-softmax over the logits), not a forward pass of the model. Only that detached unreduced loss (and,
+  for cross-entropy / NLL, the targets, class weights and ``ignore_index``) is kept; the split into samples
+  is done when :meth:`LossCapture.per_sample` (or :func:`concat_per_sample`, for several steps at once) is
+  first asked.
 
 When :attr:`LossCapture.sample_weights` is set (InfoBatch's ``1/(1-r)`` rescale), the loss is instead
-computed once unreduced, weighted per sample and reduced the way the caller asked; that is the one case
-where the caller's loss value changes, on purpose.
+computed once unreduced, weighted per sample and reduced the way the caller asked, as torch's own reduction
+does; that is the one case where the caller's loss value changes, on purpose.
 
 A per-sample loss is the mean of the sample's elements: for token losses computed on flattened
 ``(B*T, V)`` logits with ``(B*T,)`` (or ``(B, T)`` flattened) targets, the mean over the sample's ``T``
@@ -202,29 +205,32 @@ def per_sample_from_unreduced(
     return rows.sum(dim=1) / counts  # 0/0 -> NaN: a sample whose every token is ignored has no score
 
 
-def _reduce_weighted(
+def _reduce(
     name: str,
     arguments: dict[str, Any],
     unreduced: Tensor,
     reduction: str,
-    sample_weights: Tensor,
+    sample_weights: Tensor | None = None,
 ) -> Tensor:
-    """Reduce ``unreduced`` the way the caller asked, after multiplying each sample's elements by its weight."""
-    batch_size = sample_weights.shape[0]
-    rows = rows_per_sample(unreduced, batch_size)
-    assert rows is not None
-    weighted = (rows * sample_weights.to(device=rows.device, dtype=rows.dtype).unsqueeze(1)).reshape(
-        unreduced.shape
-    )
+    """Reduce ``unreduced`` the way the caller asked (as torch's own reduction does: ``"mean"`` divides by the
+    counted elements, the summed class weights of non-ignored targets for cross-entropy / NLL), after
+    multiplying each sample's elements by its weight when ``sample_weights`` ``(B,)`` is given."""
+    values = unreduced
+    if sample_weights is not None:
+        rows = rows_per_sample(unreduced, sample_weights.shape[0])
+        assert rows is not None
+        weights = sample_weights.to(device=rows.device, dtype=rows.dtype).unsqueeze(1)
+        values = (rows * weights).reshape(unreduced.shape)
     if reduction == "none":
-        return weighted
+        return values
     if reduction == "sum":
-        return weighted.sum()
+        return values.sum()
     if reduction == "batchmean":
-        first = next(iter(arguments.values()))
-        return weighted.sum() / first.shape[0]
+        return values.sum() / arguments["input"].shape[0]  # kl_div, the only loss with "batchmean"
     counted = element_weights(name, arguments, unreduced)
-    return weighted.sum() / (counted.sum(dtype=weighted.dtype) if counted is not None else unreduced.numel())
+    if counted is None:
+        return values.mean() if sample_weights is None else values.sum() / unreduced.numel()
+    return values.sum() / counted.sum(dtype=values.dtype)
 
 
 class _Interceptor:
@@ -465,13 +471,18 @@ class LossCapture:
         reduction = _requested_reduction(arguments)
 
         if self.sample_weights is not None:
+            # InfoBatch's rescale: the loss once, unreduced, weighted per sample, reduced as the caller asked
+            called = time.process_time()
             unreduced = original(**signature.unreduced_call(arguments))
+            returned = time.process_time()
             self._record(name, arguments, unreduced.detach(), reduction)
             if _splits(tuple(unreduced.shape), self.batch_size):
-                result = _reduce_weighted(name, arguments, unreduced, reduction, self.sample_weights)
+                result = _reduce(name, arguments, unreduced, reduction, self.sample_weights)
             else:
-                result = original(*args, **kwargs)
-            self.overhead_seconds += time.process_time() - entered
+                result = original(
+                    *args, **kwargs
+                )  # cannot be weighted per sample: the caller's loss as it was
+            self.overhead_seconds += (called - entered) + (time.process_time() - returned)
             return result
 
         called = time.process_time()
@@ -480,6 +491,9 @@ class LossCapture:
         if reduction == "none":
             unreduced = result.detach().clone()  # the caller may change its result in place later
         else:
+            # one extra loss evaluation on the existing outputs. Reducing this unreduced loss for the caller
+            # instead would save it, but the value would then differ from torch's in the last bits, and on a
+            # small CPU model the few torch calls that reduction takes cost about as much as this one call
             with torch.no_grad():
                 unreduced = original(**signature.unreduced_call(arguments))
         self._record(name, arguments, unreduced, reduction)
@@ -506,6 +520,55 @@ def _per_sample_of(
             weights = element_weights(name, arguments, unreduced)
             per_sample = per_sample_from_unreduced(unreduced, batch_size, weights, reduction)
     return per_sample  # type: ignore[return-value]
+
+
+def concat_per_sample(captures: list[LossCapture]) -> np.ndarray | None:
+    """The per-sample losses of several captures, one after another, as one float32 host array.
+
+    Captures that each hold one CPU call of the same loss (same reduction, elements per sample and
+    ``ignore_index``, no class weights), the usual case of consecutive training steps, are split in one
+    vectorized pass, as if they were one large batch; anything else goes capture by capture. ``None`` if a
+    capture has no per-sample loss.
+    """
+    sources = [_lone_source(capture) for capture in captures]
+    first = sources[0] if sources else None
+    if first is not None and all(source is not None and source[0] == first[0] for source in sources[1:]):
+        (name, reduction, width, ignore_index, class_indices), unreduced, _, _ = first
+        rows = np.concatenate([source[1].detach().numpy().reshape(-1) for source in sources])
+        arguments: dict[str, Any] = {}
+        if class_indices:
+            targets = np.concatenate([source[2].numpy().reshape(-1) for source in sources])
+            arguments = {"target": torch.from_numpy(targets), "ignore_index": ignore_index, "weight": None}
+        total = sum(source[3] for source in sources)
+        per_sample = _per_sample_on_cpu(name, arguments, torch.from_numpy(rows), total, reduction)
+        if isinstance(per_sample, Tensor) and per_sample.numel() == total:
+            return per_sample.numpy()
+    parts = [capture.per_sample() for capture in captures]
+    if any(part is None for part in parts):
+        return None
+    return torch.cat([part.detach().float().cpu().reshape(-1) for part in parts]).numpy()  # type: ignore[union-attr]
+
+
+def _lone_source(capture: LossCapture) -> tuple[tuple, Tensor, Tensor | None, int] | None:
+    """``(key, unreduced, targets, batch size)`` of a capture holding exactly one CPU float loss call whose
+    per-sample losses have not been computed yet; ``None`` otherwise. Captures with equal keys can be split
+    together."""
+    if len(capture.records) != 1:
+        return None
+    record = capture.records[0]
+    source = record._source
+    if source is None or not record.maps_onto_batch:
+        return None
+    arguments, unreduced, batch_size = source
+    if not unreduced.is_cpu or unreduced.dtype not in (torch.float32, torch.float64):
+        return None
+    target = arguments.get("target")
+    class_indices = isinstance(target, Tensor) and not target.is_floating_point()
+    if class_indices and (not target.is_cpu or arguments.get("weight") is not None):
+        return None
+    width = unreduced.numel() // batch_size
+    key = (record.name, record.reduction, width, arguments.get("ignore_index", -100), class_indices)
+    return key, unreduced, target if class_indices else None, batch_size
 
 
 _NOT_ON_CPU = object()

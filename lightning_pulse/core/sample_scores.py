@@ -127,7 +127,8 @@ class _ScoreState:
         """Several steps' writes at once, with the result of a ``_write`` then ``_mark_replayed`` per step, in
         order. Vectorized when no slot appears twice; step by step otherwise."""
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        if np.unique(slots).size != slots.size:
+        ordered = np.sort(slots)
+        if ordered.size > 1 and not (ordered[1:] != ordered[:-1]).all():  # a sample measured twice
             for start, size, step, threshold in zip(starts.tolist(), sizes.tolist(), steps, thresholds):
                 part = slice(start, start + size)
                 self._write(slots[part], losses[part], int(step), float(threshold), may_repeat=False)
