@@ -510,3 +510,18 @@ def test_rollback_returns_every_opted_in_pulse_callback_to_its_state_at_the_snap
     assert rolled_back["cycle"] == snapshot_state["cycle"] != recorder.at_step[30]["cycle"]
     assert cycle.clock.step == 50 and sum(cycle.clock.steps_by_phase.values()) == 50
     assert all(math.isfinite(p.sum().item()) for p in model.parameters())
+
+
+def test_a_structured_pruning_event_is_followed_by_a_snapshot_that_fits_the_smaller_model(small_data):
+    pl.seed_everything(0)
+    model = MNIST1DClassifier(arch="mlp")
+    prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=5, end=15, every=5, probe_batches=0)
+    guard = StabilityGuard(snapshot_every=0, max_snapshots=2, rollback_margin=0)
+    trainer = pl.Trainer(callbacks=[prune, guard], max_steps=18, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(model, small_data)
+
+    assert [event["step"] for event in prune.events] == [10, 15]
+    # no periodic snapshots: besides the one at the start, only those the events asked for, after the cut
+    assert guard.snapshots.steps == [10, 15] and guard.snapshots_taken == 3
+    # each event cut channels again: the snapshot of step 10 no longer fits, the one after the last cut does
+    assert [snapshot.fits(model) for snapshot in guard.snapshots] == [False, True]

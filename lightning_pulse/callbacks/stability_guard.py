@@ -55,25 +55,29 @@ class StabilityGuard(Callback):
        :class:`StabilityGuardError`.
 
     Snapshots live in CPU memory: every ``snapshot_every`` steps and at each maintain phase of a
-    :class:`~lightning_pulse.PulseCycle`, never while an incident is open, at most ``max_snapshots`` at a
-    time. The run's step counter never goes back: work undone by a rollback is counted as lost.
+    :class:`~lightning_pulse.PulseCycle` (at the end of that step, after every listener handled the phase
+    change, so a pruning event at maintain entry is inside the snapshot), never while an incident is open, at
+    most ``max_snapshots`` at a time; the buffers of the snapshot a new one evicts are refilled in place. The
+    run's step counter never goes back: work undone by a rollback is counted as lost.
 
     Callbacks roll back with the model when they opt in with a class attribute ``restore_on_rollback =
-    True``, which promises that their ``load_state_dict`` can be called mid-run (a ``load_state_dict`` that
-    defers to ``on_train_start``, or that leaves transient windows pointing at restored lists, would be
-    silently ignored or break). Clocks and meters (``PulseCycle``, ``EnergyLogger``) should not opt in: they
-    record what really happened. Restored callbacks that listen to phase changes are told the current phase
-    again with reason ``"resume"``, as after a checkpoint restore. Snapshots that no longer fit the model
-    (structured pruning since) are dropped.
+    True``, which promises that their ``load_state_dict`` can be called mid-run. A callback may restrict
+    what goes back to the part of its state that describes the model with ``rollback_state_dict()`` /
+    ``load_rollback_state_dict(state)``. Of the pulse callbacks, ``ScheduledPrune``, ``HardSampleReplay`` and
+    ``GradientCache`` go back whole; ``PulseCycle`` restores only its last probe, its clock keeps the real
+    time and steps; ``EnergyLogger`` does not opt in: energy spent stays counted (the lost part is reported
+    as wasted). Restored callbacks that listen to phase changes are told the current phase again with
+    reason ``"resume"``, as after a checkpoint restore. Snapshots that no longer fit the model (pruned since)
+    are dropped; a structured pruning event triggers a fresh snapshot.
 
     Metrics (``stability/*`` in the Trainer's loggers, and :meth:`benchmark_metrics`): spikes detected (by
     kind), steps skipped, rollbacks, steps lost (skipped plus undone) and, when a callback with
     ``energy_so_far_kwh()`` (``EnergyLogger``) is attached, the energy those lost steps used.
 
     Under DDP every decision is computed from all-reduced numbers, so all ranks take the same action at
-    the same step. Only automatic optimization is supported. Each optimizer step costs one gradient-norm
-    pass, one host synchronisation (the decision has to exist before the update) and, under DDP, one
-    all-reduce of three numbers. Put the guard after callbacks that change gradients (``GradientCache``),
+    the same step. Only automatic optimization is supported. Each optimizer step costs one fused
+    gradient-norm pass, at most one host synchronisation (the decision has to exist before the update) and,
+    under DDP, one all-reduce of three numbers. Put the guard after callbacks that change gradients (``GradientCache``),
     so it judges the gradients the optimizer will use.
 
     Args:
@@ -704,7 +708,8 @@ class StabilityGuard(Callback):
 
     # ------------------------------------------------------------------ snapshots
     def _healthy(self) -> bool:
-        # `_decided` is still set when PulseCycle announces a phase before our own on_train_batch_end
+        # `_decided` is still set when PulseCycle announces a phase before our own on_train_batch_end, and
+        # when ScheduledPrune reports new structure from its on_train_batch_end
         return (
             not self.policy.in_incident
             and self.policy.skip_remaining == 0
