@@ -31,7 +31,7 @@ import math
 import statistics
 from typing import Any
 
-from benchmarks.harness import Arm, run_arms, write_results
+from benchmarks.harness import Arm, run_arms, summarise, write_results
 from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.gradient_cache import GradientCache
 
@@ -47,6 +47,18 @@ LM = {
     "workload_kwargs": {},
     "flops": "none",
 }
+# the LM study: deep enough that a frozen prefix is worth something (4 layers = 8 residual blocks), trained
+# with warm-up + cosine decay for 6 epochs (1044 steps), so the low-LR late phase is a real share of the run
+LM_COSINE = {
+    "workload": "charlm",
+    "trainer_kwargs": {"max_epochs": 6},
+    "workload_kwargs": {"model__n_layers": 4, "model__scheduler": "cosine"},
+}
+# plasticity thresholds compared on the LM study (0.2 is the default); from a seed-0 sweep of 0.2/0.3/0.4
+LM_THRESHOLDS = (0.2, 0.3)
+# a schedule tied to the LR instead of a stability test: freeze whatever is fresh once the cosine schedule is
+# at 80% of the run (LR below a fifth of its peak), as deep as max_frozen_share allows
+LM_FORCED_FROM = 0.8
 
 
 def arms_for(workload: str) -> list[Arm]:
@@ -142,13 +154,142 @@ def study_thresholds(seeds: tuple[int, ...]) -> tuple[list[dict[str, Any]], str]
     return results, "\n\n".join(notes)
 
 
+def lm_arms() -> list[Arm]:
+    arms = [Arm("baseline")]
+    for threshold in LM_THRESHOLDS:
+        arms.append(
+            Arm(
+                f"freeze threshold={threshold}",
+                callbacks=lambda seed, t=threshold: [GradientCache(threshold=t)],
+            )
+        )
+    # plasticity scores never exceed 1, so threshold 1.0 freezes whatever is fresh
+    arms.append(
+        Arm(
+            f"forced from {LM_FORCED_FROM:.0%}",
+            callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=LM_FORCED_FROM)],
+        )
+    )
+    return arms
+
+
+def _lm_seed(seed: int) -> dict[str, Any]:
+    """One seed of the LM study, every arm interleaved (run in its own process with ``--jobs``)."""
+    return run_arms(
+        LM_COSINE["workload"],
+        lm_arms(),
+        seeds=(seed,),
+        trainer_kwargs=LM_COSINE["trainer_kwargs"],
+        workload_kwargs=LM_COSINE["workload_kwargs"],
+        flops="none",
+    )
+
+
+def study_lm(seeds: tuple[int, ...], jobs: int) -> tuple[dict[str, Any], str]:
+    """The char LM study: backward FLOPs, CPU and loss of plasticity freezing on a 4-layer cosine-LR LM.
+
+    Each seed runs every arm in one process (baseline first), so each ratio is paired with a baseline of the
+    same process; ``jobs`` processes run seeds side by side.
+    """
+    if jobs > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(min(jobs, len(seeds))) as pool:
+            per_seed = pool.map(_lm_seed, seeds)
+    else:
+        per_seed = [_lm_seed(seed) for seed in seeds]
+    result = dict(per_seed[0])
+    result["seeds"] = list(seeds)
+    result["runs"] = [run for part in per_seed for run in part["runs"]]
+    result["elapsed_s"] = max(part["elapsed_s"] for part in per_seed)
+    result["summary"] = summarise(
+        result["runs"], result["arms"], result["metric"], result["mode"], result["test_metric"]
+    )
+    return result, "\n\n".join([lm_target_table(result), cache_table(result), lm_unit_table(result)])
+
+
+def lm_target_table(result: dict[str, Any]) -> str:
+    """Against the issue's LM target: >= 25% of the backward FLOPs skipped at <= 1% relative loss increase."""
+    metric = result["test_metric"]
+    baseline = {run["seed"]: run for run in result["runs"] if run["arm"] == result["arms"][0]}
+    lines = [
+        "### charlm: against the target (>= 25% of backward FLOPs skipped at <= 1% relative test-loss increase)",
+        "",
+        "| arm | backward FLOPs skipped (median) | relative Δ test_loss (median) | per seed | CPU ratio (median) |",
+        "|---|---|---|---|---|",
+    ]
+    for arm in result["arms"][1:]:
+        runs = [run for run in result["runs"] if run["arm"] == arm]
+        relative = [run["test"][metric] / baseline[run["seed"]]["test"][metric] - 1 for run in runs]
+        skipped = _median([run["extra"].get("gc_backward_flops_skipped_share") for run in runs])
+        lines.append(
+            f"| {arm} | {skipped:.1%} | {statistics.median(relative):+.2%} "
+            f"| {', '.join(f'{r:+.2%}' for r in relative)} | {result['summary'][arm]['cpu_ratio']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def lm_unit_table(result: dict[str, Any]) -> str:
+    """When each unit first froze, per arm and seed (optimizer step; '-' never)."""
+    lines = [
+        "### charlm: first step at which each unit was frozen (unit order: input to output)",
+        "",
+    ]
+    for run in result["runs"]:
+        extra = run["extra"]
+        if "gc_first_frozen_step" not in extra:
+            continue
+        first = extra["gc_first_frozen_step"]
+        cells = ", ".join(f"{name} {first.get(name, '-')}" for name in extra["gc_units"])
+        lines.append(f"- {run['arm']}, seed {run['seed']}: {cells}")
+    return "\n".join(lines)
+
+
+def study_overhead(seeds: tuple[int, ...]) -> tuple[dict[str, Any], str]:
+    """GradientCache's own CPU on the CNN reference config: the process CPU time spent inside its hooks over
+    the run's training CPU time (arms rotated per seed; run under the shared benchmark lock)."""
+    result = run_arms(
+        "mnist1d-cnn",
+        [Arm("baseline"), Arm("freeze", callbacks=lambda seed: [GradientCache()])],
+        seeds,
+        CNN["trainer_kwargs"],
+        CNN["workload_kwargs"],
+        flops="none",
+        rotate_arms=True,
+    )
+    runs = [run for run in result["runs"] if run["arm"] == "freeze"]
+    shares = [run["extra"]["gc_hook_cpu_s"] / run["train_cpu_s"] for run in runs]
+    lines = [
+        "### mnist1d-cnn: CPU inside GradientCache's hooks over training CPU, arm `freeze`",
+        "",
+        f"Per seed: {', '.join(f'{share:.2%}' for share in shares)}; median {statistics.median(shares):.2%}.",
+    ]
+    return result, "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--workloads", nargs="+", default=["mnist1d-cnn", "charlm"])
     parser.add_argument("--quick", action="store_true", help="a few steps per run, to check the script runs")
-    parser.add_argument("--study", choices=["thresholds"], help="run a side study instead of the main arms")
+    parser.add_argument(
+        "--study", choices=["thresholds", "lm", "overhead"], help="run a side study instead of the main arms"
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="--study lm: seeds run in this many processes")
     args = parser.parse_args()
+    if args.study == "overhead":
+        result, notes = study_overhead(tuple(args.seeds))
+        write_results(
+            [result], "gradient_cache_overhead", "python -m benchmarks.gradient_cache --study overhead", notes
+        )
+        return
+    if args.study == "lm":
+        result, notes = study_lm(tuple(args.seeds), args.jobs)
+        command = "python -m benchmarks.gradient_cache --study lm" + (
+            f" --jobs {args.jobs}" if args.jobs > 1 else ""
+        )
+        write_results([result], "gradient_cache_lm", command, notes=notes)
+        return
     if args.study == "thresholds":
         results, notes = study_thresholds(tuple(args.seeds))
         command = "python -m benchmarks.gradient_cache --study thresholds"

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from benchmarks.stability_guard import FaultInjector
 from lightning_pulse.callbacks.gradient_cache import GradientCache
 from lightning_pulse.callbacks.stability_guard import StabilityGuard
+from lightning_pulse.phase import Phase, PhaseChange
 from tests.conftest import trainer_kwargs
 
 # every unit counts as stable after one window: freeze at step 5, release at 25 for one window, refreeze at 30
@@ -122,3 +123,33 @@ def test_rollback_to_a_snapshot_from_before_the_first_backward_traces_the_units_
     assert refrozen and refrozen[0]["to"] == 3
     assert cache.benchmark_metrics()["gc_units"] == ["net.1", "net.3", "net.5", "net.8"]
     assert all(p.requires_grad for p in model.parameters())
+
+
+class AnnounceBurstResume(Callback):
+    """At step ``step`` tells GradientCache, as StabilityGuard does after a rollback, that the clock is in a
+    burst (reason ``"resume"``), then records which parameters train."""
+
+    def __init__(self, cache: GradientCache, step: int) -> None:
+        self.cache, self.step = cache, step
+        self.frozen_before: list[str] = []
+        self.trains_after: dict[str, bool] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        self.frozen_before = list(self.cache.frozen_units)
+        change = PhaseChange(None, Phase.BURST, 0, trainer.global_step, "resume")
+        self.cache.on_pulse_phase_change(trainer, pl_module, change)
+        self.trains_after = {name: p.requires_grad for name, p in pl_module.named_parameters()}
+
+
+def test_a_prefix_restored_into_a_burst_is_released_at_once(mnist1d_small):
+    # the clock does not roll back: a snapshot from a replay phase can come back while the clock is in a burst
+    model, data = mnist1d_small()
+    cache = GradientCache(**EAGER)
+    announce = AnnounceBurstResume(cache, step=10)
+    trainer = pl.Trainer(callbacks=[cache, announce], max_steps=12, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(model, data)
+    assert announce.frozen_before == ["net.1", "net.3", "net.5"]
+    assert all(announce.trains_after.values())
+    assert cache.events[-1] == {"step": 10, "from": 3, "to": 0, "reason": "phase:burst"}

@@ -25,6 +25,7 @@ from lightning_pulse.core.gradient_cache import (
     FreezeUnit,
     ModuleGradientCache,
     PrefixActivationCache,
+    StepReport,
     discover_units,
     order_units,
     record_gradient_order,
@@ -427,6 +428,15 @@ class GradientCache(Callback):
         if report.changed:
             self._record(trainer.global_step + 1, before, "check" if report.window_closed else "release")
             self._replan()
+        # the metrics dict is built only for steps that reach a logger
+        log_now = report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
+        if log_now and trainer.loggers and trainer.is_global_zero:
+            self._log(trainer, self._step_metrics(report))
+        self._step_skipped = 0.0
+        self.hook_cpu_s += time.process_time() - started
+
+    def _step_metrics(self, report: StepReport) -> dict[str, float]:
+        assert self.cache is not None
         metrics = {
             "frozen_share": report.frozen_share,
             "frozen_units": float(report.frozen_prefix),
@@ -444,10 +454,7 @@ class GradientCache(Callback):
             metrics["activation_hit_rate"] = self.activations.hit_rate
         if report.similarity_at_refresh is not None:
             metrics["similarity_at_refresh"] = report.similarity_at_refresh
-        self._step_skipped = 0.0
-        if report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
-            self._log(trainer, metrics)
-        self.hook_cpu_s += time.process_time() - started
+        return metrics
 
     def _in_freezing_span(self, step: int) -> bool:
         started = self._start_step is None or step >= self._start_step
@@ -600,9 +607,21 @@ class GradientCache(Callback):
             "gc_activation_hit_rate": self.activations.hit_rate if self.activations else None,
             "gc_activation_mb": self.activations.bytes_used / 2**20 if self.activations else 0.0,
             "gc_last_scores": {u.name: score for u, score in zip(cache.units, cache.scores)} if cache else {},
+            "gc_first_frozen_step": self._first_frozen_steps(),
             "gc_hook_cpu_s": self.hook_cpu_s,
             "gc_flop_measure_cpu_s": self.flop_measure_cpu_s,
         }
+
+    def _first_frozen_steps(self) -> dict[str, int]:
+        """The optimizer step at which each unit was first frozen (units never frozen are left out)."""
+        if self.cache is None:
+            return {}
+        names = [unit.name for unit in self.cache.units]
+        first: dict[str, int] = {}
+        for event in self.events:
+            for index in range(event["from"], event["to"]):
+                first.setdefault(names[index], int(event["step"]))
+        return first
 
 
 def check_strategy(trainer: pl.Trainer) -> None:

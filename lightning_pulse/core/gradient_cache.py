@@ -333,7 +333,8 @@ class ModuleGradientCache:
         used = [i for i, unit in enumerate(self.units) if unit.used]
         # the last unit that gets a gradient always trains, so the loss still requires grad
         self.freezable_limit = used[-1] if used else 0
-        self.trainable_numel = sum(unit.numel for unit in self.units)
+        self._unit_numel = [unit.numel for unit in self.units]  # units never change size within a run
+        self.trainable_numel = sum(self._unit_numel)
         self.steps = 0
         self.step_in_window = 0
         self.frozen = [False] * n
@@ -368,7 +369,7 @@ class ModuleGradientCache:
     @property
     def frozen_share(self) -> float:
         """Share of the trainable parameters that are frozen now."""
-        frozen = sum(unit.numel for unit, is_frozen in zip(self.units, self.frozen) if is_frozen)
+        frozen = sum(numel for numel, is_frozen in zip(self._unit_numel, self.frozen) if is_frozen)
         return frozen / self.trainable_numel if self.trainable_numel else 0.0
 
     @property
@@ -450,6 +451,8 @@ class ModuleGradientCache:
         return [p.detach().clone() for p in self.units[index].params]
 
     def _accumulate(self) -> None:
+        totals: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
         for i, unit in enumerate(self.units):
             if self.frozen[i] or not unit.used:
                 continue
@@ -457,9 +460,14 @@ class ModuleGradientCache:
             if sums is None:
                 sums = self.window_sum[i] = [torch.zeros_like(p, dtype=torch.float32) for p in unit.params]
             for total, param in zip(sums, unit.params):
-                if param.grad is not None:  # a parameter unused in this step's forward adds nothing
-                    total.add_(param.grad.detach().float())
+                grad = param.grad
+                if grad is not None:  # a parameter unused in this step's forward adds nothing
+                    totals.append(total)
+                    grads.append(grad.detach().float())
             self.window_count[i] += 1
+        if totals:
+            # one multi-tensor add instead of one small kernel launch per parameter (the same sums)
+            torch._foreach_add_(totals, grads)
 
     def _close_window(self) -> tuple[list[str], list[float]]:
         refreshed: list[str] = []
