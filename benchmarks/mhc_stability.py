@@ -14,7 +14,8 @@ iterations, to isolate what the truncated projection costs). Per run it records:
   over the first 5 (i.e. back above the untrained model);
 * training and validation loss, CPU time (harness), and training FLOPs per step (one counted step per arm).
 
-Run: ``python -m benchmarks.mhc_stability`` (about 7 CPU minutes; 12 wall minutes on the busy 2-core machine).
+Run: ``python -m benchmarks.mhc_stability`` (about 13 wall minutes on the busy 2-core machine), inside
+``flock /tmp/lp-bench.lock``: the CPU-ratio column is a timing.
 """
 
 from __future__ import annotations
