@@ -3,7 +3,9 @@
 Run: ``python -m benchmarks.gradient_cache`` (about 15 minutes of CPU on an idle core; ``--quick`` for a smoke
 run). Writes ``benchmarks/results/gradient_cache.json`` and ``.md``. ``--study thresholds`` (about 5 minutes)
 writes ``gradient_cache_thresholds.*``: three plasticity thresholds on the CNN, the CNN at constant LR, and
-the LM's per-unit plasticity scores.
+the LM's per-unit plasticity scores. ``--study lm --jobs 3`` (about 22 minutes on the shared machine) writes
+``gradient_cache_lm.*``: the 4-layer cosine-LR char LM against the LM target. ``--study overhead`` (run it
+under ``flock /tmp/lp-bench.lock``) writes ``gradient_cache_overhead.*``: the CPU inside the hooks on the CNN.
 
 Arms (the first is the baseline, all in one invocation, interleaved per seed):
 
