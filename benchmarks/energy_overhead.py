@@ -6,9 +6,10 @@ Two views of the same question:
   sampling thread and codecarbon's timer threads. Noisy at the 1% level on a shared machine, so it is
   reported beside the precise figure, not instead of it;
 * in-process: the CPU seconds (``time.thread_time``) spent in EnergyLogger's training-loop hooks plus the
-  CPU seconds its sampling thread spends reading the meters, as a share of the training CPU time (torch runs
-  on one thread, so training CPU time is step time). The thread holds the GIL while it reads, so its time is
-  an upper bound on what it takes from the training thread. CPU time, unlike wall time, does not depend on
+  CPU seconds its sampling thread spends reading the meters and codecarbon's own timer threads spend (its
+  tracker monitors power every second), as a share of the training CPU time (torch runs on one thread, so
+  training CPU time is step time). The threads hold the GIL while they run, so their time is an upper bound
+  on what they take from the training thread. CPU time, unlike wall time, does not depend on
   how busy the machine's other processes keep the cores. This is the "<= 1% of step time" figure.
   One-time costs (starting the meters at fit start, writing the report at the end) are reported
   separately: they do not grow with the run.
@@ -32,6 +33,7 @@ import statistics
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Callable
 
 from lightning.pytorch.callbacks import Callback
@@ -103,7 +105,8 @@ class FirstCallbackProbe(Callback):
 
 
 class TimedEnergyLogger(EnergyLogger):
-    """EnergyLogger that accumulates the thread CPU time of its hooks and of its sampling thread's readings."""
+    """EnergyLogger that accumulates the thread CPU time of its hooks, of its sampling thread's readings and
+    of codecarbon's own timer threads."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -111,6 +114,8 @@ class TimedEnergyLogger(EnergyLogger):
         self.once_seconds = 0.0
         self.thread_seconds = 0.0
         self.thread_readings = 0
+        self.timer_seconds = 0.0
+        self.timer_runs = 0
         self._lock = threading.Lock()
         _timed(self, LOOP_HOOKS, self._add_loop)
         _timed(self, ONCE_HOOKS, self._add_once)
@@ -141,6 +146,39 @@ class TimedEnergyLogger(EnergyLogger):
                     self.thread_readings += 1
 
         sampler.sample = timed_sample
+        self._time_codecarbon_timers()
+
+    def _time_codecarbon_timers(self) -> None:
+        """codecarbon's tracker runs timer threads of its own (a power monitor every second, whatever
+        ``measure_power_secs`` is): their CPU time is EnergyLogger's cost too, so it is timed as well.
+
+        The scheduler re-arms a ``threading.Timer`` on ``self._run`` at every firing; the timed ``_run`` stays a
+        method of the scheduler, so EnergyLogger still finds and joins those timers when it stops.
+        """
+        trackers = {}
+        for chain in self.chains:
+            tracker = getattr(getattr(chain.meter, "session", None), "tracker", None)
+            if tracker is not None:
+                trackers[id(tracker)] = tracker
+        for tracker in trackers.values():
+            for name in ("_scheduler", "_scheduler_monitor_power"):
+                scheduler = getattr(tracker, name, None)
+                if scheduler is None or not hasattr(scheduler, "_run"):
+                    continue
+
+                def timed_run(scheduler, _run=scheduler._run) -> None:
+                    start = time.thread_time()
+                    try:
+                        _run()
+                    finally:
+                        with self._lock:
+                            self.timer_seconds += time.thread_time() - start
+                            self.timer_runs += 1
+
+                scheduler._run = types.MethodType(timed_run, scheduler)
+                if not scheduler._stopped:  # re-arm, so the first firing is timed too
+                    scheduler.stop()
+                    scheduler.start()
 
     def benchmark_metrics(self) -> dict[str, float]:
         report = self.report or {}
@@ -149,6 +187,8 @@ class TimedEnergyLogger(EnergyLogger):
             "once_hook_seconds": self.once_seconds,
             "thread_seconds": self.thread_seconds,
             "thread_readings": self.thread_readings,
+            "codecarbon_timer_seconds": self.timer_seconds,
+            "codecarbon_timer_runs": self.timer_runs,
             "batches": self.ledger.buckets["total"].batches if self.ledger is not None else 0,
             "energy_kwh": (report.get("total") or {}).get("energy_kwh"),
             "cpu_meter": (report.get("meters") or {}).get("cpu", {}).get("meter"),
@@ -179,7 +219,10 @@ def overhead_rows(result: dict, arms: list[Arm]) -> list[str]:
             )
             continue
         hooks = [run["extra"]["loop_hook_seconds"] / run["train_cpu_s"] for run in runs]
-        thread = [run["extra"]["thread_seconds"] / run["train_cpu_s"] for run in runs]
+        thread = [
+            (run["extra"]["thread_seconds"] + run["extra"]["codecarbon_timer_seconds"]) / run["train_cpu_s"]
+            for run in runs
+        ]
         share = [h + t for h, t in zip(hooks, thread)]
         per_reading = [
             1000 * run["extra"]["thread_seconds"] / run["extra"]["thread_readings"]
@@ -249,8 +292,10 @@ def main() -> None:
     lines = [
         "EnergyLogger's CPU time as a share of training CPU time (torch on one thread, so training CPU time is",
         "step time), median over seeds. Loop hooks: its per-batch, per-epoch and validation hooks (also given",
-        "in microseconds per training batch, per-epoch work included); sampling thread: the meter readings of",
-        "its background thread. First callback: the timed no-op that every arm but one calls first (plain",
+        "in microseconds per training batch, per-epoch work included); background threads: the meter readings",
+        "of its sampling thread plus codecarbon's own timer threads (a power monitor every second); ms per reading",
+        "is the sampling thread's alone (a reading at an epoch end runs in the epoch-end hook, so it is in",
+        "the loop hooks). First callback: the timed no-op that every arm but one calls first (plain",
         "included); what it costs, a callback called first pays with or without EnergyLogger. In the",
         "'first callback' arm there is no probe, so EnergyLogger's hooks pay that too. One-time: starting the",
         "meters and writing the report, CPU s per fit. The end-to-end ratio (the harness's training CPU with /",
@@ -258,7 +303,7 @@ def main() -> None:
         "of a shared machine.",
         "",
         "| workload | arm | step CPU ms | first callback µs/batch | loop hooks µs/batch | loop hooks | "
-        "sampling thread | total share | readings | ms per reading | one-time s | end-to-end CPU ratio |",
+        "background threads | total share | readings | ms per reading | one-time s | end-to-end CPU ratio |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
