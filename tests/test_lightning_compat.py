@@ -74,3 +74,10 @@ def test_train_dataloader_hook_runs_before_the_first_pass_and_extra_batches_get_
     assert len(extra) == 2 and extra[0].shape[0] == 2
     remove()
     assert "process_dataloader" not in vars(trainer.strategy)
+
+
+def test_set_callback_metric_is_visible_through_the_public_callback_metrics():
+    trainer = pl.Trainer(**trainer_kwargs())
+    assert isinstance(trainer._logger_connector._callback_metrics, dict)
+    compat.set_callback_metric(trainer, "energy/total_kwh", 0.25)
+    assert float(trainer.callback_metrics["energy/total_kwh"]) == 0.25
