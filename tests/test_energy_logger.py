@@ -111,7 +111,10 @@ def test_fit_with_pulse_cycle_attributes_energy_to_every_phase(tmp_path, caplog,
     assert "kWh" in fit.progress_bar_callback.get_metrics(fit, fit.lightning_module)
 
     assert energy.energy_so_far_kwh() >= total["energy_kwh"] > 0
-    assert len(reader.values) == 24 and reader.values == sorted(reader.values) and reader.values[-1] > 0
+    # read every step and never decreasing; whether a reading of the sampling thread has landed before the
+    # last step depends on how fast this tiny fit runs, so positivity is asserted on the final figure above
+    # (mid-run growth between readings is tested on the ledger with a manual clock)
+    assert len(reader.values) == 24 and reader.values == sorted(reader.values)
     assert leftover_threads() == []
     assert "[codecarbon" not in capfd.readouterr().err
 
