@@ -347,6 +347,34 @@ def test_codecarbon_readings_between_flushes_are_extrapolated():
     meter.close()
 
 
+def test_codecarbon_reading_soon_after_the_start_flushes_instead_of_extrapolating_zero_power():
+    # a run shorter than `min_flush_interval` has no measured power to carry forward yet
+    session = CodecarbonSession(country_iso_code="DEU", min_flush_interval=0.5)
+    meter = CodecarbonMeter("cpu", session)
+    meter.start(0.0)
+    flushes = session.receiver.count
+    busy(0.05)
+    assert meter.read_joules(0.1) > 0
+    assert session.receiver.count == flushes + 1
+    meter.close()
+
+
+def test_codecarbon_flush_that_measured_nothing_new_keeps_the_last_power():
+    # codecarbon measures at most every 50 ms; a flush inside that window returns the same totals, which
+    # must not be read as an interval of zero power
+    session = CodecarbonSession(country_iso_code="DEU", min_flush_interval=0.0)
+    meter = CodecarbonMeter("ram", session)
+    meter.start(0.0)
+    busy(0.1)
+    first = meter.read_joules(1.0)
+    assert first > 0
+    session.tracker._last_measured_time = time.perf_counter() + 60.0  # codecarbon: "measured just now"
+    assert meter.read_joules(1.5) == pytest.approx(first * 1.5)  # the power of [0, 1] carried to 1.5
+    session.tracker._last_measured_time = time.perf_counter() - 1.0
+    assert meter.read_joules(2.0) > first
+    meter.close()
+
+
 def test_codecarbon_raising_inside_flush_becomes_a_fallback(monkeypatch):
     import codecarbon.external.ram as codecarbon_ram
 

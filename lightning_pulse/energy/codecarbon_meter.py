@@ -135,6 +135,7 @@ class CodecarbonSession:
         self._flush_now: float | None = None
         self._flushed = (0.0, 0.0)
         self._watts = (0.0, 0.0)
+        self._watts_known = False
         self._quiet: quiet_codecarbon | None = None
         self.hardware: dict[str, Any] = {}
 
@@ -168,12 +169,14 @@ class CodecarbonSession:
                 raise MeterError("codecarbon tracker is not running")
             if self._last_now is not None and abs(now - self._last_now) <= 1e-3:
                 return self._last_value
-            if self._flush_now is not None and 0 <= now - self._flush_now < self.min_flush_interval:
-                elapsed_h = (now - self._flush_now) / 3600.0
-                value = (
-                    self._flushed[0] + self._watts[0] * elapsed_h / 1000.0,
-                    self._flushed[1] + self._watts[1] * elapsed_h / 1000.0,
-                )
+            # extrapolation needs the power of one whole flush interval: right after the first flush there
+            # is none yet, and a run shorter than `min_flush_interval` must not end with zero energy
+            if (
+                self._watts_known
+                and self._flush_now is not None
+                and 0 <= now - self._flush_now < self.min_flush_interval
+            ):
+                value = self._extrapolated(now)
             else:
                 before = self.receiver.count
                 self.tracker.flush()
@@ -181,15 +184,31 @@ class CodecarbonSession:
                     self.error = "codecarbon's tracker raised inside flush() and returned no measurement"
                     raise MeterError(self.error)
                 value = (self.receiver.cpu_kwh, self.receiver.ram_kwh)
-                if self._flush_now is not None and now > self._flush_now:
-                    hours = (now - self._flush_now) / 3600.0
-                    self._watts = (
-                        max(value[0] - self._flushed[0], 0.0) * 1000.0 / hours,
-                        max(value[1] - self._flushed[1], 0.0) * 1000.0 / hours,
-                    )
-                self._flushed, self._flush_now = value, now
+                if self._flush_now is not None and value == self._flushed:
+                    # codecarbon measures at most every 50 ms (`_measure_power_and_energy_if_stale`): an
+                    # unchanged total is no measurement of this interval, so it neither sets the power nor
+                    # starts a new interval; the next flush covers the whole span
+                    if self._watts_known and now > self._flush_now:
+                        value = self._extrapolated(now)
+                else:
+                    if self._flush_now is not None and now > self._flush_now:
+                        hours = (now - self._flush_now) / 3600.0
+                        self._watts = (
+                            max(value[0] - self._flushed[0], 0.0) * 1000.0 / hours,
+                            max(value[1] - self._flushed[1], 0.0) * 1000.0 / hours,
+                        )
+                        self._watts_known = True
+                    self._flushed, self._flush_now = value, now
             self._last_now, self._last_value = now, value
             return value
+
+    def _extrapolated(self, now: float) -> tuple[float, float]:
+        """The last flushed totals carried forward to ``now`` with the power of the latest interval."""
+        elapsed_h = (now - self._flush_now) / 3600.0
+        return (
+            self._flushed[0] + self._watts[0] * elapsed_h / 1000.0,
+            self._flushed[1] + self._watts[1] * elapsed_h / 1000.0,
+        )
 
     def _start(self) -> None:
         from codecarbon import OfflineEmissionsTracker
