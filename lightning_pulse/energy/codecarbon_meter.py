@@ -134,8 +134,7 @@ class CodecarbonSession:
         self._last_value = (0.0, 0.0)
         self._flush_now: float | None = None
         self._flushed = (0.0, 0.0)
-        self._watts = (0.0, 0.0)
-        self._watts_known = False
+        self._watts: tuple[float, float] | None = None  # the power of the latest flush interval, once known
         self._quiet: quiet_codecarbon | None = None
         self.hardware: dict[str, Any] = {}
 
@@ -172,7 +171,7 @@ class CodecarbonSession:
             # extrapolation needs the power of one whole flush interval: right after the first flush there
             # is none yet, and a run shorter than `min_flush_interval` must not end with zero energy
             if (
-                self._watts_known
+                self._watts is not None
                 and self._flush_now is not None
                 and 0 <= now - self._flush_now < self.min_flush_interval
             ):
@@ -188,7 +187,7 @@ class CodecarbonSession:
                     # codecarbon measures at most every 50 ms (`_measure_power_and_energy_if_stale`): an
                     # unchanged total is no measurement of this interval, so it neither sets the power nor
                     # starts a new interval; the next flush covers the whole span
-                    if self._watts_known and now > self._flush_now:
+                    if self._watts is not None and now > self._flush_now:
                         value = self._extrapolated(now)
                 else:
                     if self._flush_now is not None and now > self._flush_now:
@@ -197,7 +196,6 @@ class CodecarbonSession:
                             max(value[0] - self._flushed[0], 0.0) * 1000.0 / hours,
                             max(value[1] - self._flushed[1], 0.0) * 1000.0 / hours,
                         )
-                        self._watts_known = True
                     self._flushed, self._flush_now = value, now
             self._last_now, self._last_value = now, value
             return value
