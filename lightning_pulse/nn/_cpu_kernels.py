@@ -1,0 +1,218 @@
+"""Fused CPU kernels for the mHC stream operations and Sinkhorn-Knopp, built from C at first use.
+
+The kernels (``_csrc/mhc_kernels.c``) are plain C with no torch headers: a build takes about a second with
+the system C compiler (``$CC``, else ``cc``/``gcc``), and the shared library is cached under
+``$LIGHTNING_PULSE_KERNEL_DIR`` (default ``~/.cache/lightning_pulse/kernels``), keyed by the source, the
+compiler, the flags and the CPU's feature flags (the build uses ``-march=native``). They are called through
+:mod:`ctypes`, which releases the GIL.
+
+Nothing here is required: when no compiler is found or the build fails, :func:`load` warns once and returns
+``None``, and the layers keep using their torch implementation. The kernels only take contiguous fp32/fp64
+CPU tensors; callers check :func:`usable` first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+_SOURCE = Path(__file__).parent / "_csrc" / "mhc_kernels.c"
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c99", "-fno-math-errno", "-pthread")
+_VARIANTS = {torch.float32: ("float", "_f32"), torch.float64: ("double", "_f64")}
+_SIZE = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+_lock = threading.Lock()
+_loaded: _Kernels | None = None
+_failed = False
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get("LIGHTNING_PULSE_KERNEL_DIR")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lightning_pulse" / "kernels"
+
+
+def _compiler() -> str | None:
+    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    return None
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's feature flags: a library built with ``-march=native`` must not be reused on a CPU lacking them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_fingerprint().encode()])
+    ).hexdigest()[:16]
+    directory = _cache_dir()
+    library = directory / f"mhc_kernels-{key}.so"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        objects = []
+        for scalar, suffix in _VARIANTS.values():
+            obj = Path(scratch) / f"kernels{suffix}.o"
+            subprocess.run(
+                [
+                    compiler,
+                    *_FLAGS,
+                    f"-DSCALAR={scalar}",
+                    f"-DSFX={suffix}",
+                    "-c",
+                    str(_SOURCE),
+                    "-o",
+                    str(obj),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            objects.append(str(obj))
+        built = Path(scratch) / "kernels.so"
+        subprocess.run(
+            [compiler, "-shared", "-pthread", *objects, "-o", str(built), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(built, library)  # atomic: a concurrent process sees the whole library or none
+    return library
+
+
+class _Kernels:
+    """The loaded library, with typed entry points per dtype."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions: dict[tuple[str, torch.dtype], object] = {}
+        signatures = {
+            "mix_forward": [_SIZE, _SIZE, _SIZE, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int],
+            "mix_backward": [
+                _SIZE,
+                _SIZE,
+                _SIZE,
+                _PTR,
+                _PTR,
+                _PTR,
+                _PTR,
+                _PTR,
+                _PTR,
+                _PTR,
+                _PTR,
+                ctypes.c_int,
+            ],
+            "sinkhorn_forward": [_SIZE, _SIZE, _SIZE, None, _PTR, _PTR, ctypes.c_int],
+            "sinkhorn_backward": [_SIZE, _SIZE, _SIZE, None, _PTR, _PTR, _PTR, ctypes.c_int],
+        }
+        for dtype, (scalar, suffix) in _VARIANTS.items():
+            scalar_type = ctypes.c_float if scalar == "float" else ctypes.c_double
+            for name, argtypes in signatures.items():
+                function = getattr(library, name + suffix)
+                function.argtypes = [scalar_type if t is None else t for t in argtypes]
+                function.restype = None
+                self._functions[(name, dtype)] = function
+
+    def _call(self, name: str, dtype: torch.dtype, *args: object) -> None:
+        self._functions[(name, dtype)](*args, torch.get_num_threads())
+
+    def mix_forward(self, pre: Tensor, res: Tensor, streams: Tensor) -> tuple[Tensor, Tensor]:
+        """``(P, n)``, ``(P, n, n)``, ``(P, n, C)`` -> ``H_pre x`` ``(P, C)`` and ``H_res x`` ``(P, n, C)``."""
+        positions, n, width = streams.shape
+        branch_input = streams.new_empty(positions, width)
+        mixed = torch.empty_like(streams)
+        self._call(
+            "mix_forward", streams.dtype, positions, n, width,
+            pre.data_ptr(), res.data_ptr(), streams.data_ptr(), branch_input.data_ptr(), mixed.data_ptr(),
+        )  # fmt: skip
+        return branch_input, mixed
+
+    def mix_backward(
+        self, pre: Tensor, res: Tensor, streams: Tensor, grad_branch_input: Tensor, grad_mixed: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients of :meth:`mix_forward` with respect to ``pre``, ``res`` and ``streams``."""
+        positions, n, width = streams.shape
+        grad_pre, grad_res = torch.empty_like(pre), torch.empty_like(res)
+        grad_streams = torch.empty_like(streams)
+        self._call(
+            "mix_backward", streams.dtype, positions, n, width,
+            pre.data_ptr(), res.data_ptr(), streams.data_ptr(), grad_branch_input.data_ptr(),
+            grad_mixed.data_ptr(), grad_pre.data_ptr(), grad_res.data_ptr(), grad_streams.data_ptr(),
+        )  # fmt: skip
+        return grad_pre, grad_res, grad_streams
+
+    def sinkhorn_forward(self, logits: Tensor, iters: int, min_shifted: float) -> Tensor:
+        """``(N, n, n)`` logits -> ``(N, n, n)`` Sinkhorn-Knopp output (see ``sinkhorn.py`` for the method)."""
+        count, n, _ = logits.shape
+        out = torch.empty_like(logits)
+        self._call(
+            "sinkhorn_forward", logits.dtype, count, n, iters, min_shifted, logits.data_ptr(), out.data_ptr()
+        )
+        return out
+
+    def sinkhorn_backward(self, logits: Tensor, grad: Tensor, iters: int, min_shifted: float) -> Tensor:
+        """Gradient of :meth:`sinkhorn_forward` with respect to the logits, through every iteration."""
+        count, n, _ = logits.shape
+        grad_logits = torch.empty_like(logits)
+        self._call(
+            "sinkhorn_backward", logits.dtype, count, n, iters, min_shifted,
+            logits.data_ptr(), grad.data_ptr(), grad_logits.data_ptr(),
+        )  # fmt: skip
+        return grad_logits
+
+
+def load() -> _Kernels | None:
+    """The fused kernels, built on first call; ``None`` (after one warning) where they cannot be built."""
+    global _loaded, _failed
+    if _loaded is not None or _failed:
+        return _loaded
+    with _lock:
+        if _loaded is not None or _failed:
+            return _loaded
+        compiler = _compiler()
+        try:
+            if compiler is None:
+                raise RuntimeError("no C compiler found ($CC, cc, gcc or clang)")
+            _loaded = _Kernels(ctypes.CDLL(str(_build(compiler))))
+        except (OSError, RuntimeError, subprocess.CalledProcessError, AttributeError) as error:
+            _failed = True
+            detail = getattr(error, "stderr", "") or str(error)
+            warnings.warn(
+                "lightning_pulse.nn: the fused CPU kernels could not be built, so mHC/HC layers use their "
+                f"(slower, equivalent) torch implementation. Reason: {detail.strip()[:500]}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return _loaded
+
+
+def usable(*tensors: Tensor) -> bool:
+    """Whether the kernels can take these tensors: contiguous, CPU, one fp32/fp64 dtype, outside tracing."""
+    dtype = tensors[0].dtype
+    if dtype not in _VARIANTS or torch.compiler.is_compiling():
+        return False
+    return all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
