@@ -61,6 +61,14 @@ LM_THRESHOLDS = (0.2, 0.3)
 # a schedule tied to the LR instead of a stability test: freeze whatever is fresh once the cosine schedule is
 # at 80% of the run (LR below a fifth of its peak), as deep as max_frozen_share allows
 LM_FORCED_FROM = 0.8
+# FreezeOut (Brock et al. 2017): per-unit cosine LR annealing to zero, then a permanent freeze. Chosen on seed 0
+# (exploration in the docs): the paper's schedule from step 0 with its LR scaling at the target's saving
+# (t0 0.7 cubic: 27%), and the same spacing started late, where the LR has decayed (from 50%: 25%; from 70%: 15%)
+LM_FREEZEOUT = (
+    ("freezeout t0=0.7 cubic +LR scaling", {"t0": 0.7, "scaling": "cubic", "scale_lr": True}),
+    ("freezeout from 50%, t0=0.3 cubic", {"t0": 0.3, "scaling": "cubic", "start_at": 0.5}),
+    ("freezeout from 70%, t0=0.3 cubic", {"t0": 0.3, "scaling": "cubic", "start_at": 0.7}),
+)
 
 
 def arms_for(workload: str) -> list[Arm]:
@@ -172,6 +180,8 @@ def lm_arms() -> list[Arm]:
             callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=LM_FORCED_FROM)],
         )
     )
+    for name, kwargs in LM_FREEZEOUT:
+        arms.append(Arm(name, callbacks=lambda seed, kw=kwargs: [GradientCache(schedule="freezeout", **kw)]))
     return arms
 
 

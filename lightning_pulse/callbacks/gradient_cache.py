@@ -20,6 +20,8 @@ from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import phase_of
 from lightning_pulse.core.gradient_cache import (
+    SCALINGS,
+    SCHEDULES,
     BackwardFlopLedger,
     CacheSettings,
     FreezeUnit,
@@ -27,6 +29,8 @@ from lightning_pulse.core.gradient_cache import (
     PrefixActivationCache,
     StepReport,
     discover_units,
+    freezeout_factor,
+    freezeout_points,
     order_units,
     record_gradient_order,
 )
@@ -64,6 +68,17 @@ class GradientCache(Callback):
     units; the DDP strategy must be built with ``find_unused_parameters=True`` because frozen parameters
     drop out of the autograd graph, and must not use ``static_graph``.
 
+    ``schedule="freezeout"`` replaces the stability test by FreezeOut's schedule (Brock et al. 2017): unit ``i``
+    of the ``m`` freezable units gets the point ``t_i = (t0 + (1 - t0) * i / m) ** p`` (``p`` = 1, 2, 3 for
+    ``scaling`` linear, squared, cubic) of the span from ``start_at`` to the end of the run; its learning rate
+    is multiplied by ``0.5 * (1 + cos(pi * progress / t_i))`` over that span and it is frozen for good when the
+    factor reaches zero, so freezing never jolts the loss. The factor multiplies whatever the user's optimizer
+    and scheduler chose: the callback scales the unit's parameter update after each ``optimizer.step()``
+    (``theta <- theta_before + factor * (theta_after - theta_before)``), which equals scaling that unit's
+    learning rate for optimizers whose state does not depend on the learning rate (SGD with or without
+    momentum, Adam, AdamW, RMSprop, ...), and leaves the user's module and optimizer untouched. The points are
+    fixed by the step count, so every DDP rank and every resumed run makes the same decisions.
+
     With a :class:`~lightning_pulse.StabilityGuard` in the Trainer the caches, timers and frozen set roll
     back with the model (``restore_on_rollback``): ``load_state_dict`` called during training applies at once.
 
@@ -89,8 +104,9 @@ class GradientCache(Callback):
         phases: the pulse phases in which units may be frozen.
         start_at: no freezing before this point (a warm-up): an ``int`` optimizer step, or a ``float`` share of
             the run's optimizer steps in [0, 1]. ``None``: from the start (the first check needs two windows).
+            With ``schedule="freezeout"``: where the per-unit annealing starts (``None``: step 0, the paper).
         release_at: from this point on nothing is frozen: an ``int`` optimizer step, or a ``float`` share of
-            the run's optimizer steps in [0, 1]. ``None``: never.
+            the run's optimizer steps in [0, 1]. ``None``: never. Not with ``schedule="freezeout"``.
         units: explicit units as qualified module or parameter names, in forward order is not required (the
             order is traced). ``None`` finds them automatically.
         min_units: the automatic split expands the largest module until there are this many units.
@@ -102,6 +118,16 @@ class GradientCache(Callback):
             every visit (no random augmentation; checked once per freeze, and the cache switches itself off on
             a mismatch); modules with dropout or batch norm in training mode are not cached. Not with
             ``frozen_update='cached'``, where frozen modules move.
+        schedule: ``"adaptive"`` (freeze the units that pass the ``measure`` test, release them to refresh) or
+            ``"freezeout"`` (anneal each unit's learning rate to zero on its own cosine and freeze it for good
+            then; ``measure``, ``threshold``, ``freeze_for`` and ``phases`` no longer decide anything). FreezeOut
+            needs ``mode="freeze"``, ``frozen_update`` ``None``/``"none"``, no ``release_at``, and a run of known
+            length (``max_epochs`` or ``max_steps``).
+        t0: FreezeOut: where the first unit stops, before ``scaling`` (cubic 0.5 stops it at 12.5% of the
+            span), in (0, 1).
+        scaling: FreezeOut: ``"linear"``, ``"squared"`` or ``"cubic"`` spacing of the freeze points.
+        scale_lr: FreezeOut: multiply unit ``i``'s factor by ``1 / t_i`` from the start of the annealing span
+            (the paper's LR scaling, so early units do not lose most of their learning), up to ``1 / t0 ** p``.
 
     Raises:
         ValueError: at construction, naming the field, for an unknown ``measure``/``mode``/``frozen_update``
@@ -147,6 +173,10 @@ class GradientCache(Callback):
         min_units: int = 8,
         measure_flops: bool = True,
         activation_cache_mb: float = 0.0,
+        schedule: str = "adaptive",
+        t0: float = 0.5,
+        scaling: str = "cubic",
+        scale_lr: bool = False,
     ) -> None:
         super().__init__()
         self.settings = CacheSettings(
@@ -193,6 +223,34 @@ class GradientCache(Callback):
                 f"`activation_cache_mb`={activation_cache_mb!r} needs frozen units that stand still, but "
                 f"`frozen_update` is 'cached' (mode={mode!r}); set `activation_cache_mb=0` or `frozen_update='none'`."
             )
+        if schedule not in SCHEDULES:
+            raise ValueError(f"`schedule`={schedule!r} is not one of {list(SCHEDULES)}.")
+        if isinstance(t0, bool) or not isinstance(t0, (int, float)) or not 0.0 < t0 < 1.0:
+            raise ValueError(f"`t0`={t0!r} must be a number in (0, 1).")
+        if scaling not in SCALINGS:
+            raise ValueError(f"`scaling`={scaling!r} is not one of {list(SCALINGS)}.")
+        if not isinstance(scale_lr, bool):
+            raise ValueError(f"`scale_lr`={scale_lr!r} must be a bool.")
+        if schedule == "freezeout":
+            if mode != "freeze":
+                raise ValueError(
+                    f"`mode`={mode!r} contradicts `schedule`='freezeout', which freezes annealed units for good; "
+                    "use `mode`='freeze'."
+                )
+            if self.settings.effective_frozen_update != "none":
+                raise ValueError(
+                    f"`frozen_update`={frozen_update!r} contradicts `schedule`='freezeout': an annealed unit's "
+                    "learning rate is zero when it freezes; leave it None or 'none'."
+                )
+            if release_at is not None:
+                raise ValueError(
+                    f"`release_at`={release_at!r} is not allowed with `schedule`='freezeout', whose units stay "
+                    "frozen once their learning rate reached zero; leave it None."
+                )
+        self.schedule = schedule
+        self.t0 = float(t0)
+        self.scaling = scaling
+        self.scale_lr = scale_lr
         self.phases = tuple(Phase(name) for name in phases)
         self.start_at = start_at
         self.release_at = release_at
@@ -211,6 +269,14 @@ class GradientCache(Callback):
         self._trace: AbstractContextManager[list[str]] | None = None
         self._trace_order: list[str] | None = None
         self._flop_context: AbstractContextManager[None] | None = None
+        # FreezeOut: each freezable unit's stop step, the annealing start, the hooks on optimizer.step(), and
+        # the (parameter, value before the step, factor) of the annealing units for the step in progress
+        self.freeze_steps: list[float] = []
+        self._anneal_start = 0.0
+        self._total_steps = 0.0
+        self._step_hooks: list[Any] = []
+        self._before_step: list[tuple[list[torch.Tensor], list[torch.Tensor], float]] = []
+        self.anneal_factor = 1.0  # FreezeOut: the smallest factor of a unit still training, last step
         self._phase_enabled = True
         self._start_step: int | None = None
         self._release_step: int | None = None
@@ -253,6 +319,8 @@ class GradientCache(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start_step = self._resolve_step(trainer, "start_at", self.start_at)
         self._release_step = self._resolve_step(trainer, "release_at", self.release_at)
+        if self.schedule == "freezeout":
+            self._start_freezeout(trainer)
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
         self._setup_activation_cache(trainer, pl_module)
         named = {name: p for name, p in pl_module.named_parameters() if p.requires_grad}
@@ -336,6 +404,66 @@ class GradientCache(Callback):
                 "int step instead."
             )
         return int(round(point * total))
+
+    # ------------------------------------------------------------------ FreezeOut
+    def _start_freezeout(self, trainer: pl.Trainer) -> None:
+        total = float(trainer.estimated_stepping_batches)
+        if not math.isfinite(total):
+            raise ValueError(
+                "`schedule`='freezeout' anneals every unit to zero before the end of the run, which needs a finite "
+                "max_steps or max_epochs."
+            )
+        self._total_steps = total
+        self._anneal_start = float(self._start_step or 0)
+        self.freeze_steps = []  # filled once the units are in forward order (first backward or a restore)
+        self._remove_step_hooks()
+        self._step_hooks = [opt.register_step_post_hook(self._scale_update) for opt in trainer.optimizers]
+
+    def _plan_freezeout(self) -> None:
+        assert self.cache is not None
+        span = max(self._total_steps - self._anneal_start, 0.0)
+        points = freezeout_points(self.cache.schedulable_prefix, self.t0, self.scaling)
+        self.freeze_steps = [self._anneal_start + span * point for point in points]
+
+    def _freezeout_prefix(self, step: int) -> int:
+        """How many leading units are frozen during optimizer step ``step`` (0-based)."""
+        count = 0
+        while count < len(self.freeze_steps) and self.freeze_steps[count] <= step:
+            count += 1
+        return count
+
+    def _remember_annealing_units(self, step: int) -> None:
+        """Before the update of step ``step``: keep the parameters of every unit whose factor is below 1."""
+        assert self.cache is not None
+        self._before_step = []
+        factors = []
+        span = max(self._total_steps - self._anneal_start, 1.0)
+        for unit, frozen, stop in zip(self.cache.units, self.cache.frozen, self.freeze_steps):
+            factor = freezeout_factor(step, self._anneal_start, stop)
+            if self.scale_lr and step >= self._anneal_start:
+                # FreezeOut's LR scaling: a unit that stops at share p of the span starts at 1/p of the LR
+                factor *= span / max(stop - self._anneal_start, 1.0)
+            if frozen or factor == 1.0:
+                continue
+            factors.append(factor)
+            params = [p for p in unit.params if p.grad is not None]
+            if params:
+                self._before_step.append((params, [p.detach().clone() for p in params], factor))
+        self.anneal_factor = min(factors, default=1.0)
+
+    @torch.no_grad()
+    def _scale_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # theta <- factor * theta_after + (1 - factor) * theta_before: the unit's update times its factor
+        before_step, self._before_step = self._before_step, []
+        for params, before, factor in before_step:
+            torch._foreach_mul_(params, factor)
+            torch._foreach_add_(params, before, alpha=1.0 - factor)
+
+    def _remove_step_hooks(self) -> None:
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
+        self._before_step = []
 
     # ------------------------------------------------------------------ forward and backward
     @override
@@ -424,9 +552,17 @@ class GradientCache(Callback):
                 return list(strategy.broadcast(flags, src=0))
 
         before = self.cache.frozen_prefix
-        report = self.cache.after_backward(enabled_next, agree)
+        target = None
+        if self.schedule == "freezeout":
+            if not self.freeze_steps:
+                self._plan_freezeout()
+            step = trainer.global_step
+            self._remember_annealing_units(step)
+            enabled_next, target = True, self._freezeout_prefix(step + 1)
+        report = self.cache.after_backward(enabled_next, agree, target)
         if report.changed:
-            self._record(trainer.global_step + 1, before, "check" if report.window_closed else "release")
+            reason = "freezeout" if target is not None else "check" if report.window_closed else "release"
+            self._record(trainer.global_step + 1, before, reason)
             self._replan()
         # the metrics dict is built only for steps that reach a logger
         log_now = report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
@@ -447,6 +583,8 @@ class GradientCache(Callback):
             share = self.ledger.skipped_share
             if share is not None:
                 metrics["backward_flops_skipped_share"] = share
+        if self.schedule == "freezeout":
+            metrics["anneal_factor"] = self.anneal_factor
         hit_rate = self.cache.cache_hit_rate
         if hit_rate is not None:
             metrics["cache_hit_rate"] = hit_rate
@@ -464,9 +602,11 @@ class GradientCache(Callback):
     def on_pulse_phase_change(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange
     ) -> None:
-        """Release everything when a burst starts; freeze the last stable prefix when a light phase starts."""
+        """Release everything when a burst starts; freeze the last stable prefix when a light phase starts.
+
+        FreezeOut's schedule ignores phases."""
         self._phase_enabled = change.current in self.phases
-        if self.cache is None:
+        if self.cache is None or self.schedule == "freezeout":
             return
         before = self.cache.frozen_prefix
         enabled = self._phase_enabled and self._in_freezing_span(trainer.global_step)
@@ -486,6 +626,7 @@ class GradientCache(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_refs = None
+        self._remove_step_hooks()
         self._close_contexts()
         if self._tracker is not None:
             type(self._tracker).uninstall(trainer.train_dataloader)
@@ -498,6 +639,7 @@ class GradientCache(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._fit_refs = None
+        self._remove_step_hooks()
         self._close_contexts()
         if self.cache is not None:
             self.cache.restore_requires_grad()
@@ -540,6 +682,7 @@ class GradientCache(Callback):
     def _load_mid_run(self, state: dict[str, Any]) -> None:
         trainer, pl_module = self._fit_refs  # type: ignore[misc]
         self._close_contexts()
+        self._before_step = []  # a rollback between the snapshot and the update must not blend old weights in
         before = self.cache.frozen_prefix if self.cache is not None else 0
         cache_state = state["cache"]
         if self.cache is not None:
@@ -608,6 +751,9 @@ class GradientCache(Callback):
             "gc_activation_mb": self.activations.bytes_used / 2**20 if self.activations else 0.0,
             "gc_last_scores": {u.name: score for u, score in zip(cache.units, cache.scores)} if cache else {},
             "gc_first_frozen_step": self._first_frozen_steps(),
+            "gc_freeze_steps": {unit.name: stop for unit, stop in zip(cache.units, self.freeze_steps)}
+            if cache
+            else {},
             "gc_hook_cpu_s": self.hook_cpu_s,
             "gc_flop_measure_cpu_s": self.flop_measure_cpu_s,
         }

@@ -35,6 +35,8 @@ MEASURES = ("cosine", "norm_change", "plasticity")
 DEFAULT_THRESHOLDS = {"cosine": 0.5, "norm_change": 0.2, "plasticity": 0.2}
 FROZEN_UPDATES = ("none", "cached")
 MODES = ("freeze", "stale_replay")
+SCHEDULES = ("adaptive", "freezeout")
+SCALINGS = {"linear": 1, "squared": 2, "cubic": 3}
 STATE_VERSION = 1
 
 
@@ -285,6 +287,33 @@ def relative_parameter_change(params: Sequence[torch.Tensor], snapshot: Sequence
     return moved / reference if reference > 0 else (math.inf if moved > 0 else 0.0)
 
 
+# ---------------------------------------------------------------------------------------------------- FreezeOut
+def freezeout_points(count: int, t0: float, scaling: str) -> list[float]:
+    """FreezeOut's freeze points (Brock et al. 2017) of ``count`` units in forward order, as shares in (0, 1].
+
+    ``t_i = (t0 + (1 - t0) * i / count) ** p`` with ``p`` = 1, 2, 3 for ``scaling`` linear, squared, cubic:
+    the first unit stops at ``t0 ** p`` of the annealing span, later ones evenly (in ``t ** (1/p)``) after it;
+    the unit after the last one (the first that always trains) would get 1, the end of the run.
+    """
+    if scaling not in SCALINGS:
+        raise ValueError(f"`scaling`={scaling!r} is not one of {list(SCALINGS)}.")
+    power = SCALINGS[scaling]
+    return [(t0 + (1.0 - t0) * i / count) ** power for i in range(count)]
+
+
+def freezeout_factor(step: float, start: float, stop: float) -> float:
+    """The learning-rate factor of a unit annealed from ``start`` to ``stop`` (optimizer steps).
+
+    ``0.5 * (1 + cos(pi * (step - start) / (stop - start)))``: 1 until ``start``, a half cosine down to 0 at
+    ``stop``, 0 after (the unit is frozen from ``stop`` on).
+    """
+    if step <= start:
+        return 1.0
+    if step >= stop:
+        return 0.0
+    return 0.5 * (1.0 + math.cos(math.pi * (step - start) / (stop - start)))
+
+
 # ---------------------------------------------------------------------------------------------------- the cache
 @dataclass
 class StepReport:
@@ -373,6 +402,18 @@ class ModuleGradientCache:
         return frozen / self.trainable_numel if self.trainable_numel else 0.0
 
     @property
+    def schedulable_prefix(self) -> int:
+        """The longest prefix that may ever be frozen: used units before the last one, within
+        ``max_frozen_share`` of the trainable parameters."""
+        budget = self.settings.max_frozen_share * self.trainable_numel
+        frozen_numel = 0
+        for i in range(self.freezable_limit):
+            if not self.units[i].used or frozen_numel + self._unit_numel[i] > budget:
+                return i
+            frozen_numel += self._unit_numel[i]
+        return self.freezable_limit
+
+    @property
     def staleness(self) -> int:
         """Steps since the oldest cache of a frozen unit was last checked against fresh gradients (0 if none)."""
         ages = [self.steps - (self.validated_at[i] or 0) for i in range(len(self.units)) if self.frozen[i]]
@@ -395,7 +436,10 @@ class ModuleGradientCache:
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def after_backward(
-        self, enabled: bool, agree: Callable[[list[bool]], list[bool]] | None = None
+        self,
+        enabled: bool,
+        agree: Callable[[list[bool]], list[bool]] | None = None,
+        target: int | None = None,
     ) -> StepReport:
         """Account one optimizer step whose gradients are final; maybe check caches and move the prefix.
 
@@ -404,6 +448,9 @@ class ModuleGradientCache:
                 release point): then the prefix is released.
             agree: maps this process's stable flags to the flags every process uses (DDP: rank 0's, by
                 broadcast). Called at every window end, on every process.
+            target: a prefix length fixed by a schedule (FreezeOut) instead of the stability test: applied at
+                once, at every step, capped at :attr:`schedulable_prefix`. The windows and scores are still
+                kept, for the metrics.
         """
         frozen_during_backward = [i for i, is_frozen in enumerate(self.frozen) if is_frozen]
         report = StepReport(frozen_share=self.frozen_share)
@@ -418,9 +465,12 @@ class ModuleGradientCache:
                 report.similarity_at_refresh = sum(similarities) / len(similarities)
             if agree is not None:
                 self.stable = [bool(flag) for flag in agree(list(self.stable))]
-            report.changed = self._set_prefix(self._propose(enabled))
+            if target is None:
+                report.changed = self._set_prefix(self._propose(enabled))
             self.step_in_window = 0
-        elif not enabled and any(self.frozen):
+        if target is not None:
+            report.changed = self._set_prefix(min(target, self.schedulable_prefix) if enabled else 0)
+        elif not report.window_closed and not enabled and any(self.frozen):
             report.changed = self._set_prefix(0)
         self._fill_frozen_gradients(frozen_during_backward)
         report.frozen_prefix = self.frozen_prefix
