@@ -16,7 +16,7 @@ from lightning_pulse.nn import (
     expand_streams,
     sinkhorn_knopp,
 )
-from lightning_pulse.nn.hyper_connections import _MixStreams
+from lightning_pulse.nn.hyper_connections import _AddBranch, _MixStreams
 from lightning_pulse.nn.sinkhorn import _FusedSinkhornKnopp
 
 
@@ -43,6 +43,15 @@ def test_fused_mixing_and_sinkhorn_match_numerical_gradients_in_double_precision
                 _leaf(generator, positions, n),
                 _leaf(generator, positions, n, n),
                 _leaf(generator, positions, n, width),
+            ),
+        )
+        # _AddBranch writes into its first input, so each evaluation gets a fresh copy of it
+        assert torch.autograd.gradcheck(
+            lambda mixed, post, branch_output: _AddBranch.apply(mixed.clone(), post, branch_output, kernels),
+            (
+                _leaf(generator, positions, n, width),
+                _leaf(generator, positions, n),
+                _leaf(generator, positions, width),
             ),
         )
     # 19 matrices: one full block of 16 and a partial one
@@ -126,6 +135,7 @@ def test_threads_split_positions_without_changing_results(kernels):
                 (
                     *kernels.mix_forward(pre, res, streams),
                     *kernels.mix_backward(pre, res, streams, grad_input, grad_mixed),
+                    *kernels.add_branch_backward(pre, grad_input, grad_mixed),
                     kernels.sinkhorn_forward(logits, 20, -60.0),
                     kernels.sinkhorn_backward(logits, logits.cos(), 20, -60.0),
                 )

@@ -373,7 +373,7 @@ def test_hand_written_backwards_match_numerical_gradients_in_double_precision():
     )
     # _AddBranch writes into its first input, so each evaluation gets a fresh copy of it
     assert torch.autograd.gradcheck(
-        lambda mixed, post, branch_output: _AddBranch.apply(mixed.clone(), post, branch_output),
+        lambda mixed, post, branch_output: _AddBranch.apply(mixed.clone(), post, branch_output, None),
         (leaf(positions, n, width), leaf(positions, n), leaf(positions, width)),
     )
     # both outputs count: the projection and the streams passed through (whose gradient it adds to)

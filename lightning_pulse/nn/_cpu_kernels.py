@@ -126,6 +126,7 @@ class _Kernels:
                 _PTR,
                 ctypes.c_int,
             ],
+            "add_branch_backward": [_SIZE, _SIZE, _SIZE, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int],
             "sinkhorn_forward": [_SIZE, _SIZE, _SIZE, None, _PTR, _PTR, ctypes.c_int],
             "sinkhorn_backward": [_SIZE, _SIZE, _SIZE, None, _PTR, _PTR, _PTR, ctypes.c_int],
         }
@@ -164,6 +165,17 @@ class _Kernels:
             grad_mixed.data_ptr(), grad_pre.data_ptr(), grad_res.data_ptr(), grad_streams.data_ptr(),
         )  # fmt: skip
         return grad_pre, grad_res, grad_streams
+
+    def add_branch_backward(self, post: Tensor, branch_output: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """Gradients of ``mixed + post^T F`` with respect to ``post`` ``(P, n)`` and ``F`` ``(P, C)``."""
+        positions, n, width = grad.shape
+        grad_post, grad_branch_output = torch.empty_like(post), torch.empty_like(branch_output)
+        self._call(
+            "add_branch_backward", grad.dtype, positions, n, width,
+            post.data_ptr(), branch_output.data_ptr(), grad.data_ptr(),
+            grad_post.data_ptr(), grad_branch_output.data_ptr(),
+        )  # fmt: skip
+        return grad_post, grad_branch_output
 
     def sinkhorn_forward(self, logits: Tensor, iters: int, min_shifted: float) -> Tensor:
         """``(N, n, n)`` logits -> ``(N, n, n)`` Sinkhorn-Knopp output (see ``sinkhorn.py`` for the method)."""

@@ -229,20 +229,23 @@ class _AddBranch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, mixed: Tensor, post: Tensor, branch_output: Tensor) -> Tensor:
+    def forward(ctx: Any, mixed: Tensor, post: Tensor, branch_output: Tensor, kernels: Any) -> Tensor:
         ctx.mark_dirty(mixed)
         ctx.save_for_backward(post, branch_output)
+        ctx.kernels = kernels
         mixed.addcmul_(post.unsqueeze(-1), branch_output.unsqueeze(1))
         return mixed  # the dirty input itself, as torch.compile requires of mark_dirty
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         post, branch_output = ctx.saved_tensors
         grad = grad.contiguous()
+        if ctx.kernels is not None and _cpu_kernels.usable(post, branch_output, grad):
+            return grad, *ctx.kernels.add_branch_backward(post, branch_output, grad), None
         grad_post = torch.bmm(grad, branch_output.unsqueeze(-1)).squeeze(-1)
         grad_branch_output = torch.bmm(post.unsqueeze(1), grad).squeeze(1)
-        return grad, grad_post, grad_branch_output
+        return grad, grad_post, grad_branch_output, None
 
 
 class HyperConnection(nn.Module):
@@ -410,7 +413,7 @@ class HyperConnection(nn.Module):
         with torch.autocast(device_type=matrices.device.type, enabled=False):
             branch_output = branch_output.reshape(-1, self.dim).to(matrices.dtype)
             # H_res x_l + H_post^T F(H_pre x_l): batched over positions, no loop over streams
-            out = _AddBranch.apply(mixed, post, branch_output)
+            out = _AddBranch.apply(mixed, post, branch_output, kernels)
         out = out.view(*positions, self.n_streams, self.dim)
         if not channels_last:
             out = out.movedim((-2, -1), (axis, axis + 1))

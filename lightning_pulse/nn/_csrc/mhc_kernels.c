@@ -17,6 +17,7 @@
  *
  * Positions are split over `threads` POSIX threads (the caller passes torch's intra-op thread count).
  */
+#define _POSIX_C_SOURCE 200112L /* posix_memalign */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -235,6 +236,69 @@ void NAME(mix_backward)(int64_t P, int64_t n, int64_t C, const SCALAR *pre, cons
     NAME(parallel_range)(NAME(mix_backward_range), &a, P, threads, 64);
 }
 
+/* ------------------------------------------------------------------ adding the branch, backward
+ * out[p][i] = mixed[p][i] + post[p][i] F[p]; with g = dL/d out (P, n, C):
+ * grad_post[p][i] = <g[p][i], F[p]>,   grad_F[p] = sum_i post[p][i] g[p][i]
+ * (the gradient of `mixed` is g itself, passed through by the caller). One read of g for both.
+ */
+typedef struct {
+    int64_t n, C;
+    const SCALAR *post, *branch_output, *grad;
+    SCALAR *grad_post, *grad_branch_output;
+} NAME(add_bwd_args);
+
+static void NAME(add_branch_backward_range)(void *raw, int64_t begin, int64_t end) {
+    NAME(add_bwd_args) *a = (NAME(add_bwd_args) *)raw;
+    const int64_t n = a->n, C = a->C;
+    for (int64_t p = begin; p < end; ++p) {
+        const SCALAR *restrict g = a->grad + p * n * C;
+        const SCALAR *restrict f = a->branch_output + p * C;
+        const SCALAR *post = a->post + p * n;
+        SCALAR *restrict gf = a->grad_branch_output + p * C;
+        if (n == 4 && C % LANES == 0) {
+            const SCALAR *restrict g0 = g, *restrict g1 = g + C, *restrict g2 = g + 2 * C, *restrict g3 = g + 3 * C;
+            const SCALAR w0 = post[0], w1 = post[1], w2 = post[2], w3 = post[3];
+            SCALAR a0[LANES] = {0}, a1[LANES] = {0}, a2[LANES] = {0}, a3[LANES] = {0};
+            for (int64_t c0 = 0; c0 < C; c0 += LANES)
+                for (int k = 0; k < LANES; ++k) {
+                    const int64_t c = c0 + k;
+                    const SCALAR v = f[c];
+                    a0[k] += g0[c] * v;
+                    a1[k] += g1[c] * v;
+                    a2[k] += g2[c] * v;
+                    a3[k] += g3[c] * v;
+                    gf[c] = w0 * g0[c] + w1 * g1[c] + w2 * g2[c] + w3 * g3[c];
+                }
+            SCALAR s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            for (int k = 0; k < LANES; ++k) {
+                s0 += a0[k];
+                s1 += a1[k];
+                s2 += a2[k];
+                s3 += a3[k];
+            }
+            SCALAR *gp = a->grad_post + p * 4;
+            gp[0] = s0;
+            gp[1] = s1;
+            gp[2] = s2;
+            gp[3] = s3;
+            continue;
+        }
+        for (int64_t i = 0; i < n; ++i) a->grad_post[p * n + i] = NAME(dot)(g + i * C, f, C);
+        for (int64_t c = 0; c < C; ++c) gf[c] = post[0] * g[c];
+        for (int64_t i = 1; i < n; ++i) {
+            const SCALAR w = post[i];
+            const SCALAR *restrict gi = g + i * C;
+            for (int64_t c = 0; c < C; ++c) gf[c] += w * gi[c];
+        }
+    }
+}
+
+void NAME(add_branch_backward)(int64_t P, int64_t n, int64_t C, const SCALAR *post, const SCALAR *branch_output,
+                               const SCALAR *grad, SCALAR *grad_post, SCALAR *grad_branch_output, int threads) {
+    NAME(add_bwd_args) a = {n, C, post, branch_output, grad, grad_post, grad_branch_output};
+    NAME(parallel_range)(NAME(add_branch_backward_range), &a, P, threads, 64);
+}
+
 /* ------------------------------------------------------------------ Sinkhorn-Knopp
  * Same arithmetic as the torch path in sinkhorn.py: shift each matrix by its max, floor the shifted logits at
  * min_shifted, exp, then `iters` rounds of "divide each column by its sum, then each row by its sum".
@@ -246,6 +310,10 @@ void NAME(mix_backward)(int64_t P, int64_t n, int64_t C, const SCALAR *pre, cons
  * and the floor get no gradient, as in the torch path).
  */
 #define BLOCK 16
+/* BLOCK lanes as one GCC/Clang generic vector: the arithmetic below is explicitly lane-wise, so it compiles
+ * to vector instructions without relying on the auto-vectoriser (which gives up on these short loop nests) */
+typedef SCALAR NAME(lanes_t) __attribute__((vector_size(BLOCK * sizeof(SCALAR))));
+#define LANES_T NAME(lanes_t)
 
 typedef struct {
     int64_t n, iters;
@@ -254,61 +322,62 @@ typedef struct {
     SCALAR *out;
 } NAME(sinkhorn_args);
 
-/* block-transposed load: dst[e * BLOCK + l] = src[(l) * nn + e]; idle lanes get ones (harmless) */
-static void NAME(load_block)(int64_t nn, int64_t count, const SCALAR *src, SCALAR *dst) {
-    for (int64_t e = 0; e < nn; ++e)
-        for (int64_t l = 0; l < BLOCK; ++l) dst[e * BLOCK + l] = l < count ? src[l * nn + e] : (SCALAR)1;
+static LANES_T *NAME(alloc_lanes)(int64_t count) {
+    void *memory = NULL;
+    return posix_memalign(&memory, 64, sizeof(LANES_T) * (size_t)count) == 0 ? (LANES_T *)memory : NULL;
 }
 
-static void NAME(store_block)(int64_t nn, int64_t count, const SCALAR *src, SCALAR *dst) {
+/* block-transposed load: dst[e][l] = src[l * nn + e]; idle lanes get ones (harmless, never stored) */
+static void NAME(load_block)(int64_t nn, int64_t count, const SCALAR *src, LANES_T *dst) {
     for (int64_t e = 0; e < nn; ++e)
-        for (int64_t l = 0; l < count; ++l) dst[l * nn + e] = src[e * BLOCK + l];
+        for (int64_t l = 0; l < BLOCK; ++l) dst[e][l] = l < count ? src[l * nn + e] : (SCALAR)1;
 }
 
-static void NAME(start_block)(int64_t nn, SCALAR min_shifted, SCALAR *restrict m) {
-    SCALAR top[BLOCK];
-    for (int l = 0; l < BLOCK; ++l) top[l] = m[l];
+static void NAME(store_block)(int64_t nn, int64_t count, const LANES_T *src, SCALAR *dst) {
+    for (int64_t e = 0; e < nn; ++e)
+        for (int64_t l = 0; l < count; ++l) dst[l * nn + e] = src[e][l];
+}
+
+static void NAME(start_block)(int64_t nn, SCALAR min_shifted, LANES_T *m) {
+    LANES_T top = m[0];
     for (int64_t e = 1; e < nn; ++e)
-        for (int l = 0; l < BLOCK; ++l) top[l] = m[e * BLOCK + l] > top[l] ? m[e * BLOCK + l] : top[l];
-    for (int64_t e = 0; e < nn; ++e)
-        for (int l = 0; l < BLOCK; ++l) {
-            SCALAR shifted = m[e * BLOCK + l] - top[l];
-            /* a NaN logit stays NaN, as clamp_min keeps it in the torch path */
-            m[e * BLOCK + l] = exp(shifted < min_shifted ? min_shifted : shifted);
-        }
+        for (int l = 0; l < BLOCK; ++l) top[l] = m[e][l] > top[l] ? m[e][l] : top[l];
+    for (int64_t e = 0; e < nn; ++e) {
+        LANES_T shifted = m[e] - top;
+        for (int l = 0; l < BLOCK; ++l) /* a NaN logit stays NaN, as clamp_min keeps it in the torch path */
+            m[e][l] = exp(shifted[l] < min_shifted ? min_shifted : shifted[l]);
+    }
 }
 
-/* one normalisation of a block: axis 0 divides every column by its sum, axis 1 every row */
-static void NAME(normalise_block)(int64_t n, int axis, const SCALAR *restrict in, SCALAR *restrict out,
-                                  SCALAR *restrict sums) {
+/* element (t, k) of the axis: axis 0 walks column k (t = row), axis 1 walks row k (t = column) */
+#define AXIS_INDEX(axis, n, t, k) ((axis) == 0 ? (t) * (n) + (k) : (k) * (n) + (t))
+
+/* one normalisation: axis 0 divides every column by its sum, axis 1 every row; sums receives the n sums */
+static void NAME(normalise_block)(int64_t n, int axis, const LANES_T *in, LANES_T *out, LANES_T *sums) {
     for (int64_t k = 0; k < n; ++k) {
-        SCALAR *restrict s = sums + k * BLOCK;
-        for (int l = 0; l < BLOCK; ++l) s[l] = 0;
-        for (int64_t t = 0; t < n; ++t) {
-            const SCALAR *restrict v = in + (axis == 0 ? t * n + k : k * n + t) * BLOCK;
-            for (int l = 0; l < BLOCK; ++l) s[l] += v[l];
-        }
-        for (int64_t t = 0; t < n; ++t) {
-            const int64_t e = (axis == 0 ? t * n + k : k * n + t) * BLOCK;
-            for (int l = 0; l < BLOCK; ++l) out[e + l] = in[e + l] / s[l];
-        }
+        LANES_T sum = in[AXIS_INDEX(axis, n, 0, k)];
+        for (int64_t t = 1; t < n; ++t) sum += in[AXIS_INDEX(axis, n, t, k)];
+        for (int64_t t = 0; t < n; ++t) out[AXIS_INDEX(axis, n, t, k)] = in[AXIS_INDEX(axis, n, t, k)] / sum;
+        sums[k] = sum;
     }
 }
 
 static void NAME(sinkhorn_forward_range)(void *raw, int64_t begin, int64_t end) {
     NAME(sinkhorn_args) *a = (NAME(sinkhorn_args) *)raw;
     const int64_t n = a->n, nn = n * n;
-    SCALAR *work = (SCALAR *)malloc(sizeof(SCALAR) * (2 * nn + n) * BLOCK);
+    LANES_T *work = NAME(alloc_lanes)(2 * nn + n);
     if (work == NULL) return;
-    SCALAR *sums = work + 2 * nn * BLOCK;
+    LANES_T *sums = work + 2 * nn;
     for (int64_t b0 = begin; b0 < end; b0 += BLOCK) {
         const int64_t count = end - b0 < BLOCK ? end - b0 : BLOCK;
-        SCALAR *m = work, *next = work + nn * BLOCK;
+        LANES_T *m = work, *next = work + nn;
         NAME(load_block)(nn, count, a->logits + b0 * nn, m);
         NAME(start_block)(nn, a->min_shifted, m);
         for (int64_t step = 0; step < 2 * a->iters; ++step) {
             NAME(normalise_block)(n, (int)(step % 2), m, next, sums);
-            SCALAR *t = m; m = next; next = t;
+            LANES_T *t = m;
+            m = next;
+            next = t;
         }
         NAME(store_block)(nn, count, m, a->out + b0 * nn);
     }
@@ -325,38 +394,31 @@ static void NAME(sinkhorn_backward_range)(void *raw, int64_t begin, int64_t end)
     NAME(sinkhorn_args) *a = (NAME(sinkhorn_args) *)raw;
     const int64_t n = a->n, nn = n * n, steps = 2 * a->iters;
     /* iterates[0] = exp-matrix, iterates[s + 1] = after normalisation s, sums[s] its n sums; all per block */
-    SCALAR *iterates = (SCALAR *)malloc(sizeof(SCALAR) * ((steps + 1) * nn + steps * n + nn + 2 * n) * BLOCK);
+    LANES_T *iterates = NAME(alloc_lanes)((steps + 1) * nn + steps * n + nn);
     if (iterates == NULL) return;
-    SCALAR *sums = iterates + (steps + 1) * nn * BLOCK;
-    /* dots holds n rows of sums, then n rows of reciprocals of the forward sums */
-    SCALAR *grad = sums + steps * n * BLOCK, *dots = grad + nn * BLOCK;
+    LANES_T *sums = iterates + (steps + 1) * nn;
+    LANES_T *grad = sums + steps * n;
     for (int64_t b0 = begin; b0 < end; b0 += BLOCK) {
         const int64_t count = end - b0 < BLOCK ? end - b0 : BLOCK;
         NAME(load_block)(nn, count, a->logits + b0 * nn, iterates);
         NAME(start_block)(nn, a->min_shifted, iterates);
         for (int64_t s = 0; s < steps; ++s)
-            NAME(normalise_block)(n, (int)(s % 2), iterates + s * nn * BLOCK, iterates + (s + 1) * nn * BLOCK,
-                                  sums + s * n * BLOCK);
+            NAME(normalise_block)(n, (int)(s % 2), iterates + s * nn, iterates + (s + 1) * nn, sums + s * n);
         NAME(load_block)(nn, count, a->grad_out + b0 * nn, grad);
         for (int64_t s = steps - 1; s >= 0; --s) {
             const int axis = (int)(s % 2);
-            const SCALAR *restrict y = iterates + (s + 1) * nn * BLOCK;
-            const SCALAR *restrict ssum = sums + s * n * BLOCK;
+            const LANES_T *y = iterates + (s + 1) * nn;
             for (int64_t k = 0; k < n; ++k) {
-                SCALAR *restrict d = dots + k * BLOCK;
-                for (int l = 0; l < BLOCK; ++l) d[l] = 0;
+                LANES_T dot = grad[AXIS_INDEX(axis, n, 0, k)] * y[AXIS_INDEX(axis, n, 0, k)];
+                for (int64_t t = 1; t < n; ++t) dot += grad[AXIS_INDEX(axis, n, t, k)] * y[AXIS_INDEX(axis, n, t, k)];
+                const LANES_T inverse = 1 / sums[s * n + k];
                 for (int64_t t = 0; t < n; ++t) {
-                    const int64_t e = (axis == 0 ? t * n + k : k * n + t) * BLOCK;
-                    for (int l = 0; l < BLOCK; ++l) d[l] += grad[e + l] * y[e + l];
-                }
-                for (int l = 0; l < BLOCK; ++l) d[l + BLOCK * n] = (SCALAR)1 / ssum[k * BLOCK + l];
-                for (int64_t t = 0; t < n; ++t) {
-                    const int64_t e = (axis == 0 ? t * n + k : k * n + t) * BLOCK;
-                    for (int l = 0; l < BLOCK; ++l) grad[e + l] = (grad[e + l] - d[l]) * d[l + BLOCK * n];
+                    LANES_T *g = grad + AXIS_INDEX(axis, n, t, k);
+                    *g = (*g - dot) * inverse;
                 }
             }
         }
-        for (int64_t e = 0; e < nn * BLOCK; ++e) grad[e] *= iterates[e];
+        for (int64_t e = 0; e < nn; ++e) grad[e] *= iterates[e];
         NAME(store_block)(nn, count, grad, a->out + b0 * nn);
     }
     free(iterates);
