@@ -22,10 +22,10 @@ from lightning_pulse.nn.sinkhorn import _FusedSinkhornKnopp
 
 @pytest.fixture(scope="module")
 def kernels():
+    if _cpu_kernels._compiler() is None:
+        pytest.skip("no C compiler on this machine: the layers use their torch path (tested elsewhere)")
     loaded = _cpu_kernels.load()
-    assert loaded is not None, (
-        "the kernels must build wherever a C compiler is installed (this machine has gcc)"
-    )
+    assert loaded is not None, "the kernels must build wherever a C compiler is installed"
     return loaded
 
 

@@ -222,9 +222,19 @@ def load() -> _Kernels | None:
     return _loaded
 
 
+def compiling() -> bool:
+    """Whether torch.compile is tracing: the kernels are opaque to it, so traced code takes the torch path."""
+    is_compiling = getattr(torch.compiler, "is_compiling", None)  # torch >= 2.3
+    if is_compiling is None:
+        from torch import _dynamo
+
+        is_compiling = _dynamo.is_compiling
+    return bool(is_compiling())
+
+
 def usable(*tensors: Tensor) -> bool:
     """Whether the kernels can take these tensors: contiguous, CPU, one fp32/fp64 dtype, outside tracing."""
     dtype = tensors[0].dtype
-    if dtype not in _VARIANTS or torch.compiler.is_compiling():
+    if dtype not in _VARIANTS or compiling():
         return False
     return all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)

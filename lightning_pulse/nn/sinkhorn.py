@@ -122,7 +122,7 @@ def sinkhorn_knopp(logits: Tensor, iters: int = 20, cpu_kernel: bool = True) -> 
         raise ValueError(f"`logits` must have shape (..., n, n); got {tuple(logits.shape)}.")
     n = logits.shape[-1]
     with torch.autocast(device_type=logits.device.type, enabled=False):
-        if cpu_kernel and logits.device.type == "cpu" and not torch.compiler.is_compiling():
+        if cpu_kernel and logits.device.type == "cpu" and not _cpu_kernels.compiling():
             kernels = _cpu_kernels.load()
             batch_first = logits.float().reshape(-1, n, n).contiguous()
             if kernels is not None and _cpu_kernels.usable(batch_first):
