@@ -29,8 +29,10 @@ backwards run under the FLOP counter (once per frozen-prefix length).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
+import time
 from typing import Any
 
 from benchmarks.harness import Arm, run_arms, summarise, write_results
@@ -64,6 +66,9 @@ LM_FORCED_FROM = 0.8
 # FreezeOut (Brock et al. 2017): per-unit cosine LR annealing to zero, then a permanent freeze. Chosen on seed 0
 # (exploration in the docs): the paper's schedule from step 0 with its LR scaling at the target's saving
 # (t0 0.7 cubic: 27%), and the same spacing started late, where the LR has decayed (from 50%: 25%; from 70%: 15%)
+# the long-run variant: the same model and schedule over 15 epochs (2,610 steps), whose validation loss flattens
+LM_LONG_TRAINER = {"max_epochs": 15}
+LM_LONG_FORCED_FROM = 0.65
 LM_FREEZEOUT = (
     ("freezeout t0=0.7 cubic +LR scaling", {"t0": 0.7, "scaling": "cubic", "scale_lr": True}),
     ("freezeout from 50%, t0=0.3 cubic", {"t0": 0.3, "scaling": "cubic", "start_at": 0.5}),
@@ -185,39 +190,86 @@ def lm_arms() -> list[Arm]:
     return arms
 
 
-def _lm_seed(seed: int) -> dict[str, Any]:
-    """One seed of the LM study, every arm interleaved (run in its own process with ``--jobs``)."""
+def lm_long_arms() -> list[Arm]:
+    """Arms of the long-run LM study, fixed before it ran (no tuning on its seeds)."""
+    return [
+        Arm("baseline"),
+        Arm("freeze threshold=0.2", callbacks=lambda seed: [GradientCache()]),
+        Arm("freeze threshold=0.3", callbacks=lambda seed: [GradientCache(threshold=0.3)]),
+        Arm(
+            f"forced from {LM_LONG_FORCED_FROM:.0%}",
+            callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=LM_LONG_FORCED_FROM)],
+        ),
+        Arm(
+            "freezeout from 50%, t0=0.3 cubic",
+            callbacks=lambda seed: [
+                GradientCache(schedule="freezeout", t0=0.3, scaling="cubic", start_at=0.5)
+            ],
+        ),
+    ]
+
+
+def _lm_run(task: tuple[int, int], long: bool = False) -> dict[str, Any]:
+    """One (seed, arm index) run of the LM study (each in a worker process with ``--jobs``)."""
+    seed, index = task
     return run_arms(
         LM_COSINE["workload"],
-        lm_arms(),
+        [(lm_long_arms() if long else lm_arms())[index]],
         seeds=(seed,),
-        trainer_kwargs=LM_COSINE["trainer_kwargs"],
+        trainer_kwargs=LM_LONG_TRAINER if long else LM_COSINE["trainer_kwargs"],
         workload_kwargs=LM_COSINE["workload_kwargs"],
         flops="none",
     )
 
 
-def study_lm(seeds: tuple[int, ...], jobs: int) -> tuple[dict[str, Any], str]:
+def study_lm(seeds: tuple[int, ...], jobs: int, long: bool = False) -> tuple[dict[str, Any], str]:
     """The char LM study: backward FLOPs, CPU and loss of plasticity freezing on a 4-layer cosine-LR LM.
 
-    Each seed runs every arm in one process (baseline first), so each ratio is paired with a baseline of the
-    same process; ``jobs`` processes run seeds side by side.
+    Every (seed, arm) run is one task; ``jobs`` worker processes take them in order (every seed's baseline
+    first), so the cores stay busy whatever the number of seeds. Ratios are paired with the same seed's
+    baseline: FLOPs and losses are deterministic, CPU ratios indicative. ``long``: the same model trained 15
+    epochs instead of 6, long enough for its validation loss to flatten.
     """
+    arms = lm_long_arms() if long else lm_arms()
+    tasks = [(seed, index) for index in range(len(arms)) for seed in seeds]
+    run_task = functools.partial(_lm_run, long=long)
+    started = time.perf_counter()
     if jobs > 1:
         import multiprocessing
 
-        with multiprocessing.get_context("spawn").Pool(min(jobs, len(seeds))) as pool:
-            per_seed = pool.map(_lm_seed, seeds)
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            parts = pool.map(run_task, tasks, chunksize=1)
     else:
-        per_seed = [_lm_seed(seed) for seed in seeds]
-    result = dict(per_seed[0])
+        parts = [run_task(task) for task in tasks]
+    result = dict(parts[0])
     result["seeds"] = list(seeds)
-    result["runs"] = [run for part in per_seed for run in part["runs"]]
-    result["elapsed_s"] = max(part["elapsed_s"] for part in per_seed)
+    result["arms"] = [arm.name for arm in arms]
+    result["runs"] = [run for part in parts for run in part["runs"]]
+    result["elapsed_s"] = time.perf_counter() - started
     result["summary"] = summarise(
         result["runs"], result["arms"], result["metric"], result["mode"], result["test_metric"]
     )
-    return result, "\n\n".join([lm_target_table(result), cache_table(result), lm_unit_table(result)])
+    tables = [lm_target_table(result), cache_table(result), lm_unit_table(result)]
+    if long:
+        tables.insert(1, lm_baseline_curve_table(result))
+    return result, "\n\n".join(tables)
+
+
+def lm_baseline_curve_table(result: dict[str, Any]) -> str:
+    """The baseline's validation loss: where it was lowest and where it ended (does it still fall?)."""
+    lines = ["### charlm: the baseline's validation loss, lowest and final, per seed", ""]
+    for run in result["runs"]:
+        if run["arm"] != result["arms"][0]:
+            continue
+        curve = [(point["step"], point["val_loss"]) for point in run["curve"] if "val_loss" in point]
+        if not curve:
+            continue
+        step, lowest = min(curve, key=lambda item: item[1])
+        lines.append(
+            f"- seed {run['seed']}: lowest {lowest:.4f} at step {step}, final {curve[-1][1]:.4f} at step "
+            f"{curve[-1][0]}; test {run['test'][result['test_metric']]:.4f}"
+        )
+    return "\n".join(lines)
 
 
 def lm_target_table(result: dict[str, Any]) -> str:
@@ -285,7 +337,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["mnist1d-cnn", "charlm"])
     parser.add_argument("--quick", action="store_true", help="a few steps per run, to check the script runs")
     parser.add_argument(
-        "--study", choices=["thresholds", "lm", "overhead"], help="run a side study instead of the main arms"
+        "--study",
+        choices=["thresholds", "lm", "lm_long", "overhead"],
+        help="run a side study instead of the main arms",
     )
     parser.add_argument("--jobs", type=int, default=1, help="--study lm: seeds run in this many processes")
     args = parser.parse_args()
@@ -295,12 +349,12 @@ def main() -> None:
             [result], "gradient_cache_overhead", "python -m benchmarks.gradient_cache --study overhead", notes
         )
         return
-    if args.study == "lm":
-        result, notes = study_lm(tuple(args.seeds), args.jobs)
-        command = "python -m benchmarks.gradient_cache --study lm" + (
+    if args.study in ("lm", "lm_long"):
+        result, notes = study_lm(tuple(args.seeds), args.jobs, long=args.study == "lm_long")
+        command = f"python -m benchmarks.gradient_cache --study {args.study}" + (
             f" --jobs {args.jobs}" if args.jobs > 1 else ""
         )
-        write_results([result], "gradient_cache_lm", command, notes=notes)
+        write_results([result], f"gradient_cache_{args.study}", command, notes=notes)
         return
     if args.study == "thresholds":
         results, notes = study_thresholds(tuple(args.seeds))
