@@ -15,7 +15,9 @@ Method:
 * FLOPs of one training step (forward + backward) per arm from ``torch.utils.flop_counter.FlopCounterMode``.
 
 HC (unconstrained, no Sinkhorn) is included to separate the cost of widening the residual stream from the
-cost of the Sinkhorn-Knopp projection.
+cost of the Sinkhorn-Knopp projection. ``hc`` and ``mhc`` run with the layers' default ``cpu_kernels=True``
+(the fused C kernels of ``lightning_pulse/nn/_csrc``); ``mhc_torch`` is the same mHC model with
+``cpu_kernels=False`` (torch ops only), so the table also shows what the kernels buy.
 
 Run: ``python -m benchmarks.mhc_overhead`` (about 4 wall minutes on the busy 2-core machine), inside
 ``flock /tmp/lp-bench.lock`` so no other timing run overlaps it.
@@ -36,8 +38,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.harness import RESULTS_DIR, environment
 from examples.charlm import CharLMDataModule, CharTransformerLM
+from lightning_pulse.nn import HyperConnection
 
-KINDS = ("plain", "hc", "mhc")
+KINDS = ("plain", "hc", "mhc", "mhc_torch")
 
 
 def training_step(model: CharTransformerLM, optimizer: torch.optim.Optimizer, batch: tuple) -> None:
@@ -50,11 +53,19 @@ def training_step(model: CharTransformerLM, optimizer: torch.optim.Optimizer, ba
 
 
 def flops_per_step(model: CharTransformerLM, batch: tuple) -> float:
+    """FLOPs of one forward + backward, counted on the torch ops: the fused kernels do the same arithmetic
+    outside torch's dispatcher, where the counter cannot see it, so they are switched off while counting."""
     tokens, targets = batch
+    layers = [module for module in model.modules() if isinstance(module, HyperConnection)]
+    saved = [layer.cpu_kernels for layer in layers]
+    for layer in layers:
+        layer.cpu_kernels = False
     with FlopCounterMode(display=False) as counter:
         logits = model(tokens)
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
     model.zero_grad(set_to_none=True)
+    for layer, setting in zip(layers, saved):
+        layer.cpu_kernels = setting
     return float(counter.get_total_flops())
 
 
@@ -72,9 +83,13 @@ def measure_width(
                 n_layers=args.layers,
                 n_heads=8,
                 seq_len=args.seq_len,
-                residual=kind,
+                residual=kind.removesuffix("_torch"),
                 n_streams=4,
             )
+            if kind.endswith("_torch"):  # the same layers without the fused CPU kernels
+                for module in model.modules():
+                    if isinstance(module, HyperConnection):
+                        module.cpu_kernels = False
             models[kind] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
             if kind not in flops:
                 flops[kind] = flops_per_step(model, batches[0])
@@ -176,7 +191,8 @@ def main() -> None:
         f"{args.batch_size} x {args.seq_len} tokens, AdamW, one torch thread. Step = forward + backward + "
         f"optimizer step. Medians over {args.steps} timed steps (after {args.warmup} warm-up) per seed, ratios "
         f"paired by seed against plain, median over seeds {args.seeds}. HC: the same streams without the "
-        "Sinkhorn projection.",
+        "Sinkhorn projection. hc and mhc use the fused CPU kernels (the layers' default); mhc_torch is mHC "
+        "with `cpu_kernels=False`.",
         "",
         table,
         "",
