@@ -119,13 +119,13 @@ def test_layers_give_the_same_outputs_and_gradients_with_and_without_the_kernels
 
 def test_threads_split_positions_without_changing_results(kernels):
     generator = torch.Generator().manual_seed(3)
-    pre, res = torch.rand(300, 4, generator=generator), torch.rand(300, 4, 4, generator=generator)
-    streams = torch.randn(300, 4, 24, generator=generator)
+    pre, res = torch.rand(600, 4, generator=generator), torch.rand(600, 4, 4, generator=generator)
+    streams = torch.randn(600, 4, 24, generator=generator)
     grad_input, grad_mixed = (
-        torch.randn(300, 24, generator=generator),
-        torch.randn(300, 4, 24, generator=generator),
+        torch.randn(600, 24, generator=generator),
+        torch.randn(600, 4, 24, generator=generator),
     )
-    logits = torch.randn(600, 4, 4, generator=generator)
+    logits = torch.randn(2100, 4, 4, generator=generator)  # 2 threads for Sinkhorn, 2 for the rest
     threads = torch.get_num_threads()
     outputs = []
     try:

@@ -53,6 +53,11 @@ static void *NAME(run_chunk)(void *chunk) {
     return NULL;
 }
 
+/* Starting a thread costs tens of microseconds; a thread gets at least this much work (a few hundred
+ * microseconds at width 512, measured on one core) so that the start-up stays a small share. */
+#define MIN_POSITIONS_PER_THREAD 256
+#define MIN_MATRICES_PER_THREAD 1024
+
 /* Run fn over [0, total) in `threads` contiguous chunks; the calling thread takes the first one. */
 static void NAME(parallel_range)(NAME(range_fn) fn, void *args, int64_t total, int threads, int64_t min_per_thread) {
     if (threads > 1 && min_per_thread > 0 && total / min_per_thread < threads) {
@@ -132,7 +137,7 @@ static void NAME(mix_forward_range)(void *raw, int64_t begin, int64_t end) {
 void NAME(mix_forward)(int64_t P, int64_t n, int64_t C, const SCALAR *pre, const SCALAR *res, const SCALAR *x,
                        SCALAR *branch_input, SCALAR *mixed, int threads) {
     NAME(mix_fwd_args) a = {n, C, pre, res, x, branch_input, mixed};
-    NAME(parallel_range)(NAME(mix_forward_range), &a, P, threads, 64);
+    NAME(parallel_range)(NAME(mix_forward_range), &a, P, threads, MIN_POSITIONS_PER_THREAD);
 }
 
 /* ------------------------------------------------------------------ stream mixing, backward
@@ -233,7 +238,7 @@ void NAME(mix_backward)(int64_t P, int64_t n, int64_t C, const SCALAR *pre, cons
                         const SCALAR *grad_branch_input, const SCALAR *grad_mixed, SCALAR *grad_pre,
                         SCALAR *grad_res, SCALAR *grad_x, int threads) {
     NAME(mix_bwd_args) a = {n, C, pre, res, x, grad_branch_input, grad_mixed, grad_pre, grad_res, grad_x};
-    NAME(parallel_range)(NAME(mix_backward_range), &a, P, threads, 64);
+    NAME(parallel_range)(NAME(mix_backward_range), &a, P, threads, MIN_POSITIONS_PER_THREAD);
 }
 
 /* ------------------------------------------------------------------ adding the branch, backward
@@ -296,7 +301,7 @@ static void NAME(add_branch_backward_range)(void *raw, int64_t begin, int64_t en
 void NAME(add_branch_backward)(int64_t P, int64_t n, int64_t C, const SCALAR *post, const SCALAR *branch_output,
                                const SCALAR *grad, SCALAR *grad_post, SCALAR *grad_branch_output, int threads) {
     NAME(add_bwd_args) a = {n, C, post, branch_output, grad, grad_post, grad_branch_output};
-    NAME(parallel_range)(NAME(add_branch_backward_range), &a, P, threads, 64);
+    NAME(parallel_range)(NAME(add_branch_backward_range), &a, P, threads, MIN_POSITIONS_PER_THREAD);
 }
 
 /* ------------------------------------------------------------------ Sinkhorn-Knopp
@@ -387,7 +392,7 @@ static void NAME(sinkhorn_forward_range)(void *raw, int64_t begin, int64_t end) 
 void NAME(sinkhorn_forward)(int64_t N, int64_t n, int64_t iters, SCALAR min_shifted, const SCALAR *logits,
                             SCALAR *out, int threads) {
     NAME(sinkhorn_args) a = {n, iters, min_shifted, logits, NULL, out};
-    NAME(parallel_range)(NAME(sinkhorn_forward_range), &a, N, threads, 256);
+    NAME(parallel_range)(NAME(sinkhorn_forward_range), &a, N, threads, MIN_MATRICES_PER_THREAD);
 }
 
 static void NAME(sinkhorn_backward_range)(void *raw, int64_t begin, int64_t end) {
@@ -427,5 +432,5 @@ static void NAME(sinkhorn_backward_range)(void *raw, int64_t begin, int64_t end)
 void NAME(sinkhorn_backward)(int64_t N, int64_t n, int64_t iters, SCALAR min_shifted, const SCALAR *logits,
                              const SCALAR *grad_out, SCALAR *grad_logits, int threads) {
     NAME(sinkhorn_args) a = {n, iters, min_shifted, logits, grad_out, grad_logits};
-    NAME(parallel_range)(NAME(sinkhorn_backward_range), &a, N, threads, 256);
+    NAME(parallel_range)(NAME(sinkhorn_backward_range), &a, N, threads, MIN_MATRICES_PER_THREAD);
 }
