@@ -177,3 +177,12 @@ def test_a_failing_build_warns_once_and_the_layer_still_trains(monkeypatch, tmp_
         warnings.simplefilter("error")  # no second warning
         collapse_streams(layer(streams)).sum().backward()
     assert layer.phi_res.grad is not None and torch.isfinite(layer.phi_res.grad).all()
+
+
+def test_the_char_lm_passes_cpu_kernels_to_its_layers():
+    from examples.charlm import CharTransformerLM
+
+    for setting in (True, False):
+        model = CharTransformerLM(d_model=16, n_layers=1, seq_len=8, residual="mhc", cpu_kernels=setting)
+        layers = [m for m in model.modules() if isinstance(m, ManifoldHyperConnection)]
+        assert len(layers) == 2 and all(layer.cpu_kernels is setting for layer in layers)
