@@ -221,7 +221,7 @@ def test_the_pooled_window_is_shared_while_one_key_is_in_use_and_splits_at_the_s
 def test_the_quiet_step_shortcut_gives_the_general_verdicts_and_baselines():
     rng = random.Random(3)
     fast, general = SpikeDetector(warmup=20), SpikeDetector(warmup=20)
-    general._assess_quiet_step = lambda *args: None  # every step through the general path
+    general.assess_quiet_step = lambda *args: None  # every step through the general path
     verdicts = set()
     for step in range(400):
         loss = rng.lognormvariate(0, 0.1) * (20 if step % 37 == 0 else 1)
@@ -234,3 +234,22 @@ def test_the_quiet_step_shortcut_gives_the_general_verdicts_and_baselines():
         verdicts.add(verdict.verdict)
     assert fast.state_dict() == general.state_dict()
     assert verdicts == {Verdict.OK, Verdict.LOSS_SPIKE, Verdict.GRAD_SPIKE, Verdict.NONFINITE_LOSS}
+
+
+def test_the_quiet_step_shortcut_matches_the_general_path_while_keys_warm_up_and_on_cold_spikes():
+    # a key that appears late warms up against the pooled window: the shortcut must leave cold spikes (and
+    # values too close to call) to the general path, and accept everything else exactly as it would
+    rng = random.Random(11)
+    fast, general = SpikeDetector(warmup=15, window=30), SpikeDetector(warmup=15, window=30)
+    general.assess_quiet_step = lambda *args: None
+    cold_spikes = 0
+    for step in range(300):
+        key = "late" if step >= 120 and step % 3 == 0 else "early"
+        loss = rng.lognormvariate(0, 0.2) * (40 if key == "late" and step % 7 == 0 else 1)
+        grad_norm = rng.lognormvariate(0.5, 0.2) * (25 if step % 41 == 0 else 1)
+        verdict = fast.assess(loss, grad_norm, key, accept=True)
+        assert verdict == general.assess(loss, grad_norm, key, accept=True), step
+        warming = len(fast.state_dict()["loss"].get(key, {"values": []})["values"]) < 15
+        cold_spikes += verdict.verdict is Verdict.LOSS_SPIKE and warming
+        assert fast.state_dict() == general.state_dict(), step
+    assert cold_spikes > 0  # the late key's warm-up did see spikes, caught through the general path

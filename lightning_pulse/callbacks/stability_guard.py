@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,10 +19,11 @@ from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
 from lightning_pulse.core.snapshots import SnapshotRing, TrainingSnapshot, restore_snapshot, take_snapshot
-from lightning_pulse.core.spike_detection import Action, EscalationPolicy, SpikeDetector, Verdict
+from lightning_pulse.core.spike_detection import Action, Assessment, EscalationPolicy, SpikeDetector, Verdict
 from lightning_pulse.phase import Phase, PhaseChange
 
 STAT_LOSS, STAT_GRAD_NORM_SQ, STAT_HAS_LOSS = range(3)
+_thread_time = time.thread_time  # bound once: the hot path reads it twice per hook
 
 
 class StabilityGuardError(RuntimeError):
@@ -221,7 +223,14 @@ class StabilityGuard(Callback):
         # per-step transient state
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
         self._decided: Action | None = None
-        self._step = 0  # trainer.global_step before the current optimizer step (read once per step)
+        # an upper bound of trainer.global_step, kept by counting decided steps: Lightning's property chain
+        # is read only when a snapshot may be due (see `_snapshot_due`)
+        self._step_bound = 0
+        # below this step bound an applied step leaves nothing for on_train_batch_end (no snapshot due, no
+        # energy to book): see `_update_quiet_until`
+        self._quiet_until = 0
+        self._end_quiet = False  # the decided step is such a step
+        self._key: str | None = None  # the baseline key while it cannot change (no per-phase baselines)
         self._snapshot_pending = False  # a maintain phase began or the model's structure changed
         self._saved_lrs: tuple[torch.optim.Optimizer, list[Any]] | None = None
         self._backup: tuple[dict[str, Any], list[torch.Tensor]] | None = None
@@ -288,14 +297,21 @@ class StabilityGuard(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        started = time.thread_time()
+        started = _thread_time()
         self._remove_hooks()
         self._remove_depth_hooks()
         self._step_depth = {}
-        for optimizer in trainer.optimizers:
-            self._depth_handles.append(optimizer.register_step_pre_hook(self._enter_optimizer_step))
-            self._depth_handles.append(optimizer.register_step_post_hook(self._leave_optimizer_step))
+        # the depth counters only serve `_after_optimizer_step`, registered for a lowered learning rate or a
+        # backed-up optimizer; a run that can need neither pays nothing in each optimizer step for them
+        if self.lr_factor_after_rollback < 1 or any(
+            _needs_backup(optimizer) for optimizer in trainer.optimizers
+        ):
+            for optimizer in trainer.optimizers:
+                self._depth_handles.append(optimizer.register_step_pre_hook(self._enter_optimizer_step))
+                self._depth_handles.append(optimizer.register_step_post_hook(self._leave_optimizer_step))
         self._cycle = pulse_cycle_of(trainer)
+        self._key = None if self.per_phase_baselines and self._cycle is not None else self._baseline_key()
+        self._step_bound = trainer.global_step
         self._world_size = trainer.world_size
         self._energy_source = None
         for callback in trainer.callbacks:
@@ -309,8 +325,8 @@ class StabilityGuard(Callback):
         self._snapshot_pending = False
         # the state training starts from (or resumes at) is the first good one
         self.snapshots.clear()
-        self._take_snapshot(trainer, pl_module)
-        self.guard_cpu_seconds += time.thread_time() - started
+        self._take_snapshot(trainer, pl_module)  # also sets `_quiet_until`
+        self.guard_cpu_seconds += _thread_time() - started
 
     @override
     def on_train_batch_start(
@@ -330,53 +346,119 @@ class StabilityGuard(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        started = time.thread_time()
-        step = self._step = trainer.global_step
+        # The hot path of every optimizer step: one fused norm pass, the detector's one-pass verdict, and
+        # nothing else on a quiet step (no Lightning step counter, no policy call). Everything that happens
+        # only around incidents is in `_respond`.
+        started = _thread_time()
+        if (
+            self._decided is not None
+        ):  # LBFGS evaluates its closure again within the step: replace the decision
+            self._retract_decision()
         losses, self._losses = self._losses, []
-        if self.policy.skip_remaining and self.policy.consume_forced_skip():
+        policy = self.policy
+        if policy.skip_remaining and policy.consume_forced_skip():
             self._skip_update(optimizer)
             self._decided = Action.SKIP
-            self.guard_cpu_seconds += time.thread_time() - started
+            self._step_bound += 1
+            self._end_quiet = False
+            self.guard_cpu_seconds += _thread_time() - started
             return
-        loss, grad_norm = self._global_loss_and_grad_norm(
-            trainer, pl_module, optimizer, losses, self._world_size
-        )
-        key = self._baseline_key()
-        unjudged_before = self.detector.unjudged_losses
-        assessment = self.detector.assess(loss, grad_norm, key, accept=True)
-        if self.detector.unjudged_losses and not unjudged_before:
+        if self._world_size == 1:
+            grads = [
+                grad
+                for group in optimizer.param_groups
+                for p in group["params"]
+                if (grad := p.grad) is not None
+            ]
+            # Lightning divides each micro-batch loss by accumulate_grad_batches: their sum is the mean.
+            loss, grad_norm = _loss_and_grad_norm(grads, losses)
+        else:
+            loss, grad_norm = self._global_loss_and_grad_norm(
+                trainer, pl_module, optimizer, losses, self._world_size
+            )
+        key = self._key if self._key is not None else self._baseline_key()
+        assessment = self.detector.assess_quiet_step(loss, grad_norm, key)
+        if assessment is None:  # not a common step: the detector's general path
+            assessment = self._assess(loss, grad_norm, key)
+        if (
+            assessment.verdict is Verdict.OK
+            and not policy.spike_steps
+            and not policy.rollback_steps
+            and not self.cooldown_remaining
+        ):
+            # nothing remembered: the policy would apply it and forget nothing, so the step is not needed
+            self._decided = Action.APPLY
+            self.lineage_steps += 1
+            self._step_bound += 1
+            self._end_quiet = self._step_bound < self._quiet_until
+        else:
+            self._respond(trainer, optimizer, assessment, loss, grad_norm, key)
+        self.guard_cpu_seconds += _thread_time() - started
+
+    def _assess(self, loss: float | None, grad_norm: float | None, key: str) -> Assessment:
+        detector = self.detector
+        unjudged_before = detector.unjudged_losses
+        assessment = detector.assess(loss, grad_norm, key, accept=True)
+        if detector.unjudged_losses and not unjudged_before:
             rank_zero_warn(
                 f"StabilityGuard: the loss is {loss:.4g} <= 0, which a log scale cannot judge; loss spikes go "
                 "unnoticed. Pass `loss_scale='linear'` for losses that can be zero or negative."
             )
+        return assessment
+
+    def _retract_decision(self) -> None:
+        """Take back the step counts of this step's earlier decision (the step is decided again)."""
+        self._step_bound -= 1
+        if self._decided is Action.APPLY:
+            self.lineage_steps -= 1
+        self._decided = None
+
+    def _respond(
+        self,
+        trainer: pl.Trainer,
+        optimizer: torch.optim.Optimizer,
+        assessment: Assessment,
+        loss: float | None,
+        grad_norm: float | None,
+        key: str,
+    ) -> None:
+        """Decide and prepare the step's action when there is more to it than applying a quiet step."""
+        step = trainer.global_step
         action = self.policy.decide(step, assessment.verdict)
         self._decided = action
+        self._step_bound = step + 1
+        self._end_quiet = False
         if action is Action.APPLY:
+            self.lineage_steps += 1
             if self.cooldown_remaining > 0 and self.lr_factor_after_rollback < 1:
                 self._saved_lrs = (optimizer, [group["lr"] for group in optimizer.param_groups])
                 for group in optimizer.param_groups:
                     group["lr"] = group["lr"] * self.lr_factor_after_rollback
                 self._undo_after_step(optimizer)
-        else:
-            self.spikes_by_kind[assessment.verdict.value] += 1
-            self.events.append({"step": step, "event": assessment.verdict.value, "action": action.value})
-            self._skip_update(optimizer)
-            baseline = self.detector.baseline(key)
-            rank_zero_info(
-                f"StabilityGuard: step {step} flagged as {assessment.verdict} (loss={_fmt(loss)}, "
-                f"grad_norm={_fmt(grad_norm)}; {key} medians loss={_fmt(baseline['loss'])}, "
-                f"grad_norm={_fmt(baseline['grad_norm'])}); action: {action}."
-            )
-        self.guard_cpu_seconds += time.thread_time() - started
+            return
+        self.spikes_by_kind[assessment.verdict.value] += 1
+        self.events.append({"step": step, "event": assessment.verdict.value, "action": action.value})
+        self._skip_update(optimizer)
+        baseline = self.detector.baseline(key)
+        rank_zero_info(
+            f"StabilityGuard: step {step} flagged as {assessment.verdict} (loss={_fmt(loss)}, "
+            f"grad_norm={_fmt(grad_norm)}; {key} medians loss={_fmt(baseline['loss'])}, "
+            f"grad_norm={_fmt(baseline['grad_norm'])}); action: {action}."
+        )
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        action, self._decided = self._decided, None
+        action = self._decided
         if action is None:  # inside an accumulation window
             return
-        started = time.thread_time()
+        self._decided = None
+        if self._end_quiet and not self._snapshot_pending:
+            # an applied step with nothing to book (all counted in on_before_optimizer_step): flag reads only,
+            # cheaper than the timer pair that would measure them
+            return
+        started = _thread_time()
         if self._hook_handles:
             # normally done right after the step; not if the optimizer did not step (a GradScaler found infs)
             self._undo_pending_changes()
@@ -388,7 +470,6 @@ class StabilityGuard(Callback):
                 step_energy = max(0.0, energy_now - self._energy_step_start)
             self._energy_step_start = None
         if action is Action.APPLY:
-            self.lineage_steps += 1
             self.lineage_energy_kwh += step_energy
             if self.cooldown_remaining > 0:
                 self.cooldown_remaining -= 1
@@ -403,7 +484,7 @@ class StabilityGuard(Callback):
             elif action is Action.STOP:
                 self._stop(trainer, pl_module)
             self._log(trainer, self.metrics())
-        self.guard_cpu_seconds += time.thread_time() - started
+        self.guard_cpu_seconds += _thread_time() - started
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -476,6 +557,7 @@ class StabilityGuard(Callback):
         self.cooldown_remaining = int(state_dict["cooldown_remaining"])
         last = state_dict["last_snapshot_step"]
         self.last_snapshot_step = None if last is None else int(last)
+        self._update_quiet_until()
         self.stopped = bool(state_dict["stopped"])
         self.events = [dict(event) for event in state_dict.get("events", [])]
 
@@ -519,8 +601,7 @@ class StabilityGuard(Callback):
         optimizer, which may keep global counters, the state and parameters are also backed up and put
         back right after its step.
         """
-        optimizer_type = type(optimizer)
-        if not optimizer_type.__module__.startswith("torch.optim") or optimizer_type is torch.optim.LBFGS:
+        if _needs_backup(optimizer):
             params = [p for group in optimizer.param_groups for p in group["params"]]
             self._backup = (copy.deepcopy(optimizer.state_dict()), [p.detach().clone() for p in params])
             self._backup_optimizer = optimizer
@@ -551,9 +632,9 @@ class StabilityGuard(Callback):
             # a subclass's `super().step()` returned (torch hooked the parent's `step` too): the subclass may
             # still change its state (a global counter) after it; undo once the outermost `step` has returned
             return
-        started = time.thread_time()
+        started = _thread_time()
         self._undo_pending_changes()
-        self.guard_cpu_seconds += time.thread_time() - started
+        self.guard_cpu_seconds += _thread_time() - started
 
     def _undo_pending_changes(self) -> None:
         """Put back what the guard changed for one step: a backed-up state, learning rates scaled down."""
@@ -716,6 +797,16 @@ class StabilityGuard(Callback):
             and self._decided in (None, Action.APPLY)
         )
 
+    def _update_quiet_until(self) -> None:
+        """Recompute the step bound below which an applied step needs no work at its end: the next periodic
+        snapshot's step (none with ``snapshot_every=0``); an energy meter books every step."""
+        if self._energy_source is not None:
+            self._quiet_until = -1
+        elif self.snapshot_every == 0:
+            self._quiet_until = sys.maxsize
+        else:
+            self._quiet_until = (self.last_snapshot_step or 0) + self.snapshot_every
+
     def _snapshot_due(self, trainer: pl.Trainer) -> bool:
         """Whether to snapshot at the end of an applied step (called after its update)."""
         if self._snapshot_pending:
@@ -724,13 +815,15 @@ class StabilityGuard(Callback):
         if self.snapshot_every == 0:
             return False
         last = self.last_snapshot_step if self.last_snapshot_step is not None else 0
-        # the step counter read before the update spares reading Lightning's on most steps
-        if self._step + 1 - last < self.snapshot_every:
+        # an upper bound of the step counter spares reading Lightning's on most steps; were the bound ever
+        # behind, a snapshot would come late, never early, and the next read puts the bound right
+        if self._step_bound - last < self.snapshot_every:
             return False
-        return self._healthy() and trainer.global_step - last >= self.snapshot_every
+        self._step_bound = step = trainer.global_step
+        return self._healthy() and step - last >= self.snapshot_every
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        started = time.thread_time()
+        started = _thread_time()
         step = trainer.global_step
         self.snapshots.add(
             take_snapshot(
@@ -743,14 +836,15 @@ class StabilityGuard(Callback):
                 extra={
                     "detector": self.detector.state_dict(),
                     # an applied step whose on_train_batch_end has not run yet belongs to the lineage
-                    "lineage_steps": self.lineage_steps + (self._decided is Action.APPLY),
+                    "lineage_steps": self.lineage_steps,  # an applied step counts from its decision
                     "lineage_energy_kwh": self.lineage_energy_kwh + self._unbooked_step_energy(),
                 },
             )
         )
         self.last_snapshot_step = step
+        self._update_quiet_until()
         self.snapshots_taken += 1
-        self.snapshot_cpu_seconds += time.thread_time() - started
+        self.snapshot_cpu_seconds += _thread_time() - started
 
     def _unbooked_step_energy(self) -> float:
         """Energy of an applied step whose on_train_batch_end has not run yet (a snapshot taken at a phase
@@ -826,23 +920,27 @@ def _loss_and_grad_norm(
     by default the first gradient's device decides.
     """
     if not grads:
-        return (sum(value.item() for value in losses) if losses else None), None
+        return _host_sum(losses), None
     if read_each is None:
-        read_each = grads[0].device.type == "cpu"
+        read_each = grads[0].is_cpu
     try:
         norms = _foreach_norm(grads, 2.0) if _foreach_norm is not None else None
         if norms is not None and read_each:
-            grad_norm = math.hypot(*[norm.item() for norm in norms])
-            loss = sum(value.item() for value in losses) if losses else None
-            return loss, grad_norm
+            return _host_sum(losses), math.hypot(*[norm.item() for norm in norms])
         if norms is not None:
             values = torch.stack([*norms, *[value.detach() for value in losses]]).tolist()
             count = len(norms)
             return (sum(values[count:]) if losses else None), math.hypot(*values[:count])
     except RuntimeError:  # e.g. gradients or losses on more than one device
         pass
-    loss = sum(value.item() for value in losses) if losses else None
-    return loss, _total_norm(grads).item()
+    return _host_sum(losses), _total_norm(grads).item()
+
+
+def _host_sum(losses: list[torch.Tensor]) -> float | None:
+    """The sum of the (0-d) ``losses`` as a Python float; ``None`` when there are none."""
+    if len(losses) == 1:  # no accumulation: the common case, without a generator
+        return losses[0].item()
+    return sum(value.item() for value in losses) if losses else None
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -864,6 +962,12 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 _foreach_norm = getattr(torch, "_foreach_norm", None)
+
+
+def _needs_backup(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a skipped step needs the optimizer's state backed up (see ``StabilityGuard._skip_update``)."""
+    optimizer_type = type(optimizer)
+    return not optimizer_type.__module__.startswith("torch.optim") or optimizer_type is torch.optim.LBFGS
 
 
 def _fmt(value: float | None) -> str:

@@ -26,6 +26,7 @@ class Stateful(Protocol):
 
 # leaves that need no copy: nothing can change them in place
 _IMMUTABLE = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device)
+_IMMUTABLE_TYPES = frozenset(_IMMUTABLE)
 
 
 def copy_to_cpu(obj: Any, into: Any = None) -> Any:
@@ -60,6 +61,10 @@ def copy_to_cpu(obj: Any, into: Any = None) -> Any:
             copied._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
         return copied
     if isinstance(obj, (list, tuple)):
+        if all(type(value) in _IMMUTABLE_TYPES for value in obj):
+            # e.g. a detector window of floats, a scheduler's list of rates: one shallow copy, not a call per
+            # element
+            return list(obj) if isinstance(obj, list) else tuple(obj)
         previous = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
         items = [copy_to_cpu(value, old) for value, old in zip(obj, previous)]
         return items if isinstance(obj, list) else tuple(items)

@@ -18,12 +18,18 @@ import bisect
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Any, NamedTuple
 
 # MAD * 1.4826 estimates the standard deviation of normally distributed data.
 MAD_TO_STD = 1.4826
+
+# bound once: used on every optimizer step
+_INF = math.inf
+_log = math.log
+_bisect_left = bisect.bisect_left
+_insort = bisect.insort
 
 
 class Verdict(str, Enum):
@@ -101,7 +107,9 @@ class RunningRobustZ:
         self.window = window
         self.warmup = warmup
         self.values: deque[float] = deque()
-        self._sorted: list[float] = []  # the same values, kept sorted so the median costs O(1) per step
+        # the same values, kept sorted so the median costs O(1) per step; unboxed doubles in one block, so the
+        # binary searches and the shift of an update touch a few cache lines, not one float object per probe
+        self._sorted: list[float] = []
 
     @property
     def ready(self) -> bool:
@@ -110,11 +118,7 @@ class RunningRobustZ:
 
     @property
     def median(self) -> float | None:
-        ordered, n = self._sorted, len(self._sorted)
-        if n == 0:
-            return None
-        middle = n // 2
-        return ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        return _sorted_median(self._sorted) if self._sorted else None
 
     def zscore(self, value: float) -> float | None:
         """The robust z-score of ``value``, or ``None`` during the warm-up."""
@@ -124,10 +128,11 @@ class RunningRobustZ:
 
     def add(self, value: float) -> None:
         value = float(value)
-        if len(self.values) == self.window:
-            del self._sorted[bisect.bisect_left(self._sorted, self.values.popleft())]
-        self.values.append(value)
-        bisect.insort(self._sorted, value)
+        values, ordered = self.values, self._sorted
+        if len(values) == self.window:
+            del ordered[_bisect_left(ordered, values.popleft())]
+        values.append(value)
+        _insort(ordered, value)
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": list(self.values)}
@@ -214,6 +219,7 @@ class SpikeDetector:
         self.cold_ratio = float(cold_ratio)
         self._log_cold_ratio = math.log(self.cold_ratio)
         self.loss_scale = loss_scale
+        self._log_loss = loss_scale == "log"
         self.unjudged_losses = 0  # losses <= 0 seen on a log scale
         self._loss: dict[str, RunningRobustZ] = {}
         self._grad_norm: dict[str, RunningRobustZ] = {}
@@ -264,7 +270,7 @@ class SpikeDetector:
         pass). The returned z-scores are ``None`` for values that were not judged or not above
         ``min_ratio`` times the median (they cannot be spikes whatever their z-score).
         """
-        quiet = self._assess_quiet_step(loss, grad_norm, key, accept)
+        quiet = self.assess_quiet_step(loss, grad_norm, key, accept)
         if quiet is not None:
             return quiet
         if loss is not None and not math.isfinite(loss):
@@ -296,38 +302,94 @@ class SpikeDetector:
             self._add(self._grad_norm, grad_tracker, scaled_grad, key)
         return Assessment(Verdict.OK, loss_z, grad_z)
 
-    def _assess_quiet_step(
-        self, loss: float | None, grad_norm: float | None, key: str, accept: bool
+    def assess_quiet_step(
+        self, loss: float | None, grad_norm: float | None, key: str = "default", accept: bool = True
     ) -> Assessment | None:
-        """The verdict of the common step in one pass, or ``None`` to take the general path.
+        """The verdict of a common step in one pass, or ``None`` when :meth:`assess` must judge it.
 
-        Common: both values observed, finite and positive, the loss judged on a log scale, both of the
-        key's windows warm, and neither value above ``min_ratio`` times its median, so neither can be a
-        spike whatever its z-score (the general path's result too, without its dozen calls).
+        Common: both values observed, finite and positive, the loss judged on a log scale, and neither value
+        high enough to be a spike whatever its z-score: at most ``min_ratio`` times the median of its warm
+        window or, while the key's window warms up, at most ``cold_ratio`` times the pooled median. The
+        verdict is then :attr:`Verdict.OK` with no z-scores, as :meth:`assess` would give, and with
+        ``accept=True`` the values enter the windows as they would there. ``None`` changes nothing.
+
+        It runs every optimizer step, so the common case is written out in this one function (medians read
+        off the sorted windows, the window updates of :meth:`RunningRobustZ.add` inline): inside a training
+        step, where the interpreter's caches are cold, every further call and object touched costs
+        microseconds.
         """
-        loss_tracker = self._loss.get(key)
-        grad_tracker = self._grad_norm.get(key)
         if (
-            loss_tracker is None
-            or grad_tracker is None
-            or loss is None
+            loss is None
             or grad_norm is None
-            or self.loss_scale != "log"
-            or not (0.0 < loss < math.inf and 0.0 < grad_norm < math.inf)  # NaN fails every comparison
-            or len(loss_tracker.values) < loss_tracker.warmup
-            or len(grad_tracker.values) < grad_tracker.warmup
+            or not self._log_loss
+            or not (0.0 < loss < _INF and 0.0 < grad_norm < _INF)  # NaN fails every comparison
         ):
             return None
-        scaled_loss, scaled_grad = math.log(loss), math.log(grad_norm)
-        if (
-            scaled_loss - loss_tracker.median > self._log_min_ratio  # type: ignore[operator]
-            or scaled_grad - grad_tracker.median > self._log_min_ratio  # type: ignore[operator]
+        loss_tracker = self._loss.get(key)
+        grad_tracker = self._grad_norm.get(key)
+        if loss_tracker is None or grad_tracker is None:
+            return None
+        scaled_loss, scaled_grad = _log(loss), _log(grad_norm)
+        ordered_loss, ordered_grad = loss_tracker._sorted, grad_tracker._sorted
+        if len(ordered_loss) >= loss_tracker.warmup and len(ordered_grad) >= grad_tracker.warmup:
+            limit = self._log_min_ratio
+            middle = len(ordered_loss) // 2
+            median = (
+                ordered_loss[middle]
+                if len(ordered_loss) % 2
+                else (ordered_loss[middle - 1] + ordered_loss[middle]) / 2
+            )
+            if scaled_loss - median > limit:
+                return None
+            middle = len(ordered_grad) // 2
+            median = (
+                ordered_grad[middle]
+                if len(ordered_grad) % 2
+                else (ordered_grad[middle - 1] + ordered_grad[middle]) / 2
+            )
+            if scaled_grad - median > limit:
+                return None
+        elif not (
+            self._below_spike_level(self._loss, loss_tracker, scaled_loss, key)
+            and self._below_spike_level(self._grad_norm, grad_tracker, scaled_grad, key)
         ):
             return None
         if accept:
-            self._add(self._loss, loss_tracker, scaled_loss, key)
-            self._add(self._grad_norm, grad_tracker, scaled_grad, key)
+            for trackers, tracker, value in (
+                (self._loss, loss_tracker, scaled_loss),
+                (self._grad_norm, grad_tracker, scaled_grad),
+            ):
+                values, ordered = tracker.values, tracker._sorted
+                if len(values) == tracker.window:
+                    del ordered[_bisect_left(ordered, values.popleft())]
+                values.append(value)
+                _insort(ordered, value)
+                if key != POOLED:
+                    # the pooled window: the same object while one key is in use (see `_tracker`)
+                    pooled = trackers.get(POOLED)
+                    if pooled is not tracker:
+                        self._add_pooled(trackers, pooled, value)
         return _QUIET
+
+    def _below_spike_level(
+        self, trackers: dict[str, RunningRobustZ], own: RunningRobustZ, value: float, key: str
+    ) -> bool:
+        """Whether a positive, log-scaled ``value`` is too low to be a spike: at most ``min_ratio`` times the
+        median of its warm window, or, while that warms up, at most ``cold_ratio`` times the pooled median
+        (no cold check for the pooled key itself, as in :meth:`assess`)."""
+        if own.ready:
+            return value - own.median <= self._log_min_ratio  # type: ignore[operator]
+        pooled = trackers.get(POOLED)
+        if key == POOLED or pooled is None or not pooled.ready:
+            return True
+        return value - pooled.median <= self._log_cold_ratio  # type: ignore[operator]
+
+    def _add_pooled(
+        self, trackers: dict[str, RunningRobustZ], pooled: RunningRobustZ | None, value: float
+    ) -> None:
+        if pooled is None:
+            pooled = self._tracker(trackers, POOLED)
+        pooled.add(value)
 
     def _cold_spike(
         self,
@@ -498,6 +560,12 @@ class EscalationPolicy:
         self.spike_steps = [int(s) for s in state_dict["spike_steps"]]
         self.rollback_steps = [int(s) for s in state_dict["rollback_steps"]]
         self.skip_remaining = int(state_dict["skip_remaining"])
+
+
+def _sorted_median(ordered: Sequence[float]) -> float:
+    """The median of a non-empty sorted list."""
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _copy_tracker(tracker: RunningRobustZ) -> RunningRobustZ:
