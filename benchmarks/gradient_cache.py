@@ -3,8 +3,10 @@
 Run: ``python -m benchmarks.gradient_cache`` (about 15 minutes of CPU on an idle core; ``--quick`` for a smoke
 run). Writes ``benchmarks/results/gradient_cache.json`` and ``.md``. ``--study thresholds`` (about 5 minutes)
 writes ``gradient_cache_thresholds.*``: three plasticity thresholds on the CNN, the CNN at constant LR, and
-the LM's per-unit plasticity scores. ``--study lm --jobs 3`` (about 22 minutes on the shared machine) writes
-``gradient_cache_lm.*``: the 4-layer cosine-LR char LM against the LM target. ``--study overhead`` (run it
+the LM's per-unit plasticity scores. ``--study lm --jobs 2`` (about 25 minutes on the shared machine) writes
+``gradient_cache_lm.*``: the 4-layer cosine-LR char LM against the LM target, plasticity thresholds, a forced
+late freeze and FreezeOut schedules. ``--study lm_long --jobs 2`` (about 40 minutes) writes
+``gradient_cache_lm_long.*``: the same LM trained 15 epochs instead of 6, long enough for its loss to flatten. ``--study overhead`` (run it
 under ``flock /tmp/lp-bench.lock``) writes ``gradient_cache_overhead.*``: the CPU inside the hooks on the CNN.
 
 Arms (the first is the baseline, all in one invocation, interleaved per seed):
@@ -68,7 +70,6 @@ LM_FORCED_FROM = 0.8
 # (t0 0.7 cubic: 27%), and the same spacing started late, where the LR has decayed (from 50%: 25%; from 70%: 15%)
 # the long-run variant: the same model and schedule over 15 epochs (2,610 steps), whose validation loss flattens
 LM_LONG_TRAINER = {"max_epochs": 15}
-LM_LONG_FORCED_FROM = 0.65
 LM_FREEZEOUT = (
     ("freezeout t0=0.7 cubic +LR scaling", {"t0": 0.7, "scaling": "cubic", "scale_lr": True}),
     ("freezeout from 50%, t0=0.3 cubic", {"t0": 0.3, "scaling": "cubic", "start_at": 0.5}),
@@ -196,10 +197,6 @@ def lm_long_arms() -> list[Arm]:
         Arm("baseline"),
         Arm("freeze threshold=0.2", callbacks=lambda seed: [GradientCache()]),
         Arm("freeze threshold=0.3", callbacks=lambda seed: [GradientCache(threshold=0.3)]),
-        Arm(
-            f"forced from {LM_LONG_FORCED_FROM:.0%}",
-            callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=LM_LONG_FORCED_FROM)],
-        ),
         Arm(
             "freezeout from 50%, t0=0.3 cubic",
             callbacks=lambda seed: [
