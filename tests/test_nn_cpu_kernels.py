@@ -186,3 +186,15 @@ def test_the_char_lm_passes_cpu_kernels_to_its_layers():
         model = CharTransformerLM(d_model=16, n_layers=1, seq_len=8, residual="mhc", cpu_kernels=setting)
         layers = [m for m in model.modules() if isinstance(m, ManifoldHyperConnection)]
         assert len(layers) == 2 and all(layer.cpu_kernels is setting for layer in layers)
+
+
+def test_an_unwritable_cache_directory_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
+    if _cpu_kernels._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("LIGHTNING_PULSE_KERNEL_DIR", str(blocked / "kernels"))
+    monkeypatch.setattr(_cpu_kernels.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    library = _cpu_kernels._build(_cpu_kernels._compiler())
+    assert library.parent.parent == tmp_path / "tmp" and library.exists()

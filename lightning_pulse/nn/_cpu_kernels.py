@@ -2,9 +2,9 @@
 
 The kernels (``_csrc/mhc_kernels.c``) are plain C with no torch headers: a build takes about a second with
 the system C compiler (``$CC``, else ``cc``/``gcc``), and the shared library is cached under
-``$LIGHTNING_PULSE_KERNEL_DIR`` (default ``~/.cache/lightning_pulse/kernels``), keyed by the source, the
-compiler, the flags and the CPU's feature flags (the build uses ``-march=native``). They are called through
-:mod:`ctypes`, which releases the GIL.
+``$LIGHTNING_PULSE_KERNEL_DIR`` (default ``~/.cache/lightning_pulse/kernels``; the temporary directory where
+that is not writable), keyed by the source, the compiler, the flags and the CPU's feature flags (the build uses
+``-march=native``). They are called through :mod:`ctypes`, which releases the GIL.
 
 Nothing here is required: when no compiler is found or the build fails, :func:`load` warns once and returns
 ``None``, and the layers keep using their torch implementation. The kernels only take contiguous fp32/fp64
@@ -73,7 +73,16 @@ def _build(compiler: str) -> Path:
     library = directory / f"mhc_kernels-{key}.so"
     if library.exists():
         return library
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK):
+            raise PermissionError(f"{directory} is not writable")
+    except OSError:  # a read-only home (some clusters): build in the temporary directory instead
+        directory = Path(tempfile.gettempdir()) / f"lightning_pulse_kernels-{os.getuid()}"
+        library = directory / library.name
+        if library.exists():
+            return library
+        directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         objects = []
         for scalar, suffix in _VARIANTS.values():
