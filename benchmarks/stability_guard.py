@@ -13,7 +13,9 @@ for a per-step cost) and the char-level transformer LM are trained with no callb
 the machine) and with a default ``StabilityGuard``, through the shared harness with rotated arm order:
 seed-paired process CPU time ratios, the CPU time spent inside the guard's own hooks as a share of training
 CPU time (its snapshots included, also reported alone), and the spikes it flags on these clean runs
-(false positives).
+(false positives). On the MNIST-1D workloads also a paired measurement inside single fits: the guard's hooks run
+on a seeded random half of the batches (:class:`CoinFlipGuard`), and the step CPU of guarded and unguarded
+steps is compared, with a control run of the gate alone for the method's noise floor.
 
 Part 2, faults. Each fault alone, at 40% and at 80% of a 12-epoch one-cycle run, three seeds:
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 import tempfile
@@ -108,6 +111,104 @@ class FaultInjector(Callback):
 
 
 # ------------------------------------------------------------------------------------------ overhead
+class CoinFlipGuard(StabilityGuard):
+    """``StabilityGuard`` whose per-step hooks run on a random half of the batches (the paired arm).
+
+    The gate (one seeded coin flip per batch) costs the same on both kinds of batch, so guarded and
+    unguarded steps of the same fit differ by the guard's per-step work alone, including what it shifts
+    onto the rest of the step (caches it warms or evicts for the optimizer right after it). A coin, not
+    strict alternation: steps have period-2 effects of their own (the allocator hands out the same blocks
+    every other step), which alternation would add to one side. Snapshots follow the guarded steps
+    (reported by the hook timers, not here). Assumes no gradient accumulation.
+    """
+
+    def __init__(self, seed: int = 0, active: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.on = False
+        self.active = active  # False: the gate alone, the control that measures the method's noise floor
+        self._coin = random.Random(seed)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.on = self._coin.random() < 0.5
+        if self.on and self.active:
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.on and self.active:
+            super().on_before_backward(trainer, pl_module, loss)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.on and self.active:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.on and self.active:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+class StepTimer(Callback):
+    """CPU time of this thread from ``on_train_batch_start`` to ``on_train_batch_end`` of each batch (forward,
+    backward, optimizer step and every callback's batch hooks placed before it), split by ``gate.on``."""
+
+    def __init__(self, gate: CoinFlipGuard) -> None:
+        self.gate = gate
+        self.ns: dict[bool, list[int]] = {True: [], False: []}
+        self._start = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start = time.thread_time_ns()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.ns[self.gate.on].append(time.thread_time_ns() - self._start)
+
+
+def paired_step_cost(workload: str, seeds: Sequence[int], epochs: int, active: bool = True) -> dict[str, Any]:
+    """The guard's marginal cost per quiet step, from guarded and unguarded steps of the same fits.
+
+    One fit per seed with :class:`CoinFlipGuard` and a :class:`StepTimer` after it; per seed the
+    difference of the median step CPU of guarded and unguarded steps (medians: robust to the rare snapshot
+    step, a collection or a preemption), then the median over seeds. Steps of the first epoch are left out
+    (warm-up of the allocator and of torch's caches). ``active=False`` runs the gate alone: the same split
+    of the steps, nothing else, so its result is the method's noise floor.
+    """
+    from benchmarks.workloads import get_workload
+
+    per_seed = []
+    for seed in seeds:
+        pl.seed_everything(seed, workers=True, verbose=False)
+        module, datamodule = get_workload(workload).build(**REFERENCE)
+        gate = CoinFlipGuard(seed, active=active)
+        timer = StepTimer(gate)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=epochs,
+            callbacks=[gate, timer],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(module, datamodule)
+        skip = trainer.num_training_batches // 2  # per kind of step: about the first epoch
+        guarded = statistics.median(timer.ns[True][skip:]) / 1e3
+        unguarded = statistics.median(timer.ns[False][skip:]) / 1e3
+        per_seed.append({"seed": seed, "guarded_step_us": guarded, "unguarded_step_us": unguarded})
+        print(f"[{workload}] paired active={active} seed={seed}: on {guarded:.0f} us, off {unguarded:.0f} us")
+    return {
+        "seeds": list(seeds),
+        "per_seed": per_seed,
+        "marginal_us_median": statistics.median(
+            r["guarded_step_us"] - r["unguarded_step_us"] for r in per_seed
+        ),
+        "marginal_share_median": statistics.median(
+            r["guarded_step_us"] / r["unguarded_step_us"] - 1 for r in per_seed
+        ),
+        "unguarded_step_us_median": statistics.median(r["unguarded_step_us"] for r in per_seed),
+    }
+
+
 def overhead(seeds: Sequence[int], epochs: int, charlm_steps: int) -> list[dict[str, Any]]:
     results = []
     setups = [
@@ -147,6 +248,11 @@ def overhead(seeds: Sequence[int], epochs: int, charlm_steps: int) -> list[dict[
             "false_positive_spikes": [run["extra"]["spikes_detected"] for run in guarded],
             "snapshot_bytes": guarded[0]["extra"]["snapshot_bytes"],
         }
+        if workload.startswith("mnist1d"):
+            result["guard"]["paired"] = paired_step_cost(workload, workload_seeds, epochs)
+            result["guard"]["paired_control"] = paired_step_cost(
+                workload, workload_seeds, epochs, active=False
+            )
         results.append(result)
     return results
 
@@ -318,7 +424,11 @@ def markdown(
         "harness (process CPU time of training, arm order rotated per seed, seed-paired ratios, medians). "
         "*Hook CPU share* is the CPU time spent inside the guard's own hooks (detection, snapshots, "
         "bookkeeping) over training CPU time; it is much less sensitive to a busy machine than the "
-        "end-to-end ratios. *False positives* are the spikes flagged on these fault-free runs.",
+        "end-to-end ratios. *Paired* compares guarded and unguarded steps of the same fit (the guard's hooks "
+        "run on a seeded random half of the batches; step CPU from batch start to batch end, medians): it also "
+        "counts what the guard's work costs the rest of the step (caches it evicts), and its control (the same "
+        "coin, no guard) shows the method's noise. *False positives* are the spikes flagged on these fault-free "
+        "runs.",
         "",
     ]
     for result in overhead_results:
@@ -337,6 +447,29 @@ def markdown(
             f"({guard['snapshots_taken']} snapshots per run)",
             f"- end-to-end CPU ratio against the empty callback (median): "
             f"{guard['cpu_ratio_vs_empty_callback_median']:.4g}",
+            *(
+                [
+                    f"- paired, same fit (guard on a random half of the steps): a guarded quiet step costs "
+                    f"{guard['paired']['marginal_us_median']:+.0f} µs "
+                    f"({guard['paired']['marginal_share_median']:+.2%}) against an unguarded one of "
+                    f"{guard['paired']['unguarded_step_us_median'] / 1000:.2f} ms (medians over steps, then "
+                    f"seeds {guard['paired']['seeds']}; per seed µs: "
+                    + ", ".join(
+                        f"{r['guarded_step_us'] - r['unguarded_step_us']:+.0f}"
+                        for r in guard["paired"]["per_seed"]
+                    )
+                    + "); the control (the same coin, no guard) gives "
+                    f"{guard['paired_control']['marginal_us_median']:+.0f} µs "
+                    f"({guard['paired_control']['marginal_share_median']:+.2%}; per seed µs: "
+                    + ", ".join(
+                        f"{r['guarded_step_us'] - r['unguarded_step_us']:+.0f}"
+                        for r in guard["paired_control"]["per_seed"]
+                    )
+                    + "), the method's noise floor"
+                ]
+                if "paired" in guard
+                else []
+            ),
             f"- false positives per run: {guard['false_positive_spikes']}",
             f"- snapshot memory at the end: {guard['snapshot_bytes'] / 1024:.0f} KiB (CPU)",
             "",

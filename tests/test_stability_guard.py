@@ -206,6 +206,32 @@ def test_skip_puts_back_the_state_of_an_optimizer_that_steps_without_gradients(
     assert trainer.optimizers[0].param_groups[0]["k"] == 5  # 6 steps, one of them undone
 
 
+def test_an_lbfgs_step_with_several_closure_evaluations_counts_once(small_data):
+    # LBFGS runs the closure (and on_before_optimizer_step) several times per step: the last decision counts
+    class LBFGSClassifier(MNIST1DClassifier):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+    pl.seed_everything(0)
+    counter = ClosureCounter()
+    guard = StabilityGuard(
+        loss_zscore=None, grad_norm_zscore=None, snapshot_every=4, max_snapshots=3, rollback_margin=4
+    )
+    trainer = pl.Trainer(callbacks=[guard, counter], max_steps=12, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(LBFGSClassifier(arch="mlp"), small_data)
+    assert counter.calls > trainer.global_step == 12  # non-vacuous: more evaluations than steps
+    assert guard.lineage_steps == 12 and guard.steps_lost == 0
+    assert guard.snapshots.steps == [4, 8, 12]
+
+
+class ClosureCounter(Callback):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.calls += 1
+
+
 # ---------------------------------------------------------------- rollback
 
 
