@@ -16,7 +16,7 @@ Method:
 
 HC (unconstrained, no Sinkhorn) is included to separate the cost of widening the residual stream from the
 cost of the Sinkhorn-Knopp projection. ``hc`` and ``mhc`` run with the layers' default ``cpu_kernels=True``
-(the fused C kernels of ``lightning_pulse/nn/_csrc``); ``mhc_torch`` is the same mHC model with
+(the fused C kernels of ``lightning_pulse/_csrc``); ``mhc_torch`` is the same mHC model with
 ``cpu_kernels=False`` (torch ops only), so the table also shows what the kernels buy.
 
 Run: ``python -m benchmarks.mhc_overhead`` (about 4 wall minutes on the busy 2-core machine), inside

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_pulse import _native
 from lightning_pulse.nn import (
     HyperConnection,
     ManifoldHyperConnection,
@@ -22,7 +23,7 @@ from lightning_pulse.nn.sinkhorn import _FusedSinkhornKnopp
 
 @pytest.fixture(scope="module")
 def kernels():
-    if _cpu_kernels._compiler() is None:
+    if _native.compiler() is None:
         pytest.skip("no C compiler on this machine: the layers use their torch path (tested elsewhere)")
     loaded = _cpu_kernels.load()
     assert loaded is not None, "the kernels must build wherever a C compiler is installed"
@@ -167,8 +168,8 @@ def test_a_failing_build_warns_once_and_the_layer_still_trains(monkeypatch, tmp_
     compiler.chmod(0o755)
     monkeypatch.setenv("CC", str(compiler))
     monkeypatch.setenv("LIGHTNING_PULSE_KERNEL_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(_cpu_kernels, "_loaded", None)
-    monkeypatch.setattr(_cpu_kernels, "_failed", False)
+    monkeypatch.setattr(_native, "_loaded", None)
+    monkeypatch.setattr(_native, "_failed", False)
     layer = ManifoldHyperConnection(nn.Linear(8, 8), 8)
     streams = expand_streams(torch.randn(2, 3, 8), 4)
     with pytest.warns(RuntimeWarning, match="could not be built.*no input files"):
@@ -189,12 +190,12 @@ def test_the_char_lm_passes_cpu_kernels_to_its_layers():
 
 
 def test_an_unwritable_cache_directory_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
-    if _cpu_kernels._compiler() is None:
+    if _native.compiler() is None:
         pytest.skip("no C compiler on this machine")
     blocked = tmp_path / "not-a-directory"
     blocked.write_text("a file where the cache directory should be")
     monkeypatch.setenv("LIGHTNING_PULSE_KERNEL_DIR", str(blocked / "kernels"))
-    monkeypatch.setattr(_cpu_kernels.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(_native.tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    library = _cpu_kernels._build(_cpu_kernels._compiler())
+    library = _native.build(_native.compiler())
     assert library.parent.parent == tmp_path / "tmp" and library.exists()

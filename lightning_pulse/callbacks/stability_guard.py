@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
+from lightning_pulse.core.grad_norm import host_sum_of_squares
 from lightning_pulse.core.snapshots import SnapshotRing, TrainingSnapshot, restore_snapshot, take_snapshot
 from lightning_pulse.core.spike_detection import Action, Assessment, EscalationPolicy, SpikeDetector, Verdict
 from lightning_pulse.phase import Phase, PhaseChange
@@ -909,7 +910,9 @@ def _loss_and_grad_norm(
 ) -> tuple[float | None, float | None]:
     """The summed ``losses`` and the 2-norm of all ``grads`` together, read with at most one device sync.
 
-    One fused per-tensor norm (the kernel ``clip_grad_norm_`` uses); the per-tensor norms are combined on
+    Contiguous fp32 gradients in host memory go to one native call (:mod:`lightning_pulse.core.grad_norm`;
+    same value to rounding, non-finite entries give a non-finite norm), where the kernels could be built.
+    Otherwise one fused per-tensor norm (the kernel ``clip_grad_norm_`` uses); the per-tensor norms are combined on
     the host (``math.hypot``: no overflow for norms near the dtype's maximum). How the values reach the host
     depends on where they are. On an accelerator, the norms and the losses are stacked and copied in one
     ``tolist``: one synchronisation per step, which the decision needs before the update anyway. In host
@@ -923,6 +926,11 @@ def _loss_and_grad_norm(
         return _host_sum(losses), None
     if read_each is None:
         read_each = grads[0].is_cpu
+    if read_each:
+        # fp32 gradients in host memory: one native call instead of the fused norm and a read per tensor
+        squares = host_sum_of_squares(grads)
+        if squares is not None:
+            return _host_sum(losses), math.sqrt(squares)
     try:
         norms = _foreach_norm(grads, 2.0) if _foreach_norm is not None else None
         if norms is not None and read_each:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from lightning_pulse import _native
 from lightning_pulse.nn import _cpu_kernels
 
 # exp() of a logit this far below the largest one in its matrix is still a normal fp32 number (~1e-26), so
@@ -64,7 +65,7 @@ class _FusedSinkhornKnopp(torch.autograd.Function):
     """The same map and gradient as :class:`_SinkhornKnopp`, on ``(N, n, n)`` logits, by the fused CPU kernel.
 
     The kernel keeps each matrix's iterates in cache and recomputes them in the backward, so only the logits
-    are saved; see ``_csrc/mhc_kernels.c``.
+    are saved; see ``lightning_pulse/_csrc/mhc_kernels.c``.
     """
 
     @staticmethod
@@ -100,7 +101,7 @@ def sinkhorn_knopp(logits: Tensor, iters: int = 20, cpu_kernel: bool = True) -> 
         logits: ``(..., n, n)`` real logits; every leading dimension is a batch dimension.
         iters: number of column+row normalisation rounds, at least 1.
         cpu_kernel: on CPU, run the fused C kernel (built at first use, see
-            :mod:`lightning_pulse.nn._cpu_kernels`): the same arithmetic without hundreds of tiny dispatched
+            :mod:`lightning_pulse._native`): the same arithmetic without hundreds of tiny dispatched
             ops per call. ``False``, or where the kernel cannot be built (a warning says why), or under
             ``torch.compile``, or on other devices: the torch implementation.
 
@@ -122,7 +123,7 @@ def sinkhorn_knopp(logits: Tensor, iters: int = 20, cpu_kernel: bool = True) -> 
         raise ValueError(f"`logits` must have shape (..., n, n); got {tuple(logits.shape)}.")
     n = logits.shape[-1]
     with torch.autocast(device_type=logits.device.type, enabled=False):
-        if cpu_kernel and logits.device.type == "cpu" and not _cpu_kernels.compiling():
+        if cpu_kernel and logits.device.type == "cpu" and not _native.compiling():
             kernels = _cpu_kernels.load()
             batch_first = logits.float().reshape(-1, n, n).contiguous()
             if kernels is not None and _cpu_kernels.usable(batch_first):
