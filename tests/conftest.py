@@ -26,6 +26,19 @@ def trainer_kwargs(**overrides):
     return kwargs
 
 
+def stop_after_epochs(epochs: int):
+    """A callback that stops the fit after ``epochs`` epochs of a longer planned run, so that every schedule
+    still spans the planned run (the first part of an interrupted run, for resume tests)."""
+    from lightning.pytorch.callbacks import Callback
+
+    class StopAfterEpochs(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch + 1 >= epochs:
+                trainer.should_stop = True
+
+    return StopAfterEpochs()
+
+
 @pytest.fixture
 def mnist1d_small():
     """A fresh (model, datamodule) pair on 1000 generated MNIST-1D samples (720 train: 12 batches of 64)."""

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from examples.mnist1d.models import build_mnist1d_network
 from lightning_pulse.callbacks.gradient_cache import GradientCache
 from lightning_pulse.core.gradient_cache import freezeout_factor, freezeout_points
-from tests.conftest import trainer_kwargs
+from tests.conftest import stop_after_epochs, trainer_kwargs
 
 # the CNN's units in forward order; max_frozen_share 0.9 lets the first three freeze (the head always trains)
 UNITS = ["net.1", "net.3", "net.5", "net.8"]
@@ -150,17 +150,6 @@ def test_freezeout_with_accumulation_and_bf16_freezes_only_between_optimizer_ste
     assert all(p.requires_grad for p in model.parameters())
 
 
-class StopAfterEpochs(Callback):
-    """Stops the fit after ``epochs`` epochs of a longer planned run (the schedule spans the planned run)."""
-
-    def __init__(self, epochs: int) -> None:
-        self.epochs = epochs
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.current_epoch + 1 >= self.epochs:
-            trainer.should_stop = True
-
-
 def test_resume_mid_anneal_reproduces_the_uninterrupted_run(mnist1d_small, tmp_path):
     def run(max_epochs: int, ckpt_path: str | None = None, save: Path | None = None):
         pl.seed_everything(11)
@@ -168,7 +157,7 @@ def test_resume_mid_anneal_reproduces_the_uninterrupted_run(mnist1d_small, tmp_p
         data.setup("fit")
         loader = DataLoader(data.train_set, batch_size=64, shuffle=False)
         cache = GradientCache(schedule="freezeout", t0=0.6, scaling="squared")
-        callbacks = [cache] + ([StopAfterEpochs(max_epochs)] if max_epochs < 6 else [])
+        callbacks = [cache] + ([stop_after_epochs(max_epochs)] if max_epochs < 6 else [])
         trainer = pl.Trainer(callbacks=callbacks, max_epochs=6, limit_train_batches=9, **trainer_kwargs())
         trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
         if save is not None:

@@ -16,25 +16,15 @@ import math
 
 import lightning.pytorch as pl
 import pytest
-from lightning.pytorch.callbacks import Callback
 
 from benchmarks.stability_guard import FaultInjector
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse.callbacks.stability_guard import StabilityGuard
-from tests.conftest import trainer_kwargs
+from tests.conftest import stop_after_epochs, trainer_kwargs
 
 EPOCHS, PREFIX_EPOCHS, STEPS_BEFORE_FAULT, WINDOW = 20, 16, 30, 6
 
 pytestmark = pytest.mark.slow
-
-
-class StopAfterEpochs(Callback):
-    def __init__(self, epochs: int) -> None:
-        self.epochs = epochs
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.current_epoch + 1 >= self.epochs:
-            trainer.should_stop = True
 
 
 def reference_model() -> MNIST1DClassifier:
@@ -58,7 +48,7 @@ def shared_prefix(tmp_path_factory):
     data.setup()
     pl.seed_everything(0)
     trainer = pl.Trainer(
-        max_epochs=EPOCHS, callbacks=[StopAfterEpochs(PREFIX_EPOCHS)], **trainer_kwargs(limit_val_batches=0)
+        max_epochs=EPOCHS, callbacks=[stop_after_epochs(PREFIX_EPOCHS)], **trainer_kwargs(limit_val_batches=0)
     )
     trainer.fit(reference_model(), data)
     checkpoint = str(tmp_path_factory.mktemp("prefix") / "prefix.ckpt")
