@@ -78,10 +78,11 @@ class StabilityGuard(Callback):
     ``energy_so_far_kwh()`` (``EnergyLogger``) is attached, the energy those lost steps used.
 
     Under DDP every decision is computed from all-reduced numbers, so all ranks take the same action at
-    the same step. Only automatic optimization is supported. Each optimizer step costs one fused
-    gradient-norm pass, at most one host synchronisation (the decision has to exist before the update) and,
-    under DDP, one all-reduce of three numbers. Put the guard after callbacks that change gradients (``GradientCache``),
-    so it judges the gradients the optimizer will use.
+    the same step. Only automatic optimization is supported. Each optimizer step costs one gradient-norm
+    read (one native call for fp32 gradients in host memory, else one fused norm pass), at most one host
+    synchronisation (the decision has to exist before the update) and, under DDP, one all-reduce of three
+    numbers. Put the guard after callbacks that change gradients (``GradientCache``), so it judges the
+    gradients the optimizer will use.
 
     Args:
         loss_zscore: robust z-score above which a loss is a spike; ``None`` turns loss spikes off.
@@ -351,9 +352,8 @@ class StabilityGuard(Callback):
         # nothing else on a quiet step (no Lightning step counter, no policy call). Everything that happens
         # only around incidents is in `_respond`.
         started = _thread_time()
-        if (
-            self._decided is not None
-        ):  # LBFGS evaluates its closure again within the step: replace the decision
+        if self._decided is not None:
+            # LBFGS evaluates its closure again within the step: this decision replaces the earlier one
             self._retract_decision()
         losses, self._losses = self._losses, []
         policy = self.policy

@@ -123,11 +123,12 @@ def sinkhorn_knopp(logits: Tensor, iters: int = 20, cpu_kernel: bool = True) -> 
         raise ValueError(f"`logits` must have shape (..., n, n); got {tuple(logits.shape)}.")
     n = logits.shape[-1]
     with torch.autocast(device_type=logits.device.type, enabled=False):
-        if cpu_kernel and logits.device.type == "cpu" and not _native.compiling():
-            kernels = _cpu_kernels.load()
+        use_kernel = cpu_kernel and logits.device.type == "cpu" and not _native.compiling()
+        kernels = _cpu_kernels.load() if use_kernel else None
+        if kernels is not None:
+            # fp32 and contiguous: what the kernel takes
             batch_first = logits.float().reshape(-1, n, n).contiguous()
-            if kernels is not None and _cpu_kernels.usable(batch_first):
-                return _FusedSinkhornKnopp.apply(batch_first, iters, kernels).view(logits.shape)
+            return _FusedSinkhornKnopp.apply(batch_first, iters, kernels).view(logits.shape)
         batch_last = logits.float().reshape(-1, n, n).permute(1, 2, 0).contiguous()  # (n, n, N)
         matrix = _SinkhornKnopp.apply(batch_last, iters)
     # contiguous: a strided (N, n, n) view would push the bmm that applies H_res onto a per-matrix loop
