@@ -6,10 +6,11 @@ writes ``gradient_cache_thresholds.*``: three plasticity thresholds on the CNN, 
 the LM's per-unit plasticity scores. ``--study lm --jobs 2`` (about 25 minutes on the shared machine) writes
 ``gradient_cache_lm.*``: the 4-layer cosine-LR char LM against the LM target, plasticity thresholds, a forced
 late freeze and FreezeOut schedules. ``--study lm_long --jobs 2`` (about 40 minutes) writes
-``gradient_cache_lm_long.*``: the same LM trained 15 epochs instead of 6, long enough for its loss to flatten. ``--study lm_converged --jobs 2`` (about 50 minutes) writes
+``gradient_cache_lm_long.*``: the same LM trained 15 epochs instead of 6, long enough for its loss to
+flatten (and to overfit). ``--study lm_converged --jobs 2`` (about 50 minutes) writes
 ``gradient_cache_lm_converged.*``: the same LM on 3x the text for 5 epochs (about as many steps as
-``lm_long``), so its loss flattens without overfitting. ``--study overhead`` (run it
-under ``flock /tmp/lp-bench.lock``) writes ``gradient_cache_overhead.*``: the CPU inside the hooks on the CNN.
+``lm_long``), so its loss flattens without overfitting. ``--study overhead`` (run it under
+``flock /tmp/lp-bench.lock``) writes ``gradient_cache_overhead.*``: the CPU inside the hooks on the CNN.
 
 Arms (the first is the baseline, all in one invocation, interleaved per seed):
 
@@ -72,11 +73,11 @@ LM_FORCED_FROM = 0.8
 # (t0 0.7 cubic: 27%), and the same spacing started late, where the LR has decayed (from 50%: 25%; from 70%: 15%)
 # the long-run variant: the same model and schedule over 15 epochs (2,610 steps), whose validation loss flattens
 LM_LONG_TRAINER = {"max_epochs": 15}
-# the converged-without-overfitting variant: 3x the text (1.2M characters) for 5 epochs = 2,600 steps (lm_long:
-# 2,610), so every window is seen 5 times instead of 15; validation 4 times per epoch, for the baseline's curve.
-# Size chosen on baseline-only pilots with seed 7 (not a study seed): 1.6M x 4 epochs still fell 1.9% over the
-# last sixth; 800k x 8 epochs ended at its lowest but wandered up to +0.6% above an earlier low; 1.2M x 5 epochs fell
-# 0.46% over the last sixth and ended at its lowest.
+# the converged-without-overfitting variant: 3x the text (1.2M characters) for 5 epochs = 2,600 steps
+# (lm_long: 2,610), so every window is seen 5 times instead of 15; validation 4 times per epoch, for the
+# baseline's curve. Size chosen on baseline-only pilots with seed 7 (not a study seed): 1.6M x 4 epochs still
+# fell 1.9% over the last sixth; 800k x 8 epochs ended at its lowest but wandered up to +0.6% above an earlier
+# low; 1.2M x 5 epochs fell 0.46% over the last sixth and ended at its lowest.
 LM_CONVERGED_TRAINER = {"max_epochs": 5, "val_check_interval": 0.25}
 LM_CONVERGED_WORKLOAD = {**LM_COSINE["workload_kwargs"], "data__max_chars": 1_200_000}
 LM_FREEZEOUT = (
@@ -325,7 +326,8 @@ def lm_target_table(result: dict[str, Any], against_lowest: bool = False) -> str
         runs = [run for run in result["runs"] if run["arm"] == arm]
         relative = [run["test"][metric] / baseline[run["seed"]]["test"][metric] - 1 for run in runs]
         skipped = _median([run["extra"].get("gc_backward_flops_skipped_share") for run in runs])
-        cells = f"| {arm} | {skipped:.1%} | {statistics.median(relative):+.2%} | {', '.join(f'{r:+.2%}' for r in relative)} |"
+        per_seed = ", ".join(f"{r:+.2%}" for r in relative)
+        cells = f"| {arm} | {skipped:.1%} | {statistics.median(relative):+.2%} | {per_seed} |"
         if against_lowest:
             to_lowest = [run["test"][metric] / lowest[run["seed"]] - 1 for run in runs]
             cells += f" {statistics.median(to_lowest):+.2%} | {', '.join(f'{r:+.2%}' for r in to_lowest)} |"
