@@ -111,6 +111,11 @@ class FaultInjector(Callback):
 
 
 # ------------------------------------------------------------------------------------------ overhead
+# the paired measurement's per-seed differences scatter by tens of microseconds: more seeds and steps than the
+# end-to-end arms, so the median over seeds is stable to a few
+PAIRED_SEEDS, PAIRED_EPOCHS = tuple(range(10)), 20
+
+
 class CoinFlipGuard(StabilityGuard):
     """``StabilityGuard`` whose per-step hooks run on a random half of the batches (the paired arm).
 
@@ -147,29 +152,41 @@ class CoinFlipGuard(StabilityGuard):
 
 
 class StepTimer(Callback):
-    """CPU time of this thread from ``on_train_batch_start`` to ``on_train_batch_end`` of each batch (forward,
-    backward, optimizer step and every callback's batch hooks placed before it), split by ``gate.on``."""
+    """Per-batch CPU time of this thread, split by ``gate.on``, two ways.
+
+    ``ns``: from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer step and every
+    callback's batch hooks placed before the timer). ``iteration_ns``: from one ``on_train_batch_start`` to the
+    next, so also the next batch's loading and the loop's own work between batches: the step time a user
+    sees. Intervals that span an epoch boundary (validation) are dropped.
+    """
 
     def __init__(self, gate: CoinFlipGuard) -> None:
         self.gate = gate
         self.ns: dict[bool, list[int]] = {True: [], False: []}
+        self.iteration_ns: dict[bool, list[int]] = {True: [], False: []}
         self._start = 0
+        self._previous: tuple[int, bool, int] | None = None  # (start, gate, epoch) of the batch before
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._start = time.thread_time_ns()
+        now = time.thread_time_ns()
+        if self._previous is not None and self._previous[2] == trainer.current_epoch:
+            self.iteration_ns[self._previous[1]].append(now - self._previous[0])
+        self._start = now
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.ns[self.gate.on].append(time.thread_time_ns() - self._start)
+        self._previous = (self._start, self.gate.on, trainer.current_epoch)
 
 
 def paired_step_cost(workload: str, seeds: Sequence[int], epochs: int, active: bool = True) -> dict[str, Any]:
     """The guard's marginal cost per quiet step, from guarded and unguarded steps of the same fits.
 
     One fit per seed with :class:`CoinFlipGuard` and a :class:`StepTimer` after it; per seed the
-    difference of the median step CPU of guarded and unguarded steps (medians: robust to the rare snapshot
-    step, a collection or a preemption), then the median over seeds. Steps of the first epoch are left out
-    (warm-up of the allocator and of torch's caches). ``active=False`` runs the gate alone: the same split
-    of the steps, nothing else, so its result is the method's noise floor.
+    difference of the median CPU of guarded and unguarded steps (medians: robust to the rare snapshot
+    step, a collection or a preemption), then the median over seeds, for the step proper and for the whole
+    iteration (data loading included). Steps of the first epoch are left out (warm-up of the allocator and of
+    torch's caches). ``active=False`` runs the gate alone: the same split of the steps, nothing else, so its
+    result is the method's noise floor.
     """
     from benchmarks.workloads import get_workload
 
@@ -192,24 +209,38 @@ def paired_step_cost(workload: str, seeds: Sequence[int], epochs: int, active: b
         )
         trainer.fit(module, datamodule)
         skip = trainer.num_training_batches // 2  # per kind of step: about the first epoch
-        guarded = statistics.median(timer.ns[True][skip:]) / 1e3
-        unguarded = statistics.median(timer.ns[False][skip:]) / 1e3
-        per_seed.append({"seed": seed, "guarded_step_us": guarded, "unguarded_step_us": unguarded})
-        print(f"[{workload}] paired active={active} seed={seed}: on {guarded:.0f} us, off {unguarded:.0f} us")
-    return {
-        "seeds": list(seeds),
-        "per_seed": per_seed,
-        "marginal_us_median": statistics.median(
-            r["guarded_step_us"] - r["unguarded_step_us"] for r in per_seed
-        ),
-        "marginal_share_median": statistics.median(
-            r["guarded_step_us"] / r["unguarded_step_us"] - 1 for r in per_seed
-        ),
-        "unguarded_step_us_median": statistics.median(r["unguarded_step_us"] for r in per_seed),
-    }
+        row = {"seed": seed}
+        for name, samples in (("step", timer.ns), ("iteration", timer.iteration_ns)):
+            row[f"guarded_{name}_us"] = statistics.median(samples[True][skip:]) / 1e3
+            row[f"unguarded_{name}_us"] = statistics.median(samples[False][skip:]) / 1e3
+        per_seed.append(row)
+        print(
+            f"[{workload}] paired active={active} seed={seed}: step on {row['guarded_step_us']:.0f} us, "
+            f"off {row['unguarded_step_us']:.0f} us; iteration on {row['guarded_iteration_us']:.0f} us, "
+            f"off {row['unguarded_iteration_us']:.0f} us"
+        )
+    result: dict[str, Any] = {"seeds": list(seeds), "epochs": epochs, "per_seed": per_seed}
+    for name in ("step", "iteration"):
+        marginal = [r[f"guarded_{name}_us"] - r[f"unguarded_{name}_us"] for r in per_seed]
+        prefix = "" if name == "step" else "iteration_"
+        result[f"{prefix}marginal_us_median"] = statistics.median(marginal)
+        result[f"{prefix}marginal_us_quartiles"] = (
+            statistics.quantiles(marginal, n=4)[::2] if len(marginal) > 1 else [marginal[0]] * 2
+        )
+        result[f"{prefix}marginal_share_median"] = statistics.median(
+            r[f"guarded_{name}_us"] / r[f"unguarded_{name}_us"] - 1 for r in per_seed
+        )
+        result[f"unguarded_{name}_us_median"] = statistics.median(r[f"unguarded_{name}_us"] for r in per_seed)
+    return result
 
 
-def overhead(seeds: Sequence[int], epochs: int, charlm_steps: int) -> list[dict[str, Any]]:
+def overhead(
+    seeds: Sequence[int],
+    epochs: int,
+    charlm_steps: int,
+    paired_seeds: Sequence[int] = PAIRED_SEEDS,
+    paired_epochs: int = PAIRED_EPOCHS,
+) -> list[dict[str, Any]]:
     results = []
     setups = [
         ("mnist1d-cnn", {"max_epochs": epochs}, REFERENCE),
@@ -249,9 +280,9 @@ def overhead(seeds: Sequence[int], epochs: int, charlm_steps: int) -> list[dict[
             "snapshot_bytes": guarded[0]["extra"]["snapshot_bytes"],
         }
         if workload.startswith("mnist1d"):
-            result["guard"]["paired"] = paired_step_cost(workload, workload_seeds, epochs)
+            result["guard"]["paired"] = paired_step_cost(workload, paired_seeds, paired_epochs)
             result["guard"]["paired_control"] = paired_step_cost(
-                workload, workload_seeds, epochs, active=False
+                workload, paired_seeds, paired_epochs, active=False
             )
         results.append(result)
     return results
@@ -425,9 +456,10 @@ def markdown(
         "*Hook CPU share* is the CPU time spent inside the guard's own hooks (detection, snapshots, "
         "bookkeeping) over training CPU time; it is much less sensitive to a busy machine than the "
         "end-to-end ratios. *Paired* compares guarded and unguarded steps of the same fit (the guard's hooks "
-        "run on a seeded random half of the batches; step CPU from batch start to batch end, medians): it also "
-        "counts what the guard's work costs the rest of the step (caches it evicts), and its control (the same "
-        "coin, no guard) shows the method's noise. *False positives* are the spikes flagged on these fault-free "
+        "run on a seeded random half of the batches; medians of the CPU time of the whole iteration, from one "
+        "batch start to the next, and of the step proper, from batch start to batch end): it also counts what "
+        "the guard's work costs the rest of the step (caches it evicts), and its control (the same coin, no "
+        "guard) shows the method's noise. *False positives* are the spikes flagged on these fault-free "
         "runs.",
         "",
     ]
@@ -449,23 +481,8 @@ def markdown(
             f"{guard['cpu_ratio_vs_empty_callback_median']:.4g}",
             *(
                 [
-                    f"- paired, same fit (guard on a random half of the steps): a guarded quiet step costs "
-                    f"{guard['paired']['marginal_us_median']:+.0f} µs "
-                    f"({guard['paired']['marginal_share_median']:+.2%}) against an unguarded one of "
-                    f"{guard['paired']['unguarded_step_us_median'] / 1000:.2f} ms (medians over steps, then "
-                    f"seeds {guard['paired']['seeds']}; per seed µs: "
-                    + ", ".join(
-                        f"{r['guarded_step_us'] - r['unguarded_step_us']:+.0f}"
-                        for r in guard["paired"]["per_seed"]
-                    )
-                    + "); the control (the same coin, no guard) gives "
-                    f"{guard['paired_control']['marginal_us_median']:+.0f} µs "
-                    f"({guard['paired_control']['marginal_share_median']:+.2%}; per seed µs: "
-                    + ", ".join(
-                        f"{r['guarded_step_us'] - r['unguarded_step_us']:+.0f}"
-                        for r in guard["paired_control"]["per_seed"]
-                    )
-                    + "), the method's noise floor"
+                    _paired_line(guard["paired"], guard["paired_control"], "iteration"),
+                    _paired_line(guard["paired"], guard["paired_control"], "step"),
                 ]
                 if "paired" in guard
                 else []
@@ -502,6 +519,27 @@ def markdown(
     for part, env in environments.items():
         lines.append(f"Environment ({part}): {env}.")
     return "\n".join(lines) + "\n"
+
+
+def _paired_line(paired: dict[str, Any], control: dict[str, Any], name: str) -> str:
+    """One Markdown bullet of the paired measurement (``name``: ``"iteration"`` or ``"step"``)."""
+    prefix = "" if name == "step" else "iteration_"
+    what = (
+        "whole iteration (from one batch start to the next: data loading included, the step time a user sees)"
+        if name == "iteration"
+        else "step proper (batch start to batch end)"
+    )
+    if f"{prefix}marginal_us_median" not in paired:  # results written before the iteration timer existed
+        return f"- paired, {what}: not measured in this run"
+    low, high = paired[f"{prefix}marginal_us_quartiles"]
+    return (
+        f"- paired, {what}: a guarded quiet step costs {paired[f'{prefix}marginal_us_median']:+.0f} µs "
+        f"(quartiles over seeds {low:+.0f} to {high:+.0f}), {paired[f'{prefix}marginal_share_median']:+.2%} of "
+        f"an unguarded one of {paired[f'unguarded_{name}_us_median'] / 1000:.2f} ms (medians over steps, then over "
+        f"seeds {paired['seeds'][0]}-{paired['seeds'][-1]}, {paired.get('epochs', '?')} epochs each); the control "
+        f"(the same coin, no guard) gives {control[f'{prefix}marginal_us_median']:+.0f} µs "
+        f"({control[f'{prefix}marginal_share_median']:+.2%}), the method's noise floor"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -542,7 +580,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         started = time.perf_counter()
         seeds = (0,) if args.quick else (0, 1, 2, 3, 4)
         epochs, charlm_steps = (3, 30) if args.quick else (10, 150)
-        payload["overhead"] = overhead(seeds, epochs=epochs, charlm_steps=charlm_steps)
+        paired = ((0, 1), 3) if args.quick else (PAIRED_SEEDS, PAIRED_EPOCHS)
+        payload["overhead"] = overhead(
+            seeds, epochs=epochs, charlm_steps=charlm_steps, paired_seeds=paired[0], paired_epochs=paired[1]
+        )
         payload["commands"]["overhead"] = command
         payload["environments"]["overhead"] = env
         payload["elapsed_s"]["overhead"] = time.perf_counter() - started

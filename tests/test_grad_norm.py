@@ -1,4 +1,4 @@
-"""The native gradient-norm read (lightning_pulse.core.grad_norm) that StabilityGuard uses on CPU."""
+"""The native step read (lightning_pulse.core.grad_norm) that StabilityGuard uses on CPU."""
 
 from __future__ import annotations
 
@@ -10,11 +10,25 @@ from torch import nn
 
 from lightning_pulse import _native
 from lightning_pulse.callbacks import stability_guard
-from lightning_pulse.core.grad_norm import host_sum_of_squares
+from lightning_pulse.core.grad_norm import HostStepReader
 
 pytestmark = pytest.mark.skipif(
     _native.compiler() is None, reason="no C compiler: the guard reads with torch"
 )
+
+
+def _as_groups(grads: list[torch.Tensor]) -> list[dict]:
+    """Optimizer-style parameter groups whose parameters carry ``grads``."""
+    params = []
+    for grad in grads:
+        param = nn.Parameter(torch.zeros(grad.shape, dtype=grad.dtype))
+        param.grad = grad
+        params.append(param)
+    return [{"params": params[:2]}, {"params": params[2:]}]
+
+
+def _squares(grads: list[torch.Tensor]) -> float:
+    return HostStepReader()(_as_groups(grads), [])[0]
 
 
 def test_native_sum_of_squares_equals_torchs_total_norm():
@@ -22,42 +36,134 @@ def test_native_sum_of_squares_equals_torchs_total_norm():
     # sizes below, at and past the 16 lanes, a 0-d tensor, and a large one
     grads = [torch.randn(shape, generator=generator) for shape in [(3,), (16,), (37, 5), (), (300_001,)]]
     expected = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False).double().item()
-    assert math.sqrt(host_sum_of_squares(grads)) == pytest.approx(expected, rel=1e-6)
+    assert math.sqrt(_squares(grads)) == pytest.approx(expected, rel=1e-6)
 
 
 def test_non_finite_entries_and_an_overflowing_tensor_give_a_non_finite_norm_as_torch_does():
     grads = [torch.ones(40), torch.ones(7)]
     grads[1][3] = float("nan")
-    assert math.isnan(host_sum_of_squares(grads))
+    assert math.isnan(_squares(grads))
     grads[1][3] = float("-inf")
-    assert host_sum_of_squares(grads) == float("inf")
+    assert _squares(grads) == float("inf")
     # one tensor whose fp32 norm overflows: torch's per-tensor norm is inf, and so is this
     huge = [torch.full((3,), 3e38)]
-    assert host_sum_of_squares(huge) == float("inf") == torch._foreach_norm(huge, 2.0)[0].item()
+    assert _squares(huge) == float("inf") == torch._foreach_norm(huge, 2.0)[0].item()
     # two tensors whose norms are each finite in fp32: the total is a finite (double) number, as with hypot
     two = [torch.full((1,), 3e38), torch.full((1,), 3e38)]
-    assert math.sqrt(host_sum_of_squares(two)) == pytest.approx(math.hypot(3e38, 3e38), rel=1e-6)
+    assert math.sqrt(_squares(two)) == pytest.approx(math.hypot(3e38, 3e38), rel=1e-6)
 
 
-def test_gradients_the_native_path_cannot_take_are_left_to_torch():
-    assert host_sum_of_squares([]) is None
-    assert host_sum_of_squares([torch.ones(4, dtype=torch.float64)]) is None
-    assert host_sum_of_squares([torch.ones(4), torch.ones(4, dtype=torch.bfloat16)]) is None
-    assert host_sum_of_squares([torch.ones(4, 6).t()]) is None  # not contiguous
-    assert host_sum_of_squares([torch.ones(3).to_sparse()]) is None
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
-def test_the_guards_read_gives_the_same_norm_with_and_without_the_native_path(monkeypatch, native):
-    if not native:
-        monkeypatch.setattr(stability_guard, "host_sum_of_squares", lambda grads: None)
+def test_the_torch_read_gives_the_same_norm_and_loss_as_the_native_read():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
     loss = model(torch.randn(8, 4)).pow(2).mean()
     loss.backward()
     grads = [p.grad for p in model.parameters()]
-    expected = torch.nn.utils.get_total_norm(grads, 2.0).item()
+    squares, native_loss = HostStepReader()([{"params": list(model.parameters())}], [loss])
     read_loss, read_norm = stability_guard._loss_and_grad_norm(grads, [loss], read_each=True)
-    assert read_norm == pytest.approx(expected, rel=1e-6) and read_loss == pytest.approx(loss.item())
-    grads[0][0, 0] = float("inf")
-    assert stability_guard._loss_and_grad_norm(grads, [loss], read_each=True)[1] == float("inf")
+    assert read_norm == pytest.approx(math.sqrt(squares), rel=1e-6)
+    assert read_loss == pytest.approx(native_loss) == pytest.approx(loss.item())
+
+
+def _groups_with_gradients(accumulate: int = 1):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2), nn.Linear(2, 2))
+    model[3].weight.requires_grad_(False)  # a parameter without a gradient is left out, not read
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(accumulate):
+        loss = model(torch.randn(8, 4)).pow(2).mean() / accumulate
+        loss.backward()
+        losses.append(loss)
+    return model, optimizer, losses
+
+
+@pytest.mark.parametrize("accumulate", [1, 3], ids=["one-loss-read-natively", "accumulated-losses"])
+def test_step_reads_give_torchs_total_norm_and_the_summed_loss(accumulate):
+    model, optimizer, losses = _groups_with_gradients(accumulate)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(grads) == 5
+    squares, loss = HostStepReader()(optimizer.param_groups, losses)
+    assert math.sqrt(squares) == pytest.approx(torch.nn.utils.get_total_norm(grads, 2.0).item(), rel=1e-6)
+    assert loss == pytest.approx(sum(value.item() for value in losses), rel=1e-6)
+    assert HostStepReader()(optimizer.param_groups, [])[1] is None
+    # a non-finite loss and a non-finite gradient are read as such
+    losses[0].detach()[...] = float("nan")
+    grads[1][0] = float("inf")
+    squares, loss = HostStepReader()(optimizer.param_groups, losses)
+    assert squares == float("inf") and math.isnan(loss)
+
+
+def test_step_reads_take_a_loss_of_another_dtype_with_item():
+    model, optimizer, _ = _groups_with_gradients()
+    loss = torch.tensor(1.5, dtype=torch.bfloat16)
+    assert HostStepReader()(optimizer.param_groups, [loss])[1] == 1.5
+
+
+def test_step_reads_leave_gradients_they_cannot_take_to_torch():
+    model, optimizer, losses = _groups_with_gradients()
+    first = model[0].weight
+    first.grad = first.grad.t().contiguous().t()  # same shape, transposed strides
+    assert HostStepReader()(optimizer.param_groups, losses) is None
+    double = nn.Linear(3, 2).double()
+    double(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    assert HostStepReader()([{"params": list(double.parameters())}], losses) is None
+    for param in model.parameters():
+        param.grad = None
+    assert HostStepReader()(optimizer.param_groups, losses) is None  # nothing to read
+    embedding = nn.Embedding(5, 3, sparse=True)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    assert HostStepReader()([{"params": [embedding.weight]}], []) is None
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_the_guard_sees_the_loss_and_gradient_norm_of_every_step(monkeypatch, native):
+    """In a real fit, the values the guard's detector receives are the step's loss and total gradient norm."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+    from lightning_pulse.callbacks.stability_guard import StabilityGuard
+    from lightning_pulse.phase import Phase
+
+    class Reference(Callback):
+        def __init__(self):
+            self.losses, self.norms = [], []
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.losses.append(loss.item())
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self.norms.append(torch.nn.utils.get_total_norm(grads, 2.0).item())
+
+    guard, reference = StabilityGuard(window=50), Reference()
+    if not native:  # the torch read
+        monkeypatch.setattr(guard, "_host_reader", lambda groups, losses: None)
+    pl.seed_everything(0)
+    data = MNIST1DDataModule(num_samples=400, batch_size=64)
+    trainer = pl.Trainer(
+        max_steps=8,
+        callbacks=[guard, reference],
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(MNIST1DClassifier(arch="mlp"), data)
+    # every step was quiet, so each entered the windows of the burst baseline (the phase of a run without
+    # PulseCycle), which keep log values in step order
+    seen_losses = [math.exp(value) for value in guard.detector._loss[Phase.BURST.value].values]
+    seen_norms = [math.exp(value) for value in guard.detector._grad_norm[Phase.BURST.value].values]
+    assert len(reference.losses) == len(reference.norms) == 8
+    assert seen_losses == pytest.approx(reference.losses, rel=1e-6)
+    assert seen_norms == pytest.approx(reference.norms, rel=1e-5)
+
+
+def test_without_the_kernels_the_reader_declines_and_the_caller_reads_with_torch(monkeypatch):
+    monkeypatch.setattr(_native, "library", lambda: None)
+    _, optimizer, losses = _groups_with_gradients()
+    assert HostStepReader()(optimizer.param_groups, losses) is None

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
-from lightning_pulse.core.grad_norm import host_sum_of_squares
+from lightning_pulse.core.grad_norm import HostStepReader
 from lightning_pulse.core.snapshots import SnapshotRing, TrainingSnapshot, restore_snapshot, take_snapshot
 from lightning_pulse.core.spike_detection import Action, Assessment, EscalationPolicy, SpikeDetector, Verdict
 from lightning_pulse.phase import Phase, PhaseChange
@@ -79,9 +79,9 @@ class StabilityGuard(Callback):
 
     Under DDP every decision is computed from all-reduced numbers, so all ranks take the same action at
     the same step. Only automatic optimization is supported. Each optimizer step costs one gradient-norm
-    read (one native call for fp32 gradients in host memory, else one fused norm pass), at most one host
-    synchronisation (the decision has to exist before the update) and, under DDP, one all-reduce of three
-    numbers. Put the guard after callbacks that change gradients (``GradientCache``), so it judges the
+    read (one native call, which also reads the loss, for fp32 gradients in host memory; else one fused norm
+    pass), at most one host synchronisation (the decision has to exist before the update) and, under DDP, one
+    all-reduce of three numbers. Put the guard after callbacks that change gradients (``GradientCache``), so it judges the
     gradients the optimizer will use.
 
     Args:
@@ -224,6 +224,7 @@ class StabilityGuard(Callback):
 
         # per-step transient state
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
+        self._host_reader = HostStepReader()  # one native call per step for fp32 CPU gradients
         self._decided: Action | None = None
         # an upper bound of trainer.global_step, kept by counting decided steps: Lightning's property chain
         # is read only when a snapshot may be due (see `_snapshot_due`)
@@ -365,14 +366,19 @@ class StabilityGuard(Callback):
             self.guard_cpu_seconds += _thread_time() - started
             return
         if self._world_size == 1:
-            grads = [
-                grad
-                for group in optimizer.param_groups
-                for p in group["params"]
-                if (grad := p.grad) is not None
-            ]
             # Lightning divides each micro-batch loss by accumulate_grad_batches: their sum is the mean.
-            loss, grad_norm = _loss_and_grad_norm(grads, losses)
+            reads = self._host_reader(optimizer.param_groups, losses)  # fp32 gradients in host memory
+            if reads is not None:
+                squares, loss = reads
+                grad_norm = math.sqrt(squares)
+            else:
+                grads = [
+                    grad
+                    for group in optimizer.param_groups
+                    for p in group["params"]
+                    if (grad := p.grad) is not None
+                ]
+                loss, grad_norm = _loss_and_grad_norm(grads, losses)
         else:
             loss, grad_norm = self._global_loss_and_grad_norm(
                 trainer, pl_module, optimizer, losses, self._world_size
@@ -908,29 +914,23 @@ class _RollbackState:
 def _loss_and_grad_norm(
     grads: list[torch.Tensor], losses: list[torch.Tensor], read_each: bool | None = None
 ) -> tuple[float | None, float | None]:
-    """The summed ``losses`` and the 2-norm of all ``grads`` together, read with at most one device sync.
+    """The summed ``losses`` and the 2-norm of all ``grads`` together, read with torch, with at most one sync.
 
-    Contiguous fp32 gradients in host memory go to one native call (:mod:`lightning_pulse.core.grad_norm`;
-    same value to rounding, non-finite entries give a non-finite norm), where the kernels could be built.
-    Otherwise one fused per-tensor norm (the kernel ``clip_grad_norm_`` uses); the per-tensor norms are combined on
-    the host (``math.hypot``: no overflow for norms near the dtype's maximum). How the values reach the host
-    depends on where they are. On an accelerator, the norms and the losses are stacked and copied in one
-    ``tolist``: one synchronisation per step, which the decision needs before the update anyway. In host
-    memory there is nothing to synchronise, and reading each 0-d tensor with ``item`` costs less than the
-    ``stack`` (it was the cheapest of the reads we profiled inside MNIST-1D fits on CPU). Gradients
-    that the fused path cannot take together (several devices, sparse layouts) go through
-    :func:`_total_norm`. ``read_each`` forces the host-memory (``True``) or accelerator (``False``) way;
-    by default the first gradient's device decides.
+    The guard's own path for fp32 gradients in host memory is one native call
+    (:class:`~lightning_pulse.core.grad_norm.HostStepReader`); this is the path for everything else. One fused
+    per-tensor norm (the kernel ``clip_grad_norm_`` uses); the per-tensor norms are combined on the host
+    (``math.hypot``: no overflow for norms near the dtype's maximum). How the values reach the host depends on
+    where they are. On an accelerator, the norms and the losses are stacked and copied in one ``tolist``: one
+    synchronisation per step, which the decision needs before the update anyway. In host memory there is
+    nothing to synchronise, and reading each 0-d tensor with ``item`` costs less than the ``stack`` (it was the
+    cheapest of the reads we profiled inside MNIST-1D fits on CPU). Gradients that the fused path cannot take
+    together (several devices, sparse layouts) go through :func:`_total_norm`. ``read_each`` forces the
+    host-memory (``True``) or accelerator (``False``) way; by default the first gradient's device decides.
     """
     if not grads:
         return _host_sum(losses), None
     if read_each is None:
         read_each = grads[0].is_cpu
-    if read_each:
-        # fp32 gradients in host memory: one native call instead of the fused norm and a read per tensor
-        squares = host_sum_of_squares(grads)
-        if squares is not None:
-            return _host_sum(losses), math.sqrt(squares)
     try:
         norms = _foreach_norm(grads, 2.0) if _foreach_norm is not None else None
         if norms is not None and read_each:

@@ -1,53 +1,87 @@
-"""The total 2-norm of a list of gradients in one native call (StabilityGuard's per-step read on CPU).
+"""One optimizer step's gradient norm and loss, read with one native call (StabilityGuard's hot path on CPU).
 
 On a CPU step of a few milliseconds, torch's fused norm plus one read per 0-d result costs tens of
-microseconds in dispatch alone; :func:`host_sum_of_squares` hands every tensor's address to one C function
-(``lightning_pulse/_csrc/reductions.c``, built by :mod:`lightning_pulse._native`) instead. It accumulates in
-double, as torch's CPU norm does, so the value agrees with ``torch.nn.utils.get_total_norm`` to rounding and
-a NaN or infinite entry makes it non-finite.
+microseconds in dispatch alone, on caches that the backward pass has just evicted. :class:`HostStepReader`
+hands every gradient's address to one C function (``lightning_pulse/_csrc/reductions.c``, built by
+:mod:`lightning_pulse._native`) instead, and reads the loss in the same call. It accumulates in double, as
+torch's CPU norm does, so the value agrees with ``torch.nn.utils.get_total_norm`` to rounding, and a NaN or
+infinite entry makes it non-finite.
 """
 
 from __future__ import annotations
 
 import ctypes
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_pulse import _native
 
+_FLOAT32 = torch.float32
 _bound_to: ctypes.CDLL | None = None
-_sum_of_squares_f32: ctypes._CFuncPtr | None = None
+_step_reads_f32: ctypes._CFuncPtr | None = None
 
 
 def _function() -> ctypes._CFuncPtr | None:
-    global _bound_to, _sum_of_squares_f32
+    global _bound_to, _step_reads_f32
     library = _native.library()
     if library is None:
         return None
     if _bound_to is not library:
-        function = library.sum_of_squares_f32
-        function.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        function = library.step_reads_f32
+        function.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         function.restype = ctypes.c_double
-        _bound_to, _sum_of_squares_f32 = library, function
-    return _sum_of_squares_f32
+        _bound_to, _step_reads_f32 = library, function
+    return _step_reads_f32
 
 
-def host_sum_of_squares(grads: list[Tensor]) -> float | None:
-    """The sum of squares of every entry of ``grads``, or ``None`` where the native path does not apply.
+class HostStepReader:
+    """Reads an optimizer step's gradient sum of squares and summed loss where one native call can.
 
-    It applies to contiguous fp32 tensors in host memory (the common case of a CPU run in fp32 or with
-    ``bf16-mixed``, whose gradients are fp32); for anything else, or where the kernels could not be built,
-    the caller uses torch.
+    Call it with the optimizer's ``param_groups`` and the step's losses (one per micro-batch). Parameters
+    without a gradient are left out, as ``clip_grad_norm_`` leaves them out. Every gradient must be a
+    contiguous fp32 tensor in host memory, checked for each tensor on every call (a parameter's ``.data`` can
+    be swapped for another dtype or size mid-run); otherwise, or where the kernels could not be built, the
+    call returns ``None`` and the caller reads with torch. A single fp32 loss in host memory (no gradient
+    accumulation) is read in the same call; several losses, or a loss of another dtype, are read with
+    ``item``. The loss is ``None`` when there is none.
+
+    Each reader owns the buffer the call writes the loss into, so give each training loop its own.
     """
-    function = _function()
-    if function is None or not grads:
-        return None
-    pointers, sizes = [], []
-    for grad in grads:
-        if grad.dtype is not torch.float32 or not grad.is_cpu or grad.is_sparse or not grad.is_contiguous():
+
+    def __init__(self) -> None:
+        self._loss_out = array("d", (0.0,))
+        self._loss_out_address = self._loss_out.buffer_info()[0]
+
+    def __call__(
+        self, param_groups: Iterable[dict[str, Any]], losses: Sequence[Tensor]
+    ) -> tuple[float, float | None] | None:
+        function = _function()
+        if function is None:
             return None
-        pointers.append(grad.data_ptr())
-        sizes.append(grad.numel())
-    count = len(pointers)
-    return function(count, (ctypes.c_void_p * count)(*pointers), (ctypes.c_int64 * count)(*sizes))
+        entries = []  # (address, size) pairs in one list: one array to build, not two
+        for group in param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                # a sparse gradient is not contiguous (and has no data pointer)
+                if grad.dtype is not _FLOAT32 or not grad.is_cpu or not grad.is_contiguous():
+                    return None
+                entries.append(grad.data_ptr())
+                entries.append(grad.numel())
+        if not entries:
+            return None
+        loss_address = 0
+        if len(losses) == 1:
+            loss = losses[0]
+            if loss.dtype is _FLOAT32 and loss.is_cpu and loss.numel() == 1:
+                loss_address = loss.data_ptr()
+        pairs = array("q", entries)
+        squares = function(len(entries) // 2, pairs.buffer_info()[0], loss_address, self._loss_out_address)
+        if loss_address:
+            return squares, self._loss_out[0]
+        return squares, (sum(value.item() for value in losses) if losses else None)

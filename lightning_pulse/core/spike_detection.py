@@ -355,20 +355,25 @@ class SpikeDetector:
         ):
             return None
         if accept:
-            for trackers, tracker, value in (
-                (self._loss, loss_tracker, scaled_loss),
-                (self._grad_norm, grad_tracker, scaled_grad),
-            ):
-                values, ordered = tracker.values, tracker._sorted
-                if len(values) == tracker.window:
-                    del ordered[_bisect_left(ordered, values.popleft())]
-                values.append(value)
-                _insort(ordered, value)
-                if key != POOLED:
-                    # the pooled window: the same object while one key is in use (see `_tracker`)
-                    pooled = trackers.get(POOLED)
-                    if pooled is not tracker:
-                        self._add_pooled(trackers, pooled, value)
+            # the two windows' updates written out, not looped over: no tuples to build on the hot path
+            values = loss_tracker.values
+            if len(values) == loss_tracker.window:
+                del ordered_loss[_bisect_left(ordered_loss, values.popleft())]
+            values.append(scaled_loss)
+            _insort(ordered_loss, scaled_loss)
+            values = grad_tracker.values
+            if len(values) == grad_tracker.window:
+                del ordered_grad[_bisect_left(ordered_grad, values.popleft())]
+            values.append(scaled_grad)
+            _insort(ordered_grad, scaled_grad)
+            if key != POOLED:
+                # the pooled windows: the same objects while one key is in use (see `_tracker`)
+                pooled = self._loss.get(POOLED)
+                if pooled is not loss_tracker:
+                    self._add_pooled(self._loss, pooled, scaled_loss)
+                pooled = self._grad_norm.get(POOLED)
+                if pooled is not grad_tracker:
+                    self._add_pooled(self._grad_norm, pooled, scaled_grad)
         return _QUIET
 
     def _below_spike_level(
