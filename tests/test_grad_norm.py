@@ -167,3 +167,14 @@ def test_without_the_kernels_the_reader_declines_and_the_caller_reads_with_torch
     monkeypatch.setattr(_native, "library", lambda: None)
     _, optimizer, losses = _groups_with_gradients()
     assert HostStepReader()(optimizer.param_groups, losses) is None
+
+
+def test_a_copied_or_pickled_reader_writes_into_its_own_buffer():
+    import copy
+    import pickle
+
+    _, optimizer, losses = _groups_with_gradients()
+    original = HostStepReader()
+    for reader in (copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
+        assert reader(optimizer.param_groups, losses)[1] == pytest.approx(losses[0].item())
+    assert original._loss_out[0] == 0.0  # never written by the copies

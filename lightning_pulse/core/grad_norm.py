@@ -53,8 +53,9 @@ class HostStepReader:
     """
 
     def __init__(self) -> None:
+        # its address is taken on every call, never stored: a copied or pickled reader (``ddp_spawn`` pickles
+        # the callbacks) gets a new buffer at a new address
         self._loss_out = array("d", (0.0,))
-        self._loss_out_address = self._loss_out.buffer_info()[0]
 
     def __call__(
         self, param_groups: Iterable[dict[str, Any]], losses: Sequence[Tensor]
@@ -81,7 +82,8 @@ class HostStepReader:
             if loss.dtype is _FLOAT32 and loss.is_cpu and loss.numel() == 1:
                 loss_address = loss.data_ptr()
         pairs = array("q", entries)
-        squares = function(len(entries) // 2, pairs.buffer_info()[0], loss_address, self._loss_out_address)
+        loss_out = self._loss_out
+        squares = function(len(entries) // 2, pairs.buffer_info()[0], loss_address, loss_out.buffer_info()[0])
         if loss_address:
-            return squares, self._loss_out[0]
+            return squares, loss_out[0]
         return squares, (sum(value.item() for value in losses) if losses else None)
