@@ -7,10 +7,11 @@ the LM's per-unit plasticity scores. ``--study lm --jobs 2`` (about 25 minutes o
 ``gradient_cache_lm.*``: the 4-layer cosine-LR char LM against the LM target, plasticity thresholds, a forced
 late freeze and FreezeOut schedules. ``--study lm_long --jobs 2`` (about 40 minutes) writes
 ``gradient_cache_lm_long.*``: the same LM trained 15 epochs instead of 6, long enough for its loss to
-flatten (and to overfit). ``--study lm_converged --jobs 2`` (about 50 minutes) writes
+flatten (and to overfit). ``--study lm_converged --jobs 2`` (about 30 minutes) writes
 ``gradient_cache_lm_converged.*``: the same LM on 3x the text for 5 epochs (about as many steps as
-``lm_long``), so its loss flattens without overfitting; ``--study lm_converged_800k --jobs 2`` the same on 2x
-the text for 8 epochs (flatter at the end). ``--study overhead`` (run it under
+``lm_long``): no overfitting, still improving at the end. ``--study lm_converged_800k --jobs 2`` (about 20
+minutes) writes ``gradient_cache_lm_converged_800k.*``: 2x the text for 8 epochs, flat at the end without
+clear overfitting. ``--study overhead`` (run it under
 ``flock /tmp/lp-bench.lock``) writes ``gradient_cache_overhead.*``: the CPU inside the hooks on the CNN.
 
 Arms (the first is the baseline, all in one invocation, interleaved per seed):
@@ -255,8 +256,9 @@ def study_lm(seeds: tuple[int, ...], jobs: int, study: str = "lm") -> tuple[dict
     Every (seed, arm) run is one task; ``jobs`` worker processes take them in order (every seed's baseline
     first), so the cores stay busy whatever the number of seeds. Ratios are paired with the same seed's
     baseline: FLOPs and losses are deterministic, CPU ratios indicative. ``study``: ``"lm"`` (6 epochs),
-    ``"lm_long"`` (15 epochs, long enough for the validation loss to flatten, and to overfit) or
-    ``"lm_converged"`` (4 epochs on 4x the text: flattens without overfitting).
+    ``"lm_long"`` (15 epochs, long enough for the validation loss to flatten, and to overfit),
+    ``"lm_converged"`` (5 epochs on 3x the text: no overfitting, still improving) or ``"lm_converged_800k"``
+    (8 epochs on 2x the text: flat at the end).
     """
     arms = LM_STUDIES[study][0]()
     tasks = [(seed, index) for index in range(len(arms)) for seed in seeds]
