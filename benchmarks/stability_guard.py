@@ -154,10 +154,10 @@ class CoinFlipGuard(StabilityGuard):
 class StepTimer(Callback):
     """Per-batch CPU time of this thread, split by ``gate.on``, two ways.
 
-    ``ns``: from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer step and every
-    callback's batch hooks placed before the timer). ``iteration_ns``: from one ``on_train_batch_start`` to the
-    next, so also the next batch's loading and the loop's own work between batches: the step time a user
-    sees. Intervals that span an epoch boundary (validation) are dropped.
+    ``ns``: from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer step and
+    every callback's batch hooks placed before the timer). ``iteration_ns``: from one
+    ``on_train_batch_start`` to the next, so also the next batch's loading and the loop's own work between
+    batches: the step time a user sees. Intervals that span an epoch boundary (validation) are dropped.
     """
 
     def __init__(self, gate: CoinFlipGuard) -> None:
@@ -456,10 +456,10 @@ def markdown(
         "*Hook CPU share* is the CPU time spent inside the guard's own hooks (detection, snapshots, "
         "bookkeeping) over training CPU time; it is much less sensitive to a busy machine than the "
         "end-to-end ratios. *Paired* compares guarded and unguarded steps of the same fit (the guard's hooks "
-        "run on a seeded random half of the batches; medians of the CPU time of the whole iteration, from one "
-        "batch start to the next, and of the step proper, from batch start to batch end): it also counts what "
-        "the guard's work costs the rest of the step (caches it evicts), and its control (the same coin, no "
-        "guard) shows the method's noise. *False positives* are the spikes flagged on these fault-free "
+        "run on a seeded random half of the batches; medians of the CPU time of the whole iteration, from "
+        "one batch start to the next, and of the step proper, from batch start to batch end): it also counts "
+        "what the guard's work costs the rest of the step (caches it evicts), and its control (the same coin, "
+        "no guard) shows the method's noise. *False positives* are the spikes flagged on these fault-free "
         "runs.",
         "",
     ]
@@ -532,13 +532,15 @@ def _paired_line(paired: dict[str, Any], control: dict[str, Any], name: str) -> 
     if f"{prefix}marginal_us_median" not in paired:  # results written before the iteration timer existed
         return f"- paired, {what}: not measured in this run"
     low, high = paired[f"{prefix}marginal_us_quartiles"]
+    marginal, share = paired[f"{prefix}marginal_us_median"], paired[f"{prefix}marginal_share_median"]
+    unguarded_ms = paired[f"unguarded_{name}_us_median"] / 1000
+    seeds, epochs = paired["seeds"], paired.get("epochs", "?")
     return (
-        f"- paired, {what}: a guarded quiet step costs {paired[f'{prefix}marginal_us_median']:+.0f} µs "
-        f"(quartiles over seeds {low:+.0f} to {high:+.0f}), {paired[f'{prefix}marginal_share_median']:+.2%} of "
-        f"an unguarded one of {paired[f'unguarded_{name}_us_median'] / 1000:.2f} ms (medians over steps, then over "
-        f"seeds {paired['seeds'][0]}-{paired['seeds'][-1]}, {paired.get('epochs', '?')} epochs each); the control "
-        f"(the same coin, no guard) gives {control[f'{prefix}marginal_us_median']:+.0f} µs "
-        f"({control[f'{prefix}marginal_share_median']:+.2%}), the method's noise floor"
+        f"- paired, {what}: a guarded quiet step costs {marginal:+.0f} µs (quartiles over seeds {low:+.0f} to "
+        f"{high:+.0f}), {share:+.2%} of an unguarded one of {unguarded_ms:.2f} ms (medians over steps, then "
+        f"over seeds {seeds[0]}-{seeds[-1]}, {epochs} epochs each); the control (the same coin, no guard) gives "
+        f"{control[f'{prefix}marginal_us_median']:+.0f} µs ({control[f'{prefix}marginal_share_median']:+.2%}), "
+        "the method's noise floor"
     )
 
 

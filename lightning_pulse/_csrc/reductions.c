@@ -35,11 +35,11 @@ double sum_of_squares_f32(int64_t count, const float *const *tensors, const int6
     return total;
 }
 
-/* One optimizer step's reads for StabilityGuard. `entries` holds `count` (address, size) pairs of fp32 tensors;
- * the result is their sum of squares, as sum_of_squares_f32 computes it. The fp32 loss at `loss` (if any) is
- * written to `*loss_out`. Reading the 0-d loss here spares its own dispatch: right after the backward pass,
- * with the interpreter's and torch's code cold, that read costs microseconds. One array of pairs, not two
- * arrays, because building each array is itself a cost at that moment. */
+/* One optimizer step's reads for StabilityGuard. `entries` holds `count` (address, size) pairs of fp32
+ * tensors; the result is their sum of squares, as sum_of_squares_f32 computes it. The fp32 loss at `loss` (if
+ * any) is written to `*loss_out`. Reading the 0-d loss here spares its own dispatch: right after the backward
+ * pass, with the interpreter's and torch's code cold, that read costs microseconds. One array of pairs, not
+ * two arrays, because building each array is itself a cost at that moment. */
 double step_reads_f32(int64_t count, const int64_t *entries, const float *loss, double *loss_out) {
     double total = 0;
     for (int64_t t = 0; t < count; ++t) {

@@ -81,8 +81,8 @@ class StabilityGuard(Callback):
     the same step. Only automatic optimization is supported. Each optimizer step costs one gradient-norm
     read (one native call, which also reads the loss, for fp32 gradients in host memory; else one fused norm
     pass), at most one host synchronisation (the decision has to exist before the update) and, under DDP, one
-    all-reduce of three numbers. Put the guard after callbacks that change gradients (``GradientCache``), so it judges the
-    gradients the optimizer will use.
+    all-reduce of three numbers. Put the guard after callbacks that change gradients (``GradientCache``), so
+    it judges the gradients the optimizer will use.
 
     Args:
         loss_zscore: robust z-score above which a loss is a spike; ``None`` turns loss spikes off.
@@ -922,9 +922,9 @@ def _loss_and_grad_norm(
     (``math.hypot``: no overflow for norms near the dtype's maximum). How the values reach the host depends on
     where they are. On an accelerator, the norms and the losses are stacked and copied in one ``tolist``: one
     synchronisation per step, which the decision needs before the update anyway. In host memory there is
-    nothing to synchronise, and reading each 0-d tensor with ``item`` costs less than the ``stack`` (it was the
-    cheapest of the reads we profiled inside MNIST-1D fits on CPU). Gradients that the fused path cannot take
-    together (several devices, sparse layouts) go through :func:`_total_norm`. ``read_each`` forces the
+    nothing to synchronise, and reading each 0-d tensor with ``item`` costs less than the ``stack`` (it was
+    the cheapest of the reads we profiled inside MNIST-1D fits on CPU). Gradients that the fused path cannot
+    take together (several devices, sparse layouts) go through :func:`_total_norm`. ``read_each`` forces the
     host-memory (``True``) or accelerator (``False``) way; by default the first gradient's device decides.
     """
     if not grads:
