@@ -14,8 +14,9 @@ the machine) and with a default ``StabilityGuard``, through the shared harness w
 seed-paired process CPU time ratios, the CPU time spent inside the guard's own hooks as a share of training
 CPU time (its snapshots included, also reported alone), and the spikes it flags on these clean runs
 (false positives). On the MNIST-1D workloads also a paired measurement inside single fits: the guard's hooks run
-on a seeded random half of the batches (:class:`CoinFlipGuard`), and the step CPU of guarded and unguarded
-steps is compared, with a control run of the gate alone for the method's noise floor.
+on a seeded random half of the batches (:class:`CoinFlipGuard`), and the CPU time of guarded and unguarded
+steps is compared, both for the whole iteration (data loading included) and for the step proper, with a
+control run of the gate alone for the method's noise floor.
 
 Part 2, faults. Each fault alone, at 40% and at 80% of a 12-epoch one-cycle run, three seeds:
 
@@ -529,8 +530,6 @@ def _paired_line(paired: dict[str, Any], control: dict[str, Any], name: str) -> 
         if name == "iteration"
         else "step proper (batch start to batch end)"
     )
-    if f"{prefix}marginal_us_median" not in paired:  # results written before the iteration timer existed
-        return f"- paired, {what}: not measured in this run"
     low, high = paired[f"{prefix}marginal_us_quartiles"]
     marginal, share = paired[f"{prefix}marginal_us_median"], paired[f"{prefix}marginal_share_median"]
     unguarded_ms = paired[f"unguarded_{name}_us_median"] / 1000
