@@ -11,7 +11,11 @@ flatten (and to overfit). ``--study lm_converged --jobs 2`` (about 30 minutes) w
 ``gradient_cache_lm_converged.*``: the same LM on 3x the text for 5 epochs (about as many steps as
 ``lm_long``): no overfitting, still improving at the end. ``--study lm_converged_800k --jobs 2`` (about 20
 minutes) writes ``gradient_cache_lm_converged_800k.*``: 2x the text for 8 epochs, flat at the end without
-clear overfitting. ``--study overhead`` (run it under
+clear overfitting. ``--study lm_converged_800k_tuning --seeds 10 11 12 --jobs 2`` (about 25 minutes) and then
+``--study lm_converged_800k_confirm --jobs 2`` (about 10 minutes) are a pre-registered tune-then-confirm study
+on that workload: candidates and selection rule (``LM_TUNING_CANDIDATES``, ``LM_TUNING_RULE``) were committed
+before the tuning seeds ran; the selected candidate (``LM_CONFIRM_CANDIDATE``) alone is then run against the
+baseline on seeds 0 1 2. ``--study overhead`` (run it under
 ``flock /tmp/lp-bench.lock``) writes ``gradient_cache_overhead.*``: the CPU inside the hooks on the CNN.
 
 Arms (the first is the baseline, all in one invocation, interleaved per seed):
@@ -227,12 +231,99 @@ def lm_converged_arms() -> list[Arm]:
     return lm_long_arms()
 
 
+# Pre-registered tune-then-confirm study on the lm_converged_800k workload (written and committed before any of
+# its runs). Stage 1, ``--study lm_converged_800k_tuning --seeds 10 11 12`` (seeds never used on this workload):
+# the baseline and the candidates below. Stage 2, ``--study lm_converged_800k_confirm`` on seeds 0 1 2: the
+# baseline and only the candidate LM_TUNING_RULE selected, unchanged. Each candidate has a reason to reach the
+# target's saving with less loss than the committed arms (threshold 0.3: 24.1% at +0.78%; FreezeOut from 50%:
+# 25.1% at +1.004%), all with the plasticity test:
+# - threshold 0.35: freezes a little earlier than 0.3 (0.2 -> 0.3 added 7 points of saving for 0.05 points of
+#   loss on this workload, so a little more saving may still come cheap there);
+# - threshold 0.3 with freeze_for 400: the same freeze points as 0.3, but half the refresh windows, in which the
+#   whole frozen prefix (80% of the backward) trains again for 20 steps; they cost 0.3 about 2 points of saving;
+# - threshold 0.25 with max_frozen_share 0.97 and freeze_for 400: later but deeper: the last block (16% of
+#   the backward, as slow as the others at the end: plasticity 0.08-0.09) may freeze too, so the same saving
+#   needs fewer frozen steps, and the blocks keep learning longer;
+# - threshold 0.3 with max_frozen_share 0.97: the committed 0.3 arm with the last block allowed to freeze.
+# Not candidates: frozen_update="cached" (the cached window-mean gradients have cosine similarity -0.21 to -0.28
+# with the fresh ones at refresh on this workload: a stale one points against the next, so applying it has no
+# reason to help), and FreezeOut (its annealing takes learning away before the freeze: at equal saving it cost
+# more than the plasticity test on every LM study; from 50% of the run it needs cubic t0 <= 0.25 for 25.5%,
+# where the paper's LR scaling would multiply the embedding's LR by 64; a later start cannot reach 25.5%).
+LM_TUNING_CANDIDATES = (
+    ("freeze threshold=0.35", {"threshold": 0.35}),
+    ("freeze threshold=0.3 freeze_for=400", {"threshold": 0.3, "freeze_for": 400}),
+    (
+        "freeze threshold=0.25 max_frozen_share=0.97 freeze_for=400",
+        {"threshold": 0.25, "max_frozen_share": 0.97, "freeze_for": 400},
+    ),
+    ("freeze threshold=0.3 max_frozen_share=0.97", {"threshold": 0.3, "max_frozen_share": 0.97}),
+)
+# the selection rule, fixed before the tuning runs: among the candidates whose median backward FLOPs skipped on
+# the tuning seeds is >= 25.5%, the one with the lowest median relative test-loss change against the same
+# seed's baseline (a tie: the larger median saving); none qualifies: no confirmation run
+LM_TUNING_MIN_SKIPPED = 0.255
+LM_TUNING_RULE = (
+    "among the candidates whose median backward FLOPs skipped on the tuning seeds is >= 25.5%, the one with the "
+    "lowest median relative test-loss change against the same seed's baseline (a tie: the larger median "
+    "saving); if none qualifies, no confirmation run"
+)
+# the candidate the rule selected on the tuning seeds, set from the committed tuning results (None: not yet run)
+LM_CONFIRM_CANDIDATE: str | None = None
+
+
+def _candidate_arm(name: str, kwargs: dict[str, Any]) -> Arm:
+    return Arm(name, callbacks=lambda seed: [GradientCache(**kwargs)])
+
+
+def lm_tuning_arms() -> list[Arm]:
+    """Arms of the tuning stage: the baseline and the pre-registered candidates."""
+    return [Arm("baseline")] + [_candidate_arm(name, kwargs) for name, kwargs in LM_TUNING_CANDIDATES]
+
+
+def lm_confirm_arms() -> list[Arm]:
+    """Arms of the confirmation stage: the baseline and the one candidate the tuning stage selected."""
+    if LM_CONFIRM_CANDIDATE is None:
+        raise ValueError(
+            "LM_CONFIRM_CANDIDATE is None: run --study lm_converged_800k_tuning and set it first"
+        )
+    kwargs = dict(LM_TUNING_CANDIDATES)[LM_CONFIRM_CANDIDATE]
+    return [Arm("baseline"), _candidate_arm(LM_CONFIRM_CANDIDATE, kwargs)]
+
+
+def lm_selection(result: dict[str, Any]) -> tuple[str | None, str]:
+    """Apply LM_TUNING_RULE to a tuning result: the selected candidate (or None) and a Markdown table."""
+    metric = result["test_metric"]
+    baseline = {run["seed"]: run for run in result["runs"] if run["arm"] == result["arms"][0]}
+    rows = []
+    for arm in result["arms"][1:]:
+        runs = [run for run in result["runs"] if run["arm"] == arm]
+        skipped = _median([run["extra"].get("gc_backward_flops_skipped_share") for run in runs])
+        relative = statistics.median(
+            run["test"][metric] / baseline[run["seed"]]["test"][metric] - 1 for run in runs
+        )
+        rows.append((arm, skipped, relative, skipped >= LM_TUNING_MIN_SKIPPED))
+    qualified = [row for row in rows if row[3]]
+    selected = min(qualified, key=lambda row: (row[2], -row[1]))[0] if qualified else None
+    lines = [
+        f"### Selection (rule fixed before the run: {LM_TUNING_RULE})",
+        "",
+        "| candidate | backward FLOPs skipped (median) | relative Δ test_loss (median) | qualifies (>= 25.5%) |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {arm} | {s:.1%} | {r:+.2%} | {'yes' if q else 'no'} |" for arm, s, r, q in rows]
+    lines += ["", f"Selected: {selected if selected else 'none (no confirmation run)'}."]
+    return selected, "\n".join(lines)
+
+
 # study name -> (arms, trainer kwargs, workload kwargs)
 LM_STUDIES = {
     "lm": (lm_arms, LM_COSINE["trainer_kwargs"], LM_COSINE["workload_kwargs"]),
     "lm_long": (lm_long_arms, LM_LONG_TRAINER, LM_COSINE["workload_kwargs"]),
     "lm_converged": (lm_converged_arms, LM_CONVERGED_TRAINER, LM_CONVERGED_WORKLOAD),
     "lm_converged_800k": (lm_converged_arms, LM_CONVERGED_800K_TRAINER, LM_CONVERGED_800K_WORKLOAD),
+    "lm_converged_800k_tuning": (lm_tuning_arms, LM_CONVERGED_800K_TRAINER, LM_CONVERGED_800K_WORKLOAD),
+    "lm_converged_800k_confirm": (lm_confirm_arms, LM_CONVERGED_800K_TRAINER, LM_CONVERGED_800K_WORKLOAD),
 }
 
 
@@ -257,8 +348,10 @@ def study_lm(seeds: tuple[int, ...], jobs: int, study: str = "lm") -> tuple[dict
     first), so the cores stay busy whatever the number of seeds. Ratios are paired with the same seed's
     baseline: FLOPs and losses are deterministic, CPU ratios indicative. ``study``: ``"lm"`` (6 epochs),
     ``"lm_long"`` (15 epochs, long enough for the validation loss to flatten, and to overfit),
-    ``"lm_converged"`` (5 epochs on 3x the text: no overfitting, still improving) or ``"lm_converged_800k"``
-    (8 epochs on 2x the text: flat at the end).
+    ``"lm_converged"`` (5 epochs on 3x the text: no overfitting, still improving), ``"lm_converged_800k"``
+    (8 epochs on 2x the text: flat at the end), or that workload's pre-registered tune-then-confirm stages
+    ``"lm_converged_800k_tuning"`` (the candidates, with the selection rule applied) and
+    ``"lm_converged_800k_confirm"`` (the selected candidate only).
     """
     arms = LM_STUDIES[study][0]()
     tasks = [(seed, index) for index in range(len(arms)) for seed in seeds]
@@ -283,6 +376,8 @@ def study_lm(seeds: tuple[int, ...], jobs: int, study: str = "lm") -> tuple[dict
     tables.append(lm_unit_table(result))
     if study != "lm":
         tables.insert(1, lm_baseline_curve_table(result))
+    if study == "lm_converged_800k_tuning":
+        tables.insert(0, lm_selection(result)[1])
     return result, "\n\n".join(tables)
 
 
@@ -404,6 +499,8 @@ def main() -> None:
         command = f"python -m benchmarks.gradient_cache --study {args.study}" + (
             f" --jobs {args.jobs}" if args.jobs > 1 else ""
         )
+        if args.seeds != [0, 1, 2]:
+            command += " --seeds " + " ".join(map(str, args.seeds))
         write_results([result], f"gradient_cache_{args.study}", command, notes=notes)
         return
     if args.study == "thresholds":
