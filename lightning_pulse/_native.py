@@ -6,24 +6,31 @@ The sources are plain C with no torch headers: a build takes about a second with
 the sources, the compiler, the flags and the CPU's feature flags (the build uses ``-march=native``). Callers
 bind the functions they need with :mod:`ctypes`, which releases the GIL during a call.
 
+One more build is a CPython extension module, ``_lp_step_reader`` (:func:`step_reader`): StabilityGuard's
+per-step read, where even a ctypes call and the bytecode around it are a measurable share of a small model's
+step. It needs the interpreter's headers as well and is keyed by the interpreter's ABI too.
+
 Nothing here is required: when no compiler is found or the build fails, :func:`library` warns once and
-returns ``None``, and every caller keeps its torch implementation. Users of the kernels:
-:mod:`lightning_pulse.nn._cpu_kernels` (mHC stream mixing, Sinkhorn-Knopp) and
-:mod:`lightning_pulse.core.grad_norm` (StabilityGuard's per-step gradient norm).
+returns ``None``, and every caller keeps its torch implementation; without the extension module the guard
+reads through :func:`library`. Users of the kernels: :mod:`lightning_pulse.nn._cpu_kernels` (mHC stream
+mixing, Sinkhorn-Knopp) and :mod:`lightning_pulse.core.grad_norm` (StabilityGuard's per-step gradient norm).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 import threading
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -34,11 +41,18 @@ _UNITS = (
     ("mhc_kernels.c", ("-DSCALAR=double", "-DSFX=_f64")),
     ("reductions.c", ()),
 )
+# the CPython extension module of StabilityGuard's per-step read; its file name ends in the interpreter's
+# extension suffix and its init function is named after the last part of the module name
+_STEP_READER_UNITS = (("step_reader.c", ("-std=c11",)), ("reductions.c", ()))  # newer headers need C11
+_STEP_READER_MODULE = "lightning_pulse._lp_step_reader"
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c99", "-fno-math-errno", "-pthread")
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
 _failed = False
+_step_reader: ModuleType | None = None
+_step_reader_failed = False
+step_reader_error = ""  # why the extension module is unavailable, when it is
 
 
 def cache_dir() -> Path:
@@ -81,20 +95,47 @@ def _cpu_fingerprint() -> str:
 
 def build(compiler_command: str) -> Path:
     """Build (or find in the cache) the shared library of every source, and return its path."""
-    sources = {name: (SOURCE_DIR / name).read_bytes() for name, _ in _UNITS}
+    return _build_shared(compiler_command, _UNITS, (), "lightning_pulse_kernels", ".so")
+
+
+def build_step_reader(compiler_command: str) -> Path:
+    """Build (or find in the cache) the ``_lp_step_reader`` extension module, and return its path.
+
+    It is compiled against this interpreter's headers (``sysconfig``'s include directory) and keyed by its
+    ABI, so each interpreter gets its own build. Raises ``FileNotFoundError`` where the headers are not
+    installed (some distributions ship them in a separate ``python3-dev`` package).
+    """
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").exists():
+        raise FileNotFoundError(f"Python.h is not in {include} (the interpreter's headers are not installed)")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return _build_shared(
+        compiler_command, _STEP_READER_UNITS, (f"-I{include}", f"-DPY_ABI={suffix}"), "lp_step_reader", suffix
+    )
+
+
+def _build_shared(
+    compiler_command: str,
+    units: tuple[tuple[str, tuple[str, ...]], ...],
+    common_flags: tuple[str, ...],
+    stem: str,
+    suffix: str,
+) -> Path:
+    """Compile ``units`` ((source, flags) pairs) and link them into one shared object, cached by content."""
+    sources = {name: (SOURCE_DIR / name).read_bytes() for name, _ in units}
     key = hashlib.sha256(
         b"\0".join(
             [
                 *(sources[name] for name in sorted(sources)),
                 compiler_command.encode(),
-                " ".join(_FLAGS).encode(),
+                " ".join(_FLAGS + common_flags).encode(),
             ]
-            + [" ".join(flags).encode() for _, flags in _UNITS]
+            + [" ".join(flags).encode() for _, flags in units]
             + [_cpu_fingerprint().encode()]
         )
     ).hexdigest()[:16]
     directory = cache_dir()
-    library = directory / f"lightning_pulse_kernels-{key}.so"
+    library = directory / f"{stem}-{key}{suffix}"
     if library.exists():
         return library
     try:
@@ -109,16 +150,25 @@ def build(compiler_command: str) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         objects = []
-        for index, (name, flags) in enumerate(_UNITS):
+        for index, (name, flags) in enumerate(units):
             obj = Path(scratch) / f"unit{index}.o"
             subprocess.run(
-                [compiler_command, *_FLAGS, *flags, "-c", str(SOURCE_DIR / name), "-o", str(obj)],
+                [
+                    compiler_command,
+                    *_FLAGS,
+                    *common_flags,
+                    *flags,
+                    "-c",
+                    str(SOURCE_DIR / name),
+                    "-o",
+                    str(obj),
+                ],
                 check=True,
                 capture_output=True,
                 text=True,
             )
             objects.append(str(obj))
-        built = Path(scratch) / "kernels.so"
+        built = Path(scratch) / f"built{suffix}"
         subprocess.run(
             [compiler_command, "-shared", "-pthread", *objects, "-o", str(built), "-lm"],
             check=True,
@@ -153,3 +203,33 @@ def library() -> ctypes.CDLL | None:
                 stacklevel=3,
             )
     return _loaded
+
+
+def step_reader() -> ModuleType | None:
+    """The ``_lp_step_reader`` extension module (StabilityGuard's per-step read), built on first call.
+
+    ``None`` where it cannot be built or loaded (no compiler, no Python headers): the guard then reads through
+    :func:`library` with ctypes, a few microseconds slower per step, with the same values. Not worth a
+    warning: nothing is lost but those microseconds; the reason is kept in :data:`step_reader_error`.
+    """
+    global _step_reader, _step_reader_failed, step_reader_error
+    if _step_reader is not None or _step_reader_failed:
+        return _step_reader
+    with _lock:
+        if _step_reader is not None or _step_reader_failed:
+            return _step_reader
+        command = compiler()
+        try:
+            if command is None:
+                raise RuntimeError("no C compiler found ($CC, cc, gcc or clang)")
+            path = build_step_reader(command)
+            spec = importlib.util.spec_from_file_location(_STEP_READER_MODULE, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load {path}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _step_reader = module
+        except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as error:
+            _step_reader_failed = True
+            step_reader_error = (getattr(error, "stderr", "") or str(error)).strip()[:500]
+    return _step_reader

@@ -10,11 +10,24 @@ from torch import nn
 
 from lightning_pulse import _native
 from lightning_pulse.callbacks import stability_guard
+from lightning_pulse.core import grad_norm
 from lightning_pulse.core.grad_norm import HostStepReader
 
 pytestmark = pytest.mark.skipif(
     _native.compiler() is None, reason="no C compiler: the guard reads with torch"
 )
+
+
+@pytest.fixture(autouse=True, params=["extension", "ctypes"])
+def native_path(request, monkeypatch):
+    """Every test runs on both native paths: the extension module, and ctypes where it cannot be built."""
+    if request.param == "extension":
+        if _native.step_reader() is None:
+            pytest.skip(f"the extension module cannot be built here: {_native.step_reader_error}")
+    else:
+        monkeypatch.setattr(grad_norm, "_extension_read", None)
+        monkeypatch.setattr(_native, "step_reader", lambda: None)
+    return request.param
 
 
 def _as_groups(grads: list[torch.Tensor]) -> list[dict]:
@@ -164,6 +177,8 @@ def test_the_guard_sees_the_loss_and_gradient_norm_of_every_step(monkeypatch, na
 
 
 def test_without_the_kernels_the_reader_declines_and_the_caller_reads_with_torch(monkeypatch):
+    monkeypatch.setattr(grad_norm, "_extension_read", None)
+    monkeypatch.setattr(_native, "step_reader", lambda: None)
     monkeypatch.setattr(_native, "library", lambda: None)
     _, optimizer, losses = _groups_with_gradients()
     assert HostStepReader()(optimizer.param_groups, losses) is None
@@ -178,3 +193,41 @@ def test_a_copied_or_pickled_reader_writes_into_its_own_buffer():
     for reader in (copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
         assert reader(optimizer.param_groups, losses)[1] == pytest.approx(losses[0].item())
     assert original._loss_out[0] == 0.0  # never written by the copies
+
+
+def test_more_gradients_than_the_extension_holds_on_its_stack_are_all_read():
+    torch.manual_seed(0)
+    grads = [torch.randn(3, 2) for _ in range(150)]  # past the 64 held on the stack
+    expected = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False).double().item()
+    assert math.sqrt(_squares(grads)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_without_the_interpreters_headers_the_reader_falls_back_to_ctypes(monkeypatch, tmp_path, native_path):
+    if native_path != "extension":
+        pytest.skip("about losing the extension module")
+    monkeypatch.setattr(_native, "_step_reader", None)
+    monkeypatch.setattr(_native, "_step_reader_failed", False)
+    monkeypatch.setattr(_native, "step_reader_error", "")
+    monkeypatch.setattr(grad_norm, "_extension_read", None)
+    monkeypatch.setattr(_native.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})  # no Python.h
+    assert _native.step_reader() is None
+    assert "Python.h" in _native.step_reader_error
+    _, optimizer, losses = _groups_with_gradients()
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    squares, loss = HostStepReader()(optimizer.param_groups, losses)
+    assert math.sqrt(squares) == pytest.approx(torch.nn.utils.get_total_norm(grads, 2.0).item(), rel=1e-6)
+    assert loss == pytest.approx(losses[0].item())
+
+
+def test_the_extension_reads_one_fp32_loss_itself_and_leaves_others_to_the_caller(native_path):
+    if native_path != "extension":
+        pytest.skip("about the extension module")
+    read_step = _native.step_reader().read_step
+    _, optimizer, losses = _groups_with_gradients(accumulate=2)
+    groups = optimizer.param_groups
+    assert read_step(groups, losses[:1], torch.float32)[1] == pytest.approx(losses[0].item())
+    assert read_step(groups, losses, torch.float32)[1] is None  # several micro-batches: read with item
+    assert read_step(groups, [losses[0].bfloat16()], torch.float32)[1] is None
+    assert read_step(groups, [torch.ones(2)], torch.float32)[1] is None  # not one element
+    with pytest.raises(TypeError):
+        read_step(groups, losses)

@@ -2,8 +2,11 @@
 
 On a CPU step of a few milliseconds, torch's fused norm plus one read per 0-d result costs tens of
 microseconds in dispatch alone, on caches that the backward pass has just evicted. :class:`HostStepReader`
-hands every gradient's address to one C function (``lightning_pulse/_csrc/reductions.c``, built by
-:mod:`lightning_pulse._native`) instead, and reads the loss in the same call. It accumulates in double, as
+makes one native call instead: a CPython extension module (``lightning_pulse/_csrc/step_reader.c``, built by
+:mod:`lightning_pulse._native`) walks the parameter groups, takes every gradient's address and reads the loss
+in the same call. Where the interpreter's headers are missing it hands the addresses to a plain C function
+(``lightning_pulse/_csrc/reductions.c``) through ctypes, which costs some microseconds more per step (the
+bytecode loop over the gradients, the address array, the ctypes call). It accumulates in double, as
 torch's CPU norm does, so the value agrees with ``torch.nn.utils.get_total_norm`` to rounding, and a NaN or
 infinite entry makes it non-finite.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +26,16 @@ from lightning_pulse import _native
 _FLOAT32 = torch.float32
 _bound_to: ctypes.CDLL | None = None
 _step_reads_f32: ctypes._CFuncPtr | None = None
+_extension_read: Callable[..., tuple[float, float | None] | None] | None = None
+
+
+def _extension_function() -> Callable[..., tuple[float, float | None] | None] | None:
+    global _extension_read
+    if _extension_read is None:
+        module = _native.step_reader()
+        if module is not None:
+            _extension_read = module.read_step
+    return _extension_read
 
 
 def _function() -> ctypes._CFuncPtr | None:
@@ -49,7 +62,8 @@ class HostStepReader:
     accumulation) is read in the same call; several losses, or a loss of another dtype, are read with
     ``item``. The loss is ``None`` when there is none.
 
-    Each reader owns the buffer the call writes the loss into, so give each training loop its own.
+    On the ctypes path each reader owns the buffer the call writes the loss into, so give each training loop
+    its own.
     """
 
     def __init__(self) -> None:
@@ -60,6 +74,18 @@ class HostStepReader:
     def __call__(
         self, param_groups: Iterable[dict[str, Any]], losses: Sequence[Tensor]
     ) -> tuple[float, float | None] | None:
+        read = _extension_read if _extension_read is not None else _extension_function()
+        if read is not None:
+            reads = read(param_groups, losses, _FLOAT32)
+            if reads is None or reads[1] is not None or not losses:
+                return reads
+            return reads[0], sum(value.item() for value in losses)
+        return self._read_with_ctypes(param_groups, losses)
+
+    def _read_with_ctypes(
+        self, param_groups: Iterable[dict[str, Any]], losses: Sequence[Tensor]
+    ) -> tuple[float, float | None] | None:
+        """The same read through the ctypes library, where the extension module could not be built."""
         function = _function()
         if function is None:
             return None
