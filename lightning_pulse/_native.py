@@ -25,6 +25,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import threading
@@ -109,8 +110,10 @@ def build_step_reader(compiler_command: str) -> Path:
     if not (Path(include) / "Python.h").exists():
         raise FileNotFoundError(f"Python.h is not in {include} (the interpreter's headers are not installed)")
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    # the headers' directory is in the flags, the interpreter's version and ABI in the key
+    abi = f"{sys.version} {suffix}"
     return _build_shared(
-        compiler_command, _STEP_READER_UNITS, (f"-I{include}", f"-DPY_ABI={suffix}"), "lp_step_reader", suffix
+        compiler_command, _STEP_READER_UNITS, (f"-I{include}",), "lp_step_reader", suffix, abi
     )
 
 
@@ -120,6 +123,7 @@ def _build_shared(
     common_flags: tuple[str, ...],
     stem: str,
     suffix: str,
+    key_extra: str = "",
 ) -> Path:
     """Compile ``units`` ((source, flags) pairs) and link them into one shared object, cached by content."""
     sources = {name: (SOURCE_DIR / name).read_bytes() for name, _ in units}
@@ -131,7 +135,7 @@ def _build_shared(
                 " ".join(_FLAGS + common_flags).encode(),
             ]
             + [" ".join(flags).encode() for _, flags in units]
-            + [_cpu_fingerprint().encode()]
+            + [_cpu_fingerprint().encode(), key_extra.encode()]
         )
     ).hexdigest()[:16]
     directory = cache_dir()
