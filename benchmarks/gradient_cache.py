@@ -15,7 +15,9 @@ clear overfitting. ``--study lm_converged_800k_tuning --seeds 10 11 12 --jobs 2`
 ``--study lm_converged_800k_confirm --jobs 2`` (about 10 minutes) are a pre-registered tune-then-confirm study
 on that workload: candidates and selection rule (``LM_TUNING_CANDIDATES``, ``LM_TUNING_RULE``) were committed
 before the tuning seeds ran; the selected candidate (``LM_CONFIRM_CANDIDATE``) alone is then run against the
-baseline on seeds 0 1 2. ``--study overhead`` (run it under
+baseline on seeds 0 1 2. ``--study lm_converged_selected --jobs 2`` (about 10 minutes) runs that selected
+configuration unchanged on the ``lm_converged`` workload (1.2M characters, still improving at the end).
+``--study overhead`` (run it under
 ``flock /tmp/lp-bench.lock``) writes ``gradient_cache_overhead.*``: the CPU inside the hooks on the CNN.
 
 Arms (the first is the baseline, all in one invocation, interleaved per seed):
@@ -329,6 +331,9 @@ LM_STUDIES = {
     "lm_converged_800k": (lm_converged_arms, LM_CONVERGED_800K_TRAINER, LM_CONVERGED_800K_WORKLOAD),
     "lm_converged_800k_tuning": (lm_tuning_arms, LM_CONVERGED_800K_TRAINER, LM_CONVERGED_800K_WORKLOAD),
     "lm_converged_800k_confirm": (lm_confirm_arms, LM_CONVERGED_800K_TRAINER, LM_CONVERGED_800K_WORKLOAD),
+    # a transfer check added after the confirmation (not part of the pre-registered protocol): the selected
+    # configuration, unchanged, on the 1.2M-character workload whose baseline still improves at the end
+    "lm_converged_selected": (lm_confirm_arms, LM_CONVERGED_TRAINER, LM_CONVERGED_WORKLOAD),
 }
 
 
