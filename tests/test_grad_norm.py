@@ -202,9 +202,8 @@ def test_more_gradients_than_the_extension_holds_on_its_stack_are_all_read():
     assert math.sqrt(_squares(grads)) == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("native_path", ["extension"], indirect=True)  # about losing the extension module
 def test_without_the_interpreters_headers_the_reader_falls_back_to_ctypes(monkeypatch, tmp_path, native_path):
-    if native_path != "extension":
-        pytest.skip("about losing the extension module")
     monkeypatch.setattr(_native, "_step_reader", None)
     monkeypatch.setattr(_native, "_step_reader_failed", False)
     monkeypatch.setattr(_native, "step_reader_error", "")
@@ -219,9 +218,8 @@ def test_without_the_interpreters_headers_the_reader_falls_back_to_ctypes(monkey
     assert loss == pytest.approx(losses[0].item())
 
 
+@pytest.mark.parametrize("native_path", ["extension"], indirect=True)
 def test_the_extension_reads_one_fp32_loss_itself_and_leaves_others_to_the_caller(native_path):
-    if native_path != "extension":
-        pytest.skip("about the extension module")
     read_step = _native.step_reader().read_step
     _, optimizer, losses = _groups_with_gradients(accumulate=2)
     groups = optimizer.param_groups
