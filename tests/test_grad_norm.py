@@ -26,7 +26,7 @@ def native_path(request, monkeypatch):
             pytest.skip(f"the extension module cannot be built here: {_native.step_reader_error}")
     else:
         monkeypatch.setattr(grad_norm, "_extension_read", None)
-        monkeypatch.setattr(_native, "step_reader", lambda: None)
+        monkeypatch.setattr(grad_norm, "_extension_resolved", True)
     return request.param
 
 
@@ -178,7 +178,7 @@ def test_the_guard_sees_the_loss_and_gradient_norm_of_every_step(monkeypatch, na
 
 def test_without_the_kernels_the_reader_declines_and_the_caller_reads_with_torch(monkeypatch):
     monkeypatch.setattr(grad_norm, "_extension_read", None)
-    monkeypatch.setattr(_native, "step_reader", lambda: None)
+    monkeypatch.setattr(grad_norm, "_extension_resolved", True)
     monkeypatch.setattr(_native, "library", lambda: None)
     _, optimizer, losses = _groups_with_gradients()
     assert HostStepReader()(optimizer.param_groups, losses) is None
@@ -208,6 +208,7 @@ def test_without_the_interpreters_headers_the_reader_falls_back_to_ctypes(monkey
     monkeypatch.setattr(_native, "_step_reader_failed", False)
     monkeypatch.setattr(_native, "step_reader_error", "")
     monkeypatch.setattr(grad_norm, "_extension_read", None)
+    monkeypatch.setattr(grad_norm, "_extension_resolved", False)
     monkeypatch.setattr(_native.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})  # no Python.h
     assert _native.step_reader() is None
     assert "Python.h" in _native.step_reader_error

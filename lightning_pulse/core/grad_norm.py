@@ -27,14 +27,14 @@ _FLOAT32 = torch.float32
 _bound_to: ctypes.CDLL | None = None
 _step_reads_f32: ctypes._CFuncPtr | None = None
 _extension_read: Callable[..., tuple[float, float | None] | None] | None = None
+_extension_resolved = False  # whether `_extension_read` is final (the module loaded, or cannot be)
 
 
 def _extension_function() -> Callable[..., tuple[float, float | None] | None] | None:
-    global _extension_read
-    if _extension_read is None:
-        module = _native.step_reader()
-        if module is not None:
-            _extension_read = module.read_step
+    global _extension_read, _extension_resolved
+    module = _native.step_reader()
+    _extension_read = module.read_step if module is not None else None
+    _extension_resolved = True
     return _extension_read
 
 
@@ -74,7 +74,7 @@ class HostStepReader:
     def __call__(
         self, param_groups: Iterable[dict[str, Any]], losses: Sequence[Tensor]
     ) -> tuple[float, float | None] | None:
-        read = _extension_read if _extension_read is not None else _extension_function()
+        read = _extension_read if _extension_resolved else _extension_function()
         if read is not None:
             reads = read(param_groups, losses, _FLOAT32)
             if reads is None or reads[1] is not None or not losses:
