@@ -77,9 +77,9 @@ class HostStepReader:
         read = _extension_read if _extension_resolved else _extension_function()
         if read is not None:
             reads = read(param_groups, losses, _FLOAT32)
-            if reads is None or reads[1] is not None or not losses:
+            if reads is None or reads[1] is not None:
                 return reads
-            return reads[0], sum(value.item() for value in losses)
+            return reads[0], _summed_loss(losses)
         return self._read_with_ctypes(param_groups, losses)
 
     def _read_with_ctypes(
@@ -112,4 +112,9 @@ class HostStepReader:
         squares = function(len(entries) // 2, pairs.buffer_info()[0], loss_address, loss_out.buffer_info()[0])
         if loss_address:
             return squares, loss_out[0]
-        return squares, (sum(value.item() for value in losses) if losses else None)
+        return squares, _summed_loss(losses)
+
+
+def _summed_loss(losses: Sequence[Tensor]) -> float | None:
+    """The step's loss where the native call did not read it: the micro-batch losses summed with ``item``."""
+    return sum(value.item() for value in losses) if losses else None
