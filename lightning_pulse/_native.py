@@ -6,9 +6,11 @@ The sources are plain C with no torch headers: a build takes about a second with
 the sources, the compiler, the flags and the CPU's feature flags (the build uses ``-march=native``). Callers
 bind the functions they need with :mod:`ctypes`, which releases the GIL during a call.
 
-One more build is a CPython extension module, ``_lp_step_reader`` (:func:`step_reader`): StabilityGuard's
-per-step read, where even a ctypes call and the bytecode around it are a measurable share of a small model's
-step. It needs the interpreter's headers as well and is keyed by the interpreter's ABI too.
+One more build is an extension module, ``_lp_step_reader`` (:func:`step_reader`): StabilityGuard's per-step
+read, where even a ctypes call and the Python bindings around it are a measurable share of a small model's
+step. It is C++ against torch's own headers (shipped in torch's wheels) and the interpreter's, built with the
+system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``) in about 15 seconds once per torch and
+interpreter version, and keyed by both.
 
 Nothing here is required: when no compiler is found or the build fails, :func:`library` warns once and
 returns ``None``, and every caller keeps its torch implementation; without the extension module the guard
@@ -21,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.util
+import logging
 import os
 import platform
 import shutil
@@ -42,12 +45,15 @@ _UNITS = (
     ("mhc_kernels.c", ("-DSCALAR=double", "-DSFX=_f64")),
     ("reductions.c", ()),
 )
-# the CPython extension module of StabilityGuard's per-step read; its file name ends in the interpreter's
-# extension suffix and its init function is named after the last part of the module name
-_STEP_READER_UNITS = (("step_reader.c", ("-std=c11",)), ("reductions.c", ()))  # newer headers need C11
+# the extension module of StabilityGuard's per-step read; its file name ends in the interpreter's extension
+# suffix and its init function is named after the last part of the module name
+_STEP_READER_UNITS = (("step_reader.cpp", ()), ("reductions.c", ()))
 _STEP_READER_MODULE = "lightning_pulse._lp_step_reader"
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c99", "-fno-math-errno", "-pthread")
+# C++20: what torch's own extension builds use with its headers (they warn, or fail, under older standards)
+_CXX_FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c++20", "-fno-math-errno", "-pthread")
 
+_log = logging.getLogger("lightning_pulse")
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
 _failed = False
@@ -68,6 +74,14 @@ def cache_dir() -> Path:
 def compiler() -> str | None:
     """The C compiler to build with, or ``None`` where there is none."""
     for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    return None
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler to build the step reader with, or ``None`` where there is none."""
+    for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if candidate and shutil.which(candidate):
             return candidate
     return None
@@ -96,43 +110,56 @@ def _cpu_fingerprint() -> str:
 
 def build(compiler_command: str) -> Path:
     """Build (or find in the cache) the shared library of every source, and return its path."""
-    return _build_shared(compiler_command, _UNITS, (), "lightning_pulse_kernels", ".so")
+    return _build_shared({".c": compiler_command}, _UNITS, (), (), "lightning_pulse_kernels", ".so")
 
 
-def build_step_reader(compiler_command: str) -> Path:
+def build_step_reader(compiler_command: str, cxx_command: str) -> Path:
     """Build (or find in the cache) the ``_lp_step_reader`` extension module, and return its path.
 
-    It is compiled against this interpreter's headers (``sysconfig``'s include directory) and keyed by its
-    ABI, so each interpreter gets its own build. Raises ``FileNotFoundError`` where the headers are not
-    installed (some distributions ship them in a separate ``python3-dev`` package).
+    It is compiled against this interpreter's headers (``sysconfig``'s include directory) and torch's (its
+    ``include`` directory), linked with torch's libraries, and keyed by the interpreter's ABI and torch's version,
+    so each pair gets its own build. Raises ``FileNotFoundError`` where either set of headers is not installed
+    (some distributions ship the interpreter's in a separate ``python3-dev`` package).
     """
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
         raise FileNotFoundError(f"Python.h is not in {include} (the interpreter's headers are not installed)")
+    torch_root = Path(torch.__file__).parent
+    torch_include, torch_lib = torch_root / "include", torch_root / "lib"
+    if not (torch_include / "torch" / "csrc" / "autograd" / "python_variable.h").exists():
+        raise FileNotFoundError(f"torch's C++ headers are not in {torch_include}")
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    # the headers' directory is in the flags, the interpreter's version and ABI in the key
-    abi = f"{sys.version} {suffix}"
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     return _build_shared(
-        compiler_command, _STEP_READER_UNITS, (f"-I{include}",), "lp_step_reader", suffix, abi
+        {".c": compiler_command, ".cpp": cxx_command},
+        _STEP_READER_UNITS,
+        (f"-I{include}", f"-I{torch_include}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"),
+        # libtorch_python holds the Python bindings' symbols; the rpath finds torch's libraries at load time
+        (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{torch_lib}"),
+        "lp_step_reader",
+        suffix,
+        f"{sys.version} {suffix} torch {torch.__version__} {torch_root}",
     )
 
 
 def _build_shared(
-    compiler_command: str,
+    compilers: dict[str, str],
     units: tuple[tuple[str, tuple[str, ...]], ...],
     common_flags: tuple[str, ...],
+    link_flags: tuple[str, ...],
     stem: str,
     suffix: str,
     key_extra: str = "",
 ) -> Path:
-    """Compile ``units`` ((source, flags) pairs) and link them into one shared object, cached by content."""
+    """Compile ``units`` ((source, flags) pairs; the compiler by the source's extension in ``compilers``) and
+    link them into one shared object, cached by content."""
     sources = {name: (SOURCE_DIR / name).read_bytes() for name, _ in units}
     key = hashlib.sha256(
         b"\0".join(
             [
                 *(sources[name] for name in sorted(sources)),
-                compiler_command.encode(),
-                " ".join(_FLAGS + common_flags).encode(),
+                " ".join(f"{ext}={command}" for ext, command in sorted(compilers.items())).encode(),
+                " ".join(_FLAGS + _CXX_FLAGS + common_flags + link_flags).encode(),
             ]
             + [" ".join(flags).encode() for _, flags in units]
             + [_cpu_fingerprint().encode(), key_extra.encode()]
@@ -152,14 +179,16 @@ def _build_shared(
         if library.exists():
             return library
         directory.mkdir(parents=True, exist_ok=True)
+    _log.info("lightning_pulse: compiling %s once (cached in %s)", stem, directory)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         objects = []
         for index, (name, flags) in enumerate(units):
+            extension = Path(name).suffix
             obj = Path(scratch) / f"unit{index}.o"
             subprocess.run(
                 [
-                    compiler_command,
-                    *_FLAGS,
+                    compilers[extension],
+                    *(_CXX_FLAGS if extension == ".cpp" else _FLAGS),
                     *common_flags,
                     *flags,
                     "-c",
@@ -173,8 +202,9 @@ def _build_shared(
             )
             objects.append(str(obj))
         built = Path(scratch) / f"built{suffix}"
+        linker = compilers[".cpp"] if ".cpp" in compilers else compilers[".c"]
         subprocess.run(
-            [compiler_command, "-shared", "-pthread", *objects, "-o", str(built), "-lm"],
+            [linker, "-shared", "-pthread", *objects, "-o", str(built), *link_flags, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -212,9 +242,11 @@ def library() -> ctypes.CDLL | None:
 def step_reader() -> ModuleType | None:
     """The ``_lp_step_reader`` extension module (StabilityGuard's per-step read), built on first call.
 
-    ``None`` where it cannot be built or loaded (no compiler, no Python headers): the guard then reads through
-    :func:`library` with ctypes, a few microseconds slower per step, with the same values. Not worth a
-    warning: nothing is lost but those microseconds; the reason is kept in :data:`step_reader_error`.
+    ``None`` where it cannot be built or loaded (no C or C++ compiler, no Python or torch headers, a compiler
+    without C++20): the guard then reads through :func:`library` with ctypes, some microseconds slower per
+    step, with the same values. Not worth a warning: nothing is lost but those microseconds; the reason is kept
+    in :data:`step_reader_error`. The first build takes about 15 seconds (torch's headers are large) and is
+    announced in the ``lightning_pulse`` logger.
     """
     global _step_reader, _step_reader_failed, step_reader_error
     if _step_reader is not None or _step_reader_failed:
@@ -222,11 +254,13 @@ def step_reader() -> ModuleType | None:
     with _lock:
         if _step_reader is not None or _step_reader_failed:
             return _step_reader
-        command = compiler()
+        command, cxx_command = compiler(), cxx_compiler()
         try:
             if command is None:
                 raise RuntimeError("no C compiler found ($CC, cc, gcc or clang)")
-            path = build_step_reader(command)
+            if cxx_command is None:
+                raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
+            path = build_step_reader(command, cxx_command)
             spec = importlib.util.spec_from_file_location(_STEP_READER_MODULE, path)
             if spec is None or spec.loader is None:
                 raise ImportError(f"cannot load {path}")

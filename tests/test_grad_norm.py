@@ -203,15 +203,26 @@ def test_more_gradients_than_the_extension_holds_on_its_stack_are_all_read():
 
 
 @pytest.mark.parametrize("native_path", ["extension"], indirect=True)  # about losing the extension module
-def test_without_the_interpreters_headers_the_reader_falls_back_to_ctypes(monkeypatch, tmp_path, native_path):
+@pytest.mark.parametrize("missing", ["python-headers", "torch-headers", "cxx-compiler"])
+def test_where_the_extension_cannot_be_built_the_reader_falls_back_to_ctypes(
+    monkeypatch, tmp_path, native_path, missing
+):
     monkeypatch.setattr(_native, "_step_reader", None)
     monkeypatch.setattr(_native, "_step_reader_failed", False)
     monkeypatch.setattr(_native, "step_reader_error", "")
     monkeypatch.setattr(grad_norm, "_extension_read", None)
     monkeypatch.setattr(grad_norm, "_extension_resolved", False)
-    monkeypatch.setattr(_native.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})  # no Python.h
+    if missing == "python-headers":
+        monkeypatch.setattr(_native.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+        reason = "Python.h"
+    elif missing == "torch-headers":  # a torch installed without its include directory
+        monkeypatch.setattr(_native.torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
+        reason = "torch's C++ headers"
+    else:
+        monkeypatch.setattr(_native, "cxx_compiler", lambda: None)
+        reason = "no C++ compiler"
     assert _native.step_reader() is None
-    assert "Python.h" in _native.step_reader_error
+    assert reason in _native.step_reader_error
     _, optimizer, losses = _groups_with_gradients()
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     squares, loss = HostStepReader()(optimizer.param_groups, losses)
@@ -224,9 +235,37 @@ def test_the_extension_reads_one_fp32_loss_itself_and_leaves_others_to_the_calle
     read_step = _native.step_reader().read_step
     _, optimizer, losses = _groups_with_gradients(accumulate=2)
     groups = optimizer.param_groups
-    assert read_step(groups, losses[:1], torch.float32)[1] == pytest.approx(losses[0].item())
-    assert read_step(groups, losses, torch.float32)[1] is None  # several micro-batches: read with item
-    assert read_step(groups, [losses[0].bfloat16()], torch.float32)[1] is None
-    assert read_step(groups, [torch.ones(2)], torch.float32)[1] is None  # not one element
+    assert read_step(groups, losses[:1])[1] == pytest.approx(losses[0].item())
+    assert read_step(groups, losses)[1] is None  # several micro-batches: read with item
+    assert read_step(groups, [losses[0].bfloat16()])[1] is None
+    assert read_step(groups, [torch.ones(2)])[1] is None  # not one element
+    assert read_step(groups, [1.5])[1] is None  # not a tensor
     with pytest.raises(TypeError):
-        read_step(groups, losses)
+        read_step(groups)
+    with pytest.raises(KeyError):
+        read_step([{"parameters": []}], losses)
+    with pytest.raises(TypeError):
+        read_step(groups, 3)  # losses must be a sequence
+
+
+class _LoggingTensor(torch.Tensor):
+    """A tensor subclass with Python dispatch: what its data means is its own business."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.as_subclass(torch.Tensor) if isinstance(t, _LoggingTensor) else t  # noqa: E731
+        return func(
+            *torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {})
+        )
+
+
+def test_gradient_views_are_read_at_their_offset_and_other_tensors_are_declined():
+    torch.manual_seed(0)
+    base = torch.randn(10, 4)
+    param = nn.Parameter(torch.zeros(6, 4))
+    param.grad = base[3:9]  # a contiguous view with a storage offset: only its own rows count
+    squares, _ = HostStepReader()([{"params": [param]}], [])
+    assert squares == pytest.approx(base[3:9].double().square().sum().item(), rel=1e-6)
+    # a parameter with a dispatching subclass gradient: declined, the caller reads with torch
+    param.grad = base[3:9].clone().as_subclass(_LoggingTensor)
+    assert HostStepReader()([{"params": [param]}], []) is None

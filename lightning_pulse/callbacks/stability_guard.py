@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
-from lightning_pulse.core.grad_norm import HostStepReader
+from lightning_pulse.core.grad_norm import HostStepReader, prepare
 from lightning_pulse.core.snapshots import SnapshotRing, TrainingSnapshot, restore_snapshot, take_snapshot
 from lightning_pulse.core.spike_detection import Action, Assessment, EscalationPolicy, SpikeDetector, Verdict
 from lightning_pulse.phase import Phase, PhaseChange
@@ -312,6 +312,8 @@ class StabilityGuard(Callback):
             for optimizer in trainer.optimizers:
                 self._depth_handles.append(optimizer.register_step_pre_hook(self._enter_optimizer_step))
                 self._depth_handles.append(optimizer.register_step_post_hook(self._leave_optimizer_step))
+        if pl_module.device.type == "cpu" and trainer.world_size == 1:
+            prepare()  # the native read's one-off build, if any, here rather than inside the first step
         self._cycle = pulse_cycle_of(trainer)
         self._key = None if self.per_phase_baselines and self._cycle is not None else self._baseline_key()
         self._step_bound = trainer.global_step

@@ -2,11 +2,12 @@
 
 On a CPU step of a few milliseconds, torch's fused norm plus one read per 0-d result costs tens of
 microseconds in dispatch alone, on caches that the backward pass has just evicted. :class:`HostStepReader`
-makes one native call instead: a CPython extension module (``lightning_pulse/_csrc/step_reader.c``, built by
-:mod:`lightning_pulse._native`) walks the parameter groups, takes every gradient's address and reads the loss
-in the same call. Where the interpreter's headers are missing it hands the addresses to a plain C function
-(``lightning_pulse/_csrc/reductions.c``) through ctypes, which costs some microseconds more per step (the
-bytecode loop over the gradients, the address array, the ctypes call). It accumulates in double, as
+makes one native call instead: an extension module (``lightning_pulse/_csrc/step_reader.cpp``, C++ against
+torch's headers, built by :mod:`lightning_pulse._native`) walks the parameter groups, reads every gradient's
+dtype, device, layout, address and size from the tensor itself (no Python binding per gradient) and reads the
+loss in the same call. Where it cannot be built (no C++ compiler, no headers) the gradients' addresses go to a
+plain C function (``lightning_pulse/_csrc/reductions.c``) through ctypes, which costs some microseconds more
+per step (the bytecode loop over the gradients and its bindings, the address array, the ctypes call). It accumulates in double, as
 torch's CPU norm does, so the value agrees with ``torch.nn.utils.get_total_norm`` to rounding, and a NaN or
 infinite entry makes it non-finite.
 """
@@ -38,6 +39,12 @@ def _extension_function() -> Callable[..., tuple[float, float | None] | None] | 
     return _extension_read
 
 
+def prepare() -> None:
+    """Build (or load) the extension module now, not in the first training step (a first build takes ~15 s)."""
+    if not _extension_resolved:
+        _extension_function()
+
+
 def _function() -> ctypes._CFuncPtr | None:
     global _bound_to, _step_reads_f32
     library = _native.library()
@@ -56,8 +63,9 @@ class HostStepReader:
 
     Call it with the optimizer's ``param_groups`` and the step's losses (one per micro-batch). Parameters
     without a gradient are left out, as ``clip_grad_norm_`` leaves them out. Every gradient must be a
-    contiguous fp32 tensor in host memory, checked for each tensor on every call (a parameter's ``.data`` can
-    be swapped for another dtype or size mid-run); otherwise, or where the kernels could not be built, the
+    contiguous fp32 tensor in host memory and not a subclass with Python dispatch (the ctypes path declines every
+    subclass), checked for each tensor on every call (a parameter's ``.data`` can be swapped for another dtype
+    or size mid-run); otherwise, or where the kernels could not be built, the
     call returns ``None`` and the caller reads with torch. A single fp32 loss in host memory (no gradient
     accumulation) is read in the same call; several losses, or a loss of another dtype, are read with
     ``item``. The loss is ``None`` when there is none.
@@ -76,7 +84,7 @@ class HostStepReader:
     ) -> tuple[float, float | None] | None:
         read = _extension_read if _extension_resolved else _extension_function()
         if read is not None:
-            reads = read(param_groups, losses, _FLOAT32)
+            reads = read(param_groups, losses)
             if reads is None or reads[1] is not None:
                 return reads
             return reads[0], _summed_loss(losses)
@@ -95,8 +103,14 @@ class HostStepReader:
                 grad = param.grad
                 if grad is None:
                     continue
-                # a sparse gradient is not contiguous (and has no data pointer)
-                if grad.dtype is not _FLOAT32 or not grad.is_cpu or not grad.is_contiguous():
+                # a sparse gradient is not contiguous (and has no data pointer); a subclass (one with Python
+                # dispatch decides itself what its data means) is left to torch, as the extension leaves it
+                if (
+                    grad.dtype is not _FLOAT32
+                    or not grad.is_cpu
+                    or type(grad) is not Tensor
+                    or not grad.is_contiguous()
+                ):
                     return None
                 entries.append(grad.data_ptr())
                 entries.append(grad.numel())
