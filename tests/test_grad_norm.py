@@ -269,3 +269,36 @@ def test_gradient_views_are_read_at_their_offset_and_other_tensors_are_declined(
     # a parameter with a dispatching subclass gradient: declined, the caller reads with torch
     param.grad = base[3:9].clone().as_subclass(_LoggingTensor)
     assert HostStepReader()([{"params": [param]}], []) is None
+
+
+@pytest.mark.parametrize("native_path", ["extension"], indirect=True)
+def test_the_guard_builds_the_extension_at_fit_start_not_inside_a_step(monkeypatch, native_path):
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+    from lightning_pulse.callbacks.stability_guard import StabilityGuard
+
+    monkeypatch.setattr(grad_norm, "_extension_read", None)
+    monkeypatch.setattr(grad_norm, "_extension_resolved", False)
+    resolved_at_first_batch = []
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            resolved_at_first_batch.append(grad_norm._extension_resolved)
+
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        max_steps=1,
+        callbacks=[StabilityGuard(), Probe()],
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=200, batch_size=32))
+    assert resolved_at_first_batch == [True]
+    assert grad_norm._extension_read is _native.step_reader().read_step
