@@ -16,6 +16,11 @@ Arms, each on every seed, interleaved, in one invocation:
 * ``topk-epoch-0.5-2x`` (language model): half of each epoch for twice the epochs, i.e. the baseline's compute.
 * ``shorter-0.7`` (language model): no callback, the whole data, the run and its LR schedule cut to 70% of
   the baseline's steps: the plain way to spend 30% less compute, which a selection has to beat.
+* ``rho-batch-0.625`` (``charlm-rho``, added in session 4): RHO-LOSS (Mindermann et al. 2022): top-k in batch
+  mode on the reducible loss, the stored training loss minus an irreducible loss from small models trained on
+  the other half of the training windows (:func:`irreducible_losses`); those models' FLOPs count in the arm's
+  total from its first curve point. Its controls: ``random-batch-0.625`` (same trained samples) and
+  ``random-batch-0.656`` (same total FLOPs, to the nearest sample per batch below).
 * ``score-only``: the callback scoring every step but never selecting (``phases=("burst",)`` with no
   PulseCycle): full batches, so its whole-run CPU against the baseline's is the scoring cost measured from
   outside the callback, next to the callback's own in-code CPU share.
@@ -37,17 +42,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.harness import Arm, TrainingFlopCounter, run_arms, summarise, write_results
 from benchmarks.workloads import get_workload
 from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
+from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import batch_size_of
 
 #: Workload settings, chosen to fit the whole benchmark in ~15 CPU minutes on 2 shared cores. Arm names read
@@ -132,10 +145,160 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "tolerance": 0.01,
         "pulse": {"burst": 40, "replay": 80, "maintain": 0},
     },
+    # added in session 4: RHO-LOSS (Mindermann et al. 2022) on the same run as charlm-long, pre-registered in
+    # /tmp/notes/issue-4.md. Score = stored training loss - irreducible loss (IL) from small models trained on
+    # the other half of the training windows (no extra data); the IL models' FLOPs count in the arm's total.
+    # 0.625 = 20/32 of every batch after the (full) first epoch: 0.644x the samples, ~0.69x FLOPs with the IL
+    # cost. Controls: a random subset at the same trained-sample share, and at the same total FLOPs (0.656:
+    # 21/32 per batch, the largest share not above the RHO arm's total)
+    "charlm-rho": {
+        "workload": "charlm",
+        "trainer_kwargs": {"max_epochs": 20},
+        "workload_kwargs": {"data__max_chars": 200_000, "model__scheduler": "cosine"},
+        "arms": ("rho-batch-0.625", "random-batch-0.625", "random-batch-0.656"),
+        "steps_per_epoch": 87,
+        "tolerance": 0.01,
+        "pulse": {"burst": 40, "replay": 80, "maintain": 0},
+    },
 }
 
+#: The RHO-LOSS arms' irreducible-loss models (``charlm-rho``): the workload's model class, smaller, trained
+#: on half of the training windows each; fixed before any result.
+IL_MODEL = {"model__d_model": 32, "model__n_layers": 2, "model__n_heads": 4}
+IL_EPOCHS = 3
+IL_BATCH_SIZE = 16
+IL_SPLIT_SEED = 1234
 
-def _arm(name: str, epochs: int, cadence: dict[str, int], steps_per_epoch: int | None = None) -> Arm:
+
+class ReducibleLossTable(SampleScoreTable):
+    """A score table whose stored score is RHO-LOSS's reducible loss: measured loss - irreducible loss."""
+
+    def __init__(self, reference: torch.Tensor, **kwargs: Any) -> None:
+        super().__init__(int(reference.numel()), **kwargs)
+        self.reference = reference.detach().float().numpy().copy()
+
+    def _as_scores(self, slots: np.ndarray, losses: np.ndarray) -> np.ndarray:
+        return losses - self.reference[slots]
+
+
+class RhoReplay(HardSampleReplay):
+    """HardSampleReplay ranking samples by reducible loss; the irreducible losses are computed when it is built
+    (two half-data models, :func:`irreducible_losses`), and their FLOPs are reported as ``upfront_flops``."""
+
+    def __init__(self, workload_kwargs: dict[str, Any], seed: int, **kwargs: Any) -> None:
+        super().__init__(seed=seed, **kwargs)
+        started = time.process_time()
+        self.reference, self.upfront_flops = irreducible_losses(workload_kwargs, seed)
+        self.upfront_cpu_s = time.process_time() - started
+
+    def _on_train_dataloader(self, loader: Any) -> None:
+        self.table = ReducibleLossTable(self.reference)  # kept by the parent when its size matches
+        super()._on_train_dataloader(loader)
+        if not isinstance(self.table, ReducibleLossTable):
+            raise RuntimeError("RhoReplay: the training set's size differs from the irreducible losses'.")
+
+    def benchmark_metrics(self) -> dict[str, float]:
+        reference = self.reference
+        return {
+            **super().benchmark_metrics(),
+            "upfront_flops": self.upfront_flops,
+            "upfront_cpu_s": self.upfront_cpu_s,
+            "il_mean": float(reference.mean()),
+            "il_p10": float(reference.quantile(0.1)),
+            "il_p90": float(reference.quantile(0.9)),
+        }
+
+
+class _FirstBatchFlops(TrainingFlopCounter):
+    """Training FLOPs per sample from the first batch (counting every batch slows a step ~3x), and samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops_per_sample = math.nan
+        self.samples = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.samples == 0:
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.samples == 0:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            self.flops_per_sample = self.total / batch_size_of(batch)
+        self.samples += batch_size_of(batch)
+
+
+def irreducible_losses(workload_kwargs: dict[str, Any], seed: int) -> tuple[torch.Tensor, float]:
+    """``((N,) irreducible loss per training window, FLOPs spent)``: the two-halves recipe.
+
+    The training windows are split in two halves by :data:`IL_SPLIT_SEED`; a small model (:data:`IL_MODEL`) is
+    trained on each half for :data:`IL_EPOCHS` epochs, and a window's irreducible loss is its token-mean
+    cross-entropy under the model that did not train on it. FLOPs: both fits (FlopCounterMode on the first
+    training batch, per sample, times the samples trained: shapes are fixed, so a step's FLOPs are
+    proportional to its batch size, as :func:`per_sample_flops` checks) plus the scoring forward pass (counted
+    whole). Runs in a forked RNG, so the caller's stream is unchanged.
+    """
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng():
+            return _irreducible_losses(workload_kwargs, seed)
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def _irreducible_losses(workload_kwargs: dict[str, Any], seed: int) -> tuple[torch.Tensor, float]:
+    spec = get_workload("charlm")
+    _, data = spec.build(**workload_kwargs)
+    data.setup("fit")
+    inputs, targets = data.train_set.tensors
+    count = inputs.shape[0]
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(IL_SPLIT_SEED))
+    halves = (order[: count // 2], order[count // 2 :])
+    reference = torch.full((count,), math.nan)
+    flops = 0.0
+    for part, (own, other) in enumerate((halves, halves[::-1])):
+        torch.manual_seed(1000 * (part + 1) + seed)
+        model, _ = spec.build(**{**workload_kwargs, **IL_MODEL})
+        loader = DataLoader(
+            TensorDataset(inputs[own], targets[own]),
+            batch_size=IL_BATCH_SIZE,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(1000 * (part + 1) + seed),
+        )
+        counter = _FirstBatchFlops()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=IL_EPOCHS,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[counter],
+        )
+        trainer.fit(model, loader)
+        flops += counter.flops_per_sample * counter.samples
+        model.eval()
+        with torch.no_grad(), FlopCounterMode(display=False) as forward:
+            for chunk in other.split(256):
+                logits = model(inputs[chunk])
+                token_losses = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), targets[chunk].reshape(-1), reduction="none"
+                )
+                reference[chunk] = token_losses.view(chunk.numel(), -1).mean(dim=1)
+        flops += forward.get_total_flops()
+    return reference, flops
+
+
+def _arm(
+    name: str,
+    epochs: int,
+    cadence: dict[str, int],
+    steps_per_epoch: int | None = None,
+    workload_kwargs: dict[str, Any] | None = None,
+) -> Arm:
     if name.startswith("shorter-"):
         # no callback: the whole data, with the run (and its LR schedule) cut to a share of the baseline's steps
         assert steps_per_epoch is not None, "a 'shorter-' arm needs the workload's steps per epoch"
@@ -153,6 +316,14 @@ def _arm(name: str, epochs: int, cadence: dict[str, int], steps_per_epoch: int |
     if name == "score-only":
         return Arm(name, callbacks=lambda seed: [HardSampleReplay(phases=("burst",), seed=seed)])
     rule, mode, fraction, *options = name.split("-")
+    if rule == "rho":  # RHO-LOSS: top-k on reducible loss (session 4)
+        assert workload_kwargs is not None, "a 'rho-' arm needs the workload's settings"
+        return Arm(
+            name,
+            callbacks=lambda seed: [
+                RhoReplay(workload_kwargs, seed, rule="topk", mode=mode, replay_fraction=float(fraction))
+            ],
+        )
     kwargs: dict[str, Any] = {"rule": rule, "mode": mode}
     if rule == "infobatch":
         kwargs["prune_ratio"] = float(fraction)
@@ -228,12 +399,18 @@ def per_sample_flops(workload: str, workload_kwargs: dict[str, Any]) -> float:
 
 def fill_flops(result: dict[str, Any], flops_per_sample: float) -> None:
     """Put ``samples x FLOPs per sample`` into every run and curve point, then summarise again."""
+    upfront = False
     for run in result["runs"]:
         curve = run["extra"].pop("samples_curve")
+        # FLOPs a method spends before training (RHO-LOSS's irreducible-loss models) count from the start
+        extra = float(run["extra"].get("upfront_flops", 0.0))
+        upfront = upfront or extra > 0
         for point, samples in zip(run["curve"], curve):
-            point["train_flops"] = samples * flops_per_sample
-        run["train_flops"] = run["samples"] * flops_per_sample
-    result["flops_mode"] = f"trained samples x {flops_per_sample:.6g} FLOPs/sample (FlopCounterMode)"
+            point["train_flops"] = samples * flops_per_sample + extra
+        run["train_flops"] = run["samples"] * flops_per_sample + extra
+    result["flops_mode"] = f"trained samples x {flops_per_sample:.6g} FLOPs/sample (FlopCounterMode)" + (
+        " + the arm's up-front FLOPs (irreducible-loss models, FlopCounterMode)" if upfront else ""
+    )
     result["summary"] = summarise(
         result["runs"], result["arms"], result["metric"], result["mode"], result["test_metric"]
     )
@@ -245,7 +422,13 @@ def arms_for(workload: str) -> list[Arm]:
     arms = [
         Arm("baseline"),
         *(
-            _arm(name, epochs, settings["pulse"], settings.get("steps_per_epoch"))
+            _arm(
+                name,
+                epochs,
+                settings["pulse"],
+                settings.get("steps_per_epoch"),
+                settings["workload_kwargs"],
+            )
             for name in settings["arms"]
         ),
     ]
