@@ -7,7 +7,9 @@ import random
 
 import pytest
 
+from lightning_pulse import _native
 from lightning_pulse.core.spike_detection import (
+    QUIET,
     Action,
     EscalationPolicy,
     RunningRobustZ,
@@ -218,9 +220,27 @@ def test_the_pooled_window_is_shared_while_one_key_is_in_use_and_splits_at_the_s
     assert restored.state_dict() == single.state_dict()
 
 
-def test_the_quiet_step_shortcut_gives_the_general_verdicts_and_baselines():
+def _with_shortcut(detector: SpikeDetector, shortcut: str) -> SpikeDetector:
+    """The detector, with its quiet-step shortcut in Python or (StabilityGuard's hot path) the native one."""
+    if shortcut == "native":
+        module = _native.step_reader()
+        if module is None:
+            pytest.skip(f"the extension module cannot be built here: {_native.step_reader_error}")
+        python_shortcut = detector.assess_quiet_step
+
+        def native_shortcut(loss, grad_norm, key="default", accept=False):
+            if not accept:  # the native shortcut is the guard's: it always accepts
+                return python_shortcut(loss, grad_norm, key, accept)
+            return QUIET if module.quiet_step(detector, loss, grad_norm, key) else None
+
+        detector.assess_quiet_step = native_shortcut
+    return detector
+
+
+@pytest.mark.parametrize("shortcut", ["python", "native"])
+def test_the_quiet_step_shortcut_gives_the_general_verdicts_and_baselines(shortcut):
     rng = random.Random(3)
-    fast, general = SpikeDetector(warmup=20), SpikeDetector(warmup=20)
+    fast, general = _with_shortcut(SpikeDetector(warmup=20), shortcut), SpikeDetector(warmup=20)
     general.assess_quiet_step = lambda *args: None  # every step through the general path
     verdicts = set()
     for step in range(400):
@@ -236,11 +256,13 @@ def test_the_quiet_step_shortcut_gives_the_general_verdicts_and_baselines():
     assert verdicts == {Verdict.OK, Verdict.LOSS_SPIKE, Verdict.GRAD_SPIKE, Verdict.NONFINITE_LOSS}
 
 
-def test_the_quiet_step_shortcut_matches_the_general_path_while_keys_warm_up_and_on_cold_spikes():
+@pytest.mark.parametrize("shortcut", ["python", "native"])
+def test_the_quiet_step_shortcut_matches_the_general_path_while_keys_warm_up_and_on_cold_spikes(shortcut):
     # a key that appears late warms up against the pooled window: the shortcut must leave cold spikes (and
     # values too close to call) to the general path, and accept everything else exactly as it would
     rng = random.Random(11)
-    fast, general = SpikeDetector(warmup=15, window=30), SpikeDetector(warmup=15, window=30)
+    fast = _with_shortcut(SpikeDetector(warmup=15, window=30), shortcut)
+    general = SpikeDetector(warmup=15, window=30)
     general.assess_quiet_step = lambda *args: None
     cold_spikes = 0
     for step in range(300):

@@ -17,10 +17,18 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_pulse import _native
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
 from lightning_pulse.core.grad_norm import HostStepReader, prepare
 from lightning_pulse.core.snapshots import SnapshotRing, TrainingSnapshot, restore_snapshot, take_snapshot
-from lightning_pulse.core.spike_detection import Action, Assessment, EscalationPolicy, SpikeDetector, Verdict
+from lightning_pulse.core.spike_detection import (
+    QUIET,
+    Action,
+    Assessment,
+    EscalationPolicy,
+    SpikeDetector,
+    Verdict,
+)
 from lightning_pulse.phase import Phase, PhaseChange
 
 STAT_LOSS, STAT_GRAD_NORM_SQ, STAT_HAS_LOSS = range(3)
@@ -225,6 +233,8 @@ class StabilityGuard(Callback):
         # per-step transient state
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
         self._host_reader = HostStepReader()  # one native call per step for fp32 CPU gradients
+        # the detector's quiet step as one native call, resolved at fit start (None: the Python one)
+        self._native_quiet_step: Callable[..., bool] | None = None
         self._decided: Action | None = None
         # an upper bound of trainer.global_step, kept by counting decided steps: Lightning's property chain
         # is read only when a snapshot may be due (see `_snapshot_due`)
@@ -249,6 +259,13 @@ class StabilityGuard(Callback):
         self._world_size = 1
 
     # ------------------------------------------------------------------ public API
+    def __getstate__(self) -> dict[str, Any]:
+        # the extension module is loaded from the kernel cache, not importable by name in another process
+        # (``ddp_spawn`` pickles the callbacks); it is resolved again at fit start
+        state = self.__dict__.copy()
+        state["_native_quiet_step"] = None
+        return state
+
     @property
     def spikes_detected(self) -> int:
         return sum(self.spikes_by_kind.values())
@@ -314,6 +331,9 @@ class StabilityGuard(Callback):
                 self._depth_handles.append(optimizer.register_step_post_hook(self._leave_optimizer_step))
         if pl_module.device.type == "cpu" and trainer.world_size == 1:
             prepare()  # the native read's one-off build, if any, here rather than inside the first step
+        # the detector's quiet step in the same extension module; it runs on Python floats, on any device
+        module = _native.step_reader() if type(self.detector) is SpikeDetector else None
+        self._native_quiet_step = module.quiet_step if module is not None else None
         self._cycle = pulse_cycle_of(trainer)
         self._key = None if self.per_phase_baselines and self._cycle is not None else self._baseline_key()
         self._step_bound = trainer.global_step
@@ -386,7 +406,11 @@ class StabilityGuard(Callback):
                 trainer, pl_module, optimizer, losses, self._world_size
             )
         key = self._key if self._key is not None else self._baseline_key()
-        assessment = self.detector.assess_quiet_step(loss, grad_norm, key)
+        quiet_step = self._native_quiet_step
+        if quiet_step is not None:
+            assessment = QUIET if quiet_step(self.detector, loss, grad_norm, key) else None
+        else:
+            assessment = self.detector.assess_quiet_step(loss, grad_norm, key)
         if assessment is None:  # not a common step: the detector's general path
             assessment = self._assess(loss, grad_norm, key)
         if (

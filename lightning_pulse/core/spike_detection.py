@@ -154,7 +154,8 @@ class Assessment(NamedTuple):
     grad_norm_z: float | None = None
 
 
-_QUIET = Assessment(Verdict.OK)
+#: The verdict of a common quiet step (no z-scores computed), shared: it is returned on nearly every step.
+QUIET = Assessment(Verdict.OK)
 
 
 class SpikeDetector:
@@ -374,7 +375,7 @@ class SpikeDetector:
                 pooled = self._grad_norm.get(POOLED)
                 if pooled is not grad_tracker:
                     self._add_pooled(self._grad_norm, pooled, scaled_grad)
-        return _QUIET
+        return QUIET
 
     def _below_spike_level(
         self, trackers: dict[str, RunningRobustZ], own: RunningRobustZ, value: float, key: str
