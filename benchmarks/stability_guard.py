@@ -179,6 +179,27 @@ class StepTimer(Callback):
         self._previous = (self._start, self.gate.on, trainer.current_epoch)
 
 
+def fit_reference(workload: str, seed: int, epochs: int, callbacks: list[Callback]) -> pl.Trainer:
+    """Fit ``workload`` in its reference configuration with ``callbacks`` and nothing else; return the Trainer."""
+    from benchmarks.workloads import get_workload
+
+    pl.seed_everything(seed, workers=True, verbose=False)
+    module, datamodule = get_workload(workload).build(**REFERENCE)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule)
+    return trainer
+
+
 def paired_step_cost(workload: str, seeds: Sequence[int], epochs: int, active: bool = True) -> dict[str, Any]:
     """The guard's marginal cost per quiet step, from guarded and unguarded steps of the same fits.
 
@@ -189,26 +210,12 @@ def paired_step_cost(workload: str, seeds: Sequence[int], epochs: int, active: b
     torch's caches). ``active=False`` runs the gate alone: the same split of the steps, nothing else, so its
     result is the method's noise floor.
     """
-    from benchmarks.workloads import get_workload
 
     per_seed = []
     for seed in seeds:
-        pl.seed_everything(seed, workers=True, verbose=False)
-        module, datamodule = get_workload(workload).build(**REFERENCE)
         gate = CoinFlipGuard(seed, active=active)
         timer = StepTimer(gate)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_epochs=epochs,
-            callbacks=[gate, timer],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-        )
-        trainer.fit(module, datamodule)
+        trainer = fit_reference(workload, seed, epochs, [gate, timer])
         skip = trainer.num_training_batches // 2  # per kind of step: about the first epoch
         row = {"seed": seed}
         for name, samples in (("step", timer.ns), ("iteration", timer.iteration_ns)):

@@ -33,8 +33,7 @@ import lightning.pytorch as pl
 import torch
 
 from benchmarks.harness import RESULTS_DIR, environment
-from benchmarks.stability_guard import REFERENCE
-from benchmarks.workloads import get_workload
+from benchmarks.stability_guard import fit_reference
 from lightning_pulse import _native
 from lightning_pulse.callbacks.stability_guard import StabilityGuard
 
@@ -67,21 +66,8 @@ class PathSampler(StabilityGuard):
 def measure(workload: str, seeds: Sequence[int], epochs: int) -> dict[str, Any]:
     per_seed = []
     for seed in seeds:
-        pl.seed_everything(seed, workers=True, verbose=False)
-        module, datamodule = get_workload(workload).build(**REFERENCE)
         sampler = PathSampler(seed)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_epochs=epochs,
-            callbacks=[sampler],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-        )
-        trainer.fit(module, datamodule)
+        trainer = fit_reference(workload, seed, epochs, [sampler])
         skip = trainer.num_training_batches // len(CONFIGURATIONS)  # about the first epoch, per configuration
         row = {name: statistics.median(ns[skip:]) / 1e3 for name, ns in sampler.hook_ns.items()}
         row["spikes"] = sampler.spikes_detected

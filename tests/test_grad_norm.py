@@ -91,6 +91,28 @@ def _groups_with_gradients(accumulate: int = 1):
     return model, optimizer, losses
 
 
+def _fit_mlp(max_steps: int, callbacks: list, num_samples: int, batch_size: int) -> None:
+    """A short, quiet fit of the MNIST-1D MLP (no logger, checkpoint or validation) with ``callbacks``."""
+    import lightning.pytorch as pl
+
+    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        callbacks=callbacks,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    data = MNIST1DDataModule(num_samples=num_samples, batch_size=batch_size)
+    trainer.fit(MNIST1DClassifier(arch="mlp"), data)
+
+
 @pytest.mark.parametrize("accumulate", [1, 3], ids=["one-loss-read-natively", "accumulated-losses"])
 def test_step_reads_give_torchs_total_norm_and_the_summed_loss(accumulate):
     model, optimizer, losses = _groups_with_gradients(accumulate)
@@ -132,10 +154,8 @@ def test_step_reads_leave_gradients_they_cannot_take_to_torch():
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_the_guard_sees_the_loss_and_gradient_norm_of_every_step(monkeypatch, native):
     """In a real fit, the values the guard's detector receives are the step's loss and total gradient norm."""
-    import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
-    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
     from lightning_pulse.callbacks.stability_guard import StabilityGuard
     from lightning_pulse.phase import Phase
 
@@ -153,20 +173,7 @@ def test_the_guard_sees_the_loss_and_gradient_norm_of_every_step(monkeypatch, na
     guard, reference = StabilityGuard(window=50), Reference()
     if not native:  # the torch read
         monkeypatch.setattr(guard, "_host_reader", lambda groups, losses: None)
-    pl.seed_everything(0)
-    data = MNIST1DDataModule(num_samples=400, batch_size=64)
-    trainer = pl.Trainer(
-        max_steps=8,
-        callbacks=[guard, reference],
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(MNIST1DClassifier(arch="mlp"), data)
+    _fit_mlp(8, [guard, reference], num_samples=400, batch_size=64)
     # every step was quiet, so each entered the windows of the burst baseline (the phase of a run without
     # PulseCycle), which keep log values in step order
     seen_losses = [math.exp(value) for value in guard.detector._loss[Phase.BURST.value].values]
@@ -273,10 +280,8 @@ def test_gradient_views_are_read_at_their_offset_and_other_tensors_are_declined(
 
 @pytest.mark.parametrize("native_path", ["extension"], indirect=True)
 def test_the_guard_builds_the_extension_at_fit_start_not_inside_a_step(monkeypatch, native_path):
-    import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
-    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
     from lightning_pulse.callbacks.stability_guard import StabilityGuard
 
     monkeypatch.setattr(grad_norm, "_extension_read", None)
@@ -287,18 +292,6 @@ def test_the_guard_builds_the_extension_at_fit_start_not_inside_a_step(monkeypat
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             resolved_at_first_batch.append(grad_norm._extension_resolved)
 
-    pl.seed_everything(0)
-    trainer = pl.Trainer(
-        max_steps=1,
-        callbacks=[StabilityGuard(), Probe()],
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=200, batch_size=32))
+    _fit_mlp(1, [StabilityGuard(), Probe()], num_samples=200, batch_size=32)
     assert resolved_at_first_batch == [True]
     assert grad_norm._extension_read is _native.step_reader().read_step
