@@ -12,6 +12,7 @@ from lightning_pulse import _native
 from lightning_pulse.callbacks import stability_guard
 from lightning_pulse.core import grad_norm
 from lightning_pulse.core.grad_norm import HostStepReader
+from tests.conftest import trainer_kwargs
 
 pytestmark = pytest.mark.skipif(
     _native.compiler() is None, reason="no C compiler: the guard reads with torch"
@@ -98,17 +99,7 @@ def _fit_mlp(max_steps: int, callbacks: list, num_samples: int, batch_size: int)
     from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 
     pl.seed_everything(0)
-    trainer = pl.Trainer(
-        max_steps=max_steps,
-        callbacks=callbacks,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_steps=max_steps, limit_val_batches=0))
     data = MNIST1DDataModule(num_samples=num_samples, batch_size=batch_size)
     trainer.fit(MNIST1DClassifier(arch="mlp"), data)
 
