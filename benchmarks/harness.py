@@ -37,6 +37,16 @@ from benchmarks.workloads import get_workload
 from lightning_pulse import pulse_cycle_of
 
 RESULTS_DIR = Path(__file__).parent / "results"
+#: Trainer arguments of every benchmark fit: one CPU process, nothing written or printed, no sanity check.
+QUIET_TRAINER: dict[str, Any] = dict(
+    accelerator="cpu",
+    devices=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+)
 
 
 @dataclass
@@ -135,15 +145,7 @@ def run_one(
     flop_counter = TrainingFlopCounter() if count_flops else None
     recorder = CurveRecorder(flop_counter)
     callbacks = arm.callbacks(seed)
-    kwargs = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    kwargs = dict(QUIET_TRAINER)
     kwargs.update(trainer_kwargs)
     kwargs.update(arm.trainer_kwargs)
     trainer = pl.Trainer(

@@ -48,7 +48,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from benchmarks.harness import RESULTS_DIR, Arm, environment, markdown_table, run_arms
+from benchmarks.harness import QUIET_TRAINER, RESULTS_DIR, Arm, environment, markdown_table, run_arms
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 
 FAULT_KINDS = ("nan", "scale", "labels", "lr")
@@ -185,17 +185,7 @@ def fit_reference(workload: str, seed: int, epochs: int, callbacks: list[Callbac
 
     pl.seed_everything(seed, workers=True, verbose=False)
     module, datamodule = get_workload(workload).build(**REFERENCE)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, **QUIET_TRAINER)
     trainer.fit(module, datamodule)
     return trainer
 
