@@ -117,9 +117,9 @@ def build_step_reader(compiler_command: str, cxx_command: str) -> Path:
     """Build (or find in the cache) the ``_lp_step_reader`` extension module, and return its path.
 
     It is compiled against this interpreter's headers (``sysconfig``'s include directory) and torch's (its
-    ``include`` directory), linked with torch's libraries, and keyed by the interpreter's ABI and torch's version,
-    so each pair gets its own build. Raises ``FileNotFoundError`` where either set of headers is not installed
-    (some distributions ship the interpreter's in a separate ``python3-dev`` package).
+    ``include`` directory), linked with torch's libraries, and keyed by the interpreter's ABI and torch's
+    version, so each pair gets its own build. Raises ``FileNotFoundError`` where either set of headers is not
+    installed (some distributions ship the interpreter's in a separate ``python3-dev`` package).
     """
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
@@ -244,8 +244,8 @@ def step_reader() -> ModuleType | None:
 
     ``None`` where it cannot be built or loaded (no C or C++ compiler, no Python or torch headers, a compiler
     without C++20): the guard then reads through :func:`library` with ctypes, some microseconds slower per
-    step, with the same values. Not worth a warning: nothing is lost but those microseconds; the reason is kept
-    in :data:`step_reader_error`. The first build takes about 15 seconds (torch's headers are large) and is
+    step, with the same values. Not worth a warning: nothing is lost but those microseconds; the reason is
+    kept in :data:`step_reader_error`. The first build takes about 15 seconds (torch's headers are large) and is
     announced in the ``lightning_pulse`` logger.
     """
     global _step_reader, _step_reader_failed, step_reader_error

@@ -7,9 +7,9 @@ torch's headers, built by :mod:`lightning_pulse._native`) walks the parameter gr
 dtype, device, layout, address and size from the tensor itself (no Python binding per gradient) and reads the
 loss in the same call. Where it cannot be built (no C++ compiler, no headers) the gradients' addresses go to a
 plain C function (``lightning_pulse/_csrc/reductions.c``) through ctypes, which costs some microseconds more
-per step (the bytecode loop over the gradients and its bindings, the address array, the ctypes call). It accumulates in double, as
-torch's CPU norm does, so the value agrees with ``torch.nn.utils.get_total_norm`` to rounding, and a NaN or
-infinite entry makes it non-finite.
+per step (the bytecode loop over the gradients and its bindings, the address array, the ctypes call). It
+accumulates in double, as torch's CPU norm does, so the value agrees with ``torch.nn.utils.get_total_norm``
+to rounding, and a NaN or infinite entry makes it non-finite.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _extension_function() -> Callable[..., tuple[float, float | None] | None] | 
 
 
 def prepare() -> None:
-    """Build (or load) the extension module now, not in the first training step (a first build takes ~15 s)."""
+    """Build (or load) the extension module now, not inside the first training step (a first build: ~15 s)."""
     if not _extension_resolved:
         _extension_function()
 
@@ -63,10 +63,10 @@ class HostStepReader:
 
     Call it with the optimizer's ``param_groups`` and the step's losses (one per micro-batch). Parameters
     without a gradient are left out, as ``clip_grad_norm_`` leaves them out. Every gradient must be a
-    contiguous fp32 tensor in host memory and not a subclass with Python dispatch (the ctypes path declines every
-    subclass), checked for each tensor on every call (a parameter's ``.data`` can be swapped for another dtype
-    or size mid-run); otherwise, or where the kernels could not be built, the
-    call returns ``None`` and the caller reads with torch. A single fp32 loss in host memory (no gradient
+    contiguous fp32 tensor in host memory and not a subclass with Python dispatch (the ctypes path declines
+    every subclass), checked for each tensor on every call (a parameter's ``.data`` can be swapped for another
+    dtype or size mid-run); otherwise, or where the kernels could not be built, the call returns ``None`` and
+    the caller reads with torch. A single fp32 loss in host memory (no gradient
     accumulation) is read in the same call; several losses, or a loss of another dtype, are read with
     ``item``. The loss is ``None`` when there is none.
 

@@ -320,9 +320,10 @@ class SpikeDetector:
         microseconds.
 
         StabilityGuard runs the same function natively where it can (``quiet_step`` in
-        ``lightning_pulse/_csrc/step_reader.cpp``), on this detector's own attributes (``_log_loss``, ``_loss``,
-        ``_grad_norm``, ``_log_min_ratio``, the trackers' ``_sorted``, ``values``, ``window``, ``warmup``) and
-        calling :meth:`_below_spike_level` and :meth:`_add_pooled`: a change here must be made there too.
+        ``lightning_pulse/_csrc/step_reader.cpp``), on this detector's own attributes (``_log_loss``,
+        ``_loss``, ``_grad_norm``, ``_log_min_ratio``, the trackers' ``_sorted``, ``values``, ``window``,
+        ``warmup``) and calling :meth:`_below_spike_level` and :meth:`_add_pooled`: a change here must be made
+        there too.
         ``tests/test_spike_detection.py`` holds both to the general path, step by step.
         """
         if (
