@@ -145,8 +145,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "tolerance": 0.01,
         "pulse": {"burst": 40, "replay": 80, "maintain": 0},
     },
-    # added in session 4: RHO-LOSS (Mindermann et al. 2022) on the same run as charlm-long, pre-registered in
-    # /tmp/notes/issue-4.md. Score = stored training loss - irreducible loss (IL) from small models trained on
+    # added later: RHO-LOSS (Mindermann et al. 2022) on the same run as charlm-long, pre-registered (the plan,
+    # written before any run: results/hard_sample_replay_charlm_rho_plan.md). Score = stored training loss - irreducible loss (IL) from small models trained on
     # the other half of the training windows (no extra data); the IL models' FLOPs count in the arm's total.
     # 0.625 = 20/32 of every batch after the (full) first epoch: 0.644x the samples, ~0.69x FLOPs with the IL
     # cost. Controls: a random subset at the same trained-sample share, and at the same total FLOPs (0.656:
@@ -316,7 +316,7 @@ def _arm(
     if name == "score-only":
         return Arm(name, callbacks=lambda seed: [HardSampleReplay(phases=("burst",), seed=seed)])
     rule, mode, fraction, *options = name.split("-")
-    if rule == "rho":  # RHO-LOSS: top-k on reducible loss (session 4)
+    if rule == "rho":  # RHO-LOSS: top-k on reducible loss
         assert workload_kwargs is not None, "a 'rho-' arm needs the workload's settings"
         return Arm(
             name,
