@@ -329,9 +329,10 @@ class StabilityGuard(Callback):
             for optimizer in trainer.optimizers:
                 self._depth_handles.append(optimizer.register_step_pre_hook(self._enter_optimizer_step))
                 self._depth_handles.append(optimizer.register_step_post_hook(self._leave_optimizer_step))
-        if pl_module.device.type == "cpu" and trainer.world_size == 1:
-            prepare()  # the native read's one-off build, if any, here rather than inside the first step
-        # the detector's quiet step in the same extension module; it runs on Python floats, on any device
+        # the native read and the detector's native quiet step share one extension module: its one-off build,
+        # if any, happens here rather than inside the first step. The quiet step runs on Python floats, so it
+        # serves any device; the read declines what is not fp32 in host memory.
+        prepare()
         module = _native.step_reader() if type(self.detector) is SpikeDetector else None
         self._native_quiet_step = module.quiet_step if module is not None else None
         self._cycle = pulse_cycle_of(trainer)
