@@ -323,6 +323,7 @@ def test_replay_metrics_reach_the_loggers():
     assert len(logged) == 2 * BATCHES_PER_EPOCH // 6
     for name in ("threshold", "table_bytes", "table_seen", "loss_replayed", "learned_rate", "came_back_rate"):
         assert f"hard_sample_replay/{name}" in logged[-1]
+    assert 0.0 < logged[-1]["hard_sample_replay/easy_half_loss_ratio"] < 1.0
 
 
 @pytest.mark.parametrize(

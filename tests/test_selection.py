@@ -161,6 +161,35 @@ def test_reuse_and_learned_rates_count_replayed_samples():
     assert stats["table_bytes"] == 5 * BYTES_PER_SAMPLE
 
 
+@pytest.mark.parametrize(
+    ("losses", "expected"),
+    [
+        ([2.0, 2.0, 2.0, 2.0], 1.0),  # every sample alike: the easier half carries its whole share
+        ([0.0, 0.0, 3.0, 5.0], 0.0),  # the easier half learned
+        ([4.0, 1.0, 3.0, 2.0], 0.6),  # (1 + 2) / (10 * 2 / 4)
+        ([1.0, 4.0, 1.0], 0.5),  # odd count: the easier 1 of 3 against a third of the total, 1 / (6 / 3)
+    ],
+)
+def test_easy_half_loss_ratio_weighs_the_easier_half_against_its_fair_share(losses, expected):
+    table = SampleScoreTable(len(losses) + 2)  # two entries never scored, which must not count
+    table.update(torch.arange(len(losses)), torch.tensor(losses), step=0)
+    assert table.easy_half_loss_ratio() == pytest.approx(expected)
+    assert table.stats()["easy_half_loss_ratio"] == pytest.approx(expected)
+
+
+def test_easy_half_loss_ratio_is_nan_where_it_means_nothing():
+    assert math.isnan(SampleScoreTable(4).easy_half_loss_ratio())  # nothing scored
+    one = SampleScoreTable(4)
+    one.update(torch.tensor([1]), torch.tensor([2.0]), step=0)
+    assert math.isnan(one.easy_half_loss_ratio())
+    zeros = SampleScoreTable(4)
+    zeros.update(torch.arange(4), torch.zeros(4), step=0)
+    assert math.isnan(zeros.easy_half_loss_ratio())
+    learnability = SampleScoreTable(4, score="learnability")
+    learnability.update(torch.arange(4), torch.tensor([1.0, 2.0, 3.0, 4.0]), step=0)
+    assert math.isnan(learnability.easy_half_loss_ratio())
+
+
 def _state_arrays(table):
     return [table.scores.tobytes(), table.steps.tolist(), table.replays.tolist(), table.awaiting.tolist()] + [
         table.learned.tolist(),
