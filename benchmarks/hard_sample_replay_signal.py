@@ -1,12 +1,12 @@
-"""How much signal a loss-based selection can exploit: per-sample losses and gradients during the baselines.
+"""How much signal a selection by loss can exploit: per-sample losses and gradients in the baselines.
 
 HardSampleReplay's top-k rule beats a random subset at the same compute on MNIST-1D and does not on the
 character-level LM (``hard_sample_replay.md`` against ``hard_sample_replay_charlm_long.md`` and
-``hard_sample_replay_charlm_rho.md``). This study measures why. It trains each benchmark's baseline, unchanged,
-and at the end of epochs ``round(E * q)`` for ``q`` in :data:`CHECKPOINTS` takes, for every training sample
-``i``, its loss ``L_i`` (a window's mean token loss for the LM) and the gradient ``g_i`` of that loss over all
-parameters, with the weights of that moment. Fresh losses are the best case for a selection by loss; the
-callback's stored losses are older. The measures, for a kept fraction ``f``:
+``hard_sample_replay_charlm_rho.md``). This study measures why. It trains each benchmark's baseline,
+unchanged, and at the end of epochs ``round(E * q)`` for ``q`` in :data:`CHECKPOINTS` takes, for every
+training sample ``i``, its loss ``L_i`` (a window's mean token loss for the LM) and the gradient ``g_i`` of
+that loss over all parameters, with the weights of that moment. Fresh losses are the best case for a selection
+by loss; the callback's stored losses are older. The measures, for a kept fraction ``f``:
 
 * ``fair_share_ratio``: the share of ``sum ||g_i||`` held by the ``(1 - f) N`` lowest-loss samples (those
   top-k drops), over ``1 - f``. Near 0: the easiest samples carry no gradient, so dropping them is free and
@@ -23,12 +23,14 @@ callback's stored losses are older. The measures, for a kept fraction ``f``:
 * ``loss_cv``: the standard deviation of ``L_i`` over its mean; for the LM also over single tokens.
 * ``persistence``: the rank correlation of ``L_i`` with the previous checkpoint's.
 
-The plan, hypotheses included, was committed before any run: ``results/hard_sample_replay_signal_plan.md``.
-The measuring callback uses ``torch.autograd.grad`` in eval mode (neither model has dropout or batch norm)
-and its own random generator, so training is unchanged: each seed's final validation metric must equal the
-committed baseline's, which the run checks and reports.
+The plan, hypotheses included, was written before any run (and committed with the results):
+``results/hard_sample_replay_signal_plan.md``. The measuring callback takes per-sample gradients with
+``torch.func`` (``vmap`` of ``grad``; a test checks them against one-sample ``torch.autograd.grad``) in eval
+mode (neither model has dropout or batch norm), writes no ``.grad``, and draws from its own generator, so
+training is unchanged: each seed's final validation metric must equal the committed baseline's, which the run
+checks and reports.
 
-Run: ``python -m benchmarks.hard_sample_replay_signal`` (both workloads, seeds 0 1 2; ~25 CPU minutes), or
+Run: ``python -m benchmarks.hard_sample_replay_signal`` (both workloads, seeds 0 1 2; about 15 minutes in one process here), or
 ``--workloads mnist1d-cnn --seeds 0`` for a part; ``--raw-out part.json`` then ``--merge a.json b.json``
 writes the results.
 """
@@ -83,7 +85,7 @@ def _subset_mean(gradients: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
 def per_sample_losses_and_gradients(
     module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
 ) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
-    """Each sample's mean cross-entropy, its flattened gradient (N, P), and every token's loss (LM) or ``L``."""
+    """Each sample's mean cross-entropy, its flattened gradient ``(N, P)`` and every token's loss."""
     params = {name: p.detach() for name, p in module.named_parameters()}
 
     def sample_loss(weights: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -236,11 +238,12 @@ def _median_at(runs: list[dict[str, Any]], index: int, *keys: str) -> float:
 def markdown(results: list[dict[str, Any]], command: str) -> str:
     lines = ["# hard_sample_replay_signal", "", f"Command: `{command}`", ""]
     lines += [
-        "Plan and hypotheses, committed before any run: `hard_sample_replay_signal_plan.md`. Medians over "
-        "seeds at each checkpoint (end of the epoch shown). f = kept fraction; `fair share` = the gradient "
-        "mass (sum of per-sample gradient norms) of the (1-f)N lowest-loss samples over 1-f (0: dropping them "
-        "loses no gradient; 1: they carry as much as any others). cos = cosine to the full-data mean gradient "
-        "of the mean gradient of the fN highest-loss samples (top-k) or of a random fN (median of "
+        "Plan and hypotheses, written before any run (committed with the results): "
+        "`hard_sample_replay_signal_plan.md`. Medians over seeds at each checkpoint (end of the epoch "
+        "shown). f = kept fraction; `fair share` = the gradient mass (sum of per-sample gradient norms) "
+        "of the (1-f)N lowest-loss samples over 1-f (0: dropping them loses no gradient; 1: they carry as"
+        " much as any others). cos = cosine to the full-data mean gradient of the mean gradient of the fN"
+        " highest-loss samples (top-k) or of a random fN (median of "
         f"{RANDOM_DRAWS} draws).",
         "",
     ]
