@@ -160,6 +160,20 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "tolerance": 0.01,
         "pulse": {"burst": 40, "replay": 80, "maintain": 0},
     },
+    # added later: the same RHO-LOSS arm with strong held-out models (the full-size LM, 20 epochs on each half:
+    # about one baseline run together, so no compute saving is possible), because the per-sample gradient study
+    # found their reducible-loss ranking agrees with the validation gradient better than a random subset
+    # (results/hard_sample_replay_signal.md); the question is only whether the selection then beats the
+    # same-size random subset. Plan fixed before the run: results/hard_sample_replay_signal_plan.md
+    "charlm-rho-strong": {
+        "workload": "charlm",
+        "trainer_kwargs": {"max_epochs": 20},
+        "workload_kwargs": {"data__max_chars": 200_000, "model__scheduler": "cosine"},
+        "arms": ("rho-batch-0.625-strong", "random-batch-0.625"),
+        "steps_per_epoch": 87,
+        "tolerance": 0.01,
+        "pulse": {"burst": 40, "replay": 80, "maintain": 0},
+    },
 }
 
 #: The RHO-LOSS arms' irreducible-loss models (``charlm-rho``): the workload's model class, smaller, trained
@@ -183,12 +197,19 @@ class ReducibleLossTable(SampleScoreTable):
 
 class RhoReplay(HardSampleReplay):
     """HardSampleReplay ranking samples by reducible loss; the irreducible losses are computed when it is built
-    (two half-data models, :func:`irreducible_losses`), and their FLOPs are reported as ``upfront_flops``."""
+    (two half-data models, :func:`irreducible_losses`, whose size and training ``held_out`` may override), and
+    their FLOPs are reported as ``upfront_flops``."""
 
-    def __init__(self, workload_kwargs: dict[str, Any], seed: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        workload_kwargs: dict[str, Any],
+        seed: int,
+        held_out: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(seed=seed, **kwargs)
         started = time.process_time()
-        self.reference, self.upfront_flops = irreducible_losses(workload_kwargs, seed)
+        self.reference, self.upfront_flops = irreducible_losses(workload_kwargs, seed, **(held_out or {}))
         self.upfront_cpu_s = time.process_time() - started
 
     def _on_train_dataloader(self, loader: Any) -> None:
@@ -228,12 +249,19 @@ class _FirstBatchFlops(TrainingFlopCounter):
         self.samples += batch_size_of(batch)
 
 
-def irreducible_losses(workload_kwargs: dict[str, Any], seed: int) -> tuple[torch.Tensor, float]:
+def irreducible_losses(
+    workload_kwargs: dict[str, Any],
+    seed: int,
+    model_overrides: dict[str, Any] = IL_MODEL,
+    epochs: int = IL_EPOCHS,
+    batch_size: int = IL_BATCH_SIZE,
+) -> tuple[torch.Tensor, float]:
     """``((N,) irreducible loss per training window, FLOPs spent)``: the two-halves recipe.
 
-    The training windows are split in two halves by :data:`IL_SPLIT_SEED`; a small model (:data:`IL_MODEL`) is
-    trained on each half for :data:`IL_EPOCHS` epochs, and a window's irreducible loss is its token-mean
-    cross-entropy under the model that did not train on it. FLOPs: both fits (FlopCounterMode on the first
+    The training windows are split in two halves by :data:`IL_SPLIT_SEED`; a model (by default the small
+    :data:`IL_MODEL`: the workload's model with ``model_overrides``) is trained on each half for ``epochs``
+    epochs, and a window's irreducible loss is its token-mean cross-entropy under the model that did not train
+    on it. FLOPs: both fits (FlopCounterMode on the first
     training batch, per sample, times the samples trained: shapes are fixed, so a step's FLOPs are
     proportional to its batch size, as :func:`per_sample_flops` checks) plus the scoring forward pass (counted
     whole). Runs in a forked RNG, so the caller's stream is unchanged.
@@ -241,13 +269,19 @@ def irreducible_losses(workload_kwargs: dict[str, Any], seed: int) -> tuple[torc
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
         with torch.random.fork_rng():
-            return _irreducible_losses(workload_kwargs, seed)
+            return _irreducible_losses(workload_kwargs, seed, model_overrides, epochs, batch_size)
     finally:
         random.setstate(python_state)
         np.random.set_state(numpy_state)
 
 
-def _irreducible_losses(workload_kwargs: dict[str, Any], seed: int) -> tuple[torch.Tensor, float]:
+def _irreducible_losses(
+    workload_kwargs: dict[str, Any],
+    seed: int,
+    model_overrides: dict[str, Any],
+    epochs: int,
+    batch_size: int,
+) -> tuple[torch.Tensor, float]:
     spec = get_workload("charlm")
     _, data = spec.build(**workload_kwargs)
     data.setup("fit")
@@ -259,10 +293,10 @@ def _irreducible_losses(workload_kwargs: dict[str, Any], seed: int) -> tuple[tor
     flops = 0.0
     for part, (own, other) in enumerate((halves, halves[::-1])):
         torch.manual_seed(1000 * (part + 1) + seed)
-        model, _ = spec.build(**{**workload_kwargs, **IL_MODEL})
+        model, _ = spec.build(**{**workload_kwargs, **model_overrides})
         loader = DataLoader(
             TensorDataset(inputs[own], targets[own]),
-            batch_size=IL_BATCH_SIZE,
+            batch_size=batch_size,
             shuffle=True,
             generator=torch.Generator().manual_seed(1000 * (part + 1) + seed),
         )
@@ -270,7 +304,7 @@ def _irreducible_losses(workload_kwargs: dict[str, Any], seed: int) -> tuple[tor
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=1,
-            max_epochs=IL_EPOCHS,
+            max_epochs=epochs,
             limit_val_batches=0,
             logger=False,
             enable_checkpointing=False,
@@ -318,10 +352,20 @@ def _arm(
     rule, mode, fraction, *options = name.split("-")
     if rule == "rho":  # RHO-LOSS: top-k on reducible loss
         assert workload_kwargs is not None, "a 'rho-' arm needs the workload's settings"
+        assert options in ([], ["strong"]), f"Unknown options {options} in {name!r}."
+        # "strong": the held-out models are the workload's own model trained for the baseline's epochs
+        held_out = {"model_overrides": {}, "epochs": epochs, "batch_size": 32} if options else None
         return Arm(
             name,
             callbacks=lambda seed: [
-                RhoReplay(workload_kwargs, seed, rule="topk", mode=mode, replay_fraction=float(fraction))
+                RhoReplay(
+                    workload_kwargs,
+                    seed,
+                    held_out,
+                    rule="topk",
+                    mode=mode,
+                    replay_fraction=float(fraction),
+                )
             ],
         )
     kwargs: dict[str, Any] = {"rule": rule, "mode": mode}

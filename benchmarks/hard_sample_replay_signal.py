@@ -30,17 +30,26 @@ mode (neither model has dropout or batch norm), writes no ``.grad``, and draws f
 training is unchanged: each seed's final validation metric must equal the committed baseline's, which the run
 checks and reports.
 
-Run: ``python -m benchmarks.hard_sample_replay_signal`` (both workloads, seeds 0 1 2; about 15 minutes in one process here), or
-``--workloads mnist1d-cnn --seeds 0`` for a part; ``--raw-out part.json`` then ``--merge a.json b.json``
-writes the results.
+A follow-up, planned after the first results (in the same plan file), adds at every checkpoint the mean
+gradient of the validation samples and the cosines to it (``cos_val_*``): agreement with the gradient that
+generalisation asks for. With ``--reducible`` (char LM) it also ranks by reducible loss, the training loss
+minus the loss of a strong held-out model (the full-size LM trained for the baseline's epochs on the other half
+of the training windows, :func:`benchmarks.hard_sample_replay.irreducible_losses`): the ranking RHO-LOSS would
+see with a held-out model far beyond any usable budget (the two cost about one baseline run).
+
+Run: ``python -m benchmarks.hard_sample_replay_signal`` (both workloads, seeds 0 1 2; about 15 minutes in one
+process here; ``--reducible`` with ``--workloads charlm`` adds about 5 minutes per seed), or ``--workloads
+mnist1d-cnn --seeds 0`` for a part; ``--raw-out part.json`` then ``--merge a.json b.json`` writes the results.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -49,7 +58,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch.func import functional_call, grad, vmap
 
-from benchmarks.hard_sample_replay import SETTINGS
+from benchmarks.hard_sample_replay import SETTINGS, irreducible_losses
 from benchmarks.harness import RESULTS_DIR, Arm, environment, run_one
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 
@@ -108,9 +117,18 @@ def per_sample_losses_and_gradients(
 
 
 def signal_measures(
-    losses: np.ndarray, gradients: torch.Tensor, generator: torch.Generator
+    losses: np.ndarray,
+    gradients: torch.Tensor,
+    generator: torch.Generator,
+    validation_gradient: torch.Tensor | None = None,
+    reference: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """The measures of the module docstring for one checkpoint."""
+    """The measures of the module docstring for one checkpoint.
+
+    With ``validation_gradient`` (the mean gradient over the validation samples) also the ``cos_val_*``
+    measures; with ``reference`` (a held-out model's loss per training sample) also the ranking by reducible
+    loss, ``losses - reference``.
+    """
     count = len(losses)
     norms = gradients.norm(dim=1).double().numpy()
     full = gradients.mean(0)
@@ -122,31 +140,70 @@ def signal_measures(
         "gradnorm_cv": float(norms.std() / norms.mean()),
         "full_gradient_norm_over_mean_sample_norm": float(full.norm()) / float(norms.mean()),
     }
+    if validation_gradient is not None:
+        out["cos_val_full"] = _cosine(full, validation_gradient)
+    by_reducible = None if reference is None else np.argsort(losses - reference)
     for kept in KEPT_FRACTIONS:
         keep = int(round(kept * count))
         dropped = by_loss[: count - keep]
         dropped_share = float(norms[dropped].sum() / norms.sum())
-        random_cos = [
-            _cosine(_subset_mean(gradients, torch.randperm(count, generator=generator)[:keep]), full)
+        random_means = [
+            _subset_mean(gradients, torch.randperm(count, generator=generator)[:keep])
             for _ in range(RANDOM_DRAWS)
         ]
-        out[f"f{kept}"] = {
+        random_cos = [_cosine(mean, full) for mean in random_means]
+        topk = _subset_mean(gradients, torch.as_tensor(by_loss[count - keep :]))
+        figures = {
             "dropped_mass_share": dropped_share,
             "fair_share_ratio": dropped_share / (1 - kept),
             "loss_fair_share_ratio": float(losses[dropped].sum() / losses.sum()) / (1 - kept),
-            "cos_topk": _cosine(_subset_mean(gradients, torch.as_tensor(by_loss[count - keep :])), full),
+            "cos_topk": _cosine(topk, full),
             "cos_random": statistics.median(random_cos),
             "cos_random_min": min(random_cos),
         }
+        if validation_gradient is not None:
+            figures["cos_val_topk"] = _cosine(topk, validation_gradient)
+            figures["cos_val_random"] = statistics.median(
+                _cosine(mean, validation_gradient) for mean in random_means
+            )
+        if by_reducible is not None:
+            reducible_topk = _subset_mean(gradients, torch.as_tensor(by_reducible[count - keep :]))
+            figures["fair_share_reducible"] = float(
+                norms[by_reducible[: count - keep]].sum() / norms.sum()
+            ) / (1 - kept)
+            figures["cos_topk_reducible"] = _cosine(reducible_topk, full)
+            if validation_gradient is not None:
+                figures["cos_val_topk_reducible"] = _cosine(reducible_topk, validation_gradient)
+        out[f"f{kept}"] = figures
     return out
+
+
+def mean_gradient(module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The flattened gradient of the mean loss over all ``inputs`` (every sample weighing the same)."""
+    total = [torch.zeros_like(p) for p in module.parameters()]
+    for start in range(0, len(inputs), 256):
+        x, y = inputs[start : start + 256], targets[start : start + 256]
+        logits = module(x)
+        token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+        loss = token.view(len(x), -1).mean(1).sum() / len(inputs)
+        for accumulated, part in zip(total, torch.autograd.grad(loss, list(module.parameters()))):
+            accumulated += part
+    return torch.cat([g.reshape(-1) for g in total])
 
 
 class SignalProbe(Callback):
     """Measures the training set's per-sample losses and gradients at the end of chosen epochs."""
 
-    def __init__(self, epochs: list[int], seed: int, replay: HardSampleReplay | None = None) -> None:
+    def __init__(
+        self,
+        epochs: list[int],
+        seed: int,
+        replay: HardSampleReplay | None = None,
+        reference: np.ndarray | None = None,
+    ) -> None:
         self.epochs = set(epochs)
         self.replay = replay
+        self.reference = reference
         self.generator = torch.Generator().manual_seed(10_000 + seed)
         self.points: list[dict[str, Any]] = []
         self._previous_losses: np.ndarray | None = None
@@ -161,8 +218,9 @@ class SignalProbe(Callback):
         started = time.process_time()
         with torch.enable_grad():
             losses, gradients, token_losses = per_sample_losses_and_gradients(pl_module, inputs, targets)
+            validation_gradient = mean_gradient(pl_module, *trainer.datamodule.val_set.tensors)
         point = {"epoch": epoch, "samples": len(losses), "parameters": int(gradients.shape[1])}
-        point.update(signal_measures(losses, gradients, self.generator))
+        point.update(signal_measures(losses, gradients, self.generator, validation_gradient, self.reference))
         if token_losses.shape != losses.shape:
             point["token_loss_cv"] = float(token_losses.std() / token_losses.mean())
         if self._previous_losses is not None:
@@ -178,14 +236,16 @@ class SignalProbe(Callback):
         return {"signal": self.points}
 
 
-def _score_only_and_probe(epochs: list[int], seed: int) -> list[Callback]:
+def _score_only_and_probe(
+    epochs: list[int], seed: int, reference: np.ndarray | None = None
+) -> list[Callback]:
     # HardSampleReplay scoring every step and never selecting (the benchmark's score-only arm, which trains
     # exactly as the baseline does), listed first so its epoch-end table update precedes the probe
     replay = HardSampleReplay(phases=("burst",), seed=seed)
-    return [replay, SignalProbe(epochs, seed, replay)]
+    return [replay, SignalProbe(epochs, seed, replay, reference)]
 
 
-def run_study(workload: str, seeds: list[int]) -> dict[str, Any]:
+def run_study(workload: str, seeds: list[int], reducible: bool = False) -> dict[str, Any]:
     study = STUDIES[workload]
     setting = SETTINGS[study["setting"]]
     trainer_kwargs = dict(setting["trainer_kwargs"])
@@ -194,7 +254,17 @@ def run_study(workload: str, seeds: list[int]) -> dict[str, Any]:
     torch.set_num_threads(1)
     runs = []
     for seed in seeds:
-        arm = Arm("baseline", callbacks=lambda s: _score_only_and_probe(checkpoint_epochs, s))
+        reference, reference_flops = None, math.nan
+        if reducible:
+            # the follow-up's strong held-out models: the workload's own model and schedule, the baseline's
+            # epochs, on each half of the training windows (a forked RNG: the baseline's stream is unchanged)
+            il, reference_flops = irreducible_losses(
+                setting["workload_kwargs"], seed, model_overrides={}, epochs=epochs, batch_size=32
+            )
+            reference = il.numpy()
+        arm = Arm(
+            "baseline", callbacks=partial(_score_only_and_probe, checkpoint_epochs, reference=reference)
+        )
         run = run_one(workload, arm, seed, trainer_kwargs, setting["workload_kwargs"], count_flops=False)
         final = run["final_val"][study["metric"]]
         committed = study["committed"][seed] if seed < len(study["committed"]) else None
@@ -205,6 +275,8 @@ def run_study(workload: str, seeds: list[int]) -> dict[str, Any]:
                 "committed_final_val": committed,
                 "reproduces_committed": committed is not None and abs(final - committed) < 5e-5,
                 "train_cpu_s": run["train_cpu_s"],
+                "reference_mean_loss": None if reference is None else float(reference.mean()),
+                "reference_flops": reference_flops,
                 "points": run["extra"]["signal"],
             }
         )
@@ -235,16 +307,58 @@ def _median_at(runs: list[dict[str, Any]], index: int, *keys: str) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+#: Markdown columns: (header, keys into a checkpoint's figures).
+SIGNAL_COLUMNS = (
+    ("mean loss", ("mean_loss",)),
+    ("loss CV", ("loss_cv",)),
+    ("token loss CV", ("token_loss_cv",)),
+    ("Spearman(loss, grad norm)", ("spearman_loss_gradnorm",)),
+    ("persistence", ("persistence",)),
+    ("fair share f=0.5", ("f0.5", "fair_share_ratio")),
+    ("fair share f=0.7", ("f0.7", "fair_share_ratio")),
+    ("loss fair share f=0.5", ("f0.5", "loss_fair_share_ratio")),
+    ("table easy-half ratio", ("table_easy_half_loss_ratio",)),
+    ("cos top-k f=0.5", ("f0.5", "cos_topk")),
+    ("cos random f=0.5", ("f0.5", "cos_random")),
+    ("cos top-k f=0.7", ("f0.7", "cos_topk")),
+    ("cos random f=0.7", ("f0.7", "cos_random")),
+)
+FOLLOW_UP_COLUMNS = (
+    ("cos(train, val)", ("cos_val_full",)),
+    ("val: top-k f=0.5", ("f0.5", "cos_val_topk")),
+    ("val: random f=0.5", ("f0.5", "cos_val_random")),
+    ("val: reducible top-k f=0.5", ("f0.5", "cos_val_topk_reducible")),
+    ("val: top-k f=0.7", ("f0.7", "cos_val_topk")),
+    ("val: random f=0.7", ("f0.7", "cos_val_random")),
+    ("val: reducible top-k f=0.7", ("f0.7", "cos_val_topk_reducible")),
+    ("reducible top-k f=0.5", ("f0.5", "cos_topk_reducible")),
+    ("reducible fair share f=0.5", ("f0.5", "fair_share_reducible")),
+)
+
+
+def _table(result: dict[str, Any], columns: tuple[tuple[str, tuple[str, ...]], ...]) -> list[str]:
+    runs = result["runs"]
+    lines = [
+        "| epoch | " + " | ".join(header for header, _ in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+    for index, epoch in enumerate(result["checkpoint_epochs"]):
+        cells = [_median_at(runs, index, *keys) for _, keys in columns]
+        lines.append(f"| {epoch} | " + " | ".join("-" if np.isnan(c) else f"{c:.3f}" for c in cells) + " |")
+    return lines
+
+
 def markdown(results: list[dict[str, Any]], command: str) -> str:
     lines = ["# hard_sample_replay_signal", "", f"Command: `{command}`", ""]
     lines += [
         "Plan and hypotheses, written before any run (committed with the results): "
         "`hard_sample_replay_signal_plan.md`. Medians over seeds at each checkpoint (end of the epoch "
         "shown). f = kept fraction; `fair share` = the gradient mass (sum of per-sample gradient norms) "
-        "of the (1-f)N lowest-loss samples over 1-f (0: dropping them loses no gradient; 1: they carry as"
-        " much as any others). cos = cosine to the full-data mean gradient of the mean gradient of the fN"
-        " highest-loss samples (top-k) or of a random fN (median of "
-        f"{RANDOM_DRAWS} draws).",
+        "of the (1-f)N lowest-loss samples over 1-f (0: dropping them loses no gradient; 1: they carry as "
+        "much as any others). cos = cosine to the full-data mean gradient of the mean gradient of the fN "
+        f"highest-loss samples (top-k) or of a random fN (median of {RANDOM_DRAWS} draws). The follow-up "
+        "table: `val:` = the same cosine to the mean gradient of the validation samples instead; "
+        "`reducible` = ranked by loss minus a strong held-out model's loss (char LM only).",
         "",
     ]
     for result in results:
@@ -258,31 +372,23 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
             f"Trainer: {result['trainer_kwargs']}; workload: {result['workload_kwargs']}. Final validation "
             f"metric, which must equal the committed baseline's: {reproduced}.",
             "",
-            "| epoch | mean loss | loss CV | token loss CV | Spearman(loss, grad norm) | persistence "
-            "| fair share f=0.5 | fair share f=0.7 | loss fair share f=0.5 | table easy-half ratio "
-            "| cos top-k f=0.5 | cos random f=0.5 | cos top-k f=0.7 "
-            "| cos random f=0.7 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            *_table(result, SIGNAL_COLUMNS),
+            "",
         ]
-        for index, epoch in enumerate(result["checkpoint_epochs"]):
-            cells = [
-                _median_at(runs, index, "mean_loss"),
-                _median_at(runs, index, "loss_cv"),
-                _median_at(runs, index, "token_loss_cv"),
-                _median_at(runs, index, "spearman_loss_gradnorm"),
-                _median_at(runs, index, "persistence"),
-                _median_at(runs, index, "f0.5", "fair_share_ratio"),
-                _median_at(runs, index, "f0.7", "fair_share_ratio"),
-                _median_at(runs, index, "f0.5", "loss_fair_share_ratio"),
-                _median_at(runs, index, "table_easy_half_loss_ratio"),
-                _median_at(runs, index, "f0.5", "cos_topk"),
-                _median_at(runs, index, "f0.5", "cos_random"),
-                _median_at(runs, index, "f0.7", "cos_topk"),
-                _median_at(runs, index, "f0.7", "cos_random"),
-            ]
-            text = ["-" if np.isnan(c) else f"{c:.3f}" for c in cells]
-            lines.append(f"| {epoch} | " + " | ".join(text) + " |")
-        lines.append("")
+        if any("cos_val_full" in point for run in runs for point in run["points"]):
+            references = [r for r in runs if r.get("reference_mean_loss") is not None]
+            lines += ["Follow-up: agreement with the validation gradient.", ""]
+            if references:
+                lines += [
+                    "Held-out models (the full-size LM, 20 epochs on each half of the training windows): "
+                    "mean held-out loss "
+                    + ", ".join(f"{r['reference_mean_loss']:.3f}" for r in references)
+                    + " over seeds; their cost, "
+                    + ", ".join(f"{r['reference_flops']:.3g}" for r in references)
+                    + " FLOPs, is about one baseline run (a measurement, not a usable budget).",
+                    "",
+                ]
+            lines += [*_table(result, FOLLOW_UP_COLUMNS), ""]
     lines.append(f"Environment: {results[0]['environment']}.")
     return "\n".join(lines) + "\n"
 
@@ -294,6 +400,11 @@ def main() -> None:
     parser.add_argument("--raw-out", help="write this part's results here instead of benchmarks/results/")
     parser.add_argument("--merge", nargs="+", help="part files to write up as one result")
     parser.add_argument("--command", help="the command(s) that made the parts, for the results file")
+    parser.add_argument(
+        "--reducible",
+        action="store_true",
+        help="char LM: also rank by reducible loss from strong held-out models (about one baseline run)",
+    )
     args = parser.parse_args()
     if args.merge:
         by_workload: dict[str, dict[str, Any]] = {}
@@ -307,9 +418,12 @@ def main() -> None:
             result["runs"].sort(key=lambda r: r["seed"])
         command = args.command or "python -m benchmarks.hard_sample_replay_signal"
     else:
-        results = [run_study(workload, args.seeds) for workload in args.workloads]
+        if args.reducible and args.workloads != ["charlm"]:
+            parser.error("--reducible is for --workloads charlm only")
+        results = [run_study(workload, args.seeds, args.reducible) for workload in args.workloads]
         command = "python -m benchmarks.hard_sample_replay_signal " + " ".join(
             ["--workloads", *args.workloads, "--seeds", *map(str, args.seeds)]
+            + (["--reducible"] if args.reducible else [])
         )
         if args.raw_out:
             with open(args.raw_out, "w") as handle:

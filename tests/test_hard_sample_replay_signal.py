@@ -44,3 +44,26 @@ def test_identical_samples_carry_an_even_share():
         assert out[kept]["loss_fair_share_ratio"] == pytest.approx(1.0)
         assert out[kept]["cos_topk"] == pytest.approx(1.0) == out[kept]["cos_random"]
     assert out["loss_cv"] == pytest.approx(0.0)
+
+
+def test_validation_and_reducible_rankings():
+    torch.manual_seed(0)
+    useful, noise = torch.randn(8), torch.randn(8)
+    # 20 "noisy" samples: the highest loss, but all of it irreducible, pointing away from the useful direction;
+    # 20 learnable ones: lower loss, none of it irreducible, pointing the useful way
+    gradients = torch.cat([noise + 0.01 * torch.randn(20, 8), useful + 0.01 * torch.randn(20, 8)])
+    losses = torch.cat([torch.full((20,), 3.0), torch.full((20,), 1.0)]).numpy()
+    reference = torch.cat([torch.full((20,), 3.0), torch.zeros(20)]).numpy()
+    out = signal_measures(losses, gradients, torch.Generator().manual_seed(0), useful, reference)
+    half = out["f0.5"]
+    assert half["cos_val_topk"] == pytest.approx(_cos(noise, useful), abs=0.01)  # top-k takes the noise
+    assert half["cos_val_topk_reducible"] == pytest.approx(1.0, abs=0.01)  # reducible top-k the useful half
+    assert half["cos_val_topk"] < half["cos_val_random"] < half["cos_val_topk_reducible"]
+    # the dropped half by reducible loss is the noisy one: its share of the gradient norms, over 1/2
+    noisy_share = float(gradients[:20].norm(dim=1).sum() / gradients.norm(dim=1).sum())
+    assert half["fair_share_reducible"] == pytest.approx(2 * noisy_share)
+    assert out["cos_val_full"] == pytest.approx(_cos(gradients.mean(0), useful))
+
+
+def _cos(a, b):
+    return float(torch.dot(a, b) / (a.norm() * b.norm()))
