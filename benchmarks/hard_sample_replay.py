@@ -21,6 +21,9 @@ Arms, each on every seed, interleaved, in one invocation:
   the other half of the training windows (:func:`irreducible_losses`); those models' FLOPs count in the arm's
   total from its first curve point. Its controls: ``random-batch-0.625`` (same trained samples) and
   ``random-batch-0.656`` (same total FLOPs, to the nearest sample per batch below).
+* ``rho-batch-0.625-strong`` (``charlm-rho-strong``, added in session 7): the same with held-out models as
+  strong as the LM itself (its own size and schedule, the baseline's epochs on each half), about one baseline
+  run of FLOPs; its control is ``random-batch-0.625``.
 * ``score-only``: the callback scoring every step but never selecting (``phases=("burst",)`` with no
   PulseCycle): full batches, so its whole-run CPU against the baseline's is the scoring cost measured from
   outside the callback, next to the callback's own in-code CPU share.
