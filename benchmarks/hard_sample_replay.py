@@ -264,10 +264,10 @@ def irreducible_losses(
     The training windows are split in two halves by :data:`IL_SPLIT_SEED`; a model (by default the small
     :data:`IL_MODEL`: the workload's model with ``model_overrides``) is trained on each half for ``epochs``
     epochs, and a window's irreducible loss is its token-mean cross-entropy under the model that did not train
-    on it. FLOPs: both fits (FlopCounterMode on the first
-    training batch, per sample, times the samples trained: shapes are fixed, so a step's FLOPs are
-    proportional to its batch size, as :func:`per_sample_flops` checks) plus the scoring forward pass (counted
-    whole). Runs in a forked RNG, so the caller's stream is unchanged.
+    on it. FLOPs: both fits (FlopCounterMode on the first training batch, per sample, times the samples
+    trained: shapes are fixed, so a step's FLOPs are proportional to its batch size, as
+    :func:`per_sample_flops` checks) plus the scoring forward pass (counted whole). Runs in a forked RNG, so
+    the caller's stream is unchanged.
     """
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:

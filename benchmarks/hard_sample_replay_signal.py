@@ -37,9 +37,10 @@ minus the loss of a strong held-out model (the full-size LM trained for the base
 of the training windows, :func:`benchmarks.hard_sample_replay.irreducible_losses`): the ranking RHO-LOSS would
 see with a held-out model far beyond any usable budget (the two cost about one baseline run).
 
-Run: ``python -m benchmarks.hard_sample_replay_signal`` (both workloads, seeds 0 1 2; about 15 minutes in one
-process here; ``--reducible`` with ``--workloads charlm`` adds about 5 minutes per seed), or ``--workloads
-mnist1d-cnn --seeds 0`` for a part; ``--raw-out part.json`` then ``--merge a.json b.json`` writes the results.
+Run: ``python -m benchmarks.hard_sample_replay_signal`` (both workloads, seeds 0 1 2; here about a minute for
+MNIST-1D's three seeds and 2-3 minutes per LM seed; ``--reducible``, with ``--workloads charlm``, adds about one
+baseline run per seed), or ``--workloads mnist1d-cnn --seeds 0`` for a part; ``--raw-out part.json`` then
+``--merge a.json b.json`` writes the results.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def test_identical_samples_carry_an_even_share():
 def test_validation_and_reducible_rankings():
     torch.manual_seed(0)
     useful, noise = torch.randn(8), torch.randn(8)
-    # 20 "noisy" samples: the highest loss, but all of it irreducible, pointing away from the useful direction;
+    # 20 "noisy" samples: the highest loss, all of it irreducible, pointing away from the useful direction;
     # 20 learnable ones: lower loss, none of it irreducible, pointing the useful way
     gradients = torch.cat([noise + 0.01 * torch.randn(20, 8), useful + 0.01 * torch.randn(20, 8)])
     losses = torch.cat([torch.full((20,), 3.0), torch.full((20,), 1.0)]).numpy()

@@ -185,6 +185,9 @@ def test_easy_half_loss_ratio_is_nan_where_it_means_nothing():
     zeros = SampleScoreTable(4)
     zeros.update(torch.arange(4), torch.zeros(4), step=0)
     assert math.isnan(zeros.easy_half_loss_ratio())
+    negative = SampleScoreTable(4)  # e.g. a Gaussian negative log-likelihood from a custom scorer
+    negative.update(torch.arange(4), torch.tensor([-1.0, 2.0, 3.0, 4.0]), step=0)
+    assert math.isnan(negative.easy_half_loss_ratio())
     learnability = SampleScoreTable(4, score="learnability")
     learnability.update(torch.arange(4), torch.tensor([1.0, 2.0, 3.0, 4.0]), step=0)
     assert math.isnan(learnability.easy_half_loss_ratio())

@@ -418,16 +418,18 @@ class SampleScoreTable(_ScoreState):
 
         1 when every sample has the same loss, near 0 when the easier half is learned. It says whether a
         selection by loss has anything to exploit: where the easier half carries almost nothing, dropping it
-        costs nothing (0.01-0.03 on MNIST-1D from halfway through the run, where top-k beats a random subset);
-        where it carries most of its share, top-k only tilts the gradient (0.65-0.74 on the char LM, where no
-        rule beats random; see ``benchmarks/results/hard_sample_replay_signal.md``). The stored losses are those of each sample's
-        last visit, up to an epoch old. ``NaN`` with fewer than 2 scored samples, with a non-positive total,
-        or with ``score="learnability"`` (its scores are not losses). Costs one pass over the table.
+        costs nothing (0.01-0.03 on MNIST-1D from halfway through the run, where top-k beats a random
+        subset); where it carries most of its share, top-k only tilts the gradient (0.65-0.74 on the char LM,
+        where no rule beats random; see ``benchmarks/results/hard_sample_replay_signal.md``). The stored
+        losses are those of each sample's last visit, up to an epoch old. ``NaN`` with fewer than 2 scored
+        samples, a negative stored loss or a zero total (the ratio assumes losses of at least 0, as
+        cross-entropy's are), or with ``score="learnability"`` (its scores are not losses). Costs one pass
+        over the table.
         """
         if self.score != "loss":
             return math.nan
         losses = self.scores[self._scored()].astype(np.float64)
-        if losses.size < 2:
+        if losses.size < 2 or losses.min() < 0:
             return math.nan
         total = losses.sum()
         if not total > 0:
