@@ -163,20 +163,16 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "tolerance": 0.01,
         "pulse": {"burst": 40, "replay": 80, "maintain": 0},
     },
-    # added later: the same RHO-LOSS arm with strong held-out models (the full-size LM, 20 epochs on each half:
-    # about one baseline run together, so no compute saving is possible), because the per-sample gradient study
-    # found their reducible-loss ranking agrees with the validation gradient better than a random subset
-    # (results/hard_sample_replay_signal.md); the question is only whether the selection then beats the
-    # same-size random subset. Plan fixed before the run: results/hard_sample_replay_signal_plan.md
-    "charlm-rho-strong": {
-        "workload": "charlm",
-        "trainer_kwargs": {"max_epochs": 20},
-        "workload_kwargs": {"data__max_chars": 200_000, "model__scheduler": "cosine"},
-        "arms": ("rho-batch-0.625-strong", "random-batch-0.625"),
-        "steps_per_epoch": 87,
-        "tolerance": 0.01,
-        "pulse": {"burst": 40, "replay": 80, "maintain": 0},
-    },
+}
+
+# added later: the same RHO-LOSS arm with strong held-out models (the full-size LM, 20 epochs on each half:
+# about one baseline run together, so no compute saving is possible), because the per-sample gradient study
+# found their reducible-loss ranking agrees with the validation gradient better than a random subset
+# (results/hard_sample_replay_signal.md); the question is only whether the selection then beats the
+# same-size random subset. Plan fixed before the run: results/hard_sample_replay_signal_plan.md
+SETTINGS["charlm-rho-strong"] = {
+    **SETTINGS["charlm-rho"],
+    "arms": ("rho-batch-0.625-strong", "random-batch-0.625"),
 }
 
 #: The RHO-LOSS arms' irreducible-loss models (``charlm-rho``): the workload's model class, smaller, trained

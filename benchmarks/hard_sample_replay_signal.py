@@ -92,6 +92,13 @@ def _subset_mean(gradients: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
     return weights @ gradients
 
 
+def _token_losses(module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` cross-entropy of every target (``T`` = 1 for a classifier)."""
+    logits = module(inputs)
+    token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return token.view(len(inputs), -1)
+
+
 def per_sample_losses_and_gradients(
     module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
 ) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
@@ -107,9 +114,7 @@ def per_sample_losses_and_gradients(
     for start in range(0, len(inputs), CHUNK):
         x, y = inputs[start : start + CHUNK], targets[start : start + CHUNK]
         with torch.no_grad():
-            logits = module(x)
-            token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
-            token = token.view(len(x), -1)
+            token = _token_losses(module, x, y)
         losses.append(token.mean(1))
         token_losses.append(token.reshape(-1))
         grads = per_sample_grad(params, x, y)
@@ -184,9 +189,7 @@ def mean_gradient(module: torch.nn.Module, inputs: torch.Tensor, targets: torch.
     total = [torch.zeros_like(p) for p in module.parameters()]
     for start in range(0, len(inputs), 256):
         x, y = inputs[start : start + 256], targets[start : start + 256]
-        logits = module(x)
-        token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
-        loss = token.view(len(x), -1).mean(1).sum() / len(inputs)
+        loss = _token_losses(module, x, y).mean(1).sum() / len(inputs)
         for accumulated, part in zip(total, torch.autograd.grad(loss, list(module.parameters()))):
             accumulated += part
     return torch.cat([g.reshape(-1) for g in total])
