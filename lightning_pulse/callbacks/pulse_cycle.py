@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
+from lightning_pulse.protocols import PhaseListener, listeners
 
 PROBE_MODES = ("probe", "none")
 
@@ -255,10 +256,8 @@ class PulseCycle(Callback):
             )
         if change.current is Phase.MAINTAIN and change.reason != "resume" and self.maintain_eval == "probe":
             self._run_probe(trainer, pl_module)
-        for callback in trainer.callbacks:
-            hook = getattr(callback, "on_pulse_phase_change", None)
-            if callable(hook) and callback is not self:
-                hook(trainer, pl_module, change)
+        for callback in listeners(trainer, PhaseListener, exclude=self):
+            callback.on_pulse_phase_change(trainer, pl_module, change)
         for listener in self._listeners:
             listener(trainer, pl_module, change)
 

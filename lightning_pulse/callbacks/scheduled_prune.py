@@ -33,6 +33,7 @@ from lightning_pulse.callbacks.pulse_cycle import (
 from lightning_pulse.core import pruning
 from lightning_pulse.core.distillation import LogitDistiller
 from lightning_pulse.phase import Phase, PhaseChange
+from lightning_pulse.protocols import ParametersReplacedListener, listeners
 
 MODES = ("unstructured", "structured")
 CADENCES = ("auto", "maintain", "steps")
@@ -719,10 +720,8 @@ class ScheduledPrune(Callback):
                 rank_zero_warn(f"ScheduledPrune: {problem}")
         if self._scores is not None:
             pruning.remap_taylor_scores(self._scores, pl_module, result.remap)
-        for callback in trainer.callbacks:
-            hook = getattr(callback, "on_pulse_parameters_replaced", None)
-            if callable(hook) and callback is not self:
-                hook(trainer, pl_module, result.remap)
+        for callback in listeners(trainer, ParametersReplacedListener, exclude=self):
+            callback.on_pulse_parameters_replaced(trainer, pl_module, result.remap)
         compat.rewrap_ddp(trainer)
 
     # ------------------------------------------------------------------ helpers

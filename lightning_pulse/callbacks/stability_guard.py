@@ -30,6 +30,7 @@ from lightning_pulse.core.spike_detection import (
     Verdict,
 )
 from lightning_pulse.phase import Phase, PhaseChange
+from lightning_pulse.protocols import PhaseListener, RollbackAware, listeners
 
 STAT_LOSS, STAT_GRAD_NORM_SQ, STAT_HAS_LOSS = range(3)
 _thread_time = time.thread_time  # bound once: the hot path reads it twice per hook
@@ -797,7 +798,7 @@ class StabilityGuard(Callback):
         return {
             f"{index}:{callback.state_key}": _RollbackState(callback)
             for index, callback in enumerate(trainer.callbacks)
-            if callback is not self and getattr(callback, "restore_on_rollback", False) is True
+            if any(callback is aware for aware in listeners(trainer, RollbackAware, exclude=self))
         }
 
     def _announce_restored_phase(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -812,9 +813,8 @@ class StabilityGuard(Callback):
             return
         change = PhaseChange(None, cycle.phase, cycle.cycle, cycle.clock.step, "resume")
         for state in self._rollback_callbacks(trainer).values():
-            hook = getattr(state.callback, "on_pulse_phase_change", None)
-            if callable(hook):
-                hook(trainer, pl_module, change)
+            if isinstance(state.callback, PhaseListener):
+                state.callback.on_pulse_phase_change(trainer, pl_module, change)
 
     def _baseline_key(self) -> str:
         if not self.per_phase_baselines:

@@ -1,0 +1,68 @@
+"""The contracts between lightning-pulse callbacks, declared once.
+
+A callback takes part in a contract by defining the methods (or the attribute) below; nothing needs to
+inherit from these classes. The callbacks that call the hooks find them with :func:`listeners` so that
+every contract is looked up the same way, in ``trainer.callbacks`` order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_pulse.phase import PhaseChange
+
+
+@runtime_checkable
+class PhaseListener(Protocol):
+    """Told by :class:`~lightning_pulse.PulseCycle` when the phase changes, after a resume
+    (``change.reason == "resume"``) and after a :class:`~lightning_pulse.StabilityGuard` rollback."""
+
+    def on_pulse_phase_change(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange
+    ) -> None: ...
+
+
+@runtime_checkable
+class RollbackAware(Protocol):
+    """State that a :class:`~lightning_pulse.StabilityGuard` rollback restores with the model.
+
+    ``restore_on_rollback = True`` promises that ``load_state_dict`` works mid-run. A callback whose state
+    only partly describes the model (a clock that must not go back) also defines ``rollback_state_dict()``
+    and ``load_rollback_state_dict(state)``, which the guard then uses instead.
+    """
+
+    restore_on_rollback: bool
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class ParametersReplacedListener(Protocol):
+    """Told when a callback replaced parameter tensors (structured pruning cut channels): ``remap`` maps
+    each old parameter to its replacement, so that references to the old tensors can follow."""
+
+    def on_pulse_parameters_replaced(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
+    ) -> None: ...
+
+
+_Contract = TypeVar("_Contract")
+
+
+def listeners(trainer: pl.Trainer, contract: type[_Contract], exclude: object = None) -> Iterator[_Contract]:
+    """The callbacks of ``trainer`` that take part in ``contract``, in ``trainer.callbacks`` order.
+
+    ``RollbackAware`` requires ``restore_on_rollback`` to be exactly ``True``: a callback opts in.
+    """
+    for callback in trainer.callbacks:
+        if callback is exclude or not isinstance(callback, contract):
+            continue
+        if contract is RollbackAware and getattr(callback, "restore_on_rollback", False) is not True:
+            continue
+        yield callback
