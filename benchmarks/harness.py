@@ -58,12 +58,61 @@ class Arm:
         callbacks: ``seed -> list of fresh callbacks`` (called once per run, so no state leaks).
         trainer_kwargs: overrides of the Trainer arguments for this arm only.
         workload_kwargs: overrides of the workload (``model__x`` / ``data__y``) for this arm only.
+        metrics: ``(callbacks, trainer) -> dict`` read after the fit, for figures the library does not log
+            (it reads the callbacks' public state; library callbacks carry no benchmark hooks).
     """
 
     name: str
     callbacks: Callable[[int], list[Callback]] = lambda seed: []
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
     workload_kwargs: dict[str, Any] = field(default_factory=dict)
+    metrics: Callable[[list[Callback], pl.Trainer], dict[str, Any]] | None = None
+
+
+#: The hooks a callback can be called on: Lightning's, plus the pulse contracts (lightning_pulse.protocols).
+_HOOK_NAMES = tuple(
+    name
+    for name in dir(Callback)
+    if name.startswith(("on_", "setup", "teardown")) and callable(getattr(Callback, name))
+) + ("on_pulse_phase_change", "on_pulse_parameters_replaced")
+
+
+class HookTimer:
+    """Times callbacks from outside: CPU seconds spent inside each callback's hooks during a fit.
+
+    :meth:`install` wraps every hook a callback overrides with an instance attribute that accumulates
+    ``time.process_time()``; Lightning looks hooks up on the instance, so the callback's code is untouched.
+    Work a callback does outside its hooks (a loss function it wraps, a forward hook it registers on the
+    module) is not counted here; the fit's CPU time against a same-run baseline is the figure that counts it.
+    """
+
+    def __init__(self) -> None:
+        self.cpu_s: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def install(self, callback: Callback) -> None:
+        label = type(callback).__name__
+        self.cpu_s.setdefault(label, 0.0)
+        self.calls.setdefault(label, 0)
+        for name in _HOOK_NAMES:
+            method = getattr(callback, name, None)
+            base = getattr(Callback, name, None)
+            if method is None or getattr(type(callback), name, None) is base:
+                continue
+            setattr(callback, name, self._timed(label, method))
+
+    def _timed(self, label: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.process_time
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.cpu_s[label] += clock() - started
+                self.calls[label] += 1
+
+        return timed
 
 
 class TrainingFlopCounter(Callback):
@@ -145,6 +194,9 @@ def run_one(
     flop_counter = TrainingFlopCounter() if count_flops else None
     recorder = CurveRecorder(flop_counter)
     callbacks = arm.callbacks(seed)
+    hook_timer = HookTimer()
+    for callback in callbacks:
+        hook_timer.install(callback)
     kwargs = dict(QUIET_TRAINER)
     kwargs.update(trainer_kwargs)
     kwargs.update(arm.trainer_kwargs)
@@ -156,11 +208,14 @@ def run_one(
     fit_cpu, fit_wall = time.process_time() - cpu0, time.perf_counter() - wall0
     test = trainer.test(module, datamodule, verbose=False)[0]
     cycle = pulse_cycle_of(trainer)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"hook_cpu_s": dict(hook_timer.cpu_s)}
     for callback in callbacks:
+        # benchmark-side wrappers (defined in benchmarks/, never in the library) may report their own figures
         metrics = getattr(callback, "benchmark_metrics", None)
         if callable(metrics):
             extra.update(metrics())
+    if arm.metrics is not None:
+        extra.update(arm.metrics(callbacks, trainer))
     final = recorder.curve[-1] if recorder.curve else {}
     return {
         "arm": arm.name,
