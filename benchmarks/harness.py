@@ -86,22 +86,30 @@ class HookTimer:
     module) is not counted here; the fit's CPU time against a same-run baseline is the figure that counts it.
     """
 
+    #: hooks that run once or a few times per fit: start-up and shut-down, reported apart from per-step work
+    ONE_TIME_HOOKS = frozenset(
+        {"setup", "teardown", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_exception"}
+    )
+
     def __init__(self) -> None:
         self.cpu_s: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.one_time_cpu_s: dict[str, float] = {}
 
     def install(self, callback: Callback) -> None:
         label = type(callback).__name__
         self.cpu_s.setdefault(label, 0.0)
         self.calls.setdefault(label, 0)
+        self.one_time_cpu_s.setdefault(label, 0.0)
         for name in _HOOK_NAMES:
             method = getattr(callback, name, None)
             base = getattr(Callback, name, None)
             if method is None or getattr(type(callback), name, None) is base:
                 continue
-            setattr(callback, name, self._timed(label, method))
+            totals = self.one_time_cpu_s if name in self.ONE_TIME_HOOKS else self.cpu_s
+            setattr(callback, name, self._timed(label, method, totals))
 
-    def _timed(self, label: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, label: str, method: Callable[..., Any], totals: dict[str, float]) -> Callable[..., Any]:
         clock = time.process_time
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -109,7 +117,7 @@ class HookTimer:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.cpu_s[label] += clock() - started
+                totals[label] += clock() - started
                 self.calls[label] += 1
 
         return timed
@@ -208,7 +216,10 @@ def run_one(
     fit_cpu, fit_wall = time.process_time() - cpu0, time.perf_counter() - wall0
     test = trainer.test(module, datamodule, verbose=False)[0]
     cycle = pulse_cycle_of(trainer)
-    extra: dict[str, Any] = {"hook_cpu_s": dict(hook_timer.cpu_s)}
+    extra: dict[str, Any] = {
+        "hook_cpu_s": dict(hook_timer.cpu_s),
+        "one_time_hook_cpu_s": dict(hook_timer.one_time_cpu_s),
+    }
     for callback in callbacks:
         # benchmark-side wrappers (defined in benchmarks/, never in the library) may report their own figures
         metrics = getattr(callback, "benchmark_metrics", None)
