@@ -1,0 +1,344 @@
+"""Client models: ordinary LightningModules written the way users write them, not for lightning-pulse.
+
+Each is small enough to fit in seconds on one CPU core, and each carries one trait that the bundled examples
+do not: a Hugging Face model computing its own loss from a dict batch, ``nn.MultiheadAttention`` inside
+``nn.TransformerEncoder``, hidden state carried across batches, a module applied twice (shared weights),
+manual optimization, a per-step OneCycleLR. Weights are built from configs; data is generated or local.
+
+``CLIENTS`` maps a name to ``make() -> (module, datamodule)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+
+from examples.charlm.data import encode, load_stdlib_text
+
+SEQ_LEN = 32
+
+
+# ---------------------------------------------------------------------------------------------- data
+class _DictWindows(Dataset):
+    """Token windows as HF-style dict samples: ``input_ids``, ``attention_mask`` and ``labels``."""
+
+    def __init__(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        self.tokens, self.labels = tokens, labels
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = self.tokens[index]
+        label = ids if self.labels is None else self.labels[index]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": label}
+
+
+class TextWindowsDataModule(pl.LightningDataModule):
+    """Windows of stdlib source as dict batches; ``task="lm"`` labels are the inputs (HF shifts them),
+    ``task="classify"`` labels say whether the window contains a ``(`` in its second half."""
+
+    def __init__(self, task: str = "lm", max_chars: int = 60_000, batch_size: int = 16) -> None:
+        super().__init__()
+        self.task, self.max_chars, self.batch_size = task, max_chars, batch_size
+
+    def setup(self, stage: str | None = None) -> None:
+        codes = encode(load_stdlib_text(self.max_chars))
+        windows = codes[: len(codes) // SEQ_LEN * SEQ_LEN].view(-1, SEQ_LEN)
+        labels = None
+        if self.task == "classify":
+            labels = (windows[:, SEQ_LEN // 2 :] == ord("(")).any(dim=1).long()
+        split = int(0.9 * len(windows))
+        self.train_set = _DictWindows(windows[:split], None if labels is None else labels[:split])
+        self.val_set = _DictWindows(windows[split:], None if labels is None else labels[split:])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+class _ContiguousStreams(Sampler[list[int]]):
+    """Batch ``k`` holds window ``k`` of each of ``batch_size`` parallel streams, so row ``i`` of every batch
+    continues row ``i`` of the previous one (the truncated-BPTT layout a stateful RNN needs)."""
+
+    def __init__(self, num_windows: int, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.steps = num_windows // batch_size
+
+    def __iter__(self):
+        for step in range(self.steps):
+            yield [stream * self.steps + step for stream in range(self.batch_size)]
+
+    def __len__(self) -> int:
+        return self.steps
+
+
+class StreamDataModule(pl.LightningDataModule):
+    """Next-character prediction over contiguous streams: ``(x, y)`` of shape ``(B, T)``."""
+
+    def __init__(self, max_chars: int = 60_000, batch_size: int = 8) -> None:
+        super().__init__()
+        self.max_chars, self.batch_size = max_chars, batch_size
+
+    def setup(self, stage: str | None = None) -> None:
+        codes = encode(load_stdlib_text(self.max_chars))
+        count = (len(codes) - 1) // SEQ_LEN
+        x = codes[: count * SEQ_LEN].view(count, SEQ_LEN)
+        y = codes[1 : count * SEQ_LEN + 1].view(count, SEQ_LEN)
+        split = int(0.9 * count)
+        self.train_set, self.val_set = (
+            TensorDataset(x[:split], y[:split]),
+            TensorDataset(x[split:], y[split:]),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_set, batch_sampler=_ContiguousStreams(len(self.train_set), self.batch_size)
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_sampler=_ContiguousStreams(len(self.val_set), self.batch_size))
+
+
+def _digits(batch_size: int = 64):
+    from examples.digits import DigitsDataModule
+
+    return DigitsDataModule(batch_size=batch_size)
+
+
+# -------------------------------------------------------------------------------------------- models
+class HFCausalLM(pl.LightningModule):
+    """The common wrapper: ``self.model`` is a Hugging Face GPT-2 that computes its own loss. No ``forward``."""
+
+    def __init__(self, lr: float = 3e-3) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=128, n_positions=SEQ_LEN, n_embd=32, n_layer=2, n_head=2)
+        self.model = GPT2LMHeadModel(config)  # lm_head is tied to the token embedding
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class HFSequenceClassifier(pl.LightningModule):
+    """A Hugging Face BERT sequence classifier fine-tuned on dict batches; the loss comes from the model."""
+
+    def __init__(self, lr: float = 2e-3) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=SEQ_LEN,
+            num_labels=2,
+        )
+        self.model = BertForSequenceClassification(config)
+        self.lr = lr
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        out = self.model(**batch)
+        self.log("val_loss", out.loss)
+        self.log("val_acc", (out.logits.argmax(-1) == batch["labels"]).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class EncoderClassifier(pl.LightningModule):
+    """``nn.TransformerEncoder`` over the 8 rows of a digit image, with a learned positional table."""
+
+    def __init__(self, d_model: int = 32, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, d_model)
+        self.positions = nn.Parameter(torch.zeros(1, 8, d_model))
+        layer = nn.TransformerEncoderLayer(
+            d_model, nhead=2, dim_feedforward=64, dropout=0.0, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2)
+        self.head = nn.Linear(d_model, 10)
+        self.lr = lr
+
+    def forward(self, x):
+        tokens = self.embed(x.squeeze(1)) + self.positions  # (B, 8 rows, d_model)
+        return self.head(self.encoder(tokens).mean(dim=1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class StatefulLSTM(pl.LightningModule):
+    """A character LSTM whose hidden state carries from one batch to the next (truncated BPTT)."""
+
+    def __init__(self, hidden: int = 64, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, 32)
+        self.lstm = nn.LSTM(32, hidden, num_layers=2, batch_first=True)
+        self.out = nn.Linear(hidden, 128)
+        self.lr = lr
+        self.state: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _step(self, x, y):
+        hidden, state = self.lstm(self.embed(x), self.state)
+        self.state = tuple(s.detach() for s in state)
+        return nn.functional.cross_entropy(self.out(hidden).flatten(0, 1), y.flatten())
+
+    def on_train_epoch_start(self) -> None:
+        self.state = None
+
+    def on_validation_epoch_start(self) -> None:
+        self._train_state, self.state = self.state, None
+
+    def on_validation_epoch_end(self) -> None:
+        self.state = self._train_state
+
+    def training_step(self, batch, batch_idx):
+        loss = self._step(*batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._step(*batch))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class SharedConvCNN(pl.LightningModule):
+    """A digits CNN that applies one conv twice (a shared module) and ties two linear layers' weights."""
+
+    def __init__(self, channels: int = 16, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, channels, 3, padding=1)
+        self.shared = nn.Conv2d(channels, channels, 3, padding=1)  # applied twice
+        self.encode = nn.Linear(channels * 16, 32)
+        self.mix_a = nn.Linear(32, 32)
+        self.mix_b = nn.Linear(32, 32)
+        self.mix_b.weight = self.mix_a.weight  # tied: one Parameter, two owners
+        self.head = nn.Linear(32, 10)
+        self.lr = lr
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        h = torch.relu(self.shared(h))
+        h = torch.relu(self.shared(h))
+        h = nn.functional.max_pool2d(h, 2).flatten(1)
+        h = torch.relu(self.encode(h))
+        h = torch.relu(self.mix_a(h))
+        return self.head(torch.relu(self.mix_b(h)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class ManualOptimizationMLP(pl.LightningModule):
+    """A digits MLP trained with ``automatic_optimization = False``."""
+
+    def __init__(self, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.lr = lr
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        optimizer = self.optimizers()
+        loss = nn.functional.cross_entropy(self(x), y)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        self.log("train_loss", loss)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class OneCycleMLP(ManualOptimizationMLP):
+    """A digits MLP with OneCycleLR stepped every optimizer step, planned from ``estimated_stepping_batches``."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr=lr)
+        self.automatic_optimization = True
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+CLIENTS: dict[str, Callable[[], tuple[pl.LightningModule, pl.LightningDataModule]]] = {
+    "hf-gpt2": lambda: (HFCausalLM(), TextWindowsDataModule("lm")),
+    "hf-bert": lambda: (HFSequenceClassifier(), TextWindowsDataModule("classify")),
+    "transformer-encoder": lambda: (EncoderClassifier(), _digits()),
+    "stateful-lstm": lambda: (StatefulLSTM(), StreamDataModule()),
+    "shared-conv-cnn": lambda: (SharedConvCNN(), _digits()),
+    "manual-optimization": lambda: (ManualOptimizationMLP(), _digits()),
+    "onecycle-per-step": lambda: (OneCycleMLP(), _digits()),
+}
