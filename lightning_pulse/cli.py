@@ -9,26 +9,144 @@ resolve from the current directory too, as with ``python -m``, so a project's ow
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+#: set to 1 for the full tracebacks and jsonargparse's whole report instead of one-line errors
+TRACEBACK_ENV = "LIGHTNING_PULSE_TRACEBACK"
+
+# jsonargparse's scaffolding around the sentence that matters: Union alternatives tried, the value dumped
+_SCAFFOLDING = (
+    "Does not validate against any of the Union subtypes",
+    "Subtypes:",
+    "Errors:",
+    "Given value",
+    "Not a valid subclass of",
+    "Subclass types expect one of",
+    "a class path (str)",
+    "a dict with",
+    "a dict without",
+    "Expected a <class 'NoneType'>",
+    "Problem with given class_path",
+    'Parser key "',
+)
+
+
+def _verbose() -> bool:
+    return (
+        os.environ.get(TRACEBACK_ENV, "") not in ("", "0") or os.environ.get("JSONARGPARSE_DEBUG", "") != ""
+    )
+
+
+def _accepted_options(class_path: str) -> list[str]:
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        cls = getattr(
+            sys.modules.get(module_name) or __import__(module_name, fromlist=[class_name]), class_name
+        )
+        return [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+    except Exception:  # the summary must never fail where the full report would not
+        return []
+
+
+def summarise_parser_error(message: str) -> str:
+    """The sentence of a jsonargparse error that says what is wrong, prefixed with the class it is about.
+
+    jsonargparse reports a bad callback value as a failed Union over ``list[Callback] | Callback | None``:
+    the callback's own sentence sits among the alternatives it tried. This picks it out, so the first line a
+    user reads names the class, the field, the value and what is allowed.
+    """
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    specific = [
+        line.removeprefix("- ").strip()
+        for line in lines
+        if not line.removeprefix("- ").startswith(_SCAFFOLDING)
+    ]
+    class_paths = re.findall(r"class_path '([\w.]+)'", message)
+    if not specific:
+        return lines[0] if lines else message
+    if not class_paths:
+        # a constructor's ValueError names no class path; the value dump does, when one class was given
+        given = set(re.findall(r"""class_path['"]?[=:] ?['"]([\w.]+)['"]""", message))
+        class_paths = sorted(given) if len(given) == 1 else []
+    owner = f"{class_paths[-1].rpartition('.')[2]}: " if class_paths else ""
+    if owner and specific[0].startswith(owner):
+        owner = ""
+    expected = [re.search(r"Expected a <class '(\w+)'>(?:\. Got value: (.*))?", line) for line in specific]
+    if all(expected):
+        keys = re.findall(r'Parser key "([^"]+)"', message)
+        given = [match.group(2) for match in expected if match.group(2)] or re.findall(
+            r"Given value: (.*)", message
+        )
+        value = given[0] if given else "this value"
+        names = [match.group(1) for match in expected]
+        types = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        return f"{owner}`{keys[-1] if keys else '?'}`={value} is not accepted; expected {types}."
+    sentence = specific[0]
+    unknown = re.match(r"Option '(\w+)' is not accepted", sentence)
+    if unknown and class_paths:
+        options = _accepted_options(class_paths[-1])
+        if options:
+            sentence += f"; {class_paths[-1].rpartition('.')[2]} accepts: {', '.join(options)}"
+    return f"{owner}{sentence}"
+
+
+class PulseArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors open with the sentence that says what is wrong (one line, exit 2).
+
+    Set ``LIGHTNING_PULSE_TRACEBACK=1`` (or ``JSONARGPARSE_DEBUG=1``) for jsonargparse's full report.
+    """
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if _verbose() or not self.exit_on_error:
+            super().error(message, ex)
+        sys.stderr.write(f"error: {summarise_parser_error(message)}\n")
+        sys.stderr.write(
+            f"(`{self.prog.replace(' [options]', '')} --help` lists the options; "
+            f"{TRACEBACK_ENV}=1 prints the parser's full report)\n"
+        )
+        self.exit(2)
+
+
+def _raised_by(error: BaseException) -> str:
+    """The class whose ``__init__`` raised ``error`` (the innermost one), for the message's prefix."""
+    owner = ""
+    traceback = error.__traceback__
+    while traceback is not None:
+        frame = traceback.tb_frame
+        instance = frame.f_locals.get("self")
+        if frame.f_code.co_name == "__init__" and instance is not None:
+            owner = type(instance).__name__
+        traceback = traceback.tb_next
+    return owner
 
 
 class PulseCLI(LightningCLI):
     """LightningCLI in subclass mode whose construction errors read like argument errors.
 
     A callback's ``ValueError`` (e.g. ``PulseCycle(burst="-5min")``) is raised while the classes are
-    instantiated, before any training; it is reported as ``error: <message>`` with exit code 2 instead of a
-    traceback.
+    instantiated, before any training; it is reported as ``error: PulseCycle: <message>`` with exit code 2
+    instead of a traceback.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("parser_class", PulseArgumentParser)
+        super().__init__(*args, **kwargs)
 
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
         except (ValueError, TypeError) as error:
-            self.parser.error(str(error))
+            owner = _raised_by(error)
+            text = str(error)
+            self.parser.error(f"{owner}: {text}" if owner and not text.startswith(owner) else text)
 
 
 def run_report(argv: Sequence[str]) -> int:
@@ -55,14 +173,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_report(args[1:])
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    PulseCLI(
-        model_class=None,
-        datamodule_class=None,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=None if argv is None else args,
-        save_config_kwargs={"overwrite": True},
-    )
+    try:
+        PulseCLI(
+            model_class=None,
+            datamodule_class=None,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=None if argv is None else args,
+            save_config_kwargs={"overwrite": True},
+        )
+    except MisconfigurationException as error:
+        # a refusal at fit start (a callback that cannot handle this model, a bad Trainer setting): the
+        # message says what to change, and a traceback into Lightning's loops would bury it
+        if _verbose():
+            raise
+        sys.stderr.write(f"error: {error}\n({TRACEBACK_ENV}=1 prints the traceback)\n")
+        return 2
     return 0
 
 

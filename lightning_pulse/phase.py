@@ -217,9 +217,13 @@ class PhaseClock:
         warmup: float = 0.0,
         anneal: float = 0.0,
     ) -> None:
-        unknown = [name for name in list(durations) + list(order) if name not in PHASE_NAMES]
-        if unknown:
-            raise ValueError(f"Unknown phase {unknown[0]!r}; allowed phases are {list(PHASE_NAMES)}.")
+        for field, names in (("order", list(order)), ("durations", list(durations))):
+            unknown = [name for name in names if name not in PHASE_NAMES]
+            if unknown:
+                raise ValueError(
+                    f"`{field}`={names!r} names an unknown phase {unknown[0]!r}; allowed phases are "
+                    f"{list(PHASE_NAMES)}."
+                )
         if len(set(order)) != len(order) or not order:
             raise ValueError(f"`order`={list(order)!r} must list each phase at most once and not be empty.")
         for name, share in (("warmup", warmup), ("anneal", anneal)):
@@ -233,7 +237,10 @@ class PhaseClock:
         self.durations = {Phase(name): parse_duration(durations.get(name, 0), name) for name in order}
         self.order = tuple(Phase(name) for name in order)
         if all(d.is_zero for d in self.durations.values()):
-            raise ValueError("Every phase in the cycle has zero duration; give at least one phase a length.")
+            given = ", ".join(f"`{phase.value}`={durations.get(phase.value, 0)!r}" for phase in self.order)
+            raise ValueError(
+                f"Every phase in the cycle has zero duration ({given}); give at least one a length."
+            )
         self.warmup = float(warmup)
         self.anneal = float(anneal)
         self.reset()

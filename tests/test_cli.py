@@ -53,14 +53,26 @@ def test_print_config_round_trips(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("old", "new", "expected"),
     [
-        ("burst: 36", "burst: -5min", "`burst`='-5min' must be finite and non-negative"),
-        ("burst: 36", "burts: 36", "burts"),
-        ("replay_fraction: 0.5", "replay_fraction: 1.5", "replay_fraction"),
-        ("warmup: 0.1", "warmup: lots", "warmup"),
-        ("anneal: 0.1", "anneal: 0.95", "`warmup` + `anneal`"),
+        ("burst: 36", "burst: -5min", "PulseCycle: `burst`='-5min' must be finite and non-negative"),
+        ("burst: 36", "burts: 36", "PulseCycle: Option 'burts' is not accepted; PulseCycle accepts: burst, "),
+        ("replay_fraction: 0.5", "replay_fraction: 1.5", "`replay_fraction`=1.5"),
+        ("warmup: 0.1", "warmup: lots", "PulseCycle: `warmup`=lots is not accepted; expected float"),
+        ("anneal: 0.1", "anneal: 0.95", "PulseCycle: `warmup` + `anneal`"),
+        (
+            "burst: 36",
+            "order: [burst, replayy]",
+            "PulseCycle: `order`=['burst', 'replayy'] names an unknown phase",
+        ),
+        (
+            "burst: 36\n        replay: 72\n        maintain: 4",
+            "burst: 0\n        replay: 0\n        maintain: 0",
+            "PulseCycle: Every phase in the cycle has zero duration (`burst`=0, `replay`=0, `maintain`=0)",
+        ),
     ],
 )
-def test_bad_yaml_value_stops_before_training_naming_the_field(tmp_path, capsys, old, new, expected):
+def test_bad_yaml_value_stops_before_training_with_the_callbacks_sentence_first(
+    tmp_path, capsys, old, new, expected
+):
     text = Path(PULSE_YAML).read_text()
     assert old in text
     bad = tmp_path / "bad.yaml"
@@ -68,8 +80,57 @@ def test_bad_yaml_value_stops_before_training_naming_the_field(tmp_path, capsys,
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(bad), "--trainer.default_root_dir", str(tmp_path)])
     assert exit_info.value.code == 2
-    assert expected in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("error: ") and expected in err[0], err[0]
+    assert len(err) <= 2  # the sentence, and one line on how to see more
     assert not list(tmp_path.rglob("*.ckpt"))  # nothing trained
+
+
+def test_a_refusal_at_fit_start_is_one_line_with_no_traceback_and_no_report(tmp_path, capsys):
+    # warm-up is a share of the run, so a run of unknown length is refused when training starts
+    code = main(
+        [
+            "fit",
+            "--config",
+            PULSE_YAML,
+            *FAST,
+            "--trainer.max_steps",
+            "-1",
+            "--trainer.max_epochs",
+            "-1",
+            "--model.scheduler",
+            "none",
+        ]
+        + ["--trainer.default_root_dir", str(tmp_path)]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    first = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert first and first[0].startswith("error: PulseCycle: `warmup` is a share of the run"), err
+    assert "Traceback" not in err
+    assert not list(tmp_path.rglob("energy_report*"))  # no report for a run that never started
+
+
+def test_the_traceback_is_there_when_asked_for(tmp_path, monkeypatch):
+    from lightning_pulse.errors import PulseRefusal
+
+    monkeypatch.setenv("LIGHTNING_PULSE_TRACEBACK", "1")
+    with pytest.raises(PulseRefusal, match="PulseCycle: `warmup` is a share of the run"):
+        main(
+            [
+                "fit",
+                "--config",
+                PULSE_YAML,
+                *FAST,
+                "--trainer.max_steps",
+                "-1",
+                "--trainer.max_epochs",
+                "-1",
+                "--model.scheduler",
+                "none",
+            ]
+            + ["--trainer.default_root_dir", str(tmp_path)]
+        )
 
 
 def test_console_script_resolves_class_paths_from_the_working_directory(tmp_path):

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
 from lightning_pulse.protocols import PhaseListener, listeners
 
@@ -131,16 +132,21 @@ class PulseCycle(Callback):
         time_source: Callable[[], float] | None = None,
     ) -> None:
         super().__init__()
-        self.clock = PhaseClock(
-            {"burst": burst, "replay": replay, "maintain": maintain},
-            order=list(order),
-            warmup=warmup,
-            anneal=anneal,
-        )
+        try:
+            self.clock = PhaseClock(
+                {"burst": burst, "replay": replay, "maintain": maintain},
+                order=list(order),
+                warmup=warmup,
+                anneal=anneal,
+            )
+        except ValueError as error:
+            raise ValueError(f"PulseCycle: {error}") from None
         if maintain_eval not in PROBE_MODES:
-            raise ValueError(f"`maintain_eval`={maintain_eval!r} is not one of {list(PROBE_MODES)}.")
+            raise ValueError(
+                f"PulseCycle: `maintain_eval`={maintain_eval!r} is not one of {list(PROBE_MODES)}."
+            )
         if isinstance(probe_batches, bool) or not isinstance(probe_batches, int) or probe_batches < 1:
-            raise ValueError(f"`probe_batches`={probe_batches!r} must be a positive int.")
+            raise ValueError(f"PulseCycle: `probe_batches`={probe_batches!r} must be a positive int.")
         self.maintain_eval = maintain_eval
         self.probe_batches = probe_batches
         self.time_source = time_source or time.monotonic
@@ -178,7 +184,7 @@ class PulseCycle(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._refresh_run_length(trainer)
         if self.clock.uses_epochs and not math.isfinite(trainer.num_training_batches):
-            raise ValueError(
+            raise PulseRefusal(
                 "PulseCycle: epoch-based phase durations need a dataloader with a length; "
                 "give the durations in steps or seconds instead."
             )
@@ -186,7 +192,10 @@ class PulseCycle(Callback):
         self._last_tick = self.time_source()
         self._probe_data = None
         compat.add_progress_bar_item(trainer, "phase", self._progress_label)
-        change = self.clock.start(self._total_steps)
+        try:
+            change = self.clock.start(self._total_steps)
+        except ValueError as error:  # warm-up or anneal on a run of unknown length
+            raise PulseRefusal(f"PulseCycle: {error}") from None
         if change is None:  # resumed: tell listeners where we are
             change = PhaseChange(None, self.clock.phase, self.clock.cycle, self.clock.step, "resume")
             rank_zero_info(
