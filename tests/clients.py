@@ -120,7 +120,15 @@ class HFCausalLM(pl.LightningModule):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(vocab_size=128, n_positions=SEQ_LEN, n_embd=32, n_layer=2, n_head=2)
+        config = GPT2Config(
+            vocab_size=128,
+            n_positions=SEQ_LEN,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         self.model = GPT2LMHeadModel(config)  # lm_head is tied to the token embedding
         self.lr = lr
 
