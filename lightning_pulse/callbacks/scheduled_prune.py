@@ -61,25 +61,19 @@ class ScheduledPrune(Callback):
     r"""Gradual magnitude pruning (Zhu & Gupta 2017) that runs in the maintain phases of a pulse cycle.
 
     Sparsity follows the cubic schedule ``s_t = s_f + (s_i - s_f)(1 - (t - t_start)/(t_end - t_start))^3``.
-    With a :class:`~lightning_pulse.PulseCycle` attached, a pruning event happens when a maintain phase
-    starts (right after its evaluation probe); without one, every ``every`` optimizer steps. Targets are
-    absolute (50% then 70% gives 70%, never a compounded 85%), and what is pruned once stays pruned.
+    With a :class:`~lightning_pulse.PulseCycle`, an event happens when a maintain phase starts; without one,
+    every ``every`` optimizer steps. Targets are absolute (50% then 70% gives 70%), and what is pruned stays
+    pruned. ``mode="unstructured"`` masks weights (``torch.nn.utils.prune``; no speedup on dense kernels);
+    ``mode="structured"`` removes output channels with torch-pruning (coupled layers follow, output layers are
+    never cut), cuts the optimizer's state in place, re-wraps DDP and tells every
+    :class:`~lightning_pulse.protocols.ParametersReplacedListener`. It traces the model on the module's
+    ``example_input_array`` or, without one, on the first tensor of the current batch.
 
-    ``mode="unstructured"`` masks single weights (``torch.nn.utils.prune``): fewer non-zero weights, no
-    speedup on dense kernels. ``mode="structured"`` removes whole output channels / neurons with
-    torch-pruning's dependency graph (coupled layers follow; output layers are never cut): the model gets
-    smaller and faster. The optimizer's parameters and state are cut in place, DDP is re-wrapped, and
-    callbacks defining ``on_pulse_parameters_replaced`` (:class:`~lightning_pulse.protocols.ParametersReplacedListener`)
-    are told. Structured mode traces the model on the module's ``example_input_array`` or, without one, on
-    the first tensor of the current batch.
-
-    Each event is logged under ``prune/`` and kept in :attr:`events` (and in checkpoints): target and
-    reached sparsity, per-layer sparsity, parameter counts, and validation probe metrics before and after.
-    Checkpoints resume mid-schedule into a freshly built module (removals are replayed before the weights
-    load; outside a Trainer use :meth:`load_pruned`). A :class:`~lightning_pulse.StabilityGuard` rollback
-    restores this callback with the model (``restore_on_rollback``); an undone event is redone at the next
-    chance. Single-device and DDP; under ``ddp_spawn``/``ddp_fork`` only unstructured mode with
-    ``make_permanent=True`` (Lightning copies rank 0's weights back into the unpruned main-process module).
+    Events are logged under ``prune/`` and kept in :attr:`events` and in checkpoints, which resume
+    mid-schedule into a freshly built module (outside a Trainer: :meth:`load_pruned`). A
+    :class:`~lightning_pulse.StabilityGuard` rollback restores this callback with the model; an undone event
+    is redone at the next chance. Single-device and DDP; under ``ddp_spawn``/``ddp_fork`` only unstructured
+    mode with ``make_permanent=True`` (Lightning copies rank 0's weights back into the unpruned module).
 
     Args:
         final_sparsity: share of weights (unstructured) or of channels of the chosen layers (structured)
@@ -116,7 +110,7 @@ class ScheduledPrune(Callback):
         ])
     """
 
-    # a StabilityGuard rollback may call `load_state_dict` during training (see `_load_mid_run`)
+    # a StabilityGuard rollback may call `load_state_dict` during training (see `load_state_dict`)
     restore_on_rollback = True
 
     def __init__(
@@ -222,9 +216,7 @@ class ScheduledPrune(Callback):
             )
         self._uses_maintain = has_maintain and cadence != "steps"
         self._last_global_step = trainer.global_step
-        if self._pending_teacher is not None:
-            saved, self._pending_teacher = self._pending_teacher, None
-            self._resume_distillation(trainer, pl_module, saved)
+        self._restore_teacher(trainer, pl_module)
         self._training = True
         where = "maintain-phase starts" if self._uses_maintain else f"every {self.schedule.every} steps"
         rank_zero_info(
@@ -292,19 +284,11 @@ class ScheduledPrune(Callback):
         self.pruner.load_state_dict(state_dict)
         self.events = [dict(event) for event in state_dict["events"]]
         self._pending_teacher = state_dict.get("teacher")
-        if self._training:
-            self._load_mid_run()
-
-    def _load_mid_run(self) -> None:
-        """Follow a state loaded during training (a StabilityGuard rollback): the model has just returned to
-        the snapshot too, so the teacher of an undone event goes and a teacher saved in the snapshot comes back.
-        Before training starts (a checkpoint restore) ``on_train_start`` does this."""
-        if self._window is not None:
-            self._window.close()
-        saved, self._pending_teacher = self._pending_teacher, None
         trainer = self._trainer_ref()
-        if saved is not None and trainer is not None and trainer.lightning_module is not None:
-            self._resume_distillation(trainer, trainer.lightning_module, saved)
+        if self._training and trainer is not None and trainer.lightning_module is not None:
+            # a StabilityGuard rollback: the model has just returned to the snapshot too, so the teacher of an
+            # undone event goes and one saved in the snapshot comes back (on a checkpoint restore: on_train_start)
+            self._restore_teacher(trainer, trainer.lightning_module)
 
     # ------------------------------------------------------------------ the event
     def _prune_event(
@@ -318,12 +302,7 @@ class ScheduledPrune(Callback):
         teacher = pruning.copy_without_hooks(pl_module) if self.distill is not None else None
         example = None
         if self.mode == "structured" and self.pruner.example_inputs is None:
-            example = getattr(pl_module, "example_input_array", None)
-            if example is None:
-                if self._last_batch is None:
-                    raise ValueError("ScheduledPrune: no training batch seen yet to trace the model with.")
-                example = pruning.default_input_from_batch(self._last_batch)
-            self._last_batch = None
+            example, self._last_batch = pruning.example_input(pl_module, self._last_batch), None
         outcome = self.pruner.prune(pl_module, target, trainer.optimizers, example)
         for problem in outcome.problems:
             rank_zero_warn(f"ScheduledPrune: {problem}")
@@ -331,36 +310,13 @@ class ScheduledPrune(Callback):
             for callback in listeners(trainer, ParametersReplacedListener, exclude=self):
                 callback.on_pulse_parameters_replaced(trainer, pl_module, outcome.remap)
             compat.rewrap_ddp(trainer)
-        parameters = pruning.count_parameters(pl_module)
-        probe_after = self._probe(trainer, pl_module)
-        self.events.append(
-            {
-                "step": int(step),
-                "phase": phase_of(trainer).value if pulse_cycle_of(trainer) is not None else None,
-                "target_sparsity": target,
-                "sparsity": outcome.sparsity,
-                "layer_sparsity": outcome.layer_sparsity,
-                "params": parameters["params"],
-                "params_nonzero": parameters["params_nonzero"],
-                "probe_before": probe_before,
-                "probe_after": probe_after,
-            }
+        event = pruning.event_record(
+            step, target, outcome, pl_module, probe_before, self._probe(trainer, pl_module)
         )
-        metrics = {
-            "prune/target_sparsity": target,
-            "prune/sparsity": outcome.sparsity,
-            "prune/params": float(parameters["params"]),
-            "prune/params_nonzero": float(parameters["params_nonzero"]),
-        }
-        metrics.update({f"prune/layer/{name}": value for name, value in outcome.layer_sparsity.items()})
-        metrics.update({f"prune/{name}_before": value for name, value in (probe_before or {}).items()})
-        metrics.update({f"prune/{name}_after": value for name, value in (probe_after or {}).items()})
-        _log(trainer, metrics)
-        rank_zero_info(
-            f"ScheduledPrune: step {step}: sparsity {outcome.sparsity:.3f} (target {target:.3f}), "
-            f"{parameters['params_nonzero']} non-zero parameters"
-            + (f", {_probe_text(probe_before)} -> {_probe_text(probe_after)}" if probe_after else "")
-        )
+        event["phase"] = phase_of(trainer).value if pulse_cycle_of(trainer) is not None else None
+        self.events.append(event)
+        _log(trainer, pruning.event_metrics(event))
+        rank_zero_info(f"ScheduledPrune: {pruning.event_summary(event)}")
         if self._window is not None and teacher is not None:
             self._window.open(pl_module, teacher, len(self.events) - 1, trainer.accumulate_grad_batches)
 
@@ -381,20 +337,14 @@ class ScheduledPrune(Callback):
             raise ValueError(
                 f"ScheduledPrune supports single-device and DDP strategies, not {type(strategy).__name__}."
             )
-        if isinstance(strategy, DDPStrategy) and compat.spawns_worker_processes(trainer):
-            if self.mode == "structured":
-                raise ValueError(
-                    "ScheduledPrune(mode='structured') cannot run under a spawning DDP strategy (ddp_spawn, "
-                    "ddp_fork, ddp_notebook): Lightning copies rank 0's final weights back into the main "
-                    "process's unpruned module, which cannot take the pruned shapes. Use strategy='ddp'."
-                )
-            if not self.options.make_permanent:
-                raise ValueError(
-                    "ScheduledPrune(options=PruneOptions(make_permanent=False)) cannot run under a spawning DDP "
-                    "strategy: Lightning copies rank 0's final weights back into the main process's module "
-                    "without masks and would silently drop the masked layers. Use make_permanent=True or "
-                    "strategy='ddp'."
-                )
+        spawns = isinstance(strategy, DDPStrategy) and compat.spawns_worker_processes(trainer)
+        if spawns and (self.mode == "structured" or not self.options.make_permanent):
+            raise ValueError(
+                "ScheduledPrune with mode='structured' or make_permanent=False cannot run under a spawning DDP "
+                "strategy (ddp_spawn, ddp_fork, ddp_notebook): Lightning copies rank 0's final weights back into "
+                "the main process's unpruned, unmasked module, which cannot take pruned shapes and would silently "
+                "drop masked layers. Use strategy='ddp'."
+            )
 
     def _probe(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, maintain_entry: bool = False
@@ -415,11 +365,13 @@ class ScheduledPrune(Callback):
             return None
         return run_validation_probe(trainer, pl_module, self._probe_data)
 
-    def _resume_distillation(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, saved: dict[str, Any]
-    ) -> None:
+    def _restore_teacher(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        saved, self._pending_teacher = self._pending_teacher, None
         if self._window is not None:
-            self._window.load_state_dict(pl_module, saved, trainer.accumulate_grad_batches, pl_module.device)
+            self._window.close()
+            if saved is not None:
+                accumulation = trainer.accumulate_grad_batches
+                self._window.load_state_dict(pl_module, saved, accumulation, pl_module.device)
 
     def _end_distillation(self, trainer: pl.Trainer | None) -> None:
         closed = self._window.close() if self._window is not None else None
@@ -444,12 +396,6 @@ def _as_config(value: Any, cls: type, field: str) -> Any:
     if isinstance(value, Mapping):
         return cls(**value)
     raise ValueError(f"`{field}`={value!r} must be a {cls.__name__} (or a mapping of its fields) or None.")
-
-
-def _probe_text(probe: Mapping[str, float] | None) -> str:
-    if not probe:
-        return "n/a"
-    return ", ".join(f"{name}={value:.4f}" for name, value in sorted(probe.items()))
 
 
 def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:

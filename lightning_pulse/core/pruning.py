@@ -684,6 +684,16 @@ def default_input_from_batch(batch: Any) -> Any:
     )
 
 
+def example_input(module: nn.Module, batch: Any) -> Any:
+    """What to trace ``module`` with: its ``example_input_array`` if set, else the model input of ``batch``."""
+    example = getattr(module, "example_input_array", None)
+    if example is not None:
+        return example
+    if batch is None:
+        raise ValueError("Structured pruning needs a training batch to trace the model with; none seen yet.")
+    return default_input_from_batch(batch)
+
+
 def small_example(example: Any) -> Any:
     """Two samples of ``example`` on the CPU: enough to trace the graph, and tiny in a checkpoint."""
     if isinstance(example, torch.Tensor):
@@ -817,6 +827,58 @@ class Pruner:
         self.history = [list(entry) for entry in state["history"]]
         self.original_channels = dict(state["original_channels"])
         self.example_inputs = state["example_inputs"]
+
+
+def event_record(
+    step: int,
+    target: float,
+    outcome: PruneOutcome,
+    model: nn.Module,
+    probe_before: Mapping[str, float] | None = None,
+    probe_after: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """The record of one event: step, target and reached sparsity, per-layer sparsity, parameter counts
+    (:func:`count_parameters`) and the probe metrics before and after."""
+    return {
+        "step": int(step),
+        "target_sparsity": target,
+        "sparsity": outcome.sparsity,
+        "layer_sparsity": dict(outcome.layer_sparsity),
+        **count_parameters(model),
+        "probe_before": None if probe_before is None else dict(probe_before),
+        "probe_after": None if probe_after is None else dict(probe_after),
+    }
+
+
+def event_metrics(event: Mapping[str, Any]) -> dict[str, float]:
+    """An :func:`event_record` as flat ``prune/...`` metrics for a logger."""
+    metrics = {
+        "prune/target_sparsity": float(event["target_sparsity"]),
+        "prune/sparsity": float(event["sparsity"]),
+        "prune/params": float(event["params"]),
+        "prune/params_nonzero": float(event["params_nonzero"]),
+    }
+    metrics.update({f"prune/layer/{name}": value for name, value in event["layer_sparsity"].items()})
+    for when in ("before", "after"):
+        metrics.update(
+            {f"prune/{name}_{when}": value for name, value in (event[f"probe_{when}"] or {}).items()}
+        )
+    return metrics
+
+
+def event_summary(event: Mapping[str, Any]) -> str:
+    """One line on an :func:`event_record`."""
+
+    def probe(values: Mapping[str, float] | None) -> str:
+        return ", ".join(f"{name}={value:.4f}" for name, value in sorted(values.items())) if values else "n/a"
+
+    text = (
+        f"step {event['step']}: sparsity {event['sparsity']:.3f} (target {event['target_sparsity']:.3f}), "
+        f"{event['params_nonzero']} non-zero parameters"
+    )
+    if event["probe_after"]:
+        text += f", {probe(event['probe_before'])} -> {probe(event['probe_after'])}"
+    return text
 
 
 # ---------------------------------------------------------------------------------------------- resume
