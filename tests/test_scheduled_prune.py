@@ -329,3 +329,12 @@ def test_lightning_cli_nests_the_option_and_distillation_configs():
     prune = parser.instantiate(config).prune
     assert prune.distill == DistillConfig(steps=3) and prune.options == PruneOptions(ranking="global")
     assert prune.pruner.ranking == "global" and prune.pruner.mode == "structured"
+
+
+def test_callback_pickles_for_spawning_strategies():
+    import pickle
+
+    prune = pickle.loads(
+        pickle.dumps(ScheduledPrune(distill=DistillConfig(), options=PruneOptions(ranking="global")))
+    )
+    assert prune.pruner.ranking == "global" and prune.distill == DistillConfig()

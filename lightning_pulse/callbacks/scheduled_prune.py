@@ -146,7 +146,7 @@ class ScheduledPrune(Callback):
         self._probe_data: list[Any] | None = None
         self._probe_unavailable = False
         self._fitter_handle: Any = None
-        self._trainer_ref: Callable[[], pl.Trainer | None] = lambda: None
+        self._trainer_ref: Callable[[], pl.Trainer | None] = _no_trainer  # picklable, for ddp_spawn
         self._window = DistillWindow(self.distill) if self.distill is not None else None
         self._pending_teacher: dict[str, Any] | None = None
         self._training = False  # between on_train_start and the end of fit: a state load is a rollback
@@ -396,6 +396,10 @@ def _as_config(value: Any, cls: type, field: str) -> Any:
     if isinstance(value, Mapping):
         return cls(**value)
     raise ValueError(f"`{field}`={value!r} must be a {cls.__name__} (or a mapping of its fields) or None.")
+
+
+def _no_trainer() -> None:
+    return None
 
 
 def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
