@@ -103,7 +103,7 @@ def test_schedule_share_of_a_run_of_unknown_length_fails_at_resolve():
 
 def test_pruner_unstructured_event_reaches_the_target_and_keeps_pruned_weights_pruned():
     model = _cnn()
-    pruner = pruning.Pruner(exclude=r"^8$")
+    pruner = pruning.Pruner(exclude_pattern=r"^8$")
     first = pruner.prune(model, 0.5)
     pruned_first = model[3].weight_mask == 0
     second = pruner.prune(model, 0.8)
@@ -135,7 +135,7 @@ def test_pruner_structured_event_cuts_channels_and_moves_the_optimizer_on():
         ({"mode": "channels"}, "`mode`"),
         ({"ranking": "best"}, "`ranking`"),
         ({"min_channels": True}, "`min_channels`"),
-        ({"exclude": "(unclosed"}, "`exclude_pattern`"),
+        ({"exclude_pattern": "(unclosed"}, "`exclude_pattern`"),
         ({"layer_types": ["Nonsense"]}, "`layer_types`"),
     ],
 )

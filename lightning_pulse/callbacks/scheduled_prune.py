@@ -200,7 +200,7 @@ class ScheduledPrune(Callback):
         if not layers:
             raise ValueError(
                 f"ScheduledPrune: no layer of {pl_module.__class__.__name__} matches `layer_types`="
-                f"{[t.__name__ for t in self.pruner.layer_types]}, `exclude_pattern`={self.pruner.exclude!r}."
+                f"{[t.__name__ for t in self.pruner.layer_types]}, `exclude_pattern`={self.pruner.exclude_pattern!r}."
             )
         cycle = pulse_cycle_of(trainer)
         duration = cycle.clock.durations.get(Phase.MAINTAIN) if cycle is not None else None

@@ -730,7 +730,7 @@ class Pruner:
             channels removed with torch-pruning, ranked by their group L2 norm).
         layer_types: layer classes, ``torch.nn`` names or dotted paths to prune; ``None`` for any layer with a
             ``weight``.
-        exclude: never layers whose qualified name matches this regex (``re.search``).
+        exclude_pattern: never layers whose qualified name matches this regex (``re.search``).
         ranking: ``"layer"`` (every layer reaches the target) or ``"global"`` (all chosen layers together).
         min_channels: structured: channels every layer keeps at least.
 
@@ -748,7 +748,7 @@ class Pruner:
         self,
         mode: str = "unstructured",
         layer_types: Sequence[str | type] | None = DEFAULT_LAYER_TYPES,
-        exclude: str | None = None,
+        exclude_pattern: str | None = None,
         ranking: str = "layer",
         min_channels: int = 1,
     ) -> None:
@@ -757,16 +757,21 @@ class Pruner:
                 raise ValueError(f"`{field}`={value!r} is not one of {list(allowed)}.")
         if isinstance(min_channels, bool) or not isinstance(min_channels, int) or min_channels < 1:
             raise ValueError(f"`min_channels`={min_channels!r} must be an int >= 1.")
-        if exclude is not None:
+        if exclude_pattern is not None:
             try:
-                re.compile(exclude)
+                re.compile(exclude_pattern)
             except (re.error, TypeError) as error:
                 raise ValueError(
-                    f"`exclude_pattern`={exclude!r} is not a valid regular expression: {error}."
+                    f"`exclude_pattern`={exclude_pattern!r} is not a valid regular expression: {error}."
                 ) from None
         if mode == "structured":
             import_torch_pruning()
-        self.mode, self.ranking, self.min_channels, self.exclude = mode, ranking, min_channels, exclude
+        self.mode, self.ranking, self.min_channels, self.exclude_pattern = (
+            mode,
+            ranking,
+            min_channels,
+            exclude_pattern,
+        )
         self.layer_types = resolve_layer_types(layer_types)
         self.original_channels: dict[str, int] = {}
         self.history: list[list[Any]] = []
@@ -774,7 +779,7 @@ class Pruner:
 
     def layers(self, model: nn.Module) -> dict[str, nn.Module]:
         """The layers of ``model`` this pruner prunes, by qualified name."""
-        return select_layers(model, self.layer_types, self.exclude)
+        return select_layers(model, self.layer_types, self.exclude_pattern)
 
     def prune(
         self,
