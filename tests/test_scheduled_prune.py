@@ -60,7 +60,7 @@ def _fixed_order_loaders(data: MNIST1DDataModule) -> tuple[DataLoader, DataLoade
         ({"final_sparsity": 1.0}, "`final_sparsity`"),
         ({"final_sparsity": 0.3, "options": PruneOptions(initial_sparsity=0.5)}, "`initial_sparsity`"),
         ({"mode": "channels"}, "`mode`"),
-        ({"options": PruneOptions(cadence="hourly")}, "`cadence`"),
+        ({"options": {"cadence": "hourly"}}, "`cadence`"),
         ({"options": {"ranking": "best"}}, "`ranking`"),
         ({"start": 1.5}, "`start`"),
         ({"start": 50, "end": 10}, "`end`"),
@@ -71,6 +71,8 @@ def _fixed_order_loaders(data: MNIST1DDataModule) -> tuple[DataLoader, DataLoade
         ({"distill": True}, "`distill`"),
         ({"probe_batches": -1}, "`probe_batches`"),
         ({"options": PruneOptions(min_channels=True)}, "`min_channels`"),
+        ({"options": {"make_permanent": "yes"}}, "`make_permanent`"),
+        ({"options": {"lottery_ticket_reset": True}}, "`options`"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs, field):

@@ -56,6 +56,12 @@ class PruneOptions:
     min_channels: int = 1
     make_permanent: bool = True
 
+    def __post_init__(self) -> None:
+        if self.cadence not in CADENCES:
+            raise ValueError(f"`cadence`={self.cadence!r} is not one of {list(CADENCES)}.")
+        if not isinstance(self.make_permanent, bool):
+            raise ValueError(f"`make_permanent`={self.make_permanent!r} must be a bool.")
+
 
 class ScheduledPrune(Callback):
     r"""Gradual magnitude pruning (Zhu & Gupta 2017) that runs in the maintain phases of a pulse cycle.
@@ -129,8 +135,6 @@ class ScheduledPrune(Callback):
         super().__init__()
         options = _as_config(options, PruneOptions, "options") or PruneOptions()
         self.distill: DistillConfig | None = _as_config(distill, DistillConfig, "distill")
-        if options.cadence not in CADENCES:
-            raise ValueError(f"`cadence`={options.cadence!r} is not one of {list(CADENCES)}.")
         check_int(probe_batches, "probe_batches", minimum=0)
         self.schedule = PruneSchedule(final_sparsity, options.initial_sparsity, start, end, every)
         self.pruner = pruning.Pruner(
@@ -394,7 +398,10 @@ def _as_config(value: Any, cls: type, field: str) -> Any:
     if value is None or isinstance(value, cls):
         return value
     if isinstance(value, Mapping):
-        return cls(**value)
+        try:
+            return cls(**value)
+        except TypeError as error:
+            raise ValueError(f"`{field}`={dict(value)!r}: {error}.") from None
     raise ValueError(f"`{field}`={value!r} must be a {cls.__name__} (or a mapping of its fields) or None.")
 
 
