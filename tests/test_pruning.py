@@ -200,8 +200,10 @@ def test_distill_window_closes_after_its_steps_and_survives_a_state_round_trip()
     x = torch.randn(2, 4)
     assert torch.equal(restored.distiller.teacher(x), teacher(x))
     assert window.step(1)
-    event, calls, loss = window.close()
-    assert (event, calls) == (0, 1) and loss > 0 and window.close() is None and window.state_dict() is None
+    events = [{"step": 5}]
+    calls, loss = window.close(events)
+    assert calls == 1 and loss > 0 and events == [{"step": 5, "distill_calls": 1, "distill_loss": loss}]
+    assert window.close() is None and window.state_dict() is None
 
 
 def test_unstructured_targets_are_absolute_and_masks_only_lose_weights():

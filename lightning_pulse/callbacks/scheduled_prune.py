@@ -28,7 +28,7 @@ from lightning_pulse.callbacks.pulse_cycle import (
 )
 from lightning_pulse.core import pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
-from lightning_pulse.core.prune_schedule import PruneSchedule, check_int
+from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_int
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.protocols import ParametersReplacedListener, listeners
 
@@ -133,8 +133,8 @@ class ScheduledPrune(Callback):
         options: PruneOptions | None = None,
     ) -> None:
         super().__init__()
-        options = _as_config(options, PruneOptions, "options") or PruneOptions()
-        self.distill: DistillConfig | None = _as_config(distill, DistillConfig, "distill")
+        options = as_config(options, PruneOptions, "options") or PruneOptions()
+        self.distill: DistillConfig | None = as_config(distill, DistillConfig, "distill")
         check_int(probe_batches, "probe_batches", minimum=0)
         self.schedule = PruneSchedule(final_sparsity, options.initial_sparsity, start, end, every)
         self.pruner = pruning.Pruner(
@@ -378,13 +378,10 @@ class ScheduledPrune(Callback):
                 self._window.load_state_dict(pl_module, saved, accumulation, pl_module.device)
 
     def _end_distillation(self, trainer: pl.Trainer | None) -> None:
-        closed = self._window.close() if self._window is not None else None
+        closed = self._window.close(self.events) if self._window is not None else None
         if closed is None:
             return
-        index, calls, loss = closed
-        if 0 <= index < len(self.events):
-            event = self.events[index]
-            event["distill_calls"], event["distill_loss"] = event.get("distill_calls", 0) + calls, loss
+        calls, loss = closed
         if calls == 0:
             rank_zero_warn(
                 "ScheduledPrune: distillation had no effect: the module's forward never returned a logits tensor "
@@ -392,17 +389,6 @@ class ScheduledPrune(Callback):
             )
         elif trainer is not None:
             _log(trainer, {"prune/distill_loss": loss})
-
-
-def _as_config(value: Any, cls: type, field: str) -> Any:
-    if value is None or isinstance(value, cls):
-        return value
-    if isinstance(value, Mapping):
-        try:
-            return cls(**value)
-        except TypeError as error:
-            raise ValueError(f"`{field}`={dict(value)!r}: {error}.") from None
-    raise ValueError(f"`{field}`={value!r} must be a {cls.__name__} (or a mapping of its fields) or None.")
 
 
 def _no_trainer() -> None:

@@ -229,14 +229,19 @@ class DistillWindow:
         self.steps_left -= steps
         return self.steps_left <= 0
 
-    def close(self) -> tuple[int, int, float] | None:
-        """Stop distilling: ``(event, calls, mean loss)`` of the window, or ``None`` if none was open."""
+    def close(self, events: list[dict[str, Any]] | None = None) -> tuple[int, float] | None:
+        """Stop distilling: ``(calls, mean loss)`` of the window, or ``None`` if none was open. With
+        ``events`` (records by event index), the window's event gets ``distill_calls`` and ``distill_loss``."""
         distiller, self.distiller = self.distiller, None
         if distiller is None:
             return None
         distiller.detach()
         event, self.event, self.steps_left = self.event, -1, None
-        return event, distiller.calls, distiller.mean_loss
+        if events is not None and 0 <= event < len(events):
+            record = events[event]
+            record["distill_calls"] = record.get("distill_calls", 0) + distiller.calls
+            record["distill_loss"] = distiller.mean_loss
+        return distiller.calls, distiller.mean_loss
 
     def state_dict(self) -> dict[str, Any] | None:
         if self.distiller is None:
