@@ -15,7 +15,8 @@ Speed is measured on the final model at fit end by :class:`SpeedProbe`: median s
 forward (no grad, eval mode) and of a training step (forward, backward, Adam step, on a copy) at batch size
 100, alternating call by call with the same measurement on a freshly built dense model of the same
 architecture, so the ratio ``dense / final`` is paired in time and insensitive to a busy neighbour. FLOPs of one training step
-come from ``FlopCounterMode``.
+come from ``FlopCounterMode``. The in-run step speedup comes from :class:`BatchTimer`, which times training batches from
+outside the library; :func:`arm_metrics` reads everything else from ScheduledPrune's public ``events``.
 
 Run: ``python -m benchmarks.scheduled_prune``
 """
@@ -36,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.harness import Arm, run_arms, write_results
 from lightning_pulse import PulseCycle, ScheduledPrune
+from lightning_pulse.core.distillation import DistillConfig
 
 BATCH = 100
 
@@ -101,8 +103,47 @@ class SpeedProbe(Callback):
                 {f"{kind}_s_final": final_s, f"{kind}_s_dense": dense_s, f"{kind}_speedup": dense_s / final_s}
             )
 
-    def benchmark_metrics(self) -> dict[str, Any]:
-        return dict(self.metrics)
+
+class BatchTimer(Callback):
+    """Wall seconds of every training batch, with the optimizer step it ended at."""
+
+    def __init__(self) -> None:
+        self.times: list[tuple[int, float]] = []
+        self._started = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.times.append((trainer.global_step, time.perf_counter() - self._started))
+
+    def speedup(self, first_event: int, last_event: int, window: int = 10) -> float:
+        """Median batch time of the ``window`` batches before the first event over that of the ``window``
+        batches after the last one (the first batch after it, which pays one-off costs, skipped)."""
+        before = [seconds for step, seconds in self.times if step < first_event][-window:]
+        after = [seconds for step, seconds in self.times if step > last_event + 1][:window]
+        return statistics.median(before) / statistics.median(after) if before and after else math.nan
+
+
+def arm_metrics(callbacks: list[Callback], trainer: Any = None) -> dict[str, Any]:
+    """What the tables need, read from the callbacks of one run (``Arm.metrics`` of the harness)."""
+    extra: dict[str, Any] = {}
+    prune = next((c for c in callbacks if isinstance(c, ScheduledPrune)), None)
+    timer = next((c for c in callbacks if isinstance(c, BatchTimer)), None)
+    for callback in callbacks:
+        if isinstance(callback, SpeedProbe):
+            extra.update(callback.metrics)
+    if prune is not None:
+        extra.update({"prune_events": len(prune.events), "prune_sparsity": prune.sparsity})
+        if prune.events and timer is not None:
+            extra["in_run_step_speedup"] = timer.speedup(prune.events[0]["step"], prune.events[-1]["step"])
+    return extra
+
+
+def _arm(name: str, callbacks: Any) -> Arm:
+    arm = Arm(name, callbacks=callbacks)
+    arm.metrics = arm_metrics  # called by the harness after each run
+    return arm
 
 
 CYCLE = dict(burst=20, replay=10, maintain=5)
@@ -110,12 +151,13 @@ INPUT_AND_OUTPUT_LAYERS = r"^net\.(1|8)$"
 
 
 def pruning_arm(name: str, **prune_kwargs: Any) -> Arm:
-    return Arm(
+    return _arm(
         name,
-        callbacks=lambda seed: [
+        lambda seed: [
             PulseCycle(**CYCLE),
             ScheduledPrune(start=0.1, end=0.7, **prune_kwargs),
             SpeedProbe(),
+            BatchTimer(),
         ],
     )
 
@@ -127,19 +169,6 @@ def _median(values: list[float]) -> float:
 
 def _arm_extra(result: dict[str, Any], arm: str, key: str) -> float:
     return _median([run["extra"].get(key) for run in result["runs"] if run["arm"] == arm])
-
-
-def _event_speedups(result: dict[str, Any], arm: str) -> float:
-    # in-run view: median training-batch time in the window before the first event / after the last event
-    ratios = []
-    for run in result["runs"]:
-        events = run["extra"].get("prune_event_log") or []
-        if run["arm"] != arm or not events:
-            continue
-        before, after = events[0].get("step_time_before"), events[-1].get("step_time_after")
-        if before and after:
-            ratios.append(before / after)
-    return _median(ratios)
 
 
 def summary_tables(results: list[dict[str, Any]]) -> str:
@@ -162,7 +191,7 @@ def summary_tables(results: list[dict[str, Any]]) -> str:
                 f"| {arm} | {row['test_acc']:.4f} | {100 * row['delta_test_acc_vs_baseline']:+.2f} | "
                 f"{_arm_extra(result, arm, 'params_final'):.0f} | {_arm_extra(result, arm, 'nonzero_params_final'):.0f} | "
                 f"{flops:.3f} | {_arm_extra(result, arm, 'infer_speedup'):.2f}x | "
-                f"{_arm_extra(result, arm, 'train_step_speedup'):.2f}x | {_event_speedups(result, arm):.2f}x |"
+                f"{_arm_extra(result, arm, 'train_step_speedup'):.2f}x | {_arm_extra(result, arm, 'in_run_step_speedup'):.2f}x |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -188,21 +217,21 @@ def main() -> None:
     args = parser.parse_args()
     trainer_kwargs = {"max_epochs": args.epochs}
     narrow_arms = [
-        Arm("dense", callbacks=lambda seed: [SpeedProbe()]),
+        _arm("dense", lambda seed: [SpeedProbe()]),
         pruning_arm("unstructured-50", final_sparsity=0.5),
         pruning_arm("unstructured-80", final_sparsity=0.8),
         pruning_arm("unstructured-90", final_sparsity=0.9),
         # common practice: keep the input conv (5 taps per filter) and the classifier dense
         pruning_arm("unstructured-90-inner", final_sparsity=0.9, exclude_pattern=INPUT_AND_OUTPUT_LAYERS),
         pruning_arm("structured-50", final_sparsity=0.5, mode="structured"),
-        pruning_arm("structured-50+distill", final_sparsity=0.5, mode="structured", distill=True),
+        pruning_arm("structured-50+distill", final_sparsity=0.5, mode="structured", distill=DistillConfig()),
     ]
     results = [
         run_arms("mnist1d-cnn", narrow_arms, seeds=args.seeds, trainer_kwargs=trainer_kwargs, flops="none")
     ]
     if args.wide_channels:
         wide_arms = [
-            Arm("dense", callbacks=lambda seed: [SpeedProbe()]),
+            _arm("dense", lambda seed: [SpeedProbe()]),
             pruning_arm("structured-50", final_sparsity=0.5, mode="structured"),
         ]
         results.append(

@@ -1,6 +1,10 @@
-"""The pruning and distillation core, on real small networks, without a Trainer."""
+"""The pruning and distillation core (schedule, prune event, state-dict fitting, distillation), on real
+small networks, without a Trainer."""
 
 from __future__ import annotations
+
+import copy
+import pickle
 
 import pytest
 import torch
@@ -9,7 +13,8 @@ from torch import nn
 
 from examples.mnist1d.models import build_mnist1d_network
 from lightning_pulse.core import pruning
-from lightning_pulse.core.distillation import LogitDistiller, distillation_loss
+from lightning_pulse.core.distillation import DistillConfig, DistillWindow, LogitDistiller, distillation_loss
+from lightning_pulse.core.prune_schedule import PruneSchedule, cubic_sparsity
 
 
 def _cnn(seed: int = 0, channels: int = 25) -> nn.Module:
@@ -36,13 +41,169 @@ def _train_steps(model, optimizer, steps=3, seed=1):
 
 
 def test_cubic_schedule_follows_zhu_gupta():
-    values = [pruning.cubic_sparsity(t, 0.1, 0.9, 100, 500) for t in (0, 100, 200, 300, 500, 900)]
+    values = [cubic_sparsity(t, 0.1, 0.9, 100, 500) for t in (0, 100, 200, 300, 500, 900)]
     assert values[0] == values[1] == 0.1 and values[-2] == values[-1] == 0.9
     # s_t = s_f + (s_i - s_f)(1 - (t - t0)/(n dt))^3 at a quarter and half of the way
     assert values[2] == pytest.approx(0.9 - 0.8 * 0.75**3)
     assert values[3] == pytest.approx(0.9 - 0.8 * 0.5**3)
     # fast early, slow late: the first quarter adds more sparsity than the last half
     assert values[2] - values[1] > values[4] - values[3]
+
+
+def test_schedule_gives_absolute_targets_at_its_chances_and_finishes_at_the_end():
+    schedule = PruneSchedule(final_sparsity=0.7, start=0.1, end=0.4, every=10)
+    schedule.resolve(100)
+    assert (schedule.start_step, schedule.end_step, schedule.next_step) == (10, 40, 10)
+    assert not schedule.due(9) and schedule.due(10)
+    assert schedule.advance(10) is None  # the start's target is the initial sparsity: nothing to prune
+    taken = {}
+    for step in range(11, 60):
+        if schedule.due(step):
+            taken[step] = schedule.advance(step)
+    assert list(taken) == [20, 30, 40]
+    assert taken[20] == pytest.approx(cubic_sparsity(20, 0.0, 0.7, 10, 40))
+    assert taken[40] == 0.7 and schedule.finished and schedule.sparsity == 0.7
+    # a maintain-phase chance before the start, or after the end, prunes nothing
+    early = PruneSchedule(final_sparsity=0.5, start=10, end=20)
+    early.resolve(float("inf"))
+    assert early.advance(5) is None and not early.finished and early.advance(25) == 0.5
+    assert early.advance(30) is None
+
+
+def test_schedule_state_round_trip_resumes_between_chances():
+    schedule = PruneSchedule(final_sparsity=0.6, start=0, end=30, every=7)
+    schedule.resolve(100)
+    schedule.advance(7)
+    resumed = PruneSchedule(final_sparsity=0.6, start=0, end=30, every=7)
+    resumed.load_state_dict(schedule.state_dict())
+    resumed.resolve(100)  # after a restore the loaded next step stays
+    assert (resumed.next_step, resumed.sparsity) == (14, schedule.sparsity) and resumed.sparsity > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"final_sparsity": 1.0}, "`final_sparsity`"),
+        ({"final_sparsity": 0.3, "initial_sparsity": 0.5}, "`initial_sparsity`"),
+        ({"start": 1.5}, "`start`"),
+        ({"start": True}, "`start`"),
+        ({"start": 50, "end": 10}, "`end`"),
+        ({"every": 0}, "`every`"),
+    ],
+)
+def test_schedule_rejects_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PruneSchedule(**kwargs)
+
+
+def test_schedule_share_of_a_run_of_unknown_length_fails_at_resolve():
+    with pytest.raises(ValueError, match="`start`=0.1 is a share of the run"):
+        PruneSchedule(start=0.1, end=100).resolve(float("inf"))
+
+
+def test_pruner_unstructured_event_reaches_the_target_and_keeps_pruned_weights_pruned():
+    model = _cnn()
+    pruner = pruning.Pruner(exclude_pattern=r"^8$")
+    first = pruner.prune(model, 0.5)
+    pruned_first = model[3].weight_mask == 0
+    second = pruner.prune(model, 0.8)
+    assert first.sparsity == pytest.approx(0.5, abs=1e-3) and second.sparsity == pytest.approx(0.8, abs=1e-3)
+    assert set(second.layer_sparsity) == {"1", "3", "5"} and pruning.current_mask(model[8]) is None
+    assert bool((model[3].weight_mask[pruned_first] == 0).all()) and not len(second.remap)
+
+
+def test_pruner_structured_event_cuts_channels_and_moves_the_optimizer_on():
+    model = _cnn()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train_steps(model, optimizer)
+    pruner = pruning.Pruner(mode="structured")
+    with pytest.raises(ValueError, match="example input"):
+        pruner.prune(model, 0.5, [optimizer])
+    outcome = pruner.prune(model, 0.5, [optimizer], example=torch.randn(8, 40))
+    assert pruner.example_inputs.shape == (2, 40)  # two samples kept for the trace and the checkpoint
+    assert outcome.sparsity == pytest.approx(12 / 25) and outcome.problems == []
+    assert [model[i].out_channels for i in (1, 3, 5)] == [13, 13, 13]
+    assert optimizer.param_groups[0]["params"] == list(model.parameters())
+    assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in model.parameters())
+    pruner.prune(model, 0.7, [optimizer])
+    assert model[3].out_channels == 8 and pruner.original_channels == {"1": 25, "3": 25, "5": 25}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"mode": "channels"}, "`mode`"),
+        ({"ranking": "best"}, "`ranking`"),
+        ({"min_channels": True}, "`min_channels`"),
+        ({"exclude_pattern": "(unclosed"}, "`exclude_pattern`"),
+        ({"layer_types": ["Nonsense"]}, "`layer_types`"),
+    ],
+)
+def test_pruner_rejects_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        pruning.Pruner(**kwargs)
+
+
+def test_fresh_module_fits_a_pruned_state_dict_through_the_pre_hook():
+    model = _cnn(seed=0)
+    pruner = pruning.Pruner(mode="structured")
+    pruner.prune(model, 0.4, example=torch.randn(4, 40))
+    pruner.prune(model, 0.6)
+    fresh = _cnn(seed=1)
+    asked = []
+
+    class Owner:  # stands in for the callback that reads the structure from the checkpoint being restored
+        def structure(self):
+            asked.append(True)
+            return pruner.state_dict()
+
+    owner = Owner()
+    fitter = pruning.StateDictFitter(owner.structure)
+    fresh.register_load_state_dict_pre_hook(fitter)
+    fresh.load_state_dict(model.state_dict())
+    x = torch.randn(16, 40)
+    assert asked == [True] and torch.equal(fresh(x), model(x))
+    # the hook does not drag its owner into copies or pickles of the module
+    assert copy.deepcopy(fitter) is fitter and pickle.loads(pickle.dumps(fitter))() is None
+    # without a recorded structure the mismatch is explained, not a shape error from torch
+    with pytest.raises(RuntimeError, match="no recorded channel removals"):
+        pruning.fit_to_state_dict(_cnn(), model.state_dict())
+
+
+def test_fresh_module_fits_a_masked_state_dict():
+    model = _cnn()
+    pruning.Pruner().prune(model, 0.5)
+    fresh = pruning.load_pruned(_cnn(seed=1), {"state_dict": model.state_dict(), "callbacks": {}})
+    assert torch.equal(fresh[3].weight_mask, model[3].weight_mask)
+    x = torch.randn(4, 40)
+    assert torch.equal(fresh(x), model(x))
+
+
+def test_distill_config_rejects_bad_values_naming_the_field():
+    for kwargs, field in (({"temperature": 0}, "`distill.temperature`"), ({"steps": 0}, "`distill.steps`")):
+        with pytest.raises(ValueError, match=field):
+            DistillConfig(**kwargs)
+
+
+def test_distill_window_closes_after_its_steps_and_survives_a_state_round_trip():
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(4, 3), nn.Linear(4, 3)
+    window = DistillWindow(DistillConfig(weight=2.0, steps=3))
+    window.open(student, teacher, event=0, accumulation=2)
+    assert window.distiller.weight == 1.0  # divided by the accumulation factor, like the loss
+    student(torch.randn(5, 4)).sum().backward()
+    assert not window.step(2)
+    state = window.state_dict()
+    restored = DistillWindow(DistillConfig(weight=2.0, steps=3))
+    restored.load_state_dict(nn.Linear(4, 3), state, accumulation=2)
+    assert (restored.steps_left, restored.event, restored.distiller.calls) == (1, 0, 1)
+    x = torch.randn(2, 4)
+    assert torch.equal(restored.distiller.teacher(x), teacher(x))
+    assert window.step(1)
+    events = [{"step": 5}]
+    calls, loss = window.close(events)
+    assert calls == 1 and loss > 0 and events == [{"step": 5, "distill_calls": 1, "distill_loss": loss}]
+    assert window.close() is None and window.state_dict() is None
 
 
 def test_unstructured_targets_are_absolute_and_masks_only_lose_weights():
@@ -167,41 +328,12 @@ def test_global_channel_ranking_keeps_min_channels():
     }
 
 
-def test_taylor_importance_ranks_by_weight_times_gradient():
-    # two hidden neurons: one with big weights that the loss does not care about, one small but useful
-    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
-    with torch.no_grad():
-        model[0].weight.copy_(torch.tensor([[5.0, 5.0], [0.5, 0.5]]))
-        model[0].bias.zero_()
-        model[2].weight.copy_(torch.tensor([[1e-4, 1.0]]))
-    scores = pruning.TaylorScores()
-    x = torch.rand(64, 2)
-    model.zero_grad()
-    F.mse_loss(model(x).squeeze(1), torch.zeros(64) - 1).backward()
-    scores.update(model.named_parameters())
-    layers = {"0": model[0]}
-    magnitude = pruning.channels_to_remove(
-        pruning.channel_importance(
-            model, pruning.channel_groups(pruning.build_dependency_graph(model, x[:2]), model, layers)
-        ),
-        {"0": 2},
-        0.5,
-    )
-    graph = pruning.build_dependency_graph(model, x[:2])
-    taylor = pruning.channels_to_remove(
-        pruning.channel_importance(model, pruning.channel_groups(graph, model, layers), "taylor", scores),
-        {"0": 2},
-        0.5,
-    )
-    assert magnitude == {"0": [1]} and taylor == {"0": [0]}
-    assert torch.equal(model[0].weight, torch.tensor([[5.0, 5.0], [0.5, 0.5]]))  # scores were put back
-
-
-def test_layer_selection_by_type_and_name_pattern():
+def test_layer_selection_by_type_and_excluded_names():
     model = _cnn()
     conv_types = pruning.resolve_layer_types(["Conv1d"])
     assert list(pruning.select_layers(model, conv_types)) == ["1", "3", "5"]
-    assert list(pruning.select_layers(model, (), pattern=r"^[58]$")) == ["5", "8"]
+    # a negative lookahead selects by name: only layers 5 and 8
+    assert list(pruning.select_layers(model, (), exclude=r"^(?![58]$)")) == ["5", "8"]
     assert list(pruning.select_layers(model, conv_types, exclude=r"^1$")) == ["3", "5"]
     assert pruning.resolve_layer_types(["torch.nn.Linear", nn.Conv2d]) == (nn.Linear, nn.Conv2d)
     with pytest.raises(ValueError, match="`layer_types` entry 'Nonsense'"):

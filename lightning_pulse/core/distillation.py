@@ -12,11 +12,48 @@ Cost: one teacher forward (no grad) per training forward while attached; memory 
 
 from __future__ import annotations
 
+import io
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass
+class DistillConfig:
+    """Logit distillation from the model as it was before a pruning event into the pruned one.
+
+    Attributes:
+        weight: multiplier of the distillation term, > 0.
+        temperature: softening temperature ``T``, > 0.
+        steps: optimizer steps of distillation after an event; ``None`` means until the maintain phase ends
+            (with a PulseCycle) or until the next event (step cadence).
+
+    Raises:
+        ValueError: naming the field, for a non-positive or non-finite ``weight``/``temperature`` or a
+            ``steps`` that is not an int >= 1.
+    """
+
+    weight: float = 1.0
+    temperature: float = 2.0
+    steps: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("weight", "temperature"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(f"`distill.{name}`={value!r} must be a positive finite number.")
+        steps = self.steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"`distill.steps`={steps!r} must be None or an int >= 1.")
 
 
 def distillation_loss(
@@ -111,6 +148,27 @@ class LogitDistiller:
         """Mean distillation loss (before ``weight``) over the calls so far; NaN if none."""
         return float(self._loss_total) / self.calls if self.calls else float("nan")
 
+    def state_dict(self) -> dict[str, Any]:
+        """The teacher (pickled) and the running loss, enough to continue after a restore."""
+        buffer = io.BytesIO()
+        torch.save(self.teacher, buffer)
+        return {"module": buffer.getvalue(), "calls": self.calls, "loss_total": float(self._loss_total)}
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        student: nn.Module,
+        state: dict[str, Any],
+        weight: float = 1.0,
+        temperature: float = 2.0,
+        map_location: Any = None,
+    ) -> LogitDistiller:
+        teacher = torch.load(io.BytesIO(state["module"]), map_location=map_location, weights_only=False)
+        distiller = cls(student, teacher, weight=weight, temperature=temperature)
+        distiller.calls = int(state["calls"])
+        distiller._loss_total = torch.tensor(float(state["loss_total"]), dtype=torch.float64)
+        return distiller
+
     def _hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if module is not self.student or not module.training or not torch.is_grad_enabled():
             return None
@@ -130,3 +188,69 @@ class LogitDistiller:
             + distillation_loss(output.detach(), teacher_output, self.temperature).double()
         )
         return _AddDistillationGradient.apply(output, teacher_output.detach(), self.weight, self.temperature)
+
+
+class DistillWindow:
+    """The distillation window after a pruning event: at most one open at a time, closed after
+    ``config.steps`` optimizer steps (see :meth:`step`) or by the caller.
+
+    Args:
+        config: weight, temperature and length of each window.
+    """
+
+    def __init__(self, config: DistillConfig) -> None:
+        self.config = config
+        self.distiller: LogitDistiller | None = None
+        self.steps_left: int | None = None
+        self.event = -1  # index of the event the open window follows
+
+    def open(
+        self,
+        student: nn.Module,
+        teacher: nn.Module | LogitDistiller,
+        event: int,
+        accumulation: int = 1,
+        steps_left: int | None = None,
+    ) -> None:
+        """Start distilling ``teacher`` into ``student``; the term is divided by ``accumulation`` (the
+        gradient-accumulation factor), as Lightning divides the loss."""
+        self.close()
+        distiller = teacher if isinstance(teacher, LogitDistiller) else LogitDistiller(student, teacher)
+        distiller.weight = self.config.weight / max(1, accumulation)
+        distiller.temperature = self.config.temperature
+        distiller.attach()
+        self.distiller, self.event = distiller, event
+        self.steps_left = self.config.steps if steps_left is None else steps_left
+
+    def step(self, steps: int = 1) -> bool:
+        """Count ``steps`` optimizer steps; whether the window's length is used up (the caller closes it)."""
+        if self.distiller is None or self.steps_left is None:
+            return False
+        self.steps_left -= steps
+        return self.steps_left <= 0
+
+    def close(self, events: list[dict[str, Any]] | None = None) -> tuple[int, float] | None:
+        """Stop distilling: ``(calls, mean loss)`` of the window, or ``None`` if none was open. With
+        ``events`` (records by event index), the window's event gets ``distill_calls`` and ``distill_loss``."""
+        distiller, self.distiller = self.distiller, None
+        if distiller is None:
+            return None
+        distiller.detach()
+        event, self.event, self.steps_left = self.event, -1, None
+        if events is not None and 0 <= event < len(events):
+            record = events[event]
+            record["distill_calls"] = record.get("distill_calls", 0) + distiller.calls
+            record["distill_loss"] = distiller.mean_loss
+        return distiller.calls, distiller.mean_loss
+
+    def state_dict(self) -> dict[str, Any] | None:
+        if self.distiller is None:
+            return None
+        return {**self.distiller.state_dict(), "steps_left": self.steps_left, "event": self.event}
+
+    def load_state_dict(
+        self, student: nn.Module, state: dict[str, Any], accumulation: int = 1, map_location: Any = None
+    ) -> None:
+        """Reopen the window saved in ``state`` (its teacher, running loss and steps left)."""
+        distiller = LogitDistiller.from_state_dict(student, state, map_location=map_location)
+        self.open(student, distiller, int(state["event"]), accumulation, state["steps_left"])

@@ -1,8 +1,9 @@
-"""Pruning as plain torch: the cubic sparsity schedule, absolute unstructured masks, dependency-aware channel
-removal, and the bookkeeping a structural change needs (optimizer state, replay on a fresh module).
+"""Pruning as plain torch: the prune event (:class:`Pruner`): absolute unstructured masks or dependency-aware
+channel removal, and the bookkeeping a structural change needs (optimizer state, fitting a fresh module to a
+pruned state dict).
 
-Nothing here imports Lightning. :class:`~lightning_pulse.callbacks.scheduled_prune.ScheduledPrune` decides
-*when* to prune; this module decides *what* and does it.
+Nothing here imports Lightning. :mod:`lightning_pulse.core.prune_schedule` decides *when* to prune and to
+what sparsity; this module decides *what* and does it.
 
 * Unstructured: ``torch.nn.utils.prune`` masks. Targets are absolute: a mask is recomputed from scratch for
   the asked sparsity (never multiplied into the old one), and weights pruned earlier are pruned first, so
@@ -19,7 +20,8 @@ import copy
 import importlib
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 RANKINGS = ("layer", "global")
-IMPORTANCES = ("magnitude", "taylor")
+MODES = ("unstructured", "structured")
 DEFAULT_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 
 # Module attributes holding hooks; a copy made for a teacher or a shadow must not carry the live hooks of other
@@ -46,22 +48,6 @@ _HOOK_DICTS = (
     "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )
-
-
-# ---------------------------------------------------------------------------------------------- schedule
-def cubic_sparsity(step: float, initial: float, final: float, start_step: float, end_step: float) -> float:
-    """Sparsity at ``step`` on the schedule of Zhu & Gupta (2017), Eq. 1.
-
-    ``s_t = s_f + (s_i - s_f) * (1 - (t - t_0) / (n * dt))**3`` for ``t_0 <= t <= t_0 + n * dt``, with
-    ``t_0 = start_step`` and ``t_0 + n * dt = end_step``; ``s_i`` before the start, ``s_f`` after the end.
-    Pruning is fast early, while the network is redundant, and slows as it approaches the final sparsity.
-    """
-    if step <= start_step:
-        return float(initial)
-    if step >= end_step:
-        return float(final)
-    progress = (step - start_step) / (end_step - start_step)
-    return float(final + (initial - final) * (1.0 - progress) ** 3)
 
 
 def _round_count(share: float, total: int) -> int:
@@ -110,24 +96,18 @@ def _has_weight(module: nn.Module) -> bool:
 
 
 def select_layers(
-    model: nn.Module,
-    layer_types: tuple[type, ...] = (),
-    pattern: str | None = None,
-    exclude: str | None = None,
+    model: nn.Module, layer_types: tuple[type, ...] = (), exclude: str | None = None
 ) -> dict[str, nn.Module]:
-    """The layers of ``model`` to prune, by qualified name.
+    """The layers of ``model`` to prune, by qualified name: the one place that decides what is prunable.
 
-    A layer is chosen if it has a ``weight`` parameter, is an instance of one of ``layer_types`` (any type when
-    empty), its name matches ``pattern`` (``re.search``; any name when ``None``) and does not match
-    ``exclude``.
+    A layer is chosen if it has a ``weight`` parameter, is an instance of one of ``layer_types`` (any type
+    when empty) and its name does not match the regex ``exclude`` (``re.search``).
     """
     chosen = {}
     for name, module in model.named_modules():
         if not name or not _has_weight(module):
             continue
         if layer_types and not isinstance(module, layer_types):
-            continue
-        if pattern is not None and re.search(pattern, name) is None:
             continue
         if exclude is not None and re.search(exclude, name) is not None:
             continue
@@ -283,52 +263,6 @@ def global_sparsity(layers: Mapping[str, nn.Module]) -> float:
     return zeros / total if total else 0.0
 
 
-# ---------------------------------------------------------------------------------------------- gradient scores
-class TaylorScores:
-    """First-order Taylor importance ``|w * dL/dw|`` per weight (Molchanov et al. 2019), averaged over steps.
-
-    Call :meth:`update` once per optimizer step (after gradients are final, e.g. Lightning's
-    ``on_before_optimizer_step``). Under DDP the gradients are already averaged over ranks there, so every
-    rank holds the same scores. Keyed by parameter name, so scores survive a checkpoint and a remap.
-    """
-
-    def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.steps = 0
-
-    @torch.no_grad()
-    def update(
-        self, named_parameters: Iterator[tuple[str, nn.Parameter]] | Sequence[tuple[str, nn.Parameter]]
-    ) -> None:
-        for name, parameter in named_parameters:
-            if parameter.grad is None:
-                continue
-            score = (parameter.detach() * parameter.grad.detach()).abs().float()
-            if name in self.sums and self.sums[name].shape == score.shape:
-                self.sums[name].add_(score)
-            else:
-                self.sums[name] = score.clone()
-        self.steps += 1
-
-    def mean(self, name: str) -> torch.Tensor | None:
-        total = self.sums.get(name)
-        return None if total is None or not self.steps else total / self.steps
-
-    def reset(self) -> None:
-        self.sums.clear()
-        self.steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "sums": {name: value.detach().cpu() for name, value in self.sums.items()},
-            "steps": self.steps,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
-        self.sums = {name: value.to(device) if device else value for name, value in state["sums"].items()}
-        self.steps = int(state["steps"])
-
-
 # ---------------------------------------------------------------------------------------------- copies
 def copy_without_hooks(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` that carries none of its hooks, except ``torch.nn.utils.prune`` masks.
@@ -456,58 +390,13 @@ def channel_groups(graph: Any, model: nn.Module, roots: Mapping[str, nn.Module])
     return groups
 
 
-class _ScoresInPlaceOfWeights:
-    """Temporarily puts per-weight scores where the weights are, so torch-pruning's group magnitude (with
-    ``p=1``) sums scores over each channel and its coupled layers: a grouped Taylor importance."""
-
-    def __init__(self, model: nn.Module, scores: TaylorScores) -> None:
-        self.model = model
-        self.scores = scores
-        self._saved: list[tuple[nn.Parameter, torch.Tensor]] = []
-
-    def __enter__(self) -> None:
-        for name, parameter in self.model.named_parameters():
-            score = self.scores.mean(name)
-            if score is None or score.shape != parameter.shape:
-                score = torch.zeros_like(parameter)
-            self._saved.append((parameter, parameter.data))
-            parameter.data = score.to(parameter.data)
-
-    def __exit__(self, *exc: Any) -> None:
-        for parameter, data in self._saved:
-            parameter.data = data
-        self._saved.clear()
-
-
-def channel_importance(
-    model: nn.Module,
-    groups: Sequence[ChannelGroup],
-    importance: str = "magnitude",
-    scores: TaylorScores | None = None,
-    normalize: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Importance of each channel of each group, by root name.
-
-    ``"magnitude"``: the group L2 norm (each channel's weights in the root layer and in every coupled layer).
-    ``"taylor"``: the group sum of averaged ``|w * dL/dw|``. ``normalize`` divides each group by its mean, so
-    groups can be ranked together (global ranking).
-    """
-    if importance not in IMPORTANCES:
-        raise ValueError(f"`importance`={importance!r} is not one of {list(IMPORTANCES)}.")
+def channel_importance(groups: Sequence[ChannelGroup], normalize: bool = False) -> dict[str, torch.Tensor]:
+    """Importance of each channel of each group, by root name: the group L2 norm (each channel's weights in
+    the root layer and in every coupled layer). ``normalize`` divides each group by its mean, so groups can be
+    ranked together (global ranking)."""
     tp = import_torch_pruning()
-    normalizer = "mean" if normalize else None
-    result = {}
-    if importance == "magnitude":
-        scorer = tp.importance.GroupMagnitudeImportance(p=2, normalizer=normalizer)
-        for channel_group in groups:
-            result[channel_group.root] = scorer(channel_group.group)
-        return {name: imp for name, imp in result.items() if imp is not None}
-    if scores is None or not scores.steps:
-        raise ValueError("`importance`='taylor' needs gradient scores from at least one optimizer step.")
-    scorer = tp.importance.GroupMagnitudeImportance(p=1, normalizer=normalizer)
-    with _ScoresInPlaceOfWeights(model, scores):
-        for channel_group in groups:
-            result[channel_group.root] = scorer(channel_group.group)
+    scorer = tp.importance.GroupMagnitudeImportance(p=2, normalizer="mean" if normalize else None)
+    result = {channel_group.root: scorer(channel_group.group) for channel_group in groups}
     return {name: imp for name, imp in result.items() if imp is not None}
 
 
@@ -636,15 +525,6 @@ def remap_optimizer_state(optimizer: torch.optim.Optimizer, remap: ParameterRema
     return problems
 
 
-def remap_taylor_scores(scores: TaylorScores, model: nn.Module, remap: ParameterRemap) -> None:
-    """Cut accumulated scores of replaced parameters to their new shapes."""
-    name_of_new = {id(parameter): name for name, parameter in model.named_parameters()}
-    for old, new, kept in remap:
-        name = name_of_new.get(id(new))
-        if name is not None and name in scores.sums and scores.sums[name].shape == old.shape:
-            scores.sums[name] = ParameterRemap.apply(scores.sums[name], old.shape, new.shape, kept)
-
-
 def _index_shadow(module: nn.Module) -> nn.Module:
     # A copy of the layer whose every parameter holds its own flat indices (float64: exact up to 2**53
     # elements). Running torch-pruning's handler on it tells which elements the real handler keeps, whatever
@@ -728,8 +608,6 @@ def prune_channels(
     sparsity: float,
     original_channels: dict[str, int],
     ranking: str = "layer",
-    importance: str = "magnitude",
-    scores: TaylorScores | None = None,
     min_channels: int = 1,
 ) -> StructuredResult:
     """Physically remove channels so that ``sparsity`` of the original channels of ``layers`` are gone.
@@ -741,7 +619,7 @@ def prune_channels(
     groups = channel_groups(graph, model, layers)
     for channel_group in groups:
         original_channels.setdefault(channel_group.root, channel_group.channels)
-    importances = channel_importance(model, groups, importance, scores, normalize=ranking == "global")
+    importances = channel_importance(groups, normalize=ranking == "global")
     removals = channels_to_remove(importances, original_channels, sparsity, ranking, min_channels)
     remap = ParameterRemap()
     roots = {channel_group.root: channel_group.module for channel_group in groups}
@@ -786,3 +664,316 @@ def channel_sparsity(
     total = sum(original_channels[name] for name in per_layer)
     left = sum(counts[name] for name in per_layer)
     return (1.0 - left / total if total else 0.0), per_layer
+
+
+# ---------------------------------------------------------------------------------------------- example inputs
+def default_input_from_batch(batch: Any) -> Any:
+    """The model input of a batch: the batch itself if it is a tensor, its first item if it is a tuple or
+    list, or its ``"x"`` / ``"input"`` / ``"inputs"`` / ``"input_ids"`` entry if it is a mapping."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    if isinstance(batch, Mapping):
+        for key in ("x", "input", "inputs", "input_ids"):
+            if key in batch:
+                return batch[key]
+    raise ValueError(
+        "Structured pruning traces the model on one training input but cannot find it in a batch of type "
+        f"{type(batch).__name__}; set the module's `example_input_array`."
+    )
+
+
+def example_input(module: nn.Module, batch: Any) -> Any:
+    """What to trace ``module`` with: its ``example_input_array`` if set, else the model input of ``batch``."""
+    example = getattr(module, "example_input_array", None)
+    if example is not None:
+        return example
+    if batch is None:
+        raise ValueError("Structured pruning needs a training batch to trace the model with; none seen yet.")
+    return default_input_from_batch(batch)
+
+
+def small_example(example: Any) -> Any:
+    """Two samples of ``example`` on the CPU: enough to trace the graph, and tiny in a checkpoint."""
+    if isinstance(example, torch.Tensor):
+        return (example[:2] if example.dim() and example.shape[0] > 2 else example).detach().cpu().clone()
+    if isinstance(example, (list, tuple)):
+        return type(example)(small_example(item) for item in example)
+    return example
+
+
+# ---------------------------------------------------------------------------------------------- the event
+@dataclass
+class PruneOutcome:
+    """What one :meth:`Pruner.prune` call reached.
+
+    Attributes:
+        sparsity: share of the chosen weights (unstructured) or original channels (structured) now gone.
+        layer_sparsity: the same per layer.
+        remap: parameters replaced (structured; empty otherwise).
+        problems: optimizer states that could not be cut and were reset, as messages.
+    """
+
+    sparsity: float
+    layer_sparsity: dict[str, float]
+    remap: ParameterRemap
+    problems: list[str]
+
+
+class Pruner:
+    """A pruning event on any ``nn.Module``: masks or removes channels down to an absolute target, and
+    remembers what it removed so that a fresh module can be rebuilt to the same shapes.
+
+    Args:
+        mode: ``"unstructured"`` (``torch.nn.utils.prune`` masks on ``|w|``) or ``"structured"`` (output
+            channels removed with torch-pruning, ranked by their group L2 norm).
+        layer_types: layer classes, ``torch.nn`` names or dotted paths to prune; ``None`` for any layer with a
+            ``weight``.
+        exclude_pattern: never layers whose qualified name matches this regex (``re.search``).
+        ranking: ``"layer"`` (every layer reaches the target) or ``"global"`` (all chosen layers together).
+        min_channels: structured: channels every layer keeps at least.
+
+    Raises:
+        ValueError: naming the field, for an unknown ``mode``/``ranking``, a bad layer type or regex.
+        ModuleNotFoundError: structured mode without torch-pruning installed.
+
+    Attributes:
+        original_channels: structured: root layer name -> its channels before any pruning.
+        history: structured: torch-pruning's history of every removal, in order.
+        example_inputs: structured: the two-sample input the model is traced with.
+    """
+
+    def __init__(
+        self,
+        mode: str = "unstructured",
+        layer_types: Sequence[str | type] | None = DEFAULT_LAYER_TYPES,
+        exclude_pattern: str | None = None,
+        ranking: str = "layer",
+        min_channels: int = 1,
+    ) -> None:
+        for field, value, allowed in (("mode", mode, MODES), ("ranking", ranking, RANKINGS)):
+            if value not in allowed:
+                raise ValueError(f"`{field}`={value!r} is not one of {list(allowed)}.")
+        if isinstance(min_channels, bool) or not isinstance(min_channels, int) or min_channels < 1:
+            raise ValueError(f"`min_channels`={min_channels!r} must be an int >= 1.")
+        if exclude_pattern is not None:
+            try:
+                re.compile(exclude_pattern)
+            except (re.error, TypeError) as error:
+                raise ValueError(
+                    f"`exclude_pattern`={exclude_pattern!r} is not a valid regular expression: {error}."
+                ) from None
+        if mode == "structured":
+            import_torch_pruning()
+        self.mode, self.ranking, self.min_channels, self.exclude_pattern = (
+            mode,
+            ranking,
+            min_channels,
+            exclude_pattern,
+        )
+        self.layer_types = resolve_layer_types(layer_types)
+        self.original_channels: dict[str, int] = {}
+        self.history: list[list[Any]] = []
+        self.example_inputs: Any = None
+
+    def layers(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The layers of ``model`` this pruner prunes, by qualified name."""
+        return select_layers(model, self.layer_types, self.exclude_pattern)
+
+    def prune(
+        self,
+        model: nn.Module,
+        sparsity: float,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        example: Any = None,
+    ) -> PruneOutcome:
+        """Bring the chosen layers of ``model`` to ``sparsity``; pruned weights or channels stay pruned.
+
+        Structured: ``example`` (a model input; two samples are kept) traces the model the first time, and
+        every optimizer's parameters and state are moved onto the replaced parameters in place.
+        """
+        layers = self.layers(model)
+        if self.mode == "unstructured":
+            scores = {name: effective_weight(module).abs() for name, module in layers.items()}
+            previous = {name: current_mask(module) for name, module in layers.items()}
+            apply_masks(layers, unstructured_masks(scores, sparsity, self.ranking, previous))
+            return PruneOutcome(global_sparsity(layers), layer_sparsity(layers), ParameterRemap(), [])
+        if self.example_inputs is None:
+            if example is None:
+                raise ValueError("Structured pruning needs an example input to trace the model with.")
+            self.example_inputs = small_example(example)
+        result = prune_channels(
+            model,
+            self.example_inputs,
+            layers,
+            sparsity,
+            self.original_channels,
+            self.ranking,
+            self.min_channels,
+        )
+        self.history.extend(result.history)
+        problems = []
+        if len(result.remap):
+            for optimizer in optimizers:
+                problems += remap_optimizer_state(optimizer, result.remap)
+        counts = channel_counts(model, list(self.original_channels))
+        reached, per_layer = channel_sparsity(counts, self.original_channels)
+        return PruneOutcome(reached, per_layer, result.remap, problems)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "history": [list(entry) for entry in self.history],
+            "original_channels": dict(self.original_channels),
+            "example_inputs": self.example_inputs,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.history = [list(entry) for entry in state["history"]]
+        self.original_channels = dict(state["original_channels"])
+        self.example_inputs = state["example_inputs"]
+
+
+def event_record(
+    step: int,
+    target: float,
+    outcome: PruneOutcome,
+    model: nn.Module,
+    probe_before: Mapping[str, float] | None = None,
+    probe_after: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """The record of one event: step, target and reached sparsity, per-layer sparsity, parameter counts
+    (:func:`count_parameters`) and the probe metrics before and after."""
+    return {
+        "step": int(step),
+        "target_sparsity": target,
+        "sparsity": outcome.sparsity,
+        "layer_sparsity": dict(outcome.layer_sparsity),
+        **count_parameters(model),
+        "probe_before": None if probe_before is None else dict(probe_before),
+        "probe_after": None if probe_after is None else dict(probe_after),
+    }
+
+
+def event_metrics(event: Mapping[str, Any]) -> dict[str, float]:
+    """An :func:`event_record` as flat ``prune/...`` metrics for a logger."""
+    metrics = {
+        "prune/target_sparsity": float(event["target_sparsity"]),
+        "prune/sparsity": float(event["sparsity"]),
+        "prune/params": float(event["params"]),
+        "prune/params_nonzero": float(event["params_nonzero"]),
+    }
+    metrics.update({f"prune/layer/{name}": value for name, value in event["layer_sparsity"].items()})
+    for when in ("before", "after"):
+        metrics.update(
+            {f"prune/{name}_{when}": value for name, value in (event[f"probe_{when}"] or {}).items()}
+        )
+    return metrics
+
+
+def event_summary(event: Mapping[str, Any]) -> str:
+    """One line on an :func:`event_record`."""
+
+    def probe(values: Mapping[str, float] | None) -> str:
+        return ", ".join(f"{name}={value:.4f}" for name, value in sorted(values.items())) if values else "n/a"
+
+    text = (
+        f"step {event['step']}: sparsity {event['sparsity']:.3f} (target {event['target_sparsity']:.3f}), "
+        f"{event['params_nonzero']} non-zero parameters"
+    )
+    if event["probe_after"]:
+        text += f", {probe(event['probe_before'])} -> {probe(event['probe_after'])}"
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- resume
+Structure = Mapping[str, Any]  # a Pruner's state_dict: "history" and "example_inputs"
+
+
+def fit_to_state_dict(
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    prefix: str = "",
+    structure: Structure | Callable[[], Structure | None] | None = None,
+) -> None:
+    """Make a freshly built ``module`` fit a state dict saved from a pruned one, before it loads.
+
+    Adds a mask to every layer with a ``*.weight_mask`` entry and, when shapes differ, replays the channel
+    removals recorded in ``structure`` (a :class:`Pruner`'s state dict, or a function returning it, asked
+    only then).
+
+    Raises:
+        RuntimeError: shapes differ and ``structure`` records no removals.
+    """
+    keys = [key[len(prefix) :] for key in state_dict if key.startswith(prefix)]
+    for key in keys:
+        if key.endswith(".weight_mask"):
+            try:
+                layer = module.get_submodule(key[: -len(".weight_mask")])
+            except AttributeError:
+                continue
+            if "weight" in layer._parameters:
+                add_mask(layer)
+    own = module.state_dict()
+    mismatched = [
+        key
+        for key in keys
+        if key in own
+        and isinstance(state_dict[prefix + key], torch.Tensor)
+        and own[key].shape != state_dict[prefix + key].shape
+    ]
+    if not mismatched:
+        return
+    recorded = structure() if callable(structure) else structure
+    if not recorded or not recorded.get("history"):
+        raise RuntimeError(
+            f"The state dict has pruned shapes ({mismatched[0]}) but no recorded channel removals to rebuild "
+            "them (the checkpoint lacks ScheduledPrune's state, e.g. it was saved with weights_only=True). Load "
+            "it with ScheduledPrune.load_pruned(module, checkpoint)."
+        )
+    replay_structure(module, recorded["example_inputs"], recorded["history"])
+
+
+def load_pruned(
+    module: nn.Module, checkpoint: Mapping[str, Any], state_key: str = "ScheduledPrune"
+) -> nn.Module:
+    """Load a Lightning ``checkpoint`` dict into a freshly built ``module``, fitting it first with the
+    structure recorded in the callback state whose key starts with ``state_key``. Returns ``module``."""
+    callbacks = checkpoint.get("callbacks", {})
+    structure = next((value for key, value in callbacks.items() if str(key).startswith(state_key)), None)
+    fit_to_state_dict(module, checkpoint["state_dict"], structure=structure)
+    module.load_state_dict(checkpoint["state_dict"])
+    return module
+
+
+class StateDictFitter:
+    """``load_state_dict`` pre-hook running :func:`fit_to_state_dict` with the structure that ``structure()``
+    returns when asked (e.g. read from the checkpoint being restored).
+
+    Holds a bound ``structure`` weakly, and is neither deep-copied nor pickled with the module (a copy of the
+    module would otherwise drag the owner, and through it a Trainer, along).
+    """
+
+    def __init__(self, structure: Callable[[], Structure | None]) -> None:
+        self._structure: Callable[[], Any] = (
+            weakref.WeakMethod(structure) if hasattr(structure, "__self__") else lambda: structure
+        )
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        structure = self._structure()
+        if structure is not None:
+            fit_to_state_dict(module, state_dict, prefix, structure)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StateDictFitter:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inert_hook, ())
+
+
+def _inert_hook(*args: Any) -> Callable[..., None]:
+    return _do_nothing
+
+
+def _do_nothing(*args: Any) -> None:
+    return None

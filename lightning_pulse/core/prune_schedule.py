@@ -1,0 +1,167 @@
+"""The gradual pruning schedule of Zhu & Gupta (2017), as plain Python: when to prune, and to what sparsity.
+
+:class:`PruneSchedule` is configured with the user's ``start``/``end`` (an optimizer step or a share of the
+run), resolved to steps once the run's length is known, and tracks the sparsity its events reached so far.
+Targets are absolute and only grow: an event prunes to the schedule's value at its step, never by a share of
+what is left.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+_EPSILON = 1e-9
+
+
+def cubic_sparsity(step: float, initial: float, final: float, start_step: float, end_step: float) -> float:
+    """Sparsity at ``step`` on the schedule of Zhu & Gupta (2017), Eq. 1.
+
+    ``s_t = s_f + (s_i - s_f) * (1 - (t - t_0) / (n * dt))**3`` for ``t_0 <= t <= t_0 + n * dt``, with
+    ``t_0 = start_step`` and ``t_0 + n * dt = end_step``; ``s_i`` before the start, ``s_f`` after the end.
+    Pruning is fast early, while the network is redundant, and slows as it approaches the final sparsity.
+    """
+    if step <= start_step:
+        return float(initial)
+    if step >= end_step:
+        return float(final)
+    progress = (step - start_step) / (end_step - start_step)
+    return float(final + (initial - final) * (1.0 - progress) ** 3)
+
+
+def check_share(value: Any, field: str, upper_open: bool = False) -> None:
+    """Raise a ``ValueError`` naming ``field`` unless ``value`` is a number in ``[0, 1]`` (``[0, 1)``)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or value < 0 or (value >= 1 if upper_open else value > 1):
+        allowed = "[0, 1)" if upper_open else "[0, 1]"
+        raise ValueError(f"`{field}`={value!r} must be a number in {allowed}.")
+
+
+def check_int(value: Any, field: str, minimum: int) -> None:
+    """Raise a ``ValueError`` naming ``field`` unless ``value`` is an ``int >= minimum`` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{field}`={value!r} must be an int >= {minimum}.")
+
+
+def check_when(value: Any, field: str) -> None:
+    """Raise a ``ValueError`` naming ``field`` unless ``value`` is an int step >= 0 or a float share in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"`{field}`={value!r} must be an int optimizer step or a float share of the run in [0, 1]."
+        )
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"`{field}`={value!r} must be a non-negative optimizer step.")
+    if isinstance(value, float) and not 0 <= value <= 1:
+        raise ValueError(f"`{field}`={value!r} is a share of the run and must be in [0, 1].")
+
+
+def as_config(value: Any, cls: type, field: str) -> Any:
+    """``value`` as a ``cls`` dataclass: ``None`` and instances as they are, a mapping as ``cls(**value)``."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return cls(**value)
+        except TypeError as error:
+            raise ValueError(f"`{field}`={dict(value)!r}: {error}.") from None
+    raise ValueError(f"`{field}`={value!r} must be a {cls.__name__} (or a mapping of its fields) or None.")
+
+
+def resolve_step(when: int | float, total_steps: float, field: str) -> int:
+    """An ``int`` step as given, or a ``float`` share of ``total_steps`` rounded to a step."""
+    if isinstance(when, int):
+        return when
+    if not math.isfinite(total_steps):
+        raise ValueError(
+            f"`{field}`={when} is a share of the run, so the run needs a finite max_steps or max_epochs; give "
+            "an int step instead."
+        )
+    return int(round(when * total_steps))
+
+
+class PruneSchedule:
+    """When to prune and to what sparsity, with the sparsity reached so far.
+
+    Events come from outside: :meth:`advance` is called at each chance to prune (a maintain-phase start, or a
+    step at or after :attr:`next_step` on the step cadence) and returns the target to prune to, or ``None``
+    when the schedule asks for nothing more than what was reached. Before :meth:`resolve` the span is unknown.
+
+    Args:
+        final_sparsity: sparsity at and after ``end``, in ``[0, 1)``.
+        initial_sparsity: sparsity at ``start``, in ``[0, final_sparsity]``.
+        start: an ``int`` optimizer step, or a ``float`` share of the run in ``[0, 1]``.
+        end: same forms; not before ``start``.
+        every: steps between chances on the step cadence.
+
+    Raises:
+        ValueError: naming the field, for a value out of range or of the wrong type.
+    """
+
+    def __init__(
+        self,
+        final_sparsity: float = 0.5,
+        initial_sparsity: float = 0.0,
+        start: int | float = 0.1,
+        end: int | float = 0.7,
+        every: int = 100,
+    ) -> None:
+        check_share(final_sparsity, "final_sparsity", upper_open=True)
+        check_share(initial_sparsity, "initial_sparsity", upper_open=True)
+        if initial_sparsity > final_sparsity:
+            raise ValueError(
+                f"`initial_sparsity`={initial_sparsity} must not exceed `final_sparsity`={final_sparsity}; "
+                "sparsity only grows."
+            )
+        check_when(start, "start")
+        check_when(end, "end")
+        if type(start) is type(end) and end < start:
+            raise ValueError(f"`end`={end!r} comes before `start`={start!r}.")
+        check_int(every, "every", minimum=1)
+        self.final_sparsity = float(final_sparsity)
+        self.initial_sparsity = float(initial_sparsity)
+        self.start, self.end, self.every = start, end, every
+        self.start_step = self.end_step = 0
+        self.sparsity = 0.0  # the target of the last event
+        self.finished = False
+        self.next_step: int | None = None
+
+    def resolve(self, total_steps: float) -> None:
+        """Fix the span in optimizer steps for a run of ``total_steps`` (``inf`` if unknown)."""
+        self.start_step = resolve_step(self.start, total_steps, "start")
+        self.end_step = resolve_step(self.end, total_steps, "end")
+        if self.end_step < self.start_step:
+            raise ValueError(f"`end` (step {self.end_step}) comes before `start` (step {self.start_step}).")
+        if self.next_step is None and not self.finished:
+            self.next_step = self.start_step
+
+    def target(self, step: int) -> float:
+        """The schedule's sparsity at ``step``."""
+        return cubic_sparsity(
+            step, self.initial_sparsity, self.final_sparsity, self.start_step, self.end_step
+        )
+
+    def due(self, step: int) -> bool:
+        """Whether the step cadence has a chance to prune at ``step``."""
+        return not self.finished and self.next_step is not None and step >= self.next_step
+
+    def advance(self, step: int) -> float | None:
+        """Take the chance to prune at ``step``: the sparsity to prune to now, or ``None``."""
+        if self.finished or step < self.start_step:
+            return None
+        target = self.target(step)
+        reached_end = step >= self.end_step
+        self.next_step = None if reached_end else min(step + self.every, self.end_step)
+        self.finished = reached_end
+        if target <= self.sparsity + _EPSILON:
+            return None
+        self.sparsity = target
+        return target
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sparsity": self.sparsity, "finished": self.finished, "next_event_step": self.next_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sparsity = float(state["sparsity"])
+        self.finished = bool(state["finished"])
+        self.next_step = state["next_event_step"]
