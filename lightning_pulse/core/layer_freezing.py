@@ -1,0 +1,741 @@
+"""Stability-based freezing of a model's leading units, so that backward stops early. Plain torch.
+
+The pieces:
+
+* :func:`discover_units` splits a model into *units* (embedding, blocks, head, ...) named by their parameters;
+  it is the one place that decides which parameters are frozen together.
+* :func:`record_gradient_order` and :func:`order_units` put the units into forward order from the order in
+  which one real backward finished their gradients (the unit finished last is the one nearest the input).
+* :class:`LayerFreezer`: the state machine. Every ``check_every`` optimizer steps it scores each training unit
+  by its plasticity (relative parameter movement over the window, against the largest it ever had) and freezes
+  the longest stable *prefix* (``requires_grad`` off), for at most ``freeze_for`` steps before the prefix trains
+  one window again to re-check.
+* :class:`BackwardFlopLedger`: backward FLOPs per frozen-prefix length, measured once each with
+  ``torch.utils.flop_counter``, turned into FLOPs skipped.
+
+Why a prefix: autograd only skips work when nothing upstream needs a gradient. Freezing the first ``k`` units
+means the activation entering unit ``k`` does not require grad, so backward stops there and neither the weight
+gradients nor the input gradients of the prefix are computed. Freezing a unit in the middle would only save
+its weight gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+STATE_VERSION = 2
+DEFAULT_MIN_UNITS = 8
+
+
+# ---------------------------------------------------------------------------------------------------- settings
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def _check_run_point(name: str, point: int | float | None) -> None:
+    if point is None:
+        return
+    if not _is_number(point):
+        raise ValueError(f"`{name}`={point!r} must be an int step, a float share in [0, 1], or None.")
+    if isinstance(point, int) and point < 0:
+        raise ValueError(f"`{name}`={point!r} must be a non-negative int step.")
+    if isinstance(point, float) and not 0.0 <= point <= 1.0:
+        raise ValueError(f"`{name}`={point!r} must be a float share in [0, 1] of the run.")
+
+
+@dataclass(frozen=True)
+class FreezeWindow:
+    """When freezing is allowed: in which pulse phases, and between which optimizer steps.
+
+    Attributes:
+        phases: names of the phases in which units may be frozen.
+        start_at: no freezing before this point: an ``int`` step or a ``float`` share of the run in [0, 1].
+        release_at: no freezing from this point on (same forms); ``None``: never.
+    """
+
+    phases: tuple[str, ...] = ("replay", "maintain")
+    start_at: int | float | None = None
+    release_at: int | float | None = None
+
+    def __post_init__(self) -> None:
+        from lightning_pulse.phase import PHASE_NAMES
+
+        phases = self.phases
+        if isinstance(phases, str) or not phases or not all(name in PHASE_NAMES for name in phases):
+            raise ValueError(
+                f"`phases`={phases!r} must be a non-empty list of phase names from {list(PHASE_NAMES)}."
+            )
+        object.__setattr__(self, "phases", tuple(phases))
+        _check_run_point("start_at", self.start_at)
+        _check_run_point("release_at", self.release_at)
+
+    def steps(self, total_steps: float) -> tuple[int | None, int | None]:
+        """``(start, release)`` as optimizer steps of a run of ``total_steps``.
+
+        Raises:
+            ValueError: for a ``float`` share when ``total_steps`` is not finite.
+        """
+        resolved = []
+        for name, point in (("start_at", self.start_at), ("release_at", self.release_at)):
+            if isinstance(point, float):
+                if not math.isfinite(total_steps):
+                    raise ValueError(
+                        f"`{name}`={point!r} is a share of the run, which needs a finite max_steps or max_epochs; "
+                        "give an int step instead."
+                    )
+                point = int(round(point * total_steps))
+            resolved.append(point)
+        return resolved[0], resolved[1]
+
+
+@dataclass(frozen=True)
+class FreezeSettings:
+    """Validated settings of a :class:`LayerFreezer`.
+
+    Attributes:
+        threshold: a unit is stable when its plasticity score (movement over the last window divided by the
+            largest window movement it ever had) is ``<= threshold``; ``>= 0``. Scores never exceed 1, so
+            ``threshold >= 1`` freezes whatever has been checked once.
+        check_every: optimizer steps per window; units are scored at the end of every window.
+        freeze_for: longest freeze, in optimizer steps, before the prefix trains one window to re-check; a
+            multiple of ``check_every``.
+        max_frozen_share: largest share of the trainable parameters frozen at once, in (0, 1].
+    """
+
+    threshold: float = 0.2
+    check_every: int = 20
+    freeze_for: int = 200
+    max_frozen_share: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.threshold) or not 0.0 <= self.threshold < math.inf:
+            raise ValueError(f"`threshold`={self.threshold!r} must be a finite number >= 0.")
+        for name in ("check_every", "freeze_for"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}`={value!r} must be a positive int of optimizer steps.")
+        if self.freeze_for % self.check_every:
+            raise ValueError(
+                f"`freeze_for`={self.freeze_for} must be a multiple of `check_every`={self.check_every}, "
+                "because freezes start and end at checks."
+            )
+        share = self.max_frozen_share
+        if not _is_number(share) or not 0.0 < share <= 1.0:
+            raise ValueError(f"`max_frozen_share`={share!r} must be a number in (0, 1].")
+
+
+# ---------------------------------------------------------------------------------------------------- units
+@dataclass
+class FreezeUnit:
+    """A group of parameters that is frozen or trained as one.
+
+    Attributes:
+        name: the module (or parameter) name the unit stands for, e.g. ``"blocks.0"`` or ``"position"``.
+        param_names: qualified names (as in ``model.named_parameters()``) of the trainable parameters it owns.
+        params: the parameters themselves, bound with :meth:`bind`.
+        used: whether the parameters received a gradient in the traced backward; unused units never freeze.
+    """
+
+    name: str
+    param_names: list[str]
+    params: list[nn.Parameter] = field(default_factory=list)
+    used: bool = True
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def bind(self, named: Mapping[str, nn.Parameter]) -> None:
+        missing = [name for name in self.param_names if name not in named]
+        if missing:
+            raise ValueError(f"Unit {self.name!r}: the model has no parameter {missing[0]!r}.")
+        self.params = [named[name] for name in self.param_names]
+
+
+def _under(prefix: str, names: Sequence[str]) -> list[str]:
+    return [name for name in names if name == prefix or name.startswith(prefix + ".")]
+
+
+def discover_units(
+    root: nn.Module, module_names: Sequence[str] | None = None, min_units: int = DEFAULT_MIN_UNITS
+) -> list[FreezeUnit]:
+    """Split ``root``'s trainable parameters into bound freeze units (registration order; see :func:`order_units`).
+
+    The one function that decides which parameters are frozen together: checks on the model (tied or shared
+    parameters across units, ...) belong here. ``named_parameters()`` yields a shared parameter once, under its
+    first name, which gives it one owner.
+
+    Automatic split: start from the whole model and keep expanding the largest unit that has sub-modules with
+    parameters into those sub-modules (its own direct parameters become one unit each) until there are at
+    least ``min_units`` units or nothing can be expanded. A transformer ends up as embedding, positional
+    parameter, blocks, final norm and head; a small CNN as its layers. Parameters the user froze are left out.
+
+    Args:
+        root: the model.
+        module_names: explicit units instead: qualified module or parameter names. Trainable parameters not
+            covered by any of them form one extra unit ``"<rest>"``.
+        min_units: the automatic split stops once there are this many units.
+
+    Raises:
+        ValueError: for a name that is neither a module nor a parameter of ``root``, or names that overlap.
+    """
+    named = {name: p for name, p in root.named_parameters() if p.requires_grad}
+    all_names = list(named)
+    if module_names is not None:
+        units = _explicit_units(root, module_names, all_names)
+    else:
+        units = [FreezeUnit(name, _under(name, all_names)) for name in _split(root, named, min_units)]
+        units = [unit for unit in units if unit.param_names]
+    for unit in units:
+        unit.bind(named)
+    return units
+
+
+def _explicit_units(root: nn.Module, module_names: Sequence[str], all_names: list[str]) -> list[FreezeUnit]:
+    modules = dict(root.named_modules())
+    parameters = dict(root.named_parameters())
+    units: list[FreezeUnit] = []
+    claimed: set[str] = set()
+    for name in module_names:
+        if name not in modules and name not in parameters:
+            raise ValueError(f"`units` entry {name!r} is neither a module nor a parameter of the model.")
+        owned = _under(name, all_names)
+        overlap = claimed.intersection(owned)
+        if overlap:
+            raise ValueError(f"`units` entry {name!r} overlaps another entry on {sorted(overlap)[0]!r}.")
+        claimed.update(owned)
+        if owned:
+            units.append(FreezeUnit(name, owned))
+    rest = [name for name in all_names if name not in claimed]
+    if rest:
+        units.append(FreezeUnit("<rest>", rest))
+    return units
+
+
+def _split(root: nn.Module, named: Mapping[str, nn.Parameter], min_units: int) -> list[str]:
+    all_names = list(named)
+
+    def expand(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module | None]]:
+        parts: list[tuple[str, nn.Module | None]] = []
+        for pname, param in module.named_parameters(recurse=False):
+            qualified = f"{prefix}.{pname}" if prefix else pname
+            if qualified in named and named[qualified] is param:
+                parts.append((qualified, None))
+        for cname, child in module.named_children():
+            qualified = f"{prefix}.{cname}" if prefix else cname
+            if _under(qualified, all_names):
+                parts.append((qualified, child))
+        return parts
+
+    def size(name: str) -> int:
+        return sum(named[n].numel() for n in _under(name, all_names))
+
+    pieces = expand("", root)
+    while True:
+        # a single wrapper (LightningModule -> net) is see-through: always expand it
+        candidates = [
+            (size(name), index)
+            for index, (name, module) in enumerate(pieces)
+            if module is not None and any(True for _ in module.children())
+        ]
+        if not candidates or (len(pieces) >= min_units and len(pieces) > 1):
+            break
+        _, index = max(candidates, key=lambda item: (item[0], -item[1]))
+        name, module = pieces[index]
+        replacement = expand(name, module)  # type: ignore[arg-type]
+        if not replacement:
+            break
+        pieces[index : index + 1] = replacement
+    return [name for name, _ in pieces]
+
+
+@contextmanager
+def record_gradient_order(params: Mapping[str, nn.Parameter]) -> Iterator[list[str]]:
+    """Record the names of ``params`` in the order backward finishes accumulating their gradients."""
+    order: list[str] = []
+    handles = []
+    for name, param in params.items():
+
+        def hook(_: torch.Tensor, name: str = name) -> None:
+            order.append(name)
+
+        handles.append(param.register_post_accumulate_grad_hook(hook))
+    try:
+        yield order
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def order_units(units: Sequence[FreezeUnit], gradient_order: Sequence[str]) -> list[FreezeUnit]:
+    """Sort units into forward order from a backward's gradient-completion order.
+
+    A unit's position is the *last* time one of its parameters got its gradient, read backwards: a tied
+    embedding/head weight completes last, so its unit counts as the first one. Units none of whose parameters
+    got a gradient are marked ``used=False`` and go last.
+    """
+    last_seen = {name: index for index, name in enumerate(gradient_order)}
+    keyed = []
+    for position, unit in enumerate(units):
+        seen = [last_seen[name] for name in unit.param_names if name in last_seen]
+        unit.used = bool(seen)
+        keyed.append((0 if seen else 1, -max(seen) if seen else position, position, unit))
+    return [unit for *_, unit in sorted(keyed, key=lambda item: item[:3])]
+
+
+def relative_parameter_change(params: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor]) -> float:
+    """``||theta - theta_snapshot|| / ||theta_snapshot||``: how far a unit moved over a window (plasticity).
+
+    One host sync (the returned float), once per unit and window.
+    """
+    if not params:
+        return 0.0
+    moved = torch.stack(
+        [torch.sum((p.detach().double() - s.double()) ** 2) for p, s in zip(params, snapshot)]
+    )
+    reference = torch.stack([torch.sum(s.double() ** 2) for s in snapshot])
+    moved_norm, reference_norm = (float(v) for v in torch.stack([moved.sum(), reference.sum()]).sqrt())
+    if reference_norm > 0:
+        return moved_norm / reference_norm
+    return math.inf if moved_norm > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------- the freezer
+@dataclass
+class StepReport:
+    """What one call of :meth:`LayerFreezer.step` did."""
+
+    window_closed: bool = False
+    changed: bool = False
+    frozen_prefix: int = 0
+    frozen_share: float = 0.0
+    refreshed: list[str] = field(default_factory=list)
+
+
+class LayerFreezer:
+    """Windows, plasticity scores and the frozen prefix of a list of :class:`FreezeUnit` in forward order.
+
+    Call :meth:`step` once per optimizer step, after the gradients are final and before the optimizer uses them.
+    It
+
+    1. counts the step into the window of every trainable unit;
+    2. every ``check_every`` steps closes the window: each unit that trained the whole window is scored by its
+       movement since the window's start (``||theta - theta_start|| / ||theta_start||``) divided by the largest
+       such movement it ever had, and is stable when the score is ``<= threshold``; then the longest prefix of
+       stable, fresh units within ``max_frozen_share`` is frozen (``requires_grad`` off). A unit is fresh while
+       its last score is younger than ``freeze_for`` steps; a frozen prefix whose oldest score expires is
+       released for one window to be scored again (a refresh; a *hit* if it is still stable);
+    3. sets ``grad=None`` on the units that were frozen during this backward, so torch optimizers skip them
+       (no momentum, no weight decay, no step count).
+
+    Args:
+        units: the bound units in forward order (see :func:`discover_units` and :func:`order_units`).
+        settings: validated :class:`FreezeSettings`.
+    """
+
+    def __init__(self, units: Sequence[FreezeUnit], settings: FreezeSettings | None = None) -> None:
+        self.units = list(units)
+        self.settings = settings or FreezeSettings()
+        n = len(self.units)
+        used = [i for i, unit in enumerate(self.units) if unit.used]
+        # the last unit that gets a gradient always trains, so the loss still requires grad
+        self.freezable_limit = used[-1] if used else 0
+        self._unit_numel = [unit.numel for unit in self.units]
+        self.trainable_numel = sum(self._unit_numel)
+        self.steps = 0
+        self.step_in_window = 0
+        self.frozen = [False] * n
+        self.stable = [False] * n
+        self.scores: list[float | None] = [None] * n
+        self.validated_at: list[int | None] = [None] * n
+        self.peak_rate = [0.0] * n
+        self.checking = [False] * n  # released from a freeze; the next full window is a refresh
+        self.window_count = [0] * n
+        self.snapshot: list[list[torch.Tensor]] = [self._clone_params(i) for i in range(n)]
+        self.refreshes = 0
+        self.refresh_hits = 0
+        self.frozen_share_sum = 0.0
+        self.freezes = 0
+
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def frozen_prefix(self) -> int:
+        """How many leading units are frozen now."""
+        count = 0
+        while count < len(self.units) and self.frozen[count]:
+            count += 1
+        return count
+
+    @property
+    def frozen_share(self) -> float:
+        """Share of the trainable parameters that are frozen now."""
+        frozen = sum(numel for numel, is_frozen in zip(self._unit_numel, self.frozen) if is_frozen)
+        return frozen / self.trainable_numel if self.trainable_numel else 0.0
+
+    @property
+    def staleness(self) -> int:
+        """Steps since the oldest score of a frozen unit was taken (0 if none is frozen)."""
+        ages = [self.steps - (self.validated_at[i] or 0) for i in range(len(self.units)) if self.frozen[i]]
+        return max(ages, default=0)
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Share of refreshes (a released unit's first full window) that found the unit still stable."""
+        return self.refresh_hits / self.refreshes if self.refreshes else None
+
+    @property
+    def mean_frozen_share(self) -> float:
+        """Parameter share frozen during backward, averaged over the steps seen."""
+        return self.frozen_share_sum / self.steps if self.steps else 0.0
+
+    @property
+    def frozen_names(self) -> list[str]:
+        return [unit.name for unit, frozen in zip(self.units, self.frozen) if frozen]
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, enabled: bool, agree: Callable[[list[bool]], list[bool]] | None = None) -> StepReport:
+        """Account one optimizer step whose gradients are final; maybe score the units and move the prefix.
+
+        Args:
+            enabled: whether freezing is allowed from the next step on (``False`` in a burst phase or outside
+                the freezing span): then the prefix is released.
+            agree: maps this process's stable flags to the flags every process uses (DDP: rank 0's, by
+                broadcast). Called at every window end, on every process.
+        """
+        frozen_during_backward = [i for i, is_frozen in enumerate(self.frozen) if is_frozen]
+        report = StepReport(frozen_share=self.frozen_share)
+        self.frozen_share_sum += report.frozen_share
+        self.steps += 1
+        for i, unit in enumerate(self.units):
+            if unit.used and not self.frozen[i]:
+                self.window_count[i] += 1
+        self.step_in_window += 1
+        if self.step_in_window >= self.settings.check_every:
+            report.window_closed = True
+            report.refreshed = self._close_window()
+            if agree is not None:
+                self.stable = [bool(flag) for flag in agree(list(self.stable))]
+            report.changed = self._set_prefix(self._propose(enabled))
+            self.step_in_window = 0
+        elif not enabled and any(self.frozen):
+            report.changed = self._set_prefix(0)
+        for i in frozen_during_backward:
+            for param in self.units[i].params:
+                # None, not zeros: torch optimizers skip a None grad, so no momentum and no weight decay
+                param.grad = None
+        report.frozen_prefix = self.frozen_prefix
+        return report
+
+    def release_all(self) -> bool:
+        """Make every unit trainable (a burst phase started). Returns whether anything changed."""
+        return self._set_prefix(0)
+
+    def freeze_from_last_check(self) -> bool:
+        """Freeze the prefix that the last check found stable and fresh (a light phase started)."""
+        return self._set_prefix(self._propose(True))
+
+    def apply_requires_grad(self) -> None:
+        """Set ``requires_grad`` of every unit from the frozen flags (after restoring a state)."""
+        for unit, is_frozen in zip(self.units, self.frozen):
+            for param in unit.params:
+                param.requires_grad_(not is_frozen)
+
+    def restore_requires_grad(self) -> None:
+        """Make every unit's parameters require grad again, as the user built them (end of training)."""
+        for unit in self.units:
+            for param in unit.params:
+                param.requires_grad_(True)
+
+    def set_prefix(self, length: int) -> bool:
+        """Freeze exactly the first ``length`` units (``requires_grad`` off) and release the others."""
+        return self._set_prefix(length)
+
+    # ------------------------------------------------------------------ internals
+    def _clone_params(self, index: int) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.units[index].params]
+
+    def _close_window(self) -> list[str]:
+        refreshed: list[str] = []
+        for i, unit in enumerate(self.units):
+            if not self.frozen[i] and unit.used and self.window_count[i] >= self.settings.check_every:
+                rate = relative_parameter_change(unit.params, self.snapshot[i])
+                if math.isfinite(rate):
+                    self.peak_rate[i] = max(self.peak_rate[i], rate)
+                score = rate / self.peak_rate[i] if self.peak_rate[i] > 0 else None
+                stable = score is not None and score <= self.settings.threshold
+                if self.checking[i]:
+                    self.refreshes += 1
+                    self.refresh_hits += int(stable)
+                    refreshed.append(unit.name)
+                    self.checking[i] = False
+                self.scores[i] = score
+                self.stable[i] = bool(stable)
+                self.validated_at[i] = self.steps
+            # a window cut short by a phase change says nothing reliable: it starts again
+            self.window_count[i] = 0
+            if not self.frozen[i]:
+                self.snapshot[i] = self._clone_params(i)
+        return refreshed
+
+    def _fresh(self, index: int) -> bool:
+        validated = self.validated_at[index]
+        return validated is not None and self.steps - validated < self.settings.freeze_for
+
+    def _propose(self, enabled: bool) -> int:
+        if not enabled:
+            return 0
+        budget = self.settings.max_frozen_share * self.trainable_numel
+        frozen_numel = 0
+        length = 0
+        for i in range(self.freezable_limit):
+            unit = self.units[i]
+            if not unit.used or not self._fresh(i) or not self.stable[i]:
+                break
+            if frozen_numel + self._unit_numel[i] > budget:
+                break
+            frozen_numel += self._unit_numel[i]
+            length = i + 1
+        return length
+
+    def _set_prefix(self, length: int) -> bool:
+        changed = False
+        for i, unit in enumerate(self.units):
+            want = i < length
+            if want and not self.frozen[i]:
+                for param in unit.params:
+                    param.requires_grad_(False)
+                self.frozen[i] = True
+                self.window_count[i] = 0
+                self.checking[i] = False
+                self.freezes += 1
+                changed = True
+            elif not want and self.frozen[i]:
+                for param in unit.params:
+                    param.requires_grad_(True)
+                self.frozen[i] = False
+                self.window_count[i] = 0
+                self.checking[i] = True
+                self.snapshot[i] = self._clone_params(i)
+                changed = True
+        return changed
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "units": [unit.name for unit in self.units],
+            "unit_params": [list(unit.param_names) for unit in self.units],
+            "used": [unit.used for unit in self.units],
+            "steps": self.steps,
+            "step_in_window": self.step_in_window,
+            "frozen": list(self.frozen),
+            "stable": list(self.stable),
+            "scores": list(self.scores),
+            "validated_at": list(self.validated_at),
+            "peak_rate": list(self.peak_rate),
+            "checking": list(self.checking),
+            "window_count": list(self.window_count),
+            "snapshot": [[t.detach().clone() for t in item] for item in self.snapshot],
+            "stats": {
+                "refreshes": self.refreshes,
+                "refresh_hits": self.refresh_hits,
+                "frozen_share_sum": self.frozen_share_sum,
+                "freezes": self.freezes,
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`. Does not touch ``requires_grad``; call :meth:`apply_requires_grad`."""
+        names = [unit.name for unit in self.units]
+        if list(state["units"]) != names:
+            raise ValueError(
+                f"GradientCache checkpoint has units {list(state['units'])}, the model has {names}; "
+                "the model changed since the checkpoint was written."
+            )
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"GradientCache checkpoint has state version {state.get('version')!r}, this version reads "
+                f"{STATE_VERSION}; resume it with the lightning-pulse release that wrote it."
+            )
+        self.steps = int(state["steps"])
+        self.step_in_window = int(state["step_in_window"])
+        self.frozen = [bool(v) for v in state["frozen"]]
+        self.stable = [bool(v) for v in state["stable"]]
+        self.scores = [None if v is None else float(v) for v in state["scores"]]
+        self.validated_at = [None if v is None else int(v) for v in state["validated_at"]]
+        self.peak_rate = [float(v) for v in state["peak_rate"]]
+        self.checking = [bool(v) for v in state["checking"]]
+        self.window_count = [int(v) for v in state["window_count"]]
+        # copies: the caller may load the same state again
+        self.snapshot = [
+            [t.detach().to(p.device, copy=True) for t, p in zip(item, unit.params)]
+            for unit, item in zip(self.units, state["snapshot"])
+        ]
+        stats = state["stats"]
+        self.refreshes = int(stats["refreshes"])
+        self.refresh_hits = int(stats["refresh_hits"])
+        self.frozen_share_sum = float(stats["frozen_share_sum"])
+        self.freezes = int(stats["freezes"])
+
+
+def freezer_from_state(state: Mapping[str, Any], model: nn.Module, settings: FreezeSettings) -> LayerFreezer:
+    """A :class:`LayerFreezer` rebuilt from :meth:`LayerFreezer.state_dict` on ``model``'s parameters.
+
+    Units are bound against every parameter, trainable or not: a restored unit may be frozen now.
+    """
+    everything = dict(model.named_parameters())
+    units = [
+        FreezeUnit(name, list(params), used=bool(used))
+        for name, params, used in zip(state["units"], state["unit_params"], state["used"])
+    ]
+    for unit in units:
+        unit.bind(everything)
+    freezer = LayerFreezer(units, settings)
+    freezer.load_state_dict(state)
+    return freezer
+
+
+# ---------------------------------------------------------------------------------------------------- FLOPs
+class BackwardFlopLedger:
+    """Backward FLOPs per frozen-prefix length, and the FLOPs that freezing skipped.
+
+    Each distinct prefix length is measured once, on a real backward, with
+    ``torch.utils.flop_counter.FlopCounterMode`` (see :meth:`measuring`); length 0 (nothing frozen) is the
+    reference. Every later backward adds ``flops[0] - flops[length]`` to the skipped total. Backwards of a
+    different batch size than the measured one are counted at the measured size.
+    """
+
+    def __init__(self) -> None:
+        self.flops_by_prefix: dict[int, float] = {}
+        self.skipped = 0.0
+        self.reference = 0.0
+        self.backwards = 0
+        self.step_skipped = 0.0  # since the last :meth:`new_step`
+        self._counter: Any = None
+        self._prefix = 0
+
+    def needs(self, prefix: int) -> bool:
+        return prefix not in self.flops_by_prefix
+
+    @contextmanager
+    def measuring(self, prefix: int) -> Iterator[None]:
+        """Count the FLOPs of the backward run inside the block as the cost of ``prefix`` frozen units."""
+        self.begin_backward(prefix)
+        try:
+            yield
+        finally:
+            self.close()
+
+    def begin_backward(self, prefix: int) -> None:
+        """Before a backward with ``prefix`` frozen units: count its FLOPs if that length is not measured yet."""
+        self._prefix = prefix
+        if self._counter is None and self.needs(prefix):
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._counter = FlopCounterMode(display=False)
+            self._counter.__enter__()
+
+    def end_backward(self) -> None:
+        """After the backward: store a measurement, and add what the backward skipped to the totals."""
+        self.close()
+        self.step_skipped += self.account(self._prefix) or 0.0
+
+    def close(self) -> None:
+        """Stop counting (also when the backward never came)."""
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)
+            self.flops_by_prefix[self._prefix] = float(counter.get_total_flops())
+
+    def new_step(self) -> None:
+        self.step_skipped = 0.0
+
+    def account(self, prefix: int) -> float | None:
+        """Record one backward with ``prefix`` frozen units; return the FLOPs it skipped, if known."""
+        reference = self.flops_by_prefix.get(0)
+        cost = self.flops_by_prefix.get(prefix)
+        if reference is None or cost is None:
+            return None
+        self.backwards += 1
+        self.reference += reference
+        skipped = max(reference - cost, 0.0)
+        self.skipped += skipped
+        return skipped
+
+    @property
+    def skipped_share(self) -> float | None:
+        return self.skipped / self.reference if self.reference else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "flops_by_prefix": {str(k): v for k, v in self.flops_by_prefix.items()},
+            "skipped": self.skipped,
+            "reference": self.reference,
+            "backwards": self.backwards,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.flops_by_prefix = {int(k): float(v) for k, v in state["flops_by_prefix"].items()}
+        self.skipped = float(state["skipped"])
+        self.reference = float(state["reference"])
+        self.backwards = int(state["backwards"])
+
+
+class ForwardOrderTrace:
+    """Puts discovered units into forward order from one real backward.
+
+    Call :meth:`begin` before a backward and :meth:`finish` after it. ``broadcast`` (DDP) makes every process
+    use rank 0's order.
+    """
+
+    def __init__(self, units: Sequence[FreezeUnit]) -> None:
+        self.units = list(units)
+        self._context: Any = None
+        self._order: list[str] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._context is not None
+
+    def begin(self) -> None:
+        params = {name: p for unit in self.units for name, p in zip(unit.param_names, unit.params)}
+        self._context = record_gradient_order(params)
+        self._order = self._context.__enter__()
+
+    def finish(self, broadcast: Callable[[list[str]], list[str]] | None = None) -> list[FreezeUnit]:
+        self.close()
+        order = list(self._order or [])
+        self._order = None
+        return order_units(self.units, broadcast(order) if broadcast is not None else order)
+
+    def close(self) -> None:
+        """Remove the hooks (also when the backward never came)."""
+        context, self._context = self._context, None
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+def restore_freezer(
+    current: LayerFreezer | None, state: Mapping[str, Any] | None, model: nn.Module, settings: FreezeSettings
+) -> LayerFreezer | None:
+    """The freezer described by ``state`` (``None``: one saved before the units were ordered), with
+    ``requires_grad`` set from its frozen flags; ``current`` is reused when it has the same units."""
+    if current is not None:
+        current.restore_requires_grad()
+    if state is None:
+        return None
+    if current is not None and [u.name for u in current.units] == list(state["units"]):
+        current.load_state_dict(state)
+        freezer = current
+    else:
+        freezer = freezer_from_state(state, model, settings)
+    freezer.apply_requires_grad()
+    return freezer
