@@ -7,14 +7,13 @@ The algorithm lives in :mod:`lightning_pulse.core.layer_freezing` (and the optio
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import phase_of
@@ -25,8 +24,8 @@ from lightning_pulse.core.layer_freezing import (
     FreezeSettings,
     FreezeWindow,
     LayerFreezer,
+    check_wrapped_model,
     discover_units,
-    freezer_from_state,
     restore_freezer,
 )
 from lightning_pulse.phase import Phase, PhaseChange
@@ -157,7 +156,7 @@ class GradientCache(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        check_strategy(trainer)
+        check_wrapped_model(trainer.strategy.model, trainer.world_size, type(trainer.strategy).__name__)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -167,11 +166,9 @@ class GradientCache(Callback):
         self._fit_refs = (trainer, pl_module)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
-            if state["cache"] is not None:
-                self.freezer = freezer_from_state(state["cache"], pl_module, self.settings)
-                # applied here, after the strategy wrapped the model: DDP must see every parameter trainable
-                self.freezer.apply_requires_grad()
-                self._replan()
+            # applied here, after the strategy wrapped the model: DDP must see every parameter trainable
+            self.freezer = restore_freezer(None, state["cache"], pl_module, self.settings)
+            self._replan()
             self.ledger.load_state_dict(state["ledger"])
             self.events = list(state["events"])
             if self.freezer is not None:
@@ -229,11 +226,7 @@ class GradientCache(Callback):
         if self.measure_flops:
             self.ledger.end_backward()
         if self._trace is not None and self._trace.running:
-            strategy = trainer.strategy
-            broadcast = (
-                (lambda order: list(strategy.broadcast(order, src=0))) if trainer.world_size > 1 else None
-            )
-            units, self._trace = self._trace.finish(broadcast), None
+            units, self._trace = self._trace.finish(_from_rank_zero(trainer)), None
             self.freezer = LayerFreezer(units, self.settings)
             if self.freezer.freezable_limit == 0:
                 rank_zero_info(
@@ -251,15 +244,9 @@ class GradientCache(Callback):
     ) -> None:
         if self.freezer is None:
             return
-        agree = None
-        if trainer.world_size > 1:
-            strategy = trainer.strategy
-
-            def agree(flags: list[bool]) -> list[bool]:
-                return list(strategy.broadcast(flags, src=0))
-
         before = self.freezer.frozen_prefix
-        report = self.freezer.step(self._phase_enabled and self._in_span(trainer.global_step + 1), agree)
+        enabled = self._phase_enabled and self._in_span(trainer.global_step + 1)
+        report = self.freezer.step(enabled, _from_rank_zero(trainer))  # DDP: one broadcast per window
         if report.changed:
             self._record(trainer.global_step + 1, before, "check" if report.window_closed else "release")
         # the metrics dict is built only for steps that reach a logger
@@ -391,29 +378,9 @@ class GradientCache(Callback):
                 )
 
 
-def check_strategy(trainer: pl.Trainer) -> None:
-    """Raise a ValueError naming the fix if the Trainer's strategy cannot follow ``requires_grad`` changes.
-
-    DDP registers every trainable parameter with its reducer when it wraps the model and, by default, waits for
-    a gradient from each of them in every backward. A frozen parameter never produces one, so DDP must look for
-    unused parameters (``find_unused_parameters=True``) and must not assume a static graph.
-    """
-    model = trainer.strategy.model
-    if isinstance(model, DistributedDataParallel):
-        if getattr(model, "static_graph", False):
-            raise ValueError(
-                "GradientCache changes which parameters get gradients, which `static_graph=True` forbids; use "
-                "`DDPStrategy(find_unused_parameters=True)` without `static_graph`."
-            )
-        if not model.find_unused_parameters:
-            raise ValueError(
-                "GradientCache freezes parameters after DDP wrapped the model, so DDP must skip parameters that get "
-                "no gradient: use `strategy=DDPStrategy(find_unused_parameters=True)` or the strategy name "
-                "'ddp_find_unused_parameters_true' ('ddp_spawn_find_unused_parameters_true' for spawn)."
-            )
-        return
-    if trainer.world_size > 1:
-        raise ValueError(
-            f"GradientCache supports single-process training and DDP; {type(trainer.strategy).__name__} shards or "
-            "flattens parameters, so per-module `requires_grad` changes would not take effect. Use DDP."
-        )
+def _from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | None:
+    """Under DDP, a function that gives every process rank 0's list; ``None`` in a single process."""
+    if trainer.world_size == 1:
+        return None
+    strategy = trainer.strategy
+    return lambda values: list(strategy.broadcast(values, src=0))

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 STATE_VERSION = 2
 DEFAULT_MIN_UNITS = 8
@@ -739,3 +740,31 @@ def restore_freezer(
         freezer = freezer_from_state(state, model, settings)
     freezer.apply_requires_grad()
     return freezer
+
+
+def check_wrapped_model(model: nn.Module, world_size: int, strategy_name: str) -> None:
+    """Raise a ValueError naming the fix if the (strategy-wrapped) ``model`` cannot follow ``requires_grad`` changes.
+
+    DDP registers every trainable parameter with its reducer when it wraps the model and, by default, waits for
+    a gradient from each of them in every backward. A frozen parameter never produces one, so DDP must look for
+    unused parameters (``find_unused_parameters=True``) and must not assume a static graph. Strategies that
+    shard or flatten parameters (FSDP, DeepSpeed) do not see per-module ``requires_grad`` changes at all.
+    """
+    if isinstance(model, DistributedDataParallel):
+        if getattr(model, "static_graph", False):
+            raise ValueError(
+                "GradientCache changes which parameters get gradients, which `static_graph=True` forbids; use "
+                "`DDPStrategy(find_unused_parameters=True)` without `static_graph`."
+            )
+        if not model.find_unused_parameters:
+            raise ValueError(
+                "GradientCache freezes parameters after DDP wrapped the model, so DDP must skip parameters that get "
+                "no gradient: use `strategy=DDPStrategy(find_unused_parameters=True)` or the strategy name "
+                "'ddp_find_unused_parameters_true' ('ddp_spawn_find_unused_parameters_true' for spawn)."
+            )
+        return
+    if world_size > 1:
+        raise ValueError(
+            f"GradientCache supports single-process training and DDP; {strategy_name} shards or flattens "
+            "parameters, so per-module `requires_grad` changes would not take effect. Use DDP."
+        )
