@@ -297,3 +297,21 @@ def test_activation_cache_switches_itself_off_when_samples_change_between_visits
     assert cache.activations.hits == 0
     for param, other in zip(model.parameters(), plain_model.parameters()):
         assert torch.equal(param, other)
+
+
+def test_without_flop_measurement_the_same_units_freeze_and_no_flop_figure_is_logged(mnist1d_small, tmp_path):
+    runs = {}
+    for measure_flops in (True, False):
+        pl.seed_everything(0)
+        model, data = mnist1d_small()
+        cache = GradientCache(**EAGER, measure_flops=measure_flops)
+        logger = CSVLogger(tmp_path, name=f"flops-{measure_flops}")
+        fit(model, data, [cache], max_steps=12, logger=logger, log_every_n_steps=1)
+        rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+        runs[measure_flops] = cache, {key for row in rows for key, value in row.items() if value}
+    (measured, logged), (unmeasured, unlogged) = runs[True], runs[False]
+    assert unmeasured.events == measured.events and measured.events
+    assert measured.ledger.skipped > 0 and unmeasured.ledger.flops_by_prefix == {}
+    assert "gradient_cache/backward_flops_skipped" in logged
+    assert "gradient_cache/backward_flops_skipped" not in unlogged
+    assert "gradient_cache/frozen_share" in unlogged

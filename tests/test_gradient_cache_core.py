@@ -346,3 +346,64 @@ def test_freeze_window_resolves_shares_of_the_run():
 def test_bad_settings_fail_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"`{field}`"):
         FreezeSettings(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------ activation cache
+def test_activation_cache_records_verifies_then_replays_frozen_outputs_without_running_the_module():
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    data = torch.randn(6, 4)
+    cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
+    cache.plan([("0", model[0])])
+    indices = torch.tensor([4, 1, 3])
+    expected = model(data[indices])
+    modes = []
+    for _ in range(2):  # a recording visit, then a verifying one (computed for real and compared)
+        modes.append(cache.begin_batch(indices))
+        assert torch.equal(model(data[indices]), expected)
+        cache.end_batch()
+    modes.append(cache.begin_batch(indices))
+    # the frozen layer is replaced by a lookup: garbage inputs give the recorded outputs
+    assert torch.equal(model(torch.full((3, 4), 1e6)), expected)
+    cache.end_batch()
+    assert modes == ["record", "verify", "hit"] and cache.hits == 1 and cache.disabled_reason is None
+    assert cache.bytes_used == 6 * 8 * 4
+    assert "forward" not in vars(model[0])  # the class's forward is back after the batch
+    # a sample not seen yet is recorded, not replayed
+    assert cache.begin_batch(torch.tensor([4, 0])) == "record"
+    cache.end_batch()
+
+
+def test_activation_cache_switches_itself_off_when_a_sample_changes_between_visits():
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
+    cache.plan([("0", model[0])])
+    indices = torch.tensor([0, 1])
+    for noise in (0.0, 0.1):  # data augmentation: the second visit sees another input
+        cache.begin_batch(indices)
+        model(torch.ones(2, 4) + noise)
+        cache.end_batch()
+    assert "differs between two visits" in cache.disabled_reason
+    assert cache.begin_batch(indices) == "off"
+
+
+def test_modules_with_dropout_or_batch_statistics_are_not_cached():
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
+    cache.plan([("0", nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))), ("1", nn.Linear(4, 4))])
+    assert cache.entries == []  # the first cannot be replayed, so nothing after it is either
+
+
+def test_a_state_of_another_version_is_refused_naming_it():
+    model = mlp()
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)))
+    state = freezer.state_dict()
+    state["version"] = 1
+    with pytest.raises(ValueError, match="state version 1"):
+        freezer.load_state_dict(state)

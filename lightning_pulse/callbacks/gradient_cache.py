@@ -100,9 +100,7 @@ class GradientCache(Callback):
     ) -> None:
         super().__init__()
         self.settings = FreezeSettings(threshold, check_every, freeze_for, max_frozen_share)
-        self.window = FreezeWindow(
-            tuple(phases) if not isinstance(phases, str) else phases, start_at, release_at
-        )
+        self.window = FreezeWindow(phases, start_at, release_at)  # type: ignore[arg-type]
         if units is not None and (
             isinstance(units, str) or not units or not all(isinstance(u, str) for u in units)
         ):

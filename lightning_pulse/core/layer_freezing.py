@@ -292,20 +292,30 @@ def order_units(units: Sequence[FreezeUnit], gradient_order: Sequence[str]) -> l
 
 
 def relative_parameter_change(params: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor]) -> float:
-    """``||theta - theta_snapshot|| / ||theta_snapshot||``: how far a unit moved over a window (plasticity).
+    """``||theta - theta_snapshot|| / ||theta_snapshot||``: how far a unit moved over a window (plasticity)."""
+    return relative_parameter_changes([(params, snapshot)])[0]
 
-    One host sync (the returned float), once per unit and window.
-    """
-    if not params:
-        return 0.0
-    moved = torch.stack(
-        [torch.sum((p.detach().double() - s.double()) ** 2) for p, s in zip(params, snapshot)]
-    )
-    reference = torch.stack([torch.sum(s.double() ** 2) for s in snapshot])
-    moved_norm, reference_norm = (float(v) for v in torch.stack([moved.sum(), reference.sum()]).sqrt())
-    if reference_norm > 0:
-        return moved_norm / reference_norm
-    return math.inf if moved_norm > 0 else 0.0
+
+def relative_parameter_changes(
+    pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+) -> list[float]:
+    """:func:`relative_parameter_change` of several units at once, with a single host sync."""
+    if not pairs:
+        return []
+    sums = []
+    for params, snapshot in pairs:
+        zero = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+        moved = sum(
+            (torch.sum((p.detach().double() - s.double()) ** 2) for p, s in zip(params, snapshot)), zero
+        )
+        reference = sum((torch.sum(s.double() ** 2) for s in snapshot), zero)
+        sums += [moved, reference.to(moved.device)]
+    devices = {t.device for t in sums}
+    norms = torch.stack([t.to(sums[0].device) for t in sums] if len(devices) > 1 else sums).sqrt().tolist()
+    changes = []
+    for moved, reference in zip(norms[0::2], norms[1::2]):
+        changes.append(moved / reference if reference > 0 else (math.inf if moved > 0 else 0.0))
+    return changes
 
 
 # ---------------------------------------------------------------------------------------------------- the freezer
@@ -465,21 +475,26 @@ class LayerFreezer:
 
     def _close_window(self) -> list[str]:
         refreshed: list[str] = []
-        for i, unit in enumerate(self.units):
-            if not self.frozen[i] and unit.used and self.window_count[i] >= self.settings.check_every:
-                rate = relative_parameter_change(unit.params, self.snapshot[i])
-                if math.isfinite(rate):
-                    self.peak_rate[i] = max(self.peak_rate[i], rate)
-                score = rate / self.peak_rate[i] if self.peak_rate[i] > 0 else None
-                stable = score is not None and score <= self.settings.threshold
-                if self.checking[i]:
-                    self.refreshes += 1
-                    self.refresh_hits += int(stable)
-                    refreshed.append(unit.name)
-                    self.checking[i] = False
-                self.scores[i] = score
-                self.stable[i] = bool(stable)
-                self.validated_at[i] = self.steps
+        full = [
+            i
+            for i, unit in enumerate(self.units)
+            if not self.frozen[i] and unit.used and self.window_count[i] >= self.settings.check_every
+        ]
+        rates = relative_parameter_changes([(self.units[i].params, self.snapshot[i]) for i in full])
+        for i, rate in zip(full, rates):
+            if math.isfinite(rate):
+                self.peak_rate[i] = max(self.peak_rate[i], rate)
+            score = rate / self.peak_rate[i] if self.peak_rate[i] > 0 else None
+            stable = score is not None and score <= self.settings.threshold
+            if self.checking[i]:
+                self.refreshes += 1
+                self.refresh_hits += int(stable)
+                refreshed.append(self.units[i].name)
+                self.checking[i] = False
+            self.scores[i] = score
+            self.stable[i] = bool(stable)
+            self.validated_at[i] = self.steps
+        for i in range(len(self.units)):
             # a window cut short by a phase change says nothing reliable: it starts again
             self.window_count[i] = 0
             if not self.frozen[i]:
