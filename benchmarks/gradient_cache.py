@@ -5,7 +5,7 @@ run). Writes ``benchmarks/results/gradient_cache.json`` and ``.md``. ``--study t
 writes ``gradient_cache_thresholds.*``: three plasticity thresholds on the CNN, the CNN at constant LR, and
 the LM's per-unit plasticity scores. ``--study lm --jobs 2`` (about 25 minutes on the shared machine) writes
 ``gradient_cache_lm.*``: the 4-layer cosine-LR char LM against the LM target, plasticity thresholds, a forced
-late freeze and FreezeOut schedules. ``--study lm_long --jobs 2`` (about 40 minutes) writes
+late freeze (and, in the committed results, FreezeOut). ``--study lm_long --jobs 2`` (about 40 minutes) writes
 ``gradient_cache_lm_long.*``: the same LM trained 15 epochs instead of 6, long enough for its loss to
 flatten (and to overfit). ``--study lm_converged --jobs 2`` (about 30 minutes) writes
 ``gradient_cache_lm_converged.*``: the same LM on 3x the text for 5 epochs (about as many steps as
