@@ -10,13 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_pulse.core.backward_flops import BackwardFlopLedger
+from lightning_pulse.core.freeze_units import ForwardOrderTrace, discover_units
 from lightning_pulse.core.layer_freezing import (
-    BackwardFlopLedger,
-    ForwardOrderTrace,
     FreezeSettings,
     FreezeWindow,
     LayerFreezer,
-    discover_units,
     freezer_from_state,
     relative_parameter_change,
 )

@@ -1,7 +1,8 @@
 """GradientCache: freeze the leading modules that have stopped moving, so backward really stops early.
 
-The algorithm lives in :mod:`lightning_pulse.core.layer_freezing` (and the optional activation replay in
-:mod:`lightning_pulse.core.activation_cache`); this file is the Lightning glue.
+The algorithm lives in :mod:`lightning_pulse.core.layer_freezing` (units: :mod:`~lightning_pulse.core.freeze_units`,
+FLOPs: :mod:`~lightning_pulse.core.backward_flops`, activation replay: :mod:`~lightning_pulse.core.activation_cache`);
+this file is the Lightning glue.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import phase_of
 from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixActivationCache
+from lightning_pulse.core.backward_flops import BackwardFlopLedger
+from lightning_pulse.core.freeze_units import ForwardOrderTrace, discover_units
 from lightning_pulse.core.layer_freezing import (
-    BackwardFlopLedger,
-    ForwardOrderTrace,
     FreezeSettings,
     FreezeWindow,
     LayerFreezer,
     check_wrapped_model,
-    discover_units,
     restore_freezer,
 )
 from lightning_pulse.phase import Phase, PhaseChange

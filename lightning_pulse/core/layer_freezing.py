@@ -1,17 +1,9 @@
 """Stability-based freezing of a model's leading units, so that backward stops early. Plain torch.
 
-The pieces:
-
-* :func:`discover_units` splits a model into *units* (embedding, blocks, head, ...) named by their parameters;
-  it is the one place that decides which parameters are frozen together.
-* :func:`record_gradient_order` and :func:`order_units` put the units into forward order from the order in
-  which one real backward finished their gradients (the unit finished last is the one nearest the input).
-* :class:`LayerFreezer`: the state machine. Every ``check_every`` optimizer steps it scores each training unit
-  by its plasticity (relative parameter movement over the window, against the largest it ever had) and freezes
-  the longest stable *prefix* (``requires_grad`` off), for at most ``freeze_for`` steps before the prefix trains
-  one window again to re-check.
-* :class:`BackwardFlopLedger`: backward FLOPs per frozen-prefix length, measured once each with
-  ``torch.utils.flop_counter``, turned into FLOPs skipped.
+:class:`LayerFreezer` is the state machine. Every ``check_every`` optimizer steps it scores each training unit
+(see :mod:`lightning_pulse.core.freeze_units`) by its plasticity, its relative parameter movement over the
+window against the largest it ever had, and freezes the longest stable *prefix* (``requires_grad`` off), for at
+most ``freeze_for`` steps before the prefix trains one window again to re-check.
 
 Why a prefix: autograd only skips work when nothing upstream needs a gradient. Freezing the first ``k`` units
 means the activation entering unit ``k`` does not require grad, so backward stops there and neither the weight
@@ -22,8 +14,7 @@ its weight gradients.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +22,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_pulse.core.freeze_units import FreezeUnit
+
 STATE_VERSION = 2
-DEFAULT_MIN_UNITS = 8
 
 
 # ---------------------------------------------------------------------------------------------------- settings
@@ -130,165 +122,6 @@ class FreezeSettings:
         share = self.max_frozen_share
         if not _is_number(share) or not 0.0 < share <= 1.0:
             raise ValueError(f"`max_frozen_share`={share!r} must be a number in (0, 1].")
-
-
-# ---------------------------------------------------------------------------------------------------- units
-@dataclass
-class FreezeUnit:
-    """A group of parameters that is frozen or trained as one.
-
-    Attributes:
-        name: the module (or parameter) name the unit stands for, e.g. ``"blocks.0"`` or ``"position"``.
-        param_names: qualified names (as in ``model.named_parameters()``) of the trainable parameters it owns.
-        params: the parameters themselves, bound with :meth:`bind`.
-        used: whether the parameters received a gradient in the traced backward; unused units never freeze.
-    """
-
-    name: str
-    param_names: list[str]
-    params: list[nn.Parameter] = field(default_factory=list)
-    used: bool = True
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
-
-    def bind(self, named: Mapping[str, nn.Parameter]) -> None:
-        missing = [name for name in self.param_names if name not in named]
-        if missing:
-            raise ValueError(f"Unit {self.name!r}: the model has no parameter {missing[0]!r}.")
-        self.params = [named[name] for name in self.param_names]
-
-
-def _under(prefix: str, names: Sequence[str]) -> list[str]:
-    return [name for name in names if name == prefix or name.startswith(prefix + ".")]
-
-
-def discover_units(
-    root: nn.Module, module_names: Sequence[str] | None = None, min_units: int = DEFAULT_MIN_UNITS
-) -> list[FreezeUnit]:
-    """Split ``root``'s trainable parameters into bound freeze units (registration order; see :func:`order_units`).
-
-    The one function that decides which parameters are frozen together: checks on the model (tied or shared
-    parameters across units, ...) belong here. ``named_parameters()`` yields a shared parameter once, under its
-    first name, which gives it one owner.
-
-    Automatic split: start from the whole model and keep expanding the largest unit that has sub-modules with
-    parameters into those sub-modules (its own direct parameters become one unit each) until there are at
-    least ``min_units`` units or nothing can be expanded. A transformer ends up as embedding, positional
-    parameter, blocks, final norm and head; a small CNN as its layers. Parameters the user froze are left out.
-
-    Args:
-        root: the model.
-        module_names: explicit units instead: qualified module or parameter names. Trainable parameters not
-            covered by any of them form one extra unit ``"<rest>"``.
-        min_units: the automatic split stops once there are this many units.
-
-    Raises:
-        ValueError: for a name that is neither a module nor a parameter of ``root``, or names that overlap.
-    """
-    named = {name: p for name, p in root.named_parameters() if p.requires_grad}
-    all_names = list(named)
-    if module_names is not None:
-        units = _explicit_units(root, module_names, all_names)
-    else:
-        units = [FreezeUnit(name, _under(name, all_names)) for name in _split(root, named, min_units)]
-        units = [unit for unit in units if unit.param_names]
-    for unit in units:
-        unit.bind(named)
-    return units
-
-
-def _explicit_units(root: nn.Module, module_names: Sequence[str], all_names: list[str]) -> list[FreezeUnit]:
-    modules = dict(root.named_modules())
-    parameters = dict(root.named_parameters())
-    units: list[FreezeUnit] = []
-    claimed: set[str] = set()
-    for name in module_names:
-        if name not in modules and name not in parameters:
-            raise ValueError(f"`units` entry {name!r} is neither a module nor a parameter of the model.")
-        owned = _under(name, all_names)
-        overlap = claimed.intersection(owned)
-        if overlap:
-            raise ValueError(f"`units` entry {name!r} overlaps another entry on {sorted(overlap)[0]!r}.")
-        claimed.update(owned)
-        if owned:
-            units.append(FreezeUnit(name, owned))
-    rest = [name for name in all_names if name not in claimed]
-    if rest:
-        units.append(FreezeUnit("<rest>", rest))
-    return units
-
-
-def _split(root: nn.Module, named: Mapping[str, nn.Parameter], min_units: int) -> list[str]:
-    all_names = list(named)
-
-    def expand(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module | None]]:
-        parts: list[tuple[str, nn.Module | None]] = []
-        for pname, param in module.named_parameters(recurse=False):
-            qualified = f"{prefix}.{pname}" if prefix else pname
-            if qualified in named and named[qualified] is param:
-                parts.append((qualified, None))
-        for cname, child in module.named_children():
-            qualified = f"{prefix}.{cname}" if prefix else cname
-            if _under(qualified, all_names):
-                parts.append((qualified, child))
-        return parts
-
-    def size(name: str) -> int:
-        return sum(named[n].numel() for n in _under(name, all_names))
-
-    pieces = expand("", root)
-    while True:
-        # a single wrapper (LightningModule -> net) is see-through: always expand it
-        candidates = [
-            (size(name), index)
-            for index, (name, module) in enumerate(pieces)
-            if module is not None and any(True for _ in module.children())
-        ]
-        if not candidates or (len(pieces) >= min_units and len(pieces) > 1):
-            break
-        _, index = max(candidates, key=lambda item: (item[0], -item[1]))
-        name, module = pieces[index]
-        replacement = expand(name, module)  # type: ignore[arg-type]
-        if not replacement:
-            break
-        pieces[index : index + 1] = replacement
-    return [name for name, _ in pieces]
-
-
-@contextmanager
-def record_gradient_order(params: Mapping[str, nn.Parameter]) -> Iterator[list[str]]:
-    """Record the names of ``params`` in the order backward finishes accumulating their gradients."""
-    order: list[str] = []
-    handles = []
-    for name, param in params.items():
-
-        def hook(_: torch.Tensor, name: str = name) -> None:
-            order.append(name)
-
-        handles.append(param.register_post_accumulate_grad_hook(hook))
-    try:
-        yield order
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def order_units(units: Sequence[FreezeUnit], gradient_order: Sequence[str]) -> list[FreezeUnit]:
-    """Sort units into forward order from a backward's gradient-completion order.
-
-    A unit's position is the *last* time one of its parameters got its gradient, read backwards: a tied
-    embedding/head weight completes last, so its unit counts as the first one. Units none of whose parameters
-    got a gradient are marked ``used=False`` and go last.
-    """
-    last_seen = {name: index for index, name in enumerate(gradient_order)}
-    keyed = []
-    for position, unit in enumerate(units):
-        seen = [last_seen[name] for name in unit.param_names if name in last_seen]
-        unit.used = bool(seen)
-        keyed.append((0 if seen else 1, -max(seen) if seen else position, position, unit))
-    return [unit for *_, unit in sorted(keyed, key=lambda item: item[:3])]
 
 
 def relative_parameter_change(params: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor]) -> float:
@@ -434,10 +267,10 @@ class LayerFreezer:
             report.refreshed = self._close_window()
             if agree is not None:
                 self.stable = [bool(flag) for flag in agree(list(self.stable))]
-            report.changed = self._set_prefix(self._propose(enabled))
+            report.changed = self.set_prefix(self._propose(enabled))
             self.step_in_window = 0
         elif not enabled and any(self.frozen):
-            report.changed = self._set_prefix(0)
+            report.changed = self.set_prefix(0)
         for i in frozen_during_backward:
             for param in self.units[i].params:
                 # None, not zeros: torch optimizers skip a None grad, so no momentum and no weight decay
@@ -447,11 +280,11 @@ class LayerFreezer:
 
     def release_all(self) -> bool:
         """Make every unit trainable (a burst phase started). Returns whether anything changed."""
-        return self._set_prefix(0)
+        return self.set_prefix(0)
 
     def freeze_from_last_check(self) -> bool:
         """Freeze the prefix that the last check found stable and fresh (a light phase started)."""
-        return self._set_prefix(self._propose(True))
+        return self.set_prefix(self._propose(True))
 
     def apply_requires_grad(self) -> None:
         """Set ``requires_grad`` of every unit from the frozen flags (after restoring a state)."""
@@ -464,10 +297,6 @@ class LayerFreezer:
         for unit in self.units:
             for param in unit.params:
                 param.requires_grad_(True)
-
-    def set_prefix(self, length: int) -> bool:
-        """Freeze exactly the first ``length`` units (``requires_grad`` off) and release the others."""
-        return self._set_prefix(length)
 
     # ------------------------------------------------------------------ internals
     def _clone_params(self, index: int) -> list[torch.Tensor]:
@@ -521,7 +350,8 @@ class LayerFreezer:
             length = i + 1
         return length
 
-    def _set_prefix(self, length: int) -> bool:
+    def set_prefix(self, length: int) -> bool:
+        """Freeze exactly the first ``length`` units (``requires_grad`` off) and release the others."""
         changed = False
         for i, unit in enumerate(self.units):
             want = i < length
@@ -617,126 +447,6 @@ def freezer_from_state(state: Mapping[str, Any], model: nn.Module, settings: Fre
     freezer = LayerFreezer(units, settings)
     freezer.load_state_dict(state)
     return freezer
-
-
-# ---------------------------------------------------------------------------------------------------- FLOPs
-class BackwardFlopLedger:
-    """Backward FLOPs per frozen-prefix length, and the FLOPs that freezing skipped.
-
-    Each distinct prefix length is measured once, on a real backward, with
-    ``torch.utils.flop_counter.FlopCounterMode`` (see :meth:`measuring`); length 0 (nothing frozen) is the
-    reference. Every later backward adds ``flops[0] - flops[length]`` to the skipped total. Backwards of a
-    different batch size than the measured one are counted at the measured size.
-    """
-
-    def __init__(self) -> None:
-        self.flops_by_prefix: dict[int, float] = {}
-        self.skipped = 0.0
-        self.reference = 0.0
-        self.backwards = 0
-        self.step_skipped = 0.0  # since the last :meth:`new_step`
-        self._counter: Any = None
-        self._prefix = 0
-
-    def needs(self, prefix: int) -> bool:
-        return prefix not in self.flops_by_prefix
-
-    @contextmanager
-    def measuring(self, prefix: int) -> Iterator[None]:
-        """Count the FLOPs of the backward run inside the block as the cost of ``prefix`` frozen units."""
-        self.begin_backward(prefix)
-        try:
-            yield
-        finally:
-            self.close()
-
-    def begin_backward(self, prefix: int) -> None:
-        """Before a backward with ``prefix`` frozen units: count its FLOPs if that length is not measured yet."""
-        self._prefix = prefix
-        if self._counter is None and self.needs(prefix):
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self._counter = FlopCounterMode(display=False)
-            self._counter.__enter__()
-
-    def end_backward(self) -> None:
-        """After the backward: store a measurement, and add what the backward skipped to the totals."""
-        self.close()
-        self.step_skipped += self.account(self._prefix) or 0.0
-
-    def close(self) -> None:
-        """Stop counting (also when the backward never came)."""
-        counter, self._counter = self._counter, None
-        if counter is not None:
-            counter.__exit__(None, None, None)
-            self.flops_by_prefix[self._prefix] = float(counter.get_total_flops())
-
-    def new_step(self) -> None:
-        self.step_skipped = 0.0
-
-    def account(self, prefix: int) -> float | None:
-        """Record one backward with ``prefix`` frozen units; return the FLOPs it skipped, if known."""
-        reference = self.flops_by_prefix.get(0)
-        cost = self.flops_by_prefix.get(prefix)
-        if reference is None or cost is None:
-            return None
-        self.backwards += 1
-        self.reference += reference
-        skipped = max(reference - cost, 0.0)
-        self.skipped += skipped
-        return skipped
-
-    @property
-    def skipped_share(self) -> float | None:
-        return self.skipped / self.reference if self.reference else None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "flops_by_prefix": {str(k): v for k, v in self.flops_by_prefix.items()},
-            "skipped": self.skipped,
-            "reference": self.reference,
-            "backwards": self.backwards,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.flops_by_prefix = {int(k): float(v) for k, v in state["flops_by_prefix"].items()}
-        self.skipped = float(state["skipped"])
-        self.reference = float(state["reference"])
-        self.backwards = int(state["backwards"])
-
-
-class ForwardOrderTrace:
-    """Puts discovered units into forward order from one real backward.
-
-    Call :meth:`begin` before a backward and :meth:`finish` after it. ``broadcast`` (DDP) makes every process
-    use rank 0's order.
-    """
-
-    def __init__(self, units: Sequence[FreezeUnit]) -> None:
-        self.units = list(units)
-        self._context: Any = None
-        self._order: list[str] | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._context is not None
-
-    def begin(self) -> None:
-        params = {name: p for unit in self.units for name, p in zip(unit.param_names, unit.params)}
-        self._context = record_gradient_order(params)
-        self._order = self._context.__enter__()
-
-    def finish(self, broadcast: Callable[[list[str]], list[str]] | None = None) -> list[FreezeUnit]:
-        self.close()
-        order = list(self._order or [])
-        self._order = None
-        return order_units(self.units, broadcast(order) if broadcast is not None else order)
-
-    def close(self) -> None:
-        """Remove the hooks (also when the backward never came)."""
-        context, self._context = self._context, None
-        if context is not None:
-            context.__exit__(None, None, None)
 
 
 def restore_freezer(
