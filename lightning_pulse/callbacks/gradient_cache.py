@@ -358,22 +358,20 @@ class GradientCache(Callback):
 
     def _log(self, trainer: pl.Trainer, frozen_share: float, frozen_prefix: int) -> None:
         assert self.freezer is not None
-        metrics = {"frozen_share": frozen_share, "frozen_units": float(frozen_prefix)}
-        metrics["staleness"] = float(self.freezer.staleness)
-        if self.measure_flops:
-            metrics["backward_flops_skipped"] = self.ledger.step_skipped
-            if self.ledger.skipped_share is not None:
-                metrics["backward_flops_skipped_share"] = self.ledger.skipped_share
-        if self.freezer.cache_hit_rate is not None:
-            metrics["cache_hit_rate"] = self.freezer.cache_hit_rate
-        if self.activations is not None and self.activations.hit_rate is not None:
-            metrics["activation_hit_rate"] = self.activations.hit_rate
+        metrics = {
+            "frozen_share": frozen_share,
+            "frozen_units": float(frozen_prefix),
+            "staleness": float(self.freezer.staleness),
+            "backward_flops_skipped": self.ledger.step_skipped if self.measure_flops else None,
+            "backward_flops_skipped_share": self.ledger.skipped_share,
+            "cache_hit_rate": self.freezer.cache_hit_rate,
+            "activation_hit_rate": self.activations.hit_rate if self.activations is not None else None,
+        }
         # straight to the loggers, like PulseCycle: cheaper than `pl_module.log` every step
         if trainer.is_global_zero:
+            logged = {METRIC_PREFIX + k: v for k, v in metrics.items() if v is not None}
             for logger in trainer.loggers:
-                logger.log_metrics(
-                    {METRIC_PREFIX + k: v for k, v in metrics.items()}, step=trainer.global_step
-                )
+                logger.log_metrics(logged, step=trainer.global_step)
 
 
 def _from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | None:
