@@ -5,7 +5,7 @@ run). Writes ``benchmarks/results/gradient_cache.json`` and ``.md``. ``--study t
 writes ``gradient_cache_thresholds.*``: three plasticity thresholds on the CNN, the CNN at constant LR, and
 the LM's per-unit plasticity scores. ``--study lm --jobs 2`` (about 25 minutes on the shared machine) writes
 ``gradient_cache_lm.*``: the 4-layer cosine-LR char LM against the LM target, plasticity thresholds, a forced
-late freeze and FreezeOut schedules. ``--study lm_long --jobs 2`` (about 40 minutes) writes
+late freeze (and, in the committed results, FreezeOut). ``--study lm_long --jobs 2`` (about 40 minutes) writes
 ``gradient_cache_lm_long.*``: the same LM trained 15 epochs instead of 6, long enough for its loss to
 flatten (and to overfit). ``--study lm_converged --jobs 2`` (about 30 minutes) writes
 ``gradient_cache_lm_converged.*``: the same LM on 3x the text for 5 epochs (about as many steps as
@@ -17,8 +17,11 @@ on that workload: candidates and selection rule (``LM_TUNING_CANDIDATES``, ``LM_
 before the tuning seeds ran; the selected candidate (``LM_CONFIRM_CANDIDATE``) alone is then run against the
 baseline on seeds 0 1 2. ``--study lm_converged_selected --jobs 2`` (about 10 minutes) runs that selected
 configuration unchanged on the ``lm_converged`` workload (1.2M characters, still improving at the end).
-``--study overhead`` (run it under
-``flock /tmp/lp-bench.lock``) writes ``gradient_cache_overhead.*``: the CPU inside the hooks on the CNN.
+
+The committed results also hold arms of features removed since (issue 17; evidence in docs/gradient-cache.md,
+"Changelog"): ``stale_replay``, FreezeOut (``schedule="freezeout"``) and the CPU self-timers behind
+``gradient_cache_overhead.*`` and the "bookkeeping CPU share" column. Those arms ran at commit 3f874ad of this
+file; the arms below are what the library still offers.
 
 Arms (the first is the baseline, all in one invocation, interleaved per seed):
 
@@ -29,14 +32,11 @@ Arms (the first is the baseline, all in one invocation, interleaved per seed):
   freezing only in replay phases.
 * LM only: ``forced_last_quarter`` and ``forced_second_half``, freezing whatever is fresh from 75% / 50% of
   the run regardless of stability (what forcing the saving costs when the default criterion does not fire).
-* ``stale_replay``: the opt-in mode that replays stale cached gradients for every unit but the head, from
-  mid-run.
 
 Backward FLOPs skipped come from GradientCache's ledger (each frozen-prefix configuration measured once with
 ``FlopCounterMode`` on a real backward); total training FLOPs from the harness's own counter (CNN, separate
-pass) and CPU seconds from the timed pass. "Bookkeeping CPU share" is the process CPU time spent inside
-GradientCache's hooks over the run's training CPU time; "FLOP-measuring CPU s" is the time of the few
-backwards run under the FLOP counter (once per frozen-prefix length).
+pass) and CPU seconds from the timed pass. :func:`metrics` reads GradientCache's figures from its public state
+after each fit (``Arm.metrics``).
 """
 
 from __future__ import annotations
@@ -48,9 +48,46 @@ import statistics
 import time
 from typing import Any
 
+from lightning.pytorch.callbacks import Callback
+
 from benchmarks.harness import Arm, run_arms, summarise, write_results
 from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.gradient_cache import GradientCache
+
+
+def metrics(callbacks: list[Callback], trainer: Any) -> dict[str, Any]:
+    """GradientCache's run totals (all prefixed ``gc_``), read from its public state after a fit."""
+    cache = next((cb for cb in callbacks if isinstance(cb, GradientCache)), None)
+    if cache is None or cache.freezer is None:
+        return {}
+    freezer, names = cache.freezer, [unit.name for unit in cache.freezer.units]
+    first: dict[str, int] = {}  # the optimizer step at which each unit was first frozen
+    for event in cache.events:
+        for index in range(event["from"], event["to"]):
+            first.setdefault(names[index], int(event["step"]))
+    activations = cache.activations
+    return {
+        "gc_units": names,
+        "gc_mean_frozen_share": freezer.mean_frozen_share,
+        "gc_backward_flops_skipped_share": cache.ledger.skipped_share,
+        "gc_backward_flops_skipped": cache.ledger.skipped,
+        "gc_backward_flops_by_prefix": dict(cache.ledger.flops_by_prefix),
+        "gc_cache_hit_rate": freezer.cache_hit_rate,
+        "gc_freezes": freezer.freezes,
+        "gc_prefix_changes": len(cache.events),
+        "gc_activation_hit_rate": activations.hit_rate if activations is not None else None,
+        "gc_activation_mb": activations.bytes_used / 2**20 if activations is not None else 0.0,
+        "gc_last_scores": dict(zip(names, freezer.scores)),
+        "gc_first_frozen_step": first,
+    }
+
+
+def gc_arm(name: str, callbacks: Any = None, **kwargs: Any) -> Arm:
+    """An :class:`Arm` whose runs report :func:`metrics`."""
+    made = Arm(name, callbacks=callbacks, **kwargs) if callbacks is not None else Arm(name, **kwargs)
+    made.metrics = metrics  # type: ignore[attr-defined]
+    return made
+
 
 CNN = {
     "workload": "mnist1d-cnn",
@@ -76,9 +113,6 @@ LM_THRESHOLDS = (0.2, 0.3)
 # a schedule tied to the LR instead of a stability test: freeze whatever is fresh once the cosine schedule is
 # at 80% of the run (LR below a fifth of its peak), as deep as max_frozen_share allows
 LM_FORCED_FROM = 0.8
-# FreezeOut (Brock et al. 2017): per-unit cosine LR annealing to zero, then a permanent freeze. Chosen on seed 0
-# (exploration in the docs): the paper's schedule from step 0 with its LR scaling at the target's saving
-# (t0 0.7 cubic: 27%), and the same spacing started late, where the LR has decayed (from 50%: 25%; from 70%: 15%)
 # the long-run variant: the same model and schedule over 15 epochs (2,610 steps), whose validation loss flattens
 LM_LONG_TRAINER = {"max_epochs": 15}
 # the converged-without-overfitting variant: 3x the text (1.2M characters) for 5 epochs = 2,600 steps
@@ -92,30 +126,26 @@ LM_CONVERGED_WORKLOAD = {**LM_COSINE["workload_kwargs"], "data__max_chars": 1_20
 # text (800k characters) for 8 epochs = 2,776 steps; the seed-7 pilot fell 0.17% over its last sixth
 LM_CONVERGED_800K_TRAINER = {"max_epochs": 8, "val_check_interval": 0.25}
 LM_CONVERGED_800K_WORKLOAD = {**LM_COSINE["workload_kwargs"], "data__max_chars": 800_000}
-LM_FREEZEOUT = (
-    ("freezeout t0=0.7 cubic +LR scaling", {"t0": 0.7, "scaling": "cubic", "scale_lr": True}),
-    ("freezeout from 50%, t0=0.3 cubic", {"t0": 0.3, "scaling": "cubic", "start_at": 0.5}),
-    ("freezeout from 70%, t0=0.3 cubic", {"t0": 0.3, "scaling": "cubic", "start_at": 0.7}),
-)
 
 
 def arms_for(workload: str) -> list[Arm]:
-    arms = [Arm("baseline"), Arm("freeze", callbacks=lambda seed: [GradientCache()])]
+    arms = [gc_arm("baseline"), gc_arm("freeze", callbacks=lambda seed: [GradientCache()])]
     if workload == "mnist1d-cnn":
         pulse = {"burst": 60, "replay": 120, "maintain": 0, "warmup": 0.3, "anneal": 0.1}
         arms += [
-            Arm("freeze+activations", callbacks=lambda seed: [GradientCache(activation_cache_mb=64)]),
-            Arm("pulse", callbacks=lambda seed: [PulseCycle(maintain_eval="none", **pulse), GradientCache()]),
+            gc_arm("freeze+activations", callbacks=lambda seed: [GradientCache(activation_cache_mb=64)]),
+            gc_arm(
+                "pulse", callbacks=lambda seed: [PulseCycle(maintain_eval="none", **pulse), GradientCache()]
+            ),
         ]
     else:
         # plasticity scores never exceed 1, so threshold 1.0 freezes whatever is fresh: the cost of forcing it
         arms += [
-            Arm("forced_last_quarter", callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=0.75)]),
-            Arm("forced_second_half", callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=0.5)]),
+            gc_arm(
+                "forced_last_quarter", callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=0.75)]
+            ),
+            gc_arm("forced_second_half", callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=0.5)]),
         ]
-    arms.append(
-        Arm("stale_replay", callbacks=lambda seed: [GradientCache(mode="stale_replay", start_at=0.5)])
-    )
     return arms
 
 
@@ -131,9 +161,9 @@ def cache_table(result: dict[str, Any]) -> str:
         f"### {result['workload']} ({result['trainer_kwargs']}, {result['workload_kwargs']}): "
         "GradientCache's own figures (medians over seeds)",
         "",
-        f"| arm | backward FLOPs skipped | mean frozen share | cache hit rate | similarity at refresh | "
-        f"activation hit rate | bookkeeping CPU share | FLOP-measuring CPU s | Δ {metric} vs baseline (per seed) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| arm | backward FLOPs skipped | mean frozen share | cache hit rate | activation hit rate "
+        f"| Δ {metric} vs baseline (per seed) |",
+        "|---|---|---|---|---|---|",
     ]
     baseline = {run["seed"]: run for run in result["runs"] if run["arm"] == result["arms"][0]}
     for arm in result["arms"][1:]:
@@ -144,10 +174,7 @@ def cache_table(result: dict[str, Any]) -> str:
             f"| {arm} | {_median([e.get('gc_backward_flops_skipped_share') for e in extra]):.3f} "
             f"| {_median([e.get('gc_mean_frozen_share') for e in extra]):.3f} "
             f"| {_median([e.get('gc_cache_hit_rate') for e in extra]):.2f} "
-            f"| {_median([e.get('gc_mean_similarity_at_refresh') for e in extra]):.3f} "
             f"| {_median([e.get('gc_activation_hit_rate') for e in extra]):.2f} "
-            f"| {_median([run['extra'].get('gc_hook_cpu_s', math.nan) / run['train_cpu_s'] for run in runs]):.4f} "
-            f"| {_median([e.get('gc_flop_measure_cpu_s') for e in extra]):.2f} "
             f"| {', '.join(f'{d:+.4f}' for d in deltas)} |"
         )
     return "\n".join(lines)
@@ -156,8 +183,8 @@ def cache_table(result: dict[str, Any]) -> str:
 def study_thresholds(seeds: tuple[int, ...]) -> tuple[list[dict[str, Any]], str]:
     """The threshold study: backward saved vs accuracy for three plasticity thresholds, at one-cycle and at
     constant LR, and the LM's final plasticity scores per unit (why nothing freezes there)."""
-    thresholds = [Arm("baseline")] + [
-        Arm(f"threshold={t}", callbacks=lambda seed, t=t: [GradientCache(threshold=t)])
+    thresholds = [gc_arm("baseline")] + [
+        gc_arm(f"threshold={t}", callbacks=lambda seed, t=t: [GradientCache(threshold=t)])
         for t in (0.3, 0.2, 0.1)
     ]
     results = [
@@ -166,7 +193,7 @@ def study_thresholds(seeds: tuple[int, ...]) -> tuple[list[dict[str, Any]], str]
         ),
         run_arms(
             "mnist1d-cnn",
-            [Arm("baseline"), Arm("freeze", callbacks=lambda seed: [GradientCache()])],
+            [gc_arm("baseline"), gc_arm("freeze", callbacks=lambda seed: [GradientCache()])],
             seeds,
             {"max_epochs": 30},
             {"model__lr": 0.01, "model__scheduler": "none"},
@@ -174,7 +201,7 @@ def study_thresholds(seeds: tuple[int, ...]) -> tuple[list[dict[str, Any]], str]
         ),
         run_arms(
             "charlm",
-            [Arm("freeze", callbacks=lambda seed: [GradientCache()])],
+            [gc_arm("freeze", callbacks=lambda seed: [GradientCache()])],
             seeds,
             LM["trainer_kwargs"],
             flops="none",
@@ -193,38 +220,30 @@ def study_thresholds(seeds: tuple[int, ...]) -> tuple[list[dict[str, Any]], str]
 
 
 def lm_arms() -> list[Arm]:
-    arms = [Arm("baseline")]
+    arms = [gc_arm("baseline")]
     for threshold in LM_THRESHOLDS:
         arms.append(
-            Arm(
+            gc_arm(
                 f"freeze threshold={threshold}",
                 callbacks=lambda seed, t=threshold: [GradientCache(threshold=t)],
             )
         )
     # plasticity scores never exceed 1, so threshold 1.0 freezes whatever is fresh
     arms.append(
-        Arm(
+        gc_arm(
             f"forced from {LM_FORCED_FROM:.0%}",
             callbacks=lambda seed: [GradientCache(threshold=1.0, start_at=LM_FORCED_FROM)],
         )
     )
-    for name, kwargs in LM_FREEZEOUT:
-        arms.append(Arm(name, callbacks=lambda seed, kw=kwargs: [GradientCache(schedule="freezeout", **kw)]))
     return arms
 
 
 def lm_long_arms() -> list[Arm]:
     """Arms of the long-run LM study, fixed before it ran (no tuning on its seeds)."""
     return [
-        Arm("baseline"),
-        Arm("freeze threshold=0.2", callbacks=lambda seed: [GradientCache()]),
-        Arm("freeze threshold=0.3", callbacks=lambda seed: [GradientCache(threshold=0.3)]),
-        Arm(
-            "freezeout from 50%, t0=0.3 cubic",
-            callbacks=lambda seed: [
-                GradientCache(schedule="freezeout", t0=0.3, scaling="cubic", start_at=0.5)
-            ],
-        ),
+        gc_arm("baseline"),
+        gc_arm("freeze threshold=0.2", callbacks=lambda seed: [GradientCache()]),
+        gc_arm("freeze threshold=0.3", callbacks=lambda seed: [GradientCache(threshold=0.3)]),
     ]
 
 
@@ -279,12 +298,12 @@ LM_CONFIRM_CANDIDATE: str | None = "freeze threshold=0.25 max_frozen_share=0.97 
 
 
 def _candidate_arm(name: str, kwargs: dict[str, Any]) -> Arm:
-    return Arm(name, callbacks=lambda seed: [GradientCache(**kwargs)])
+    return gc_arm(name, callbacks=lambda seed: [GradientCache(**kwargs)])
 
 
 def lm_tuning_arms() -> list[Arm]:
     """Arms of the tuning stage: the baseline and the pre-registered candidates."""
-    return [Arm("baseline")] + [_candidate_arm(name, kwargs) for name, kwargs in LM_TUNING_CANDIDATES]
+    return [gc_arm("baseline")] + [_candidate_arm(name, kwargs) for name, kwargs in LM_TUNING_CANDIDATES]
 
 
 def lm_confirm_arms() -> list[Arm]:
@@ -294,7 +313,7 @@ def lm_confirm_arms() -> list[Arm]:
             "LM_CONFIRM_CANDIDATE is None: run --study lm_converged_800k_tuning and set it first"
         )
     kwargs = dict(LM_TUNING_CANDIDATES)[LM_CONFIRM_CANDIDATE]
-    return [Arm("baseline"), _candidate_arm(LM_CONFIRM_CANDIDATE, kwargs)]
+    return [gc_arm("baseline"), _candidate_arm(LM_CONFIRM_CANDIDATE, kwargs)]
 
 
 def lm_selection(result: dict[str, Any]) -> tuple[str | None, str]:
@@ -464,28 +483,6 @@ def lm_unit_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def study_overhead(seeds: tuple[int, ...]) -> tuple[dict[str, Any], str]:
-    """GradientCache's own CPU on the CNN reference config: the process CPU time spent inside its hooks over
-    the run's training CPU time (arms rotated per seed; run under the shared benchmark lock)."""
-    result = run_arms(
-        "mnist1d-cnn",
-        [Arm("baseline"), Arm("freeze", callbacks=lambda seed: [GradientCache()])],
-        seeds,
-        CNN["trainer_kwargs"],
-        CNN["workload_kwargs"],
-        flops="none",
-        rotate_arms=True,
-    )
-    runs = [run for run in result["runs"] if run["arm"] == "freeze"]
-    shares = [run["extra"]["gc_hook_cpu_s"] / run["train_cpu_s"] for run in runs]
-    lines = [
-        "### mnist1d-cnn: CPU inside GradientCache's hooks over training CPU, arm `freeze`",
-        "",
-        f"Per seed: {', '.join(f'{share:.2%}' for share in shares)}; median {statistics.median(shares):.2%}.",
-    ]
-    return result, "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -493,17 +490,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few steps per run, to check the script runs")
     parser.add_argument(
         "--study",
-        choices=["thresholds", *LM_STUDIES, "overhead"],
+        choices=["thresholds", *LM_STUDIES],
         help="run a side study instead of the main arms",
     )
     parser.add_argument("--jobs", type=int, default=1, help="--study lm: seeds run in this many processes")
     args = parser.parse_args()
-    if args.study == "overhead":
-        result, notes = study_overhead(tuple(args.seeds))
-        write_results(
-            [result], "gradient_cache_overhead", "python -m benchmarks.gradient_cache --study overhead", notes
-        )
-        return
     if args.study in LM_STUDIES:
         result, notes = study_lm(tuple(args.seeds), args.jobs, study=args.study)
         command = f"python -m benchmarks.gradient_cache --study {args.study}" + (

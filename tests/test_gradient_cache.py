@@ -19,7 +19,7 @@ from lightning_pulse.callbacks.gradient_cache import GradientCache
 from tests.conftest import trainer_kwargs
 
 # plasticity threshold 2.0: every unit counts as stable once it has one window of cache, so freezes are certain
-EAGER = dict(measure="plasticity", threshold=2.0, check_every=5, freeze_for=20)
+EAGER = dict(threshold=2.0, check_every=5, freeze_for=20)
 
 
 class BackwardFlops(Callback):
@@ -74,10 +74,9 @@ def test_standalone_freezing_skips_the_backward_flops_it_reports(mnist1d_small):
     assert measured_skipped > 0.4 * sum(baseline_counter.per_backward)
     # every batch has the same size, so the ledger's per-prefix figures add up exactly
     assert cache.ledger.skipped == pytest.approx(measured_skipped)
-    metrics = cache.benchmark_metrics()
-    assert metrics["gc_units"] == ["net.1", "net.3", "net.5", "net.8"]
-    assert 0.4 < metrics["gc_backward_flops_skipped_share"] < 1.0
-    assert 0.0 < metrics["gc_mean_frozen_share"] < 1.0
+    assert [unit.name for unit in cache.freezer.units] == ["net.1", "net.3", "net.5", "net.8"]
+    assert 0.4 < cache.ledger.skipped_share < 1.0
+    assert 0.0 < cache.freezer.mean_frozen_share < 1.0
 
 
 def test_burst_releases_everything_and_replay_freezes(mnist1d_small, tmp_path):
@@ -105,8 +104,8 @@ def test_burst_releases_everything_and_replay_freezes(mnist1d_small, tmp_path):
         "frozen_share",
         "backward_flops_skipped",
         "staleness",
+        "backward_flops_skipped_share",
         "cache_hit_rate",
-        "similarity_at_refresh",
     ):
         assert f"gradient_cache/{name}" in logged
 
@@ -146,7 +145,7 @@ def test_resume_mid_freeze_reproduces_the_uninterrupted_run(mnist1d_small, tmp_p
         data.setup("fit")
         loader = DataLoader(data.train_set, batch_size=64, shuffle=False)  # order independent of RNG state
         cycle = PulseCycle(burst=6, replay=14, maintain=0, warmup=0.0, anneal=0.0, maintain_eval="none")
-        cache = GradientCache(measure="plasticity", threshold=0.9, check_every=4, freeze_for=8)
+        cache = GradientCache(threshold=0.9, check_every=4, freeze_for=8)
         trainer = pl.Trainer(
             callbacks=[cycle, cache], max_epochs=max_epochs, limit_train_batches=9, **trainer_kwargs()
         )
@@ -177,7 +176,7 @@ def test_resume_from_a_checkpoint_written_before_the_first_backward(mnist1d_smal
     cache = GradientCache(**EAGER)
     resumed = pl.Trainer(callbacks=[cache], max_steps=12, **trainer_kwargs())
     resumed.fit(model, data, ckpt_path=str(tmp_path / "early.ckpt"))
-    assert cache.cache is not None and cache.events
+    assert cache.freezer is not None and cache.events
 
 
 def test_ddp_without_unused_parameter_detection_fails_at_setup_naming_the_fix(mnist1d_small, monkeypatch):
@@ -209,15 +208,18 @@ def test_manual_optimization_is_refused_at_setup(mnist1d_small):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"measure": "entropy"}, "measure"),
+        ({"threshold": -1.0}, "threshold"),
         ({"freeze_for": 30, "check_every": 20}, "freeze_for"),
+        ({"max_frozen_share": 0.0}, "max_frozen_share"),
         ({"phases": ["rest"]}, "phases"),
         ({"phases": "replay"}, "phases"),
         ({"release_at": 1.5}, "release_at"),
         ({"start_at": "half"}, "start_at"),
         ({"release_at": -3}, "release_at"),
         ({"units": []}, "units"),
-        ({"min_units": 1}, "min_units"),
+        ({"units": "net.1"}, "units"),
+        ({"activation_cache_mb": -1}, "activation_cache_mb"),
+        ({"measure_flops": "yes"}, "measure_flops"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs, field):
@@ -267,9 +269,7 @@ def _fit_with_activation_cache(mnist1d_small, megabytes: float, noisy: bool = Fa
     data.setup("fit")
     dataset = NoisyInputs(data.train_set) if noisy else data.train_set
     loader = DataLoader(dataset, batch_size=60, shuffle=True)
-    cache = GradientCache(
-        measure="plasticity", threshold=2.0, check_every=6, freeze_for=60, activation_cache_mb=megabytes
-    )
+    cache = GradientCache(threshold=2.0, check_every=6, freeze_for=60, activation_cache_mb=megabytes)
     flops = TrainingFlops()
     trainer = pl.Trainer(callbacks=[cache, flops], max_steps=60, **trainer_kwargs())
     trainer.fit(model, train_dataloaders=loader)
@@ -283,7 +283,7 @@ def test_activation_cache_replays_frozen_outputs_exactly_and_skips_their_forward
     assert cache.events == plain.events and cache.events[0]["to"] == 3
     assert cache.activations.hits > 0 and cache.activations.disabled_reason is None
     # 720 samples x (25x19 + 25x10 + 25x5) floats of the three frozen conv layers
-    assert cache.benchmark_metrics()["gc_activation_mb"] == pytest.approx(720 * 850 * 4 / 2**20)
+    assert cache.activations.bytes_used == 720 * 850 * 4
     assert flops.total < plain_flops.total
     for (name, param), other in zip(model.named_parameters(), plain_model.parameters()):
         assert torch.allclose(param, other, rtol=0, atol=1e-6), name
@@ -297,3 +297,21 @@ def test_activation_cache_switches_itself_off_when_samples_change_between_visits
     assert cache.activations.hits == 0
     for param, other in zip(model.parameters(), plain_model.parameters()):
         assert torch.equal(param, other)
+
+
+def test_without_flop_measurement_the_same_units_freeze_and_no_flop_figure_is_logged(mnist1d_small, tmp_path):
+    runs = {}
+    for measure_flops in (True, False):
+        pl.seed_everything(0)
+        model, data = mnist1d_small()
+        cache = GradientCache(**EAGER, measure_flops=measure_flops)
+        logger = CSVLogger(tmp_path, name=f"flops-{measure_flops}")
+        fit(model, data, [cache], max_steps=12, logger=logger, log_every_n_steps=1)
+        rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+        runs[measure_flops] = cache, {key for row in rows for key, value in row.items() if value}
+    (measured, logged), (unmeasured, unlogged) = runs[True], runs[False]
+    assert unmeasured.events == measured.events and measured.events
+    assert measured.ledger.skipped > 0 and unmeasured.ledger.flops_by_prefix == {}
+    assert "gradient_cache/backward_flops_skipped" in logged
+    assert "gradient_cache/backward_flops_skipped" not in unlogged
+    assert "gradient_cache/frozen_share" in unlogged

@@ -1,4 +1,4 @@
-"""The functional core of GradientCache: units, forward order, measures, the freeze state machine, FLOPs."""
+"""The functional core of GradientCache: units, forward order, plasticity, the freeze state machine, FLOPs."""
 
 from __future__ import annotations
 
@@ -10,15 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_pulse.core.gradient_cache import (
-    BackwardFlopLedger,
-    CacheSettings,
-    ModuleGradientCache,
-    discover_units,
-    gradient_cosine,
-    order_units,
-    record_gradient_order,
-    relative_norm_change,
+from lightning_pulse.core.backward_flops import BackwardFlopLedger
+from lightning_pulse.core.freeze_units import ForwardOrderTrace, discover_units
+from lightning_pulse.core.layer_freezing import (
+    FreezeSettings,
+    FreezeWindow,
+    LayerFreezer,
+    freezer_from_state,
     relative_parameter_change,
 )
 
@@ -30,16 +28,12 @@ def mlp() -> nn.Sequential:
 
 def traced_units(model: nn.Module, inputs: torch.Tensor, **kwargs):
     """Units of ``model`` in forward order, traced from one real backward."""
-    units = discover_units(model, **kwargs)
-    named = dict(model.named_parameters())
-    for unit in units:
-        unit.bind(named)
-    params = {name: p for unit in units for name, p in zip(unit.param_names, unit.params)}
-    with record_gradient_order(params) as order:
-        output = model(inputs)
-        (output.float().pow(2).mean() if output.dtype != torch.long else output.sum()).backward()
+    trace = ForwardOrderTrace(discover_units(model, **kwargs))
+    trace.begin()
+    output = model(inputs)
+    (output.float().pow(2).mean() if output.dtype != torch.long else output.sum()).backward()
     model.zero_grad(set_to_none=True)
-    return order_units(units, order)
+    return trace.finish()
 
 
 def backward_flops(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
@@ -79,8 +73,10 @@ def test_forward_order_comes_from_backward_not_from_registration():
     units = traced_units(Backwards(), torch.randn(5, 4))
     assert [unit.name for unit in units] == ["stem", "body", "head", "spare"]
     assert [unit.used for unit in units] == [True, True, True, False]
-    cache = ModuleGradientCache(units)
-    assert cache.freezable_limit == 2  # the head (last used unit) always trains; the unused one never freezes
+    freezer = LayerFreezer(units)
+    assert (
+        freezer.freezable_limit == 2
+    )  # the head (last used unit) always trains; the unused one never freezes
 
 
 def test_tied_weight_belongs_to_the_input_side_unit():
@@ -118,18 +114,6 @@ def test_parameters_the_user_froze_are_left_out():
     assert [unit.name for unit in units] == ["2", "4"]
 
 
-# ------------------------------------------------------------------------------------------ measures
-def test_measures_on_known_vectors():
-    a = [torch.tensor([1.0, 0.0]), torch.tensor([2.0])]
-    assert gradient_cosine(a, a) == pytest.approx(1.0)
-    assert gradient_cosine(a, [-t for t in a]) == pytest.approx(-1.0)
-    assert gradient_cosine(a, [torch.zeros(2), torch.zeros(1)]) == 0.0
-    assert relative_norm_change([2 * t for t in a], a) == pytest.approx(1.0)
-    assert relative_norm_change(a, [torch.zeros(2), torch.zeros(1)]) == math.inf
-    snapshot = [torch.tensor([3.0, 4.0])]
-    assert relative_parameter_change([torch.tensor([3.0, 4.5])], snapshot) == pytest.approx(0.1)
-
-
 # ------------------------------------------------------------------------------------------ backward work
 def test_frozen_prefix_really_skips_backward_flops():
     model, x, y = mlp(), torch.randn(32, 40), torch.randint(0, 10, (32,))
@@ -139,14 +123,14 @@ def test_frozen_prefix_really_skips_backward_flops():
     full = backward_flops(model, x, y)
     assert full == weight0 + weight1 + input1 + weight2 + input2
     units = traced_units(model, x)
-    cache = ModuleGradientCache(units)
-    cache._set_prefix(1)
+    freezer = LayerFreezer(units)
+    freezer.set_prefix(1)
     # layer 0 costs nothing and layer 1 no longer needs the gradient of its input
     assert backward_flops(model, x, y) == weight1 + weight2 + input2
-    cache._set_prefix(2)
+    freezer.set_prefix(2)
     assert backward_flops(model, x, y) == weight2
     # a frozen unit in the middle saves only its weight gradient: that is why only prefixes are frozen
-    cache._set_prefix(0)
+    freezer.set_prefix(0)
     model[2].requires_grad_(False)
     assert backward_flops(model, x, y) == full - weight1
 
@@ -166,10 +150,10 @@ def test_transformer_prefix_freeze_skips_backward_flops():
         return counter.get_total_flops()
 
     full = lm_backward_flops()
-    cache = ModuleGradientCache(traced_units(model, tokens))
+    freezer = LayerFreezer(traced_units(model, tokens))
     costs = []
     for prefix in range(1, 6):
-        cache._set_prefix(prefix)
+        freezer.set_prefix(prefix)
         costs.append(lm_backward_flops())
     # embedding + position alone save nothing measurable (an index lookup); each block then saves more
     assert costs[0] == full and costs[1] == full
@@ -177,203 +161,248 @@ def test_transformer_prefix_freeze_skips_backward_flops():
     assert costs[4] < 0.5 * full  # first layer (attention + MLP) frozen: over half the backward is gone
 
 
+# ------------------------------------------------------------------------------------------ plasticity
+def test_relative_parameter_change_on_known_vectors():
+    snapshot = [torch.tensor([3.0, 4.0]), torch.tensor([0.0])]
+    assert relative_parameter_change(
+        [torch.tensor([3.0, 4.5]), torch.tensor([0.0])], snapshot
+    ) == pytest.approx(0.1)
+    assert relative_parameter_change([torch.tensor([3.0, 4.0]), torch.zeros(1)], snapshot) == 0.0
+    assert relative_parameter_change([torch.ones(1)], [torch.zeros(1)]) == math.inf
+
+
 # ------------------------------------------------------------------------------------------ the state machine
-def drive(cache: ModuleGradientCache, grads, steps: int, enabled: bool = True):
-    """Run ``steps`` optimizer steps whose gradients are ``grads(step, unit_index, param)`` for trainable units."""
+def drive(freezer: LayerFreezer, speed, steps: int, enabled: bool = True):
+    """Run ``steps`` optimizer steps; trainable parameters of unit ``i`` move by ``speed(step, i)`` per element
+    (and get that as their gradient), as an SGD step would move them."""
     reports = []
     for _ in range(steps):
-        for index, unit in enumerate(cache.units):
+        for index, unit in enumerate(freezer.units):
             for param in unit.params:
-                param.grad = grads(cache.steps, index, param) if param.requires_grad else None
-        reports.append(cache.after_backward(enabled))
+                if param.requires_grad:
+                    step = torch.full_like(param, speed(freezer.steps, index))
+                    param.grad = step
+                    with torch.no_grad():
+                        param.add_(step)
+                else:
+                    param.grad = None
+        reports.append(freezer.step(enabled))
     return reports
 
 
-def constant(step, index, param):
-    return torch.ones_like(param)
+def slowing(step, index):
+    """Full speed over the first window of 5 steps, a tenth of it afterwards: stable from the second check."""
+    return 1e-3 if step < 5 else 1e-4
 
 
-def test_stable_prefix_freezes_then_refreshes_after_freeze_for():
+def test_a_slowed_prefix_freezes_and_trains_one_window_to_recheck_after_freeze_for():
     model = mlp()
-    settings = CacheSettings(
-        measure="cosine", threshold=0.9, check_every=5, freeze_for=10, max_frozen_share=1.0
-    )
-    cache = ModuleGradientCache(traced_units(model, torch.randn(2, 40)), settings)
-    reports = drive(cache, constant, 5)
-    assert cache.frozen_prefix == 0  # first window: no cache to compare with yet
-    reports = drive(cache, constant, 5)
-    assert reports[-1].changed and cache.frozen_prefix == 2  # head always trains
+    settings = FreezeSettings(threshold=0.5, check_every=5, freeze_for=10, max_frozen_share=1.0)
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)), settings)
+    drive(freezer, slowing, 5)
+    assert freezer.frozen_prefix == 0 and freezer.scores[0] == pytest.approx(1.0)  # its own peak so far
+    reports = drive(freezer, slowing, 5)
+    assert reports[-1].changed and freezer.frozen_prefix == 2  # the head always trains
+    assert freezer.scores[0] == pytest.approx(0.1, rel=0.05)
     assert not model[0].weight.requires_grad and model[4].weight.requires_grad
-    drive(cache, constant, 5)
-    assert cache.frozen_prefix == 2 and cache.staleness == 5
-    reports = drive(cache, constant, 5)
-    # freeze_for reached: the prefix trains one window to refresh its cache
-    assert cache.frozen_prefix == 0 and model[0].weight.requires_grad
-    reports = drive(cache, constant, 5)
+    drive(freezer, slowing, 5)
+    assert freezer.frozen_prefix == 2 and freezer.staleness == 5
+    drive(freezer, slowing, 5)
+    # freeze_for reached: the prefix trains one window to be scored again
+    assert freezer.frozen_prefix == 0 and model[0].weight.requires_grad
+    reports = drive(freezer, slowing, 5)
     assert reports[-1].refreshed == ["0", "2"]
-    assert reports[-1].similarity_at_refresh == pytest.approx(1.0)
-    assert cache.frozen_prefix == 2 and cache.cache_hit_rate == 1.0
+    assert freezer.frozen_prefix == 2 and freezer.cache_hit_rate == 1.0
 
 
-def test_refresh_that_finds_a_changed_gradient_keeps_the_unit_training():
+def test_a_refresh_that_finds_the_first_unit_moving_again_keeps_everything_training():
     model = mlp()
-    settings = CacheSettings(
-        measure="cosine", threshold=0.9, check_every=5, freeze_for=5, max_frozen_share=1.0
-    )
-    cache = ModuleGradientCache(traced_units(model, torch.randn(2, 40)), settings)
-    drive(cache, constant, 10)
-    assert cache.frozen_prefix == 2
-    drive(cache, constant, 5)  # expires: released for a refresh window
-    assert cache.frozen_prefix == 0
-
-    def flipped(step, index, param):
-        return -torch.ones_like(param) if index == 0 else torch.ones_like(param)
-
-    reports = drive(cache, flipped, 5)
-    assert reports[-1].similarity_at_refresh == pytest.approx(0.0)  # mean of -1 (unit 0) and +1 (unit 1)
-    assert cache.frozen_prefix == 0 and cache.cache_hit_rate == 0.5
-    assert model[0].weight.requires_grad
+    settings = FreezeSettings(threshold=0.5, check_every=5, freeze_for=5, max_frozen_share=1.0)
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)), settings)
+    drive(freezer, slowing, 10)
+    assert freezer.frozen_prefix == 2
+    drive(freezer, slowing, 5)  # expires: released for a refresh window
+    assert freezer.frozen_prefix == 0
+    reports = drive(freezer, lambda step, index: 1e-3 if index == 0 else 1e-4, 5)
+    assert reports[-1].refreshed == ["0", "2"]
+    # unit 0 moves at its peak speed again, so the prefix stops before it although unit 2 is still stable
+    assert freezer.stable[:2] == [False, True] and freezer.frozen_prefix == 0
+    assert freezer.cache_hit_rate == 0.5 and model[0].weight.requires_grad
 
 
 def test_frozen_parameters_get_no_gradient_and_adam_leaves_them_alone():
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
-    settings = CacheSettings(
-        measure="cosine", threshold=0.9, check_every=2, freeze_for=20, max_frozen_share=0.3
-    )
-    cache = ModuleGradientCache(traced_units(model, torch.randn(2, 40)), settings)
-    for _ in range(4):
-        drive(cache, constant, 1)
+    # threshold 1.0: stable once scored; max_frozen_share 0.3 stops the prefix after the first layer
+    settings = FreezeSettings(threshold=1.0, check_every=2, freeze_for=20, max_frozen_share=0.3)
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)), settings)
+    x, y = torch.randn(8, 40), torch.randint(0, 10, (8,))
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=False)  # zeros, not None: the freezer must clear them itself
+        F.cross_entropy(model(x), y).backward()
+        freezer.step(True)
         optimizer.step()
-    assert cache.frozen_prefix == 1  # max_frozen_share 0.3 stops the prefix after the first layer
-    frozen_weight, adam_steps = (
-        model[0].weight.detach().clone(),
-        optimizer.state[model[0].weight]["step"].item(),
-    )
+
+    for _ in range(2):
+        train_step()
+    assert freezer.frozen_prefix == 1
+    frozen_weight = model[0].weight.detach().clone()
+    adam_steps = optimizer.state[model[0].weight]["step"].item()
     for _ in range(6):
-        drive(cache, constant, 1)
+        train_step()
         assert model[0].weight.grad is None
-        optimizer.step()
     assert torch.equal(model[0].weight, frozen_weight)  # no momentum, no weight decay
     assert optimizer.state[model[0].weight]["step"].item() == adam_steps
     assert optimizer.state[model[2].weight]["step"].item() == adam_steps + 6
 
 
-def test_cached_update_applies_the_decayed_cached_gradient():
+def test_disabled_phase_releases_the_prefix_at_once_and_a_light_phase_refreezes_it():
     model = mlp()
-    settings = CacheSettings(
-        measure="cosine",
-        threshold=0.9,
-        check_every=2,
-        freeze_for=20,
-        max_frozen_share=0.3,
-        frozen_update="cached",
-        cached_decay=0.5,
-    )
-    cache = ModuleGradientCache(traced_units(model, torch.randn(2, 40)), settings)
-    drive(cache, lambda s, i, p: torch.full_like(p, 3.0), 4)
-    assert cache.frozen_prefix == 1
-    drive(cache, lambda s, i, p: torch.full_like(p, 3.0), 2)
-    # two frozen steps since the cache was checked: 3 * 0.5 ** 2
-    assert torch.allclose(model[0].weight.grad, torch.full_like(model[0].weight, 0.75))
-
-
-def test_stale_replay_freezes_everything_but_the_head_without_a_stability_test():
-    model = mlp()
-    settings = CacheSettings(
-        measure="cosine", check_every=2, freeze_for=4, max_frozen_share=1.0, mode="stale_replay"
-    )
-    cache = ModuleGradientCache(traced_units(model, torch.randn(2, 40)), settings)
-
-    def noisy(step, index, param):
-        return torch.randn_like(param)
-
-    drive(cache, noisy, 2)
-    assert cache.frozen_prefix == 2  # one window of cache is enough, however dissimilar
-    assert cache.frozen_update == "cached"
-    drive(cache, noisy, 1)
-    assert model[0].weight.grad is not None
-
-
-def test_disabled_phase_releases_the_prefix_at_once():
-    model = mlp()
-    settings = CacheSettings(
-        measure="cosine", threshold=0.9, check_every=5, freeze_for=50, max_frozen_share=1.0
-    )
-    cache = ModuleGradientCache(traced_units(model, torch.randn(2, 40)), settings)
-    drive(cache, constant, 10)
-    assert cache.frozen_prefix == 2
-    drive(cache, constant, 1, enabled=False)
-    assert cache.frozen_prefix == 0 and all(p.requires_grad for p in model.parameters())
-    assert cache.freeze_from_last_check() and cache.frozen_prefix == 2  # caches are still fresh
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=1.0)
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)), settings)
+    drive(freezer, slowing, 5)
+    assert freezer.frozen_prefix == 2
+    drive(freezer, slowing, 1, enabled=False)
+    assert freezer.frozen_prefix == 0 and all(p.requires_grad for p in model.parameters())
+    assert freezer.freeze_from_last_check() and freezer.frozen_prefix == 2  # the scores are still fresh
 
 
 def test_state_dict_round_trip_continues_identically():
     def fresh():
         model = mlp()
-        settings = CacheSettings(measure="plasticity", threshold=2.0, check_every=3, freeze_for=6)
-        return model, ModuleGradientCache(traced_units(model, torch.randn(2, 40)), settings)
+        settings = FreezeSettings(threshold=0.6, check_every=3, freeze_for=6)
+        return model, LayerFreezer(traced_units(model, torch.randn(2, 40)), settings)
 
-    def grads(step, index, param):
-        return torch.full_like(param, float(step % 4) + index)
+    def speed(step, index):
+        return 0.01 * (1 + (step * 7 + index) % 5)
 
-    model_a, cache_a = fresh()
-    drive(cache_a, grads, 7)
-    state = cache_a.state_dict()
-    model_b, cache_b = fresh()
-    cache_b.load_state_dict(state)
-    cache_b.apply_requires_grad()
-    assert cache_b.frozen == cache_a.frozen
+    model_a, freezer_a = fresh()
+    drive(freezer_a, speed, 7)
+    state = freezer_a.state_dict()
+    model_b = mlp()
+    model_b.load_state_dict(model_a.state_dict())
+    freezer_b = freezer_from_state(state, model_b, freezer_a.settings)
+    freezer_b.apply_requires_grad()
+    assert freezer_b.frozen == freezer_a.frozen
     assert [p.requires_grad for p in model_b.parameters()] == [p.requires_grad for p in model_a.parameters()]
-    reports_a = drive(cache_a, grads, 11)
-    reports_b = drive(cache_b, grads, 11)
-    assert [(r.frozen_prefix, r.window_closed) for r in reports_a] == [
-        (r.frozen_prefix, r.window_closed) for r in reports_b
+    reports_a = drive(freezer_a, speed, 20)
+    reports_b = drive(freezer_b, speed, 20)
+    assert [(r.frozen_prefix, r.window_closed, r.changed) for r in reports_a] == [
+        (r.frozen_prefix, r.window_closed, r.changed) for r in reports_b
     ]
-    assert cache_a.state_dict()["stats"] == cache_b.state_dict()["stats"]
+    assert any(r.changed for r in reports_a)
+    assert freezer_a.state_dict()["stats"] == freezer_b.state_dict()["stats"]
+    assert freezer_a.scores == freezer_b.scores
 
 
 def test_state_dict_of_another_model_is_refused():
     model = mlp()
-    cache = ModuleGradientCache(traced_units(model, torch.randn(2, 40)))
-    other = ModuleGradientCache(discover_units(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))))
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)))
+    other = LayerFreezer(discover_units(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))))
     with pytest.raises(ValueError, match="model changed"):
-        other.load_state_dict(cache.state_dict())
+        other.load_state_dict(freezer.state_dict())
 
 
 def test_flop_ledger_counts_skipped_backward_work():
     model, x, y = mlp(), torch.randn(8, 40), torch.randint(0, 10, (8,))
-    cache = ModuleGradientCache(traced_units(model, x))
+    freezer = LayerFreezer(traced_units(model, x))
     ledger = BackwardFlopLedger()
     for prefix in (0, 1, 1):
-        cache._set_prefix(prefix)
+        freezer.set_prefix(prefix)
         loss = F.cross_entropy(model(x), y)
-        if ledger.needs(prefix):
-            with ledger.measuring(prefix):
-                loss.backward()
-        else:
-            loss.backward()
-        ledger.account(prefix)
+        ledger.begin_backward(prefix)
+        loss.backward()
+        ledger.end_backward()
     full, cheaper = ledger.flops_by_prefix[0], ledger.flops_by_prefix[1]
+    assert full == backward_flops(model.requires_grad_(True), x, y) and cheaper < full
     assert ledger.skipped == 2 * (full - cheaper) and ledger.reference == 3 * full
     assert ledger.skipped_share == pytest.approx(2 * (full - cheaper) / (3 * full))
+    assert ledger.step_skipped == ledger.skipped
+    ledger.new_step()
+    assert ledger.step_skipped == 0.0
+
+
+def test_freeze_window_resolves_shares_of_the_run():
+    assert FreezeWindow(start_at=0.25, release_at=90).steps(200.0) == (50, 90)
+    assert FreezeWindow().steps(math.inf) == (None, None)
+    with pytest.raises(ValueError, match="`release_at`=0.5 is a share of the run"):
+        FreezeWindow(release_at=0.5).steps(math.inf)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"measure": "entropy"}, "measure"),
-        ({"mode": "svrg"}, "mode"),
-        ({"frozen_update": "momentum"}, "frozen_update"),
-        ({"mode": "stale_replay", "frozen_update": "none"}, "frozen_update"),
         ({"check_every": 0}, "check_every"),
         ({"freeze_for": 30, "check_every": 20}, "freeze_for"),
-        ({"measure": "cosine", "threshold": 1.5}, "threshold"),
-        ({"measure": "plasticity", "threshold": -0.1}, "threshold"),
+        ({"threshold": -0.1}, "threshold"),
+        ({"threshold": math.inf}, "threshold"),
+        ({"threshold": True}, "threshold"),
         ({"max_frozen_share": 0.0}, "max_frozen_share"),
-        ({"cached_decay": 1.5}, "cached_decay"),
+        ({"max_frozen_share": 1.5}, "max_frozen_share"),
     ],
 )
 def test_bad_settings_fail_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"`{field}`"):
-        CacheSettings(**kwargs)
+        FreezeSettings(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------ activation cache
+def test_activation_cache_records_verifies_then_replays_frozen_outputs_without_running_the_module():
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    data = torch.randn(6, 4)
+    cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
+    cache.plan([("0", model[0])])
+    indices = torch.tensor([4, 1, 3])
+    expected = model(data[indices])
+    modes = []
+    for _ in range(2):  # a recording visit, then a verifying one (computed for real and compared)
+        modes.append(cache.begin_batch(indices))
+        assert torch.equal(model(data[indices]), expected)
+        cache.end_batch()
+    modes.append(cache.begin_batch(indices))
+    # the frozen layer is replaced by a lookup: garbage inputs give the recorded outputs
+    assert torch.equal(model(torch.full((3, 4), 1e6)), expected)
+    cache.end_batch()
+    assert modes == ["record", "verify", "hit"] and cache.hits == 1 and cache.disabled_reason is None
+    assert cache.bytes_used == 6 * 8 * 4
+    assert "forward" not in vars(model[0])  # the class's forward is back after the batch
+    # a sample not seen yet is recorded, not replayed
+    assert cache.begin_batch(torch.tensor([4, 0])) == "record"
+    cache.end_batch()
+
+
+def test_activation_cache_switches_itself_off_when_a_sample_changes_between_visits():
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
+    cache.plan([("0", model[0])])
+    indices = torch.tensor([0, 1])
+    for noise in (0.0, 0.1):  # data augmentation: the second visit sees another input
+        cache.begin_batch(indices)
+        model(torch.ones(2, 4) + noise)
+        cache.end_batch()
+    assert "differs between two visits" in cache.disabled_reason
+    assert cache.begin_batch(indices) == "off"
+
+
+def test_modules_with_dropout_or_batch_statistics_are_not_cached():
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
+    cache.plan([("0", nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))), ("1", nn.Linear(4, 4))])
+    assert cache.entries == []  # the first cannot be replayed, so nothing after it is either
+
+
+def test_a_state_of_another_version_is_refused_naming_it():
+    model = mlp()
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)))
+    state = freezer.state_dict()
+    state["version"] = 1
+    with pytest.raises(ValueError, match="state version 1"):
+        freezer.load_state_dict(state)

@@ -41,7 +41,7 @@ class RankReport(Callback):
 def test_two_gloo_processes_freeze_the_same_units_and_keep_parameters_identical(mnist1d_small, tmp_path):
     model, data = mnist1d_small()
     cycle = PulseCycle(burst=6, replay=12, maintain=0, warmup=0.0, anneal=0.0, maintain_eval="none")
-    cache = GradientCache(measure="plasticity", threshold=2.0, check_every=3, freeze_for=6)
+    cache = GradientCache(threshold=2.0, check_every=3, freeze_for=6)
     trainer = pl.Trainer(
         callbacks=[cycle, cache, RankReport(str(tmp_path))],
         max_steps=24,

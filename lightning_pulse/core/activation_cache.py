@@ -1,0 +1,257 @@
+"""Per-sample replay of the outputs of frozen modules, so that a frozen prefix's forward is skipped too.
+
+Plain torch. Used by :class:`~lightning_pulse.GradientCache` with ``activation_cache_mb > 0``; needs the
+dataset indices of every batch (:class:`~lightning_pulse.core.sample_index.SampleIndexTracker`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_pulse.core.sample_index import SampleIndexTracker
+
+
+def uncacheable_reason(module: nn.Module) -> str | None:
+    """Why the outputs of ``module`` cannot be replayed per sample, or ``None`` if they can.
+
+    Replaying needs the output to be a function of the sample alone: no dropout and no batch-statistics
+    normalisation in training mode inside it, and a plain class ``forward`` that can be swapped for the
+    replay while the module is frozen.
+    """
+    if "forward" in vars(module):
+        return "it already has an instance-level `forward`"
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0 and sub.training:
+            return f"{name or 'it'} is dropout in training mode"
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+            return f"{name or 'it'} uses batch statistics in training mode"
+    return None
+
+
+@dataclass
+class _ActivationEntry:
+    name: str
+    module: nn.Module
+    storage: torch.Tensor | None = None  # (capacity, *output shape without batch)
+    calls: int = 0
+
+
+class PrefixActivationCache:
+    """Outputs of frozen modules per training sample, replayed so the frozen prefix's forward is skipped.
+
+    While a prefix is frozen its parameters do not change, so a module's output for a given sample does not
+    change either. The first visit of a sample records the outputs of the frozen modules; once every sample
+    of a batch is recorded, the modules' ``forward`` is swapped for a lookup for that batch, and restored
+    right after. The first all-recorded batch of every plan is computed for real once more and compared with
+    the records: a mismatch (data augmentation, noise added in ``training_step``) switches the cache off.
+
+    Args:
+        capacity: how many distinct samples this process sees per epoch (rows of each store).
+        dataset_size: size of the dataset the sample indices refer to.
+        budget_bytes: the most memory all stores together may take; modules whose store would not fit are
+            not cached (nor any after them).
+    """
+
+    def __init__(self, capacity: int, dataset_size: int, budget_bytes: int) -> None:
+        self.capacity = int(capacity)
+        self.budget_bytes = int(budget_bytes)
+        self.slot_of = torch.full((int(dataset_size),), -1, dtype=torch.long)
+        self.filled = torch.zeros(self.capacity, dtype=torch.bool)
+        self.next_slot = 0
+        self.entries: list[_ActivationEntry] = []
+        self.verified = False
+        self.disabled_reason: str | None = None
+        self.hits = 0
+        self.batches = 0
+        self._handles: list[Any] = []
+        self._stubbed: list[nn.Module] = []
+        self._slots: torch.Tensor | None = None
+        self._mode = "off"
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(
+            e.storage.numel() * e.storage.element_size() for e in self.entries if e.storage is not None
+        )
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.batches if self.batches else None
+
+    def plan(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
+        """Cache the outputs of ``modules`` (the frozen module units, in forward order).
+
+        Records of modules that left the list are dropped, together with every later one: a released unit
+        trains, so everything downstream of it changes.
+        """
+        keep = 0
+        while keep < min(len(self.entries), len(modules)) and self.entries[keep].name == modules[keep][0]:
+            keep += 1
+        changed = keep != len(self.entries) or keep != len(modules)
+        self.entries = self.entries[:keep]
+        if keep == 0:
+            self.filled.zero_()
+        for name, module in modules[keep:]:
+            if uncacheable_reason(module) is not None:
+                break
+            self.entries.append(_ActivationEntry(name, module))
+        if changed:
+            self.verified = False
+            if keep == 0:
+                self.slot_of.fill_(-1)
+                self.next_slot = 0
+            else:
+                # new modules start empty, so every sample has to be visited again
+                self.filled.zero_()
+
+    def begin_batch(self, indices: torch.Tensor) -> str:
+        """Prepare the forward of the batch with dataset ``indices`` (B,): ``"hit"``, ``"record"`` or ``"off"``."""
+        self.end_batch()
+        if self.disabled_reason is not None or not self.entries:
+            return "off"
+        self.batches += 1
+        slots = self._slots_for(indices)
+        if slots is None:
+            self._mode = "off"
+            return "off"
+        self._slots = slots
+        complete = bool(self.filled[slots].all()) and all(e.storage is not None for e in self.entries)
+        if complete and self.verified:
+            for entry in self.entries:
+                self._install_replay(entry, slots)
+            self.hits += 1
+            self._mode = "hit"
+        else:
+            self._mode = "verify" if complete else "record"
+            for entry in self.entries:
+                entry.calls = 0
+                self._handles.append(entry.module.register_forward_hook(self._recorder(entry)))
+        return self._mode
+
+    def end_batch(self) -> None:
+        """Undo what :meth:`begin_batch` installed; after a recording forward, mark its samples as recorded."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for module in self._stubbed:
+            del module.forward  # back to the class's forward
+        self._stubbed = []
+        if self._mode in ("record", "verify") and self._slots is not None and self.disabled_reason is None:
+            broken = [e for e in self.entries if e.calls != 1 or e.storage is None]
+            if broken:
+                # a module called twice (or not at all) per forward cannot be replayed by one lookup
+                index = self.entries.index(broken[0])
+                self.entries = self.entries[:index]
+            if self.entries:
+                self.filled[self._slots] = True
+                if self._mode == "verify":
+                    self.verified = True
+        self._mode = "off"
+        self._slots = None
+
+    def _slots_for(self, indices: torch.Tensor) -> torch.Tensor | None:
+        indices = indices.to(torch.long).cpu()
+        slots = self.slot_of[indices]
+        new = indices[slots < 0].unique()
+        if self.next_slot + len(new) > self.capacity:
+            return None
+        self.slot_of[new] = torch.arange(self.next_slot, self.next_slot + len(new))
+        self.next_slot += len(new)
+        return self.slot_of[indices]
+
+    def _recorder(self, entry: _ActivationEntry) -> Callable[..., None]:
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            entry.calls += 1
+            slots = self._slots
+            if not isinstance(output, torch.Tensor) or slots is None or output.shape[0] != len(slots):
+                entry.calls += 1  # mark as not replayable
+                return
+            if entry.storage is None:
+                per_sample = output[0].numel() * output.element_size()
+                if self.bytes_used + per_sample * self.capacity > self.budget_bytes:
+                    entry.calls += 1  # over budget: this module (and the ones after it) stay uncached
+                    return
+                entry.storage = torch.zeros(
+                    (self.capacity, *output.shape[1:]), dtype=output.dtype, device=output.device
+                )
+            stored = entry.storage.index_select(0, slots.to(entry.storage.device))
+            if self._mode == "verify" and not torch.allclose(stored, output.detach(), rtol=1e-3, atol=1e-5):
+                self.disabled_reason = (
+                    f"the output of {entry.name} differs between two visits of the same frozen sample (random data "
+                    "augmentation or noise in the forward?)"
+                )
+                return
+            entry.storage.index_copy_(0, slots.to(entry.storage.device), output.detach())
+
+        return record
+
+    def _install_replay(self, entry: _ActivationEntry, slots: torch.Tensor) -> None:
+        storage = entry.storage
+        assert storage is not None
+        rows = slots.to(storage.device)
+
+        def replay(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return storage.index_select(0, rows)
+
+        entry.module.forward = replay  # type: ignore[method-assign]
+        self._stubbed.append(entry.module)
+
+
+class LoaderActivationCache:
+    """A :class:`PrefixActivationCache` fed with the dataset indices of a training DataLoader's batches.
+
+    :meth:`attach` installs a :class:`~lightning_pulse.core.sample_index.SampleIndexTracker` into the loader
+    (which must not have started a pass yet); :meth:`detach` takes it out again.
+
+    Args:
+        tracker: the installed tracker.
+        budget_bytes: the most memory the stores may take.
+    """
+
+    def __init__(self, tracker: SampleIndexTracker, budget_bytes: int, model: nn.Module) -> None:
+        self.tracker = tracker
+        size = tracker.dataset_size
+        self.cache = PrefixActivationCache(size, size, budget_bytes)
+        self._modules = dict(model.named_modules())
+        self._reported = False
+
+    @classmethod
+    def attach(cls, loader: Any, budget_bytes: int, model: nn.Module) -> LoaderActivationCache | str:
+        """The cache for ``loader`` and ``model``, or the reason why the loader's sample indices cannot be
+        tracked."""
+        from lightning_pulse.core.sample_index import SampleIndexTracker
+
+        reason = SampleIndexTracker.unsupported_reason(loader)
+        if reason is not None:
+            return reason
+        return cls(SampleIndexTracker.install(loader), budget_bytes, model)
+
+    def detach(self, loader: Any) -> None:
+        type(self.tracker).uninstall(loader)
+
+    def plan(self, frozen_units: Sequence[str], again: bool = False) -> None:
+        """Cache the outputs of the frozen units that are modules; ``again``: drop every record first."""
+        if again:
+            self.cache.plan([])
+        self.cache.plan([(name, self._modules[name]) for name in frozen_units if name in self._modules])
+
+    def begin_batch(self, batch_idx: int, frozen: bool) -> None:
+        """Before the forward of batch ``batch_idx``; ``frozen``: whether a prefix is frozen now."""
+        indices = self.tracker.batch_indices(batch_idx)  # asked for every batch, as the tracker requires
+        if frozen:
+            self.cache.begin_batch(indices)
+
+    def end_batch(self) -> str | None:
+        """After the forward. Returns, once, why the cache switched itself off if it just did."""
+        self.cache.end_batch()
+        reason = self.cache.disabled_reason
+        if reason is None or self._reported:
+            return None
+        self._reported = True
+        return reason

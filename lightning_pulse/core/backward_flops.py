@@ -1,0 +1,92 @@
+"""Backward FLOPs per frozen-prefix length, measured once each with ``torch.utils.flop_counter``. Plain torch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+
+class BackwardFlopLedger:
+    """Backward FLOPs per frozen-prefix length, and the FLOPs that freezing skipped.
+
+    Each distinct prefix length is measured once, on a real backward, with
+    ``torch.utils.flop_counter.FlopCounterMode`` (see :meth:`measuring`); length 0 (nothing frozen) is the
+    reference. Every later backward adds ``flops[0] - flops[length]`` to the skipped total. Backwards of a
+    different batch size than the measured one are counted at the measured size.
+    """
+
+    def __init__(self) -> None:
+        self.flops_by_prefix: dict[int, float] = {}
+        self.skipped = 0.0
+        self.reference = 0.0
+        self.backwards = 0
+        self.step_skipped = 0.0  # since the last :meth:`new_step`
+        self._counter: Any = None
+        self._prefix = 0
+
+    def needs(self, prefix: int) -> bool:
+        return prefix not in self.flops_by_prefix
+
+    @contextmanager
+    def measuring(self, prefix: int) -> Iterator[None]:
+        """Count the FLOPs of the backward run inside the block as the cost of ``prefix`` frozen units."""
+        self.begin_backward(prefix)
+        try:
+            yield
+        finally:
+            self.close()
+
+    def begin_backward(self, prefix: int) -> None:
+        """Before a backward with ``prefix`` frozen units: count its FLOPs if that length is not measured yet."""
+        self._prefix = prefix
+        if self._counter is None and self.needs(prefix):
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._counter = FlopCounterMode(display=False)
+            self._counter.__enter__()
+
+    def end_backward(self) -> None:
+        """After the backward: store a measurement, and add what the backward skipped to the totals."""
+        self.close()
+        self.step_skipped += self.account(self._prefix) or 0.0
+
+    def close(self) -> None:
+        """Stop counting (also when the backward never came)."""
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)
+            self.flops_by_prefix[self._prefix] = float(counter.get_total_flops())
+
+    def new_step(self) -> None:
+        self.step_skipped = 0.0
+
+    def account(self, prefix: int) -> float | None:
+        """Record one backward with ``prefix`` frozen units; return the FLOPs it skipped, if known."""
+        reference = self.flops_by_prefix.get(0)
+        cost = self.flops_by_prefix.get(prefix)
+        if reference is None or cost is None:
+            return None
+        self.backwards += 1
+        self.reference += reference
+        skipped = max(reference - cost, 0.0)
+        self.skipped += skipped
+        return skipped
+
+    @property
+    def skipped_share(self) -> float | None:
+        return self.skipped / self.reference if self.reference else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "flops_by_prefix": {str(k): v for k, v in self.flops_by_prefix.items()},
+            "skipped": self.skipped,
+            "reference": self.reference,
+            "backwards": self.backwards,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.flops_by_prefix = {int(k): float(v) for k, v in state["flops_by_prefix"].items()}
+        self.skipped = float(state["skipped"])
+        self.reference = float(state["reference"])
+        self.backwards = int(state["backwards"])

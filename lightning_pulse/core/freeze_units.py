@@ -1,0 +1,210 @@
+"""Freeze units: the groups of parameters that are frozen or trained together, in forward order. Plain torch.
+
+:func:`discover_units` splits a model into units (embedding, blocks, head, ...); it is the one place that
+decides which parameters are frozen together. :class:`ForwardOrderTrace` puts them into forward order from the
+order in which one real backward finished their gradients (the unit finished last is the one nearest the input).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+DEFAULT_MIN_UNITS = 8
+
+
+@dataclass
+class FreezeUnit:
+    """A group of parameters that is frozen or trained as one.
+
+    Attributes:
+        name: the module (or parameter) name the unit stands for, e.g. ``"blocks.0"`` or ``"position"``.
+        param_names: qualified names (as in ``model.named_parameters()``) of the trainable parameters it owns.
+        params: the parameters themselves, bound with :meth:`bind`.
+        used: whether the parameters received a gradient in the traced backward; unused units never freeze.
+    """
+
+    name: str
+    param_names: list[str]
+    params: list[nn.Parameter] = field(default_factory=list)
+    used: bool = True
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def bind(self, named: Mapping[str, nn.Parameter]) -> None:
+        missing = [name for name in self.param_names if name not in named]
+        if missing:
+            raise ValueError(f"Unit {self.name!r}: the model has no parameter {missing[0]!r}.")
+        self.params = [named[name] for name in self.param_names]
+
+
+def _under(prefix: str, names: Sequence[str]) -> list[str]:
+    return [name for name in names if name == prefix or name.startswith(prefix + ".")]
+
+
+def discover_units(
+    root: nn.Module, module_names: Sequence[str] | None = None, min_units: int = DEFAULT_MIN_UNITS
+) -> list[FreezeUnit]:
+    """Split ``root``'s trainable parameters into bound freeze units (registration order; see :func:`order_units`).
+
+    The one function that decides which parameters are frozen together: checks on the model (tied or shared
+    parameters across units, ...) belong here. ``named_parameters()`` yields a shared parameter once, under its
+    first name, which gives it one owner.
+
+    Automatic split: start from the whole model and keep expanding the largest unit that has sub-modules with
+    parameters into those sub-modules (its own direct parameters become one unit each) until there are at
+    least ``min_units`` units or nothing can be expanded. A transformer ends up as embedding, positional
+    parameter, blocks, final norm and head; a small CNN as its layers. Parameters the user froze are left out.
+
+    Args:
+        root: the model.
+        module_names: explicit units instead: qualified module or parameter names. Trainable parameters not
+            covered by any of them form one extra unit ``"<rest>"``.
+        min_units: the automatic split stops once there are this many units.
+
+    Raises:
+        ValueError: for a name that is neither a module nor a parameter of ``root``, or names that overlap.
+    """
+    named = {name: p for name, p in root.named_parameters() if p.requires_grad}
+    all_names = list(named)
+    if module_names is not None:
+        units = _explicit_units(root, module_names, all_names)
+    else:
+        units = [FreezeUnit(name, _under(name, all_names)) for name in _split(root, named, min_units)]
+        units = [unit for unit in units if unit.param_names]
+    for unit in units:
+        unit.bind(named)
+    return units
+
+
+def _explicit_units(root: nn.Module, module_names: Sequence[str], all_names: list[str]) -> list[FreezeUnit]:
+    modules = dict(root.named_modules())
+    parameters = dict(root.named_parameters())
+    units: list[FreezeUnit] = []
+    claimed: set[str] = set()
+    for name in module_names:
+        if name not in modules and name not in parameters:
+            raise ValueError(f"`units` entry {name!r} is neither a module nor a parameter of the model.")
+        owned = _under(name, all_names)
+        overlap = claimed.intersection(owned)
+        if overlap:
+            raise ValueError(f"`units` entry {name!r} overlaps another entry on {sorted(overlap)[0]!r}.")
+        claimed.update(owned)
+        if owned:
+            units.append(FreezeUnit(name, owned))
+    rest = [name for name in all_names if name not in claimed]
+    if rest:
+        units.append(FreezeUnit("<rest>", rest))
+    return units
+
+
+def _split(root: nn.Module, named: Mapping[str, nn.Parameter], min_units: int) -> list[str]:
+    all_names = list(named)
+
+    def expand(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module | None]]:
+        parts: list[tuple[str, nn.Module | None]] = []
+        for pname, param in module.named_parameters(recurse=False):
+            qualified = f"{prefix}.{pname}" if prefix else pname
+            if qualified in named and named[qualified] is param:
+                parts.append((qualified, None))
+        for cname, child in module.named_children():
+            qualified = f"{prefix}.{cname}" if prefix else cname
+            if _under(qualified, all_names):
+                parts.append((qualified, child))
+        return parts
+
+    def size(name: str) -> int:
+        return sum(named[n].numel() for n in _under(name, all_names))
+
+    pieces = expand("", root)
+    while True:
+        # a single wrapper (LightningModule -> net) is see-through: always expand it
+        candidates = [
+            (size(name), index)
+            for index, (name, module) in enumerate(pieces)
+            if module is not None and any(True for _ in module.children())
+        ]
+        if not candidates or (len(pieces) >= min_units and len(pieces) > 1):
+            break
+        _, index = max(candidates, key=lambda item: (item[0], -item[1]))
+        name, module = pieces[index]
+        replacement = expand(name, module)  # type: ignore[arg-type]
+        if not replacement:
+            break
+        pieces[index : index + 1] = replacement
+    return [name for name, _ in pieces]
+
+
+@contextmanager
+def record_gradient_order(params: Mapping[str, nn.Parameter]) -> Iterator[list[str]]:
+    """Record the names of ``params`` in the order backward finishes accumulating their gradients."""
+    order: list[str] = []
+    handles = []
+    for name, param in params.items():
+
+        def hook(_: torch.Tensor, name: str = name) -> None:
+            order.append(name)
+
+        handles.append(param.register_post_accumulate_grad_hook(hook))
+    try:
+        yield order
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def order_units(units: Sequence[FreezeUnit], gradient_order: Sequence[str]) -> list[FreezeUnit]:
+    """Sort units into forward order from a backward's gradient-completion order.
+
+    A unit's position is the *last* time one of its parameters got its gradient, read backwards: a tied
+    embedding/head weight completes last, so its unit counts as the first one. Units none of whose parameters
+    got a gradient are marked ``used=False`` and go last.
+    """
+    last_seen = {name: index for index, name in enumerate(gradient_order)}
+    keyed = []
+    for position, unit in enumerate(units):
+        seen = [last_seen[name] for name in unit.param_names if name in last_seen]
+        unit.used = bool(seen)
+        keyed.append((0 if seen else 1, -max(seen) if seen else position, position, unit))
+    return [unit for *_, unit in sorted(keyed, key=lambda item: item[:3])]
+
+
+class ForwardOrderTrace:
+    """Puts discovered units into forward order from one real backward.
+
+    Call :meth:`begin` before a backward and :meth:`finish` after it. ``broadcast`` (DDP) makes every process
+    use rank 0's order.
+    """
+
+    def __init__(self, units: Sequence[FreezeUnit]) -> None:
+        self.units = list(units)
+        self._context: Any = None
+        self._order: list[str] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._context is not None
+
+    def begin(self) -> None:
+        params = {name: p for unit in self.units for name, p in zip(unit.param_names, unit.params)}
+        self._context = record_gradient_order(params)
+        self._order = self._context.__enter__()
+
+    def finish(self, broadcast: Callable[[list[str]], list[str]] | None = None) -> list[FreezeUnit]:
+        self.close()
+        order = list(self._order or [])
+        self._order = None
+        return order_units(self.units, broadcast(order) if broadcast is not None else order)
+
+    def close(self) -> None:
+        """Remove the hooks (also when the backward never came)."""
+        context, self._context = self._context, None
+        if context is not None:
+            context.__exit__(None, None, None)

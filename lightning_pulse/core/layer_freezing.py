@@ -1,0 +1,495 @@
+"""Stability-based freezing of a model's leading units, so that backward stops early. Plain torch.
+
+:class:`LayerFreezer` is the state machine. Every ``check_every`` optimizer steps it scores each training unit
+(see :mod:`lightning_pulse.core.freeze_units`) by its plasticity, its relative parameter movement over the
+window against the largest it ever had, and freezes the longest stable *prefix* (``requires_grad`` off), for at
+most ``freeze_for`` steps before the prefix trains one window again to re-check.
+
+Why a prefix: autograd only skips work when nothing upstream needs a gradient. Freezing the first ``k`` units
+means the activation entering unit ``k`` does not require grad, so backward stops there and neither the weight
+gradients nor the input gradients of the prefix are computed. Freezing a unit in the middle would only save
+its weight gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_pulse.core.freeze_units import FreezeUnit
+
+STATE_VERSION = 2
+
+
+# ---------------------------------------------------------------------------------------------------- settings
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def _check_run_point(name: str, point: int | float | None) -> None:
+    if point is None:
+        return
+    if not _is_number(point):
+        raise ValueError(f"`{name}`={point!r} must be an int step, a float share in [0, 1], or None.")
+    if isinstance(point, int) and point < 0:
+        raise ValueError(f"`{name}`={point!r} must be a non-negative int step.")
+    if isinstance(point, float) and not 0.0 <= point <= 1.0:
+        raise ValueError(f"`{name}`={point!r} must be a float share in [0, 1] of the run.")
+
+
+@dataclass(frozen=True)
+class FreezeWindow:
+    """When freezing is allowed: in which pulse phases, and between which optimizer steps.
+
+    Attributes:
+        phases: names of the phases in which units may be frozen.
+        start_at: no freezing before this point: an ``int`` step or a ``float`` share of the run in [0, 1].
+        release_at: no freezing from this point on (same forms); ``None``: never.
+    """
+
+    phases: tuple[str, ...] = ("replay", "maintain")
+    start_at: int | float | None = None
+    release_at: int | float | None = None
+
+    def __post_init__(self) -> None:
+        from lightning_pulse.phase import PHASE_NAMES
+
+        phases = self.phases
+        if isinstance(phases, str) or not phases or not all(name in PHASE_NAMES for name in phases):
+            raise ValueError(
+                f"`phases`={phases!r} must be a non-empty list of phase names from {list(PHASE_NAMES)}."
+            )
+        object.__setattr__(self, "phases", tuple(phases))
+        _check_run_point("start_at", self.start_at)
+        _check_run_point("release_at", self.release_at)
+
+    def steps(self, total_steps: float) -> tuple[int | None, int | None]:
+        """``(start, release)`` as optimizer steps of a run of ``total_steps``.
+
+        Raises:
+            ValueError: for a ``float`` share when ``total_steps`` is not finite.
+        """
+        resolved = []
+        for name, point in (("start_at", self.start_at), ("release_at", self.release_at)):
+            if isinstance(point, float):
+                if not math.isfinite(total_steps):
+                    raise ValueError(
+                        f"`{name}`={point!r} is a share of the run, which needs a finite max_steps or max_epochs; "
+                        "give an int step instead."
+                    )
+                point = int(round(point * total_steps))
+            resolved.append(point)
+        return resolved[0], resolved[1]
+
+
+@dataclass(frozen=True)
+class FreezeSettings:
+    """Validated settings of a :class:`LayerFreezer`.
+
+    Attributes:
+        threshold: a unit is stable when its plasticity score (movement over the last window divided by the
+            largest window movement it ever had) is ``<= threshold``; ``>= 0``. Scores never exceed 1, so
+            ``threshold >= 1`` freezes whatever has been checked once.
+        check_every: optimizer steps per window; units are scored at the end of every window.
+        freeze_for: longest freeze, in optimizer steps, before the prefix trains one window to re-check; a
+            multiple of ``check_every``.
+        max_frozen_share: largest share of the trainable parameters frozen at once, in (0, 1].
+    """
+
+    threshold: float = 0.2
+    check_every: int = 20
+    freeze_for: int = 200
+    max_frozen_share: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.threshold) or not 0.0 <= self.threshold < math.inf:
+            raise ValueError(f"`threshold`={self.threshold!r} must be a finite number >= 0.")
+        for name in ("check_every", "freeze_for"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}`={value!r} must be a positive int of optimizer steps.")
+        if self.freeze_for % self.check_every:
+            raise ValueError(
+                f"`freeze_for`={self.freeze_for} must be a multiple of `check_every`={self.check_every}, "
+                "because freezes start and end at checks."
+            )
+        share = self.max_frozen_share
+        if not _is_number(share) or not 0.0 < share <= 1.0:
+            raise ValueError(f"`max_frozen_share`={share!r} must be a number in (0, 1].")
+
+
+def relative_parameter_change(params: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor]) -> float:
+    """``||theta - theta_snapshot|| / ||theta_snapshot||``: how far a unit moved over a window (plasticity)."""
+    return relative_parameter_changes([(params, snapshot)])[0]
+
+
+def relative_parameter_changes(
+    pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+) -> list[float]:
+    """:func:`relative_parameter_change` of several units at once, with a single host sync."""
+    if not pairs:
+        return []
+    sums = []
+    for params, snapshot in pairs:
+        zero = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+        moved = sum(
+            (torch.sum((p.detach().double() - s.double()) ** 2) for p, s in zip(params, snapshot)), zero
+        )
+        reference = sum((torch.sum(s.double() ** 2) for s in snapshot), zero)
+        sums += [moved, reference.to(moved.device)]
+    devices = {t.device for t in sums}
+    norms = torch.stack([t.to(sums[0].device) for t in sums] if len(devices) > 1 else sums).sqrt().tolist()
+    changes = []
+    for moved, reference in zip(norms[0::2], norms[1::2]):
+        changes.append(moved / reference if reference > 0 else (math.inf if moved > 0 else 0.0))
+    return changes
+
+
+# ---------------------------------------------------------------------------------------------------- the freezer
+@dataclass
+class StepReport:
+    """What one call of :meth:`LayerFreezer.step` did."""
+
+    window_closed: bool = False
+    changed: bool = False
+    frozen_prefix: int = 0
+    frozen_share: float = 0.0
+    refreshed: list[str] = field(default_factory=list)
+
+
+class LayerFreezer:
+    """Windows, plasticity scores and the frozen prefix of a list of :class:`FreezeUnit` in forward order.
+
+    Call :meth:`step` once per optimizer step, after the gradients are final and before the optimizer uses them.
+    It
+
+    1. counts the step into the window of every trainable unit;
+    2. every ``check_every`` steps closes the window: each unit that trained the whole window is scored by its
+       movement since the window's start (``||theta - theta_start|| / ||theta_start||``) divided by the largest
+       such movement it ever had, and is stable when the score is ``<= threshold``; then the longest prefix of
+       stable, fresh units within ``max_frozen_share`` is frozen (``requires_grad`` off). A unit is fresh while
+       its last score is younger than ``freeze_for`` steps; a frozen prefix whose oldest score expires is
+       released for one window to be scored again (a refresh; a *hit* if it is still stable);
+    3. sets ``grad=None`` on the units that were frozen during this backward, so torch optimizers skip them
+       (no momentum, no weight decay, no step count).
+
+    Args:
+        units: the bound units in forward order (see :func:`discover_units` and :func:`order_units`).
+        settings: validated :class:`FreezeSettings`.
+    """
+
+    def __init__(self, units: Sequence[FreezeUnit], settings: FreezeSettings | None = None) -> None:
+        self.units = list(units)
+        self.settings = settings or FreezeSettings()
+        n = len(self.units)
+        used = [i for i, unit in enumerate(self.units) if unit.used]
+        # the last unit that gets a gradient always trains, so the loss still requires grad
+        self.freezable_limit = used[-1] if used else 0
+        self._unit_numel = [unit.numel for unit in self.units]
+        self.trainable_numel = sum(self._unit_numel)
+        self.steps = 0
+        self.step_in_window = 0
+        self.frozen = [False] * n
+        self.stable = [False] * n
+        self.scores: list[float | None] = [None] * n
+        self.validated_at: list[int | None] = [None] * n
+        self.peak_rate = [0.0] * n
+        self.checking = [False] * n  # released from a freeze; the next full window is a refresh
+        self.window_count = [0] * n
+        self.snapshot: list[list[torch.Tensor]] = [self._clone_params(i) for i in range(n)]
+        self.refreshes = 0
+        self.refresh_hits = 0
+        self.frozen_share_sum = 0.0
+        self.freezes = 0
+
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def frozen_prefix(self) -> int:
+        """How many leading units are frozen now."""
+        count = 0
+        while count < len(self.units) and self.frozen[count]:
+            count += 1
+        return count
+
+    @property
+    def frozen_share(self) -> float:
+        """Share of the trainable parameters that are frozen now."""
+        frozen = sum(numel for numel, is_frozen in zip(self._unit_numel, self.frozen) if is_frozen)
+        return frozen / self.trainable_numel if self.trainable_numel else 0.0
+
+    @property
+    def staleness(self) -> int:
+        """Steps since the oldest score of a frozen unit was taken (0 if none is frozen)."""
+        ages = [self.steps - (self.validated_at[i] or 0) for i in range(len(self.units)) if self.frozen[i]]
+        return max(ages, default=0)
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Share of refreshes (a released unit's first full window) that found the unit still stable."""
+        return self.refresh_hits / self.refreshes if self.refreshes else None
+
+    @property
+    def mean_frozen_share(self) -> float:
+        """Parameter share frozen during backward, averaged over the steps seen."""
+        return self.frozen_share_sum / self.steps if self.steps else 0.0
+
+    @property
+    def frozen_names(self) -> list[str]:
+        return [unit.name for unit, frozen in zip(self.units, self.frozen) if frozen]
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, enabled: bool, agree: Callable[[list[bool]], list[bool]] | None = None) -> StepReport:
+        """Account one optimizer step whose gradients are final; maybe score the units and move the prefix.
+
+        Args:
+            enabled: whether freezing is allowed from the next step on (``False`` in a burst phase or outside
+                the freezing span): then the prefix is released.
+            agree: maps this process's stable flags to the flags every process uses (DDP: rank 0's, by
+                broadcast). Called at every window end, on every process.
+        """
+        frozen_during_backward = [i for i, is_frozen in enumerate(self.frozen) if is_frozen]
+        report = StepReport(frozen_share=self.frozen_share)
+        self.frozen_share_sum += report.frozen_share
+        self.steps += 1
+        for i, unit in enumerate(self.units):
+            if unit.used and not self.frozen[i]:
+                self.window_count[i] += 1
+        self.step_in_window += 1
+        if self.step_in_window >= self.settings.check_every:
+            report.window_closed = True
+            report.refreshed = self._close_window()
+            if agree is not None:
+                self.stable = [bool(flag) for flag in agree(list(self.stable))]
+            report.changed = self.set_prefix(self._propose(enabled))
+            self.step_in_window = 0
+        elif not enabled and any(self.frozen):
+            report.changed = self.set_prefix(0)
+        for i in frozen_during_backward:
+            for param in self.units[i].params:
+                # None, not zeros: torch optimizers skip a None grad, so no momentum and no weight decay
+                param.grad = None
+        report.frozen_prefix = self.frozen_prefix
+        return report
+
+    def release_all(self) -> bool:
+        """Make every unit trainable (a burst phase started). Returns whether anything changed."""
+        return self.set_prefix(0)
+
+    def freeze_from_last_check(self) -> bool:
+        """Freeze the prefix that the last check found stable and fresh (a light phase started)."""
+        return self.set_prefix(self._propose(True))
+
+    def apply_requires_grad(self) -> None:
+        """Set ``requires_grad`` of every unit from the frozen flags (after restoring a state)."""
+        for unit, is_frozen in zip(self.units, self.frozen):
+            for param in unit.params:
+                param.requires_grad_(not is_frozen)
+
+    def restore_requires_grad(self) -> None:
+        """Make every unit's parameters require grad again, as the user built them (end of training)."""
+        for unit in self.units:
+            for param in unit.params:
+                param.requires_grad_(True)
+
+    # ------------------------------------------------------------------ internals
+    def _clone_params(self, index: int) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.units[index].params]
+
+    def _close_window(self) -> list[str]:
+        refreshed: list[str] = []
+        full = [
+            i
+            for i, unit in enumerate(self.units)
+            if not self.frozen[i] and unit.used and self.window_count[i] >= self.settings.check_every
+        ]
+        rates = relative_parameter_changes([(self.units[i].params, self.snapshot[i]) for i in full])
+        for i, rate in zip(full, rates):
+            if math.isfinite(rate):
+                self.peak_rate[i] = max(self.peak_rate[i], rate)
+            score = rate / self.peak_rate[i] if self.peak_rate[i] > 0 else None
+            stable = score is not None and score <= self.settings.threshold
+            if self.checking[i]:
+                self.refreshes += 1
+                self.refresh_hits += int(stable)
+                refreshed.append(self.units[i].name)
+                self.checking[i] = False
+            self.scores[i] = score
+            self.stable[i] = bool(stable)
+            self.validated_at[i] = self.steps
+        for i in range(len(self.units)):
+            # a window cut short by a phase change says nothing reliable: it starts again
+            self.window_count[i] = 0
+            if not self.frozen[i]:
+                self.snapshot[i] = self._clone_params(i)
+        return refreshed
+
+    def _fresh(self, index: int) -> bool:
+        validated = self.validated_at[index]
+        return validated is not None and self.steps - validated < self.settings.freeze_for
+
+    def _propose(self, enabled: bool) -> int:
+        if not enabled:
+            return 0
+        budget = self.settings.max_frozen_share * self.trainable_numel
+        frozen_numel = 0
+        length = 0
+        for i in range(self.freezable_limit):
+            unit = self.units[i]
+            if not unit.used or not self._fresh(i) or not self.stable[i]:
+                break
+            if frozen_numel + self._unit_numel[i] > budget:
+                break
+            frozen_numel += self._unit_numel[i]
+            length = i + 1
+        return length
+
+    def set_prefix(self, length: int) -> bool:
+        """Freeze exactly the first ``length`` units (``requires_grad`` off) and release the others."""
+        changed = False
+        for i, unit in enumerate(self.units):
+            want = i < length
+            if want and not self.frozen[i]:
+                for param in unit.params:
+                    param.requires_grad_(False)
+                self.frozen[i] = True
+                self.window_count[i] = 0
+                self.checking[i] = False
+                self.freezes += 1
+                changed = True
+            elif not want and self.frozen[i]:
+                for param in unit.params:
+                    param.requires_grad_(True)
+                self.frozen[i] = False
+                self.window_count[i] = 0
+                self.checking[i] = True
+                self.snapshot[i] = self._clone_params(i)
+                changed = True
+        return changed
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "units": [unit.name for unit in self.units],
+            "unit_params": [list(unit.param_names) for unit in self.units],
+            "used": [unit.used for unit in self.units],
+            "steps": self.steps,
+            "step_in_window": self.step_in_window,
+            "frozen": list(self.frozen),
+            "stable": list(self.stable),
+            "scores": list(self.scores),
+            "validated_at": list(self.validated_at),
+            "peak_rate": list(self.peak_rate),
+            "checking": list(self.checking),
+            "window_count": list(self.window_count),
+            "snapshot": [[t.detach().clone() for t in item] for item in self.snapshot],
+            "stats": {
+                "refreshes": self.refreshes,
+                "refresh_hits": self.refresh_hits,
+                "frozen_share_sum": self.frozen_share_sum,
+                "freezes": self.freezes,
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`. Does not touch ``requires_grad``; call :meth:`apply_requires_grad`."""
+        names = [unit.name for unit in self.units]
+        if list(state["units"]) != names:
+            raise ValueError(
+                f"GradientCache checkpoint has units {list(state['units'])}, the model has {names}; "
+                "the model changed since the checkpoint was written."
+            )
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"GradientCache checkpoint has state version {state.get('version')!r}, this version reads "
+                f"{STATE_VERSION}; resume it with the lightning-pulse release that wrote it."
+            )
+        self.steps = int(state["steps"])
+        self.step_in_window = int(state["step_in_window"])
+        self.frozen = [bool(v) for v in state["frozen"]]
+        self.stable = [bool(v) for v in state["stable"]]
+        self.scores = [None if v is None else float(v) for v in state["scores"]]
+        self.validated_at = [None if v is None else int(v) for v in state["validated_at"]]
+        self.peak_rate = [float(v) for v in state["peak_rate"]]
+        self.checking = [bool(v) for v in state["checking"]]
+        self.window_count = [int(v) for v in state["window_count"]]
+        # copies: the caller may load the same state again
+        self.snapshot = [
+            [t.detach().to(p.device, copy=True) for t, p in zip(item, unit.params)]
+            for unit, item in zip(self.units, state["snapshot"])
+        ]
+        stats = state["stats"]
+        self.refreshes = int(stats["refreshes"])
+        self.refresh_hits = int(stats["refresh_hits"])
+        self.frozen_share_sum = float(stats["frozen_share_sum"])
+        self.freezes = int(stats["freezes"])
+
+
+def freezer_from_state(state: Mapping[str, Any], model: nn.Module, settings: FreezeSettings) -> LayerFreezer:
+    """A :class:`LayerFreezer` rebuilt from :meth:`LayerFreezer.state_dict` on ``model``'s parameters.
+
+    Units are bound against every parameter, trainable or not: a restored unit may be frozen now.
+    """
+    everything = dict(model.named_parameters())
+    units = [
+        FreezeUnit(name, list(params), used=bool(used))
+        for name, params, used in zip(state["units"], state["unit_params"], state["used"])
+    ]
+    for unit in units:
+        unit.bind(everything)
+    freezer = LayerFreezer(units, settings)
+    freezer.load_state_dict(state)
+    return freezer
+
+
+def restore_freezer(
+    current: LayerFreezer | None, state: Mapping[str, Any] | None, model: nn.Module, settings: FreezeSettings
+) -> LayerFreezer | None:
+    """The freezer described by ``state`` (``None``: one saved before the units were ordered), with
+    ``requires_grad`` set from its frozen flags; ``current`` is reused when it has the same units."""
+    if current is not None:
+        current.restore_requires_grad()
+    if state is None:
+        return None
+    if current is not None and [u.name for u in current.units] == list(state["units"]):
+        current.load_state_dict(state)
+        freezer = current
+    else:
+        freezer = freezer_from_state(state, model, settings)
+    freezer.apply_requires_grad()
+    return freezer
+
+
+def check_wrapped_model(model: nn.Module, world_size: int, strategy_name: str) -> None:
+    """Raise a ValueError naming the fix if the (strategy-wrapped) ``model`` cannot follow ``requires_grad`` changes.
+
+    DDP registers every trainable parameter with its reducer when it wraps the model and, by default, waits for
+    a gradient from each of them in every backward. A frozen parameter never produces one, so DDP must look for
+    unused parameters (``find_unused_parameters=True``) and must not assume a static graph. Strategies that
+    shard or flatten parameters (FSDP, DeepSpeed) do not see per-module ``requires_grad`` changes at all.
+    """
+    if isinstance(model, DistributedDataParallel):
+        if getattr(model, "static_graph", False):
+            raise ValueError(
+                "GradientCache changes which parameters get gradients, which `static_graph=True` forbids; use "
+                "`DDPStrategy(find_unused_parameters=True)` without `static_graph`."
+            )
+        if not model.find_unused_parameters:
+            raise ValueError(
+                "GradientCache freezes parameters after DDP wrapped the model, so DDP must skip parameters that get "
+                "no gradient: use `strategy=DDPStrategy(find_unused_parameters=True)` or the strategy name "
+                "'ddp_find_unused_parameters_true' ('ddp_spawn_find_unused_parameters_true' for spawn)."
+            )
+        return
+    if world_size > 1:
+        raise ValueError(
+            f"GradientCache supports single-process training and DDP; {strategy_name} shards or flattens "
+            "parameters, so per-module `requires_grad` changes would not take effect. Use DDP."
+        )
