@@ -200,6 +200,29 @@ def restore_snapshot(
             stateful.load_state_dict(copy.deepcopy(snapshot.callbacks[key]))
 
 
+class RollbackState:
+    """What a snapshot keeps of one callback that rolls back with the model.
+
+    ``rollback_state_dict()`` when the callback defines it (the part of its state that belongs to the model,
+    e.g. :class:`~lightning_pulse.PulseCycle`'s probe but not its clock), else its whole ``state_dict()``;
+    restored through the matching loader.
+    """
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+
+    def state_dict(self) -> Any:
+        own = getattr(self.callback, "rollback_state_dict", None)
+        return own() if callable(own) else self.callback.state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        own = getattr(self.callback, "load_rollback_state_dict", None)
+        if callable(own):
+            own(state_dict)
+        else:
+            self.callback.load_state_dict(state_dict)
+
+
 class SnapshotRing:
     """The newest ``capacity`` snapshots, oldest evicted first.
 
@@ -240,6 +263,22 @@ class SnapshotRing:
 
     def oldest(self) -> TrainingSnapshot | None:
         return self._snapshots[0] if self._snapshots else None
+
+    def last_good(self, model: nn.Module, step: int) -> tuple[TrainingSnapshot | None, bool]:
+        """The snapshot to roll back to: the newest one taken at or before ``step`` that still fits
+        ``model``, else the oldest one that fits.
+
+        Snapshots that no longer fit (channels pruned since) are dropped: they can never be loaded again.
+
+        Returns:
+            ``(snapshot, predates)``: ``snapshot`` is ``None`` when none fits; ``predates`` tells whether it
+            was taken at or before ``step``.
+        """
+        for snapshot in list(self._snapshots):
+            if not snapshot.fits(model):
+                self._snapshots.remove(snapshot)
+        target = self.newest_at_or_before(step)
+        return (target, True) if target is not None else (self.oldest(), False)
 
     def discard(self, snapshot: TrainingSnapshot) -> None:
         self._snapshots.remove(snapshot)
