@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,20 +15,14 @@ from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
-from lightning_pulse.core.snapshots import (
-    RollbackState,
-    SnapshotRing,
-    TrainingSnapshot,
-    restore_snapshot,
-    take_snapshot,
-)
+from lightning_pulse.core.snapshots import RollbackState, SnapshotSchedule
 from lightning_pulse.core.spike_detection import SpikeDetector
 from lightning_pulse.core.stability_policy import (
     Action,
     EscalationPolicy,
     StabilityGuardConfig,
     StepChanges,
-    check_int,
+    StepEnergy,
 )
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.protocols import PhaseListener, RollbackAware, listeners
@@ -109,6 +102,10 @@ class StabilityGuard(Callback):
     lineage_steps = _from_policy("lineage_steps")
     stopped = _from_policy("stopped")
     events = _from_policy("events")
+    last_snapshot_step = property(
+        lambda self: self.schedule.last_step, doc="The step of the newest snapshot."
+    )
+    snapshots_taken = property(lambda self: self.schedule.taken, doc="Snapshots taken in this fit.")
 
     def __init__(
         self,
@@ -140,27 +137,13 @@ class StabilityGuard(Callback):
             config.rollback_memory,
             config.lr_cooldown_steps,
         )
-        check_int("snapshot_every", snapshot_every, minimum=0)
-        check_int("max_snapshots", max_snapshots, minimum=1)
-        check_int("rollback_margin", rollback_margin, minimum=0)
-        if snapshot_every and (max_snapshots - 1) * snapshot_every < rollback_margin:
-            raise ValueError(
-                f"`max_snapshots`={max_snapshots} snapshots every `snapshot_every`={snapshot_every} steps never "
-                f"reach `rollback_margin`={rollback_margin} steps back; allowed: (max_snapshots - 1) * "
-                "snapshot_every >= rollback_margin."
-            )
-        self.snapshot_every = snapshot_every
-        self.rollback_margin = rollback_margin
-        self.snapshots = SnapshotRing(max_snapshots)
-        self.last_snapshot_step: int | None = None
-        self.snapshots_taken = 0
+        self.schedule = SnapshotSchedule(snapshot_every, max_snapshots, rollback_margin)
+        self.snapshots = self.schedule.ring
         self._changes = StepChanges()
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
         self._decided: Action | None = None  # the current optimizer step's action, until its batch end
-        self._snapshot_pending = False  # a maintain phase began or the model's structure changed
         self._cycle: PulseCycle | None = None
-        self._energy_source: Callable[[], float] | None = None
-        self._energy_step_start: float | None = None
+        self._energy = StepEnergy()
 
     @property
     def spikes_detected(self) -> int:
@@ -180,7 +163,7 @@ class StabilityGuard(Callback):
             "stability/steps_lost": float(self.steps_lost),
             **{f"stability/spikes_{kind}": float(n) for kind, n in self.spikes_by_kind.items()},
         }
-        if self._energy_source is not None:
+        if self._energy.read is not None:
             out["stability/energy_wasted_kwh"] = self.energy_wasted_kwh
         return out
 
@@ -198,8 +181,8 @@ class StabilityGuard(Callback):
         self._changes.attach(trainer.optimizers)
         self._cycle = pulse_cycle_of(trainer)
         readers = [getattr(callback, "energy_so_far_kwh", None) for callback in trainer.callbacks]
-        self._energy_source = next((reader for reader in readers if callable(reader)), None)
-        self._energy_step_start, self._losses, self._decided, self._snapshot_pending = None, [], None, False
+        self._energy = StepEnergy(next((reader for reader in readers if callable(reader)), None))
+        self._losses, self._decided, self.schedule.pending = [], None, False
         self.snapshots.clear()
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
@@ -207,8 +190,7 @@ class StabilityGuard(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._energy_source is not None and self._energy_step_start is None:  # first batch of a window
-            self._energy_step_start = self._read_energy()
+        self._energy.begin()  # at the first batch of an optimizer step
 
     @override
     def on_before_backward(
@@ -263,16 +245,19 @@ class StabilityGuard(Callback):
         if action is None:  # inside an accumulation window
             return
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
-        self.policy.finish(action, self._step_energy())
+        self.policy.finish(action, self._energy.end())
+        if self._energy.failure is not None:
+            rank_zero_warn(
+                f"StabilityGuard: reading energy failed ({self._energy.failure!r}); no longer counted."
+            )
+            self._energy.failure = None
         if action is Action.APPLY:
-            if self._snapshot_due(trainer):
+            if self.schedule.due(trainer.global_step, self.policy.healthy):
                 self._take_snapshot(trainer, pl_module)
             return
-        self._snapshot_pending = False  # the maintain entry (or new structure) came with a flagged step
-        if action is Action.ROLLBACK:
-            self._rollback(trainer, pl_module)
-        elif action is Action.STOP:
-            self._stop(trainer, pl_module)
+        self.schedule.pending = False  # the maintain entry (or new structure) came with a flagged step
+        if action is not Action.SKIP:
+            self._roll_back(trainer, pl_module, action)
         self._log(trainer, self.metrics())
 
     @override
@@ -303,13 +288,13 @@ class StabilityGuard(Callback):
         cycle = pulse_cycle_of(trainer)
         probe = cycle.last_probe if cycle is not None else {}
         if self.policy.healthy and all(math.isfinite(value) for value in probe.values()):
-            self._snapshot_pending = True
+            self.schedule.pending = True
 
     def on_pulse_parameters_replaced(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
     ) -> None:
         """Snapshot at the end of the step: older snapshots no longer fit a model whose channels were cut."""
-        self._snapshot_pending = self._snapshot_pending or self.policy.healthy
+        self.schedule.pending = self.schedule.pending or self.policy.healthy
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -325,7 +310,7 @@ class StabilityGuard(Callback):
         # checkpoints of earlier versions kept the counters next to the policy's state
         self.policy.load_state_dict({**state_dict, **state_dict["policy"]})
         last = state_dict["last_snapshot_step"]
-        self.last_snapshot_step = None if last is None else int(last)
+        self.schedule.last_step = None if last is None else int(last)
 
     # ------------------------------------------------------------------ snapshots and rollbacks
     def _baseline_key(self) -> str:
@@ -333,109 +318,68 @@ class StabilityGuard(Callback):
             return "all"
         return self._cycle.phase.value if self._cycle is not None else Phase.BURST.value
 
-    def _snapshot_due(self, trainer: pl.Trainer) -> bool:
-        """Whether to snapshot at the end of an applied step."""
-        if self._snapshot_pending:
-            self._snapshot_pending = False
-            return self.policy.healthy
-        last = self.last_snapshot_step or 0
-        return (
-            bool(self.snapshot_every)
-            and trainer.global_step - last >= self.snapshot_every
-            and self.policy.healthy
-        )
+    def _training_state(self, trainer: pl.Trainer) -> tuple[list, list, dict[str, RollbackState]]:
+        """What a snapshot holds besides the module: optimizers, LR schedulers, the opted-in callbacks."""
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        return trainer.optimizers, schedulers, self._rollback_callbacks(trainer)
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        step = trainer.global_step
-        snapshot = take_snapshot(
-            step,
-            pl_module,
-            trainer.optimizers,
-            [config.scheduler for config in trainer.lr_scheduler_configs],
-            self._rollback_callbacks(trainer),
-            reuse=self.snapshots.recycle(step),
-            extra={"detector": self.detector.state_dict(), **self.policy.lineage()},
-        )
-        self.snapshots.add(snapshot)
-        self.last_snapshot_step = step
-        self.snapshots_taken += 1
+        extra = {"detector": self.detector.state_dict(), **self.policy.lineage()}
+        self.schedule.take(trainer.global_step, pl_module, *self._training_state(trainer), extra=extra)
 
-    def _restore_last_good(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> tuple[TrainingSnapshot | None, int]:
-        """Return to the newest snapshot that predates the incident by ``rollback_margin``; the snapshot
-        (``None`` if none fits the model any more) and the applied steps undone."""
+    def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
+        """Return to the newest snapshot taken ``rollback_margin`` steps before the incident; then go on
+        (``Action.ROLLBACK``) or save a checkpoint and raise (``Action.STOP``)."""
+        step = trainer.global_step - 1  # the flagged step that triggered it (already taken)
+        recent_rollbacks = len(self.policy.rollback_steps)
         start = self.policy.incident_start
-        trusted_until = (trainer.global_step if start is None else start) - self.rollback_margin
-        target, predates = self.snapshots.last_good(pl_module, trusted_until)
+        target, predates = self.schedule.roll_back(
+            step if start is None else start,
+            pl_module,
+            *self._training_state(trainer),
+            self.config.rewind_lr_schedule,
+        )
+        undone = 0
         if target is None:
             rank_zero_warn(
-                "StabilityGuard: no snapshot fits the model any more (its structure changed since they were "
-                "taken); the parameters stay as they are."
+                "StabilityGuard: no snapshot fits the model any more; the parameters stay as they are."
             )
-            return None, 0
-        if not predates:
+        else:
+            if not predates:
+                rank_zero_warn(
+                    f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one."
+                )
+            self.detector.load_state_dict(target.extra["detector"])
+            undone = self.policy.rewind(target.extra)
+            self._announce_restored_phase(trainer, pl_module)
+        to_step = None if target is None else target.step
+        if action is Action.ROLLBACK:
+            self.policy.rolled_back(step, to_step)
             rank_zero_warn(
-                f"StabilityGuard: no snapshot predates step {trusted_until}; returning to the oldest one kept "
-                f"(step {target.step})."
+                f"StabilityGuard: rollback {self.rollbacks} at step {step} to the snapshot of step {to_step} "
+                f"({undone} applied step(s) undone); skipping the next {self.policy.skip_remaining} batch(es)."
             )
-        restore_snapshot(
-            target,
-            pl_module,
-            trainer.optimizers,
-            [config.scheduler for config in trainer.lr_scheduler_configs],
-            self._rollback_callbacks(trainer),
-            rewind_schedule=self.config.rewind_lr_schedule,
-        )
-        self.detector.load_state_dict(target.extra["detector"])
-        undone = self.policy.rewind(target.extra)
-        self.snapshots.drop_after(target.step)
-        self._announce_restored_phase(trainer, pl_module)
-        return target, undone
-
-    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        step = trainer.global_step - 1  # the flagged step that triggered it (already taken)
-        target, undone = self._restore_last_good(trainer, pl_module)
-        to_step = None if target is None else target.step
-        self.policy.rolled_back(step, to_step)
-        rank_zero_warn(
-            f"StabilityGuard: rollback {self.rollbacks} at step {step} to the snapshot of step {to_step} "
-            f"({undone} applied step(s) undone); skipping the next {self.policy.skip_remaining} batch(es)."
-        )
-
-    def _stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        step = trainer.global_step - 1
-        recent_rollbacks = len(self.policy.rollback_steps)
-        target, _ = self._restore_last_good(trainer, pl_module)
-        to_step = None if target is None else target.step
+            return
         self.policy.stop(step, to_step)
         path = self.config.stop_checkpoint_path or os.path.join(
             trainer.default_root_dir, "stability_guard", f"stopped-step={step}.ckpt"
         )
         self._log(trainer, self.metrics())
         trainer.save_checkpoint(path)
-        state = (
-            f"The model, optimizer and schedulers were returned to the snapshot of step {to_step}"
-            if target is not None
-            else "No snapshot fitted the model any more, so the checkpoint holds the current state"
-        )
         flagged = [str(e["step"]) for e in self.events if e["event"] not in ("rollback", "stop")][-8:]
         raise StabilityGuardError(
             f"StabilityGuard stopped training at step {step}: spikes kept coming after {recent_rollbacks} "
-            f"rollback(s) within {self.policy.rollback_memory} steps (`max_rollbacks`={self.policy.max_rollbacks}). "
-            f"{state} and saved to {path!r}. Inspect the data around the flagged steps (last flagged: "
-            f"{', '.join(flagged) or 'none'}) or lower the learning rate, then resume from that checkpoint.",
+            f"rollback(s) within {self.policy.rollback_memory} steps "
+            f"(`max_rollbacks`={self.policy.max_rollbacks}). The checkpoint {path!r} holds the snapshot of step "
+            f"{to_step} (None: no snapshot fitted, the current state). Inspect the data around the flagged steps "
+            f"(last: {', '.join(flagged)}) or lower the learning rate, then resume from that checkpoint.",
             checkpoint_path=path,
         )
 
     def _rollback_callbacks(self, trainer: pl.Trainer) -> dict[str, RollbackState]:
-        """The callbacks whose state goes back with the model (:class:`~lightning_pulse.protocols.RollbackAware`)."""
-        aware = list(listeners(trainer, RollbackAware, exclude=self))
-        return {
-            f"{index}:{callback.state_key}": RollbackState(callback)
-            for index, callback in enumerate(trainer.callbacks)
-            if any(callback is other for other in aware)
-        }
+        """The callbacks whose state goes back with the model (``RollbackAware``), by index and state key."""
+        aware = listeners(trainer, RollbackAware, exclude=self)
+        return {f"{trainer.callbacks.index(cb)}:{cb.state_key}": RollbackState(cb) for cb in aware}
 
     def _announce_restored_phase(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Tell each restored phase listener the current phase (reason ``"resume"``), as after a checkpoint
@@ -447,25 +391,6 @@ class StabilityGuard(Callback):
         for state in self._rollback_callbacks(trainer).values():
             if isinstance(state.callback, PhaseListener):
                 state.callback.on_pulse_phase_change(trainer, pl_module, change)
-
-    # ------------------------------------------------------------------ energy and logging
-    def _step_energy(self) -> float:
-        """Energy of the optimizer step that just ended, from the attached meter (0 without one)."""
-        start, self._energy_step_start = self._energy_step_start, None
-        now = self._read_energy() if start is not None else None
-        return 0.0 if now is None or start is None else max(0.0, now - start)
-
-    def _read_energy(self) -> float | None:
-        if self._energy_source is None:
-            return None
-        try:
-            return float(self._energy_source())
-        except Exception as error:  # a meter never kills the run
-            rank_zero_warn(
-                f"StabilityGuard: reading energy failed ({error!r}); energy wasted is no longer counted."
-            )
-            self._energy_source = None
-            return None
 
     @staticmethod
     def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:

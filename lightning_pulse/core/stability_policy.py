@@ -5,6 +5,7 @@
   skip it, roll back to a snapshot, or stop; spike and rollback memories, the skips after a rollback, the
   learning-rate cooldown, and the counts of spikes, skipped and undone steps (and their energy). It is a
   deterministic state machine, so DDP ranks fed the same (all-reduced) numbers take the same actions.
+* :class:`StepEnergy`: each step's energy, from an energy meter's cumulative reading.
 * :class:`StepChanges`: what the guard changes in one ``optimizer.step()`` (a skip, a lowered learning
   rate) and puts back right after it.
 """
@@ -12,7 +13,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -261,6 +262,36 @@ class EscalationPolicy:
         self.spikes_by_kind.update({k: int(n) for k, n in state_dict.get("spikes_by_kind", {}).items()})
         self.stopped = bool(state_dict.get("stopped", False))
         self.events = [dict(event) for event in state_dict.get("events", [])]
+
+
+class StepEnergy:
+    """The energy of each optimizer step, from a meter's cumulative reading (``EnergyLogger.energy_so_far_kwh``).
+
+    :meth:`begin` at the first batch of a step, :meth:`end` when it ended. A reading that fails turns the
+    meter off for the rest of the run (a meter never kills the run) and is kept in :attr:`failure` until the
+    caller has reported it.
+    """
+
+    def __init__(self, read: Callable[[], float] | None = None) -> None:
+        self.read = read
+        self.failure: Exception | None = None
+        self._start: float | None = None
+
+    def begin(self) -> None:
+        if self.read is not None and self._start is None:
+            self._start = self._value()
+
+    def end(self) -> float:
+        start, self._start = self._start, None
+        now = self._value() if start is not None else None
+        return 0.0 if now is None or start is None else max(0.0, now - start)
+
+    def _value(self) -> float | None:
+        try:
+            return None if self.read is None else float(self.read())
+        except Exception as error:
+            self.read, self.failure = None, error
+            return None
 
 
 class StepChanges:
