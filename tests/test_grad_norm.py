@@ -150,3 +150,29 @@ def test_the_guard_judges_the_loss_and_gradient_norm_of_every_optimizer_step(pre
     assert len(reference.losses) == len(reference.norms) == 8
     assert seen_losses == pytest.approx(reference.losses, rel=1e-5)
     assert seen_norms == pytest.approx(reference.norms, rel=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_read_synchronises_once():
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        loss = model(torch.randn(8, 4, device="cuda")).pow(2).mean() / 2
+        loss.backward()
+        losses.append(loss.detach())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")  # every synchronising CUDA call warns
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss, norm = step_loss_and_grad_norm(optimizer.param_groups, losses)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1
+    expected = torch.cat([p.grad.double().flatten() for p in model.parameters()]).norm().item()
+    assert norm == pytest.approx(expected, rel=1e-5)
+    assert loss == pytest.approx(sum(value.item() for value in losses), rel=1e-6)

@@ -157,7 +157,7 @@ def test_a_key_still_warming_up_catches_only_huge_spikes_against_the_pooled_base
         SpikeDetector(min_ratio=2.0, cold_ratio=1.5)
 
 
-def test_the_pooled_window_is_shared_while_one_key_is_in_use_and_splits_at_the_second():
+def test_the_pooled_window_holds_the_values_of_every_key():
     detector = SpikeDetector(warmup=20)
     _warm(detector, key="burst")
     state = detector.state_dict()

@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from lightning_pulse.core.spike_detection import Verdict
-from lightning_pulse.core.stability_policy import Action, EscalationPolicy, StabilityGuardConfig, StepChanges
+from lightning_pulse.core.stability_policy import (
+    Action,
+    EscalationPolicy,
+    StabilityGuardConfig,
+    StepChanges,
+    StepEnergy,
+)
 
 
 def test_policy_skips_then_rolls_back_then_stops():
@@ -152,8 +158,32 @@ def test_a_scaled_learning_rate_holds_inside_the_step_only():
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(opt.param_groups[0]["lr"]))
     _loss(model)
     changes.scale_lr(optimizer, 0.1)
+    changes.scale_lr(
+        optimizer, 0.1
+    )  # the step decided again (LBFGS re-evaluates its closure): not compounded
     optimizer.step()
     assert seen == [pytest.approx(0.05)] and optimizer.param_groups[0]["lr"] == 0.5
     changes.scale_lr(optimizer, 0.1)
     changes.restore()  # the optimizer did not step (a GradScaler skipped it): put back by hand
     assert optimizer.param_groups[0]["lr"] == 0.5
+
+
+def test_step_energy_is_the_meters_difference_and_a_failing_meter_is_dropped_with_one_warning():
+    readings = iter([1.0, 1.5, 2.0, 2.25])
+    energy = StepEnergy(lambda: next(readings))
+    energy.begin()
+    energy.begin()  # the second batch of an accumulation window: the step still starts at 1.0
+    assert energy.end() == 1.5 - 1.0
+    energy.begin()
+    assert energy.end() == 0.25
+    assert StepEnergy().end() == 0.0  # no meter
+
+    def broken():
+        raise RuntimeError("meter gone")
+
+    warnings = []
+    energy = StepEnergy(broken, warn=warnings.append)
+    energy.begin()
+    assert energy.end() == 0.0 and energy.read is None
+    energy.begin()
+    assert energy.end() == 0.0 and len(warnings) == 1 and "meter gone" in warnings[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -181,7 +182,7 @@ class StabilityGuard(Callback):
         self._changes.attach(trainer.optimizers)
         self._cycle = pulse_cycle_of(trainer)
         readers = [getattr(callback, "energy_so_far_kwh", None) for callback in trainer.callbacks]
-        self._energy = StepEnergy(next((reader for reader in readers if callable(reader)), None))
+        self._energy = StepEnergy(next((r for r in readers if callable(r)), None), warn=rank_zero_warn)
         self._losses, self._decided, self.schedule.pending = [], None, False
         self.snapshots.clear()
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
@@ -209,11 +210,7 @@ class StabilityGuard(Callback):
             self._changes.skip(optimizer)
             self._decided = Action.SKIP
             return
-        reduce = (
-            (lambda stats: trainer.strategy.reduce(stats, reduce_op="sum"))
-            if trainer.world_size > 1
-            else None
-        )
+        reduce = partial(trainer.strategy.reduce, reduce_op="sum") if trainer.world_size > 1 else None
         loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, reduce, trainer.world_size)
         key = self._baseline_key()
         unjudged_before = self.detector.unjudged_losses
@@ -246,11 +243,6 @@ class StabilityGuard(Callback):
             return
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
         self.policy.finish(action, self._energy.end())
-        if self._energy.failure is not None:
-            rank_zero_warn(
-                f"StabilityGuard: reading energy failed ({self._energy.failure!r}); no longer counted."
-            )
-            self._energy.failure = None
         if action is Action.APPLY:
             if self.schedule.due(trainer.global_step, self.policy.healthy):
                 self._take_snapshot(trainer, pl_module)

@@ -268,13 +268,14 @@ class StepEnergy:
     """The energy of each optimizer step, from a meter's cumulative reading (``EnergyLogger.energy_so_far_kwh``).
 
     :meth:`begin` at the first batch of a step, :meth:`end` when it ended. A reading that fails turns the
-    meter off for the rest of the run (a meter never kills the run) and is kept in :attr:`failure` until the
-    caller has reported it.
+    meter off for the rest of the run (a meter never kills the run), said once through ``warn``.
     """
 
-    def __init__(self, read: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, read: Callable[[], float] | None = None, warn: Callable[[str], Any] | None = None
+    ) -> None:
         self.read = read
-        self.failure: Exception | None = None
+        self.warn = warn
         self._start: float | None = None
 
     def begin(self) -> None:
@@ -290,7 +291,11 @@ class StepEnergy:
         try:
             return None if self.read is None else float(self.read())
         except Exception as error:
-            self.read, self.failure = None, error
+            self.read = None
+            if self.warn is not None:
+                self.warn(
+                    f"StabilityGuard: reading energy failed ({error!r}); wasted energy is no longer counted."
+                )
             return None
 
 
@@ -329,7 +334,7 @@ class StepChanges:
 
     def skip(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the coming ``optimizer.step()`` change nothing."""
-        if needs_backup(optimizer):
+        if needs_backup(optimizer) and self._backup is None:  # LBFGS may decide a step twice: keep the first
             params = [p for group in optimizer.param_groups for p in group["params"]]
             self._backup = (
                 optimizer,
@@ -341,7 +346,9 @@ class StepChanges:
                 param.grad = None
 
     def scale_lr(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
-        """Scale the learning rates of the coming ``optimizer.step()`` by ``factor``."""
+        """Scale the learning rates of the coming ``optimizer.step()`` by ``factor`` (once per step)."""
+        if self._saved_lrs is not None:  # decided again within the step (LBFGS): scale the original rates
+            self.restore()
         self._saved_lrs = (optimizer, [group["lr"] for group in optimizer.param_groups])
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * factor
