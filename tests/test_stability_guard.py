@@ -592,3 +592,17 @@ def test_a_structured_pruning_event_is_followed_by_a_snapshot_that_fits_the_smal
     assert guard.snapshots.steps == [10, 15] and guard.snapshots_taken == 3
     # each event cut channels again: the snapshot of step 10 no longer fits, the one after the last cut does
     assert [snapshot.fits(model) for snapshot in guard.snapshots] == [False, True]
+
+
+def test_lightning_cli_nests_the_config_as_a_plain_mapping():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(StabilityGuard, "guard")
+    parsed = parser.parse_object(
+        {"guard": {"snapshot_every": 50, "config": {"min_ratio": 2.0, "lr_cooldown_steps": 10}}}
+    )
+    guard = parser.instantiate_classes(parsed)["guard"]
+    assert isinstance(guard, StabilityGuard) and guard.schedule.every == 50
+    assert guard.config == StabilityGuardConfig(min_ratio=2.0, lr_cooldown_steps=10)
+    assert guard.detector.min_ratio == 2.0 and guard.policy.lr_cooldown_steps == 10
