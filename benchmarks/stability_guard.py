@@ -12,7 +12,8 @@ for a per-step cost) and the char-level transformer LM are trained with no callb
 ``Callback`` (Lightning's own cost of dispatching every hook to one more callback, plus the noise floor of
 the machine) and with a default ``StabilityGuard``, through the shared harness with rotated arm order:
 seed-paired process CPU time ratios, the CPU time spent inside the guard's own hooks as a share of training
-CPU time (its snapshots included, also reported alone), and the spikes it flags on these clean runs
+CPU time (timed from outside by :func:`time_hooks`; its snapshots included, also reported alone; the
+harness merges :func:`guard_metrics` into each run), and the spikes it flags on these clean runs
 (false positives). On the MNIST-1D workloads also a paired measurement inside single fits: the guard's hooks run
 on a seeded random half of the batches (:class:`CoinFlipGuard`), and the CPU time of guarded and unguarded
 steps is compared, both for the whole iteration (data loading included) and for the step proper, with a
@@ -34,6 +35,7 @@ within 5% of the same seed's clean run), the median ratio to the clean run, step
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -41,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,6 +114,82 @@ class FaultInjector(Callback):
             self._saved_lrs = None
 
 
+# ------------------------------------------------------------------------------------------ measuring from outside
+#: the Lightning hooks a callback can override
+HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_") or name in ("setup", "teardown"))
+
+
+def time_hooks(callback: Callback, extra: Sequence[str] = ()) -> dict[str, float]:
+    """Time ``callback``'s hooks from outside: process CPU seconds, accumulated per method name.
+
+    Every Lightning hook that the callback's class overrides is replaced, on the instance, by a wrapper that
+    adds its ``time.process_time`` to the returned dict (which keeps filling during the fit); ``"total"`` is
+    their sum. ``extra`` names further methods (e.g. ``"_take_snapshot"``) timed on their own: they run inside
+    the hooks, so they are part of ``"total"`` already, not added to it again.
+    """
+    seconds: dict[str, float] = {"total": 0.0}
+
+    def wrap(name: str, in_total: bool) -> None:
+        original = getattr(callback, name)
+        seconds[name] = 0.0
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.process_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                elapsed = time.process_time() - started
+                seconds[name] += elapsed
+                if in_total:
+                    seconds["total"] += elapsed
+
+        setattr(callback, name, timed)
+
+    for name in HOOKS:
+        if getattr(type(callback), name) is not getattr(Callback, name):
+            wrap(name, in_total=True)
+    for name in extra:
+        wrap(name, in_total=False)
+    return seconds
+
+
+_HOOK_SECONDS: weakref.WeakKeyDictionary[StabilityGuard, dict[str, float]] = weakref.WeakKeyDictionary()
+
+
+def timed_guard(**kwargs: Any) -> StabilityGuard:
+    """A ``StabilityGuard`` whose hooks (and snapshots) are timed by :func:`time_hooks`."""
+    guard = StabilityGuard(**kwargs)
+    _HOOK_SECONDS[guard] = time_hooks(guard, extra=("_take_snapshot",))
+    return guard
+
+
+def guard_figures(guard: StabilityGuard) -> dict[str, Any]:
+    """The guard's public counters (and, for a :func:`timed_guard`, its hook CPU time)."""
+    figures: dict[str, Any] = {
+        "spikes_detected": guard.spikes_detected,
+        "spikes_by_kind": dict(guard.spikes_by_kind),
+        "steps_skipped": guard.steps_skipped,
+        "rollbacks": guard.rollbacks,
+        "steps_undone": guard.steps_undone,
+        "steps_lost": guard.steps_lost,
+        "energy_wasted_kwh": guard.metrics().get("stability/energy_wasted_kwh"),
+        "snapshots_taken": guard.snapshots_taken,
+        "snapshot_bytes": guard.snapshots.nbytes,
+        "stopped": guard.stopped,
+    }
+    if guard in _HOOK_SECONDS:
+        figures["guard_cpu_seconds"] = _HOOK_SECONDS[guard]["total"]
+        figures["snapshot_cpu_seconds"] = _HOOK_SECONDS[guard]["_take_snapshot"]
+    return figures
+
+
+def guard_metrics(callbacks: Sequence[Callback], trainer: pl.Trainer) -> dict[str, Any]:
+    """``Arm.metrics`` for the harness: the figures of the run's guard (merged into the run's ``extra``)."""
+    guard = next(callback for callback in callbacks if isinstance(callback, StabilityGuard))
+    return guard_figures(guard)
+
+
 # ------------------------------------------------------------------------------------------ overhead
 # the paired measurement's per-seed differences scatter by tens of microseconds: more seeds and steps than the
 # end-to-end arms, so the median over seeds is stable to a few
@@ -125,7 +204,7 @@ class CoinFlipGuard(StabilityGuard):
     onto the rest of the step (caches it warms or evicts for the optimizer right after it). A coin, not
     strict alternation: steps have period-2 effects of their own (the allocator hands out the same blocks
     every other step), which alternation would add to one side. Snapshots follow the guarded steps
-    (reported by the hook timers, not here). Assumes no gradient accumulation.
+    (reported by :func:`time_hooks` in the end-to-end arms, not here). Assumes no gradient accumulation.
     """
 
     def __init__(self, seed: int = 0, active: bool = True, **kwargs: Any) -> None:
@@ -249,7 +328,7 @@ def overhead(
         arms = [
             Arm("baseline"),
             Arm("empty_callback", callbacks=lambda seed: [Callback()]),
-            Arm("stability_guard", callbacks=lambda seed: [StabilityGuard()]),
+            Arm("stability_guard", callbacks=lambda seed: [timed_guard()], metrics=guard_metrics),
         ]
         workload_seeds = seeds if workload.startswith("mnist1d") else seeds[:3]
         result = run_arms(
@@ -332,7 +411,7 @@ def run_fault(data, seed: int, epochs: int, faults: list[Callback], guard: Stabi
     val_loss = trainer.validate(model, data, verbose=False)[0]["val_loss"]
     record = {"val_loss": val_loss, "stopped": stopped, "steps": trainer.global_step, "train_cpu_s": cpu_s}
     if guard is not None:
-        record.update(guard.benchmark_metrics())
+        record.update(guard_figures(guard))
     return record
 
 

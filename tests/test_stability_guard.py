@@ -23,6 +23,7 @@ from lightning_pulse import GradientCache, HardSampleReplay, PulseCycle, Schedul
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 from lightning_pulse.core.snapshots import copy_to_cpu
+from lightning_pulse.core.stability_policy import StabilityGuardConfig
 from lightning_pulse.phase import PhaseChange
 from tests.conftest import trainer_kwargs
 
@@ -268,8 +269,7 @@ def rollback_run(small_data, tmp_path_factory):
         snapshot_every=0,
         max_snapshots=3,
         rollback_margin=1,
-        lr_factor_after_rollback=0.1,
-        lr_cooldown_steps=4,
+        config=StabilityGuardConfig(lr_factor_after_rollback=0.1, lr_cooldown_steps=4),
     )
     step_energy = StepEnergy(energy)
     trainer = pl.Trainer(
@@ -384,7 +384,7 @@ def test_stop_saves_the_last_good_state_then_raises(small_data, tmp_path):
     assert all(torch.equal(saved[name.removeprefix("net.")], value) for name, value in expected.items())
     assert checkpoint["global_step"] == 26  # saved after step 25
     state = next(value for key, value in checkpoint["callbacks"].items() if key.startswith("StabilityGuard"))
-    assert state["stopped"] is True
+    assert state["policy"]["stopped"] is True
 
 
 # ---------------------------------------------------------------- resume
@@ -432,22 +432,35 @@ def test_manual_optimization_is_rejected_at_fit_start(small_data):
     ("kwargs", "field"),
     [
         ({"loss_zscore": -1}, "loss_zscore"),
-        ({"min_ratio": 0.5}, "min_ratio"),
-        ({"loss_scale": "exp"}, "loss_scale"),
+        ({"config": StabilityGuardConfig(min_ratio=0.5)}, "min_ratio"),
+        ({"config": StabilityGuardConfig(loss_scale="exp")}, "loss_scale"),
+        ({"config": StabilityGuardConfig(spike_memory=0)}, "spike_memory"),
+        ({"config": {"min_ratio": 2.0}}, "config"),
         ({"warmup": 200}, "warmup"),
+        ({"max_rollbacks": -1}, "max_rollbacks"),
         ({"rollback_after": 0}, "rollback_after"),
         ({"snapshot_every": -1}, "snapshot_every"),
         ({"max_snapshots": 0}, "max_snapshots"),
         ({"max_snapshots": 2, "snapshot_every": 5, "rollback_margin": 10}, "rollback_margin"),
+    ],
+)
+def test_bad_arguments_fail_at_construction_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        StabilityGuard(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
         ({"lr_factor_after_rollback": 2.0}, "lr_factor_after_rollback"),
         ({"lr_cooldown_steps": 1.5}, "lr_cooldown_steps"),
         ({"rewind_lr_schedule": "yes"}, "rewind_lr_schedule"),
         ({"stop_checkpoint_path": ""}, "stop_checkpoint_path"),
     ],
 )
-def test_bad_arguments_fail_at_construction_naming_the_field(kwargs, field):
+def test_bad_config_fields_fail_at_construction_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"`{field}`"):
-        StabilityGuard(**kwargs)
+        StabilityGuardConfig(**kwargs)
 
 
 # ---------------------------------------------------------------- the pulse callbacks roll back with the model
@@ -525,9 +538,9 @@ def test_rollback_returns_every_opted_in_pulse_callback_to_its_state_at_the_snap
         rollback_after=2,
         skip_after_rollback=2,
         snapshot_every=5,
-        snapshot_at_maintain=False,
         max_snapshots=3,
         rollback_margin=5,
+        config=StabilityGuardConfig(snapshot_at_maintain=False),
     )
     opted_in = {"cycle": cycle, "replay": replay, "cache": cache, "prune": prune}
     recorder = PulseStateRecorder(opted_in)
@@ -579,3 +592,17 @@ def test_a_structured_pruning_event_is_followed_by_a_snapshot_that_fits_the_smal
     assert guard.snapshots.steps == [10, 15] and guard.snapshots_taken == 3
     # each event cut channels again: the snapshot of step 10 no longer fits, the one after the last cut does
     assert [snapshot.fits(model) for snapshot in guard.snapshots] == [False, True]
+
+
+def test_lightning_cli_nests_the_config_as_a_plain_mapping():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(StabilityGuard, "guard")
+    parsed = parser.parse_object(
+        {"guard": {"snapshot_every": 50, "config": {"min_ratio": 2.0, "lr_cooldown_steps": 10}}}
+    )
+    guard = parser.instantiate_classes(parsed)["guard"]
+    assert isinstance(guard, StabilityGuard) and guard.schedule.every == 50
+    assert guard.config == StabilityGuardConfig(min_ratio=2.0, lr_cooldown_steps=10)
+    assert guard.detector.min_ratio == 2.0 and guard.policy.lr_cooldown_steps == 10

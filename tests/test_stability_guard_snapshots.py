@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from lightning_pulse.core.snapshots import (
+    RollbackState,
     SnapshotRing,
     copy_to_cpu,
     restore_snapshot,
@@ -209,26 +210,29 @@ def test_a_recycled_snapshot_is_refilled_in_place_and_equals_a_fresh_one():
     assert ring.recycle(2) is snapshot and ring.steps == [1]
 
 
-@pytest.mark.parametrize("read_each", [True, False], ids=["item-per-norm", "one-stacked-read"])
-def test_loss_and_grad_norm_match_clip_grad_norm_and_the_mean_loss(read_each):
-    from lightning_pulse.callbacks.stability_guard import _loss_and_grad_norm
+def test_the_last_good_snapshot_is_the_newest_before_the_trouble_that_still_fits():
+    model, optimizer, _ = _setup()
+    ring = SnapshotRing(capacity=3)
+    for step in (0, 10, 20):
+        ring.add(take_snapshot(step, model, [optimizer]))
+    assert [(s.step if s else None, predates) for s, predates in [ring.last_good(model, 15)]] == [(10, True)]
+    snapshot, predates = ring.last_good(model, -5)  # none predates: the oldest, flagged as such
+    assert (snapshot.step, predates) == (0, False)
+    smaller = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))  # channels pruned since
+    ring.add(take_snapshot(30, smaller, []))
+    assert ring.last_good(smaller, 100) == (ring.newest(), True) and ring.steps == [30]  # the others dropped
+    assert ring.last_good(model, 100) == (None, False) and len(ring) == 0
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
-    losses = []
-    for _ in range(2):  # two micro-batches, each loss divided by 2 as Lightning does
-        loss = model(torch.randn(8, 4)).pow(2).mean() / 2
-        loss.backward()
-        losses.append(loss)
-    grads = [p.grad for p in model.parameters()]
-    expected_norm = torch.nn.utils.get_total_norm(grads, 2.0).item()
-    loss, grad_norm = _loss_and_grad_norm(grads, losses, read_each=read_each)
-    assert grad_norm == pytest.approx(expected_norm, rel=1e-6)
-    assert loss == pytest.approx(sum(value.item() for value in losses), rel=1e-6)
-    grads[0][0, 0] = float("nan")
-    assert (
-        _loss_and_grad_norm(grads, losses, read_each=read_each)[1]
-        != _loss_and_grad_norm(grads, losses, read_each=read_each)[1]
-    )  # NaN: not equal to itself
-    grads[0][0, 0] = float("inf")
-    assert _loss_and_grad_norm(grads, [], read_each=read_each) == (None, float("inf"))
+
+def test_rollback_state_prefers_the_callbacks_own_rollback_part():
+    class Clocked(CountingCallbackState):
+        def rollback_state_dict(self):
+            return {"seen": list(self.seen)}
+
+        def load_rollback_state_dict(self, state):
+            self.seen = list(state["seen"]) + ["rolled back"]
+
+    plain, clocked = RollbackState(CountingCallbackState()), RollbackState(Clocked())
+    assert set(plain.state_dict()) == {"seen", "scores"} and set(clocked.state_dict()) == {"seen"}
+    clocked.load_state_dict({"seen": [5]})
+    assert clocked.callback.seen == [5, "rolled back"]

@@ -1,134 +1,91 @@
-"""One optimizer step's gradient norm and loss, read with one native call (StabilityGuard's hot path on CPU).
+"""One optimizer step's loss and global gradient norm, read with torch ops and one device-to-host transfer.
 
-On a CPU step of a few milliseconds, torch's fused norm plus one read per 0-d result costs tens of
-microseconds in dispatch alone, on caches that the backward pass has just evicted. :class:`HostStepReader`
-makes one native call instead: an extension module (``lightning_pulse/_csrc/step_reader.cpp``, C++ against
-torch's headers, built by :mod:`lightning_pulse._native`) walks the parameter groups, reads every gradient's
-dtype, device, layout, address and size from the tensor itself (no Python binding per gradient) and reads the
-loss in the same call. Where it cannot be built (no C++ compiler, no headers) the gradients' addresses go to a
-plain C function (``lightning_pulse/_csrc/reductions.c``) through ctypes, which costs some microseconds more
-per step (the bytecode loop over the gradients and its bindings, the address array, the ctypes call). It
-accumulates in double, as torch's CPU norm does, so the value agrees with ``torch.nn.utils.get_total_norm``
-to rounding, and a NaN or infinite entry makes it non-finite.
+:func:`grad_norm` is the 2-norm of all gradients together, what ``clip_grad_norm_`` computes (torch's
+``get_total_norm``: a fused per-tensor norm per device and dtype, then one norm of the stacked results).
+:func:`step_loss_and_grad_norm` adds the step's loss and, under DDP, one all-reduce, and brings both numbers
+to the host in one transfer.
+
+Where it is read decides what it means. StabilityGuard reads it in ``on_before_optimizer_step``: after every
+micro-batch of an accumulation window has added its gradient, after DDP's gradient all-reduce (every rank
+holds the same gradients, hence the same norm) and after Lightning's precision plugin unscaled AMP
+gradients, before clipping. Under FSDP or DeepSpeed each rank holds a shard of the gradients: the norm read
+here is then the norm of the local shard, not the global one, and ranks differ; decisions still agree
+(the numbers are all-reduced), but the thresholds are judged on a different quantity. Sharded strategies
+are not supported as such.
 """
 
 from __future__ import annotations
 
-import ctypes
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_pulse import _native
 
-_FLOAT32 = torch.float32
-_bound_to: ctypes.CDLL | None = None
-_step_reads_f32: ctypes._CFuncPtr | None = None
-_extension_read: Callable[..., tuple[float, float | None] | None] | None = None
-_extension_resolved = False  # whether `_extension_read` is final (the module loaded, or cannot be)
+def grad_norm(grads: Sequence[Tensor]) -> Tensor | None:
+    """The 2-norm of ``grads`` taken together, as a 0-d tensor on the first gradient's device.
 
+    Sparse gradients (``nn.Embedding(sparse=True)``) count through their coalesced values (an uncoalesced
+    one may hold an index twice). A NaN or infinite entry gives a non-finite norm. Nothing is synchronised.
 
-def _extension_function() -> Callable[..., tuple[float, float | None] | None] | None:
-    global _extension_read, _extension_resolved
-    module = _native.step_reader()
-    _extension_read = module.read_step if module is not None else None
-    _extension_resolved = True
-    return _extension_read
+    Args:
+        grads: the gradients, of any dtypes and devices.
 
-
-def prepare() -> None:
-    """Build (or load) the extension module now, not inside the first training step (a first build: ~15 s)."""
-    if not _extension_resolved:
-        _extension_function()
-
-
-def _function() -> ctypes._CFuncPtr | None:
-    global _bound_to, _step_reads_f32
-    library = _native.library()
-    if library is None:
-        return None
-    if _bound_to is not library:
-        function = library.step_reads_f32
-        function.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        function.restype = ctypes.c_double
-        _bound_to, _step_reads_f32 = library, function
-    return _step_reads_f32
-
-
-class HostStepReader:
-    """Reads an optimizer step's gradient sum of squares and summed loss where one native call can.
-
-    Call it with the optimizer's ``param_groups`` and the step's losses (one per micro-batch). Parameters
-    without a gradient are left out, as ``clip_grad_norm_`` leaves them out. Every gradient must be a
-    contiguous fp32 tensor in host memory and not a subclass with Python dispatch (the ctypes path declines
-    every subclass), checked for each tensor on every call (a parameter's ``.data`` can be swapped for another
-    dtype or size mid-run); otherwise, or where the kernels could not be built, the call returns ``None`` and
-    the caller reads with torch. A single fp32 loss in host memory (no gradient
-    accumulation) is read in the same call; several losses, or a loss of another dtype, are read with
-    ``item``. The loss is ``None`` when there is none.
-
-    On the ctypes path each reader owns the buffer the call writes the loss into, so give each training loop
-    its own.
+    Returns:
+        The norm (``None`` when there are no gradients).
     """
-
-    def __init__(self) -> None:
-        # its address is taken on every call, never stored: a copied or pickled reader (``ddp_spawn`` pickles
-        # the callbacks) gets a new buffer at a new address
-        self._loss_out = array("d", (0.0,))
-
-    def __call__(
-        self, param_groups: Iterable[dict[str, Any]], losses: Sequence[Tensor]
-    ) -> tuple[float, float | None] | None:
-        read = _extension_read if _extension_resolved else _extension_function()
-        if read is not None:
-            reads = read(param_groups, losses)
-            if reads is None or reads[1] is not None:
-                return reads
-            return reads[0], _summed_loss(losses)
-        return self._read_with_ctypes(param_groups, losses)
-
-    def _read_with_ctypes(
-        self, param_groups: Iterable[dict[str, Any]], losses: Sequence[Tensor]
-    ) -> tuple[float, float | None] | None:
-        """The same read through the ctypes library, where the extension module could not be built."""
-        function = _function()
-        if function is None:
-            return None
-        entries = []  # (address, size) pairs in one list: one array to build, not two
-        for group in param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                # a sparse gradient is not contiguous (and has no data pointer); a subclass (one with Python
-                # dispatch decides itself what its data means) is left to torch, as the extension leaves it
-                if (
-                    grad.dtype is not _FLOAT32
-                    or not grad.is_cpu
-                    or type(grad) is not Tensor
-                    or not grad.is_contiguous()
-                ):
-                    return None
-                entries.append(grad.data_ptr())
-                entries.append(grad.numel())
-        if not entries:
-            return None
-        loss_address = 0
-        if len(losses) == 1:
-            loss = losses[0]
-            if loss.dtype is _FLOAT32 and loss.is_cpu and loss.numel() == 1:
-                loss_address = loss.data_ptr()
-        pairs = array("q", entries)
-        loss_out = self._loss_out
-        squares = function(len(entries) // 2, pairs.buffer_info()[0], loss_address, loss_out.buffer_info()[0])
-        if loss_address:
-            return squares, loss_out[0]
-        return squares, _summed_loss(losses)
+    if not grads:
+        return None
+    dense = [grad.coalesce().values() if grad.is_sparse else grad for grad in grads]
+    return torch.nn.utils.get_total_norm(dense, 2.0)
 
 
-def _summed_loss(losses: Sequence[Tensor]) -> float | None:
-    """The step's loss where the native call did not read it: the micro-batch losses summed with ``item``."""
-    return sum(value.item() for value in losses) if losses else None
+def step_loss_and_grad_norm(
+    param_groups: Iterable[dict[str, Any]],
+    losses: Sequence[Tensor],
+    all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
+    world_size: int = 1,
+) -> tuple[float | None, float | None]:
+    """The step's loss and global gradient norm, as Python floats.
+
+    Args:
+        param_groups: the optimizer's parameter groups; parameters without a gradient are left out.
+        losses: the micro-batch losses of the step (0-d). Lightning divides each by
+            ``accumulate_grad_batches``, so their sum is the window's mean loss.
+        all_reduce_sum: under DDP, the strategy's sum all-reduce (``trainer.strategy.reduce``): the loss is
+            then the mean over ranks, and every rank gets the same two numbers bit for bit.
+        world_size: the number of ranks ``all_reduce_sum`` sums over.
+
+    Returns:
+        ``(loss, grad_norm)``; ``None`` for a value with nothing to read.
+    """
+    grads = [param.grad for group in param_groups for param in group["params"] if param.grad is not None]
+    norm = grad_norm(grads)
+    loss = torch.stack([value.detach().float() for value in losses]).sum() if losses else None
+    if all_reduce_sum is None:
+        values = [value for value in (loss, norm) if value is not None]
+        if not values:
+            return None, None
+        device = values[0].device
+        # the one device-to-host transfer of the step; on an accelerator this is where the step synchronises,
+        # which the decision needs anyway (it must exist before optimizer.step())
+        read = torch.stack([value.to(device, torch.float32) for value in values]).tolist()
+        return (read[0] if loss is not None else None), (read[-1] if norm is not None else None)
+    # DDP: one all-reduce of (loss sum, ranks with a loss, norm sum). Every rank holds the same all-reduced
+    # gradients, so the summed norm divided by world size is the norm; summing it makes the number the same
+    # bit for bit on every rank, and with it every decision.
+    device = norm.device if norm is not None else loss.device if loss is not None else torch.device("cpu")
+    zero = torch.zeros((), device=device)
+    stats = torch.stack(
+        [
+            zero if loss is None else loss.to(device),
+            zero if loss is None else torch.ones((), device=device),
+            zero if norm is None else norm.to(device, torch.float32),
+        ]
+    )
+    # the step's one transfer (after the collective): where an accelerator run synchronises
+    loss_sum, ranks_with_loss, norm_sum = all_reduce_sum(stats).tolist()
+    return (loss_sum / ranks_with_loss if ranks_with_loss else None), (
+        norm_sum / world_size if grads else None
+    )

@@ -200,6 +200,29 @@ def restore_snapshot(
             stateful.load_state_dict(copy.deepcopy(snapshot.callbacks[key]))
 
 
+class RollbackState:
+    """What a snapshot keeps of one callback that rolls back with the model.
+
+    ``rollback_state_dict()`` when the callback defines it (the part of its state that belongs to the model,
+    e.g. :class:`~lightning_pulse.PulseCycle`'s probe but not its clock), else its whole ``state_dict()``;
+    restored through the matching loader.
+    """
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+
+    def state_dict(self) -> Any:
+        own = getattr(self.callback, "rollback_state_dict", None)
+        return own() if callable(own) else self.callback.state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        own = getattr(self.callback, "load_rollback_state_dict", None)
+        if callable(own):
+            own(state_dict)
+        else:
+            self.callback.load_state_dict(state_dict)
+
+
 class SnapshotRing:
     """The newest ``capacity`` snapshots, oldest evicted first.
 
@@ -238,8 +261,57 @@ class SnapshotRing:
                 return snapshot
         return None
 
+    def capture(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        schedulers: Sequence[Stateful] = (),
+        callbacks: Mapping[str, Stateful] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> TrainingSnapshot:
+        """Take a snapshot of step ``step`` into the ring, refilling the buffers of the one it evicts."""
+        snapshot = take_snapshot(
+            step, model, optimizers, schedulers, callbacks, extra, reuse=self.recycle(step)
+        )
+        self.add(snapshot)
+        return snapshot
+
+    def roll_back(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        schedulers: Sequence[Stateful] = (),
+        callbacks: Mapping[str, Stateful] | None = None,
+        rewind_schedule: bool = True,
+    ) -> tuple[TrainingSnapshot | None, bool]:
+        """Restore :meth:`last_good` for ``step`` and forget the snapshots taken after it (they belong to the
+        timeline that is undone); returns what :meth:`last_good` returned."""
+        target, predates = self.last_good(model, step)
+        if target is not None:
+            restore_snapshot(target, model, optimizers, schedulers, callbacks, rewind_schedule)
+            self.drop_after(target.step)
+        return target, predates
+
     def oldest(self) -> TrainingSnapshot | None:
         return self._snapshots[0] if self._snapshots else None
+
+    def last_good(self, model: nn.Module, step: int) -> tuple[TrainingSnapshot | None, bool]:
+        """The snapshot to roll back to: the newest one taken at or before ``step`` that still fits
+        ``model``, else the oldest one that fits.
+
+        Snapshots that no longer fit (channels pruned since) are dropped: they can never be loaded again.
+
+        Returns:
+            ``(snapshot, predates)``: ``snapshot`` is ``None`` when none fits; ``predates`` tells whether it
+            was taken at or before ``step``.
+        """
+        for snapshot in list(self._snapshots):
+            if not snapshot.fits(model):
+                self._snapshots.remove(snapshot)
+        target = self.newest_at_or_before(step)
+        return (target, True) if target is not None else (self.oldest(), False)
 
     def discard(self, snapshot: TrainingSnapshot) -> None:
         self._snapshots.remove(snapshot)
@@ -265,3 +337,75 @@ class SnapshotRing:
 
     def __iter__(self) -> Iterator[TrainingSnapshot]:
         return iter(self._snapshots)
+
+
+class SnapshotSchedule:
+    """When :class:`~lightning_pulse.StabilityGuard` snapshots, and which snapshot a rollback returns to.
+
+    A snapshot is due every ``every`` steps and when one was requested (a maintain phase began, the model's
+    structure changed), but only in a healthy state (no open incident, no skips pending). A rollback returns
+    to the newest snapshot taken at least ``margin`` steps before the incident began.
+
+    Args:
+        every: steps between periodic snapshots; ``0``: only on request.
+        capacity: snapshots kept (the ring's size).
+        margin: how many steps a good snapshot must predate the first flagged step of an incident.
+
+    Raises:
+        ValueError: naming the argument (``snapshot_every``, ``max_snapshots``, ``rollback_margin``), for a
+            value out of range or a ring that cannot reach ``margin`` steps back.
+    """
+
+    def __init__(self, every: int = 100, capacity: int = 2, margin: int = 10) -> None:
+        for name, value, minimum in (("snapshot_every", every, 0), ("max_snapshots", capacity, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"`{name}`={value!r} must be an int >= {minimum}.")
+        if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+            raise ValueError(f"`rollback_margin`={margin!r} must be an int >= 0.")
+        if every and (capacity - 1) * every < margin:
+            raise ValueError(
+                f"`max_snapshots`={capacity} snapshots every `snapshot_every`={every} steps never reach "
+                f"`rollback_margin`={margin} steps back; allowed: (max_snapshots - 1) * snapshot_every >= "
+                "rollback_margin."
+            )
+        self.every = every
+        self.margin = margin
+        self.ring = SnapshotRing(capacity)
+        self.last_step: int | None = None
+        self.taken = 0
+        self.pending = False  # a snapshot was requested for the end of this step
+
+    def due(self, step: int, healthy: bool) -> bool:
+        """Whether to snapshot at the end of the applied step that leaves the counter at ``step``."""
+        if self.pending:
+            self.pending = False
+            return healthy
+        return bool(self.every) and step - (self.last_step or 0) >= self.every and healthy
+
+    def take(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        schedulers: Sequence[Stateful] = (),
+        callbacks: Mapping[str, Stateful] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> TrainingSnapshot:
+        snapshot = self.ring.capture(step, model, optimizers, schedulers, callbacks, extra)
+        self.last_step = step
+        self.taken += 1
+        return snapshot
+
+    def roll_back(
+        self,
+        incident_start: int,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        schedulers: Sequence[Stateful] = (),
+        callbacks: Mapping[str, Stateful] | None = None,
+        rewind_schedule: bool = True,
+    ) -> tuple[TrainingSnapshot | None, bool]:
+        """Restore the last good snapshot for an incident that began at ``incident_start`` (see
+        :meth:`SnapshotRing.roll_back`)."""
+        step = incident_start - self.margin
+        return self.ring.roll_back(step, model, optimizers, schedulers, callbacks, rewind_schedule)

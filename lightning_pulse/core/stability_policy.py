@@ -1,0 +1,393 @@
+"""How StabilityGuard answers flagged steps: skip, roll back, stop. Plain Python and torch optimizers.
+
+* :class:`StabilityGuardConfig`: the guard's rarely turned knobs, one validated dataclass.
+* :class:`EscalationPolicy`: turns a stream of verdicts into actions and keeps the books: apply the update,
+  skip it, roll back to a snapshot, or stop; spike and rollback memories, the skips after a rollback, the
+  learning-rate cooldown, and the counts of spikes, skipped and undone steps (and their energy). It is a
+  deterministic state machine, so DDP ranks fed the same (all-reduced) numbers take the same actions.
+* :class:`StepEnergy`: each step's energy, from an energy meter's cumulative reading.
+* :class:`StepChanges`: what the guard changes in one ``optimizer.step()`` (a skip, a lowered learning
+  rate) and puts back right after it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from lightning_pulse.core.spike_detection import Verdict
+
+
+class Action(str, Enum):
+    """What :class:`EscalationPolicy` tells the trainer to do with one optimizer step."""
+
+    APPLY = "apply"
+    SKIP = "skip"  # drop this update; parameters and optimizer state stay as they are
+    ROLLBACK = "rollback"  # drop this update, then return to the last good snapshot
+    STOP = "stop"  # drop this update, return to the last good snapshot, save a checkpoint, raise
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class StabilityGuardConfig:
+    """The rarely turned knobs of :class:`~lightning_pulse.StabilityGuard` (its ``config`` argument).
+
+    Args:
+        min_ratio: a spike must also be at least this many times the window median (> 1).
+        loss_scale: ``"log"`` (loss noise is multiplicative) or ``"linear"``, for losses that can be zero or
+            negative. The gradient norm is always judged on a log scale.
+        per_phase_baselines: keep one baseline window per pulse phase.
+        spike_memory: steps over which flagged steps are counted towards ``rollback_after``.
+        rollback_memory: steps over which rollbacks are counted towards ``max_rollbacks``.
+        snapshot_at_maintain: also snapshot when a maintain phase starts (if its probe loss is finite).
+        rewind_lr_schedule: ``True`` returns LR schedulers (and optimizer hyperparameters) to the snapshot
+            too; ``False`` leaves them where ``trainer.global_step`` has them.
+        lr_factor_after_rollback: factor on the learning rate during the cooldown after a rollback, in
+            ``(0, 1]``; ``1`` leaves it alone.
+        lr_cooldown_steps: applied steps the lowered learning rate lasts.
+        stop_checkpoint_path: where to save the checkpoint before stopping; by default
+            ``<default_root_dir>/stability_guard/stopped-step=<step>.ckpt``.
+
+    Raises:
+        ValueError: naming the field, for a value out of range (``min_ratio``, ``loss_scale`` and the two
+            memories are checked when the guard builds its detector and policy).
+    """
+
+    min_ratio: float = 1.5
+    loss_scale: str = "log"
+    per_phase_baselines: bool = True
+    spike_memory: int = 50
+    rollback_memory: int = 1000
+    snapshot_at_maintain: bool = True
+    rewind_lr_schedule: bool = True
+    lr_factor_after_rollback: float = 1.0
+    lr_cooldown_steps: int = 0
+    stop_checkpoint_path: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("per_phase_baselines", "snapshot_at_maintain", "rewind_lr_schedule"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}`={getattr(self, name)!r} must be True or False.")
+        factor = self.lr_factor_after_rollback
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise ValueError(f"`lr_factor_after_rollback`={factor!r} must be in (0, 1].")
+        check_int("lr_cooldown_steps", self.lr_cooldown_steps, minimum=0)
+        path = self.stop_checkpoint_path
+        if path is not None and (not isinstance(path, str) or not path):
+            raise ValueError(f"`stop_checkpoint_path`={path!r} must be a non-empty path or None.")
+
+
+class EscalationPolicy:
+    """Decides, step by step, whether to apply, skip, roll back or stop, and counts what was lost.
+
+    * A flagged step is skipped.
+    * When ``rollback_after`` flagged steps fall within the last ``spike_memory`` steps, the run rolls
+      back to its last good snapshot and then skips the next ``skip_after_rollback`` steps (the batches a
+      spike came with are not trained on again, as PaLM did); the next ``lr_cooldown_steps`` applied steps
+      are in a learning-rate cooldown.
+    * When a rollback is needed but ``max_rollbacks`` rollbacks already happened within the last
+      ``rollback_memory`` steps, the run stops instead.
+
+    ``step`` is the optimizer step being decided (``trainer.global_step`` before it is taken). The books
+    follow the model's lineage: :meth:`lineage` is what a snapshot records, :meth:`rewind` returns to it and
+    counts the applied steps (and energy) it undoes, once, however often the run goes back to it.
+
+    Args:
+        rollback_after: flagged steps within ``spike_memory`` that trigger a rollback.
+        spike_memory: how many recent steps count towards ``rollback_after``.
+        skip_after_rollback: steps skipped right after a rollback.
+        max_rollbacks: rollbacks allowed within ``rollback_memory`` steps before the next one becomes a stop.
+        rollback_memory: how many recent steps count towards ``max_rollbacks``.
+        lr_cooldown_steps: applied steps of learning-rate cooldown after a rollback.
+
+    Raises:
+        ValueError: naming the argument, for a non-integer or out-of-range value.
+
+    Example::
+
+        policy = EscalationPolicy(rollback_after=2, max_rollbacks=1)
+        assert policy.decide(5, Verdict.LOSS_SPIKE) is Action.SKIP
+        assert policy.decide(6, Verdict.LOSS_SPIKE) is Action.ROLLBACK
+    """
+
+    def __init__(
+        self,
+        rollback_after: int = 3,
+        spike_memory: int = 50,
+        skip_after_rollback: int = 20,
+        max_rollbacks: int = 3,
+        rollback_memory: int = 1000,
+        lr_cooldown_steps: int = 0,
+    ) -> None:
+        check_int("rollback_after", rollback_after, minimum=1)
+        check_int("spike_memory", spike_memory, minimum=1)
+        check_int("skip_after_rollback", skip_after_rollback, minimum=0)
+        check_int("max_rollbacks", max_rollbacks, minimum=0)
+        check_int("rollback_memory", rollback_memory, minimum=1)
+        check_int("lr_cooldown_steps", lr_cooldown_steps, minimum=0)
+        self.rollback_after = rollback_after
+        self.spike_memory = spike_memory
+        self.skip_after_rollback = skip_after_rollback
+        self.max_rollbacks = max_rollbacks
+        self.rollback_memory = rollback_memory
+        self.lr_cooldown_steps = lr_cooldown_steps
+        # escalation state
+        self.spike_steps: list[int] = []  # flagged steps of the open incident
+        self.rollback_steps: list[int] = []
+        self.skip_remaining = 0
+        self.cooldown_remaining = 0
+        # the books
+        self.spikes_by_kind: dict[str, int] = {verdict.value: 0 for verdict in Verdict if verdict.is_spike}
+        self.steps_skipped = 0
+        self.rollbacks = 0
+        self.steps_undone = 0  # applied updates thrown away by rollbacks
+        self.energy_wasted_kwh = 0.0
+        # the updates (and their energy) the current parameters descend from; a rollback cuts them back
+        self.lineage_steps = 0
+        self.lineage_energy_kwh = 0.0
+        self.stopped = False
+        # what happened and when: {"step", "event" (a verdict, "rollback" or "stop"), "action" or "to_step"}
+        self.events: list[dict[str, Any]] = []
+
+    @property
+    def in_incident(self) -> bool:
+        """Whether recent flagged steps (not yet resolved by a rollback) are remembered."""
+        return bool(self.spike_steps)
+
+    @property
+    def incident_start(self) -> int | None:
+        """The first flagged step still remembered, i.e. where the current trouble began."""
+        return self.spike_steps[0] if self.spike_steps else None
+
+    @property
+    def healthy(self) -> bool:
+        """No open incident and no skips pending: a state worth a snapshot."""
+        return not self.spike_steps and self.skip_remaining == 0
+
+    def forced_skip(self) -> bool:
+        """True (and one fewer left) while steps remain to be skipped after a rollback."""
+        if self.skip_remaining > 0:
+            self.skip_remaining -= 1
+            return True
+        return False
+
+    def decide(self, step: int, verdict: Verdict) -> Action:
+        """The action for a step the detector judged ``verdict`` (call :meth:`forced_skip` first)."""
+        while self.spike_steps and step - self.spike_steps[0] >= self.spike_memory:
+            self.spike_steps.pop(0)
+        while self.rollback_steps and step - self.rollback_steps[0] >= self.rollback_memory:
+            self.rollback_steps.pop(0)
+        if verdict is Verdict.OK:
+            return Action.APPLY
+        self.spike_steps.append(step)
+        if len(self.spike_steps) < self.rollback_after:
+            action = Action.SKIP
+        elif len(self.rollback_steps) >= self.max_rollbacks:
+            action = Action.STOP
+        else:
+            action = Action.ROLLBACK
+        self.spikes_by_kind[verdict.value] += 1
+        self.events.append({"step": step, "event": verdict.value, "action": action.value})
+        return action
+
+    def finish(self, action: Action, energy_kwh: float = 0.0) -> None:
+        """Book a step once its update was applied or dropped, with the energy it used."""
+        if action is Action.APPLY:
+            self.lineage_steps += 1
+            self.lineage_energy_kwh += energy_kwh
+            self.cooldown_remaining = max(0, self.cooldown_remaining - 1)
+        else:
+            self.steps_skipped += 1
+            self.energy_wasted_kwh += energy_kwh
+
+    def lineage(self) -> dict[str, float]:
+        """What a snapshot records, for :meth:`rewind`."""
+        return {"lineage_steps": self.lineage_steps, "lineage_energy_kwh": self.lineage_energy_kwh}
+
+    def rewind(self, lineage: Mapping[str, float]) -> int:
+        """Return the books to a snapshot's :meth:`lineage`; the number of applied steps undone."""
+        undone = self.lineage_steps - int(lineage["lineage_steps"])
+        self.steps_undone += undone
+        self.lineage_steps = int(lineage["lineage_steps"])
+        self.energy_wasted_kwh += max(0.0, self.lineage_energy_kwh - float(lineage["lineage_energy_kwh"]))
+        self.lineage_energy_kwh = float(lineage["lineage_energy_kwh"])
+        return undone
+
+    def rolled_back(self, step: int, to_step: int | None) -> None:
+        """Record a rollback at ``step`` (to the snapshot of ``to_step``): the incident is resolved, the next
+        steps are skipped, the cooldown starts. A rollback without a usable snapshot counts too."""
+        self.rollback_steps.append(step)
+        self.spike_steps = []
+        self.skip_remaining = self.skip_after_rollback
+        self.cooldown_remaining = self.lr_cooldown_steps
+        self.rollbacks += 1
+        self.events.append({"step": step, "event": "rollback", "to_step": to_step})
+
+    def stop(self, step: int, to_step: int | None) -> None:
+        self.stopped = True
+        self.events.append({"step": step, "event": "stop", "to_step": to_step})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "spike_steps": list(self.spike_steps),
+            "rollback_steps": list(self.rollback_steps),
+            "skip_remaining": self.skip_remaining,
+            "cooldown_remaining": self.cooldown_remaining,
+            "spikes_by_kind": dict(self.spikes_by_kind),
+            "steps_skipped": self.steps_skipped,
+            "rollbacks": self.rollbacks,
+            "steps_undone": self.steps_undone,
+            "energy_wasted_kwh": self.energy_wasted_kwh,
+            "lineage_steps": self.lineage_steps,
+            "lineage_energy_kwh": self.lineage_energy_kwh,
+            "stopped": self.stopped,
+            "events": [dict(event) for event in self.events],
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.spike_steps = [int(s) for s in state_dict["spike_steps"]]
+        self.rollback_steps = [int(s) for s in state_dict["rollback_steps"]]
+        for name in ("skip_remaining", "cooldown_remaining", "steps_skipped", "rollbacks", "steps_undone"):
+            setattr(self, name, int(state_dict.get(name, 0)))
+        self.lineage_steps = int(state_dict.get("lineage_steps", 0))
+        self.energy_wasted_kwh = float(state_dict.get("energy_wasted_kwh", 0.0))
+        self.lineage_energy_kwh = float(state_dict.get("lineage_energy_kwh", 0.0))
+        self.spikes_by_kind.update({k: int(n) for k, n in state_dict.get("spikes_by_kind", {}).items()})
+        self.stopped = bool(state_dict.get("stopped", False))
+        self.events = [dict(event) for event in state_dict.get("events", [])]
+
+
+class StepEnergy:
+    """The energy of each optimizer step, from a meter's cumulative reading (``EnergyLogger.energy_so_far_kwh``).
+
+    :meth:`begin` at the first batch of a step, :meth:`end` when it ended. A reading that fails turns the
+    meter off for the rest of the run (a meter never kills the run), said once through ``warn``.
+    """
+
+    def __init__(
+        self, read: Callable[[], float] | None = None, warn: Callable[[str], Any] | None = None
+    ) -> None:
+        self.read = read
+        self.warn = warn
+        self._start: float | None = None
+
+    def begin(self) -> None:
+        if self.read is not None and self._start is None:
+            self._start = self._value()
+
+    def end(self) -> float:
+        start, self._start = self._start, None
+        now = self._value() if start is not None else None
+        return 0.0 if now is None or start is None else max(0.0, now - start)
+
+    def _value(self) -> float | None:
+        try:
+            return None if self.read is None else float(self.read())
+        except Exception as error:
+            self.read = None
+            if self.warn is not None:
+                self.warn(
+                    f"StabilityGuard: reading energy failed ({error!r}); wasted energy is no longer counted."
+                )
+            return None
+
+
+class StepChanges:
+    """What the guard changes in one ``optimizer.step()``, put back right after it.
+
+    * :meth:`skip`: every gradient set to ``None``. torch's own optimizers then skip each parameter entirely
+      (no moment update, no step count, no weight decay; tested for every class in ``torch.optim``). Any
+      other optimizer may keep global counters (schedule-free ones do): its state and parameters are backed
+      up and put back after its step.
+    * :meth:`scale_lr`: the learning rates of one step scaled, put back after the step, before Lightning
+      steps the LR schedulers (chainable schedulers never see the lowered value).
+
+    :meth:`attach` registers step hooks on the optimizers. torch runs an instance's hooks from the ``step``
+    of every optimizer class it has built, so a subclass's ``super().step()`` runs them before its own step
+    ends: a depth count puts things back only when the outermost ``step`` returns. :meth:`restore` does it
+    by hand where the optimizer did not step (a ``GradScaler`` that found infs).
+    """
+
+    def __init__(self) -> None:
+        self._backup: tuple[torch.optim.Optimizer, dict[str, Any], list[torch.Tensor]] | None = None
+        self._saved_lrs: tuple[torch.optim.Optimizer, list[Any]] | None = None
+        self._depth: dict[int, int] = {}
+        self._handles: list[Any] = []
+
+    def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.detach()
+        for optimizer in optimizers:
+            self._handles.append(optimizer.register_step_pre_hook(self._enter))
+            self._handles.append(optimizer.register_step_post_hook(self._leave))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._depth = [], {}
+
+    def skip(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the coming ``optimizer.step()`` change nothing."""
+        if needs_backup(optimizer) and self._backup is None:  # LBFGS may decide a step twice: keep the first
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self._backup = (
+                optimizer,
+                copy.deepcopy(optimizer.state_dict()),
+                [p.detach().clone() for p in params],
+            )
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+    def scale_lr(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
+        """Scale the learning rates of the coming ``optimizer.step()`` by ``factor`` (once per step)."""
+        if self._saved_lrs is not None:  # decided again within the step (LBFGS): scale the original rates
+            self.restore()
+        self._saved_lrs = (optimizer, [group["lr"] for group in optimizer.param_groups])
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+
+    def restore(self) -> None:
+        """Put back a backed-up state and scaled learning rates (nothing if none is pending)."""
+        if self._backup is not None:
+            optimizer, state, params = self._backup
+            optimizer.load_state_dict(state)
+            with torch.no_grad():
+                live = [p for group in optimizer.param_groups for p in group["params"]]
+                for param, saved in zip(live, params):
+                    param.copy_(saved)
+            self._backup = None
+        if self._saved_lrs is not None:
+            optimizer, lrs = self._saved_lrs
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr
+            self._saved_lrs = None
+
+    def _enter(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._depth[id(optimizer)] = self._depth.get(id(optimizer), 0) + 1
+
+    def _leave(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        depth = self._depth[id(optimizer)] = max(0, self._depth.get(id(optimizer), 0) - 1)
+        if depth == 0 and (self._backup is not None or self._saved_lrs is not None):
+            self.restore()
+
+    def __getstate__(self) -> dict[str, Any]:  # ``ddp_spawn`` pickles the callbacks: hooks stay behind
+        return {**self.__dict__, "_handles": [], "_depth": {}}
+
+
+def needs_backup(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a skipped step needs the optimizer's state backed up (see :meth:`StepChanges.skip`)."""
+    optimizer_type = type(optimizer)
+    return not optimizer_type.__module__.startswith("torch.optim") or optimizer_type is torch.optim.LBFGS
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``value`` is an int >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}`={value!r} must be an int >= {minimum}.")

@@ -1,0 +1,189 @@
+"""StabilityGuard's escalation without a Trainer: the policy's decisions and books, and the one-step changes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pulse.core.spike_detection import Verdict
+from lightning_pulse.core.stability_policy import (
+    Action,
+    EscalationPolicy,
+    StabilityGuardConfig,
+    StepChanges,
+    StepEnergy,
+)
+
+
+def test_policy_skips_then_rolls_back_then_stops():
+    policy = EscalationPolicy(rollback_after=2, spike_memory=10, skip_after_rollback=3, max_rollbacks=1)
+    assert policy.decide(0, Verdict.OK) is Action.APPLY
+    assert policy.decide(5, Verdict.LOSS_SPIKE) is Action.SKIP
+    assert policy.incident_start == 5
+    assert policy.decide(6, Verdict.GRAD_SPIKE) is Action.ROLLBACK
+    policy.rolled_back(6, to_step=0)
+    assert not policy.in_incident
+    assert [policy.forced_skip() for _ in range(4)] == [True, True, True, False]
+    assert policy.decide(11, Verdict.NONFINITE_LOSS) is Action.SKIP
+    assert policy.decide(12, Verdict.NONFINITE_LOSS) is Action.STOP  # one rollback already, max_rollbacks=1
+
+
+def test_policy_forgets_spikes_and_rollbacks_outside_their_memories():
+    policy = EscalationPolicy(rollback_after=2, spike_memory=10, max_rollbacks=1, rollback_memory=100)
+    assert policy.decide(0, Verdict.LOSS_SPIKE) is Action.SKIP
+    assert policy.decide(10, Verdict.LOSS_SPIKE) is Action.SKIP  # step 0 is 10 steps back: forgotten
+    policy.rolled_back(11, to_step=0)
+    assert policy.decide(200, Verdict.LOSS_SPIKE) is Action.SKIP
+    assert policy.decide(201, Verdict.LOSS_SPIKE) is Action.ROLLBACK  # the rollback at 11 is forgotten
+    restored = EscalationPolicy(rollback_after=2, spike_memory=10, max_rollbacks=1, rollback_memory=100)
+    restored.load_state_dict(policy.state_dict())
+    assert restored.spike_steps == [200, 201] and restored.rollback_steps == []
+
+
+@pytest.mark.parametrize(
+    "field", ["rollback_after", "spike_memory", "skip_after_rollback", "max_rollbacks", "rollback_memory"]
+)
+def test_policy_rejects_bad_arguments_naming_the_field(field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        EscalationPolicy(**{field: -1})
+
+
+def test_the_books_count_skipped_and_undone_steps_once_along_the_lineage():
+    policy = EscalationPolicy(rollback_after=2, skip_after_rollback=1, lr_cooldown_steps=2)
+    for _ in range(5):
+        policy.finish(Action.APPLY, energy_kwh=1.0)
+    snapshot = policy.lineage()  # taken after 5 applied steps
+    for step in range(5, 8):
+        policy.finish(policy.decide(step, Verdict.OK), energy_kwh=1.0)
+    assert policy.decide(8, Verdict.LOSS_SPIKE) is Action.SKIP
+    policy.finish(Action.SKIP, energy_kwh=1.0)
+    assert policy.decide(9, Verdict.LOSS_SPIKE) is Action.ROLLBACK
+    policy.finish(Action.ROLLBACK, energy_kwh=1.0)
+    assert policy.rewind(snapshot) == 3  # steps 5-7 undone
+    policy.rolled_back(9, to_step=5)
+    assert (policy.steps_skipped, policy.steps_undone, policy.rollbacks) == (2, 3, 1)
+    assert policy.energy_wasted_kwh == 5.0  # two dropped steps and three undone ones
+    assert policy.forced_skip() and not policy.forced_skip()
+    policy.finish(Action.SKIP)
+    assert policy.cooldown_remaining == 2
+    policy.finish(Action.APPLY)
+    policy.finish(Action.APPLY)
+    policy.finish(Action.APPLY)
+    assert policy.cooldown_remaining == 0
+    # going back to the same snapshot again does not count the first rollback's steps twice
+    assert policy.rewind(snapshot) == 3 and policy.steps_undone == 6
+    assert policy.spikes_by_kind["loss_spike"] == 2
+    assert [e["event"] for e in policy.events] == ["loss_spike", "loss_spike", "rollback"]
+    restored = EscalationPolicy(rollback_after=2, skip_after_rollback=1, lr_cooldown_steps=2)
+    restored.load_state_dict(copy.deepcopy(policy.state_dict()))
+    assert restored.state_dict() == policy.state_dict()
+
+
+def test_a_snapshot_is_worth_taking_only_outside_incidents_and_their_skips():
+    policy = EscalationPolicy(rollback_after=2, skip_after_rollback=1)
+    assert policy.healthy
+    policy.decide(3, Verdict.NONFINITE_GRAD)
+    assert not policy.healthy
+    policy.decide(4, Verdict.NONFINITE_GRAD)
+    policy.rolled_back(4, to_step=0)
+    assert not policy.healthy  # one skip pending
+    policy.forced_skip()
+    assert policy.healthy
+
+
+def test_config_defaults_are_the_documented_ones_and_bad_fields_fail():
+    config = StabilityGuardConfig()
+    assert (config.min_ratio, config.loss_scale, config.spike_memory, config.rollback_memory) == (
+        1.5,
+        "log",
+        50,
+        1000,
+    )
+    with pytest.raises(ValueError, match="`snapshot_at_maintain`"):
+        StabilityGuardConfig(snapshot_at_maintain=1)
+    with pytest.raises(ValueError, match="`lr_factor_after_rollback`"):
+        StabilityGuardConfig(lr_factor_after_rollback=0)
+
+
+class CountingSGD(torch.optim.Optimizer):
+    """Outside torch.optim, with a counter that moves without gradients (as schedule-free optimizers do)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["k"] = group.get("k", 0) + 1
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-group["lr"])
+                    self.state[param]["seen"] = self.state[param].get("seen", 0) + 1
+
+
+def _loss(model):
+    model.zero_grad()
+    model(torch.ones(2, 3)).sum().backward()
+
+
+def test_a_skip_leaves_an_optimizer_outside_torch_optim_exactly_as_it_was():
+    model = nn.Linear(3, 2)
+    optimizer = CountingSGD(model.parameters())
+    changes = StepChanges()
+    changes.attach([optimizer])
+    _loss(model)
+    optimizer.step()
+    before = (copy.deepcopy(optimizer.state_dict()), [p.detach().clone() for p in model.parameters()])
+    _loss(model)
+    changes.skip(optimizer)
+    assert all(p.grad is None for p in model.parameters())
+    optimizer.step()
+    assert optimizer.state_dict() == before[0] and optimizer.param_groups[0]["k"] == 1
+    assert all(torch.equal(p, saved) for p, saved in zip(model.parameters(), before[1]))
+    _loss(model)
+    optimizer.step()  # nothing pending: the next step trains
+    assert optimizer.param_groups[0]["k"] == 2
+    changes.detach()
+
+
+def test_a_scaled_learning_rate_holds_inside_the_step_only():
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen = []
+    changes = StepChanges()
+    changes.attach([optimizer])
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(opt.param_groups[0]["lr"]))
+    _loss(model)
+    changes.scale_lr(optimizer, 0.1)
+    changes.scale_lr(
+        optimizer, 0.1
+    )  # the step decided again (LBFGS re-evaluates its closure): not compounded
+    optimizer.step()
+    assert seen == [pytest.approx(0.05)] and optimizer.param_groups[0]["lr"] == 0.5
+    changes.scale_lr(optimizer, 0.1)
+    changes.restore()  # the optimizer did not step (a GradScaler skipped it): put back by hand
+    assert optimizer.param_groups[0]["lr"] == 0.5
+
+
+def test_step_energy_is_the_meters_difference_and_a_failing_meter_is_dropped_with_one_warning():
+    readings = iter([1.0, 1.5, 2.0, 2.25])
+    energy = StepEnergy(lambda: next(readings))
+    energy.begin()
+    energy.begin()  # the second batch of an accumulation window: the step still starts at 1.0
+    assert energy.end() == 1.5 - 1.0
+    energy.begin()
+    assert energy.end() == 0.25
+    assert StepEnergy().end() == 0.0  # no meter
+
+    def broken():
+        raise RuntimeError("meter gone")
+
+    warnings = []
+    energy = StepEnergy(broken, warn=warnings.append)
+    energy.begin()
+    assert energy.end() == 0.0 and energy.read is None
+    energy.begin()
+    assert energy.end() == 0.0 and len(warnings) == 1 and "meter gone" in warnings[0]
