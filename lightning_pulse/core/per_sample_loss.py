@@ -33,7 +33,6 @@ import functools
 import inspect
 import math
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -391,7 +390,6 @@ class LossCapture:
         self.batch_size = batch_size
         self.sample_weights = sample_weights
         self.records: list[CapturedLoss] = []
-        self.overhead_seconds = 0.0  # CPU seconds spent on the extra unreduced calls and the bookkeeping
         self._entered = False
         self._per_sample: Tensor | None = None
         self._per_sample_count = 0  # how many records `_per_sample` was computed from
@@ -462,8 +460,6 @@ class LossCapture:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Tensor:
-        # overhead = everything here but the caller's own loss computation
-        entered = time.process_time()
         try:
             arguments = signature.arguments(args, kwargs)
         except TypeError:  # let torch raise its own error message
@@ -472,9 +468,7 @@ class LossCapture:
 
         if self.sample_weights is not None:
             # InfoBatch's rescale: the loss once, unreduced, weighted per sample, reduced as the caller asked
-            called = time.process_time()
             unreduced = original(**signature.unreduced_call(arguments))
-            returned = time.process_time()
             self._record(name, arguments, unreduced.detach(), reduction)
             if _splits(tuple(unreduced.shape), self.batch_size):
                 result = _reduce(name, arguments, unreduced, reduction, self.sample_weights)
@@ -482,12 +476,9 @@ class LossCapture:
                 result = original(
                     *args, **kwargs
                 )  # cannot be weighted per sample: the caller's loss as it was
-            self.overhead_seconds += (called - entered) + (time.process_time() - returned)
             return result
 
-        called = time.process_time()
         result = original(*args, **kwargs)
-        returned = time.process_time()
         if reduction == "none":
             unreduced = result.detach().clone()  # the caller may change its result in place later
         else:
@@ -497,7 +488,6 @@ class LossCapture:
             with torch.no_grad():
                 unreduced = original(**signature.unreduced_call(arguments))
         self._record(name, arguments, unreduced, reduction)
-        self.overhead_seconds += (called - entered) + (time.process_time() - returned)
         return result
 
     def _record(self, name: str, arguments: dict[str, Any], unreduced: Tensor, reduction: str) -> None:
