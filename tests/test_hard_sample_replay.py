@@ -197,6 +197,18 @@ def test_gradient_accumulation_and_bf16_autocast():
     assert math.isfinite(replay.metrics()["loss_replayed"])
 
 
+def test_a_pulse_cycles_anneal_trains_the_last_steps_on_whole_batches():
+    # what `anneal=` did before: the cycle is all replay, its anneal pure burst
+    model = SizeProbe()
+    cycle = PulseCycle(burst=0, replay=1, maintain=0, warmup=0.0, anneal=0.25, maintain_eval="none")
+    replay = HardSampleReplay(replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[cycle, replay], max_epochs=4, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(model, _data())
+    # epoch 1 is unseen (whole batches), epochs 2-3 are selected, the last quarter of the steps is whole again
+    assert model.sizes[BATCHES_PER_EPOCH : 3 * BATCHES_PER_EPOCH] == ([32] * 11 + [8]) * 2
+    assert model.sizes[3 * BATCHES_PER_EPOCH :] == [64] * 11 + [16]
+
+
 def test_infobatch_prunes_below_mean_samples_and_keeps_the_step_count():
     model = SizeProbe(scheduler="onecycle")
     replay = HardSampleReplay(rule="infobatch", prune_ratio=0.5)

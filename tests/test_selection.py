@@ -288,6 +288,7 @@ def test_gathered_rows_come_back_in_rank_order_with_uneven_batches():
 
 def test_selector_state_round_trips_unapplied_steps_and_totals():
     selector = _selector("random", size=16, seed=1)
+    selector.threshold_every = 100  # a threshold refresh would apply the kept steps
     for step in range(3):
         indices = torch.arange(step * 4, step * 4 + 4)
         chosen = selector.compose(indices, step, batch_idx=step)
@@ -296,6 +297,7 @@ def test_selector_state_round_trips_unapplied_steps_and_totals():
     assert state["unapplied"]["sizes"] == [4, 4, 4]
     restored = _selector("random", size=16, seed=1)
     restored.load_state_dict(state)
+    assert restored.table.seen == 0
     restored.apply(), selector.apply()
     assert restored.table.scores.tobytes() == selector.table.scores.tobytes()
     assert restored.metrics() == pytest.approx(selector.metrics(), nan_ok=True)
