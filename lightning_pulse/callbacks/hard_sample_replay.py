@@ -8,7 +8,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -17,11 +16,18 @@ from typing_extensions import override
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.core.per_sample_loss import LossCapture, PerSampleScorer, loss_capture_scope
-from lightning_pulse.core.replay import ROLE_NAMES, UNTOUCHED, HardSampleSelector, ReplayConfig
+from lightning_pulse.core.replay import (
+    ROLE_NAMES,
+    UNTOUCHED,
+    HardSampleSelector,
+    ReplayConfig,
+    half_life_steps,
+    parse_half_life,
+)
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import assign_in_place, take_samples
-from lightning_pulse.phase import PHASE_NAMES, Phase, parse_duration
+from lightning_pulse.phase import PHASE_NAMES, Phase
 
 MODES = ("batch", "epoch")
 
@@ -29,23 +35,20 @@ MODES = ("batch", "epoch")
 class HardSampleReplay(Callback):
     r"""Trains replay phases on the hardest samples: smaller batches of high-loss samples, so less compute.
 
-    Every training step, the loss the module already computes is captured per sample (a scoped hook on the
-    ``torch.nn.functional`` losses, which ``torch.nn`` loss modules also use; no second forward pass) and
-    stored in a score table keyed by dataset index. In the phases listed in ``phases`` (by default the
-    replay phase of a :class:`~lightning_pulse.PulseCycle`; continuously when no PulseCycle is attached),
-    each batch is cut down *before* the forward pass to the samples the ``rule`` selects from their stored
-    (age-weighted) scores: a batch of ``B`` trains on about ``replay_fraction * B`` samples. Steps per epoch
-    do not change, so ``OneCycleLR`` and ``max_steps`` work as configured. Samples never scored are always
-    trained on. The algorithm is :class:`~lightning_pulse.core.replay.HardSampleSelector`; this callback maps
-    the Trainer's hooks onto it.
-
-    ``mode="epoch"`` (standalone only) selects at the sampler instead: every epoch yields ``replay_fraction``
-    of the dataset in full batches, its shorter length declared before Lightning reads it.
+    Every step, the loss the module already computes is captured per sample (a scoped hook on the
+    ``torch.nn.functional`` losses, which ``torch.nn`` loss modules call; no second forward pass) and kept in a
+    score table keyed by dataset index. In the phases listed in ``phases`` (by default a
+    :class:`~lightning_pulse.PulseCycle`'s replay phase; every step without one), each batch is cut, before the
+    forward pass, to the samples the ``rule`` picks from their age-weighted scores: about
+    ``replay_fraction * B`` of ``B``. Steps per epoch do not change, so ``OneCycleLR`` and ``max_steps`` hold.
+    Never-scored samples are always trained on. ``mode="epoch"`` (without a PulseCycle) selects at the sampler
+    instead: epochs of ``replay_fraction`` of the dataset in full batches, their length declared up front. The
+    algorithm is :class:`~lightning_pulse.core.replay.HardSampleSelector`; this callback maps hooks onto it.
 
     Args:
         rule: ``"topk"`` (highest scores), ``"infobatch"`` (drop below-mean samples with probability
-            ``prune_ratio``, weight the kept ones so the mean loss stays unbiased; batch mode) or
-            ``"random"`` (a uniform subset of the same size: the control).
+            ``prune_ratio``, weight the kept ones so the mean loss stays unbiased; batch mode only) or
+            ``"random"`` (a uniform subset of top-k's size: the control).
         replay_fraction: share of each replay batch (epoch mode: of each epoch) trained on, in ``(0, 1]``.
             Not used by ``"infobatch"``.
         prune_ratio: InfoBatch's ``r``, in ``[0, 1)``.
@@ -59,12 +62,11 @@ class HardSampleReplay(Callback):
         log_every_n_steps: how often metrics go to the loggers; ``None`` follows the Trainer's setting.
 
     Raises:
-        ValueError: at construction, naming the argument, for a value outside the ranges above, or
+        ValueError: at construction, naming the argument, for a value outside the ranges above or
             ``rule="infobatch"`` with ``mode="epoch"``. At fit start, for a DataLoader whose dataset indices
-            cannot be tracked, an epoch-based half-life with an infinite DataLoader, or ``mode="epoch"`` next
-            to a PulseCycle.
-        RuntimeError: at the first training step whose loss yields no per-sample value (no captured loss
-            splits into the batch's samples and no ``scorer`` is set).
+            cannot be tracked (an ``IterableDataset``, a custom batch sampler), an epoch-based half-life with an
+            infinite DataLoader, or ``mode="epoch"`` next to a PulseCycle.
+        RuntimeError: at the first step whose loss yields no per-sample value and no ``scorer`` is set.
 
     Example::
 
@@ -91,6 +93,7 @@ class HardSampleReplay(Callback):
     ) -> None:
         super().__init__()
         self.config = ReplayConfig(rule, replay_fraction, prune_ratio, seed)
+        self.half_life = parse_half_life(score_half_life)
         phases = [phases] if isinstance(phases, str) else list(phases)
         if not phases or any(p not in PHASE_NAMES for p in phases):
             raise ValueError(
@@ -103,27 +106,15 @@ class HardSampleReplay(Callback):
                 "`mode`='epoch' needs epochs of a length known in advance, which InfoBatch's random pruning does "
                 "not give; use rule='topk' or 'random', or mode='batch'."
             )
-        self.half_life = None
-        if score_half_life is not None:
-            self.half_life = parse_duration(score_half_life, "score_half_life")
-            if self.half_life.kind == "seconds" or self.half_life.is_zero:
-                raise ValueError(
-                    f"`score_half_life`={score_half_life!r} must be a positive number of steps (int, '500steps') or "
-                    "epochs (float, '2epochs'), or None."
-                )
         if scorer is not None and not isinstance(scorer, PerSampleScorer):
             raise ValueError(f"`scorer`={scorer!r} must be a PerSampleScorer instance (or None).")
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool)
-            or not isinstance(log_every_n_steps, int)
-            or log_every_n_steps < 1
-        ):
-            raise ValueError(f"`log_every_n_steps`={log_every_n_steps!r} must be a positive int or None.")
+        every = log_every_n_steps
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"`log_every_n_steps`={every!r} must be a positive int or None.")
         self.phases = tuple(phases)
         self.mode = mode
         self.scorer = scorer
         self.log_every_n_steps = log_every_n_steps
-
         self.selector: HardSampleSelector | None = None
         self.tracker: SampleIndexTracker | None = None
         self._trainer: pl.Trainer | None = None
@@ -143,12 +134,12 @@ class HardSampleReplay(Callback):
 
     @property
     def threshold(self) -> float:
-        """The current hardness threshold: the score above which a sample counts as hard (``NaN`` early on)."""
+        """The score above which a sample counts as hard (``NaN`` before anything was scored)."""
         return math.nan if self.selector is None else self.selector.threshold
 
     @property
     def trained_indices(self) -> torch.Tensor | None:
-        """Dataset indices ``(k,)`` of the samples the current step trains on (from batch start to batch end)."""
+        """Dataset indices ``(k,)`` of the samples the current step trains on (batch start to batch end)."""
         return None if self._batch is None else self._batch["indices"]
 
     @property
@@ -157,8 +148,8 @@ class HardSampleReplay(Callback):
         return None if self._batch is None else [ROLE_NAMES[role] for role in self._batch["roles"]]
 
     def metrics(self) -> dict[str, float]:
-        """Totals since fit start: replay fraction, losses by origin, table size and reuse, threshold. Measured
-        steps reach these in bulk (every 32 steps at most, and at every epoch end)."""
+        """Totals since fit start: replay fraction, losses by origin, table size and reuse, threshold. Steps
+        reach them in bulk (every 32 steps at most, and at every epoch end)."""
         return {} if self.selector is None else self.selector.metrics()
 
     def _new_table(self, num_samples: int) -> SampleScoreTable:
@@ -169,8 +160,7 @@ class HardSampleReplay(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._trainer = trainer
-        self._ready = False
+        self._trainer, self._ready = trainer, False
         if self._remove_hook is not None:
             self._remove_hook()
         self._remove_hook = compat.on_train_dataloader_ready(trainer, self._on_train_dataloader)
@@ -182,20 +172,14 @@ class HardSampleReplay(Callback):
         if reason is not None:
             raise ValueError(
                 f"HardSampleReplay needs the dataset index of every sample, but {reason}. Use a map-style dataset "
-                "with a torch DataLoader and its default batch sampler."
+                "in a torch DataLoader with its default batch sampler."
             )
-        self._loader = loader
-        self.tracker = SampleIndexTracker.install(loader)
+        self._loader, self.tracker = loader, SampleIndexTracker.install(loader)
         size = self.tracker.dataset_size
         if self.selector is None or self.selector.table.num_samples != size:
             self.selector = HardSampleSelector(self._new_table(size), self.config)
         self.selector.drop_pending()
-        try:
-            batches = len(loader)
-        except TypeError:
-            batches = 0
-        accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
-        self.selector.table.half_life = self._half_life_steps(math.ceil(batches / accumulate) or None)
+        self._set_half_life(len(loader) if hasattr(loader, "__len__") else math.inf)
         if self._saved_state is not None:
             state, self._saved_state = self._saved_state, None
             self.selector.load_state_dict(state)
@@ -203,21 +187,15 @@ class HardSampleReplay(Callback):
         if self.mode == "epoch":
             self.tracker.select_passes(self._select_epoch, self.selector.epoch_length)
 
-    def _half_life_steps(self, steps_per_epoch: float | None) -> float | None:
-        if self.half_life is None or self.half_life.kind == "steps":
-            return None if self.half_life is None else self.half_life.amount
-        if steps_per_epoch is None:
-            raise ValueError(
-                f"HardSampleReplay: `score_half_life`={self.half_life} is in epochs but the training DataLoader has "
-                "no length; give it in steps."
-            )
-        return self.half_life.amount * steps_per_epoch
+    def _set_half_life(self, batches: float) -> float | None:
+        assert self.selector is not None and self._trainer is not None
+        steps = math.ceil(batches / self._trainer.accumulate_grad_batches) if math.isfinite(batches) else None
+        self.selector.table.half_life = half_life_steps(self.half_life, steps)
+        return steps
 
     def _select_epoch(self, order: list[int]) -> list[int]:
-        assert self.selector is not None
-        trainer = self._trainer
-        step, rank = (trainer.global_step, trainer.global_rank) if trainer is not None else (0, 0)
-        return self.selector.select_epoch(order, step, rank)
+        assert self.selector is not None and self._trainer is not None
+        return self.selector.select_epoch(order, self._trainer.global_step, self._trainer.global_rank)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -227,17 +205,11 @@ class HardSampleReplay(Callback):
                 "follow a PulseCycle's step-based phases; use mode='batch' with a PulseCycle."
             )
         assert self.selector is not None
-        batches = trainer.num_training_batches
-        steps_per_epoch = (
-            float(math.ceil(batches / trainer.accumulate_grad_batches))
-            if math.isfinite(batches) and batches
-            else None
-        )
-        self.selector.table.half_life = self._half_life_steps(steps_per_epoch)
+        steps_per_epoch = self._set_half_life(trainer.num_training_batches)
         # the threshold scans every score, so it is refreshed twice per epoch, not every step
-        self.selector.threshold_every = max(1, int(steps_per_epoch // 2)) if steps_per_epoch else 50
-        # measured steps are applied often enough for the logging cadence (a setting, not whether a logger is
-        # attached, so attaching one never changes what is selected)
+        self.selector.threshold_every = max(1, steps_per_epoch // 2) if steps_per_epoch else 50
+        # steps are applied as often as the logging cadence needs (a setting, not whether a logger is attached,
+        # so attaching one never changes what is selected)
         self.selector.apply_every = min(32, self.log_every_n_steps or max(trainer.log_every_n_steps, 1))
         self.selector.take_window()
         if self._scope is None:
@@ -255,14 +227,7 @@ class HardSampleReplay(Callback):
     ) -> None:
         self._close_capture()
         assert self.selector is not None and self.tracker is not None
-        try:
-            offered = extract_batch_size(batch)
-        except MisconfigurationException as error:
-            raise RuntimeError(
-                f"HardSampleReplay: the training batch ({type(batch).__name__}) holds no tensor, so its samples "
-                "cannot be counted."
-            ) from error
-        step = trainer.global_step
+        offered = extract_batch_size(batch)
         indices = self.tracker.batch_indices(batch_idx)
         if indices.numel() != offered:
             raise RuntimeError(
@@ -271,34 +236,20 @@ class HardSampleReplay(Callback):
                 "samples)."
             )
         active = phase_of(trainer, default=Phase.REPLAY).value in self.phases
-        roles, weights, offered_counted = torch.full((offered,), UNTOUCHED).numpy(), None, float(offered)
+        roles, weights, counted = torch.full((offered,), UNTOUCHED).numpy(), None, float(offered)
         if active and self.mode == "epoch":  # the epoch's sampler already chose these samples
-            roles = self.selector.epoch_roles(indices)
-            offered_counted = offered * self.selector.epoch_offered_ratio
+            roles, counted = self.selector.epoch_roles(indices), offered * self.selector.epoch_offered_ratio
         elif active:
-            chosen = self.selector.compose(indices, step, batch_idx, trainer.global_rank)
+            chosen = self.selector.compose(indices, trainer.global_step, batch_idx, trainer.global_rank)
             indices, roles, weights = chosen.indices, chosen.roles, chosen.weights
             if chosen.positions is not None:
-                try:
-                    assign_in_place(batch, take_samples(batch, chosen.positions, offered))
-                except TypeError as error:
-                    raise RuntimeError(
-                        f"HardSampleReplay: cannot change the batch in place ({error}). Lightning ignores what a "
-                        "callback returns, so the batch must be a list or dict (default_collate makes lists), or a "
-                        "tuple of tensors."
-                    ) from error
-        self._batch = {
-            "step": step,
-            "indices": indices,
-            "roles": roles,
-            "offered": offered_counted,
-            "active": active,
-        }
+                assign_in_place(batch, take_samples(batch, chosen.positions, offered))
+        step = trainer.global_step
+        self._batch = {"step": step, "indices": indices, "roles": roles, "offered": counted, "active": active}
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
         if self.scorer is None or weights is not None:
             self._capture = LossCapture(batch_size=int(roles.size), sample_weights=weights)
             self._capture.__enter__()
-            self._batch["weighted"] = weights is not None
 
     @override
     def on_before_backward(
@@ -306,8 +257,12 @@ class HardSampleReplay(Callback):
     ) -> None:
         # stop before backward: anything after (e.g. a maintain-phase probe) is not this batch's loss
         self._close_capture()
-        if self._batch is not None and (self.scorer is None or self._batch.get("weighted")):
-            self._check_captured(self._batch)  # fail before the first optimizer step, not after it
+        if self._batch is not None and "capture" in self._batch:  # fail before the first optimizer step
+            self._batch["capture"].require(
+                "HardSampleReplay"
+                if self.scorer is None
+                else "HardSampleReplay, whose rule='infobatch' weights it,"
+            )
 
     @override
     def on_train_batch_end(
@@ -317,30 +272,16 @@ class HardSampleReplay(Callback):
         context, self._batch = self._batch, None
         if context is None or self.selector is None:
             return
-        trained = int(context["roles"].size)
-        if self.scorer is not None:
-            with torch.no_grad():
-                losses = torch.as_tensor(self.scorer(pl_module, batch, outputs, trained)).detach().flatten()
-            if losses.numel() != trained:
-                raise RuntimeError(
-                    f"HardSampleReplay: the scorer {type(self.scorer).__name__} returned {losses.numel()} losses for "
-                    f"a batch of {trained} samples."
-                )
+        if self.scorer is None:
+            losses = context["capture"].require()
         else:
-            losses = self._check_captured(context)
+            losses = self.scorer.score(pl_module, batch, outputs, int(context["roles"].size))
         gather = None
         if trainer.world_size > 1:  # every rank keeps every rank's rows: identical tables and decisions
             device = trainer.strategy.root_device
             gather = lambda tensor: trainer.strategy.all_gather(tensor.to(device)).cpu()  # noqa: E731
-        self.selector.record(
-            context["indices"],
-            losses,
-            context["roles"],
-            context["step"],
-            context["active"],
-            context["offered"],
-            gather,
-        )
+        step, active, offered = context["step"], context["active"], context["offered"]
+        self.selector.record(context["indices"], losses, context["roles"], step, active, offered, gather)
         self._log(trainer)
 
     @override
@@ -348,23 +289,6 @@ class HardSampleReplay(Callback):
         if self.selector is not None:
             self.selector.apply()  # the next epoch selects from every score of this one
             self._log(trainer)
-
-    def _check_captured(self, context: dict) -> LossCapture:
-        capture = context.get("capture")
-        if capture is None or not capture.maps_onto_batch:
-            account = capture.describe() if capture is not None else "training_step was not run"
-            need = (
-                "rule='infobatch' weights the loss it captures" if self.scorer is not None else "it captures"
-            )
-            raise RuntimeError(
-                f"HardSampleReplay found no per-sample loss in training_step ({account}; batch of "
-                f"{context['roles'].size} samples). {need}: torch.nn.functional losses (F.cross_entropy, "
-                "F.mse_loss, ...) and torch.nn loss modules whose unreduced loss splits into the batch's samples, "
-                "called during training_step. For any other loss, set `scorer=` to a PerSampleScorer, e.g. "
-                "lightning_pulse.core.per_sample_loss.OutputKeyScorer (training_step returns per-sample losses) or "
-                "ForwardLossScorer (a second, gradient-free forward pass)."
-            )
-        return capture
 
     def _close_capture(self) -> None:
         capture, self._capture = self._capture, None
@@ -416,19 +340,14 @@ class HardSampleReplay(Callback):
             return
         if self._remove_hook is not None:
             self._remove_hook()
-            self._remove_hook = None
         if self._loader is not None:
             SampleIndexTracker.uninstall(self._loader)
-            self._loader = None
-        self.tracker = None
-        self._trainer = None
+        self._remove_hook = self._loader = self.tracker = self._trainer = None
         self._ready = False
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self.selector is None:
-            return dict(self._saved_state or {})
-        return self.selector.state_dict()
+        return dict(self._saved_state or {}) if self.selector is None else self.selector.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

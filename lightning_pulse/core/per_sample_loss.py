@@ -451,6 +451,20 @@ class LossCapture:
         )
         return f"captured {calls}"
 
+    def require(self, who: str = "HardSampleReplay") -> LossCapture:
+        """This capture, or a ``RuntimeError`` saying what was captured and what to configure when no captured
+        call splits into the batch's samples."""
+        if not self.maps_onto_batch:
+            raise RuntimeError(
+                f"{who} found no per-sample loss in training_step ({self.describe()}; batch of {self.batch_size} "
+                "samples). It captures torch.nn.functional losses (F.cross_entropy, F.mse_loss, ...) and torch.nn "
+                "loss modules whose unreduced loss splits into the batch's samples, called during training_step. "
+                "For any other loss, set `scorer=` to a PerSampleScorer, e.g. "
+                "lightning_pulse.core.per_sample_loss.OutputKeyScorer (training_step returns per-sample losses) or "
+                "ForwardLossScorer (a second, gradient-free forward pass)."
+            )
+        return self
+
     # ------------------------------------------------------------------ internals
     def _handle(
         self,
@@ -614,6 +628,21 @@ class PerSampleScorer:
     Subclass and implement :meth:`__call__`; pass an instance (or, in YAML, a ``class_path``) as
     ``HardSampleReplay(scorer=...)``. It is called after ``training_step`` on the batch the step trained on.
     """
+
+    def score(self, pl_module: torch.nn.Module, batch: Any, outputs: Any, batch_size: int) -> Tensor:
+        """``(batch_size,)`` detached losses from :meth:`__call__`, without gradient, their count checked.
+
+        Raises:
+            RuntimeError: if the scorer returns another number of losses.
+        """
+        with torch.no_grad():
+            losses = torch.as_tensor(self(pl_module, batch, outputs, batch_size)).detach().flatten()
+        if losses.numel() != batch_size:
+            raise RuntimeError(
+                f"The scorer {type(self).__name__} returned {losses.numel()} losses for a batch of {batch_size} "
+                "samples."
+            )
+        return losses
 
     def __call__(self, pl_module: torch.nn.Module, batch: Any, outputs: Any, batch_size: int) -> Tensor:
         """Return a ``(batch_size,)`` tensor of per-sample losses (detached; any float dtype).

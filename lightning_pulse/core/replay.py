@@ -36,6 +36,7 @@ from torch import Tensor
 from lightning_pulse.core.per_sample_loss import LossCapture, concat_per_sample
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import RULES, Selection, infobatch_prune, select_random, select_topk
+from lightning_pulse.phase import Duration, parse_duration
 
 #: Why a sample was in the batch a step trained on.
 UNTOUCHED, SELECTED, UNSEEN = 0, 1, 2
@@ -79,6 +80,38 @@ class ReplayConfig:
             raise ValueError(f"`prune_ratio`={self.prune_ratio!r} must be a number in [0, 1).")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"`seed`={self.seed!r} must be an int.")
+
+
+def parse_half_life(value: int | float | str | None) -> Duration | None:
+    """``score_half_life`` as a :class:`~lightning_pulse.phase.Duration` of steps or epochs (``None``: off).
+
+    Raises:
+        ValueError: naming ``score_half_life``, for a wall-clock, zero or malformed value.
+    """
+    if value is None:
+        return None
+    duration = parse_duration(value, "score_half_life")
+    if duration.kind == "seconds" or duration.is_zero:
+        raise ValueError(
+            f"`score_half_life`={value!r} must be a positive number of steps (int, '500steps') or epochs "
+            "(float, '2epochs'), or None."
+        )
+    return duration
+
+
+def half_life_steps(duration: Duration | None, steps_per_epoch: float | None) -> float | None:
+    """The half-life in optimizer steps (what :class:`SampleScoreTable` takes).
+
+    Raises:
+        ValueError: for a half-life in epochs when the epoch length is unknown (an infinite DataLoader).
+    """
+    if duration is None or duration.kind == "steps":
+        return None if duration is None else duration.amount
+    if not steps_per_epoch:
+        raise ValueError(
+            f"`score_half_life`={duration} is in epochs but the training DataLoader has no length; give it in steps."
+        )
+    return duration.amount * steps_per_epoch
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,8 @@ def assign_in_place(batch: Any, new: Any) -> None:
 
     Lists and dicts get new elements; a tensor held by a tuple is re-pointed at the new data with
     ``Tensor.set_`` (same Python object, new storage and shape). That is how a callback changes what
-    ``training_step`` receives: Lightning ignores what ``on_train_batch_start`` returns.
+    ``training_step`` receives: Lightning ignores what ``on_train_batch_start`` returns, so a batch that cannot
+    be changed in place cannot be selected from.
 
     Raises:
         TypeError: if ``batch`` (or a part of it that changed) is immutable and not a tensor.
@@ -199,8 +200,16 @@ def assign_in_place(batch: Any, new: Any) -> None:
             if isinstance(old, (torch.Tensor, list, tuple, Mapping)):
                 assign_in_place(old, value)
             elif old != value:
-                raise TypeError(f"Cannot change a {type(old).__name__} held by a tuple batch in place.")
+                raise TypeError(
+                    f"Cannot change a {type(old).__name__} held by a tuple batch in place; use a list or dict batch "
+                    "(default_collate makes lists), or a tuple of tensors."
+                )
         return
     if isinstance(batch, Mapping):
-        raise TypeError(f"Cannot change a read-only mapping batch ({type(batch).__name__}) in place.")
-    raise TypeError(f"Cannot change a batch of type {type(batch).__name__} in place.")
+        raise TypeError(
+            f"Cannot change a read-only mapping batch ({type(batch).__name__}) in place; use a dict."
+        )
+    raise TypeError(
+        f"Cannot change a batch of type {type(batch).__name__} in place; use a list or dict batch "
+        "(default_collate makes lists), or a tuple of tensors."
+    )
