@@ -13,13 +13,15 @@ callable), so every rank holds the same table and takes the same decisions.
 Example::
 
     selector = HardSampleSelector(SampleScoreTable(len(dataset)), ReplayConfig(replay_fraction=0.5))
-    for step, (indices, (x, y)) in enumerate(loader_with_indices):
+    for step in range(steps):
+        indices = sampler_indices(step)                        # (B,) dataset indices of the next batch
         chosen = selector.compose(indices, step, batch_idx=step)
-        if chosen.positions is not None:
-            x, y = x[chosen.positions], y[chosen.positions]
+        x, y = dataset_x[chosen.indices], dataset_y[chosen.indices]
         losses = F.cross_entropy(model(x), y, reduction="none")
         losses.mean().backward()
         selector.record(chosen.indices, losses.detach(), chosen.roles, step, active=True, offered=len(indices))
+
+``docs/hard-sample-replay.md`` has the same as a runnable snippet.
 """
 
 from __future__ import annotations
