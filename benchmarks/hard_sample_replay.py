@@ -25,12 +25,13 @@ Arms, each on every seed, interleaved, in one invocation:
   strong as the LM itself (its own size and schedule, the baseline's epochs on each half), about one baseline
   run of FLOPs; its control is ``random-batch-0.625``.
 * ``score-only``: the callback scoring every step but never selecting (``phases=("burst",)`` with no
-  PulseCycle): full batches, so its whole-run CPU against the baseline's is the scoring cost measured from
-  outside the callback, next to the callback's own in-code CPU share.
+  PulseCycle): full batches, so its whole-run CPU against the baseline's is the scoring cost, measured from
+  outside the callback.
 
 The figures that answer the issue: ``FLOPs to baseline metric`` and ``CPU to baseline metric`` (compute a run
 needed to first reach the baseline's final validation metric, as a share of the baseline's whole run,
-paired by seed, median over seeds), the final metric itself, and the scoring cost as a share of step time.
+paired by seed, median over seeds), and the final metric itself. The callback's own figures are read from its
+public ``metrics()`` after the run (:func:`replay_metrics`, the arms' ``Arm.metrics``).
 
 Run: ``python -m benchmarks.hard_sample_replay`` (every setting, 3 seeds; ``--workloads mnist1d-cnn`` for one).
 Settings per workload are in :data:`SETTINGS` (smaller than the examples' defaults, to fit ~15 CPU minutes).
@@ -56,6 +57,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -64,7 +66,6 @@ from benchmarks.workloads import get_workload
 from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.core.sample_scores import SampleScoreTable
-from lightning_pulse.core.selection import batch_size_of
 
 #: Workload settings, chosen to fit the whole benchmark in ~15 CPU minutes on 2 shared cores. Arm names read
 #: ``<rule>-<mode>-<replay_fraction>[-<epochs factor>x]``; ``pulse`` adds a PulseCycle.
@@ -194,10 +195,31 @@ class ReducibleLossTable(SampleScoreTable):
         return losses - self.reference[slots]
 
 
+class LearnabilityTable(SampleScoreTable):
+    """A score table whose stored score is each loss minus the lowest loss its sample has had so far (the
+    library's ``score="learnability"`` until the lean-core refactor; a study arm now)."""
+
+    def __init__(self, num_samples: int, **kwargs: Any) -> None:
+        super().__init__(num_samples, **kwargs)
+        self.minima = np.full(num_samples, np.inf, dtype=np.float32)
+
+    def _as_scores(self, slots: np.ndarray, losses: np.ndarray) -> np.ndarray:
+        lowest = np.fmin(self.minima[slots], losses)
+        self.minima[slots] = lowest
+        return losses - lowest
+
+
+class LearnabilityReplay(HardSampleReplay):
+    """HardSampleReplay ranking samples by their loss above their own best so far."""
+
+    def _new_table(self, num_samples: int) -> SampleScoreTable:
+        return LearnabilityTable(num_samples)
+
+
 class RhoReplay(HardSampleReplay):
     """HardSampleReplay ranking samples by reducible loss; the irreducible losses are computed when it is built
     (two half-data models, :func:`irreducible_losses`, whose size and training ``held_out`` may override), and
-    their FLOPs are reported as ``upfront_flops``."""
+    their FLOPs are kept as ``upfront_flops``."""
 
     def __init__(
         self,
@@ -211,22 +233,31 @@ class RhoReplay(HardSampleReplay):
         self.reference, self.upfront_flops = irreducible_losses(workload_kwargs, seed, **(held_out or {}))
         self.upfront_cpu_s = time.process_time() - started
 
-    def _on_train_dataloader(self, loader: Any) -> None:
-        self.table = ReducibleLossTable(self.reference)  # kept by the parent when its size matches
-        super()._on_train_dataloader(loader)
-        if not isinstance(self.table, ReducibleLossTable):
+    def _new_table(self, num_samples: int) -> SampleScoreTable:
+        if num_samples != self.reference.numel():
             raise RuntimeError("RhoReplay: the training set's size differs from the irreducible losses'.")
+        return ReducibleLossTable(self.reference)
 
-    def benchmark_metrics(self) -> dict[str, float]:
-        reference = self.reference
-        return {
-            **super().benchmark_metrics(),
-            "upfront_flops": self.upfront_flops,
-            "upfront_cpu_s": self.upfront_cpu_s,
-            "il_mean": float(reference.mean()),
-            "il_p10": float(reference.quantile(0.1)),
-            "il_p90": float(reference.quantile(0.9)),
-        }
+
+def replay_metrics(callbacks: list[Callback], trainer: pl.Trainer | None = None) -> dict[str, Any]:
+    """What this benchmark reads after a run (``Arm.metrics``): the callback's public totals (``hsr_*``), the
+    RHO arms' up-front cost and the trained-sample curve."""
+    figures: dict[str, Any] = {}
+    for callback in callbacks:
+        if isinstance(callback, HardSampleReplay):
+            figures.update({f"hsr_{name}": value for name, value in callback.metrics().items()})
+        if isinstance(callback, RhoReplay):
+            reference = callback.reference
+            figures.update(
+                upfront_flops=callback.upfront_flops,
+                upfront_cpu_s=callback.upfront_cpu_s,
+                il_mean=float(reference.mean()),
+                il_p10=float(reference.quantile(0.1)),
+                il_p90=float(reference.quantile(0.9)),
+            )
+        if isinstance(callback, SampleCurve):
+            figures["samples_curve"] = list(callback.curve)
+    return figures
 
 
 class _FirstBatchFlops(TrainingFlopCounter):
@@ -244,8 +275,8 @@ class _FirstBatchFlops(TrainingFlopCounter):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.samples == 0:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            self.flops_per_sample = self.total / batch_size_of(batch)
-        self.samples += batch_size_of(batch)
+            self.flops_per_sample = self.total / extract_batch_size(batch)
+        self.samples += extract_batch_size(batch)
 
 
 def irreducible_losses(
@@ -373,18 +404,21 @@ def _arm(
     else:
         kwargs["replay_fraction"] = float(fraction)
     trainer_kwargs = {}
+    replay_class, extra = HardSampleReplay, []
     for option in options:
         if option.endswith("x"):
             trainer_kwargs["max_epochs"] = epochs * int(option.rstrip("x"))
         elif option == "learn":
-            kwargs["score"] = "learnability"
+            replay_class = LearnabilityReplay
         elif option == "anneal":
-            kwargs["anneal"] = 0.125  # InfoBatch's: the last 12.5% of the run on whole batches
+            # InfoBatch's annealing, the last 12.5% of the run on whole batches: a cycle of replay only, whose
+            # anneal is pure burst (the callback's own `anneal=` until the lean-core refactor)
+            extra = [dict(burst=0, replay=1, maintain=0, warmup=0.0, anneal=0.125, maintain_eval="none")]
         else:
             raise ValueError(f"Unknown arm option {option!r} in {name!r}.")
     return Arm(
         name,
-        callbacks=lambda seed: [HardSampleReplay(seed=seed, **kwargs)],
+        callbacks=lambda seed: [*(PulseCycle(**c) for c in extra), replay_class(seed=seed, **kwargs)],
         trainer_kwargs=trainer_kwargs,
     )
 
@@ -395,16 +429,18 @@ class SampleCurve(Callback):
     def __init__(self) -> None:
         self.samples = 0
         self.curve: list[int] = []
+        self.run_callbacks: list[Callback] = [self]  # the run's other callbacks, for `replay_metrics`
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.samples += batch_size_of(batch) or 0
+        self.samples += extract_batch_size(batch)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
             self.curve.append(self.samples)
 
     def benchmark_metrics(self) -> dict[str, Any]:
-        return {"samples_curve": list(self.curve)}
+        # interim, until the harness calls `Arm.metrics` (`replay_metrics`): then this method goes
+        return replay_metrics(self.run_callbacks)
 
 
 def per_sample_flops(workload: str, workload_kwargs: dict[str, Any]) -> float:
@@ -477,11 +513,18 @@ def arms_for(workload: str) -> list[Arm]:
     ]
     for arm in arms:  # every arm also records its trained samples per epoch
         arm.callbacks = _with_sample_curve(arm.callbacks)
+        arm.metrics = replay_metrics
     return arms
 
 
 def _with_sample_curve(make):
-    return lambda seed: [*make(seed), SampleCurve()]
+    def callbacks(seed: int) -> list:
+        made = make(seed)
+        curve = SampleCurve()
+        curve.run_callbacks = [*made, curve]
+        return curve.run_callbacks
+
+    return callbacks
 
 
 def _median(values: list[float]) -> float:
@@ -490,10 +533,8 @@ def _median(values: list[float]) -> float:
 
 
 def add_replay_figures(result: dict[str, Any]) -> None:
-    """Medians of the callback's own figures (scoring share, replay fraction, reuse) per arm."""
+    """Medians of the callback's own figures (replay fraction, losses, reuse) per arm."""
     names = (
-        "hsr_scoring_share",
-        "hsr_selection_share",
         "hsr_replay_fraction",
         "hsr_active_share",
         "hsr_loss_replayed",
@@ -526,16 +567,15 @@ def replay_table(result: dict[str, Any]) -> str:
     lines = [
         f"HardSampleReplay figures ({result['workload']}, medians over seeds):",
         "",
-        "| arm | samples trained / baseline | scoring share of step CPU | selection share | replay fraction | "
-        "loss replayed | loss fresh | came back | learned | table bytes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | samples trained / baseline | replay fraction | loss replayed | loss fresh | came back | learned | "
+        "table bytes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for arm in result["arms"][1:]:
         row = result["summary"][arm]
         figures = row["replay"]
         lines.append(
-            f"| {arm} | {row['samples_ratio']:.3f} | {figures['hsr_scoring_share']:.2%} | "
-            f"{figures['hsr_selection_share']:.2%} | {figures['hsr_replay_fraction']:.3f} | "
+            f"| {arm} | {row['samples_ratio']:.3f} | {figures['hsr_replay_fraction']:.3f} | "
             f"{figures['hsr_loss_replayed']:.4g} | {figures['hsr_loss_fresh']:.4g} | {figures['hsr_came_back_rate']:.3f} | "
             f"{figures['hsr_learned_rate']:.3f} | {figures['hsr_table_bytes']:.0f} |"
         )

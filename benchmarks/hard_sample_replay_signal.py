@@ -14,7 +14,8 @@ by loss; the callback's stored losses are older. The measures, for a kept fracti
   samples no more useful than a random draw.
 * ``loss_fair_share_ratio``: the same with the losses in place of the gradient norms, a figure the callback's
   own score table can give without any gradient.
-* ``table_easy_half_loss_ratio``: HardSampleReplay's own figure (``SampleScoreTable.easy_half_loss_ratio``)
+* ``table_easy_half_loss_ratio``: :func:`easy_half_loss_ratio` of HardSampleReplay's score table (a library
+  figure until the lean-core refactor, now kept here)
   at the same moment, from a score-only callback (scoring every step, never selecting) attached to the
   baseline: the stale-loss counterpart of ``loss_fair_share_ratio`` at ``f = 0.5``.
 * ``cos_topk`` and ``cos_random``: the cosine between the mean gradient of the ``f N`` highest-loss samples
@@ -62,6 +63,7 @@ from torch.func import functional_call, grad, vmap
 from benchmarks.hard_sample_replay import SETTINGS, irreducible_losses
 from benchmarks.harness import RESULTS_DIR, Arm, environment, run_one
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
+from lightning_pulse.core.sample_scores import SampleScoreTable
 
 #: The benchmark settings whose baselines are measured, and their committed final validation metrics per seed
 #: (``hard_sample_replay.md``, ``hard_sample_replay_charlm_long.md``), which the runs here must reproduce.
@@ -73,6 +75,29 @@ CHECKPOINTS = (0.25, 0.5, 0.75, 1.0)
 KEPT_FRACTIONS = (0.5, 0.7)
 RANDOM_DRAWS = 20
 CHUNK = 64
+
+
+def easy_half_loss_ratio(table: SampleScoreTable) -> float:
+    """How much the easier half of the scored samples still weighs: the summed stored loss of the half with the
+    lowest losses over half the summed loss of all scored samples.
+
+    1 when every sample has the same loss, near 0 when the easier half is learned. ``NaN`` with fewer than 2
+    scored samples, a negative stored loss or a zero total.
+    """
+    losses = table.scores[table.steps >= 0].astype(np.float64)
+    if losses.size < 2 or losses.min() < 0:
+        return math.nan
+    total = losses.sum()
+    if not total > 0:
+        return math.nan
+    half = losses.size // 2
+    easier = np.partition(losses, half - 1)[:half].sum()
+    return float(easier / (total * half / losses.size))
+
+
+def signal_metrics(callbacks: list[Callback], trainer: Any = None) -> dict[str, Any]:
+    """What the study reads after a run (``Arm.metrics``): the probe's points."""
+    return {"signal": next(c.points for c in callbacks if isinstance(c, SignalProbe))}
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -230,13 +255,14 @@ class SignalProbe(Callback):
         if self._previous_losses is not None:
             point["persistence"] = _spearman(self._previous_losses, losses)
         if self.replay is not None and self.replay.table is not None:
-            point["table_easy_half_loss_ratio"] = self.replay.table.easy_half_loss_ratio()
+            point["table_easy_half_loss_ratio"] = easy_half_loss_ratio(self.replay.table)
         point["probe_cpu_s"] = time.process_time() - started
         self._previous_losses = losses
         self.points.append(point)
         pl_module.train(was_training)
 
     def benchmark_metrics(self) -> dict[str, Any]:
+        # interim, until the harness calls `Arm.metrics` (`signal_metrics`): then this method goes
         return {"signal": self.points}
 
 
@@ -269,6 +295,7 @@ def run_study(workload: str, seeds: list[int], reducible: bool = False) -> dict[
         arm = Arm(
             "baseline", callbacks=partial(_score_only_and_probe, checkpoint_epochs, reference=reference)
         )
+        arm.metrics = signal_metrics
         run = run_one(workload, arm, seed, trainer_kwargs, setting["workload_kwargs"], count_flops=False)
         final = run["final_val"][study["metric"]]
         committed = study["committed"][seed] if seed < len(study["committed"]) else None

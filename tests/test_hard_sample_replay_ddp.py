@@ -22,14 +22,12 @@ class ReplayDump(Callback):
 
     def on_before_backward(self, trainer, pl_module, loss):
         replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
-        origins = replay.trained_origins
-        indices = replay.trained_indices.tolist()
         self.steps.append(
             {
                 "step": trainer.global_step,
                 "threshold": replay.threshold,
-                "pool": [i for i, origin in zip(indices, origins) if origin == "pool"],
-                "trained": indices,
+                "origins": replay.trained_origins,
+                "trained": replay.trained_indices.tolist(),
             }
         )
 
@@ -47,9 +45,9 @@ class ReplayDump(Callback):
 
 
 @pytest.mark.ddp
-def test_ranks_share_one_score_table_and_replay_disjoint_hard_samples(mnist1d_small, tmp_path):
+def test_ranks_share_one_score_table_and_select_within_their_own_shards(mnist1d_small, tmp_path):
     model, data = mnist1d_small()
-    replay = HardSampleReplay(rule="proportional", replay_fraction=0.5, pool_fraction=0.25)
+    replay = HardSampleReplay(rule="random", replay_fraction=0.5)
     trainer = pl.Trainer(
         callbacks=[replay, ReplayDump(str(tmp_path))],
         max_epochs=2,
@@ -62,14 +60,16 @@ def test_ranks_share_one_score_table_and_replay_disjoint_hard_samples(mnist1d_sm
     assert rank0["scores"] == rank1["scores"] and rank0["replays"] == rank1["replays"]
     assert rank0["seen"] == 720
     assert rank0["metrics"] == rank1["metrics"]
-    # the same threshold at every step, and each rank replays its own share of the same pool draw
+    # the same threshold at every step, and each rank selects from its own shard (batch sizes stay equal)
     assert [s["threshold"] for s in rank0["steps"]] == [s["threshold"] for s in rank1["steps"]]
-    pooled_steps = 0
+    selected_steps = 0
     for mine, theirs in zip(rank0["steps"], rank1["steps"]):
         assert mine["step"] == theirs["step"]
-        assert not set(mine["pool"]) & set(theirs["pool"])
-        pooled_steps += bool(mine["pool"])
-    assert pooled_steps > 0
+        assert not set(mine["trained"]) & set(theirs["trained"])
+        assert len(mine["trained"]) == len(theirs["trained"])
+        selected_steps += "selected" in mine["origins"]
+    assert selected_steps == 6  # the second epoch
+    assert rank0["metrics"]["replay_fraction"] == pytest.approx(0.75)
     # each rank trains on its own shard in the first epoch (6 batches of 64 or fewer per rank)
     first_epoch = [i for s in rank0["steps"][:6] for i in s["trained"]] + [
         i for s in rank1["steps"][:6] for i in s["trained"]

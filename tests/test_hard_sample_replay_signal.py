@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.hard_sample_replay_signal import per_sample_losses_and_gradients, signal_measures
+from benchmarks.hard_sample_replay_signal import (
+    easy_half_loss_ratio,
+    per_sample_losses_and_gradients,
+    signal_measures,
+)
+from lightning_pulse.core.sample_scores import SampleScoreTable
 
 
 def test_per_sample_gradients_equal_one_sample_at_a_time_autograd():
@@ -67,3 +74,28 @@ def test_validation_and_reducible_rankings():
 
 def _cos(a, b):
     return float(torch.dot(a, b) / (a.norm() * b.norm()))
+
+
+@pytest.mark.parametrize(
+    ("losses", "expected"),
+    [
+        ([2.0, 2.0, 2.0, 2.0], 1.0),  # every sample alike: the easier half carries its whole share
+        ([0.0, 0.0, 3.0, 5.0], 0.0),  # the easier half learned
+        ([4.0, 1.0, 3.0, 2.0], 0.6),  # (1 + 2) / (10 * 2 / 4)
+        ([1.0, 4.0, 1.0], 0.5),  # odd count: the easier 1 of 3 against a third of the total, 1 / (6 / 3)
+    ],
+)
+def test_easy_half_loss_ratio_weighs_the_easier_half_against_its_fair_share(losses, expected):
+    table = SampleScoreTable(len(losses) + 2)  # two entries never scored, which must not count
+    table.update(torch.arange(len(losses)), torch.tensor(losses), step=0)
+    assert easy_half_loss_ratio(table) == pytest.approx(expected)
+
+
+def test_easy_half_loss_ratio_is_nan_where_it_means_nothing():
+    assert math.isnan(easy_half_loss_ratio(SampleScoreTable(4)))  # nothing scored
+    zeros = SampleScoreTable(4)
+    zeros.update(torch.arange(4), torch.zeros(4), step=0)
+    assert math.isnan(easy_half_loss_ratio(zeros))
+    negative = SampleScoreTable(4)
+    negative.update(torch.arange(4), torch.tensor([-1.0, 2.0, 3.0, 4.0]), step=0)
+    assert math.isnan(easy_half_loss_ratio(negative))

@@ -14,6 +14,7 @@ from lightning_pulse.core.per_sample_loss import (
     ForwardLossScorer,
     LossCapture,
     OutputKeyScorer,
+    PerSampleScorer,
     concat_per_sample,
     loss_capture_scope,
     per_sample_from_unreduced,
@@ -322,6 +323,31 @@ def test_output_key_scorer_reads_the_modules_own_per_sample_losses():
     assert torch.equal(scores, losses)
     with pytest.raises(ValueError, match="per_sample"):
         OutputKeyScorer("per_sample")(None, None, {"loss": losses.mean()}, batch_size=3)
+
+
+def test_scorer_losses_are_detached_and_their_count_checked():
+    class Doubling(PerSampleScorer):
+        def __call__(self, pl_module, batch, outputs, batch_size):
+            return batch * 2
+
+    batch = torch.arange(3.0, requires_grad=True)
+    losses = Doubling().score(None, batch, None, batch_size=3)
+    assert losses.tolist() == [0.0, 2.0, 4.0] and not losses.requires_grad
+    with pytest.raises(RuntimeError, match="returned 3 losses for a batch of 4"):
+        Doubling().score(None, batch, None, batch_size=4)
+
+
+def test_require_says_what_was_captured_when_nothing_splits_into_the_batch():
+    logits, targets = _logits_and_targets(batch=8)
+    with LossCapture(batch_size=8) as capture:
+        F.cross_entropy(logits, targets)
+    assert capture.require() is capture
+    with LossCapture(batch_size=3) as other:
+        F.cross_entropy(logits, targets)
+    with pytest.raises(RuntimeError, match=r"cross_entropy.*does not split.*scorer"):
+        other.require()
+    with pytest.raises(RuntimeError, match="no torch.nn.functional"):
+        LossCapture(batch_size=3).require()
 
 
 def test_numpy_and_torch_paths_give_the_same_per_sample_losses():

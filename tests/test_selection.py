@@ -1,4 +1,4 @@
-"""Selection rules, batch surgery, the score table, the hard-sample buffer and sample-index tracking."""
+"""Selection rules, batch surgery, the score table, the selector (no Trainer) and sample-index tracking."""
 
 from __future__ import annotations
 
@@ -17,14 +17,12 @@ from torch.utils.data import (
     TensorDataset,
 )
 
+from lightning_pulse.core.replay import SELECTED, UNSEEN, HardSampleSelector, ReplayConfig, gather_rows
 from lightning_pulse.core.sample_index import SampleIndexTracker
-from lightning_pulse.core.sample_scores import BYTES_PER_SAMPLE, HardSampleBuffer, SampleScoreTable
+from lightning_pulse.core.sample_scores import BYTES_PER_SAMPLE, SampleScoreTable
 from lightning_pulse.core.selection import (
     assign_in_place,
-    batch_size_of,
-    concat_samples,
     infobatch_prune,
-    select_proportional,
     select_random,
     select_topk,
     take_samples,
@@ -41,17 +39,6 @@ def test_topk_keeps_the_highest_scores_and_every_never_scored_sample():
     assert selection.threshold == pytest.approx(0.7)
     # never-scored samples are kept even beyond the count
     assert select_topk(scores, 1).positions.tolist() == [2, 5]
-
-
-def test_proportional_draws_high_losses_more_often_and_never_drops_unseen():
-    scores = torch.tensor([0.01, 0.01, 0.01, 5.0, NAN])
-    generator = torch.Generator().manual_seed(0)
-    picks = np.zeros(5)
-    for _ in range(400):
-        picks[select_proportional(scores, 2, generator).positions.numpy()] += 1
-    assert picks[4] == 400  # the unseen sample every time
-    assert picks[3] > 390  # 5.0 against 0.01: nearly always the second pick
-    assert picks[:3].sum() < 10
 
 
 def test_random_control_spends_what_topk_spends_but_ignores_scores():
@@ -98,7 +85,7 @@ def test_infobatch_keeps_unseen_and_above_threshold_samples():
 
 
 # ---------------------------------------------------------------------- batches
-def test_take_and_concat_follow_any_batch_structure():
+def test_take_follows_any_batch_structure():
     Pair = namedtuple("Pair", "x y")
     batch = {
         "pair": Pair(torch.arange(4.0), torch.arange(4) * 10),
@@ -109,9 +96,6 @@ def test_take_and_concat_follow_any_batch_structure():
     assert taken["pair"].x.tolist() == [3.0, 1.0] and taken["pair"].y.tolist() == [30, 10]
     assert taken["text"] == ["d", "b"]
     assert taken["shared"] is batch["shared"]  # not per-sample: shared by the batch
-    joined = concat_samples(taken, take_samples(batch, torch.tensor([0]), 4), 2, 1)
-    assert joined["pair"].x.tolist() == [3.0, 1.0, 0.0] and joined["text"] == ["d", "b", "a"]
-    assert batch_size_of(joined) == 3
 
 
 def test_assign_in_place_changes_lists_dicts_and_tensors_held_by_tuples():
@@ -161,38 +145,6 @@ def test_reuse_and_learned_rates_count_replayed_samples():
     assert stats["table_bytes"] == 5 * BYTES_PER_SAMPLE
 
 
-@pytest.mark.parametrize(
-    ("losses", "expected"),
-    [
-        ([2.0, 2.0, 2.0, 2.0], 1.0),  # every sample alike: the easier half carries its whole share
-        ([0.0, 0.0, 3.0, 5.0], 0.0),  # the easier half learned
-        ([4.0, 1.0, 3.0, 2.0], 0.6),  # (1 + 2) / (10 * 2 / 4)
-        ([1.0, 4.0, 1.0], 0.5),  # odd count: the easier 1 of 3 against a third of the total, 1 / (6 / 3)
-    ],
-)
-def test_easy_half_loss_ratio_weighs_the_easier_half_against_its_fair_share(losses, expected):
-    table = SampleScoreTable(len(losses) + 2)  # two entries never scored, which must not count
-    table.update(torch.arange(len(losses)), torch.tensor(losses), step=0)
-    assert table.easy_half_loss_ratio() == pytest.approx(expected)
-    assert table.stats()["easy_half_loss_ratio"] == pytest.approx(expected)
-
-
-def test_easy_half_loss_ratio_is_nan_where_it_means_nothing():
-    assert math.isnan(SampleScoreTable(4).easy_half_loss_ratio())  # nothing scored
-    one = SampleScoreTable(4)
-    one.update(torch.tensor([1]), torch.tensor([2.0]), step=0)
-    assert math.isnan(one.easy_half_loss_ratio())
-    zeros = SampleScoreTable(4)
-    zeros.update(torch.arange(4), torch.zeros(4), step=0)
-    assert math.isnan(zeros.easy_half_loss_ratio())
-    negative = SampleScoreTable(4)  # e.g. a Gaussian negative log-likelihood from a custom scorer
-    negative.update(torch.arange(4), torch.tensor([-1.0, 2.0, 3.0, 4.0]), step=0)
-    assert math.isnan(negative.easy_half_loss_ratio())
-    learnability = SampleScoreTable(4, score="learnability")
-    learnability.update(torch.arange(4), torch.tensor([1.0, 2.0, 3.0, 4.0]), step=0)
-    assert math.isnan(learnability.easy_half_loss_ratio())
-
-
 def _state_arrays(table):
     return [table.scores.tobytes(), table.steps.tolist(), table.replays.tolist(), table.awaiting.tolist()] + [
         table.learned.tolist(),
@@ -233,31 +185,6 @@ def test_several_steps_applied_at_once_equal_step_by_step_updates(repeat):
     assert together.prior == pytest.approx(one_by_one.prior, rel=1e-12)
 
 
-def test_learnability_scores_are_each_loss_above_the_samples_own_best():
-    table = SampleScoreTable(3, score="learnability")
-    table.update(torch.arange(3), torch.tensor([2.0, 5.0, 1.0]), step=0)
-    assert table.scores.tolist() == [0.0, 0.0, 0.0]  # first measure: the sample's best so far
-    table.update(torch.arange(3), torch.tensor([1.0, 5.5, 3.0]), step=1)
-    # 0 improved (nothing left to reduce), 1 stays hard (irreducible-looking), 2 was learned and forgotten
-    assert table.scores.tolist() == pytest.approx([0.0, 0.5, 2.0])
-    assert table.hardest(1, step=2).tolist() == [2]
-    restored = SampleScoreTable(3, score="learnability")
-    restored.load_state_dict(table.state_dict())
-    assert restored.minima.tolist() == [1.0, 5.0, 1.0]
-    with pytest.raises(ValueError, match="learnability"):
-        SampleScoreTable(3).load_state_dict(table.state_dict())
-    with pytest.raises(ValueError, match="score"):
-        SampleScoreTable(3, score="margin")
-
-
-def test_hardest_skips_recently_trained_and_excluded_samples():
-    table = SampleScoreTable(6)
-    table.update(torch.arange(6), torch.tensor([1.0, 9.0, 8.0, 7.0, 2.0, 3.0]), step=0)
-    table.update(torch.tensor([1]), torch.tensor([9.5]), step=10)
-    picked = table.hardest(2, step=10, exclude=torch.tensor([2]), recent_steps=3)
-    assert picked.tolist() == [3, 5]
-
-
 def test_table_state_round_trips_and_refuses_another_dataset():
     table = SampleScoreTable(4, half_life=5)
     table.update(torch.tensor([1, 3]), torch.tensor([0.5, 2.5]), step=7)
@@ -270,24 +197,123 @@ def test_table_state_round_trips_and_refuses_another_dataset():
         SampleScoreTable(5).load_state_dict(table.state_dict())
 
 
-# ---------------------------------------------------------------------- buffer
-def test_buffer_keeps_the_hardest_samples_within_capacity():
-    buffer = HardSampleBuffer(capacity=3)
-    x = torch.arange(5.0).unsqueeze(1).repeat(1, 2)
-    batch = [x, torch.arange(5)]
-    entered = buffer.offer(batch, torch.tensor([0.1, 5.0, 0.2, 4.0, 3.0]), step=0)
-    assert entered == 3 and buffer.size == 3
-    slots, replay = buffer.take(3, step=1)
-    assert sorted(replay[1].tolist()) == [1, 3, 4]  # the samples themselves, by their label
-    assert torch.equal(replay[0][:, 0], replay[1].float())
-    # a harder sample displaces the weakest
-    buffer.offer([torch.full((1, 2), 9.0), torch.tensor([9])], torch.tensor([10.0]), step=2)
-    _, replay = buffer.take(3, step=3)
-    assert sorted(replay[1].tolist()) == [1, 3, 9]
-    assert buffer.memory_bytes == 3 * BYTES_PER_SAMPLE + 3 * 2 * 4 + 3 * 8
-    restored = HardSampleBuffer(capacity=3)
-    restored.load_state_dict(buffer.state_dict())
-    assert torch.equal(restored.take(3, step=3)[1][1], replay[1])
+# ---------------------------------------------------------------------- selector
+def _selector(rule="topk", size=8, **kwargs):
+    return HardSampleSelector(SampleScoreTable(size), ReplayConfig(rule=rule, **kwargs))
+
+
+def test_selector_cuts_a_batch_to_its_hardest_samples_once_they_are_scored():
+    selector = _selector(replay_fraction=0.5)
+    indices = torch.tensor([7, 2, 5, 0])
+    first = selector.compose(indices, step=0, batch_idx=0)
+    assert first.positions is None and first.indices.tolist() == [7, 2, 5, 0]  # nothing scored: all kept
+    assert (first.roles == UNSEEN).all()
+    selector.record(indices, torch.tensor([0.1, 3.0, 0.2, 2.0]), first.roles, step=0, active=True, offered=4)
+    assert selector.table.seen == 0  # kept until applied in bulk
+    selector.apply()
+    second = selector.compose(indices, step=1, batch_idx=1)
+    assert second.positions.tolist() == [1, 3] and second.indices.tolist() == [2, 0]
+    assert (second.roles == SELECTED).all() and second.weights is None
+    metrics = selector.metrics()
+    assert metrics["table_seen"] == 4 and metrics["replay_fraction"] == 1.0
+
+
+def test_selector_applies_in_bulk_what_it_would_apply_step_by_step():
+    def run(apply_every):
+        selector = _selector("topk", size=32)
+        selector.apply_every, selector.threshold_every = apply_every, 100
+        generator = torch.Generator().manual_seed(0)
+        for step in range(12):  # indices repeat across steps
+            indices = torch.randperm(32, generator=generator)[:8]
+            roles = np.full(8, SELECTED)
+            selector.record(indices, torch.rand(8, generator=generator), roles, step, active=True, offered=16)
+        selector.apply()
+        return selector
+
+    bulk, single = run(32), run(1)
+    assert bulk.table.seen > 8
+    assert bulk.table.scores.tobytes() == single.table.scores.tobytes()
+    assert bulk.table.replays.tolist() == single.table.replays.tolist()
+    # the totals too (the threshold, and with it the learned rate, follows when steps were applied)
+    for name in ("replay_fraction", "active_share", "loss_replayed", "came_back_rate"):
+        assert bulk.metrics()[name] == pytest.approx(single.metrics()[name])
+    assert bulk.metrics()["replay_fraction"] == 0.5
+
+
+def test_infobatch_selector_weights_kept_below_mean_samples():
+    selector = _selector("infobatch", size=8, prune_ratio=0.5)
+    indices = torch.arange(8)
+    selector.table.update(indices, torch.tensor([0.1, 0.1, 0.1, 0.1, 5.0, 5.0, 5.0, 5.0]), step=0)
+    chosen = selector.compose(indices, step=1, batch_idx=0)
+    assert selector.threshold == pytest.approx(2.55)
+    assert {4, 5, 6, 7} <= set(chosen.indices.tolist()) and chosen.indices.numel() < 8
+    assert chosen.weights is not None and chosen.weights.max() > chosen.weights.min()
+
+
+def test_epoch_selection_takes_unseen_first_then_the_hardest_in_sampler_order():
+    selector = _selector("topk", size=10, replay_fraction=0.4)
+    assert selector.epoch_length(10) == 4
+    order = [9, 3, 1, 7, 0, 2, 8, 4, 6, 5]
+    selector.table.update(torch.arange(8), torch.arange(8.0), step=0)  # 8 and 9 never scored
+    chosen = selector.select_epoch(order, step=1)
+    assert chosen == [9, 7, 8, 6]
+    assert selector.epoch_offered_ratio == pytest.approx(2.5)
+
+
+def test_gathered_rows_come_back_in_rank_order_with_uneven_batches():
+    per_rank = {
+        0: (torch.tensor([0, 1, 2]), torch.tensor([0.5, 1.5, 2.5]), np.array([1, 1, 2]), 3.0),
+        1: (torch.tensor([3, 4]), torch.tensor([3.5, 4.5]), np.array([1, 0]), 2.0),
+    }
+    calls = []
+
+    def fake_all_gather(tensor):  # what each rank would send at this call, padded to one shape
+        call = len(calls)
+        calls.append(tensor)
+        if call == 0:
+            return torch.stack([torch.tensor([3.0, 3.0]), torch.tensor([2.0, 2.0])]).double()
+        other = torch.full_like(tensor, math.nan)
+        other[:2, 0], other[:2, 1], other[:2, 2] = (
+            3.0 + torch.arange(2.0),
+            torch.tensor([3.5, 4.5]),
+            torch.tensor([1.0, 0.0]),
+        )
+        return torch.stack([tensor, other])
+
+    indices, losses, roles, offered = gather_rows(fake_all_gather, *per_rank[0])
+    assert indices.tolist() == [0, 1, 2, 3, 4]
+    assert losses.tolist() == pytest.approx([0.5, 1.5, 2.5, 3.5, 4.5])
+    assert roles.tolist() == [1, 1, 2, 1, 0] and offered == 5.0
+
+
+def test_selector_state_round_trips_unapplied_steps_and_totals():
+    selector = _selector("random", size=16, seed=1)
+    selector.threshold_every = 100  # a threshold refresh would apply the kept steps
+    for step in range(3):
+        indices = torch.arange(step * 4, step * 4 + 4)
+        chosen = selector.compose(indices, step, batch_idx=step)
+        selector.record(chosen.indices, torch.rand(4), chosen.roles, step, active=True, offered=4)
+    state = selector.state_dict()
+    assert state["unapplied"]["sizes"] == [4, 4, 4]
+    restored = _selector("random", size=16, seed=1)
+    restored.load_state_dict(state)
+    assert restored.table.seen == 0
+    restored.apply(), selector.apply()
+    assert restored.table.scores.tobytes() == selector.table.scores.tobytes()
+    assert restored.metrics() == pytest.approx(selector.metrics(), nan_ok=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"rule": "proportional"}, "rule"),
+        ({"replay_fraction": 0}, "replay_fraction"),
+        ({"prune_ratio": -0.1}, "prune_ratio"),
+    ],
+)
+def test_replay_config_names_the_bad_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ReplayConfig(**kwargs)
 
 
 # ---------------------------------------------------------------------- sample indices

@@ -33,7 +33,6 @@ import functools
 import inspect
 import math
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -391,7 +390,6 @@ class LossCapture:
         self.batch_size = batch_size
         self.sample_weights = sample_weights
         self.records: list[CapturedLoss] = []
-        self.overhead_seconds = 0.0  # CPU seconds spent on the extra unreduced calls and the bookkeeping
         self._entered = False
         self._per_sample: Tensor | None = None
         self._per_sample_count = 0  # how many records `_per_sample` was computed from
@@ -453,6 +451,20 @@ class LossCapture:
         )
         return f"captured {calls}"
 
+    def require(self, who: str = "HardSampleReplay") -> LossCapture:
+        """This capture, or a ``RuntimeError`` saying what was captured and what to configure when no captured
+        call splits into the batch's samples."""
+        if not self.maps_onto_batch:
+            raise RuntimeError(
+                f"{who} found no per-sample loss in training_step ({self.describe()}; batch of {self.batch_size} "
+                "samples). It captures torch.nn.functional losses (F.cross_entropy, F.mse_loss, ...) and torch.nn "
+                "loss modules whose unreduced loss splits into the batch's samples, called during training_step. "
+                "For any other loss, set `scorer=` to a PerSampleScorer, e.g. "
+                "lightning_pulse.core.per_sample_loss.OutputKeyScorer (training_step returns per-sample losses) or "
+                "ForwardLossScorer (a second, gradient-free forward pass)."
+            )
+        return self
+
     # ------------------------------------------------------------------ internals
     def _handle(
         self,
@@ -462,8 +474,6 @@ class LossCapture:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Tensor:
-        # overhead = everything here but the caller's own loss computation
-        entered = time.process_time()
         try:
             arguments = signature.arguments(args, kwargs)
         except TypeError:  # let torch raise its own error message
@@ -472,9 +482,7 @@ class LossCapture:
 
         if self.sample_weights is not None:
             # InfoBatch's rescale: the loss once, unreduced, weighted per sample, reduced as the caller asked
-            called = time.process_time()
             unreduced = original(**signature.unreduced_call(arguments))
-            returned = time.process_time()
             self._record(name, arguments, unreduced.detach(), reduction)
             if _splits(tuple(unreduced.shape), self.batch_size):
                 result = _reduce(name, arguments, unreduced, reduction, self.sample_weights)
@@ -482,12 +490,9 @@ class LossCapture:
                 result = original(
                     *args, **kwargs
                 )  # cannot be weighted per sample: the caller's loss as it was
-            self.overhead_seconds += (called - entered) + (time.process_time() - returned)
             return result
 
-        called = time.process_time()
         result = original(*args, **kwargs)
-        returned = time.process_time()
         if reduction == "none":
             unreduced = result.detach().clone()  # the caller may change its result in place later
         else:
@@ -497,7 +502,6 @@ class LossCapture:
             with torch.no_grad():
                 unreduced = original(**signature.unreduced_call(arguments))
         self._record(name, arguments, unreduced, reduction)
-        self.overhead_seconds += (called - entered) + (time.process_time() - returned)
         return result
 
     def _record(self, name: str, arguments: dict[str, Any], unreduced: Tensor, reduction: str) -> None:
@@ -624,6 +628,21 @@ class PerSampleScorer:
     Subclass and implement :meth:`__call__`; pass an instance (or, in YAML, a ``class_path``) as
     ``HardSampleReplay(scorer=...)``. It is called after ``training_step`` on the batch the step trained on.
     """
+
+    def score(self, pl_module: torch.nn.Module, batch: Any, outputs: Any, batch_size: int) -> Tensor:
+        """``(batch_size,)`` detached losses from :meth:`__call__`, without gradient, their count checked.
+
+        Raises:
+            RuntimeError: if the scorer returns another number of losses.
+        """
+        with torch.no_grad():
+            losses = torch.as_tensor(self(pl_module, batch, outputs, batch_size)).detach().flatten()
+        if losses.numel() != batch_size:
+            raise RuntimeError(
+                f"The scorer {type(self).__name__} returned {losses.numel()} losses for a batch of {batch_size} "
+                "samples."
+            )
+        return losses
 
     def __call__(self, pl_module: torch.nn.Module, batch: Any, outputs: Any, batch_size: int) -> Tensor:
         """Return a ``(batch_size,)`` tensor of per-sample losses (detached; any float dtype).

@@ -6,13 +6,11 @@ keep the gradient unbiased. A never-scored sample is always kept, even beyond th
 it has been seen once, nothing says it is easy (so the first epoch of a run trains on everything).
 
 * :func:`select_topk`: the ``count`` highest scores.
-* :func:`select_proportional`: ``count`` samples drawn without replacement with probability proportional
-  to ``score ** power``, as Selective-Backprop does.
 * :func:`infobatch_prune`: InfoBatch (Qin et al. 2024): drop each below-threshold sample with probability
   ``prune_ratio``, weight the kept below-threshold ones by ``1 / (1 - prune_ratio)``.
 * :func:`select_random`: a uniform subset of the scored samples; the control that shows whether scores matter.
 
-The batch helpers (:func:`take_samples`, :func:`concat_samples`, :func:`assign_in_place`) work on any
+The batch helpers (:func:`take_samples`, :func:`assign_in_place`) work on any
 nesting of lists, tuples, named tuples and dicts. A *per-sample leaf* is a tensor whose first dimension is
 the batch size ``B`` (or a list of ``B`` strings); every other leaf is shared by the whole batch and kept.
 """
@@ -28,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-RULES = ("topk", "proportional", "infobatch", "random")
+RULES = ("topk", "infobatch", "random")
 
 
 @dataclass(frozen=True)
@@ -90,31 +88,6 @@ def select_topk(scores: Tensor | np.ndarray, count: int) -> Selection:
     order = seen[np.argsort(-values[seen], kind="stable")[:remaining]]
     threshold = float(values[order[-1]]) if remaining else math.nan
     return _selection(np.concatenate([np.flatnonzero(unseen), order]), None, threshold)
-
-
-def select_proportional(
-    scores: Tensor | np.ndarray, count: int, generator: torch.Generator | None = None, power: float = 1.0
-) -> Selection:
-    """Draw ``count`` samples without replacement, with probability proportional to ``score ** power``.
-
-    Never-scored samples are always kept (even beyond ``count``). Scores are clamped at 0 (a loss is never
-    negative, but a shrunk stale score may be tiny); if every remaining weight is 0 the draw is uniform.
-    """
-    values = _as_numpy(scores)
-    count = _check_count(count, values.size)
-    unseen = np.isnan(values)
-    seen = np.flatnonzero(~unseen)
-    chosen = np.flatnonzero(unseen)
-    remaining = count - chosen.size
-    if remaining > 0:
-        weights = np.maximum(values[seen].astype(np.float64), 0.0) ** power
-        if not np.isfinite(weights).all() or weights.sum() <= 0.0:
-            weights = np.ones_like(weights)
-        drawn = torch.multinomial(
-            torch.from_numpy(weights), remaining, replacement=False, generator=generator
-        )
-        chosen = np.concatenate([chosen, seen[drawn.numpy()]])
-    return _selection(chosen, None, math.nan)
 
 
 def infobatch_prune(
@@ -185,23 +158,6 @@ def _rebuild(container: Any, items: list[Any]) -> Any:
     return type(container)(items)
 
 
-def batch_size_of(batch: Any) -> int | None:
-    """The leading size of the first tensor in ``batch`` (depth first), or ``None`` if it has no tensor."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() >= 1 else None
-    if isinstance(batch, Mapping):
-        values = list(batch.values())
-    elif isinstance(batch, (list, tuple)):
-        values = list(batch)
-    else:
-        return None
-    for value in values:
-        size = batch_size_of(value)
-        if size is not None:
-            return size
-    return None
-
-
 def take_samples(batch: Any, positions: Tensor, batch_size: int) -> Any:
     """A new batch of the same structure holding only the samples at ``positions`` (in that order)."""
     if _is_per_sample(batch, batch_size):
@@ -215,27 +171,13 @@ def take_samples(batch: Any, positions: Tensor, batch_size: int) -> Any:
     return batch
 
 
-def concat_samples(first: Any, second: Any, first_size: int, second_size: int) -> Any:
-    """Append the samples of ``second`` to those of ``first`` (same structure); shared leaves come from ``first``."""
-    if _is_per_sample(first, first_size) and _is_per_sample(second, second_size):
-        if isinstance(first, torch.Tensor):
-            return torch.cat([first, second.to(device=first.device, dtype=first.dtype)])
-        return list(first) + list(second)
-    if isinstance(first, Mapping):
-        return type(first)(
-            {key: concat_samples(first[key], second[key], first_size, second_size) for key in first}
-        )
-    if isinstance(first, (list, tuple)):
-        return _rebuild(first, [concat_samples(a, b, first_size, second_size) for a, b in zip(first, second)])
-    return first
-
-
 def assign_in_place(batch: Any, new: Any) -> None:
     """Make ``batch`` hold ``new``'s contents without replacing the ``batch`` object itself.
 
     Lists and dicts get new elements; a tensor held by a tuple is re-pointed at the new data with
     ``Tensor.set_`` (same Python object, new storage and shape). That is how a callback changes what
-    ``training_step`` receives: Lightning ignores what ``on_train_batch_start`` returns.
+    ``training_step`` receives: Lightning ignores what ``on_train_batch_start`` returns, so a batch that cannot
+    be changed in place cannot be selected from.
 
     Raises:
         TypeError: if ``batch`` (or a part of it that changed) is immutable and not a tensor.
@@ -258,8 +200,16 @@ def assign_in_place(batch: Any, new: Any) -> None:
             if isinstance(old, (torch.Tensor, list, tuple, Mapping)):
                 assign_in_place(old, value)
             elif old != value:
-                raise TypeError(f"Cannot change a {type(old).__name__} held by a tuple batch in place.")
+                raise TypeError(
+                    f"Cannot change a {type(old).__name__} held by a tuple batch in place; use a list or dict batch "
+                    "(default_collate makes lists), or a tuple of tensors."
+                )
         return
     if isinstance(batch, Mapping):
-        raise TypeError(f"Cannot change a read-only mapping batch ({type(batch).__name__}) in place.")
-    raise TypeError(f"Cannot change a batch of type {type(batch).__name__} in place.")
+        raise TypeError(
+            f"Cannot change a read-only mapping batch ({type(batch).__name__}) in place; use a dict."
+        )
+    raise TypeError(
+        f"Cannot change a batch of type {type(batch).__name__} in place; use a list or dict batch "
+        "(default_collate makes lists), or a tuple of tensors."
+    )

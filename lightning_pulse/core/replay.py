@@ -1,0 +1,504 @@
+"""Hard-sample replay without a framework: which samples of a batch (or of an epoch) to train on.
+
+:class:`HardSampleSelector` holds a :class:`~lightning_pulse.core.sample_scores.SampleScoreTable` and a
+:class:`ReplayConfig`. Per batch it is asked :meth:`~HardSampleSelector.compose` (the positions of the
+offered batch to train on, their roles and, for InfoBatch, loss weights), then told what the step measured
+with :meth:`~HardSampleSelector.record`. Measurements are kept and applied to the table in bulk (every
+``apply_every`` steps, and before anything reads the whole table), which is what keeps the per-step cost low
+on small models. :meth:`~HardSampleSelector.select_epoch` chooses an epoch's samples instead (epoch mode).
+
+Under data parallelism every rank records every rank's rows (:func:`gather_rows`, given any ``all_gather``
+callable), so every rank holds the same table and takes the same decisions.
+
+Example::
+
+    selector = HardSampleSelector(SampleScoreTable(len(dataset)), ReplayConfig(replay_fraction=0.5))
+    for step in range(steps):
+        indices = sampler_indices(step)                        # (B,) dataset indices of the next batch
+        chosen = selector.compose(indices, step, batch_idx=step)
+        x, y = dataset_x[chosen.indices], dataset_y[chosen.indices]
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        losses.mean().backward()
+        selector.record(chosen.indices, losses.detach(), chosen.roles, step, active=True, offered=len(indices))
+
+``docs/hard-sample-replay.md`` has the same as a runnable snippet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_pulse.core.per_sample_loss import LossCapture, concat_per_sample
+from lightning_pulse.core.sample_scores import SampleScoreTable
+from lightning_pulse.core.selection import RULES, Selection, infobatch_prune, select_random, select_topk
+from lightning_pulse.phase import Duration, parse_duration
+
+#: Why a sample was in the batch a step trained on.
+UNTOUCHED, SELECTED, UNSEEN = 0, 1, 2
+ROLE_NAMES = ("untouched", "selected", "unseen")
+
+#: Measured steps kept before they are applied to the table together.
+APPLY_EVERY = 32
+
+
+def _not_number(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How samples are chosen; validated on construction.
+
+    Args:
+        rule: ``"topk"`` (highest scores), ``"infobatch"`` (drop below-mean samples with probability
+            ``prune_ratio``, weight the kept ones so the mean loss stays unbiased) or ``"random"`` (a uniform
+            subset of the same size as top-k's: the control).
+        replay_fraction: share of each batch (or epoch) trained on, in ``(0, 1]``; not used by InfoBatch.
+        prune_ratio: InfoBatch's ``r``, in ``[0, 1)``.
+        seed: seed of the random draws, mixed with step, batch and rank.
+
+    Raises:
+        ValueError: naming the field, for a value outside these ranges.
+    """
+
+    rule: str = "topk"
+    replay_fraction: float = 0.5
+    prune_ratio: float = 0.5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"`rule`={self.rule!r} is not one of {list(RULES)}.")
+        if _not_number(self.replay_fraction) or not 0.0 < self.replay_fraction <= 1.0:
+            raise ValueError(f"`replay_fraction`={self.replay_fraction!r} must be a number in (0, 1].")
+        if _not_number(self.prune_ratio) or not 0.0 <= self.prune_ratio < 1.0:
+            raise ValueError(f"`prune_ratio`={self.prune_ratio!r} must be a number in [0, 1).")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"`seed`={self.seed!r} must be an int.")
+
+
+def parse_half_life(value: int | float | str | None) -> Duration | None:
+    """``score_half_life`` as a :class:`~lightning_pulse.phase.Duration` of steps or epochs (``None``: off).
+
+    Raises:
+        ValueError: naming ``score_half_life``, for a wall-clock, zero or malformed value.
+    """
+    if value is None:
+        return None
+    duration = parse_duration(value, "score_half_life")
+    if duration.kind == "seconds" or duration.is_zero:
+        raise ValueError(
+            f"`score_half_life`={value!r} must be a positive number of steps (int, '500steps') or epochs "
+            "(float, '2epochs'), or None."
+        )
+    return duration
+
+
+def half_life_steps(duration: Duration | None, steps_per_epoch: float | None) -> float | None:
+    """The half-life in optimizer steps (what :class:`SampleScoreTable` takes).
+
+    Raises:
+        ValueError: for a half-life in epochs when the epoch length is unknown (an infinite DataLoader).
+    """
+    if duration is None or duration.kind == "steps":
+        return None if duration is None else duration.amount
+    if not steps_per_epoch:
+        raise ValueError(
+            f"`score_half_life`={duration} is in epochs but the training DataLoader has no length; give it in steps."
+        )
+    return duration.amount * steps_per_epoch
+
+
+@dataclass(frozen=True)
+class Composition:
+    """What a replay step trains on.
+
+    Attributes:
+        positions: ``(k,)`` positions into the offered batch, ascending, or ``None`` when the whole batch
+            trains (nothing to cut).
+        indices: ``(k,)`` dataset indices of the trained samples.
+        roles: ``(k,)`` int64 roles (:data:`SELECTED` or :data:`UNSEEN`).
+        weights: ``(k,)`` loss weights (InfoBatch), or ``None``.
+    """
+
+    positions: Tensor | None
+    indices: Tensor
+    roles: np.ndarray
+    weights: Tensor | None
+
+
+class _Measured:
+    """One training step's measurement, kept until it is applied to the table."""
+
+    __slots__ = ("indices", "losses", "roles", "step", "threshold", "active", "offered", "shared")
+
+    def __init__(
+        self,
+        indices: Tensor,
+        losses: LossCapture | Tensor | np.ndarray,
+        roles: np.ndarray,
+        step: int,
+        threshold: float,
+        active: bool,
+        offered: float,
+        shared: bool = False,
+    ) -> None:
+        self.indices = indices
+        self.losses = losses  # a capture (read when applied), or (B,) losses
+        self.roles = roles
+        self.step = step
+        self.threshold = threshold
+        self.active = active
+        self.offered = offered
+        self.shared = shared  # rows of every rank (indices may repeat: DistributedSampler's padding)
+
+
+def host_losses(parts: Sequence[LossCapture | Tensor | np.ndarray]) -> np.ndarray:
+    """The per-sample losses of several steps as one float32 host array, with one device transfer."""
+    if parts and all(isinstance(part, LossCapture) for part in parts):
+        joined = concat_per_sample(list(parts))  # type: ignore[arg-type]
+        if joined is not None:
+            return joined
+    values = [part.per_sample() if isinstance(part, LossCapture) else part for part in parts]
+    on_device = [v for v in values if isinstance(v, torch.Tensor) and not v.is_cpu]
+    if on_device:
+        device = on_device[0].device
+        joined = torch.cat([torch.as_tensor(v).to(device).float().flatten() for v in values])
+        return joined.cpu().numpy()
+    arrays = [
+        v.detach().float().numpy().reshape(-1)
+        if isinstance(v, torch.Tensor)
+        else np.asarray(v, dtype=np.float32).reshape(-1)
+        for v in values
+    ]
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def gather_rows(
+    all_gather: Callable[[Tensor], Tensor],
+    indices: Tensor,
+    losses: Tensor,
+    roles: np.ndarray,
+    offered: float,
+) -> tuple[Tensor, Tensor, np.ndarray, float]:
+    """Every rank's ``(index, loss, role)`` rows in rank order, identical on every rank, and the summed offered
+    batch size.
+
+    Args:
+        all_gather: ``tensor -> (world_size, *tensor.shape)`` stacked over ranks (e.g. a Lightning strategy's
+            ``all_gather``, a ``torch.distributed`` wrapper, or ``lambda t: t[None]`` for one process).
+        indices: ``(k,)`` this rank's dataset indices; losses ``(k,)``; roles ``(k,)``.
+    """
+    sizes = torch.tensor([float(losses.numel()), float(offered)], dtype=torch.float64)
+    gathered_sizes = all_gather(sizes).cpu().reshape(-1, 2)
+    counts = [int(n) for n in gathered_sizes[:, 0].tolist()]
+    capacity = max(counts)
+    rows = torch.full((capacity, 3), math.nan, dtype=torch.float64)  # ranks' batches may differ in size
+    rows[: losses.numel(), 0] = indices.double()
+    rows[: losses.numel(), 1] = losses.double()
+    rows[: losses.numel(), 2] = torch.from_numpy(roles).double()
+    gathered = all_gather(rows).cpu().reshape(-1, capacity, 3)
+    merged = torch.cat([gathered[rank, :n] for rank, n in enumerate(counts)])
+    return (
+        merged[:, 0].long(),
+        merged[:, 1].float(),
+        merged[:, 2].long().numpy(),
+        float(gathered_sizes[:, 1].sum()),
+    )
+
+
+def mix_seed(seed: int, step: int, batch_idx: int, rank: int) -> int:
+    """One seed per (seed, step, batch, rank): a resumed run draws what the uninterrupted one would have."""
+    return (seed * 1_000_003 + step * 10_007 + (batch_idx + 1) * 101 + rank) % (2**63 - 1)
+
+
+# running totals are one float64 vector: steps, active steps, offered and trained samples, then the count and
+# the loss sum of each role
+TOTAL_NAMES = (
+    "steps",
+    "active_steps",
+    "offered",
+    "trained",
+    *(f"{name}_count" for name in ROLE_NAMES),
+    *(f"{name}_loss" for name in ROLE_NAMES),
+)
+_STEPS, _ACTIVE_STEPS, _OFFERED, _TRAINED = range(4)
+_COUNTS = slice(4, 4 + len(ROLE_NAMES))
+_SUMS = slice(4 + len(ROLE_NAMES), 4 + 2 * len(ROLE_NAMES))
+
+
+def _figures(vector: np.ndarray) -> dict[str, float]:
+    totals = dict(zip(TOTAL_NAMES, vector.tolist()))
+
+    def mean(names: Sequence[str]) -> float:
+        count = sum(totals[f"{n}_count"] for n in names)
+        return sum(totals[f"{n}_loss"] for n in names) / count if count else math.nan
+
+    return {
+        "replay_fraction": totals["trained"] / totals["offered"] if totals["offered"] else math.nan,
+        "active_share": totals["active_steps"] / totals["steps"] if totals["steps"] else math.nan,
+        "loss_replayed": mean(("selected",)),
+        "loss_fresh": mean(("untouched", "unseen")),
+    }
+
+
+class HardSampleSelector:
+    """Chooses hard samples from a score table and keeps the table up to date.
+
+    Args:
+        table: the per-sample scores (its ``half_life`` sets the staleness).
+        config: the rule and its parameters.
+
+    Attributes:
+        threshold_every: how many steps a hardness threshold is reused (it scans the whole table).
+        apply_every: how many measured steps are kept before they are applied together.
+        epoch_offered_ratio: full epoch length over the selected one (epoch mode), for the metrics.
+    """
+
+    def __init__(self, table: SampleScoreTable, config: ReplayConfig | None = None) -> None:
+        self.table = table
+        self.config = config or ReplayConfig()
+        self.threshold_every = 1
+        self.apply_every = APPLY_EVERY
+        self.epoch_offered_ratio = 1.0
+        self._threshold = (math.nan, -1)  # (value, step it was computed at)
+        self._applied_since_threshold = False  # a NaN threshold (nothing scored yet) is redone after an apply
+        self._unapplied: list[_Measured] = []
+        self._totals = np.zeros(len(TOTAL_NAMES))
+        self._window = np.zeros(len(TOTAL_NAMES))
+
+    @property
+    def threshold(self) -> float:
+        """The score above which a sample counts as hard (``NaN`` before anything was scored)."""
+        return self._threshold[0]
+
+    @property
+    def window_steps(self) -> int:
+        """Applied steps since the last :meth:`take_window`."""
+        return int(self._window[_STEPS])
+
+    # ------------------------------------------------------------------ selection
+    def _select(self, scores: Tensor, count: int, step: int, generator: torch.Generator | None) -> Selection:
+        rule = self.config.rule
+        if rule == "topk":
+            return select_topk(scores, count)
+        if rule == "random":
+            return select_random(scores, count, generator)
+        return infobatch_prune(scores, self.current_threshold(step), self.config.prune_ratio, generator)
+
+    def compose(self, indices: Tensor, step: int, batch_idx: int, rank: int = 0) -> Composition:
+        """The samples of the batch holding dataset ``indices`` ``(B,)`` to train on at ``step``.
+
+        Never-scored samples are always kept; top-k draws nothing, the other rules draw from a generator
+        seeded by ``(seed, step, batch_idx, rank)``.
+        """
+        offered = int(indices.numel())
+        generator = None
+        if self.config.rule != "topk":
+            generator = torch.Generator().manual_seed(mix_seed(self.config.seed, step, batch_idx, rank))
+        budget = max(1, round(self.config.replay_fraction * offered))
+        scores = self.table.effective(indices, step)
+        selection = self._select(scores, budget, step, generator)
+        roles = np.where(np.isnan(scores.numpy()[selection.positions.numpy()]), UNSEEN, SELECTED)
+        weights = selection.weights
+        if weights is not None and bool((weights == 1).all()):
+            weights = None  # nothing pruned: leave the module's loss exactly as it is
+        positions = None if selection.count == offered else selection.positions
+        return Composition(positions, indices[selection.positions], roles, weights)
+
+    def epoch_length(self, full_length: int) -> int:
+        """How many samples an epoch of ``full_length`` yields in epoch mode."""
+        return max(1, round(self.config.replay_fraction * full_length))
+
+    def select_epoch(self, order: list[int], step: int, rank: int = 0) -> list[int]:
+        """The dataset indices an epoch trains on: :meth:`epoch_length` of the sampler's ``order``, never-scored
+        samples first, then the rule's choice among the scored ones; the sampler's order is kept."""
+        count = min(self.epoch_length(len(order)), len(order))
+        self.apply()
+        scores = self.table.effective(torch.tensor(order, dtype=torch.long), step).numpy()
+        unseen = np.flatnonzero(np.isnan(scores))
+        if unseen.size >= count:
+            positions = unseen[:count]
+        else:
+            seen = np.flatnonzero(~np.isnan(scores))
+            generator = torch.Generator().manual_seed(mix_seed(self.config.seed, step, -2, rank))
+            chosen = self._select(torch.from_numpy(scores[seen]), count - unseen.size, step, generator)
+            positions = np.concatenate([unseen, seen[chosen.positions.numpy()]])
+        self.epoch_offered_ratio = len(order) / count
+        return [order[p] for p in np.sort(positions)]
+
+    def epoch_roles(self, indices: Tensor) -> np.ndarray:
+        """Roles of a batch an epoch's selection already chose: which samples had never been scored."""
+        return np.where(np.isnan(self.table.scores[indices.numpy()]), UNSEEN, SELECTED)
+
+    def current_threshold(self, step: int) -> float:
+        """The hardness threshold at ``step``: the mean score (InfoBatch) or the ``1 - replay_fraction``
+        quantile; refreshed every ``threshold_every`` steps."""
+        value, computed_at = self._threshold
+        if (
+            computed_at >= 0
+            and step - computed_at < self.threshold_every
+            and not (math.isnan(value) and self._applied_since_threshold)
+        ):
+            return value
+        self.apply()
+        self._applied_since_threshold = False
+        if self.config.rule == "infobatch":
+            value = self.table.mean_score(step)
+        else:
+            value = self.table.quantile_score(1.0 - self.config.replay_fraction, step)
+        self._threshold = (value, step)
+        return value
+
+    # ------------------------------------------------------------------ measurements
+    def record(
+        self,
+        indices: Tensor,
+        losses: LossCapture | Tensor,
+        roles: np.ndarray,
+        step: int,
+        active: bool,
+        offered: float,
+        all_gather: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        """Keep a step's measurement: the trained samples' ``indices`` ``(k,)``, their ``losses`` (a capture,
+        read when applied, or a ``(k,)`` tensor), ``roles``, whether the step selected (``active``) and how
+        many samples were offered. With ``all_gather`` (data parallel), every rank's rows are kept."""
+        entry = _Measured(indices, losses, roles, step, self.current_threshold(step), active, float(offered))
+        if all_gather is not None:
+            local = torch.from_numpy(host_losses([losses]))
+            entry.indices, entry.losses, entry.roles, entry.offered = gather_rows(
+                all_gather, indices, local, roles, offered
+            )
+            entry.shared = True
+        self._unapplied.append(entry)
+        if len(self._unapplied) >= self.apply_every:
+            self.apply()
+
+    def apply(self) -> None:
+        """Apply the kept steps' losses to the table (one vectorized update) and to the running totals."""
+        pending = self._unapplied
+        if not pending:
+            return
+        self._unapplied = []
+        losses = host_losses([entry.losses for entry in pending])
+        roles = np.concatenate([entry.roles for entry in pending])
+        sizes = np.fromiter((entry.roles.size for entry in pending), dtype=np.int64, count=len(pending))
+        indices = np.concatenate([entry.indices.numpy() for entry in pending])
+        hard = None
+        if any(entry.active for entry in pending):
+            hard = np.repeat([entry.active for entry in pending], sizes) & (roles == SELECTED)
+        if any(entry.shared for entry in pending):  # data parallel: repeated padding samples merge per step
+            for entry, start, size in zip(pending, np.cumsum(sizes) - sizes, sizes):
+                part = slice(int(start), int(start + size))
+                self.table.update(indices[part], losses[part], entry.step, entry.threshold, may_repeat=True)
+                if hard is not None and hard[part].any():
+                    self.table.mark_replayed(indices[part][hard[part]], may_repeat=True)
+        else:
+            steps = [entry.step for entry in pending]
+            thresholds = [entry.threshold for entry in pending]
+            self.table.update_steps(indices, losses, sizes, steps, thresholds, replayed=hard)
+        self._count(pending, losses, roles)
+        self._applied_since_threshold = True
+
+    def drop_pending(self) -> None:
+        """Forget measured steps not yet applied (a rollback replaces the model they were measured on)."""
+        self._unapplied = []
+
+    def _count(self, pending: list[_Measured], losses: np.ndarray, roles: np.ndarray) -> None:
+        step = np.zeros(len(TOTAL_NAMES))
+        step[_STEPS] = len(pending)
+        step[_ACTIVE_STEPS] = sum(entry.active for entry in pending)
+        step[_OFFERED] = sum(entry.offered for entry in pending if entry.active)
+        step[_TRAINED] = sum(entry.roles.size for entry in pending if entry.active)
+        finite = np.isfinite(losses)
+        if not finite.all():
+            roles, losses = roles[finite], losses[finite]
+        step[_COUNTS] = np.bincount(roles, minlength=len(ROLE_NAMES))
+        step[_SUMS] = np.bincount(roles, weights=losses, minlength=len(ROLE_NAMES))
+        self._totals += step
+        self._window += step
+
+    # ------------------------------------------------------------------ figures
+    def _with_table(self, figures: dict[str, float]) -> dict[str, float]:
+        figures.update(self.table.stats())
+        figures["threshold"] = self.threshold
+        return figures
+
+    def metrics(self) -> dict[str, float]:
+        """Totals of the applied steps: replay fraction, active share, losses by role, table size and reuse."""
+        return self._with_table(_figures(self._totals))
+
+    def take_window(self) -> dict[str, float]:
+        """The same figures over the steps applied since the last call, which starts a new window."""
+        figures = self._with_table(_figures(self._window))
+        self._window = np.zeros(len(TOTAL_NAMES))
+        return figures
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "table": self.table.state_dict(),
+            "unapplied": _unapplied_state(self._unapplied),
+            "totals": dict(zip(TOTAL_NAMES, self._totals.tolist())),
+            "threshold": list(self._threshold),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("table") is None:
+            raise ValueError("HardSampleSelector: the state holds no score table.")
+        self.table.load_state_dict(state["table"])
+        self._unapplied = _unapplied_from_state(state.get("unapplied"))
+        saved = state.get("totals", {})
+        self._totals = np.array([float(saved.get(name, 0.0)) for name in TOTAL_NAMES])
+        value, step = state.get("threshold", (math.nan, -1))
+        self._threshold = (float(value), int(step))
+
+
+def _unapplied_state(unapplied: list[_Measured]) -> dict[str, Any] | None:
+    """The measured steps not yet applied, as tensors and lists (reading them changes nothing)."""
+    if not unapplied:
+        return None
+    return {
+        "indices": torch.cat([entry.indices for entry in unapplied]).clone(),
+        "losses": torch.from_numpy(host_losses([entry.losses for entry in unapplied]).copy()),
+        "roles": torch.from_numpy(np.concatenate([entry.roles for entry in unapplied])),
+        "sizes": [int(entry.roles.size) for entry in unapplied],
+        "steps": [entry.step for entry in unapplied],
+        "thresholds": [entry.threshold for entry in unapplied],
+        "active": [entry.active for entry in unapplied],
+        "offered": [entry.offered for entry in unapplied],
+        "shared": [entry.shared for entry in unapplied],
+    }
+
+
+def _unapplied_from_state(state: dict[str, Any] | None) -> list[_Measured]:
+    if not state:
+        return []
+    entries, start = [], 0
+    losses = torch.as_tensor(state["losses"]).float()
+    roles = torch.as_tensor(state["roles"]).long().numpy()
+    indices = torch.as_tensor(state["indices"]).long()
+    for position, size in enumerate(state["sizes"]):
+        part = slice(start, start + size)
+        entries.append(
+            _Measured(
+                indices[part].clone(),
+                losses[part].clone(),
+                roles[part].copy(),
+                int(state["steps"][position]),
+                float(state["thresholds"][position]),
+                bool(state["active"][position]),
+                float(state["offered"][position]),
+                bool(state["shared"][position]),
+            )
+        )
+        start += size
+    return entries
