@@ -169,15 +169,6 @@ def on_train_dataloader_ready(trainer: pl.Trainer, hook: Callable[[Any], None]) 
     return remove
 
 
-def prepare_extra_training_batch(trainer: pl.Trainer, batch: Any) -> Any:
-    """Put a batch built outside the loop through what Lightning does to every training batch before
-    ``on_train_batch_start``: precision input conversion, ``on_before_batch_transfer``, device transfer and
-    ``on_after_batch_transfer`` (module or datamodule hooks)."""
-    batch = trainer.precision_plugin.convert_input(batch)
-    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
-    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
-
-
 # ---------------------------------------------------------------------------- EnergyLogger (issue 3)
 def set_callback_metric(trainer: pl.Trainer, name: str, value: float) -> None:
     """Make ``name`` monitorable (``ModelCheckpoint``/``EarlyStopping`` read ``trainer.callback_metrics``)

@@ -54,24 +54,19 @@ def test_scheduled_prune_private_api_still_exists():
     assert not compat.rewrap_ddp(trainer)
 
 
-def test_train_dataloader_hook_runs_before_the_first_pass_and_extra_batches_get_the_transfer_hooks(
-    mnist1d_small,
-):
+def test_train_dataloader_hook_runs_before_the_first_pass(mnist1d_small):
     model, data = mnist1d_small()
     seen, first_batch = [], []
 
     class FirstBatch(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            first_batch.append(
-                (list(seen), compat.prepare_extra_training_batch(trainer, [t[:2] for t in batch]))
-            )
+            first_batch.append(list(seen))
 
     trainer = pl.Trainer(max_steps=1, callbacks=[FirstBatch()], **trainer_kwargs())
     remove = compat.on_train_dataloader_ready(trainer, seen.append)
     trainer.fit(model, data)
-    loaders, extra = first_batch[0]
+    loaders = first_batch[0]
     assert len(loaders) == 1 and loaders[0] is trainer.train_dataloader
-    assert len(extra) == 2 and extra[0].shape[0] == 2
     remove()
     assert "process_dataloader" not in vars(trainer.strategy)
 

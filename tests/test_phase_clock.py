@@ -108,7 +108,10 @@ def test_warmup_needs_a_finite_run():
     ("kwargs", "match"),
     [
         ({"durations": {"burst": 1, "cooldown": 1}}, "`durations`=.* unknown phase 'cooldown'"),
-        ({"durations": {"burst": 1}, "order": ["burst", "nap"]}, "`order`=\\['burst', 'nap'\\] names an unknown phase 'nap'"),
+        (
+            {"durations": {"burst": 1}, "order": ["burst", "nap"]},
+            "`order`=\\['burst', 'nap'\\] names an unknown phase 'nap'",
+        ),
         ({"durations": {"burst": 1}, "order": ["burst", "burst"]}, "`order`"),
         ({"durations": {"burst": 0, "replay": 0, "maintain": 0}}, "zero duration \\(`burst`=0, `replay`=0"),
         ({"durations": {"burst": 1}, "warmup": 0.6, "anneal": 0.4}, "`warmup` \\+ `anneal`"),

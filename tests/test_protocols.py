@@ -32,7 +32,7 @@ def test_listeners_find_each_contract_in_callback_order_and_skip_the_caller():
     # opting in takes a true restore_on_rollback; the attribute set to False is not enough
     rollback = list(listeners(trainer, RollbackAware, exclude=guard))
     assert cycle in rollback and replay in rollback
-    assert all(getattr(c, "restore_on_rollback") is True for c in rollback)
+    assert all(c.restore_on_rollback is True for c in rollback)
     assert not any(isinstance(c, _OptsOutOfRollback) for c in rollback)
     assert guard in list(listeners(trainer, ParametersReplacedListener))
     assert replay not in list(listeners(trainer, ParametersReplacedListener))
