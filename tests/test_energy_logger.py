@@ -120,6 +120,34 @@ def test_fit_with_pulse_cycle_attributes_energy_to_every_phase(tmp_path, caplog,
     assert "[codecarbon" not in capfd.readouterr().err
 
 
+class CodecarbonNeverMeasuresAgain(Callback):
+    """From the first training batch on, codecarbon's tracker measures nothing more: a run shorter than
+    codecarbon's measuring window (or a loaded machine where every reading lands inside it)."""
+
+    def on_train_start(self, trainer, pl_module):
+        energy = next(c for c in trainer.callbacks if isinstance(c, EnergyLogger))
+        session = chain(energy, "cpu").meter.session
+        session.tracker._measure_power_and_energy_if_stale = lambda *args, **kwargs: None
+        self.watts = session.receiver.cpu_watts + session.receiver.ram_watts
+
+
+def test_a_run_shorter_than_codecarbons_measuring_window_reports_its_energy(tmp_path):
+    # the sampling thread never reads within this run (a 60 s period): only the epoch-end and final
+    # readings, all of which codecarbon answers with unchanged totals
+    energy = EnergyLogger(cpu="codecarbon", meters=MeterConfig(sampling_period=60.0))
+    frozen = CodecarbonNeverMeasuresAgain()
+    fit = trainer([energy, frozen], max_epochs=1, limit_train_batches=2, default_root_dir=tmp_path)
+    fit.fit(MNIST1DClassifier(arch="mlp"), data())
+
+    total = energy.report["total"]
+    assert total["methods"] == {"gpu": NONE, "cpu": ESTIMATED, "ram": ESTIMATED}
+    assert total["energy_kwh"] > 0 and energy.energy_so_far_kwh() >= total["energy_kwh"]
+    # the whole interval at codecarbon's latest power (the metered span starts a little before the label time)
+    assert total["avg_power_w"] == pytest.approx(frozen.watts, rel=0.5)
+    assert energy.report["stages"]["train"]["energy_kwh"] > 0
+    assert leftover_threads() == []
+
+
 class ManualClock:
     """Monotonic seconds that move only when the test says so."""
 

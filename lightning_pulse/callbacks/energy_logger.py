@@ -21,10 +21,15 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
-from lightning_pulse.energy.account import CPU_MODES, GPU_MODES, RAM_MODES, EnergyAccount, build_chains
+from lightning_pulse.energy.account import (
+    MODES,
+    EnergyAccount,
+    build_chains,
+    forecast_message,
+    gpu_devices_of,
+)
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
-from lightning_pulse.energy.nvml import nvml_devices_for_cuda
 from lightning_pulse.energy.report import write_report
 
 MONITORABLE = ("energy/total_kwh",)
@@ -137,13 +142,9 @@ class EnergyLogger(Callback):
         accounting: AccountingConfig | None = None,
     ) -> None:
         super().__init__()
-        for field, value, allowed in (
-            ("gpu", gpu, GPU_MODES),
-            ("cpu", cpu, CPU_MODES),
-            ("ram", ram, RAM_MODES),
-        ):
-            if value not in allowed:
-                raise ValueError(f"`{field}`={value!r} is not one of {list(allowed)}.")
+        for field, value in (("gpu", gpu), ("cpu", cpu), ("ram", ram)):
+            if value not in MODES[field]:
+                raise ValueError(f"`{field}`={value!r} is not one of {list(MODES[field])}.")
         for field, value, kind in (
             ("meters", meters, MeterConfig),
             ("accounting", accounting, AccountingConfig),
@@ -198,7 +199,7 @@ class EnergyLogger(Callback):
         try:
             chains = build_chains(
                 self.meters,
-                self._gpu_devices(trainer),
+                gpu_devices_of(trainer.strategy.root_device, self.gpu, self.meters),
                 self.cpu,
                 self.ram,
                 self.country_iso_code,
@@ -281,11 +282,7 @@ class EnergyLogger(Callback):
             trainer.current_epoch, float(trainer.estimated_stepping_batches), _StrategyCollective(trainer)
         )
         if forecast is not None:
-            co2 = f", {forecast['co2_kg']:.4g} kg CO2" if forecast["co2_kg"] is not None else ""
-            rank_zero_info(
-                f"EnergyLogger: forecast from {forecast['basis']}: the whole run ({int(forecast['total_steps'])} "
-                f"steps) needs about {forecast['energy_kwh']:.4g} kWh, {forecast['duration_s'] / 60:.1f} min{co2}."
-            )
+            rank_zero_info(forecast_message(forecast))
         # the total into `trainer.callback_metrics`, so ModelCheckpoint / EarlyStopping can monitor it (the
         # same figure on every rank: it is combined over ranks). Not `pl_module.log`: it costs about 0.5 ms
         # per call, a tenth of a small training step.
@@ -335,17 +332,6 @@ class EnergyLogger(Callback):
         self.account.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ internals
-    def _gpu_devices(self, trainer: pl.Trainer) -> list[int | str]:
-        if self.gpu == "none":
-            return []
-        if self.meters.gpu_devices is not None:
-            return list(self.meters.gpu_devices)
-        device = trainer.strategy.root_device
-        if device.type != "cuda":
-            return []
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return nvml_devices_for_cuda([index])
-
     def _finish(self, trainer: pl.Trainer, status: str) -> dict[str, Any]:
         directory = self.report_dir
         if directory is None:

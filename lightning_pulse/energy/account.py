@@ -35,7 +35,7 @@ from lightning_pulse.energy.ledger import (
     timeline_edges,
 )
 from lightning_pulse.energy.meter import COMPONENTS, MeterChain, MeterFactory
-from lightning_pulse.energy.nvml import NvmlCounterMeter, NvmlPowerMeter
+from lightning_pulse.energy.nvml import NvmlCounterMeter, NvmlPowerMeter, nvml_devices_for_cuda
 from lightning_pulse.energy.rapl import RaplMeter
 from lightning_pulse.energy.report import assemble_report
 from lightning_pulse.energy.sampler import EnergySampler
@@ -43,6 +43,7 @@ from lightning_pulse.energy.sampler import EnergySampler
 GPU_MODES = ("auto", "none")
 CPU_MODES = ("auto", "codecarbon", "constant", "none")
 RAM_MODES = ("codecarbon", "none")
+MODES = {"gpu": GPU_MODES, "cpu": CPU_MODES, "ram": RAM_MODES}
 COUNTING_NOTES = {
     "samples": "dimension 0 of the first tensor of each training batch (every micro-batch, so accumulation "
     "is counted in full), summed over ranks.",
@@ -118,6 +119,28 @@ def build_chains(
     if ram == "codecarbon":
         chains.append(MeterChain("ram", [("codecarbon", codecarbon("ram"))], warn, info))
     return chains
+
+
+def gpu_devices_of(device: torch.device, gpu: str, config: MeterConfig) -> list[int | str]:
+    """The NVML devices a process meters: none for ``gpu="none"``, ``config.gpu_devices`` when set, else
+    the NVML index of the process's CUDA ``device`` (none off CUDA)."""
+    if gpu == "none":
+        return []
+    if config.gpu_devices is not None:
+        return list(config.gpu_devices)
+    if device.type != "cuda":
+        return []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return nvml_devices_for_cuda([index])
+
+
+def forecast_message(forecast: dict[str, Any]) -> str:
+    """The one line that announces :func:`~lightning_pulse.energy.ledger.predict_run`'s forecast."""
+    co2 = f", {forecast['co2_kg']:.4g} kg CO2" if forecast["co2_kg"] is not None else ""
+    return (
+        f"EnergyLogger: forecast from {forecast['basis']}: the whole run ({int(forecast['total_steps'])} "
+        f"steps) needs about {forecast['energy_kwh']:.4g} kWh, {forecast['duration_s'] / 60:.1f} min{co2}."
+    )
 
 
 class EnergyAccount:

@@ -135,6 +135,7 @@ class CodecarbonSession:
         self._flush_now: float | None = None
         self._flushed = (0.0, 0.0)
         self._watts: tuple[float, float] | None = None  # the power of the latest flush interval
+        self._start_watts = (0.0, 0.0)  # codecarbon's own power at the latest measuring flush
         self._quiet: quiet_codecarbon | None = None
         self.hardware: dict[str, Any] = {}
 
@@ -170,7 +171,13 @@ class CodecarbonSession:
                 raise MeterError("codecarbon tracker is not running")
             if self._last_now is not None and abs(now - self._last_now) <= 1e-3:
                 return self._last_value
-            if self._flush_now is not None and 0 <= now - self._flush_now < self.min_flush_interval:
+            # carried forward without a flush only with the power of an interval of ours; before there is
+            # one, a flush (more accurate than codecarbon's start-up power) is worth its cost
+            if (
+                self._watts is not None
+                and self._flush_now is not None
+                and 0 <= now - self._flush_now < self.min_flush_interval
+            ):
                 value = self._extrapolated(now)
             else:
                 before = self.receiver.count
@@ -190,8 +197,7 @@ class CodecarbonSession:
                             max(value[0] - self._flushed[0], 0.0) * 1000.0 / hours,
                             max(value[1] - self._flushed[1], 0.0) * 1000.0 / hours,
                         )
-                    else:  # no interval of our own yet: codecarbon's own latest power
-                        self._watts = (self.receiver.cpu_watts, self.receiver.ram_watts)
+                    self._start_watts = (self.receiver.cpu_watts, self.receiver.ram_watts)
                     self._flushed, self._flush_now = value, now
             # an extrapolation is never taken back: a later, lower measurement is held at the figure given
             value = (max(value[0], self._last_value[0]), max(value[1], self._last_value[1]))
@@ -199,13 +205,15 @@ class CodecarbonSession:
             return value
 
     def _extrapolated(self, now: float) -> tuple[float, float]:
-        """The last flushed totals carried forward to ``now`` with the latest power."""
-        if self._watts is None or self._flush_now is None:
+        """The last flushed totals carried forward to ``now`` with the power of the latest interval, or
+        before there is one, the average power codecarbon reported at its latest measurement."""
+        watts = self._watts if self._watts is not None else self._start_watts
+        if self._flush_now is None:
             return self._flushed
         elapsed_h = max(now - self._flush_now, 0.0) / 3600.0
         return (
-            self._flushed[0] + self._watts[0] * elapsed_h / 1000.0,
-            self._flushed[1] + self._watts[1] * elapsed_h / 1000.0,
+            self._flushed[0] + watts[0] * elapsed_h / 1000.0,
+            self._flushed[1] + watts[1] * elapsed_h / 1000.0,
         )
 
     def _start(self) -> None:
