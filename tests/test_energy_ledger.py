@@ -458,3 +458,20 @@ def test_build_chains_follows_the_modes_and_counts_the_host_once():
     assert [chain.component for chain in other] == ["gpu"]  # not local rank 0: no CPU, no RAM
     host[0].start(0.0)
     assert host[0].meter_name == "constant" and host[0].read(2.0) == (10.0, ESTIMATED)
+
+
+def test_account_whose_meters_cannot_be_built_warns_once_and_keeps_counting():
+    messages: list[str] = []
+    clock = ManualClock()
+    account = account_with(clock, warn=messages.append)
+    account.start(lambda: [][0])  # a bug building the chains
+    account.begin_training(lambda: 0)
+    account.mark(stage="train", phase="burst", epoch=0)
+    account.batch_started(torch.zeros(7, 1))
+    clock.now += 1.0
+    report = account.report("complete", "EUR")
+    account.stop()
+    assert len(messages) == 1 and "energy metering stopped (IndexError" in messages[0]
+    assert report["disabled"].startswith("IndexError") and report["total"]["samples"] == 7
+    assert report["total"]["energy_kwh"] == 0.0 and report["total"]["energy_method"] == NONE
+    assert account.energy_so_far_kwh() == 0.0

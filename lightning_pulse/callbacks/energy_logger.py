@@ -196,8 +196,8 @@ class EnergyLogger(Callback):
         self._trainer = trainer
         self._in_train_loop = False
         self.report, self.report_paths = None, []
-        try:
-            chains = build_chains(
+        self.account.start(
+            lambda: build_chains(
                 self.meters,
                 gpu_devices_of(trainer.strategy.root_device, self.gpu, self.meters),
                 self.cpu,
@@ -206,11 +206,9 @@ class EnergyLogger(Callback):
                 count_host=trainer.local_rank == 0,
                 warn=self._warn_rank,
                 info=rank_zero_info,
-            )
-        except Exception as error:
-            self.account.disable(error)
-            chains = []
-        self.account.start(chains, global_zero=trainer.is_global_zero)
+            ),
+            global_zero=trainer.is_global_zero,
+        )
         if self.accounting.progress_bar:
             compat.add_progress_bar_item(trainer, "kWh", self.account.progress_text)
 

@@ -188,8 +188,13 @@ class EnergyAccount:
         self._reset()
 
     # ------------------------------------------------------------------ a fit
-    def start(self, chains: Sequence[MeterChain], global_zero: bool = True) -> None:
-        """Start metering a fit with ``chains``; ``global_zero``: this process reports the carried run."""
+    def start(
+        self,
+        chains: Sequence[MeterChain] | Callable[[], Sequence[MeterChain]],
+        global_zero: bool = True,
+    ) -> None:
+        """Start metering a fit with ``chains`` (or what calling it builds: a failure to build them then
+        disables metering instead of raising); ``global_zero``: this process reports the carried run."""
         self._reset()
         self._warned = set()
         self.global_zero = global_zero
@@ -201,7 +206,7 @@ class EnergyAccount:
             for rate in (self.intensity, self.price):
                 if rate is not None:
                     rate.anchor(wall)
-            self.chains = list(chains)
+            self.chains = list(chains() if callable(chains) else chains)
             self.sampler = EnergySampler(
                 self.chains,
                 self.ledger,
