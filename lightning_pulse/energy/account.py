@@ -200,6 +200,7 @@ class EnergyAccount:
         self.global_zero = global_zero
         self.disabled_reason = None
         self.ledger = EnergyLedger(self.intensity, self.price)
+        self.chains, self.sampler = [], None
         self.in_fit = True
         try:
             wall = self.wall_clock()
