@@ -40,6 +40,7 @@ from lightning.pytorch.callbacks import Callback
 
 from benchmarks.harness import Arm, run_arms, write_results
 from lightning_pulse import EnergyLogger
+from lightning_pulse.energy import MeterConfig
 from lightning_pulse.energy.sampler import THREAD_NAME
 
 LOOP_HOOKS = (
@@ -100,8 +101,8 @@ class FirstCallbackProbe(Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         pass
 
-    def benchmark_metrics(self) -> dict[str, float]:
-        return {"probe_seconds": self.seconds, "probe_batches": self.batches}
+    def benchmark_metrics(self) -> dict[str, float]:  # the current harness's hook; see `arm_metrics`
+        return probe_metrics(self)
 
 
 class TimedEnergyLogger(EnergyLogger):
@@ -128,7 +129,7 @@ class TimedEnergyLogger(EnergyLogger):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         super().on_fit_start(trainer, pl_module)
-        sampler = self.sampler
+        sampler = self.account.sampler
         if sampler is None:
             return
         sample = sampler.sample
@@ -156,7 +157,7 @@ class TimedEnergyLogger(EnergyLogger):
         method of the scheduler, so EnergyLogger still finds and joins those timers when it stops.
         """
         trackers = {}
-        for chain in self.chains:
+        for chain in self.account.chains:
             tracker = getattr(getattr(chain.meter, "session", None), "tracker", None)
             if tracker is not None:
                 trackers[id(tracker)] = tracker
@@ -180,19 +181,41 @@ class TimedEnergyLogger(EnergyLogger):
                     scheduler.stop()
                     scheduler.start()
 
-    def benchmark_metrics(self) -> dict[str, float]:
-        report = self.report or {}
-        return {
-            "loop_hook_seconds": self.loop_seconds,
-            "once_hook_seconds": self.once_seconds,
-            "thread_seconds": self.thread_seconds,
-            "thread_readings": self.thread_readings,
-            "codecarbon_timer_seconds": self.timer_seconds,
-            "codecarbon_timer_runs": self.timer_runs,
-            "batches": self.ledger.buckets["total"].batches if self.ledger is not None else 0,
-            "energy_kwh": (report.get("total") or {}).get("energy_kwh"),
-            "cpu_meter": (report.get("meters") or {}).get("cpu", {}).get("meter"),
-        }
+    def benchmark_metrics(self) -> dict[str, float]:  # the current harness's hook; see `arm_metrics`
+        return energy_metrics(self)
+
+
+def probe_metrics(probe: FirstCallbackProbe) -> dict[str, float]:
+    return {"probe_seconds": probe.seconds, "probe_batches": probe.batches}
+
+
+def energy_metrics(energy: TimedEnergyLogger) -> dict[str, float]:
+    """The timers of this script's wrapper, and what the callback's public state says about the run."""
+    report = energy.report or {}
+    ledger = energy.account.ledger
+    return {
+        "loop_hook_seconds": energy.loop_seconds,
+        "once_hook_seconds": energy.once_seconds,
+        "thread_seconds": energy.thread_seconds,
+        "thread_readings": energy.thread_readings,
+        "codecarbon_timer_seconds": energy.timer_seconds,
+        "codecarbon_timer_runs": energy.timer_runs,
+        "batches": ledger.buckets["total"].batches if ledger is not None and "total" in ledger.buckets else 0,
+        "energy_kwh": (report.get("total") or {}).get("energy_kwh"),
+        "cpu_meter": (report.get("meters") or {}).get("cpu", {}).get("meter"),
+    }
+
+
+def arm_metrics(callbacks: list[Callback], trainer: object = None) -> dict[str, float]:
+    """``Arm.metrics(callbacks, trainer)``: this script's figures of one run, read from outside the library
+    (the harness calls it instead of ``callback.benchmark_metrics()`` once it supports ``Arm.metrics``)."""
+    metrics: dict[str, float] = {}
+    for callback in callbacks:
+        if isinstance(callback, FirstCallbackProbe):
+            metrics.update(probe_metrics(callback))
+        elif isinstance(callback, TimedEnergyLogger):
+            metrics.update(energy_metrics(callback))
+    return metrics
 
 
 def overhead_rows(result: dict, arms: list[Arm]) -> list[str]:
@@ -263,7 +286,9 @@ def main() -> None:
 
     def energy_arm(period: float, first: bool = False) -> Arm:
         def callbacks(seed: int) -> list[Callback]:
-            energy = TimedEnergyLogger(sampling_period=period, country_iso_code="DEU", report_dir=report_dir)
+            energy = TimedEnergyLogger(
+                country_iso_code="DEU", report_dir=report_dir, meters=MeterConfig(sampling_period=period)
+            )
             return [energy] if first else [FirstCallbackProbe(), energy]
 
         return Arm(f"energy_logger@{period:g}s" + (", first callback" if first else ""), callbacks=callbacks)

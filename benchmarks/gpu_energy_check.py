@@ -135,17 +135,18 @@ def check_energy_logger_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
 
     from examples.digits import DigitsClassifier, DigitsDataModule
     from lightning_pulse import EnergyLogger
+    from lightning_pulse.energy import MeterConfig
     from lightning_pulse.energy.nvml import NvmlCounterMeter, nvml_devices_for_cuda
 
     pl.seed_everything(0)
     around = NvmlCounterMeter(nvml_devices_for_cuda([args.device]))
     with tempfile.TemporaryDirectory() as report_dir:
         energy = EnergyLogger(
-            sampling_period=0.2,
             report_dir=report_dir,
             cpu="none",
             ram="none",
             carbon_intensity=args.intensity,
+            meters=MeterConfig(sampling_period=0.2),
         )
         trainer = pl.Trainer(
             accelerator="gpu",

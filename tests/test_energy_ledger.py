@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_pulse.energy.account import EnergyAccount, build_chains
 from lightning_pulse.energy.carbon import Rate, TimeSeries
+from lightning_pulse.energy.config import MeterConfig
 from lightning_pulse.energy.constant import ConstantPowerMeter
 from lightning_pulse.energy.counting import count_batch, count_samples, count_tokens
 from lightning_pulse.energy.ledger import (
@@ -296,3 +298,180 @@ def test_sampler_thread_is_joined_on_stop():
     assert not sampler.running and not [t for t in threading.enumerate() if t.name == THREAD_NAME]
     with pytest.raises(ValueError, match="`period`=0"):
         EnergySampler([], EnergyLedger(), period=0)
+
+
+# ---------------------------------------------------------------------- the account (no Trainer)
+class ManualClock:
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def constant_chain(component: str, watts: float) -> MeterChain:
+    return MeterChain(component, [("constant", lambda: ConstantPowerMeter(component, watts))], print)
+
+
+def account_with(clock: ManualClock, **kwargs) -> EnergyAccount:
+    # a one-hour period: the sampling thread never reads here, every reading is a read-out's own
+    return EnergyAccount(
+        None, None, sampling_period=3600.0, clock=clock, wall_clock=lambda: 1e9 + clock(), **kwargs
+    )
+
+
+def test_account_attributes_energy_counts_and_steps_to_phases_without_a_trainer():
+    clock, steps = ManualClock(), [0]
+    account = account_with(clock)
+    account.start([constant_chain("cpu", 10.0)])
+    account.begin_training(lambda: steps[0])
+    account.mark(stage="train", phase="burst", cycle=0, epoch=0)
+    for _ in range(2):  # two burst batches of 4 samples, 1 s each, one optimizer step each
+        account.batch_started(torch.zeros(4, 3))
+        clock.now += 1.0
+        steps[0] += 1
+        account.batch_ended()
+    account.mark(phase="replay")
+    account.batch_started(torch.zeros(2, 3))
+    clock.now += 3.0
+    steps[0] += 1
+    account.end_training()
+    buckets = account.snapshot()["buckets"]
+    account.stop()
+
+    assert buckets["phase/burst"]["cpu_j"] == pytest.approx(20.0)
+    assert buckets["phase/replay"]["cpu_j"] == pytest.approx(30.0)
+    assert (buckets["phase/burst"]["samples"], buckets["phase/burst"]["steps"]) == (8, 2)
+    assert (buckets["phase/replay"]["samples"], buckets["phase/replay"]["steps"]) == (2, 1)
+    assert buckets["total"]["cpu_j"] == pytest.approx(50.0) and buckets["total"]["seconds"] == pytest.approx(
+        5.0
+    )
+    assert account.energy_so_far_kwh() == pytest.approx(50.0 / 3.6e6)
+    assert account.report("complete", "EUR")["total"]["methods"]["cpu"] == ESTIMATED
+
+
+def test_account_epoch_metrics_and_a_single_forecast():
+    clock = ManualClock()
+    account = account_with(clock)
+    account.start([constant_chain("cpu", 36.0)])
+    steps = [0]
+    account.begin_training(lambda: steps[0])
+    account.mark(stage="train", phase="burst", epoch=0)
+    account.batch_started(torch.zeros(5, 1))
+    clock.now += 100.0
+    steps[0] = 4  # four optimizer steps in the epoch, of a 40-step run
+    metrics, forecast = account.epoch_metrics(0, total_steps=40)
+    again, second = account.epoch_metrics(0, total_steps=40)
+    account.stop()
+    assert metrics["energy/epoch_kwh"] == pytest.approx(3600.0 / 3.6e6)
+    assert metrics["energy/burst_kwh"] == metrics["energy/total_kwh"] == metrics["energy/epoch_kwh"]
+    assert forecast is not None and metrics["energy/predicted_kwh"] == pytest.approx(10 * 3600.0 / 3.6e6)
+    assert second is None and "energy/predicted_kwh" not in again
+
+
+def test_account_resumed_from_a_state_dict_reports_the_whole_run():
+    clock = ManualClock()
+    first = account_with(clock)
+    first.start([constant_chain("cpu", 10.0)])
+    clock.now += 2.0
+    state = first.state_dict()
+    first.stop()
+
+    resumed = account_with(clock)
+    resumed.load_state_dict(state)
+    resumed.start([constant_chain("cpu", 10.0)])
+    clock.now += 3.0
+    total = resumed.snapshot()["buckets"]["total"]
+    assert total["cpu_j"] == pytest.approx(50.0) and resumed.resumed_runs == 1
+    assert resumed.energy_so_far_kwh() == pytest.approx(50.0 / 3.6e6)
+    resumed.stop()
+
+
+class ThreadCollective:
+    """Two accounts in two threads of one process, combined like two DDP ranks."""
+
+    def __init__(self, shared: dict, barrier: threading.Barrier, rank: int, world_size: int) -> None:
+        self.shared, self.barrier, self.rank, self.world_size = shared, barrier, rank, world_size
+
+    def broadcast(self, value):
+        if self.rank == 0:
+            self.shared["broadcast"] = value
+        self.barrier.wait()
+        value = self.shared["broadcast"]
+        self.barrier.wait()
+        return value
+
+    def all_gather(self, vector):
+        self.shared[self.rank] = np.asarray(vector)
+        self.barrier.wait()
+        gathered = np.stack([self.shared[r] for r in range(self.world_size)])
+        self.barrier.wait()
+        return gathered
+
+
+def test_account_sums_gpu_over_ranks_and_counts_cpu_once():
+    shared, barrier, results = {}, threading.Barrier(2), {}
+
+    def rank(index: int) -> None:
+        clock = ManualClock()
+        account = account_with(clock)
+        chains = [constant_chain("gpu", 100.0 if index == 0 else 50.0)]
+        if index == 0:  # local rank 0: CPU once per node
+            chains.append(constant_chain("cpu", 10.0))
+        account.start(chains, global_zero=index == 0)
+        account.begin_training(lambda: 0)
+        account.mark(stage="train", phase="burst", epoch=0)
+        account.batch_started(torch.zeros(3, 1))
+        clock.now += 2.0
+        results[index] = account.snapshot(ThreadCollective(shared, barrier, index, 2))
+        account.stop()
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert results[0]["buckets"] == results[1]["buckets"]
+    total = results[0]["buckets"]["total"]
+    assert total["gpu_j"] == pytest.approx(300.0)  # (100 W + 50 W) x 2 s
+    assert total["cpu_j"] == pytest.approx(20.0)  # 10 W x 2 s, once
+    assert total["samples"] == 6 and total["seconds"] == pytest.approx(2.0)
+    assert sum(results[0]["timeline"]["gpu_j"]) == pytest.approx(300.0)
+
+
+def test_build_chains_follows_the_modes_and_counts_the_host_once():
+    config = MeterConfig(cpu_watts=5.0)
+    host = build_chains(
+        config, [], cpu="constant", ram="none", country_iso_code=None, count_host=True, warn=print, info=print
+    )
+    other = build_chains(
+        config,
+        [0],
+        cpu="auto",
+        ram="codecarbon",
+        country_iso_code=None,
+        count_host=False,
+        warn=print,
+        info=print,
+    )
+    assert [chain.component for chain in host] == ["cpu"]
+    assert [chain.component for chain in other] == ["gpu"]  # not local rank 0: no CPU, no RAM
+    host[0].start(0.0)
+    assert host[0].meter_name == "constant" and host[0].read(2.0) == (10.0, ESTIMATED)
+
+
+def test_account_whose_meters_cannot_be_built_warns_once_and_keeps_counting():
+    messages: list[str] = []
+    clock = ManualClock()
+    account = account_with(clock, warn=messages.append)
+    account.start(lambda: [][0])  # a bug building the chains
+    account.begin_training(lambda: 0)
+    account.mark(stage="train", phase="burst", epoch=0)
+    account.batch_started(torch.zeros(7, 1))
+    clock.now += 1.0
+    report = account.report("complete", "EUR")
+    account.stop()
+    assert len(messages) == 1 and "energy metering stopped (IndexError" in messages[0]
+    assert report["disabled"].startswith("IndexError") and report["total"]["samples"] == 7
+    assert report["total"]["energy_kwh"] == 0.0 and report["total"]["energy_method"] == NONE
+    assert account.energy_so_far_kwh() == 0.0

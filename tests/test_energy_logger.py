@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import PulseCycle, phase_of
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
+from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.meter import ESTIMATED, MEASURED, NONE
 from lightning_pulse.energy.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME
 from lightning_pulse.energy.sampler import THREAD_NAME
@@ -60,7 +61,7 @@ class ReadEnergyEveryStep(Callback):
 def test_fit_with_pulse_cycle_attributes_energy_to_every_phase(tmp_path, caplog, capfd):
     pl.seed_everything(0)
     cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0.0, anneal=0.0, maintain_eval="none")
-    energy = EnergyLogger(sampling_period=0.05, country_iso_code="DEU", price_per_kwh=0.3)
+    energy = EnergyLogger(country_iso_code="DEU", price_per_kwh=0.3, meters=MeterConfig(sampling_period=0.05))
     reader = ReadEnergyEveryStep()
     fit = trainer(
         [cycle, energy, reader],
@@ -119,6 +120,34 @@ def test_fit_with_pulse_cycle_attributes_energy_to_every_phase(tmp_path, caplog,
     assert "[codecarbon" not in capfd.readouterr().err
 
 
+class CodecarbonNeverMeasuresAgain(Callback):
+    """From the first training batch on, codecarbon's tracker measures nothing more: a run shorter than
+    codecarbon's measuring window (or a loaded machine where every reading lands inside it)."""
+
+    def on_train_start(self, trainer, pl_module):
+        energy = next(c for c in trainer.callbacks if isinstance(c, EnergyLogger))
+        session = chain(energy, "cpu").meter.session
+        session.tracker._measure_power_and_energy_if_stale = lambda *args, **kwargs: None
+        self.watts = session.receiver.cpu_watts + session.receiver.ram_watts
+
+
+def test_a_run_shorter_than_codecarbons_measuring_window_reports_its_energy(tmp_path):
+    # the sampling thread never reads within this run (a 60 s period): only the epoch-end and final
+    # readings, all of which codecarbon answers with unchanged totals
+    energy = EnergyLogger(cpu="codecarbon", meters=MeterConfig(sampling_period=60.0))
+    frozen = CodecarbonNeverMeasuresAgain()
+    fit = trainer([energy, frozen], max_epochs=1, limit_train_batches=2, default_root_dir=tmp_path)
+    fit.fit(MNIST1DClassifier(arch="mlp"), data())
+
+    total = energy.report["total"]
+    assert total["methods"] == {"gpu": NONE, "cpu": ESTIMATED, "ram": ESTIMATED}
+    assert total["energy_kwh"] > 0 and energy.energy_so_far_kwh() >= total["energy_kwh"]
+    # the whole interval at codecarbon's latest power (the metered span starts a little before the label time)
+    assert total["avg_power_w"] == pytest.approx(frozen.watts, rel=0.5)
+    assert energy.report["stages"]["train"]["energy_kwh"] > 0
+    assert leftover_threads() == []
+
+
 class ManualClock:
     """Monotonic seconds that move only when the test says so."""
 
@@ -158,8 +187,10 @@ class StepTakes(Callback):
 
 def test_data_loader_stall_share_is_measured_per_phase(tmp_path):
     clock = ManualClock()
-    energy = EnergyLogger(sampling_period=0.05, cpu="constant", cpu_watts=10.0, ram="none")
-    energy.clock = clock
+    energy = EnergyLogger(
+        cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0)
+    )
+    energy.account.clock = clock
     step = {"burst": 0.75, "replay": 0.25, "maintain": 0.5}
     cycle = PulseCycle(burst=3, replay=2, maintain=2, warmup=0.0, anneal=0.0, maintain_eval="none")
     fit = trainer([energy, cycle, StepTakes(clock, step)], default_root_dir=tmp_path)
@@ -174,7 +205,9 @@ def test_data_loader_stall_share_is_measured_per_phase(tmp_path):
 
 
 def test_total_kwh_is_monitorable_and_logged_without_lightning_module_log(tmp_path):
-    energy = EnergyLogger(sampling_period=0.05, cpu="constant", cpu_watts=10.0, ram="none")
+    energy = EnergyLogger(
+        cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0)
+    )
     stop = EarlyStopping(monitor="energy/total_kwh", mode="min", patience=0, check_on_train_epoch_end=True)
     best = ModelCheckpoint(
         dirpath=tmp_path / "ckpt", monitor="energy/total_kwh", mode="min", save_on_train_epoch_end=True
@@ -231,7 +264,7 @@ class InjectFailures(Callback):
 
 
 def chain(energy: EnergyLogger, component: str):
-    return next(c for c in energy.chains if c.component == component)
+    return next(c for c in energy.account.chains if c.component == component)
 
 
 def wait_for(condition, timeout: float = 30.0) -> None:
@@ -246,11 +279,8 @@ def wait_for(condition, timeout: float = 30.0) -> None:
 def test_meter_failures_mid_run_never_stop_training(tmp_path, fake_nvml, monkeypatch, recwarn):  # noqa: F811
     rapl_root = make_rapl_tree(tmp_path / "powercap", {0: 0})
     energy = EnergyLogger(
-        sampling_period=0.02,
-        rapl_root=str(rapl_root),
-        gpu_devices=[0],
-        cpu_watts=15.0,
         country_iso_code="BRA",
+        meters=MeterConfig(sampling_period=0.02, rapl_root=str(rapl_root), gpu_devices=[0], cpu_watts=15.0),
     )
     fit = trainer(
         [InjectFailures(rapl_root, fake_nvml, monkeypatch), energy], max_epochs=1, default_root_dir=tmp_path
@@ -281,7 +311,10 @@ def test_resumed_run_reports_the_whole_run_like_an_uninterrupted_one(tmp_path, c
         pl.seed_everything(0)
         cycle = PulseCycle(burst=4, replay=2, maintain=2, warmup=0.0, anneal=0.0, maintain_eval="none")
         energy = EnergyLogger(
-            sampling_period=0.05, cpu="constant", cpu_watts=10.0, ram="none", carbon_intensity=200.0
+            cpu="constant",
+            ram="none",
+            carbon_intensity=200.0,
+            meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0),
         )
         checkpoint = ModelCheckpoint(dirpath=tmp_path / root, save_last=True, save_top_k=0)
         fit = trainer(
@@ -320,7 +353,7 @@ class ExplodingClassifier(MNIST1DClassifier):
 
 
 def test_an_exception_in_training_stops_the_thread_and_reports_the_interrupted_run(tmp_path):
-    energy = EnergyLogger(sampling_period=0.02, cpu="constant", cpu_watts=5.0, ram="none")
+    energy = EnergyLogger(cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.02, cpu_watts=5.0))
     fit = trainer([energy], default_root_dir=tmp_path)
     with pytest.raises(RuntimeError, match="boom"):
         fit.fit(ExplodingClassifier(arch="mlp"), data())
@@ -331,13 +364,13 @@ def test_an_exception_in_training_stops_the_thread_and_reports_the_interrupted_r
 
 
 def test_a_bug_in_the_epoch_figures_warns_once_and_training_goes_on(tmp_path, monkeypatch, recwarn):
-    import lightning_pulse.callbacks.energy_logger as energy_logger_module
+    import lightning_pulse.energy.account as account_module
 
     def broken(*args, **kwargs):
         raise KeyError("figures bug")
 
-    monkeypatch.setattr(energy_logger_module, "grouped_figures", broken)
-    energy = EnergyLogger(sampling_period=0.05, cpu="constant", cpu_watts=5.0, ram="none")
+    monkeypatch.setattr(account_module, "grouped_figures", broken)
+    energy = EnergyLogger(cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=5.0))
     fit = trainer([energy], max_epochs=3, default_root_dir=tmp_path)
     fit.fit(MNIST1DClassifier(arch="mlp"), data())
     assert fit.current_epoch == 3
@@ -349,7 +382,9 @@ def test_a_bug_in_the_epoch_figures_warns_once_and_training_goes_on(tmp_path, mo
 def test_charlm_batches_give_energy_per_token(tmp_path):
     from examples.charlm import CharLMDataModule, CharTransformerLM
 
-    energy = EnergyLogger(sampling_period=0.05, cpu="constant", cpu_watts=20.0, ram="none")
+    energy = EnergyLogger(
+        cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=20.0)
+    )
     fit = trainer(
         [energy], max_epochs=1, limit_train_batches=3, limit_val_batches=1, default_root_dir=tmp_path
     )
@@ -360,24 +395,32 @@ def test_charlm_batches_give_energy_per_token(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("build", "match"),
     [
-        ({"sampling_period": 0}, "`sampling_period`=0"),
-        ({"cpu": "rapl-only"}, "`cpu`='rapl-only' is not one of"),
-        ({"gpu": "nvml"}, "`gpu`='nvml'"),
-        ({"cpu": "constant"}, "`cpu`='constant' needs `cpu_watts`"),
-        ({"cpu_watts": -3}, "`cpu_watts`=-3"),
-        ({"country_iso_code": "Germany"}, "`country_iso_code`='Germany'"),
-        ({"carbon_intensity": "nowhere.csv"}, "`carbon_intensity`='nowhere.csv'"),
-        ({"price_per_kwh": -0.1}, "`price_per_kwh`=-0.1"),
-        ({"gpu_devices": [0, -1]}, "`gpu_devices`="),
-        ({"log_every_n_steps": 0}, "`log_every_n_steps`=0"),
-        ({"codecarbon_tracking_mode": "node"}, "`codecarbon_tracking_mode`='node'"),
+        (lambda: MeterConfig(sampling_period=0), "`meters.sampling_period`=0"),
+        (lambda: EnergyLogger(cpu="rapl-only"), "`cpu`='rapl-only' is not one of"),
+        (lambda: EnergyLogger(gpu="nvml"), "`gpu`='nvml'"),
+        (lambda: EnergyLogger(cpu="constant"), "`cpu`='constant' needs `meters.cpu_watts`"),
+        (lambda: MeterConfig(cpu_watts=-3), "`meters.cpu_watts`=-3"),
+        (lambda: EnergyLogger(country_iso_code="Germany"), "`country_iso_code`='Germany'"),
+        (lambda: EnergyLogger(carbon_intensity="nowhere.csv"), "`carbon_intensity`='nowhere.csv'"),
+        (lambda: EnergyLogger(price_per_kwh=-0.1), "`price_per_kwh`=-0.1"),
+        (lambda: MeterConfig(gpu_devices=[0, -1]), "`meters.gpu_devices`="),
+        (lambda: AccountingConfig(log_every_n_steps=0), "`accounting.log_every_n_steps`=0"),
+        (lambda: MeterConfig(codecarbon_tracking_mode="node"), "`meters.codecarbon_tracking_mode`='node'"),
+        (lambda: EnergyLogger(meters={"sampling_period": 1.0}), "`meters`=.* must be a MeterConfig"),
+        (lambda: EnergyLogger(currency=" "), "`currency`=' '"),
     ],
 )
-def test_bad_arguments_fail_at_construction(kwargs, match):
+def test_bad_arguments_fail_at_construction(build, match):
     with pytest.raises(ValueError, match=match):
-        EnergyLogger(**kwargs)
+        build()
+
+
+def test_constructor_takes_at_most_ten_arguments():
+    import inspect
+
+    assert len(inspect.signature(EnergyLogger.__init__).parameters) - 1 <= 10
 
 
 # ---------------------------------------------------------------------- DDP
@@ -405,8 +448,8 @@ class WriteRankResult(Callback):
         result = {
             "rank": trainer.global_rank,
             "report_paths": [str(p) for p in energy.report_paths],
-            "local_components": sorted(c.component for c in energy.chains),
-            "local_cpu_j": energy.ledger.totals_j["cpu"],
+            "local_components": sorted(c.component for c in energy.account.chains),
+            "local_cpu_j": energy.account.ledger.totals_j["cpu"],
             "report": energy.report,
         }
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
@@ -415,7 +458,9 @@ class WriteRankResult(Callback):
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_ddp_sums_gpu_over_ranks_and_counts_cpu_once(tmp_path):
-    energy = EnergyLogger(sampling_period=0.05, gpu_devices=[0], cpu="constant", cpu_watts=10.0, ram="none")
+    energy = EnergyLogger(
+        cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, gpu_devices=[0], cpu_watts=10.0)
+    )
     fit = pl.Trainer(
         accelerator="cpu",
         devices=2,

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pynvml
@@ -373,6 +374,38 @@ def test_codecarbon_flush_that_measured_nothing_new_keeps_the_last_power():
     session.tracker._last_measured_time = time.perf_counter() - 1.0
     assert meter.read_joules(2.0) > first
     meter.close()
+
+
+def test_codecarbon_tracker_starts_and_stops_without_a_deprecation_warning():
+    # pyproject ignores DeprecationWarning globally, so record every warning explicitly
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session = CodecarbonSession(country_iso_code="DEU")
+        meter = CodecarbonMeter("cpu", session)
+        meter.start(0.0)
+        busy(0.06)
+        meter.read_joules(1.0)
+        meter.close()
+    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert deprecations == [], [f"{w.filename}:{w.lineno}: {w.message}" for w in deprecations]
+    assert session.tracker is None
+
+
+def test_codecarbon_run_shorter_than_its_measuring_window_gets_its_energy():
+    # codecarbon adds to its totals only when it measures; a run that ends before it measures again (here:
+    # never again after the start) must still get power x time, not 0 J
+    session = CodecarbonSession(country_iso_code="DEU", min_flush_interval=0.0)
+    cpu, ram = CodecarbonMeter("cpu", session), CodecarbonMeter("ram", session)
+    cpu.start(0.0)
+    ram.start(0.0)
+    session.tracker._measure_power_and_energy_if_stale = lambda *args, **kwargs: None
+    watts = session.receiver.cpu_watts, session.receiver.ram_watts
+    assert watts[0] > 0 and watts[1] > 0
+    assert cpu.read_joules(0.5) == pytest.approx(watts[0] * 0.5)
+    assert ram.read_joules(0.5) == pytest.approx(watts[1] * 0.5)
+    assert ram.read_joules(0.75) == pytest.approx(watts[1] * 0.75)  # cumulative, still power x time
+    cpu.close()
+    ram.close()
 
 
 def test_codecarbon_raising_inside_flush_becomes_a_fallback(monkeypatch):

@@ -1,12 +1,15 @@
 """Energy meters (NVML, RAPL, codecarbon, constant), carbon-intensity and price series, the ledger that
-attributes energy to phases, and the report."""
+attributes energy to phases, the account that runs them for a fit (:class:`EnergyAccount`, what
+:class:`~lightning_pulse.EnergyLogger` adapts), its configs, and the report."""
 
+from lightning_pulse.energy.account import EnergyAccount
 from lightning_pulse.energy.carbon import Rate, TimeSeries, carbon_intensity_from, price_from
 from lightning_pulse.energy.codecarbon_meter import (
     CodecarbonMeter,
     CodecarbonSession,
     country_carbon_intensity,
 )
+from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.constant import ConstantPowerMeter
 from lightning_pulse.energy.ledger import EnergyLedger, predict_run
 from lightning_pulse.energy.meter import (
@@ -27,13 +30,16 @@ __all__ = [
     "ESTIMATED",
     "MEASURED",
     "NONE",
+    "AccountingConfig",
     "CodecarbonMeter",
     "CodecarbonSession",
     "ConstantPowerMeter",
+    "EnergyAccount",
     "EnergyLedger",
     "EnergyMeter",
     "EnergySampler",
     "MeterChain",
+    "MeterConfig",
     "MeterError",
     "MeterUnavailable",
     "NvmlCounterMeter",

@@ -134,7 +134,8 @@ class CodecarbonSession:
         self._last_value = (0.0, 0.0)
         self._flush_now: float | None = None
         self._flushed = (0.0, 0.0)
-        self._watts: tuple[float, float] | None = None  # the power of the latest flush interval, once known
+        self._watts: tuple[float, float] | None = None  # the power of the latest flush interval
+        self._start_watts = (0.0, 0.0)  # codecarbon's own power at the latest measuring flush
         self._quiet: quiet_codecarbon | None = None
         self.hardware: dict[str, Any] = {}
 
@@ -156,10 +157,12 @@ class CodecarbonSession:
     def read(self, now: float) -> tuple[float, float]:
         """Cumulative ``(cpu_kwh, ram_kwh)`` since start, at monotonic time ``now``.
 
-        One ``flush`` per sampling instant (the CPU and RAM meters share it). A reading less than
-        ``min_flush_interval`` after the last flush (an epoch-end reading between two readings of the
-        sampling thread) extrapolates the last flush with the power of the latest interval instead of
-        flushing again: the model's own estimate, at a fraction of a flush's cost.
+        One ``flush`` per sampling instant (the CPU and RAM meters share it). codecarbon's estimate is power
+        x time, but it only adds to its totals when it measures, at most every 50 ms: between two of its
+        measurements (a reading less than ``min_flush_interval`` after the last flush, or a flush that
+        measured nothing) the last measured totals are carried forward to ``now`` with the latest power. So
+        every interval gets its energy, and a run shorter than codecarbon's measuring period does not end
+        with none.
         """
         with self._lock:
             if self.error is not None:
@@ -168,8 +171,8 @@ class CodecarbonSession:
                 raise MeterError("codecarbon tracker is not running")
             if self._last_now is not None and abs(now - self._last_now) <= 1e-3:
                 return self._last_value
-            # extrapolation needs the power of one whole flush interval: right after the first flush there
-            # is none yet, and a run shorter than `min_flush_interval` must not end with zero energy
+            # carried forward without a flush only with the power of an interval of ours; before there is
+            # one, a flush (more accurate than codecarbon's start-up power) is worth its cost
             if (
                 self._watts is not None
                 and self._flush_now is not None
@@ -184,11 +187,9 @@ class CodecarbonSession:
                     raise MeterError(self.error)
                 value = (self.receiver.cpu_kwh, self.receiver.ram_kwh)
                 if self._flush_now is not None and value == self._flushed:
-                    # codecarbon measures at most every 50 ms (`_measure_power_and_energy_if_stale`): an
-                    # unchanged total is no measurement of this interval, so it neither sets the power nor
-                    # starts a new interval; the next flush covers the whole span
-                    if self._watts is not None and now > self._flush_now:
-                        value = self._extrapolated(now)
+                    # codecarbon measured nothing (`_measure_power_and_energy_if_stale`): no new interval;
+                    # the next measuring flush covers the whole span
+                    value = self._extrapolated(now)
                 else:
                     if self._flush_now is not None and now > self._flush_now:
                         hours = (now - self._flush_now) / 3600.0
@@ -196,16 +197,23 @@ class CodecarbonSession:
                             max(value[0] - self._flushed[0], 0.0) * 1000.0 / hours,
                             max(value[1] - self._flushed[1], 0.0) * 1000.0 / hours,
                         )
+                    self._start_watts = (self.receiver.cpu_watts, self.receiver.ram_watts)
                     self._flushed, self._flush_now = value, now
+            # an extrapolation is never taken back: a later, lower measurement is held at the figure given
+            value = (max(value[0], self._last_value[0]), max(value[1], self._last_value[1]))
             self._last_now, self._last_value = now, value
             return value
 
     def _extrapolated(self, now: float) -> tuple[float, float]:
-        """The last flushed totals carried forward to ``now`` with the power of the latest interval."""
-        elapsed_h = (now - self._flush_now) / 3600.0
+        """The last flushed totals carried forward to ``now`` with the power of the latest interval, or
+        before there is one, the average power codecarbon reported at its latest measurement."""
+        watts = self._watts if self._watts is not None else self._start_watts
+        if self._flush_now is None:
+            return self._flushed
+        elapsed_h = max(now - self._flush_now, 0.0) / 3600.0
         return (
-            self._flushed[0] + self._watts[0] * elapsed_h / 1000.0,
-            self._flushed[1] + self._watts[1] * elapsed_h / 1000.0,
+            self._flushed[0] + watts[0] * elapsed_h / 1000.0,
+            self._flushed[1] + watts[1] * elapsed_h / 1000.0,
         )
 
     def _start(self) -> None:
@@ -219,7 +227,7 @@ class CodecarbonSession:
                 measure_power_secs=self.measure_power_secs,
                 api_call_interval=-1,
                 output_handlers=[self.receiver],
-                save_to_file=False,
+                output_methods=[],  # no CSV, API, logger or Prometheus output: codecarbon 3's non-deprecated way
                 log_level="error",
                 allow_multiple_runs=True,
                 tracking_mode=self.tracking_mode,

@@ -1,0 +1,613 @@
+"""The energy account of a run: meters, sampler, ledger, batch counts, and the part of the run before a resume.
+
+Plain Python, no Lightning: :class:`~lightning_pulse.EnergyLogger` maps trainer hooks onto an
+:class:`EnergyAccount` and logs what it returns. The few collective calls a DDP run needs go through a
+:class:`Collective` the caller provides (one broadcast and one all-gather per read-out, on every rank).
+
+Nothing here raises into the caller's training loop on a metering problem: a meter that breaks falls back
+inside its :class:`MeterChain`; a bug in the machinery itself stops metering (:meth:`EnergyAccount.disable`)
+and keeps whatever was counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from lightning_pulse.energy.carbon import Rate
+from lightning_pulse.energy.codecarbon_meter import CodecarbonMeter, CodecarbonSession
+from lightning_pulse.energy.config import AccountingConfig, MeterConfig
+from lightning_pulse.energy.constant import ConstantPowerMeter
+from lightning_pulse.energy.counting import count_batch
+from lightning_pulse.energy.ledger import (
+    BUCKET_FIELDS,
+    J_PER_KWH,
+    EnergyLedger,
+    combine_ranks,
+    flatten_buckets,
+    grouped_figures,
+    merge_snapshots,
+    predict_run,
+    timeline_edges,
+)
+from lightning_pulse.energy.meter import COMPONENTS, MeterChain, MeterFactory
+from lightning_pulse.energy.nvml import NvmlCounterMeter, NvmlPowerMeter, nvml_devices_for_cuda
+from lightning_pulse.energy.rapl import RaplMeter
+from lightning_pulse.energy.report import assemble_report
+from lightning_pulse.energy.sampler import EnergySampler
+
+GPU_MODES = ("auto", "none")
+CPU_MODES = ("auto", "codecarbon", "constant", "none")
+RAM_MODES = ("codecarbon", "none")
+MODES = {"gpu": GPU_MODES, "cpu": CPU_MODES, "ram": RAM_MODES}
+COUNTING_NOTES = {
+    "samples": "dimension 0 of the first tensor of each training batch (every micro-batch, so accumulation "
+    "is counted in full), summed over ranks.",
+    "tokens": "non-zero `attention_mask` entries, else `input_ids` elements, else B*T of an integer (B, T) "
+    "first tensor; unknown otherwise. Summed over ranks.",
+    "data-loader stall": "time from on_train_batch_end to the next on_train_batch_start (fetching the next "
+    "batch, plus any hook work in between) over the time between consecutive batch starts; gaps that contain "
+    "a validation run or a phase change are left out. Averaged over ranks.",
+    "ddp": "GPU energy is metered on every rank and summed; CPU and RAM energy once per node (local rank 0).",
+}
+
+
+class Collective(Protocol):
+    """The collectives a multi-process read-out needs; every rank calls them in the same order."""
+
+    world_size: int
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+
+    def all_gather(self, vector: np.ndarray) -> np.ndarray:
+        """``(world_size, len(vector))``: every rank's float64 vector."""
+
+
+def build_chains(
+    config: MeterConfig,
+    gpu_devices: Sequence[int | str],
+    cpu: str,
+    ram: str,
+    country_iso_code: str | None,
+    count_host: bool,
+    warn: Callable[[str], None],
+    info: Callable[[str], None],
+) -> list[MeterChain]:
+    """The meter chains of one process: NVML counter -> NVML power for ``gpu_devices``; and, when
+    ``count_host`` (local rank 0), RAPL -> codecarbon -> ``config.cpu_watts`` for the CPU (as ``cpu``
+    allows) and codecarbon for RAM. One codecarbon tracker serves CPU and RAM, built on first use."""
+    chains: list[MeterChain] = []
+    devices = list(gpu_devices)
+    if devices:
+        gpu_factories: list[tuple[str, MeterFactory]] = [
+            ("nvml-counter", lambda: NvmlCounterMeter(devices)),
+            ("nvml-power", lambda: NvmlPowerMeter(devices)),
+        ]
+        chains.append(MeterChain("gpu", gpu_factories, warn, info))
+    if not count_host:  # CPU and RAM are counted once per node
+        return chains
+    session: CodecarbonSession | None = None
+
+    def codecarbon(component: str) -> MeterFactory:
+        def build() -> CodecarbonMeter:
+            nonlocal session
+            if session is None:
+                session = CodecarbonSession(
+                    country_iso_code,
+                    config.codecarbon_tracking_mode,
+                    min_flush_interval=0.9 * config.sampling_period,
+                )
+            return CodecarbonMeter(component, session)
+
+        return build
+
+    cpu_factories: list[tuple[str, MeterFactory]] = []
+    if cpu == "auto":
+        cpu_factories.append(("rapl", lambda: RaplMeter(config.rapl_root)))
+    if cpu in ("auto", "codecarbon"):
+        cpu_factories.append(("codecarbon", codecarbon("cpu")))
+    if cpu != "none" and config.cpu_watts is not None:
+        watts = config.cpu_watts
+        cpu_factories.append(("constant", lambda: ConstantPowerMeter("cpu", watts)))
+    if cpu_factories:
+        chains.append(MeterChain("cpu", cpu_factories, warn, info))
+    if ram == "codecarbon":
+        chains.append(MeterChain("ram", [("codecarbon", codecarbon("ram"))], warn, info))
+    return chains
+
+
+def gpu_devices_of(device: torch.device, gpu: str, config: MeterConfig) -> list[int | str]:
+    """The NVML devices a process meters: none for ``gpu="none"``, ``config.gpu_devices`` when set, else
+    the NVML index of the process's CUDA ``device`` (none off CUDA)."""
+    if gpu == "none":
+        return []
+    if config.gpu_devices is not None:
+        return list(config.gpu_devices)
+    if device.type != "cuda":
+        return []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return nvml_devices_for_cuda([index])
+
+
+def forecast_message(forecast: dict[str, Any]) -> str:
+    """The one line that announces :func:`~lightning_pulse.energy.ledger.predict_run`'s forecast."""
+    co2 = f", {forecast['co2_kg']:.4g} kg CO2" if forecast["co2_kg"] is not None else ""
+    return (
+        f"EnergyLogger: forecast from {forecast['basis']}: the whole run ({int(forecast['total_steps'])} "
+        f"steps) needs about {forecast['energy_kwh']:.4g} kWh, {forecast['duration_s'] / 60:.1f} min{co2}."
+    )
+
+
+class EnergyAccount:
+    """Energy, time, counts, CO2 and cost of one run, attributed to phases, cycles, epochs and stages.
+
+    Args:
+        intensity: carbon intensity, or ``None`` (no CO2).
+        price: electricity price, or ``None`` (no cost).
+        sampling_period: seconds between readings of the sampling thread.
+        accounting: the sample and token counters.
+        warn: called with one line per problem (each kind once).
+        clock: monotonic seconds (injectable for tests).
+        wall_clock: Unix seconds, for intensity and price.
+
+    A fit is :meth:`start` ... :meth:`stop`; :meth:`state_dict` carries the whole run so far, so a resumed run
+    reports all of it.
+    """
+
+    def __init__(
+        self,
+        intensity: Rate | None,
+        price: Rate | None,
+        sampling_period: float = 1.0,
+        accounting: AccountingConfig | None = None,
+        warn: Callable[[str], None] = print,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        accounting = accounting or AccountingConfig()
+        self.intensity, self.price = intensity, price
+        self.sampling_period = float(sampling_period)
+        self.sample_counter, self.token_counter = accounting.sample_counter, accounting.token_counter
+        self._custom_counting = self.sample_counter is not None or self.token_counter is not None
+        self.warn = warn
+        self.clock, self.wall_clock = clock, wall_clock
+        self.carried: dict[str, Any] | None = None  # the whole run before this fit (from a checkpoint)
+        self.resumed_runs = 0
+        self.prediction: dict[str, Any] | None = None
+        self.ledger: EnergyLedger | None = None
+        self.sampler: EnergySampler | None = None
+        self.chains: list[MeterChain] = []
+        self.disabled_reason: str | None = None
+        self.global_zero = True
+        self._warned: set[str] = set()
+        self._reset()
+
+    # ------------------------------------------------------------------ a fit
+    def start(
+        self,
+        chains: Sequence[MeterChain] | Callable[[], Sequence[MeterChain]],
+        global_zero: bool = True,
+    ) -> None:
+        """Start metering a fit with ``chains`` (or what calling it builds: a failure to build them then
+        disables metering instead of raising); ``global_zero``: this process reports the carried run."""
+        self._reset()
+        self._warned = set()
+        self.global_zero = global_zero
+        self.disabled_reason = None
+        self.ledger = EnergyLedger(self.intensity, self.price)
+        self.chains, self.sampler = [], None
+        self.in_fit = True
+        try:
+            wall = self.wall_clock()
+            for rate in (self.intensity, self.price):
+                if rate is not None:
+                    rate.anchor(wall)
+            self.chains = list(chains() if callable(chains) else chains)
+            self.sampler = EnergySampler(
+                self.chains,
+                self.ledger,
+                self.sampling_period,
+                clock=self.clock,
+                wall_clock=self.wall_clock,
+                warn=self.warn,
+            )
+            self.sampler.start()
+            self.metering = True
+        except Exception as error:
+            self.disable(error)
+
+    def stop(self) -> None:
+        """Stop the thread, take a last reading, close the meters. Safe to call more than once."""
+        self.metering = self.in_fit = False
+        sampler = self.sampler
+        if sampler is not None:
+            try:
+                sampler.stop()
+            except Exception as error:
+                self.warn_once("stop", f"EnergyLogger: stopping the meters failed ({error}).")
+
+    def disable(self, error: BaseException) -> None:
+        """An unexpected error in our own machinery: stop metering, keep what was counted."""
+        self.metering = False
+        self.disabled_reason = f"{type(error).__name__}: {error}"
+        self.warn_once(
+            "disabled", f"EnergyLogger: energy metering stopped ({self.disabled_reason}); training goes on."
+        )
+        sampler, self.sampler = self.sampler, None
+        if sampler is not None:
+            try:
+                sampler.stop(final_sample=False)
+            except Exception:
+                pass
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            self.warn(message)
+
+    # ------------------------------------------------------------------ labels and counts
+    def mark(self, **changes: Any) -> None:
+        """The label (``phase``, ``cycle``, ``epoch``, ``stage``) changes now. Only inside a fit: a later
+        validation run must not add to a finished run's figures."""
+        if self.ledger is not None and self.in_fit:
+            self.fold_counts()  # what was tallied so far belongs to the label that ends here
+            self.ledger.mark(self.clock(), self.wall_clock(), **changes)
+
+    def begin_training(self, step_counter: Callable[[], int]) -> None:
+        """The training loop starts; ``step_counter()`` is the optimizer steps taken so far."""
+        self.step_counter = step_counter
+        self._counted_step = step_counter()
+
+    def skip_gap(self) -> None:
+        """The time to the next batch holds something else (validation, a phase change): no data wait."""
+        self._last_batch_end = None
+
+    def batch_started(self, batch: Any) -> None:
+        """A training batch starts: its samples and tokens, and the data-loader wait before it.
+
+        Runs on every batch: plain-number tallies only, folded into the ledger at the next label change or
+        read-out. A token count on the device stays pending (reading it would synchronise a GPU).
+        """
+        now = self.clock()
+        last_end = self._last_batch_end
+        if last_end is not None:
+            stall, loop = now - last_end, now - self._last_batch_start
+            if stall > 0:
+                self._stall_s += stall
+            if loop > 0:
+                self._loop_s += loop
+        self._last_batch_start = now
+        self._batches += 1
+        try:
+            if self._custom_counting:
+                samples = int(self.sample_counter(batch)) if self.sample_counter else count_batch(batch)[0]
+                tokens = self.token_counter(batch) if self.token_counter else count_batch(batch)[1]
+            else:
+                samples, tokens = count_batch(batch)
+        except Exception as error:  # a counter that cannot read a batch must not stop training
+            self.warn_once(
+                "counter", f"EnergyLogger: could not count the batch ({type(error).__name__}: {error})."
+            )
+            return
+        self._samples += samples
+        if tokens is None:
+            return
+        if type(tokens) is int:
+            self._tokens += tokens
+        elif isinstance(tokens, torch.Tensor):
+            pending = self._pending_now
+            self._pending_now = tokens.detach() if pending is None else pending + tokens.detach()
+        else:
+            self._tokens += int(tokens)
+        self._token_batches += 1
+
+    def batch_ended(self) -> None:
+        self._last_batch_end = self.clock()
+
+    def end_training(self) -> None:
+        self.mark(stage="other", phase=None, cycle=None, epoch=None)
+        self.step_counter = None
+
+    def fold_counts(self) -> None:
+        """Move the per-batch tallies into the ledger under the current label. Optimizer steps are the
+        growth of the step counter since the last fold (never negative: a step taken back is not counted)."""
+        ledger = self.ledger
+        if ledger is None:
+            return
+        steps = 0
+        if self.step_counter is not None and self._counted_step is not None:
+            step = self.step_counter()
+            if step > self._counted_step:
+                steps, self._counted_step = step - self._counted_step, step
+        if not (self._batches or steps):
+            return
+        keys = ledger.current_keys()
+        ledger.add_counts(
+            keys,
+            batches=self._batches,
+            samples=self._samples,
+            tokens=self._tokens,
+            token_batches=self._token_batches,
+            stall_s=self._stall_s,
+            loop_s=self._loop_s,
+            steps=steps,
+        )
+        if self._pending_now is not None:
+            earlier = self._pending.get(keys)
+            self._pending[keys] = self._pending_now if earlier is None else earlier + self._pending_now
+        self._batches = self._samples = self._tokens = self._token_batches = 0
+        self._stall_s = self._loop_s = 0.0
+        self._pending_now = None
+
+    # ------------------------------------------------------------------ read-outs
+    def energy_so_far_kwh(self) -> float:
+        """Energy metered by this process so far, in kWh (plus, on global rank 0 of a resumed run, the run
+        before the resume). Between readings it grows with the latest average power, so consecutive calls
+        see a smooth, never decreasing value. Never raises."""
+        try:
+            sampler = self.sampler
+            if sampler is not None and not sampler.running:  # no thread: read here, at most once a period
+                last = sampler.last_sample_time
+                if last is None or self.clock() - last >= self.sampling_period:
+                    sampler.sample()
+            if self.ledger is None:
+                joules = 0.0
+            elif self.metering:
+                joules = self.ledger.estimate_joules(self.clock())
+            else:  # metering has ended: the final figure, no extrapolation
+                joules = self.ledger.total_joules
+        except Exception as error:
+            self.disable(error)
+            joules = self.ledger.total_joules if self.ledger is not None else 0.0
+        value = max(joules / J_PER_KWH + self.carried_kwh(), self._last_so_far_kwh)
+        self._last_so_far_kwh = value
+        return value
+
+    def metered_kwh(self) -> float:
+        """The figure at the latest reading (no extrapolation), carried run included on global rank 0."""
+        joules = self.ledger.total_joules if self.ledger is not None else 0.0
+        return joules / J_PER_KWH + self.carried_kwh()
+
+    def carried_kwh(self) -> float:
+        if not self.carried or not self.global_zero:
+            return 0.0
+        total = self.carried.get("buckets", {}).get("total", {})
+        return sum(float(total.get(f"{c}_j", 0.0)) for c in COMPONENTS) / J_PER_KWH
+
+    @property
+    def last_reading_time(self) -> float | None:
+        return None if self.ledger is None else self.ledger.last_reading_time
+
+    def step_metrics(self) -> dict[str, float] | None:
+        """``energy/kwh_so_far`` and, from the second call on, ``energy/power_w`` since the previous call."""
+        at = self.last_reading_time
+        if at is None:
+            return None
+        joules = self.ledger.total_joules
+        metrics = {"energy/kwh_so_far": self.metered_kwh()}
+        previous = self._last_step_log
+        if previous is not None and at > previous[1]:
+            metrics["energy/power_w"] = (joules - previous[0]) / (at - previous[1])
+        self._last_step_log = (joules, at)
+        return metrics
+
+    def progress_text(self) -> str:
+        """The progress bar's figure; it changes only with a reading, so it is formatted once per reading."""
+        at = self.last_reading_time
+        if at is None or at != self._progress_at:
+            self._progress_at, self._progress_text = at, f"{self.metered_kwh():.3g}"
+        return self._progress_text
+
+    def snapshot(
+        self,
+        collective: Collective | None = None,
+        timeline: bool = True,
+        keys: Callable[[str], bool] | None = None,
+    ) -> dict[str, Any]:
+        """The whole run so far, all ranks: carried run + this fit (collective when ``collective`` has more
+        than one process). ``timeline=False`` gives the figures only; ``keys`` keeps only the buckets whose
+        key passes it (figures only)."""
+        if self.sampler is not None:
+            try:
+                self.sampler.sample()
+            except Exception as error:
+                self.disable(error)
+        if keys is not None:
+            timeline = False
+        if collective is None or collective.world_size <= 1:
+            current = self._local_snapshot(timeline=timeline, keys=keys)
+        else:
+            current = self._world_snapshot(collective, timeline, keys)
+        carried = self.carried
+        if not timeline:
+            earlier = None
+            if carried:
+                wanted = {k: row for k, row in carried["buckets"].items() if keys is None or keys(k)}
+                earlier = {"buckets": wanted}
+            return merge_snapshots(earlier, current)
+        events = sorted((event for chain in self.chains for event in chain.events), key=lambda e: e.elapsed_s)
+        current["events"] = [event.to_dict() for event in events]
+        return merge_snapshots(carried, current)
+
+    def epoch_metrics(
+        self, epoch: int, total_steps: float, collective: Collective | None = None
+    ) -> tuple[dict[str, float], dict[str, Any] | None]:
+        """The figures logged at an epoch end, and the run's forecast when this epoch made the first one."""
+        epoch_key = f"epoch/{epoch}"
+        snapshot = self.snapshot(
+            collective, keys=lambda key: key == "total" or key == epoch_key or key.startswith("phase/")
+        )
+        buckets = snapshot["buckets"]
+        buckets.setdefault("total", {})
+        groups = grouped_figures(buckets, self.intensity is not None, self.price is not None)
+        row = groups["epochs"].get(str(epoch))
+        metrics: dict[str, float | None] = {}
+        if row is not None:
+            for name in ("energy_kwh", "avg_power_w", "co2_kg", "cost", "stall_share"):
+                metrics[f"energy/epoch_{name.replace('energy_', '')}"] = row[name]
+        total = groups["total"]
+        metrics.update(
+            {
+                "energy/total_kwh": total["energy_kwh"],
+                "energy/total_co2_kg": total["co2_kg"],
+                "energy/total_cost": total["cost"],
+                "energy/j_per_sample": total["energy_per_sample_j"],
+                "energy/j_per_token": total["energy_per_token_j"],
+            }
+        )
+        for phase, figures in groups["phases"].items():
+            metrics[f"energy/{phase}_kwh"] = figures["energy_kwh"]
+            metrics[f"energy/{phase}_stall_share"] = figures["stall_share"]
+        forecast = None
+        if self.prediction is None and row is not None:
+            forecast = self.prediction = predict_run(
+                buckets[epoch_key], total_steps, self.intensity is not None, self.price is not None
+            )
+            if forecast is not None:
+                metrics["energy/predicted_kwh"] = forecast["energy_kwh"]
+                metrics["energy/predicted_duration_s"] = forecast["duration_s"]
+                metrics["energy/predicted_co2_kg"] = forecast["co2_kg"]
+        return _present(metrics), forecast
+
+    def cycle_metrics(self, cycle: int, collective: Collective | None = None) -> dict[str, float] | None:
+        """The figures of a completed pulse cycle (``None`` if it has no bucket)."""
+        key = f"cycle/{cycle}"
+        bucket = self.snapshot(collective, keys=lambda name: name == key)["buckets"].get(key)
+        if bucket is None:
+            return None
+        figures = grouped_figures({key: bucket}, self.intensity is not None, self.price is not None)
+        row = figures["cycles"][str(cycle)]
+        metrics = {
+            f"energy/cycle_{name.replace('energy_', '')}": row[name]
+            for name in ("energy_kwh", "co2_kg", "cost")
+        }
+        metrics["energy/cycle_avg_power_w"] = row["avg_power_w"]
+        metrics["energy/cycle"] = float(cycle)
+        return _present(metrics)
+
+    def report(
+        self, status: str, currency: str, collective: Collective | None = None, num_nodes: int = 1
+    ) -> dict[str, Any]:
+        """The JSON-ready report of the whole run so far."""
+        return assemble_report(
+            self.snapshot(collective),
+            status=status,
+            world_size=1 if collective is None else collective.world_size,
+            num_nodes=num_nodes,
+            sampling_period_s=self.sampling_period,
+            resumed_runs=self.resumed_runs,
+            meters=self.meter_descriptions(),
+            intensity=self.intensity,
+            price=self.price,
+            currency=currency,
+            prediction=self.prediction,
+            counting=COUNTING_NOTES,
+            disabled=self.disabled_reason,
+        )
+
+    def meter_descriptions(self) -> dict[str, Any]:
+        chains = {chain.component: chain for chain in self.chains}
+        described = {}
+        for component in COMPONENTS:
+            chain = chains.get(component)
+            described[component] = (
+                chain.describe() if chain is not None else {"meter": "none", "method": "none"}
+            )
+            described[component]["counted_on"] = (
+                "every rank, summed" if component == "gpu" else "local rank 0 of each node"
+            )
+        return described
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, collective: Collective | None = None) -> dict[str, Any]:
+        snapshot = self.snapshot(collective) if self.ledger is not None else self.carried
+        return {
+            "version": 1,
+            "snapshot": snapshot,
+            "resumed_runs": self.resumed_runs,
+            "prediction": self.prediction,
+            "intensity": None if self.intensity is None else self.intensity.state_dict(),
+            "price": None if self.price is None else self.price.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.carried = state_dict.get("snapshot")
+        self.resumed_runs = int(state_dict.get("resumed_runs", 0)) + 1
+        self.prediction = state_dict.get("prediction")
+        for rate, key in ((self.intensity, "intensity"), (self.price, "price")):
+            if rate is not None and state_dict.get(key):
+                rate.load_state_dict(state_dict[key])
+
+    # ------------------------------------------------------------------ internals
+    def _reset(self) -> None:
+        self.metering = self.in_fit = False
+        self.step_counter: Callable[[], int] | None = None
+        self._counted_step: int | None = None
+        self._last_batch_start: float | None = None
+        self._last_batch_end: float | None = None
+        self._batches = self._samples = self._tokens = self._token_batches = 0
+        self._stall_s = self._loop_s = 0.0
+        self._pending_now: torch.Tensor | None = None
+        self._pending: dict[tuple[str, ...], torch.Tensor] = {}
+        self._last_step_log: tuple[float, float] | None = None
+        self._last_so_far_kwh = 0.0
+        self._progress_at: float | None = None
+        self._progress_text = ""
+
+    def _local_snapshot(
+        self,
+        edges: np.ndarray | None = None,
+        timeline: bool = True,
+        keys: Callable[[str], bool] | None = None,
+    ) -> dict[str, Any]:
+        ledger = self.ledger
+        if ledger is None:
+            return {"buckets": {}, "timeline": {}, "phase_segments": []} if timeline else {"buckets": {}}
+        self.fold_counts()
+        if self._pending:  # device token counts, read once per read-out rather than once per batch
+            pending, self._pending = self._pending, {}
+            for label_keys, tokens in pending.items():
+                ledger.add_tokens(label_keys, int(tokens.item()))
+        return ledger.snapshot(self.clock(), edges=edges, timeline=timeline, keys=keys)
+
+    def _world_snapshot(
+        self, collective: Collective, timeline: bool, wanted: Callable[[str], bool] | None
+    ) -> dict[str, Any]:
+        """Every rank's ledger combined: GPU energy and counts summed, time the max, stall averaged."""
+        world = collective.world_size
+        layout = None
+        if self.global_zero:
+            keys = sorted(self._local_snapshot(timeline=False, keys=wanted)["buckets"])
+            ledger = self.ledger
+            edges = timeline_edges(ledger.timeline_wall if ledger is not None and timeline else [])
+            layout = (keys, edges.tolist())
+        keys, edge_list = collective.broadcast(layout)
+        edges = np.asarray(edge_list, dtype=np.float64)
+        bins = max(len(edges) - 1, 0)
+        local = self._local_snapshot(edges if timeline else None, timeline=timeline, keys=wanted)
+        buckets = flatten_buckets(local["buckets"], keys).ravel()
+        series = local.get("timeline", {})
+        binned = np.array([series.get(f"{c}_j") or [0.0] * bins for c in COMPONENTS], dtype=np.float64)
+        gathered = np.asarray(collective.all_gather(np.concatenate([buckets, binned.ravel()]))).reshape(
+            world, -1
+        )
+        size = len(keys) * len(BUCKET_FIELDS)
+        combined = {"buckets": combine_ranks(gathered[:, :size].reshape(world, len(keys), -1), keys)}
+        if timeline:
+            summed = gathered[:, size:].sum(axis=0).reshape(len(COMPONENTS), bins)
+            combined["timeline"] = {
+                "start_wall": edges[:-1].tolist(),
+                "end_wall": edges[1:].tolist(),
+                **{f"{c}_j": summed[i].tolist() for i, c in enumerate(COMPONENTS)},
+            }
+            combined["phase_segments"] = local["phase_segments"]
+        return combined
+
+
+def _present(metrics: dict[str, float | None]) -> dict[str, float]:
+    return {name: float(value) for name, value in metrics.items() if value is not None}

@@ -1,0 +1,114 @@
+"""The rarely turned knobs of :class:`~lightning_pulse.EnergyLogger`, as two small validated dataclasses.
+
+LightningCLI nests them under the callback's ``init_args``::
+
+    init_args:
+      country_iso_code: DEU
+      meters: {sampling_period: 0.5, codecarbon_tracking_mode: process}
+      accounting: {progress_bar: false}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_pulse.energy.codecarbon_meter import TRACKING_MODES
+from lightning_pulse.energy.rapl import DEFAULT_POWERCAP_ROOT
+
+
+@dataclass(frozen=True)
+class MeterConfig:
+    """How the meters are read.
+
+    Args:
+        sampling_period: seconds between meter readings on the background thread.
+        gpu_devices: NVML indices or GPU UUIDs to meter instead of the rank's own CUDA device.
+        cpu_watts: a constant CPU power in watts: what ``cpu="constant"`` counts, and the last CPU fallback
+            of ``cpu="auto"`` / ``"codecarbon"``.
+        rapl_root: the powercap sysfs directory.
+        codecarbon_tracking_mode: codecarbon's ``"machine"`` (the whole node) or ``"process"`` (this
+            process's share of CPU load and memory).
+
+    Raises:
+        ValueError: on a bad value, naming the field, the value and what is allowed.
+    """
+
+    sampling_period: float = 1.0
+    gpu_devices: Sequence[int | str] | None = None
+    cpu_watts: float | None = None
+    rapl_root: str = DEFAULT_POWERCAP_ROOT
+    codecarbon_tracking_mode: str = "machine"
+
+    def __post_init__(self) -> None:
+        period = self.sampling_period
+        if not _is_number(period) or period <= 0:
+            raise ValueError(f"`meters.sampling_period`={period!r} must be a positive number of seconds.")
+        object.__setattr__(self, "sampling_period", float(period))
+        devices = self.gpu_devices
+        if devices is not None:
+            if isinstance(devices, (str, int)) or not all(
+                (isinstance(d, int) and not isinstance(d, bool) and d >= 0) or (isinstance(d, str) and d)
+                for d in devices
+            ):
+                raise ValueError(
+                    f"`meters.gpu_devices`={devices!r} must be a list of NVML indices (int >= 0) or GPU UUIDs."
+                )
+            object.__setattr__(self, "gpu_devices", tuple(devices))
+        if self.cpu_watts is not None:
+            if not _is_number(self.cpu_watts) or self.cpu_watts < 0:
+                raise ValueError(
+                    f"`meters.cpu_watts`={self.cpu_watts!r} must be a finite number of watts >= 0."
+                )
+            object.__setattr__(self, "cpu_watts", float(self.cpu_watts))
+        if self.codecarbon_tracking_mode not in TRACKING_MODES:
+            raise ValueError(
+                f"`meters.codecarbon_tracking_mode`={self.codecarbon_tracking_mode!r} is not one of "
+                f"{list(TRACKING_MODES)}."
+            )
+        object.__setattr__(self, "rapl_root", str(self.rapl_root))
+
+
+@dataclass(frozen=True)
+class AccountingConfig:
+    """How figures are dated, counted and shown.
+
+    Args:
+        carbon_intensity_start: read a carbon-intensity CSV series as if the run had started at this UTC
+            time (e.g. ``"2020-06-01 12:00:00"``); by default the run's own dates, or the same time of year
+            when they are outside the series.
+        price_start: the same, for a price series.
+        sample_counter: ``batch -> int`` replacing the default sample count.
+        token_counter: ``batch -> int | None`` replacing the default token count.
+        log_every_n_steps: step-level logging interval; default the Trainer's.
+        progress_bar: show the total kWh in the progress bar.
+
+    Raises:
+        ValueError: on a bad value, naming the field, the value and what is allowed.
+    """
+
+    carbon_intensity_start: str | None = None
+    price_start: str | None = None
+    sample_counter: Callable[[Any], int] | None = None
+    token_counter: Callable[[Any], int | None] | None = None
+    log_every_n_steps: int | None = None
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        steps = self.log_every_n_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"`accounting.log_every_n_steps`={steps!r} must be a positive int or None.")
+        for field in ("sample_counter", "token_counter"):
+            value = getattr(self, field)
+            if value is not None and not callable(value):
+                raise ValueError(
+                    f"`accounting.{field}`={value!r} must be a callable taking a batch, or None."
+                )
+        if not isinstance(self.progress_bar, bool):
+            raise ValueError(f"`accounting.progress_bar`={self.progress_bar!r} must be True or False.")
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
