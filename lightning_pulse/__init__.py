@@ -9,18 +9,21 @@ from lightning_pulse.callbacks.scheduled_prune import PruneOptions, ScheduledPru
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 from lightning_pulse.core.distillation import DistillConfig
 from lightning_pulse.core.stability_policy import StabilityGuardConfig
+from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import Duration, Phase, PhaseChange, PhaseClock, parse_duration
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccountingConfig",
     "DistillConfig",
     "Duration",
     "EnergyLogger",
     "GradientCache",
     "HardSampleReplay",
     "HyperConnectionMonitor",
+    "MeterConfig",
     "Phase",
     "PhaseChange",
     "PhaseClock",

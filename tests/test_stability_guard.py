@@ -24,6 +24,7 @@ from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 from lightning_pulse.core.snapshots import copy_to_cpu
 from lightning_pulse.core.stability_policy import StabilityGuardConfig
+from lightning_pulse.energy import MeterConfig
 from lightning_pulse.phase import PhaseChange
 from tests.conftest import trainer_kwargs
 
@@ -259,7 +260,9 @@ def rollback_run(small_data, tmp_path_factory):
     model = MNIST1DClassifier(arch="mlp", scheduler="onecycle")
     cycle = PulseCycle(burst=8, replay=4, maintain=2, warmup=0, anneal=0, maintain_eval="none")
     recorder = StepRecorder()
-    energy = EnergyLogger(sampling_period=0.02, cpu="constant", cpu_watts=10.0, ram="none", gpu="none")
+    energy = EnergyLogger(
+        cpu="constant", ram="none", gpu="none", meters=MeterConfig(sampling_period=0.02, cpu_watts=10.0)
+    )
     guard = StabilityGuard(
         warmup=10,
         # a 50-step one-cycle schedule ramps the gradient norm up 4x in 15 steps: judge the loss only
