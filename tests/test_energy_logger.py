@@ -363,6 +363,24 @@ def test_an_exception_in_training_stops_the_thread_and_reports_the_interrupted_r
     assert report["total"]["methods"]["cpu"] == ESTIMATED
 
 
+def test_a_fit_refused_before_its_first_batch_writes_no_report(tmp_path):
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_pulse import PulseRefusal
+
+    class Refuses(Callback):
+        def on_train_start(self, trainer, pl_module):
+            raise PulseRefusal("Refuses: this model is not handled; remove Refuses.")
+
+    energy = EnergyLogger(cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.02, cpu_watts=5.0))
+    fit = trainer([energy, Refuses()], default_root_dir=tmp_path)
+    with pytest.raises(PulseRefusal):
+        fit.fit(MNIST1DClassifier(arch="mlp"), data())
+    assert leftover_threads() == []
+    assert not list(tmp_path.rglob("energy_report*"))
+    assert energy.report is None
+
+
 def test_a_bug_in_the_epoch_figures_warns_once_and_training_goes_on(tmp_path, monkeypatch, recwarn):
     import lightning_pulse.energy.account as account_module
 

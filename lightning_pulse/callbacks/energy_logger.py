@@ -178,6 +178,7 @@ class EnergyLogger(Callback):
         self.report_paths: list[Path] = []
         self._trainer: pl.Trainer | None = None
         self._in_train_loop = False
+        self._batches_this_fit = 0
         self._last_cycle: int | None = None
         self._last_global_step = 0
         self._log_every = 1
@@ -195,6 +196,7 @@ class EnergyLogger(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
         self._in_train_loop = False
+        self._batches_this_fit = 0
         self.report, self.report_paths = None, []
         self.account.start(
             lambda: build_chains(
@@ -255,6 +257,7 @@ class EnergyLogger(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.account.batch_ended()
+        self._batches_this_fit += 1
         if self._log_steps:  # only rank 0 with a logger reads the step here
             global_step = trainer.global_step
             if global_step > self._last_global_step:
@@ -309,6 +312,10 @@ class EnergyLogger(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self.account.stop()
+        if not self._batches_this_fit:
+            # a refusal at fit start, or a crash before the first batch: no run to report on
+            rank_zero_info("EnergyLogger: the fit stopped before its first training batch; no energy report.")
+            return
         # collectives are not safe after an exception on one rank, so only a single process reports
         if self.account.ledger is not None and trainer.world_size == 1 and self.report is None:
             try:
