@@ -10,7 +10,7 @@ import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_pulse import Phase, PulseCycle, phase_of, pulse_cycle_of
+from lightning_pulse import Phase, PulseCycle, PulseRefusal, phase_of, pulse_cycle_of
 from tests.conftest import trainer_kwargs
 
 
@@ -138,8 +138,9 @@ def test_epoch_durations_on_an_infinite_loader_fail_at_fit_start():
     trainer = pl.Trainer(
         callbacks=[PulseCycle(burst=0.5, warmup=0, anneal=0)], max_steps=3, **trainer_kwargs()
     )
-    with pytest.raises(ValueError, match="epoch-based phase durations"):
+    with pytest.raises(PulseRefusal, match="^PulseCycle: epoch-based phase durations .* in steps or seconds"):
         trainer.fit(MNIST1DClassifier(), DataLoader(Stream(), batch_size=4))
+    assert trainer.global_step == 0  # refused before the first step
 
 
 def test_resume_mid_replay_continues_same_phase(mnist1d_small, tmp_path):

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.core.module_state import kept_carried_state
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
 from lightning_pulse.protocols import PhaseListener, listeners
@@ -334,7 +335,8 @@ def run_validation_probe(
     """Evaluate the module's own ``validation_step`` on ``batches`` and return the mean of what it logs.
 
     The module's ``self.log`` calls are captured instead of reaching Lightning's logger connector, and its
-    torchmetrics states are restored afterwards, so the real validation loop sees nothing of the probe.
+    torchmetrics states, and any tensor state the module carries between batches (an RNN's hidden state), are
+    restored afterwards, so neither training nor the real validation loop sees anything of the probe.
     Under DDP the means are averaged over ranks (every rank calls this at the same step).
     """
     sums: dict[str, float] = {}
@@ -362,6 +364,7 @@ def run_validation_probe(
     try:
         with (
             compat.frozen_metric_states(pl_module),
+            kept_carried_state(pl_module),  # a stateful module's training state (RNN hidden) comes back
             torch.no_grad(),
             trainer.precision_plugin.val_step_context(),
         ):

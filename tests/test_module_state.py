@@ -1,0 +1,46 @@
+"""Tensor state a module carries between batches is found, and given back after an evaluation."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_pulse.core.module_state import carried_tensor_state, is_tensor_state, kept_carried_state
+
+
+class Stateful(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(3, 4, batch_first=True)
+        self.state = None
+        self.note = None
+        self.register_buffer("scale", torch.ones(1))
+
+    def forward(self, x):
+        out, state = self.rnn(x, self.state)
+        self.state = tuple(s.detach() for s in state)
+        return out
+
+
+def test_carried_state_is_the_rnn_hidden_state_and_not_parameters_or_buffers():
+    module = Stateful()
+    assert carried_tensor_state(module) == {}
+    module(torch.randn(2, 5, 3))
+    found = carried_tensor_state(module)
+    assert list(found) == ["state"] and found["state"][0].shape == (1, 2, 4)
+    assert not is_tensor_state(module.rnn.weight_ih_l0) and not is_tensor_state(())
+
+
+def test_an_evaluation_inside_kept_carried_state_leaves_the_training_state_as_it_was():
+    module = Stateful()
+    module(torch.randn(2, 5, 3))
+    training_state = module.state
+    with kept_carried_state(module):
+        module.state = None  # an evaluation starts its own stream, as the LSTM client's validation does
+        module(torch.randn(7, 5, 3))  # another batch size, as a validation loader may have
+        module.cache = torch.zeros(3)  # tensor state that appears inside goes away again
+        module.note = "kept"  # a plain attribute that is not tensor state is not ours to undo
+    assert module.state is training_state
+    assert not hasattr(module, "cache")
+    assert module.note == "kept"
+    module(torch.randn(2, 5, 3))  # training continues with its own hidden state's batch size

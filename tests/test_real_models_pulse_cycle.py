@@ -1,0 +1,58 @@
+"""PulseCycle on client models nobody here designed for: the rhythm runs, the probe evaluates, nothing leaks."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import Callback
+
+from lightning_pulse import Phase, PulseCycle
+from tests.clients import CLIENTS
+from tests.conftest import trainer_kwargs
+
+pytest.importorskip("transformers")
+
+
+def _cycle():
+    return PulseCycle(burst=10, replay=8, maintain=2, warmup=0, anneal=0, probe_batches=2)
+
+
+@pytest.mark.parametrize("name", sorted(CLIENTS))
+def test_the_rhythm_and_the_probe_run_on_every_client(name):
+    pl.seed_everything(0, verbose=False)
+    module, data = CLIENTS[name]()
+    cycle = _cycle()
+    trainer = pl.Trainer(max_steps=60, limit_val_batches=2, callbacks=[cycle], **trainer_kwargs())
+    trainer.fit(module, data)
+    # phases advance on optimizer steps, also under manual optimization
+    assert cycle.clock.steps_by_phase == {"burst": 30, "replay": 24, "maintain": 6}
+    assert [c.current for c in cycle.history[:4]] == [Phase.BURST, Phase.REPLAY, Phase.MAINTAIN, Phase.BURST]
+    # the maintain probe evaluated the module's own validation_step
+    assert math.isfinite(cycle.last_probe["val_loss"])
+
+
+class _StateAt(Callback):
+    """Records the module's carried hidden state after each training batch."""
+
+    def __init__(self) -> None:
+        self.states: list = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.states.append(pl_module.state)
+
+
+def test_the_probe_gives_a_stateful_module_its_training_state_back():
+    pl.seed_everything(0, verbose=False)
+    module, data = CLIENTS["stateful-lstm"]()
+    before, after, cycle = _StateAt(), _StateAt(), _cycle()
+    trainer = pl.Trainer(
+        max_steps=40, limit_val_batches=2, callbacks=[before, cycle, after], **trainer_kwargs()
+    )
+    trainer.fit(module, data)
+    maintain_entries = [change.step for change in cycle.history if change.current is Phase.MAINTAIN]
+    assert maintain_entries  # the probe ran on the validation stream in the middle of training
+    for step in maintain_entries:
+        # the hidden state the next training batch continues from is the training stream's, not the probe's
+        assert after.states[step - 1] is before.states[step - 1]
