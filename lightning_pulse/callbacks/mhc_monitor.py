@@ -12,6 +12,28 @@ from typing_extensions import override
 
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
 
+# The tensors handed to the cross-rank reductions, one per (device, op, length), kept until the interpreter
+# shuts down. A gloo (or NCCL) worker thread holds its own reference to a reduced tensor for a moment after
+# the collective has returned. If Python has dropped the tensor by then, the worker thread frees the tensor's
+# Python object itself, which needs the GIL; when that happens while the rank is exiting (right after a
+# measurement at the last step), Python ends the waiting thread with pthread_exit, whose forced unwinding
+# through C++ destructors calls std::terminate: the rank aborts with "terminate called without an active
+# exception". A tensor that outlives the run is never the worker's to free (after interpreter shutdown has
+# begun, torch leaks such objects instead of taking the GIL).
+_REDUCTION_BUFFERS: dict[tuple[str, str, int], torch.Tensor] = {}
+
+
+def _reduce_across_ranks(
+    strategy: Any, values: list[float], reduce_op: str, device: torch.device
+) -> list[float]:
+    """``values`` reduced over ranks with ``reduce_op`` (``"max"`` / ``"mean"``), through a long-lived buffer."""
+    key = (str(device), reduce_op, len(values))
+    buffer = _REDUCTION_BUFFERS.get(key)
+    if buffer is None:
+        buffer = _REDUCTION_BUFFERS[key] = torch.zeros(len(values), dtype=torch.float64, device=device)
+    buffer.copy_(torch.tensor(values, dtype=torch.float64))
+    return strategy.reduce(buffer, reduce_op=reduce_op).tolist()
+
 
 class HyperConnectionMonitor(Callback):
     r"""Logs the composite gain and off-diagonal mass of a model's hyper-connection layers.
@@ -75,19 +97,6 @@ class HyperConnectionMonitor(Callback):
         """The latest measurement: ``{"step", "forward_gain", "backward_gain", "off_diagonal_mass", ...}``."""
         return self.history[-1] if self.history else None
 
-    def benchmark_metrics(self) -> dict[str, float]:
-        """Run-level figures for benchmark reports: the largest and the last gains measured."""
-        if not self.history:
-            return {}
-        return {
-            "max_forward_gain": max(entry["forward_gain"] for entry in self.history),
-            "max_backward_gain": max(entry["backward_gain"] for entry in self.history),
-            "last_forward_gain": self.history[-1]["forward_gain"],
-            "last_backward_gain": self.history[-1]["backward_gain"],
-            "max_stream_rms": max(entry["stream_rms"] for entry in self.history),
-            "last_off_diagonal_mass": self.history[-1]["off_diagonal_mass"],
-        }
-
     # ------------------------------------------------------------------ hooks
     @override
     def on_train_batch_start(
@@ -119,16 +128,12 @@ class HyperConnectionMonitor(Callback):
         stats = recorder.diagnostics()
         if stats is None:  # the hooked layers were not called in this forward pass
             return
-        device = pl_module.device
-        maxima = torch.tensor(
-            [stats["forward_gain"], stats["backward_gain"], stats["stream_rms"]], device=device
-        )
-        masses = torch.tensor(stats["off_diagonal_mass"], dtype=torch.float64, device=device)
+        maxima = [stats["forward_gain"], stats["backward_gain"], stats["stream_rms"]]
+        per_layer = list(stats["off_diagonal_mass"])
         if trainer.world_size > 1:  # every rank takes this branch on the same step, so the collectives match
-            maxima = trainer.strategy.reduce(maxima, reduce_op="max")
-            masses = trainer.strategy.reduce(masses, reduce_op="mean")
-        forward_gain, backward_gain, stream_rms = (float(v) for v in maxima.cpu())
-        per_layer = [float(v) for v in masses.cpu()]
+            maxima = _reduce_across_ranks(trainer.strategy, maxima, "max", pl_module.device)
+            per_layer = _reduce_across_ranks(trainer.strategy, per_layer, "mean", pl_module.device)
+        forward_gain, backward_gain, stream_rms = maxima
         entry = {
             "step": self._last_measured_step,
             "forward_gain": forward_gain,
