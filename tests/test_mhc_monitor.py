@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -125,37 +126,63 @@ def test_bad_arguments_fail_at_construction_naming_the_field(kwargs, field):
         HyperConnectionMonitor(**kwargs)
 
 
-class RecordingStrategy:
-    """Stands in for a two-rank strategy: 'reduces' by adding the other rank's (fixed) figures."""
+class HoldingStrategy:
+    """A two-rank strategy stand-in whose 'backend' keeps a C++ reference to each reduced tensor (an autograd node
+    that saved it), as gloo's worker thread does for a moment after a collective returns."""
 
     def __init__(self) -> None:
-        self.reduced: list[torch.Tensor] = []
+        self.held: list[torch.Tensor] = []  # graph outputs whose backward node saved the reduced tensor
+        self.handed: list[torch.Tensor] = []
+        self.weight = torch.ones(1, dtype=torch.float64, requires_grad=True)
 
     def reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
-        self.reduced.append(tensor)
-        other = torch.full_like(tensor, 0.5)
-        return tensor.copy_(torch.maximum(tensor, other) if reduce_op == "max" else (tensor + other) / 2)
+        self.held.append(tensor * self.weight)  # MulBackward saves `tensor`: its use count goes up
+        self.handed.append(tensor)
+        return tensor.copy_(torch.maximum(tensor, torch.full_like(tensor, 0.5)))
+
+    def release(self) -> None:
+        self.held.clear()
 
 
-def test_the_tensors_handed_to_a_collective_outlive_the_run_so_no_worker_thread_frees_them():
-    # A gloo worker thread still holds a reduced tensor just after the collective returns; had Python dropped
-    # it, the worker would free it under the GIL, which aborts the rank when that happens at interpreter exit.
-    import gc
-    import weakref
+def _measure_under_two_ranks(
+    monitor: HyperConnectionMonitor, strategy: HoldingStrategy, step: int = 0
+) -> None:
+    trainer = SimpleNamespace(strategy=strategy, world_size=2, loggers=[], global_step=step)
+    model, _ = tiny_lm("mhc")
+    monitor.on_train_batch_start(trainer, model, None, 0)
+    model(torch.zeros(1, 4, dtype=torch.long))
+    monitor.on_train_batch_end(trainer, model, None, None, 0)
 
-    from lightning_pulse.callbacks.mhc_monitor import _reduce_across_ranks
 
-    strategy = RecordingStrategy()
-    assert _reduce_across_ranks(strategy, [1.0, 0.25, 2.0], "max", torch.device("cpu")) == [1.0, 0.5, 2.0]
-    assert _reduce_across_ranks(strategy, [0.1, 0.3], "mean", torch.device("cpu")) == pytest.approx(
-        [0.3, 0.4]
-    )
-    assert _reduce_across_ranks(strategy, [3.0, 0.0, 1.0], "max", torch.device("cpu")) == [3.0, 0.5, 1.0]
-    assert strategy.reduced[0] is strategy.reduced[2]  # one buffer per (device, op, length), reused
-    handed = [weakref.ref(tensor) for tensor in strategy.reduced]
-    del strategy
-    gc.collect()
-    assert all(ref() is not None for ref in handed)  # still alive once the caller has let go
+def test_reduced_tensors_stay_referenced_until_the_backend_lets_go_and_teardown_waits_for_that(monkeypatch):
+    # If Python dropped a reduced tensor first, the backend's thread would free it under the GIL, which aborts
+    # the rank ("terminate called without an active exception") when it happens while the rank exits.
+    from lightning_pulse.callbacks import mhc_monitor
+
+    monitor, strategy = HyperConnectionMonitor(every_n_steps=1), HoldingStrategy()
+    _measure_under_two_ranks(monitor, strategy)
+    assert monitor.last["forward_gain"] >= 0.5  # the 'reduced' figures were used
+    assert len(strategy.handed) == 2
+    assert all(any(t is h for t in monitor._in_flight) for h in strategy.handed)
+
+    # teardown returns only once the backend has let go: here it lets go at the first yield of the wait
+    yields = []
+
+    def backend_releases_when_yielded_to(seconds: float) -> None:
+        yields.append(seconds)
+        strategy.release()
+
+    monkeypatch.setattr(mhc_monitor.time, "sleep", backend_releases_when_yielded_to)
+    monitor.teardown(SimpleNamespace(), None, "fit")
+    assert yields and monitor._in_flight == []
+
+    # a backend that never lets go: the wait is bounded and the tensors stay referenced
+    monkeypatch.setattr(mhc_monitor.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(mhc_monitor, "_RELEASE_TIMEOUT_S", 0.01)
+    strategy = HoldingStrategy()
+    _measure_under_two_ranks(monitor, strategy, step=1)
+    monitor.teardown(SimpleNamespace(), None, "fit")
+    assert len(monitor._in_flight) == 2
 
 
 class HistoryDump(HyperConnectionMonitor):

@@ -278,9 +278,11 @@ def test_torch_compile_traces_the_layer_as_one_graph_and_matches_eager_in_value_
 
 
 @pytest.mark.slow
-def test_inductor_compiles_an_mhc_stack_that_matches_eager_in_value_and_gradient():
+def test_inductor_compiles_an_mhc_layer_that_matches_eager_in_value_and_gradient():
     torch._dynamo.reset()
-    layers = stack(ManifoldHyperConnection, 2, branch=pre_norm_branch, alpha_init=0.3)
+    # one layer with a linear branch; still about 100 s wall with a cold inductor cache on the loaded 2-core
+    # machine (C++ code generation and compilation), hence slow
+    layers = ManifoldHyperConnection(nn.Linear(WIDTH, WIDTH), WIDTH, alpha_init=0.3)
     # inductor fuses and reorders fp32 reductions: agreement to rounding, not bit for bit
     _assert_compiled_matches_eager(layers, "inductor", rtol=1e-4, atol=1e-5)
 

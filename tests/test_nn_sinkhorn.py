@@ -133,7 +133,8 @@ def test_a_nan_logit_poisons_only_its_own_matrix():
     assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).any()  # visible, never silently repaired
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+# inductor: about 12 s wall with a warm inductor cache, about 60 s cold, on the loaded 2-core machine
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_torch_compile_traces_sinkhorn_as_one_graph_and_matches_eager_in_value_and_gradient(backend):
     torch._dynamo.reset()
     logits = _logits(3, 37, 4, 4, std=1.5, seed=8)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,27 +13,31 @@ from typing_extensions import override
 
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
 
-# The tensors handed to the cross-rank reductions, one per (device, op, length), kept until the interpreter
-# shuts down. A gloo (or NCCL) worker thread holds its own reference to a reduced tensor for a moment after
-# the collective has returned. If Python has dropped the tensor by then, the worker thread frees the tensor's
-# Python object itself, which needs the GIL; when that happens while the rank is exiting (right after a
-# measurement at the last step), Python ends the waiting thread with pthread_exit, whose forced unwinding
-# through C++ destructors calls std::terminate: the rank aborts with "terminate called without an active
-# exception". A tensor that outlives the run is never the worker's to free (after interpreter shutdown has
-# begun, torch leaks such objects instead of taking the GIL).
-_REDUCTION_BUFFERS: dict[tuple[str, str, int], torch.Tensor] = {}
+# A tensor handed to a collective is held by the backend's own thread (gloo's worker, NCCL's watchdog) for a
+# while after the collective has returned. Whoever drops the last reference to a tensor frees its Python
+# object, which needs the GIL. If Python let go first, that is the backend thread; and if the rank is exiting
+# by then (a measurement at the last step, then a quick exit), Python ends the thread waiting for the GIL with
+# pthread_exit, whose forced unwinding through C++ destructors calls std::terminate: the rank aborts with
+# "terminate called without an active exception" (SIGABRT). So the monitor keeps every tensor it reduced until
+# the backend has let go of it (``Tensor._use_count() == 1``), and waits for that at teardown. On a loaded
+# machine the worker can stay descheduled through a rank's whole teardown: 2 of 10 two-process test runs aborted.
+_RELEASE_TIMEOUT_S = 10.0
 
 
-def _reduce_across_ranks(
-    strategy: Any, values: list[float], reduce_op: str, device: torch.device
-) -> list[float]:
-    """``values`` reduced over ranks with ``reduce_op`` (``"max"`` / ``"mean"``), through a long-lived buffer."""
-    key = (str(device), reduce_op, len(values))
-    buffer = _REDUCTION_BUFFERS.get(key)
-    if buffer is None:
-        buffer = _REDUCTION_BUFFERS[key] = torch.zeros(len(values), dtype=torch.float64, device=device)
-    buffer.copy_(torch.tensor(values, dtype=torch.float64))
-    return strategy.reduce(buffer, reduce_op=reduce_op).tolist()
+def _backend_released(tensor: torch.Tensor) -> bool:
+    """Whether only Python still holds ``tensor`` (no collective's thread keeps a reference)."""
+    return tensor._use_count() <= 1
+
+
+def _wait_until_released(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Yield the CPU until the backend threads have let go of ``tensors`` (at most ``_RELEASE_TIMEOUT_S``);
+    returns those still held."""
+    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+    held = [tensor for tensor in tensors if not _backend_released(tensor)]
+    while held and time.monotonic() < deadline:
+        time.sleep(0)  # a thread yield, so a descheduled worker gets the core; not a timed wait
+        held = [tensor for tensor in held if not _backend_released(tensor)]
+    return held
 
 
 class HyperConnectionMonitor(Callback):
@@ -51,7 +56,8 @@ class HyperConnectionMonitor(Callback):
     * ``{prefix}/stream_rms``: the largest RMS of any layer's output streams, an activation-scale signal.
 
     Under DDP every rank measures its own batch; gains and the stream RMS are reduced with max, masses with
-    mean, so every rank logs and keeps the same figures. With gradient accumulation the first micro-batch of
+    mean, so every rank logs and keeps the same figures. The reduced tensors stay referenced until the
+    backend's threads have let go of them, and ``teardown`` waits for that, so no rank aborts at exit. With gradient accumulation the first micro-batch of
     the step is measured. Layers are found at every measurement, so the module may be built lazily.
 
     Args:
@@ -90,6 +96,7 @@ class HyperConnectionMonitor(Callback):
         self._recorder: HyperConnectionRecorder | None = None
         self._last_measured_step = -1
         self._warned_no_layers = False
+        self._in_flight: list[torch.Tensor] = []  # reduced tensors a collective's thread may still hold
 
     # ------------------------------------------------------------------ public figures
     @property
@@ -131,8 +138,8 @@ class HyperConnectionMonitor(Callback):
         maxima = [stats["forward_gain"], stats["backward_gain"], stats["stream_rms"]]
         per_layer = list(stats["off_diagonal_mass"])
         if trainer.world_size > 1:  # every rank takes this branch on the same step, so the collectives match
-            maxima = _reduce_across_ranks(trainer.strategy, maxima, "max", pl_module.device)
-            per_layer = _reduce_across_ranks(trainer.strategy, per_layer, "mean", pl_module.device)
+            maxima = self._reduce(trainer, maxima, "max", pl_module.device)
+            per_layer = self._reduce(trainer, per_layer, "mean", pl_module.device)
         forward_gain, backward_gain, stream_rms = maxima
         entry = {
             "step": self._last_measured_step,
@@ -163,6 +170,21 @@ class HyperConnectionMonitor(Callback):
         if self._recorder is not None:  # a batch that raised or was skipped never reached on_train_batch_end
             self._recorder.detach()
             self._recorder = None
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # the rank may exit right after this: no collective's thread may be left holding a reduced tensor
+        self._in_flight = _wait_until_released(self._in_flight)
+
+    def _reduce(
+        self, trainer: pl.Trainer, values: list[float], reduce_op: str, device: torch.device
+    ) -> list[float]:
+        """``values`` reduced over ranks (``"max"`` / ``"mean"``); the tensors stay referenced until released."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        reduced = trainer.strategy.reduce(tensor, reduce_op=reduce_op)
+        self._in_flight = [t for t in self._in_flight if not _backend_released(t)]
+        self._in_flight += [tensor] if reduced is tensor else [tensor, reduced]
+        return reduced.tolist()
 
     # ------------------------------------------------------------------ checkpointing
     @override
