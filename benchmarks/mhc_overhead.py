@@ -15,9 +15,11 @@ Method:
 * FLOPs of one training step (forward + backward) per arm from ``torch.utils.flop_counter.FlopCounterMode``.
 
 HC (unconstrained, no Sinkhorn) is included to separate the cost of widening the residual stream from the
-cost of the Sinkhorn-Knopp projection. ``hc`` and ``mhc`` run with the layers' default ``cpu_kernels=True``
-(the fused C kernels of ``lightning_pulse/_csrc``); ``mhc_torch`` is the same mHC model with
-``cpu_kernels=False`` (torch ops only), so the table also shows what the kernels buy.
+cost of the Sinkhorn-Knopp projection. All arms run on torch ops (the layers have no other path).
+``plain_compiled`` and ``mhc_compiled`` are the same models under ``torch.compile`` (``--backend``, inductor by
+default); a compiled arm's ratio is against ``plain_compiled``, so it is the overhead of mHC when both
+models are compiled. Compilation happens in the first warm-up step (its wall seconds are recorded as
+``first_step_wall_s``); FLOPs of a compiled arm are those of its eager twin (the same arithmetic).
 
 Run: ``python -m benchmarks.mhc_overhead`` (about 4 wall minutes on the busy 2-core machine), inside
 ``flock /tmp/lp-bench.lock`` so no other timing run overlaps it.
@@ -38,12 +40,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.harness import RESULTS_DIR, environment
 from examples.charlm import CharLMDataModule, CharTransformerLM
-from lightning_pulse.nn import HyperConnection
 
-KINDS = ("plain", "hc", "mhc", "mhc_torch")
+KINDS = ("plain", "hc", "mhc", "plain_compiled", "mhc_compiled")
 
 
-def training_step(model: CharTransformerLM, optimizer: torch.optim.Optimizer, batch: tuple) -> None:
+def baseline_of(kind: str) -> str:
+    """The arm a ratio is taken against: the plain model, compiled alike."""
+    return "plain_compiled" if kind.endswith("_compiled") else "plain"
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple) -> None:
     tokens, targets = batch
     logits = model(tokens)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -53,19 +59,12 @@ def training_step(model: CharTransformerLM, optimizer: torch.optim.Optimizer, ba
 
 
 def flops_per_step(model: CharTransformerLM, batch: tuple) -> float:
-    """FLOPs of one forward + backward, counted on the torch ops: the fused kernels do the same arithmetic
-    outside torch's dispatcher, where the counter cannot see it, so they are switched off while counting."""
+    """FLOPs of one forward + backward of the eager model."""
     tokens, targets = batch
-    layers = [module for module in model.modules() if isinstance(module, HyperConnection)]
-    saved = [layer.cpu_kernels for layer in layers]
-    for layer in layers:
-        layer.cpu_kernels = False
     with FlopCounterMode(display=False) as counter:
         logits = model(tokens)
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
     model.zero_grad(set_to_none=True)
-    for layer, setting in zip(layers, saved):
-        layer.cpu_kernels = setting
     return float(counter.get_total_flops())
 
 
@@ -83,23 +82,23 @@ def measure_width(
                 n_layers=args.layers,
                 n_heads=8,
                 seq_len=args.seq_len,
-                residual=kind.removesuffix("_torch"),
+                residual=kind.removesuffix("_compiled"),
                 n_streams=4,
             )
-            if kind.endswith("_torch"):  # the same layers without the fused CPU kernels
-                for module in model.modules():
-                    if isinstance(module, HyperConnection):
-                        module.cpu_kernels = False
-            models[kind] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
             if kind not in flops:
                 flops[kind] = flops_per_step(model, batches[0])
+            step_model = torch.compile(model, backend=args.backend) if kind.endswith("_compiled") else model
+            models[kind] = (step_model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         cpu = {kind: [] for kind in KINDS}
         wall = {kind: [] for kind in KINDS}
+        first_wall = {}
         for step in range(args.warmup + args.steps):
             batch = batches[(seed + step) % len(batches)]
             for kind, (model, optimizer) in models.items():
                 cpu0, wall0 = time.process_time(), time.perf_counter()
                 training_step(model, optimizer, batch)
+                if step == 0:
+                    first_wall[kind] = time.perf_counter() - wall0
                 if step >= args.warmup:
                     cpu[kind].append(time.process_time() - cpu0)
                     wall[kind].append(time.perf_counter() - wall0)
@@ -112,6 +111,7 @@ def measure_width(
                     "step_cpu_s": statistics.median(cpu[kind]),
                     "step_wall_s": statistics.median(wall[kind]),
                     "step_cpu_s_all": cpu[kind],
+                    "first_step_wall_s": first_wall[kind],
                 }
             )
         print(
@@ -122,7 +122,7 @@ def measure_width(
     summary = {}
     for kind in KINDS:
         own = {run["seed"]: run for run in runs if run["arm"] == kind}
-        base = {run["seed"]: run for run in runs if run["arm"] == "plain"}
+        base = {run["seed"]: run for run in runs if run["arm"] == baseline_of(kind)}
         summary[kind] = {
             "step_cpu_s": statistics.median(run["step_cpu_s"] for run in own.values()),
             "step_wall_s": statistics.median(run["step_wall_s"] for run in own.values()),
@@ -130,22 +130,24 @@ def measure_width(
             "wall_ratio": statistics.median(own[s]["step_wall_s"] / base[s]["step_wall_s"] for s in seeds),
             "flops_per_step": flops[kind],
             "flops_ratio": flops[kind] / flops["plain"],
+            "first_step_wall_s": statistics.median(run["first_step_wall_s"] for run in own.values()),
         }
     return {"width": width, "runs": runs, "summary": summary}
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| width | arm | step CPU ms | CPU ratio vs plain | overhead | wall ratio | FLOPs/step | FLOPs ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| width | arm | step CPU ms | baseline | CPU ratio | overhead | wall ratio | FLOPs/step | FLOPs ratio "
+        "| first step wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         for kind in KINDS:
             row = result["summary"][kind]
             lines.append(
-                f"| {result['width']} | {kind} | {row['step_cpu_s'] * 1e3:.1f} | {row['cpu_ratio']:.3f} | "
-                f"{row['cpu_ratio'] - 1:+.1%} | {row['wall_ratio']:.3f} | {row['flops_per_step']:.3g} | "
-                f"{row['flops_ratio']:.4f} |"
+                f"| {result['width']} | {kind} | {row['step_cpu_s'] * 1e3:.1f} | {baseline_of(kind)} | "
+                f"{row['cpu_ratio']:.3f} | {row['cpu_ratio'] - 1:+.1%} | {row['wall_ratio']:.3f} | "
+                f"{row['flops_per_step']:.3g} | {row['flops_ratio']:.4f} | {row['first_step_wall_s']:.1f} |"
             )
     return "\n".join(lines)
 
@@ -159,6 +161,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled arms")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = CharLMDataModule(max_chars=200_000, seq_len=args.seq_len, batch_size=args.batch_size)
@@ -170,7 +173,7 @@ def main() -> None:
     command = "python -m benchmarks.mhc_overhead " + " ".join(
         ["--widths", *map(str, args.widths), "--seeds", *map(str, args.seeds), "--layers", str(args.layers)]
         + ["--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size)]
-        + ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+        + ["--warmup", str(args.warmup), "--steps", str(args.steps), "--backend", args.backend]
     )
     payload = {
         "command": command,
@@ -190,9 +193,10 @@ def main() -> None:
         f"Char LM, {args.layers} transformer blocks ({2 * args.layers} residual branches), batch "
         f"{args.batch_size} x {args.seq_len} tokens, AdamW, one torch thread. Step = forward + backward + "
         f"optimizer step. Medians over {args.steps} timed steps (after {args.warmup} warm-up) per seed, ratios "
-        f"paired by seed against plain, median over seeds {args.seeds}. HC: the same streams without the "
-        "Sinkhorn projection. hc and mhc use the fused CPU kernels (the layers' default); mhc_torch is mHC "
-        "with `cpu_kernels=False`.",
+        f"paired by seed against the baseline arm, median over seeds {args.seeds}. HC: the same streams "
+        "without the Sinkhorn projection. All arms run on torch ops; the *_compiled arms under "
+        f"`torch.compile(backend={args.backend!r})`, compared with the compiled plain model. First step: "
+        "wall seconds of the first warm-up step, compilation included for the compiled arms.",
         "",
         table,
         "",

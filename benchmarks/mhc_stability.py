@@ -46,7 +46,7 @@ MEASURE_EVERY = 10
 
 
 class LossTrace(Callback):
-    """Per-step training loss, summarised into divergence figures for the benchmark report."""
+    """Per-step training loss, for the divergence figures of :func:`stability_metrics`."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -54,19 +54,6 @@ class LossTrace(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
-
-    def benchmark_metrics(self) -> dict[str, Any]:
-        losses = self.losses
-        finite = [v for v in losses if math.isfinite(v)]
-        nonfinite = len(losses) - len(finite)
-        start = statistics.fmean(losses[:5]) if len(losses) >= 5 else math.nan
-        end = statistics.fmean(losses[-20:]) if len(losses) >= 20 else math.nan
-        return {
-            "nonfinite_steps": nonfinite,
-            "start_train_loss": start,
-            "final_train_loss": end,
-            "diverged": bool(nonfinite or not end <= start),
-        }
 
 
 class TopOfStackScale(Callback):
@@ -85,27 +72,58 @@ class TopOfStackScale(Callback):
         self._handle.remove()
         self._handle = None
 
-    def benchmark_metrics(self) -> dict[str, Any]:
-        return {"max_top_rms": max(self.rms, default=math.nan)}
+
+def divergence_figures(losses: list[float]) -> dict[str, Any]:
+    """Non-finite steps, start / final training loss (mean of the first 5 / last 20 steps), and the verdict."""
+    finite = [v for v in losses if math.isfinite(v)]
+    nonfinite = len(losses) - len(finite)
+    start = statistics.fmean(losses[:5]) if len(losses) >= 5 else math.nan
+    end = statistics.fmean(losses[-20:]) if len(losses) >= 20 else math.nan
+    return {
+        "nonfinite_steps": nonfinite,
+        "start_train_loss": start,
+        "final_train_loss": end,
+        "diverged": bool(nonfinite or not end <= start),
+    }
 
 
-class GainTrace(HyperConnectionMonitor):
-    """The monitor, plus its whole gain trajectory in the benchmark record."""
+def gain_figures(monitor: HyperConnectionMonitor) -> dict[str, Any]:
+    """Run-level figures read from the monitor's public ``history``: the largest and the last gains, the
+    largest stream RMS, the last off-diagonal mass and the whole gain trajectory (empty for no measurement)."""
+    history = monitor.history
+    if not history:
+        return {}
+    return {
+        "max_forward_gain": max(entry["forward_gain"] for entry in history),
+        "max_backward_gain": max(entry["backward_gain"] for entry in history),
+        "last_forward_gain": history[-1]["forward_gain"],
+        "last_backward_gain": history[-1]["backward_gain"],
+        "max_stream_rms": max(entry["stream_rms"] for entry in history),
+        "last_off_diagonal_mass": history[-1]["off_diagonal_mass"],
+        "gain_trajectory": [
+            (entry["step"], entry["forward_gain"], entry["backward_gain"]) for entry in history
+        ],
+    }
 
-    def benchmark_metrics(self) -> dict[str, Any]:
-        metrics = super().benchmark_metrics()
-        metrics["gain_trajectory"] = [
-            (entry["step"], entry["forward_gain"], entry["backward_gain"]) for entry in self.history
-        ]
-        return metrics
+
+def stability_metrics(callbacks: list[Callback], trainer: pl.Trainer) -> dict[str, Any]:
+    """The run's ``extra`` figures (an ``Arm.metrics`` function): divergence from :class:`LossTrace`, the
+    top-of-stack RMS from :class:`TopOfStackScale`, gains from the :class:`HyperConnectionMonitor` (HC / mHC)."""
+    metrics: dict[str, Any] = {}
+    for callback in callbacks:
+        if isinstance(callback, LossTrace):
+            metrics.update(divergence_figures(callback.losses))
+        elif isinstance(callback, TopOfStackScale):
+            metrics["max_top_rms"] = max(callback.rms, default=math.nan)
+        elif isinstance(callback, HyperConnectionMonitor):
+            metrics.update(gain_figures(callback))
+    return metrics
 
 
 def flops_per_step(arm: str, workload_kwargs: dict[str, Any]) -> float:
-    """Training FLOPs (forward + backward) of one batch, counted with ``FlopCounterMode`` on the torch ops: the
-    layers' fused CPU kernels do the same arithmetic outside torch's dispatcher, where the counter cannot see
-    it, so they are switched off for the count."""
+    """Training FLOPs (forward + backward) of one batch, counted with ``FlopCounterMode``."""
     torch.manual_seed(0)
-    module, data = get_workload("charlm").build(**workload_kwargs, **ARMS[arm], model__cpu_kernels=False)
+    module, data = get_workload("charlm").build(**workload_kwargs, **ARMS[arm])
     data.setup("fit")
     tokens, targets = next(iter(data.train_dataloader()))
     with FlopCounterMode(display=False) as counter:
@@ -118,8 +136,13 @@ def arms() -> list[Arm]:
     def callbacks(name: str):
         if name == "plain":
             return lambda seed: [LossTrace(), TopOfStackScale()]
-        return lambda seed: [LossTrace(), TopOfStackScale(), GainTrace(every_n_steps=MEASURE_EVERY)]
+        return lambda seed: [
+            LossTrace(),
+            TopOfStackScale(),
+            HyperConnectionMonitor(every_n_steps=MEASURE_EVERY),
+        ]
 
+    # Each run's figures come from stability_metrics(callbacks, trainer), the Arm's metrics function.
     return [
         Arm(name, callbacks=callbacks(name), workload_kwargs=overrides) for name, overrides in ARMS.items()
     ]

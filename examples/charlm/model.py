@@ -90,8 +90,6 @@ class CharTransformerLM(pl.LightningModule):
             before the first block and the streams are averaged after the last (``lightning_pulse.nn``).
         n_streams: residual streams for ``"hc"`` / ``"mhc"`` (ignored for ``"plain"``).
         sinkhorn_iters: Sinkhorn-Knopp iterations of ``"mhc"`` (the paper's 20 by default).
-        cpu_kernels: for ``"hc"`` / ``"mhc"`` on CPU, use the fused C kernels of ``lightning_pulse.nn``
-            (built at first use); ``False`` runs the same layers on torch ops alone.
         scheduler: ``"none"`` (constant learning rate) or ``"cosine"`` (linear warm-up over the first 5% of
             optimizer steps, then cosine decay to 10% of ``lr``), stepped per optimizer step over
             ``trainer.estimated_stepping_batches``.
@@ -109,7 +107,6 @@ class CharTransformerLM(pl.LightningModule):
         n_streams: int = 4,
         sinkhorn_iters: int = 20,
         scheduler: str = "none",
-        cpu_kernels: bool = True,
     ) -> None:
         super().__init__()
         if scheduler not in SCHEDULERS:
@@ -124,14 +121,10 @@ class CharTransformerLM(pl.LightningModule):
         if residual == "plain":
             wrap = Residual
         elif residual == "hc":
-            wrap = partial(HyperConnection, dim=d_model, n_streams=n_streams, cpu_kernels=cpu_kernels)
+            wrap = partial(HyperConnection, dim=d_model, n_streams=n_streams)
         else:
             wrap = partial(
-                ManifoldHyperConnection,
-                dim=d_model,
-                n_streams=n_streams,
-                sinkhorn_iters=sinkhorn_iters,
-                cpu_kernels=cpu_kernels,
+                ManifoldHyperConnection, dim=d_model, n_streams=n_streams, sinkhorn_iters=sinkhorn_iters
             )
         blocks: list[nn.Module] = []
         for _ in range(n_layers):

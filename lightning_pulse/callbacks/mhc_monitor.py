@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,6 +12,32 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
+
+# A tensor handed to a collective is held by the backend's own thread (gloo's worker, NCCL's watchdog) for a
+# while after the collective has returned. Whoever drops the last reference to a tensor frees its Python
+# object, which needs the GIL. If Python let go first, that is the backend thread; and if the rank is exiting
+# by then (a measurement at the last step, then a quick exit), Python ends the thread waiting for the GIL with
+# pthread_exit, whose forced unwinding through C++ destructors calls std::terminate: the rank aborts with
+# "terminate called without an active exception" (SIGABRT). So the monitor keeps every tensor it reduced until
+# the backend has let go of it (``Tensor._use_count() == 1``), and waits for that at teardown. On a loaded
+# machine the worker can stay descheduled through a rank's whole teardown: 2 of 10 two-process test runs aborted.
+_RELEASE_TIMEOUT_S = 10.0
+
+
+def _backend_released(tensor: torch.Tensor) -> bool:
+    """Whether only Python still holds ``tensor`` (no collective's thread keeps a reference)."""
+    return tensor._use_count() <= 1
+
+
+def _wait_until_released(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Yield the CPU until the backend threads have let go of ``tensors`` (at most ``_RELEASE_TIMEOUT_S``);
+    returns those still held."""
+    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+    held = [tensor for tensor in tensors if not _backend_released(tensor)]
+    while held and time.monotonic() < deadline:
+        time.sleep(0)  # a thread yield, so a descheduled worker gets the core; not a timed wait
+        held = [tensor for tensor in held if not _backend_released(tensor)]
+    return held
 
 
 class HyperConnectionMonitor(Callback):
@@ -29,7 +56,8 @@ class HyperConnectionMonitor(Callback):
     * ``{prefix}/stream_rms``: the largest RMS of any layer's output streams, an activation-scale signal.
 
     Under DDP every rank measures its own batch; gains and the stream RMS are reduced with max, masses with
-    mean, so every rank logs and keeps the same figures. With gradient accumulation the first micro-batch of
+    mean, so every rank logs and keeps the same figures. The reduced tensors stay referenced until the
+    backend's threads have let go of them, and ``teardown`` waits for that, so no rank aborts at exit. With gradient accumulation the first micro-batch of
     the step is measured. Layers are found at every measurement, so the module may be built lazily.
 
     Args:
@@ -68,25 +96,13 @@ class HyperConnectionMonitor(Callback):
         self._recorder: HyperConnectionRecorder | None = None
         self._last_measured_step = -1
         self._warned_no_layers = False
+        self._in_flight: list[torch.Tensor] = []  # reduced tensors a collective's thread may still hold
 
     # ------------------------------------------------------------------ public figures
     @property
     def last(self) -> dict[str, Any] | None:
         """The latest measurement: ``{"step", "forward_gain", "backward_gain", "off_diagonal_mass", ...}``."""
         return self.history[-1] if self.history else None
-
-    def benchmark_metrics(self) -> dict[str, float]:
-        """Run-level figures for benchmark reports: the largest and the last gains measured."""
-        if not self.history:
-            return {}
-        return {
-            "max_forward_gain": max(entry["forward_gain"] for entry in self.history),
-            "max_backward_gain": max(entry["backward_gain"] for entry in self.history),
-            "last_forward_gain": self.history[-1]["forward_gain"],
-            "last_backward_gain": self.history[-1]["backward_gain"],
-            "max_stream_rms": max(entry["stream_rms"] for entry in self.history),
-            "last_off_diagonal_mass": self.history[-1]["off_diagonal_mass"],
-        }
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -119,16 +135,12 @@ class HyperConnectionMonitor(Callback):
         stats = recorder.diagnostics()
         if stats is None:  # the hooked layers were not called in this forward pass
             return
-        device = pl_module.device
-        maxima = torch.tensor(
-            [stats["forward_gain"], stats["backward_gain"], stats["stream_rms"]], device=device
-        )
-        masses = torch.tensor(stats["off_diagonal_mass"], dtype=torch.float64, device=device)
+        maxima = [stats["forward_gain"], stats["backward_gain"], stats["stream_rms"]]
+        per_layer = list(stats["off_diagonal_mass"])
         if trainer.world_size > 1:  # every rank takes this branch on the same step, so the collectives match
-            maxima = trainer.strategy.reduce(maxima, reduce_op="max")
-            masses = trainer.strategy.reduce(masses, reduce_op="mean")
-        forward_gain, backward_gain, stream_rms = (float(v) for v in maxima.cpu())
-        per_layer = [float(v) for v in masses.cpu()]
+            maxima = self._reduce(trainer, maxima, "max", pl_module.device)
+            per_layer = self._reduce(trainer, per_layer, "mean", pl_module.device)
+        forward_gain, backward_gain, stream_rms = maxima
         entry = {
             "step": self._last_measured_step,
             "forward_gain": forward_gain,
@@ -158,6 +170,21 @@ class HyperConnectionMonitor(Callback):
         if self._recorder is not None:  # a batch that raised or was skipped never reached on_train_batch_end
             self._recorder.detach()
             self._recorder = None
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # the rank may exit right after this: no collective's thread may be left holding a reduced tensor
+        self._in_flight = _wait_until_released(self._in_flight)
+
+    def _reduce(
+        self, trainer: pl.Trainer, values: list[float], reduce_op: str, device: torch.device
+    ) -> list[float]:
+        """``values`` reduced over ranks (``"max"`` / ``"mean"``); the tensors stay referenced until released."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        reduced = trainer.strategy.reduce(tensor, reduce_op=reduce_op)
+        self._in_flight = [t for t in self._in_flight if not _backend_released(t)]
+        self._in_flight += [tensor] if reduced is tensor else [tensor, reduced]
+        return reduced.tolist()
 
     # ------------------------------------------------------------------ checkpointing
     @override

@@ -43,6 +43,13 @@ network* and keeps every coefficient trainable from step 0):
 
 With these choices the stream mean evolves exactly as the plain residual stream ``x + F(x)`` (up to the 1%
 dynamic terms), because doubly stochastic (and identity) mixings preserve the mean of the streams.
+
+Implementation: torch ops only, with no Python branch on tensor values and no host synchronisation, so
+``torch.compile`` traces a layer as one graph, forward and backward (``fullgraph=True``; a test compares it with
+eager in value and gradient). Three small autograd Functions (:class:`_RMSNormalizedProjection`,
+:class:`_MixStreams`, :class:`_AddBranch`) hand autograd one ``(P, n, C)`` stream-gradient buffer per layer
+instead of three; on the char LM they took mHC's step overhead at width 512 from +34.6% to +29.8% (commit
+"mHC overhead: rerun", ``benchmarks/results/mhc_overhead.md`` at that commit).
 """
 
 from __future__ import annotations
@@ -54,7 +61,6 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from lightning_pulse.nn import _cpu_kernels
 from lightning_pulse.nn.sinkhorn import sinkhorn_knopp
 
 RESIDUAL_KINDS = ("plain", "hc", "mhc")
@@ -187,37 +193,25 @@ class _MixStreams(torch.autograd.Function):
     :class:`_AddBranch` adds ``H_post^T F`` into it in place afterwards. One function for both reads means the
     stream gradient is one buffer: ``H_res^T g`` with the rank-1 ``H_pre`` term added in place, where two
     functions would each allocate a ``(P, n, C)`` gradient and autograd would add them in a third pass.
-
-    With ``kernels`` (the fused CPU kernels, :mod:`lightning_pulse.nn._cpu_kernels`) both directions run as one
-    pass per position over the streams and their gradient instead of one batched matmul per product.
     """
 
     @staticmethod
-    def forward(ctx: Any, pre: Tensor, res: Tensor, streams: Tensor, kernels: Any) -> tuple[Tensor, Tensor]:
+    def forward(ctx: Any, pre: Tensor, res: Tensor, streams: Tensor) -> tuple[Tensor, Tensor]:
         ctx.save_for_backward(pre, res, streams)
-        ctx.kernels = kernels
-        if kernels is not None:
-            return kernels.mix_forward(pre, res, streams)
         return torch.bmm(pre.unsqueeze(1), streams).squeeze(1), torch.bmm(res, streams)
 
     @staticmethod
     @once_differentiable
-    def backward(
-        ctx: Any, grad_branch_input: Tensor, grad_mixed: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, None]:
+    def backward(ctx: Any, grad_branch_input: Tensor, grad_mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         pre, res, streams = ctx.saved_tensors
         grad_mixed = grad_mixed.contiguous()
-        if ctx.kernels is not None:
-            grad_branch_input = grad_branch_input.contiguous()
-            if _cpu_kernels.usable(pre, res, streams, grad_branch_input, grad_mixed):
-                return (*ctx.kernels.mix_backward(pre, res, streams, grad_branch_input, grad_mixed), None)
         grad_pre = torch.bmm(streams, grad_branch_input.unsqueeze(-1)).squeeze(-1)
         grad_res = torch.bmm(grad_mixed, streams.transpose(1, 2))
         # the H_pre term is a rank-1 outer product: a broadcast multiply-add, not a bmm with inner size 1
         grad_streams = torch.bmm(res.transpose(1, 2), grad_mixed).addcmul_(
             pre.unsqueeze(-1), grad_branch_input.unsqueeze(1)
         )
-        return grad_pre, grad_res, grad_streams, None
+        return grad_pre, grad_res, grad_streams
 
 
 class _AddBranch(torch.autograd.Function):
@@ -229,23 +223,20 @@ class _AddBranch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, mixed: Tensor, post: Tensor, branch_output: Tensor, kernels: Any) -> Tensor:
+    def forward(ctx: Any, mixed: Tensor, post: Tensor, branch_output: Tensor) -> Tensor:
         ctx.mark_dirty(mixed)
         ctx.save_for_backward(post, branch_output)
-        ctx.kernels = kernels
         mixed.addcmul_(post.unsqueeze(-1), branch_output.unsqueeze(1))
         return mixed  # the dirty input itself, as torch.compile requires of mark_dirty
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         post, branch_output = ctx.saved_tensors
         grad = grad.contiguous()
-        if ctx.kernels is not None and _cpu_kernels.usable(post, branch_output, grad):
-            return grad, *ctx.kernels.add_branch_backward(post, branch_output, grad), None
         grad_post = torch.bmm(grad, branch_output.unsqueeze(-1)).squeeze(-1)
         grad_branch_output = torch.bmm(post.unsqueeze(1), grad).squeeze(1)
-        return grad, grad_post, grad_branch_output, None
+        return grad, grad_post, grad_branch_output
 
 
 class HyperConnection(nn.Module):
@@ -266,14 +257,10 @@ class HyperConnection(nn.Module):
         alpha_init: initial value of the three dynamic gates ``alpha_pre``, ``alpha_post``, ``alpha_res``.
         spread: the spread of the initial ``H_post`` around 1, matching :func:`expand_streams`.
         eps: RMSNorm epsilon.
-        cpu_kernels: on CPU (fp32/fp64 streams), run the stream mixing through fused C kernels, built with the
-            system C compiler at first use (about a second; cached). Same results up to rounding, fewer passes
-            over memory. ``False``, or where no kernel can be built (one warning), or under ``torch.compile``,
-            or on other devices: the torch implementation.
 
     Raises:
         ValueError: for a non-positive ``dim`` or ``n_streams``, a negative ``alpha_init``, or ``spread`` outside
-            ``[0, 1)``, or a non-bool ``cpu_kernels``.
+            ``[0, 1)``.
 
     Example::
 
@@ -292,13 +279,9 @@ class HyperConnection(nn.Module):
         alpha_init: float = 0.01,
         spread: float = 0.5,
         eps: float = 1e-6,
-        cpu_kernels: bool = True,
     ) -> None:
         super().__init__()
         _check_positive_int("dim", dim)
-        if not isinstance(cpu_kernels, bool):
-            raise ValueError(f"`cpu_kernels`={cpu_kernels!r} must be True or False.")
-        self.cpu_kernels = cpu_kernels
         _check_positive_int("n_streams", n_streams)
         _check_spread(spread)
         if not isinstance(alpha_init, (int, float)) or isinstance(alpha_init, bool) or alpha_init < 0:
@@ -400,10 +383,7 @@ class HyperConnection(nn.Module):
         # The stream mixing stays in the streams' own precision even under autocast: the residual path is
         # where rounding accumulates over depth. Only the branch runs under the caller's autocast.
         with torch.autocast(device_type=matrices.device.type, enabled=False):
-            kernels = _cpu_kernels.load() if self.cpu_kernels and matrices.device.type == "cpu" else None
-            if kernels is not None and not _cpu_kernels.usable(pre, res, matrices):
-                kernels = None
-            branch_input, mixed = _MixStreams.apply(pre, res, matrices, kernels)  # H_pre x_l and H_res x_l
+            branch_input, mixed = _MixStreams.apply(pre, res, matrices)  # H_pre x_l and H_res x_l
             branch_input = branch_input.view(*positions, self.dim)
         if not channels_last:
             branch_input = branch_input.movedim(-1, axis)
@@ -413,7 +393,7 @@ class HyperConnection(nn.Module):
         with torch.autocast(device_type=matrices.device.type, enabled=False):
             branch_output = branch_output.reshape(-1, self.dim).to(matrices.dtype)
             # H_res x_l + H_post^T F(H_pre x_l): batched over positions, no loop over streams
-            out = _AddBranch.apply(mixed, post, branch_output, kernels)
+            out = _AddBranch.apply(mixed, post, branch_output)
         out = out.view(*positions, self.n_streams, self.dim)
         if not channels_last:
             out = out.movedim((-2, -1), (axis, axis + 1))
@@ -446,13 +426,10 @@ class ManifoldHyperConnection(HyperConnection):
         alpha_init: initial value of the three dynamic gates (the paper uses 0.01).
         spread: the spread of the initial ``H_post`` around 1, matching :func:`expand_streams`.
         eps: RMSNorm epsilon.
-        cpu_kernels: on CPU, run the stream mixing and Sinkhorn-Knopp through fused C kernels (see
-            :class:`HyperConnection`); ``False`` keeps the torch implementation.
 
     Raises:
         ValueError: for a non-positive ``dim``, ``n_streams`` or ``sinkhorn_iters``, a ``res_init_diagonal``
-            outside ``(1/n, 1)``, a negative ``alpha_init``, ``spread`` outside ``[0, 1)``, or a non-bool
-            ``cpu_kernels``.
+            outside ``(1/n, 1)``, a negative ``alpha_init``, or ``spread`` outside ``[0, 1)``.
 
     Example::
 
@@ -474,7 +451,6 @@ class ManifoldHyperConnection(HyperConnection):
         alpha_init: float = 0.01,
         spread: float = 0.5,
         eps: float = 1e-6,
-        cpu_kernels: bool = True,
     ) -> None:
         _check_positive_int("sinkhorn_iters", sinkhorn_iters)
         _check_positive_int("n_streams", n_streams)
@@ -485,7 +461,7 @@ class ManifoldHyperConnection(HyperConnection):
             )
         self.sinkhorn_iters = sinkhorn_iters
         self.res_init_diagonal = float(res_init_diagonal)
-        super().__init__(branch, dim, n_streams, channel_dim, alpha_init, spread, eps, cpu_kernels)
+        super().__init__(branch, dim, n_streams, channel_dim, alpha_init, spread, eps)
 
     def _initial_biases(self, spread: float) -> tuple[Tensor, Tensor, Tensor]:
         n = self.n_streams
@@ -501,7 +477,7 @@ class ManifoldHyperConnection(HyperConnection):
         return HyperConnectionCoefficients(
             torch.sigmoid(self.alpha_pre * pre + self.b_pre),  # Eq. 8
             2 * torch.sigmoid(self.alpha_post * post + self.b_post),
-            sinkhorn_knopp(self.alpha_res * res + self.b_res, self.sinkhorn_iters, self.cpu_kernels),  # Eq. 9
+            sinkhorn_knopp(self.alpha_res * res + self.b_res, self.sinkhorn_iters),  # Eq. 9
         )
 
     def extra_repr(self) -> str:

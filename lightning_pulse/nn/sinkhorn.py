@@ -13,9 +13,6 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_pulse import _native
-from lightning_pulse.nn import _cpu_kernels
-
 # exp() of a logit this far below the largest one in its matrix is still a normal fp32 number (~1e-26), so
 # no row or column sum can underflow to zero and divide by zero, however far apart the logits drift.
 _MIN_SHIFTED_LOGIT = -60.0
@@ -31,7 +28,8 @@ class _SinkhornKnopp(torch.autograd.Function):
     ``dm = (dy - (dy * y).sum(d)) / s``, four ops instead of the seven autograd records for a broadcast
     division (with the reduction of the broadcast gradient). Walking these back over the stored iterates is
     reverse-mode differentiation of the unrolled loop, the same gradient plain autograd would give (a test
-    checks it), not an implicit fixed-point gradient.
+    checks it), not an implicit fixed-point gradient. ``torch.compile`` traces both directions (a test checks
+    value and gradient against eager).
     """
 
     @staticmethod
@@ -61,31 +59,7 @@ class _SinkhornKnopp(torch.autograd.Function):
         return grad * saved[0], None
 
 
-class _FusedSinkhornKnopp(torch.autograd.Function):
-    """The same map and gradient as :class:`_SinkhornKnopp`, on ``(N, n, n)`` logits, by the fused CPU kernel.
-
-    The kernel keeps each matrix's iterates in cache and recomputes them in the backward, so only the logits
-    are saved; see ``lightning_pulse/_csrc/mhc_kernels.c``.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, logits: Tensor, iters: int, kernels: Any) -> Tensor:
-        ctx.save_for_backward(logits)
-        ctx.iters, ctx.kernels = iters, kernels
-        return kernels.sinkhorn_forward(logits, iters, _MIN_SHIFTED_LOGIT)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        (logits,) = ctx.saved_tensors
-        return (
-            ctx.kernels.sinkhorn_backward(logits, grad.contiguous(), ctx.iters, _MIN_SHIFTED_LOGIT),
-            None,
-            None,
-        )
-
-
-def sinkhorn_knopp(logits: Tensor, iters: int = 20, cpu_kernel: bool = True) -> Tensor:
+def sinkhorn_knopp(logits: Tensor, iters: int = 20) -> Tensor:
     """Project square logits onto the doubly stochastic matrices by Sinkhorn-Knopp iteration.
 
     ``M = exp(logits)``, then ``iters`` rounds of "divide every column by its sum, then every row by its sum"
@@ -96,14 +70,12 @@ def sinkhorn_knopp(logits: Tensor, iters: int = 20, cpu_kernel: bool = True) -> 
     The computation runs in fp32 whatever the input dtype and even inside a ``bf16`` autocast region, because
     repeated normalisation in bf16 (8 mantissa bits) leaves row/column errors near 1e-2. It is differentiable:
     the gradient is backpropagated through every iteration of the unrolled loop (no implicit differentiation).
+    Torch ops only, with no branch on tensor values: ``torch.compile`` traces it as one graph (the loop of
+    ``iters`` rounds is unrolled), forward and hand-written backward.
 
     Args:
         logits: ``(..., n, n)`` real logits; every leading dimension is a batch dimension.
         iters: number of column+row normalisation rounds, at least 1.
-        cpu_kernel: on CPU, run the fused C kernel (built at first use, see
-            :mod:`lightning_pulse._native`): the same arithmetic without hundreds of tiny dispatched
-            ops per call. ``False``, or where the kernel cannot be built (a warning says why), or under
-            ``torch.compile``, or on other devices: the torch implementation.
 
     Returns:
         ``(..., n, n)`` fp32 tensor with non-negative entries, rows summing to 1, columns approximately so.
@@ -123,12 +95,6 @@ def sinkhorn_knopp(logits: Tensor, iters: int = 20, cpu_kernel: bool = True) -> 
         raise ValueError(f"`logits` must have shape (..., n, n); got {tuple(logits.shape)}.")
     n = logits.shape[-1]
     with torch.autocast(device_type=logits.device.type, enabled=False):
-        use_kernel = cpu_kernel and logits.device.type == "cpu" and not _native.compiling()
-        kernels = _cpu_kernels.load() if use_kernel else None
-        if kernels is not None:
-            # fp32 and contiguous: what the kernel takes
-            batch_first = logits.float().reshape(-1, n, n).contiguous()
-            return _FusedSinkhornKnopp.apply(batch_first, iters, kernels).view(logits.shape)
         batch_last = logits.float().reshape(-1, n, n).permute(1, 2, 0).contiguous()  # (n, n, N)
         matrix = _SinkhornKnopp.apply(batch_last, iters)
     # contiguous: a strided (N, n, n) view would push the bmm that applies H_res onto a per-matrix loop
