@@ -144,7 +144,8 @@ def arms() -> list[Arm]:
 
     # Each run's figures come from stability_metrics(callbacks, trainer), the Arm's metrics function.
     return [
-        Arm(name, callbacks=callbacks(name), workload_kwargs=overrides) for name, overrides in ARMS.items()
+        Arm(name, callbacks=callbacks(name), workload_kwargs=overrides, metrics=stability_metrics)
+        for name, overrides in ARMS.items()
     ]
 
 
