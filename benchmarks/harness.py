@@ -123,6 +123,17 @@ class HookTimer:
         return timed
 
 
+def instantiate_callbacks(specs: list[dict[str, Any]]) -> list[Callback]:
+    """Build a YAML's ``trainer.callbacks`` entries exactly as LightningCLI does: jsonargparse resolves each
+    ``class_path``/``init_args`` and turns nested mappings into the typed config objects (``meters:``,
+    ``config:``) a callback declares."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--callbacks", type=list[Callback])
+    return parser.instantiate_classes(parser.parse_object({"callbacks": specs})).callbacks
+
+
 class TrainingFlopCounter(Callback):
     """Counts FLOPs of training batches (forward, backward, optimizer) with ``FlopCounterMode``."""
 

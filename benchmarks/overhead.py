@@ -19,7 +19,6 @@ Run: ``python -m benchmarks.overhead`` (about 10 minutes on 2 cores); ``--quick`
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import sys
 from pathlib import Path
@@ -27,29 +26,16 @@ from typing import Any
 
 import yaml
 
-from benchmarks.harness import Arm, run_arms, write_results
+from benchmarks.harness import Arm, instantiate_callbacks, run_arms, write_results
 from lightning_pulse import EnergyLogger, PulseCycle, StabilityGuard
 
 SUITE_YAML = Path(__file__).parents[1] / "examples" / "mnist1d" / "pulse.yaml"
 CADENCE = dict(burst=36, replay=72, maintain=4, warmup=0.1, anneal=0.1)
 
 
-def instantiate(spec: Any) -> Any:
-    """Build a ``class_path`` / ``init_args`` tree as LightningCLI does (nested class paths included)."""
-    if isinstance(spec, dict) and "class_path" in spec:
-        module_name, _, class_name = spec["class_path"].rpartition(".")
-        cls = getattr(importlib.import_module(module_name), class_name)
-        return cls(**{key: instantiate(value) for key, value in (spec.get("init_args") or {}).items()})
-    if isinstance(spec, list):
-        return [instantiate(item) for item in spec]
-    if isinstance(spec, dict):
-        return {key: instantiate(value) for key, value in spec.items()}
-    return spec
-
-
 def shipped_suite(seed: int) -> list:
     config = yaml.safe_load(SUITE_YAML.read_text())
-    return instantiate(config["trainer"]["callbacks"])
+    return instantiate_callbacks(config["trainer"]["callbacks"])
 
 
 def arms() -> list[Arm]:

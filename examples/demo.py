@@ -10,7 +10,6 @@ Run: ``python -m examples.demo [--epochs N] [--seed S] [--config PATH]``
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import math
@@ -20,17 +19,10 @@ from typing import Any
 
 import yaml
 
-from benchmarks.harness import Arm, run_arms
+from benchmarks.harness import Arm, instantiate_callbacks, run_arms
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "examples" / "mnist1d" / "pulse.yaml"
-
-
-def instantiate(spec: dict[str, Any]) -> Any:
-    """Build ``class_path(**init_args)`` the way LightningCLI does for a callback entry."""
-    module_name, _, class_name = spec["class_path"].rpartition(".")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(**spec.get("init_args", {}))
 
 
 ENERGY_LOGGER = "EnergyLogger"
@@ -49,13 +41,13 @@ class ArmCallbacks:
 
     def __call__(self, seed: int) -> list[Any]:
         self.passes += 1
-        callbacks = []
+        specs = []
         for spec in self.specs:
             if spec["class_path"].endswith(ENERGY_LOGGER):
                 init_args = {**spec.get("init_args", {}), "report_dir": str(self.report_dir(self.passes))}
                 spec = {**spec, "init_args": init_args}
-            callbacks.append(instantiate(spec))
-        return callbacks
+            specs.append(spec)
+        return instantiate_callbacks(specs)
 
     def report_dir(self, index: int = 1) -> Path:
         # pass 1 is the timed pass; pass 2 counts FLOPs and runs ~3x slower, so its energy is not the run's
