@@ -9,12 +9,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
+from lightning_pulse.core.carried_state import CarriedStateCheck, carried_state_refusal
 from lightning_pulse.core.per_sample_loss import LossCapture, PerSampleScorer, loss_capture_scope
 from lightning_pulse.core.replay import (
     ROLE_NAMES,
@@ -23,10 +24,12 @@ from lightning_pulse.core.replay import (
     ReplayConfig,
     half_life_steps,
     parse_half_life,
+    shorter_than_an_epoch,
 )
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import assign_in_place, take_samples
+from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PHASE_NAMES, Phase
 
 MODES = ("batch", "epoch")
@@ -125,6 +128,7 @@ class HardSampleReplay(Callback):
         self._capture: LossCapture | None = None
         self._batch: dict[str, Any] | None = None
         self._scope: Any = None
+        self.state_check = CarriedStateCheck()
 
     # ------------------------------------------------------------------ public state
     @property
@@ -160,6 +164,14 @@ class HardSampleReplay(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if isinstance(trainer.strategy, ModelParallelStrategy):  # FSDP and DeepSpeed cut no batch: they work
+            raise PulseRefusal(
+                "HardSampleReplay does not support ModelParallelStrategy: tensor-parallel peers must train the same "
+                "samples, but its random draws are seeded per global rank. Train with strategy='ddp', 'fsdp' or "
+                "'deepspeed', or remove HardSampleReplay from the callbacks."
+            )
         self._trainer, self._ready = trainer, False
         if self._remove_hook is not None:
             self._remove_hook()
@@ -170,9 +182,10 @@ class HardSampleReplay(Callback):
         # checkpoint's state was handed over), so the first epoch is tracked and can already be selected
         reason = SampleIndexTracker.unsupported_reason(loader)
         if reason is not None:
-            raise ValueError(
+            raise PulseRefusal(
                 f"HardSampleReplay needs the dataset index of every sample, but {reason}. Use a map-style dataset "
-                "in a torch DataLoader with its default batch sampler."
+                "in a torch DataLoader with its default batch sampler, or remove HardSampleReplay (a batch sampler "
+                "feeding contiguous streams to a stateful model cannot be cut anyway)."
             )
         self._loader, self.tracker = loader, SampleIndexTracker.install(loader)
         size = self.tracker.dataset_size
@@ -200,12 +213,15 @@ class HardSampleReplay(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.mode == "epoch" and pulse_cycle_of(trainer) is not None:
-            raise ValueError(
+            raise PulseRefusal(
                 "HardSampleReplay: mode='epoch' chooses each epoch's samples when the epoch starts, so it cannot "
                 "follow a PulseCycle's step-based phases; use mode='batch' with a PulseCycle."
             )
         assert self.selector is not None
         steps_per_epoch = self._set_half_life(trainer.num_training_batches)
+        if (note := shorter_than_an_epoch(trainer.estimated_stepping_batches, steps_per_epoch)) is not None:
+            rank_zero_warn(f"HardSampleReplay: {note}")
+        self.state_check = CarriedStateCheck()  # over this fit's first two batches
         # the threshold scans every score, so it is refreshed twice per epoch, not every step
         self.selector.threshold_every = max(1, steps_per_epoch // 2) if steps_per_epoch else 50
         # steps are applied as often as the logging cadence needs (a setting, not whether a logger is attached,
@@ -243,9 +259,14 @@ class HardSampleReplay(Callback):
             chosen = self.selector.compose(indices, trainer.global_step, batch_idx, trainer.global_rank)
             indices, roles, weights = chosen.indices, chosen.roles, chosen.weights
             if chosen.positions is not None:
+                self._refuse_carried_state(self.state_check.candidate_shapes())  # cut before the check ends
                 assign_in_place(batch, take_samples(batch, chosen.positions, offered))
+        if self.state_check.candidates is not None:
+            self.state_check.watch()
         step = trainer.global_step
-        self._batch = {"step": step, "indices": indices, "roles": roles, "offered": counted, "active": active}
+        self._batch = dict(
+            step=step, indices=indices, roles=roles, offered=counted, active=active, size=offered
+        )
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
         if self.scorer is None or weights is not None:
             self._capture = LossCapture(batch_size=int(roles.size), sample_weights=weights)
@@ -283,6 +304,17 @@ class HardSampleReplay(Callback):
         step, active, offered = context["step"], context["active"], context["offered"]
         self.selector.record(context["indices"], losses, context["roles"], step, active, offered, gather)
         self._log(trainer)
+        check = self.state_check
+        if not check.done:
+            if check.candidates is None:
+                check.after_first_batch(pl_module, context["size"])
+            else:
+                check.after_second_batch(pl_module)
+                self._refuse_carried_state(check.found)
+
+    def _refuse_carried_state(self, found: dict[str, Any]) -> None:
+        if found:
+            raise PulseRefusal(f"HardSampleReplay {carried_state_refusal(found)}")
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -316,6 +348,7 @@ class HardSampleReplay(Callback):
     # ------------------------------------------------------------------ lifecycle
     def _release(self) -> None:
         self._close_capture()
+        self.state_check.stop()
         self._batch = None
         if self._scope is not None:
             self._scope.__exit__(None, None, None)
@@ -324,8 +357,11 @@ class HardSampleReplay(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._release()
-        if self.selector is not None:
-            self.selector.apply()
+        if self.selector is None:
+            return
+        self.selector.apply()
+        if (note := self.selector.nothing_selected()) is not None:
+            rank_zero_warn(f"HardSampleReplay: {note}")
 
     @override
     def on_exception(
