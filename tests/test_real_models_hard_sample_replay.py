@@ -8,6 +8,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.core.carried_state import CarriedStateCheck, batch_shaped_attributes
+from lightning_pulse.core.per_sample_loss import LossCapture, time_major_losses
 from lightning_pulse.errors import PulseRefusal
 from tests.clients import CLIENTS, StatefulLSTM, StreamDataModule, TextWindowsDataModule
 from tests.conftest import trainer_kwargs
@@ -337,3 +339,49 @@ def test_fsdp_and_deepspeed_pass_setup(strategy_class):
     assert replay._remove_hook is not None
     replay._remove_hook()
     assert math.isnan(replay.threshold)
+
+
+# ------------------------------------------------------------------------------ time-major token losses
+class _TimeMajorLM(pl.LightningModule):
+    """A character LSTM with ``batch_first=False``: its token loss is flattened time-major, ``(T*B, V)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.lstm, self.out = nn.Embedding(128, 16), nn.LSTM(16, 32), nn.Linear(32, 128)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch  # (B, T) each
+        hidden, _ = self.lstm(self.embed(x.t()))  # (T, B, H)
+        return F.cross_entropy(self.out(hidden).reshape(-1, 128), y.t().reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class _ShuffledStreams(StreamDataModule):
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+
+def test_a_time_major_token_loss_is_refused_after_the_first_batch_before_any_replay_step():
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay()], max_steps=40, limit_val_batches=0, **trainer_kwargs()
+    )
+    with pytest.raises(
+        PulseRefusal, match=r"^HardSampleReplay: the module's cross_entropy is computed on time-major"
+    ):
+        trainer.fit(_TimeMajorLM(), _ShuffledStreams(max_chars=20_000))
+    assert trainer.global_step == 1
+
+
+def test_time_major_losses_tells_the_two_flattenings_apart():
+    logits, y = torch.randn(4, 6, 10), torch.randint(0, 10, (4, 6))  # (B, T, V), (B, T)
+    batch_first, time_major = LossCapture(batch_size=4), LossCapture(batch_size=4)
+    with batch_first:
+        F.cross_entropy(logits.reshape(-1, 10), y.reshape(-1))
+    with time_major:
+        F.cross_entropy(logits.transpose(0, 1).reshape(-1, 10), y.t().reshape(-1))
+    assert time_major_losses(batch_first, [logits, y]) == []
+    assert time_major_losses(time_major, {"x": logits, "y": y}) == ["cross_entropy"]
+    # a classification loss (one target per sample) and targets found nowhere in the batch are not judged
+    assert time_major_losses(time_major, [logits]) == []

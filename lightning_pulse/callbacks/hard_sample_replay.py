@@ -16,7 +16,12 @@ from typing_extensions import override
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.core.carried_state import CarriedStateCheck, carried_state_refusal
-from lightning_pulse.core.per_sample_loss import LossCapture, PerSampleScorer, loss_capture_scope
+from lightning_pulse.core.per_sample_loss import (
+    LossCapture,
+    PerSampleScorer,
+    loss_capture_scope,
+    time_major_losses,
+)
 from lightning_pulse.core.replay import (
     ROLE_NAMES,
     UNTOUCHED,
@@ -295,6 +300,8 @@ class HardSampleReplay(Callback):
             return
         if self.scorer is None:
             losses = context["capture"].require()
+            if not self.state_check.done and self.state_check.candidates is None:  # the fit's first batch
+                self._refuse_time_major(time_major_losses(losses, batch))
         else:
             losses = self.scorer.score(pl_module, batch, outputs, int(context["roles"].size))
         gather = None
@@ -311,6 +318,14 @@ class HardSampleReplay(Callback):
             else:
                 check.after_second_batch(pl_module)
                 self._refuse_carried_state(check.found)
+
+    def _refuse_time_major(self, names: list[str]) -> None:
+        if names:
+            raise PulseRefusal(
+                f"HardSampleReplay: the module's {names[0]} is computed on time-major tokens (its flattened targets "
+                "are a batch tensor transposed), so splitting it into samples would mix them. Flatten the "
+                "logits and targets batch-first (batch_first=True), or set `scorer=` to a PerSampleScorer."
+            )
 
     def _refuse_carried_state(self, found: dict[str, Any]) -> None:
         if found:
