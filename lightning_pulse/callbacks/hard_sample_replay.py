@@ -15,12 +15,12 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
-from lightning_pulse.core.carried_state import CarriedStateCheck, carried_state_refusal
+from lightning_pulse.core.carried_state import CarriedStateCheck
 from lightning_pulse.core.per_sample_loss import (
     LossCapture,
     PerSampleScorer,
     loss_capture_scope,
-    time_major_losses,
+    time_major_refusal,
 )
 from lightning_pulse.core.replay import (
     ROLE_NAMES,
@@ -71,10 +71,16 @@ class HardSampleReplay(Callback):
 
     Raises:
         ValueError: at construction, naming the argument, for a value outside the ranges above or
-            ``rule="infobatch"`` with ``mode="epoch"``. At fit start, for a DataLoader whose dataset indices
-            cannot be tracked (an ``IterableDataset``, a custom batch sampler), an epoch-based half-life with an
-            infinite DataLoader, or ``mode="epoch"`` next to a PulseCycle.
+            ``rule="infobatch"`` with ``mode="epoch"``; at fit start, for an epoch-based half-life with an
+            infinite DataLoader.
+        PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
+            ``IterableDataset``, a custom batch sampler), ``mode="epoch"`` next to a PulseCycle, or
+            ``ModelParallelStrategy``; after the fit's first two batches (trained in full, before any replay
+            step), for a module carrying state from one batch to the next (a stateful RNN) or a token loss
+            flattened time-major.
         RuntimeError: at the first step whose loss yields no per-sample value and no ``scorer`` is set.
+
+    A run shorter than an epoch cannot select (samples are scored when they train): it warns at fit start.
 
     Example::
 
@@ -172,10 +178,10 @@ class HardSampleReplay(Callback):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if isinstance(trainer.strategy, ModelParallelStrategy):  # FSDP and DeepSpeed cut no batch: they work
-            raise PulseRefusal(
-                "HardSampleReplay does not support ModelParallelStrategy: tensor-parallel peers must train the same "
-                "samples, but its random draws are seeded per global rank. Train with strategy='ddp', 'fsdp' or "
-                "'deepspeed', or remove HardSampleReplay from the callbacks."
+            self._refuse(
+                "does not support ModelParallelStrategy: tensor-parallel peers must train the same samples, but its "
+                "random draws are seeded per global rank. Train with strategy='ddp', 'fsdp' or 'deepspeed', or "
+                "remove HardSampleReplay from the callbacks."
             )
         self._trainer, self._ready = trainer, False
         if self._remove_hook is not None:
@@ -258,20 +264,22 @@ class HardSampleReplay(Callback):
             )
         active = phase_of(trainer, default=Phase.REPLAY).value in self.phases
         roles, weights, counted = torch.full((offered,), UNTOUCHED).numpy(), None, float(offered)
+        positions = None
         if active and self.mode == "epoch":  # the epoch's sampler already chose these samples
             roles, counted = self.selector.epoch_roles(indices), offered * self.selector.epoch_offered_ratio
         elif active:
             chosen = self.selector.compose(indices, trainer.global_step, batch_idx, trainer.global_rank)
-            indices, roles, weights = chosen.indices, chosen.roles, chosen.weights
-            if chosen.positions is not None:
-                self._refuse_carried_state(self.state_check.candidate_shapes())  # cut before the check ends
-                assign_in_place(batch, take_samples(batch, chosen.positions, offered))
-        if self.state_check.candidates is not None:
-            self.state_check.watch()
-        step = trainer.global_step
-        self._batch = dict(
-            step=step, indices=indices, roles=roles, offered=counted, active=active, size=offered
-        )
+            indices, roles, weights, positions = (
+                chosen.indices,
+                chosen.roles,
+                chosen.weights,
+                chosen.positions,
+            )
+        self._refuse(self.state_check.before_batch(cut=positions is not None))
+        if positions is not None:
+            assign_in_place(batch, take_samples(batch, positions, offered))
+        step, context = trainer.global_step, {"offered": counted, "active": active, "size": offered}
+        self._batch = {"step": step, "indices": indices, "roles": roles, **context}
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
         if self.scorer is None or weights is not None:
             self._capture = LossCapture(batch_size=int(roles.size), sample_weights=weights)
@@ -300,8 +308,8 @@ class HardSampleReplay(Callback):
             return
         if self.scorer is None:
             losses = context["capture"].require()
-            if not self.state_check.done and self.state_check.candidates is None:  # the fit's first batch
-                self._refuse_time_major(time_major_losses(losses, batch))
+            if self.state_check.first_batch:
+                self._refuse(time_major_refusal(losses, batch))
         else:
             losses = self.scorer.score(pl_module, batch, outputs, int(context["roles"].size))
         gather = None
@@ -311,25 +319,12 @@ class HardSampleReplay(Callback):
         step, active, offered = context["step"], context["active"], context["offered"]
         self.selector.record(context["indices"], losses, context["roles"], step, active, offered, gather)
         self._log(trainer)
-        check = self.state_check
-        if not check.done:
-            if check.candidates is None:
-                check.after_first_batch(pl_module, context["size"])
-            else:
-                check.after_second_batch(pl_module)
-                self._refuse_carried_state(check.found)
+        self._refuse(self.state_check.after_batch(pl_module, context["size"]))
 
-    def _refuse_time_major(self, names: list[str]) -> None:
-        if names:
-            raise PulseRefusal(
-                f"HardSampleReplay: the module's {names[0]} is computed on time-major tokens (its flattened targets "
-                "are a batch tensor transposed), so splitting it into samples would mix them. Flatten the "
-                "logits and targets batch-first (batch_first=True), or set `scorer=` to a PerSampleScorer."
-            )
-
-    def _refuse_carried_state(self, found: dict[str, Any]) -> None:
-        if found:
-            raise PulseRefusal(f"HardSampleReplay {carried_state_refusal(found)}")
+    @staticmethod
+    def _refuse(reason: str | None) -> None:
+        if reason is not None:
+            raise PulseRefusal(f"HardSampleReplay {reason}")
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

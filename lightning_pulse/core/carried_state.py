@@ -107,6 +107,32 @@ class CarriedStateCheck:
         self.done = False
         self._watch: _ReadWatch | None = None
 
+    @property
+    def first_batch(self) -> bool:
+        """Whether no batch has been checked yet."""
+        return not self.done and self.candidates is None
+
+    def before_batch(self, cut: bool) -> str | None:
+        """Before each batch trains: starts watching on the second one. ``cut``: the batch is smaller than
+        offered; before the check is done that is refused (:func:`carried_state_refusal`'s reason) if anything
+        batch-shaped is held, since a cut batch may break it."""
+        if self.done:
+            return None
+        if cut and self.candidates:
+            return carried_state_refusal(self.candidate_shapes())
+        self.watch()
+        return None
+
+    def after_batch(self, module: nn.Module, batch_size: int) -> str | None:
+        """After each batch trained (``batch_size`` as offered): the refusal reason once carried state is found."""
+        if self.done:
+            return None
+        if self.candidates is None:
+            self.after_first_batch(module, batch_size)
+            return None
+        self.after_second_batch(module)
+        return carried_state_refusal(self.found)
+
     def after_first_batch(self, module: nn.Module, batch_size: int) -> None:
         self.candidates = batch_shaped_attributes(module, batch_size)
         self.done = not self.candidates  # nothing batch-shaped is kept: nothing can carry over
@@ -148,9 +174,11 @@ class CarriedStateCheck:
         }
 
 
-def carried_state_refusal(found: dict[str, tuple[tuple[int, ...], ...]]) -> str:
-    """The reason and the way out, after a callback's name, for refusing to cut the batches of a module that
-    carries ``found`` (see :meth:`CarriedStateCheck.describe`) from one batch to the next."""
+def carried_state_refusal(found: dict[str, tuple[tuple[int, ...], ...]]) -> str | None:
+    """The reason and the way out, after the callback's name, for refusing to cut the batches of a module that
+    carries ``found`` (see :meth:`CarriedStateCheck.describe`) from one batch to the next; ``None`` if nothing."""
+    if not found:
+        return None
     return (
         "cannot cut the batches of a module that carries state from one batch to the next: "
         f"{CarriedStateCheck.describe(found)}, which holds the batch size and is read by the next batch (a stateful "

@@ -653,6 +653,19 @@ def time_major_losses(capture: LossCapture, batch: Any) -> list[str]:
     return found
 
 
+def time_major_refusal(capture: LossCapture, batch: Any) -> str | None:
+    """Why HardSampleReplay must refuse ``capture``'s losses (see :func:`time_major_losses`), after its name,
+    with the way out; ``None`` if they split into samples correctly."""
+    names = time_major_losses(capture, batch)
+    if not names:
+        return None
+    return (
+        f"cannot split the module's {names[0]} into samples: it is computed on time-major tokens (its flattened "
+        "targets are a batch tensor transposed), so each sample's share would mix samples. Flatten the logits and "
+        "targets batch-first (batch_first=True), or set `scorer=` to a PerSampleScorer."
+    )
+
+
 # ---------------------------------------------------------------------- scorers
 class PerSampleScorer:
     """Computes one loss per sample for modules whose loss :class:`LossCapture` cannot see.
