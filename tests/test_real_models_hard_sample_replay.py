@@ -19,6 +19,8 @@ from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.core.carried_state import CarriedStateCheck, batch_shaped_attributes
 from lightning_pulse.core.per_sample_loss import LossCapture, time_major_losses
+from lightning_pulse.core.replay import HardSampleSelector, ReplayConfig, shorter_than_an_epoch
+from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.errors import PulseRefusal
 from tests.clients import CLIENTS, StatefulLSTM, StreamDataModule, TextWindowsDataModule
 from tests.conftest import trainer_kwargs
@@ -386,3 +388,36 @@ def test_time_major_losses_tells_the_two_flattenings_apart():
     assert time_major_losses(time_major, {"x": logits, "y": y}) == ["cross_entropy"]
     # a classification loss (one target per sample) and targets found nowhere in the batch are not judged
     assert time_major_losses(time_major, [logits]) == []
+
+
+# ------------------------------------------------------------------------------ core, without a Trainer
+def test_a_cut_before_the_check_is_done_is_refused_when_something_batch_shaped_is_held():
+    core, check = _LSTMCore(), CarriedStateCheck()
+    assert check.before_batch(cut=True) is None  # the first batch: nothing is known, nothing held yet
+    core(torch.randn(3, 5, 4))
+    assert check.after_batch(core, batch_size=3) is None and check.first_batch is False
+    reason = check.before_batch(cut=True)
+    assert reason.startswith("cannot cut the batches of a module that carries state") and "`state`" in reason
+    check.stop()
+
+
+def test_the_run_length_note_names_both_figures_and_only_when_no_sample_comes_back():
+    note = shorter_than_an_epoch(12, 106)
+    assert note.startswith("this run plans 12 optimizer steps and one epoch is 106 steps")
+    assert shorter_than_an_epoch(107, 106) is None
+    assert shorter_than_an_epoch(math.inf, 106) is None and shorter_than_an_epoch(5, None) is None
+
+
+def test_nothing_selected_is_said_only_when_replay_steps_selected_nothing():
+    selector = HardSampleSelector(SampleScoreTable(8), ReplayConfig(replay_fraction=0.5))
+    indices = torch.arange(4)
+    chosen = selector.compose(indices, step=0, batch_idx=0)  # never scored: all kept, none "selected"
+    selector.record(chosen.indices, torch.rand(4), chosen.roles, 0, active=True, offered=4)
+    selector.apply()
+    assert selector.nothing_selected().startswith("nothing was selected in this run. 1 steps")
+    chosen = selector.compose(indices, step=1, batch_idx=0)
+    selector.record(
+        chosen.indices, torch.rand(chosen.indices.numel()), chosen.roles, 1, active=True, offered=4
+    )
+    selector.apply()
+    assert chosen.indices.numel() == 2 and selector.nothing_selected() is None
