@@ -87,7 +87,7 @@ def test_a_stateful_lstm_is_refused_before_its_first_replay_step_naming_the_stat
         **trainer_kwargs(),
     )
     with pytest.raises(PulseRefusal) as refusal:
-        trainer.fit(StatefulLSTM(), _StreamOrdered(max_chars=20_000))
+        trainer.fit(StatefulLSTM(), _StreamOrdered(max_chars=3_000))  # 10 batches per epoch
     message = str(refusal.value)
     assert message.startswith("HardSampleReplay cannot cut the batches of a module that carries state")
     assert "`state` (tensors of shape (2, 8, 64), (2, 8, 64))" in message
