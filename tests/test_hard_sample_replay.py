@@ -15,6 +15,7 @@ from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.core.per_sample_loss import ForwardLossScorer, OutputKeyScorer
+from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 
 BATCHES_PER_EPOCH = 12  # 720 training samples in batches of 64 (the last one holds 16)
@@ -336,7 +337,7 @@ def test_invalid_arguments_fail_at_construction(kwargs, field):
 def test_a_loader_without_dataset_indices_is_refused_before_the_first_step():
     model = SizeProbe()
     trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_steps=2, **trainer_kwargs())
-    with pytest.raises(ValueError, match="IterableDataset"):
+    with pytest.raises(PulseRefusal, match="^HardSampleReplay needs .*IterableDataset"):
         trainer.fit(model, _StreamData())
     assert model.sizes == []
 
@@ -374,5 +375,5 @@ def test_epoch_mode_refuses_a_pulse_cycle():
     trainer = pl.Trainer(
         callbacks=[PulseCycle(), HardSampleReplay(mode="epoch")], max_steps=2, **trainer_kwargs()
     )
-    with pytest.raises(ValueError, match="PulseCycle"):
+    with pytest.raises(PulseRefusal, match="^HardSampleReplay: mode='epoch'.*PulseCycle"):
         trainer.fit(SizeProbe(), _data())

@@ -9,13 +9,19 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
-from lightning_pulse.core.per_sample_loss import LossCapture, PerSampleScorer, loss_capture_scope
+from lightning_pulse.core.carried_state import CarriedStateCheck
+from lightning_pulse.core.per_sample_loss import (
+    LossCapture,
+    PerSampleScorer,
+    loss_capture_scope,
+    time_major_refusal,
+)
 from lightning_pulse.core.replay import (
     ROLE_NAMES,
     UNTOUCHED,
@@ -23,10 +29,12 @@ from lightning_pulse.core.replay import (
     ReplayConfig,
     half_life_steps,
     parse_half_life,
+    shorter_than_an_epoch,
 )
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import assign_in_place, take_samples
+from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PHASE_NAMES, Phase
 
 MODES = ("batch", "epoch")
@@ -63,10 +71,16 @@ class HardSampleReplay(Callback):
 
     Raises:
         ValueError: at construction, naming the argument, for a value outside the ranges above or
-            ``rule="infobatch"`` with ``mode="epoch"``. At fit start, for a DataLoader whose dataset indices
-            cannot be tracked (an ``IterableDataset``, a custom batch sampler), an epoch-based half-life with an
-            infinite DataLoader, or ``mode="epoch"`` next to a PulseCycle.
+            ``rule="infobatch"`` with ``mode="epoch"``; at fit start, for an epoch-based half-life with an
+            infinite DataLoader.
+        PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
+            ``IterableDataset``, a custom batch sampler), ``mode="epoch"`` next to a PulseCycle, or
+            ``ModelParallelStrategy``; after the fit's first two batches (trained in full, before any replay
+            step), for a module carrying state from one batch to the next (a stateful RNN) or a token loss
+            flattened time-major.
         RuntimeError: at the first step whose loss yields no per-sample value and no ``scorer`` is set.
+
+    A run shorter than an epoch cannot select (samples are scored when they train): it warns at fit start.
 
     Example::
 
@@ -125,6 +139,7 @@ class HardSampleReplay(Callback):
         self._capture: LossCapture | None = None
         self._batch: dict[str, Any] | None = None
         self._scope: Any = None
+        self.state_check = CarriedStateCheck()
 
     # ------------------------------------------------------------------ public state
     @property
@@ -160,6 +175,14 @@ class HardSampleReplay(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if isinstance(trainer.strategy, ModelParallelStrategy):  # FSDP and DeepSpeed cut no batch: they work
+            self._refuse(
+                "does not support ModelParallelStrategy: tensor-parallel peers must train the same samples, but its "
+                "random draws are seeded per global rank. Train with strategy='ddp', 'fsdp' or 'deepspeed', or "
+                "remove HardSampleReplay from the callbacks."
+            )
         self._trainer, self._ready = trainer, False
         if self._remove_hook is not None:
             self._remove_hook()
@@ -170,9 +193,10 @@ class HardSampleReplay(Callback):
         # checkpoint's state was handed over), so the first epoch is tracked and can already be selected
         reason = SampleIndexTracker.unsupported_reason(loader)
         if reason is not None:
-            raise ValueError(
+            raise PulseRefusal(
                 f"HardSampleReplay needs the dataset index of every sample, but {reason}. Use a map-style dataset "
-                "in a torch DataLoader with its default batch sampler."
+                "in a torch DataLoader with its default batch sampler, or remove HardSampleReplay (a batch sampler "
+                "feeding contiguous streams to a stateful model cannot be cut anyway)."
             )
         self._loader, self.tracker = loader, SampleIndexTracker.install(loader)
         size = self.tracker.dataset_size
@@ -200,12 +224,15 @@ class HardSampleReplay(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.mode == "epoch" and pulse_cycle_of(trainer) is not None:
-            raise ValueError(
+            raise PulseRefusal(
                 "HardSampleReplay: mode='epoch' chooses each epoch's samples when the epoch starts, so it cannot "
                 "follow a PulseCycle's step-based phases; use mode='batch' with a PulseCycle."
             )
         assert self.selector is not None
         steps_per_epoch = self._set_half_life(trainer.num_training_batches)
+        if (note := shorter_than_an_epoch(trainer.estimated_stepping_batches, steps_per_epoch)) is not None:
+            rank_zero_warn(f"HardSampleReplay: {note}")
+        self.state_check = CarriedStateCheck()  # over this fit's first two batches
         # the threshold scans every score, so it is refreshed twice per epoch, not every step
         self.selector.threshold_every = max(1, steps_per_epoch // 2) if steps_per_epoch else 50
         # steps are applied as often as the logging cadence needs (a setting, not whether a logger is attached,
@@ -237,15 +264,22 @@ class HardSampleReplay(Callback):
             )
         active = phase_of(trainer, default=Phase.REPLAY).value in self.phases
         roles, weights, counted = torch.full((offered,), UNTOUCHED).numpy(), None, float(offered)
+        positions = None
         if active and self.mode == "epoch":  # the epoch's sampler already chose these samples
             roles, counted = self.selector.epoch_roles(indices), offered * self.selector.epoch_offered_ratio
         elif active:
             chosen = self.selector.compose(indices, trainer.global_step, batch_idx, trainer.global_rank)
-            indices, roles, weights = chosen.indices, chosen.roles, chosen.weights
-            if chosen.positions is not None:
-                assign_in_place(batch, take_samples(batch, chosen.positions, offered))
-        step = trainer.global_step
-        self._batch = {"step": step, "indices": indices, "roles": roles, "offered": counted, "active": active}
+            indices, roles, weights, positions = (
+                chosen.indices,
+                chosen.roles,
+                chosen.weights,
+                chosen.positions,
+            )
+        self._refuse(self.state_check.before_batch(cut=positions is not None))
+        if positions is not None:
+            assign_in_place(batch, take_samples(batch, positions, offered))
+        step, context = trainer.global_step, {"offered": counted, "active": active, "size": offered}
+        self._batch = {"step": step, "indices": indices, "roles": roles, **context}
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
         if self.scorer is None or weights is not None:
             self._capture = LossCapture(batch_size=int(roles.size), sample_weights=weights)
@@ -274,6 +308,8 @@ class HardSampleReplay(Callback):
             return
         if self.scorer is None:
             losses = context["capture"].require()
+            if self.state_check.first_batch:
+                self._refuse(time_major_refusal(losses, batch))
         else:
             losses = self.scorer.score(pl_module, batch, outputs, int(context["roles"].size))
         gather = None
@@ -283,6 +319,12 @@ class HardSampleReplay(Callback):
         step, active, offered = context["step"], context["active"], context["offered"]
         self.selector.record(context["indices"], losses, context["roles"], step, active, offered, gather)
         self._log(trainer)
+        self._refuse(self.state_check.after_batch(pl_module, context["size"]))
+
+    @staticmethod
+    def _refuse(reason: str | None) -> None:
+        if reason is not None:
+            raise PulseRefusal(f"HardSampleReplay {reason}")
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -316,6 +358,7 @@ class HardSampleReplay(Callback):
     # ------------------------------------------------------------------ lifecycle
     def _release(self) -> None:
         self._close_capture()
+        self.state_check.stop()
         self._batch = None
         if self._scope is not None:
             self._scope.__exit__(None, None, None)
@@ -324,8 +367,11 @@ class HardSampleReplay(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._release()
-        if self.selector is not None:
-            self.selector.apply()
+        if self.selector is None:
+            return
+        self.selector.apply()
+        if (note := self.selector.nothing_selected()) is not None:
+            rank_zero_warn(f"HardSampleReplay: {note}")
 
     @override
     def on_exception(

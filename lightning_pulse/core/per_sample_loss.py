@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 #: The ``torch.nn.functional`` losses that :class:`LossCapture` sees. ``torch.nn`` loss modules call these.
 CAPTURED_LOSSES: tuple[str, ...] = (
@@ -619,6 +620,50 @@ def _per_sample_on_cpu(
     counts = rows.shape[1] - ignored.sum(axis=1, dtype=np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):
         return torch.from_numpy(rows.sum(axis=1, dtype=np.float32) / counts)
+
+
+def time_major_losses(capture: LossCapture, batch: Any) -> list[str]:
+    """The captured class-index losses (cross-entropy, NLL) whose flattened targets are a ``(B, T)`` integer
+    tensor of ``batch`` transposed: computed time-major (``(T, B)`` flattened, e.g. a ``batch_first=False``
+    model), so splitting them into ``B`` consecutive blocks would mix samples. Read before the per-sample
+    losses are computed (the targets are dropped then); a loss whose targets match no batch tensor is not
+    judged."""
+    size = capture.batch_size
+    leaves = [
+        leaf
+        for leaf in tree_leaves(batch)
+        if isinstance(leaf, Tensor)
+        and leaf.dim() == 2
+        and leaf.shape[0] == size
+        and leaf.shape[1] > 1
+        and not leaf.is_floating_point()
+    ]
+    found = []
+    for record in capture.records:
+        target = None if record._source is None else record._source[0].get("target")
+        if not isinstance(target, Tensor) or target.is_floating_point() or target.numel() <= size:
+            continue
+        flat = target.reshape(-1)
+        for leaf in (leaf.to(flat.device) for leaf in leaves if leaf.numel() == flat.numel()):
+            if torch.equal(flat, leaf.reshape(-1)):
+                break
+            if torch.equal(flat, leaf.t().reshape(-1)):
+                found.append(record.name)
+                break
+    return found
+
+
+def time_major_refusal(capture: LossCapture, batch: Any) -> str | None:
+    """Why HardSampleReplay must refuse ``capture``'s losses (see :func:`time_major_losses`), after its name,
+    with the way out; ``None`` if they split into samples correctly."""
+    names = time_major_losses(capture, batch)
+    if not names:
+        return None
+    return (
+        f"cannot split the module's {names[0]} into samples: it is computed on time-major tokens (its flattened "
+        "targets are a batch tensor transposed), so each sample's share would mix samples. Flatten the logits and "
+        "targets batch-first (batch_first=True), or set `scorer=` to a PerSampleScorer."
+    )
 
 
 # ---------------------------------------------------------------------- scorers

@@ -116,6 +116,21 @@ def half_life_steps(duration: Duration | None, steps_per_epoch: float | None) ->
     return duration.amount * steps_per_epoch
 
 
+def shorter_than_an_epoch(planned_steps: float, steps_per_epoch: int | None) -> str | None:
+    """What to tell the user when a run of ``planned_steps`` optimizer steps ends before any sample trains
+    twice (so nothing can be selected), else ``None``. Samples are scored when they train: selecting before a
+    sample's first visit would need a second, gradient-free forward of every batch (about a third of a
+    training step of the full batch), which the module's own loss computation does not give for free."""
+    if not steps_per_epoch or not math.isfinite(planned_steps) or planned_steps > steps_per_epoch:
+        return None
+    return (
+        f"this run plans {int(planned_steps)} optimizer steps and one epoch is {steps_per_epoch} steps, so no "
+        "sample trains twice. A sample is scored when it trains and only scored samples can be selected: no batch "
+        "will be cut (replay_fraction stays 1.0) and the run costs what it costs without HardSampleReplay. Train "
+        "for more than one epoch to select, or remove HardSampleReplay."
+    )
+
+
 @dataclass(frozen=True)
 class Composition:
     """What a replay step trains on.
@@ -278,6 +293,21 @@ class HardSampleSelector:
     def threshold(self) -> float:
         """The score above which a sample counts as hard (``NaN`` before anything was scored)."""
         return self._threshold[0]
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """The applied steps' running totals by name (:data:`TOTAL_NAMES`), e.g. ``selected_count``."""
+        return dict(zip(TOTAL_NAMES, self._totals.tolist()))
+
+    def nothing_selected(self) -> str | None:
+        """A note when steps were in a replay phase but not one sample was selected in them, else ``None``."""
+        totals = self.totals
+        if not totals["active_steps"] or totals["selected_count"]:
+            return None
+        return (
+            f"nothing was selected in this run. {int(totals['active_steps'])} steps were in a replay phase, but none "
+            "of their samples had a score yet (a sample is scored when it first trains), so all of them trained."
+        )
 
     @property
     def window_steps(self) -> int:

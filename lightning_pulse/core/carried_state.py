@@ -1,0 +1,187 @@
+"""Does a module carry state from one training batch to the next? (A check for callbacks that cut batches.)
+
+A stateful RNN trained with truncated backpropagation keeps its hidden state on the module
+(``self.state = tuple(s.detach() for s in state)``) and feeds it to the next batch. Row ``i`` of that state
+belongs to row ``i`` of the previous batch, so a batch with fewer rows (or other samples in them) breaks it:
+a shape error at best, silently mixed streams at worst.
+
+:class:`CarriedStateCheck` finds such state over a fit's first two training batches, with no change to what
+they train:
+
+1. after the first batch, the *candidates*: plain tensors (or tuples/lists of tensors) stored as attributes of
+   the module or a submodule, not parameters or buffers, with a dimension equal to the batch size
+   (:func:`batch_shaped_attributes`);
+2. during the second batch, which of the candidates' tensors any torch function reads (a
+   ``TorchFunctionMode``, for that one batch only);
+3. after it, which attributes were stored anew.
+
+An attribute is *carried state* when its first-batch value was read by the second batch and the second batch
+replaced it. That leaves out what ordinary modules keep: a cache built once (a positional table: read, never
+replaced), outputs kept for logging or an epoch-end metric (replaced, never read by the next batch),
+torchmetrics states (skipped: they accumulate over an epoch), state reset at every batch start (the old value
+is never read). Hugging Face models keep nothing on the module during training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+_MAX_ITEMS = 16  # a longer list is a log of outputs, not a hidden state
+
+
+def _tensors_in(value: Any, depth: int = 0) -> tuple[Tensor, ...]:
+    """The tensors of ``value`` if it is a tensor or a (nested, short) tuple/list of tensors, else ``()``."""
+    if isinstance(value, Tensor):
+        return () if isinstance(value, nn.Parameter) else (value,)
+    if depth < 2 and isinstance(value, (tuple, list)) and 0 < len(value) <= _MAX_ITEMS:
+        parts = [_tensors_in(item, depth + 1) for item in value]
+        if all(parts):
+            return tuple(tensor for part in parts for tensor in part)
+    return ()
+
+
+def _skipped(module: nn.Module) -> bool:
+    return type(module).__module__.split(".")[0] == "torchmetrics"
+
+
+def batch_shaped_attributes(module: nn.Module, batch_size: int) -> dict[str, tuple[Tensor, ...]]:
+    """Plain tensors (or tuples/lists of tensors) held as attributes of ``module`` or its submodules, keyed
+    by their dotted path, of which a dimension is ``batch_size``. Parameters and buffers are not attributes
+    in this sense (``nn.Module`` keeps them apart); torchmetrics metrics are skipped."""
+    found: dict[str, tuple[Tensor, ...]] = {}
+    for prefix, submodule in module.named_modules():
+        if _skipped(submodule):
+            continue
+        for name, value in vars(submodule).items():
+            tensors = _tensors_in(value)
+            if tensors and any(batch_size in tensor.shape for tensor in tensors):
+                found[f"{prefix}.{name}" if prefix else name] = tensors
+    return found
+
+
+def _attribute(module: nn.Module, path: str) -> Any:
+    owner, _, name = path.rpartition(".")
+    try:
+        return vars(module.get_submodule(owner) if owner else module).get(name)
+    except AttributeError:
+        return None
+
+
+class _ReadWatch(TorchFunctionMode):
+    """Notes which of the watched tensors any torch function (or tensor method) receives."""
+
+    def __init__(self, watched: set[int]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.read: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, Tensor) and id(leaf) in self.watched:
+                self.read.add(id(leaf))
+        return func(*args, **kwargs)
+
+
+class CarriedStateCheck:
+    """Finds state a module carries from one training batch to the next (see the module docstring).
+
+    Call :meth:`after_first_batch` when the first batch has trained, :meth:`watch` before the second trains
+    and :meth:`after_second_batch` once it has; ``done`` then holds and ``found`` says what carries state.
+
+    Example::
+
+        check = CarriedStateCheck()
+        train(batches[0]); check.after_first_batch(module, batch_size=len(batches[0]))
+        check.watch(); train(batches[1]); check.after_second_batch(module)
+        check.found        # {"state": ((2, 8, 64), (2, 8, 64))} for a stateful 2-layer LSTM, batch 8
+    """
+
+    def __init__(self) -> None:
+        self.candidates: dict[str, tuple[Tensor, ...]] | None = None
+        self.found: dict[str, tuple[tuple[int, ...], ...]] = {}
+        self.done = False
+        self._watch: _ReadWatch | None = None
+
+    @property
+    def first_batch(self) -> bool:
+        """Whether no batch has been checked yet."""
+        return not self.done and self.candidates is None
+
+    def before_batch(self, cut: bool) -> str | None:
+        """Before each batch trains: starts watching on the second one. ``cut``: the batch is smaller than
+        offered; before the check is done that is refused (:func:`carried_state_refusal`'s reason) if anything
+        batch-shaped is held, since a cut batch may break it."""
+        if self.done:
+            return None
+        if cut and self.candidates:
+            return carried_state_refusal(self.candidate_shapes())
+        self.watch()
+        return None
+
+    def after_batch(self, module: nn.Module, batch_size: int) -> str | None:
+        """After each batch trained (``batch_size`` as offered): the refusal reason once carried state is found."""
+        if self.done:
+            return None
+        if self.candidates is None:
+            self.after_first_batch(module, batch_size)
+            return None
+        self.after_second_batch(module)
+        return carried_state_refusal(self.found)
+
+    def after_first_batch(self, module: nn.Module, batch_size: int) -> None:
+        self.candidates = batch_shaped_attributes(module, batch_size)
+        self.done = not self.candidates  # nothing batch-shaped is kept: nothing can carry over
+
+    def watch(self) -> None:
+        """Start noting reads of the candidates (until :meth:`after_second_batch` or :meth:`stop`)."""
+        if self.candidates and self._watch is None:
+            self._watch = _ReadWatch({id(t) for tensors in self.candidates.values() for t in tensors})
+            self._watch.__enter__()
+
+    def stop(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.__exit__(None, None, None)
+
+    def after_second_batch(self, module: nn.Module) -> None:
+        read = set() if self._watch is None else self._watch.read
+        self.stop()
+        for path, tensors in (self.candidates or {}).items():
+            now = _tensors_in(_attribute(module, path))
+            replaced = {id(t) for t in now} != {id(t) for t in tensors}
+            if replaced and any(id(t) in read for t in tensors):
+                self.found[path] = tuple(tuple(t.shape) for t in tensors)
+        self.candidates, self.done = None, True
+
+    @staticmethod
+    def describe(found: dict[str, tuple[tuple[int, ...], ...]]) -> str:
+        """``found`` as ``"`state` (tensors of shape (2, 8, 64), (2, 8, 64))"``."""
+        return ", ".join(
+            f"`{path}` (tensor{'s' if len(shapes) > 1 else ''} of shape "
+            f"{', '.join(str(tuple(s)) for s in shapes)})"
+            for path, shapes in found.items()
+        )
+
+    def candidate_shapes(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """The candidates' shapes (what a batch cut before the check is done must be refused on)."""
+        return {
+            path: tuple(tuple(t.shape) for t in tensors) for path, tensors in (self.candidates or {}).items()
+        }
+
+
+def carried_state_refusal(found: dict[str, tuple[tuple[int, ...], ...]]) -> str | None:
+    """The reason and the way out, after the callback's name, for refusing to cut the batches of a module that
+    carries ``found`` (see :meth:`CarriedStateCheck.describe`) from one batch to the next; ``None`` if nothing."""
+    if not found:
+        return None
+    return (
+        "cannot cut the batches of a module that carries state from one batch to the next: "
+        f"{CarriedStateCheck.describe(found)}, which holds the batch size and is read by the next batch (a stateful "
+        "RNN). A cut batch no longer matches it, and other samples would break the streams it follows. Remove "
+        "HardSampleReplay for this model, or reset that state at the start of every batch."
+    )
