@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.core.module_state import kept_carried_state
+from lightning_pulse.core.carried_state import kept_carried_state
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
 from lightning_pulse.protocols import PhaseListener, listeners

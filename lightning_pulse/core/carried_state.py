@@ -24,6 +24,8 @@ is never read). Hugging Face models keep nothing on the module during training.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor, nn
@@ -185,3 +187,38 @@ def carried_state_refusal(found: dict[str, tuple[tuple[int, ...], ...]]) -> str 
         "RNN). A cut batch no longer matches it, and other samples would break the streams it follows. Remove "
         "HardSampleReplay for this model, or reset that state at the start of every batch."
     )
+
+
+_MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
+
+
+@contextmanager
+def kept_carried_state(module: nn.Module) -> Iterator[None]:
+    """Give back, on exit, every plain attribute of ``module`` and its submodules that held tensor state (a
+    tensor, or a short tuple/list of them) or ``None`` on entry, and drop tensor state that appeared inside.
+
+    For an evaluation in the middle of training (PulseCycle's maintain probe): a stateful module's
+    ``validation_step`` rebinds ``self.state`` to the validation stream's, and the next training batch must
+    continue from the training stream's. References are restored, not values: this undoes
+    ``self.state = ...`` (the usual update), not in-place writes into the same tensor.
+    """
+    saved: dict[tuple[int, str], Any] = {}
+    for submodule in module.modules():
+        for name, value in vars(submodule).items():
+            if name not in _MODULE_SLOTS and (value is None or _tensors_in(value)):
+                saved[(id(submodule), name)] = value
+    try:
+        yield
+    finally:
+        for submodule in module.modules():
+            for name, value in list(vars(submodule).items()):
+                if name in _MODULE_SLOTS:
+                    continue
+                key = (id(submodule), name)
+                if key in saved:
+                    before = saved[key]
+                    # only a slot that held or now holds tensor state: other attributes are not ours to undo
+                    if value is not before and (before is not None or _tensors_in(value)):
+                        submodule.__dict__[name] = before
+                elif _tensors_in(value):
+                    del submodule.__dict__[name]

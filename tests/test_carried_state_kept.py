@@ -1,11 +1,11 @@
-"""Tensor state a module carries between batches is found, and given back after an evaluation."""
+"""Tensor state a module carries between batches is given back after an evaluation in the middle of training."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lightning_pulse.core.module_state import carried_tensor_state, is_tensor_state, kept_carried_state
+from lightning_pulse.core.carried_state import batch_shaped_attributes, kept_carried_state
 
 
 class Stateful(nn.Module):
@@ -22,13 +22,12 @@ class Stateful(nn.Module):
         return out
 
 
-def test_carried_state_is_the_rnn_hidden_state_and_not_parameters_or_buffers():
+def test_the_batch_shaped_attribute_is_the_rnn_hidden_state_and_not_parameters_or_buffers():
     module = Stateful()
-    assert carried_tensor_state(module) == {}
+    assert batch_shaped_attributes(module, 2) == {}
     module(torch.randn(2, 5, 3))
-    found = carried_tensor_state(module)
+    found = batch_shaped_attributes(module, 2)
     assert list(found) == ["state"] and found["state"][0].shape == (1, 2, 4)
-    assert not is_tensor_state(module.rnn.weight_ih_l0) and not is_tensor_state(())
 
 
 def test_an_evaluation_inside_kept_carried_state_leaves_the_training_state_as_it_was():
