@@ -29,6 +29,7 @@ from lightning_pulse.callbacks.pulse_cycle import (
 from lightning_pulse.core import pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_int
+from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.protocols import ParametersReplacedListener, listeners
 
@@ -146,7 +147,7 @@ class ScheduledPrune(Callback):
 
         self._uses_maintain = False
         self._last_global_step = 0
-        self._last_batch: Any = None
+        self._example: Any = None  # structured: the trace input, checked on the first batch
         self._probe_data: list[Any] | None = None
         self._probe_unavailable = False
         self._fitter_handle: Any = None
@@ -181,6 +182,11 @@ class ScheduledPrune(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer_ref = weakref.ref(trainer)
         if stage == "fit":
+            refuse_sharded_strategy(
+                trainer,
+                "ScheduledPrune",
+                "masks and channel choices made on a rank's shard are not the model's",
+            )
             self._check_strategy(trainer)
         if self._fitter_handle is None:
             fitter = pruning.StateDictFitter(self._checkpoint_structure)
@@ -199,13 +205,19 @@ class ScheduledPrune(Callback):
         try:
             self.schedule.resolve(float(trainer.estimated_stepping_batches))
         except ValueError as error:
-            raise ValueError(f"ScheduledPrune: {error}") from None
-        layers = self.pruner.layers(pl_module)
-        if not layers:
-            raise ValueError(
-                f"ScheduledPrune: no layer of {pl_module.__class__.__name__} matches `layer_types`="
+            raise PulseRefusal(f"ScheduledPrune: {error}") from None
+        selection = self.pruner.selection(pl_module)
+        left_out = f" Left out: {selection.describe_left_out()}." if selection.left_out else ""
+        if not selection.layers:
+            raise PulseRefusal(
+                f"ScheduledPrune: no layer of {pl_module.__class__.__name__} can be pruned with `layer_types`="
                 f"{[t.__name__ for t in self.pruner.layer_types]}, `exclude_pattern`={self.pruner.exclude_pattern!r}."
+                f"{left_out} Choose other `layer_types` or remove ScheduledPrune."
             )
+        if self.mode == "structured":
+            self._refuse_structured(pruning.structured_blocker(pl_module, selection))
+            if getattr(pl_module, "example_input_array", None) is not None:
+                self._check_structured(pl_module, None)
         cycle = pulse_cycle_of(trainer)
         duration = cycle.clock.durations.get(Phase.MAINTAIN) if cycle is not None else None
         has_maintain = duration is not None and not duration.is_zero
@@ -223,17 +235,19 @@ class ScheduledPrune(Callback):
         self._restore_teacher(trainer, pl_module)
         self._training = True
         where = "maintain-phase starts" if self._uses_maintain else f"every {self.schedule.every} steps"
+        share = pruning.prune_targets.weight_share(pl_module, selection.layers)
         rank_zero_info(
-            f"ScheduledPrune: {self.mode} pruning of {len(layers)} layers to {self.final_sparsity:.0%} between "
-            f"steps {self.schedule.start_step} and {self.schedule.end_step}, at {where}."
+            f"ScheduledPrune: {self.mode} pruning of {len(selection.layers)} layers ({share:.0%} of the model's "
+            f"weights) to {self.final_sparsity:.0%} between steps {self.schedule.start_step} and "
+            f"{self.schedule.end_step}, at {where}.{left_out}"
         )
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.mode == "structured" and self.pruner.example_inputs is None:
-            self._last_batch = batch  # the trace input of the first structured event
+        if self.mode == "structured" and self._example is None and self.pruner.example_inputs is None:
+            self._check_structured(pl_module, batch)  # on the first batch, before its step
 
     @override
     def on_train_batch_end(
@@ -272,6 +286,13 @@ class ScheduledPrune(Callback):
             )
         if self.mode == "unstructured" and self.options.make_permanent:
             pruning.make_masks_permanent(pl_module)
+        if self.events:
+            last = self.events[-1]
+            rank_zero_info(
+                f"ScheduledPrune: sparsity {last['sparsity']:.3f} reached over {len(last['layer_sparsity'])} "
+                f"layers holding {last.get('weight_share', 0.0):.0%} of the model's weights; "
+                f"{last['params_nonzero']} of {last['params']} parameters non-zero."
+            )
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -304,10 +325,7 @@ class ScheduledPrune(Callback):
         self._end_distillation(trainer)
         probe_before = self._probe(trainer, pl_module, maintain_entry)
         teacher = pruning.copy_without_hooks(pl_module) if self.distill is not None else None
-        example = None
-        if self.mode == "structured" and self.pruner.example_inputs is None:
-            example, self._last_batch = pruning.example_input(pl_module, self._last_batch), None
-        outcome = self.pruner.prune(pl_module, target, trainer.optimizers, example)
+        outcome = self.pruner.prune(pl_module, target, trainer.optimizers, self._example)
         for problem in outcome.problems:
             rank_zero_warn(f"ScheduledPrune: {problem}")
         if len(outcome.remap):
@@ -331,20 +349,36 @@ class ScheduledPrune(Callback):
         checkpoint = compat.loaded_checkpoint(trainer) if trainer is not None else None
         return ((checkpoint or {}).get("callbacks") or {}).get(self.state_key)
 
+    def _refuse_structured(self, reason: str | None) -> None:
+        if reason is not None:
+            raise PulseRefusal(
+                f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured', "
+                "or set the module's `example_input_array` / narrow `layer_types` or `exclude_pattern`."
+            )
+
+    def _check_structured(self, pl_module: pl.LightningModule, batch: Any) -> None:
+        try:
+            example = pruning.small_example(pruning.example_input(pl_module, batch))
+        except ValueError as error:
+            self._refuse_structured(str(error))
+        self._refuse_structured(
+            pruning.check_structured(pl_module, self.pruner, self.schedule.sample_targets(), example)
+        )
+        self._example = example
+
     def _check_strategy(self, trainer: pl.Trainer) -> None:
-        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
         strategy = trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(
-            strategy, (SingleDeviceStrategy, DDPStrategy)
-        ):
-            raise ValueError(
-                f"ScheduledPrune supports single-device and DDP strategies, not {type(strategy).__name__}."
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+            raise PulseRefusal(
+                f"ScheduledPrune: the {type(strategy).__name__} strategy is not supported (single device and DDP are); use "
+                "strategy='ddp' or one device."
             )
         spawns = isinstance(strategy, DDPStrategy) and compat.spawns_worker_processes(trainer)
         if spawns and (self.mode == "structured" or not self.options.make_permanent):
-            raise ValueError(
-                "ScheduledPrune with mode='structured' or make_permanent=False cannot run under a spawning DDP "
+            raise PulseRefusal(
+                "ScheduledPrune: mode='structured' or make_permanent=False cannot run under a spawning DDP "
                 "strategy (ddp_spawn, ddp_fork, ddp_notebook): Lightning copies rank 0's final weights back into "
                 "the main process's unpruned, unmasked module, which cannot take pruned shapes and would silently "
                 "drop masked layers. Use strategy='ddp'."
