@@ -174,7 +174,8 @@ def has_own_forward(module: nn.Module) -> bool:
     """Whether ``module``'s class, or a user class it derives from, defines ``forward``: the placeholders of
     ``nn.Module`` and ``LightningModule`` raise NotImplementedError."""
     owner = next(cls for cls in type(module).__mro__ if "forward" in vars(cls))
-    return not owner.__module__.startswith(("torch.nn.", "lightning.", "pytorch_lightning."))
+    lightning = owner.__name__ == "LightningModule" and owner.__module__.startswith(("lightning", "pytorch_"))
+    return owner is not nn.Module and not lightning
 
 
 def call_with(model: nn.Module, example: Any) -> Any:
