@@ -26,7 +26,7 @@ from lightning_pulse.callbacks.pulse_cycle import (
     pulse_cycle_of,
     run_validation_probe,
 )
-from lightning_pulse.core import pruning
+from lightning_pulse.core import prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_int
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
@@ -73,8 +73,14 @@ class ScheduledPrune(Callback):
     pruned. ``mode="unstructured"`` masks weights (``torch.nn.utils.prune``; no speedup on dense kernels);
     ``mode="structured"`` removes output channels with torch-pruning (coupled layers follow, output layers are
     never cut), cuts the optimizer's state in place, re-wraps DDP and tells every
-    :class:`~lightning_pulse.protocols.ParametersReplacedListener`. It traces the model on the module's
-    ``example_input_array`` or, without one, on the first tensor of the current batch.
+    :class:`~lightning_pulse.protocols.ParametersReplacedListener`. It traces the module's ``forward`` on its
+    ``example_input_array`` or, without one, on arguments taken from the first training batch by ``forward``'s
+    signature, and first prunes a copy to the schedule's levels: a model that cannot be cut safely is refused
+    before the first step.
+
+    Layers read without their forward (``nn.MultiheadAttention.out_proj``) and one side of a tied weight are
+    never pruned; Hugging Face ``Conv1D`` layers are selected by default. The setup line names what was left
+    out and why.
 
     Events are logged under ``prune/`` and kept in :attr:`events` and in checkpoints, which resume
     mid-schedule into a freshly built module (outside a Trainer: :meth:`load_pruned`). A
@@ -89,8 +95,8 @@ class ScheduledPrune(Callback):
         start: when the schedule starts: an ``int`` optimizer step, or a ``float`` share of the run.
         end: when the schedule reaches ``final_sparsity``, same forms; not before ``start``.
         every: optimizer steps between events on the step cadence.
-        layer_types: layer classes (or ``torch.nn`` names, or dotted paths) to prune; ``None`` for any layer
-            with a ``weight``. In structured mode these are the layers whose output channels are removed.
+        layer_types: layer classes (or ``torch.nn`` names, dotted paths, ``"HFConv1D"``) to prune; ``None`` for
+            any layer with a ``weight``. In structured mode these are the layers whose output channels are removed.
         exclude_pattern: never layers whose qualified name matches this regex (``re.search``).
         probe_batches: validation batches evaluated right after each event (and before it when no PulseCycle
             probe just ran); ``0`` turns the probes off.
@@ -101,9 +107,10 @@ class ScheduledPrune(Callback):
 
     Raises:
         ValueError: at construction, naming the field, for a value out of range or of the wrong type, an
-            unknown ``mode``/``cadence``/``ranking``, an invalid regex or layer type. At fit start: no layer
-            matches, ``start`` after ``end``, ``cadence="maintain"`` without a maintain phase, an unsupported
-            strategy.
+            unknown ``mode``/``cadence``/``ranking``, an invalid regex or layer type.
+        PulseRefusal: at fit start, before the first step: no layer can be pruned, ``start`` after ``end``,
+            ``cadence="maintain"`` without a maintain phase, FSDP/DeepSpeed or another unsupported strategy, a
+            model structured pruning cannot trace or cut safely.
         ModuleNotFoundError: at construction, structured mode without torch-pruning installed.
 
     Example::
@@ -223,8 +230,9 @@ class ScheduledPrune(Callback):
         has_maintain = duration is not None and not duration.is_zero
         cadence = self.options.cadence
         if cadence == "maintain" and not has_maintain:
-            raise ValueError(
-                "ScheduledPrune: `cadence`='maintain' needs a PulseCycle with a non-zero maintain phase."
+            raise PulseRefusal(
+                "ScheduledPrune: `cadence`='maintain' needs a PulseCycle with a non-zero maintain phase; add one "
+                "or use `cadence`='steps'."
             )
         if cadence == "auto" and cycle is not None and not has_maintain:
             rank_zero_warn(
@@ -235,7 +243,7 @@ class ScheduledPrune(Callback):
         self._restore_teacher(trainer, pl_module)
         self._training = True
         where = "maintain-phase starts" if self._uses_maintain else f"every {self.schedule.every} steps"
-        share = pruning.prune_targets.weight_share(pl_module, selection.layers)
+        share = prune_targets.weight_share(pl_module, selection.layers)
         rank_zero_info(
             f"ScheduledPrune: {self.mode} pruning of {len(selection.layers)} layers ({share:.0%} of the model's "
             f"weights) to {self.final_sparsity:.0%} between steps {self.schedule.start_step} and "
@@ -287,12 +295,7 @@ class ScheduledPrune(Callback):
         if self.mode == "unstructured" and self.options.make_permanent:
             pruning.make_masks_permanent(pl_module)
         if self.events:
-            last = self.events[-1]
-            rank_zero_info(
-                f"ScheduledPrune: sparsity {last['sparsity']:.3f} reached over {len(last['layer_sparsity'])} "
-                f"layers holding {last.get('weight_share', 0.0):.0%} of the model's weights; "
-                f"{last['params_nonzero']} of {last['params']} parameters non-zero."
-            )
+            rank_zero_info(f"ScheduledPrune: at fit end, {pruning.event_summary(self.events[-1])}.")
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -352,8 +355,9 @@ class ScheduledPrune(Callback):
     def _refuse_structured(self, reason: str | None) -> None:
         if reason is not None:
             raise PulseRefusal(
-                f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured', "
-                "or set the module's `example_input_array` / narrow `layer_types` or `exclude_pattern`."
+                f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured'; "
+                "or give the module a `forward` (and an `example_input_array` when a batch does not hold its "
+                "arguments) that runs the model, or narrow `layer_types`/`exclude_pattern` to layers that can be cut."
             )
 
     def _check_structured(self, pl_module: pl.LightningModule, batch: Any) -> None:
@@ -372,8 +376,8 @@ class ScheduledPrune(Callback):
         strategy = trainer.strategy
         if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise PulseRefusal(
-                f"ScheduledPrune: the {type(strategy).__name__} strategy is not supported (single device and DDP are); use "
-                "strategy='ddp' or one device."
+                f"ScheduledPrune: the {type(strategy).__name__} strategy is not supported (single device and DDP "
+                "are); use strategy='ddp' or one device."
             )
         spawns = isinstance(strategy, DDPStrategy) and compat.spawns_worker_processes(trainer)
         if spawns and (self.mode == "structured" or not self.options.make_permanent):
