@@ -723,9 +723,17 @@ def check_structured(
     trial = Pruner(
         "structured", pruner.layer_types, pruner.exclude_pattern, pruner.ranking, pruner.min_channels
     )
-    duplicate = copy_without_hooks(model)
+    duplicate = copy_without_hooks(model).eval()  # eval: no dropout draws, no batch-norm statistics
     device = next((p.device for p in duplicate.parameters()), torch.device("cpu"))
     inputs = _to_device(as_example_inputs(small_example(example)), device)
+    # the check must not change the run it checks: random draws happen on forked generators
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _dry_run(duplicate, trial, sparsities, example, inputs)
+
+
+def _dry_run(
+    duplicate: nn.Module, trial: Pruner, sparsities: Sequence[float], example: Any, inputs: Any
+) -> str | None:
     try:
         with torch.no_grad():
             before = prune_targets.output_shapes(call_with(duplicate, inputs))
