@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples.mnist1d.models import build_mnist1d_network
-from lightning_pulse.core import pruning
+from lightning_pulse.core import prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow, LogitDistiller, distillation_loss
 from lightning_pulse.core.prune_schedule import PruneSchedule, cubic_sparsity
 
@@ -397,3 +397,111 @@ def test_distiller_ignores_evaluation_and_non_logit_outputs():
     student.train()
     student(torch.randn(4))  # a 1-D output is no batch of logits
     assert distiller.calls == 0
+
+
+# ---------------------------------------------------------------------------------------------- model checks
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.ffn = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.ffn(self.attention(x, x, x)[0])
+
+
+def test_multihead_attention_children_are_left_out_with_the_reason():
+    selection = prune_targets.select_targets(_Encoder(), (nn.Linear,))
+    assert list(selection.layers) == ["ffn"]
+    assert "nn.MultiheadAttention reads its weight directly" in selection.left_out["attention.out_proj"]
+
+
+def test_a_tied_weight_is_pruned_whole_or_not_at_all():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 10))
+    model[2].weight = model[1].weight
+    model[3].weight = model[0].weight  # the output layer tied to the embedding
+    selection = prune_targets.select_targets(model, (nn.Linear,))
+    assert list(selection.layers) == ["1", "2"] and selection.aliases == {"2": "1"}
+    assert selection.left_out == {"3": "weight shared with 0.weight, which is not pruned"}
+    one_side = prune_targets.select_targets(model, (nn.Linear,), exclude="^2$")
+    assert list(one_side.layers) == [] and "2.weight" in one_side.left_out["1"]
+    structured = prune_targets.select_targets(model, (nn.Linear,), structured=True)
+    assert list(structured.layers) == []
+
+
+def test_tied_layers_get_one_mask_even_under_global_ranking_and_count_once():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3))
+    model[1].weight = model[0].weight
+    params = pruning.count_parameters(model)["params"]
+    assert params == 36 + 6 + 6 + 18 + 3
+    pruning.Pruner(ranking="global").prune(model, 0.5)
+    assert torch.equal(model[0].weight_mask, model[1].weight_mask)
+    assert model[0].weight_orig is model[1].weight_orig
+    assert pruning.count_parameters(model)["params"] == params
+    pruning.make_masks_permanent(model)
+    assert model[0].weight is model[1].weight
+
+
+def test_hf_conv1d_is_matched_by_name_without_importing_transformers():
+    Conv1D = type("Conv1D", (nn.Module,), {"__module__": "transformers.pytorch_utils"})
+    layer = Conv1D()
+    layer.weight = nn.Parameter(torch.zeros(4, 8))
+    model = nn.Sequential(layer, nn.Linear(8, 2))
+    assert isinstance(layer, prune_targets.HFConv1D) and not isinstance(
+        nn.Linear(2, 2), prune_targets.HFConv1D
+    )
+    types = pruning.resolve_layer_types(pruning.DEFAULT_LAYER_TYPES)
+    assert list(pruning.select_layers(model, types)) == ["0", "1"]
+    selection = prune_targets.select_targets(model, types)
+    assert "Conv1D" in pruning.structured_blocker(_Forward(), selection)
+
+
+class _Forward(nn.Module):
+    def forward(self, input_ids, attention_mask=None):
+        return input_ids
+
+
+class _TwoInputs(nn.Module):
+    def forward(self, a, b):
+        return a + b
+
+
+def test_the_trace_call_comes_from_the_batch_by_the_forward_signature():
+    ids, mask = torch.ones(4, 3), torch.zeros(4, 3)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    assert prune_targets.example_from_batch(_Forward(), batch) == {"input_ids": ids, "attention_mask": mask}
+    assert prune_targets.example_from_batch(_Forward(), (ids, mask))[0] is ids
+    with pytest.raises(ValueError, match=r"takes \['a', 'b'\].*missing \['b'\]"):
+        prune_targets.example_from_batch(_TwoInputs(), {"a": ids})
+    with pytest.raises(ValueError, match="takes 2 arguments"):
+        prune_targets.example_from_batch(_TwoInputs(), (ids, mask))
+    with pytest.raises(ValueError, match="has no `forward`"):
+        prune_targets.example_from_batch(nn.Module(), ids)
+    assert prune_targets.has_own_forward(nn.Sequential()) and not prune_targets.has_own_forward(nn.Module())
+
+
+class _WithTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.table = torch.ones(8)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x) + self.table)
+
+
+def test_the_structured_dry_run_refuses_a_width_dependent_tensor_and_passes_a_plain_mlp():
+    pruner = pruning.Pruner(mode="structured")
+    reason = pruning.check_structured(_WithTable(), pruner, [0.25, 0.5], (torch.randn(4, 4),))
+    assert reason is not None and reason.startswith("pruning a copy of the model failed (RuntimeError")
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert pruning.check_structured(mlp, pruner, [0.25, 0.5], (torch.randn(4, 4),)) is None
+    assert mlp[0].out_features == 8 and pruner.history == []  # the model and the pruner are untouched
+
+
+def test_sample_targets_spread_over_the_schedule_and_end_at_the_final_sparsity():
+    schedule = PruneSchedule(final_sparsity=0.5, start=10, end=50, every=10)
+    schedule.resolve(total_steps=100)
+    targets = schedule.sample_targets(4)
+    assert len(targets) == 4 and targets[-1] == pytest.approx(0.5) and targets == sorted(targets)

@@ -14,6 +14,7 @@ from lightning_pulse import Phase, PulseCycle, ScheduledPrune
 from lightning_pulse.callbacks.scheduled_prune import DistillConfig, PruneOptions
 from lightning_pulse.core import pruning
 from lightning_pulse.core.prune_schedule import cubic_sparsity
+from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 
 
@@ -263,9 +264,9 @@ def test_resume_restores_unstructured_masks_and_optimizer_order(tmp_path):
 def test_spawning_ddp_refuses_structured_mode_at_setup(mnist1d_small):
     model, _ = mnist1d_small()
     trainer = pl.Trainer(**trainer_kwargs(devices=2, strategy="ddp_spawn"))
-    with pytest.raises(ValueError, match="strategy='ddp'"):
+    with pytest.raises(PulseRefusal, match="^ScheduledPrune: .*strategy='ddp'"):
         ScheduledPrune(mode="structured").setup(trainer, model, stage="fit")
-    with pytest.raises(ValueError, match="make_permanent=False"):
+    with pytest.raises(PulseRefusal, match="make_permanent=False"):
         ScheduledPrune(options=PruneOptions(make_permanent=False)).setup(trainer, model, stage="fit")
     ScheduledPrune().setup(trainer, model, stage="fit")  # masks folded at fit end: fine
 
@@ -273,7 +274,7 @@ def test_spawning_ddp_refuses_structured_mode_at_setup(mnist1d_small):
 def test_no_matching_layer_fails_at_fit_start(mnist1d_small):
     model, data = mnist1d_small()
     trainer = pl.Trainer(max_steps=2, callbacks=[ScheduledPrune(exclude_pattern=".")], **trainer_kwargs())
-    with pytest.raises(ValueError, match="no layer"):
+    with pytest.raises(PulseRefusal, match="^ScheduledPrune: no layer"):
         trainer.fit(model, data)
 
 

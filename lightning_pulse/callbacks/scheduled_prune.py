@@ -26,9 +26,10 @@ from lightning_pulse.callbacks.pulse_cycle import (
     pulse_cycle_of,
     run_validation_probe,
 )
-from lightning_pulse.core import pruning
+from lightning_pulse.core import prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_int
+from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.protocols import ParametersReplacedListener, listeners
 
@@ -72,8 +73,14 @@ class ScheduledPrune(Callback):
     pruned. ``mode="unstructured"`` masks weights (``torch.nn.utils.prune``; no speedup on dense kernels);
     ``mode="structured"`` removes output channels with torch-pruning (coupled layers follow, output layers are
     never cut), cuts the optimizer's state in place, re-wraps DDP and tells every
-    :class:`~lightning_pulse.protocols.ParametersReplacedListener`. It traces the model on the module's
-    ``example_input_array`` or, without one, on the first tensor of the current batch.
+    :class:`~lightning_pulse.protocols.ParametersReplacedListener`. It traces the module's ``forward`` on its
+    ``example_input_array`` or, without one, on arguments taken from the first training batch by ``forward``'s
+    signature, and first prunes a copy to the schedule's levels: a model that cannot be cut safely is refused
+    before the first step.
+
+    Layers read without their forward (``nn.MultiheadAttention.out_proj``) and one side of a tied weight are
+    never pruned; Hugging Face ``Conv1D`` layers are selected by default. The setup line names what was left
+    out and why.
 
     Events are logged under ``prune/`` and kept in :attr:`events` and in checkpoints, which resume
     mid-schedule into a freshly built module (outside a Trainer: :meth:`load_pruned`). A
@@ -88,8 +95,8 @@ class ScheduledPrune(Callback):
         start: when the schedule starts: an ``int`` optimizer step, or a ``float`` share of the run.
         end: when the schedule reaches ``final_sparsity``, same forms; not before ``start``.
         every: optimizer steps between events on the step cadence.
-        layer_types: layer classes (or ``torch.nn`` names, or dotted paths) to prune; ``None`` for any layer
-            with a ``weight``. In structured mode these are the layers whose output channels are removed.
+        layer_types: layer classes (or ``torch.nn`` names, dotted paths, ``"HFConv1D"``) to prune; ``None`` for
+            any layer with a ``weight``. In structured mode these are the layers whose output channels are removed.
         exclude_pattern: never layers whose qualified name matches this regex (``re.search``).
         probe_batches: validation batches evaluated right after each event (and before it when no PulseCycle
             probe just ran); ``0`` turns the probes off.
@@ -100,9 +107,10 @@ class ScheduledPrune(Callback):
 
     Raises:
         ValueError: at construction, naming the field, for a value out of range or of the wrong type, an
-            unknown ``mode``/``cadence``/``ranking``, an invalid regex or layer type. At fit start: no layer
-            matches, ``start`` after ``end``, ``cadence="maintain"`` without a maintain phase, an unsupported
-            strategy.
+            unknown ``mode``/``cadence``/``ranking``, an invalid regex or layer type.
+        PulseRefusal: at fit start, before the first step: no layer can be pruned, ``start`` after ``end``,
+            ``cadence="maintain"`` without a maintain phase, FSDP/DeepSpeed or another unsupported strategy, a
+            model structured pruning cannot trace or cut safely.
         ModuleNotFoundError: at construction, structured mode without torch-pruning installed.
 
     Example::
@@ -146,7 +154,7 @@ class ScheduledPrune(Callback):
 
         self._uses_maintain = False
         self._last_global_step = 0
-        self._last_batch: Any = None
+        self._example: Any = None  # structured: the trace input, checked on the first batch
         self._probe_data: list[Any] | None = None
         self._probe_unavailable = False
         self._fitter_handle: Any = None
@@ -181,6 +189,11 @@ class ScheduledPrune(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer_ref = weakref.ref(trainer)
         if stage == "fit":
+            refuse_sharded_strategy(
+                trainer,
+                "ScheduledPrune",
+                "masks and channel choices made on a rank's shard are not the model's",
+            )
             self._check_strategy(trainer)
         if self._fitter_handle is None:
             fitter = pruning.StateDictFitter(self._checkpoint_structure)
@@ -199,20 +212,27 @@ class ScheduledPrune(Callback):
         try:
             self.schedule.resolve(float(trainer.estimated_stepping_batches))
         except ValueError as error:
-            raise ValueError(f"ScheduledPrune: {error}") from None
-        layers = self.pruner.layers(pl_module)
-        if not layers:
-            raise ValueError(
-                f"ScheduledPrune: no layer of {pl_module.__class__.__name__} matches `layer_types`="
+            raise PulseRefusal(f"ScheduledPrune: {error}") from None
+        selection = self.pruner.selection(pl_module)
+        left_out = f" Left out: {selection.describe_left_out()}." if selection.left_out else ""
+        if not selection.layers:
+            raise PulseRefusal(
+                f"ScheduledPrune: no layer of {pl_module.__class__.__name__} can be pruned with `layer_types`="
                 f"{[t.__name__ for t in self.pruner.layer_types]}, `exclude_pattern`={self.pruner.exclude_pattern!r}."
+                f"{left_out} Choose other `layer_types` or remove ScheduledPrune."
             )
+        if self.mode == "structured":
+            self._refuse_structured(pruning.structured_blocker(pl_module, selection))
+            if getattr(pl_module, "example_input_array", None) is not None:
+                self._check_structured(pl_module, None)
         cycle = pulse_cycle_of(trainer)
         duration = cycle.clock.durations.get(Phase.MAINTAIN) if cycle is not None else None
         has_maintain = duration is not None and not duration.is_zero
         cadence = self.options.cadence
         if cadence == "maintain" and not has_maintain:
-            raise ValueError(
-                "ScheduledPrune: `cadence`='maintain' needs a PulseCycle with a non-zero maintain phase."
+            raise PulseRefusal(
+                "ScheduledPrune: `cadence`='maintain' needs a PulseCycle with a non-zero maintain phase; add one "
+                "or use `cadence`='steps'."
             )
         if cadence == "auto" and cycle is not None and not has_maintain:
             rank_zero_warn(
@@ -223,17 +243,19 @@ class ScheduledPrune(Callback):
         self._restore_teacher(trainer, pl_module)
         self._training = True
         where = "maintain-phase starts" if self._uses_maintain else f"every {self.schedule.every} steps"
+        share = prune_targets.weight_share(pl_module, selection.layers)
         rank_zero_info(
-            f"ScheduledPrune: {self.mode} pruning of {len(layers)} layers to {self.final_sparsity:.0%} between "
-            f"steps {self.schedule.start_step} and {self.schedule.end_step}, at {where}."
+            f"ScheduledPrune: {self.mode} pruning of {len(selection.layers)} layers ({share:.0%} of the model's "
+            f"weights) to {self.final_sparsity:.0%} between steps {self.schedule.start_step} and "
+            f"{self.schedule.end_step}, at {where}.{left_out}"
         )
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.mode == "structured" and self.pruner.example_inputs is None:
-            self._last_batch = batch  # the trace input of the first structured event
+        if self.mode == "structured" and self._example is None and self.pruner.example_inputs is None:
+            self._check_structured(pl_module, batch)  # on the first batch, before its step
 
     @override
     def on_train_batch_end(
@@ -272,6 +294,8 @@ class ScheduledPrune(Callback):
             )
         if self.mode == "unstructured" and self.options.make_permanent:
             pruning.make_masks_permanent(pl_module)
+        if self.events:
+            rank_zero_info(f"ScheduledPrune: at fit end, {pruning.event_summary(self.events[-1])}.")
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -304,10 +328,7 @@ class ScheduledPrune(Callback):
         self._end_distillation(trainer)
         probe_before = self._probe(trainer, pl_module, maintain_entry)
         teacher = pruning.copy_without_hooks(pl_module) if self.distill is not None else None
-        example = None
-        if self.mode == "structured" and self.pruner.example_inputs is None:
-            example, self._last_batch = pruning.example_input(pl_module, self._last_batch), None
-        outcome = self.pruner.prune(pl_module, target, trainer.optimizers, example)
+        outcome = self.pruner.prune(pl_module, target, trainer.optimizers, self._example)
         for problem in outcome.problems:
             rank_zero_warn(f"ScheduledPrune: {problem}")
         if len(outcome.remap):
@@ -331,20 +352,37 @@ class ScheduledPrune(Callback):
         checkpoint = compat.loaded_checkpoint(trainer) if trainer is not None else None
         return ((checkpoint or {}).get("callbacks") or {}).get(self.state_key)
 
+    def _refuse_structured(self, reason: str | None) -> None:
+        if reason is not None:
+            raise PulseRefusal(
+                f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured'; "
+                "or give the module a `forward` (and an `example_input_array` when a batch does not hold its "
+                "arguments) that runs the model, or narrow `layer_types`/`exclude_pattern` to layers that can be cut."
+            )
+
+    def _check_structured(self, pl_module: pl.LightningModule, batch: Any) -> None:
+        try:
+            example = pruning.small_example(pruning.example_input(pl_module, batch))
+        except ValueError as error:
+            self._refuse_structured(str(error))
+        self._refuse_structured(
+            pruning.check_structured(pl_module, self.pruner, self.schedule.sample_targets(), example)
+        )
+        self._example = example
+
     def _check_strategy(self, trainer: pl.Trainer) -> None:
-        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
         strategy = trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(
-            strategy, (SingleDeviceStrategy, DDPStrategy)
-        ):
-            raise ValueError(
-                f"ScheduledPrune supports single-device and DDP strategies, not {type(strategy).__name__}."
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+            raise PulseRefusal(
+                f"ScheduledPrune: the {type(strategy).__name__} strategy is not supported (single device and DDP "
+                "are); use strategy='ddp' or one device."
             )
         spawns = isinstance(strategy, DDPStrategy) and compat.spawns_worker_processes(trainer)
         if spawns and (self.mode == "structured" or not self.options.make_permanent):
-            raise ValueError(
-                "ScheduledPrune with mode='structured' or make_permanent=False cannot run under a spawning DDP "
+            raise PulseRefusal(
+                "ScheduledPrune: mode='structured' or make_permanent=False cannot run under a spawning DDP "
                 "strategy (ddp_spawn, ddp_fork, ddp_notebook): Lightning copies rank 0's final weights back into "
                 "the main process's unpruned, unmasked module, which cannot take pruned shapes and would silently "
                 "drop masked layers. Use strategy='ddp'."

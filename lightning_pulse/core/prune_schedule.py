@@ -141,6 +141,13 @@ class PruneSchedule:
             step, self.initial_sparsity, self.final_sparsity, self.start_step, self.end_step
         )
 
+    def sample_targets(self, count: int = 8) -> list[float]:
+        """``count`` targets of the resolved schedule at evenly spaced steps from ``start`` to ``end`` (the
+        last is ``final_sparsity``): the levels a model is checked at before training."""
+        span = self.end_step - self.start_step
+        steps = [self.start_step + span * (i + 1) / count for i in range(count)] if span else [self.end_step]
+        return sorted({t for t in (self.target(step) for step in steps) if t > 0.0})
+
     def due(self, step: int) -> bool:
         """Whether the step cadence has a chance to prune at ``step``."""
         return not self.finished and self.next_step is not None and step >= self.next_step

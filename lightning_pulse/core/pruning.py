@@ -29,9 +29,12 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
+from lightning_pulse.core import prune_targets
+from lightning_pulse.core.prune_targets import LayerSelection, call_with
+
 RANKINGS = ("layer", "global")
 MODES = ("unstructured", "structured")
-DEFAULT_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
+DEFAULT_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "HFConv1D")
 
 # Module attributes holding hooks; a copy made for a teacher or a shadow must not carry the live hooks of other
 # callbacks (a bound method would drag its callback, and through it the Trainer, into the copy).
@@ -61,7 +64,8 @@ def resolve_layer_types(
 ) -> tuple[type, ...]:
     """Turn ``["Linear", "torch.nn.Conv2d", MyLayer]`` into module classes.
 
-    A bare name is looked up in ``torch.nn``; a dotted name is imported.
+    A bare name is looked up in ``torch.nn``; a dotted name is imported; ``"HFConv1D"`` matches Hugging Face's
+    ``transformers.pytorch_utils.Conv1D`` without importing ``transformers``.
 
     Raises:
         ValueError: naming ``field``, for a name that is not a ``torch.nn.Module`` class.
@@ -73,7 +77,9 @@ def resolve_layer_types(
     resolved = []
     for item in layer_types:
         cls: Any = item
-        if isinstance(item, str):
+        if item == "HFConv1D":
+            cls = prune_targets.HFConv1D
+        elif isinstance(item, str):
             module_path, _, name = item.rpartition(".")
             try:
                 cls = getattr(importlib.import_module(module_path) if module_path else nn, name)
@@ -88,43 +94,27 @@ def resolve_layer_types(
     return tuple(resolved)
 
 
-def _has_weight(module: nn.Module) -> bool:
-    parameters = module._parameters
-    return isinstance(parameters.get("weight"), nn.Parameter) or isinstance(
-        parameters.get("weight_orig"), nn.Parameter
-    )
-
-
 def select_layers(
     model: nn.Module, layer_types: tuple[type, ...] = (), exclude: str | None = None
 ) -> dict[str, nn.Module]:
-    """The layers of ``model`` to prune, by qualified name: the one place that decides what is prunable.
-
-    A layer is chosen if it has a ``weight`` parameter, is an instance of one of ``layer_types`` (any type
-    when empty) and its name does not match the regex ``exclude`` (``re.search``).
-    """
-    chosen = {}
-    for name, module in model.named_modules():
-        if not name or not _has_weight(module):
-            continue
-        if layer_types and not isinstance(module, layer_types):
-            continue
-        if exclude is not None and re.search(exclude, name) is not None:
-            continue
-        chosen[name] = module
-    return chosen
+    """The layers of ``model`` to prune, by qualified name (:func:`~lightning_pulse.core.prune_targets.select_targets`:
+    of ``layer_types``, not matching ``exclude``, read through their forward, tied weights whole)."""
+    return prune_targets.select_targets(model, layer_types, exclude).layers
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
     """``{"params": all parameter elements, "params_nonzero": those not masked or zero}``.
 
-    Masked layers count their dense ``weight_orig``; ``params_nonzero`` counts the effective weights.
+    Masked layers count their dense ``weight_orig``; ``params_nonzero`` counts the effective weights. A
+    parameter held by several modules counts once.
     """
     total = nonzero = 0
+    seen: set[int] = set()
     for module in model.modules():
         for name, parameter in module._parameters.items():
-            if parameter is None:
+            if parameter is None or id(parameter) in seen:
                 continue
+            seen.add(id(parameter))
             total += parameter.numel()
             if name.endswith("_orig") and hasattr(module, name[: -len("_orig")] + "_mask"):
                 mask = getattr(module, name[: -len("_orig")] + "_mask")
@@ -313,17 +303,26 @@ def import_torch_pruning() -> Any:
     return torch_pruning
 
 
-def as_example_inputs(example: Any) -> tuple[Any, ...]:
-    """Positional arguments for ``model(*args)`` from an example input (a tensor or a tuple/list of them)."""
+def as_example_inputs(example: Any) -> tuple[Any, ...] | dict[str, Any]:
+    """Arguments for the model from an example input: keyword arguments for a mapping, else positional ones
+    (a tensor or a tuple/list of them)."""
+    if isinstance(example, Mapping):
+        return dict(example)
     return tuple(example) if isinstance(example, (tuple, list)) else (example,)
 
 
-def _to_device(example: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
-    return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example)
+def _to_device(example: tuple[Any, ...] | dict[str, Any], device: torch.device) -> Any:
+    def move(x: Any) -> Any:
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    if isinstance(example, dict):
+        return {key: move(value) for key, value in example.items()}
+    return tuple(move(x) for x in example)
 
 
 def build_dependency_graph(model: nn.Module, example_inputs: Any) -> Any:
-    """torch-pruning's dependency graph of ``model``, traced with ``model(*example_inputs)``.
+    """torch-pruning's dependency graph of ``model``, traced with ``model(*args)`` (``model(**kwargs)`` for a
+    mapping); ``graph.reused_modules`` holds the modules called more than once in that forward.
 
     The tracer switches the model to eval mode and leaves it there; we put every module back in the mode it
     had, since this runs in the middle of training.
@@ -332,14 +331,27 @@ def build_dependency_graph(model: nn.Module, example_inputs: Any) -> Any:
     modes = {module: module.training for module in model.modules()}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     inputs = _to_device(as_example_inputs(example_inputs), device)
+    calls: dict[nn.Module, int] = {}
+
+    def count(module: nn.Module, args: Any) -> None:
+        calls[module] = calls.get(module, 0) + 1
+
+    handles = [module.register_forward_pre_hook(count) for module in model.modules()]
     try:
         with torch.enable_grad():
-            return tp.DependencyGraph().build_dependency(
-                model, example_inputs=inputs, forward_fn=lambda m, args: m(*args), verbose=False
+            graph = tp.DependencyGraph().build_dependency(
+                model, example_inputs=inputs, forward_fn=call_with, verbose=False
             )
     finally:
+        for handle in handles:
+            handle.remove()
         for module, training in modes.items():
             module.train(training)
+    # only modules with parameters matter: a ReLU module applied twice holds nothing torch-pruning cuts
+    graph.reused_modules = {
+        m for m, number in calls.items() if number > 1 and any(True for _ in m.parameters())
+    }
+    return graph
 
 
 @dataclass
@@ -372,16 +384,22 @@ def channel_groups(graph: Any, model: nn.Module, roots: Mapping[str, nn.Module])
     """Prunable channel groups whose root is one of ``roots``.
 
     A group is left out when it also removes output channels of a layer that was not chosen (a residual
-    coupling with an unchosen layer), or when it would change the model's output shape.
+    coupling with an unchosen layer), when it would change the model's output shape, or when it would cut a
+    bare ``nn.Parameter`` (a learned positional table), a module called more than once per forward or a
+    module holding a shared parameter.
     """
     root_types = tuple({type(module) for module in roots.values()})
     chosen = set(roots.values())
     unchosen = [m for m in model.modules() if isinstance(m, root_types) and m not in chosen]
     names = {module: name for name, module in model.named_modules()}
+    unsafe = set(getattr(graph, "reused_modules", ())) | prune_targets.shared_parameter_modules(model)
     groups = []
     for group in graph.get_all_groups(ignored_layers=unchosen, root_module_types=root_types):
         root_module = group[0].dep.target.module
         if root_module not in chosen or _touches_output(graph, group):
+            continue
+        targets = [dependency.target.module for dependency, _ in group]
+        if any(isinstance(target, nn.Parameter) or target in unsafe for target in targets):
             continue
         pruner = graph.get_pruner_of_module(root_module)
         groups.append(
@@ -667,31 +685,69 @@ def channel_sparsity(
 
 
 # ---------------------------------------------------------------------------------------------- example inputs
-def default_input_from_batch(batch: Any) -> Any:
-    """The model input of a batch: the batch itself if it is a tensor, its first item if it is a tuple or
-    list, or its ``"x"`` / ``"input"`` / ``"inputs"`` / ``"input_ids"`` entry if it is a mapping."""
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
-        return batch[0]
-    if isinstance(batch, Mapping):
-        for key in ("x", "input", "inputs", "input_ids"):
-            if key in batch:
-                return batch[key]
-    raise ValueError(
-        "Structured pruning traces the model on one training input but cannot find it in a batch of type "
-        f"{type(batch).__name__}; set the module's `example_input_array`."
-    )
-
-
 def example_input(module: nn.Module, batch: Any) -> Any:
-    """What to trace ``module`` with: its ``example_input_array`` if set, else the model input of ``batch``."""
+    """What to trace ``module`` with: its ``example_input_array`` if set, else the arguments of its ``forward``
+    taken from ``batch`` (:func:`~lightning_pulse.core.prune_targets.example_from_batch`).
+
+    Raises:
+        ValueError: the reason no call can be made.
+    """
     example = getattr(module, "example_input_array", None)
     if example is not None:
         return example
     if batch is None:
-        raise ValueError("Structured pruning needs a training batch to trace the model with; none seen yet.")
-    return default_input_from_batch(batch)
+        raise ValueError("no training batch seen yet to trace the model with")
+    return prune_targets.example_from_batch(module, batch)
+
+
+def structured_blocker(model: nn.Module, selection: LayerSelection) -> str | None:
+    """Why structured pruning cannot run on ``model`` with these layers at all, or ``None``: no ``forward``
+    to trace, or Hugging Face ``Conv1D`` layers, which torch-pruning has no pruner for."""
+    if not prune_targets.has_own_forward(model):
+        return f"{type(model).__name__} has no `forward` to trace the model with"
+    conv1d = [name for name, layer in selection.layers.items() if prune_targets.is_hf_conv1d(layer)]
+    if conv1d:
+        return f"torch-pruning cannot cut Hugging Face Conv1D layers ({conv1d[0]} and {len(conv1d) - 1} more)"
+    return None
+
+
+def check_structured(
+    model: nn.Module, pruner: Pruner, sparsities: Sequence[float], example: Any
+) -> str | None:
+    """Prune a copy of ``model`` to each of ``sparsities`` in turn, as ``pruner`` would, and call it on
+    ``example`` after each: intermediate channel counts break models that final ones do not (a head size
+    that must divide the width).
+
+    Returns why that is not safe (an error, a changed output shape, nothing that can be cut), or ``None``.
+    """
+    trial = Pruner(
+        "structured", pruner.layer_types, pruner.exclude_pattern, pruner.ranking, pruner.min_channels
+    )
+    duplicate = copy_without_hooks(model).eval()  # eval: no dropout draws, no batch-norm statistics
+    device = next((p.device for p in duplicate.parameters()), torch.device("cpu"))
+    inputs = _to_device(as_example_inputs(small_example(example)), device)
+    # the check must not change the run it checks: random draws happen on forked generators
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _dry_run(duplicate, trial, sparsities, example, inputs)
+
+
+def _dry_run(
+    duplicate: nn.Module, trial: Pruner, sparsities: Sequence[float], example: Any, inputs: Any
+) -> str | None:
+    try:
+        with torch.no_grad():
+            before = prune_targets.output_shapes(call_with(duplicate, inputs))
+        for sparsity in sparsities:
+            trial.prune(duplicate, sparsity, (), example)
+            with torch.no_grad():
+                after = prune_targets.output_shapes(call_with(duplicate, inputs))
+            if before != after:
+                return f"pruning to {sparsity:.2f} changes the model's output shapes from {before} to {after}"
+    except Exception as error:  # whatever the model does, the answer is a refusal, not a crash mid-run
+        return f"pruning a copy of the model failed ({type(error).__name__}: {str(error)[:200]})"
+    if not trial.history:
+        return "no channel group of the selected layers can be cut safely"
+    return None
 
 
 def small_example(example: Any) -> Any:
@@ -700,6 +756,8 @@ def small_example(example: Any) -> Any:
         return (example[:2] if example.dim() and example.shape[0] > 2 else example).detach().cpu().clone()
     if isinstance(example, (list, tuple)):
         return type(example)(small_example(item) for item in example)
+    if isinstance(example, Mapping):
+        return {key: small_example(value) for key, value in example.items()}
     return example
 
 
@@ -713,12 +771,15 @@ class PruneOutcome:
         layer_sparsity: the same per layer.
         remap: parameters replaced (structured; empty otherwise).
         problems: optimizer states that could not be cut and were reset, as messages.
+        weight_share: share of the model's parameter elements held by the pruned layers' weights (before the
+            event).
     """
 
     sparsity: float
     layer_sparsity: dict[str, float]
     remap: ParameterRemap
     problems: list[str]
+    weight_share: float = 0.0
 
 
 class Pruner:
@@ -777,9 +838,15 @@ class Pruner:
         self.history: list[list[Any]] = []
         self.example_inputs: Any = None
 
+    def selection(self, model: nn.Module) -> LayerSelection:
+        """The layers of ``model`` this pruner prunes, and those it leaves out with the reason."""
+        return prune_targets.select_targets(
+            model, self.layer_types, self.exclude_pattern, structured=self.mode == "structured"
+        )
+
     def layers(self, model: nn.Module) -> dict[str, nn.Module]:
         """The layers of ``model`` this pruner prunes, by qualified name."""
-        return select_layers(model, self.layer_types, self.exclude_pattern)
+        return self.selection(model).layers
 
     def prune(
         self,
@@ -793,12 +860,21 @@ class Pruner:
         Structured: ``example`` (a model input; two samples are kept) traces the model the first time, and
         every optimizer's parameters and state are moved onto the replaced parameters in place.
         """
-        layers = self.layers(model)
+        selection = self.selection(model)
+        layers = selection.layers
         if self.mode == "unstructured":
-            scores = {name: effective_weight(module).abs() for name, module in layers.items()}
-            previous = {name: current_mask(module) for name, module in layers.items()}
-            apply_masks(layers, unstructured_masks(scores, sparsity, self.ranking, previous))
-            return PruneOutcome(global_sparsity(layers), layer_sparsity(layers), ParameterRemap(), [])
+            # owners of one tied weight share the mask of the first of them
+            primaries = selection.primaries
+            scores = {name: effective_weight(module).abs() for name, module in primaries.items()}
+            previous = {name: current_mask(module) for name, module in primaries.items()}
+            masks = unstructured_masks(scores, sparsity, self.ranking, previous)
+            masks.update({alias: masks[primary] for alias, primary in selection.aliases.items()})
+            share = prune_targets.weight_share(model, layers)
+            apply_masks(layers, masks)
+            return PruneOutcome(
+                global_sparsity(primaries), layer_sparsity(layers), ParameterRemap(), [], share
+            )
+        share = prune_targets.weight_share(model, layers)
         if self.example_inputs is None:
             if example is None:
                 raise ValueError("Structured pruning needs an example input to trace the model with.")
@@ -819,7 +895,7 @@ class Pruner:
                 problems += remap_optimizer_state(optimizer, result.remap)
         counts = channel_counts(model, list(self.original_channels))
         reached, per_layer = channel_sparsity(counts, self.original_channels)
-        return PruneOutcome(reached, per_layer, result.remap, problems)
+        return PruneOutcome(reached, per_layer, result.remap, problems, share)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -849,6 +925,7 @@ def event_record(
         "target_sparsity": target,
         "sparsity": outcome.sparsity,
         "layer_sparsity": dict(outcome.layer_sparsity),
+        "weight_share": float(outcome.weight_share),
         **count_parameters(model),
         "probe_before": None if probe_before is None else dict(probe_before),
         "probe_after": None if probe_after is None else dict(probe_after),
@@ -878,8 +955,9 @@ def event_summary(event: Mapping[str, Any]) -> str:
         return ", ".join(f"{name}={value:.4f}" for name, value in sorted(values.items())) if values else "n/a"
 
     text = (
-        f"step {event['step']}: sparsity {event['sparsity']:.3f} (target {event['target_sparsity']:.3f}), "
-        f"{event['params_nonzero']} non-zero parameters"
+        f"step {event['step']}: sparsity {event['sparsity']:.3f} (target {event['target_sparsity']:.3f}) over "
+        f"{len(event['layer_sparsity'])} layers holding {event.get('weight_share', 0.0):.0%} of the model's "
+        f"weights, {event['params_nonzero']} of {event['params']} parameters non-zero"
     )
     if event["probe_after"]:
         text += f", {probe(event['probe_before'])} -> {probe(event['probe_after'])}"

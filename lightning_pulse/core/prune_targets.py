@@ -1,0 +1,240 @@
+"""What of a model can be pruned safely, and how to call it for a structured trace: checks run before the
+first step, on any ``nn.Module``.
+
+* Layers whose weight is read without calling the layer (``nn.MultiheadAttention`` reads ``out_proj.weight``
+  inside ``F.multi_head_attention_forward``) never see a pruning forward pre-hook refresh their masked weight;
+  they are left out.
+* A parameter held by several modules (tied embeddings, ``b.weight = a.weight``) is pruned only when every
+  owner is pruned with the same mask; otherwise all its owners are left out.
+* Hugging Face builds GPT-2 style blocks from ``transformers.pytorch_utils.Conv1D`` (weight ``(in, out)``),
+  matched by :class:`HFConv1D` without importing ``transformers``.
+
+Nothing here imports Lightning or ``transformers``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def is_hf_conv1d(module: object) -> bool:
+    """Whether ``module`` is (a subclass of) Hugging Face's ``transformers.pytorch_utils.Conv1D``."""
+    return any(
+        cls.__name__ == "Conv1D" and cls.__module__.split(".")[0] == "transformers"
+        for cls in type(module).__mro__
+    )
+
+
+class _MatchesHFConv1D(type):
+    def __instancecheck__(cls, instance: object) -> bool:
+        return is_hf_conv1d(instance)
+
+
+class HFConv1D(nn.Module, metaclass=_MatchesHFConv1D):
+    """Stands for Hugging Face's ``Conv1D`` in ``layer_types`` (``"HFConv1D"``): ``isinstance(m, HFConv1D)``
+    is true for a ``transformers.pytorch_utils.Conv1D``, matched by its class's module and name."""
+
+
+def _has_weight(module: nn.Module) -> bool:
+    parameters = module._parameters
+    return isinstance(parameters.get("weight"), nn.Parameter) or isinstance(
+        parameters.get("weight_orig"), nn.Parameter
+    )
+
+
+def _weight(module: nn.Module) -> nn.Parameter:
+    return module._parameters.get("weight_orig", module._parameters.get("weight"))
+
+
+def hidden_weight_readers(model: nn.Module) -> dict[str, str]:
+    """Layers whose weight is read without their forward (so without a pruning pre-hook), with the reason."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            for child_name, child in module.named_modules():
+                if child_name and _has_weight(child):
+                    found[f"{name}.{child_name}" if name else child_name] = (
+                        "nn.MultiheadAttention reads its weight directly, past the pruning hook"
+                    )
+    return found
+
+
+def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
+    """``id(parameter) -> [qualified names]`` over every owner (``remove_duplicate=False``); a pruned
+    ``weight_orig`` is named ``weight``."""
+    owners: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if name.endswith("weight_orig"):
+            name = name[: -len("_orig")]
+        owners.setdefault(id(parameter), []).append(name)
+    return owners
+
+
+def shared_parameter_modules(model: nn.Module) -> set[nn.Module]:
+    """Modules holding a parameter that another module (or another attribute) holds too."""
+    modules = dict(model.named_modules())
+    shared = set()
+    for names in parameter_owners(model).values():
+        if len(names) > 1:
+            shared.update(modules[name.rpartition(".")[0]] for name in names)
+    return shared
+
+
+@dataclass
+class LayerSelection:
+    """The layers to prune and why others were left out.
+
+    Attributes:
+        layers: qualified name -> layer, in model order.
+        left_out: qualified name -> why a layer of the chosen types was not selected.
+        aliases: name of a layer whose weight is another selected layer's -> that layer's name (they share
+            one mask).
+    """
+
+    layers: dict[str, nn.Module] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def primaries(self) -> dict[str, nn.Module]:
+        """The selected layers, one per distinct weight."""
+        return {name: layer for name, layer in self.layers.items() if name not in self.aliases}
+
+    def describe_left_out(self, limit: int = 6) -> str:
+        """``"a (why), b (why)"``, at most ``limit`` entries and a count of the rest."""
+        items = [f"{name} ({why})" for name, why in self.left_out.items()]
+        more = len(items) - limit
+        return ", ".join(items[:limit]) + (f" and {more} more" if more > 0 else "")
+
+
+def select_targets(
+    model: nn.Module,
+    layer_types: tuple[type, ...] = (),
+    exclude: str | None = None,
+    structured: bool = False,
+) -> LayerSelection:
+    """The layers of ``model`` to prune: the one place that decides what is prunable.
+
+    A candidate has a ``weight`` parameter, is one of ``layer_types`` (any type when empty) and its name does
+    not match ``exclude`` (``re.search``). Candidates read without their hook are left out; so are owners of a
+    shared weight unless all owners are candidates (then they share one mask). ``structured``: any layer
+    holding a shared parameter is left out (cutting it would cut one owner only).
+    """
+    selection = LayerSelection()
+    hidden = hidden_weight_readers(model)
+    for name, module in model.named_modules():
+        if not name or not _has_weight(module):
+            continue
+        if layer_types and not isinstance(module, layer_types):
+            continue
+        if exclude is not None and re.search(exclude, name) is not None:
+            continue
+        if name in hidden:
+            selection.left_out[name] = hidden[name]
+        else:
+            selection.layers[name] = module
+    if structured:
+        shared = shared_parameter_modules(model)
+        for name in [name for name, module in selection.layers.items() if module in shared]:
+            selection.left_out[name] = (
+                "holds a parameter that another module holds too; cutting it cuts one owner"
+            )
+            del selection.layers[name]
+    groups: dict[int, list[str]] = {}
+    for name, module in selection.layers.items():
+        groups.setdefault(id(_weight(module)), []).append(name)
+    owners = parameter_owners(model)
+    for key, names in groups.items():
+        others = [owner for owner in owners[key] if owner not in {f"{name}.weight" for name in names}]
+        if others:
+            for name in names:
+                selection.left_out[name] = f"weight shared with {others[0]}, which is not pruned"
+                del selection.layers[name]
+        else:
+            selection.aliases.update({name: names[0] for name in names[1:]})
+    return selection
+
+
+def weight_share(model: nn.Module, layers: Mapping[str, nn.Module]) -> float:
+    """Share of the model's distinct parameter elements held by the weights of ``layers``."""
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    chosen = sum(w.numel() for w in {id(_weight(m)): _weight(m) for m in layers.values()}.values())
+    return chosen / total if total else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- trace inputs
+def has_own_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s class, or a user class it derives from, defines ``forward``: the placeholders of
+    ``nn.Module`` and ``LightningModule`` raise NotImplementedError."""
+    owner = next(cls for cls in type(module).__mro__ if "forward" in vars(cls))
+    lightning = owner.__name__ == "LightningModule" and owner.__module__.startswith(("lightning", "pytorch_"))
+    return owner is not nn.Module and not lightning
+
+
+def call_with(model: nn.Module, example: Any) -> Any:
+    """``model(**example)`` for a mapping, ``model(*example)`` for a tuple or list, else ``model(example)``."""
+    if isinstance(example, Mapping):
+        return model(**example)
+    if isinstance(example, (tuple, list)):
+        return model(*example)
+    return model(example)
+
+
+def example_from_batch(module: nn.Module, batch: Any) -> Any:
+    """How to call ``module``'s ``forward`` on a training ``batch``: positional arguments (a tuple) or keyword
+    arguments (a dict), taken from the batch by ``forward``'s signature.
+
+    A tensor batch is the input; of a tuple or list batch, the first item is; a mapping batch gives the
+    entries named like ``forward``'s parameters (or its ``x``/``input``/``inputs``/``input_ids`` entry for a
+    ``forward(*args, **kwargs)``).
+
+    Raises:
+        ValueError: the reason the call cannot be made from the batch.
+    """
+    if not has_own_forward(module):
+        raise ValueError(f"{type(module).__name__} has no `forward` to trace the model with")
+    parameters = list(inspect.signature(module.forward).parameters.values())
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p.name for p in positional if p.default is p.empty]
+    if isinstance(batch, Mapping):
+        named = {p.name: batch[p.name] for p in positional if p.name in batch}
+        if named and all(name in named for name in required):
+            return named
+        if not positional:
+            for key in ("x", "input", "inputs", "input_ids"):
+                if key in batch:
+                    return (batch[key],)
+        missing = [name for name in required if name not in batch]
+        raise ValueError(
+            f"`forward` of {type(module).__name__} takes {required or 'no named arguments'}; the batch has "
+            f"{sorted(map(str, batch))}{f' (missing {missing})' if missing else ''}"
+        )
+    first = batch if isinstance(batch, torch.Tensor) else None
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        first = batch[0]
+    if first is None:
+        raise ValueError(f"no model input found in a batch of type {type(batch).__name__}")
+    if len(required) > 1:
+        raise ValueError(
+            f"`forward` of {type(module).__name__} takes {len(required)} arguments ({', '.join(required)}), "
+            "and a batch gives one input"
+        )
+    return (first,)
+
+
+def output_shapes(output: Any) -> list[tuple[int, ...]]:
+    """Shapes of every tensor in a model output (tensor, tuple/list, mapping or HF ``ModelOutput``)."""
+    if isinstance(output, torch.Tensor):
+        return [tuple(output.shape)]
+    if isinstance(output, Mapping):
+        return [shape for value in output.values() for shape in output_shapes(value)]
+    if isinstance(output, (tuple, list)):
+        return [shape for value in output for shape in output_shapes(value)]
+    return []

@@ -1,0 +1,321 @@
+"""ScheduledPrune on client models nobody in the project wrote (tests/clients.py): each run either prunes the
+layers the model really has, correctly, or is refused before the first step with one clear sentence."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+from torch import nn
+
+from lightning_pulse import ScheduledPrune
+from lightning_pulse.core import pruning
+from lightning_pulse.errors import PulseRefusal
+from tests.clients import CLIENTS, HFCausalLM, OneCycleMLP, TextWindowsDataModule, _digits
+from tests.conftest import trainer_kwargs
+
+STEPS, START, END, EVERY = (
+    40,
+    5,
+    20,
+    5,
+)  # events at 10, 15, 20 (at 5 the target is 0); 20 steps after the last
+
+
+def _prune(**kwargs) -> ScheduledPrune:
+    return ScheduledPrune(
+        **{"final_sparsity": 0.5, "start": START, "end": END, "every": EVERY, "probe_batches": 0, **kwargs}
+    )
+
+
+def _fit(module, data, prune, **overrides) -> pl.Trainer:
+    trainer = pl.Trainer(
+        **trainer_kwargs(max_steps=STEPS, limit_val_batches=2, callbacks=[prune], **overrides)
+    )
+    trainer.fit(module, data)
+    return trainer
+
+
+def _count_training_steps(module) -> list[int]:
+    calls: list[int] = []
+    original = module.training_step
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    module.training_step = counted
+    return calls
+
+
+def _refused_before_first_step(module, data, prune, match: str) -> None:
+    calls = _count_training_steps(module)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, limit_val_batches=0, callbacks=[prune]))
+    with pytest.raises(PulseRefusal, match=match):
+        trainer.fit(module, data)
+    assert calls == [] and trainer.global_step == 0
+
+
+def _zeros(weight: torch.Tensor) -> float:
+    return 1.0 - int(torch.count_nonzero(weight)) / weight.numel()
+
+
+def _masked(module: nn.Module) -> list[str]:
+    return [name for name, m in module.named_modules() if hasattr(m, "weight_mask")]
+
+
+# ---------------------------------------------------------------------------------------------- HF GPT-2
+def test_gpt2_prunes_its_conv1d_blocks_and_never_the_tied_embedding(caplog):
+    module, data = CLIENTS["hf-gpt2"]()
+    embedding = module.model.transformer.wte.weight.detach().clone()
+    prune = _prune(options={"make_permanent": False})
+    with caplog.at_level(logging.INFO):
+        _fit(module, data, prune)
+    blocks = [
+        f"model.transformer.h.{i}.{part}"
+        for i in (0, 1)
+        for part in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
+    assert sorted(_masked(module)) == sorted(blocks)  # every HF Conv1D, and lm_head not
+    assert sorted(prune.events[-1]["layer_sparsity"]) == sorted(blocks)
+    for name in blocks:
+        assert _zeros(pruning.effective_weight(module.get_submodule(name))) == pytest.approx(0.5, abs=0.01)
+    wte = module.model.transformer.wte.weight
+    assert module.model.lm_head.weight is wte and _zeros(wte) == 0.0
+    assert not torch.equal(wte.detach(), embedding)  # it trained on, unmasked
+    assert "Left out: model.lm_head (weight shared with model.transformer.wte.weight" in caplog.text
+    share = prune.events[-1]["weight_share"]
+    assert 0.2 < share < 0.9 and f"holding {share:.0%} of the model's weights" in caplog.text
+
+
+def test_gpt2_masks_fold_at_fit_end_without_touching_the_embedding():
+    module, data = CLIENTS["hf-gpt2"]()
+    _fit(module, data, _prune())
+    assert _masked(module) == []
+    assert _zeros(module.model.transformer.h[0].mlp.c_fc.weight) == pytest.approx(0.5, abs=0.01)
+    assert _zeros(module.model.transformer.wte.weight) == 0.0
+    assert module.model.lm_head.weight is module.model.transformer.wte.weight
+
+
+def test_gpt2_wrapper_without_forward_is_refused_in_structured_mode_before_the_first_step():
+    module, data = CLIENTS["hf-gpt2"]()
+    _refused_before_first_step(
+        module,
+        data,
+        _prune(mode="structured"),
+        r"^ScheduledPrune: structured pruning cannot run on this model: HFCausalLM has no `forward`.*"
+        r"mode='unstructured'",
+    )
+
+
+class _GPT2WithForward(HFCausalLM):
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def test_gpt2_conv1d_layers_are_refused_in_structured_mode_before_the_first_step():
+    _refused_before_first_step(
+        _GPT2WithForward(),
+        TextWindowsDataModule("lm"),
+        _prune(mode="structured"),
+        r"^ScheduledPrune: structured pruning cannot run on this model: torch-pruning cannot cut Hugging Face "
+        r"Conv1D layers \(model.transformer.h.0.attn.c_attn and 7 more\)",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- HF BERT
+def test_bert_unstructured_masks_its_linear_layers_and_spares_the_embeddings():
+    module, data = CLIENTS["hf-bert"]()
+    embedding_zeros = _zeros(module.model.bert.embeddings.word_embeddings.weight)  # the padding row
+    prune = _prune(options={"make_permanent": False})
+    _fit(module, data, prune)
+    masked = _masked(module)
+    assert len(masked) == 14 and "model.bert.encoder.layer.0.attention.self.query" in masked
+    assert prune.sparsity == 0.5 and prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert _zeros(module.model.bert.embeddings.word_embeddings.weight) == embedding_zeros
+
+
+def test_bert_structured_on_attention_is_refused_before_the_first_step():
+    # a head width that must divide the projection's output breaks at intermediate channel counts
+    module, data = CLIENTS["hf-bert"]()
+    _refused_before_first_step(
+        module,
+        data,
+        _prune(mode="structured"),
+        r"^ScheduledPrune: structured pruning cannot run on this model: "
+        r"pruning a copy of the model failed \(RuntimeError: shape",
+    )
+
+
+def test_bert_structured_on_the_feed_forward_layers_traces_the_two_argument_forward_from_the_dict_batch():
+    module, data = CLIENTS["hf-bert"]()
+    prune = _prune(mode="structured", exclude_pattern=r"attention|pooler|classifier|output")
+    trainer = _fit(module, data, prune)
+    assert trainer.global_step == STEPS
+    for layer in module.model.bert.encoder.layer:
+        assert layer.intermediate.dense.out_features == 32 and layer.output.dense.in_features == 32
+    assert set(prune.pruner.example_inputs) == {"input_ids", "attention_mask"}
+
+
+# ---------------------------------------------------------------------------------------------- nn.TransformerEncoder
+def test_transformer_encoder_leaves_multihead_attention_out_proj_unpruned_and_trains_on(caplog):
+    module, data = CLIENTS["transformer-encoder"]()
+    prune = _prune(options={"make_permanent": False})
+    with caplog.at_level(logging.INFO):
+        trainer = _fit(module, data, prune)
+    assert trainer.global_step == STEPS and len(prune.events) == 3  # 20 steps after the last event
+    assert not any("self_attn" in name for name in _masked(module))
+    assert sorted(_masked(module)) == sorted(
+        ["embed", "head"] + [f"encoder.layers.{i}.linear{j}" for i in (0, 1) for j in (1, 2)]
+    )
+    assert _zeros(module.encoder.layers[0].self_attn.out_proj.weight) == 0.0
+    assert (
+        "encoder.layers.0.self_attn.out_proj (nn.MultiheadAttention reads its weight directly" in caplog.text
+    )
+
+
+def test_transformer_encoder_structured_cuts_the_feed_forward_width_only():
+    module, data = CLIENTS["transformer-encoder"]()
+    prune = _prune(mode="structured")
+    trainer = _fit(module, data, prune)
+    assert trainer.global_step == STEPS
+    for layer in module.encoder.layers:
+        assert layer.linear1.out_features == 32 and layer.linear2.in_features == 32
+        assert layer.self_attn.embed_dim == 32 and layer.linear2.out_features == 32
+    assert module.positions.shape == (1, 8, 32)  # the learned positional table couples the width: kept
+
+
+class _PlainTableMLP(pl.LightningModule):
+    """A width-dependent plain tensor attribute (not a parameter or buffer), as positional tables often are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 32), nn.Linear(32, 10)
+        self.table = torch.linspace(0, 1, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x.flatten(1)) + self.table))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_width_dependent_plain_tensor_is_refused_in_structured_mode_before_the_first_step():
+    _refused_before_first_step(
+        _PlainTableMLP(), _digits(), _prune(mode="structured"), r"pruning a copy of the model failed"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- stateful LSTM
+def test_stateful_lstm_prunes_its_output_layer_only_and_keeps_the_carried_state():
+    module, data = CLIENTS["stateful-lstm"]()
+    prune = _prune(options={"make_permanent": False})
+    trainer = _fit(module, data, prune)
+    assert trainer.global_step == STEPS and _masked(module) == ["out"]
+    assert _zeros(module.out.weight) == pytest.approx(0.5, abs=0.01)
+    assert _zeros(module.lstm.weight_hh_l0) == 0.0 and module.state[0].shape == (2, 8, 64)
+
+
+def test_stateful_lstm_structured_is_refused_for_its_missing_forward():
+    module, data = CLIENTS["stateful-lstm"]()
+    _refused_before_first_step(module, data, _prune(mode="structured"), r"StatefulLSTM has no `forward`")
+
+
+# ---------------------------------------------------------------------------------------------- shared / tied
+def test_tied_linear_layers_share_one_mask_and_stay_tied():
+    module, data = CLIENTS["shared-conv-cnn"]()
+    prune = _prune(options={"make_permanent": False})
+    _fit(module, data, prune)
+    assert torch.equal(module.mix_a.weight_mask, module.mix_b.weight_mask)
+    assert module.mix_a.weight_orig is module.mix_b.weight_orig
+    assert _zeros(module.mix_a.weight) == pytest.approx(0.5, abs=0.01)
+
+
+def test_a_tied_weight_with_one_owner_excluded_is_left_out_on_both_sides(caplog):
+    module, data = CLIENTS["shared-conv-cnn"]()
+    with caplog.at_level(logging.INFO):
+        _fit(module, data, _prune(exclude_pattern="^mix_b$"))
+    assert module.mix_a.weight is module.mix_b.weight and _zeros(module.mix_a.weight) == 0.0
+    assert _zeros(module.encode.weight) == pytest.approx(0.5, abs=0.01)
+    assert "mix_a (weight shared with mix_b.weight, which is not pruned)" in caplog.text
+
+
+def test_shared_modules_are_refused_in_structured_mode():
+    module, data = CLIENTS["shared-conv-cnn"]()
+    _refused_before_first_step(
+        module, data, _prune(mode="structured"), r"no channel group of the selected layers can be cut safely"
+    )
+
+
+def test_nothing_prunable_after_exclusions_is_refused():
+    module, data = CLIENTS["hf-gpt2"]()
+    _refused_before_first_step(
+        module,
+        data,
+        _prune(layer_types=["Linear"]),
+        r"^ScheduledPrune: no layer of HFCausalLM can be pruned.*"
+        r"Left out: model.lm_head \(weight shared",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- optimization
+@pytest.mark.parametrize("mode", ["unstructured", "structured"])
+def test_manual_optimization_prunes_and_the_optimizer_holds_the_pruned_parameters(mode):
+    module, data = CLIENTS["manual-optimization"]()
+    prune = _prune(mode=mode)
+    trainer = _fit(module, data, prune)
+    assert trainer.global_step == STEPS and len(prune.events) == 3
+    optimizer = trainer.optimizers[0]
+    assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {
+        id(p) for p in module.parameters()
+    }
+    if mode == "structured":
+        assert module.net[1].out_features == 32 and optimizer.state[module.net[1].weight][
+            "exp_avg"
+        ].shape == (32, 64)
+    else:
+        assert _zeros(module.net[1].weight) == pytest.approx(0.5, abs=0.01)
+
+
+def test_onecycle_per_step_keeps_stepping_the_same_optimizer_through_structured_events():
+    module, data = OneCycleMLP(), _digits()
+    prune = _prune(mode="structured")
+    trainer = _fit(module, data, prune)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.optimizer is trainer.optimizers[0] and scheduler.last_epoch == STEPS
+    assert module.net[1].out_features == 32
+    assert trainer.optimizers[0].param_groups[0]["params"][0] is module.net[1].weight
+    assert scheduler.get_last_lr()[0] < 1e-3  # annealed to the end of the planned cycle
+
+
+@pytest.mark.parametrize("mode", ["unstructured", "structured"])
+def test_bf16_mixed_on_the_transformer_encoder(mode):
+    module, data = CLIENTS["transformer-encoder"]()
+    prune = _prune(mode=mode, options={"make_permanent": False})
+    trainer = _fit(module, data, prune, precision="bf16-mixed")
+    assert trainer.global_step == STEPS and prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert module.encoder.layers[0].linear1.out_features == (32 if mode == "structured" else 64)
+
+
+# ---------------------------------------------------------------------------------------------- strategies
+class _StandInTrainer:
+    # FSDP is GPU-only in Lightning and DeepSpeed is not installed: uninitialised strategy objects stand in
+    def __init__(self, strategy) -> None:
+        self.strategy = strategy
+
+
+@pytest.mark.parametrize("strategy_class", [FSDPStrategy, DeepSpeedStrategy])
+@pytest.mark.parametrize("mode", ["unstructured", "structured"])
+def test_sharded_strategies_are_refused_at_setup(strategy_class, mode):
+    module, _ = CLIENTS["manual-optimization"]()
+    trainer = _StandInTrainer(strategy_class.__new__(strategy_class))
+    with pytest.raises(
+        PulseRefusal, match=rf"^ScheduledPrune does not support {strategy_class.__name__}: masks"
+    ):
+        ScheduledPrune(mode=mode).setup(trainer, module, stage="fit")
