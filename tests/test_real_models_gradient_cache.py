@@ -68,7 +68,8 @@ def test_gpt2_tied_embedding_is_pinned_so_lm_head_and_wte_keep_learning():
     module, data = CLIENTS["hf-gpt2"]()
     assert module.model.lm_head.weight is module.model.transformer.wte.weight
     cache = eager_cache()
-    _, watch = fit_client(module, data, cache)
+    with pytest.warns(UserWarning, match=r"GradientCache: the first unit .*wte.*tie_word_embeddings=False"):
+        _, watch = fit_client(module, data, cache)
 
     units = {unit.name: unit for unit in cache.freezer.units}
     assert units["model.transformer.wte"].shared_with == ["model.lm_head.weight"]

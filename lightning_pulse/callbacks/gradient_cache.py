@@ -248,6 +248,8 @@ class GradientCache(Callback):
                 rank_zero_info(
                     "GradientCache: the model has a single trainable unit, so nothing can be frozen."
                 )
+            elif self.freezer.pinned_first is not None:
+                rank_zero_warn(f"GradientCache: {self.freezer.pinned_first}.")
             rank_zero_info(
                 "GradientCache: units in forward order: "
                 + ", ".join(f"{u.name}({u.numel})" + ("" if u.used else "[unused]") for u in units)

@@ -240,6 +240,18 @@ class LayerFreezer:
         return self.frozen_share_sum / self.steps if self.steps else 0.0
 
     @property
+    def pinned_first(self) -> str | None:
+        """Why nothing can ever be frozen, when the first unit in forward order is pinned (a tied embedding)."""
+        first = self.units[0] if self.units and self.freezable_limit else None
+        if first is None or not first.pinned:
+            return None
+        return (
+            f"the first unit in forward order, {first.name}, shares a parameter with "
+            f"{', '.join(first.shared_with)} (a tied input and output layer), so nothing can be frozen without "
+            "stopping the other side; untie them (Hugging Face: `tie_word_embeddings=False`) to let it freeze"
+        )
+
+    @property
     def frozen_names(self) -> list[str]:
         return [unit.name for unit, frozen in zip(self.units, self.frozen) if frozen]
 
