@@ -24,6 +24,7 @@ from lightning_pulse.core.freeze_units import (
     ForwardOrderTrace,
     FreezeUnit,
     discover_units,
+    pinned_note,
     replace_unit_parameters,
 )
 from lightning_pulse.core.layer_freezing import (
@@ -406,12 +407,8 @@ class GradientCache(Callback):
 
 
 def _log_shared(units: Sequence[FreezeUnit]) -> None:
-    pinned = [f"{u.name} (also {', '.join(u.shared_with)})" for u in units if u.pinned]
-    if pinned:
-        rank_zero_info(
-            "GradientCache: units holding a tied or shared parameter never freeze, so the frozen prefix stops "
-            "before them: " + "; ".join(pinned) + "."
-        )
+    if (note := pinned_note(units)) is not None:
+        rank_zero_info(f"GradientCache: {note}.")
 
 
 def _from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | None:

@@ -101,6 +101,17 @@ def mark_shared(units: Sequence[FreezeUnit], root: nn.Module) -> list[FreezeUnit
     return list(units)
 
 
+def pinned_note(units: Sequence[FreezeUnit]) -> str | None:
+    """One line naming the pinned units and the other names of their parameters (``None``: none pinned)."""
+    pinned = [f"{u.name} (also {', '.join(u.shared_with)})" for u in units if u.pinned]
+    if not pinned:
+        return None
+    return (
+        "units holding a tied or shared parameter never freeze, so the frozen prefix stops before them: "
+        + "; ".join(pinned)
+    )
+
+
 def replace_unit_parameters(
     units: Sequence[FreezeUnit], replacements: Iterable[tuple[nn.Parameter, nn.Parameter, Any]]
 ) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:
