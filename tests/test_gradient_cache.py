@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pulse import PulseCycle, phase_of
 from lightning_pulse.callbacks.gradient_cache import GradientCache
+from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 
 # plasticity threshold 2.0: every unit counts as stable once it has one window of cache, so freezes are certain
@@ -191,7 +192,7 @@ def test_ddp_without_unused_parameter_detection_fails_at_setup_naming_the_fix(mn
         **trainer_kwargs(strategy=DDPStrategy(find_unused_parameters=False, process_group_backend="gloo")),
     )
     try:
-        with pytest.raises(ValueError, match="find_unused_parameters=True"):
+        with pytest.raises(PulseRefusal, match="find_unused_parameters=True"):
             trainer.fit(model, data)
     finally:
         if torch.distributed.is_initialized():
@@ -201,7 +202,7 @@ def test_ddp_without_unused_parameter_detection_fails_at_setup_naming_the_fix(mn
 def test_manual_optimization_is_refused_at_setup(mnist1d_small):
     model, data = mnist1d_small()
     model.automatic_optimization = False
-    with pytest.raises(ValueError, match="automatic optimization"):
+    with pytest.raises(PulseRefusal, match="^GradientCache: it needs automatic optimization"):
         fit(model, data, [GradientCache()], max_steps=1)
 
 

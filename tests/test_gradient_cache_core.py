@@ -91,9 +91,91 @@ def test_tied_weight_belongs_to_the_input_side_unit():
         def forward(self, tokens):
             return self.head(torch.tanh(self.body(self.embed(tokens))))
 
-    units = traced_units(Tied(), torch.randint(0, 10, (3, 5)))
+    model = Tied()
+    units = traced_units(model, torch.randint(0, 10, (3, 5)))
     assert [unit.name for unit in units] == ["embed", "body"]  # head owns nothing of its own
     assert units[0].param_names == ["embed.weight"]
+    # the head holds the same tensor: the embedding's unit is pinned, so nothing freezes before the head
+    assert units[0].shared_with == ["head.weight"] and units[0].pinned and not units[1].pinned
+    freezer = LayerFreezer(units, FreezeSettings(threshold=1.0, check_every=2, freeze_for=4))
+    assert "tie_word_embeddings=False" in (freezer.pinned_first or "")
+    for _ in range(6):
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.01)
+        assert freezer.step(True).frozen_prefix == 0
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_a_tied_parameter_in_the_middle_stops_the_prefix_before_its_first_holder():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    model[2].weight = model[1].weight
+    units = traced_units(model, torch.randn(3, 4))
+    assert [(u.name, u.shared_with) for u in units] == [("0", []), ("1", ["2.weight"]), ("2", []), ("3", [])]
+    freezer = LayerFreezer(units, FreezeSettings(threshold=1.0, check_every=2, freeze_for=4))
+    for _ in range(2):
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.01)
+        report = freezer.step(True)
+    assert report.frozen_prefix == 1 and freezer.frozen_names == ["0"]
+    assert model[1].weight.requires_grad and model[2].weight.requires_grad
+    freezer.restore_requires_grad()
+    # explicit units get the same check
+    assert [u.pinned for u in discover_units(model, module_names=["0", "1", "3"])] == [
+        False,
+        True,
+        False,
+        False,
+    ]
+    assert [u.pinned for u in discover_units(model, module_names=["0", "1.weight", "3"])] == [
+        False,
+        True,
+        False,
+        False,
+    ]
+
+
+def test_unit_names_resolve_through_torch_pruning_reparametrisation():
+    from torch.nn.utils import prune
+
+    model = mlp()
+    units = discover_units(model)
+    state_names = [list(u.param_names) for u in units]
+    prune.random_unstructured(model[2], "weight", amount=0.5)  # weight -> weight_orig (same tensor)
+    freezer = freezer_from_state(
+        {**LayerFreezer(units).state_dict(), "unit_params": state_names}, model, FreezeSettings()
+    )
+    assert freezer.units[1].param_names == ["2.weight_orig", "2.bias"]
+    assert freezer.units[1].params[0] is model[2].weight_orig
+    prune.remove(model[2], "weight")  # made permanent: weight_orig -> weight
+    again = freezer_from_state(freezer.state_dict(), model, FreezeSettings())
+    assert again.units[1].param_names == ["2.weight", "2.bias"]
+
+
+def test_replaced_parameters_are_followed_and_snapshots_cut_with_the_kept_indices():
+    model = mlp()
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)))
+    old = model[2].weight
+    kept = torch.arange(0, old.numel()).view(old.shape)[:50].reshape(-1)  # the first 50 output rows
+    new = nn.Parameter(old.detach()[:50].clone())
+    model[2].weight = new
+    assert freezer.replace_parameters([(old, new, kept)])
+    assert freezer.units[1].params[0] is new
+    assert torch.equal(freezer.snapshot[1][0], old.detach()[:50])
+    assert freezer.trainable_numel == sum(p.numel() for p in model.parameters())
+    assert not freezer.replace_parameters([(nn.Parameter(torch.zeros(1)), new, kept)])  # not a unit's: no-op
+
+
+def test_a_state_whose_snapshots_no_longer_fit_restarts_that_units_window():
+    model = mlp()
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)))
+    freezer.step(True)
+    state = freezer.state_dict()
+    state["snapshot"][1][0] = torch.zeros(7, 7)  # written before its channels were cut
+    restored = freezer_from_state(state, model, FreezeSettings())
+    assert restored.snapshot[1][0].shape == model[2].weight.shape
+    assert restored.window_count[1] == 0 and restored.window_count[0] == state["window_count"][0]
 
 
 def test_explicit_units_cover_the_rest_and_reject_unknown_or_overlapping_names():

@@ -20,7 +20,13 @@ from typing_extensions import override
 from lightning_pulse.callbacks.pulse_cycle import phase_of
 from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixActivationCache
 from lightning_pulse.core.backward_flops import BackwardFlopLedger
-from lightning_pulse.core.freeze_units import ForwardOrderTrace, discover_units
+from lightning_pulse.core.freeze_units import (
+    ForwardOrderTrace,
+    FreezeUnit,
+    discover_units,
+    pinned_note,
+    replace_unit_parameters,
+)
 from lightning_pulse.core.layer_freezing import (
     FreezeSettings,
     FreezeWindow,
@@ -28,6 +34,7 @@ from lightning_pulse.core.layer_freezing import (
     check_wrapped_model,
     restore_freezer,
 )
+from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import Phase, PhaseChange
 
 METRIC_PREFIX = "gradient_cache/"
@@ -68,11 +75,16 @@ class GradientCache(Callback):
         measure_flops: measure each frozen-prefix length's backward once with ``torch.utils.flop_counter`` and
             log the backward FLOPs skipped.
 
+    A unit holding a parameter that the model also holds elsewhere (a tied embedding and output layer, found
+    with ``named_parameters(remove_duplicate=False)``) never freezes: the frozen prefix stops before it, and the
+    setup log names it. Structured pruning's replaced parameters are followed
+    (``on_pulse_parameters_replaced``); names saved before an unstructured prune resolve to ``weight_orig``.
+
     Raises:
-        ValueError: at construction, naming the field, for a value out of range. At setup, for manual
-            optimization, DDP without ``find_unused_parameters=True`` or with ``static_graph=True``, or another
-            multi-process strategy. At train start, for a ``units`` name the model does not have, or a share of
-            a run of unknown length.
+        ValueError: at construction, naming the field, for a value out of range. At train start, for a
+            ``units`` name the model does not have, or a share of a run of unknown length.
+        PulseRefusal: at setup, for manual optimization, FSDP/DeepSpeed/model parallel, DDP without
+            ``find_unused_parameters=True`` or with ``static_graph=True``, or another multi-process strategy.
 
     Example::
 
@@ -144,10 +156,15 @@ class GradientCache(Callback):
         if stage != "fit":
             return
         if not pl_module.automatic_optimization:
-            raise ValueError(
-                "GradientCache needs automatic optimization (`automatic_optimization=True`): it decides between "
-                "the optimizer steps Lightning runs for you."
+            raise PulseRefusal(
+                "GradientCache: it needs automatic optimization, because it freezes and releases units between "
+                "the optimizer steps Lightning runs; set `automatic_optimization = True` or remove GradientCache."
             )
+        refuse_sharded_strategy(
+            trainer,
+            "GradientCache",
+            "a rank holds flattened shards, so per-module `requires_grad` is not per layer",
+        )
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
         self.freezer, self.ledger, self.events = None, BackwardFlopLedger(), []
         self._pending_state, self._fit_refs, self._trace = None, None, None
@@ -170,9 +187,11 @@ class GradientCache(Callback):
             self.ledger.load_state_dict(state["ledger"])
             self.events = list(state["events"])
             if self.freezer is not None:
+                _log_shared(self.freezer.units)
                 return
         # a fresh run (or a checkpoint from before the first backward): units are ordered at the first backward
         self._trace = ForwardOrderTrace(discover_units(pl_module, self.unit_names))
+        _log_shared(self._trace.units)
 
     def _setup_activation_cache(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._replay = None
@@ -230,6 +249,8 @@ class GradientCache(Callback):
                 rank_zero_info(
                     "GradientCache: the model has a single trainable unit, so nothing can be frozen."
                 )
+            elif self.freezer.pinned_first is not None:
+                rank_zero_warn(f"GradientCache: {self.freezer.pinned_first}.")
             rank_zero_info(
                 "GradientCache: units in forward order: "
                 + ", ".join(f"{u.name}({u.numel})" + ("" if u.used else "[unused]") for u in units)
@@ -278,6 +299,17 @@ class GradientCache(Callback):
             changed = self.freezer.release_all()
         if changed:
             self._record(trainer.global_step, before, f"phase:{change.current.value}")
+
+    def on_pulse_parameters_replaced(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
+    ) -> None:
+        """Follow parameters that structured pruning replaced: units, window snapshots, FLOP measurements."""
+        if self.freezer is not None:
+            self.freezer.replace_parameters(remap)
+        if self._trace is not None:
+            replace_unit_parameters(self._trace.units, remap)
+        self.ledger.remeasure()
+        self._replan(again=True)
 
     # ------------------------------------------------------------------ end
     @override
@@ -372,6 +404,11 @@ class GradientCache(Callback):
             logged = {METRIC_PREFIX + k: v for k, v in metrics.items() if v is not None}
             for logger in trainer.loggers:
                 logger.log_metrics(logged, step=trainer.global_step)
+
+
+def _log_shared(units: Sequence[FreezeUnit]) -> None:
+    if (note := pinned_note(units)) is not None:
+        rank_zero_info(f"GradientCache: {note}.")
 
 
 def _from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | None:

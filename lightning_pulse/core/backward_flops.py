@@ -58,6 +58,11 @@ class BackwardFlopLedger:
             counter.__exit__(None, None, None)
             self.flops_by_prefix[self._prefix] = float(counter.get_total_flops())
 
+    def remeasure(self) -> None:
+        """Forget the per-length measurements (the model's shapes changed); the totals stay."""
+        self.close()
+        self.flops_by_prefix = {}
+
     def new_step(self) -> None:
         self.step_skipped = 0.0
 

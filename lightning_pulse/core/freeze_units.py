@@ -7,7 +7,7 @@ order in which one real backward finished their gradients (the unit finished las
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,22 +27,114 @@ class FreezeUnit:
         param_names: qualified names (as in ``model.named_parameters()``) of the trainable parameters it owns.
         params: the parameters themselves, bound with :meth:`bind`.
         used: whether the parameters received a gradient in the traced backward; unused units never freeze.
+        shared_with: names outside the unit under which the model also holds one of its parameters (a tied
+            weight, e.g. ``lm_head.weight`` for the token embedding), set by :func:`mark_shared`. Such a unit is
+            *pinned*: the frozen prefix stops before it, so a shared parameter is never frozen on one side only.
     """
 
     name: str
     param_names: list[str]
     params: list[nn.Parameter] = field(default_factory=list)
     used: bool = True
+    shared_with: list[str] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the unit shares a parameter with the rest of the model, so it never freezes."""
+        return bool(self.shared_with)
+
     def bind(self, named: Mapping[str, nn.Parameter]) -> None:
-        missing = [name for name in self.param_names if name not in named]
+        """Bind the parameters by name; a name saved before (or after) torch's pruning reparametrisation
+        (``weight`` <-> ``weight_orig``) finds the parameter under its current name."""
+        resolved = [resolve_parameter_name(name, named) for name in self.param_names]
+        missing = [name for name, found in zip(self.param_names, resolved) if found is None]
         if missing:
             raise ValueError(f"Unit {self.name!r}: the model has no parameter {missing[0]!r}.")
+        self.param_names = [name for name in resolved if name is not None]
         self.params = [named[name] for name in self.param_names]
+
+    def covers(self, name: str) -> bool:
+        """Whether the qualified parameter name ``name`` lies inside this unit."""
+        if name in self.param_names:
+            return True
+        return self.name != REST and (name == self.name or name.startswith(self.name + "."))
+
+
+REST = "<rest>"
+_ORIG = "_orig"  # torch.nn.utils.prune keeps the dense tensor as `<name>_orig` and recomputes `<name>`
+
+
+def resolve_parameter_name(name: str, named: Mapping[str, Any]) -> str | None:
+    """``name`` as the model calls it now: itself, or across torch's pruning reparametrisation
+    (``w`` -> ``w_orig`` once a mask was added, ``w_orig`` -> ``w`` once it was made permanent)."""
+    if name in named:
+        return name
+    if name + _ORIG in named:
+        return name + _ORIG
+    if name.endswith(_ORIG) and name[: -len(_ORIG)] in named:
+        return name[: -len(_ORIG)]
+    return None
+
+
+def mark_shared(units: Sequence[FreezeUnit], root: nn.Module) -> list[FreezeUnit]:
+    """Set :attr:`FreezeUnit.shared_with` from every name under which ``root`` holds each unit's parameters.
+
+    Found with ``named_parameters(remove_duplicate=False)`` and tensor identity: a tied weight (GPT-2's
+    ``lm_head.weight is wte.weight``, ``mix_b.weight = mix_a.weight``) has a name outside the unit that owns
+    it. Freezing that unit would also freeze the other side, which keeps training around it (the output layer
+    stops learning), so the unit is pinned and the frozen prefix stops before it. A module applied twice holds
+    its parameters under one name, so it is one unit and every application freezes or trains together.
+    Returns ``units``.
+    """
+    aliases: dict[int, list[str]] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    for unit in units:
+        outside = {
+            alias for param in unit.params for alias in aliases.get(id(param), []) if not unit.covers(alias)
+        }
+        unit.shared_with = sorted(outside)
+    return list(units)
+
+
+def pinned_note(units: Sequence[FreezeUnit]) -> str | None:
+    """One line naming the pinned units and the other names of their parameters (``None``: none pinned)."""
+    pinned = [f"{u.name} (also {', '.join(u.shared_with)})" for u in units if u.pinned]
+    if not pinned:
+        return None
+    return (
+        "units holding a tied or shared parameter never freeze, so the frozen prefix stops before them: "
+        + "; ".join(pinned)
+    )
+
+
+def replace_unit_parameters(
+    units: Sequence[FreezeUnit], replacements: Iterable[tuple[nn.Parameter, nn.Parameter, Any]]
+) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:
+    """Point ``units`` at new parameter tensors (structured pruning replaced them), in place.
+
+    ``replacements`` yields ``(old, new, kept)`` with ``new.flatten() == old.flatten()[kept]`` (a
+    :class:`~lightning_pulse.core.pruning.ParameterRemap`). Returns ``id(old) -> (new, kept)`` for the
+    parameters that a unit held, so per-parameter state can follow (see :func:`cut_like`).
+    """
+    table = {id(old): (new, kept) for old, new, kept in replacements}
+    moved: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+    for unit in units:
+        for index, param in enumerate(unit.params):
+            entry = table.get(id(param))
+            if entry is not None:
+                moved[id(param)] = entry
+                unit.params[index] = entry[0]
+    return moved
+
+
+def cut_like(tensor: torch.Tensor, new: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (shaped like the replaced parameter) cut to the elements ``kept`` in ``new``'s shape."""
+    return tensor.reshape(-1).index_select(0, kept.to(tensor.device)).reshape(new.shape).clone()
 
 
 def _under(prefix: str, names: Sequence[str]) -> list[str]:
@@ -54,9 +146,10 @@ def discover_units(
 ) -> list[FreezeUnit]:
     """Split ``root``'s trainable parameters into bound freeze units (registration order; see :func:`order_units`).
 
-    The one function that decides which parameters are frozen together: checks on the model (tied or shared
-    parameters across units, ...) belong here. ``named_parameters()`` yields a shared parameter once, under its
-    first name, which gives it one owner.
+    The one function that decides which parameters are frozen together: checks on the model belong here.
+    ``named_parameters()`` yields a shared parameter once, under its first name, which gives it one owner; a
+    unit whose parameter the model also holds under a name outside it (a tied weight) is pinned by
+    :func:`mark_shared`: the frozen prefix stops before it.
 
     Automatic split: start from the whole model and keep expanding the largest unit that has sub-modules with
     parameters into those sub-modules (its own direct parameters become one unit each) until there are at
@@ -81,7 +174,7 @@ def discover_units(
         units = [unit for unit in units if unit.param_names]
     for unit in units:
         unit.bind(named)
-    return units
+    return mark_shared(units, root)
 
 
 def _explicit_units(root: nn.Module, module_names: Sequence[str], all_names: list[str]) -> list[FreezeUnit]:
@@ -101,7 +194,7 @@ def _explicit_units(root: nn.Module, module_names: Sequence[str], all_names: lis
             units.append(FreezeUnit(name, owned))
     rest = [name for name in all_names if name not in claimed]
     if rest:
-        units.append(FreezeUnit("<rest>", rest))
+        units.append(FreezeUnit(REST, rest))
     return units
 
 

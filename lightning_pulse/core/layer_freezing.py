@@ -14,7 +14,7 @@ its weight gradients.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_pulse.core.freeze_units import FreezeUnit
+from lightning_pulse.core.freeze_units import FreezeUnit, cut_like, mark_shared, replace_unit_parameters
+from lightning_pulse.errors import PulseRefusal
 
 STATE_VERSION = 2
 
@@ -191,8 +192,7 @@ class LayerFreezer:
         used = [i for i, unit in enumerate(self.units) if unit.used]
         # the last unit that gets a gradient always trains, so the loss still requires grad
         self.freezable_limit = used[-1] if used else 0
-        self._unit_numel = [unit.numel for unit in self.units]
-        self.trainable_numel = sum(self._unit_numel)
+        self._count()
         self.steps = 0
         self.step_in_window = 0
         self.frozen = [False] * n
@@ -238,6 +238,18 @@ class LayerFreezer:
     def mean_frozen_share(self) -> float:
         """Parameter share frozen during backward, averaged over the steps seen."""
         return self.frozen_share_sum / self.steps if self.steps else 0.0
+
+    @property
+    def pinned_first(self) -> str | None:
+        """Why nothing can ever be frozen, when the first unit in forward order is pinned (a tied embedding)."""
+        first = self.units[0] if self.units and self.freezable_limit else None
+        if first is None or not first.pinned:
+            return None
+        return (
+            f"the first unit in forward order, {first.name}, shares a parameter with "
+            f"{', '.join(first.shared_with)} (a tied input and output layer), so nothing can be frozen without "
+            "stopping the other side; untie them (Hugging Face: `tie_word_embeddings=False`) to let it freeze"
+        )
 
     @property
     def frozen_names(self) -> list[str]:
@@ -298,7 +310,33 @@ class LayerFreezer:
             for param in unit.params:
                 param.requires_grad_(True)
 
+    @torch.no_grad()
+    def replace_parameters(
+        self, replacements: Iterable[tuple[nn.Parameter, nn.Parameter, torch.Tensor]]
+    ) -> bool:
+        """Follow parameters that were replaced by smaller ones (structured pruning cut channels).
+
+        ``replacements`` yields ``(old, new, kept)`` with ``new.flatten() == old.flatten()[kept]``. Units point
+        at the new tensors, window snapshots are cut with ``kept`` (so the movement still compares the same
+        elements) and the parameter counts are taken again. Returns whether any unit held a replaced parameter.
+        """
+        old_params = [list(unit.params) for unit in self.units]
+        moved = replace_unit_parameters(self.units, replacements)
+        for i, params in enumerate(old_params):
+            for j, old in enumerate(params):
+                if id(old) in moved:
+                    new, kept = moved[id(old)]
+                    snap = self.snapshot[i][j]
+                    fits = snap.shape == old.shape
+                    self.snapshot[i][j] = cut_like(snap, new, kept) if fits else new.detach().clone()
+        self._count()
+        return bool(moved)
+
     # ------------------------------------------------------------------ internals
+    def _count(self) -> None:
+        self._unit_numel = [unit.numel for unit in self.units]
+        self.trainable_numel = sum(self._unit_numel)
+
     def _clone_params(self, index: int) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.units[index].params]
 
@@ -342,7 +380,8 @@ class LayerFreezer:
         length = 0
         for i in range(self.freezable_limit):
             unit = self.units[i]
-            if not unit.used or not self._fresh(i) or not self.stable[i]:
+            # a pinned unit shares a parameter with a later one: the prefix stops before it
+            if unit.pinned or not unit.used or not self._fresh(i) or not self.stable[i]:
                 break
             if frozen_numel + self._unit_numel[i] > budget:
                 break
@@ -425,6 +464,12 @@ class LayerFreezer:
             [t.detach().to(p.device, copy=True) for t, p in zip(item, unit.params)]
             for unit, item in zip(self.units, state["snapshot"])
         ]
+        for i, unit in enumerate(self.units):
+            if any(t.shape != p.shape for t, p in zip(self.snapshot[i], unit.params)):
+                # the parameters changed shape since the state was saved (channels cut by structured pruning
+                # in a version that did not follow them): the unit's window starts over on the current tensors
+                self.snapshot[i] = self._clone_params(i)
+                self.window_count[i] = 0
         stats = state["stats"]
         self.refreshes = int(stats["refreshes"])
         self.refresh_hits = int(stats["refresh_hits"])
@@ -444,7 +489,7 @@ def freezer_from_state(state: Mapping[str, Any], model: nn.Module, settings: Fre
     ]
     for unit in units:
         unit.bind(everything)
-    freezer = LayerFreezer(units, settings)
+    freezer = LayerFreezer(mark_shared(units, model), settings)
     freezer.load_state_dict(state)
     return freezer
 
@@ -468,7 +513,8 @@ def restore_freezer(
 
 
 def check_wrapped_model(model: nn.Module, world_size: int, strategy_name: str) -> None:
-    """Raise a ValueError naming the fix if the (strategy-wrapped) ``model`` cannot follow ``requires_grad`` changes.
+    """Raise a :class:`~lightning_pulse.errors.PulseRefusal` naming the fix if the (strategy-wrapped)
+    ``model`` cannot follow ``requires_grad`` changes.
 
     DDP registers every trainable parameter with its reducer when it wraps the model and, by default, waits for
     a gradient from each of them in every backward. A frozen parameter never produces one, so DDP must look for
@@ -477,19 +523,19 @@ def check_wrapped_model(model: nn.Module, world_size: int, strategy_name: str) -
     """
     if isinstance(model, DistributedDataParallel):
         if getattr(model, "static_graph", False):
-            raise ValueError(
-                "GradientCache changes which parameters get gradients, which `static_graph=True` forbids; use "
+            raise PulseRefusal(
+                "GradientCache: it changes which parameters get gradients, which `static_graph=True` forbids; use "
                 "`DDPStrategy(find_unused_parameters=True)` without `static_graph`."
             )
         if not model.find_unused_parameters:
-            raise ValueError(
-                "GradientCache freezes parameters after DDP wrapped the model, so DDP must skip parameters that get "
+            raise PulseRefusal(
+                "GradientCache: it freezes parameters after DDP wrapped the model, so DDP must skip parameters that get "
                 "no gradient: use `strategy=DDPStrategy(find_unused_parameters=True)` or the strategy name "
                 "'ddp_find_unused_parameters_true' ('ddp_spawn_find_unused_parameters_true' for spawn)."
             )
         return
     if world_size > 1:
-        raise ValueError(
-            f"GradientCache supports single-process training and DDP; {strategy_name} shards or flattens "
+        raise PulseRefusal(
+            f"GradientCache: it supports single-process training and DDP; {strategy_name} shards or flattens "
             "parameters, so per-module `requires_grad` changes would not take effect. Use DDP."
         )

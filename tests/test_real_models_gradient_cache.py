@@ -1,0 +1,243 @@
+"""GradientCache on client models nobody here designed for (tests/clients.py): correct, or refused at fit start.
+
+Every fit asserts what the callback did: which parameters were frozen (and stayed unchanged while frozen),
+which kept learning, and that refusals are a PulseRefusal raised before the first step.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader
+
+from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+from lightning_pulse import ScheduledPrune
+from lightning_pulse.callbacks.gradient_cache import GradientCache
+from lightning_pulse.errors import PulseRefusal
+from tests.clients import CLIENTS
+from tests.conftest import stop_after_epochs, trainer_kwargs
+
+pytest.importorskip("transformers")
+
+
+def eager_cache(**kwargs) -> GradientCache:
+    # threshold 1.0 freezes whatever has been scored once: every client gets a frozen prefix within 60 steps
+    return GradientCache(**{"threshold": 1.0, "check_every": 10, "freeze_for": 40, **kwargs})
+
+
+class WatchParameters(Callback):
+    """Per optimizer step and parameter: was it frozen during the step (``requires_grad`` off at batch start),
+    and did its value change over the step."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, str, bool, bool]] = []  # step, name, frozen, changed
+        self._before: dict[str, tuple[bool, torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = {n: (p.requires_grad, p.detach().clone()) for n, p in pl_module.named_parameters()}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        for name, param in pl_module.named_parameters():
+            trains, value = self._before[name]
+            self.rows.append((trainer.global_step, name, not trains, not torch.equal(value, param.detach())))
+
+    def frozen(self) -> set[str]:
+        return {name for _, name, frozen, _ in self.rows if frozen}
+
+    def changed_while_frozen(self) -> set[str]:
+        return {name for _, name, frozen, changed in self.rows if frozen and changed}
+
+    def changed_after(self, step: int) -> set[str]:
+        return {name for s, name, _, changed in self.rows if changed and s > step}
+
+
+def fit_client(module, data, cache: GradientCache, max_steps: int = 60) -> tuple[pl.Trainer, WatchParameters]:
+    watch = WatchParameters()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=max_steps, limit_val_batches=1, callbacks=[cache, watch]))
+    trainer.fit(module, data)
+    return trainer, watch
+
+
+# ------------------------------------------------------------------------------------------ tied and shared weights
+def test_gpt2_tied_embedding_is_pinned_so_lm_head_and_wte_keep_learning():
+    torch.manual_seed(0)
+    module, data = CLIENTS["hf-gpt2"]()
+    assert module.model.lm_head.weight is module.model.transformer.wte.weight
+    cache = eager_cache()
+    with pytest.warns(UserWarning, match=r"GradientCache: the first unit .*wte.*tie_word_embeddings=False"):
+        _, watch = fit_client(module, data, cache)
+
+    units = {unit.name: unit for unit in cache.freezer.units}
+    assert units["model.transformer.wte"].shared_with == ["model.lm_head.weight"]
+    assert [unit.name for unit in cache.freezer.units if unit.pinned] == ["model.transformer.wte"]
+    # the old code froze the embedding at the first check (step 10): the tied output layer stopped learning
+    assert "model.transformer.wte.weight" not in watch.frozen()
+    assert "model.transformer.wte.weight" in watch.changed_after(10)
+    # the embedding comes first in forward order, so nothing upstream of the blocks can be frozen
+    assert cache.freezer.units[0].name == "model.transformer.wte"
+    assert watch.frozen() == set() and cache.events == []
+    assert all(p.requires_grad for p in module.parameters())
+
+
+def test_gpt2_with_untied_head_freezes_the_embedding_and_only_that_stays_unchanged():
+    torch.manual_seed(0)
+    module, data = CLIENTS["hf-gpt2"]()
+    module.model.config.tie_word_embeddings = False
+    module.model.lm_head.weight = nn.Parameter(module.model.transformer.wte.weight.detach().clone())
+    cache = eager_cache()
+    _, watch = fit_client(module, data, cache)
+
+    assert not any(unit.pinned for unit in cache.freezer.units)
+    assert "model.transformer.wte.weight" in watch.frozen()
+    assert watch.changed_while_frozen() == set()  # what is frozen is frozen
+    assert "model.lm_head.weight" not in watch.frozen()
+    assert "model.lm_head.weight" in watch.changed_after(10)
+
+
+def test_shared_conv_cnn_freezes_the_shared_conv_as_one_and_never_the_tied_linear():
+    torch.manual_seed(0)
+    module, data = CLIENTS["shared-conv-cnn"]()
+    cache = eager_cache()
+    _, watch = fit_client(module, data, cache)
+
+    units = {unit.name: unit for unit in cache.freezer.units}
+    assert units["mix_a"].shared_with == ["mix_b.weight"] and not units["shared"].pinned
+    # the conv applied twice is one unit: both applications freeze together; the prefix stops before mix_a
+    assert watch.frozen() == {
+        "stem.weight",
+        "stem.bias",
+        "shared.weight",
+        "shared.bias",
+        "encode.weight",
+        "encode.bias",
+    }
+    assert watch.changed_while_frozen() == set()
+    assert {"mix_a.weight", "mix_b.bias", "head.weight"} <= watch.changed_after(10)
+
+
+# ------------------------------------------------------------------------------------------ the other clients
+@pytest.mark.parametrize(
+    ("client", "first_frozen"),
+    [
+        ("hf-bert", "model.bert.embeddings.word_embeddings.weight"),
+        ("transformer-encoder", "embed.weight"),
+        ("stateful-lstm", "embed.weight"),
+        ("onecycle-per-step", "net.1.weight"),
+    ],
+)
+def test_client_freezes_a_prefix_that_stays_unchanged_while_the_rest_learns(client, first_frozen):
+    torch.manual_seed(0)
+    module, data = CLIENTS[client]()
+    cache = eager_cache()
+    trainer, watch = fit_client(module, data, cache)
+
+    assert cache.events and cache.events[0]["step"] == 10
+    assert first_frozen in watch.frozen()
+    assert watch.changed_while_frozen() == set()
+    last = cache.freezer.units[-1]
+    assert not set(last.param_names) & watch.frozen()  # the last unit always trains
+    assert set(last.param_names) <= watch.changed_after(10)
+    assert all(p.requires_grad for p in module.parameters())  # the module leaves fit as it came in
+    if client == "onecycle-per-step":  # the per-step schedule ran every step, frozen or not
+        assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 60
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def test_manual_optimization_is_refused_before_the_first_step():
+    module, data = CLIENTS["manual-optimization"]()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=5, callbacks=[GradientCache()]))
+    with pytest.raises(PulseRefusal, match=r"^GradientCache: it needs automatic optimization.*remove"):
+        trainer.fit(module, data)
+    assert trainer.global_step == 0
+
+
+class _Trainer:
+    # FSDP is GPU-only in Lightning and DeepSpeed is not installed: uninitialised strategy objects stand in
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+
+@pytest.mark.parametrize("strategy_class", [FSDPStrategy, DeepSpeedStrategy])
+def test_sharded_strategies_are_refused_at_setup(strategy_class):
+    module, _ = CLIENTS["onecycle-per-step"]()
+    trainer = _Trainer(strategy_class.__new__(strategy_class))
+    with pytest.raises(
+        PulseRefusal, match=rf"^GradientCache does not support {strategy_class.__name__}: .*requires_grad"
+    ):
+        GradientCache().setup(trainer, module, stage="fit")
+
+
+# ------------------------------------------------------------------------------------------ resume after pruning
+def _pruned_run(mode: str, tmp_path, ckpt_path: str | None = None, stop_after: int | None = None):
+    pl.seed_everything(0)
+    data = MNIST1DDataModule(num_samples=1000, batch_size=64)
+    data.setup()
+    loader = DataLoader(data.train_set, batch_size=64)  # unshuffled: both runs see the same batches
+    model = MNIST1DClassifier(arch="cnn")
+    prune = ScheduledPrune(
+        final_sparsity=0.5,
+        mode=mode,
+        start=4,
+        end=30,
+        every=5,
+        probe_batches=0,
+        options={"make_permanent": False},
+    )
+    cache = GradientCache(threshold=0.9, check_every=4, freeze_for=8)
+    callbacks = [prune, cache]
+    if stop_after is not None:
+        callbacks += [
+            stop_after_epochs(stop_after),
+            ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1),
+        ]
+    trainer = pl.Trainer(
+        max_epochs=6,
+        limit_train_batches=9,
+        callbacks=callbacks,
+        **trainer_kwargs(enable_checkpointing=stop_after is not None),
+    )
+    trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
+    return model, prune, cache
+
+
+@pytest.mark.parametrize("mode", ["unstructured", "structured"])
+def test_resume_after_a_prune_event_reproduces_the_uninterrupted_run(mode, tmp_path):
+    whole_model, whole_prune, whole_cache = _pruned_run(mode, tmp_path)
+    _pruned_run(mode, tmp_path, stop_after=3)
+    checkpoint = next(tmp_path.glob("epoch=2-*.ckpt"))  # step 27: prune events at steps 5-25 lie before it
+    saved = torch.load(checkpoint, weights_only=False)
+    prune_state = next(v for k, v in saved["callbacks"].items() if k.startswith("ScheduledPrune"))
+    cache_state = next(v for k, v in saved["callbacks"].items() if k.startswith("GradientCache"))
+    assert len(prune_state["events"]) >= 3 and cache_state["cache"] is not None
+    if mode == "unstructured":
+        assert "net.1.weight_orig" in saved["state_dict"]
+    else:
+        assert saved["state_dict"]["net.3.weight"].shape[0] < 25
+        # the saved window snapshots follow the cut channels
+        sizes = {tuple(t.shape) for item in cache_state["cache"]["snapshot"] for t in item}
+        assert tuple(saved["state_dict"]["net.3.weight"].shape) in sizes
+
+    resumed_model, resumed_prune, resumed_cache = _pruned_run(mode, tmp_path, ckpt_path=str(checkpoint))
+    assert whole_cache.events and any(event["step"] > 27 for event in whole_cache.events)
+    assert resumed_cache.events == whole_cache.events
+    assert [e["sparsity"] for e in resumed_prune.events] == [e["sparsity"] for e in whole_prune.events]
+    whole, resumed = whole_model.state_dict(), resumed_model.state_dict()
+    assert whole.keys() == resumed.keys()
+    for key in whole:
+        assert torch.equal(whole[key], resumed[key]), key
+
+
+def test_structured_prune_mid_run_points_the_units_at_the_new_parameters(tmp_path):
+    model, prune, cache = _pruned_run("structured", tmp_path)
+    params = {id(p) for p in model.parameters()}
+    assert prune.events
+    for unit in cache.freezer.units:
+        assert all(id(p) in params for p in unit.params), unit.name
+        assert [tuple(s.shape) for s in cache.freezer.snapshot[cache.freezer.units.index(unit)]] == [
+            tuple(p.shape) for p in unit.params
+        ]
+    assert cache.freezer.trainable_numel == sum(p.numel() for p in model.parameters())
