@@ -66,11 +66,26 @@ def _charlm(**overrides: Any):
     return CharTransformerLM(**model), data_module
 
 
+def _client(name: str) -> Callable[..., tuple[pl.LightningModule, pl.LightningDataModule]]:
+    """A client model of the test matrix (``tests/clients.py``): written as users write them, not for us."""
+
+    def build(**overrides: Any):
+        from tests.clients import CLIENTS
+
+        if overrides:
+            raise ValueError(f"Client workload {name!r} takes no overrides, got {sorted(overrides)}.")
+        return CLIENTS[name]()
+
+    return build
+
+
 WORKLOADS: dict[str, Workload] = {
     "mnist1d-cnn": Workload(_mnist1d("cnn"), "val_acc", "max", "test_acc"),
     "mnist1d-mlp": Workload(_mnist1d("mlp"), "val_acc", "max", "test_acc"),
     "digits": Workload(_digits, "val_acc", "max", "test_acc"),
     "charlm": Workload(_charlm, "val_loss", "min", "test_loss"),
+    "hf-gpt2": Workload(_client("hf-gpt2"), "val_loss", "min", "test_loss"),
+    "hf-bert": Workload(_client("hf-bert"), "val_acc", "max", "test_acc"),
 }
 
 
