@@ -11,10 +11,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
+from lightning_pulse.core.fault_origin import describe_bad_samples, find_bad_samples, state_is_finite
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
 from lightning_pulse.core.snapshots import RollbackState, SnapshotSchedule
 from lightning_pulse.core.spike_detection import SpikeDetector
@@ -25,6 +25,7 @@ from lightning_pulse.core.stability_policy import (
     StepChanges,
     StepEnergy,
 )
+from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.protocols import PhaseListener, RollbackAware, listeners
 
@@ -50,9 +51,14 @@ class StabilityGuard(Callback):
     DDP, over ranks) and the global gradient norm before clipping, and asks its
     :class:`~lightning_pulse.core.spike_detection.SpikeDetector` for a verdict: non-finite, or a robust
     z-score (median and MAD, log scale) above the threshold against a window of recent healthy steps, kept
-    per pulse phase. Its :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers:
+    per pulse phase (a phase that just started is judged against all phases' spread, so a phase change is not
+    a spike). Before any window is warm, a loss ten times the median of the losses so far is divergence.
+    Its :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers:
 
-    1. **Skip**: the flagged step's update is dropped; parameters and optimizer state stay untouched.
+    1. **Skip**: the flagged step's update is dropped; parameters and optimizer state stay untouched. A
+       non-finite step whose batch holds non-finite values is the data's fault: it is skipped, never
+       escalated, its samples are kept in ``bad_samples`` (dataset indices where the batch or the loader
+       tells them) and counted in ``bad_batches``; a non-finite model state rolls back at once.
     2. **Roll back**: after ``rollback_after`` flagged steps, the model, optimizer, LR schedulers and the
        callbacks that opt in (:class:`~lightning_pulse.protocols.RollbackAware`) return to the newest CPU
        snapshot taken at least ``rollback_margin`` steps before the trouble began; the next
@@ -84,7 +90,8 @@ class StabilityGuard(Callback):
 
     Raises:
         ValueError: at construction, naming the argument, for a value out of range.
-        MisconfigurationException: at fit start, for a module using manual optimization.
+        PulseRefusal: at fit start, for a module using manual optimization, or under FSDP, DeepSpeed or
+            model parallelism (a rank holds a shard of the parameters and gradients).
         StabilityGuardError: during training, when the guard stops the run (after saving a checkpoint).
 
     Example::
@@ -97,6 +104,7 @@ class StabilityGuard(Callback):
 
     spikes_by_kind = _from_policy("spikes_by_kind")
     steps_skipped = _from_policy("steps_skipped")
+    bad_batches = _from_policy("bad_batches")
     rollbacks = _from_policy("rollbacks")
     steps_undone = _from_policy("steps_undone")
     energy_wasted_kwh = _from_policy("energy_wasted_kwh")
@@ -142,6 +150,10 @@ class StabilityGuard(Callback):
         self.snapshots = self.schedule.ring
         self._changes = StepChanges()
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
+        self._batches: list[
+            tuple[int, Any]
+        ] = []  # and its micro-batches (references, read only if non-finite)
+        self.bad_samples: list[dict[str, Any]] = []  # {"step", "batch_idx", "rows", "indices"}, newest last
         self._decided: Action | None = None  # the current optimizer step's action, until its batch end
         self._cycle: PulseCycle | None = None
         self._energy = StepEnergy()
@@ -160,6 +172,7 @@ class StabilityGuard(Callback):
         out = {
             "stability/spikes": float(self.spikes_detected),
             "stability/steps_skipped": float(self.steps_skipped),
+            "stability/bad_batches": float(self.bad_batches),
             "stability/rollbacks": float(self.rollbacks),
             "stability/steps_lost": float(self.steps_lost),
             **{f"stability/spikes_{kind}": float(n) for kind, n in self.spikes_by_kind.items()},
@@ -171,11 +184,20 @@ class StabilityGuard(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and not pl_module.automatic_optimization:
-            raise MisconfigurationException(
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise PulseRefusal(
                 "StabilityGuard supports automatic optimization only; this module sets "
-                "`automatic_optimization = False`."
+                "`automatic_optimization = False`. Let Lightning run the optimizer (return the loss from "
+                "`training_step`), or remove StabilityGuard from the callbacks."
             )
+        refuse_sharded_strategy(
+            trainer,
+            "StabilityGuard",
+            "each rank holds a shard of the parameters and gradients, so its gradient norm, snapshots and "
+            "rollbacks would be a shard's, not the model's",
+        )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -183,7 +205,7 @@ class StabilityGuard(Callback):
         self._cycle = pulse_cycle_of(trainer)
         readers = [getattr(callback, "energy_so_far_kwh", None) for callback in trainer.callbacks]
         self._energy = StepEnergy(next((r for r in readers if callable(r)), None), warn=rank_zero_warn)
-        self._losses, self._decided, self.schedule.pending = [], None, False
+        self._losses, self._batches, self._decided, self.schedule.pending = [], [], None, False
         self.snapshots.clear()
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
@@ -192,6 +214,7 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._energy.begin()  # at the first batch of an optimizer step
+        self._batches.append((batch_idx, batch))
 
     @override
     def on_before_backward(
@@ -206,6 +229,7 @@ class StabilityGuard(Callback):
         # after the accumulation window, DDP's all-reduce and the AMP unscale; before clipping. LBFGS runs this
         # once per closure evaluation: the last decision counts (booked once, at the batch end).
         losses, self._losses = self._losses, []
+        batches, self._batches = self._batches, []
         if self.policy.forced_skip():
             self._changes.skip(optimizer)
             self._decided = Action.SKIP
@@ -221,12 +245,19 @@ class StabilityGuard(Callback):
                 "unnoticed. Pass `config=StabilityGuardConfig(loss_scale='linear')` for such losses."
             )
         step = trainer.global_step
-        self._decided = action = self.policy.decide(step, verdict)
+        cause = (
+            self._nonfinite_cause(trainer, pl_module, batches)
+            if verdict.value.startswith("nonfinite")
+            else None
+        )
+        self._decided = action = self.policy.decide(step, verdict, cause)
         if action is Action.APPLY:
             if self.policy.cooldown_remaining and self.config.lr_factor_after_rollback < 1:
                 self._changes.scale_lr(optimizer, self.config.lr_factor_after_rollback)
             return
         self._changes.skip(optimizer)
+        if cause == "data":
+            return
         baseline = self.detector.baseline(key)
         rank_zero_info(
             f"StabilityGuard: step {step} flagged as {verdict} (loss={_fmt(loss)}, grad_norm={_fmt(grad_norm)}; "
@@ -294,6 +325,7 @@ class StabilityGuard(Callback):
             "detector": self.detector.state_dict(),
             "policy": self.policy.state_dict(),
             "last_snapshot_step": self.last_snapshot_step,
+            "bad_samples": self.bad_samples,
         }
 
     @override
@@ -301,8 +333,33 @@ class StabilityGuard(Callback):
         self.detector.load_state_dict(state_dict["detector"])
         # checkpoints of earlier versions kept the counters next to the policy's state
         self.policy.load_state_dict({**state_dict, **state_dict["policy"]})
+        self.bad_samples = [dict(sample) for sample in state_dict.get("bad_samples", [])]
         last = state_dict["last_snapshot_step"]
         self.schedule.last_step = None if last is None else int(last)
+
+    # ------------------------------------------------------------------ non-finite steps
+    def _nonfinite_cause(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list
+    ) -> str | None:
+        """``"state"`` if the model's state is non-finite on any rank, else ``"data"`` if a batch held non-finite
+        values on any rank (its samples are remembered), else ``None``. All ranks get the same answer."""
+        samples = find_bad_samples(batches, trainer.global_step, trainer.train_dataloader)
+        state_bad = not state_is_finite(pl_module, trainer.optimizers)
+        flags = torch.tensor([float(bool(samples)), float(state_bad)], device=pl_module.device)
+        if trainer.world_size > 1:
+            flags = trainer.strategy.reduce(flags, reduce_op="sum")
+        data_bad, state_bad = (bool(flag) for flag in flags.tolist())
+        if state_bad or not data_bad:
+            return "state" if state_bad else None
+        self.bad_samples = [*self.bad_samples, *samples][-1000:]
+        if self.policy.bad_batches == 0:
+            rank_zero_warn(
+                f"StabilityGuard: step {trainer.global_step} has non-finite values in its data "
+                f"({describe_bad_samples(samples)}); the model is healthy, so the step is skipped and training "
+                "goes on. Later such steps are skipped silently: see `StabilityGuard.bad_samples` and the "
+                "`stability/bad_batches` counter."
+            )
+        return "data"
 
     # ------------------------------------------------------------------ snapshots and rollbacks
     def _baseline_key(self) -> str:
