@@ -93,7 +93,7 @@ class FaultInjector(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self._active(trainer):
             return
-        x, y = batch
+        x, y = batch if self.kind != "lr" else (None, None)  # the lr fault works on any batch (dicts too)
         if self.kind == "nan":
             x[0, 0] = float("nan")
         elif self.kind == "scale":
