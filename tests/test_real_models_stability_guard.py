@@ -6,8 +6,6 @@ refused before the first step.
 
 from __future__ import annotations
 
-import math
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -222,14 +220,33 @@ def test_a_model_state_fault_rolls_back_at_once_and_training_goes_on(client):
         assert module.model.lm_head.weight is module.model.transformer.wte.weight
 
 
-def test_a_stateful_lstm_is_guarded_across_its_carried_hidden_state():
+class NaNRecurrentWeightAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.lstm.weight_hh_l0.view(-1)[0] = float("nan")  # the hidden state turns NaN with it
+
+
+@pytest.mark.parametrize("snapshot_every", [10, 100], ids=["snapshot-with-state", "snapshot-before-state"])
+def test_a_stateful_lstm_rolls_back_its_carried_hidden_state_with_the_weights(snapshot_every):
     pl.seed_everything(0)
     module, data = CLIENTS["stateful-lstm"]()
-    guard = StabilityGuard()
-    trainer = pl.Trainer(callbacks=[guard], max_steps=60, **trainer_kwargs(limit_val_batches=0))
+    guard = StabilityGuard(snapshot_every=snapshot_every, rollback_margin=5, skip_after_rollback=2)
+    trainer = pl.Trainer(
+        callbacks=[NaNRecurrentWeightAt(25), guard], max_steps=60, **trainer_kwargs(limit_val_batches=0)
+    )
     trainer.fit(module, data)
-    assert guard.events == [] and guard.snapshots_taken >= 1
-    assert all(math.isfinite(float(s.sum())) for s in module.state)
+    # one rollback, then healthy: the NaN hidden state did not outlive the restore (before, it made every
+    # later step NaN, and the run stopped after three rollbacks). At step 0 the state was None: so again.
+    to_step = 20 if snapshot_every == 10 else 0
+    assert guard.events == [
+        {"step": 25, "event": "nonfinite_loss", "action": "rollback", "cause": "state"},
+        {"step": 25, "event": "rollback", "to_step": to_step},
+    ]
+    assert trainer.global_step == 60 and all(torch.isfinite(s).all() for s in module.state)
 
 
 # ------------------------------------------------------------------ 4. refused at fit start

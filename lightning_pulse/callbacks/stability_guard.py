@@ -16,7 +16,12 @@ from typing_extensions import override
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
 from lightning_pulse.core.fault_origin import describe_bad_samples, find_bad_samples, state_is_finite
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
-from lightning_pulse.core.snapshots import RollbackState, SnapshotSchedule
+from lightning_pulse.core.snapshots import (
+    RollbackState,
+    SnapshotSchedule,
+    carried_tensors,
+    restore_carried_tensors,
+)
 from lightning_pulse.core.spike_detection import SpikeDetector
 from lightning_pulse.core.stability_policy import (
     Action,
@@ -373,7 +378,11 @@ class StabilityGuard(Callback):
         return trainer.optimizers, schedulers, self._rollback_callbacks(trainer)
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        extra = {"detector": self.detector.state_dict(), **self.policy.lineage()}
+        extra = {
+            "detector": self.detector.state_dict(),
+            "carried": carried_tensors(pl_module),
+            **self.policy.lineage(),
+        }
         self.schedule.take(trainer.global_step, pl_module, *self._training_state(trainer), extra=extra)
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
@@ -399,6 +408,7 @@ class StabilityGuard(Callback):
                     f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one."
                 )
             self.detector.load_state_dict(target.extra["detector"])
+            restore_carried_tensors(pl_module, target.extra.get("carried", {}))
             undone = self.policy.rewind(target.extra)
             self._announce_restored_phase(trainer, pl_module)
         to_step = None if target is None else target.step

@@ -55,8 +55,17 @@ def nonfinite_rows(batch: Any) -> list[int]:
 
 
 def state_is_finite(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> bool:
-    """Whether every floating-point parameter, buffer and optimizer-state tensor is finite. One transfer."""
-    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+    """Whether every floating-point parameter, buffer, carried tensor (a plain tensor attribute, such as an RNN's
+    hidden state) and optimizer-state tensor is finite. One transfer."""
+    from lightning_pulse.core.snapshots import carried_tensors
+
+    carried = [
+        t
+        for v in carried_tensors(module).values()
+        if v is not None
+        for t in (v if isinstance(v, (tuple, list)) else [v])
+    ]
+    tensors = [t for t in (*module.parameters(), *module.buffers(), *carried) if t.is_floating_point()]
     for optimizer in optimizers:
         for state in optimizer.state.values():
             tensors.extend(v for v in state.values() if isinstance(v, Tensor) and v.is_floating_point())
