@@ -66,3 +66,23 @@ def test_find_bad_samples_reads_dataset_indices_from_an_installed_index_tracker(
         "(dataset indices [13])"
     )
     assert describe_bad_samples([]) == "on another rank"
+
+
+def test_trace_nonfinite_gives_every_rank_the_same_cause():
+    from lightning_pulse.core.fault_origin import trace_nonfinite
+
+    model = torch.nn.Linear(2, 1)
+    clean = [(0, (torch.ones(3, 2), torch.zeros(3)))]
+    dirty = [(0, (torch.tensor([[1.0, float("nan")], [1.0, 1.0], [1.0, 1.0]]), torch.zeros(3)))]
+    assert trace_nonfinite(model, [], clean, step=7) == (None, [])
+    cause, samples = trace_nonfinite(model, [], dirty, step=7)
+    assert cause == "data" and samples == [{"step": 7, "batch_idx": 0, "rows": [0], "indices": None}]
+
+    def other_rank(flags):  # two ranks: the other one's findings are (bad data, healthy state)
+        return flags + torch.tensor([1.0, 0.0])
+
+    # this rank's batch was clean: it still agrees that the data is at fault, with no samples of its own
+    assert trace_nonfinite(model, [], clean, step=7, all_reduce_sum=other_rank) == ("data", [])
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    assert trace_nonfinite(model, [], dirty, step=7, all_reduce_sum=other_rank) == ("state", [])

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
-from lightning_pulse.core.fault_origin import describe_bad_samples, find_bad_samples, state_is_finite
+from lightning_pulse.core.fault_origin import describe_bad_samples, trace_nonfinite
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
 from lightning_pulse.core.snapshots import (
     RollbackState,
@@ -22,7 +22,7 @@ from lightning_pulse.core.snapshots import (
     carried_tensors,
     restore_carried_tensors,
 )
-from lightning_pulse.core.spike_detection import SpikeDetector
+from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import (
     Action,
     EscalationPolicy,
@@ -35,6 +35,8 @@ from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.protocols import PhaseListener, RollbackAware, listeners
 
 __all__ = ["StabilityGuard", "StabilityGuardConfig", "StabilityGuardError"]
+
+NONFINITE = (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
 
 
 class StabilityGuardError(RuntimeError):
@@ -250,11 +252,7 @@ class StabilityGuard(Callback):
                 "unnoticed. Pass `config=StabilityGuardConfig(loss_scale='linear')` for such losses."
             )
         step = trainer.global_step
-        cause = (
-            self._nonfinite_cause(trainer, pl_module, batches)
-            if verdict.value.startswith("nonfinite")
-            else None
-        )
+        cause = self._nonfinite_cause(trainer, pl_module, batches) if verdict in NONFINITE else None
         self._decided = action = self.policy.decide(step, verdict, cause)
         if action is Action.APPLY:
             if self.policy.cooldown_remaining and self.config.lr_factor_after_rollback < 1:
@@ -346,16 +344,13 @@ class StabilityGuard(Callback):
     def _nonfinite_cause(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list
     ) -> str | None:
-        """``"state"`` if the model's state is non-finite on any rank, else ``"data"`` if a batch held non-finite
-        values on any rank (its samples are remembered), else ``None``. All ranks get the same answer."""
-        samples = find_bad_samples(batches, trainer.global_step, trainer.train_dataloader)
-        state_bad = not state_is_finite(pl_module, trainer.optimizers)
-        flags = torch.tensor([float(bool(samples)), float(state_bad)], device=pl_module.device)
-        if trainer.world_size > 1:
-            flags = trainer.strategy.reduce(flags, reduce_op="sum")
-        data_bad, state_bad = (bool(flag) for flag in flags.tolist())
-        if state_bad or not data_bad:
-            return "state" if state_bad else None
+        """Where a non-finite step came from (``trace_nonfinite``); a data fault's samples are remembered."""
+        reduce = partial(trainer.strategy.reduce, reduce_op="sum") if trainer.world_size > 1 else None
+        cause, samples = trace_nonfinite(
+            pl_module, trainer.optimizers, batches, trainer.global_step, trainer.train_dataloader, reduce
+        )
+        if cause != "data":
+            return cause
         self.bad_samples = [*self.bad_samples, *samples][-1000:]
         if self.policy.bad_batches == 0:
             rank_zero_warn(

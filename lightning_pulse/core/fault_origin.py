@@ -8,11 +8,13 @@ synchronises, on a healthy step.
 * :func:`state_is_finite`: whether the parameters, buffers and optimizer states are all finite. When they
   are not, skipping cannot help: the model itself went bad and has to go back to a snapshot.
 * :func:`batch_sample_ids`: the dataset indices of given rows, when the batch or its DataLoader tells them.
+* :func:`trace_nonfinite`: the verdict on a non-finite step (``"state"``, ``"data"`` or neither), agreed by
+  every DDP rank, with the bad samples.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -125,3 +127,31 @@ def describe_bad_samples(samples: Sequence[Mapping[str, Any]]) -> str:
         where = f" (dataset indices {sample['indices']})" if sample["indices"] is not None else ""
         parts.append(f"batch {sample['batch_idx']} rows {sample['rows']}{where}")
     return ", ".join(parts) or "on another rank"
+
+
+def trace_nonfinite(
+    module: torch.nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    batches: Sequence[tuple[int, Any]],
+    step: int,
+    loader: Any = None,
+    all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """Where the non-finite optimizer step ``step`` came from, the same answer on every rank.
+
+    ``("state", [])`` if the model's state (:func:`state_is_finite`) is non-finite on any rank; else
+    ``("data", samples)`` if a micro-batch ``(batch_idx, batch)`` held non-finite values on any rank
+    (``samples``: this rank's, from :func:`find_bad_samples`; empty on a rank whose batches were clean); else
+    ``(None, [])``. Under DDP ``all_reduce_sum`` sums the two findings over ranks (one small collective, on
+    this rare step only; every rank reaches it, since the verdict came from all-reduced numbers).
+    """
+    samples = find_bad_samples(batches, step, loader)
+    state_bad = not state_is_finite(module, optimizers)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    flags = torch.tensor([float(bool(samples)), float(state_bad)], device=device)
+    if all_reduce_sum is not None:
+        flags = all_reduce_sum(flags)
+    data_bad, state_bad = (bool(flag) for flag in flags.tolist())
+    if state_bad:
+        return "state", []
+    return ("data", samples) if data_bad else (None, [])
