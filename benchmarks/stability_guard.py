@@ -54,7 +54,7 @@ from lightning.pytorch.callbacks import Callback
 from benchmarks.harness import QUIET_TRAINER, RESULTS_DIR, Arm, environment, markdown_table, run_arms
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 
-FAULT_KINDS = ("nan", "scale", "labels", "lr")
+FAULT_KINDS = ("nan", "nan_output", "scale", "labels", "lr")
 REFERENCE = {"model__lr": 0.03, "model__weight_decay": 5e-4, "model__scheduler": "onecycle"}
 RECOVERED_WITHIN = 0.05
 
@@ -63,7 +63,9 @@ class FaultInjector(Callback):
     """Corrupts optimizer steps ``start .. start + length - 1`` (all micro-batches of each), from outside
     the module.
 
-    * ``nan``: one input value becomes NaN;
+    * ``nan``: one input value becomes NaN (bad data: StabilityGuard skips it as the data's fault);
+    * ``nan_output``: the output of the module's last layer becomes NaN, with finite data and a finite model
+      (a numerical fault inside the forward: StabilityGuard escalates it like a spike);
     * ``scale``: the inputs are multiplied by ``1e4``;
     * ``labels``: every label is replaced by a wrong one;
     * ``lr``: the learning rate is multiplied by ``factor`` for the step, then set back.
@@ -85,6 +87,7 @@ class FaultInjector(Callback):
         self.kind, self.start, self.length, self.factor = kind, start, length, factor
         self.ranks = None if ranks is None else tuple(ranks)
         self._saved_lrs: list[float] | None = None
+        self._hook: Any = None
 
     def _active(self, trainer: pl.Trainer) -> bool:
         in_window = self.start <= trainer.global_step < self.start + self.length
@@ -92,6 +95,13 @@ class FaultInjector(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self._active(trainer):
+            return
+        if self.kind == "nan_output":
+            if self._hook is None:
+                owners = [
+                    m for m in pl_module.modules() if next(m.parameters(recurse=False), None) is not None
+                ]
+                self._hook = owners[-1].register_forward_hook(lambda module, args, out: out * float("nan"))
             return
         x, y = batch if self.kind != "lr" else (None, None)  # the lr fault works on any batch (dicts too)
         if self.kind == "nan":
@@ -108,6 +118,9 @@ class FaultInjector(Callback):
                 group["lr"] = group["lr"] * self.factor
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self._saved_lrs is not None:
             for group, lr in zip(trainer.optimizers[0].param_groups, self._saved_lrs):
                 group["lr"] = lr  # absolute, so a guard rollback in between cannot compound it

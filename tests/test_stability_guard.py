@@ -28,24 +28,6 @@ from lightning_pulse.phase import PhaseChange
 from tests.conftest import trainer_kwargs
 
 
-class NonFiniteOutput(Callback):
-    """Makes the model's output NaN at optimizer steps ``start .. start + length - 1``, with finite data and a
-    finite model: a non-finite step that is not the data's fault (so it escalates like a spike)."""
-
-    def __init__(self, start: int, length: int = 1) -> None:
-        self.start, self.length, self._handle = start, length, None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.start <= trainer.global_step < self.start + self.length and self._handle is None:
-            last = [m for m in pl_module.modules() if any(True for _ in m.parameters(recurse=False))][-1]
-            self._handle = last.register_forward_hook(lambda module, args, out: out * float("nan"))
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
-
 class StepRecorder(Callback):
     """Copies params, Adam state and scheduler position at the end of every step (after the update)."""
 
@@ -567,7 +549,7 @@ def test_rollback_returns_every_opted_in_pulse_callback_to_its_state_at_the_snap
     opted_in = {"cycle": cycle, "replay": replay, "cache": cache, "prune": prune}
     recorder = PulseStateRecorder(opted_in)
     # NaN at steps 29-30, right after the pruning event at 27: the newest snapshot 5 steps before is step 20
-    fault = NonFiniteOutput(start=29, length=2)
+    fault = FaultInjector("nan_output", start=29, length=2)  # finite data: escalates
     trainer = pl.Trainer(
         callbacks=[cycle, replay, cache, prune, fault, guard, recorder],
         max_steps=50,
