@@ -25,7 +25,10 @@ Part 2, faults. Each fault alone, at 40% and at 80% of a 12-epoch one-cycle run,
 * ``scale``: one batch scaled by 1e4;
 * ``labels``: 8 batches with every label wrong;
 * ``lr``: the learning rate x100 for 8 steps;
-* ``nan_forever``: every batch NaN from 40% on (nothing can recover: the guard must stop cleanly).
+* ``nan_output_forever``: the model's output NaN at every step from 40% on, with finite data (nothing can
+  recover: the guard must stop cleanly). Until issue 18 this was ``nan_forever``, NaN *inputs* from 40% on;
+  the guard now skips non-finite data as the data's fault, without escalating, so that fault no longer
+  stops a run: it skips every step to the end.
 
 Arms: unguarded; ``StabilityGuard()`` with its defaults; and a tuned guard with frequent snapshots. Per
 fault and arm: how many runs finished (no stop, finite loss), how many recovered (final validation loss
@@ -442,9 +445,9 @@ def fault_sweep(seeds: Sequence[int], epochs: int, positions: Sequence[float], w
             clean = run_fault(data, seed, epochs, [], None, root)
             runs.append({"seed": seed, "fault": "none", "position": None, "arm": "clean", **clean})
             print(f"[faults] seed={seed} clean val_loss={clean['val_loss']:.4f}", flush=True)
-            for kind, position in [*scenarios, ("nan_forever", positions[0])]:
+            for kind, position in [*scenarios, ("nan_output_forever", positions[0])]:
                 start = int(position * total_steps)
-                if kind == "nan_forever":
+                if kind.endswith("_forever"):
                     length = total_steps
                 else:
                     length = 1 if kind in ("nan", "scale") else window
@@ -586,7 +589,7 @@ def markdown(
         "",
         f"{faults['workload']}, {faults['epochs']} epochs ({faults['total_steps']} optimizer steps), seeds "
         f"{faults['seeds']}. Each fault alone, starting at the given share of the run; `labels` and `lr` last "
-        f"{faults['window']} steps, `nan_forever` lasts to the end. *finished*: no stop and a finite final "
+        f"{faults['window']} steps, `nan_output_forever` lasts to the end. *finished*: no stop and a finite final "
         f"validation loss; *recovered*: final validation loss within {RECOVERED_WITHIN:.0%} of the same "
         "seed's clean run; *ratio*: final validation loss over the clean run's (median; inf = NaN loss). "
         "*steps lost*: skipped steps plus applied steps undone by rollbacks.",
