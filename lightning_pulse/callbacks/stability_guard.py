@@ -157,9 +157,7 @@ class StabilityGuard(Callback):
         self.snapshots = self.schedule.ring
         self._changes = StepChanges()
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
-        self._batches: list[
-            tuple[int, Any]
-        ] = []  # and its micro-batches (references, read only if non-finite)
+        self._batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
         self.bad_samples: list[dict[str, Any]] = []  # {"step", "batch_idx", "rows", "indices"}, newest last
         self._decided: Action | None = None  # the current optimizer step's action, until its batch end
         self._cycle: PulseCycle | None = None
@@ -236,7 +234,7 @@ class StabilityGuard(Callback):
         # after the accumulation window, DDP's all-reduce and the AMP unscale; before clipping. LBFGS runs this
         # once per closure evaluation: the last decision counts (booked once, at the batch end).
         losses, self._losses = self._losses, []
-        batches, self._batches = self._batches, []
+        batches = self._batches  # kept to the batch end: LBFGS may decide again, on the same batch
         if self.policy.forced_skip():
             self._changes.skip(optimizer)
             self._decided = Action.SKIP
@@ -275,6 +273,7 @@ class StabilityGuard(Callback):
         action, self._decided = self._decided, None
         if action is None:  # inside an accumulation window
             return
+        self._batches = []
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
         self.policy.finish(action, self._energy.end())
         if action is Action.APPLY:
