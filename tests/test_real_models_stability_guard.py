@@ -220,6 +220,24 @@ def test_a_model_state_fault_rolls_back_at_once_and_training_goes_on(client):
         assert module.model.lm_head.weight is module.model.transformer.wte.weight
 
 
+def test_bf16_mixed_on_gpt2_flags_nothing_when_healthy_and_rolls_back_a_bad_state():
+    pl.seed_everything(0)
+    module, data = CLIENTS["hf-gpt2"]()
+    guard = StabilityGuard(snapshot_every=10, rollback_margin=5, skip_after_rollback=2)
+    trainer = pl.Trainer(
+        callbacks=[NaNWeightAt(30), guard],
+        max_steps=40,
+        precision="bf16-mixed",
+        **trainer_kwargs(limit_val_batches=0),
+    )
+    trainer.fit(module, data)
+    assert guard.events == [  # nothing in the 30 healthy bf16 steps; the bad state at once
+        {"step": 30, "event": "nonfinite_loss", "action": "rollback", "cause": "state"},
+        {"step": 30, "event": "rollback", "to_step": 20},
+    ]
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 class NaNRecurrentWeightAt(Callback):
     def __init__(self, step: int) -> None:
         self.step = step
