@@ -25,7 +25,10 @@ Part 2, faults. Each fault alone, at 40% and at 80% of a 12-epoch one-cycle run,
 * ``scale``: one batch scaled by 1e4;
 * ``labels``: 8 batches with every label wrong;
 * ``lr``: the learning rate x100 for 8 steps;
-* ``nan_forever``: every batch NaN from 40% on (nothing can recover: the guard must stop cleanly).
+* ``nan_output_forever``: the model's output NaN at every step from 40% on, with finite data (nothing can
+  recover: the guard must stop cleanly). Until issue 18 this was ``nan_forever``, NaN *inputs* from 40% on;
+  the guard now skips non-finite data as the data's fault, without escalating, so that fault no longer
+  stops a run: it skips every step to the end.
 
 Arms: unguarded; ``StabilityGuard()`` with its defaults; and a tuned guard with frequent snapshots. Per
 fault and arm: how many runs finished (no stop, finite loss), how many recovered (final validation loss
@@ -54,7 +57,7 @@ from lightning.pytorch.callbacks import Callback
 from benchmarks.harness import QUIET_TRAINER, RESULTS_DIR, Arm, environment, markdown_table, run_arms
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 
-FAULT_KINDS = ("nan", "scale", "labels", "lr")
+FAULT_KINDS = ("nan", "nan_output", "scale", "labels", "lr")
 REFERENCE = {"model__lr": 0.03, "model__weight_decay": 5e-4, "model__scheduler": "onecycle"}
 RECOVERED_WITHIN = 0.05
 
@@ -63,7 +66,9 @@ class FaultInjector(Callback):
     """Corrupts optimizer steps ``start .. start + length - 1`` (all micro-batches of each), from outside
     the module.
 
-    * ``nan``: one input value becomes NaN;
+    * ``nan``: one input value becomes NaN (bad data: StabilityGuard skips it as the data's fault);
+    * ``nan_output``: the output of the module's last layer becomes NaN, with finite data and a finite model
+      (a numerical fault inside the forward: StabilityGuard escalates it like a spike);
     * ``scale``: the inputs are multiplied by ``1e4``;
     * ``labels``: every label is replaced by a wrong one;
     * ``lr``: the learning rate is multiplied by ``factor`` for the step, then set back.
@@ -85,6 +90,7 @@ class FaultInjector(Callback):
         self.kind, self.start, self.length, self.factor = kind, start, length, factor
         self.ranks = None if ranks is None else tuple(ranks)
         self._saved_lrs: list[float] | None = None
+        self._hook: Any = None
 
     def _active(self, trainer: pl.Trainer) -> bool:
         in_window = self.start <= trainer.global_step < self.start + self.length
@@ -93,7 +99,14 @@ class FaultInjector(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self._active(trainer):
             return
-        x, y = batch
+        if self.kind == "nan_output":
+            if self._hook is None:
+                owners = [
+                    m for m in pl_module.modules() if next(m.parameters(recurse=False), None) is not None
+                ]
+                self._hook = owners[-1].register_forward_hook(lambda module, args, out: out * float("nan"))
+            return
+        x, y = batch if self.kind != "lr" else (None, None)  # the lr fault works on any batch (dicts too)
         if self.kind == "nan":
             x[0, 0] = float("nan")
         elif self.kind == "scale":
@@ -108,6 +121,9 @@ class FaultInjector(Callback):
                 group["lr"] = group["lr"] * self.factor
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self._saved_lrs is not None:
             for group, lr in zip(trainer.optimizers[0].param_groups, self._saved_lrs):
                 group["lr"] = lr  # absolute, so a guard rollback in between cannot compound it
@@ -429,9 +445,9 @@ def fault_sweep(seeds: Sequence[int], epochs: int, positions: Sequence[float], w
             clean = run_fault(data, seed, epochs, [], None, root)
             runs.append({"seed": seed, "fault": "none", "position": None, "arm": "clean", **clean})
             print(f"[faults] seed={seed} clean val_loss={clean['val_loss']:.4f}", flush=True)
-            for kind, position in [*scenarios, ("nan_forever", positions[0])]:
+            for kind, position in [*scenarios, ("nan_output_forever", positions[0])]:
                 start = int(position * total_steps)
-                if kind == "nan_forever":
+                if kind.endswith("_forever"):
                     length = total_steps
                 else:
                     length = 1 if kind in ("nan", "scale") else window
@@ -573,7 +589,7 @@ def markdown(
         "",
         f"{faults['workload']}, {faults['epochs']} epochs ({faults['total_steps']} optimizer steps), seeds "
         f"{faults['seeds']}. Each fault alone, starting at the given share of the run; `labels` and `lr` last "
-        f"{faults['window']} steps, `nan_forever` lasts to the end. *finished*: no stop and a finite final "
+        f"{faults['window']} steps, `nan_output_forever` lasts to the end. *finished*: no stop and a finite final "
         f"validation loss; *recovered*: final validation loss within {RECOVERED_WITHIN:.0%} of the same "
         "seed's clean run; *ratio*: final validation loss over the clean run's (median; inf = NaN loss). "
         "*steps lost*: skipped steps plus applied steps undone by rollbacks.",

@@ -222,3 +222,30 @@ def test_one_verdict_for_every_step_of_a_noisy_stream_flags_the_spikes_and_keeps
     for name in ("loss", "grad_norm"):
         for window in detector.state_dict()[name].values():
             assert max(window["values"]) < min(window["values"]) + math.log(3)  # no spike got in
+
+
+def test_a_key_warming_up_is_judged_in_the_pooled_spread_so_a_phase_shift_is_not_a_spike():
+    rng = random.Random(1)
+    detector = SpikeDetector(warmup=20, cold_ratio=10.0)
+    for _ in range(60):  # a burst whose gradient norm is heavy-tailed: 0.2 .. 5
+        detector.accept(1.0, math.exp(rng.uniform(-1.6, 1.6)), "burst")
+    # a replay phase starts: 12x the pooled median, but inside the pooled spread: not a spike
+    assert detector.assess(1.0, 12.0, "replay").verdict is Verdict.OK
+    # a real fault right after the phase change is still caught: far outside the spread
+    assert detector.assess(1.0, 1e5, "replay").verdict is Verdict.GRAD_SPIKE
+    assert detector.assess(1e4, 1.0, "replay").verdict is Verdict.LOSS_SPIKE
+
+
+def test_before_any_window_is_warm_a_loss_ten_times_the_median_so_far_is_divergence():
+    detector = SpikeDetector(warmup=50)
+    assert detector.assess(8.8, 1.0, accept=True).verdict is Verdict.OK
+    assert detector.assess(9.5, 30.0, accept=True).verdict is Verdict.OK  # gradient norms may grow early
+    assert detector.assess(40.0, 1.0, accept=True).verdict is Verdict.OK  # 4.5x: not yet
+    assert detector.assess(446.0, 1.0, accept=True).verdict is Verdict.LOSS_SPIKE  # 47x the median 9.5
+    healthy = SpikeDetector(warmup=50)
+    assert all(  # a loss falling through the warm-up is never flagged
+        healthy.assess(4.8 * 0.97**step, 1.0, accept=True).verdict is Verdict.OK for step in range(50)
+    )
+    linear = SpikeDetector(warmup=50, loss_scale="linear")  # a ratio to a median near zero means nothing
+    linear.assess(0.01, 1.0, accept=True)
+    assert linear.assess(5.0, 1.0).verdict is Verdict.OK

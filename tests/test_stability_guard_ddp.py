@@ -69,3 +69,25 @@ def test_ranks_skip_and_roll_back_together_when_one_rank_sees_the_fault(tmp_path
     # flagged 25 and 26, forced skips 27 and 28; updates 20..24 undone
     assert rank0["counters"] == rank1["counters"] == [2, 4, 1, 9]
     assert rank0["params"] == rank1["params"]
+
+
+@pytest.mark.ddp
+def test_ranks_agree_that_a_nan_batch_on_one_rank_is_the_datas_fault(tmp_path):
+    pl.seed_everything(0)
+    guard = StabilityGuard(warmup=10, rollback_after=2, snapshot_every=5, rollback_margin=2)
+    trainer = pl.Trainer(
+        callbacks=[FaultInjector("nan", start=15, length=4, ranks=(1,)), guard, GuardDump(str(tmp_path))],
+        max_steps=24,
+        **trainer_kwargs(devices=2, strategy="ddp_spawn", limit_val_batches=0),
+    )
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=60))
+
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    # rank 0's batches were clean, rank 1's not: both skipped the four steps as the data's fault, no rollback
+    expected = [
+        {"step": s, "event": "nonfinite_loss", "action": "skip", "cause": "data"} for s in range(15, 19)
+    ]
+    assert rank0["events"] == rank1["events"] == expected
+    assert rank0["counters"] == rank1["counters"] == [4, 4, 0, 4]
+    assert rank0["params"] == rank1["params"]

@@ -236,3 +236,26 @@ def test_rollback_state_prefers_the_callbacks_own_rollback_part():
     assert set(plain.state_dict()) == {"seen", "scores"} and set(clocked.state_dict()) == {"seen"}
     clocked.load_state_dict({"seen": [5]})
     assert clocked.callback.seen == [5, "rolled back"]
+
+
+def test_carried_tensors_are_found_and_put_back_including_a_state_that_did_not_exist_yet():
+    from lightning_pulse.core.snapshots import carried_tensors, restore_carried_tensors
+
+    class Carrier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.GRU(2, 3)
+            self.rnn.extra = torch.ones(2)  # a plain tensor attribute of a submodule
+            self.state = None  # hidden state, before the first batch
+
+    model = Carrier()
+    saved = copy_to_cpu(carried_tensors(model))
+    assert saved["state"] is None and torch.equal(saved["rnn.extra"], torch.ones(2))
+    assert not any(
+        name.endswith(("weight_ih_l0", "bias_hh_l0")) for name in saved
+    )  # parameters are not carried
+    model.state = (torch.full((1, 3), float("nan")),)
+    model.rnn.extra = torch.zeros(2)
+    model.rnn.mode_name = None  # None now, and was not carried: left alone
+    restore_carried_tensors(model, saved)
+    assert model.state is None and torch.equal(model.rnn.extra, torch.ones(2))

@@ -187,3 +187,21 @@ def test_step_energy_is_the_meters_difference_and_a_failing_meter_is_dropped_wit
     assert energy.end() == 0.0 and energy.read is None
     energy.begin()
     assert energy.end() == 0.0 and len(warnings) == 1 and "meter gone" in warnings[0]
+
+
+def test_a_data_fault_is_skipped_and_never_escalates_while_a_bad_model_state_rolls_back_at_once():
+    policy = EscalationPolicy(rollback_after=2, max_rollbacks=1)
+    actions = [policy.decide(step, Verdict.NONFINITE_LOSS, cause="data") for step in range(10)]
+    assert actions == [Action.SKIP] * 10 and not policy.in_incident
+    assert policy.bad_batches == 10 and policy.spikes_by_kind["nonfinite_loss"] == 10
+    assert policy.events[0] == {"step": 0, "event": "nonfinite_loss", "action": "skip", "cause": "data"}
+    # the model's own state went bad: the first such step rolls back; with no rollback left, it stops
+    assert policy.decide(10, Verdict.NONFINITE_GRAD, cause="state") is Action.ROLLBACK
+    policy.rolled_back(10, to_step=0)
+    policy.skip_remaining = 0
+    assert policy.decide(11, Verdict.NONFINITE_LOSS, cause="state") is Action.STOP
+    restored = EscalationPolicy()
+    restored.load_state_dict(policy.state_dict())
+    assert restored.bad_batches == 10
+    with pytest.raises(ValueError, match="`cause`"):
+        policy.decide(12, Verdict.NONFINITE_LOSS, cause="cosmic ray")

@@ -11,13 +11,18 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
+from lightning_pulse.core.fault_origin import describe_bad_samples, trace_nonfinite
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
-from lightning_pulse.core.snapshots import RollbackState, SnapshotSchedule
-from lightning_pulse.core.spike_detection import SpikeDetector
+from lightning_pulse.core.snapshots import (
+    RollbackState,
+    SnapshotSchedule,
+    carried_tensors,
+    restore_carried_tensors,
+)
+from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import (
     Action,
     EscalationPolicy,
@@ -25,10 +30,13 @@ from lightning_pulse.core.stability_policy import (
     StepChanges,
     StepEnergy,
 )
+from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.protocols import PhaseListener, RollbackAware, listeners
 
 __all__ = ["StabilityGuard", "StabilityGuardConfig", "StabilityGuardError"]
+
+NONFINITE = (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
 
 
 class StabilityGuardError(RuntimeError):
@@ -50,9 +58,14 @@ class StabilityGuard(Callback):
     DDP, over ranks) and the global gradient norm before clipping, and asks its
     :class:`~lightning_pulse.core.spike_detection.SpikeDetector` for a verdict: non-finite, or a robust
     z-score (median and MAD, log scale) above the threshold against a window of recent healthy steps, kept
-    per pulse phase. Its :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers:
+    per pulse phase (a phase that just started is judged against all phases' spread, so a phase change is not
+    a spike). Before any window is warm, a loss ten times the median of the losses so far is divergence.
+    Its :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers:
 
-    1. **Skip**: the flagged step's update is dropped; parameters and optimizer state stay untouched.
+    1. **Skip**: the flagged step's update is dropped; parameters and optimizer state stay untouched. A
+       non-finite step whose batch holds non-finite values is the data's fault: it is skipped, never
+       escalated, its samples are kept in ``bad_samples`` (dataset indices where the batch or the loader
+       tells them) and counted in ``bad_batches``; a non-finite model state rolls back at once.
     2. **Roll back**: after ``rollback_after`` flagged steps, the model, optimizer, LR schedulers and the
        callbacks that opt in (:class:`~lightning_pulse.protocols.RollbackAware`) return to the newest CPU
        snapshot taken at least ``rollback_margin`` steps before the trouble began; the next
@@ -84,7 +97,8 @@ class StabilityGuard(Callback):
 
     Raises:
         ValueError: at construction, naming the argument, for a value out of range.
-        MisconfigurationException: at fit start, for a module using manual optimization.
+        PulseRefusal: at fit start, for a module using manual optimization, or under FSDP, DeepSpeed or
+            model parallelism (a rank holds a shard of the parameters and gradients).
         StabilityGuardError: during training, when the guard stops the run (after saving a checkpoint).
 
     Example::
@@ -97,6 +111,7 @@ class StabilityGuard(Callback):
 
     spikes_by_kind = _from_policy("spikes_by_kind")
     steps_skipped = _from_policy("steps_skipped")
+    bad_batches = _from_policy("bad_batches")
     rollbacks = _from_policy("rollbacks")
     steps_undone = _from_policy("steps_undone")
     energy_wasted_kwh = _from_policy("energy_wasted_kwh")
@@ -142,6 +157,8 @@ class StabilityGuard(Callback):
         self.snapshots = self.schedule.ring
         self._changes = StepChanges()
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
+        self._batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
+        self.bad_samples: list[dict[str, Any]] = []  # {"step", "batch_idx", "rows", "indices"}, newest last
         self._decided: Action | None = None  # the current optimizer step's action, until its batch end
         self._cycle: PulseCycle | None = None
         self._energy = StepEnergy()
@@ -160,6 +177,7 @@ class StabilityGuard(Callback):
         out = {
             "stability/spikes": float(self.spikes_detected),
             "stability/steps_skipped": float(self.steps_skipped),
+            "stability/bad_batches": float(self.bad_batches),
             "stability/rollbacks": float(self.rollbacks),
             "stability/steps_lost": float(self.steps_lost),
             **{f"stability/spikes_{kind}": float(n) for kind, n in self.spikes_by_kind.items()},
@@ -171,11 +189,20 @@ class StabilityGuard(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and not pl_module.automatic_optimization:
-            raise MisconfigurationException(
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise PulseRefusal(
                 "StabilityGuard supports automatic optimization only; this module sets "
-                "`automatic_optimization = False`."
+                "`automatic_optimization = False`. Let Lightning run the optimizer (return the loss from "
+                "`training_step`), or remove StabilityGuard from the callbacks."
             )
+        refuse_sharded_strategy(
+            trainer,
+            "StabilityGuard",
+            "each rank holds a shard of the parameters and gradients, so its gradient norm, snapshots and "
+            "rollbacks would be a shard's, not the model's",
+        )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -183,7 +210,7 @@ class StabilityGuard(Callback):
         self._cycle = pulse_cycle_of(trainer)
         readers = [getattr(callback, "energy_so_far_kwh", None) for callback in trainer.callbacks]
         self._energy = StepEnergy(next((r for r in readers if callable(r)), None), warn=rank_zero_warn)
-        self._losses, self._decided, self.schedule.pending = [], None, False
+        self._losses, self._batches, self._decided, self.schedule.pending = [], [], None, False
         self.snapshots.clear()
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
@@ -192,6 +219,7 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._energy.begin()  # at the first batch of an optimizer step
+        self._batches.append((batch_idx, batch))
 
     @override
     def on_before_backward(
@@ -206,6 +234,7 @@ class StabilityGuard(Callback):
         # after the accumulation window, DDP's all-reduce and the AMP unscale; before clipping. LBFGS runs this
         # once per closure evaluation: the last decision counts (booked once, at the batch end).
         losses, self._losses = self._losses, []
+        batches = self._batches  # kept to the batch end: LBFGS may decide again, on the same batch
         if self.policy.forced_skip():
             self._changes.skip(optimizer)
             self._decided = Action.SKIP
@@ -221,12 +250,15 @@ class StabilityGuard(Callback):
                 "unnoticed. Pass `config=StabilityGuardConfig(loss_scale='linear')` for such losses."
             )
         step = trainer.global_step
-        self._decided = action = self.policy.decide(step, verdict)
+        cause = self._nonfinite_cause(trainer, pl_module, batches) if verdict in NONFINITE else None
+        self._decided = action = self.policy.decide(step, verdict, cause)
         if action is Action.APPLY:
             if self.policy.cooldown_remaining and self.config.lr_factor_after_rollback < 1:
                 self._changes.scale_lr(optimizer, self.config.lr_factor_after_rollback)
             return
         self._changes.skip(optimizer)
+        if cause == "data":
+            return
         baseline = self.detector.baseline(key)
         rank_zero_info(
             f"StabilityGuard: step {step} flagged as {verdict} (loss={_fmt(loss)}, grad_norm={_fmt(grad_norm)}; "
@@ -241,6 +273,7 @@ class StabilityGuard(Callback):
         action, self._decided = self._decided, None
         if action is None:  # inside an accumulation window
             return
+        self._batches = []
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
         self.policy.finish(action, self._energy.end())
         if action is Action.APPLY:
@@ -294,6 +327,7 @@ class StabilityGuard(Callback):
             "detector": self.detector.state_dict(),
             "policy": self.policy.state_dict(),
             "last_snapshot_step": self.last_snapshot_step,
+            "bad_samples": self.bad_samples,
         }
 
     @override
@@ -301,8 +335,30 @@ class StabilityGuard(Callback):
         self.detector.load_state_dict(state_dict["detector"])
         # checkpoints of earlier versions kept the counters next to the policy's state
         self.policy.load_state_dict({**state_dict, **state_dict["policy"]})
+        self.bad_samples = [dict(sample) for sample in state_dict.get("bad_samples", [])]
         last = state_dict["last_snapshot_step"]
         self.schedule.last_step = None if last is None else int(last)
+
+    # ------------------------------------------------------------------ non-finite steps
+    def _nonfinite_cause(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list
+    ) -> str | None:
+        """Where a non-finite step came from (``trace_nonfinite``); a data fault's samples are remembered."""
+        reduce = partial(trainer.strategy.reduce, reduce_op="sum") if trainer.world_size > 1 else None
+        cause, samples = trace_nonfinite(
+            pl_module, trainer.optimizers, batches, trainer.global_step, trainer.train_dataloader, reduce
+        )
+        if cause != "data":
+            return cause
+        self.bad_samples = [*self.bad_samples, *samples][-1000:]
+        if self.policy.bad_batches == 0:
+            rank_zero_warn(
+                f"StabilityGuard: step {trainer.global_step} has non-finite values in its data "
+                f"({describe_bad_samples(samples)}); the model is healthy, so the step is skipped and training "
+                "goes on. Later such steps are skipped silently: see `StabilityGuard.bad_samples` and the "
+                "`stability/bad_batches` counter."
+            )
+        return "data"
 
     # ------------------------------------------------------------------ snapshots and rollbacks
     def _baseline_key(self) -> str:
@@ -316,7 +372,11 @@ class StabilityGuard(Callback):
         return trainer.optimizers, schedulers, self._rollback_callbacks(trainer)
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        extra = {"detector": self.detector.state_dict(), **self.policy.lineage()}
+        extra = {
+            "detector": self.detector.state_dict(),
+            "carried": carried_tensors(pl_module),
+            **self.policy.lineage(),
+        }
         self.schedule.take(trainer.global_step, pl_module, *self._training_state(trainer), extra=extra)
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
@@ -342,6 +402,7 @@ class StabilityGuard(Callback):
                     f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one."
                 )
             self.detector.load_state_dict(target.extra["detector"])
+            restore_carried_tensors(pl_module, target.extra.get("carried", {}))
             undone = self.policy.rewind(target.extra)
             self._announce_restored_phase(trainer, pl_module)
         to_step = None if target is None else target.step

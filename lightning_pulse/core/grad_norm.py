@@ -9,9 +9,7 @@ Where it is read decides what it means. StabilityGuard reads it in ``on_before_o
 micro-batch of an accumulation window has added its gradient, after DDP's gradient all-reduce (every rank
 holds the same gradients, hence the same norm) and after Lightning's precision plugin unscaled AMP
 gradients, before clipping. Under FSDP or DeepSpeed each rank holds a shard of the gradients: the norm read
-here is then the norm of the local shard, not the global one, and ranks differ; decisions still agree
-(the numbers are all-reduced), but the thresholds are judged on a different quantity. Sharded strategies
-are not supported as such.
+here would be the local shard's, not the global one, so StabilityGuard refuses those strategies at setup.
 """
 
 from __future__ import annotations

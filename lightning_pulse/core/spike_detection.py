@@ -144,9 +144,13 @@ class SpikeDetector:
     Each quantity gets a :class:`RunningRobustZ` per ``key``, plus one that pools every key. Only steps
     judged :attr:`Verdict.OK` enter the windows (``assess(..., accept=True)`` or :meth:`accept`), so a spike
     never raises the baseline it is judged against, and non-finite values never enter them. Non-finite
-    values are flagged from the first step; spikes once the key's window is warm, and before that only
-    values at least ``cold_ratio`` times the pooled median (a short phase that has seen few steps is not
-    blind to a 100x loss).
+    values are flagged from the first step; spikes once the key's window is warm. A key still warming up
+    (a phase that just started, or a short phase) is judged against the pooled window: a spike there must
+    be at least ``cold_ratio`` times the pooled median *and* above the threshold in the pooled spread, so a
+    phase that shifts the distribution on purpose (replay of the hardest samples) is not a spike, while a
+    100x loss right after a phase change is. Before any window is warm (the first ``warmup`` steps of a
+    run), a loss at least ``cold_ratio`` times the median of the losses accepted so far is a spike, from
+    the second step on (divergence inside the warm-up); log scale only.
 
     Args:
         loss_zscore: robust z-score above which a loss is a spike; ``None`` turns loss spikes off
@@ -157,7 +161,8 @@ class SpikeDetector:
         min_ratio: a spike must also be at least this many times the window median (> 1).
         loss_scale: ``"log"`` or ``"linear"``: the scale the loss is judged on. The gradient norm is always
             judged on a log scale.
-        cold_ratio: while a key warms up, a value at least this many times the pooled median is a spike.
+        cold_ratio: while a key warms up, a spike must be at least this many times the pooled median (and,
+            once the pooled window is warm, above the threshold in its spread).
 
     Raises:
         ValueError: naming the argument, for a non-positive threshold, ``min_ratio <= 1``, an unknown scale
@@ -294,11 +299,22 @@ class SpikeDetector:
                 return False, None
             z = own.zscore(value)
             return z is not None and z > threshold, z
-        # a key still warming up is not blind: values far above every key's recent median are caught
-        pooled = trackers.get(POOLED)
-        if key == POOLED or pooled is None or not pooled.ready:
+        pooled = trackers.get(POOLED) if key != POOLED else None
+        if pooled is not None and pooled.ready:
+            # a key still warming up (a phase that just started) is judged against every key's recent values:
+            # far above their median (cold_ratio) and far outside their spread (the z-score). A phase that
+            # deliberately shifts the distribution (replay of the hardest samples) stays inside that spread.
+            if not self._exceeds(value, pooled.median, self.cold_ratio, scale):  # type: ignore[arg-type]
+                return False, None
+            z = pooled.zscore(value)
+            return z is not None and z > threshold, z
+        # the first steps of the run, before any window is warm: a loss far above the median of the healthy
+        # losses seen so far is divergence. Not for gradient norms (they legitimately grow by more than that
+        # early on), nor on a linear scale (a ratio to a median near zero means nothing).
+        early = trackers.get(POOLED)
+        if trackers is not self._loss or scale != "log" or early is None or early.median is None:
             return False, None
-        return self._exceeds(value, pooled.median, self.cold_ratio, scale), None  # type: ignore[arg-type]
+        return self._exceeds(value, early.median, self.cold_ratio, scale), None  # type: ignore[arg-type]
 
     def _add(self, trackers: dict[str, RunningRobustZ], key: str, value: float | None) -> None:
         if value is None:

@@ -22,6 +22,8 @@ import torch
 
 from lightning_pulse.core.spike_detection import Verdict
 
+CAUSES = (None, "data", "state")  # where a flagged step came from, for EscalationPolicy.decide
+
 
 class Action(str, Enum):
     """What :class:`EscalationPolicy` tells the trainer to do with one optimizer step."""
@@ -87,7 +89,9 @@ class StabilityGuardConfig:
 class EscalationPolicy:
     """Decides, step by step, whether to apply, skip, roll back or stop, and counts what was lost.
 
-    * A flagged step is skipped.
+    * A flagged step is skipped. A non-finite step whose batch held non-finite values is the data's fault
+      (the model is healthy): it is skipped and never escalates. One that found the model's own state
+      non-finite rolls back at once.
     * When ``rollback_after`` flagged steps fall within the last ``spike_memory`` steps, the run rolls
       back to its last good snapshot and then skips the next ``skip_after_rollback`` steps (the batches a
       spike came with are not trained on again, as PaLM did); the next ``lr_cooldown_steps`` applied steps
@@ -146,6 +150,7 @@ class EscalationPolicy:
         # the books
         self.spikes_by_kind: dict[str, int] = {verdict.value: 0 for verdict in Verdict if verdict.is_spike}
         self.steps_skipped = 0
+        self.bad_batches = 0  # steps skipped because their batch held non-finite values
         self.rollbacks = 0
         self.steps_undone = 0  # applied updates thrown away by rollbacks
         self.energy_wasted_kwh = 0.0
@@ -178,23 +183,39 @@ class EscalationPolicy:
             return True
         return False
 
-    def decide(self, step: int, verdict: Verdict) -> Action:
-        """The action for a step the detector judged ``verdict`` (call :meth:`forced_skip` first)."""
+    def decide(self, step: int, verdict: Verdict, cause: str | None = None) -> Action:
+        """The action for a step the detector judged ``verdict`` (call :meth:`forced_skip` first).
+
+        ``cause`` says, for a non-finite step, where it came from (see :mod:`lightning_pulse.core.fault_origin`):
+        ``"data"`` (the batch held non-finite values, the model is healthy): skipped, counted in
+        ``bad_batches``, never escalated; ``"state"`` (the parameters or optimizer state are non-finite):
+        skipping cannot help, so a rollback (or a stop) right away; ``None``: an ordinary flagged step.
+        """
+        if cause not in CAUSES:
+            raise ValueError(f"`cause`={cause!r} is not one of {list(CAUSES)}.")
         while self.spike_steps and step - self.spike_steps[0] >= self.spike_memory:
             self.spike_steps.pop(0)
         while self.rollback_steps and step - self.rollback_steps[0] >= self.rollback_memory:
             self.rollback_steps.pop(0)
         if verdict is Verdict.OK:
             return Action.APPLY
-        self.spike_steps.append(step)
-        if len(self.spike_steps) < self.rollback_after:
+        event: dict[str, Any] = {"step": step, "event": verdict.value}
+        if cause == "data":
             action = Action.SKIP
-        elif len(self.rollback_steps) >= self.max_rollbacks:
-            action = Action.STOP
+            self.bad_batches += 1
         else:
-            action = Action.ROLLBACK
+            self.spike_steps.append(step)
+            if len(self.spike_steps) < self.rollback_after and cause is None:
+                action = Action.SKIP
+            elif len(self.rollback_steps) >= self.max_rollbacks:
+                action = Action.STOP
+            else:
+                action = Action.ROLLBACK
         self.spikes_by_kind[verdict.value] += 1
-        self.events.append({"step": step, "event": verdict.value, "action": action.value})
+        event["action"] = action.value
+        if cause is not None:
+            event["cause"] = cause
+        self.events.append(event)
         return action
 
     def finish(self, action: Action, energy_kwh: float = 0.0) -> None:
@@ -242,6 +263,7 @@ class EscalationPolicy:
             "cooldown_remaining": self.cooldown_remaining,
             "spikes_by_kind": dict(self.spikes_by_kind),
             "steps_skipped": self.steps_skipped,
+            "bad_batches": self.bad_batches,
             "rollbacks": self.rollbacks,
             "steps_undone": self.steps_undone,
             "energy_wasted_kwh": self.energy_wasted_kwh,
@@ -254,7 +276,15 @@ class EscalationPolicy:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.spike_steps = [int(s) for s in state_dict["spike_steps"]]
         self.rollback_steps = [int(s) for s in state_dict["rollback_steps"]]
-        for name in ("skip_remaining", "cooldown_remaining", "steps_skipped", "rollbacks", "steps_undone"):
+        names = (
+            "skip_remaining",
+            "cooldown_remaining",
+            "steps_skipped",
+            "bad_batches",
+            "rollbacks",
+            "steps_undone",
+        )
+        for name in names:
             setattr(self, name, int(state_dict.get(name, 0)))
         self.lineage_steps = int(state_dict.get("lineage_steps", 0))
         self.energy_wasted_kwh = float(state_dict.get("energy_wasted_kwh", 0.0))

@@ -1,0 +1,157 @@
+"""Where a non-finite step comes from: the batch's data, or the model's own state. Plain torch.
+
+StabilityGuard asks only after a step came out non-finite (a rare event), so none of this runs, or
+synchronises, on a healthy step.
+
+* :func:`nonfinite_rows`: the rows of a batch whose floating-point values are not all finite. A batch made
+  non-finite by its data is the data's fault: the model is healthy, the step is skipped and training goes on.
+* :func:`state_is_finite`: whether the parameters, buffers and optimizer states are all finite. When they
+  are not, skipping cannot help: the model itself went bad and has to go back to a snapshot.
+* :func:`batch_sample_ids`: the dataset indices of given rows, when the batch or its DataLoader tells them.
+* :func:`trace_nonfinite`: the verdict on a non-finite step (``"state"``, ``"data"`` or neither), agreed by
+  every DDP rank, with the bad samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# the dict keys under which a batch commonly carries its samples' dataset indices
+INDEX_KEYS = ("index", "indices", "idx", "sample_index", "sample_idx")
+
+
+def _tensors(batch: Any) -> Iterator[Tensor]:
+    if isinstance(batch, Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _tensors(value)
+    else:  # a dataclass or other container: its tensor attributes
+        for value in getattr(batch, "__dict__", {}).values():
+            if isinstance(value, (Tensor, Mapping, list, tuple)):
+                yield from _tensors(value)
+
+
+def nonfinite_rows(batch: Any) -> list[int]:
+    """The positions along dimension 0 of the rows holding a NaN or infinite floating-point value, over every
+    tensor in ``batch`` (nested dicts, lists, tuples). ``[]`` when the batch is finite. One transfer."""
+    masks = []
+    for tensor in _tensors(batch):
+        if tensor.is_floating_point() or tensor.is_complex():
+            finite = torch.isfinite(tensor.detach())
+            rows = finite.reshape(finite.shape[0], -1).all(dim=1) if finite.dim() else finite.reshape(1)
+            masks.append(~rows.cpu())
+    if not masks:
+        return []
+    bad = torch.zeros(max(len(mask) for mask in masks), dtype=torch.bool)
+    for mask in masks:
+        bad[: len(mask)] |= mask
+    return bad.nonzero().flatten().tolist()
+
+
+def state_is_finite(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> bool:
+    """Whether every floating-point parameter, buffer, carried tensor (a plain tensor attribute, such as an RNN's
+    hidden state) and optimizer-state tensor is finite. One transfer."""
+    from lightning_pulse.core.snapshots import carried_tensors
+
+    carried = [
+        t
+        for v in carried_tensors(module).values()
+        if v is not None
+        for t in (v if isinstance(v, (tuple, list)) else [v])
+    ]
+    tensors = [t for t in (*module.parameters(), *module.buffers(), *carried) if t.is_floating_point()]
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, Tensor) and v.is_floating_point())
+    if not tensors:
+        return True
+    device = tensors[0].device
+    flags = torch.stack([torch.isfinite(t.detach()).all().to(device) for t in tensors])
+    return bool(flags.all().item())
+
+
+def batch_sample_ids(
+    batch: Any, rows: Sequence[int], loader_indices: Tensor | None = None
+) -> list[int] | None:
+    """The dataset indices of ``rows``: from an index field of a dict batch (:data:`INDEX_KEYS`), else from
+    ``loader_indices`` (the batch's indices as the DataLoader drew them, e.g. a ``SampleIndexTracker``'s),
+    else ``None``. Indices that do not line up with the batch (a batch recomposed on the way) give ``None``."""
+    candidates = []
+    if isinstance(batch, Mapping):
+        candidates = [batch[key] for key in INDEX_KEYS if key in batch]
+    if loader_indices is not None:
+        candidates.append(loader_indices)
+    for indices in candidates:
+        if isinstance(indices, Tensor) and indices.dim() == 1 and not indices.is_floating_point():
+            if rows and max(rows) < len(indices):
+                return indices.detach().cpu()[list(rows)].tolist()
+    return None
+
+
+def find_bad_samples(
+    batches: Sequence[tuple[int, Any]], step: int, loader: Any = None
+) -> list[dict[str, Any]]:
+    """The samples holding non-finite values in the micro-batches ``(batch_idx, batch)`` of optimizer step
+    ``step``: one ``{"step", "batch_idx", "rows", "indices"}`` per bad batch (``indices``: dataset indices,
+    from the batch or from a ``SampleIndexTracker`` installed on ``loader``, else ``None``)."""
+    from lightning_pulse.core.sample_index import RecordingSampler
+
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    tracker = getattr(sampler, "tracker", None) if isinstance(sampler, RecordingSampler) else None
+    found = []
+    for batch_idx, batch in batches:
+        rows = nonfinite_rows(batch)
+        if not rows:
+            continue
+        try:
+            drawn = tracker.batch_indices(batch_idx) if tracker is not None else None
+        except RuntimeError:  # not recorded (the tracker's pass started elsewhere): rows and step only
+            drawn = None
+        indices = batch_sample_ids(batch, rows, drawn)
+        found.append({"step": step, "batch_idx": batch_idx, "rows": rows, "indices": indices})
+    return found
+
+
+def describe_bad_samples(samples: Sequence[Mapping[str, Any]]) -> str:
+    """``"batch 3 rows [5] (dataset indices [812])"``, for a message."""
+    parts = []
+    for sample in samples:
+        where = f" (dataset indices {sample['indices']})" if sample["indices"] is not None else ""
+        parts.append(f"batch {sample['batch_idx']} rows {sample['rows']}{where}")
+    return ", ".join(parts) or "on another rank"
+
+
+def trace_nonfinite(
+    module: torch.nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    batches: Sequence[tuple[int, Any]],
+    step: int,
+    loader: Any = None,
+    all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """Where the non-finite optimizer step ``step`` came from, the same answer on every rank.
+
+    ``("state", [])`` if the model's state (:func:`state_is_finite`) is non-finite on any rank; else
+    ``("data", samples)`` if a micro-batch ``(batch_idx, batch)`` held non-finite values on any rank
+    (``samples``: this rank's, from :func:`find_bad_samples`; empty on a rank whose batches were clean); else
+    ``(None, [])``. Under DDP ``all_reduce_sum`` sums the two findings over ranks (one small collective, on
+    this rare step only; every rank reaches it, since the verdict came from all-reduced numbers).
+    """
+    samples = find_bad_samples(batches, step, loader)
+    state_bad = not state_is_finite(module, optimizers)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    flags = torch.tensor([float(bool(samples)), float(state_bad)], device=device)
+    if all_reduce_sum is not None:
+        flags = all_reduce_sum(flags)
+    data_bad, state_bad = (bool(flag) for flag in flags.tolist())
+    if state_bad:
+        return "state", []
+    return ("data", samples) if data_bad else (None, [])

@@ -1,0 +1,88 @@
+"""Where a non-finite step comes from, without a Trainer: the batch's rows, the model's state, the samples."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pulse.core.fault_origin import (
+    batch_sample_ids,
+    describe_bad_samples,
+    find_bad_samples,
+    nonfinite_rows,
+    state_is_finite,
+)
+from lightning_pulse.core.sample_index import SampleIndexTracker
+
+
+def test_nonfinite_rows_are_found_in_every_floating_tensor_of_a_nested_batch():
+    x = torch.zeros(4, 3)
+    x[2, 1] = float("nan")
+    mask = torch.ones(4, 5)
+    mask[0, 4] = float("inf")
+    batch = {"x": x, "extra": [mask, torch.arange(4)], "y": torch.tensor([0, 1, 2, 3])}
+    assert nonfinite_rows(batch) == [0, 2]
+    assert nonfinite_rows((torch.ones(4, 3), torch.arange(4))) == []
+    assert (
+        nonfinite_rows({"input_ids": torch.arange(8).view(2, 4)}) == []
+    )  # integer data cannot be non-finite
+
+
+def test_state_is_finite_looks_at_parameters_buffers_and_optimizer_state():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    assert state_is_finite(model, [optimizer])
+    model[1].running_mean[0] = float("nan")  # a forward pass on a NaN batch leaves this behind
+    assert not state_is_finite(model, [optimizer])
+    model[1].running_mean[0] = 0.0
+    next(iter(optimizer.state.values()))["exp_avg_sq"].view(-1)[0] = float("inf")
+    assert state_is_finite(model) and not state_is_finite(model, [optimizer])
+
+
+def test_sample_ids_come_from_the_batch_or_the_loader_else_none():
+    rows = [1, 3]
+    assert batch_sample_ids({"x": torch.zeros(4), "index": torch.tensor([9, 8, 7, 6])}, rows) == [8, 6]
+    assert batch_sample_ids((torch.zeros(4),), rows, torch.tensor([40, 41, 42, 43])) == [41, 43]
+    assert batch_sample_ids((torch.zeros(4),), rows) is None
+    assert batch_sample_ids((torch.zeros(4),), rows, torch.tensor([5])) is None  # does not line up
+
+
+def test_find_bad_samples_reads_dataset_indices_from_an_installed_index_tracker():
+    x = torch.zeros(20, 2)
+    x[13, 0] = float("nan")
+    loader = DataLoader(TensorDataset(x, torch.arange(20)), batch_size=5, shuffle=True)
+    tracker = SampleIndexTracker.install(loader)
+    found, labels = [], {}
+    for batch_idx, batch in enumerate(loader):
+        tracker.batch_indices(batch_idx)  # as HardSampleReplay asks for every batch
+        found += find_bad_samples([(batch_idx, batch)], step=batch_idx, loader=loader)
+        labels[batch_idx] = batch[1]
+    assert len(found) == 1 and found[0]["indices"] == [13]
+    assert labels[found[0]["batch_idx"]][found[0]["rows"]].tolist() == [13]  # the row within its batch
+    assert describe_bad_samples(found) == f"batch {found[0]['batch_idx']} rows {found[0]['rows']} " + (
+        "(dataset indices [13])"
+    )
+    assert describe_bad_samples([]) == "on another rank"
+
+
+def test_trace_nonfinite_gives_every_rank_the_same_cause():
+    from lightning_pulse.core.fault_origin import trace_nonfinite
+
+    model = torch.nn.Linear(2, 1)
+    clean = [(0, (torch.ones(3, 2), torch.zeros(3)))]
+    dirty = [(0, (torch.tensor([[1.0, float("nan")], [1.0, 1.0], [1.0, 1.0]]), torch.zeros(3)))]
+    assert trace_nonfinite(model, [], clean, step=7) == (None, [])
+    cause, samples = trace_nonfinite(model, [], dirty, step=7)
+    assert cause == "data" and samples == [{"step": 7, "batch_idx": 0, "rows": [0], "indices": None}]
+
+    def other_rank(flags):  # two ranks: the other one's findings are (bad data, healthy state)
+        return flags + torch.tensor([1.0, 0.0])
+
+    # this rank's batch was clean: it still agrees that the data is at fault, with no samples of its own
+    assert trace_nonfinite(model, [], clean, step=7, all_reduce_sum=other_rank) == ("data", [])
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    assert trace_nonfinite(model, [], dirty, step=7, all_reduce_sum=other_rank) == ("state", [])
