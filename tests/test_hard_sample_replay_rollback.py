@@ -114,7 +114,7 @@ def test_rollback_returns_scores_and_unapplied_steps_to_the_snapshot(data, repla
     )
     twin, after = SnapshotTwin(guard, replay), AfterRollback(guard, replay)
     # the injector follows the replay callback, so its NaN lands in the batch training_step really sees
-    fault = FaultInjector("nan", start=FAULT_STEP, length=2)
+    fault = FaultInjector("nan_output", start=FAULT_STEP, length=2)
     callbacks = [replay, fault, guard, twin, after] if replay_first else [guard, twin, replay, fault, after]
     trainer = pl.Trainer(callbacks=callbacks, max_epochs=4, **trainer_kwargs(limit_val_batches=0))
     trainer.fit(MNIST1DClassifier(arch="mlp"), data)
