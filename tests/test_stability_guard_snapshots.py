@@ -239,7 +239,7 @@ def test_rollback_state_prefers_the_callbacks_own_rollback_part():
 
 
 def test_carried_tensors_are_found_and_put_back_including_a_state_that_did_not_exist_yet():
-    from lightning_pulse.core.snapshots import carried_tensors, restore_carried_tensors
+    from lightning_pulse.core.carried_state import carried_tensors, restore_carried_tensors
 
     class Carrier(torch.nn.Module):
         def __init__(self):

@@ -14,14 +14,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
+from lightning_pulse.core.carried_state import carried_tensors, restore_carried_tensors
 from lightning_pulse.core.fault_origin import describe_bad_samples, trace_nonfinite
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
-from lightning_pulse.core.snapshots import (
-    RollbackState,
-    SnapshotSchedule,
-    carried_tensors,
-    restore_carried_tensors,
-)
+from lightning_pulse.core.snapshots import RollbackState, SnapshotSchedule
 from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import (
     Action,

@@ -189,36 +189,60 @@ def carried_state_refusal(found: dict[str, tuple[tuple[int, ...], ...]]) -> str 
     )
 
 
-_MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
+def carried_tensors(module: nn.Module) -> dict[str, Any]:
+    """The tensors modules hold as plain attributes, neither parameters nor buffers, by dotted name: e.g. an
+    RNN's hidden state carried from one batch to the next (a tensor, or a short tuple or list of tensors).
+    Attributes that are ``None`` are listed too (a hidden state before the first batch). They are part of the
+    model's state a rollback must return: a NaN carried there would outlive the restore of the parameters."""
+    found: dict[str, Any] = {}
+    for prefix, submodule in module.named_modules():
+        for name, value in vars(submodule).items():
+            if value is None or _tensors_in(value):
+                found[f"{prefix}.{name}" if prefix else name] = value
+    return found
+
+
+def restore_carried_tensors(module: nn.Module, saved: dict[str, Any]) -> None:
+    """Put back what :func:`carried_tensors` returned (copies are moved to the module's device). A ``None`` is
+    put back only over an attribute that holds tensors now (a hidden state created since)."""
+    device = next((t.device for t in module.parameters()), None)
+    for dotted, value in saved.items():
+        owner_name, _, name = dotted.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if value is None:
+            if _tensors_in(getattr(owner, name, None)):
+                setattr(owner, name, None)
+        elif isinstance(value, (tuple, list)):
+            setattr(owner, name, type(value)(_to(v, device) for v in value))
+        else:
+            setattr(owner, name, _to(value, device))
+
+
+def _to(value: Any, device: Any) -> Any:
+    return value if device is None or not isinstance(value, Tensor) else value.to(device)
 
 
 @contextmanager
 def kept_carried_state(module: nn.Module) -> Iterator[None]:
-    """Give back, on exit, every plain attribute of ``module`` and its submodules that held tensor state (a
-    tensor, or a short tuple/list of them) or ``None`` on entry, and drop tensor state that appeared inside.
+    """Give back, on exit, the tensor state ``module`` carried on entry (:func:`carried_tensors`), and drop
+    tensor state that appeared inside.
 
     For an evaluation in the middle of training (PulseCycle's maintain probe): a stateful module's
     ``validation_step`` rebinds ``self.state`` to the validation stream's, and the next training batch must
     continue from the training stream's. References are restored, not values: this undoes
     ``self.state = ...`` (the usual update), not in-place writes into the same tensor.
     """
-    saved: dict[tuple[int, str], Any] = {}
-    for submodule in module.modules():
-        for name, value in vars(submodule).items():
-            if name not in _MODULE_SLOTS and (value is None or _tensors_in(value)):
-                saved[(id(submodule), name)] = value
+    saved = carried_tensors(module)
     try:
         yield
     finally:
-        for submodule in module.modules():
-            for name, value in list(vars(submodule).items()):
-                if name in _MODULE_SLOTS:
-                    continue
-                key = (id(submodule), name)
-                if key in saved:
-                    before = saved[key]
-                    # only a slot that held or now holds tensor state: other attributes are not ours to undo
-                    if value is not before and (before is not None or _tensors_in(value)):
-                        submodule.__dict__[name] = before
-                elif _tensors_in(value):
-                    del submodule.__dict__[name]
+        for dotted, value in carried_tensors(module).items():
+            if dotted not in saved and value is not None:
+                owner_name, _, name = dotted.rpartition(".")
+                delattr(module.get_submodule(owner_name) if owner_name else module, name)
+        for dotted, value in saved.items():
+            if value is not _attribute(module, dotted) and (
+                value is not None or _tensors_in(_attribute(module, dotted))
+            ):
+                owner_name, _, name = dotted.rpartition(".")
+                setattr(module.get_submodule(owner_name) if owner_name else module, name, value)

@@ -59,7 +59,7 @@ def nonfinite_rows(batch: Any) -> list[int]:
 def state_is_finite(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> bool:
     """Whether every floating-point parameter, buffer, carried tensor (a plain tensor attribute, such as an RNN's
     hidden state) and optimizer-state tensor is finite. One transfer."""
-    from lightning_pulse.core.snapshots import carried_tensors
+    from lightning_pulse.core.carried_state import carried_tensors
 
     carried = [
         t

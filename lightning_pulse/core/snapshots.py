@@ -82,42 +82,6 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def _is_carried(value: Any) -> bool:
-    is_group = (
-        isinstance(value, (tuple, list)) and bool(value) and all(isinstance(v, torch.Tensor) for v in value)
-    )
-    return isinstance(value, torch.Tensor) or is_group
-
-
-def carried_tensors(module: nn.Module) -> dict[str, Any]:
-    """The tensors modules hold as plain attributes, neither parameters nor buffers, by dotted name: e.g. an
-    RNN's hidden state carried from one batch to the next (a tensor, or a tuple or list of tensors). Attributes
-    that are ``None`` are listed too (a hidden state before the first batch). They are part of the model's
-    state a rollback must return: a NaN carried there would outlive the restore of the parameters."""
-    found: dict[str, Any] = {}
-    for prefix, sub in module.named_modules():
-        for name, value in vars(sub).items():
-            if value is None or _is_carried(value):
-                found[f"{prefix}.{name}" if prefix else name] = value
-    return found
-
-
-def restore_carried_tensors(module: nn.Module, saved: Mapping[str, Any]) -> None:
-    """Put back what :func:`carried_tensors` returned (CPU copies: moved to the module's device). A ``None``
-    is put back only over an attribute that holds tensors now (a hidden state created since the snapshot)."""
-    device = next((t.device for t in module.parameters()), torch.device("cpu"))
-    for dotted, value in saved.items():
-        owner_name, _, name = dotted.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
-        if value is None:
-            if _is_carried(getattr(owner, name, None)):
-                setattr(owner, name, None)
-        elif isinstance(value, (tuple, list)):
-            setattr(owner, name, type(value)(v.to(device) for v in value))
-        else:
-            setattr(owner, name, value.to(device))
-
-
 @dataclass
 class TrainingSnapshot:
     """A CPU copy of a training state at optimizer step ``step``.
