@@ -86,23 +86,15 @@ def test_bad_yaml_value_stops_before_training_with_the_callbacks_sentence_first(
     assert not list(tmp_path.rglob("*.ckpt"))  # nothing trained
 
 
+def _unbounded_run(tmp_path) -> list[str]:
+    """The pulse YAML with no step or epoch limit: its warm-up cannot be planned, so PulseCycle refuses it."""
+    unbounded = ["--trainer.max_steps", "-1", "--trainer.max_epochs", "-1", "--model.scheduler", "none"]
+    return ["fit", "--config", PULSE_YAML, *FAST, *unbounded, "--trainer.default_root_dir", str(tmp_path)]
+
+
 def test_a_refusal_at_fit_start_is_one_line_with_no_traceback_and_no_report(tmp_path, capsys):
     # warm-up is a share of the run, so a run of unknown length is refused when training starts
-    code = main(
-        [
-            "fit",
-            "--config",
-            PULSE_YAML,
-            *FAST,
-            "--trainer.max_steps",
-            "-1",
-            "--trainer.max_epochs",
-            "-1",
-            "--model.scheduler",
-            "none",
-        ]
-        + ["--trainer.default_root_dir", str(tmp_path)]
-    )
+    code = main(_unbounded_run(tmp_path))
     assert code == 2
     err = capsys.readouterr().err
     first = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -116,21 +108,7 @@ def test_the_traceback_is_there_when_asked_for(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LIGHTNING_PULSE_TRACEBACK", "1")
     with pytest.raises(PulseRefusal, match="PulseCycle: `warmup` is a share of the run"):
-        main(
-            [
-                "fit",
-                "--config",
-                PULSE_YAML,
-                *FAST,
-                "--trainer.max_steps",
-                "-1",
-                "--trainer.max_epochs",
-                "-1",
-                "--model.scheduler",
-                "none",
-            ]
-            + ["--trainer.default_root_dir", str(tmp_path)]
-        )
+        main(_unbounded_run(tmp_path))
 
 
 def test_console_script_resolves_class_paths_from_the_working_directory(tmp_path):
