@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
@@ -92,11 +93,20 @@ def private_api_problems() -> list[str]:
     from torchmetrics.aggregation import MeanMetric
 
     metric_attributes = vars(MeanMetric())
-    return [
+    problems = [
         f"torchmetrics.Metric.{name}"
         for name in ("_defaults", "_update_count", "_computed")
         if name not in metric_attributes
     ]
+    if not callable(getattr(torch.Tensor, "_use_count", None)):
+        problems.append("torch.Tensor._use_count")
+    return problems
+
+
+def backend_released(tensor: torch.Tensor) -> bool:
+    """Whether only Python still holds ``tensor``: no collective's backend thread (gloo's worker, NCCL's
+    watchdog) keeps a reference to it. Reads torch's private reference count of the tensor's storage owner."""
+    return tensor._use_count() <= 1
 
 
 # ---------------------------------------------------------------------------- ScheduledPrune (issue 6)

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
 
 # A tensor handed to a collective is held by the backend's own thread (gloo's worker, NCCL's watchdog) for a
@@ -19,24 +20,19 @@ from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
 # by then (a measurement at the last step, then a quick exit), Python ends the thread waiting for the GIL with
 # pthread_exit, whose forced unwinding through C++ destructors calls std::terminate: the rank aborts with
 # "terminate called without an active exception" (SIGABRT). So the monitor keeps every tensor it reduced until
-# the backend has let go of it (``Tensor._use_count() == 1``), and waits for that at teardown. On a loaded
+# the backend has let go of it (``compat.backend_released``), and waits for that at teardown. On a loaded
 # machine the worker can stay descheduled through a rank's whole teardown: 2 of 10 two-process test runs aborted.
 _RELEASE_TIMEOUT_S = 10.0
-
-
-def _backend_released(tensor: torch.Tensor) -> bool:
-    """Whether only Python still holds ``tensor`` (no collective's thread keeps a reference)."""
-    return tensor._use_count() <= 1
 
 
 def _wait_until_released(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Yield the CPU until the backend threads have let go of ``tensors`` (at most ``_RELEASE_TIMEOUT_S``);
     returns those still held."""
     deadline = time.monotonic() + _RELEASE_TIMEOUT_S
-    held = [tensor for tensor in tensors if not _backend_released(tensor)]
+    held = [tensor for tensor in tensors if not compat.backend_released(tensor)]
     while held and time.monotonic() < deadline:
         time.sleep(0)  # a thread yield, so a descheduled worker gets the core; not a timed wait
-        held = [tensor for tensor in held if not _backend_released(tensor)]
+        held = [tensor for tensor in held if not compat.backend_released(tensor)]
     return held
 
 
@@ -182,7 +178,7 @@ class HyperConnectionMonitor(Callback):
         """``values`` reduced over ranks (``"max"`` / ``"mean"``); the tensors stay referenced until released."""
         tensor = torch.tensor(values, dtype=torch.float64, device=device)
         reduced = trainer.strategy.reduce(tensor, reduce_op=reduce_op)
-        self._in_flight = [t for t in self._in_flight if not _backend_released(t)]
+        self._in_flight = [t for t in self._in_flight if not compat.backend_released(t)]
         self._in_flight += [tensor] if reduced is tensor else [tensor, reduced]
         return reduced.tolist()
 
