@@ -27,5 +27,22 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The per-method benchmarks at their committed settings (benchmarks/README.md), one after the other: several
+# hours on 2 CPU cores; each writes benchmarks/results/<name>.{json,md}. Not here: the GPU check
+# (benchmarks/gpu_energy_check.py, needs an NVIDIA GPU) and the finished studies (benchmarks/studies/). The
+# headline script arrives with the savings issue; until then this is the whole harness.
+bench: install
+	$(PY) -m benchmarks.overhead
+	$(PY) -m benchmarks.clients
+	$(PY) -m benchmarks.energy_overhead --epochs 20 --charlm-epochs 1 --seeds 0 1 2
+	$(PY) -m benchmarks.stability_guard --only overhead
+	$(PY) -m benchmarks.stability_guard --only faults
+	$(PY) -m benchmarks.hard_sample_replay --workloads mnist1d-cnn --seeds 0 1 2
+	$(PY) -m benchmarks.gradient_cache
+	$(PY) -m benchmarks.scheduled_prune
+	$(PY) -m benchmarks.mhc_stability
+	$(PY) -m benchmarks.mhc_overhead --widths 128 256 512 --seeds 0 1 2
+	$(PY) -m benchmarks.example_accuracy --seeds 0 1 2 --workloads mnist1d-cnn mnist1d-mlp digits charlm
+
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache *.egg-info

@@ -1,8 +1,12 @@
 """HardSampleReplay: training compute to reach the baseline's accuracy, against a random-subset control.
 
-Arms, each on every seed, interleaved, in one invocation:
+The committed headline setting (:data:`SETTINGS`, ``mnist1d-cnn``): MNIST-1D CNN on 10000 generated samples
+(7200 train / 800 val), 15 epochs of OneCycleLR. Arms, each on every seed, interleaved, in one invocation:
 
 * ``baseline``: the plain Trainer.
+* ``score-only``: the callback scoring every step but never selecting (``phases=("burst",)`` with no
+  PulseCycle): full batches, so its whole-run CPU against the baseline's is the scoring cost, measured from
+  outside the callback.
 * ``topk-batch-0.5``: HardSampleReplay alone, ``mode="batch"``: every batch keeps the half with the highest
   stored, age-weighted loss (never-scored samples always kept); steps per epoch unchanged.
 * ``random-batch-0.5``: the control: same callback, same compute, a uniform half instead of the hardest.
@@ -13,32 +17,23 @@ Arms, each on every seed, interleaved, in one invocation:
   rescale the kept ones).
 * ``pulse``: PulseCycle (burst / replay in steps, 10% warm-up and anneal) with batch-mode selection (0.5) in
   its replay phases only: the pulse-training cadence, which spends full compute in bursts.
-* ``topk-epoch-0.5-2x`` (language model): half of each epoch for twice the epochs, i.e. the baseline's compute.
-* ``shorter-0.7`` (language model): no callback, the whole data, the run and its LR schedule cut to 70% of
-  the baseline's steps: the plain way to spend 30% less compute, which a selection has to beat.
-* ``rho-batch-0.625`` (``charlm-rho``, added in session 4): RHO-LOSS (Mindermann et al. 2022): top-k in batch
-  mode on the reducible loss, the stored training loss minus an irreducible loss from small models trained on
-  the other half of the training windows (:func:`irreducible_losses`); those models' FLOPs count in the arm's
-  total from its first curve point. Its controls: ``random-batch-0.625`` (same trained samples) and
-  ``random-batch-0.656`` (same total FLOPs, to the nearest sample per batch below).
-* ``rho-batch-0.625-strong`` (``charlm-rho-strong``, added in session 7): the same with held-out models as
-  strong as the LM itself (its own size and schedule, the baseline's epochs on each half), about one baseline
-  run of FLOPs; its control is ``random-batch-0.625``.
-* ``score-only``: the callback scoring every step but never selecting (``phases=("burst",)`` with no
-  PulseCycle): full batches, so its whole-run CPU against the baseline's is the scoring cost, measured from
-  outside the callback.
+
+The arm grammar (:func:`make_arm`) also reads ``<rule>-<mode>-<fraction>-<k>x`` (k times the epochs),
+``...-anneal`` (InfoBatch's annealing) and ``shorter-<share>`` (no callback, the run cut to a share of the
+baseline's steps), which the finished char-LM studies use (``benchmarks/studies/hard_sample_replay_lm.py``,
+which adds RHO-LOSS and learnability arms).
 
 The figures that answer the issue: ``FLOPs to baseline metric`` and ``CPU to baseline metric`` (compute a run
 needed to first reach the baseline's final validation metric, as a share of the baseline's whole run,
 paired by seed, median over seeds), and the final metric itself. The callback's own figures are read from its
 public ``metrics()`` after the run (:func:`replay_metrics`, the arms' ``Arm.metrics``).
 
-Run: ``python -m benchmarks.hard_sample_replay`` (every setting, 3 seeds; ``--workloads mnist1d-cnn`` for one).
-Settings per workload are in :data:`SETTINGS` (smaller than the examples' defaults, to fit ~15 CPU minutes).
-One setting's arms can be split over processes: ``--arms A B --raw-out part.json`` in each (one part with the
-baseline), then ``--merge part1.json part2.json --name <name>`` writes them up as one result. A setting with a
-``tolerance`` also reports, per seed, the final metric over the baseline's and the compute to first get
-within that relative tolerance of it (the issue's "1% relative loss" for the language model).
+Run: ``python -m benchmarks.hard_sample_replay --workloads mnist1d-cnn --seeds 0 1 2`` (the committed
+``results/hard_sample_replay.md``). One setting's arms can be split over processes: ``--arms A B --raw-out
+part.json`` in each (one part with the baseline), then ``--merge part1.json part2.json --name <name>`` writes
+them up as one result. A setting with a ``tolerance`` also reports, per seed, the final metric over the
+baseline's and the compute to first get within that relative tolerance of it. ``--epochs N`` overrides the
+setting's epochs (a smoke run, not for reporting).
 """
 
 from __future__ import annotations
@@ -46,29 +41,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
-import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.harness import Arm, TrainingFlopCounter, run_arms, summarise, write_results
+from benchmarks.harness import RESULTS_DIR, Arm, TrainingFlopCounter, run_arms, summarise, write_results
 from benchmarks.workloads import get_workload
 from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
-from lightning_pulse.core.sample_scores import SampleScoreTable
 
-#: Workload settings, chosen to fit the whole benchmark in ~15 CPU minutes on 2 shared cores. Arm names read
-#: ``<rule>-<mode>-<replay_fraction>[-<epochs factor>x]``; ``pulse`` adds a PulseCycle.
+#: The committed setting, chosen to fit the benchmark in ~15 CPU minutes on 2 shared cores. Arm names read
+#: ``<rule>-<mode>-<replay_fraction>[-<option>]`` (:func:`make_arm`); ``pulse`` adds a PulseCycle.
 SETTINGS: dict[str, dict[str, Any]] = {
     # 10000 generated samples: 7200 train / 800 val, so one validation sample is 0.125 pp (0.3 pp is 2-3
     # samples); 15 epochs of OneCycleLR (72 steps each), so the baseline is still learning at the end
@@ -86,283 +75,30 @@ SETTINGS: dict[str, dict[str, Any]] = {
         ),
         "pulse": {"burst": 36, "replay": 72, "maintain": 0},
     },
-    # 200k characters of stdlib source in windows of 64: 2769 training windows, 87 batches of 32 per epoch;
-    # AdamW at a constant rate
-    "charlm": {
-        "trainer_kwargs": {"max_epochs": 5},
-        "workload_kwargs": {"data__max_chars": 200_000},
-        "arms": (
-            "topk-batch-0.5",
-            "random-batch-0.5",
-            "topk-epoch-0.7",
-            "random-epoch-0.7",
-            "topk-epoch-0.5-2x",
-        ),
-        "pulse": {"burst": 40, "replay": 80, "maintain": 0},
-    },
-    # the same language model with a warm-up + cosine schedule over 8 epochs (the constant-rate baseline above
-    # is still far from converged at its end), and the variants that fare better than top-k on LMs:
-    # learnability scores (loss above the sample's own best), InfoBatch with its annealing
-    "charlm-cosine": {
-        "workload": "charlm",
-        "trainer_kwargs": {"max_epochs": 8},
-        "workload_kwargs": {"data__max_chars": 200_000, "model__scheduler": "cosine"},
-        "arms": (
-            "random-batch-0.5",
-            "topk-batch-0.5",
-            "topk-batch-0.5-learn",
-            "infobatch-batch-0.7-anneal",
-        ),
-        "pulse": {"burst": 40, "replay": 80, "maintain": 0},
-    },
-    # the same, in epoch mode (full batches, 70% of the windows per epoch, the cosine schedule planned over the
-    # shorter epochs), against the plain way to spend 30% less: full data, the schedule cut to 70% of the steps
-    "charlm-cosine-epoch": {
-        "workload": "charlm",
-        "trainer_kwargs": {"max_epochs": 8},
-        "workload_kwargs": {"data__max_chars": 200_000, "model__scheduler": "cosine"},
-        "arms": ("shorter-0.7", "random-epoch-0.7", "topk-epoch-0.7", "topk-epoch-0.7-learn"),
-        "steps_per_epoch": 87,
-        "pulse": {"burst": 40, "replay": 80, "maintain": 0},
-    },
-    # the regime data-pruning papers work in: the same model and data trained until its validation loss is
-    # flat. Probed on seed 0 (baseline / full data on a schedule cut to 70% of the steps): 20 epochs 1.212 /
-    # 1.253 (the baseline's last 5 validations within 1%); 30 epochs 1.245 / 1.205, the baseline overfits
-    # (best 1.212 at epoch 17), so 20 is the longest run here that is flat without overfitting. 0.7 x 20
-    # epochs is a whole number, so every arm's last validation is at its end. Arms fixed before the 3-seed
-    # run; "tolerance" adds the issue's within-1% figures
-    "charlm-long": {
-        "workload": "charlm",
-        "trainer_kwargs": {"max_epochs": 20},
-        "workload_kwargs": {"data__max_chars": 200_000, "model__scheduler": "cosine"},
-        "arms": (
-            "shorter-0.7",
-            "random-epoch-0.7",
-            "topk-epoch-0.7",
-            "topk-epoch-0.7-learn",
-            "infobatch-batch-0.7-anneal",
-            # added after the first 3-seed run: InfoBatch keeps every step (smaller batches, 0.72x the
-            # samples), the epoch-mode control does not; this is the random subset at InfoBatch's compute
-            "random-batch-0.72",
-        ),
-        "steps_per_epoch": 87,
-        "tolerance": 0.01,
-        "pulse": {"burst": 40, "replay": 80, "maintain": 0},
-    },
-    # added later: RHO-LOSS (Mindermann et al. 2022) on the same run as charlm-long, pre-registered (the plan,
-    # written before any run: results/hard_sample_replay_charlm_rho_plan.md). Score = stored training loss - irreducible loss (IL) from small models trained on
-    # the other half of the training windows (no extra data); the IL models' FLOPs count in the arm's total.
-    # 0.625 = 20/32 of every batch after the (full) first epoch: 0.644x the samples, ~0.69x FLOPs with the IL
-    # cost. Controls: a random subset at the same trained-sample share, and at the same total FLOPs (0.656:
-    # 21/32 per batch, the largest share not above the RHO arm's total)
-    "charlm-rho": {
-        "workload": "charlm",
-        "trainer_kwargs": {"max_epochs": 20},
-        "workload_kwargs": {"data__max_chars": 200_000, "model__scheduler": "cosine"},
-        "arms": ("rho-batch-0.625", "random-batch-0.625", "random-batch-0.656"),
-        "steps_per_epoch": 87,
-        "tolerance": 0.01,
-        "pulse": {"burst": 40, "replay": 80, "maintain": 0},
-    },
 }
-
-# added later: the same RHO-LOSS arm with strong held-out models (the full-size LM, 20 epochs on each half:
-# about one baseline run together, so no compute saving is possible), because the per-sample gradient study
-# found their reducible-loss ranking agrees with the validation gradient better than a random subset
-# (results/hard_sample_replay_signal.md); the question is only whether the selection then beats the
-# same-size random subset. Plan fixed before the run: results/hard_sample_replay_signal_plan.md
-SETTINGS["charlm-rho-strong"] = {
-    **SETTINGS["charlm-rho"],
-    "arms": ("rho-batch-0.625-strong", "random-batch-0.625"),
-}
-
-#: The RHO-LOSS arms' irreducible-loss models (``charlm-rho``): the workload's model class, smaller, trained
-#: on half of the training windows each; fixed before any result.
-IL_MODEL = {"model__d_model": 32, "model__n_layers": 2, "model__n_heads": 4}
-IL_EPOCHS = 3
-IL_BATCH_SIZE = 16
-IL_SPLIT_SEED = 1234
-
-
-class ReducibleLossTable(SampleScoreTable):
-    """A score table whose stored score is RHO-LOSS's reducible loss: measured loss - irreducible loss."""
-
-    def __init__(self, reference: torch.Tensor, **kwargs: Any) -> None:
-        super().__init__(int(reference.numel()), **kwargs)
-        self.reference = reference.detach().float().numpy().copy()
-
-    def _as_scores(self, slots: np.ndarray, losses: np.ndarray) -> np.ndarray:
-        return losses - self.reference[slots]
-
-
-class LearnabilityTable(SampleScoreTable):
-    """A score table whose stored score is each loss minus the lowest loss its sample has had so far (the
-    library's ``score="learnability"`` until the lean-core refactor; a study arm now)."""
-
-    def __init__(self, num_samples: int, **kwargs: Any) -> None:
-        super().__init__(num_samples, **kwargs)
-        self.minima = np.full(num_samples, np.inf, dtype=np.float32)
-
-    def _as_scores(self, slots: np.ndarray, losses: np.ndarray) -> np.ndarray:
-        lowest = np.fmin(self.minima[slots], losses)
-        self.minima[slots] = lowest
-        return losses - lowest
-
-
-class LearnabilityReplay(HardSampleReplay):
-    """HardSampleReplay ranking samples by their loss above their own best so far."""
-
-    def _new_table(self, num_samples: int) -> SampleScoreTable:
-        return LearnabilityTable(num_samples)
-
-
-class RhoReplay(HardSampleReplay):
-    """HardSampleReplay ranking samples by reducible loss; the irreducible losses are computed when it is built
-    (two half-data models, :func:`irreducible_losses`, whose size and training ``held_out`` may override), and
-    their FLOPs are kept as ``upfront_flops``."""
-
-    def __init__(
-        self,
-        workload_kwargs: dict[str, Any],
-        seed: int,
-        held_out: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(seed=seed, **kwargs)
-        started = time.process_time()
-        self.reference, self.upfront_flops = irreducible_losses(workload_kwargs, seed, **(held_out or {}))
-        self.upfront_cpu_s = time.process_time() - started
-
-    def _new_table(self, num_samples: int) -> SampleScoreTable:
-        if num_samples != self.reference.numel():
-            raise RuntimeError("RhoReplay: the training set's size differs from the irreducible losses'.")
-        return ReducibleLossTable(self.reference)
 
 
 def replay_metrics(callbacks: list[Callback], trainer: pl.Trainer | None = None) -> dict[str, Any]:
-    """What this benchmark reads after a run (``Arm.metrics``): the callback's public totals (``hsr_*``), the
-    RHO arms' up-front cost and the trained-sample curve."""
+    """What this benchmark reads after a run (``Arm.metrics``): the callback's public totals (``hsr_*``) and
+    the trained-sample curve."""
     figures: dict[str, Any] = {}
     for callback in callbacks:
         if isinstance(callback, HardSampleReplay):
             figures.update({f"hsr_{name}": value for name, value in callback.metrics().items()})
-        if isinstance(callback, RhoReplay):
-            reference = callback.reference
-            figures.update(
-                upfront_flops=callback.upfront_flops,
-                upfront_cpu_s=callback.upfront_cpu_s,
-                il_mean=float(reference.mean()),
-                il_p10=float(reference.quantile(0.1)),
-                il_p90=float(reference.quantile(0.9)),
-            )
         if isinstance(callback, SampleCurve):
             figures["samples_curve"] = list(callback.curve)
     return figures
 
 
-class _FirstBatchFlops(TrainingFlopCounter):
-    """Training FLOPs per sample from the first batch (counting every batch slows a step ~3x), and samples."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops_per_sample = math.nan
-        self.samples = 0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.samples == 0:
-            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.samples == 0:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            self.flops_per_sample = self.total / extract_batch_size(batch)
-        self.samples += extract_batch_size(batch)
-
-
-def irreducible_losses(
-    workload_kwargs: dict[str, Any],
-    seed: int,
-    model_overrides: dict[str, Any] = IL_MODEL,
-    epochs: int = IL_EPOCHS,
-    batch_size: int = IL_BATCH_SIZE,
-) -> tuple[torch.Tensor, float]:
-    """``((N,) irreducible loss per training window, FLOPs spent)``: the two-halves recipe.
-
-    The training windows are split in two halves by :data:`IL_SPLIT_SEED`; a model (by default the small
-    :data:`IL_MODEL`: the workload's model with ``model_overrides``) is trained on each half for ``epochs``
-    epochs, and a window's irreducible loss is its token-mean cross-entropy under the model that did not train
-    on it. FLOPs: both fits (FlopCounterMode on the first training batch, per sample, times the samples
-    trained: shapes are fixed, so a step's FLOPs are proportional to its batch size, as
-    :func:`per_sample_flops` checks) plus the scoring forward pass (counted whole). Runs in a forked RNG, so
-    the caller's stream is unchanged.
-    """
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng():
-            return _irreducible_losses(workload_kwargs, seed, model_overrides, epochs, batch_size)
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
-def _irreducible_losses(
-    workload_kwargs: dict[str, Any],
-    seed: int,
-    model_overrides: dict[str, Any],
-    epochs: int,
-    batch_size: int,
-) -> tuple[torch.Tensor, float]:
-    spec = get_workload("charlm")
-    _, data = spec.build(**workload_kwargs)
-    data.setup("fit")
-    inputs, targets = data.train_set.tensors
-    count = inputs.shape[0]
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(IL_SPLIT_SEED))
-    halves = (order[: count // 2], order[count // 2 :])
-    reference = torch.full((count,), math.nan)
-    flops = 0.0
-    for part, (own, other) in enumerate((halves, halves[::-1])):
-        torch.manual_seed(1000 * (part + 1) + seed)
-        model, _ = spec.build(**{**workload_kwargs, **model_overrides})
-        loader = DataLoader(
-            TensorDataset(inputs[own], targets[own]),
-            batch_size=batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(1000 * (part + 1) + seed),
-        )
-        counter = _FirstBatchFlops()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_epochs=epochs,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[counter],
-        )
-        trainer.fit(model, loader)
-        flops += counter.flops_per_sample * counter.samples
-        model.eval()
-        with torch.no_grad(), FlopCounterMode(display=False) as forward:
-            for chunk in other.split(256):
-                logits = model(inputs[chunk])
-                token_losses = F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), targets[chunk].reshape(-1), reduction="none"
-                )
-                reference[chunk] = token_losses.view(chunk.numel(), -1).mean(dim=1)
-        flops += forward.get_total_flops()
-    return reference, flops
-
-
-def _arm(
+def make_arm(
     name: str,
     epochs: int,
     cadence: dict[str, int],
     steps_per_epoch: int | None = None,
-    workload_kwargs: dict[str, Any] | None = None,
+    replay_class: type[HardSampleReplay] = HardSampleReplay,
 ) -> Arm:
+    """The arm an arm name describes: ``shorter-<share>``, ``pulse``, ``score-only`` or
+    ``<rule>-<mode>-<fraction>[-<k>x][-anneal]``; ``replay_class`` lets a study swap the callback's scores."""
     if name.startswith("shorter-"):
         # no callback: the whole data, with the run (and its LR schedule) cut to a share of the baseline's steps
         assert steps_per_epoch is not None, "a 'shorter-' arm needs the workload's steps per epoch"
@@ -380,36 +116,16 @@ def _arm(
     if name == "score-only":
         return Arm(name, callbacks=lambda seed: [HardSampleReplay(phases=("burst",), seed=seed)])
     rule, mode, fraction, *options = name.split("-")
-    if rule == "rho":  # RHO-LOSS: top-k on reducible loss
-        assert workload_kwargs is not None, "a 'rho-' arm needs the workload's settings"
-        assert options in ([], ["strong"]), f"Unknown options {options} in {name!r}."
-        # "strong": the held-out models are the workload's own model trained for the baseline's epochs
-        held_out = {"model_overrides": {}, "epochs": epochs, "batch_size": 32} if options else None
-        return Arm(
-            name,
-            callbacks=lambda seed: [
-                RhoReplay(
-                    workload_kwargs,
-                    seed,
-                    held_out,
-                    rule="topk",
-                    mode=mode,
-                    replay_fraction=float(fraction),
-                )
-            ],
-        )
     kwargs: dict[str, Any] = {"rule": rule, "mode": mode}
     if rule == "infobatch":
         kwargs["prune_ratio"] = float(fraction)
     else:
         kwargs["replay_fraction"] = float(fraction)
     trainer_kwargs = {}
-    replay_class, extra = HardSampleReplay, []
+    extra = []
     for option in options:
         if option.endswith("x"):
             trainer_kwargs["max_epochs"] = epochs * int(option.rstrip("x"))
-        elif option == "learn":
-            replay_class = LearnabilityReplay
         elif option == "anneal":
             # InfoBatch's annealing, the last 12.5% of the run on whole batches: a cycle of replay only, whose
             # anneal is pure burst (the callback's own `anneal=` until the lean-core refactor)
@@ -423,13 +139,27 @@ def _arm(
     )
 
 
+#: ``(name, epochs, cadence, steps_per_epoch, workload_kwargs) -> Arm``: how a settings table's arm names
+#: become arms (a study passes its own, which handles its extra arms and falls back to :func:`make_arm`)
+ArmMaker = Callable[[str, int, dict[str, int], int | None, dict[str, Any]], Arm]
+
+
+def _default_arm(
+    name: str,
+    epochs: int,
+    cadence: dict[str, int],
+    steps_per_epoch: int | None,
+    workload_kwargs: dict[str, Any],
+) -> Arm:
+    return make_arm(name, epochs, cadence, steps_per_epoch)
+
+
 class SampleCurve(Callback):
     """Cumulative training samples at every validation, next to the harness's own curve points."""
 
     def __init__(self) -> None:
         self.samples = 0
         self.curve: list[int] = []
-        self.run_callbacks: list[Callback] = [self]  # the run's other callbacks, for `replay_metrics`
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.samples += extract_batch_size(batch)
@@ -437,10 +167,6 @@ class SampleCurve(Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
             self.curve.append(self.samples)
-
-    def benchmark_metrics(self) -> dict[str, Any]:
-        # interim, until the harness calls `Arm.metrics` (`replay_metrics`): then this method goes
-        return replay_metrics(self.run_callbacks)
 
 
 def per_sample_flops(workload: str, workload_kwargs: dict[str, Any]) -> float:
@@ -495,13 +221,29 @@ def fill_flops(result: dict[str, Any], flops_per_sample: float) -> None:
     )
 
 
-def arms_for(workload: str) -> list[Arm]:
-    settings = SETTINGS[workload]
+@dataclass(frozen=True)
+class Bench:
+    """What a run of this script (or a study built on it) reads: its settings table, how arm names become
+    arms, what is read after each fit, where results go and the command that names it."""
+
+    settings: dict[str, dict[str, Any]]
+    make_arm: ArmMaker = _default_arm
+    metrics: Callable[[list[Callback], pl.Trainer], dict[str, Any]] = replay_metrics
+    results_dir: Path = RESULTS_DIR
+    module: str = "benchmarks.hard_sample_replay"
+    default_name: str = "hard_sample_replay"
+
+
+HEADLINE = Bench(SETTINGS)
+
+
+def arms_for(workload: str, bench: Bench = HEADLINE) -> list[Arm]:
+    settings = bench.settings[workload]
     epochs = settings["trainer_kwargs"]["max_epochs"]
     arms = [
         Arm("baseline"),
         *(
-            _arm(
+            bench.make_arm(
                 name,
                 epochs,
                 settings["pulse"],
@@ -513,16 +255,13 @@ def arms_for(workload: str) -> list[Arm]:
     ]
     for arm in arms:  # every arm also records its trained samples per epoch
         arm.callbacks = _with_sample_curve(arm.callbacks)
-        arm.metrics = replay_metrics
+        arm.metrics = bench.metrics
     return arms
 
 
 def _with_sample_curve(make):
     def callbacks(seed: int) -> list:
-        made = make(seed)
-        curve = SampleCurve()
-        curve.run_callbacks = [*made, curve]
-        return curve.run_callbacks
+        return [*make(seed), SampleCurve()]
 
     return callbacks
 
@@ -639,9 +378,15 @@ def tolerance_table(result: dict[str, Any], tolerance: float) -> str:
     return "\n".join(lines)
 
 
-def _run_workload(workload: str, seeds: list[int], arm_names: list[str] | None) -> dict[str, Any]:
-    settings = SETTINGS[workload]
-    arms = arms_for(workload)
+def _run_workload(
+    workload: str,
+    seeds: list[int],
+    arm_names: list[str] | None,
+    bench: Bench = HEADLINE,
+    epochs: int | None = None,
+) -> dict[str, Any]:
+    settings = bench.settings[workload]
+    arms = arms_for(workload, bench)
     if arm_names:
         unknown = sorted(set(arm_names) - {arm.name for arm in arms})
         if unknown:
@@ -653,7 +398,7 @@ def _run_workload(workload: str, seeds: list[int], arm_names: list[str] | None) 
         settings.get("workload", workload),
         arms,
         seeds=seeds,
-        trainer_kwargs=settings["trainer_kwargs"],
+        trainer_kwargs={**settings["trainer_kwargs"], **({"max_epochs": epochs} if epochs else {})},
         workload_kwargs=settings["workload_kwargs"],
         flops="none",
         rotate_arms=True,
@@ -662,14 +407,14 @@ def _run_workload(workload: str, seeds: list[int], arm_names: list[str] | None) 
     return result
 
 
-def merge_parts(paths: list[str]) -> dict[str, Any]:
+def merge_parts(paths: list[str], bench: Bench = HEADLINE) -> dict[str, Any]:
     """One result from parts of one workload's arms run in separate processes (``--raw-out``)."""
     parts = [json.loads(Path(path).read_text()) for path in paths]
     workloads = {part["workload"] for part in parts}
     if len(workloads) != 1:
         raise ValueError(f"`--merge` parts are of several workloads: {sorted(workloads)}; give one.")
     workload = workloads.pop()
-    order = [arm.name for arm in arms_for(workload)]
+    order = [arm.name for arm in arms_for(workload, bench)]
     present = {run["arm"] for part in parts for run in part["runs"]}
     if order[0] not in present:
         raise ValueError(f"`--merge` parts have no {order[0]!r} runs; one part must hold the baseline.")
@@ -680,13 +425,13 @@ def merge_parts(paths: list[str]) -> dict[str, Any]:
     merged["parts"] = [
         {"command": part["command"], "arms": part["arms"], "elapsed_s": part["elapsed_s"]} for part in parts
     ]
-    spec = get_workload(SETTINGS[workload].get("workload", workload))
+    spec = get_workload(bench.settings[workload].get("workload", workload))
     merged["summary"] = summarise(merged["runs"], merged["arms"], spec.metric, spec.mode, spec.test_metric)
     return merged
 
 
-def _finish(result: dict[str, Any]) -> str:
-    settings = SETTINGS[result["workload"]]
+def _finish(result: dict[str, Any], bench: Bench = HEADLINE) -> str:
+    settings = bench.settings[result["workload"]]
     fill_flops(
         result, per_sample_flops(settings.get("workload", result["workload"]), settings["workload_kwargs"])
     )
@@ -697,45 +442,50 @@ def _finish(result: dict[str, Any]) -> str:
     return notes
 
 
-def main() -> None:
+def main(bench: Bench = HEADLINE) -> None:
+    settings = bench.settings
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--workloads", nargs="+", default=list(settings), choices=list(settings))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--name", default="hard_sample_replay")
+    parser.add_argument("--name", default=bench.default_name)
     parser.add_argument("--arms", nargs="+", help="run only these arms of the (one) workload")
     parser.add_argument("--raw-out", help="write the (one) workload's raw runs to this JSON file and stop")
     parser.add_argument("--merge", nargs="+", help="raw-run files of one workload to merge and write up")
+    parser.add_argument(
+        "--epochs", type=int, help="override the setting's epochs (a smoke run, not for reporting)"
+    )
     args = parser.parse_args()
     own = ["--seeds", *map(str, args.seeds)] + (["--arms", *args.arms] if args.arms else [])
-    command = "python -m benchmarks.hard_sample_replay " + " ".join(["--workloads", *args.workloads, *own])
+    own += ["--epochs", str(args.epochs)] if args.epochs else []
+    command = f"python -m {bench.module} " + " ".join(["--workloads", *args.workloads, *own])
     if args.merge:
-        result = merge_parts(args.merge)
-        notes = [_finish(result)]
+        result = merge_parts(args.merge, bench)
+        notes = [_finish(result, bench)]
         command = "; ".join(
             [
                 *(part["command"] for part in result["parts"]),
-                "python -m benchmarks.hard_sample_replay --merge "
-                + " ".join(args.merge)
-                + f" --name {args.name}",
+                f"python -m {bench.module} --merge " + " ".join(args.merge) + f" --name {args.name}",
             ]
         )
-        write_results([result], args.name, command=command, notes=notes[0])
+        write_results([result], args.name, command=command, notes=notes[0], results_dir=bench.results_dir)
         return
     if (args.arms or args.raw_out) and len(args.workloads) != 1:
         raise ValueError("`--arms` and `--raw-out` need exactly one workload in `--workloads`.")
     if args.raw_out:
-        result = _run_workload(args.workloads[0], args.seeds, args.arms)
+        result = _run_workload(args.workloads[0], args.seeds, args.arms, bench, args.epochs)
         result["command"] = command + f" --raw-out {args.raw_out}"
         Path(args.raw_out).write_text(json.dumps(result, indent=1, default=str))
         return
     results, notes = [], []
     for workload in args.workloads:
-        result = _run_workload(workload, args.seeds, args.arms)
-        notes.append(_finish(result))
+        result = _run_workload(workload, args.seeds, args.arms, bench, args.epochs)
+        notes.append(_finish(result, bench))
         results.append(result)
-    if args.name != "hard_sample_replay":
+    if args.name != bench.default_name:
         command += f" --name {args.name}"
-    write_results(results, args.name, command=command, notes="\n\n".join(notes))
+    write_results(
+        results, args.name, command=command, notes="\n\n".join(notes), results_dir=bench.results_dir
+    )
 
 
 if __name__ == "__main__":

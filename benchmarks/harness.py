@@ -443,12 +443,17 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 
 def write_results(
-    results: dict[str, Any] | list[dict[str, Any]], name: str, command: str, notes: str = ""
+    results: dict[str, Any] | list[dict[str, Any]],
+    name: str,
+    command: str,
+    notes: str = "",
+    results_dir: Path = RESULTS_DIR,
 ) -> tuple[Path, Path]:
-    """Write ``benchmarks/results/<name>.json`` and ``.md`` (one section per workload result)."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    """Write ``<results_dir>/<name>.json`` and ``.md`` (one section per workload result); ``results_dir`` is
+    ``benchmarks/results/``, or ``benchmarks/studies/results/`` for a study."""
+    results_dir.mkdir(parents=True, exist_ok=True)
     items = results if isinstance(results, list) else [results]
-    json_path, md_path = RESULTS_DIR / f"{name}.json", RESULTS_DIR / f"{name}.md"
+    json_path, md_path = results_dir / f"{name}.json", results_dir / f"{name}.md"
     payload = {"command": command, "results": items}
     json_path.write_text(json.dumps(payload, indent=2, default=str))
     parts = [f"# {name}", "", f"Command: `{command}`", ""]

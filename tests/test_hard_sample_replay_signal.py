@@ -1,4 +1,4 @@
-"""The measures of ``benchmarks/hard_sample_replay_signal.py``, on cases whose answers are known."""
+"""The measures of ``benchmarks/studies/hard_sample_replay_signal.py``, on cases whose answers are known."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.hard_sample_replay_signal import (
+from benchmarks.studies.hard_sample_replay_signal import (
     easy_half_loss_ratio,
     per_sample_losses_and_gradients,
     signal_measures,

@@ -35,10 +35,10 @@ A follow-up, planned after the first results (in the same plan file), adds at ev
 gradient of the validation samples and the cosines to it (``cos_val_*``): agreement with the gradient that
 generalisation asks for. With ``--reducible`` (char LM) it also ranks by reducible loss, the training loss
 minus the loss of a strong held-out model (the full-size LM trained for the baseline's epochs on the other half
-of the training windows, :func:`benchmarks.hard_sample_replay.irreducible_losses`): the ranking RHO-LOSS would
+of the training windows, :func:`benchmarks.studies.hard_sample_replay_lm.irreducible_losses`): the ranking RHO-LOSS would
 see with a held-out model far beyond any usable budget (the two cost about one baseline run).
 
-Run: ``python -m benchmarks.hard_sample_replay_signal`` (both workloads, seeds 0 1 2; here about a minute for
+Run: ``python -m benchmarks.studies.hard_sample_replay_signal`` (both workloads, seeds 0 1 2; here about a minute for
 MNIST-1D's three seeds and 2-3 minutes per LM seed; ``--reducible``, with ``--workloads charlm``, adds about one
 baseline run per seed), or ``--workloads mnist1d-cnn --seeds 0`` for a part; ``--raw-out part.json`` then
 ``--merge a.json b.json`` writes the results.
@@ -60,8 +60,10 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch.func import functional_call, grad, vmap
 
-from benchmarks.hard_sample_replay import SETTINGS, irreducible_losses
-from benchmarks.harness import RESULTS_DIR, Arm, environment, run_one
+from benchmarks.hard_sample_replay import SETTINGS as HEADLINE_SETTINGS
+from benchmarks.harness import Arm, environment, run_one
+from benchmarks.studies import RESULTS_DIR
+from benchmarks.studies.hard_sample_replay_lm import STUDY_SETTINGS, irreducible_losses
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.core.sample_scores import SampleScoreTable
 
@@ -261,10 +263,6 @@ class SignalProbe(Callback):
         self.points.append(point)
         pl_module.train(was_training)
 
-    def benchmark_metrics(self) -> dict[str, Any]:
-        # interim, until the harness calls `Arm.metrics` (`signal_metrics`): then this method goes
-        return {"signal": self.points}
-
 
 def _score_only_and_probe(
     epochs: list[int], seed: int, reference: np.ndarray | None = None
@@ -277,7 +275,7 @@ def _score_only_and_probe(
 
 def run_study(workload: str, seeds: list[int], reducible: bool = False) -> dict[str, Any]:
     study = STUDIES[workload]
-    setting = SETTINGS[study["setting"]]
+    setting = {**HEADLINE_SETTINGS, **STUDY_SETTINGS}[study["setting"]]
     trainer_kwargs = dict(setting["trainer_kwargs"])
     epochs = trainer_kwargs["max_epochs"]
     checkpoint_epochs = sorted({max(1, round(epochs * q)) for q in CHECKPOINTS})
@@ -428,7 +426,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(STUDIES), choices=list(STUDIES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--raw-out", help="write this part's results here instead of benchmarks/results/")
+    parser.add_argument(
+        "--raw-out", help="write this part's results here instead of benchmarks/studies/results/"
+    )
     parser.add_argument("--merge", nargs="+", help="part files to write up as one result")
     parser.add_argument("--command", help="the command(s) that made the parts, for the results file")
     parser.add_argument(
@@ -447,12 +447,12 @@ def main() -> None:
         results = [by_workload[w] for w in STUDIES if w in by_workload]
         for result in results:
             result["runs"].sort(key=lambda r: r["seed"])
-        command = args.command or "python -m benchmarks.hard_sample_replay_signal"
+        command = args.command or "python -m benchmarks.studies.hard_sample_replay_signal"
     else:
         if args.reducible and args.workloads != ["charlm"]:
             parser.error("--reducible is for --workloads charlm only")
         results = [run_study(workload, args.seeds, args.reducible) for workload in args.workloads]
-        command = "python -m benchmarks.hard_sample_replay_signal " + " ".join(
+        command = "python -m benchmarks.studies.hard_sample_replay_signal " + " ".join(
             ["--workloads", *args.workloads, "--seeds", *map(str, args.seeds)]
             + (["--reducible"] if args.reducible else [])
         )
