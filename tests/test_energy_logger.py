@@ -345,6 +345,53 @@ def test_resumed_run_reports_the_whole_run_like_an_uninterrupted_one(tmp_path, c
     assert len([r for r in caplog.records if "EnergyLogger: forecast" in r.getMessage()]) == 1
 
 
+class CrashAtStep(Callback):
+    """A process that dies mid-epoch (after the checkpoint of an earlier step was written)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError("killed")
+
+
+def test_resume_mid_epoch_keeps_the_interrupted_epoch_whole(tmp_path):
+    """Issue 18: Lightning calls no `on_train_epoch_start` for the epoch a fit resumes in mid-way, so the
+    part after the resume was booked to no epoch and the per-epoch table lost it."""
+
+    def run(root, ckpt_path=None, crash_at=None):
+        pl.seed_everything(0)
+        energy = EnergyLogger(
+            cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0)
+        )
+        callbacks = [energy, ModelCheckpoint(dirpath=tmp_path / root, every_n_train_steps=18, save_top_k=-1)]
+        if crash_at is not None:
+            callbacks.append(CrashAtStep(crash_at))
+        fit = trainer(callbacks, max_epochs=3, enable_checkpointing=True, default_root_dir=tmp_path / root)
+        fit.fit(MNIST1DClassifier(arch="mlp"), data(), ckpt_path=ckpt_path)
+        return energy.report
+
+    full = run("full")
+    with pytest.raises(RuntimeError, match="killed"):
+        run("part", crash_at=20)
+    checkpoint = tmp_path / "part" / "epoch=1-step=18.ckpt"  # 12 batches an epoch: 6 steps into epoch 1
+    assert checkpoint.exists()
+    resumed = run("part", ckpt_path=str(checkpoint))
+
+    def rows(report):
+        return {k: (v["steps"], v["samples"]) for k, v in report["epochs"].items()}
+
+    assert rows(resumed) == rows(full) == {str(e): (12, 240) for e in range(3)}
+    assert resumed["total"]["steps"] == 36
+    # every joule of the training loop (its validation runs included) belongs to an epoch; a constant meter
+    # makes energy exactly watts x seconds
+    loop = [resumed["stages"][stage] for stage in ("train", "validation")]
+    for figure in ("energy_kwh", "duration_s"):
+        in_epochs = sum(row[figure] for row in resumed["epochs"].values())
+        assert in_epochs == pytest.approx(sum(row[figure] for row in loop), rel=1e-9)
+
+
 class ExplodingClassifier(MNIST1DClassifier):
     def training_step(self, batch, batch_idx):
         if self.global_step == 4:

@@ -231,7 +231,10 @@ class EnergyLogger(Callback):
         self.account.begin_training(lambda: trainer.global_step)
         cycle = pulse_cycle_of(trainer)
         self._last_cycle = None if cycle is None else cycle.cycle
-        self.account.mark(stage="train", phase=phase_of(trainer).value, cycle=self._last_cycle)
+        # the epoch too: a fit resumed mid-epoch gets no `on_train_epoch_start` for the epoch it resumes in
+        self.account.mark(
+            stage="train", phase=phase_of(trainer).value, cycle=self._last_cycle, epoch=trainer.current_epoch
+        )
 
     def on_pulse_phase_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: Any) -> None:
         """Listener of :class:`~lightning_pulse.PulseCycle`: the energy from now on belongs to the new phase."""
