@@ -29,8 +29,9 @@ from lightning_pulse.energy.account import (
     gpu_devices_of,
 )
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
+from lightning_pulse.energy.compare import add_comparison, scalar_metrics
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
-from lightning_pulse.energy.report import write_report
+from lightning_pulse.energy.report import JSON_NAME, write_report
 
 MONITORABLE = ("energy/total_kwh",)
 
@@ -104,7 +105,7 @@ class EnergyLogger(Callback):
             period, GPU devices, constant CPU watts, RAPL root, codecarbon's tracking mode).
         accounting: how figures are dated, counted and shown
             (:class:`~lightning_pulse.energy.config.AccountingConfig`: series start times, sample and token
-            counters, step-logging interval, progress bar).
+            counters, step-logging interval, progress bar, a baseline run to compare against).
 
     Raises:
         ValueError: on a bad argument, naming it, its value and what is allowed (including an unknown
@@ -347,7 +348,9 @@ class EnergyLogger(Callback):
         directory = directory or trainer.default_root_dir
         collective = _StrategyCollective(trainer) if status == "complete" else None
         self.report = self.account.report(status, self.currency, collective, num_nodes=trainer.num_nodes)
+        self.report["metrics"] = scalar_metrics(trainer.callback_metrics)
         if trainer.is_global_zero:
+            add_comparison(self.report, self.accounting.baseline, Path(directory) / JSON_NAME, rank_zero_warn)
             try:
                 self.report_paths = write_report(self.report, directory)
             except Exception as error:  # a report that cannot be written must not fail a finished run
