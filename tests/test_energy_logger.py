@@ -479,8 +479,9 @@ def test_charlm_batches_give_energy_per_token(tmp_path):
     ],
 )
 def test_bad_arguments_fail_at_construction(build, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as raised:
         build()
+    assert str(raised.value).startswith("EnergyLogger: `")  # the callback first, then the field
 
 
 def test_constructor_takes_at_most_ten_arguments():

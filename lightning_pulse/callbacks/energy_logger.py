@@ -30,7 +30,7 @@ from lightning_pulse.energy.account import (
 )
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
 from lightning_pulse.energy.compare import add_comparison, scalar_metrics
-from lightning_pulse.energy.config import AccountingConfig, MeterConfig
+from lightning_pulse.energy.config import AccountingConfig, MeterConfig, prefixed
 from lightning_pulse.energy.report import JSON_NAME, write_report
 
 MONITORABLE = ("energy/total_kwh",)
@@ -143,47 +143,52 @@ class EnergyLogger(Callback):
         accounting: AccountingConfig | None = None,
     ) -> None:
         super().__init__()
-        for field, value in (("gpu", gpu), ("cpu", cpu), ("ram", ram)):
-            if value not in MODES[field]:
-                raise ValueError(f"`{field}`={value!r} is not one of {list(MODES[field])}.")
-        for field, value, kind in (
-            ("meters", meters, MeterConfig),
-            ("accounting", accounting, AccountingConfig),
-        ):
-            if value is not None and not isinstance(value, kind):
-                raise ValueError(f"`{field}`={value!r} must be a {kind.__name__} or None.")
-        self.meters = meters or MeterConfig()
-        self.accounting = accounting or AccountingConfig()
-        if cpu == "constant" and self.meters.cpu_watts is None:
-            raise ValueError("`cpu`='constant' needs `meters.cpu_watts`, the constant CPU power in watts.")
-        if not isinstance(currency, str) or not currency.strip():
-            raise ValueError(f"`currency`={currency!r} must be a non-empty string such as 'EUR'.")
-        if report_dir is not None and not isinstance(report_dir, (str, Path)):
-            raise ValueError(f"`report_dir`={report_dir!r} must be a directory path or None.")
-        if country_iso_code is not None:
-            from lightning_pulse.energy.codecarbon_meter import validate_country
+        try:
+            for field, value in (("gpu", gpu), ("cpu", cpu), ("ram", ram)):
+                if value not in MODES[field]:
+                    raise ValueError(f"`{field}`={value!r} is not one of {list(MODES[field])}.")
+            for field, value, kind in (
+                ("meters", meters, MeterConfig),
+                ("accounting", accounting, AccountingConfig),
+            ):
+                if value is not None and not isinstance(value, kind):
+                    raise ValueError(f"`{field}`={value!r} must be a {kind.__name__} or None.")
+            self.meters = meters or MeterConfig()
+            self.accounting = accounting or AccountingConfig()
+            if cpu == "constant" and self.meters.cpu_watts is None:
+                raise ValueError(
+                    "`cpu`='constant' needs `meters.cpu_watts`, the constant CPU power in watts."
+                )
+            if not isinstance(currency, str) or not currency.strip():
+                raise ValueError(f"`currency`={currency!r} must be a non-empty string such as 'EUR'.")
+            if report_dir is not None and not isinstance(report_dir, (str, Path)):
+                raise ValueError(f"`report_dir`={report_dir!r} must be a directory path or None.")
+            if country_iso_code is not None:
+                from lightning_pulse.energy.codecarbon_meter import validate_country
 
-            country_iso_code = validate_country(country_iso_code)
-        self.country_iso_code = country_iso_code
-        self.currency = currency.strip()
-        self.gpu, self.cpu, self.ram = gpu, cpu, ram
-        self.report_dir = None if report_dir is None else str(report_dir)
-        self.intensity = carbon_intensity_from(
-            carbon_intensity, country_iso_code, self.accounting.carbon_intensity_start, rank_zero_info
-        )
-        self.price = price_from(price_per_kwh, self.currency, self.accounting.price_start, rank_zero_info)
-        self.account = EnergyAccount(
-            self.intensity, self.price, self.meters.sampling_period, self.accounting, warn=self._warn_rank
-        )
-        self.report: dict[str, Any] | None = None
-        self.report_paths: list[Path] = []
-        self._trainer: pl.Trainer | None = None
-        self._in_train_loop = False
-        self._batches_this_fit = 0
-        self._last_cycle: int | None = None
-        self._last_global_step = 0
-        self._log_every = 1
-        self._log_steps = False
+                country_iso_code = validate_country(country_iso_code)
+            self.country_iso_code = country_iso_code
+            self.currency = currency.strip()
+            self.gpu, self.cpu, self.ram = gpu, cpu, ram
+            self.report_dir = None if report_dir is None else str(report_dir)
+            self.intensity = carbon_intensity_from(
+                carbon_intensity, country_iso_code, self.accounting.carbon_intensity_start, rank_zero_info
+            )
+            self.price = price_from(price_per_kwh, self.currency, self.accounting.price_start, rank_zero_info)
+            self.account = EnergyAccount(
+                self.intensity, self.price, self.meters.sampling_period, self.accounting, warn=self._warn_rank
+            )
+            self.report: dict[str, Any] | None = None
+            self.report_paths: list[Path] = []
+            self._trainer: pl.Trainer | None = None
+            self._in_train_loop = False
+            self._batches_this_fit = 0
+            self._last_cycle: int | None = None
+            self._last_global_step = 0
+            self._log_every = 1
+            self._log_steps = False
+        except ValueError as error:  # the first line a user reads names the callback (the CLI prints it)
+            raise ValueError(prefixed(str(error))) from None
 
     # ------------------------------------------------------------------ public API
     def energy_so_far_kwh(self) -> float:

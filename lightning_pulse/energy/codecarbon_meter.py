@@ -160,7 +160,7 @@ class CodecarbonSession:
                 if self.background:
                     self._starter = threading.Thread(
                         target=self._start_quietly,
-                        args=(time.monotonic(),),
+                        args=((time.monotonic(), now),),
                         name=START_THREAD_NAME,
                         daemon=True,
                     )
@@ -251,15 +251,16 @@ class CodecarbonSession:
             self._flushed[1] + watts[1] * elapsed_h / 1000.0,
         )
 
-    def _start_quietly(self, requested: float) -> None:
+    def _start_quietly(self, requested: tuple[float, float]) -> None:
         try:
             self._start(requested)
         except MeterError:  # kept in `self.error`: the next reading raises it, and the chain falls back there
             pass
 
-    def _start(self, requested: float | None) -> None:
+    def _start(self, requested: tuple[float, float] | None) -> None:
         """Build, start and flush the tracker; publish it under the lock only once it measures.
-        ``requested``: monotonic time of a background start's request (its gap is counted)."""
+        ``requested``: a background start's request, as ``(time.monotonic(), the caller's now)``: the gap
+        before codecarbon's own start is counted, and the start's flush is the first of ours."""
         from codecarbon import OfflineEmissionsTracker
 
         quiet = quiet_codecarbon().__enter__()
@@ -281,6 +282,7 @@ class CodecarbonSession:
             tracker.start()  # codecarbon counts from the end of its hardware detection, inside start()
             origin = time.monotonic()
             tracker.flush()
+            flushed = time.monotonic()
         except Exception as caught:
             error = f"codecarbon could not start ({type(caught).__name__}: {caught})"
         if error is None and receiver.count == 0:
@@ -294,8 +296,17 @@ class CodecarbonSession:
         with self._lock:
             self.tracker, self.receiver, self._quiet, self.hardware = tracker, receiver, quiet, hardware
             if error is None and requested is not None:
-                hours = max(origin - requested, 0.0) / 3600.0
-                self._gap_kwh = (receiver.cpu_watts * hours / 1000.0, receiver.ram_watts * hours / 1000.0)
+                mono, now = requested
+                hours = max(origin - mono, 0.0) / 3600.0
+                gap = self._gap_kwh = (
+                    receiver.cpu_watts * hours / 1000.0,
+                    receiver.ram_watts * hours / 1000.0,
+                )
+                # the start's flush, in the caller's clock: later readings carry forward from it, so a span
+                # in which codecarbon measures nothing new still gets its energy
+                self._flushed = (receiver.cpu_kwh + gap[0], receiver.ram_kwh + gap[1])
+                self._flush_now = now + (flushed - mono)
+                self._start_watts = (receiver.cpu_watts, receiver.ram_watts)
             if error is not None:
                 self.error = error
                 self._stop()

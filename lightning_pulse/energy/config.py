@@ -44,6 +44,12 @@ class MeterConfig:
     codecarbon_tracking_mode: str = "machine"
 
     def __post_init__(self) -> None:
+        try:
+            self._validate()
+        except ValueError as error:  # named after the callback whose arguments these are
+            raise ValueError(prefixed(str(error))) from None
+
+    def _validate(self) -> None:
         period = self.sampling_period
         if not _is_number(period) or period <= 0:
             raise ValueError(f"`meters.sampling_period`={period!r} must be a positive number of seconds.")
@@ -102,6 +108,12 @@ class AccountingConfig:
     baseline: str | None = None
 
     def __post_init__(self) -> None:
+        try:
+            self._validate()
+        except ValueError as error:  # named after the callback whose arguments these are
+            raise ValueError(prefixed(str(error))) from None
+
+    def _validate(self) -> None:
         if self.baseline is not None:
             from lightning_pulse.energy.compare import load_run
 
@@ -127,3 +139,8 @@ class AccountingConfig:
 
 def _is_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def prefixed(message: str) -> str:
+    """``message`` as the first line a user reads: it names the callback (``"EnergyLogger: ..."``)."""
+    return message if message.startswith("EnergyLogger: ") else f"EnergyLogger: {message}"
