@@ -14,7 +14,9 @@ Two views of the same question:
   One-time costs (starting the meters at fit start, writing the report at the end) are reported
   separately: they do not grow with the run. codecarbon's tracker starts on a thread of its own (its
   hardware detection, 1.5-3 s on a process's first fit, overlaps training): that thread's CPU time is
-  reported next to the one-time hooks' (``start_thread_seconds``).
+  reported next to the one-time hooks' (``start_thread_seconds``: that thread's own CPU; codecarbon's CPU
+  detection also runs in a worker thread of its own and in a py-cpuinfo subprocess, about 1.1 s of wall time
+  on a first fit here, which this figure does not include).
 
 Whichever callback Lightning calls first after a training step (or after fetching a batch) runs on cold
 CPU caches and pays a few microseconds more than the same code called later, even when it does nothing.
