@@ -6,6 +6,7 @@ comparison must hold exactly the ratios of what the two reports hold, and bad in
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from pathlib import Path
@@ -113,6 +114,15 @@ def test_the_energy_logger_with_a_baseline_puts_the_same_comparison_in_its_repor
     md = (pulsed / "energy_report.md").read_text()
     assert "## Against the baseline" in md and "| wall time (s) |" in md
     assert "comparison" not in report(plain)  # no baseline, no comparison
+    # and the ratios went to the run's own logger
+    rows = list(csv.DictReader((pulsed / "metrics.csv").read_text().splitlines()))
+    logged = {
+        k: float(v) for row in rows for k, v in row.items() if k.startswith("energy/vs_baseline_") and v
+    }
+    expected = {
+        f"energy/vs_baseline_{k}": ratio_of(own, k) for k in ("duration_s", "energy_kwh", "co2_kg", "cost")
+    }
+    assert logged == pytest.approx(expected, rel=1e-9)
 
 
 def test_metrics_come_from_metrics_csv_when_the_report_has_none(runs, tmp_path):

@@ -29,7 +29,7 @@ from lightning_pulse.energy.account import (
     gpu_devices_of,
 )
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
-from lightning_pulse.energy.compare import add_comparison, scalar_metrics
+from lightning_pulse.energy.compare import add_comparison, baseline_ratios, scalar_metrics
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig, prefixed
 from lightning_pulse.energy.report import JSON_NAME, write_report
 
@@ -306,10 +306,12 @@ class EnergyLogger(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._in_train_loop = False
         self.account.end_training()
-        total = self._finish(trainer, status="complete")["total"]
+        report = self._finish(trainer, status="complete")
+        total = report["total"]
         names = {"final_kwh": "energy_kwh", "final_co2_kg": "co2_kg", "final_cost": "cost"}
         metrics = {f"energy/{name}": total[key] for name, key in names.items()}
         metrics["energy/final_duration_s"] = total["duration_s"]
+        metrics.update(baseline_ratios(report.get("comparison")))  # `energy/vs_baseline_<figure>`
         self._log(trainer, {k: float(v) for k, v in metrics.items() if v is not None})
 
     @override

@@ -202,6 +202,19 @@ def add_comparison(report: dict[str, Any], baseline: str | Path | None, path: st
         warn(f"EnergyLogger: no comparison with the baseline ({error}).")
 
 
+def baseline_ratios(comparison: Mapping[str, Any] | None) -> dict[str, float]:
+    """The ratios this run / baseline of time, energy, CO2 and cost, as ``energy/vs_baseline_<figure>``
+    metrics for the run's own loggers ({} without a comparison)."""
+    if not comparison:
+        return {}
+    wanted = ("duration_s", "energy_kwh", "co2_kg", "cost")
+    return {
+        f"energy/vs_baseline_{row['figure']}": row["ratio"]
+        for row in comparison["figures"]
+        if row["figure"] in wanted and row["ratio"] is not None
+    }
+
+
 def ratio_of(comparison: Mapping[str, Any], figure: str) -> float | None:
     """The ratio B/A of one figure (``"duration_s"``, ``"energy_kwh"``, ...) or of a metric."""
     for row in comparison.get("figures", []):
