@@ -5,6 +5,9 @@
 resolve from the current directory too, as with ``python -m``, so a project's own modules need no install.
 
 ``lightning-pulse report DIR`` re-renders ``energy_report.md`` and the PNG from ``DIR/energy_report.json``.
+
+``lightning-pulse compare RUN_A RUN_B [--out DIR]`` prints run B against run A (wall time, kWh, CO2, cost,
+final metrics, ratios B/A) and writes it as ``energy_comparison.{json,md,png}`` next to RUN_B's report.
 """
 
 from __future__ import annotations
@@ -166,11 +169,46 @@ def run_report(argv: Sequence[str]) -> int:
     return 0
 
 
+def run_compare(argv: Sequence[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-pulse compare",
+        description="Run B against run A (the baseline): wall time, kWh, CO2, cost, final metrics, ratios B/A.",
+    )
+    parser.add_argument("run_a", help="the baseline: an energy_report.json, or a log directory holding one")
+    parser.add_argument("run_b", help="the run compared with it: the same")
+    parser.add_argument(
+        "--out", help="where to write energy_comparison.{json,md,png} (default: next to RUN_B)"
+    )
+    args = parser.parse_args(list(argv))
+    from lightning_pulse.energy.compare import compare_runs, comparison_markdown, load_run, write_comparison
+
+    try:
+        runs = [load_run(path) for path in (args.run_a, args.run_b)]
+    except (OSError, ValueError) as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+    comparison = compare_runs(*runs)
+    print(comparison_markdown(comparison))
+    out = args.out if args.out is not None else os.path.dirname(runs[1]["path"])
+    try:
+        written = write_comparison(comparison, out)
+    except OSError as error:
+        sys.stderr.write(f"error: could not write the comparison to {out} ({error})\n")
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lightning-pulse`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "report":
         return run_report(args[1:])
+    if args and args[0] == "compare":
+        return run_compare(args[1:])
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

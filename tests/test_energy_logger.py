@@ -127,6 +127,7 @@ class CodecarbonNeverMeasuresAgain(Callback):
     def on_train_start(self, trainer, pl_module):
         energy = next(c for c in trainer.callbacks if isinstance(c, EnergyLogger))
         session = chain(energy, "cpu").meter.session
+        assert session.wait_started(timeout=60.0)  # codecarbon starts in the background
         session.tracker._measure_power_and_energy_if_stale = lambda *args, **kwargs: None
         self.watts = session.receiver.cpu_watts + session.receiver.ram_watts
 
@@ -345,6 +346,53 @@ def test_resumed_run_reports_the_whole_run_like_an_uninterrupted_one(tmp_path, c
     assert len([r for r in caplog.records if "EnergyLogger: forecast" in r.getMessage()]) == 1
 
 
+class CrashAtStep(Callback):
+    """A process that dies mid-epoch (after the checkpoint of an earlier step was written)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError("killed")
+
+
+def test_resume_mid_epoch_keeps_the_interrupted_epoch_whole(tmp_path):
+    """Issue 18: Lightning calls no `on_train_epoch_start` for the epoch a fit resumes in mid-way, so the
+    part after the resume was booked to no epoch and the per-epoch table lost it."""
+
+    def run(root, ckpt_path=None, crash_at=None):
+        pl.seed_everything(0)
+        energy = EnergyLogger(
+            cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0)
+        )
+        callbacks = [energy, ModelCheckpoint(dirpath=tmp_path / root, every_n_train_steps=18, save_top_k=-1)]
+        if crash_at is not None:
+            callbacks.append(CrashAtStep(crash_at))
+        fit = trainer(callbacks, max_epochs=3, enable_checkpointing=True, default_root_dir=tmp_path / root)
+        fit.fit(MNIST1DClassifier(arch="mlp"), data(), ckpt_path=ckpt_path)
+        return energy.report
+
+    full = run("full")
+    with pytest.raises(RuntimeError, match="killed"):
+        run("part", crash_at=20)
+    checkpoint = tmp_path / "part" / "epoch=1-step=18.ckpt"  # 12 batches an epoch: 6 steps into epoch 1
+    assert checkpoint.exists()
+    resumed = run("part", ckpt_path=str(checkpoint))
+
+    def rows(report):
+        return {k: (v["steps"], v["samples"]) for k, v in report["epochs"].items()}
+
+    assert rows(resumed) == rows(full) == {str(e): (12, 240) for e in range(3)}
+    assert resumed["total"]["steps"] == 36
+    # every joule of the training loop (its validation runs included) belongs to an epoch; a constant meter
+    # makes energy exactly watts x seconds
+    loop = [resumed["stages"][stage] for stage in ("train", "validation")]
+    for figure in ("energy_kwh", "duration_s"):
+        in_epochs = sum(row[figure] for row in resumed["epochs"].values())
+        assert in_epochs == pytest.approx(sum(row[figure] for row in loop), rel=1e-9)
+
+
 class ExplodingClassifier(MNIST1DClassifier):
     def training_step(self, batch, batch_idx):
         if self.global_step == 4:
@@ -431,8 +479,9 @@ def test_charlm_batches_give_energy_per_token(tmp_path):
     ],
 )
 def test_bad_arguments_fail_at_construction(build, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as raised:
         build()
+    assert str(raised.value).startswith("EnergyLogger: `")  # the callback first, then the field
 
 
 def test_constructor_takes_at_most_ten_arguments():
@@ -509,3 +558,80 @@ def test_ddp_sums_gpu_over_ranks_and_counts_cpu_once(tmp_path):
     assert by_component["cpu"] * 3.6e6 / seconds == pytest.approx(10.0, rel=0.15)  # once, not twice
     assert total["samples"] == 2 * 2 * 6 * BATCH  # two ranks, two epochs, six batches each
     assert total["methods"] == {"gpu": MEASURED, "cpu": ESTIMATED, "ram": NONE}
+
+
+# ---------------------------------------------------------------------- start-up off the training loop
+class HeldCodecarbonStart(Callback):
+    """Holds codecarbon's tracker start (its hardware detection, 1.5-3 s on a first fit) until the training
+    loop has ended, and records what the loop saw meanwhile."""
+
+    def __init__(self, monkeypatch) -> None:
+        from codecarbon import OfflineEmissionsTracker
+
+        self.release, self.returned = threading.Event(), threading.Event()
+        self.start_threads: list[str] = []
+        self.pending_at_first_batch: bool | None = None
+        self.session = None
+        original = OfflineEmissionsTracker.start
+
+        def held_start(tracker):
+            self.start_threads.append(threading.current_thread().name)
+            self.release.wait(timeout=20.0)  # a start on the training thread would stall the fit this long
+            original(tracker)
+            self.returned.set()
+
+        monkeypatch.setattr(OfflineEmissionsTracker, "start", held_start)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.pending_at_first_batch is None:
+            self.pending_at_first_batch = not self.returned.is_set()
+            energy = next(c for c in trainer.callbacks if isinstance(c, EnergyLogger))
+            self.session = chain(energy, "cpu").meter.session
+
+    def on_train_end(self, trainer, pl_module):  # runs before EnergyLogger's (listed first)
+        self.release.set()
+
+
+def test_codecarbon_starts_off_the_training_thread_and_the_first_batch_does_not_wait(tmp_path, monkeypatch):
+    """Issue 19: EnergyLogger's start-up blocked each fit for 1.5-3 s (codecarbon's tracker start). Now the
+    tracker starts on its own thread; training runs meanwhile; its energy from the request on still counts."""
+    held = HeldCodecarbonStart(monkeypatch)
+    energy = EnergyLogger(cpu="codecarbon", meters=MeterConfig(sampling_period=0.05))
+    fit = trainer([held, energy], max_epochs=1, limit_train_batches=4, default_root_dir=tmp_path)
+    fit.fit(MNIST1DClassifier(arch="mlp"), data())
+
+    from lightning_pulse.energy.codecarbon_meter import START_THREAD_NAME
+
+    assert held.start_threads == [START_THREAD_NAME]  # once, and not on the training thread
+    assert held.pending_at_first_batch is True  # the whole epoch trained while the start was held
+    assert fit.global_step == 4
+    # the report waited for it: CPU and RAM energy from the start request on (codecarbon's first power over
+    # the gap before its own start, which here spans the whole training loop)
+    report = energy.report
+    assert (
+        report["meters"]["cpu"]["meter"] == "codecarbon" and report["meters"]["ram"]["meter"] == "codecarbon"
+    )
+    assert report["total"]["methods"] == {"gpu": NONE, "cpu": ESTIMATED, "ram": ESTIMATED}
+    gap_cpu_kwh, gap_ram_kwh = held.session._gap_kwh
+    assert gap_cpu_kwh > 0 and gap_ram_kwh > 0
+    by_component = report["total"]["energy_kwh_by_component"]
+    assert by_component["cpu"] >= gap_cpu_kwh and by_component["ram"] >= gap_ram_kwh
+    assert leftover_threads() == [] and not any(t.name == START_THREAD_NAME for t in threading.enumerate())
+
+
+def test_a_codecarbon_start_that_fails_in_the_background_falls_back(tmp_path, monkeypatch, recwarn):
+    from codecarbon import OfflineEmissionsTracker
+
+    def broken(tracker):
+        raise RuntimeError("injected start failure")
+
+    monkeypatch.setattr(OfflineEmissionsTracker, "start", broken)
+    energy = EnergyLogger(
+        cpu="codecarbon", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=7.0)
+    )
+    fit = trainer([energy], max_epochs=1, limit_train_batches=4, default_root_dir=tmp_path)
+    fit.fit(MNIST1DClassifier(arch="mlp"), data())
+    assert energy.report["meters"]["cpu"]["meter"] == "constant"
+    assert [e["failed"] for e in energy.report["meters"]["cpu"]["fallbacks"]] == ["codecarbon"]
+    assert any("cpu meter 'codecarbon' failed" in w for w in energy_warnings(recwarn))
+    assert leftover_threads() == []

@@ -454,3 +454,35 @@ def test_country_intensity_comes_from_codecarbon_offline_data():
         validate_country("XYZ")
     with pytest.raises(ValueError, match="3-letter"):
         validate_country("DE")
+
+
+def test_codecarbon_background_start_counts_from_the_request(monkeypatch):
+    """EnergyLogger's session starts codecarbon on its own thread: readings wait at zero meanwhile, and once it
+    runs the energy is counted from the request on (here codecarbon measures nothing after its start, so
+    all of it is codecarbon's start power carried over the span)."""
+    from codecarbon import OfflineEmissionsTracker
+
+    from lightning_pulse.energy.codecarbon_meter import START_THREAD_NAME
+
+    release = threading.Event()
+    original = OfflineEmissionsTracker.start
+    threads: list[str] = []
+
+    def held_start(tracker):
+        threads.append(threading.current_thread().name)
+        release.wait(timeout=20.0)
+        original(tracker)
+
+    monkeypatch.setattr(OfflineEmissionsTracker, "start", held_start)
+    session = CodecarbonSession(country_iso_code="DEU", min_flush_interval=0.0, background=True)
+    meter = CodecarbonMeter("cpu", session)
+    meter.start(0.0)  # returns while the tracker's start is held
+    assert session.tracker is None and meter.read_joules(1.0) == 0.0
+    release.set()
+    assert session.wait_started(timeout=30.0) and threads == [START_THREAD_NAME]
+    session.tracker._measure_power_and_energy_if_stale = lambda *args, **kwargs: None
+    watts = session.receiver.cpu_watts
+    assert watts > 0
+    assert meter.read_joules(10.0) == pytest.approx(watts * 10.0, rel=0.05)
+    meter.close()
+    assert session.tracker is None and codecarbon_threads() == []

@@ -29,8 +29,9 @@ from lightning_pulse.energy.account import (
     gpu_devices_of,
 )
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
-from lightning_pulse.energy.config import AccountingConfig, MeterConfig
-from lightning_pulse.energy.report import write_report
+from lightning_pulse.energy.compare import add_comparison, baseline_ratios, scalar_metrics
+from lightning_pulse.energy.config import AccountingConfig, MeterConfig, prefixed
+from lightning_pulse.energy.report import JSON_NAME, write_report
 
 MONITORABLE = ("energy/total_kwh",)
 
@@ -104,7 +105,7 @@ class EnergyLogger(Callback):
             period, GPU devices, constant CPU watts, RAPL root, codecarbon's tracking mode).
         accounting: how figures are dated, counted and shown
             (:class:`~lightning_pulse.energy.config.AccountingConfig`: series start times, sample and token
-            counters, step-logging interval, progress bar).
+            counters, step-logging interval, progress bar, a baseline run to compare against).
 
     Raises:
         ValueError: on a bad argument, naming it, its value and what is allowed (including an unknown
@@ -142,47 +143,52 @@ class EnergyLogger(Callback):
         accounting: AccountingConfig | None = None,
     ) -> None:
         super().__init__()
-        for field, value in (("gpu", gpu), ("cpu", cpu), ("ram", ram)):
-            if value not in MODES[field]:
-                raise ValueError(f"`{field}`={value!r} is not one of {list(MODES[field])}.")
-        for field, value, kind in (
-            ("meters", meters, MeterConfig),
-            ("accounting", accounting, AccountingConfig),
-        ):
-            if value is not None and not isinstance(value, kind):
-                raise ValueError(f"`{field}`={value!r} must be a {kind.__name__} or None.")
-        self.meters = meters or MeterConfig()
-        self.accounting = accounting or AccountingConfig()
-        if cpu == "constant" and self.meters.cpu_watts is None:
-            raise ValueError("`cpu`='constant' needs `meters.cpu_watts`, the constant CPU power in watts.")
-        if not isinstance(currency, str) or not currency.strip():
-            raise ValueError(f"`currency`={currency!r} must be a non-empty string such as 'EUR'.")
-        if report_dir is not None and not isinstance(report_dir, (str, Path)):
-            raise ValueError(f"`report_dir`={report_dir!r} must be a directory path or None.")
-        if country_iso_code is not None:
-            from lightning_pulse.energy.codecarbon_meter import validate_country
+        try:
+            for field, value in (("gpu", gpu), ("cpu", cpu), ("ram", ram)):
+                if value not in MODES[field]:
+                    raise ValueError(f"`{field}`={value!r} is not one of {list(MODES[field])}.")
+            for field, value, kind in (
+                ("meters", meters, MeterConfig),
+                ("accounting", accounting, AccountingConfig),
+            ):
+                if value is not None and not isinstance(value, kind):
+                    raise ValueError(f"`{field}`={value!r} must be a {kind.__name__} or None.")
+            self.meters = meters or MeterConfig()
+            self.accounting = accounting or AccountingConfig()
+            if cpu == "constant" and self.meters.cpu_watts is None:
+                raise ValueError(
+                    "`cpu`='constant' needs `meters.cpu_watts`, the constant CPU power in watts."
+                )
+            if not isinstance(currency, str) or not currency.strip():
+                raise ValueError(f"`currency`={currency!r} must be a non-empty string such as 'EUR'.")
+            if report_dir is not None and not isinstance(report_dir, (str, Path)):
+                raise ValueError(f"`report_dir`={report_dir!r} must be a directory path or None.")
+            if country_iso_code is not None:
+                from lightning_pulse.energy.codecarbon_meter import validate_country
 
-            country_iso_code = validate_country(country_iso_code)
-        self.country_iso_code = country_iso_code
-        self.currency = currency.strip()
-        self.gpu, self.cpu, self.ram = gpu, cpu, ram
-        self.report_dir = None if report_dir is None else str(report_dir)
-        self.intensity = carbon_intensity_from(
-            carbon_intensity, country_iso_code, self.accounting.carbon_intensity_start, rank_zero_info
-        )
-        self.price = price_from(price_per_kwh, self.currency, self.accounting.price_start, rank_zero_info)
-        self.account = EnergyAccount(
-            self.intensity, self.price, self.meters.sampling_period, self.accounting, warn=self._warn_rank
-        )
-        self.report: dict[str, Any] | None = None
-        self.report_paths: list[Path] = []
-        self._trainer: pl.Trainer | None = None
-        self._in_train_loop = False
-        self._batches_this_fit = 0
-        self._last_cycle: int | None = None
-        self._last_global_step = 0
-        self._log_every = 1
-        self._log_steps = False
+                country_iso_code = validate_country(country_iso_code)
+            self.country_iso_code = country_iso_code
+            self.currency = currency.strip()
+            self.gpu, self.cpu, self.ram = gpu, cpu, ram
+            self.report_dir = None if report_dir is None else str(report_dir)
+            self.intensity = carbon_intensity_from(
+                carbon_intensity, country_iso_code, self.accounting.carbon_intensity_start, rank_zero_info
+            )
+            self.price = price_from(price_per_kwh, self.currency, self.accounting.price_start, rank_zero_info)
+            self.account = EnergyAccount(
+                self.intensity, self.price, self.meters.sampling_period, self.accounting, warn=self._warn_rank
+            )
+            self.report: dict[str, Any] | None = None
+            self.report_paths: list[Path] = []
+            self._trainer: pl.Trainer | None = None
+            self._in_train_loop = False
+            self._batches_this_fit = 0
+            self._last_cycle: int | None = None
+            self._last_global_step = 0
+            self._log_every = 1
+            self._log_steps = False
+        except ValueError as error:  # the first line a user reads names the callback (the CLI prints it)
+            raise ValueError(prefixed(str(error))) from None
 
     # ------------------------------------------------------------------ public API
     def energy_so_far_kwh(self) -> float:
@@ -231,7 +237,10 @@ class EnergyLogger(Callback):
         self.account.begin_training(lambda: trainer.global_step)
         cycle = pulse_cycle_of(trainer)
         self._last_cycle = None if cycle is None else cycle.cycle
-        self.account.mark(stage="train", phase=phase_of(trainer).value, cycle=self._last_cycle)
+        # the epoch too: a fit resumed mid-epoch gets no `on_train_epoch_start` for the epoch it resumes in
+        self.account.mark(
+            stage="train", phase=phase_of(trainer).value, cycle=self._last_cycle, epoch=trainer.current_epoch
+        )
 
     def on_pulse_phase_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: Any) -> None:
         """Listener of :class:`~lightning_pulse.PulseCycle`: the energy from now on belongs to the new phase."""
@@ -297,10 +306,12 @@ class EnergyLogger(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._in_train_loop = False
         self.account.end_training()
-        total = self._finish(trainer, status="complete")["total"]
+        report = self._finish(trainer, status="complete")
+        total = report["total"]
         names = {"final_kwh": "energy_kwh", "final_co2_kg": "co2_kg", "final_cost": "cost"}
         metrics = {f"energy/{name}": total[key] for name, key in names.items()}
         metrics["energy/final_duration_s"] = total["duration_s"]
+        metrics.update(baseline_ratios(report.get("comparison")))  # `energy/vs_baseline_<figure>`
         self._log(trainer, {k: float(v) for k, v in metrics.items() if v is not None})
 
     @override
@@ -344,7 +355,9 @@ class EnergyLogger(Callback):
         directory = directory or trainer.default_root_dir
         collective = _StrategyCollective(trainer) if status == "complete" else None
         self.report = self.account.report(status, self.currency, collective, num_nodes=trainer.num_nodes)
+        self.report["metrics"] = scalar_metrics(trainer.callback_metrics)
         if trainer.is_global_zero:
+            add_comparison(self.report, self.accounting.baseline, Path(directory) / JSON_NAME, rank_zero_warn)
             try:
                 self.report_paths = write_report(self.report, directory)
             except Exception as error:  # a report that cannot be written must not fail a finished run

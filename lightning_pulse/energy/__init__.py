@@ -1,6 +1,6 @@
 """Energy meters (NVML, RAPL, codecarbon, constant), carbon-intensity and price series, the ledger that
 attributes energy to phases, the account that runs them for a fit (:class:`EnergyAccount`, what
-:class:`~lightning_pulse.EnergyLogger` adapts), its configs, and the report."""
+:class:`~lightning_pulse.EnergyLogger` adapts), its configs, the report, and the comparison of two runs' reports."""
 
 from lightning_pulse.energy.account import EnergyAccount
 from lightning_pulse.energy.carbon import Rate, TimeSeries, carbon_intensity_from, price_from
@@ -9,6 +9,7 @@ from lightning_pulse.energy.codecarbon_meter import (
     CodecarbonSession,
     country_carbon_intensity,
 )
+from lightning_pulse.energy.compare import compare_runs, load_run, write_comparison
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.constant import ConstantPowerMeter
 from lightning_pulse.energy.ledger import EnergyLedger, predict_run
@@ -48,9 +49,12 @@ __all__ = [
     "Rate",
     "TimeSeries",
     "carbon_intensity_from",
+    "compare_runs",
     "country_carbon_intensity",
+    "load_run",
     "predict_run",
     "price_from",
     "render_report",
+    "write_comparison",
     "write_report",
 ]

@@ -101,6 +101,7 @@ def build_chains(
                     country_iso_code,
                     config.codecarbon_tracking_mode,
                     min_flush_interval=0.9 * config.sampling_period,
+                    background=True,  # its first start (hardware detection, 1.5-3 s) overlaps training
                 )
             return CodecarbonMeter(component, session)
 
@@ -311,6 +312,12 @@ class EnergyAccount:
 
     def end_training(self) -> None:
         self.mark(stage="other", phase=None, cycle=None, epoch=None)
+        sampler = self.sampler
+        if sampler is not None:  # the report follows: a meter that started in the background must count
+            try:
+                sampler.settle()
+            except Exception as error:
+                self.disable(error)
         self.step_counter = None
 
     def fold_counts(self) -> None:

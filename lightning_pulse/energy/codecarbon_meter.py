@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from lightning_pulse.energy.meter import ESTIMATED, EnergyMeter, MeterError
 
 CODECARBON_LOGGER = "codecarbon"
+START_THREAD_NAME = "lightning-pulse-codecarbon-start"
 TRACKING_MODES = ("machine", "process")
 _KWH_TO_J = 3.6e6
 
@@ -110,6 +112,11 @@ class CodecarbonSession:
         measure_power_secs: codecarbon's own periodic measurement; ours are driven by ``flush``, so this
             is long to keep codecarbon's timer thread idle.
         min_flush_interval: readings closer than this (seconds) to the last flush are extrapolated.
+        background: start the tracker on a thread of its own and return at once (what EnergyLogger does:
+            codecarbon's first start in a process detects the hardware, 1.5-3 s, which must not hold up
+            training). Until it has started, readings are the zero point; its first reading then holds the
+            energy from the request on, the gap before codecarbon's own start at its first measured power.
+            A start that fails shows at the next reading, as a failure of the meter there.
     """
 
     def __init__(
@@ -118,6 +125,7 @@ class CodecarbonSession:
         tracking_mode: str = "machine",
         measure_power_secs: float = 3600.0,
         min_flush_interval: float = 0.5,
+        background: bool = False,
     ) -> None:
         if tracking_mode not in TRACKING_MODES:
             raise ValueError(f"`tracking_mode`={tracking_mode!r} is not one of {list(TRACKING_MODES)}.")
@@ -128,7 +136,7 @@ class CodecarbonSession:
         self.receiver: Any = None
         self.error: str | None = None
         self._users = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a foreground start under `acquire`
         self.min_flush_interval = float(min_flush_interval)
         self._last_now: float | None = None
         self._last_value = (0.0, 0.0)
@@ -138,19 +146,43 @@ class CodecarbonSession:
         self._start_watts = (0.0, 0.0)  # codecarbon's own power at the latest measuring flush
         self._quiet: quiet_codecarbon | None = None
         self.hardware: dict[str, Any] = {}
+        self.background = bool(background)
+        self._starter: threading.Thread | None = None
+        self._gap_kwh = (0.0, 0.0)  # (cpu, ram) before codecarbon's own start, of a background start
 
     def acquire(self, now: float) -> None:
-        """Start the tracker on first use. Raises :class:`MeterError` if it produces no reading."""
+        """Start the tracker on first use (on a thread of its own when ``background``). Raises
+        :class:`MeterError` if a start in the foreground produces no reading."""
         with self._lock:
             if self.error is not None:
                 raise MeterError(self.error)
-            if self.tracker is None:
-                self._start()
+            if self.tracker is None and self._starter is None:
+                if self.background:
+                    self._starter = threading.Thread(
+                        target=self._start_quietly,
+                        args=((time.monotonic(), now),),
+                        name=START_THREAD_NAME,
+                        daemon=True,
+                    )
+                    self._starter.start()
+                else:
+                    self._start(None)
             self._users += 1
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """Wait for a background start to finish; whether the tracker runs."""
+        starter = self._starter
+        if starter is not None and starter is not threading.current_thread():
+            starter.join(timeout)
+        return self.tracker is not None
 
     def release(self) -> None:
         with self._lock:
             self._users = max(self._users - 1, 0)
+            if self._users:
+                return
+        self.wait_started(timeout=60.0)  # a tracker still starting is stopped once it runs, never left behind
+        with self._lock:
             if self._users == 0:
                 self._stop()
 
@@ -168,6 +200,8 @@ class CodecarbonSession:
             if self.error is not None:
                 raise MeterError(self.error)
             if self.tracker is None:
+                if self._starter is not None:  # still starting in the background: the zero point
+                    return self._last_value
                 raise MeterError("codecarbon tracker is not running")
             if self._last_now is not None and abs(now - self._last_now) <= 1e-3:
                 return self._last_value
@@ -185,7 +219,8 @@ class CodecarbonSession:
                 if self.receiver.count == before:
                     self.error = "codecarbon's tracker raised inside flush() and returned no measurement"
                     raise MeterError(self.error)
-                value = (self.receiver.cpu_kwh, self.receiver.ram_kwh)
+                gap = self._gap_kwh
+                value = (self.receiver.cpu_kwh + gap[0], self.receiver.ram_kwh + gap[1])
                 if self._flush_now is not None and value == self._flushed:
                     # codecarbon measured nothing (`_measure_power_and_energy_if_stale`): no new interval;
                     # the next measuring flush covers the whole span
@@ -216,38 +251,71 @@ class CodecarbonSession:
             self._flushed[1] + watts[1] * elapsed_h / 1000.0,
         )
 
-    def _start(self) -> None:
+    def _start_quietly(self, requested: tuple[float, float]) -> None:
+        try:
+            self._start(requested)
+        except MeterError:  # kept in `self.error`: the next reading raises it, and the chain falls back there
+            pass
+
+    def _start(self, requested: tuple[float, float] | None) -> None:
+        """Build, start and flush the tracker; publish it under the lock only once it measures.
+        ``requested``: a background start's request, as ``(time.monotonic(), the caller's now)``: the gap
+        before codecarbon's own start is counted, and the start's flush is the first of ours."""
         from codecarbon import OfflineEmissionsTracker
 
-        self._quiet = quiet_codecarbon().__enter__()
-        self.receiver = _receiver_class()()
+        quiet = quiet_codecarbon().__enter__()
+        receiver = _receiver_class()()
+        tracker: Any = None
+        error: str | None = None
+        origin = time.monotonic()
         try:
-            self.tracker = OfflineEmissionsTracker(
+            tracker = OfflineEmissionsTracker(
                 country_iso_code=self.country_iso_code,
                 measure_power_secs=self.measure_power_secs,
                 api_call_interval=-1,
-                output_handlers=[self.receiver],
+                output_handlers=[receiver],
                 output_methods=[],  # no CSV, API, logger or Prometheus output: codecarbon 3's non-deprecated way
                 log_level="error",
                 allow_multiple_runs=True,
                 tracking_mode=self.tracking_mode,
             )
-            self.tracker.start()
-            self.tracker.flush()
-        except Exception as error:
-            self.error = f"codecarbon could not start ({type(error).__name__}: {error})"
-        if self.error is None and self.receiver.count == 0:
-            self.error = "codecarbon's tracker raised inside start()/flush() and returned no measurement"
-        if self.error is not None:
-            self._stop()
-            raise MeterError(self.error)
-        try:
-            self.hardware = dict(self.tracker.get_detected_hardware())
-        except Exception:  # only descriptive; never worth failing for
-            self.hardware = {}
+            tracker.start()  # codecarbon counts from the end of its hardware detection, inside start()
+            origin = time.monotonic()
+            tracker.flush()
+            flushed = time.monotonic()
+        except Exception as caught:
+            error = f"codecarbon could not start ({type(caught).__name__}: {caught})"
+        if error is None and receiver.count == 0:
+            error = "codecarbon's tracker raised inside start()/flush() and returned no measurement"
+        hardware: dict[str, Any] = {}
+        if error is None:
+            try:
+                hardware = dict(tracker.get_detected_hardware())
+            except Exception:  # only descriptive; never worth failing for
+                hardware = {}
+        with self._lock:
+            self.tracker, self.receiver, self._quiet, self.hardware = tracker, receiver, quiet, hardware
+            if error is None and requested is not None:
+                mono, now = requested
+                hours = max(origin - mono, 0.0) / 3600.0
+                gap = self._gap_kwh = (
+                    receiver.cpu_watts * hours / 1000.0,
+                    receiver.ram_watts * hours / 1000.0,
+                )
+                # the start's flush, in the caller's clock: later readings carry forward from it, so a span
+                # in which codecarbon measures nothing new still gets its energy
+                self._flushed = (receiver.cpu_kwh + gap[0], receiver.ram_kwh + gap[1])
+                self._flush_now = now + (flushed - mono)
+                self._start_watts = (receiver.cpu_watts, receiver.ram_watts)
+            if error is not None:
+                self.error = error
+                self._stop()
+        if error is not None:
+            raise MeterError(error)
 
     def _stop(self) -> None:
         tracker, self.tracker = self.tracker, None
+        self._starter = None
         if tracker is not None:
             try:
                 tracker.stop()
@@ -311,6 +379,9 @@ class CodecarbonMeter(EnergyMeter):
 
     def read_joules(self, now: float) -> float:
         return (self._kwh(now) - self._baseline_kwh) * _KWH_TO_J
+
+    def settle(self, timeout: float) -> None:
+        self.session.wait_started(timeout)
 
     def close(self) -> None:
         if self._acquired:

@@ -11,6 +11,7 @@ LightningCLI nests them under the callback's ``init_args``::
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,12 @@ class MeterConfig:
     codecarbon_tracking_mode: str = "machine"
 
     def __post_init__(self) -> None:
+        try:
+            self._validate()
+        except ValueError as error:  # named after the callback whose arguments these are
+            raise ValueError(prefixed(str(error))) from None
+
+    def _validate(self) -> None:
         period = self.sampling_period
         if not _is_number(period) or period <= 0:
             raise ValueError(f"`meters.sampling_period`={period!r} must be a positive number of seconds.")
@@ -84,6 +91,9 @@ class AccountingConfig:
         token_counter: ``batch -> int | None`` replacing the default token count.
         log_every_n_steps: step-level logging interval; default the Trainer's.
         progress_bar: show the total kWh in the progress bar.
+        baseline: a baseline run's ``energy_report.json``, or a log directory holding one (for instance the
+            plain run's): the report then compares this run against it (wall time, kWh, CO2, cost, final
+            metrics and the ratios this/baseline), as ``lightning-pulse compare BASELINE THIS`` does.
 
     Raises:
         ValueError: on a bad value, naming the field, the value and what is allowed.
@@ -95,8 +105,25 @@ class AccountingConfig:
     token_counter: Callable[[Any], int | None] | None = None
     log_every_n_steps: int | None = None
     progress_bar: bool = True
+    baseline: str | None = None
 
     def __post_init__(self) -> None:
+        try:
+            self._validate()
+        except ValueError as error:  # named after the callback whose arguments these are
+            raise ValueError(prefixed(str(error))) from None
+
+    def _validate(self) -> None:
+        if self.baseline is not None:
+            from lightning_pulse.energy.compare import load_run
+
+            if not isinstance(self.baseline, (str, os.PathLike)):
+                raise ValueError(f"`accounting.baseline`={self.baseline!r} must be a path or None.")
+            try:
+                load_run(self.baseline)
+            except (OSError, ValueError) as error:
+                raise ValueError(f"`accounting.baseline`={str(self.baseline)!r}: {error}") from None
+            object.__setattr__(self, "baseline", os.fspath(self.baseline))
         steps = self.log_every_n_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"`accounting.log_every_n_steps`={steps!r} must be a positive int or None.")
@@ -112,3 +139,8 @@ class AccountingConfig:
 
 def _is_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def prefixed(message: str) -> str:
+    """``message`` as the first line a user reads: it names the callback (``"EnergyLogger: ..."``)."""
+    return message if message.startswith("EnergyLogger: ") else f"EnergyLogger: {message}"

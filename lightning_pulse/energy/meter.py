@@ -68,6 +68,10 @@ class EnergyMeter(ABC):
     def read_joules(self, now: float) -> float:
         """Energy in joules since :meth:`start`. Raises on failure."""
 
+    def settle(self, timeout: float) -> None:  # noqa: B027 - most meters start synchronously
+        """Wait (at most ``timeout`` seconds) for a start that runs in the background to finish, so that a
+        last reading holds its energy. Must not raise."""
+
     def close(self) -> None:  # noqa: B027
         """Release what :meth:`start` took (library handles, tracker threads). Must not raise."""
 
@@ -164,6 +168,14 @@ class MeterChain:
         # counters never run backwards; a meter that does is reset rather than trusted
         self.last_total_j = max(self.last_total_j, self.offset_j + value)
         return self.last_total_j, self.meter.method
+
+    def settle(self, timeout: float) -> None:
+        """Let the active meter finish a background start (see :meth:`EnergyMeter.settle`)."""
+        if self.meter is not None:
+            try:
+                self.meter.settle(timeout)
+            except Exception:  # a meter that cannot settle fails at its next reading, and falls back there
+                pass
 
     def close(self) -> None:
         if self.meter is not None:

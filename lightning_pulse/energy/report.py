@@ -306,6 +306,11 @@ def report_markdown(report: Mapping[str, Any]) -> str:
             f"{_duration(total.get('duration_s'))}.",
             "",
         ]
+    comparison = report.get("comparison")
+    if comparison:
+        from lightning_pulse.energy.compare import comparison_markdown
+
+        lines += [comparison_markdown(comparison, title="## Against the baseline")]
     notes = report.get("counting", {})
     if notes:
         lines += (

@@ -82,6 +82,12 @@ class EnergySampler:
             self.samples += 1
             self.last_sample_time = now
 
+    def settle(self, timeout: float = 30.0) -> None:
+        """Let every meter still starting in the background (codecarbon) finish, so the next reading holds
+        its energy; a no-op once they run."""
+        for chain in self.chains:
+            chain.settle(timeout)
+
     def _run(self) -> None:
         try:
             while not self._stop_event.wait(self.period):
@@ -100,6 +106,7 @@ class EnergySampler:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=max(10.0, 3 * self.period))
         if final_sample and self._started:
+            self.settle()
             try:
                 self.sample()
             except Exception:  # a last reading is a nicety; closing the meters is what matters here

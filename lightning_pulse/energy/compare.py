@@ -1,0 +1,338 @@
+"""The savings ledger: two runs' energy reports side by side, with the ratios B/A.
+
+``lightning-pulse compare RUN_A RUN_B`` and ``EnergyLogger(accounting=AccountingConfig(baseline=...))`` both
+build a :func:`compare_runs` comparison: wall time, energy, CO2 and cost of each run (each with its method),
+the final logged metrics of each, and the ratio B/A of every figure both runs hold. A run is an
+``energy_report.json`` or a directory holding one (a logger's log directory, searched below it when the
+report is not at its top). Its final metrics are the report's ``metrics`` (EnergyLogger records the
+Trainer's final ``callback_metrics`` there), else the last value of each column of a CSVLogger
+``metrics.csv`` next to the report.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_pulse.energy.meter import NONE
+from lightning_pulse.energy.report import JSON_NAME, SCHEMA, write_atomic, write_text_atomic
+
+COMPARISON_JSON = "energy_comparison.json"
+COMPARISON_MARKDOWN = "energy_comparison.md"
+COMPARISON_PNG = "energy_comparison.png"
+METRICS_CSV = "metrics.csv"
+#: the figures compared: (key in the report's ``total``, label, unit, key of its method)
+FIGURES = (
+    ("duration_s", "wall time", "s", None),
+    ("energy_kwh", "energy", "kWh", "energy_method"),
+    ("co2_kg", "CO2", "kg", "co2_method"),
+    ("cost", "cost", None, "cost_method"),
+    ("steps", "optimizer steps", None, None),
+    ("samples", "samples", None, None),
+)
+_NOT_METRICS = ("epoch", "step")
+
+
+class NotAnEnergyReport(ValueError):
+    """A path that is not, or does not hold, a lightning-pulse energy report."""
+
+
+def find_report(path: str | Path) -> Path:
+    """The ``energy_report.json`` that ``path`` names: the file itself, ``path/energy_report.json``, or the one
+    report found below a directory. Raises :class:`FileNotFoundError` or :class:`NotAnEnergyReport`."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory.")
+    if (path / JSON_NAME).is_file():
+        return path / JSON_NAME
+    found = sorted(path.rglob(JSON_NAME))
+    if not found:
+        raise FileNotFoundError(f"{path}: no {JSON_NAME} in this directory or below it.")
+    if len(found) > 1:
+        listed = ", ".join(str(p.parent.relative_to(path)) for p in found[:4])
+        raise NotAnEnergyReport(
+            f"{path}: {len(found)} energy reports below it ({listed}{', ...' if len(found) > 4 else ''}); "
+            "name the run's own directory or its energy_report.json."
+        )
+    return found[0]
+
+
+def load_run(path: str | Path) -> dict[str, Any]:
+    """A run to compare: its report (validated), the report's path, and its final metrics."""
+    json_path = find_report(path)
+    try:
+        report = json.loads(json_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise NotAnEnergyReport(
+            f"{json_path} is not a lightning-pulse energy report (not JSON: {error})."
+        ) from None
+    if (
+        not isinstance(report, dict)
+        or report.get("schema") != SCHEMA
+        or not isinstance(report.get("total"), dict)
+    ):
+        raise NotAnEnergyReport(f"{json_path} is not a lightning-pulse energy report (schema {SCHEMA!r}).")
+    metrics = report.get("metrics")
+    source = "report"
+    if not metrics:
+        metrics, source = csv_metrics(json_path.parent), METRICS_CSV
+    return {
+        "path": str(json_path),
+        "report": report,
+        "metrics": dict(metrics or {}),
+        "metrics_source": source,
+    }
+
+
+def csv_metrics(directory: str | Path) -> dict[str, float]:
+    """The last logged value of every column of a CSVLogger ``metrics.csv`` in ``directory`` ({} if none)."""
+    path = Path(directory) / METRICS_CSV
+    if not path.is_file():
+        return {}
+    last: dict[str, float] = {}
+    with open(path, newline="", encoding="utf-8") as stream:
+        for row in csv.DictReader(stream):
+            for name, value in row.items():
+                if name in _NOT_METRICS or name is None or value in (None, ""):
+                    continue
+                try:
+                    last[name] = float(value)
+                except ValueError:
+                    continue
+    return last
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or isinstance(a, bool):
+        return None
+    if a == 0 or not math.isfinite(a) or not math.isfinite(b):
+        return None
+    return float(b) / float(a)
+
+
+def _currency(report: Mapping[str, Any]) -> str | None:
+    if not report.get("price"):
+        return None
+    return (report.get("price") or {}).get("currency") or report.get("currency")
+
+
+def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """The comparison of run ``b`` against the baseline ``a`` (both as :func:`load_run` returns them)."""
+    totals = a["report"]["total"], b["report"]["total"]
+    currencies = _currency(a["report"]), _currency(b["report"])
+    figures = []
+    for key, label, unit, method_key in FIGURES:
+        if key == "cost":
+            unit = currencies[1] or currencies[0]
+        values = [total.get(key) for total in totals]
+        methods = [total.get(method_key, NONE) if method_key else None for total in totals]
+        ratio = _ratio(*values)
+        note = None
+        if key == "cost" and currencies[0] != currencies[1] and None not in currencies:
+            ratio, note = None, f"currencies differ ({currencies[0]} / {currencies[1]})"
+        if method_key and NONE in methods:
+            ratio = None
+        figures.append(
+            {
+                "figure": key,
+                "label": label,
+                "unit": unit,
+                "a": values[0],
+                "b": values[1],
+                "method_a": methods[0],
+                "method_b": methods[1],
+                "ratio": ratio,
+                "note": note,
+            }
+        )
+    # the energy figures are compared above; EnergyLogger's own logged columns would repeat them
+    names = sorted(name for name in set(a["metrics"]) | set(b["metrics"]) if not name.startswith("energy/"))
+    metrics = [
+        {
+            "metric": name,
+            "a": a["metrics"].get(name),
+            "b": b["metrics"].get(name),
+            "ratio": _ratio(a["metrics"].get(name), b["metrics"].get(name)),
+        }
+        for name in names
+    ]
+    return {
+        "a": {"path": a["path"], "status": a["report"].get("status"), "metrics_source": a["metrics_source"]},
+        "b": {"path": b["path"], "status": b["report"].get("status"), "metrics_source": b["metrics_source"]},
+        "figures": figures,
+        "metrics": metrics,
+    }
+
+
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The finite scalars among a Trainer's ``callback_metrics`` (tensors or numbers), by name."""
+    scalars = {}
+    for name, value in metrics.items():
+        try:
+            if hasattr(value, "numel") and value.numel() != 1:
+                continue
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+        if math.isfinite(number):
+            scalars[str(name)] = number
+    return dict(sorted(scalars.items()))
+
+
+def add_comparison(report: dict[str, Any], baseline: str | Path | None, path: str | Path, warn: Any) -> None:
+    """Put the comparison of ``report`` (to be written at ``path``) against the ``baseline`` run into it, as
+    ``report["comparison"]``; a baseline that cannot be read any more is one warning, never an error."""
+    if baseline is None:
+        return
+    this = {
+        "path": str(path),
+        "report": report,
+        "metrics": dict(report.get("metrics") or {}),
+        "metrics_source": "report",
+    }
+    try:
+        report["comparison"] = compare_runs(load_run(baseline), this)
+    except Exception as error:  # a baseline that went away must not cost the run its report
+        warn(f"EnergyLogger: no comparison with the baseline ({error}).")
+
+
+def baseline_ratios(comparison: Mapping[str, Any] | None) -> dict[str, float]:
+    """The ratios this run / baseline of time, energy, CO2 and cost, as ``energy/vs_baseline_<figure>``
+    metrics for the run's own loggers ({} without a comparison)."""
+    if not comparison:
+        return {}
+    wanted = ("duration_s", "energy_kwh", "co2_kg", "cost")
+    return {
+        f"energy/vs_baseline_{row['figure']}": row["ratio"]
+        for row in comparison["figures"]
+        if row["figure"] in wanted and row["ratio"] is not None
+    }
+
+
+def ratio_of(comparison: Mapping[str, Any], figure: str) -> float | None:
+    """The ratio B/A of one figure (``"duration_s"``, ``"energy_kwh"``, ...) or of a metric."""
+    for row in comparison.get("figures", []):
+        if row["figure"] == figure:
+            return row["ratio"]
+    for row in comparison.get("metrics", []):
+        if row["metric"] == figure:
+            return row["ratio"]
+    raise KeyError(figure)
+
+
+# ---------------------------------------------------------------------- rendering
+def _cell(value: Any, method: str | None = None) -> str:
+    if value is None:
+        return "—"
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{text} ({method})" if method else text
+
+
+def _ratio_cell(ratio: float | None) -> str:
+    return "—" if ratio is None else f"{ratio:.3f}x"
+
+
+def comparison_markdown(comparison: Mapping[str, Any], title: str = "# Energy comparison") -> str:
+    """The comparison as Markdown: figures, then metrics, each with A, B and B/A."""
+    a, b = comparison["a"], comparison["b"]
+    lines = [
+        title,
+        "",
+        f"A (baseline): `{a['path']}` ({a.get('status')}); B: `{b['path']}` ({b.get('status')}).",
+        "",
+        "| figure | A | B | B/A |",
+        "|---|---|---|---|",
+    ]
+    for row in comparison["figures"]:
+        unit = f" ({row['unit']})" if row["unit"] else ""
+        ratio = _ratio_cell(row["ratio"]) + (f" ({row['note']})" if row.get("note") else "")
+        lines.append(
+            f"| {row['label']}{unit} | {_cell(row['a'], row['method_a'])} | {_cell(row['b'], row['method_b'])} "
+            f"| {ratio} |"
+        )
+    lines.append("")
+    if comparison["metrics"]:
+        lines += [
+            f"Final logged metrics (A from its {a['metrics_source']}, B from its {b['metrics_source']}):",
+            "",
+            "| metric | A | B | B/A |",
+            "|---|---|---|---|",
+        ]
+        for row in comparison["metrics"]:
+            lines.append(
+                f"| {row['metric']} | {_cell(row['a'])} | {_cell(row['b'])} | {_ratio_cell(row['ratio'])} |"
+            )
+    else:
+        lines.append(
+            "No logged metrics in either run (no `metrics` in the reports, no metrics.csv next to them)."
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_comparison_plot(comparison: Mapping[str, Any], path: str | Path) -> Path | None:
+    """Bars of B/A for every figure and metric with a ratio (1 = the baseline). ``None`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    # costs (time, energy, CO2, money) are green below the baseline and red above; metrics stay grey, as
+    # whether more is better depends on the metric
+    rows = [(row["label"], row["ratio"], True) for row in comparison["figures"] if row["ratio"] is not None]
+    rows += [
+        (row["metric"], row["ratio"], False) for row in comparison["metrics"] if row["ratio"] is not None
+    ]
+    figure = Figure(figsize=(8, 0.45 * max(len(rows), 2) + 1.2), constrained_layout=True)
+    axes = figure.subplots()
+    rows = rows[::-1]
+    values = [value for _, value, _ in rows]
+    colours = [
+        "#7f7f7f" if not cost or value == 1 else "#2ca02c" if value < 1 else "#d62728"
+        for _, value, cost in rows
+    ]
+    axes.barh([name for name, _, _ in rows], values, color=colours)
+    axes.axvline(1.0, color="black", linewidth=1)
+    for index, value in enumerate(values):
+        axes.annotate(
+            f"{value:.3f}x",
+            (value, index),
+            va="center",
+            fontsize=8,
+            xytext=(3, 0),
+            textcoords="offset points",
+        )
+    axes.set_xlim(0, 1.15 * max([1.0, *values]))  # room for the labels
+    axes.set_xlabel("B / A (A: baseline)")
+    axes.set_title(
+        f"B: {_run_name(comparison['b']['path'])}  against  A: {_run_name(comparison['a']['path'])}",
+        fontsize=9,
+    )
+    if not rows:
+        axes.text(0.5, 0.5, "no figure both runs hold", ha="center", va="center", transform=axes.transAxes)
+    return write_atomic(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))
+
+
+def _run_name(path: str) -> str:
+    return "/".join(Path(path).parent.parts[-3:])
+
+
+def write_comparison(comparison: Mapping[str, Any], directory: str | Path) -> list[Path]:
+    """``energy_comparison.{json,md,png}`` in ``directory``; the paths written."""
+    directory = Path(directory)
+    written = [
+        write_text_atomic(directory / COMPARISON_JSON, json.dumps(comparison, indent=2)),
+        write_text_atomic(directory / COMPARISON_MARKDOWN, comparison_markdown(comparison)),
+    ]
+    png = write_comparison_plot(comparison, directory / COMPARISON_PNG)
+    if png is not None:
+        written.append(png)
+    return written

@@ -1,0 +1,183 @@
+"""The savings ledger (issue 19): ``lightning-pulse compare RUN_A RUN_B`` and EnergyLogger's baseline.
+
+Two tiny real fits, a plain one and one with a PulseCycle, each with an EnergyLogger and a CSVLogger; the
+comparison must hold exactly the ratios of what the two reports hold, and bad inputs fail with one line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+from lightning_pulse import PulseCycle
+from lightning_pulse.callbacks.energy_logger import EnergyLogger
+from lightning_pulse.cli import main
+from lightning_pulse.energy.compare import (
+    COMPARISON_JSON,
+    COMPARISON_MARKDOWN,
+    COMPARISON_PNG,
+    FIGURES,
+    compare_runs,
+    load_run,
+    ratio_of,
+)
+from lightning_pulse.energy.config import AccountingConfig, MeterConfig
+from lightning_pulse.energy.report import JSON_NAME
+from tests.conftest import trainer_kwargs
+
+
+def fit(root: Path, pulse: bool, baseline: str | None = None) -> Path:
+    """One tiny run; returns its log directory (which holds energy_report.json and metrics.csv)."""
+    pl.seed_everything(0, verbose=False)
+    callbacks = []
+    if pulse:
+        callbacks.append(
+            PulseCycle(burst=4, replay=2, maintain=2, warmup=0.0, anneal=0.0, maintain_eval="none")
+        )
+    callbacks.append(
+        EnergyLogger(
+            cpu="constant",
+            ram="none",
+            carbon_intensity=250.0,
+            price_per_kwh=0.3,
+            meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0),
+            accounting=AccountingConfig(baseline=baseline),
+        )
+    )
+    trainer = pl.Trainer(
+        callbacks=callbacks,
+        **trainer_kwargs(
+            max_epochs=2,
+            limit_train_batches=8,
+            limit_val_batches=2,
+            logger=CSVLogger(root),
+            log_every_n_steps=4,
+        ),
+    )
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=600, batch_size=32))
+    return Path(trainer.logger.log_dir)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    plain = fit(root / "plain", pulse=False)
+    pulsed = fit(root / "pulse", pulse=True, baseline=str(plain / JSON_NAME))
+    return root, plain, pulsed
+
+
+def report(directory: Path) -> dict:
+    return json.loads((directory / JSON_NAME).read_text())
+
+
+def test_compare_gives_exactly_the_ratios_the_reports_hold(runs, capsys):
+    root, plain, pulsed = runs
+    # log directories as the user has them: the logger's root (the report is found below it) and the run's
+    assert main(["compare", str(root / "plain"), str(pulsed)]) == 0
+    out = capsys.readouterr().out
+    assert "| energy (kWh) |" in out and "B/A" in out
+    written = {p.name for p in pulsed.iterdir()}
+    assert {COMPARISON_JSON, COMPARISON_MARKDOWN, COMPARISON_PNG} <= written  # next to RUN_B
+    comparison = json.loads((pulsed / COMPARISON_JSON).read_text())
+
+    a, b = report(plain)["total"], report(pulsed)["total"]
+    for key, *_ in FIGURES:
+        assert ratio_of(comparison, key) == b[key] / a[key], key  # exactly: the same division
+    assert a["steps"] == b["steps"] == 16 and ratio_of(comparison, "steps") == 1.0
+    assert ratio_of(comparison, "energy_kwh") > 0 and ratio_of(comparison, "co2_kg") > 0
+
+    # each run's final logged metrics, read from its report, with their ratio
+    metrics_a, metrics_b = report(plain)["metrics"], report(pulsed)["metrics"]
+    assert {"val_loss", "val_acc"} <= set(metrics_a) and {"val_loss", "val_acc"} <= set(metrics_b)
+    assert ratio_of(comparison, "val_loss") == metrics_b["val_loss"] / metrics_a["val_loss"]
+    assert all(not row["metric"].startswith("energy/") for row in comparison["metrics"])
+    markdown = (pulsed / COMPARISON_MARKDOWN).read_text()
+    assert "val_loss" in markdown and f"{ratio_of(comparison, 'energy_kwh'):.3f}x" in markdown
+
+
+def test_the_energy_logger_with_a_baseline_puts_the_same_comparison_in_its_report(runs, capsys):
+    _, plain, pulsed = runs
+    own = report(pulsed)["comparison"]
+    assert (
+        main(["compare", str(plain / JSON_NAME), str(pulsed / JSON_NAME), "--out", str(pulsed.parent)]) == 0
+    )
+    capsys.readouterr()
+    cli = json.loads((pulsed.parent / COMPARISON_JSON).read_text())
+    assert own["figures"] == cli["figures"] and own["metrics"] == cli["metrics"]
+    md = (pulsed / "energy_report.md").read_text()
+    assert "## Against the baseline" in md and "| wall time (s) |" in md
+    assert "comparison" not in report(plain)  # no baseline, no comparison
+    # and the ratios went to the run's own logger
+    rows = list(csv.DictReader((pulsed / "metrics.csv").read_text().splitlines()))
+    logged = {
+        k: float(v) for row in rows for k, v in row.items() if k.startswith("energy/vs_baseline_") and v
+    }
+    expected = {
+        f"energy/vs_baseline_{k}": ratio_of(own, k) for k in ("duration_s", "energy_kwh", "co2_kg", "cost")
+    }
+    assert logged == pytest.approx(expected, rel=1e-9)
+
+
+def test_metrics_come_from_metrics_csv_when_the_report_has_none(runs, tmp_path):
+    _, plain, pulsed = runs
+    copy = tmp_path / "old"
+    copy.mkdir()
+    old = report(plain)
+    del old["metrics"]  # a report written before reports held metrics
+    (copy / JSON_NAME).write_text(json.dumps(old))
+    shutil.copy(plain / "metrics.csv", copy / "metrics.csv")
+    run = load_run(copy)
+    assert run["metrics_source"] == "metrics.csv"
+    assert run["metrics"]["val_loss"] == pytest.approx(report(plain)["metrics"]["val_loss"], rel=1e-6)
+    comparison = compare_runs(run, load_run(pulsed))
+    assert (
+        ratio_of(comparison, "energy_kwh")
+        == report(pulsed)["total"]["energy_kwh"] / old["total"]["energy_kwh"]
+    )
+
+
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda d: d / "missing.json", "no such file or directory"),
+        (lambda d: d, "no energy_report.json in this directory or below it"),
+        (lambda d: write(d / "x.json", '{"hello": 1}'), "is not a lightning-pulse energy report"),
+        (
+            lambda d: write(d / "x.json", "not json at all"),
+            "is not a lightning-pulse energy report (not JSON",
+        ),
+    ],
+)
+def test_bad_inputs_fail_with_one_line_and_exit_code_2(runs, tmp_path, capsys, make, expected):
+    _, plain, _ = runs
+    bad = make(tmp_path)
+    for argv in (["compare", str(plain), str(bad)], ["compare", str(bad), str(plain)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+
+
+def test_a_directory_with_several_reports_is_ambiguous(runs, capsys):
+    root, plain, _ = runs
+    assert main(["compare", str(root), str(plain)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "2 energy reports below it" in err
+
+
+def test_a_baseline_that_is_not_a_report_fails_at_construction(tmp_path):
+    with pytest.raises(ValueError, match=r"`accounting.baseline`=.*no such file or directory"):
+        AccountingConfig(baseline=str(tmp_path / "nope.json"))
+    with pytest.raises(ValueError, match=r"`accounting.baseline`=.*not a lightning-pulse energy report"):
+        AccountingConfig(baseline=str(write(tmp_path / "x.json", "[]")))
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
