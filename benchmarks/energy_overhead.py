@@ -130,9 +130,6 @@ class FirstCallbackProbe(Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         pass
 
-    def benchmark_metrics(self) -> dict[str, float]:  # the current harness's hook; see `arm_metrics`
-        return probe_metrics(self)
-
 
 class TimedEnergyLogger(EnergyLogger):
     """EnergyLogger that accumulates the thread CPU time of its hooks, of its sampling thread's readings and
@@ -220,9 +217,6 @@ class TimedEnergyLogger(EnergyLogger):
                     scheduler.stop()
                     scheduler.start()
 
-    def benchmark_metrics(self) -> dict[str, float]:  # the current harness's hook; see `arm_metrics`
-        return energy_metrics(self)
-
 
 def probe_metrics(probe: FirstCallbackProbe) -> dict[str, float]:
     return {"probe_seconds": probe.seconds, "probe_batches": probe.batches}
@@ -247,8 +241,7 @@ def energy_metrics(energy: TimedEnergyLogger) -> dict[str, float]:
 
 
 def arm_metrics(callbacks: list[Callback], trainer: object = None) -> dict[str, float]:
-    """``Arm.metrics(callbacks, trainer)``: this script's figures of one run, read from outside the library
-    (the harness calls it instead of ``callback.benchmark_metrics()`` once it supports ``Arm.metrics``)."""
+    """``Arm.metrics(callbacks, trainer)``: this script's figures of one run, read from outside the library."""
     metrics: dict[str, float] = {}
     for callback in callbacks:
         if isinstance(callback, FirstCallbackProbe):
@@ -334,9 +327,10 @@ def main() -> None:
             )
             return [energy] if first else [FirstCallbackProbe(), energy]
 
-        return Arm(f"energy_logger@{period:g}s" + (", first callback" if first else ""), callbacks=callbacks)
+        name = f"energy_logger@{period:g}s" + (", first callback" if first else "")
+        return Arm(name, callbacks=callbacks, metrics=arm_metrics)
 
-    plain = Arm("plain", callbacks=lambda seed: [FirstCallbackProbe()])
+    plain = Arm("plain", callbacks=lambda seed: [FirstCallbackProbe()], metrics=arm_metrics)
     # tiny steps with short epochs (the worst case for per-step and per-epoch costs), at the default
     # period, ten times more often, and first in the callback list; then a char transformer LM with longer
     # steps, at the default period. Arm order rotates per seed, so no arm always runs first.

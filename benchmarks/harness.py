@@ -231,11 +231,6 @@ def run_one(
         "hook_cpu_s": dict(hook_timer.cpu_s),
         "one_time_hook_cpu_s": dict(hook_timer.one_time_cpu_s),
     }
-    for callback in callbacks:
-        # benchmark-side wrappers (defined in benchmarks/, never in the library) may report their own figures
-        metrics = getattr(callback, "benchmark_metrics", None)
-        if callable(metrics):
-            extra.update(metrics())
     if arm.metrics is not None:
         extra.update(arm.metrics(callbacks, trainer))
     final = recorder.curve[-1] if recorder.curve else {}
