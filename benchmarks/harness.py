@@ -60,6 +60,8 @@ class Arm:
         workload_kwargs: overrides of the workload (``model__x`` / ``data__y``) for this arm only.
         metrics: ``(callbacks, trainer) -> dict`` read after the fit, for figures the library does not log
             (it reads the callbacks' public state; library callbacks carry no benchmark hooks).
+        timed_apart: ``{callback class name: method names}`` that :class:`HookTimer` times apart from the
+            hooks they run in (work the user asked for, such as an evaluation).
     """
 
     name: str
@@ -67,6 +69,7 @@ class Arm:
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
     workload_kwargs: dict[str, Any] = field(default_factory=dict)
     metrics: Callable[[list[Callback], pl.Trainer], dict[str, Any]] | None = None
+    timed_apart: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 #: The hooks a callback can be called on: Lightning's, plus the pulse contracts (lightning_pulse.protocols).
@@ -82,8 +85,15 @@ class HookTimer:
 
     :meth:`install` wraps every hook a callback overrides with an instance attribute that accumulates
     ``time.process_time()``; Lightning looks hooks up on the instance, so the callback's code is untouched.
-    Work a callback does outside its hooks (a loss function it wraps, a forward hook it registers on the
-    module) is not counted here; the fit's CPU time against a same-run baseline is the figure that counts it.
+    Each figure is the callback's own time: a timed call inside another (PulseCycle telling a listener of a
+    phase change) counts for the inner callback only. Work a callback does outside its hooks (a loss function
+    it wraps, a forward hook it registers on the module) is not counted here; the fit's CPU time against a
+    same-run baseline is the figure that counts it.
+
+    ``cpu_s`` holds the hooks of the training loop (per step, epoch and phase); ``one_time_cpu_s`` the
+    start-up and shut-down hooks (:attr:`ONE_TIME_HOOKS`), which a longer run amortises; ``apart_cpu_s`` the
+    methods named in ``install(..., apart=...)``, work the user asked for rather than overhead (PulseCycle's
+    maintain probe is an evaluation).
     """
 
     #: hooks that run once or a few times per fit: start-up and shut-down, reported apart from per-step work
@@ -95,8 +105,10 @@ class HookTimer:
         self.cpu_s: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.one_time_cpu_s: dict[str, float] = {}
+        self.apart_cpu_s: dict[str, float] = {}
+        self._inner: list[float] = []  # per open timed call: the time of the timed calls inside it
 
-    def install(self, callback: Callback) -> None:
+    def install(self, callback: Callback, apart: tuple[str, ...] = ()) -> None:
         label = type(callback).__name__
         self.cpu_s.setdefault(label, 0.0)
         self.calls.setdefault(label, 0)
@@ -108,17 +120,28 @@ class HookTimer:
                 continue
             totals = self.one_time_cpu_s if name in self.ONE_TIME_HOOKS else self.cpu_s
             setattr(callback, name, self._timed(label, method, totals))
+        for name in apart:
+            key = f"{label}.{name}"
+            self.apart_cpu_s.setdefault(key, 0.0)
+            setattr(callback, name, self._timed(key, getattr(callback, name), self.apart_cpu_s, count=False))
 
-    def _timed(self, label: str, method: Callable[..., Any], totals: dict[str, float]) -> Callable[..., Any]:
+    def _timed(
+        self, label: str, method: Callable[..., Any], totals: dict[str, float], count: bool = True
+    ) -> Callable[..., Any]:
         clock = time.process_time
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            self._inner.append(0.0)
             started = clock()
             try:
                 return method(*args, **kwargs)
             finally:
-                totals[label] += clock() - started
-                self.calls[label] += 1
+                elapsed = clock() - started
+                totals[label] += elapsed - self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += elapsed
+                if count:
+                    self.calls[label] += 1
 
         return timed
 
@@ -215,7 +238,7 @@ def run_one(
     callbacks = arm.callbacks(seed)
     hook_timer = HookTimer()
     for callback in callbacks:
-        hook_timer.install(callback)
+        hook_timer.install(callback, apart=arm.timed_apart.get(type(callback).__name__, ()))
     kwargs = dict(QUIET_TRAINER)
     kwargs.update(trainer_kwargs)
     kwargs.update(arm.trainer_kwargs)
@@ -230,6 +253,7 @@ def run_one(
     extra: dict[str, Any] = {
         "hook_cpu_s": dict(hook_timer.cpu_s),
         "one_time_hook_cpu_s": dict(hook_timer.one_time_cpu_s),
+        "apart_cpu_s": dict(hook_timer.apart_cpu_s),
     }
     if arm.metrics is not None:
         extra.update(arm.metrics(callbacks, trainer))

@@ -10,6 +10,9 @@ seconds, since a longer run amortises them. What they do not: a loss function a 
 forward hook it registers, or EnergyLogger's sampling thread; the end-to-end CPU ratio against the plain
 arm of the same seed holds those, and the machine's noise.
 
+A timed call inside another (PulseCycle telling a listener of a phase change) counts for the inner callback
+only. PulseCycle's maintain probe (an evaluation the shipped YAML asks for) is timed apart.
+
 In the full-suite arm the light phases change the work itself (smaller replay batches, frozen layers), so
 its end-to-end ratio is a saving or a cost, not overhead; its hook share is the overhead figure.
 
@@ -44,7 +47,8 @@ def arms() -> list[Arm]:
         Arm("pulse_cycle", callbacks=lambda seed: [PulseCycle(**CADENCE, maintain_eval="none")]),
         Arm("stability_guard", callbacks=lambda seed: [StabilityGuard()]),
         Arm("energy_logger", callbacks=lambda seed: [EnergyLogger(country_iso_code="DEU")]),
-        Arm("full_suite", callbacks=shipped_suite),
+        # the maintain probe is an evaluation the shipped YAML asks for: timed apart, not counted as overhead
+        Arm("full_suite", callbacks=shipped_suite, timed_apart={"PulseCycle": ("_run_probe",)}),
     ]
 
 
@@ -53,7 +57,12 @@ WORKLOADS = {
     "mnist1d-cnn": dict(trainer_kwargs={"max_epochs": 6}, workload_kwargs={"data__num_samples": 5000}),
     # ~40 ms CPU steps: the realistic step the targets are stated on
     "charlm": dict(
-        trainer_kwargs={"max_steps": 300, "val_check_interval": 100, "limit_val_batches": 10},
+        trainer_kwargs={
+            "max_steps": 300,
+            "val_check_interval": 100,
+            "check_val_every_n_epoch": None,
+            "limit_val_batches": 10,
+        },
         workload_kwargs={"data__max_chars": 200_000},
     ),
 }
@@ -83,9 +92,9 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Plain step: {step_ms:.1f} ms of training CPU (median; {steps:.0f} steps).",
         "",
-        "| arm | training-loop hook CPU share per callback | all | start-up + shut-down CPU s "
+        "| arm | training-loop hook CPU share per callback | all | maintain probe | start-up + shut-down CPU s "
         "| end-to-end CPU ratio | wall ratio |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for arm in result["arms"]:
         cells = ", ".join(f"{name} {100 * share:.2f}%" for name, share in table[arm].items() if name != "all")
@@ -93,8 +102,11 @@ def markdown(result: dict[str, Any]) -> str:
         plain = {run["seed"]: run for run in result["runs"] if run["arm"] == "plain"}
         wall = statistics.median(run["train_wall_s"] / plain[run["seed"]]["train_wall_s"] for run in runs)
         one_time = statistics.median(sum(run["extra"]["one_time_hook_cpu_s"].values()) for run in runs)
+        probe = statistics.median(
+            sum(run["extra"]["apart_cpu_s"].values()) / run["train_cpu_s"] for run in runs
+        )
         lines.append(
-            f"| {arm} | {cells or '-'} | {100 * table[arm]['all']:.2f}% | {one_time:.2f} | "
+            f"| {arm} | {cells or '-'} | {100 * table[arm]['all']:.2f}% | {100 * probe:.2f}% | {one_time:.2f} | "
             f"{result['summary'][arm]['cpu_ratio']:.3f} | {wall:.3f} |"
         )
     return "\n".join(lines)

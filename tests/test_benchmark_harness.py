@@ -28,3 +28,37 @@ def test_hook_timer_counts_every_call_of_the_overridden_hooks_only(mnist1d_small
     assert callback.batches == 5
     assert timer.calls == {"_CountsBatches": 5}
     assert timer.cpu_s["_CountsBatches"] > 0.0
+
+
+class _Announces(Callback):
+    """Tells the other callback of something from inside its own hook, as PulseCycle tells phase listeners."""
+
+    def __init__(self, listener) -> None:
+        self.listener = listener
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.listener.on_pulse_phase_change(trainer, pl_module, None)
+        self.evaluate()
+
+    def evaluate(self) -> None:
+        sum(i * i for i in range(20_000))
+
+
+class _Listens(Callback):
+    def on_pulse_phase_change(self, trainer, pl_module, change) -> None:
+        sum(i * i for i in range(200_000))
+
+
+def test_a_timed_call_inside_another_counts_for_the_inner_callback_and_apart_methods_are_kept_apart(
+    mnist1d_small,
+):
+    listener = _Listens()
+    announcer, timer = _Announces(listener), HookTimer()
+    timer.install(announcer, apart=("evaluate",))
+    timer.install(listener)
+    module, data = mnist1d_small()
+    pl.Trainer(max_steps=5, callbacks=[announcer, listener], **trainer_kwargs()).fit(module, data)
+    assert timer.calls == {"_Announces": 5, "_Listens": 5}
+    # the listener's work (10x the evaluation's) is not the announcer's, nor is the evaluation timed apart
+    assert timer.cpu_s["_Listens"] > 3 * timer.cpu_s["_Announces"]
+    assert timer.apart_cpu_s["_Announces.evaluate"] > timer.cpu_s["_Announces"]
