@@ -22,6 +22,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -240,6 +241,8 @@ def run_one(
     for callback in callbacks:
         hook_timer.install(callback, apart=arm.timed_apart.get(type(callback).__name__, ()))
     kwargs = dict(QUIET_TRAINER)
+    # a run's files (EnergyLogger's report, checkpoints) go to a scratch folder, not the working directory
+    kwargs["default_root_dir"] = tempfile.mkdtemp(prefix="lp-bench-")
     kwargs.update(trainer_kwargs)
     kwargs.update(arm.trainer_kwargs)
     trainer = pl.Trainer(
