@@ -12,9 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples.mnist1d.models import build_mnist1d_network
-from lightning_pulse.core import prune_targets, pruning
+from lightning_pulse.core import prune_setup, prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow, LogitDistiller, distillation_loss
 from lightning_pulse.core.prune_schedule import PruneSchedule, cubic_sparsity
+from lightning_pulse.core.prune_setup import PruneOptions
+from lightning_pulse.errors import PulseRefusal
 
 
 def _cnn(seed: int = 0, channels: int = 25) -> nn.Module:
@@ -505,3 +507,101 @@ def test_sample_targets_spread_over_the_schedule_and_end_at_the_final_sparsity()
     schedule.resolve(total_steps=100)
     targets = schedule.sample_targets(4)
     assert len(targets) == 4 and targets[-1] == pytest.approx(0.5) and targets == sorted(targets)
+
+
+def test_distill_window_restore_drops_the_open_window_and_reopens_a_saved_one():
+    student = nn.Linear(4, 3)
+    window = DistillWindow(DistillConfig(steps=3))
+    window.open(student, nn.Linear(4, 3), event=0)
+    saved = window.state_dict()
+    window.restore(student, None)
+    assert window.distiller is None and window.state_dict() is None
+    window.restore(student, saved, accumulation=2)
+    assert (window.event, window.steps_left, window.distiller.weight) == (0, 3, 0.5)
+
+
+def test_prune_options_reject_bad_values_naming_the_field():
+    with pytest.raises(ValueError, match="`cadence`='weekly'"):
+        PruneOptions(cadence="weekly")
+    with pytest.raises(ValueError, match="`make_permanent`=1"):
+        PruneOptions(make_permanent=1)
+
+
+def test_setup_refuses_a_model_without_prunable_layers_and_names_the_left_out():
+    pruner = pruning.Pruner("unstructured", ("Linear",), "fc", "layer", 1)
+    with pytest.raises(
+        PulseRefusal, match=r"^ScheduledPrune: no layer of Sequential .*`exclude_pattern`='fc'"
+    ):
+        prune_setup.checked_selection(pruner, nn.Sequential(nn.Conv1d(1, 2, 3)))
+    selection = prune_setup.checked_selection(
+        pruning.Pruner("unstructured", ("Linear",), None, "layer", 1), _cnn()
+    )
+    assert selection.layers and prune_setup.left_out_note(selection) == ""
+
+
+@pytest.mark.parametrize(
+    ("cadence", "has_cycle", "has_maintain", "expected"),
+    [
+        ("auto", True, True, (True, None)),
+        ("auto", False, False, (False, None)),
+        ("steps", True, True, (False, None)),
+        ("maintain", True, True, (True, None)),
+    ],
+)
+def test_cadence_uses_maintain_starts_only_when_there_are_some(cadence, has_cycle, has_maintain, expected):
+    assert prune_setup.uses_maintain(cadence, has_cycle, has_maintain) == expected
+
+
+def test_cadence_warns_on_auto_and_refuses_maintain_without_a_maintain_phase():
+    uses, warning = prune_setup.uses_maintain("auto", True, False)
+    assert not uses and "no maintain phase" in warning
+    with pytest.raises(PulseRefusal, match="`cadence`='maintain' needs a PulseCycle"):
+        prune_setup.uses_maintain("maintain", True, False)
+
+
+def test_strategy_check_refuses_other_strategies_and_spawned_structured_or_kept_masks():
+    prune_setup.check_strategy("DDPStrategy", True, True, "unstructured", PruneOptions())
+    with pytest.raises(PulseRefusal, match="the FooStrategy strategy is not supported"):
+        prune_setup.check_strategy("FooStrategy", False, False, "unstructured", PruneOptions())
+    for mode, options in (
+        ("structured", PruneOptions()),
+        ("unstructured", PruneOptions(make_permanent=False)),
+    ):
+        with pytest.raises(PulseRefusal, match="spawning DDP"):
+            prune_setup.check_strategy("DDPStrategy", True, True, mode, options)
+
+
+def test_setup_summary_and_unfinished_warning_state_the_schedule():
+    schedule = PruneSchedule(final_sparsity=0.5, start=10, end=50, every=5)
+    schedule.resolve(100.0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    selection = prune_setup.checked_selection(
+        pruning.Pruner("unstructured", ("Linear",), None, "layer", 1), model
+    )
+    summary = prune_setup.setup_summary("unstructured", model, selection, schedule, on_maintain=False)
+    # 24 of the 30 parameters are the two weights (the rest are biases)
+    assert summary == (
+        "ScheduledPrune: unstructured pruning of 2 layers (80% of the model's weights) to 50% between steps 10 "
+        "and 50, at every 5 steps."
+    )
+    assert prune_setup.unfinished_warning(schedule, 30, events=[]) is None  # no event: nothing was pruned
+    schedule.advance(20)
+    assert "ended at step 30 before the schedule's end (step 50)" in prune_setup.unfinished_warning(
+        schedule, 30, [{}]
+    )
+    schedule.advance(60)
+    assert prune_setup.unfinished_warning(schedule, 60, [{}]) is None
+
+
+def test_structured_dry_run_returns_a_small_example_or_refuses():
+    model = _cnn()
+    pruner = pruning.Pruner("structured", ("Conv1d", "Linear"), None, "layer", 1)
+    schedule = PruneSchedule(final_sparsity=0.5, start=0, end=10)
+    schedule.resolve(10.0)
+    example = prune_setup.structured_example(model, pruner, schedule, (torch.randn(8, 40), torch.zeros(8)))
+    assert isinstance(example, tuple) and example[0].shape == (2, 40)  # forward's argument, two samples
+    output_only = nn.Sequential(nn.Linear(40, 10))  # the output layer is never cut
+    with pytest.raises(
+        PulseRefusal, match="^ScheduledPrune: structured pruning cannot run on this model: no"
+    ):
+        prune_setup.structured_example(output_only, pruner, schedule, (torch.randn(8, 40), torch.zeros(8)))

@@ -1,7 +1,8 @@
 """ScheduledPrune: gradual pruning on the cubic schedule, in maintain windows, with real compute savings.
 
 Lightning glue over :mod:`lightning_pulse.core.prune_schedule` (when, and to what sparsity),
-:mod:`lightning_pulse.core.pruning` (the prune event, and fitting a fresh module to a pruned checkpoint) and
+:mod:`lightning_pulse.core.pruning` (the prune event, and fitting a fresh module to a pruned checkpoint),
+:mod:`lightning_pulse.core.prune_setup` (options, setup checks, messages) and
 :mod:`lightning_pulse.core.distillation` (optional recovery after each event).
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,42 +26,15 @@ from lightning_pulse.callbacks.pulse_cycle import (
     pulse_cycle_of,
     run_validation_probe,
 )
-from lightning_pulse.core import prune_targets, pruning
+from lightning_pulse.core import prune_setup, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_int
+from lightning_pulse.core.prune_setup import PruneOptions
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.protocols import ParametersReplacedListener, listeners
 
 __all__ = ["DistillConfig", "PruneOptions", "ScheduledPrune"]
-
-CADENCES = ("auto", "maintain", "steps")
-
-
-@dataclass
-class PruneOptions:
-    """Rarely turned knobs of :class:`ScheduledPrune`.
-
-    Attributes:
-        initial_sparsity: sparsity at the schedule's start, in ``[0, final_sparsity]``.
-        cadence: ``"maintain"`` (events at maintain-phase starts; needs a PulseCycle with a maintain phase),
-            ``"steps"`` (every ``every`` steps), or ``"auto"`` (maintain when possible, else steps).
-        ranking: ``"layer"`` (every layer reaches the target) or ``"global"`` (all chosen layers together).
-        min_channels: structured mode: channels every layer keeps at least.
-        make_permanent: at fit end, fold unstructured masks into the weights.
-    """
-
-    initial_sparsity: float = 0.0
-    cadence: str = "auto"
-    ranking: str = "layer"
-    min_channels: int = 1
-    make_permanent: bool = True
-
-    def __post_init__(self) -> None:
-        if self.cadence not in CADENCES:
-            raise ValueError(f"`cadence`={self.cadence!r} is not one of {list(CADENCES)}.")
-        if not isinstance(self.make_permanent, bool):
-            raise ValueError(f"`make_permanent`={self.make_permanent!r} must be a bool.")
 
 
 class ScheduledPrune(Callback):
@@ -73,10 +46,9 @@ class ScheduledPrune(Callback):
     pruned. ``mode="unstructured"`` masks weights (``torch.nn.utils.prune``; no speedup on dense kernels);
     ``mode="structured"`` removes output channels with torch-pruning (coupled layers follow, output layers are
     never cut), cuts the optimizer's state in place, re-wraps DDP and tells every
-    :class:`~lightning_pulse.protocols.ParametersReplacedListener`. It traces the module's ``forward`` on its
-    ``example_input_array`` or, without one, on arguments taken from the first training batch by ``forward``'s
-    signature, and first prunes a copy to the schedule's levels: a model that cannot be cut safely is refused
-    before the first step.
+    :class:`~lightning_pulse.protocols.ParametersReplacedListener`. It traces ``forward`` on
+    ``example_input_array`` (else on the first training batch, by ``forward``'s signature) and first prunes a
+    copy to the schedule's levels: a model that cannot be cut safely is refused before the first step.
 
     Layers read without their forward (``nn.MultiheadAttention.out_proj``) and one side of a tied weight are
     never pruned; Hugging Face ``Conv1D`` layers are selected by default. The setup line names what was left
@@ -213,41 +185,24 @@ class ScheduledPrune(Callback):
             self.schedule.resolve(float(trainer.estimated_stepping_batches))
         except ValueError as error:
             raise PulseRefusal(f"ScheduledPrune: {error}") from None
-        selection = self.pruner.selection(pl_module)
-        left_out = f" Left out: {selection.describe_left_out()}." if selection.left_out else ""
-        if not selection.layers:
-            raise PulseRefusal(
-                f"ScheduledPrune: no layer of {pl_module.__class__.__name__} can be pruned with `layer_types`="
-                f"{[t.__name__ for t in self.pruner.layer_types]}, `exclude_pattern`={self.pruner.exclude_pattern!r}."
-                f"{left_out} Choose other `layer_types` or remove ScheduledPrune."
-            )
+        selection = prune_setup.checked_selection(self.pruner, pl_module)
         if self.mode == "structured":
-            self._refuse_structured(pruning.structured_blocker(pl_module, selection))
+            prune_setup.refuse_structured(pruning.structured_blocker(pl_module, selection))
             if getattr(pl_module, "example_input_array", None) is not None:
-                self._check_structured(pl_module, None)
+                self._example = prune_setup.structured_example(pl_module, self.pruner, self.schedule, None)
         cycle = pulse_cycle_of(trainer)
         duration = cycle.clock.durations.get(Phase.MAINTAIN) if cycle is not None else None
         has_maintain = duration is not None and not duration.is_zero
-        cadence = self.options.cadence
-        if cadence == "maintain" and not has_maintain:
-            raise PulseRefusal(
-                "ScheduledPrune: `cadence`='maintain' needs a PulseCycle with a non-zero maintain phase; add one "
-                "or use `cadence`='steps'."
-            )
-        if cadence == "auto" and cycle is not None and not has_maintain:
-            rank_zero_warn(
-                "ScheduledPrune: the PulseCycle has no maintain phase; pruning on the step cadence."
-            )
-        self._uses_maintain = has_maintain and cadence != "steps"
+        self._uses_maintain, warning = prune_setup.uses_maintain(
+            self.options.cadence, cycle is not None, has_maintain
+        )
+        if warning is not None:
+            rank_zero_warn(warning)
         self._last_global_step = trainer.global_step
         self._restore_teacher(trainer, pl_module)
         self._training = True
-        where = "maintain-phase starts" if self._uses_maintain else f"every {self.schedule.every} steps"
-        share = prune_targets.weight_share(pl_module, selection.layers)
         rank_zero_info(
-            f"ScheduledPrune: {self.mode} pruning of {len(selection.layers)} layers ({share:.0%} of the model's "
-            f"weights) to {self.final_sparsity:.0%} between steps {self.schedule.start_step} and "
-            f"{self.schedule.end_step}, at {where}.{left_out}"
+            prune_setup.setup_summary(self.mode, pl_module, selection, self.schedule, self._uses_maintain)
         )
 
     @override
@@ -255,7 +210,8 @@ class ScheduledPrune(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.mode == "structured" and self._example is None and self.pruner.example_inputs is None:
-            self._check_structured(pl_module, batch)  # on the first batch, before its step
+            # on the first batch, before its step
+            self._example = prune_setup.structured_example(pl_module, self.pruner, self.schedule, batch)
 
     @override
     def on_train_batch_end(
@@ -284,14 +240,9 @@ class ScheduledPrune(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._training = False
         self._end_distillation(trainer)
-        if not self.finished and self.events:
-            # on the maintain cadence the schedule's end can pass between two maintain entries
-            end = self.schedule.end_step
-            when = "before" if trainer.global_step < end else "with no event at or after"
-            rank_zero_warn(
-                f"ScheduledPrune: the run ended at step {trainer.global_step} {when} the schedule's end (step "
-                f"{end}); sparsity reached {self.sparsity:.3f} of {self.final_sparsity}."
-            )
+        warning = prune_setup.unfinished_warning(self.schedule, trainer.global_step, self.events)
+        if warning is not None:
+            rank_zero_warn(warning)
         if self.mode == "unstructured" and self.options.make_permanent:
             pruning.make_masks_permanent(pl_module)
         if self.events:
@@ -352,41 +303,13 @@ class ScheduledPrune(Callback):
         checkpoint = compat.loaded_checkpoint(trainer) if trainer is not None else None
         return ((checkpoint or {}).get("callbacks") or {}).get(self.state_key)
 
-    def _refuse_structured(self, reason: str | None) -> None:
-        if reason is not None:
-            raise PulseRefusal(
-                f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured'; "
-                "or give the module a `forward` (and an `example_input_array` when a batch does not hold its "
-                "arguments) that runs the model, or narrow `layer_types`/`exclude_pattern` to layers that can be cut."
-            )
-
-    def _check_structured(self, pl_module: pl.LightningModule, batch: Any) -> None:
-        try:
-            example = pruning.small_example(pruning.example_input(pl_module, batch))
-        except ValueError as error:
-            self._refuse_structured(str(error))
-        self._refuse_structured(
-            pruning.check_structured(pl_module, self.pruner, self.schedule.sample_targets(), example)
-        )
-        self._example = example
-
     def _check_strategy(self, trainer: pl.Trainer) -> None:
         from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
         strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
-            raise PulseRefusal(
-                f"ScheduledPrune: the {type(strategy).__name__} strategy is not supported (single device and DDP "
-                "are); use strategy='ddp' or one device."
-            )
+        supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
         spawns = isinstance(strategy, DDPStrategy) and compat.spawns_worker_processes(trainer)
-        if spawns and (self.mode == "structured" or not self.options.make_permanent):
-            raise PulseRefusal(
-                "ScheduledPrune: mode='structured' or make_permanent=False cannot run under a spawning DDP "
-                "strategy (ddp_spawn, ddp_fork, ddp_notebook): Lightning copies rank 0's final weights back into "
-                "the main process's unpruned, unmasked module, which cannot take pruned shapes and would silently "
-                "drop masked layers. Use strategy='ddp'."
-            )
+        prune_setup.check_strategy(type(strategy).__name__, supported, spawns, self.mode, self.options)
 
     def _probe(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, maintain_entry: bool = False
@@ -410,10 +333,7 @@ class ScheduledPrune(Callback):
     def _restore_teacher(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         saved, self._pending_teacher = self._pending_teacher, None
         if self._window is not None:
-            self._window.close()
-            if saved is not None:
-                accumulation = trainer.accumulate_grad_batches
-                self._window.load_state_dict(pl_module, saved, accumulation, pl_module.device)
+            self._window.restore(pl_module, saved, trainer.accumulate_grad_batches, pl_module.device)
 
     def _end_distillation(self, trainer: pl.Trainer | None) -> None:
         closed = self._window.close(self.events) if self._window is not None else None

@@ -248,6 +248,18 @@ class DistillWindow:
             return None
         return {**self.distiller.state_dict(), "steps_left": self.steps_left, "event": self.event}
 
+    def restore(
+        self,
+        student: nn.Module,
+        state: dict[str, Any] | None,
+        accumulation: int = 1,
+        map_location: Any = None,
+    ) -> None:
+        """Close the open window and reopen the one saved in ``state``, if any (a resume or a rollback)."""
+        self.close()
+        if state is not None:
+            self.load_state_dict(student, state, accumulation, map_location)
+
     def load_state_dict(
         self, student: nn.Module, state: dict[str, Any], accumulation: int = 1, map_location: Any = None
     ) -> None:

@@ -1,0 +1,144 @@
+"""What :class:`~lightning_pulse.ScheduledPrune` checks and says around a fit, without a Trainer.
+
+Its rarely turned knobs (:class:`PruneOptions`), the setup-time checks that refuse a run before the first step
+(an unsupported strategy, no layer to prune, a maintain cadence without a maintain phase, a model structured
+pruning cannot trace or cut safely), and the lines it logs at setup and at fit end. The callback feeds these with what it reads from
+the trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from lightning_pulse.core import prune_targets, pruning
+from lightning_pulse.core.prune_schedule import PruneSchedule
+from lightning_pulse.core.prune_targets import LayerSelection
+from lightning_pulse.errors import PulseRefusal
+
+CADENCES = ("auto", "maintain", "steps")
+
+
+@dataclass
+class PruneOptions:
+    """Rarely turned knobs of :class:`~lightning_pulse.ScheduledPrune`.
+
+    Attributes:
+        initial_sparsity: sparsity at the schedule's start, in ``[0, final_sparsity]``.
+        cadence: ``"maintain"`` (events at maintain-phase starts; needs a PulseCycle with a maintain phase),
+            ``"steps"`` (every ``every`` steps), or ``"auto"`` (maintain when possible, else steps).
+        ranking: ``"layer"`` (every layer reaches the target) or ``"global"`` (all chosen layers together).
+        min_channels: structured mode: channels every layer keeps at least.
+        make_permanent: at fit end, fold unstructured masks into the weights.
+    """
+
+    initial_sparsity: float = 0.0
+    cadence: str = "auto"
+    ranking: str = "layer"
+    min_channels: int = 1
+    make_permanent: bool = True
+
+    def __post_init__(self) -> None:
+        if self.cadence not in CADENCES:
+            raise ValueError(f"`cadence`={self.cadence!r} is not one of {list(CADENCES)}.")
+        if not isinstance(self.make_permanent, bool):
+            raise ValueError(f"`make_permanent`={self.make_permanent!r} must be a bool.")
+
+
+def check_strategy(name: str, supported: bool, spawns: bool, mode: str, options: PruneOptions) -> None:
+    """Raise :class:`PulseRefusal` for a strategy other than single device and DDP (``supported``), or for
+    structured mode or kept masks under a DDP strategy that ``spawns`` worker processes."""
+    if not supported:
+        raise PulseRefusal(
+            f"ScheduledPrune: the {name} strategy is not supported (single device and DDP are); use "
+            "strategy='ddp' or one device."
+        )
+    if spawns and (mode == "structured" or not options.make_permanent):
+        raise PulseRefusal(
+            "ScheduledPrune: mode='structured' or make_permanent=False cannot run under a spawning DDP "
+            "strategy (ddp_spawn, ddp_fork, ddp_notebook): Lightning copies rank 0's final weights back into "
+            "the main process's unpruned, unmasked module, which cannot take pruned shapes and would silently "
+            "drop masked layers. Use strategy='ddp'."
+        )
+
+
+def checked_selection(pruner: pruning.Pruner, model: nn.Module) -> LayerSelection:
+    """The layers ``pruner`` would prune in ``model``; :class:`PulseRefusal` when there is none."""
+    selection = pruner.selection(model)
+    if not selection.layers:
+        raise PulseRefusal(
+            f"ScheduledPrune: no layer of {model.__class__.__name__} can be pruned with `layer_types`="
+            f"{[t.__name__ for t in pruner.layer_types]}, `exclude_pattern`={pruner.exclude_pattern!r}."
+            f"{left_out_note(selection)} Choose other `layer_types` or remove ScheduledPrune."
+        )
+    return selection
+
+
+def left_out_note(selection: LayerSelection) -> str:
+    """``" Left out: a (why), ..."`` for the messages, or ``""`` when every candidate layer was selected."""
+    return f" Left out: {selection.describe_left_out()}." if selection.left_out else ""
+
+
+def uses_maintain(cadence: str, has_cycle: bool, has_maintain: bool) -> tuple[bool, str | None]:
+    """Whether events happen at maintain-phase starts, and a warning to give (or ``None``).
+
+    Raises :class:`PulseRefusal` for ``cadence="maintain"`` without a non-zero maintain phase.
+    """
+    if cadence == "maintain" and not has_maintain:
+        raise PulseRefusal(
+            "ScheduledPrune: `cadence`='maintain' needs a PulseCycle with a non-zero maintain phase; add one "
+            "or use `cadence`='steps'."
+        )
+    warning = None
+    if cadence == "auto" and has_cycle and not has_maintain:
+        warning = "ScheduledPrune: the PulseCycle has no maintain phase; pruning on the step cadence."
+    return has_maintain and cadence != "steps", warning
+
+
+def refuse_structured(reason: str | None) -> None:
+    """Raise :class:`PulseRefusal` with the way out when structured pruning cannot run for ``reason``."""
+    if reason is not None:
+        raise PulseRefusal(
+            f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured'; "
+            "or give the module a `forward` (and an `example_input_array` when a batch does not hold its "
+            "arguments) that runs the model, or narrow `layer_types`/`exclude_pattern` to layers that can be cut."
+        )
+
+
+def structured_example(model: nn.Module, pruner: pruning.Pruner, schedule: PruneSchedule, batch: Any) -> Any:
+    """The small trace input of ``model`` (from ``example_input_array``, else ``batch``), once a copy of the
+    model has been pruned to the schedule's levels on it; :class:`PulseRefusal` when that is not safe."""
+    try:
+        example = pruning.small_example(pruning.example_input(model, batch))
+    except ValueError as error:
+        refuse_structured(str(error))
+    refuse_structured(pruning.check_structured(model, pruner, schedule.sample_targets(), example))
+    return example
+
+
+def setup_summary(
+    mode: str, model: nn.Module, selection: LayerSelection, schedule: PruneSchedule, on_maintain: bool
+) -> str:
+    """The line logged when training starts: what is pruned, how far, between which steps and when."""
+    where = "maintain-phase starts" if on_maintain else f"every {schedule.every} steps"
+    share = prune_targets.weight_share(model, selection.layers)
+    return (
+        f"ScheduledPrune: {mode} pruning of {len(selection.layers)} layers ({share:.0%} of the model's "
+        f"weights) to {schedule.final_sparsity:.0%} between steps {schedule.start_step} and "
+        f"{schedule.end_step}, at {where}.{left_out_note(selection)}"
+    )
+
+
+def unfinished_warning(schedule: PruneSchedule, step: int, events: Sequence[Any]) -> str | None:
+    """At fit end, the warning for a run that stopped at ``step`` before the schedule finished, or ``None``."""
+    if schedule.finished or not events:
+        return None
+    # on the maintain cadence the schedule's end can pass between two maintain entries
+    when = "before" if step < schedule.end_step else "with no event at or after"
+    return (
+        f"ScheduledPrune: the run ended at step {step} {when} the schedule's end (step {schedule.end_step}); "
+        f"sparsity reached {schedule.sparsity:.3f} of {schedule.final_sparsity}."
+    )
