@@ -10,14 +10,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_pulse.core.activation_cache import check_cache_mb
 from lightning_pulse.core.backward_flops import BackwardFlopLedger
-from lightning_pulse.core.freeze_units import ForwardOrderTrace, discover_units
+from lightning_pulse.core.freeze_metrics import freeze_event, freeze_metrics
+from lightning_pulse.core.freeze_units import ForwardOrderTrace, check_unit_names, discover_units, order_note
 from lightning_pulse.core.layer_freezing import (
     FreezeSettings,
     FreezeWindow,
     LayerFreezer,
+    StepReport,
     freezer_from_state,
+    in_span,
     relative_parameter_change,
+    restore_during_fit,
 )
 
 
@@ -350,6 +355,56 @@ def test_disabled_phase_releases_the_prefix_at_once_and_a_light_phase_refreezes_
     assert freezer.freeze_from_last_check() and freezer.frozen_prefix == 2  # the scores are still fresh
 
 
+def test_follow_phase_releases_on_a_burst_refreezes_on_a_light_phase_and_only_releases_on_resume():
+    model = mlp()
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=1.0)
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)), settings)
+    drive(freezer, slowing, 5)
+    assert freezer.frozen_prefix == 2
+    assert not freezer.follow_phase(True, resume=True) and freezer.frozen_prefix == 2
+    assert freezer.follow_phase(False) and freezer.frozen_prefix == 0
+    assert not freezer.follow_phase(True, resume=True) and freezer.frozen_prefix == 0
+    assert freezer.follow_phase(True) and freezer.frozen_prefix == 2
+    assert freezer.follow_phase(False, resume=True) and freezer.frozen_prefix == 0
+
+
+def test_restore_during_fit_retraces_units_for_a_state_saved_before_the_first_backward():
+    model = mlp()
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=1.0)
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)), settings)
+    state = freezer.state_dict()
+    drive(freezer, slowing, 5)
+    assert freezer.frozen_prefix == 2
+    restored, trace = restore_during_fit(freezer, None, state, model, settings)
+    assert restored is freezer and trace is None and freezer.frozen_prefix == 0
+    drive(freezer, slowing, 5)
+    restored, trace = restore_during_fit(freezer, None, None, model, settings)
+    assert restored is None and [u.name for u in trace.units] == ["0", "2", "4"]
+    assert all(p.requires_grad for p in model.parameters())
+    pending = ForwardOrderTrace(freezer.units)
+    assert restore_during_fit(None, pending, None, model, settings) == (None, pending)
+
+
+def test_step_metrics_carry_the_prefix_and_leave_out_what_has_no_value():
+    model = mlp()
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=1.0)
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)), settings)
+    report = drive(freezer, slowing, 5)[-1]
+    metrics = freeze_metrics(report, freezer, BackwardFlopLedger(), None, measure_flops=False)
+    assert metrics == {
+        "gradient_cache/frozen_share": 0.0,
+        "gradient_cache/frozen_units": 2.0,
+        "gradient_cache/staleness": 0.0,
+    }
+    metrics = freeze_metrics(StepReport(frozen_share=0.5), freezer, BackwardFlopLedger(), None, True)
+    assert (
+        metrics["gradient_cache/frozen_share"] == 0.5
+        and metrics["gradient_cache/backward_flops_skipped"] == 0
+    )
+    assert freeze_event(7.0, 0, 2, "check") == {"step": 7, "from": 0, "to": 2, "reason": "check"}
+    assert order_note(freezer.units).startswith("units in forward order: 0(4100), 2(10100), 4(1010)")
+
+
 def test_state_dict_round_trip_continues_identically():
     def fresh():
         model = mlp()
@@ -407,6 +462,8 @@ def test_flop_ledger_counts_skipped_backward_work():
 
 def test_freeze_window_resolves_shares_of_the_run():
     assert FreezeWindow(start_at=0.25, release_at=90).steps(200.0) == (50, 90)
+    assert [in_span((50, 90), step) for step in (49, 50, 89, 90)] == [False, True, True, False]
+    assert in_span((None, None), 0) and in_span((None, 3), 2) and not in_span((4, None), 3)
     assert FreezeWindow().steps(math.inf) == (None, None)
     with pytest.raises(ValueError, match="`release_at`=0.5 is a share of the run"):
         FreezeWindow(release_at=0.5).steps(math.inf)
@@ -427,6 +484,17 @@ def test_freeze_window_resolves_shares_of_the_run():
 def test_bad_settings_fail_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"`{field}`"):
         FreezeSettings(**kwargs)
+
+
+def test_unit_names_and_cache_budget_are_checked_naming_the_field():
+    assert check_unit_names(None) is None and check_unit_names(("a", "b")) == ["a", "b"]
+    for bad in ([], "a", ["a", 1]):
+        with pytest.raises(ValueError, match="`units`="):
+            check_unit_names(bad)
+    assert check_cache_mb(0) == 0.0 and isinstance(check_cache_mb(2), float)
+    for bad in (-1, math.inf, True, "8"):
+        with pytest.raises(ValueError, match="`activation_cache_mb`="):
+            check_cache_mb(bad)
 
 
 # ------------------------------------------------------------------------------------------ activation cache

@@ -7,7 +7,6 @@ this file is the Lightning glue.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,45 +17,46 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import phase_of
-from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixActivationCache
+from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixActivationCache, check_cache_mb
 from lightning_pulse.core.backward_flops import BackwardFlopLedger
+from lightning_pulse.core.freeze_metrics import METRIC_PREFIX as METRIC_PREFIX
+from lightning_pulse.core.freeze_metrics import freeze_event, freeze_metrics
 from lightning_pulse.core.freeze_units import (
     ForwardOrderTrace,
-    FreezeUnit,
+    check_unit_names,
     discover_units,
+    order_note,
     pinned_note,
-    replace_unit_parameters,
 )
 from lightning_pulse.core.layer_freezing import (
     FreezeSettings,
     FreezeWindow,
     LayerFreezer,
+    StepReport,
     check_wrapped_model,
+    follow_replaced_parameters,
+    in_span,
+    restore_during_fit,
     restore_freezer,
 )
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import Phase, PhaseChange
-
-METRIC_PREFIX = "gradient_cache/"
 
 
 class GradientCache(Callback):
     r"""Freezes the leading module units whose parameters have stopped moving, so backward stops early.
 
     Every ``check_every`` optimizer steps each unit (embedding, block, head, ... found automatically, in forward
-    order) is scored by its plasticity: its relative parameter movement over the window divided by the largest
-    it ever had. The longest run of stable units (score ``<= threshold``) from the input side is frozen with
-    ``requires_grad=False``, so autograd stops backward at the first trainable unit: the frozen prefix costs no
-    backward FLOPs. A freeze lasts at most ``freeze_for`` steps; then the prefix trains one window and is frozen
-    again only if still stable. Frozen parameters get ``grad=None``, so torch optimizers leave them and their
-    state alone.
+    order) is scored by its plasticity: its relative parameter movement over the window over the largest it ever
+    had. The longest stable run (score ``<= threshold``) from the input side gets ``requires_grad=False``, so
+    backward stops at the first trainable unit. A freeze lasts at most ``freeze_for`` steps; then the prefix
+    trains one window and refreezes only if still stable. Frozen parameters get ``grad=None``: torch optimizers
+    leave them and their state alone.
 
-    Freezing happens in the phases named by ``phases``; a burst releases everything. Without a
-    :class:`~lightning_pulse.PulseCycle` the callback acts as if always in the replay phase (continuous,
-    Egeria/AutoFreeze-style freezing). Decisions fall between optimizer steps (never inside an accumulation
-    window). Under DDP rank 0's verdicts are broadcast once per window; the strategy needs
-    ``find_unused_parameters=True`` and no ``static_graph``. A :class:`~lightning_pulse.StabilityGuard` rollback
-    takes the scores, timers and frozen set back with the model.
+    Freezing happens in ``phases``; a burst releases everything; without a :class:`~lightning_pulse.PulseCycle`
+    it is always the replay phase (Egeria/AutoFreeze-style). Decisions fall between optimizer steps. Under DDP
+    rank 0's verdicts are broadcast once per window. A :class:`~lightning_pulse.StabilityGuard` rollback takes
+    the scores, timers and frozen set back with the model.
 
     Args:
         threshold: a unit is stable when its plasticity score is ``<= threshold`` (>= 0); scores never exceed 1,
@@ -75,10 +75,9 @@ class GradientCache(Callback):
         measure_flops: measure each frozen-prefix length's backward once with ``torch.utils.flop_counter`` and
             log the backward FLOPs skipped.
 
-    A unit holding a parameter that the model also holds elsewhere (a tied embedding and output layer, found
-    with ``named_parameters(remove_duplicate=False)``) never freezes: the frozen prefix stops before it, and the
-    setup log names it. Structured pruning's replaced parameters are followed
-    (``on_pulse_parameters_replaced``); names saved before an unstructured prune resolve to ``weight_orig``.
+    A unit holding a parameter the model also holds elsewhere (a tied embedding and head) never freezes: the
+    prefix stops before it, and the setup log names it. Parameters replaced by structured pruning are followed;
+    names saved before an unstructured prune resolve to ``weight_orig``.
 
     Raises:
         ValueError: at construction, naming the field, for a value out of range. At train start, for a
@@ -113,20 +112,11 @@ class GradientCache(Callback):
         super().__init__()
         self.settings = FreezeSettings(threshold, check_every, freeze_for, max_frozen_share)
         self.window = FreezeWindow(phases, start_at, release_at)  # type: ignore[arg-type]
-        if units is not None and (
-            isinstance(units, str) or not units or not all(isinstance(u, str) for u in units)
-        ):
-            raise ValueError(
-                f"`units`={units!r} must be None or a non-empty list of module or parameter names."
-            )
-        mb = activation_cache_mb
-        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 <= mb < math.inf:
-            raise ValueError(f"`activation_cache_mb`={mb!r} must be a finite number >= 0 (0 is off).")
+        self.unit_names = check_unit_names(units)
+        self.activation_cache_mb = check_cache_mb(activation_cache_mb)
         if not isinstance(measure_flops, bool):
             raise ValueError(f"`measure_flops`={measure_flops!r} must be a bool.")
         self.phases = tuple(Phase(name) for name in self.window.phases)
-        self.unit_names = list(units) if units is not None else None
-        self.activation_cache_mb = float(activation_cache_mb)
         self.measure_flops = measure_flops
 
         self.freezer: LayerFreezer | None = None
@@ -186,12 +176,13 @@ class GradientCache(Callback):
             self._replan()
             self.ledger.load_state_dict(state["ledger"])
             self.events = list(state["events"])
-            if self.freezer is not None:
-                _log_shared(self.freezer.units)
-                return
-        # a fresh run (or a checkpoint from before the first backward): units are ordered at the first backward
-        self._trace = ForwardOrderTrace(discover_units(pl_module, self.unit_names))
-        _log_shared(self._trace.units)
+        if self.freezer is not None:
+            units = self.freezer.units
+        else:  # a fresh run (or a checkpoint from before the first backward): ordered at the first backward
+            self._trace = ForwardOrderTrace(discover_units(pl_module, self.unit_names))
+            units = self._trace.units
+        if (note := pinned_note(units)) is not None:
+            rank_zero_info(f"GradientCache: {note}.")
 
     def _setup_activation_cache(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._replay = None
@@ -251,10 +242,7 @@ class GradientCache(Callback):
                 )
             elif self.freezer.pinned_first is not None:
                 rank_zero_warn(f"GradientCache: {self.freezer.pinned_first}.")
-            rank_zero_info(
-                "GradientCache: units in forward order: "
-                + ", ".join(f"{u.name}({u.numel})" + ("" if u.used else "[unused]") for u in units)
-            )
+            rank_zero_info(f"GradientCache: {order_note(units)}")
 
     # ------------------------------------------------------------------ the step
     @override
@@ -264,7 +252,7 @@ class GradientCache(Callback):
         if self.freezer is None:
             return
         before = self.freezer.frozen_prefix
-        enabled = self._phase_enabled and self._in_span(trainer.global_step + 1)
+        enabled = self._phase_enabled and in_span(self._span, trainer.global_step + 1)
         report = self.freezer.step(enabled, _from_rank_zero(trainer))  # DDP: one broadcast per window
         if report.changed:
             self._record(trainer.global_step + 1, before, "check" if report.window_closed else "release")
@@ -272,12 +260,8 @@ class GradientCache(Callback):
         if trainer.loggers and (
             report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
         ):
-            self._log(trainer, report.frozen_share, report.frozen_prefix)
+            self._log(trainer, report)
         self.ledger.new_step()
-
-    def _in_span(self, step: int) -> bool:
-        start, release = self._span
-        return (start is None or step >= start) and (release is None or step < release)
 
     @override
     def on_pulse_phase_change(
@@ -288,26 +272,15 @@ class GradientCache(Callback):
         if self.freezer is None:
             return
         before = self.freezer.frozen_prefix
-        enabled = self._phase_enabled and self._in_span(trainer.global_step)
-        if change.reason == "resume":
-            # a restored state holds the frozen set of the moment it was saved; after a rollback the clock did
-            # not go back, so a prefix saved in a light phase must not stay frozen in a burst
-            changed = not enabled and self.freezer.release_all()
-        elif enabled:
-            changed = self.freezer.freeze_from_last_check()
-        else:
-            changed = self.freezer.release_all()
-        if changed:
+        enabled = self._phase_enabled and in_span(self._span, trainer.global_step)
+        if self.freezer.follow_phase(enabled, resume=change.reason == "resume"):
             self._record(trainer.global_step, before, f"phase:{change.current.value}")
 
     def on_pulse_parameters_replaced(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
     ) -> None:
         """Follow parameters that structured pruning replaced: units, window snapshots, FLOP measurements."""
-        if self.freezer is not None:
-            self.freezer.replace_parameters(remap)
-        if self._trace is not None:
-            replace_unit_parameters(self._trace.units, remap)
+        follow_replaced_parameters(remap, self.freezer, self._trace)
         self.ledger.remeasure()
         self._replan(again=True)
 
@@ -351,12 +324,10 @@ class GradientCache(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the state of :meth:`state_dict`.
 
-        Before training starts (a checkpoint restore, which Lightning runs before the strategy wraps the model)
-        the state is applied in ``on_train_start``: DDP must see every parameter trainable when it wraps the
-        model. During training (a :class:`~lightning_pulse.StabilityGuard` rollback) it applies at once: scores,
-        windows and timers return to the saved ones, the saved frozen set gets ``requires_grad`` off and every
-        other unit on, and the activation cache starts over. The FLOP ledger and ``events`` keep counting what
-        really ran.
+        Before training (a checkpoint restore) the state applies in ``on_train_start``, since DDP must see every
+        parameter trainable when it wraps the model. During training (a rollback) it applies at once: scores,
+        windows, timers and the frozen set return to the saved ones, and the activation cache starts over. The
+        FLOP ledger and ``events`` keep counting what really ran.
         """
         if self._fit_refs is None:
             self._pending_state = dict(state_dict)
@@ -364,51 +335,29 @@ class GradientCache(Callback):
         trainer, pl_module = self._fit_refs
         self._close_contexts()
         before = self.freezer.frozen_prefix if self.freezer is not None else 0
-        units = self.freezer.units if self.freezer is not None else None
-        self.freezer = restore_freezer(self.freezer, state_dict["cache"], pl_module, self.settings)
-        if self.freezer is not None:
-            self._trace = None
-        elif units is not None:
-            # saved before the first backward: the units are traced into forward order again
-            self._trace = ForwardOrderTrace(units)
+        self.freezer, self._trace = restore_during_fit(
+            self.freezer, self._trace, state_dict["cache"], pl_module, self.settings
+        )
         # the records were made with parameters the rollback may have changed: record again
         self._replan(again=True)
         self.ledger.new_step()
         after = self.freezer.frozen_prefix if self.freezer is not None else 0
         if after != before:
-            self.events.append(
-                {"step": int(trainer.global_step), "from": before, "to": after, "reason": "restore"}
-            )
+            self.events.append(freeze_event(trainer.global_step, before, after, "restore"))
 
     # ------------------------------------------------------------------ reporting
     def _record(self, step: int, before: int, reason: str) -> None:
         assert self.freezer is not None
-        self.events.append(
-            {"step": int(step), "from": before, "to": self.freezer.frozen_prefix, "reason": reason}
-        )
+        self.events.append(freeze_event(step, before, self.freezer.frozen_prefix, reason))
         self._replan()
 
-    def _log(self, trainer: pl.Trainer, frozen_share: float, frozen_prefix: int) -> None:
+    def _log(self, trainer: pl.Trainer, report: StepReport) -> None:
         assert self.freezer is not None
-        metrics = {
-            "frozen_share": frozen_share,
-            "frozen_units": float(frozen_prefix),
-            "staleness": float(self.freezer.staleness),
-            "backward_flops_skipped": self.ledger.step_skipped if self.measure_flops else None,
-            "backward_flops_skipped_share": self.ledger.skipped_share,
-            "cache_hit_rate": self.freezer.cache_hit_rate,
-            "activation_hit_rate": self.activations.hit_rate if self.activations is not None else None,
-        }
         # straight to the loggers, like PulseCycle: cheaper than `pl_module.log` every step
         if trainer.is_global_zero:
-            logged = {METRIC_PREFIX + k: v for k, v in metrics.items() if v is not None}
+            logged = freeze_metrics(report, self.freezer, self.ledger, self.activations, self.measure_flops)
             for logger in trainer.loggers:
                 logger.log_metrics(logged, step=trainer.global_step)
-
-
-def _log_shared(units: Sequence[FreezeUnit]) -> None:
-    if (note := pinned_note(units)) is not None:
-        rank_zero_info(f"GradientCache: {note}.")
 
 
 def _from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | None:

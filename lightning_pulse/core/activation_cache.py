@@ -6,6 +6,7 @@ dataset indices of every batch (:class:`~lightning_pulse.core.sample_index.Sampl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,18 @@ from torch import nn
 
 if TYPE_CHECKING:
     from lightning_pulse.core.sample_index import SampleIndexTracker
+
+
+def check_cache_mb(activation_cache_mb: float) -> float:
+    """``activation_cache_mb`` as a float.
+
+    Raises:
+        ValueError: naming ``activation_cache_mb``, for anything but a finite number ``>= 0`` (0 is off).
+    """
+    mb = activation_cache_mb
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 <= mb < math.inf:
+        raise ValueError(f"`activation_cache_mb`={mb!r} must be a finite number >= 0 (0 is off).")
+    return float(mb)
 
 
 def uncacheable_reason(module: nn.Module) -> str | None:

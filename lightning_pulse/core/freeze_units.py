@@ -101,6 +101,26 @@ def mark_shared(units: Sequence[FreezeUnit], root: nn.Module) -> list[FreezeUnit
     return list(units)
 
 
+def check_unit_names(units: Sequence[str] | None) -> list[str] | None:
+    """``units`` as a list of module or parameter names (``None``: the automatic split).
+
+    Raises:
+        ValueError: naming ``units``, for a string, an empty list or a non-string name.
+    """
+    if units is None:
+        return None
+    if isinstance(units, str) or not units or not all(isinstance(u, str) for u in units):
+        raise ValueError(f"`units`={units!r} must be None or a non-empty list of module or parameter names.")
+    return list(units)
+
+
+def order_note(units: Sequence[FreezeUnit]) -> str:
+    """One line listing ``units`` in forward order with their sizes, the unused ones marked."""
+    return "units in forward order: " + ", ".join(
+        f"{u.name}({u.numel})" + ("" if u.used else "[unused]") for u in units
+    )
+
+
 def pinned_note(units: Sequence[FreezeUnit]) -> str | None:
     """One line naming the pinned units and the other names of their parameters (``None``: none pinned)."""
     pinned = [f"{u.name} (also {', '.join(u.shared_with)})" for u in units if u.pinned]

@@ -22,7 +22,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_pulse.core.freeze_units import FreezeUnit, cut_like, mark_shared, replace_unit_parameters
+from lightning_pulse.core.freeze_units import (
+    ForwardOrderTrace,
+    FreezeUnit,
+    cut_like,
+    mark_shared,
+    replace_unit_parameters,
+)
 from lightning_pulse.errors import PulseRefusal
 
 STATE_VERSION = 2
@@ -87,6 +93,12 @@ class FreezeWindow:
                 point = int(round(point * total_steps))
             resolved.append(point)
         return resolved[0], resolved[1]
+
+
+def in_span(span: tuple[int | None, int | None], step: int) -> bool:
+    """Whether optimizer step ``step`` lies in ``span``, a ``(start, release)`` from :meth:`FreezeWindow.steps`."""
+    start, release = span
+    return (start is None or step >= start) and (release is None or step < release)
 
 
 @dataclass(frozen=True)
@@ -297,6 +309,17 @@ class LayerFreezer:
     def freeze_from_last_check(self) -> bool:
         """Freeze the prefix that the last check found stable and fresh (a light phase started)."""
         return self.set_prefix(self._propose(True))
+
+    def follow_phase(self, enabled: bool, resume: bool = False) -> bool:
+        """A pulse phase started: freeze the last stable prefix if freezing is ``enabled``, else release all.
+
+        On ``resume`` the restored state already holds the frozen set of the moment it was saved; a rollback
+        does not turn the clock back, so only a release applies (a prefix saved in a light phase must not stay
+        frozen in a burst). Returns whether anything changed.
+        """
+        if resume:
+            return not enabled and self.release_all()
+        return self.freeze_from_last_check() if enabled else self.release_all()
 
     def apply_requires_grad(self) -> None:
         """Set ``requires_grad`` of every unit from the frozen flags (after restoring a state)."""
@@ -510,6 +533,39 @@ def restore_freezer(
         freezer = freezer_from_state(state, model, settings)
     freezer.apply_requires_grad()
     return freezer
+
+
+def restore_during_fit(
+    current: LayerFreezer | None,
+    trace: ForwardOrderTrace | None,
+    state: Mapping[str, Any] | None,
+    model: nn.Module,
+    settings: FreezeSettings,
+) -> tuple[LayerFreezer | None, ForwardOrderTrace | None]:
+    """:func:`restore_freezer` in the middle of a fit (a rollback), with the pending unit trace to go with it.
+
+    A state saved before the first backward (``None``) has no order yet: the current freezer's units are traced
+    into forward order again. Returns ``(freezer, trace)``; at most one of them is not ``None``, unless
+    ``current`` and ``state`` are both ``None`` and ``trace`` is kept.
+    """
+    units = current.units if current is not None else None
+    freezer = restore_freezer(current, state, model, settings)
+    if freezer is not None:
+        return freezer, None
+    return None, ForwardOrderTrace(units) if units is not None else trace
+
+
+def follow_replaced_parameters(
+    replacements: Iterable[tuple[nn.Parameter, nn.Parameter, torch.Tensor]],
+    freezer: LayerFreezer | None,
+    trace: ForwardOrderTrace | None,
+) -> None:
+    """Point the freezer (units and window snapshots) and a pending trace's units at replaced parameters."""
+    replacements = list(replacements)
+    if freezer is not None:
+        freezer.replace_parameters(replacements)
+    if trace is not None:
+        replace_unit_parameters(trace.units, replacements)
 
 
 def check_wrapped_model(model: nn.Module, world_size: int, strategy_name: str) -> None:
