@@ -20,18 +20,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.callbacks.pulse_cycle import (
-    first_validation_batches,
-    phase_of,
-    pulse_cycle_of,
-    run_validation_probe,
-)
+from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.core import prune_setup, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_int
 from lightning_pulse.core.prune_setup import PruneOptions
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import Phase, PhaseChange
+from lightning_pulse.probe import first_validation_batches, run_validation_probe
 from lightning_pulse.protocols import ParametersReplacedListener, listeners
 
 __all__ = ["DistillConfig", "PruneOptions", "ScheduledPrune"]

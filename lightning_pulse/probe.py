@@ -1,0 +1,92 @@
+"""The evaluation probe PulseCycle (at each maintain phase) and ScheduledPrune (around each prune event) run:
+the module's own ``validation_step`` on a few fixed held-out batches, outside Lightning's validation loop.
+
+It needs the Trainer (its strategy, precision plugin and validation dataloader), so it is Lightning glue,
+not core; it lives apart because two callbacks share it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.seed import isolate_rng
+
+from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.core.carried_state import kept_carried_state
+
+
+def first_validation_batches(trainer: pl.Trainer, pl_module: pl.LightningModule, count: int) -> list[Any]:
+    """The first ``count`` batches of the run's (first) validation dataloader; empty if there is none.
+
+    Taken inside ``isolate_rng``: creating a DataLoader iterator draws a seed from the global generator, and
+    an evaluation must not change the training run's shuffling or dropout.
+    """
+    loaders = compat.val_dataloader_of(trainer, pl_module)
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    batches: list[Any] = []
+    if loaders is None:
+        return batches
+    with isolate_rng():
+        for batch in loaders:
+            batches.append(batch)
+            if len(batches) >= count:
+                break
+    return batches
+
+
+def run_validation_probe(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any]
+) -> dict[str, float]:
+    """Evaluate the module's own ``validation_step`` on ``batches`` and return the mean of what it logs.
+
+    The module's ``self.log`` calls are captured instead of reaching Lightning's logger connector, and its
+    torchmetrics states, and any tensor state the module carries between batches (an RNN's hidden state), are
+    restored afterwards, so neither training nor the real validation loop sees anything of the probe.
+    Under DDP the means are averaged over ranks (every rank calls this at the same step).
+    """
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+
+    def capture(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if hasattr(value, "compute") and callable(value.compute):  # a torchmetrics Metric object
+            value = value.compute()
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                return
+            value = value.detach().float().item()
+        if isinstance(value, (int, float)):
+            sums[name] = sums.get(name, 0.0) + float(value)
+            counts[name] = counts.get(name, 0) + 1
+
+    def capture_dict(dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        for name, value in dictionary.items():
+            capture(name, value)
+
+    modes = {module: module.training for module in pl_module.modules()}
+    pl_module.eval()
+    pl_module.log = capture  # type: ignore[method-assign]
+    pl_module.log_dict = capture_dict  # type: ignore[method-assign]
+    try:
+        with (
+            compat.frozen_metric_states(pl_module),
+            kept_carried_state(pl_module),  # a stateful module's training state (RNN hidden) comes back
+            torch.no_grad(),
+            trainer.precision_plugin.val_step_context(),
+        ):
+            for index, batch in enumerate(batches):
+                batch = trainer.strategy.batch_to_device(batch, pl_module.device)
+                pl_module.validation_step(batch, index)
+    finally:
+        del pl_module.log
+        del pl_module.log_dict
+        for module, training in modes.items():
+            module.train(training)
+    means = {name: sums[name] / counts[name] for name in sorted(sums)}
+    if trainer.world_size > 1 and means:
+        stacked = torch.tensor(list(means.values()), dtype=torch.float64, device=pl_module.device)
+        stacked = trainer.strategy.reduce(stacked, reduce_op="mean")
+        means = dict(zip(means, stacked.tolist()))
+    return means
