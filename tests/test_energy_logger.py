@@ -474,7 +474,7 @@ def test_charlm_batches_give_energy_per_token(tmp_path):
         (lambda: MeterConfig(gpu_devices=[0, -1]), "`meters.gpu_devices`="),
         (lambda: AccountingConfig(log_every_n_steps=0), "`accounting.log_every_n_steps`=0"),
         (lambda: MeterConfig(codecarbon_tracking_mode="node"), "`meters.codecarbon_tracking_mode`='node'"),
-        (lambda: EnergyLogger(meters={"sampling_period": 1.0}), "`meters`=.* must be a MeterConfig"),
+        (lambda: EnergyLogger(meters="fast"), "`meters`=.* must be a MeterConfig"),
         (lambda: EnergyLogger(currency=" "), "`currency`=' '"),
     ],
 )
@@ -635,3 +635,11 @@ def test_a_codecarbon_start_that_fails_in_the_background_falls_back(tmp_path, mo
     assert [e["failed"] for e in energy.report["meters"]["cpu"]["fallbacks"]] == ["codecarbon"]
     assert any("cpu meter 'codecarbon' failed" in w for w in energy_warnings(recwarn))
     assert leftover_threads() == []
+
+
+def test_nested_configs_take_a_mapping_as_yaml_gives_them():
+    logger = EnergyLogger(meters={"sampling_period": 0.5, "cpu_watts": 7.0}, accounting={"log_every_n_steps": 3})
+    assert logger.meters == MeterConfig(sampling_period=0.5, cpu_watts=7.0)
+    assert logger.accounting.log_every_n_steps == 3
+    with pytest.raises(ValueError, match=r"^EnergyLogger: `meters`=7 must be a MeterConfig"):
+        EnergyLogger(meters=7)

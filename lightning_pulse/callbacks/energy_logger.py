@@ -22,7 +22,6 @@ from typing_extensions import override
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.energy.account import (
-    MODES,
     EnergyAccount,
     build_chains,
     forecast_message,
@@ -30,7 +29,13 @@ from lightning_pulse.energy.account import (
 )
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
 from lightning_pulse.energy.compare import add_comparison, baseline_ratios, scalar_metrics
-from lightning_pulse.energy.config import AccountingConfig, MeterConfig, prefixed
+from lightning_pulse.energy.config import (
+    AccountingConfig,
+    MeterConfig,
+    checked_arguments,
+    checked_configs,
+    prefixed,
+)
 from lightning_pulse.energy.report import JSON_NAME, write_report
 
 MONITORABLE = ("energy/total_kwh",)
@@ -144,29 +149,10 @@ class EnergyLogger(Callback):
     ) -> None:
         super().__init__()
         try:
-            for field, value in (("gpu", gpu), ("cpu", cpu), ("ram", ram)):
-                if value not in MODES[field]:
-                    raise ValueError(f"`{field}`={value!r} is not one of {list(MODES[field])}.")
-            for field, value, kind in (
-                ("meters", meters, MeterConfig),
-                ("accounting", accounting, AccountingConfig),
-            ):
-                if value is not None and not isinstance(value, kind):
-                    raise ValueError(f"`{field}`={value!r} must be a {kind.__name__} or None.")
-            self.meters = meters or MeterConfig()
-            self.accounting = accounting or AccountingConfig()
-            if cpu == "constant" and self.meters.cpu_watts is None:
-                raise ValueError(
-                    "`cpu`='constant' needs `meters.cpu_watts`, the constant CPU power in watts."
-                )
-            if not isinstance(currency, str) or not currency.strip():
-                raise ValueError(f"`currency`={currency!r} must be a non-empty string such as 'EUR'.")
-            if report_dir is not None and not isinstance(report_dir, (str, Path)):
-                raise ValueError(f"`report_dir`={report_dir!r} must be a directory path or None.")
-            if country_iso_code is not None:
-                from lightning_pulse.energy.codecarbon_meter import validate_country
-
-                country_iso_code = validate_country(country_iso_code)
+            self.meters, self.accounting = checked_configs(meters, accounting)
+            country_iso_code = checked_arguments(
+                gpu, cpu, ram, currency, report_dir, country_iso_code, self.meters
+            )
             self.country_iso_code = country_iso_code
             self.currency = currency.strip()
             self.gpu, self.cpu, self.ram = gpu, cpu, ram

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lightning_pulse.energy.codecarbon_meter import TRACKING_MODES
@@ -144,3 +145,49 @@ def _is_number(value: Any) -> bool:
 def prefixed(message: str) -> str:
     """``message`` as the first line a user reads: it names the callback (``"EnergyLogger: ..."``)."""
     return message if message.startswith("EnergyLogger: ") else f"EnergyLogger: {message}"
+
+
+def checked_configs(
+    meters: MeterConfig | Mapping[str, Any] | None, accounting: AccountingConfig | Mapping[str, Any] | None
+) -> tuple[MeterConfig, AccountingConfig]:
+    """The two nested configs of ``EnergyLogger``: an instance, a mapping of its fields (as YAML gives it), or
+    ``None`` for the defaults."""
+    resolved = []
+    for field, value, kind in (("meters", meters, MeterConfig), ("accounting", accounting, AccountingConfig)):
+        if isinstance(value, Mapping):
+            value = kind(**value)
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(
+                f"`{field}`={value!r} must be a {kind.__name__}, a mapping of its fields, or None."
+            )
+        resolved.append(value or kind())
+    return resolved[0], resolved[1]
+
+
+def checked_arguments(
+    gpu: str,
+    cpu: str,
+    ram: str,
+    currency: str,
+    report_dir: str | Path | None,
+    country_iso_code: str | None,
+    meters: MeterConfig,
+) -> str | None:
+    """Validate ``EnergyLogger``'s top-level arguments (each error names the field, the value and what is
+    allowed); returns the country code as codecarbon knows it."""
+    from lightning_pulse.energy.account import MODES
+
+    for field, value in (("gpu", gpu), ("cpu", cpu), ("ram", ram)):
+        if value not in MODES[field]:
+            raise ValueError(f"`{field}`={value!r} is not one of {list(MODES[field])}.")
+    if cpu == "constant" and meters.cpu_watts is None:
+        raise ValueError("`cpu`='constant' needs `meters.cpu_watts`, the constant CPU power in watts.")
+    if not isinstance(currency, str) or not currency.strip():
+        raise ValueError(f"`currency`={currency!r} must be a non-empty string such as 'EUR'.")
+    if report_dir is not None and not isinstance(report_dir, (str, Path)):
+        raise ValueError(f"`report_dir`={report_dir!r} must be a directory path or None.")
+    if country_iso_code is None:
+        return None
+    from lightning_pulse.energy.codecarbon_meter import validate_country
+
+    return validate_country(country_iso_code)
