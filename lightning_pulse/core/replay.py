@@ -35,10 +35,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_pulse.core.per_sample_loss import LossCapture, concat_per_sample
+from lightning_pulse.core.per_sample_loss import LossCapture, PerSampleScorer, concat_per_sample
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import RULES, Selection, infobatch_prune, select_random, select_topk
-from lightning_pulse.phase import Duration, parse_duration
+from lightning_pulse.phase import PHASE_NAMES, Duration, parse_duration
 
 #: Why a sample was in the batch a step trained on.
 UNTOUCHED, SELECTED, UNSEEN = 0, 1, 2
@@ -82,6 +82,68 @@ class ReplayConfig:
             raise ValueError(f"`prune_ratio`={self.prune_ratio!r} must be a number in [0, 1).")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"`seed`={self.seed!r} must be an int.")
+
+
+#: How a batch is cut: ``"batch"`` (smaller batches, same steps) or ``"epoch"`` (shorter epochs, full batches).
+MODES = ("batch", "epoch")
+
+
+def validate_replay_args(
+    phases: Sequence[str] | str, mode: str, rule: str, scorer: Any, log_every_n_steps: int | None
+) -> tuple[str, ...]:
+    """Check :class:`~lightning_pulse.HardSampleReplay`'s arguments beyond :class:`ReplayConfig`; return
+    ``phases`` as a tuple.
+
+    Raises:
+        ValueError: naming the argument, its value and what is allowed.
+    """
+    phases = [phases] if isinstance(phases, str) else list(phases)
+    if not phases or any(p not in PHASE_NAMES for p in phases):
+        raise ValueError(f"`phases`={phases!r} must be a non-empty list of phases from {list(PHASE_NAMES)}.")
+    if mode not in MODES:
+        raise ValueError(f"`mode`={mode!r} is not one of {list(MODES)}.")
+    if mode == "epoch" and rule == "infobatch":
+        raise ValueError(
+            "`mode`='epoch' needs epochs of a length known in advance, which InfoBatch's random pruning does "
+            "not give; use rule='topk' or 'random', or mode='batch'."
+        )
+    if scorer is not None and not isinstance(scorer, PerSampleScorer):
+        raise ValueError(f"`scorer`={scorer!r} must be a PerSampleScorer instance (or None).")
+    every = log_every_n_steps
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"`log_every_n_steps`={every!r} must be a positive int or None.")
+    return tuple(phases)
+
+
+#: Why HardSampleReplay refuses a setup (the first completes "HardSampleReplay ...").
+MODEL_PARALLEL_REFUSAL = (
+    "does not support ModelParallelStrategy: tensor-parallel peers must train the same samples, but its "
+    "random draws are seeded per global rank. Train with strategy='ddp', 'fsdp' or 'deepspeed', or "
+    "remove HardSampleReplay from the callbacks."
+)
+EPOCH_MODE_REFUSAL = (
+    "HardSampleReplay: mode='epoch' chooses each epoch's samples when the epoch starts, so it cannot "
+    "follow a PulseCycle's step-based phases; use mode='batch' with a PulseCycle."
+)
+
+
+def untrackable_refusal(reason: str) -> str:
+    """Why a DataLoader whose dataset indices cannot be tracked is refused (completes "HardSampleReplay ...")."""
+    return (
+        f"needs the dataset index of every sample, but {reason}. Use a map-style dataset "
+        "in a torch DataLoader with its default batch sampler, or remove HardSampleReplay (a batch sampler "
+        "feeding contiguous streams to a stateful model cannot be cut anyway)."
+    )
+
+
+def check_batch_indices(batch_idx: int, offered: int, indices: Tensor) -> None:
+    """Raise ``RuntimeError`` when the batch does not hold one sample per recorded dataset index."""
+    if indices.numel() != offered:
+        raise RuntimeError(
+            f"HardSampleReplay: batch {batch_idx} holds {offered} samples but {indices.numel()} dataset indices "
+            "were recorded for it; the batch size must be the DataLoader's (no collate_fn that adds or drops "
+            "samples)."
+        )
 
 
 def parse_half_life(value: int | float | str | None) -> Duration | None:
