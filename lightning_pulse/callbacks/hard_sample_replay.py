@@ -231,17 +231,17 @@ class HardSampleReplay(Callback):
         offered = extract_batch_size(batch)
         indices = self.tracker.batch_indices(batch_idx)
         check_batch_indices(batch_idx, offered, indices)
-        active = phase_of(trainer, default=Phase.REPLAY).value in self.phases
+        active, step = phase_of(trainer, default=Phase.REPLAY).value in self.phases, trainer.global_step
         roles, counted, weights, positions = np.full(offered, UNTOUCHED), float(offered), None, None
         if active and self.mode == "epoch":  # the epoch's sampler already chose these samples
             roles, counted = self.selector.epoch_roles(indices), offered * self.selector.epoch_offered_ratio
         elif active:
-            pick = self.selector.compose(indices, trainer.global_step, batch_idx, trainer.global_rank)
+            pick = self.selector.compose(indices, step, batch_idx, trainer.global_rank)
             indices, roles, weights, positions = pick.indices, pick.roles, pick.weights, pick.positions
         self._refuse(self.state_check.before_batch(cut=positions is not None))
         if positions is not None:
             assign_in_place(batch, take_samples(batch, positions, offered))
-        step, context = trainer.global_step, {"offered": counted, "active": active, "size": offered}
+        context = {"offered": counted, "active": active, "size": offered}
         self._batch = {"step": step, "indices": indices, "roles": roles, **context}
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
         if self.scorer is None or weights is not None:

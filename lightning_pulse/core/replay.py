@@ -377,7 +377,9 @@ class HardSampleSelector:
         return int(self._window[_STEPS])
 
     # ------------------------------------------------------------------ selection
-    def _select(self, scores: Tensor, count: int, step: int, generator: torch.Generator | None) -> Selection:
+    def _select(
+        self, scores: Tensor | np.ndarray, count: int, step: int, generator: torch.Generator | None
+    ) -> Selection:
         rule = self.config.rule
         if rule == "topk":
             return select_topk(scores, count)
@@ -396,9 +398,9 @@ class HardSampleSelector:
         if self.config.rule != "topk":
             generator = torch.Generator().manual_seed(mix_seed(self.config.seed, step, batch_idx, rank))
         budget = max(1, round(self.config.replay_fraction * offered))
-        scores = self.table.effective(indices, step)
+        scores = self.table.effective_array(indices, step)  # arrays throughout: each tensor wrap costs a call
         selection = self._select(scores, budget, step, generator)
-        roles = np.where(np.isnan(scores.numpy()[selection.positions.numpy()]), UNSEEN, SELECTED)
+        roles = np.where(np.isnan(scores[selection.positions.numpy()]), UNSEEN, SELECTED)
         weights = selection.weights
         if weights is not None and bool((weights == 1).all()):
             weights = None  # nothing pruned: leave the module's loss exactly as it is
@@ -414,7 +416,7 @@ class HardSampleSelector:
         samples first, then the rule's choice among the scored ones; the sampler's order is kept."""
         count = min(self.epoch_length(len(order)), len(order))
         self.apply()
-        scores = self.table.effective(torch.tensor(order, dtype=torch.long), step).numpy()
+        scores = self.table.effective_array(np.asarray(order, dtype=np.int64), step)
         unseen = np.flatnonzero(np.isnan(scores))
         if unseen.size >= count:
             positions = unseen[:count]
