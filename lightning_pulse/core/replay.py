@@ -350,6 +350,7 @@ class HardSampleSelector:
         self._unapplied: list[_Measured] = []
         self._totals = np.zeros(len(TOTAL_NAMES))
         self._window = np.zeros(len(TOTAL_NAMES))
+        self._window_steps = 0  # _window's step count as an int: read every step, changed only at an apply
 
     @property
     def threshold(self) -> float:
@@ -374,7 +375,7 @@ class HardSampleSelector:
     @property
     def window_steps(self) -> int:
         """Applied steps since the last :meth:`take_window`."""
-        return int(self._window[_STEPS])
+        return self._window_steps
 
     # ------------------------------------------------------------------ selection
     def _select(
@@ -519,6 +520,7 @@ class HardSampleSelector:
         step[_SUMS] = np.bincount(roles, weights=losses, minlength=len(ROLE_NAMES))
         self._totals += step
         self._window += step
+        self._window_steps += len(pending)
 
     # ------------------------------------------------------------------ figures
     def _with_table(self, figures: dict[str, float]) -> dict[str, float]:
@@ -534,6 +536,7 @@ class HardSampleSelector:
         """The same figures over the steps applied since the last call, which starts a new window."""
         figures = self._with_table(_figures(self._window))
         self._window = np.zeros(len(TOTAL_NAMES))
+        self._window_steps = 0
         return figures
 
     # ------------------------------------------------------------------ state
