@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -23,21 +24,24 @@ from lightning_pulse.core.per_sample_loss import (
     time_major_refusal,
 )
 from lightning_pulse.core.replay import (
+    EPOCH_MODE_REFUSAL,
+    MODEL_PARALLEL_REFUSAL,
     ROLE_NAMES,
     UNTOUCHED,
     HardSampleSelector,
     ReplayConfig,
+    check_batch_indices,
     half_life_steps,
     parse_half_life,
     shorter_than_an_epoch,
+    untrackable_refusal,
+    validate_replay_args,
 )
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import assign_in_place, take_samples
 from lightning_pulse.errors import PulseRefusal
-from lightning_pulse.phase import PHASE_NAMES, Phase
-
-MODES = ("batch", "epoch")
+from lightning_pulse.phase import Phase
 
 
 class HardSampleReplay(Callback):
@@ -52,6 +56,7 @@ class HardSampleReplay(Callback):
     Never-scored samples are always trained on. ``mode="epoch"`` (without a PulseCycle) selects at the sampler
     instead: epochs of ``replay_fraction`` of the dataset in full batches, their length declared up front. The
     algorithm is :class:`~lightning_pulse.core.replay.HardSampleSelector`; this callback maps hooks onto it.
+    A run shorter than an epoch cannot select (samples are scored when they train): it warns at fit start.
 
     Args:
         rule: ``"topk"`` (highest scores), ``"infobatch"`` (drop below-mean samples with probability
@@ -80,8 +85,6 @@ class HardSampleReplay(Callback):
             flattened time-major.
         RuntimeError: at the first step whose loss yields no per-sample value and no ``scorer`` is set.
 
-    A run shorter than an epoch cannot select (samples are scored when they train): it warns at fit start.
-
     Example::
 
         from lightning import Trainer
@@ -108,24 +111,7 @@ class HardSampleReplay(Callback):
         super().__init__()
         self.config = ReplayConfig(rule, replay_fraction, prune_ratio, seed)
         self.half_life = parse_half_life(score_half_life)
-        phases = [phases] if isinstance(phases, str) else list(phases)
-        if not phases or any(p not in PHASE_NAMES for p in phases):
-            raise ValueError(
-                f"`phases`={phases!r} must be a non-empty list of phases from {list(PHASE_NAMES)}."
-            )
-        if mode not in MODES:
-            raise ValueError(f"`mode`={mode!r} is not one of {list(MODES)}.")
-        if mode == "epoch" and rule == "infobatch":
-            raise ValueError(
-                "`mode`='epoch' needs epochs of a length known in advance, which InfoBatch's random pruning does "
-                "not give; use rule='topk' or 'random', or mode='batch'."
-            )
-        if scorer is not None and not isinstance(scorer, PerSampleScorer):
-            raise ValueError(f"`scorer`={scorer!r} must be a PerSampleScorer instance (or None).")
-        every = log_every_n_steps
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(f"`log_every_n_steps`={every!r} must be a positive int or None.")
-        self.phases = tuple(phases)
+        self.phases = validate_replay_args(phases, mode, rule, scorer, log_every_n_steps)
         self.mode = mode
         self.scorer = scorer
         self.log_every_n_steps = log_every_n_steps
@@ -178,11 +164,7 @@ class HardSampleReplay(Callback):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if isinstance(trainer.strategy, ModelParallelStrategy):  # FSDP and DeepSpeed cut no batch: they work
-            self._refuse(
-                "does not support ModelParallelStrategy: tensor-parallel peers must train the same samples, but its "
-                "random draws are seeded per global rank. Train with strategy='ddp', 'fsdp' or 'deepspeed', or "
-                "remove HardSampleReplay from the callbacks."
-            )
+            self._refuse(MODEL_PARALLEL_REFUSAL)
         self._trainer, self._ready = trainer, False
         if self._remove_hook is not None:
             self._remove_hook()
@@ -191,13 +173,8 @@ class HardSampleReplay(Callback):
     def _on_train_dataloader(self, loader: Any) -> None:
         # runs inside Lightning's data setup, before the loader's first pass (and on a resume, after the
         # checkpoint's state was handed over), so the first epoch is tracked and can already be selected
-        reason = SampleIndexTracker.unsupported_reason(loader)
-        if reason is not None:
-            raise PulseRefusal(
-                f"HardSampleReplay needs the dataset index of every sample, but {reason}. Use a map-style dataset "
-                "in a torch DataLoader with its default batch sampler, or remove HardSampleReplay (a batch sampler "
-                "feeding contiguous streams to a stateful model cannot be cut anyway)."
-            )
+        if (reason := SampleIndexTracker.unsupported_reason(loader)) is not None:
+            self._refuse(untrackable_refusal(reason))
         self._loader, self.tracker = loader, SampleIndexTracker.install(loader)
         size = self.tracker.dataset_size
         if self.selector is None or self.selector.table.num_samples != size:
@@ -224,10 +201,7 @@ class HardSampleReplay(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.mode == "epoch" and pulse_cycle_of(trainer) is not None:
-            raise PulseRefusal(
-                "HardSampleReplay: mode='epoch' chooses each epoch's samples when the epoch starts, so it cannot "
-                "follow a PulseCycle's step-based phases; use mode='batch' with a PulseCycle."
-            )
+            raise PulseRefusal(EPOCH_MODE_REFUSAL)
         assert self.selector is not None
         steps_per_epoch = self._set_half_life(trainer.num_training_batches)
         if (note := shorter_than_an_epoch(trainer.estimated_stepping_batches, steps_per_epoch)) is not None:
@@ -256,29 +230,18 @@ class HardSampleReplay(Callback):
         assert self.selector is not None and self.tracker is not None
         offered = extract_batch_size(batch)
         indices = self.tracker.batch_indices(batch_idx)
-        if indices.numel() != offered:
-            raise RuntimeError(
-                f"HardSampleReplay: batch {batch_idx} holds {offered} samples but {indices.numel()} dataset indices "
-                "were recorded for it; the batch size must be the DataLoader's (no collate_fn that adds or drops "
-                "samples)."
-            )
-        active = phase_of(trainer, default=Phase.REPLAY).value in self.phases
-        roles, weights, counted = torch.full((offered,), UNTOUCHED).numpy(), None, float(offered)
-        positions = None
+        check_batch_indices(batch_idx, offered, indices)
+        active, step = phase_of(trainer, default=Phase.REPLAY).value in self.phases, trainer.global_step
+        roles, counted, weights, positions = np.full(offered, UNTOUCHED), float(offered), None, None
         if active and self.mode == "epoch":  # the epoch's sampler already chose these samples
             roles, counted = self.selector.epoch_roles(indices), offered * self.selector.epoch_offered_ratio
         elif active:
-            chosen = self.selector.compose(indices, trainer.global_step, batch_idx, trainer.global_rank)
-            indices, roles, weights, positions = (
-                chosen.indices,
-                chosen.roles,
-                chosen.weights,
-                chosen.positions,
-            )
+            pick = self.selector.compose(indices, step, batch_idx, trainer.global_rank)
+            indices, roles, weights, positions = pick.indices, pick.roles, pick.weights, pick.positions
         self._refuse(self.state_check.before_batch(cut=positions is not None))
         if positions is not None:
             assign_in_place(batch, take_samples(batch, positions, offered))
-        step, context = trainer.global_step, {"offered": counted, "active": active, "size": offered}
+        context = {"offered": counted, "active": active, "size": offered}
         self._batch = {"step": step, "indices": indices, "roles": roles, **context}
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
         if self.scorer is None or weights is not None:
@@ -340,18 +303,13 @@ class HardSampleReplay(Callback):
                 self._batch["capture"] = capture
 
     def _log(self, trainer: pl.Trainer) -> None:
-        every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
-        selector = self.selector
-        if (
-            selector is None
-            or not trainer.is_global_zero
-            or not trainer.loggers
-            or selector.window_steps < every
-        ):
+        every, selector = self.log_every_n_steps or max(trainer.log_every_n_steps, 1), self.selector
+        if selector is None or selector.window_steps < every:  # before the trainer's (costlier) properties
             return
-        metrics = {
-            f"hard_sample_replay/{k}": v for k, v in selector.take_window().items() if not math.isnan(v)
-        }
+        if not trainer.is_global_zero or not trainer.loggers:
+            return
+        window = selector.take_window()
+        metrics = {f"hard_sample_replay/{k}": v for k, v in window.items() if not math.isnan(v)}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -399,10 +357,10 @@ class HardSampleReplay(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore scores, measured-but-unapplied steps, totals and threshold.
 
-        At a checkpoint restore (before the fit's DataLoader exists, which sizes the table) the state is applied
-        when the table is built. During training (a :class:`~lightning_pulse.StabilityGuard` rollback) it applies
-        at once; a step in flight is then dropped, its losses having been measured on the model being replaced.
-        The DataLoader's pass (which batches come next, an epoch's selection) is not rewound.
+        At a checkpoint restore (before the DataLoader that sizes the table exists) it applies when the table is
+        built; during training (a :class:`~lightning_pulse.StabilityGuard` rollback) at once, dropping a step in
+        flight (measured on the model being replaced). The DataLoader's pass (next batches, an epoch's selection)
+        is not rewound.
         """
         if self._ready and self.selector is not None:
             self._close_capture()

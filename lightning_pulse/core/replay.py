@@ -35,10 +35,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_pulse.core.per_sample_loss import LossCapture, concat_per_sample
+from lightning_pulse.core.per_sample_loss import LossCapture, PerSampleScorer, concat_per_sample
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import RULES, Selection, infobatch_prune, select_random, select_topk
-from lightning_pulse.phase import Duration, parse_duration
+from lightning_pulse.phase import PHASE_NAMES, Duration, parse_duration
 
 #: Why a sample was in the batch a step trained on.
 UNTOUCHED, SELECTED, UNSEEN = 0, 1, 2
@@ -82,6 +82,68 @@ class ReplayConfig:
             raise ValueError(f"`prune_ratio`={self.prune_ratio!r} must be a number in [0, 1).")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"`seed`={self.seed!r} must be an int.")
+
+
+#: How a batch is cut: ``"batch"`` (smaller batches, same steps) or ``"epoch"`` (shorter epochs, full batches).
+MODES = ("batch", "epoch")
+
+
+def validate_replay_args(
+    phases: Sequence[str] | str, mode: str, rule: str, scorer: Any, log_every_n_steps: int | None
+) -> tuple[str, ...]:
+    """Check :class:`~lightning_pulse.HardSampleReplay`'s arguments beyond :class:`ReplayConfig`; return
+    ``phases`` as a tuple.
+
+    Raises:
+        ValueError: naming the argument, its value and what is allowed.
+    """
+    phases = [phases] if isinstance(phases, str) else list(phases)
+    if not phases or any(p not in PHASE_NAMES for p in phases):
+        raise ValueError(f"`phases`={phases!r} must be a non-empty list of phases from {list(PHASE_NAMES)}.")
+    if mode not in MODES:
+        raise ValueError(f"`mode`={mode!r} is not one of {list(MODES)}.")
+    if mode == "epoch" and rule == "infobatch":
+        raise ValueError(
+            "`mode`='epoch' needs epochs of a length known in advance, which InfoBatch's random pruning does "
+            "not give; use rule='topk' or 'random', or mode='batch'."
+        )
+    if scorer is not None and not isinstance(scorer, PerSampleScorer):
+        raise ValueError(f"`scorer`={scorer!r} must be a PerSampleScorer instance (or None).")
+    every = log_every_n_steps
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"`log_every_n_steps`={every!r} must be a positive int or None.")
+    return tuple(phases)
+
+
+#: Why HardSampleReplay refuses a setup (the first completes "HardSampleReplay ...").
+MODEL_PARALLEL_REFUSAL = (
+    "does not support ModelParallelStrategy: tensor-parallel peers must train the same samples, but its "
+    "random draws are seeded per global rank. Train with strategy='ddp', 'fsdp' or 'deepspeed', or "
+    "remove HardSampleReplay from the callbacks."
+)
+EPOCH_MODE_REFUSAL = (
+    "HardSampleReplay: mode='epoch' chooses each epoch's samples when the epoch starts, so it cannot "
+    "follow a PulseCycle's step-based phases; use mode='batch' with a PulseCycle."
+)
+
+
+def untrackable_refusal(reason: str) -> str:
+    """Why a DataLoader whose dataset indices cannot be tracked is refused (completes "HardSampleReplay ...")."""
+    return (
+        f"needs the dataset index of every sample, but {reason}. Use a map-style dataset "
+        "in a torch DataLoader with its default batch sampler, or remove HardSampleReplay (a batch sampler "
+        "feeding contiguous streams to a stateful model cannot be cut anyway)."
+    )
+
+
+def check_batch_indices(batch_idx: int, offered: int, indices: Tensor) -> None:
+    """Raise ``RuntimeError`` when the batch does not hold one sample per recorded dataset index."""
+    if indices.numel() != offered:
+        raise RuntimeError(
+            f"HardSampleReplay: batch {batch_idx} holds {offered} samples but {indices.numel()} dataset indices "
+            "were recorded for it; the batch size must be the DataLoader's (no collate_fn that adds or drops "
+            "samples)."
+        )
 
 
 def parse_half_life(value: int | float | str | None) -> Duration | None:
@@ -288,6 +350,7 @@ class HardSampleSelector:
         self._unapplied: list[_Measured] = []
         self._totals = np.zeros(len(TOTAL_NAMES))
         self._window = np.zeros(len(TOTAL_NAMES))
+        self._window_steps = 0  # _window's step count as an int: read every step, changed only at an apply
 
     @property
     def threshold(self) -> float:
@@ -312,10 +375,12 @@ class HardSampleSelector:
     @property
     def window_steps(self) -> int:
         """Applied steps since the last :meth:`take_window`."""
-        return int(self._window[_STEPS])
+        return self._window_steps
 
     # ------------------------------------------------------------------ selection
-    def _select(self, scores: Tensor, count: int, step: int, generator: torch.Generator | None) -> Selection:
+    def _select(
+        self, scores: Tensor | np.ndarray, count: int, step: int, generator: torch.Generator | None
+    ) -> Selection:
         rule = self.config.rule
         if rule == "topk":
             return select_topk(scores, count)
@@ -334,9 +399,9 @@ class HardSampleSelector:
         if self.config.rule != "topk":
             generator = torch.Generator().manual_seed(mix_seed(self.config.seed, step, batch_idx, rank))
         budget = max(1, round(self.config.replay_fraction * offered))
-        scores = self.table.effective(indices, step)
+        scores = self.table.effective_array(indices, step)  # arrays throughout: each tensor wrap costs a call
         selection = self._select(scores, budget, step, generator)
-        roles = np.where(np.isnan(scores.numpy()[selection.positions.numpy()]), UNSEEN, SELECTED)
+        roles = np.where(np.isnan(scores[selection.positions.numpy()]), UNSEEN, SELECTED)
         weights = selection.weights
         if weights is not None and bool((weights == 1).all()):
             weights = None  # nothing pruned: leave the module's loss exactly as it is
@@ -352,7 +417,7 @@ class HardSampleSelector:
         samples first, then the rule's choice among the scored ones; the sampler's order is kept."""
         count = min(self.epoch_length(len(order)), len(order))
         self.apply()
-        scores = self.table.effective(torch.tensor(order, dtype=torch.long), step).numpy()
+        scores = self.table.effective_array(np.asarray(order, dtype=np.int64), step)
         unseen = np.flatnonzero(np.isnan(scores))
         if unseen.size >= count:
             positions = unseen[:count]
@@ -455,6 +520,7 @@ class HardSampleSelector:
         step[_SUMS] = np.bincount(roles, weights=losses, minlength=len(ROLE_NAMES))
         self._totals += step
         self._window += step
+        self._window_steps += len(pending)
 
     # ------------------------------------------------------------------ figures
     def _with_table(self, figures: dict[str, float]) -> dict[str, float]:
@@ -470,6 +536,7 @@ class HardSampleSelector:
         """The same figures over the steps applied since the last call, which starts a new window."""
         figures = self._with_table(_figures(self._window))
         self._window = np.zeros(len(TOTAL_NAMES))
+        self._window_steps = 0
         return figures
 
     # ------------------------------------------------------------------ state

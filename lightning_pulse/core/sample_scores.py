@@ -231,7 +231,11 @@ class SampleScoreTable:
 
     def effective(self, indices: Tensor | np.ndarray, step: int) -> Tensor:
         """Age-weighted scores ``(n,)`` of dataset ``indices`` at ``step`` (``NaN`` for never scored)."""
-        return torch.from_numpy(self._effective(_np_indices(indices), step))
+        return torch.from_numpy(self.effective_array(indices, step))
+
+    def effective_array(self, indices: Tensor | np.ndarray, step: int) -> np.ndarray:
+        """:meth:`effective` as a float32 host array (no tensor wrapping: the selection works on arrays)."""
+        return self._effective(_np_indices(indices), step)
 
     def _scored(self) -> np.ndarray:
         return np.flatnonzero(self.steps >= 0)

@@ -52,6 +52,8 @@ class Selection:
 # torch's; they take and return tensors, and draw their randomness from a torch.Generator.
 def _as_numpy(scores: Tensor | np.ndarray) -> np.ndarray:
     if isinstance(scores, torch.Tensor):
+        if scores.dtype == torch.float32 and scores.is_cpu and not scores.requires_grad:
+            return scores.numpy()  # the common case, without three no-op conversions
         return scores.detach().cpu().float().numpy()
     return np.asarray(scores, dtype=np.float32)
 
@@ -87,7 +89,10 @@ def select_topk(scores: Tensor | np.ndarray, count: int) -> Selection:
     remaining = max(0, count - (values.size - seen.size))
     order = seen[np.argsort(-values[seen], kind="stable")[:remaining]]
     threshold = float(values[order[-1]]) if remaining else math.nan
-    return _selection(np.concatenate([np.flatnonzero(unseen), order]), None, threshold)
+    keep = unseen.copy()
+    keep[order] = True
+    # a mask read in order gives the positions ascending, as :func:`_selection` would sort them
+    return Selection(torch.from_numpy(np.flatnonzero(keep).astype(np.int64, copy=False)), None, threshold)
 
 
 def infobatch_prune(
