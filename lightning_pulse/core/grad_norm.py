@@ -37,9 +37,8 @@ def grad_norm(grads: Sequence[Tensor]) -> Tensor | None:
         return None
     dense = [grad.coalesce().values() if grad.is_sparse else grad for grad in grads]
     first = dense[0]
-    if first.dtype == torch.float32 and all(
-        g.device == first.device and g.dtype == first.dtype for g in dense
-    ):
+    dtype, device = first.dtype, first.device
+    if dtype == torch.float32 and all(g.dtype == dtype and g.device == device for g in dense):
         # the common case, one fused kernel and one reduction; get_total_norm adds grouping by device and
         # dtype and a per-tensor copy to one device (tens of µs on a CPU step)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(dense, 2.0)))
@@ -67,7 +66,10 @@ def step_loss_and_grad_norm(
     """
     grads = [param.grad for group in param_groups for param in group["params"] if param.grad is not None]
     norm = grad_norm(grads)
-    loss = torch.stack([value.detach().float() for value in losses]).sum() if losses else None
+    if len(losses) == 1:  # no accumulation: the sum of one value is that value
+        loss = losses[0].detach().float()
+    else:
+        loss = torch.stack([value.detach().float() for value in losses]).sum() if losses else None
     if all_reduce_sum is None:
         values = [value for value in (loss, norm) if value is not None]
         if not values:
