@@ -64,10 +64,11 @@ def step_loss_and_grad_norm(
     Returns:
         ``(loss, grad_norm)``; ``None`` for a value with nothing to read.
     """
-    grads = [param.grad for group in param_groups for param in group["params"] if param.grad is not None]
+    grads = [grad for group in param_groups for param in group["params"] if (grad := param.grad) is not None]
     norm = grad_norm(grads)
-    if len(losses) == 1:  # no accumulation: the sum of one value is that value
-        loss = losses[0].detach().float()
+    if len(losses) == 1:  # no accumulation: the sum of one value is that value (no op where none is needed)
+        loss = losses[0].detach() if losses[0].requires_grad else losses[0]
+        loss = loss if loss.dtype == torch.float32 else loss.float()
     else:
         loss = torch.stack([value.detach().float() for value in losses]).sum() if losses else None
     if all_reduce_sum is None:
@@ -77,7 +78,7 @@ def step_loss_and_grad_norm(
         device = values[0].device
         # the one device-to-host transfer of the step; on an accelerator this is where the step synchronises,
         # which the decision needs anyway (it must exist before optimizer.step())
-        read = torch.stack([value.to(device, torch.float32) for value in values]).tolist()
+        read = torch.stack([_as_fp32_on(value, device) for value in values]).tolist()
         return (read[0] if loss is not None else None), (read[-1] if norm is not None else None)
     # DDP: one all-reduce of (loss sum, ranks with a loss, norm sum). Every rank holds the same all-reduced
     # gradients, so the summed norm divided by world size is the norm; summing it makes the number the same
@@ -96,3 +97,10 @@ def step_loss_and_grad_norm(
     return (loss_sum / ranks_with_loss if ranks_with_loss else None), (
         norm_sum / world_size if grads else None
     )
+
+
+def _as_fp32_on(value: Tensor, device: torch.device) -> Tensor:
+    """``value.to(device, torch.float32)``, without the call where it would change nothing."""
+    if value.dtype == torch.float32 and value.device == device:
+        return value
+    return value.to(device, torch.float32)
