@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import os
 from functools import partial
 from typing import Any
 
@@ -14,25 +12,21 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
-from lightning_pulse.core.carried_state import carried_tensors, restore_carried_tensors
-from lightning_pulse.core.fault_origin import describe_bad_samples, trace_nonfinite
+from lightning_pulse.core import stability_steps as steps
+from lightning_pulse.core.fault_origin import trace_nonfinite
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
 from lightning_pulse.core.snapshots import RollbackState, SnapshotSchedule
-from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import (
     Action,
-    EscalationPolicy,
     StabilityGuardConfig,
     StepChanges,
     StepEnergy,
 )
-from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
-from lightning_pulse.phase import Phase, PhaseChange
+from lightning_pulse.errors import refuse_sharded_strategy
+from lightning_pulse.phase import PhaseChange
 from lightning_pulse.protocols import PhaseListener, RollbackAware, listeners
 
 __all__ = ["StabilityGuard", "StabilityGuardConfig", "StabilityGuardError"]
-
-NONFINITE = (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
 
 
 class StabilityGuardError(RuntimeError):
@@ -50,30 +44,24 @@ def _from_policy(name: str) -> property:
 class StabilityGuard(Callback):
     r"""Detects non-finite values and loss or gradient-norm spikes, and answers them, escalating.
 
-    Every optimizer step the guard reads the step's loss (the mean over the accumulation window and, under
-    DDP, over ranks) and the global gradient norm before clipping, and asks its
-    :class:`~lightning_pulse.core.spike_detection.SpikeDetector` for a verdict: non-finite, or a robust
-    z-score (median and MAD, log scale) above the threshold against a window of recent healthy steps, kept
-    per pulse phase (a phase that just started is judged against all phases' spread, so a phase change is not
-    a spike). Before any window is warm, a loss ten times the median of the losses so far is divergence.
-    Its :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers:
+    Every optimizer step the guard reads the step's loss (mean over the accumulation window and DDP ranks)
+    and the gradient norm before clipping; its :class:`~lightning_pulse.core.spike_detection.SpikeDetector`
+    flags non-finite values and robust z-score spikes (median and MAD, log scale, one window per pulse phase),
+    and its :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers:
 
-    1. **Skip**: the flagged step's update is dropped; parameters and optimizer state stay untouched. A
-       non-finite step whose batch holds non-finite values is the data's fault: it is skipped, never
-       escalated, its samples are kept in ``bad_samples`` (dataset indices where the batch or the loader
-       tells them) and counted in ``bad_batches``; a non-finite model state rolls back at once.
-    2. **Roll back**: after ``rollback_after`` flagged steps, the model, optimizer, LR schedulers and the
-       callbacks that opt in (:class:`~lightning_pulse.protocols.RollbackAware`) return to the newest CPU
-       snapshot taken at least ``rollback_margin`` steps before the trouble began; the next
-       ``skip_after_rollback`` batches are not trained on.
-    3. **Stop**: when a rollback is needed after ``max_rollbacks`` recent ones, the guard returns to the last
-       good snapshot, saves a checkpoint and raises :class:`StabilityGuardError`.
+    1. **Skip** the flagged update. A non-finite step whose batch holds non-finite values is the data's
+       fault: skipped, never escalated, its samples kept in ``bad_samples`` and counted in ``bad_batches``;
+       a non-finite model state rolls back at once.
+    2. **Roll back**, after ``rollback_after`` flagged steps, the model, optimizers, LR schedulers and the
+       :class:`~lightning_pulse.protocols.RollbackAware` callbacks to the newest CPU snapshot taken at least
+       ``rollback_margin`` steps before the trouble began; the next ``skip_after_rollback`` batches are skipped.
+    3. **Stop** when a rollback is needed after ``max_rollbacks`` recent ones: back to the last good snapshot,
+       a checkpoint saved, :class:`StabilityGuardError` raised.
 
-    Snapshots are taken every ``snapshot_every`` steps, at each maintain phase of a
-    :class:`~lightning_pulse.PulseCycle` and after a structured pruning event, never during an incident;
-    ``max_snapshots`` are kept. Public counters (also logged under ``stability/``): ``spikes_by_kind``,
-    ``steps_skipped``, ``rollbacks``, ``steps_undone``, ``steps_lost``, ``events`` and, with an
-    ``EnergyLogger``, ``energy_wasted_kwh``. Decisions come from all-reduced numbers, so all DDP ranks act
+    Snapshots: every ``snapshot_every`` steps, at each maintain phase of a :class:`~lightning_pulse.PulseCycle`
+    and after a pruning event, never during an incident. Counters (logged under ``stability/``):
+    ``spikes_by_kind``, ``steps_skipped``, ``rollbacks``, ``steps_undone``, ``steps_lost``, ``events`` and,
+    with an ``EnergyLogger``, ``energy_wasted_kwh``. DDP ranks decide on all-reduced numbers, so they act
     alike. Put the guard after callbacks that change gradients (``GradientCache``).
 
     Args:
@@ -138,17 +126,8 @@ class StabilityGuard(Callback):
         if not isinstance(config, StabilityGuardConfig):
             raise ValueError(f"`config`={config!r} must be a StabilityGuardConfig or None.")
         self.config = config
-        self.detector = SpikeDetector(
-            loss_zscore, grad_norm_zscore, window, warmup, config.min_ratio, config.loss_scale
-        )
-        self.policy = EscalationPolicy(
-            rollback_after,
-            config.spike_memory,
-            skip_after_rollback,
-            max_rollbacks,
-            config.rollback_memory,
-            config.lr_cooldown_steps,
-        )
+        self.detector = steps.make_detector(config, loss_zscore, grad_norm_zscore, window, warmup)
+        self.policy = steps.make_policy(config, rollback_after, skip_after_rollback, max_rollbacks)
         self.schedule = SnapshotSchedule(snapshot_every, max_snapshots, rollback_margin)
         self.snapshots = self.schedule.ring
         self._changes = StepChanges()
@@ -156,7 +135,8 @@ class StabilityGuard(Callback):
         self._batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
         self.bad_samples: list[dict[str, Any]] = []  # {"step", "batch_idx", "rows", "indices"}, newest last
         self._decided: Action | None = None  # the current optimizer step's action, until its batch end
-        self._cycle: PulseCycle | None = None
+        self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
+        self._fixed_key = "burst" if config.per_phase_baselines else "all"  # the key without one
         self._energy = StepEnergy()
 
     @property
@@ -170,29 +150,14 @@ class StabilityGuard(Callback):
 
     def metrics(self) -> dict[str, float]:
         """The stability figures of the run so far, as logged under ``stability/``."""
-        out = {
-            "stability/spikes": float(self.spikes_detected),
-            "stability/steps_skipped": float(self.steps_skipped),
-            "stability/bad_batches": float(self.bad_batches),
-            "stability/rollbacks": float(self.rollbacks),
-            "stability/steps_lost": float(self.steps_lost),
-            **{f"stability/spikes_{kind}": float(n) for kind, n in self.spikes_by_kind.items()},
-        }
-        if self._energy.read is not None:
-            out["stability/energy_wasted_kwh"] = self.energy_wasted_kwh
-        return out
+        return steps.guard_metrics(self.policy, with_energy=self._energy.read is not None)
 
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not pl_module.automatic_optimization:
-            raise PulseRefusal(
-                "StabilityGuard supports automatic optimization only; this module sets "
-                "`automatic_optimization = False`. Let Lightning run the optimizer (return the loss from "
-                "`training_step`), or remove StabilityGuard from the callbacks."
-            )
+        steps.refuse_manual_optimization(pl_module)
         refuse_sharded_strategy(
             trainer,
             "StabilityGuard",
@@ -203,7 +168,7 @@ class StabilityGuard(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._changes.attach(trainer.optimizers)
-        self._cycle = pulse_cycle_of(trainer)
+        self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         readers = [getattr(callback, "energy_so_far_kwh", None) for callback in trainer.callbacks]
         self._energy = StepEnergy(next((r for r in readers if callable(r)), None), warn=rank_zero_warn)
         self._losses, self._batches, self._decided, self.schedule.pending = [], [], None, False
@@ -235,32 +200,25 @@ class StabilityGuard(Callback):
             self._changes.skip(optimizer)
             self._decided = Action.SKIP
             return
-        reduce = partial(trainer.strategy.reduce, reduce_op="sum") if trainer.world_size > 1 else None
-        loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, reduce, trainer.world_size)
-        key = self._baseline_key()
-        unjudged_before = self.detector.unjudged_losses
-        verdict = self.detector.assess(loss, grad_norm, key, accept=True).verdict
-        if self.detector.unjudged_losses and not unjudged_before:
-            rank_zero_warn(
-                f"StabilityGuard: the loss is {loss:.4g} <= 0, which a log scale cannot judge; loss spikes go "
-                "unnoticed. Pass `config=StabilityGuardConfig(loss_scale='linear')` for such losses."
-            )
+        world_size = trainer.world_size
+        reduce = partial(trainer.strategy.reduce, reduce_op="sum") if world_size > 1 else None
+        loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, reduce, world_size)
+        key = self._fixed_key if self._cycle is None else self._cycle.phase.value
         step = trainer.global_step
-        cause = self._nonfinite_cause(trainer, pl_module, batches) if verdict in NONFINITE else None
-        self._decided = action = self.policy.decide(step, verdict, cause)
+        trace = partial(self._nonfinite_cause, trainer, pl_module, batches)
+        verdict, action, cause, unjudged = steps.judge_step(
+            self.detector, self.policy, step, loss, grad_norm, key, trace
+        )
+        self._decided = action
+        if unjudged:
+            rank_zero_warn(steps.unjudged_loss_message(loss))
         if action is Action.APPLY:
             if self.policy.cooldown_remaining and self.config.lr_factor_after_rollback < 1:
                 self._changes.scale_lr(optimizer, self.config.lr_factor_after_rollback)
             return
         self._changes.skip(optimizer)
-        if cause == "data":
-            return
-        baseline = self.detector.baseline(key)
-        rank_zero_info(
-            f"StabilityGuard: step {step} flagged as {verdict} (loss={_fmt(loss)}, grad_norm={_fmt(grad_norm)}; "
-            f"{key} medians loss={_fmt(baseline['loss'])}, grad_norm={_fmt(baseline['grad_norm'])}); "
-            f"action: {action}."
-        )
+        if cause != "data":
+            rank_zero_info(steps.flag_message(step, verdict, action, loss, grad_norm, key, self.detector))
 
     @override
     def on_train_batch_end(
@@ -285,11 +243,9 @@ class StabilityGuard(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._changes.detach()
         self._log(trainer, self.metrics())
-        if self.spikes_detected or self.rollbacks:
-            rank_zero_info(
-                f"StabilityGuard: {self.spikes_detected} spike(s), {self.steps_skipped} step(s) skipped, "
-                f"{self.rollbacks} rollback(s), {self.steps_lost} step(s) of work lost."
-            )
+        summary = steps.summary_message(self.policy)
+        if summary is not None:
+            rank_zero_info(summary)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -300,15 +256,9 @@ class StabilityGuard(Callback):
     ) -> None:
         """Snapshot at the end of this step when a maintain phase starts, if healthy and the probe is finite
         (after every listener handled the change: a pruning event at maintain entry is inside the snapshot)."""
-        if (
-            not self.config.snapshot_at_maintain
-            or change.current is not Phase.MAINTAIN
-            or change.reason == "resume"
-        ):
-            return
         cycle = pulse_cycle_of(trainer)
         probe = cycle.last_probe if cycle is not None else {}
-        if self.policy.healthy and all(math.isfinite(value) for value in probe.values()):
+        if steps.maintain_snapshot_wanted(self.config, change, probe, self.policy.healthy):
             self.schedule.pending = True
 
     def on_pulse_parameters_replaced(
@@ -319,21 +269,13 @@ class StabilityGuard(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "detector": self.detector.state_dict(),
-            "policy": self.policy.state_dict(),
-            "last_snapshot_step": self.last_snapshot_step,
-            "bad_samples": self.bad_samples,
-        }
+        return steps.guard_state_dict(self.detector, self.policy, self.last_snapshot_step, self.bad_samples)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.detector.load_state_dict(state_dict["detector"])
-        # checkpoints of earlier versions kept the counters next to the policy's state
-        self.policy.load_state_dict({**state_dict, **state_dict["policy"]})
-        self.bad_samples = [dict(sample) for sample in state_dict.get("bad_samples", [])]
-        last = state_dict["last_snapshot_step"]
-        self.schedule.last_step = None if last is None else int(last)
+        self.schedule.last_step, self.bad_samples = steps.load_guard_state(
+            state_dict, self.detector, self.policy
+        )
 
     # ------------------------------------------------------------------ non-finite steps
     def _nonfinite_cause(
@@ -348,31 +290,17 @@ class StabilityGuard(Callback):
             return cause
         self.bad_samples = [*self.bad_samples, *samples][-1000:]
         if self.policy.bad_batches == 0:
-            rank_zero_warn(
-                f"StabilityGuard: step {trainer.global_step} has non-finite values in its data "
-                f"({describe_bad_samples(samples)}); the model is healthy, so the step is skipped and training "
-                "goes on. Later such steps are skipped silently: see `StabilityGuard.bad_samples` and the "
-                "`stability/bad_batches` counter."
-            )
+            rank_zero_warn(steps.data_fault_message(trainer.global_step, samples))
         return "data"
 
     # ------------------------------------------------------------------ snapshots and rollbacks
-    def _baseline_key(self) -> str:
-        if not self.config.per_phase_baselines:
-            return "all"
-        return self._cycle.phase.value if self._cycle is not None else Phase.BURST.value
-
     def _training_state(self, trainer: pl.Trainer) -> tuple[list, list, dict[str, RollbackState]]:
         """What a snapshot holds besides the module: optimizers, LR schedulers, the opted-in callbacks."""
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         return trainer.optimizers, schedulers, self._rollback_callbacks(trainer)
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        extra = {
-            "detector": self.detector.state_dict(),
-            "carried": carried_tensors(pl_module),
-            **self.policy.lineage(),
-        }
+        extra = steps.snapshot_extra(self.detector, self.policy, pl_module)
         self.schedule.take(trainer.global_step, pl_module, *self._training_state(trainer), extra=extra)
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
@@ -387,43 +315,22 @@ class StabilityGuard(Callback):
             *self._training_state(trainer),
             self.config.rewind_lr_schedule,
         )
-        undone = 0
-        if target is None:
-            rank_zero_warn(
-                "StabilityGuard: no snapshot fits the model any more; the parameters stay as they are."
-            )
-        else:
-            if not predates:
-                rank_zero_warn(
-                    f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one."
-                )
-            self.detector.load_state_dict(target.extra["detector"])
-            restore_carried_tensors(pl_module, target.extra.get("carried", {}))
-            undone = self.policy.rewind(target.extra)
+        undone = steps.restore_books(
+            target, predates, start, self.detector, self.policy, pl_module, rank_zero_warn
+        )
+        if target is not None:
             self._announce_restored_phase(trainer, pl_module)
         to_step = None if target is None else target.step
         if action is Action.ROLLBACK:
             self.policy.rolled_back(step, to_step)
-            rank_zero_warn(
-                f"StabilityGuard: rollback {self.rollbacks} at step {step} to the snapshot of step {to_step} "
-                f"({undone} applied step(s) undone); skipping the next {self.policy.skip_remaining} batch(es)."
-            )
+            rank_zero_warn(steps.rollback_message(self.policy, step, to_step, undone))
             return
         self.policy.stop(step, to_step)
-        path = self.config.stop_checkpoint_path or os.path.join(
-            trainer.default_root_dir, "stability_guard", f"stopped-step={step}.ckpt"
-        )
+        path = steps.stop_checkpoint_path(self.config, trainer.default_root_dir, step)
         self._log(trainer, self.metrics())
         trainer.save_checkpoint(path)
-        flagged = [str(e["step"]) for e in self.events if e["event"] not in ("rollback", "stop")][-8:]
-        raise StabilityGuardError(
-            f"StabilityGuard stopped training at step {step}: spikes kept coming after {recent_rollbacks} "
-            f"rollback(s) within {self.policy.rollback_memory} steps "
-            f"(`max_rollbacks`={self.policy.max_rollbacks}). The checkpoint {path!r} holds the snapshot of step "
-            f"{to_step} (None: no snapshot fitted, the current state). Inspect the data around the flagged steps "
-            f"(last: {', '.join(flagged)}) or lower the learning rate, then resume from that checkpoint.",
-            checkpoint_path=path,
-        )
+        message = steps.stop_message(self.policy, step, to_step, recent_rollbacks, path)
+        raise StabilityGuardError(message, checkpoint_path=path)
 
     def _rollback_callbacks(self, trainer: pl.Trainer) -> dict[str, RollbackState]:
         """The callbacks whose state goes back with the model (``RollbackAware``), by index and state key."""
@@ -446,7 +353,3 @@ class StabilityGuard(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4g}"

@@ -37,9 +37,8 @@ def grad_norm(grads: Sequence[Tensor]) -> Tensor | None:
         return None
     dense = [grad.coalesce().values() if grad.is_sparse else grad for grad in grads]
     first = dense[0]
-    if first.dtype == torch.float32 and all(
-        g.device == first.device and g.dtype == first.dtype for g in dense
-    ):
+    dtype, device = first.dtype, first.device
+    if dtype == torch.float32 and all(g.dtype == dtype and g.device == device for g in dense):
         # the common case, one fused kernel and one reduction; get_total_norm adds grouping by device and
         # dtype and a per-tensor copy to one device (tens of µs on a CPU step)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(dense, 2.0)))
@@ -65,9 +64,13 @@ def step_loss_and_grad_norm(
     Returns:
         ``(loss, grad_norm)``; ``None`` for a value with nothing to read.
     """
-    grads = [param.grad for group in param_groups for param in group["params"] if param.grad is not None]
+    grads = [grad for group in param_groups for param in group["params"] if (grad := param.grad) is not None]
     norm = grad_norm(grads)
-    loss = torch.stack([value.detach().float() for value in losses]).sum() if losses else None
+    if len(losses) == 1:  # no accumulation: the sum of one value is that value (no op where none is needed)
+        loss = losses[0].detach() if losses[0].requires_grad else losses[0]
+        loss = loss if loss.dtype == torch.float32 else loss.float()
+    else:
+        loss = torch.stack([value.detach().float() for value in losses]).sum() if losses else None
     if all_reduce_sum is None:
         values = [value for value in (loss, norm) if value is not None]
         if not values:
@@ -75,7 +78,7 @@ def step_loss_and_grad_norm(
         device = values[0].device
         # the one device-to-host transfer of the step; on an accelerator this is where the step synchronises,
         # which the decision needs anyway (it must exist before optimizer.step())
-        read = torch.stack([value.to(device, torch.float32) for value in values]).tolist()
+        read = torch.stack([_as_fp32_on(value, device) for value in values]).tolist()
         return (read[0] if loss is not None else None), (read[-1] if norm is not None else None)
     # DDP: one all-reduce of (loss sum, ranks with a loss, norm sum). Every rank holds the same all-reduced
     # gradients, so the summed norm divided by world size is the norm; summing it makes the number the same
@@ -94,3 +97,10 @@ def step_loss_and_grad_norm(
     return (loss_sum / ranks_with_loss if ranks_with_loss else None), (
         norm_sum / world_size if grads else None
     )
+
+
+def _as_fp32_on(value: Tensor, device: torch.device) -> Tensor:
+    """``value.to(device, torch.float32)``, without the call where it would change nothing."""
+    if value.dtype == torch.float32 and value.device == device:
+        return value
+    return value.to(device, torch.float32)

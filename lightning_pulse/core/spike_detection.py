@@ -103,7 +103,15 @@ class RunningRobustZ:
 
     def zscore(self, value: float) -> float | None:
         """The robust z-score of ``value``, or ``None`` during the warm-up."""
-        return robust_zscore(value, self._sorted) if self.ready else None
+        if not self.ready:
+            return None
+        # robust_zscore(value, self._sorted), with the window's median read off the sorted values (once)
+        ordered = self._sorted
+        median = self.median
+        scale = MAD_TO_STD * statistics.median([abs(v - median) for v in ordered])  # type: ignore[operator]
+        if scale == 0:
+            return 0.0 if value == median else math.copysign(math.inf, value - median)  # type: ignore[operator]
+        return (value - median) / scale  # type: ignore[operator]
 
     def add(self, value: float) -> None:
         value = float(value)
@@ -130,6 +138,9 @@ class Assessment(NamedTuple):
     verdict: Verdict
     loss_z: float | None = None
     grad_norm_z: float | None = None
+
+
+_OK_UNSCORED = Assessment(Verdict.OK)  # the common verdict, built once (a NamedTuple is immutable)
 
 
 class SpikeDetector:
@@ -205,6 +216,11 @@ class SpikeDetector:
         self.min_ratio = float(min_ratio)
         self.cold_ratio = float(cold_ratio)
         self.loss_scale = loss_scale
+        # log(ratio) for the log-scale ratio test, computed once
+        self._log_ratio = {
+            self.min_ratio: math.log(self.min_ratio),
+            self.cold_ratio: math.log(self.cold_ratio),
+        }
         self.unjudged_losses = 0  # losses <= 0 seen on a log scale
         self._loss: dict[str, RunningRobustZ] = {}
         self._grad_norm: dict[str, RunningRobustZ] = {}
@@ -222,11 +238,16 @@ class SpikeDetector:
             return Assessment(Verdict.NONFINITE_LOSS)
         if grad_norm is not None and not math.isfinite(grad_norm):
             return Assessment(Verdict.NONFINITE_GRAD)
-        scaled_loss = self._on_scale(loss, self.loss_scale)
-        if loss is not None and scaled_loss is None:
+        loss_scale = self.loss_scale
+        if loss is None or loss_scale == "linear":
+            scaled_loss = loss
+        elif loss > 0:
+            scaled_loss = math.log(loss)
+        else:
+            scaled_loss = None
             self.unjudged_losses += 1
-        scaled_grad = self._on_scale(grad_norm, "log")
-        loss_spike, loss_z = self._judge(self._loss, key, scaled_loss, self.loss_zscore, self.loss_scale)
+        scaled_grad = math.log(grad_norm) if grad_norm is not None and grad_norm > 0 else None
+        loss_spike, loss_z = self._judge(self._loss, key, scaled_loss, self.loss_zscore, loss_scale)
         grad_spike, grad_z = self._judge(self._grad_norm, key, scaled_grad, self.grad_norm_zscore, "log")
         if loss_spike:
             return Assessment(Verdict.LOSS_SPIKE, loss_z, grad_z)
@@ -235,6 +256,8 @@ class SpikeDetector:
         if accept:
             self._add(self._loss, key, scaled_loss)
             self._add(self._grad_norm, key, scaled_grad)
+        if loss_z is None and grad_z is None:
+            return _OK_UNSCORED
         return Assessment(Verdict.OK, loss_z, grad_z)
 
     def accept(self, loss: float | None, grad_norm: float | None, key: str = "default") -> None:
@@ -279,7 +302,8 @@ class SpikeDetector:
     def _exceeds(self, value: float, median: float, ratio: float, scale: str) -> bool:
         """Whether ``value`` is more than ``ratio`` times ``median`` (both on ``scale``)."""
         if scale == "log":
-            return value - median > math.log(ratio)
+            log_ratio = self._log_ratio.get(ratio)
+            return value - median > (math.log(ratio) if log_ratio is None else log_ratio)
         return value - median > (ratio - 1) * abs(median)
 
     def _judge(
@@ -294,7 +318,7 @@ class SpikeDetector:
         if value is None or threshold is None:
             return False, None
         own = trackers.get(key)
-        if own is not None and own.ready:
+        if own is not None and len(own.values) >= own.warmup:  # ``own.ready``, without a property call
             if not self._exceeds(value, own.median, self.min_ratio, scale):  # type: ignore[arg-type]
                 return False, None
             z = own.zscore(value)
@@ -319,11 +343,15 @@ class SpikeDetector:
     def _add(self, trackers: dict[str, RunningRobustZ], key: str, value: float | None) -> None:
         if value is None:
             return
-        for name in (key, POOLED) if key != POOLED else (POOLED,):
-            tracker = trackers.get(name)
-            if tracker is None:
-                tracker = trackers[name] = RunningRobustZ(self.window, self.warmup)
-            tracker.add(value)
+        own = trackers.get(key)
+        if own is None:
+            own = trackers[key] = RunningRobustZ(self.window, self.warmup)
+        own.add(value)
+        if key != POOLED:
+            pooled = trackers.get(POOLED)
+            if pooled is None:
+                pooled = trackers[POOLED] = RunningRobustZ(self.window, self.warmup)
+            pooled.add(value)
 
 
 def _is_positive_number(value: Any) -> bool:

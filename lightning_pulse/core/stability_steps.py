@@ -1,0 +1,233 @@
+"""What :class:`~lightning_pulse.StabilityGuard` does between its detector, policy and snapshots. No trainer.
+
+* :func:`make_detector` and :func:`make_policy`: the guard's arguments and config, validated by the objects.
+* :func:`judge_step`: the one decision of an optimizer step, from the detector's verdict to the policy's
+  action (with the cause of a non-finite step).
+* :func:`snapshot_extra` and :func:`restore_books`: the bookkeeping a snapshot carries and a rollback
+  returns to (the detector's windows, the policy's lineage, the module's carried tensors).
+* :func:`guard_metrics` and the ``*_message`` functions: the figures logged under ``stability/`` and the
+  texts the guard prints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+from lightning_pulse.core.carried_state import carried_tensors, restore_carried_tensors
+from lightning_pulse.core.fault_origin import describe_bad_samples
+from lightning_pulse.core.snapshots import TrainingSnapshot
+from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
+from lightning_pulse.core.stability_policy import Action, EscalationPolicy, StabilityGuardConfig
+from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.phase import Phase, PhaseChange
+
+NONFINITE = (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
+
+
+def make_detector(
+    config: StabilityGuardConfig,
+    loss_zscore: float | None,
+    grad_norm_zscore: float | None,
+    window: int,
+    warmup: int,
+) -> SpikeDetector:
+    return SpikeDetector(loss_zscore, grad_norm_zscore, window, warmup, config.min_ratio, config.loss_scale)
+
+
+def make_policy(
+    config: StabilityGuardConfig, rollback_after: int, skip_after_rollback: int, max_rollbacks: int
+) -> EscalationPolicy:
+    return EscalationPolicy(
+        rollback_after,
+        config.spike_memory,
+        skip_after_rollback,
+        max_rollbacks,
+        config.rollback_memory,
+        config.lr_cooldown_steps,
+    )
+
+
+def refuse_manual_optimization(module: Any) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` for a module that runs its own optimizer."""
+    if not module.automatic_optimization:
+        raise PulseRefusal(
+            "StabilityGuard supports automatic optimization only; this module sets "
+            "`automatic_optimization = False`. Let Lightning run the optimizer (return the loss from "
+            "`training_step`), or remove StabilityGuard from the callbacks."
+        )
+
+
+def judge_step(
+    detector: SpikeDetector,
+    policy: EscalationPolicy,
+    step: int,
+    loss: float | None,
+    grad_norm: float | None,
+    key: str,
+    trace_cause: Callable[[], str | None],
+) -> tuple[Verdict, Action, str | None, bool]:
+    """Judge one optimizer step and decide its action.
+
+    ``trace_cause`` is called only for a non-finite step (where it came from, see
+    :func:`~lightning_pulse.core.fault_origin.trace_nonfinite`). Returns ``(verdict, action, cause,
+    newly_unjudged)``; ``newly_unjudged`` is true at the first loss a log scale cannot judge (warn once).
+    """
+    unjudged_before = detector.unjudged_losses
+    verdict = detector.assess(loss, grad_norm, key, accept=True).verdict
+    cause = trace_cause() if verdict in NONFINITE else None
+    newly_unjudged = not unjudged_before and detector.unjudged_losses > 0
+    return verdict, policy.decide(step, verdict, cause), cause, newly_unjudged
+
+
+def snapshot_extra(detector: SpikeDetector, policy: EscalationPolicy, module: nn.Module) -> dict[str, Any]:
+    """The bookkeeping a snapshot holds besides the training state, for :func:`restore_books`."""
+    return {"detector": detector.state_dict(), "carried": carried_tensors(module), **policy.lineage()}
+
+
+def restore_books(
+    target: TrainingSnapshot | None,
+    predates: bool,
+    incident_start: int | None,
+    detector: SpikeDetector,
+    policy: EscalationPolicy,
+    module: nn.Module,
+    warn: Callable[[str], Any],
+) -> int:
+    """After :meth:`~lightning_pulse.core.snapshots.SnapshotSchedule.roll_back` restored ``target`` (``None``:
+    none fitted), return the detector, the carried tensors and the policy's books to it; the steps undone."""
+    if target is None:
+        warn("StabilityGuard: no snapshot fits the model any more; the parameters stay as they are.")
+        return 0
+    if not predates:
+        warn(f"StabilityGuard: no snapshot predates step {incident_start} enough; using the oldest one.")
+    detector.load_state_dict(target.extra["detector"])
+    restore_carried_tensors(module, target.extra.get("carried", {}))
+    return policy.rewind(target.extra)
+
+
+def guard_metrics(policy: EscalationPolicy, with_energy: bool) -> dict[str, float]:
+    """The stability figures logged under ``stability/`` (wasted energy only ``with_energy``)."""
+    spikes = policy.spikes_by_kind
+    out = {
+        "stability/spikes": float(sum(spikes.values())),
+        "stability/steps_skipped": float(policy.steps_skipped),
+        "stability/bad_batches": float(policy.bad_batches),
+        "stability/rollbacks": float(policy.rollbacks),
+        "stability/steps_lost": float(policy.steps_skipped + policy.steps_undone),
+        **{f"stability/spikes_{kind}": float(n) for kind, n in spikes.items()},
+    }
+    if with_energy:
+        out["stability/energy_wasted_kwh"] = policy.energy_wasted_kwh
+    return out
+
+
+def maintain_snapshot_wanted(
+    config: StabilityGuardConfig, change: PhaseChange, probe: Mapping[str, float], healthy: bool
+) -> bool:
+    """Whether a phase change asks for a snapshot: a maintain phase begins (not a resume) in a healthy state
+    with a finite probe, and ``config.snapshot_at_maintain``."""
+    if not config.snapshot_at_maintain or change.current is not Phase.MAINTAIN or change.reason == "resume":
+        return False
+    return healthy and all(math.isfinite(value) for value in probe.values())
+
+
+def stop_checkpoint_path(config: StabilityGuardConfig, root_dir: str, step: int) -> str:
+    return config.stop_checkpoint_path or os.path.join(
+        root_dir, "stability_guard", f"stopped-step={step}.ckpt"
+    )
+
+
+def guard_state_dict(
+    detector: SpikeDetector, policy: EscalationPolicy, last_snapshot_step: int | None, bad_samples: list
+) -> dict[str, Any]:
+    return {
+        "detector": detector.state_dict(),
+        "policy": policy.state_dict(),
+        "last_snapshot_step": last_snapshot_step,
+        "bad_samples": bad_samples,
+    }
+
+
+def load_guard_state(
+    state_dict: Mapping[str, Any], detector: SpikeDetector, policy: EscalationPolicy
+) -> tuple[int | None, list[dict[str, Any]]]:
+    """Load :func:`guard_state_dict`'s detector and policy; returns ``(last_snapshot_step, bad_samples)``."""
+    detector.load_state_dict(state_dict["detector"])
+    # checkpoints of earlier versions kept the counters next to the policy's state
+    policy.load_state_dict({**state_dict, **state_dict["policy"]})
+    last = state_dict["last_snapshot_step"]
+    samples = [dict(sample) for sample in state_dict.get("bad_samples", [])]
+    return (None if last is None else int(last)), samples
+
+
+def fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+def unjudged_loss_message(loss: float | None) -> str:
+    return (
+        f"StabilityGuard: the loss is {fmt(loss)} <= 0, which a log scale cannot judge; loss spikes go "
+        "unnoticed. Pass `config=StabilityGuardConfig(loss_scale='linear')` for such losses."
+    )
+
+
+def flag_message(
+    step: int,
+    verdict: Verdict,
+    action: Action,
+    loss: float | None,
+    grad_norm: float | None,
+    key: str,
+    detector: SpikeDetector,
+) -> str:
+    baseline = detector.baseline(key)
+    return (
+        f"StabilityGuard: step {step} flagged as {verdict} (loss={fmt(loss)}, grad_norm={fmt(grad_norm)}; "
+        f"{key} medians loss={fmt(baseline['loss'])}, grad_norm={fmt(baseline['grad_norm'])}); "
+        f"action: {action}."
+    )
+
+
+def data_fault_message(step: int, samples: list[dict[str, Any]]) -> str:
+    return (
+        f"StabilityGuard: step {step} has non-finite values in its data ({describe_bad_samples(samples)}); "
+        "the model is healthy, so the step is skipped and training goes on. Later such steps are skipped "
+        "silently: see `StabilityGuard.bad_samples` and the `stability/bad_batches` counter."
+    )
+
+
+def rollback_message(policy: EscalationPolicy, step: int, to_step: int | None, undone: int) -> str:
+    return (
+        f"StabilityGuard: rollback {policy.rollbacks} at step {step} to the snapshot of step {to_step} "
+        f"({undone} applied step(s) undone); skipping the next {policy.skip_remaining} batch(es)."
+    )
+
+
+def stop_message(
+    policy: EscalationPolicy, step: int, to_step: int | None, recent_rollbacks: int, path: str
+) -> str:
+    flagged = [str(e["step"]) for e in policy.events if e["event"] not in ("rollback", "stop")][-8:]
+    return (
+        f"StabilityGuard stopped training at step {step}: spikes kept coming after {recent_rollbacks} "
+        f"rollback(s) within {policy.rollback_memory} steps "
+        f"(`max_rollbacks`={policy.max_rollbacks}). The checkpoint {path!r} holds the snapshot of step "
+        f"{to_step} (None: no snapshot fitted, the current state). Inspect the data around the flagged steps "
+        f"(last: {', '.join(flagged)}) or lower the learning rate, then resume from that checkpoint."
+    )
+
+
+def summary_message(policy: EscalationPolicy) -> str | None:
+    """The end-of-training line, or ``None`` for a run without spikes or rollbacks."""
+    spikes = sum(policy.spikes_by_kind.values())
+    if not spikes and not policy.rollbacks:
+        return None
+    lost = policy.steps_skipped + policy.steps_undone
+    return (
+        f"StabilityGuard: {spikes} spike(s), {policy.steps_skipped} step(s) skipped, "
+        f"{policy.rollbacks} rollback(s), {lost} step(s) of work lost."
+    )
