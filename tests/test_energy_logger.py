@@ -638,7 +638,9 @@ def test_a_codecarbon_start_that_fails_in_the_background_falls_back(tmp_path, mo
 
 
 def test_nested_configs_take_a_mapping_as_yaml_gives_them():
-    logger = EnergyLogger(meters={"sampling_period": 0.5, "cpu_watts": 7.0}, accounting={"log_every_n_steps": 3})
+    logger = EnergyLogger(
+        meters={"sampling_period": 0.5, "cpu_watts": 7.0}, accounting={"log_every_n_steps": 3}
+    )
     assert logger.meters == MeterConfig(sampling_period=0.5, cpu_watts=7.0)
     assert logger.accounting.log_every_n_steps == 3
     with pytest.raises(ValueError, match=r"^EnergyLogger: `meters`=7 must be a MeterConfig"):
