@@ -190,7 +190,26 @@ class HFSequenceClassifier(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-class EncoderClassifier(pl.LightningModule):
+class _DigitsClassifier(pl.LightningModule):
+    """The steps every digits client writes the same way: cross-entropy, accuracy, Adam."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class EncoderClassifier(_DigitsClassifier):
     """``nn.TransformerEncoder`` over the 8 rows of a digit image, with a learned positional table."""
 
     def __init__(self, d_model: int = 32, lr: float = 3e-3) -> None:
@@ -207,21 +226,6 @@ class EncoderClassifier(pl.LightningModule):
     def forward(self, x):
         tokens = self.embed(x.squeeze(1)) + self.positions  # (B, 8 rows, d_model)
         return self.head(self.encoder(tokens).mean(dim=1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", nn.functional.cross_entropy(logits, y))
-        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
 class StatefulLSTM(pl.LightningModule):
@@ -261,7 +265,7 @@ class StatefulLSTM(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
-class SharedConvCNN(pl.LightningModule):
+class SharedConvCNN(_DigitsClassifier):
     """A digits CNN that applies one conv twice (a shared module) and ties two linear layers' weights."""
 
     def __init__(self, channels: int = 16, lr: float = 3e-3) -> None:
@@ -284,23 +288,8 @@ class SharedConvCNN(pl.LightningModule):
         h = torch.relu(self.mix_a(h))
         return self.head(torch.relu(self.mix_b(h)))
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
-        return loss
 
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", nn.functional.cross_entropy(logits, y))
-        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
-
-
-class ManualOptimizationMLP(pl.LightningModule):
+class ManualOptimizationMLP(_DigitsClassifier):
     """A digits MLP trained with ``automatic_optimization = False``."""
 
     def __init__(self, lr: float = 3e-3) -> None:
@@ -321,15 +310,6 @@ class ManualOptimizationMLP(pl.LightningModule):
         optimizer.step()
         self.log("train_loss", loss)
 
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", nn.functional.cross_entropy(logits, y))
-        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
-
 
 class OneCycleMLP(ManualOptimizationMLP):
     """A digits MLP with OneCycleLR stepped every optimizer step, planned from ``estimated_stepping_batches``."""
@@ -338,11 +318,7 @@ class OneCycleMLP(ManualOptimizationMLP):
         super().__init__(lr=lr)
         self.automatic_optimization = True
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
-        return loss
+    training_step = _DigitsClassifier.training_step
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -50,3 +50,12 @@ def mnist1d_small():
         )
 
     return make
+
+
+class StandInTrainer:
+    """A Trainer whose strategy cannot run here (FSDP is GPU-only in Lightning, DeepSpeed is not installed,
+    model parallel needs a device mesh): an uninitialised strategy object stands in, for the checks at setup
+    that read only the strategy's type. A fake only for absent hardware, only for refusal paths."""
+
+    def __init__(self, strategy_class: type) -> None:
+        self.strategy = strategy_class.__new__(strategy_class)

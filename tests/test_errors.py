@@ -6,18 +6,12 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy, sharded_strategy_name
-
-
-class _Trainer:
-    # FSDP is GPU-only in Lightning and DeepSpeed is not installed here: the strategy objects stand in,
-    # uninitialised, for the check that reads only their type
-    def __init__(self, strategy):
-        self.strategy = strategy
+from tests.conftest import StandInTrainer
 
 
 @pytest.mark.parametrize("strategy_class", [FSDPStrategy, DeepSpeedStrategy])
 def test_a_sharded_strategy_is_refused_naming_callback_strategy_and_way_out(strategy_class):
-    trainer = _Trainer(strategy_class.__new__(strategy_class))
+    trainer = StandInTrainer(strategy_class)
     assert sharded_strategy_name(trainer) == strategy_class.__name__
     with pytest.raises(
         PulseRefusal, match=rf"^GradientCache does not support {strategy_class.__name__}: .*ddp"
@@ -27,6 +21,6 @@ def test_a_sharded_strategy_is_refused_naming_callback_strategy_and_way_out(stra
 
 @pytest.mark.parametrize("strategy_class", [DDPStrategy, SingleDeviceStrategy])
 def test_replicated_strategies_pass(strategy_class):
-    trainer = _Trainer(strategy_class.__new__(strategy_class))
+    trainer = StandInTrainer(strategy_class)
     assert sharded_strategy_name(trainer) is None
     refuse_sharded_strategy(trainer, "GradientCache", "unused")

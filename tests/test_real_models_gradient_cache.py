@@ -19,7 +19,7 @@ from lightning_pulse import ScheduledPrune
 from lightning_pulse.callbacks.gradient_cache import GradientCache
 from lightning_pulse.errors import PulseRefusal
 from tests.clients import CLIENTS
-from tests.conftest import stop_after_epochs, trainer_kwargs
+from tests.conftest import StandInTrainer, stop_after_epochs, trainer_kwargs
 
 pytest.importorskip("transformers")
 
@@ -155,16 +155,10 @@ def test_manual_optimization_is_refused_before_the_first_step():
     assert trainer.global_step == 0
 
 
-class _Trainer:
-    # FSDP is GPU-only in Lightning and DeepSpeed is not installed: uninitialised strategy objects stand in
-    def __init__(self, strategy):
-        self.strategy = strategy
-
-
 @pytest.mark.parametrize("strategy_class", [FSDPStrategy, DeepSpeedStrategy])
 def test_sharded_strategies_are_refused_at_setup(strategy_class):
     module, _ = CLIENTS["onecycle-per-step"]()
-    trainer = _Trainer(strategy_class.__new__(strategy_class))
+    trainer = StandInTrainer(strategy_class)
     with pytest.raises(
         PulseRefusal, match=rf"^GradientCache does not support {strategy_class.__name__}: .*requires_grad"
     ):

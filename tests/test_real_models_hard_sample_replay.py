@@ -23,7 +23,7 @@ from lightning_pulse.core.replay import HardSampleSelector, ReplayConfig, shorte
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.errors import PulseRefusal
 from tests.clients import CLIENTS, StatefulLSTM, StreamDataModule, TextWindowsDataModule
-from tests.conftest import trainer_kwargs
+from tests.conftest import StandInTrainer, trainer_kwargs
 
 
 class _Logger(Logger):
@@ -317,15 +317,8 @@ def test_bf16_autocast_on_an_hf_classifier_captures_finite_per_sample_losses():
 
 
 # ------------------------------------------------------------------------------ strategies
-class _Trainer:
-    # stands in for a Trainer whose strategy cannot run here (FSDP is GPU-only in Lightning, DeepSpeed is not
-    # installed, model parallel needs a device mesh): the check reads only the strategy's type
-    def __init__(self, strategy) -> None:
-        self.strategy = strategy
-
-
 def test_model_parallel_is_refused_at_setup_naming_the_strategy_and_the_way_out():
-    trainer = _Trainer(ModelParallelStrategy.__new__(ModelParallelStrategy))
+    trainer = StandInTrainer(ModelParallelStrategy)
     with pytest.raises(
         PulseRefusal, match=r"^HardSampleReplay does not support ModelParallelStrategy: .*'ddp'"
     ):
@@ -337,7 +330,7 @@ def test_fsdp_and_deepspeed_pass_setup(strategy_class):
     # they shard parameters, not batches: the cut batch, the per-sample losses and the gathered scores are
     # what DDP sees (all_gather over the whole world, which is the data-parallel group)
     replay = HardSampleReplay()
-    replay.setup(_Trainer(strategy_class.__new__(strategy_class)), None, "fit")
+    replay.setup(StandInTrainer(strategy_class), None, "fit")
     assert replay._remove_hook is not None
     replay._remove_hook()
     assert math.isnan(replay.threshold)

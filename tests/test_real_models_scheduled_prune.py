@@ -15,7 +15,7 @@ from lightning_pulse import ScheduledPrune
 from lightning_pulse.core import pruning
 from lightning_pulse.errors import PulseRefusal
 from tests.clients import CLIENTS, HFCausalLM, OneCycleMLP, TextWindowsDataModule, _digits
-from tests.conftest import trainer_kwargs
+from tests.conftest import StandInTrainer, trainer_kwargs
 
 STEPS, START, END, EVERY = (
     40,
@@ -304,17 +304,11 @@ def test_bf16_mixed_on_the_transformer_encoder(mode):
 
 
 # ---------------------------------------------------------------------------------------------- strategies
-class _StandInTrainer:
-    # FSDP is GPU-only in Lightning and DeepSpeed is not installed: uninitialised strategy objects stand in
-    def __init__(self, strategy) -> None:
-        self.strategy = strategy
-
-
 @pytest.mark.parametrize("strategy_class", [FSDPStrategy, DeepSpeedStrategy])
 @pytest.mark.parametrize("mode", ["unstructured", "structured"])
 def test_sharded_strategies_are_refused_at_setup(strategy_class, mode):
     module, _ = CLIENTS["manual-optimization"]()
-    trainer = _StandInTrainer(strategy_class.__new__(strategy_class))
+    trainer = StandInTrainer(strategy_class)
     with pytest.raises(
         PulseRefusal, match=rf"^ScheduledPrune does not support {strategy_class.__name__}: masks"
     ):

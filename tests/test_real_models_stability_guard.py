@@ -18,7 +18,7 @@ from lightning_pulse import HardSampleReplay, PulseCycle
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 from lightning_pulse.errors import PulseRefusal
 from tests.clients import CLIENTS, OneCycleMLP, _digits
-from tests.conftest import trainer_kwargs
+from tests.conftest import StandInTrainer, trainer_kwargs
 
 FIRST_REPLAY_STEP = 90  # PulseCycle's defaults over 300 steps: 30 warm-up + 60 burst, then 30 replay
 
@@ -276,16 +276,10 @@ def test_manual_optimization_is_refused_before_the_first_step():
     assert trainer.global_step == 0
 
 
-class _Trainer:
-    # FSDP is GPU-only in Lightning and DeepSpeed is not installed here: uninitialised strategy objects stand in
-    def __init__(self, strategy):
-        self.strategy = strategy
-
-
 @pytest.mark.parametrize("strategy_class", [FSDPStrategy, DeepSpeedStrategy])
 def test_a_sharded_strategy_is_refused_at_setup(strategy_class):
     module, _ = CLIENTS["hf-bert"]()
-    trainer = _Trainer(strategy_class.__new__(strategy_class))
+    trainer = StandInTrainer(strategy_class)
     with pytest.raises(
         PulseRefusal, match=rf"^StabilityGuard does not support {strategy_class.__name__}: .*shard.*ddp"
     ):
