@@ -316,3 +316,24 @@ def test_without_flop_measurement_the_same_units_freeze_and_no_flop_figure_is_lo
     assert "gradient_cache/backward_flops_skipped" in logged
     assert "gradient_cache/backward_flops_skipped" not in unlogged
     assert "gradient_cache/frozen_share" in unlogged
+
+
+def test_defaults_that_froze_nothing_say_what_they_measured_and_why_they_waited(mnist1d_small, caplog):
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    cache = GradientCache()  # the defaults: score every 20 steps, freeze at plasticity <= 0.2
+    with caplog.at_level("INFO"):
+        fit(model, data, [cache], max_steps=45, limit_train_batches=10)
+    assert cache.events == []  # early in training every layer still moves: nothing froze
+    notes = [r.getMessage() for r in caplog.records if "froze nothing" in r.getMessage()]
+    assert len(notes) == 1
+    first_score = cache.freezer.scores[0]
+    assert first_score is not None and first_score > 0.2
+    assert f"net.1, last scored {first_score:.3g} (stable at <= threshold=0.2)" in notes[0]
+
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        fit(model, data, [GradientCache()], max_steps=10, limit_train_batches=10)
+    assert any("no unit trained a whole window of check_every=20" in r.getMessage() for r in caplog.records)

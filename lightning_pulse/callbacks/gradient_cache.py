@@ -287,6 +287,9 @@ class GradientCache(Callback):
     # ------------------------------------------------------------------ end
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        note = self.freezer.idle_note() if self.freezer is not None else None
+        if note is not None:
+            rank_zero_info(f"GradientCache: {note}.")
         self._end_fit()
         if self._replay is not None:
             self._replay.detach(trainer.train_dataloader)

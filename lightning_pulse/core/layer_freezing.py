@@ -263,6 +263,28 @@ class LayerFreezer:
             "stopping the other side; untie them (Hugging Face: `tie_word_embeddings=False`) to let it freeze"
         )
 
+    def idle_note(self) -> str | None:
+        """What the freezer measured, when it froze nothing in the run (``None`` if it froze something): so a
+        run whose defaults never acted says why they waited."""
+        if self.freezes or not self.units or self.pinned_first is not None:
+            return None  # it acted, or the tie already said why it cannot
+        threshold, every = self.settings.threshold, self.settings.check_every
+        if not any(score is not None for score in self.scores):
+            return (
+                f"froze nothing in {self.steps} steps: no unit trained a whole window of check_every={every} "
+                "steps yet, so none was scored"
+            )
+        first = self.units[0]
+        first_score = self.scores[0]
+        scored = [(score, unit.name) for score, unit in zip(self.scores, self.units) if score is not None]
+        lowest, lowest_name = min(scored)
+        said = "not scored" if first_score is None else f"last scored {first_score:.3g}"
+        return (
+            f"froze nothing in {self.steps} steps: a frozen prefix starts at the first unit, {first.name}, "
+            f"{said} (stable at <= threshold={threshold:g}); the lowest last score was {lowest:.3g} "
+            f"({lowest_name}). The weights were still moving: a longer run, or a higher threshold, lets it freeze"
+        )
+
     @property
     def frozen_names(self) -> list[str]:
         return [unit.name for unit, frozen in zip(self.units, self.frozen) if frozen]
