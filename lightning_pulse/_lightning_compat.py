@@ -7,6 +7,7 @@ when an upgrade moves an attribute, instead of letting a callback silently do no
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -101,6 +102,47 @@ def private_api_problems() -> list[str]:
     if not callable(getattr(torch.Tensor, "_use_count", None)):
         problems.append("torch.Tensor._use_count")
     return problems
+
+
+class CollectiveHold:
+    """Tensors a callback handed to a collective, kept referenced until the backend's threads let go of them.
+
+    A tensor handed to a collective is held by the backend's own thread (gloo's worker, NCCL's watchdog) for a
+    while after the collective returned. Whoever drops the last reference frees its Python object, which needs
+    the GIL; if that is the backend's thread while the rank exits, Python ends the thread waiting for the GIL
+    with ``pthread_exit``, whose forced unwinding through C++ destructors calls ``std::terminate``: the rank
+    aborts with "terminate called without an active exception" (SIGABRT) after a finished fit. So a callback
+    :meth:`keep` s what it hands to collectives and :meth:`wait` s at teardown.
+    """
+
+    timeout_s = 10.0
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+
+    def keep(self, *tensors: torch.Tensor) -> None:
+        self.tensors = [t for t in self.tensors if not backend_released(t)]
+        for tensor in tensors:
+            if not any(tensor is held for held in self.tensors):
+                self.tensors.append(tensor)
+
+    def wait(self) -> list[torch.Tensor]:
+        """Yield the CPU until the backend has let go of every kept tensor (at most ``timeout_s``); returns
+        and keeps those still held."""
+        deadline = time.monotonic() + self.timeout_s
+        held = [t for t in self.tensors if not backend_released(t)]
+        while held and time.monotonic() < deadline:
+            time.sleep(0)  # a thread yield, so a descheduled worker gets the core; not a timed wait
+            held = [t for t in held if not backend_released(t)]
+        self.tensors = held
+        return held
+
+
+def reduce_held(strategy: Any, tensor: torch.Tensor, reduce_op: str, hold: CollectiveHold) -> torch.Tensor:
+    """``strategy.reduce(tensor, reduce_op)``, keeping both tensors in ``hold`` (see :class:`CollectiveHold`)."""
+    reduced = strategy.reduce(tensor, reduce_op=reduce_op)
+    hold.keep(tensor, reduced)
+    return reduced
 
 
 def backend_released(tensor: torch.Tensor) -> bool:

@@ -16,6 +16,10 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.carried_state import kept_carried_state
 
+#: the tensors the probes of this process handed to a collective (see ``compat.CollectiveHold``); the callbacks
+#: that run a probe wait for them at teardown
+PROBE_COLLECTIVES = compat.CollectiveHold()
+
 
 def first_validation_batches(trainer: pl.Trainer, pl_module: pl.LightningModule, count: int) -> list[Any]:
     """The first ``count`` batches of the run's (first) validation dataloader; empty if there is none.
@@ -87,6 +91,6 @@ def run_validation_probe(
     means = {name: sums[name] / counts[name] for name in sorted(sums)}
     if trainer.world_size > 1 and means:
         stacked = torch.tensor(list(means.values()), dtype=torch.float64, device=pl_module.device)
-        stacked = trainer.strategy.reduce(stacked, reduce_op="mean")
+        stacked = compat.reduce_held(trainer.strategy, stacked, "mean", PROBE_COLLECTIVES)
         means = dict(zip(means, stacked.tolist()))
     return means

@@ -157,13 +157,13 @@ def _measure_under_two_ranks(
 def test_reduced_tensors_stay_referenced_until_the_backend_lets_go_and_teardown_waits_for_that(monkeypatch):
     # If Python dropped a reduced tensor first, the backend's thread would free it under the GIL, which aborts
     # the rank ("terminate called without an active exception") when it happens while the rank exits.
-    from lightning_pulse.callbacks import mhc_monitor
+    from lightning_pulse import _lightning_compat as compat
 
     monitor, strategy = HyperConnectionMonitor(every_n_steps=1), HoldingStrategy()
     _measure_under_two_ranks(monitor, strategy)
     assert monitor.last["forward_gain"] >= 0.5  # the 'reduced' figures were used
     assert len(strategy.handed) == 2
-    assert all(any(t is h for t in monitor._in_flight) for h in strategy.handed)
+    assert all(any(t is h for t in monitor._held.tensors) for h in strategy.handed)
 
     # teardown returns only once the backend has let go: here it lets go at the first yield of the wait
     yields = []
@@ -172,17 +172,17 @@ def test_reduced_tensors_stay_referenced_until_the_backend_lets_go_and_teardown_
         yields.append(seconds)
         strategy.release()
 
-    monkeypatch.setattr(mhc_monitor.time, "sleep", backend_releases_when_yielded_to)
+    monkeypatch.setattr(compat.time, "sleep", backend_releases_when_yielded_to)
     monitor.teardown(SimpleNamespace(), None, "fit")
-    assert yields and monitor._in_flight == []
+    assert yields and monitor._held.tensors == []
 
     # a backend that never lets go: the wait is bounded and the tensors stay referenced
-    monkeypatch.setattr(mhc_monitor.time, "sleep", lambda seconds: None)
-    monkeypatch.setattr(mhc_monitor, "_RELEASE_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(compat.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(compat.CollectiveHold, "timeout_s", 0.01)
     strategy = HoldingStrategy()
     _measure_under_two_ranks(monitor, strategy, step=1)
     monitor.teardown(SimpleNamespace(), None, "fit")
-    assert len(monitor._in_flight) == 2
+    assert len(monitor._held.tensors) == 2
 
 
 class HistoryDump(HyperConnectionMonitor):

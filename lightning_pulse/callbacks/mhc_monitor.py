@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -13,27 +12,6 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
-
-# A tensor handed to a collective is held by the backend's own thread (gloo's worker, NCCL's watchdog) for a
-# while after the collective has returned. Whoever drops the last reference to a tensor frees its Python
-# object, which needs the GIL. If Python let go first, that is the backend thread; and if the rank is exiting
-# by then (a measurement at the last step, then a quick exit), Python ends the thread waiting for the GIL with
-# pthread_exit, whose forced unwinding through C++ destructors calls std::terminate: the rank aborts with
-# "terminate called without an active exception" (SIGABRT). So the monitor keeps every tensor it reduced until
-# the backend has let go of it (``compat.backend_released``), and waits for that at teardown. On a loaded
-# machine the worker can stay descheduled through a rank's whole teardown: 2 of 10 two-process test runs aborted.
-_RELEASE_TIMEOUT_S = 10.0
-
-
-def _wait_until_released(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Yield the CPU until the backend threads have let go of ``tensors`` (at most ``_RELEASE_TIMEOUT_S``);
-    returns those still held."""
-    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
-    held = [tensor for tensor in tensors if not compat.backend_released(tensor)]
-    while held and time.monotonic() < deadline:
-        time.sleep(0)  # a thread yield, so a descheduled worker gets the core; not a timed wait
-        held = [tensor for tensor in held if not compat.backend_released(tensor)]
-    return held
 
 
 class HyperConnectionMonitor(Callback):
@@ -92,7 +70,7 @@ class HyperConnectionMonitor(Callback):
         self._recorder: HyperConnectionRecorder | None = None
         self._last_measured_step = -1
         self._warned_no_layers = False
-        self._in_flight: list[torch.Tensor] = []  # reduced tensors a collective's thread may still hold
+        self._held = compat.CollectiveHold()  # reduced tensors a collective's thread may still hold
 
     # ------------------------------------------------------------------ public figures
     @property
@@ -170,17 +148,14 @@ class HyperConnectionMonitor(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # the rank may exit right after this: no collective's thread may be left holding a reduced tensor
-        self._in_flight = _wait_until_released(self._in_flight)
+        self._held.wait()
 
     def _reduce(
         self, trainer: pl.Trainer, values: list[float], reduce_op: str, device: torch.device
     ) -> list[float]:
         """``values`` reduced over ranks (``"max"`` / ``"mean"``); the tensors stay referenced until released."""
         tensor = torch.tensor(values, dtype=torch.float64, device=device)
-        reduced = trainer.strategy.reduce(tensor, reduce_op=reduce_op)
-        self._in_flight = [t for t in self._in_flight if not compat.backend_released(t)]
-        self._in_flight += [tensor] if reduced is tensor else [tensor, reduced]
-        return reduced.tolist()
+        return compat.reduce_held(trainer.strategy, tensor, reduce_op, self._held).tolist()
 
     # ------------------------------------------------------------------ checkpointing
     @override

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -19,7 +20,7 @@ from typing_extensions import override
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
-from lightning_pulse.probe import first_validation_batches, run_validation_probe
+from lightning_pulse.probe import PROBE_COLLECTIVES, first_validation_batches, run_validation_probe
 from lightning_pulse.protocols import PhaseListener, listeners
 
 PROBE_MODES = ("probe", "none")
@@ -148,6 +149,7 @@ class PulseCycle(Callback):
             raise ValueError(f"PulseCycle: `probe_batches`={probe_batches!r} must be a positive int.")
         self.maintain_eval = maintain_eval
         self.probe_batches = probe_batches
+        self._held = compat.CollectiveHold()
         self.time_source = time_source or time.monotonic
         self._listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
         self._last_global_step = 0
@@ -220,7 +222,7 @@ class PulseCycle(Callback):
         self._last_tick = now
         if self.clock.uses_wall_clock and trainer.world_size > 1:
             # rank 0's clock decides, so every rank switches at the same step
-            seconds = float(trainer.strategy.broadcast(seconds, src=0))
+            seconds = self._rank_zero_seconds(trainer, pl_module, seconds)
         changes = self.clock.advance(
             steps=steps,
             seconds=seconds,
@@ -249,7 +251,19 @@ class PulseCycle(Callback):
     def load_rollback_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_probe = dict(state_dict["last_probe"])
 
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # the rank may exit right after this: no collective's thread may be left holding our tensors
+        self._held.wait()
+        PROBE_COLLECTIVES.wait()
+
     # ------------------------------------------------------------------ internals
+    def _rank_zero_seconds(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seconds: float) -> float:
+        """Rank 0's seconds on every rank: a sum all-reduce of a tensor this callback owns (kept until the
+        backend lets go of it), not an object broadcast whose tensors nobody here can keep."""
+        mine = torch.tensor([seconds if trainer.global_rank == 0 else 0.0], dtype=torch.float64)
+        return float(compat.reduce_held(trainer.strategy, mine.to(pl_module.device), "sum", self._held)[0])
+
     def _announce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange) -> None:
         if change.previous is not None:
             ended = change.previous.value

@@ -27,7 +27,7 @@ from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_
 from lightning_pulse.core.prune_setup import PruneOptions
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import Phase, PhaseChange
-from lightning_pulse.probe import first_validation_batches, run_validation_probe
+from lightning_pulse.probe import PROBE_COLLECTIVES, first_validation_batches, run_validation_probe
 from lightning_pulse.protocols import ParametersReplacedListener, listeners
 
 __all__ = ["DistillConfig", "PruneOptions", "ScheduledPrune"]
@@ -169,6 +169,7 @@ class ScheduledPrune(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        PROBE_COLLECTIVES.wait()  # the rank may exit right after this (see compat.CollectiveHold)
         self._training = False
         self._end_distillation(trainer)
         if self._fitter_handle is not None:

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
 from lightning_pulse.core import stability_steps as steps
 from lightning_pulse.core.fault_origin import trace_nonfinite
@@ -131,6 +132,7 @@ class StabilityGuard(Callback):
         self.schedule = SnapshotSchedule(snapshot_every, max_snapshots, rollback_margin)
         self.snapshots = self.schedule.ring
         self._changes = StepChanges()
+        self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
         self._batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
         self.bad_samples: list[dict[str, Any]] = []  # {"step", "batch_idx", "rows", "indices"}, newest last
@@ -201,7 +203,11 @@ class StabilityGuard(Callback):
             self._decided = Action.SKIP
             return
         world_size = trainer.world_size
-        reduce = partial(trainer.strategy.reduce, reduce_op="sum") if world_size > 1 else None
+        reduce = (
+            partial(compat.reduce_held, trainer.strategy, reduce_op="sum", hold=self._held)
+            if world_size > 1
+            else None
+        )
         loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, reduce, world_size)
         key = self._fixed_key if self._cycle is None else self._cycle.phase.value
         step = trainer.global_step
@@ -250,6 +256,7 @@ class StabilityGuard(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._changes.detach()
+        self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
 
     def on_pulse_phase_change(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange
@@ -282,7 +289,11 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list
     ) -> str | None:
         """Where a non-finite step came from (``trace_nonfinite``); a data fault's samples are remembered."""
-        reduce = partial(trainer.strategy.reduce, reduce_op="sum") if trainer.world_size > 1 else None
+        reduce = (
+            partial(compat.reduce_held, trainer.strategy, reduce_op="sum", hold=self._held)
+            if trainer.world_size > 1
+            else None
+        )
         cause, samples = trace_nonfinite(
             pl_module, trainer.optimizers, batches, trainer.global_step, trainer.train_dataloader, reduce
         )
