@@ -21,8 +21,21 @@ from lightning_pulse.energy.codecarbon_meter import TRACKING_MODES
 from lightning_pulse.energy.rapl import DEFAULT_POWERCAP_ROOT
 
 
+class _EnergyLoggerConfig:
+    """Validates a config dataclass at construction; an error names EnergyLogger, whose arguments these are."""
+
+    def __post_init__(self) -> None:
+        try:
+            self._validate()
+        except ValueError as error:
+            raise ValueError(prefixed(str(error))) from None
+
+    def _validate(self) -> None:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class MeterConfig:
+class MeterConfig(_EnergyLoggerConfig):
     """How the meters are read.
 
     Args:
@@ -43,12 +56,6 @@ class MeterConfig:
     cpu_watts: float | None = None
     rapl_root: str = DEFAULT_POWERCAP_ROOT
     codecarbon_tracking_mode: str = "machine"
-
-    def __post_init__(self) -> None:
-        try:
-            self._validate()
-        except ValueError as error:  # named after the callback whose arguments these are
-            raise ValueError(prefixed(str(error))) from None
 
     def _validate(self) -> None:
         period = self.sampling_period
@@ -80,7 +87,7 @@ class MeterConfig:
 
 
 @dataclass(frozen=True)
-class AccountingConfig:
+class AccountingConfig(_EnergyLoggerConfig):
     """How figures are dated, counted and shown.
 
     Args:
@@ -107,12 +114,6 @@ class AccountingConfig:
     log_every_n_steps: int | None = None
     progress_bar: bool = True
     baseline: str | None = None
-
-    def __post_init__(self) -> None:
-        try:
-            self._validate()
-        except ValueError as error:  # named after the callback whose arguments these are
-            raise ValueError(prefixed(str(error))) from None
 
     def _validate(self) -> None:
         if self.baseline is not None:
