@@ -101,6 +101,10 @@ def private_api_problems() -> list[str]:
     ]
     if not callable(getattr(torch.Tensor, "_use_count", None)):
         problems.append("torch.Tensor._use_count")
+    from lightning.fabric.utilities import distributed as fabric_distributed
+
+    if not callable(getattr(fabric_distributed, "_destroy_dist_connection", None)):
+        problems.append("lightning.fabric.utilities.distributed._destroy_dist_connection")
     return problems
 
 
@@ -121,6 +125,7 @@ class CollectiveHold:
         self.tensors: list[torch.Tensor] = []
 
     def keep(self, *tensors: torch.Tensor) -> None:
+        destroy_process_group_at_exit()
         self.tensors = [t for t in self.tensors if not backend_released(t)]
         for tensor in tensors:
             if not any(tensor is held for held in self.tensors):
@@ -136,6 +141,27 @@ class CollectiveHold:
             held = [t for t in held if not backend_released(t)]
         self.tensors = held
         return held
+
+
+_DESTROY_REGISTERED = False
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group in an ``atexit`` handler, while Python is still whole.
+
+    Lightning registers this for NCCL only; a gloo group is otherwise torn down during interpreter
+    finalization, when a backend thread that still has to give a tensor back to Python can only end with
+    ``std::terminate`` (see :class:`CollectiveHold`). Registered once per process, on the first use.
+    """
+    global _DESTROY_REGISTERED
+    if _DESTROY_REGISTERED or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return
+    import atexit
+
+    from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+    atexit.register(_destroy_dist_connection)
+    _DESTROY_REGISTERED = True
 
 
 def reduce_held(strategy: Any, tensor: torch.Tensor, reduce_op: str, hold: CollectiveHold) -> torch.Tensor:

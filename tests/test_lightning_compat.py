@@ -76,3 +76,11 @@ def test_set_callback_metric_is_visible_through_the_public_callback_metrics():
     assert isinstance(trainer._logger_connector._callback_metrics, dict)
     compat.set_callback_metric(trainer, "energy/total_kwh", 0.25)
     assert float(trainer.callback_metrics["energy/total_kwh"]) == 0.25
+
+
+def test_the_exit_time_group_teardown_is_registered_only_in_a_distributed_run(monkeypatch):
+    registered = []
+    monkeypatch.setattr("atexit.register", registered.append)
+    monkeypatch.setattr(compat, "_DESTROY_REGISTERED", False)
+    compat.destroy_process_group_at_exit()  # no process group in this process: nothing to tear down
+    assert registered == [] and compat._DESTROY_REGISTERED is False
