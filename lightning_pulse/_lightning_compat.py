@@ -171,6 +171,28 @@ def reduce_held(strategy: Any, tensor: torch.Tensor, reduce_op: str, hold: Colle
     return reduced
 
 
+def all_gather_held(strategy: Any, tensor: torch.Tensor, hold: CollectiveHold) -> torch.Tensor:
+    """``tensor`` from every rank, stacked to ``(world_size, *tensor.shape)``, keeping the input and every
+    output buffer in ``hold``. Lightning's ``strategy.all_gather`` goes through the autograd all-gather, whose
+    output buffers are dropped inside torch while gloo's worker may still hold them (see
+    :class:`CollectiveHold`); this one owns them. One process: ``tensor[None]``."""
+    if strategy.world_size <= 1 or not torch.distributed.is_initialized():
+        return tensor[None]
+    tensor = tensor.to(strategy.root_device).contiguous()
+    outputs = [torch.empty_like(tensor) for _ in range(strategy.world_size)]
+    torch.distributed.all_gather(outputs, tensor)
+    hold.keep(tensor, *outputs)
+    return torch.stack(outputs)
+
+
+def broadcast_held(strategy: Any, value: Any, hold: CollectiveHold) -> Any:
+    """``strategy.broadcast(value, src=0)`` for a picklable object, with the exit-time process-group teardown
+    registered (see :func:`destroy_process_group_at_exit`); the pickled buffers are torch's own, so ``hold``
+    only learns that a collective ran."""
+    hold.keep()
+    return strategy.broadcast(value, src=0)
+
+
 def backend_released(tensor: torch.Tensor) -> bool:
     """Whether only Python still holds ``tensor``: no collective's backend thread (gloo's worker, NCCL's
     watchdog) keeps a reference to it. Reads torch's private reference count of the tensor's storage owner."""

@@ -84,3 +84,13 @@ def test_the_exit_time_group_teardown_is_registered_only_in_a_distributed_run(mo
     monkeypatch.setattr(compat, "_DESTROY_REGISTERED", False)
     compat.destroy_process_group_at_exit()  # no process group in this process: nothing to tear down
     assert registered == [] and compat._DESTROY_REGISTERED is False
+
+
+def test_all_gather_held_stacks_one_process_without_a_collective():
+    class OneProcess:
+        world_size = 1
+
+    hold = compat.CollectiveHold()
+    tensor = torch.arange(3.0)
+    gathered = compat.all_gather_held(OneProcess(), tensor, hold)
+    assert gathered.shape == (1, 3) and torch.equal(gathered[0], tensor) and hold.tensors == []

@@ -62,15 +62,16 @@ def _instrumentation(hook: Callable[..., Any]) -> Callable[..., Any]:
 class _StrategyCollective:
     """The account's collectives on a Trainer's strategy."""
 
-    def __init__(self, trainer: pl.Trainer) -> None:
-        self.strategy, self.world_size = trainer.strategy, trainer.world_size
+    def __init__(self, trainer: pl.Trainer, hold: compat.CollectiveHold) -> None:
+        self.strategy, self.world_size, self.hold = trainer.strategy, trainer.world_size, hold
 
     def broadcast(self, value: Any) -> Any:
-        return self.strategy.broadcast(value, src=0)
+        return compat.broadcast_held(self.strategy, value, self.hold)
 
     def all_gather(self, vector: np.ndarray) -> np.ndarray:
-        tensor = torch.tensor(vector, dtype=torch.float64, device=self.strategy.root_device)
-        return self.strategy.all_gather(tensor).detach().cpu().numpy().reshape(self.world_size, -1)
+        tensor = torch.tensor(vector, dtype=torch.float64)
+        gathered = compat.all_gather_held(self.strategy, tensor, self.hold)
+        return gathered.detach().cpu().numpy().reshape(self.world_size, -1)
 
 
 class EnergyLogger(Callback):
@@ -167,6 +168,7 @@ class EnergyLogger(Callback):
             self.report: dict[str, Any] | None = None
             self.report_paths: list[Path] = []
             self._trainer: pl.Trainer | None = None
+            self._held = compat.CollectiveHold()  # gathered figures, until gloo's worker lets go of them
             self._in_train_loop = False
             self._batches_this_fit = 0
             self._last_cycle: int | None = None
@@ -275,7 +277,7 @@ class EnergyLogger(Callback):
     @_instrumentation
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics, forecast = self.account.epoch_metrics(
-            trainer.current_epoch, float(trainer.estimated_stepping_batches), _StrategyCollective(trainer)
+            trainer.current_epoch, float(trainer.estimated_stepping_batches), _StrategyCollective(trainer, self._held)
         )
         if forecast is not None:
             rank_zero_info(forecast_message(forecast))
@@ -323,11 +325,12 @@ class EnergyLogger(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.account.stop()
+        self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
 
     @override
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
-        return self.account.state_dict(None if trainer is None else _StrategyCollective(trainer))
+        return self.account.state_dict(None if trainer is None else _StrategyCollective(trainer, self._held))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -339,7 +342,7 @@ class EnergyLogger(Callback):
         if directory is None:
             directory = trainer.log_dir if status == "complete" or trainer.world_size == 1 else None
         directory = directory or trainer.default_root_dir
-        collective = _StrategyCollective(trainer) if status == "complete" else None
+        collective = _StrategyCollective(trainer, self._held) if status == "complete" else None
         self.report = self.account.report(status, self.currency, collective, num_nodes=trainer.num_nodes)
         self.report["metrics"] = scalar_metrics(trainer.callback_metrics)
         if trainer.is_global_zero:
@@ -352,7 +355,7 @@ class EnergyLogger(Callback):
 
     @_instrumentation
     def _log_cycle(self, trainer: pl.Trainer, cycle: int) -> None:
-        metrics = self.account.cycle_metrics(cycle, _StrategyCollective(trainer))
+        metrics = self.account.cycle_metrics(cycle, _StrategyCollective(trainer, self._held))
         self._log(trainer, metrics)
 
     @staticmethod

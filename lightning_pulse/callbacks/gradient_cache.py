@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of
 from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixActivationCache, check_cache_mb
 from lightning_pulse.core.backward_flops import BackwardFlopLedger
@@ -367,5 +368,5 @@ def _from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | N
     """Under DDP, a function that gives every process rank 0's list; ``None`` in a single process."""
     if trainer.world_size == 1:
         return None
-    strategy = trainer.strategy
-    return lambda values: list(strategy.broadcast(values, src=0))
+    strategy, hold = trainer.strategy, compat.CollectiveHold()
+    return lambda values: list(compat.broadcast_held(strategy, values, hold))

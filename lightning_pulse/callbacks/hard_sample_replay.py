@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -120,6 +121,7 @@ class HardSampleReplay(Callback):
         self._trainer: pl.Trainer | None = None
         self._loader: Any = None
         self._remove_hook: Any = None
+        self._held = compat.CollectiveHold()  # gathered rows, until gloo's worker lets go of them
         self._saved_state: dict[str, Any] | None = None
         self._ready = False  # this fit's selector exists: load_state_dict applies at once
         self._capture: LossCapture | None = None
@@ -277,8 +279,7 @@ class HardSampleReplay(Callback):
             losses = self.scorer.score(pl_module, batch, outputs, int(context["roles"].size))
         gather = None
         if trainer.world_size > 1:  # every rank keeps every rank's rows: identical tables and decisions
-            device = trainer.strategy.root_device
-            gather = lambda tensor: trainer.strategy.all_gather(tensor.to(device)).cpu()  # noqa: E731
+            gather = partial(compat.all_gather_held, trainer.strategy, hold=self._held)
         step, active, offered = context["step"], context["active"], context["offered"]
         self.selector.record(context["indices"], losses, context["roles"], step, active, offered, gather)
         self._log(trainer)
@@ -340,6 +341,7 @@ class HardSampleReplay(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
+        self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
         if stage != "fit":
             return
         if self._remove_hook is not None:
