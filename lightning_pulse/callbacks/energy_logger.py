@@ -277,7 +277,9 @@ class EnergyLogger(Callback):
     @_instrumentation
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics, forecast = self.account.epoch_metrics(
-            trainer.current_epoch, float(trainer.estimated_stepping_batches), _StrategyCollective(trainer, self._held)
+            trainer.current_epoch,
+            float(trainer.estimated_stepping_batches),
+            _StrategyCollective(trainer, self._held),
         )
         if forecast is not None:
             rank_zero_info(forecast_message(forecast))
