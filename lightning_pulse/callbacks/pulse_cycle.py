@@ -18,9 +18,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.core.step_plan import StepPlan, replay_steps_for_budget
+from lightning_pulse.core.step_plan import StepPlan, replay_duration_for_budget
 from lightning_pulse.errors import PulseRefusal
-from lightning_pulse.phase import PHASE_NAMES, Duration, Phase, PhaseChange, PhaseClock
+from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
 from lightning_pulse.probe import PROBE_COLLECTIVES, first_validation_batches, run_validation_probe
 from lightning_pulse.protocols import PhaseListener, listeners
 
@@ -202,30 +202,13 @@ class PulseCycle(Callback):
         :class:`~lightning_pulse.HardSampleReplay` at fit start, before it plans the run."""
         if self.budget is None:
             return
-        if self.clock.uses_wall_clock or Phase.REPLAY not in self.clock.order:
-            raise PulseRefusal(
-                f"PulseCycle: `budget`={self.budget:g} sets the replay phase's length in steps, so the cycle needs a "
-                "replay phase and durations in steps or epochs; drop `budget` or give the durations in steps."
-            )
-        light = {Phase(name) for name in light_phases}
-        full = other_light = 0.0
-        for phase, duration in self.clock.durations.items():
-            if phase is Phase.REPLAY:
-                continue
-            steps = (
-                duration.amount * (plain_epoch_steps or 0) if duration.kind == "epochs" else duration.amount
-            )
-            if phase in light:
-                other_light += steps
-            else:
-                full += steps
         try:
-            replay = replay_steps_for_budget(
-                self.budget, fraction, full, other_light, self.clock.warmup, self.clock.anneal
+            replay = replay_duration_for_budget(
+                self.clock, self.budget, fraction, light_phases, plain_epoch_steps
             )
         except ValueError as error:
             raise PulseRefusal(f"PulseCycle: {error}") from None
-        self.clock.durations[Phase.REPLAY] = Duration("steps", max(1, round(replay)))
+        self.clock.durations[Phase.REPLAY] = replay
 
     def check_run_length(self, total_steps: float) -> None:
         """Refuse a run whose length warm-up or anneal (shares of it) cannot be planned on."""

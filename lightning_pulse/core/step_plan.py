@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from lightning_pulse.phase import Phase, PhaseClock
+from lightning_pulse.phase import Duration, Phase, PhaseClock
 
 
 @dataclass(frozen=True)
@@ -250,6 +250,38 @@ def replay_steps_for_budget(
             "lower `budget`, or shorten the other light phases."
         )
     return replay
+
+
+def replay_duration_for_budget(
+    clock: PhaseClock,
+    budget: float,
+    fraction: float,
+    light_phases: Iterable[str],
+    plain_epoch_steps: float | None,
+) -> Duration:
+    """The replay-phase :class:`~lightning_pulse.phase.Duration` (steps) that makes ``clock``'s run spend
+    ``budget`` of the plain run's steps; the other phases keep their durations (epochs count plain epochs).
+
+    Raises:
+        ValueError: for a clock in seconds or without a replay phase, or a budget no replay length reaches.
+    """
+    if clock.uses_wall_clock or Phase.REPLAY not in clock.order:
+        raise ValueError(
+            f"`budget`={budget:g} sets the replay phase's length in steps, so the cycle needs a replay phase and "
+            "durations in steps or epochs; drop `budget` or give the durations in steps."
+        )
+    light = {Phase(name) for name in light_phases}
+    full = other_light = 0.0
+    for phase, duration in clock.durations.items():
+        if phase is Phase.REPLAY:
+            continue
+        steps = duration.amount * (plain_epoch_steps or 0) if duration.kind == "epochs" else duration.amount
+        if phase in light:
+            other_light += steps
+        else:
+            full += steps
+    replay = replay_steps_for_budget(budget, fraction, full, other_light, clock.warmup, clock.anneal)
+    return Duration("steps", max(1, round(replay)))
 
 
 def _lowest_budget(fraction: float, edges: float) -> float:

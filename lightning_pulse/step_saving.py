@@ -1,0 +1,100 @@
+"""Step-saving replay on a Lightning Trainer: the adapter between a run and :mod:`lightning_pulse.core.step_plan`.
+
+:class:`StepSavingLoader` plans the run when the training DataLoader is ready (inside Lightning's data set-up,
+before ``configure_optimizers`` reads ``estimated_stepping_batches``), caps ``trainer.max_steps`` at the plan,
+puts a :class:`~lightning_pulse.core.sample_index.PlannedBatchSampler` into the loader, and moves each epoch's
+validation batch to the pass's real end. :class:`~lightning_pulse.HardSampleReplay` owns one in
+``mode="steps"``; the PulseCycle it follows gets the plan (and fits its budget first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.core.replay import STEPS_MODE_CLOCK_REFUSAL, STEPS_MODE_LENGTH_REFUSAL
+from lightning_pulse.core.sample_index import PlannedBatchSampler, SampleIndexTracker
+from lightning_pulse.core.step_plan import StepPlan, StepSavingStream, plan_summary
+from lightning_pulse.errors import PulseRefusal
+
+
+class StepSavingLoader:
+    """One fit's step-saving plan on one training DataLoader, and where the run stands in it."""
+
+    def __init__(self) -> None:
+        self.stream = StepSavingStream()
+        self.epoch_batches = 0  # the batches of the pass under way
+        self._trainer: pl.Trainer | None = None
+
+    @property
+    def plan(self) -> StepPlan | None:
+        return self.stream.plan
+
+    def install(
+        self,
+        trainer: pl.Trainer,
+        loader: Any,
+        tracker: SampleIndexTracker,
+        fraction: float,
+        light_phases: Sequence[str],
+    ) -> StepPlan:
+        """Plan the run, cap ``max_steps`` and put the planned batch sampler into ``loader``.
+
+        Raises:
+            PulseRefusal: for a PulseCycle with wall-clock durations or a budget it cannot meet, and for a
+                run of unknown length.
+        """
+        from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
+
+        self._trainer = trainer
+        cycle = pulse_cycle_of(trainer)
+        if cycle is not None and cycle.clock.uses_wall_clock:
+            raise PulseRefusal(STEPS_MODE_CLOCK_REFUSAL)
+        max_epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else None
+        max_steps = trainer.max_steps if trainer.max_steps != -1 else None
+        if max_epochs is None and max_steps is None:
+            if cycle is not None:
+                cycle.check_run_length(math.inf)  # its warm-up or anneal speaks first
+            raise PulseRefusal(STEPS_MODE_LENGTH_REFUSAL)
+        batches = loader.batch_sampler
+        plain_batches, accumulate = len(batches), trainer.accumulate_grad_batches
+        if cycle is not None:
+            cycle.fit_budget(fraction, light_phases, math.ceil(plain_batches / accumulate))
+        plan = self.stream.make_plan(
+            None if cycle is None else cycle.clock,
+            light_phases,
+            batch_size=batches.batch_size,
+            fraction=fraction,
+            samples_per_epoch=len(tracker.recorder.sampler),
+            max_epochs=max_epochs,
+            max_steps=max_steps,
+            accumulate=accumulate,
+            drop_last=batches.drop_last,
+        )
+        compat.set_max_steps(trainer, plan.total_steps)
+        compat.replace_batch_sampler(
+            loader, PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches)
+        )
+        if cycle is not None:
+            cycle.adopt_plan(plan)
+        budget = None if cycle is None else cycle.budget
+        rank_zero_info(
+            f"HardSampleReplay: {plan_summary(plan, budget)}; trainer.max_steps={plan.total_steps}."
+        )
+        return plan
+
+    def _sizes_for_pass(self) -> tuple[int, list[int]]:
+        trainer = self._trainer
+        assert trainer is not None
+        skip, sizes, self.epoch_batches = self.stream.sizes_for_pass(trainer.current_epoch)
+        compat.set_epoch_batches(trainer, self.epoch_batches)
+        return skip, sizes
+
+    def on_train_start(self, trainer: pl.Trainer) -> None:
+        # Lightning set the first epoch's validation batch from the plain length after the first pass began
+        compat.set_epoch_batches(trainer, self.epoch_batches)
