@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # The CPU wheel of this exact torch version is on local disk; a looser range would pull a multi-GB CUDA build.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv install demo test lint bench clean
+.PHONY: venv install demo test lint bench bench-all clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,11 +27,16 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The per-method benchmarks at their committed settings (benchmarks/README.md), one after the other: several
-# hours on 2 CPU cores; each writes benchmarks/results/<name>.{json,md}. Not here: the GPU check
-# (benchmarks/gpu_energy_check.py, needs an NVIDIA GPU) and the finished studies (benchmarks/studies/). The
-# headline script arrives with the savings issue; until then this is the whole harness.
+# The headline table (benchmarks/headline.py): plain, each callback alone, the shipped suite, a random subset and
+# InfoBatch on three workloads, 3 seeds; about 30 minutes on 2 CPU cores. Writes benchmarks/results/headline.*
 bench: install
+	$(PY) -m benchmarks.headline
+
+# The per-method benchmarks at their committed settings (benchmarks/README.md), one after the other: several
+# hours on 2 CPU cores; each writes benchmarks/results/<name>.{json,md}. Not here: the GPU scripts
+# (benchmarks/gpu_headline.py, benchmarks/gpu_energy_check.py: they need an NVIDIA GPU) and the finished
+# studies (benchmarks/studies/).
+bench-all: install
 	$(PY) -m benchmarks.overhead
 	$(PY) -m benchmarks.clients
 	$(PY) -m benchmarks.energy_overhead --epochs 20 --charlm-epochs 1 --seeds 0 1 2

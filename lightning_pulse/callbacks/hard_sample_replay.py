@@ -48,28 +48,32 @@ from lightning_pulse.step_saving import StepSavingLoader
 
 
 class HardSampleReplay(Callback):
-    r"""Trains replay phases on the hardest samples: smaller batches of high-loss samples, so less compute.
+    r"""Trains light phases on the hardest samples, in fewer steps (or, in batch mode, smaller batches).
 
     Every step, the loss the module already computes is captured per sample (a scoped hook on the
     ``torch.nn.functional`` losses, which ``torch.nn`` loss modules call; no second forward pass) and kept in a
     score table keyed by dataset index. In the phases listed in ``phases`` (by default a
-    :class:`~lightning_pulse.PulseCycle`'s replay phase; every step without one), each batch is cut, before the
-    forward pass, to the samples the ``rule`` picks from their age-weighted scores: about
-    ``replay_fraction * B`` of ``B``. Steps per epoch do not change, so ``OneCycleLR`` and ``max_steps`` hold.
-    Never-scored samples are always trained on. ``mode="epoch"`` (without a PulseCycle) selects at the sampler
-    instead: epochs of ``replay_fraction`` of the dataset in full batches, their length declared up front. The
-    algorithm is :class:`~lightning_pulse.core.replay.HardSampleSelector`; this callback maps hooks onto it.
-    A run shorter than an epoch cannot select (samples are scored when they train): it warns at fit start.
+    :class:`~lightning_pulse.PulseCycle`'s replay phase; every step without one) the ``rule`` picks from the
+    age-weighted scores; never-scored samples always train. ``mode="steps"`` (the default): the sampler fetches
+    ``B / replay_fraction`` samples for such a step and the step trains the ``B`` picked, so the run takes fewer
+    steps; the run is planned at fit start and ``trainer.max_steps`` set to the plan
+    (:mod:`lightning_pulse.step_saving`), so ``OneCycleLR`` and every schedule plan for the real steps.
+    ``mode="batch"``: each batch is cut to about ``replay_fraction * B``, steps unchanged. ``mode="epoch"``
+    (without a PulseCycle): epochs of ``replay_fraction`` of the dataset. The algorithm is
+    :class:`~lightning_pulse.core.replay.HardSampleSelector`; this callback maps hooks onto it. A run shorter
+    than an epoch cannot select (samples are scored when they train): it warns at fit start.
 
     Args:
         rule: ``"topk"`` (highest scores), ``"infobatch"`` (drop below-mean samples with probability
             ``prune_ratio``, weight the kept ones so the mean loss stays unbiased; batch mode only) or
             ``"random"`` (a uniform subset of top-k's size: the control).
-        replay_fraction: share of each replay batch (epoch mode: of each epoch) trained on, in ``(0, 1]``.
-            Not used by ``"infobatch"``.
+        replay_fraction: share of the offered samples trained on in a light phase (of each fetched window,
+            batch or epoch), in ``(0, 1]``. Not used by ``"infobatch"``.
         prune_ratio: InfoBatch's ``r``, in ``[0, 1)``.
         phases: the phases in which batches are selected; other phases train untouched.
-        mode: ``"batch"`` (smaller batches, same steps) or ``"epoch"`` (shorter epochs of full batches).
+        mode: ``"steps"`` (full batches from wider windows, fewer steps), ``"batch"`` (smaller batches, same
+            steps) or ``"epoch"`` (shorter epochs of full batches); ``None``: ``"steps"``, or ``"batch"`` for
+            ``"infobatch"``.
         score_half_life: age at which a stored score counts half: ``int`` steps, ``float`` epochs, or
             ``"500steps"`` / ``"2epochs"``; ``None`` turns age weighting off.
         scorer: a :class:`~lightning_pulse.core.per_sample_loss.PerSampleScorer` for modules whose loss the
@@ -79,11 +83,12 @@ class HardSampleReplay(Callback):
 
     Raises:
         ValueError: at construction, naming the argument, for a value outside the ranges above or
-            ``rule="infobatch"`` with ``mode="epoch"``; at fit start, for an epoch-based half-life with an
-            infinite DataLoader.
+            ``rule="infobatch"`` with ``mode="steps"`` or ``"epoch"``; at fit start, for an epoch-based
+            half-life with an infinite DataLoader.
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
-            ``IterableDataset``, a custom batch sampler), ``mode="epoch"`` next to a PulseCycle, or
-            ``ModelParallelStrategy``; after the fit's first two batches (trained in full, before any replay
+            ``IterableDataset``, a custom batch sampler), ``mode="epoch"`` next to a PulseCycle,
+            ``ModelParallelStrategy``, or in ``mode="steps"`` a run of unknown length, ``limit_train_batches``
+            or a PulseCycle in seconds; after the fit's first two batches (trained in full, before any replay
             step), for a module carrying state from one batch to the next (a stateful RNN) or a token loss
             flattened time-major.
         RuntimeError: at the first step whose loss yields no per-sample value and no ``scorer`` is set.
