@@ -75,6 +75,15 @@ class SameHourYesterday:
         return forecast
 
 
+class Persistence:
+    """The last value, held: every slot is the value observed now."""
+
+    reads_future = False
+
+    def predict(self, series: TimeSeries, now: float, starts: np.ndarray, slot_s: float) -> np.ndarray:
+        return np.full(np.shape(starts), series.value_at(now))
+
+
 def data_dir(given: str | None) -> Path:
     # `../shared/` next to the repository; a git worktree elsewhere finds it in an enclosing folder
     found = [Path(given)] if given else [up / "shared" / "data" / "carbon-intensity" for up in ROOT.parents]
@@ -155,7 +164,12 @@ def run(
         series = TimeSeries.from_csv(data / f"{country}_2020.csv")
         began = time.perf_counter()
         result["forecast_error"][country] = {
-            name: forecast_error(series, arms[name], origins, HORIZONS_H) for name in ("forecast", "naive")
+            name: forecast_error(series, forecast, origins, HORIZONS_H)
+            for name, forecast in (
+                ("forecast", arms["forecast"]),
+                ("naive", arms["naive"]),
+                ("persistence", Persistence()),
+            )
         }
         for length in lengths:
             for budget in budgets:

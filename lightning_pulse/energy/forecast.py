@@ -61,7 +61,7 @@ class SeasonalBlendForecast:
 
     reads_future = False
 
-    def __init__(self, days: int = 14, decay_hours: float = 48.0) -> None:
+    def __init__(self, days: int = 21, decay_hours: float = 48.0) -> None:
         if isinstance(days, bool) or not isinstance(days, int) or days < 1:
             raise ValueError(f"`days`={days!r} must be a positive int.")
         if isinstance(decay_hours, bool) or not isinstance(decay_hours, (int, float)) or not decay_hours > 0:
