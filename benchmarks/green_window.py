@@ -282,6 +282,21 @@ def markdown(result: dict[str, Any], command: str) -> str:
         "- >= 15% on DE or GB for a 72 h job at a 100% budget with the forecast: "
         + ", ".join(f"{c.upper()} {v:.1f}%" for c, v in goal["forecast_72h_100pct"].items())
         + f": **{'met' if goal['fifteen_pct_met'] else 'missed'}**.",
+        f"- Moonshot, the published ~19% with the forecast: best {max(goal['forecast_72h_100pct'].values()):.1f}%"
+        + (
+            ": met."
+            if max(goal["forecast_72h_100pct"].values()) >= 19
+            else f", missed by {19 - max(goal['forecast_72h_100pct'].values()):.1f} pp: the forecast's error grows "
+            "to a quarter of the signal a day ahead (table below), and a 72 h job at 100% ranks slots up to 144 h "
+            "ahead."
+        ),
+        "- France (the control) is outside the 60% target: "
+        + ", ".join(
+            f"{key.split('/', 1)[1]} {cell['forecast_share_of_oracle']:.2f}"
+            for key, cell in result["cells"].items()
+            if key.startswith("fr/") and cell["forecast_share_of_oracle"] is not None
+        )
+        + "; its grams per kWh, below, are what the control is about.",
         "",
         "## CO2 saved (%), time waited",
         "",

@@ -20,7 +20,8 @@ from lightning_pulse import (
     PulseRefusal,
     SimulatedClock,
 )
-from lightning_pulse.callbacks.green_window import SUSPEND_CHECKPOINT, SimulatedStepTime
+from lightning_pulse.callbacks.green_window import SUSPEND_CHECKPOINT
+from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
 from lightning_pulse.cli import main as cli_main
 from lightning_pulse.cli import run_wait_for_window
 from lightning_pulse.energy.carbon import TimeSeries, parse_timestamp
@@ -217,3 +218,33 @@ def test_bad_arguments_fail_at_construction_naming_the_field(kwargs, first):
     with pytest.raises(ValueError) as raised:
         GreenWindow(**{"signal": DE_JUNE, **kwargs})
     assert str(raised.value).splitlines()[0].startswith(first)
+
+
+def test_a_live_signal_is_read_at_every_decision_and_forecast_from_its_readings_only(mnist1d_small, tmp_path):
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock(START)
+    series = TimeSeries.from_csv(DE_JUNE)
+    green = GreenWindow(
+        signal=lambda: (clock.time(), series.value_at(clock.time())),
+        when_dirty="pause",
+        max_delay="6h",
+        expected_duration="8h",
+        clock=clock,
+        options={"watts": 100.0},
+    )
+    fit([green], clock, steps=48, default_root_dir=tmp_path).fit(model, data)
+    readings = green.signal.live.times
+    assert len(readings) == len(green.report["decisions"]) >= 8
+    assert readings == sorted(readings) and readings[0] == parse_timestamp(START)
+    assert green.report["signal"]["source"].startswith("live:")
+    assert green.report["summary"]["waited_s"] <= 6 * 3600
+    # a day of readings at most: the seasonal forecast had no earlier day, so it held the last reading
+    assert all(d["forecast_now"] == d["signal"] for d in green.report["decisions"])
+
+
+def test_wait_for_window_prints_for_schedulers_and_fails_in_one_line(tmp_path, capsys):
+    (tmp_path / "green_window.json").write_text(json.dumps({"resume_at_unix": 1592215200.0}))
+    assert cli_main(["wait-for-window", str(tmp_path), "--print", "--format", "unix"]) == 0
+    assert capsys.readouterr().out.strip() == "1592215200"
+    assert cli_main(["wait-for-window", str(tmp_path / "nowhere"), "--print"]) == 2
+    assert "is not a GreenWindow resume file" in capsys.readouterr().err

@@ -7,9 +7,7 @@ its state, logs and writes the report.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,64 +18,24 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
+from lightning_pulse.core.green_report import saving_line, write_green_report
 from lightning_pulse.core.green_window import (
-    RESUME_FILE,
     Decision,
     GreenSchedule,
+    GreenWindowOptions,
     GreenWindowPolicy,
     ScheduleLedger,
-    SimulatedClock,
     SystemClock,
-    write_schedule_plot,
+    checked_arguments,
+    seconds_of,
+    write_resume_file,
 )
-from lightning_pulse.energy.carbon import Rate, format_utc, parse_timestamp
-from lightning_pulse.energy.forecast import forecast_from
-from lightning_pulse.energy.report import write_text_atomic
-from lightning_pulse.energy.signal import LiveSignal, series_signal
+from lightning_pulse.energy.carbon import format_utc, parse_timestamp
+from lightning_pulse.energy.signal import GreenSignal
 from lightning_pulse.errors import PulseRefusal
-from lightning_pulse.phase import parse_duration
 
-MODES = ("light", "pause", "suspend")
 SUSPEND_CHECKPOINT = "last-green-window.ckpt"
-REPORT_NAME = "green_window_report"
 SYNC_EVERY_N_STEPS = 10  # under DDP, rank 0's clock is consulted (and its decision shared) this often
-
-
-def _seconds(value: Any, field: str) -> float | None:
-    if value is None:
-        return None
-    duration = parse_duration(value if isinstance(value, str) else f"{value}s", field)
-    if duration.kind != "seconds":
-        raise ValueError(f"`{field}`={value!r} must be a duration such as '90s', '15min' or '12h'.")
-    return duration.amount
-
-
-@dataclass
-class GreenWindowOptions:
-    """Rarely turned knobs of :class:`GreenWindow`.
-
-    Args:
-        slot: the decision slot ("1h"): the policy decides one slot at a time, and a pause lasts one slot.
-        watts: power assumed for the accounting when no EnergyLogger is attached (then kg are estimates);
-            ``None``: savings in % and per kWh only.
-        signal_start: read a series signal from this moment (UTC) as if the run started then, as
-            EnergyLogger's ``carbon_intensity_start``.
-        unit: the signal's unit; ``gCO2eq/kWh`` gives savings in kg too.
-        report_dir: where the report goes; default the logger's log dir.
-    """
-
-    slot: str | float = "1h"
-    watts: float | None = None
-    signal_start: str | None = None
-    unit: str = "gCO2eq/kWh"
-    report_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        self.slot_s = _seconds(self.slot, "options.slot")
-        if not self.slot_s:
-            raise ValueError(f"`options.slot`={self.slot!r} must be a positive duration such as '1h'.")
-        if self.watts is not None and not (isinstance(self.watts, (int, float)) and self.watts >= 0):
-            raise ValueError(f"`options.watts`={self.watts!r} must be a number of watts >= 0 or None.")
 
 
 class GreenWindow(Callback):
@@ -164,34 +122,15 @@ class GreenWindow(Callback):
             self.options = (
                 options if isinstance(options, GreenWindowOptions) else GreenWindowOptions(**(options or {}))
             )
-            if when_dirty not in MODES:
-                raise ValueError(f"`when_dirty`={when_dirty!r} is not one of {list(MODES)}.")
-            self.when_dirty = when_dirty
-            self.forecast = forecast_from(forecast)
-            if self.forecast.reads_future:
-                raise ValueError(f"`forecast`={self.forecast!r} reads the future; it is for benchmarks only.")
+            checked = checked_arguments(
+                when_dirty, forecast, threshold, horizon, max_delay, deadline, expected_duration
+            )
+            self.when_dirty, self.forecast, delay, share, deadline_s, expected = checked
             self.policy = GreenWindowPolicy(
-                self.forecast, threshold, _seconds(horizon, "horizon"), self.options.slot_s
+                self.forecast, threshold, seconds_of(horizon, "horizon"), self.options.slot_s
             )
-            if max_delay is None:
-                max_delay = 0.5 if when_dirty == "light" else 1.0
-            share = isinstance(max_delay, (int, float)) and not isinstance(max_delay, bool)
-            delay = float(max_delay) if share else _seconds(max_delay, "max_delay")
-            if delay is None or not math.isfinite(delay) or delay < 0:
-                raise ValueError(
-                    f"`max_delay`={max_delay!r} must be a share >= 0 (1.0 = 100%) or a duration."
-                )
-            try:
-                deadline_s = None if deadline is None else parse_timestamp(str(deadline))
-            except ValueError:
-                raise ValueError(
-                    f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00'."
-                ) from None
             start = None if self.options.signal_start is None else parse_timestamp(self.options.signal_start)
-            self.live = LiveSignal(signal) if callable(signal) else None
-            self.rate: Rate | None = (
-                None if signal is None or callable(signal) else series_signal(signal, "signal", start)
-            )
+            self.signal = GreenSignal(signal, start)
         except ValueError as error:
             text = str(error)
             raise ValueError(text if text.startswith("GreenWindow") else f"GreenWindow: {text}") from None
@@ -200,9 +139,9 @@ class GreenWindow(Callback):
             self.policy,
             delay,
             share,
-            _seconds(expected_duration, "expected_duration"),
+            expected,
             deadline_s,
-            ScheduleLedger(self._mean_signal, self.options.unit),
+            ScheduleLedger(self.signal.mean, self.options.unit),
             light=self.when_dirty == "light",
         )
         self.suspended: dict[str, Any] | None = None
@@ -234,14 +173,14 @@ class GreenWindow(Callback):
                 "GreenWindow: when_dirty='suspend' saves the checkpoint `--ckpt_path last` resumes from in the "
                 "ModelCheckpoint's folder, and the Trainer has none; enable checkpointing or use 'pause'/'light'."
             )
-        if self.rate is None and self.live is None:
+        if not self.signal.known:
             intensity = None if self._energy is None else self._energy.intensity
             if intensity is None or intensity.series is None:
                 raise PulseRefusal(
                     "GreenWindow: no `signal` was given and no EnergyLogger with a carbon_intensity series is "
                     "attached; pass GreenWindow(signal='grid.csv') or EnergyLogger(carbon_intensity='grid.csv')."
                 )
-            self.rate = intensity
+            self.signal.use(intensity)
         if self.options.watts is None and self._energy is None:
             rank_zero_info(
                 "GreenWindow: no EnergyLogger and no options.watts; savings in % and per kWh only."
@@ -250,8 +189,7 @@ class GreenWindow(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         now = self.clock.time()
-        if self.rate is not None:
-            self.rate.anchor(now)
+        self.signal.anchor(now)
         if self.schedule.run_start is None:
             self.schedule.run_start = now
         self._mark, self._mark_kwh = now, self._kwh()
@@ -296,18 +234,14 @@ class GreenWindow(Callback):
             "schedule": self.schedule.state_dict(),
             "suspended": self.suspended,
             "waiting": self._waiting,
-            "rate": None if self.rate is None else self.rate.state_dict(),
-            "live": None if self.live is None else self.live.state_dict(),
+            "signal": self.signal.state_dict(),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.schedule.load_state_dict(state_dict["schedule"])
         self.suspended, self._waiting = state_dict.get("suspended"), bool(state_dict.get("waiting", False))
-        if self.rate is not None and state_dict.get("rate"):
-            self.rate.load_state_dict(state_dict["rate"])
-        if self.live is not None and state_dict.get("live"):
-            self.live.load_state_dict(state_dict["live"])
+        self.signal.load_state_dict(state_dict.get("signal", {}))
 
     # ------------------------------------------------------------------ decisions
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -328,23 +262,14 @@ class GreenWindow(Callback):
                 return
 
     def _decide(self, trainer: pl.Trainer, now: float) -> Decision | None:
-        series, to_series = self._signal(now)
+        series, to_series = self.signal.now()
         steps_left = float(trainer.estimated_stepping_batches) - trainer.global_step
         decision = self.schedule.decide(series, to_series, now, steps_left)
         if decision is None:
             return None
         self._next_check = now + self.options.slot_s
-        metrics = {
-            "green/signal": decision.signal,
-            "green/forecast_now": decision.forecast_now,
-            "green/clean_below": decision.clean_below,
-            "green/run": float(decision.run),
-            "green/waited_s": self.schedule.ledger.seconds("wait"),
-            "green/delayed_s": self.schedule.delayed_s,
-            "green/budget_left_s": self.schedule.budget_left_s(),
-        }
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(self.schedule.metrics(decision), step=trainer.global_step)
         return decision
 
     def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision) -> bool:
@@ -379,33 +304,11 @@ class GreenWindow(Callback):
         path = folder / SUSPEND_CHECKPOINT
         trainer.save_checkpoint(path)
         if trainer.is_global_zero:
-            record = {
-                "resume_at": format_utc(resume_at),
-                "resume_at_unix": resume_at,
-                "suspended_at": format_utc(now),
-                "checkpoint": str(path),
-                "resume_command": "lightning-pulse fit --config <your config> --ckpt_path last",
-                "decision": decision.to_dict(),
-                "budget_left_s": self.schedule.budget_left_s(),
-            }
-            write_text_atomic(folder / RESUME_FILE, json.dumps(record, indent=2))
-            rank_zero_info(
-                f"GreenWindow: suspended until {record['resume_at']} UTC ({folder / RESUME_FILE})."
-            )
+            written = write_resume_file(folder, now, resume_at, path, decision, self.schedule.budget_left_s())
+            rank_zero_info(f"GreenWindow: suspended until {format_utc(resume_at)} UTC ({written}).")
         trainer.should_stop = True
 
-    # ------------------------------------------------------------------ signal and energy
-    def _signal(self, now: float) -> tuple[Any, Any]:
-        if self.live is not None:
-            self.live.observe()
-            return self.live.history(), lambda wall: wall
-        rate = self.rate
-        return rate.series, rate.series_time  # type: ignore[union-attr]
-
-    def _mean_signal(self, t0: float, t1: float) -> float:
-        if self.live is not None:
-            return self.live.history().mean(t0, t1) if self.live.times else math.nan
-        return self.rate.mean(t0, t1)  # type: ignore[union-attr]
+    # ------------------------------------------------------------------ energy
 
     def _kwh(self) -> float | None:
         """A fresh reading of the EnergyLogger's meters (kWh so far), or ``None`` without one. Once per
@@ -438,16 +341,19 @@ class GreenWindow(Callback):
     # ------------------------------------------------------------------ report
     def _write_report(self, trainer: pl.Trainer, status: str) -> None:
         summary = self.schedule.summary()
+        source = (
+            "EnergyLogger"
+            if self._energy is not None
+            else ("options.watts" if self.options.watts is not None else None)
+        )
         self.report = {
             "status": status,
             "when_dirty": self.when_dirty,
             "rule": self.policy.rule,
             "level": self.policy.level,
             "forecast": repr(self.forecast),
-            "signal": None if self.rate is None else self.rate.describe(),
-            "energy_source": "EnergyLogger"
-            if self._energy is not None
-            else ("options.watts" if self.options.watts is not None else None),
+            "signal": self.signal.describe(),
+            "energy_source": source,
             "summary": summary,
             "suspended": self.suspended,
             "decisions": self.schedule.decisions,
@@ -455,78 +361,9 @@ class GreenWindow(Callback):
         }
         folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)
         try:
-            self.report_paths = [
-                write_text_atomic(folder / f"{REPORT_NAME}.json", json.dumps(self.report, indent=1))
-            ]
-            self.report_paths.append(write_text_atomic(folder / f"{REPORT_NAME}.md", _markdown(self.report)))
-            segments = self.schedule.ledger.segments
-            if segments:
-                step = self.options.slot_s / 4
-                grid = [
-                    segments[0]["start"] + step * i
-                    for i in range(int((segments[-1]["end"] - segments[0]["start"]) / step) + 1)
-                ]
-                values = [self._mean_signal(t, t + step) for t in grid]
-                png = write_schedule_plot(
-                    folder / f"{REPORT_NAME}.png",
-                    (grid, values),
-                    self.schedule.first_forecast,
-                    segments,
-                    self.schedule.decisions,
-                    self.options.unit,
-                )
-                self.report_paths += [png] if png is not None else []
+            self.report_paths = write_green_report(
+                self.report, folder, self.signal.mean, self.schedule.first_forecast, self.options
+            )
         except Exception as error:  # a report that cannot be written must not fail a finished run
             rank_zero_warn(f"GreenWindow: could not write the report to {folder} ({error}).")
-        saving = summary.get("saving_pct")
-        if saving is not None:
-            rank_zero_info(
-                f"GreenWindow: {saving:.1f}% less {'CO2' if self.options.unit.startswith('gCO2') else 'cost'} than "
-                f"the carbon-agnostic schedule; waited {summary.get('waited_s', 0) / 3600:.1f} h, "
-                f"light {summary.get('light_s', 0) / 3600:.1f} h."
-            )
-
-
-def _markdown(report: dict[str, Any]) -> str:
-    summary = report["summary"]
-    rows = [
-        ("status", report["status"]),
-        ("when dirty", report["when_dirty"]),
-        ("rule", f"{report['rule']} {report['level'] if report['level'] is not None else ''}".strip()),
-        ("forecast", report["forecast"]),
-        ("energy from", report["energy_source"] or "none (time as a proxy)"),
-        ("compute (h)", f"{summary.get('compute_s', 0) / 3600:.2f}"),
-        ("waited (h)", f"{summary.get('waited_s', 0) / 3600:.2f}"),
-        ("held light (h)", f"{summary.get('light_s', 0) / 3600:.2f}"),
-        ("mean signal, as run", summary.get("mean_signal_run")),
-        ("mean signal, carbon-agnostic", summary.get("mean_signal_counterfactual")),
-        ("saving (%)", summary.get("saving_pct")),
-        ("saving (kg CO2)", summary.get("saving_kg")),
-        ("decisions", summary.get("decisions")),
-    ]
-    lines = ["# GreenWindow report", "", "| | |", "|---|---|"]
-    lines += [
-        f"| {name} | {value if not isinstance(value, float) else f'{value:.4g}'} |" for name, value in rows
-    ]
-    lines += [
-        "",
-        "Counterfactual: the same energy spread evenly over the compute time from the same start.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-class SimulatedStepTime(Callback):
-    """Each training batch takes ``seconds`` on a :class:`SimulatedClock`: days of a series replay in seconds.
-
-    For simulations and tests; put it first in the callbacks so that every callback sees the step's time.
-    """
-
-    def __init__(self, clock: SimulatedClock, seconds: float) -> None:
-        self.clock, self.seconds = clock, float(seconds)
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self.clock.advance(self.seconds)
+        rank_zero_info(f"GreenWindow: {saving_line(summary, self.options.unit)}")

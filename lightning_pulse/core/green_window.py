@@ -27,6 +27,7 @@ import numpy as np
 
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import Forecast
+from lightning_pulse.phase import parse_duration
 
 COMPUTE_KINDS = ("run", "light")
 SEGMENT_KINDS = (*COMPUTE_KINDS, "wait")
@@ -414,6 +415,85 @@ def write_schedule_plot(
     return write_atomic(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))
 
 
+# ---------------------------------------------------------------------------- arguments
+def seconds_of(value: Any, field: str) -> float | None:
+    if value is None:
+        return None
+    duration = parse_duration(value if isinstance(value, str) else f"{value}s", field)
+    if duration.kind != "seconds":
+        raise ValueError(f"`{field}`={value!r} must be a duration such as '90s', '15min' or '12h'.")
+    return duration.amount
+
+
+@dataclass
+class GreenWindowOptions:
+    """Rarely turned knobs of :class:`GreenWindow`.
+
+    Args:
+        slot: the decision slot ("1h"): the policy decides one slot at a time, and a pause lasts one slot.
+        watts: power assumed for the accounting when no EnergyLogger is attached (then kg are estimates);
+            ``None``: savings in % and per kWh only.
+        signal_start: read a series signal from this moment (UTC) as if the run started then, as
+            EnergyLogger's ``carbon_intensity_start``.
+        unit: the signal's unit; ``gCO2eq/kWh`` gives savings in kg too.
+        report_dir: where the report goes; default the logger's log dir.
+    """
+
+    slot: str | float = "1h"
+    watts: float | None = None
+    signal_start: str | None = None
+    unit: str = "gCO2eq/kWh"
+    report_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        self.slot_s = seconds_of(self.slot, "options.slot")
+        if not self.slot_s:
+            raise ValueError(f"`options.slot`={self.slot!r} must be a positive duration such as '1h'.")
+        if self.watts is not None and not (isinstance(self.watts, (int, float)) and self.watts >= 0):
+            raise ValueError(f"`options.watts`={self.watts!r} must be a number of watts >= 0 or None.")
+
+
+MODES = ("light", "pause", "suspend")
+
+
+def checked_arguments(
+    when_dirty: str,
+    forecast: Any,
+    threshold: float | str | None,
+    horizon: Any,
+    max_delay: float | str | None,
+    deadline: str | None,
+    expected_duration: Any,
+) -> tuple[str, Forecast, float, bool, float | None, float | None]:
+    """GreenWindow's arguments, checked: ``(mode, forecast, delay, delay_is_share, deadline, expected_work_s)``.
+
+    Raises:
+        ValueError: naming the field, the value and what is allowed.
+    """
+    from lightning_pulse.energy.forecast import forecast_from
+
+    if when_dirty not in MODES:
+        raise ValueError(f"`when_dirty`={when_dirty!r} is not one of {list(MODES)}.")
+    checked = forecast_from(forecast)
+    if checked.reads_future:
+        raise ValueError(f"`forecast`={checked!r} reads the future; it is for benchmarks only.")
+    parse_threshold(threshold)
+    seconds_of(horizon, "horizon")
+    if max_delay is None:
+        max_delay = 0.5 if when_dirty == "light" else 1.0
+    share = isinstance(max_delay, (int, float)) and not isinstance(max_delay, bool)
+    delay = float(max_delay) if share else seconds_of(max_delay, "max_delay")
+    if delay is None or not math.isfinite(delay) or delay < 0:
+        raise ValueError(f"`max_delay`={max_delay!r} must be a share >= 0 (1.0 = 100%) or a duration.")
+    try:
+        deadline_s = None if deadline is None else parse_timestamp(str(deadline))
+    except ValueError:
+        raise ValueError(
+            f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00'."
+        ) from None
+    return when_dirty, checked, delay, share, deadline_s, seconds_of(expected_duration, "expected_duration")
+
+
 # ---------------------------------------------------------------------------- one run's bookkeeping
 DEADLINE_MARGIN = 0.1  # share of the remaining-work estimate kept in reserve before a deadline
 
@@ -509,6 +589,18 @@ class GreenSchedule:
             self.first_forecast = ((starts - offset).tolist(), forecast.tolist())
         return decision
 
+    def metrics(self, decision: Decision) -> dict[str, float]:
+        """What a decision logs: the signal and forecast behind it, and the seconds waited so far."""
+        return {
+            "green/signal": decision.signal,
+            "green/forecast_now": decision.forecast_now,
+            "green/clean_below": decision.clean_below,
+            "green/run": float(decision.run),
+            "green/waited_s": self.ledger.seconds("wait"),
+            "green/delayed_s": self.delayed_s,
+            "green/budget_left_s": self.budget_left_s(),
+        }
+
     def summary(self) -> dict[str, Any]:
         return {
             **self.ledger.summary(self.run_start),
@@ -545,6 +637,26 @@ class GreenSchedule:
 
 # ---------------------------------------------------------------------------- suspended runs
 RESUME_FILE = "green_window.json"
+
+
+def write_resume_file(
+    folder: Path, now: float, resume_at: float, checkpoint: Path, decision: Decision, budget_left_s: float
+) -> Path:
+    """Record, next to the checkpoint, when a suspended run should come back."""
+    import json
+
+    from lightning_pulse.energy.report import write_text_atomic
+
+    record = {
+        "resume_at": format_utc(resume_at),
+        "resume_at_unix": resume_at,
+        "suspended_at": format_utc(now),
+        "checkpoint": str(checkpoint),
+        "resume_command": "lightning-pulse fit --config <your config> --ckpt_path last",
+        "decision": decision.to_dict(),
+        "budget_left_s": budget_left_s,
+    }
+    return write_text_atomic(Path(folder) / RESUME_FILE, json.dumps(record, indent=2))
 
 
 def read_resume_file(path: str | Path) -> dict[str, Any]:

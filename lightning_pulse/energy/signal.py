@@ -125,3 +125,62 @@ class LiveSignal:
         self.times = [float(t) for t in state.get("times", [])]
         self.values = [float(v) for v in state.get("values", [])]
         self._series = None
+
+
+class GreenSignal:
+    """The signal a :class:`~lightning_pulse.GreenWindow` follows: a series (read through a :class:`Rate`,
+    so on the same time axis as EnergyLogger's) or live readings; ``None`` until :meth:`use` gives a rate.
+
+    Args:
+        source: see :data:`SignalSource`, or ``None`` (filled in at fit start).
+        series_start: Unix seconds where a series is read from (the run's start maps there).
+    """
+
+    def __init__(self, source: SignalSource | None, series_start: float | None = None) -> None:
+        self.live = LiveSignal(source) if callable(source) else None
+        self.rate = (
+            None if source is None or callable(source) else series_signal(source, "signal", series_start)
+        )
+
+    @property
+    def known(self) -> bool:
+        return self.rate is not None or self.live is not None
+
+    def use(self, rate: Rate) -> None:
+        self.rate = rate
+
+    def anchor(self, now: float) -> None:
+        if self.rate is not None:
+            self.rate.anchor(now)
+
+    def now(self) -> tuple[TimeSeries, Callable[[float], float]]:
+        """The history to forecast from (reading a live signal now), and the wall -> series time mapping."""
+        if self.live is not None:
+            self.live.observe()
+            return self.live.history(), lambda wall: wall
+        assert self.rate is not None and self.rate.series is not None
+        return self.rate.series, self.rate.series_time
+
+    def mean(self, t0: float, t1: float) -> float:
+        """Mean over the wall-clock interval ``[t0, t1]`` (NaN for a live signal with no reading yet)."""
+        if self.live is not None:
+            return self.live.history().mean(t0, t1) if self.live.times else float("nan")
+        assert self.rate is not None
+        return self.rate.mean(t0, t1)
+
+    def describe(self) -> dict[str, Any] | None:
+        if self.live is not None:
+            return {"source": f"live:{self.live.name}", "readings": len(self.live.times)}
+        return None if self.rate is None else self.rate.describe()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rate": None if self.rate is None else self.rate.state_dict(),
+            "live": None if self.live is None else self.live.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.rate is not None and state.get("rate"):
+            self.rate.load_state_dict(state["rate"])
+        if self.live is not None and state.get("live"):
+            self.live.load_state_dict(state["live"])
