@@ -269,6 +269,26 @@ def on_train_dataloader_ready(trainer: pl.Trainer, hook: Callable[[Any], None]) 
     return remove
 
 
+def replace_batch_sampler(loader: Any, batch_sampler: Any) -> None:
+    """Put ``batch_sampler`` into a DataLoader that is already built (its ``__setattr__`` forbids it; the
+    DataLoader reads ``batch_sampler`` again for every iterator, so the next pass uses the new one)."""
+    object.__setattr__(loader, "batch_sampler", batch_sampler)
+
+
+def set_max_steps(trainer: pl.Trainer, steps: int) -> None:
+    """Cap the fit at ``steps`` optimizer steps (``Trainer(max_steps=...)``, set after construction)."""
+    trainer.fit_loop.epoch_loop.max_steps = int(steps)
+
+
+def set_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
+    """Tell Lightning that this epoch holds ``batches`` batches, for its end-of-epoch validation: with a
+    fractional ``val_check_interval`` it validates at batch ``val_check_batch``, which it computes once from
+    the DataLoader's length. The epoch itself ends when the loader does."""
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and trainer.check_val_every_n_epoch is not None and batches > 0:
+        trainer.val_check_batch = max(1, int(batches * interval))
+
+
 # ---------------------------------------------------------------------------- EnergyLogger (issue 3)
 def set_callback_metric(trainer: pl.Trainer, name: str, value: float) -> None:
     """Make ``name`` monitorable (``ModelCheckpoint``/``EarlyStopping`` read ``trainer.callback_metrics``)

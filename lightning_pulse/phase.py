@@ -418,6 +418,12 @@ class PhaseClock:
         self.position = position
         return [self._enter(self.order[position], reason)]
 
+    def check_run_length(self, total_steps: int | float | None) -> None:
+        """Raise ``ValueError`` if warm-up or anneal (shares of the run) cannot be placed in a run of
+        ``total_steps``."""
+        self._warmup_steps(total_steps)
+        self._anneal_start(total_steps)
+
     def remaining(self, steps_per_epoch: float | None = None) -> float:
         """Share of the current phase's budget still left, in ``[0, 1]`` (1 outside the cycle)."""
         if self.stage != "cycle":

@@ -248,3 +248,19 @@ def test_wait_for_window_prints_for_schedulers_and_fails_in_one_line(tmp_path, c
     assert capsys.readouterr().out.strip() == "1592215200"
     assert cli_main(["wait-for-window", str(tmp_path / "nowhere"), "--print"]) == 2
     assert "is not a GreenWindow resume file" in capsys.readouterr().err
+
+
+def test_light_next_to_a_step_saving_replay_is_refused_and_batch_mode_is_not(mnist1d_small, tmp_path):
+    from lightning_pulse import HardSampleReplay
+
+    clock = SimulatedClock(START)
+    green = GreenWindow(signal=DE_JUNE, clock=clock, options={"watts": 10.0, "report_dir": str(tmp_path)})
+    trainer = fit([cycle(), HardSampleReplay(), green], clock, steps=12)
+    with pytest.raises(
+        PulseRefusal, match=r"GreenWindow: when_dirty='light'.*HardSampleReplay\(mode='steps'\)"
+    ):
+        trainer.fit(*mnist1d_small(arch="mlp"))
+    green = GreenWindow(signal=DE_JUNE, clock=clock, options={"watts": 10.0, "report_dir": str(tmp_path)})
+    trainer = fit([cycle(), HardSampleReplay(mode="batch"), green], clock, steps=12)
+    trainer.fit(*mnist1d_small(arch="mlp"))
+    assert trainer.global_step == 12 and green.report["summary"]["decisions"] >= 1

@@ -49,7 +49,7 @@ def _parameters(module: torch.nn.Module) -> torch.Tensor:
 def test_replay_batches_shrink_but_steps_per_epoch_and_onecycle_schedule_hold():
     pl.seed_everything(0)
     model = SizeProbe(scheduler="onecycle")
-    replay = HardSampleReplay(replay_fraction=0.5)
+    replay = HardSampleReplay(mode="batch", replay_fraction=0.5)
     trainer = pl.Trainer(callbacks=[replay], max_epochs=3, **trainer_kwargs())
     trainer.fit(model, _data())
     # every step ran: OneCycleLR was built for 36 steps and stepped exactly 36 times (InfoBatch issue #27)
@@ -94,7 +94,7 @@ def test_burst_phases_train_exactly_as_without_the_callback():
         return model, snapshot.weights
 
     plain, plain_after_burst = run([])
-    replayed, replayed_after_burst = run([HardSampleReplay(replay_fraction=0.25)])
+    replayed, replayed_after_burst = run([HardSampleReplay(mode="batch", replay_fraction=0.25)])
     # the burst saw the same batches and made bit-identical updates: capture changes no value and no gradient
     assert replayed.sizes[:burst_steps] == plain.sizes[:burst_steps]
     assert torch.equal(replayed_after_burst, plain_after_burst)
@@ -122,7 +122,7 @@ def test_a_module_without_a_capturable_loss_fails_at_the_first_step():
 
 @pytest.mark.parametrize("scorer", [OutputKeyScorer("per_sample"), ForwardLossScorer("cross_entropy")])
 def test_a_configured_scorer_covers_any_other_loss(scorer):
-    replay = HardSampleReplay(scorer=scorer)
+    replay = HardSampleReplay(mode="batch", scorer=scorer)
     trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
     trainer.fit(HandWrittenLoss(), _data())
     assert replay.metrics()["table_seen"] == 720
@@ -175,14 +175,14 @@ class _CollatedData(pl.LightningDataModule):
 @pytest.mark.parametrize("kind", ["dict", "tuple"])
 def test_dict_and_tuple_batches_are_composed_in_place(kind):
     model = _DictClassifier() if kind == "dict" else SizeProbe()
-    replay = HardSampleReplay(replay_fraction=0.5)
+    replay = HardSampleReplay(mode="batch", replay_fraction=0.5)
     trainer = pl.Trainer(callbacks=[replay], max_epochs=2, limit_val_batches=0, **trainer_kwargs())
     trainer.fit(model, _CollatedData(kind))
     assert model.sizes[BATCHES_PER_EPOCH:] == [32] * 11 + [8]
 
 
 def test_gradient_accumulation_and_bf16_autocast():
-    replay = HardSampleReplay(rule="random", replay_fraction=0.5)
+    replay = HardSampleReplay(mode="batch", rule="random", replay_fraction=0.5)
     model = SizeProbe()
     trainer = pl.Trainer(
         callbacks=[replay],
@@ -202,7 +202,7 @@ def test_a_pulse_cycles_anneal_trains_the_last_steps_on_whole_batches():
     # what `anneal=` did before: the cycle is all replay, its anneal pure burst
     model = SizeProbe()
     cycle = PulseCycle(burst=0, replay=1, maintain=0, warmup=0.0, anneal=0.25, maintain_eval="none")
-    replay = HardSampleReplay(replay_fraction=0.5)
+    replay = HardSampleReplay(mode="batch", replay_fraction=0.5)
     trainer = pl.Trainer(callbacks=[cycle, replay], max_epochs=4, **trainer_kwargs(limit_val_batches=0))
     trainer.fit(model, _data())
     # epoch 1 is unseen (whole batches), epochs 2-3 are selected, the last quarter of the steps is whole again
@@ -302,7 +302,9 @@ class _RecordingLogger(Logger):
 def test_replay_metrics_reach_the_loggers():
     logger = _RecordingLogger()
     kwargs = {**trainer_kwargs(), "logger": logger}
-    trainer = pl.Trainer(callbacks=[HardSampleReplay(log_every_n_steps=6)], max_epochs=2, **kwargs)
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay(mode="batch", log_every_n_steps=6)], max_epochs=2, **kwargs
+    )
     trainer.fit(MNIST1DClassifier(), _data())
     logged = [m for m in logger.metrics if "hard_sample_replay/replay_fraction" in m]
     assert len(logged) == 2 * BATCHES_PER_EPOCH // 6

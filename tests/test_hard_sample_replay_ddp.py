@@ -47,7 +47,7 @@ class ReplayDump(Callback):
 @pytest.mark.ddp
 def test_ranks_share_one_score_table_and_select_within_their_own_shards(mnist1d_small, tmp_path):
     model, data = mnist1d_small()
-    replay = HardSampleReplay(rule="random", replay_fraction=0.5)
+    replay = HardSampleReplay(rule="random", replay_fraction=0.5, mode="batch")
     trainer = pl.Trainer(
         callbacks=[replay, ReplayDump(str(tmp_path))],
         max_epochs=2,

@@ -81,7 +81,7 @@ class _StreamOrdered(StreamDataModule):
 def test_a_stateful_lstm_is_refused_before_its_first_replay_step_naming_the_state():
     sizes = _Trained()
     trainer = pl.Trainer(
-        callbacks=[PulseCycle(burst=4, replay=8, maintain=0), HardSampleReplay(), sizes],
+        callbacks=[PulseCycle(burst=4, replay=8, maintain=0), HardSampleReplay(mode="batch"), sizes],
         max_steps=40,
         limit_val_batches=0,
         **trainer_kwargs(),
@@ -99,7 +99,7 @@ def test_a_stateful_lstm_is_refused_before_its_first_replay_step_naming_the_stat
 
 def test_the_stateful_lstm_client_is_refused_at_setup_for_its_stream_batch_sampler():
     module, data = CLIENTS["stateful-lstm"]()
-    trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_steps=40, **trainer_kwargs())
+    trainer = pl.Trainer(callbacks=[HardSampleReplay(mode="batch")], max_steps=40, **trainer_kwargs())
     with pytest.raises(
         PulseRefusal, match=r"^HardSampleReplay needs .*custom batch sampler \(_ContiguousStreams\)"
     ):
@@ -154,7 +154,7 @@ def test_state_reset_at_every_batch_is_not_carried_and_nothing_batch_shaped_ends
 def test_no_other_client_is_refused_and_each_is_checked_for_carried_state(name):
     torch.manual_seed(0)
     module, data = CLIENTS[name]()
-    callbacks = [HardSampleReplay()]
+    callbacks = [HardSampleReplay(mode="batch")]
     trainer = pl.Trainer(callbacks=callbacks, max_steps=3, limit_val_batches=0, **trainer_kwargs())
     trainer.fit(module, data)
     check = _replay(callbacks).state_check
@@ -166,7 +166,7 @@ def test_a_run_shorter_than_an_epoch_says_at_fit_start_that_it_cannot_select_and
     torch.manual_seed(0)
     module, data = CLIENTS["hf-gpt2"]()  # 106 batches of 16 per epoch
     sizes = _Trained()
-    callbacks = [PulseCycle(burst=3, replay=3, maintain=0), HardSampleReplay(), sizes]
+    callbacks = [PulseCycle(burst=3, replay=3, maintain=0), HardSampleReplay(mode="batch"), sizes]
     trainer = pl.Trainer(callbacks=callbacks, max_steps=12, limit_val_batches=0, **trainer_kwargs())
     with pytest.warns(UserWarning) as record:
         trainer.fit(module, data)
@@ -186,7 +186,7 @@ def test_a_run_shorter_than_an_epoch_says_at_fit_start_that_it_cannot_select_and
 def test_a_run_longer_than_an_epoch_does_not_warn(recwarn):
     module, data = CLIENTS["onecycle-per-step"]()
     trainer = pl.Trainer(
-        callbacks=[HardSampleReplay()], max_steps=25, limit_val_batches=0, **trainer_kwargs()
+        callbacks=[HardSampleReplay(mode="batch")], max_steps=25, limit_val_batches=0, **trainer_kwargs()
     )
     trainer.fit(module, data)
     assert not [w for w in recwarn if "HardSampleReplay" in str(w.message)]
@@ -236,7 +236,7 @@ def test_hf_models_computing_their_own_loss_give_real_per_sample_losses_and_repl
     module, _ = CLIENTS[name]()
     data = TextWindowsDataModule(kind, max_chars=8_000)  # 225 windows: 14 batches of 16 and 1 of 1 per epoch
     truth, logger = _PerSampleTruth(kind), _Logger()
-    callbacks = [HardSampleReplay(replay_fraction=0.5, log_every_n_steps=1), truth]
+    callbacks = [HardSampleReplay(mode="batch", replay_fraction=0.5, log_every_n_steps=1), truth]
     trainer = pl.Trainer(
         callbacks=callbacks,
         max_steps=30,
@@ -266,7 +266,7 @@ def test_manual_optimization_trains_the_selected_half():
     torch.manual_seed(0)
     module, data = CLIENTS["manual-optimization"]()  # 21 batches per epoch, the last of 15
     sizes = _Trained()
-    callbacks = [HardSampleReplay(replay_fraction=0.5), sizes]
+    callbacks = [HardSampleReplay(mode="batch", replay_fraction=0.5), sizes]
     trainer = pl.Trainer(callbacks=callbacks, max_steps=42, limit_val_batches=0, **trainer_kwargs())
     trainer.fit(module, data)
     assert trainer.global_step == 42
@@ -279,7 +279,7 @@ def test_onecycle_per_step_keeps_its_planned_steps_while_batches_shrink():
     module, data = CLIENTS["onecycle-per-step"]()
     sizes = _Trained()
     trainer = pl.Trainer(
-        callbacks=[HardSampleReplay(replay_fraction=0.25), sizes],
+        callbacks=[HardSampleReplay(mode="batch", replay_fraction=0.25), sizes],
         max_epochs=2,
         limit_val_batches=0,
         **trainer_kwargs(),
@@ -296,7 +296,7 @@ def test_attention_and_shared_weight_models_replay_in_replay_phases(name):
     module, data = CLIENTS[name]()
     sizes = _Trained()
     cycle = PulseCycle(burst=21, replay=21, maintain=0, warmup=0.0, anneal=0.0)
-    callbacks = [cycle, HardSampleReplay(replay_fraction=0.5), sizes]
+    callbacks = [cycle, HardSampleReplay(mode="batch", replay_fraction=0.5), sizes]
     trainer = pl.Trainer(callbacks=callbacks, max_steps=42, limit_val_batches=0, **trainer_kwargs())
     trainer.fit(module, data)
     assert sizes.sizes == [64] * 20 + [15] + [32] * 20 + [8]
@@ -306,7 +306,7 @@ def test_attention_and_shared_weight_models_replay_in_replay_phases(name):
 def test_bf16_autocast_on_an_hf_classifier_captures_finite_per_sample_losses():
     torch.manual_seed(0)
     module, _ = CLIENTS["hf-bert"]()
-    callbacks = [HardSampleReplay(replay_fraction=0.5)]
+    callbacks = [HardSampleReplay(mode="batch", replay_fraction=0.5)]
     trainer = pl.Trainer(
         callbacks=callbacks, max_steps=20, limit_val_batches=0, **trainer_kwargs(precision="bf16-mixed")
     )
@@ -322,14 +322,14 @@ def test_model_parallel_is_refused_at_setup_naming_the_strategy_and_the_way_out(
     with pytest.raises(
         PulseRefusal, match=r"^HardSampleReplay does not support ModelParallelStrategy: .*'ddp'"
     ):
-        HardSampleReplay().setup(trainer, None, "fit")
+        HardSampleReplay(mode="batch").setup(trainer, None, "fit")
 
 
 @pytest.mark.parametrize("strategy_class", [FSDPStrategy, DeepSpeedStrategy])
 def test_fsdp_and_deepspeed_pass_setup(strategy_class):
     # they shard parameters, not batches: the cut batch, the per-sample losses and the gathered scores are
     # what DDP sees (all_gather over the whole world, which is the data-parallel group)
-    replay = HardSampleReplay()
+    replay = HardSampleReplay(mode="batch")
     replay.setup(StandInTrainer(strategy_class), None, "fit")
     assert replay._remove_hook is not None
     replay._remove_hook()
@@ -360,7 +360,7 @@ class _ShuffledStreams(StreamDataModule):
 
 def test_a_time_major_token_loss_is_refused_after_the_first_batch_before_any_replay_step():
     trainer = pl.Trainer(
-        callbacks=[HardSampleReplay()], max_steps=40, limit_val_batches=0, **trainer_kwargs()
+        callbacks=[HardSampleReplay(mode="batch")], max_steps=40, limit_val_batches=0, **trainer_kwargs()
     )
     with pytest.raises(
         PulseRefusal,

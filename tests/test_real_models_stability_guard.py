@@ -63,7 +63,7 @@ def bert_suite(extra=(), stop_at=300):
     cycle, guard = PulseCycle(), StabilityGuard()
     phases = PhaseLog(cycle)
     trainer = pl.Trainer(
-        callbacks=[cycle, HardSampleReplay(), *extra, guard, phases, StopAt(stop_at)],
+        callbacks=[cycle, HardSampleReplay(mode="batch"), *extra, guard, phases, StopAt(stop_at)],
         max_steps=300,
         **trainer_kwargs(limit_val_batches=1),
     )

@@ -50,7 +50,8 @@ def test_the_shipped_suite_trains_each_client_or_refuses_it_before_the_first_ste
         assert trainer.global_step == 0
         return
     trainer.fit(module, data)
-    assert trainer.global_step == 150
+    # the shipped HardSampleReplay saves steps: the 150 plain steps' data in the planned, fewer steps
+    assert trainer.global_step == trainer.max_steps < 150
     cycle = next(c for c in callbacks if isinstance(c, PulseCycle))
     assert cycle.clock.steps_by_phase["replay"] > 0
     guard = next(c for c in callbacks if isinstance(c, StabilityGuard))

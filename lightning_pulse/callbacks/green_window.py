@@ -83,7 +83,8 @@ class GreenWindow(Callback):
     Raises:
         ValueError: at construction, naming the field, for a bad mode, threshold, duration, deadline,
             forecast (an oracle reads the future and is refused) or signal file. At fit start
-            (:class:`~lightning_pulse.PulseRefusal`): ``"light"`` without a PulseCycle with light phases,
+            (:class:`~lightning_pulse.PulseRefusal`): ``"light"`` without a PulseCycle with light phases or
+            next to ``HardSampleReplay(mode="steps")`` (it plans its batches on the phase sequence),
             ``"suspend"`` without a ModelCheckpoint, no signal and no EnergyLogger series.
 
     Example::
@@ -159,6 +160,7 @@ class GreenWindow(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_pulse.callbacks.energy_logger import EnergyLogger
+        from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 
         self._energy = next((c for c in trainer.callbacks if isinstance(c, EnergyLogger)), None)
         cycle = pulse_cycle_of(trainer)
@@ -167,6 +169,13 @@ class GreenWindow(Callback):
                 "GreenWindow: when_dirty='light' keeps the run in PulseCycle's light phases (replay, maintain), "
                 f"but {'no PulseCycle is attached' if cycle is None else 'the PulseCycle has no light phase'}; "
                 "add PulseCycle(...) with a replay or maintain phase, or use when_dirty='pause' or 'suspend'."
+            )
+        planned = [c for c in trainer.callbacks if isinstance(c, HardSampleReplay) and c.mode == "steps"]
+        if self.when_dirty == "light" and planned:
+            raise PulseRefusal(
+                "GreenWindow: when_dirty='light' changes the phase sequence, and HardSampleReplay(mode='steps') "
+                "plans its batches on that sequence at fit start; use HardSampleReplay(mode='batch'), or "
+                "when_dirty='pause' or 'suspend'."
             )
         if self.when_dirty == "suspend" and not isinstance(trainer.checkpoint_callback, ModelCheckpoint):
             raise PulseRefusal(

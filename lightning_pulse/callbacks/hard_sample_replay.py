@@ -28,6 +28,9 @@ from lightning_pulse.core.replay import (
     EPOCH_MODE_REFUSAL,
     MODEL_PARALLEL_REFUSAL,
     ROLE_NAMES,
+    STEPS_MODE_CLOCK_REFUSAL,
+    STEPS_MODE_LENGTH_REFUSAL,
+    STEPS_MODE_LIMIT_REFUSAL,
     UNTOUCHED,
     HardSampleSelector,
     ReplayConfig,
@@ -38,9 +41,10 @@ from lightning_pulse.core.replay import (
     untrackable_refusal,
     validate_replay_args,
 )
-from lightning_pulse.core.sample_index import SampleIndexTracker
+from lightning_pulse.core.sample_index import PlannedBatchSampler, SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import assign_in_place, take_samples
+from lightning_pulse.core.step_plan import StepSavingStream, plan_summary
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import Phase
 
@@ -103,7 +107,7 @@ class HardSampleReplay(Callback):
         replay_fraction: float = 0.5,
         prune_ratio: float = 0.5,
         phases: Sequence[str] = ("replay",),
-        mode: str = "batch",
+        mode: str | None = None,
         score_half_life: int | float | str | None = 5.0,
         scorer: PerSampleScorer | None = None,
         seed: int = 0,
@@ -112,8 +116,10 @@ class HardSampleReplay(Callback):
         super().__init__()
         self.config = ReplayConfig(rule, replay_fraction, prune_ratio, seed)
         self.half_life = parse_half_life(score_half_life)
+        mode = mode if mode is not None else "batch" if rule == "infobatch" else "steps"
         self.phases = validate_replay_args(phases, mode, rule, scorer, log_every_n_steps)
         self.mode = mode
+        self.stream = StepSavingStream()  # mode="steps": the plan and where the run stands in its data
         self.scorer = scorer
         self.log_every_n_steps = log_every_n_steps
         self.selector: HardSampleSelector | None = None
@@ -128,6 +134,7 @@ class HardSampleReplay(Callback):
         self._batch: dict[str, Any] | None = None
         self._scope: Any = None
         self.state_check = CarriedStateCheck()
+        self._epoch_batches = 0  # mode="steps": the batches of the pass under way
 
     # ------------------------------------------------------------------ public state
     @property
@@ -168,6 +175,10 @@ class HardSampleReplay(Callback):
         if isinstance(trainer.strategy, ModelParallelStrategy):  # FSDP and DeepSpeed cut no batch: they work
             self._refuse(MODEL_PARALLEL_REFUSAL)
         self._trainer, self._ready = trainer, False
+        if self.mode == "steps":
+            self.stream = StepSavingStream()
+            if getattr(trainer, "limit_train_batches", 1.0) not in (None, 1.0):
+                raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(limit=trainer.limit_train_batches))
         if self._remove_hook is not None:
             self._remove_hook()
         self._remove_hook = compat.on_train_dataloader_ready(trainer, self._on_train_dataloader)
@@ -189,6 +200,53 @@ class HardSampleReplay(Callback):
         self._ready = True
         if self.mode == "epoch":
             self.tracker.select_passes(self._select_epoch, self.selector.epoch_length)
+        elif self.mode == "steps" and self.stream.plan is None:  # planned once per fit
+            self._plan_steps(loader)
+
+    def _plan_steps(self, loader: Any) -> None:
+        trainer = self._trainer
+        assert trainer is not None and self.tracker is not None
+        cycle = pulse_cycle_of(trainer)
+        if cycle is not None and cycle.clock.uses_wall_clock:
+            raise PulseRefusal(STEPS_MODE_CLOCK_REFUSAL)
+        max_epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else None
+        max_steps = trainer.max_steps if trainer.max_steps != -1 else None
+        if max_epochs is None and max_steps is None:
+            if cycle is not None:
+                cycle.check_run_length(math.inf)  # its warm-up or anneal speaks first
+            raise PulseRefusal(STEPS_MODE_LENGTH_REFUSAL)
+        batches, samples = loader.batch_sampler, len(self.tracker.recorder.sampler)
+        plain_batches = len(batches)
+        accumulate = trainer.accumulate_grad_batches
+        if cycle is not None:
+            cycle.fit_budget(self.config.replay_fraction, self.phases, math.ceil(plain_batches / accumulate))
+        plan = self.stream.make_plan(
+            None if cycle is None else cycle.clock,
+            self.phases,
+            batch_size=batches.batch_size,
+            fraction=self.config.replay_fraction,
+            samples_per_epoch=samples,
+            max_epochs=max_epochs,
+            max_steps=max_steps,
+            accumulate=accumulate,
+            drop_last=batches.drop_last,
+        )
+        compat.set_max_steps(trainer, plan.total_steps)
+        compat.replace_batch_sampler(
+            loader, PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches)
+        )
+        if cycle is not None:
+            cycle.adopt_plan(plan)
+        budget = None if cycle is None else cycle.budget
+        rank_zero_info(
+            f"HardSampleReplay: {plan_summary(plan, budget)}; trainer.max_steps={plan.total_steps}."
+        )
+
+    def _sizes_for_pass(self) -> tuple[int, list[int]]:
+        assert self._trainer is not None
+        skip, sizes, self._epoch_batches = self.stream.sizes_for_pass(self._trainer.current_epoch)
+        compat.set_epoch_batches(self._trainer, self._epoch_batches)
+        return skip, sizes
 
     def _set_half_life(self, batches: float) -> float | None:
         assert self.selector is not None and self._trainer is not None
@@ -215,6 +273,10 @@ class HardSampleReplay(Callback):
         # so attaching one never changes what is selected)
         self.selector.apply_every = min(32, self.log_every_n_steps or max(trainer.log_every_n_steps, 1))
         self.selector.take_window()
+        if (
+            self.mode == "steps"
+        ):  # Lightning set its validation batch from the plain length after the first pass
+            compat.set_epoch_batches(trainer, self._epoch_batches)
         if self._scope is None:
             self._scope = loss_capture_scope()
             self._scope.__enter__()
@@ -237,6 +299,14 @@ class HardSampleReplay(Callback):
         roles, counted, weights, positions = np.full(offered, UNTOUCHED), float(offered), None, None
         if active and self.mode == "epoch":  # the epoch's sampler already chose these samples
             roles, counted = self.selector.epoch_roles(indices), offered * self.selector.epoch_offered_ratio
+        elif self.mode == "steps":  # the sampler fetched a window for a light-phase step: keep a full batch
+            self.stream.trained(offered)
+            if offered > self.tracker.batch_size:
+                pick = self.selector.compose(
+                    indices, step, batch_idx, trainer.global_rank, self.tracker.batch_size
+                )
+                indices, roles, positions = pick.indices, pick.roles, pick.positions
+                active = True
         elif active:
             pick = self.selector.compose(indices, step, batch_idx, trainer.global_rank)
             indices, roles, weights, positions = pick.indices, pick.roles, pick.weights, pick.positions
@@ -353,7 +423,18 @@ class HardSampleReplay(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return dict(self._saved_state or {}) if self.selector is None else self.selector.state_dict()
+        state = dict(self._saved_state or {}) if self.selector is None else self.selector.state_dict()
+        if self.mode == "steps" and self._trainer is not None:
+            state["stream"] = self.stream.state_dict(self._trainer.global_step)
+        return state
+
+    def rollback_state_dict(self) -> dict[str, Any]:
+        """What a :class:`~lightning_pulse.StabilityGuard` rollback returns to: the scores (they describe the
+        model); the data stream goes on, since its samples were really drawn."""
+        return {k: v for k, v in self.state_dict().items() if k != "stream"}
+
+    def load_rollback_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.load_state_dict(state_dict)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -364,9 +445,13 @@ class HardSampleReplay(Callback):
         flight (measured on the model being replaced). The DataLoader's pass (next batches, an epoch's selection)
         is not rewound.
         """
-        if self._ready and self.selector is not None:
+        state_dict = dict(state_dict)
+        stream = state_dict.pop("stream", None)
+        if self._ready and self.selector is not None:  # a rollback: the data stream is not rewound
             self._close_capture()
             self._batch = None
             self.selector.load_state_dict(state_dict)
         else:
             self._saved_state = state_dict
+            if stream is not None:
+                self.stream.load_state_dict(stream)

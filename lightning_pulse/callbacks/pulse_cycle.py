@@ -18,8 +18,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.core.step_plan import StepPlan, replay_steps_for_budget
 from lightning_pulse.errors import PulseRefusal
-from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
+from lightning_pulse.phase import PHASE_NAMES, Duration, Phase, PhaseChange, PhaseClock
 from lightning_pulse.probe import PROBE_COLLECTIVES, first_validation_batches, run_validation_probe
 from lightning_pulse.protocols import PhaseListener, listeners
 
@@ -92,14 +93,21 @@ class PulseCycle(Callback):
             does not.
         probe_batches: how many validation batches the probe uses (taken once, from the start of the
             validation dataloader, so every probe sees the same data).
+        budget: the share of the plain run's optimizer steps to spend, in ``(0, 1)``; ``None`` keeps the
+            durations as given. With a :class:`~lightning_pulse.HardSampleReplay` in ``mode="steps"``, whose
+            light-phase steps each stand for ``1 / replay_fraction`` batches of data, the replay phase's length
+            is set at fit start so that the run's data takes that share of the plain run's steps; the log says
+            the plan at fit start and what was spent at the end (``pulse/budget_spent``).
         time_source: seconds counter for wall-clock phases; ``time.monotonic`` by default. Tests inject a
             fake one.
 
     Raises:
         ValueError: at construction, naming the field, for an unparsable or negative duration, an unknown
             phase, all-zero durations, ``warmup + anneal >= 1``, an unknown ``maintain_eval`` or a
-            non-positive ``probe_batches``. At fit start, for epoch-based durations on an infinite
-            dataloader or warm-up/anneal on a run without a finite length.
+            non-positive ``probe_batches``, or a ``budget`` outside ``(0, 1)``. At fit start, for epoch-based
+            durations on an infinite dataloader or warm-up/anneal on a run without a finite length.
+        PulseRefusal: at fit start, for a ``budget`` with no step-saving HardSampleReplay attached, with
+            wall-clock durations, or out of what the replay fraction can reach.
 
     Example::
 
@@ -129,6 +137,7 @@ class PulseCycle(Callback):
         anneal: float = 0.1,
         maintain_eval: str = "probe",
         probe_batches: int = 4,
+        budget: float | None = None,
         time_source: Callable[[], float] | None = None,
     ) -> None:
         super().__init__()
@@ -147,6 +156,15 @@ class PulseCycle(Callback):
             )
         if isinstance(probe_batches, bool) or not isinstance(probe_batches, int) or probe_batches < 1:
             raise ValueError(f"PulseCycle: `probe_batches`={probe_batches!r} must be a positive int.")
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < 1
+        ):
+            raise ValueError(
+                f"PulseCycle: `budget`={budget!r} must be a number in (0, 1): the share of the plain run's "
+                "optimizer steps to spend (or None for the durations as given)."
+            )
+        self.budget = None if budget is None else float(budget)
+        self.plan: StepPlan | None = None  # set by a step-saving HardSampleReplay at fit start
         self.maintain_eval = maintain_eval
         self.probe_batches = probe_batches
         self._held = compat.CollectiveHold()
@@ -192,6 +210,51 @@ class PulseCycle(Callback):
         for change in self.clock.hold(held):
             self._announce(trainer, pl_module, change)
 
+    def fit_budget(
+        self, fraction: float, light_phases: Sequence[str], plain_epoch_steps: float | None
+    ) -> None:
+        """Set the replay phase's length (steps) so that the run spends :attr:`budget` of the plain run's steps,
+        given that light-phase steps stand for ``1 / fraction`` batches of data. Called by a step-saving
+        :class:`~lightning_pulse.HardSampleReplay` at fit start, before it plans the run."""
+        if self.budget is None:
+            return
+        if self.clock.uses_wall_clock or Phase.REPLAY not in self.clock.order:
+            raise PulseRefusal(
+                f"PulseCycle: `budget`={self.budget:g} sets the replay phase's length in steps, so the cycle needs a "
+                "replay phase and durations in steps or epochs; drop `budget` or give the durations in steps."
+            )
+        light = {Phase(name) for name in light_phases}
+        full = other_light = 0.0
+        for phase, duration in self.clock.durations.items():
+            if phase is Phase.REPLAY:
+                continue
+            steps = (
+                duration.amount * (plain_epoch_steps or 0) if duration.kind == "epochs" else duration.amount
+            )
+            if phase in light:
+                other_light += steps
+            else:
+                full += steps
+        try:
+            replay = replay_steps_for_budget(
+                self.budget, fraction, full, other_light, self.clock.warmup, self.clock.anneal
+            )
+        except ValueError as error:
+            raise PulseRefusal(f"PulseCycle: {error}") from None
+        self.clock.durations[Phase.REPLAY] = Duration("steps", max(1, round(replay)))
+
+    def check_run_length(self, total_steps: float) -> None:
+        """Refuse a run whose length warm-up or anneal (shares of it) cannot be planned on."""
+        try:
+            self.clock.check_run_length(total_steps)
+        except ValueError as error:
+            raise PulseRefusal(f"PulseCycle: {error}") from None
+
+    def adopt_plan(self, plan: StepPlan) -> None:
+        """Take the run's step plan (from a step-saving HardSampleReplay): epoch-based durations count plain
+        epochs, and warm-up and anneal are shares of the planned total."""
+        self.plan = plan
+
     def add_listener(self, listener: Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]) -> None:
         """Call ``listener(trainer, pl_module, change)`` at every phase change, on every rank."""
         self._listeners.append(listener)
@@ -199,6 +262,11 @@ class PulseCycle(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.budget is not None and self.plan is None:
+            raise PulseRefusal(
+                f"PulseCycle: `budget`={self.budget:g} is met by taking fewer steps, which needs a "
+                "HardSampleReplay in mode='steps' (its default) next to this PulseCycle; add one or drop `budget`."
+            )
         self._refresh_run_length(trainer)
         if self.clock.uses_epochs and not math.isfinite(trainer.num_training_batches):
             raise PulseRefusal(
@@ -223,6 +291,19 @@ class PulseCycle(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._refresh_run_length(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        plan = self.plan
+        if plan is None or not plan.plain_steps:
+            return
+        spent = trainer.global_step / plan.plain_steps
+        self._log(trainer, {"pulse/budget_spent": spent})
+        asked = "" if self.budget is None else f" (budget {self.budget:g})"
+        rank_zero_info(
+            f"PulseCycle: the run took {trainer.global_step} optimizer steps, {spent:.3f} of the plain run's "
+            f"{plan.plain_steps}{asked}."
+        )
 
     @override
     def on_train_batch_end(
@@ -306,7 +387,7 @@ class PulseCycle(Callback):
         return f"{self.clock.phase}·c{self.clock.cycle}"
 
     def _refresh_run_length(self, trainer: pl.Trainer) -> None:
-        batches = trainer.num_training_batches
+        batches = trainer.num_training_batches  # a step-saving sampler reports the plain epoch's length
         if math.isfinite(batches) and batches > 0:
             self._epoch_steps = float(math.ceil(batches / trainer.accumulate_grad_batches))
         else:

@@ -85,7 +85,7 @@ class ReplayConfig:
 
 
 #: How a batch is cut: ``"batch"`` (smaller batches, same steps) or ``"epoch"`` (shorter epochs, full batches).
-MODES = ("batch", "epoch")
+MODES = ("steps", "batch", "epoch")
 
 
 def validate_replay_args(
@@ -102,10 +102,10 @@ def validate_replay_args(
         raise ValueError(f"`phases`={phases!r} must be a non-empty list of phases from {list(PHASE_NAMES)}.")
     if mode not in MODES:
         raise ValueError(f"`mode`={mode!r} is not one of {list(MODES)}.")
-    if mode == "epoch" and rule == "infobatch":
+    if mode in ("steps", "epoch") and rule == "infobatch":
         raise ValueError(
-            "`mode`='epoch' needs epochs of a length known in advance, which InfoBatch's random pruning does "
-            "not give; use rule='topk' or 'random', or mode='batch'."
+            f"`mode`={mode!r} needs batches of a count known in advance, which InfoBatch's random pruning does "
+            "not give; use rule='topk' or 'random', or mode='batch' (the default for rule='infobatch')."
         )
     if scorer is not None and not isinstance(scorer, PerSampleScorer):
         raise ValueError(f"`scorer`={scorer!r} must be a PerSampleScorer instance (or None).")
@@ -121,9 +121,21 @@ MODEL_PARALLEL_REFUSAL = (
     "random draws are seeded per global rank. Train with strategy='ddp', 'fsdp' or 'deepspeed', or "
     "remove HardSampleReplay from the callbacks."
 )
+STEPS_MODE_CLOCK_REFUSAL = (
+    "HardSampleReplay: mode='steps' plans the run's steps before the first one from the PulseCycle's phase "
+    "durations, which here are in seconds; give them in steps or epochs, or use mode='batch'."
+)
+STEPS_MODE_LENGTH_REFUSAL = (
+    "HardSampleReplay: mode='steps' plans the run's steps before the first one, which needs a finite max_epochs "
+    "or max_steps; set one, or use mode='batch'."
+)
+STEPS_MODE_LIMIT_REFUSAL = (
+    "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which `limit_train_batches`={limit!r} "
+    "cuts short; drop limit_train_batches or use mode='batch'."
+)
 EPOCH_MODE_REFUSAL = (
     "HardSampleReplay: mode='epoch' chooses each epoch's samples when the epoch starts, so it cannot "
-    "follow a PulseCycle's step-based phases; use mode='batch' with a PulseCycle."
+    "follow a PulseCycle's step-based phases; use mode='steps' (the default) with a PulseCycle."
 )
 
 
@@ -388,18 +400,23 @@ class HardSampleSelector:
             return select_random(scores, count, generator)
         return infobatch_prune(scores, self.current_threshold(step), self.config.prune_ratio, generator)
 
-    def compose(self, indices: Tensor, step: int, batch_idx: int, rank: int = 0) -> Composition:
+    def compose(
+        self, indices: Tensor, step: int, batch_idx: int, rank: int = 0, keep: int | None = None
+    ) -> Composition:
         """The samples of the batch holding dataset ``indices`` ``(B,)`` to train on at ``step``.
 
         Never-scored samples are always kept; top-k draws nothing, the other rules draw from a generator
-        seeded by ``(seed, step, batch_idx, rank)``.
+        seeded by ``(seed, step, batch_idx, rank)``. ``keep`` (step-saving replay: a full batch out of a larger
+        window) fixes the count exactly: never-scored samples first, then the rule's choice.
         """
         offered = int(indices.numel())
         generator = None
         if self.config.rule != "topk":
             generator = torch.Generator().manual_seed(mix_seed(self.config.seed, step, batch_idx, rank))
-        budget = max(1, round(self.config.replay_fraction * offered))
+        budget = max(1, round(self.config.replay_fraction * offered)) if keep is None else min(keep, offered)
         scores = self.table.effective_array(indices, step)  # arrays throughout: each tensor wrap costs a call
+        if keep is not None:
+            return self._compose_exactly(indices, scores, budget, step, generator)
         selection = self._select(scores, budget, step, generator)
         roles = np.where(np.isnan(scores[selection.positions.numpy()]), UNSEEN, SELECTED)
         weights = selection.weights
@@ -407,6 +424,20 @@ class HardSampleSelector:
             weights = None  # nothing pruned: leave the module's loss exactly as it is
         positions = None if selection.count == offered else selection.positions
         return Composition(positions, indices[selection.positions], roles, weights)
+
+    def _compose_exactly(
+        self, indices: Tensor, scores: np.ndarray, count: int, step: int, generator: torch.Generator | None
+    ) -> Composition:
+        unseen = np.flatnonzero(np.isnan(scores))
+        if unseen.size >= count:
+            positions = unseen[:count]
+        else:
+            seen = np.flatnonzero(~np.isnan(scores))
+            chosen = self._select(scores[seen], count - unseen.size, step, generator)
+            positions = np.sort(np.concatenate([unseen, seen[chosen.positions.numpy()]]))
+        roles = np.where(np.isnan(scores[positions]), UNSEEN, SELECTED)
+        kept = torch.from_numpy(positions.astype(np.int64, copy=False))
+        return Composition(None if kept.numel() == indices.numel() else kept, indices[kept], roles, None)
 
     def epoch_length(self, full_length: int) -> int:
         """How many samples an epoch of ``full_length`` yields in epoch mode."""

@@ -52,6 +52,8 @@ class RecordingSampler(Sampler[int]):
         self.iteration = 0  # how many passes over the sampler have started
         self.pending: deque[int] = deque()  # indices drawn in this pass and not yet released
         self.stream_start = 0  # position in this pass's index stream of pending[0]
+        # a PlannedBatchSampler's batches vary in size: where each batch of this pass starts in the stream
+        self.batch_starts: np.ndarray | None = None
 
     def __iter__(self) -> Iterator[int]:
         self.iteration += 1
@@ -114,7 +116,12 @@ class SampleIndexTracker:
         batch_sampler = loader.batch_sampler
         if batch_sampler is None:
             return "the DataLoader has batch_size=None (no automatic batching)"
-        if type(batch_sampler).__iter__ is not BatchSampler.__iter__ or not hasattr(batch_sampler, "sampler"):
+        planned = isinstance(batch_sampler, PlannedBatchSampler)
+        if (
+            not planned
+            and type(batch_sampler).__iter__ is not BatchSampler.__iter__
+            or not hasattr(batch_sampler, "sampler")
+        ):
             return f"the DataLoader uses a custom batch sampler ({type(batch_sampler).__name__})"
         if not getattr(loader, "in_order", True):
             return "the DataLoader has in_order=False, so batches may come back out of order"
@@ -189,12 +196,18 @@ class SampleIndexTracker:
             raise RuntimeError(
                 f"SampleIndexTracker: batch {batch_idx} was asked for after a later batch of the same epoch."
             )
-        start = ordinal * self.batch_size
+        starts = recorder.batch_starts
+        if starts is None:
+            start, size = ordinal * self.batch_size, self.batch_size
+        elif ordinal + 1 < starts.size:
+            start, size = int(starts[ordinal]), int(starts[ordinal + 1] - starts[ordinal])
+        else:
+            start, size = -1, 0
         drop = start - recorder.stream_start
         for _ in range(min(drop, len(recorder.pending))):
             recorder.pending.popleft()
-        recorder.stream_start = start
-        count = min(self.batch_size, len(recorder.pending))
+        recorder.stream_start = max(start, recorder.stream_start)
+        count = min(size, len(recorder.pending))
         if count == 0 or drop < 0:
             raise RuntimeError(
                 f"SampleIndexTracker: no recorded indices for batch {batch_idx}. The tracker must be installed "
@@ -209,3 +222,48 @@ class SampleIndexTracker:
     def fetch(self, indices: Sequence[int] | Tensor) -> Any:
         """A collated batch of ``dataset[i]`` for ``indices`` (in the calling process, on the CPU)."""
         return self.collate_fn([self.dataset[int(i)] for i in indices])
+
+
+class PlannedBatchSampler(BatchSampler):
+    """A ``BatchSampler`` whose batches follow a plan: each pass yields the raw batch sizes ``sizes_for_pass``
+    gives, from the same index sampler (step-saving replay fetches a larger window for a light-phase step).
+
+    Args:
+        original: the DataLoader's batch sampler (its ``sampler`` and ``drop_last`` are kept).
+        sizes_for_pass: called at the start of every pass; returns ``(skip, sizes)``: how many of the pass's
+            leading indices were already trained (a resume mid-epoch) and the sizes of the batches to yield.
+        plain_length: the batch count Lightning is told (``len``), the plain pass's, so the run's step
+            estimate is the plain run's capped by ``max_steps``; the pass ends when its planned batches do.
+    """
+
+    def __init__(
+        self,
+        original: BatchSampler,
+        sizes_for_pass: Callable[[], tuple[int, list[int]]],
+        plain_length: int,
+    ) -> None:
+        # BatchSampler.__init__ only validates; the attributes Lightning and the tracker read are these
+        self.sampler = original.sampler
+        self.batch_size = original.batch_size
+        self.drop_last = original.drop_last
+        self.original = original
+        self.sizes_for_pass = sizes_for_pass
+        self.plain_length = plain_length
+
+    def __iter__(self) -> Iterator[list[int]]:
+        skip, sizes = self.sizes_for_pass()
+        recorder = self.sampler if isinstance(self.sampler, RecordingSampler) else None
+        if recorder is not None:
+            recorder.batch_starts = np.concatenate([[skip], skip + np.cumsum(sizes, dtype=np.int64)])
+        source = iter(self.sampler)
+        if skip:
+            for _ in islice(source, skip):
+                pass
+        for size in sizes:
+            batch = list(islice(source, size))
+            if not batch:
+                return
+            yield batch
+
+    def __len__(self) -> int:
+        return self.plain_length

@@ -1,0 +1,345 @@
+"""Step-saving replay: which batch sizes a run's sampler yields, planned before the first step.
+
+In a light phase a step trains a full batch of ``B`` samples chosen from a window of ``round(B / f)`` raw
+samples (``f`` = the replay fraction), so a phase that stands for ``N`` batches of data takes about ``f * N``
+optimizer steps. The sampler fetches the window, :class:`~lightning_pulse.HardSampleReplay` keeps the ``B``
+samples its rule picks. An epoch stays one pass over the data, so it holds fewer batches.
+
+Since the phase clock is deterministic in steps, the whole run is known up front: :func:`plan_steps` plays
+the phase clock forward step by step and returns every epoch's raw batch sizes and the run's total number of
+optimizer steps, the figure ``OneCycleLR``, cosine schedules and ``max_steps`` are given. Warm-up and anneal
+are shares of that total, which depends on them: :func:`plan_steps` solves the fixed point.
+
+:func:`replay_steps_for_budget` turns a compute budget (the share of the plain run's steps to spend) into a
+replay-phase length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from lightning_pulse.phase import Phase, PhaseClock
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A run's planned batches.
+
+    Attributes:
+        first_epoch: the epoch ``batch_sizes[0]`` belongs to.
+        batch_sizes: per epoch, the raw size of each batch the sampler yields (its last one may be short).
+        total_steps: optimizer steps the run takes.
+        plain_steps: optimizer steps the same data takes without step-saving replay.
+        light_steps: of ``total_steps``, those in a light (selecting) phase.
+    """
+
+    first_epoch: int
+    batch_sizes: list[list[int]]
+    total_steps: int
+    plain_steps: int
+    light_steps: int = 0
+    converged: bool = field(default=True, compare=False)
+
+    def sizes_of(self, epoch: int) -> list[int]:
+        """The raw batch sizes of ``epoch`` (empty past the plan)."""
+        position = epoch - self.first_epoch
+        return self.batch_sizes[position] if 0 <= position < len(self.batch_sizes) else []
+
+    @property
+    def spent(self) -> float:
+        """Planned optimizer steps over the plain run's (the compute spent, in full-batch steps)."""
+        return self.total_steps / self.plain_steps if self.plain_steps else 1.0
+
+
+def window_size(batch_size: int, fraction: float) -> int:
+    """Raw samples fetched for one light-phase batch of ``batch_size`` trained samples."""
+    return max(batch_size, round(batch_size / fraction))
+
+
+def plan_steps(
+    clock: PhaseClock | None,
+    light_phases: Iterable[str],
+    batch_size: int,
+    fraction: float,
+    samples_per_epoch: int,
+    max_epochs: int | None,
+    max_steps: int | None,
+    accumulate: int = 1,
+    drop_last: bool = False,
+    start_epoch: int = 0,
+    start_samples: int = 0,
+    start_step: int = 0,
+    total_steps: int | None = None,
+) -> StepPlan:
+    """Play the run forward and return its batches.
+
+    Args:
+        clock: the run's phase clock, in its current state (it is copied, not advanced); ``None`` means every
+            step is in a light phase (no PulseCycle).
+        light_phases: the phases whose batches are selected.
+        batch_size: samples per trained batch ``B``.
+        fraction: the replay fraction ``f``: a light batch is chosen from ``round(B / f)`` raw samples.
+        samples_per_epoch: raw samples in one pass of the sampler (one rank's shard under DDP).
+        max_epochs: the run's epochs (``None``: unbounded, ``max_steps`` ends it).
+        max_steps: the plain run's optimizer steps cap (``None``: none). The plan spends the data those
+            steps would see.
+        accumulate: batches per optimizer step.
+        drop_last: whether the sampler drops a short last batch.
+        start_epoch, start_samples, start_step: where the run stands (a resume: the epoch, the raw samples of
+            it already trained, the global step).
+        total_steps: the run's total steps, when already fixed (a resume); solved otherwise.
+
+    Raises:
+        ValueError: for a run with neither ``max_epochs`` nor ``max_steps``.
+    """
+    if max_epochs is None and max_steps is None:
+        raise ValueError("a step plan needs a finite max_epochs or max_steps")
+    plain_epoch_batches = _batches(samples_per_epoch, batch_size, drop_last)
+    plain_epoch_steps = math.ceil(plain_epoch_batches / accumulate) if plain_epoch_batches else 0
+    plain = math.inf if max_epochs is None else max_epochs * plain_epoch_steps
+    if max_steps is not None:
+        plain = min(plain, max_steps)
+    plain_steps = int(plain)
+    # the samples the plain run trains: whole epochs, then the steps of a last, partial one
+    epoch_samples = plain_epoch_batches * batch_size if drop_last else samples_per_epoch
+    whole, rest = divmod(plain_steps, plain_epoch_steps) if plain_epoch_steps else (0, 0)
+    plain_samples = whole * epoch_samples + min(epoch_samples, rest * accumulate * batch_size)
+    light = frozenset(Phase(name) for name in light_phases)
+    args = (
+        clock,
+        light,
+        batch_size,
+        fraction,
+        samples_per_epoch,
+        plain_epoch_steps,
+        plain_steps,
+        plain_samples,
+        accumulate,
+    )
+    start = (start_epoch, start_samples, start_step, drop_last)
+    if total_steps is not None:
+        return _simulate(*args, *start, total_steps)
+    # warm-up and anneal are shares of the total the plan computes: iterate to the fixed point
+    guess, seen = plain_steps, {}
+    for _ in range(12):
+        plan = _simulate(*args, *start, guess)
+        if plan.total_steps == guess:
+            return plan
+        seen[guess] = plan.total_steps
+        if plan.total_steps in seen:
+            break
+        guess = plan.total_steps
+    # no exact fixed point (the anneal's start moves a phase boundary): the smallest total the run does not
+    # exceed, so every batch trains and the schedules end at most a few steps after the run
+    low, high = min(seen), max(max(seen), max(seen.values()))
+    guess = high
+    for candidate in range(low, min(high, low + 64) + 1):
+        steps = seen[candidate] if candidate in seen else _simulate(*args, *start, candidate).total_steps
+        if steps <= candidate:
+            guess = candidate
+            break
+    final = _simulate(*args, *start, guess)
+    return StepPlan(
+        final.first_epoch, final.batch_sizes, guess, plain_steps, final.light_steps, converged=False
+    )
+
+
+def _batches(samples: int, batch_size: int, drop_last: bool) -> int:
+    return samples // batch_size if drop_last else math.ceil(samples / batch_size)
+
+
+def _simulate(
+    clock: PhaseClock | None,
+    light: frozenset[Phase],
+    batch_size: int,
+    fraction: float,
+    samples_per_epoch: int,
+    plain_epoch_steps: int,
+    plain_steps: int,
+    plain_samples: int,
+    accumulate: int,
+    epoch: int,
+    samples_done: int,
+    step: int,
+    drop_last: bool,
+    total_steps: int,
+) -> StepPlan:
+    sim = _copy(clock)
+    if sim is not None and sim.stage == "pending":
+        sim.start(total_steps)
+    window = window_size(batch_size, fraction)
+    # the plain run's samples not yet trained
+    data_left = plain_samples - (epoch * samples_per_epoch + samples_done)
+    epochs: list[list[int]] = []
+    light_steps = 0
+    sizes: list[int] = []
+    remaining = samples_per_epoch - samples_done
+    first_epoch = epoch
+    while data_left > 0:  # the data decides the length; `total_steps` only places warm-up and anneal
+        phase_is_light = sim is None or sim.phase in light
+        per_batch = window if phase_is_light else batch_size
+        for _ in range(accumulate):  # one optimizer step; an epoch's end closes its window early
+            size = min(per_batch, remaining)
+            if size <= 0 or (drop_last and size < min(per_batch, batch_size)):
+                break
+            sizes.append(size)
+            remaining -= size
+            data_left -= size
+        step += 1
+        light_steps += phase_is_light
+        if sim is not None:
+            sim.advance(
+                steps=1, seconds=0.0, steps_per_epoch=plain_epoch_steps or None, total_steps=total_steps
+            )
+        if remaining <= 0 or (drop_last and remaining < batch_size):
+            epochs.append(sizes)
+            sizes, remaining, epoch = [], samples_per_epoch, epoch + 1
+    if sizes:
+        epochs.append(sizes)
+    return StepPlan(first_epoch, epochs, step, plain_steps, light_steps)
+
+
+def _copy(clock: PhaseClock | None) -> PhaseClock | None:
+    if clock is None:
+        return None
+    copy = PhaseClock.__new__(PhaseClock)
+    copy.durations, copy.order = dict(clock.durations), clock.order
+    copy.warmup, copy.anneal = clock.warmup, clock.anneal
+    copy.reset()
+    state = clock.state_dict()
+    state["history"] = []  # the copy only plays forward; the past changes are not needed
+    copy.load_state_dict(state)
+    return copy
+
+
+def replay_steps_for_budget(
+    budget: float,
+    fraction: float,
+    full_steps: float,
+    other_light_steps: float,
+    warmup: float,
+    anneal: float,
+) -> float:
+    """The replay-phase length (steps) that makes a run spend ``budget`` of the plain run's steps.
+
+    Per cycle, ``full_steps`` steps train plain batches and the light steps (``other_light_steps`` plus the
+    replay phase ``r``) each stand for ``1 / fraction`` batches of data; warm-up and anneal (shares of the
+    run's steps) train plain batches.
+
+    Raises:
+        ValueError: when no replay length reaches the budget (it is below what ``fraction`` allows, or so
+            close to 1 that the other phases already spend less).
+    """
+    # the cycled part must spend `ratio` of its data, so that with warm-up and anneal the run spends `budget`
+    edges = warmup + anneal
+    ratio = (1 - edges) * budget / (1 - edges * budget)
+    floor = _lowest_budget(fraction, edges)
+    if ratio <= fraction:
+        raise ValueError(
+            f"`budget`={budget:g} is below what a replay fraction of {fraction:g} can reach with warmup + anneal "
+            f"= {edges:g} (the run cannot spend less than {floor:.3g}); raise `budget` or lower replay_fraction."
+        )
+    numerator = full_steps * (1 - ratio) + other_light_steps * (1 - ratio / fraction)
+    replay = numerator / (ratio / fraction - 1)
+    if replay <= 0:
+        ceiling = _spent(fraction, full_steps, other_light_steps, 0.0, edges)
+        raise ValueError(
+            f"`budget`={budget:g} is above what the cycle spends with no replay phase at all ({ceiling:.3g}); "
+            "lower `budget`, or shorten the other light phases."
+        )
+    return replay
+
+
+def _lowest_budget(fraction: float, edges: float) -> float:
+    # every cycled step light: the cycled part spends `fraction`; solve ratio = fraction for budget
+    return fraction / (1 - edges + edges * fraction)
+
+
+def _spent(fraction: float, full: float, light: float, replay: float, edges: float) -> float:
+    steps, data = full + light + replay, full + (light + replay) / fraction
+    ratio = steps / data
+    return ratio / (1 - edges + edges * ratio)
+
+
+def plan_summary(plan: StepPlan, budget: float | None, fmt: Callable[[float], str] = "{:.3f}".format) -> str:
+    """One line for the log: the planned steps against plain, and the budget if one was asked for."""
+    text = (
+        f"the run's data takes {plan.total_steps} optimizer steps instead of {plan.plain_steps} "
+        f"({fmt(plan.spent)}x; {plan.light_steps} in light phases)"
+    )
+    if budget is not None:
+        text += f", for a budget of {budget:g}"
+    return text
+
+
+class StepSavingStream:
+    """Where a step-saving run stands in its data: the plan, the pass under way and what of it trained.
+
+    The adapter (:class:`~lightning_pulse.HardSampleReplay`) calls :meth:`make_plan` at fit start,
+    :meth:`sizes_for_pass` when the DataLoader starts a pass and :meth:`trained` for every batch. The state
+    (epoch, raw samples of it trained, global step, planned total) goes into checkpoints, so a resume mid-epoch
+    skips what trained and follows the same plan.
+    """
+
+    def __init__(self) -> None:
+        self.plan: StepPlan | None = None
+        self.epoch = 0
+        self.samples = 0  # raw samples of this epoch's trained batches
+        self.batches = 0  # this epoch's trained batches
+        self._resume: dict[str, int] | None = None
+        self._first_pass = True
+
+    def make_plan(
+        self, clock: PhaseClock | None, light_phases: Iterable[str], **run: int | bool | None
+    ) -> StepPlan:
+        """Plan the run from where it stands (a restored state, or its start). ``run`` holds
+        :func:`plan_steps`' ``batch_size``, ``fraction``, ``samples_per_epoch``, ``max_epochs``, ``max_steps``,
+        ``accumulate`` and ``drop_last``."""
+        resume = self._resume
+        if resume is not None and resume["samples"] >= int(run["samples_per_epoch"] or 0):
+            # saved at an epoch's end: the run resumes at the next epoch's start
+            resume.update(epoch=resume["epoch"] + 1, samples=0, batches=0)
+        resume = resume or {}
+        self.plan = plan_steps(
+            clock,
+            light_phases,
+            start_epoch=resume.get("epoch", 0),
+            start_samples=resume.get("samples", 0),
+            start_step=resume.get("step", 0),
+            total_steps=resume.get("total_steps"),
+            **run,  # type: ignore[arg-type]
+        )
+        self._first_pass = True
+        return self.plan
+
+    def sizes_for_pass(self, epoch: int) -> tuple[int, list[int], int]:
+        """``(skip, sizes, batches)`` of the pass that starts now: raw indices already trained, the raw sizes
+        of the batches to yield, and the epoch's batch count in all. The first pass of a fit is the resumed
+        epoch (``epoch`` may not be restored yet when Lightning starts it)."""
+        assert self.plan is not None
+        skip, done = 0, 0
+        if self._first_pass and self._resume is not None:
+            epoch, skip, done = self._resume["epoch"], self._resume["samples"], self._resume["batches"]
+        self._first_pass = False
+        self.epoch, self.samples, self.batches = epoch, skip, done
+        sizes = self.plan.sizes_of(epoch)
+        return skip, sizes, done + len(sizes)
+
+    def trained(self, raw_samples: int) -> None:
+        self.samples += raw_samples
+        self.batches += 1
+
+    def state_dict(self, global_step: int) -> dict[str, int]:
+        total = -1 if self.plan is None else self.plan.total_steps
+        return {
+            "epoch": self.epoch,
+            "samples": self.samples,
+            "batches": self.batches,
+            "step": int(global_step),
+            "total_steps": total,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = None if state.get("total_steps", -1) < 0 else {k: int(v) for k, v in state.items()}

@@ -1,0 +1,299 @@
+"""Step-saving replay: light phases train full batches chosen from wider windows, so the run takes fewer steps."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+from lightning_pulse import HardSampleReplay, PulseCycle
+from lightning_pulse.core.step_plan import plan_steps, replay_steps_for_budget, window_size
+from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.phase import PhaseClock
+from tests.conftest import trainer_kwargs
+
+CYCLE = dict(burst=6, replay=6, maintain=2, warmup=0.1, anneal=0.1, maintain_eval="none")
+
+
+class OneCycleClassifier(MNIST1DClassifier):
+    """A module whose LR schedule is planned for the run's steps, as users write it."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-3)
+        self.planned_total = int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=5e-3, total_steps=self.planned_total)
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
+class ShuffleFreeData(MNIST1DDataModule):
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=False)
+
+
+class BatchLog(Callback):
+    """Per batch: epoch, global step, the size the loader fetched and the size trained; validation steps."""
+
+    def __init__(self) -> None:
+        self.fetched: list[tuple[int, int, int]] = []
+        self.trained: list[int] = []
+        self.validated_at: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.fetched.append((trainer.current_epoch, trainer.global_step, int(batch[0].shape[0])))
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
+        self.trained.append(int(replay.trained_indices.numel()))
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.validated_at.append(trainer.current_epoch)
+
+
+def _parameters(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def test_onecycle_schedule_is_planned_for_the_saved_steps_and_never_stepped_past_its_total():
+    pl.seed_everything(0)
+    model, log = OneCycleClassifier(), BatchLog()
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5), log],
+        max_epochs=4,
+        **trainer_kwargs(),
+    )
+    trainer.fit(model, MNIST1DDataModule(num_samples=1000, batch_size=64))  # 12 batches of 64 per epoch
+    plain_steps = 4 * 12
+    # the schedule was told the planned total, which the run reached exactly (OneCycleLR raises past it)
+    assert model.planned_total == trainer.global_step == trainer.max_steps < plain_steps
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert schedule.last_epoch == model.planned_total
+    # every epoch is still one pass over the data, and validation ran at each epoch's end
+    assert log.validated_at == [0, 1, 2, 3]
+    assert [epoch for epoch, _, _ in log.fetched].count(0) < 12
+
+
+def test_light_steps_train_full_batches_chosen_from_twice_as_many_samples():
+    pl.seed_everything(0)
+    log = BatchLog()
+    trainer = pl.Trainer(
+        callbacks=[
+            log,
+            PulseCycle(**CYCLE),
+            HardSampleReplay(replay_fraction=0.5),
+        ],  # log sees the fetched batch
+        max_epochs=4,
+        **trainer_kwargs(),
+    )
+    trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
+    cycle = next(c for c in trainer.callbacks if isinstance(c, PulseCycle))
+    replay_steps = cycle.clock.steps_by_phase["replay"]
+    assert replay_steps > 0
+    fetched = [size for _, _, size in log.fetched]
+    assert fetched.count(128) >= replay_steps - 4  # an epoch's tail window may be short
+    # a light step trains a full batch, never the whole window (never-scored samples included)
+    assert max(log.trained) == 64
+    # the epochs' data is all there: 4 passes over the 720 training samples
+    assert sum(fetched) == 4 * 720
+
+
+@pytest.mark.parametrize("budget", [0.0, 1.0, 1.5, -0.2, True, "half"])
+def test_a_budget_out_of_range_fails_at_construction_naming_the_field(budget):
+    with pytest.raises(ValueError, match=r"^PulseCycle: `budget`="):
+        PulseCycle(budget=budget)
+
+
+def test_a_budget_sets_the_replay_length_and_the_run_spends_about_that_share():
+    pl.seed_everything(0)
+    cycle = PulseCycle(**CYCLE, budget=0.7)
+    trainer = pl.Trainer(
+        callbacks=[cycle, HardSampleReplay(replay_fraction=0.5)], max_epochs=8, **trainer_kwargs()
+    )
+    trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
+    assert cycle.plan is not None and cycle.plan.plain_steps == 8 * 12
+    spent = trainer.global_step / cycle.plan.plain_steps
+    assert spent == pytest.approx(0.7, abs=0.05)
+    assert cycle.clock.durations[cycle.clock.order[1]].amount != 6  # the replay length was derived
+
+
+def test_an_unreachable_budget_is_refused_before_the_first_step():
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(**CYCLE, budget=0.3), HardSampleReplay(replay_fraction=0.5)],
+        max_epochs=2,
+        **trainer_kwargs(),
+    )
+    with pytest.raises(
+        PulseRefusal, match=r"^PulseCycle: `budget`=0.3 is below .* cannot spend less than 0.556"
+    ):
+        trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
+    assert trainer.global_step == 0
+
+
+def test_a_budget_without_step_saving_replay_is_refused_before_the_first_step():
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(**CYCLE, budget=0.7), HardSampleReplay(mode="batch")],
+        max_epochs=2,
+        **trainer_kwargs(),
+    )
+    with pytest.raises(PulseRefusal, match=r"^PulseCycle: `budget`=0.7 .* HardSampleReplay in mode='steps'"):
+        trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize(
+    ("cycle", "trainer_extra", "match"),
+    [
+        (dict(burst="5s", replay="3s", maintain=0), {}, "durations, which here are in seconds"),
+        (CYCLE, {"limit_train_batches": 0.5}, "`limit_train_batches`=0.5"),
+    ],
+)
+def test_what_steps_mode_cannot_plan_is_refused_at_fit_start(cycle, trainer_extra, match):
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(**cycle), HardSampleReplay()],
+        max_epochs=2,
+        **trainer_kwargs(**trainer_extra),
+    )
+    with pytest.raises(PulseRefusal, match=rf"^HardSampleReplay: mode='steps' .*{match}"):
+        trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
+    assert trainer.global_step == 0
+
+
+def test_resume_mid_replay_mid_epoch_reproduces_the_uninterrupted_run(tmp_path):
+    def fit(callbacks, ckpt_path=None):
+        pl.seed_everything(0)
+        model = OneCycleClassifier()
+        trainer = pl.Trainer(
+            callbacks=[PulseCycle(**CYCLE), HardSampleReplay(rule="topk", replay_fraction=0.5), *callbacks],
+            max_epochs=4,
+            **trainer_kwargs(enable_checkpointing=bool(callbacks)),
+        )
+        trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64), ckpt_path=ckpt_path)
+        return model, trainer
+
+    log = BatchLog()
+    every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    full_model, full = fit([every_step, log])
+    cycle = next(c for c in full.callbacks if isinstance(c, PulseCycle))
+    # a step inside a replay phase, and not an epoch's first batch
+    replay = [c for c in cycle.history if c.current.value == "replay"]
+    resume_step = replay[1].step + 2
+    epochs_at = {step: epoch for epoch, step, _ in log.fetched}
+    assert epochs_at[resume_step] == epochs_at[resume_step - 1]
+    checkpoint = next(tmp_path.glob(f"*step={resume_step}.ckpt"))
+
+    resumed_model, resumed = fit([], ckpt_path=str(checkpoint))
+    assert resumed.global_step == full.global_step
+    assert torch.equal(_parameters(resumed_model), _parameters(full_model))
+    tables = [next(c for c in t.callbacks if isinstance(c, HardSampleReplay)).table for t in (full, resumed)]
+    assert tables[0].scores.tobytes() == tables[1].scores.tobytes()
+
+
+def test_plan_without_a_cycle_selects_every_step_and_keeps_each_epoch_one_pass():
+    plan = plan_steps(
+        None, ["replay"], batch_size=10, fraction=0.25, samples_per_epoch=100, max_epochs=3, max_steps=None
+    )
+    assert window_size(10, 0.25) == 40
+    assert plan.batch_sizes == [[40, 40, 20]] * 3
+    assert plan.total_steps == 9 and plan.plain_steps == 30 and plan.light_steps == 9
+
+
+def test_plan_closes_an_accumulation_window_at_the_epoch_end_as_lightning_does():
+    clock = PhaseClock({"burst": 2, "replay": 2}, order=["burst", "replay"])
+    plan = plan_steps(
+        clock,
+        ["replay"],
+        batch_size=10,
+        fraction=0.5,
+        samples_per_epoch=100,
+        max_epochs=1,
+        max_steps=None,
+        accumulate=2,
+    )
+    # steps of two batches: two burst steps of 10+10, then replay 20+20 and 20 (the pass ends mid-window)
+    assert plan.batch_sizes == [[10, 10, 10, 10, 20, 20, 20]]
+    assert plan.total_steps == 4 and plan.plain_steps == 5
+    assert clock.step == 0  # the run's clock was copied, not advanced
+
+
+def test_plan_spends_the_data_of_a_max_steps_run_in_fewer_steps():
+    plan = plan_steps(
+        None, ["replay"], batch_size=10, fraction=0.5, samples_per_epoch=100, max_epochs=None, max_steps=25
+    )
+    assert plan.plain_steps == 25 and plan.total_steps == math.ceil(25 * 10 / 20)
+
+
+def test_budget_solver_inverts_the_spent_share():
+    replay = replay_steps_for_budget(0.7, 0.5, full_steps=10, other_light_steps=0, warmup=0.0, anneal=0.0)
+    steps, data = 10 + replay, 10 + replay / 0.5
+    assert steps / data == pytest.approx(0.7)
+    with pytest.raises(ValueError, match=r"`budget`=0.95 is above"):
+        replay_steps_for_budget(0.95, 0.5, full_steps=10, other_light_steps=10, warmup=0.0, anneal=0.0)
+
+
+class StepsDump(Callback):
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.steps: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append([trainer.current_epoch, trainer.global_step, int(batch[0].shape[0])])
+
+    def on_train_end(self, trainer, pl_module):
+        path = f"{self.directory}/rank{trainer.global_rank}.json"
+        with open(path, "w") as handle:
+            json.dump({"steps": self.steps, "max_steps": trainer.max_steps}, handle)
+
+
+@pytest.mark.ddp
+def test_two_gloo_ranks_take_identical_steps(tmp_path):
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        # the dump comes first, so it sees the batch the sampler fetched, before the cut
+        callbacks=[StepsDump(str(tmp_path)), PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5)],
+        max_epochs=3,
+        limit_val_batches=0,
+        **trainer_kwargs(devices=2, strategy="ddp_spawn"),
+    )
+    trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=32))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == rank1
+    sizes = [size for _, _, size in rank0["steps"]]
+    assert 64 in sizes and rank0["max_steps"] < 3 * math.ceil(360 / 32)
+
+
+def test_a_stability_guard_rollback_restores_the_scores_but_not_the_data_stream():
+    from benchmarks.stability_guard import FaultInjector
+    from lightning_pulse import StabilityGuard
+
+    pl.seed_everything(0)
+    log = BatchLog()
+    replay = HardSampleReplay(replay_fraction=0.5)
+    guard = StabilityGuard(
+        loss_zscore=None, grad_norm_zscore=None, rollback_after=1, snapshot_every=5, max_snapshots=3
+    )
+    trainer = pl.Trainer(
+        # NaN outputs at step 16, inside the first replay phase (steps 10-15 of this cycle and 1000 samples)
+        callbacks=[log, PulseCycle(**CYCLE), replay, FaultInjector("nan_output", start=16, length=1), guard],
+        max_epochs=3,
+        **trainer_kwargs(),
+    )
+    trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
+    assert guard.rollbacks == 1
+    # the data went on: every epoch is still one whole pass, within the planned steps
+    assert sum(size for _, _, size in log.fetched) == 3 * 720
+    assert trainer.max_steps - 2 <= trainer.global_step <= trainer.max_steps
+
+
+def test_a_run_of_unknown_length_is_refused_by_steps_mode_naming_the_way_out():
+    trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_epochs=-1, max_steps=-1, **trainer_kwargs())
+    with pytest.raises(
+        PulseRefusal, match=r"^HardSampleReplay: mode='steps' .* finite max_epochs .* mode='batch'"
+    ):
+        trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
+    assert trainer.global_step == 0
