@@ -146,7 +146,10 @@ def run_cell(series: TimeSeries, arms: dict[str, Any], length_h: int, budget: fl
         cell["arms"]["forecast"]["saving_pct"]["median"],
     )
     cell["forecast_share_of_oracle"] = forecast / oracle if oracle > 1e-9 else None
-    cell["per_start"] = per_start
+    cell["per_start"] = {
+        arm: {key: [round(v, 4) for v in values] for key, values in rows.items()}
+        for arm, rows in per_start.items()
+    }
     return cell
 
 
@@ -464,7 +467,7 @@ def main() -> None:
     command = "python -m benchmarks.green_window"
     if args.countries != list(COUNTRIES) or args.lengths != list(LENGTHS_H):
         command += f" --countries {' '.join(args.countries)} --lengths {' '.join(map(str, args.lengths))}"
-    (out / "green_window.json").write_text(json.dumps(result, indent=1, default=float))
+    (out / "green_window.json").write_text(json.dumps(result, default=float))  # per-start rows: one line
     (out / "green_window.md").write_text(markdown(result, command))
     write_plots(result, data, out)
     print((out / "green_window.md").read_text())
