@@ -2,12 +2,14 @@
 
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.callbacks.gradient_cache import GradientCache
+from lightning_pulse.callbacks.green_window import GreenWindow, GreenWindowOptions
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.callbacks.mhc_monitor import HyperConnectionMonitor
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, phase_of, pulse_cycle_of
 from lightning_pulse.callbacks.scheduled_prune import PruneOptions, ScheduledPrune
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 from lightning_pulse.core.distillation import DistillConfig
+from lightning_pulse.core.green_window import SimulatedClock
 from lightning_pulse.core.stability_policy import StabilityGuardConfig
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.errors import PulseRefusal
@@ -21,6 +23,8 @@ __all__ = [
     "Duration",
     "EnergyLogger",
     "GradientCache",
+    "GreenWindow",
+    "GreenWindowOptions",
     "HardSampleReplay",
     "HyperConnectionMonitor",
     "MeterConfig",
@@ -31,6 +35,7 @@ __all__ = [
     "PulseCycle",
     "PulseRefusal",
     "ScheduledPrune",
+    "SimulatedClock",
     "StabilityGuard",
     "StabilityGuardConfig",
     "StabilityGuardError",

@@ -8,6 +8,10 @@ resolve from the current directory too, as with ``python -m``, so a project's ow
 
 ``lightning-pulse compare RUN_A RUN_B [--out DIR]`` prints run B against run A (wall time, kWh, CO2, cost,
 final metrics, ratios B/A) and writes it as ``energy_comparison.{json,md,png}`` next to RUN_B's report.
+
+``lightning-pulse wait-for-window DIR [--print [--format iso|unix|slurm]]`` sleeps until the clean window a
+run suspended by GreenWindow waits for (``DIR/green_window.json``, next to its checkpoint), or prints its
+time, for cron or ``sbatch --begin``; then ``lightning-pulse fit ... --ckpt_path last`` resumes the run.
 """
 
 from __future__ import annotations
@@ -202,6 +206,47 @@ def run_compare(argv: Sequence[str]) -> int:
     return 0
 
 
+WINDOW_FORMATS = ("iso", "unix", "slurm")
+
+
+def run_wait_for_window(argv: Sequence[str], clock: object | None = None) -> int:
+    import argparse
+    from datetime import datetime, timezone
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-pulse wait-for-window",
+        description="Sleep until the clean window a run suspended by GreenWindow waits for, or print it.",
+    )
+    parser.add_argument("path", help="green_window.json, or the checkpoint folder holding it")
+    parser.add_argument("--print", action="store_true", help="print the time instead of sleeping")
+    parser.add_argument(
+        "--format",
+        choices=WINDOW_FORMATS,
+        default="iso",
+        help="iso: UTC, e.g. 2026-03-01T02:00:00Z; unix: seconds; slurm: local time for sbatch --begin",
+    )
+    args = parser.parse_args(list(argv))
+    from lightning_pulse.core.green_window import read_resume_file, wait_for_window
+
+    try:
+        record = read_resume_file(args.path)
+    except ValueError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+    at = float(record["resume_at_unix"])
+    if args.print:
+        if args.format == "unix":
+            print(f"{at:.0f}")
+        elif args.format == "slurm":
+            print(datetime.fromtimestamp(at).strftime("%Y-%m-%dT%H:%M:%S"))
+        else:
+            print(datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        return 0
+    slept = wait_for_window(args.path, clock)  # type: ignore[arg-type]
+    print(f"window open ({slept / 3600:.2f} h waited); resume with: {record.get('resume_command', '')}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lightning-pulse`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -209,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_report(args[1:])
     if args and args[0] == "compare":
         return run_compare(args[1:])
+    if args and args[0] == "wait-for-window":
+        return run_wait_for_window(args[1:])
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

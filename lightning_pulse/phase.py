@@ -154,7 +154,8 @@ class PhaseChange:
             the cycle around them).
         step: the optimizer step at which the new phase starts.
         reason: ``"start"``, ``"budget"`` (the previous phase used up its duration), ``"warmup_end"``,
-            ``"anneal"`` or ``"resume"``.
+            ``"anneal"``, ``"resume"``, ``"hold"`` (a burst ended early by :meth:`PhaseClock.hold`) or
+            ``"release"`` (a light phase ended early when the hold was let go).
         ended_steps: optimizer steps the previous phase lasted (0 at the start).
         ended_seconds: wall-clock seconds the previous phase lasted (0 at the start).
     """
@@ -256,6 +257,7 @@ class PhaseClock:
         self.epochs_in_phase = 0.0
         self.stage = "pending"  # pending -> warmup -> cycle -> anneal
         self.history: list[PhaseChange] = []
+        self.held = False  # see `hold`
         self.steps_by_phase = {phase.value: 0 for phase in Phase}
         self.seconds_by_phase = {phase.value: 0.0 for phase in Phase}
         # the current segment (one stay in one phase), which warm-up's hand-over to a burst does not end
@@ -291,6 +293,7 @@ class PhaseClock:
             "seconds_by_phase": dict(self.seconds_by_phase),
             "segment_steps": self._segment_steps,
             "segment_seconds": self._segment_seconds,
+            "held": self.held,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -307,6 +310,7 @@ class PhaseClock:
         self.seconds_by_phase = {k: float(v) for k, v in state["seconds_by_phase"].items()}
         self._segment_steps = int(state["segment_steps"])
         self._segment_seconds = float(state["segment_seconds"])
+        self.held = bool(state.get("held", False))
 
     # ------------------------------------------------------------------ progress
     def start(self, total_steps: int | float | None) -> PhaseChange | None:
@@ -318,7 +322,7 @@ class PhaseClock:
             self.stage = "warmup"
             return self._enter(Phase.BURST, "start")
         self.stage = "cycle"
-        self.position = self._first_nonzero(0)
+        self.position = self._first_nonzero(0, skip_burst=self.held)
         return self._enter(self.order[self.position], "start")
 
     def advance(
@@ -361,7 +365,7 @@ class PhaseClock:
         if self.stage == "warmup":
             if self.step >= self._warmup_steps(total_steps):
                 self.stage = "cycle"
-                self.position = self._first_nonzero(0)
+                self.position = self._first_nonzero(0, skip_burst=self.held)
                 next_phase = self.order[self.position]
                 if next_phase is not self.phase:
                     changes.append(self._enter(next_phase, "warmup_end"))
@@ -371,7 +375,7 @@ class PhaseClock:
         if self.stage != "cycle":
             return changes
         while self._budget_spent(steps_per_epoch):
-            wrapped_position = self._first_nonzero(self.position + 1)
+            wrapped_position = self._first_nonzero(self.position + 1, skip_burst=self.held)
             if wrapped_position <= self.position:
                 self.cycle += 1
             self.position = wrapped_position
@@ -382,6 +386,37 @@ class PhaseClock:
                 break
             changes.append(self._enter(next_phase, "budget"))
         return changes
+
+    @property
+    def light_phases(self) -> tuple[Phase, ...]:
+        """The cycle's phases other than burst that have a length (where :meth:`hold` can keep the run)."""
+        return tuple(p for p in self.order if p is not Phase.BURST and not self.durations[p].is_zero)
+
+    def hold(self, held: bool) -> list[PhaseChange]:
+        """Keep the cycle in its light phases while ``held`` (for a scheduler such as GreenWindow).
+
+        Holding ends a running burst now and moves to the next light phase; while held, a burst that falls
+        due is skipped and the light phases follow one another. Letting go ends a light phase now and
+        starts a burst. Warm-up and anneal stay pure burst: the hold takes effect when the cycle starts.
+        Returns the phase changes (none if nothing changed).
+        """
+        held = bool(held)
+        changed, self.held = held != self.held, held
+        if not changed or self.stage != "cycle" or not self.light_phases:
+            return []
+        if held and self.phase is Phase.BURST:
+            position = self._first_nonzero(self.position + 1, skip_burst=True)
+            reason = "hold"
+        elif not held and self.phase is not Phase.BURST:
+            if Phase.BURST not in self.order or self.durations[Phase.BURST].is_zero:
+                return []
+            position, reason = self.order.index(Phase.BURST), "release"
+        else:
+            return []
+        if position <= self.position:
+            self.cycle += 1
+        self.position = position
+        return [self._enter(self.order[position], reason)]
 
     def check_run_length(self, total_steps: int | float | None) -> None:
         """Raise ``ValueError`` if warm-up or anneal (shares of the run) cannot be placed in a run of
@@ -420,10 +455,13 @@ class PhaseClock:
         self.seconds_in_phase = 0.0
         self.epochs_in_phase = 0.0
 
-    def _first_nonzero(self, position: int) -> int:
+    def _first_nonzero(self, position: int, skip_burst: bool = False) -> int:
+        if skip_burst and not self.light_phases:
+            skip_burst = False
         for offset in range(len(self.order)):
             candidate = (position + offset) % len(self.order)
-            if not self.durations[self.order[candidate]].is_zero:
+            phase = self.order[candidate]
+            if not self.durations[phase].is_zero and not (skip_burst and phase is Phase.BURST):
                 return candidate
         raise AssertionError("unreachable: constructor rejects all-zero cycles")
 

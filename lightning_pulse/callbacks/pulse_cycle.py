@@ -194,6 +194,22 @@ class PulseCycle(Callback):
         """Every phase change so far, resumed runs included."""
         return list(self.clock.history)
 
+    @property
+    def held(self) -> bool:
+        """Whether another callback holds the cycle in its light phases (:meth:`hold_light`)."""
+        return self.clock.held
+
+    def hold_light(self, trainer: pl.Trainer, pl_module: pl.LightningModule, held: bool) -> None:
+        """Keep the run in its light phases (replay, maintain) while ``held``; ``False`` lets it go.
+
+        For schedulers such as :class:`~lightning_pulse.GreenWindow`: holding ends a burst now, and no burst
+        starts until the hold is let go, which starts one now (:meth:`PhaseClock.hold`). Listeners are told
+        of every change. Call it on every rank with the same value at the same step; the hold is in the
+        checkpoint.
+        """
+        for change in self.clock.hold(held):
+            self._announce(trainer, pl_module, change)
+
     def fit_budget(
         self, fraction: float, light_phases: Sequence[str], plain_epoch_steps: float | None
     ) -> None:

@@ -124,6 +124,13 @@ class TimeSeries:
         index = int(np.searchsorted(self.times, t, side="right")) - 1
         return float(self._cumulative[index] + self.values[index] * (t - self.times[index]))
 
+    def integrals(self, t: np.ndarray) -> np.ndarray:
+        """:meth:`integral` at every point of ``t`` (any shape), in one vectorised pass."""
+        t = np.asarray(t, dtype=np.float64)
+        index = np.clip(np.searchsorted(self.times, t, side="right") - 1, 0, None)
+        inside = self._cumulative[index] + self.values[index] * (t - self.times[index])
+        return np.where(t <= self.times[0], self.values[0] * (t - self.times[0]), inside)
+
     def mean(self, t0: float, t1: float) -> float:
         """Time average over ``[t0, t1]``; the value at ``t0`` for an empty interval."""
         if t1 <= t0:

@@ -1,0 +1,378 @@
+"""GreenWindow: run the bursts when the grid is clean (or power cheap); lighten, pause or suspend otherwise.
+
+The policy, clocks and accounting live in :mod:`lightning_pulse.core.green_window`, the forecasts in
+:mod:`lightning_pulse.energy.forecast`; this file maps trainer hooks onto them, checks its arguments, holds
+its state, logs and writes the report.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
+from lightning_pulse.core.green_report import saving_line, write_green_report
+from lightning_pulse.core.green_window import (
+    Decision,
+    GreenSchedule,
+    GreenWindowOptions,
+    GreenWindowPolicy,
+    ScheduleLedger,
+    SystemClock,
+    checked_arguments,
+    seconds_of,
+    write_resume_file,
+)
+from lightning_pulse.energy.carbon import format_utc, parse_timestamp
+from lightning_pulse.energy.signal import GreenSignal
+from lightning_pulse.errors import PulseRefusal
+
+SUSPEND_CHECKPOINT = "last-green-window.ckpt"
+SYNC_EVERY_N_STEPS = 10  # under DDP, rank 0's clock is consulted (and its decision shared) this often
+
+
+class GreenWindow(Callback):
+    r"""Runs training's bursts in the clean (or cheap) hours of a carbon-intensity or price signal.
+
+    At every slot (default one hour of its clock) it compares the signal now with a forecast of the slots
+    ahead and decides to run or to wait, within a delay budget and before an optional deadline. While
+    waiting, ``when_dirty`` says what the run does:
+
+    * ``"light"``: stays in PulseCycle's light phases (replay, maintain): lighter, never stopped;
+    * ``"pause"``: sleeps in-process on its clock (machines you own whose idle power is low);
+    * ``"suspend"``: saves ``last-green-window.ckpt`` in the ModelCheckpoint's folder, stops ``fit``
+      cleanly, and writes when to come back to ``green_window.json`` next to it; ``lightning-pulse
+      wait-for-window DIR`` sleeps until then (or ``--print`` s it for cron or Slurm ``--begin``), and
+      ``lightning-pulse fit ... --ckpt_path last`` resumes.
+
+    Waiting never makes the run miss its deadline: it waits a slot only if the remaining work still fits
+    before the deadline afterwards (with a 10% reserve on the estimate). Every decision is logged under
+    ``green/`` (signal, forecast, level, run, seconds waited, budget left). At the end of fit,
+    ``green_window_report.{json,md,png}`` compare the CO2 (or cost) with the counterfactual: the same
+    energy on a carbon-agnostic schedule started at the same moment. Energy comes from an attached
+    :class:`~lightning_pulse.EnergyLogger`, else from ``options.watts``. Under DDP, rank 0 decides and every
+    rank follows. The decisions, budget and accounting are in the checkpoint.
+
+    Args:
+        signal: the series to follow: a CSV (``Time,Carbon Intensity`` or ``timestamp,value``) or JSON path,
+            a list of ``(time, value)``, or a callable returning ``(unix_seconds, value)``. ``None``: the
+            carbon-intensity series of the attached EnergyLogger.
+        when_dirty: ``"light"``, ``"pause"`` or ``"suspend"``.
+        threshold: what "clean" means. ``None`` (adaptive, the default): the slot now is among the cleanest
+            slots the remaining work needs before the window closes; ``"30%"``: at or below the 30th
+            percentile of the forecast over ``horizon``; a number: at or below that absolute level.
+        horizon: how far the percentile rule looks ("24h"); ``None``: to the end of the window.
+        max_delay: the delay budget: a float is a share of the run's expected compute time (``1.0``: as
+            long again), a string a duration ("12h"). ``None``: ``1.0`` for pause and suspend; ``0.5`` for
+            light, where it is the share of the run that may be held light (it takes as long either way).
+        deadline: UTC time (``"2026-03-01 08:00:00"``) by which the run must end, or ``None``.
+        forecast: ``"seasonal"`` (the default, past data only), a forecast series path (.csv/.json), or an
+            object with ``predict(series, now, starts, slot_s)``.
+        expected_duration: the run's compute time ("20h") if known; else measured from its first steps.
+        clock: an object with ``time()`` and ``sleep(seconds)``; the system clock by default, a
+            :class:`~lightning_pulse.core.green_window.SimulatedClock` to replay days in seconds.
+        options: :class:`GreenWindowOptions`.
+
+    Raises:
+        ValueError: at construction, naming the field, for a bad mode, threshold, duration, deadline,
+            forecast (an oracle reads the future and is refused) or signal file. At fit start
+            (:class:`~lightning_pulse.PulseRefusal`): ``"light"`` without a PulseCycle with light phases or
+            next to ``HardSampleReplay(mode="steps")`` (it plans its batches on the phase sequence),
+            ``"suspend"`` without a ModelCheckpoint, no signal and no EnergyLogger series.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_pulse import GreenWindow, PulseCycle
+
+        trainer = Trainer(max_steps=10_000, callbacks=[
+            PulseCycle(burst="15min", replay="10min", maintain="5min"),
+            GreenWindow(signal="de_2026.csv", when_dirty="light", max_delay=1.0),
+        ])
+
+    The same in LightningCLI YAML::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_pulse.GreenWindow
+              init_args: {signal: grid.csv, when_dirty: suspend, max_delay: 12h, deadline: "2026-03-01 08:00:00"}
+    """
+
+    def __init__(
+        self,
+        signal: Any = None,
+        when_dirty: str = "light",
+        threshold: float | str | None = None,
+        horizon: str | float | None = None,
+        max_delay: float | str | None = None,
+        deadline: str | None = None,
+        forecast: Any = "seasonal",
+        expected_duration: str | float | None = None,
+        clock: Any = None,
+        options: GreenWindowOptions | None = None,
+    ) -> None:
+        super().__init__()
+        try:
+            self.options = (
+                options if isinstance(options, GreenWindowOptions) else GreenWindowOptions(**(options or {}))
+            )
+            checked = checked_arguments(
+                when_dirty, forecast, threshold, horizon, max_delay, deadline, expected_duration
+            )
+            self.when_dirty, self.forecast, delay, share, deadline_s, expected = checked
+            self.policy = GreenWindowPolicy(
+                self.forecast, threshold, seconds_of(horizon, "horizon"), self.options.slot_s
+            )
+            start = None if self.options.signal_start is None else parse_timestamp(self.options.signal_start)
+            self.signal = GreenSignal(signal, start)
+        except ValueError as error:
+            text = str(error)
+            raise ValueError(text if text.startswith("GreenWindow") else f"GreenWindow: {text}") from None
+        self.clock = clock or SystemClock()
+        self.schedule = GreenSchedule(
+            self.policy,
+            delay,
+            share,
+            expected,
+            deadline_s,
+            ScheduleLedger(self.signal.mean, self.options.unit),
+            light=self.when_dirty == "light",
+        )
+        self.suspended: dict[str, Any] | None = None
+        self.report: dict[str, Any] | None = None
+        self.report_paths: list[Path] = []
+        self._held = compat.CollectiveHold()
+        self._energy: Any = None
+        self._mark = self._mark_kwh = None
+        self._last_step = 0
+        self._steps_since = 0
+        self._next_check = -math.inf
+        self._waiting = False
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_pulse.callbacks.energy_logger import EnergyLogger
+        from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
+
+        self._energy = next((c for c in trainer.callbacks if isinstance(c, EnergyLogger)), None)
+        cycle = pulse_cycle_of(trainer)
+        if self.when_dirty == "light" and (cycle is None or not cycle.clock.light_phases):
+            raise PulseRefusal(
+                "GreenWindow: when_dirty='light' keeps the run in PulseCycle's light phases (replay, maintain), "
+                f"but {'no PulseCycle is attached' if cycle is None else 'the PulseCycle has no light phase'}; "
+                "add PulseCycle(...) with a replay or maintain phase, or use when_dirty='pause' or 'suspend'."
+            )
+        planned = [c for c in trainer.callbacks if isinstance(c, HardSampleReplay) and c.mode == "steps"]
+        if self.when_dirty == "light" and planned:
+            raise PulseRefusal(
+                "GreenWindow: when_dirty='light' changes the phase sequence, and HardSampleReplay(mode='steps') "
+                "plans its batches on that sequence at fit start; use HardSampleReplay(mode='batch'), or "
+                "when_dirty='pause' or 'suspend'."
+            )
+        if self.when_dirty == "suspend" and not isinstance(trainer.checkpoint_callback, ModelCheckpoint):
+            raise PulseRefusal(
+                "GreenWindow: when_dirty='suspend' saves the checkpoint `--ckpt_path last` resumes from in the "
+                "ModelCheckpoint's folder, and the Trainer has none; enable checkpointing or use 'pause'/'light'."
+            )
+        if not self.signal.known:
+            intensity = None if self._energy is None else self._energy.intensity
+            if intensity is None or intensity.series is None:
+                raise PulseRefusal(
+                    "GreenWindow: no `signal` was given and no EnergyLogger with a carbon_intensity series is "
+                    "attached; pass GreenWindow(signal='grid.csv') or EnergyLogger(carbon_intensity='grid.csv')."
+                )
+            self.signal.use(intensity)
+        if self.options.watts is None and self._energy is None:
+            rank_zero_info(
+                "GreenWindow: no EnergyLogger and no options.watts; savings in % and per kWh only."
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        now = self.clock.time()
+        self.signal.anchor(now)
+        if self.schedule.run_start is None:
+            self.schedule.run_start = now
+        self._mark, self._mark_kwh = now, self._kwh()
+        if self.suspended is not None:  # resumed: the time away was waited
+            known = self._mark_kwh is not None or self.options.watts is not None
+            self.schedule.waited(self.suspended["at"], now, 0.0 if known else None)
+            rank_zero_info(
+                f"GreenWindow: resuming after {(now - self.suspended['at']) / 3600:.1f} h suspended."
+            )
+            self.suspended = None
+        self._last_step, self._next_check = trainer.global_step, -math.inf
+        if self.when_dirty == "light":
+            self._waiting = pulse_cycle_of(trainer).held  # type: ignore[union-attr]
+        self._check(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        steps = trainer.global_step - self._last_step
+        if steps <= 0:
+            return
+        self._last_step = trainer.global_step
+        self._steps_since += steps
+        if trainer.world_size > 1 and trainer.global_step % SYNC_EVERY_N_STEPS:
+            return
+        self._check(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close(self.clock.time())
+        if trainer.is_global_zero:
+            self._write_report(trainer, "suspended" if self.suspended else "complete")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule.state_dict(),
+            "suspended": self.suspended,
+            "waiting": self._waiting,
+            "signal": self.signal.state_dict(),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.schedule.load_state_dict(state_dict["schedule"])
+        self.suspended, self._waiting = state_dict.get("suspended"), bool(state_dict.get("waiting", False))
+        self.signal.load_state_dict(state_dict.get("signal", {}))
+
+    # ------------------------------------------------------------------ decisions
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Decide if a slot has passed (rank 0's clock and decision, shared), and act on it."""
+        while True:
+            decision = None
+            if trainer.is_global_zero:
+                now = self.clock.time()
+                if now >= self._next_check:
+                    self._close(now)
+                    decision = self._decide(trainer, now)
+            if trainer.world_size > 1:
+                shared = compat.broadcast_held(
+                    trainer.strategy, None if decision is None else decision.to_dict(), self._held
+                )
+                decision = None if shared is None else Decision.from_dict(shared)
+            if decision is None or not self._act(trainer, pl_module, decision):
+                return
+
+    def _decide(self, trainer: pl.Trainer, now: float) -> Decision | None:
+        series, to_series = self.signal.now()
+        steps_left = float(trainer.estimated_stepping_batches) - trainer.global_step
+        decision = self.schedule.decide(series, to_series, now, steps_left)
+        if decision is None:
+            return None
+        self._next_check = now + self.options.slot_s
+        for logger in trainer.loggers:
+            logger.log_metrics(self.schedule.metrics(decision), step=trainer.global_step)
+        return decision
+
+    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision) -> bool:
+        """Apply a decision; ``True`` when another decision must follow at once (a pause ended)."""
+        if decision.run != (not self._waiting):
+            word = "runs" if decision.run else f"waits ({self.when_dirty})"
+            rank_zero_info(
+                f"GreenWindow: {word} at {format_utc(self.clock.time())}: signal {decision.signal:.4g}, "
+                f"clean below {decision.clean_below:.4g} ({decision.reason})."
+            )
+        self._waiting = not decision.run
+        if self.when_dirty == "light":
+            pulse_cycle_of(trainer).hold_light(trainer, pl_module, not decision.run)  # type: ignore[union-attr]
+            return False
+        if decision.run:
+            return False
+        start = self.clock.time()
+        if self.when_dirty == "pause":
+            self.clock.sleep(decision.wait_s)
+            end = self.clock.time()
+            kwh = self._kwh()
+            self.schedule.waited(start, end, self._used(kwh, end - start, False))
+            self._mark, self._mark_kwh, self._next_check = end, kwh, -math.inf
+            return True
+        self._suspend(trainer, decision, start)
+        return False
+
+    def _suspend(self, trainer: pl.Trainer, decision: Decision, now: float) -> None:
+        resume_at = now + (decision.resume_at or now) - decision.at
+        self.suspended = {"at": now, "resume_at": resume_at}
+        folder = Path(trainer.checkpoint_callback.dirpath or trainer.default_root_dir)  # type: ignore[union-attr]
+        path = folder / SUSPEND_CHECKPOINT
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            written = write_resume_file(folder, now, resume_at, path, decision, self.schedule.budget_left_s())
+            rank_zero_info(f"GreenWindow: suspended until {format_utc(resume_at)} UTC ({written}).")
+        trainer.should_stop = True
+
+    # ------------------------------------------------------------------ energy
+
+    def _kwh(self) -> float | None:
+        """A fresh reading of the EnergyLogger's meters (kWh so far), or ``None`` without one. Once per
+        decision, so the energy of a slot is what the meters counted in it, not an extrapolation."""
+        if self._energy is None:
+            return None
+        account = self._energy.account
+        if account.sampler is not None and account.metering:
+            account.sampler.sample()
+        return account.metered_kwh()
+
+    def _used(self, kwh: float | None, seconds: float, computing: bool) -> float | None:
+        """Energy since the last mark: measured by the EnergyLogger, else ``options.watts`` while computing
+        (a paused or suspended run is assumed to draw nothing), else unknown."""
+        if kwh is not None and self._mark_kwh is not None:
+            return kwh - self._mark_kwh
+        if self.options.watts is not None:
+            return self.options.watts * seconds / 3.6e6 if computing else 0.0
+        return None
+
+    def _close(self, now: float) -> None:
+        """The compute since the last mark becomes a segment (light while held, else run)."""
+        if self._mark is None or now <= self._mark and not self._steps_since:
+            return
+        kwh = self._kwh()
+        kind = "light" if self.when_dirty == "light" and self._waiting else "run"
+        self.schedule.ran(kind, self._mark, now, self._steps_since, self._used(kwh, now - self._mark, True))
+        self._mark, self._mark_kwh, self._steps_since = now, kwh, 0
+
+    # ------------------------------------------------------------------ report
+    def _write_report(self, trainer: pl.Trainer, status: str) -> None:
+        summary = self.schedule.summary()
+        source = (
+            "EnergyLogger"
+            if self._energy is not None
+            else ("options.watts" if self.options.watts is not None else None)
+        )
+        self.report = {
+            "status": status,
+            "when_dirty": self.when_dirty,
+            "rule": self.policy.rule,
+            "level": self.policy.level,
+            "forecast": repr(self.forecast),
+            "signal": self.signal.describe(),
+            "energy_source": source,
+            "summary": summary,
+            "suspended": self.suspended,
+            "decisions": self.schedule.decisions,
+            "segments": self.schedule.ledger.segments,
+        }
+        folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)
+        try:
+            self.report_paths = write_green_report(
+                self.report, folder, self.signal.mean, self.schedule.first_forecast, self.options
+            )
+        except Exception as error:  # a report that cannot be written must not fail a finished run
+            rank_zero_warn(f"GreenWindow: could not write the report to {folder} ({error}).")
+        rank_zero_info(f"GreenWindow: {saving_line(summary, self.options.unit)}")

@@ -1,0 +1,80 @@
+"""GreenWindow's report: JSON, Markdown and a PNG of the signal, the forecast and the schedule."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning_pulse.core.green_window import GreenWindowOptions, write_schedule_plot
+from lightning_pulse.energy.report import write_text_atomic
+
+REPORT_NAME = "green_window_report"
+
+
+def write_green_report(
+    report: dict[str, Any],
+    folder: Path,
+    mean_signal: Callable[[float, float], float],
+    first_forecast: tuple[list[float], list[float]] | None,
+    options: GreenWindowOptions,
+) -> list[Path]:
+    """Write ``green_window_report.{json,md,png}`` into ``folder`` (the PNG only with matplotlib)."""
+    written = [write_text_atomic(folder / f"{REPORT_NAME}.json", json.dumps(report, indent=1))]
+    written.append(write_text_atomic(folder / f"{REPORT_NAME}.md", report_markdown(report)))
+    segments = report["segments"]
+    if segments:
+        step = options.slot_s / 4
+        count = int((segments[-1]["end"] - segments[0]["start"]) / step) + 1
+        grid = [segments[0]["start"] + step * i for i in range(count)]
+        values = [mean_signal(t, t + step) for t in grid]
+        png = write_schedule_plot(
+            folder / f"{REPORT_NAME}.png",
+            (grid, values),
+            first_forecast,
+            segments,
+            report["decisions"],
+            options.unit,
+        )
+        written += [png] if png is not None else []
+    return written
+
+
+def saving_line(summary: dict[str, Any], unit: str) -> str:
+    """One line: the saving against the carbon-agnostic schedule, the time waited and held light."""
+    what = "CO2" if unit.startswith("gCO2") else "cost"
+    kg = f" ({summary['saving_kg']:.4g} kg)" if summary.get("saving_kg") is not None else ""
+    return (
+        f"{summary.get('saving_pct', 0.0):.1f}% less {what}{kg} than the carbon-agnostic schedule; waited "
+        f"{summary.get('waited_s', 0) / 3600:.1f} h, held light {summary.get('light_s', 0) / 3600:.1f} h."
+    )
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    summary = report["summary"]
+    rows = [
+        ("status", report["status"]),
+        ("when dirty", report["when_dirty"]),
+        ("rule", f"{report['rule']} {report['level'] if report['level'] is not None else ''}".strip()),
+        ("forecast", report["forecast"]),
+        ("energy from", report["energy_source"] or "none (time as a proxy)"),
+        ("compute (h)", f"{summary.get('compute_s', 0) / 3600:.2f}"),
+        ("waited (h)", f"{summary.get('waited_s', 0) / 3600:.2f}"),
+        ("held light (h)", f"{summary.get('light_s', 0) / 3600:.2f}"),
+        ("mean signal, as run", summary.get("mean_signal_run")),
+        ("mean signal, carbon-agnostic", summary.get("mean_signal_counterfactual")),
+        ("saving (%)", summary.get("saving_pct")),
+        ("saving (kg CO2)", summary.get("saving_kg")),
+        ("decisions", summary.get("decisions")),
+    ]
+    lines = ["# GreenWindow report", "", "| | |", "|---|---|"]
+    lines += [
+        f"| {name} | {value if not isinstance(value, float) else f'{value:.4g}'} |" for name, value in rows
+    ]
+    lines += [
+        "",
+        "Counterfactual: the same energy spread evenly over the compute time from the same start.",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,684 @@
+"""When to run the expensive part of training: the green-window policy, its clocks and its accounting.
+
+Plain Python and numpy, no Lightning: :class:`~lightning_pulse.GreenWindow` maps trainer hooks onto these
+objects, and ``benchmarks/green_window.py`` drives the same objects on the 2020 grid series.
+
+* :class:`GreenWindowPolicy` decides, at a moment, from the signal's history and a forecast, whether the
+  slot starting now is clean enough to run, given the remaining compute, the remaining delay budget and an
+  optional deadline. It never waits when waiting one slot could make the job miss its deadline or overrun
+  its delay budget (:meth:`GreenWindowPolicy.decide`).
+* :class:`SimulatedClock` stands in for the wall clock: sleeping advances it instantly, so days of a real
+  series replay in seconds; :class:`SystemClock` is the real one.
+* :class:`ScheduleLedger` keeps what ran when, with its energy, and prices it against the counterfactual:
+  the same energy on a carbon-agnostic schedule started at the same moment.
+* :func:`simulate_job` runs a job of a given compute length through the policy on a clock, slot by slot.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
+from lightning_pulse.energy.forecast import Forecast
+from lightning_pulse.phase import parse_duration
+
+COMPUTE_KINDS = ("run", "light")
+SEGMENT_KINDS = (*COMPUTE_KINDS, "wait")
+
+
+# ---------------------------------------------------------------------------- clocks
+class SystemClock:
+    """The machine's clock: Unix seconds, and a real sleep."""
+
+    def time(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def __call__(self) -> float:
+        return self.time()
+
+
+class SimulatedClock:
+    """Unix seconds that move only when told: :meth:`sleep` and :meth:`advance` add seconds instantly.
+
+    Calling the clock gives its time too, so the same object can be the time source of an EnergyLogger's
+    account (``energy.account.clock = energy.account.wall_clock = clock``) and of a PulseCycle.
+
+    Args:
+        start: where the clock starts, Unix seconds or a UTC timestamp such as ``"2020-06-08 00:00:00"``.
+    """
+
+    def __init__(self, start: float | str = "2020-06-08 00:00:00") -> None:
+        self.now = float(start) if isinstance(start, (int, float)) else parse_timestamp(str(start))
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(float(seconds), 0.0)
+
+    advance = sleep
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---------------------------------------------------------------------------- the policy
+@dataclass(frozen=True)
+class Decision:
+    """One run-or-wait decision and what it was based on.
+
+    Attributes:
+        at: when it was taken, in signal-series seconds.
+        run: whether the slot starting now runs.
+        reason: ``"clean"`` (the rule says run), ``"dirty"`` (it says wait), ``"deadline"`` or ``"budget"``
+            (waiting one more slot could miss the deadline / overrun the delay budget, so it runs).
+        signal: the value observed now.
+        forecast_now: the forecast's value for the slot starting now (the observed value, except for an oracle).
+        clean_below: the level the rule compared it against.
+        wait_s: seconds until the next decision when waiting (one slot), else 0.
+        resume_at: when waiting, the start of the first later slot the forecast calls clean (or the latest
+            start that still meets the deadline and budget): where a suspended run should come back.
+        remaining_work_s: compute still to do, as the caller estimated it.
+        budget_left_s: delay budget left before this decision.
+    """
+
+    at: float
+    run: bool
+    reason: str
+    signal: float
+    forecast_now: float
+    clean_below: float
+    wait_s: float
+    resume_at: float | None
+    remaining_work_s: float
+    budget_left_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Decision:
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+
+
+def parse_threshold(value: float | str | None, field: str = "threshold") -> tuple[str, float | None]:
+    """``None`` -> ``("adaptive", None)``; ``"30%"`` -> ``("percentile", 30.0)``; ``250`` -> ``("absolute", 250.0)``."""
+    allowed = "None (adaptive), a percentile such as '30%', or an absolute level >= 0 (a number)"
+    if value is None:
+        return "adaptive", None
+    if isinstance(value, bool):
+        raise ValueError(f"`{field}`={value!r} is not accepted; expected {allowed}.")
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1])
+        except ValueError:
+            share = math.nan
+        if not 0 < share < 100:
+            raise ValueError(f"`{field}`={value!r}: a percentile must be in (0%, 100%); expected {allowed}.")
+        return "percentile", share
+    try:
+        level = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{field}`={value!r} is not accepted; expected {allowed}.") from None
+    if not math.isfinite(level) or level < 0:
+        raise ValueError(f"`{field}`={value!r} is not accepted; expected {allowed}.")
+    return "absolute", level
+
+
+class GreenWindowPolicy:
+    """Run or wait, one slot at a time, from the signal now and a forecast of the slots ahead.
+
+    The window is ``[now, min(now + remaining_work + budget_left, deadline))``. The rule compares the
+    forecast for the slot starting now with a level computed over the slots ahead:
+
+    * ``"adaptive"`` (default): the ``k``-th smallest forecast slot in the window, ``k`` the slots of work
+      left, i.e. "now is among the cleanest slots the remaining work still needs". With a perfect forecast it
+      picks exactly the cleanest slots of the window (``benchmarks/green_window.py`` checks this against a
+      direct computation).
+    * ``"percentile"``: the given percentile of the forecast over the next ``horizon_s`` (default: the window).
+    * ``"absolute"``: a fixed level in the signal's unit.
+
+    Args:
+        forecast: predicts slot means (:mod:`lightning_pulse.energy.forecast`).
+        threshold: ``None`` (adaptive), ``"30%"`` (a percentile) or a number (absolute); see
+            :func:`parse_threshold`.
+        horizon_s: how far the percentile rule looks, in seconds; ``None`` = the whole window.
+        slot_s: seconds per decision slot.
+    """
+
+    def __init__(
+        self,
+        forecast: Forecast,
+        threshold: float | str | None = None,
+        horizon_s: float | None = None,
+        slot_s: float = 3600.0,
+    ) -> None:
+        self.rule, self.level = parse_threshold(threshold)
+        if horizon_s is not None and not horizon_s > 0:
+            raise ValueError(f"`horizon`={horizon_s!r} must be a positive duration or None.")
+        if not slot_s > 0:
+            raise ValueError(f"`slot`={slot_s!r} must be a positive duration.")
+        self.forecast, self.horizon_s, self.slot_s = forecast, horizon_s, float(slot_s)
+
+    def decide(
+        self,
+        series: TimeSeries,
+        now: float,
+        remaining_work_s: float,
+        budget_left_s: float,
+        deadline: float | None = None,
+    ) -> tuple[Decision, np.ndarray, np.ndarray]:
+        """The decision at ``now`` (series seconds), with the slot starts and forecast it used.
+
+        Waiting happens only if ``now + slot + remaining_work <= deadline`` and ``slot <= budget_left``: a job
+        that could still finish by the deadline when it starts running now can always still finish by it,
+        whatever was waited before (running moves ``now`` and ``remaining_work`` by the same amount).
+        """
+        slot = self.slot_s
+        observed = series.value_at(now)
+        end = now + max(remaining_work_s, 0.0) + max(budget_left_s, 0.0)
+        if deadline is not None:
+            end = min(end, deadline)
+        slots = max(1, math.ceil((end - now) / slot - 1e-9))
+        starts = now + slot * np.arange(slots)
+        forecast = np.asarray(self.forecast.predict(series, now, starts, slot), dtype=np.float64)
+        work_slots = max(1, math.ceil(remaining_work_s / slot - 1e-9))
+        if self.rule == "absolute":
+            level = float(self.level)  # type: ignore[arg-type]
+        elif self.rule == "percentile":
+            ahead = slots if self.horizon_s is None else max(1, min(slots, math.ceil(self.horizon_s / slot)))
+            level = float(np.percentile(forecast[:ahead], self.level))
+        else:
+            level = float(np.partition(forecast, min(work_slots, slots) - 1)[min(work_slots, slots) - 1])
+        clean = forecast[0] <= level
+        may_wait = now + slot + remaining_work_s <= end + 1e-6
+        if clean:
+            reason = "clean"
+        elif not may_wait:
+            reason = (
+                "deadline"
+                if deadline is not None and deadline <= now + remaining_work_s + budget_left_s
+                else "budget"
+            )
+        else:
+            reason = "dirty"
+        run = reason != "dirty"
+        resume_at = None
+        if not run:
+            latest = end - remaining_work_s  # the last start that meets both bounds
+            later = np.nonzero((forecast[1:] <= level) & (starts[1:] <= latest))[0]
+            resume_at = float(starts[1 + later[0]]) if len(later) else float(max(now + slot, latest))
+        decision = Decision(
+            at=float(now),
+            run=bool(run),
+            reason=reason,
+            signal=float(observed),
+            forecast_now=float(forecast[0]),
+            clean_below=level,
+            wait_s=0.0 if run else slot,
+            resume_at=resume_at,
+            remaining_work_s=float(remaining_work_s),
+            budget_left_s=float(budget_left_s),
+        )
+        return decision, starts, forecast
+
+
+# ---------------------------------------------------------------------------- accounting
+class ScheduleLedger:
+    """What ran when (``run``, or held ``light``) and what waited, with energy, priced along the signal.
+
+    Args:
+        mean_signal: ``(t0, t1) -> mean signal`` over a wall-clock interval (a :class:`Rate`'s ``mean``).
+        unit: the signal's unit, for reports (``"gCO2eq/kWh"``: savings are also given in kg).
+    """
+
+    def __init__(self, mean_signal: Callable[[float, float], float], unit: str = "gCO2eq/kWh") -> None:
+        self.mean_signal, self.unit = mean_signal, unit
+        self.segments: list[dict[str, Any]] = []
+
+    def add(self, kind: str, start: float, end: float, kwh: float | None) -> None:
+        """Record ``[start, end]`` of ``kind`` (``kwh``: its energy, ``None`` if unknown); merges with the last
+        segment when it continues it."""
+        if kind not in SEGMENT_KINDS:
+            raise ValueError(f"`kind`={kind!r} is not one of {list(SEGMENT_KINDS)}.")
+        if end <= start and not kwh:
+            return
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last["kind"] == kind and abs(last["end"] - start) < 1e-9:
+            last["end"] = float(end)
+            last["kwh"] = None if last["kwh"] is None or kwh is None else last["kwh"] + kwh
+            return
+        self.segments.append({"kind": kind, "start": float(start), "end": float(end), "kwh": kwh})
+
+    def seconds(self, *kinds: str) -> float:
+        return float(sum(s["end"] - s["start"] for s in self.segments if s["kind"] in kinds))
+
+    def summary(self, start: float | None = None) -> dict[str, Any]:
+        """Energy, signal cost of the schedule as run, and of the counterfactual.
+
+        The counterfactual spreads the compute segments' energy evenly over ``[start, start + compute
+        seconds]``: the same energy on a schedule that ignores the signal, started at the same moment. Energy
+        while waiting (a paused machine's idle draw) counts for the run and not for the counterfactual. With
+        no energy figures, time stands in for energy (constant power): the shares stay right, kg are ``None``.
+        """
+        if not self.segments:
+            return {"segments": 0}
+        start = self.segments[0]["start"] if start is None else float(start)
+        known = all(s["kwh"] is not None for s in self.segments)
+        weighted = 0.0
+        compute_weight = 0.0
+        for segment in self.segments:
+            weight = segment["kwh"] if known else (segment["end"] - segment["start"]) / 3600.0
+            if segment["kind"] == "wait" and not known:
+                weight = 0.0
+            weighted += weight * self.mean_signal(segment["start"], segment["end"])
+            if segment["kind"] in COMPUTE_KINDS:
+                compute_weight += weight
+        compute_s = self.seconds(*COMPUTE_KINDS)
+        counterfactual = compute_weight * self.mean_signal(start, start + compute_s)
+        saving = counterfactual - weighted
+        carbon = self.unit.startswith("gCO2")
+        return {
+            "segments": len(self.segments),
+            "energy_known": known,
+            "energy_kwh": compute_weight if known else None,
+            "compute_s": compute_s,
+            "waited_s": self.seconds("wait"),
+            "light_s": self.seconds("light"),
+            "mean_signal_run": weighted / compute_weight if compute_weight else None,
+            "mean_signal_counterfactual": counterfactual / compute_weight if compute_weight else None,
+            "signal_cost": weighted if known else None,
+            "counterfactual_cost": counterfactual if known else None,
+            "saving": saving if known else None,
+            "saving_kg": saving / 1000.0 if known and carbon else None,
+            "saving_pct": 100.0 * saving / counterfactual if counterfactual else 0.0,
+            "saving_per_kwh": saving / compute_weight if compute_weight else 0.0,
+            "unit": self.unit,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"segments": [dict(s) for s in self.segments]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.segments = [dict(s) for s in state.get("segments", [])]
+
+
+# ---------------------------------------------------------------------------- simulation
+def simulate_job(
+    policy: GreenWindowPolicy,
+    series: TimeSeries,
+    start: float,
+    work_s: float,
+    budget_s: float,
+    deadline: float | None = None,
+    power_kw: float = 1.0,
+    clock: SimulatedClock | None = None,
+) -> dict[str, Any]:
+    """Run a job of ``work_s`` compute seconds through ``policy`` from ``start``, slot by slot, on a
+    :class:`SimulatedClock` (the signal's own time axis); a paused job draws nothing.
+
+    Returns:
+        the ledger's :meth:`~ScheduleLedger.summary` plus ``finished_at``, ``decisions`` (count), ``waits``.
+    """
+    clock = clock or SimulatedClock(start)
+    ledger = ScheduleLedger(series.mean)
+    remaining, budget, decisions, waits = float(work_s), float(budget_s), 0, 0
+    while remaining > 1e-9:
+        now = clock.time()
+        decision, _, _ = policy.decide(series, now, remaining, budget, deadline)
+        decisions += 1
+        if decision.run:
+            seconds = min(policy.slot_s, remaining)
+            clock.advance(seconds)
+            ledger.add("run", now, now + seconds, power_kw * seconds / 3600.0)
+            remaining -= seconds
+        else:
+            clock.sleep(decision.wait_s)
+            ledger.add("wait", now, now + decision.wait_s, 0.0)
+            budget -= decision.wait_s
+            waits += 1
+    return {**ledger.summary(start), "finished_at": clock.time(), "decisions": decisions, "waits": waits}
+
+
+# ---------------------------------------------------------------------------- the plot
+SEGMENT_COLOURS = {"run": "#d62728", "light": "#1f77b4", "wait": "#7f7f7f"}
+
+
+def write_schedule_plot(
+    path: str | Path,
+    signal: tuple[Sequence[float], Sequence[float]],
+    forecast: tuple[Sequence[float], Sequence[float]] | None,
+    segments: Sequence[dict[str, Any]],
+    decisions: Sequence[dict[str, Any]],
+    unit: str = "gCO2eq/kWh",
+) -> Path | None:
+    """The signal, the first decision's forecast, the level each decision compared against, and the
+    bursts, light phases and waits as bands, on one time axis (hours since the first segment). ``None``
+    without matplotlib (an optional extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    from lightning_pulse.energy.report import write_atomic
+
+    origin = segments[0]["start"] if segments else (signal[0][0] if len(signal[0]) else 0.0)
+    figure = Figure(figsize=(11, 4.0), constrained_layout=True)
+    axes = figure.subplots()
+    seen: set[str] = set()
+    for segment in segments:
+        kind = segment["kind"]
+        axes.axvspan(
+            (segment["start"] - origin) / 3600,
+            (segment["end"] - origin) / 3600,
+            color=SEGMENT_COLOURS.get(kind, "#cccccc"),
+            alpha=0.15,
+            linewidth=0,
+            label=None if kind in seen else kind,
+        )
+        seen.add(kind)
+    times, values = np.asarray(signal[0], dtype=float), np.asarray(signal[1], dtype=float)
+    axes.step((times - origin) / 3600, values, where="post", color="black", linewidth=1.0, label="signal")
+    if forecast is not None and len(forecast[0]):
+        f_times = np.asarray(forecast[0], dtype=float)
+        axes.step(
+            (f_times - origin) / 3600,
+            forecast[1],
+            where="post",
+            color="#ff7f0e",
+            linestyle="--",
+            linewidth=1.0,
+            label="forecast (first decision)",
+        )
+    if decisions:
+        at = [(d["wall"] - origin) / 3600 for d in decisions]
+        axes.scatter(at, [d["clean_below"] for d in decisions], s=6, color="#2ca02c", label="clean below")
+    axes.set_xlabel(f"hours since {format_utc(origin)} UTC")
+    axes.set_ylabel(unit)
+    axes.set_title(
+        "GreenWindow: signal, forecast and schedule (bands: run red, held light blue, wait grey)", fontsize=9
+    )
+    axes.legend(loc="upper right", fontsize=7)
+    return write_atomic(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))
+
+
+# ---------------------------------------------------------------------------- arguments
+def seconds_of(value: Any, field: str) -> float | None:
+    if value is None:
+        return None
+    duration = parse_duration(value if isinstance(value, str) else f"{value}s", field)
+    if duration.kind != "seconds":
+        raise ValueError(f"`{field}`={value!r} must be a duration such as '90s', '15min' or '12h'.")
+    return duration.amount
+
+
+@dataclass
+class GreenWindowOptions:
+    """Rarely turned knobs of :class:`GreenWindow`.
+
+    Args:
+        slot: the decision slot ("1h"): the policy decides one slot at a time, and a pause lasts one slot.
+        watts: power assumed for the accounting when no EnergyLogger is attached (then kg are estimates);
+            ``None``: savings in % and per kWh only.
+        signal_start: read a series signal from this moment (UTC) as if the run started then, as
+            EnergyLogger's ``carbon_intensity_start``.
+        unit: the signal's unit; ``gCO2eq/kWh`` gives savings in kg too.
+        report_dir: where the report goes; default the logger's log dir.
+    """
+
+    slot: str | float = "1h"
+    watts: float | None = None
+    signal_start: str | None = None
+    unit: str = "gCO2eq/kWh"
+    report_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        self.slot_s = seconds_of(self.slot, "options.slot")
+        if not self.slot_s:
+            raise ValueError(f"`options.slot`={self.slot!r} must be a positive duration such as '1h'.")
+        if self.watts is not None and not (isinstance(self.watts, (int, float)) and self.watts >= 0):
+            raise ValueError(f"`options.watts`={self.watts!r} must be a number of watts >= 0 or None.")
+
+
+MODES = ("light", "pause", "suspend")
+
+
+def checked_arguments(
+    when_dirty: str,
+    forecast: Any,
+    threshold: float | str | None,
+    horizon: Any,
+    max_delay: float | str | None,
+    deadline: str | None,
+    expected_duration: Any,
+) -> tuple[str, Forecast, float, bool, float | None, float | None]:
+    """GreenWindow's arguments, checked: ``(mode, forecast, delay, delay_is_share, deadline, expected_work_s)``.
+
+    Raises:
+        ValueError: naming the field, the value and what is allowed.
+    """
+    from lightning_pulse.energy.forecast import forecast_from
+
+    if when_dirty not in MODES:
+        raise ValueError(f"`when_dirty`={when_dirty!r} is not one of {list(MODES)}.")
+    checked = forecast_from(forecast)
+    if checked.reads_future:
+        raise ValueError(f"`forecast`={checked!r} reads the future; it is for benchmarks only.")
+    parse_threshold(threshold)
+    seconds_of(horizon, "horizon")
+    if max_delay is None:
+        max_delay = 0.5 if when_dirty == "light" else 1.0
+    share = isinstance(max_delay, (int, float)) and not isinstance(max_delay, bool)
+    delay = float(max_delay) if share else seconds_of(max_delay, "max_delay")
+    if delay is None or not math.isfinite(delay) or delay < 0:
+        raise ValueError(f"`max_delay`={max_delay!r} must be a share >= 0 (1.0 = 100%) or a duration.")
+    try:
+        deadline_s = None if deadline is None else parse_timestamp(str(deadline))
+    except ValueError:
+        raise ValueError(
+            f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00'."
+        ) from None
+    return when_dirty, checked, delay, share, deadline_s, seconds_of(expected_duration, "expected_duration")
+
+
+# ---------------------------------------------------------------------------- one run's bookkeeping
+DEADLINE_MARGIN = 0.1  # share of the remaining-work estimate kept in reserve before a deadline
+
+
+class GreenSchedule:
+    """The bookkeeping of one run under a :class:`GreenWindowPolicy`: the delay budget, what was waited or
+    held light, how fast the run computes, every decision, and the :class:`ScheduleLedger`.
+
+    Times are wall-clock seconds of the run's clock; ``to_series`` maps them onto the signal's time axis.
+
+    Args:
+        policy: the rule and forecast.
+        max_delay: the delay budget: a share of the run's expected compute time (``1.0`` = as long again)
+            when ``share`` is true, else seconds.
+        share: how to read ``max_delay``.
+        expected_work_s: the run's compute time if known in advance; else measured from its steps.
+        deadline: wall-clock seconds by which the run must end, or ``None``.
+        ledger: where segments go.
+        light: the run is held in light phases instead of waiting. It then takes as long either way, so
+            the window is the rest of the run: the slots that may be held (at most the budget left) are its
+            dirtiest, and the rule picks the ``remaining - budget_left`` cleanest for bursts.
+    """
+
+    def __init__(
+        self,
+        policy: GreenWindowPolicy,
+        max_delay: float,
+        share: bool,
+        expected_work_s: float | None,
+        deadline: float | None,
+        ledger: ScheduleLedger,
+        light: bool = False,
+    ) -> None:
+        self.policy, self.max_delay, self.share, self.light = policy, float(max_delay), share, light
+        self.expected_work_s, self.deadline, self.ledger = expected_work_s, deadline, ledger
+        self.run_start: float | None = None
+        self.planned_work_s: float | None = None
+        self.budget_s: float | None = None
+        self.delayed_s = 0.0  # waited, plus held light: what the budget pays for
+        self.compute_s = 0.0
+        self.compute_steps = 0
+        self.decisions: list[dict[str, Any]] = []
+        self.first_forecast: tuple[list[float], list[float]] | None = None
+
+    def remaining_work_s(self, steps_left: float) -> float | None:
+        """Compute still to do: measured seconds per step times the steps left, else the expected time
+        minus what ran; ``None`` while neither is known."""
+        if self.compute_steps > 0 and math.isfinite(steps_left):
+            return max(steps_left, 0.0) * self.compute_s / self.compute_steps
+        if self.expected_work_s is not None:
+            return max(self.expected_work_s - self.compute_s, 0.0)
+        return None
+
+    def budget_left_s(self) -> float:
+        return max((self.budget_s or 0.0) - self.delayed_s, 0.0)
+
+    def ran(self, kind: str, start: float, end: float, steps: int, kwh: float | None) -> None:
+        """``steps`` optimizer steps ran in ``[start, end]``, as ``kind`` (``"run"`` or ``"light"``)."""
+        self.compute_s += max(end - start, 0.0)
+        self.compute_steps += steps
+        if kind == "light":
+            self.delayed_s += max(end - start, 0.0)
+        self.ledger.add(kind, start, end, kwh)
+
+    def waited(self, start: float, end: float, kwh: float | None) -> None:
+        self.delayed_s += max(end - start, 0.0)
+        self.ledger.add("wait", start, end, kwh)
+
+    def decide(
+        self, series: TimeSeries, to_series: Callable[[float], float], now: float, steps_left: float
+    ) -> Decision | None:
+        """The decision at wall time ``now``, or ``None`` while the remaining work is unknown."""
+        remaining = self.remaining_work_s(steps_left)
+        if remaining is None:
+            return None
+        if self.budget_s is None:  # fixed once, from the first estimate of the whole run
+            self.planned_work_s = remaining + self.compute_s
+            self.budget_s = self.max_delay * self.planned_work_s if self.share else self.max_delay
+        offset = to_series(now) - now
+        deadline = None
+        if self.deadline is not None:
+            deadline = self.deadline + offset - DEADLINE_MARGIN * remaining
+        work, budget = remaining, self.budget_left_s()
+        if self.light:
+            work = max(remaining - budget, 0.0)
+            budget = remaining - work
+        decision, starts, forecast = self.policy.decide(series, now + offset, work, budget, deadline)
+        record = {**decision.to_dict(), "wall": now}
+        if decision.resume_at is not None:
+            record["resume_at_wall"] = decision.resume_at - offset
+        self.decisions.append(record)
+        if self.first_forecast is None:
+            self.first_forecast = ((starts - offset).tolist(), forecast.tolist())
+        return decision
+
+    def metrics(self, decision: Decision) -> dict[str, float]:
+        """What a decision logs: the signal and forecast behind it, and the seconds waited so far."""
+        return {
+            "green/signal": decision.signal,
+            "green/forecast_now": decision.forecast_now,
+            "green/clean_below": decision.clean_below,
+            "green/run": float(decision.run),
+            "green/waited_s": self.ledger.seconds("wait"),
+            "green/delayed_s": self.delayed_s,
+            "green/budget_left_s": self.budget_left_s(),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            **self.ledger.summary(self.run_start),
+            "budget_s": self.budget_s,
+            "budget_left_s": self.budget_left_s() if self.budget_s is not None else None,
+            "planned_work_s": self.planned_work_s,
+            "decisions": len(self.decisions),
+            "deadline": None if self.deadline is None else format_utc(self.deadline),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "run_start": self.run_start,
+            "planned_work_s": self.planned_work_s,
+            "budget_s": self.budget_s,
+            "delayed_s": self.delayed_s,
+            "compute_s": self.compute_s,
+            "compute_steps": self.compute_steps,
+            "decisions": [dict(d) for d in self.decisions],
+            "first_forecast": self.first_forecast,
+            "ledger": self.ledger.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run_start = state["run_start"]
+        self.planned_work_s, self.budget_s = state["planned_work_s"], state["budget_s"]
+        self.delayed_s, self.compute_s = float(state["delayed_s"]), float(state["compute_s"])
+        self.compute_steps = int(state["compute_steps"])
+        self.decisions = [dict(d) for d in state["decisions"]]
+        first = state.get("first_forecast")
+        self.first_forecast = None if first is None else (list(first[0]), list(first[1]))
+        self.ledger.load_state_dict(state["ledger"])
+
+
+# ---------------------------------------------------------------------------- suspended runs
+RESUME_FILE = "green_window.json"
+
+
+def write_resume_file(
+    folder: Path, now: float, resume_at: float, checkpoint: Path, decision: Decision, budget_left_s: float
+) -> Path:
+    """Record, next to the checkpoint, when a suspended run should come back."""
+    import json
+
+    from lightning_pulse.energy.report import write_text_atomic
+
+    record = {
+        "resume_at": format_utc(resume_at),
+        "resume_at_unix": resume_at,
+        "suspended_at": format_utc(now),
+        "checkpoint": str(checkpoint),
+        "resume_command": "lightning-pulse fit --config <your config> --ckpt_path last",
+        "decision": decision.to_dict(),
+        "budget_left_s": budget_left_s,
+    }
+    return write_text_atomic(Path(folder) / RESUME_FILE, json.dumps(record, indent=2))
+
+
+def read_resume_file(path: str | Path) -> dict[str, Any]:
+    """The record a suspended run left (``path`` is the file or the folder holding it)."""
+    import json
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / RESUME_FILE
+    try:
+        record = json.loads(path.read_text())
+        float(record["resume_at_unix"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{path} is not a GreenWindow resume file ({type(error).__name__}: {error})."
+        ) from None
+    return record
+
+
+def wait_for_window(path: str | Path, clock: SystemClock | SimulatedClock | None = None) -> float:
+    """Sleep on ``clock`` until the suspended run's window opens; returns the seconds slept."""
+    clock = clock or SystemClock()
+    seconds = max(float(read_resume_file(path)["resume_at_unix"]) - clock.time(), 0.0)
+    clock.sleep(seconds)
+    return seconds

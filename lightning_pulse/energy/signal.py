@@ -1,0 +1,186 @@
+"""The signal a carbon- or price-aware schedule follows: a known series, or live readings.
+
+A *series signal* is a :class:`~lightning_pulse.energy.carbon.TimeSeries` (from the ``Time,Carbon Intensity``
+or ``timestamp,value`` CSV that :mod:`lightning_pulse.energy.carbon` reads, a JSON list, or pairs in Python)
+read through a :class:`~lightning_pulse.energy.carbon.Rate`, so a run in 2026 on the 2020 series reads the
+same time of year, or a configured start, exactly as :class:`~lightning_pulse.EnergyLogger` does. A *live
+signal* is a callable returning ``(unix_seconds, value)`` (an API poll, a meter): its history is what it has
+returned so far, so no forecast can read its future.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightning_pulse.energy.carbon import Rate, TimeSeries, parse_timestamp
+
+SignalSource = str | Path | Sequence[Any] | TimeSeries | Callable[[], tuple[float, float]]
+
+
+def series_from_json(path: str | Path, field: str = "signal") -> TimeSeries:
+    """A series from a JSON list of ``[time, value]`` pairs or ``{"time": ..., "value": ...}`` objects
+    (times ISO 8601, naive = UTC, or Unix seconds)."""
+    path = Path(path)
+    try:
+        items = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"`{field}`={str(path)!r} is not a readable JSON file ({error}).") from None
+    return series_from_pairs(items, field, name=path.name)
+
+
+def series_from_pairs(items: Any, field: str = "signal", name: str = "series") -> TimeSeries:
+    """A series from ``[[time, value], ...]`` or ``[{"time": t, "value": v}, ...]``."""
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(
+            f"`{field}` must be a non-empty list of [time, value] pairs or {{'time', 'value'}} objects."
+        )
+    times, values = [], []
+    for index, item in enumerate(items):
+        try:
+            if isinstance(item, dict):
+                moment = item.get("time", item.get("timestamp"))
+                value = item.get("value", item.get("carbon_intensity"))
+            else:
+                moment, value = item
+            times.append(moment if isinstance(moment, (int, float)) else parse_timestamp(str(moment)))
+            values.append(float(value))
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"`{field}`: item {index} ({item!r}) is not a (time, value) pair: {error}."
+            ) from None
+    try:
+        return TimeSeries(np.array(times, dtype=np.float64), np.array(values), name=name)
+    except ValueError as error:
+        raise ValueError(f"`{field}`: {error}") from None
+
+
+def series_signal(
+    source: str | Path | Sequence[Any] | TimeSeries, field: str = "signal", series_start: float | None = None
+) -> Rate:
+    """A :class:`Rate` over the series ``source`` names (CSV or JSON path, list of pairs, a TimeSeries)."""
+    if isinstance(source, TimeSeries):
+        series = source
+    elif isinstance(source, (str, Path)):
+        path = Path(source)
+        series = (
+            series_from_json(path, field)
+            if path.suffix.lower() == ".json"
+            else TimeSeries.from_csv(path, field)
+        )
+    elif isinstance(source, (list, tuple)):
+        series = series_from_pairs(source, field)
+    else:
+        raise ValueError(
+            f"`{field}`={source!r} has type {type(source).__name__}; expected a CSV or JSON path, a list of "
+            "(time, value) pairs, a callable returning (time, value), or None."
+        )
+    return Rate(f"series:{series.name}", "signal", series=series, series_start=series_start)
+
+
+class LiveSignal:
+    """Readings of a callable ``read() -> (unix_seconds, value)``, kept as the history forecasts see.
+
+    A reading older than the last one is ignored; one at the same time replaces it.
+    """
+
+    def __init__(self, read: Callable[[], tuple[float, float]], name: str = "live") -> None:
+        self.read, self.name = read, name
+        self.times: list[float] = []
+        self.values: list[float] = []
+        self._series: TimeSeries | None = None
+
+    def observe(self) -> tuple[float, float]:
+        """Read the callable now; returns ``(time, value)``."""
+        moment, value = self.read()
+        moment, value = float(moment), float(value)
+        if not np.isfinite(value) or value < 0:
+            raise ValueError(f"{self.name}: reading {value!r} is not a finite value >= 0.")
+        if self.times and moment < self.times[-1]:
+            return self.times[-1], self.values[-1]
+        if self.times and moment == self.times[-1]:
+            self.values[-1] = value
+        else:
+            self.times.append(moment)
+            self.values.append(value)
+        self._series = None
+        return moment, value
+
+    def history(self) -> TimeSeries:
+        """Every reading so far, as a step function."""
+        if not self.times:
+            raise ValueError(f"{self.name}: no reading yet.")
+        if self._series is None:
+            self._series = TimeSeries(np.array(self.times), np.array(self.values), name=self.name)
+        return self._series
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"times": list(self.times), "values": list(self.values)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.times = [float(t) for t in state.get("times", [])]
+        self.values = [float(v) for v in state.get("values", [])]
+        self._series = None
+
+
+class GreenSignal:
+    """The signal a :class:`~lightning_pulse.GreenWindow` follows: a series (read through a :class:`Rate`,
+    so on the same time axis as EnergyLogger's) or live readings; ``None`` until :meth:`use` gives a rate.
+
+    Args:
+        source: see :data:`SignalSource`, or ``None`` (filled in at fit start).
+        series_start: Unix seconds where a series is read from (the run's start maps there).
+    """
+
+    def __init__(self, source: SignalSource | None, series_start: float | None = None) -> None:
+        self.live = LiveSignal(source) if callable(source) else None
+        self.rate = (
+            None if source is None or callable(source) else series_signal(source, "signal", series_start)
+        )
+
+    @property
+    def known(self) -> bool:
+        return self.rate is not None or self.live is not None
+
+    def use(self, rate: Rate) -> None:
+        self.rate = rate
+
+    def anchor(self, now: float) -> None:
+        if self.rate is not None:
+            self.rate.anchor(now)
+
+    def now(self) -> tuple[TimeSeries, Callable[[float], float]]:
+        """The history to forecast from (reading a live signal now), and the wall -> series time mapping."""
+        if self.live is not None:
+            self.live.observe()
+            return self.live.history(), lambda wall: wall
+        assert self.rate is not None and self.rate.series is not None
+        return self.rate.series, self.rate.series_time
+
+    def mean(self, t0: float, t1: float) -> float:
+        """Mean over the wall-clock interval ``[t0, t1]`` (NaN for a live signal with no reading yet)."""
+        if self.live is not None:
+            return self.live.history().mean(t0, t1) if self.live.times else float("nan")
+        assert self.rate is not None
+        return self.rate.mean(t0, t1)
+
+    def describe(self) -> dict[str, Any] | None:
+        if self.live is not None:
+            return {"source": f"live:{self.live.name}", "readings": len(self.live.times)}
+        return None if self.rate is None else self.rate.describe()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rate": None if self.rate is None else self.rate.state_dict(),
+            "live": None if self.live is None else self.live.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.rate is not None and state.get("rate"):
+            self.rate.load_state_dict(state["rate"])
+        if self.live is not None and state.get("live"):
+            self.live.load_state_dict(state["live"])

@@ -1,0 +1,266 @@
+"""GreenWindow through real fits on a simulated clock: light, pause and suspend, refusals, the report."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_pulse import (
+    EnergyLogger,
+    GreenWindow,
+    GreenWindowOptions,
+    MeterConfig,
+    PulseCycle,
+    PulseRefusal,
+    SimulatedClock,
+)
+from lightning_pulse.callbacks.green_window import SUSPEND_CHECKPOINT
+from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
+from lightning_pulse.cli import main as cli_main
+from lightning_pulse.cli import run_wait_for_window
+from lightning_pulse.energy.carbon import TimeSeries, parse_timestamp
+from lightning_pulse.energy.forecast import OracleForecast
+from tests.conftest import trainer_kwargs
+
+CARBON = Path(__file__).resolve().parents[1] / "examples" / "data" / "carbon"
+DE_JUNE = str(CARBON / "de_2020_june_excerpt.csv")
+START = "2020-06-15 00:00:00"
+STEP_S = 600.0  # each training step takes 10 simulated minutes: 288 steps are two days of the series
+
+
+def cycle() -> PulseCycle:
+    return PulseCycle(burst=3, replay=3, maintain=0, warmup=0, anneal=0, maintain_eval="none")
+
+
+def fit(callbacks, clock, steps=288, **kwargs) -> pl.Trainer:
+    trainer = pl.Trainer(
+        callbacks=[SimulatedStepTime(clock, STEP_S), *callbacks],
+        max_steps=steps,
+        limit_val_batches=0,
+        **trainer_kwargs(**kwargs),
+    )
+    return trainer
+
+
+def test_light_mode_holds_bursts_to_clean_hours_and_its_co2_matches_the_energy_logger(
+    mnist1d_small, tmp_path
+):
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock(START)
+    energy = EnergyLogger(
+        carbon_intensity=DE_JUNE,
+        gpu="none",
+        cpu="constant",
+        ram="none",
+        meters=MeterConfig(sampling_period=0.05, cpu_watts=100.0),
+        report_dir=str(tmp_path / "energy"),
+    )
+    energy.account.clock = energy.account.wall_clock = clock
+    green = GreenWindow(when_dirty="light", clock=clock)  # signal: the EnergyLogger's series
+    pulse = cycle()
+    trainer = fit([pulse, green, energy], clock, logger=CSVLogger(tmp_path), default_root_dir=tmp_path)
+    trainer.fit(model, data)
+
+    summary = green.report["summary"]
+    series = TimeSeries.from_csv(DE_JUNE)
+    start = parse_timestamp(START)
+    # constant 100 W for 48 simulated hours: 4.8 kWh, at the series' mean intensity over those hours
+    expected_g = 4.8 * series.mean(start, start + 48 * 3600)
+    assert summary["energy_kwh"] == pytest.approx(4.8)
+    assert summary["signal_cost"] == pytest.approx(expected_g, rel=1e-6)
+    assert energy.report["total"]["co2_kg"] * 1000 == pytest.approx(summary["signal_cost"], rel=1e-6)
+    # at constant power, holding light moves no energy: the agnostic schedule costs the same
+    assert summary["saving_pct"] == pytest.approx(0.0, abs=1e-9)
+
+    segments = green.report["segments"]
+    held = [s for s in segments if s["kind"] == "light"]
+    ran = [s for s in segments if s["kind"] == "run"]
+    held_mean = sum(series.mean(s["start"], s["end"]) * (s["end"] - s["start"]) for s in held)
+    ran_mean = sum(series.mean(s["start"], s["end"]) * (s["end"] - s["start"]) for s in ran)
+    held_s, ran_s = sum(s["end"] - s["start"] for s in held), sum(s["end"] - s["start"] for s in ran)
+    assert held_mean / held_s > ran_mean / ran_s + 10  # bursts ran in the cleaner hours (about 19 g/kWh)
+    assert held_s <= 0.5 * 48 * 3600 + 1e-6  # the default light budget: half the run
+    assert pulse.clock.steps_by_phase["burst"] < 0.4 * 288 < pulse.clock.steps_by_phase["replay"]
+
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as handle:
+        logged = [row for row in csv.DictReader(handle) if row.get("green/signal")]
+    assert len(logged) == summary["decisions"] == len(green.report["decisions"]) >= 47
+    assert {"green/forecast_now", "green/clean_below", "green/run", "green/waited_s"} <= set(logged[0])
+    assert sorted(p.name for p in green.report_paths) == [
+        "green_window_report.json",
+        "green_window_report.md",
+        "green_window_report.png",
+    ]
+
+
+def test_pause_mode_sleeps_dirty_hours_away_on_the_clock_and_keeps_the_deadline(mnist1d_small, tmp_path):
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock(START)
+    deadline = "2020-06-16 18:00:00"  # 42 h for 24 h of compute: the 100% budget is cut to 18 h
+    green = GreenWindow(
+        signal=DE_JUNE,
+        when_dirty="pause",
+        max_delay=1.0,
+        deadline=deadline,
+        forecast=DE_JUNE,  # a user-supplied forecast that happens to be right
+        expected_duration="24h",
+        clock=clock,
+        options=GreenWindowOptions(watts=250.0, report_dir=str(tmp_path)),
+    )
+    trainer = fit([green], clock, steps=144)
+    trainer.fit(model, data)
+
+    summary = green.report["summary"]
+    assert trainer.global_step == 144
+    assert summary["waited_s"] > 6 * 3600
+    assert clock.time() <= parse_timestamp(deadline)
+    # with a right forecast it ran the cleanest hours the window allowed (the 10% deadline reserve aside)
+    series = TimeSeries.from_csv(DE_JUNE)
+    start = parse_timestamp(START)
+    hours = sorted(series.mean(start + 3600 * h, start + 3600 * (h + 1)) for h in range(42))
+    best = 100 * (1 - sum(hours[:24]) / (24 * series.mean(start, start + 24 * 3600)))
+    assert best - 2.0 < summary["saving_pct"] <= best + 1e-6
+    assert summary["saving_kg"] == pytest.approx(summary["saving"] / 1000) and summary["saving_kg"] > 0
+    assert summary["energy_kwh"] == pytest.approx(0.25 * 24)
+    waits = [d for d in green.report["decisions"] if not d["run"]]
+    runs = [d for d in green.report["decisions"] if d["run"] and d["reason"] == "clean"]
+    assert min(d["signal"] for d in waits) >= max(0.0, min(d["signal"] for d in runs))
+    report = json.loads((tmp_path / "green_window_report.json").read_text())
+    assert report["status"] == "complete" and report["energy_source"] == "options.watts"
+
+
+def test_suspend_saves_stops_and_the_resumed_run_finishes_with_its_budget(mnist1d_small, tmp_path, capsys):
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock("2020-06-15 06:00:00")
+    checkpoints = tmp_path / "ckpt"
+
+    def attempt(ckpt_path):
+        green = GreenWindow(
+            signal=DE_JUNE, when_dirty="suspend", max_delay=1.0, clock=clock, options={"watts": 250.0}
+        )
+        trainer = fit(
+            [green, ModelCheckpoint(dirpath=checkpoints, save_top_k=0)],
+            clock,
+            steps=144,
+            enable_checkpointing=True,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+        return trainer, green
+
+    trainer, green = attempt(None)
+    assert green.suspended is not None and trainer.global_step < 144
+    record = json.loads((checkpoints / "green_window.json").read_text())
+    assert record["checkpoint"].endswith(SUSPEND_CHECKPOINT) and (checkpoints / SUSPEND_CHECKPOINT).is_file()
+    assert record["resume_at_unix"] > clock.time()
+    assert cli_main(["wait-for-window", str(checkpoints), "--print"]) == 0
+    assert capsys.readouterr().out.strip() == record["resume_at"].replace(" ", "T") + "Z"
+
+    suspensions, first_decisions = 0, len(green.schedule.decisions)
+    first_wall = green.schedule.decisions[0]["wall"]
+    while trainer.global_step < 144 and suspensions < 20:
+        assert run_wait_for_window([str(checkpoints)], clock=clock) == 0
+        before = clock.time()
+        trainer, green = attempt("last")
+        suspensions += 1
+        assert green.schedule.decisions[0]["wall"] == first_wall  # the decisions came back with the state
+    assert trainer.global_step == 144 and green.report["status"] == "complete"
+    summary = green.report["summary"]
+    assert len(green.schedule.decisions) > first_decisions
+    assert (
+        summary["waited_s"] >= before - parse_timestamp("2020-06-15 06:00:00") - summary["compute_s"] - 1e-6
+    )
+    assert 0 < summary["waited_s"] <= summary["budget_s"] + 1e-6
+    assert summary["compute_s"] == pytest.approx(144 * STEP_S)
+
+
+def test_light_without_pulse_cycle_is_refused_at_fit_start(mnist1d_small):
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock(START)
+    trainer = fit([GreenWindow(signal=DE_JUNE, clock=clock)], clock, steps=4)
+    with pytest.raises(
+        PulseRefusal, match=r"^GreenWindow: when_dirty='light'.*no PulseCycle is attached.*'pause'"
+    ):
+        trainer.fit(model, data)
+
+
+def test_suspend_without_checkpointing_and_no_signal_are_refused(mnist1d_small):
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock(START)
+    trainer = fit([GreenWindow(signal=DE_JUNE, when_dirty="suspend", clock=clock)], clock, steps=4)
+    with pytest.raises(PulseRefusal, match="GreenWindow: when_dirty='suspend'.*ModelCheckpoint"):
+        trainer.fit(model, data)
+    trainer = fit([GreenWindow(when_dirty="pause", clock=clock)], clock, steps=4)
+    with pytest.raises(PulseRefusal, match="GreenWindow: no `signal` was given"):
+        trainer.fit(*mnist1d_small(arch="mlp"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "first"),
+    [
+        ({"when_dirty": "nap"}, "GreenWindow: `when_dirty`='nap' is not one of"),
+        ({"threshold": "150%"}, "GreenWindow: `threshold`='150%': a percentile must be in"),
+        ({"max_delay": -1.0}, "GreenWindow: `max_delay`=-1.0 must be a share >= 0"),
+        ({"max_delay": "3epochs"}, "GreenWindow: `max_delay`='3epochs' must be a duration"),
+        ({"deadline": "tomorrow"}, "GreenWindow: `deadline`='tomorrow' is not a UTC time"),
+        ({"forecast": OracleForecast()}, "GreenWindow: `forecast`=OracleForecast() reads the future"),
+        ({"signal": "missing.csv"}, "GreenWindow: `signal`='missing.csv' is not a file"),
+        ({"options": {"slot": "0s"}}, "GreenWindow: `options.slot`='0s' must be a positive duration"),
+    ],
+)
+def test_bad_arguments_fail_at_construction_naming_the_field(kwargs, first):
+    with pytest.raises(ValueError) as raised:
+        GreenWindow(**{"signal": DE_JUNE, **kwargs})
+    assert str(raised.value).splitlines()[0].startswith(first)
+
+
+def test_a_live_signal_is_read_at_every_decision_and_forecast_from_its_readings_only(mnist1d_small, tmp_path):
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock(START)
+    series = TimeSeries.from_csv(DE_JUNE)
+    green = GreenWindow(
+        signal=lambda: (clock.time(), series.value_at(clock.time())),
+        when_dirty="pause",
+        max_delay="6h",
+        expected_duration="8h",
+        clock=clock,
+        options={"watts": 100.0},
+    )
+    fit([green], clock, steps=48, default_root_dir=tmp_path).fit(model, data)
+    readings = green.signal.live.times
+    assert len(readings) == len(green.report["decisions"]) >= 8
+    assert readings == sorted(readings) and readings[0] == parse_timestamp(START)
+    assert green.report["signal"]["source"].startswith("live:")
+    assert green.report["summary"]["waited_s"] <= 6 * 3600
+    # a day of readings at most: the seasonal forecast had no earlier day, so it held the last reading
+    assert all(d["forecast_now"] == d["signal"] for d in green.report["decisions"])
+
+
+def test_wait_for_window_prints_for_schedulers_and_fails_in_one_line(tmp_path, capsys):
+    (tmp_path / "green_window.json").write_text(json.dumps({"resume_at_unix": 1592215200.0}))
+    assert cli_main(["wait-for-window", str(tmp_path), "--print", "--format", "unix"]) == 0
+    assert capsys.readouterr().out.strip() == "1592215200"
+    assert cli_main(["wait-for-window", str(tmp_path / "nowhere"), "--print"]) == 2
+    assert "is not a GreenWindow resume file" in capsys.readouterr().err
+
+
+def test_light_next_to_a_step_saving_replay_is_refused_and_batch_mode_is_not(mnist1d_small, tmp_path):
+    from lightning_pulse import HardSampleReplay
+
+    clock = SimulatedClock(START)
+    green = GreenWindow(signal=DE_JUNE, clock=clock, options={"watts": 10.0, "report_dir": str(tmp_path)})
+    trainer = fit([cycle(), HardSampleReplay(), green], clock, steps=12)
+    with pytest.raises(
+        PulseRefusal, match=r"GreenWindow: when_dirty='light'.*HardSampleReplay\(mode='steps'\)"
+    ):
+        trainer.fit(*mnist1d_small(arch="mlp"))
+    green = GreenWindow(signal=DE_JUNE, clock=clock, options={"watts": 10.0, "report_dir": str(tmp_path)})
+    trainer = fit([cycle(), HardSampleReplay(mode="batch"), green], clock, steps=12)
+    trainer.fit(*mnist1d_small(arch="mlp"))
+    assert trainer.global_step == 12 and green.report["summary"]["decisions"] >= 1

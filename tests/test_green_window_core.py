@@ -1,0 +1,233 @@
+"""The green-window core without Lightning: forecasts, the policy, its deadline guarantee, the accounting."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.green_window import Persistence, SameHourYesterday
+from lightning_pulse.core.green_window import (
+    GreenWindowPolicy,
+    ScheduleLedger,
+    SimulatedClock,
+    parse_threshold,
+    read_resume_file,
+    simulate_job,
+    wait_for_window,
+)
+from lightning_pulse.energy.carbon import TimeSeries, parse_timestamp
+from lightning_pulse.energy.forecast import (
+    OracleForecast,
+    SeasonalBlendForecast,
+    SeriesForecast,
+    forecast_error,
+    forecast_from,
+    slot_means,
+)
+from lightning_pulse.energy.signal import LiveSignal, series_from_pairs, series_signal
+
+CARBON = Path(__file__).resolve().parents[1] / "examples" / "data" / "carbon"
+DE_JUNE = CARBON / "de_2020_june_excerpt.csv"
+H = 3600.0
+
+
+def hourly(values, start: float = 0.0) -> TimeSeries:
+    return TimeSeries(start + H * np.arange(len(values)), np.asarray(values, dtype=float))
+
+
+def test_slot_means_integrate_the_step_function():
+    series = hourly([10.0, 20.0, 40.0])
+    means = slot_means(series, np.array([0.0, 1800.0, 5400.0]), H)
+    assert means.tolist() == pytest.approx([10.0, 15.0, 30.0])
+
+
+def test_seasonal_forecast_reads_only_the_past():
+    series = TimeSeries.from_csv(DE_JUNE)
+    now = parse_timestamp("2020-06-14 09:00:00")
+    past = series.times <= now
+    poisoned = TimeSeries(series.times, np.where(past, series.values, 5000.0))
+    starts = now + H * np.arange(72)
+    honest = SeasonalBlendForecast().predict(series, now, starts, H)
+    assert SeasonalBlendForecast().predict(poisoned, now, starts, H) == pytest.approx(honest)
+    # the oracle does read the future, so the same poison shows
+    assert OracleForecast().predict(poisoned, now, starts, H)[1:].min() == pytest.approx(5000.0)
+
+
+def test_seasonal_forecast_repeats_a_daily_pattern_and_fades_the_anomaly():
+    day = 100.0 + 50.0 * np.sin(np.arange(24) / 24 * 2 * np.pi)
+    series = hourly(np.tile(day, 10))
+    now = 9 * 86400.0 + 5 * H
+    starts = now + H * np.arange(48)
+    forecast = SeasonalBlendForecast(days=7).predict(series, now, starts, H)
+    expected = np.tile(day, 3)[5 : 5 + 48]
+    assert forecast == pytest.approx(expected)
+    # from now on the grid runs 30 above the usual day: the forecast starts 30 above and fades to the profile
+    values = np.tile(day, 10)
+    values[9 * 24 + 5 :] += 30.0
+    lifted = hourly(values)
+    lifted_forecast = SeasonalBlendForecast(days=7, decay_hours=24).predict(lifted, now, starts, H)
+    gap = lifted_forecast - expected
+    assert gap[0] == pytest.approx(30.0)
+    assert gap[24] == pytest.approx(30.0 * math.exp(-1.0))
+    assert np.all(np.diff(gap) < 0)
+
+
+def test_forecast_error_of_the_default_beats_naive_and_persistence_on_real_data():
+    series = TimeSeries.from_csv(DE_JUNE)
+    origins = [parse_timestamp("2020-06-08 00:00:00") + 6 * H * k for k in range(40)]
+    seasonal = forecast_error(series, SeasonalBlendForecast(), origins, [1, 6, 24, 48])
+    naive = forecast_error(series, SameHourYesterday(), origins, [1, 6, 24, 48])
+    persistence = forecast_error(series, Persistence(), origins, [1, 6, 24, 48])
+    for horizon in ("1h", "6h", "24h", "48h"):
+        assert seasonal[horizon]["mae"] < 0.8 * naive[horizon]["mae"]
+    for horizon in ("1h", "6h", "48h"):  # a day ahead, the same time of day today is as good a guess
+        assert seasonal[horizon]["mae"] < persistence[horizon]["mae"]
+    assert seasonal["24h"]["n"] == 40 and 0 < seasonal["24h"]["mape_pct"] < 100
+
+
+def test_adaptive_rule_with_the_oracle_picks_exactly_the_cleanest_slots():
+    rng = np.random.default_rng(0)
+    series = hourly(rng.uniform(50, 500, size=400))
+    policy = GreenWindowPolicy(OracleForecast())
+    start, work, budget = 48 * H, 20 * H, 30 * H
+    result = simulate_job(policy, series, start, work, budget, deadline=start + work + budget)
+    window = series.values[48 : 48 + 50]
+    best = np.sort(window)[:20].sum()
+    assert result["mean_signal_run"] * 20 == pytest.approx(best)
+    assert result["saving_pct"] == pytest.approx(100 * (1 - best / window[:20].sum()))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_waiting_never_misses_the_deadline_nor_overruns_the_budget(seed):
+    rng = np.random.default_rng(seed)
+    series = hourly(rng.uniform(20, 600, size=24 * 40))
+    for forecast in (
+        SeasonalBlendForecast(),
+        OracleForecast(),
+        SeriesForecast(hourly(rng.uniform(0, 900, 24 * 40))),
+    ):
+        for threshold in (None, "20%", 100.0):
+            policy = GreenWindowPolicy(forecast, threshold=threshold, slot_s=float(rng.choice([900.0, H])))
+            start = float(H * rng.integers(24 * 10, 24 * 20))
+            work = float(rng.uniform(1, 30) * H)
+            budget = float(rng.uniform(0, 3) * work)
+            deadline = start + work + float(rng.uniform(0, 1.5)) * budget
+            result = simulate_job(policy, series, start, work, budget, deadline=deadline)
+            assert result["finished_at"] <= deadline + 1e-6
+            assert result["waited_s"] <= budget + 1e-6
+            assert result["compute_s"] == pytest.approx(work)
+
+
+def test_a_threshold_waits_for_the_first_clean_slot_and_says_when():
+    series = hourly([300, 300, 300, 80, 300, 300, 300, 300] * 10)
+    policy = GreenWindowPolicy(OracleForecast(), threshold=100.0)
+    decision, _, _ = policy.decide(series, 48 * H, remaining_work_s=H, budget_left_s=6 * H)
+    assert not decision.run and decision.reason == "dirty" and decision.resume_at == 51 * H
+    decision, _, _ = policy.decide(series, 51 * H, remaining_work_s=H, budget_left_s=3 * H)
+    assert decision.run and decision.reason == "clean"
+    # no budget left: it runs, however dirty
+    decision, _, _ = policy.decide(series, 48 * H, remaining_work_s=H, budget_left_s=0.5 * H)
+    assert decision.run and decision.reason == "budget"
+    decision, _, _ = policy.decide(series, 48 * H, H, 6 * H, deadline=49.5 * H)
+    assert decision.run and decision.reason == "deadline"
+
+
+def test_the_percentile_rule_compares_with_the_horizon_only():
+    series = hourly([200.0] * 48 + [100.0, 150.0, 300.0, 300.0] + [10.0] * 20)
+    policy = GreenWindowPolicy(OracleForecast(), threshold="50%", horizon_s=4 * H)
+    decision, _, _ = policy.decide(series, 49 * H, remaining_work_s=2 * H, budget_left_s=20 * H)
+    # over the next 4 h (150, 300, 300, 10) the median is 225: 150 is clean though 10 comes later
+    assert decision.run and decision.clean_below == pytest.approx(225.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("120%", "percentile must be in"),
+        (-1, "absolute level"),
+        ("soon", "not accepted"),
+        (True, "not accepted"),
+    ],
+)
+def test_bad_thresholds_name_the_field_and_what_is_allowed(value, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        parse_threshold(value)
+    assert str(raised.value).startswith("`threshold`=")
+
+
+def test_threshold_forms():
+    assert parse_threshold(None) == ("adaptive", None)
+    assert parse_threshold("30%") == ("percentile", 30.0)
+    assert parse_threshold(250) == ("absolute", 250.0)
+
+
+def test_counterfactual_spreads_the_same_energy_from_the_same_start():
+    series = hourly([100.0, 400.0, 100.0, 100.0])
+    ledger = ScheduleLedger(series.mean)
+    ledger.add("run", 0.0, H, 2.0)  # 2 kWh in the first hour
+    ledger.add("wait", H, 2 * H, 0.1)  # a paused machine's idle draw counts for the run
+    ledger.add("run", 2 * H, 3 * H, 2.0)
+    summary = ledger.summary(0.0)
+    assert summary["signal_cost"] == pytest.approx(2 * 100 + 0.1 * 400 + 2 * 100)
+    # agnostic: 4 kWh over the first two hours, mean 250 g/kWh
+    assert summary["counterfactual_cost"] == pytest.approx(4 * 250)
+    assert summary["saving_kg"] == pytest.approx((1000 - 440) / 1000)
+    assert summary["waited_s"] == H and summary["compute_s"] == 2 * H
+
+
+def test_without_energy_time_stands_in_and_kilograms_are_unknown():
+    series = hourly([100.0, 400.0, 100.0])
+    ledger = ScheduleLedger(series.mean)
+    ledger.add("run", 0.0, H, None)
+    ledger.add("wait", H, 2 * H, None)
+    ledger.add("run", 2 * H, 3 * H, None)
+    summary = ledger.summary(0.0)
+    assert summary["saving_kg"] is None and summary["energy_kwh"] is None
+    assert summary["saving_pct"] == pytest.approx(100 * (1 - 100 / 250))
+
+
+def test_simulated_clock_replays_days_without_sleeping():
+    clock = SimulatedClock("2020-06-08 00:00:00")
+    clock.sleep(3 * 86400)
+    assert clock() == parse_timestamp("2020-06-11 00:00:00")
+    clock.sleep(-5)  # never goes back
+    assert clock.time() == parse_timestamp("2020-06-11 00:00:00")
+
+
+def test_wait_for_window_sleeps_on_the_clock_until_the_recorded_time(tmp_path):
+    (tmp_path / "green_window.json").write_text(json.dumps({"resume_at_unix": 1000.0 + 7200}))
+    clock = SimulatedClock(1000.0)
+    assert wait_for_window(tmp_path, clock) == 7200
+    assert clock.time() == 8200 and wait_for_window(tmp_path, clock) == 0
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a GreenWindow resume file"):
+        read_resume_file(tmp_path / "bad.json")
+
+
+def test_signal_sources_json_pairs_and_live_readings(tmp_path):
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps([["2020-06-01 00:00:00", 120], {"time": "2020-06-01 01:00:00", "value": 90}]))
+    rate = series_signal(path)
+    assert rate.series.values.tolist() == [120.0, 90.0]
+    with pytest.raises(ValueError, match="item 1"):
+        series_from_pairs([[0, 1], ["never", 2]])
+    readings = iter([(100.0, 5.0), (50.0, 9.0), (200.0, 7.0)])
+    live = LiveSignal(lambda: next(readings))
+    live.observe(), live.observe(), live.observe()
+    assert live.history().times.tolist() == [100.0, 200.0]  # the out-of-order reading is ignored
+    assert forecast_from("seasonal").predict(
+        live.history(), 200.0, np.array([200.0, 3800.0]), H
+    ).tolist() == [
+        7.0,
+        7.0,
+    ]
+
+
+def test_forecast_from_rejects_what_is_no_forecast():
+    with pytest.raises(ValueError, match="`forecast`='tomorrow' is not accepted"):
+        forecast_from("tomorrow")
+    assert isinstance(forecast_from(str(DE_JUNE)), SeriesForecast)

@@ -1,0 +1,42 @@
+"""GreenWindow under DDP: two CPU processes over gloo pause at the same steps, for as long, on rank 0's word."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_pulse import GreenWindow, GreenWindowOptions
+from lightning_pulse.energy.carbon import parse_timestamp
+from tests.conftest import trainer_kwargs
+from tests.ddp_workers import RankOffsetClock, SleepDump
+
+DE_JUNE = str(
+    Path(__file__).resolve().parents[1] / "examples" / "data" / "carbon" / "de_2020_june_excerpt.csv"
+)
+
+
+@pytest.mark.ddp
+def test_ranks_pause_together_on_rank_zero_decisions(mnist1d_small, tmp_path):
+    model, data = mnist1d_small(arch="mlp")
+    clock = RankOffsetClock(parse_timestamp("2020-06-15 06:00:00"))
+    green = GreenWindow(
+        signal=DE_JUNE,
+        when_dirty="pause",
+        expected_duration="10h",
+        clock=clock,
+        options=GreenWindowOptions(watts=100.0, report_dir=str(tmp_path)),
+    )
+    kwargs = trainer_kwargs(devices=2, strategy="ddp_spawn")
+    trainer = pl.Trainer(
+        callbacks=[SleepDump(str(tmp_path), clock), green], max_steps=60, limit_val_batches=0, **kwargs
+    )
+    trainer.fit(model, data)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert rank0 == rank1
+    assert rank0[-1][1] > 0  # it did pause
+    report = json.loads((tmp_path / "green_window_report.json").read_text())
+    assert report["summary"]["waited_s"] == pytest.approx(rank0[-1][1])
