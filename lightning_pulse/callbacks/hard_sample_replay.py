@@ -224,12 +224,9 @@ class HardSampleReplay(Callback):
         if (note := shorter_than_an_epoch(trainer.estimated_stepping_batches, steps_per_epoch)) is not None:
             rank_zero_warn(f"HardSampleReplay: {note}")
         self.state_check = CarriedStateCheck()  # over this fit's first two batches
-        # the threshold scans every score, so it is refreshed twice per epoch, not every step
-        self.selector.threshold_every = max(1, steps_per_epoch // 2) if steps_per_epoch else 50
-        # steps are applied as often as the logging cadence needs (a setting, not whether a logger is attached,
-        # so attaching one never changes what is selected)
-        self.selector.apply_every = min(32, self.log_every_n_steps or max(trainer.log_every_n_steps, 1))
-        self.selector.take_window()
+        self.selector.set_cadence(
+            steps_per_epoch, self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
+        )
         if self.mode == "steps":
             self.steps.on_train_start(trainer)
         if self._scope is None:

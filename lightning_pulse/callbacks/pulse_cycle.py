@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.core.step_plan import StepPlan, replay_duration_for_budget
+from lightning_pulse.core.step_plan import StepPlan, replay_duration_for_budget, spent_summary
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
 from lightning_pulse.probe import PROBE_COLLECTIVES, first_validation_batches, run_validation_probe
@@ -277,16 +277,10 @@ class PulseCycle(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        plan = self.plan
-        if plan is None or not plan.plain_steps:
-            return
-        spent = trainer.global_step / plan.plain_steps
-        self._log(trainer, {"pulse/budget_spent": spent})
-        asked = "" if self.budget is None else f" (budget {self.budget:g})"
-        rank_zero_info(
-            f"PulseCycle: the run took {trainer.global_step} optimizer steps, {spent:.3f} of the plain run's "
-            f"{plan.plain_steps}{asked}."
-        )
+        if self.plan is not None and self.plan.plain_steps:
+            spent, message = spent_summary(self.plan, trainer.global_step, self.budget)
+            self._log(trainer, {"pulse/budget_spent": spent})
+            rank_zero_info(f"PulseCycle: {message}")
 
     @override
     def on_train_batch_end(

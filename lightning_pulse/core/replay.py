@@ -369,6 +369,14 @@ class HardSampleSelector:
         """The score above which a sample counts as hard (``NaN`` before anything was scored)."""
         return self._threshold[0]
 
+    def set_cadence(self, steps_per_epoch: int | None, log_every: int) -> None:
+        """Refresh the threshold twice per epoch (it scans every score) and apply measured steps as often as
+        logging needs (a setting, not whether a logger is attached, so attaching one never changes what is
+        selected); start a new metrics window."""
+        self.threshold_every = max(1, steps_per_epoch // 2) if steps_per_epoch else 50
+        self.apply_every = min(APPLY_EVERY, log_every)
+        self.take_window()
+
     @property
     def totals(self) -> dict[str, float]:
         """The applied steps' running totals by name (:data:`TOTAL_NAMES`), e.g. ``selected_count``."""

@@ -295,6 +295,16 @@ def _spent(fraction: float, full: float, light: float, replay: float, edges: flo
     return ratio / (1 - edges + edges * ratio)
 
 
+def spent_summary(plan: StepPlan, global_step: int, budget: float | None) -> tuple[float, str]:
+    """The share of the plain run's steps the run took, and the line that says it."""
+    spent = global_step / plan.plain_steps
+    asked = "" if budget is None else f" (budget {budget:g})"
+    return (
+        spent,
+        f"the run took {global_step} optimizer steps, {spent:.3f} of the plain run's {plan.plain_steps}{asked}.",
+    )
+
+
 def plan_summary(plan: StepPlan, budget: float | None, fmt: Callable[[float], str] = "{:.3f}".format) -> str:
     """One line for the log: the planned steps against plain, and the budget if one was asked for."""
     text = (
