@@ -55,6 +55,12 @@ def arms() -> list[Arm]:
 WORKLOADS = {
     # ~5 ms CPU steps: the toy step, where a fixed cost per hook weighs most
     "mnist1d-cnn": dict(trainer_kwargs={"max_epochs": 6}, workload_kwargs={"data__num_samples": 5000}),
+    # the demo's workload (make demo): the same CNN at 128 channels, a step that is mostly compute
+    "mnist1d-cnn-128": dict(
+        workload="mnist1d-cnn",
+        trainer_kwargs={"max_epochs": 6},
+        workload_kwargs={"data__num_samples": 5000, "model__channels": 128},
+    ),
     # ~40 ms CPU steps: the realistic step the targets are stated on
     "charlm": dict(
         trainer_kwargs={
@@ -126,7 +132,7 @@ def main() -> None:
         if args.quick:
             trainer_kwargs = {"max_steps": 12, "limit_val_batches": 2, "val_check_interval": 6}
         result = run_arms(
-            workload,
+            settings.get("workload", workload),
             arms(),
             seeds=args.seeds,
             trainer_kwargs=trainer_kwargs,
@@ -134,6 +140,7 @@ def main() -> None:
             flops="none",
             rotate_arms=True,
         )
+        result["workload"] = workload  # the variant's name, for the tables
         result["hook_shares"] = shares(result)
         results.append(result)
         notes += [f"### {workload}: hook shares", "", markdown(result), ""]
