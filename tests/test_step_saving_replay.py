@@ -297,3 +297,46 @@ def test_a_run_of_unknown_length_is_refused_by_steps_mode_naming_the_way_out():
     ):
         trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
     assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize(
+    "name", ["hf-gpt2", "hf-bert", "transformer-encoder", "manual-optimization", "onecycle-per-step"]
+)
+def test_client_models_take_the_planned_steps_on_full_batches(name):
+    from tests.clients import CLIENTS
+
+    pl.seed_everything(0, verbose=False)
+    module, data = CLIENTS[name]()
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5)],
+        max_steps=60,
+        limit_val_batches=0,
+        **trainer_kwargs(),
+    )
+    trainer.fit(module, data)
+    # the plain run's 60 steps of data, in the planned (fewer) steps, every one of them taken
+    assert trainer.max_steps - 2 <= trainer.global_step <= trainer.max_steps < 60
+    cycle = next(c for c in trainer.callbacks if isinstance(c, PulseCycle))
+    assert cycle.clock.steps_by_phase["replay"] > 0
+
+
+def test_past_the_plan_a_pass_yields_plain_batches_never_an_empty_epoch():
+    from lightning_pulse.core.step_plan import StepSavingStream
+
+    stream = StepSavingStream()
+    plan = stream.make_plan(
+        None,
+        ["replay"],
+        batch_size=10,
+        fraction=0.5,
+        samples_per_epoch=25,
+        max_epochs=None,
+        max_steps=4,
+        accumulate=1,
+        drop_last=False,
+    )
+    # the plain run's 4 steps of data (40 samples) in 3 steps; the last one fetches a whole window
+    assert plan.batch_sizes == [[20, 5], [20]]
+    assert stream.sizes_for_pass(0) == (0, [20, 5], 2)
+    # an epoch the plan does not cover (a run that goes on to max_steps) trains plain batches
+    assert stream.sizes_for_pass(5) == (0, [10, 10, 5], 3)

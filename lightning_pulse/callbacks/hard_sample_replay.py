@@ -221,7 +221,9 @@ class HardSampleReplay(Callback):
             raise PulseRefusal(EPOCH_MODE_REFUSAL)
         assert self.selector is not None
         steps_per_epoch = self._set_half_life(trainer.num_training_batches)
-        if (note := shorter_than_an_epoch(trainer.estimated_stepping_batches, steps_per_epoch)) is not None:
+        if (
+            note := shorter_than_an_epoch(trainer.estimated_stepping_batches, steps_per_epoch, self.mode)
+        ) is not None:
             rank_zero_warn(f"HardSampleReplay: {note}")
         self.state_check = CarriedStateCheck()  # over this fit's first two batches
         self.selector.set_cadence(

@@ -190,18 +190,28 @@ def half_life_steps(duration: Duration | None, steps_per_epoch: float | None) ->
     return duration.amount * steps_per_epoch
 
 
-def shorter_than_an_epoch(planned_steps: float, steps_per_epoch: int | None) -> str | None:
+def shorter_than_an_epoch(
+    planned_steps: float, steps_per_epoch: int | None, mode: str = "batch"
+) -> str | None:
     """What to tell the user when a run of ``planned_steps`` optimizer steps ends before any sample trains
     twice (so nothing can be selected), else ``None``. Samples are scored when they train: selecting before a
     sample's first visit would need a second, gradient-free forward of every batch (about a third of a
     training step of the full batch), which the module's own loss computation does not give for free."""
     if not steps_per_epoch or not math.isfinite(planned_steps) or planned_steps > steps_per_epoch:
         return None
-    return (
+    head = (
         f"this run plans {int(planned_steps)} optimizer steps and one epoch is {steps_per_epoch} steps, so no "
-        "sample trains twice. A sample is scored when it trains and only scored samples can be selected: no batch "
-        "will be cut (replay_fraction stays 1.0) and the run costs what it costs without HardSampleReplay. Train "
-        "for more than one epoch to select, or remove HardSampleReplay."
+        "sample trains twice. A sample is scored when it trains and only scored samples can be selected: "
+    )
+    if mode == "steps":
+        return head + (
+            "a light step keeps the first never-scored samples of its window and skips the rest for this epoch, "
+            "so it saves the step but chooses no better than a fixed subset. Train for more than one epoch to "
+            "select, use mode='batch', or remove HardSampleReplay."
+        )
+    return head + (
+        "no batch will be cut (replay_fraction stays 1.0) and the run costs what it costs without "
+        "HardSampleReplay. Train for more than one epoch to select, or remove HardSampleReplay."
     )
 
 

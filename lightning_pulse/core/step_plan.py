@@ -146,6 +146,11 @@ def plan_steps(
     )
 
 
+def _plain_sizes(samples: int, batch_size: int, drop_last: bool) -> list[int]:
+    whole, rest = divmod(samples, batch_size)
+    return [batch_size] * whole + ([rest] if rest and not drop_last else [])
+
+
 def _batches(samples: int, batch_size: int, drop_last: bool) -> int:
     return samples // batch_size if drop_last else math.ceil(samples / batch_size)
 
@@ -332,6 +337,7 @@ class StepSavingStream:
         self.batches = 0  # this epoch's trained batches
         self._resume: dict[str, int] | None = None
         self._first_pass = True
+        self._plain_pass: list[int] = []
 
     def make_plan(
         self, clock: PhaseClock | None, light_phases: Iterable[str], **run: int | bool | None
@@ -354,6 +360,9 @@ class StepSavingStream:
             **run,  # type: ignore[arg-type]
         )
         self._first_pass = True
+        self._plain_pass = _plain_sizes(
+            int(run["samples_per_epoch"] or 0), int(run["batch_size"] or 1), bool(run["drop_last"])
+        )
         return self.plan
 
     def sizes_for_pass(self, epoch: int) -> tuple[int, list[int], int]:
@@ -367,6 +376,10 @@ class StepSavingStream:
         self._first_pass = False
         self.epoch, self.samples, self.batches = epoch, skip, done
         sizes = self.plan.sizes_of(epoch)
+        if not sizes and not skip:
+            # past the plan (its total ran a few steps over the data, or the run is longer than planned):
+            # plain batches, so the run still reaches max_steps and never loops on empty epochs
+            sizes = list(self._plain_pass)
         return skip, sizes, done + len(sizes)
 
     def trained(self, raw_samples: int) -> None:
