@@ -23,15 +23,15 @@ Run: ``python -m benchmarks.headline`` (about 30 minutes on 2 cores); ``--quick`
 from __future__ import annotations
 
 import argparse
+import json
 import math
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from benchmarks.harness import RESULTS_DIR, Arm, environment, instantiate_callbacks, run_arms
+from benchmarks.harness import RESULTS_DIR, Arm, _median, environment, instantiate_callbacks, run_arms
 from lightning_pulse import (
     EnergyLogger,
     GradientCache,
@@ -121,11 +121,6 @@ def arms(config: dict[str, Any]) -> list[Arm]:
             metrics=energy_metrics,
         ),
     ]
-
-
-def _median(values: list[float]) -> float:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    return statistics.median(values) if values else math.nan
 
 
 def _to_target(run: dict[str, Any], base: dict[str, Any], metric: str, mode: str, key: str) -> float:
@@ -258,8 +253,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few steps per arm, for a smoke run")
     parser.add_argument("--name", default="headline")
     args = parser.parse_args()
-    import json
-
     results: dict[str, tuple[dict[str, Any], dict[str, dict[str, float]]]] = {}
     payload = []
     for name in args.workloads:

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
 from lightning_pulse.core.replay import STEPS_MODE_CLOCK_REFUSAL, STEPS_MODE_LENGTH_REFUSAL
 from lightning_pulse.core.sample_index import PlannedBatchSampler, SampleIndexTracker
 from lightning_pulse.core.step_plan import StepPlan, StepSavingStream, plan_summary
@@ -49,8 +50,6 @@ class StepSavingLoader:
             PulseRefusal: for a PulseCycle with wall-clock durations or a budget it cannot meet, and for a
                 run of unknown length.
         """
-        from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
-
         self._trainer = trainer
         cycle = pulse_cycle_of(trainer)
         if cycle is not None and cycle.clock.uses_wall_clock:

@@ -17,8 +17,8 @@ replay-phase length.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from lightning_pulse.phase import Duration, Phase, PhaseClock
 
@@ -40,7 +40,6 @@ class StepPlan:
     total_steps: int
     plain_steps: int
     light_steps: int = 0
-    converged: bool = field(default=True, compare=False)
 
     def sizes_of(self, epoch: int) -> list[int]:
         """The raw batch sizes of ``epoch`` (empty past the plan)."""
@@ -141,9 +140,7 @@ def plan_steps(
             guess = candidate
             break
     final = _simulate(*args, *start, guess)
-    return StepPlan(
-        final.first_epoch, final.batch_sizes, guess, plain_steps, final.light_steps, converged=False
-    )
+    return StepPlan(final.first_epoch, final.batch_sizes, guess, plain_steps, final.light_steps)
 
 
 def _plain_sizes(samples: int, batch_size: int, drop_last: bool) -> list[int]:
@@ -310,11 +307,11 @@ def spent_summary(plan: StepPlan, global_step: int, budget: float | None) -> tup
     )
 
 
-def plan_summary(plan: StepPlan, budget: float | None, fmt: Callable[[float], str] = "{:.3f}".format) -> str:
+def plan_summary(plan: StepPlan, budget: float | None) -> str:
     """One line for the log: the planned steps against plain, and the budget if one was asked for."""
     text = (
         f"the run's data takes {plan.total_steps} optimizer steps instead of {plan.plain_steps} "
-        f"({fmt(plan.spent)}x; {plan.light_steps} in light phases)"
+        f"({plan.spent:.3f}x; {plan.light_steps} in light phases)"
     )
     if budget is not None:
         text += f", for a budget of {budget:g}"
