@@ -87,8 +87,9 @@ class HookTimer:
     :meth:`install` wraps every hook a callback overrides with an instance attribute that accumulates
     ``time.process_time()``; Lightning looks hooks up on the instance, so the callback's code is untouched.
     Each figure is the callback's own time: a timed call inside another (PulseCycle telling a listener of a
-    phase change) counts for the inner callback only. Work a callback does outside its hooks (a loss function
-    it wraps, a forward hook it registers on the module) is not counted here; the fit's CPU time against a
+    phase change) counts for the inner callback only. Work a callback does outside its hooks is counted where
+    :attr:`OFF_HOOK_WORK` names its method (step-saving replay's choice in the sampler); a loss function it
+    wraps or a forward hook it registers on the module is not counted here, and the fit's CPU time against a
     same-run baseline is the figure that counts it.
 
     ``cpu_s`` holds the hooks of the training loop (per step, epoch and phase); ``one_time_cpu_s`` the
@@ -101,6 +102,10 @@ class HookTimer:
     ONE_TIME_HOOKS = frozenset(
         {"setup", "teardown", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_exception"}
     )
+
+    #: work a callback does on the training path outside its hooks, counted with its hooks: step-saving
+    #: replay chooses each light batch inside the DataLoader's sampler, before the samples are loaded
+    OFF_HOOK_WORK = {"HardSampleReplay": ("_choose",)}
 
     def __init__(self) -> None:
         self.cpu_s: dict[str, float] = {}
@@ -121,6 +126,8 @@ class HookTimer:
                 continue
             totals = self.one_time_cpu_s if name in self.ONE_TIME_HOOKS else self.cpu_s
             setattr(callback, name, self._timed(label, method, totals))
+        for name in self.OFF_HOOK_WORK.get(label, ()):
+            setattr(callback, name, self._timed(label, getattr(callback, name), self.cpu_s, count=False))
         for name in apart:
             key = f"{label}.{name}"
             self.apart_cpu_s.setdefault(key, 0.0)

@@ -10,7 +10,7 @@ validation batch to the pass's real end. :class:`~lightning_pulse.HardSampleRepl
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,6 +31,9 @@ class StepSavingLoader:
         self.stream = StepSavingStream()
         self.epoch_batches = 0  # the batches of the pass under way
         self._trainer: pl.Trainer | None = None
+        self._sampler: PlannedBatchSampler | None = None
+        self._choose: Callable[[list[int], int, int, float], Any] | None = None
+        self.prior: Callable[[], float] | None = None  # the score table's running prior
 
     @property
     def plan(self) -> StepPlan | None:
@@ -43,8 +46,12 @@ class StepSavingLoader:
         tracker: SampleIndexTracker,
         fraction: float,
         light_phases: Sequence[str],
+        choose: Callable[[list[int], int, int, float], Any],
     ) -> StepPlan:
         """Plan the run, cap ``max_steps`` and put the planned batch sampler into ``loader``.
+
+        ``choose(window, ordinal, step, prior)`` cuts a light-phase window to the batch that trains, before it
+        is loaded: ``ordinal`` is the batch's place in its epoch and ``step`` the optimizer step it trains at.
 
         Raises:
             PulseRefusal: for a PulseCycle with wall-clock durations or a budget it cannot meet, and for a
@@ -76,9 +83,9 @@ class StepSavingLoader:
             drop_last=batches.drop_last,
         )
         compat.set_max_steps(trainer, plan.total_steps)
-        compat.replace_batch_sampler(
-            loader, PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches)
-        )
+        self._choose = choose
+        self._sampler = PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches, self._cut)
+        compat.replace_batch_sampler(loader, self._sampler)
         if cycle is not None:
             cycle.adopt_plan(plan)
         budget = None if cycle is None else cycle.budget
@@ -89,10 +96,24 @@ class StepSavingLoader:
 
     def _sizes_for_pass(self) -> tuple[int, list[int]]:
         trainer = self._trainer
-        assert trainer is not None
-        skip, sizes, self.epoch_batches = self.stream.sizes_for_pass(trainer.current_epoch)
+        assert trainer is not None and self._sampler is not None
+        accumulate = trainer.accumulate_grad_batches
+        skip, sizes, self.epoch_batches = self.stream.sizes_for_pass(
+            trainer.current_epoch, trainer.global_step, math.nan if self.prior is None else self.prior(), accumulate
+        )
+        self._sampler.start_pass_at(self.stream.batches)
         compat.set_epoch_batches(trainer, self.epoch_batches)
         return skip, sizes
+
+    def _cut(self, window: list[int], ordinal: int) -> Any:
+        assert self._trainer is not None and self._choose is not None
+        step = self.stream.pass_step + ordinal // self._trainer.accumulate_grad_batches
+        return self._choose(window, ordinal, step, self.stream.pass_prior)
+
+    def take_window(self) -> tuple[int, Any]:
+        """``(raw window size, cut or None)`` of the batch about to train."""
+        assert self._sampler is not None
+        return self._sampler.take_window()
 
     def on_train_start(self, trainer: pl.Trainer) -> None:
         # Lightning set the first epoch's validation batch from the plain length after the first pass began

@@ -41,6 +41,7 @@ class BatchLog(Callback):
 
     def __init__(self) -> None:
         self.fetched: list[tuple[int, int, int]] = []
+        self.windows: list[int] = []
         self.trained: list[int] = []
         self.validated_at: list[int] = []
 
@@ -50,6 +51,7 @@ class BatchLog(Callback):
     def on_before_backward(self, trainer, pl_module, loss):
         replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
         self.trained.append(int(replay.trained_indices.numel()))
+        self.windows.append(replay.offered_count)
 
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking:
@@ -96,11 +98,13 @@ def test_light_steps_train_full_batches_chosen_from_twice_as_many_samples():
     replay_steps = cycle.clock.steps_by_phase["replay"]
     assert replay_steps > 0
     fetched = [size for _, _, size in log.fetched]
-    assert fetched.count(128) >= replay_steps - 4  # an epoch's tail window may be short
-    # a light step trains a full batch, never the whole window (never-scored samples included)
-    assert max(log.trained) == 64
-    # the epochs' data is all there: 4 passes over the 720 training samples
-    assert sum(fetched) == 4 * 720
+    assert log.windows.count(128) >= replay_steps - 4  # an epoch's tail window may be short
+    # a light step trains a full batch, never the whole window (never-scored samples included), and the
+    # loader loads only that batch: the sampler cut the window before the samples were fetched
+    assert max(log.trained) == max(fetched) == 64
+    assert log.trained == fetched[: len(log.trained)]
+    # the epochs' data is all offered: 4 passes over the 720 training samples
+    assert sum(log.windows) == 4 * 720
 
 
 @pytest.mark.parametrize("budget", [0.0, 1.0, 1.5, -0.2, True, "half"])
@@ -241,8 +245,9 @@ class StepsDump(Callback):
         self.directory = directory
         self.steps: list[list[int]] = []
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.steps.append([trainer.current_epoch, trainer.global_step, int(batch[0].shape[0])])
+    def on_before_backward(self, trainer, pl_module, loss):
+        replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
+        self.steps.append([trainer.current_epoch, trainer.global_step, replay.offered_count])
 
     def on_train_end(self, trainer, pl_module):
         path = f"{self.directory}/rank{trainer.global_rank}.json"
@@ -254,7 +259,7 @@ class StepsDump(Callback):
 def test_two_gloo_ranks_take_identical_steps(tmp_path):
     pl.seed_everything(0)
     trainer = pl.Trainer(
-        # the dump comes first, so it sees the batch the sampler fetched, before the cut
+        # the dump records each step's window (the sampler loads only the cut batch)
         callbacks=[StepsDump(str(tmp_path)), PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5)],
         max_epochs=3,
         limit_val_batches=0,
@@ -286,7 +291,7 @@ def test_a_stability_guard_rollback_restores_the_scores_but_not_the_data_stream(
     trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
     assert guard.rollbacks == 1
     # the data went on: every epoch is still one whole pass, within the planned steps
-    assert sum(size for _, _, size in log.fetched) == 3 * 720
+    assert sum(log.windows) == 3 * 720
     assert trainer.max_steps - 2 <= trainer.global_step <= trainer.max_steps
 
 

@@ -155,6 +155,12 @@ class HardSampleReplay(Callback):
         return None if self._batch is None else self._batch["indices"]
 
     @property
+    def offered_count(self) -> int | None:
+        """How many samples the data offered for the current step: in steps mode the window the sampler cut the
+        batch from (only the batch is loaded); otherwise the batch as the loader yielded it."""
+        return None if self._batch is None else int(self._batch["window"])
+
+    @property
     def trained_origins(self) -> list[str] | None:
         """Why each sample of the current step is there: ``"untouched"``, ``"selected"`` or ``"unseen"``."""
         return None if self._batch is None else [ROLE_NAMES[role] for role in self._batch["roles"]]
@@ -203,7 +209,20 @@ class HardSampleReplay(Callback):
         if self.mode == "epoch":
             self.tracker.select_passes(self._select_epoch, self.selector.epoch_length)
         elif self.mode == "steps" and self.steps.plan is None:  # planned once per fit
-            self.steps.install(self._trainer, loader, self.tracker, self.config.replay_fraction, self.phases)
+            self.steps.prior = self._table_prior
+            self.steps.install(
+                self._trainer, loader, self.tracker, self.config.replay_fraction, self.phases, self._choose
+            )
+
+    def _table_prior(self) -> float:
+        return math.nan if self.selector is None else self.selector.table.prior
+
+    def _choose(self, window: list[int], ordinal: int, step: int, prior: float) -> Any:
+        # steps mode, at the sampler: the batch that trains, chosen before the window is loaded
+        assert self.selector is not None and self.tracker is not None and self._trainer is not None
+        return self.selector.choose_window(
+            window, self.tracker.batch_size, step, ordinal, prior, self._trainer.global_rank
+        )
 
     def _set_half_life(self, batches: float) -> float | None:
         assert self.selector is not None and self._trainer is not None
@@ -248,26 +267,24 @@ class HardSampleReplay(Callback):
         assert self.selector is not None and self.tracker is not None
         offered = extract_batch_size(batch)
         indices = self.tracker.batch_indices(batch_idx)
-        check_batch_indices(batch_idx, offered, indices)
         active, step = phase_of(trainer, default=Phase.REPLAY).value in self.phases, trainer.global_step
-        roles, counted, weights, positions = np.full(offered, UNTOUCHED), float(offered), None, None
+        counted, weights, positions, cut, window = float(offered), None, None, None, 0
+        if self.mode == "steps":  # a light-phase step: the sampler cut a full batch from a wider window
+            window, cut = self.steps.take_window()
+            self.steps.stream.trained(window)
+            if cut is not None:
+                indices, active, counted = cut.indices, True, float(window)
+        check_batch_indices(batch_idx, offered, indices)
+        roles = np.full(offered, UNTOUCHED) if cut is None else cut.roles
         if active and self.mode == "epoch":  # the epoch's sampler already chose these samples
             roles, counted = self.selector.epoch_roles(indices), offered * self.selector.epoch_offered_ratio
-        elif self.mode == "steps":  # the sampler fetched a window for a light-phase step: keep a full batch
-            self.steps.stream.trained(offered)
-            if offered > self.tracker.batch_size:
-                pick = self.selector.compose(
-                    indices, step, batch_idx, trainer.global_rank, self.tracker.batch_size
-                )
-                indices, roles, positions = pick.indices, pick.roles, pick.positions
-                active = True
-        elif active:
+        elif active and self.mode == "batch":
             pick = self.selector.compose(indices, step, batch_idx, trainer.global_rank)
             indices, roles, weights, positions = pick.indices, pick.roles, pick.weights, pick.positions
-        self._refuse(self.state_check.before_batch(cut=positions is not None))
+        self._refuse(self.state_check.before_batch(cut=positions is not None or cut is not None))
         if positions is not None:
             assign_in_place(batch, take_samples(batch, positions, offered))
-        context = {"offered": counted, "active": active, "size": offered}
+        context = {"offered": counted, "active": active, "size": offered, "window": window or offered}
         self._batch = {"step": step, "indices": indices, "roles": roles, **context}
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
         if self.scorer is None or weights is not None:

@@ -443,6 +443,20 @@ class HardSampleSelector:
         positions = None if selection.count == offered else selection.positions
         return Composition(positions, indices[selection.positions], roles, weights)
 
+    def choose_window(
+        self, window: Sequence[int], keep: int, step: int, ordinal: int, prior: float, rank: int = 0
+    ) -> Composition:
+        """Step-saving replay at the sampler: the ``keep`` samples of a fetched ``window`` of dataset indices to
+        load and train, chosen before they are loaded. ``step`` is the optimizer step the batch will train at
+        and ``prior`` the score prior at its pass's start, so the choice does not depend on how far ahead the
+        DataLoader reads (within a pass no window sample is rescored: each sample comes once per pass)."""
+        indices = torch.as_tensor(window, dtype=torch.int64)
+        generator = None
+        if self.config.rule != "topk":
+            generator = torch.Generator().manual_seed(mix_seed(self.config.seed, step, ordinal, rank))
+        scores = self.table.effective_array(indices, step, prior)
+        return self._compose_exactly(indices, scores, min(keep, len(window)), step, generator)
+
     def _compose_exactly(
         self, indices: Tensor, scores: np.ndarray, count: int, step: int, generator: torch.Generator | None
     ) -> Composition:

@@ -228,12 +228,18 @@ class PlannedBatchSampler(BatchSampler):
     """A ``BatchSampler`` whose batches follow a plan: each pass yields the raw batch sizes ``sizes_for_pass``
     gives, from the same index sampler (step-saving replay fetches a larger window for a light-phase step).
 
+    With ``choose``, a window larger than ``batch_size`` is cut before it is loaded: ``choose(window, ordinal)``
+    returns the positions in ``window`` to yield (``None``: all of it), so the DataLoader loads only the samples
+    that train. What each batch was cut from is kept in :attr:`windows`, in order, for the consumer to
+    :meth:`take_window`.
+
     Args:
         original: the DataLoader's batch sampler (its ``sampler`` and ``drop_last`` are kept).
         sizes_for_pass: called at the start of every pass; returns ``(skip, sizes)``: how many of the pass's
             leading indices were already trained (a resume mid-epoch) and the sizes of the batches to yield.
         plain_length: the batch count Lightning is told (``len``), the plain pass's, so the run's step
             estimate is the plain run's capped by ``max_steps``; the pass ends when its planned batches do.
+        choose: the cut of a window larger than a batch; ``ordinal`` is the batch's place in the epoch.
     """
 
     def __init__(
@@ -241,6 +247,7 @@ class PlannedBatchSampler(BatchSampler):
         original: BatchSampler,
         sizes_for_pass: Callable[[], tuple[int, list[int]]],
         plain_length: int,
+        choose: Callable[[list[int], int], Any] | None = None,
     ) -> None:
         # BatchSampler.__init__ only validates; the attributes Lightning and the tracker read are these
         self.sampler = original.sampler
@@ -249,21 +256,39 @@ class PlannedBatchSampler(BatchSampler):
         self.original = original
         self.sizes_for_pass = sizes_for_pass
         self.plain_length = plain_length
+        self.choose = choose
+        self.windows: deque[tuple[int, Any]] = deque()  # per yielded batch: (raw window size, the cut or None)
+        self._first_ordinal = 0
 
     def __iter__(self) -> Iterator[list[int]]:
         skip, sizes = self.sizes_for_pass()
         recorder = self.sampler if isinstance(self.sampler, RecordingSampler) else None
         if recorder is not None:
             recorder.batch_starts = np.concatenate([[skip], skip + np.cumsum(sizes, dtype=np.int64)])
+        self.windows.clear()
         source = iter(self.sampler)
         if skip:
             for _ in islice(source, skip):
                 pass
+        ordinal = self._first_ordinal
         for size in sizes:
             batch = list(islice(source, size))
             if not batch:
                 return
-            yield batch
+            cut = None
+            if self.choose is not None and len(batch) > self.batch_size:
+                cut = self.choose(batch, ordinal)
+            self.windows.append((len(batch), cut))
+            ordinal += 1
+            yield batch if cut is None else [batch[int(p)] for p in cut.positions]
+
+    def start_pass_at(self, ordinal: int) -> None:
+        """The epoch ordinal of the next pass's first batch (a resumed pass starts past its trained batches)."""
+        self._first_ordinal = ordinal
+
+    def take_window(self) -> tuple[int, Any]:
+        """``(raw size, cut)`` of the oldest batch not yet taken (batches are taken in the order yielded)."""
+        return self.windows.popleft()
 
     def __len__(self) -> int:
         return self.plain_length

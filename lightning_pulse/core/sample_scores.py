@@ -222,20 +222,24 @@ class SampleScoreTable:
         self.awaiting[slots] = True
 
     # ------------------------------------------------------------------ reads
-    def _effective(self, slots: np.ndarray, step: int) -> np.ndarray:
+    def _effective(self, slots: np.ndarray, step: int, prior: float | None = None) -> np.ndarray:
         scores = self.scores[slots]
-        if self.half_life is None or math.isnan(self.prior):
+        prior = self.prior if prior is None else prior
+        if self.half_life is None or math.isnan(prior):
             return scores
         age = np.maximum(step - self.steps[slots], 0).astype(np.float32)
-        return self.prior + (scores - self.prior) * np.exp2(-age / np.float32(self.half_life))
+        return prior + (scores - prior) * np.exp2(-age / np.float32(self.half_life))
 
     def effective(self, indices: Tensor | np.ndarray, step: int) -> Tensor:
         """Age-weighted scores ``(n,)`` of dataset ``indices`` at ``step`` (``NaN`` for never scored)."""
         return torch.from_numpy(self.effective_array(indices, step))
 
-    def effective_array(self, indices: Tensor | np.ndarray, step: int) -> np.ndarray:
-        """:meth:`effective` as a float32 host array (no tensor wrapping: the selection works on arrays)."""
-        return self._effective(_np_indices(indices), step)
+    def effective_array(
+        self, indices: Tensor | np.ndarray, step: int, prior: float | None = None
+    ) -> np.ndarray:
+        """:meth:`effective` as a float32 host array (no tensor wrapping: the selection works on arrays);
+        ``prior`` replaces the running prior (a sampler choosing ahead of training fixes it per pass)."""
+        return self._effective(_np_indices(indices), step, prior)
 
     def _scored(self) -> np.ndarray:
         return np.flatnonzero(self.steps >= 0)

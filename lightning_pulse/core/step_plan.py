@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_pulse.phase import Duration, Phase, PhaseClock
 
@@ -332,7 +333,10 @@ class StepSavingStream:
         self.epoch = 0
         self.samples = 0  # raw samples of this epoch's trained batches
         self.batches = 0  # this epoch's trained batches
-        self._resume: dict[str, int] | None = None
+        # the step the pass started at and the score prior then: what a sampler choosing ahead reads
+        self.pass_step = 0
+        self.pass_prior = math.nan
+        self._resume: dict[str, Any] | None = None
         self._first_pass = True
         self._plain_pass: list[int] = []
 
@@ -362,14 +366,22 @@ class StepSavingStream:
         )
         return self.plan
 
-    def sizes_for_pass(self, epoch: int) -> tuple[int, list[int], int]:
-        """``(skip, sizes, batches)`` of the pass that starts now: raw indices already trained, the raw sizes
-        of the batches to yield, and the epoch's batch count in all. The first pass of a fit is the resumed
-        epoch (``epoch`` may not be restored yet when Lightning starts it)."""
+    def sizes_for_pass(
+        self, epoch: int, step: int = 0, prior: float = math.nan, accumulate: int = 1
+    ) -> tuple[int, list[int], int]:
+        """``(skip, sizes, batches)`` of the pass that starts now, at optimizer ``step`` with score ``prior``:
+        raw indices already trained, the raw sizes of the batches to yield, and the epoch's batch count in all.
+        The first pass of a fit is the resumed epoch (``epoch`` may not be restored yet when Lightning starts
+        it), whose start step and prior come from the checkpoint."""
         assert self.plan is not None
         skip, done = 0, 0
+        self.pass_step, self.pass_prior = int(step), float(prior)
         if self._first_pass and self._resume is not None:
-            epoch, skip, done = self._resume["epoch"], self._resume["samples"], self._resume["batches"]
+            resume = self._resume
+            epoch, skip, done = resume["epoch"], resume["samples"], resume["batches"]
+            if resume["samples"]:  # mid-epoch: the pass began earlier
+                self.pass_step = int(resume.get("pass_step", resume["step"] - done // accumulate))
+                self.pass_prior = float(resume.get("pass_prior", prior))
         self._first_pass = False
         self.epoch, self.samples, self.batches = epoch, skip, done
         sizes = self.plan.sizes_of(epoch)
@@ -383,7 +395,7 @@ class StepSavingStream:
         self.samples += raw_samples
         self.batches += 1
 
-    def state_dict(self, global_step: int) -> dict[str, int]:
+    def state_dict(self, global_step: int) -> dict[str, Any]:
         total = -1 if self.plan is None else self.plan.total_steps
         return {
             "epoch": self.epoch,
@@ -391,7 +403,12 @@ class StepSavingStream:
             "batches": self.batches,
             "step": int(global_step),
             "total_steps": total,
+            "pass_step": self.pass_step,
+            "pass_prior": self.pass_prior,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self._resume = None if state.get("total_steps", -1) < 0 else {k: int(v) for k, v in state.items()}
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("total_steps", -1) < 0:
+            self._resume = None
+            return
+        self._resume = {k: float(v) if k == "pass_prior" else int(v) for k, v in state.items()}
