@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_pulse import _lightning_compat as compat
@@ -94,3 +95,32 @@ def run_validation_probe(
         stacked = compat.reduce_held(trainer.strategy, stacked, "mean", PROBE_COLLECTIVES)
         means = dict(zip(means, stacked.tolist()))
     return means
+
+
+class HeldOutProbe:
+    """A callback's evaluation probe: the first ``batches`` validation batches, taken once per fit, and the
+    module's ``validation_step`` run on them. Where there is no validation data or ``validation_step``, it warns
+    once (``"<owner>: ... <what_stops>"``) and answers ``None`` from then on."""
+
+    def __init__(self, owner: str, batches: int, what_stops: str) -> None:
+        self.owner = owner
+        self.batches = batches
+        self.what_stops = what_stops
+        self._data: list[Any] | None = None
+        self._unavailable = False
+
+    def reset(self) -> None:
+        """Take the batches again at the next run (a new fit may have new validation data)."""
+        self._data = None
+
+    def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
+        """The mean of what ``validation_step`` logs on the probe's batches, or ``None`` if unavailable."""
+        if self._unavailable or self.batches == 0:
+            return None
+        if self._data is None:
+            self._data = first_validation_batches(trainer, pl_module, self.batches)
+        if not self._data or not callable(getattr(pl_module, "validation_step", None)):
+            rank_zero_warn(f"{self.owner}: no validation dataloader or `validation_step`; {self.what_stops}.")
+            self._unavailable = True
+            return None
+        return run_validation_probe(trainer, pl_module, self._data)

@@ -99,7 +99,10 @@ class StepSavingLoader:
         assert trainer is not None and self._sampler is not None
         accumulate = trainer.accumulate_grad_batches
         skip, sizes, self.epoch_batches = self.stream.sizes_for_pass(
-            trainer.current_epoch, trainer.global_step, math.nan if self.prior is None else self.prior(), accumulate
+            trainer.current_epoch,
+            trainer.global_step,
+            math.nan if self.prior is None else self.prior(),
+            accumulate,
         )
         self._sampler.start_pass_at(self.stream.batches)
         compat.set_epoch_batches(trainer, self.epoch_batches)

@@ -14,14 +14,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.step_plan import StepPlan, replay_duration_for_budget, spent_summary
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
-from lightning_pulse.probe import PROBE_COLLECTIVES, first_validation_batches, run_validation_probe
+from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
 from lightning_pulse.protocols import PhaseListener, listeners
 
 PROBE_MODES = ("probe", "none")
@@ -175,8 +175,7 @@ class PulseCycle(Callback):
         # refreshed every epoch: both can change when a callback changes the epoch's length
         self._total_steps = math.inf
         self._epoch_steps: float | None = None
-        self._probe_data: list[Any] | None = None
-        self._probe_unavailable = False
+        self.probe = HeldOutProbe("PulseCycle", probe_batches, "the maintain probe is off")
         self.last_probe: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public API
@@ -258,7 +257,7 @@ class PulseCycle(Callback):
             )
         self._last_global_step = trainer.global_step
         self._last_tick = self.time_source()
-        self._probe_data = None
+        self.probe.reset()
         compat.add_progress_bar_item(trainer, "phase", self._progress_label)
         try:
             change = self.clock.start(self._total_steps)
@@ -379,17 +378,8 @@ class PulseCycle(Callback):
                 logger.log_metrics(metrics, step=trainer.global_step)
 
     def _run_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._probe_unavailable:
-            return
-        if self._probe_data is None:
-            self._probe_data = first_validation_batches(trainer, pl_module, self.probe_batches)
-        batches = self._probe_data
-        if not batches or not callable(getattr(pl_module, "validation_step", None)):
-            rank_zero_warn(
-                "PulseCycle: no validation dataloader or `validation_step`; the maintain probe is off."
-            )
-            self._probe_unavailable = True
-            return
-        self.last_probe = run_validation_probe(trainer, pl_module, batches)
-        if self.last_probe:
-            self._log(trainer, {f"pulse/probe/{name}": value for name, value in self.last_probe.items()})
+        probe = self.probe.run(trainer, pl_module)
+        if probe is not None:
+            self.last_probe = probe
+            if probe:
+                self._log(trainer, {f"pulse/probe/{name}": value for name, value in probe.items()})

@@ -27,7 +27,7 @@ from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_
 from lightning_pulse.core.prune_setup import PruneOptions
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import Phase, PhaseChange
-from lightning_pulse.probe import PROBE_COLLECTIVES, first_validation_batches, run_validation_probe
+from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
 from lightning_pulse.protocols import ParametersReplacedListener, listeners
 
 __all__ = ["DistillConfig", "PruneOptions", "ScheduledPrune"]
@@ -123,8 +123,7 @@ class ScheduledPrune(Callback):
         self._uses_maintain = False
         self._last_global_step = 0
         self._example: Any = None  # structured: the trace input, checked on the first batch
-        self._probe_data: list[Any] | None = None
-        self._probe_unavailable = False
+        self.probe = HeldOutProbe("ScheduledPrune", probe_batches, "accuracy at events is off")
         self._fitter_handle: Any = None
         self._trainer_ref: Callable[[], pl.Trainer | None] = _no_trainer  # picklable, for ddp_spawn
         self._window = DistillWindow(self.distill) if self.distill is not None else None
@@ -315,17 +314,7 @@ class ScheduledPrune(Callback):
         # PulseCycle has just evaluated the model at this maintain entry: reuse it rather than evaluate twice
         if maintain_entry and cycle is not None and cycle.maintain_eval == "probe" and cycle.last_probe:
             return dict(cycle.last_probe)
-        if self.probe_batches == 0 or self._probe_unavailable:
-            return None
-        if self._probe_data is None:
-            self._probe_data = first_validation_batches(trainer, pl_module, self.probe_batches)
-        if not self._probe_data or not callable(getattr(pl_module, "validation_step", None)):
-            rank_zero_warn(
-                "ScheduledPrune: no validation data or `validation_step`; accuracy at events is off."
-            )
-            self._probe_unavailable = True
-            return None
-        return run_validation_probe(trainer, pl_module, self._probe_data)
+        return self.probe.run(trainer, pl_module)
 
     def _restore_teacher(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         saved, self._pending_teacher = self._pending_teacher, None

@@ -257,7 +257,9 @@ class PlannedBatchSampler(BatchSampler):
         self.sizes_for_pass = sizes_for_pass
         self.plain_length = plain_length
         self.choose = choose
-        self.windows: deque[tuple[int, Any]] = deque()  # per yielded batch: (raw window size, the cut or None)
+        self.windows: deque[tuple[int, Any]] = (
+            deque()
+        )  # per yielded batch: (raw window size, the cut or None)
         self._first_ordinal = 0
 
     def __iter__(self) -> Iterator[list[int]]:
