@@ -155,6 +155,11 @@ def test_a_budget_without_step_saving_replay_is_refused_before_the_first_step():
     [
         (dict(burst="5s", replay="3s", maintain=0), {}, "durations, which here are in seconds"),
         (CYCLE, {"limit_train_batches": 0.5}, "`limit_train_batches`=0.5"),
+        (
+            CYCLE,
+            {"reload_dataloaders_every_n_epochs": 1},
+            "`reload_dataloaders_every_n_epochs`=1 .* mode='batch'",
+        ),
     ],
 )
 def test_what_steps_mode_cannot_plan_is_refused_at_fit_start(cycle, trainer_extra, match):

@@ -37,6 +37,7 @@ from lightning_pulse.energy.config import (
     prefixed,
 )
 from lightning_pulse.energy.report import JSON_NAME, write_report
+from lightning_pulse.loggers import log_to_loggers
 
 MONITORABLE = ("energy/total_kwh",)
 
@@ -260,7 +261,7 @@ class EnergyLogger(Callback):
             if global_step > self._last_global_step:
                 self._last_global_step = global_step
                 if global_step % self._log_every == 0:
-                    self._log(trainer, self.account.step_metrics())
+                    log_to_loggers(trainer, self.account.step_metrics())
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -289,7 +290,7 @@ class EnergyLogger(Callback):
         for name in MONITORABLE:
             if name in metrics:
                 compat.set_callback_metric(trainer, name, metrics[name])
-        self._log(trainer, metrics)
+        log_to_loggers(trainer, metrics)
 
     @override
     @_instrumentation
@@ -302,7 +303,7 @@ class EnergyLogger(Callback):
         metrics = {f"energy/{name}": total[key] for name, key in names.items()}
         metrics["energy/final_duration_s"] = total["duration_s"]
         metrics.update(baseline_ratios(report.get("comparison")))  # `energy/vs_baseline_<figure>`
-        self._log(trainer, {k: float(v) for k, v in metrics.items() if v is not None})
+        log_to_loggers(trainer, {k: float(v) for k, v in metrics.items() if v is not None})
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -358,13 +359,7 @@ class EnergyLogger(Callback):
     @_instrumentation
     def _log_cycle(self, trainer: pl.Trainer, cycle: int) -> None:
         metrics = self.account.cycle_metrics(cycle, _StrategyCollective(trainer, self._held))
-        self._log(trainer, metrics)
-
-    @staticmethod
-    def _log(trainer: pl.Trainer, metrics: dict[str, float] | None) -> None:
-        if metrics and trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+        log_to_loggers(trainer, metrics)
 
     def _warn_rank(self, message: str) -> None:
         # a meter can fail on one rank only (its own GPU), so under DDP every rank may warn, with its rank

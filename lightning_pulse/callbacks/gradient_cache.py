@@ -41,6 +41,7 @@ from lightning_pulse.core.layer_freezing import (
     restore_freezer,
 )
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
+from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 
 
@@ -357,11 +358,9 @@ class GradientCache(Callback):
 
     def _log(self, trainer: pl.Trainer, report: StepReport) -> None:
         assert self.freezer is not None
-        # straight to the loggers, like PulseCycle: cheaper than `pl_module.log` every step
         if trainer.is_global_zero:
             logged = freeze_metrics(report, self.freezer, self.ledger, self.activations, self.measure_flops)
-            for logger in trainer.loggers:
-                logger.log_metrics(logged, step=trainer.global_step)
+            log_to_loggers(trainer, logged)
 
 
 def _from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | None:

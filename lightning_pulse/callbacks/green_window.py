@@ -33,6 +33,7 @@ from lightning_pulse.core.green_window import (
 from lightning_pulse.energy.carbon import format_utc, parse_timestamp
 from lightning_pulse.energy.signal import GreenSignal
 from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.loggers import log_to_loggers
 
 SUSPEND_CHECKPOINT = "last-green-window.ckpt"
 SYNC_EVERY_N_STEPS = 10  # under DDP, rank 0's clock is consulted (and its decision shared) this often
@@ -277,8 +278,7 @@ class GreenWindow(Callback):
         if decision is None:
             return None
         self._next_check = now + self.options.slot_s
-        for logger in trainer.loggers:
-            logger.log_metrics(self.schedule.metrics(decision), step=trainer.global_step)
+        log_to_loggers(trainer, self.schedule.metrics(decision))
         return decision
 
     def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision) -> bool:

@@ -29,6 +29,7 @@ from lightning_pulse.core.replay import (
     MODEL_PARALLEL_REFUSAL,
     ROLE_NAMES,
     STEPS_MODE_LIMIT_REFUSAL,
+    STEPS_MODE_RELOAD_REFUSAL,
     UNTOUCHED,
     HardSampleSelector,
     ReplayConfig,
@@ -43,6 +44,7 @@ from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import assign_in_place, take_samples
 from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase
 from lightning_pulse.step_saving import StepSavingLoader
 
@@ -54,9 +56,9 @@ class HardSampleReplay(Callback):
     ``torch.nn.functional`` losses, which ``torch.nn`` loss modules call; no second forward pass) and kept in a
     score table keyed by dataset index. In the phases listed in ``phases`` (by default a
     :class:`~lightning_pulse.PulseCycle`'s replay phase; every step without one) the ``rule`` picks from the
-    age-weighted scores; never-scored samples always train. ``mode="steps"`` (the default): the sampler fetches
-    ``B / replay_fraction`` samples for such a step and the step trains the ``B`` picked, so the run takes fewer
-    steps; the run is planned at fit start and ``trainer.max_steps`` set to the plan
+    age-weighted scores; never-scored samples always train. ``mode="steps"`` (the default): for such a step the
+    sampler draws a window of ``B / replay_fraction`` indices and keeps the ``B`` picked before any is loaded, so
+    the run loads and trains fewer samples in fewer steps; the run is planned at fit start and ``trainer.max_steps`` set to the plan
     (:mod:`lightning_pulse.step_saving`), so ``OneCycleLR`` and every schedule plan for the real steps.
     ``mode="batch"``: each batch is cut to about ``replay_fraction * B``, steps unchanged. ``mode="epoch"``
     (without a PulseCycle): epochs of ``replay_fraction`` of the dataset. The algorithm is
@@ -87,8 +89,8 @@ class HardSampleReplay(Callback):
             half-life with an infinite DataLoader.
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
             ``IterableDataset``, a custom batch sampler), ``mode="epoch"`` next to a PulseCycle,
-            ``ModelParallelStrategy``, or in ``mode="steps"`` a run of unknown length, ``limit_train_batches``
-            or a PulseCycle in seconds; after the fit's first two batches (trained in full, before any replay
+            ``ModelParallelStrategy``, or in ``mode="steps"`` a run of unknown length, ``limit_train_batches``,
+            ``reload_dataloaders_every_n_epochs`` or a PulseCycle in seconds; after the fit's first two batches (trained in full, before any replay
             step), for a module carrying state from one batch to the next (a stateful RNN) or a token loss
             flattened time-major.
         RuntimeError: at the first step whose loss yields no per-sample value and no ``scorer`` is set.
@@ -187,6 +189,8 @@ class HardSampleReplay(Callback):
             self.steps = StepSavingLoader()
             if getattr(trainer, "limit_train_batches", 1.0) not in (None, 1.0):
                 raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(limit=trainer.limit_train_batches))
+            if reload := getattr(trainer, "reload_dataloaders_every_n_epochs", 0):
+                raise PulseRefusal(STEPS_MODE_RELOAD_REFUSAL.format(every=reload))
         if self._remove_hook is not None:
             self._remove_hook()
         self._remove_hook = compat.on_train_dataloader_ready(trainer, self._on_train_dataloader)
@@ -351,9 +355,9 @@ class HardSampleReplay(Callback):
         if not trainer.is_global_zero or not trainer.loggers:
             return
         window = selector.take_window()
-        metrics = {f"hard_sample_replay/{k}": v for k, v in window.items() if not math.isnan(v)}
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        log_to_loggers(
+            trainer, {f"hard_sample_replay/{k}": v for k, v in window.items() if not math.isnan(v)}
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def _release(self) -> None:

@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
 
 
@@ -134,10 +135,7 @@ class HyperConnectionMonitor(Callback):
             metrics.update(
                 {f"{self.prefix}/off_diagonal_mass/layer_{i:02d}": mass for i, mass in enumerate(per_layer)}
             )
-        # Straight to the loggers, as LearningRateMonitor does: ``pl_module.log`` would keep re-emitting the
-        # last value at every step in between. Loggers write on rank 0 only.
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=self._last_measured_step)
+        log_to_loggers(trainer, metrics, step=self._last_measured_step)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

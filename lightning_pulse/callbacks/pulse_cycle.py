@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.step_plan import StepPlan, replay_duration_for_budget, spent_summary
 from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
 from lightning_pulse.protocols import PhaseListener, listeners
@@ -278,7 +279,7 @@ class PulseCycle(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.plan is not None and self.plan.plain_steps:
             spent, message = spent_summary(self.plan, trainer.global_step, self.budget)
-            self._log(trainer, {"pulse/budget_spent": spent})
+            log_to_loggers(trainer, {"pulse/budget_spent": spent})
             rank_zero_info(f"PulseCycle: {message}")
 
     @override
@@ -303,7 +304,7 @@ class PulseCycle(Callback):
             total_steps=self._total_steps,
         )
         if global_step % max(trainer.log_every_n_steps, 1) == 0 and trainer.loggers:
-            self._log(trainer, {"pulse/phase": self.clock.phase.code, "pulse/cycle": self.clock.cycle})
+            log_to_loggers(trainer, {"pulse/phase": self.clock.phase.code, "pulse/cycle": self.clock.cycle})
         for change in changes:
             self._announce(trainer, pl_module, change)
 
@@ -340,7 +341,7 @@ class PulseCycle(Callback):
     def _announce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange) -> None:
         if change.previous is not None:
             ended = change.previous.value
-            self._log(
+            log_to_loggers(
                 trainer,
                 {
                     f"pulse/{ended}_steps": float(change.ended_steps),
@@ -370,16 +371,9 @@ class PulseCycle(Callback):
             self._epoch_steps = None
         self._total_steps = float(trainer.estimated_stepping_batches)
 
-    @staticmethod
-    def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
-        # straight to the loggers: a per-step `pl_module.log` costs more than the whole clock
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-
     def _run_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         probe = self.probe.run(trainer, pl_module)
         if probe is not None:
             self.last_probe = probe
             if probe:
-                self._log(trainer, {f"pulse/probe/{name}": value for name, value in probe.items()})
+                log_to_loggers(trainer, {f"pulse/probe/{name}": value for name, value in probe.items()})

@@ -26,6 +26,7 @@ from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_int
 from lightning_pulse.core.prune_setup import PruneOptions
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
+from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
 from lightning_pulse.protocols import ParametersReplacedListener, listeners
@@ -287,7 +288,7 @@ class ScheduledPrune(Callback):
         )
         event["phase"] = phase_of(trainer).value if pulse_cycle_of(trainer) is not None else None
         self.events.append(event)
-        _log(trainer, pruning.event_metrics(event))
+        log_to_loggers(trainer, pruning.event_metrics(event))
         rank_zero_info(f"ScheduledPrune: {pruning.event_summary(event)}")
         if self._window is not None and teacher is not None:
             self._window.open(pl_module, teacher, len(self.events) - 1, trainer.accumulate_grad_batches)
@@ -332,15 +333,8 @@ class ScheduledPrune(Callback):
                 "of the teacher's shape during training."
             )
         elif trainer is not None:
-            _log(trainer, {"prune/distill_loss": loss})
+            log_to_loggers(trainer, {"prune/distill_loss": loss})
 
 
 def _no_trainer() -> None:
     return None
-
-
-def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
-    # straight to the loggers, as PulseCycle does: `pl_module.log` is not allowed from every hook we run in
-    if trainer.is_global_zero:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)

@@ -24,6 +24,7 @@ from lightning_pulse.core.stability_policy import (
     StepEnergy,
 )
 from lightning_pulse.errors import refuse_sharded_strategy
+from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PhaseChange
 from lightning_pulse.protocols import PhaseListener, RollbackAware, listeners
 
@@ -243,12 +244,12 @@ class StabilityGuard(Callback):
         self.schedule.pending = False  # the maintain entry (or new structure) came with a flagged step
         if action is not Action.SKIP:
             self._roll_back(trainer, pl_module, action)
-        self._log(trainer, self.metrics())
+        log_to_loggers(trainer, self.metrics())
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._changes.detach()
-        self._log(trainer, self.metrics())
+        log_to_loggers(trainer, self.metrics())
         summary = steps.summary_message(self.policy)
         if summary is not None:
             rank_zero_info(summary)
@@ -338,7 +339,7 @@ class StabilityGuard(Callback):
             return
         self.policy.stop(step, to_step)
         path = steps.stop_checkpoint_path(self.config, trainer.default_root_dir, step)
-        self._log(trainer, self.metrics())
+        log_to_loggers(trainer, self.metrics())
         trainer.save_checkpoint(path)
         message = steps.stop_message(self.policy, step, to_step, recent_rollbacks, path)
         raise StabilityGuardError(message, checkpoint_path=path)
@@ -358,9 +359,3 @@ class StabilityGuard(Callback):
         for state in self._rollback_callbacks(trainer).values():
             if isinstance(state.callback, PhaseListener):
                 state.callback.on_pulse_phase_change(trainer, pl_module, change)
-
-    @staticmethod
-    def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)

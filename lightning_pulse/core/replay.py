@@ -133,6 +133,11 @@ STEPS_MODE_LIMIT_REFUSAL = (
     "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which `limit_train_batches`={limit!r} "
     "cuts short; drop limit_train_batches or use mode='batch'."
 )
+STEPS_MODE_RELOAD_REFUSAL = (
+    "HardSampleReplay: mode='steps' plans the run on the training DataLoader it finds at fit start, and "
+    "`reload_dataloaders_every_n_epochs`={every!r} replaces that DataLoader with one the plan does not drive; "
+    "set reload_dataloaders_every_n_epochs=0 or use mode='batch'."
+)
 EPOCH_MODE_REFUSAL = (
     "HardSampleReplay: mode='epoch' chooses each epoch's samples when the epoch starts, so it cannot "
     "follow a PulseCycle's step-based phases; use mode='steps' (the default) with a PulseCycle."
