@@ -278,6 +278,13 @@ class PhaseClock:
         """False during warm-up and anneal."""
         return self.stage == "cycle"
 
+    @property
+    def label(self) -> str:
+        """A short label for a progress bar: ``"burst(warmup)"``, ``"replay·c3"``."""
+        if self.stage in ("warmup", "anneal"):
+            return f"{self.phase}({self.stage})"
+        return f"{self.phase}·c{self.cycle}"
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "phase": self.phase.value,
@@ -496,3 +503,28 @@ class PhaseClock:
                 "`anneal` is a share of the run, so the run needs a finite max_steps or max_epochs."
             )
         return int(round((1.0 - self.anneal) * total_steps))
+
+
+#: what PulseCycle's ``maintain_eval`` accepts
+PROBE_MODES = ("probe", "none")
+
+
+def check_cycle_options(maintain_eval: str, probe_batches: int, budget: float | None) -> float | None:
+    """Validate PulseCycle's options besides the clock's; return ``budget`` as a float (or ``None``).
+
+    Raises:
+        ValueError: naming the field, for an unknown ``maintain_eval``, a non-positive ``probe_batches`` or a
+            ``budget`` outside ``(0, 1)``.
+    """
+    if maintain_eval not in PROBE_MODES:
+        raise ValueError(f"PulseCycle: `maintain_eval`={maintain_eval!r} is not one of {list(PROBE_MODES)}.")
+    if isinstance(probe_batches, bool) or not isinstance(probe_batches, int) or probe_batches < 1:
+        raise ValueError(f"PulseCycle: `probe_batches`={probe_batches!r} must be a positive int.")
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < 1:
+        raise ValueError(
+            f"PulseCycle: `budget`={budget!r} must be a number in (0, 1): the share of the plain run's "
+            "optimizer steps to spend (or None for the durations as given)."
+        )
+    return float(budget)

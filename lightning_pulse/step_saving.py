@@ -18,7 +18,13 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
-from lightning_pulse.core.replay import STEPS_MODE_CLOCK_REFUSAL, STEPS_MODE_LENGTH_REFUSAL
+from lightning_pulse.core.replay import (
+    STEPS_MODE_CLOCK_REFUSAL,
+    STEPS_MODE_LENGTH_REFUSAL,
+    STEPS_MODE_LIMIT_REFUSAL,
+    STEPS_MODE_RELOAD_REFUSAL,
+    HardSampleSelector,
+)
 from lightning_pulse.core.sample_index import PlannedBatchSampler, SampleIndexTracker
 from lightning_pulse.core.step_plan import StepPlan, StepSavingStream, plan_summary
 from lightning_pulse.errors import PulseRefusal
@@ -33,17 +39,30 @@ class StepSavingLoader:
         self._trainer: pl.Trainer | None = None
         self._sampler: PlannedBatchSampler | None = None
         self._choose: Callable[[list[int], int, int, float], Any] | None = None
-        self.prior: Callable[[], float] | None = None  # the score table's running prior
+        self._selector: HardSampleSelector | None = None  # its table's running prior is the passes' prior
 
     @property
     def plan(self) -> StepPlan | None:
         return self.stream.plan
+
+    @staticmethod
+    def check_trainer(trainer: pl.Trainer) -> None:
+        """Refuse, at setup, Trainer settings under which the plan would not drive the run's batches.
+
+        Raises:
+            PulseRefusal: for ``limit_train_batches`` or ``reload_dataloaders_every_n_epochs``.
+        """
+        if getattr(trainer, "limit_train_batches", 1.0) not in (None, 1.0):
+            raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(limit=trainer.limit_train_batches))
+        if reload := getattr(trainer, "reload_dataloaders_every_n_epochs", 0):
+            raise PulseRefusal(STEPS_MODE_RELOAD_REFUSAL.format(every=reload))
 
     def install(
         self,
         trainer: pl.Trainer,
         loader: Any,
         tracker: SampleIndexTracker,
+        selector: HardSampleSelector,
         fraction: float,
         light_phases: Sequence[str],
         choose: Callable[[list[int], int, int, float], Any],
@@ -58,6 +77,7 @@ class StepSavingLoader:
                 run of unknown length.
         """
         self._trainer = trainer
+        self._selector = selector
         cycle = pulse_cycle_of(trainer)
         if cycle is not None and cycle.clock.uses_wall_clock:
             raise PulseRefusal(STEPS_MODE_CLOCK_REFUSAL)
@@ -101,22 +121,27 @@ class StepSavingLoader:
         skip, sizes, self.epoch_batches = self.stream.sizes_for_pass(
             trainer.current_epoch,
             trainer.global_step,
-            math.nan if self.prior is None else self.prior(),
+            self._prior(),
             accumulate,
         )
         self._sampler.start_pass_at(self.stream.batches)
         compat.set_epoch_batches(trainer, self.epoch_batches)
         return skip, sizes
 
+    def _prior(self) -> float:
+        return math.nan if self._selector is None else self._selector.table.prior
+
     def _cut(self, window: list[int], ordinal: int) -> Any:
         assert self._trainer is not None and self._choose is not None
         step = self.stream.pass_step + ordinal // self._trainer.accumulate_grad_batches
         return self._choose(window, ordinal, step, self.stream.pass_prior)
 
-    def take_window(self) -> tuple[int, Any]:
-        """``(raw window size, cut or None)`` of the batch about to train."""
+    def next_batch(self) -> tuple[int, Any]:
+        """``(raw window size, cut or None)`` of the batch about to train, counted as trained."""
         assert self._sampler is not None
-        return self._sampler.take_window()
+        window, cut = self._sampler.take_window()
+        self.stream.trained(window)
+        return window, cut
 
     def on_train_start(self, trainer: pl.Trainer) -> None:
         # Lightning set the first epoch's validation batch from the plain length after the first pass began

@@ -147,7 +147,9 @@ class HoldingStrategy:
 def _measure_under_two_ranks(
     monitor: HyperConnectionMonitor, strategy: HoldingStrategy, step: int = 0
 ) -> None:
-    trainer = SimpleNamespace(strategy=strategy, world_size=2, loggers=[], global_step=step)
+    trainer = SimpleNamespace(
+        strategy=strategy, world_size=2, is_global_zero=True, loggers=[], global_step=step
+    )
     model, _ = tiny_lm("mhc")
     monitor.on_train_batch_start(trainer, model, None, 0)
     model(torch.zeros(1, 4, dtype=torch.long))

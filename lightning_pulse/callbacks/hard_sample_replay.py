@@ -8,7 +8,6 @@ from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -28,9 +27,6 @@ from lightning_pulse.core.replay import (
     EPOCH_MODE_REFUSAL,
     MODEL_PARALLEL_REFUSAL,
     ROLE_NAMES,
-    STEPS_MODE_LIMIT_REFUSAL,
-    STEPS_MODE_RELOAD_REFUSAL,
-    UNTOUCHED,
     HardSampleSelector,
     ReplayConfig,
     check_batch_indices,
@@ -187,10 +183,7 @@ class HardSampleReplay(Callback):
         self._trainer, self._ready = trainer, False
         if self.mode == "steps":
             self.steps = StepSavingLoader()
-            if getattr(trainer, "limit_train_batches", 1.0) not in (None, 1.0):
-                raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(limit=trainer.limit_train_batches))
-            if reload := getattr(trainer, "reload_dataloaders_every_n_epochs", 0):
-                raise PulseRefusal(STEPS_MODE_RELOAD_REFUSAL.format(every=reload))
+            self.steps.check_trainer(trainer)
         if self._remove_hook is not None:
             self._remove_hook()
         self._remove_hook = compat.on_train_dataloader_ready(trainer, self._on_train_dataloader)
@@ -213,13 +206,15 @@ class HardSampleReplay(Callback):
         if self.mode == "epoch":
             self.tracker.select_passes(self._select_epoch, self.selector.epoch_length)
         elif self.mode == "steps" and self.steps.plan is None:  # planned once per fit
-            self.steps.prior = self._table_prior
             self.steps.install(
-                self._trainer, loader, self.tracker, self.config.replay_fraction, self.phases, self._choose
+                self._trainer,
+                loader,
+                self.tracker,
+                self.selector,
+                self.config.replay_fraction,
+                self.phases,
+                self._choose,
             )
-
-    def _table_prior(self) -> float:
-        return math.nan if self.selector is None else self.selector.table.prior
 
     def _choose(self, window: list[int], ordinal: int, step: int, prior: float) -> Any:
         # steps mode, at the sampler: the batch that trains, chosen before the window is loaded
@@ -272,27 +267,26 @@ class HardSampleReplay(Callback):
         offered = extract_batch_size(batch)
         indices = self.tracker.batch_indices(batch_idx)
         active, step = phase_of(trainer, default=Phase.REPLAY).value in self.phases, trainer.global_step
-        counted, weights, positions, cut, window = float(offered), None, None, None, 0
-        if self.mode == "steps":  # a light-phase step: the sampler cut a full batch from a wider window
-            window, cut = self.steps.take_window()
-            self.steps.stream.trained(window)
-            if cut is not None:
-                indices, active, counted = cut.indices, True, float(window)
-        check_batch_indices(batch_idx, offered, indices)
-        roles = np.full(offered, UNTOUCHED) if cut is None else cut.roles
-        if active and self.mode == "epoch":  # the epoch's sampler already chose these samples
-            roles, counted = self.selector.epoch_roles(indices), offered * self.selector.epoch_offered_ratio
-        elif active and self.mode == "batch":
-            pick = self.selector.compose(indices, step, batch_idx, trainer.global_rank)
-            indices, roles, weights, positions = pick.indices, pick.roles, pick.weights, pick.positions
-        self._refuse(self.state_check.before_batch(cut=positions is not None or cut is not None))
-        if positions is not None:
-            assign_in_place(batch, take_samples(batch, positions, offered))
-        context = {"offered": counted, "active": active, "size": offered, "window": window or offered}
-        self._batch = {"step": step, "indices": indices, "roles": roles, **context}
+        window, cut = self.steps.next_batch() if self.mode == "steps" else (0, None)
+        check_batch_indices(batch_idx, offered, indices if cut is None else cut.indices)
+        plan = self.selector.plan_batch(
+            self.mode, indices, active, step, batch_idx, trainer.global_rank, cut, window
+        )
+        self._refuse(self.state_check.before_batch(cut=plan.selected))
+        if plan.positions is not None:
+            assign_in_place(batch, take_samples(batch, plan.positions, offered))
+        self._batch = {
+            "step": step,
+            "indices": plan.indices,
+            "roles": plan.roles,
+            "offered": plan.offered,
+            "active": plan.active,
+            "size": offered,
+            "window": window or offered,
+        }
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
-        if self.scorer is None or weights is not None:
-            self._capture = LossCapture(batch_size=int(roles.size), sample_weights=weights)
+        if self.scorer is None or plan.weights is not None:
+            self._capture = LossCapture(batch_size=int(plan.roles.size), sample_weights=plan.weights)
             self._capture.__enter__()
 
     @override

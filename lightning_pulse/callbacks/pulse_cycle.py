@@ -21,11 +21,9 @@ from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.step_plan import StepPlan, replay_duration_for_budget, spent_summary
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.loggers import log_to_loggers
-from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock
+from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock, check_cycle_options
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
 from lightning_pulse.protocols import PhaseListener, listeners
-
-PROBE_MODES = ("probe", "none")
 
 
 def pulse_cycle_of(trainer: pl.Trainer | None) -> PulseCycle | None:
@@ -151,20 +149,7 @@ class PulseCycle(Callback):
             )
         except ValueError as error:
             raise ValueError(f"PulseCycle: {error}") from None
-        if maintain_eval not in PROBE_MODES:
-            raise ValueError(
-                f"PulseCycle: `maintain_eval`={maintain_eval!r} is not one of {list(PROBE_MODES)}."
-            )
-        if isinstance(probe_batches, bool) or not isinstance(probe_batches, int) or probe_batches < 1:
-            raise ValueError(f"PulseCycle: `probe_batches`={probe_batches!r} must be a positive int.")
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < 1
-        ):
-            raise ValueError(
-                f"PulseCycle: `budget`={budget!r} must be a number in (0, 1): the share of the plain run's "
-                "optimizer steps to spend (or None for the durations as given)."
-            )
-        self.budget = None if budget is None else float(budget)
+        self.budget = check_cycle_options(maintain_eval, probe_batches, budget)
         self.plan: StepPlan | None = None  # set by a step-saving HardSampleReplay at fit start
         self.maintain_eval = maintain_eval
         self.probe_batches = probe_batches
@@ -259,7 +244,7 @@ class PulseCycle(Callback):
         self._last_global_step = trainer.global_step
         self._last_tick = self.time_source()
         self.probe.reset()
-        compat.add_progress_bar_item(trainer, "phase", self._progress_label)
+        compat.add_progress_bar_item(trainer, "phase", lambda: self.clock.label)
         try:
             change = self.clock.start(self._total_steps)
         except ValueError as error:  # warm-up or anneal on a run of unknown length
@@ -356,12 +341,6 @@ class PulseCycle(Callback):
             callback.on_pulse_phase_change(trainer, pl_module, change)
         for listener in self._listeners:
             listener(trainer, pl_module, change)
-
-    def _progress_label(self) -> str:
-        stage = self.clock.stage
-        if stage in ("warmup", "anneal"):
-            return f"{self.clock.phase}({stage})"
-        return f"{self.clock.phase}·c{self.clock.cycle}"
 
     def _refresh_run_length(self, trainer: pl.Trainer) -> None:
         batches = trainer.num_training_batches  # a step-saving sampler reports the plain epoch's length

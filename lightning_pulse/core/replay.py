@@ -238,6 +238,29 @@ class Composition:
     weights: Tensor | None
 
 
+@dataclass
+class BatchPlan:
+    """What one training step of a replay run trains, and what it stands for.
+
+    Attributes:
+        indices: ``(k,)`` dataset indices of the samples that train.
+        roles: ``(k,)`` int64 roles (:data:`UNTOUCHED`, :data:`SELECTED` or :data:`UNSEEN`).
+        weights: ``(k,)`` loss weights (InfoBatch), or ``None``.
+        positions: positions to cut from the loaded batch (batch mode), or ``None``.
+        offered: how many samples of the data the step stands for (for the totals).
+        active: whether the step selected.
+        selected: whether the batch is a selection (cut here or at the sampler), not the loader's own batch.
+    """
+
+    indices: Tensor
+    roles: np.ndarray
+    weights: Tensor | None
+    positions: Tensor | None
+    offered: float
+    active: bool
+    selected: bool
+
+
 class _Measured:
     """One training step's measurement, kept until it is applied to the table."""
 
@@ -447,6 +470,33 @@ class HardSampleSelector:
             weights = None  # nothing pruned: leave the module's loss exactly as it is
         positions = None if selection.count == offered else selection.positions
         return Composition(positions, indices[selection.positions], roles, weights)
+
+    def plan_batch(
+        self,
+        mode: str,
+        indices: Tensor,
+        active: bool,
+        step: int,
+        batch_idx: int,
+        rank: int = 0,
+        cut: Composition | None = None,
+        window: int = 0,
+    ) -> BatchPlan:
+        """The step's :class:`BatchPlan` for a loaded batch of dataset ``indices``, in a selecting phase when
+        ``active``. ``cut`` is steps mode's choice at the sampler (of a ``window`` of indices), already loaded."""
+        offered = int(indices.numel())
+        if cut is not None:
+            return BatchPlan(cut.indices, cut.roles, None, None, float(window), True, True)
+        if active and mode == "epoch":  # the epoch's sampler already chose these samples
+            ratio = offered * self.epoch_offered_ratio
+            return BatchPlan(indices, self.epoch_roles(indices), None, None, ratio, True, False)
+        if active and mode == "batch":
+            pick = self.compose(indices, step, batch_idx, rank)
+            chosen = pick.positions is not None
+            return BatchPlan(
+                pick.indices, pick.roles, pick.weights, pick.positions, float(offered), True, chosen
+            )
+        return BatchPlan(indices, np.full(offered, UNTOUCHED), None, None, float(offered), active, False)
 
     def choose_window(
         self, window: Sequence[int], keep: int, step: int, ordinal: int, prior: float, rank: int = 0
