@@ -38,7 +38,7 @@ class StepSavingLoader:
         self.epoch_batches = 0  # the batches of the pass under way
         self._trainer: pl.Trainer | None = None
         self._sampler: PlannedBatchSampler | None = None
-        self._choose: Callable[[list[int], int, int, float], Any] | None = None
+        self._choose: Callable[[list[list[int]], list[int], list[int], float], list[Any]] | None = None
         self._selector: HardSampleSelector | None = None  # its table's running prior is the passes' prior
 
     @property
@@ -65,12 +65,13 @@ class StepSavingLoader:
         selector: HardSampleSelector,
         fraction: float,
         light_phases: Sequence[str],
-        choose: Callable[[list[int], int, int, float], Any],
+        choose: Callable[[list[list[int]], list[int], list[int], float], list[Any]],
     ) -> StepPlan:
         """Plan the run, cap ``max_steps`` and put the planned batch sampler into ``loader``.
 
-        ``choose(window, ordinal, step, prior)`` cuts a light-phase window to the batch that trains, before it
-        is loaded: ``ordinal`` is the batch's place in its epoch and ``step`` the optimizer step it trains at.
+        ``choose(windows, ordinals, steps, prior)`` cuts a pass's light-phase windows to the batches that train,
+        before they are loaded: ``ordinals`` are the batches' places in their epoch and ``steps`` the optimizer
+        steps they train at.
 
         Raises:
             PulseRefusal: for a PulseCycle with wall-clock durations or a budget it cannot meet, and for a
@@ -131,10 +132,11 @@ class StepSavingLoader:
     def _prior(self) -> float:
         return math.nan if self._selector is None else self._selector.table.prior
 
-    def _cut(self, window: list[int], ordinal: int) -> Any:
+    def _cut(self, windows: list[list[int]], ordinals: list[int]) -> list[Any]:
         assert self._trainer is not None and self._choose is not None
-        step = self.stream.pass_step + ordinal // self._trainer.accumulate_grad_batches
-        return self._choose(window, ordinal, step, self.stream.pass_prior)
+        accumulate = self._trainer.accumulate_grad_batches
+        steps = [self.stream.pass_step + ordinal // accumulate for ordinal in ordinals]
+        return self._choose(windows, ordinals, steps, self.stream.pass_prior)
 
     def next_batch(self) -> tuple[int, Any]:
         """``(raw window size, cut or None)`` of the batch about to train, counted as trained."""

@@ -350,3 +350,34 @@ def test_past_the_plan_a_pass_yields_plain_batches_never_an_empty_epoch():
     assert stream.sizes_for_pass(0) == (0, [20, 5], 2)
     # an epoch the plan does not cover (a run that goes on to max_steps) trains plain batches
     assert stream.sizes_for_pass(5) == (0, [10, 10, 5], 3)
+
+
+def _reference_cut(scores: list[float], keep: int) -> list[int]:
+    """Never-scored first in window order, then the highest scores (ties: earlier), returned in window order."""
+    unseen = [i for i, s in enumerate(scores) if math.isnan(s)]
+    seen = sorted((i for i, s in enumerate(scores) if not math.isnan(s)), key=lambda i: (-scores[i], i))
+    return sorted((unseen + seen)[:keep])
+
+
+def test_a_pass_of_windows_is_cut_as_each_window_alone_would_be():
+    import numpy as np
+
+    from lightning_pulse.core.replay import SELECTED, UNSEEN, HardSampleSelector, ReplayConfig
+    from lightning_pulse.core.sample_scores import SampleScoreTable
+
+    generator = np.random.default_rng(0)
+    table = SampleScoreTable(200)
+    scored = generator.choice(200, size=150, replace=False)
+    values = np.round(generator.random(150), 1)  # rounded: ties
+    table.update(torch.from_numpy(scored), torch.from_numpy(values.astype(np.float32)), 0, math.nan)
+    selector = HardSampleSelector(table, ReplayConfig("topk", 0.5, 0.5, 0))
+    order = generator.permutation(200).tolist()
+    windows = [order[0:20], order[20:40], order[40:52], order[52:70], order[70:71]]  # sizes 20, 20, 12, 18, 1
+    cuts = selector.choose_windows(windows, keep=10, steps=[5] * 5, ordinals=list(range(5)), prior=math.nan)
+    for window, cut in zip(windows, cuts):
+        expected = _reference_cut([float(table.scores[i]) for i in window], 10)
+        assert cut.positions.tolist() == expected
+        assert cut.indices.tolist() == [window[p] for p in expected]
+        unseen = [math.isnan(float(table.scores[window[p]])) for p in expected]
+        assert cut.roles.tolist() == [UNSEEN if is_unseen else SELECTED for is_unseen in unseen]
+    assert any(math.isnan(float(table.scores[i])) for i in windows[0])  # never-scored samples were in play

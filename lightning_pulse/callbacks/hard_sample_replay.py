@@ -18,9 +18,8 @@ from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.core.carried_state import CarriedStateCheck
 from lightning_pulse.core.per_sample_loss import (
-    LossCapture,
     PerSampleScorer,
-    loss_capture_scope,
+    StepLossCaptures,
     time_major_refusal,
 )
 from lightning_pulse.core.replay import (
@@ -131,9 +130,8 @@ class HardSampleReplay(Callback):
         self._held = compat.CollectiveHold()  # gathered rows, until gloo's worker lets go of them
         self._saved_state: dict[str, Any] | None = None
         self._ready = False  # this fit's selector exists: load_state_dict applies at once
-        self._capture: LossCapture | None = None
+        self.captures = StepLossCaptures()  # the module's own per-sample losses, one capture per step
         self._batch: dict[str, Any] | None = None
-        self._scope: Any = None
         self.state_check = CarriedStateCheck()
 
     # ------------------------------------------------------------------ public state
@@ -216,11 +214,13 @@ class HardSampleReplay(Callback):
                 self._choose,
             )
 
-    def _choose(self, window: list[int], ordinal: int, step: int, prior: float) -> Any:
-        # steps mode, at the sampler: the batch that trains, chosen before the window is loaded
+    def _choose(
+        self, windows: list[list[int]], ordinals: list[int], steps: list[int], prior: float
+    ) -> list[Any]:
+        # steps mode, at the sampler: the batches that train, chosen for a whole pass before any is loaded
         assert self.selector is not None and self.tracker is not None and self._trainer is not None
-        return self.selector.choose_window(
-            window, self.tracker.batch_size, step, ordinal, prior, self._trainer.global_rank
+        return self.selector.choose_windows(
+            windows, self.tracker.batch_size, steps, ordinals, prior, self._trainer.global_rank
         )
 
     def _set_half_life(self, batches: float) -> float | None:
@@ -249,9 +249,7 @@ class HardSampleReplay(Callback):
         )
         if self.mode == "steps":
             self.steps.on_train_start(trainer)
-        if self._scope is None:
-            self._scope = loss_capture_scope()
-            self._scope.__enter__()
+        self.captures.start()
         rank_zero_info(
             f"HardSampleReplay: mode={self.mode}, rule={self.config.rule}, "
             f"replay_fraction={self.config.replay_fraction:g}, phases={list(self.phases)}."
@@ -262,7 +260,7 @@ class HardSampleReplay(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._close_capture()
+        self.captures.drop()
         assert self.selector is not None and self.tracker is not None
         offered = extract_batch_size(batch)
         indices = self.tracker.batch_indices(batch_idx)
@@ -286,17 +284,16 @@ class HardSampleReplay(Callback):
         }
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
         if self.scorer is None or plan.weights is not None:
-            self._capture = LossCapture(batch_size=int(plan.roles.size), sample_weights=plan.weights)
-            self._capture.__enter__()
+            self.captures.open(int(plan.roles.size), plan.weights)
 
     @override
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
         # stop before backward: anything after (e.g. a maintain-phase probe) is not this batch's loss
-        self._close_capture()
-        if self._batch is not None and "capture" in self._batch:  # fail before the first optimizer step
-            self._batch["capture"].require(
+        self.captures.close()
+        if self._batch is not None and self.captures.closed is not None:  # fail before the first step
+            self.captures.closed.require(
                 "HardSampleReplay"
                 if self.scorer is None
                 else "HardSampleReplay, whose rule='infobatch' weights it,"
@@ -306,12 +303,12 @@ class HardSampleReplay(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._close_capture()
-        context, self._batch = self._batch, None
+        capture, context, self._batch = self.captures.take(), self._batch, None
         if context is None or self.selector is None:
             return
         if self.scorer is None:
-            losses = context["capture"].require()
+            assert capture is not None  # opened at the batch start whenever there is no scorer
+            losses = capture.require()
             if self.state_check.first_batch:
                 self._refuse(time_major_refusal(losses, batch))
         else:
@@ -335,13 +332,6 @@ class HardSampleReplay(Callback):
             self.selector.apply()  # the next epoch selects from every score of this one
             self._log(trainer)
 
-    def _close_capture(self) -> None:
-        capture, self._capture = self._capture, None
-        if capture is not None:
-            capture.close()
-            if self._batch is not None:
-                self._batch["capture"] = capture
-
     def _log(self, trainer: pl.Trainer) -> None:
         every, selector = self.log_every_n_steps or max(trainer.log_every_n_steps, 1), self.selector
         if selector is None or selector.window_steps < every:  # before the trainer's (costlier) properties
@@ -355,12 +345,9 @@ class HardSampleReplay(Callback):
 
     # ------------------------------------------------------------------ lifecycle
     def _release(self) -> None:
-        self._close_capture()
+        self.captures.release()
         self.state_check.stop()
         self._batch = None
-        if self._scope is not None:
-            self._scope.__exit__(None, None, None)
-            self._scope = None
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -417,7 +404,7 @@ class HardSampleReplay(Callback):
         state_dict = dict(state_dict)
         stream = state_dict.pop("stream", None)
         if self._ready and self.selector is not None:  # a rollback: the data stream is not rewound
-            self._close_capture()
+            self.captures.drop()
             self._batch = None
             self.selector.load_state_dict(state_dict)
         else:

@@ -790,3 +790,52 @@ class ForwardLossScorer(PerSampleScorer):
                 f"split into {batch_size} samples."
             )
         return per_sample
+
+
+class StepLossCaptures:
+    """One :class:`LossCapture` per training step, inside one fit-long :func:`loss_capture_scope`.
+
+    :meth:`open` at a batch's start; :meth:`close` before its backward (what runs after, such as a maintain
+    probe, is not the step's loss), which keeps the closed capture as :attr:`closed`; :meth:`take` hands it over
+    at the batch's end. :meth:`release` closes everything and ends the scope.
+    """
+
+    def __init__(self) -> None:
+        self.closed: LossCapture | None = None
+        self._open: LossCapture | None = None
+        self._scope: Any = None
+
+    def start(self) -> None:
+        """Enter the fit-long scope (once)."""
+        if self._scope is None:
+            self._scope = loss_capture_scope()
+            self._scope.__enter__()
+
+    def open(self, batch_size: int, sample_weights: Tensor | None = None) -> None:
+        """Start capturing this step's per-sample losses (the previous step's capture is dropped)."""
+        self.drop()
+        self._open = LossCapture(batch_size=batch_size, sample_weights=sample_weights)
+        self._open.__enter__()
+
+    def close(self) -> None:
+        capture, self._open = self._open, None
+        if capture is not None:
+            capture.close()
+            self.closed = capture
+
+    def take(self) -> LossCapture | None:
+        """The step's closed capture (``None`` if none was opened), which the next step will not see."""
+        self.close()
+        capture, self.closed = self.closed, None
+        return capture
+
+    def drop(self) -> None:
+        """Close and forget the step in flight (a rollback replaces the model it was measured on)."""
+        self.close()
+        self.closed = None
+
+    def release(self) -> None:
+        self.drop()
+        if self._scope is not None:
+            self._scope.__exit__(None, None, None)
+            self._scope = None

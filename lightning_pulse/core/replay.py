@@ -498,19 +498,62 @@ class HardSampleSelector:
             )
         return BatchPlan(indices, np.full(offered, UNTOUCHED), None, None, float(offered), active, False)
 
-    def choose_window(
-        self, window: Sequence[int], keep: int, step: int, ordinal: int, prior: float, rank: int = 0
-    ) -> Composition:
-        """Step-saving replay at the sampler: the ``keep`` samples of a fetched ``window`` of dataset indices to
-        load and train, chosen before they are loaded. ``step`` is the optimizer step the batch will train at
-        and ``prior`` the score prior at its pass's start, so the choice does not depend on how far ahead the
-        DataLoader reads (within a pass no window sample is rescored: each sample comes once per pass)."""
-        indices = torch.as_tensor(window, dtype=torch.int64)
-        generator = None
+    def choose_windows(
+        self,
+        windows: Sequence[Sequence[int]],
+        keep: int,
+        steps: Sequence[int],
+        ordinals: Sequence[int],
+        prior: float,
+        rank: int = 0,
+    ) -> list[Composition]:
+        """Step-saving replay at the sampler: for each light step's ``window`` of dataset indices, the ``keep``
+        samples to load and train, chosen before any is loaded (never-scored ones first, then the rule's choice;
+        in window order).
+
+        ``steps[i]`` is the optimizer step window ``i`` will train at and ``prior`` the score prior at its
+        pass's start, so the choice does not depend on how far ahead the DataLoader reads: within a pass no
+        window sample is rescored (each sample comes once per pass). One call chooses a whole pass, so top-k is
+        a handful of array operations per pass rather than per step.
+        """
+        if not windows:
+            return []
+        sizes = np.fromiter((len(w) for w in windows), dtype=np.int64, count=len(windows))
+        slots = np.fromiter((i for w in windows for i in w), dtype=np.int64, count=int(sizes.sum()))
+        at_step = np.repeat(np.asarray(steps, dtype=np.int64), sizes)
+        scores = self.table.effective_at(slots, at_step, prior)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
         if self.config.rule != "topk":
-            generator = torch.Generator().manual_seed(mix_seed(self.config.seed, step, ordinal, rank))
-        scores = self.table.effective_array(indices, step, prior)
-        return self._compose_exactly(indices, scores, min(keep, len(window)), step, generator)
+            chosen = []
+            for i, (step, ordinal) in enumerate(zip(steps, ordinals)):
+                part = slice(int(offsets[i]), int(offsets[i + 1]))
+                generator = torch.Generator().manual_seed(mix_seed(self.config.seed, step, ordinal, rank))
+                count = min(keep, int(sizes[i]))
+                chosen.append(
+                    self._compose_exactly(torch.from_numpy(slots[part]), scores[part], count, step, generator)
+                )
+            return chosen
+        # top-k: never-scored first (+inf), then the highest scores, ties to the earlier position; windows of one
+        # size are sorted together as the rows of a matrix
+        key = np.where(np.isnan(scores), np.inf, scores)
+        picked: list[np.ndarray | None] = [None] * len(windows)
+        for size in np.unique(sizes):
+            rows = np.flatnonzero(sizes == size)
+            starts = offsets[rows]
+            block = starts[:, None] + np.arange(size)[None, :]
+            count = min(keep, int(size))
+            order = np.sort(np.argsort(-key[block], axis=1, kind="stable")[:, :count], axis=1)
+            for row, positions in zip(rows, order):
+                picked[row] = positions
+        chosen = []
+        for i, positions in enumerate(picked):
+            assert positions is not None
+            part = slots[int(offsets[i]) : int(offsets[i + 1])]
+            roles = np.where(np.isnan(scores[int(offsets[i]) + positions]), UNSEEN, SELECTED)
+            chosen.append(
+                Composition(torch.from_numpy(positions), torch.from_numpy(part[positions]), roles, None)
+            )
+        return chosen
 
     def _compose_exactly(
         self, indices: Tensor, scores: np.ndarray, count: int, step: int, generator: torch.Generator | None

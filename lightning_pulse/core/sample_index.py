@@ -228,10 +228,11 @@ class PlannedBatchSampler(BatchSampler):
     """A ``BatchSampler`` whose batches follow a plan: each pass yields the raw batch sizes ``sizes_for_pass``
     gives, from the same index sampler (step-saving replay fetches a larger window for a light-phase step).
 
-    With ``choose``, a window larger than ``batch_size`` is cut before it is loaded: ``choose(window, ordinal)``
-    returns the positions in ``window`` to yield (``None``: all of it), so the DataLoader loads only the samples
-    that train. What each batch was cut from is kept in :attr:`windows`, in order, for the consumer to
-    :meth:`take_window`.
+    With ``choose``, the windows larger than ``batch_size`` are cut before they are loaded: at the pass's start,
+    ``choose(windows, ordinals)`` gets every such window of the pass (its dataset indices) and the batches' places
+    in the epoch, and returns one cut per window (its ``indices``: the dataset indices to yield, in window order),
+    so the DataLoader loads only the samples that train. What each batch was cut from is kept in
+    :attr:`windows`, in order, for the consumer to :meth:`take_window`.
 
     Args:
         original: the DataLoader's batch sampler (its ``sampler`` and ``drop_last`` are kept).
@@ -239,7 +240,7 @@ class PlannedBatchSampler(BatchSampler):
             leading indices were already trained (a resume mid-epoch) and the sizes of the batches to yield.
         plain_length: the batch count Lightning is told (``len``), the plain pass's, so the run's step
             estimate is the plain run's capped by ``max_steps``; the pass ends when its planned batches do.
-        choose: the cut of a window larger than a batch; ``ordinal`` is the batch's place in the epoch.
+        choose: the cuts of a pass's windows that are larger than a batch.
     """
 
     def __init__(
@@ -247,7 +248,7 @@ class PlannedBatchSampler(BatchSampler):
         original: BatchSampler,
         sizes_for_pass: Callable[[], tuple[int, list[int]]],
         plain_length: int,
-        choose: Callable[[list[int], int], Any] | None = None,
+        choose: Callable[[list[list[int]], list[int]], list[Any]] | None = None,
     ) -> None:
         # BatchSampler.__init__ only validates; the attributes Lightning and the tracker read are these
         self.sampler = original.sampler
@@ -272,17 +273,31 @@ class PlannedBatchSampler(BatchSampler):
         if skip:
             for _ in islice(source, skip):
                 pass
-        ordinal = self._first_ordinal
-        for size in sizes:
-            batch = list(islice(source, size))
-            if not batch:
-                return
-            cut = None
-            if self.choose is not None and len(batch) > self.batch_size:
-                cut = self.choose(batch, ordinal)
+        if self.choose is None:
+            for size in sizes:
+                batch = list(islice(source, size))
+                if not batch:
+                    return
+                self.windows.append((len(batch), None))
+                yield batch
+            return
+        # the whole pass's windows first (the sampler's order does not depend on training), so the light ones
+        # are chosen in one call
+        order = list(islice(source, int(sum(sizes))))
+        bounds = np.minimum(np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]), len(order))
+        batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        light = [k for k, batch in enumerate(batches) if len(batch) > self.batch_size]
+        cuts: list[Any] = [None] * len(batches)
+        chosen = (
+            self.choose([batches[k] for k in light], [self._first_ordinal + k for k in light])
+            if light
+            else []
+        )
+        for k, cut in zip(light, chosen):
+            cuts[k] = cut
+        for batch, cut in zip(batches, cuts):
             self.windows.append((len(batch), cut))
-            ordinal += 1
-            yield batch if cut is None else [batch[int(p)] for p in cut.positions]
+            yield batch if cut is None else cut.indices.tolist()
 
     def start_pass_at(self, ordinal: int) -> None:
         """The epoch ordinal of the next pass's first batch (a resumed pass starts past its trained batches)."""

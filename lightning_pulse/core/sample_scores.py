@@ -241,6 +241,15 @@ class SampleScoreTable:
         ``prior`` replaces the running prior (a sampler choosing ahead of training fixes it per pass)."""
         return self._effective(_np_indices(indices), step, prior)
 
+    def effective_at(self, indices: np.ndarray, steps: np.ndarray, prior: float) -> np.ndarray:
+        """Age-weighted scores of dataset ``indices`` ``(n,)``, each at its own optimizer step ``steps`` ``(n,)``,
+        fading toward ``prior`` (``NaN`` for never scored)."""
+        scores = self.scores[indices]
+        if self.half_life is None or math.isnan(prior):
+            return scores
+        age = np.maximum(steps - self.steps[indices], 0).astype(np.float32)
+        return prior + (scores - prior) * np.exp2(-age / np.float32(self.half_life))
+
     def _scored(self) -> np.ndarray:
         return np.flatnonzero(self.steps >= 0)
 
