@@ -12,12 +12,15 @@ model; it is in every arm, so it is not what differs):
   steps and samples as the suite's replay, without the selection (the control at the same compute);
 * ``infobatch``: HardSampleReplay's InfoBatch rule as InfoBatch runs it (standalone, every step, ``r=0.5``).
 
-Per arm, medians of 3 seeds with ratios paired by seed against ``plain``: the final test metric; wall and CPU
-time for the whole fit and to the baseline's final validation metric; optimizer steps; estimated kWh and CO2.
+Per arm, medians of 5 seeds (identical fits differ by up to 10% in wall time on this machine, so 3 left the
+medians several points apart from run to run), with ratios paired by seed against ``plain``: the final test
+metric; wall and CPU time for the whole fit and to the baseline's final validation metric; optimizer steps;
+estimated kWh and CO2.
 FLOPs come from a second, counted pass of seed 0 (counting slows a step about 3x, so timed passes count
 nothing). Writes ``benchmarks/results/headline.{json,md,png}``.
 
-Run: ``python -m benchmarks.headline`` (about 30 minutes on 2 cores); ``--quick`` for a smoke run.
+Run: ``python -m benchmarks.headline`` (about 30 minutes on 2 cores; each workload in its own process);
+``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
@@ -293,7 +296,7 @@ def run_workload(name: str, seeds: list[int], quick: bool) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--quick", action="store_true", help="a few steps per arm, for a smoke run")
     parser.add_argument("--name", default="headline")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # internal: one workload's figures, to this file
