@@ -411,6 +411,13 @@ class EnergyAccount:
         joules = self.ledger.total_joules if self.ledger is not None else 0.0
         return joules / J_PER_KWH + self.carried_kwh()
 
+    def kwh_now(self) -> float:
+        """:meth:`metered_kwh` after a fresh reading of the meters (while metering): the energy up to this
+        moment, as the meters counted it, not an extrapolation."""
+        if self.sampler is not None and self.metering:
+            self.sampler.sample()
+        return self.metered_kwh()
+
     def carried_kwh(self) -> float:
         if not self.carried or not self.global_zero:
             return 0.0
