@@ -601,8 +601,8 @@ def refuse_manual_optimization(module: Any) -> None:
 
 
 def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
-    """Say, once the units are in forward order, what they are, and why nothing can ever freeze if so (a
-    single trainable unit: ``info``; a tied first unit: ``warn``, since the user can untie it)."""
+    """Say, once the units are in forward order, what they are (``info``), and why nothing can ever freeze if
+    so: a single trainable unit (``info``) or a tied first unit (``warn``)."""
     if freezer.freezable_limit == 0:
         info("GradientCache: the model has a single trainable unit, so nothing can be frozen.")
     elif freezer.pinned_first is not None:
