@@ -7,7 +7,6 @@ glue: hooks onto the account, the report's location, and logging.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,13 @@ from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.energy.account import (
     EnergyAccount,
     build_chains,
+    final_metrics,
     forecast_message,
     gpu_devices_of,
+    guarded_hook,
 )
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
-from lightning_pulse.energy.compare import add_comparison, baseline_ratios, scalar_metrics
+from lightning_pulse.energy.compare import scalar_metrics, write_report_compared
 from lightning_pulse.energy.config import (
     AccountingConfig,
     MeterConfig,
@@ -36,28 +37,9 @@ from lightning_pulse.energy.config import (
     checked_configs,
     prefixed,
 )
-from lightning_pulse.energy.report import JSON_NAME, write_report
 from lightning_pulse.loggers import log_to_loggers
 
 MONITORABLE = ("energy/total_kwh",)
-
-
-def _instrumentation(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a hook so that a bug in the metering warns once and never fails the training run."""
-
-    def guarded(self: EnergyLogger, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return hook(self, *args, **kwargs)
-        except Exception as error:
-            self.account.warn_once(
-                hook.__name__, f"EnergyLogger: {hook.__name__} failed ({type(error).__name__}: {error})."
-            )
-            return None
-
-    guarded.__name__ = hook.__name__
-    guarded.__qualname__ = hook.__qualname__
-    guarded.__doc__ = hook.__doc__
-    return guarded
 
 
 class _StrategyCollective:
@@ -275,7 +257,7 @@ class EnergyLogger(Callback):
             self.account.mark(stage="train" if self._in_train_loop else "other")
 
     @override
-    @_instrumentation
+    @guarded_hook
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics, forecast = self.account.epoch_metrics(
             trainer.current_epoch,
@@ -293,17 +275,12 @@ class EnergyLogger(Callback):
         log_to_loggers(trainer, metrics)
 
     @override
-    @_instrumentation
+    @guarded_hook
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._in_train_loop = False
         self.account.end_training()
         report = self._finish(trainer, status="complete")
-        total = report["total"]
-        names = {"final_kwh": "energy_kwh", "final_co2_kg": "co2_kg", "final_cost": "cost"}
-        metrics = {f"energy/{name}": total[key] for name, key in names.items()}
-        metrics["energy/final_duration_s"] = total["duration_s"]
-        metrics.update(baseline_ratios(report.get("comparison")))  # `energy/vs_baseline_<figure>`
-        log_to_loggers(trainer, {k: float(v) for k, v in metrics.items() if v is not None})
+        log_to_loggers(trainer, final_metrics(report))
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -349,14 +326,11 @@ class EnergyLogger(Callback):
         self.report = self.account.report(status, self.currency, collective, num_nodes=trainer.num_nodes)
         self.report["metrics"] = scalar_metrics(trainer.callback_metrics)
         if trainer.is_global_zero:
-            add_comparison(self.report, self.accounting.baseline, Path(directory) / JSON_NAME, rank_zero_warn)
-            try:
-                self.report_paths = write_report(self.report, directory)
-            except Exception as error:  # a report that cannot be written must not fail a finished run
-                rank_zero_warn(f"EnergyLogger: could not write the energy report to {directory} ({error}).")
+            baseline = self.accounting.baseline
+            self.report_paths = write_report_compared(self.report, directory, baseline, rank_zero_warn)
         return self.report
 
-    @_instrumentation
+    @guarded_hook
     def _log_cycle(self, trainer: pl.Trainer, cycle: int) -> None:
         metrics = self.account.cycle_metrics(cycle, _StrategyCollective(trainer, self._held))
         log_to_loggers(trainer, metrics)

@@ -19,28 +19,23 @@ from typing_extensions import override
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of
 from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixActivationCache, check_cache_mb
-from lightning_pulse.core.backward_flops import BackwardFlopLedger
+from lightning_pulse.core.backward_flops import BackwardFlopLedger, check_measure_flops
 from lightning_pulse.core.freeze_metrics import METRIC_PREFIX as METRIC_PREFIX
 from lightning_pulse.core.freeze_metrics import freeze_event, freeze_metrics
-from lightning_pulse.core.freeze_units import (
-    ForwardOrderTrace,
-    check_unit_names,
-    discover_units,
-    order_note,
-    pinned_note,
-)
+from lightning_pulse.core.freeze_units import ForwardOrderTrace, check_unit_names, discover_units, pinned_note
 from lightning_pulse.core.layer_freezing import (
     FreezeSettings,
     FreezeWindow,
     LayerFreezer,
-    StepReport,
+    announce_units,
     check_wrapped_model,
     follow_replaced_parameters,
     in_span,
+    refuse_manual_optimization,
     restore_during_fit,
     restore_freezer,
 )
-from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
+from lightning_pulse.errors import refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 
@@ -116,10 +111,8 @@ class GradientCache(Callback):
         self.window = FreezeWindow(phases, start_at, release_at)  # type: ignore[arg-type]
         self.unit_names = check_unit_names(units)
         self.activation_cache_mb = check_cache_mb(activation_cache_mb)
-        if not isinstance(measure_flops, bool):
-            raise ValueError(f"`measure_flops`={measure_flops!r} must be a bool.")
+        self.measure_flops = check_measure_flops(measure_flops)
         self.phases = tuple(Phase(name) for name in self.window.phases)
-        self.measure_flops = measure_flops
 
         self.freezer: LayerFreezer | None = None
         self.ledger = BackwardFlopLedger()
@@ -147,11 +140,7 @@ class GradientCache(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not pl_module.automatic_optimization:
-            raise PulseRefusal(
-                "GradientCache: it needs automatic optimization, because it freezes and releases units between "
-                "the optimizer steps Lightning runs; set `automatic_optimization = True` or remove GradientCache."
-            )
+        refuse_manual_optimization(pl_module)
         refuse_sharded_strategy(
             trainer,
             "GradientCache",
@@ -169,7 +158,9 @@ class GradientCache(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._span = self.window.steps(float(trainer.estimated_stepping_batches))
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
-        self._setup_activation_cache(trainer, pl_module)
+        self._replay = LoaderActivationCache.for_fit(
+            trainer.train_dataloader, self.activation_cache_mb, pl_module, rank_zero_warn
+        )
         self._fit_refs = (trainer, pl_module)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
@@ -185,16 +176,6 @@ class GradientCache(Callback):
             units = self._trace.units
         if (note := pinned_note(units)) is not None:
             rank_zero_info(f"GradientCache: {note}.")
-
-    def _setup_activation_cache(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._replay = None
-        if self.activation_cache_mb:
-            budget = int(self.activation_cache_mb * 2**20)
-            replay = LoaderActivationCache.attach(trainer.train_dataloader, budget, pl_module)
-            if isinstance(replay, str):
-                rank_zero_warn(f"GradientCache: the activation cache is off because {replay}.")
-            else:
-                self._replay = replay
 
     def _replan(self, again: bool = False) -> None:
         if self._replay is not None:
@@ -238,13 +219,7 @@ class GradientCache(Callback):
         if self._trace is not None and self._trace.running:
             units, self._trace = self._trace.finish(_from_rank_zero(trainer)), None
             self.freezer = LayerFreezer(units, self.settings)
-            if self.freezer.freezable_limit == 0:
-                rank_zero_info(
-                    "GradientCache: the model has a single trainable unit, so nothing can be frozen."
-                )
-            elif self.freezer.pinned_first is not None:
-                rank_zero_warn(f"GradientCache: {self.freezer.pinned_first}.")
-            rank_zero_info(f"GradientCache: {order_note(units)}")
+            announce_units(self.freezer, rank_zero_info, rank_zero_warn)
 
     # ------------------------------------------------------------------ the step
     @override
@@ -258,11 +233,14 @@ class GradientCache(Callback):
         report = self.freezer.step(enabled, _from_rank_zero(trainer))  # DDP: one broadcast per window
         if report.changed:
             self._record(trainer.global_step + 1, before, "check" if report.window_closed else "release")
-        # the metrics dict is built only for steps that reach a logger
-        if trainer.loggers and (
-            report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
+        # the metrics dict is built only for steps that reach a logger (on rank 0)
+        if (
+            trainer.is_global_zero
+            and trainer.loggers
+            and (report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0)
         ):
-            self._log(trainer, report)
+            metrics = freeze_metrics(report, self.freezer, self.ledger, self.activations, self.measure_flops)
+            log_to_loggers(trainer, metrics)
         self.ledger.new_step()
 
     @override
@@ -355,12 +333,6 @@ class GradientCache(Callback):
         assert self.freezer is not None
         self.events.append(freeze_event(step, before, self.freezer.frozen_prefix, reason))
         self._replan()
-
-    def _log(self, trainer: pl.Trainer, report: StepReport) -> None:
-        assert self.freezer is not None
-        if trainer.is_global_zero:
-            logged = freeze_metrics(report, self.freezer, self.ledger, self.activations, self.measure_flops)
-            log_to_loggers(trainer, logged)
 
 
 def _from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | None:

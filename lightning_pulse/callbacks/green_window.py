@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
-from lightning_pulse.core.green_report import saving_line, write_green_report
+from lightning_pulse.core.green_report import energy_source, report_record, saving_line, write_green_report
 from lightning_pulse.core.green_window import (
     Decision,
     GreenSchedule,
@@ -27,6 +27,8 @@ from lightning_pulse.core.green_window import (
     ScheduleLedger,
     SystemClock,
     checked_arguments,
+    decision_line,
+    fit_start_refusal,
     seconds_of,
     write_resume_file,
 )
@@ -165,32 +167,20 @@ class GreenWindow(Callback):
 
         self._energy = next((c for c in trainer.callbacks if isinstance(c, EnergyLogger)), None)
         cycle = pulse_cycle_of(trainer)
-        if self.when_dirty == "light" and (cycle is None or not cycle.clock.light_phases):
-            raise PulseRefusal(
-                "GreenWindow: when_dirty='light' keeps the run in PulseCycle's light phases (replay, maintain), "
-                f"but {'no PulseCycle is attached' if cycle is None else 'the PulseCycle has no light phase'}; "
-                "add PulseCycle(...) with a replay or maintain phase, or use when_dirty='pause' or 'suspend'."
-            )
-        planned = [c for c in trainer.callbacks if isinstance(c, HardSampleReplay) and c.mode == "steps"]
-        if self.when_dirty == "light" and planned:
-            raise PulseRefusal(
-                "GreenWindow: when_dirty='light' changes the phase sequence, and HardSampleReplay(mode='steps') "
-                "plans its batches on that sequence at fit start; use HardSampleReplay(mode='batch'), or "
-                "when_dirty='pause' or 'suspend'."
-            )
-        if self.when_dirty == "suspend" and not isinstance(trainer.checkpoint_callback, ModelCheckpoint):
-            raise PulseRefusal(
-                "GreenWindow: when_dirty='suspend' saves the checkpoint `--ckpt_path last` resumes from in the "
-                "ModelCheckpoint's folder, and the Trainer has none; enable checkpointing or use 'pause'/'light'."
-            )
-        if not self.signal.known:
-            intensity = None if self._energy is None else self._energy.intensity
-            if intensity is None or intensity.series is None:
-                raise PulseRefusal(
-                    "GreenWindow: no `signal` was given and no EnergyLogger with a carbon_intensity series is "
-                    "attached; pass GreenWindow(signal='grid.csv') or EnergyLogger(carbon_intensity='grid.csv')."
-                )
-            self.signal.use(intensity)
+        planned = any(isinstance(c, HardSampleReplay) and c.mode == "steps" for c in trainer.callbacks)
+        intensity = None if self._energy is None else self._energy.intensity
+        refusal = fit_start_refusal(
+            self.when_dirty,
+            pulse_cycle=cycle is not None,
+            light_phases=cycle is not None and bool(cycle.clock.light_phases),
+            steps_replay=planned,
+            checkpointing=isinstance(trainer.checkpoint_callback, ModelCheckpoint),
+            signal=self.signal.known or (intensity is not None and intensity.series is not None),
+        )
+        if refusal is not None:
+            raise PulseRefusal(refusal)
+        if not self.signal.known:  # the EnergyLogger's carbon-intensity series
+            self.signal.use(intensity)  # type: ignore[arg-type]
         if self.options.watts is None and self._energy is None:
             rank_zero_info(
                 "GreenWindow: no EnergyLogger and no options.watts; savings in % and per kWh only."
@@ -284,11 +274,7 @@ class GreenWindow(Callback):
     def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision) -> bool:
         """Apply a decision; ``True`` when another decision must follow at once (a pause ended)."""
         if decision.run != (not self._waiting):
-            word = "runs" if decision.run else f"waits ({self.when_dirty})"
-            rank_zero_info(
-                f"GreenWindow: {word} at {format_utc(self.clock.time())}: signal {decision.signal:.4g}, "
-                f"clean below {decision.clean_below:.4g} ({decision.reason})."
-            )
+            rank_zero_info(decision_line(decision, self.when_dirty, self.clock.time()))
         self._waiting = not decision.run
         if self.when_dirty == "light":
             pulse_cycle_of(trainer).hold_light(trainer, pl_module, not decision.run)  # type: ignore[union-attr]
@@ -322,12 +308,7 @@ class GreenWindow(Callback):
     def _kwh(self) -> float | None:
         """A fresh reading of the EnergyLogger's meters (kWh so far), or ``None`` without one. Once per
         decision, so the energy of a slot is what the meters counted in it, not an extrapolation."""
-        if self._energy is None:
-            return None
-        account = self._energy.account
-        if account.sampler is not None and account.metering:
-            account.sampler.sample()
-        return account.metered_kwh()
+        return None if self._energy is None else self._energy.account.kwh_now()
 
     def _used(self, kwh: float | None, seconds: float, computing: bool) -> float | None:
         """Energy since the last mark: measured by the EnergyLogger, else ``options.watts`` while computing
@@ -349,25 +330,10 @@ class GreenWindow(Callback):
 
     # ------------------------------------------------------------------ report
     def _write_report(self, trainer: pl.Trainer, status: str) -> None:
-        summary = self.schedule.summary()
-        source = (
-            "EnergyLogger"
-            if self._energy is not None
-            else ("options.watts" if self.options.watts is not None else None)
+        source = energy_source(self._energy is not None, self.options.watts)
+        self.report = report_record(
+            status, self.when_dirty, self.schedule, self.signal.describe(), source, self.suspended
         )
-        self.report = {
-            "status": status,
-            "when_dirty": self.when_dirty,
-            "rule": self.policy.rule,
-            "level": self.policy.level,
-            "forecast": repr(self.forecast),
-            "signal": self.signal.describe(),
-            "energy_source": source,
-            "summary": summary,
-            "suspended": self.suspended,
-            "decisions": self.schedule.decisions,
-            "segments": self.schedule.ledger.segments,
-        }
         folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)
         try:
             self.report_paths = write_green_report(
@@ -375,4 +341,4 @@ class GreenWindow(Callback):
             )
         except Exception as error:  # a report that cannot be written must not fail a finished run
             rank_zero_warn(f"GreenWindow: could not write the report to {folder} ({error}).")
-        rank_zero_info(f"GreenWindow: {saving_line(summary, self.options.unit)}")
+        rank_zero_info(f"GreenWindow: {saving_line(self.report['summary'], self.options.unit)}")

@@ -245,6 +245,20 @@ class LoaderActivationCache:
             return reason
         return cls(SampleIndexTracker.install(loader), budget_bytes, model)
 
+    @classmethod
+    def for_fit(
+        cls, loader: Any, cache_mb: float, model: nn.Module, warn: Callable[[str], None]
+    ) -> LoaderActivationCache | None:
+        """The cache of a fit with ``activation_cache_mb=cache_mb``: ``None`` when that is 0, or when the
+        loader's sample indices cannot be tracked (then ``warn`` says why)."""
+        if not cache_mb:
+            return None
+        replay = cls.attach(loader, int(cache_mb * 2**20), model)
+        if isinstance(replay, str):
+            warn(f"GradientCache: the activation cache is off because {replay}.")
+            return None
+        return replay
+
     def detach(self, loader: Any) -> None:
         type(self.tracker).uninstall(loader)
 

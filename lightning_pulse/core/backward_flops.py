@@ -7,6 +7,17 @@ from contextlib import contextmanager
 from typing import Any
 
 
+def check_measure_flops(measure_flops: bool) -> bool:
+    """``measure_flops``, checked.
+
+    Raises:
+        ValueError: naming ``measure_flops``, for anything but a bool.
+    """
+    if not isinstance(measure_flops, bool):
+        raise ValueError(f"`measure_flops`={measure_flops!r} must be a bool.")
+    return measure_flops
+
+
 class BackwardFlopLedger:
     """Backward FLOPs per frozen-prefix length, and the FLOPs that freezing skipped.
 

@@ -7,10 +7,43 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_pulse.core.green_window import GreenWindowOptions, write_schedule_plot
+from lightning_pulse.core.green_window import GreenSchedule, GreenWindowOptions, write_schedule_plot
 from lightning_pulse.energy.report import write_text_atomic
 
 REPORT_NAME = "green_window_report"
+
+
+def energy_source(energy_logger: bool, watts: float | None) -> str | None:
+    """Where the report's energy comes from: an attached EnergyLogger, else ``options.watts``, else nowhere."""
+    if energy_logger:
+        return "EnergyLogger"
+    return "options.watts" if watts is not None else None
+
+
+def report_record(
+    status: str,
+    when_dirty: str,
+    schedule: GreenSchedule,
+    signal: dict[str, Any] | None,
+    energy_source: str | None,
+    suspended: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """What ``green_window_report.json`` holds: the mode, the policy's rule and forecast, the signal, the
+    schedule's summary, every decision and every segment."""
+    policy = schedule.policy
+    return {
+        "status": status,
+        "when_dirty": when_dirty,
+        "rule": policy.rule,
+        "level": policy.level,
+        "forecast": repr(policy.forecast),
+        "signal": signal,
+        "energy_source": energy_source,
+        "summary": schedule.summary(),
+        "suspended": suspended,
+        "decisions": schedule.decisions,
+        "segments": schedule.ledger.segments,
+    }
 
 
 def write_green_report(

@@ -112,6 +112,16 @@ class Decision:
         return cls(**{name: data[name] for name in cls.__dataclass_fields__})
 
 
+def decision_line(decision: Decision, when_dirty: str, now: float) -> str:
+    """The line that announces a switch between running and waiting (``when_dirty`` says how it waits), at
+    wall time ``now``."""
+    word = "runs" if decision.run else f"waits ({when_dirty})"
+    return (
+        f"GreenWindow: {word} at {format_utc(now)}: signal {decision.signal:.4g}, "
+        f"clean below {decision.clean_below:.4g} ({decision.reason})."
+    )
+
+
 def parse_threshold(value: float | str | None, field: str = "threshold") -> tuple[str, float | None]:
     """``None`` -> ``("adaptive", None)``; ``"30%"`` -> ``("percentile", 30.0)``; ``250`` -> ``("absolute", 250.0)``."""
     allowed = "None (adaptive), a percentile such as '30%', or an absolute level >= 0 (a number)"
@@ -492,6 +502,43 @@ def checked_arguments(
             f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00'."
         ) from None
     return when_dirty, checked, delay, share, deadline_s, seconds_of(expected_duration, "expected_duration")
+
+
+def fit_start_refusal(
+    when_dirty: str,
+    pulse_cycle: bool,
+    light_phases: bool,
+    steps_replay: bool,
+    checkpointing: bool,
+    signal: bool,
+) -> str | None:
+    """Why GreenWindow cannot run in this Trainer (``None``: it can). ``pulse_cycle``: a PulseCycle is
+    attached; ``light_phases``: it has a light phase; ``steps_replay``: a ``HardSampleReplay(mode="steps")``
+    is attached; ``checkpointing``: the Trainer has a ModelCheckpoint; ``signal``: a signal was given, or an
+    attached EnergyLogger has a carbon-intensity series."""
+    if when_dirty == "light" and not light_phases:
+        return (
+            "GreenWindow: when_dirty='light' keeps the run in PulseCycle's light phases (replay, maintain), "
+            f"but {'the PulseCycle has no light phase' if pulse_cycle else 'no PulseCycle is attached'}; "
+            "add PulseCycle(...) with a replay or maintain phase, or use when_dirty='pause' or 'suspend'."
+        )
+    if when_dirty == "light" and steps_replay:
+        return (
+            "GreenWindow: when_dirty='light' changes the phase sequence, and HardSampleReplay(mode='steps') "
+            "plans its batches on that sequence at fit start; use HardSampleReplay(mode='batch'), or "
+            "when_dirty='pause' or 'suspend'."
+        )
+    if when_dirty == "suspend" and not checkpointing:
+        return (
+            "GreenWindow: when_dirty='suspend' saves the checkpoint `--ckpt_path last` resumes from in the "
+            "ModelCheckpoint's folder, and the Trainer has none; enable checkpointing or use 'pause'/'light'."
+        )
+    if not signal:
+        return (
+            "GreenWindow: no `signal` was given and no EnergyLogger with a carbon_intensity series is "
+            "attached; pass GreenWindow(signal='grid.csv') or EnergyLogger(carbon_intensity='grid.csv')."
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------- one run's bookkeeping

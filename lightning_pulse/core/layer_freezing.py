@@ -27,6 +27,7 @@ from lightning_pulse.core.freeze_units import (
     FreezeUnit,
     cut_like,
     mark_shared,
+    order_note,
     replace_unit_parameters,
 )
 from lightning_pulse.errors import PulseRefusal
@@ -588,6 +589,25 @@ def follow_replaced_parameters(
         freezer.replace_parameters(replacements)
     if trace is not None:
         replace_unit_parameters(trace.units, replacements)
+
+
+def refuse_manual_optimization(module: Any) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` for a module that runs its own optimizer."""
+    if not module.automatic_optimization:
+        raise PulseRefusal(
+            "GradientCache: it needs automatic optimization, because it freezes and releases units between "
+            "the optimizer steps Lightning runs; set `automatic_optimization = True` or remove GradientCache."
+        )
+
+
+def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
+    """Say, once the units are in forward order, what they are (``info``), and why nothing can ever freeze if
+    so: a single trainable unit (``info``) or a tied first unit (``warn``)."""
+    if freezer.freezable_limit == 0:
+        info("GradientCache: the model has a single trainable unit, so nothing can be frozen.")
+    elif freezer.pinned_first is not None:
+        warn(f"GradientCache: {freezer.pinned_first}.")
+    info(f"GradientCache: {order_note(freezer.units)}")
 
 
 def check_wrapped_model(model: nn.Module, world_size: int, strategy_name: str) -> None:

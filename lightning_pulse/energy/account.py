@@ -20,6 +20,7 @@ import torch
 
 from lightning_pulse.energy.carbon import Rate
 from lightning_pulse.energy.codecarbon_meter import CodecarbonMeter, CodecarbonSession
+from lightning_pulse.energy.compare import baseline_ratios
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.constant import ConstantPowerMeter
 from lightning_pulse.energy.counting import count_batch
@@ -133,6 +134,36 @@ def gpu_devices_of(device: torch.device, gpu: str, config: MeterConfig) -> list[
         return []
     index = device.index if device.index is not None else torch.cuda.current_device()
     return nvml_devices_for_cuda([index])
+
+
+def guarded_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a hook of an object holding an :class:`EnergyAccount` as ``account`` (the EnergyLogger) so that a
+    bug in the metering warns once and never fails the training run."""
+
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return hook(self, *args, **kwargs)
+        except Exception as error:
+            self.account.warn_once(
+                hook.__name__, f"EnergyLogger: {hook.__name__} failed ({type(error).__name__}: {error})."
+            )
+            return None
+
+    guarded.__name__ = hook.__name__
+    guarded.__qualname__ = hook.__qualname__
+    guarded.__doc__ = hook.__doc__
+    return guarded
+
+
+def final_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """What is logged at the end of fit from the whole run's ``report``: ``energy/final_<figure>``, and the
+    ratios against the baseline run as ``energy/vs_baseline_<figure>``; figures without a value are left out."""
+    total = report["total"]
+    names = {"final_kwh": "energy_kwh", "final_co2_kg": "co2_kg", "final_cost": "cost"}
+    metrics = {f"energy/{name}": total[key] for name, key in names.items()}
+    metrics["energy/final_duration_s"] = total["duration_s"]
+    metrics.update(baseline_ratios(report.get("comparison")))
+    return {k: float(v) for k, v in metrics.items() if v is not None}
 
 
 def forecast_message(forecast: dict[str, Any]) -> str:
@@ -379,6 +410,13 @@ class EnergyAccount:
         """The figure at the latest reading (no extrapolation), carried run included on global rank 0."""
         joules = self.ledger.total_joules if self.ledger is not None else 0.0
         return joules / J_PER_KWH + self.carried_kwh()
+
+    def kwh_now(self) -> float:
+        """:meth:`metered_kwh` after a fresh reading of the meters (while metering): the energy up to this
+        moment, as the meters counted it, not an extrapolation."""
+        if self.sampler is not None and self.metering:
+            self.sampler.sample()
+        return self.metered_kwh()
 
     def carried_kwh(self) -> float:
         if not self.carried or not self.global_zero:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from lightning_pulse.energy.meter import NONE
-from lightning_pulse.energy.report import JSON_NAME, SCHEMA, write_atomic, write_text_atomic
+from lightning_pulse.energy.report import JSON_NAME, SCHEMA, write_atomic, write_report, write_text_atomic
 
 COMPARISON_JSON = "energy_comparison.json"
 COMPARISON_MARKDOWN = "energy_comparison.md"
@@ -200,6 +200,19 @@ def add_comparison(report: dict[str, Any], baseline: str | Path | None, path: st
         report["comparison"] = compare_runs(load_run(baseline), this)
     except Exception as error:  # a baseline that went away must not cost the run its report
         warn(f"EnergyLogger: no comparison with the baseline ({error}).")
+
+
+def write_report_compared(
+    report: dict[str, Any], directory: str | Path, baseline: str | Path | None, warn: Callable[[str], None]
+) -> list[Path]:
+    """Write ``report`` into ``directory`` with its comparison against the ``baseline`` run (see
+    :func:`add_comparison`); returns the paths written, none when writing failed (one warning)."""
+    add_comparison(report, baseline, Path(directory) / JSON_NAME, warn)
+    try:
+        return write_report(report, directory)
+    except Exception as error:  # a report that cannot be written must not fail a finished run
+        warn(f"EnergyLogger: could not write the energy report to {directory} ({error}).")
+        return []
 
 
 def baseline_ratios(comparison: Mapping[str, Any] | None) -> dict[str, float]:
