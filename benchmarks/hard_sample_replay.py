@@ -10,9 +10,11 @@ The committed headline setting (:data:`SETTINGS`, ``mnist1d-cnn``): MNIST-1D CNN
 * ``topk-batch-0.5``: HardSampleReplay alone, ``mode="batch"``: every batch keeps the half with the highest
   stored, age-weighted loss (never-scored samples always kept); steps per epoch unchanged.
 * ``random-batch-0.5``: the control: same callback, same compute, a uniform half instead of the hardest.
-* ``topk-epoch-0.7``: ``mode="epoch"``: each epoch trains on 70% of the dataset (never-scored samples
-  first, then the hardest) in full batches, so epochs have 30% fewer steps.
-* ``random-epoch-0.7``: its control.
+* ``topk-steps-0.7``: ``mode="steps"`` without a PulseCycle: each window of ``B / 0.7`` samples gives a full
+  batch of its hardest (never-scored samples first), so epochs have 30% fewer steps. (The committed result
+  predates it: its ``topk-epoch-0.7`` and ``random-epoch-0.7`` arms ran ``mode="epoch"``, since removed;
+  ``benchmarks/studies/results/replay_steps_vs_epoch.md`` compares the two.)
+* ``random-steps-0.7``: its control.
 * ``infobatch-batch-0.5``: the InfoBatch rule in batch mode (drop below-mean samples with probability 0.5,
   rescale the kept ones).
 * ``pulse``: PulseCycle (burst / replay in steps, 10% warm-up and anneal) with batch-mode selection (0.5) in
@@ -68,8 +70,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
             "score-only",
             "topk-batch-0.5",
             "random-batch-0.5",
-            "topk-epoch-0.7",
-            "random-epoch-0.7",
+            "topk-steps-0.7",
+            "random-steps-0.7",
             "infobatch-batch-0.5",
             "pulse",
         ),

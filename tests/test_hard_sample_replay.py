@@ -248,11 +248,11 @@ class _ShuffleFreeData(MNIST1DDataModule):
         return DataLoader(self.train_set, batch_size=64, shuffle=False)
 
 
-@pytest.mark.parametrize("mode", ["batch", "epoch"])
-def test_resume_from_a_checkpoint_continues_as_the_uninterrupted_run(tmp_path, mode):
+def test_resume_from_a_checkpoint_continues_as_the_uninterrupted_run(tmp_path):
+    # batch mode here; steps mode's resume mid-epoch is tests/test_step_saving_replay.py's
     def trainer(epochs):
         return pl.Trainer(
-            callbacks=[HardSampleReplay(rule="random", replay_fraction=0.4, mode=mode)],
+            callbacks=[HardSampleReplay(rule="random", replay_fraction=0.4, mode="batch")],
             max_epochs=epochs,
             **trainer_kwargs(),
         )
@@ -328,7 +328,8 @@ def test_replay_metrics_reach_the_loggers():
         ({"seed": 0.5}, "seed"),
         ({"log_every_n_steps": 0}, "log_every_n_steps"),
         ({"mode": "step"}, "mode"),
-        ({"mode": "epoch", "rule": "infobatch"}, "mode"),
+        ({"mode": "steps", "rule": "infobatch"}, "mode"),
+        ({"mode": "epoch"}, "`mode`='epoch' was removed: mode='steps' .* without a PulseCycle"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs, field):
@@ -354,28 +355,20 @@ def test_scores_table_covers_a_tensor_dataset_used_directly():
     assert replay.metrics()["table_seen"] == 96
 
 
-def test_epoch_mode_shortens_epochs_and_tells_lightning_and_onecycle_up_front():
+def test_steps_mode_alone_shortens_epochs_and_tells_lightning_and_onecycle_up_front():
+    # what epoch mode did before its removal: full batches on replay_fraction of every epoch, planned up front
     pl.seed_everything(4)
     model = SizeProbe(scheduler="onecycle")
-    replay = HardSampleReplay(mode="epoch", replay_fraction=0.5)
+    replay = HardSampleReplay(replay_fraction=0.5)
     trainer = pl.Trainer(callbacks=[replay], max_epochs=4, **trainer_kwargs())
     trainer.fit(model, _data())
-    # 360 of 720 samples per epoch in full batches: 6 steps per epoch, planned that way from the start
-    assert trainer.num_training_batches == 6
-    assert model.sizes == ([64] * 5 + [40]) * 4
-    assert trainer.global_step == 24
+    # 720 samples per epoch in windows of 128 (the last of 80), each cut to a full batch of 64: 6 steps an epoch
+    assert model.sizes == [64] * 24
+    assert trainer.global_step == trainer.max_steps == 24
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert scheduler.total_steps == scheduler.last_epoch == 24
-    # the first two epochs cover every sample once (never-scored first); later ones pick the hardest
     metrics = replay.metrics()
+    assert metrics["replay_fraction"] == pytest.approx(24 * 64 / (4 * 720))
+    # never-scored samples come first, so every sample was scored; after that, scored ones were chosen
     assert metrics["table_seen"] == 720
-    assert metrics["replay_fraction"] == pytest.approx(0.5)
-    assert metrics["loss_replayed"] > replay.threshold
-
-
-def test_epoch_mode_refuses_a_pulse_cycle():
-    trainer = pl.Trainer(
-        callbacks=[PulseCycle(), HardSampleReplay(mode="epoch")], max_steps=2, **trainer_kwargs()
-    )
-    with pytest.raises(PulseRefusal, match="^HardSampleReplay: mode='epoch'.*PulseCycle"):
-        trainer.fit(SizeProbe(), _data())
+    assert metrics["replayed_distinct"] > 0

@@ -250,16 +250,6 @@ def test_infobatch_selector_weights_kept_below_mean_samples():
     assert chosen.weights is not None and chosen.weights.max() > chosen.weights.min()
 
 
-def test_epoch_selection_takes_unseen_first_then_the_hardest_in_sampler_order():
-    selector = _selector("topk", size=10, replay_fraction=0.4)
-    assert selector.epoch_length(10) == 4
-    order = [9, 3, 1, 7, 0, 2, 8, 4, 6, 5]
-    selector.table.update(torch.arange(8), torch.arange(8.0), step=0)  # 8 and 9 never scored
-    chosen = selector.select_epoch(order, step=1)
-    assert chosen == [9, 7, 8, 6]
-    assert selector.epoch_offered_ratio == pytest.approx(2.5)
-
-
 def test_gathered_rows_come_back_in_rank_order_with_uneven_batches():
     per_rank = {
         0: (torch.tensor([0, 1, 2]), torch.tensor([0.5, 1.5, 2.5]), np.array([1, 1, 2]), 3.0),

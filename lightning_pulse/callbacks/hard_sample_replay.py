@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
+from lightning_pulse.callbacks.pulse_cycle import phase_of
 from lightning_pulse.core.carried_state import CarriedStateCheck
 from lightning_pulse.core.per_sample_loss import (
     PerSampleScorer,
@@ -23,7 +23,6 @@ from lightning_pulse.core.per_sample_loss import (
     time_major_refusal,
 )
 from lightning_pulse.core.replay import (
-    EPOCH_MODE_REFUSAL,
     MODEL_PARALLEL_REFUSAL,
     ROLE_NAMES,
     HardSampleSelector,
@@ -53,10 +52,10 @@ class HardSampleReplay(Callback):
     :class:`~lightning_pulse.PulseCycle`'s replay phase; every step without one) the ``rule`` picks from the
     age-weighted scores; never-scored samples always train. ``mode="steps"`` (the default): for such a step the
     sampler draws a window of ``B / replay_fraction`` indices and keeps the ``B`` picked before any is loaded, so
-    the run loads and trains fewer samples in fewer steps; the run is planned at fit start and ``trainer.max_steps`` set to the plan
-    (:mod:`lightning_pulse.step_saving`), so ``OneCycleLR`` and every schedule plan for the real steps.
-    ``mode="batch"``: each batch is cut to about ``replay_fraction * B``, steps unchanged. ``mode="epoch"``
-    (without a PulseCycle): epochs of ``replay_fraction`` of the dataset. The algorithm is
+    the run loads and trains fewer samples in fewer steps (without a PulseCycle, every epoch trains full batches
+    on ``replay_fraction`` of its data); the run is planned at fit start and ``trainer.max_steps`` set to the
+    plan (:mod:`lightning_pulse.step_saving`), so ``OneCycleLR`` and every schedule plan for the real steps.
+    ``mode="batch"``: each batch is cut to about ``replay_fraction * B``, steps unchanged. The algorithm is
     :class:`~lightning_pulse.core.replay.HardSampleSelector`; this callback maps hooks onto it. A run shorter
     than an epoch cannot select (samples are scored when they train): it warns at fit start.
 
@@ -64,13 +63,13 @@ class HardSampleReplay(Callback):
         rule: ``"topk"`` (highest scores), ``"infobatch"`` (drop below-mean samples with probability
             ``prune_ratio``, weight the kept ones so the mean loss stays unbiased; batch mode only) or
             ``"random"`` (a uniform subset of top-k's size: the control).
-        replay_fraction: share of the offered samples trained on in a light phase (of each fetched window,
-            batch or epoch), in ``(0, 1]``. Not used by ``"infobatch"``.
+        replay_fraction: share of the offered samples trained on in a light phase (of each window or batch),
+            in ``(0, 1]``. Not used by ``"infobatch"``.
         prune_ratio: InfoBatch's ``r``, in ``[0, 1)``.
         phases: the phases in which batches are selected; other phases train untouched.
-        mode: ``"steps"`` (full batches from wider windows, fewer steps), ``"batch"`` (smaller batches, same
-            steps) or ``"epoch"`` (shorter epochs of full batches); ``None``: ``"steps"``, or ``"batch"`` for
-            ``"infobatch"``.
+        mode: ``"steps"`` (full batches from wider windows, fewer steps) or ``"batch"`` (smaller batches, same
+            steps); ``None``: ``"steps"``, or ``"batch"`` for ``"infobatch"``. ``"epoch"`` was removed (steps
+            mode without a PulseCycle does what it did); it fails naming the replacement.
         score_half_life: age at which a stored score counts half: ``int`` steps, ``float`` epochs, or
             ``"500steps"`` / ``"2epochs"``; ``None`` turns age weighting off.
         scorer: a :class:`~lightning_pulse.core.per_sample_loss.PerSampleScorer` for modules whose loss the
@@ -80,13 +79,12 @@ class HardSampleReplay(Callback):
 
     Raises:
         ValueError: at construction, naming the argument, for a value outside the ranges above or
-            ``rule="infobatch"`` with ``mode="steps"`` or ``"epoch"``; at fit start, for an epoch-based
+            ``rule="infobatch"`` with ``mode="steps"``; at fit start, for an epoch-based
             half-life with an infinite DataLoader.
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
-            ``IterableDataset``, a custom batch sampler), ``mode="epoch"`` next to a PulseCycle,
-            ``ModelParallelStrategy``, or in ``mode="steps"`` a run of unknown length, ``limit_train_batches``,
-            ``reload_dataloaders_every_n_epochs`` or a PulseCycle in seconds; after the fit's first two batches (trained in full, before any replay
-            step), for a module carrying state from one batch to the next (a stateful RNN) or a token loss
+            ``IterableDataset``, a custom batch sampler), ``ModelParallelStrategy``, or in ``mode="steps"`` a run
+            of unknown length, ``limit_train_batches``, ``reload_dataloaders_every_n_epochs`` or a PulseCycle in
+            seconds; after the fit's first two batches (trained in full, before any replay step), for a module carrying state from one batch to the next (a stateful RNN) or a token loss
             flattened time-major.
         RuntimeError: at the first step whose loss yields no per-sample value and no ``scorer`` is set.
 
@@ -201,9 +199,7 @@ class HardSampleReplay(Callback):
             state, self._saved_state = self._saved_state, None
             self.selector.load_state_dict(state)
         self._ready = True
-        if self.mode == "epoch":
-            self.tracker.select_passes(self._select_epoch, self.selector.epoch_length)
-        elif self.mode == "steps" and self.steps.plan is None:  # planned once per fit
+        if self.mode == "steps" and self.steps.plan is None:  # planned once per fit
             self.steps.install(
                 self._trainer,
                 loader,
@@ -229,14 +225,8 @@ class HardSampleReplay(Callback):
         self.selector.table.half_life = half_life_steps(self.half_life, steps)
         return steps
 
-    def _select_epoch(self, order: list[int]) -> list[int]:
-        assert self.selector is not None and self._trainer is not None
-        return self.selector.select_epoch(order, self._trainer.global_step, self._trainer.global_rank)
-
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.mode == "epoch" and pulse_cycle_of(trainer) is not None:
-            raise PulseRefusal(EPOCH_MODE_REFUSAL)
         assert self.selector is not None
         steps_per_epoch = self._set_half_life(trainer.num_training_batches)
         if (

@@ -1,11 +1,12 @@
-"""Hard-sample replay without a framework: which samples of a batch (or of an epoch) to train on.
+"""Hard-sample replay without a framework: which samples of a batch (or of a wider window) to train on.
 
 :class:`HardSampleSelector` holds a :class:`~lightning_pulse.core.sample_scores.SampleScoreTable` and a
 :class:`ReplayConfig`. Per batch it is asked :meth:`~HardSampleSelector.compose` (the positions of the
 offered batch to train on, their roles and, for InfoBatch, loss weights), then told what the step measured
 with :meth:`~HardSampleSelector.record`. Measurements are kept and applied to the table in bulk (every
 ``apply_every`` steps, and before anything reads the whole table), which is what keeps the per-step cost low
-on small models. :meth:`~HardSampleSelector.select_epoch` chooses an epoch's samples instead (epoch mode).
+on small models. :meth:`~HardSampleSelector.choose_windows` chooses a pass's step-saving batches from wider
+windows instead, before they are loaded.
 
 Under data parallelism every rank records every rank's rows (:func:`gather_rows`, given any ``all_gather``
 callable), so every rank holds the same table and takes the same decisions.
@@ -84,8 +85,15 @@ class ReplayConfig:
             raise ValueError(f"`seed`={self.seed!r} must be an int.")
 
 
-#: How a batch is cut: ``"batch"`` (smaller batches, same steps) or ``"epoch"`` (shorter epochs, full batches).
-MODES = ("steps", "batch", "epoch")
+#: How a light step trains: ``"steps"`` (full batches chosen from wider windows, fewer steps) or ``"batch"``
+#: (smaller batches, same steps).
+MODES = ("steps", "batch")
+#: why ``mode="epoch"`` is gone, for the error its old configurations get
+EPOCH_MODE_REMOVED = (
+    "`mode`='epoch' was removed: mode='steps' (the default) without a PulseCycle trains full batches on "
+    "replay_fraction of each epoch, as epoch mode did, and matched it (benchmarks/studies/results/"
+    "replay_steps_vs_epoch.md); drop `mode` or use mode='batch'."
+)
 
 
 def validate_replay_args(
@@ -100,9 +108,11 @@ def validate_replay_args(
     phases = [phases] if isinstance(phases, str) else list(phases)
     if not phases or any(p not in PHASE_NAMES for p in phases):
         raise ValueError(f"`phases`={phases!r} must be a non-empty list of phases from {list(PHASE_NAMES)}.")
+    if mode == "epoch":
+        raise ValueError(EPOCH_MODE_REMOVED)
     if mode not in MODES:
         raise ValueError(f"`mode`={mode!r} is not one of {list(MODES)}.")
-    if mode in ("steps", "epoch") and rule == "infobatch":
+    if mode == "steps" and rule == "infobatch":
         raise ValueError(
             f"`mode`={mode!r} needs batches of a count known in advance, which InfoBatch's random pruning does "
             "not give; use rule='topk' or 'random', or mode='batch' (the default for rule='infobatch')."
@@ -137,10 +147,6 @@ STEPS_MODE_RELOAD_REFUSAL = (
     "HardSampleReplay: mode='steps' plans the run on the training DataLoader it finds at fit start, and "
     "`reload_dataloaders_every_n_epochs`={every!r} replaces that DataLoader with one the plan does not drive; "
     "set reload_dataloaders_every_n_epochs=0 or use mode='batch'."
-)
-EPOCH_MODE_REFUSAL = (
-    "HardSampleReplay: mode='epoch' chooses each epoch's samples when the epoch starts, so it cannot "
-    "follow a PulseCycle's step-based phases; use mode='steps' (the default) with a PulseCycle."
 )
 
 
@@ -386,7 +392,6 @@ class HardSampleSelector:
     Attributes:
         threshold_every: how many steps a hardness threshold is reused (it scans the whole table).
         apply_every: how many measured steps are kept before they are applied together.
-        epoch_offered_ratio: full epoch length over the selected one (epoch mode), for the metrics.
     """
 
     def __init__(self, table: SampleScoreTable, config: ReplayConfig | None = None) -> None:
@@ -394,7 +399,6 @@ class HardSampleSelector:
         self.config = config or ReplayConfig()
         self.threshold_every = 1
         self.apply_every = APPLY_EVERY
-        self.epoch_offered_ratio = 1.0
         self._threshold = (math.nan, -1)  # (value, step it was computed at)
         self._applied_since_threshold = False  # a NaN threshold (nothing scored yet) is redone after an apply
         self._unapplied: list[_Measured] = []
@@ -487,9 +491,6 @@ class HardSampleSelector:
         offered = int(indices.numel())
         if cut is not None:
             return BatchPlan(cut.indices, cut.roles, None, None, float(window), True, True)
-        if active and mode == "epoch":  # the epoch's sampler already chose these samples
-            ratio = offered * self.epoch_offered_ratio
-            return BatchPlan(indices, self.epoch_roles(indices), None, None, ratio, True, False)
         if active and mode == "batch":
             pick = self.compose(indices, step, batch_idx, rank)
             chosen = pick.positions is not None
@@ -568,31 +569,6 @@ class HardSampleSelector:
         roles = np.where(np.isnan(scores[positions]), UNSEEN, SELECTED)
         kept = torch.from_numpy(positions.astype(np.int64, copy=False))
         return Composition(None if kept.numel() == indices.numel() else kept, indices[kept], roles, None)
-
-    def epoch_length(self, full_length: int) -> int:
-        """How many samples an epoch of ``full_length`` yields in epoch mode."""
-        return max(1, round(self.config.replay_fraction * full_length))
-
-    def select_epoch(self, order: list[int], step: int, rank: int = 0) -> list[int]:
-        """The dataset indices an epoch trains on: :meth:`epoch_length` of the sampler's ``order``, never-scored
-        samples first, then the rule's choice among the scored ones; the sampler's order is kept."""
-        count = min(self.epoch_length(len(order)), len(order))
-        self.apply()
-        scores = self.table.effective_array(np.asarray(order, dtype=np.int64), step)
-        unseen = np.flatnonzero(np.isnan(scores))
-        if unseen.size >= count:
-            positions = unseen[:count]
-        else:
-            seen = np.flatnonzero(~np.isnan(scores))
-            generator = torch.Generator().manual_seed(mix_seed(self.config.seed, step, -2, rank))
-            chosen = self._select(torch.from_numpy(scores[seen]), count - unseen.size, step, generator)
-            positions = np.concatenate([unseen, seen[chosen.positions.numpy()]])
-        self.epoch_offered_ratio = len(order) / count
-        return [order[p] for p in np.sort(positions)]
-
-    def epoch_roles(self, indices: Tensor) -> np.ndarray:
-        """Roles of a batch an epoch's selection already chose: which samples had never been scored."""
-        return np.where(np.isnan(self.table.scores[indices.numpy()]), UNSEEN, SELECTED)
 
     def current_threshold(self, step: int) -> float:
         """The hardness threshold at ``step``: the mean score (InfoBatch) or the ``1 - replay_fraction``

@@ -47,8 +47,6 @@ class RecordingSampler(Sampler[int]):
         self.sampler = sampler
         self.forward_set_epoch = forward_set_epoch
         self.chunk = max(1, int(chunk))
-        self.select: Callable[[list[int]], list[int]] | None = None
-        self.length: Callable[[int], int] | None = None
         self.iteration = 0  # how many passes over the sampler have started
         self.pending: deque[int] = deque()  # indices drawn in this pass and not yet released
         self.stream_start = 0  # position in this pass's index stream of pending[0]
@@ -60,16 +58,13 @@ class RecordingSampler(Sampler[int]):
         self.pending.clear()
         self.stream_start = 0
         source: Iterator[int] = iter(self.sampler)
-        if self.select is not None:  # the pass's whole order is decided now, from the sampler's own order
-            source = iter(self.select(list(source)))
         # pass indices on in chunks: a per-index Python loop would cost more than the sampler itself
         while chunk := list(islice(source, self.chunk)):
             self.pending.extend(chunk)
             yield from chunk
 
     def __len__(self) -> int:
-        full = len(self.sampler)  # type: ignore[arg-type]
-        return self.length(full) if self.length is not None else full
+        return len(self.sampler)  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int) -> None:
         set_epoch = getattr(self.sampler, "set_epoch", None)
@@ -163,14 +158,6 @@ class SampleIndexTracker:
         recorder = getattr(batch_sampler, "sampler", None)
         if isinstance(recorder, RecordingSampler):
             batch_sampler.sampler = recorder.sampler
-
-    def select_passes(self, select: Callable[[list[int]], list[int]], length: Callable[[int], int]) -> None:
-        """Let ``select`` choose, at the start of every pass, which of the sampler's indices the pass yields
-        (and in which order); ``length(full_length)`` must give how many it yields, so the DataLoader's length
-        (which Lightning reads once, to plan epochs and LR schedules) is right from the start.
-        """
-        self.recorder.select = select
-        self.recorder.length = length
 
     # ------------------------------------------------------------------ queries
     @property
