@@ -381,3 +381,25 @@ def test_a_pass_of_windows_is_cut_as_each_window_alone_would_be():
         unseen = [math.isnan(float(table.scores[window[p]])) for p in expected]
         assert cut.roles.tolist() == [UNSEEN if is_unseen else SELECTED for is_unseen in unseen]
     assert any(math.isnan(float(table.scores[i])) for i in windows[0])  # never-scored samples were in play
+
+
+@pytest.mark.parametrize("rule", ["topk", "random"])  # random: each window's draw is seeded by its ordinal
+def test_choosing_a_pass_in_blocks_trains_what_choosing_it_whole_does(monkeypatch, rule):
+    from lightning_pulse.core.sample_index import PlannedBatchSampler
+
+    def fit():
+        pl.seed_everything(0)
+        model = MNIST1DClassifier()
+        trainer = pl.Trainer(
+            callbacks=[PulseCycle(**CYCLE), HardSampleReplay(rule=rule, replay_fraction=0.5)],
+            max_epochs=4,
+            **trainer_kwargs(),
+        )
+        trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64))
+        return _parameters(model), trainer.global_step
+
+    whole, whole_steps = fit()  # a pass of 12 batches fits in one block
+    monkeypatch.setattr(PlannedBatchSampler, "CHOOSE_BLOCK", 2)
+    blocks, block_steps = fit()
+    assert block_steps == whole_steps
+    assert torch.equal(blocks, whole)

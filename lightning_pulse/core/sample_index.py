@@ -215,9 +215,9 @@ class PlannedBatchSampler(BatchSampler):
     """A ``BatchSampler`` whose batches follow a plan: each pass yields the raw batch sizes ``sizes_for_pass``
     gives, from the same index sampler (step-saving replay fetches a larger window for a light-phase step).
 
-    With ``choose``, the windows larger than ``batch_size`` are cut before they are loaded: at the pass's start,
-    ``choose(windows, ordinals)`` gets every such window of the pass (its dataset indices) and the batches' places
-    in the epoch, and returns one cut per window (its ``indices``: the dataset indices to yield, in window order),
+    With ``choose``, the windows larger than ``batch_size`` are cut before they are loaded: for each block of
+    :attr:`CHOOSE_BLOCK` batches, ``choose(windows, ordinals)`` gets every such window of the block (its dataset
+    indices) and the batches' places in the epoch, and returns one cut per window (its ``indices``: the dataset indices to yield, in window order),
     so the DataLoader loads only the samples that train. What each batch was cut from is kept in
     :attr:`windows`, in order, for the consumer to :meth:`take_window`.
 
@@ -229,6 +229,9 @@ class PlannedBatchSampler(BatchSampler):
             estimate is the plain run's capped by ``max_steps``; the pass ends when its planned batches do.
         choose: the cuts of a pass's windows that are larger than a batch.
     """
+
+    #: batches whose windows are read and chosen together (bounds the indices held at once)
+    CHOOSE_BLOCK = 256
 
     def __init__(
         self,
@@ -268,23 +271,26 @@ class PlannedBatchSampler(BatchSampler):
                 self.windows.append((len(batch), None))
                 yield batch
             return
-        # the whole pass's windows first (the sampler's order does not depend on training), so the light ones
-        # are chosen in one call
-        order = list(islice(source, int(sum(sizes))))
-        bounds = np.minimum(np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]), len(order))
-        batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        light = [k for k, batch in enumerate(batches) if len(batch) > self.batch_size]
-        cuts: list[Any] = [None] * len(batches)
-        chosen = (
-            self.choose([batches[k] for k in light], [self._first_ordinal + k for k in light])
-            if light
-            else []
-        )
-        for k, cut in zip(light, chosen):
-            cuts[k] = cut
-        for batch, cut in zip(batches, cuts):
-            self.windows.append((len(batch), cut))
-            yield batch if cut is None else cut.indices.tolist()
+        # windows in blocks of CHOOSE_BLOCK batches (the sampler's order does not depend on training), so the light
+        # ones of a block are chosen in one call, and a huge dataset's pass is never held whole
+        ordinal = self._first_ordinal
+        for first in range(0, len(sizes), self.CHOOSE_BLOCK):
+            block = sizes[first : first + self.CHOOSE_BLOCK]
+            order = list(islice(source, int(sum(block))))
+            bounds = np.minimum(np.concatenate([[0], np.cumsum(block, dtype=np.int64)]), len(order))
+            batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            light = [k for k, batch in enumerate(batches) if len(batch) > self.batch_size]
+            cuts: list[Any] = [None] * len(batches)
+            if light:
+                chosen = self.choose([batches[k] for k in light], [ordinal + k for k in light])
+                for k, cut in zip(light, chosen):
+                    cuts[k] = cut
+            for batch, cut in zip(batches, cuts):
+                self.windows.append((len(batch), cut))
+                yield batch if cut is None else cut.indices.tolist()
+            if len(batches) < len(block):  # the sampler ran out
+                return
+            ordinal += len(block)
 
     def start_pass_at(self, ordinal: int) -> None:
         """The epoch ordinal of the next pass's first batch (a resumed pass starts past its trained batches)."""
