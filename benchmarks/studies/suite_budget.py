@@ -6,13 +6,14 @@ with the baseline in the same run and every arm metered by an EnergyLogger:
 
 * ``suite``: the YAML as it is;
 * ``budget_0.6``: ``PulseCycle(budget=0.6)`` (the replay phase lengthened to meet it);
-* ``budget_0.5_f0.33``: ``budget=0.5`` with ``replay_fraction=0.33`` (windows of three batches), since warm-up and
-  anneal at full batches keep ``replay_fraction=0.5`` above about 0.6;
+* ``budget_0.5_f0.33``: ``budget=0.5`` with ``replay_fraction=0.33`` (windows of three batches), since
+  warm-up and anneal at full batches keep ``replay_fraction=0.5`` above about 0.6;
 * ``lean_0.6``: ``budget_0.6`` without GradientCache and StabilityGuard (what they cost in wall time);
 * ``random_0.6``: ``budget_0.6`` with a uniform random subset in place of the hardest samples (the control).
 
 Run: ``python -m benchmarks.studies.suite_budget --workload mnist1d-cnn-128`` (each workload in its own
-process, about 8 minutes each on 2 cores). Writes ``benchmarks/studies/results/suite_budget_<workload>.{json,md}``.
+process, about 8 minutes each on 2 cores). Writes
+``benchmarks/studies/results/suite_budget_<workload>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def main() -> None:
     )
     command = f"python -m benchmarks.studies.suite_budget --workload {args.workload}"
     stem.with_suffix(".md").write_text(
-        f"# suite budget study: {args.workload}\n\nCommand: `{command}`. FLOPs not counted here (column reads 1).\n\n"
+        f"# suite budget study: {args.workload}\n\n"
+        f"Command: `{command}`. FLOPs not counted here (column reads 1).\n\n"
         + markdown(args.workload, timed, rows)
         + "\n"
     )

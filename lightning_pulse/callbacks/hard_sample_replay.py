@@ -84,7 +84,8 @@ class HardSampleReplay(Callback):
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
             ``IterableDataset``, a custom batch sampler), ``ModelParallelStrategy``, or in ``mode="steps"`` a run
             of unknown length, ``limit_train_batches``, ``reload_dataloaders_every_n_epochs`` or a PulseCycle in
-            seconds; after the fit's first two batches (trained in full, before any replay step), for a module carrying state from one batch to the next (a stateful RNN) or a token loss
+            seconds; after the fit's first two batches (trained in full, before any replay step), for a module
+            carrying state from one batch to the next (a stateful RNN) or a token loss
             flattened time-major.
         RuntimeError: at the first step whose loss yields no per-sample value and no ``scorer`` is set.
 

@@ -450,23 +450,18 @@ class HardSampleSelector:
             return select_random(scores, count, generator)
         return infobatch_prune(scores, self.current_threshold(step), self.config.prune_ratio, generator)
 
-    def compose(
-        self, indices: Tensor, step: int, batch_idx: int, rank: int = 0, keep: int | None = None
-    ) -> Composition:
-        """The samples of the batch holding dataset ``indices`` ``(B,)`` to train on at ``step``.
+    def compose(self, indices: Tensor, step: int, batch_idx: int, rank: int = 0) -> Composition:
+        """The samples of the batch holding dataset ``indices`` ``(B,)`` to train on at ``step`` (batch mode).
 
         Never-scored samples are always kept; top-k draws nothing, the other rules draw from a generator
-        seeded by ``(seed, step, batch_idx, rank)``. ``keep`` (step-saving replay: a full batch out of a larger
-        window) fixes the count exactly: never-scored samples first, then the rule's choice.
+        seeded by ``(seed, step, batch_idx, rank)``.
         """
         offered = int(indices.numel())
         generator = None
         if self.config.rule != "topk":
             generator = torch.Generator().manual_seed(mix_seed(self.config.seed, step, batch_idx, rank))
-        budget = max(1, round(self.config.replay_fraction * offered)) if keep is None else min(keep, offered)
+        budget = max(1, round(self.config.replay_fraction * offered))
         scores = self.table.effective_array(indices, step)  # arrays throughout: each tensor wrap costs a call
-        if keep is not None:
-            return self._compose_exactly(indices, scores, budget, step, generator)
         selection = self._select(scores, budget, step, generator)
         roles = np.where(np.isnan(scores[selection.positions.numpy()]), UNSEEN, SELECTED)
         weights = selection.weights
@@ -522,7 +517,7 @@ class HardSampleSelector:
         sizes = np.fromiter((len(w) for w in windows), dtype=np.int64, count=len(windows))
         slots = np.fromiter((i for w in windows for i in w), dtype=np.int64, count=int(sizes.sum()))
         at_step = np.repeat(np.asarray(steps, dtype=np.int64), sizes)
-        scores = self.table.effective_at(slots, at_step, prior)
+        scores = self.table.effective_array(slots, at_step, prior)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         if self.config.rule != "topk":
             chosen = []
@@ -537,23 +532,18 @@ class HardSampleSelector:
         # top-k: never-scored first (+inf), then the highest scores, ties to the earlier position; windows of one
         # size are sorted together as the rows of a matrix
         key = np.where(np.isnan(scores), np.inf, scores)
-        picked: list[np.ndarray | None] = [None] * len(windows)
+        chosen: list[Composition] = [None] * len(windows)  # type: ignore[list-item]  # every row is filled below
         for size in np.unique(sizes):
             rows = np.flatnonzero(sizes == size)
-            starts = offsets[rows]
-            block = starts[:, None] + np.arange(size)[None, :]
+            block = offsets[rows][:, None] + np.arange(size)[None, :]
             count = min(keep, int(size))
             order = np.sort(np.argsort(-key[block], axis=1, kind="stable")[:, :count], axis=1)
-            for row, positions in zip(rows, order):
-                picked[row] = positions
-        chosen = []
-        for i, positions in enumerate(picked):
-            assert positions is not None
-            part = slots[int(offsets[i]) : int(offsets[i + 1])]
-            roles = np.where(np.isnan(scores[int(offsets[i]) + positions]), UNSEEN, SELECTED)
-            chosen.append(
-                Composition(torch.from_numpy(positions), torch.from_numpy(part[positions]), roles, None)
-            )
+            for row, window_slots, positions in zip(rows, block, order):
+                at = window_slots[positions]  # positions into the pass's flat arrays
+                roles = np.where(np.isnan(scores[at]), UNSEEN, SELECTED)
+                chosen[row] = Composition(
+                    torch.from_numpy(positions), torch.from_numpy(slots[at]), roles, None
+                )
         return chosen
 
     def _compose_exactly(

@@ -217,8 +217,8 @@ class PlannedBatchSampler(BatchSampler):
 
     With ``choose``, the windows larger than ``batch_size`` are cut before they are loaded: for each block of
     :attr:`CHOOSE_BLOCK` batches, ``choose(windows, ordinals)`` gets every such window of the block (its dataset
-    indices) and the batches' places in the epoch, and returns one cut per window (its ``indices``: the dataset indices to yield, in window order),
-    so the DataLoader loads only the samples that train. What each batch was cut from is kept in
+    indices) and the batches' places in the epoch, and returns one cut per window (its ``indices``: the dataset
+    indices to yield, in window order), so the DataLoader loads only the samples that train. What each batch was cut from is kept in
     :attr:`windows`, in order, for the consumer to :meth:`take_window`.
 
     Args:
@@ -248,9 +248,8 @@ class PlannedBatchSampler(BatchSampler):
         self.sizes_for_pass = sizes_for_pass
         self.plain_length = plain_length
         self.choose = choose
-        self.windows: deque[tuple[int, Any]] = (
-            deque()
-        )  # per yielded batch: (raw window size, the cut or None)
+        # per yielded batch: (raw window size, the cut or None)
+        self.windows: deque[tuple[int, Any]] = deque()
         self._first_ordinal = 0
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -263,25 +262,17 @@ class PlannedBatchSampler(BatchSampler):
         if skip:
             for _ in islice(source, skip):
                 pass
-        if self.choose is None:
-            for size in sizes:
-                batch = list(islice(source, size))
-                if not batch:
-                    return
-                self.windows.append((len(batch), None))
-                yield batch
-            return
-        # windows in blocks of CHOOSE_BLOCK batches (the sampler's order does not depend on training), so the light
-        # ones of a block are chosen in one call, and a huge dataset's pass is never held whole
+        # windows in blocks of CHOOSE_BLOCK batches (the sampler's order does not depend on training), so the
+        # light ones of a block are chosen in one call, and a huge dataset's pass is never held whole
         ordinal = self._first_ordinal
         for first in range(0, len(sizes), self.CHOOSE_BLOCK):
             block = sizes[first : first + self.CHOOSE_BLOCK]
             order = list(islice(source, int(sum(block))))
             bounds = np.minimum(np.concatenate([[0], np.cumsum(block, dtype=np.int64)]), len(order))
             batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-            light = [k for k, batch in enumerate(batches) if len(batch) > self.batch_size]
             cuts: list[Any] = [None] * len(batches)
-            if light:
+            light = [k for k, batch in enumerate(batches) if len(batch) > self.batch_size]
+            if light and self.choose is not None:
                 chosen = self.choose([batches[k] for k in light], [ordinal + k for k in light])
                 for k, cut in zip(light, chosen):
                     cuts[k] = cut

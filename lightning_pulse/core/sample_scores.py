@@ -222,7 +222,7 @@ class SampleScoreTable:
         self.awaiting[slots] = True
 
     # ------------------------------------------------------------------ reads
-    def _effective(self, slots: np.ndarray, step: int, prior: float | None = None) -> np.ndarray:
+    def _effective(self, slots: np.ndarray, step: int | np.ndarray, prior: float | None = None) -> np.ndarray:
         scores = self.scores[slots]
         prior = self.prior if prior is None else prior
         if self.half_life is None or math.isnan(prior):
@@ -235,20 +235,12 @@ class SampleScoreTable:
         return torch.from_numpy(self.effective_array(indices, step))
 
     def effective_array(
-        self, indices: Tensor | np.ndarray, step: int, prior: float | None = None
+        self, indices: Tensor | np.ndarray, step: int | np.ndarray, prior: float | None = None
     ) -> np.ndarray:
-        """:meth:`effective` as a float32 host array (no tensor wrapping: the selection works on arrays);
-        ``prior`` replaces the running prior (a sampler choosing ahead of training fixes it per pass)."""
+        """:meth:`effective` as a float32 host array (no tensor wrapping: the selection works on arrays).
+        ``step`` may be one step per index; ``prior`` replaces the running prior (a sampler choosing ahead of
+        training fixes it per pass)."""
         return self._effective(_np_indices(indices), step, prior)
-
-    def effective_at(self, indices: np.ndarray, steps: np.ndarray, prior: float) -> np.ndarray:
-        """Age-weighted scores of dataset ``indices`` ``(n,)``, each at its own optimizer step ``steps`` ``(n,)``,
-        fading toward ``prior`` (``NaN`` for never scored)."""
-        scores = self.scores[indices]
-        if self.half_life is None or math.isnan(prior):
-            return scores
-        age = np.maximum(steps - self.steps[indices], 0).astype(np.float32)
-        return prior + (scores - prior) * np.exp2(-age / np.float32(self.half_life))
 
     def _scored(self) -> np.ndarray:
         return np.flatnonzero(self.steps >= 0)
