@@ -403,3 +403,34 @@ def test_choosing_a_pass_in_blocks_trains_what_choosing_it_whole_does(monkeypatc
     blocks, block_steps = fit()
     assert block_steps == whole_steps
     assert torch.equal(blocks, whole)
+
+
+def test_tracker_gives_each_planned_batch_as_loaded_a_cut_not_its_window():
+    """Under a planned pass the tracker reports the indices the DataLoader loaded: for a light step, the cut
+    of its window (the activation cache and the fault tracer map a batch's rows through them)."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from lightning_pulse.core.sample_index import PlannedBatchSampler, SampleIndexTracker
+
+    ids = torch.arange(40)
+    plain = DataLoader(TensorDataset(ids), batch_size=4, shuffle=True)
+    tracker = SampleIndexTracker.install(plain)
+    sizes = [4, 8, 4, 8, 8, 4]  # two-batch windows for the light steps, cut to 4 below
+
+    def choose(windows, ordinals):
+        return [SimpleNamespace(indices=torch.tensor(window[1::2])) for window in windows]
+
+    planned = PlannedBatchSampler(plain.batch_sampler, lambda: (0, sizes), len(plain.batch_sampler), choose)
+    loader = DataLoader(plain.dataset, batch_sampler=planned)
+    for _ in range(2):  # a second pass starts the records afresh
+        seen = []
+        for batch_idx, (batch,) in enumerate(loader):
+            assert batch.numel() == 4
+            assert torch.equal(tracker.batch_indices(batch_idx), batch)
+            seen.extend(batch.tolist())
+        assert len(set(seen)) == len(seen) == 24
+        assert len(tracker.recorder.batches) == 0  # every batch released once asked for
+    with pytest.raises(RuntimeError, match="asked for after a later batch"):
+        tracker.batch_indices(0)

@@ -257,7 +257,7 @@ class HardSampleReplay(Callback):
         indices = self.tracker.batch_indices(batch_idx)
         active, step = phase_of(trainer, default=Phase.REPLAY).value in self.phases, trainer.global_step
         window, cut = self.steps.next_batch() if self.mode == "steps" else (0, None)
-        check_batch_indices(batch_idx, offered, indices if cut is None else cut.indices)
+        check_batch_indices(batch_idx, offered, indices)  # a cut batch's: the cut, as loaded
         plan = self.selector.plan_batch(
             self.mode, indices, active, step, batch_idx, trainer.global_rank, cut, window
         )

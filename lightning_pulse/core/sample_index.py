@@ -50,13 +50,15 @@ class RecordingSampler(Sampler[int]):
         self.iteration = 0  # how many passes over the sampler have started
         self.pending: deque[int] = deque()  # indices drawn in this pass and not yet released
         self.stream_start = 0  # position in this pass's index stream of pending[0]
-        # a PlannedBatchSampler's batches vary in size: where each batch of this pass starts in the stream
-        self.batch_starts: np.ndarray | None = None
+        # a PlannedBatchSampler's pass: the batches it yielded and the tracker has not released, in order
+        # (it knows each batch whole, so nothing is recorded index by index)
+        self.batches: deque[np.ndarray] | None = None
 
     def __iter__(self) -> Iterator[int]:
         self.iteration += 1
         self.pending.clear()
         self.stream_start = 0
+        self.batches = None
         source: Iterator[int] = iter(self.sampler)
         # pass indices on in chunks: a per-index Python loop would cost more than the sampler itself
         while chunk := list(islice(source, self.chunk)):
@@ -65,6 +67,20 @@ class RecordingSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]
+
+    def begin_batch_pass(self) -> Iterator[int]:
+        """Start a pass whose batches are recorded whole (:meth:`record_batch`); returns the wrapped sampler's
+        order, read directly."""
+        self.iteration += 1
+        self.pending.clear()
+        self.stream_start = 0
+        self.batches = deque()
+        return iter(self.sampler)
+
+    def record_batch(self, indices: Sequence[int] | np.ndarray) -> None:
+        """Record one batch of a pass started with :meth:`begin_batch_pass`, as it is yielded."""
+        assert self.batches is not None
+        self.batches.append(np.asarray(indices, dtype=np.int64))
 
     def set_epoch(self, epoch: int) -> None:
         set_epoch = getattr(self.sampler, "set_epoch", None)
@@ -183,13 +199,9 @@ class SampleIndexTracker:
             raise RuntimeError(
                 f"SampleIndexTracker: batch {batch_idx} was asked for after a later batch of the same epoch."
             )
-        starts = recorder.batch_starts
-        if starts is None:
-            start, size = ordinal * self.batch_size, self.batch_size
-        elif ordinal + 1 < starts.size:
-            start, size = int(starts[ordinal]), int(starts[ordinal + 1] - starts[ordinal])
-        else:
-            start, size = -1, 0
+        if recorder.batches is not None:
+            return self._planned_batch(batch_idx, ordinal)
+        start, size = ordinal * self.batch_size, self.batch_size
         drop = start - recorder.stream_start
         for _ in range(min(drop, len(recorder.pending))):
             recorder.pending.popleft()
@@ -204,6 +216,23 @@ class SampleIndexTracker:
             np.fromiter(islice(recorder.pending, count), dtype=np.int64, count=count)
         )
         self._ordinal = ordinal
+        return self._indices
+
+    def _planned_batch(self, batch_idx: int, ordinal: int) -> Tensor:
+        """:meth:`batch_indices` in a planned pass: the batch as yielded (a light step's cut, not its window)."""
+        recorder, batches = self.recorder, self.recorder.batches
+        assert batches is not None
+        released = ordinal - self._ordinal - 1  # batches passed over since the last one asked for
+        for _ in range(min(released, len(batches))):
+            batches.popleft()
+        if not batches or released < 0:
+            raise RuntimeError(
+                f"SampleIndexTracker: no recorded indices for batch {batch_idx}. The tracker must be installed "
+                "before the DataLoader starts a pass, and asked for every batch in order."
+            )
+        self._indices = torch.from_numpy(batches.popleft())
+        self._ordinal = ordinal
+        recorder.stream_start += int(self._indices.numel())
         return self._indices
 
     def fetch(self, indices: Sequence[int] | Tensor) -> Any:
@@ -255,10 +284,8 @@ class PlannedBatchSampler(BatchSampler):
     def __iter__(self) -> Iterator[list[int]]:
         skip, sizes = self.sizes_for_pass()
         recorder = self.sampler if isinstance(self.sampler, RecordingSampler) else None
-        if recorder is not None:
-            recorder.batch_starts = np.concatenate([[skip], skip + np.cumsum(sizes, dtype=np.int64)])
         self.windows.clear()
-        source = iter(self.sampler)
+        source = iter(self.sampler) if recorder is None else recorder.begin_batch_pass()
         if skip:
             for _ in islice(source, skip):
                 pass
@@ -278,6 +305,8 @@ class PlannedBatchSampler(BatchSampler):
                     cuts[k] = cut
             for batch, cut in zip(batches, cuts):
                 self.windows.append((len(batch), cut))
+                if recorder is not None:
+                    recorder.record_batch(batch if cut is None else cut.indices.numpy())
                 yield batch if cut is None else cut.indices.tolist()
             if len(batches) < len(block):  # the sampler ran out
                 return
