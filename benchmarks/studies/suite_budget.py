@@ -30,7 +30,11 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def _variant(
-    budget: float | None = None, fraction: float | None = None, lean: bool = False, rule: str | None = None
+    budget: float | None = None,
+    fraction: float | None = None,
+    lean: bool = False,
+    rule: str | None = None,
+    ramp: float | None = None,
 ):
     specs = copy.deepcopy(MNIST["trainer"]["callbacks"])
     kept = []
@@ -41,6 +45,8 @@ def _variant(
             continue
         if name == "PulseCycle" and budget is not None:
             args["budget"] = budget
+        if name == "PulseCycle" and ramp is not None:
+            args["warmup"] = args["anneal"] = ramp
         if name == "HardSampleReplay":
             if fraction is not None:
                 args["replay_fraction"] = fraction
@@ -64,13 +70,36 @@ def arms() -> list[Arm]:
     ]
 
 
+def low_arms() -> list[Arm]:
+    """Below the shipped 0.6: with ``replay_fraction=0.5`` the full-batch warm-up and anneal (0.1 each) hold the
+    run above about 0.6, so a lower budget needs narrower windows' complement (``replay_fraction=0.4``) or a
+    shorter ramp (0.05 each)."""
+
+    def arm(name: str, factory) -> Arm:
+        return Arm(name, callbacks=factory, metrics=energy_metrics)
+
+    return [
+        arm("plain", lambda seed: _with_meter([])),
+        arm("budget_0.6", _variant(budget=0.6)),
+        arm("budget_0.55_f0.4", _variant(budget=0.55, fraction=0.4)),
+        arm("budget_0.5_f0.4", _variant(budget=0.5, fraction=0.4)),
+        arm("budget_0.55_ramp0.05", _variant(budget=0.55, ramp=0.05)),
+        arm("random_0.55_f0.4", _variant(budget=0.55, fraction=0.4, rule="random")),
+    ]
+
+
+SETS = {"shipped": ("suite_budget", arms), "low": ("suite_budget_low", low_arms)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="mnist1d-cnn-128", choices=["mnist1d-cnn", "mnist1d-cnn-128"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--set", default="shipped", choices=sorted(SETS), help="shipped: the first study's arms")
     args = parser.parse_args()
     spec = WORKLOADS[args.workload]
-    arm_list = arms()
+    prefix, make_arms = SETS[args.set]
+    arm_list = make_arms()
     run_arms(
         spec["workload"],
         arm_list[:1],
@@ -95,13 +124,14 @@ def main() -> None:
         timed, {"arms": timed["arms"], "runs": [{"arm": arm, "train_flops": 1} for arm in timed["arms"]]}
     )
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"suite_budget_{args.workload}"
+    stem = RESULTS / f"{prefix}_{args.workload}"
     stem.with_suffix(".json").write_text(
         json.dumps({"timed": timed, "rows": rows, "env": environment()}, indent=1, default=str)
     )
-    command = f"python -m benchmarks.studies.suite_budget --workload {args.workload}"
+    extra = "" if args.set == "shipped" else f" --set {args.set} --seeds {' '.join(map(str, args.seeds))}"
+    command = f"python -m benchmarks.studies.suite_budget --workload {args.workload}{extra}"
     stem.with_suffix(".md").write_text(
-        f"# suite budget study: {args.workload}\n\n"
+        f"# suite budget study ({args.set}): {args.workload}\n\n"
         f"Command: `{command}`. FLOPs not counted here (column reads 1).\n\n"
         + markdown(args.workload, timed, rows)
         + "\n"
