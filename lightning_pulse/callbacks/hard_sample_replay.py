@@ -17,27 +17,21 @@ from typing_extensions import override
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of
 from lightning_pulse.core.carried_state import CarriedStateCheck
-from lightning_pulse.core.per_sample_loss import (
-    PerSampleScorer,
-    StepLossCaptures,
-    time_major_refusal,
-)
+from lightning_pulse.core.per_sample_loss import PerSampleScorer
 from lightning_pulse.core.replay import (
     MODEL_PARALLEL_REFUSAL,
     ROLE_NAMES,
     HardSampleSelector,
     ReplayConfig,
-    check_batch_indices,
     half_life_steps,
     parse_half_life,
     shorter_than_an_epoch,
     untrackable_refusal,
     validate_replay_args,
 )
+from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, refuse
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
-from lightning_pulse.core.selection import assign_in_place, take_samples
-from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase
 from lightning_pulse.step_saving import StepSavingLoader
@@ -56,8 +50,9 @@ class HardSampleReplay(Callback):
     on ``replay_fraction`` of its data); the run is planned at fit start and ``trainer.max_steps`` set to the
     plan (:mod:`lightning_pulse.step_saving`), so ``OneCycleLR`` and every schedule plan for the real steps.
     ``mode="batch"``: each batch is cut to about ``replay_fraction * B``, steps unchanged. The algorithm is
-    :class:`~lightning_pulse.core.replay.HardSampleSelector`; this callback maps hooks onto it. A run shorter
-    than an epoch cannot select (samples are scored when they train): it warns at fit start.
+    :class:`~lightning_pulse.core.replay.HardSampleSelector`, run batch by batch by
+    :class:`~lightning_pulse.core.replay_batch.ReplayBatchLifecycle`; this callback maps hooks onto them. A run
+    shorter than an epoch cannot select (samples are scored when they train): it warns at fit start.
 
     Args:
         rule: ``"topk"`` (highest scores), ``"infobatch"`` (drop below-mean samples with probability
@@ -129,9 +124,7 @@ class HardSampleReplay(Callback):
         self._held = compat.CollectiveHold()  # gathered rows, until gloo's worker lets go of them
         self._saved_state: dict[str, Any] | None = None
         self._ready = False  # this fit's selector exists: load_state_dict applies at once
-        self.captures = StepLossCaptures()  # the module's own per-sample losses, one capture per step
-        self._batch: dict[str, Any] | None = None
-        self.state_check = CarriedStateCheck()
+        self.batches = ReplayBatchLifecycle(mode, scorer)  # each batch: plan, cut, capture, record
 
     # ------------------------------------------------------------------ public state
     @property
@@ -147,18 +140,23 @@ class HardSampleReplay(Callback):
     @property
     def trained_indices(self) -> torch.Tensor | None:
         """Dataset indices ``(k,)`` of the samples the current step trains on (batch start to batch end)."""
-        return None if self._batch is None else self._batch["indices"]
+        return None if (step := self.batches.current) is None else step.plan.indices
 
     @property
     def offered_count(self) -> int | None:
         """How many samples the data offered for the current step: in steps mode the window the sampler cut the
         batch from (only the batch is loaded); otherwise the batch as the loader yielded it."""
-        return None if self._batch is None else int(self._batch["window"])
+        return None if (step := self.batches.current) is None else step.offered_count
 
     @property
     def trained_origins(self) -> list[str] | None:
         """Why each sample of the current step is there: ``"untouched"``, ``"selected"`` or ``"unseen"``."""
-        return None if self._batch is None else [ROLE_NAMES[role] for role in self._batch["roles"]]
+        return None if (step := self.batches.current) is None else [ROLE_NAMES[r] for r in step.plan.roles]
+
+    @property
+    def state_check(self) -> CarriedStateCheck:
+        """The check for state the module carries across batches (done after each fit's first two)."""
+        return self.batches.state_check
 
     def metrics(self) -> dict[str, float]:
         """Totals since fit start: replay fraction, losses by origin, table size and reuse, threshold. Steps
@@ -176,7 +174,7 @@ class HardSampleReplay(Callback):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if isinstance(trainer.strategy, ModelParallelStrategy):  # FSDP and DeepSpeed cut no batch: they work
-            self._refuse(MODEL_PARALLEL_REFUSAL)
+            refuse(MODEL_PARALLEL_REFUSAL)
         self._trainer, self._ready = trainer, False
         if self.mode == "steps":
             self.steps = StepSavingLoader()
@@ -189,7 +187,7 @@ class HardSampleReplay(Callback):
         # runs inside Lightning's data setup, before the loader's first pass (and on a resume, after the
         # checkpoint's state was handed over), so the first epoch is tracked and can already be selected
         if (reason := SampleIndexTracker.unsupported_reason(loader)) is not None:
-            self._refuse(untrackable_refusal(reason))
+            refuse(untrackable_refusal(reason))
         self._loader, self.tracker = loader, SampleIndexTracker.install(loader)
         size = self.tracker.dataset_size
         if self.selector is None or self.selector.table.num_samples != size:
@@ -234,13 +232,12 @@ class HardSampleReplay(Callback):
             note := shorter_than_an_epoch(trainer.estimated_stepping_batches, steps_per_epoch, self.mode)
         ) is not None:
             rank_zero_warn(f"HardSampleReplay: {note}")
-        self.state_check = CarriedStateCheck()  # over this fit's first two batches
         self.selector.set_cadence(
             steps_per_epoch, self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
         )
         if self.mode == "steps":
             self.steps.on_train_start(trainer)
-        self.captures.start()
+        self.batches.start_fit()  # the carried-state check runs over this fit's first two batches
         rank_zero_info(
             f"HardSampleReplay: mode={self.mode}, rule={self.config.rule}, "
             f"replay_fraction={self.config.replay_fraction:g}, phases={list(self.phases)}."
@@ -251,71 +248,31 @@ class HardSampleReplay(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self.captures.drop()
         assert self.selector is not None and self.tracker is not None
-        offered = extract_batch_size(batch)
-        indices = self.tracker.batch_indices(batch_idx)
-        active, step = phase_of(trainer, default=Phase.REPLAY).value in self.phases, trainer.global_step
+        offered, step = extract_batch_size(batch), trainer.global_step
+        indices = self.tracker.batch_indices(batch_idx)  # a cut batch's: the cut, as loaded
+        active = phase_of(trainer, default=Phase.REPLAY).value in self.phases
         window, cut = self.steps.next_batch() if self.mode == "steps" else (0, None)
-        check_batch_indices(batch_idx, offered, indices)  # a cut batch's: the cut, as loaded
-        plan = self.selector.plan_batch(
-            self.mode, indices, active, step, batch_idx, trainer.global_rank, cut, window
+        self.batches.start_batch(
+            self.selector, batch, indices, offered, step, batch_idx, active, trainer.global_rank, window, cut
         )
-        self._refuse(self.state_check.before_batch(cut=plan.selected))
-        if plan.positions is not None:
-            assign_in_place(batch, take_samples(batch, plan.positions, offered))
-        self._batch = {
-            "step": step,
-            "indices": plan.indices,
-            "roles": plan.roles,
-            "offered": plan.offered,
-            "active": plan.active,
-            "size": offered,
-            "window": window or offered,
-        }
-        # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
-        if self.scorer is None or plan.weights is not None:
-            self.captures.open(int(plan.roles.size), plan.weights)
 
     @override
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        # stop before backward: anything after (e.g. a maintain-phase probe) is not this batch's loss
-        self.captures.close()
-        if self._batch is not None and self.captures.closed is not None:  # fail before the first step
-            self.captures.closed.require(
-                "HardSampleReplay"
-                if self.scorer is None
-                else "HardSampleReplay, whose rule='infobatch' weights it,"
-            )
+        self.batches.close_capture()  # before backward; fails at the first step without a per-sample loss
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        capture, context, self._batch = self.captures.take(), self._batch, None
-        if context is None or self.selector is None:
-            return
-        if self.scorer is None:
-            assert capture is not None  # opened at the batch start whenever there is no scorer
-            losses = capture.require()
-            if self.state_check.first_batch:
-                self._refuse(time_major_refusal(losses, batch))
-        else:
-            losses = self.scorer.score(pl_module, batch, outputs, int(context["roles"].size))
         gather = None
         if trainer.world_size > 1:  # every rank keeps every rank's rows: identical tables and decisions
             gather = partial(compat.all_gather_held, trainer.strategy, hold=self._held)
-        step, active, offered = context["step"], context["active"], context["offered"]
-        self.selector.record(context["indices"], losses, context["roles"], step, active, offered, gather)
-        self._log(trainer)
-        self._refuse(self.state_check.after_batch(pl_module, context["size"]))
-
-    @staticmethod
-    def _refuse(reason: str | None) -> None:
-        if reason is not None:
-            raise PulseRefusal(f"HardSampleReplay {reason}")
+        if (finished := self.batches.finish_batch(pl_module, batch, outputs, gather)) is not None:
+            self._log(trainer)  # before the carried-state check: a refused step is still logged
+            self.batches.check_carried_state(pl_module, finished)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -335,14 +292,9 @@ class HardSampleReplay(Callback):
         )
 
     # ------------------------------------------------------------------ lifecycle
-    def _release(self) -> None:
-        self.captures.release()
-        self.state_check.stop()
-        self._batch = None
-
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._release()
+        self.batches.release()
         if self.selector is None:
             return
         self.selector.apply()
@@ -353,11 +305,11 @@ class HardSampleReplay(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._release()
+        self.batches.release()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._release()
+        self.batches.release()
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
         if stage != "fit":
             return
@@ -395,8 +347,7 @@ class HardSampleReplay(Callback):
         state_dict = dict(state_dict)
         stream = state_dict.pop("stream", None)
         if self._ready and self.selector is not None:  # a rollback: the data stream is not rewound
-            self.captures.drop()
-            self._batch = None
+            self.batches.drop_step()
             self.selector.load_state_dict(state_dict)
         else:
             self._saved_state = state_dict

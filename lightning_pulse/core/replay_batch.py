@@ -1,0 +1,219 @@
+"""One training step of hard-sample replay, from the loaded batch to its recorded losses. No trainer.
+
+:class:`ReplayBatchLifecycle` is what :class:`~lightning_pulse.HardSampleReplay`'s batch hooks call, for a
+:class:`~lightning_pulse.core.replay.HardSampleSelector`:
+
+1. :meth:`~ReplayBatchLifecycle.start_batch`, before the step: plan the batch
+   (:meth:`~lightning_pulse.core.replay.HardSampleSelector.plan_batch`), cut it in place in batch mode and open
+   the step's loss capture;
+2. :meth:`~ReplayBatchLifecycle.close_capture`, before backward: what runs after it is not the step's loss;
+3. :meth:`~ReplayBatchLifecycle.finish_batch`, after the step: take the per-sample losses (captured, or from a
+   :class:`~lightning_pulse.core.per_sample_loss.PerSampleScorer`) and record them into the selector;
+4. :meth:`~ReplayBatchLifecycle.check_carried_state`: over a fit's first two batches, refuse a module that
+   carries state from one batch to the next (:class:`~lightning_pulse.core.carried_state.CarriedStateCheck`).
+
+The caller passes in what only the training loop knows: the optimizer step, whether the phase selects, the
+rank, steps mode's window and cut from the sampler and, under data parallelism, an ``all_gather``.
+
+Example::
+
+    batches = ReplayBatchLifecycle()
+    batches.start_fit()
+    for step, (indices, batch) in enumerate(indexed_batches):   # indices: (B,) dataset indices of a list batch
+        batches.start_batch(selector, batch, indices, len(indices), step, batch_idx=step, active=True)
+        loss = F.cross_entropy(model(batch[0]), batch[1])       # batch was cut in place; the capture sees this
+        batches.close_capture()
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+        batches.check_carried_state(model, batches.finish_batch(model, batch, outputs=loss))
+    batches.release()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_pulse.core.carried_state import CarriedStateCheck
+from lightning_pulse.core.per_sample_loss import PerSampleScorer, StepLossCaptures, time_major_refusal
+from lightning_pulse.core.replay import BatchPlan, Composition, HardSampleSelector, check_batch_indices
+from lightning_pulse.core.selection import assign_in_place, take_samples
+from lightning_pulse.errors import PulseRefusal
+
+
+def refuse(reason: str | None) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` for ``reason`` (it completes "HardSampleReplay ..."),
+    if there is one."""
+    if reason is not None:
+        raise PulseRefusal(f"HardSampleReplay {reason}")
+
+
+@dataclass
+class StepInFlight:
+    """The step between its batch's start and end.
+
+    Attributes:
+        selector: the selector that planned it and records it.
+        plan: what it trains (indices, roles) and what it stands for (offered, active).
+        step: the optimizer step it trains at.
+        batch_size: the batch as loaded, before a cut in batch mode (the carried-state check's size).
+        window: steps mode's window the sampler cut the batch from, ``0`` otherwise.
+    """
+
+    selector: HardSampleSelector
+    plan: BatchPlan
+    step: int
+    batch_size: int
+    window: int
+
+    @property
+    def offered_count(self) -> int:
+        """How many samples the data offered: the sampler's window in steps mode, else the loaded batch."""
+        return int(self.window or self.batch_size)
+
+
+class ReplayBatchLifecycle:
+    """What happens to each training batch of a replay run (see the module docstring).
+
+    Args:
+        mode: ``"steps"`` or ``"batch"`` (:data:`~lightning_pulse.core.replay.MODES`): how a light step trains.
+        scorer: computes the per-sample losses instead of the capture; ``None`` captures the module's own loss.
+
+    Attributes:
+        captures: the module's own per-sample losses, one capture per step inside a fit-long scope.
+        state_check: finds state the module carries across batches, over each fit's first two batches.
+        current: the step between :meth:`start_batch` and :meth:`finish_batch`, else ``None``.
+    """
+
+    def __init__(self, mode: str = "batch", scorer: PerSampleScorer | None = None) -> None:
+        self.mode = mode
+        self.scorer = scorer
+        self.captures = StepLossCaptures()
+        self.state_check = CarriedStateCheck()
+        self.current: StepInFlight | None = None
+
+    def start_fit(self) -> None:
+        """Check this fit's first two batches for carried state anew and enter the capture scope."""
+        self.state_check = CarriedStateCheck()
+        self.captures.start()
+
+    def start_batch(
+        self,
+        selector: HardSampleSelector,
+        batch: Any,
+        indices: Tensor,
+        batch_size: int,
+        step: int,
+        batch_idx: int,
+        active: bool,
+        rank: int = 0,
+        window: int = 0,
+        cut: Composition | None = None,
+    ) -> StepInFlight:
+        """Plan the batch about to train, cut it in place when the plan says so and open its loss capture.
+
+        Args:
+            selector: plans the batch and will record it.
+            batch: the loaded batch; a batch-mode cut changes it in place (what ``training_step`` receives).
+            indices: ``(B,)`` dataset indices of the loaded batch (steps mode: of the sampler's cut).
+            batch_size: ``B``, the batch as loaded.
+            step: the optimizer step the batch trains at.
+            batch_idx: the batch's place in its epoch (seeds the random rules' draws).
+            active: whether the phase selects.
+            rank: the global rank (seeds the draws).
+            window: steps mode's window size the sampler cut the batch from, else ``0``.
+            cut: steps mode's choice at the sampler for a light step, already loaded, else ``None``.
+
+        Raises:
+            RuntimeError: when ``indices`` do not match the batch's samples one to one.
+            PulseRefusal: for a cut batch before the carried-state check is done while the module holds
+                batch-shaped state.
+        """
+        self.captures.drop()
+        check_batch_indices(batch_idx, batch_size, indices)
+        plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
+        refuse(self.state_check.before_batch(cut=plan.selected))
+        if plan.positions is not None:
+            assign_in_place(batch, take_samples(batch, plan.positions, batch_size))
+        self.current = StepInFlight(selector, plan, step, batch_size, window)
+        # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
+        if self.scorer is None or plan.weights is not None:
+            self.captures.open(int(plan.roles.size), plan.weights)
+        return self.current
+
+    def close_capture(self) -> None:
+        """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss).
+
+        Raises:
+            RuntimeError: when the step's loss yielded no per-sample value and the capture was needed, so the
+                run fails at its first step.
+        """
+        self.captures.close()
+        if self.current is not None and self.captures.closed is not None:
+            self.captures.closed.require(
+                "HardSampleReplay"
+                if self.scorer is None
+                else "HardSampleReplay, whose rule='infobatch' weights it,"
+            )
+
+    def finish_batch(
+        self,
+        module: nn.Module,
+        batch: Any,
+        outputs: Any,
+        all_gather: Callable[[Tensor], Tensor] | None = None,
+    ) -> StepInFlight | None:
+        """Record the step's per-sample losses into its selector and end the step.
+
+        Args:
+            module: the module that trained (what a scorer scores with).
+            batch: the batch it trained on (cut, if it was).
+            outputs: what ``training_step`` returned (for a scorer).
+            all_gather: under data parallelism, ``tensor -> (world_size, *tensor.shape)``: every rank records
+                every rank's rows, so tables and decisions stay identical.
+
+        Returns:
+            The finished step (for :meth:`check_carried_state`), or ``None`` when no step was started (or
+            the one in flight was dropped).
+
+        Raises:
+            PulseRefusal: at the fit's first batch, for a token loss flattened time-major.
+        """
+        capture, finished, self.current = self.captures.take(), self.current, None
+        if finished is None:
+            return None
+        plan = finished.plan
+        if self.scorer is None:
+            assert capture is not None  # opened at the batch start whenever there is no scorer
+            losses = capture.require()
+            if self.state_check.first_batch:
+                refuse(time_major_refusal(losses, batch))
+        else:
+            losses = self.scorer.score(module, batch, outputs, int(plan.roles.size))
+        finished.selector.record(
+            plan.indices, losses, plan.roles, finished.step, plan.active, plan.offered, all_gather
+        )
+        return finished
+
+    def check_carried_state(self, module: nn.Module, finished: StepInFlight | None) -> None:
+        """After a finished step (and whatever the caller logs for it): refuse a module carrying state from one
+        batch to the next, once the fit's first two batches show it. ``None`` (no step finished): nothing.
+
+        Raises:
+            PulseRefusal: naming the attributes that carry state.
+        """
+        if finished is not None:
+            refuse(self.state_check.after_batch(module, finished.batch_size))
+
+    def drop_step(self) -> None:
+        """Forget the step in flight (a rollback replaces the model it was measured on)."""
+        self.captures.drop()
+        self.current = None
+
+    def release(self) -> None:
+        """Close every capture and watch, end the capture scope and forget the step in flight."""
+        self.captures.release()
+        self.state_check.stop()
+        self.current = None

@@ -1,0 +1,125 @@
+"""A replay run's batch life cycle without a Trainer: plan, cut in place, capture the loss, record."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_pulse.core.replay import SELECTED, UNTOUCHED, HardSampleSelector, ReplayConfig
+from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, StepInFlight
+from lightning_pulse.core.sample_scores import SampleScoreTable
+from lightning_pulse.errors import PulseRefusal
+
+
+def _data(size: int = 8) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(size, 3, generator=generator), torch.randint(0, 4, (size,), generator=generator)]
+
+
+def _started(size: int = 8) -> tuple[ReplayBatchLifecycle, HardSampleSelector]:
+    batches = ReplayBatchLifecycle("batch")
+    batches.start_fit()
+    return batches, HardSampleSelector(SampleScoreTable(size), ReplayConfig("topk", replay_fraction=0.5))
+
+
+def _train(
+    batches: ReplayBatchLifecycle,
+    selector: HardSampleSelector,
+    model: nn.Module,
+    batch: list,
+    step: int,
+    active: bool,
+) -> StepInFlight:
+    """One training step as HardSampleReplay's hooks drive it (indices 0..B-1, batch_idx = step)."""
+    started = batches.start_batch(
+        selector, batch, torch.arange(len(batch[0])), len(batch[0]), step, step, active
+    )
+    loss = F.cross_entropy(model(batch[0]), batch[1])
+    batches.close_capture()
+    finished = batches.finish_batch(model, batch, outputs=loss)
+    assert finished is started and batches.current is None
+    batches.check_carried_state(model, finished)
+    return finished
+
+
+def test_a_light_batch_is_cut_in_place_to_its_hardest_samples_and_their_captured_losses_are_recorded():
+    torch.manual_seed(0)
+    model, (x, y) = nn.Linear(3, 4), _data()
+    batches, selector = _started()
+    try:
+        first = _train(batches, selector, model, [x, y], step=0, active=False)  # scores every sample
+        assert first.plan.roles.tolist() == [UNTOUCHED] * 8 and first.offered_count == 8
+        selector.apply()
+        with torch.no_grad():
+            losses = F.cross_entropy(model(x), y, reduction="none")
+        np.testing.assert_allclose(selector.table.scores, losses.numpy(), rtol=1e-6)
+
+        batch = [x, y]
+        light = _train(batches, selector, model, batch, step=1, active=True)
+        hardest = torch.sort(torch.topk(losses, 4).indices).values
+        assert light.plan.indices.tolist() == hardest.tolist() and light.plan.roles.tolist() == [SELECTED] * 4
+        assert torch.equal(batch[0], x[hardest]) and torch.equal(batch[1], y[hardest])  # cut in place
+        assert light.offered_count == 8 and light.plan.offered == 8.0
+        selector.apply()
+        assert selector.table.steps.tolist() == [1 if i in hardest.tolist() else 0 for i in range(8)]
+        assert selector.totals["selected_count"] == 4 and selector.totals["untouched_count"] == 8
+    finally:
+        batches.release()
+
+
+def test_a_step_dropped_in_flight_records_nothing():
+    model, (x, y) = nn.Linear(3, 4), _data()
+    batches, selector = _started()
+    try:
+        batches.start_batch(selector, [x, y], torch.arange(8), 8, step=0, batch_idx=0, active=False)
+        F.cross_entropy(model(x), y)
+        batches.drop_step()  # a rollback: the model this step was measured on is replaced
+        assert batches.current is None
+        assert batches.finish_batch(model, [x, y], outputs=None) is None
+        selector.apply()
+        assert selector.totals["steps"] == 0 and selector.table.seen == 0
+    finally:
+        batches.release()
+
+
+class _CarriesState(nn.Module):
+    """A stateful module: each batch reads the state the previous one stored, shaped by the batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 4)
+        self.state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x) if self.state is None else self.linear(x) + self.state
+        self.state = out.detach()
+        return out
+
+
+def test_a_cut_is_refused_before_it_is_made_while_the_module_holds_batch_shaped_state():
+    model, (x, y) = _CarriesState(), _data()
+    batches, selector = _started()
+    try:
+        _train(batches, selector, model, [x, y], step=0, active=False)
+        selector.apply()  # every sample scored: the next light batch is cut
+        batch = [x, y]
+        with pytest.raises(
+            PulseRefusal, match=r"^HardSampleReplay cannot cut the batches .* `state` \(tensor"
+        ):
+            batches.start_batch(selector, batch, torch.arange(8), 8, step=1, batch_idx=1, active=True)
+        assert batch[0] is x and batch[1] is y and batches.current is None  # nothing was cut or started
+    finally:
+        batches.release()
+
+
+def test_indices_that_do_not_match_the_batch_fail_before_anything_is_planned():
+    batches, selector = _started()
+    try:
+        with pytest.raises(RuntimeError, match="batch 3 holds 8 samples but 7 dataset indices"):
+            batches.start_batch(selector, _data(), torch.arange(7), 8, step=0, batch_idx=3, active=True)
+        assert batches.current is None
+    finally:
+        batches.release()
