@@ -95,7 +95,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="mnist1d-cnn-128", choices=["mnist1d-cnn", "mnist1d-cnn-128"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--set", default="shipped", choices=sorted(SETS), help="shipped: the first study's arms")
+    parser.add_argument(
+        "--set", default="shipped", choices=sorted(SETS), help="shipped: the first study's arms"
+    )
     args = parser.parse_args()
     spec = WORKLOADS[args.workload]
     prefix, make_arms = SETS[args.set]
