@@ -291,6 +291,29 @@ def test_activation_cache_replays_frozen_outputs_exactly_and_skips_their_forward
     assert all(hasattr(type(m), "forward") and "forward" not in vars(m) for m in model.modules())
 
 
+def test_activation_cache_replays_the_loaded_cut_under_step_saving_replay(mnist1d_small):
+    """Next to HardSampleReplay(mode="steps") a light batch is the cut of a wider window: the cache keys its
+    rows by the samples loaded, and replays them exactly (the tracker once gave the window's indices)."""
+    from lightning_pulse import HardSampleReplay
+
+    def run(megabytes):
+        pl.seed_everything(5)
+        model, data = mnist1d_small()
+        cache = GradientCache(threshold=2.0, check_every=6, freeze_for=120, activation_cache_mb=megabytes)
+        replay = HardSampleReplay(rule="random", replay_fraction=0.5)  # every epoch: half its data, full batches
+        trainer = pl.Trainer(callbacks=[cache, replay], max_epochs=12, **trainer_kwargs())
+        trainer.fit(model, data)
+        return model, cache, trainer.global_step
+
+    plain_model, plain, plain_steps = run(0.0)
+    model, cache, steps = run(4.0)
+    assert steps == plain_steps < 12 * 12  # the steps were saved: cut batches throughout
+    assert cache.events == plain.events and cache.events[0]["to"] == 3
+    assert cache.activations.disabled_reason is None and cache.activations.hits > 0
+    for (name, param), other in zip(model.named_parameters(), plain_model.parameters()):
+        assert torch.allclose(param, other, rtol=0, atol=1e-6), name
+
+
 def test_activation_cache_switches_itself_off_when_samples_change_between_visits(mnist1d_small):
     plain_model, _, _ = _fit_with_activation_cache(mnist1d_small, 0.0, noisy=True)
     with pytest.warns(UserWarning, match="differs between two visits"):
