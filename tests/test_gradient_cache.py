@@ -300,7 +300,8 @@ def test_activation_cache_replays_the_loaded_cut_under_step_saving_replay(mnist1
         pl.seed_everything(5)
         model, data = mnist1d_small()
         cache = GradientCache(threshold=2.0, check_every=6, freeze_for=120, activation_cache_mb=megabytes)
-        replay = HardSampleReplay(rule="random", replay_fraction=0.5)  # every epoch: half its data, full batches
+        # without a PulseCycle every epoch trains half its data, in full batches cut from two batches' worth
+        replay = HardSampleReplay(rule="random", replay_fraction=0.5)
         trainer = pl.Trainer(callbacks=[cache, replay], max_epochs=12, **trainer_kwargs())
         trainer.fit(model, data)
         return model, cache, trainer.global_step
