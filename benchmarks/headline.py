@@ -251,6 +251,36 @@ def plot(results: dict[str, tuple[dict[str, Any], dict[str, dict[str, float]]]],
     plt.close(figure)
 
 
+def time_arms(
+    workload: str,
+    arm_list: list[Arm],
+    seeds: list[int],
+    trainer: dict[str, Any],
+    overrides: dict[str, Any],
+) -> dict[str, Any]:
+    """The arms' timed runs (rotated per seed, nothing counted), after one untimed fit: the process's one-time
+    costs (imports, codecarbon's start) are no arm's."""
+    run_arms(
+        workload,
+        arm_list[:1],
+        seeds=[99],
+        trainer_kwargs={"max_steps": 3},
+        workload_kwargs=overrides,
+        flops="none",
+        log=lambda line: None,
+    )
+    return run_arms(
+        workload,
+        arm_list,
+        seeds=seeds,
+        trainer_kwargs=trainer,
+        workload_kwargs=overrides,
+        flops="none",
+        rotate_arms=True,
+        log=lambda line: print(line, flush=True),
+    )
+
+
 def run_workload(name: str, seeds: list[int], quick: bool) -> dict[str, Any]:
     """One workload's timed arms (rotated per seed) and its FLOP-counted pass, with the table rows."""
     spec = WORKLOADS[name]
@@ -261,26 +291,7 @@ def run_workload(name: str, seeds: list[int], quick: bool) -> dict[str, Any]:
             {"data__num_samples": 600} if name.startswith("mnist") else {"data__max_chars": 40_000}
         )
     arm_list = arms(spec["config"])
-    # one untimed fit first: the process's one-time costs (imports, codecarbon's start) are no arm's
-    run_arms(
-        spec["workload"],
-        arm_list[:1],
-        seeds=[99],
-        trainer_kwargs={"max_steps": 3},
-        workload_kwargs=overrides,
-        flops="none",
-        log=lambda line: None,
-    )
-    timed = run_arms(
-        spec["workload"],
-        arm_list,
-        seeds=seeds,
-        trainer_kwargs=trainer,
-        workload_kwargs=overrides,
-        flops="none",
-        rotate_arms=True,
-        log=lambda line: print(line, flush=True),
-    )
+    timed = time_arms(spec["workload"], arm_list, seeds, trainer, overrides)
     counted = run_arms(
         spec["workload"],
         arm_list,

@@ -23,8 +23,16 @@ import copy
 import json
 from pathlib import Path
 
-from benchmarks.harness import Arm, environment, instantiate_callbacks, run_arms
-from benchmarks.headline import MNIST, WORKLOADS, _with_meter, energy_metrics, headline_rows, markdown
+from benchmarks.harness import Arm, environment, instantiate_callbacks
+from benchmarks.headline import (
+    MNIST,
+    WORKLOADS,
+    _with_meter,
+    energy_metrics,
+    headline_rows,
+    markdown,
+    time_arms,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -72,8 +80,8 @@ def arms() -> list[Arm]:
 
 def low_arms() -> list[Arm]:
     """Below the shipped 0.6: with ``replay_fraction=0.5`` the full-batch warm-up and anneal (0.1 each) hold the
-    run above about 0.6, so a lower budget needs narrower windows' complement (``replay_fraction=0.4``) or a
-    shorter ramp (0.05 each)."""
+    run above about 0.56 of the steps, so a lower budget keeps a smaller share of each window
+    (``replay_fraction=0.4``) or shortens the ramp (0.05 each)."""
 
     def arm(name: str, factory) -> Arm:
         return Arm(name, callbacks=factory, metrics=energy_metrics)
@@ -101,26 +109,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = WORKLOADS[args.workload]
     prefix, make_arms = SETS[args.set]
-    arm_list = make_arms()
-    run_arms(
-        spec["workload"],
-        arm_list[:1],
-        seeds=[99],
-        trainer_kwargs={"max_steps": 3},
-        workload_kwargs=spec["overrides"],
-        flops="none",
-        log=lambda line: None,
-    )
-    timed = run_arms(
-        spec["workload"],
-        arm_list,
-        seeds=args.seeds,
-        trainer_kwargs=spec["trainer"],
-        workload_kwargs=spec["overrides"],
-        flops="none",
-        rotate_arms=True,
-        log=lambda line: print(line, flush=True),
-    )
+    timed = time_arms(spec["workload"], make_arms(), args.seeds, spec["trainer"], spec["overrides"])
     # FLOPs are not counted here (the headline counts them); the ratio column reads 1 for every arm
     rows = headline_rows(
         timed, {"arms": timed["arms"], "runs": [{"arm": arm, "train_flops": 1} for arm in timed["arms"]]}

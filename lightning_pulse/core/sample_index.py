@@ -55,11 +55,7 @@ class RecordingSampler(Sampler[int]):
         self.batches: deque[np.ndarray] | None = None
 
     def __iter__(self) -> Iterator[int]:
-        self.iteration += 1
-        self.pending.clear()
-        self.stream_start = 0
-        self.batches = None
-        source: Iterator[int] = iter(self.sampler)
+        source = self._start_pass(batches=None)
         # pass indices on in chunks: a per-index Python loop would cost more than the sampler itself
         while chunk := list(islice(source, self.chunk)):
             self.pending.extend(chunk)
@@ -71,10 +67,13 @@ class RecordingSampler(Sampler[int]):
     def begin_batch_pass(self) -> Iterator[int]:
         """Start a pass whose batches are recorded whole (:meth:`record_batch`); returns the wrapped sampler's
         order, read directly."""
+        return self._start_pass(batches=deque())
+
+    def _start_pass(self, batches: deque[np.ndarray] | None) -> Iterator[int]:
         self.iteration += 1
         self.pending.clear()
         self.stream_start = 0
-        self.batches = deque()
+        self.batches = batches
         return iter(self.sampler)
 
     def record_batch(self, indices: Sequence[int] | np.ndarray) -> None:
@@ -220,19 +219,18 @@ class SampleIndexTracker:
 
     def _planned_batch(self, batch_idx: int, ordinal: int) -> Tensor:
         """:meth:`batch_indices` in a planned pass: the batch as yielded (a light step's cut, not its window)."""
-        recorder, batches = self.recorder, self.recorder.batches
+        batches = self.recorder.batches
         assert batches is not None
-        released = ordinal - self._ordinal - 1  # batches passed over since the last one asked for
-        for _ in range(min(released, len(batches))):
+        # batches passed over since the last one asked for (batch_indices has ruled out going back)
+        for _ in range(min(ordinal - self._ordinal - 1, len(batches))):
             batches.popleft()
-        if not batches or released < 0:
+        if not batches:
             raise RuntimeError(
                 f"SampleIndexTracker: no recorded indices for batch {batch_idx}. The tracker must be installed "
                 "before the DataLoader starts a pass, and asked for every batch in order."
             )
         self._indices = torch.from_numpy(batches.popleft())
         self._ordinal = ordinal
-        recorder.stream_start += int(self._indices.numel())
         return self._indices
 
     def fetch(self, indices: Sequence[int] | Tensor) -> Any:
