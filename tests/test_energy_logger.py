@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pynvml
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
@@ -458,6 +460,50 @@ def test_charlm_batches_give_energy_per_token(tmp_path):
     total = energy.report["total"]
     assert (total["samples"], total["tokens"]) == (24, 24 * 16)
     assert total["energy_per_token_j"] == pytest.approx(total["energy_per_sample_j"] / 16)
+
+
+@dataclasses.dataclass
+class FeaturesAndLabels:  # a batch as a dataclass, as some users collate
+    features: torch.Tensor
+    labels: torch.Tensor
+
+
+class Opaque:  # a batch type the default counter cannot look into
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        self.features, self.labels = features, labels
+
+
+class CollatedAs(MNIST1DDataModule):
+    def __init__(self, batch_type: type) -> None:
+        super().__init__(num_samples=1000, batch_size=BATCH)
+        self.batch_type = batch_type
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        default = loader.collate_fn
+        return DataLoader(
+            loader.dataset, batch_size=BATCH, collate_fn=lambda rows: self.batch_type(*default(rows))
+        )
+
+
+class ReadsAttributes(MNIST1DClassifier):
+    def training_step(self, batch, batch_idx):
+        return super().training_step((batch.features, batch.labels), batch_idx)
+
+
+@pytest.mark.parametrize("batch_type", [FeaturesAndLabels, Opaque])
+def test_a_dataclass_batch_counts_its_rows_and_one_it_cannot_read_warns(tmp_path, batch_type, recwarn):
+    energy = EnergyLogger(cpu="constant", ram="none", meters=MeterConfig(cpu_watts=20.0))
+    fit = trainer(
+        [energy], max_epochs=1, limit_train_batches=3, limit_val_batches=1, default_root_dir=tmp_path
+    )
+    fit.fit(ReadsAttributes(arch="mlp"), CollatedAs(batch_type))
+    uncounted = [text for text in energy_warnings(recwarn) if "found no tensor" in text]
+    if batch_type is FeaturesAndLabels:
+        assert energy.report["total"]["samples"] == 3 * BATCH and not uncounted
+    else:  # counted as one sample per batch, and said so once, with the way out
+        assert energy.report["total"]["samples"] == 3
+        assert len(uncounted) == 1 and "of type Opaque" in uncounted[0] and "sample_counter" in uncounted[0]
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from lightning_pulse.energy.codecarbon_meter import CodecarbonMeter, CodecarbonS
 from lightning_pulse.energy.compare import baseline_ratios
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.constant import ConstantPowerMeter
-from lightning_pulse.energy.counting import count_batch
+from lightning_pulse.energy.counting import count_batch, first_tensor
 from lightning_pulse.energy.ledger import (
     BUCKET_FIELDS,
     J_PER_KWH,
@@ -326,6 +326,13 @@ class EnergyAccount:
                 "counter", f"EnergyLogger: could not count the batch ({type(error).__name__}: {error})."
             )
             return
+        if samples == 1 and not self._custom_counting and first_tensor(batch) is None:
+            self.warn_once(
+                "uncounted",
+                f"EnergyLogger: found no tensor in a training batch of type {type(batch).__name__}, so each "
+                "batch counts as 1 sample and the energy per sample is too high. Pass "
+                "`accounting=AccountingConfig(sample_counter=...)` to count its samples.",
+            )
         self._samples += samples
         if tokens is None:
             return

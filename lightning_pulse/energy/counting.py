@@ -1,7 +1,8 @@
 """How many samples and tokens a batch holds, for energy per sample and per token.
 
-* Samples: the length of the first tensor found in the batch (depth first through mappings, lists and
-  tuples), i.e. its dimension 0. A batch with no tensor counts 1.
+* Samples: the length of the first tensor found in the batch (depth first through mappings, lists, tuples
+  and dataclasses, in field order), i.e. its dimension 0. A batch with no tensor counts 1 (EnergyLogger then
+  warns once: its per-sample figure would be wrong).
 * Tokens, when the batch tells:
   - a mapping with ``attention_mask``: the number of non-zero mask entries (padding excluded);
   - a mapping with ``input_ids``: its number of elements;
@@ -17,6 +18,7 @@ in a few attribute look-ups, since it runs on every training batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +30,7 @@ def count_samples(batch: Any) -> int:
     if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor:  # the common case, fast
         tensor = batch[0]
         return int(tensor.shape[0]) if tensor.dim() > 0 else 1
-    tensor = _first_tensor(batch)
+    tensor = first_tensor(batch)
     if tensor is None:
         return 1
     return int(tensor.shape[0]) if tensor.dim() > 0 else 1
@@ -83,7 +85,8 @@ def count_tokens(batch: Any) -> int | torch.Tensor | None:
     return None
 
 
-def _first_tensor(batch: Any, depth: int = 0) -> torch.Tensor | None:
+def first_tensor(batch: Any, depth: int = 0) -> torch.Tensor | None:
+    """The first tensor in ``batch``, depth first through mappings, lists, tuples and dataclass instances."""
     if depth > 8:
         return None
     if isinstance(batch, torch.Tensor):
@@ -92,10 +95,12 @@ def _first_tensor(batch: Any, depth: int = 0) -> torch.Tensor | None:
         items = batch.values()
     elif isinstance(batch, (list, tuple)):
         items = batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = (getattr(batch, field.name) for field in dataclasses.fields(batch))
     else:
         return None
     for item in items:
-        found = _first_tensor(item, depth + 1)
+        found = first_tensor(item, depth + 1)
         if found is not None:
             return found
     return None
