@@ -113,6 +113,22 @@ def test_step_cadence_follows_the_cubic_schedule_to_an_absolute_target(mnist1d_s
     assert zeros == pytest.approx(0.7, abs=1e-3)
 
 
+@pytest.mark.parametrize("mode", ["unstructured", "structured"])
+def test_layers_the_user_froze_are_never_pruned(mnist1d_small, mode, caplog):
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    model.net[1].requires_grad_(False)  # a frozen first conv, as a user freezes a pretrained stem
+    frozen_before = model.net[1].weight.detach().clone()
+    prune = ScheduledPrune(
+        final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1, mode=mode
+    )
+    with caplog.at_level("INFO"):
+        pl.Trainer(max_steps=14, callbacks=[prune], **trainer_kwargs()).fit(model, data)
+    assert prune.events and prune.events[-1]["sparsity"] > 0
+    assert torch.equal(model.net[1].weight, frozen_before) and not model.net[1].weight.requires_grad
+    assert "net.1 (frozen by the user" in caplog.text  # the setup line says what it left out, and why
+
+
 def test_events_happen_only_when_maintain_phases_start(mnist1d_small):
     pl.seed_everything(0)
     model, data = mnist1d_small()

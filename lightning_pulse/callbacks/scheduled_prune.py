@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
-from lightning_pulse.core import prune_setup, pruning
+from lightning_pulse.core import prune_setup, prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_int
 from lightning_pulse.core.prune_setup import PruneOptions
@@ -163,6 +163,7 @@ class ScheduledPrune(Callback):
                 "masks and channel choices made on a rank's shard are not the model's",
             )
             self._check_strategy(trainer)
+            self.pruner.user_frozen = prune_targets.frozen_layers(pl_module)
         if self._fitter_handle is None:
             fitter = pruning.StateDictFitter(self._checkpoint_structure)
             self._fitter_handle = pl_module.register_load_state_dict_pre_hook(fitter)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,11 +119,13 @@ def select_targets(
     layer_types: tuple[type, ...] = (),
     exclude: str | None = None,
     structured: bool = False,
+    frozen: Collection[str] = (),
 ) -> LayerSelection:
     """The layers of ``model`` to prune: the one place that decides what is prunable.
 
     A candidate has a ``weight`` parameter, is one of ``layer_types`` (any type when empty) and its name does
-    not match ``exclude`` (``re.search``). Candidates read without their hook are left out; so are owners of a
+    not match ``exclude`` (``re.search``). Layers named in ``frozen`` (:func:`frozen_layers` at the fit's
+    start) are left out: pruning them would change weights the user froze. Candidates read without their hook are left out; so are owners of a
     shared weight unless all owners are candidates (then they share one mask). ``structured``: any layer
     holding a shared parameter is left out (cutting it would cut one owner only).
     """
@@ -136,7 +138,9 @@ def select_targets(
             continue
         if exclude is not None and re.search(exclude, name) is not None:
             continue
-        if name in hidden:
+        if name in frozen:
+            selection.left_out[name] = "frozen by the user (`requires_grad=False`)"
+        elif name in hidden:
             selection.left_out[name] = hidden[name]
         else:
             selection.layers[name] = module
@@ -160,6 +164,16 @@ def select_targets(
         else:
             selection.aliases.update({name: names[0] for name in names[1:]})
     return selection
+
+
+def frozen_layers(model: nn.Module) -> frozenset[str]:
+    """Names of the layers whose ``weight`` does not require grad: read at setup, before any callback freezes
+    a layer for its own reasons (GradientCache), so it holds what the user froze."""
+    return frozenset(
+        name
+        for name, module in model.named_modules()
+        if name and _has_weight(module) and not _weight(module).requires_grad
+    )
 
 
 def weight_share(model: nn.Module, layers: Mapping[str, nn.Module]) -> float:

@@ -837,11 +837,17 @@ class Pruner:
         self.original_channels: dict[str, int] = {}
         self.history: list[list[Any]] = []
         self.example_inputs: Any = None
+        #: layers the user froze (set at the fit's setup): never pruned
+        self.user_frozen: frozenset[str] = frozenset()
 
     def selection(self, model: nn.Module) -> LayerSelection:
         """The layers of ``model`` this pruner prunes, and those it leaves out with the reason."""
         return prune_targets.select_targets(
-            model, self.layer_types, self.exclude_pattern, structured=self.mode == "structured"
+            model,
+            self.layer_types,
+            self.exclude_pattern,
+            structured=self.mode == "structured",
+            frozen=self.user_frozen,
         )
 
     def layers(self, model: nn.Module) -> dict[str, nn.Module]:
