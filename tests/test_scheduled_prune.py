@@ -119,9 +119,7 @@ def test_layers_the_user_froze_are_never_pruned(mnist1d_small, mode, caplog):
     model, data = mnist1d_small()
     model.net[1].requires_grad_(False)  # a frozen first conv, as a user freezes a pretrained stem
     frozen_before = model.net[1].weight.detach().clone()
-    prune = ScheduledPrune(
-        final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1, mode=mode
-    )
+    prune = ScheduledPrune(final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1, mode=mode)
     with caplog.at_level("INFO"):
         pl.Trainer(max_steps=14, callbacks=[prune], **trainer_kwargs()).fit(model, data)
     assert prune.events and prune.events[-1]["sparsity"] > 0
