@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
@@ -26,7 +26,7 @@ from lightning_pulse.core.replay import (
     HardSampleSelector,
 )
 from lightning_pulse.core.sample_index import PlannedBatchSampler, SampleIndexTracker
-from lightning_pulse.core.step_plan import StepPlan, StepSavingStream, plan_summary
+from lightning_pulse.core.step_plan import StepPlan, StepSavingStream, budget_shortfall, plan_summary
 from lightning_pulse.errors import PulseRefusal
 
 
@@ -103,6 +103,9 @@ class StepSavingLoader:
             accumulate=accumulate,
             drop_last=batches.drop_last,
         )
+        shortfall = None if cycle is None else budget_shortfall(plan, cycle.budget)
+        if shortfall is not None:  # a warning, not a refusal: a smoke run of a shipped YAML must still train
+            rank_zero_warn(f"PulseCycle: {shortfall}")
         compat.set_max_steps(trainer, plan.total_steps)
         self._choose = choose
         self._sampler = PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches, self._cut)

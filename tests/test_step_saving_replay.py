@@ -113,7 +113,7 @@ def test_a_budget_out_of_range_fails_at_construction_naming_the_field(budget):
         PulseCycle(budget=budget)
 
 
-def test_a_budget_sets_the_replay_length_and_the_run_spends_about_that_share():
+def test_a_budget_sets_the_replay_length_and_the_run_spends_about_that_share(recwarn):
     pl.seed_everything(0)
     cycle = PulseCycle(**CYCLE, budget=0.7)
     trainer = pl.Trainer(
@@ -124,6 +124,22 @@ def test_a_budget_sets_the_replay_length_and_the_run_spends_about_that_share():
     spent = trainer.global_step / cycle.plan.plain_steps
     assert spent == pytest.approx(0.7, abs=0.05)
     assert cycle.clock.durations[cycle.clock.order[1]].amount != 6  # the replay length was derived
+    assert not [w for w in recwarn if "is not met on this run" in str(w.message)]
+
+
+def test_a_run_too_short_for_its_budget_says_so_at_fit_start(recwarn):
+    # 12 plain steps: warm-up, the first burst and anneal train full batches, so 0.6 is out of reach
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(**CYCLE, budget=0.6), HardSampleReplay(replay_fraction=0.5)],
+        max_epochs=1,
+        **trainer_kwargs(),
+    )
+    trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
+    shortfall = [str(w.message) for w in recwarn if "is not met on this run" in str(w.message)]
+    assert len(shortfall) == 1 and shortfall[0].startswith("PulseCycle: `budget`=0.6 is not met on this run")
+    spent = trainer.global_step / 12
+    assert f"({spent:.3f})" in shortfall[0] and spent > 0.65  # the figure it warned of is what the run spent
+    assert "raise `budget` to at least" in shortfall[0]
 
 
 def test_an_unreachable_budget_is_refused_before_the_first_step():

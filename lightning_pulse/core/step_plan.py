@@ -308,6 +308,25 @@ def spent_summary(plan: StepPlan, global_step: int, budget: float | None) -> tup
     )
 
 
+#: how far above its budget a plan may spend: the replay length is solved for whole cycles, so a run ending
+#: inside a cycle lands near the budget, not on it
+BUDGET_TOLERANCE = 0.05
+
+
+def budget_shortfall(plan: StepPlan, budget: float | None) -> str | None:
+    """Why ``plan`` does not meet ``budget`` (it spends more than ``budget + BUDGET_TOLERANCE``), or ``None``."""
+    if budget is None or plan.spent <= budget + BUDGET_TOLERANCE:
+        return None
+    reachable = math.ceil(100 * plan.spent) / 100
+    way_out = f"raise `budget` to at least {reachable:g}" if reachable < 1 else "drop `budget`"
+    return (
+        f"`budget`={budget:g} is not met on this run: its plan takes {plan.total_steps} of the plain run's "
+        f"{plan.plain_steps} optimizer steps ({plan.spent:.3f}), since warm-up, bursts and anneal train full "
+        "batches and a short run ends inside its first cycles. Train for more steps, shorten `burst` or "
+        f"`warmup`, or {way_out}."
+    )
+
+
 def plan_summary(plan: StepPlan, budget: float | None) -> str:
     """One line for the log: the planned steps against plain, and the budget if one was asked for."""
     text = (
