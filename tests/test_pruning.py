@@ -3,6 +3,7 @@ small networks, without a Trainer."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import pickle
 
@@ -476,8 +477,15 @@ def test_the_trace_call_comes_from_the_batch_by_the_forward_signature():
     assert prune_targets.example_from_batch(_Forward(), (ids, mask))[0] is ids
     with pytest.raises(ValueError, match=r"takes \['a', 'b'\].*missing \['b'\]"):
         prune_targets.example_from_batch(_TwoInputs(), {"a": ids})
-    with pytest.raises(ValueError, match="takes 2 arguments"):
+    with pytest.raises(
+        ValueError,
+        match=r"takes 2 arguments \(a, b\), and a tuple batch gives one input .*"
+        r"`example_input_array`",
+    ):
         prune_targets.example_from_batch(_TwoInputs(), (ids, mask))
+    # a namedtuple batch whose fields name the arguments gives them by name (a held-out GRU's batch)
+    labelled = collections.namedtuple("Labelled", ["b", "a", "label"])(mask, ids, ids)
+    assert prune_targets.example_from_batch(_TwoInputs(), labelled) == {"a": ids, "b": mask}
     with pytest.raises(ValueError, match="has no `forward`"):
         prune_targets.example_from_batch(nn.Module(), ids)
     assert prune_targets.has_own_forward(nn.Sequential()) and not prune_targets.has_own_forward(nn.Module())

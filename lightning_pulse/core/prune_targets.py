@@ -205,8 +205,9 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
     """How to call ``module``'s ``forward`` on a training ``batch``: positional arguments (a tuple) or keyword
     arguments (a dict), taken from the batch by ``forward``'s signature.
 
-    A tensor batch is the input; of a tuple or list batch, the first item is; a mapping batch gives the
-    entries named like ``forward``'s parameters (or its ``x``/``input``/``inputs``/``input_ids`` entry for a
+    A tensor batch is the input; of a tuple or list batch, the first item is (a namedtuple whose fields name
+    every required argument gives them by name); a mapping batch gives the entries named like ``forward``'s
+    parameters (or its ``x``/``input``/``inputs``/``input_ids`` entry for a
     ``forward(*args, **kwargs)``).
 
     Raises:
@@ -217,6 +218,10 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
     parameters = list(inspect.signature(module.forward).parameters.values())
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p.name for p in positional if p.default is p.empty]
+    if isinstance(batch, tuple) and hasattr(batch, "_asdict"):  # a namedtuple: its fields name the arguments
+        named_fields = batch._asdict()
+        if len(required) > 1 and all(name in named_fields for name in required):
+            batch = named_fields
     if isinstance(batch, Mapping):
         named = {p.name: batch[p.name] for p in positional if p.name in batch}
         if named and all(name in named for name in required):
@@ -238,7 +243,8 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
     if len(required) > 1:
         raise ValueError(
             f"`forward` of {type(module).__name__} takes {len(required)} arguments ({', '.join(required)}), "
-            "and a batch gives one input"
+            f"and a {type(batch).__name__} batch gives one input (its first item); set `example_input_array` "
+            "to the arguments as a tuple"
         )
     return (first,)
 
