@@ -186,6 +186,10 @@ def test_prediction_scales_the_first_epoch_to_the_whole_run():
     assert forecast["co2_kg"] == pytest.approx(4.0) and forecast["cost"] is None
     assert predict_run(epoch, total_steps=float("inf"), intensity_known=False, price_known=False) is None
     assert predict_run({"seconds": 1.0}, total_steps=10, intensity_known=False, price_known=False) is None
+    # an epoch its meters have not read yet forecasts nothing (not 0 kWh): a later epoch does, and says which
+    unread = {**epoch, "cpu_j": 0.0}
+    assert predict_run(unread, total_steps=100, intensity_known=True, price_known=False) is None
+    assert predict_run(epoch, 100, True, False, epoch=2)["basis"].startswith("epoch 2: 10 optimizer steps")
 
 
 def test_batches_tell_samples_and_tokens():

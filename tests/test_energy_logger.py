@@ -97,8 +97,12 @@ def test_fit_with_pulse_cycle_attributes_energy_to_every_phase(tmp_path, caplog,
     assert sum(row["energy_kwh"] for row in report["phases"].values()) <= total["energy_kwh"] * (1 + 1e-9)
     assert 0 <= total["stall_share"] < 1
 
+    # once, from the first epoch whose meters read energy; none if only the last one did (codecarbon's first
+    # reading may come after this short first epoch): never a forecast of 0 kWh
     forecasts = [r for r in caplog.records if "EnergyLogger: forecast" in r.getMessage()]
-    assert len(forecasts) == 1 and report["prediction"]["total_steps"] == 12
+    assert len(forecasts) == (report["prediction"] is not None)
+    if report["prediction"] is not None:
+        assert report["prediction"]["total_steps"] == 12 and report["prediction"]["energy_kwh"] > 0
 
     with open(log_dir / "metrics.csv") as handle:
         rows = list(csv.DictReader(handle))
@@ -110,7 +114,8 @@ def test_fit_with_pulse_cycle_attributes_energy_to_every_phase(tmp_path, caplog,
         "energy/final_kwh",
         "energy/cycle_kwh",
     } <= logged
-    assert {"energy/burst_kwh", "energy/replay_stall_share", "energy/predicted_kwh"} <= logged
+    assert {"energy/burst_kwh", "energy/replay_stall_share"} <= logged
+    assert ("energy/predicted_kwh" in logged) == (report["prediction"] is not None)
     assert "kWh" in fit.progress_bar_callback.get_metrics(fit, fit.lightning_module)
 
     assert energy.energy_so_far_kwh() >= total["energy_kwh"] > 0

@@ -518,7 +518,7 @@ class EnergyAccount:
         forecast = None
         if self.prediction is None and row is not None:
             forecast = self.prediction = predict_run(
-                buckets[epoch_key], total_steps, self.intensity is not None, self.price is not None
+                buckets[epoch_key], total_steps, self.intensity is not None, self.price is not None, epoch
             )
             if forecast is not None:
                 metrics["energy/predicted_kwh"] = forecast["energy_kwh"]

@@ -613,20 +613,26 @@ def grouped_figures(
 
 
 def predict_run(
-    epoch_bucket: Mapping[str, float], total_steps: float, intensity_known: bool, price_known: bool
+    epoch_bucket: Mapping[str, float],
+    total_steps: float,
+    intensity_known: bool,
+    price_known: bool,
+    epoch: int = 0,
 ) -> dict[str, Any] | None:
-    """carbontracker-style forecast from the first epoch: scale its energy and time to ``total_steps``.
+    """carbontracker-style forecast from an epoch (the first one with energy): scale its energy and time per
+    step to ``total_steps``.
 
-    Returns ``None`` when the epoch made no optimizer step, the run has no finite length, or the run ends
-    with this epoch.
+    Returns ``None`` when the epoch made no optimizer step, its meters have read no energy yet (an epoch
+    shorter than their first reading: the caller tries the next epoch rather than forecast 0 kWh), the run has
+    no finite length, or the run ends with this epoch.
     """
     b = Bucket.from_dict(epoch_bucket)
-    if b.steps <= 0 or not math.isfinite(total_steps) or total_steps <= b.steps:
-        return None  # nothing to forecast: no step yet, an endless run, or a run that ends with this epoch
+    if b.steps <= 0 or b.joules <= 0 or not math.isfinite(total_steps) or total_steps <= b.steps:
+        return None  # nothing to forecast from, or nothing left to forecast
     scale = total_steps / b.steps
     kwh = b.joules / J_PER_KWH * scale
     return {
-        "basis": f"epoch 0: {int(b.steps)} optimizer steps, {b.seconds:.1f} s, {b.joules / J_PER_KWH:.6g} kWh",
+        "basis": f"epoch {epoch}: {int(b.steps)} optimizer steps, {b.seconds:.1f} s, {b.joules / J_PER_KWH:.6g} kWh",
         "total_steps": float(total_steps),
         "energy_kwh": kwh,
         "duration_s": b.seconds * scale,
