@@ -190,6 +190,7 @@ def test_prediction_scales_the_first_epoch_to_the_whole_run():
     unread = {**epoch, "cpu_j": 0.0}
     assert predict_run(unread, total_steps=100, intensity_known=True, price_known=False) is None
     assert predict_run(epoch, 100, True, False, epoch=2)["basis"].startswith("epoch 2: 10 optimizer steps")
+    assert predict_run(epoch, 100, True, False, epoch=9, steps_done=100) is None  # nothing left to forecast
 
 
 def test_batches_tell_samples_and_tokens():

@@ -125,9 +125,10 @@ def select_targets(
 
     A candidate has a ``weight`` parameter, is one of ``layer_types`` (any type when empty) and its name does
     not match ``exclude`` (``re.search``). Layers named in ``frozen`` (:func:`frozen_layers` at the fit's
-    start) are left out: pruning them would change weights the user froze. Candidates read without their hook are left out; so are owners of a
-    shared weight unless all owners are candidates (then they share one mask). ``structured``: any layer
-    holding a shared parameter is left out (cutting it would cut one owner only).
+    start) are left out: pruning them would change weights the user froze. Candidates read without their hook
+    are left out; so are owners of a shared weight unless all owners are candidates (then they share one
+    mask). ``structured``: any layer holding a shared parameter is left out (cutting it would cut one owner
+    only).
     """
     selection = LayerSelection()
     hidden = hidden_weight_readers(model)

@@ -217,6 +217,7 @@ class EnergyAccount:
         self.disabled_reason: str | None = None
         self.global_zero = True
         self._warned: set[str] = set()
+        self._types_read: set[type] = set()  # batch types already looked into for a tensor
         self._reset()
 
     # ------------------------------------------------------------------ a fit
@@ -228,7 +229,7 @@ class EnergyAccount:
         """Start metering a fit with ``chains`` (or what calling it builds: a failure to build them then
         disables metering instead of raising); ``global_zero``: this process reports the carried run."""
         self._reset()
-        self._warned = set()
+        self._warned, self._types_read = set(), set()
         self.global_zero = global_zero
         self.disabled_reason = None
         self.ledger = EnergyLedger(self.intensity, self.price)
@@ -326,13 +327,16 @@ class EnergyAccount:
                 "counter", f"EnergyLogger: could not count the batch ({type(error).__name__}: {error})."
             )
             return
-        if samples == 1 and not self._custom_counting and first_tensor(batch) is None:
-            self.warn_once(
-                "uncounted",
-                f"EnergyLogger: found no tensor in a training batch of type {type(batch).__name__}, so each "
-                "batch counts as 1 sample and the energy per sample is too high. Pass "
-                "`accounting=AccountingConfig(sample_counter=...)` to count its samples.",
-            )
+        if samples == 1 and not self._custom_counting and type(batch) not in self._types_read:
+            # once per batch type, not per step: a batch of one real sample is common (LLM fine-tuning)
+            self._types_read.add(type(batch))
+            if first_tensor(batch) is None:
+                self.warn_once(
+                    "uncounted",
+                    f"EnergyLogger: found no tensor in a training batch of type {type(batch).__name__}, so "
+                    "each batch counts as 1 sample and the energy per sample is too high. Pass "
+                    "`accounting=AccountingConfig(sample_counter=...)` to count its samples.",
+                )
         self._samples += samples
         if tokens is None:
             return
@@ -518,7 +522,12 @@ class EnergyAccount:
         forecast = None
         if self.prediction is None and row is not None:
             forecast = self.prediction = predict_run(
-                buckets[epoch_key], total_steps, self.intensity is not None, self.price is not None, epoch
+                buckets[epoch_key],
+                total_steps,
+                self.intensity is not None,
+                self.price is not None,
+                epoch,
+                steps_done=buckets["total"].get("steps"),
             )
             if forecast is not None:
                 metrics["energy/predicted_kwh"] = forecast["energy_kwh"]

@@ -618,16 +618,19 @@ def predict_run(
     intensity_known: bool,
     price_known: bool,
     epoch: int = 0,
+    steps_done: float | None = None,
 ) -> dict[str, Any] | None:
     """carbontracker-style forecast from an epoch (the first one with energy): scale its energy and time per
     step to ``total_steps``.
 
     Returns ``None`` when the epoch made no optimizer step, its meters have read no energy yet (an epoch
     shorter than their first reading: the caller tries the next epoch rather than forecast 0 kWh), the run has
-    no finite length, or the run ends with this epoch.
+    no finite length, or the run ends with this epoch (``steps_done``: the run's steps so far; default the
+    epoch's own).
     """
     b = Bucket.from_dict(epoch_bucket)
-    if b.steps <= 0 or b.joules <= 0 or not math.isfinite(total_steps) or total_steps <= b.steps:
+    done = b.steps if steps_done is None else steps_done
+    if b.steps <= 0 or b.joules <= 0 or not math.isfinite(total_steps) or total_steps <= done:
         return None  # nothing to forecast from, or nothing left to forecast
     scale = total_steps / b.steps
     kwh = b.joules / J_PER_KWH * scale
