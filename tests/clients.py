@@ -327,6 +327,152 @@ class OneCycleMLP(ManualOptimizationMLP):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+# ------------------------------------------------------------------ held-out sweep (issue 19), each one trait
+class _ReverseTask(Dataset):
+    """Token sequences of 3-9 tokens in 2..11; the target is the sequence reversed."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(3, 10, (count,), generator=generator).tolist()
+        self.items = [torch.randint(2, 12, (length,), generator=generator) for length in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.items[index]
+
+
+def _pad_reverse(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(source, decoder input, target)``, padded to the batch's longest sequence (0; -100 in the target)."""
+    pad = nn.utils.rnn.pad_sequence
+    targets = [sequence.flip(0) for sequence in sequences]
+    decoder_in = [torch.cat([torch.tensor([1]), target[:-1]]) for target in targets]
+    return (
+        pad(sequences, batch_first=True),
+        pad(decoder_in, batch_first=True),
+        pad(targets, batch_first=True, padding_value=-100),
+    )
+
+
+class ReverseDataModule(pl.LightningDataModule):
+    def __init__(self, batch_size: int = 32) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_ReverseTask(1500, 1), self.batch_size, shuffle=True, collate_fn=_pad_reverse)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(_ReverseTask(300, 2), 64, collate_fn=_pad_reverse)
+
+
+class Seq2SeqTransformer(pl.LightningModule):
+    """``nn.TransformerEncoder`` + ``nn.TransformerDecoder`` with teacher forcing, padding masks and a token loss
+    that ignores padding (``ignore_index=-100``): its gradient norm grows several-fold while the loss falls."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, width, padding_idx=0)
+        self.position = nn.Parameter(torch.randn(16, width) * 0.02)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(width, 4, 64, 0.0, batch_first=True), 1
+        )
+        self.decoder = nn.TransformerDecoder(
+            nn.TransformerDecoderLayer(width, 4, 64, 0.0, batch_first=True), 1
+        )
+        self.head = nn.Linear(width, 12)
+
+    def loss(self, batch) -> torch.Tensor:
+        source, decoder_in, target = batch
+        memory = self.encoder(
+            self.embed(source) + self.position[: source.size(1)], src_key_padding_mask=source == 0
+        )
+        causal = torch.ones(decoder_in.size(1), decoder_in.size(1), dtype=torch.bool).triu(1)
+        hidden = self.decoder(
+            self.embed(decoder_in) + self.position[: decoder_in.size(1)],
+            memory,
+            tgt_mask=causal,
+            tgt_key_padding_mask=decoder_in == 0,
+            memory_key_padding_mask=source == 0,
+        )
+        return nn.functional.cross_entropy(
+            self.head(hidden).reshape(-1, 12), target.reshape(-1), ignore_index=-100
+        )
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+class _TokenSequences(Dataset):
+    """Sequences of 3-19 tokens in 1..29; the label says whether most tokens are above 15."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(3, 20, (count,), generator=generator).tolist()
+        self.items = [torch.randint(1, 30, (length,), generator=generator) for length in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        tokens = self.items[index]
+        return tokens, int((tokens > 15).sum() > len(tokens) / 2)
+
+
+def _pad_to_longest(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sequences = [tokens for tokens, _ in items]
+    lengths = torch.tensor([len(tokens) for tokens in sequences])
+    return (
+        nn.utils.rnn.pad_sequence(sequences, batch_first=True),
+        lengths,
+        torch.tensor([y for _, y in items]),
+    )
+
+
+class PaddedSequencesDataModule(pl.LightningDataModule):
+    """Each batch padded to its own longest sequence, as ``pad_sequence`` in a collate function does."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_TokenSequences(1500, 1), 32, shuffle=True, collate_fn=_pad_to_longest)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(_TokenSequences(300, 2), 64, collate_fn=_pad_to_longest)
+
+
+class PackedBiLSTM(pl.LightningModule):
+    """``nn.Embedding(padding_idx=0)``, ``pack_padded_sequence`` and a bidirectional LSTM classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 16, padding_idx=0)
+        self.lstm = nn.LSTM(16, 32, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(64, 2)
+
+    def loss(self, batch) -> torch.Tensor:
+        tokens, lengths, labels = batch
+        packed = nn.utils.rnn.pack_padded_sequence(
+            self.embed(tokens), lengths, batch_first=True, enforce_sorted=False
+        )
+        _, (hidden, _) = self.lstm(packed)
+        return nn.functional.cross_entropy(self.head(torch.cat([hidden[0], hidden[1]], dim=1)), labels)
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
 CLIENTS: dict[str, Callable[[], tuple[pl.LightningModule, pl.LightningDataModule]]] = {
     "hf-gpt2": lambda: (HFCausalLM(), TextWindowsDataModule("lm")),
     "hf-bert": lambda: (HFSequenceClassifier(), TextWindowsDataModule("classify")),

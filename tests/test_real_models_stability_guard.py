@@ -17,7 +17,7 @@ from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import HardSampleReplay, PulseCycle
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 from lightning_pulse.errors import PulseRefusal
-from tests.clients import CLIENTS, OneCycleMLP, _digits
+from tests.clients import CLIENTS, OneCycleMLP, ReverseDataModule, Seq2SeqTransformer, _digits
 from tests.conftest import StandInTrainer, trainer_kwargs
 
 FIRST_REPLAY_STEP = 90  # PulseCycle's defaults over 300 steps: 30 warm-up + 60 burst, then 30 replay
@@ -77,10 +77,39 @@ def test_switching_into_replay_on_a_healthy_bert_fine_tune_is_not_a_spike():
     # the run went through two replay phases (the hardest samples: a higher loss), each a change of distribution
     starts = [s for s in sorted(phases) if phases[s] == "replay" and phases.get(s - 1) != "replay"]
     assert starts == [FIRST_REPLAY_STEP, 190] and trainer.global_step == 300
-    assert guard.events == [] and guard.rollbacks == 0 and guard.steps_skipped == 0 and guard.steps_lost == 0
-    # every step was judged and accepted into its phase's window (none went unjudged)
+    # nothing in either replay phase was flagged. Late in the fine-tune (loss ~0.03) the gradient norm is heavy
+    # tailed (one burst step in ten at 100-400x the median) and up to two such burst batches are skipped, as the
+    # guard skips them without per-phase windows (one window flags step 255 too); before windows aged out, a
+    # burst window from early training, wider in spread, hid them
+    assert all(phases[event["step"]] == "burst" for event in guard.events)
+    assert {event["action"] for event in guard.events} <= {"skip"} and guard.rollbacks == 0
+    assert guard.steps_lost == guard.steps_skipped <= 2
+    # every step was judged and accepted into its phase's window: the replay window holds the second replay
+    # phase's 30 steps (the first one's are over 100 accepted steps old), the pooled one the last 100
     windows = guard.detector.state_dict()["grad_norm"]
-    assert len(windows["replay"]["values"]) == 60 and len(windows["*"]["values"]) == 100
+    assert len(windows["replay"]["values"]) == 30 and len(windows["*"]["values"]) == 100
+
+
+def test_a_phase_back_after_a_long_replay_is_judged_on_recent_steps_not_on_early_training():
+    # held-out sweep: a seq2seq transformer under the shipped cadence. Its gradient norm grows ~4x while the loss
+    # falls; the anneal burst came after a replay phase the budget had lengthened, and a burst window kept from
+    # the warm-up flagged three healthy steps as gradient spikes and rolled back 61 steps (val loss 2.3x)
+    def fit(guard):
+        pl.seed_everything(0)
+        module = Seq2SeqTransformer()
+        cycle = PulseCycle(burst=36, replay=72, maintain=4, warmup=0.1, anneal=0.1, budget=0.6)
+        callbacks = [cycle, HardSampleReplay(), *([guard] if guard else [])]
+        trainer = pl.Trainer(callbacks=callbacks, max_epochs=6, **trainer_kwargs(limit_val_batches=0))
+        trainer.fit(module, ReverseDataModule())
+        return trainer, module
+
+    guard = StabilityGuard()
+    guarded_trainer, guarded = fit(guard)
+    plain_trainer, plain = fit(None)
+    assert guarded_trainer.global_step == plain_trainer.global_step == 178
+    assert guard.events == [] and guard.steps_lost == 0
+    for (name, ours), theirs in zip(guarded.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(ours, theirs), name  # the guard left the run bit for bit as it was
 
 
 @pytest.mark.parametrize("fault", ["nan-weight", "lr"])

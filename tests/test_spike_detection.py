@@ -236,6 +236,33 @@ def test_a_key_warming_up_is_judged_in_the_pooled_spread_so_a_phase_shift_is_not
     assert detector.assess(1e4, 1.0, "replay").verdict is Verdict.LOSS_SPIKE
 
 
+def test_a_key_back_after_a_long_absence_is_not_judged_on_its_stale_window():
+    # found on a held-out seq2seq transformer under the shipped suite: the anneal burst came ~100 steps after the
+    # warm-up's burst, the gradient norm had grown 4x meanwhile (the loss fell), and the stale burst window
+    # flagged three healthy steps as gradient spikes and rolled the run back
+    rng = random.Random(2)
+    detector = SpikeDetector(warmup=20, window=100)
+    for _ in range(60):  # early training, in a burst: high loss, small gradient norm
+        detector.accept(2.0 * rng.lognormvariate(0, 0.02), 0.5 * rng.lognormvariate(0, 0.02), "burst")
+    for step in range(90):  # a long replay phase: the loss falls, the gradient norm grows
+        grow = math.exp(1.4 * step / 90)
+        detector.accept(
+            1.5 / grow * rng.lognormvariate(0, 0.02), 0.5 * grow * rng.lognormvariate(0, 0.02), "replay"
+        )
+    # the burst is back: in line with the recent steps, 4x the stale burst median, and judged OK
+    assert detector.assess(0.4, 2.0, "burst", accept=True).verdict is Verdict.OK
+    burst = detector.state_dict()["grad_norm"]["burst"]
+    assert min(burst["stamps"]) > detector.accepted_steps - 100  # only the last 100 accepted steps count
+    assert len(burst["values"]) == 10  # of the first burst's 60 values, the 9 newest, and this step's
+    # a real fault right after the return is still caught, against the pooled window
+    assert detector.assess(0.4, 2e4, "burst").verdict is Verdict.GRAD_SPIKE
+    # with the age limit saved and restored, a resumed detector judges alike
+    restored = SpikeDetector(warmup=20, window=100)
+    restored.load_state_dict(detector.state_dict())
+    assert restored.state_dict() == detector.state_dict()
+    assert restored.assess(0.4, 2.5, "burst") == detector.assess(0.4, 2.5, "burst")
+
+
 def test_before_any_window_is_warm_a_loss_ten_times_the_median_so_far_is_divergence():
     detector = SpikeDetector(warmup=50)
     assert detector.assess(8.8, 1.0, accept=True).verdict is Verdict.OK

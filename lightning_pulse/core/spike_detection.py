@@ -68,7 +68,9 @@ class RunningRobustZ:
     """Robust z-scores of new values against a sliding window of the values accepted so far.
 
     Values enter the window only through :meth:`add`, so a caller can keep spikes out of the baseline they
-    are judged against; a non-finite value never enters.
+    are judged against; a non-finite value never enters. Each value may carry a ``stamp`` (the caller's clock
+    when it entered), and :meth:`forget_before` drops the values stamped earlier: a window then holds what
+    was accepted recently, not merely the last ``window`` values whenever they came.
 
     Args:
         window: how many recent accepted values form the baseline.
@@ -86,6 +88,7 @@ class RunningRobustZ:
         self.window = window
         self.warmup = warmup
         self.values: deque[float] = deque()
+        self.stamps: deque[int] = deque()  # when each value entered, on the caller's clock
         self._sorted: list[float] = []  # the same values, sorted: the median in O(1)
 
     @property
@@ -113,23 +116,37 @@ class RunningRobustZ:
             return 0.0 if value == median else math.copysign(math.inf, value - median)  # type: ignore[operator]
         return (value - median) / scale  # type: ignore[operator]
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, stamp: int = 0) -> None:
         value = float(value)
         if not math.isfinite(value):  # as OLMo-core's spike detection: a NaN or inf would poison the median
             return
         if len(self.values) == self.window:
-            del self._sorted[bisect.bisect_left(self._sorted, self.values.popleft())]
+            self._drop_oldest()
         self.values.append(value)
+        self.stamps.append(stamp)
         bisect.insort(self._sorted, value)
 
+    def forget_before(self, stamp: int) -> None:
+        """Drop the values that entered before ``stamp``."""
+        stamps = self.stamps
+        while stamps and stamps[0] < stamp:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        self.stamps.popleft()
+        del self._sorted[bisect.bisect_left(self._sorted, self.values.popleft())]
+
     def state_dict(self) -> dict[str, Any]:
-        return {"values": list(self.values)}
+        return {"values": list(self.values), "stamps": list(self.stamps)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.values = deque()
-        self._sorted = []
-        for value in list(state_dict["values"])[-self.window :]:
-            self.add(value)
+        self.values, self.stamps, self._sorted = deque(), deque(), []
+        values = list(state_dict["values"])
+        stamps = list(
+            state_dict.get("stamps", [0] * len(values))
+        )  # a checkpoint from before stamps: all recent
+        for value, stamp in list(zip(values, stamps))[-self.window :]:
+            self.add(value, stamp)
 
 
 class Assessment(NamedTuple):
@@ -163,11 +180,18 @@ class SpikeDetector:
     run), a loss at least ``cold_ratio`` times the median of the losses accepted so far is a spike, from
     the second step on (divergence inside the warm-up); log scale only.
 
+    A window holds only values accepted within the last ``window`` accepted steps. A key that returns after
+    other keys ran for a while (the anneal burst after a long replay phase) is therefore judged on what its
+    recent steps looked like, or, with too few of them, against the pooled window: never against a baseline
+    from an earlier stage of training, when the loss was higher and the gradient norm lower (a stale burst
+    baseline once flagged a healthy, improving run as a gradient spike and rolled it back).
+
     Args:
         loss_zscore: robust z-score above which a loss is a spike; ``None`` turns loss spikes off
             (non-finite losses are still flagged).
         grad_norm_zscore: the same for the global gradient norm; ``None`` turns it off.
-        window: size of each running window, in optimizer steps.
+        window: size of each running window, in accepted optimizer steps: at most this many values, none
+            older than this many accepted steps.
         warmup: accepted steps a window needs before it judges spikes.
         min_ratio: a spike must also be at least this many times the window median (> 1).
         loss_scale: ``"log"`` or ``"linear"``: the scale the loss is judged on. The gradient norm is always
@@ -222,6 +246,7 @@ class SpikeDetector:
             self.cold_ratio: math.log(self.cold_ratio),
         }
         self.unjudged_losses = 0  # losses <= 0 seen on a log scale
+        self.accepted_steps = 0  # the windows' clock: a value is stamped with it when it enters
         self._loss: dict[str, RunningRobustZ] = {}
         self._grad_norm: dict[str, RunningRobustZ] = {}
 
@@ -254,6 +279,7 @@ class SpikeDetector:
         if grad_spike:
             return Assessment(Verdict.GRAD_SPIKE, loss_z, grad_z)
         if accept:
+            self.accepted_steps += 1
             self._add(self._loss, key, scaled_loss)
             self._add(self._grad_norm, key, scaled_grad)
         if loss_z is None and grad_z is None:
@@ -262,6 +288,7 @@ class SpikeDetector:
 
     def accept(self, loss: float | None, grad_norm: float | None, key: str = "default") -> None:
         """Add a healthy step's values to the baseline windows of ``key``."""
+        self.accepted_steps += 1
         self._add(self._loss, key, self._on_scale(loss, self.loss_scale))
         self._add(self._grad_norm, key, self._on_scale(grad_norm, "log"))
 
@@ -282,6 +309,7 @@ class SpikeDetector:
             "loss": {key: tracker.state_dict() for key, tracker in self._loss.items()},
             "grad_norm": {key: tracker.state_dict() for key, tracker in self._grad_norm.items()},
             "unjudged_losses": self.unjudged_losses,
+            "accepted_steps": self.accepted_steps,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -291,6 +319,7 @@ class SpikeDetector:
                 trackers[key] = RunningRobustZ(self.window, self.warmup)
                 trackers[key].load_state_dict(tracker_state)
         self.unjudged_losses = int(state_dict.get("unjudged_losses", 0))
+        self.accepted_steps = int(state_dict.get("accepted_steps", 0))
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -318,6 +347,8 @@ class SpikeDetector:
         if value is None or threshold is None:
             return False, None
         own = trackers.get(key)
+        if own is not None:
+            own.forget_before(self.accepted_steps - self.window + 1)  # O(1) unless the key was away a while
         if own is not None and len(own.values) >= own.warmup:  # ``own.ready``, without a property call
             if not self._exceeds(value, own.median, self.min_ratio, scale):  # type: ignore[arg-type]
                 return False, None
@@ -346,12 +377,14 @@ class SpikeDetector:
         own = trackers.get(key)
         if own is None:
             own = trackers[key] = RunningRobustZ(self.window, self.warmup)
-        own.add(value)
+        stamp = self.accepted_steps
+        own.forget_before(stamp - self.window + 1)
+        own.add(value, stamp)
         if key != POOLED:
             pooled = trackers.get(POOLED)
             if pooled is None:
                 pooled = trackers[POOLED] = RunningRobustZ(self.window, self.warmup)
-            pooled.add(value)
+            pooled.add(value, stamp)
 
 
 def _is_positive_number(value: Any) -> bool:
