@@ -541,6 +541,47 @@ def test_activation_cache_switches_itself_off_when_a_sample_changes_between_visi
     assert cache.begin_batch(indices) == "off"
 
 
+def test_activation_cache_switches_itself_off_when_padding_changes_a_samples_shape():
+    # held-out sweep: a collate function padding each batch to its longest sequence crashed the recorder
+    # mid-run (index_copy_ of 18 positions into rows of 19)
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    torch.manual_seed(0)
+    embed = nn.Embedding(10, 4, padding_idx=0).requires_grad_(False)
+    tokens = torch.tensor([[3, 4, 5, 6, 0], [7, 8, 0, 0, 0], [2, 3, 0, 0, 0], [9, 9, 9, 0, 0]])
+
+    def padded(indices, length):
+        return tokens[indices, :length]
+
+    # recording: a batch padded to 5, then one padded to 3: the records cannot hold both
+    cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
+    cache.plan([("embed", embed)])
+    for indices, length in ((torch.tensor([0, 1]), 5), (torch.tensor([2, 3]), 3)):
+        cache.begin_batch(indices)
+        assert torch.equal(embed(padded(indices, length)), embed.weight[padded(indices, length)])
+        cache.end_batch()
+    assert (
+        "changes shape between batches" in cache.disabled_reason
+        and "(5, 4), then (3, 4)" in cache.disabled_reason
+    )
+    assert cache.begin_batch(torch.tensor([0, 1])) == "off"
+    cache.end_batch()
+
+    # replaying: samples recorded at one padded length come back in a batch padded to another
+    cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
+    cache.plan([("embed", embed)])
+    indices = torch.tensor([1, 2])
+    for _ in range(2):  # record, verify
+        cache.begin_batch(indices)
+        embed(padded(indices, 3))
+        cache.end_batch()
+    assert cache.begin_batch(indices) == "hit"
+    assert torch.equal(embed(padded(indices, 5)), embed.weight[padded(indices, 5)])  # computed, not replayed
+    cache.end_batch()
+    assert "changes shape between batches" in cache.disabled_reason and cache.hits == 0
+    assert "forward" not in vars(embed)
+
+
 def test_modules_with_dropout_or_batch_statistics_are_not_cached():
     from lightning_pulse.core.activation_cache import PrefixActivationCache
 

@@ -18,7 +18,7 @@ from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import ScheduledPrune
 from lightning_pulse.callbacks.gradient_cache import GradientCache
 from lightning_pulse.errors import PulseRefusal
-from tests.clients import CLIENTS
+from tests.clients import CLIENTS, PackedBiLSTM, PaddedSequencesDataModule
 from tests.conftest import StandInTrainer, stop_after_epochs, trainer_kwargs
 
 pytest.importorskip("transformers")
@@ -235,3 +235,16 @@ def test_structured_prune_mid_run_points_the_units_at_the_new_parameters(tmp_pat
             tuple(p.shape) for p in unit.params
         ]
     assert cache.freezer.trainable_numel == sum(p.numel() for p in model.parameters())
+
+
+def test_the_activation_cache_switches_itself_off_when_each_batch_is_padded_to_its_own_length():
+    # held-out sweep: a padded variable-length client crashed the cache's recorder mid-run (index_copy_ of 18
+    # positions into rows of 19); the cache now switches itself off and says why, and training goes on
+    torch.manual_seed(0)
+    cache = eager_cache(activation_cache_mb=16)
+    with pytest.warns(
+        UserWarning, match="activation cache switched itself off: .*changes shape between batches"
+    ):
+        trainer, watch = fit_client(PackedBiLSTM(), PaddedSequencesDataModule(), cache, max_steps=60)
+    assert trainer.global_step == 60 and "embed.weight" in watch.frozen()
+    assert cache.activations is not None and cache.activations.hits == 0

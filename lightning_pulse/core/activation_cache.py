@@ -52,7 +52,14 @@ class _ActivationEntry:
     name: str
     module: nn.Module
     storage: torch.Tensor | None = None  # (capacity, *output shape without batch)
+    input_shape: tuple[int, ...] | None = None  # the per-sample shape of its first input, when recorded
     calls: int = 0
+
+
+def _per_sample_shape(args: tuple[Any, ...]) -> tuple[int, ...] | None:
+    """The shape of one sample of the first tensor among ``args`` (``None`` without one)."""
+    first = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+    return None if first is None else tuple(first.shape[1:])
 
 
 class PrefixActivationCache:
@@ -62,7 +69,9 @@ class PrefixActivationCache:
     change either. The first visit of a sample records the outputs of the frozen modules; once every sample
     of a batch is recorded, the modules' ``forward`` is swapped for a lookup for that batch, and restored
     right after. The first all-recorded batch of every plan is computed for real once more and compared with
-    the records: a mismatch (data augmentation, noise added in ``training_step``) switches the cache off.
+    the records: a mismatch (data augmentation, noise added in ``training_step``) switches the cache off. So
+    does a module whose input or output changes shape per sample from one batch to the next (a collate
+    function that pads to each batch's longest sequence): it runs for real from then on.
 
     Args:
         capacity: how many distinct samples this process sees per epoch (rows of each store).
@@ -193,6 +202,10 @@ class PrefixActivationCache:
                 entry.storage = torch.zeros(
                     (self.capacity, *output.shape[1:]), dtype=output.dtype, device=output.device
                 )
+                entry.input_shape = _per_sample_shape(args)
+            elif output.shape[1:] != entry.storage.shape[1:] or _per_sample_shape(args) != entry.input_shape:
+                self._switch_off_for_shape(entry, tuple(output.shape[1:]))
+                return
             stored = entry.storage.index_select(0, slots.to(entry.storage.device))
             if self._mode == "verify" and not torch.allclose(stored, output.detach(), rtol=1e-3, atol=1e-5):
                 self.disabled_reason = (
@@ -204,13 +217,29 @@ class PrefixActivationCache:
 
         return record
 
+    def _switch_off_for_shape(self, entry: _ActivationEntry, output_shape: tuple[int, ...]) -> None:
+        assert entry.storage is not None
+        self.disabled_reason = (
+            f"the per-sample input or output of {entry.name} changes shape between batches (output "
+            f"{tuple(entry.storage.shape[1:])}, then {output_shape}: a collate function padding each batch to its "
+            "longest sequence?); pad to one fixed length to use the cache"
+        )
+
     def _install_replay(self, entry: _ActivationEntry, slots: torch.Tensor) -> None:
         storage = entry.storage
         assert storage is not None
         rows = slots.to(storage.device)
+        module = entry.module
 
         def replay(*args: Any, **kwargs: Any) -> torch.Tensor:
-            return storage.index_select(0, rows)
+            if _per_sample_shape(args) == entry.input_shape:
+                return storage.index_select(0, rows)
+            # samples seen before, padded differently: the records no longer fit, so compute and stop caching
+            output = type(module).forward(module, *args, **kwargs)
+            if self.disabled_reason is None:
+                self.hits -= 1
+                self._switch_off_for_shape(entry, tuple(output.shape[1:]))
+            return output
 
         entry.module.forward = replay  # type: ignore[method-assign]
         self._stubbed.append(entry.module)
