@@ -473,6 +473,43 @@ class PackedBiLSTM(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=3e-3)
 
 
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update ``B @ A``, with LoRA's init (A small, B zero)."""
+
+    def __init__(self, inputs: int, outputs: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(inputs, outputs).requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(rank, inputs) * 0.01)
+        self.B = nn.Parameter(torch.zeros(outputs, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.A.t()) @ self.B.t()
+
+
+class LoRAClassifier(pl.LightningModule):
+    """Three LoRA layers on frozen base weights; only the adapters train."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            LoRALinear(16, 64), nn.ReLU(), LoRALinear(64, 64), nn.ReLU(), LoRALinear(64, 5)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=3e-3)
+
+
+def linear_rule_data(count: int = 2000, seed: int = 1) -> TensorDataset:
+    """Gaussian inputs labelled by the argmax of a fixed random linear map (16 -> 5)."""
+    rule = torch.randn(16, 5, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(count, 16, generator=torch.Generator().manual_seed(seed))
+    return TensorDataset(x, (x @ rule).argmax(dim=1))
+
+
 CLIENTS: dict[str, Callable[[], tuple[pl.LightningModule, pl.LightningDataModule]]] = {
     "hf-gpt2": lambda: (HFCausalLM(), TextWindowsDataModule("lm")),
     "hf-bert": lambda: (HFSequenceClassifier(), TextWindowsDataModule("classify")),

@@ -18,7 +18,7 @@ from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import ScheduledPrune
 from lightning_pulse.callbacks.gradient_cache import GradientCache
 from lightning_pulse.errors import PulseRefusal
-from tests.clients import CLIENTS, PackedBiLSTM, PaddedSequencesDataModule
+from tests.clients import CLIENTS, LoRAClassifier, PackedBiLSTM, PaddedSequencesDataModule, linear_rule_data
 from tests.conftest import StandInTrainer, stop_after_epochs, trainer_kwargs
 
 pytest.importorskip("transformers")
@@ -248,3 +248,23 @@ def test_the_activation_cache_switches_itself_off_when_each_batch_is_padded_to_i
         trainer, watch = fit_client(PackedBiLSTM(), PaddedSequencesDataModule(), cache, max_steps=60)
     assert trainer.global_step == 60 and "embed.weight" in watch.frozen()
     assert cache.activations is not None and cache.activations.hits == 0
+
+
+def test_lora_adapters_still_growing_from_their_init_are_not_frozen(caplog):
+    # held-out sweep: at its defaults GradientCache froze LoRA adapters from step 60 (their first windows, moving
+    # far from a tiny or zero init, set peaks later windows looked small against): val loss 1.8x plain
+    def fit(callbacks):
+        pl.seed_everything(0)
+        module = LoRAClassifier()
+        trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_epochs=5))
+        trainer.fit(module, DataLoader(linear_rule_data(), batch_size=32, shuffle=True))
+        return module
+
+    cache = GradientCache()
+    with caplog.at_level("INFO"):
+        cached = fit([cache])
+    plain = fit([])
+    assert cache.events == [] and cache.freezer.steps == 315
+    assert "its norm was still growing" in caplog.text  # what it measured, and why it waited
+    for (name, ours), theirs in zip(cached.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(ours, theirs), name
