@@ -127,6 +127,31 @@ def test_layers_the_user_froze_are_never_pruned(mnist1d_small, mode, caplog):
     assert "net.1 (frozen by the user" in caplog.text  # the setup line says what it left out, and why
 
 
+def test_layers_under_a_parametrization_are_left_out_and_named(mnist1d_small, caplog):
+    # held-out sweep: weight_norm and spectral_norm layers were silently skipped (the run reported sparsity 0.5
+    # over one layer holding 6% of the weights, and named nothing)
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    weight_norm(model.net[1])  # the first conv
+    spectral_norm(model.net[-1])  # the classifier
+    before = {index: model.net[index].weight.detach().clone() for index in (1, len(model.net) - 1)}
+    prune = ScheduledPrune(final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1)
+    with caplog.at_level("INFO"):
+        pl.Trainer(max_steps=14, callbacks=[prune], **trainer_kwargs()).fit(model, data)
+    assert prune.events and prune.events[-1]["sparsity"] > 0
+    for index in before:  # trained, never masked
+        assert not (model.net[index].weight == 0).any()
+        assert not hasattr(model.net[index].parametrizations.weight, "original_mask")
+    last = len(model.net) - 1
+    for name in (
+        f"net.1 (its weight is computed by a parametrization",
+        f"net.{last} (its weight is computed by",
+    ):
+        assert name in caplog.text
+
+
 def test_events_happen_only_when_maintain_phases_start(mnist1d_small):
     pl.seed_everything(0)
     model, data = mnist1d_small()

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 
 def is_hf_conv1d(module: object) -> bool:
@@ -125,7 +126,8 @@ def select_targets(
 
     A candidate has a ``weight`` parameter, is one of ``layer_types`` (any type when empty) and its name does
     not match ``exclude`` (``re.search``). Layers named in ``frozen`` (:func:`frozen_layers` at the fit's
-    start) are left out: pruning them would change weights the user froze. Candidates read without their hook
+    start) are left out: pruning them would change weights the user froze. So are layers whose weight a
+    parametrization computes (``weight_norm``, ``spectral_norm``). Candidates read without their hook
     are left out; so are owners of a shared weight unless all owners are candidates (then they share one
     mask). ``structured``: any layer holding a shared parameter is left out (cutting it would cut one owner
     only).
@@ -133,13 +135,20 @@ def select_targets(
     selection = LayerSelection()
     hidden = hidden_weight_readers(model)
     for name, module in model.named_modules():
-        if not name or not _has_weight(module):
+        parametrized = bool(name) and parametrize.is_parametrized(module, "weight")
+        if not name or not (parametrized or _has_weight(module)):
             continue
         if layer_types and not isinstance(module, layer_types):
             continue
         if exclude is not None and re.search(exclude, name) is not None:
             continue
-        if name in frozen:
+        if parametrized:
+            # weight_norm, spectral_norm, orthogonal...: `weight` is computed from other tensors on every read, so
+            # a mask on it would not hold, and zeros in those tensors need not be zeros of the weight
+            selection.left_out[name] = (
+                "its weight is computed by a parametrization (weight_norm, spectral_norm...)"
+            )
+        elif name in frozen:
             selection.left_out[name] = "frozen by the user (`requires_grad=False`)"
         elif name in hidden:
             selection.left_out[name] = hidden[name]
