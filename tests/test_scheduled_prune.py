@@ -146,7 +146,7 @@ def test_layers_under_a_parametrization_are_left_out_and_named(mnist1d_small, ca
         assert not hasattr(model.net[index].parametrizations.weight, "original_mask")
     last = len(model.net) - 1
     for name in (
-        f"net.1 (its weight is computed by a parametrization",
+        "net.1 (its weight is computed by a parametrization",
         f"net.{last} (its weight is computed by",
     ):
         assert name in caplog.text
