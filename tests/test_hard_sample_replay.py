@@ -114,7 +114,7 @@ class HandWrittenLoss(MNIST1DClassifier):
 
 def test_a_module_without_a_capturable_loss_fails_at_the_first_step():
     trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_steps=3, **trainer_kwargs())
-    with pytest.raises(RuntimeError, match="scorer") as error:
+    with pytest.raises(PulseRefusal, match="scorer") as error:
         trainer.fit(HandWrittenLoss(), _data())
     assert "no torch.nn.functional" in str(error.value)
     assert trainer.global_step == 0
@@ -137,7 +137,7 @@ def test_infobatch_weights_the_captured_loss_next_to_a_scorer():
     assert sum(model.sizes[BATCHES_PER_EPOCH:]) < 0.9 * 720
     # a loss the capture cannot see cannot be weighted: refused at the first pruned step, not ignored
     trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
-    with pytest.raises(RuntimeError, match="infobatch"):
+    with pytest.raises(PulseRefusal, match="infobatch"):
         trainer.fit(HandWrittenLoss(), _data())
 
 

@@ -19,6 +19,7 @@ from lightning_pulse.core.per_sample_loss import (
     loss_capture_scope,
     per_sample_from_unreduced,
 )
+from lightning_pulse.errors import PulseRefusal
 
 
 def _logits_and_targets(batch=8, classes=5, seed=0):
@@ -344,9 +345,9 @@ def test_require_says_what_was_captured_when_nothing_splits_into_the_batch():
     assert capture.require() is capture
     with LossCapture(batch_size=3) as other:
         F.cross_entropy(logits, targets)
-    with pytest.raises(RuntimeError, match=r"cross_entropy.*does not split.*scorer"):
+    with pytest.raises(PulseRefusal, match=r"cross_entropy.*does not split.*scorer"):
         other.require()
-    with pytest.raises(RuntimeError, match="no torch.nn.functional"):
+    with pytest.raises(PulseRefusal, match="no torch.nn.functional"):
         LossCapture(batch_size=3).require()
 
 

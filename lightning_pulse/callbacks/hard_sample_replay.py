@@ -82,7 +82,8 @@ class HardSampleReplay(Callback):
             seconds; after the fit's first two batches (trained in full, before any replay step), for a module
             carrying state from one batch to the next (a stateful RNN) or a token loss
             flattened time-major.
-        RuntimeError: at the first step whose loss yields no per-sample value and no ``scorer`` is set.
+        PulseRefusal: at the first step, before any update, when its loss yields no per-sample value and no
+            ``scorer`` is set.
 
     Example::
 

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from lightning_pulse.errors import PulseRefusal
+
 #: The ``torch.nn.functional`` losses that :class:`LossCapture` sees. ``torch.nn`` loss modules call these.
 CAPTURED_LOSSES: tuple[str, ...] = (
     "cross_entropy",
@@ -453,10 +455,10 @@ class LossCapture:
         return f"captured {calls}"
 
     def require(self, who: str = "HardSampleReplay") -> LossCapture:
-        """This capture, or a ``RuntimeError`` saying what was captured and what to configure when no captured
-        call splits into the batch's samples."""
+        """This capture, or a :class:`~lightning_pulse.errors.PulseRefusal` saying what was captured and what to
+        configure when no captured call splits into the batch's samples."""
         if not self.maps_onto_batch:
-            raise RuntimeError(
+            raise PulseRefusal(
                 f"{who} found no per-sample loss in training_step ({self.describe()}; batch of {self.batch_size} "
                 "samples). It captures torch.nn.functional losses (F.cross_entropy, F.mse_loss, ...) and torch.nn "
                 "loss modules whose unreduced loss splits into the batch's samples, called during training_step. "

@@ -147,7 +147,7 @@ class ReplayBatchLifecycle:
         """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss).
 
         Raises:
-            RuntimeError: when the step's loss yielded no per-sample value and the capture was needed, so the
+            PulseRefusal: when the step's loss yielded no per-sample value and the capture was needed, so the
                 run fails at its first step.
         """
         self.captures.close()
