@@ -491,7 +491,9 @@ class PhaseClock:
             return 0
         if total_steps is None or not math.isfinite(total_steps):
             raise ValueError(
-                "`warmup` is a share of the run, so the run needs a finite max_steps or max_epochs."
+                f"`warmup`={self.warmup!r} is a share of the run, so the run needs a finite max_steps or "
+                "max_epochs; set one (a run bounded by max_time alone has no length to share), or "
+                "`warmup=0`."
             )
         return int(round(self.warmup * total_steps))
 
@@ -500,7 +502,9 @@ class PhaseClock:
             return None
         if total_steps is None or not math.isfinite(total_steps):
             raise ValueError(
-                "`anneal` is a share of the run, so the run needs a finite max_steps or max_epochs."
+                f"`anneal`={self.anneal!r} is a share of the run, so the run needs a finite max_steps or "
+                "max_epochs; set one (a run bounded by max_time alone has no length to share), or "
+                "`anneal=0`."
             )
         return int(round((1.0 - self.anneal) * total_steps))
 
