@@ -328,16 +328,36 @@ class OneCycleMLP(ManualOptimizationMLP):
 
 
 # ------------------------------------------------------------------ held-out sweep (issue 19), each one trait
-class _ReverseTask(Dataset):
-    """Token sequences of 3-9 tokens in 2..11; the target is the sequence reversed."""
+class _LossModule(pl.LightningModule):
+    """Trains and validates on ``self.loss(batch)`` with Adam at 3e-3."""
 
-    def __init__(self, count: int, seed: int) -> None:
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+class _RandomSequences(Dataset):
+    """``count`` token sequences of random lengths in ``[shortest, longest]``, tokens in ``[low, high]``."""
+
+    def __init__(self, count: int, seed: int, lengths: tuple[int, int], tokens: tuple[int, int]) -> None:
         generator = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(3, 10, (count,), generator=generator).tolist()
-        self.items = [torch.randint(2, 12, (length,), generator=generator) for length in lengths]
+        sizes = torch.randint(lengths[0], lengths[1] + 1, (count,), generator=generator).tolist()
+        self.items = [torch.randint(tokens[0], tokens[1] + 1, (size,), generator=generator) for size in sizes]
 
     def __len__(self) -> int:
         return len(self.items)
+
+
+class _ReverseTask(_RandomSequences):
+    """Token sequences of 3-9 tokens in 2..11; the target is the sequence reversed."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        super().__init__(count, seed, lengths=(3, 9), tokens=(2, 11))
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return self.items[index]
@@ -367,7 +387,7 @@ class ReverseDataModule(pl.LightningDataModule):
         return DataLoader(_ReverseTask(300, 2), 64, collate_fn=_pad_reverse)
 
 
-class Seq2SeqTransformer(pl.LightningModule):
+class Seq2SeqTransformer(_LossModule):
     """``nn.TransformerEncoder`` + ``nn.TransformerDecoder`` with teacher forcing, padding masks and a token loss
     that ignores padding (``ignore_index=-100``): its gradient norm grows several-fold while the loss falls."""
 
@@ -400,26 +420,12 @@ class Seq2SeqTransformer(pl.LightningModule):
             self.head(hidden).reshape(-1, 12), target.reshape(-1), ignore_index=-100
         )
 
-    def training_step(self, batch, batch_idx):
-        return self.loss(batch)
 
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.loss(batch))
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=3e-3)
-
-
-class _TokenSequences(Dataset):
+class _TokenSequences(_RandomSequences):
     """Sequences of 3-19 tokens in 1..29; the label says whether most tokens are above 15."""
 
     def __init__(self, count: int, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(3, 20, (count,), generator=generator).tolist()
-        self.items = [torch.randint(1, 30, (length,), generator=generator) for length in lengths]
-
-    def __len__(self) -> int:
-        return len(self.items)
+        super().__init__(count, seed, lengths=(3, 19), tokens=(1, 29))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         tokens = self.items[index]
@@ -446,7 +452,7 @@ class PaddedSequencesDataModule(pl.LightningDataModule):
         return DataLoader(_TokenSequences(300, 2), 64, collate_fn=_pad_to_longest)
 
 
-class PackedBiLSTM(pl.LightningModule):
+class PackedBiLSTM(_LossModule):
     """``nn.Embedding(padding_idx=0)``, ``pack_padded_sequence`` and a bidirectional LSTM classifier."""
 
     def __init__(self) -> None:
@@ -462,15 +468,6 @@ class PackedBiLSTM(pl.LightningModule):
         )
         _, (hidden, _) = self.lstm(packed)
         return nn.functional.cross_entropy(self.head(torch.cat([hidden[0], hidden[1]], dim=1)), labels)
-
-    def training_step(self, batch, batch_idx):
-        return self.loss(batch)
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.loss(batch))
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=3e-3)
 
 
 class LoRALinear(nn.Module):
