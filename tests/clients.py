@@ -328,6 +328,13 @@ class OneCycleMLP(ManualOptimizationMLP):
 
 
 # ------------------------------------------------------------------ held-out sweep (issue 19), each one trait
+class LBFGSMLP(OneCycleMLP):
+    """A digits MLP trained with ``torch.optim.LBFGS`` (Lightning evaluates its closure several times a step)."""
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4)
+
+
 class _LossModule(pl.LightningModule):
     """Trains and validates on ``self.loss(batch)`` with Adam at 3e-3."""
 

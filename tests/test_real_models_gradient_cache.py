@@ -18,7 +18,14 @@ from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import ScheduledPrune
 from lightning_pulse.callbacks.gradient_cache import GradientCache
 from lightning_pulse.errors import PulseRefusal
-from tests.clients import CLIENTS, LoRAClassifier, PackedBiLSTM, PaddedSequencesDataModule, linear_rule_data
+from tests.clients import (
+    CLIENTS,
+    LBFGSMLP,
+    LoRAClassifier,
+    PackedBiLSTM,
+    PaddedSequencesDataModule,
+    linear_rule_data,
+)
 from tests.conftest import StandInTrainer, stop_after_epochs, trainer_kwargs
 
 pytest.importorskip("transformers")
@@ -268,3 +275,13 @@ def test_lora_adapters_still_growing_from_their_init_are_not_frozen(caplog):
     assert "its norm was still growing" in caplog.text  # what it measured, and why it waited
     for (name, ours), theirs in zip(cached.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(ours, theirs), name
+
+
+def test_lbfgs_is_refused_at_fit_start_because_it_moves_parameters_without_a_gradient():
+    # held-out sweep: L-BFGS steps every parameter along its curvature history, so a frozen layer changed at each
+    # of its 47 frozen steps (train loss 0.89 against plain's 0.11)
+    _, data = CLIENTS["onecycle-per-step"]()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=20, callbacks=[eager_cache()]))
+    with pytest.raises(PulseRefusal, match=r"^GradientCache: torch.optim.LBFGS .* first-order optimizer"):
+        trainer.fit(LBFGSMLP(), data)
+    assert trainer.global_step == 0

@@ -32,6 +32,7 @@ from lightning_pulse.core.layer_freezing import (
     follow_replaced_parameters,
     in_span,
     refuse_manual_optimization,
+    refuse_optimizers_that_move_gradless_parameters,
     restore_during_fit,
     restore_freezer,
 )
@@ -80,7 +81,8 @@ class GradientCache(Callback):
         ValueError: at construction, naming the field, for a value out of range. At train start, for a
             ``units`` name the model does not have, or a share of a run of unknown length.
         PulseRefusal: at setup, for manual optimization, FSDP/DeepSpeed/model parallel, DDP without
-            ``find_unused_parameters=True`` or with ``static_graph=True``, or another multi-process strategy.
+            ``find_unused_parameters=True`` or with ``static_graph=True``, or another multi-process strategy; at
+            fit start, for ``torch.optim.LBFGS`` (it moves parameters that have no gradient).
 
     Example::
 
@@ -153,6 +155,7 @@ class GradientCache(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_wrapped_model(trainer.strategy.model, trainer.world_size, type(trainer.strategy).__name__)
+        refuse_optimizers_that_move_gradless_parameters(trainer.optimizers)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

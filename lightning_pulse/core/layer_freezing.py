@@ -636,6 +636,20 @@ def refuse_manual_optimization(module: Any) -> None:
         )
 
 
+def refuse_optimizers_that_move_gradless_parameters(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` for an optimizer that updates a parameter without a
+    gradient. Freezing relies on torch's first-order optimizers skipping a parameter whose ``grad`` is ``None``;
+    L-BFGS instead steps every parameter along a direction built from its curvature history, so a frozen unit
+    would go on moving (a held-out L-BFGS fit changed its frozen layer at every frozen step)."""
+    for optimizer in optimizers:
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise PulseRefusal(
+                "GradientCache: torch.optim.LBFGS updates every parameter along its curvature history, also those "
+                "without a gradient, so a frozen unit would still move; use a first-order optimizer (SGD, Adam, "
+                "AdamW, ...) or remove GradientCache."
+            )
+
+
 def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
     """Say, once the units are in forward order, what they are (``info``), and why nothing can ever freeze if
     so: a single trainable unit (``info``) or a tied first unit (``warn``)."""
