@@ -345,6 +345,47 @@ def test_a_loader_without_dataset_indices_is_refused_before_the_first_step():
     assert model.sizes == []
 
 
+class _TwoLoaders(pl.LightningModule):
+    """Trains on a dict of two DataLoaders (Lightning's CombinedLoader): each batch is ``{"a": ..., "b": ...}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 2)
+        self.steps = 0
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        return sum(F.cross_entropy(self.net(x), y) for x, y in batch.values())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("with_cycle", [False, True])
+def test_several_training_loaders_are_refused_before_the_first_step(with_cycle):
+    # held-out sweep: alone it trained 12.5% and 25% of the two datasets with no word (each loader had its own
+    # index tracker); next to a PulseCycle it failed at step 0 with a RuntimeError about the collate function
+    def loader(seed):
+        generator = torch.Generator().manual_seed(seed)
+        data = TensorDataset(
+            torch.randn(96, 8, generator=generator), torch.randint(0, 2, (96,), generator=generator)
+        )
+        return DataLoader(data, batch_size=16, shuffle=True)
+
+    model = _TwoLoaders()
+    callbacks = (
+        [PulseCycle(burst=4, replay=4, maintain=1), HardSampleReplay()]
+        if with_cycle
+        else [HardSampleReplay()]
+    )
+    trainer = pl.Trainer(callbacks=callbacks, max_epochs=3, **trainer_kwargs())
+    with pytest.raises(
+        PulseRefusal, match=r"^HardSampleReplay needs one training DataLoader, .* 2 DataLoaders"
+    ):
+        trainer.fit(model, {"a": loader(0), "b": loader(1)})
+    assert model.steps == 0
+
+
 def test_scores_table_covers_a_tensor_dataset_used_directly():
     x = torch.randn(96, 40)
     y = torch.randint(0, 10, (96,))

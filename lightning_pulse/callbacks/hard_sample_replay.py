@@ -25,6 +25,7 @@ from lightning_pulse.core.replay import (
     ReplayConfig,
     half_life_steps,
     parse_half_life,
+    several_loaders_refusal,
     shorter_than_an_epoch,
     untrackable_refusal,
     validate_replay_args,
@@ -77,7 +78,7 @@ class HardSampleReplay(Callback):
             ``rule="infobatch"`` with ``mode="steps"``; at fit start, for an epoch-based
             half-life with an infinite DataLoader.
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
-            ``IterableDataset``, a custom batch sampler), ``ModelParallelStrategy``, or in ``mode="steps"`` a run
+            ``IterableDataset``, a custom batch sampler) or several training DataLoaders, ``ModelParallelStrategy``, or in ``mode="steps"`` a run
             of unknown length, ``limit_train_batches``, ``reload_dataloaders_every_n_epochs`` or a PulseCycle in
             seconds; after the fit's first two batches (trained in full, before any replay step), for a module
             carrying state from one batch to the next (a stateful RNN) or a token loss
@@ -227,6 +228,7 @@ class HardSampleReplay(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        refuse(several_loaders_refusal(SampleIndexTracker.several_loaders_reason(trainer.train_dataloader)))
         assert self.selector is not None
         steps_per_epoch = self._set_half_life(trainer.num_training_batches)
         if (

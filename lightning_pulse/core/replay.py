@@ -159,6 +159,17 @@ def untrackable_refusal(reason: str) -> str:
     )
 
 
+def several_loaders_refusal(reason: str | None) -> str | None:
+    """Why a fit on several training DataLoaders is refused (completes "HardSampleReplay ..."); ``None`` without
+    a ``reason``. Each loader would get its own index tracker, and none of them describes the combined batch."""
+    if reason is None:
+        return None
+    return (
+        f"needs one training DataLoader, but {reason}. Put the datasets in one DataLoader "
+        "(torch.utils.data.ConcatDataset), or remove HardSampleReplay."
+    )
+
+
 def check_batch_indices(batch_idx: int, offered: int, indices: Tensor) -> None:
     """Raise ``RuntimeError`` when the batch does not hold one sample per recorded dataset index."""
     if indices.numel() != offered:

@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
@@ -116,6 +116,16 @@ class SampleIndexTracker:
         self._indices: Tensor | None = None
 
     # ------------------------------------------------------------------ install
+    @staticmethod
+    def several_loaders_reason(loaders: Any) -> str | None:
+        """Why ``loaders`` (``trainer.train_dataloader``) cannot be tracked as one stream of dataset indices: a
+        dict, list or tuple of several DataLoaders (Lightning combines them into one batch of several datasets),
+        or ``None`` otherwise."""
+        several = loaders.values() if isinstance(loaders, Mapping) else loaders
+        if isinstance(several, (list, tuple, type({}.values()))) and len(several) > 1:
+            return f"the fit trains on {len(several)} DataLoaders at once (a CombinedLoader)"
+        return None
+
     @staticmethod
     def unsupported_reason(loader: Any) -> str | None:
         """Why indices cannot be tracked for ``loader``, or ``None`` if they can."""
