@@ -81,6 +81,25 @@ def test_restore_returns_model_optimizer_scheduler_and_callbacks_to_the_snapshot
         assert torch.equal(mine, twin)
 
 
+def test_non_persistent_buffers_go_back_with_the_model():
+    # held-out sweep: a running statistic registered with persistent=False is not in the state_dict, and a
+    # rollback left it at its diverged value
+    model = nn.Linear(3, 2)
+    model.register_buffer("feature_mean", torch.zeros(3), persistent=False)
+    model.register_buffer("seen", torch.zeros(()))
+    snapshot = take_snapshot(5, model)
+    assert set(snapshot.buffers) == {"feature_mean"} and "seen" in snapshot.model
+    with torch.no_grad():
+        model.feature_mean.add_(7.0)
+        model.seen.add_(64)
+        model.weight.mul_(2)
+    saved = model.feature_mean
+    restore_snapshot(snapshot, model)
+    assert torch.equal(model.feature_mean, torch.zeros(3)) and model.feature_mean is saved  # in place
+    assert model.seen.item() == 0
+    assert snapshot.nbytes == sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 3 * 4
+
+
 def test_restore_without_rewinding_keeps_the_schedule_and_hyperparameters():
     model, optimizer, scheduler = _setup()
     _train_steps(model, optimizer, scheduler, 5)

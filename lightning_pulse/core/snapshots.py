@@ -1,7 +1,8 @@
 """Bounded in-memory snapshots of a training state, kept on the CPU, for rollbacks. Plain torch.
 
-A :class:`TrainingSnapshot` holds copies of everything a rollback returns to: the model's ``state_dict``,
-each optimizer's and LR scheduler's ``state_dict``, the ``state_dict`` of selected callbacks, and whatever
+A :class:`TrainingSnapshot` holds copies of everything a rollback returns to: the model's ``state_dict`` and its
+non-persistent buffers (``register_buffer(..., persistent=False)``: running statistics a checkpoint leaves out
+but training reads), each optimizer's and LR scheduler's ``state_dict``, the ``state_dict`` of selected callbacks, and whatever
 bookkeeping the caller adds (``extra``). Every tensor is copied to the CPU, so snapshots cost host memory,
 not accelerator memory. :class:`SnapshotRing` keeps the newest ``capacity`` snapshots.
 """
@@ -93,6 +94,7 @@ class TrainingSnapshot:
         schedulers: each LR scheduler's ``state_dict``.
         callbacks: ``state_dict`` of each selected callback, by key.
         extra: the caller's bookkeeping at that step (copied, never restored by :func:`restore_snapshot`).
+        buffers: the model's non-persistent buffers, by qualified name (not in its ``state_dict``).
     """
 
     step: int
@@ -101,11 +103,14 @@ class TrainingSnapshot:
     schedulers: list[dict[str, Any]]
     callbacks: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    buffers: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data the snapshot holds."""
-        return tensor_bytes([self.model, self.optimizers, self.schedulers, self.callbacks, self.extra])
+        return tensor_bytes(
+            [self.model, self.optimizers, self.schedulers, self.callbacks, self.extra, self.buffers]
+        )
 
     def fits(self, model: nn.Module) -> bool:
         """Whether the snapshot can still be loaded into ``model``: same entries with the same shapes.
@@ -120,6 +125,16 @@ class TrainingSnapshot:
             not isinstance(value, torch.Tensor) or value.shape == self.model[name].shape
             for name, value in current.items()
         )
+
+
+def non_persistent_buffers(
+    model: nn.Module, state: Mapping[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
+    """The buffers of ``model`` that its ``state_dict`` (``state``, if already taken) leaves out."""
+    state = model.state_dict() if state is None else state
+    return {
+        name: buffer for name, buffer in model.named_buffers() if name not in state and buffer is not None
+    }
 
 
 def take_snapshot(
@@ -139,9 +154,11 @@ def take_snapshot(
             of allocating new ones. It must not be used afterwards.
     """
     old = reuse if reuse is not None else TrainingSnapshot(-1, {}, [], [])
+    state = model.state_dict()
     return TrainingSnapshot(
         step=int(step),
-        model=copy_to_cpu(model.state_dict(), old.model),
+        model=copy_to_cpu(state, old.model),
+        buffers=copy_to_cpu(non_persistent_buffers(model, state), old.buffers),
         optimizers=copy_to_cpu([optimizer.state_dict() for optimizer in optimizers], old.optimizers),
         schedulers=copy_to_cpu([scheduler.state_dict() for scheduler in schedulers], old.schedulers),
         callbacks=copy_to_cpu(
@@ -182,6 +199,13 @@ def restore_snapshot(
             f"scheduler(s), but {len(optimizers)} and {len(schedulers)} were given."
         )
     model.load_state_dict(snapshot.model)
+    for name, saved in snapshot.buffers.items():
+        try:
+            buffer = model.get_buffer(name)
+        except AttributeError:  # the model no longer has it (its structure changed since the snapshot)
+            continue
+        if buffer is not None and buffer.shape == saved.shape:
+            buffer.copy_(saved)
     for optimizer, state in zip(optimizers, snapshot.optimizers):
         current_hyperparameters = [
             {name: value for name, value in group.items() if name != "params"}
