@@ -12,7 +12,7 @@ from lightning_pulse.energy.account import EnergyAccount, build_chains
 from lightning_pulse.energy.carbon import Rate, TimeSeries
 from lightning_pulse.energy.config import MeterConfig
 from lightning_pulse.energy.constant import ConstantPowerMeter
-from lightning_pulse.energy.counting import count_batch, count_samples, count_tokens
+from lightning_pulse.energy.counting import count_batch, count_samples, count_tokens, doubtful_sample_count
 from lightning_pulse.energy.ledger import (
     BUCKET_FIELDS,
     EnergyLedger,
@@ -353,6 +353,37 @@ def test_account_attributes_energy_counts_and_steps_to_phases_without_a_trainer(
     )
     assert account.energy_so_far_kwh() == pytest.approx(50.0 / 3.6e6)
     assert account.report("complete", "EUR")["total"]["methods"]["cpu"] == ESTIMATED
+
+
+def test_a_batch_whose_first_tensor_is_not_the_sample_count_is_said_once():
+    # held-out sweep: a graph-style dict batch led by a (2, E) edge index counted 2 samples a batch, not 32
+    # (energy per sample 16x too high), with no word
+    graph = {
+        "edge_index": torch.zeros(2, 96, dtype=torch.long),
+        "x": torch.zeros(32, 8),
+        "y": torch.zeros(32),
+    }
+    assert "leading sizes are [2, 32, 32], the first being 2" in doubtful_sample_count(graph)
+    for agreeing in (
+        (torch.zeros(7, 40), torch.zeros(7)),
+        {"input_ids": torch.zeros(4, 9), "attention_mask": torch.ones(4, 9), "labels": torch.zeros(4, 9)},
+        (torch.zeros(5, 3), torch.zeros(2, 2)),  # no majority against the first: not doubted
+        [torch.zeros(3)],
+    ):
+        assert doubtful_sample_count(agreeing) is None
+    clock, said = ManualClock(), []
+    account = account_with(clock, warn=said.append)
+    account.start([constant_chain("cpu", 10.0)])
+    account.begin_training(lambda: 0)
+    account.mark(stage="train", phase="burst", cycle=0, epoch=0)
+    for _ in range(3):
+        account.batch_started(graph)
+        clock.now += 1.0
+        account.batch_ended()
+    account.end_training()
+    assert account.snapshot()["buckets"]["total"]["samples"] == 6  # the documented rule, kept
+    account.stop()
+    assert len(said) == 1 and "counts 2 samples per training batch" in said[0] and "sample_counter" in said[0]
 
 
 def test_account_epoch_metrics_and_a_single_forecast():

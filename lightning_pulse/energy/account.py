@@ -23,7 +23,7 @@ from lightning_pulse.energy.codecarbon_meter import CodecarbonMeter, CodecarbonS
 from lightning_pulse.energy.compare import baseline_ratios
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.constant import ConstantPowerMeter
-from lightning_pulse.energy.counting import count_batch, first_tensor
+from lightning_pulse.energy.counting import count_batch, doubtful_sample_count, first_tensor
 from lightning_pulse.energy.ledger import (
     BUCKET_FIELDS,
     J_PER_KWH,
@@ -327,15 +327,22 @@ class EnergyAccount:
                 "counter", f"EnergyLogger: could not count the batch ({type(error).__name__}: {error})."
             )
             return
-        if samples == 1 and not self._custom_counting and type(batch) not in self._types_read:
-            # once per batch type, not per step: a batch of one real sample is common (LLM fine-tuning)
+        if not self._custom_counting and type(batch) not in self._types_read:
+            # once per batch type, not per step: the default count is dimension 0 of the batch's first tensor
             self._types_read.add(type(batch))
-            if first_tensor(batch) is None:
+            if samples == 1 and first_tensor(batch) is None:
                 self.warn_once(
                     "uncounted",
                     f"EnergyLogger: found no tensor in a training batch of type {type(batch).__name__}, so "
                     "each batch counts as 1 sample and the energy per sample is too high. Pass "
                     "`accounting=AccountingConfig(sample_counter=...)` to count its samples.",
+                )
+            elif (doubt := doubtful_sample_count(batch)) is not None:
+                self.warn_once(
+                    "doubtful",
+                    f"EnergyLogger: counts {samples} samples per training batch (dimension 0 of its first tensor), "
+                    f"but {doubt}. If that is not the sample count, pass "
+                    "`accounting=AccountingConfig(sample_counter=...)`.",
                 )
         self._samples += samples
         if tokens is None:

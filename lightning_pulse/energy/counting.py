@@ -19,7 +19,7 @@ in a few attribute look-ups, since it runs on every training batch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -85,22 +85,42 @@ def count_tokens(batch: Any) -> int | torch.Tensor | None:
     return None
 
 
-def first_tensor(batch: Any, depth: int = 0) -> torch.Tensor | None:
+def first_tensor(batch: Any) -> torch.Tensor | None:
     """The first tensor in ``batch``, depth first through mappings, lists, tuples and dataclass instances."""
+    return next(_tensors(batch), None)
+
+
+def _tensors(batch: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in ``batch``, depth first through mappings, lists, tuples and dataclass instances."""
     if depth > 8:
-        return None
+        return
     if isinstance(batch, torch.Tensor):
-        return batch
+        yield batch
+        return
     if isinstance(batch, Mapping):
-        items = batch.values()
+        items: Any = batch.values()
     elif isinstance(batch, (list, tuple)):
         items = batch
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         items = (getattr(batch, field.name) for field in dataclasses.fields(batch))
     else:
-        return None
+        return
     for item in items:
-        found = first_tensor(item, depth + 1)
-        if found is not None:
-            return found
-    return None
+        yield from _tensors(item, depth + 1)
+
+
+def leading_sizes(batch: Any) -> list[int]:
+    """Dimension 0 of every tensor of rank >= 1 in ``batch``, in :func:`first_tensor`'s order."""
+    return [int(tensor.shape[0]) for tensor in _tensors(batch) if tensor.dim() > 0]
+
+
+def doubtful_sample_count(batch: Any) -> str | None:
+    """Why dimension 0 of the first tensor may not be the batch's sample count: most of its tensors agree on
+    another leading size (a graph batch led by a ``(2, E)`` edge index, say); ``None`` when nothing says so."""
+    sizes = leading_sizes(batch)
+    if len(sizes) < 2:
+        return None
+    common = max(set(sizes), key=sizes.count)
+    if sizes.count(common) <= sizes.count(sizes[0]):
+        return None
+    return f"its tensors' leading sizes are {sizes[:6]}{' ...' if len(sizes) > 6 else ''}, the first being {sizes[0]}"
