@@ -225,7 +225,9 @@ def test_skip_puts_back_the_state_of_an_optimizer_that_steps_without_gradients(
 
 
 def test_an_lbfgs_step_with_several_closure_evaluations_counts_once(small_data):
-    # LBFGS runs the closure (and on_before_optimizer_step) several times per step: the last decision counts
+    # LBFGS runs the closure (and on_before_optimizer_step) several times per step: the step is judged on its
+    # first evaluation, and the line search's trial points stay out of the baselines (a held-out LBFGS fit with
+    # warmup=10 had its windows filled four times a step with them, flagged healthy steps and rolled back)
     class LBFGSClassifier(MNIST1DClassifier):
         def configure_optimizers(self):
             return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
@@ -240,6 +242,8 @@ def test_an_lbfgs_step_with_several_closure_evaluations_counts_once(small_data):
     assert counter.calls > trainer.global_step == 12  # non-vacuous: more evaluations than steps
     assert guard.lineage_steps == 12 and guard.steps_lost == 0
     assert guard.snapshots.steps == [4, 8, 12]
+    assert guard.detector.accepted_steps == 12
+    assert len(guard.detector.state_dict()["loss"]["*"]["values"]) == 12  # one value a step
 
 
 class ClosureCounter(Callback):

@@ -195,10 +195,15 @@ class StabilityGuard(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        # after the accumulation window, DDP's all-reduce and the AMP unscale; before clipping. LBFGS runs this
-        # once per closure evaluation: the last decision counts (booked once, at the batch end).
+        # after the accumulation window, DDP's all-reduce and the AMP unscale; before clipping
         losses, self._losses = self._losses, []
-        batches = self._batches  # kept to the batch end: LBFGS may decide again, on the same batch
+        if self._decided is not None:
+            # LBFGS runs this once per closure evaluation: the step is judged on its first, at the parameters it
+            # starts from; the line search's trial points are neither judged nor let into the baselines
+            if self._decided is not Action.APPLY:
+                self._changes.skip(optimizer)
+            return
+        batches = self._batches  # kept to the batch end
         if self.policy.forced_skip():
             self._changes.skip(optimizer)
             self._decided = Action.SKIP
