@@ -197,9 +197,7 @@ class StabilityGuard(Callback):
     ) -> None:
         # after the accumulation window, DDP's all-reduce and the AMP unscale; before clipping
         losses, self._losses = self._losses, []
-        if self._decided is not None:
-            # LBFGS runs this once per closure evaluation: the step is judged on its first, at the parameters it
-            # starts from; the line search's trial points are neither judged nor let into the baselines
+        if self._decided is not None:  # LBFGS's later closure evaluations (trial points): judged on the first
             if self._decided is not Action.APPLY:
                 self._changes.skip(optimizer)
             return
