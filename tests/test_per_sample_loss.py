@@ -338,6 +338,27 @@ def test_scorer_losses_are_detached_and_their_count_checked():
         Doubling().score(None, batch, None, batch_size=4)
 
 
+def test_a_contrastive_loss_over_views_is_not_cut_into_samples():
+    # held-out sweep: SimCLR's cross-entropy over a 2B x 2B similarity matrix (rows i and i+B are sample i's two
+    # views) was cut into B runs of two rows, i.e. other samples' rows: scores uncorrelated with hardness (-0.005)
+    batch = 8
+    views = torch.randn(2 * batch, 16)
+    similarity = views @ views.t()
+    targets = torch.arange(2 * batch).roll(batch)
+    with LossCapture(batch_size=batch) as capture:
+        F.cross_entropy(similarity, targets)
+    assert not capture.maps_onto_batch and capture.per_sample() is None
+    assert "square 16 x 16 logit matrix over 2 views of each sample" in capture.describe()
+    with pytest.raises(PulseRefusal, match="contrastive loss computes.*scorer"):
+        capture.require()
+    # CLIP's B x B matrix has one row per sample, and an LM's (B*T) x V logits one run of T rows per sample
+    with LossCapture(batch_size=batch) as clip:
+        F.cross_entropy(similarity[:batch, :batch], torch.arange(batch))
+    with LossCapture(batch_size=batch) as lm:
+        F.cross_entropy(torch.randn(batch * 4, 50), torch.randint(0, 50, (batch * 4,)))
+    assert clip.maps_onto_batch and lm.maps_onto_batch
+
+
 def test_require_says_what_was_captured_when_nothing_splits_into_the_batch():
     logits, targets = _logits_and_targets(batch=8)
     with LossCapture(batch_size=8) as capture:

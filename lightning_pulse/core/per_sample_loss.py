@@ -90,7 +90,7 @@ class CapturedLoss:
             ``maps_onto_batch`` is false.
     """
 
-    __slots__ = ("name", "reduction", "shape", "maps_onto_batch", "_source", "_per_sample")
+    __slots__ = ("name", "reduction", "shape", "maps_onto_batch", "why_not", "_source", "_per_sample")
 
     def __init__(
         self,
@@ -106,6 +106,7 @@ class CapturedLoss:
         self._source = source  # (arguments it needs, detached unreduced loss, batch size), until first read
         self._per_sample = per_sample
         self.maps_onto_batch = per_sample is not None if source is None else _splits(shape, source[2])
+        self.why_not = "does not split into the batch's samples"  # read only when maps_onto_batch is false
 
     @property
     def per_sample(self) -> Tensor | None:
@@ -449,7 +450,7 @@ class LossCapture:
             return "no torch.nn.functional / torch.nn loss was called"
         calls = ", ".join(
             f"{r.name}(reduction={r.reduction!r}) -> unreduced shape {r.shape}"
-            + ("" if r.maps_onto_batch else " [does not split into the batch's samples]")
+            + ("" if r.maps_onto_batch else f" [{r.why_not}]")
             for r in self.records
         )
         return f"captured {calls}"
@@ -512,9 +513,21 @@ class LossCapture:
         kept = {}
         if name in _CLASS_WEIGHTED:
             kept = {key: arguments.get(key) for key in ("target", "weight", "ignore_index")}
-        self.records.append(
-            CapturedLoss(name, reduction, tuple(unreduced.shape), source=(kept, unreduced, self.batch_size))
+        record = CapturedLoss(
+            name, reduction, tuple(unreduced.shape), source=(kept, unreduced, self.batch_size)
         )
+        logits = arguments.get("input")
+        if name in _CLASS_WEIGHTED and isinstance(logits, Tensor) and record.maps_onto_batch:
+            rows = logits.shape[0] if logits.dim() == 2 else 0
+            if rows > self.batch_size and logits.shape[1] == rows:
+                # a square similarity matrix over k views of each sample (SimCLR's 2B x 2B): its rows may be
+                # stacked view by view, not sample by sample, so cutting them into B runs would misattribute
+                record.maps_onto_batch = False
+                record.why_not = (
+                    f"a square {rows} x {rows} logit matrix over {rows // self.batch_size} views of each sample, as "
+                    "a contrastive loss computes: which rows belong to which sample cannot be known"
+                )
+        self.records.append(record)
         self._per_sample_count = -1
 
 
