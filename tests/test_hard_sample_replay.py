@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -384,6 +385,48 @@ def test_several_training_loaders_are_refused_before_the_first_step(with_cycle):
     ):
         trainer.fit(model, {"a": loader(0), "b": loader(1)})
     assert model.steps == 0
+
+
+class _LabelledOnly(pl.LightningModule):
+    """The loss covers the labelled samples of a batch only (a flag in the batch says which)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y, labelled = batch
+        return F.cross_entropy(self.net(x)[labelled], y[labelled])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_later_step_whose_loss_does_not_split_trains_on_unscored_and_says_so_once():
+    # held-out sweep: a loss over the labelled part of a batch, whole in the first ten batches, stopped the run
+    # with a PulseRefusal at step 10, after ten updates
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 8, generator=generator)
+    labelled = torch.ones(128, dtype=torch.bool)
+    labelled[[100, 127]] = False  # in the seventh and the eighth batch of each pass
+    data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long(), labelled), batch_size=16)
+    replay = HardSampleReplay(mode="batch")
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    with pytest.warns(
+        UserWarning, match=r"the loss of step 6 did not split .* keep the scores they had"
+    ) as said:
+        trainer.fit(_LabelledOnly(), data)
+    assert trainer.global_step == 16 and replay.batches.unscored_steps == 4  # two a pass, two passes
+    assert len([w for w in said if "did not split" in str(w.message)]) == 1
+    scores = replay.selector.table.scores
+    assert np.isnan(scores[96:128]).all() and np.isfinite(scores[:96]).all()
+    # the same loss at the first step is refused before any update
+    labelled[3] = False
+    data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long(), labelled), batch_size=16)
+    trainer = pl.Trainer(callbacks=[HardSampleReplay(mode="batch")], max_epochs=1, **trainer_kwargs())
+    with pytest.raises(PulseRefusal, match="found no per-sample loss"):
+        trainer.fit(_LabelledOnly(), data)
+    assert trainer.global_step == 0
 
 
 def test_scores_table_covers_a_tensor_dataset_used_directly():

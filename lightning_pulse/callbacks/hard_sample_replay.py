@@ -264,7 +264,8 @@ class HardSampleReplay(Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        self.batches.close_capture()  # before backward; fails at the first step without a per-sample loss
+        if (note := self.batches.close_capture()) is not None:  # before backward; refuses at the first step
+            rank_zero_warn(f"HardSampleReplay: {note}")
 
     @override
     def on_train_batch_end(

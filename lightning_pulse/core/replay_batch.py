@@ -30,14 +30,21 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_pulse.core.carried_state import CarriedStateCheck
-from lightning_pulse.core.per_sample_loss import PerSampleScorer, StepLossCaptures, time_major_refusal
+from lightning_pulse.core.per_sample_loss import (
+    LossCapture,
+    PerSampleScorer,
+    StepLossCaptures,
+    time_major_refusal,
+)
 from lightning_pulse.core.replay import BatchPlan, Composition, HardSampleSelector, check_batch_indices
 from lightning_pulse.core.selection import assign_in_place, take_samples
 from lightning_pulse.errors import PulseRefusal
@@ -93,10 +100,13 @@ class ReplayBatchLifecycle:
         self.captures = StepLossCaptures()
         self.state_check = CarriedStateCheck()
         self.current: StepInFlight | None = None
+        self.recorded_steps = 0  # steps of this fit whose losses were recorded
+        self.unscored_steps = 0  # later steps whose loss did not split into their samples
 
     def start_fit(self) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope."""
         self.state_check = CarriedStateCheck()
+        self.recorded_steps = self.unscored_steps = 0
         self.captures.start()
 
     def start_batch(
@@ -143,20 +153,34 @@ class ReplayBatchLifecycle:
             self.captures.open(int(plan.roles.size), plan.weights)
         return self.current
 
-    def close_capture(self) -> None:
+    def close_capture(self) -> str | None:
         """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss).
 
+        Returns:
+            Once a fit, what to warn about when a later step's loss does not split into its samples (a loss on
+            the part of a batch that some flag selects, whole in the first batches): that step is recorded
+            without scores, so its samples keep the ones they had (or stay unscored and always train).
+
         Raises:
-            PulseRefusal: when the step's loss yielded no per-sample value and the capture was needed, so the
-                run fails at its first step.
+            PulseRefusal: at the fit's first step, when its loss yields no per-sample value and the capture is
+                needed; at any step, when InfoBatch's weights could not reach the loss next to a scorer.
         """
         self.captures.close()
-        if self.current is not None and self.captures.closed is not None:
-            self.captures.closed.require(
-                "HardSampleReplay"
-                if self.scorer is None
-                else "HardSampleReplay, whose rule='infobatch' weights it,"
-            )
+        closed = self.captures.closed
+        if self.current is None or closed is None or closed.maps_onto_batch:
+            return None
+        if self.scorer is not None:
+            closed.require("HardSampleReplay, whose rule='infobatch' weights it,")
+        if not self.recorded_steps:
+            closed.require("HardSampleReplay")  # nothing can be scored: refused before any update
+        self.unscored_steps += 1
+        if self.unscored_steps > 1:
+            return None
+        return (
+            f"the loss of step {self.current.step} did not split into its batch's samples ({closed.describe()}); "
+            "such steps are recorded without scores, so their samples keep the scores they had (or stay unscored "
+            "and always train). Said once; `HardSampleReplay.batches.unscored_steps` counts them."
+        )
 
     def finish_batch(
         self,
@@ -185,16 +209,21 @@ class ReplayBatchLifecycle:
         if finished is None:
             return None
         plan = finished.plan
+        losses: LossCapture | Tensor
         if self.scorer is None:
             assert capture is not None  # opened at the batch start whenever there is no scorer
-            losses = capture.require()
-            if self.state_check.first_batch:
-                refuse(time_major_refusal(losses, batch))
+            if capture.maps_onto_batch:
+                losses = capture
+                if self.state_check.first_batch:
+                    refuse(time_major_refusal(losses, batch))
+            else:  # a later step whose loss does not split (close_capture said so): no scores, every rank alike
+                losses = torch.full((int(plan.roles.size),), math.nan)
         else:
             losses = self.scorer.score(module, batch, outputs, int(plan.roles.size))
         finished.selector.record(
             plan.indices, losses, plan.roles, finished.step, plan.active, plan.offered, all_gather
         )
+        self.recorded_steps += 1
         return finished
 
     def check_carried_state(self, module: nn.Module, finished: StepInFlight | None) -> None:
