@@ -193,7 +193,9 @@ def main() -> None:
     torch.set_num_threads(1)
     result: dict[str, Any] = {
         "command": "python -m benchmarks.studies.guard_cost"
-        + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds != [0, 1, 2, 3, 4] else ""),
+        + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds != [0, 1, 2, 3, 4] else "")
+        + (f" --steps {args.steps}" if args.steps != 600 else "")
+        + (f" --name {args.name}" if args.name != "guard_cost" else ""),
         "marginal": [marginal(seed, args.steps) for seed in args.seeds],
         "probe": [probe(seed, args.probe_steps) for seed in args.seeds[:3]],
         "environment": environment(),
