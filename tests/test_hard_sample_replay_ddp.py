@@ -77,3 +77,41 @@ def test_ranks_share_one_score_table_and_select_within_their_own_shards(mnist1d_
         i for s in rank1["steps"][:6] for i in s["trained"]
     ]
     assert sorted(set(first_epoch)) == list(range(720))
+
+
+class TableDump(Callback):
+    """Writes, per rank, the final score table and how many steps went unscored."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
+        record = {"scores": replay.table.scores.tobytes().hex(), "unscored": replay.batches.unscored_steps}
+        Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ddp
+def test_a_later_step_unscored_on_one_rank_keeps_both_ranks_in_step(tmp_path):
+    # a loss over the labelled part of a batch: one unlabelled sample, so only one rank's batch stops splitting;
+    # both ranks still record the step (its rows without scores) and gather alike
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.test_hard_sample_replay import _LabelledOnly
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 8, generator=generator)
+    labelled = torch.ones(128, dtype=torch.bool)
+    labelled[100] = False
+    data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long(), labelled), batch_size=16)
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay(mode="batch"), TableDump(str(tmp_path))],
+        max_epochs=2,
+        limit_val_batches=0,
+        **trainer_kwargs(devices=2, strategy="ddp_spawn"),
+    )
+    trainer.fit(_LabelledOnly(), data)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["scores"] == rank1["scores"]  # one table, bit for bit
+    assert sorted([rank0["unscored"], rank1["unscored"]]) == [0, 2]  # one rank's batch, once a pass
