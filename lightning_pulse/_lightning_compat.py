@@ -280,6 +280,11 @@ def set_max_steps(trainer: pl.Trainer, steps: int) -> None:
     trainer.fit_loop.epoch_loop.max_steps = int(steps)
 
 
+def set_max_epochs(trainer: pl.Trainer, epochs: int) -> None:
+    """Let the fit run ``epochs`` epochs (``Trainer(max_epochs=...)``, set after construction)."""
+    trainer.fit_loop.max_epochs = int(epochs)
+
+
 def set_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
     """Tell Lightning that this epoch holds ``batches`` batches, for its end-of-epoch validation: with a
     fractional ``val_check_interval`` it validates at batch ``val_check_batch``, which it computes once from

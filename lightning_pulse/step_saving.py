@@ -107,6 +107,15 @@ class StepSavingLoader:
         if shortfall is not None:  # a warning, not a refusal: a smoke run of a shipped YAML must still train
             rank_zero_warn(f"PulseCycle: {shortfall}")
         compat.set_max_steps(trainer, plan.total_steps)
+        if (
+            max_epochs is not None
+            and plan.steps_past_data
+            and plan.first_epoch + len(plan.batch_sizes) >= max_epochs
+        ):
+            # the planned data ends with max_epochs a few steps before max_steps: let the run reach max_steps on
+            # plain batches past the plan, so estimated_stepping_batches is the steps the run really takes
+            plain_epoch_steps = max(1, math.ceil(plain_batches / accumulate))
+            compat.set_max_epochs(trainer, max_epochs + math.ceil(plan.steps_past_data / plain_epoch_steps))
         self._choose = choose
         self._sampler = PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches, self._cut)
         compat.replace_batch_sampler(loader, self._sampler)

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import HardSampleReplay, PulseCycle
@@ -311,9 +311,48 @@ def test_a_stability_guard_rollback_restores_the_scores_but_not_the_data_stream(
     )
     trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
     assert guard.rollbacks == 1
-    # the data went on: every epoch is still one whole pass, within the planned steps
-    assert sum(log.windows) == 3 * 720
-    assert trainer.max_steps - 2 <= trainer.global_step <= trainer.max_steps
+    # the data went on: every epoch is still one whole pass, and the run reaches the planned steps (past the
+    # planned batches, on plain ones, where warm-up and anneal had no exact fixed point)
+    past = replay.steps.plan.steps_past_data
+    assert sum(log.windows) == 3 * 720 + 64 * past and trainer.global_step == trainer.max_steps
+
+
+class _LinearDecay(pl.LightningModule):
+    """A digits MLP whose learning rate falls linearly to 0 over ``estimated_stepping_batches``, per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        self.total = 0
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        self.total = int(self.trainer.estimated_stepping_batches)
+        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / self.total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+
+def test_a_schedule_planned_from_estimated_stepping_batches_ends_with_the_run():
+    # held-out sweep: with no exact fixed point for warm-up and anneal the plan said 70 steps and the data gave
+    # 69 before max_epochs, so a linear decay ended at 1/70 of its peak; the run now reaches the planned steps
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    data = TensorDataset(
+        torch.tensor(digits.data[:768] / 16, dtype=torch.float32), torch.tensor(digits.target[:768])
+    )
+    pl.seed_everything(0)
+    module, replay = _LinearDecay(), HardSampleReplay()
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(burst=12, replay=24, maintain=4), replay], max_epochs=4, **trainer_kwargs()
+    )
+    trainer.fit(module, DataLoader(data, batch_size=32, shuffle=True))
+    assert replay.steps.plan.steps_past_data == 1  # non-vacuous: the planned batches give one step fewer
+    assert trainer.global_step == module.total == trainer.max_steps == 70
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.0
 
 
 def test_a_run_of_unknown_length_is_refused_by_steps_mode_naming_the_way_out():

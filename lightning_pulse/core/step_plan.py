@@ -34,6 +34,9 @@ class StepPlan:
         total_steps: optimizer steps the run takes.
         plain_steps: optimizer steps the same data takes without step-saving replay.
         light_steps: of ``total_steps``, those in a light (selecting) phase.
+        data_steps: optimizer steps the planned batches give (``None``: ``total_steps``). It falls short of
+            ``total_steps`` when warm-up and anneal have no exact fixed point; the run then trains plain batches
+            past the plan to reach ``total_steps``, so the schedules planned for it end with the run.
     """
 
     first_epoch: int
@@ -41,6 +44,12 @@ class StepPlan:
     total_steps: int
     plain_steps: int
     light_steps: int = 0
+    data_steps: int | None = None
+
+    @property
+    def steps_past_data(self) -> int:
+        """Steps the run takes past the planned batches, on plain batches (see ``data_steps``)."""
+        return 0 if self.data_steps is None else max(0, self.total_steps - self.data_steps)
 
     def sizes_of(self, epoch: int) -> list[int]:
         """The raw batch sizes of ``epoch`` (empty past the plan)."""
@@ -132,7 +141,7 @@ def plan_steps(
             break
         guess = plan.total_steps
     # no exact fixed point (the anneal's start moves a phase boundary): the smallest total the run does not
-    # exceed, so every batch trains and the schedules end at most a few steps after the run
+    # exceed, so every batch trains; the adapter lets the run reach it on plain batches past the plan
     low, high = min(seen), max(max(seen), max(seen.values()))
     guess = high
     for candidate in range(low, min(high, low + 64) + 1):
@@ -141,7 +150,14 @@ def plan_steps(
             guess = candidate
             break
     final = _simulate(*args, *start, guess)
-    return StepPlan(final.first_epoch, final.batch_sizes, guess, plain_steps, final.light_steps)
+    return StepPlan(
+        final.first_epoch,
+        final.batch_sizes,
+        guess,
+        plain_steps,
+        final.light_steps,
+        data_steps=final.total_steps,
+    )
 
 
 def _plain_sizes(samples: int, batch_size: int, drop_last: bool) -> list[int]:
