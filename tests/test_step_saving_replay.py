@@ -355,6 +355,33 @@ def test_a_schedule_planned_from_estimated_stepping_batches_ends_with_the_run():
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.0
 
 
+@pytest.mark.parametrize("resume_step", [40, 69])  # inside the planned batches, and on the step past them
+def test_a_run_past_its_planned_batches_resumes_to_the_same_end(tmp_path, resume_step):
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    data = TensorDataset(
+        torch.tensor(digits.data[:768] / 16, dtype=torch.float32), torch.tensor(digits.target[:768])
+    )
+
+    def fit(callbacks, ckpt_path=None):
+        pl.seed_everything(0)
+        module = _LinearDecay()
+        trainer = pl.Trainer(
+            callbacks=[PulseCycle(burst=12, replay=24, maintain=4), HardSampleReplay(), *callbacks],
+            max_epochs=4,
+            **trainer_kwargs(enable_checkpointing=bool(callbacks)),
+        )
+        trainer.fit(module, DataLoader(data, batch_size=32), ckpt_path=ckpt_path)
+        return module, trainer
+
+    every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    full_module, full = fit([every_step])
+    resumed_module, resumed = fit([], ckpt_path=str(next(tmp_path.glob(f"*step={resume_step}.ckpt"))))
+    assert full.global_step == resumed.global_step == 70
+    assert torch.equal(_parameters(resumed_module), _parameters(full_module))
+
+
 def test_a_run_of_unknown_length_is_refused_by_steps_mode_naming_the_way_out():
     trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_epochs=-1, max_steps=-1, **trainer_kwargs())
     with pytest.raises(

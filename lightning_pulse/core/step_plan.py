@@ -128,8 +128,18 @@ def plan_steps(
         accumulate,
     )
     start = (start_epoch, start_samples, start_step, drop_last)
-    if total_steps is not None:
-        return _simulate(*args, *start, total_steps)
+    if total_steps is not None:  # a resume keeps its total, also where the planned batches fall short of it
+        plan = _simulate(*args, *start, total_steps)
+        if plan.total_steps >= total_steps:
+            return plan
+        return StepPlan(
+            plan.first_epoch,
+            plan.batch_sizes,
+            total_steps,
+            plain_steps,
+            plan.light_steps,
+            data_steps=plan.total_steps,
+        )
     # warm-up and anneal are shares of the total the plan computes: iterate to the fixed point
     guess, seen = plain_steps, {}
     for _ in range(12):
