@@ -133,6 +133,10 @@ def test_pause_mode_sleeps_dirty_hours_away_on_the_clock_and_keeps_the_deadline(
     assert min(d["signal"] for d in waits) >= max(0.0, min(d["signal"] for d in runs))
     report = json.loads((tmp_path / "green_window_report.json").read_text())
     assert report["status"] == "complete" and report["energy_source"] == "options.watts"
+    # nothing is decided once the last step is done (a held-out run waited another hour after it, or was saved
+    # as suspended with nothing left to train)
+    assert all(d["remaining_work_s"] > 0 for d in green.report["decisions"])
+    assert green.report["segments"][-1]["kind"] == "run"
 
 
 def test_suspend_saves_stops_and_the_resumed_run_finishes_with_its_budget(mnist1d_small, tmp_path, capsys):
@@ -212,6 +216,14 @@ def test_suspend_without_checkpointing_and_no_signal_are_refused(mnist1d_small):
         ({"forecast": OracleForecast()}, "GreenWindow: `forecast`=OracleForecast() reads the future"),
         ({"signal": "missing.csv"}, "GreenWindow: `signal`='missing.csv' is not a file"),
         ({"options": {"slot": "0s"}}, "GreenWindow: `options.slot`='0s' must be a positive duration"),
+        (
+            {"options": {"signal_start": "nonsense"}},
+            "GreenWindow: `options.signal_start`='nonsense' must be an ISO",
+        ),
+        (
+            {"options": {"bogus": 1}},
+            "GreenWindow: `options`={'bogus': 1} has no field 'bogus'; its fields are",
+        ),
     ],
 )
 def test_bad_arguments_fail_at_construction_naming_the_field(kwargs, first):

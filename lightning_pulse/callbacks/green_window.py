@@ -29,6 +29,7 @@ from lightning_pulse.core.green_window import (
     checked_arguments,
     decision_line,
     fit_start_refusal,
+    options_from,
     seconds_of,
     write_resume_file,
 )
@@ -123,9 +124,7 @@ class GreenWindow(Callback):
     ) -> None:
         super().__init__()
         try:
-            self.options = (
-                options if isinstance(options, GreenWindowOptions) else GreenWindowOptions(**(options or {}))
-            )
+            self.options = options if isinstance(options, GreenWindowOptions) else options_from(options)
             checked = checked_arguments(
                 when_dirty, forecast, threshold, horizon, max_delay, deadline, expected_duration
             )
@@ -262,8 +261,10 @@ class GreenWindow(Callback):
                 return
 
     def _decide(self, trainer: pl.Trainer, now: float) -> Decision | None:
-        series, to_series = self.signal.now()
         steps_left = float(trainer.estimated_stepping_batches) - trainer.global_step
+        if steps_left <= 0:  # the last step is done: nothing is left to move into a cleaner hour
+            return None
+        series, to_series = self.signal.now()
         decision = self.schedule.decide(series, to_series, now, steps_left)
         if decision is None:
             return None

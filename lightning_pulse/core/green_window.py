@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -461,6 +461,29 @@ class GreenWindowOptions:
             raise ValueError(f"`options.slot`={self.slot!r} must be a positive duration such as '1h'.")
         if self.watts is not None and not (isinstance(self.watts, (int, float)) and self.watts >= 0):
             raise ValueError(f"`options.watts`={self.watts!r} must be a number of watts >= 0 or None.")
+        if self.signal_start is not None:
+            try:
+                parse_timestamp(str(self.signal_start))
+            except ValueError:
+                raise ValueError(
+                    f"`options.signal_start`={self.signal_start!r} must be an ISO 8601 time such as "
+                    "'2020-06-15 00:00:00' (UTC unless it says otherwise), Unix seconds, or None."
+                ) from None
+
+
+def options_from(options: Mapping[str, Any] | None) -> GreenWindowOptions:
+    """:class:`GreenWindowOptions` from a mapping (``None``: the defaults).
+
+    Raises:
+        ValueError: naming an unknown field and the known ones, or a field's bad value.
+    """
+    known = [field.name for field in fields(GreenWindowOptions)]
+    unknown = sorted(set(options or {}) - set(known))
+    if unknown:
+        raise ValueError(
+            f"`options`={dict(options or {})!r} has no field {unknown[0]!r}; its fields are {known}."
+        )
+    return GreenWindowOptions(**(options or {}))
 
 
 MODES = ("light", "pause", "suspend")
