@@ -78,9 +78,9 @@ class HardSampleReplay(Callback):
             ``rule="infobatch"`` with ``mode="steps"``; at fit start, for an epoch-based
             half-life with an infinite DataLoader.
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
-            ``IterableDataset``, a custom batch sampler) or several training DataLoaders, ``ModelParallelStrategy``, or in ``mode="steps"`` a run
-            of unknown length, ``limit_train_batches``, ``reload_dataloaders_every_n_epochs`` or a PulseCycle in
-            seconds; after the fit's first two batches (trained in full, before any replay step), for a module
+            ``IterableDataset``, a custom batch sampler), several training DataLoaders, ``ModelParallelStrategy``,
+            or in ``mode="steps"`` a run of unknown length, ``limit_train_batches``,
+            ``reload_dataloaders_every_n_epochs`` or a PulseCycle in seconds; after the fit's first two batches (trained in full, before any replay step), for a module
             carrying state from one batch to the next (a stateful RNN) or a token loss
             flattened time-major.
         PulseRefusal: at the first step, before any update, when its loss yields no per-sample value and no

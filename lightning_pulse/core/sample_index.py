@@ -121,8 +121,8 @@ class SampleIndexTracker:
         """Why ``loaders`` (``trainer.train_dataloader``) cannot be tracked as one stream of dataset indices: a
         dict, list or tuple of several DataLoaders (Lightning combines them into one batch of several datasets),
         or ``None`` otherwise."""
-        several = loaders.values() if isinstance(loaders, Mapping) else loaders
-        if isinstance(several, (list, tuple, type({}.values()))) and len(several) > 1:
+        several = list(loaders.values()) if isinstance(loaders, Mapping) else loaders
+        if isinstance(several, (list, tuple)) and len(several) > 1:
             return f"the fit trains on {len(several)} DataLoaders at once (a CombinedLoader)"
         return None
 

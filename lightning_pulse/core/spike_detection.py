@@ -142,9 +142,8 @@ class RunningRobustZ:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.values, self.stamps, self._sorted = deque(), deque(), []
         values = list(state_dict["values"])
-        stamps = list(
-            state_dict.get("stamps", [0] * len(values))
-        )  # a checkpoint from before stamps: all recent
+        # a checkpoint from before stamps holds no ages: its values count as recent
+        stamps = list(state_dict.get("stamps", [0] * len(values)))
         for value, stamp in list(zip(values, stamps))[-self.window :]:
             self.add(value, stamp)
 
