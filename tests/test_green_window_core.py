@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.green_window import Persistence, SameHourYesterday
 from lightning_pulse.core.green_window import (
+    GreenSchedule,
     GreenWindowPolicy,
     ScheduleLedger,
     SimulatedClock,
@@ -120,6 +121,40 @@ def test_waiting_never_misses_the_deadline_nor_overruns_the_budget(seed):
             assert result["finished_at"] <= deadline + 1e-6
             assert result["waited_s"] <= budget + 1e-6
             assert result["compute_s"] == pytest.approx(work)
+
+
+def _light_run(values: list[float], max_delay: float) -> tuple[list[int], list[dict]]:
+    """A 10-hour light-mode run (one step an hour, exact forecast) from hour 48: the hours held light."""
+    series = hourly(list(values) * 8)
+    policy = GreenWindowPolicy(OracleForecast())
+    schedule = GreenSchedule(policy, max_delay, True, 10 * H, None, ScheduleLedger(series.mean), light=True)
+    start, held = 48 * H, []
+    for hour in range(10):
+        now = start + hour * H
+        decision = schedule.decide(series, lambda t: t, now, steps_left=10 - hour)
+        schedule.ran("run" if decision.run else "light", now, now + H, 1, None)
+        if not decision.run:
+            held.append(hour)
+    return held, schedule.decisions
+
+
+def test_light_mode_holds_the_dirtiest_hours_its_budget_allows():
+    # a signal that only rises: the light budget is spent at the end, once it covers the rest of the run
+    # (it used to hold nothing: the last hours each looked like the cleanest of what was left)
+    rising = [100.0 + 10.0 * h for h in range(24)]
+    held, decisions = _light_run(rising, max_delay=0.5)
+    assert held == [5, 6, 7, 8, 9]
+    # the record says what is left of the run and of the light budget, hour by hour
+    assert [d["budget_left_s"] / H for d in decisions] == [5, 5, 5, 5, 5, 5, 4, 3, 2, 1]
+    assert [d["remaining_work_s"] / H for d in decisions] == list(range(10, 0, -1))
+    assert all(d["clean_below"] == -math.inf for d in decisions[5:])
+    # with an exact forecast the held hours are the dirtiest of the run, whatever the shape
+    rng = np.random.default_rng(3)
+    for budget in (0.2, 0.5, 0.8):
+        values = list(rng.uniform(50, 500, size=24))
+        held, _ = _light_run(values, max_delay=budget)
+        run_hours = values[:10]
+        assert sorted(held) == sorted(np.argsort(run_hours)[::-1][: round(budget * 10)].tolist())
 
 
 def test_a_threshold_waits_for_the_first_clean_slot_and_says_when():

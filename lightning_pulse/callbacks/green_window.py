@@ -98,7 +98,7 @@ class GreenWindow(Callback):
 
         trainer = Trainer(max_steps=10_000, callbacks=[
             PulseCycle(burst="15min", replay="10min", maintain="5min"),
-            GreenWindow(signal="de_2026.csv", when_dirty="light", max_delay=1.0),
+            GreenWindow(signal="de_2026.csv", when_dirty="light", max_delay=0.3),  # the dirtiest 30% held light
         ])
 
     The same in LightningCLI YAML::

@@ -85,7 +85,8 @@ class Decision:
             (waiting one more slot could miss the deadline / overrun the delay budget, so it runs).
         signal: the value observed now.
         forecast_now: the forecast's value for the slot starting now (the observed value, except for an oracle).
-        clean_below: the level the rule compared it against.
+        clean_below: the level the rule compared it against (``-inf`` when no slot has to run: light mode
+            whose budget covers the rest of the run holds every slot).
         wait_s: seconds until the next decision when waiting (one slot), else 0.
         resume_at: when waiting, the start of the first later slot the forecast calls clean (or the latest
             start that still meets the deadline and budget): where a suspended run should come back.
@@ -116,10 +117,13 @@ def decision_line(decision: Decision, when_dirty: str, now: float) -> str:
     """The line that announces a switch between running and waiting (``when_dirty`` says how it waits), at
     wall time ``now``."""
     word = "runs" if decision.run else f"waits ({when_dirty})"
-    return (
-        f"GreenWindow: {word} at {format_utc(now)}: signal {decision.signal:.4g}, "
-        f"clean below {decision.clean_below:.4g} ({decision.reason})."
+    level = (
+        f"clean below {decision.clean_below:.4g}"
+        if math.isfinite(decision.clean_below)
+        else "its light budget covers the rest of the run"
     )
+    return f"GreenWindow: {word} at {format_utc(now)}: signal {decision.signal:.4g}, {level} ({decision.reason})."
+
 
 
 def parse_threshold(value: float | str | None, field: str = "threshold") -> tuple[str, float | None]:
@@ -203,12 +207,15 @@ class GreenWindowPolicy:
         slots = max(1, math.ceil((end - now) / slot - 1e-9))
         starts = now + slot * np.arange(slots)
         forecast = np.asarray(self.forecast.predict(series, now, starts, slot), dtype=np.float64)
-        work_slots = max(1, math.ceil(remaining_work_s / slot - 1e-9))
+        # light mode passes no work once its light budget covers the rest of the run: no slot has to run
+        work_slots = max(0, math.ceil(remaining_work_s / slot - 1e-9))
         if self.rule == "absolute":
             level = float(self.level)  # type: ignore[arg-type]
         elif self.rule == "percentile":
             ahead = slots if self.horizon_s is None else max(1, min(slots, math.ceil(self.horizon_s / slot)))
             level = float(np.percentile(forecast[:ahead], self.level))
+        elif work_slots == 0:
+            level = -math.inf  # every slot may be held
         else:
             level = float(np.partition(forecast, min(work_slots, slots) - 1)[min(work_slots, slots) - 1])
         clean = forecast[0] <= level
@@ -413,9 +420,10 @@ def write_schedule_plot(
             linewidth=1.0,
             label="forecast (first decision)",
         )
-    if decisions:
-        at = [(d["wall"] - origin) / 3600 for d in decisions]
-        axes.scatter(at, [d["clean_below"] for d in decisions], s=6, color="#2ca02c", label="clean below")
+    levels = [d for d in decisions if math.isfinite(d["clean_below"])]  # -inf: every slot held
+    if levels:
+        at = [(d["wall"] - origin) / 3600 for d in levels]
+        axes.scatter(at, [d["clean_below"] for d in levels], s=6, color="#2ca02c", label="clean below")
     axes.set_xlabel(f"hours since {format_utc(origin)} UTC")
     axes.set_ylabel(unit)
     axes.set_title(
@@ -648,10 +656,15 @@ class GreenSchedule:
             deadline = self.deadline + offset - DEADLINE_MARGIN * remaining
         work, budget = remaining, self.budget_left_s()
         if self.light:
+            # the run takes as long either way: of the rest, `work` must burst and the rest may be held light
             work = max(remaining - budget, 0.0)
             budget = remaining - work
+            if work == 0.0:  # the light budget covers the rest of the run: a last partial slot may be held too
+                budget = max(budget, self.policy.slot_s)
         decision, starts, forecast = self.policy.decide(series, now + offset, work, budget, deadline)
         record = {**decision.to_dict(), "wall": now}
+        if self.light:  # what is left of the run and of its light budget, not the policy's split of them
+            record.update(remaining_work_s=float(remaining), budget_left_s=float(self.budget_left_s()))
         if decision.resume_at is not None:
             record["resume_at_wall"] = decision.resume_at - offset
         self.decisions.append(record)
