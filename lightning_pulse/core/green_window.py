@@ -125,7 +125,6 @@ def decision_line(decision: Decision, when_dirty: str, now: float) -> str:
     return f"GreenWindow: {word} at {format_utc(now)}: signal {decision.signal:.4g}, {level} ({decision.reason})."
 
 
-
 def parse_threshold(value: float | str | None, field: str = "threshold") -> tuple[str, float | None]:
     """``None`` -> ``("adaptive", None)``; ``"30%"`` -> ``("percentile", 30.0)``; ``250`` -> ``("absolute", 250.0)``."""
     allowed = "None (adaptive), a percentile such as '30%', or an absolute level >= 0 (a number)"
@@ -659,7 +658,7 @@ class GreenSchedule:
             # the run takes as long either way: of the rest, `work` must burst and the rest may be held light
             work = max(remaining - budget, 0.0)
             budget = remaining - work
-            if work == 0.0:  # the light budget covers the rest of the run: a last partial slot may be held too
+            if work == 0.0:  # the budget covers the rest of the run: a last partial slot may be held too
                 budget = max(budget, self.policy.slot_s)
         decision, starts, forecast = self.policy.decide(series, now + offset, work, budget, deadline)
         record = {**decision.to_dict(), "wall": now}
