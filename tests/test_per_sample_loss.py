@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_pulse.core import per_sample_loss
 from lightning_pulse.core.per_sample_loss import (
     ForwardLossScorer,
     LossCapture,
@@ -77,6 +78,113 @@ def test_sample_weights_of_one_give_torchs_own_reduction(name, kwargs):
     (plain_grad,) = torch.autograd.grad(plain, logits)
     (captured_grad,) = torch.autograd.grad(captured, logits)
     assert torch.allclose(plain_grad, captured_grad, rtol=1e-5, atol=1e-8)
+
+
+def _every_loss_call(batch=6, classes=5):
+    """One call of each captured loss with the options that change its reduction (class weights, ignored
+    targets, label smoothing, pos_weight, a broadcast variance, ...): ``(name, kwargs, names of the inputs)``."""
+    g = torch.Generator().manual_seed(0)
+    x, p = torch.randn(batch, classes, generator=g), torch.rand(batch, classes, generator=g)
+    y = torch.randint(0, classes, (batch,), generator=g)
+    y[1] = -100
+    w, sign = torch.rand(classes, generator=g) + 0.5, torch.ones(batch, classes)
+    sign[::2] = -1
+    soft = torch.softmax(torch.randn(batch, classes, generator=g), -1)
+    return [
+        ("cross_entropy", dict(input=x, target=y, weight=w, label_smoothing=0.1), ("input",)),
+        ("cross_entropy", dict(input=x, target=y, label_smoothing=0.2), ("input",)),
+        ("cross_entropy", dict(input=x, target=soft, label_smoothing=0.1), ("input",)),
+        (
+            "cross_entropy",
+            dict(
+                input=torch.randn(batch, classes, 7), target=torch.randint(0, classes, (batch, 7)), weight=w
+            ),
+            ("input",),
+        ),
+        ("nll_loss", dict(input=torch.log_softmax(x, -1), target=y, weight=w), ("input",)),
+        ("binary_cross_entropy", dict(input=torch.sigmoid(x), target=p, weight=p + 0.1), ("input",)),
+        ("binary_cross_entropy_with_logits", dict(input=x, target=p, pos_weight=w), ("input",)),
+        ("mse_loss", dict(input=x, target=p), ("input",)),
+        ("l1_loss", dict(input=x, target=p), ("input",)),
+        ("smooth_l1_loss", dict(input=x, target=p, beta=0.5), ("input",)),
+        ("huber_loss", dict(input=x, target=p, delta=0.5), ("input",)),
+        ("kl_div", dict(input=torch.log_softmax(x, -1), target=soft), ("input",)),
+        ("poisson_nll_loss", dict(input=x, target=p), ("input",)),
+        ("gaussian_nll_loss", dict(input=x, target=p, var=p[:, :1] + 0.1), ("input",)),
+        ("soft_margin_loss", dict(input=x, target=sign), ("input",)),
+        ("multilabel_soft_margin_loss", dict(input=x, target=(p > 0.5).float(), weight=w), ("input",)),
+        (
+            "multilabel_margin_loss",
+            dict(input=x, target=torch.tensor([[1, 2, -1, 0, 0]] * batch)),
+            ("input",),
+        ),
+        ("multi_margin_loss", dict(input=x, target=y.clamp(min=0), weight=w), ("input",)),
+        ("hinge_embedding_loss", dict(input=x, target=sign), ("input",)),
+        (
+            "margin_ranking_loss",
+            dict(input1=x[:, 0], input2=x[:, 1], target=sign[:, 0]),
+            ("input1", "input2"),
+        ),
+        ("cosine_embedding_loss", dict(input1=x, input2=p, target=sign[:, 0]), ("input1", "input2")),
+        ("triplet_margin_loss", dict(anchor=x, positive=p, negative=soft), ("anchor", "positive")),
+        ("triplet_margin_with_distance_loss", dict(anchor=x, positive=p, negative=soft), ("anchor",)),
+    ]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_large_inputs_are_evaluated_once_and_reduced_as_torch_reduces_them(monkeypatch, reduction):
+    # every loss takes the one-evaluation path here, as a language model's logits would
+    monkeypatch.setattr(per_sample_loss, "SINGLE_PASS_ELEMENTS", 0)
+    for name, kwargs, inputs in _every_loss_call():
+
+        def call(name=name, kwargs=kwargs, inputs=inputs):
+            loss = getattr(F, name)  # looked up at the call, as a module does: patched while capturing
+            leaves = {
+                k: v.clone().requires_grad_(k in inputs) if torch.is_tensor(v) else v
+                for k, v in kwargs.items()
+            }
+            return loss(**leaves, reduction=reduction), [leaves[k] for k in inputs]
+
+        plain, plain_inputs = call()
+        with LossCapture(batch_size=6) as capture:
+            captured, captured_inputs = call()
+        torch.testing.assert_close(captured, plain, rtol=1e-6, atol=1e-7, msg=name)
+        plain_grads = torch.autograd.grad(plain, plain_inputs)
+        for got, want in zip(torch.autograd.grad(captured, captured_inputs), plain_grads):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+        # the per-sample losses are those of the second-evaluation path, bit for bit
+        monkeypatch.setattr(per_sample_loss, "SINGLE_PASS_ELEMENTS", 1 << 60)
+        with LossCapture(batch_size=6) as reference:
+            call()
+        monkeypatch.setattr(per_sample_loss, "SINGLE_PASS_ELEMENTS", 0)
+        got, want = capture.per_sample(), reference.per_sample()
+        assert got is not None and torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)), name
+
+
+def test_a_language_models_loss_is_one_pass_over_its_logits():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountLogSoftmax(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._log_softmax.default:
+                CountLogSoftmax.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    tokens, vocab = 4 * 64, 4100  # (B*T, V) logits of just over SINGLE_PASS_ELEMENTS
+    assert tokens * vocab >= per_sample_loss.SINGLE_PASS_ELEMENTS
+    logits = torch.randn(tokens, vocab, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+    targets[::7] = -100
+    plain = F.cross_entropy(logits, targets)
+    with LossCapture(batch_size=4) as capture, CountLogSoftmax():
+        captured = F.cross_entropy(logits, targets)
+    assert CountLogSoftmax.calls == 1  # it was two: the caller's call and the capture's unreduced one
+    torch.testing.assert_close(captured, plain, rtol=1e-6, atol=1e-7)
+    per_token = F.cross_entropy(logits.detach(), targets, reduction="none").reshape(4, 64)
+    valid = (targets != -100).reshape(4, 64)
+    torch.testing.assert_close(capture.per_sample(), (per_token * valid).sum(1) / valid.sum(1))
 
 
 def test_patch_exists_only_while_a_capture_is_active():

@@ -5,10 +5,14 @@ from the same thread (directly, or through a ``torch.nn`` loss module such as ``
 which calls the functional form) also yields one loss per sample, with no second forward pass:
 
 * the caller gets exactly what the original call returns, same value and same autograd graph, so
-  training is bit-for-bit what it would have been;
+  training is bit-for-bit what it would have been (below :data:`SINGLE_PASS_ELEMENTS`; see below);
 * the per-sample losses come from one extra call of the same loss with ``reduction="none"`` under
   ``torch.no_grad()``. That is a loss evaluation on outputs that already exist (for cross-entropy, a
-  log-softmax over the logits), not a forward pass of the model. Only that detached unreduced loss (and,
+  log-softmax over the logits), not a forward pass of the model. On large inputs (from
+  :data:`SINGLE_PASS_ELEMENTS` elements: a language model's logits) the loss is instead evaluated once,
+  unreduced, and reduced for the caller as torch reduces it, equal to torch's value up to rounding, so
+  capture costs no second pass over the logits and no second copy of them in memory. Only that detached
+  unreduced loss (and,
   for cross-entropy / NLL, the targets, class weights and ``ignore_index``) is kept; the split into samples
   is done when :meth:`LossCapture.per_sample` (or :func:`concat_per_sample`, for several steps at once) is
   first asked.
@@ -70,6 +74,11 @@ CAPTURED_LOSSES: tuple[str, ...] = (
 )
 # these two divide a "mean" by the summed class weight of the non-ignored targets, not by the element count
 _CLASS_WEIGHTED = ("cross_entropy", "nll_loss")
+#: From this many elements in a loss's largest input (a language model's ``(B*T, V)`` logits), the loss is
+#: evaluated once, unreduced, and reduced for the caller as torch reduces it (equal to torch's value up to
+#: rounding): a second evaluation there would cost a pass over the logits and their size in peak memory.
+#: Below it, the caller's call runs as written (bit for bit) and the unreduced loss is a second, cheap call.
+SINGLE_PASS_ELEMENTS = 1 << 20
 _REDUCTIONS = ("mean", "sum", "none", "batchmean")
 
 
@@ -496,13 +505,17 @@ class LossCapture:
                 )  # cannot be weighted per sample: the caller's loss as it was
             return result
 
+        if reduction != "none" and _largest_input(arguments) >= SINGLE_PASS_ELEMENTS:
+            # large logits: one evaluation, reduced here as torch reduces it (see SINGLE_PASS_ELEMENTS)
+            unreduced = original(**signature.unreduced_call(arguments))
+            self._record(name, arguments, unreduced.detach(), reduction)
+            return _reduce(name, arguments, unreduced, reduction)
         result = original(*args, **kwargs)
         if reduction == "none":
             unreduced = result.detach().clone()  # the caller may change its result in place later
         else:
-            # one extra loss evaluation on the existing outputs. Reducing this unreduced loss for the caller
-            # instead would save it, but the value would then differ from torch's in the last bits, and on a
-            # small CPU model the few torch calls that reduction takes cost about as much as this one call
+            # one extra loss evaluation on the existing outputs, so that the caller's value is torch's own to
+            # the last bit; on small inputs it costs about what the few calls of a torch-exact reduction do
             with torch.no_grad():
                 unreduced = original(**signature.unreduced_call(arguments))
         self._record(name, arguments, unreduced, reduction)
@@ -529,6 +542,13 @@ class LossCapture:
                 )
         self.records.append(record)
         self._per_sample_count = -1
+
+
+def _largest_input(arguments: dict[str, Any]) -> int:
+    """The element count of a loss call's largest floating-point tensor argument."""
+    return max(
+        (v.numel() for v in arguments.values() if isinstance(v, Tensor) and v.is_floating_point()), default=0
+    )
 
 
 def _per_sample_of(
