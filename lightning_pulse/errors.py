@@ -1,5 +1,5 @@
-"""The one exception a lightning-pulse callback raises when it refuses a run at fit start, and the
-strategy check that several callbacks share."""
+"""The one exception a lightning-pulse callback raises when it refuses a run at fit start, and the checks
+that several callbacks share: sharded strategies, Tuner searches, and one training run per instance."""
 
 from __future__ import annotations
 
@@ -41,3 +41,63 @@ def refuse_sharded_strategy(trainer: pl.Trainer, callback: str, reason: str) -> 
             f"{callback} does not support {name}: {reason}. Train with strategy='ddp' (or one device), "
             f"or remove {callback} from the callbacks."
         )
+
+
+def tuner_search(trainer: pl.Trainer) -> str | None:
+    """The class name of an attached learning-rate or batch-size search, else ``None``.
+
+    ``Tuner.lr_find`` and ``Tuner.scale_batch_size`` run their trials as a fit carrying these callbacks, and
+    restore the checkpoint they saved before the trials when done.
+    """
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+
+    for callback in getattr(trainer, "callbacks", ()):
+        if isinstance(callback, (LearningRateFinder, BatchSizeFinder)):
+            return type(callback).__name__
+    return None
+
+
+class OneRunPerInstance:
+    """Refuses a second training run of a callback instance whose state belongs to its first run.
+
+    Such a callback holds one run's plan and tables (a phase clock planned for that run's length, a score
+    table of its data, units of its module, snapshots of its weights). Carried into another ``trainer.fit``,
+    on the same Trainer or a new one (a loop over folds), they would be silently wrong. :meth:`start`, at
+    ``on_train_start``, refuses when this instance already started a run, unless a checkpoint was just
+    restored into it (:meth:`restored`, from ``load_state_dict``: a resume); then it records the run. A Tuner
+    search does not count: it restores the state from before its trials.
+
+    Args:
+        callback: the callback's name, for the message.
+    """
+
+    def __init__(self, callback: str) -> None:
+        self.callback = callback
+        self.started_at_step: int | None = None
+        self._restored = False
+
+    def restored(self) -> None:
+        """A checkpoint's state was loaded into the instance (a mid-run rollback is cleared at the run's end)."""
+        self._restored = True
+
+    def start(self, trainer: pl.Trainer) -> None:
+        """At ``on_train_start``.
+
+        Raises:
+            PulseRefusal: when the instance already trained a run and nothing was restored into it.
+        """
+        restored, self._restored = self._restored, False
+        if tuner_search(trainer) is not None:
+            return
+        if self.started_at_step is not None and not restored:
+            raise PulseRefusal(
+                f"{self.callback}: this instance already trained a run (from step {self.started_at_step}), and "
+                "its state belongs to that run; a second trainer.fit would carry it into this one. Create new "
+                "callbacks for each fit (e.g. inside the loop over folds), or continue a saved run with "
+                "trainer.fit(..., ckpt_path=...)."
+            )
+        self.started_at_step = trainer.global_step
+
+    def end(self) -> None:
+        """At ``on_train_end``: a restore seen during the run (a rollback) is not a resume of the next one."""
+        self._restored = False

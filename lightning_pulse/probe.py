@@ -49,7 +49,8 @@ def run_validation_probe(
 
     The module's ``self.log`` calls are captured instead of reaching Lightning's logger connector, and its
     torchmetrics states, and any tensor state the module carries between batches (an RNN's hidden state), are
-    restored afterwards, so neither training nor the real validation loop sees anything of the probe.
+    restored afterwards, and it draws from a copy of the random generators, so neither training nor the real
+    validation loop sees anything of the probe.
     Under DDP the means are averaged over ranks (every rank calls this at the same step).
     """
     sums: dict[str, float] = {}
@@ -78,6 +79,7 @@ def run_validation_probe(
         with (
             compat.frozen_metric_states(pl_module),
             kept_carried_state(pl_module),  # a stateful module's training state (RNN hidden) comes back
+            isolate_rng(),  # a validation_step that draws (a diffusion's noise, a VAE's sample) draws from a copy
             torch.no_grad(),
             trainer.precision_plugin.val_step_context(),
         ):

@@ -22,6 +22,7 @@ from lightning_pulse.core.replay import (
     STEPS_MODE_CLOCK_REFUSAL,
     STEPS_MODE_LENGTH_REFUSAL,
     STEPS_MODE_LIMIT_REFUSAL,
+    STEPS_MODE_OPTIMIZERS_REFUSAL,
     STEPS_MODE_RELOAD_REFUSAL,
     HardSampleSelector,
 )
@@ -52,8 +53,12 @@ class StepSavingLoader:
         Raises:
             PulseRefusal: for ``limit_train_batches`` or ``reload_dataloaders_every_n_epochs``.
         """
-        if getattr(trainer, "limit_train_batches", 1.0) not in (None, 1.0):
-            raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(limit=trainer.limit_train_batches))
+        if overfit := getattr(trainer, "overfit_batches", 0):  # Lightning turns it into limit_train_batches
+            raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(setting=f"`overfit_batches`={overfit!r}"))
+        limit = getattr(trainer, "limit_train_batches", 1.0)
+        # an int counts batches (1: one batch), a float is a share (1.0: all of them)
+        if limit is not None and not (isinstance(limit, float) and limit == 1.0):
+            raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(setting=f"`limit_train_batches`={limit!r}"))
         if reload := getattr(trainer, "reload_dataloaders_every_n_epochs", 0):
             raise PulseRefusal(STEPS_MODE_RELOAD_REFUSAL.format(every=reload))
 
@@ -79,6 +84,9 @@ class StepSavingLoader:
         """
         self._trainer = trainer
         self._selector = selector
+        module = trainer.lightning_module
+        if module is not None and not module.automatic_optimization and len(trainer.optimizers) > 1:
+            raise PulseRefusal(STEPS_MODE_OPTIMIZERS_REFUSAL.format(count=len(trainer.optimizers)))
         cycle = pulse_cycle_of(trainer)
         if cycle is not None and cycle.clock.uses_wall_clock:
             raise PulseRefusal(STEPS_MODE_CLOCK_REFUSAL)

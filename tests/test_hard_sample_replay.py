@@ -137,6 +137,7 @@ def test_infobatch_weights_the_captured_loss_next_to_a_scorer():
     trainer.fit(model, _data())
     assert sum(model.sizes[BATCHES_PER_EPOCH:]) < 0.9 * 720
     # a loss the capture cannot see cannot be weighted: refused at the first pruned step, not ignored
+    replay = HardSampleReplay(rule="infobatch", prune_ratio=0.5, scorer=ForwardLossScorer("cross_entropy"))
     trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
     with pytest.raises(PulseRefusal, match="infobatch"):
         trainer.fit(HandWrittenLoss(), _data())

@@ -171,6 +171,8 @@ def test_a_budget_without_step_saving_replay_is_refused_before_the_first_step():
     [
         (dict(burst="5s", replay="3s", maintain=0), {}, "durations, which here are in seconds"),
         (CYCLE, {"limit_train_batches": 0.5}, "`limit_train_batches`=0.5"),
+        (CYCLE, {"limit_train_batches": 1}, "`limit_train_batches`=1 cuts"),  # one batch, not all (1.0)
+        (CYCLE, {"overfit_batches": 2}, "`overfit_batches`=2 cuts"),  # not the limit Lightning made of it
         (
             CYCLE,
             {"reload_dataloaders_every_n_epochs": 1},

@@ -36,7 +36,7 @@ from lightning_pulse.core.layer_freezing import (
     restore_during_fit,
     restore_freezer,
 )
-from lightning_pulse.errors import refuse_sharded_strategy
+from lightning_pulse.errors import OneRunPerInstance, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 
@@ -109,6 +109,7 @@ class GradientCache(Callback):
         measure_flops: bool = True,
     ) -> None:
         super().__init__()
+        self._one_run = OneRunPerInstance("GradientCache")
         self.settings = FreezeSettings(threshold, check_every, freeze_for, max_frozen_share)
         self.window = FreezeWindow(phases, start_at, release_at)  # type: ignore[arg-type]
         self.unit_names = check_unit_names(units)
@@ -159,6 +160,7 @@ class GradientCache(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._one_run.start(trainer)  # before anything is planned from a state of another run
         self._span = self.window.steps(float(trainer.estimated_stepping_batches))
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
         self._replay = LoaderActivationCache.for_fit(
@@ -270,6 +272,7 @@ class GradientCache(Callback):
     # ------------------------------------------------------------------ end
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._one_run.end()
         note = self.freezer.idle_note() if self.freezer is not None else None
         if note is not None:
             rank_zero_info(f"GradientCache: {note}.")
@@ -315,6 +318,7 @@ class GradientCache(Callback):
         windows, timers and the frozen set return to the saved ones, and the activation cache starts over. The
         FLOP ledger and ``events`` keep counting what really ran.
         """
+        self._one_run.restored()
         if self._fit_refs is None:
             self._pending_state = dict(state_dict)
             return

@@ -21,6 +21,7 @@ from lightning_pulse.core.per_sample_loss import PerSampleScorer
 from lightning_pulse.core.replay import (
     MODEL_PARALLEL_REFUSAL,
     ROLE_NAMES,
+    TUNER_REFUSAL,
     HardSampleSelector,
     ReplayConfig,
     half_life_steps,
@@ -33,6 +34,7 @@ from lightning_pulse.core.replay import (
 from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, refuse
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
+from lightning_pulse.errors import OneRunPerInstance, tuner_search
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase
 from lightning_pulse.step_saving import StepSavingLoader
@@ -110,6 +112,7 @@ class HardSampleReplay(Callback):
         log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
+        self._one_run = OneRunPerInstance("HardSampleReplay")
         self.config = ReplayConfig(rule, replay_fraction, prune_ratio, seed)
         self.half_life = parse_half_life(score_half_life)
         mode = mode if mode is not None else "batch" if rule == "infobatch" else "steps"
@@ -177,7 +180,9 @@ class HardSampleReplay(Callback):
 
         if isinstance(trainer.strategy, ModelParallelStrategy):  # FSDP and DeepSpeed cut no batch: they work
             refuse(MODEL_PARALLEL_REFUSAL)
-        self._trainer, self._ready = trainer, False
+        if (search := tuner_search(trainer)) is not None:
+            refuse(TUNER_REFUSAL.format(search=search))
+        self._trainer, self._ready, self._run_checked = trainer, False, False
         if self.mode == "steps":
             self.steps = StepSavingLoader()
             self.steps.check_trainer(trainer)
@@ -188,6 +193,9 @@ class HardSampleReplay(Callback):
     def _on_train_dataloader(self, loader: Any) -> None:
         # runs inside Lightning's data setup, before the loader's first pass (and on a resume, after the
         # checkpoint's state was handed over), so the first epoch is tracked and can already be selected
+        if not self._run_checked:  # here, not at on_train_start: a fit whose steps are done never gets there
+            self._one_run.start(self._trainer)
+            self._run_checked = True
         if (reason := SampleIndexTracker.unsupported_reason(loader)) is not None:
             refuse(untrackable_refusal(reason))
         self._loader, self.tracker = loader, SampleIndexTracker.install(loader)
@@ -298,6 +306,7 @@ class HardSampleReplay(Callback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._one_run.end()
         self.batches.release()
         if self.selector is None:
             return
@@ -348,6 +357,7 @@ class HardSampleReplay(Callback):
         flight (measured on the model being replaced). The DataLoader's pass (next batches, an epoch's selection)
         is not rewound.
         """
+        self._one_run.restored()
         state_dict = dict(state_dict)
         stream = state_dict.pop("stream", None)
         if self._ready and self.selector is not None:  # a rollback: the data stream is not rewound

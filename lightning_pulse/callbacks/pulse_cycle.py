@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.step_plan import StepPlan, replay_duration_for_budget, spent_summary
-from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.errors import OneRunPerInstance, PulseRefusal
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock, check_cycle_options
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
@@ -140,6 +140,7 @@ class PulseCycle(Callback):
         time_source: Callable[[], float] | None = None,
     ) -> None:
         super().__init__()
+        self._one_run = OneRunPerInstance("PulseCycle")
         try:
             self.clock = PhaseClock(
                 {"burst": burst, "replay": replay, "maintain": maintain},
@@ -230,6 +231,7 @@ class PulseCycle(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._one_run.start(trainer)  # before anything is planned from a state of another run
         if self.budget is not None and self.plan is None:
             raise PulseRefusal(
                 f"PulseCycle: `budget`={self.budget:g} is met by taking fewer steps, which needs a "
@@ -262,6 +264,7 @@ class PulseCycle(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._one_run.end()
         if self.plan is not None and self.plan.plain_steps:
             spent, message = spent_summary(self.plan, trainer.global_step, self.budget)
             log_to_loggers(trainer, {"pulse/budget_spent": spent})
@@ -299,6 +302,7 @@ class PulseCycle(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._one_run.restored()
         self.clock.load_state_dict(state_dict["clock"])
         self.last_probe = dict(state_dict.get("last_probe", {}))
 

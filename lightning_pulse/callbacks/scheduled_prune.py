@@ -25,7 +25,7 @@ from lightning_pulse.core import prune_setup, prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_int
 from lightning_pulse.core.prune_setup import PruneOptions
-from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
+from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
@@ -110,6 +110,7 @@ class ScheduledPrune(Callback):
         options: PruneOptions | None = None,
     ) -> None:
         super().__init__()
+        self._one_run = OneRunPerInstance("ScheduledPrune")
         options = as_config(options, PruneOptions, "options") or PruneOptions()
         self.distill: DistillConfig | None = as_config(distill, DistillConfig, "distill")
         check_int(probe_batches, "probe_batches", minimum=0)
@@ -179,6 +180,7 @@ class ScheduledPrune(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._one_run.start(trainer)  # before anything is planned from a state of another run
         try:
             self.schedule.resolve(float(trainer.estimated_stepping_batches))
         except ValueError as error:
@@ -236,6 +238,7 @@ class ScheduledPrune(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._one_run.end()
         self._training = False
         self._end_distillation(trainer)
         warning = prune_setup.unfinished_warning(self.schedule, trainer.global_step, self.events)
@@ -257,6 +260,7 @@ class ScheduledPrune(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._one_run.restored()
         self.schedule.load_state_dict(state_dict)
         self.pruner.load_state_dict(state_dict)
         self.events = [dict(event) for event in state_dict["events"]]

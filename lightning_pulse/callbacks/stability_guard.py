@@ -23,7 +23,7 @@ from lightning_pulse.core.stability_policy import (
     StepChanges,
     StepEnergy,
 )
-from lightning_pulse.errors import refuse_sharded_strategy
+from lightning_pulse.errors import OneRunPerInstance, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PhaseChange
 from lightning_pulse.protocols import PhaseListener, RollbackAware, listeners
@@ -124,6 +124,7 @@ class StabilityGuard(Callback):
         config: StabilityGuardConfig | None = None,
     ) -> None:
         super().__init__()
+        self._one_run = OneRunPerInstance("StabilityGuard")
         config = StabilityGuardConfig() if config is None else config
         if not isinstance(config, StabilityGuardConfig):
             raise ValueError(f"`config`={config!r} must be a StabilityGuardConfig or None.")
@@ -170,6 +171,7 @@ class StabilityGuard(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._one_run.start(trainer)  # before anything is planned from a state of another run
         self._changes.attach(trainer.optimizers)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         readers = [getattr(callback, "energy_so_far_kwh", None) for callback in trainer.callbacks]
@@ -251,6 +253,7 @@ class StabilityGuard(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._one_run.end()
         self._changes.detach()
         log_to_loggers(trainer, self.metrics())
         summary = steps.summary_message(self.policy)
@@ -284,6 +287,7 @@ class StabilityGuard(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._one_run.restored()
         self.schedule.last_step, self.bad_samples = steps.load_guard_state(
             state_dict, self.detector, self.policy
         )

@@ -131,6 +131,12 @@ MODEL_PARALLEL_REFUSAL = (
     "random draws are seeded per global rank. Train with strategy='ddp', 'fsdp' or 'deepspeed', or "
     "remove HardSampleReplay from the callbacks."
 )
+TUNER_REFUSAL = (
+    "does not take part in a Tuner search: the attached {search} runs its trials as a fit, whose steps "
+    "HardSampleReplay would cut into replayed batches (and cap at its planned steps), and then restores a "
+    "checkpoint from before the trials. Run Tuner.lr_find / scale_batch_size on a Trainer without "
+    "HardSampleReplay, then fit with it."
+)
 STEPS_MODE_CLOCK_REFUSAL = (
     "HardSampleReplay: mode='steps' plans the run's steps before the first one from the PulseCycle's phase "
     "durations, which here are in seconds; give them in steps or epochs, or use mode='batch'."
@@ -140,8 +146,13 @@ STEPS_MODE_LENGTH_REFUSAL = (
     "or max_steps; set one, or use mode='batch'."
 )
 STEPS_MODE_LIMIT_REFUSAL = (
-    "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which `limit_train_batches`={limit!r} "
-    "cuts short; drop limit_train_batches or use mode='batch'."
+    "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which {setting} cuts short; drop it "
+    "or use mode='batch'."
+)
+STEPS_MODE_OPTIMIZERS_REFUSAL = (
+    "HardSampleReplay: mode='steps' plans one optimizer step per batch, and this module steps {count} optimizers "
+    "per batch under manual optimization (trainer.global_step counts each), so the plan would end the run early; "
+    "use mode='batch'."
 )
 STEPS_MODE_RELOAD_REFUSAL = (
     "HardSampleReplay: mode='steps' plans the run on the training DataLoader it finds at fit start, and "

@@ -1,0 +1,86 @@
+"""One callback instance, one training run: a second fit of an instance is refused before its first step,
+a resume into it is not, and neither is a Tuner search."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.tuner import Tuner
+
+from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+from lightning_pulse import GradientCache, HardSampleReplay, PulseCycle, ScheduledPrune, StabilityGuard
+from lightning_pulse.errors import PulseRefusal
+from tests.conftest import trainer_kwargs
+
+CYCLE = dict(burst=6, replay=6, maintain=2, warmup=0.1, anneal=0.1, maintain_eval="none")
+
+
+def _data():
+    return MNIST1DDataModule(num_samples=600, batch_size=64)
+
+
+def _each_callback():
+    return {
+        "PulseCycle": lambda: [PulseCycle(**CYCLE)],
+        "HardSampleReplay": lambda: [PulseCycle(**CYCLE), HardSampleReplay()],
+        "GradientCache": lambda: [GradientCache()],
+        "StabilityGuard": lambda: [StabilityGuard()],
+        "ScheduledPrune": lambda: [ScheduledPrune(final_sparsity=0.5, every=5)],
+    }
+
+
+@pytest.mark.parametrize("name", list(_each_callback()))
+def test_a_second_fit_of_an_instance_is_refused_on_the_same_trainer_and_on_a_new_one(name):
+    callbacks = _each_callback()[name]()
+    trainer = pl.Trainer(callbacks=callbacks, max_epochs=1, **trainer_kwargs())
+    trainer.fit(MNIST1DClassifier(), _data())
+    first = trainer.global_step
+    assert first > 0
+    # the same Trainer asked for more epochs: it used to continue a clock planned for the first run (or, with
+    # step-saving replay, to read the first plan's max_steps back and train nothing)
+    trainer.fit_loop.max_epochs = 2
+    with pytest.raises(PulseRefusal, match=rf"^{name}: this instance already trained a run .*ckpt_path"):
+        trainer.fit(MNIST1DClassifier(), _data())
+    assert trainer.global_step == first
+    # a loop over folds that reuses the instances: refused too, before the first step
+    fold = pl.Trainer(callbacks=callbacks, max_epochs=1, **trainer_kwargs())
+    with pytest.raises(PulseRefusal, match=rf"^{name}: this instance already trained a run"):
+        fold.fit(MNIST1DClassifier(), _data())
+    assert fold.global_step == 0
+
+
+def test_a_resume_into_the_same_instances_is_not_a_second_run(tmp_path):
+    callbacks = [PulseCycle(**CYCLE), HardSampleReplay(), StabilityGuard()]
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    kwargs = trainer_kwargs(enable_checkpointing=True)
+    trainer = pl.Trainer(callbacks=[*callbacks, checkpoint], max_epochs=1, **kwargs)
+    trainer.fit(MNIST1DClassifier(), _data())
+    resumed = pl.Trainer(callbacks=[*callbacks, ModelCheckpoint(dirpath=tmp_path)], max_epochs=2, **kwargs)
+    resumed.fit(MNIST1DClassifier(), _data(), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.global_step > trainer.global_step
+
+
+def test_a_tuner_search_is_refused_by_hard_sample_replay_and_not_counted_as_a_run_by_the_others():
+    torch.manual_seed(0)
+    with_replay = pl.Trainer(
+        callbacks=[PulseCycle(**CYCLE), HardSampleReplay()], max_epochs=2, **trainer_kwargs()
+    )
+    with pytest.raises(
+        PulseRefusal, match=r"^HardSampleReplay does not take part in a Tuner search: .*LearningRate"
+    ):
+        Tuner(with_replay).lr_find(
+            MNIST1DClassifier(), datamodule=_data(), num_training=10, update_attr=False
+        )
+    # the others go through the search (it restores their state from before its trials) and then train
+    cycle, guard = PulseCycle(**CYCLE), StabilityGuard()
+    trainer = pl.Trainer(callbacks=[cycle, guard], max_epochs=2, **trainer_kwargs())
+    model = MNIST1DClassifier()
+    Tuner(trainer).lr_find(model, datamodule=_data(), num_training=10, update_attr=False)
+    trainer.fit(model, _data())
+    plain = pl.Trainer(max_epochs=2, **trainer_kwargs())
+    plain.fit(MNIST1DClassifier(), _data())
+    assert trainer.global_step == plain.global_step  # the trials left no step behind
+    assert sum(cycle.clock.steps_by_phase.values()) == plain.global_step  # the clock counts this run only
+    assert cycle.clock.steps_by_phase["replay"] > 0
