@@ -173,6 +173,21 @@ def test_fresh_module_fits_a_pruned_state_dict_through_the_pre_hook():
         pruning.fit_to_state_dict(_cnn(), model.state_dict())
 
 
+def test_a_state_dict_from_before_a_cut_names_the_way_out_instead_of_blaming_the_checkpoint():
+    # trainer.test(ckpt_path="best") after a structured cut: the best checkpoint was saved before the cut
+    model = _cnn(seed=0)
+    dense = {key: value.clone() for key, value in model.state_dict().items()}
+    pruner = pruning.Pruner(mode="structured")
+    pruner.prune(model, 0.5, example=torch.randn(4, 40))
+    with pytest.raises(RuntimeError, match=r"from before channels were cut .*freshly built module") as raised:
+        pruning.fit_to_state_dict(model, dense, structure=pruner.state_dict())
+    assert "weights_only" not in str(raised.value)  # the old message blamed a checkpoint saved without state
+    # the way out it names works: a freshly built module takes the dense state as it is
+    fresh = _cnn(seed=1)
+    pruning.fit_to_state_dict(fresh, dense, structure=pruner.state_dict())
+    fresh.load_state_dict(dense)
+
+
 def test_fresh_module_fits_a_masked_state_dict():
     model = _cnn()
     pruning.Pruner().prune(model, 0.5)

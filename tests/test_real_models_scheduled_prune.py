@@ -313,3 +313,54 @@ def test_sharded_strategies_are_refused_at_setup(strategy_class, mode):
         PulseRefusal, match=rf"^ScheduledPrune does not support {strategy_class.__name__}: masks"
     ):
         ScheduledPrune(mode=mode).setup(trainer, module, stage="fit")
+
+
+class _TinyLlama(pl.LightningModule):
+    """Hugging Face Llama (rotary attention, RMSNorm, SwiGLU) from a config, on random tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+        )
+        self.model = LlamaForCausalLM(config)
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _tokens():
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (64, 16), generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8)
+
+
+def test_a_dependency_search_that_does_not_end_is_refused_in_time_and_the_way_out_trains(monkeypatch):
+    # torch-pruning's search ran for over 10 minutes on a tiny Llama's rotary attention, with no word
+    monkeypatch.setattr(pruning, "STRUCTURED_CHECK_SECONDS", 2.0)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[_prune(mode="structured")]))
+    with pytest.raises(
+        PulseRefusal, match=r"^ScheduledPrune: .*did not finish within 2 s.*`exclude_pattern`"
+    ):
+        trainer.fit(_TinyLlama(), _tokens())
+    assert trainer.global_step == 0
+    # the way out it names: leave the attention layers out, and the feed-forward layers are cut
+    prune = _prune(mode="structured", exclude_pattern="self_attn")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[prune]))
+    trainer.fit(_TinyLlama(), _tokens())
+    assert trainer.global_step == STEPS and prune.events

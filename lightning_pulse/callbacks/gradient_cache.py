@@ -82,7 +82,8 @@ class GradientCache(Callback):
             ``units`` name the model does not have, or a share of a run of unknown length.
         PulseRefusal: at setup, for manual optimization, FSDP/DeepSpeed/model parallel, DDP without
             ``find_unused_parameters=True`` or with ``static_graph=True``, or another multi-process strategy; at
-            fit start, for ``torch.optim.LBFGS`` (it moves parameters that have no gradient).
+            fit start, for ``torch.optim.LBFGS`` (it moves parameters that have no gradient), and for a second
+            run of this instance (another ``trainer.fit``) unless a checkpoint was restored into it.
 
     Example::
 

@@ -81,8 +81,10 @@ class HardSampleReplay(Callback):
             half-life with an infinite DataLoader.
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
             ``IterableDataset``, a custom batch sampler), several training DataLoaders, ``ModelParallelStrategy``,
-            or in ``mode="steps"`` a run of unknown length, ``limit_train_batches``,
-            ``reload_dataloaders_every_n_epochs`` or a PulseCycle in seconds; after the fit's first two batches (trained in full, before any replay step), for a module
+            a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), a second run of this instance unless a
+            checkpoint was restored into it, or in ``mode="steps"`` a run of unknown length,
+            ``limit_train_batches``, ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, a PulseCycle in
+            seconds or manual optimization stepping several optimizers per batch; after the fit's first two batches (trained in full, before any replay step), for a module
             carrying state from one batch to the next (a stateful RNN) or a token loss
             flattened time-major.
         PulseRefusal: at the first step, before any update, when its loss yields no per-sample value and no

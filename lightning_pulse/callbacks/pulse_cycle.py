@@ -106,7 +106,8 @@ class PulseCycle(Callback):
             non-positive ``probe_batches``, or a ``budget`` outside ``(0, 1)``. At fit start, for epoch-based
             durations on an infinite dataloader or warm-up/anneal on a run without a finite length.
         PulseRefusal: at fit start, for a ``budget`` with no step-saving HardSampleReplay attached, with
-            wall-clock durations, or out of what the replay fraction can reach.
+            wall-clock durations, or out of what the replay fraction can reach; and for a second run of this
+            instance (another ``trainer.fit``) unless a checkpoint was restored into it.
 
     Example::
 

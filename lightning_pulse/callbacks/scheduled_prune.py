@@ -79,7 +79,8 @@ class ScheduledPrune(Callback):
             unknown ``mode``/``cadence``/``ranking``, an invalid regex or layer type.
         PulseRefusal: at fit start, before the first step: no layer can be pruned, ``start`` after ``end``,
             ``cadence="maintain"`` without a maintain phase, FSDP/DeepSpeed or another unsupported strategy, a
-            model structured pruning cannot trace or cut safely.
+            model structured pruning cannot trace or cut safely (or whose trial cut does not finish within
+            ``STRUCTURED_CHECK_SECONDS``), a second run of this instance unless a checkpoint was restored into it.
         ModuleNotFoundError: at construction, structured mode without torch-pruning installed.
 
     Example::
@@ -198,6 +199,11 @@ class ScheduledPrune(Callback):
         )
         if warning is not None:
             rank_zero_warn(warning)
+        if (
+            not self._uses_maintain
+            and (abrupt := prune_setup.abrupt_schedule_warning(self.schedule)) is not None
+        ):
+            rank_zero_warn(abrupt)
         self._last_global_step = trainer.global_step
         self._restore_teacher(trainer, pl_module)
         self._training = True

@@ -84,7 +84,8 @@ class StabilityGuard(Callback):
     Raises:
         ValueError: at construction, naming the argument, for a value out of range.
         PulseRefusal: at fit start, for a module using manual optimization, or under FSDP, DeepSpeed or
-            model parallelism (a rank holds a shard of the parameters and gradients).
+            model parallelism (a rank holds a shard of the parameters and gradients), and for a second run of
+            this instance (another ``trainer.fit``) unless a checkpoint was restored into it.
         StabilityGuardError: during training, when the guard stops the run (after saving a checkpoint).
 
     Example::

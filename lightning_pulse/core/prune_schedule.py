@@ -165,6 +165,18 @@ class PruneSchedule:
         self.sparsity = target
         return target
 
+    def planned_cuts(self) -> list[tuple[int, float, float]]:
+        """The step cadence's events of the resolved schedule, as ``(step, from, to)`` sparsities, from the
+        sparsity reached so far (nothing is changed)."""
+        cuts, sparsity, step = [], self.sparsity, self.next_step
+        while step is not None and not math.isinf(self.end_step):
+            target = self.target(step)
+            if target > sparsity + _EPSILON:
+                cuts.append((step, sparsity, target))
+                sparsity = target
+            step = None if step >= self.end_step else min(step + self.every, self.end_step)
+        return cuts
+
     def state_dict(self) -> dict[str, Any]:
         return {"sparsity": self.sparsity, "finished": self.finished, "next_event_step": self.next_step}
 

@@ -98,6 +98,31 @@ def uses_maintain(cadence: str, has_cycle: bool, has_maintain: bool) -> tuple[bo
     return has_maintain and cadence != "steps", warning
 
 
+#: A step-cadence schedule whose largest single cut takes more than this share of ``final_sparsity`` is said
+#: at fit start (the cubic schedule's first cut is 0.875 of it with 2 events, 0.70 with 3, 0.33 with 8): a
+#: held-out ResNet on a 180-step run at the defaults (``every=100``) was cut from 0 to 50% in one event, its loss
+#: jumped from 0.07 to 3.7, and it ended at 3.5x plain's.
+ABRUPT_CUT_SHARE = 0.75
+
+
+def abrupt_schedule_warning(schedule: PruneSchedule) -> str | None:
+    """A warning when the resolved step cadence cuts most of the way in one event, else ``None``."""
+    cuts = schedule.planned_cuts()
+    if not cuts or schedule.final_sparsity <= 0:
+        return None
+    step, before, after = max(cuts, key=lambda cut: cut[2] - cut[1])
+    if after - before <= ABRUPT_CUT_SHARE * schedule.final_sparsity:
+        return None
+    span = schedule.end_step - schedule.start_step
+    suggested = max(1, span // 8)
+    return (
+        f"ScheduledPrune: with `every`={schedule.every} over the pruning span (steps {schedule.start_step} to "
+        f"{schedule.end_step}), the schedule makes {len(cuts)} cut(s), and the one at step {step} takes sparsity "
+        f"from {before:.2f} to {after:.2f} at once; gradual pruning needs several smaller cuts with training in "
+        f"between. Set `every` to about {suggested} (8 events over the span), or widen `start`/`end`."
+    )
+
+
 def refuse_structured(reason: str | None) -> None:
     """Raise :class:`PulseRefusal` with the way out when structured pruning cannot run for ``reason``."""
     if reason is not None:
