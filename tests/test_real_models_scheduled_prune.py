@@ -146,8 +146,13 @@ def test_bert_structured_on_attention_is_refused_before_the_first_step():
         data,
         _prune(mode="structured"),
         r"^ScheduledPrune: structured pruning cannot run on this model: "
-        r"pruning a copy of the model failed \(RuntimeError: shape",
+        r"pruning a copy of the model failed \(RuntimeError: shape.*attention modules "
+        r"\(model.bert.encoder.layer.0.attention and 1 more\).*`exclude_pattern`='attention'",
     )
+    # the way out the message names: the attention modules left out, the rest is cut
+    module, data = CLIENTS["hf-bert"]()
+    prune = _prune(mode="structured", exclude_pattern="attention")
+    assert _fit(module, data, prune).global_step == STEPS and prune.events
 
 
 def test_bert_structured_on_the_feed_forward_layers_traces_the_two_argument_forward_from_the_dict_batch():
@@ -355,7 +360,7 @@ def test_a_dependency_search_that_does_not_end_is_refused_in_time_and_the_way_ou
     monkeypatch.setattr(pruning, "STRUCTURED_CHECK_SECONDS", 2.0)
     trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[_prune(mode="structured")]))
     with pytest.raises(
-        PulseRefusal, match=r"^ScheduledPrune: .*did not finish within 2 s.*`exclude_pattern`"
+        PulseRefusal, match=r"^ScheduledPrune: .*did not finish within 2 s.*`exclude_pattern`='self_attn'"
     ):
         trainer.fit(_TinyLlama(), _tokens())
     assert trainer.global_step == 0

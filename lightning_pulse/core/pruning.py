@@ -731,7 +731,51 @@ def check_structured(
     inputs = _to_device(as_example_inputs(small_example(example)), device)
     # the check must not change the run it checks: random draws happen on forked generators
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return _dry_run(duplicate, trial, sparsities, example, inputs)
+        reason = _dry_run(duplicate, trial, sparsities, example, inputs)
+    if reason is not None and reason.startswith(
+        ("pruning a copy of the model failed", "tracing which channels")
+    ):
+        hint = attention_hint(model, pruner.exclude_pattern)
+        reason = reason if hint is None else f"{reason}; {hint}"
+    return reason
+
+
+def attention_hint(model: nn.Module, exclude_pattern: str | None) -> str | None:
+    """Where a failed trial cut most likely broke, as a way out: the model's attention modules that
+    ``exclude_pattern`` leaves in (a head reshape breaks at intermediate widths), or ``None`` when it has none.
+
+    The pattern offered is the last name component of the outermost attention modules (``attention``,
+    ``self_attn``), or of the innermost ones where that component also names layers outside attention (T5's
+    ``layer.0`` holds attention, ``layer.1`` the feed-forward: ``SelfAttention|EncDecAttention``).
+    """
+    names = [
+        name
+        for name, module in model.named_modules()
+        if name
+        and "attention" in type(module).__name__.lower()
+        and not (exclude_pattern is not None and re.search(exclude_pattern, name))
+    ]
+    if not names:
+        return None
+    outermost = [n for n in names if not any(n.startswith(o + ".") for o in names)]
+    innermost = [n for n in names if not any(o.startswith(n + ".") for o in names)]
+
+    def component(name: str) -> str:
+        return next((part for part in reversed(name.split(".")) if not part.isdigit()), name)
+
+    def pattern_of(found: list[str]) -> str:
+        return "|".join(sorted({component(name) for name in found}))
+
+    pattern = pattern_of(outermost)
+    inside = tuple(o + "." for o in outermost)
+    weights = [n for n, m in model.named_modules() if "weight" in getattr(m, "_parameters", {})]
+    if any(re.search(pattern, n) and not n.startswith(inside) for n in weights):
+        pattern = pattern_of(innermost)  # the outer component also names layers outside attention
+    more = f" and {len(outermost) - 1} more" if len(outermost) > 1 else ""
+    return (
+        f"the model's attention modules ({outermost[0]}{more}) are the usual cause, since head reshapes break at "
+        f"intermediate widths: leave them out with `exclude_pattern`={pattern!r} and the other layers are cut"
+    )
 
 
 #: Seconds the fit-start check of structured pruning may take. torch-pruning's dependency search ran for
@@ -783,8 +827,7 @@ def _dry_run(
     except _CheckTimeout:
         return (
             f"tracing which channels depend on which (torch-pruning's dependency search) did not finish within "
-            f"{STRUCTURED_CHECK_SECONDS:g} s, as on rotary-embedding attention; leave the attention layers out "
-            "with `exclude_pattern`, or use mode='unstructured'"
+            f"{STRUCTURED_CHECK_SECONDS:g} s, as on rotary-embedding attention"
         )
     except Exception as error:  # whatever the model does, the answer is a refusal, not a crash mid-run
         return f"pruning a copy of the model failed ({type(error).__name__}: {str(error)[:200]})"
