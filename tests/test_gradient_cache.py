@@ -361,3 +361,20 @@ def test_defaults_that_froze_nothing_say_what_they_measured_and_why_they_waited(
     with caplog.at_level("INFO"):
         fit(model, data, [GradientCache()], max_steps=10, limit_train_batches=10)
     assert any("no unit trained a whole window of check_every=20" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("how", ["submodule", "lightning_module"])
+def test_a_compiled_module_is_refused_at_setup(mnist1d_small, how):
+    # a compiled backward hands the gradients out together in its own order: a held-out compiled CNN froze
+    # layers whose inputs still trained, and a compiled GPT-2 lost its tied-embedding pin
+    model, data = mnist1d_small()
+    if how == "submodule":
+        model.net = torch.compile(model.net, backend="aot_eager")
+    else:
+        model = torch.compile(model, backend="aot_eager")  # Lightning unwraps it and compiles forward
+    trainer = pl.Trainer(callbacks=[GradientCache()], max_steps=4, **trainer_kwargs())
+    with pytest.raises(
+        PulseRefusal, match=r"^GradientCache: .* runs under torch.compile, .*Remove GradientCache"
+    ):
+        trainer.fit(model, data)
+    assert trainer.global_step == 0

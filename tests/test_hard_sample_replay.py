@@ -457,3 +457,19 @@ def test_steps_mode_alone_shortens_epochs_and_tells_lightning_and_onecycle_up_fr
     # never-scored samples come first, so every sample was scored; after that, scored ones were chosen
     assert metrics["table_seen"] == 720
     assert metrics["replayed_distinct"] > 0
+
+
+def test_a_module_compiled_with_fullgraph_is_refused_at_setup():
+    # the capture runs at a graph break, which fullgraph=True forbids: the fit used to crash at its first step
+    # with dynamo's own error, naming neither HardSampleReplay nor the way out
+    class Compiled(MNIST1DClassifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.compile(self.net, backend="aot_eager", fullgraph=True)
+
+    trainer = pl.Trainer(callbacks=[HardSampleReplay(mode="batch")], max_epochs=1, **trainer_kwargs())
+    with pytest.raises(
+        PulseRefusal, match=r"^HardSampleReplay cannot capture the loss of net, compiled .*fullgraph"
+    ):
+        trainer.fit(Compiled(), _data())
+    assert trainer.global_step == 0

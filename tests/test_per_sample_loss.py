@@ -493,3 +493,42 @@ def test_numpy_and_torch_paths_give_the_same_per_sample_losses():
         fast = _per_sample_on_cpu("cross_entropy", arguments, unreduced, 4, "mean")
         slow = per_sample_from_unreduced(unreduced, 4, element_weights("cross_entropy", arguments, unreduced))
         assert torch.allclose(fast, slow, atol=1e-6, equal_nan=True)
+
+
+def test_a_compiled_functional_loss_is_captured_for_real_at_every_call():
+    # torch.compile runs the patched F.cross_entropy eagerly, at a graph break: real tensors every call
+    layer = nn.Linear(4, 3)
+    step = torch.compile(lambda x, y: F.cross_entropy(layer(x), y), backend="aot_eager")
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    expected = F.cross_entropy(layer(x), y, reduction="none").detach()
+    with loss_capture_scope():
+        for _ in range(3):
+            with LossCapture(batch_size=8) as capture:
+                step(x, y)
+            assert type(capture.records[0]._source[1]) is torch.Tensor
+            torch.testing.assert_close(capture.per_sample(), expected)
+
+
+def test_a_loss_module_traced_into_a_compiled_graph_is_said_not_recorded():
+    # dynamo turns an nn.CrossEntropyLoss made inside forward (as HF BERT does) into a graph node: the capture
+    # saw the tracer's tensors once (a compiled BERT then crashed reading them) and nothing after; now it
+    # records nothing and says why
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            return nn.CrossEntropyLoss()(self.layer(x), y)
+
+    compiled = torch.compile(Classifier(), backend="aot_eager")
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    captures = [LossCapture(batch_size=8) for _ in range(2)]
+    with loss_capture_scope():
+        for capture in captures:
+            with capture:
+                compiled(x, y).backward()
+            assert not capture.records and not capture.maps_onto_batch
+    # the first call compiles, and its capture says what happened (HardSampleReplay refuses at that step)
+    with pytest.raises(PulseRefusal, match=r"cross_entropy was traced into a torch.compile graph"):
+        captures[0].require()

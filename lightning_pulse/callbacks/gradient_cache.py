@@ -31,6 +31,7 @@ from lightning_pulse.core.layer_freezing import (
     check_wrapped_model,
     follow_replaced_parameters,
     in_span,
+    refuse_compiled_module,
     refuse_manual_optimization,
     refuse_optimizers_that_move_gradless_parameters,
     restore_during_fit,
@@ -80,7 +81,8 @@ class GradientCache(Callback):
     Raises:
         ValueError: at construction, naming the field, for a value out of range. At train start, for a
             ``units`` name the model does not have, or a share of a run of unknown length.
-        PulseRefusal: at setup, for manual optimization, FSDP/DeepSpeed/model parallel, DDP without
+        PulseRefusal: at setup, for manual optimization, a module run under ``torch.compile``,
+            FSDP/DeepSpeed/model parallel, DDP without
             ``find_unused_parameters=True`` or with ``static_graph=True``, or another multi-process strategy; at
             fit start, for ``torch.optim.LBFGS`` (it moves parameters that have no gradient), and for a second
             run of this instance (another ``trainer.fit``) unless a checkpoint was restored into it.
@@ -145,6 +147,7 @@ class GradientCache(Callback):
         if stage != "fit":
             return
         refuse_manual_optimization(pl_module)
+        refuse_compiled_module(compat.compiled_part(pl_module))
         refuse_sharded_strategy(
             trainer,
             "GradientCache",

@@ -19,6 +19,7 @@ from lightning_pulse.callbacks.pulse_cycle import phase_of
 from lightning_pulse.core.carried_state import CarriedStateCheck
 from lightning_pulse.core.per_sample_loss import PerSampleScorer
 from lightning_pulse.core.replay import (
+    FULLGRAPH_REFUSAL,
     MODEL_PARALLEL_REFUSAL,
     ROLE_NAMES,
     TUNER_REFUSAL,
@@ -81,7 +82,8 @@ class HardSampleReplay(Callback):
             half-life with an infinite DataLoader.
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
             ``IterableDataset``, a custom batch sampler), several training DataLoaders, ``ModelParallelStrategy``,
-            a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), a second run of this instance unless a
+            a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), a submodule compiled with
+            ``fullgraph=True``, a second run of this instance unless a
             checkpoint was restored into it, or in ``mode="steps"`` a run of unknown length,
             ``limit_train_batches``, ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, a PulseCycle in
             seconds or manual optimization stepping several optimizers per batch; after the fit's first two batches (trained in full, before any replay step), for a module
@@ -184,6 +186,8 @@ class HardSampleReplay(Callback):
             refuse(MODEL_PARALLEL_REFUSAL)
         if (search := tuner_search(trainer)) is not None:
             refuse(TUNER_REFUSAL.format(search=search))
+        if (part := compat.fullgraph_compiled_part(pl_module)) is not None:
+            refuse(FULLGRAPH_REFUSAL.format(part=part))
         self._trainer, self._ready, self._run_checked = trainer, False, False
         if self.mode == "steps":
             self.steps = StepSavingLoader()

@@ -636,6 +636,20 @@ def refuse_manual_optimization(module: Any) -> None:
         )
 
 
+def refuse_compiled_module(compiled: str | None) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` when part of the module (``compiled``, its name) runs
+    under ``torch.compile``. The units' forward order is read from the order in which backward hands out
+    gradients, and a compiled backward hands them out together in its own order: a held-out compiled CNN froze
+    layers whose inputs still trained (no backward saved), and a compiled GPT-2 lost its tied-embedding pin.
+    Each change of the frozen set would also recompile the graph."""
+    if compiled is not None:
+        raise PulseRefusal(
+            f"GradientCache: {compiled} runs under torch.compile, whose backward returns the gradients together in "
+            "its own order, from which the units' forward order cannot be read (and each change of the frozen "
+            "set would recompile). Remove GradientCache, or train without torch.compile."
+        )
+
+
 def refuse_optimizers_that_move_gradless_parameters(optimizers: Iterable[torch.optim.Optimizer]) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` for an optimizer that updates a parameter without a
     gradient. Freezing relies on torch's first-order optimizers skipping a parameter whose ``grad`` is ``None``;

@@ -310,13 +310,20 @@ class _Interceptor:
             capture = self.current()
             if capture is None:
                 return original(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                # torch.compile tracing a loss into its graph (dynamo turns nn.CrossEntropyLoss into one): the
+                # tensors here are the tracer's, and the compiled graph will not call this again
+                capture.compiled_calls.append(name)
+                return original(*args, **kwargs)
             self.local.busy = True
             try:
                 return capture._handle(name, original, signature, args, kwargs)
             finally:
                 self.local.busy = False
 
-        return captured_loss
+        # a compiled module's functional loss call runs this eagerly, at a graph break (traced into the graph,
+        # it would record the tracer's tensors once and nothing after: a compiled HF BERT crashed on them)
+        return torch.compiler.disable(captured_loss)
 
 
 class _LossSignature:
@@ -403,6 +410,7 @@ class LossCapture:
         self.batch_size = batch_size
         self.sample_weights = sample_weights
         self.records: list[CapturedLoss] = []
+        self.compiled_calls: list[str] = []  # losses traced into a torch.compile graph: not capturable
         self._entered = False
         self._per_sample: Tensor | None = None
         self._per_sample_count = 0  # how many records `_per_sample` was computed from
@@ -455,14 +463,20 @@ class LossCapture:
 
     def describe(self) -> str:
         """A one-line account of what was captured, for error messages."""
+        compiled = (
+            f"{self.compiled_calls[0]} was traced into a torch.compile graph, where it cannot be captured (compile "
+            "the model without its loss, e.g. compute the loss on the outputs in training_step, or set `scorer=`)"
+            if self.compiled_calls
+            else ""
+        )
         if not self.records:
-            return "no torch.nn.functional / torch.nn loss was called"
+            return compiled or "no torch.nn.functional / torch.nn loss was called"
         calls = ", ".join(
             f"{r.name}(reduction={r.reduction!r}) -> unreduced shape {r.shape}"
             + ("" if r.maps_onto_batch else f" [{r.why_not}]")
             for r in self.records
         )
-        return f"captured {calls}"
+        return f"captured {calls}" + (f"; {compiled}" if compiled else "")
 
     def require(self, who: str = "HardSampleReplay") -> LossCapture:
         """This capture, or a :class:`~lightning_pulse.errors.PulseRefusal` saying what was captured and what to

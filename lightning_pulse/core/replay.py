@@ -131,6 +131,11 @@ MODEL_PARALLEL_REFUSAL = (
     "random draws are seeded per global rank. Train with strategy='ddp', 'fsdp' or 'deepspeed', or "
     "remove HardSampleReplay from the callbacks."
 )
+FULLGRAPH_REFUSAL = (
+    "cannot capture the loss of {part}, compiled with torch.compile(..., fullgraph=True): a loss called inside it "
+    "is captured at a graph break, which fullgraph makes an error. Compile without fullgraph=True (a graph without "
+    "breaks compiles the same; the capture adds one per loss call), or remove HardSampleReplay."
+)
 TUNER_REFUSAL = (
     "does not take part in a Tuner search: the attached {search} runs its trials as a fit, whose steps "
     "HardSampleReplay would cut into replayed batches (and cap at its planned steps), and then restores a "
