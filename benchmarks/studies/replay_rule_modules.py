@@ -148,16 +148,21 @@ def digits_noisy(rate=0.2):
     return xtr, ytr, xva, yva, special
 
 
+def _long_tail_subset(labels, rho, seed):
+    """Indices keeping a share ``rho**(k/9)`` of class ``k`` (class 0: all, class 9: ``rho``), fixed by ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    keep = []
+    for k in range(10):
+        idx = (labels == k).nonzero().flatten()
+        idx = idx[torch.randperm(len(idx), generator=g)]
+        keep.append(idx[: max(1, int(round(len(idx) * rho ** (k / 9))))])
+    return torch.cat(keep).sort().values
+
+
 def digits_longtail(rho=0.1):
     """Class k keeps a share rho**(k/9) of its training samples (class 0: all, class 9: 10%); val balanced."""
     xtr, ytr, xva, yva, _ = digits_flat()
-    g = torch.Generator().manual_seed(4321)
-    keep = []
-    for k in range(10):
-        idx = (ytr == k).nonzero().flatten()
-        idx = idx[torch.randperm(len(idx), generator=g)]
-        keep.append(idx[: max(1, int(round(len(idx) * rho ** (k / 9))))])
-    keep = torch.cat(keep).sort().values
+    keep = _long_tail_subset(ytr, rho, 4321)
     return xtr[keep], ytr[keep], xva, yva, ytr[keep] >= 5  # special = the 5 rarest classes
 
 
@@ -165,13 +170,7 @@ def digits_longtail_iid(rho=0.1):
     """Same long-tail training set; the VALIDATION set is subsampled to the same class proportions
     (so a shift of the predicted prior toward rare classes is no longer rewarded by a balanced val set)."""
     xtr, ytr, xva, yva, special = digits_longtail(rho)
-    g = torch.Generator().manual_seed(5678)
-    keep = []
-    for k in range(10):
-        idx = (yva == k).nonzero().flatten()
-        idx = idx[torch.randperm(len(idx), generator=g)]
-        keep.append(idx[: max(1, int(round(len(idx) * rho ** (k / 9))))])
-    keep = torch.cat(keep).sort().values
+    keep = _long_tail_subset(yva, rho, 5678)
     return xtr, ytr, xva[keep], yva[keep], special
 
 
