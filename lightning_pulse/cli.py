@@ -77,6 +77,11 @@ def summarise_parser_error(message: str) -> str:
         if not line.removeprefix("- ").startswith(_SCAFFOLDING)
     ]
     class_paths = re.findall(r"class_path '([\w.]+)'", message)
+    # a value tried against the union's fallback, Lightning's base Callback, is not about the class the user named
+    named = [
+        path for path in class_paths if not (path.startswith("lightning") and path.endswith(".Callback"))
+    ]
+    class_paths = named or class_paths
     if not specific:
         return lines[0] if lines else message
     if not class_paths:

@@ -86,6 +86,17 @@ def test_bad_yaml_value_stops_before_training_with_the_callbacks_sentence_first(
     assert not list(tmp_path.rglob("*.ckpt"))  # nothing trained
 
 
+def test_a_typo_in_a_callback_option_on_the_command_line_names_that_callback(tmp_path, capsys):
+    # the union's fallback (Lightning's base Callback) used to be named instead: "Callback accepts: args, kwargs"
+    added = ["--trainer.callbacks+=lightning_pulse.StabilityGuard", "--trainer.callbacks.snapshot_evry", "10"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", PULSE_YAML, *added, "--trainer.default_root_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    first = capsys.readouterr().err.strip().splitlines()[0]
+    assert first.startswith("error: StabilityGuard: Option 'snapshot_evry' is not accepted"), first
+    assert "snapshot_every" in first
+
+
 def _unbounded_run(tmp_path) -> list[str]:
     """The pulse YAML with no step or epoch limit: its warm-up cannot be planned, so PulseCycle refuses it."""
     unbounded = ["--trainer.max_steps", "-1", "--trainer.max_epochs", "-1", "--model.scheduler", "none"]

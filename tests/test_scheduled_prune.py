@@ -100,6 +100,18 @@ def test_a_schedule_that_cuts_at_once_is_said_at_fit_start_and_a_gradual_one_is_
     assert not [w for w in recwarn if "at once" in str(w.message)]
 
 
+@pytest.mark.parametrize("mode", ["unstructured", "structured"])
+def test_a_one_shot_schedule_prunes_to_the_final_sparsity_at_its_step(mnist1d_small, mode):
+    # start == end is a one-shot prune: it used to finish at sparsity 0 with no event and no word
+    # (unstructured), or be refused for a false reason (structured: every trial level was 0)
+    model, data = mnist1d_small()
+    prune = ScheduledPrune(final_sparsity=0.5, mode=mode, start=10, end=10, every=5, probe_batches=0)
+    trainer = pl.Trainer(max_steps=20, callbacks=[prune], **trainer_kwargs(max_epochs=-1))
+    trainer.fit(model, data)
+    assert [event["step"] for event in prune.events] == [10]
+    assert prune.events[0]["target_sparsity"] == 0.5 and prune.finished
+
+
 def test_step_cadence_follows_the_cubic_schedule_to_an_absolute_target(mnist1d_small):
     pl.seed_everything(0)
     model, data = mnist1d_small()

@@ -393,6 +393,11 @@ def test_stop_saves_the_last_good_state_then_raises(small_data, tmp_path):
     assert checkpoint["global_step"] == 26  # saved after step 25
     state = next(value for key, value in checkpoint["callbacks"].items() if key.startswith("StabilityGuard"))
     assert state["policy"]["stopped"] is True
+    # the message says what the checkpoint holds, and a way out that works: a new run from the weights (a resume
+    # with ckpt_path restores the learning rate and the rollback count, and stopped again 2 steps later)
+    message = str(raised.value)
+    assert "holds the snapshot of step 15." in message and "None:" not in message
+    assert "load_from_checkpoint" in message and "resuming with ckpt_path restores" in message
 
 
 # ---------------------------------------------------------------- resume

@@ -22,10 +22,10 @@ def cubic_sparsity(step: float, initial: float, final: float, start_step: float,
     ``t_0 = start_step`` and ``t_0 + n * dt = end_step``; ``s_i`` before the start, ``s_f`` after the end.
     Pruning is fast early, while the network is redundant, and slows as it approaches the final sparsity.
     """
+    if step >= end_step:  # first: a one-shot schedule (start == end) prunes to `final` at that step
+        return float(final)
     if step <= start_step:
         return float(initial)
-    if step >= end_step:
-        return float(final)
     progress = (step - start_step) / (end_step - start_step)
     return float(final + (initial - final) * (1.0 - progress) ** 3)
 

@@ -212,12 +212,18 @@ def stop_message(
     policy: EscalationPolicy, step: int, to_step: int | None, recent_rollbacks: int, path: str
 ) -> str:
     flagged = [str(e["step"]) for e in policy.events if e["event"] not in ("rollback", "stop")][-8:]
+    holds = (
+        f"the snapshot of step {to_step}" if to_step is not None else "the current state (no snapshot fitted)"
+    )
     return (
         f"StabilityGuard stopped training at step {step}: spikes kept coming after {recent_rollbacks} "
         f"rollback(s) within {policy.rollback_memory} steps "
-        f"(`max_rollbacks`={policy.max_rollbacks}). The checkpoint {path!r} holds the snapshot of step "
-        f"{to_step} (None: no snapshot fitted, the current state). Inspect the data around the flagged steps "
-        f"(last: {', '.join(flagged)}) or lower the learning rate, then resume from that checkpoint."
+        f"(`max_rollbacks`={policy.max_rollbacks}). The checkpoint {path!r} holds {holds}. Inspect the data "
+        f"around the flagged steps (last: {', '.join(flagged)}); spikes that recur on the same samples (outlier "
+        "targets, a loss that is infinite on some of them) are the data's, and rollbacks cannot fix them. To "
+        "train on with a lower learning rate, load the weights into a new run (YourModule.load_from_checkpoint("
+        "path), then trainer.fit): resuming with ckpt_path restores the optimizer's learning rate and the "
+        "guard's rollback count too."
     )
 
 
