@@ -17,11 +17,13 @@ time, for cron or ``sbatch --begin``; then ``lightning-pulse fit ... --ckpt_path
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import re
 import sys
+import warnings
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -150,7 +152,9 @@ class PulseCLI(LightningCLI):
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("parser_class", PulseArgumentParser)
-        super().__init__(*args, **kwargs)
+        self._seed_lines = HeldSeedLines()
+        with self._seed_lines:
+            super().__init__(*args, **kwargs)
 
     def instantiate_classes(self) -> None:
         try:
@@ -159,6 +163,58 @@ class PulseCLI(LightningCLI):
             owner = _raised_by(error)
             text = str(error)
             self.parser.error(f"{owner}: {text}" if owner and not text.startswith(owner) else text)
+        self._seed_lines.release()  # the classes are built: the seed lines follow, before training
+
+
+class HeldSeedLines:
+    """Holds Lightning's seed lines ("Seed set to 0", the "No seed found" warning) back until the classes are
+    built, so that when a value is refused its error is the first line the user reads. The seed itself is set
+    as before; :meth:`release` emits the held lines, and leaving the block drops what was never released."""
+
+    SEED_LOGGER = "lightning.fabric.utilities.seed"
+
+    def __init__(self) -> None:
+        self.records: list[logging.LogRecord] = []
+        self.warnings: list[tuple[Any, ...]] = []
+        self._holding = False
+        self._show: Any = None
+
+    def __enter__(self) -> HeldSeedLines:
+        self._holding = True
+        self._logger = logging.getLogger(self.SEED_LOGGER)
+        self._filter = self._hold_record
+        self._logger.addFilter(self._filter)
+        self._show = warnings.showwarning
+        warnings.showwarning = self._hold_warning
+        return self
+
+    def _hold_record(self, record: logging.LogRecord) -> bool:
+        if self._holding:
+            self.records.append(record)
+            return False
+        return True
+
+    def _hold_warning(self, message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        if self._holding and "seed" in str(message).lower():
+            self.warnings.append((message, category, filename, lineno, *rest))
+            return
+        self._show(message, category, filename, lineno, *rest)
+
+    def release(self) -> None:
+        if not self._holding:
+            return
+        self._holding = False
+        for args in self.warnings:
+            self._show(*args)
+        for record in self.records:
+            self._logger.handle(record)
+        self.records, self.warnings = [], []
+
+    def __exit__(self, *exc: object) -> None:
+        self._holding = False
+        self._logger.removeFilter(self._filter)
+        if warnings.showwarning is self._hold_warning:
+            warnings.showwarning = self._show
 
 
 def run_report(argv: Sequence[str]) -> int:

@@ -97,6 +97,28 @@ def test_a_typo_in_a_callback_option_on_the_command_line_names_that_callback(tmp
     assert "snapshot_every" in first
 
 
+def test_a_refused_value_is_the_first_line_the_user_reads_and_the_seed_line_follows_a_good_one(tmp_path):
+    # in a terminal, Lightning's "Seed set to 0" used to come before the error (the seed is set before the
+    # classes are built); it is held back until they are, and dropped when one is refused
+    text = Path(PULSE_YAML).read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("budget: 0.6", "budget: 1.7"))
+    root = Path(__file__).resolve().parents[1]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "lightning_pulse.cli", "fit", *args, "--trainer.default_root_dir"]
+        return subprocess.run(
+            [*command, str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300
+        )
+
+    refused = run("--config", str(bad))
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode == 2 and lines[0].startswith("error: PulseCycle: `budget`=1.7"), lines[:3]
+    assert "Seed set to" not in refused.stderr
+    good = run("--config", PULSE_YAML, *FAST, "--trainer.max_steps", "2")
+    assert good.returncode == 0 and "Seed set to 0" in good.stderr + good.stdout
+
+
 def _unbounded_run(tmp_path) -> list[str]:
     """The pulse YAML with no step or epoch limit: its warm-up cannot be planned, so PulseCycle refuses it."""
     unbounded = ["--trainer.max_steps", "-1", "--trainer.max_epochs", "-1", "--model.scheduler", "none"]
