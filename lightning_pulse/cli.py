@@ -169,52 +169,51 @@ class PulseCLI(LightningCLI):
 class HeldSeedLines:
     """Holds Lightning's seed lines ("Seed set to 0", the "No seed found" warning) back until the classes are
     built, so that when a value is refused its error is the first line the user reads. The seed itself is set
-    as before; :meth:`release` emits the held lines, and leaving the block drops what was never released."""
+    as before; :meth:`release` puts the logging and warning hooks back and emits the held lines, and leaving
+    the block puts them back and drops what was never released."""
 
     SEED_LOGGER = "lightning.fabric.utilities.seed"
 
     def __init__(self) -> None:
         self.records: list[logging.LogRecord] = []
         self.warnings: list[tuple[Any, ...]] = []
-        self._holding = False
-        self._show: Any = None
+        self._logger = logging.getLogger(self.SEED_LOGGER)
+        self._show: Any = None  # warnings.showwarning while holding, else None
 
     def __enter__(self) -> HeldSeedLines:
-        self._holding = True
-        self._logger = logging.getLogger(self.SEED_LOGGER)
-        self._filter = self._hold_record
-        self._logger.addFilter(self._filter)
-        self._show = warnings.showwarning
-        warnings.showwarning = self._hold_warning
+        self._logger.addFilter(self._hold_record)
+        self._show, warnings.showwarning = warnings.showwarning, self._hold_warning
         return self
 
     def _hold_record(self, record: logging.LogRecord) -> bool:
-        if self._holding:
-            self.records.append(record)
-            return False
-        return True
+        self.records.append(record)
+        return False
 
     def _hold_warning(self, message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
-        if self._holding and "seed" in str(message).lower():
+        if "seed" in str(message).lower():
             self.warnings.append((message, category, filename, lineno, *rest))
-            return
-        self._show(message, category, filename, lineno, *rest)
+        else:
+            self._show(message, category, filename, lineno, *rest)
+
+    def _stop_holding(self) -> bool:
+        """Put the hooks back; whether they were still in place."""
+        if self._show is None:
+            return False
+        self._logger.removeFilter(self._hold_record)
+        warnings.showwarning, self._show = self._show, None
+        return True
 
     def release(self) -> None:
-        if not self._holding:
+        if not self._stop_holding():
             return
-        self._holding = False
         for args in self.warnings:
-            self._show(*args)
+            warnings.showwarning(*args)
         for record in self.records:
             self._logger.handle(record)
         self.records, self.warnings = [], []
 
     def __exit__(self, *exc: object) -> None:
-        self._holding = False
-        self._logger.removeFilter(self._filter)
-        if warnings.showwarning is self._hold_warning:
-            warnings.showwarning = self._show
+        self._stop_holding()
 
 
 def run_report(argv: Sequence[str]) -> int:

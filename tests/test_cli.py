@@ -189,3 +189,27 @@ def test_report_subcommand_re_renders_an_energy_report(tmp_path, capsys):
         main(["report", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "not a lightning-pulse energy report" in capsys.readouterr().err
+
+
+def test_held_seed_lines_come_out_at_release_and_the_hooks_go_back(caplog):
+    import logging
+    import warnings
+
+    from lightning_pulse.cli import HeldSeedLines
+
+    show = warnings.showwarning
+    caplog.set_level(logging.INFO, logger=HeldSeedLines.SEED_LOGGER)
+    with HeldSeedLines() as held:
+        logging.getLogger(HeldSeedLines.SEED_LOGGER).info("Seed set to 0")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("No seed found, seed set to 7", stacklevel=1)
+        assert not caplog.records and len(held.warnings) == 1  # held
+        held.release()
+        assert [record.getMessage() for record in caplog.records] == ["Seed set to 0"]
+        # warnings.showwarning was left replaced for the rest of the run (a bound method is never `is` itself)
+        assert warnings.showwarning is show
+    with HeldSeedLines():
+        logging.getLogger(HeldSeedLines.SEED_LOGGER).info("dropped")
+    assert warnings.showwarning is show and len(caplog.records) == 1
+    assert not logging.getLogger(HeldSeedLines.SEED_LOGGER).filters
