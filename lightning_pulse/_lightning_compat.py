@@ -312,13 +312,20 @@ def set_callback_metric(trainer: pl.Trainer, name: str, value: float) -> None:
         trainer.callback_metrics[name] = tensor
 
 
-def fullgraph_compiled_part(module: torch.nn.Module) -> str | None:
-    """The name of a submodule compiled with ``torch.compile(..., fullgraph=True)`` (a graph break is an error
-    there), else ``None``. Reads the compiled module's private ``dynamo_ctx``; ``None`` where it is missing."""
+def _compiled_submodules(module: torch.nn.Module | None) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``(name, compiled module)`` of every ``torch.compile``d submodule (the name ``""`` for ``module`` itself)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     for name, submodule in module.named_modules() if module is not None else ():
-        context = getattr(submodule, "dynamo_ctx", None) if isinstance(submodule, OptimizedModule) else None
+        if isinstance(submodule, OptimizedModule):
+            yield name, submodule
+
+
+def fullgraph_compiled_part(module: torch.nn.Module | None) -> str | None:
+    """The name of a submodule compiled with ``torch.compile(..., fullgraph=True)`` (a graph break is an error
+    there), else ``None``. Reads the compiled module's private ``dynamo_ctx``; ``None`` where it is missing."""
+    for name, compiled in _compiled_submodules(module):
+        context = getattr(compiled, "dynamo_ctx", None)
         if context is not None and (
             getattr(context, "fullgraph", False) or getattr(context, "error_on_graph_break", False)
         ):
@@ -326,15 +333,11 @@ def fullgraph_compiled_part(module: torch.nn.Module) -> str | None:
     return None
 
 
-def compiled_part(module: torch.nn.Module) -> str | None:
+def compiled_part(module: torch.nn.Module | None) -> str | None:
     """What of ``module`` runs under ``torch.compile``: the name of a compiled submodule
     (``self.model = torch.compile(...)``), ``"the LightningModule"`` when Lightning unwrapped a compiled one
     (``trainer.fit(torch.compile(model))``), else ``None``."""
     if getattr(module, "_compiler_ctx", None) is not None:
         return "the LightningModule"
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    for name, submodule in module.named_modules() if module is not None else ():
-        if isinstance(submodule, OptimizedModule):
-            return name or "the LightningModule"
-    return None
+    name, _ = next(_compiled_submodules(module), (None, None))
+    return None if name is None else name or "the LightningModule"

@@ -507,23 +507,16 @@ class LossCapture:
             return original(*args, **kwargs)
         reduction = _requested_reduction(arguments)
 
-        if self.sample_weights is not None:
-            # InfoBatch's rescale: the loss once, unreduced, weighted per sample, reduced as the caller asked
+        weights = self.sample_weights
+        if weights is not None or (reduction != "none" and _largest_input(arguments) >= SINGLE_PASS_ELEMENTS):
+            # the loss once, unreduced, reduced here as torch reduces it: InfoBatch's rescale weights each sample
+            # first; large logits save a second pass over them (see SINGLE_PASS_ELEMENTS)
             unreduced = original(**signature.unreduced_call(arguments))
             self._record(name, arguments, unreduced.detach(), reduction)
-            if _splits(tuple(unreduced.shape), self.batch_size):
-                result = _reduce(name, arguments, unreduced, reduction, self.sample_weights)
-            else:
-                result = original(
-                    *args, **kwargs
-                )  # cannot be weighted per sample: the caller's loss as it was
-            return result
+            if weights is None or _splits(tuple(unreduced.shape), self.batch_size):
+                return _reduce(name, arguments, unreduced, reduction, weights)
+            return original(*args, **kwargs)  # cannot be weighted per sample: the caller's loss as it was
 
-        if reduction != "none" and _largest_input(arguments) >= SINGLE_PASS_ELEMENTS:
-            # large logits: one evaluation, reduced here as torch reduces it (see SINGLE_PASS_ELEMENTS)
-            unreduced = original(**signature.unreduced_call(arguments))
-            self._record(name, arguments, unreduced.detach(), reduction)
-            return _reduce(name, arguments, unreduced, reduction)
         result = original(*args, **kwargs)
         if reduction == "none":
             unreduced = result.detach().clone()  # the caller may change its result in place later

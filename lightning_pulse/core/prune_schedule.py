@@ -8,6 +8,7 @@ what is left.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -168,13 +169,14 @@ class PruneSchedule:
     def planned_cuts(self) -> list[tuple[int, float, float]]:
         """The step cadence's events of the resolved schedule, as ``(step, from, to)`` sparsities, from the
         sparsity reached so far (nothing is changed)."""
-        cuts, sparsity, step = [], self.sparsity, self.next_step
-        while step is not None and not math.isinf(self.end_step):
-            target = self.target(step)
-            if target > sparsity + _EPSILON:
-                cuts.append((step, sparsity, target))
-                sparsity = target
-            step = None if step >= self.end_step else min(step + self.every, self.end_step)
+        cuts: list[tuple[int, float, float]] = []
+        if math.isinf(self.end_step):
+            return cuts
+        trial = copy.copy(self)  # its fields are numbers: advancing it leaves this schedule as it is
+        while not trial.finished and trial.next_step is not None:
+            step, before = trial.next_step, trial.sparsity
+            if (target := trial.advance(step)) is not None:
+                cuts.append((step, before, target))
         return cuts
 
     def state_dict(self) -> dict[str, Any]:
