@@ -11,6 +11,20 @@ warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def generated_data_in_a_scratch_folder(tmp_path_factory):
+    """Generated datasets (MNIST-1D) are kept in a folder of this session, not in the user's cache; DDP
+    workers inherit the variable."""
+    import os
+
+    if "LIGHTNING_PULSE_DATA" in os.environ:
+        yield
+        return
+    os.environ["LIGHTNING_PULSE_DATA"] = str(tmp_path_factory.mktemp("generated-data"))
+    yield
+    os.environ.pop("LIGHTNING_PULSE_DATA", None)
+
+
 def trainer_kwargs(**overrides):
     """Trainer arguments for fast, quiet test runs."""
     kwargs = dict(

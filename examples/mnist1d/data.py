@@ -1,11 +1,23 @@
-"""A LightningDataModule that generates MNIST-1D with the ``mnist1d`` generator (no download)."""
+"""A LightningDataModule that generates MNIST-1D with the ``mnist1d`` generator (no download).
+
+Generation takes about 0.8 s for the paper's 5,000 samples on one CPU core, which is most of a short fit's
+fixed cost. It is done once, in ``prepare_data`` (Lightning's place for a download), and the arrays are kept in
+``data_dir`` as a real dataset is kept on disk; ``setup`` loads them in milliseconds.
+"""
 
 from __future__ import annotations
+
+import os
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+_ARRAYS = ("x", "y", "x_test", "y_test")
 
 
 def make_mnist1d(num_samples: int = 5000, seed: int = 42) -> dict[str, np.ndarray]:
@@ -16,6 +28,38 @@ def make_mnist1d(num_samples: int = 5000, seed: int = 42) -> dict[str, np.ndarra
     args.num_samples = num_samples
     args.seed = seed
     return make_dataset(args)
+
+
+def default_data_dir() -> Path:
+    """``$LIGHTNING_PULSE_DATA`` if set, else ``$XDG_CACHE_HOME/lightning-pulse`` (``~/.cache/lightning-pulse``)."""
+    if os.environ.get("LIGHTNING_PULSE_DATA"):
+        return Path(os.environ["LIGHTNING_PULSE_DATA"])
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "lightning-pulse"
+
+
+def mnist1d_file(data_dir: str | Path, num_samples: int, seed: int) -> Path:
+    """Where the generated arrays are kept: one file per size, seed and generator version."""
+    return Path(data_dir) / f"mnist1d-{version('mnist1d')}-n{num_samples}-seed{seed}.npz"
+
+
+def save_mnist1d(path: Path, num_samples: int, seed: int) -> None:
+    """Generate and write atomically: a concurrent reader sees the whole file or none."""
+    data = make_mnist1d(num_samples, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=path.parent, suffix=".npz.partial")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            np.savez(file, **{name: data[name] for name in _ARRAYS})
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+
+
+def load_mnist1d(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as arrays:
+        return {name: arrays[name] for name in _ARRAYS}
 
 
 class MNIST1DDataModule(pl.LightningDataModule):
@@ -31,6 +75,8 @@ class MNIST1DDataModule(pl.LightningDataModule):
         val_fraction: share of the training split held out for validation.
         data_seed: seed of the generator (the data), independent of the training seed.
         num_workers: DataLoader workers.
+        data_dir: where the generated arrays are kept (default :func:`default_data_dir`). A folder that cannot
+            be written is not an error: the data is then generated in ``setup``, every fit.
     """
 
     def __init__(
@@ -40,6 +86,7 @@ class MNIST1DDataModule(pl.LightningDataModule):
         val_fraction: float = 0.1,
         data_seed: int = 42,
         num_workers: int = 0,
+        data_dir: str | None = None,
     ) -> None:
         super().__init__()
         if num_samples < 100:
@@ -48,11 +95,25 @@ class MNIST1DDataModule(pl.LightningDataModule):
             raise ValueError(f"`val_fraction`={val_fraction} must be in (0, 1).")
         self.save_hyperparameters()
         self.train_set = self.val_set = self.test_set = None
+        folder = default_data_dir() if data_dir is None else Path(data_dir)
+        self.data_file = mnist1d_file(folder, num_samples, data_seed)
+
+    def prepare_data(self) -> None:
+        """Generate the data once (on one process per node) and keep it in ``data_dir``."""
+        if self.data_file.exists():
+            return
+        try:
+            save_mnist1d(self.data_file, self.hparams.num_samples, self.hparams.data_seed)
+        except OSError:  # a read-only folder: setup generates in memory instead
+            pass
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        data = make_mnist1d(self.hparams.num_samples, self.hparams.data_seed)
+        if self.data_file.exists():
+            data = load_mnist1d(self.data_file)
+        else:
+            data = make_mnist1d(self.hparams.num_samples, self.hparams.data_seed)
         x = torch.as_tensor(data["x"], dtype=torch.float32)
         y = torch.as_tensor(data["y"], dtype=torch.long)
         x_test = torch.as_tensor(data["x_test"], dtype=torch.float32)
