@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.carried_state import kept_carried_state
+from lightning_pulse.core.snapshots import TrainingSnapshot, holding
 
 #: the tensors the probes of this process handed to a collective (see ``compat.CollectiveHold``); the callbacks
 #: that run a probe wait for them at teardown
@@ -97,6 +98,68 @@ def run_validation_probe(
         stacked = compat.reduce_held(trainer.strategy, stacked, "mean", PROBE_COLLECTIVES)
         means = dict(zip(means, stacked.tolist()))
     return means
+
+
+def training_losses(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
+) -> list[float]:
+    """The loss the module's own ``training_step`` returns on each ``(batch_idx, batch)``, without training.
+
+    As the validation probe: no gradient, ``self.log`` calls dropped, torchmetrics states, carried tensor state
+    and the random generators as they were. The modules stay in training mode (a batch's training loss is the
+    figure compared), so buffers a training forward updates (BatchNorm's running statistics) change: the caller
+    restores them (:func:`lightning_pulse.core.snapshots.holding` does). A step that returns no loss gives NaN.
+    """
+    losses: list[float] = []
+
+    def drop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    pl_module.log = drop  # type: ignore[method-assign]
+    pl_module.log_dict = drop  # type: ignore[method-assign]
+    try:
+        with (
+            compat.frozen_metric_states(pl_module),
+            kept_carried_state(pl_module),
+            isolate_rng(),
+            torch.no_grad(),
+            trainer.precision_plugin.train_step_context(),
+        ):
+            for batch_idx, batch in batches:
+                output = pl_module.training_step(batch, batch_idx)
+                loss = output.get("loss") if isinstance(output, dict) else output
+                losses.append(
+                    float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float("nan")
+                )
+    finally:
+        del pl_module.log
+        del pl_module.log_dict
+    return losses
+
+
+def losses_at(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    snapshot: TrainingSnapshot,
+    flagged: list[tuple[int, Any]],
+    reference: list[tuple[int, Any]],
+    hold: compat.CollectiveHold,
+) -> tuple[float, float]:
+    """The mean training loss of the ``flagged`` and of the ``reference`` batches with ``snapshot``'s weights
+    swapped in (StabilityGuard's rollback test); the module's own state comes back bit for bit. Under DDP the
+    sums are all-reduced, so every rank gets the same two numbers (every rank calls this at the same step)."""
+    with holding(snapshot, pl_module):
+        flagged_losses = training_losses(trainer, pl_module, flagged)
+        reference_losses = training_losses(trainer, pl_module, reference)
+    sums = torch.tensor(
+        [sum(flagged_losses), len(flagged_losses), sum(reference_losses), len(reference_losses)],
+        dtype=torch.float64,
+        device=pl_module.device,
+    )
+    if trainer.world_size > 1:
+        sums = compat.reduce_held(trainer.strategy, sums, "sum", hold)
+    flagged_sum, flagged_count, reference_sum, reference_count = sums.tolist()
+    return flagged_sum / flagged_count, reference_sum / reference_count
 
 
 class HeldOutProbe:

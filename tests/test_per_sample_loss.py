@@ -532,3 +532,26 @@ def test_a_loss_module_traced_into_a_compiled_graph_is_said_not_recorded():
     # the first call compiles, and its capture says what happened (HardSampleReplay refuses at that step)
     with pytest.raises(PulseRefusal, match=r"cross_entropy was traced into a torch.compile graph"):
         captures[0].require()
+
+
+def test_rows_picked_by_a_mask_do_not_split_into_samples_but_one_picked_row_per_sample_does():
+    # `logits[mask]` (labelled tokens only) gives samples different numbers of rows; when their count happened
+    # to be a multiple of B, they were cut into B equal runs and scored on other samples' tokens (held-out sweep)
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 10, requires_grad=True)
+    labels = torch.randint(0, 10, (4, 6))
+    lengths = torch.tensor([1, 3, 2, 2])  # 8 labelled tokens: a multiple of B = 4
+    mask = torch.arange(6)[None, :] < lengths[:, None]
+    with LossCapture(batch_size=4) as capture:
+        F.cross_entropy(logits[mask], labels[mask])
+        F.cross_entropy(logits[mask].float().view(-1, 10), labels[mask])  # through a cast and a view
+    assert [record.maps_onto_batch for record in capture.records] == [False, False]
+    assert "picked by an index or a mask" in capture.describe()
+    # one row per sample, in order (a sequence classifier pooling the last real token, as HF GPT-2 does)
+    last = lengths - 1
+    with LossCapture(batch_size=4) as capture:
+        F.cross_entropy(logits[torch.arange(4), last], labels[torch.arange(4), last])
+        F.cross_entropy(logits.reshape(-1, 10), labels.reshape(-1))  # all tokens: a reshape of the batch
+    assert [record.maps_onto_batch for record in capture.records] == [True, True]
+    expected = F.cross_entropy(logits[torch.arange(4), last], labels[torch.arange(4), last], reduction="none")
+    assert torch.allclose(capture.records[0].per_sample, expected.detach())

@@ -285,3 +285,72 @@ def test_lbfgs_is_refused_at_fit_start_because_it_moves_parameters_without_a_gra
     with pytest.raises(PulseRefusal, match=r"^GradientCache: torch.optim.LBFGS .* first-order optimizer"):
         trainer.fit(LBFGSMLP(), data)
     assert trainer.global_step == 0
+
+
+class CheckpointedBlocks(pl.LightningModule):
+    """Two MLP blocks under activation checkpointing, as memory-bound models train."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.inp = nn.Linear(20, 64)
+        self.b1 = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.b2 = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.relu(self.inp(x))
+        h = checkpoint(self.b1, h, use_reentrant=self.use_reentrant)
+        h = checkpoint(self.b2, h, use_reentrant=self.use_reentrant)
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class UnfrozenUnitsMove(Callback):
+    """Counts steps where a unit GradientCache did not freeze kept its weights (it should have trained)."""
+
+    def __init__(self, cache: GradientCache) -> None:
+        self.cache, self.stalled, self.checked = cache, [], 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.frozen = list(self.cache.frozen_units)
+        self.before = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not self.frozen:
+            return
+        self.checked += 1
+        for name, parameter in pl_module.named_parameters():
+            unit = name.rpartition(".")[0]
+            if unit not in self.frozen and torch.equal(parameter.detach(), self.before[name]):
+                self.stalled.append((trainer.global_step, name))
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_reentrant_activation_checkpointing_is_refused_and_the_non_reentrant_form_freezes_correctly(
+    use_reentrant,
+):
+    # Reentrant checkpointing gives a block's parameters no gradient once its input needs none: a frozen prefix
+    # ending before it stalled the (unfrozen) block for 40 steps, reported as training (a held-out sweep).
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 20, generator=generator)
+    y = (x @ torch.randn(20, 5, generator=generator)).argmax(1)
+    pl.seed_everything(0)
+    cache = GradientCache(threshold=1.0, check_every=4, freeze_for=8, max_frozen_share=0.9)
+    watch = UnfrozenUnitsMove(cache)
+    trainer = pl.Trainer(callbacks=[cache, watch], max_steps=64, **trainer_kwargs(limit_val_batches=0))
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
+    if use_reentrant:
+        with pytest.raises(PulseRefusal, match="GradientCache: .*use_reentrant=False"):
+            trainer.fit(CheckpointedBlocks(use_reentrant), loader)
+        assert trainer.global_step == 0
+        return
+    trainer.fit(CheckpointedBlocks(use_reentrant), loader)
+    assert watch.checked > 0 and watch.stalled == []

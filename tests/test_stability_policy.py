@@ -205,3 +205,71 @@ def test_a_data_fault_is_skipped_and_never_escalates_while_a_bad_model_state_rol
     assert restored.bad_batches == 10
     with pytest.raises(ValueError, match="`cause`"):
         policy.decide(12, Verdict.NONFINITE_LOSS, cause="cosmic ray")
+
+
+def test_a_rollback_that_cannot_help_becomes_a_skip_that_ends_the_incident():
+    policy = EscalationPolicy(rollback_after=2, max_rollbacks=0)  # a needed rollback would stop the run
+    asked = []
+
+    def cannot_help() -> bool:
+        asked.append(True)
+        return False
+
+    assert policy.decide(5, Verdict.LOSS_SPIKE, rollback_helps=cannot_help) is Action.SKIP
+    assert not asked  # asked only where the step would roll back or stop
+    assert policy.decide(6, Verdict.OK) is Action.APPLY
+    assert policy.decide(7, Verdict.LOSS_SPIKE, rollback_helps=cannot_help) is Action.SKIP
+    assert asked and policy.healthy and policy.recurring_spikes == 2
+    assert policy.events[-1]["cause"] == "recurring"
+    assert policy.decide(9, Verdict.LOSS_SPIKE, rollback_helps=lambda: True) is Action.SKIP
+    assert policy.decide(11, Verdict.LOSS_SPIKE, rollback_helps=lambda: True) is Action.STOP
+    # every batch of a row failing is not a few bad samples: it escalates without asking
+    asked.clear()
+    policy = EscalationPolicy(rollback_after=2)
+    assert policy.decide(20, Verdict.LOSS_SPIKE, rollback_helps=cannot_help) is Action.SKIP
+    assert policy.decide(21, Verdict.LOSS_SPIKE, rollback_helps=cannot_help) is Action.ROLLBACK and not asked
+    # a model state gone non-finite rolls back whatever the test says
+    policy = EscalationPolicy(rollback_after=3)
+    assert policy.decide(1, Verdict.NONFINITE_LOSS, "state", rollback_helps=cannot_help) is Action.ROLLBACK
+    restored = EscalationPolicy()
+    restored.load_state_dict({**EscalationPolicy().state_dict(), "recurring_spikes": 4})
+    assert restored.recurring_spikes == 4
+
+
+@pytest.mark.parametrize(
+    ("then", "reference", "now", "reproduced"),
+    [
+        (300.0, 0.2, 375.0, True),  # an outlier target: the same spike on a trained snapshot
+        (230.0, 8.0, 358.0, True),  # and on the untrained one, where every loss is high
+        (0.3, 0.005, 12.6, False),  # a rare class, hard but learnt there; 40x worse now: damage since
+        (1.0, 0.9, 1.2, False),  # ordinary there: not the batch
+        (float("inf"), 1.0, float("inf"), True),  # infinite there too (log(0) on a sample)
+        (float("nan"), 1.0, 5.0, True),
+        (50.0, 1.0, float("inf"), False),  # non-finite now, finite there: the model went bad
+        (5.0, float("nan"), 5.0, False),  # nothing to compare with: escalate as before
+        (5.0, 0.0, 5.0, False),
+        (2.0, 1.0, 2.2, False),  # within 4x, but not min_ratio squared above an ordinary batch there
+        (2.5, 1.0, 2.2, True),
+    ],
+)
+def test_spike_reproduced(then, reference, now, reproduced):
+    from lightning_pulse.core.stability_steps import spike_reproduced
+
+    assert spike_reproduced(then, reference, now, min_ratio=1.5) is reproduced
+
+
+def test_holding_swaps_weights_and_buffers_in_and_puts_every_bit_back():
+    from lightning_pulse.core.snapshots import holding, take_snapshot
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model(torch.randn(8, 4))
+    earlier = take_snapshot(3, model)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    model(torch.randn(8, 4))  # the running statistics move on
+    before = copy.deepcopy(model.state_dict())
+    with holding(earlier, model):
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in earlier.model.items())
+        model(torch.randn(8, 4))  # a training-mode forward inside moves the buffers again
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())

@@ -34,6 +34,7 @@ from lightning_pulse.core.layer_freezing import (
     refuse_compiled_module,
     refuse_manual_optimization,
     refuse_optimizers_that_move_gradless_parameters,
+    refuse_reentrant_checkpointing,
     restore_during_fit,
     restore_freezer,
 )
@@ -165,6 +166,7 @@ class GradientCache(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
+        self._graph_checked = False
         self._span = self.window.steps(float(trainer.estimated_stepping_batches))
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
         self._replay = LoaderActivationCache.for_fit(
@@ -216,6 +218,9 @@ class GradientCache(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
         self._end_activation_batch()  # the forward is over: replayed modules get their own forward back
+        if not self._graph_checked:  # the first backward of this fit, before anything is frozen
+            self._graph_checked = True
+            refuse_reentrant_checkpointing(loss)
         if self._trace is not None and not self._trace.running:
             self._trace.begin()
         if self.measure_flops:

@@ -17,6 +17,7 @@ from lightning_pulse.core import stability_steps as steps
 from lightning_pulse.core.fault_origin import trace_nonfinite
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
 from lightning_pulse.core.snapshots import RollbackState, SnapshotSchedule
+from lightning_pulse.core.spike_detection import Verdict
 from lightning_pulse.core.stability_policy import (
     Action,
     StabilityGuardConfig,
@@ -26,6 +27,7 @@ from lightning_pulse.core.stability_policy import (
 from lightning_pulse.errors import OneRunPerInstance, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PhaseChange
+from lightning_pulse.probe import losses_at
 from lightning_pulse.protocols import PhaseListener, RollbackAware, listeners
 
 __all__ = ["StabilityGuard", "StabilityGuardConfig", "StabilityGuardError"]
@@ -57,12 +59,15 @@ class StabilityGuard(Callback):
     2. **Roll back**, after ``rollback_after`` flagged steps, the model, optimizers, LR schedulers and the
        :class:`~lightning_pulse.protocols.RollbackAware` callbacks to the newest CPU snapshot taken at least
        ``rollback_margin`` steps before the trouble began; the next ``skip_after_rollback`` batches are skipped.
+       Unless the flagged batch spikes at that snapshot's weights too (``training_step`` run without
+       gradients): then its samples spike whatever the model, the step is skipped and the incident ends
+       (``recurring_spikes``; docs/stability-guard.md, "The rollback test").
     3. **Stop** when a rollback is needed after ``max_rollbacks`` recent ones: back to the last good snapshot,
        a checkpoint saved, :class:`StabilityGuardError` raised.
 
     Snapshots: every ``snapshot_every`` steps, at each maintain phase of a :class:`~lightning_pulse.PulseCycle`
     and after a pruning event, never during an incident. Counters (logged under ``stability/``):
-    ``spikes_by_kind``, ``steps_skipped``, ``rollbacks``, ``steps_undone``, ``steps_lost``, ``events`` and,
+    ``spikes_by_kind``, ``recurring_spikes``, ``steps_skipped``, ``rollbacks``, ``steps_undone``, ``steps_lost``, ``events`` and,
     with an ``EnergyLogger``, ``energy_wasted_kwh``. DDP ranks decide on all-reduced numbers, so they act
     alike. Put the guard after callbacks that change gradients (``GradientCache``).
 
@@ -99,6 +104,7 @@ class StabilityGuard(Callback):
     spikes_by_kind = _from_policy("spikes_by_kind")
     steps_skipped = _from_policy("steps_skipped")
     bad_batches = _from_policy("bad_batches")
+    recurring_spikes = _from_policy("recurring_spikes")
     rollbacks = _from_policy("rollbacks")
     steps_undone = _from_policy("steps_undone")
     energy_wasted_kwh = _from_policy("energy_wasted_kwh")
@@ -138,6 +144,9 @@ class StabilityGuard(Callback):
         self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
         self._batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
+        self._reference: list[
+            tuple[int, Any]
+        ] = []  # the micro-batches of the last applied step (rollback test)
         self.bad_samples: list[dict[str, Any]] = []  # {"step", "batch_idx", "rows", "indices"}, newest last
         self._decided: Action | None = None  # the current optimizer step's action, until its batch end
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
@@ -178,6 +187,7 @@ class StabilityGuard(Callback):
         readers = [getattr(callback, "energy_so_far_kwh", None) for callback in trainer.callbacks]
         self._energy = StepEnergy(next((r for r in readers if callable(r)), None), warn=rank_zero_warn)
         self._losses, self._batches, self._decided, self.schedule.pending = [], [], None, False
+        self._reference = []
         self.snapshots.clear()
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
@@ -219,8 +229,9 @@ class StabilityGuard(Callback):
         key = self._fixed_key if self._cycle is None else self._cycle.phase.value
         step = trainer.global_step
         trace = partial(self._nonfinite_cause, trainer, pl_module, batches)
+        rollback_helps = partial(self._rollback_helps, trainer, pl_module, batches, step, loss)
         verdict, action, cause, unjudged = steps.judge_step(
-            self.detector, self.policy, step, loss, grad_norm, key, trace
+            self.detector, self.policy, step, loss, grad_norm, key, trace, rollback_helps
         )
         self._decided = action
         if unjudged:
@@ -240,6 +251,8 @@ class StabilityGuard(Callback):
         action, self._decided = self._decided, None
         if action is None:  # inside an accumulation window
             return
+        if action is Action.APPLY:
+            self._reference = self._batches  # an ordinary batch, for the rollback test
         self._batches = []
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
         self.policy.finish(action, self._energy.end())
@@ -314,6 +327,35 @@ class StabilityGuard(Callback):
         return "data"
 
     # ------------------------------------------------------------------ snapshots and rollbacks
+    def _rollback_helps(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batches: list,
+        step: int,
+        loss: float | None,
+        verdict: Verdict,
+    ) -> bool:
+        """The rollback test (class docstring, 2.): ``False`` when the flagged batch spikes on the snapshot the
+        rollback would return to as well. Untested, so ``True``: a gradient-norm spike, a linear loss scale, no
+        applied step yet, no snapshot, or a GradientCache activation cache (a forward would fill it)."""
+        if (
+            verdict not in steps.LOSS_VERDICTS
+            or loss is None
+            or not self._reference
+            or self.detector.loss_scale != "log"
+            or any(getattr(callback, "activations", None) is not None for callback in trainer.callbacks)
+        ):
+            return True
+        start = self.policy.incident_start
+        target, _ = self.snapshots.last_good(
+            pl_module, (step if start is None else start) - self.schedule.margin
+        )
+        if target is None:
+            return True
+        flagged, reference = losses_at(trainer, pl_module, target, batches, self._reference, self._held)
+        return not steps.spike_reproduced(flagged, reference, loss, self.config.min_ratio)
+
     def _training_state(self, trainer: pl.Trainer) -> tuple[list, list, dict[str, RollbackState]]:
         """What a snapshot holds besides the module: optimizers, LR schedulers, the opted-in callbacks."""
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]

@@ -650,6 +650,32 @@ def refuse_compiled_module(compiled: str | None) -> None:
         )
 
 
+def refuse_reentrant_checkpointing(loss: torch.Tensor) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` when ``loss`` was computed through reentrant activation
+    checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, and Hugging Face's
+    ``gradient_checkpointing_enable()`` where it picks that). A reentrant checkpoint hands its parameters no
+    gradient when none of its inputs needs one, which is what a frozen prefix ending before or inside it makes:
+    a held-out model's checkpointed block stopped training for 40 steps, although GradientCache had not frozen
+    it and reported it as training. The non-reentrant form has no such rule. One walk of the first step's
+    autograd graph."""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            raise PulseRefusal(
+                "GradientCache: the loss goes through reentrant activation checkpointing "
+                "(torch.utils.checkpoint with use_reentrant=True), which gives a checkpointed block's parameters no "
+                "gradient once a frozen prefix stops its input from needing one: layers GradientCache does not "
+                "freeze would stop training. Pass use_reentrant=False to checkpoint (Hugging Face: "
+                'gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})), or '
+                "remove GradientCache."
+            )
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
 def refuse_optimizers_that_move_gradless_parameters(optimizers: Iterable[torch.optim.Optimizer]) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` for an optimizer that updates a parameter without a
     gradient. Freezing relies on torch's first-order optimizers skipping a parameter whose ``grad`` is ``None``;

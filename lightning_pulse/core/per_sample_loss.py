@@ -547,8 +547,46 @@ class LossCapture:
                     f"a square {rows} x {rows} logit matrix over {rows // self.batch_size} views of each sample, as "
                     "a contrastive loss computes: which rows belong to which sample cannot be known"
                 )
+        if (
+            isinstance(logits, Tensor)
+            and record.maps_onto_batch
+            and record.shape[0] != self.batch_size
+            and _rows_picked_by_index(logits)
+        ):
+            # `logits[mask]` (the labelled tokens only): one row per picked element, so samples hold different
+            # numbers of rows, and cutting them into B equal runs would give one sample's rows to another
+            record.maps_onto_batch = False
+            record.why_not = (
+                f"its {record.shape[0]} input rows were picked by an index or a mask (as `logits[mask]` picks "
+                "labelled tokens), so how many belong to each sample cannot be known; compute it on all rows "
+                "with `ignore_index` for the unlabelled ones"
+            )
         self.records.append(record)
         self._per_sample_count = -1
+
+
+#: autograd nodes that select rows by an index tensor or a mask
+_ROW_PICKS = frozenset({"IndexBackward0", "MaskedSelectBackward0", "IndexSelectBackward0"})
+#: nodes that pass one input through unchanged in its rows (looked through on the way to a pick)
+_PASS_THROUGH = frozenset(
+    {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ToCopyBackward0", "CloneBackward0"}
+)
+
+
+def _rows_picked_by_index(tensor: Tensor, depth: int = 4) -> bool:
+    """Whether ``tensor`` was made by picking elements with an index or a mask (through at most ``depth``
+    views and dtype casts): then its rows are not a reshape of the batch."""
+    node = tensor.grad_fn
+    for _ in range(depth):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name in _ROW_PICKS:
+            return True
+        if name not in _PASS_THROUGH:
+            return False
+        node = next((parent for parent, _ in node.next_functions if parent is not None), None)
+    return False
 
 
 def _largest_input(arguments: dict[str, Any]) -> int:

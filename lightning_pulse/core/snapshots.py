@@ -9,6 +9,7 @@ not accelerator memory. :class:`SnapshotRing` keeps the newest ``capacity`` snap
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -222,6 +223,21 @@ def restore_snapshot(
     for key, stateful in (callbacks or {}).items():
         if key in snapshot.callbacks:
             stateful.load_state_dict(copy.deepcopy(snapshot.callbacks[key]))
+
+
+@contextlib.contextmanager
+def holding(snapshot: TrainingSnapshot, model: nn.Module) -> Iterator[None]:
+    """Run the block with ``model`` holding ``snapshot``'s parameters and buffers; its own come back after.
+
+    Only the model: optimizers, schedulers and callbacks are not touched. The model's own state waits in a
+    CPU copy (what a snapshot costs), so this is for rare checks, not for every step.
+    """
+    own = take_snapshot(-1, model)
+    restore_snapshot(TrainingSnapshot(snapshot.step, snapshot.model, [], [], buffers=snapshot.buffers), model)
+    try:
+        yield
+    finally:
+        restore_snapshot(own, model)
 
 
 class RollbackState:

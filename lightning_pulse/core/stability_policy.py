@@ -96,6 +96,11 @@ class EscalationPolicy:
       back to its last good snapshot and then skips the next ``skip_after_rollback`` steps (the batches a
       spike came with are not trained on again, as PaLM did); the next ``lr_cooldown_steps`` applied steps
       are in a learning-rate cooldown.
+    * Unless the rollback cannot help: when healthy steps came between the flagged ones and
+      ``rollback_helps`` (given to :meth:`decide`) answers ``False``, the flagged batch spiking on the snapshot
+      the rollback would return to as well, the spikes are the data's (outlier targets, a loss infinite on a
+      few samples, which come back every epoch): the step is skipped, the incident ends, and its flagged steps
+      count in ``recurring_spikes``. Flagged steps in an unbroken row escalate as before.
     * When a rollback is needed but ``max_rollbacks`` rollbacks already happened within the last
       ``rollback_memory`` steps, the run stops instead.
 
@@ -151,6 +156,7 @@ class EscalationPolicy:
         self.spikes_by_kind: dict[str, int] = {verdict.value: 0 for verdict in Verdict if verdict.is_spike}
         self.steps_skipped = 0
         self.bad_batches = 0  # steps skipped because their batch held non-finite values
+        self.recurring_spikes = 0  # flagged steps whose batch spiked on the rollback's snapshot too
         self.rollbacks = 0
         self.steps_undone = 0  # applied updates thrown away by rollbacks
         self.energy_wasted_kwh = 0.0
@@ -183,13 +189,21 @@ class EscalationPolicy:
             return True
         return False
 
-    def decide(self, step: int, verdict: Verdict, cause: str | None = None) -> Action:
+    def decide(
+        self,
+        step: int,
+        verdict: Verdict,
+        cause: str | None = None,
+        rollback_helps: Callable[[], bool] | None = None,
+    ) -> Action:
         """The action for a step the detector judged ``verdict`` (call :meth:`forced_skip` first).
 
         ``cause`` says, for a non-finite step, where it came from (see :mod:`lightning_pulse.core.fault_origin`):
         ``"data"`` (the batch held non-finite values, the model is healthy): skipped, counted in
         ``bad_batches``, never escalated; ``"state"`` (the parameters or optimizer state are non-finite):
         skipping cannot help, so a rollback (or a stop) right away; ``None``: an ordinary flagged step.
+        ``rollback_helps`` is called only when an ordinary flagged step would roll back or stop: ``False``
+        skips the step instead and ends the incident (the spikes are the data's, see the class docstring).
         """
         if cause not in CAUSES:
             raise ValueError(f"`cause`={cause!r} is not one of {list(CAUSES)}.")
@@ -207,6 +221,16 @@ class EscalationPolicy:
             self.spike_steps.append(step)
             if len(self.spike_steps) < self.rollback_after and cause is None:
                 action = Action.SKIP
+            elif (
+                cause is None
+                and rollback_helps is not None
+                and self._healthy_between()
+                and not rollback_helps()
+            ):
+                action = Action.SKIP
+                self.recurring_spikes += len(self.spike_steps)
+                self.spike_steps = []
+                event["cause"] = "recurring"
             elif len(self.rollback_steps) >= self.max_rollbacks:
                 action = Action.STOP
             else:
@@ -217,6 +241,11 @@ class EscalationPolicy:
             event["cause"] = cause
         self.events.append(event)
         return action
+
+    def _healthy_between(self) -> bool:
+        """Whether applied steps came between the incident's flagged steps (step numbers with gaps). Without
+        any, every batch failed: a whole data stream gone bad, or the model, escalates as before."""
+        return self.spike_steps[-1] - self.spike_steps[0] + 1 > len(self.spike_steps)
 
     def finish(self, action: Action, energy_kwh: float = 0.0) -> None:
         """Book a step once its update was applied or dropped, with the energy it used."""
@@ -264,6 +293,7 @@ class EscalationPolicy:
             "spikes_by_kind": dict(self.spikes_by_kind),
             "steps_skipped": self.steps_skipped,
             "bad_batches": self.bad_batches,
+            "recurring_spikes": self.recurring_spikes,
             "rollbacks": self.rollbacks,
             "steps_undone": self.steps_undone,
             "energy_wasted_kwh": self.energy_wasted_kwh,
@@ -281,6 +311,7 @@ class EscalationPolicy:
             "cooldown_remaining",
             "steps_skipped",
             "bad_batches",
+            "recurring_spikes",
             "rollbacks",
             "steps_undone",
         )

@@ -70,18 +70,53 @@ def judge_step(
     grad_norm: float | None,
     key: str,
     trace_cause: Callable[[], str | None],
+    rollback_helps: Callable[[Verdict], bool] | None = None,
 ) -> tuple[Verdict, Action, str | None, bool]:
     """Judge one optimizer step and decide its action.
 
     ``trace_cause`` is called only for a non-finite step (where it came from, see
-    :func:`~lightning_pulse.core.fault_origin.trace_nonfinite`). Returns ``(verdict, action, cause,
+    :func:`~lightning_pulse.core.fault_origin.trace_nonfinite`); ``rollback_helps(verdict)`` only when the step
+    would roll back or stop (see :meth:`EscalationPolicy.decide`). Returns ``(verdict, action, cause,
     newly_unjudged)``; ``newly_unjudged`` is true at the first loss a log scale cannot judge (warn once).
     """
     unjudged_before = detector.unjudged_losses
     verdict = detector.assess(loss, grad_norm, key, accept=True).verdict
     cause = trace_cause() if verdict in NONFINITE else None
     newly_unjudged = not unjudged_before and detector.unjudged_losses > 0
-    return verdict, policy.decide(step, verdict, cause), cause, newly_unjudged
+    helps = None if rollback_helps is None else lambda: rollback_helps(verdict)
+    return verdict, policy.decide(step, verdict, cause, helps), cause, newly_unjudged
+
+
+#: the verdicts a rollback test can check: it compares losses at the snapshot, so a gradient-norm spike (its
+#: loss ordinary) is left to escalate as before
+LOSS_VERDICTS = frozenset({Verdict.LOSS_SPIKE, Verdict.NONFINITE_LOSS})
+
+
+#: how far below its loss now a flagged batch's loss at the snapshot may be and still count as the same spike
+SAME_SPIKE_FACTOR = 4.0
+
+
+def spike_reproduced(
+    flagged_then: float, reference_then: float, flagged_now: float, min_ratio: float
+) -> bool:
+    """Whether a flagged batch spikes on an earlier state (the snapshot a rollback would return to) as it
+    spikes now: then a rollback cannot help.
+
+    ``flagged_then`` and ``reference_then`` are the losses of the flagged batch and of an ordinary recent batch
+    at that state, ``flagged_now`` the flagged loss now. Reproduced: the batch's loss there is within
+    :data:`SAME_SPIKE_FACTOR` of its loss now, and above the ordinary batch's by ``min_ratio`` squared (so an
+    untrained snapshot, on which every loss is high, does not count). A merely harder batch (a rare class on a
+    well-trained model) is not: damage since the snapshot shows as a loss now many times the loss there. A
+    non-finite loss there, next to a finite ordinary one, is reproduced; a non-finite loss now with a finite
+    one there is not. Anything that cannot be compared (a non-positive or non-finite reference) is not.
+    """
+    if not math.isfinite(reference_then) or reference_then <= 0:
+        return False
+    if not math.isfinite(flagged_then):
+        return True
+    if not math.isfinite(flagged_now) or flagged_then <= 0:
+        return False
+    return flagged_then * SAME_SPIKE_FACTOR >= flagged_now and flagged_then >= min_ratio**2 * reference_then
 
 
 def snapshot_extra(detector: SpikeDetector, policy: EscalationPolicy, module: nn.Module) -> dict[str, Any]:
@@ -117,6 +152,7 @@ def guard_metrics(policy: EscalationPolicy, with_energy: bool) -> dict[str, floa
         "stability/spikes": float(sum(spikes.values())),
         "stability/steps_skipped": float(policy.steps_skipped),
         "stability/bad_batches": float(policy.bad_batches),
+        "stability/recurring_spikes": float(policy.recurring_spikes),
         "stability/rollbacks": float(policy.rollbacks),
         "stability/steps_lost": float(policy.steps_skipped + policy.steps_undone),
         **{f"stability/spikes_{kind}": float(n) for kind, n in spikes.items()},
@@ -219,8 +255,9 @@ def stop_message(
         f"StabilityGuard stopped training at step {step}: spikes kept coming after {recent_rollbacks} "
         f"rollback(s) within {policy.rollback_memory} steps "
         f"(`max_rollbacks`={policy.max_rollbacks}). The checkpoint {path!r} holds {holds}. Inspect the data "
-        f"around the flagged steps (last: {', '.join(flagged)}); spikes that recur on the same samples (outlier "
-        "targets, a loss that is infinite on some of them) are the data's, and rollbacks cannot fix them. To "
+        f"around the flagged steps (last: {', '.join(flagged)}): spikes whose batch the snapshot reproduced were "
+        "skipped as the data's, so these came from the model, or were gradient-norm spikes, which are not "
+        "tested that way; data with many bad samples can do it too (then clean it, or raise `rollback_after`). To "
         "train on with a lower learning rate, load the weights into a new run (YourModule.load_from_checkpoint("
         "path), then trainer.fit): resuming with ckpt_path restores the optimizer's learning rate and the "
         "guard's rollback count too."
@@ -233,7 +270,13 @@ def summary_message(policy: EscalationPolicy) -> str | None:
     if not spikes and not policy.rollbacks:
         return None
     lost = policy.steps_skipped + policy.steps_undone
+    recurring = (
+        f" ({policy.recurring_spikes} recurring: their batches spiked on the rollback's snapshot too, so they "
+        "were skipped, not rolled back)"
+        if policy.recurring_spikes
+        else ""
+    )
     return (
-        f"StabilityGuard: {spikes} spike(s), {policy.steps_skipped} step(s) skipped, "
+        f"StabilityGuard: {spikes} spike(s){recurring}, {policy.steps_skipped} step(s) skipped, "
         f"{policy.rollbacks} rollback(s), {lost} step(s) of work lost."
     )
