@@ -91,3 +91,34 @@ def test_ranks_agree_that_a_nan_batch_on_one_rank_is_the_datas_fault(tmp_path):
     assert rank0["events"] == rank1["events"] == expected
     assert rank0["counters"] == rank1["counters"] == [4, 4, 0, 4]
     assert rank0["params"] == rank1["params"]
+
+
+@pytest.mark.ddp
+def test_ranks_agree_that_spikes_a_snapshot_reproduces_are_the_datas_and_skip_them(tmp_path):
+    # rank 1's inputs are scaled at steps 25 and 27 only: finite data that spikes the loss, with a healthy step
+    # between. At the second flag the rollback test runs each rank's batches at the snapshot's weights and sums
+    # the losses over ranks: both ranks find the spike reproduced there and skip instead of rolling back.
+    pl.seed_everything(0)
+    guard = StabilityGuard(
+        warmup=10, grad_norm_zscore=None, rollback_after=2, snapshot_every=5, rollback_margin=2
+    )
+    faults = [FaultInjector("scale", start=step, length=1, ranks=(1,)) for step in (25, 27)]
+    trainer = pl.Trainer(
+        callbacks=[*faults, guard, GuardDump(str(tmp_path))],
+        max_steps=32,
+        **trainer_kwargs(devices=2, strategy="ddp_spawn", limit_val_batches=0),
+    )
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=60))
+
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert (
+        rank0["events"]
+        == rank1["events"]
+        == [
+            {"step": 25, "event": "loss_spike", "action": "skip"},
+            {"step": 27, "event": "loss_spike", "action": "skip", "cause": "recurring"},
+        ]
+    )
+    assert rank0["counters"] == rank1["counters"] == [2, 2, 0, 2]
+    assert rank0["params"] == rank1["params"]
