@@ -37,6 +37,17 @@ class GuardDump(Callback):
         Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+def fit_two_ranks(tmp_path, faults, guard, max_steps) -> tuple[dict, dict]:
+    """A two-process gloo fit of the MNIST-1D MLP with ``faults`` and ``guard``; each rank's dumped record."""
+    trainer = pl.Trainer(
+        callbacks=[*faults, guard, GuardDump(str(tmp_path))],
+        max_steps=max_steps,
+        **trainer_kwargs(devices=2, strategy="ddp_spawn", limit_val_batches=0),
+    )
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=60))
+    return tuple(json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+
+
 @pytest.mark.ddp
 def test_ranks_skip_and_roll_back_together_when_one_rank_sees_the_fault(tmp_path):
     pl.seed_everything(0)
@@ -48,15 +59,8 @@ def test_ranks_skip_and_roll_back_together_when_one_rank_sees_the_fault(tmp_path
         snapshot_every=5,
         rollback_margin=2,
     )
-    trainer = pl.Trainer(
-        callbacks=[FaultInjector("scale", start=25, length=3, ranks=(1,)), guard, GuardDump(str(tmp_path))],
-        max_steps=32,
-        **trainer_kwargs(devices=2, strategy="ddp_spawn", limit_val_batches=0),
-    )
-    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=60))
-
-    rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    fault = FaultInjector("scale", start=25, length=3, ranks=(1,))
+    rank0, rank1 = fit_two_ranks(tmp_path, [fault], guard, max_steps=32)
     assert (
         rank0["events"]
         == rank1["events"]
@@ -75,15 +79,8 @@ def test_ranks_skip_and_roll_back_together_when_one_rank_sees_the_fault(tmp_path
 def test_ranks_agree_that_a_nan_batch_on_one_rank_is_the_datas_fault(tmp_path):
     pl.seed_everything(0)
     guard = StabilityGuard(warmup=10, rollback_after=2, snapshot_every=5, rollback_margin=2)
-    trainer = pl.Trainer(
-        callbacks=[FaultInjector("nan", start=15, length=4, ranks=(1,)), guard, GuardDump(str(tmp_path))],
-        max_steps=24,
-        **trainer_kwargs(devices=2, strategy="ddp_spawn", limit_val_batches=0),
-    )
-    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=60))
-
-    rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    fault = FaultInjector("nan", start=15, length=4, ranks=(1,))
+    rank0, rank1 = fit_two_ranks(tmp_path, [fault], guard, max_steps=24)
     # rank 0's batches were clean, rank 1's not: both skipped the four steps as the data's fault, no rollback
     expected = [
         {"step": s, "event": "nonfinite_loss", "action": "skip", "cause": "data"} for s in range(15, 19)
@@ -103,22 +100,11 @@ def test_ranks_agree_that_spikes_a_snapshot_reproduces_are_the_datas_and_skip_th
         warmup=10, grad_norm_zscore=None, rollback_after=2, snapshot_every=5, rollback_margin=2
     )
     faults = [FaultInjector("scale", start=step, length=1, ranks=(1,)) for step in (25, 27)]
-    trainer = pl.Trainer(
-        callbacks=[*faults, guard, GuardDump(str(tmp_path))],
-        max_steps=32,
-        **trainer_kwargs(devices=2, strategy="ddp_spawn", limit_val_batches=0),
-    )
-    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=60))
-
-    rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "rank1.json").read_text())
-    assert (
-        rank0["events"]
-        == rank1["events"]
-        == [
-            {"step": 25, "event": "loss_spike", "action": "skip"},
-            {"step": 27, "event": "loss_spike", "action": "skip", "cause": "recurring"},
-        ]
-    )
+    rank0, rank1 = fit_two_ranks(tmp_path, faults, guard, max_steps=32)
+    assert rank0["events"] == rank1["events"]
+    assert rank0["events"] == [
+        {"step": 25, "event": "loss_spike", "action": "skip"},
+        {"step": 27, "event": "loss_spike", "action": "skip", "cause": "recurring"},
+    ]
     assert rank0["counters"] == rank1["counters"] == [2, 2, 0, 2]
     assert rank0["params"] == rank1["params"]
