@@ -7,15 +7,17 @@ not core; it lives apart because two callbacks share it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.core.carried_state import kept_carried_state
+from lightning_pulse.core.carried_state import kept_carried_state, kept_python_state
 from lightning_pulse.core.snapshots import TrainingSnapshot, holding
 
 #: the tensors the probes of this process handed to a collective (see ``compat.CollectiveHold``); the callbacks
@@ -103,12 +105,16 @@ def run_validation_probe(
 def training_losses(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
 ) -> list[float]:
-    """The loss the module's own ``training_step`` returns on each ``(batch_idx, batch)``, without training.
+    """The losses the module's own ``training_step`` returns on ``(batch_idx, batch)`` pairs, without training.
 
     As the validation probe: no gradient, ``self.log`` calls dropped, torchmetrics states, carried tensor state
-    and the random generators as they were. The modules stay in training mode (a batch's training loss is the
-    figure compared), so buffers a training forward updates (BatchNorm's running statistics) change: the caller
-    restores them (:func:`lightning_pulse.core.snapshots.holding` does). A step that returns no loss gives NaN.
+    and the random generators as they were; also the module's public lists, dicts and numbers
+    (``self.training_step_outputs.append(loss)``, counters). Each batch is a copy, so a ``training_step`` that
+    changes its batch in place leaves the batch that trained (and that later callbacks see) as it was. The
+    modules stay in training mode (a batch's training loss is the figure compared), so buffers a training
+    forward updates (BatchNorm's running statistics) change: the caller restores them
+    (:func:`lightning_pulse.core.snapshots.holding` does). A step that returns no loss (Lightning's way to skip
+    a batch) gives none.
     """
     losses: list[float] = []
 
@@ -121,16 +127,17 @@ def training_losses(
         with (
             compat.frozen_metric_states(pl_module),
             kept_carried_state(pl_module),
+            kept_python_state(pl_module),
             isolate_rng(),
             torch.no_grad(),
             trainer.precision_plugin.train_step_context(),
         ):
             for batch_idx, batch in batches:
-                output = pl_module.training_step(batch, batch_idx)
+                copy = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
+                output = pl_module.training_step(copy, batch_idx)
                 loss = output.get("loss") if isinstance(output, dict) else output
-                losses.append(
-                    float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float("nan")
-                )
+                if isinstance(loss, torch.Tensor):
+                    losses.append(float(loss.detach().float()))
     finally:
         del pl_module.log
         del pl_module.log_dict
@@ -159,6 +166,8 @@ def losses_at(
     if trainer.world_size > 1:
         sums = compat.reduce_held(trainer.strategy, sums, "sum", hold)
     flagged_sum, flagged_count, reference_sum, reference_count = sums.tolist()
+    if not flagged_count or not reference_count:  # every step skipped its batch: nothing to compare
+        return math.nan, math.nan
     return flagged_sum / flagged_count, reference_sum / reference_count
 
 

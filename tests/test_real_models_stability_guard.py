@@ -327,6 +327,94 @@ def test_damage_only_a_rare_class_shows_is_still_rolled_back():
     assert recall > 0.9
 
 
+def test_damage_after_the_newest_snapshot_rolls_back_to_the_oldest_that_predates_it():
+    # Damage at step 505, a healthy-looking snapshot at 510, the first flag at 517: at snapshot 510 the rare
+    # class's batches spike too, which alone would read as the data's. At the oldest snapshot held (500) they
+    # are ordinary, so the damage lies between: the guard rolls back to 500 (a held-out sweep found the class
+    # skipped for the rest of the run instead, recall 0.0).
+    generator = torch.Generator().manual_seed(0)
+    centers = torch.randn(10, 16, generator=generator) * 3
+    y = torch.randint(0, 9, (4000,), generator=generator)
+    y[torch.randperm(4000, generator=generator)[:40]] = 9  # in ~15% of batches of 16
+    x = centers[y] + torch.randn(4000, 16, generator=generator)
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU())
+            self.head = torch.nn.Linear(64, 10)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.head(self.body(batch[0])), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), 3e-3)
+
+    class Damage(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 505 and not getattr(self, "done", False):
+                self.done = True
+                with torch.no_grad():
+                    pl_module.head.bias[9] -= 200
+
+    pl.seed_everything(0)
+    model = Classifier()
+    guard = StabilityGuard(warmup=10, snapshot_every=10, rollback_margin=2, rollback_after=2)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y),
+        batch_size=16,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    trainer = pl.Trainer(callbacks=[guard, Damage()], max_epochs=3, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(model, loader)
+    rollbacks = [event for event in guard.events if event["event"] == "rollback"]
+    assert rollbacks and rollbacks[0]["to_step"] <= 505 and guard.recurring_spikes == 0
+    with torch.no_grad():
+        assert (model.head(model.body(x[y == 9])).argmax(1) == 9).float().mean() > 0.9
+
+
+def test_a_gradient_spike_whose_loss_spiked_too_is_tested_like_a_loss_spike():
+    # A stateful LSTM regressor on 7 outlier targets: early on, a loss 160x the median stays under the loss
+    # z-score while its gradient norm passes its own, so the step is flagged as a gradient spike. Its loss is no
+    # ordinary one, so the rollback test runs; it used to be left to escalate, and the guard rolled back on data.
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1500, 8, generator=generator)
+    y = x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(1500, 1, generator=generator)
+    outliers = torch.randperm(1500, generator=generator)[:7]
+    y[outliers] += 30 * y.std()
+
+    class StatefulRegressor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.LSTM(8, 16, batch_first=True)
+            self.head = torch.nn.Linear(16, 1)
+            self.state = None
+
+        def on_train_epoch_start(self):
+            self.state = None
+
+        def training_step(self, batch, batch_idx):
+            out, (h, c) = self.rnn(batch[0].unsqueeze(0), self.state)
+            self.state = (h.detach(), c.detach())
+            return torch.nn.functional.mse_loss(self.head(out[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), 1e-2)
+
+    pl.seed_everything(0)
+    guard = StabilityGuard(warmup=10, snapshot_every=10, rollback_margin=2, rollback_after=2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    trainer = pl.Trainer(callbacks=[guard], max_steps=80, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(StatefulRegressor(), loader)
+    flagged = {event["step"] for event in guard.events if "action" in event}
+    assert flagged <= set((outliers // 16).tolist())  # every flag is an outlier batch
+    assert guard.rollbacks == 0 and any(
+        event == {"step": 70, "event": "grad_spike", "cause": "recurring", "action": "skip"}
+        for event in guard.events
+    )
+
+
 # ------------------------------------------------------------------ 3. divergence inside the warm-up
 def test_a_learning_rate_far_too_high_is_flagged_inside_the_warmup():
     class Hot(OneCycleMLP):

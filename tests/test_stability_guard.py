@@ -622,3 +622,35 @@ def test_lightning_cli_nests_the_config_as_a_plain_mapping():
     assert isinstance(guard, StabilityGuard) and guard.schedule.every == 50
     assert guard.config == StabilityGuardConfig(min_ratio=2.0, lr_cooldown_steps=10)
     assert guard.detector.min_ratio == 2.0 and guard.policy.lr_cooldown_steps == 10
+
+
+def test_the_rollback_tests_training_step_calls_leave_the_module_and_the_batches_as_they_were():
+    # Found by a held-out sweep: the extra calls appended to the Lightning docs' `training_step_outputs`,
+    # moved counters, changed in place a batch later callbacks still read, and a `None` return (Lightning's
+    # skip) entered the mean as NaN.
+    from lightning_pulse.probe import training_losses
+
+    class Recording(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+            self.training_step_outputs, self.seen, self.stats = [], 0, {"calls": 0}
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            x.sub_(x.mean())  # in place, as some input pipelines do
+            self.seen += len(x)
+            self.stats["calls"] += 1
+            loss = torch.nn.functional.mse_loss(self.layer(x), y)
+            self.training_step_outputs.append(loss.detach())
+            return None if batch_idx == 1 else loss
+
+    module = Recording()
+    batch = (torch.arange(6.0).reshape(2, 3) + 5, torch.ones(2, 1))
+    before = batch[0].clone()
+    losses = training_losses(pl.Trainer(**trainer_kwargs()), module, [(0, batch), (1, batch)])
+    assert len(losses) == 1  # the skipped batch gives no loss
+    expected = torch.nn.functional.mse_loss(module.layer(before - before.mean()), batch[1])
+    assert losses[0] == pytest.approx(expected.item())
+    assert torch.equal(batch[0], before)
+    assert (module.training_step_outputs, module.seen, module.stats) == ([], 0, {"calls": 0})

@@ -144,9 +144,9 @@ class StabilityGuard(Callback):
         self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
         self._batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
-        self._reference: list[
-            tuple[int, Any]
-        ] = []  # the micro-batches of the last applied step (rollback test)
+        # the rollback test: the last applied step's micro-batches, and the snapshot step it chose
+        self._reference: list[tuple[int, Any]] = []
+        self._rollback_to: int | None = None
         self.bad_samples: list[dict[str, Any]] = []  # {"step", "batch_idx", "rows", "indices"}, newest last
         self._decided: Action | None = None  # the current optimizer step's action, until its batch end
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
@@ -187,7 +187,7 @@ class StabilityGuard(Callback):
         readers = [getattr(callback, "energy_so_far_kwh", None) for callback in trainer.callbacks]
         self._energy = StepEnergy(next((r for r in readers if callable(r)), None), warn=rank_zero_warn)
         self._losses, self._batches, self._decided, self.schedule.pending = [], [], None, False
-        self._reference = []
+        self._reference, self._rollback_to = [], None
         self.snapshots.clear()
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
@@ -226,7 +226,7 @@ class StabilityGuard(Callback):
             else None
         )
         loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, reduce, world_size)
-        key = self._fixed_key if self._cycle is None else self._cycle.phase.value
+        key = self._key_of()
         step = trainer.global_step
         trace = partial(self._nonfinite_cause, trainer, pl_module, batches)
         rollback_helps = partial(self._rollback_helps, trainer, pl_module, batches, step, loss)
@@ -336,11 +336,17 @@ class StabilityGuard(Callback):
         loss: float | None,
         verdict: Verdict,
     ) -> bool:
-        """The rollback test (class docstring, 2.): ``False`` when the flagged batch spikes on the snapshot the
-        rollback would return to as well. Untested, so ``True``: a gradient-norm spike, a linear loss scale, no
-        applied step yet, no snapshot, or a GradientCache activation cache (a forward would fill it)."""
+        """The rollback test (class docstring, 2.): ``False`` when the flagged batch spikes at the weights of
+        the snapshot the rollback would return to, and at the oldest snapshot held, as well. When it spikes only
+        at the newer one (damage between the two), the rollback goes to the oldest. Untested, so ``True``: a
+        gradient-norm spike whose loss is ordinary, a linear loss scale, no applied step yet, no snapshot, or a
+        GradientCache activation cache (a forward would fill it)."""
+        median = self.detector.baseline(self._key_of())["loss"]
+        loss_spiked = verdict in steps.LOSS_VERDICTS or (
+            loss is not None and median is not None and loss >= self.config.min_ratio**2 * median
+        )
         if (
-            verdict not in steps.LOSS_VERDICTS
+            not loss_spiked
             or loss is None
             or not self._reference
             or self.detector.loss_scale != "log"
@@ -348,13 +354,22 @@ class StabilityGuard(Callback):
         ):
             return True
         start = self.policy.incident_start
-        target, _ = self.snapshots.last_good(
+        newest, _ = self.snapshots.last_good(
             pl_module, (step if start is None else start) - self.schedule.margin
         )
-        if target is None:
+        if newest is None:
             return True
-        flagged, reference = losses_at(trainer, pl_module, target, batches, self._reference, self._held)
-        return not steps.spike_reproduced(flagged, reference, loss, self.config.min_ratio)
+        oldest = self.snapshots.oldest()
+        for target in [newest] + ([oldest] if oldest is not None and oldest is not newest else []):
+            flagged, reference = losses_at(trainer, pl_module, target, batches, self._reference, self._held)
+            if not steps.spike_reproduced(flagged, reference, loss, self.config.min_ratio):
+                self._rollback_to = target.step
+                return True
+        return False
+
+    def _key_of(self) -> str:
+        """The baseline key of the current step: its pulse phase, or the one fixed key."""
+        return self._fixed_key if self._cycle is None else self._cycle.phase.value
 
     def _training_state(self, trainer: pl.Trainer) -> tuple[list, list, dict[str, RollbackState]]:
         """What a snapshot holds besides the module: optimizers, LR schedulers, the opted-in callbacks."""
@@ -371,6 +386,8 @@ class StabilityGuard(Callback):
         step = trainer.global_step - 1  # the flagged step that triggered it (already taken)
         recent_rollbacks = len(self.policy.rollback_steps)
         start = self.policy.incident_start
+        if self._rollback_to is not None:  # the rollback test found the newest snapshot damaged too
+            start, self._rollback_to = self._rollback_to + self.schedule.margin, None
         target, predates = self.schedule.roll_back(
             step if start is None else start,
             pl_module,

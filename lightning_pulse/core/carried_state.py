@@ -246,3 +246,37 @@ def kept_carried_state(module: nn.Module) -> Iterator[None]:
             ):
                 owner_name, _, name = dotted.rpartition(".")
                 setattr(module.get_submodule(owner_name) if owner_name else module, name, value)
+
+
+@contextmanager
+def kept_python_state(module: nn.Module) -> Iterator[None]:
+    """Give back, on exit, the public list, dict and number attributes of ``module`` and its submodules as they
+    were on entry: lists cut back to their length, dicts to their items, numbers to their values.
+
+    For a call of the module's own ``training_step`` outside training (StabilityGuard's rollback test): the
+    Lightning docs' ``self.training_step_outputs.append(loss)`` and counters such as ``self.seen += len(x)``
+    would otherwise count that call. Private attributes (``_name``) and other objects are left alone.
+    """
+    saved: list[tuple[Any, str, Any, Any]] = []
+    for owner in module.modules():
+        for name, value in vars(owner).items():
+            if name.startswith("_") or isinstance(value, bool):
+                continue
+            if isinstance(value, list):
+                saved.append((owner, name, value, len(value)))
+            elif isinstance(value, dict):
+                saved.append((owner, name, value, dict(value)))
+            elif isinstance(value, (int, float)):
+                saved.append((owner, name, value, None))
+    try:
+        yield
+    finally:
+        for owner, name, value, kept in saved:
+            if isinstance(value, list):
+                del value[kept:]
+            elif isinstance(value, dict):
+                if value != kept:
+                    value.clear()
+                    value.update(kept)
+            if getattr(owner, name, None) is not value:
+                setattr(owner, name, value)
