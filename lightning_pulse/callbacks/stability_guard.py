@@ -67,9 +67,9 @@ class StabilityGuard(Callback):
 
     Snapshots: every ``snapshot_every`` steps, at each maintain phase of a :class:`~lightning_pulse.PulseCycle`
     and after a pruning event, never during an incident. Counters (logged under ``stability/``):
-    ``spikes_by_kind``, ``recurring_spikes``, ``steps_skipped``, ``rollbacks``, ``steps_undone``, ``steps_lost``, ``events`` and,
-    with an ``EnergyLogger``, ``energy_wasted_kwh``. DDP ranks decide on all-reduced numbers, so they act
-    alike. Put the guard after callbacks that change gradients (``GradientCache``).
+    ``spikes_by_kind``, ``recurring_spikes``, ``steps_skipped``, ``rollbacks``, ``steps_undone``,
+    ``steps_lost``, ``events`` and, with an ``EnergyLogger``, ``energy_wasted_kwh``. DDP ranks decide on
+    all-reduced numbers, so they act alike. Put the guard after callbacks that change gradients (``GradientCache``).
 
     Args:
         loss_zscore: robust z-score above which a loss is a spike; ``None`` turns loss spikes off.
