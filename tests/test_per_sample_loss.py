@@ -360,7 +360,7 @@ def test_a_loss_that_does_not_split_into_the_batch_is_reported_not_guessed():
         F.mse_loss(torch.randn(7), torch.randn(7))
     assert capture.per_sample() is None
     assert "does not split" in capture.describe()
-    assert "no torch.nn.functional" in LossCapture(batch_size=4).describe()
+    assert "none of the losses it captures was called" in LossCapture(batch_size=4).describe()
 
 
 def test_other_threads_are_not_captured():
@@ -476,7 +476,7 @@ def test_require_says_what_was_captured_when_nothing_splits_into_the_batch():
         F.cross_entropy(logits, targets)
     with pytest.raises(PulseRefusal, match=r"cross_entropy.*does not split.*scorer"):
         other.require()
-    with pytest.raises(PulseRefusal, match="no torch.nn.functional"):
+    with pytest.raises(PulseRefusal, match="none of the losses it captures was called"):
         LossCapture(batch_size=3).require()
 
 
@@ -555,3 +555,14 @@ def test_rows_picked_by_a_mask_do_not_split_into_samples_but_one_picked_row_per_
     assert [record.maps_onto_batch for record in capture.records] == [True, True]
     expected = F.cross_entropy(logits[torch.arange(4), last], labels[torch.arange(4), last], reduction="none")
     assert torch.allclose(capture.records[0].per_sample, expected.detach())
+
+
+def test_a_loss_it_does_not_capture_is_named_as_such_not_as_no_loss_at_all():
+    # a held-out CTC model was refused with "no torch.nn.functional / torch.nn loss was called" after F.ctc_loss
+    log_probs = torch.randn(12, 4, 6).log_softmax(-1)
+    targets = torch.randint(1, 6, (4, 5))
+    with LossCapture(batch_size=4) as capture:
+        F.ctc_loss(log_probs, targets, torch.full((4,), 12), torch.full((4,), 5))
+    assert capture.records == [] and "F.ctc_loss" in capture.describe()
+    with pytest.raises(PulseRefusal, match="none of the losses it captures was called"):
+        capture.require()

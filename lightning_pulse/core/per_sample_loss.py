@@ -470,7 +470,10 @@ class LossCapture:
             else ""
         )
         if not self.records:
-            return compiled or "no torch.nn.functional / torch.nn loss was called"
+            return compiled or (
+                "none of the losses it captures was called (the torch.nn.functional losses and the torch.nn loss "
+                "modules that call them; not, e.g., F.ctc_loss, or a loss written with tensor ops)"
+            )
         calls = ", ".join(
             f"{r.name}(reduction={r.reduction!r}) -> unreduced shape {r.shape}"
             + ("" if r.maps_onto_batch else f" [{r.why_not}]")
