@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import HardSampleReplay, PulseCycle
-from lightning_pulse.core.step_plan import plan_steps, replay_steps_for_budget, window_size
+from lightning_pulse.core.step_plan import plan_steps, plan_summary, replay_steps_for_budget, window_size
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PhaseClock
 from tests.conftest import trainer_kwargs
@@ -228,6 +228,28 @@ def test_plan_without_a_cycle_selects_every_step_and_keeps_each_epoch_one_pass()
     assert window_size(10, 0.25) == 40
     assert plan.batch_sizes == [[40, 40, 20]] * 3
     assert plan.total_steps == 9 and plan.plain_steps == 30 and plan.light_steps == 9
+
+
+def test_a_resumed_plan_says_its_light_steps_are_those_from_the_resume_on():
+    # a held-out resume logged "45 in light phases" where the run had 71: the rest of the run, read as the whole
+    whole = plan_steps(
+        None, ["replay"], batch_size=10, fraction=0.25, samples_per_epoch=100, max_epochs=3, max_steps=None
+    )
+    rest = plan_steps(
+        None,
+        ["replay"],
+        batch_size=10,
+        fraction=0.25,
+        samples_per_epoch=100,
+        max_epochs=3,
+        max_steps=None,
+        start_epoch=1,
+        start_step=3,
+        total_steps=whole.total_steps,
+    )
+    assert (whole.from_step, whole.light_steps, rest.from_step, rest.light_steps) == (0, 9, 3, 6)
+    assert "(0.300x; 9 in light phases)" in plan_summary(whole, None)
+    assert "(0.300x; 6 of the 6 from step 3 on in light phases)" in plan_summary(rest, None)
 
 
 def test_plan_closes_an_accumulation_window_at_the_epoch_end_as_lightning_does():

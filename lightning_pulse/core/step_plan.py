@@ -33,7 +33,7 @@ class StepPlan:
         batch_sizes: per epoch, the raw size of each batch the sampler yields (its last one may be short).
         total_steps: optimizer steps the run takes.
         plain_steps: optimizer steps the same data takes without step-saving replay.
-        light_steps: of ``total_steps``, those in a light (selecting) phase.
+        light_steps: of the steps from ``from_step`` on, those in a light (selecting) phase.
         data_steps: optimizer steps the planned batches give (``None``: ``total_steps``). It falls short of
             ``total_steps`` when warm-up and anneal have no exact fixed point; the run then trains plain batches
             past the plan to reach ``total_steps``, so the schedules planned for it end with the run.
@@ -45,6 +45,7 @@ class StepPlan:
     plain_steps: int
     light_steps: int = 0
     data_steps: int | None = None
+    from_step: int = 0  # the optimizer step the plan was made at (a resume plans the rest of the run)
 
     @property
     def steps_past_data(self) -> int:
@@ -139,6 +140,7 @@ def plan_steps(
             plain_steps,
             plan.light_steps,
             data_steps=plan.total_steps,
+            from_step=start_step,
         )
     # warm-up and anneal are shares of the total the plan computes: iterate to the fixed point
     guess, seen = plain_steps, {}
@@ -167,6 +169,7 @@ def plan_steps(
         plain_steps,
         final.light_steps,
         data_steps=final.total_steps,
+        from_step=start_step,
     )
 
 
@@ -195,6 +198,7 @@ def _simulate(
     drop_last: bool,
     total_steps: int,
 ) -> StepPlan:
+    from_step = step
     sim = _copy(clock)
     if sim is not None and sim.stage == "pending":
         sim.start(total_steps)
@@ -227,7 +231,7 @@ def _simulate(
             sizes, remaining, epoch = [], samples_per_epoch, epoch + 1
     if sizes:
         epochs.append(sizes)
-    return StepPlan(first_epoch, epochs, step, plain_steps, light_steps)
+    return StepPlan(first_epoch, epochs, step, plain_steps, light_steps, from_step=from_step)
 
 
 def _copy(clock: PhaseClock | None) -> PhaseClock | None:
@@ -355,9 +359,12 @@ def budget_shortfall(plan: StepPlan, budget: float | None) -> str | None:
 
 def plan_summary(plan: StepPlan, budget: float | None) -> str:
     """One line for the log: the planned steps against plain, and the budget if one was asked for."""
+    light = f"{plan.light_steps} in light phases"
+    if plan.from_step:  # a resume plans the rest of the run
+        light = f"{plan.light_steps} of the {plan.total_steps - plan.from_step} from step {plan.from_step} on in light phases"
     text = (
         f"the run's data takes {plan.total_steps} optimizer steps instead of {plan.plain_steps} "
-        f"({plan.spent:.3f}x; {plan.light_steps} in light phases)"
+        f"({plan.spent:.3f}x; {light})"
     )
     if budget is not None:
         text += f", for a budget of {budget:g}"
