@@ -232,21 +232,9 @@ def test_plan_without_a_cycle_selects_every_step_and_keeps_each_epoch_one_pass()
 
 def test_a_resumed_plan_says_its_light_steps_are_those_from_the_resume_on():
     # a held-out resume logged "45 in light phases" where the run had 71: the rest of the run, read as the whole
-    whole = plan_steps(
-        None, ["replay"], batch_size=10, fraction=0.25, samples_per_epoch=100, max_epochs=3, max_steps=None
-    )
-    rest = plan_steps(
-        None,
-        ["replay"],
-        batch_size=10,
-        fraction=0.25,
-        samples_per_epoch=100,
-        max_epochs=3,
-        max_steps=None,
-        start_epoch=1,
-        start_step=3,
-        total_steps=whole.total_steps,
-    )
+    run = dict(batch_size=10, fraction=0.25, samples_per_epoch=100, max_epochs=3, max_steps=None)
+    whole = plan_steps(None, ["replay"], **run)
+    rest = plan_steps(None, ["replay"], **run, start_epoch=1, start_step=3, total_steps=whole.total_steps)
     assert (whole.from_step, whole.light_steps, rest.from_step, rest.light_steps) == (0, 9, 3, 6)
     assert "(0.300x; 9 in light phases)" in plan_summary(whole, None)
     assert "(0.300x; 6 of the 6 from step 3 on in light phases)" in plan_summary(rest, None)
