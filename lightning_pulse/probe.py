@@ -8,6 +8,8 @@ not core; it lives apart because two callbacks share it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -45,6 +47,34 @@ def first_validation_batches(trainer: pl.Trainer, pl_module: pl.LightningModule,
     return batches
 
 
+@contextmanager
+def outside_the_loop(
+    pl_module: pl.LightningModule,
+    log: Callable[..., None],
+    log_dict: Callable[..., None],
+    step_context: AbstractContextManager,
+) -> Iterator[None]:
+    """Run one of the module's own steps outside Lightning's loop without leaving a trace in the run: ``self.log``
+    and ``self.log_dict`` go to ``log`` and ``log_dict``, torchmetrics states and the tensor state the module
+    carries between batches (an RNN's hidden state) come back, a step that draws random numbers (dropout, a
+    diffusion's noise) draws from a copy of the generators, and nothing records a gradient. ``step_context`` is
+    the precision plugin's context for that kind of step."""
+    pl_module.log = log  # type: ignore[method-assign]
+    pl_module.log_dict = log_dict  # type: ignore[method-assign]
+    try:
+        with (
+            compat.frozen_metric_states(pl_module),
+            kept_carried_state(pl_module),
+            isolate_rng(),
+            torch.no_grad(),
+            step_context,
+        ):
+            yield
+    finally:
+        del pl_module.log
+        del pl_module.log_dict
+
+
 def run_validation_probe(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any]
 ) -> dict[str, float]:
@@ -76,22 +106,12 @@ def run_validation_probe(
 
     modes = {module: module.training for module in pl_module.modules()}
     pl_module.eval()
-    pl_module.log = capture  # type: ignore[method-assign]
-    pl_module.log_dict = capture_dict  # type: ignore[method-assign]
     try:
-        with (
-            compat.frozen_metric_states(pl_module),
-            kept_carried_state(pl_module),  # a stateful module's training state (RNN hidden) comes back
-            isolate_rng(),  # a validation_step that draws (a diffusion's noise, a VAE's sample) draws from a copy
-            torch.no_grad(),
-            trainer.precision_plugin.val_step_context(),
-        ):
+        with outside_the_loop(pl_module, capture, capture_dict, trainer.precision_plugin.val_step_context()):
             for index, batch in enumerate(batches):
                 batch = trainer.strategy.batch_to_device(batch, pl_module.device)
                 pl_module.validation_step(batch, index)
     finally:
-        del pl_module.log
-        del pl_module.log_dict
         for module, training in modes.items():
             module.train(training)
     means = {name: sums[name] / counts[name] for name in sorted(sums)}
@@ -121,26 +141,16 @@ def training_losses(
     def drop(*args: Any, **kwargs: Any) -> None:
         return None
 
-    pl_module.log = drop  # type: ignore[method-assign]
-    pl_module.log_dict = drop  # type: ignore[method-assign]
-    try:
-        with (
-            compat.frozen_metric_states(pl_module),
-            kept_carried_state(pl_module),
-            kept_python_state(pl_module),
-            isolate_rng(),
-            torch.no_grad(),
-            trainer.precision_plugin.train_step_context(),
-        ):
-            for batch_idx, batch in batches:
-                copy = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
-                output = pl_module.training_step(copy, batch_idx)
-                loss = output.get("loss") if isinstance(output, dict) else output
-                if isinstance(loss, torch.Tensor):
-                    losses.append(float(loss.detach().float()))
-    finally:
-        del pl_module.log
-        del pl_module.log_dict
+    with (
+        outside_the_loop(pl_module, drop, drop, trainer.precision_plugin.train_step_context()),
+        kept_python_state(pl_module),
+    ):
+        for batch_idx, batch in batches:
+            copy = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
+            output = pl_module.training_step(copy, batch_idx)
+            loss = output.get("loss") if isinstance(output, dict) else output
+            if isinstance(loss, torch.Tensor):
+                losses.append(float(loss.detach().float()))
     return losses
 
 

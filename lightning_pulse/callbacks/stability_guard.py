@@ -342,11 +342,8 @@ class StabilityGuard(Callback):
         gradient-norm spike whose loss is ordinary, a linear loss scale, no applied step yet, no snapshot, or a
         GradientCache activation cache (a forward would fill it)."""
         median = self.detector.baseline(self._key_of())["loss"]
-        loss_spiked = verdict in steps.LOSS_VERDICTS or (
-            loss is not None and median is not None and loss >= self.config.min_ratio**2 * median
-        )
         if (
-            not loss_spiked
+            not steps.loss_spiked(verdict, loss, median, self.config.min_ratio)
             or loss is None
             or not self._reference
             or self.detector.loss_scale != "log"

@@ -87,9 +87,17 @@ def judge_step(
     return verdict, policy.decide(step, verdict, cause, helps), cause, newly_unjudged
 
 
-#: the verdicts a rollback test can check: it compares losses at the snapshot, so a gradient-norm spike (its
-#: loss ordinary) is left to escalate as before
+#: the verdicts whose loss spiked: the rollback test compares losses at the snapshot
 LOSS_VERDICTS = frozenset({Verdict.LOSS_SPIKE, Verdict.NONFINITE_LOSS})
+
+
+def loss_spiked(verdict: Verdict, loss: float | None, median: float | None, min_ratio: float) -> bool:
+    """Whether a flagged step's loss is abnormal, so that losses at a snapshot can tell whether a rollback helps:
+    a loss verdict, or a gradient-norm spike whose loss is at least ``min_ratio`` squared times the baseline
+    median (a data spike flagged for its gradient first). A gradient spike with an ordinary loss is not."""
+    if verdict in LOSS_VERDICTS:
+        return True
+    return loss is not None and median is not None and loss >= min_ratio**2 * median
 
 
 #: how far below its loss now a flagged batch's loss at the snapshot may be and still count as the same spike
@@ -256,8 +264,8 @@ def stop_message(
         f"rollback(s) within {policy.rollback_memory} steps "
         f"(`max_rollbacks`={policy.max_rollbacks}). The checkpoint {path!r} holds {holds}. Inspect the data "
         f"around the flagged steps (last: {', '.join(flagged)}): spikes whose batch the snapshot reproduced were "
-        "skipped as the data's, so these came from the model, or were gradient-norm spikes, which are not "
-        "tested that way; data with many bad samples can do it too (then clean it, or raise `rollback_after`). To "
+        "skipped as the data's, so these came from the model, or were gradient-norm spikes with an ordinary loss, "
+        "which are not tested that way; data with many bad samples can do it too (then clean it, or raise `rollback_after`). To "
         "train on with a lower learning rate, load the weights into a new run (YourModule.load_from_checkpoint("
         "path), then trainer.fit): resuming with ckpt_path restores the optimizer's learning rate and the "
         "guard's rollback count too."

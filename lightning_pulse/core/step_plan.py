@@ -361,7 +361,8 @@ def plan_summary(plan: StepPlan, budget: float | None) -> str:
     """One line for the log: the planned steps against plain, and the budget if one was asked for."""
     light = f"{plan.light_steps} in light phases"
     if plan.from_step:  # a resume plans the rest of the run
-        light = f"{plan.light_steps} of the {plan.total_steps - plan.from_step} from step {plan.from_step} on in light phases"
+        rest = plan.total_steps - plan.from_step
+        light = f"{plan.light_steps} of the {rest} from step {plan.from_step} on in light phases"
     text = (
         f"the run's data takes {plan.total_steps} optimizer steps instead of {plan.plain_steps} "
         f"({plan.spent:.3f}x; {light})"
