@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
+from lightning_pulse.core.snapshots import RollbackState
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -66,3 +68,19 @@ def listeners(trainer: pl.Trainer, contract: type[_Contract], exclude: object = 
         if contract is RollbackAware and getattr(callback, "restore_on_rollback", False) is not True:
             continue
         yield callback
+
+
+def rollback_states(trainer: pl.Trainer, exclude: object = None) -> dict[str, RollbackState]:
+    """The state of every ``RollbackAware`` callback, keyed by its index and state key (what a snapshot holds)."""
+    aware = listeners(trainer, RollbackAware, exclude=exclude)
+    return {f"{trainer.callbacks.index(cb)}:{cb.state_key}": RollbackState(cb) for cb in aware}
+
+
+def tell_restored_phase(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, states: dict[str, RollbackState], change: PhaseChange
+) -> None:
+    """Tell each restored callback that is a ``PhaseListener`` the phase training continues in (``change``,
+    reason ``"resume"``), as after a checkpoint restore: a rollback does not turn the clock back."""
+    for state in states.values():
+        if isinstance(state.callback, PhaseListener):
+            state.callback.on_pulse_phase_change(trainer, pl_module, change)

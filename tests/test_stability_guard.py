@@ -26,6 +26,7 @@ from lightning_pulse.core.snapshots import copy_to_cpu
 from lightning_pulse.core.stability_policy import StabilityGuardConfig
 from lightning_pulse.energy import MeterConfig
 from lightning_pulse.phase import PhaseChange
+from lightning_pulse.protocols import rollback_states
 from tests.conftest import trainer_kwargs
 
 
@@ -316,7 +317,7 @@ def test_rollback_restores_the_callbacks_that_opt_in_and_only_those(rollback_run
     trainer, guard, recorder, energy = rollback_run
     cycle = trainer.callbacks[0]
     # PulseCycle opts in for its probe only; the EnergyLogger (a meter) does not
-    assert [state.callback for state in guard._rollback_callbacks(trainer).values()] == [cycle, recorder]
+    assert [state.callback for state in rollback_states(trainer, exclude=guard).values()] == [cycle, recorder]
     # the recorder's counter went back with the model: 50 batches ran, those of steps 26..rollback undone
     rolled_back_at = next(e["step"] for e in guard.events if e["event"] == "rollback") + 1
     assert recorder.batches_seen == 50 - (rolled_back_at - 26)
@@ -571,7 +572,7 @@ def test_rollback_returns_every_opted_in_pulse_callback_to_its_state_at_the_snap
 
     rollbacks = [event for event in guard.events if event["event"] == "rollback"]
     assert [(event["step"], event["to_step"]) for event in rollbacks] == [(30, 20)]
-    assert [state.callback for state in guard._rollback_callbacks(trainer).values()] == list(
+    assert [state.callback for state in rollback_states(trainer, exclude=guard).values()] == list(
         opted_in.values()
     )
     snapshot_state, rolled_back = recorder.at_step[20], recorder.at_step[31]

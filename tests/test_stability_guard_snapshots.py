@@ -243,6 +243,19 @@ def test_the_last_good_snapshot_is_the_newest_before_the_trouble_that_still_fits
     assert ring.last_good(model, 100) == (None, False) and len(ring) == 0
 
 
+def test_the_rollback_candidates_are_the_last_good_snapshot_then_the_oldest_once_each():
+    model, optimizer, _ = _setup()
+    ring = SnapshotRing(capacity=3)
+    assert ring.rollback_candidates(model, 15) == []
+    ring.add(take_snapshot(0, model, [optimizer]))
+    assert [s.step for s in ring.rollback_candidates(model, 15)] == [0]  # the oldest is the last good one
+    for step in (10, 20):
+        ring.add(take_snapshot(step, model, [optimizer]))
+    assert [s.step for s in ring.rollback_candidates(model, 15)] == [10, 0]
+    smaller = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    assert ring.rollback_candidates(smaller, 15) == []  # none fits a pruned model
+
+
 def test_rollback_state_prefers_the_callbacks_own_rollback_part():
     class Clocked(CountingCallbackState):
         def rollback_state_dict(self):

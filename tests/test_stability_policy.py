@@ -258,6 +258,30 @@ def test_spike_reproduced(then, reference, now, reproduced):
     assert spike_reproduced(then, reference, now, min_ratio=1.5) is reproduced
 
 
+def test_the_rollback_test_goes_to_the_first_snapshot_where_the_batch_is_ordinary_and_tests_no_further():
+    from types import SimpleNamespace
+
+    from lightning_pulse.core.stability_steps import rollback_test
+
+    newest, oldest = SimpleNamespace(step=200), SimpleNamespace(step=0)
+    asked = []
+
+    def losses(spiking_on):
+        def at(target):
+            asked.append(target.step)
+            return (300.0 if target.step in spiking_on else 0.3), 0.2
+
+        return at
+
+    assert rollback_test([newest, oldest], losses({200, 0}), 375.0, 1.5) == (False, None)
+    assert asked == [200, 0]
+    asked.clear()
+    assert rollback_test([newest, oldest], losses({200}), 375.0, 1.5) == (True, 0)  # damage since the oldest
+    asked.clear()
+    assert rollback_test([newest, oldest], losses(set()), 375.0, 1.5) == (True, 200) and asked == [200]
+    assert rollback_test([], losses(set()), 375.0, 1.5) == (True, None)  # nothing to test: escalate
+
+
 def test_holding_swaps_weights_and_buffers_in_and_puts_every_bit_back():
     from lightning_pulse.core.snapshots import holding, take_snapshot
 

@@ -28,7 +28,7 @@ from lightning_pulse.errors import OneRunPerInstance, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PhaseChange
 from lightning_pulse.probe import losses_at
-from lightning_pulse.protocols import PhaseListener, RollbackAware, listeners
+from lightning_pulse.protocols import rollback_states, tell_restored_phase
 
 __all__ = ["StabilityGuard", "StabilityGuardConfig", "StabilityGuardError"]
 
@@ -48,28 +48,24 @@ def _from_policy(name: str) -> property:
 class StabilityGuard(Callback):
     r"""Detects non-finite values and loss or gradient-norm spikes, and answers them, escalating.
 
-    Every optimizer step the guard reads the step's loss (mean over the accumulation window and DDP ranks)
-    and the gradient norm before clipping; its :class:`~lightning_pulse.core.spike_detection.SpikeDetector`
-    flags non-finite values and robust z-score spikes (median and MAD, log scale, one window per pulse phase),
-    and its :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers:
+    Every optimizer step it reads the loss (mean over the accumulation window and DDP ranks) and the gradient
+    norm before clipping. A :class:`~lightning_pulse.core.spike_detection.SpikeDetector` flags non-finite
+    values and robust z-score spikes (median and MAD, log scale, one window per pulse phase); an
+    :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers (docs/stability-guard.md):
 
-    1. **Skip** the flagged update. A non-finite step whose batch holds non-finite values is the data's
-       fault: skipped, never escalated, its samples kept in ``bad_samples`` and counted in ``bad_batches``;
-       a non-finite model state rolls back at once.
+    1. **Skip** the update. A non-finite step whose batch holds non-finite values is the data's fault: skipped,
+       never escalated, its samples kept in ``bad_samples``. A non-finite model state rolls back at once.
     2. **Roll back**, after ``rollback_after`` flagged steps, the model, optimizers, LR schedulers and the
        :class:`~lightning_pulse.protocols.RollbackAware` callbacks to the newest CPU snapshot taken at least
-       ``rollback_margin`` steps before the trouble began; the next ``skip_after_rollback`` batches are skipped.
-       Unless the flagged batch spikes at that snapshot's weights too (``training_step`` run without
-       gradients): then its samples spike whatever the model, the step is skipped and the incident ends
-       (``recurring_spikes``; docs/stability-guard.md, "The rollback test").
+       ``rollback_margin`` steps before the trouble; the next ``skip_after_rollback`` batches are skipped. Unless
+       the flagged batch spikes at that snapshot's weights too (the rollback test): then the data spikes, the
+       step is skipped and counted in ``recurring_spikes``.
     3. **Stop** when a rollback is needed after ``max_rollbacks`` recent ones: back to the last good snapshot,
        a checkpoint saved, :class:`StabilityGuardError` raised.
 
-    Snapshots: every ``snapshot_every`` steps, at each maintain phase of a :class:`~lightning_pulse.PulseCycle`
-    and after a pruning event, never during an incident. Counters (logged under ``stability/``):
-    ``spikes_by_kind``, ``recurring_spikes``, ``steps_skipped``, ``rollbacks``, ``steps_undone``,
-    ``steps_lost``, ``events`` and, with an ``EnergyLogger``, ``energy_wasted_kwh``. DDP ranks decide on
-    all-reduced numbers, so they act alike. Put the guard after callbacks that change gradients (``GradientCache``).
+    Snapshots: every ``snapshot_every`` steps, at maintain phases and after pruning events, never during an
+    incident. Counters are logged under ``stability/``. DDP ranks decide on all-reduced numbers, so they act
+    alike. Put the guard after callbacks that change gradients (``GradientCache``).
 
     Args:
         loss_zscore: robust z-score above which a loss is a spike; ``None`` turns loss spikes off.
@@ -219,13 +215,9 @@ class StabilityGuard(Callback):
             self._changes.skip(optimizer)
             self._decided = Action.SKIP
             return
-        world_size = trainer.world_size
-        reduce = (
-            partial(compat.reduce_held, trainer.strategy, reduce_op="sum", hold=self._held)
-            if world_size > 1
-            else None
+        loss, grad_norm = step_loss_and_grad_norm(
+            optimizer.param_groups, losses, self._sum_over_ranks(trainer), trainer.world_size
         )
-        loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, reduce, world_size)
         key = self._key_of()
         step = trainer.global_step
         trace = partial(self._nonfinite_cause, trainer, pl_module, batches)
@@ -311,13 +303,13 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list
     ) -> str | None:
         """Where a non-finite step came from (``trace_nonfinite``); a data fault's samples are remembered."""
-        reduce = (
-            partial(compat.reduce_held, trainer.strategy, reduce_op="sum", hold=self._held)
-            if trainer.world_size > 1
-            else None
-        )
         cause, samples = trace_nonfinite(
-            pl_module, trainer.optimizers, batches, trainer.global_step, trainer.train_dataloader, reduce
+            pl_module,
+            trainer.optimizers,
+            batches,
+            trainer.global_step,
+            trainer.train_dataloader,
+            self._sum_over_ranks(trainer),
         )
         if cause != "data":
             return cause
@@ -336,33 +328,34 @@ class StabilityGuard(Callback):
         loss: float | None,
         verdict: Verdict,
     ) -> bool:
-        """The rollback test (class docstring, 2.): ``False`` when the flagged batch spikes at the weights of
-        the snapshot the rollback would return to, and at the oldest snapshot held, as well. When it spikes only
-        at the newer one (damage between the two), the rollback goes to the oldest. Untested, so ``True``: a
-        gradient-norm spike whose loss is ordinary, a linear loss scale, no applied step yet, no snapshot, or a
-        GradientCache activation cache (a forward would fill it)."""
+        """The rollback test (class docstring, 2.; ``steps.rollback_test``) on the snapshot the rollback would
+        return to, then on the oldest held. Untested, so ``True``: a gradient-norm spike whose loss is ordinary,
+        a linear loss scale, no applied step yet, no snapshot, or a GradientCache activation cache (a forward
+        would fill it)."""
         median = self.detector.baseline(self._key_of())["loss"]
         if (
-            not steps.loss_spiked(verdict, loss, median, self.config.min_ratio)
-            or loss is None
+            loss is None
+            or not steps.loss_spiked(verdict, loss, median, self.config.min_ratio)
             or not self._reference
             or self.detector.loss_scale != "log"
             or any(getattr(callback, "activations", None) is not None for callback in trainer.callbacks)
         ):
             return True
         start = self.policy.incident_start
-        newest, _ = self.snapshots.last_good(
-            pl_module, (step if start is None else start) - self.schedule.margin
+        before = (step if start is None else start) - self.schedule.margin
+        helps, self._rollback_to = steps.rollback_test(
+            self.snapshots.rollback_candidates(pl_module, before),
+            lambda target: losses_at(trainer, pl_module, target, batches, self._reference, self._held),
+            loss,
+            self.config.min_ratio,
         )
-        if newest is None:
-            return True
-        oldest = self.snapshots.oldest()
-        for target in [newest] + ([oldest] if oldest is not None and oldest is not newest else []):
-            flagged, reference = losses_at(trainer, pl_module, target, batches, self._reference, self._held)
-            if not steps.spike_reproduced(flagged, reference, loss, self.config.min_ratio):
-                self._rollback_to = target.step
-                return True
-        return False
+        return helps
+
+    def _sum_over_ranks(self, trainer: pl.Trainer) -> Any:
+        """The strategy's sum all-reduce under DDP (its tensors held until the backend lets go), else ``None``."""
+        if trainer.world_size == 1:
+            return None
+        return partial(compat.reduce_held, trainer.strategy, reduce_op="sum", hold=self._held)
 
     def _key_of(self) -> str:
         """The baseline key of the current step: its pulse phase, or the one fixed key."""
@@ -371,7 +364,7 @@ class StabilityGuard(Callback):
     def _training_state(self, trainer: pl.Trainer) -> tuple[list, list, dict[str, RollbackState]]:
         """What a snapshot holds besides the module: optimizers, LR schedulers, the opted-in callbacks."""
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        return trainer.optimizers, schedulers, self._rollback_callbacks(trainer)
+        return trainer.optimizers, schedulers, rollback_states(trainer, exclude=self)
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         extra = steps.snapshot_extra(self.detector, self.policy, pl_module)
@@ -394,8 +387,10 @@ class StabilityGuard(Callback):
         undone = steps.restore_books(
             target, predates, start, self.detector, self.policy, pl_module, rank_zero_warn
         )
-        if target is not None:
-            self._announce_restored_phase(trainer, pl_module)
+        cycle = pulse_cycle_of(trainer)
+        if target is not None and cycle is not None:  # the restored listeners learn the phase they are in
+            change = PhaseChange(None, cycle.phase, cycle.cycle, cycle.clock.step, "resume")
+            tell_restored_phase(trainer, pl_module, rollback_states(trainer, exclude=self), change)
         to_step = None if target is None else target.step
         if action is Action.ROLLBACK:
             self.policy.rolled_back(step, to_step)
@@ -407,19 +402,3 @@ class StabilityGuard(Callback):
         trainer.save_checkpoint(path)
         message = steps.stop_message(self.policy, step, to_step, recent_rollbacks, path)
         raise StabilityGuardError(message, checkpoint_path=path)
-
-    def _rollback_callbacks(self, trainer: pl.Trainer) -> dict[str, RollbackState]:
-        """The callbacks whose state goes back with the model (``RollbackAware``), by index and state key."""
-        aware = listeners(trainer, RollbackAware, exclude=self)
-        return {f"{trainer.callbacks.index(cb)}:{cb.state_key}": RollbackState(cb) for cb in aware}
-
-    def _announce_restored_phase(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Tell each restored phase listener the current phase (reason ``"resume"``), as after a checkpoint
-        restore: the clock did not go back, so the phase it is told is the one training continues in."""
-        cycle = pulse_cycle_of(trainer)
-        if cycle is None:
-            return
-        change = PhaseChange(None, cycle.phase, cycle.cycle, cycle.clock.step, "resume")
-        for state in self._rollback_callbacks(trainer).values():
-            if isinstance(state.callback, PhaseListener):
-                state.callback.on_pulse_phase_change(trainer, pl_module, change)

@@ -337,6 +337,15 @@ class SnapshotRing:
     def oldest(self) -> TrainingSnapshot | None:
         return self._snapshots[0] if self._snapshots else None
 
+    def rollback_candidates(self, model: nn.Module, step: int) -> list[TrainingSnapshot]:
+        """The snapshots a rollback for trouble at ``step`` could return to, in the order to try them: the
+        one :meth:`last_good` picks, then the oldest held (empty when none fits ``model``)."""
+        newest, _ = self.last_good(model, step)
+        oldest = self.oldest()
+        if newest is None:
+            return []
+        return [newest] + ([oldest] if oldest is not None and oldest is not newest else [])
+
     def last_good(self, model: nn.Module, step: int) -> tuple[TrainingSnapshot | None, bool]:
         """The snapshot to roll back to: the newest one taken at or before ``step`` that still fits
         ``model``, else the oldest one that fits.

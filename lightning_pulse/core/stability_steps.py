@@ -3,6 +3,8 @@
 * :func:`make_detector` and :func:`make_policy`: the guard's arguments and config, validated by the objects.
 * :func:`judge_step`: the one decision of an optimizer step, from the detector's verdict to the policy's
   action (with the cause of a non-finite step).
+* :func:`loss_spiked`, :func:`spike_reproduced` and :func:`rollback_test`: the rollback test's rule (does the
+  flagged batch spike at a snapshot's weights too?).
 * :func:`snapshot_extra` and :func:`restore_books`: the bookkeeping a snapshot carries and a rollback
   returns to (the detector's windows, the policy's lineage, the module's carried tensors).
 * :func:`guard_metrics` and the ``*_message`` functions: the figures logged under ``stability/`` and the
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -125,6 +127,26 @@ def spike_reproduced(
     if not math.isfinite(flagged_now) or flagged_then <= 0:
         return False
     return flagged_then * SAME_SPIKE_FACTOR >= flagged_now and flagged_then >= min_ratio**2 * reference_then
+
+
+def rollback_test(
+    targets: Sequence[TrainingSnapshot],
+    losses_at: Callable[[TrainingSnapshot], tuple[float, float]],
+    flagged_now: float,
+    min_ratio: float,
+) -> tuple[bool, int | None]:
+    """The rollback test over the snapshots a rollback could return to, newest first: ``(True, its step)`` for
+    the first one on which the flagged batch does not spike (:func:`spike_reproduced` is false), so the rollback
+    goes there; ``(False, None)`` when it spikes on every one (the data's fault: skip, do not roll back);
+    ``(True, None)`` with no snapshot (nothing to test: escalate as before). ``losses_at(target)`` gives the
+    flagged and the ordinary batch's losses at ``target``'s weights."""
+    if not targets:
+        return True, None
+    for target in targets:
+        flagged, reference = losses_at(target)
+        if not spike_reproduced(flagged, reference, flagged_now, min_ratio):
+            return True, target.step
+    return False, None
 
 
 def snapshot_extra(detector: SpikeDetector, policy: EscalationPolicy, module: nn.Module) -> dict[str, Any]:
