@@ -625,3 +625,28 @@ def test_a_state_of_another_version_is_refused_naming_it():
     state["version"] = 1
     with pytest.raises(ValueError, match="state version 1"):
         freezer.load_state_dict(state)
+
+
+def test_only_what_the_freezer_turned_off_is_turned_back_on_and_a_unit_taken_back_is_released():
+    model = mlp()
+    settings = FreezeSettings(threshold=0.5, check_every=5, freeze_for=10, max_frozen_share=1.0)
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)), settings)
+    model[0].bias.requires_grad_(False)  # the user freezes a bias mid-run (a fine-tuning schedule)
+    drive(freezer, slowing, 10)
+    assert freezer.frozen_prefix == 2 and not model[0].weight.requires_grad
+    drive(freezer, slowing, 10)  # freeze_for reached: released for a refresh window
+    assert freezer.frozen_prefix == 0 and model[0].weight.requires_grad
+    assert not model[0].bias.requires_grad  # the user's freeze stays
+    drive(freezer, slowing, 5)
+    assert freezer.frozen_prefix == 2
+    freezer.restore_requires_grad()  # the end of training
+    assert model[0].weight.requires_grad and not model[0].bias.requires_grad
+    freezer.apply_requires_grad()  # a restored state: the prefix frozen again
+
+    # someone else turns a frozen unit back on (BackboneFinetuning): the prefix is released at the next step and
+    # that unit's gradient is kept for the optimizer, not cleared
+    model[2].weight.requires_grad_(True)
+    model[2].weight.grad = torch.ones_like(model[2].weight)
+    freezer.step(True)
+    assert freezer.frozen_prefix == 0 and model[0].weight.requires_grad
+    assert model[2].weight.grad is not None and not model[0].bias.requires_grad

@@ -9,7 +9,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader
@@ -354,3 +354,55 @@ def test_reentrant_activation_checkpointing_is_refused_and_the_non_reentrant_for
         return
     trainer.fit(CheckpointedBlocks(use_reentrant), loader)
     assert watch.checked > 0 and watch.stalled == []
+
+
+class BackboneClassifier(pl.LightningModule):
+    """A fine-tuning module as Lightning's ``BackboneFinetuning`` expects: ``self.backbone`` and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(40, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Sequential(
+            nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.05)
+
+
+class FreezeAt(Callback):
+    """The user freezes ``head.2`` at the start of epoch ``epoch`` (a schedule of their own)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch, self.value = epoch, None
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            pl_module.head[2].requires_grad_(False)
+            self.value = pl_module.head[2].weight.detach().clone()
+
+
+def test_what_the_user_or_backbone_finetuning_freezes_and_unfreezes_stays_theirs():
+    pl.seed_everything(0)
+    data = MNIST1DDataModule(num_samples=1000, batch_size=50)
+    module, user = BackboneClassifier(), FreezeAt(epoch=2)
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=3, backbone_initial_ratio_lr=0.5)
+    # max_frozen_share: the cache's prefix is head.0 at most, so head.2 is the user's alone (a parameter the
+    # user freezes while the cache holds it frozen looks unchanged to it: docs/gradient-cache.md)
+    cache, watch = eager_cache(check_every=4, freeze_for=8, max_frozen_share=0.5), WatchParameters()
+    trainer = pl.Trainer(
+        **trainer_kwargs(max_epochs=6, limit_val_batches=1, callbacks=[finetuning, user, cache, watch])
+    )
+    trainer.fit(module, data)
+    assert cache.freezer.freezes > 0  # it froze and released its own prefix meanwhile
+    # the user's freeze held to the end: never trained again, still off after the fit
+    assert torch.equal(module.head[2].weight, user.value) and not module.head[2].weight.requires_grad
+    # the backbone, frozen by BackboneFinetuning until epoch 3, trains from then on
+    steps_per_epoch = trainer.global_step // 6
+    assert not any(name.startswith("backbone") for name in watch.changed_while_frozen())
+    assert {"backbone.0.weight", "backbone.2.weight"} <= watch.changed_after(3 * steps_per_epoch)
+    assert all(p.requires_grad for p in module.backbone.parameters())

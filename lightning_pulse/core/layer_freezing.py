@@ -245,6 +245,9 @@ class LayerFreezer:
         self.refresh_hits = 0
         self.frozen_share_sum = 0.0
         self.freezes = 0
+        # the parameters this freezer turned off: only these are turned back on, so a parameter the user (or
+        # another callback, BackboneFinetuning say) froze meanwhile stays as they left it
+        self._turned_off: dict[int, nn.Parameter] = {}
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -334,6 +337,8 @@ class LayerFreezer:
             agree: maps this process's stable flags to the flags every process uses (DDP: rank 0's, by
                 broadcast). Called at every window end, on every process.
         """
+        if self._taken_back():  # someone else turned a frozen unit back on: their gradients count, all released
+            self.set_prefix(0)
         frozen_during_backward = [i for i, is_frozen in enumerate(self.frozen) if is_frozen]
         report = StepReport(frozen_share=self.frozen_share)
         self.frozen_share_sum += report.frozen_share
@@ -378,16 +383,30 @@ class LayerFreezer:
         return self.freeze_from_last_check() if enabled else self.release_all()
 
     def apply_requires_grad(self) -> None:
-        """Set ``requires_grad`` of every unit from the frozen flags (after restoring a state)."""
+        """Turn off the parameters of the frozen units, and back on those of the others that this freezer
+        turned off (after restoring a state)."""
         for unit, is_frozen in zip(self.units, self.frozen):
             for param in unit.params:
-                param.requires_grad_(not is_frozen)
+                self._turn_off(param) if is_frozen else self._turn_on(param)
 
     def restore_requires_grad(self) -> None:
-        """Make every unit's parameters require grad again, as the user built them (end of training)."""
-        for unit in self.units:
-            for param in unit.params:
-                param.requires_grad_(True)
+        """Turn back on every parameter this freezer turned off (end of training); the others keep the
+        ``requires_grad`` their owner gave them."""
+        for param in list(self._turned_off.values()):
+            self._turn_on(param)
+
+    def _turn_off(self, param: nn.Parameter) -> None:
+        if param.requires_grad:
+            param.requires_grad_(False)
+            self._turned_off[id(param)] = param
+
+    def _turn_on(self, param: nn.Parameter) -> None:
+        if self._turned_off.pop(id(param), None) is not None:
+            param.requires_grad_(True)
+
+    def _taken_back(self) -> bool:
+        """Whether a parameter this freezer turned off requires grad again: someone else unfroze it."""
+        return any(param.requires_grad for param in self._turned_off.values())
 
     @torch.no_grad()
     def replace_parameters(
@@ -408,6 +427,9 @@ class LayerFreezer:
                     snap = self.snapshot[i][j]
                     fits = snap.shape == old.shape
                     self.snapshot[i][j] = cut_like(snap, new, kept) if fits else new.detach().clone()
+        for old_id, (new, _) in moved.items():  # a frozen unit's new tensor is the one to turn back on
+            if self._turned_off.pop(old_id, None) is not None:
+                self._turned_off[id(new)] = new
         self._count()
         return bool(moved)
 
@@ -477,7 +499,7 @@ class LayerFreezer:
             want = i < length
             if want and not self.frozen[i]:
                 for param in unit.params:
-                    param.requires_grad_(False)
+                    self._turn_off(param)
                 self.frozen[i] = True
                 self.window_count[i] = 0
                 self.checking[i] = False
@@ -485,7 +507,7 @@ class LayerFreezer:
                 changed = True
             elif not want and self.frozen[i]:
                 for param in unit.params:
-                    param.requires_grad_(True)
+                    self._turn_on(param)
                 self.frozen[i] = False
                 self.window_count[i] = 0
                 self.checking[i] = True
