@@ -275,6 +275,14 @@ def replace_batch_sampler(loader: Any, batch_sampler: Any) -> None:
     object.__setattr__(loader, "batch_sampler", batch_sampler)
 
 
+def clipping_needs_gradients(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether the gradient clipping Lightning runs after ``on_before_optimizer_step`` may fail on parameters
+    that all lack a gradient: clipping by value (torch raises on an empty list), or a module's own
+    ``configure_gradient_clipping`` (unknown code). Norm clipping of no gradients is a no-op."""
+    by_value = trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value"
+    return bool(by_value) or is_overridden("configure_gradient_clipping", pl_module)
+
+
 def set_max_steps(trainer: pl.Trainer, steps: int) -> None:
     """Cap the fit at ``steps`` optimizer steps (``Trainer(max_steps=...)``, set after construction)."""
     trainer.fit_loop.epoch_loop.max_steps = int(steps)
@@ -292,6 +300,21 @@ def set_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
     interval = trainer.val_check_interval
     if isinstance(interval, float) and trainer.check_val_every_n_epoch is not None and batches > 0:
         trainer.val_check_batch = max(1, int(batches * interval))
+
+
+def mark_last_batch_of(trainer: pl.Trainer, batches: int) -> None:
+    """Call at each training batch (after its fetch) of an epoch that holds ``batches`` batches, fewer than the
+    DataLoader's length: Lightning's data fetcher marks the last batch by that length, and there an accumulation
+    window closes on a partial window and epoch-interval LR schedulers step. Not at the pass's start: the
+    fetcher may still hold the previous epoch's count then. ``num_training_batches`` is left alone
+    (``estimated_stepping_batches`` reads it)."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if batches <= 0 or fetcher is None or fetcher.length is None:
+        return
+    fetcher.length = batches
+    fetcher.done = fetcher.fetched >= batches
+    if fetcher.done:  # the batch just fetched ends the pass
+        trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
 
 # ---------------------------------------------------------------------------- EnergyLogger (issue 3)

@@ -160,9 +160,10 @@ class StepSavingLoader:
 
     def next_batch(self) -> tuple[int, Any]:
         """``(raw window size, cut or None)`` of the batch about to train, counted as trained."""
-        assert self._sampler is not None
+        assert self._sampler is not None and self._trainer is not None
         window, cut = self._sampler.take_window()
         self.stream.trained(window)
+        compat.mark_last_batch_of(self._trainer, self.epoch_batches)  # this batch may end the pass
         return window, cut
 
     def on_train_start(self, trainer: pl.Trainer) -> None:

@@ -173,6 +173,50 @@ def test_a_few_nan_rows_are_skipped_as_the_datas_fault_and_the_run_finishes_like
     assert not all(torch.isfinite(p).all() for p in unguarded.parameters())  # one NaN row ruins the model
 
 
+class ParametersAroundSkips(Callback):
+    """Whether any step the guard skipped changed a parameter or the optimizer's state."""
+
+    def __init__(self) -> None:
+        self.changed_by_a_skip = 0
+        self._before = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        state = trainer.optimizers[0].state_dict()["state"]
+        moments = [v.clone() for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        self._before = ([p.detach().clone() for p in pl_module.parameters()], moments)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        guard = next(c for c in trainer.callbacks if isinstance(c, StabilityGuard))
+        if guard.events and guard.events[-1]["step"] == trainer.global_step - 1:
+            state = trainer.optimizers[0].state_dict()["state"]
+            moments = [v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            params, saved = self._before
+            same = all(torch.equal(a, b) for a, b in zip(params, pl_module.parameters()))
+            same = same and all(torch.equal(a, b) for a, b in zip(saved, moments))
+            self.changed_by_a_skip += not same
+
+
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_a_skip_under_gradient_clipping_changes_nothing_and_the_run_goes_on(algorithm):
+    # clipping by value runs between the guard's decision and the step, and raises on parameters that all lack
+    # a gradient: a skip there zeroes them and undoes the step instead
+    guard, watch = StabilityGuard(), ParametersAroundSkips()
+    pl.seed_everything(0)
+    model = MNIST1DClassifier(arch="mlp")
+    trainer = pl.Trainer(
+        callbacks=[guard, watch],
+        max_steps=60,
+        gradient_clip_val=0.5,
+        gradient_clip_algorithm=algorithm,
+        **trainer_kwargs(limit_val_batches=0),
+    )
+    with pytest.warns(UserWarning, match="non-finite values in its data"):
+        trainer.fit(model, mnist1d_with_nan_rows(NAN_ROWS))
+    assert trainer.global_step == 60 and guard.steps_skipped >= 2
+    assert watch.changed_by_a_skip == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_the_dataset_indices_of_bad_rows_are_kept_when_the_batch_carries_them():
     class Indexed(torch.utils.data.Dataset):
         def __init__(self, x, y):

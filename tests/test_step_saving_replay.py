@@ -258,6 +258,50 @@ def test_plan_closes_an_accumulation_window_at_the_epoch_end_as_lightning_does()
     assert clock.step == 0  # the run's clock was copied, not advanced
 
 
+class EpochScheduledClassifier(MNIST1DClassifier):
+    """An epoch-interval StepLR and a ReduceLROnPlateau on the training loss, as users write them."""
+
+    def configure_optimizers(self):
+        first = torch.optim.SGD(self.parameters(), lr=0.1)
+        step = torch.optim.lr_scheduler.StepLR(first, step_size=1, gamma=0.5)
+        return {"optimizer": first, "lr_scheduler": {"scheduler": step, "interval": "epoch"}}
+
+
+class StepsAndLR(Callback):
+    """Per epoch end: the global step and the learning rate; and micro-batches backpropagated but never stepped."""
+
+    def __init__(self) -> None:
+        self.epochs: list[tuple[int, float]] = []
+        self.unstepped = 0
+        self._pending = 0
+
+    def on_after_backward(self, trainer, pl_module):
+        self._pending += 1
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._pending = 0
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.unstepped += self._pending
+        self._pending = 0
+        self.epochs.append((trainer.global_step, trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_each_planned_pass_ends_as_an_epoch_epoch_schedulers_step_and_the_last_window_closes(num_workers):
+    # Lightning marks an epoch's last batch by the loader's length; a planned pass has fewer batches, and the
+    # one that ends it must still close a partial accumulation window and step epoch-interval schedulers
+    data = MNIST1DDataModule(num_samples=1000, batch_size=50, num_workers=num_workers)
+    log = StepsAndLR()
+    trainer = pl.Trainer(
+        **trainer_kwargs(max_epochs=4, accumulate_grad_batches=3, callbacks=[HardSampleReplay(), log])
+    )
+    trainer.fit(EpochScheduledClassifier(arch="mlp"), data)
+    assert log.unstepped == 0
+    assert trainer.global_step == trainer.max_steps  # the plan's steps, all taken
+    assert [lr for _, lr in log.epochs] == pytest.approx([0.05, 0.025, 0.0125, 0.00625])
+
+
 def test_plan_spends_the_data_of_a_max_steps_run_in_fewer_steps():
     plan = plan_steps(
         None, ["replay"], batch_size=10, fraction=0.5, samples_per_epoch=100, max_epochs=None, max_steps=25

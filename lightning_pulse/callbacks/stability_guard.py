@@ -137,6 +137,7 @@ class StabilityGuard(Callback):
         self.schedule = SnapshotSchedule(snapshot_every, max_snapshots, rollback_margin)
         self.snapshots = self.schedule.ring
         self._changes = StepChanges()
+        self._keep_gradients = False  # skip by zeroing gradients and undoing the step (clipping by value)
         self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
         self._batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
@@ -179,6 +180,7 @@ class StabilityGuard(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         self._changes.attach(trainer.optimizers)
+        self._keep_gradients = compat.clipping_needs_gradients(trainer, pl_module)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         readers = [getattr(callback, "energy_so_far_kwh", None) for callback in trainer.callbacks]
         self._energy = StepEnergy(next((r for r in readers if callable(r)), None), warn=rank_zero_warn)
@@ -208,11 +210,11 @@ class StabilityGuard(Callback):
         losses, self._losses = self._losses, []
         if self._decided is not None:  # LBFGS's later closure evaluations (trial points): judged on the first
             if self._decided is not Action.APPLY:
-                self._changes.skip(optimizer)
+                self._changes.skip(optimizer, self._keep_gradients)
             return
         batches = self._batches  # kept to the batch end
         if self.policy.forced_skip():
-            self._changes.skip(optimizer)
+            self._changes.skip(optimizer, self._keep_gradients)
             self._decided = Action.SKIP
             return
         loss, grad_norm = step_loss_and_grad_norm(
@@ -232,7 +234,7 @@ class StabilityGuard(Callback):
             if self.policy.cooldown_remaining and self.config.lr_factor_after_rollback < 1:
                 self._changes.scale_lr(optimizer, self.config.lr_factor_after_rollback)
             return
-        self._changes.skip(optimizer)
+        self._changes.skip(optimizer, self._keep_gradients)
         if cause != "data":
             rank_zero_info(steps.flag_message(step, verdict, action, loss, grad_norm, key, self.detector))
 

@@ -337,7 +337,9 @@ class LayerFreezer:
             agree: maps this process's stable flags to the flags every process uses (DDP: rank 0's, by
                 broadcast). Called at every window end, on every process.
         """
-        if self._taken_back():  # someone else turned a frozen unit back on: their gradients count, all released
+        if (
+            self._taken_back()
+        ):  # someone else turned a frozen unit back on: their gradients count, all released
             self.set_prefix(0)
         frozen_during_backward = [i for i, is_frozen in enumerate(self.frozen) if is_frozen]
         report = StepReport(frozen_share=self.frozen_share)

@@ -393,9 +393,13 @@ class StepChanges:
             handle.remove()
         self._handles, self._depth = [], {}
 
-    def skip(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the coming ``optimizer.step()`` change nothing."""
-        if needs_backup(optimizer) and self._backup is None:  # LBFGS may decide a step twice: keep the first
+    def skip(self, optimizer: torch.optim.Optimizer, keep_gradients: bool = False) -> None:
+        """Make the coming ``optimizer.step()`` change nothing.
+
+        ``keep_gradients``: for code that runs between the decision and the step and needs gradients (clipping
+        by value raises on a list of none): they are zeroed in place instead, and the step is undone from a
+        backup of the state and parameters, as for an optimizer that ``needs_backup``."""
+        if (keep_gradients or needs_backup(optimizer)) and self._backup is None:  # LBFGS may decide twice
             params = [p for group in optimizer.param_groups for p in group["params"]]
             self._backup = (
                 optimizer,
@@ -404,7 +408,10 @@ class StepChanges:
             )
         for group in optimizer.param_groups:
             for param in group["params"]:
-                param.grad = None
+                if not keep_gradients:
+                    param.grad = None
+                elif param.grad is not None:
+                    param.grad.zero_()
 
     def scale_lr(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
         """Scale the learning rates of the coming ``optimizer.step()`` by ``factor`` (once per step)."""
