@@ -53,12 +53,15 @@ def outside_the_loop(
     log: Callable[..., None],
     log_dict: Callable[..., None],
     step_context: AbstractContextManager,
+    grad_mode: bool = False,
 ) -> Iterator[None]:
     """Run one of the module's own steps outside Lightning's loop without leaving a trace in the run: ``self.log``
     and ``self.log_dict`` go to ``log`` and ``log_dict``, torchmetrics states and the tensor state the module
-    carries between batches (an RNN's hidden state) come back, a step that draws random numbers (dropout, a
-    diffusion's noise) draws from a copy of the generators, and nothing records a gradient. ``step_context`` is
-    the precision plugin's context for that kind of step."""
+    carries between batches (an RNN's hidden state) come back, and a step that draws random numbers (dropout, a
+    diffusion's noise) draws from a copy of the generators. ``step_context`` is the precision plugin's context
+    for that kind of step. ``grad_mode``: autograd on, as in Lightning's training step (a loss that calls
+    ``torch.autograd.grad``, a physics or gradient-penalty term, needs it); nothing calls ``backward``, so no
+    parameter's ``.grad`` changes. Off: nothing records a gradient, as in validation."""
     pl_module.log = log  # type: ignore[method-assign]
     pl_module.log_dict = log_dict  # type: ignore[method-assign]
     try:
@@ -66,7 +69,7 @@ def outside_the_loop(
             compat.frozen_metric_states(pl_module),
             kept_carried_state(pl_module),
             isolate_rng(),
-            torch.no_grad(),
+            torch.set_grad_enabled(grad_mode),
             step_context,
         ):
             yield
@@ -127,8 +130,9 @@ def training_losses(
 ) -> list[float]:
     """The losses the module's own ``training_step`` returns on ``(batch_idx, batch)`` pairs, without training.
 
-    As the validation probe: no gradient, ``self.log`` calls dropped, torchmetrics states, carried tensor state
-    and the random generators as they were; also the module's public lists, dicts and numbers
+    As the validation probe, with autograd on as in training (no ``backward``): ``self.log`` calls dropped,
+    torchmetrics states, carried tensor state and the random generators as they were; also the module's public
+    lists, dicts and numbers
     (``self.training_step_outputs.append(loss)``, counters). Each batch is a copy, so a ``training_step`` that
     changes its batch in place leaves the batch that trained (and that later callbacks see) as it was. The
     modules stay in training mode (a batch's training loss is the figure compared), so buffers a training
@@ -142,7 +146,9 @@ def training_losses(
         return None
 
     with (
-        outside_the_loop(pl_module, drop, drop, trainer.precision_plugin.train_step_context()),
+        outside_the_loop(
+            pl_module, drop, drop, trainer.precision_plugin.train_step_context(), grad_mode=True
+        ),
         kept_python_state(pl_module),
     ):
         for batch_idx, batch in batches:

@@ -314,6 +314,29 @@ def test_spikes_the_same_samples_make_each_time_they_come_back_are_skipped_not_r
         assert error < 0.1  # the clean function is learnt: only the outliers' updates were dropped
 
 
+class SmoothRegression(Regression):
+    """A regressor whose loss holds an input-gradient penalty (``torch.autograd.grad``, as physics-informed and
+    gradient-penalty losses do): its ``training_step`` needs autograd."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x.clone().requires_grad_(True)
+        prediction = self.net(x)
+        (slope,) = torch.autograd.grad(prediction.sum(), x, create_graph=True)
+        return torch.nn.functional.mse_loss(prediction, y) + 0.01 * slope.pow(2).mean()
+
+
+def test_the_rollback_test_runs_a_training_step_that_needs_autograd():
+    # the test's training_step ran without autograd, and this module's first tested incident crashed the fit
+    pl.seed_everything(0)
+    loader, _ = regression_with_bad_targets("outliers")
+    guard = StabilityGuard()
+    trainer = pl.Trainer(callbacks=[guard], max_epochs=3, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(SmoothRegression(), loader)
+    assert trainer.global_step == 3 * 47 and guard.recurring_spikes > 0 and not guard.stopped
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in trainer.lightning_module.parameters())
+
+
 class RareClassMLP(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
