@@ -283,6 +283,16 @@ def clipping_needs_gradients(trainer: pl.Trainer, pl_module: pl.LightningModule)
     return bool(by_value) or is_overridden("configure_gradient_clipping", pl_module)
 
 
+def prepare_evaluation_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:
+    """A batch fresh from a validation DataLoader made ready for ``validation_step`` as Lightning's evaluation
+    loop makes it: the precision plugin's input conversion (``64-true``, ``bf16-true``), the module's
+    ``on_before_batch_transfer``, then the move to its device with ``transfer_batch_to_device`` and
+    ``on_after_batch_transfer``."""
+    batch = trainer.precision_plugin.convert_input(batch)
+    batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, pl_module.device, dataloader_idx=0)
+
+
 def set_max_steps(trainer: pl.Trainer, steps: int) -> None:
     """Cap the fit at ``steps`` optimizer steps (``Trainer(max_steps=...)``, set after construction)."""
     trainer.fit_loop.epoch_loop.max_steps = int(steps)

@@ -112,7 +112,7 @@ def run_validation_probe(
     try:
         with outside_the_loop(pl_module, capture, capture_dict, trainer.precision_plugin.val_step_context()):
             for index, batch in enumerate(batches):
-                batch = trainer.strategy.batch_to_device(batch, pl_module.device)
+                batch = compat.prepare_evaluation_batch(trainer, pl_module, batch)
                 pl_module.validation_step(batch, index)
     finally:
         for module, training in modes.items():

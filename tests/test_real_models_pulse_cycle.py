@@ -6,6 +6,7 @@ import math
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_pulse import Phase, PulseCycle
@@ -56,3 +57,51 @@ def test_the_probe_gives_a_stateful_module_its_training_state_back():
     for step in maintain_entries:
         # the hidden state the next training batch continues from is the training stream's, not the probe's
         assert after.states[step - 1] is before.states[step - 1]
+
+
+class _NormalisedInHook(pl.LightningModule):
+    """Scales raw pixels in ``on_before_batch_transfer``, as users put preprocessing in Lightning's batch hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return (x / 16.0 - 0.3) / 0.4, y
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_the_probe_prepares_its_batches_as_lightnings_validation_does(precision):
+    # the probe fed raw batches to validation_step: a float64 model got float32 inputs (a crash at the first
+    # maintain phase), and batch-hook preprocessing was skipped (a figure on unnormalised inputs)
+    from sklearn.datasets import load_digits
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pulse.probe import first_validation_batches, run_validation_probe
+
+    digits = load_digits()
+    x, y = torch.tensor(digits.data, dtype=torch.float32), torch.tensor(digits.target)
+    train = DataLoader(TensorDataset(x[:600], y[:600]), batch_size=32)
+    val = DataLoader(TensorDataset(x[600:800], y[600:800]), batch_size=64)
+    pl.seed_everything(0, verbose=False)
+    module, cycle = _NormalisedInHook(), _cycle()
+    trainer = pl.Trainer(max_steps=40, precision=precision, callbacks=[cycle], **trainer_kwargs())
+    trainer.fit(module, train, val)
+    assert math.isfinite(cycle.last_probe["val_loss"])
+    probed = run_validation_probe(trainer, module, first_validation_batches(trainer, module, 1))
+    first = pl.Trainer(precision=precision, limit_val_batches=1, **trainer_kwargs()).validate(
+        module, val, verbose=False
+    )
+    assert probed["val_loss"] == pytest.approx(first[0]["val_loss"], rel=1e-3)
