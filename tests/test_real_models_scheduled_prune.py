@@ -320,6 +320,21 @@ def test_sharded_strategies_are_refused_at_setup(strategy_class, mode):
         ScheduledPrune(mode=mode).setup(trainer, module, stage="fit")
 
 
+def test_structured_mode_next_to_stochastic_weight_averaging_is_refused_before_the_first_step():
+    # SWA's averaged copy keeps the uncut shapes: its first average after a cut failed mid-run
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    module, data = CLIENTS["onecycle-per-step"]()
+    calls = _count_training_steps(module)
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=0.5)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[_prune(mode="structured"), swa]))
+    with pytest.raises(
+        PulseRefusal, match="^ScheduledPrune: mode='structured' cannot run next to Stochastic"
+    ):
+        trainer.fit(module, data)
+    assert calls == [] and trainer.global_step == 0
+
+
 class _TinyLlama(pl.LightningModule):
     """Hugging Face Llama (rotary attention, RMSNorm, SwiGLU) from a config, on random tokens."""
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -165,6 +165,10 @@ class ScheduledPrune(Callback):
                 "masks and channel choices made on a rank's shard are not the model's",
             )
             self._check_strategy(trainer)
+            averaging = [
+                type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)
+            ]
+            prune_setup.check_weight_averaging(self.mode, averaging[0] if averaging else None)
             self.pruner.user_frozen = prune_targets.frozen_layers(pl_module)
         if self._fitter_handle is None:
             fitter = pruning.StateDictFitter(self._checkpoint_structure)

@@ -65,6 +65,17 @@ def check_strategy(name: str, supported: bool, spawns: bool, mode: str, options:
         )
 
 
+def check_weight_averaging(mode: str, averaging: str | None) -> None:
+    """Raise :class:`PulseRefusal` for structured mode next to a callback that averages the weights into a copy
+    of the module taken before training (``averaging``, its class name): the copy keeps the uncut shapes."""
+    if mode == "structured" and averaging is not None:
+        raise PulseRefusal(
+            f"ScheduledPrune: mode='structured' cannot run next to {averaging}: it averages the weights into a "
+            "copy of the module taken before training, which keeps the uncut shapes, so its first average after "
+            f"a cut would fail mid-run. Use mode='unstructured', or remove {averaging}."
+        )
+
+
 def checked_selection(pruner: pruning.Pruner, model: nn.Module) -> LayerSelection:
     """The layers ``pruner`` would prune in ``model``; :class:`PulseRefusal` when there is none."""
     selection = pruner.selection(model)
