@@ -8,7 +8,7 @@ not core; it lives apart because two callbacks share it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -27,24 +27,30 @@ from lightning_pulse.core.snapshots import TrainingSnapshot, holding
 PROBE_COLLECTIVES = compat.CollectiveHold()
 
 
-def first_validation_batches(trainer: pl.Trainer, pl_module: pl.LightningModule, count: int) -> list[Any]:
-    """The first ``count`` batches of the run's (first) validation dataloader; empty if there is none.
+def first_validation_batches(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, count: int
+) -> tuple[list[Any], bool]:
+    """The first ``count`` batches of the run's first validation dataloader (empty if there is none), and whether
+    there are several (a list or dict of them: Lightning then passes ``dataloader_idx`` to ``validation_step``).
 
     Taken inside ``isolate_rng``: creating a DataLoader iterator draws a seed from the global generator, and
     an evaluation must not change the training run's shuffling or dropout.
     """
     loaders = compat.val_dataloader_of(trainer, pl_module)
+    several = isinstance(loaders, (list, tuple, Mapping)) and len(loaders) > 1
+    if isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
     if isinstance(loaders, (list, tuple)):
         loaders = loaders[0] if loaders else None
     batches: list[Any] = []
     if loaders is None:
-        return batches
+        return batches, several
     with isolate_rng():
         for batch in loaders:
             batches.append(batch)
             if len(batches) >= count:
                 break
-    return batches
+    return batches, several
 
 
 @contextmanager
@@ -79,9 +85,10 @@ def outside_the_loop(
 
 
 def run_validation_probe(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any]
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any], several: bool = False
 ) -> dict[str, float]:
-    """Evaluate the module's own ``validation_step`` on ``batches`` and return the mean of what it logs.
+    """Evaluate the module's own ``validation_step`` on ``batches`` (of the first of ``several`` validation
+    dataloaders: then called with ``dataloader_idx=0``, as Lightning does) and return the mean of what it logs.
 
     The module's ``self.log`` calls are captured instead of reaching Lightning's logger connector, and its
     torchmetrics states, and any tensor state the module carries between batches (an RNN's hidden state), are
@@ -113,7 +120,10 @@ def run_validation_probe(
         with outside_the_loop(pl_module, capture, capture_dict, trainer.precision_plugin.val_step_context()):
             for index, batch in enumerate(batches):
                 batch = compat.prepare_evaluation_batch(trainer, pl_module, batch)
-                pl_module.validation_step(batch, index)
+                if several:
+                    pl_module.validation_step(batch, index, 0)
+                else:
+                    pl_module.validation_step(batch, index)
     finally:
         for module, training in modes.items():
             module.train(training)
@@ -197,6 +207,7 @@ class HeldOutProbe:
         self.batches = batches
         self.what_stops = what_stops
         self._data: list[Any] | None = None
+        self._several = False  # several validation dataloaders (the batches are the first one's)
         self._unavailable = False
 
     def reset(self) -> None:
@@ -208,9 +219,9 @@ class HeldOutProbe:
         if self._unavailable or self.batches == 0:
             return None
         if self._data is None:
-            self._data = first_validation_batches(trainer, pl_module, self.batches)
+            self._data, self._several = first_validation_batches(trainer, pl_module, self.batches)
         if not self._data or not callable(getattr(pl_module, "validation_step", None)):
             rank_zero_warn(f"{self.owner}: no validation dataloader or `validation_step`; {self.what_stops}.")
             self._unavailable = True
             return None
-        return run_validation_probe(trainer, pl_module, self._data)
+        return run_validation_probe(trainer, pl_module, self._data, self._several)

@@ -414,3 +414,46 @@ def test_nothing_selected_is_said_only_when_replay_steps_selected_nothing():
     )
     selector.apply()
     assert chosen.indices.numel() == 2 and selector.nothing_selected() is None
+
+
+class _FrozenBatchData(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return index
+
+
+def test_a_batch_mode_cut_of_a_batch_that_cannot_change_in_place_is_refused_before_the_first_step():
+    from sklearn.datasets import load_digits
+
+    class Batch:  # an object of its own, as graph libraries collate (Lightning passes it through)
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+    digits = load_digits()
+    x, y = torch.tensor(digits.data[:64], dtype=torch.float32) / 16, torch.tensor(digits.target[:64])
+
+    class Classifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(64, 10)
+            self.steps = 0
+
+        def training_step(self, batch, batch_idx):
+            self.steps += 1
+            return torch.nn.functional.cross_entropy(self.net(batch.x), batch.y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = torch.utils.data.DataLoader(
+        _FrozenBatchData(), batch_size=16, collate_fn=lambda ids: Batch(x[ids], y[ids])
+    )
+    module = Classifier()
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=2, callbacks=[HardSampleReplay(mode="batch")]))
+    with pytest.raises(
+        PulseRefusal, match=r"^HardSampleReplay cannot cut a batch of type Batch in mode='batch'"
+    ):
+        trainer.fit(module, loader)
+    assert module.steps == 0 and trainer.global_step == 0

@@ -100,8 +100,33 @@ def test_the_probe_prepares_its_batches_as_lightnings_validation_does(precision)
     trainer = pl.Trainer(max_steps=40, precision=precision, callbacks=[cycle], **trainer_kwargs())
     trainer.fit(module, train, val)
     assert math.isfinite(cycle.last_probe["val_loss"])
-    probed = run_validation_probe(trainer, module, first_validation_batches(trainer, module, 1))
+    probed = run_validation_probe(trainer, module, *first_validation_batches(trainer, module, 1))
     first = pl.Trainer(precision=precision, limit_val_batches=1, **trainer_kwargs()).validate(
         module, val, verbose=False
     )
     assert probed["val_loss"] == pytest.approx(first[0]["val_loss"], rel=1e-3)
+
+
+class _TwoValidationSets(_NormalisedInHook):
+    def validation_step(self, batch, batch_idx, dataloader_idx):  # required: Lightning passes it with several
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_the_probe_evaluates_the_first_of_several_validation_dataloaders_as_lightning_calls_it(as_dict):
+    # the probe iterated a dict's keys as batches, and called validation_step without dataloader_idx
+    from sklearn.datasets import load_digits
+    from torch.utils.data import DataLoader, TensorDataset
+
+    digits = load_digits()
+    x, y = torch.tensor(digits.data, dtype=torch.float32), torch.tensor(digits.target)
+    first, second = (
+        DataLoader(TensorDataset(x[a:b], y[a:b]), batch_size=64) for a, b in ((600, 700), (700, 800))
+    )
+    val = {"a": first, "b": second} if as_dict else [first, second]
+    pl.seed_everything(0, verbose=False)
+    cycle = _cycle()
+    trainer = pl.Trainer(max_steps=40, callbacks=[cycle], **trainer_kwargs())
+    trainer.fit(_TwoValidationSets(), DataLoader(TensorDataset(x[:600], y[:600]), batch_size=32), val)
+    assert math.isfinite(cycle.last_probe["val_loss"])

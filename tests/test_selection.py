@@ -22,6 +22,7 @@ from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import BYTES_PER_SAMPLE, SampleScoreTable
 from lightning_pulse.core.selection import (
     assign_in_place,
+    cut_refusal,
     infobatch_prune,
     select_random,
     select_topk,
@@ -111,6 +112,54 @@ def test_assign_in_place_changes_lists_dicts_and_tensors_held_by_tuples():
 
     with pytest.raises(TypeError, match="tuple"):
         assign_in_place((["a", "b"], "label"), (["a"], "other"))
+
+
+def test_batch_encodings_dataclasses_and_per_sample_lists_are_cut_in_place_in_step():
+    from dataclasses import dataclass
+
+    from transformers import BatchEncoding
+
+    encoding = BatchEncoding({"input_ids": torch.arange(8).view(4, 2), "labels": torch.arange(4)})
+    assign_in_place(encoding, take_samples(encoding, torch.tensor([2, 0]), 4))
+    assert encoding["labels"].tolist() == [2, 0] and encoding["input_ids"].tolist() == [[4, 5], [0, 1]]
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+        y: torch.Tensor
+        note: str = "kept"
+
+    batch = Batch(torch.arange(4.0), torch.arange(4))
+    assign_in_place(batch, take_samples(batch, torch.tensor([3, 1]), 4))
+    assert batch.x.tolist() == [3.0, 1.0] and batch.y.tolist() == [3, 1] and batch.note == "kept"
+
+    # a detection collate: stacked images and one target dict per image, which follow their images
+    images = torch.arange(4.0)
+    detection = (images, [{"id": i} for i in range(4)])
+    assign_in_place(detection, take_samples(detection, torch.tensor([1, 2]), 4))
+    assert images.tolist() == [1.0, 2.0] and [t["id"] for t in detection[1]] == [1, 2]
+    # the top-level list is the batch's container, even when its length is the batch size
+    pair = [torch.arange(2.0), torch.arange(2)]
+    assert len(take_samples(pair, torch.tensor([1]), 2)) == 2
+
+
+def test_a_batch_that_cannot_be_cut_in_place_is_named_before_any_step():
+    from dataclasses import dataclass
+    from types import MappingProxyType
+
+    @dataclass(frozen=True)
+    class Frozen:
+        x: torch.Tensor
+
+    class GraphBatch:  # an object of its own, as graph libraries collate
+        def __init__(self) -> None:
+            self.x = torch.zeros(4, 3)
+
+    for batch in (Frozen(torch.zeros(4)), MappingProxyType({"x": torch.zeros(4)}), GraphBatch()):
+        reason = cut_refusal(batch, 4)
+        assert reason and type(batch).__name__ in reason and "mode='steps'" in reason
+    for batch in ((torch.zeros(4), [{"id": 0}] * 4), {"x": torch.zeros(4), "n": 3}, [torch.zeros(4), "tag"]):
+        assert cut_refusal(batch, 4) is None
 
 
 # ---------------------------------------------------------------------- score table

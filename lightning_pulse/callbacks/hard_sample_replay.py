@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -266,8 +267,12 @@ class HardSampleReplay(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self.selector is not None and self.tracker is not None
-        offered, step = extract_batch_size(batch), trainer.global_step
+        step = trainer.global_step
         indices = self.tracker.batch_indices(batch_idx)  # a cut batch's: the cut, as loaded
+        try:
+            offered = extract_batch_size(batch)
+        except MisconfigurationException:  # a batch object of its own (a graph batch): the sampler's count
+            offered = int(indices.numel())
         active = phase_of(trainer, default=Phase.REPLAY).value in self.phases
         window, cut = self.steps.next_batch() if self.mode == "steps" else (0, None)
         self.batches.start_batch(

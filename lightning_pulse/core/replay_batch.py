@@ -46,7 +46,7 @@ from lightning_pulse.core.per_sample_loss import (
     time_major_refusal,
 )
 from lightning_pulse.core.replay import BatchPlan, Composition, HardSampleSelector, check_batch_indices
-from lightning_pulse.core.selection import assign_in_place, take_samples
+from lightning_pulse.core.selection import assign_in_place, cut_refusal, take_samples
 from lightning_pulse.errors import PulseRefusal
 
 
@@ -102,11 +102,15 @@ class ReplayBatchLifecycle:
         self.current: StepInFlight | None = None
         self.recorded_steps = 0  # steps of this fit whose losses were recorded
         self.unscored_steps = 0  # later steps whose loss did not split into their samples
+        self._structure_checked = (
+            False  # batch mode: the fit's first batch was checked for a cuttable structure
+        )
 
     def start_fit(self) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope."""
         self.state_check = CarriedStateCheck()
         self.recorded_steps = self.unscored_steps = 0
+        self._structure_checked = False
         self.captures.start()
 
     def start_batch(
@@ -142,6 +146,11 @@ class ReplayBatchLifecycle:
                 batch-shaped state.
         """
         self.captures.drop()
+        if (
+            self.mode == "batch" and not self._structure_checked
+        ):  # before the first step, not at the first cut
+            refuse(cut_refusal(batch, batch_size))
+            self._structure_checked = True
         check_batch_indices(batch_idx, batch_size, indices)
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
         refuse(self.state_check.before_batch(cut=plan.selected))

@@ -17,8 +17,9 @@ the batch size ``B`` (or a list of ``B`` strings); every other leaf is shared by
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,10 +152,15 @@ def _is_string_list(value: Any, batch_size: int) -> bool:
     return isinstance(value, list) and len(value) == batch_size and all(isinstance(v, str) for v in value)
 
 
-def _is_per_sample(value: Any, batch_size: int) -> bool:
+def _is_per_sample(value: Any, batch_size: int, nested: bool = True) -> bool:
+    """A tensor whose first dimension is the batch's, or a list of one item per sample: strings, or, below the
+    top level, anything (a detection collate's per-image target dicts). The top-level list is the batch's own
+    container (``[x, y]``), whatever its length."""
     if isinstance(value, torch.Tensor):
         return value.dim() >= 1 and value.shape[0] == batch_size
-    return _is_string_list(value, batch_size)
+    if _is_string_list(value, batch_size):
+        return True
+    return nested and isinstance(value, list) and len(value) == batch_size
 
 
 def _rebuild(container: Any, items: list[Any]) -> Any:
@@ -163,17 +169,63 @@ def _rebuild(container: Any, items: list[Any]) -> Any:
     return type(container)(items)
 
 
-def take_samples(batch: Any, positions: Tensor, batch_size: int) -> Any:
+def _is_dataclass_batch(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def take_samples(batch: Any, positions: Tensor, batch_size: int, nested: bool = False) -> Any:
     """A new batch of the same structure holding only the samples at ``positions`` (in that order)."""
-    if _is_per_sample(batch, batch_size):
+    if _is_per_sample(batch, batch_size, nested):
         if isinstance(batch, torch.Tensor):
             return batch[positions.to(batch.device)]
         return [batch[int(i)] for i in positions]
     if isinstance(batch, Mapping):
-        return type(batch)({key: take_samples(value, positions, batch_size) for key, value in batch.items()})
+        return type(batch)(
+            {key: take_samples(value, positions, batch_size, True) for key, value in batch.items()}
+        )
     if isinstance(batch, (list, tuple)):
-        return _rebuild(batch, [take_samples(value, positions, batch_size) for value in batch])
+        return _rebuild(batch, [take_samples(value, positions, batch_size, True) for value in batch])
+    if _is_dataclass_batch(batch):
+        fields = {
+            f.name: take_samples(getattr(batch, f.name), positions, batch_size, True)
+            for f in dataclasses.fields(batch)
+        }
+        return dataclasses.replace(batch, **{name: value for name, value in fields.items()})
     return batch
+
+
+def _contents(batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return batch.values()
+    if isinstance(batch, (list, tuple)):
+        return batch
+    return [getattr(batch, field.name) for field in dataclasses.fields(batch)]
+
+
+def cut_refusal(batch: Any, batch_size: int, nested: bool = False) -> str | None:
+    """Why :func:`assign_in_place` could not cut ``batch`` to some of its samples (``None``: it can), found
+    without changing it: checked at a fit's first batch, before any step."""
+    if isinstance(batch, torch.Tensor) or _is_per_sample(batch, batch_size, nested):
+        return None
+    if isinstance(batch, (dict, MutableMapping, list)) or (
+        _is_dataclass_batch(batch) and not type(batch).__dataclass_params__.frozen  # type: ignore[attr-defined]
+    ):
+        values = _contents(batch)
+        return next((r for v in values if (r := cut_refusal(v, batch_size, True)) is not None), None)
+    if isinstance(batch, tuple):
+        for value in batch:
+            if isinstance(value, (torch.Tensor, list, tuple, Mapping)) or _is_dataclass_batch(value):
+                if (reason := cut_refusal(value, batch_size, True)) is not None:
+                    return reason
+        return None
+    # a read-only mapping, a frozen dataclass, or an object of its own (a graph batch) at the top
+    if isinstance(batch, Mapping) or _is_dataclass_batch(batch) or not nested:
+        return (
+            f"cannot cut a batch of type {type(batch).__name__} in mode='batch': it cannot be changed in place "
+            "(Lightning ignores what on_train_batch_start returns). Use mode='steps', which chooses the samples "
+            "at the sampler, before they are loaded, or a dict, list or tuple batch."
+        )
+    return None
 
 
 def assign_in_place(batch: Any, new: Any) -> None:
@@ -191,9 +243,13 @@ def assign_in_place(batch: Any, new: Any) -> None:
         with torch.no_grad():
             batch.set_(new)
         return
-    if isinstance(batch, dict):
+    if isinstance(batch, (dict, MutableMapping)):  # a Hugging Face BatchEncoding is a UserDict
         for key in list(batch):
             batch[key] = new[key]
+        return
+    if _is_dataclass_batch(batch) and not type(batch).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        for field in dataclasses.fields(batch):
+            setattr(batch, field.name, getattr(new, field.name))
         return
     if isinstance(batch, list):
         batch[:] = list(new)
