@@ -158,6 +158,33 @@ def test_layers_the_user_froze_are_never_pruned(mnist1d_small, mode, caplog):
     assert "net.1 (frozen by the user" in caplog.text  # the setup line says what it left out, and why
 
 
+class FreezeStemAtFitStart(Callback):
+    """Freezes the first conv at fit start, as Lightning's BackboneFinetuning freezes a backbone."""
+
+    def on_fit_start(self, trainer, pl_module):
+        pl_module.net[1].requires_grad_(False)
+
+
+@pytest.mark.parametrize("mode", ["unstructured", "structured"])
+def test_layers_another_callback_freezes_at_fit_start_are_never_pruned_and_a_resume_keeps_the_set(
+    mnist1d_small, mode, tmp_path
+):
+    # the frozen set was read at setup, before a later-listed callback froze its backbone: 50% of it was pruned
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    prune = ScheduledPrune(final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1, mode=mode)
+    trainer = pl.Trainer(max_steps=14, callbacks=[prune, FreezeStemAtFitStart()], **trainer_kwargs())
+    stem_before = model.net[1].weight.detach().clone()
+    trainer.fit(model, data)
+    assert prune.events and torch.equal(model.net[1].weight, stem_before)
+    # a resume keeps the set the run's start read, whatever is frozen when it resumes
+    state = prune.state_dict()
+    assert state["user_frozen"] == ["net.1"]
+    resumed = ScheduledPrune(final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1, mode=mode)
+    resumed.load_state_dict({**state, "user_frozen": ["net.1", "net.3"]})
+    assert resumed._restored_frozen == frozenset({"net.1", "net.3"})
+
+
 def test_layers_under_a_parametrization_are_left_out_and_named(mnist1d_small, caplog):
     # held-out sweep: weight_norm and spectral_norm layers were silently skipped (the run reported sparsity 0.5
     # over one layer holding 6% of the weights, and named nothing)

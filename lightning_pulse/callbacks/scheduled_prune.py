@@ -131,6 +131,7 @@ class ScheduledPrune(Callback):
         self._trainer_ref: Callable[[], pl.Trainer | None] = _no_trainer  # picklable, for ddp_spawn
         self._window = DistillWindow(self.distill) if self.distill is not None else None
         self._pending_teacher: dict[str, Any] | None = None
+        self._restored_frozen: frozenset[str] | None = None  # the frozen set a restored checkpoint read
         self._training = False  # between on_train_start and the end of fit: a state load is a rollback
 
     @property
@@ -169,7 +170,6 @@ class ScheduledPrune(Callback):
                 type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)
             ]
             prune_setup.check_weight_averaging(self.mode, averaging[0] if averaging else None)
-            self.pruner.user_frozen = prune_targets.frozen_layers(pl_module)
         if self._fitter_handle is None:
             fitter = pruning.StateDictFitter(self._checkpoint_structure)
             self._fitter_handle = pl_module.register_load_state_dict_pre_hook(fitter)
@@ -190,6 +190,11 @@ class ScheduledPrune(Callback):
             self.schedule.resolve(float(trainer.estimated_stepping_batches))
         except ValueError as error:
             raise PulseRefusal(f"ScheduledPrune: {error}") from None
+        # read here, not at setup: layers built in configure_model, and a backbone BackboneFinetuning freezes at
+        # fit start, exist (and are frozen) only now
+        # a resumed run keeps the set its start read (a GradientCache may have frozen layers meanwhile)
+        restored, self._restored_frozen = self._restored_frozen, None
+        self.pruner.user_frozen = prune_targets.frozen_layers(pl_module) if restored is None else restored
         selection = prune_setup.checked_selection(self.pruner, pl_module)
         if self.mode == "structured":
             prune_setup.refuse_structured(pruning.structured_blocker(pl_module, selection))
@@ -263,6 +268,7 @@ class ScheduledPrune(Callback):
     def state_dict(self) -> dict[str, Any]:
         state = {**self.schedule.state_dict(), **self.pruner.state_dict()}
         state["events"] = [dict(event) for event in self.events]
+        state["user_frozen"] = sorted(self.pruner.user_frozen)
         teacher = self._window.state_dict() if self._window is not None else None
         if teacher is not None:
             state["teacher"] = teacher
@@ -274,6 +280,8 @@ class ScheduledPrune(Callback):
         self.schedule.load_state_dict(state_dict)
         self.pruner.load_state_dict(state_dict)
         self.events = [dict(event) for event in state_dict["events"]]
+        if not self._training and "user_frozen" in state_dict:  # a resume: the run's own frozen set
+            self._restored_frozen = frozenset(state_dict["user_frozen"])
         self._pending_teacher = state_dict.get("teacher")
         trainer = self._trainer_ref()
         if self._training and trainer is not None and trainer.lightning_module is not None:
