@@ -557,6 +557,33 @@ def test_rows_picked_by_a_mask_do_not_split_into_samples_but_one_picked_row_per_
     assert torch.allclose(capture.records[0].per_sample, expected.detach())
 
 
+def test_rows_split_into_samples_only_when_they_flatten_the_batch_sample_by_sample():
+    # held-out sweep: two augmented views concatenated (2B rows), SimCLR's NT-Xent and repeats were cut into B
+    # runs of consecutive rows, giving each sample other samples' rows (rank correlation with the truth ~0)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(6, 10)
+    features = torch.randn(4, 3, 6, requires_grad=True)
+    labels = torch.randint(0, 10, (4, 3))
+    view_1, view_2 = features[:, 0], features[:, 1]
+    with LossCapture(batch_size=4) as capture:
+        F.cross_entropy(head(torch.cat([view_1, view_2])), labels[:, :2].t().reshape(-1))  # view-major
+        F.cross_entropy(head(view_1).repeat(2, 1), labels[:, 0].repeat(2))
+        F.cross_entropy(head(features.transpose(0, 1).reshape(-1, 6)), labels.t().reshape(-1))  # time-major
+    assert [record.maps_onto_batch for record in capture.records] == [False, False, False]
+    assert "not a flattening of the batch's 4 samples" in capture.describe()
+    with LossCapture(batch_size=4) as capture:
+        F.cross_entropy(head(features).view(-1, 10), labels.view(-1))  # (B, T, V) flattened
+        F.nll_loss(F.log_softmax(head(features.reshape(-1, 6)), -1), labels.reshape(-1))  # a head on (B*T, D)
+        F.cross_entropy(
+            head(features)[:, :-1].contiguous().view(-1, 10), labels[:, 1:].reshape(-1)
+        )  # shifted
+    assert [record.maps_onto_batch for record in capture.records] == [True, True, True]
+    expected = (
+        F.cross_entropy(head(features).view(-1, 10), labels.view(-1), reduction="none").view(4, 3).mean(1)
+    )
+    assert torch.allclose(capture.records[0].per_sample, expected.detach())
+
+
 def test_a_loss_it_does_not_capture_is_named_as_such_not_as_no_loss_at_all():
     # a held-out CTC model was refused with "no torch.nn.functional / torch.nn loss was called" after F.ctc_loss
     log_probs = torch.randn(12, 4, 6).log_softmax(-1)

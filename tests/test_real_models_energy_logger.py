@@ -13,6 +13,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
@@ -150,3 +151,35 @@ def test_the_default_meters_on_a_client(tmp_path):
     total = energy.report["total"]
     assert total["steps"] == 20 and total["energy_kwh"] > 0
     assert total["methods"]["ram"] == ESTIMATED and total["methods"]["cpu"] in (ESTIMATED, "measured")
+
+
+class _CountTrained(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(64, 10)
+        self.trained = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.trained += len(x)
+        return torch.nn.functional.cross_entropy(self.net(x.flatten(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("energy_first", [True, False])
+def test_samples_are_counted_as_they_trained_whatever_the_callbacks_order(energy_first):
+    # listed before a HardSampleReplay that cuts batches in place, EnergyLogger counted each batch before the cut
+    from lightning_pulse import HardSampleReplay
+
+    energy, replay = EnergyLogger(country_iso_code="DEU"), HardSampleReplay(mode="batch")
+    from tests.clients import _digits
+
+    module, data = _CountTrained(), _digits()
+    callbacks = [energy, replay] if energy_first else [replay, energy]
+    pl.seed_everything(0)
+    pl.Trainer(**trainer_kwargs(max_epochs=3, limit_val_batches=0, callbacks=callbacks)).fit(module, data)
+    samples = sum(epoch["samples"] for epoch in energy.account.report("finished", "EUR")["epochs"].values())
+    plain = 3 * len(data.train_dataloader().dataset)
+    assert module.trained < plain and samples == module.trained  # batches were cut, and counted as cut

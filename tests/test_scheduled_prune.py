@@ -210,6 +210,27 @@ def test_layers_under_a_parametrization_are_left_out_and_named(mnist1d_small, ca
         assert name in caplog.text
 
 
+def test_layers_under_the_older_hook_norms_are_left_out_too(mnist1d_small, caplog):
+    # torch.nn.utils.spectral_norm (GAN discriminators) keeps `weight_orig` as a pruned layer does: the layer was
+    # selected and the first event crashed ("'weight' is not in list")
+    from torch.nn.utils import spectral_norm, weight_norm
+
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    spectral_norm(model.net[-1])
+    weight_norm(model.net[1])
+    prune = ScheduledPrune(final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1)
+    with caplog.at_level("INFO"):
+        pl.Trainer(max_steps=14, callbacks=[prune], **trainer_kwargs()).fit(model, data)
+    assert prune.events and prune.events[-1]["sparsity"] > 0
+    last = len(model.net) - 1
+    assert (
+        f"net.{last} (its weight is computed by" in caplog.text
+        and "net.1 (its weight is computed" in caplog.text
+    )
+    assert not (model.net[last].weight_orig == 0).any()
+
+
 def test_events_happen_only_when_maintain_phases_start(mnist1d_small):
     pl.seed_everything(0)
     model, data = mnist1d_small()

@@ -233,6 +233,12 @@ class EnergyLogger(Callback):
         self.account.batch_started(batch)
 
     @override
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        self.account.count_batch()  # after every callback's batch start: a batch cut in place counts as cut
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -564,8 +564,73 @@ class LossCapture:
                 "labelled tokens), so how many belong to each sample cannot be known; compute it on all rows "
                 "with `ignore_index` for the unlabelled ones"
             )
+        elif (
+            isinstance(logits, Tensor)
+            and record.maps_onto_batch
+            and record.shape[0] != self.batch_size
+            and logits.grad_fn is not None
+            and not _rows_flattened_from_batch(logits, self.batch_size)
+        ):
+            # `torch.cat([view_1, view_2])` (two augmentations, SimCLR's 2B rows) or `x.repeat(k, 1)` put each
+            # sample's rows B apart, not next to each other: cutting them into B runs would give one sample's rows
+            # to others. Only a flattening of a (B, ...) tensor, `logits.view(-1, V)` of (B, T, V), is cut.
+            record.maps_onto_batch = False
+            record.why_not = (
+                f"its {record.shape[0]} input rows are not a flattening of the batch's {self.batch_size} samples "
+                "(as `logits.view(-1, V)` of `(B, T, V)` is; a time-major `(T, B, V)` flattening, `torch.cat` of two "
+                "views of the batch, or a repeat puts each sample's rows apart), so which rows belong to which "
+                "sample cannot be known"
+            )
         self.records.append(record)
         self._per_sample_count = -1
+
+
+#: nodes that reshape without moving elements; their input's shape tells where the rows came from
+_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+
+
+def _rows_flattened_from_batch(tensor: Tensor, batch_size: int, depth: int = 4) -> bool:
+    """Whether ``tensor``'s rows (a multiple of ``batch_size``) come from flattening a tensor whose first
+    dimension is the batch's (sample-major: each sample's rows next to each other): a reshape of a
+    ``(B, d1, ...)`` tensor whose leading sizes multiply to the row count, found within ``depth`` autograd nodes
+    (row-wise ops such as ``log_softmax``, a linear layer or a cast lie between). The search never passes a
+    node that moves rows between samples (a concatenation, a stack, a repeat, a pick by index): rows made that
+    way are not known to be sample-major."""
+    rows = tensor.shape[0]
+    frontier = [tensor.grad_fn]
+    for _ in range(depth):
+        parents = []
+        for node in frontier:
+            if node is None or type(node).__name__ in _ROW_MOVES:
+                continue
+            sizes = getattr(node, "_saved_self_sym_sizes", None) if type(node).__name__ in _RESHAPES else None
+            if sizes is not None and len(sizes) >= 2 and int(sizes[0]) == batch_size:
+                leading = 1
+                for size in sizes[:-1]:
+                    leading *= int(size)
+                    if leading == rows:
+                        return True
+            parents += [parent for parent, _ in node.next_functions if parent is not None]
+        frontier = parents
+    return False
+
+
+#: autograd nodes whose output rows are not their input's rows in order
+_ROW_MOVES = frozenset(
+    {
+        "CatBackward0",
+        "StackBackward0",
+        "RepeatBackward0",
+        "IndexBackward0",
+        "IndexSelectBackward0",
+        "MaskedSelectBackward0",
+        "RepeatInterleaveBackward0",
+        "GatherBackward0",
+        "PermuteBackward0",
+        "TransposeBackward0",
+        "TBackward0",
+    }
+)
 
 
 #: autograd nodes that select rows by an index tensor or a mask

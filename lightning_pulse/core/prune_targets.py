@@ -50,6 +50,15 @@ def _has_weight(module: nn.Module) -> bool:
     )
 
 
+def _old_style_norm(module: nn.Module) -> bool:
+    """Whether a forward pre-hook computes the layer's ``weight`` from other tensors: the older
+    ``torch.nn.utils.spectral_norm`` (whose ``weight_orig`` looks like a pruned layer's) or ``weight_norm``."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return any(isinstance(hook, (SpectralNorm, WeightNorm)) for hook in module._forward_pre_hooks.values())
+
+
 def _weight(module: nn.Module) -> nn.Parameter:
     return module._parameters.get("weight_orig", module._parameters.get("weight"))
 
@@ -135,7 +144,9 @@ def select_targets(
     selection = LayerSelection()
     hidden = hidden_weight_readers(model)
     for name, module in model.named_modules():
-        parametrized = bool(name) and parametrize.is_parametrized(module, "weight")
+        parametrized = bool(name) and (
+            parametrize.is_parametrized(module, "weight") or _old_style_norm(module)
+        )
         if not name or not (parametrized or _has_weight(module)):
             continue
         if layer_types and not isinstance(module, layer_types):

@@ -301,7 +301,8 @@ class EnergyAccount:
         self._last_batch_end = None
 
     def batch_started(self, batch: Any) -> None:
-        """A training batch starts: its samples and tokens, and the data-loader wait before it.
+        """A training batch starts: the data-loader wait before it; its samples and tokens are counted by
+        :meth:`count_batch`.
 
         Runs on every batch: plain-number tallies only, folded into the ledger at the next label change or
         read-out. A token count on the device stays pending (reading it would synchronise a GPU).
@@ -316,6 +317,14 @@ class EnergyAccount:
                 self._loop_s += loop
         self._last_batch_start = now
         self._batches += 1
+        self._uncounted = batch
+
+    def count_batch(self) -> None:
+        """Count the samples and tokens of the batch that started, once: at its backward, so a batch another
+        callback cut in place at its start counts as it trained, whatever the callbacks' order (else at its end)."""
+        batch, self._uncounted = self._uncounted, None
+        if batch is None:
+            return
         try:
             if self._custom_counting:
                 samples = int(self.sample_counter(batch)) if self.sample_counter else count_batch(batch)[0]
@@ -357,6 +366,7 @@ class EnergyAccount:
         self._token_batches += 1
 
     def batch_ended(self) -> None:
+        self.count_batch()  # a batch with no backward (its step returned None) counts as loaded
         self._last_batch_end = self.clock()
 
     def end_training(self) -> None:
@@ -372,6 +382,7 @@ class EnergyAccount:
     def fold_counts(self) -> None:
         """Move the per-batch tallies into the ledger under the current label. Optimizer steps are the
         growth of the step counter since the last fold (never negative: a step taken back is not counted)."""
+        self.count_batch()  # a read-out between a batch's start and its backward: it started, so it counts
         ledger = self.ledger
         if ledger is None:
             return
@@ -619,6 +630,7 @@ class EnergyAccount:
         self._last_batch_start: float | None = None
         self._last_batch_end: float | None = None
         self._batches = self._samples = self._tokens = self._token_batches = 0
+        self._uncounted: Any = None  # the batch that started, until its samples are counted
         self._stall_s = self._loop_s = 0.0
         self._pending_now: torch.Tensor | None = None
         self._pending: dict[tuple[str, ...], torch.Tensor] = {}
