@@ -584,6 +584,23 @@ def test_rows_split_into_samples_only_when_they_flatten_the_batch_sample_by_samp
     assert torch.allclose(capture.records[0].per_sample, expected.detach())
 
 
+def test_a_term_on_the_batch_that_does_not_split_makes_the_step_unsplittable_a_weight_penalty_does_not():
+    # held-out sweep: CE on the labelled rows (`logits[mask]`) + a consistency term on all rows was scored on the
+    # consistency term alone (rank correlation 0.25 with the true losses), with no word
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10, requires_grad=True)
+    labels = torch.randint(0, 10, (4,))
+    mask = torch.tensor([True, False, True, True])
+    with LossCapture(batch_size=4) as capture:
+        F.cross_entropy(logits[mask], labels[mask]) + 0.1 * F.mse_loss(logits, torch.zeros_like(logits))
+    assert not capture.maps_onto_batch and "picked by an index or a mask" in capture.describe()
+    weight = torch.randn(7, 3, requires_grad=True)  # a penalty on the weights: the same for every sample
+    with LossCapture(batch_size=4) as capture:
+        F.cross_entropy(logits, labels) + F.mse_loss(weight, torch.zeros_like(weight))
+    assert capture.maps_onto_batch
+    assert torch.allclose(capture.per_sample(), F.cross_entropy(logits, labels, reduction="none").detach())
+
+
 def test_a_loss_it_does_not_capture_is_named_as_such_not_as_no_loss_at_all():
     # a held-out CTC model was refused with "no torch.nn.functional / torch.nn loss was called" after F.ctc_loss
     log_probs = torch.randn(12, 4, 6).log_softmax(-1)

@@ -99,7 +99,16 @@ class CapturedLoss:
             ``maps_onto_batch`` is false.
     """
 
-    __slots__ = ("name", "reduction", "shape", "maps_onto_batch", "why_not", "_source", "_per_sample")
+    __slots__ = (
+        "name",
+        "reduction",
+        "shape",
+        "maps_onto_batch",
+        "why_not",
+        "on_batch_rows",
+        "_source",
+        "_per_sample",
+    )
 
     def __init__(
         self,
@@ -116,6 +125,7 @@ class CapturedLoss:
         self._per_sample = per_sample
         self.maps_onto_batch = per_sample is not None if source is None else _splits(shape, source[2])
         self.why_not = "does not split into the batch's samples"  # read only when maps_onto_batch is false
+        self.on_batch_rows = False  # computed on the batch's rows, found not to split (a row check said why)
 
     @property
     def per_sample(self) -> Tensor | None:
@@ -437,7 +447,13 @@ class LossCapture:
 
     @property
     def maps_onto_batch(self) -> bool:
-        """Whether a captured call splits into the batch's samples (cheap: shapes only, nothing computed)."""
+        """Whether a captured call splits into the batch's samples, and no call computed on the batch's rows
+        failed to (cheap: shapes and a few autograd nodes, nothing computed). A call on the batch that does not
+        split (``logits[mask]``, concatenated views) makes the whole step unsplittable: a score without that
+        term would not be the sample's loss. A call that is not on the batch's rows at all (a penalty on the
+        weights) adds the same to every sample and is left out."""
+        if any(record.on_batch_rows and not record.maps_onto_batch for record in self.records):
+            return False
         return any(record.maps_onto_batch for record in self.records)
 
     def per_sample(self) -> Tensor | None:
@@ -546,6 +562,7 @@ class LossCapture:
                 # a square similarity matrix over k views of each sample (SimCLR's 2B x 2B): its rows may be
                 # stacked view by view, not sample by sample, so cutting them into B runs would misattribute
                 record.maps_onto_batch = False
+                record.on_batch_rows = True
                 record.why_not = (
                     f"a square {rows} x {rows} logit matrix over {rows // self.batch_size} views of each sample, as "
                     "a contrastive loss computes: which rows belong to which sample cannot be known"
@@ -559,6 +576,7 @@ class LossCapture:
             # `logits[mask]` (the labelled tokens only): one row per picked element, so samples hold different
             # numbers of rows, and cutting them into B equal runs would give one sample's rows to another
             record.maps_onto_batch = False
+            record.on_batch_rows = True
             record.why_not = (
                 f"its {record.shape[0]} input rows were picked by an index or a mask (as `logits[mask]` picks "
                 "labelled tokens), so how many belong to each sample cannot be known; compute it on all rows "
@@ -575,12 +593,22 @@ class LossCapture:
             # sample's rows B apart, not next to each other: cutting them into B runs would give one sample's rows
             # to others. Only a flattening of a (B, ...) tensor, `logits.view(-1, V)` of (B, T, V), is cut.
             record.maps_onto_batch = False
+            record.on_batch_rows = True
             record.why_not = (
                 f"its {record.shape[0]} input rows are not a flattening of the batch's {self.batch_size} samples "
                 "(as `logits.view(-1, V)` of `(B, T, V)` is; a time-major `(T, B, V)` flattening, `torch.cat` of two "
                 "views of the batch, or a repeat puts each sample's rows apart), so which rows belong to which "
                 "sample cannot be known"
             )
+        if not record.maps_onto_batch and not record.on_batch_rows and isinstance(logits, Tensor):
+            if _rows_picked_by_index(
+                logits
+            ):  # any row count: the labelled rows of the batch, not the weights
+                record.on_batch_rows = True
+                record.why_not = (
+                    "its input rows were picked by an index or a mask (as `logits[mask]` picks labelled rows), so "
+                    "how many belong to each sample cannot be known; compute it on all rows with `ignore_index`"
+                )
         self.records.append(record)
         self._per_sample_count = -1
 
