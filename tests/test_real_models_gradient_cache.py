@@ -406,3 +406,35 @@ def test_what_the_user_or_backbone_finetuning_freezes_and_unfreezes_stays_theirs
     assert not any(name.startswith("backbone") for name in watch.changed_while_frozen())
     assert {"backbone.0.weight", "backbone.2.weight"} <= watch.changed_after(3 * steps_per_epoch)
     assert all(p.requires_grad for p in module.backbone.parameters())
+
+
+class FunctionallyTiedLM(pl.LightningModule):
+    """A hand-written LM whose output projection is the embedding, read with ``F.linear(h, embed.weight)``:
+    tied without a second parameter name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.norm = nn.LayerNorm(16)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x)
+        logits = nn.functional.linear(self.norm(h + self.blocks(h)), self.embed.weight)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+def test_an_embedding_read_again_as_the_output_projection_is_pinned_like_a_named_tie():
+    # it was frozen first in the prefix, and the output projection stopped learning with it
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 32, (256, 9), generator=generator)
+    data = DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=16)
+    cache = eager_cache()
+    trainer, watch = fit_client(FunctionallyTiedLM(), data, cache, max_steps=60)
+    assert cache.freezer.units[0].name == "embed" and cache.freezer.units[0].pinned
+    assert "embed.weight" not in watch.frozen()
+    assert "Embedding" in cache.freezer.units[0].shared_with[0]

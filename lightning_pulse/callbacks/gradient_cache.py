@@ -28,13 +28,14 @@ from lightning_pulse.core.layer_freezing import (
     FreezeWindow,
     LayerFreezer,
     announce_units,
+    check_first_graph,
     check_wrapped_model,
     follow_replaced_parameters,
     in_span,
+    pin_read_twice,
     refuse_compiled_module,
     refuse_manual_optimization,
     refuse_optimizers_that_move_gradless_parameters,
-    refuse_reentrant_checkpointing,
     restore_during_fit,
     restore_freezer,
 )
@@ -167,6 +168,7 @@ class GradientCache(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         self._graph_checked = False
+        self._read_twice: dict[int, list[str]] = {}  # parameters the forward reads by ops of different kinds
         self._span = self.window.steps(float(trainer.estimated_stepping_batches))
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
         self._replay = LoaderActivationCache.for_fit(
@@ -220,7 +222,7 @@ class GradientCache(Callback):
         self._end_activation_batch()  # the forward is over: replayed modules get their own forward back
         if not self._graph_checked:  # the first backward of this fit, before anything is frozen
             self._graph_checked = True
-            refuse_reentrant_checkpointing(loss)
+            self._read_twice = check_first_graph(loss)
         if self._trace is not None and not self._trace.running:
             self._trace.begin()
         if self.measure_flops:
@@ -232,6 +234,7 @@ class GradientCache(Callback):
             self.ledger.end_backward()
         if self._trace is not None and self._trace.running:
             units, self._trace = self._trace.finish(_from_rank_zero(trainer)), None
+            pin_read_twice(units, self._read_twice)
             self.freezer = LayerFreezer(units, self.settings)
             announce_units(self.freezer, rank_zero_info, rank_zero_warn)
 

@@ -674,15 +674,23 @@ def refuse_compiled_module(compiled: str | None) -> None:
         )
 
 
-def refuse_reentrant_checkpointing(loss: torch.Tensor) -> None:
-    """Raise :class:`~lightning_pulse.errors.PulseRefusal` when ``loss`` was computed through reentrant activation
-    checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, and Hugging Face's
-    ``gradient_checkpointing_enable()`` where it picks that). A reentrant checkpoint hands its parameters no
-    gradient when none of its inputs needs one, which is what a frozen prefix ending before or inside it makes:
-    a held-out model's checkpointed block stopped training for 40 steps, although GradientCache had not frozen
-    it and reported it as training. The non-reentrant form has no such rule. One walk of the first step's
-    autograd graph."""
+def check_first_graph(loss: torch.Tensor) -> dict[int, list[str]]:
+    """One walk of the first step's autograd graph: refuse what freezing cannot follow, and find the parameters
+    the forward reads in ways of different kinds, with those kinds (by ``id`` of the parameter).
+
+    Reentrant activation checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, and
+    Hugging Face's ``gradient_checkpointing_enable()`` where it picks that) raises a
+    :class:`~lightning_pulse.errors.PulseRefusal`: a reentrant checkpoint hands its parameters no gradient when
+    none of its inputs needs one, which is what a frozen prefix ending before or inside it makes (a held-out
+    model's checkpointed block stopped training for 40 steps, although GradientCache had not frozen it). The
+    non-reentrant form has no such rule.
+
+    A parameter read by ops of different kinds (a token embedding's lookup and, as ``F.linear(h, embed.weight)``,
+    the output projection) is tied without a second name, which :func:`mark_shared` cannot see: freezing its
+    unit would stop the output layer too. A module applied several times reads its weights by one kind of op:
+    not reported (it is one unit, frozen or trained as a whole)."""
     seen, stack = set(), [loss.grad_fn]
+    readers: dict[int, tuple[Any, set[str]]] = {}
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -697,7 +705,21 @@ def refuse_reentrant_checkpointing(loss: torch.Tensor) -> None:
                 'gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})), or '
                 "remove GradientCache."
             )
-        stack.extend(next_node for next_node, _ in node.next_functions)
+        for next_node, _ in node.next_functions:
+            variable = getattr(next_node, "variable", None)  # an AccumulateGrad: a parameter read by `node`
+            if isinstance(variable, torch.Tensor):
+                kind = type(node).__name__.removesuffix("Backward0").removesuffix("Backward")
+                readers.setdefault(id(variable), (variable, set()))[1].add(kind)
+            stack.append(next_node)
+    return {key: sorted(kinds) for key, (_, kinds) in readers.items() if len(kinds) > 1}
+
+
+def pin_read_twice(units: Sequence[FreezeUnit], read_twice: dict[int, list[str]]) -> None:
+    """Pin the units holding a parameter :func:`check_first_graph` found read by ops of different kinds."""
+    for unit in units:
+        kinds = sorted({kind for param in unit.params for kind in read_twice.get(id(param), [])})
+        if kinds and not unit.pinned:
+            unit.shared_with = [f"<its weight read again in forward ({', '.join(kinds)})>"]
 
 
 def refuse_optimizers_that_move_gradless_parameters(optimizers: Iterable[torch.optim.Optimizer]) -> None:
