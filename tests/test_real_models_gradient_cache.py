@@ -438,3 +438,12 @@ def test_an_embedding_read_again_as_the_output_projection_is_pinned_like_a_named
     assert cache.freezer.units[0].name == "embed" and cache.freezer.units[0].pinned
     assert "embed.weight" not in watch.frozen()
     assert "Embedding" in cache.freezer.units[0].shared_with[0]
+    # a fit resumed from its checkpoint pins it the same way (its freezer comes from the checkpoint, not a trace)
+    path = str(trainer.default_root_dir) + "/tied.ckpt"
+    trainer.save_checkpoint(path)
+    resumed_cache = eager_cache()
+    resumed = pl.Trainer(
+        **trainer_kwargs(max_steps=80, limit_val_batches=1, callbacks=[resumed_cache, WatchParameters()])
+    )
+    resumed.fit(FunctionallyTiedLM(), data, ckpt_path=path)
+    assert resumed_cache.freezer.units[0].pinned and resumed_cache.freezer.frozen_prefix == 0

@@ -223,6 +223,8 @@ class GradientCache(Callback):
         if not self._graph_checked:  # the first backward of this fit, before anything is frozen
             self._graph_checked = True
             self._read_twice = check_first_graph(loss)
+            if self.freezer is not None:  # restored from a checkpoint: its units are pinned the same way
+                pin_read_twice(self.freezer.units, self._read_twice)
         if self._trace is not None and not self._trace.running:
             self._trace.begin()
         if self.measure_flops:

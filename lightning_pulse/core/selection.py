@@ -190,7 +190,7 @@ def take_samples(batch: Any, positions: Tensor, batch_size: int, nested: bool = 
             f.name: take_samples(getattr(batch, f.name), positions, batch_size, True)
             for f in dataclasses.fields(batch)
         }
-        return dataclasses.replace(batch, **{name: value for name, value in fields.items()})
+        return dataclasses.replace(batch, **fields)
     return batch
 
 
