@@ -142,8 +142,7 @@ def training_losses(
 
     As the validation probe, with autograd on as in training (no ``backward``): ``self.log`` calls dropped,
     torchmetrics states, carried tensor state and the random generators as they were; also the module's public
-    lists, dicts and numbers
-    (``self.training_step_outputs.append(loss)``, counters). Each batch is a copy, so a ``training_step`` that
+    lists, dicts and numbers (``self.training_step_outputs.append(loss)``, counters). Each batch is a copy, so a ``training_step`` that
     changes its batch in place leaves the batch that trained (and that later callbacks see) as it was. The
     modules stay in training mode (a batch's training loss is the figure compared), so buffers a training
     forward updates (BatchNorm's running statistics) change: the caller restores them

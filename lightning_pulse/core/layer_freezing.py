@@ -337,9 +337,8 @@ class LayerFreezer:
             agree: maps this process's stable flags to the flags every process uses (DDP: rank 0's, by
                 broadcast). Called at every window end, on every process.
         """
-        if (
-            self._taken_back()
-        ):  # someone else turned a frozen unit back on: their gradients count, all released
+        # someone else turned a frozen unit back on: their gradients count, so everything is released
+        if self._taken_back():
             self.set_prefix(0)
         frozen_during_backward = [i for i, is_frozen in enumerate(self.frozen) if is_frozen]
         report = StepReport(frozen_share=self.frozen_share)
@@ -690,7 +689,7 @@ def check_first_graph(loss: torch.Tensor) -> dict[int, list[str]]:
     unit would stop the output layer too. A module applied several times reads its weights by one kind of op:
     not reported (it is one unit, frozen or trained as a whole)."""
     seen, stack = set(), [loss.grad_fn]
-    readers: dict[int, tuple[Any, set[str]]] = {}
+    readers: dict[int, set[str]] = {}  # a parameter's id: the kinds of op that read it
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -709,9 +708,9 @@ def check_first_graph(loss: torch.Tensor) -> dict[int, list[str]]:
             variable = getattr(next_node, "variable", None)  # an AccumulateGrad: a parameter read by `node`
             if isinstance(variable, torch.Tensor):
                 kind = type(node).__name__.removesuffix("Backward0").removesuffix("Backward")
-                readers.setdefault(id(variable), (variable, set()))[1].add(kind)
+                readers.setdefault(id(variable), set()).add(kind)
             stack.append(next_node)
-    return {key: sorted(kinds) for key, (_, kinds) in readers.items() if len(kinds) > 1}
+    return {key: sorted(kinds) for key, kinds in readers.items() if len(kinds) > 1}
 
 
 def pin_read_twice(units: Sequence[FreezeUnit], read_twice: dict[int, list[str]]) -> None:

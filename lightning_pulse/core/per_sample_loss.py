@@ -569,12 +569,15 @@ class LossCapture:
                 )
         if (
             isinstance(logits, Tensor)
-            and record.maps_onto_batch
-            and record.shape[0] != self.batch_size
+            and not record.on_batch_rows
+            and (
+                not record.maps_onto_batch or record.shape[0] != self.batch_size
+            )  # B rows: the usual case, no walk
             and _rows_picked_by_index(logits)
         ):
             # `logits[mask]` (the labelled tokens only): one row per picked element, so samples hold different
-            # numbers of rows, and cutting them into B equal runs would give one sample's rows to another
+            # numbers of rows, and cutting them into B equal runs would give one sample's rows to another. One
+            # picked row per sample (B rows, a pooled last token) still splits.
             record.maps_onto_batch = False
             record.on_batch_rows = True
             record.why_not = (
@@ -600,15 +603,6 @@ class LossCapture:
                 "views of the batch, or a repeat puts each sample's rows apart), so which rows belong to which "
                 "sample cannot be known"
             )
-        if not record.maps_onto_batch and not record.on_batch_rows and isinstance(logits, Tensor):
-            if _rows_picked_by_index(
-                logits
-            ):  # any row count: the labelled rows of the batch, not the weights
-                record.on_batch_rows = True
-                record.why_not = (
-                    "its input rows were picked by an index or a mask (as `logits[mask]` picks labelled rows), so "
-                    "how many belong to each sample cannot be known; compute it on all rows with `ignore_index`"
-                )
         self.records.append(record)
         self._per_sample_count = -1
 
@@ -643,26 +637,19 @@ def _rows_flattened_from_batch(tensor: Tensor, batch_size: int, depth: int = 4) 
     return False
 
 
-#: autograd nodes whose output rows are not their input's rows in order
-_ROW_MOVES = frozenset(
-    {
-        "CatBackward0",
-        "StackBackward0",
-        "RepeatBackward0",
-        "IndexBackward0",
-        "IndexSelectBackward0",
-        "MaskedSelectBackward0",
-        "RepeatInterleaveBackward0",
-        "GatherBackward0",
-        "PermuteBackward0",
-        "TransposeBackward0",
-        "TBackward0",
-    }
-)
-
-
 #: autograd nodes that select rows by an index tensor or a mask
 _ROW_PICKS = frozenset({"IndexBackward0", "MaskedSelectBackward0", "IndexSelectBackward0"})
+#: autograd nodes whose output rows are not their input's rows in order
+_ROW_MOVES = _ROW_PICKS | {
+    "CatBackward0",
+    "StackBackward0",
+    "RepeatBackward0",
+    "RepeatInterleaveBackward0",
+    "GatherBackward0",
+    "PermuteBackward0",
+    "TransposeBackward0",
+    "TBackward0",
+}
 #: nodes that pass one input through unchanged in its rows (looked through on the way to a pick)
 _PASS_THROUGH = frozenset(
     {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ToCopyBackward0", "CloneBackward0"}

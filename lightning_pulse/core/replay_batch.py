@@ -102,9 +102,8 @@ class ReplayBatchLifecycle:
         self.current: StepInFlight | None = None
         self.recorded_steps = 0  # steps of this fit whose losses were recorded
         self.unscored_steps = 0  # later steps whose loss did not split into their samples
-        self._structure_checked = (
-            False  # batch mode: the fit's first batch was checked for a cuttable structure
-        )
+        # batch mode: whether the fit's first batch was checked for a structure that can be cut in place
+        self._structure_checked = False
 
     def start_fit(self) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope."""
