@@ -188,6 +188,26 @@ def test_a_state_dict_from_before_a_cut_names_the_way_out_instead_of_blaming_the
     fresh.load_state_dict(dense)
 
 
+def test_a_state_dict_from_between_two_cuts_names_load_pruned_first_and_it_loads():
+    # held-out sweep: the message led with YourModule.load_from_checkpoint, which fails for a state saved after
+    # the first cut (a fresh module has the uncut shapes); load_pruned redoes the cuts the state records
+    model = _cnn(seed=0)
+    pruner = pruning.Pruner(mode="structured")
+    pruner.prune(model, 0.25, example=torch.randn(4, 40))
+    between = {key: value.clone() for key, value in model.state_dict().items()}
+    checkpoint = {"state_dict": between, "callbacks": {"ScheduledPrune": pruner.state_dict()}}
+    pruner.prune(model, 0.5)
+    with pytest.raises(RuntimeError, match=r"from before channels were cut") as raised:
+        pruning.fit_to_state_dict(model, between, structure=pruner.state_dict())
+    message = str(raised.value)
+    assert message.index("load_pruned") < message.index("load_from_checkpoint")
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        _cnn(seed=1).load_state_dict(between)  # what load_from_checkpoint does with a fresh module
+    fresh = pruning.load_pruned(_cnn(seed=1), checkpoint)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, between[key])
+
+
 def test_fresh_module_fits_a_masked_state_dict():
     model = _cnn()
     pruning.Pruner().prune(model, 0.5)
@@ -523,6 +543,191 @@ def test_the_structured_dry_run_refuses_a_width_dependent_tensor_and_passes_a_pl
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     assert pruning.check_structured(mlp, pruner, [0.25, 0.5], (torch.randn(4, 4),)) is None
     assert mlp[0].out_features == 8 and pruner.history == []  # the model and the pruner are untouched
+
+
+def _grouped_conv_net(groups: int) -> nn.Module:
+    torch.manual_seed(2)  # at these weights the cut passes the shape check: only the values give it away
+    return nn.Sequential(
+        nn.Conv1d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv1d(16, 16, 3, padding=1, groups=groups),
+        nn.ReLU(),
+        nn.Conv1d(16, 8, 3, padding=1),
+        nn.Flatten(),
+        nn.Linear(8 * 20, 5),
+    ).eval()
+
+
+def _group_norm_net(num_groups: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv1d(1, 16, 3, padding=1),
+        nn.GroupNorm(num_groups, 16),
+        nn.ReLU(),
+        nn.Conv1d(16, 8, 3, padding=1),
+        nn.Flatten(),
+        nn.Linear(8 * 20, 5),
+    ).eval()
+
+
+@pytest.mark.parametrize(
+    "model, suspect",
+    [(lambda: _grouped_conv_net(groups=2), "`2`"), (lambda: _group_norm_net(num_groups=4), "`1`")],
+    ids=["grouped-conv", "group-norm"],
+)
+def test_the_structured_dry_run_refuses_a_cut_that_changes_what_the_kept_channels_compute(model, suspect):
+    # the cut keeps the shapes, so a shape check passes; the kept channels are regrouped, which a value check
+    # against the model with the removed channels silenced finds
+    reason = pruning.check_structured(
+        model(), pruning.Pruner(mode="structured"), [0.25, 0.5], torch.randn(4, 1, 20)
+    )
+    assert reason is not None and reason.startswith("pruning to 0.25 changes what the kept channels compute")
+    assert suspect in reason
+
+
+class _PreNormResidual(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, width)
+        self.norm_in = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.norm_out = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 30)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x = x + self.down(torch.relu(self.up(self.norm_in(x))))
+        return self.head(self.norm_out(x))
+
+
+class _ChannelsFirstLayerNorm(nn.LayerNorm):
+    data_format = "channels_first"  # as Hugging Face's ConvNeXt names it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.movedim(1, -1)).movedim(-1, 1)
+
+
+def _channels_first_layer_norm_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        _ChannelsFirstLayerNorm(16),
+        nn.GELU(),
+        nn.Conv2d(16, 8, 3, padding=1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    ).eval()
+
+
+@pytest.mark.parametrize(
+    "model, example",
+    [
+        (_PreNormResidual, torch.randint(0, 30, (4, 8))),  # the residual width: LayerNorm renormalises
+        (lambda: _group_norm_net(num_groups=1), torch.randn(4, 1, 20)),  # one group: the same
+        (lambda: _grouped_conv_net(groups=16), torch.randn(4, 1, 20)),  # depthwise: channels stay apart
+        (_channels_first_layer_norm_net, torch.randn(4, 3, 8, 8)),  # ConvNeXt's LayerNorm over dimension 1
+        (  # no affine parameters: nothing the cut replaces tells which channels it kept
+            lambda: nn.Sequential(
+                nn.Linear(20, 64), nn.LayerNorm(64, elementwise_affine=False), nn.Linear(64, 5)
+            ),
+            torch.randn(4, 20),
+        ),
+    ],
+    ids=[
+        "layer-norm-residual",
+        "group-norm-one-group",
+        "depthwise-conv",
+        "channels-first-layer-norm",
+        "no-affine",
+    ],
+)
+def test_the_structured_dry_run_passes_cuts_whose_normalisation_covers_the_kept_channels(model, example):
+    torch.manual_seed(0)
+    pruner = pruning.Pruner(mode="structured")
+    assert pruning.check_structured(model(), pruner, [0.25, 0.5], example) is None
+    cut = model()
+    assert pruner.prune(cut, 0.5, (), example).remap  # something was cut, and the check above compared it
+
+
+class _ZeroInitResidual(nn.Module):
+    """A residual branch whose last batch norm starts at scale 0 (``zero_init_residual``), around a grouped conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.reduce = nn.Conv2d(16, 16, 1)
+        self.grouped = nn.Conv2d(16, 16, 3, padding=1, groups=2)
+        self.norm = nn.BatchNorm2d(16)
+        nn.init.zeros_(self.norm.weight)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        return self.head((h + self.norm(self.grouped(torch.relu(self.reduce(h))))).mean((2, 3)))
+
+
+def test_a_wrong_cut_inside_a_zero_initialised_branch_is_refused_before_training_moves_it():
+    # held-out sweep: at scale 0 the branch outputs 0, so any cut inside it passed the value check, and every
+    # event once training had moved the scale scrambled the grouped conv; the check's copy gets random values there
+    reason = pruning.check_structured(
+        _ZeroInitResidual().eval(), pruning.Pruner(mode="structured"), [0.25, 0.5], torch.randn(4, 3, 8, 8)
+    )
+    assert reason is not None and "changes what the kept channels compute" in reason and "`grouped`" in reason
+
+
+class _AuxiliaryHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Conv2d(1, 16, 3, padding=1)
+        self.body = nn.Conv2d(16, 32, 3, padding=1)
+        self.head = nn.Linear(32, 10)
+        self.aux = nn.Conv2d(16, 8, 1)  # GoogLeNet-style: only while training
+        self.aux_head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor):
+        h = torch.relu(self.features(x))
+        out = self.head(torch.relu(self.body(h)).mean((2, 3)))
+        if self.training:
+            return out, self.aux_head(torch.relu(self.aux(h)).mean((2, 3)))
+        return out
+
+
+def test_a_branch_that_runs_only_in_training_is_checked_in_training_mode():
+    # held-out sweep: the eval-mode trace missed the auxiliary head, the check passed, and the first training
+    # step after the first event crashed on the head's uncut input
+    reason = pruning.check_structured(
+        _AuxiliaryHead().eval(), pruning.Pruner(mode="structured"), [0.25, 0.5], torch.randn(4, 1, 8, 8)
+    )
+    assert reason is not None and "breaks the model in training mode" in reason
+
+
+class _EmbeddingEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(1))
+
+
+def test_a_group_that_would_cut_multihead_attention_is_left_out_and_the_feed_forward_width_is_cut():
+    # held-out sweep: with no positional table in the residual group, the residual width was cut through
+    # nn.MultiheadAttention (one node to torch-pruning; its out_proj is never pruned), changing its head width
+    model, tokens = _EmbeddingEncoder().eval(), torch.randint(0, 50, (4, 6))
+    pruner = pruning.Pruner(mode="structured", exclude_pattern="self_attn")
+    assert pruning.check_structured(model, pruner, [0.25, 0.5], tokens) is None
+    pruner.prune(model, 0.5, (), tokens)
+    layer = model.encoder.layers[0]
+    assert (
+        layer.self_attn.embed_dim == 32 and layer.linear1.out_features == 32
+    )  # 64 -> 32: the FFN width only
 
 
 def test_sample_targets_spread_over_the_schedule_and_end_at_the_final_sparsity():

@@ -217,6 +217,43 @@ def test_a_width_dependent_plain_tensor_is_refused_in_structured_mode_before_the
     )
 
 
+class _GroupNormCNN(pl.LightningModule):
+    """A small CNN with GroupNorm(4 groups) after its first convolution: cutting its channels keeps every
+    shape, but each remaining channel is normalised with other partners."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.GroupNorm(4, 16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(16, 10),
+        )
+
+    def forward(self, x):
+        return self.net(x.view(-1, 1, 8, 8))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_group_norm_cnn_is_refused_in_structured_mode_before_the_first_step_and_trains_unstructured():
+    # one cut to 8 of 16 channels: GroupNorm still divides them into its 4 groups, so the cut model runs
+    one_cut = _prune(mode="structured", start=10, end=10)
+    _refused_before_first_step(
+        _GroupNormCNN(), _digits(), one_cut, r"changes what the kept channels compute.*`net\.1`"
+    )
+    trainer = _fit(_GroupNormCNN(), _digits(), _prune(mode="unstructured"))  # the way out the refusal names
+    assert trainer.global_step == STEPS
+
+
 # ---------------------------------------------------------------------------------------------- stateful LSTM
 def test_stateful_lstm_prunes_its_output_layer_only_and_keeps_the_carried_state():
     module, data = CLIENTS["stateful-lstm"]()

@@ -26,10 +26,12 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.utils import prune
 
 from lightning_pulse.core import prune_targets
@@ -388,14 +390,19 @@ def channel_groups(graph: Any, model: nn.Module, roots: Mapping[str, nn.Module])
 
     A group is left out when it also removes output channels of a layer that was not chosen (a residual
     coupling with an unchosen layer), when it would change the model's output shape, or when it would cut a
-    bare ``nn.Parameter`` (a learned positional table), a module called more than once per forward or a
-    module holding a shared parameter.
+    bare ``nn.Parameter`` (a learned positional table), a module called more than once per forward, a
+    module holding a shared parameter, or a module holding a layer that is not chosen (an
+    ``nn.MultiheadAttention``, whose ``out_proj`` is never pruned: cutting it changes its head width).
     """
     root_types = tuple({type(module) for module in roots.values()})
     chosen = set(roots.values())
     unchosen = [m for m in model.modules() if isinstance(m, root_types) and m not in chosen]
     names = {module: name for name, module in model.named_modules()}
     unsafe = set(getattr(graph, "reused_modules", ())) | prune_targets.shared_parameter_modules(model)
+    # a module holding a layer that is not chosen (an nn.MultiheadAttention, whose out_proj is never pruned or
+    # was excluded by name) is one node to torch-pruning: cutting it would cut that layer too
+    left_out = set(unchosen)
+    unsafe |= {m for m in model.modules() if m not in left_out and any(c in left_out for c in m.children())}
     groups = []
     for group in graph.get_all_groups(ignored_layers=unchosen, root_module_types=root_types):
         root_module = group[0].dep.target.module
@@ -731,6 +738,7 @@ def check_structured(
     inputs = _to_device(as_example_inputs(small_example(example)), device)
     # the check must not change the run it checks: random draws happen on forked generators
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        _for_the_value_check(duplicate)
         reason = _dry_run(duplicate, trial, sparsities, example, inputs)
     if reason is not None and reason.startswith(
         ("pruning a copy of the model failed", "tracing which channels")
@@ -738,6 +746,30 @@ def check_structured(
         hint = attention_hint(model, pruner.exclude_pattern)
         reason = reason if hint is None else f"{reason}; {hint}"
     return reason
+
+
+@torch.no_grad()
+def _for_the_value_check(duplicate: nn.Module) -> None:
+    """Make the copy that the check cuts show its structure in its values:
+
+    * a parameter that is all zeros (a residual branch's last batch-norm scale under ``zero_init_residual``, a
+      layer scale or a ReZero gate starting at 0) gets small random values: at zero a whole branch outputs 0,
+      and any cut inside it, right or wrong, would leave the output unchanged until training moved it;
+    * a ``LayerNorm`` or one-group ``GroupNorm`` without affine parameters gets an identity affine (ones and
+      zeros: the same function), so the cut records which of its channels it kept.
+    """
+    for parameter in duplicate.parameters():
+        if parameter.is_floating_point() and not parameter.any():
+            parameter.normal_(0.0, 0.1)
+    for module in duplicate.modules():
+        if isinstance(module, nn.LayerNorm) and module.weight is None and len(module.normalized_shape) == 1:
+            module.weight = nn.Parameter(torch.ones(module.normalized_shape))
+            module.bias = nn.Parameter(torch.zeros(module.normalized_shape))
+            module.elementwise_affine = True
+        elif isinstance(module, nn.GroupNorm) and module.weight is None and module.num_groups == 1:
+            module.weight = nn.Parameter(torch.ones(module.num_channels))
+            module.bias = nn.Parameter(torch.zeros(module.num_channels))
+            module.affine = True
 
 
 def attention_hint(model: nn.Module, exclude_pattern: str | None) -> str | None:
@@ -818,12 +850,29 @@ def _dry_run(
         with _time_limit(STRUCTURED_CHECK_SECONDS):
             with torch.no_grad():
                 before = prune_targets.output_shapes(call_with(duplicate, inputs))
+            in_training = _training_shapes(duplicate, inputs, cut=False)
             for sparsity in sparsities:
-                trial.prune(duplicate, sparsity, (), example)
+                uncut = copy.deepcopy(duplicate)
+                names = {id(parameter): name for name, parameter in duplicate.named_parameters()}
+                remap = trial.prune(duplicate, sparsity, (), example).remap
                 with torch.no_grad():
-                    after = prune_targets.output_shapes(call_with(duplicate, inputs))
-                if before != after:
-                    return f"pruning to {sparsity:.2f} changes the model's output shapes from {before} to {after}"
+                    output = call_with(duplicate, inputs)
+                    after = prune_targets.output_shapes(output)
+                    if before != after:
+                        return f"pruning to {sparsity:.2f} changes the model's output shapes from {before} to {after}"
+                    changed = _changed_function(uncut, names, remap, inputs, output)
+                if changed is not None:
+                    return f"pruning to {sparsity:.2f} {changed}"
+                if in_training is not None:
+                    try:
+                        training_shapes = _training_shapes(duplicate, inputs, cut=True)
+                    except Exception as error:
+                        return (
+                            f"pruning to {sparsity:.2f} breaks the model in training mode ({type(error).__name__}: "
+                            f"{str(error)[:200]}): a branch that runs only in training reads the cut channels"
+                        )
+                    if training_shapes != in_training:
+                        return f"pruning to {sparsity:.2f} changes the model's output shapes in training mode"
     except _CheckTimeout:
         return (
             f"tracing which channels depend on which (torch-pruning's dependency search) did not finish within "
@@ -834,6 +883,118 @@ def _dry_run(
     if not trial.history:
         return "no channel group of the selected layers can be cut safely"
     return None
+
+
+def _training_shapes(model: nn.Module, inputs: Any, cut: bool) -> list[tuple[int, ...]] | None:
+    """The output shapes of ``model`` called in training mode (then back in eval mode). A branch that runs only
+    in training (an auxiliary classifier behind ``if self.training``) is not in the eval-mode trace, and a cut
+    that misses its input shows here. An error is raised for a ``cut`` model; for the uncut one it gives
+    ``None``: the model does not run that way on the example, and the check stays with eval mode."""
+    model.train()
+    try:
+        with torch.no_grad():
+            return prune_targets.output_shapes(call_with(model, inputs))
+    except Exception:
+        if cut:
+            raise
+        return None
+    finally:
+        model.eval()
+
+
+def _changed_function(
+    uncut: nn.Module, names: Mapping[int, str], remap: ParameterRemap, inputs: Any, output: Any
+) -> str | None:
+    """Why the cut model no longer computes what the uncut one computes with the removed channels silenced,
+    or ``None``.
+
+    A correct cut equals the uncut model whose removed weights are zero: every element of a replaced
+    parameter that the cut left out (producer rows, consumer columns, normalisation entries). A ``LayerNorm``
+    over the cut width normalises the kept channels alone; the reference does the same. Anything else a cut
+    changes is a wrong cut: a grouped convolution whose groups no longer line up, a ``GroupNorm`` whose groups
+    take other channels, a reshape over the cut channels, a consumer the trace missed.
+    """
+    modules = dict(uncut.named_modules())
+    parameters = dict(uncut.named_parameters())
+    touched: dict[str, torch.Tensor] = {}  # module name -> the kept flat indices of its replaced weight
+    for old, _, kept in remap:
+        name = names.get(id(old))
+        if name is None or name not in parameters:
+            continue
+        flat = parameters[name].data.view(-1)
+        silenced = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
+        silenced[kept.to(flat.device)] = False
+        flat[silenced] = 0
+        owner, _, leaf = name.rpartition(".")
+        if leaf == "weight":
+            touched[owner] = kept
+    handles = [
+        modules[name].register_forward_hook(partial(_norm_over_kept, kept=kept))
+        for name, kept in touched.items()
+        if _renormalises(modules.get(name))
+    ]
+    try:
+        expected = _floating_tensors(call_with(uncut, inputs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    for got, want in zip(_floating_tensors(output), expected):
+        scale = want.abs().max().item() if want.numel() else 0.0
+        if not torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-4 * max(scale, 1.0)):
+            error = (got.float() - want.float()).abs().max().item()
+            suspects = [
+                name
+                for name in touched
+                if isinstance(modules.get(name), nn.GroupNorm) or getattr(modules.get(name), "groups", 1) > 1
+            ]
+            found = f" at {', '.join(f'`{name}`' for name in suspects[:3])}" if suspects else ""
+            return (
+                f"changes what the kept channels compute (the output moves by up to {error:.3g} from the model "
+                f"with the removed channels silenced): the cut does not follow this model's channel structure"
+                f"{found}, as with grouped convolutions, GroupNorm, or a reshape over the cut channels; leave out "
+                "the layers whose channels reach them"
+            )
+    return None
+
+
+def _renormalises(module: nn.Module | None) -> bool:
+    """Whether ``module`` normalises over all its channels together, so that once cut it normalises the kept
+    ones alone: a ``LayerNorm`` over the last dimension, a ``GroupNorm`` with one group."""
+    if isinstance(module, nn.LayerNorm):
+        return len(module.normalized_shape) == 1
+    return isinstance(module, nn.GroupNorm) and module.num_groups == 1
+
+
+def _norm_over_kept(module: nn.Module, args: Any, output: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    # what the normalisation cut to the kept channels computes, with the removed ones silenced (zero)
+    index = kept.to(output.device)
+    # Hugging Face's ConvNeXt keeps a LayerNorm over dimension 1 (``data_format="channels_first"``)
+    channels_last = (
+        isinstance(module, nn.LayerNorm) and getattr(module, "data_format", "") != "channels_first"
+    )
+    dim = -1 if channels_last else 1
+    inputs = args[0].index_select(dim, index)
+    weight = None if module.weight is None else module.weight.index_select(0, index)
+    bias = None if module.bias is None else module.bias.index_select(0, index)
+    if channels_last:
+        normalised = F.layer_norm(inputs, (index.numel(),), weight, bias, module.eps)
+    elif isinstance(module, nn.LayerNorm):  # over the channels alone, at every position
+        moved = inputs.movedim(1, -1)
+        normalised = F.layer_norm(moved, (index.numel(),), weight, bias, module.eps).movedim(-1, 1)
+    else:
+        normalised = F.group_norm(inputs, 1, weight, bias, module.eps)
+    return torch.zeros_like(output).index_copy(dim, index, normalised)
+
+
+def _floating_tensors(output: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a model output, in order (tensor, tuple/list, mapping, ``ModelOutput``)."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.is_floating_point() else []
+    if isinstance(output, Mapping):
+        return [t for value in output.values() for t in _floating_tensors(value)]
+    if isinstance(output, (tuple, list)):
+        return [t for value in output for t in _floating_tensors(value)]
+    return []
 
 
 def small_example(example: Any) -> Any:
@@ -1102,9 +1263,10 @@ def fit_to_state_dict(
         raise RuntimeError(
             f"ScheduledPrune: the state dict holds the model from before channels were cut ({key}: {saved} there, "
             f"{current} in this module, which was cut since), and a module cannot take removed channels back. Load "
-            "it into a freshly built module (e.g. YourModule.load_from_checkpoint(path), or "
-            "ScheduledPrune.load_pruned(YourModule(...), checkpoint)), or evaluate the cut model itself "
-            "(trainer.test(ckpt_path=None) or 'last')."
+            "it into a freshly built module with ScheduledPrune.load_pruned(YourModule(...), checkpoint), which "
+            "redoes the cuts the checkpoint records (YourModule.load_from_checkpoint(path) works only for a "
+            "checkpoint from before the first cut), or evaluate the cut model itself (trainer.test(ckpt_path=None) "
+            "or 'last')."
         )
     recorded = structure() if callable(structure) else structure
     if not recorded or not recorded.get("history"):
