@@ -473,3 +473,39 @@ def test_a_module_compiled_with_fullgraph_is_refused_at_setup():
     ):
         trainer.fit(Compiled(), _data())
     assert trainer.global_step == 0
+
+
+class _TokenTagger(pl.LightningModule):
+    """Tags every token of a sequence; targets of -100 are ignored. Records the samples each step trains on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.head = torch.nn.Linear(8, 3)
+        self.trained: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        tokens, tags, index = batch
+        self.trained.append(index.tolist())
+        logits = self.head(self.embed(tokens))
+        return F.cross_entropy(logits.reshape(-1, 3), tags.reshape(-1), ignore_index=-100)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_sample_whose_every_token_is_ignored_is_scored_easiest_not_kept_unseen():
+    # held-out sweep: such a sample's per-sample loss is 0/0; left unscored it counted as unseen, and unseen
+    # samples are always trained, so it was replayed in every light batch while adding nothing to the loss
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 10, (64, 6), generator=generator)
+    tags = tokens % 3
+    tags[:8] = -100  # samples 0-7: no token counts (padding-only sequences)
+    data = DataLoader(TensorDataset(tokens, tags, torch.arange(64)), batch_size=16, shuffle=False)
+    module, replay = _TokenTagger(), HardSampleReplay(mode="batch", replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=3, **trainer_kwargs())
+    trainer.fit(module, data)
+    scores = replay.selector.table.scores
+    assert (scores[:8] == 0).all() and np.isfinite(scores).all()
+    later = [i for step in module.trained[4:] for i in step]  # epochs 2 and 3: scored batches, cut in half
+    assert len(later) == 64 and not set(later) & set(range(8))

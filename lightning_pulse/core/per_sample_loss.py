@@ -205,8 +205,9 @@ def per_sample_from_unreduced(
         reduction: the caller's reduction; ``"batchmean"`` makes a sample's loss its sum.
 
     Returns:
-        float32 ``(B,)``, detached; ``NaN`` for a sample with no counted element (all tokens ignored), or
-        ``None`` if the loss does not split into ``B`` samples.
+        float32 ``(B,)``, detached; ``0`` for a sample with no counted element (all tokens ignored: it adds
+        nothing to the loss, and is the easiest to replay), or ``None`` if the loss does not split into ``B``
+        samples.
     """
     rows = rows_per_sample(unreduced.detach(), batch_size)
     if rows is None:
@@ -217,14 +218,15 @@ def per_sample_from_unreduced(
         if weights is None or reduction == "batchmean":
             return values
         if weights.dtype == torch.bool:
-            return values.masked_fill(~weights.reshape(-1), math.nan)
-        return values / weights.reshape(-1)  # class-weighted: the sample's own loss; 0/0 -> NaN if ignored
+            return values.masked_fill(~weights.reshape(-1), 0.0)
+        weights = weights.reshape(-1)  # class-weighted: the sample's own loss; 0 where ignored
+        return torch.where(weights != 0, values / weights, 0.0)
     if reduction == "batchmean":
         return rows.sum(dim=1)
     if weights is None:
         return rows.mean(dim=1)
     counts = weights.detach().reshape(batch_size, -1).sum(dim=1, dtype=torch.float32)
-    return rows.sum(dim=1) / counts  # 0/0 -> NaN: a sample whose every token is ignored has no score
+    return torch.where(counts != 0, rows.sum(dim=1) / counts, 0.0)  # every token ignored: 0
 
 
 def _reduce(
@@ -773,16 +775,21 @@ def _per_sample_on_cpu(
         class_weight = weight.detach().cpu().float().numpy()
         counts = class_weight[np.where(ignored, 0, targets)]
         counts[ignored] = 0.0
-        with np.errstate(invalid="ignore", divide="ignore"):  # 0/0 -> NaN: every token of the sample ignored
-            return torch.from_numpy(rows.sum(axis=1, dtype=np.float32) / counts.sum(axis=1, dtype=np.float32))
-    if rows.shape[1] == 1:  # one target per sample: its own loss, NaN where it is ignored
+        return torch.from_numpy(_mean_over_counted(rows, counts.sum(axis=1, dtype=np.float32)))
+    if rows.shape[1] == 1:  # one target per sample: its own loss, 0 where it is ignored
         values = rows[:, 0].astype(np.float32)
         if ignored.any():
-            values[ignored[:, 0]] = math.nan
+            values[ignored[:, 0]] = 0.0
         return torch.from_numpy(values)
-    counts = rows.shape[1] - ignored.sum(axis=1, dtype=np.float32)
+    return torch.from_numpy(_mean_over_counted(rows, rows.shape[1] - ignored.sum(axis=1, dtype=np.float32)))
+
+
+def _mean_over_counted(rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each row's sum over its ``counts``; 0 for a row with nothing counted (every token of the sample ignored:
+    it adds nothing to the loss, so it is the easiest sample, not an unseen one to train every time)."""
+    sums = rows.sum(axis=1, dtype=np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return torch.from_numpy(rows.sum(axis=1, dtype=np.float32) / counts)
+        return np.where(counts != 0, sums / counts, np.float32(0.0)).astype(np.float32, copy=False)
 
 
 def time_major_losses(capture: LossCapture, batch: Any) -> list[str]:
