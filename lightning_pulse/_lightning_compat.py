@@ -327,6 +327,19 @@ def mark_last_batch_of(trainer: pl.Trainer, batches: int) -> None:
         trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
 
+def close_restored_epoch(trainer: pl.Trainer) -> None:
+    """On a resume from a checkpoint saved on the last batch of an epoch shorter than the DataLoader's length
+    (a planned pass), let Lightning count that epoch's batches as done, as it does for one saved on the loader's
+    last batch. It resets an epoch's batch counters only when the restored count reaches
+    ``num_training_batches``; otherwise the next epoch starts with the finished one's count and ends once that
+    count reaches the loader's length (after one batch, in a held-out run). Call at ``on_train_start``: the
+    training epoch loop adds the batch it was saved on and resets its counters when it starts."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    total = trainer.num_training_batches
+    if isinstance(total, int) and total > progress.completed:
+        progress.completed = progress.processed = progress.started = progress.ready = total - 1
+
+
 # ---------------------------------------------------------------------------- EnergyLogger (issue 3)
 def set_callback_metric(trainer: pl.Trainer, name: str, value: float) -> None:
     """Make ``name`` monitorable (``ModelCheckpoint``/``EarlyStopping`` read ``trainer.callback_metrics``)

@@ -169,3 +169,7 @@ class StepSavingLoader:
     def on_train_start(self, trainer: pl.Trainer) -> None:
         # Lightning set the first epoch's validation batch from the plain length after the first pass began
         compat.set_epoch_batches(trainer, self.epoch_batches)
+        if self.stream.resumed_at_pass_end:  # what the finished epoch's end did in the run that saved it
+            compat.close_restored_epoch(trainer)
+            if self._selector is not None:
+                self._selector.apply()  # the next pass selects from every score of the finished one

@@ -221,6 +221,34 @@ def test_resume_mid_replay_mid_epoch_reproduces_the_uninterrupted_run(tmp_path):
     assert tables[0].scores.tobytes() == tables[1].scores.tobytes()
 
 
+def test_resume_from_a_checkpoint_saved_on_a_passs_last_batch_reproduces_the_uninterrupted_run(tmp_path):
+    # held-out sweep: Lightning resets an epoch's batch counters only at the DataLoader's length, so the epoch
+    # after a planned pass (shorter) began with the finished pass's count and ended after one batch (30 of 36
+    # steps); and the finished epoch's end, where the next pass's choice reads every score, never ran
+    def fit(callbacks, ckpt_path=None):
+        pl.seed_everything(0)
+        model = OneCycleClassifier()
+        trainer = pl.Trainer(
+            callbacks=[PulseCycle(**CYCLE), HardSampleReplay(rule="topk", replay_fraction=0.5), *callbacks],
+            max_epochs=4,
+            **trainer_kwargs(enable_checkpointing=bool(callbacks)),
+        )
+        trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64), ckpt_path=ckpt_path)
+        return model, trainer
+
+    log = BatchLog()
+    every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    full_model, full = fit([every_step, log])
+    pass_ends = [
+        step for (epoch, step, _), (after, _, _) in zip(log.fetched, log.fetched[1:]) if after != epoch
+    ]
+    assert len(pass_ends) == 3
+    checkpoint = next(tmp_path.glob(f"*step={pass_ends[0] + 1}.ckpt"))  # saved after the pass's last step
+    resumed_model, resumed = fit([], ckpt_path=str(checkpoint))
+    assert resumed.global_step == full.global_step
+    assert torch.equal(_parameters(resumed_model), _parameters(full_model))
+
+
 def test_plan_without_a_cycle_selects_every_step_and_keeps_each_epoch_one_pass():
     plan = plan_steps(
         None, ["replay"], batch_size=10, fraction=0.25, samples_per_epoch=100, max_epochs=3, max_steps=None

@@ -392,6 +392,7 @@ class StepSavingStream:
         self._resume: dict[str, Any] | None = None
         self._first_pass = True
         self._plain_pass: list[int] = []
+        self.resumed_at_pass_end = False  # the checkpoint was saved on the last batch of a pass
 
     def make_plan(
         self, clock: PhaseClock | None, light_phases: Iterable[str], **run: int | bool | None
@@ -400,8 +401,10 @@ class StepSavingStream:
         :func:`plan_steps`' ``batch_size``, ``fraction``, ``samples_per_epoch``, ``max_epochs``, ``max_steps``,
         ``accumulate`` and ``drop_last``."""
         resume = self._resume
+        self.resumed_at_pass_end = False
         if resume is not None and resume["samples"] >= int(run["samples_per_epoch"] or 0):
             # saved at an epoch's end: the run resumes at the next epoch's start
+            self.resumed_at_pass_end = resume["batches"] > 0  # on the pass's last batch, not after the epoch
             resume.update(epoch=resume["epoch"] + 1, samples=0, batches=0)
         resume = resume or {}
         self.plan = plan_steps(
