@@ -331,16 +331,10 @@ class StabilityGuard(Callback):
         verdict: Verdict,
     ) -> bool:
         """The rollback test (class docstring, 2.; ``steps.rollback_test``) on the snapshot the rollback would
-        return to, then on the oldest held. Untested, so ``True``: a gradient-norm spike whose loss is ordinary,
-        a linear loss scale, no applied step yet, no snapshot, or a GradientCache activation cache (a forward
-        would fill it)."""
-        median = self.detector.baseline(self._key_of())["loss"]
-        if (
-            loss is None
-            or not steps.loss_spiked(verdict, loss, median, self.config.min_ratio)
-            or not self._reference
-            or self.detector.loss_scale != "log"
-            or any(getattr(callback, "activations", None) is not None for callback in trainer.callbacks)
+        return to, then on the oldest held; ``True`` where it cannot run (``steps.rollback_testable``)."""
+        caches = any(getattr(callback, "activations", None) is not None for callback in trainer.callbacks)
+        if not steps.rollback_testable(
+            self.detector, self._key_of(), verdict, loss, bool(self._reference), caches
         ):
             return True
         start = self.policy.incident_start
@@ -377,22 +371,23 @@ class StabilityGuard(Callback):
         (``Action.ROLLBACK``) or save a checkpoint and raise (``Action.STOP``)."""
         step = trainer.global_step - 1  # the flagged step that triggered it (already taken)
         recent_rollbacks = len(self.policy.rollback_steps)
-        start = self.policy.incident_start
-        if self._rollback_to is not None:  # the rollback test found the newest snapshot damaged too
-            start, self._rollback_to = self._rollback_to + self.schedule.margin, None
-        target, predates = self.schedule.roll_back(
-            step if start is None else start,
+        state = self._training_state(trainer)
+        target, undone = steps.return_to_snapshot(
+            self.schedule,
+            self.detector,
+            self.policy,
+            self.config,
             pl_module,
-            *self._training_state(trainer),
-            self.config.rewind_lr_schedule,
+            state,
+            step,
+            self._rollback_to,
+            rank_zero_warn,
         )
-        undone = steps.restore_books(
-            target, predates, start, self.detector, self.policy, pl_module, rank_zero_warn
-        )
+        self._rollback_to = None
         cycle = pulse_cycle_of(trainer)
         if target is not None and cycle is not None:  # the restored listeners learn the phase they are in
             change = PhaseChange(None, cycle.phase, cycle.cycle, cycle.clock.step, "resume")
-            tell_restored_phase(trainer, pl_module, rollback_states(trainer, exclude=self), change)
+            tell_restored_phase(trainer, pl_module, state[2], change)
         to_step = None if target is None else target.step
         if action is Action.ROLLBACK:
             self.policy.rolled_back(step, to_step)

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_pulse.core.carried_state import carried_tensors, restore_carried_tensors
 from lightning_pulse.core.fault_origin import describe_bad_samples
-from lightning_pulse.core.snapshots import TrainingSnapshot
+from lightning_pulse.core.snapshots import SnapshotSchedule, TrainingSnapshot
 from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import Action, EscalationPolicy, StabilityGuardConfig
 from lightning_pulse.errors import PulseRefusal
@@ -149,6 +149,22 @@ def rollback_test(
     return False, None
 
 
+def rollback_testable(
+    detector: SpikeDetector, key: str, verdict: Verdict, loss: float | None, has_reference: bool, caches: bool
+) -> bool:
+    """Whether the rollback test can tell anything: a loss that spiked (:func:`loss_spiked`), an ordinary
+    applied batch to compare with (``has_reference``), a log loss scale, and no activation cache that a
+    forward would fill (``caches``: GradientCache's). A gradient-norm spike with an ordinary loss is not."""
+    median = detector.baseline(key)["loss"]
+    return (
+        loss is not None
+        and loss_spiked(verdict, loss, median, detector.min_ratio)
+        and has_reference
+        and detector.loss_scale == "log"
+        and not caches
+    )
+
+
 def snapshot_extra(detector: SpikeDetector, policy: EscalationPolicy, module: nn.Module) -> dict[str, Any]:
     """The bookkeeping a snapshot holds besides the training state, for :func:`restore_books`."""
     return {"detector": detector.state_dict(), "carried": carried_tensors(module), **policy.lineage()}
@@ -190,6 +206,30 @@ def guard_metrics(policy: EscalationPolicy, with_energy: bool) -> dict[str, floa
     if with_energy:
         out["stability/energy_wasted_kwh"] = policy.energy_wasted_kwh
     return out
+
+
+def return_to_snapshot(
+    schedule: SnapshotSchedule,
+    detector: SpikeDetector,
+    policy: EscalationPolicy,
+    config: StabilityGuardConfig,
+    module: nn.Module,
+    state: tuple[Sequence[Any], Sequence[Any], Mapping[str, Any]],
+    step: int,
+    tested_to: int | None,
+    warn: Callable[[str], Any],
+) -> tuple[TrainingSnapshot | None, int]:
+    """Restore the newest snapshot taken ``rollback_margin`` steps before the incident (before the first
+    flagged step, or ``step``; when the rollback test found that snapshot damaged too, before the one it chose,
+    ``tested_to``), with ``state`` (optimizers, LR schedulers, rollback-aware callbacks) and the books
+    (:func:`restore_books`). Returns the snapshot (``None``: none fits) and the applied steps undone."""
+    start = policy.incident_start
+    if tested_to is not None:
+        start = tested_to + schedule.margin
+    target, predates = schedule.roll_back(
+        step if start is None else start, module, *state, config.rewind_lr_schedule
+    )
+    return target, restore_books(target, predates, start, detector, policy, module, warn)
 
 
 def maintain_snapshot_wanted(
