@@ -249,6 +249,14 @@ def test_transformer_prefix_freeze_skips_backward_flops():
 
 
 # ------------------------------------------------------------------------------------------ plasticity
+def test_a_complex_parameter_moves_by_its_real_and_imaginary_parts():
+    # held-out sweep: `.double()` dropped the imaginary part, so a unit whose complex weights moved only there
+    # (a spectral filter) scored as still and was frozen
+    snapshot = [torch.complex(torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0]))]  # norm 5
+    moved = [snapshot[0] + torch.complex(torch.zeros(2), torch.tensor([3.0, 0.0]))]  # only the imaginary part
+    assert relative_parameter_change(moved, snapshot) == pytest.approx(3.0 / 5.0)
+
+
 def test_relative_parameter_change_on_known_vectors():
     snapshot = [torch.tensor([3.0, 4.0]), torch.tensor([0.0])]
     assert relative_parameter_change(

@@ -161,6 +161,12 @@ def relative_parameter_changes(
     return [rate for rate, _ in window_movements(pairs)]
 
 
+def _real64(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float64, a complex one as its real and imaginary parts (``.double()`` would drop the
+    imaginary part: a parameter moving only there looked still)."""
+    return torch.view_as_real(tensor).double() if tensor.is_complex() else tensor.double()
+
+
 def window_movements(
     pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
 ) -> list[tuple[float, float]]:
@@ -173,10 +179,10 @@ def window_movements(
     for params, snapshot in pairs:
         zero = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
         moved = sum(
-            (torch.sum((p.detach().double() - s.double()) ** 2) for p, s in zip(params, snapshot)), zero
+            (torch.sum((_real64(p.detach()) - _real64(s)) ** 2) for p, s in zip(params, snapshot)), zero
         )
-        reference = sum((torch.sum(s.double() ** 2) for s in snapshot), zero)
-        current = sum((torch.sum(p.detach().double() ** 2) for p in params), zero)
+        reference = sum((torch.sum(_real64(s) ** 2) for s in snapshot), zero)
+        current = sum((torch.sum(_real64(p.detach()) ** 2) for p in params), zero)
         sums += [moved, reference.to(moved.device), current.to(moved.device)]
     devices = {t.device for t in sums}
     norms = torch.stack([t.to(sums[0].device) for t in sums] if len(devices) > 1 else sums).sqrt().tolist()
