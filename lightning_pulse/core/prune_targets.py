@@ -59,6 +59,12 @@ def _old_style_norm(module: nn.Module) -> bool:
     return any(isinstance(hook, (SpectralNorm, WeightNorm)) for hook in module._forward_pre_hooks.values())
 
 
+def computes_its_weight(module: nn.Module) -> bool:
+    """Whether ``module``'s ``weight`` is computed from other tensors at each forward: a parametrization, or
+    the older ``weight_norm`` / ``spectral_norm`` hooks. Such a layer is never pruned, nor cut as a consumer."""
+    return parametrize.is_parametrized(module, "weight") or _old_style_norm(module)
+
+
 def _weight(module: nn.Module) -> nn.Parameter:
     return module._parameters.get("weight_orig", module._parameters.get("weight"))
 
@@ -144,9 +150,7 @@ def select_targets(
     selection = LayerSelection()
     hidden = hidden_weight_readers(model)
     for name, module in model.named_modules():
-        parametrized = bool(name) and (
-            parametrize.is_parametrized(module, "weight") or _old_style_norm(module)
-        )
+        parametrized = bool(name) and computes_its_weight(module)
         if not name or not (parametrized or _has_weight(module)):
             continue
         if layer_types and not isinstance(module, layer_types):

@@ -260,7 +260,8 @@ def global_sparsity(layers: Mapping[str, nn.Module]) -> float:
 
 # ---------------------------------------------------------------------------------------------- copies
 def copy_without_hooks(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` that carries none of its hooks, except ``torch.nn.utils.prune`` masks.
+    """A deep copy of ``module`` that carries none of its hooks, except those that compute a layer's weight:
+    ``torch.nn.utils.prune`` masks and the older ``weight_norm`` / ``spectral_norm``.
 
     Hooks registered by others (callbacks, profilers) are shared, not copied, during the copy (a bound method
     would otherwise pull its owner, and often the whole Trainer, into the copy) and then dropped from it.
@@ -271,13 +272,13 @@ def copy_without_hooks(module: nn.Module) -> nn.Module:
             hooks = getattr(submodule, attribute, None)
             if isinstance(hooks, dict):
                 for hook in hooks.values():
-                    if callable(hook) and not isinstance(hook, prune.BasePruningMethod):
+                    if callable(hook) and not isinstance(hook, _WEIGHT_HOOKS):
                         memo[id(hook)] = hook
         for hook in submodule._forward_pre_hooks.values():
-            if isinstance(hook, prune.BasePruningMethod):
-                # the masked `weight` attribute is recomputed by every forward, usually with a graph attached,
-                # and a non-leaf tensor cannot be deep-copied; the copy recomputes it below
-                derived = submodule.__dict__.get(hook._tensor_name)
+            if isinstance(hook, _WEIGHT_HOOKS):
+                # the computed weight is recomputed by every forward, usually with a graph attached, and a
+                # non-leaf tensor cannot be deep-copied; the copy recomputes it below
+                derived = submodule.__dict__.get(_weight_name(hook))
                 if isinstance(derived, torch.Tensor):
                     memo[id(derived)] = None
     duplicate = copy.deepcopy(module, memo)
@@ -286,13 +287,36 @@ def copy_without_hooks(module: nn.Module) -> nn.Module:
             hooks = getattr(submodule, attribute, None)
             if isinstance(hooks, dict):
                 for key, hook in list(hooks.items()):
-                    if not isinstance(hook, prune.BasePruningMethod):
+                    if not isinstance(hook, _WEIGHT_HOOKS):
                         del hooks[key]
         for hook in submodule._forward_pre_hooks.values():
-            if isinstance(hook, prune.BasePruningMethod):
+            if isinstance(hook, _WEIGHT_HOOKS):
                 with torch.no_grad():
-                    setattr(submodule, hook._tensor_name, hook.apply_mask(submodule))
+                    setattr(submodule, _weight_name(hook), _computed_weight(hook, submodule))
     return duplicate
+
+
+def _weight_hooks() -> tuple[type, ...]:
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return (prune.BasePruningMethod, WeightNorm, SpectralNorm)
+
+
+#: forward pre-hooks that compute a layer's weight from other tensors: part of the layer, kept in a copy
+_WEIGHT_HOOKS = _weight_hooks()
+
+
+def _weight_name(hook: Any) -> str:
+    return hook._tensor_name if isinstance(hook, prune.BasePruningMethod) else hook.name
+
+
+def _computed_weight(hook: Any, module: nn.Module) -> torch.Tensor:
+    if isinstance(hook, prune.BasePruningMethod):
+        return hook.apply_mask(module)
+    if isinstance(hook, _WEIGHT_HOOKS[2]):  # spectral norm: no power iteration outside training
+        return hook.compute_weight(module, do_power_iteration=False)
+    return hook.compute_weight(module)
 
 
 # ---------------------------------------------------------------------------------------------- structured
@@ -391,8 +415,9 @@ def channel_groups(graph: Any, model: nn.Module, roots: Mapping[str, nn.Module])
     A group is left out when it also removes output channels of a layer that was not chosen (a residual
     coupling with an unchosen layer), when it would change the model's output shape, or when it would cut a
     bare ``nn.Parameter`` (a learned positional table), a module called more than once per forward, a
-    module holding a shared parameter, or a module holding a layer that is not chosen (an
-    ``nn.MultiheadAttention``, whose ``out_proj`` is never pruned: cutting it changes its head width).
+    module holding a shared parameter, a module holding a layer that is not chosen (an
+    ``nn.MultiheadAttention``, whose ``out_proj`` is never pruned: cutting it changes its head width), or a
+    layer whose weight is computed (a parametrization, the older ``weight_norm`` / ``spectral_norm``).
     """
     root_types = tuple({type(module) for module in roots.values()})
     chosen = set(roots.values())
@@ -403,6 +428,9 @@ def channel_groups(graph: Any, model: nn.Module, roots: Mapping[str, nn.Module])
     # was excluded by name) is one node to torch-pruning: cutting it would cut that layer too
     left_out = set(unchosen)
     unsafe |= {m for m in model.modules() if m not in left_out and any(c in left_out for c in m.children())}
+    # a weight computed from other tensors (a parametrization, the older weight_norm / spectral_norm hooks) is
+    # recomputed from its uncut sources at the next forward: such a layer cannot be cut as a consumer either
+    unsafe |= {m for m in model.modules() if prune_targets.computes_its_weight(m)}
     groups = []
     for group in graph.get_all_groups(ignored_layers=unchosen, root_module_types=root_types):
         root_module = group[0].dep.target.module
