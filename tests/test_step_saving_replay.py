@@ -191,21 +191,23 @@ def test_what_steps_mode_cannot_plan_is_refused_at_fit_start(cycle, trainer_extr
     assert trainer.global_step == 0
 
 
-def test_resume_mid_replay_mid_epoch_reproduces_the_uninterrupted_run(tmp_path):
-    def fit(callbacks, ckpt_path=None):
-        pl.seed_everything(0)
-        model = OneCycleClassifier()
-        trainer = pl.Trainer(
-            callbacks=[PulseCycle(**CYCLE), HardSampleReplay(rule="topk", replay_fraction=0.5), *callbacks],
-            max_epochs=4,
-            **trainer_kwargs(enable_checkpointing=bool(callbacks)),
-        )
-        trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64), ckpt_path=ckpt_path)
-        return model, trainer
+def _fit_pulsed(callbacks, ckpt_path=None):
+    """A 4-epoch pulsed run with step-saving replay on a shuffle-free loader, from the start or a checkpoint."""
+    pl.seed_everything(0)
+    model = OneCycleClassifier()
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(**CYCLE), HardSampleReplay(rule="topk", replay_fraction=0.5), *callbacks],
+        max_epochs=4,
+        **trainer_kwargs(enable_checkpointing=bool(callbacks)),
+    )
+    trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64), ckpt_path=ckpt_path)
+    return model, trainer
 
+
+def test_resume_mid_replay_mid_epoch_reproduces_the_uninterrupted_run(tmp_path):
     log = BatchLog()
     every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
-    full_model, full = fit([every_step, log])
+    full_model, full = _fit_pulsed([every_step, log])
     cycle = next(c for c in full.callbacks if isinstance(c, PulseCycle))
     # a step inside a replay phase, and not an epoch's first batch
     replay = [c for c in cycle.history if c.current.value == "replay"]
@@ -214,7 +216,7 @@ def test_resume_mid_replay_mid_epoch_reproduces_the_uninterrupted_run(tmp_path):
     assert epochs_at[resume_step] == epochs_at[resume_step - 1]
     checkpoint = next(tmp_path.glob(f"*step={resume_step}.ckpt"))
 
-    resumed_model, resumed = fit([], ckpt_path=str(checkpoint))
+    resumed_model, resumed = _fit_pulsed([], ckpt_path=str(checkpoint))
     assert resumed.global_step == full.global_step
     assert torch.equal(_parameters(resumed_model), _parameters(full_model))
     tables = [next(c for c in t.callbacks if isinstance(c, HardSampleReplay)).table for t in (full, resumed)]
@@ -225,26 +227,15 @@ def test_resume_from_a_checkpoint_saved_on_a_passs_last_batch_reproduces_the_uni
     # held-out sweep: Lightning resets an epoch's batch counters only at the DataLoader's length, so the epoch
     # after a planned pass (shorter) began with the finished pass's count and ended after one batch (30 of 36
     # steps); and the finished epoch's end, where the next pass's choice reads every score, never ran
-    def fit(callbacks, ckpt_path=None):
-        pl.seed_everything(0)
-        model = OneCycleClassifier()
-        trainer = pl.Trainer(
-            callbacks=[PulseCycle(**CYCLE), HardSampleReplay(rule="topk", replay_fraction=0.5), *callbacks],
-            max_epochs=4,
-            **trainer_kwargs(enable_checkpointing=bool(callbacks)),
-        )
-        trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64), ckpt_path=ckpt_path)
-        return model, trainer
-
     log = BatchLog()
     every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
-    full_model, full = fit([every_step, log])
+    full_model, full = _fit_pulsed([every_step, log])
     pass_ends = [
         step for (epoch, step, _), (after, _, _) in zip(log.fetched, log.fetched[1:]) if after != epoch
     ]
     assert len(pass_ends) == 3
     checkpoint = next(tmp_path.glob(f"*step={pass_ends[0] + 1}.ckpt"))  # saved after the pass's last step
-    resumed_model, resumed = fit([], ckpt_path=str(checkpoint))
+    resumed_model, resumed = _fit_pulsed([], ckpt_path=str(checkpoint))
     assert resumed.global_step == full.global_step
     assert torch.equal(_parameters(resumed_model), _parameters(full_model))
 
