@@ -3,7 +3,9 @@ that several callbacks share: sharded strategies, Tuner searches, and one traini
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -18,6 +20,25 @@ class PulseRefusal(MisconfigurationException):
     durations need a dataloader with a length; give the durations in steps or seconds instead."``. The
     ``lightning-pulse`` command prints it as one line (exit code 2) instead of a traceback.
     """
+
+
+def names_itself(init: Callable[..., None]) -> Callable[..., None]:
+    """Decorate a callback's ``__init__`` so that a ``ValueError`` it raises starts with the callback's name, as
+    Lightning's own messages do: "StabilityGuard: `window`=1 must be an int >= 2." The signature is kept
+    (``functools.wraps``), so LightningCLI reads the same arguments."""
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except ValueError as error:
+            name = type(self).__name__
+            text = str(error)
+            if text.startswith(name):
+                raise
+            raise ValueError(f"{name}: {text}") from None
+
+    return checked
 
 
 def sharded_strategy_name(trainer: pl.Trainer) -> str | None:

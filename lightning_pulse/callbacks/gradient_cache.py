@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.callbacks.pulse_cycle import phase_of
+from lightning_pulse.callbacks.pulse_cycle import phase_of, refuse_unreachable_phases
 from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixActivationCache, check_cache_mb
 from lightning_pulse.core.backward_flops import BackwardFlopLedger, check_measure_flops
 from lightning_pulse.core.freeze_metrics import METRIC_PREFIX as METRIC_PREFIX
@@ -39,7 +39,7 @@ from lightning_pulse.core.layer_freezing import (
     restore_during_fit,
     restore_freezer,
 )
-from lightning_pulse.errors import OneRunPerInstance, refuse_sharded_strategy
+from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 
@@ -86,7 +86,8 @@ class GradientCache(Callback):
         PulseRefusal: at setup, for manual optimization, a module run under ``torch.compile``,
             FSDP/DeepSpeed/model parallel, DDP without
             ``find_unused_parameters=True`` or with ``static_graph=True``, or another multi-process strategy; at
-            fit start, for ``torch.optim.LBFGS`` (it moves parameters that have no gradient), and for a second
+            fit start, for ``torch.optim.LBFGS`` (it moves parameters that have no gradient), ``phases``
+            without ``"replay"`` and no PulseCycle (they would never come), and for a second
             run of this instance (another ``trainer.fit``) unless a checkpoint was restored into it.
 
     Example::
@@ -100,6 +101,7 @@ class GradientCache(Callback):
     # load_state_dict works mid-run, so StabilityGuard rolls the scores and the frozen set back with the model
     restore_on_rollback = True
 
+    @names_itself
     def __init__(
         self,
         threshold: float = 0.2,
@@ -167,6 +169,7 @@ class GradientCache(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
+        refuse_unreachable_phases("GradientCache", self.phases, trainer)
         self._graph_checked = False
         self._read_twice: dict[int, list[str]] = {}  # parameters the forward reads by ops of different kinds
         self._span = self.window.steps(float(trainer.estimated_stepping_batches))

@@ -137,6 +137,11 @@ class GreenWindow(Callback):
         except ValueError as error:
             text = str(error)
             raise ValueError(text if text.startswith("GreenWindow") else f"GreenWindow: {text}") from None
+        if clock is not None and not all(callable(getattr(clock, name, None)) for name in ("time", "sleep")):
+            raise ValueError(
+                f"GreenWindow: `clock`={clock!r} must have `time()` (Unix seconds) and `sleep(seconds)` methods, "
+                "or be None for the system clock."
+            )
         self.clock = clock or SystemClock()
         self.schedule = GreenSchedule(
             self.policy,
@@ -188,6 +193,8 @@ class GreenWindow(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         now = self.clock.time()
+        if isinstance(now, bool) or not isinstance(now, (int, float)):
+            raise PulseRefusal(f"GreenWindow: `clock.time()` returned {now!r}; it must return Unix seconds.")
         self.signal.anchor(now)
         if self.schedule.run_start is None:
             self.schedule.run_start = now

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.callbacks.pulse_cycle import phase_of
+from lightning_pulse.callbacks.pulse_cycle import phase_of, refuse_unreachable_phases
 from lightning_pulse.core.carried_state import CarriedStateCheck
 from lightning_pulse.core.per_sample_loss import PerSampleScorer
 from lightning_pulse.core.replay import (
@@ -36,7 +36,7 @@ from lightning_pulse.core.replay import (
 from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, refuse
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
-from lightning_pulse.errors import OneRunPerInstance, tuner_search
+from lightning_pulse.errors import OneRunPerInstance, names_itself, tuner_search
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase
 from lightning_pulse.step_saving import StepSavingLoader
@@ -84,7 +84,8 @@ class HardSampleReplay(Callback):
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
             ``IterableDataset``, a custom batch sampler), several training DataLoaders, ``ModelParallelStrategy``,
             a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), a submodule compiled with
-            ``fullgraph=True``, a second run of this instance unless a
+            ``fullgraph=True``, ``phases`` without ``"replay"`` and no PulseCycle (they would never come), a
+            second run of this instance unless a
             checkpoint was restored into it, or in ``mode="steps"`` a run of unknown length,
             ``limit_train_batches``, ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, a PulseCycle in
             seconds or manual optimization stepping several optimizers per batch; after the fit's first two batches (trained in full, before any replay step), for a module
@@ -104,6 +105,7 @@ class HardSampleReplay(Callback):
     # load_state_dict works mid-run, so StabilityGuard rolls the scores back with the model
     restore_on_rollback = True
 
+    @names_itself
     def __init__(
         self,
         rule: str = "topk",
@@ -244,6 +246,7 @@ class HardSampleReplay(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refuse(several_loaders_refusal(SampleIndexTracker.several_loaders_reason(trainer.train_dataloader)))
+        refuse_unreachable_phases("HardSampleReplay", self.phases, trainer)
         assert self.selector is not None
         steps_per_epoch = self._set_half_life(trainer.num_training_batches)
         if (

@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.errors import names_itself
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
 
@@ -58,6 +59,7 @@ class HyperConnectionMonitor(Callback):
               init_args: {every_n_steps: 50}
     """
 
+    @names_itself
     def __init__(self, every_n_steps: int = 50, per_layer: bool = False, prefix: str = "mhc") -> None:
         super().__init__()
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:

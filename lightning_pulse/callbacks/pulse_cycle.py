@@ -36,6 +36,18 @@ def pulse_cycle_of(trainer: pl.Trainer | None) -> PulseCycle | None:
     return None
 
 
+def refuse_unreachable_phases(owner: str, phases: Sequence[Any], trainer: pl.Trainer) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` when ``owner`` acts only in ``phases`` and no
+    :class:`PulseCycle` is attached: every step of such a run counts as ``replay``, so phases without it would
+    never come and the callback would do nothing, silently."""
+    names = [getattr(phase, "value", phase) for phase in phases]
+    if pulse_cycle_of(trainer) is None and Phase.REPLAY.value not in names:
+        raise PulseRefusal(
+            f"{owner}: `phases`={names} never come in a run without a PulseCycle (every step counts as "
+            "'replay'), so it would do nothing. Add a PulseCycle to the callbacks, or include 'replay'."
+        )
+
+
 def phase_of(trainer: pl.Trainer | None, default: Phase = Phase.BURST) -> Phase:
     """The current pulse phase of ``trainer``.
 
@@ -103,10 +115,12 @@ class PulseCycle(Callback):
     Raises:
         ValueError: at construction, naming the field, for an unparsable or negative duration, an unknown
             phase, all-zero durations, ``warmup + anneal >= 1``, an unknown ``maintain_eval`` or a
-            non-positive ``probe_batches``, or a ``budget`` outside ``(0, 1)``. At fit start, for epoch-based
+            non-positive ``probe_batches``, a ``budget`` outside ``(0, 1)``, or a ``time_source`` that is not
+            callable. At fit start, for epoch-based
             durations on an infinite dataloader or warm-up/anneal on a run without a finite length.
         PulseRefusal: at fit start, for a ``budget`` with no step-saving HardSampleReplay attached, with
-            wall-clock durations, or out of what the replay fraction can reach; and for a second run of this
+            wall-clock durations, or out of what the replay fraction can reach; for a ``time_source`` that
+            returns no number; and for a second run of this
             instance (another ``trainer.fit``) unless a checkpoint was restored into it.
 
     Example::
@@ -156,6 +170,11 @@ class PulseCycle(Callback):
         self.maintain_eval = maintain_eval
         self.probe_batches = probe_batches
         self._held = compat.CollectiveHold()
+        if time_source is not None and not callable(time_source):
+            raise ValueError(
+                f"PulseCycle: `time_source`={time_source!r} must be a callable returning seconds, or None for "
+                "time.monotonic."
+            )
         self.time_source = time_source or time.monotonic
         self._listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
         self._last_global_step = 0
@@ -246,6 +265,10 @@ class PulseCycle(Callback):
             )
         self._last_global_step = trainer.global_step
         self._last_tick = self.time_source()
+        if isinstance(self._last_tick, bool) or not isinstance(self._last_tick, (int, float)):
+            raise PulseRefusal(
+                f"PulseCycle: `time_source` returned {self._last_tick!r}; it must return seconds as a number."
+            )
         self.probe.reset()
         compat.add_progress_bar_item(trainer, "phase", lambda: self.clock.label)
         try:

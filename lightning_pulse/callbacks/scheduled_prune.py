@@ -25,7 +25,7 @@ from lightning_pulse.core import prune_setup, prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_int
 from lightning_pulse.core.prune_setup import PruneOptions
-from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, refuse_sharded_strategy
+from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
@@ -77,7 +77,8 @@ class ScheduledPrune(Callback):
     Raises:
         ValueError: at construction, naming the field, for a value out of range or of the wrong type, an
             unknown ``mode``/``cadence``/``ranking``, an invalid regex or layer type.
-        PulseRefusal: at fit start, before the first step: no layer can be pruned, ``start`` after ``end``,
+        PulseRefusal: at fit start, before the first step: no layer can be pruned, ``start`` after ``end``
+            or after the run's last step,
             ``cadence="maintain"`` without a maintain phase, FSDP/DeepSpeed or another unsupported strategy, a
             model structured pruning cannot trace or cut safely (or whose trial cut does not finish within
             ``STRUCTURED_CHECK_SECONDS``), a second run of this instance unless a checkpoint was restored into it.
@@ -97,6 +98,7 @@ class ScheduledPrune(Callback):
     # a StabilityGuard rollback may call `load_state_dict` during training (see `load_state_dict`)
     restore_on_rollback = True
 
+    @names_itself
     def __init__(
         self,
         final_sparsity: float = 0.5,
@@ -186,10 +188,12 @@ class ScheduledPrune(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
+        total = float(trainer.estimated_stepping_batches)
         try:
-            self.schedule.resolve(float(trainer.estimated_stepping_batches))
+            self.schedule.resolve(total)
         except ValueError as error:
             raise PulseRefusal(f"ScheduledPrune: {error}") from None
+        prune_setup.refuse_schedule_past_the_run(self.schedule, total, trainer.global_step)
         # read here, not at setup: layers built in configure_model, and a backbone BackboneFinetuning freezes at
         # fit start, exist (and are frozen) only now
         # a resumed run keeps the set its start read (a GradientCache may have frozen layers meanwhile)

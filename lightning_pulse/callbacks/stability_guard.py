@@ -24,7 +24,7 @@ from lightning_pulse.core.stability_policy import (
     StepChanges,
     StepEnergy,
 )
-from lightning_pulse.errors import OneRunPerInstance, refuse_sharded_strategy
+from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PhaseChange
 from lightning_pulse.probe import losses_at
@@ -72,7 +72,8 @@ class StabilityGuard(Callback):
         grad_norm_zscore: the same for the gradient norm; ``None`` turns it off.
         window: optimizer steps in each running baseline window.
         warmup: healthy steps a window needs before it judges spikes (non-finite values are always caught).
-        rollback_after: flagged steps within ``config.spike_memory`` steps that trigger a rollback.
+        rollback_after: flagged steps within ``config.spike_memory`` steps that trigger a rollback; a value
+            above ``config.spike_memory`` never rolls back (flagged steps are only skipped).
         skip_after_rollback: optimizer steps (batches, or accumulation windows) skipped after a rollback.
         snapshot_every: take a snapshot every this many optimizer steps; ``0``: only at maintain phases, after
             pruning events and at the start of training.
@@ -112,6 +113,7 @@ class StabilityGuard(Callback):
     )
     snapshots_taken = property(lambda self: self.schedule.taken, doc="Snapshots taken in this fit.")
 
+    @names_itself
     def __init__(
         self,
         loss_zscore: float | None = 6.0,

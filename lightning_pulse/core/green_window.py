@@ -17,6 +17,7 @@ objects, and ``benchmarks/green_window.py`` drives the same objects on the 2020 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -466,8 +467,20 @@ class GreenWindowOptions:
         self.slot_s = seconds_of(self.slot, "options.slot")
         if not self.slot_s:
             raise ValueError(f"`options.slot`={self.slot!r} must be a positive duration such as '1h'.")
-        if self.watts is not None and not (isinstance(self.watts, (int, float)) and self.watts >= 0):
-            raise ValueError(f"`options.watts`={self.watts!r} must be a number of watts >= 0 or None.")
+        watts = self.watts
+        if watts is not None and (
+            isinstance(watts, bool) or not isinstance(watts, (int, float)) or not 0 <= watts < math.inf
+        ):
+            raise ValueError(f"`options.watts`={watts!r} must be a finite number of watts >= 0, or None.")
+        if not isinstance(self.unit, str) or not self.unit.strip():
+            raise ValueError(f"`options.unit`={self.unit!r} must be a non-empty string such as 'gCO2eq/kWh'.")
+        if self.report_dir is not None and (
+            not isinstance(self.report_dir, (str, os.PathLike)) or not str(self.report_dir).strip()
+        ):
+            raise ValueError(
+                f"`options.report_dir`={self.report_dir!r} must be a directory path, or None for the logger's "
+                "log dir."
+            )
         if self.signal_start is not None:
             try:
                 parse_timestamp(str(self.signal_start))

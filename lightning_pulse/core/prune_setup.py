@@ -8,6 +8,7 @@ the trainer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,21 @@ def abrupt_schedule_warning(schedule: PruneSchedule) -> str | None:
         f"from {before:.2f} to {after:.2f} at once; gradual pruning needs several smaller cuts with training in "
         f"between. Set `every` to about {suggested} (8 events over the span), or widen `start`/`end`."
     )
+
+
+def refuse_schedule_past_the_run(schedule: PruneSchedule, total_steps: float, step: int) -> None:
+    """Raise :class:`PulseRefusal` when the schedule's first event comes after the run's last step: nothing
+    would be pruned, silently."""
+    if (
+        math.isfinite(total_steps)
+        and not schedule.finished
+        and schedule.start_step >= max(total_steps, step + 1)
+    ):
+        raise PulseRefusal(
+            f"ScheduledPrune: the schedule starts at step {schedule.start_step} (`start`={schedule.start!r}), but "
+            f"the run ends at step {int(total_steps)}: nothing would be pruned. Lower `start` and `end`, or give "
+            "them as shares of the run (floats such as 0.2 and 0.8)."
+        )
 
 
 def refuse_structured(reason: str | None) -> None:

@@ -81,6 +81,11 @@ class StabilityGuardConfig:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
             raise ValueError(f"`lr_factor_after_rollback`={factor!r} must be in (0, 1].")
         check_int("lr_cooldown_steps", self.lr_cooldown_steps, minimum=0)
+        if factor != 1 and self.lr_cooldown_steps == 0:
+            raise ValueError(
+                f"`lr_factor_after_rollback`={factor!r} acts during the cooldown after a rollback, and "
+                "`lr_cooldown_steps`=0 gives none: set lr_cooldown_steps > 0, or leave the factor at 1."
+            )
         path = self.stop_checkpoint_path
         if path is not None and (not isinstance(path, str) or not path):
             raise ValueError(f"`stop_checkpoint_path`={path!r} must be a non-empty path or None.")

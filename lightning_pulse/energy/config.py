@@ -185,8 +185,10 @@ def checked_arguments(
         raise ValueError("`cpu`='constant' needs `meters.cpu_watts`, the constant CPU power in watts.")
     if not isinstance(currency, str) or not currency.strip():
         raise ValueError(f"`currency`={currency!r} must be a non-empty string such as 'EUR'.")
-    if report_dir is not None and not isinstance(report_dir, (str, Path)):
-        raise ValueError(f"`report_dir`={report_dir!r} must be a directory path or None.")
+    if report_dir is not None and (not isinstance(report_dir, (str, Path)) or not str(report_dir).strip()):
+        raise ValueError(
+            f"`report_dir`={report_dir!r} must be a directory path, or None for the logger's log dir."
+        )
     if country_iso_code is None:
         return None
     from lightning_pulse.energy.codecarbon_meter import validate_country

@@ -96,8 +96,15 @@ class LiveSignal:
 
     def observe(self) -> tuple[float, float]:
         """Read the callable now; returns ``(time, value)``."""
-        moment, value = self.read()
-        moment, value = float(moment), float(value)
+        reading = self.read()
+        try:
+            moment, value = reading
+            moment, value = float(moment), float(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"`signal`: the callable returned {reading!r}; it must return a (unix_seconds, value) pair of "
+                "numbers."
+            ) from None
         if not np.isfinite(value) or value < 0:
             raise ValueError(f"{self.name}: reading {value!r} is not a finite value >= 0.")
         if self.times and moment < self.times[-1]:
