@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.step_plan import StepPlan, replay_duration_for_budget, spent_summary
-from lightning_pulse.errors import OneRunPerInstance, PulseRefusal
+from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock, check_cycle_options
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
@@ -141,6 +141,7 @@ class PulseCycle(Callback):
     # a StabilityGuard rollback restores `rollback_state_dict` (the probe), never the clock
     restore_on_rollback = True
 
+    @names_itself
     def __init__(
         self,
         burst: int | float | str = 60,
@@ -156,15 +157,12 @@ class PulseCycle(Callback):
     ) -> None:
         super().__init__()
         self._one_run = OneRunPerInstance("PulseCycle")
-        try:
-            self.clock = PhaseClock(
-                {"burst": burst, "replay": replay, "maintain": maintain},
-                order=list(order),
-                warmup=warmup,
-                anneal=anneal,
-            )
-        except ValueError as error:
-            raise ValueError(f"PulseCycle: {error}") from None
+        self.clock = PhaseClock(
+            {"burst": burst, "replay": replay, "maintain": maintain},
+            order=list(order),
+            warmup=warmup,
+            anneal=anneal,
+        )
         self.budget = check_cycle_options(maintain_eval, probe_batches, budget)
         self.plan: StepPlan | None = None  # set by a step-saving HardSampleReplay at fit start
         self.maintain_eval = maintain_eval
@@ -172,7 +170,7 @@ class PulseCycle(Callback):
         self._held = compat.CollectiveHold()
         if time_source is not None and not callable(time_source):
             raise ValueError(
-                f"PulseCycle: `time_source`={time_source!r} must be a callable returning seconds, or None for "
+                f"`time_source`={time_source!r} must be a callable returning seconds, or None for "
                 "time.monotonic."
             )
         self.time_source = time_source or time.monotonic
