@@ -297,3 +297,43 @@ def test_holding_swaps_weights_and_buffers_in_and_puts_every_bit_back():
         assert all(torch.equal(model.state_dict()[k], v) for k, v in earlier.model.items())
         model(torch.randn(8, 4))  # a training-mode forward inside moves the buffers again
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_the_guards_core_detects_rolls_a_model_back_and_checkpoints_without_a_trainer():
+    """StabilityCore, the guard's algorithm as one object: a loss spike after a healthy stretch rolls the model,
+    the optimizer and the detector's windows back to the snapshot before it, and its state round-trips."""
+    from lightning_pulse.core.stability_steps import StabilityCore
+
+    def make_core():
+        return StabilityCore(StabilityGuardConfig(), 6.0, 8.0, 20, 5, 1, 2, 5, 2, 0, 3)
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    core = make_core()
+    state = ([optimizer], [], {})
+    core.take_snapshot(0, model, *state)
+    kept = {}
+    for step in range(12):
+        verdict, action, _, _ = core.judge(step, 1.0 + 0.01 * (step % 3), 1.0, "all", lambda: None)
+        assert (verdict, action) == (Verdict.OK, Action.APPLY)
+        with torch.no_grad():
+            model.weight.add_(0.1)
+        core.policy.finish(action)
+        if core.schedule.due(step + 1, core.policy.healthy):
+            core.take_snapshot(step + 1, model, *state)
+            kept[step + 1] = model.weight.detach().clone()
+    assert sorted(kept) == [5, 10] and core.schedule.ring.steps == [5, 10]
+    with torch.no_grad():
+        model.weight.add_(100.0)  # the damage of step 12, flagged by its loss
+    verdict, action, _, _ = core.judge(12, 500.0, 1.0, "all", lambda: None)
+    assert (verdict, action) == (Verdict.LOSS_SPIKE, Action.ROLLBACK)
+    core.policy.finish(action)
+    warnings: list[str] = []
+    target, undone = core.return_to_snapshot(model, state, 12, warnings.append)
+    assert target.step == 10 and undone == 2 and not warnings
+    assert torch.equal(model.weight, kept[10])
+    restored = make_core()
+    restored.load_state_dict(core.state_dict())
+    assert restored.state_dict() == core.state_dict()
+    assert restored.detector.baseline("all") == core.detector.baseline("all")

@@ -16,14 +16,9 @@ from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
 from lightning_pulse.core import stability_steps as steps
 from lightning_pulse.core.fault_origin import trace_nonfinite
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
-from lightning_pulse.core.snapshots import RollbackState, SnapshotSchedule
+from lightning_pulse.core.snapshots import RollbackState
 from lightning_pulse.core.spike_detection import Verdict
-from lightning_pulse.core.stability_policy import (
-    Action,
-    StabilityGuardConfig,
-    StepChanges,
-    StepEnergy,
-)
+from lightning_pulse.core.stability_policy import Action, StabilityGuardConfig, StepChanges, StepEnergy
 from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PhaseChange
@@ -131,26 +126,27 @@ class StabilityGuard(Callback):
         super().__init__()
         self._one_run = OneRunPerInstance("StabilityGuard")
         config = StabilityGuardConfig() if config is None else config
-        if not isinstance(config, StabilityGuardConfig):
-            raise ValueError(f"`config`={config!r} must be a StabilityGuardConfig or None.")
-        self.config = config
-        self.detector = steps.make_detector(config, loss_zscore, grad_norm_zscore, window, warmup)
-        self.policy = steps.make_policy(config, rollback_after, skip_after_rollback, max_rollbacks)
-        self.schedule = SnapshotSchedule(snapshot_every, max_snapshots, rollback_margin)
-        self.snapshots = self.schedule.ring
+        detection = (loss_zscore, grad_norm_zscore, window, warmup)
+        escalation = (rollback_after, skip_after_rollback, snapshot_every, max_snapshots, rollback_margin)
+        self.core = steps.StabilityCore(config, *detection, *escalation, max_rollbacks)
+        self.config, self.detector, self.policy = self.core.config, self.core.detector, self.core.policy
+        self.schedule, self.snapshots = self.core.schedule, self.core.schedule.ring
         self._changes = StepChanges()
         self._keep_gradients = False  # skip by zeroing gradients and undoing the step (clipping by value)
         self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
         self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
         self._batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
-        # the rollback test: the last applied step's micro-batches, and the snapshot step it chose
+        # the rollback test's ordinary batch: the last applied step's micro-batches
         self._reference: list[tuple[int, Any]] = []
-        self._rollback_to: int | None = None
-        self.bad_samples: list[dict[str, Any]] = []  # {"step", "batch_idx", "rows", "indices"}, newest last
         self._decided: Action | None = None  # the current optimizer step's action, until its batch end
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
-        self._fixed_key = "burst" if config.per_phase_baselines else "all"  # the key without one
+        self._fixed_key = "burst" if self.config.per_phase_baselines else "all"  # the key without one
         self._energy = StepEnergy()
+
+    @property
+    def bad_samples(self) -> list[dict[str, Any]]:
+        """The samples of data faults, ``{"step", "batch_idx", "rows", "indices"}``, newest last (checkpointed)."""
+        return self.core.bad_samples
 
     @property
     def spikes_detected(self) -> int:
@@ -187,7 +183,7 @@ class StabilityGuard(Callback):
         readers = [getattr(callback, "energy_so_far_kwh", None) for callback in trainer.callbacks]
         self._energy = StepEnergy(next((r for r in readers if callable(r)), None), warn=rank_zero_warn)
         self._losses, self._batches, self._decided, self.schedule.pending = [], [], None, False
-        self._reference, self._rollback_to = [], None
+        self._reference, self.core.rollback_to = [], None
         self.snapshots.clear()
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
@@ -226,9 +222,7 @@ class StabilityGuard(Callback):
         step = trainer.global_step
         trace = partial(self._nonfinite_cause, trainer, pl_module, batches)
         rollback_helps = partial(self._rollback_helps, trainer, pl_module, batches, step, loss)
-        verdict, action, cause, unjudged = steps.judge_step(
-            self.detector, self.policy, step, loss, grad_norm, key, trace, rollback_helps
-        )
+        verdict, action, cause, unjudged = self.core.judge(step, loss, grad_norm, key, trace, rollback_helps)
         self._decided = action
         if unjudged:
             rank_zero_warn(steps.unjudged_loss_message(loss))
@@ -293,14 +287,12 @@ class StabilityGuard(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return steps.guard_state_dict(self.detector, self.policy, self.last_snapshot_step, self.bad_samples)
+        return self.core.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._one_run.restored()
-        self.schedule.last_step, self.bad_samples = steps.load_guard_state(
-            state_dict, self.detector, self.policy
-        )
+        self.core.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ non-finite steps
     def _nonfinite_cause(
@@ -317,8 +309,7 @@ class StabilityGuard(Callback):
         )
         if cause != "data":
             return cause
-        self.bad_samples = [*self.bad_samples, *samples][-1000:]
-        if self.policy.bad_batches == 0:
+        if self.core.remember_bad_samples(samples):
             rank_zero_warn(steps.data_fault_message(trainer.global_step, samples))
         return "data"
 
@@ -332,22 +323,18 @@ class StabilityGuard(Callback):
         loss: float | None,
         verdict: Verdict,
     ) -> bool:
-        """The rollback test (class docstring, 2.; ``steps.rollback_test``) on the snapshot the rollback would
-        return to, then on the oldest held; ``True`` where it cannot run (``steps.rollback_testable``)."""
+        """The rollback test (class docstring, 2.; ``StabilityCore.rollback_helps``), with the flagged and the
+        last ordinary batches' losses at a snapshot's weights (``probe.losses_at``)."""
         caches = any(getattr(callback, "activations", None) is not None for callback in trainer.callbacks)
-        if not steps.rollback_testable(
-            self.detector, self._key_of(), verdict, loss, bool(self._reference), caches
-        ):
-            return True
-        start = self.policy.incident_start
-        before = (step if start is None else start) - self.schedule.margin
-        helps, self._rollback_to = steps.rollback_test(
-            self.snapshots.rollback_candidates(pl_module, before),
-            lambda target: losses_at(trainer, pl_module, target, batches, self._reference, self._held),
+        return self.core.rollback_helps(
+            pl_module,
+            step,
+            self._key_of(),
+            verdict,
             loss,
-            self.config.min_ratio,
+            bool(self._reference) and not caches,
+            lambda target: losses_at(trainer, pl_module, target, batches, self._reference, self._held),
         )
-        return helps
 
     def _sum_over_ranks(self, trainer: pl.Trainer) -> Any:
         """The strategy's sum all-reduce under DDP (its tensors held until the backend lets go), else ``None``."""
@@ -365,8 +352,7 @@ class StabilityGuard(Callback):
         return trainer.optimizers, schedulers, rollback_states(trainer, exclude=self)
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        extra = steps.snapshot_extra(self.detector, self.policy, pl_module)
-        self.schedule.take(trainer.global_step, pl_module, *self._training_state(trainer), extra=extra)
+        self.core.take_snapshot(trainer.global_step, pl_module, *self._training_state(trainer))
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
         """Return to the newest snapshot taken ``rollback_margin`` steps before the incident; then go on
@@ -374,18 +360,7 @@ class StabilityGuard(Callback):
         step = trainer.global_step - 1  # the flagged step that triggered it (already taken)
         recent_rollbacks = len(self.policy.rollback_steps)
         state = self._training_state(trainer)
-        target, undone = steps.return_to_snapshot(
-            self.schedule,
-            self.detector,
-            self.policy,
-            self.config,
-            pl_module,
-            state,
-            step,
-            self._rollback_to,
-            rank_zero_warn,
-        )
-        self._rollback_to = None
+        target, undone = self.core.return_to_snapshot(pl_module, state, step, rank_zero_warn)
         cycle = pulse_cycle_of(trainer)
         if target is not None and cycle is not None:  # the restored listeners learn the phase they are in
             change = PhaseChange(None, cycle.phase, cycle.cycle, cycle.clock.step, "resume")

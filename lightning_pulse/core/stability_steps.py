@@ -1,12 +1,9 @@
 """What :class:`~lightning_pulse.StabilityGuard` does between its detector, policy and snapshots. No trainer.
 
-* :func:`make_detector` and :func:`make_policy`: the guard's arguments and config, validated by the objects.
-* :func:`judge_step`: the one decision of an optimizer step, from the detector's verdict to the policy's
-  action (with the cause of a non-finite step).
+* :class:`StabilityCore`: the guard's algorithm as one object, built from its arguments: the decision of an
+  optimizer step, the rollback test, snapshots with their books and the return to one, its checkpointed state.
 * :func:`loss_spiked`, :func:`spike_reproduced` and :func:`rollback_test`: the rollback test's rule (does the
   flagged batch spike at a snapshot's weights too?).
-* :func:`snapshot_extra` and :func:`restore_books`: the bookkeeping a snapshot carries and a rollback
-  returns to (the detector's windows, the policy's lineage, the module's carried tensors).
 * :func:`guard_metrics` and the ``*_message`` functions: the figures logged under ``stability/`` and the
   texts the guard prints.
 """
@@ -31,29 +28,6 @@ from lightning_pulse.phase import Phase, PhaseChange
 NONFINITE = (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
 
 
-def make_detector(
-    config: StabilityGuardConfig,
-    loss_zscore: float | None,
-    grad_norm_zscore: float | None,
-    window: int,
-    warmup: int,
-) -> SpikeDetector:
-    return SpikeDetector(loss_zscore, grad_norm_zscore, window, warmup, config.min_ratio, config.loss_scale)
-
-
-def make_policy(
-    config: StabilityGuardConfig, rollback_after: int, skip_after_rollback: int, max_rollbacks: int
-) -> EscalationPolicy:
-    return EscalationPolicy(
-        rollback_after,
-        config.spike_memory,
-        skip_after_rollback,
-        max_rollbacks,
-        config.rollback_memory,
-        config.lr_cooldown_steps,
-    )
-
-
 def refuse_manual_optimization(module: Any) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` for a module that runs its own optimizer."""
     if not module.automatic_optimization:
@@ -62,31 +36,6 @@ def refuse_manual_optimization(module: Any) -> None:
             "`automatic_optimization = False`. Let Lightning run the optimizer (return the loss from "
             "`training_step`), or remove StabilityGuard from the callbacks."
         )
-
-
-def judge_step(
-    detector: SpikeDetector,
-    policy: EscalationPolicy,
-    step: int,
-    loss: float | None,
-    grad_norm: float | None,
-    key: str,
-    trace_cause: Callable[[], str | None],
-    rollback_helps: Callable[[Verdict], bool] | None = None,
-) -> tuple[Verdict, Action, str | None, bool]:
-    """Judge one optimizer step and decide its action.
-
-    ``trace_cause`` is called only for a non-finite step (where it came from, see
-    :func:`~lightning_pulse.core.fault_origin.trace_nonfinite`); ``rollback_helps(verdict)`` only when the step
-    would roll back or stop (see :meth:`EscalationPolicy.decide`). Returns ``(verdict, action, cause,
-    newly_unjudged)``; ``newly_unjudged`` is true at the first loss a log scale cannot judge (warn once).
-    """
-    unjudged_before = detector.unjudged_losses
-    verdict = detector.assess(loss, grad_norm, key, accept=True).verdict
-    cause = trace_cause() if verdict in NONFINITE else None
-    newly_unjudged = not unjudged_before and detector.unjudged_losses > 0
-    helps = None if rollback_helps is None else lambda: rollback_helps(verdict)
-    return verdict, policy.decide(step, verdict, cause, helps), cause, newly_unjudged
 
 
 #: the verdicts whose loss spiked: the rollback test compares losses at the snapshot
@@ -149,46 +98,153 @@ def rollback_test(
     return False, None
 
 
-def rollback_testable(
-    detector: SpikeDetector, key: str, verdict: Verdict, loss: float | None, has_reference: bool, caches: bool
-) -> bool:
-    """Whether the rollback test can tell anything: a loss that spiked (:func:`loss_spiked`), an ordinary
-    applied batch to compare with (``has_reference``), a log loss scale, and no activation cache that a
-    forward would fill (``caches``: GradientCache's). A gradient-norm spike with an ordinary loss is not."""
-    median = detector.baseline(key)["loss"]
-    return (
-        loss is not None
-        and loss_spiked(verdict, loss, median, detector.min_ratio)
-        and has_reference
-        and detector.loss_scale == "log"
-        and not caches
-    )
+class StabilityCore:
+    """The guard's algorithm without a trainer: a spike detector, an escalation policy and a snapshot schedule,
+    built from :class:`~lightning_pulse.StabilityGuard`'s arguments (validated by each object), and what one
+    optimizer step, a rollback test and a return to a snapshot do between them.
 
+    The caller hands in what needs a trainer as callables: the cause of a non-finite step and the flagged and
+    ordinary batches' losses at a snapshot's weights.
+    """
 
-def snapshot_extra(detector: SpikeDetector, policy: EscalationPolicy, module: nn.Module) -> dict[str, Any]:
-    """The bookkeeping a snapshot holds besides the training state, for :func:`restore_books`."""
-    return {"detector": detector.state_dict(), "carried": carried_tensors(module), **policy.lineage()}
+    def __init__(
+        self,
+        config: StabilityGuardConfig,
+        loss_zscore: float | None,
+        grad_norm_zscore: float | None,
+        window: int,
+        warmup: int,
+        rollback_after: int,
+        skip_after_rollback: int,
+        snapshot_every: int,
+        max_snapshots: int,
+        rollback_margin: int,
+        max_rollbacks: int,
+    ) -> None:
+        if not isinstance(config, StabilityGuardConfig):
+            raise ValueError(f"`config`={config!r} must be a StabilityGuardConfig or None.")
+        self.config = config
+        self.detector = SpikeDetector(
+            loss_zscore, grad_norm_zscore, window, warmup, config.min_ratio, config.loss_scale
+        )
+        self.policy = EscalationPolicy(
+            rollback_after,
+            config.spike_memory,
+            skip_after_rollback,
+            max_rollbacks,
+            config.rollback_memory,
+            config.lr_cooldown_steps,
+        )
+        self.schedule = SnapshotSchedule(snapshot_every, max_snapshots, rollback_margin)
+        self.bad_samples: list[dict[str, Any]] = []  # {"step", "batch_idx", "rows", "indices"}, newest last
+        self.rollback_to: int | None = None  # the snapshot step the last rollback test chose
 
+    def judge(
+        self,
+        step: int,
+        loss: float | None,
+        grad_norm: float | None,
+        key: str,
+        trace_cause: Callable[[], str | None],
+        rollback_helps: Callable[[Verdict], bool] | None = None,
+    ) -> tuple[Verdict, Action, str | None, bool]:
+        """Judge one optimizer step and decide its action.
 
-def restore_books(
-    target: TrainingSnapshot | None,
-    predates: bool,
-    incident_start: int | None,
-    detector: SpikeDetector,
-    policy: EscalationPolicy,
-    module: nn.Module,
-    warn: Callable[[str], Any],
-) -> int:
-    """After :meth:`~lightning_pulse.core.snapshots.SnapshotSchedule.roll_back` restored ``target`` (``None``:
-    none fitted), return the detector, the carried tensors and the policy's books to it; the steps undone."""
-    if target is None:
-        warn("StabilityGuard: no snapshot fits the model any more; the parameters stay as they are.")
-        return 0
-    if not predates:
-        warn(f"StabilityGuard: no snapshot predates step {incident_start} enough; using the oldest one.")
-    detector.load_state_dict(target.extra["detector"])
-    restore_carried_tensors(module, target.extra.get("carried", {}))
-    return policy.rewind(target.extra)
+        ``trace_cause`` is called only for a non-finite step (where it came from, see
+        :func:`~lightning_pulse.core.fault_origin.trace_nonfinite`); ``rollback_helps(verdict)`` only when the
+        step would roll back or stop (see :meth:`EscalationPolicy.decide`). Returns ``(verdict, action, cause,
+        newly_unjudged)``; ``newly_unjudged`` is true at the first loss a log scale cannot judge (warn once).
+        """
+        detector = self.detector
+        unjudged_before = detector.unjudged_losses
+        verdict = detector.assess(loss, grad_norm, key, accept=True).verdict
+        cause = trace_cause() if verdict in NONFINITE else None
+        newly_unjudged = not unjudged_before and detector.unjudged_losses > 0
+        helps = None if rollback_helps is None else lambda: rollback_helps(verdict)
+        return verdict, self.policy.decide(step, verdict, cause, helps), cause, newly_unjudged
+
+    def remember_bad_samples(self, samples: list[dict[str, Any]]) -> bool:
+        """Keep a data fault's samples (the newest 1000); ``True`` for the run's first bad batch (warn once)."""
+        self.bad_samples = [*self.bad_samples, *samples][-1000:]
+        return self.policy.bad_batches == 0
+
+    def rollback_helps(
+        self,
+        model: nn.Module,
+        step: int,
+        key: str,
+        verdict: Verdict,
+        loss: float | None,
+        comparable: bool,
+        losses_at: Callable[[TrainingSnapshot], tuple[float, float]],
+    ) -> bool:
+        """The rollback test (:func:`rollback_test`) on the snapshot the rollback would return to, then on the
+        oldest held; ``True`` where it cannot tell anything. It can with a loss that spiked
+        (:func:`loss_spiked`), a log loss scale and ``comparable``: an ordinary applied batch to compare with,
+        and no activation cache that a forward would fill. A gradient-norm spike with an ordinary loss cannot."""
+        detector = self.detector
+        median = detector.baseline(key)["loss"]
+        if loss is None or not loss_spiked(verdict, loss, median, detector.min_ratio):
+            return True
+        if not comparable or detector.loss_scale != "log":
+            return True
+        start = self.policy.incident_start
+        before = (step if start is None else start) - self.schedule.margin
+        candidates = self.schedule.ring.rollback_candidates(model, before)
+        helps, self.rollback_to = rollback_test(candidates, losses_at, loss, self.config.min_ratio)
+        return helps
+
+    def take_snapshot(
+        self, step: int, model: nn.Module, optimizers: Sequence[Any], schedulers: Sequence[Any], states: Any
+    ) -> None:
+        """Snapshot the training state with the books a rollback returns to (detector, lineage, carried)."""
+        extra = {"detector": self.detector.state_dict(), "carried": carried_tensors(model)}
+        self.schedule.take(
+            step, model, optimizers, schedulers, states, extra={**extra, **self.policy.lineage()}
+        )
+
+    def return_to_snapshot(
+        self,
+        model: nn.Module,
+        state: tuple[Sequence[Any], Sequence[Any], Mapping[str, Any]],
+        step: int,
+        warn: Callable[[str], Any],
+    ) -> tuple[TrainingSnapshot | None, int]:
+        """Restore the newest snapshot taken ``rollback_margin`` steps before the incident (before its first
+        flagged step, or ``step``; when the rollback test found that snapshot damaged too, before the one it
+        chose), with ``state`` (optimizers, LR schedulers, rollback-aware callbacks), the detector's windows,
+        the carried tensors and the policy's books. Returns the snapshot (``None``: none fits) and the applied
+        steps undone."""
+        start = self.policy.incident_start
+        if self.rollback_to is not None:
+            start, self.rollback_to = self.rollback_to + self.schedule.margin, None
+        target, predates = self.schedule.roll_back(
+            step if start is None else start, model, *state, self.config.rewind_lr_schedule
+        )
+        if target is None:
+            warn("StabilityGuard: no snapshot fits the model any more; the parameters stay as they are.")
+            return None, 0
+        if not predates:
+            warn(f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one.")
+        self.detector.load_state_dict(target.extra["detector"])
+        restore_carried_tensors(model, target.extra.get("carried", {}))
+        return target, self.policy.rewind(target.extra)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "detector": self.detector.state_dict(),
+            "policy": self.policy.state_dict(),
+            "last_snapshot_step": self.schedule.last_step,
+            "bad_samples": self.bad_samples,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.detector.load_state_dict(state_dict["detector"])
+        # checkpoints of earlier versions kept the counters next to the policy's state
+        self.policy.load_state_dict({**state_dict, **state_dict["policy"]})
+        last = state_dict["last_snapshot_step"]
+        self.schedule.last_step = None if last is None else int(last)
+        self.bad_samples = [dict(sample) for sample in state_dict.get("bad_samples", [])]
 
 
 def guard_metrics(policy: EscalationPolicy, with_energy: bool) -> dict[str, float]:
@@ -208,30 +264,6 @@ def guard_metrics(policy: EscalationPolicy, with_energy: bool) -> dict[str, floa
     return out
 
 
-def return_to_snapshot(
-    schedule: SnapshotSchedule,
-    detector: SpikeDetector,
-    policy: EscalationPolicy,
-    config: StabilityGuardConfig,
-    module: nn.Module,
-    state: tuple[Sequence[Any], Sequence[Any], Mapping[str, Any]],
-    step: int,
-    tested_to: int | None,
-    warn: Callable[[str], Any],
-) -> tuple[TrainingSnapshot | None, int]:
-    """Restore the newest snapshot taken ``rollback_margin`` steps before the incident (before the first
-    flagged step, or ``step``; when the rollback test found that snapshot damaged too, before the one it chose,
-    ``tested_to``), with ``state`` (optimizers, LR schedulers, rollback-aware callbacks) and the books
-    (:func:`restore_books`). Returns the snapshot (``None``: none fits) and the applied steps undone."""
-    start = policy.incident_start
-    if tested_to is not None:
-        start = tested_to + schedule.margin
-    target, predates = schedule.roll_back(
-        step if start is None else start, module, *state, config.rewind_lr_schedule
-    )
-    return target, restore_books(target, predates, start, detector, policy, module, warn)
-
-
 def maintain_snapshot_wanted(
     config: StabilityGuardConfig, change: PhaseChange, probe: Mapping[str, float], healthy: bool
 ) -> bool:
@@ -246,29 +278,6 @@ def stop_checkpoint_path(config: StabilityGuardConfig, root_dir: str, step: int)
     return config.stop_checkpoint_path or os.path.join(
         root_dir, "stability_guard", f"stopped-step={step}.ckpt"
     )
-
-
-def guard_state_dict(
-    detector: SpikeDetector, policy: EscalationPolicy, last_snapshot_step: int | None, bad_samples: list
-) -> dict[str, Any]:
-    return {
-        "detector": detector.state_dict(),
-        "policy": policy.state_dict(),
-        "last_snapshot_step": last_snapshot_step,
-        "bad_samples": bad_samples,
-    }
-
-
-def load_guard_state(
-    state_dict: Mapping[str, Any], detector: SpikeDetector, policy: EscalationPolicy
-) -> tuple[int | None, list[dict[str, Any]]]:
-    """Load :func:`guard_state_dict`'s detector and policy; returns ``(last_snapshot_step, bad_samples)``."""
-    detector.load_state_dict(state_dict["detector"])
-    # checkpoints of earlier versions kept the counters next to the policy's state
-    policy.load_state_dict({**state_dict, **state_dict["policy"]})
-    last = state_dict["last_snapshot_step"]
-    samples = [dict(sample) for sample in state_dict.get("bad_samples", [])]
-    return (None if last is None else int(last)), samples
 
 
 def fmt(value: float | None) -> str:
