@@ -332,12 +332,23 @@ def close_restored_epoch(trainer: pl.Trainer) -> None:
     (a planned pass), let Lightning count that epoch's batches as done, as it does for one saved on the loader's
     last batch. It resets an epoch's batch counters only when the restored count reaches
     ``num_training_batches``; otherwise the next epoch starts with the finished one's count and ends once that
-    count reaches the loader's length (after one batch, in a held-out run). Call at ``on_train_start``: the
-    training epoch loop adds the batch it was saved on and resets its counters when it starts."""
+    count reaches the loader's length (after one batch, in a held-out run). Call at ``on_train_start``.
+
+    The counters move up together to the loader's length, keeping their gaps. Saved inside the last batch's
+    end (``ModelCheckpoint(every_n_train_steps=...)``), that batch is ready but not completed: the training
+    epoch loop completes it when it starts and the epoch ends there. Saved after it, at the epoch's validation
+    (``every_n_epochs``), it is completed: the epoch ends with no further batch (setting every counter to one
+    below the length trained a batch of the next pass in the finished epoch)."""
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
     total = trainer.num_training_batches
-    if isinstance(total, int) and total > progress.completed:
-        progress.completed = progress.processed = progress.started = progress.ready = total - 1
+    if isinstance(total, int) and total > progress.ready:
+        shift = total - progress.ready
+        progress.ready, progress.started = total, progress.started + shift
+        progress.processed, progress.completed = progress.processed + shift, progress.completed + shift
+    # saved inside the epoch's end hooks (``on_train_epoch_end``): the epoch was counted as processed, and the
+    # loop, which runs that end again, would count it twice, so the run lost its last epoch
+    epochs = trainer.fit_loop.epoch_progress.current
+    epochs.processed = min(epochs.processed, epochs.completed)
 
 
 # ---------------------------------------------------------------------------- EnergyLogger (issue 3)

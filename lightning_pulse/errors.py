@@ -1,10 +1,12 @@
 """The one exception a lightning-pulse callback raises when it refuses a run at fit start, and the checks
-that several callbacks share: sharded strategies, Tuner searches, and one training run per instance."""
+that several callbacks share: sharded strategies, Tuner searches, one training run per instance, and the
+argument checks (a callback's name first in its errors, nested configs given as mappings)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -39,6 +41,36 @@ def names_itself(init: Callable[..., None]) -> Callable[..., None]:
             raise ValueError(f"{name}: {text}") from None
 
     return checked
+
+
+def as_config(value: Any, cls: type, field: str) -> Any:
+    """``value`` as a ``cls`` dataclass: ``None`` and instances as they are, a mapping as ``cls(**value)``."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return cls(**value)
+        except TypeError as error:
+            raise ValueError(f"`{field}`={dict(value)!r}: {error}.") from None
+    raise ValueError(f"`{field}`={value!r} must be a {cls.__name__} (or a mapping of its fields) or None.")
+
+
+def refuse_unwritable_dir(callback: str, field: str, directory: str | os.PathLike | None) -> None:
+    """Raise :class:`PulseRefusal` at fit start for a report folder that cannot be created or written: the
+    report is written at the end, and a run should not learn after all its training that it is lost."""
+    if directory is None:
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+        writable = os.access(directory, os.W_OK | os.X_OK)
+        reason = "it is not writable"
+    except OSError as error:
+        writable, reason = False, f"it cannot be created: {error.strerror or error}"
+    if not writable:
+        raise PulseRefusal(
+            f"{callback}: `{field}`={os.fspath(directory)!r} cannot hold the report ({reason}); give a writable "
+            "folder, or None for the logger's log dir."
+        )
 
 
 def sharded_strategy_name(trainer: pl.Trainer) -> str | None:

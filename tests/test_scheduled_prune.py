@@ -71,7 +71,7 @@ def _fixed_order_loaders(data: MNIST1DDataModule) -> tuple[DataLoader, DataLoade
         ({"distill": {"temperature": 0}}, "`distill.temperature`"),
         ({"distill": True}, "`distill`"),
         ({"probe_batches": -1}, "`probe_batches`"),
-        ({"options": PruneOptions(min_channels=True)}, "`min_channels`"),
+        ({"options": {"min_channels": True}}, "`min_channels`"),
         ({"options": {"make_permanent": "yes"}}, "`make_permanent`"),
         ({"options": {"lottery_ticket_reset": True}}, "`options`"),
     ],

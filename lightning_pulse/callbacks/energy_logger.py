@@ -37,6 +37,7 @@ from lightning_pulse.energy.config import (
     checked_configs,
     prefixed,
 )
+from lightning_pulse.errors import refuse_unwritable_dir
 from lightning_pulse.loggers import log_to_loggers
 
 MONITORABLE = ("energy/total_kwh",)
@@ -171,6 +172,7 @@ class EnergyLogger(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        refuse_unwritable_dir("EnergyLogger", "report_dir", self.report_dir)
         self._trainer = trainer
         self._in_train_loop = False
         self._batches_this_fit = 0

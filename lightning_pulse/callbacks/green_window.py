@@ -35,7 +35,7 @@ from lightning_pulse.core.green_window import (
 )
 from lightning_pulse.energy.carbon import format_utc, parse_timestamp
 from lightning_pulse.energy.signal import GreenSignal
-from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.errors import PulseRefusal, refuse_unwritable_dir
 from lightning_pulse.loggers import log_to_loggers
 
 SUSPEND_CHECKPOINT = "last-green-window.ckpt"
@@ -183,6 +183,7 @@ class GreenWindow(Callback):
         )
         if refusal is not None:
             raise PulseRefusal(refusal)
+        refuse_unwritable_dir("GreenWindow", "options.report_dir", self.options.report_dir)
         if not self.signal.known:  # the EnergyLogger's carbon-intensity series
             self.signal.use(intensity)  # type: ignore[arg-type]
         if self.options.watts is None and self._energy is None:

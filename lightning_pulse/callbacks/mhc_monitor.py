@@ -72,7 +72,6 @@ class HyperConnectionMonitor(Callback):
         self.history: list[dict[str, Any]] = []
         self._recorder: HyperConnectionRecorder | None = None
         self._last_measured_step = -1
-        self._warned_no_layers = False
         self._held = compat.CollectiveHold()  # reduced tensors a collective's thread may still hold
 
     # ------------------------------------------------------------------ public figures
@@ -83,6 +82,16 @@ class HyperConnectionMonitor(Callback):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # said before the first step; the module is built by now (configure_model ran at the strategy's setup)
+        if not HyperConnectionRecorder(pl_module).layers:
+            rank_zero_warn(
+                "HyperConnectionMonitor found no HyperConnection/ManifoldHyperConnection layer with n_streams > 1 "
+                "in the module; nothing will be logged. Remove the monitor, or build the model with "
+                "lightning_pulse.nn's hyper-connection layers."
+            )
+
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -90,13 +99,7 @@ class HyperConnectionMonitor(Callback):
         if step % self.every_n_steps or step == self._last_measured_step:
             return
         recorder = HyperConnectionRecorder(pl_module)
-        if not recorder.layers:
-            if not self._warned_no_layers:
-                rank_zero_warn(
-                    "HyperConnectionMonitor found no HyperConnection/ManifoldHyperConnection layer with "
-                    "n_streams > 1 in the module; nothing will be logged."
-                )
-                self._warned_no_layers = True
+        if not recorder.layers:  # said at fit start
             return
         self._recorder = recorder.attach()
         self._last_measured_step = step

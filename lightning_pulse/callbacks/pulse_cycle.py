@@ -157,6 +157,8 @@ class PulseCycle(Callback):
     ) -> None:
         super().__init__()
         self._one_run = OneRunPerInstance("PulseCycle")
+        if isinstance(order, str):  # a string is a sequence too: its letters would be read as phases
+            raise ValueError(f"`order`={order!r} must be a list of phase names, such as {list(PHASE_NAMES)}.")
         self.clock = PhaseClock(
             {"burst": burst, "replay": replay, "maintain": maintain},
             order=list(order),

@@ -23,9 +23,15 @@ from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.core import prune_setup, prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
-from lightning_pulse.core.prune_schedule import PruneSchedule, as_config, check_int
+from lightning_pulse.core.prune_schedule import PruneSchedule, check_int
 from lightning_pulse.core.prune_setup import PruneOptions
-from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refuse_sharded_strategy
+from lightning_pulse.errors import (
+    OneRunPerInstance,
+    PulseRefusal,
+    as_config,
+    names_itself,
+    refuse_sharded_strategy,
+)
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe

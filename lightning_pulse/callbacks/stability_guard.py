@@ -125,7 +125,6 @@ class StabilityGuard(Callback):
     ) -> None:
         super().__init__()
         self._one_run = OneRunPerInstance("StabilityGuard")
-        config = StabilityGuardConfig() if config is None else config
         detection = (loss_zscore, grad_norm_zscore, window, warmup)
         escalation = (rollback_after, skip_after_rollback, snapshot_every, max_snapshots, rollback_margin)
         self.core = steps.StabilityCore(config, *detection, *escalation, max_rollbacks)

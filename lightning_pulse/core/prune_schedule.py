@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
 from typing import Any
 
 _EPSILON = 1e-9
@@ -55,18 +54,6 @@ def check_when(value: Any, field: str) -> None:
         raise ValueError(f"`{field}`={value!r} must be a non-negative optimizer step.")
     if isinstance(value, float) and not 0 <= value <= 1:
         raise ValueError(f"`{field}`={value!r} is a share of the run and must be in [0, 1].")
-
-
-def as_config(value: Any, cls: type, field: str) -> Any:
-    """``value`` as a ``cls`` dataclass: ``None`` and instances as they are, a mapping as ``cls(**value)``."""
-    if value is None or isinstance(value, cls):
-        return value
-    if isinstance(value, Mapping):
-        try:
-            return cls(**value)
-        except TypeError as error:
-            raise ValueError(f"`{field}`={dict(value)!r}: {error}.") from None
-    raise ValueError(f"`{field}`={value!r} must be a {cls.__name__} (or a mapping of its fields) or None.")
 
 
 def resolve_step(when: int | float, total_steps: float, field: str) -> int:

@@ -79,6 +79,11 @@ def resolve_layer_types(
         return ()
     if isinstance(layer_types, (str, type)):
         layer_types = [layer_types]
+    if not layer_types:  # would mean every layer, as None does: said, not guessed
+        raise ValueError(
+            f"`{field}`={layer_types!r} names no layer type; give None to choose every layer with a weight, or "
+            "the types to choose, such as ['Linear', 'Conv2d']."
+        )
     resolved = []
     for item in layer_types:
         cls: Any = item

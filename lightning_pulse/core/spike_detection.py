@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 # MAD * 1.4826 estimates the standard deviation of normally distributed data.
 MAD_TO_STD = 1.4826
 SCALES = ("log", "linear")
+#: how far above the pooled median a spike must be while its own window warms up
+COLD_RATIO = 10.0
 POOLED = "*"  # the key of the baseline that pools every other key's values
 
 
@@ -218,7 +220,7 @@ class SpikeDetector:
         warmup: int = 50,
         min_ratio: float = 1.5,
         loss_scale: str = "log",
-        cold_ratio: float = 10.0,
+        cold_ratio: float = COLD_RATIO,
     ) -> None:
         for name, threshold in (("loss_zscore", loss_zscore), ("grad_norm_zscore", grad_norm_zscore)):
             if threshold is not None and not _is_positive_number(threshold):

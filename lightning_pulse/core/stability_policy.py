@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from lightning_pulse.core.spike_detection import Verdict
+from lightning_pulse.core.spike_detection import COLD_RATIO, SCALES, Verdict
+from lightning_pulse.errors import names_itself
 
 CAUSES = (None, "data", "state")  # where a flagged step came from, for EscalationPolicy.decide
 
@@ -42,7 +43,7 @@ class StabilityGuardConfig:
     """The rarely turned knobs of :class:`~lightning_pulse.StabilityGuard` (its ``config`` argument).
 
     Args:
-        min_ratio: a spike must also be at least this many times the window median (> 1).
+        min_ratio: a spike must also be at least this many times the window median, in ``(1, 10]``.
         loss_scale: ``"log"`` (loss noise is multiplicative) or ``"linear"``, for losses that can be zero or
             negative. The gradient norm is always judged on a log scale.
         per_phase_baselines: keep one baseline window per pulse phase.
@@ -58,8 +59,7 @@ class StabilityGuardConfig:
             ``<default_root_dir>/stability_guard/stopped-step=<step>.ckpt``.
 
     Raises:
-        ValueError: naming the field, for a value out of range (``min_ratio``, ``loss_scale`` and the two
-            memories are checked when the guard builds its detector and policy).
+        ValueError: at construction, naming this class, the field and what is allowed, for a value out of range.
     """
 
     min_ratio: float = 1.5
@@ -73,7 +73,18 @@ class StabilityGuardConfig:
     lr_cooldown_steps: int = 0
     stop_checkpoint_path: str | None = None
 
+    @names_itself
     def __post_init__(self) -> None:
+        ratio = self.min_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1 < ratio <= COLD_RATIO:
+            raise ValueError(
+                f"`min_ratio`={ratio!r} must be a number in (1, {COLD_RATIO:g}]: a spike is at least this many "
+                f"times the window median, and {COLD_RATIO:g} times is what a window still warming up asks for."
+            )
+        if self.loss_scale not in SCALES:
+            raise ValueError(f"`loss_scale`={self.loss_scale!r} is not one of {list(SCALES)}.")
+        check_int("spike_memory", self.spike_memory, minimum=1)
+        check_int("rollback_memory", self.rollback_memory, minimum=1)
         for name in ("per_phase_baselines", "snapshot_at_maintain", "rewind_lr_schedule"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}`={getattr(self, name)!r} must be True or False.")

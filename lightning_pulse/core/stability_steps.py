@@ -22,7 +22,7 @@ from lightning_pulse.core.fault_origin import describe_bad_samples
 from lightning_pulse.core.snapshots import SnapshotSchedule, TrainingSnapshot
 from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import Action, EscalationPolicy, StabilityGuardConfig
-from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.errors import PulseRefusal, as_config
 from lightning_pulse.phase import Phase, PhaseChange
 
 NONFINITE = (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
@@ -109,7 +109,7 @@ class StabilityCore:
 
     def __init__(
         self,
-        config: StabilityGuardConfig,
+        config: StabilityGuardConfig | Mapping[str, Any] | None,
         loss_zscore: float | None,
         grad_norm_zscore: float | None,
         window: int,
@@ -121,9 +121,7 @@ class StabilityCore:
         rollback_margin: int,
         max_rollbacks: int,
     ) -> None:
-        if not isinstance(config, StabilityGuardConfig):
-            raise ValueError(f"`config`={config!r} must be a StabilityGuardConfig or None.")
-        self.config = config
+        self.config = config = as_config(config, StabilityGuardConfig, "config") or StabilityGuardConfig()
         self.detector = SpikeDetector(
             loss_zscore, grad_norm_zscore, window, warmup, config.min_ratio, config.loss_scale
         )

@@ -245,7 +245,17 @@ class Rate:
             self.run_start = float(state["run_start"])
 
 
-def _series_start(value: str | None, field: str) -> float | None:
+def refuse_start_without_series(start: str | None, start_field: str, why: str) -> None:
+    """A series start next to a rate that is not a series would do nothing: refused, naming both."""
+    if start is not None:
+        raise ValueError(
+            f"`accounting.{start_field}`={start!r} says where a CSV series starts, and {why}: give the series' "
+            f"path, or leave {start_field} out."
+        )
+
+
+def parse_series_start(value: str | None, field: str) -> float | None:
+    """The UTC timestamp ``value`` in seconds (``None`` stays ``None``); errors name ``field``."""
     if value is None:
         return None
     try:
@@ -287,7 +297,11 @@ def carbon_intensity_from(
         from lightning_pulse.energy.codecarbon_meter import country_carbon_intensity, validate_country
 
         code = validate_country(country_iso_code)
+        refuse_start_without_series(
+            series_start, "carbon_intensity_start", f"`country_iso_code`={code!r} gives a constant"
+        )
         return Rate(f"country:{code}", unit, constant=country_carbon_intensity(code))
+    refuse_start_without_series(series_start, "carbon_intensity_start", "no `carbon_intensity` is set")
     return None
 
 
@@ -304,6 +318,7 @@ def price_from(
     """
     unit = f"{currency}/kWh"
     if price_per_kwh is None:
+        refuse_start_without_series(series_start, "price_start", "no `price_per_kwh` is set")
         return None
     return _rate_from(
         price_per_kwh,
@@ -336,10 +351,11 @@ def _rate_from(
         constant = float(value)
         if not math.isfinite(constant) or constant < 0:
             raise ValueError(f"`{field}`={value!r} must be {number} or a CSV path.")
+        refuse_start_without_series(series_start, start_field, f"`{field}`={value!r} is a constant")
         return Rate("constant", unit, constant=constant)
     if isinstance(value, (str, Path)):
         series = TimeSeries.from_csv(value, field=field)
-        start = _series_start(series_start, start_field)
+        start = parse_series_start(series_start, start_field)
         return Rate(f"series:{series.name}", unit, series=series, series_start=start, notice=notice)
     raise ValueError(
         f"`{field}`={value!r} has type {type(value).__name__}; "

@@ -137,6 +137,10 @@ class AccountingConfig(_EnergyLoggerConfig):
                 )
         if not isinstance(self.progress_bar, bool):
             raise ValueError(f"`accounting.progress_bar`={self.progress_bar!r} must be True or False.")
+        from lightning_pulse.energy.carbon import parse_series_start
+
+        for field in ("carbon_intensity_start", "price_start"):
+            parse_series_start(getattr(self, field), f"accounting.{field}")  # a timestamp, or refused now
 
 
 def _is_number(value: Any) -> bool:
