@@ -34,10 +34,11 @@ class _CountSteps(Callback):
         self.steps += 1
 
 
-def _refused_before_the_first_step(make_data, callbacks, match: str) -> None:
+def _refused_before_the_first_step(make_data, callbacks, match: str, **trainer_overrides) -> None:
     counter = _CountSteps()
     model, data = make_data()
-    trainer = pl.Trainer(max_epochs=1, callbacks=[*callbacks, counter], **trainer_kwargs())
+    run = trainer_overrides or {"max_epochs": 1}
+    trainer = pl.Trainer(callbacks=[*callbacks, counter], **run, **trainer_kwargs())
     with pytest.raises(PulseRefusal, match=match):
         trainer.fit(model, data)
     assert counter.steps == 0
@@ -216,3 +217,25 @@ def test_a_monitor_on_a_model_without_hyper_connections_says_so_before_training_
     with pytest.warns(UserWarning, match="found no HyperConnection") as caught:
         trainer.fit(model, data)
     assert said_by_train_start == [1]
+
+
+def test_an_activation_cache_with_reloaded_dataloaders_is_refused_at_setup(mnist1d_small):
+    # held-out sweep: it crashed at the first batch of the second epoch (the reloaded loader was not tracked)
+    cache = GradientCache(activation_cache_mb=4)
+    _refused_before_the_first_step(
+        mnist1d_small,
+        [cache],
+        r"^GradientCache: `activation_cache_mb` needs one training DataLoader",
+        max_epochs=2,
+        reload_dataloaders_every_n_epochs=1,
+    )
+
+
+def test_a_share_of_a_run_of_unknown_length_is_a_refusal_naming_gradient_cache(mnist1d_small):
+    # held-out sweep: refused in time, but as a bare ValueError without the callback's name (a CLI traceback)
+    _refused_before_the_first_step(
+        mnist1d_small,
+        [GradientCache(start_at=0.1)],
+        r"^GradientCache: `start_at`=0.1 is a share",
+        max_time="00:00:01:00",
+    )

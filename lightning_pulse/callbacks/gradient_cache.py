@@ -39,7 +39,7 @@ from lightning_pulse.core.layer_freezing import (
     restore_during_fit,
     restore_freezer,
 )
-from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_sharded_strategy
+from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 
@@ -157,6 +157,13 @@ class GradientCache(Callback):
             "GradientCache",
             "a rank holds flattened shards, so per-module `requires_grad` is not per layer",
         )
+        if self.activation_cache_mb and trainer.reload_dataloaders_every_n_epochs:
+            # the cache keys its entries by sample through the first loader; a reloaded one is not tracked
+            raise PulseRefusal(
+                "GradientCache: `activation_cache_mb` needs one training DataLoader for the whole fit, and "
+                f"`reload_dataloaders_every_n_epochs`={trainer.reload_dataloaders_every_n_epochs} builds a new one; "
+                "set activation_cache_mb=0 (freezing still skips the frozen layers' backward), or stop reloading."
+            )
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
         self.freezer, self.ledger, self.events = None, BackwardFlopLedger(), []
         self._pending_state, self._fit_refs, self._trace = None, None, None
@@ -172,7 +179,10 @@ class GradientCache(Callback):
         refuse_unreachable_phases("GradientCache", self.phases, trainer)
         self._graph_checked = False
         self._read_twice: dict[int, list[str]] = {}  # parameters the forward reads by ops of different kinds
-        self._span = self.window.steps(float(trainer.estimated_stepping_batches))
+        try:
+            self._span = self.window.steps(float(trainer.estimated_stepping_batches))
+        except ValueError as error:  # a share of a run of unknown length (max_time only): said as a refusal
+            raise PulseRefusal(f"GradientCache: {error}") from None
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
         self._replay = LoaderActivationCache.for_fit(
             trainer.train_dataloader, self.activation_cache_mb, pl_module, rank_zero_warn
