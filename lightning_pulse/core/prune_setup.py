@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from lightning_pulse.core import prune_targets, pruning
-from lightning_pulse.core.prune_schedule import PruneSchedule
+from lightning_pulse.core.prune_schedule import PruneSchedule, check_int, check_share
 from lightning_pulse.core.prune_targets import LayerSelection
 from lightning_pulse.errors import PulseRefusal, names_itself
 
@@ -44,16 +44,12 @@ class PruneOptions:
 
     @names_itself
     def __post_init__(self) -> None:
-        share = self.initial_sparsity
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
-            raise ValueError(f"`initial_sparsity`={share!r} must be a number in [0, 1).")
+        check_share(self.initial_sparsity, "initial_sparsity", upper_open=True)
         if self.cadence not in CADENCES:
             raise ValueError(f"`cadence`={self.cadence!r} is not one of {list(CADENCES)}.")
         if self.ranking not in pruning.RANKINGS:
             raise ValueError(f"`ranking`={self.ranking!r} is not one of {list(pruning.RANKINGS)}.")
-        channels = self.min_channels
-        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
-            raise ValueError(f"`min_channels`={channels!r} must be an int >= 1.")
+        check_int(self.min_channels, "min_channels", minimum=1)
         if not isinstance(self.make_permanent, bool):
             raise ValueError(f"`make_permanent`={self.make_permanent!r} must be a bool.")
 
