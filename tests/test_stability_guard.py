@@ -655,3 +655,49 @@ def test_the_rollback_tests_training_step_calls_leave_the_module_and_the_batches
     assert losses[0] == pytest.approx(expected.item())
     assert torch.equal(batch[0], before)
     assert (module.training_step_outputs, module.seen, module.stats) == ([], 0, {"calls": 0})
+
+
+class DigitsBatchNormMLP(pl.LightningModule):
+    """An ordinary BatchNorm classifier on scikit-learn's digits, written without the guard in mind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+def test_a_nan_row_under_batchnorm_is_skipped_as_the_datas_fault_and_its_running_statistics_mended():
+    """The bad row's forward writes NaN into BatchNorm's running statistics before any step. That is the data's
+    doing: the step is skipped and the statistics go back to the snapshot's, with no rollback (before, the
+    non-finite buffers were blamed on the model, the guard rolled back at every epoch and stopped the run)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16
+    y = torch.tensor(digits.target)
+    x[5, 3] = float("nan")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64, shuffle=True)
+    pl.seed_everything(0)
+    model = DigitsBatchNormMLP()
+    guard = StabilityGuard(snapshot_every=10, warmup=10)
+    trainer = pl.Trainer(max_epochs=4, callbacks=[guard], **trainer_kwargs())
+    with pytest.warns(UserWarning, match=r"non-finite values in its data .*net\.1\.running_mean"):
+        trainer.fit(model, loader)
+    assert [event["cause"] for event in guard.events if "cause" in event] == ["data"] * 4  # once an epoch
+    assert guard.rollbacks == 0 and trainer.global_step == 4 * 29  # a skipped step is still a step
+    assert all(torch.isfinite(b).all() for b in model.buffers())
+    model.eval()
+    clean = torch.isfinite(x).all(dim=1)
+    accuracy = (model(x[clean]).argmax(dim=1) == y[clean]).float().mean().item()
+    assert accuracy > 0.9, accuracy

@@ -10,6 +10,7 @@ from lightning_pulse.core.fault_origin import (
     batch_sample_ids,
     describe_bad_samples,
     find_bad_samples,
+    nonfinite_forward_state,
     nonfinite_rows,
     state_is_finite,
 )
@@ -79,10 +80,36 @@ def test_trace_nonfinite_gives_every_rank_the_same_cause():
     assert cause == "data" and samples == [{"step": 7, "batch_idx": 0, "rows": [0], "indices": None}]
 
     def other_rank(flags):  # two ranks: the other one's findings are (bad data, healthy state)
-        return flags + torch.tensor([1.0, 0.0])
+        return flags + torch.tensor([1.0, 0.0, 0.0])
 
     # this rank's batch was clean: it still agrees that the data is at fault, with no samples of its own
     assert trace_nonfinite(model, [], clean, step=7, all_reduce_sum=other_rank) == ("data", [])
     with torch.no_grad():
         model.weight[0, 0] = float("inf")
     assert trace_nonfinite(model, [], dirty, step=7, all_reduce_sum=other_rank) == ("state", [])
+
+
+def test_bad_data_wins_over_the_forward_state_its_own_forward_made_non_finite():
+    from lightning_pulse.core.fault_origin import trace_nonfinite
+    from lightning_pulse.core.stability_steps import StabilityCore
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    core = StabilityCore(None, 3.0, 3.0, 20, 5, 2, 0, 10, 2, 0, 3)
+    core.take_snapshot(0, model, [], [], {})
+    model(torch.randn(8, 3))  # a healthy forward moves the running statistics away from the snapshot's
+    healthy_mean = model[1].running_mean.clone()
+    x = torch.randn(8, 3)
+    x[2, 1] = float("nan")
+    model(x)  # the bad row's forward writes NaN into the running statistics
+    assert nonfinite_forward_state(model) == ["1.running_mean", "1.running_var"]
+    cause, samples = trace_nonfinite(model, [], [(0, (x,))], step=9)
+    assert cause == "data" and samples[0]["rows"] == [2]
+    # with no bad data to explain it, the same state is the model's fault
+    assert trace_nonfinite(model, [], [(0, (torch.ones(8, 3),))], step=9) == ("state", [])
+
+    assert core.mend_forward_state(model) == ["1.running_mean", "1.running_var"]
+    assert nonfinite_forward_state(model) == [] and state_is_finite(model)
+    assert torch.equal(model[1].running_mean, torch.zeros(4))  # the snapshot's, not the healthy forward's
+    assert not torch.equal(healthy_mean, torch.zeros(4))
+    assert core.mend_forward_state(model) == []  # nothing left to mend

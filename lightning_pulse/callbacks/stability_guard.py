@@ -308,8 +308,9 @@ class StabilityGuard(Callback):
         )
         if cause != "data":
             return cause
+        mended = self.core.mend_forward_state(pl_module)  # before the next forward reads it
         if self.core.remember_bad_samples(samples):
-            rank_zero_warn(steps.data_fault_message(trainer.global_step, samples))
+            rank_zero_warn(steps.data_fault_message(trainer.global_step, samples, mended))
         return "data"
 
     # ------------------------------------------------------------------ snapshots and rollbacks

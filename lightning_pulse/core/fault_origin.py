@@ -5,8 +5,11 @@ synchronises, on a healthy step.
 
 * :func:`nonfinite_rows`: the rows of a batch whose floating-point values are not all finite. A batch made
   non-finite by its data is the data's fault: the model is healthy, the step is skipped and training goes on.
-* :func:`state_is_finite`: whether the parameters, buffers and optimizer states are all finite. When they
-  are not, skipping cannot help: the model itself went bad and has to go back to a snapshot.
+* :func:`weights_are_finite`: whether the parameters and optimizer states are all finite. When they are not,
+  skipping cannot help: the model itself went bad and has to go back to a snapshot.
+* :func:`nonfinite_forward_state`: the buffers and carried tensors that are not finite. A forward over bad data
+  writes them (BatchNorm's running statistics), so with bad data they are mended, not rolled back.
+* :func:`state_is_finite`: both of the above.
 * :func:`batch_sample_ids`: the dataset indices of given rows, when the batch or its DataLoader tells them.
 * :func:`trace_nonfinite`: the verdict on a non-finite step (``"state"``, ``"data"`` or neither), agreed by
   every DDP rank, with the bad samples.
@@ -56,26 +59,58 @@ def nonfinite_rows(batch: Any) -> list[int]:
     return bad.nonzero().flatten().tolist()
 
 
-def state_is_finite(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> bool:
-    """Whether every floating-point parameter, buffer, carried tensor (a plain tensor attribute, such as an RNN's
-    hidden state) and optimizer-state tensor is finite. One transfer."""
-    from lightning_pulse.core.carried_state import carried_tensors
-
-    carried = [
-        t
-        for v in carried_tensors(module).values()
-        if v is not None
-        for t in (v if isinstance(v, (tuple, list)) else [v])
-    ]
-    tensors = [t for t in (*module.parameters(), *module.buffers(), *carried) if t.is_floating_point()]
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            tensors.extend(v for v in state.values() if isinstance(v, Tensor) and v.is_floating_point())
+def _all_finite(tensors: Sequence[Tensor]) -> bool:
     if not tensors:
         return True
     device = tensors[0].device
-    flags = torch.stack([torch.isfinite(t.detach()).all().to(device) for t in tensors])
-    return bool(flags.all().item())
+    return bool(torch.stack([torch.isfinite(t.detach()).all().to(device) for t in tensors]).all().item())
+
+
+def weights_are_finite(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> bool:
+    """Whether every floating-point parameter and optimizer-state tensor is finite: what only an optimizer step
+    writes, so a skipped step leaves it as it was. One transfer."""
+    tensors = [t for t in module.parameters() if t.is_floating_point()]
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, Tensor) and v.is_floating_point())
+    return _all_finite(tensors)
+
+
+def _forward_state(module: torch.nn.Module) -> dict[str, list[Tensor]]:
+    from lightning_pulse.core.carried_state import carried_tensors
+
+    named = {name: [b] for name, b in module.named_buffers() if b is not None and b.is_floating_point()}
+    for name, value in carried_tensors(module).items():
+        tensors = [
+            t for t in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(t, Tensor)
+        ]
+        named[name] = [t for t in tensors if t.is_floating_point()]
+    return {name: tensors for name, tensors in named.items() if tensors}
+
+
+def nonfinite_forward_state(module: torch.nn.Module) -> list[str]:
+    """The buffers (qualified names) and carried tensors (dotted attribute names, see
+    :func:`~lightning_pulse.core.carried_state.carried_tensors`) holding a NaN or infinite value: the state a
+    forward writes, such as BatchNorm's running statistics or an RNN's carried hidden state. A batch with
+    non-finite data makes it non-finite in its forward, before any step. One transfer."""
+    named = _forward_state(module)
+    if not named:
+        return []
+    flags = [torch.isfinite(t.detach()).all() for tensors in named.values() for t in tensors]
+    device = flags[0].device
+    finite = torch.stack([flag.to(device) for flag in flags]).tolist()
+    bad, position = [], 0
+    for name, tensors in named.items():
+        if not all(finite[position : position + len(tensors)]):
+            bad.append(name)
+        position += len(tensors)
+    return bad
+
+
+def state_is_finite(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> bool:
+    """Whether every floating-point parameter, buffer, carried tensor (a plain tensor attribute, such as an RNN's
+    hidden state) and optimizer-state tensor is finite."""
+    return weights_are_finite(module, optimizers) and not nonfinite_forward_state(module)
 
 
 def batch_sample_ids(
@@ -139,19 +174,26 @@ def trace_nonfinite(
 ) -> tuple[str | None, list[dict[str, Any]]]:
     """Where the non-finite optimizer step ``step`` came from, the same answer on every rank.
 
-    ``("state", [])`` if the model's state (:func:`state_is_finite`) is non-finite on any rank; else
+    ``("state", [])`` if the weights (:func:`weights_are_finite`) are non-finite on any rank; else
     ``("data", samples)`` if a micro-batch ``(batch_idx, batch)`` held non-finite values on any rank
     (``samples``: this rank's, from :func:`find_bad_samples`; empty on a rank whose batches were clean); else
-    ``(None, [])``. Under DDP ``all_reduce_sum`` sums the two findings over ranks (one small collective, on
-    this rare step only; every rank reaches it, since the verdict came from all-reduced numbers).
+    ``("state", [])`` if the forward state (:func:`nonfinite_forward_state`) is non-finite on any rank; else
+    ``(None, [])``. Bad data wins over a non-finite forward state because the bad batch's own forward wrote it
+    (BatchNorm's running statistics take the NaN rows' mean): the caller skips the step and mends that state
+    (:meth:`~lightning_pulse.core.stability_steps.StabilityCore.mend_forward_state`). Under DDP
+    ``all_reduce_sum`` sums the three findings over ranks (one small collective, on this rare step only; every
+    rank reaches it, since the verdict came from all-reduced numbers).
     """
     samples = find_bad_samples(batches, step, loader)
-    state_bad = not state_is_finite(module, optimizers)
+    weights_bad = not weights_are_finite(module, optimizers)
+    forward_bad = bool(nonfinite_forward_state(module))
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    flags = torch.tensor([float(bool(samples)), float(state_bad)], device=device)
+    flags = torch.tensor([float(bool(samples)), float(weights_bad), float(forward_bad)], device=device)
     if all_reduce_sum is not None:
         flags = all_reduce_sum(flags)
-    data_bad, state_bad = (bool(flag) for flag in flags.tolist())
-    if state_bad:
+    data_bad, weights_bad, forward_bad = (bool(flag) for flag in flags.tolist())
+    if weights_bad:
         return "state", []
-    return ("data", samples) if data_bad else (None, [])
+    if data_bad:
+        return "data", samples
+    return ("state", []) if forward_bad else (None, [])

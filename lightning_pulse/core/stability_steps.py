@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from lightning_pulse.core.carried_state import carried_tensors, restore_carried_tensors
-from lightning_pulse.core.fault_origin import describe_bad_samples
+from lightning_pulse.core.fault_origin import describe_bad_samples, nonfinite_forward_state
 from lightning_pulse.core.snapshots import SnapshotSchedule, TrainingSnapshot
 from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import Action, EscalationPolicy, StabilityGuardConfig
@@ -166,6 +166,25 @@ class StabilityCore:
         self.bad_samples = [*self.bad_samples, *samples][-1000:]
         return self.policy.bad_batches == 0
 
+    def mend_forward_state(self, model: nn.Module) -> list[str]:
+        """After a data fault: put the buffers and carried tensors that the bad batch's forward made non-finite
+        (:func:`~lightning_pulse.core.fault_origin.nonfinite_forward_state`) back to the newest snapshot that fits
+        the model. The step is skipped, but its forward already wrote them (BatchNorm's running statistics), and
+        left so they would make every later step non-finite. Returns the names mended; ``[]`` when none was bad
+        or no snapshot fits (the next step then comes out non-finite from the state, and rolls back)."""
+        names = nonfinite_forward_state(model)
+        snapshot = next((s for s in reversed(list(self.schedule.ring)) if s.fits(model)), None)
+        if not names or snapshot is None:
+            return []
+        saved_buffers = {**snapshot.model, **snapshot.buffers}
+        carried = snapshot.extra.get("carried", {})
+        for name in names:
+            if name in saved_buffers:
+                model.get_buffer(name).copy_(saved_buffers[name])
+            elif name in carried:
+                restore_carried_tensors(model, {name: carried[name]})
+        return names
+
     def rollback_helps(
         self,
         model: nn.Module,
@@ -306,11 +325,16 @@ def flag_message(
     )
 
 
-def data_fault_message(step: int, samples: list[dict[str, Any]]) -> str:
+def data_fault_message(step: int, samples: list[dict[str, Any]], mended: Sequence[str] = ()) -> str:
+    wrote = (
+        f" Its forward had written them into {', '.join(mended)}: set back to the newest snapshot's values."
+        if mended
+        else ""
+    )
     return (
         f"StabilityGuard: step {step} has non-finite values in its data ({describe_bad_samples(samples)}); "
-        "the model is healthy, so the step is skipped and training goes on. Later such steps are skipped "
-        "silently: see `StabilityGuard.bad_samples` and the `stability/bad_batches` counter."
+        f"the model is healthy, so the step is skipped and training goes on.{wrote} Later such steps are "
+        "skipped silently: see `StabilityGuard.bad_samples` and the `stability/bad_batches` counter."
     )
 
 
