@@ -861,3 +861,33 @@ def test_structured_dry_run_returns_a_small_example_or_refuses():
         PulseRefusal, match="^ScheduledPrune: structured pruning cannot run on this model: no"
     ):
         prune_setup.structured_example(output_only, pruner, schedule, (torch.randn(8, 40), torch.zeros(8)))
+
+
+class _SharedLayerMLP(nn.Module):
+    """Only ``inp``'s channels can be cut: ``shared`` is applied twice (as ALBERT shares a layer across depth),
+    ``mid``'s outputs feed it, and ``head`` gives the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid = nn.Linear(16, 8), nn.Linear(8, 256)
+        self.shared, self.head = nn.Linear(256, 256), nn.Linear(256, 4)
+
+    def forward(self, x):
+        h = F.relu(self.mid(F.relu(self.inp(x))))
+        return self.head(F.relu(self.shared(F.relu(self.shared(h)))))
+
+
+def test_a_structured_event_reports_the_weight_share_of_the_layers_it_cut_and_names_those_it_left():
+    """The event said the pruned layers held 99% of the model's weights (every chosen layer) when the one layer
+    it cut holds 0.2%, and the chosen layers it could not cut went unnamed."""
+    torch.manual_seed(0)
+    model = _SharedLayerMLP()
+    total = sum(p.numel() for p in model.parameters())
+    outcome = pruning.Pruner(mode="structured").prune(model, 0.5, (), torch.randn(2, 16))
+    assert list(outcome.layer_sparsity) == ["inp"] and model.inp.out_features == 4
+    assert outcome.weight_share == pytest.approx(16 * 8 / total)
+    assert outcome.uncut == ["mid", "shared", "head"]
+    event = pruning.event_record(10, 0.5, outcome, model)
+    assert "left uncut, no channel group of theirs can be cut safely: mid, shared, head" in (
+        pruning.event_summary(event)
+    )

@@ -146,8 +146,9 @@ def test_bert_structured_on_attention_is_refused_before_the_first_step():
         data,
         _prune(mode="structured"),
         r"^ScheduledPrune: structured pruning cannot run on this model: "
-        r"pruning a copy of the model failed \(RuntimeError: shape.*attention modules "
-        r"\(model.bert.encoder.layer.0.attention and 1 more\).*`exclude_pattern`='attention'",
+        r"pruning a copy of the model failed \(RuntimeError: shape.*it broke in "
+        r"model\.bert\.encoder\.layer\.0\.attention\.self \(BertSelfAttention\); with "
+        r"`exclude_pattern`='attention' the trial cut passes",
     )
     # the way out the message names: the attention modules left out, the rest is cut
     module, data = CLIENTS["hf-bert"]()
@@ -421,3 +422,121 @@ def test_a_dependency_search_that_does_not_end_is_refused_in_time_and_the_way_ou
     trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[prune]))
     trainer.fit(_TinyLlama(), _tokens())
     assert trainer.global_step == STEPS and prune.events
+
+
+class _DigitsWithFrozenCopy(pl.LightningModule):
+    """A student and a frozen copy of it: an EMA teacher (``ema=True``, BYOL-style, updated in the training step)
+    or a fixed reference model whose outputs the loss only reads (``ema=False``)."""
+
+    def __init__(self, ema: bool) -> None:
+        super().__init__()
+        import copy
+
+        self.student = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.head = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+        self.ema = ema
+
+    def forward(self, x):
+        return self.head(self.student(x.flatten(1)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        with torch.no_grad():
+            target = self.teacher(x.flatten(1)).softmax(dim=-1)
+            if self.ema:
+                for student, teacher in zip(self.student.parameters(), self.teacher.parameters()):
+                    teacher.mul_(0.9).add_(student, alpha=0.1)
+        soft = torch.nn.functional.cross_entropy(logits, target)
+        return torch.nn.functional.cross_entropy(logits, y) + 0.1 * soft
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_frozen_copy_that_training_updates_is_refused_early_and_a_fixed_one_is_left_alone():
+    """An EMA teacher mirrors the student's parameters: cutting the student's channels and not the teacher's broke
+    the user's update at the first event (a RuntimeError mid-run). It is refused at the second step, before any
+    event, naming both parts and the ways out; a fixed reference copy prunes and trains."""
+    pl.seed_everything(0)
+    ema = _DigitsWithFrozenCopy(ema=True)
+    trainer = pl.Trainer(
+        **trainer_kwargs(max_steps=STEPS, limit_val_batches=0, callbacks=[_prune(mode="structured")])
+    )
+    with pytest.raises(PulseRefusal, match=r"`teacher` is a frozen copy of `student` that training updates"):
+        trainer.fit(ema, _digits())
+    assert trainer.global_step == 2 and not trainer.callbacks[0].events
+
+    pl.seed_everything(0)  # the way out it names
+    prune = _prune(mode="structured", exclude_pattern="student")
+    _fit(_DigitsWithFrozenCopy(ema=True), _digits(), prune)
+    assert prune.events and all(not name.startswith("student") for name in prune.pruner.original_channels)
+
+    pl.seed_everything(0)
+    fixed, prune = _DigitsWithFrozenCopy(ema=False), _prune(mode="structured")
+    _fit(fixed, _digits(), prune)
+    assert prune.events and fixed.student[0].out_features < 64 and fixed.teacher[0].out_features == 64
+
+
+class _Wav2Vec2Classifier(pl.LightningModule):
+    """HF Wav2Vec2 (from a small config) classifying clips: its convolutional feature extractor normalises the
+    first convolution's channels with ``GroupNorm(16, 16)``, which breaks at any cut of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+        config = Wav2Vec2Config(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            conv_dim=(16, 16, 16),
+            conv_stride=(5, 4, 4),
+            conv_kernel=(10, 4, 4),
+            feat_extract_norm="group",
+            num_conv_pos_embeddings=8,
+            num_conv_pos_embedding_groups=4,
+            num_labels=3,
+            classifier_proj_size=16,
+        )
+        self.model = Wav2Vec2ForSequenceClassification(config)
+
+    def forward(self, input_values):
+        return self.model(input_values=input_values).logits
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _clips():
+    generator = torch.Generator().manual_seed(0)
+    clips, labels = (
+        torch.randn(64, 1600, generator=generator),
+        torch.randint(0, 3, (64,), generator=generator),
+    )
+    rows = [{"input_values": clip, "labels": label} for clip, label in zip(clips, labels)]
+    return torch.utils.data.DataLoader(rows, batch_size=8)
+
+
+def test_a_failed_trial_cut_names_the_module_it_broke_in_and_an_exclusion_that_passes():
+    """On Wav2Vec2 the trial cut broke in the feature extractor's GroupNorm, and the refusal pointed at attention
+    (`exclude_pattern`='attention'), which was refused again. It now names the GroupNorm and a pattern with which
+    a second trial cut passed; that pattern trains and prunes."""
+    pl.seed_everything(0)
+    _refused_before_first_step(
+        _Wav2Vec2Classifier(),
+        _clips(),
+        _prune(mode="structured"),
+        r"it broke in model\.wav2vec2\.feature_extractor\.conv_layers\.0\.layer_norm \(GroupNorm\); with "
+        r"`exclude_pattern`='conv_layers\|attention' the trial cut passes",
+    )
+    pl.seed_everything(0)
+    module, prune = _Wav2Vec2Classifier(), _prune(mode="structured", exclude_pattern="conv_layers|attention")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, limit_val_batches=0, callbacks=[prune]))
+    trainer.fit(module, _clips())
+    assert trainer.global_step == STEPS and prune.events and prune.events[-1]["sparsity"] > 0

@@ -201,6 +201,44 @@ def frozen_layers(model: nn.Module) -> frozenset[str]:
     )
 
 
+def _structure(module: nn.Module) -> tuple:
+    """What two modules must share to be copies of each other: their submodules' names and types, and their
+    parameters' names, shapes and dtypes."""
+    return (
+        tuple((name, type(m).__name__) for name, m in module.named_modules()),
+        tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()),
+    )
+
+
+def frozen_twins(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, str]:
+    """The frozen copies of parts holding ``layers``: ``{copy's name: part's name}``. A copy is a submodule with
+    parameters, none of them trainable, that has the structure of a trainable submodule holding some of
+    ``layers`` (outermost copies only)."""
+    modules = dict(model.named_modules())
+    frozen = [
+        name
+        for name, m in modules.items()
+        if name and any(True for _ in m.parameters()) and not any(p.requires_grad for p in m.parameters())
+    ]
+    frozen = [n for n in frozen if not any(n.startswith(o + ".") for o in frozen)]
+    twins: dict[str, str] = {}
+    for copy_name in frozen:
+        copy = modules[copy_name]
+        shape = _structure(copy)
+        for name, part in modules.items():
+            if (
+                name
+                and type(part) is type(copy)
+                and not name.startswith(copy_name + ".")
+                and any(layer == name or layer.startswith(name + ".") for layer in layers)
+                and all(p.requires_grad for p in part.parameters())
+                and _structure(part) == shape
+            ):
+                twins[copy_name] = name
+                break
+    return twins
+
+
 def weight_share(model: nn.Module, layers: Mapping[str, nn.Module]) -> float:
     """Share of the model's distinct parameter elements held by the weights of ``layers``."""
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

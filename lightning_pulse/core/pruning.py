@@ -25,7 +25,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -763,22 +763,115 @@ def check_structured(
 
     Returns why that is not safe (an error, a changed output shape, nothing that can be cut), or ``None``.
     """
-    trial = Pruner(
-        "structured", pruner.layer_types, pruner.exclude_pattern, pruner.ranking, pruner.min_channels
-    )
+    reason, where = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example)
+    if reason is not None and reason.startswith("tracing which channels"):
+        hint = attention_hint(model, pruner.exclude_pattern)
+        reason = reason if hint is None else f"{reason}; {hint}"
+    elif reason is not None and reason.startswith("pruning a copy of the model failed"):
+        hint = _way_out(model, pruner, sparsities, example, where)
+        reason = reason if hint is None else f"{reason}; {hint}"
+    return reason
+
+
+def _trial_cut(
+    model: nn.Module, pruner: Pruner, exclude_pattern: str | None, sparsities: Sequence[float], example: Any
+) -> tuple[str | None, str | None]:
+    """:func:`check_structured`'s dry run on a copy, with ``exclude_pattern``: why the cut is not safe (or
+    ``None``), and the module of ``model`` a failing call broke in (or ``None``)."""
+    trial = Pruner("structured", pruner.layer_types, exclude_pattern, pruner.ranking, pruner.min_channels)
     duplicate = copy_without_hooks(model).eval()  # eval: no dropout draws, no batch-norm statistics
     device = next((p.device for p in duplicate.parameters()), torch.device("cpu"))
     inputs = _to_device(as_example_inputs(small_example(example)), device)
     # the check must not change the run it checks: random draws happen on forked generators
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         _for_the_value_check(duplicate)
-        reason = _dry_run(duplicate, trial, sparsities, example, inputs)
-    if reason is not None and reason.startswith(
-        ("pruning a copy of the model failed", "tracing which channels")
-    ):
-        hint = attention_hint(model, pruner.exclude_pattern)
-        reason = reason if hint is None else f"{reason}; {hint}"
-    return reason
+        try:
+            return _dry_run(duplicate, trial, sparsities, example, inputs), None
+        except _CutFailed as failed:
+            return failed.reason, failed.where
+
+
+#: how many exclusions :func:`_way_out` adds and checks before it gives up on naming one that works
+WAY_OUT_TRIES = 3
+
+
+def _way_out(
+    model: nn.Module, pruner: Pruner, sparsities: Sequence[float], example: Any, where: str | None
+) -> str | None:
+    """The ``exclude_pattern`` to offer after a failed trial cut, checked by cutting again with it.
+
+    The pattern leaves out the part the call broke in: the attention modules when it broke inside one (a head
+    reshape), else the innermost part around the failing module that holds a chosen layer (the convolutions
+    feeding a ``GroupNorm`` whose groups must divide their channels). A cut that then breaks elsewhere adds that
+    part's pattern too, up to :data:`WAY_OUT_TRIES` times. Where no pattern passes, the first failing module is
+    named."""
+    broke_in, patterns, current = where, [], pruner.exclude_pattern
+    for _ in range(WAY_OUT_TRIES):
+        pattern = _exclusion_for(model, where, current)
+        if pattern is None:
+            break
+        patterns.append(pattern)
+        current = "|".join(p for p in (pruner.exclude_pattern, *patterns) if p)
+        reason, where = _trial_cut(model, pruner, current, sparsities, example)
+        if reason is None:
+            place = (
+                f"it broke in {broke_in} ({type(model.get_submodule(broke_in)).__name__})" if broke_in else ""
+            )
+            return (
+                f"{place}; with `exclude_pattern`={current!r} the trial cut passes and the other layers are cut"
+            ).lstrip("; ")
+        if not reason.startswith("pruning a copy of the model failed"):
+            break
+    if broke_in is None:
+        return attention_hint(model, pruner.exclude_pattern)
+    return (
+        f"it broke in {broke_in} ({type(model.get_submodule(broke_in)).__name__}): leave out the layers around it "
+        "with `exclude_pattern`"
+    )
+
+
+def _exclusion_for(model: nn.Module, where: str | None, exclude_pattern: str | None) -> str | None:
+    """The pattern that leaves out the part ``where`` sits in (see :func:`_way_out`), or ``None``."""
+    if where is None or _in_attention(model, where):
+        attention = attention_pattern(model, exclude_pattern)
+        return None if attention is None else attention[0]
+    weighted = [n for n, m in model.named_modules() if "weight" in getattr(m, "_parameters", {})]
+    parts = where.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        holds_layer = any(n == prefix or n.startswith(prefix + ".") for n in weighted if n != where)
+        component = next((part for part in reversed(parts[:end]) if not part.isdigit()), None)
+        if holds_layer and component is not None:
+            return re.escape(component)
+    return None
+
+
+def _in_attention(model: nn.Module, where: str) -> bool:
+    modules = dict(model.named_modules())
+    parts = where.split(".")
+    return any(
+        "attention" in type(modules[".".join(parts[:end])]).__name__.lower()
+        for end in range(1, len(parts) + 1)
+    )
+
+
+class _CutFailed(Exception):
+    def __init__(self, reason: str, where: str | None) -> None:
+        super().__init__(reason)
+        self.reason, self.where = reason, where
+
+
+def _failing_module(duplicate: nn.Module, error: BaseException) -> str | None:
+    """The name of the innermost module of ``duplicate`` whose code ``error`` came through (the frames of its
+    traceback whose ``self`` is one of the copy's modules), or ``None``."""
+    names = {id(module): name for name, module in duplicate.named_modules() if name}
+    found, frame = None, error.__traceback__
+    while frame is not None:
+        owner = frame.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            found = names[id(owner)]
+        frame = frame.tb_next
+    return found
 
 
 @torch.no_grad()
@@ -805,13 +898,13 @@ def _for_the_value_check(duplicate: nn.Module) -> None:
             module.affine = True
 
 
-def attention_hint(model: nn.Module, exclude_pattern: str | None) -> str | None:
-    """Where a failed trial cut most likely broke, as a way out: the model's attention modules that
-    ``exclude_pattern`` leaves in (a head reshape breaks at intermediate widths), or ``None`` when it has none.
+def attention_pattern(model: nn.Module, exclude_pattern: str | None) -> tuple[str, list[str]] | None:
+    """The ``exclude_pattern`` that leaves out the model's attention modules that ``exclude_pattern`` leaves in,
+    with the outermost of them, or ``None`` when it has none.
 
-    The pattern offered is the last name component of the outermost attention modules (``attention``,
-    ``self_attn``), or of the innermost ones where that component also names layers outside attention (T5's
-    ``layer.0`` holds attention, ``layer.1`` the feed-forward: ``SelfAttention|EncDecAttention``).
+    The pattern is the last name component of the outermost attention modules (``attention``, ``self_attn``),
+    or of the innermost ones where that component also names layers outside attention (T5's ``layer.0`` holds
+    attention, ``layer.1`` the feed-forward: ``SelfAttention|EncDecAttention``).
     """
     names = [
         name
@@ -836,6 +929,16 @@ def attention_hint(model: nn.Module, exclude_pattern: str | None) -> str | None:
     weights = [n for n, m in model.named_modules() if "weight" in getattr(m, "_parameters", {})]
     if any(re.search(pattern, n) and not n.startswith(inside) for n in weights):
         pattern = pattern_of(innermost)  # the outer component also names layers outside attention
+    return pattern, outermost
+
+
+def attention_hint(model: nn.Module, exclude_pattern: str | None) -> str | None:
+    """The attention modules as the likely cause of a trial cut that could not be finished (a head reshape breaks
+    at intermediate widths), with their :func:`attention_pattern`, or ``None`` when the model has none."""
+    found = attention_pattern(model, exclude_pattern)
+    if found is None:
+        return None
+    pattern, outermost = found
     more = f" and {len(outermost) - 1} more" if len(outermost) > 1 else ""
     return (
         f"the model's attention modules ({outermost[0]}{more}) are the usual cause, since head reshapes break at "
@@ -912,7 +1015,8 @@ def _dry_run(
             f"{STRUCTURED_CHECK_SECONDS:g} s, as on rotary-embedding attention"
         )
     except Exception as error:  # whatever the model does, the answer is a refusal, not a crash mid-run
-        return f"pruning a copy of the model failed ({type(error).__name__}: {str(error)[:200]})"
+        reason = f"pruning a copy of the model failed ({type(error).__name__}: {str(error)[:200]})"
+        raise _CutFailed(reason, _failing_module(duplicate, error)) from None
     if not trial.history:
         return "no channel group of the selected layers can be cut safely"
     return None
@@ -1053,6 +1157,8 @@ class PruneOutcome:
         problems: optimizer states that could not be cut and were reset, as messages.
         weight_share: share of the model's parameter elements held by the pruned layers' weights (before the
             event).
+        uncut: structured: the chosen layers that no channel group it could cut safely holds (a layer applied
+            twice, a layer whose outputs feed one of those), left as they are.
     """
 
     sparsity: float
@@ -1060,6 +1166,7 @@ class PruneOutcome:
     remap: ParameterRemap
     problems: list[str]
     weight_share: float = 0.0
+    uncut: list[str] = field(default_factory=list)
 
 
 class Pruner:
@@ -1093,9 +1200,9 @@ class Pruner:
         ranking: str = "layer",
         min_channels: int = 1,
     ) -> None:
-        for field, value, allowed in (("mode", mode, MODES), ("ranking", ranking, RANKINGS)):
+        for name, value, allowed in (("mode", mode, MODES), ("ranking", ranking, RANKINGS)):
             if value not in allowed:
-                raise ValueError(f"`{field}`={value!r} is not one of {list(allowed)}.")
+                raise ValueError(f"`{name}`={value!r} is not one of {list(allowed)}.")
         if isinstance(min_channels, bool) or not isinstance(min_channels, int) or min_channels < 1:
             raise ValueError(f"`min_channels`={min_channels!r} must be an int >= 1.")
         if exclude_pattern is not None:
@@ -1160,7 +1267,8 @@ class Pruner:
             return PruneOutcome(
                 global_sparsity(primaries), layer_sparsity(layers), ParameterRemap(), [], share
             )
-        share = prune_targets.weight_share(model, layers)
+        # the share is of the layers this event really cuts, known only after it: their weights' sizes before it
+        sizes = {name: prune_targets.weight_share(model, {name: layer}) for name, layer in layers.items()}
         if self.example_inputs is None:
             if example is None:
                 raise ValueError("Structured pruning needs an example input to trace the model with.")
@@ -1181,7 +1289,9 @@ class Pruner:
                 problems += remap_optimizer_state(optimizer, result.remap)
         counts = channel_counts(model, list(self.original_channels))
         reached, per_layer = channel_sparsity(counts, self.original_channels)
-        return PruneOutcome(reached, per_layer, result.remap, problems, share)
+        share = sum(sizes.get(name, 0.0) for name in per_layer)
+        uncut = [name for name in layers if name not in per_layer]
+        return PruneOutcome(reached, per_layer, result.remap, problems, share, uncut)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -1212,6 +1322,7 @@ def event_record(
         "sparsity": outcome.sparsity,
         "layer_sparsity": dict(outcome.layer_sparsity),
         "weight_share": float(outcome.weight_share),
+        "uncut_layers": list(outcome.uncut),
         **count_parameters(model),
         "probe_before": None if probe_before is None else dict(probe_before),
         "probe_after": None if probe_after is None else dict(probe_after),
@@ -1247,6 +1358,10 @@ def event_summary(event: Mapping[str, Any]) -> str:
     )
     if event["probe_after"]:
         text += f", {probe(event['probe_before'])} -> {probe(event['probe_after'])}"
+    uncut = event.get("uncut_layers") or []
+    if uncut:
+        more = f" and {len(uncut) - 3} more" if len(uncut) > 3 else ""
+        text += f"; left uncut, no channel group of theirs can be cut safely: {', '.join(uncut[:3])}{more}"
     return text
 
 
