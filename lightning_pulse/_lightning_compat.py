@@ -338,8 +338,21 @@ def close_restored_epoch(trainer: pl.Trainer) -> None:
     end (``ModelCheckpoint(every_n_train_steps=...)``), that batch is ready but not completed: the training
     epoch loop completes it when it starts and the epoch ends there. Saved after it, at the epoch's validation
     (``every_n_epochs``), it is completed: the epoch ends with no further batch (setting every counter to one
-    below the length trained a batch of the next pass in the finished epoch)."""
-    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    below the length trained a batch of the next pass in the finished epoch). Saved in the epoch's end hooks
+    with no validation there, the epoch is closed outright (below)."""
+    fit_loop = trainer.fit_loop
+    if fit_loop.restarted_on_epoch_end and not fit_loop.epoch_loop._should_check_val_epoch():
+        # saved in the epoch's end hooks with no validation there: a step-limited run restarts that epoch, and a
+        # restarting epoch loop ends only once validation has run, so it trained the next pass's first batch in
+        # the finished epoch. Nothing is left to run in it: close it as Lightning does in an epoch-limited run
+        # (``RESUMED_ON_EPOCH_END``), and the next epoch starts afresh.
+        fit_loop._restarting = False  # the public setter keeps a step-limited run restarting
+        fit_loop.epoch_loop.restarting = False
+        fit_loop.reset_restart_stage()
+        if fit_loop.epoch_progress.current.completed < fit_loop.epoch_progress.current.processed:
+            fit_loop.epoch_progress.increment_completed()
+        return
+    progress = fit_loop.epoch_loop.batch_progress.current
     total = trainer.num_training_batches
     if isinstance(total, int) and total > progress.ready:
         shift = total - progress.ready
@@ -347,7 +360,7 @@ def close_restored_epoch(trainer: pl.Trainer) -> None:
         progress.processed, progress.completed = progress.processed + shift, progress.completed + shift
     # saved inside the epoch's end hooks (``on_train_epoch_end``): the epoch was counted as processed, and the
     # loop, which runs that end again, would count it twice, so the run lost its last epoch
-    epochs = trainer.fit_loop.epoch_progress.current
+    epochs = fit_loop.epoch_progress.current
     epochs.processed = min(epochs.processed, epochs.completed)
 
 
