@@ -701,3 +701,57 @@ def test_a_nan_row_under_batchnorm_is_skipped_as_the_datas_fault_and_its_running
     clean = torch.isfinite(x).all(dim=1)
     accuracy = (model(x[clean]).argmax(dim=1) == y[clean]).float().mean().item()
     assert accuracy > 0.9, accuracy
+
+
+class _GrowsThenBreaks(DigitsBatchNormMLP):
+    """Adds a buffer at step 12 (its structure changes, as a model growing a layer does), and a weight goes NaN
+    at step 20, before the guard's next snapshot."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == 12 and not hasattr(self, "grown"):
+            self.register_buffer("grown", torch.zeros(1))
+        if self.global_step == 20:
+            with torch.no_grad():
+                self.net[0].weight[0, 0] = float("nan")
+
+
+def _digits_loader():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64, shuffle=True)
+
+
+def test_a_rollback_with_no_snapshot_that_fits_stops_the_run_instead_of_training_on_a_bad_state(tmp_path):
+    """It warned that no snapshot fits, logged a "rollback to the snapshot of step None", and the run finished
+    with NaN weights and no error."""
+    pl.seed_everything(0)
+    guard = StabilityGuard(snapshot_every=30)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
+    with pytest.raises(
+        StabilityGuardError,
+        match=r"^StabilityGuard stopped training at step 20: it had to roll back, but no snapshot fits",
+    ):
+        trainer.fit(_GrowsThenBreaks(), _digits_loader())
+    assert guard.rollbacks == 0 and trainer.global_step == 21
+
+
+def test_a_rollback_after_an_unstructured_pruning_event_returns_to_the_snapshot_under_the_masks():
+    """Unstructured ScheduledPrune masked the layers after the step-0 snapshot; a NaN weight at step 25 found no
+    snapshot that fit, and the run ended normally with NaN weights."""
+
+    class BreaksAt25(DigitsBatchNormMLP):
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.global_step == 25:
+                with torch.no_grad():
+                    self.net[0].weight_orig[0, 0] = float("nan")
+
+    pl.seed_everything(0)
+    model, guard = BreaksAt25(), StabilityGuard(snapshot_every=30)
+    prune = ScheduledPrune(every=10, start=10, end=50, probe_batches=0)
+    trainer = pl.Trainer(max_epochs=3, callbacks=[prune, guard], **trainer_kwargs())
+    trainer.fit(model, _digits_loader())
+    assert guard.rollbacks == 1 and [e["to_step"] for e in guard.events if e["event"] == "rollback"] == [0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)

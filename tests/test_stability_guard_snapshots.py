@@ -193,7 +193,7 @@ def test_a_snapshot_no_longer_fits_a_model_whose_structure_changed():
     model, optimizer, _ = _setup()
     snapshot = take_snapshot(0, model, [optimizer])
     assert snapshot.fits(model)
-    prune.l1_unstructured(model[0], "weight", amount=0.5)  # adds weight_orig / weight_mask
+    model.register_buffer("grown", torch.zeros(1))  # an entry added since (pruning masks still fit: below)
     assert not snapshot.fits(model)
     smaller = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))  # channels pruned away
     assert not snapshot.fits(smaller)
@@ -291,3 +291,27 @@ def test_carried_tensors_are_found_and_put_back_including_a_state_that_did_not_e
     model.rnn.mode_name = None  # None now, and was not carried: left alone
     restore_carried_tensors(model, saved)
     assert model.state is None and torch.equal(model.rnn.extra, torch.ones(2))
+
+
+def test_a_snapshot_from_before_a_pruning_mask_fits_and_restores_under_the_mask():
+    """Unstructured pruning moves a layer's ``weight`` to ``weight_orig`` next to a ``weight_mask``: snapshots
+    taken before no longer had the model's entries, so a rollback after a pruning event found none to return
+    to, and the guard trained on from the bad state. The saved weight now goes back under today's mask."""
+    import torch.nn.utils.prune as prune
+
+    from lightning_pulse.core.snapshots import restore_snapshot, take_snapshot
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    before = take_snapshot(0, model)
+    saved_weight = model[0].weight.detach().clone()
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    mask = model[0].weight_mask.clone()
+    with torch.no_grad():
+        model[0].weight_orig[0, 0] = float("nan")
+    assert before.fits(model)
+    restore_snapshot(before, model)
+    assert torch.equal(model[0].weight_orig, saved_weight) and torch.equal(model[0].weight_mask, mask)
+    assert torch.equal(model[0].weight, saved_weight * mask)
+    model.add_module("extra", nn.Linear(2, 2))  # any other change of structure still does not fit
+    assert not before.fits(model)

@@ -366,13 +366,16 @@ class StabilityGuard(Callback):
             change = PhaseChange(None, cycle.phase, cycle.cycle, cycle.clock.step, "resume")
             tell_restored_phase(trainer, pl_module, state[2], change)
         to_step = None if target is None else target.step
-        if action is Action.ROLLBACK:
+        if action is Action.ROLLBACK and target is not None:
             self.policy.rolled_back(step, to_step)
             rank_zero_warn(steps.rollback_message(self.policy, step, to_step, undone))
             return
+        # a rollback with no snapshot to return to cannot help: training on would report a run on a bad state
         self.policy.stop(step, to_step)
         path = steps.stop_checkpoint_path(self.config, trainer.default_root_dir, step)
         log_to_loggers(trainer, self.metrics())
         trainer.save_checkpoint(path)
+        if action is Action.ROLLBACK:
+            raise StabilityGuardError(steps.no_snapshot_message(step, path), checkpoint_path=path)
         message = steps.stop_message(self.policy, step, to_step, recent_rollbacks, path)
         raise StabilityGuardError(message, checkpoint_path=path)

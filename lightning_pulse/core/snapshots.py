@@ -114,18 +114,35 @@ class TrainingSnapshot:
         )
 
     def fits(self, model: nn.Module) -> bool:
-        """Whether the snapshot can still be loaded into ``model``: same entries with the same shapes.
+        """Whether the snapshot can still be loaded into ``model``: same entries with the same shapes, or the
+        entries of layers masked since (:func:`fitted_state`).
 
-        A structural change since the snapshot (channels pruned away, pruning masks added) makes it
-        unusable.
+        Another structural change since the snapshot (channels pruned away, a layer added) makes it unusable.
         """
-        current = model.state_dict()
-        if current.keys() != self.model.keys():
-            return False
-        return all(
-            not isinstance(value, torch.Tensor) or value.shape == self.model[name].shape
-            for name, value in current.items()
-        )
+        return fitted_state(self.model, model.state_dict()) is not None
+
+
+def fitted_state(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """A snapshot's model state ``saved`` under the keys of the model's state now (``current``), or ``None``
+    when it does not fit. Entries must match in name and shape, except where ``torch.nn.utils.prune`` masked a
+    layer since (unstructured ScheduledPrune): its parameter ``weight`` became ``weight_orig`` next to a
+    ``weight_mask`` buffer. The saved weight goes back under the mask the layer has now: a rollback past a
+    pruning event keeps what was pruned."""
+    fitted: dict[str, Any] = OrderedDict()
+    fitted._metadata = getattr(saved, "_metadata", None)  # type: ignore[attr-defined]  # module versions
+    for name, value in saved.items():
+        key = name if name in current else f"{name}_orig"
+        if key not in current or (key != name and f"{name}_mask" not in current):
+            return None
+        if isinstance(value, torch.Tensor) and value.shape != current[key].shape:
+            return None
+        fitted[key] = value
+    for name, value in current.items():
+        if name not in fitted:
+            if not (name.endswith("_mask") and f"{name[: -len('_mask')]}_orig" in fitted):
+                return None
+            fitted[name] = value  # the mask it has now
+    return saved if fitted.keys() == saved.keys() else fitted
 
 
 def non_persistent_buffers(
@@ -199,7 +216,8 @@ def restore_snapshot(
             f"The snapshot holds {len(snapshot.optimizers)} optimizer(s) and {len(snapshot.schedulers)} "
             f"scheduler(s), but {len(optimizers)} and {len(schedulers)} were given."
         )
-    model.load_state_dict(snapshot.model)
+    fitted = fitted_state(snapshot.model, model.state_dict())
+    model.load_state_dict(snapshot.model if fitted is None else fitted)
     for name, saved in snapshot.buffers.items():
         try:
             buffer = model.get_buffer(name)

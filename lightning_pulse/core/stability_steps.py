@@ -365,6 +365,15 @@ def stop_message(
     )
 
 
+def no_snapshot_message(step: int, path: str) -> str:
+    return (
+        f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the model any "
+        "more: its structure changed after the last one (a layer or buffer added, channels cut outside "
+        f"ScheduledPrune), and training on would go on from the bad state. The checkpoint {path!r} holds the "
+        "current state. Take snapshots more often (`snapshot_every`), so that one follows such a change."
+    )
+
+
 def summary_message(policy: EscalationPolicy) -> str | None:
     """The end-of-training line, or ``None`` for a run without spikes or rollbacks."""
     spikes = sum(policy.spikes_by_kind.values())
