@@ -297,7 +297,6 @@ def test_a_snapshot_from_before_a_pruning_mask_fits_and_restores_under_the_mask(
     """Unstructured pruning moves a layer's ``weight`` to ``weight_orig`` next to a ``weight_mask``: snapshots
     taken before no longer had the model's entries, so a rollback after a pruning event found none to return
     to, and the guard trained on from the bad state. The saved weight now goes back under today's mask."""
-    import torch.nn.utils.prune as prune
 
     from lightning_pulse.core.snapshots import restore_snapshot, take_snapshot
 
