@@ -251,6 +251,24 @@ def _selector(rule="topk", size=8, **kwargs):
     return HardSampleSelector(SampleScoreTable(size), ReplayConfig(rule=rule, **kwargs))
 
 
+@pytest.mark.parametrize("rule", ["topk", "random", "infobatch"])
+def test_selector_never_cuts_a_batch_to_one_sample(rule):
+    """An epoch's short last batch of 2 was cut to 1 sample, and BatchNorm raised mid-run ("Expected more than 1
+    value per channel when training"); a cut that would keep one sample trains the batch whole."""
+    selector = _selector(rule, replay_fraction=0.3)
+    indices = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    selector.record(
+        indices, torch.arange(8.0), selector.compose(indices, 0, 0).roles, 0, active=True, offered=8
+    )
+    selector.apply()
+    for step, last in enumerate((torch.tensor([6, 7]), torch.tensor([5, 6, 7])), start=1):
+        composed = selector.compose(last, step=step, batch_idx=9)
+        assert composed.indices.numel() >= 2, composed
+    assert selector.compose(torch.tensor([7]), step=3, batch_idx=9).indices.tolist() == [
+        7
+    ]  # one offered: kept
+
+
 def test_selector_cuts_a_batch_to_its_hardest_samples_once_they_are_scored():
     selector = _selector(replay_fraction=0.5)
     indices = torch.tensor([7, 2, 5, 0])

@@ -47,6 +47,9 @@ ROLE_NAMES = ("untouched", "selected", "unseen")
 
 #: Measured steps kept before they are applied to the table together.
 APPLY_EVERY = 32
+#: the fewest samples a cut batch keeps: a one-sample batch breaks BatchNorm in training ("Expected more than 1
+#: value per channel") and is a poor step anyway, so a cut that would keep one trains the batch whole
+MIN_COMPOSED = 2
 
 
 def _not_number(value: Any) -> bool:
@@ -490,6 +493,10 @@ class HardSampleSelector:
         budget = max(1, round(self.config.replay_fraction * offered))
         scores = self.table.effective_array(indices, step)  # arrays throughout: each tensor wrap costs a call
         selection = self._select(scores, budget, step, generator)
+        if selection.count < min(
+            MIN_COMPOSED, offered
+        ):  # the short last batch of an epoch, cut to one sample
+            selection = Selection(torch.arange(offered), None, selection.threshold)
         roles = np.where(np.isnan(scores[selection.positions.numpy()]), UNSEEN, SELECTED)
         weights = selection.weights
         if weights is not None and bool((weights == 1).all()):
