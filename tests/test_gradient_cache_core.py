@@ -112,6 +112,35 @@ def test_tied_weight_belongs_to_the_input_side_unit():
     assert all(p.requires_grad for p in model.parameters())
 
 
+def test_a_second_name_for_the_same_module_is_not_a_tie():
+    """A handle such as ``self.stem = self.net[0]`` registers the same parameters under a second name. It was
+    read as a tie: the first unit was pinned, nothing froze in a whole run, and the warning named a tied input
+    and output layer. A real tie (two modules holding one tensor) is still one."""
+
+    class WithHandle(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+            self.stem = self.net[0]
+
+        def forward(self, x):
+            return self.net(x)
+
+    model = WithHandle()
+    units = traced_units(model, torch.randn(3, 4))
+    assert [(u.name, u.shared_with, u.pinned) for u in units] == [
+        ("net.0", [], False),
+        ("net.2", [], False),
+        ("net.4", [], False),
+    ]
+    model.net[4].weight = nn.Parameter(torch.randn(2, 4))
+    model.stem.weight = model.net[2].weight = nn.Parameter(
+        torch.randn(4, 4)
+    )  # a real tie, through the handle
+    units = traced_units(model, torch.randn(3, 4))
+    assert units[0].pinned and units[0].shared_with == ["net.2.weight"]
+
+
 def test_a_tied_parameter_in_the_middle_stops_the_prefix_before_its_first_holder():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
     model[2].weight = model[1].weight

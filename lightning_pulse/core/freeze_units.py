@@ -87,17 +87,21 @@ def mark_shared(units: Sequence[FreezeUnit], root: nn.Module) -> list[FreezeUnit
     ``lm_head.weight is wte.weight``, ``mix_b.weight = mix_a.weight``) has a name outside the unit that owns
     it. Freezing that unit would also freeze the other side, which keeps training around it (the output layer
     stops learning), so the unit is pinned and the frozen prefix stops before it. A module applied twice holds
-    its parameters under one name, so it is one unit and every application freezes or trains together.
+    its parameters under one name, so it is one unit and every application freezes or trains together. A
+    second name for the same module (a handle such as ``self.stem = self.net[0]`` or ``self.encoder =
+    self.model.encoder``) is no tie: the parameter has one holder, which the unit freezes with it.
     Returns ``units``.
     """
-    aliases: dict[int, list[str]] = {}
-    for name, param in root.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
+    # parameter -> (its name, the module attribute holding it) under every name the model has for it
+    aliases: dict[int, list[tuple[str, tuple[int, str]]]] = {}
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        for attribute, param in module.named_parameters(recurse=False):
+            name = f"{prefix}.{attribute}" if prefix else attribute
+            aliases.setdefault(id(param), []).append((name, (id(module), attribute)))
     for unit in units:
-        outside = {
-            alias for param in unit.params for alias in aliases.get(id(param), []) if not unit.covers(alias)
-        }
-        unit.shared_with = sorted(outside)
+        named = [alias for param in unit.params for alias in aliases.get(id(param), [])]
+        own = {holder for name, holder in named if unit.covers(name)}
+        unit.shared_with = sorted({name for name, holder in named if holder not in own})
     return list(units)
 
 
