@@ -14,16 +14,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
 from lightning_pulse.core.replay import (
+    STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL,
     STEPS_MODE_CLOCK_REFUSAL,
     STEPS_MODE_LENGTH_REFUSAL,
     STEPS_MODE_LIMIT_REFUSAL,
     STEPS_MODE_OPTIMIZERS_REFUSAL,
     STEPS_MODE_RELOAD_REFUSAL,
+    STEPS_MODE_STEP_BOUND_REFUSAL,
     HardSampleSelector,
 )
 from lightning_pulse.core.sample_index import PlannedBatchSampler, SampleIndexTracker
@@ -98,6 +101,8 @@ class StepSavingLoader:
             raise PulseRefusal(STEPS_MODE_LENGTH_REFUSAL)
         batches = loader.batch_sampler
         plain_batches, accumulate = len(batches), trainer.accumulate_grad_batches
+        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+            raise PulseRefusal(STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL.format(accumulate=accumulate))
         if cycle is not None:
             cycle.fit_budget(fraction, light_phases, math.ceil(plain_batches / accumulate))
         plan = self.stream.make_plan(
@@ -111,6 +116,17 @@ class StepSavingLoader:
             accumulate=accumulate,
             drop_last=batches.drop_last,
         )
+        step_scheduled = any(config.interval == "step" for config in trainer.lr_scheduler_configs)
+        if max_epochs is None and step_scheduled and plan.total_steps < max_steps:
+            raise PulseRefusal(
+                STEPS_MODE_STEP_BOUND_REFUSAL.format(
+                    max_epochs=trainer.max_epochs,
+                    max_steps=max_steps,
+                    planned=plan.total_steps,
+                    share=plan.total_steps / max_steps,
+                    epochs=math.ceil(max_steps / max(1, math.ceil(plain_batches / accumulate))),
+                )
+            )
         shortfall = None if cycle is None else budget_shortfall(plan, cycle.budget)
         if shortfall is not None:  # a warning, not a refusal: a smoke run of a shipped YAML must still train
             rank_zero_warn(f"PulseCycle: {shortfall}")

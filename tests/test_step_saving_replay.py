@@ -489,8 +489,11 @@ def test_client_models_take_the_planned_steps_on_full_batches(name):
 
     pl.seed_everything(0, verbose=False)
     module, data = CLIENTS[name]()
+    # max_epochs too: bounded by max_steps alone, a schedule built from estimated_stepping_batches is refused
+    # (test_a_run_bounded_by_max_steps_alone_is_refused_when_its_lr_schedule_read_the_unplanned_length)
     trainer = pl.Trainer(
         callbacks=[PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5)],
+        max_epochs=100,
         max_steps=60,
         limit_val_batches=0,
         **trainer_kwargs(),
@@ -498,6 +501,8 @@ def test_client_models_take_the_planned_steps_on_full_batches(name):
     trainer.fit(module, data)
     # the plain run's 60 steps of data, in the planned (fewer) steps, every one of them taken
     assert trainer.max_steps - 2 <= trainer.global_step <= trainer.max_steps < 60
+    for config in trainer.lr_scheduler_configs:  # a schedule planned for the run ends with it
+        assert config.scheduler.total_steps == trainer.max_steps
     cycle = next(c for c in trainer.callbacks if isinstance(c, PulseCycle))
     assert cycle.clock.steps_by_phase["replay"] > 0
 
@@ -606,3 +611,49 @@ def test_tracker_gives_each_planned_batch_as_loaded_a_cut_not_its_window():
         assert len(tracker.recorder.batches) == 0  # every batch released once asked for
     with pytest.raises(RuntimeError, match="asked for after a later batch"):
         tracker.batch_indices(0)
+
+
+class _StepCounter(Callback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps += 1
+
+
+def test_an_accumulation_schedule_is_refused_before_the_first_step():
+    """The plan was made with accumulation 1; Lightning's GradientAccumulationScheduler raised it to 2 and 4, and
+    the run ended at max_epochs after 36 of its 60 planned steps, OneCycleLR short of its end, with no word."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    counter = _StepCounter()
+    trainer = pl.Trainer(
+        max_epochs=4,
+        callbacks=[HardSampleReplay(), GradientAccumulationScheduler({0: 1, 1: 2, 2: 4}), counter],
+        **trainer_kwargs(),
+    )
+    with pytest.raises(PulseRefusal, match=r"GradientAccumulationScheduler changes it during the run"):
+        trainer.fit(OneCycleClassifier(), ShuffleFreeData(num_samples=1000, batch_size=64))
+    assert counter.steps == 0
+
+
+def test_a_run_bounded_by_max_steps_alone_is_refused_when_its_lr_schedule_read_the_unplanned_length():
+    """With max_epochs=-1 Lightning builds the scheduler before the data, so OneCycleLR was built for
+    max_steps=60 and the plan stopped the run at 30, the learning rate half-way through its course. With
+    max_epochs set too, the plan comes first and the schedule ends where the run does."""
+    counter = _StepCounter()
+    trainer = pl.Trainer(
+        max_epochs=-1, max_steps=60, callbacks=[HardSampleReplay(), counter], **trainer_kwargs()
+    )
+    with pytest.raises(
+        PulseRefusal, match=r"max_epochs=-1.*estimated_stepping_batches=60.*Set max_epochs too"
+    ):
+        trainer.fit(OneCycleClassifier(), ShuffleFreeData(num_samples=1000, batch_size=64))
+    assert counter.steps == 0
+
+    pl.seed_everything(0)
+    model = OneCycleClassifier()
+    trainer = pl.Trainer(max_epochs=4, max_steps=60, callbacks=[HardSampleReplay()], **trainer_kwargs())
+    trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64))
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert model.planned_total == trainer.global_step == schedule.last_epoch < 60

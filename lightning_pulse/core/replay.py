@@ -153,6 +153,19 @@ STEPS_MODE_LENGTH_REFUSAL = (
     "HardSampleReplay: mode='steps' plans the run's steps before the first one, which needs a finite max_epochs "
     "or max_steps; set one, or use mode='batch'."
 )
+STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL = (
+    "HardSampleReplay: mode='steps' plans the run's optimizer steps at fit start with `accumulate_grad_batches`="
+    "{accumulate}, and a GradientAccumulationScheduler changes it during the run, so max_steps and a schedule "
+    "built from estimated_stepping_batches would not be the steps the run takes; use a fixed "
+    "`accumulate_grad_batches`, or mode='batch'."
+)
+STEPS_MODE_STEP_BOUND_REFUSAL = (
+    "HardSampleReplay: in a run bounded by max_steps alone (max_epochs={max_epochs!r}), Lightning builds the "
+    "LR scheduler before the training data, so configure_optimizers read estimated_stepping_batches="
+    "{max_steps}, and mode='steps' plans {planned} steps: the schedule would stop at {share:.0%} of its course. "
+    "Set max_epochs too (max_epochs={epochs} holds max_steps' data): Lightning then loads the data, and the plan "
+    "is made, before the scheduler reads the run's length. Or use mode='batch'."
+)
 STEPS_MODE_LIMIT_REFUSAL = (
     "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which {setting} cuts short; drop it "
     "or use mode='batch'."
