@@ -136,6 +136,48 @@ def test_the_carried_state_check_tells_carried_state_from_caches_and_logged_outp
     assert check.done and check.found == {"0.state": ((2, 5, 6), (2, 5, 6))}
 
 
+class _StateHeldElsewhere(nn.Module):
+    """An LSTM whose carried state is a buffer assigned anew at every batch (``store="buffer"``) or a dict of
+    tensors (``store="dict"``), next to a BatchNorm whose running statistics (updated in place) happen to be
+    batch-shaped too."""
+
+    def __init__(self, store: str) -> None:
+        super().__init__()
+        self.lstm, self.norm, self.store = nn.LSTM(4, 5, batch_first=True), nn.BatchNorm1d(5), store
+        if store == "buffer":
+            self.register_buffer("h", torch.zeros(1, 5, 5), persistent=False)
+            self.register_buffer("c", torch.zeros(1, 5, 5), persistent=False)
+        else:
+            self.state = None
+
+    def forward(self, x):
+        state = (
+            (self.h, self.c) if self.store == "buffer" else self.state and (self.state["h"], self.state["c"])
+        )
+        out, (h, c) = self.lstm(x, state)
+        if self.store == "buffer":
+            self.h, self.c = h.detach(), c.detach()
+        else:
+            self.state = {"h": h.detach(), "c": c.detach()}
+        return self.norm(out[:, -1])
+
+
+@pytest.mark.parametrize("store", ["buffer", "dict"])
+def test_carried_state_kept_in_a_buffer_or_a_dict_is_found(store):
+    """Held there, a stateful LSTM's state was not found: batch mode crashed at its first cut batch with torch's
+    hidden-size error, and steps mode trained on reordered windows, each row's state another stream's."""
+    torch.manual_seed(0)
+    module, check = _StateHeldElsewhere(store), CarriedStateCheck()
+    module(torch.randn(5, 3, 4))
+    check.after_first_batch(module, batch_size=5)
+    check.watch()
+    module(torch.randn(5, 3, 4))
+    check.after_second_batch(module)
+    assert check.found == (
+        {"h": ((1, 5, 5),), "c": ((1, 5, 5),)} if store == "buffer" else {"state": ((1, 5, 5),) * 2}
+    )
+
+
 def test_state_reset_at_every_batch_is_not_carried_and_nothing_batch_shaped_ends_the_check_early():
     core, check = _LSTMCore(), CarriedStateCheck()
     core(torch.randn(3, 5, 4))

@@ -35,15 +35,26 @@ from torch.utils._pytree import tree_leaves
 _MAX_ITEMS = 16  # a longer list is a log of outputs, not a hidden state
 
 
+#: what every ``nn.Module`` keeps in its ``__dict__`` (its parameters, buffers, submodules, hooks): not state
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
 def _tensors_in(value: Any, depth: int = 0) -> tuple[Tensor, ...]:
-    """The tensors of ``value`` if it is a tensor or a (nested, short) tuple/list of tensors, else ``()``."""
+    """The tensors of ``value`` if it is a tensor or a (nested, short) tuple, list or dict of tensors, else
+    ``()``."""
     if isinstance(value, Tensor):
         return () if isinstance(value, nn.Parameter) else (value,)
-    if depth < 2 and isinstance(value, (tuple, list)) and 0 < len(value) <= _MAX_ITEMS:
-        parts = [_tensors_in(item, depth + 1) for item in value]
+    items = list(value.values()) if isinstance(value, dict) else value
+    if depth < 2 and isinstance(value, (tuple, list, dict)) and 0 < len(items) <= _MAX_ITEMS:
+        parts = [_tensors_in(item, depth + 1) for item in items]
         if all(parts):
             return tuple(tensor for part in parts for tensor in part)
     return ()
+
+
+def _plain_attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """The attributes ``module`` holds itself, not through ``nn.Module``'s parameters, buffers or submodules."""
+    return ((name, value) for name, value in vars(module).items() if name not in _MODULE_INTERNALS)
 
 
 def _skipped(module: nn.Module) -> bool:
@@ -51,14 +62,15 @@ def _skipped(module: nn.Module) -> bool:
 
 
 def batch_shaped_attributes(module: nn.Module, batch_size: int) -> dict[str, tuple[Tensor, ...]]:
-    """Plain tensors (or tuples/lists of tensors) held as attributes of ``module`` or its submodules, keyed
-    by their dotted path, of which a dimension is ``batch_size``. Parameters and buffers are not attributes
-    in this sense (``nn.Module`` keeps them apart); torchmetrics metrics are skipped."""
+    """Plain tensors (or tuples, lists or dicts of tensors) held as attributes of ``module`` or its submodules,
+    and their buffers, keyed by their dotted path, of which a dimension is ``batch_size``. A buffer updated in
+    place (BatchNorm's running statistics) is never *replaced*, so only one assigned anew at every batch (a
+    hidden state kept as a buffer) can be carried state; torchmetrics metrics are skipped."""
     found: dict[str, tuple[Tensor, ...]] = {}
     for prefix, submodule in module.named_modules():
         if _skipped(submodule):
             continue
-        for name, value in vars(submodule).items():
+        for name, value in [*_plain_attributes(submodule), *submodule.named_buffers(recurse=False)]:
             tensors = _tensors_in(value)
             if tensors and any(batch_size in tensor.shape for tensor in tensors):
                 found[f"{prefix}.{name}" if prefix else name] = tensors
@@ -68,9 +80,10 @@ def batch_shaped_attributes(module: nn.Module, batch_size: int) -> dict[str, tup
 def _attribute(module: nn.Module, path: str) -> Any:
     owner, _, name = path.rpartition(".")
     try:
-        return vars(module.get_submodule(owner) if owner else module).get(name)
+        holder = module.get_submodule(owner) if owner else module
     except AttributeError:
         return None
+    return holder._buffers[name] if name in holder._buffers else dict(_plain_attributes(holder)).get(name)
 
 
 class _ReadWatch(TorchFunctionMode):
@@ -191,12 +204,12 @@ def carried_state_refusal(found: dict[str, tuple[tuple[int, ...], ...]]) -> str 
 
 def carried_tensors(module: nn.Module) -> dict[str, Any]:
     """The tensors modules hold as plain attributes, neither parameters nor buffers, by dotted name: e.g. an
-    RNN's hidden state carried from one batch to the next (a tensor, or a short tuple or list of tensors).
+    RNN's hidden state carried from one batch to the next (a tensor, or a short tuple, list or dict of tensors).
     Attributes that are ``None`` are listed too (a hidden state before the first batch). They are part of the
     model's state a rollback must return: a NaN carried there would outlive the restore of the parameters."""
     found: dict[str, Any] = {}
     for prefix, submodule in module.named_modules():
-        for name, value in vars(submodule).items():
+        for name, value in _plain_attributes(submodule):
             if value is None or _tensors_in(value):
                 found[f"{prefix}.{name}" if prefix else name] = value
     return found
@@ -214,6 +227,8 @@ def restore_carried_tensors(module: nn.Module, saved: dict[str, Any]) -> None:
                 setattr(owner, name, None)
         elif isinstance(value, (tuple, list)):
             setattr(owner, name, type(value)(_to(v, device) for v in value))
+        elif isinstance(value, dict):
+            setattr(owner, name, {key: _to(v, device) for key, v in value.items()})
         else:
             setattr(owner, name, _to(value, device))
 
