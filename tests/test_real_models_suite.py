@@ -41,8 +41,14 @@ def test_the_shipped_suite_trains_each_client_or_refuses_it_before_the_first_ste
     pl.seed_everything(0, verbose=False)
     module, data = CLIENTS[name]()
     callbacks = _suite()
+    # max_epochs too: bounded by max_steps alone, a schedule built from estimated_stepping_batches is refused
+    # (tests/test_step_saving_replay.py::test_a_run_bounded_by_max_steps_alone_is_refused_when_its_lr_schedule_read_the_unplanned_length)
     trainer = pl.Trainer(
-        max_steps=150, limit_val_batches=2, callbacks=callbacks, **trainer_kwargs(default_root_dir=tmp_path)
+        max_epochs=100,
+        max_steps=150,
+        limit_val_batches=2,
+        callbacks=callbacks,
+        **trainer_kwargs(default_root_dir=tmp_path),
     )
     if name in REFUSED:
         with pytest.raises(PulseRefusal, match=f"^{REFUSED[name]}"):
@@ -52,6 +58,8 @@ def test_the_shipped_suite_trains_each_client_or_refuses_it_before_the_first_ste
     trainer.fit(module, data)
     # the shipped HardSampleReplay saves steps: the 150 plain steps' data in the planned, fewer steps
     assert trainer.global_step == trainer.max_steps < 150
+    for config in trainer.lr_scheduler_configs:  # a schedule planned for the run ends with it
+        assert getattr(config.scheduler, "total_steps", trainer.max_steps) == trainer.max_steps
     cycle = next(c for c in callbacks if isinstance(c, PulseCycle))
     assert cycle.clock.steps_by_phase["replay"] > 0
     guard = next(c for c in callbacks if isinstance(c, StabilityGuard))
