@@ -1,12 +1,14 @@
 """The one exception a lightning-pulse callback raises when it refuses a run at fit start, and the checks
-that several callbacks share: sharded strategies, Tuner searches, one training run per instance, and the
-argument checks (a callback's name first in its errors, nested configs given as mappings)."""
+that several callbacks share: sharded strategies, Tuner searches, one training run per instance, a plain
+check's ``ValueError`` as a refusal, and the argument checks (a callback's name first in its errors, nested
+configs given as mappings)."""
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -22,6 +24,16 @@ class PulseRefusal(MisconfigurationException):
     durations need a dataloader with a length; give the durations in steps or seconds instead."``. The
     ``lightning-pulse`` command prints it as one line (exit code 2) instead of a traceback.
     """
+
+
+@contextmanager
+def refusing(callback: str) -> Iterator[None]:
+    """Turn a ``ValueError`` raised inside the block by a plain-Python check (a clock, a schedule, a span given
+    as a share of a run of unknown length) into a :class:`PulseRefusal` starting with ``callback``'s name."""
+    try:
+        yield
+    except ValueError as error:
+        raise PulseRefusal(f"{callback}: {error}") from None
 
 
 def names_itself(init: Callable[..., None]) -> Callable[..., None]:

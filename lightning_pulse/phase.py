@@ -1,14 +1,16 @@
 """The pulse rhythm as plain Python: phases, durations and the :class:`PhaseClock`.
 
 Nothing here imports Lightning. :class:`~lightning_pulse.callbacks.pulse_cycle.PulseCycle` feeds the
-clock with optimizer steps and seconds; everything else asks the clock which phase it is.
+clock with optimizer steps and seconds (read by a :class:`StepTimer`); everything else asks the clock which
+phase it is.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
@@ -167,6 +169,19 @@ class PhaseChange:
     reason: str
     ended_steps: int = 0
     ended_seconds: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """What :class:`~lightning_pulse.PulseCycle` logs at this change: the steps and seconds of the phase
+        that ended, the new phase's :attr:`Phase.code` and the cycle. Empty at the start (no phase ended)."""
+        if self.previous is None:
+            return {}
+        ended = self.previous.value
+        return {
+            f"pulse/{ended}_steps": float(self.ended_steps),
+            f"pulse/{ended}_seconds": self.ended_seconds,
+            "pulse/phase": self.current.code,
+            "pulse/cycle": self.cycle,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -425,6 +440,14 @@ class PhaseClock:
         self.position = position
         return [self._enter(self.order[position], reason)]
 
+    def check_epoch_length(self, batches_per_epoch: float) -> None:
+        """Raise ``ValueError`` if a phase lasts epochs but an epoch has no length (an infinite dataloader)."""
+        if self.uses_epochs and not math.isfinite(batches_per_epoch):
+            raise ValueError(
+                "epoch-based phase durations need a dataloader with a length; give the durations in steps or "
+                "seconds instead."
+            )
+
     def check_run_length(self, total_steps: int | float | None) -> None:
         """Raise ``ValueError`` if warm-up or anneal (shares of the run) cannot be placed in a run of
         ``total_steps``."""
@@ -507,6 +530,51 @@ class PhaseClock:
                 "`anneal=0`."
             )
         return int(round((1.0 - self.anneal) * total_steps))
+
+
+class StepTimer:
+    """Reads what :meth:`PhaseClock.advance` takes from the run: the optimizer steps finished since the last
+    reading and the seconds they took.
+
+    Args:
+        time_source: seconds counter; ``time.monotonic`` when ``None``. Tests inject a fake one.
+
+    Raises:
+        ValueError: for a ``time_source`` that is not callable.
+    """
+
+    def __init__(self, time_source: Callable[[], float] | None = None) -> None:
+        if time_source is not None and not callable(time_source):
+            raise ValueError(
+                f"`time_source`={time_source!r} must be a callable returning seconds, or None for "
+                "time.monotonic."
+            )
+        self.time_source = time_source or time.monotonic
+        self._step = 0
+        self._tick: float | None = None
+
+    def start(self, step: int) -> None:
+        """Count from optimizer step ``step`` (the run's, which a resume does not start at 0) and now.
+
+        Raises:
+            ValueError: when the time source returns something other than a number of seconds.
+        """
+        self._step = step
+        self._tick = self.time_source()
+        if isinstance(self._tick, bool) or not isinstance(self._tick, (int, float)):
+            raise ValueError(f"`time_source` returned {self._tick!r}; it must return seconds as a number.")
+
+    def lap(self, step: int) -> tuple[int, float] | None:
+        """``(steps, seconds)`` from the last reading to optimizer step ``step``, which becomes the last reading;
+        ``None`` when no step finished since (inside an accumulation window, or a skipped step)."""
+        steps = step - self._step
+        if steps <= 0:
+            return None
+        self._step = step
+        now = self.time_source()
+        seconds = now - (self._tick if self._tick is not None else now)
+        self._tick = now
+        return steps, seconds
 
 
 #: what PulseCycle's ``maintain_eval`` accepts

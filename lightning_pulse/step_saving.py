@@ -71,15 +71,15 @@ class StepSavingLoader:
         loader: Any,
         tracker: SampleIndexTracker,
         selector: HardSampleSelector,
-        fraction: float,
         light_phases: Sequence[str],
         choose: Callable[[list[list[int]], list[int], list[int], float], list[Any]],
     ) -> StepPlan:
         """Plan the run, cap ``max_steps`` and put the planned batch sampler into ``loader``.
 
-        ``choose(windows, ordinals, steps, prior)`` cuts a pass's light-phase windows to the batches that train,
-        before they are loaded: ``ordinals`` are the batches' places in their epoch and ``steps`` the optimizer
-        steps they train at.
+        A light step's batch is cut from a window of ``batch_size / fraction`` samples, ``fraction`` being the
+        ``selector``'s replay fraction. ``choose(windows, ordinals, steps, prior)`` cuts a pass's light-phase
+        windows to the batches that train, before they are loaded: ``ordinals`` are the batches' places in their
+        epoch and ``steps`` the optimizer steps they train at.
 
         Raises:
             PulseRefusal: for a PulseCycle with wall-clock durations or a budget it cannot meet, and for a
@@ -87,6 +87,7 @@ class StepSavingLoader:
         """
         self._trainer = trainer
         self._selector = selector
+        fraction = selector.config.replay_fraction
         module = trainer.lightning_module
         if module is not None and not module.automatic_optimization and len(trainer.optimizers) > 1:
             raise PulseRefusal(STEPS_MODE_OPTIMIZERS_REFUSAL.format(count=len(trainer.optimizers)))
@@ -183,6 +184,8 @@ class StepSavingLoader:
         return window, cut
 
     def on_train_start(self, trainer: pl.Trainer) -> None:
+        if self._sampler is None:  # not installed: batch mode
+            return
         # Lightning set the first epoch's validation batch from the plain length after the first pass began
         compat.set_epoch_batches(trainer, self.epoch_batches)
         if self.stream.resumed_at_pass_end:  # what the finished epoch's end did in the run that saved it

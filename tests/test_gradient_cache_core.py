@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_pulse.core.activation_cache import check_cache_mb
+from lightning_pulse.core.activation_cache import LoaderActivationCache, check_cache_mb
 from lightning_pulse.core.backward_flops import BackwardFlopLedger
 from lightning_pulse.core.freeze_metrics import freeze_event, freeze_metrics
 from lightning_pulse.core.freeze_units import ForwardOrderTrace, check_unit_names, discover_units, order_note
 from lightning_pulse.core.layer_freezing import (
+    FreezerLifecycle,
     FreezeSettings,
     FreezeWindow,
     LayerFreezer,
@@ -24,6 +25,7 @@ from lightning_pulse.core.layer_freezing import (
     relative_parameter_change,
     restore_during_fit,
 )
+from lightning_pulse.errors import PulseRefusal
 
 
 def mlp() -> nn.Sequential:
@@ -426,6 +428,60 @@ def test_restore_during_fit_retraces_units_for_a_state_saved_before_the_first_ba
     assert restore_during_fit(None, pending, None, model, settings) == (None, pending)
 
 
+def test_a_fits_freezer_comes_from_its_first_backward_in_forward_order_and_lets_the_module_go_at_the_end():
+    model = mlp()
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=1.0)
+    lifecycle = FreezerLifecycle(settings)
+    lifecycle.start(None, model)  # a fresh run: the discovered units wait for a backward to order them
+    assert lifecycle.freezer is None and lifecycle.frozen_prefix == 0 and len(lifecycle.units) == 3
+    loss = model(torch.randn(2, 40)).pow(2).mean()
+    lifecycle.begin_backward(loss)
+    assert lifecycle.ordering
+    loss.backward()
+    assert lifecycle.end_backward() and not lifecycle.end_backward() and not lifecycle.ordering  # built once
+    assert lifecycle.trace is None and [unit.name for unit in lifecycle.units] == ["0", "2", "4"]
+    drive(lifecycle.freezer, slowing, 10)
+    assert lifecycle.frozen_prefix == 2 and not model[0].weight.requires_grad
+    state = lifecycle.freezer.state_dict()
+    lifecycle.end()
+    assert all(p.requires_grad for p in model.parameters())
+    resumed = FreezerLifecycle(settings)
+    resumed.start(state, model)  # a checkpoint: its freezer, with the frozen set applied at once
+    assert resumed.trace is None and resumed.frozen_prefix == 2 and not model[0].weight.requires_grad
+    resumed.restore(None, model)  # a rollback to a state from before the first backward: ordered again
+    assert resumed.freezer is None and [unit.name for unit in resumed.units] == ["0", "2", "4"]
+    assert all(p.requires_grad for p in model.parameters())
+
+
+class _ReadTwice(nn.Module):
+    """An embedding that is also the output projection, read with ``F.linear``: tied without a second name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.hidden = nn.Linear(8, 8)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.relu(self.hidden(self.embed(tokens))), self.embed.weight)
+
+
+@pytest.mark.parametrize("restored", [False, True])
+def test_the_first_backward_pins_a_unit_whose_weight_the_forward_reads_by_two_kinds_of_op(restored):
+    model, settings = _ReadTwice(), FreezeSettings()
+    state = (
+        LayerFreezer(traced_units(model, torch.tensor([[1, 2]])), settings).state_dict() if restored else None
+    )
+    lifecycle = FreezerLifecycle(settings)
+    lifecycle.start(state, model)
+    assert not any(unit.pinned for unit in lifecycle.units)
+    loss = model(torch.tensor([[1, 2, 3]])).pow(2).mean()
+    lifecycle.begin_backward(loss)
+    loss.backward()
+    assert lifecycle.end_backward() is not restored and lifecycle.freezer is not None
+    assert [unit.name for unit in lifecycle.units if unit.pinned] == ["embed"]
+    assert lifecycle.freezer.pinned_first is not None
+
+
 def test_step_metrics_carry_the_prefix_and_leave_out_what_has_no_value():
     model = mlp()
     settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=1.0)
@@ -557,6 +613,12 @@ def test_unit_names_and_cache_budget_are_checked_naming_the_field():
         with pytest.raises(ValueError, match="`units`="):
             check_unit_names(bad)
     assert check_cache_mb(0) == 0.0 and isinstance(check_cache_mb(2), float)
+    LoaderActivationCache.refuse_reloading(0.0, 1)  # no cache: reloading is fine
+    LoaderActivationCache.refuse_reloading(8.0, 0)
+    with pytest.raises(
+        PulseRefusal, match=r"^GradientCache: `activation_cache_mb` needs one training DataLoader"
+    ):
+        LoaderActivationCache.refuse_reloading(8.0, 2)
     for bad in (-1, math.inf, True, "8"):
         with pytest.raises(ValueError, match="`activation_cache_mb`="):
             check_cache_mb(bad)

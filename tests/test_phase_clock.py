@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from lightning_pulse import Duration, Phase, PhaseClock, parse_duration
+from lightning_pulse.phase import StepTimer
 
 
 def run_steps(clock: PhaseClock, n: int, **kwargs) -> list[str]:
@@ -168,3 +171,43 @@ def test_ended_segment_length_is_reported():
     change = clock.history[-1]
     assert (change.previous, change.current) == (Phase.REPLAY, Phase.BURST)
     assert change.ended_steps == 2 and change.ended_seconds == pytest.approx(4.0)
+
+
+def test_a_phase_change_logs_the_phase_that_ended_and_nothing_at_the_start():
+    clock = PhaseClock({"burst": 3, "replay": 2})
+    run_steps(clock, 3, seconds=2.0)
+    start, burst_ended = clock.history
+    assert start.metrics() == {}
+    assert burst_ended.metrics() == {
+        "pulse/burst_steps": 3.0,
+        "pulse/burst_seconds": pytest.approx(6.0),
+        "pulse/phase": Phase.REPLAY.code,
+        "pulse/cycle": 0,
+    }
+
+
+def test_epoch_durations_need_an_epoch_of_known_length():
+    PhaseClock({"burst": 10, "replay": "30s"}).check_epoch_length(math.inf)  # no phase counts epochs
+    clock = PhaseClock({"burst": 0.5, "replay": 10})
+    clock.check_epoch_length(8)
+    with pytest.raises(ValueError, match="^epoch-based phase durations need a dataloader with a length"):
+        clock.check_epoch_length(math.inf)
+
+
+def test_step_timer_reads_the_steps_and_seconds_since_its_last_reading():
+    readings = iter([10.0, 12.5, 20.0])
+    timer = StepTimer(lambda: next(readings))
+    timer.start(4)  # a resumed run starts past step 0
+    assert timer.lap(4) is None  # no optimizer step finished (an accumulation window): the time is not read
+    assert timer.lap(6) == (2, 2.5)
+    assert timer.lap(7) == (1, 7.5)
+
+
+def test_step_timer_refuses_a_time_source_that_is_not_callable_or_returns_no_number():
+    with pytest.raises(ValueError, match=r"^`time_source`=5 must be a callable returning seconds"):
+        StepTimer(5)  # type: ignore[arg-type]
+    for reading in ("x", True, None):
+        with pytest.raises(
+            ValueError, match=r"^`time_source` returned .*; it must return seconds as a number"
+        ):
+            StepTimer(lambda reading=reading: reading).start(0)

@@ -17,7 +17,17 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from lightning_pulse.core.replay import SELECTED, UNSEEN, HardSampleSelector, ReplayConfig, gather_rows
+from lightning_pulse.core.replay import (
+    MODEL_PARALLEL_REFUSAL,
+    SELECTED,
+    UNSEEN,
+    HardSampleSelector,
+    ReplayConfig,
+    gather_rows,
+    parse_half_life,
+    setup_refusal,
+    validate_replay_args,
+)
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import BYTES_PER_SAMPLE, SampleScoreTable
 from lightning_pulse.core.selection import (
@@ -358,6 +368,56 @@ def test_selector_state_round_trips_unapplied_steps_and_totals():
     restored.apply(), selector.apply()
     assert restored.table.scores.tobytes() == selector.table.scores.tobytes()
     assert restored.metrics() == pytest.approx(selector.metrics(), nan_ok=True)
+
+
+def test_the_selector_for_new_data_keeps_a_table_of_its_size_and_takes_a_state_restored_before_it():
+    selector = _selector("topk", size=8)
+    selector.record(torch.arange(4), torch.rand(4), np.full(4, SELECTED), 0, active=True, offered=4)
+    kept = HardSampleSelector.for_data(selector, 8, SampleScoreTable, selector.config)
+    assert kept is selector and kept.state_dict()["unapplied"] is None  # measured on the data before: dropped
+    scored = _selector("topk", size=6)
+    scored.table.update(torch.arange(3), torch.tensor([1.0, 2.0, 3.0]), step=0)
+    resized = HardSampleSelector.for_data(selector, 6, SampleScoreTable, selector.config, scored.state_dict())
+    assert resized is not selector and resized.table.num_samples == 6 and resized.table.seen == 3
+    with pytest.raises(ValueError, match="different dataset"):
+        HardSampleSelector.for_data(None, 5, SampleScoreTable, selector.config, scored.state_dict())
+
+
+def test_the_half_life_in_epochs_follows_the_epoch_length_and_needs_one():
+    selector = _selector(size=4)
+    selector.set_half_life(parse_half_life(2.0), steps_per_epoch=30)
+    assert selector.table.half_life == 60
+    selector.set_half_life(parse_half_life("500steps"), steps_per_epoch=None)
+    assert selector.table.half_life == 500
+    with pytest.raises(ValueError, match="has no length"):
+        selector.set_half_life(parse_half_life(2.0), steps_per_epoch=None)
+
+
+def test_a_logger_gets_the_window_figures_that_have_a_value_and_the_run_end_says_if_nothing_was_selected():
+    selector = _selector(size=8)
+    indices = torch.arange(4)
+    chosen = selector.compose(indices, step=0, batch_idx=0)  # nothing scored yet: every sample is unseen
+    selector.record(chosen.indices, torch.rand(4), chosen.roles, 0, active=True, offered=4)
+    assert selector.window_steps == 0  # kept, not applied yet
+    assert selector.end_run().startswith("nothing was selected in this run. 1 steps")
+    assert selector.window_steps == 1
+    metrics = selector.window_metrics()
+    assert metrics["hard_sample_replay/table_seen"] == 4 and metrics["hard_sample_replay/loss_fresh"] > 0
+    assert "hard_sample_replay/loss_replayed" not in metrics  # NaN: nothing replayed yet
+    assert "hard_sample_replay/threshold" not in metrics
+    assert selector.window_steps == 0  # a new window
+    assert "hard_sample_replay/replay_fraction" not in selector.window_metrics()  # an empty one: no figure
+
+
+def test_setup_refusals_name_the_first_reason_and_the_mode_follows_the_rule():
+    assert setup_refusal(False, None, None) is None
+    assert setup_refusal(True, "LearningRateFinder", "net") == MODEL_PARALLEL_REFUSAL
+    assert "the attached LearningRateFinder" in setup_refusal(False, "LearningRateFinder", "net")
+    assert setup_refusal(False, None, "encoder").startswith("cannot capture the loss of encoder")
+    assert validate_replay_args("replay", None, "topk", None, None) == (("replay",), "steps")
+    assert validate_replay_args(["replay"], None, "infobatch", None, None) == (("replay",), "batch")
+    with pytest.raises(ValueError, match="needs batches of a count known in advance"):
+        validate_replay_args(["replay"], "steps", "infobatch", None, None)
 
 
 @pytest.mark.parametrize(

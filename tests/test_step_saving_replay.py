@@ -13,7 +13,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import HardSampleReplay, PulseCycle
-from lightning_pulse.core.step_plan import plan_steps, plan_summary, replay_steps_for_budget, window_size
+from lightning_pulse.core.step_plan import (
+    epoch_steps,
+    plan_steps,
+    plan_summary,
+    replay_steps_for_budget,
+    window_size,
+)
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PhaseClock
 from tests.conftest import trainer_kwargs
@@ -262,6 +268,11 @@ def test_plan_without_a_cycle_selects_every_step_and_keeps_each_epoch_one_pass()
     assert window_size(10, 0.25) == 40
     assert plan.batch_sizes == [[40, 40, 20]] * 3
     assert plan.total_steps == 9 and plan.plain_steps == 30 and plan.light_steps == 9
+
+
+def test_an_epochs_optimizer_steps_count_its_short_last_window_and_an_endless_epoch_has_none():
+    assert [epoch_steps(batches, 3) for batches in (9, 10, 0)] == [3, 4, 0]
+    assert epoch_steps(math.inf, 3) is None
 
 
 def test_a_resumed_plan_says_its_light_steps_are_those_from_the_resume_on():

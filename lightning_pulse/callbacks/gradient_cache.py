@@ -22,24 +22,20 @@ from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixA
 from lightning_pulse.core.backward_flops import BackwardFlopLedger, check_measure_flops
 from lightning_pulse.core.freeze_metrics import METRIC_PREFIX as METRIC_PREFIX
 from lightning_pulse.core.freeze_metrics import freeze_event, freeze_metrics
-from lightning_pulse.core.freeze_units import ForwardOrderTrace, check_unit_names, discover_units, pinned_note
+from lightning_pulse.core.freeze_units import check_unit_names, pinned_note
 from lightning_pulse.core.layer_freezing import (
+    FreezerLifecycle,
     FreezeSettings,
     FreezeWindow,
     LayerFreezer,
     announce_units,
-    check_first_graph,
     check_wrapped_model,
-    follow_replaced_parameters,
     in_span,
-    pin_read_twice,
     refuse_compiled_module,
     refuse_manual_optimization,
     refuse_optimizers_that_move_gradless_parameters,
-    restore_during_fit,
-    restore_freezer,
 )
-from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refuse_sharded_strategy
+from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_sharded_strategy, refusing
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 
@@ -82,12 +78,13 @@ class GradientCache(Callback):
 
     Raises:
         ValueError: at construction, naming the field, for a value out of range. At train start, for a
-            ``units`` name the model does not have, or a share of a run of unknown length.
+            ``units`` name the model does not have.
         PulseRefusal: at setup, for manual optimization, a module run under ``torch.compile``,
-            FSDP/DeepSpeed/model parallel, DDP without
-            ``find_unused_parameters=True`` or with ``static_graph=True``, or another multi-process strategy; at
-            fit start, for ``torch.optim.LBFGS`` (it moves parameters that have no gradient), ``phases``
-            without ``"replay"`` and no PulseCycle (they would never come), and for a second
+            FSDP/DeepSpeed/model parallel, DDP without ``find_unused_parameters=True`` or with
+            ``static_graph=True``, another multi-process strategy, or ``activation_cache_mb`` with
+            ``reload_dataloaders_every_n_epochs``; at fit start, for ``torch.optim.LBFGS`` (it moves
+            parameters that have no gradient), ``phases`` without ``"replay"`` and no PulseCycle (they would
+            never come), a share (``start_at``, ``release_at``) of a run of unknown length, and for a second
             run of this instance (another ``trainer.fit``) unless a checkpoint was restored into it.
 
     Example::
@@ -124,16 +121,20 @@ class GradientCache(Callback):
         self.measure_flops = check_measure_flops(measure_flops)
         self.phases = tuple(Phase(name) for name in self.window.phases)
 
-        self.freezer: LayerFreezer | None = None
+        self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)  # the freezer and its units
         self.ledger = BackwardFlopLedger()
         self.events: list[dict[str, Any]] = []  # every change of the frozen prefix: step, from, to, reason
         self._replay: LoaderActivationCache | None = None
         self._pending_state: dict[str, Any] | None = None
         # set from on_train_start to the end of training: a load_state_dict then applies at once (a rollback)
         self._fit_refs: tuple[pl.Trainer, pl.LightningModule] | None = None
-        self._trace: ForwardOrderTrace | None = None  # discovered units, until a backward orders them
         self._phase_enabled = True
         self._span: tuple[int | None, int | None] = (None, None)
+
+    @property
+    def freezer(self) -> LayerFreezer | None:
+        """The fit's freezer (``None`` until the first backward orders the units or a checkpoint restores it)."""
+        return self._lifecycle.freezer
 
     @property
     def frozen_units(self) -> list[str]:
@@ -157,16 +158,13 @@ class GradientCache(Callback):
             "GradientCache",
             "a rank holds flattened shards, so per-module `requires_grad` is not per layer",
         )
-        if self.activation_cache_mb and trainer.reload_dataloaders_every_n_epochs:
-            # the cache keys its entries by sample through the first loader; a reloaded one is not tracked
-            raise PulseRefusal(
-                "GradientCache: `activation_cache_mb` needs one training DataLoader for the whole fit, and "
-                f"`reload_dataloaders_every_n_epochs`={trainer.reload_dataloaders_every_n_epochs} builds a new one; "
-                "set activation_cache_mb=0 (freezing still skips the frozen layers' backward), or stop reloading."
-            )
+        LoaderActivationCache.refuse_reloading(
+            self.activation_cache_mb, trainer.reload_dataloaders_every_n_epochs
+        )
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
-        self.freezer, self.ledger, self.events = None, BackwardFlopLedger(), []
-        self._pending_state, self._fit_refs, self._trace = None, None, None
+        self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)
+        self.ledger, self.events = BackwardFlopLedger(), []
+        self._pending_state, self._fit_refs = None, None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -177,30 +175,21 @@ class GradientCache(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         refuse_unreachable_phases("GradientCache", self.phases, trainer)
-        self._graph_checked = False
-        self._read_twice: dict[int, list[str]] = {}  # parameters the forward reads by ops of different kinds
-        try:
+        with refusing("GradientCache"):  # a share of a run of unknown length (max_time only)
             self._span = self.window.steps(float(trainer.estimated_stepping_batches))
-        except ValueError as error:  # a share of a run of unknown length (max_time only): said as a refusal
-            raise PulseRefusal(f"GradientCache: {error}") from None
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
         self._replay = LoaderActivationCache.for_fit(
             trainer.train_dataloader, self.activation_cache_mb, pl_module, rank_zero_warn
         )
         self._fit_refs = (trainer, pl_module)
-        if self._pending_state is not None:
-            state, self._pending_state = self._pending_state, None
-            # applied here, after the strategy wrapped the model: DDP must see every parameter trainable
-            self.freezer = restore_freezer(None, state["cache"], pl_module, self.settings)
+        state, self._pending_state = self._pending_state, None
+        # a checkpoint applies here, after the strategy wrapped the model: DDP must see every parameter trainable
+        self._lifecycle.start(None if state is None else state["cache"], pl_module)
+        if state is not None:
             self._replan()
             self.ledger.load_state_dict(state["ledger"])
             self.events = list(state["events"])
-        if self.freezer is not None:
-            units = self.freezer.units
-        else:  # a fresh run (or a checkpoint from before the first backward): ordered at the first backward
-            self._trace = ForwardOrderTrace(discover_units(pl_module, self.unit_names))
-            units = self._trace.units
-        if (note := pinned_note(units)) is not None:
+        if (note := pinned_note(self._lifecycle.units)) is not None:
             rank_zero_info(f"GradientCache: {note}.")
 
     def _replan(self, again: bool = False) -> None:
@@ -218,9 +207,7 @@ class GradientCache(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._replay is not None:
-            self._replay.begin_batch(
-                batch_idx, frozen=self.freezer is not None and self.freezer.frozen_prefix > 0
-            )
+            self._replay.begin_batch(batch_idx, frozen=self._lifecycle.frozen_prefix > 0)
 
     @override
     def on_train_batch_end(
@@ -233,24 +220,16 @@ class GradientCache(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
         self._end_activation_batch()  # the forward is over: replayed modules get their own forward back
-        if not self._graph_checked:  # the first backward of this fit, before anything is frozen
-            self._graph_checked = True
-            self._read_twice = check_first_graph(loss)
-            if self.freezer is not None:  # restored from a checkpoint: its units are pinned the same way
-                pin_read_twice(self.freezer.units, self._read_twice)
-        if self._trace is not None and not self._trace.running:
-            self._trace.begin()
+        self._lifecycle.begin_backward(loss)  # the fit's first checks the graph; one orders waiting units
         if self.measure_flops:
-            self.ledger.begin_backward(self.freezer.frozen_prefix if self.freezer is not None else 0)
+            self.ledger.begin_backward(self._lifecycle.frozen_prefix)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.measure_flops:
             self.ledger.end_backward()
-        if self._trace is not None and self._trace.running:
-            units, self._trace = self._trace.finish(_from_rank_zero(trainer)), None
-            pin_read_twice(units, self._read_twice)
-            self.freezer = LayerFreezer(units, self.settings)
+        if self._lifecycle.ordering:  # this backward ordered the waiting units: they get their freezer
+            self._lifecycle.end_backward(_from_rank_zero(trainer))
             announce_units(self.freezer, rank_zero_info, rank_zero_warn)
 
     # ------------------------------------------------------------------ the step
@@ -266,11 +245,8 @@ class GradientCache(Callback):
         if report.changed:
             self._record(trainer.global_step + 1, before, "check" if report.window_closed else "release")
         # the metrics dict is built only for steps that reach a logger (on rank 0)
-        if (
-            trainer.is_global_zero
-            and trainer.loggers
-            and (report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0)
-        ):
+        due = report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
+        if due and trainer.is_global_zero and trainer.loggers:
             metrics = freeze_metrics(report, self.freezer, self.ledger, self.activations, self.measure_flops)
             log_to_loggers(trainer, metrics)
         self.ledger.new_step()
@@ -292,7 +268,7 @@ class GradientCache(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
     ) -> None:
         """Follow parameters that structured pruning replaced: units, window snapshots, FLOP measurements."""
-        follow_replaced_parameters(remap, self.freezer, self._trace)
+        self._lifecycle.follow(remap)
         self.ledger.remeasure()
         self._replan(again=True)
 
@@ -316,15 +292,12 @@ class GradientCache(Callback):
     def _end_fit(self) -> None:
         self._fit_refs = None
         self._close_contexts()
-        if self.freezer is not None:
-            # the user's module leaves fit exactly as it came in: every parameter trainable
-            self.freezer.restore_requires_grad()
+        self._lifecycle.end()  # the user's module leaves fit exactly as it came in: every parameter trainable
 
     def _close_contexts(self) -> None:
         if self.activations is not None:
             self.activations.end_batch()
-        if self._trace is not None:
-            self._trace.close()
+        self._lifecycle.close()
         self.ledger.close()
 
     # ------------------------------------------------------------------ state
@@ -351,14 +324,12 @@ class GradientCache(Callback):
             return
         trainer, pl_module = self._fit_refs
         self._close_contexts()
-        before = self.freezer.frozen_prefix if self.freezer is not None else 0
-        self.freezer, self._trace = restore_during_fit(
-            self.freezer, self._trace, state_dict["cache"], pl_module, self.settings
-        )
+        before = self._lifecycle.frozen_prefix
+        self._lifecycle.restore(state_dict["cache"], pl_module)
         # the records were made with parameters the rollback may have changed: record again
         self._replan(again=True)
         self.ledger.new_step()
-        after = self.freezer.frozen_prefix if self.freezer is not None else 0
+        after = self._lifecycle.frozen_prefix
         if after != before:
             self.events.append(freeze_event(trainer.global_step, before, after, "restore"))
 

@@ -20,14 +20,11 @@ from lightning_pulse.callbacks.pulse_cycle import phase_of, refuse_unreachable_p
 from lightning_pulse.core.carried_state import CarriedStateCheck
 from lightning_pulse.core.per_sample_loss import PerSampleScorer
 from lightning_pulse.core.replay import (
-    FULLGRAPH_REFUSAL,
-    MODEL_PARALLEL_REFUSAL,
     ROLE_NAMES,
-    TUNER_REFUSAL,
     HardSampleSelector,
     ReplayConfig,
-    half_life_steps,
     parse_half_life,
+    setup_refusal,
     several_loaders_refusal,
     shorter_than_an_epoch,
     untrackable_refusal,
@@ -36,6 +33,7 @@ from lightning_pulse.core.replay import (
 from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, refuse
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
+from lightning_pulse.core.step_plan import epoch_steps
 from lightning_pulse.errors import OneRunPerInstance, names_itself, tuner_search
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase
@@ -79,20 +77,18 @@ class HardSampleReplay(Callback):
 
     Raises:
         ValueError: at construction, naming the argument, for a value outside the ranges above or
-            ``rule="infobatch"`` with ``mode="steps"``; at fit start, for an epoch-based
-            half-life with an infinite DataLoader.
+            ``rule="infobatch"`` with ``mode="steps"``; at fit start, for an epoch-based half-life with an
+            infinite DataLoader.
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
             ``IterableDataset``, a custom batch sampler), several training DataLoaders, ``ModelParallelStrategy``,
             a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), a submodule compiled with
             ``fullgraph=True``, ``phases`` without ``"replay"`` and no PulseCycle (they would never come), a
-            second run of this instance unless a
-            checkpoint was restored into it, or in ``mode="steps"`` a run of unknown length,
-            ``limit_train_batches``, ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, a PulseCycle in
-            seconds or manual optimization stepping several optimizers per batch; after the fit's first two batches (trained in full, before any replay step), for a module
-            carrying state from one batch to the next (a stateful RNN) or a token loss
-            flattened time-major.
-        PulseRefusal: at the first step, before any update, when its loss yields no per-sample value and no
-            ``scorer`` is set.
+            second run of this instance unless a checkpoint was restored into it, or in ``mode="steps"`` a run of
+            unknown length, ``limit_train_batches``, ``overfit_batches``, ``reload_dataloaders_every_n_epochs``,
+            a PulseCycle in seconds or manual optimization stepping several optimizers per batch; after the fit's
+            first two batches (trained in full, before any replay step), for a module carrying state from one
+            batch to the next (a stateful RNN) or a token loss flattened time-major; at the first step, before
+            any update, when its loss yields no per-sample value and no ``scorer`` is set.
 
     Example::
 
@@ -122,9 +118,7 @@ class HardSampleReplay(Callback):
         self._one_run = OneRunPerInstance("HardSampleReplay")
         self.config = ReplayConfig(rule, replay_fraction, prune_ratio, seed)
         self.half_life = parse_half_life(score_half_life)
-        mode = mode if mode is not None else "batch" if rule == "infobatch" else "steps"
-        self.phases = validate_replay_args(phases, mode, rule, scorer, log_every_n_steps)
-        self.mode = mode
+        self.phases, self.mode = validate_replay_args(phases, mode, rule, scorer, log_every_n_steps)
         self.steps = StepSavingLoader()  # mode="steps": the plan and where the run stands in its data
         self.scorer = scorer
         self.log_every_n_steps = log_every_n_steps
@@ -136,7 +130,7 @@ class HardSampleReplay(Callback):
         self._held = compat.CollectiveHold()  # gathered rows, until gloo's worker lets go of them
         self._saved_state: dict[str, Any] | None = None
         self._ready = False  # this fit's selector exists: load_state_dict applies at once
-        self.batches = ReplayBatchLifecycle(mode, scorer)  # each batch: plan, cut, capture, record
+        self.batches = ReplayBatchLifecycle(self.mode, scorer)  # each batch: plan, cut, capture, record
 
     # ------------------------------------------------------------------ public state
     @property
@@ -185,12 +179,9 @@ class HardSampleReplay(Callback):
             return
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        if isinstance(trainer.strategy, ModelParallelStrategy):  # FSDP and DeepSpeed cut no batch: they work
-            refuse(MODEL_PARALLEL_REFUSAL)
-        if (search := tuner_search(trainer)) is not None:
-            refuse(TUNER_REFUSAL.format(search=search))
-        if (part := compat.fullgraph_compiled_part(pl_module)) is not None:
-            refuse(FULLGRAPH_REFUSAL.format(part=part))
+        model_parallel = isinstance(trainer.strategy, ModelParallelStrategy)
+        fullgraph_part = compat.fullgraph_compiled_part(pl_module)
+        refuse(setup_refusal(model_parallel, tuner_search(trainer), fullgraph_part))
         self._trainer, self._ready, self._run_checked = trainer, False, False
         if self.mode == "steps":
             self.steps = StepSavingLoader()
@@ -208,25 +199,16 @@ class HardSampleReplay(Callback):
         if (reason := SampleIndexTracker.unsupported_reason(loader)) is not None:
             refuse(untrackable_refusal(reason))
         self._loader, self.tracker = loader, SampleIndexTracker.install(loader)
-        size = self.tracker.dataset_size
-        if self.selector is None or self.selector.table.num_samples != size:
-            self.selector = HardSampleSelector(self._new_table(size), self.config)
-        self.selector.drop_pending()
-        self._set_half_life(len(loader) if hasattr(loader, "__len__") else math.inf)
-        if self._saved_state is not None:
-            state, self._saved_state = self._saved_state, None
-            self.selector.load_state_dict(state)
+        restored, self._saved_state = self._saved_state, None
+        self.selector = HardSampleSelector.for_data(
+            self.selector, self.tracker.dataset_size, self._new_table, self.config, restored
+        )
+        batches = len(loader) if hasattr(loader, "__len__") else math.inf
+        steps_per_epoch = epoch_steps(batches, self._trainer.accumulate_grad_batches)
+        self.selector.set_half_life(self.half_life, steps_per_epoch)
         self._ready = True
         if self.mode == "steps" and self.steps.plan is None:  # planned once per fit
-            self.steps.install(
-                self._trainer,
-                loader,
-                self.tracker,
-                self.selector,
-                self.config.replay_fraction,
-                self.phases,
-                self._choose,
-            )
+            self.steps.install(self._trainer, loader, self.tracker, self.selector, self.phases, self._choose)
 
     def _choose(
         self, windows: list[list[int]], ordinals: list[int], steps: list[int], prior: float
@@ -237,27 +219,19 @@ class HardSampleReplay(Callback):
             windows, self.tracker.batch_size, steps, ordinals, prior, self._trainer.global_rank
         )
 
-    def _set_half_life(self, batches: float) -> float | None:
-        assert self.selector is not None and self._trainer is not None
-        steps = math.ceil(batches / self._trainer.accumulate_grad_batches) if math.isfinite(batches) else None
-        self.selector.table.half_life = half_life_steps(self.half_life, steps)
-        return steps
-
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refuse(several_loaders_refusal(SampleIndexTracker.several_loaders_reason(trainer.train_dataloader)))
         refuse_unreachable_phases("HardSampleReplay", self.phases, trainer)
         assert self.selector is not None
-        steps_per_epoch = self._set_half_life(trainer.num_training_batches)
-        if (
-            note := shorter_than_an_epoch(trainer.estimated_stepping_batches, steps_per_epoch, self.mode)
-        ) is not None:
+        steps_per_epoch = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
+        self.selector.set_half_life(self.half_life, steps_per_epoch)
+        note = shorter_than_an_epoch(trainer.estimated_stepping_batches, steps_per_epoch, self.mode)
+        if note is not None:
             rank_zero_warn(f"HardSampleReplay: {note}")
-        self.selector.set_cadence(
-            steps_per_epoch, self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
-        )
-        if self.mode == "steps":
-            self.steps.on_train_start(trainer)
+        log_every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
+        self.selector.set_cadence(steps_per_epoch, log_every)
+        self.steps.on_train_start(trainer)  # steps mode only: Lightning learns the planned pass's length
         self.batches.start_fit()  # the carried-state check runs over this fit's first two batches
         rank_zero_info(
             f"HardSampleReplay: mode={self.mode}, rule={self.config.rule}, "
@@ -310,22 +284,15 @@ class HardSampleReplay(Callback):
         every, selector = self.log_every_n_steps or max(trainer.log_every_n_steps, 1), self.selector
         if selector is None or selector.window_steps < every:  # before the trainer's (costlier) properties
             return
-        if not trainer.is_global_zero or not trainer.loggers:
-            return
-        window = selector.take_window()
-        log_to_loggers(
-            trainer, {f"hard_sample_replay/{k}": v for k, v in window.items() if not math.isnan(v)}
-        )
+        if trainer.is_global_zero and trainer.loggers:
+            log_to_loggers(trainer, selector.window_metrics())
 
     # ------------------------------------------------------------------ lifecycle
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()
         self.batches.release()
-        if self.selector is None:
-            return
-        self.selector.apply()
-        if (note := self.selector.nothing_selected()) is not None:
+        if self.selector is not None and (note := self.selector.end_run()) is not None:
             rank_zero_warn(f"HardSampleReplay: {note}")
 
     @override

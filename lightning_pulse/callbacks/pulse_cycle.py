@@ -7,7 +7,6 @@ notion of time: they call :func:`phase_of` and may implement ``on_pulse_phase_ch
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,10 +17,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.core.step_plan import StepPlan, replay_duration_for_budget, spent_summary
-from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself
+from lightning_pulse.core.step_plan import StepPlan, epoch_steps, replay_duration_for_budget, spent_summary
+from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refusing
 from lightning_pulse.loggers import log_to_loggers
-from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock, check_cycle_options
+from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock, StepTimer, check_cycle_options
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
 from lightning_pulse.protocols import PhaseListener, listeners
 
@@ -170,15 +169,8 @@ class PulseCycle(Callback):
         self.maintain_eval = maintain_eval
         self.probe_batches = probe_batches
         self._held = compat.CollectiveHold()
-        if time_source is not None and not callable(time_source):
-            raise ValueError(
-                f"`time_source`={time_source!r} must be a callable returning seconds, or None for "
-                "time.monotonic."
-            )
-        self.time_source = time_source or time.monotonic
+        self.timer = StepTimer(time_source)  # the optimizer steps and seconds the clock advances by
         self._listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
-        self._last_global_step = 0
-        self._last_tick: float | None = None
         # refreshed every epoch: both can change when a callback changes the epoch's length
         self._total_steps = math.inf
         self._epoch_steps: float | None = None
@@ -199,6 +191,11 @@ class PulseCycle(Callback):
     def history(self) -> list[PhaseChange]:
         """Every phase change so far, resumed runs included."""
         return list(self.clock.history)
+
+    @property
+    def time_source(self) -> Callable[[], float]:
+        """The seconds counter of wall-clock phases."""
+        return self.timer.time_source
 
     @property
     def held(self) -> bool:
@@ -222,22 +219,16 @@ class PulseCycle(Callback):
         """Set the replay phase's length (steps) so that the run spends :attr:`budget` of the plain run's steps,
         given that light-phase steps stand for ``1 / fraction`` batches of data. Called by a step-saving
         :class:`~lightning_pulse.HardSampleReplay` at fit start, before it plans the run."""
-        if self.budget is None:
-            return
-        try:
-            replay = replay_duration_for_budget(
-                self.clock, self.budget, fraction, light_phases, plain_epoch_steps
-            )
-        except ValueError as error:
-            raise PulseRefusal(f"PulseCycle: {error}") from None
-        self.clock.durations[Phase.REPLAY] = replay
+        if self.budget is not None:
+            with refusing("PulseCycle"):
+                self.clock.durations[Phase.REPLAY] = replay_duration_for_budget(
+                    self.clock, self.budget, fraction, light_phases, plain_epoch_steps
+                )
 
     def check_run_length(self, total_steps: float) -> None:
         """Refuse a run whose length warm-up or anneal (shares of it) cannot be planned on."""
-        try:
+        with refusing("PulseCycle"):
             self.clock.check_run_length(total_steps)
-        except ValueError as error:
-            raise PulseRefusal(f"PulseCycle: {error}") from None
 
     def adopt_plan(self, plan: StepPlan) -> None:
         """Take the run's step plan (from a step-saving HardSampleReplay): epoch-based durations count plain
@@ -258,23 +249,12 @@ class PulseCycle(Callback):
                 "HardSampleReplay in mode='steps' (its default) next to this PulseCycle; add one or drop `budget`."
             )
         self._refresh_run_length(trainer)
-        if self.clock.uses_epochs and not math.isfinite(trainer.num_training_batches):
-            raise PulseRefusal(
-                "PulseCycle: epoch-based phase durations need a dataloader with a length; "
-                "give the durations in steps or seconds instead."
-            )
-        self._last_global_step = trainer.global_step
-        self._last_tick = self.time_source()
-        if isinstance(self._last_tick, bool) or not isinstance(self._last_tick, (int, float)):
-            raise PulseRefusal(
-                f"PulseCycle: `time_source` returned {self._last_tick!r}; it must return seconds as a number."
-            )
+        with refusing("PulseCycle"):
+            self.clock.check_epoch_length(trainer.num_training_batches)
+            self.timer.start(trainer.global_step)  # refuses a time source that returns no number
+            change = self.clock.start(self._total_steps)  # refuses warm-up or anneal without a run length
         self.probe.reset()
         compat.add_progress_bar_item(trainer, "phase", lambda: self.clock.label)
-        try:
-            change = self.clock.start(self._total_steps)
-        except ValueError as error:  # warm-up or anneal on a run of unknown length
-            raise PulseRefusal(f"PulseCycle: {error}") from None
         if change is None:  # resumed: tell listeners where we are
             change = PhaseChange(None, self.clock.phase, self.clock.cycle, self.clock.step, "resume")
             rank_zero_info(
@@ -299,13 +279,9 @@ class PulseCycle(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         global_step = trainer.global_step
-        steps = global_step - self._last_global_step
-        if steps <= 0:  # inside an accumulation window, or a skipped step
+        if (lap := self.timer.lap(global_step)) is None:  # inside an accumulation window, or a skipped step
             return
-        self._last_global_step = global_step
-        now = self.time_source()
-        seconds = now - (self._last_tick if self._last_tick is not None else now)
-        self._last_tick = now
+        steps, seconds = lap
         if self.clock.uses_wall_clock and trainer.world_size > 1:
             # rank 0's clock decides, so every rank switches at the same step
             seconds = self._rank_zero_seconds(trainer, pl_module, seconds)
@@ -352,17 +328,7 @@ class PulseCycle(Callback):
         return float(compat.reduce_held(trainer.strategy, mine.to(pl_module.device), "sum", self._held)[0])
 
     def _announce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange) -> None:
-        if change.previous is not None:
-            ended = change.previous.value
-            log_to_loggers(
-                trainer,
-                {
-                    f"pulse/{ended}_steps": float(change.ended_steps),
-                    f"pulse/{ended}_seconds": change.ended_seconds,
-                    "pulse/phase": change.current.code,
-                    "pulse/cycle": change.cycle,
-                },
-            )
+        log_to_loggers(trainer, change.metrics())  # nothing at the start of training: no phase ended
         if change.current is Phase.MAINTAIN and change.reason != "resume" and self.maintain_eval == "probe":
             self._run_probe(trainer, pl_module)
         for callback in listeners(trainer, PhaseListener, exclude=self):
@@ -371,16 +337,13 @@ class PulseCycle(Callback):
             listener(trainer, pl_module, change)
 
     def _refresh_run_length(self, trainer: pl.Trainer) -> None:
-        batches = trainer.num_training_batches  # a step-saving sampler reports the plain epoch's length
-        if math.isfinite(batches) and batches > 0:
-            self._epoch_steps = float(math.ceil(batches / trainer.accumulate_grad_batches))
-        else:
-            self._epoch_steps = None
+        # a step-saving sampler reports the plain epoch's length
+        steps = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
+        self._epoch_steps = float(steps) if steps else None
         self._total_steps = float(trainer.estimated_stepping_batches)
 
     def _run_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         probe = self.probe.run(trainer, pl_module)
         if probe is not None:
             self.last_probe = probe
-            if probe:
-                log_to_loggers(trainer, {f"pulse/probe/{name}": value for name, value in probe.items()})
+            log_to_loggers(trainer, {f"pulse/probe/{name}": value for name, value in probe.items()})

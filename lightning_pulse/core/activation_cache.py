@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_pulse.errors import PulseRefusal
+
 if TYPE_CHECKING:
     from lightning_pulse.core.sample_index import SampleIndexTracker
 
@@ -287,6 +289,18 @@ class LoaderActivationCache:
             warn(f"GradientCache: the activation cache is off because {replay}.")
             return None
         return replay
+
+    @staticmethod
+    def refuse_reloading(cache_mb: float, reload_every: int) -> None:
+        """Raise :class:`~lightning_pulse.errors.PulseRefusal` at setup for a cache of ``cache_mb`` on
+        DataLoaders reloaded every ``reload_every`` epochs: the cache keys its entries by sample through the
+        fit's first loader, and a reloaded one is not tracked (it crashed at the second epoch)."""
+        if cache_mb and reload_every:
+            raise PulseRefusal(
+                "GradientCache: `activation_cache_mb` needs one training DataLoader for the whole fit, and "
+                f"`reload_dataloaders_every_n_epochs`={reload_every} builds a new one; set "
+                "activation_cache_mb=0 (freezing still skips the frozen layers' backward), or stop reloading."
+            )
 
     def detach(self, loader: Any) -> None:
         type(self.tracker).uninstall(loader)

@@ -30,6 +30,7 @@ from lightning_pulse.core.freeze_units import (
     ForwardOrderTrace,
     FreezeUnit,
     cut_like,
+    discover_units,
     mark_shared,
     order_note,
     replace_unit_parameters,
@@ -654,6 +655,111 @@ def follow_replaced_parameters(
         freezer.replace_parameters(replacements)
     if trace is not None:
         replace_unit_parameters(trace.units, replacements)
+
+
+class FreezerLifecycle:
+    """A fit's :class:`LayerFreezer`, from the fit's start to its end.
+
+    A fit starts (:meth:`start`) from a checkpoint's freezer, or with the units discovered in the model waiting
+    in a :class:`~lightning_pulse.core.freeze_units.ForwardOrderTrace`, since only a backward shows their forward
+    order: after the first (:meth:`begin_backward`, :meth:`end_backward`) they get their freezer. The first
+    backward also walks the graph once (:func:`check_first_graph`). A rollback (:meth:`restore`) and parameters
+    that structured pruning replaced (:meth:`follow`) reach the freezer, or the units still waiting.
+
+    Args:
+        settings: the freezer's settings.
+        unit_names: explicit units as module or parameter names; ``None``: the automatic split.
+
+    Attributes:
+        freezer: the fit's freezer; ``None`` while the units wait for a backward to order them.
+        trace: the units waiting for that backward; ``None`` once there is a freezer.
+
+    Example::
+
+        lifecycle = FreezerLifecycle(FreezeSettings(check_every=2))
+        lifecycle.start(None, model)                 # a fresh run: the units wait for the first backward
+        for x, y in batches:
+            loss = F.cross_entropy(model(x), y)
+            lifecycle.begin_backward(loss)
+            loss.backward()
+            lifecycle.end_backward()                 # True once: the freezer was built
+            lifecycle.freezer.step(enabled=True)
+            optimizer.step(); optimizer.zero_grad()
+        lifecycle.end()                              # every parameter trainable again
+    """
+
+    def __init__(self, settings: FreezeSettings, unit_names: Sequence[str] | None = None) -> None:
+        self.settings = settings
+        self.unit_names = unit_names
+        self.freezer: LayerFreezer | None = None
+        self.trace: ForwardOrderTrace | None = None
+        self._graph_checked = False
+
+    @property
+    def units(self) -> list[FreezeUnit]:
+        """The units: the freezer's, in forward order, or those waiting for a backward to order them."""
+        if self.freezer is not None:
+            return self.freezer.units
+        return self.trace.units if self.trace is not None else []
+
+    @property
+    def ordering(self) -> bool:
+        """Whether the backward under way records the order of units waiting for their freezer."""
+        return self.trace is not None and self.trace.running
+
+    @property
+    def frozen_prefix(self) -> int:
+        """How many leading units are frozen now (none without a freezer)."""
+        return self.freezer.frozen_prefix if self.freezer is not None else 0
+
+    def start(self, state: Mapping[str, Any] | None, model: nn.Module) -> None:
+        """Start a fit from a checkpoint's freezer ``state`` (``requires_grad`` set from it), or, for a fresh run
+        or a state saved before the first backward (``None``), with the units discovered in ``model`` waiting.
+
+        Raises:
+            ValueError: for a name in ``unit_names`` that ``model`` does not have (see :func:`discover_units`).
+        """
+        self._graph_checked = False
+        self.freezer, self.trace = restore_freezer(None, state, model, self.settings), None
+        if self.freezer is None:
+            self.trace = ForwardOrderTrace(discover_units(model, self.unit_names))
+
+    def begin_backward(self, loss: torch.Tensor) -> None:
+        """Before a backward. At the fit's first, before anything is frozen, :func:`check_first_graph` and pin
+        the units holding a parameter read twice: a restored freezer's, or those about to be ordered (the same
+        objects). While units wait, record the order this backward hands out gradients in."""
+        if not self._graph_checked:
+            self._graph_checked = True
+            pin_read_twice(self.units, check_first_graph(loss))
+        if self.trace is not None and not self.trace.running:
+            self.trace.begin()
+
+    def end_backward(self, broadcast: Callable[[list[str]], list[str]] | None = None) -> bool:
+        """After a backward: put the waiting units in the order it recorded (under DDP rank 0's, which
+        ``broadcast`` gives every process) and build their freezer. Returns whether it was built now."""
+        if self.trace is None or not self.trace.running:
+            return False
+        self.freezer, self.trace = LayerFreezer(self.trace.finish(broadcast), self.settings), None
+        return True
+
+    def restore(self, state: Mapping[str, Any] | None, model: nn.Module) -> None:
+        """A rollback in the middle of the fit: :func:`restore_during_fit`."""
+        self.freezer, self.trace = restore_during_fit(self.freezer, self.trace, state, model, self.settings)
+
+    def follow(self, replacements: Iterable[tuple[nn.Parameter, nn.Parameter, torch.Tensor]]) -> None:
+        """Point the units and the window snapshots at parameters that replaced others (structured pruning):
+        :func:`follow_replaced_parameters`."""
+        follow_replaced_parameters(replacements, self.freezer, self.trace)
+
+    def close(self) -> None:
+        """Remove the order recording's hooks (also when the backward never came)."""
+        if self.trace is not None:
+            self.trace.close()
+
+    def end(self) -> None:
+        """Turn back on every parameter the freezer turned off, so the module leaves the fit as it came in."""
+        if self.freezer is not None:
+            self.freezer.restore_requires_grad()
 
 
 def refuse_manual_optimization(module: Any) -> None:

@@ -100,14 +100,15 @@ EPOCH_MODE_REMOVED = (
 
 
 def validate_replay_args(
-    phases: Sequence[str] | str, mode: str, rule: str, scorer: Any, log_every_n_steps: int | None
-) -> tuple[str, ...]:
+    phases: Sequence[str] | str, mode: str | None, rule: str, scorer: Any, log_every_n_steps: int | None
+) -> tuple[tuple[str, ...], str]:
     """Check :class:`~lightning_pulse.HardSampleReplay`'s arguments beyond :class:`ReplayConfig`; return
-    ``phases`` as a tuple.
+    ``phases`` as a tuple and the mode (``None``: ``"steps"``, or ``"batch"`` for ``rule="infobatch"``).
 
     Raises:
         ValueError: naming the argument, its value and what is allowed.
     """
+    mode = mode if mode is not None else "batch" if rule == "infobatch" else "steps"
     phases = [phases] if isinstance(phases, str) else list(phases)
     if not phases or any(p not in PHASE_NAMES for p in phases):
         raise ValueError(f"`phases`={phases!r} must be a non-empty list of phases from {list(PHASE_NAMES)}.")
@@ -125,7 +126,7 @@ def validate_replay_args(
     every = log_every_n_steps
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"`log_every_n_steps`={every!r} must be a positive int or None.")
-    return tuple(phases)
+    return tuple(phases), mode
 
 
 #: Why HardSampleReplay refuses a setup (the first completes "HardSampleReplay ...").
@@ -180,6 +181,19 @@ STEPS_MODE_RELOAD_REFUSAL = (
     "`reload_dataloaders_every_n_epochs`={every!r} replaces that DataLoader with one the plan does not drive; "
     "set reload_dataloaders_every_n_epochs=0 or use mode='batch'."
 )
+
+
+def setup_refusal(model_parallel: bool, tuner_search: str | None, fullgraph_part: str | None) -> str | None:
+    """Why a fit is refused at setup (completes "HardSampleReplay ..."), else ``None``: a model-parallel
+    strategy (FSDP and DeepSpeed cut no batch: they work), a Tuner search (``tuner_search``, its class name) or a
+    submodule compiled with ``fullgraph=True`` (``fullgraph_part``, its name)."""
+    if model_parallel:
+        return MODEL_PARALLEL_REFUSAL
+    if tuner_search is not None:
+        return TUNER_REFUSAL.format(search=tuner_search)
+    if fullgraph_part is not None:
+        return FULLGRAPH_REFUSAL.format(part=fullgraph_part)
+    return None
 
 
 def untrackable_refusal(reason: str) -> str:
@@ -449,10 +463,42 @@ class HardSampleSelector:
         self._window = np.zeros(len(TOTAL_NAMES))
         self._window_steps = 0  # _window's step count as an int: read every step, changed only at an apply
 
+    @classmethod
+    def for_data(
+        cls,
+        current: HardSampleSelector | None,
+        num_samples: int,
+        new_table: Callable[[int], SampleScoreTable],
+        config: ReplayConfig,
+        restored: dict[str, Any] | None = None,
+    ) -> HardSampleSelector:
+        """The selector for training data of ``num_samples`` samples (a DataLoader was built): ``current`` while
+        its table has that many rows, else a new one on ``new_table(num_samples)``. Steps measured but not yet
+        applied are dropped, and ``restored``, a checkpoint's state that came before the data, is loaded.
+
+        Raises:
+            ValueError: when ``restored`` holds the scores of a dataset of another size.
+        """
+        if current is None or current.table.num_samples != num_samples:
+            current = cls(new_table(num_samples), config)
+        current.drop_pending()
+        if restored is not None:
+            current.load_state_dict(restored)
+        return current
+
     @property
     def threshold(self) -> float:
         """The score above which a sample counts as hard (``NaN`` before anything was scored)."""
         return self._threshold[0]
+
+    def set_half_life(self, half_life: Duration | None, steps_per_epoch: int | None) -> None:
+        """Age the table's scores by ``half_life`` (``score_half_life``, parsed: steps, or epochs of
+        ``steps_per_epoch`` optimizer steps; ``None``: no ageing).
+
+        Raises:
+            ValueError: for a half-life in epochs when the epoch length is unknown (an infinite DataLoader).
+        """
+        self.table.half_life = half_life_steps(half_life, steps_per_epoch)
 
     def set_cadence(self, steps_per_epoch: int | None, log_every: int) -> None:
         """Refresh the threshold twice per epoch (it scans every score) and apply measured steps as often as
@@ -476,6 +522,11 @@ class HardSampleSelector:
             f"nothing was selected in this run. {int(totals['active_steps'])} steps were in a replay phase, but none "
             "of their samples had a score yet (a sample is scored when it first trains), so all of them trained."
         )
+
+    def end_run(self) -> str | None:
+        """The run is over: apply the kept steps, then return :meth:`nothing_selected`'s note."""
+        self.apply()
+        return self.nothing_selected()
 
     @property
     def window_steps(self) -> int:
@@ -712,6 +763,11 @@ class HardSampleSelector:
         self._window = np.zeros(len(TOTAL_NAMES))
         self._window_steps = 0
         return figures
+
+    def window_metrics(self) -> dict[str, float]:
+        """:meth:`take_window` as a logger takes it: the figures that have a value, under
+        ``hard_sample_replay/``."""
+        return {f"hard_sample_replay/{k}": v for k, v in self.take_window().items() if not math.isnan(v)}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

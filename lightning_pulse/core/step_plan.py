@@ -63,6 +63,12 @@ class StepPlan:
         return self.total_steps / self.plain_steps if self.plain_steps else 1.0
 
 
+def epoch_steps(batches: float, accumulate: int) -> int | None:
+    """Optimizer steps in an epoch of ``batches`` batches, ``accumulate`` batches a step (a short last window
+    steps too); ``None`` for an epoch of unknown length (an infinite DataLoader)."""
+    return math.ceil(batches / accumulate) if math.isfinite(batches) else None
+
+
 def window_size(batch_size: int, fraction: float) -> int:
     """Raw samples fetched for one light-phase batch of ``batch_size`` trained samples."""
     return max(batch_size, round(batch_size / fraction))
