@@ -440,6 +440,12 @@ class PhaseClock:
         self.position = position
         return [self._enter(self.order[position], reason)]
 
+    def resume_change(self) -> PhaseChange:
+        """The change that tells listeners the phase training goes on in, reason ``"resume"``: after a
+        checkpoint restore or a StabilityGuard rollback (which does not turn the clock back). Not kept in
+        :attr:`history`: no phase ended."""
+        return PhaseChange(None, self.phase, self.cycle, self.step, "resume")
+
     def check_epoch_length(self, batches_per_epoch: float) -> None:
         """Raise ``ValueError`` if a phase lasts epochs but an epoch has no length (an infinite dataloader)."""
         if self.uses_epochs and not math.isfinite(batches_per_epoch):

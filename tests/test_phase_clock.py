@@ -186,6 +186,15 @@ def test_a_phase_change_logs_the_phase_that_ended_and_nothing_at_the_start():
     }
 
 
+def test_the_resume_change_names_the_phase_training_goes_on_in_and_is_not_history():
+    clock = PhaseClock({"burst": 3, "replay": 2})
+    run_steps(clock, 4)
+    history = list(clock.history)
+    change = clock.resume_change()
+    assert (change.previous, change.current, change.cycle, change.step) == (None, Phase.REPLAY, 0, 4)
+    assert change.reason == "resume" and change.metrics() == {} and clock.history == history
+
+
 def test_epoch_durations_need_an_epoch_of_known_length():
     PhaseClock({"burst": 10, "replay": "30s"}).check_epoch_length(math.inf)  # no phase counts epochs
     clock = PhaseClock({"burst": 0.5, "replay": 10})

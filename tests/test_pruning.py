@@ -217,6 +217,17 @@ def test_fresh_module_fits_a_masked_state_dict():
     assert torch.equal(fresh(x), model(x))
 
 
+def test_load_pruned_reads_a_checkpoint_file_too(tmp_path):
+    model = _cnn()
+    pruner = pruning.Pruner(mode="structured")
+    pruner.prune(model, 0.25, example=torch.randn(4, 40))
+    path = tmp_path / "pruned.ckpt"
+    torch.save({"state_dict": model.state_dict(), "callbacks": {"ScheduledPrune": pruner.state_dict()}}, path)
+    for checkpoint in (path, str(path)):
+        fresh = pruning.load_pruned(_cnn(seed=1), checkpoint)
+        assert all(torch.equal(value, model.state_dict()[key]) for key, value in fresh.state_dict().items())
+
+
 def test_distill_config_rejects_bad_values_naming_the_field():
     for kwargs, field in (({"temperature": 0}, "`distill.temperature`"), ({"steps": 0}, "`distill.steps`")):
         with pytest.raises(ValueError, match=field):
@@ -776,6 +787,16 @@ def test_distill_window_restore_drops_the_open_window_and_reopens_a_saved_one():
     assert (window.event, window.steps_left, window.distiller.weight) == (0, 3, 0.5)
 
 
+def test_a_distill_window_without_a_length_ends_when_the_maintain_phase_does():
+    from lightning_pulse.phase import Phase, PhaseChange
+
+    leaves = PhaseChange(Phase.MAINTAIN, Phase.BURST, 1, 20, "budget")
+    enters = PhaseChange(Phase.BURST, Phase.MAINTAIN, 1, 15, "budget")
+    assert DistillWindow(DistillConfig()).ends_with(leaves)
+    assert not DistillWindow(DistillConfig()).ends_with(enters)
+    assert not DistillWindow(DistillConfig(steps=5)).ends_with(leaves)  # it ends after its steps instead
+
+
 def test_prune_options_reject_bad_values_naming_the_field():
     with pytest.raises(ValueError, match="`cadence`='weekly'"):
         PruneOptions(cadence="weekly")
@@ -813,6 +834,41 @@ def test_cadence_warns_on_auto_and_refuses_maintain_without_a_maintain_phase():
     assert not uses and "no maintain phase" in warning
     with pytest.raises(PulseRefusal, match="`cadence`='maintain' needs a PulseCycle"):
         prune_setup.uses_maintain("maintain", True, False)
+
+
+def test_the_event_cadence_reads_the_clocks_maintain_phase_and_warns_of_an_abrupt_step_schedule():
+    from lightning_pulse.phase import PhaseClock
+
+    gradual = PruneSchedule(final_sparsity=0.5, start=0, end=80, every=10)
+    gradual.resolve(100.0)
+    abrupt = PruneSchedule(final_sparsity=0.5, start=10, end=50, every=100)
+    abrupt.resolve(100.0)
+    with_maintain = PhaseClock({"burst": 6, "replay": 2, "maintain": 2})
+    without = PhaseClock({"burst": 6, "replay": 2, "maintain": 0})
+    assert prune_setup.event_cadence("auto", with_maintain, abrupt) == (True, [])  # no step cadence
+    assert prune_setup.event_cadence("auto", None, gradual) == (False, [])
+    on_maintain, warnings = prune_setup.event_cadence("auto", without, abrupt)
+    assert not on_maintain and len(warnings) == 2
+    assert warnings[0] == prune_setup.uses_maintain("auto", True, False)[1]
+    assert warnings[1] == prune_setup.abrupt_schedule_warning(abrupt)
+    with pytest.raises(PulseRefusal, match="`cadence`='maintain' needs a PulseCycle"):
+        prune_setup.event_cadence("maintain", without, gradual)
+
+
+def test_resolving_the_schedule_refuses_one_that_cannot_be_placed_or_starts_after_the_run():
+    schedule = PruneSchedule(start=10, end=50)
+    prune_setup.resolve_schedule(schedule, 100.0, 0)
+    assert (schedule.start_step, schedule.end_step) == (10, 50)
+    with pytest.raises(PulseRefusal, match=r"^ScheduledPrune: `start`=0.1 is a share of the run"):
+        prune_setup.resolve_schedule(PruneSchedule(start=0.1, end=100), float("inf"), 0)
+    with pytest.raises(
+        PulseRefusal, match=r"^ScheduledPrune: `end` \(step 10\) comes before `start` \(step 50\)"
+    ):
+        prune_setup.resolve_schedule(PruneSchedule(start=0.5, end=10), 100.0, 0)
+    with pytest.raises(
+        PulseRefusal, match=r"^ScheduledPrune: the schedule starts at step 10 .* ends at step 8"
+    ):
+        prune_setup.resolve_schedule(PruneSchedule(start=10, end=50), 8.0, 0)
 
 
 def test_strategy_check_refuses_other_strategies_and_spawned_structured_or_kept_masks():

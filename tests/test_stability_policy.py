@@ -189,6 +189,29 @@ def test_step_energy_is_the_meters_difference_and_a_failing_meter_is_dropped_wit
     assert energy.end() == 0.0 and len(warnings) == 1 and "meter gone" in warnings[0]
 
 
+def test_step_energy_reads_the_first_callback_with_an_energy_meter():
+    class Meter:
+        def __init__(self, kwh):
+            self.energy_so_far_kwh = lambda: kwh
+
+    no_meter = type("NoMeter", (), {"energy_so_far_kwh": 3.0})()  # not callable: not a meter
+    energy = StepEnergy.of_callbacks([object(), no_meter, Meter(1.0), Meter(2.0)])
+    assert energy.read is not None and energy.read() == 1.0
+    assert StepEnergy.of_callbacks([object()]).read is None
+
+
+def test_the_policy_counts_spikes_of_every_kind_and_the_steps_lost():
+    policy = EscalationPolicy(rollback_after=2, skip_after_rollback=1)
+    policy.decide(3, Verdict.LOSS_SPIKE)
+    policy.decide(4, Verdict.GRAD_SPIKE)
+    assert policy.spikes_detected == 2
+    policy.finish(Action.SKIP)
+    policy.finish(Action.APPLY)
+    policy.finish(Action.APPLY)
+    assert policy.rewind({"lineage_steps": 0, "lineage_energy_kwh": 0.0}) == 2
+    assert policy.steps_lost == 1 + 2  # skipped, then undone
+
+
 def test_a_data_fault_is_skipped_and_never_escalates_while_a_bad_model_state_rolls_back_at_once():
     policy = EscalationPolicy(rollback_after=2, max_rollbacks=1)
     actions = [policy.decide(step, Verdict.NONFINITE_LOSS, cause="data") for step in range(10)]
@@ -337,3 +360,85 @@ def test_the_guards_core_detects_rolls_a_model_back_and_checkpoints_without_a_tr
     restored.load_state_dict(core.state_dict())
     assert restored.state_dict() == core.state_dict()
     assert restored.detector.baseline("all") == core.detector.baseline("all")
+
+
+def test_the_step_record_keeps_an_applied_steps_batches_as_the_rollback_tests_reference():
+    from lightning_pulse.core.stability_steps import StepRecord
+
+    record = StepRecord()
+    record.batches.append((0, "a"))
+    record.losses.append(1.0)
+    assert record.end() is None  # inside an accumulation window: nothing decided, nothing let go
+    record.batches.append((1, "b"))
+    record.losses.append(2.0)
+    assert record.take_losses() == [1.0, 2.0] and record.take_losses() == []
+    record.decided = Action.APPLY
+    assert record.end() is Action.APPLY and record.decided is None
+    assert record.reference == [(0, "a"), (1, "b")] and record.batches == []
+    record.batches.append((2, "c"))
+    record.decided = Action.SKIP
+    assert record.end() is Action.SKIP and record.reference == [(0, "a"), (1, "b")] and record.batches == []
+
+
+def test_the_guards_core_books_steps_snapshots_when_due_and_starts_each_fit_afresh():
+    from lightning_pulse.core.stability_steps import StabilityCore
+    from lightning_pulse.phase import Phase, PhaseChange
+
+    core = StabilityCore(None, 6.0, 8.0, 20, 5, 1, 2, 5, 2, 0, 3)
+    model = nn.Linear(3, 1)
+    core.take_snapshot(0, model, [], [], {})
+    assert [core.finish_step(Action.APPLY, step, 0.5) for step in range(1, 6)] == [False] * 4 + [True]
+    assert core.policy.lineage_steps == 5 and core.policy.lineage_energy_kwh == 2.5
+    maintain = PhaseChange(Phase.BURST, Phase.MAINTAIN, 0, 6, "budget")
+    core.request_maintain_snapshot(maintain, {"val_loss": float("nan")})  # a non-finite probe: no snapshot
+    assert not core.schedule.pending
+    core.request_maintain_snapshot(PhaseChange(None, Phase.MAINTAIN, 0, 6, "resume"), {})
+    assert not core.schedule.pending
+    core.request_maintain_snapshot(maintain, {"val_loss": 0.3})
+    assert core.schedule.pending
+    # the maintain entry came with a flagged step: no snapshot at its end, and the request is dropped
+    assert not core.finish_step(Action.SKIP, 6, 0.25) and not core.schedule.pending
+    assert core.policy.steps_skipped == 1 and core.policy.energy_wasted_kwh == 0.25
+    core.request_maintain_snapshot(maintain, {})
+    core.rollback_to = 0
+    core.start()
+    assert not core.schedule.pending and core.rollback_to is None and len(core.schedule.ring) == 0
+
+
+def test_the_guards_core_mends_a_data_faults_forward_state_and_warns_at_the_first_bad_batch_only():
+    from lightning_pulse.core.stability_steps import StabilityCore
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    core = StabilityCore(None, 6.0, 8.0, 20, 5, 1, 2, 5, 2, 0, 3)
+    core.take_snapshot(0, model, [], [], {})
+    with torch.no_grad():
+        model[1].running_mean.fill_(float("nan"))  # what a bad row's forward writes
+    samples = [{"step": 4, "batch_idx": 0, "rows": [2], "indices": None}]
+    warning = core.data_fault(model, 4, samples)
+    assert warning.startswith("StabilityGuard: step 4 has non-finite values in its data")
+    assert "1.running_mean" in warning and torch.equal(model[1].running_mean, torch.zeros(4))
+    assert core.bad_samples == samples
+    core.policy.decide(4, Verdict.NONFINITE_LOSS, cause="data")  # the policy counts the bad batch
+    assert core.data_fault(model, 5, samples) is None and len(core.bad_samples) == 2
+
+
+def test_the_guards_core_concludes_a_rollback_or_a_stop_with_its_message_and_checkpoint_path(tmp_path):
+    from lightning_pulse.core.snapshots import take_snapshot
+    from lightning_pulse.core.stability_steps import StabilityCore
+
+    model = nn.Linear(3, 1)
+    target = take_snapshot(10, model)
+    core = StabilityCore(None, 6.0, 8.0, 20, 5, 1, 2, 5, 2, 0, 3)
+    message, path = core.conclude_rollback(Action.ROLLBACK, 14, target, 3, str(tmp_path))
+    assert path is None and core.policy.rollbacks == 1 and not core.policy.stopped
+    assert message.startswith("StabilityGuard: rollback 1 at step 14 to the snapshot of step 10 (3 applied")
+    message, path = core.conclude_rollback(Action.STOP, 30, target, 0, str(tmp_path))
+    assert path == str(tmp_path / "stability_guard" / "stopped-step=30.ckpt") and core.policy.stopped
+    assert message.startswith(
+        "StabilityGuard stopped training at step 30: spikes kept coming after 1 rollback"
+    )
+    assert core.policy.events[-1] == {"step": 30, "event": "stop", "to_step": 10}
+    # a rollback that found no snapshot fitting the model cannot help: it stops too
+    message, path = core.conclude_rollback(Action.ROLLBACK, 40, None, 0, str(tmp_path))
+    assert "no snapshot fits the model any more" in message and path.endswith("stopped-step=40.ckpt")
+    assert core.policy.rollbacks == 1 and core.policy.events[-1]["to_step"] is None

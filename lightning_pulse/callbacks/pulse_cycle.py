@@ -256,7 +256,7 @@ class PulseCycle(Callback):
         self.probe.reset()
         compat.add_progress_bar_item(trainer, "phase", lambda: self.clock.label)
         if change is None:  # resumed: tell listeners where we are
-            change = PhaseChange(None, self.clock.phase, self.clock.cycle, self.clock.step, "resume")
+            change = self.clock.resume_change()
             rank_zero_info(
                 f"PulseCycle: resuming in {change.current} of cycle {change.cycle} at step {change.step}."
             )

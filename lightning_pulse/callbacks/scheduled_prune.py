@@ -25,13 +25,7 @@ from lightning_pulse.core import prune_setup, prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, check_int
 from lightning_pulse.core.prune_setup import PruneOptions
-from lightning_pulse.errors import (
-    OneRunPerInstance,
-    PulseRefusal,
-    as_config,
-    names_itself,
-    refuse_sharded_strategy,
-)
+from lightning_pulse.errors import OneRunPerInstance, as_config, names_itself, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
@@ -160,8 +154,6 @@ class ScheduledPrune(Callback):
         Replays the recorded channel removals (structured) and adds masks (unstructured) so the pruned
         state dict fits, then loads it. Returns ``module``.
         """
-        if not isinstance(checkpoint, Mapping):
-            checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=False)
         return pruning.load_pruned(module, checkpoint)
 
     # ------------------------------------------------------------------ hooks
@@ -169,11 +161,7 @@ class ScheduledPrune(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer_ref = weakref.ref(trainer)
         if stage == "fit":
-            refuse_sharded_strategy(
-                trainer,
-                "ScheduledPrune",
-                "masks and channel choices made on a rank's shard are not the model's",
-            )
+            refuse_sharded_strategy(trainer, "ScheduledPrune", prune_setup.SHARDED_REASON)
             self._check_strategy(trainer)
             averaging = [
                 type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)
@@ -196,11 +184,7 @@ class ScheduledPrune(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         total = float(trainer.estimated_stepping_batches)
-        try:
-            self.schedule.resolve(total)
-        except ValueError as error:
-            raise PulseRefusal(f"ScheduledPrune: {error}") from None
-        prune_setup.refuse_schedule_past_the_run(self.schedule, total, trainer.global_step)
+        prune_setup.resolve_schedule(self.schedule, total, trainer.global_step)
         # read here, not at setup: layers built in configure_model, and a backbone BackboneFinetuning freezes at
         # fit start, exist (and are frozen) only now
         # a resumed run keeps the set its start read (a GradientCache may have frozen layers meanwhile)
@@ -213,18 +197,10 @@ class ScheduledPrune(Callback):
             if getattr(pl_module, "example_input_array", None) is not None:
                 self._example = prune_setup.structured_example(pl_module, self.pruner, self.schedule, None)
         cycle = pulse_cycle_of(trainer)
-        duration = cycle.clock.durations.get(Phase.MAINTAIN) if cycle is not None else None
-        has_maintain = duration is not None and not duration.is_zero
-        self._uses_maintain, warning = prune_setup.uses_maintain(
-            self.options.cadence, cycle is not None, has_maintain
-        )
-        if warning is not None:
+        clock = cycle.clock if cycle is not None else None
+        self._uses_maintain, warnings = prune_setup.event_cadence(self.options.cadence, clock, self.schedule)
+        for warning in warnings:
             rank_zero_warn(warning)
-        if (
-            not self._uses_maintain
-            and (abrupt := prune_setup.abrupt_schedule_warning(self.schedule)) is not None
-        ):
-            rank_zero_warn(abrupt)
         self._last_global_step = trainer.global_step
         self._restore_teacher(trainer, pl_module)
         self._training = True
@@ -258,8 +234,7 @@ class ScheduledPrune(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange
     ) -> None:
         """Called by PulseCycle on every rank: prune when a maintain phase starts."""
-        leaves_maintain = change.previous is Phase.MAINTAIN and change.current is not Phase.MAINTAIN
-        if leaves_maintain and self.distill is not None and self.distill.steps is None:
+        if self._window is not None and self._window.ends_with(change):
             self._end_distillation(trainer)
         if self._uses_maintain and change.current is Phase.MAINTAIN and change.reason != "resume":
             self._prune_event(trainer, pl_module, change.step, maintain_entry=True)
@@ -320,9 +295,8 @@ class ScheduledPrune(Callback):
             for callback in listeners(trainer, ParametersReplacedListener, exclude=self):
                 callback.on_pulse_parameters_replaced(trainer, pl_module, outcome.remap)
             compat.rewrap_ddp(trainer)
-        event = pruning.event_record(
-            step, target, outcome, pl_module, probe_before, self._probe(trainer, pl_module)
-        )
+        probe_after = self._probe(trainer, pl_module)
+        event = pruning.event_record(step, target, outcome, pl_module, probe_before, probe_after)
         event["phase"] = phase_of(trainer).value if pulse_cycle_of(trainer) is not None else None
         self.events.append(event)
         log_to_loggers(trainer, pruning.event_metrics(event))
@@ -365,10 +339,7 @@ class ScheduledPrune(Callback):
             return
         calls, loss = closed
         if calls == 0:
-            rank_zero_warn(
-                "ScheduledPrune: distillation had no effect: the module's forward never returned a logits tensor "
-                "of the teacher's shape during training."
-            )
+            rank_zero_warn(prune_setup.DISTILL_NO_EFFECT)
         elif trainer is not None:
             log_to_loggers(trainer, {"prune/distill_loss": loss})
 

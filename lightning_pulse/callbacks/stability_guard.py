@@ -103,6 +103,7 @@ class StabilityGuard(Callback):
     lineage_steps = _from_policy("lineage_steps")
     stopped = _from_policy("stopped")
     events = _from_policy("events")
+    spikes_detected = _from_policy("spikes_detected")
     last_snapshot_step = property(
         lambda self: self.schedule.last_step, doc="The step of the newest snapshot."
     )
@@ -133,11 +134,7 @@ class StabilityGuard(Callback):
         self._changes = StepChanges()
         self._keep_gradients = False  # skip by zeroing gradients and undoing the step (clipping by value)
         self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
-        self._losses: list[torch.Tensor] = []  # the micro-batch losses of the current optimizer step
-        self._batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
-        # the rollback test's ordinary batch: the last applied step's micro-batches
-        self._reference: list[tuple[int, Any]] = []
-        self._decided: Action | None = None  # the current optimizer step's action, until its batch end
+        self._record = steps.StepRecord()  # the current optimizer step's micro-batches, losses and action
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
         self._fixed_key = "burst" if self.config.per_phase_baselines else "all"  # the key without one
         self._energy = StepEnergy()
@@ -148,13 +145,9 @@ class StabilityGuard(Callback):
         return self.core.bad_samples
 
     @property
-    def spikes_detected(self) -> int:
-        return sum(self.spikes_by_kind.values())
-
-    @property
     def steps_lost(self) -> int:
         """Optimizer steps whose work is not in the model: skipped ones plus those undone by rollbacks."""
-        return self.steps_skipped + self.steps_undone
+        return self.policy.steps_lost
 
     def metrics(self) -> dict[str, float]:
         """The stability figures of the run so far, as logged under ``stability/``."""
@@ -166,12 +159,7 @@ class StabilityGuard(Callback):
         if stage != "fit":
             return
         steps.refuse_manual_optimization(pl_module)
-        refuse_sharded_strategy(
-            trainer,
-            "StabilityGuard",
-            "each rank holds a shard of the parameters and gradients, so its gradient norm, snapshots and "
-            "rollbacks would be a shard's, not the model's",
-        )
+        refuse_sharded_strategy(trainer, "StabilityGuard", steps.SHARDED_REASON)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -179,11 +167,9 @@ class StabilityGuard(Callback):
         self._changes.attach(trainer.optimizers)
         self._keep_gradients = compat.clipping_needs_gradients(trainer, pl_module)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
-        readers = [getattr(callback, "energy_so_far_kwh", None) for callback in trainer.callbacks]
-        self._energy = StepEnergy(next((r for r in readers if callable(r)), None), warn=rank_zero_warn)
-        self._losses, self._batches, self._decided, self.schedule.pending = [], [], None, False
-        self._reference, self.core.rollback_to = [], None
-        self.snapshots.clear()
+        self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
+        self._record = steps.StepRecord()
+        self.core.start()
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
     @override
@@ -191,29 +177,29 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._energy.begin()  # at the first batch of an optimizer step
-        self._batches.append((batch_idx, batch))
+        self._record.batches.append((batch_idx, batch))
 
     @override
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        self._losses.append(loss.detach())  # read once per optimizer step, with the gradient norm
+        self._record.losses.append(loss.detach())  # read once per optimizer step, with the gradient norm
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         # after the accumulation window, DDP's all-reduce and the AMP unscale; before clipping
-        losses, self._losses = self._losses, []
-        if self._decided is not None:  # LBFGS's later closure evaluations (trial points): judged on the first
-            if self._decided is not Action.APPLY:
+        record = self._record
+        losses = record.take_losses()
+        if record.decided is None and self.policy.forced_skip():  # one of the steps skipped after a rollback
+            record.decided = Action.SKIP
+        # decided already: a forced skip, or LBFGS's later closure evaluations (trial points), judged on the first
+        if record.decided is not None:
+            if record.decided is not Action.APPLY:
                 self._changes.skip(optimizer, self._keep_gradients)
             return
-        batches = self._batches  # kept to the batch end
-        if self.policy.forced_skip():
-            self._changes.skip(optimizer, self._keep_gradients)
-            self._decided = Action.SKIP
-            return
+        batches = record.batches  # kept to the batch end
         loss, grad_norm = step_loss_and_grad_norm(
             optimizer.param_groups, losses, self._sum_over_ranks(trainer), trainer.world_size
         )
@@ -222,7 +208,7 @@ class StabilityGuard(Callback):
         trace = partial(self._nonfinite_cause, trainer, pl_module, batches)
         rollback_helps = partial(self._rollback_helps, trainer, pl_module, batches, step, loss)
         verdict, action, cause, unjudged = self.core.judge(step, loss, grad_norm, key, trace, rollback_helps)
-        self._decided = action
+        record.decided = action
         if unjudged:
             rank_zero_warn(steps.unjudged_loss_message(loss))
         if action is Action.APPLY:
@@ -237,30 +223,23 @@ class StabilityGuard(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        action, self._decided = self._decided, None
+        action = self._record.end()
         if action is None:  # inside an accumulation window
             return
-        if action is Action.APPLY:
-            self._reference = self._batches  # an ordinary batch, for the rollback test
-        self._batches = []
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
-        self.policy.finish(action, self._energy.end())
-        if action is Action.APPLY:
-            if self.schedule.due(trainer.global_step, self.policy.healthy):
-                self._take_snapshot(trainer, pl_module)
-            return
-        self.schedule.pending = False  # the maintain entry (or new structure) came with a flagged step
-        if action is not Action.SKIP:
+        if self.core.finish_step(action, trainer.global_step, self._energy.end()):
+            self._take_snapshot(trainer, pl_module)
+        if action in (Action.ROLLBACK, Action.STOP):
             self._roll_back(trainer, pl_module, action)
-        log_to_loggers(trainer, self.metrics())
+        if action is not Action.APPLY:
+            log_to_loggers(trainer, self.metrics())
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()
         self._changes.detach()
         log_to_loggers(trainer, self.metrics())
-        summary = steps.summary_message(self.policy)
-        if summary is not None:
+        if (summary := steps.summary_message(self.policy)) is not None:
             rank_zero_info(summary)
 
     @override
@@ -274,9 +253,7 @@ class StabilityGuard(Callback):
         """Snapshot at the end of this step when a maintain phase starts, if healthy and the probe is finite
         (after every listener handled the change: a pruning event at maintain entry is inside the snapshot)."""
         cycle = pulse_cycle_of(trainer)
-        probe = cycle.last_probe if cycle is not None else {}
-        if steps.maintain_snapshot_wanted(self.config, change, probe, self.policy.healthy):
-            self.schedule.pending = True
+        self.core.request_maintain_snapshot(change, cycle.last_probe if cycle is not None else {})
 
     def on_pulse_parameters_replaced(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
@@ -306,12 +283,9 @@ class StabilityGuard(Callback):
             trainer.train_dataloader,
             self._sum_over_ranks(trainer),
         )
-        if cause != "data":
-            return cause
-        mended = self.core.mend_forward_state(pl_module)  # before the next forward reads it
-        if self.core.remember_bad_samples(samples):
-            rank_zero_warn(steps.data_fault_message(trainer.global_step, samples, mended))
-        return "data"
+        if cause == "data" and (warning := self.core.data_fault(pl_module, trainer.global_step, samples)):
+            rank_zero_warn(warning)
+        return cause
 
     # ------------------------------------------------------------------ snapshots and rollbacks
     def _rollback_helps(
@@ -332,8 +306,8 @@ class StabilityGuard(Callback):
             self._key_of(),
             verdict,
             loss,
-            bool(self._reference) and not caches,
-            lambda target: losses_at(trainer, pl_module, target, batches, self._reference, self._held),
+            bool(self._record.reference) and not caches,
+            lambda target: losses_at(trainer, pl_module, target, batches, self._record.reference, self._held),
         )
 
     def _sum_over_ranks(self, trainer: pl.Trainer) -> Any:
@@ -358,24 +332,15 @@ class StabilityGuard(Callback):
         """Return to the newest snapshot taken ``rollback_margin`` steps before the incident; then go on
         (``Action.ROLLBACK``) or save a checkpoint and raise (``Action.STOP``)."""
         step = trainer.global_step - 1  # the flagged step that triggered it (already taken)
-        recent_rollbacks = len(self.policy.rollback_steps)
         state = self._training_state(trainer)
         target, undone = self.core.return_to_snapshot(pl_module, state, step, rank_zero_warn)
         cycle = pulse_cycle_of(trainer)
         if target is not None and cycle is not None:  # the restored listeners learn the phase they are in
-            change = PhaseChange(None, cycle.phase, cycle.cycle, cycle.clock.step, "resume")
-            tell_restored_phase(trainer, pl_module, state[2], change)
-        to_step = None if target is None else target.step
-        if action is Action.ROLLBACK and target is not None:
-            self.policy.rolled_back(step, to_step)
-            rank_zero_warn(steps.rollback_message(self.policy, step, to_step, undone))
+            tell_restored_phase(trainer, pl_module, state[2], cycle.clock.resume_change())
+        message, path = self.core.conclude_rollback(action, step, target, undone, trainer.default_root_dir)
+        if path is None:  # rolled back: training goes on
+            rank_zero_warn(message)
             return
-        # a rollback with no snapshot to return to cannot help: training on would report a run on a bad state
-        self.policy.stop(step, to_step)
-        path = steps.stop_checkpoint_path(self.config, trainer.default_root_dir, step)
         log_to_loggers(trainer, self.metrics())
         trainer.save_checkpoint(path)
-        if action is Action.ROLLBACK:
-            raise StabilityGuardError(steps.no_snapshot_message(step, path), checkpoint_path=path)
-        message = steps.stop_message(self.policy, step, to_step, recent_rollbacks, path)
         raise StabilityGuardError(message, checkpoint_path=path)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_pulse.phase import Phase, PhaseChange
+
 
 @dataclass
 class DistillConfig:
@@ -221,6 +223,12 @@ class DistillWindow:
         distiller.attach()
         self.distiller, self.event = distiller, event
         self.steps_left = self.config.steps if steps_left is None else steps_left
+
+    def ends_with(self, change: PhaseChange) -> bool:
+        """Whether the phase ``change`` ends the window: it leaves a maintain phase, and the window lasts until
+        then (``config.steps`` is ``None``)."""
+        leaves_maintain = change.previous is Phase.MAINTAIN and change.current is not Phase.MAINTAIN
+        return leaves_maintain and self.config.steps is None
 
     def step(self, steps: int = 1) -> bool:
         """Count ``steps`` optimizer steps; whether the window's length is used up (the caller closes it)."""

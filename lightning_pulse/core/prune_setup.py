@@ -1,9 +1,10 @@
 """What :class:`~lightning_pulse.ScheduledPrune` checks and says around a fit, without a Trainer.
 
 Its rarely turned knobs (:class:`PruneOptions`), the setup-time checks that refuse a run before the first step
-(an unsupported strategy, no layer to prune, a maintain cadence without a maintain phase, a model structured
-pruning cannot trace or cut safely), and the lines it logs at setup and at fit end. The callback feeds these with what it reads from
-the trainer.
+(an unsupported strategy, no layer to prune, a schedule that cannot be placed in the run, a maintain cadence
+without a maintain phase, a model structured pruning cannot trace or cut safely), the event cadence, and the
+lines it logs at setup, after a distillation window and at fit end. The callback feeds these with what it reads
+from the trainer.
 """
 
 from __future__ import annotations
@@ -20,9 +21,19 @@ from torch import nn
 from lightning_pulse.core import prune_targets, pruning
 from lightning_pulse.core.prune_schedule import PruneSchedule, check_int, check_share
 from lightning_pulse.core.prune_targets import LayerSelection
-from lightning_pulse.errors import PulseRefusal, names_itself
+from lightning_pulse.errors import PulseRefusal, names_itself, refusing
+from lightning_pulse.phase import Phase, PhaseClock
 
 CADENCES = ("auto", "maintain", "steps")
+
+#: why ScheduledPrune refuses a sharded strategy (:func:`~lightning_pulse.errors.refuse_sharded_strategy`)
+SHARDED_REASON = "masks and channel choices made on a rank's shard are not the model's"
+
+#: the warning for a distillation window whose term never reached the student
+DISTILL_NO_EFFECT = (
+    "ScheduledPrune: distillation had no effect: the module's forward never returned a logits tensor of the "
+    "teacher's shape during training."
+)
 
 
 @dataclass
@@ -117,6 +128,17 @@ def uses_maintain(cadence: str, has_cycle: bool, has_maintain: bool) -> tuple[bo
     return has_maintain and cadence != "steps", warning
 
 
+def event_cadence(cadence: str, clock: PhaseClock | None, schedule: PruneSchedule) -> tuple[bool, list[str]]:
+    """Whether events happen at maintain-phase starts of ``clock`` (a PulseCycle's; ``None`` without one), and
+    the warnings to give at fit start: :func:`uses_maintain`'s, then, on the step cadence,
+    :func:`abrupt_schedule_warning`'s. Raises :class:`PulseRefusal` as :func:`uses_maintain` does."""
+    duration = clock.durations.get(Phase.MAINTAIN) if clock is not None else None
+    has_maintain = duration is not None and not duration.is_zero
+    on_maintain, warning = uses_maintain(cadence, clock is not None, has_maintain)
+    abrupt = None if on_maintain else abrupt_schedule_warning(schedule)
+    return on_maintain, [text for text in (warning, abrupt) if text is not None]
+
+
 #: A step-cadence schedule whose largest single cut takes more than this share of ``final_sparsity`` is said
 #: at fit start (the cubic schedule's first cut is 0.875 of it with 2 events, 0.70 with 3, 0.33 with 8): a
 #: held-out ResNet on a 180-step run at the defaults (``every=100``) was cut from 0 to 50% in one event, its loss
@@ -155,6 +177,16 @@ def refuse_schedule_past_the_run(schedule: PruneSchedule, total_steps: float, st
             f"the run ends at step {int(total_steps)}: nothing would be pruned. Lower `start` and `end`, or give "
             "them as shares of the run (floats such as 0.2 and 0.8)."
         )
+
+
+def resolve_schedule(schedule: PruneSchedule, total_steps: float, step: int) -> None:
+    """At fit start, place ``schedule`` in a run of ``total_steps`` optimizer steps, now at ``step``
+    (:meth:`PruneSchedule.resolve`). Raises :class:`PulseRefusal` when it cannot be placed (a share of a run of
+    unknown length, ``start`` after ``end``) or when it would start after the run
+    (:func:`refuse_schedule_past_the_run`)."""
+    with refusing("ScheduledPrune"):
+        schedule.resolve(total_steps)
+    refuse_schedule_past_the_run(schedule, total_steps, step)
 
 
 def refuse_structured(reason: str | None) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import os
 import re
 import sys
 import time
@@ -1427,10 +1428,13 @@ def fit_to_state_dict(
 
 
 def load_pruned(
-    module: nn.Module, checkpoint: Mapping[str, Any], state_key: str = "ScheduledPrune"
+    module: nn.Module, checkpoint: str | os.PathLike | Mapping[str, Any], state_key: str = "ScheduledPrune"
 ) -> nn.Module:
-    """Load a Lightning ``checkpoint`` dict into a freshly built ``module``, fitting it first with the
-    structure recorded in the callback state whose key starts with ``state_key``. Returns ``module``."""
+    """Load a Lightning ``checkpoint`` (a dict, or the path of a checkpoint file, loaded on the CPU) into a
+    freshly built ``module``, fitting it first with the structure recorded in the callback state whose key
+    starts with ``state_key``. Returns ``module``."""
+    if not isinstance(checkpoint, Mapping):
+        checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=False)
     callbacks = checkpoint.get("callbacks", {})
     structure = next((value for key, value in callbacks.items() if str(key).startswith(state_key)), None)
     fit_to_state_dict(module, checkpoint["state_dict"], structure=structure)

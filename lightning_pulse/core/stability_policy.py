@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -198,6 +198,16 @@ class EscalationPolicy:
         """No open incident and no skips pending: a state worth a snapshot."""
         return not self.spike_steps and self.skip_remaining == 0
 
+    @property
+    def spikes_detected(self) -> int:
+        """Flagged steps of every kind (the sum of ``spikes_by_kind``)."""
+        return sum(self.spikes_by_kind.values())
+
+    @property
+    def steps_lost(self) -> int:
+        """Optimizer steps whose work is not in the model: skipped ones plus those undone by rollbacks."""
+        return self.steps_skipped + self.steps_undone
+
     def forced_skip(self) -> bool:
         """True (and one fewer left) while steps remain to be skipped after a rollback."""
         if self.skip_remaining > 0:
@@ -354,6 +364,12 @@ class StepEnergy:
         self.read = read
         self.warn = warn
         self._start: float | None = None
+
+    @classmethod
+    def of_callbacks(cls, callbacks: Iterable[Any], warn: Callable[[str], Any] | None = None) -> StepEnergy:
+        """Read the first of ``callbacks`` with a callable ``energy_so_far_kwh`` (an EnergyLogger); none: off."""
+        readers = [getattr(callback, "energy_so_far_kwh", None) for callback in callbacks]
+        return cls(next((r for r in readers if callable(r)), None), warn=warn)
 
     def begin(self) -> None:
         if self.read is not None and self._start is None:

@@ -2,6 +2,7 @@
 
 * :class:`StabilityCore`: the guard's algorithm as one object, built from its arguments: the decision of an
   optimizer step, the rollback test, snapshots with their books and the return to one, its checkpointed state.
+* :class:`StepRecord`: the current optimizer step's micro-batches, losses and action, between the guard's hooks.
 * :func:`loss_spiked`, :func:`spike_reproduced` and :func:`rollback_test`: the rollback test's rule (does the
   flagged batch spike at a snapshot's weights too?).
 * :func:`guard_metrics` and the ``*_message`` functions: the figures logged under ``stability/`` and the
@@ -26,6 +27,13 @@ from lightning_pulse.errors import PulseRefusal, as_config
 from lightning_pulse.phase import Phase, PhaseChange
 
 NONFINITE = (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
+
+
+#: why StabilityGuard refuses a sharded strategy (:func:`~lightning_pulse.errors.refuse_sharded_strategy`)
+SHARDED_REASON = (
+    "each rank holds a shard of the parameters and gradients, so its gradient norm, snapshots and rollbacks "
+    "would be a shard's, not the model's"
+)
 
 
 def refuse_manual_optimization(module: Any) -> None:
@@ -98,6 +106,34 @@ def rollback_test(
     return False, None
 
 
+class StepRecord:
+    """What the guard keeps of the current optimizer step from its first micro-batch to its batch end: the
+    micro-batches (by reference) and their losses, and its action once decided; and the last applied step's
+    micro-batches, the ordinary batch of the rollback test."""
+
+    def __init__(self) -> None:
+        self.losses: list[Any] = []  # the micro-batch losses of the current optimizer step
+        self.batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
+        self.reference: list[tuple[int, Any]] = []  # the last applied step's micro-batches
+        self.decided: Action | None = None  # the current optimizer step's action, until its batch end
+
+    def take_losses(self) -> list[Any]:
+        """The losses recorded since the last call (read once per optimizer step, with the gradient norm)."""
+        losses, self.losses = self.losses, []
+        return losses
+
+    def end(self) -> Action | None:
+        """At a batch end: the step's action, its micro-batches let go (an applied step's kept as the
+        reference); ``None`` inside an accumulation window (nothing decided yet)."""
+        action, self.decided = self.decided, None
+        if action is None:
+            return None
+        if action is Action.APPLY:
+            self.reference = self.batches  # an ordinary batch, for the rollback test
+        self.batches = []
+        return action
+
+
 class StabilityCore:
     """The guard's algorithm without a trainer: a spike detector, an escalation policy and a snapshot schedule,
     built from :class:`~lightning_pulse.StabilityGuard`'s arguments (validated by each object), and what one
@@ -160,6 +196,31 @@ class StabilityCore:
         newly_unjudged = not unjudged_before and detector.unjudged_losses > 0
         helps = None if rollback_helps is None else lambda: rollback_helps(verdict)
         return verdict, self.policy.decide(step, verdict, cause, helps), cause, newly_unjudged
+
+    def start(self) -> None:
+        """At fit start, forget what an earlier fit left: a requested snapshot, the rollback test's choice and the
+        snapshots (the caller then snapshots the state training starts from, or resumes at)."""
+        self.schedule.pending, self.rollback_to = False, None
+        self.schedule.ring.clear()
+
+    def finish_step(self, action: Action, step: int, energy_kwh: float = 0.0) -> bool:
+        """Book an optimizer step once its update was applied or dropped (with the energy it used); whether a
+        snapshot is due at its end (``step``: the counter after it). Only an applied step takes one."""
+        self.policy.finish(action, energy_kwh)
+        if action is Action.APPLY:
+            return self.schedule.due(step, self.policy.healthy)
+        self.schedule.pending = False  # the maintain entry (or new structure) came with a flagged step
+        return False
+
+    def data_fault(self, model: nn.Module, step: int, samples: list[dict[str, Any]]) -> str | None:
+        """After a non-finite step that was the data's fault (``samples``, see
+        :func:`~lightning_pulse.core.fault_origin.trace_nonfinite`): mend the forward state
+        (:meth:`mend_forward_state`) and keep the samples. Returns the warning for the run's first bad batch
+        (:func:`data_fault_message`), else ``None`` (later ones are skipped silently)."""
+        mended = self.mend_forward_state(model)  # before the next forward reads it
+        if self.remember_bad_samples(samples):
+            return data_fault_message(step, samples, mended)
+        return None
 
     def remember_bad_samples(self, samples: list[dict[str, Any]]) -> bool:
         """Keep a data fault's samples (the newest 1000); ``True`` for the run's first bad batch (warn once)."""
@@ -247,6 +308,31 @@ class StabilityCore:
         restore_carried_tensors(model, target.extra.get("carried", {}))
         return target, self.policy.rewind(target.extra)
 
+    def conclude_rollback(
+        self, action: Action, step: int, target: TrainingSnapshot | None, undone: int, root_dir: str
+    ) -> tuple[str, str | None]:
+        """Book what :meth:`return_to_snapshot` did for ``action`` at the flagged ``step``: a rollback to
+        ``target`` (``undone`` applied steps undone) returns its warning and ``None``; a stop, or a rollback that
+        found no snapshot, returns the error's message and the checkpoint path (:func:`stop_checkpoint_path`
+        under ``root_dir``) the caller saves before raising it."""
+        to_step = None if target is None else target.step
+        if action is Action.ROLLBACK and target is not None:
+            self.policy.rolled_back(step, to_step)
+            return rollback_message(self.policy, step, to_step, undone), None
+        # a rollback with no snapshot to return to cannot help: training on would report a run on a bad state
+        recent_rollbacks = len(self.policy.rollback_steps)
+        self.policy.stop(step, to_step)
+        path = stop_checkpoint_path(self.config, root_dir, step)
+        if action is Action.ROLLBACK:
+            return no_snapshot_message(step, path), path
+        return stop_message(self.policy, step, to_step, recent_rollbacks, path), path
+
+    def request_maintain_snapshot(self, change: PhaseChange, probe: Mapping[str, float]) -> None:
+        """Ask for a snapshot at the end of this step when ``change`` starts a maintain phase
+        (:func:`maintain_snapshot_wanted`, in the policy's health)."""
+        if maintain_snapshot_wanted(self.config, change, probe, self.policy.healthy):
+            self.schedule.pending = True
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "detector": self.detector.state_dict(),
@@ -268,12 +354,12 @@ def guard_metrics(policy: EscalationPolicy, with_energy: bool) -> dict[str, floa
     """The stability figures logged under ``stability/`` (wasted energy only ``with_energy``)."""
     spikes = policy.spikes_by_kind
     out = {
-        "stability/spikes": float(sum(spikes.values())),
+        "stability/spikes": float(policy.spikes_detected),
         "stability/steps_skipped": float(policy.steps_skipped),
         "stability/bad_batches": float(policy.bad_batches),
         "stability/recurring_spikes": float(policy.recurring_spikes),
         "stability/rollbacks": float(policy.rollbacks),
-        "stability/steps_lost": float(policy.steps_skipped + policy.steps_undone),
+        "stability/steps_lost": float(policy.steps_lost),
         **{f"stability/spikes_{kind}": float(n) for kind, n in spikes.items()},
     }
     if with_energy:
@@ -376,10 +462,9 @@ def no_snapshot_message(step: int, path: str) -> str:
 
 def summary_message(policy: EscalationPolicy) -> str | None:
     """The end-of-training line, or ``None`` for a run without spikes or rollbacks."""
-    spikes = sum(policy.spikes_by_kind.values())
+    spikes = policy.spikes_detected
     if not spikes and not policy.rollbacks:
         return None
-    lost = policy.steps_skipped + policy.steps_undone
     recurring = (
         f" ({policy.recurring_spikes} recurring: their batches spiked on the rollback's snapshot too, so they "
         "were skipped, not rolled back)"
@@ -388,5 +473,5 @@ def summary_message(policy: EscalationPolicy) -> str | None:
     )
     return (
         f"StabilityGuard: {spikes} spike(s){recurring}, {policy.steps_skipped} step(s) skipped, "
-        f"{policy.rollbacks} rollback(s), {lost} step(s) of work lost."
+        f"{policy.rollbacks} rollback(s), {policy.steps_lost} step(s) of work lost."
     )
