@@ -113,3 +113,29 @@ def test_bad_data_wins_over_the_forward_state_its_own_forward_made_non_finite():
     assert torch.equal(model[1].running_mean, torch.zeros(4))  # the snapshot's, not the healthy forward's
     assert not torch.equal(healthy_mean, torch.zeros(4))
     assert core.mend_forward_state(model) == []  # nothing left to mend
+
+
+def test_mending_carried_state_hands_the_model_a_copy_never_the_snapshots_tensor():
+    """A module updating its carried state in place (``self.h.copy_(h)``) wrote into the snapshot the guard had
+    mended it from: the next bad batch put NaN into the snapshot itself, every later mend and rollback restored
+    NaN, and the run ended on a NaN state after 3 rollbacks."""
+    from lightning_pulse.core.stability_steps import StabilityCore
+
+    class InPlaceState(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = nn.Linear(3, 3)
+            self.h = torch.zeros(2, 3)  # a plain attribute, updated in place
+
+        def forward(self, x):
+            h = torch.tanh(self.cell(x) + self.h)
+            self.h.copy_(h.detach())
+            return h
+
+    model = InPlaceState()
+    core = StabilityCore(None, 3.0, 3.0, 20, 5, 2, 0, 10, 2, 0, 3)
+    core.take_snapshot(0, model, [], [], {})
+    for _ in range(2):  # two bad batches, each mended
+        model(torch.full((2, 3), float("nan")))
+        assert core.mend_forward_state(model) == ["h"] and torch.isfinite(model.h).all()
+    assert torch.equal(core.schedule.ring.newest().extra["carried"]["h"], torch.zeros(2, 3))

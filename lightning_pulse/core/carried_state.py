@@ -216,7 +216,7 @@ def carried_tensors(module: nn.Module) -> dict[str, Any]:
 
 
 def restore_carried_tensors(module: nn.Module, saved: dict[str, Any]) -> None:
-    """Put back what :func:`carried_tensors` returned (copies are moved to the module's device). A ``None`` is
+    """Put back copies of what :func:`carried_tensors` returned, on the module's device. A ``None`` is
     put back only over an attribute that holds tensors now (a hidden state created since)."""
     device = next((t.device for t in module.parameters()), None)
     for dotted, value in saved.items():
@@ -234,7 +234,11 @@ def restore_carried_tensors(module: nn.Module, saved: dict[str, Any]) -> None:
 
 
 def _to(value: Any, device: Any) -> Any:
-    return value if device is None or not isinstance(value, Tensor) else value.to(device)
+    """A copy of ``value`` on ``device``. Never the saved tensor itself (``.to`` on its own device returns it):
+    a module that updates its state in place (``self.h.copy_(h)``) would write into the snapshot."""
+    if not isinstance(value, Tensor):
+        return value
+    return value.clone() if device is None else value.to(device, copy=True)
 
 
 @contextmanager
