@@ -134,7 +134,6 @@ class ScheduledPrune(Callback):
         self._window = DistillWindow(self.distill) if self.distill is not None else None
         self._pending_teacher: dict[str, Any] | None = None
         self._restored_frozen: frozenset[str] | None = None  # the frozen set a restored checkpoint read
-        self._twins = prune_setup.FrozenTwinCheck()
         self._training = False  # between on_train_start and the end of fit: a state load is a rollback
 
     @property
@@ -193,7 +192,7 @@ class ScheduledPrune(Callback):
         selection = prune_setup.checked_selection(self.pruner, pl_module)
         if self.mode == "structured":
             prune_setup.refuse_structured(pruning.structured_blocker(pl_module, selection))
-            self._twins.start(pl_module, selection.layers)
+            prune_setup.refuse_frozen_twins(pl_module, selection.layers)
             if getattr(pl_module, "example_input_array", None) is not None:
                 self._example = prune_setup.structured_example(pl_module, self.pruner, self.schedule, None)
         cycle = pulse_cycle_of(trainer)
@@ -224,7 +223,6 @@ class ScheduledPrune(Callback):
         if steps <= 0:  # inside an accumulation window
             return
         self._last_global_step = trainer.global_step
-        self._twins.check(pl_module, trainer.global_step)
         if self._window is not None and self._window.step(steps):
             self._end_distillation(trainer)
         if not self._uses_maintain and self.schedule.due(trainer.global_step):
@@ -281,7 +279,6 @@ class ScheduledPrune(Callback):
     def _prune_event(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, maintain_entry: bool
     ) -> None:
-        self._twins.check(pl_module)  # an event at a maintain entry can come before the first batch end
         target = self.schedule.advance(step)
         if target is None:
             return

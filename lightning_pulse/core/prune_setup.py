@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from lightning_pulse.core import prune_targets, pruning
@@ -235,46 +234,19 @@ def unfinished_warning(schedule: PruneSchedule, step: int, events: Sequence[Any]
     )
 
 
-class FrozenTwinCheck:
-    """Refuses structured pruning of a part whose frozen copy the training step updates from it (an EMA teacher,
-    a BYOL or DINO target network, a DQN target network loaded from the policy). The cut shrinks the part's
-    channels and not the copy's, so that update would break at the first pruning event. A frozen copy that stays
-    as it is (a fixed reference model) pairs no parameters and is left alone, so the check looks for a change:
-    it remembers the copies' sums at fit start (one small tensor) and compares them twice, one read each: after
-    the second step (an EMA update at the first step has nothing to move yet) and before the first event."""
-
-    #: the step after which the first look is taken
-    FIRST_LOOK_STEP = 2
-
-    def __init__(self) -> None:
-        self._twins: dict[str, str] = {}
-        self._sums: Any = None
-
-    def start(self, model: nn.Module, layers: dict[str, nn.Module]) -> None:
-        self._twins = prune_targets.frozen_twins(model, layers)
-        self._sums = self._read(model) if self._twins else None
-
-    def check(self, model: nn.Module, step: int | None = None) -> None:
-        """Raise :class:`PulseRefusal` if a frozen copy changed since :meth:`start`: at step
-        :attr:`FIRST_LOOK_STEP`, and before the first pruning event (``step=None``), after which it stops."""
-        if self._sums is None or (step is not None and step != self.FIRST_LOOK_STEP):
-            return
-        moved = (self._read(model) != self._sums).tolist()
-        if step is None:
-            self._sums = None
-        changed = [name for name, changed in zip(self._twins, moved) if changed]
-        if changed:
-            copy, part = changed[0], self._twins[changed[0]]
-            raise PulseRefusal(
-                f"ScheduledPrune: `{copy}` is a frozen copy of `{part}` that training updates from it (an EMA "
-                f"teacher or a target network?). Structured pruning cuts {part}'s channels but not {copy}'s, so "
-                f"that update would break at the first pruning event. Use mode='unstructured', which keeps every "
-                f"shape, or leave the part out with `exclude_pattern`={re.escape(part)!r}."
-            )
-
-    def _read(self, model: nn.Module) -> torch.Tensor:
-        sums = [
-            torch.stack([p.detach().float().sum() for p in model.get_submodule(name).parameters()]).sum()
-            for name in self._twins
-        ]
-        return torch.stack([s.to(sums[0].device) for s in sums]).cpu()
+def refuse_frozen_twins(model: nn.Module, layers: dict[str, nn.Module]) -> None:
+    """Refuse structured pruning of a part that has a frozen copy (:func:`prune_targets.frozen_twins`): the cut
+    shrinks the part's channels and not the copy's. Code that pairs their parameters (an EMA teacher, a BYOL or
+    DINO target network, a DQN target network loaded from the policy) or compares their features (a frozen
+    reference for feature matching) then breaks at the first event, or at the first update after it: held-out
+    runs crashed mid-run at all three. Whether the copy is used that way shows only in training, and some only
+    after the first event, so any frozen copy is refused at fit start, with the ways out."""
+    twins = prune_targets.frozen_twins(model, layers)
+    if twins:
+        copy, part = next(iter(twins.items()))
+        raise PulseRefusal(
+            f"ScheduledPrune: `{copy}` is a frozen copy of `{part}`. Structured pruning would cut {part}'s channels "
+            f"and not {copy}'s, so code that pairs their parameters (an EMA teacher, a target network) or compares "
+            f"their features breaks at the first pruning event. Use mode='unstructured', which keeps every shape, "
+            f"or leave the part out with `exclude_pattern`={re.escape(part)!r}."
+        )
