@@ -539,3 +539,31 @@ def test_a_failed_trial_cut_names_the_module_it_broke_in_and_an_exclusion_that_p
     trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, limit_val_batches=0, callbacks=[prune]))
     trainer.fit(module, _clips())
     assert trainer.global_step == STEPS and prune.events and prune.events[-1]["sparsity"] > 0
+
+
+class _GRUClassifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.gru, self.head = nn.Linear(8, 16), nn.GRU(16, 32, batch_first=True), nn.Linear(32, 4)
+
+    def forward(self, x):
+        out, _ = self.gru(torch.relu(self.inp(x)))
+        return self.head(out[:, -1])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_trial_cut_failing_inside_torch_pruning_names_the_layer_it_was_cutting():
+    """On a GRU the refusal showed only torch-pruning's IndexError and named no module: the failure is in its
+    dependency search for the Linear feeding the GRU, whose frames hold that layer, not a forward's ``self``."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(128, 10, 8, generator=generator), torch.randint(0, 4, (128,), generator=generator)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+    _refused_before_first_step(
+        _GRUClassifier(), data, _prune(mode="structured"), r"IndexError.*it broke in inp \(Linear\)"
+    )

@@ -863,14 +863,18 @@ class _CutFailed(Exception):
 
 
 def _failing_module(duplicate: nn.Module, error: BaseException) -> str | None:
-    """The name of the innermost module of ``duplicate`` whose code ``error`` came through (the frames of its
-    traceback whose ``self`` is one of the copy's modules), or ``None``."""
+    """The name of the innermost module of ``duplicate`` that ``error`` came through: a traceback frame whose
+    ``self`` is one of the copy's modules (its forward), or, in torch-pruning's own code, whose ``layer`` or
+    ``module`` is (the pruner cutting it, e.g. a GRU it has no pruner for). ``None`` when no frame names one."""
     names = {id(module): name for name, module in duplicate.named_modules() if name}
     found, frame = None, error.__traceback__
     while frame is not None:
-        owner = frame.tb_frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and id(owner) in names:
-            found = names[id(owner)]
+        local = frame.tb_frame.f_locals
+        for key in ("self", "layer", "module"):
+            owner = local.get(key)
+            if isinstance(owner, nn.Module) and id(owner) in names:
+                found = names[id(owner)]
+                break
         frame = frame.tb_next
     return found
 
