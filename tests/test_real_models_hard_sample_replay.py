@@ -500,3 +500,45 @@ def test_a_batch_mode_cut_of_a_batch_that_cannot_change_in_place_is_refused_befo
     ):
         trainer.fit(module, loader)
     assert module.steps == 0 and trainer.global_step == 0
+
+
+class _BatchShapedButNotCarried(pl.LightningModule):
+    """Batch-shaped state that carries nothing to the next batch: BatchNorm statistics with as many channels as
+    the batch has samples (updated in place), a dict of outputs kept for logging (replaced, never read by the
+    next batch), a dict cached once (read, never replaced) and a non-persistent buffer recomputed from each
+    batch."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, batch_size), nn.BatchNorm1d(batch_size), nn.ReLU())
+        self.head = nn.Linear(batch_size, 10)
+        self.register_buffer("centred", torch.zeros(batch_size, 64), persistent=False)
+        self.cache: dict[str, torch.Tensor] | None = None
+        self.last: dict[str, torch.Tensor] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.cache is None:
+            self.cache = {"scale": torch.ones(x.shape[0], 1)}
+        self.centred = x - x.mean(dim=0)  # assigned anew from this batch only
+        logits = self.head(self.net(self.centred * self.cache["scale"][: x.shape[0]]))
+        self.last = {"logits": logits.detach(), "y": y}
+        return F.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["steps", "batch"])
+def test_batch_shaped_state_that_carries_nothing_is_not_refused(mode):
+    """When buffers and dicts joined the carried-state check, steps mode refused all of these at its first cut
+    batch, before the check's read/replace test could clear them; only a plain tensor, tuple or list attribute
+    blocks an early cut now, and the rest waits for the test."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = torch.tensor(digits.data[:1024], dtype=torch.float32) / 16, torch.tensor(digits.target[:1024])
+    pl.seed_everything(0)
+    trainer = pl.Trainer(max_epochs=3, callbacks=[HardSampleReplay(mode=mode)], **trainer_kwargs())
+    trainer.fit(_BatchShapedButNotCarried(64), DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True))
+    assert trainer.global_step == (trainer.max_steps if mode == "steps" else 48) and trainer.global_step > 0

@@ -139,3 +139,29 @@ def test_mending_carried_state_hands_the_model_a_copy_never_the_snapshots_tensor
         model(torch.full((2, 3), float("nan")))
         assert core.mend_forward_state(model) == ["h"] and torch.isfinite(model.h).all()
     assert torch.equal(core.schedule.ring.newest().extra["carried"]["h"], torch.zeros(2, 3))
+
+
+def test_carried_state_kept_as_a_dict_is_seen_and_mended():
+    """An LSTM keeping ``self.state = {"h": ..., "c": ...}`` met a NaN row: the mend did not see a dict, the next
+    clean steps came out non-finite from the state, and the run rolled back and ended on a NaN state."""
+    from lightning_pulse.core.stability_steps import StabilityCore
+
+    class DictState(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(3, 4, batch_first=True)
+            self.state = None
+
+        def forward(self, x):
+            previous = None if self.state is None else (self.state["h"], self.state["c"])
+            out, (h, c) = self.lstm(x, previous)
+            self.state = {"h": h.detach(), "c": c.detach()}
+            return out
+
+    model = DictState()
+    model(torch.randn(2, 5, 3))
+    core = StabilityCore(None, 3.0, 3.0, 20, 5, 2, 0, 10, 2, 0, 3)
+    core.take_snapshot(0, model, [], [], {})
+    model(torch.full((2, 5, 3), float("nan")))
+    assert nonfinite_forward_state(model) == ["state"]
+    assert core.mend_forward_state(model) == ["state"] and nonfinite_forward_state(model) == []

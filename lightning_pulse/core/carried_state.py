@@ -39,14 +39,14 @@ _MAX_ITEMS = 16  # a longer list is a log of outputs, not a hidden state
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
-def _tensors_in(value: Any, depth: int = 0) -> tuple[Tensor, ...]:
+def tensors_in(value: Any, depth: int = 0) -> tuple[Tensor, ...]:
     """The tensors of ``value`` if it is a tensor or a (nested, short) tuple, list or dict of tensors, else
     ``()``."""
     if isinstance(value, Tensor):
         return () if isinstance(value, nn.Parameter) else (value,)
     items = list(value.values()) if isinstance(value, dict) else value
     if depth < 2 and isinstance(value, (tuple, list, dict)) and 0 < len(items) <= _MAX_ITEMS:
-        parts = [_tensors_in(item, depth + 1) for item in items]
+        parts = [tensors_in(item, depth + 1) for item in items]
         if all(parts):
             return tuple(tensor for part in parts for tensor in part)
     return ()
@@ -71,10 +71,15 @@ def batch_shaped_attributes(module: nn.Module, batch_size: int) -> dict[str, tup
         if _skipped(submodule):
             continue
         for name, value in [*_plain_attributes(submodule), *submodule.named_buffers(recurse=False)]:
-            tensors = _tensors_in(value)
+            tensors = tensors_in(value)
             if tensors and any(batch_size in tensor.shape for tensor in tensors):
                 found[f"{prefix}.{name}" if prefix else name] = tensors
     return found
+
+
+def _is_buffer(module: nn.Module, path: str) -> bool:
+    owner, _, name = path.rpartition(".")
+    return name in (module.get_submodule(owner) if owner else module)._buffers
 
 
 def _attribute(module: nn.Module, path: str) -> Any:
@@ -118,6 +123,8 @@ class CarriedStateCheck:
 
     def __init__(self) -> None:
         self.candidates: dict[str, tuple[Tensor, ...]] | None = None
+        # the candidates on which a batch cut before the check ends is refused
+        self._cut_blockers: set[str] = set()
         self.found: dict[str, tuple[tuple[int, ...], ...]] = {}
         self.done = False
         self._watch: _ReadWatch | None = None
@@ -133,7 +140,7 @@ class CarriedStateCheck:
         batch-shaped is held, since a cut batch may break it."""
         if self.done:
             return None
-        if cut and self.candidates:
+        if cut and self._cut_blockers:
             return carried_state_refusal(self.candidate_shapes())
         self.watch()
         return None
@@ -151,6 +158,14 @@ class CarriedStateCheck:
     def after_first_batch(self, module: nn.Module, batch_size: int) -> None:
         self.candidates = batch_shaped_attributes(module, batch_size)
         self.done = not self.candidates  # nothing batch-shaped is kept: nothing can carry over
+        # a batch cut before the check ends is refused only on a plain tensor, tuple or list attribute: buffers
+        # (BatchNorm's statistics when its channels equal the batch size) and dicts (outputs kept for logging, a
+        # cache) are batch-shaped far more often than they carry state, and wait for the read/replace test
+        self._cut_blockers = {
+            path
+            for path in self.candidates
+            if not isinstance(_attribute(module, path), dict) and not _is_buffer(module, path)
+        }
 
     def watch(self) -> None:
         """Start noting reads of the candidates (until :meth:`after_second_batch` or :meth:`stop`)."""
@@ -167,7 +182,7 @@ class CarriedStateCheck:
         read = set() if self._watch is None else self._watch.read
         self.stop()
         for path, tensors in (self.candidates or {}).items():
-            now = _tensors_in(_attribute(module, path))
+            now = tensors_in(_attribute(module, path))
             replaced = {id(t) for t in now} != {id(t) for t in tensors}
             if replaced and any(id(t) in read for t in tensors):
                 self.found[path] = tuple(tuple(t.shape) for t in tensors)
@@ -183,9 +198,11 @@ class CarriedStateCheck:
         )
 
     def candidate_shapes(self) -> dict[str, tuple[tuple[int, ...], ...]]:
-        """The candidates' shapes (what a batch cut before the check is done must be refused on)."""
+        """The shapes of the candidates a batch cut before the check is done is refused on."""
         return {
-            path: tuple(tuple(t.shape) for t in tensors) for path, tensors in (self.candidates or {}).items()
+            path: tuple(tuple(t.shape) for t in tensors)
+            for path, tensors in (self.candidates or {}).items()
+            if path in self._cut_blockers
         }
 
 
@@ -210,7 +227,7 @@ def carried_tensors(module: nn.Module) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for prefix, submodule in module.named_modules():
         for name, value in _plain_attributes(submodule):
-            if value is None or _tensors_in(value):
+            if value is None or tensors_in(value):
                 found[f"{prefix}.{name}" if prefix else name] = value
     return found
 
@@ -223,7 +240,7 @@ def restore_carried_tensors(module: nn.Module, saved: dict[str, Any]) -> None:
         owner_name, _, name = dotted.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
         if value is None:
-            if _tensors_in(getattr(owner, name, None)):
+            if tensors_in(getattr(owner, name, None)):
                 setattr(owner, name, None)
         elif isinstance(value, (tuple, list)):
             setattr(owner, name, type(value)(_to(v, device) for v in value))
@@ -261,7 +278,7 @@ def kept_carried_state(module: nn.Module) -> Iterator[None]:
                 delattr(module.get_submodule(owner_name) if owner_name else module, name)
         for dotted, value in saved.items():
             if value is not _attribute(module, dotted) and (
-                value is not None or _tensors_in(_attribute(module, dotted))
+                value is not None or tensors_in(_attribute(module, dotted))
             ):
                 owner_name, _, name = dotted.rpartition(".")
                 setattr(module.get_submodule(owner_name) if owner_name else module, name, value)

@@ -77,14 +77,11 @@ def weights_are_finite(module: torch.nn.Module, optimizers: Iterable[torch.optim
 
 
 def _forward_state(module: torch.nn.Module) -> dict[str, list[Tensor]]:
-    from lightning_pulse.core.carried_state import carried_tensors
+    from lightning_pulse.core.carried_state import carried_tensors, tensors_in
 
     named = {name: [b] for name, b in module.named_buffers() if b is not None and b.is_floating_point()}
-    for name, value in carried_tensors(module).items():
-        tensors = [
-            t for t in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(t, Tensor)
-        ]
-        named[name] = [t for t in tensors if t.is_floating_point()]
+    for name, value in carried_tensors(module).items():  # a tensor, or a tuple, list or dict of them
+        named[name] = [t for t in tensors_in(value) if t.is_floating_point()]
     return {name: tensors for name, tensors in named.items() if tensors}
 
 
