@@ -947,3 +947,32 @@ def test_a_structured_event_reports_the_weight_share_of_the_layers_it_cut_and_na
     assert "left uncut, no channel group of theirs can be cut safely: mid, shared, head" in (
         pruning.event_summary(event)
     )
+
+
+def test_frozen_twins_are_copies_not_frozen_parts_that_happen_to_share_a_structure():
+    """On structure alone, partial fine-tuning (the lower 2 of 4 identical blocks frozen) and a fixed random
+    projection shaped like a trained layer were refused as frozen copies; neither pairs anything with the part
+    that is cut. A copy has the part's values, or (a resumed run, its values moved apart) two layers or more and
+    is not an entry of the same list."""
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    stack = nn.Module()
+    stack.blocks = nn.ModuleList([block() for _ in range(4)])
+    stack.proj = nn.Linear(8, 8)
+    for frozen in (stack.blocks[0], stack.blocks[1], stack.proj):
+        frozen.requires_grad_(False)
+    layers = {
+        name: m for name, m in stack.named_modules() if isinstance(m, nn.Linear) and m.weight.requires_grad
+    }
+    assert prune_targets.frozen_twins(stack, layers) == {}
+
+    pair = nn.Module()
+    pair.student = block()
+    pair.teacher = copy.deepcopy(pair.student).requires_grad_(False)
+    layers = {f"student.{i}": pair.student[i] for i in (0, 2)}
+    assert prune_targets.frozen_twins(pair, layers) == {"teacher": "student"}
+    with torch.no_grad():  # a resumed EMA teacher lags its student
+        pair.teacher[0].weight.mul_(0.9)
+    assert prune_targets.frozen_twins(pair, layers) == {"teacher": "student"}

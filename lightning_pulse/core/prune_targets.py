@@ -210,10 +210,24 @@ def _structure(module: nn.Module) -> tuple:
     )
 
 
+def _same_values(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p.detach(), q.detach()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _positional_siblings(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` are entries of one ``nn.ModuleList`` or ``nn.Sequential`` (``blocks.0``, ``blocks.2``)."""
+    (parent_a, _, last_a), (parent_b, _, last_b) = a.rpartition("."), b.rpartition(".")
+    return parent_a == parent_b and last_a.isdigit() and last_b.isdigit()
+
+
 def frozen_twins(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, str]:
-    """The frozen copies of parts holding ``layers``: ``{copy's name: part's name}``. A copy is a submodule with
-    parameters, none of them trainable, that has the structure of a trainable submodule holding some of
-    ``layers`` (outermost copies only)."""
+    """The frozen copies of parts holding ``layers``: ``{copy's name: part's name}`` (outermost copies only).
+
+    A copy is a submodule with parameters, none of them trainable, with the structure of a trainable submodule
+    that holds some of ``layers``, and either the same values now (a copy made before training: an EMA teacher,
+    a target network, a reference model) or, with other values (a resumed run), two layers or more and not an
+    entry of the same list as the part. Frozen lower blocks of a stack (partial fine-tuning) and a fixed layer
+    that happens to be shaped like a trained one are not copies."""
     modules = dict(model.named_modules())
     frozen = [
         name
@@ -225,6 +239,7 @@ def frozen_twins(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str,
     for copy_name in frozen:
         copy = modules[copy_name]
         shape = _structure(copy)
+        layered = sum(1 for m in copy.modules() if any(True for _ in m.parameters(recurse=False))) >= 2
         for name, part in modules.items():
             if (
                 name
@@ -233,6 +248,7 @@ def frozen_twins(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str,
                 and any(layer == name or layer.startswith(name + ".") for layer in layers)
                 and all(p.requires_grad for p in part.parameters())
                 and _structure(part) == shape
+                and (_same_values(part, copy) or (layered and not _positional_siblings(name, copy_name)))
             ):
                 twins[copy_name] = name
                 break
