@@ -162,6 +162,30 @@ class _StateHeldElsewhere(nn.Module):
         return self.norm(out[:, -1])
 
 
+def test_a_look_at_the_old_states_shape_is_not_a_read_of_it():
+    """A buffer recomputed from every batch, whose forward checks the old value's shape before replacing it, was
+    called carried state: the shape check went through the read watch like a use of its values."""
+
+    class ShapeChecked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("centred", torch.zeros(5, 4), persistent=False)
+
+        def forward(self, x):
+            if self.centred.shape != x.shape or self.centred.dtype != x.dtype or self.centred.dim() != 2:
+                raise AssertionError
+            self.centred = x - x.mean(dim=0)
+            return self.centred
+
+    module, check = ShapeChecked(), CarriedStateCheck()
+    module(torch.randn(5, 4))
+    check.after_first_batch(module, batch_size=5)
+    check.watch()
+    module(torch.randn(5, 4))
+    check.after_second_batch(module)
+    assert check.done and check.found == {}
+
+
 @pytest.mark.parametrize("store", ["buffer", "dict"])
 def test_carried_state_kept_in_a_buffer_or_a_dict_is_found(store):
     """Held there, a stateful LSTM's state was not found: batch mode crashed at its first cut batch with torch's

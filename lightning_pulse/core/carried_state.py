@@ -91,6 +91,21 @@ def _attribute(module: nn.Module, path: str) -> Any:
     return holder._buffers[name] if name in holder._buffers else dict(_plain_attributes(holder)).get(name)
 
 
+#: what a torch function mode sees for a look at a tensor's metadata, not its values
+_METADATA = frozenset(
+    (
+        Tensor.shape.__get__,
+        Tensor.dtype.__get__,
+        Tensor.device.__get__,
+        Tensor.ndim.__get__,
+        Tensor.size,
+        Tensor.dim,
+        Tensor.numel,
+        Tensor.is_floating_point,
+    )
+)
+
+
 class _ReadWatch(TorchFunctionMode):
     """Notes which of the watched tensors any torch function (or tensor method) receives."""
 
@@ -101,6 +116,8 @@ class _ReadWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if func in _METADATA:  # a look at its shape or type carries none of its values
+            return func(*args, **kwargs)
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, Tensor) and id(leaf) in self.watched:
                 self.read.add(id(leaf))
