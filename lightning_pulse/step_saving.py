@@ -30,7 +30,13 @@ from lightning_pulse.core.replay import (
     HardSampleSelector,
 )
 from lightning_pulse.core.sample_index import PlannedBatchSampler, SampleIndexTracker
-from lightning_pulse.core.step_plan import StepPlan, StepSavingStream, budget_shortfall, plan_summary
+from lightning_pulse.core.step_plan import (
+    StepPlan,
+    StepSavingStream,
+    budget_shortfall,
+    plan_summary,
+    schedule_lengths,
+)
 from lightning_pulse.errors import PulseRefusal
 
 
@@ -117,8 +123,11 @@ class StepSavingLoader:
             accumulate=accumulate,
             drop_last=batches.drop_last,
         )
-        step_scheduled = any(config.interval == "step" for config in trainer.lr_scheduler_configs)
-        if max_epochs is None and step_scheduled and plan.total_steps < max_steps:
+        built_for_max_steps = any(  # a per-step schedule whose length is the unplanned max_steps
+            config.interval == "step" and max_steps in schedule_lengths(config.scheduler)
+            for config in trainer.lr_scheduler_configs
+        )
+        if max_epochs is None and built_for_max_steps and plan.total_steps < max_steps:
             raise PulseRefusal(
                 STEPS_MODE_STEP_BOUND_REFUSAL.format(
                     max_epochs=trainer.max_epochs,

@@ -657,7 +657,7 @@ def test_a_run_bounded_by_max_steps_alone_is_refused_when_its_lr_schedule_read_t
         max_epochs=-1, max_steps=60, callbacks=[HardSampleReplay(), counter], **trainer_kwargs()
     )
     with pytest.raises(
-        PulseRefusal, match=r"max_epochs=-1.*estimated_stepping_batches=60.*Set max_epochs too"
+        PulseRefusal, match=r"max_epochs=-1.*built for max_steps=60 steps.*Set max_epochs too"
     ):
         trainer.fit(OneCycleClassifier(), ShuffleFreeData(num_samples=1000, batch_size=64))
     assert counter.steps == 0
@@ -668,3 +668,51 @@ def test_a_run_bounded_by_max_steps_alone_is_refused_when_its_lr_schedule_read_t
     trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64))
     schedule = trainer.lr_scheduler_configs[0].scheduler
     assert model.planned_total == trainer.global_step == schedule.last_epoch < 60
+
+
+def test_schedule_lengths_are_read_from_torch_and_hugging_face_schedulers():
+    import functools
+
+    from lightning_pulse.core.step_plan import schedule_lengths
+
+    def optimizer():
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    def linear_decay(step, num_warmup_steps, num_training_steps):  # as transformers' schedules are written
+        return min(1.0, step / max(1, num_warmup_steps)) * max(0.0, 1 - step / num_training_steps)
+
+    total = 120
+    assert schedule_lengths(torch.optim.lr_scheduler.OneCycleLR(optimizer(), 0.1, total_steps=total)) == {
+        total
+    }
+    assert total in schedule_lengths(torch.optim.lr_scheduler.CosineAnnealingLR(optimizer(), T_max=total))
+    hf = functools.partial(linear_decay, num_warmup_steps=10, num_training_steps=total)
+    assert total in schedule_lengths(torch.optim.lr_scheduler.LambdaLR(optimizer(), hf))
+    assert total in schedule_lengths(torch.optim.lr_scheduler.LambdaLR(optimizer(), lambda s: 1 - s / total))
+    warm_up = torch.optim.lr_scheduler.LambdaLR(optimizer(), lambda s: min(1.0, (s + 1) / 10))
+    assert total not in schedule_lengths(warm_up)
+    first = optimizer()
+    chained = torch.optim.lr_scheduler.SequentialLR(
+        first,
+        [
+            torch.optim.lr_scheduler.ConstantLR(first, total_iters=5),
+            torch.optim.lr_scheduler.CosineAnnealingLR(first, T_max=total),
+        ],
+        milestones=[5],
+    )
+    assert total in schedule_lengths(chained)
+
+
+class _WarmUpOnly(OneCycleClassifier):
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-3)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
+def test_a_max_steps_only_run_with_a_schedule_of_no_length_trains():
+    """A fixed warm-up then a constant rate has no course to cut short: it was refused with every per-step
+    scheduler (the message said it would stop half way)."""
+    trainer = pl.Trainer(max_epochs=-1, max_steps=60, callbacks=[HardSampleReplay()], **trainer_kwargs())
+    trainer.fit(_WarmUpOnly(), ShuffleFreeData(num_samples=1000, batch_size=64))
+    assert 0 < trainer.global_step == trainer.max_steps < 60

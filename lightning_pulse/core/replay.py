@@ -162,8 +162,8 @@ STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL = (
 )
 STEPS_MODE_STEP_BOUND_REFUSAL = (
     "HardSampleReplay: in a run bounded by max_steps alone (max_epochs={max_epochs!r}), Lightning builds the "
-    "LR scheduler before the training data, so configure_optimizers read estimated_stepping_batches="
-    "{max_steps}, and mode='steps' plans {planned} steps: the schedule would stop at {share:.0%} of its course. "
+    "LR scheduler before the training data, so a per-step scheduler here was built for max_steps={max_steps} "
+    "steps, and mode='steps' plans {planned}: the schedule would stop at {share:.0%} of its course. "
     "Set max_epochs too (max_epochs={epochs} holds max_steps' data): Lightning then loads the data, and the plan "
     "is made, before the scheduler reads the run's length. Or use mode='batch'."
 )

@@ -16,6 +16,7 @@ replay-phase length.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -474,3 +475,28 @@ class StepSavingStream:
             self._resume = None
             return
         self._resume = {k: float(v) if k == "pass_prior" else int(v) for k, v in state.items()}
+
+
+def schedule_lengths(scheduler: Any) -> set[int]:
+    """The run lengths an LR scheduler says it was built for: ``total_steps`` (OneCycleLR), ``T_max``
+    (CosineAnnealingLR), ``total_iters`` (LinearLR, PolynomialLR), the ints a ``LambdaLR``'s functions were given
+    or close over (Hugging Face's schedules are partials holding ``num_training_steps``), and those of the
+    schedulers inside a ``SequentialLR`` or ``ChainedScheduler``. A function that reads
+    ``trainer.estimated_stepping_batches`` at each call holds no length: it follows the plan."""
+
+    def ints(values: Iterable[Any]) -> set[int]:
+        return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+
+    found = ints(getattr(scheduler, name, None) for name in ("total_steps", "T_max", "total_iters"))
+    for function in getattr(scheduler, "lr_lambdas", None) or ():
+        if isinstance(function, functools.partial):
+            found |= ints((*function.args, *function.keywords.values()))
+            function = function.func
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                found |= ints([cell.cell_contents])
+            except ValueError:  # an empty cell
+                continue
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        found |= schedule_lengths(inner)
+    return found
