@@ -677,17 +677,25 @@ class DigitsBatchNormMLP(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=3e-3)
 
 
+def _digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
+
+
+def _digits_loader(x=None, y=None):
+    x, y = _digits_tensors() if x is None else (x, y)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64, shuffle=True)
+
+
 def test_a_nan_row_under_batchnorm_is_skipped_as_the_datas_fault_and_its_running_statistics_mended():
     """The bad row's forward writes NaN into BatchNorm's running statistics before any step. That is the data's
     doing: the step is skipped and the statistics go back to the snapshot's, with no rollback (before, the
     non-finite buffers were blamed on the model, the guard rolled back at every epoch and stopped the run)."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16
-    y = torch.tensor(digits.target)
+    x, y = _digits_tensors()
     x[5, 3] = float("nan")
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64, shuffle=True)
+    loader = _digits_loader(x, y)
     pl.seed_everything(0)
     model = DigitsBatchNormMLP()
     guard = StabilityGuard(snapshot_every=10, warmup=10)
@@ -713,14 +721,6 @@ class _GrowsThenBreaks(DigitsBatchNormMLP):
         if self.global_step == 20:
             with torch.no_grad():
                 self.net[0].weight[0, 0] = float("nan")
-
-
-def _digits_loader():
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64, shuffle=True)
 
 
 def test_a_rollback_with_no_snapshot_that_fits_stops_the_run_instead_of_training_on_a_bad_state(tmp_path):

@@ -88,7 +88,9 @@ def _attribute(module: nn.Module, path: str) -> Any:
         holder = module.get_submodule(owner) if owner else module
     except AttributeError:
         return None
-    return holder._buffers[name] if name in holder._buffers else dict(_plain_attributes(holder)).get(name)
+    if name in holder._buffers:
+        return holder._buffers[name]
+    return None if name in _MODULE_INTERNALS else vars(holder).get(name)
 
 
 #: what a torch function mode sees for a look at a tensor's metadata, not its values

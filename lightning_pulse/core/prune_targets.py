@@ -255,6 +255,12 @@ def frozen_twins(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str,
     return twins
 
 
+def weight_shares(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, float]:
+    """Each of ``layers``' share of the model's distinct parameter elements (its weight's)."""
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return {name: _weight(layer).numel() / total if total else 0.0 for name, layer in layers.items()}
+
+
 def weight_share(model: nn.Module, layers: Mapping[str, nn.Module]) -> float:
     """Share of the model's distinct parameter elements held by the weights of ``layers``."""
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

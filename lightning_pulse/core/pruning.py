@@ -768,7 +768,7 @@ def check_structured(
     if reason is not None and reason.startswith("tracing which channels"):
         hint = attention_hint(model, pruner.exclude_pattern)
         reason = reason if hint is None else f"{reason}; {hint}"
-    elif reason is not None and reason.startswith("pruning a copy of the model failed"):
+    elif reason is not None and reason.startswith(CUT_FAILED):
         hint = _way_out(model, pruner, sparsities, example, where)
         reason = reason if hint is None else f"{reason}; {hint}"
     return reason
@@ -792,6 +792,9 @@ def _trial_cut(
             return failed.reason, failed.where
 
 
+#: how a trial cut that raised is reported (the refusal's reason starts with it)
+CUT_FAILED = "pruning a copy of the model failed"
+
 #: how many exclusions :func:`_way_out` adds and checks before it gives up on naming one that works
 WAY_OUT_TRIES = 3
 
@@ -806,7 +809,8 @@ def _way_out(
     feeding a ``GroupNorm`` whose groups must divide their channels). A cut that then breaks elsewhere adds that
     part's pattern too, up to :data:`WAY_OUT_TRIES` times. Where no pattern passes, the first failing module is
     named."""
-    broke_in, patterns, current = where, [], pruner.exclude_pattern
+    patterns, current = [], pruner.exclude_pattern
+    place = "" if where is None else f"it broke in {where} ({type(model.get_submodule(where)).__name__})"
     for _ in range(WAY_OUT_TRIES):
         pattern = _exclusion_for(model, where, current)
         if pattern is None:
@@ -815,20 +819,14 @@ def _way_out(
         current = "|".join(p for p in (pruner.exclude_pattern, *patterns) if p)
         reason, where = _trial_cut(model, pruner, current, sparsities, example)
         if reason is None:
-            place = (
-                f"it broke in {broke_in} ({type(model.get_submodule(broke_in)).__name__})" if broke_in else ""
-            )
             return (
                 f"{place}; with `exclude_pattern`={current!r} the trial cut passes and the other layers are cut"
             ).lstrip("; ")
-        if not reason.startswith("pruning a copy of the model failed"):
+        if not reason.startswith(CUT_FAILED):
             break
-    if broke_in is None:
+    if not place:
         return attention_hint(model, pruner.exclude_pattern)
-    return (
-        f"it broke in {broke_in} ({type(model.get_submodule(broke_in)).__name__}): leave out the layers around it "
-        "with `exclude_pattern`"
-    )
+    return f"{place}: leave out the layers around it with `exclude_pattern`"
 
 
 def _exclusion_for(model: nn.Module, where: str | None, exclude_pattern: str | None) -> str | None:
@@ -836,7 +834,7 @@ def _exclusion_for(model: nn.Module, where: str | None, exclude_pattern: str | N
     if where is None or _in_attention(model, where):
         attention = attention_pattern(model, exclude_pattern)
         return None if attention is None else attention[0]
-    weighted = [n for n, m in model.named_modules() if "weight" in getattr(m, "_parameters", {})]
+    weighted = _weighted_names(model)
     parts = where.split(".")
     for end in range(len(parts), 0, -1):
         prefix = ".".join(parts[:end])
@@ -845,6 +843,11 @@ def _exclusion_for(model: nn.Module, where: str | None, exclude_pattern: str | N
         if holds_layer and component is not None:
             return re.escape(component)
     return None
+
+
+def _weighted_names(model: nn.Module) -> list[str]:
+    """The names of the modules that hold a ``weight`` parameter of their own."""
+    return [n for n, m in model.named_modules() if "weight" in getattr(m, "_parameters", {})]
 
 
 def _in_attention(model: nn.Module, where: str) -> bool:
@@ -931,8 +934,7 @@ def attention_pattern(model: nn.Module, exclude_pattern: str | None) -> tuple[st
 
     pattern = pattern_of(outermost)
     inside = tuple(o + "." for o in outermost)
-    weights = [n for n, m in model.named_modules() if "weight" in getattr(m, "_parameters", {})]
-    if any(re.search(pattern, n) and not n.startswith(inside) for n in weights):
+    if any(re.search(pattern, n) and not n.startswith(inside) for n in _weighted_names(model)):
         pattern = pattern_of(innermost)  # the outer component also names layers outside attention
     return pattern, outermost
 
@@ -1020,7 +1022,7 @@ def _dry_run(
             f"{STRUCTURED_CHECK_SECONDS:g} s, as on rotary-embedding attention"
         )
     except Exception as error:  # whatever the model does, the answer is a refusal, not a crash mid-run
-        reason = f"pruning a copy of the model failed ({type(error).__name__}: {str(error)[:200]})"
+        reason = f"{CUT_FAILED} ({type(error).__name__}: {str(error)[:200]})"
         raise _CutFailed(reason, _failing_module(duplicate, error)) from None
     if not trial.history:
         return "no channel group of the selected layers can be cut safely"
@@ -1273,7 +1275,7 @@ class Pruner:
                 global_sparsity(primaries), layer_sparsity(layers), ParameterRemap(), [], share
             )
         # the share is of the layers this event really cuts, known only after it: their weights' sizes before it
-        sizes = {name: prune_targets.weight_share(model, {name: layer}) for name, layer in layers.items()}
+        sizes = prune_targets.weight_shares(model, layers)
         if self.example_inputs is None:
             if example is None:
                 raise ValueError("Structured pruning needs an example input to trace the model with.")

@@ -234,8 +234,10 @@ class StabilityCore:
         left so they would make every later step non-finite. Returns the names mended; ``[]`` when none was bad
         or no snapshot fits (the next step then comes out non-finite from the state, and rolls back)."""
         names = nonfinite_forward_state(model)
+        if not names:
+            return []
         snapshot = next((s for s in reversed(list(self.schedule.ring)) if s.fits(model)), None)
-        if not names or snapshot is None:
+        if snapshot is None:
             return []
         saved_buffers = {**snapshot.model, **snapshot.buffers}
         carried = snapshot.extra.get("carried", {})
