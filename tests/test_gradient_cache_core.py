@@ -24,6 +24,7 @@ from lightning_pulse.core.layer_freezing import (
     in_span,
     relative_parameter_change,
     restore_during_fit,
+    window_movements,
 )
 from lightning_pulse.errors import PulseRefusal
 
@@ -295,6 +296,35 @@ def test_relative_parameter_change_on_known_vectors():
     ) == pytest.approx(0.1)
     assert relative_parameter_change([torch.tensor([3.0, 4.0]), torch.zeros(1)], snapshot) == 0.0
     assert relative_parameter_change([torch.ones(1)], [torch.zeros(1)]) == math.inf
+
+
+def test_window_movements_of_many_units_match_a_float64_reference():
+    # the movements of a whole model are read with fused norms over every unit's tensors at once: each unit's
+    # figures must still be its own, whatever its dtypes (a bf16 unit widens exactly, a float64 one stays)
+    generator = torch.Generator().manual_seed(0)
+    units = [
+        [torch.randn(8, 4, generator=generator), torch.randn(4, generator=generator)],
+        [torch.randn(16, generator=generator).to(torch.bfloat16)],
+        [torch.randn(3, 3, generator=generator, dtype=torch.float64)],
+        [torch.zeros(5)],  # a zero snapshot that did not move
+    ]
+    moved_units = [
+        [t + 0.1 * torch.randn(t.shape, generator=generator).to(t.dtype) for t in u] for u in units[:3]
+    ]
+    moved_units.append([torch.zeros(5)])
+    got = window_movements(list(zip(moved_units, units)))
+    for (rate, growth), params, snapshot in zip(got, moved_units, units):
+        moved = math.sqrt(
+            sum(float(((p.double() - s.double()) ** 2).sum()) for p, s in zip(params, snapshot))
+        )
+        reference = math.sqrt(sum(float((s.double() ** 2).sum()) for s in snapshot))
+        current = math.sqrt(sum(float((p.double() ** 2).sum()) for p in params))
+        if reference == 0:
+            assert (rate, growth) == (0.0, 0.0)
+            continue
+        assert rate == pytest.approx(moved / reference, rel=1e-5)
+        assert growth == pytest.approx(current / reference - 1.0, rel=1e-4, abs=1e-6)
+    assert window_movements([]) == []
 
 
 # ------------------------------------------------------------------------------------------ the state machine

@@ -162,10 +162,12 @@ def relative_parameter_changes(
     return [rate for rate, _ in window_movements(pairs)]
 
 
-def _real64(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in float64, a complex one as its real and imaginary parts (``.double()`` would drop the
-    imaginary part: a parameter moving only there looked still)."""
-    return torch.view_as_real(tensor).double() if tensor.is_complex() else tensor.double()
+def _real_float(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32 (float64 stays), a complex one as its real and imaginary parts (a cast to a real
+    dtype would drop the imaginary part: a parameter moving only there looked still). Half-precision values
+    widen exactly, so their difference is taken without rounding."""
+    tensor = torch.view_as_real(tensor.detach()) if tensor.is_complex() else tensor.detach()
+    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
 
 
 def window_movements(
@@ -176,19 +178,26 @@ def window_movements(
     single host sync."""
     if not pairs:
         return []
-    sums = []
-    for params, snapshot in pairs:
-        zero = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
-        moved = sum(
-            (torch.sum((_real64(p.detach()) - _real64(s)) ** 2) for p, s in zip(params, snapshot)), zero
+    # every unit's tensors in one list: three fused norm kernels for the whole model, not three ops per tensor
+    params = [_real_float(p) for unit, _ in pairs for p in unit]
+    snapshot = [_real_float(s) for _, unit in pairs for s in unit]
+    norms: list[torch.Tensor] = []
+    if params:
+        moved = torch._foreach_norm(torch._foreach_sub(params, snapshot), 2.0)
+        norms = [*moved, *torch._foreach_norm(snapshot, 2.0), *torch._foreach_norm(params, 2.0)]
+    if len({n.device for n in norms}) > 1:  # a model split over devices: its norms meet on the first one
+        norms = [n.to(norms[0].device) for n in norms]
+    read = torch.stack(norms).tolist() if norms else []
+    count = len(params)
+    movements, start = [], 0
+    for unit, _ in pairs:
+        end = start + len(unit)
+        # a unit's norm from its tensors' norms, squared and summed in float64
+        moved, reference, current = (
+            math.sqrt(sum(value * value for value in read[base + start : base + end]))
+            for base in (0, count, 2 * count)
         )
-        reference = sum((torch.sum(_real64(s) ** 2) for s in snapshot), zero)
-        current = sum((torch.sum(_real64(p.detach()) ** 2) for p in params), zero)
-        sums += [moved, reference.to(moved.device), current.to(moved.device)]
-    devices = {t.device for t in sums}
-    norms = torch.stack([t.to(sums[0].device) for t in sums] if len(devices) > 1 else sums).sqrt().tolist()
-    movements = []
-    for moved, reference, current in zip(norms[0::3], norms[1::3], norms[2::3]):
+        start = end
         if reference > 0:
             movements.append((moved / reference, current / reference - 1.0))
         else:
