@@ -587,13 +587,39 @@ class StepTimer:
 PROBE_MODES = ("probe", "none")
 
 
-def check_cycle_options(maintain_eval: str, probe_batches: int, budget: float | None) -> float | None:
+#: PulseCycle's defaults for the options that belong to one phase: set away from them for a phase that
+#: ``order`` leaves out, they would do nothing
+PHASE_OPTION_DEFAULTS = {
+    "burst": {"burst": 60},
+    "replay": {"replay": 30},
+    "maintain": {"maintain": 10, "maintain_eval": "probe", "probe_batches": 4},
+}
+
+
+def check_cycle_options(
+    maintain_eval: str,
+    probe_batches: int,
+    budget: float | None,
+    durations: dict[str, Any] | None = None,
+    order: Sequence[str] = PHASE_NAMES,
+) -> float | None:
     """Validate PulseCycle's options besides the clock's; return ``budget`` as a float (or ``None``).
 
     Raises:
-        ValueError: naming the field, for an unknown ``maintain_eval``, a non-positive ``probe_batches`` or a
-            ``budget`` outside ``(0, 1)``.
+        ValueError: naming the field, for an unknown ``maintain_eval``, a non-positive ``probe_batches``, a
+            ``budget`` outside ``(0, 1)``, or an option of a phase that ``order`` leaves out, set away from
+            its default (it would do nothing).
     """
+    given = {**(durations or {}), "maintain_eval": maintain_eval, "probe_batches": probe_batches}
+    for phase, defaults in PHASE_OPTION_DEFAULTS.items():
+        if phase in order:
+            continue
+        for field, default in defaults.items():
+            if field in given and given[field] != default:
+                raise ValueError(
+                    f"PulseCycle: `{field}`={given[field]!r} belongs to the {phase} phase, which `order`="
+                    f"{list(order)} leaves out, so it would do nothing; drop it, or add {phase!r} to `order`."
+                )
     if maintain_eval not in PROBE_MODES:
         raise ValueError(f"PulseCycle: `maintain_eval`={maintain_eval!r} is not one of {list(PROBE_MODES)}.")
     if isinstance(probe_batches, bool) or not isinstance(probe_batches, int) or probe_batches < 1:

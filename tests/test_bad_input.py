@@ -239,3 +239,119 @@ def test_a_share_of_a_run_of_unknown_length_is_a_refusal_naming_gradient_cache(m
         r"^GradientCache: `start_at`=0.1 is a share",
         max_time="00:00:01:00",
     )
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: ScheduledPrune(options=PruneOptions(min_channels=4)),
+            r"^ScheduledPrune: `min_channels`=4 is read by mode='structured' only",
+        ),
+        (
+            lambda: ScheduledPrune(mode="structured", options={"make_permanent": False}),
+            r"^ScheduledPrune: `make_permanent`=False is read by mode='unstructured' only",
+        ),
+        (
+            lambda: ScheduledPrune(every=50, options={"cadence": "maintain"}),
+            r"^ScheduledPrune: `every`=50 sets the step cadence",
+        ),
+        (
+            lambda: PulseCycle(order=["burst", "replay"], maintain=5),
+            r"^PulseCycle: `maintain`=5 belongs to the maintain phase, which `order`=\['burst', 'replay'\]",
+        ),
+        (
+            lambda: PulseCycle(order=["burst", "replay"], maintain_eval="none"),
+            r"^PulseCycle: `maintain_eval`='none' belongs to the maintain phase",
+        ),
+        (
+            lambda: PulseCycle(order=["burst", "maintain"], replay=12),
+            r"^PulseCycle: `replay`=12 belongs to the replay phase",
+        ),
+        (
+            lambda: HardSampleReplay(rule="infobatch", replay_fraction=0.3),
+            r"^HardSampleReplay: `replay_fraction`=0.3 is not read by rule='infobatch'",
+        ),
+        (
+            lambda: HardSampleReplay(rule="random", prune_ratio=0.3),
+            r"^HardSampleReplay: `prune_ratio`=0.3 is read by rule='infobatch' only",
+        ),
+        (
+            lambda: GreenWindow(threshold=200, horizon="24h"),
+            r"^GreenWindow: `horizon`='24h' is read by a percentile `threshold` only",
+        ),
+        (lambda: GreenWindow(horizon=3600), r"^GreenWindow: `horizon`=3600 .* `threshold`=None is adaptive"),
+    ],
+    ids=[
+        "min_channels-unstructured",
+        "make_permanent-structured",
+        "every-maintain-cadence",
+        "maintain-outside-order",
+        "maintain_eval-outside-order",
+        "replay-outside-order",
+        "replay_fraction-infobatch",
+        "prune_ratio-topk",
+        "horizon-absolute",
+        "horizon-adaptive",
+    ],
+)
+def test_an_option_that_the_chosen_mode_never_reads_is_refused_at_construction(make, match):
+    # an option set away from its default where nothing reads it is a user's mistake that would pass silently:
+    # the run would not do what its configuration says
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_the_same_options_where_they_are_read_are_accepted():
+    ScheduledPrune(mode="structured", options=PruneOptions(min_channels=4))
+    ScheduledPrune(every=50, options={"cadence": "steps"})
+    ScheduledPrune(every=50)  # cadence 'auto': steps when there is no maintain phase
+    PulseCycle(order=["burst", "replay"])
+    PulseCycle(order=["burst", "replay"], burst=12, replay=24)
+    HardSampleReplay(rule="infobatch", prune_ratio=0.3)
+    HardSampleReplay(rule="topk", replay_fraction=0.3)
+    GreenWindow(threshold="30%", horizon="24h")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"cpu": "none", "meters": {"cpu_watts": 10.0}},
+            r"^EnergyLogger: `meters.cpu_watts`=10.0 is not read: `cpu`='none' meters no CPU",
+        ),
+        (
+            {"gpu": "none", "meters": {"gpu_devices": [0]}},
+            r"^EnergyLogger: `meters.gpu_devices`=\(0,\) is not read: `gpu`='none'",
+        ),
+        (
+            {"cpu": "constant", "meters": {"cpu_watts": 5.0, "rapl_root": "/sys/x"}},
+            r"^EnergyLogger: `meters.rapl_root`='/sys/x' is not read: RAPL is read by `cpu`='auto' only",
+        ),
+        (
+            {"cpu": "none", "ram": "none", "meters": {"codecarbon_tracking_mode": "process"}},
+            r"^EnergyLogger: `meters.codecarbon_tracking_mode`='process' is not read",
+        ),
+        (
+            {"currency": "USD"},
+            r"^EnergyLogger: `currency`='USD' labels the price, and `price_per_kwh` is None",
+        ),
+    ],
+    ids=[
+        "cpu_watts-cpu-none",
+        "gpu_devices-gpu-none",
+        "rapl_root-constant",
+        "tracking-no-codecarbon",
+        "currency",
+    ],
+)
+def test_a_meter_option_that_no_chosen_meter_reads_is_refused_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EnergyLogger(**kwargs)
+
+
+def test_meter_options_next_to_the_meters_that_read_them_are_accepted():
+    EnergyLogger(cpu="constant", ram="none", gpu="none", meters={"cpu_watts": 10.0})
+    EnergyLogger(cpu="auto", meters={"cpu_watts": 10.0, "rapl_root": "/sys/x"})  # the last CPU fallback
+    EnergyLogger(cpu="none", ram="codecarbon", meters={"codecarbon_tracking_mode": "process"})
+    EnergyLogger(currency="USD", price_per_kwh=0.3)

@@ -265,7 +265,8 @@ def _selector(rule="topk", size=8, **kwargs):
 def test_selector_never_cuts_a_batch_to_one_sample(rule):
     """An epoch's short last batch of 2 was cut to 1 sample, and BatchNorm raised mid-run ("Expected more than 1
     value per channel when training"); a cut that would keep one sample trains the batch whole."""
-    selector = _selector(rule, replay_fraction=0.3)
+    # InfoBatch keeps its own share (prune_ratio): replay_fraction is refused there
+    selector = _selector(rule, **({} if rule == "infobatch" else {"replay_fraction": 0.3}))
     indices = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
     selector.record(
         indices, torch.arange(8.0), selector.compose(indices, 0, 0).roles, 0, active=True, offered=8

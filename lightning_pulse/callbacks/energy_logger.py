@@ -136,7 +136,7 @@ class EnergyLogger(Callback):
         try:
             self.meters, self.accounting = checked_configs(meters, accounting)
             country_iso_code = checked_arguments(
-                gpu, cpu, ram, currency, report_dir, country_iso_code, self.meters
+                gpu, cpu, ram, currency, report_dir, country_iso_code, self.meters, price_per_kwh
             )
             self.country_iso_code = country_iso_code
             self.currency = currency.strip()

@@ -72,7 +72,7 @@ class GreenWindow(Callback):
         threshold: what "clean" means. ``None`` (adaptive, the default): the slot now is among the cleanest
             slots the remaining work needs before the window closes; ``"30%"``: at or below the 30th
             percentile of the forecast over ``horizon``; a number: at or below that absolute level.
-        horizon: how far the percentile rule looks ("24h"); ``None``: to the end of the window.
+        horizon: how far a percentile ``threshold`` looks ("24h"; ``None``: the window); refused with another.
         max_delay: the delay budget: a float is a share of the run's expected compute time (``1.0``: as
             long again), a string a duration ("12h"). ``None``: ``1.0`` for pause and suspend; ``0.5`` for
             light, where it is the share of the run that may be held light (it takes as long either way).

@@ -62,8 +62,8 @@ class HardSampleReplay(Callback):
             ``prune_ratio``, weight the kept ones so the mean loss stays unbiased; batch mode only) or
             ``"random"`` (a uniform subset of top-k's size: the control).
         replay_fraction: share of the offered samples trained on in a light phase (of each window or batch),
-            in ``(0, 1]``. Not used by ``"infobatch"``.
-        prune_ratio: InfoBatch's ``r``, in ``[0, 1)``.
+            in ``(0, 1]``. Not read by ``"infobatch"``: set there, it is refused.
+        prune_ratio: InfoBatch's ``r``, in ``[0, 1)``; read by ``"infobatch"`` only (set for another rule, refused).
         phases: the phases in which batches are selected; other phases train untouched.
         mode: ``"steps"`` (full batches from wider windows, fewer steps) or ``"batch"`` (smaller batches, same
             steps); ``None``: ``"steps"``, or ``"batch"`` for ``"infobatch"``. ``"epoch"`` was removed (steps

@@ -94,7 +94,8 @@ class PulseCycle(Callback):
             ``"90s"``, ``"15min"``, ``"1h"``. Zero skips the phase.
         replay: length of the replay phase, same forms.
         maintain: length of the maintain phase, same forms.
-        order: the phases of one cycle, each at most once.
+        order: the phases of one cycle, each at most once. An option of a phase left out, set away from its
+            default, is refused (it would do nothing).
         warmup: share of the run's optimizer steps, at the start, that is pure burst (InfoBatch-style), in
             ``[0, 1)``.
         anneal: share of the run's optimizer steps, at the end, that is pure burst, in ``[0, 1)``.
@@ -114,8 +115,8 @@ class PulseCycle(Callback):
     Raises:
         ValueError: at construction, naming the field, for an unparsable or negative duration, an unknown
             phase, all-zero durations, ``warmup + anneal >= 1``, an unknown ``maintain_eval`` or a
-            non-positive ``probe_batches``, a ``budget`` outside ``(0, 1)``, or a ``time_source`` that is not
-            callable. At fit start, for epoch-based
+            non-positive ``probe_batches``, a ``budget`` outside ``(0, 1)``, an option of a phase ``order``
+            leaves out, or a ``time_source`` that is not callable. At fit start, for epoch-based
             durations on an infinite dataloader or warm-up/anneal on a run without a finite length.
         PulseRefusal: at fit start, for a ``budget`` with no step-saving HardSampleReplay attached, with
             wall-clock durations, or out of what the replay fraction can reach; for a ``time_source`` that
@@ -158,13 +159,9 @@ class PulseCycle(Callback):
         self._one_run = OneRunPerInstance("PulseCycle")
         if isinstance(order, str):  # a string is a sequence too: its letters would be read as phases
             raise ValueError(f"`order`={order!r} must be a list of phase names, such as {list(PHASE_NAMES)}.")
-        self.clock = PhaseClock(
-            {"burst": burst, "replay": replay, "maintain": maintain},
-            order=list(order),
-            warmup=warmup,
-            anneal=anneal,
-        )
-        self.budget = check_cycle_options(maintain_eval, probe_batches, budget)
+        durations = {"burst": burst, "replay": replay, "maintain": maintain}
+        self.clock = PhaseClock(durations, order=list(order), warmup=warmup, anneal=anneal)
+        self.budget = check_cycle_options(maintain_eval, probe_batches, budget, durations, list(order))
         self.plan: StepPlan | None = None  # set by a step-saving HardSampleReplay at fit start
         self.maintain_eval = maintain_eval
         self.probe_batches = probe_batches

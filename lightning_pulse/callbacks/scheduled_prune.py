@@ -24,7 +24,7 @@ from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.core import prune_setup, prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, check_int
-from lightning_pulse.core.prune_setup import PruneOptions
+from lightning_pulse.core.prune_setup import PRUNE_EVERY_DEFAULT, PruneOptions, check_options_apply
 from lightning_pulse.errors import OneRunPerInstance, as_config, names_itself, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
@@ -63,7 +63,7 @@ class ScheduledPrune(Callback):
         mode: ``"unstructured"`` or ``"structured"``.
         start: when the schedule starts: an ``int`` optimizer step, or a ``float`` share of the run.
         end: when the schedule reaches ``final_sparsity``, same forms; not before ``start``.
-        every: optimizer steps between events on the step cadence.
+        every: optimizer steps between events on the step cadence (refused next to ``cadence='maintain'``).
         layer_types: layer classes (or ``torch.nn`` names, dotted paths, ``"HFConv1D"``) to prune; ``None`` for
             any layer with a ``weight``. In structured mode these are the layers whose output channels are removed.
         exclude_pattern: never layers whose qualified name matches this regex (``re.search``).
@@ -105,7 +105,7 @@ class ScheduledPrune(Callback):
         mode: str = "unstructured",
         start: int | float = 0.1,
         end: int | float = 0.7,
-        every: int = 100,
+        every: int = PRUNE_EVERY_DEFAULT,
         layer_types: Sequence[str | type] | None = pruning.DEFAULT_LAYER_TYPES,
         exclude_pattern: str | None = None,
         probe_batches: int = 4,
@@ -121,6 +121,7 @@ class ScheduledPrune(Callback):
         self.pruner = pruning.Pruner(
             mode, layer_types, exclude_pattern, options.ranking, options.min_channels
         )
+        check_options_apply(mode, every, options)
         self.final_sparsity, self.mode, self.probe_batches = float(final_sparsity), mode, probe_batches
         self.options = options
         self.events: list[dict[str, Any]] = []

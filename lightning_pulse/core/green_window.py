@@ -530,8 +530,12 @@ def checked_arguments(
     checked = forecast_from(forecast)
     if checked.reads_future:
         raise ValueError(f"`forecast`={checked!r} reads the future; it is for benchmarks only.")
-    parse_threshold(threshold)
-    seconds_of(horizon, "horizon")
+    rule, _ = parse_threshold(threshold)
+    if seconds_of(horizon, "horizon") is not None and rule != "percentile":
+        raise ValueError(
+            f"`horizon`={horizon!r} is read by a percentile `threshold` only (such as '30%'), and `threshold`="
+            f"{threshold!r} is {rule}; drop `horizon`, or give a percentile threshold."
+        )
     if max_delay is None:
         max_delay = 0.5 if when_dirty == "light" else 1.0
     share = isinstance(max_delay, (int, float)) and not isinstance(max_delay, bool)

@@ -24,6 +24,8 @@ from lightning_pulse.errors import PulseRefusal, names_itself, refusing
 from lightning_pulse.phase import Phase, PhaseClock
 
 CADENCES = ("auto", "maintain", "steps")
+#: ScheduledPrune's default `every`, which cadence='maintain' never reads
+PRUNE_EVERY_DEFAULT = 100
 
 #: why ScheduledPrune refuses a sharded strategy (:func:`~lightning_pulse.errors.refuse_sharded_strategy`)
 SHARDED_REASON = "masks and channel choices made on a rank's shard are not the model's"
@@ -64,6 +66,28 @@ class PruneOptions:
         check_int(self.min_channels, "min_channels", minimum=1)
         if not isinstance(self.make_permanent, bool):
             raise ValueError(f"`make_permanent`={self.make_permanent!r} must be a bool.")
+
+
+def check_options_apply(mode: str, every: int, options: PruneOptions) -> None:
+    """Raise ``ValueError`` (naming the field) for an option set away from its default where the chosen ``mode``
+    or cadence never reads it: ``min_channels`` (structured only), ``make_permanent=False`` (unstructured
+    only: a structured cut has no masks to keep) and ``every`` with ``cadence='maintain'``."""
+    if mode == "unstructured" and options.min_channels != PruneOptions.min_channels:
+        raise ValueError(
+            f"`min_channels`={options.min_channels!r} is read by mode='structured' only (channels a cut layer "
+            "keeps); mode='unstructured' keeps every channel. Drop it, or use mode='structured'."
+        )
+    if mode == "structured" and options.make_permanent is not PruneOptions.make_permanent:
+        raise ValueError(
+            f"`make_permanent`={options.make_permanent!r} is read by mode='unstructured' only (whether masks are "
+            "folded into the weights at fit end); mode='structured' removes channels and keeps no masks. Drop it."
+        )
+    if options.cadence == "maintain" and every != PRUNE_EVERY_DEFAULT:
+        raise ValueError(
+            f"`every`={every!r} sets the step cadence, and `cadence`='maintain' prunes at maintain-phase starts "
+            "instead, so it would do nothing; drop `every`, or use cadence='steps' (or 'auto' without a "
+            "PulseCycle)."
+        )
 
 
 def check_strategy(name: str, supported: bool, spawns: bool, mode: str, options: PruneOptions) -> None:

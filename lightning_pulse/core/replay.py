@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -86,6 +87,18 @@ class ReplayConfig:
             raise ValueError(f"`prune_ratio`={self.prune_ratio!r} must be a number in [0, 1).")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"`seed`={self.seed!r} must be an int.")
+        # each rule reads one of the two shares: the other, set away from its default, would do nothing
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        if self.rule == "infobatch" and self.replay_fraction != defaults["replay_fraction"]:
+            raise ValueError(
+                f"`replay_fraction`={self.replay_fraction!r} is not read by rule='infobatch', which keeps a share "
+                "set by `prune_ratio`; drop `replay_fraction`, or use rule='topk' or 'random'."
+            )
+        if self.rule != "infobatch" and self.prune_ratio != defaults["prune_ratio"]:
+            raise ValueError(
+                f"`prune_ratio`={self.prune_ratio!r} is read by rule='infobatch' only; rule={self.rule!r} trains "
+                "the share `replay_fraction`. Drop `prune_ratio`, or use rule='infobatch'."
+            )
 
 
 #: How a light step trains: ``"steps"`` (full batches chosen from wider windows, fewer steps) or ``"batch"``

@@ -169,6 +169,30 @@ def checked_configs(
     return resolved[0], resolved[1]
 
 
+#: EnergyLogger's default `currency`, which labels nothing without a price
+DEFAULT_CURRENCY = "EUR"
+
+
+def unread_meter_options(gpu: str, cpu: str, ram: str, meters: MeterConfig) -> list[tuple[str, str]]:
+    """The ``meters`` fields set away from their defaults that no chosen meter reads, each with why: a meter
+    option next to a meter that is off would pass silently, and the figures would not be what the YAML says."""
+    defaults = MeterConfig()
+    codecarbon = cpu in ("auto", "codecarbon") or ram == "codecarbon"
+    reasons = {
+        "gpu_devices": None if gpu != "none" else "`gpu`='none' meters no GPU",
+        "cpu_watts": None if cpu != "none" else "`cpu`='none' meters no CPU",
+        "rapl_root": None if cpu == "auto" else f"RAPL is read by `cpu`='auto' only, and `cpu`={cpu!r}",
+        "codecarbon_tracking_mode": None
+        if codecarbon
+        else f"codecarbon runs for `cpu`='auto'/'codecarbon' or `ram`='codecarbon', and `cpu`={cpu!r}, `ram`={ram!r}",
+    }
+    return [
+        (field, reason)
+        for field, reason in reasons.items()
+        if reason is not None and getattr(meters, field) != getattr(defaults, field)
+    ]
+
+
 def checked_arguments(
     gpu: str,
     cpu: str,
@@ -177,6 +201,7 @@ def checked_arguments(
     report_dir: str | Path | None,
     country_iso_code: str | None,
     meters: MeterConfig,
+    price_per_kwh: Any = None,
 ) -> str | None:
     """Validate ``EnergyLogger``'s top-level arguments (each error names the field, the value and what is
     allowed); returns the country code as codecarbon knows it."""
@@ -187,8 +212,17 @@ def checked_arguments(
             raise ValueError(f"`{field}`={value!r} is not one of {list(MODES[field])}.")
     if cpu == "constant" and meters.cpu_watts is None:
         raise ValueError("`cpu`='constant' needs `meters.cpu_watts`, the constant CPU power in watts.")
+    unread = unread_meter_options(gpu, cpu, ram, meters)
+    if unread:
+        field, reason = unread[0]
+        raise ValueError(f"`meters.{field}`={getattr(meters, field)!r} is not read: {reason}; drop it.")
     if not isinstance(currency, str) or not currency.strip():
         raise ValueError(f"`currency`={currency!r} must be a non-empty string such as 'EUR'.")
+    if price_per_kwh is None and currency != DEFAULT_CURRENCY:
+        raise ValueError(
+            f"`currency`={currency!r} labels the price, and `price_per_kwh` is None (no cost is reported); set "
+            "`price_per_kwh`, or drop `currency`."
+        )
     if report_dir is not None and (not isinstance(report_dir, (str, Path)) or not str(report_dir).strip()):
         raise ValueError(
             f"`report_dir`={report_dir!r} must be a directory path, or None for the logger's log dir."
