@@ -896,6 +896,14 @@ def test_setup_summary_and_unfinished_warning_state_the_schedule():
         "ScheduledPrune: unstructured pruning of 2 layers (80% of the model's weights) to 50% between steps 10 "
         "and 50, at every 5 steps."
     )
+    # cadence 'auto' chose the maintain phases at fit start: an `every` the user set is said to go unread
+    on_maintain = prune_setup.setup_summary("unstructured", model, selection, schedule, on_maintain=True)
+    assert on_maintain.endswith(
+        "at maintain-phase starts (cadence 'auto' next to a maintain phase: `every`=5 is not read)."
+    )
+    assert prune_setup.setup_summary(
+        "unstructured", model, selection, PruneSchedule(final_sparsity=0.5), on_maintain=True
+    ).endswith("at maintain-phase starts.")  # the default `every`: nothing to say
     assert prune_setup.unfinished_warning(schedule, 30, events=[]) is None  # no event: nothing was pruned
     schedule.advance(20)
     assert "ended at step 30 before the schedule's end (step 50)" in prune_setup.unfinished_warning(

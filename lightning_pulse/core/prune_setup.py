@@ -238,6 +238,8 @@ def setup_summary(
 ) -> str:
     """The line logged when training starts: what is pruned, how far, between which steps and when."""
     where = "maintain-phase starts" if on_maintain else f"every {schedule.every} steps"
+    if on_maintain and schedule.every != PRUNE_EVERY_DEFAULT:  # cadence 'auto' chose maintain at fit start
+        where += f" (cadence 'auto' next to a maintain phase: `every`={schedule.every} is not read)"
     share = prune_targets.weight_share(model, selection.layers)
     return (
         f"ScheduledPrune: {mode} pruning of {len(selection.layers)} layers ({share:.0%} of the model's "
