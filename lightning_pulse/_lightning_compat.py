@@ -7,6 +7,7 @@ when an upgrade moves an attribute, instead of letting a callback silently do no
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -310,6 +311,14 @@ def set_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
     interval = trainer.val_check_interval
     if isinstance(interval, float) and trainer.check_val_every_n_epoch is not None and batches > 0:
         trainer.val_check_batch = max(1, int(batches * interval))
+
+
+def total_steps(trainer: pl.Trainer) -> float:
+    """``trainer.estimated_stepping_batches`` as a float, ``inf`` for a run of unknown length. Lightning returns
+    ``max_steps`` for a DataLoader without a length, which is ``-1`` when only ``max_epochs`` bounds the run:
+    read as a length, ``-1`` put every share-of-run setting at step 0 or before."""
+    total = float(trainer.estimated_stepping_batches)
+    return math.inf if total < 0 else total
 
 
 def mark_last_batch_of(trainer: pl.Trainer, batches: int) -> None:

@@ -40,6 +40,12 @@ class Phase(str, Enum):
 
 _PHASE_CODES = {Phase.BURST: 0, Phase.REPLAY: 1, Phase.MAINTAIN: 2}
 PHASE_NAMES = tuple(p.value for p in Phase)
+#: what a share of the run needs, for the refusals: an IterableDataset without a length leaves max_epochs
+#: without a step count, and max_time alone gives none
+KNOWN_LENGTH = (
+    "a run of known length: a finite max_steps, or max_epochs over a training DataLoader that has a length "
+    "(max_time alone gives none)"
+)
 
 _UNIT_ALIASES = {
     "step": "steps",
@@ -520,8 +526,7 @@ class PhaseClock:
             return 0
         if total_steps is None or not math.isfinite(total_steps):
             raise ValueError(
-                f"`warmup`={self.warmup!r} is a share of the run, so the run needs a finite max_steps or "
-                "max_epochs; set one (a run bounded by max_time alone has no length to share), or "
+                f"`warmup`={self.warmup!r} is a share of the run, which needs {KNOWN_LENGTH}; set one, or "
                 "`warmup=0`."
             )
         return int(round(self.warmup * total_steps))
@@ -531,8 +536,7 @@ class PhaseClock:
             return None
         if total_steps is None or not math.isfinite(total_steps):
             raise ValueError(
-                f"`anneal`={self.anneal!r} is a share of the run, so the run needs a finite max_steps or "
-                "max_epochs; set one (a run bounded by max_time alone has no length to share), or "
+                f"`anneal`={self.anneal!r} is a share of the run, which needs {KNOWN_LENGTH}; set one, or "
                 "`anneal=0`."
             )
         return int(round((1.0 - self.anneal) * total_steps))

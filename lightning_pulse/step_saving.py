@@ -60,10 +60,13 @@ class StepSavingLoader:
         """Refuse, at setup, Trainer settings under which the plan would not drive the run's batches.
 
         Raises:
-            PulseRefusal: for ``limit_train_batches`` or ``reload_dataloaders_every_n_epochs``.
+            PulseRefusal: for ``fast_dev_run``, ``overfit_batches``, ``limit_train_batches`` or
+                ``reload_dataloaders_every_n_epochs``.
         """
-        if overfit := getattr(trainer, "overfit_batches", 0):  # Lightning turns it into limit_train_batches
-            raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(setting=f"`overfit_batches`={overfit!r}"))
+        # Lightning turns both into limit_train_batches: the refusal names the flag the user set
+        for flag in ("fast_dev_run", "overfit_batches"):
+            if value := getattr(trainer, flag, 0):
+                raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(setting=f"`{flag}`={value!r}"))
         limit = getattr(trainer, "limit_train_batches", 1.0)
         # an int counts batches (1: one batch), a float is a share (1.0: all of them)
         if limit is not None and not (isinstance(limit, float) and limit == 1.0):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_pulse import (
     EnergyLogger,
@@ -17,6 +19,7 @@ from lightning_pulse import (
     ScheduledPrune,
     StabilityGuard,
 )
+from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.green_window import GreenWindowOptions
 from lightning_pulse.core.prune_setup import PruneOptions
 from lightning_pulse.core.stability_policy import StabilityGuardConfig
@@ -355,3 +358,57 @@ def test_meter_options_next_to_the_meters_that_read_them_are_accepted():
     EnergyLogger(cpu="auto", meters={"cpu_watts": 10.0, "rapl_root": "/sys/x"})  # the last CPU fallback
     EnergyLogger(cpu="none", ram="codecarbon", meters={"codecarbon_tracking_mode": "process"})
     EnergyLogger(currency="USD", price_per_kwh=0.3)
+
+
+class _Stream(IterableDataset):
+    """A training stream with no `__len__`: Lightning's `estimated_stepping_batches` is then `max_steps`, -1
+    in a run bounded by max_epochs alone."""
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(200):
+            yield torch.randn(8, generator=generator), torch.randint(0, 3, (), generator=generator)
+
+
+class _StreamClassifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 3)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: PulseCycle(burst=10, replay=10, maintain=2, maintain_eval="none"),
+            r"^PulseCycle: `warmup`=0.1",
+        ),
+        (lambda: GradientCache(start_at=0.2, release_at=0.8), r"^GradientCache: `start_at`=0.2"),
+        (lambda: ScheduledPrune(), r"^ScheduledPrune: `start`=0.1"),
+    ],
+    ids=["pulse-cycle", "gradient-cache", "scheduled-prune"],
+)
+def test_a_share_of_a_run_whose_stream_has_no_length_is_refused_at_fit_start(make, match):
+    # held-out sweep: -1 was read as the run's length; PulseCycle never left its anneal burst, GradientCache
+    # froze over steps (0, -1), and ScheduledPrune refused with "`end` (step -1) comes before `start`"
+    def stream():
+        return _StreamClassifier(), DataLoader(_Stream(), batch_size=20)
+
+    _refused_before_the_first_step(
+        stream,
+        [make()],
+        match + r".* which needs a run of known length: .* max_epochs over a training DataLoader",
+    )
+
+
+def test_the_total_of_a_run_bounded_by_epochs_of_a_stream_without_length_is_unknown():
+    trainer = pl.Trainer(max_epochs=2, **trainer_kwargs())
+    trainer.fit(_StreamClassifier(), DataLoader(_Stream(), batch_size=20))
+    assert trainer.estimated_stepping_batches == -1  # Lightning's figure: max_steps
+    assert compat.total_steps(trainer) == float("inf")

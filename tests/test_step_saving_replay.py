@@ -179,6 +179,7 @@ def test_a_budget_without_step_saving_replay_is_refused_before_the_first_step():
         (CYCLE, {"limit_train_batches": 0.5}, "`limit_train_batches`=0.5"),
         (CYCLE, {"limit_train_batches": 1}, "`limit_train_batches`=1 cuts"),  # one batch, not all (1.0)
         (CYCLE, {"overfit_batches": 2}, "`overfit_batches`=2 cuts"),  # not the limit Lightning made of it
+        (CYCLE, {"fast_dev_run": True}, "`fast_dev_run`=True cuts"),  # held-out sweep: it named the limit
         (
             CYCLE,
             {"reload_dataloaders_every_n_epochs": 1},

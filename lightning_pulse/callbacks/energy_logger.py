@@ -269,7 +269,7 @@ class EnergyLogger(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics, forecast = self.account.epoch_metrics(
             trainer.current_epoch,
-            float(trainer.estimated_stepping_batches),
+            compat.total_steps(trainer),
             _StrategyCollective(trainer, self._held),
         )
         if forecast is not None:

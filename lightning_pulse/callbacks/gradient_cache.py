@@ -176,7 +176,7 @@ class GradientCache(Callback):
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         refuse_unreachable_phases("GradientCache", self.phases, trainer)
         with refusing("GradientCache"):  # a share of a run of unknown length (max_time only)
-            self._span = self.window.steps(float(trainer.estimated_stepping_batches))
+            self._span = self.window.steps(compat.total_steps(trainer))
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
         self._replay = LoaderActivationCache.for_fit(
             trainer.train_dataloader, self.activation_cache_mb, pl_module, rank_zero_warn

@@ -227,7 +227,7 @@ class HardSampleReplay(Callback):
         assert self.selector is not None
         steps_per_epoch = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
         self.selector.set_half_life(self.half_life, steps_per_epoch)
-        note = shorter_than_an_epoch(trainer.estimated_stepping_batches, steps_per_epoch, self.mode)
+        note = shorter_than_an_epoch(compat.total_steps(trainer), steps_per_epoch, self.mode)
         if note is not None:
             rank_zero_warn(f"HardSampleReplay: {note}")
         log_every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)

@@ -337,7 +337,7 @@ class PulseCycle(Callback):
         # a step-saving sampler reports the plain epoch's length
         steps = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
         self._epoch_steps = float(steps) if steps else None
-        self._total_steps = float(trainer.estimated_stepping_batches)
+        self._total_steps = compat.total_steps(trainer)
 
     def _run_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         probe = self.probe.run(trainer, pl_module)

@@ -183,7 +183,7 @@ class ScheduledPrune(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
-        total = float(trainer.estimated_stepping_batches)
+        total = compat.total_steps(trainer)
         prune_setup.resolve_schedule(self.schedule, total, trainer.global_step)
         # read here, not at setup: layers built in configure_model, and a backbone BackboneFinetuning freezes at
         # fit start, exist (and are frozen) only now

@@ -36,6 +36,7 @@ from lightning_pulse.core.freeze_units import (
     replace_unit_parameters,
 )
 from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.phase import KNOWN_LENGTH
 
 STATE_VERSION = 2
 
@@ -93,8 +94,8 @@ class FreezeWindow:
             if isinstance(point, float):
                 if not math.isfinite(total_steps):
                     raise ValueError(
-                        f"`{name}`={point!r} is a share of the run, which needs a finite max_steps or max_epochs; "
-                        "give an int step instead."
+                        f"`{name}`={point!r} is a share of the run, which needs {KNOWN_LENGTH}; give an int step "
+                        "instead."
                     )
                 point = int(round(point * total_steps))
             resolved.append(point)

@@ -12,6 +12,8 @@ import copy
 import math
 from typing import Any
 
+from lightning_pulse.phase import KNOWN_LENGTH
+
 _EPSILON = 1e-9
 
 
@@ -62,8 +64,7 @@ def resolve_step(when: int | float, total_steps: float, field: str) -> int:
         return when
     if not math.isfinite(total_steps):
         raise ValueError(
-            f"`{field}`={when} is a share of the run, so the run needs a finite max_steps or max_epochs; give "
-            "an int step instead."
+            f"`{field}`={when} is a share of the run, which needs {KNOWN_LENGTH}; give an int step instead."
         )
     return int(round(when * total_steps))
 
