@@ -415,6 +415,49 @@ class PhaseClock:
             changes.append(self._enter(next_phase, "budget"))
         return changes
 
+    def copy(self) -> PhaseClock:
+        """An independent clock in this one's state, to play forward without touching this one (no history)."""
+        copy = PhaseClock.__new__(PhaseClock)
+        copy.durations, copy.order = dict(self.durations), self.order
+        copy.warmup, copy.anneal = self.warmup, self.anneal
+        copy.reset()
+        state = self.state_dict()
+        state["history"] = []  # the copy only plays forward; the past changes are not needed
+        copy.load_state_dict(state)
+        return copy
+
+    def first_entry(
+        self,
+        phase: Phase,
+        from_step: int,
+        until_step: float,
+        steps_per_epoch: float | None,
+        total_steps: float,
+    ) -> int | None:
+        """The first optimizer step in ``[from_step, until_step)`` at which a copy of this clock, played forward
+        one step at a time from now, enters ``phase``; ``None`` when it does not. Step and epoch durations only
+        (wall-clock phases are not decided by steps: ``from_step`` is returned, as for a clock that cannot
+        start here). Stops at anneal (a burst to the end) or after two cycles without the phase."""
+        sim = self.copy()
+        try:
+            if sim.stage == "pending" and (change := sim.start(total_steps)) is not None:
+                if change.current is phase and from_step <= change.step < until_step:
+                    return change.step
+            if self.uses_wall_clock:
+                return from_step
+            last_cycle = None
+            while sim.step < until_step and sim.stage != "anneal":
+                for change in sim.advance(1, 0.0, steps_per_epoch, total_steps):
+                    if change.current is phase and from_step <= change.step < until_step:
+                        return change.step
+                if sim.step >= from_step and sim.stage == "cycle":
+                    last_cycle = sim.cycle + 2 if last_cycle is None else last_cycle
+                    if sim.cycle >= last_cycle:  # two whole cycles went by without it: it never comes
+                        return None
+        except ValueError:  # no run length for warm-up or anneal: PulseCycle refuses that itself
+            return from_step
+        return None
+
     @property
     def light_phases(self) -> tuple[Phase, ...]:
         """The cycle's phases other than burst that have a length (where :meth:`hold` can keep the run)."""

@@ -220,3 +220,18 @@ def test_step_timer_refuses_a_time_source_that_is_not_callable_or_returns_no_num
             ValueError, match=r"^`time_source` returned .*; it must return seconds as a number"
         ):
             StepTimer(lambda reading=reading: reading).start(0)
+
+
+def test_first_entry_plays_a_copy_of_the_clock_forward():
+    clock = PhaseClock({"burst": 8, "replay": 16, "maintain": 2}, warmup=0.1, anneal=0.1)
+    # warm-up to step 8, burst to 16, replay to 32: maintain starts at 32, then 58; anneal from step 72 of 80
+    assert clock.first_entry(Phase.MAINTAIN, 0, 80, None, 80) == 32
+    assert clock.first_entry(Phase.MAINTAIN, 33, 80, None, 80) == 58
+    assert clock.first_entry(Phase.MAINTAIN, 59, 80, None, 80) is None  # the anneal burst comes first
+    assert clock.stage == "pending" and clock.step == 0  # the clock itself did not move
+    never = PhaseClock({"burst": 8, "replay": 16, "maintain": 0})
+    assert never.first_entry(Phase.MAINTAIN, 0, 10**9, None, 10**9) is None  # two cycles without it: stops
+    by_epochs = PhaseClock({"burst": "1 epoch", "replay": "2 epochs", "maintain": 3})
+    assert by_epochs.first_entry(Phase.MAINTAIN, 0, 100, 10, 100) == 30
+    seconds = PhaseClock({"burst": "5s", "replay": "3s", "maintain": "1s"})
+    assert seconds.first_entry(Phase.MAINTAIN, 7, 100, None, 100) == 7  # not decided by steps: assumed

@@ -904,7 +904,11 @@ def test_setup_summary_and_unfinished_warning_state_the_schedule():
     assert prune_setup.setup_summary(
         "unstructured", model, selection, PruneSchedule(final_sparsity=0.5), on_maintain=True
     ).endswith("at maintain-phase starts.")  # the default `every`: nothing to say
-    assert prune_setup.unfinished_warning(schedule, 30, events=[]) is None  # no event: nothing was pruned
+    # no event at all: the user asked for pruning and got none, which is said too
+    assert prune_setup.unfinished_warning(schedule, 30, events=[]) == (
+        "ScheduledPrune: the run ended at step 30 with no pruning event (the schedule runs from step 10 to 50); "
+        "no weight was pruned."
+    )
     schedule.advance(20)
     assert "ended at step 30 before the schedule's end (step 50)" in prune_setup.unfinished_warning(
         schedule, 30, [{}]

@@ -251,6 +251,36 @@ def test_events_happen_only_when_maintain_phases_start(mnist1d_small):
     assert pruning.current_mask(model.net[1]) is not None  # make_permanent=False keeps the masks
 
 
+def test_a_plan_with_no_maintain_phase_in_the_pruning_span_prunes_on_the_step_cadence_or_is_refused(
+    mnist1d_small, recwarn
+):
+    # held-out sweep: a budget stretched the replay phases past the run's end, so no maintain phase started;
+    # the setup line promised pruning "at maintain-phase starts" and the run ended at 0% sparsity, unsaid
+    def cycle():
+        return PulseCycle(burst=8, replay=200, maintain=2, warmup=0, anneal=0, maintain_eval="none")
+
+    pl.seed_everything(0)
+    model, data = mnist1d_small()
+    prune = ScheduledPrune(final_sparsity=0.5, start=10, end=30, every=5, probe_batches=0)
+    trainer = pl.Trainer(max_steps=40, callbacks=[cycle(), prune], **trainer_kwargs())
+    trainer.fit(model, data)
+    said = [str(w.message) for w in recwarn if "no maintain phase starts between step 10" in str(w.message)]
+    assert said and said[0].endswith("pruning on the step cadence instead.")
+    assert [event["step"] for event in prune.events] == [15, 20, 25, 30]  # at step 10 the target is still 0
+    assert prune.sparsity == pytest.approx(0.5, abs=1e-3)
+
+    model, data = mnist1d_small()
+    explicit = ScheduledPrune(
+        final_sparsity=0.5, start=10, end=30, probe_batches=0, options={"cadence": "maintain"}
+    )
+    trainer = pl.Trainer(max_steps=40, callbacks=[cycle(), explicit], **trainer_kwargs())
+    with pytest.raises(
+        PulseRefusal, match=r"^ScheduledPrune: `cadence`='maintain' .* no maintain phase starts"
+    ):
+        trainer.fit(model, data)
+    assert trainer.global_step == 0
+
+
 class ReplacedListener(Callback):
     """Records every ``on_pulse_parameters_replaced`` notification."""
 

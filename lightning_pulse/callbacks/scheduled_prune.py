@@ -25,6 +25,7 @@ from lightning_pulse.core import prune_setup, prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, check_int
 from lightning_pulse.core.prune_setup import PRUNE_EVERY_DEFAULT, PruneOptions, check_options_apply
+from lightning_pulse.core.step_plan import epoch_steps
 from lightning_pulse.errors import OneRunPerInstance, as_config, names_itself, refuse_sharded_strategy
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
@@ -198,7 +199,10 @@ class ScheduledPrune(Callback):
                 self._example = prune_setup.structured_example(pl_module, self.pruner, self.schedule, None)
         cycle = pulse_cycle_of(trainer)
         clock = cycle.clock if cycle is not None else None
-        self._uses_maintain, warnings = prune_setup.event_cadence(self.options.cadence, clock, self.schedule)
+        steps = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches) or None
+        self._uses_maintain, warnings = prune_setup.event_cadence(
+            self.options.cadence, clock, self.schedule, trainer.global_step, total, steps
+        )
         for warning in warnings:
             rank_zero_warn(warning)
         self._last_global_step = trainer.global_step

@@ -71,6 +71,7 @@ CAPTURED_LOSSES: tuple[str, ...] = (
     "cosine_embedding_loss",
     "triplet_margin_loss",
     "triplet_margin_with_distance_loss",
+    "ctc_loss",
 )
 # these two divide a "mean" by the summed class weight of the non-ignored targets, not by the element count
 _CLASS_WEIGHTED = ("cross_entropy", "nll_loss")
@@ -229,6 +230,13 @@ def per_sample_from_unreduced(
     return torch.where(counts != 0, rows.sum(dim=1) / counts, 0.0)  # every token ignored: 0
 
 
+def _per_target_length(arguments: dict[str, Any], unreduced: Tensor) -> Tensor:
+    """CTC's ``(B,)`` unreduced loss divided by each sample's target length (at least 1), as its ``"mean"``
+    reduction does before averaging over the batch: the sample's share of that mean."""
+    lengths = torch.as_tensor(arguments["target_lengths"], device=unreduced.device)
+    return unreduced / lengths.clamp_min(1).to(unreduced.dtype)
+
+
 def _reduce(
     name: str,
     arguments: dict[str, Any],
@@ -239,6 +247,8 @@ def _reduce(
     """Reduce ``unreduced`` the way the caller asked (as torch's own reduction does: ``"mean"`` divides by the
     counted elements, the summed class weights of non-ignored targets for cross-entropy / NLL), after
     multiplying each sample's elements by its weight when ``sample_weights`` ``(B,)`` is given."""
+    if name == "ctc_loss" and reduction == "mean":
+        unreduced = _per_target_length(arguments, unreduced)  # torch averages the length-divided losses
     values = unreduced
     if sample_weights is not None:
         rows = rows_per_sample(unreduced, sample_weights.shape[0])
@@ -490,7 +500,7 @@ class LossCapture:
         if not self.records:
             return compiled or (
                 "none of the losses it captures was called (the torch.nn.functional losses and the torch.nn loss "
-                "modules that call them; not, e.g., F.ctc_loss, or a loss written with tensor ops)"
+                "modules that call them; not, e.g., a loss written with tensor ops)"
             )
         calls = ", ".join(
             f"{r.name}(reduction={r.reduction!r}) -> unreduced shape {r.shape}"
@@ -550,6 +560,8 @@ class LossCapture:
         return result
 
     def _record(self, name: str, arguments: dict[str, Any], unreduced: Tensor, reduction: str) -> None:
+        if name == "ctc_loss" and reduction == "mean":  # a sample's share of the mean: its loss per target
+            unreduced = _per_target_length(arguments, unreduced.detach())
         # keep only what the per-sample losses need (never the model's outputs, which hold the graph)
         kept = {}
         if name in _CLASS_WEIGHTED:

@@ -151,13 +151,40 @@ def uses_maintain(cadence: str, has_cycle: bool, has_maintain: bool) -> tuple[bo
     return has_maintain and cadence != "steps", warning
 
 
-def event_cadence(cadence: str, clock: PhaseClock | None, schedule: PruneSchedule) -> tuple[bool, list[str]]:
+def event_cadence(
+    cadence: str,
+    clock: PhaseClock | None,
+    schedule: PruneSchedule,
+    step: int = 0,
+    total_steps: float = math.inf,
+    steps_per_epoch: float | None = None,
+) -> tuple[bool, list[str]]:
     """Whether events happen at maintain-phase starts of ``clock`` (a PulseCycle's; ``None`` without one), and
     the warnings to give at fit start: :func:`uses_maintain`'s, then, on the step cadence,
-    :func:`abrupt_schedule_warning`'s. Raises :class:`PulseRefusal` as :func:`uses_maintain` does."""
+    :func:`abrupt_schedule_warning`'s. Raises :class:`PulseRefusal` as :func:`uses_maintain` does.
+
+    On the maintain cadence the clock is played forward from ``step``: when no maintain phase starts between
+    the schedule's start and the run's end (``total_steps``; a budget that lengthens the replay phases, or a
+    short run, can leave none), ``cadence='auto'`` prunes on the step cadence instead, with a warning, and
+    ``cadence='maintain'`` is refused: either way the run would end unpruned with nothing said.
+    """
     duration = clock.durations.get(Phase.MAINTAIN) if clock is not None else None
     has_maintain = duration is not None and not duration.is_zero
     on_maintain, warning = uses_maintain(cadence, clock is not None, has_maintain)
+    if on_maintain and clock is not None and not schedule.finished:
+        start = max(schedule.start_step, step)
+        if clock.first_entry(Phase.MAINTAIN, start, total_steps, steps_per_epoch, total_steps) is None:
+            where = (
+                f"no maintain phase starts between step {start} (the pruning schedule's start) and the run's end "
+                f"(step {total_steps:g}) in the PulseCycle's plan"
+            )
+            if cadence == "maintain":
+                raise PulseRefusal(
+                    f"ScheduledPrune: `cadence`='maintain' prunes at maintain-phase starts, and {where}, so nothing "
+                    "would be pruned. Use cadence='steps', start pruning earlier, or shorten the phases before "
+                    "the maintain phase."
+                )
+            on_maintain, warning = False, f"ScheduledPrune: {where}; pruning on the step cadence instead."
     abrupt = None if on_maintain else abrupt_schedule_warning(schedule)
     return on_maintain, [text for text in (warning, abrupt) if text is not None]
 
@@ -250,8 +277,13 @@ def setup_summary(
 
 def unfinished_warning(schedule: PruneSchedule, step: int, events: Sequence[Any]) -> str | None:
     """At fit end, the warning for a run that stopped at ``step`` before the schedule finished, or ``None``."""
-    if schedule.finished or not events:
+    if schedule.finished:
         return None
+    if not events:  # the user asked for pruning and got none: said, not left to a look at the weights
+        return (
+            f"ScheduledPrune: the run ended at step {step} with no pruning event (the schedule runs from step "
+            f"{schedule.start_step} to {schedule.end_step}); no weight was pruned."
+        )
     # on the maintain cadence the schedule's end can pass between two maintain entries
     when = "before" if step < schedule.end_step else "with no event at or after"
     return (

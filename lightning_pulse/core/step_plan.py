@@ -206,7 +206,7 @@ def _simulate(
     total_steps: int,
 ) -> StepPlan:
     from_step = step
-    sim = _copy(clock)
+    sim = clock.copy() if clock is not None else None
     if sim is not None and sim.stage == "pending":
         sim.start(total_steps)
     window = window_size(batch_size, fraction)
@@ -239,19 +239,6 @@ def _simulate(
     if sizes:
         epochs.append(sizes)
     return StepPlan(first_epoch, epochs, step, plain_steps, light_steps, from_step=from_step)
-
-
-def _copy(clock: PhaseClock | None) -> PhaseClock | None:
-    if clock is None:
-        return None
-    copy = PhaseClock.__new__(PhaseClock)
-    copy.durations, copy.order = dict(clock.durations), clock.order
-    copy.warmup, copy.anneal = clock.warmup, clock.anneal
-    copy.reset()
-    state = clock.state_dict()
-    state["history"] = []  # the copy only plays forward; the past changes are not needed
-    copy.load_state_dict(state)
-    return copy
 
 
 def replay_steps_for_budget(
