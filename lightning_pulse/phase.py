@@ -163,7 +163,8 @@ class PhaseChange:
         step: the optimizer step at which the new phase starts.
         reason: ``"start"``, ``"budget"`` (the previous phase used up its duration), ``"warmup_end"``,
             ``"anneal"``, ``"resume"``, ``"hold"`` (a burst ended early by :meth:`PhaseClock.hold`) or
-            ``"release"`` (a light phase ended early when the hold was let go).
+            ``"release"`` (a light phase ended early when the hold was let go) or ``"extended"`` (a finished run
+            resumed to a longer one left its anneal: a new cycle starts).
         ended_steps: optimizer steps the previous phase lasted (0 at the start).
         ended_seconds: wall-clock seconds the previous phase lasted (0 at the start).
     """
@@ -385,6 +386,15 @@ class PhaseClock:
             self.epochs_in_phase += steps / steps_per_epoch
 
         anneal_from = self._anneal_start(total_steps)
+        if self.stage == "anneal" and (anneal_from is None or self.step < anneal_from):
+            # a finished run resumed to a longer one ("train longer"): its anneal moves to the new end, and a
+            # new cycle starts
+            self.stage, self.cycle = "cycle", self.cycle + 1
+            self.position = self._first_nonzero(0, skip_burst=self.held)
+            if self.order[self.position] is not self.phase:
+                changes.append(self._enter(self.order[self.position], "extended"))
+            else:
+                self._restart_budget()
         if self.stage != "anneal" and anneal_from is not None and self.step >= anneal_from:
             self.stage = "anneal"
             if self.phase is not Phase.BURST:

@@ -3,6 +3,8 @@ refused before the first training step, and the message starts with the callback
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -360,6 +362,9 @@ def test_meter_options_next_to_the_meters_that_read_them_are_accepted():
     EnergyLogger(currency="USD", price_per_kwh=0.3)
 
 
+_GRID = str(Path(__file__).resolve().parents[1] / "examples" / "data" / "carbon" / "de_2020_june_excerpt.csv")
+
+
 class _Stream(IterableDataset):
     """A training stream with no `__len__`: Lightning's `estimated_stepping_batches` is then `max_steps`, -1
     in a run bounded by max_epochs alone."""
@@ -391,8 +396,13 @@ class _StreamClassifier(pl.LightningModule):
         ),
         (lambda: GradientCache(start_at=0.2, release_at=0.8), r"^GradientCache: `start_at`=0.2"),
         (lambda: ScheduledPrune(), r"^ScheduledPrune: `start`=0.1"),
+        # held-out sweep: with no length and no expected_duration it made no decision and reported 0% saved
+        (
+            lambda: GreenWindow(signal=_GRID, when_dirty="pause"),
+            r"^GreenWindow: every decision weighs the work left",
+        ),
     ],
-    ids=["pulse-cycle", "gradient-cache", "scheduled-prune"],
+    ids=["pulse-cycle", "gradient-cache", "scheduled-prune", "green-window"],
 )
 def test_a_share_of_a_run_whose_stream_has_no_length_is_refused_at_fit_start(make, match):
     # held-out sweep: -1 was read as the run's length; PulseCycle never left its anneal burst, GradientCache
@@ -403,7 +413,7 @@ def test_a_share_of_a_run_whose_stream_has_no_length_is_refused_at_fit_start(mak
     _refused_before_the_first_step(
         stream,
         [make()],
-        match + r".* which needs a run of known length: .* max_epochs over a training DataLoader",
+        match + r".* a run of known length: .* max_epochs over a training DataLoader",
     )
 
 

@@ -235,3 +235,24 @@ def test_first_entry_plays_a_copy_of_the_clock_forward():
     assert by_epochs.first_entry(Phase.MAINTAIN, 0, 100, 10, 100) == 30
     seconds = PhaseClock({"burst": "5s", "replay": "3s", "maintain": "1s"})
     assert seconds.first_entry(Phase.MAINTAIN, 7, 100, None, 100) == 7  # not decided by steps: assumed
+
+
+def test_a_finished_run_resumed_to_a_longer_one_cycles_again_until_its_new_anneal():
+    # held-out sweep: a run trained to 1,000 steps and resumed to 2,000 stayed in its anneal burst, so the
+    # extension trained plain and the budget's 0.6 became 0.8
+    clock = PhaseClock({"burst": 10, "replay": 10, "maintain": 0}, warmup=0.1, anneal=0.1)
+    for _ in range(100):
+        clock.advance(1, total_steps=100)
+    assert clock.stage == "anneal" and clock.phase is Phase.BURST
+    resumed = PhaseClock({"burst": 10, "replay": 10, "maintain": 0}, warmup=0.1, anneal=0.1)
+    resumed.load_state_dict(clock.state_dict())
+    changes = resumed.advance(1, total_steps=200)  # the new run is 200 steps long: anneal from step 180
+    assert resumed.stage == "cycle" and changes == []  # a fresh burst, one step into it
+    phases = [resumed.phase]
+    for _ in range(98):
+        resumed.advance(1, total_steps=200)
+        phases.append(resumed.phase)
+    first_replay = phases.index(Phase.REPLAY)  # after a whole burst
+    assert first_replay == 10 and phases[10:20] == [Phase.REPLAY] * 10 and phases[20] is Phase.BURST
+    assert resumed.step == 200 - 1 and resumed.stage == "anneal"  # the new anneal, from step 180
+    assert [c.reason for c in resumed.history if c.step >= 100][-1] == "anneal"

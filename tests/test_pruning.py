@@ -521,7 +521,9 @@ def test_the_trace_call_comes_from_the_batch_by_the_forward_signature():
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
     assert prune_targets.example_from_batch(_Forward(), batch) == {"input_ids": ids, "attention_mask": mask}
     assert prune_targets.example_from_batch(_Forward(), (ids, mask))[0] is ids
-    with pytest.raises(ValueError, match=r"takes \['a', 'b'\].*missing \['b'\]"):
+    with pytest.raises(
+        ValueError, match=r"forward\(a, b\)` of _TwoInputs cannot be called .*missing \['b'\]"
+    ):
         prune_targets.example_from_batch(_TwoInputs(), {"a": ids})
     with pytest.raises(
         ValueError,
@@ -988,3 +990,38 @@ def test_frozen_twins_are_copies_not_frozen_parts_that_happen_to_share_a_structu
     with torch.no_grad():  # a resumed EMA teacher lags its student
         pair.teacher[0].weight.mul_(0.9)
     assert prune_targets.frozen_twins(pair, layers) == {"teacher": "student"}
+
+
+class _KeywordOnlyForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, **inputs):
+        return self.net(inputs["x"])
+
+
+class _OptionalBatchForward(_KeywordOnlyForward):
+    def forward(self, batch=None, **inputs):
+        return self.net(batch["x"])
+
+
+def test_a_model_that_cannot_run_on_the_example_is_named_as_such_not_blamed_on_a_cut():
+    # held-out sweep: `forward(self, **kw)` raised a TypeError on the example, and the refusal blamed the
+    # model's attention modules (a BART's), which sent the user the wrong way
+    pruner = pruning.Pruner("structured", ("Linear",), None, "layer", 1)
+    reason = pruning.check_structured(_KeywordOnlyForward(), pruner, [0.25, 0.5], torch.randn(4, 8))
+    assert reason.startswith(
+        "the model does not run on the example it is traced with, before any cut (TypeError"
+    )
+    assert "`example_input_array`" in reason and "attention" not in reason
+
+
+def test_a_forward_whose_arguments_the_batch_does_not_name_is_described_by_its_signature():
+    # held-out sweep: `forward(self, batch=None, **kw)` was said to take "no named arguments"
+    with pytest.raises(
+        ValueError, match=r"^`forward\(batch=None, \*\*inputs\)` of _OptionalBatchForward cannot be"
+    ):
+        prune_targets.example_from_batch(
+            _OptionalBatchForward(), {"x": torch.randn(4, 8), "y": torch.zeros(4)}
+        )

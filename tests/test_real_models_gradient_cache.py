@@ -186,7 +186,7 @@ def _pruned_run(mode: str, tmp_path, ckpt_path: str | None = None, stop_after: i
         end=30,
         every=5,
         probe_batches=0,
-        options={"make_permanent": False},
+        options={"make_permanent": False} if mode == "unstructured" else None,  # structured keeps no masks
     )
     cache = GradientCache(threshold=0.9, check_every=4, freeze_for=8)
     callbacks = [prune, cache]

@@ -489,3 +489,32 @@ def test_callback_pickles_for_spawning_strategies():
         pickle.dumps(ScheduledPrune(distill=DistillConfig(), options=PruneOptions(ranking="global")))
     )
     assert prune.pruner.ranking == "global" and prune.distill == DistillConfig()
+
+
+def test_a_run_resumed_from_a_checkpoint_saved_after_fit_keeps_its_pruned_weights_pruned(
+    mnist1d_small, tmp_path
+):
+    # held-out sweep: masks are folded into the weights at fit end, so a longer run resumed from a checkpoint
+    # saved after fit ("train longer") let the pruned weights grow back while the finished schedule reported 0.5
+    def fit(max_steps, ckpt_path=None):
+        pl.seed_everything(0)
+        model, data = mnist1d_small()
+        prune = ScheduledPrune(final_sparsity=0.5, start=0, end=20, every=5, probe_batches=0)
+        trainer = pl.Trainer(max_steps=max_steps, callbacks=[prune], **trainer_kwargs())
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+        return trainer, model, prune
+
+    def layers(model):
+        return [m for m in model.modules() if isinstance(m, (torch.nn.Conv1d, torch.nn.Linear))]
+
+    def zero_share(model):
+        weights = [layer.weight for layer in layers(model)]
+        return sum(int((w == 0).sum()) for w in weights) / sum(w.numel() for w in weights)
+
+    trainer, model, _ = fit(30)
+    assert zero_share(model) == pytest.approx(0.5, abs=0.01)
+    trainer.save_checkpoint(tmp_path / "after_fit.ckpt")
+    trainer, model, prune = fit(60, ckpt_path=tmp_path / "after_fit.ckpt")
+    assert trainer.global_step == 60 and prune.finished
+    assert zero_share(model) == pytest.approx(0.5, abs=0.01)  # 0.0 before: every pruned weight grew back
+    assert all(pruning.current_mask(layer) is None for layer in layers(model))  # folded again at fit end

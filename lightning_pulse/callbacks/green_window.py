@@ -31,6 +31,7 @@ from lightning_pulse.core.green_window import (
     fit_start_refusal,
     options_from,
     seconds_of,
+    unknown_length_refusal,
     write_resume_file,
 )
 from lightning_pulse.energy.carbon import format_utc, parse_timestamp
@@ -180,7 +181,7 @@ class GreenWindow(Callback):
             steps_replay=planned,
             checkpointing=isinstance(trainer.checkpoint_callback, ModelCheckpoint),
             signal=self.signal.known or (intensity is not None and intensity.series is not None),
-        )
+        ) or unknown_length_refusal(compat.total_steps(trainer), self.schedule.expected_work_s)
         if refusal is not None:
             raise PulseRefusal(refusal)
         refuse_unwritable_dir("GreenWindow", "options.report_dir", self.options.report_dir)

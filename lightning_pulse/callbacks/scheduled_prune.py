@@ -192,6 +192,8 @@ class ScheduledPrune(Callback):
         restored, self._restored_frozen = self._restored_frozen, None
         self.pruner.user_frozen = prune_targets.frozen_layers(pl_module) if restored is None else restored
         selection = prune_setup.checked_selection(self.pruner, pl_module)
+        # resumed from a checkpoint saved after fit: the zeros it pruned go back behind masks
+        pruning.mask_folded_zeros(selection.layers, self.mode, self.schedule.sparsity)
         if self.mode == "structured":
             prune_setup.refuse_structured(pruning.structured_blocker(pl_module, selection))
             prune_setup.refuse_frozen_twins(pl_module, selection.layers)

@@ -28,7 +28,7 @@ import numpy as np
 
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import Forecast
-from lightning_pulse.phase import parse_duration
+from lightning_pulse.phase import KNOWN_LENGTH, parse_duration
 
 COMPUTE_KINDS = ("run", "light")
 SEGMENT_KINDS = (*COMPUTE_KINDS, "wait")
@@ -586,6 +586,19 @@ def fit_start_refusal(
             "attached; pass GreenWindow(signal='grid.csv') or EnergyLogger(carbon_intensity='grid.csv')."
         )
     return None
+
+
+def unknown_length_refusal(total_steps: float, expected_work_s: float | None) -> str | None:
+    """Why GreenWindow cannot decide in a run of unknown length (``total_steps`` infinite) without an
+    ``expected_duration``: the work left, which every decision weighs against the cleaner hours ahead, is never
+    known, so it would make no decision and report no saving. ``None`` when it can."""
+    if math.isfinite(total_steps) or expected_work_s is not None:
+        return None
+    return (
+        f"GreenWindow: every decision weighs the work left against the cleaner hours ahead, and this run has no "
+        f"known length, so it would never decide; give `expected_duration` (the run's compute time, e.g. '20h'), "
+        f"or {KNOWN_LENGTH}."
+    )
 
 
 # ---------------------------------------------------------------------------- one run's bookkeeping

@@ -317,8 +317,8 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
                     return (batch[key],)
         missing = [name for name in required if name not in batch]
         raise ValueError(
-            f"`forward` of {type(module).__name__} takes {required or 'no named arguments'}; the batch has "
-            f"{sorted(map(str, batch))}{f' (missing {missing})' if missing else ''}"
+            f"`forward{inspect.signature(module.forward)}` of {type(module).__name__} cannot be called with the "
+            f"batch's entries {sorted(map(str, batch))} by name{f' (missing {missing})' if missing else ''}"
         )
     first = batch if isinstance(batch, torch.Tensor) else None
     if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):

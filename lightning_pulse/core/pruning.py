@@ -219,6 +219,21 @@ def add_mask(module: nn.Module, mask: torch.Tensor | None = None) -> None:
     _move_parameter(module, "weight_orig", position)
 
 
+def mask_folded_zeros(layers: Mapping[str, nn.Module], mode: str, sparsity: float) -> list[str]:
+    """Put the zeros of each maskless layer back behind a mask, when an unstructured schedule already pruned
+    (``sparsity > 0``): a run resumed from a checkpoint saved after fit, whose masks were folded into the
+    weights, would otherwise let the pruned weights grow back while the schedule, finished, prunes no more.
+    Returns the names of the layers masked again."""
+    if mode != "unstructured" or sparsity <= 0:
+        return []
+    masked = []
+    for name, module in layers.items():
+        if current_mask(module) is None and not bool(module.weight.all()):
+            add_mask(module, module.weight.detach() != 0)
+            masked.append(name)
+    return masked
+
+
 def apply_masks(layers: Mapping[str, nn.Module], masks: Mapping[str, torch.Tensor]) -> None:
     """Set each layer's mask to ``masks[name]``, replacing (not multiplying) any mask it had."""
     for name, mask in masks.items():
@@ -991,8 +1006,17 @@ def _dry_run(
 ) -> str | None:
     try:
         with _time_limit(STRUCTURED_CHECK_SECONDS):
-            with torch.no_grad():
-                before = prune_targets.output_shapes(call_with(duplicate, inputs))
+            try:
+                with torch.no_grad():
+                    before = prune_targets.output_shapes(call_with(duplicate, inputs))
+            except _CheckTimeout:
+                raise
+            except Exception as error:  # before any cut: the example, not a cut, is what fails
+                return (
+                    f"the model does not run on the example it is traced with, before any cut "
+                    f"({type(error).__name__}: {str(error)[:200]}); give the LightningModule an "
+                    "`example_input_array` (what its `forward` takes), or a `forward` that takes the batch's input"
+                )
             in_training = _training_shapes(duplicate, inputs, cut=False)
             for sparsity in sparsities:
                 uncut = copy.deepcopy(duplicate)
