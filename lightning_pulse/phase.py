@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
+from lightning_pulse.records import append_recent
+
 
 class Phase(str, Enum):
     """The phases of a pulse cycle.
@@ -542,7 +544,7 @@ class PhaseClock:
         self._segment_steps = 0
         self._segment_seconds = 0.0
         self._restart_budget()
-        self.history.append(change)
+        append_recent(self.history, change)
         return change
 
     def _restart_budget(self) -> None:

@@ -256,3 +256,19 @@ def test_a_finished_run_resumed_to_a_longer_one_cycles_again_until_its_new_annea
     assert first_replay == 10 and phases[10:20] == [Phase.REPLAY] * 10 and phases[20] is Phase.BURST
     assert resumed.step == 200 - 1 and resumed.stage == "anneal"  # the new anneal, from step 180
     assert [c.reason for c in resumed.history if c.step >= 100][-1] == "anneal"
+
+
+def test_a_long_run_keeps_the_latest_phase_changes_and_every_total():
+    # held-out sweep: every phase change was kept and saved in every checkpoint (about 12,600 per million steps)
+    from lightning_pulse.records import RECENT_RECORDS, append_recent
+
+    clock = PhaseClock({"burst": 1, "replay": 1, "maintain": 0})
+    for _ in range(3 * RECENT_RECORDS):
+        clock.advance(1)
+    assert len(clock.history) == RECENT_RECORDS and clock.history[-1].step == 3 * RECENT_RECORDS
+    assert len(clock.state_dict()["history"]) == RECENT_RECORDS
+    assert clock.steps_by_phase["burst"] + clock.steps_by_phase["replay"] == 3 * RECENT_RECORDS  # totals whole
+    records: list[int] = []
+    for value in range(5):
+        append_recent(records, value, limit=3)
+    assert records == [2, 3, 4]

@@ -38,6 +38,7 @@ from lightning_pulse.core.layer_freezing import (
 from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_sharded_strategy, refusing
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
+from lightning_pulse.records import append_recent
 
 
 class GradientCache(Callback):
@@ -123,7 +124,7 @@ class GradientCache(Callback):
 
         self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)  # the freezer and its units
         self.ledger = BackwardFlopLedger()
-        self.events: list[dict[str, Any]] = []  # every change of the frozen prefix: step, from, to, reason
+        self.events: list[dict[str, Any]] = []  # the latest 1,000 changes of the frozen prefix
         self._replay: LoaderActivationCache | None = None
         self._pending_state: dict[str, Any] | None = None
         # set from on_train_start to the end of training: a load_state_dict then applies at once (a rollback)
@@ -331,12 +332,12 @@ class GradientCache(Callback):
         self.ledger.new_step()
         after = self._lifecycle.frozen_prefix
         if after != before:
-            self.events.append(freeze_event(trainer.global_step, before, after, "restore"))
+            append_recent(self.events, freeze_event(trainer.global_step, before, after, "restore"))
 
     # ------------------------------------------------------------------ reporting
     def _record(self, step: int, before: int, reason: str) -> None:
         assert self.freezer is not None
-        self.events.append(freeze_event(step, before, self.freezer.frozen_prefix, reason))
+        append_recent(self.events, freeze_event(step, before, self.freezer.frozen_prefix, reason))
         self._replan()
 
 

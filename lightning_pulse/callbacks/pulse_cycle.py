@@ -186,7 +186,7 @@ class PulseCycle(Callback):
 
     @property
     def history(self) -> list[PhaseChange]:
-        """Every phase change so far, resumed runs included."""
+        """The latest 1,000 phase changes (``records.RECENT_RECORDS``), resumed runs included."""
         return list(self.clock.history)
 
     @property

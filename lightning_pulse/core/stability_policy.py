@@ -22,6 +22,7 @@ import torch
 
 from lightning_pulse.core.spike_detection import COLD_RATIO, SCALES, Verdict
 from lightning_pulse.errors import names_itself
+from lightning_pulse.records import append_recent
 
 CAUSES = (None, "data", "state")  # where a flagged step came from, for EscalationPolicy.decide
 
@@ -265,7 +266,7 @@ class EscalationPolicy:
         event["action"] = action.value
         if cause is not None:
             event["cause"] = cause
-        self.events.append(event)
+        append_recent(self.events, event)
         return action
 
     def _healthy_between(self) -> bool:
@@ -304,11 +305,11 @@ class EscalationPolicy:
         self.skip_remaining = self.skip_after_rollback
         self.cooldown_remaining = self.lr_cooldown_steps
         self.rollbacks += 1
-        self.events.append({"step": step, "event": "rollback", "to_step": to_step})
+        append_recent(self.events, {"step": step, "event": "rollback", "to_step": to_step})
 
     def stop(self, step: int, to_step: int | None) -> None:
         self.stopped = True
-        self.events.append({"step": step, "event": "stop", "to_step": to_step})
+        append_recent(self.events, {"step": step, "event": "stop", "to_step": to_step})
 
     def state_dict(self) -> dict[str, Any]:
         return {
