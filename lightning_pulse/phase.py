@@ -655,6 +655,19 @@ PHASE_OPTION_DEFAULTS = {
 }
 
 
+def _means_off(field: str, value: Any) -> bool:
+    """Whether ``value`` of a phase's option says the phase is off (a zero length, no maintain evaluation): the
+    same as leaving the phase out of ``order``, so not an option that would do nothing."""
+    if field == "maintain_eval":
+        return value == "none"
+    if field in PHASE_NAMES:
+        try:
+            return parse_duration(value, field).is_zero
+        except ValueError:
+            return False
+    return False
+
+
 def check_cycle_options(
     maintain_eval: str,
     probe_batches: int,
@@ -674,11 +687,12 @@ def check_cycle_options(
         if phase in order:
             continue
         for field, default in defaults.items():
-            if field in given and given[field] != default:
-                raise ValueError(
-                    f"PulseCycle: `{field}`={given[field]!r} belongs to the {phase} phase, which `order`="
-                    f"{list(order)} leaves out, so it would do nothing; drop it, or add {phase!r} to `order`."
-                )
+            if field not in given or given[field] == default or _means_off(field, given[field]):
+                continue
+            raise ValueError(
+                f"PulseCycle: `{field}`={given[field]!r} belongs to the {phase} phase, which `order`="
+                f"{list(order)} leaves out, so it would do nothing; drop it, or add {phase!r} to `order`."
+            )
     if maintain_eval not in PROBE_MODES:
         raise ValueError(f"PulseCycle: `maintain_eval`={maintain_eval!r} is not one of {list(PROBE_MODES)}.")
     if isinstance(probe_batches, bool) or not isinstance(probe_batches, int) or probe_batches < 1:

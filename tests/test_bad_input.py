@@ -313,6 +313,9 @@ def test_the_same_options_where_they_are_read_are_accepted():
     ScheduledPrune(every=50)  # cadence 'auto': steps when there is no maintain phase
     PulseCycle(order=["burst", "replay"])
     PulseCycle(order=["burst", "replay"], burst=12, replay=24)
+    # the "off" value of a left-out phase says the same as leaving it out (a regression sweep found it refused)
+    PulseCycle(order=["burst", "replay"], maintain=0, maintain_eval="none")
+    PulseCycle(order=["burst", "maintain"], replay="0 steps")
     HardSampleReplay(rule="infobatch", prune_ratio=0.3)
     HardSampleReplay(rule="topk", replay_fraction=0.3)
     GreenWindow(threshold="30%", horizon="24h")

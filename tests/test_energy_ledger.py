@@ -511,3 +511,30 @@ def test_account_whose_meters_cannot_be_built_warns_once_and_keeps_counting():
     assert report["disabled"].startswith("IndexError") and report["total"]["samples"] == 7
     assert report["total"]["energy_kwh"] == 0.0 and report["total"]["energy_method"] == NONE
     assert account.energy_so_far_kwh() == 0.0
+
+
+def test_a_long_run_keeps_its_latest_cycles_and_epochs_and_every_joule_in_its_totals():
+    # held-out sweep: one bucket per cycle and per epoch, and one segment per phase change, all in every
+    # checkpoint and report (about 3.5 MB of state and a 12 MB report per million steps of the shipped suite)
+    from lightning_pulse.records import RECENT_RECORDS
+
+    ledger = EnergyLedger()
+    ledger.begin(0.0, 1000.0, reading())
+    cycles = RECENT_RECORDS + 200
+    for cycle in range(cycles):
+        for offset, phase in enumerate(("burst", "replay")):
+            t = 2.0 * cycle + offset
+            ledger.mark(t, 1000.0 + t, stage="train", phase=phase, cycle=cycle, epoch=cycle // 2)
+    end = 2.0 * cycles
+    ledger.record(end, 1000.0 + end, reading(cpu=end))  # 1 W for every second of the run
+    snapshot = ledger.snapshot(end)
+    buckets = snapshot["buckets"]
+    kept_cycles = sorted(int(key.split("/")[1]) for key in buckets if key.startswith("cycle/"))
+    assert kept_cycles == list(range(cycles - RECENT_RECORDS, cycles))  # the latest ones
+    assert sum(key.startswith("epoch/") for key in buckets) == (cycles + 1) // 2  # fewer than the limit: all
+    assert len(snapshot["phase_segments"]) == RECENT_RECORDS
+    assert buckets["total"]["cpu_j"] == pytest.approx(end)  # nothing dropped from the totals
+    assert buckets["phase/burst"]["cpu_j"] + buckets["phase/replay"]["cpu_j"] == pytest.approx(end)
+    merged = merge_snapshots(snapshot, snapshot)  # a resumed run's report: the same bounds
+    assert sum(key.startswith("cycle/") for key in merged["buckets"]) == RECENT_RECORDS
+    assert len(merged["phase_segments"]) == RECENT_RECORDS

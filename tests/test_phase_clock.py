@@ -267,7 +267,9 @@ def test_a_long_run_keeps_the_latest_phase_changes_and_every_total():
         clock.advance(1)
     assert len(clock.history) == RECENT_RECORDS and clock.history[-1].step == 3 * RECENT_RECORDS
     assert len(clock.state_dict()["history"]) == RECENT_RECORDS
-    assert clock.steps_by_phase["burst"] + clock.steps_by_phase["replay"] == 3 * RECENT_RECORDS  # totals whole
+    assert (
+        clock.steps_by_phase["burst"] + clock.steps_by_phase["replay"] == 3 * RECENT_RECORDS
+    )  # totals whole
     records: list[int] = []
     for value in range(5):
         append_recent(records, value, limit=3)

@@ -518,3 +518,48 @@ def test_a_run_resumed_from_a_checkpoint_saved_after_fit_keeps_its_pruned_weight
     assert trainer.global_step == 60 and prune.finished
     assert zero_share(model) == pytest.approx(0.5, abs=0.01)  # 0.0 before: every pruned weight grew back
     assert all(pruning.current_mask(layer) is None for layer in layers(model))  # folded again at fit end
+
+
+@pytest.mark.parametrize("cadence", ["maintain", "auto"])
+def test_a_resume_after_the_last_maintain_start_keeps_the_cadence_of_the_uninterrupted_run(tmp_path, cadence):
+    # regression sweep: the fit-start look for a maintain phase ahead ran again at a resume after the last one
+    # (step 65, schedule end 66): cadence 'maintain' was refused, 'auto' fell back and pruned once more at 66
+    def fit(checkpoints=None, ckpt_path=None):
+        pl.seed_everything(0)
+        cycle = PulseCycle(burst=10, replay=10, maintain=2, anneal=0.3, maintain_eval="none")
+        prune = ScheduledPrune(
+            final_sparsity=0.5, start=0, end=66, probe_batches=0, options={"cadence": cadence}
+        )
+        saving = (
+            [ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=65, save_top_k=-1)]
+            if checkpoints
+            else []
+        )
+        generator = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(
+            torch.randn(640, 16, generator=generator), torch.randint(0, 4, (640,), generator=generator)
+        )
+        trainer = pl.Trainer(
+            max_steps=100,
+            callbacks=[cycle, prune, *saving],
+            **trainer_kwargs(enable_checkpointing=bool(checkpoints)),
+        )
+        trainer.fit(_LinearClassifier(), DataLoader(data, batch_size=32), ckpt_path=ckpt_path)
+        return [event["step"] for event in prune.events]
+
+    uninterrupted = fit(checkpoints=tmp_path)
+    assert uninterrupted == [30, 52]
+    (checkpoint,) = tmp_path.glob("*step=65*.ckpt")
+    assert fit(ckpt_path=checkpoint) == uninterrupted
+
+
+class _LinearClassifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)

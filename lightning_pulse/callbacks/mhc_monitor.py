@@ -14,7 +14,6 @@ from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.errors import names_itself
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
-from lightning_pulse.records import append_recent
 
 
 class HyperConnectionMonitor(Callback):
@@ -130,7 +129,7 @@ class HyperConnectionMonitor(Callback):
             "stream_rms": stream_rms,
             "layers": len(per_layer),
         }
-        append_recent(self.history, entry)
+        self.history.append(entry)
         metrics = {
             f"{self.prefix}/forward_gain": forward_gain,
             f"{self.prefix}/backward_gain": backward_gain,

@@ -127,7 +127,7 @@ class ScheduledPrune(Callback):
         self.options = options
         self.events: list[dict[str, Any]] = []
 
-        self._uses_maintain = False
+        self._uses_maintain: bool | None = None  # decided at the first fit start, kept by a checkpoint
         self._last_global_step = 0
         self._example: Any = None  # structured: the trace input, checked on the first batch
         self.probe = HeldOutProbe("ScheduledPrune", probe_batches, "accuracy at events is off")
@@ -199,11 +199,11 @@ class ScheduledPrune(Callback):
             prune_setup.refuse_frozen_twins(pl_module, selection.layers)
             if getattr(pl_module, "example_input_array", None) is not None:
                 self._example = prune_setup.structured_example(pl_module, self.pruner, self.schedule, None)
-        cycle = pulse_cycle_of(trainer)
-        clock = cycle.clock if cycle is not None else None
-        steps = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches) or None
+        clock = cycle.clock if (cycle := pulse_cycle_of(trainer)) is not None else None
+        per_epoch = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
+        run = (trainer.global_step, total, per_epoch)
         self._uses_maintain, warnings = prune_setup.event_cadence(
-            self.options.cadence, clock, self.schedule, trainer.global_step, total, steps
+            self.options.cadence, clock, self.schedule, *run, self._uses_maintain, bool(self.events)
         )
         for warning in warnings:
             rank_zero_warn(warning)
@@ -261,7 +261,7 @@ class ScheduledPrune(Callback):
     def state_dict(self) -> dict[str, Any]:
         state = {**self.schedule.state_dict(), **self.pruner.state_dict()}
         state["events"] = [dict(event) for event in self.events]
-        state["user_frozen"] = sorted(self.pruner.user_frozen)
+        state["user_frozen"], state["uses_maintain"] = sorted(self.pruner.user_frozen), self._uses_maintain
         teacher = self._window.state_dict() if self._window is not None else None
         if teacher is not None:
             state["teacher"] = teacher
@@ -273,6 +273,7 @@ class ScheduledPrune(Callback):
         self.schedule.load_state_dict(state_dict)
         self.pruner.load_state_dict(state_dict)
         self.events = [dict(event) for event in state_dict["events"]]
+        self._uses_maintain = state_dict.get("uses_maintain", self._uses_maintain)
         if not self._training and "user_frozen" in state_dict:  # a resume: the run's own frozen set
             self._restored_frozen = frozenset(state_dict["user_frozen"])
         self._pending_teacher = state_dict.get("teacher")

@@ -158,6 +158,8 @@ def event_cadence(
     step: int = 0,
     total_steps: float = math.inf,
     steps_per_epoch: float | None = None,
+    decided: bool | None = None,
+    pruned: bool = False,
 ) -> tuple[bool, list[str]]:
     """Whether events happen at maintain-phase starts of ``clock`` (a PulseCycle's; ``None`` without one), and
     the warnings to give at fit start: :func:`uses_maintain`'s, then, on the step cadence,
@@ -167,11 +169,17 @@ def event_cadence(
     the schedule's start and the run's end (``total_steps``; a budget that lengthens the replay phases, or a
     short run, can leave none), ``cadence='auto'`` prunes on the step cadence instead, with a warning, and
     ``cadence='maintain'`` is refused: either way the run would end unpruned with nothing said.
+
+    A resumed run keeps the cadence its first part ``decided`` (saved in the checkpoint), so it prunes where the
+    uninterrupted run would; one resumed from an older checkpoint that has ``pruned`` already is not played
+    forward (its next maintain phase may lie past the run's end, as the uninterrupted run's did).
     """
+    if decided is not None:
+        return decided, []
     duration = clock.durations.get(Phase.MAINTAIN) if clock is not None else None
     has_maintain = duration is not None and not duration.is_zero
     on_maintain, warning = uses_maintain(cadence, clock is not None, has_maintain)
-    if on_maintain and clock is not None and not schedule.finished:
+    if on_maintain and clock is not None and not schedule.finished and not pruned:
         start = max(schedule.start_step, step)
         if clock.first_entry(Phase.MAINTAIN, start, total_steps, steps_per_epoch, total_steps) is None:
             where = (

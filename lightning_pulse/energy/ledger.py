@@ -24,6 +24,7 @@ import numpy as np
 
 from lightning_pulse.energy.carbon import Rate
 from lightning_pulse.energy.meter import COMPONENTS, ESTIMATED, METHOD_FLAGS, NONE, method_from_flags
+from lightning_pulse.records import RECENT_RECORDS, append_recent
 
 J_PER_KWH = 3.6e6
 STAGES = ("train", "validation", "other")
@@ -205,9 +206,8 @@ class EnergyLedger:
                 if self.phase_segments and self.phase_segments[-1]["end_wall"] is None:
                     self.phase_segments[-1]["end_wall"] = wall
                 if new.phase is not None:
-                    self.phase_segments.append(
-                        {"phase": new.phase, "cycle": new.cycle, "start_wall": wall, "end_wall": None}
-                    )
+                    segment = {"phase": new.phase, "cycle": new.cycle, "start_wall": wall, "end_wall": None}
+                    append_recent(self.phase_segments, segment)
 
     def settle_time(self, now: float) -> None:
         """Credit the time since the last label change to the current label's buckets."""
@@ -407,6 +407,10 @@ class EnergyLedger:
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = Bucket()
+            if key.startswith(NUMBERED):
+                for dropped in set(self.buckets) - set(recent_buckets(self.buckets)):
+                    del self.buckets[dropped]  # its figures stay in the totals and the phase buckets
+                    self._bucket_lists = {k: v for k, v in self._bucket_lists.items() if dropped not in k}
         return bucket
 
     # ------------------------------------------------------------------ read-out
@@ -522,6 +526,21 @@ def combine_ranks(stacked: np.ndarray, keys: Sequence[str]) -> dict[str, dict[st
     return combined
 
 
+#: the bucket keys numbered by cycle or epoch: a run's latest RECENT_RECORDS of each are kept
+NUMBERED = ("cycle/", "epoch/")
+
+
+def recent_buckets(buckets: Mapping[str, Any]) -> dict[str, Any]:
+    """``buckets`` without the oldest ``cycle/<n>`` and ``epoch/<n>`` beyond the latest :data:`RECENT_RECORDS`
+    of each: a run of a million steps holds thousands of cycles, and its checkpoint and report would grow with
+    them. The totals, stages and phases keep every joule."""
+    dropped: set[str] = set()
+    for prefix in NUMBERED:
+        numbered = sorted((k for k in buckets if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :]))
+        dropped.update(numbered[: max(len(numbered) - RECENT_RECORDS, 0)])
+    return {key: value for key, value in buckets.items() if key not in dropped}
+
+
 def merge_snapshots(earlier: Mapping[str, Any] | None, later: Mapping[str, Any]) -> dict[str, Any]:
     """One snapshot for a run made of consecutive parts (a resumed run): everything adds up."""
     if not earlier:
@@ -535,11 +554,13 @@ def merge_snapshots(earlier: Mapping[str, Any] | None, later: Mapping[str, Any])
     for name in _TIMELINE_KEYS:
         timeline[name] += list(later.get("timeline", {}).get(name, []))
     merged = {key: _copy(value) for key, value in later.items() if key != "buckets"}
-    merged["buckets"] = {key: bucket.to_dict() for key, bucket in buckets.items()}
+    merged["buckets"] = recent_buckets({key: bucket.to_dict() for key, bucket in buckets.items()})
     if "timeline" in later:
         merged.update(
             timeline=timeline,
-            phase_segments=list(earlier.get("phase_segments", [])) + list(later.get("phase_segments", [])),
+            phase_segments=(list(earlier.get("phase_segments", [])) + list(later.get("phase_segments", [])))[
+                -RECENT_RECORDS:
+            ],
             events=list(earlier.get("events", [])) + list(later.get("events", [])),
         )
     return merged
