@@ -266,8 +266,8 @@ def test_a_share_of_a_run_of_unknown_length_is_a_refusal_naming_gradient_cache(m
             r"^PulseCycle: `maintain`=5 belongs to the maintain phase, which `order`=\['burst', 'replay'\]",
         ),
         (
-            lambda: PulseCycle(order=["burst", "replay"], maintain_eval="none"),
-            r"^PulseCycle: `maintain_eval`='none' belongs to the maintain phase",
+            lambda: PulseCycle(order=["burst", "replay"], probe_batches=2),
+            r"^PulseCycle: `probe_batches`=2 belongs to the maintain phase",
         ),
         (
             lambda: PulseCycle(order=["burst", "maintain"], replay=12),
@@ -292,7 +292,7 @@ def test_a_share_of_a_run_of_unknown_length_is_a_refusal_naming_gradient_cache(m
         "make_permanent-structured",
         "every-maintain-cadence",
         "maintain-outside-order",
-        "maintain_eval-outside-order",
+        "probe_batches-outside-order",
         "replay-outside-order",
         "replay_fraction-infobatch",
         "prune_ratio-topk",
