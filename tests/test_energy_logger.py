@@ -23,7 +23,7 @@ from lightning_pulse import PulseCycle, phase_of
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.meter import ESTIMATED, MEASURED, NONE
-from lightning_pulse.energy.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME
+from lightning_pulse.energy.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME, render_report
 from lightning_pulse.energy.sampler import THREAD_NAME
 from tests.conftest import trainer_kwargs
 from tests.test_energy_meters import FakeGpu, fake_nvml, make_rapl_tree, set_energy  # noqa: F401
@@ -78,9 +78,14 @@ def test_fit_with_pulse_cycle_attributes_energy_to_every_phase(tmp_path, caplog,
 
     assert fit.global_step == 12
     log_dir = Path(fit.logger.log_dir)
-    assert {p.name for p in energy.report_paths} == {JSON_NAME, MARKDOWN_NAME, PNG_NAME}
+    assert {p.name for p in energy.report_paths} == {JSON_NAME, MARKDOWN_NAME}
     assert all(p.parent == log_dir for p in energy.report_paths)
     report = json.loads((log_dir / JSON_NAME).read_text())
+    # the chart is drawn on demand, not inside the fit; the Markdown says how
+    assert not (log_dir / PNG_NAME).exists()
+    assert f"`lightning-pulse report DIR` draws {PNG_NAME}" in (log_dir / MARKDOWN_NAME).read_text()
+    assert [p.name for p in render_report(log_dir)] == [MARKDOWN_NAME, PNG_NAME]
+    assert (log_dir / PNG_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # the same steps PulseCycle counted, with every micro-batch's samples
     for phase, steps in cycle.clock.steps_by_phase.items():
@@ -597,7 +602,7 @@ def test_ddp_sums_gpu_over_ranks_and_counts_cpu_once(tmp_path):
     fit.fit(MNIST1DClassifier(arch="mlp"), data())
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     rank1 = json.loads((tmp_path / "rank1.json").read_text())
-    assert rank1["report_paths"] == [] and len(rank0["report_paths"]) == 3
+    assert rank1["report_paths"] == [] and len(rank0["report_paths"]) == 2  # JSON and Markdown
     assert rank0["local_components"] == ["cpu", "gpu"] and rank1["local_components"] == ["gpu"]
     report = json.loads((tmp_path / JSON_NAME).read_text())
     assert report["world_size"] == 2 and report == rank0["report"]

@@ -70,9 +70,10 @@ class EnergyLogger(Callback):
     ``energy/total_kwh``, ``energy/<phase>_kwh``, CO2, cost, J per sample/token, data-loader stall share),
     per completed pulse cycle (``energy/cycle_kwh``) and every ``log_every_n_steps`` (``energy/power_w``,
     ``energy/kwh_so_far``). After the first epoch, a forecast of the whole run's energy, time and CO2 is
-    logged and printed once. The progress bar shows ``kWh``. At the end of fit, ``energy_report.json``,
-    ``energy_report.md`` and ``energy_report.png`` are written atomically to ``report_dir`` or the logger's
-    log dir (rank 0 only); ``lightning-pulse report DIR`` re-renders the last two from the JSON.
+    logged and printed once. The progress bar shows ``kWh``. At the end of fit, ``energy_report.json`` and
+    ``energy_report.md`` are written atomically to ``report_dir`` or the logger's log dir (rank 0 only);
+    ``lightning-pulse report DIR`` draws ``energy_report.png`` from the JSON (not at fit end: it took longer
+    than a short run's training).
 
     Under DDP, GPU energy is metered by each rank and summed; CPU and RAM energy are metered once per node
     by local rank 0. Checkpoints carry the whole run's totals, so a resumed run reports all of it (a

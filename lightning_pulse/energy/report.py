@@ -1,7 +1,8 @@
 """The energy report: ``energy_report.json`` (the data), ``energy_report.md`` and ``energy_report.png``.
 
-The JSON is the source of truth; :func:`render_report` re-renders the Markdown and the PNG from it (this is
-what ``lightning-pulse report DIR`` runs). Every file is written atomically: to a temporary file in the same
+The JSON is the source of truth. EnergyLogger writes it and the Markdown at the end of fit;
+:func:`render_report` re-renders the Markdown and draws the PNG from it (this is what
+``lightning-pulse report DIR`` runs). Every file is written atomically: to a temporary file in the same
 directory, then renamed over the target, so a reader never sees half a report.
 """
 
@@ -108,11 +109,12 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 
 
 # ---------------------------------------------------------------------- writing and rendering
-def write_report(report: Mapping[str, Any], directory: str | Path) -> list[Path]:
-    """Write the JSON, Markdown and PNG of ``report`` into ``directory``; return the paths written."""
+def write_report(report: Mapping[str, Any], directory: str | Path, chart: bool = True) -> list[Path]:
+    """Write the JSON and Markdown of ``report`` into ``directory``, and the PNG with ``chart``; return the
+    paths written."""
     directory = Path(directory)
     written = [write_text_atomic(directory / JSON_NAME, json.dumps(report, indent=2, default=_json_default))]
-    written += _render(report, directory)
+    written += _render(report, directory, chart)
     return written
 
 
@@ -139,9 +141,9 @@ def render_report(directory: str | Path) -> list[Path]:
     return _render(report, json_path.parent)
 
 
-def _render(report: Mapping[str, Any], directory: Path) -> list[Path]:
+def _render(report: Mapping[str, Any], directory: Path, chart: bool = True) -> list[Path]:
     written = [write_text_atomic(directory / MARKDOWN_NAME, report_markdown(report))]
-    png = write_plot(report, directory / PNG_NAME)
+    png = write_plot(report, directory / PNG_NAME) if chart else None
     if png is not None:
         written.append(png)
     return written
@@ -240,7 +242,8 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         f"{report.get('resumed_runs', 0)} resume(s); created {report.get('created_utc', '?')} UTC.",
         "",
         "Every figure carries its method: *measured* (NVML counter or power sensor, RAPL), *estimated* "
-        "(codecarbon's model, a configured constant, a carbon intensity) or *none* (not available).",
+        "(codecarbon's model, a configured constant, a carbon intensity) or *none* (not available). "
+        f"`lightning-pulse report DIR` draws {PNG_NAME} (power over time, energy per phase) from the JSON.",
         "",
         "## Summary",
         "",
