@@ -276,12 +276,21 @@ def replace_batch_sampler(loader: Any, batch_sampler: Any) -> None:
     object.__setattr__(loader, "batch_sampler", batch_sampler)
 
 
-def clipping_needs_gradients(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    """Whether the gradient clipping Lightning runs after ``on_before_optimizer_step`` may fail on parameters
-    that all lack a gradient: clipping by value (torch raises on an empty list), or a module's own
-    ``configure_gradient_clipping`` (unknown code). Norm clipping of no gradients is a no-op."""
+def gradients_read_before_step(trainer: pl.Trainer, pl_module: pl.LightningModule, caller: Any) -> bool:
+    """Whether code that Lightning runs after ``caller``'s ``on_before_optimizer_step`` and before the optimizer
+    step may read gradients, and fail on parameters that all lack one: a later callback's or the module's own
+    ``on_before_optimizer_step`` (a held-out module clipped by value there), clipping by value (torch raises
+    on an empty list), or a module's own ``configure_gradient_clipping``. Norm clipping of no gradients is a
+    no-op."""
     by_value = trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value"
-    return bool(by_value) or is_overridden("configure_gradient_clipping", pl_module)
+    callbacks = list(trainer.callbacks)
+    later = callbacks[callbacks.index(caller) + 1 :] if caller in callbacks else callbacks
+    return (
+        bool(by_value)
+        or is_overridden("configure_gradient_clipping", pl_module)
+        or is_overridden("on_before_optimizer_step", pl_module)
+        or any(is_overridden("on_before_optimizer_step", callback, pl.Callback) for callback in later)
+    )
 
 
 def prepare_evaluation_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:

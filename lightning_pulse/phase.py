@@ -391,12 +391,10 @@ class PhaseClock:
         if self.stage == "anneal" and (anneal_from is None or self.step < anneal_from):
             # a finished run resumed to a longer one ("train longer"): its anneal moves to the new end, and a
             # new cycle starts
+            # (told even when the cycle starts with the burst the anneal was: listeners count the new cycle)
             self.stage, self.cycle = "cycle", self.cycle + 1
             self.position = self._first_nonzero(0, skip_burst=self.held)
-            if self.order[self.position] is not self.phase:
-                changes.append(self._enter(self.order[self.position], "extended"))
-            else:
-                self._restart_budget()
+            changes.append(self._enter(self.order[self.position], "extended"))
         if self.stage != "anneal" and anneal_from is not None and self.step >= anneal_from:
             self.stage = "anneal"
             if self.phase is not Phase.BURST:
@@ -439,29 +437,28 @@ class PhaseClock:
         return copy
 
     def first_entry(
-        self,
-        phase: Phase,
-        from_step: int,
-        until_step: float,
-        steps_per_epoch: float | None,
-        total_steps: float,
+        self, phase: Phase, from_step: int, steps_per_epoch: float | None, total_steps: float
     ) -> int | None:
-        """The first optimizer step in ``[from_step, until_step)`` at which a copy of this clock, played forward
-        one step at a time from now, enters ``phase``; ``None`` when it does not. Step and epoch durations only
-        (wall-clock phases are not decided by steps: ``from_step`` is returned, as for a clock that cannot
-        start here). Stops at anneal (a burst to the end) or after two cycles without the phase."""
+        """The first optimizer step in ``[from_step, total_steps)`` at which a copy of this clock, played forward
+        from now, enters ``phase``; ``None`` when it does not. Step and epoch durations only (wall-clock phases
+        are not decided by steps: ``from_step`` is returned, as for a clock that cannot start here). Stops at
+        anneal (a burst to the end) or after two cycles without the phase."""
         sim = self.copy()
         try:
             if sim.stage == "pending" and (change := sim.start(total_steps)) is not None:
-                if change.current is phase and from_step <= change.step < until_step:
+                if change.current is phase and from_step <= change.step < total_steps:
                     return change.step
             if self.uses_wall_clock:
                 return from_step
             last_cycle = None
-            while sim.step < until_step and sim.stage != "anneal":
-                for change in sim.advance(1, 0.0, steps_per_epoch, total_steps):
-                    if change.current is phase and from_step <= change.step < until_step:
+            while sim.step < total_steps:
+                for change in sim.advance(
+                    sim._steps_to_boundary(total_steps), 0.0, steps_per_epoch, total_steps
+                ):
+                    if change.current is phase and from_step <= change.step < total_steps:
                         return change.step
+                if sim.stage == "anneal":  # after the step: a restored anneal may have ended ("extended")
+                    return None
                 if sim.step >= from_step and sim.stage == "cycle":
                     last_cycle = sim.cycle + 2 if last_cycle is None else last_cycle
                     if sim.cycle >= last_cycle:  # two whole cycles went by without it: it never comes
@@ -469,6 +466,24 @@ class PhaseClock:
         except ValueError:  # no run length for warm-up or anneal: PulseCycle refuses that itself
             return from_step
         return None
+
+    def _steps_to_boundary(self, total_steps: float) -> int:
+        """Optimizer steps up to the clock's next possible change (at least 1): the end of a phase counted in
+        steps, the warm-up's end or the anneal's start. Playing forward by these jumps lands on every change at
+        its own step, at a cost per phase rather than per step."""
+        if self.stage == "anneal":
+            return 1
+        bounds = []
+        duration = self.durations[self.phase]
+        if self.stage == "cycle" and duration.kind == "steps":
+            bounds.append(math.ceil(duration.amount - 1e-9) - self.steps_in_phase)
+        elif self.stage == "cycle":  # an epoch duration: its boundary depends on fractions of an epoch
+            return 1
+        if self.stage == "warmup":
+            bounds.append(self._warmup_steps(total_steps) - self.step)
+        if (anneal_from := self._anneal_start(total_steps)) is not None:
+            bounds.append(anneal_from - self.step)
+        return max(1, min(bounds, default=1))
 
     @property
     def light_phases(self) -> tuple[Phase, ...]:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_pulse.core import layer_freezing
 from lightning_pulse.core.activation_cache import LoaderActivationCache, check_cache_mb
 from lightning_pulse.core.backward_flops import BackwardFlopLedger
 from lightning_pulse.core.freeze_metrics import freeze_event, freeze_metrics
@@ -298,9 +299,12 @@ def test_relative_parameter_change_on_known_vectors():
     assert relative_parameter_change([torch.ones(1)], [torch.zeros(1)]) == math.inf
 
 
-def test_window_movements_of_many_units_match_a_float64_reference():
-    # the movements of a whole model are read with fused norms over every unit's tensors at once: each unit's
-    # figures must still be its own, whatever its dtypes (a bf16 unit widens exactly, a float64 one stays)
+@pytest.mark.parametrize("chunk_values", [1 << 22, 20, 1])
+def test_window_movements_of_many_units_match_a_float64_reference(chunk_values, monkeypatch):
+    # the movements of a whole model are read with fused norms over many units' tensors at once: each unit's
+    # figures must still be its own, whatever its dtypes (a bf16 unit widens exactly, a float64 one stays), and
+    # whichever chunks bound the widened copies (review: all at once took 6x a bf16 model's size)
+    monkeypatch.setattr(layer_freezing, "WINDOW_CHUNK_VALUES", chunk_values)
     generator = torch.Generator().manual_seed(0)
     units = [
         [torch.randn(8, 4, generator=generator), torch.randn(4, generator=generator)],
@@ -325,6 +329,14 @@ def test_window_movements_of_many_units_match_a_float64_reference():
         assert rate == pytest.approx(moved / reference, rel=1e-5)
         assert growth == pytest.approx(current / reference - 1.0, rel=1e-4, abs=1e-6)
     assert window_movements([]) == []
+
+
+def test_window_chunks_are_consecutive_and_bounded_and_a_large_tensor_goes_alone():
+    tensors = [torch.zeros(n) for n in (3, 4, 10, 1, 1, 2)]
+    chunks = layer_freezing._chunks(tensors, 8)
+    assert chunks == [slice(0, 2), slice(2, 3), slice(3, 6)]
+    assert [i for chunk in chunks for i in range(len(tensors))[chunk]] == list(range(len(tensors)))
+    assert layer_freezing._chunks([], 8) == []
 
 
 # ------------------------------------------------------------------------------------------ the state machine

@@ -857,6 +857,31 @@ def test_the_event_cadence_reads_the_clocks_maintain_phase_and_warns_of_an_abrup
         prune_setup.event_cadence("maintain", without, gradual)
 
 
+def test_a_cadence_saved_in_the_checkpoint_never_overrides_the_resumed_fits_own_setup():
+    # review: a checkpoint's maintain cadence was kept by a resume with cadence='steps' or without a
+    # PulseCycle, which then waited for maintain phases that never came and pruned nothing
+    from lightning_pulse.phase import PhaseClock
+
+    schedule = PruneSchedule(final_sparsity=0.5, start=0, end=80, every=10)
+    schedule.resolve(100.0)
+    with_maintain = PhaseClock({"burst": 6, "replay": 2, "maintain": 2})
+    assert (
+        prune_setup.event_cadence("steps", with_maintain, schedule, 50, 100.0, None, True, True)[0] is False
+    )
+    assert prune_setup.event_cadence("auto", None, schedule, 50, 100.0, None, True, True)[0] is False
+    with pytest.raises(PulseRefusal, match="`cadence`='maintain' needs a PulseCycle"):
+        prune_setup.event_cadence("maintain", None, schedule, 50, 100.0, None, True, True)
+    # with the same setup, the first fit's answer stands (its fallback included), and is not said again
+    assert prune_setup.event_cadence("auto", with_maintain, schedule, 50, 100.0, None, False, True) == (
+        False,
+        [],
+    )
+    assert prune_setup.event_cadence("auto", with_maintain, schedule, 50, 100.0, None, True, True) == (
+        True,
+        [],
+    )
+
+
 def test_resolving_the_schedule_refuses_one_that_cannot_be_placed_or_starts_after_the_run():
     schedule = PruneSchedule(start=10, end=50)
     prune_setup.resolve_schedule(schedule, 100.0, 0)

@@ -196,18 +196,33 @@ class ParametersAroundSkips(Callback):
             self.changed_by_a_skip += not same
 
 
-@pytest.mark.parametrize("algorithm", ["value", "norm"])
+class ClipsByValueInItsOwnHook(MNIST1DClassifier):
+    """A held-out module: clips by value in its own ``on_before_optimizer_step``, after the guard's."""
+
+    def on_before_optimizer_step(self, optimizer):
+        torch.nn.utils.clip_grad_value_(self.parameters(), 0.5)
+
+
+class ReadsEveryGradient(Callback):
+    """A user's callback, after the guard, that reads every gradient before the step."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        torch.stack([p.grad.norm() for p in pl_module.parameters()])
+
+
+@pytest.mark.parametrize("algorithm", ["value", "norm", "module_hook", "later_callback"])
 def test_a_skip_under_gradient_clipping_changes_nothing_and_the_run_goes_on(algorithm):
-    # clipping by value runs between the guard's decision and the step, and raises on parameters that all lack
-    # a gradient: a skip there zeroes them and undoes the step instead
+    # code between the guard's decision and the step may read every gradient: clipping by value raises on
+    # parameters that all lack one, and so did a held-out module clipping in its own hook (a crash mid-run at
+    # the first skip). A skip there zeroes them and undoes the step instead
     guard, watch = StabilityGuard(), ParametersAroundSkips()
     pl.seed_everything(0)
-    model = MNIST1DClassifier(arch="mlp")
+    model = (ClipsByValueInItsOwnHook if algorithm == "module_hook" else MNIST1DClassifier)(arch="mlp")
+    clipping = {"gradient_clip_val": 0.5, "gradient_clip_algorithm": algorithm}
     trainer = pl.Trainer(
-        callbacks=[guard, watch],
+        callbacks=[guard, watch] + ([ReadsEveryGradient()] if algorithm == "later_callback" else []),
         max_steps=60,
-        gradient_clip_val=0.5,
-        gradient_clip_algorithm=algorithm,
+        **(clipping if algorithm in ("value", "norm") else {}),
         **trainer_kwargs(limit_val_batches=0),
     )
     with pytest.warns(UserWarning, match="non-finite values in its data"):

@@ -165,7 +165,7 @@ class StabilityGuard(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         self._changes.attach(trainer.optimizers)
-        self._keep_gradients = compat.clipping_needs_gradients(trainer, pl_module)
+        self._keep_gradients = compat.gradients_read_before_step(trainer, pl_module, self)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
         self._record = steps.StepRecord()

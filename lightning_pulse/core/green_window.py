@@ -29,6 +29,7 @@ import numpy as np
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import Forecast
 from lightning_pulse.phase import KNOWN_LENGTH, parse_duration
+from lightning_pulse.records import RECENT_RECORDS, append_recent
 
 COMPUTE_KINDS = ("run", "light")
 SEGMENT_KINDS = (*COMPUTE_KINDS, "wait")
@@ -262,7 +263,8 @@ class ScheduleLedger:
 
     def __init__(self, mean_signal: Callable[[float, float], float], unit: str = "gCO2eq/kWh") -> None:
         self.mean_signal, self.unit = mean_signal, unit
-        self.segments: list[dict[str, Any]] = []
+        self.segments: list[dict[str, Any]] = []  # the latest RECENT_RECORDS; older ones are folded
+        self.folded = _no_folded_segments()
 
     def add(self, kind: str, start: float, end: float, kwh: float | None) -> None:
         """Record ``[start, end]`` of ``kind`` (``kwh``: its energy, ``None`` if unknown); merges with the last
@@ -277,9 +279,28 @@ class ScheduleLedger:
             last["kwh"] = None if last["kwh"] is None or kwh is None else last["kwh"] + kwh
             return
         self.segments.append({"kind": kind, "start": float(start), "end": float(end), "kwh": kwh})
+        if len(self.segments) > RECENT_RECORDS:  # a closed segment: its figures go into the folded totals
+            self._fold(self.segments.pop(0))
+
+    def _fold(self, segment: dict[str, Any]) -> None:
+        folded, seconds = self.folded, segment["end"] - segment["start"]
+        folded["count"] += 1
+        folded["start"] = segment["start"] if folded["start"] is None else folded["start"]
+        folded["seconds"][segment["kind"]] += seconds
+        signal = self.mean_signal(segment["start"], segment["end"])
+        compute = segment["kind"] in COMPUTE_KINDS
+        if segment["kwh"] is None:
+            folded["energy_known"] = False
+        else:
+            folded["weighted_kwh"] += segment["kwh"] * signal
+            folded["compute_kwh"] += segment["kwh"] if compute else 0.0
+        if segment["kind"] != "wait":  # time stands in for energy: waiting weighs nothing
+            folded["weighted_hours"] += seconds / 3600.0 * signal
+            folded["compute_hours"] += seconds / 3600.0 if compute else 0.0
 
     def seconds(self, *kinds: str) -> float:
-        return float(sum(s["end"] - s["start"] for s in self.segments if s["kind"] in kinds))
+        kept = sum(s["end"] - s["start"] for s in self.segments if s["kind"] in kinds)
+        return float(kept + sum(self.folded["seconds"][kind] for kind in kinds))
 
     def summary(self, start: float | None = None) -> dict[str, Any]:
         """Energy, signal cost of the schedule as run, and of the counterfactual.
@@ -289,12 +310,14 @@ class ScheduleLedger:
         while waiting (a paused machine's idle draw) counts for the run and not for the counterfactual. With
         no energy figures, time stands in for energy (constant power): the shares stay right, kg are ``None``.
         """
+        folded = self.folded
         if not self.segments:
             return {"segments": 0}
-        start = self.segments[0]["start"] if start is None else float(start)
-        known = all(s["kwh"] is not None for s in self.segments)
-        weighted = 0.0
-        compute_weight = 0.0
+        first = folded["start"] if folded["start"] is not None else self.segments[0]["start"]
+        start = first if start is None else float(start)
+        known = folded["energy_known"] and all(s["kwh"] is not None for s in self.segments)
+        weighted = folded["weighted_kwh"] if known else folded["weighted_hours"]
+        compute_weight = folded["compute_kwh"] if known else folded["compute_hours"]
         for segment in self.segments:
             weight = segment["kwh"] if known else (segment["end"] - segment["start"]) / 3600.0
             if segment["kind"] == "wait" and not known:
@@ -307,7 +330,7 @@ class ScheduleLedger:
         saving = counterfactual - weighted
         carbon = self.unit.startswith("gCO2")
         return {
-            "segments": len(self.segments),
+            "segments": folded["count"] + len(self.segments),
             "energy_known": known,
             "energy_kwh": compute_weight if known else None,
             "compute_s": compute_s,
@@ -325,10 +348,27 @@ class ScheduleLedger:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"segments": [dict(s) for s in self.segments]}
+        folded = {**self.folded, "seconds": dict(self.folded["seconds"])}
+        return {"segments": [dict(s) for s in self.segments], "folded": folded}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.segments = [dict(s) for s in state.get("segments", [])]
+        folded = state.get("folded") or _no_folded_segments()  # older checkpoints kept every segment
+        self.folded = {**folded, "seconds": dict(folded["seconds"])}
+
+
+def _no_folded_segments() -> dict[str, Any]:
+    """The totals of the segments a :class:`ScheduleLedger` no longer keeps: none yet."""
+    return {
+        "count": 0,
+        "start": None,
+        "seconds": dict.fromkeys(SEGMENT_KINDS, 0.0),
+        "energy_known": True,
+        "weighted_kwh": 0.0,
+        "compute_kwh": 0.0,
+        "weighted_hours": 0.0,
+        "compute_hours": 0.0,
+    }
 
 
 # ---------------------------------------------------------------------------- simulation
@@ -642,7 +682,8 @@ class GreenSchedule:
         self.delayed_s = 0.0  # waited, plus held light: what the budget pays for
         self.compute_s = 0.0
         self.compute_steps = 0
-        self.decisions: list[dict[str, Any]] = []
+        self.decisions: list[dict[str, Any]] = []  # the latest RECENT_RECORDS
+        self.decision_count = 0
         self.first_forecast: tuple[list[float], list[float]] | None = None
 
     def remaining_work_s(self, steps_left: float) -> float | None:
@@ -696,7 +737,8 @@ class GreenSchedule:
             record.update(remaining_work_s=float(remaining), budget_left_s=float(self.budget_left_s()))
         if decision.resume_at is not None:
             record["resume_at_wall"] = decision.resume_at - offset
-        self.decisions.append(record)
+        self.decision_count += 1
+        append_recent(self.decisions, record)  # the latest RECENT_RECORDS, for the report
         if self.first_forecast is None:
             self.first_forecast = ((starts - offset).tolist(), forecast.tolist())
         return decision
@@ -719,7 +761,7 @@ class GreenSchedule:
             "budget_s": self.budget_s,
             "budget_left_s": self.budget_left_s() if self.budget_s is not None else None,
             "planned_work_s": self.planned_work_s,
-            "decisions": len(self.decisions),
+            "decisions": self.decision_count,
             "deadline": None if self.deadline is None else format_utc(self.deadline),
         }
 
@@ -732,6 +774,7 @@ class GreenSchedule:
             "compute_s": self.compute_s,
             "compute_steps": self.compute_steps,
             "decisions": [dict(d) for d in self.decisions],
+            "decision_count": self.decision_count,
             "first_forecast": self.first_forecast,
             "ledger": self.ledger.state_dict(),
         }
@@ -742,6 +785,7 @@ class GreenSchedule:
         self.delayed_s, self.compute_s = float(state["delayed_s"]), float(state["compute_s"])
         self.compute_steps = int(state["compute_steps"])
         self.decisions = [dict(d) for d in state["decisions"]]
+        self.decision_count = int(state.get("decision_count", len(self.decisions)))
         first = state.get("first_forecast")
         self.first_forecast = None if first is None else (list(first[0]), list(first[1]))
         self.ledger.load_state_dict(state["ledger"])

@@ -171,6 +171,23 @@ def _real_float(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
 
 
+#: values per fused call of :func:`window_movements` (16 MB of float32): bounds its temporaries on a large model
+WINDOW_CHUNK_VALUES = 1 << 22
+
+
+def _chunks(tensors: Sequence[torch.Tensor], limit: int) -> list[slice]:
+    """Consecutive slices of ``tensors`` holding at most ``limit`` values each (a larger tensor alone)."""
+    slices, start, values = [], 0, 0
+    for end, tensor in enumerate(tensors):
+        if end > start and values + tensor.numel() > limit:
+            slices.append(slice(start, end))
+            start, values = end, 0
+        values += tensor.numel()
+    if start < len(tensors):
+        slices.append(slice(start, len(tensors)))
+    return slices
+
+
 def window_movements(
     pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
 ) -> list[tuple[float, float]]:
@@ -179,13 +196,20 @@ def window_movements(
     single host sync."""
     if not pairs:
         return []
-    # every unit's tensors in one list: three fused norm kernels for the whole model, not three ops per tensor
-    params = [_real_float(p) for unit, _ in pairs for p in unit]
-    snapshot = [_real_float(s) for _, unit in pairs for s in unit]
-    norms: list[torch.Tensor] = []
-    if params:
-        moved = torch._foreach_norm(torch._foreach_sub(params, snapshot), 2.0)
-        norms = [*moved, *torch._foreach_norm(snapshot, 2.0), *torch._foreach_norm(params, 2.0)]
+    params = [p for unit, _ in pairs for p in unit]
+    snapshot = [s for _, unit in pairs for s in unit]
+    moved: list[torch.Tensor] = []
+    reference: list[torch.Tensor] = []
+    current: list[torch.Tensor] = []
+    for chunk in _chunks(params, WINDOW_CHUNK_VALUES):
+        # three fused norm kernels per chunk, not three ops per tensor; a chunk's float32 copies and
+        # differences are the only temporaries (all at once took 6x a bf16 model's size on a window check)
+        now = [_real_float(p) for p in params[chunk]]
+        then = [_real_float(s) for s in snapshot[chunk]]
+        moved += torch._foreach_norm(torch._foreach_sub(now, then), 2.0)
+        reference += torch._foreach_norm(then, 2.0)
+        current += torch._foreach_norm(now, 2.0)
+    norms = [*moved, *reference, *current]
     if len({n.device for n in norms}) > 1:  # a model split over devices: its norms meet on the first one
         norms = [n.to(norms[0].device) for n in norms]
     read = torch.stack(norms).tolist() if norms else []

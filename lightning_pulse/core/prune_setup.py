@@ -170,18 +170,20 @@ def event_cadence(
     short run, can leave none), ``cadence='auto'`` prunes on the step cadence instead, with a warning, and
     ``cadence='maintain'`` is refused: either way the run would end unpruned with nothing said.
 
-    A resumed run keeps the cadence its first part ``decided`` (saved in the checkpoint), so it prunes where the
-    uninterrupted run would; one resumed from an older checkpoint that has ``pruned`` already is not played
-    forward (its next maintain phase may lie past the run's end, as the uninterrupted run's did).
+    A resumed run keeps the look-ahead's answer its first part ``decided`` (saved in the checkpoint), so it
+    prunes where the uninterrupted run would; the resumed fit's own ``cadence`` and PulseCycle still rule
+    first (a resume with ``cadence='steps'``, or with no maintain phase, does not wait for maintain phases).
+    One resumed from an older checkpoint that has ``pruned`` already is not played forward (its next maintain
+    phase may lie past the run's end, as the uninterrupted run's did).
     """
-    if decided is not None:
-        return decided, []
     duration = clock.durations.get(Phase.MAINTAIN) if clock is not None else None
     has_maintain = duration is not None and not duration.is_zero
     on_maintain, warning = uses_maintain(cadence, clock is not None, has_maintain)
+    if decided is not None and on_maintain:  # the first fit said its warnings
+        return decided, []
     if on_maintain and clock is not None and not schedule.finished and not pruned:
         start = max(schedule.start_step, step)
-        if clock.first_entry(Phase.MAINTAIN, start, total_steps, steps_per_epoch, total_steps) is None:
+        if clock.first_entry(Phase.MAINTAIN, start, steps_per_epoch, total_steps) is None:
             where = (
                 f"no maintain phase starts between step {start} (the pruning schedule's start) and the run's end "
                 f"(step {total_steps:g}) in the PulseCycle's plan"
