@@ -544,6 +544,17 @@ def test_step_metrics_carry_the_prefix_and_leave_out_what_has_no_value():
     assert order_note(freezer.units).startswith("units in forward order: 0(4100), 2(10100), 4(1010)")
 
 
+def test_a_single_unit_model_gets_no_idle_note_blaming_its_weights():
+    # held-out sweep: an EmbeddingBag-only model was told its weights "were still moving" and to raise the
+    # threshold, though its unit scored below it; fit start already says a single unit can never freeze
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=10, max_frozen_share=1.0)
+    single = nn.Sequential(nn.Linear(40, 4))
+    freezer = LayerFreezer(traced_units(single, torch.randn(2, 40)), settings)
+    drive(freezer, slowing, 15)
+    assert freezer.freezable_limit == 0 and freezer.freezes == 0
+    assert freezer.idle_note() is None
+
+
 def test_a_unit_still_growing_its_norm_is_not_stable_however_low_its_score():
     # held-out LoRA model: adapters start tiny (A) or at zero (B), so their first windows move far relative to
     # their norm and set peaks that later windows, still growing the norm 3-16%, look small against

@@ -336,8 +336,8 @@ class LayerFreezer:
     def idle_note(self) -> str | None:
         """What the freezer measured, when it froze nothing in the run (``None`` if it froze something): so a
         run whose defaults never acted says why they waited."""
-        if self.freezes or not self.units or self.pinned_first is not None:
-            return None  # it acted, or the tie already said why it cannot
+        if self.freezes or not self.freezable_limit or self.pinned_first is not None:
+            return None  # it acted, or fit start said why it cannot (a single unit, or a tie)
         threshold, every = self.settings.threshold, self.settings.check_every
         if not any(score is not None for score in self.scores):
             return (
