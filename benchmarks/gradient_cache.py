@@ -58,7 +58,7 @@ def metrics(callbacks: list[Callback], trainer: Any) -> dict[str, Any]:
         "gc_backward_flops_by_prefix": dict(cache.ledger.flops_by_prefix),
         "gc_cache_hit_rate": freezer.cache_hit_rate,
         "gc_freezes": freezer.freezes,
-        "gc_prefix_changes": len(cache.events),
+        "gc_prefix_changes": len(cache.events),  # all of them: these runs make far fewer than RECENT_RECORDS
         "gc_activation_hit_rate": activations.hit_rate if activations is not None else None,
         "gc_activation_mb": activations.bytes_used / 2**20 if activations is not None else 0.0,
         "gc_last_scores": dict(zip(names, freezer.scores)),

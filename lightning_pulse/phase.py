@@ -431,9 +431,14 @@ class PhaseClock:
         copy.durations, copy.order = dict(self.durations), self.order
         copy.warmup, copy.anneal = self.warmup, self.anneal
         copy.reset()
-        state = self.state_dict()
-        state["history"] = []  # the copy only plays forward; the past changes are not needed
-        copy.load_state_dict(state)
+        history, self.history = (
+            self.history,
+            [],
+        )  # the copy only plays forward: the past changes are not needed
+        try:
+            copy.load_state_dict(self.state_dict())
+        finally:
+            self.history = history
         return copy
 
     def first_entry(
@@ -663,11 +668,24 @@ PROBE_MODES = ("probe", "none")
 
 #: PulseCycle's defaults for the options that belong to one phase: set away from them for a phase that
 #: ``order`` leaves out, they would do nothing
+#: PulseCycle's defaults of each phase's options (a test holds them to its signature)
 PHASE_OPTION_DEFAULTS = {
     "burst": {"burst": 60},
-    "replay": {"replay": 30},
+    "replay": {"replay": 30, "budget": None},
     "maintain": {"maintain": 10, "maintain_eval": "probe", "probe_batches": 4},
 }
+
+
+def _is_default(field: str, value: Any, default: Any) -> bool:
+    """Whether ``value`` is ``default``, durations compared as durations (``"10 steps"`` is ``10``)."""
+    if value == default:
+        return True
+    if field in PHASE_NAMES:
+        try:
+            return parse_duration(value, field) == parse_duration(default, field)
+        except ValueError:
+            return False
+    return False
 
 
 def _means_off(field: str, value: Any) -> bool:
@@ -697,26 +715,35 @@ def check_cycle_options(
             ``budget`` outside ``(0, 1)``, or an option of a phase that ``order`` leaves out, set away from
             its default (it would do nothing).
     """
-    given = {**(durations or {}), "maintain_eval": maintain_eval, "probe_batches": probe_batches}
+    if maintain_eval not in PROBE_MODES:
+        raise ValueError(f"PulseCycle: `maintain_eval`={maintain_eval!r} is not one of {list(PROBE_MODES)}.")
+    if isinstance(probe_batches, bool) or not isinstance(probe_batches, int) or probe_batches < 1:
+        raise ValueError(f"PulseCycle: `probe_batches`={probe_batches!r} must be a positive int.")
+    if budget is not None and (
+        isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < 1
+    ):
+        raise ValueError(
+            f"PulseCycle: `budget`={budget!r} must be a number in (0, 1): the share of the plain run's "
+            "optimizer steps to spend (or None for the durations as given)."
+        )
+    given = {
+        **(durations or {}),
+        "maintain_eval": maintain_eval,
+        "probe_batches": probe_batches,
+        "budget": budget,
+    }
     for phase, defaults in PHASE_OPTION_DEFAULTS.items():
         if phase in order:
             continue
         for field, default in defaults.items():
-            if field not in given or given[field] == default or _means_off(field, given[field]):
+            if (
+                field not in given
+                or _is_default(field, given[field], default)
+                or _means_off(field, given[field])
+            ):
                 continue
             raise ValueError(
                 f"PulseCycle: `{field}`={given[field]!r} belongs to the {phase} phase, which `order`="
                 f"{list(order)} leaves out, so it would do nothing; drop it, or add {phase!r} to `order`."
             )
-    if maintain_eval not in PROBE_MODES:
-        raise ValueError(f"PulseCycle: `maintain_eval`={maintain_eval!r} is not one of {list(PROBE_MODES)}.")
-    if isinstance(probe_batches, bool) or not isinstance(probe_batches, int) or probe_batches < 1:
-        raise ValueError(f"PulseCycle: `probe_batches`={probe_batches!r} must be a positive int.")
-    if budget is None:
-        return None
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < 1:
-        raise ValueError(
-            f"PulseCycle: `budget`={budget!r} must be a number in (0, 1): the share of the plain run's "
-            "optimizer steps to spend (or None for the durations as given)."
-        )
-    return float(budget)
+    return None if budget is None else float(budget)

@@ -274,6 +274,14 @@ def test_a_share_of_a_run_of_unknown_length_is_a_refusal_naming_gradient_cache(m
             r"^PulseCycle: `replay`=12 belongs to the replay phase",
         ),
         (
+            lambda: PulseCycle(order=["burst", "maintain"], budget=0.6),
+            r"^PulseCycle: `budget`=0.6 belongs to the replay phase",
+        ),
+        (  # a bad value is named for what is wrong with it, wherever it belongs (review)
+            lambda: PulseCycle(order=["burst", "replay"], maintain_eval="bogus"),
+            r"^PulseCycle: `maintain_eval`='bogus' is not one of \['probe', 'none'\]",
+        ),
+        (
             lambda: HardSampleReplay(rule="infobatch", replay_fraction=0.3),
             r"^HardSampleReplay: `replay_fraction`=0.3 is not read by rule='infobatch'",
         ),
@@ -294,6 +302,8 @@ def test_a_share_of_a_run_of_unknown_length_is_a_refusal_naming_gradient_cache(m
         "maintain-outside-order",
         "probe_batches-outside-order",
         "replay-outside-order",
+        "budget-outside-order",
+        "bad-value-outside-order",
         "replay_fraction-infobatch",
         "prune_ratio-topk",
         "horizon-absolute",
@@ -316,6 +326,19 @@ def test_the_same_options_where_they_are_read_are_accepted():
     # the "off" value of a left-out phase says the same as leaving it out (a regression sweep found it refused)
     PulseCycle(order=["burst", "replay"], maintain=0, maintain_eval="none")
     PulseCycle(order=["burst", "maintain"], replay="0 steps")
+    PulseCycle(order=["burst", "replay"], maintain="10 steps")  # the default, spelled as a duration (review)
+
+
+def test_the_phase_option_defaults_are_pulse_cycles_own():
+    # the defaults a left-out phase's options are compared with must be the signature's, or they drift
+    import inspect
+
+    from lightning_pulse.phase import PHASE_OPTION_DEFAULTS
+
+    signature = inspect.signature(PulseCycle).parameters
+    for defaults in PHASE_OPTION_DEFAULTS.values():
+        for field, default in defaults.items():
+            assert signature[field].default == default, field
     HardSampleReplay(rule="infobatch", prune_ratio=0.3)
     HardSampleReplay(rule="topk", replay_fraction=0.3)
     GreenWindow(threshold="30%", horizon="24h")

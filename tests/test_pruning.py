@@ -866,17 +866,27 @@ def test_a_cadence_saved_in_the_checkpoint_never_overrides_the_resumed_fits_own_
     schedule.resolve(100.0)
     with_maintain = PhaseClock({"burst": 6, "replay": 2, "maintain": 2})
     assert (
-        prune_setup.event_cadence("steps", with_maintain, schedule, 50, 100.0, None, True, True)[0] is False
+        prune_setup.event_cadence(
+            "steps", with_maintain, schedule, 50, 100.0, None, decided=True, pruned=True
+        )[0]
+        is False
     )
-    assert prune_setup.event_cadence("auto", None, schedule, 50, 100.0, None, True, True)[0] is False
+    assert (
+        prune_setup.event_cadence("auto", None, schedule, 50, 100.0, None, decided=True, pruned=True)[0]
+        is False
+    )
     with pytest.raises(PulseRefusal, match="`cadence`='maintain' needs a PulseCycle"):
-        prune_setup.event_cadence("maintain", None, schedule, 50, 100.0, None, True, True)
+        prune_setup.event_cadence("maintain", None, schedule, 50, 100.0, None, decided=True, pruned=True)
     # with the same setup, the first fit's answer stands (its fallback included), and is not said again
-    assert prune_setup.event_cadence("auto", with_maintain, schedule, 50, 100.0, None, False, True) == (
+    assert prune_setup.event_cadence(
+        "auto", with_maintain, schedule, 50, 100.0, None, decided=False, pruned=True
+    ) == (
         False,
         [],
     )
-    assert prune_setup.event_cadence("auto", with_maintain, schedule, 50, 100.0, None, True, True) == (
+    assert prune_setup.event_cadence(
+        "auto", with_maintain, schedule, 50, 100.0, None, decided=True, pruned=True
+    ) == (
         True,
         [],
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -492,7 +494,7 @@ def test_callback_pickles_for_spawning_strategies():
 
 
 def test_a_run_resumed_from_a_checkpoint_saved_after_fit_keeps_its_pruned_weights_pruned(
-    mnist1d_small, tmp_path
+    mnist1d_small, tmp_path, caplog
 ):
     # held-out sweep: masks are folded into the weights at fit end, so a longer run resumed from a checkpoint
     # saved after fit ("train longer") let the pruned weights grow back while the finished schedule reported 0.5
@@ -514,8 +516,10 @@ def test_a_run_resumed_from_a_checkpoint_saved_after_fit_keeps_its_pruned_weight
     trainer, model, _ = fit(30)
     assert zero_share(model) == pytest.approx(0.5, abs=0.01)
     trainer.save_checkpoint(tmp_path / "after_fit.ckpt")
-    trainer, model, prune = fit(60, ckpt_path=tmp_path / "after_fit.ckpt")
+    with caplog.at_level(logging.INFO):
+        trainer, model, prune = fit(60, ckpt_path=tmp_path / "after_fit.ckpt")
     assert trainer.global_step == 60 and prune.finished
+    assert sum("pruned zeros masked again" in r.getMessage() for r in caplog.records) == 1  # and said
     assert zero_share(model) == pytest.approx(0.5, abs=0.01)  # 0.0 before: every pruned weight grew back
     assert all(pruning.current_mask(layer) is None for layer in layers(model))  # folded again at fit end
 

@@ -31,6 +31,7 @@ from lightning_pulse.energy.account import (
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
 from lightning_pulse.energy.compare import scalar_metrics, write_report_compared
 from lightning_pulse.energy.config import (
+    DEFAULT_CURRENCY,
     AccountingConfig,
     MeterConfig,
     checked_arguments,
@@ -125,7 +126,7 @@ class EnergyLogger(Callback):
         country_iso_code: str | None = None,
         carbon_intensity: float | str | None = None,
         price_per_kwh: float | str | None = None,
-        currency: str = "EUR",
+        currency: str = DEFAULT_CURRENCY,
         gpu: str = "auto",
         cpu: str = "auto",
         ram: str = "codecarbon",

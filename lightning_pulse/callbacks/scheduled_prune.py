@@ -192,8 +192,8 @@ class ScheduledPrune(Callback):
         restored, self._restored_frozen = self._restored_frozen, None
         self.pruner.user_frozen = prune_targets.frozen_layers(pl_module) if restored is None else restored
         selection = prune_setup.checked_selection(self.pruner, pl_module)
-        # resumed from a checkpoint saved after fit: the zeros it pruned go back behind masks
-        pruning.mask_folded_zeros(selection.layers, self.mode, self.schedule.sparsity)
+        if masked := pruning.mask_folded_zeros(selection.layers, self.mode, self.schedule.sparsity):
+            rank_zero_info(f"ScheduledPrune: resumed after a fit's end; pruned zeros masked again: {masked}")
         if self.mode == "structured":
             prune_setup.refuse_structured(pruning.structured_blocker(pl_module, selection))
             prune_setup.refuse_frozen_twins(pl_module, selection.layers)
@@ -201,10 +201,10 @@ class ScheduledPrune(Callback):
                 self._example = prune_setup.structured_example(pl_module, self.pruner, self.schedule, None)
         clock = cycle.clock if (cycle := pulse_cycle_of(trainer)) is not None else None
         per_epoch = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
-        run = (trainer.global_step, total, per_epoch)
         self._uses_maintain, warnings = prune_setup.event_cadence(
-            self.options.cadence, clock, self.schedule, *run, self._uses_maintain, bool(self.events)
-        )
+            self.options.cadence, clock, self.schedule, trainer.global_step, total, per_epoch,
+            decided=self._uses_maintain, pruned=bool(self.events),
+        )  # fmt: skip
         for warning in warnings:
             rank_zero_warn(warning)
         self._last_global_step = trainer.global_step

@@ -14,6 +14,9 @@ from typing import Any
 
 from lightning_pulse.phase import KNOWN_LENGTH
 
+#: the default step cadence, which cadence='maintain' never reads
+PRUNE_EVERY_DEFAULT = 100
+
 _EPSILON = 1e-9
 
 
@@ -93,7 +96,7 @@ class PruneSchedule:
         initial_sparsity: float = 0.0,
         start: int | float = 0.1,
         end: int | float = 0.7,
-        every: int = 100,
+        every: int = PRUNE_EVERY_DEFAULT,
     ) -> None:
         check_share(final_sparsity, "final_sparsity", upper_open=True)
         check_share(initial_sparsity, "initial_sparsity", upper_open=True)

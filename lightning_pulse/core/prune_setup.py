@@ -18,14 +18,12 @@ from typing import Any
 from torch import nn
 
 from lightning_pulse.core import prune_targets, pruning
-from lightning_pulse.core.prune_schedule import PruneSchedule, check_int, check_share
+from lightning_pulse.core.prune_schedule import PRUNE_EVERY_DEFAULT, PruneSchedule, check_int, check_share
 from lightning_pulse.core.prune_targets import LayerSelection
 from lightning_pulse.errors import PulseRefusal, names_itself, refusing
 from lightning_pulse.phase import Phase, PhaseClock
 
 CADENCES = ("auto", "maintain", "steps")
-#: ScheduledPrune's default `every`, which cadence='maintain' never reads
-PRUNE_EVERY_DEFAULT = 100
 
 #: why ScheduledPrune refuses a sharded strategy (:func:`~lightning_pulse.errors.refuse_sharded_strategy`)
 SHARDED_REASON = "masks and channel choices made on a rank's shard are not the model's"
@@ -158,6 +156,7 @@ def event_cadence(
     step: int = 0,
     total_steps: float = math.inf,
     steps_per_epoch: float | None = None,
+    *,
     decided: bool | None = None,
     pruned: bool = False,
 ) -> tuple[bool, list[str]]:

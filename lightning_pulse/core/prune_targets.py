@@ -300,7 +300,8 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
     """
     if not has_own_forward(module):
         raise ValueError(f"{type(module).__name__} has no `forward` to trace the model with")
-    parameters = list(inspect.signature(module.forward).parameters.values())
+    signature = inspect.signature(module.forward)
+    parameters = list(signature.parameters.values())
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p.name for p in positional if p.default is p.empty]
     if isinstance(batch, tuple) and hasattr(batch, "_asdict"):  # a namedtuple: its fields name the arguments
@@ -317,7 +318,7 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
                     return (batch[key],)
         missing = [name for name in required if name not in batch]
         raise ValueError(
-            f"`forward{inspect.signature(module.forward)}` of {type(module).__name__} cannot be called with the "
+            f"`forward{signature}` of {type(module).__name__} cannot be called with the "
             f"batch's entries {sorted(map(str, batch))} by name{f' (missing {missing})' if missing else ''}"
         )
     first = batch if isinstance(batch, torch.Tensor) else None

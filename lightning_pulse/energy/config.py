@@ -201,7 +201,7 @@ def checked_arguments(
     report_dir: str | Path | None,
     country_iso_code: str | None,
     meters: MeterConfig,
-    price_per_kwh: Any = None,
+    price_per_kwh: Any,
 ) -> str | None:
     """Validate ``EnergyLogger``'s top-level arguments (each error names the field, the value and what is
     allowed); returns the country code as codecarbon knows it."""
@@ -218,7 +218,7 @@ def checked_arguments(
         raise ValueError(f"`meters.{field}`={getattr(meters, field)!r} is not read: {reason}; drop it.")
     if not isinstance(currency, str) or not currency.strip():
         raise ValueError(f"`currency`={currency!r} must be a non-empty string such as 'EUR'.")
-    if price_per_kwh is None and currency != DEFAULT_CURRENCY:
+    if price_per_kwh is None and currency.strip() != DEFAULT_CURRENCY:
         raise ValueError(
             f"`currency`={currency!r} labels the price, and `price_per_kwh` is None (no cost is reported); set "
             "`price_per_kwh`, or drop `currency`."
