@@ -59,6 +59,11 @@ def val_dataloader_of(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any
     loaders = trainer.val_dataloaders
     if loaders is not None:
         return loaders
+    # loaders given as fit(model, train, val): Lightning keeps them in the validation loop's data source
+    source = getattr(getattr(trainer.fit_loop.epoch_loop, "val_loop", None), "_data_source", None)
+    instance = getattr(source, "instance", None)
+    if instance is not None and not isinstance(instance, (pl.LightningModule, pl.LightningDataModule)):
+        return instance
     datamodule = trainer.datamodule
     if datamodule is not None and is_overridden("val_dataloader", datamodule):
         return datamodule.val_dataloader()

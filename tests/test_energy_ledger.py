@@ -264,6 +264,41 @@ def test_sampler_records_on_demand_with_an_injected_clock():
     assert ledger.methods["cpu"] == ESTIMATED
 
 
+def test_a_meter_still_starting_defers_the_readings_so_its_backlog_spreads_over_the_phases():
+    # held-out sweep: codecarbon starts in the background; its zero-point readings were recorded, so a short
+    # fit's whole energy came with the fit-end reading and went to stage "other" (434 W), every phase 0 kWh.
+    # A stand-in for the background start: 30 W, read as the zero point until the start finishes
+    class StartsInTheBackground(ConstantPowerMeter):
+        started = False
+
+        @property
+        def starting(self) -> bool:
+            return not self.started
+
+        def read_joules(self, now: float) -> float:
+            return super().read_joules(now) if self.started else 0.0
+
+    clock = FakeClock()
+    ledger = EnergyLedger()
+    meter = StartsInTheBackground("cpu", 30.0)
+    chain = MeterChain("cpu", [("background", lambda: meter)], warn=print)
+    sampler = EnergySampler([chain], ledger, period=1.0, clock=clock, wall_clock=clock)
+    sampler.start(thread=False)
+    ledger.mark(0.0, 0.0, phase="burst", stage="train")
+    for now, phase in ((1.0, None), (2.0, "replay"), (3.0, None)):
+        clock.now = now
+        if phase is not None:
+            ledger.mark(now, now, phase=phase)
+        sampler.sample()  # still starting: nothing recorded
+    assert sampler.samples == 0 and ledger.totals_j["cpu"] == 0.0
+    meter.started = True
+    clock.now = 4.0
+    sampler.sample()  # the first real reading: 120 J over [0, 4], half of it in each phase
+    buckets = ledger.snapshot(4.0)["buckets"]
+    assert buckets["phase/burst"]["cpu_j"] == pytest.approx(60.0)
+    assert buckets["phase/replay"]["cpu_j"] == pytest.approx(60.0)
+
+
 def test_sampler_thread_stops_cleanly_when_a_reading_raises():
     class BrokenLedger(EnergyLedger):
         def __init__(self) -> None:

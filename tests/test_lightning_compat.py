@@ -42,6 +42,23 @@ def test_val_dataloader_found_before_validation_ran(mnist1d_small):
     assert loader is not None and len(next(iter(loader))) == 2
 
 
+def test_a_val_dataloader_given_to_fit_is_found_before_validation_ran(mnist1d_small):
+    # held-out sweep: loaders given as fit(model, train, val) were not found before the first validation loop
+    # (num_sanity_val_steps=0, and every resume), so the maintain and pruning probes switched off
+    model, data = mnist1d_small()
+    data.setup("fit")
+    val_loader = data.val_dataloader()
+    seen = []
+
+    class Look(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.append(compat.val_dataloader_of(trainer, pl_module))
+
+    trainer = pl.Trainer(max_steps=1, callbacks=[Look()], check_val_every_n_epoch=100, **trainer_kwargs())
+    trainer.fit(model, data.train_dataloader(), val_loader)
+    assert seen == [val_loader]
+
+
 def test_scheduled_prune_private_api_still_exists():
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: F401

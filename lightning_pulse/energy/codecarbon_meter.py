@@ -169,6 +169,11 @@ class CodecarbonSession:
                     self._start(None)
             self._users += 1
 
+    @property
+    def starting(self) -> bool:
+        """Whether the tracker is still starting in the background (readings are the zero point meanwhile)."""
+        return self.tracker is None and self._starter is not None and self.error is None
+
     def wait_started(self, timeout: float | None = None) -> bool:
         """Wait for a background start to finish; whether the tracker runs."""
         starter = self._starter
@@ -379,6 +384,10 @@ class CodecarbonMeter(EnergyMeter):
 
     def read_joules(self, now: float) -> float:
         return (self._kwh(now) - self._baseline_kwh) * _KWH_TO_J
+
+    @property
+    def starting(self) -> bool:
+        return self.session.starting
 
     def settle(self, timeout: float) -> None:
         self.session.wait_started(timeout)

@@ -68,6 +68,12 @@ class EnergyMeter(ABC):
     def read_joules(self, now: float) -> float:
         """Energy in joules since :meth:`start`. Raises on failure."""
 
+    @property
+    def starting(self) -> bool:
+        """Whether a start that runs in the background is not finished: its readings are the zero point, and
+        the energy of the meantime comes with its first real reading."""
+        return False
+
     def settle(self, timeout: float) -> None:  # noqa: B027 - most meters start synchronously
         """Wait (at most ``timeout`` seconds) for a start that runs in the background to finish, so that a
         last reading holds its energy. Must not raise."""
@@ -168,6 +174,14 @@ class MeterChain:
         # counters never run backwards; a meter that does is reset rather than trusted
         self.last_total_j = max(self.last_total_j, self.offset_j + value)
         return self.last_total_j, self.meter.method
+
+    @property
+    def starting(self) -> bool:
+        """Whether the active meter is still starting in the background (:attr:`EnergyMeter.starting`)."""
+        try:
+            return self.meter is not None and bool(self.meter.starting)
+        except Exception:  # a meter that cannot tell fails at its next reading, and falls back there
+            return False
 
     def settle(self, timeout: float) -> None:
         """Let the active meter finish a background start (see :meth:`EnergyMeter.settle`)."""

@@ -11,6 +11,10 @@ from lightning_pulse.energy.meter import MeterChain
 
 THREAD_NAME = "lightning-pulse-energy-sampler"
 
+#: how long readings wait for a meter still starting in the background (codecarbon: 1-2 s) before they are
+#: recorded without it
+STARTING_GRACE_S = 60.0
+
 
 class EnergySampler:
     """Reads every :class:`MeterChain` and records the totals, on a daemon thread and on demand.
@@ -52,6 +56,7 @@ class EnergySampler:
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = False
+        self._started_at = 0.0
 
     @property
     def running(self) -> bool:
@@ -64,7 +69,7 @@ class EnergySampler:
             for chain in self.chains:
                 chain.start(now)
             self.ledger.begin(now, self.wall_clock(), {c.component: c.read(now) for c in self.chains})
-            self.last_sample_time = now
+            self.last_sample_time = self._started_at = now
             self._started = True
         if thread and self.chains:
             self._stop_event.clear()
@@ -77,10 +82,15 @@ class EnergySampler:
             if not self._started:
                 return
             now = self.clock()
+            self.last_sample_time = now
+            if now - self._started_at < STARTING_GRACE_S and any(chain.starting for chain in self.chains):
+                # no reading while a meter starts: its first real one holds the energy of the meantime, and
+                # the ledger spreads it over the phases since the last reading (a zero reading here put a short
+                # fit's whole backlog into its last interval, the fit end)
+                return
             totals = {chain.component: chain.read(now) for chain in self.chains}
             self.ledger.record(now, self.wall_clock(), totals)
             self.samples += 1
-            self.last_sample_time = now
 
     def settle(self, timeout: float = 30.0) -> None:
         """Let every meter still starting in the background (codecarbon) finish, so the next reading holds
