@@ -121,6 +121,49 @@ def test_a_module_without_a_capturable_loss_fails_at_the_first_step():
     assert trainer.global_step == 0
 
 
+class HandWrittenLossAndALoggedMetric(HandWrittenLoss):
+    """A held-out module: a hand-written loss, and an F.mse_loss computed for self.log only."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        output = super().training_step(batch, batch_idx)
+        self.log("prob_mse", F.mse_loss(self(x).softmax(-1).max(-1).values, torch.ones(len(y))))
+        return output
+
+
+class WeightedAuxiliaryLoss(MNIST1DClassifier):
+    """A held-out module: cross-entropy plus a tenth of an auxiliary regression loss."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits, y) + 0.1 * F.mse_loss(logits[:, 0], y.float())
+
+
+def test_a_logged_metric_next_to_a_hand_written_loss_is_not_taken_for_the_loss():
+    # held-out sweep: the logged F.mse_loss was the whole score (rank correlation -0.69): refused instead
+    trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_steps=3, **trainer_kwargs())
+    with pytest.raises(PulseRefusal, match="not part of the loss that is backpropagated"):
+        trainer.fit(HandWrittenLossAndALoggedMetric(), _data())
+    assert trainer.global_step == 0
+
+
+def test_the_terms_of_a_weighted_loss_are_scored_with_their_weights():
+    # held-out sweep: `ce + 0.1 * mse` was scored `ce + mse` (max error 12.2 per sample)
+    pl.seed_everything(0)
+    model = WeightedAuxiliaryLoss(arch="mlp", lr=0.0)  # no update: every score is the final model's loss
+    replay = HardSampleReplay(mode="batch", score_half_life=None)
+    data = _data()
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=1, accumulate_grad_batches=2, **trainer_kwargs())
+    trainer.fit(model, data)
+    x, y = data.train_set.tensors
+    with torch.no_grad():
+        logits = model(x)
+        expected = F.cross_entropy(logits, y, reduction="none") + 0.1 * (logits[:, 0] - y.float()) ** 2
+    scores = torch.as_tensor(replay.table.scores, dtype=torch.float32)
+    assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("scorer", [OutputKeyScorer("per_sample"), ForwardLossScorer("cross_entropy")])
 def test_a_configured_scorer_covers_any_other_loss(scorer):
     replay = HardSampleReplay(mode="batch", scorer=scorer)

@@ -661,3 +661,45 @@ def test_a_ctc_loss_with_an_auxiliary_cross_entropy_is_scored_on_both_terms():
     cross_entropy = F.cross_entropy(head, labels, reduction="none")
     # a sum of captured terms is scored as their sum (the 0.1 weight is not seen: documented)
     torch.testing.assert_close(capture.per_sample(), (ctc_shares / target_lengths + cross_entropy).detach())
+
+
+def test_weighing_by_the_backpropagated_loss_keeps_each_terms_weight_and_drops_logged_values():
+    # held-out sweep: `ce + 0.1 * mse` was scored `ce + mse`, and an F.mse_loss computed only for logging next to
+    # a hand-written loss was the whole score (rank correlation -0.69 with the samples' losses)
+    torch.manual_seed(0)
+    logits = torch.randn(8, 4, requires_grad=True)
+    aux = torch.randn(8, requires_grad=True)
+    target = torch.randint(0, 4, (8,))
+    capture = LossCapture(batch_size=8)
+    with capture:
+        ce = F.cross_entropy(logits, target)
+        mse = F.mse_loss(aux, target.float())
+        F.l1_loss(aux, target.float())  # for self.log only
+        F.smooth_l1_loss(aux.detach(), target.float())  # for self.log, without autograd
+    loss = (ce + 0.1 * mse) / 2  # Lightning divides by accumulate_grad_batches
+    capture.weigh_by(loss)
+    expected = F.cross_entropy(logits, target, reduction="none") + 0.1 * (aux - target.float()) ** 2
+    assert torch.allclose(capture.per_sample(), expected.detach(), atol=1e-6)
+    assert [r.maps_onto_batch for r in capture.records] == [True, True, False, False]
+    assert "not part of the loss that is backpropagated" in capture.describe()
+    assert all(record.output is None for record in capture.records)  # nothing of the graph is held
+    loss.backward()  # the graph is still whole for the real backward
+
+
+def test_a_single_logged_value_is_refused_and_a_single_loss_is_read_at_the_first_step_only():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 4, requires_grad=True)
+    target = torch.randint(0, 4, (8,))
+    hand_written = -(torch.log_softmax(logits, -1) * F.one_hot(target, 4)).sum(1).mean()
+    capture = LossCapture(batch_size=8)
+    with capture:
+        F.mse_loss(logits.softmax(-1)[:, 0], target.float())  # logged only
+    capture.weigh_by(hand_written)
+    with pytest.raises(PulseRefusal, match="not part of the loss that is backpropagated"):
+        capture.require()
+    later = LossCapture(batch_size=8)
+    with later:
+        ce = F.cross_entropy(logits, target)
+    later.weigh_by(ce * 3.0, first=False)  # a later step: one call is not read again, and keeps weight 1
+    assert later.records[0].weight is None and later.records[0].output is None
+    assert torch.allclose(later.per_sample(), F.cross_entropy(logits, target, reduction="none").detach())

@@ -261,7 +261,9 @@ class HardSampleReplay(Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        if (note := self.batches.close_capture()) is not None:  # before backward; refuses at the first step
+        if (
+            note := self.batches.close_capture(loss)
+        ) is not None:  # before backward; refuses at the first step
             rank_zero_warn(f"HardSampleReplay: {note}")
 
     @override

@@ -107,6 +107,8 @@ class CapturedLoss:
         "maps_onto_batch",
         "why_not",
         "on_batch_rows",
+        "output",
+        "weight",
         "_source",
         "_per_sample",
     )
@@ -127,6 +129,8 @@ class CapturedLoss:
         self.maps_onto_batch = per_sample is not None if source is None else _splits(shape, source[2])
         self.why_not = "does not split into the batch's samples"  # read only when maps_onto_batch is false
         self.on_batch_rows = False  # computed on the batch's rows, found not to split (a row check said why)
+        self.output: Tensor | None = None  # what the caller got, while its weight in the loss is unread
+        self.weight: Tensor | None = None  # its weight in the backpropagated loss (None: 1)
 
     @property
     def per_sample(self) -> Tensor | None:
@@ -477,17 +481,50 @@ class LossCapture:
         """
         if self._per_sample_count == len(self.records):
             return self._per_sample
-        mapped = [record.per_sample for record in self.records if record.maps_onto_batch]
-        mapped = [values for values in mapped if values is not None]
+        mapped = [(record.per_sample, record.weight) for record in self.records if record.maps_onto_batch]
         total = None
-        if len(mapped) == 1:
-            total = mapped[0]
-        elif mapped:
-            total = mapped[0].clone()
-            for more in mapped[1:]:
-                total += more
+        for values, weight in mapped:
+            if values is None:
+                continue
+            term = values if weight is None else values * weight.to(values.device, values.dtype)
+            total = term if total is None else total + term
         self._per_sample, self._per_sample_count = total, len(self.records)
         return total
+
+    def weigh_by(self, loss: Tensor | None, first: bool = True) -> None:
+        """Read each captured call's weight in ``loss``, the loss that is backpropagated, with autograd
+        (``d loss / d call``: one pass over the few nodes between them; nothing is synchronised). A call that is
+        not part of it (a value computed for logging) no longer counts; when every call that is part of it gave
+        a single number, each counts with its weight relative to the largest (``ce + 0.1 * mse``). Call before
+        ``backward``. ``loss=None`` only lets the calls' results go.
+
+        A single call is read at the ``first`` step of a fit only (is it part of the loss?): its weight does not
+        change its samples' order, and the read costs 60-90 µs of CPU. Several calls are read at every step
+        (their weights may change during the run)."""
+        pending = [(record, record.output) for record in self.records if record.output is not None]
+        for record, _ in pending:
+            record.output = None
+        if loss is None or not pending or not isinstance(loss, Tensor) or not loss.requires_grad:
+            return
+        if len(pending) == 1 and not first:
+            return
+        graphed = [(record, output) for record, output in pending if output.requires_grad]
+        grads = (
+            torch.autograd.grad(loss, [output for _, output in graphed], retain_graph=True, allow_unused=True)
+            if graphed
+            else ()
+        )
+        used = {id(record): grad for (record, _), grad in zip(graphed, grads) if grad is not None}
+        for record, _ in pending:
+            if id(record) not in used:  # no path to the loss: a logged metric, or computed without autograd
+                record.maps_onto_batch, record.on_batch_rows = False, False
+                record.why_not = "not part of the loss that is backpropagated (a value computed for logging?)"
+        weights = [(record, used[id(record)]) for record, _ in pending if id(record) in used]
+        if len(weights) > 1 and all(grad.dim() == 0 for _, grad in weights):
+            largest = torch.stack([grad.detach().abs() for _, grad in weights]).max()
+            for record, grad in weights:
+                record.weight = torch.where(largest > 0, grad.detach() / largest, grad.detach())
+        self._per_sample_count = -1
 
     def describe(self) -> str:
         """A one-line account of what was captured, for error messages."""
@@ -543,10 +580,12 @@ class LossCapture:
             # the loss once, unreduced, reduced here as torch reduces it: InfoBatch's rescale weights each sample
             # first; large logits save a second pass over them (see SINGLE_PASS_ELEMENTS)
             unreduced = original(**signature.unreduced_call(arguments))
-            self._record(name, arguments, unreduced.detach(), reduction)
+            record = self._record(name, arguments, unreduced.detach(), reduction)
             if weights is None or _splits(tuple(unreduced.shape), self.batch_size):
-                return _reduce(name, arguments, unreduced, reduction, weights)
-            return original(*args, **kwargs)  # cannot be weighted per sample: the caller's loss as it was
+                record.output = _reduce(name, arguments, unreduced, reduction, weights)
+            else:  # cannot be weighted per sample: the caller's loss as it was
+                record.output = original(*args, **kwargs)
+            return record.output
 
         result = original(*args, **kwargs)
         if reduction == "none":
@@ -556,10 +595,14 @@ class LossCapture:
             # the last bit; on small inputs it costs about what the few calls of a torch-exact reduction do
             with torch.no_grad():
                 unreduced = original(**signature.unreduced_call(arguments))
-        self._record(name, arguments, unreduced, reduction)
+        self._record(
+            name, arguments, unreduced, reduction
+        ).output = result  # its weight is read before backward
         return result
 
-    def _record(self, name: str, arguments: dict[str, Any], unreduced: Tensor, reduction: str) -> None:
+    def _record(
+        self, name: str, arguments: dict[str, Any], unreduced: Tensor, reduction: str
+    ) -> CapturedLoss:
         if name == "ctc_loss" and reduction == "mean":  # a sample's share of the mean: its loss per target
             unreduced = _per_target_length(arguments, unreduced.detach())
         # keep only what the per-sample losses need (never the model's outputs, which hold the graph)
@@ -619,6 +662,7 @@ class LossCapture:
             )
         self.records.append(record)
         self._per_sample_count = -1
+        return record
 
 
 #: nodes that reshape without moving elements; their input's shape tells where the rows came from

@@ -161,8 +161,10 @@ class ReplayBatchLifecycle:
             self.captures.open(int(plan.roles.size), plan.weights)
         return self.current
 
-    def close_capture(self) -> str | None:
-        """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss).
+    def close_capture(self, loss: Tensor | None = None) -> str | None:
+        """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss),
+        and weigh the captured calls by their part in ``loss``, the loss about to be backpropagated
+        (:meth:`~lightning_pulse.core.per_sample_loss.LossCapture.weigh_by`).
 
         Returns:
             Once a fit, what to warn about when a later step's loss does not split into its samples (a loss on
@@ -175,6 +177,8 @@ class ReplayBatchLifecycle:
         """
         self.captures.close()
         closed = self.captures.closed
+        if closed is not None:
+            closed.weigh_by(loss if self.current is not None else None, first=not self.recorded_steps)
         if self.current is None or closed is None or closed.maps_onto_batch:
             return None
         if self.scorer is not None:
