@@ -555,6 +555,18 @@ def test_a_single_unit_model_gets_no_idle_note_blaming_its_weights():
     assert freezer.idle_note() is None
 
 
+def test_a_prefix_stable_at_its_last_check_that_never_froze_is_not_said_to_be_moving():
+    # held-out sweep: "last scored 0.0785 (stable at <= threshold=0.2) ... The weights were still moving: a
+    # longer run, or a higher threshold" named the wrong cause and the wrong way out
+    settings = FreezeSettings(threshold=0.5, check_every=5, freeze_for=10, max_frozen_share=1.0)
+    freezer = LayerFreezer(traced_units(mlp(), torch.randn(2, 40)), settings)
+    # stable from the second check, while freezing is not allowed
+    drive(freezer, slowing, 15, enabled=False, shrink=True)
+    assert freezer.freezes == 0 and freezer.scores[0] is not None and freezer.scores[0] <= 0.5
+    note = freezer.idle_note()
+    assert "still moving" not in note and "no freeze came after it" in note
+
+
 def test_a_unit_still_growing_its_norm_is_not_stable_however_low_its_score():
     # held-out LoRA model: adapters start tiny (A) or at zero (B), so their first windows move far relative to
     # their norm and set peaks that later windows, still growing the norm 3-16%, look small against

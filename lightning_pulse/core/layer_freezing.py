@@ -349,18 +349,27 @@ class LayerFreezer:
         scored = [(score, unit.name) for score, unit in zip(self.scores, self.units) if score is not None]
         lowest, lowest_name = min(scored)
         said = "not scored" if first_score is None else f"last scored {first_score:.3g}"
-        growing = self.growing[0] and first_score is not None and first_score <= threshold
+        stable_last = first_score is not None and first_score <= threshold
+        growing = self.growing[0] and stable_last
         if growing:
             said += f", but its norm was still growing by over {MAX_STABLE_GROWTH:.0%} a window"
-        way_out = (
-            "a longer run lets it freeze"
-            if growing
-            else "a longer run, or a higher threshold, lets it freeze"
-        )
+        if stable_last and not growing:  # stable at its last check, but no freeze followed it
+            why = (
+                "Its last check found it stable, but no freeze came after it: freezing waits for a light phase "
+                "inside the freezing span, and the run ended (or stayed in a burst) first; a longer run lets it "
+                "freeze"
+            )
+        else:
+            way_out = (
+                "a longer run lets it freeze"
+                if growing
+                else "a longer run, or a higher threshold, lets it freeze"
+            )
+            why = f"The weights were still moving: {way_out}"
         return (
             f"froze nothing in {self.steps} steps: a frozen prefix starts at the first unit, {first.name}, "
             f"{said} (stable at <= threshold={threshold:g}); the lowest last score was {lowest:.3g} "
-            f"({lowest_name}). The weights were still moving: {way_out}"
+            f"({lowest_name}). {why}"
         )
 
     @property
