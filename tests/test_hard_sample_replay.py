@@ -164,6 +164,46 @@ def test_the_terms_of_a_weighted_loss_are_scored_with_their_weights():
     assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-5)
 
 
+class TwoBackwardCalls(MNIST1DClassifier):
+    """A held-out module with manual optimization: a hand-written penalty and the task loss are backpropagated by
+    two calls, in either order, then a tenth of an auxiliary loss by a third."""
+
+    def __init__(self, penalty_first: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.penalty_first = penalty_first
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        logits = self(x)
+        ce, aux = F.cross_entropy(logits, y), F.mse_loss(logits[:, 0], y.float())
+        penalty = 1e-4 * sum((p**2).sum() for p in self.parameters())
+        optimizer.zero_grad()
+        for loss in [penalty, ce] if self.penalty_first else [ce, penalty]:
+            self.manual_backward(loss, retain_graph=True)
+        self.manual_backward(0.1 * aux)
+        optimizer.step()
+
+
+@pytest.mark.parametrize("penalty_first", [True, False])
+def test_every_backward_call_of_a_step_counts_under_manual_optimization(penalty_first):
+    # regression sweep: the parts were read from the first backward's loss only, so a first call that backprops
+    # a hand-written penalty refused the fit ("a value computed for logging?"), and a later call's term was
+    # left out of the scores
+    pl.seed_everything(0)
+    model = TwoBackwardCalls(penalty_first, arch="mlp", lr=0.0)  # no update: every score is the final model's
+    replay = HardSampleReplay(mode="batch", score_half_life=None)
+    data = _data()
+    pl.Trainer(callbacks=[replay], max_epochs=1, **trainer_kwargs()).fit(model, data)
+    x, y = data.train_set.tensors
+    with torch.no_grad():
+        logits = model(x)
+        expected = F.cross_entropy(logits, y, reduction="none") + 0.1 * (logits[:, 0] - y.float()) ** 2
+    scores = torch.as_tensor(replay.table.scores, dtype=torch.float32)
+    assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("scorer", [OutputKeyScorer("per_sample"), ForwardLossScorer("cross_entropy")])
 def test_a_configured_scorer_covers_any_other_loss(scorer):
     replay = HardSampleReplay(mode="batch", scorer=scorer)

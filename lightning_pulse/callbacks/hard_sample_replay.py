@@ -227,9 +227,7 @@ class HardSampleReplay(Callback):
         assert self.selector is not None
         steps_per_epoch = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
         self.selector.set_half_life(self.half_life, steps_per_epoch)
-        note = shorter_than_an_epoch(compat.total_steps(trainer), steps_per_epoch, self.mode)
-        if note is not None:
-            rank_zero_warn(f"HardSampleReplay: {note}")
+        _warn(shorter_than_an_epoch(compat.total_steps(trainer), steps_per_epoch, self.mode))
         log_every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
         self.selector.set_cadence(steps_per_epoch, log_every)
         self.steps.on_train_start(trainer)  # steps mode only: Lightning learns the planned pass's length
@@ -261,10 +259,12 @@ class HardSampleReplay(Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        if (
-            note := self.batches.close_capture(loss)
-        ) is not None:  # before backward; refuses at the first step
-            rank_zero_warn(f"HardSampleReplay: {note}")
+        _warn(self.batches.close_capture())  # refuses a first step whose loss does not split
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the captured calls the backward did not reach (logged values) stop counting; refused before an update
+        _warn(self.batches.after_backward(manual=not pl_module.automatic_optimization))
 
     @override
     def on_train_batch_end(
@@ -295,8 +295,7 @@ class HardSampleReplay(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()
         self.batches.release()
-        if self.selector is not None and (note := self.selector.end_run()) is not None:
-            rank_zero_warn(f"HardSampleReplay: {note}")
+        _warn(self.selector.end_run() if self.selector is not None else None)
 
     @override
     def on_exception(
@@ -351,3 +350,8 @@ class HardSampleReplay(Callback):
             self._saved_state = state_dict
             if stream is not None:
                 self.steps.stream.load_state_dict(stream)
+
+
+def _warn(note: str | None) -> None:
+    if note is not None:
+        rank_zero_warn(f"HardSampleReplay: {note}")

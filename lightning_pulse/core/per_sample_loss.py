@@ -107,8 +107,8 @@ class CapturedLoss:
         "maps_onto_batch",
         "why_not",
         "on_batch_rows",
-        "output",
-        "weight",
+        "grad",
+        "unreduced",
         "_source",
         "_per_sample",
     )
@@ -129,8 +129,11 @@ class CapturedLoss:
         self.maps_onto_batch = per_sample is not None if source is None else _splits(shape, source[2])
         self.why_not = "does not split into the batch's samples"  # read only when maps_onto_batch is false
         self.on_batch_rows = False  # computed on the batch's rows, found not to split (a row check said why)
-        self.output: Tensor | None = None  # what the caller got, while its weight in the loss is unread
-        self.weight: Tensor | None = None  # its weight in the backpropagated loss (None: 1)
+        self.grad: Tensor | None = (
+            None  # d loss / d (what the caller got), summed over the step's backward calls
+        )
+        # a call the caller reduces (reduction="none"): its elements, for its part in the loss
+        self.unreduced = source[1] if source is not None and reduction == "none" else None
 
     @property
     def per_sample(self) -> Tensor | None:
@@ -143,6 +146,18 @@ class CapturedLoss:
 
     def __repr__(self) -> str:
         return f"CapturedLoss({self.name!r}, reduction={self.reduction!r}, shape={self.shape})"
+
+    def watch(self, output: Tensor) -> Tensor:
+        """Add up, during every backward that reaches it, the gradient of the loss with respect to ``output``
+        (what the caller got): its part in the loss that is backpropagated. A hook, not a pass of its own; one
+        registered before the caller scales ``output`` in place still sees the value as returned."""
+        if output.requires_grad:
+            output.register_hook(self._add_grad)
+        return output
+
+    def _add_grad(self, grad: Tensor) -> None:
+        grad = grad.detach()
+        self.grad = grad if self.grad is None else self.grad + grad
 
 
 def _splits(shape: tuple[int, ...], batch_size: int) -> bool:
@@ -481,50 +496,65 @@ class LossCapture:
         """
         if self._per_sample_count == len(self.records):
             return self._per_sample
-        mapped = [(record.per_sample, record.weight) for record in self.records if record.maps_onto_batch]
+        mapped = [record for record in self.records if record.maps_onto_batch]
+        parts = self._parts(mapped)
         total = None
-        for values, weight in mapped:
+        for index, record in enumerate(mapped):
+            values = record.per_sample
             if values is None:
                 continue
-            term = values if weight is None else values * weight.to(values.device, values.dtype)
+            term = values if parts is None else parts(index, values)
             total = term if total is None else total + term
         self._per_sample, self._per_sample_count = total, len(self.records)
         return total
 
-    def weigh_by(self, loss: Tensor | None, first: bool = True) -> None:
-        """Read each captured call's weight in ``loss``, the loss that is backpropagated, with autograd
-        (``d loss / d call``: one pass over the few nodes between them; nothing is synchronised). A call that is
-        not part of it (a value computed for logging) no longer counts; when every call that is part of it gave
-        a single number, each counts with its weight relative to the largest (``ce + 0.1 * mse``). Call before
-        ``backward``. ``loss=None`` only lets the calls' results go.
-
-        A single call is read at the ``first`` step of a fit only (is it part of the loss?): its weight does not
-        change its samples' order, and the read costs 60-90 µs of CPU. Several calls are read at every step
-        (their weights may change during the run)."""
-        pending = [(record, record.output) for record in self.records if record.output is not None]
-        for record, _ in pending:
-            record.output = None
-        if loss is None or not pending or not isinstance(loss, Tensor) or not loss.requires_grad:
-            return
-        if len(pending) == 1 and not first:
-            return
-        graphed = [(record, output) for record, output in pending if output.requires_grad]
-        grads = (
-            torch.autograd.grad(loss, [output for _, output in graphed], retain_graph=True, allow_unused=True)
-            if graphed
-            else ()
-        )
-        used = {id(record): grad for (record, _), grad in zip(graphed, grads) if grad is not None}
-        for record, _ in pending:
-            if id(record) not in used:  # no path to the loss: a logged metric, or computed without autograd
+    def drop_unused(self) -> None:
+        """After the step's backward calls (call it only when one ran): a call that none of them reached (a value
+        computed for logging) no longer counts."""
+        for record in self.records:
+            if record.grad is None:
                 record.maps_onto_batch, record.on_batch_rows = False, False
                 record.why_not = "not part of the loss that is backpropagated (a value computed for logging?)"
-        weights = [(record, used[id(record)]) for record, _ in pending if id(record) in used]
-        if len(weights) > 1 and all(grad.dim() == 0 for _, grad in weights):
-            largest = torch.stack([grad.detach().abs() for _, grad in weights]).max()
-            for record, grad in weights:
-                record.weight = torch.where(largest > 0, grad.detach() / largest, grad.detach())
         self._per_sample_count = -1
+
+    def _parts(self, mapped: list[CapturedLoss]) -> Callable[[int, Tensor], Tensor] | None:
+        """For several calls that are all part of the loss: ``(i, values) ->`` call ``i``'s per-sample term as
+        its part in the loss, relative to the largest part (``ce + 0.1 * mse`` scores ``ce + 0.1 * mse``).
+        ``None`` (an unweighted sum) for one call, or when a part cannot be read. On the device; nothing is
+        synchronised.
+
+        With ``g`` the gradient of the loss with respect to what the caller got: a call torch reduced stands
+        for ``g`` times its per-sample losses (``"mean"``, ``"batchmean"``; ``"sum"``: times its element count
+        too); a call the caller reduced (``reduction="none"``) for ``B`` times the sum of ``g * loss`` over each
+        sample's elements, and weighs ``sum(g)``."""
+        if len(mapped) < 2 or any(record.grad is None for record in mapped):
+            return None
+        sizes: list[Tensor] = []
+        shares: list[Tensor | None] = []
+        for record in mapped:
+            grad = record.grad.float()
+            if grad.dim() == 0:
+                sizes.append(grad * (math.prod(record.shape) if record.reduction == "sum" else 1))
+                shares.append(None)
+                continue
+            if record.unreduced is None or tuple(grad.shape) != tuple(record.unreduced.shape):
+                return None
+            rows = rows_per_sample(grad * record.unreduced.float().to(grad.device), self.batch_size)
+            if rows is None:
+                return None
+            sizes.append(grad.sum())
+            shares.append(rows.sum(dim=1) * self.batch_size)
+        largest = torch.stack([size.abs() for size in sizes]).max()
+        readable = torch.isfinite(largest) & (largest > 0)  # else: an unweighted sum, as before
+
+        def part(index: int, values: Tensor) -> Tensor:
+            share = shares[index]
+            weighted = values * sizes[index].to(values.device) if share is None else share.to(values.device)
+            return torch.where(
+                readable.to(values.device), weighted.to(values.dtype) / largest.to(values.device), values
+            )
+
+        return part
 
     def describe(self) -> str:
         """A one-line account of what was captured, for error messages."""
@@ -582,10 +612,8 @@ class LossCapture:
             unreduced = original(**signature.unreduced_call(arguments))
             record = self._record(name, arguments, unreduced.detach(), reduction)
             if weights is None or _splits(tuple(unreduced.shape), self.batch_size):
-                record.output = _reduce(name, arguments, unreduced, reduction, weights)
-            else:  # cannot be weighted per sample: the caller's loss as it was
-                record.output = original(*args, **kwargs)
-            return record.output
+                return record.watch(_reduce(name, arguments, unreduced, reduction, weights))
+            return record.watch(original(*args, **kwargs))  # cannot be weighted per sample: the caller's loss
 
         result = original(*args, **kwargs)
         if reduction == "none":
@@ -595,10 +623,7 @@ class LossCapture:
             # the last bit; on small inputs it costs about what the few calls of a torch-exact reduction do
             with torch.no_grad():
                 unreduced = original(**signature.unreduced_call(arguments))
-        self._record(
-            name, arguments, unreduced, reduction
-        ).output = result  # its weight is read before backward
-        return result
+        return self._record(name, arguments, unreduced, reduction).watch(result)
 
     def _record(
         self, name: str, arguments: dict[str, Any], unreduced: Tensor, reduction: str

@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,7 @@ class ReplayBatchLifecycle:
         self.unscored_steps = 0  # later steps whose loss did not split into their samples
         # batch mode: whether the fit's first batch was checked for a structure that can be cut in place
         self._structure_checked = False
+        self._backward_ran = False  # in the step in flight
 
     def start_fit(self) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope."""
@@ -145,6 +147,7 @@ class ReplayBatchLifecycle:
                 batch-shaped state.
         """
         self.captures.drop()
+        self._backward_ran = False
         if (
             self.mode == "batch" and not self._structure_checked
         ):  # before the first step, not at the first cut
@@ -161,10 +164,8 @@ class ReplayBatchLifecycle:
             self.captures.open(int(plan.roles.size), plan.weights)
         return self.current
 
-    def close_capture(self, loss: Tensor | None = None) -> str | None:
-        """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss),
-        and weigh the captured calls by their part in ``loss``, the loss about to be backpropagated
-        (:meth:`~lightning_pulse.core.per_sample_loss.LossCapture.weigh_by`).
+    def close_capture(self) -> str | None:
+        """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss).
 
         Returns:
             Once a fit, what to warn about when a later step's loss does not split into its samples (a loss on
@@ -177,10 +178,27 @@ class ReplayBatchLifecycle:
         """
         self.captures.close()
         closed = self.captures.closed
-        if closed is not None:
-            closed.weigh_by(loss if self.current is not None else None, first=not self.recorded_steps)
         if self.current is None or closed is None or closed.maps_onto_batch:
             return None
+        return self._unsplit(closed)
+
+    def after_backward(self, manual: bool) -> str | None:
+        """A backward ran: the captured calls it did not reach (values computed for logging) stop counting
+        (:meth:`~lightning_pulse.core.per_sample_loss.LossCapture.drop_unused`), judged as
+        :meth:`close_capture` judges, so that a first step whose loss is none of them is refused before its
+        update. Under ``manual`` optimization more backward calls may follow: judged at the batch end.
+        """
+        self._backward_ran = True
+        return None if manual else self._drop_unused()
+
+    def _drop_unused(self) -> str | None:
+        closed = self.captures.closed
+        if self.current is None or closed is None or not closed.maps_onto_batch:
+            return None  # said at close_capture already
+        closed.drop_unused()
+        return None if closed.maps_onto_batch else self._unsplit(closed)
+
+    def _unsplit(self, closed: LossCapture) -> str | None:
         if self.scorer is not None:
             closed.require("HardSampleReplay, whose rule='infobatch' weights it,")
         if not self.recorded_steps:
@@ -188,6 +206,7 @@ class ReplayBatchLifecycle:
         self.unscored_steps += 1
         if self.unscored_steps > 1:
             return None
+        assert self.current is not None
         return (
             f"the loss of step {self.current.step} did not split into its batch's samples ({closed.describe()}); "
             "such steps are recorded without scores, so their samples keep the scores they had (or stay unscored "
@@ -217,6 +236,8 @@ class ReplayBatchLifecycle:
         Raises:
             PulseRefusal: at the fit's first batch, for a token loss flattened time-major.
         """
+        if self._backward_ran and (note := self._drop_unused()) is not None:  # manual optimization's backward
+            warnings.warn(f"HardSampleReplay: {note}", stacklevel=2)
         capture, finished, self.current = self.captures.take(), self.current, None
         if finished is None:
             return None
