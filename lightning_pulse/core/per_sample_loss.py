@@ -129,9 +129,8 @@ class CapturedLoss:
         self.maps_onto_batch = per_sample is not None if source is None else _splits(shape, source[2])
         self.why_not = "does not split into the batch's samples"  # read only when maps_onto_batch is false
         self.on_batch_rows = False  # computed on the batch's rows, found not to split (a row check said why)
-        self.grad: Tensor | None = (
-            None  # d loss / d (what the caller got), summed over the step's backward calls
-        )
+        # d loss / d (what the caller got), summed over the step's backward calls
+        self.grad: Tensor | None = None
         # a call the caller reduces (reduction="none"): its elements, for its part in the loss
         self.unreduced = source[1] if source is not None and reduction == "none" else None
 
