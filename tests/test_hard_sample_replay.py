@@ -148,6 +148,16 @@ def test_a_logged_metric_next_to_a_hand_written_loss_is_not_taken_for_the_loss()
     assert trainer.global_step == 0
 
 
+def _assert_scores_are_ce_and_a_tenth_of_mse(replay, model, data) -> None:
+    """Every training sample's score is its `ce + 0.1 * mse` on ``model`` (trained with lr=0: scores are final)."""
+    x, y = data.train_set.tensors
+    with torch.no_grad():
+        logits = model(x)
+        expected = F.cross_entropy(logits, y, reduction="none") + 0.1 * (logits[:, 0] - y.float()) ** 2
+    scores = torch.as_tensor(replay.table.scores, dtype=torch.float32)
+    assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_the_terms_of_a_weighted_loss_are_scored_with_their_weights():
     # held-out sweep: `ce + 0.1 * mse` was scored `ce + mse` (max error 12.2 per sample)
     pl.seed_everything(0)
@@ -156,12 +166,7 @@ def test_the_terms_of_a_weighted_loss_are_scored_with_their_weights():
     data = _data()
     trainer = pl.Trainer(callbacks=[replay], max_epochs=1, accumulate_grad_batches=2, **trainer_kwargs())
     trainer.fit(model, data)
-    x, y = data.train_set.tensors
-    with torch.no_grad():
-        logits = model(x)
-        expected = F.cross_entropy(logits, y, reduction="none") + 0.1 * (logits[:, 0] - y.float()) ** 2
-    scores = torch.as_tensor(replay.table.scores, dtype=torch.float32)
-    assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-5)
+    _assert_scores_are_ce_and_a_tenth_of_mse(replay, model, data)
 
 
 class TwoBackwardCalls(MNIST1DClassifier):
@@ -196,12 +201,7 @@ def test_every_backward_call_of_a_step_counts_under_manual_optimization(penalty_
     replay = HardSampleReplay(mode="batch", score_half_life=None)
     data = _data()
     pl.Trainer(callbacks=[replay], max_epochs=1, **trainer_kwargs()).fit(model, data)
-    x, y = data.train_set.tensors
-    with torch.no_grad():
-        logits = model(x)
-        expected = F.cross_entropy(logits, y, reduction="none") + 0.1 * (logits[:, 0] - y.float()) ** 2
-    scores = torch.as_tensor(replay.table.scores, dtype=torch.float32)
-    assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-5)
+    _assert_scores_are_ce_and_a_tenth_of_mse(replay, model, data)
 
 
 @pytest.mark.parametrize("scorer", [OutputKeyScorer("per_sample"), ForwardLossScorer("cross_entropy")])
