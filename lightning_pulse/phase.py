@@ -431,10 +431,8 @@ class PhaseClock:
         copy.durations, copy.order = dict(self.durations), self.order
         copy.warmup, copy.anneal = self.warmup, self.anneal
         copy.reset()
-        history, self.history = (
-            self.history,
-            [],
-        )  # the copy only plays forward: the past changes are not needed
+        # the copy only plays forward: the past changes are not needed, nor converted
+        history, self.history = self.history, []
         try:
             copy.load_state_dict(self.state_dict())
         finally:
@@ -667,8 +665,7 @@ PROBE_MODES = ("probe", "none")
 
 
 #: PulseCycle's defaults for the options that belong to one phase: set away from them for a phase that
-#: ``order`` leaves out, they would do nothing
-#: PulseCycle's defaults of each phase's options (a test holds them to its signature)
+#: ``order`` leaves out, they would do nothing (a test holds them to PulseCycle's signature)
 PHASE_OPTION_DEFAULTS = {
     "burst": {"burst": 60},
     "replay": {"replay": 30, "budget": None},
