@@ -15,6 +15,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
@@ -296,6 +298,15 @@ def gradients_read_before_step(trainer: pl.Trainer, pl_module: pl.LightningModul
         or is_overridden("on_before_optimizer_step", pl_module)
         or any(is_overridden("on_before_optimizer_step", callback, pl.Callback) for callback in later)
     )
+
+
+def batch_size_of(batch: Any, fallback: int) -> int:
+    """Lightning's reading of a batch's size (its first tensor's length); ``fallback`` for a batch object of its
+    own that holds no tensor Lightning can find (a graph batch)."""
+    try:
+        return extract_batch_size(batch)
+    except MisconfigurationException:
+        return fallback
 
 
 def prepare_evaluation_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:

@@ -9,10 +9,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
@@ -178,11 +177,10 @@ class HardSampleReplay(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
         model_parallel = isinstance(trainer.strategy, ModelParallelStrategy)
-        fullgraph_part = compat.fullgraph_compiled_part(pl_module)
-        refuse(setup_refusal(model_parallel, tuner_search(trainer), fullgraph_part))
+        refuse(
+            setup_refusal(model_parallel, tuner_search(trainer), compat.fullgraph_compiled_part(pl_module))
+        )
         self._trainer, self._ready, self._run_checked = trainer, False, False
         if self.mode == "steps":
             self.steps = StepSavingLoader()
@@ -245,10 +243,7 @@ class HardSampleReplay(Callback):
         assert self.selector is not None and self.tracker is not None
         step = trainer.global_step
         indices = self.tracker.batch_indices(batch_idx)  # a cut batch's: the cut, as loaded
-        try:
-            offered = extract_batch_size(batch)
-        except MisconfigurationException:  # a batch object of its own (a graph batch): the sampler's count
-            offered = int(indices.numel())
+        offered = compat.batch_size_of(batch, fallback=int(indices.numel()))
         active = phase_of(trainer, default=Phase.REPLAY).value in self.phases
         window, cut = self.steps.next_batch() if self.mode == "steps" else (0, None)
         self.batches.start_batch(
@@ -328,9 +323,6 @@ class HardSampleReplay(Callback):
         model); the data stream goes on, since its samples were really drawn."""
         return {k: v for k, v in self.state_dict().items() if k != "stream"}
 
-    def load_rollback_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.load_state_dict(state_dict)
-
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore scores, measured-but-unapplied steps, totals and threshold.
@@ -350,6 +342,8 @@ class HardSampleReplay(Callback):
             self._saved_state = state_dict
             if stream is not None:
                 self.steps.stream.load_state_dict(stream)
+
+    load_rollback_state_dict = load_state_dict  # the scores go back; the stream was left out of the state
 
 
 def _warn(note: str | None) -> None:

@@ -14,6 +14,7 @@ here would be the local shard's, not the global one, so StabilityGuard refuses t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -35,14 +36,24 @@ def grad_norm(grads: Sequence[Tensor]) -> Tensor | None:
     """
     if not grads:
         return None
+    parts = _norm_parts(grads)
+    try:
+        # mixed dtypes are fine: each norm is taken in its tensor's dtype and stack promotes, as
+        # get_total_norm does
+        return torch.linalg.vector_norm(torch.stack(parts))
+    except RuntimeError:  # per-tensor norms on several devices: brought to the first
+        return torch.linalg.vector_norm(torch.stack([part.to(parts[0].device) for part in parts]))
+
+
+def _norm_parts(grads: Sequence[Tensor]) -> list[Tensor]:
+    """Norms whose 2-norm together is that of ``grads``: one per tensor, in one fused call (on an accelerator
+    one kernel per device and dtype); the total alone where the fused call refuses the mix of devices. Not a
+    check per tensor first: on a CPU step reading every gradient's device and dtype costs a fifth of the norm."""
     dense = [grad.coalesce().values() if grad.is_sparse else grad for grad in grads]
     try:
-        # one fused kernel and one reduction. Mixed dtypes are fine: each norm is taken in its tensor's dtype
-        # and stack promotes, as get_total_norm does. Not a check per tensor first: on a CPU step reading
-        # every gradient's device and dtype costs a fifth of the norm itself.
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(dense, 2.0)))
-    except RuntimeError:  # gradients on several devices (a model split over them): brought to the first
-        return torch.nn.utils.get_total_norm(dense, 2.0)
+        return list(torch._foreach_norm(dense, 2.0))
+    except RuntimeError:  # gradients on several devices (a model split over them)
+        return [torch.nn.utils.get_total_norm(dense, 2.0)]
 
 
 def step_loss_and_grad_norm(
@@ -65,21 +76,29 @@ def step_loss_and_grad_norm(
         ``(loss, grad_norm)``; ``None`` for a value with nothing to read.
     """
     grads = [grad for group in param_groups for param in group["params"] if (grad := param.grad) is not None]
-    norm = grad_norm(grads)
     if len(losses) == 1:  # no accumulation: the sum of one value is that value (no op where none is needed)
         loss = losses[0].detach() if losses[0].requires_grad else losses[0]
         loss = loss if loss.dtype == torch.float32 else loss.float()
     else:
         loss = torch.stack([value.detach().float() for value in losses]).sum() if losses else None
     if all_reduce_sum is None:
-        values = [value for value in (loss, norm) if value is not None]
+        # the loss and every per-tensor norm in the one device-to-host transfer of the step; the last sum of
+        # squares is then a few host flops, not two more ops (on a CPU step of a small model, each op costs
+        # about as much as the norms of a layer). On an accelerator this is where the step synchronises, which
+        # the decision needs anyway (it must exist before optimizer.step()).
+        parts = _norm_parts(grads) if grads else []
+        values = parts if loss is None else [loss, *parts]
         if not values:
             return None, None
-        device = values[0].device
-        # the one device-to-host transfer of the step; on an accelerator this is where the step synchronises,
-        # which the decision needs anyway (it must exist before optimizer.step())
-        read = torch.stack([_as_fp32_on(value, device) for value in values]).tolist()
-        return (read[0] if loss is not None else None), (read[-1] if norm is not None else None)
+        try:
+            read = torch.stack(values).tolist()  # promotes mixed dtypes
+        except RuntimeError:  # values on several devices
+            read = torch.stack([_as_fp32_on(value, values[0].device) for value in values]).tolist()
+        norm_squares = read if loss is None else read[1:]
+        return (None if loss is None else read[0]), (
+            math.sqrt(sum(x * x for x in norm_squares)) if grads else None
+        )
+    norm = grad_norm(grads)
     # DDP: one all-reduce of (loss sum, ranks with a loss, norm sum). Every rank holds the same all-reduced
     # gradients, so the summed norm divided by world size is the norm; summing it makes the number the same
     # bit for bit on every rank, and with it every decision.

@@ -149,6 +149,9 @@ class EnergyLedger:
         self.phase_segments: list[dict[str, Any]] = []
         self.first_wall: float | None = None
         self.last_power_w = 0.0
+        # (total J, time, average power W) of the latest reading, replaced whole under `lock`: one attribute
+        # read gives a consistent triple, so the per-step estimate takes no lock
+        self._latest: tuple[float, float | None, float] = (0.0, None, 0.0)
         self._keys: tuple[str, ...] = ()
         self._keys_of: Label | None = None
         self._bucket_lists: dict[tuple[str, ...], list[Bucket]] = {}
@@ -166,6 +169,7 @@ class EnergyLedger:
             for component, (joules, method) in (totals or {}).items():
                 self.totals_j[component] = float(joules)
                 self.methods[component] = method
+            self._latest = (sum(self.totals_j.values()), now, self.last_power_w)
             self._append_timeline(wall)
 
     @property
@@ -347,6 +351,7 @@ class EnergyLedger:
                 self.last_power_w = sum(deltas.values()) / span
             self._segments = [(now, self.label)]
             self._last_time, self._last_wall = now, wall
+            self._latest = (sum(self.totals_j.values()), now, self.last_power_w)
             self._append_timeline(wall)
 
     def _pieces(self, t0: float, t1: float) -> list[tuple[float, float, Label]]:
@@ -421,12 +426,12 @@ class EnergyLedger:
 
     def estimate_joules(self, now: float, horizon: float = 10.0) -> float:
         """The total at the last reading plus the latest average power times the time since (at most
-        ``horizon`` seconds): a smooth figure between readings, at no metering cost."""
-        with self.lock:
-            total = sum(self.totals_j.values())
-            if self._last_time is None:
-                return total
-            return total + self.last_power_w * min(max(now - self._last_time, 0.0), horizon)
+        ``horizon`` seconds): a smooth figure between readings, at no metering cost and without the lock (it is
+        read at every optimizer step)."""
+        total, last_time, power = self._latest
+        if last_time is None:
+            return total
+        return total + power * min(max(now - last_time, 0.0), horizon)
 
     def snapshot(
         self,
