@@ -46,6 +46,7 @@ class StepSavingLoader:
     def __init__(self) -> None:
         self.stream = StepSavingStream()
         self.epoch_batches = 0  # the batches of the pass under way
+        self.loader: Any = None  # the training DataLoader tracked in this fit (either mode), until released
         self._trainer: pl.Trainer | None = None
         self._sampler: PlannedBatchSampler | None = None
         self._choose: Callable[[list[list[int]], list[int], list[int], float], list[Any]] | None = None
@@ -163,6 +164,17 @@ class StepSavingLoader:
             f"HardSampleReplay: {plan_summary(plan, budget)}; trainer.max_steps={plan.total_steps}."
         )
         return plan
+
+    def release(self) -> None:
+        """Give :attr:`loader` back as the user built it (at the fit's end, when it stopped early, at a reload):
+        its own batch sampler and index sampler, so it iterates as before outside this fit (predict, a plain
+        Trainer)."""
+        loader, self.loader = self.loader, None
+        if loader is None:
+            return
+        if self._sampler is not None and loader.batch_sampler is self._sampler:
+            compat.replace_batch_sampler(loader, self._sampler.original)
+        SampleIndexTracker.uninstall(loader)
 
     def _sizes_for_pass(self) -> tuple[int, list[int]]:
         trainer = self._trainer

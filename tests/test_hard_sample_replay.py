@@ -465,7 +465,7 @@ def test_several_training_loaders_are_refused_before_the_first_step(with_cycle):
     )
     trainer = pl.Trainer(callbacks=callbacks, max_epochs=3, **trainer_kwargs())
     with pytest.raises(
-        PulseRefusal, match=r"^HardSampleReplay needs one training DataLoader, .* 2 DataLoaders"
+        PulseRefusal, match=r"^HardSampleReplay needs one training DataLoader, .* several DataLoaders"
     ):
         trainer.fit(model, {"a": loader(0), "b": loader(1)})
     assert model.steps == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -717,3 +718,154 @@ def test_a_max_steps_only_run_with_a_schedule_of_no_length_trains():
     trainer = pl.Trainer(max_epochs=-1, max_steps=60, callbacks=[HardSampleReplay()], **trainer_kwargs())
     trainer.fit(_WarmUpOnly(), ShuffleFreeData(num_samples=1000, batch_size=64))
     assert 0 < trainer.global_step == trainer.max_steps < 60
+
+
+class _ValidatedDecay(_LinearDecay):
+    """``_LinearDecay`` with a validation loss, and the steps at which it was validated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validated_at: list[int] = []
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            self.validated_at.append(self.trainer.global_step)
+
+
+def _digits_data(first: int, last: int) -> TensorDataset:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data[first:last] / 16, dtype=torch.float32)
+    return TensorDataset(x, torch.tensor(digits.target[first:last]))
+
+
+def test_the_final_weights_of_a_run_past_its_planned_batches_are_validated_and_checkpointed(tmp_path):
+    # held-out sweep: the step past the planned batches trained in an extra epoch that max_steps ended before
+    # its loader did, so Lightning never validated it and a monitored checkpoint filed the final weights under
+    # the previous step's val_loss. The pass past the plan is now cut to the steps the run has left.
+    pl.seed_everything(0)
+    module, replay = _ValidatedDecay(), HardSampleReplay()
+    best = ModelCheckpoint(
+        dirpath=tmp_path, monitor="val_loss", save_top_k=-1, filename="{step}-{val_loss:.6f}"
+    )
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(burst=12, replay=24, maintain=4), replay, best],
+        max_epochs=4,
+        **trainer_kwargs(enable_checkpointing=True, limit_val_batches=None),
+    )
+    trainer.fit(
+        module,
+        DataLoader(_digits_data(0, 768), batch_size=32, shuffle=True),
+        DataLoader(_digits_data(768, 1024), batch_size=64),
+    )
+    assert replay.steps.plan.steps_past_data == 1  # non-vacuous: the last step comes past the planned batches
+    assert trainer.global_step == 70 and module.validated_at[-1] == 70
+    final = next(path for path in best.best_k_models if "step=70-" in path)
+    validated = trainer.validate(module, DataLoader(_digits_data(768, 1024), batch_size=64), verbose=False)
+    assert float(best.best_k_models[final]) == pytest.approx(validated[0]["val_loss"], rel=1e-5)
+
+
+class _Interrupt(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 5:
+            raise RuntimeError("stopped by the test")  # Lightning calls on_exception, and no teardown hook
+
+
+@pytest.mark.parametrize("stop", ["end", "interrupted"])
+def test_the_users_dataloader_is_given_back_as_it_was_built(stop):
+    # held-out sweep: the planned batch sampler stayed in the user's DataLoader after the fit, so predicting
+    # over it failed, and after a fit that stopped early iterating it called back into the finished callback
+    loader = DataLoader(_digits_data(0, 512), batch_size=32, shuffle=True)
+    batch_sampler, sampler = loader.batch_sampler, loader.batch_sampler.sampler
+    pl.seed_everything(0)
+    extra = [_Interrupt()] if stop == "interrupted" else []
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(burst=4, replay=8, maintain=2), HardSampleReplay(), *extra],
+        max_epochs=2,
+        **trainer_kwargs(),
+    )
+    if extra:
+        with pytest.raises(RuntimeError, match="stopped by the test"):
+            trainer.fit(_LinearDecay(), loader)
+    else:
+        trainer.fit(_LinearDecay(), loader)
+    assert trainer.global_step == (5 if extra else trainer.max_steps)
+    assert loader.batch_sampler is batch_sampler and loader.batch_sampler.sampler is sampler
+    assert sum(len(x) for x, _ in loader) == 512  # a plain pass over every sample
+    plain = pl.Trainer(max_epochs=1, **trainer_kwargs())
+    plain.fit(_LinearDecay(), loader)
+    assert plain.global_step == 16
+
+
+def test_a_second_training_loader_is_refused_before_either_is_changed():
+    # held-out sweep: the plan went into the first loader before the refusal, so the way out the refusal gives
+    # (the same loaders without HardSampleReplay) then crashed inside the planned sampler
+    loaders = {
+        "a": DataLoader(_digits_data(0, 256), batch_size=32),
+        "b": DataLoader(_digits_data(256, 384), batch_size=32),
+    }
+    kept = {name: (loader.batch_sampler, loader.batch_sampler.sampler) for name, loader in loaders.items()}
+
+    class TwoLoaders(_LinearDecay):
+        def training_step(self, batch, batch_idx):
+            return sum(torch.nn.functional.cross_entropy(self.net(x), y) for x, y in batch.values())
+
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(burst=4, replay=8, maintain=2), HardSampleReplay()],
+        max_epochs=2,
+        **trainer_kwargs(),
+    )
+    with pytest.raises(
+        PulseRefusal, match="HardSampleReplay needs one training DataLoader.*several DataLoaders"
+    ):
+        trainer.fit(TwoLoaders(), loaders)
+    assert {
+        name: (loader.batch_sampler, loader.batch_sampler.sampler) for name, loader in loaders.items()
+    } == kept
+    plain = pl.Trainer(
+        callbacks=[PulseCycle(burst=4, replay=8, maintain=2)], max_epochs=2, **trainer_kwargs()
+    )
+    plain.fit(TwoLoaders(), loaders)
+    assert plain.global_step == 16
+
+
+class _Reloading(_LinearDecay):
+    """Builds its training DataLoader at every epoch: over one dataset object, or a new (growing) one."""
+
+    def __init__(self, same_dataset: bool) -> None:
+        super().__init__()
+        self.same_dataset = same_dataset
+        self.dataset = _digits_data(0, 256)
+
+    def train_dataloader(self):
+        dataset = self.dataset if self.same_dataset else _digits_data(0, 256 + 64 * self.current_epoch)
+        return DataLoader(dataset, batch_size=32, shuffle=True)
+
+
+@pytest.mark.parametrize("same_dataset", [True, False])
+def test_a_batch_mode_reload_keeps_the_scores_of_the_same_dataset_and_says_when_they_start_again(
+    same_dataset,
+):
+    # held-out sweep: a reloaded dataset of another size silently got an empty table at every reload, so
+    # nothing was ever selected; one of the same size kept scores that belonged to other samples
+    replay = HardSampleReplay(mode="batch")
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(burst=4, replay=8, maintain=2), replay],
+        max_epochs=4,
+        reload_dataloaders_every_n_epochs=1,
+        **trainer_kwargs(),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Reloading(same_dataset))
+    notes = [w for w in caught if "HardSampleReplay: the reloaded" in str(w.message)]
+    if same_dataset:
+        assert not notes and replay.metrics()["replay_fraction"] < 1.0  # scores kept: replay steps selected
+        assert replay.table.num_samples == 256
+    else:
+        assert notes and replay.table.num_samples == 256 + 64 * 3

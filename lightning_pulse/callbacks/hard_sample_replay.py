@@ -20,9 +20,11 @@ from lightning_pulse.core.carried_state import CarriedStateCheck
 from lightning_pulse.core.per_sample_loss import PerSampleScorer
 from lightning_pulse.core.replay import (
     ROLE_NAMES,
+    SEVERAL_LOADERS,
     HardSampleSelector,
     ReplayConfig,
     parse_half_life,
+    reloaded_data_note,
     setup_refusal,
     several_loaders_refusal,
     shorter_than_an_epoch,
@@ -125,11 +127,11 @@ class HardSampleReplay(Callback):
         self.selector: HardSampleSelector | None = None
         self.tracker: SampleIndexTracker | None = None
         self._trainer: pl.Trainer | None = None
-        self._loader: Any = None
         self._remove_hook: Any = None
         self._held = compat.CollectiveHold()  # gathered rows, until gloo's worker lets go of them
         self._saved_state: dict[str, Any] | None = None
         self._ready = False  # this fit's selector exists: load_state_dict applies at once
+        self._set_up_at = (0, 0)  # (epoch, step) of the latest training DataLoader's set-up
         self.batches = ReplayBatchLifecycle(self.mode, scorer)  # each batch: plan, cut, capture, record
 
     # ------------------------------------------------------------------ public state
@@ -177,10 +179,8 @@ class HardSampleReplay(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        model_parallel = isinstance(trainer.strategy, ModelParallelStrategy)
-        refuse(
-            setup_refusal(model_parallel, tuner_search(trainer), compat.fullgraph_compiled_part(pl_module))
-        )
+        parallel = isinstance(trainer.strategy, ModelParallelStrategy)
+        refuse(setup_refusal(parallel, tuner_search(trainer), compat.fullgraph_compiled_part(pl_module)))
         self._trainer, self._ready, self._run_checked = trainer, False, False
         if self.mode == "steps":
             self.steps = StepSavingLoader()
@@ -197,11 +197,16 @@ class HardSampleReplay(Callback):
             self._run_checked = True
         if (reason := SampleIndexTracker.unsupported_reason(loader)) is not None:
             refuse(untrackable_refusal(reason))
-        self._loader, self.tracker = loader, SampleIndexTracker.install(loader)
+        # a second loader of the same data set-up (a CombinedLoader): refused before anything is installed
+        at = (self._trainer.current_epoch, self._trainer.global_step)
+        if self._ready and at == self._set_up_at and loader is not self.steps.loader:
+            refuse(several_loaders_refusal(SEVERAL_LOADERS))
+        fresh = self._ready and _warn(reloaded_data_note(self.tracker.dataset, loader.dataset))
+        self.steps.release()  # a reload (batch mode): the previous loader is the user's again
+        self.steps.loader, self.tracker, self._set_up_at = loader, SampleIndexTracker.install(loader), at
         restored, self._saved_state = self._saved_state, None
-        self.selector = HardSampleSelector.for_data(
-            self.selector, self.tracker.dataset_size, self._new_table, self.config, restored
-        )
+        selector, size = None if fresh else self.selector, self.tracker.dataset_size  # fresh: a new table
+        self.selector = HardSampleSelector.for_data(selector, size, self._new_table, self.config, restored)
         batches = len(loader) if hasattr(loader, "__len__") else math.inf
         steps_per_epoch = epoch_steps(batches, self._trainer.accumulate_grad_batches)
         self.selector.set_half_life(self.half_life, steps_per_epoch)
@@ -230,10 +235,7 @@ class HardSampleReplay(Callback):
         self.selector.set_cadence(steps_per_epoch, log_every)
         self.steps.on_train_start(trainer)  # steps mode only: Lightning learns the planned pass's length
         self.batches.start_fit()  # the carried-state check runs over this fit's first two batches
-        rank_zero_info(
-            f"HardSampleReplay: mode={self.mode}, rule={self.config.rule}, "
-            f"replay_fraction={self.config.replay_fraction:g}, phases={list(self.phases)}."
-        )
+        rank_zero_info(f"HardSampleReplay: {self.config.describe(self.mode, self.phases)}")
 
     # ------------------------------------------------------------------ per batch
     @override
@@ -297,6 +299,7 @@ class HardSampleReplay(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self.batches.release()
+        self.steps.release()  # Lightning calls no teardown hook after an exception
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -306,9 +309,8 @@ class HardSampleReplay(Callback):
             return
         if self._remove_hook is not None:
             self._remove_hook()
-        if self._loader is not None:
-            SampleIndexTracker.uninstall(self._loader)
-        self._remove_hook = self._loader = self.tracker = self._trainer = None
+        self.steps.release()
+        self._remove_hook = self.tracker = self._trainer = None
         self._ready = False
 
     @override
@@ -346,6 +348,7 @@ class HardSampleReplay(Callback):
     load_rollback_state_dict = load_state_dict  # the scores go back; the stream was left out of the state
 
 
-def _warn(note: str | None) -> None:
+def _warn(note: str | None) -> bool:
     if note is not None:
         rank_zero_warn(f"HardSampleReplay: {note}")
+    return note is not None

@@ -78,6 +78,12 @@ class ReplayConfig:
     prune_ratio: float = 0.5
     seed: int = 0
 
+    def describe(self, mode: str, phases: Sequence[str]) -> str:
+        """The settings a fit runs with, as said once at its start."""
+        return (
+            f"mode={mode}, rule={self.rule}, replay_fraction={self.replay_fraction:g}, phases={list(phases)}."
+        )
+
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"`rule`={self.rule!r} is not one of {list(RULES)}.")
@@ -215,6 +221,25 @@ def untrackable_refusal(reason: str) -> str:
         f"needs the dataset index of every sample, but {reason}. Use a map-style dataset "
         "in a torch DataLoader with its default batch sampler, or remove HardSampleReplay (a batch sampler "
         "feeding contiguous streams to a stateful model cannot be cut anyway)."
+    )
+
+
+#: the reason :func:`several_loaders_refusal` gives when a second DataLoader comes in the same data set-up
+SEVERAL_LOADERS = "the fit trains on several DataLoaders at once (a CombinedLoader)"
+
+
+def reloaded_data_note(previous: Any, current: Any) -> str | None:
+    """At a reload of the training DataLoader (``reload_dataloaders_every_n_epochs``, batch mode): why the
+    scores start again, or ``None`` when the loader holds the same dataset object at the same size. Scores
+    are kept by dataset index, and only the same object says that an index still means the same sample. The
+    text is the same at every reload, so Python's warning filter says it once."""
+    if current is previous and len(current) == len(previous):
+        return None
+    return (
+        f"the reloaded training DataLoader holds another dataset object ({type(current).__name__}) than the one "
+        "scored. Scores are kept by dataset index, so they start again at each such reload: batches train in "
+        "full until their samples are scored. To select across reloads, return the same dataset object (its "
+        "samples at the same indices) from train_dataloader()."
     )
 
 

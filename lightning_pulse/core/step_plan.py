@@ -437,8 +437,13 @@ class StepSavingStream:
         sizes = self.plan.sizes_of(epoch)
         if not sizes and not skip:
             # past the plan (its total ran a few steps over the data, or the run is longer than planned):
-            # plain batches, so the run still reaches max_steps and never loops on empty epochs
+            # plain batches, so the run still reaches max_steps and never loops on empty epochs. A pass that
+            # ends the run is cut to its remaining steps: its last batch then ends an epoch, and the final
+            # weights are validated (and a monitored checkpoint ranked) as a plain run's are
             sizes = list(self._plain_pass)
+            remaining = self.plan.total_steps - self.pass_step
+            if 0 < remaining * accumulate < len(sizes):
+                sizes = sizes[: remaining * accumulate]
         return skip, sizes, done + len(sizes)
 
     def trained(self, raw_samples: int) -> None:
