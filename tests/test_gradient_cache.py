@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
+from examples.mnist1d import MNIST1DClassifier
 from lightning_pulse import PulseCycle, phase_of
 from lightning_pulse.callbacks.gradient_cache import GradientCache
 from lightning_pulse.errors import PulseRefusal
@@ -378,3 +379,61 @@ def test_a_compiled_module_is_refused_at_setup(mnist1d_small, how):
     ):
         trainer.fit(model, data)
     assert trainer.global_step == 0
+
+
+class BackboneUnfrozenAtEpochOne(MNIST1DClassifier):
+    """The usual transfer-learning recipe: the first two convolutions frozen in ``__init__``, trained again
+    from epoch 1 on (a plain ``on_train_epoch_start`` hook, no callback)."""
+
+    def __init__(self) -> None:
+        super().__init__(arch="cnn")
+        for layer in (self.net[1], self.net[3]):
+            layer.requires_grad_(False)
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == 1:
+            for layer in (self.net[1], self.net[3]):
+                layer.requires_grad_(True)
+
+
+class TrainableLayers(Callback):
+    """At every backward (after GradientCache's hooks): which of the CNN's layers train, in forward order."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, list[bool]]] = []
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        layers = (pl_module.net[i] for i in (1, 3, 5, 8))
+        self.rows.append((trainer.global_step, [layer.weight.requires_grad for layer in layers]))
+
+
+def test_a_backbone_unfrozen_mid_fit_becomes_units_and_nothing_frozen_has_a_training_layer_before_it(
+    mnist1d_small, caplog
+):
+    # before: the units were found once, without the frozen backbone, and GradientCache kept net.5 frozen
+    # while net.1 and net.3 trained before it (no backward saved; a layer held still under changing inputs),
+    # with the FLOP reference of the backbone-frozen model
+    pl.seed_everything(0)
+    _, data = mnist1d_small()
+    model, cache, layers, flops = (
+        BackboneUnfrozenAtEpochOne(),
+        GradientCache(**EAGER),
+        TrainableLayers(),
+        BackwardFlops(),
+    )
+    with caplog.at_level("INFO"):
+        trainer = fit(model, data, [cache, layers, flops], max_epochs=3, limit_val_batches=0)
+    unfrozen_at = trainer.num_training_batches  # the first step of epoch 1
+    assert any(not trains[2] for step, trains in layers.rows if step < unfrozen_at)  # net.5 froze in epoch 0
+    for step, trains in layers.rows:
+        # frozen layers (False) all come before the training ones in forward order
+        assert step < unfrozen_at or trains == sorted(trains), f"step {step}: {trains} is no frozen prefix"
+    assert {"step": unfrozen_at, "from": 1, "to": 0, "reason": "retrace"} in cache.events
+    # the backbone joined the units in forward order, and GradientCache froze it once it was scored again
+    assert [unit.name for unit in cache.freezer.units] == ["net.1", "net.3", "net.5", "net.8"]
+    assert any(not trains[0] for step, trains in layers.rows if step >= unfrozen_at)
+    # the FLOP reference is the full backward of epoch 1's first step (nothing frozen), not epoch 0's
+    assert cache.ledger.flops_by_prefix[0] == flops.per_backward[unfrozen_at] > flops.per_backward[0]
+    notes = [r.getMessage() for r in caplog.records if "outside its units started training" in r.getMessage()]
+    assert len(notes) == 1 and "(net.1.weight, net.1.bias, net.3.weight and 1 more)" in notes[0]
+    assert all(p.requires_grad for p in model.parameters())  # the module leaves fit as the user left it

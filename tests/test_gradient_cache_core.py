@@ -678,12 +678,12 @@ def test_unit_names_and_cache_budget_are_checked_naming_the_field():
         with pytest.raises(ValueError, match="`units`="):
             check_unit_names(bad)
     assert check_cache_mb(0) == 0.0 and isinstance(check_cache_mb(2), float)
-    LoaderActivationCache.refuse_reloading(0.0, 1)  # no cache: reloading is fine
-    LoaderActivationCache.refuse_reloading(8.0, 0)
+    LoaderActivationCache.refuse_reload(0.0, 1)  # no cache: reloading is fine
+    LoaderActivationCache.refuse_reload(8.0, 0)
     with pytest.raises(
         PulseRefusal, match=r"^GradientCache: `activation_cache_mb` needs one training DataLoader"
     ):
-        LoaderActivationCache.refuse_reloading(8.0, 2)
+        LoaderActivationCache.refuse_reload(8.0, 2)
     for bad in (-1, math.inf, True, "8"):
         with pytest.raises(ValueError, match="`activation_cache_mb`="):
             check_cache_mb(bad)
@@ -814,3 +814,71 @@ def test_only_what_the_freezer_turned_off_is_turned_back_on_and_a_unit_taken_bac
     freezer.step(True)
     assert freezer.frozen_prefix == 0 and model[0].weight.requires_grad
     assert model[2].weight.grad is not None and not model[0].bias.requires_grad
+
+
+def _ordered_lifecycle(model: nn.Module, settings: FreezeSettings) -> FreezerLifecycle:
+    """A lifecycle whose units got their freezer from one real backward."""
+    lifecycle = FreezerLifecycle(settings)
+    lifecycle.start(None, model)
+    loss = model(torch.randn(2, 40)).pow(2).mean()
+    lifecycle.begin_backward(loss)
+    loss.backward()
+    assert lifecycle.end_backward()
+    model.zero_grad(set_to_none=True)
+    return lifecycle
+
+
+def test_a_parameter_outside_the_units_that_trains_again_releases_the_prefix_and_the_units_are_found_again():
+    model = mlp()
+    model[0].requires_grad_(False)  # the user's backbone, frozen before the fit
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=1.0)
+    lifecycle = _ordered_lifecycle(model, settings)
+    freezer = lifecycle.freezer
+    assert [unit.name for unit in freezer.units] == ["2", "4"]
+    assert freezer.outside == [model[0].weight, model[0].bias]
+    drive(freezer, slowing, 5)
+    assert freezer.frozen_prefix == 1 and freezer.freezes == 1
+
+    model[0].requires_grad_(True)  # unfrozen: "2" is frozen with a training layer before it
+    drive(freezer, slowing, 4)  # no decision yet: steps inside a window do not look
+    assert not freezer.outgrown and freezer.frozen_prefix == 1
+    (report,) = drive(freezer, slowing, 1)  # the window closes: the freezer looks before it decides
+    assert report.outgrown and report.changed and report.reason == "retrace"
+    assert freezer.frozen_prefix == 0 and model[2].weight.requires_grad
+    drive(freezer, slowing, 5)
+    assert freezer.frozen_prefix == 0  # it freezes nothing more: its units no longer cover what trains
+    assert not freezer.freeze_from_last_check()
+
+    note, released = lifecycle.retrace(model)
+    assert released == 0 and "(0.weight, 0.bias)" in note  # the step released the prefix itself
+    assert lifecycle.freezer is None and [unit.name for unit in lifecycle.units] == ["0", "2", "4"]
+    loss = model(torch.randn(2, 40)).pow(2).mean()
+    lifecycle.begin_backward(loss)
+    loss.backward()
+    assert lifecycle.end_backward()
+    renewed = lifecycle.freezer
+    assert [unit.name for unit in renewed.units] == ["0", "2", "4"] and renewed.outside == []
+    assert renewed.steps == 15 and renewed.freezes == 1  # the run's statistics go on; scores start over
+    assert renewed.scores == [None, None, None]
+    drive(renewed, slowing, 5)
+    assert renewed.frozen_prefix == 2 and not model[0].weight.requires_grad
+
+
+def test_a_light_phase_or_a_restored_state_freezes_nothing_once_a_parameter_outside_the_units_trains():
+    model = mlp()
+    model[0].requires_grad_(False)
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=1.0)
+    lifecycle = _ordered_lifecycle(model, settings)
+    freezer = lifecycle.freezer
+    drive(freezer, slowing, 5)
+    state = freezer.state_dict()
+    assert freezer.release_all() and freezer.frozen_prefix == 0
+    model[0].requires_grad_(True)
+    assert not freezer.freeze_from_last_check() and freezer.outgrown  # a light phase: it looks first
+    restored = freezer_from_state(state, model, settings)  # a checkpoint saved while "2" was frozen
+    restored.apply_requires_grad()
+    assert restored.outgrown and restored.frozen_prefix == 0 and model[2].weight.requires_grad
+    # at an arbitrary point (an epoch's start) the caller looks, and under DDP uses rank 0's answer
+    fresh = freezer_from_state(state, model, settings)
+    assert fresh.check_outside(agree=lambda flags: [False]) is False and not fresh.outgrown
+    assert fresh.check_outside() and fresh.frozen_prefix == 0

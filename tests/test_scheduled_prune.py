@@ -567,3 +567,75 @@ class _LinearClassifier(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _CompiledInConfigureModel(MNIST1DClassifier):
+    """Compiles its network in ``configure_model``, which Lightning calls after the callbacks' ``setup``."""
+
+    def configure_model(self) -> None:
+        if not isinstance(self.net, torch._dynamo.eval_frame.OptimizedModule):
+            self.net = torch.compile(self.net, backend="eager")
+
+
+@pytest.mark.parametrize("how", ["submodule", "whole-module", "in-configure-model"])
+def test_structured_mode_on_a_compiled_model_is_refused_before_the_first_step_naming_torch_compile(
+    mnist1d_small, how
+):
+    """A compiled submodule was refused with dynamo's internal assertion ("UnspecializedNNModuleVariable(...) is
+    already tracked for mutation") and an `exclude_pattern` hint that could not help; `trainer.fit(torch.compile(
+    module))` with a false "no channel group of the selected layers can be cut safely"."""
+    torch._dynamo.reset()
+    model, data = mnist1d_small()
+    if how == "submodule":
+        model.net = torch.compile(model.net, backend="eager")
+    elif how == "in-configure-model":
+        model = _CompiledInConfigureModel(arch="cnn")
+    fitted = torch.compile(model, backend="eager") if how == "whole-module" else model
+    prune = ScheduledPrune(mode="structured", start=2, end=4, every=1)
+    steps = StepCounter()
+    trainer = pl.Trainer(max_steps=6, callbacks=[prune, steps], **trainer_kwargs())
+    part = "the LightningModule" if how == "whole-module" else "`net`"
+    with pytest.raises(
+        PulseRefusal, match=rf"^ScheduledPrune: mode='structured' .*torch\.compile \({part} is"
+    ) as e:
+        trainer.fit(fitted, data)
+    assert "mode='unstructured'" in str(e.value) and "compile it after pruning" in str(e.value)
+    assert steps.batches == 0 and prune.events == []
+
+
+class StepCounter(Callback):
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches += 1
+
+
+class CompiledAgainstEager(Callback):
+    """After each step, the compiled network's output against its uncompiled module's (whose pruning hooks
+    apply the masks) on a fixed input."""
+
+    def __init__(self) -> None:
+        self.gaps: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        x = batch[0][:8]
+        with torch.no_grad():
+            self.gaps.append((pl_module.net(x) - pl_module.net._orig_mod(x)).abs().max().item())
+
+
+def test_unstructured_mode_prunes_a_compiled_submodule_and_the_compiled_forward_uses_the_masks(mnist1d_small):
+    """What the refusal of structured mode points to: masks are added to the layers of a compiled network
+    mid-run and the compiled forward uses them at every step after each event."""
+    torch._dynamo.reset()
+    model, data = mnist1d_small()
+    model.net = torch.compile(model.net, backend="eager")
+    prune = ScheduledPrune(final_sparsity=0.5, start=2, end=10, every=1, probe_batches=0)
+    check = CompiledAgainstEager()
+    trainer = pl.Trainer(max_steps=14, callbacks=[prune, check], **trainer_kwargs())
+    trainer.fit(model, data)
+    assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01) and len(check.gaps) == 14
+    assert max(check.gaps) < 1e-5
+    layers = [m for m in model.net._orig_mod.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))]
+    zeros = sum(int((m.weight == 0).sum()) for m in layers) / sum(m.weight.numel() for m in layers)
+    assert zeros == pytest.approx(0.5, abs=0.02)  # the masks, folded at fit end

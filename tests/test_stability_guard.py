@@ -755,3 +755,90 @@ def test_a_rollback_after_an_unstructured_pruning_event_returns_to_the_snapshot_
     assert guard.rollbacks == 1 and [e["to_step"] for e in guard.events if e["event"] == "rollback"] == [0]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)
+
+
+class _DigitsBackboneMLP(pl.LightningModule):
+    """A fine-tuning module as BackboneFinetuning expects it: a ``backbone`` and a ``head``, the optimizer over
+    the trainable parameters only (the backbone joins it later as a new parameter group)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=3e-3)
+
+
+def test_a_rollback_after_backbone_finetuning_added_a_param_group_returns_to_a_snapshot_that_fits():
+    """BackboneFinetuning adds the backbone to the optimizer as a new parameter group at epoch 1 (step 29). A
+    fault at step 45 rolled back to the step-0 snapshot, whose optimizer state has one group: the weights were
+    restored, then ``Optimizer.load_state_dict`` raised "loaded state dict has a different number of parameter
+    groups" mid-run. The guard now snapshots at the end of the first step after the change and returns there."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    pl.seed_everything(0)
+    model, guard = _DigitsBackboneMLP(), StabilityGuard()
+    fault = FaultInjector("nan_output", start=45, length=3)  # NaN outputs: three flagged steps, a rollback
+    callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1), guard, fault]
+    trainer = pl.Trainer(max_epochs=3, callbacks=callbacks, **trainer_kwargs())
+    with pytest.warns(UserWarning, match="rollback 1 at step 47 to the snapshot of step 30"):
+        trainer.fit(model, _digits_loader())
+    assert trainer.global_step == 3 * 29 and guard.rollbacks == 1
+    assert len(trainer.optimizers[0].param_groups) == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(snapshot.fits(model, trainer.optimizers) for snapshot in guard.snapshots)
+
+
+def test_a_rollback_with_no_snapshot_that_fits_the_optimizers_groups_stops_without_restoring_anything(
+    tmp_path,
+):
+    """A parameter group added by the user (``optimizer.add_param_group``) in the very step a weight goes NaN:
+    no healthy step came after the change, so no snapshot fits the optimizer. The guard used to restore the
+    weights and then crash in ``Optimizer.load_state_dict``; it now checks before loading anything and stops
+    the run with a checkpoint of the current state, saying why."""
+
+    class UnfreezeAndBreakAt20(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 20 and len(trainer.optimizers[0].param_groups) == 1:
+                pl_module.backbone.requires_grad_(True)
+                trainer.optimizers[0].add_param_group({"params": list(pl_module.backbone.parameters())})
+                with torch.no_grad():
+                    pl_module.head.weight[0, 0] = float("nan")
+
+    pl.seed_everything(0)
+    model, guard = _DigitsBackboneMLP(), StabilityGuard(snapshot_every=10)
+    model.backbone.requires_grad_(False)
+    trainer = pl.Trainer(
+        max_epochs=2, callbacks=[guard, UnfreezeAndBreakAt20()], default_root_dir=tmp_path, **trainer_kwargs()
+    )
+    with pytest.raises(
+        StabilityGuardError, match=r"no snapshot fits .*optimizer's parameter groups"
+    ) as error:
+        trainer.fit(model, _digits_loader())
+    assert guard.rollbacks == 0 and trainer.global_step == 21
+    assert math.isnan(model.head.weight[0, 0].item())  # nothing was loaded: the state is the current one
+    assert torch.load(error.value.checkpoint_path, weights_only=False)["global_step"] == 21
+
+
+def test_restore_snapshot_checks_the_optimizers_groups_before_loading_anything():
+    from lightning_pulse.core.snapshots import restore_snapshot, take_snapshot
+
+    model = _DigitsBackboneMLP()
+    optimizer = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    snapshot = take_snapshot(0, model, [optimizer])
+    optimizer.add_param_group({"params": list(model.backbone.parameters())})
+    assert snapshot.fits(model) and not snapshot.fits(model, [optimizer])
+    with torch.no_grad():
+        model.head.weight.add_(1.0)
+    changed = model.head.weight.detach().clone()
+    with pytest.raises(ValueError, match="parameter groups"):
+        restore_snapshot(snapshot, model, [optimizer])
+    assert torch.equal(model.head.weight, changed) and len(optimizer.param_groups) == 2

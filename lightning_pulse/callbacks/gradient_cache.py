@@ -24,6 +24,7 @@ from lightning_pulse.core.freeze_metrics import METRIC_PREFIX as METRIC_PREFIX
 from lightning_pulse.core.freeze_metrics import freeze_event, freeze_metrics
 from lightning_pulse.core.freeze_units import check_unit_names, pinned_note
 from lightning_pulse.core.layer_freezing import (
+    SHARDED_REASON,
     FreezerLifecycle,
     FreezeSettings,
     FreezeWindow,
@@ -74,8 +75,10 @@ class GradientCache(Callback):
             log the backward FLOPs skipped.
 
     A unit holding a parameter the model also holds elsewhere (a tied embedding and head) never freezes: the
-    prefix stops before it, and the setup log names it. Parameters replaced by structured pruning are followed;
-    names saved before an unstructured prune resolve to ``weight_orig``.
+    prefix stops before it, and the setup log names it. Parameters frozen when the fit starts (a backbone) belong
+    to no unit; once they train again, everything is released and the units are found and ordered again.
+    Parameters replaced by structured pruning are followed; names saved before an unstructured prune resolve to
+    ``weight_orig``.
 
     Raises:
         ValueError: at construction, naming the field, for a value out of range. At train start, for a
@@ -154,12 +157,8 @@ class GradientCache(Callback):
             return
         refuse_manual_optimization(pl_module)
         refuse_compiled_module(compat.compiled_part(pl_module))
-        refuse_sharded_strategy(
-            trainer,
-            "GradientCache",
-            "a rank holds flattened shards, so per-module `requires_grad` is not per layer",
-        )
-        LoaderActivationCache.refuse_reloading(
+        refuse_sharded_strategy(trainer, "GradientCache", SHARDED_REASON)
+        LoaderActivationCache.refuse_reload(
             self.activation_cache_mb, trainer.reload_dataloaders_every_n_epochs
         )
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
@@ -207,6 +206,7 @@ class GradientCache(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._retrace(trainer, pl_module, check=batch_idx == 0)  # where recipes unfreeze a backbone
         if self._replay is not None:
             self._replay.begin_batch(batch_idx, frozen=self._lifecycle.frozen_prefix > 0)
 
@@ -244,13 +244,23 @@ class GradientCache(Callback):
         enabled = self._phase_enabled and in_span(self._span, trainer.global_step + 1)
         report = self.freezer.step(enabled, _from_rank_zero(trainer))  # DDP: one broadcast per window
         if report.changed:
-            self._record(trainer.global_step + 1, before, "check" if report.window_closed else "release")
+            self._record(trainer.global_step + 1, before, report.reason)
         # the metrics dict is built only for steps that reach a logger (on rank 0)
         due = report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
         if due and trainer.is_global_zero and trainer.loggers:
             metrics = freeze_metrics(report, self.freezer, self.ledger, self.activations, self.measure_flops)
             log_to_loggers(trainer, metrics)
         self.ledger.new_step()
+        self._retrace(trainer, pl_module)  # when this step found parameters outside the units training
+
+    def _retrace(self, trainer: pl.Trainer, pl_module: pl.LightningModule, check: bool = False) -> None:
+        """Discover the units again once parameters outside them train (``check``: look now, one broadcast)."""
+        retraced = self._lifecycle.retrace(pl_module, _from_rank_zero(trainer) if check else None, check)
+        if retraced is not None:
+            self.ledger.remeasure()
+            rank_zero_info(f"GradientCache: {retraced[0]}.")
+            if retraced[1]:
+                self._record(trainer.global_step, retraced[1], "retrace")
 
     @override
     def on_pulse_phase_change(
@@ -336,8 +346,7 @@ class GradientCache(Callback):
 
     # ------------------------------------------------------------------ reporting
     def _record(self, step: int, before: int, reason: str) -> None:
-        assert self.freezer is not None
-        append_recent(self.events, freeze_event(step, before, self.freezer.frozen_prefix, reason))
+        append_recent(self.events, freeze_event(step, before, self._lifecycle.frozen_prefix, reason))
         self._replan()
 
 

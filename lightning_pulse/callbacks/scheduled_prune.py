@@ -79,10 +79,10 @@ class ScheduledPrune(Callback):
         ValueError: at construction, naming the field, for a value out of range or of the wrong type, an
             unknown ``mode``/``cadence``/``ranking``, an invalid regex or layer type.
         PulseRefusal: at fit start, before the first step: no layer can be pruned, ``start`` after ``end``
-            or after the run's last step,
-            ``cadence="maintain"`` without a maintain phase, FSDP/DeepSpeed or another unsupported strategy, a
-            model structured pruning cannot trace or cut safely (or whose trial cut does not finish within
-            ``STRUCTURED_CHECK_SECONDS``), a second run of this instance unless a checkpoint was restored into it.
+            or after the run's last step, ``cadence="maintain"`` without a maintain phase, FSDP/DeepSpeed or
+            another unsupported strategy, a model structured pruning cannot trace or cut safely (one under
+            ``torch.compile``, or one whose trial cut does not finish within ``STRUCTURED_CHECK_SECONDS``), a
+            second run of this instance unless a checkpoint was restored into it.
         ModuleNotFoundError: at construction, structured mode without torch-pruning installed.
 
     Example::
@@ -164,10 +164,9 @@ class ScheduledPrune(Callback):
         if stage == "fit":
             refuse_sharded_strategy(trainer, "ScheduledPrune", prune_setup.SHARDED_REASON)
             self._check_strategy(trainer)
-            averaging = [
-                type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)
-            ]
-            prune_setup.check_weight_averaging(self.mode, averaging[0] if averaging else None)
+            swa = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]
+            prune_setup.check_weight_averaging(self.mode, swa[0] if swa else None)
+            prune_setup.refuse_compiled_structured(self.mode, compat.compiled_part(pl_module))
         if self._fitter_handle is None:
             fitter = pruning.StateDictFitter(self._checkpoint_structure)
             self._fitter_handle = pl_module.register_load_state_dict_pre_hook(fitter)
@@ -194,7 +193,8 @@ class ScheduledPrune(Callback):
         selection = prune_setup.checked_selection(self.pruner, pl_module)
         if masked := pruning.mask_folded_zeros(selection.layers, self.mode, self.schedule.sparsity):
             rank_zero_info(f"ScheduledPrune: resumed after a fit's end; pruned zeros masked again: {masked}")
-        if self.mode == "structured":
+        if self.mode == "structured":  # checked again: configure_model (after setup) may compile a part
+            prune_setup.refuse_compiled_structured(self.mode, compat.compiled_part(pl_module))
             prune_setup.refuse_structured(pruning.structured_blocker(pl_module, selection))
             prune_setup.refuse_frozen_twins(pl_module, selection.layers)
             if getattr(pl_module, "example_input_array", None) is not None:

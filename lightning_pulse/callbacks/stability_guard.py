@@ -227,7 +227,7 @@ class StabilityGuard(Callback):
         if action is None:  # inside an accumulation window
             return
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
-        if self.core.finish_step(action, trainer.global_step, self._energy.end()):
+        if self.core.finish_step(action, trainer.global_step, self._energy.end(), trainer.optimizers):
             self._take_snapshot(trainer, pl_module)
         if action in (Action.ROLLBACK, Action.STOP):
             self._roll_back(trainer, pl_module, action)
@@ -308,6 +308,7 @@ class StabilityGuard(Callback):
             loss,
             bool(self._record.reference) and not caches,
             lambda target: losses_at(trainer, pl_module, target, batches, self._record.reference, self._held),
+            trainer.optimizers,
         )
 
     def _sum_over_ranks(self, trainer: pl.Trainer) -> Any:

@@ -291,7 +291,7 @@ class LoaderActivationCache:
         return replay
 
     @staticmethod
-    def refuse_reloading(cache_mb: float, reload_every: int) -> None:
+    def refuse_reload(cache_mb: float, reload_every: int) -> None:
         """Raise :class:`~lightning_pulse.errors.PulseRefusal` at setup for a cache of ``cache_mb`` on
         DataLoaders reloaded every ``reload_every`` epochs: the cache keys its entries by sample through the
         fit's first loader, and a reloaded one is not tracked (it crashed at the second epoch)."""

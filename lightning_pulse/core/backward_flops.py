@@ -70,7 +70,7 @@ class BackwardFlopLedger:
             self.flops_by_prefix[self._prefix] = float(counter.get_total_flops())
 
     def remeasure(self) -> None:
-        """Forget the per-length measurements (the model's shapes changed); the totals stay."""
+        """Forget the per-length measurements (the model's shapes or the units changed); the totals stay."""
         self.close()
         self.flops_by_prefix = {}
 

@@ -201,6 +201,13 @@ def discover_units(
     return mark_shared(units, root)
 
 
+def parameters_outside(root: nn.Module, units: Sequence[FreezeUnit]) -> list[nn.Parameter]:
+    """``root``'s parameters that no unit holds: those frozen when the units were discovered (a backbone the
+    user froze). One of them requiring grad later means the units no longer cover what trains."""
+    held = {id(param) for unit in units for param in unit.params}
+    return [param for param in root.parameters() if id(param) not in held]
+
+
 def _explicit_units(root: nn.Module, module_names: Sequence[str], all_names: list[str]) -> list[FreezeUnit]:
     modules = dict(root.named_modules())
     parameters = dict(root.named_parameters())

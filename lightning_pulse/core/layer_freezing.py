@@ -33,6 +33,7 @@ from lightning_pulse.core.freeze_units import (
     discover_units,
     mark_shared,
     order_note,
+    parameters_outside,
     replace_unit_parameters,
 )
 from lightning_pulse.errors import PulseRefusal
@@ -230,6 +231,10 @@ def window_movements(
     return movements
 
 
+#: why GradientCache refuses FSDP, DeepSpeed and ModelParallelStrategy (``errors.refuse_sharded_strategy``)
+SHARDED_REASON = "a rank holds flattened shards, so per-module `requires_grad` is not per layer"
+
+
 # ---------------------------------------------------------------------------------------------------- the freezer
 @dataclass
 class StepReport:
@@ -240,6 +245,12 @@ class StepReport:
     frozen_prefix: int = 0
     frozen_share: float = 0.0
     refreshed: list[str] = field(default_factory=list)
+    outgrown: bool = False  # parameters outside the units train: nothing frozen until the units are retraced
+
+    @property
+    def reason(self) -> str:
+        """Why the prefix changed at this step: ``"retrace"``, ``"check"`` (a window closed) or ``"release"``."""
+        return "retrace" if self.outgrown else "check" if self.window_closed else "release"
 
 
 class LayerFreezer:
@@ -258,14 +269,30 @@ class LayerFreezer:
     3. sets ``grad=None`` on the units that were frozen during this backward, so torch optimizers skip them
        (no momentum, no weight decay, no step count).
 
+    The units cover the parameters that trained when they were discovered. Once a parameter ``outside`` them
+    requires grad (the user unfroze a backbone), a frozen prefix could have trainable layers before it: backward
+    would still run through it, and it would stand still while its inputs change. So where a freeze is decided
+    (a window's end, a light phase, a restored state; :meth:`check_outside` at other points) the freezer
+    checks ``outside``; if one trains, it releases everything and freezes nothing more (:attr:`outgrown`) until
+    its units are discovered again (:meth:`FreezerLifecycle.retrace`).
+
     Args:
         units: the bound units in forward order (see :func:`discover_units` and :func:`order_units`).
         settings: validated :class:`FreezeSettings`.
+        outside: the model's parameters in no unit (:func:`~lightning_pulse.core.freeze_units.parameters_outside`);
+            none: the trainable set is not watched.
     """
 
-    def __init__(self, units: Sequence[FreezeUnit], settings: FreezeSettings | None = None) -> None:
+    def __init__(
+        self,
+        units: Sequence[FreezeUnit],
+        settings: FreezeSettings | None = None,
+        outside: Iterable[nn.Parameter] = (),
+    ) -> None:
         self.units = list(units)
         self.settings = settings or FreezeSettings()
+        self.outside = list(outside)
+        self.outgrown = False  # a parameter outside the units requires grad: nothing freezes any more
         n = len(self.units)
         used = [i for i, unit in enumerate(self.units) if unit.used]
         # the last unit that gets a gradient always trains, so the loss still requires grad
@@ -377,15 +404,15 @@ class LayerFreezer:
         return [unit.name for unit, frozen in zip(self.units, self.frozen) if frozen]
 
     # ------------------------------------------------------------------ the step
-    @torch.no_grad()
     def step(self, enabled: bool, agree: Callable[[list[bool]], list[bool]] | None = None) -> StepReport:
         """Account one optimizer step whose gradients are final; maybe score the units and move the prefix.
 
         Args:
             enabled: whether freezing is allowed from the next step on (``False`` in a burst phase or outside
                 the freezing span): then the prefix is released.
-            agree: maps this process's stable flags to the flags every process uses (DDP: rank 0's, by
-                broadcast). Called at every window end, on every process.
+            agree: maps this process's stable flags, followed by whether a parameter outside the units
+                trains, to the flags every process uses (DDP: rank 0's, by broadcast). Called at every window
+                end, on every process.
         """
         # someone else turned a frozen unit back on: their gradients count, so everything is released
         if self._taken_back():
@@ -401,8 +428,11 @@ class LayerFreezer:
         if self.step_in_window >= self.settings.check_every:
             report.window_closed = True
             report.refreshed = self._close_window()
+            # one broadcast per window carries the stable flags and whether the trainable set grew
+            flags = [*self.stable, self.outgrown or self._outside_trains()]
             if agree is not None:
-                self.stable = [bool(flag) for flag in agree(list(self.stable))]
+                flags = [bool(flag) for flag in agree(flags)]
+            self.stable, self.outgrown = flags[:-1], flags[-1]
             report.changed = self.set_prefix(self._propose(enabled))
             self.step_in_window = 0
         elif not enabled and any(self.frozen):
@@ -412,14 +442,42 @@ class LayerFreezer:
                 # None, not zeros: torch optimizers skip a None grad, so no momentum and no weight decay
                 param.grad = None
         report.frozen_prefix = self.frozen_prefix
+        report.outgrown = self.outgrown
         return report
+
+    def check_outside(self, agree: Callable[[list[bool]], list[bool]] | None = None) -> bool:
+        """Whether a parameter outside the units requires grad now (under DDP rank 0's answer, from ``agree``);
+        if so, release everything and freeze nothing more (:attr:`outgrown`). A loop over :attr:`outside`: call
+        it where a freeze is decided, not at every step."""
+        grew = self.outgrown or self._outside_trains()
+        if agree is not None:
+            grew = bool(agree([grew])[0])
+        if grew:
+            self.outgrown = True
+            self.set_prefix(0)
+        return grew
+
+    def _outside_trains(self) -> bool:
+        return any(param.requires_grad for param in self.outside)
+
+    def run_statistics(self) -> dict[str, float]:
+        """The run's step count and statistics, which a freezer over rediscovered units continues."""
+        names = ("steps", "refreshes", "refresh_hits", "frozen_share_sum", "freezes")
+        return {name: getattr(self, name) for name in names}
+
+    def continue_statistics(self, statistics: Mapping[str, float]) -> None:
+        """Continue the step count and statistics of :meth:`run_statistics` (scores and windows start over)."""
+        for name, value in statistics.items():
+            setattr(self, name, type(getattr(self, name))(value))
 
     def release_all(self) -> bool:
         """Make every unit trainable (a burst phase started). Returns whether anything changed."""
         return self.set_prefix(0)
 
     def freeze_from_last_check(self) -> bool:
-        """Freeze the prefix that the last check found stable and fresh (a light phase started)."""
+        """Freeze the prefix that the last check found stable and fresh (a light phase started); nothing once a
+        parameter outside the units trains (:meth:`check_outside`)."""
+        self.outgrown = self.outgrown or self._outside_trains()
         return self.set_prefix(self._propose(True))
 
     def follow_phase(self, enabled: bool, resume: bool = False) -> bool:
@@ -435,7 +493,10 @@ class LayerFreezer:
 
     def apply_requires_grad(self) -> None:
         """Turn off the parameters of the frozen units, and back on those of the others that this freezer
-        turned off (after restoring a state)."""
+        turned off (after restoring a state). Nothing stays frozen once a parameter outside the units trains."""
+        if self.outgrown or self._outside_trains():
+            self.outgrown = True
+            self.frozen = [False] * len(self.units)
         for unit, is_frozen in zip(self.units, self.frozen):
             for param in unit.params:
                 self._turn_off(param) if is_frozen else self._turn_on(param)
@@ -492,6 +553,7 @@ class LayerFreezer:
     def _clone_params(self, index: int) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.units[index].params]
 
+    @torch.no_grad()  # here, not around every step: the context costs a few µs, most steps need no torch op
     def _close_window(self) -> list[str]:
         refreshed: list[str] = []
         full = [
@@ -527,7 +589,7 @@ class LayerFreezer:
         return validated is not None and self.steps - validated < self.settings.freeze_for
 
     def _propose(self, enabled: bool) -> int:
-        if not enabled:
+        if not enabled or self.outgrown:
             return 0
         budget = self.settings.max_frozen_share * self.trainable_numel
         frozen_numel = 0
@@ -644,7 +706,7 @@ def freezer_from_state(state: Mapping[str, Any], model: nn.Module, settings: Fre
     ]
     for unit in units:
         unit.bind(everything)
-    freezer = LayerFreezer(mark_shared(units, model), settings)
+    freezer = LayerFreezer(mark_shared(units, model), settings, parameters_outside(model, units))
     freezer.load_state_dict(state)
     return freezer
 
@@ -707,7 +769,9 @@ class FreezerLifecycle:
     in a :class:`~lightning_pulse.core.freeze_units.ForwardOrderTrace`, since only a backward shows their forward
     order: after the first (:meth:`begin_backward`, :meth:`end_backward`) they get their freezer. The first
     backward also walks the graph once (:func:`check_first_graph`). A rollback (:meth:`restore`) and parameters
-    that structured pruning replaced (:meth:`follow`) reach the freezer, or the units still waiting.
+    that structured pruning replaced (:meth:`follow`) reach the freezer, or the units still waiting. When
+    parameters outside the units start training (:attr:`LayerFreezer.outgrown`), :meth:`retrace` discovers the
+    units again, and the next backward orders them like the first.
 
     Args:
         settings: the freezer's settings.
@@ -737,6 +801,8 @@ class FreezerLifecycle:
         self.freezer: LayerFreezer | None = None
         self.trace: ForwardOrderTrace | None = None
         self._graph_checked = False
+        self._model: nn.Module | None = None  # the fit's model: its parameters outside the units are watched
+        self._statistics: dict[str, float] | None = None  # a retraced freezer's, for the next one to continue
 
     @property
     def units(self) -> list[FreezeUnit]:
@@ -762,7 +828,7 @@ class FreezerLifecycle:
         Raises:
             ValueError: for a name in ``unit_names`` that ``model`` does not have (see :func:`discover_units`).
         """
-        self._graph_checked = False
+        self._graph_checked, self._model, self._statistics = False, model, None
         self.freezer, self.trace = restore_freezer(None, state, model, self.settings), None
         if self.freezer is None:
             self.trace = ForwardOrderTrace(discover_units(model, self.unit_names))
@@ -782,11 +848,55 @@ class FreezerLifecycle:
         ``broadcast`` gives every process) and build their freezer. Returns whether it was built now."""
         if self.trace is None or not self.trace.running:
             return False
-        self.freezer, self.trace = LayerFreezer(self.trace.finish(broadcast), self.settings), None
+        units = self.trace.finish(broadcast)
+        outside = parameters_outside(self._model, units) if self._model is not None else []
+        self.freezer, self.trace = LayerFreezer(units, self.settings, outside), None
+        if self._statistics is not None:
+            self.freezer.continue_statistics(self._statistics)
+            self._statistics = None
         return True
+
+    def retrace(
+        self, model: nn.Module, agree: Callable[[list[bool]], list[bool]] | None = None, check: bool = False
+    ) -> tuple[str, int] | None:
+        """Discover the units again once parameters outside them train (the user unfroze a backbone): the
+        freezer releases everything, and the units, now with those parameters, wait for the next backward to
+        put them into forward order (the graph is checked again there). The new freezer continues the run's
+        statistics; scores and windows start over, since the units' inputs changed.
+
+        Args:
+            model: the fit's model.
+            agree: under DDP, gives every process rank 0's answer to ``check``.
+            check: look at the parameters outside the units now (:meth:`LayerFreezer.check_outside`); otherwise
+                act only on what the freezer found where it last decided (:attr:`LayerFreezer.outgrown`).
+
+        Returns:
+            ``(what happened, as a line to log; the frozen prefix it released)``, or ``None`` when the units
+            still cover what trains.
+        """
+        freezer = self.freezer
+        if freezer is None:
+            return None
+        released = freezer.frozen_prefix if check else 0  # the freezer released it itself where it decided
+        if not (freezer.check_outside(agree) if check else freezer.outgrown):
+            return None
+        watched = {id(param) for param in freezer.outside}
+        grown = [name for name, p in model.named_parameters() if id(p) in watched and p.requires_grad]
+        freezer.restore_requires_grad()  # the module as the user left it, to discover the units in
+        self._statistics, self._model, self._graph_checked = freezer.run_statistics(), model, False
+        self.freezer, self.trace = None, ForwardOrderTrace(discover_units(model, self.unit_names))
+        shown = ", ".join(grown[:3]) + (f" and {len(grown) - 3} more" if len(grown) > 3 else "")
+        note = (
+            f"parameters outside its units started training ({shown or 'on rank 0'}), so a frozen "
+            "prefix could have trainable layers before it. It released every unit, discovered the units again "
+            "with them, and orders them at the next backward; freezing resumes once they are scored, and the "
+            "backward FLOPs are measured again"
+        )
+        return note, released
 
     def restore(self, state: Mapping[str, Any] | None, model: nn.Module) -> None:
         """A rollback in the middle of the fit: :func:`restore_during_fit`."""
+        self._model = model
         self.freezer, self.trace = restore_during_fit(self.freezer, self.trace, state, model, self.settings)
 
     def follow(self, replacements: Iterable[tuple[nn.Parameter, nn.Parameter, torch.Tensor]]) -> None:

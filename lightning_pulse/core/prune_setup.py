@@ -2,9 +2,9 @@
 
 Its rarely turned knobs (:class:`PruneOptions`), the setup-time checks that refuse a run before the first step
 (an unsupported strategy, no layer to prune, a schedule that cannot be placed in the run, a maintain cadence
-without a maintain phase, a model structured pruning cannot trace or cut safely), the event cadence, and the
-lines it logs at setup, after a distillation window and at fit end. The callback feeds these with what it reads
-from the trainer.
+without a maintain phase, a model structured pruning cannot trace or cut safely, or one under torch.compile),
+the event cadence, and the lines it logs at setup, after a distillation window and at fit end. The callback feeds
+these with what it reads from the trainer.
 """
 
 from __future__ import annotations
@@ -255,6 +255,24 @@ def refuse_structured(reason: str | None) -> None:
             f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured'; "
             "or give the module a `forward` (and an `example_input_array` when a batch does not hold its "
             "arguments) that runs the model, or narrow `layer_types`/`exclude_pattern` to layers that can be cut."
+        )
+
+
+def refuse_compiled_structured(mode: str, compiled: str | None) -> None:
+    """Raise :class:`PulseRefusal` for ``mode='structured'`` when part of the module (``compiled``, its name, from
+    :func:`~lightning_pulse._lightning_compat.compiled_part`) runs under ``torch.compile``. The structured check
+    traces the forward of a copy of the model to find the channels it can cut, and an event swaps smaller layers
+    in: through a compiled module the trace fails inside dynamo (a held-out compiled submodule refused with
+    dynamo's internal assertion and an ``exclude_pattern`` hint that could not help), or sees no channel group
+    (``trainer.fit(torch.compile(module))``, whose model uncompiled is cut without trouble)."""
+    if mode == "structured" and compiled is not None:
+        part = compiled if compiled == "the LightningModule" else f"`{compiled}`"
+        raise PulseRefusal(
+            f"ScheduledPrune: mode='structured' cannot run on a model compiled with torch.compile ({part} is "
+            "compiled): it traces the model's forward to find the channels it can cut and swaps smaller layers "
+            "in, which a compiled module does not let it follow. Use mode='unstructured' (masks keep every shape "
+            "and work under torch.compile); or prune an uncompiled model with mode='structured' and compile it "
+            "after pruning (load the result with `ScheduledPrune.load_pruned`, then torch.compile)."
         )
 
 

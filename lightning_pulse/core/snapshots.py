@@ -113,13 +113,32 @@ class TrainingSnapshot:
             [self.model, self.optimizers, self.schedulers, self.callbacks, self.extra, self.buffers]
         )
 
-    def fits(self, model: nn.Module) -> bool:
-        """Whether the snapshot can still be loaded into ``model``: same entries with the same shapes, or the
-        entries of layers masked since (:func:`fitted_state`).
+    @property
+    def optimizer_layout(self) -> tuple[tuple[int, ...], ...]:
+        """The parameter-group layout of the saved optimizer states (see :func:`optimizer_layout`)."""
+        return tuple(
+            tuple(len(group["params"]) for group in state["param_groups"]) for state in self.optimizers
+        )
 
-        Another structural change since the snapshot (channels pruned away, a layer added) makes it unusable.
+    def fits(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] | None = None) -> bool:
+        """Whether the snapshot can still be loaded into ``model``: same entries with the same shapes, or the
+        entries of layers masked since (:func:`fitted_state`); and, when ``optimizers`` are given, into them:
+        the same parameter-group layout (:func:`optimizer_layout`).
+
+        Another structural change since the snapshot (channels pruned away, a layer added, a parameter group
+        added to an optimizer) makes it unusable.
         """
+        if optimizers is not None and optimizer_layout(optimizers) != self.optimizer_layout:
+            return False
         return fitted_state(self.model, model.state_dict()) is not None
+
+
+def optimizer_layout(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[int, ...], ...]:
+    """For each optimizer, the number of parameters in each of its parameter groups: a saved optimizer state
+    loads only into the layout it was saved from (``Optimizer.load_state_dict`` raises otherwise), and
+    ``add_param_group`` (Lightning's ``BackboneFinetuning``) changes it. A ``len`` per group, no pass over the
+    parameters."""
+    return tuple(tuple(len(group["params"]) for group in optimizer.param_groups) for optimizer in optimizers)
 
 
 def fitted_state(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -207,7 +226,9 @@ def restore_snapshot(
             hyperparameters, so a step-indexed schedule stays where the trainer's step counter is.
 
     Raises:
-        ValueError: if the number of optimizers or schedulers differs from the snapshot's.
+        ValueError: before anything is loaded, if the number of optimizers or schedulers differs from the
+            snapshot's, if an optimizer's parameter groups (their number, or the parameters in one) differ
+            from the saved state's, or if the snapshot no longer fits the model (:meth:`TrainingSnapshot.fits`).
     """
     if len(optimizers) != len(snapshot.optimizers) or (
         rewind_schedule and len(schedulers) != len(snapshot.schedulers)
@@ -216,8 +237,16 @@ def restore_snapshot(
             f"The snapshot holds {len(snapshot.optimizers)} optimizer(s) and {len(snapshot.schedulers)} "
             f"scheduler(s), but {len(optimizers)} and {len(schedulers)} were given."
         )
+    if (layout := optimizer_layout(optimizers)) != snapshot.optimizer_layout:
+        raise ValueError(
+            f"The snapshot's optimizer state has parameter groups of {snapshot.optimizer_layout} parameters, but "
+            f"the optimizers now have {layout}: a parameter group was added or changed since."
+        )
+    # everything is checked before anything is loaded: a state is never half restored
     fitted = fitted_state(snapshot.model, model.state_dict())
-    model.load_state_dict(snapshot.model if fitted is None else fitted)
+    if fitted is None:
+        raise ValueError("The snapshot no longer fits the model: its entries or their shapes changed since.")
+    model.load_state_dict(fitted)
     for name, saved in snapshot.buffers.items():
         try:
             buffer = model.get_buffer(name)
@@ -344,9 +373,10 @@ class SnapshotRing:
         callbacks: Mapping[str, Stateful] | None = None,
         rewind_schedule: bool = True,
     ) -> tuple[TrainingSnapshot | None, bool]:
-        """Restore :meth:`last_good` for ``step`` and forget the snapshots taken after it (they belong to the
-        timeline that is undone); returns what :meth:`last_good` returned."""
-        target, predates = self.last_good(model, step)
+        """Restore :meth:`last_good` for ``step`` (one that fits ``model`` and ``optimizers``) and forget the
+        snapshots taken after it (they belong to the timeline that is undone); returns what :meth:`last_good`
+        returned."""
+        target, predates = self.last_good(model, step, optimizers)
         if target is not None:
             restore_snapshot(target, model, optimizers, schedulers, callbacks, rewind_schedule)
             self.drop_after(target.step)
@@ -355,27 +385,32 @@ class SnapshotRing:
     def oldest(self) -> TrainingSnapshot | None:
         return self._snapshots[0] if self._snapshots else None
 
-    def rollback_candidates(self, model: nn.Module, step: int) -> list[TrainingSnapshot]:
+    def rollback_candidates(
+        self, model: nn.Module, step: int, optimizers: Sequence[torch.optim.Optimizer] | None = None
+    ) -> list[TrainingSnapshot]:
         """The snapshots a rollback for trouble at ``step`` could return to, in the order to try them: the
-        one :meth:`last_good` picks, then the oldest held (empty when none fits ``model``)."""
-        newest, _ = self.last_good(model, step)
+        one :meth:`last_good` picks, then the oldest held (empty when none fits ``model`` and ``optimizers``)."""
+        newest, _ = self.last_good(model, step, optimizers)
         oldest = self.oldest()
         if newest is None:
             return []
         return [newest] + ([oldest] if oldest is not None and oldest is not newest else [])
 
-    def last_good(self, model: nn.Module, step: int) -> tuple[TrainingSnapshot | None, bool]:
+    def last_good(
+        self, model: nn.Module, step: int, optimizers: Sequence[torch.optim.Optimizer] | None = None
+    ) -> tuple[TrainingSnapshot | None, bool]:
         """The snapshot to roll back to: the newest one taken at or before ``step`` that still fits
-        ``model``, else the oldest one that fits.
+        ``model`` (and ``optimizers``, when given: :meth:`TrainingSnapshot.fits`), else the oldest one that fits.
 
-        Snapshots that no longer fit (channels pruned since) are dropped: they can never be loaded again.
+        Snapshots that no longer fit (channels pruned since, a parameter group added to an optimizer) are
+        dropped: they can never be loaded again.
 
         Returns:
             ``(snapshot, predates)``: ``snapshot`` is ``None`` when none fits; ``predates`` tells whether it
             was taken at or before ``step``.
         """
         for snapshot in list(self._snapshots):
-            if not snapshot.fits(model):
+            if not snapshot.fits(model, optimizers):
                 self._snapshots.remove(snapshot)
         target = self.newest_at_or_before(step)
         return (target, True) if target is not None else (self.oldest(), False)
@@ -409,8 +444,9 @@ class SnapshotRing:
 class SnapshotSchedule:
     """When :class:`~lightning_pulse.StabilityGuard` snapshots, and which snapshot a rollback returns to.
 
-    A snapshot is due every ``every`` steps and when one was requested (a maintain phase began, the model's
-    structure changed), but only in a healthy state (no open incident, no skips pending). A rollback returns
+    A snapshot is due every ``every`` steps, when one was requested (a maintain phase began, the model's
+    structure changed) and when the optimizers' parameter groups changed since the newest one (older snapshots
+    no longer fit them), but only in a healthy state (no open incident, no skips pending). A rollback returns
     to the newest snapshot taken at least ``margin`` steps before the incident began.
 
     Args:
@@ -441,11 +477,21 @@ class SnapshotSchedule:
         self.last_step: int | None = None
         self.taken = 0
         self.pending = False  # a snapshot was requested for the end of this step
+        self.layout: tuple[tuple[int, ...], ...] | None = (
+            None  # the optimizers' layout at the newest snapshot
+        )
 
-    def due(self, step: int, healthy: bool) -> bool:
-        """Whether to snapshot at the end of the applied step that leaves the counter at ``step``."""
-        if self.pending:
-            self.pending = False
+    def due(
+        self, step: int, healthy: bool, optimizers: Sequence[torch.optim.Optimizer] | None = None
+    ) -> bool:
+        """Whether to snapshot at the end of the applied step that leaves the counter at ``step``: also when
+        ``optimizers`` (if given) have another parameter-group layout than at the newest snapshot (a ``len``
+        per group: :func:`optimizer_layout`), so that a rollback after ``add_param_group`` has one that fits."""
+        requested, self.pending = self.pending, False
+        relaid = (
+            optimizers is not None and self.layout is not None and optimizer_layout(optimizers) != self.layout
+        )
+        if requested or relaid:
             return healthy
         return bool(self.every) and step - (self.last_step or 0) >= self.every and healthy
 
@@ -459,7 +505,7 @@ class SnapshotSchedule:
         extra: Mapping[str, Any] | None = None,
     ) -> TrainingSnapshot:
         snapshot = self.ring.capture(step, model, optimizers, schedulers, callbacks, extra)
-        self.last_step = step
+        self.last_step, self.layout = step, optimizer_layout(optimizers)
         self.taken += 1
         return snapshot
 
@@ -472,7 +518,7 @@ class SnapshotSchedule:
         callbacks: Mapping[str, Stateful] | None = None,
         rewind_schedule: bool = True,
     ) -> tuple[TrainingSnapshot | None, bool]:
-        """Restore the last good snapshot for an incident that began at ``incident_start`` (see
-        :meth:`SnapshotRing.roll_back`)."""
+        """Restore the last good snapshot for an incident that began at ``incident_start``, one that fits
+        ``model`` and ``optimizers`` (see :meth:`SnapshotRing.roll_back`)."""
         step = incident_start - self.margin
         return self.ring.roll_back(step, model, optimizers, schedulers, callbacks, rewind_schedule)

@@ -203,12 +203,16 @@ class StabilityCore:
         self.schedule.pending, self.rollback_to = False, None
         self.schedule.ring.clear()
 
-    def finish_step(self, action: Action, step: int, energy_kwh: float = 0.0) -> bool:
+    def finish_step(
+        self, action: Action, step: int, energy_kwh: float = 0.0, optimizers: Sequence[Any] | None = None
+    ) -> bool:
         """Book an optimizer step once its update was applied or dropped (with the energy it used); whether a
-        snapshot is due at its end (``step``: the counter after it). Only an applied step takes one."""
+        snapshot is due at its end (``step``: the counter after it), also because ``optimizers`` gained or
+        changed a parameter group since the newest snapshot (:meth:`SnapshotSchedule.due`). Only an applied
+        step takes one."""
         self.policy.finish(action, energy_kwh)
         if action is Action.APPLY:
-            return self.schedule.due(step, self.policy.healthy)
+            return self.schedule.due(step, self.policy.healthy, optimizers)
         self.schedule.pending = False  # the maintain entry (or new structure) came with a flagged step
         return False
 
@@ -257,9 +261,10 @@ class StabilityCore:
         loss: float | None,
         comparable: bool,
         losses_at: Callable[[TrainingSnapshot], tuple[float, float]],
+        optimizers: Sequence[Any] | None = None,
     ) -> bool:
-        """The rollback test (:func:`rollback_test`) on the snapshot the rollback would return to, then on the
-        oldest held; ``True`` where it cannot tell anything. It can with a loss that spiked
+        """The rollback test (:func:`rollback_test`) on the snapshot the rollback would return to (one that
+        fits ``model`` and ``optimizers``), then on the oldest held; ``True`` where it cannot tell anything. It can with a loss that spiked
         (:func:`loss_spiked`), a log loss scale and ``comparable``: an ordinary applied batch to compare with,
         and no activation cache that a forward would fill. A gradient-norm spike with an ordinary loss cannot."""
         detector = self.detector
@@ -270,7 +275,7 @@ class StabilityCore:
             return True
         start = self.policy.incident_start
         before = (step if start is None else start) - self.schedule.margin
-        candidates = self.schedule.ring.rollback_candidates(model, before)
+        candidates = self.schedule.ring.rollback_candidates(model, before, optimizers)
         helps, self.rollback_to = rollback_test(candidates, losses_at, loss, self.config.min_ratio)
         return helps
 
@@ -302,7 +307,10 @@ class StabilityCore:
             step if start is None else start, model, *state, self.config.rewind_lr_schedule
         )
         if target is None:
-            warn("StabilityGuard: no snapshot fits the model any more; the parameters stay as they are.")
+            warn(
+                "StabilityGuard: no snapshot fits the model any more (or its optimizers' parameter groups); "
+                "the parameters stay as they are."
+            )
             return None, 0
         if not predates:
             warn(f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one.")
@@ -457,8 +465,10 @@ def no_snapshot_message(step: int, path: str) -> str:
     return (
         f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the model any "
         "more: its structure changed after the last one (a layer or buffer added, channels cut outside "
-        f"ScheduledPrune), and training on would go on from the bad state. The checkpoint {path!r} holds the "
-        "current state. Take snapshots more often (`snapshot_every`), so that one follows such a change."
+        "ScheduledPrune), or its optimizer's parameter groups did (a group added by BackboneFinetuning or "
+        "`optimizer.add_param_group`) before a healthy step could be snapshotted, and training on would go on "
+        f"from the bad state. The checkpoint {path!r} holds the current state. Take snapshots more often "
+        "(`snapshot_every`), so that one follows such a change."
     )
 
 
