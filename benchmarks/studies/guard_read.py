@@ -1,0 +1,108 @@
+"""Study: StabilityGuard's per-step read of the loss and gradient norm, two ways, in the same fits.
+
+* ``two_ops``, the read up to the fourteenth pass: the per-tensor norms (``torch._foreach_norm``) stacked and
+  normed on the device, then the loss and that norm stacked and brought to the host.
+* ``one_stack``, the read now (:func:`lightning_pulse.core.grad_norm.step_loss_and_grad_norm`): the loss and
+  the per-tensor norms in one stack and one transfer; the last sum of squares is done on the host.
+
+A fit with no guard times one read per optimizer step in ``on_before_optimizer_step``, right after backward
+(the first torch call after backward pays for code that backward pushed out of the CPU's caches, so only the
+first call of a step is representative): ``two_ops`` at odd steps, ``one_stack`` at even ones. The machine's
+load then falls on both alike. Thread CPU time, median over the fit's steps after the first ten.
+
+Run: ``python -m benchmarks.studies.guard_read`` (about 2 minutes on 2 cores). Writes
+``benchmarks/studies/results/guard_read.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from benchmarks.harness import QUIET_TRAINER, environment
+from benchmarks.workloads import get_workload
+from lightning_pulse.core.grad_norm import grad_norm, step_loss_and_grad_norm
+
+RESULTS = Path(__file__).parent / "results"
+FITS = {
+    "charlm": ({"data__max_chars": 200_000}, {"max_steps": 200, "limit_val_batches": 0}),
+    "mnist1d-cnn-128": ({"data__num_samples": 5000, "model__channels": 128}, {"max_steps": 300}),
+}
+
+
+def two_ops_read(param_groups: Any, losses: list[torch.Tensor]) -> tuple[float, float]:
+    """The earlier single-process read: the norm on the device, then a stack of the loss and the norm."""
+    grads = [p.grad for group in param_groups for p in group["params"] if p.grad is not None]
+    norm = grad_norm(grads)
+    loss, total = torch.stack([losses[0].detach().float(), norm.float()]).tolist()
+    return loss, total
+
+
+class ReadTimer(Callback):
+    def __init__(self) -> None:
+        self.loss: list[torch.Tensor] = []
+        self.micros: dict[str, list[float]] = {"two_ops": [], "one_stack": []}
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.loss = [loss.detach()]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        name = "two_ops" if trainer.global_step % 2 else "one_stack"
+        read = two_ops_read if name == "two_ops" else step_loss_and_grad_norm
+        start = time.thread_time_ns()
+        read(optimizer.param_groups, self.loss)
+        self.micros[name].append((time.thread_time_ns() - start) / 1e3)
+
+
+def run(workload: str, seed: int) -> dict[str, float]:
+    build, trainer_kwargs = FITS[workload]
+    pl.seed_everything(seed, verbose=False)
+    module, data = get_workload(workload.replace("-128", "")).build(**build)
+    timer = ReadTimer()
+    kwargs = {**QUIET_TRAINER, "default_root_dir": tempfile.mkdtemp(), **trainer_kwargs}
+    pl.Trainer(callbacks=[timer], **kwargs).fit(module, data)
+    medians = {name: statistics.median(values[5:]) for name, values in timer.micros.items()}
+    return {**medians, "saved_us": medians["two_ops"] - medians["one_stack"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = {name: [run(name, seed) for seed in args.seeds] for name in FITS}
+    summary = {
+        name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in rows.items()
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"seeds": args.seeds, "runs": rows, "medians": summary, "environment": environment()}
+    (RESULTS / "guard_read.json").write_text(json.dumps(payload, indent=2))
+    lines = [
+        "# StabilityGuard's read: two ops against one stack",
+        "",
+        "Command: `python -m benchmarks.studies.guard_read`. Thread CPU µs per read, the first torch call after "
+        f"backward; median over steps, then over seeds {args.seeds}; both reads in the same fits.",
+        "",
+        "| workload | two_ops µs | one_stack µs | saved µs |",
+        "|---|---|---|---|",
+    ]
+    for name, medians in summary.items():
+        lines.append(
+            f"| {name} | {medians['two_ops']:.1f} | {medians['one_stack']:.1f} | {medians['saved_us']:.1f} |"
+        )
+    lines += ["", f"Environment: {payload['environment']}."]
+    (RESULTS / "guard_read.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
