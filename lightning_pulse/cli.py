@@ -65,6 +65,55 @@ def _accepted_options(class_path: str) -> list[str]:
         return []
 
 
+# the types of a failed value, as the user writes them in YAML
+_TYPE_NAMES = {"Sequence": "a list", "MutableSequence": "a list", "list": "a list", "tuple": "a list"}
+
+
+def _innermost_key(message: str) -> tuple[str | None, list[str]]:
+    """The innermost ``Parser key "..."`` of a jsonargparse report (the field the value was given to, e.g.
+    ``meters`` inside ``trainer.callbacks``) and the lines of its block, stripped; ``(None, [])`` if none."""
+    raw = [line for line in message.splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(raw) if line.strip().startswith('Parser key "')]
+    if not starts:
+        return None, []
+    head = raw[starts[-1]]
+    indent = len(head) - len(head.lstrip())
+    block = []
+    for line in raw[starts[-1] + 1 :]:
+        if len(line) - len(line.lstrip()) <= indent:
+            break
+        block.append(line.strip().removeprefix("- ").strip())
+    return re.search(r'Parser key "([^"]+)"', head).group(1), block  # type: ignore[union-attr]
+
+
+def _given_value(lines: list[str]) -> str | None:
+    for line in lines:
+        match = re.match(r"(?:.*\. )?(?:Given|Got) value: (.*)", line)
+        if match and not line.startswith("Given value type"):
+            return match.group(1)
+    return None
+
+
+def _nested_config(block: list[str]) -> tuple[str, bool] | None:
+    """The class path of the nested config (a dataclass such as ``MeterConfig``) that a field's value was
+    refused by for not being a mapping of its options, and whether null is allowed; ``None`` otherwise."""
+    import dataclasses
+
+    for line in block:
+        if not line.startswith("Subtypes:"):
+            continue
+        for path in re.findall(r"<class '([\w.]+)'>", line):
+            module_name, _, name = path.rpartition(".")
+            cls = getattr(sys.modules.get(module_name), name, None)
+            refused = any(
+                text.startswith((f"Not a valid subclass of {name}", "Expected a dot import path string"))
+                for text in block
+            )
+            if refused and dataclasses.is_dataclass(cls):
+                return path, "NoneType" in line
+    return None
+
+
 def summarise_parser_error(message: str) -> str:
     """The sentence of a jsonargparse error that says what is wrong, prefixed with the class it is about.
 
@@ -84,25 +133,43 @@ def summarise_parser_error(message: str) -> str:
         path for path in class_paths if not (path.startswith("lightning") and path.endswith(".Callback"))
     ]
     class_paths = named or class_paths
-    if not specific:
-        return lines[0] if lines else message
     if not class_paths:
         # a constructor's ValueError names no class path; the value dump does, when one class was given
         given = set(re.findall(r"""class_path['"]?[=:] ?['"]([\w.]+)['"]""", message))
         class_paths = sorted(given) if len(given) == 1 else []
     owner = f"{class_paths[-1].rpartition('.')[2]}: " if class_paths else ""
+    key, block = _innermost_key(message)
+    value = _given_value(block) or "this value"
+    config = _nested_config(block)
+    if key is not None and config is not None:
+        # a nested config (`meters`, `accounting`, `config`, `options`) given a number, a list or a word
+        path, nullable = config
+        options = ", ".join(_accepted_options(path))
+        # a word was tried as the path of a YAML file holding the mapping, which is allowed too
+        as_file = any(line.startswith("Expected a path") for line in block)
+        return (
+            f"{owner}`{key}`={value} is not accepted; expected a mapping of {path.rpartition('.')[2]}'s options"
+            f"{f' ({options})' if options else ''}{', the path of a YAML file holding one' if as_file else ''}"
+            f"{', or null' if nullable else ''}."
+        )
+    if not specific:
+        if key is not None and block:  # the innermost field's value was refused by every type it allows
+            return f"{owner}`{key}`={value} is not accepted."
+        return lines[0] if lines else message
     if owner and specific[0].startswith(owner):
         owner = ""
-    expected = [re.search(r"Expected a <class '(\w+)'>(?:\. Got value: (.*))?", line) for line in specific]
+    expected = [re.search(r"Expected a <class '([\w.]+)'>(?:\. Got value: (.*))?", line) for line in specific]
     if all(expected):
-        keys = re.findall(r'Parser key "([^"]+)"', message)
         given = [match.group(2) for match in expected if match.group(2)] or re.findall(
             r"Given value: (.*)", message
         )
         value = given[0] if given else "this value"
-        names = [match.group(1) for match in expected]
+        names = [match.group(1).rpartition(".")[2] for match in expected]
+        names = [_TYPE_NAMES.get(name, name) for name in names]
         types = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-        return f"{owner}`{keys[-1] if keys else '?'}`={value} is not accepted; expected {types}."
+        if types == "a list" and re.fullmatch(r"[\w.-]+", value):  # one word where a list goes
+            types += f" (in YAML, [{value}] for a single item)"
+        return f"{owner}`{key if key else '?'}`={value} is not accepted; expected {types}."
     sentence = specific[0]
     unknown = re.match(r"Option '(\w+)' is not accepted", sentence)
     if unknown and class_paths:

@@ -213,3 +213,81 @@ def test_held_seed_lines_come_out_at_release_and_the_hooks_go_back(caplog):
         logging.getLogger(HeldSeedLines.SEED_LOGGER).info("dropped")
     assert warnings.showwarning is show and len(caplog.records) == 1
     assert not logging.getLogger(HeldSeedLines.SEED_LOGGER).filters
+
+
+GRID = str(ROOT / "examples" / "data" / "carbon" / "de_2020_june_excerpt.csv")
+_MAPPING = "is not accepted; expected a mapping of"
+
+
+@pytest.mark.parametrize(
+    ("callback", "expected"),
+    [
+        # a word where a list goes: the sentence was "Expected a <class 'collections.abc.Sequence'>", no field
+        (
+            {"class_path": "lightning_pulse.PulseCycle", "init_args": {"order": "burst"}},
+            "PulseCycle: `order`=burst is not accepted; expected a list (in YAML, [burst] for a single item)",
+        ),
+        (
+            {"class_path": "lightning_pulse.HardSampleReplay", "init_args": {"phases": "replay"}},
+            "HardSampleReplay: `phases`=replay is not accepted; expected a list (in YAML, [replay]",
+        ),
+        (
+            {"class_path": "lightning_pulse.GradientCache", "init_args": {"phases": "replay"}},
+            "GradientCache: `phases`=replay is not accepted; expected a list (in YAML, [replay]",
+        ),
+        (
+            {"class_path": "lightning_pulse.ScheduledPrune", "init_args": {"layer_types": "Linear"}},
+            "ScheduledPrune: `layer_types`=Linear is not accepted; expected a list (in YAML, [Linear]",
+        ),
+        # a nested config given no mapping: the line was `Parser key "trainer.callbacks":` and nothing else
+        (
+            {"class_path": "lightning_pulse.EnergyLogger", "init_args": {"accounting": 5}},
+            f"EnergyLogger: `accounting`=5 {_MAPPING} AccountingConfig's options (carbon_intensity_start, ",
+        ),
+        (
+            {"class_path": "lightning_pulse.EnergyLogger", "init_args": {"meters": [1, 2]}},
+            f"EnergyLogger: `meters`=[1, 2] {_MAPPING} MeterConfig's options (sampling_period, ",
+        ),
+        (
+            {"class_path": "lightning_pulse.StabilityGuard", "init_args": {"config": [1]}},
+            f"StabilityGuard: `config`=[1] {_MAPPING} StabilityGuardConfig's options (min_ratio, ",
+        ),
+        (
+            {"class_path": "lightning_pulse.GreenWindow", "init_args": {"signal": GRID, "options": [1]}},
+            f"GreenWindow: `options`=[1] {_MAPPING} GreenWindowOptions's options (slot, ",
+        ),
+        (
+            {"class_path": "lightning_pulse.ScheduledPrune", "init_args": {"options": 5}},
+            f"ScheduledPrune: `options`=5 {_MAPPING} PruneOptions's options (",
+        ),
+        # a word was tried as a config file: the line was "Expected a path but fast either not accessible ..."
+        (
+            {"class_path": "lightning_pulse.EnergyLogger", "init_args": {"meters": "fast"}},
+            f"EnergyLogger: `meters`=fast {_MAPPING} MeterConfig's options (sampling_period, gpu_devices, "
+            "cpu_watts, rapl_root, codecarbon_tracking_mode), the path of a YAML file holding one, or null.",
+        ),
+    ],
+    ids=lambda value: (
+        f"{value['class_path'].rpartition('.')[2]}.{list(value['init_args'])[-1]}"
+        if isinstance(value, dict)
+        else ""
+    ),
+)
+def test_a_value_of_the_wrong_shape_names_the_callbacks_field_on_the_first_line(
+    tmp_path, capsys, callback, expected
+):
+    config = yaml.safe_load(Path(PULSE_YAML).read_text())
+    config["trainer"]["callbacks"] = [callback]
+    config["trainer"]["default_root_dir"] = str(tmp_path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(bad)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("error: ") and expected in err[0], err[0]
+    assert "or null" in err[0] or "a list" in err[0]  # what is allowed
+    assert len(err) <= 2  # the sentence, and one line on how to see more
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(
+        tmp_path.rglob("energy_report*")
+    )  # nothing trained

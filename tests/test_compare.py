@@ -30,6 +30,7 @@ from lightning_pulse.energy.compare import (
 )
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.report import JSON_NAME
+from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 
 
@@ -181,3 +182,55 @@ def test_a_baseline_that_is_not_a_report_fails_at_construction(tmp_path):
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def _fit_against(baseline: str, **trainer_overrides) -> tuple[pl.Trainer, EnergyLogger]:
+    report_dir = trainer_overrides.pop("report_dir", None)
+    energy = EnergyLogger(
+        cpu="constant",
+        ram="none",
+        report_dir=report_dir,
+        meters=MeterConfig(cpu_watts=10.0),
+        accounting=AccountingConfig(baseline=baseline),
+    )
+    run = {"max_steps": 4, "limit_val_batches": 0, **trainer_overrides}
+    trainer = pl.Trainer(callbacks=[energy], **trainer_kwargs(**run))
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=600, batch_size=32))
+    return trainer, energy
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "logger=False, the same default_root_dir",
+        "report_dir = the baseline's folder, baseline named by its file",
+    ],
+)
+def test_a_run_whose_report_would_replace_its_baseline_is_refused_at_fit_start(runs, tmp_path, where):
+    # both runs writing into one folder (logger=False writes into default_root_dir): the run compared with the
+    # baseline used to write its own report over the baseline's, which was lost without a word
+    _, plain, _ = runs
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    shutil.copy(plain / JSON_NAME, folder / JSON_NAME)  # a real run's report, alone in its folder
+    before = (folder / JSON_NAME).read_bytes()
+    if where.startswith("logger=False"):
+        baseline, overrides = str(folder), {"default_root_dir": folder}
+    else:
+        baseline, overrides = (
+            str(folder / JSON_NAME),
+            {"report_dir": str(folder), "logger": CSVLogger(tmp_path)},
+        )
+    with pytest.raises(PulseRefusal) as refusal:
+        _fit_against(baseline, **overrides)
+    first = str(refusal.value).splitlines()[0]
+    assert first.startswith(f"EnergyLogger: `accounting.baseline`={baseline!r} is "), first
+    assert "set `report_dir`" in first and "attach a logger" in first  # the ways out
+    assert (folder / JSON_NAME).read_bytes() == before  # the baseline is untouched
+    assert not list(tmp_path.rglob("energy_report.md"))  # and nothing was trained or reported
+
+    # the way out: this run's own folder; the baseline stays and the comparison is made
+    trainer, energy = _fit_against(baseline, default_root_dir=folder, report_dir=str(tmp_path / "b"))
+    assert trainer.global_step == 4 and energy.report_paths[0] == tmp_path / "b" / JSON_NAME
+    assert (folder / JSON_NAME).read_bytes() == before
+    assert ratio_of(energy.report["comparison"], "steps") == 4 / report(plain)["total"]["steps"]

@@ -112,3 +112,20 @@ def test_constant_and_country_sources():
     country = carbon_intensity_from(None, "bra")
     assert country.source == "country:BRA" and 50 < country.mean(0, 1) < 200
     assert parse_timestamp("2020-06-01 00:00:00") == utc("2020-06-01 00:00:00")
+
+
+def test_a_fork_reads_the_series_on_its_own_clock_from_the_same_moment():
+    series = TimeSeries(np.array([0.0, 3600.0, 7200.0]), np.array([100.0, 200.0, 300.0]))
+    shared = Rate("series:test", "gCO2eq/kWh", series=series, series_start=0.0)
+    shared.anchor(1.7e9)  # the EnergyLogger's start, on the system clock
+    fork = shared.fork()
+    assert fork.run_start is None and fork.series is series and fork.series_start == 0.0
+    # the same moment is 1.7e9 + 10 on the system clock and 1.5e9 + 10 on a simulated one
+    fork.anchor_as(shared, now=1.5e9 + 10.0, other_now=1.7e9 + 10.0)
+    fork.anchor(1.5e9 + 99.0)  # a later anchor keeps the first (a resume)
+    assert fork.run_start == 1.5e9 and shared.run_start == 1.7e9
+    assert fork.series_time(1.5e9 + 3700.0) == shared.series_time(1.7e9 + 3700.0) == 3700.0
+    assert fork.mean(1.5e9 + 3600.0, 1.5e9 + 7200.0) == 200.0
+    unanchored = shared.fork()
+    unanchored.anchor_as(Rate("series:test", "gCO2eq/kWh", series=series, series_start=0.0), 5.0, 9.0)
+    assert unanchored.run_start == 5.0  # the other has no anchor yet: at this clock's now

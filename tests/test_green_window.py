@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -19,6 +20,7 @@ from lightning_pulse import (
     PulseCycle,
     PulseRefusal,
     SimulatedClock,
+    phase_of,
 )
 from lightning_pulse.callbacks.green_window import SUSPEND_CHECKPOINT
 from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
@@ -276,3 +278,158 @@ def test_light_next_to_a_step_saving_replay_is_refused_and_batch_mode_is_not(mni
     trainer = fit([cycle(), HardSampleReplay(mode="batch"), green], clock, steps=12)
     trainer.fit(*mnist1d_small(arch="mlp"))
     assert trainer.global_step == 12 and green.report["summary"]["decisions"] >= 1
+
+
+class SaveTimes(pl.Callback):
+    """When (on the simulated clock) each checkpoint was saved, by optimizer step."""
+
+    def __init__(self, clock: SimulatedClock) -> None:
+        self.clock, self.saved = clock, {}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.saved[trainer.global_step] = self.clock.time()
+
+
+FIGURES = ["energy_kwh", "compute_s", "waited_s", "light_s", "mean_signal_run", "mean_signal_counterfactual"]
+FIGURES += ["saving_pct", "budget_left_s", "decisions", "segments"]
+
+
+@pytest.mark.parametrize("when_dirty", ["pause", "light"])
+def test_a_resume_from_a_mid_run_checkpoint_reports_what_the_uninterrupted_run_did(
+    mnist1d_small, tmp_path, when_dirty
+):
+    checkpoints = tmp_path / "ckpt"
+
+    def run(start, ckpt_path=None, save=False):
+        clock = SimulatedClock(start)
+        green = GreenWindow(
+            signal=DE_JUNE,
+            when_dirty=when_dirty,
+            max_delay=1.0 if when_dirty == "pause" else 0.5,
+            expected_duration="8h",
+            clock=clock,
+            options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path / "report")),
+        )
+        pulse = PulseCycle(burst=3, replay=2, maintain=1, warmup=0.1, anneal=0.1, maintain_eval="none")
+        times = SaveTimes(clock)
+        callbacks = [green, times] + ([pulse] if when_dirty == "light" else [])
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=10, save_top_k=-1))
+        trainer = fit(callbacks, clock, steps=48, enable_checkpointing=save, default_root_dir=tmp_path)
+        trainer.fit(*mnist1d_small(arch="mlp"), ckpt_path=ckpt_path)
+        return green.report, times.saved
+
+    full, saved = run("2020-06-15 04:00:00", save=True)
+    assert full["summary"]["waited_s" if when_dirty == "pause" else "light_s"] > 0  # it did wait or hold
+    (checkpoint,) = checkpoints.glob("*step=40.ckpt")
+    # resumed on the clock where the checkpoint was saved: mid-slot, 40 steps in
+    resumed, _ = run(saved[40], ckpt_path=str(checkpoint))
+    for name in FIGURES:
+        assert resumed["summary"][name] == pytest.approx(full["summary"][name], rel=1e-9, abs=1e-9), name
+    as_run = [(s["kind"], s["start"], s["end"]) for s in full["segments"]]
+    assert [(s["kind"], s["start"], s["end"]) for s in resumed["segments"]] == as_run
+    assert [d["wall"] for d in resumed["decisions"]] == [d["wall"] for d in full["decisions"]]
+
+    if when_dirty == "pause":  # resumed two hours after the save: the time away is waited, no compute is lost
+        later, _ = run(saved[40] + 7200.0, ckpt_path=str(checkpoint))
+        assert later["summary"]["compute_s"] == pytest.approx(48 * STEP_S)
+        assert later["summary"]["energy_kwh"] == pytest.approx(full["summary"]["energy_kwh"])
+        assert {"kind": "wait", "start": saved[40], "end": saved[40] + 7200.0, "kwh": 0.0} in later[
+            "segments"
+        ]
+
+
+def test_light_mode_neither_reports_nor_charges_warm_up_and_anneal_as_held(mnist1d_small, tmp_path, caplog):
+    clock = SimulatedClock(START)
+    phases: list[tuple[float, str]] = []
+
+    class Phases(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            phases.append((clock.time() - STEP_S, phase_of(trainer).name))  # the step's start
+
+    green = GreenWindow(
+        signal=DE_JUNE,
+        when_dirty="light",
+        max_delay=1.0,  # the budget covers the whole run: every slot is held from the first decision
+        expected_duration="8h",
+        clock=clock,
+        options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path)),
+    )
+    pulse = PulseCycle(burst=3, replay=2, maintain=1, warmup=0.3, anneal=0.1, maintain_eval="none")
+    with caplog.at_level("INFO"):
+        fit([pulse, green, Phases()], clock, steps=48).fit(*mnist1d_small(arch="mlp"))
+
+    summary, segments = green.report["summary"], green.report["segments"]
+    held = [s for s in segments if s["kind"] == "light"]
+    in_held = [name for start, name in phases if any(s["start"] <= start < s["end"] for s in held)]
+    assert in_held and "BURST" not in in_held  # no warm-up or anneal burst is reported as held
+    assert summary["light_s"] == pytest.approx(len(in_held) * STEP_S)
+    assert summary["compute_s"] == pytest.approx(48 * STEP_S)
+    assert summary["light_s"] <= (48 - 14 - 4) * STEP_S  # warm-up (14 steps) and anneal (>= 4) not held
+    assert summary["budget_left_s"] == pytest.approx(summary["budget_s"] - summary["light_s"])
+    assert "PulseCycle's warm-up trains as usual: nothing is held" in caplog.text
+
+
+def test_without_a_signal_it_reads_the_energy_loggers_series_on_its_own_clock(mnist1d_small, tmp_path):
+    from lightning_pulse import AccountingConfig
+
+    def run(signal, energy=None):
+        clock = SimulatedClock(START)
+        green = GreenWindow(
+            signal=signal,
+            when_dirty="pause",
+            expected_duration="8h",
+            clock=clock,
+            options=GreenWindowOptions(watts=None if energy else 300.0, report_dir=str(tmp_path)),
+        )
+        fit([green] + ([energy] if energy else []), clock, steps=48).fit(*mnist1d_small(arch="mlp"))
+        return green.report["decisions"]
+
+    # the documented way to follow EnergyLogger's series, dated by carbon_intensity_start; EnergyLogger keeps
+    # the system clock (years after the series) while GreenWindow runs on a simulated one
+    energy = EnergyLogger(
+        carbon_intensity=DE_JUNE,
+        gpu="none",
+        cpu="constant",
+        ram="none",
+        meters=MeterConfig(cpu_watts=100.0),
+        accounting=AccountingConfig(carbon_intensity_start=START),
+        report_dir=str(tmp_path / "energy"),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        following = run(None, energy)
+    own = run(DE_JUNE)
+    assert [d["run"] for d in following] == [d["run"] for d in own]
+    assert [d["signal"] for d in following] == pytest.approx([d["signal"] for d in own])
+    assert [d["at"] for d in following] == pytest.approx([d["at"] for d in own], abs=60.0)
+    assert len({d["signal"] for d in following}) > 3 and not all(d["run"] for d in following)
+    # the two clocks disagree: said once, since EnergyLogger's CO2 is then priced on the other clock
+    said = [str(w.message) for w in caught if "GreenWindow: its clock reads" in str(w.message)]
+    assert len(said) == 1 and "2020-06-15 00:00:00 and the EnergyLogger's" in said[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_delay": "12 parsecs"}, "max_delay"),
+        ({"expected_duration": "12 parsecs"}, "expected_duration"),
+        ({"options": {"slot": "12 parsecs"}}, "options.slot"),
+        ({"threshold": "30%", "horizon": "12 parsecs"}, "horizon"),
+    ],
+)
+def test_an_unparsable_duration_suggests_only_what_the_field_accepts(kwargs, field):
+    with pytest.raises(ValueError) as raised:
+        GreenWindow(**{"signal": DE_JUNE, **kwargs})
+    message = str(raised.value)
+    assert message.startswith(
+        f"GreenWindow: `{field}`='12 parsecs' must be a duration such as '90s', '15min'"
+    )
+    assert "'200steps'" not in message and "'0.5epoch'" not in message
+    for suggested in ("90s", "15min", "12h"):  # every form the message offers is accepted
+        value = {**kwargs}
+        if field == "options.slot":
+            value["options"] = {"slot": suggested}
+        else:
+            value[field] = suggested
+        GreenWindow(**{"signal": DE_JUNE, **value})

@@ -29,7 +29,7 @@ from lightning_pulse.energy.account import (
     guarded_hook,
 )
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
-from lightning_pulse.energy.compare import scalar_metrics, write_report_compared
+from lightning_pulse.energy.compare import refuse_overwriting_baseline, scalar_metrics, write_report_compared
 from lightning_pulse.energy.config import (
     DEFAULT_CURRENCY,
     AccountingConfig,
@@ -175,6 +175,7 @@ class EnergyLogger(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refuse_unwritable_dir("EnergyLogger", "report_dir", self.report_dir)
+        refuse_overwriting_baseline(self.accounting.baseline, self.report_dir, trainer)
         self._trainer = trainer
         self._in_train_loop = False
         self._batches_this_fit = 0

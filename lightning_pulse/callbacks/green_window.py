@@ -24,9 +24,11 @@ from lightning_pulse.core.green_window import (
     GreenSchedule,
     GreenWindowOptions,
     GreenWindowPolicy,
+    OpenSegment,
     ScheduleLedger,
     SystemClock,
     checked_arguments,
+    clocks_apart,
     decision_line,
     fit_start_refusal,
     options_from,
@@ -158,9 +160,11 @@ class GreenWindow(Callback):
         self.report_paths: list[Path] = []
         self._held = compat.CollectiveHold()
         self._energy: Any = None
-        self._mark = self._mark_kwh = None
+        self.segment = OpenSegment(self.schedule, self.options.watts)  # the compute since the last mark
+        self._open: dict[str, Any] | None = None  # the segment a checkpoint held, until training resumes
+        self._follows: Any = None  # the EnergyLogger's rate, when its series is the signal
+        self._signal_state: dict[str, Any] = {}
         self._last_step = 0
-        self._steps_since = 0
         self._next_check = -math.inf
         self._waiting = False
 
@@ -185,8 +189,10 @@ class GreenWindow(Callback):
         if refusal is not None:
             raise PulseRefusal(refusal)
         refuse_unwritable_dir("GreenWindow", "options.report_dir", self.options.report_dir)
-        if not self.signal.known:  # the EnergyLogger's carbon-intensity series
-            self.signal.use(intensity)  # type: ignore[arg-type]
+        if not self.signal.known or self._follows is not None:  # the EnergyLogger's series, on this clock
+            self._follows = intensity
+            self.signal.use(intensity.fork())  # type: ignore[union-attr]
+            self.signal.load_state_dict(self._signal_state)
         if self.options.watts is None and self._energy is None:
             rank_zero_info(
                 "GreenWindow: no EnergyLogger and no options.watts; savings in % and per kWh only."
@@ -197,21 +203,31 @@ class GreenWindow(Callback):
         now = self.clock.time()
         if isinstance(now, bool) or not isinstance(now, (int, float)):
             raise PulseRefusal(f"GreenWindow: `clock.time()` returned {now!r}; it must return Unix seconds.")
+        if self._energy is not None and (energy_now := self._energy.account.wall_clock()) is not None:
+            if self._follows is not None:  # the EnergyLogger's run start, moved onto this clock
+                self.signal.rate.anchor_as(self._follows, now, energy_now)  # type: ignore[union-attr]
+            if (apart := clocks_apart(now, energy_now, self.options.slot_s)) is not None:
+                rank_zero_warn(apart)
         self.signal.anchor(now)
         if self.schedule.run_start is None:
             self.schedule.run_start = now
-        self._mark, self._mark_kwh = now, self._kwh()
-        if self.suspended is not None:  # resumed: the time away was waited
-            known = self._mark_kwh is not None or self.options.watts is not None
-            self.schedule.waited(self.suspended["at"], now, 0.0 if known else None)
-            rank_zero_info(
-                f"GreenWindow: resuming after {(now - self.suspended['at']) / 3600:.1f} h suspended."
-            )
-            self.suspended = None
-        self._last_step, self._next_check = trainer.global_step, -math.inf
+        away = None if self.suspended is None else self.suspended["at"]  # suspended: the time away was waited
+        self._next_check = self.segment.restart(now, self._kwh, self._open, away)
+        if away is not None:
+            rank_zero_info(f"GreenWindow: resuming after {(now - away) / 3600:.1f} h suspended.")
+        self._open = self.suspended = None
+        self._last_step = trainer.global_step
         if self.when_dirty == "light":
             self._waiting = pulse_cycle_of(trainer).held  # type: ignore[union-attr]
         self._check(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        cycle = pulse_cycle_of(trainer) if self.when_dirty == "light" else None
+        held = cycle is not None and cycle.held and cycle.clock.in_cycle  # warm-up, anneal: not held
+        self.segment.next_step("light" if held else "run", self._kwh)
 
     @override
     def on_train_batch_end(
@@ -221,14 +237,14 @@ class GreenWindow(Callback):
         if steps <= 0:
             return
         self._last_step = trainer.global_step
-        self._steps_since += steps
+        self.segment.stepped(steps, self.clock.time())
         if trainer.world_size > 1 and trainer.global_step % SYNC_EVERY_N_STEPS:
             return
         self._check(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close(self.clock.time())
+        self.segment.close(self.clock.time(), self._kwh)
         if trainer.is_global_zero:
             self._write_report(trainer, "suspended" if self.suspended else "complete")
 
@@ -243,13 +259,15 @@ class GreenWindow(Callback):
             "suspended": self.suspended,
             "waiting": self._waiting,
             "signal": self.signal.state_dict(),
+            "open": self.segment.state_dict(self.clock.time(), self._next_check),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.schedule.load_state_dict(state_dict["schedule"])
         self.suspended, self._waiting = state_dict.get("suspended"), bool(state_dict.get("waiting", False))
-        self.signal.load_state_dict(state_dict.get("signal", {}))
+        self._signal_state, self._open = state_dict.get("signal", {}), state_dict.get("open")
+        self.signal.load_state_dict(self._signal_state)
 
     # ------------------------------------------------------------------ decisions
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -259,7 +277,7 @@ class GreenWindow(Callback):
             if trainer.is_global_zero:
                 now = self.clock.time()
                 if now >= self._next_check:
-                    self._close(now)
+                    self.segment.close(now, self._kwh)  # the compute since the last mark: a segment
                     decision = self._decide(trainer, now)
             if trainer.world_size > 1:
                 shared = compat.broadcast_held(
@@ -283,21 +301,21 @@ class GreenWindow(Callback):
 
     def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision) -> bool:
         """Apply a decision; ``True`` when another decision must follow at once (a pause ended)."""
+        cycle = pulse_cycle_of(trainer) if self.when_dirty == "light" else None
         if decision.run != (not self._waiting):
-            rank_zero_info(decision_line(decision, self.when_dirty, self.clock.time()))
+            stage = "cycle" if cycle is None else cycle.clock.stage
+            rank_zero_info(decision_line(decision, self.when_dirty, self.clock.time(), stage))
         self._waiting = not decision.run
-        if self.when_dirty == "light":
-            pulse_cycle_of(trainer).hold_light(trainer, pl_module, not decision.run)  # type: ignore[union-attr]
+        if cycle is not None:
+            cycle.hold_light(trainer, pl_module, not decision.run)
             return False
         if decision.run:
             return False
         start = self.clock.time()
         if self.when_dirty == "pause":
             self.clock.sleep(decision.wait_s)
-            end = self.clock.time()
-            kwh = self._kwh()
-            self.schedule.waited(start, end, self._used(kwh, end - start, False))
-            self._mark, self._mark_kwh, self._next_check = end, kwh, -math.inf
+            self.segment.waited(start, self.clock.time(), self._kwh())
+            self._next_check = -math.inf
             return True
         self._suspend(trainer, decision, start)
         return False
@@ -316,27 +334,9 @@ class GreenWindow(Callback):
     # ------------------------------------------------------------------ energy
 
     def _kwh(self) -> float | None:
-        """A fresh reading of the EnergyLogger's meters (kWh so far), or ``None`` without one. Once per
-        decision, so the energy of a slot is what the meters counted in it, not an extrapolation."""
+        """A fresh reading of the EnergyLogger's meters (kWh so far), or ``None`` without one. At each
+        segment's end, so its energy is what the meters counted in it, not an extrapolation."""
         return None if self._energy is None else self._energy.account.kwh_now()
-
-    def _used(self, kwh: float | None, seconds: float, computing: bool) -> float | None:
-        """Energy since the last mark: measured by the EnergyLogger, else ``options.watts`` while computing
-        (a paused or suspended run is assumed to draw nothing), else unknown."""
-        if kwh is not None and self._mark_kwh is not None:
-            return kwh - self._mark_kwh
-        if self.options.watts is not None:
-            return self.options.watts * seconds / 3.6e6 if computing else 0.0
-        return None
-
-    def _close(self, now: float) -> None:
-        """The compute since the last mark becomes a segment (light while held, else run)."""
-        if self._mark is None or now <= self._mark and not self._steps_since:
-            return
-        kwh = self._kwh()
-        kind = "light" if self.when_dirty == "light" and self._waiting else "run"
-        self.schedule.ran(kind, self._mark, now, self._steps_since, self._used(kwh, now - self._mark, True))
-        self._mark, self._mark_kwh, self._steps_since = now, kwh, 0
 
     # ------------------------------------------------------------------ report
     def _write_report(self, trainer: pl.Trainer, status: str) -> None:

@@ -115,16 +115,25 @@ class Decision:
         return cls(**{name: data[name] for name in cls.__dataclass_fields__})
 
 
-def decision_line(decision: Decision, when_dirty: str, now: float) -> str:
+UNHELD_STAGES = {"warmup": "warm-up", "anneal": "anneal"}  # PulseCycle's stages that a hold cannot lighten
+
+
+def decision_line(decision: Decision, when_dirty: str, now: float, stage: str = "cycle") -> str:
     """The line that announces a switch between running and waiting (``when_dirty`` says how it waits), at
-    wall time ``now``."""
+    wall time ``now``; ``stage``: PulseCycle's (light mode), whose warm-up and anneal a hold cannot lighten."""
     word = "runs" if decision.run else f"waits ({when_dirty})"
     level = (
         f"clean below {decision.clean_below:.4g}"
         if math.isfinite(decision.clean_below)
         else "its light budget covers the rest of the run"
     )
-    return f"GreenWindow: {word} at {format_utc(now)}: signal {decision.signal:.4g}, {level} ({decision.reason})."
+    line = f"GreenWindow: {word} at {format_utc(now)}: signal {decision.signal:.4g}, {level} ({decision.reason})."
+    if not decision.run and when_dirty == "light" and stage in UNHELD_STAGES:
+        line += (
+            f" PulseCycle's {UNHELD_STAGES[stage]} trains as usual: nothing is held, nor charged to the delay "
+            "budget, while it lasts."
+        )
+    return line
 
 
 def parse_threshold(value: float | str | None, field: str = "threshold") -> tuple[str, float | None]:
@@ -474,12 +483,31 @@ def write_schedule_plot(
 
 
 # ---------------------------------------------------------------------------- arguments
+DURATION_FORMS = {  # what each duration field accepts besides a string with a unit of time
+    "max_delay": ", or a share >= 0 of the expected compute time (a number: 1.0 = 100%)",
+    "options.slot": ", or a number of seconds > 0",
+}
+
+
 def seconds_of(value: Any, field: str) -> float | None:
+    """Seconds from a duration string with a unit of time ("90s", "15min", "12h") or a number of seconds;
+    ``None`` stays ``None``. Steps and epochs are refused: GreenWindow's durations are on its clock.
+
+    Raises:
+        ValueError: naming ``field``, the value and only the forms the field accepts.
+    """
     if value is None:
         return None
-    duration = parse_duration(value if isinstance(value, str) else f"{value}s", field)
-    if duration.kind != "seconds":
-        raise ValueError(f"`{field}`={value!r} must be a duration such as '90s', '15min' or '12h'.")
+    try:
+        duration = parse_duration(value if isinstance(value, str) else f"{value}s", field)
+    except ValueError:
+        duration = None
+    if duration is None or duration.kind != "seconds":
+        forms = DURATION_FORMS.get(field, ", a number of seconds >= 0, or None")
+        raise ValueError(
+            f"`{field}`={value!r} must be a duration such as '90s', '15min' or '12h'{forms}; steps and epochs "
+            "are not accepted."
+        )
     return duration.amount
 
 
@@ -626,6 +654,20 @@ def fit_start_refusal(
             "attached; pass GreenWindow(signal='grid.csv') or EnergyLogger(carbon_intensity='grid.csv')."
         )
     return None
+
+
+def clocks_apart(now: float, energy_now: float, slot_s: float) -> str | None:
+    """The warning when GreenWindow's clock (``now``) and the EnergyLogger's wall clock (``energy_now``, read
+    at the same moment) are more than a slot apart, as when only GreenWindow has a SimulatedClock; ``None``
+    when they agree."""
+    if abs(now - energy_now) <= slot_s:
+        return None
+    return (
+        f"GreenWindow: its clock reads {format_utc(now)} and the EnergyLogger's {format_utc(energy_now)}; each "
+        "reads the carbon-intensity series at its own clock's time, so their CO2 figures differ, and the energy "
+        "of each slot is what the meters counted on the EnergyLogger's clock; to replay a run on a "
+        "SimulatedClock, give both the same clock (energy.account.clock = energy.account.wall_clock = clock)."
+    )
 
 
 def unknown_length_refusal(total_steps: float, expected_work_s: float | None) -> str | None:
@@ -789,6 +831,106 @@ class GreenSchedule:
         first = state.get("first_forecast")
         self.first_forecast = None if first is None else (list(first[0]), list(first[1]))
         self.ledger.load_state_dict(state["ledger"])
+
+
+class OpenSegment:
+    """The compute since the last mark, not yet in the schedule's ledger: where it started on the run's clock,
+    the meters' kWh then, its optimizer steps, and its kind: ``"light"`` for steps PulseCycle really held in a
+    light phase, else ``"run"`` (warm-up and anneal train as usual while held, so they are neither reported
+    as held nor charged to the budget). It is in the checkpoint: a run resumed from any checkpoint continues
+    it (:meth:`resume`) instead of losing the compute since the last decision.
+
+    Args:
+        schedule: where closed segments go.
+        watts: power while computing when no meter reads the energy (``options.watts``), or ``None``.
+    """
+
+    def __init__(self, schedule: GreenSchedule, watts: float | None) -> None:
+        self.schedule, self.watts = schedule, watts
+        self.start: float | None = None
+        self.kwh: float | None = None
+        self.steps = 0
+        self.kind = "run"
+        self.step_end: float | None = None  # when the latest step ended: where a change of kind cuts
+
+    def begin(self, now: float, kwh: float | None) -> None:
+        """A new segment starts at ``now`` (``kwh``: the meters' reading then, ``None`` without meters)."""
+        self.start, self.kwh, self.steps, self.step_end = float(now), kwh, 0, float(now)
+
+    def used(self, kwh: float | None, seconds: float, computing: bool) -> float | None:
+        """Energy since the mark: measured (``kwh``: the meters now), else ``watts`` while computing (a paused
+        or suspended run is assumed to draw nothing), else unknown."""
+        if kwh is not None and self.kwh is not None:
+            return kwh - self.kwh
+        if self.watts is not None:
+            return self.watts * seconds / 3.6e6 if computing else 0.0
+        return None
+
+    def close(self, now: float, read_kwh: Callable[[], float | None]) -> None:
+        """The compute up to ``now`` becomes a segment of its kind; the next one starts at ``now``."""
+        if self.start is None or now <= self.start and not self.steps:
+            return
+        kwh = read_kwh()
+        self.schedule.ran(self.kind, self.start, now, self.steps, self.used(kwh, now - self.start, True))
+        self.begin(now, kwh)
+
+    def waited(self, start: float, end: float, kwh: float | None) -> None:
+        """``[start, end]`` was waited (``kwh``: the meters at its end); the next segment starts at ``end``."""
+        self.schedule.waited(start, end, self.used(kwh, end - start, False))
+        self.begin(end, kwh)
+
+    def next_step(self, kind: str, read_kwh: Callable[[], float | None]) -> None:
+        """The coming step is of ``kind``: a change of kind closes the segment where the last step ended."""
+        if kind != self.kind:
+            if self.steps and self.step_end is not None:
+                self.close(self.step_end, read_kwh)
+            self.kind = kind
+
+    def stepped(self, steps: int, now: float) -> None:
+        self.steps += steps
+        self.step_end = float(now)
+
+    def state_dict(self, now: float, next_check: float) -> dict[str, Any]:
+        """The segment as saved at ``now``, and when the next decision is due."""
+        state = {"start": self.start, "kwh": self.kwh, "steps": self.steps, "kind": self.kind}
+        return {**state, "saved_at": float(now), "next_check": float(next_check)}
+
+    def restart(
+        self,
+        now: float,
+        read_kwh: Callable[[], float | None],
+        saved: dict[str, Any] | None = None,
+        suspended_at: float | None = None,
+    ) -> float:
+        """Training starts at ``now``: afresh, after a suspend at ``suspended_at`` (the time away is waited),
+        or from a checkpoint that held the ``saved`` segment (:meth:`resume`). Returns when the next decision
+        is due (at once, but for a resume mid-slot)."""
+        if suspended_at is not None:
+            kwh = read_kwh()
+            self.begin(suspended_at, kwh)
+            self.waited(suspended_at, now, kwh)
+        elif saved is not None:
+            return self.resume(saved, now, read_kwh)
+        else:
+            self.begin(now, read_kwh())
+        return -math.inf
+
+    def resume(self, state: dict[str, Any], now: float, read_kwh: Callable[[], float | None]) -> float:
+        """Continue the segment a checkpoint saved, at ``now``; returns when the next decision is due (the
+        saved slot's end: a resume does not decide before the uninterrupted run would have). The compute up
+        to the save stays in the segment; the time between the save and ``now`` (the run was down) is waited,
+        as after a suspend."""
+        self.start, self.kwh, self.steps = state["start"], state["kwh"], int(state["steps"])
+        self.kind, saved = str(state["kind"]), float(state["saved_at"])
+        self.step_end = saved
+        if self.start is None:
+            self.begin(now, read_kwh())
+        elif now > saved:
+            self.close(saved, read_kwh)
+            kwh = read_kwh()
+            self.schedule.waited(saved, now, 0.0 if kwh is not None or self.watts is not None else None)
+            self.begin(now, kwh)
+        return float(state["next_check"])
 
 
 # ---------------------------------------------------------------------------- suspended runs

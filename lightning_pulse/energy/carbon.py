@@ -187,6 +187,20 @@ class Rate:
         if self.run_start is None:
             self.run_start = float(run_start)
 
+    def fork(self) -> Rate:
+        """This rate for a reader on a clock of its own (a GreenWindow on a SimulatedClock next to an
+        EnergyLogger on the system clock): the same series, unit and ``series_start``, but its own run start
+        (:meth:`anchor_as`), so each reads the series at its own clock's time. A shared anchor would map one
+        clock's times through the other's start: years off when one of them is simulated."""
+        return Rate(self.source, self.unit, self.constant, self.series, self.series_start)
+
+    def anchor_as(self, other: Rate, now: float, other_now: float) -> None:
+        """Anchor at ``other``'s run start moved onto this reader's clock (``now`` on it is ``other_now`` on
+        ``other``'s, read at the same moment): on one clock, the two read the same moment of the series. Kept
+        when already anchored (a resume); at ``now`` when ``other`` has no anchor yet."""
+        if self.run_start is None:
+            self.anchor(now if other.run_start is None else other.run_start + (now - other_now))
+
     def series_time(self, wall: float) -> float:
         """Where in the series the wall-clock time ``wall`` is read."""
         assert self.series is not None

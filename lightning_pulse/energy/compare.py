@@ -14,12 +14,14 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from lightning_pulse.energy.meter import NONE
 from lightning_pulse.energy.report import JSON_NAME, SCHEMA, write_atomic, write_report, write_text_atomic
+from lightning_pulse.errors import PulseRefusal
 
 COMPARISON_JSON = "energy_comparison.json"
 COMPARISON_MARKDOWN = "energy_comparison.md"
@@ -200,6 +202,28 @@ def add_comparison(report: dict[str, Any], baseline: str | Path | None, path: st
         report["comparison"] = compare_runs(load_run(baseline), this)
     except Exception as error:  # a baseline that went away must not cost the run its report
         warn(f"EnergyLogger: no comparison with the baseline ({error}).")
+
+
+def refuse_overwriting_baseline(baseline: str | Path | None, report_dir: str | None, trainer: Any) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` at fit start when this run's report, written at the
+    end of fit into ``report_dir`` (else the Trainer's ``log_dir``, else its ``default_root_dir``, as
+    EnergyLogger does), would replace the ``baseline`` run's own ``energy_report.json``: the comparison would
+    be written over the report it compares against, and the baseline lost. This happens when both runs write
+    into one folder: ``logger=False`` (both write into ``default_root_dir``) or one ``report_dir``."""
+    if baseline is None:
+        return
+    target = Path(report_dir or trainer.log_dir or trainer.default_root_dir) / JSON_NAME
+    try:
+        same = find_report(baseline).resolve() == target.resolve()
+    except (OSError, ValueError):  # a baseline gone since construction: the comparison at the end warns
+        return
+    if same:
+        raise PulseRefusal(
+            f"EnergyLogger: `accounting.baseline`={os.fspath(baseline)!r} is {target}, the file this run's own "
+            "report would be written to at the end of fit, replacing the baseline. Give this run its own folder: "
+            "set `report_dir`, or attach a logger (each run gets its own version folder), or copy the "
+            "baseline's report elsewhere and point `accounting.baseline` at the copy."
+        )
 
 
 def write_report_compared(
