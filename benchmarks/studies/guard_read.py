@@ -94,14 +94,16 @@ def main() -> None:
         "",
         "| workload | two_ops µs | one_stack µs | saved µs |",
         "|---|---|---|---|",
+        *(
+            f"| {name} | {m['two_ops']:.1f} | {m['one_stack']:.1f} | {m['saved_us']:.1f} |"
+            for name, m in summary.items()
+        ),
+        "",
+        f"Environment: {payload['environment']}.",
     ]
-    for name, medians in summary.items():
-        lines.append(
-            f"| {name} | {medians['two_ops']:.1f} | {medians['one_stack']:.1f} | {medians['saved_us']:.1f} |"
-        )
-    lines += ["", f"Environment: {payload['environment']}."]
-    (RESULTS / "guard_read.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = "\n".join(lines) + "\n"
+    (RESULTS / "guard_read.md").write_text(text)
+    print(text, end="")
 
 
 if __name__ == "__main__":
