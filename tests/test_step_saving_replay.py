@@ -834,24 +834,32 @@ def test_a_second_training_loader_is_refused_before_either_is_changed():
 
 
 class _Reloading(_LinearDecay):
-    """Builds its training DataLoader at every epoch: over one dataset object, or a new (growing) one."""
+    """Builds its training DataLoader at every epoch: over one dataset object (``"same"``), a new
+    ``TensorDataset`` over the same tensors (``"rewrapped"``), a new one over copies of them (``"copied"``), or
+    a new, growing one (``"growing"``)."""
 
-    def __init__(self, same_dataset: bool) -> None:
+    def __init__(self, reload: str) -> None:
         super().__init__()
-        self.same_dataset = same_dataset
+        self.reload = reload
         self.dataset = _digits_data(0, 256)
 
     def train_dataloader(self):
-        dataset = self.dataset if self.same_dataset else _digits_data(0, 256 + 64 * self.current_epoch)
+        tensors = self.dataset.tensors
+        dataset = {
+            "same": lambda: self.dataset,
+            "rewrapped": lambda: TensorDataset(*tensors),
+            "copied": lambda: TensorDataset(*(t.clone() for t in tensors)),
+            "growing": lambda: _digits_data(0, 256 + 64 * self.current_epoch),
+        }[self.reload]()
         return DataLoader(dataset, batch_size=32, shuffle=True)
 
 
-@pytest.mark.parametrize("same_dataset", [True, False])
-def test_a_batch_mode_reload_keeps_the_scores_of_the_same_dataset_and_says_when_they_start_again(
-    same_dataset,
-):
+@pytest.mark.parametrize("reload", ["same", "rewrapped", "copied", "growing"])
+def test_a_batch_mode_reload_keeps_the_scores_of_the_same_samples_and_says_what_it_assumes(reload):
     # held-out sweep: a reloaded dataset of another size silently got an empty table at every reload, so
-    # nothing was ever selected; one of the same size kept scores that belonged to other samples
+    # nothing was ever selected. A review then found the first fix wiping the scores of a dataset built anew over
+    # the same tensors at every reload: those are the same samples, and an unknown object of the same length
+    # keeps its scores with a note of that assumption
     replay = HardSampleReplay(mode="batch")
     pl.seed_everything(0)
     trainer = pl.Trainer(
@@ -862,10 +870,14 @@ def test_a_batch_mode_reload_keeps_the_scores_of_the_same_dataset_and_says_when_
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(_Reloading(same_dataset))
-    notes = [w for w in caught if "HardSampleReplay: the reloaded" in str(w.message)]
-    if same_dataset:
-        assert not notes and replay.metrics()["replay_fraction"] < 1.0  # scores kept: replay steps selected
-        assert replay.table.num_samples == 256
+        trainer.fit(_Reloading(reload))
+    notes = [str(w.message) for w in caught if "HardSampleReplay: the reloaded" in str(w.message)]
+    if reload == "growing":
+        assert notes and all("another length" in note for note in notes)
+        assert replay.table.num_samples == 256 + 64 * 3
+        return
+    assert replay.table.num_samples == 256 and replay.metrics()["replay_fraction"] < 1.0  # kept: selected
+    if reload == "copied":
+        assert notes and all("same length" in note for note in notes)
     else:
-        assert notes and replay.table.num_samples == 256 + 64 * 3
+        assert not notes

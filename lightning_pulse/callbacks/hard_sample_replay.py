@@ -201,7 +201,10 @@ class HardSampleReplay(Callback):
         at = (self._trainer.current_epoch, self._trainer.global_step)
         if self._ready and at == self._set_up_at and loader is not self.steps.loader:
             refuse(several_loaders_refusal(SEVERAL_LOADERS))
-        fresh = self._ready and _warn(reloaded_data_note(self.tracker.dataset, loader.dataset))
+        note, fresh = (
+            reloaded_data_note(self.tracker.dataset, loader.dataset) if self._ready else (None, False)
+        )
+        _warn(note)
         self.steps.release()  # a reload (batch mode): the previous loader is the user's again
         self.steps.loader, self.tracker, self._set_up_at = loader, SampleIndexTracker.install(loader), at
         restored, self._saved_state = self._saved_state, None
@@ -345,10 +348,10 @@ class HardSampleReplay(Callback):
             if stream is not None:
                 self.steps.stream.load_state_dict(stream)
 
-    load_rollback_state_dict = load_state_dict  # the scores go back; the stream was left out of the state
+    def load_rollback_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.load_state_dict(state_dict)
 
 
-def _warn(note: str | None) -> bool:
+def _warn(note: str | None) -> None:
     if note is not None:
         rank_zero_warn(f"HardSampleReplay: {note}")
-    return note is not None

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.data import Subset, TensorDataset
 
 from lightning_pulse.core.per_sample_loss import LossCapture, PerSampleScorer, concat_per_sample
 from lightning_pulse.core.sample_scores import SampleScoreTable
@@ -228,18 +229,50 @@ def untrackable_refusal(reason: str) -> str:
 SEVERAL_LOADERS = "the fit trains on several DataLoaders at once (a CombinedLoader)"
 
 
-def reloaded_data_note(previous: Any, current: Any) -> str | None:
-    """At a reload of the training DataLoader (``reload_dataloaders_every_n_epochs``, batch mode): why the
-    scores start again, or ``None`` when the loader holds the same dataset object at the same size. Scores
-    are kept by dataset index, and only the same object says that an index still means the same sample. The
-    text is the same at every reload, so Python's warning filter says it once."""
-    if current is previous and len(current) == len(previous):
-        return None
+def same_samples(previous: Any, current: Any) -> bool | None:
+    """Whether ``current`` holds ``previous``'s samples at the same indices: ``True`` when that is certain (the
+    same object; a ``TensorDataset`` over the same tensor memory; a ``Subset`` of such with the same
+    indices), ``False`` for another length, ``None`` when nothing says."""
+    if current is previous:
+        return True
+    if len(current) != len(previous):
+        return False
+    if isinstance(current, TensorDataset) and isinstance(previous, TensorDataset):
+        pairs = list(zip(current.tensors, previous.tensors))
+        same = len(current.tensors) == len(previous.tensors) and all(
+            a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() for a, b in pairs
+        )
+        return True if same else None
+    if isinstance(current, Subset) and isinstance(previous, Subset):
+        indices_equal = np.array_equal(np.asarray(current.indices), np.asarray(previous.indices))
+        return True if indices_equal and same_samples(previous.dataset, current.dataset) else None
+    return None
+
+
+def reloaded_data_note(previous: Any, current: Any) -> tuple[str | None, bool]:
+    """At a reload of the training DataLoader (``reload_dataloaders_every_n_epochs``, batch mode): what to say,
+    and whether the scores start again. Scores are kept by dataset index (:func:`same_samples`): kept silently
+    for the same samples; kept, with a note of the assumption, for another object of the same length (a
+    dataset built anew over the same data, most often); started again for another length. The texts do not
+    change from reload to reload, so Python's warning filter says each once."""
+    same = same_samples(previous, current)
+    if same:
+        return None, False
+    kind = type(current).__name__
+    if same is None:
+        return (
+            f"the reloaded training DataLoader holds another dataset object ({kind}) of the same length. Its "
+            "scores are kept by dataset index, which assumes each index still holds the same sample. If "
+            "train_dataloader() draws other samples at each reload, return one dataset object from it, or "
+            "remove HardSampleReplay.",
+            False,
+        )
     return (
-        f"the reloaded training DataLoader holds another dataset object ({type(current).__name__}) than the one "
-        "scored. Scores are kept by dataset index, so they start again at each such reload: batches train in "
-        "full until their samples are scored. To select across reloads, return the same dataset object (its "
-        "samples at the same indices) from train_dataloader()."
+        f"the reloaded training DataLoader holds a dataset ({kind}) of another length than the one scored. "
+        "Scores are kept by dataset index, so they start again at each such reload: batches train in full "
+        "until their samples are scored. To select across reloads, keep the training set's length and the "
+        "sample at each index.",
+        True,
     )
 
 
