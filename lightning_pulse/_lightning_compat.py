@@ -437,6 +437,16 @@ def fullgraph_compiled_part(module: torch.nn.Module | None) -> str | None:
     return None
 
 
+def compiled_parts(module: torch.nn.Module | None) -> list[str]:
+    """The names of every part of ``module`` that runs under ``torch.compile``: compiled submodules, and ``""``
+    for ``module`` itself (compiled, or a LightningModule that Lightning unwrapped from
+    ``trainer.fit(torch.compile(model))``)."""
+    names = [name for name, _ in _compiled_submodules(module)]
+    if getattr(module, "_compiler_ctx", None) is not None and "" not in names:
+        names.insert(0, "")
+    return names
+
+
 def compiled_part(module: torch.nn.Module | None) -> str | None:
     """What of ``module`` runs under ``torch.compile``: the name of a compiled submodule
     (``self.model = torch.compile(...)``), ``"the LightningModule"`` when Lightning unwrapped a compiled one

@@ -639,3 +639,54 @@ def test_unstructured_mode_prunes_a_compiled_submodule_and_the_compiled_forward_
     layers = [m for m in model.net._orig_mod.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))]
     zeros = sum(int((m.weight == 0).sum()) for m in layers) / sum(m.weight.numel() for m in layers)
     assert zeros == pytest.approx(0.5, abs=0.02)  # the masks, folded at fit end
+
+
+class _CompiledTeacher(pl.LightningModule):
+    """A network to prune, and a compiled teacher used in ``training_step`` only (left out of the pruning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(10, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 2),
+        )
+        self.teacher = torch.compile(torch.nn.Linear(10, 2), backend="eager")
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        with torch.no_grad():
+            target = self.teacher(x)
+        return torch.nn.functional.cross_entropy(out, y) + 0.1 * (out - target).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_structured_mode_prunes_a_model_whose_only_compiled_part_holds_no_layer_to_prune():
+    # the pass's second review: the first form of the refusal above refused any compiled part anywhere in the
+    # model, so a compiled teacher left out with `exclude_pattern` stopped a run the code before it pruned
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 10, generator=generator)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=32)
+    model = _CompiledTeacher()
+    prune = ScheduledPrune(
+        mode="structured",
+        final_sparsity=0.5,
+        start=2,
+        end=6,
+        every=1,
+        probe_batches=0,
+        exclude_pattern="teacher",
+    )
+    pl.Trainer(max_steps=10, callbacks=[prune], **trainer_kwargs()).fit(model, data)
+    assert len(prune.events) == 4 and model.net[0].weight.shape[0] < 32  # channels were cut
+    assert tuple(model.teacher._orig_mod.weight.shape) == (2, 10)

@@ -166,7 +166,6 @@ class ScheduledPrune(Callback):
             self._check_strategy(trainer)
             swa = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]
             prune_setup.check_weight_averaging(self.mode, swa[0] if swa else None)
-            prune_setup.refuse_compiled_structured(self.mode, compat.compiled_part(pl_module))
         if self._fitter_handle is None:
             fitter = pruning.StateDictFitter(self._checkpoint_structure)
             self._fitter_handle = pl_module.register_load_state_dict_pre_hook(fitter)
@@ -193,8 +192,10 @@ class ScheduledPrune(Callback):
         selection = prune_setup.checked_selection(self.pruner, pl_module)
         if masked := pruning.mask_folded_zeros(selection.layers, self.mode, self.schedule.sparsity):
             rank_zero_info(f"ScheduledPrune: resumed after a fit's end; pruned zeros masked again: {masked}")
-        if self.mode == "structured":  # checked again: configure_model (after setup) may compile a part
-            prune_setup.refuse_compiled_structured(self.mode, compat.compiled_part(pl_module))
+        if self.mode == "structured":  # here: configure_model (after setup) may compile a part
+            prune_setup.refuse_compiled_structured(
+                self.mode, compat.compiled_parts(pl_module), selection.layers
+            )
             prune_setup.refuse_structured(pruning.structured_blocker(pl_module, selection))
             prune_setup.refuse_frozen_twins(pl_module, selection.layers)
             if getattr(pl_module, "example_input_array", None) is not None:

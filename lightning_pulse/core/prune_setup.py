@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,22 +258,33 @@ def refuse_structured(reason: str | None) -> None:
         )
 
 
-def refuse_compiled_structured(mode: str, compiled: str | None) -> None:
-    """Raise :class:`PulseRefusal` for ``mode='structured'`` when part of the module (``compiled``, its name, from
-    :func:`~lightning_pulse._lightning_compat.compiled_part`) runs under ``torch.compile``. The structured check
-    traces the forward of a copy of the model to find the channels it can cut, and an event swaps smaller layers
-    in: through a compiled module the trace fails inside dynamo (a held-out compiled submodule refused with
+def refuse_compiled_structured(mode: str, compiled: Sequence[str], layers: Iterable[str]) -> None:
+    """Raise :class:`PulseRefusal` for ``mode='structured'`` when a part of the module that runs under
+    ``torch.compile`` (``compiled``: names from :func:`~lightning_pulse._lightning_compat.compiled_parts`, ``""``
+    for the whole module) holds a layer to prune, or lies inside one (``layers``: their names). The structured
+    check traces the forward of a copy of the model to find the channels it can cut, and an event swaps smaller
+    layers in: through a compiled module the trace fails inside dynamo (a held-out compiled submodule refused with
     dynamo's internal assertion and an ``exclude_pattern`` hint that could not help), or sees no channel group
-    (``trainer.fit(torch.compile(module))``, whose model uncompiled is cut without trouble)."""
-    if mode == "structured" and compiled is not None:
-        part = compiled if compiled == "the LightningModule" else f"`{compiled}`"
-        raise PulseRefusal(
-            f"ScheduledPrune: mode='structured' cannot run on a model compiled with torch.compile ({part} is "
-            "compiled): it traces the model's forward to find the channels it can cut and swaps smaller layers "
-            "in, which a compiled module does not let it follow. Use mode='unstructured' (masks keep every shape "
-            "and work under torch.compile); or prune an uncompiled model with mode='structured' and compile it "
-            "after pruning (load the result with `ScheduledPrune.load_pruned`, then torch.compile)."
-        )
+    (``trainer.fit(torch.compile(module))``, whose model uncompiled is cut without trouble). A compiled part that
+    holds no layer to prune (a teacher left out with ``exclude_pattern``) is no reason to refuse."""
+    if mode != "structured":
+        return
+    names = list(layers)
+
+    def overlaps(part: str, layer: str) -> bool:
+        return part == "" or layer == part or layer.startswith(part + ".") or part.startswith(layer + ".")
+
+    hit = next((part for part in compiled if any(overlaps(part, layer) for layer in names)), None)
+    if hit is None:
+        return
+    shown = "the LightningModule" if hit == "" else f"`{hit}`"
+    raise PulseRefusal(
+        f"ScheduledPrune: mode='structured' cannot run on a model compiled with torch.compile ({shown} is "
+        "compiled and holds layers to prune): it traces the model's forward to find the channels it can cut and "
+        "swaps smaller layers in, which a compiled module does not let it follow. Use mode='unstructured' (masks "
+        "keep every shape and work under torch.compile); or prune an uncompiled model with mode='structured' and "
+        "compile it after pruning (load the result with `ScheduledPrune.load_pruned`, then torch.compile)."
+    )
 
 
 def structured_example(model: nn.Module, pruner: pruning.Pruner, schedule: PruneSchedule, batch: Any) -> Any:
