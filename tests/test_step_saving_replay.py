@@ -881,3 +881,22 @@ def test_a_batch_mode_reload_keeps_the_scores_of_the_same_samples_and_says_what_
         assert notes and all("same length" in note for note in notes)
     else:
         assert not notes
+
+
+def test_a_loader_with_persistent_workers_iterated_before_the_fit_trains_the_plan_and_comes_back_plain():
+    # the pass's second review: such a loader keeps its iterator, built over its own batch sampler, so the planned
+    # sampler never ran and the fit crashed at its first light step; after a fit, the kept iterator would have
+    # run the planned sampler of a finished callback
+    loader = DataLoader(
+        _digits_data(0, 256), batch_size=32, shuffle=True, num_workers=1, persistent_workers=True
+    )
+    assert sum(len(x) for x, _ in loader) == 256  # the user looks at the data first: the iterator is kept
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(burst=2, replay=4, maintain=1), HardSampleReplay()],
+        max_epochs=3,
+        **trainer_kwargs(),
+    )
+    trainer.fit(_LinearDecay(), loader)
+    assert trainer.global_step == trainer.max_steps < 3 * 8  # the plan ran: fewer steps than plain
+    assert sum(len(x) for x, _ in loader) == 256
