@@ -646,13 +646,7 @@ class _CompiledTeacher(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(10, 32),
-            torch.nn.ReLU(),
-            torch.nn.Linear(32, 32),
-            torch.nn.ReLU(),
-            torch.nn.Linear(32, 2),
-        )
+        self.net = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
         self.teacher = torch.compile(torch.nn.Linear(10, 2), backend="eager")
 
     def forward(self, x):
