@@ -206,7 +206,8 @@ class GradientCache(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._retrace(trainer, pl_module, check=batch_idx == 0)  # where recipes unfreeze a backbone
+        if batch_idx == 0:  # where recipes unfreeze a backbone: look, once per epoch
+            self._retrace(trainer, pl_module, check=True)
         if self._replay is not None:
             self._replay.begin_batch(batch_idx, frozen=self._lifecycle.frozen_prefix > 0)
 
@@ -251,7 +252,8 @@ class GradientCache(Callback):
             metrics = freeze_metrics(report, self.freezer, self.ledger, self.activations, self.measure_flops)
             log_to_loggers(trainer, metrics)
         self.ledger.new_step()
-        self._retrace(trainer, pl_module)  # when this step found parameters outside the units training
+        if report.outgrown:  # parameters outside the units train (found here, or at a phase change)
+            self._retrace(trainer, pl_module)
 
     def _retrace(self, trainer: pl.Trainer, pl_module: pl.LightningModule, check: bool = False) -> None:
         """Discover the units again once parameters outside them train (``check``: look now, one broadcast)."""
