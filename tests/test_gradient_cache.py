@@ -437,3 +437,35 @@ def test_a_backbone_unfrozen_mid_fit_becomes_units_and_nothing_frozen_has_a_trai
     notes = [r.getMessage() for r in caplog.records if "outside its units started training" in r.getMessage()]
     assert len(notes) == 1 and "(net.1.weight, net.1.bias, net.3.weight and 1 more)" in notes[0]
     assert all(p.requires_grad for p in model.parameters())  # the module leaves fit as the user left it
+
+
+class UnitsTurnedBackOnEveryEpoch(MNIST1DClassifier):
+    """The recipe run at every epoch from epoch 1 on: ``requires_grad_(True)`` on the first two convolutions,
+    which GradientCache may have frozen meanwhile (they are units here: trainable from the start)."""
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch >= 1:
+            for layer in (self.net[1], self.net[3]):
+                layer.requires_grad_(True)
+
+
+def test_a_unit_the_users_code_turns_back_on_is_a_release_in_the_events(mnist1d_small):
+    # before: the release the user's code caused was never recorded, so the events showed two freezes in a
+    # row and no release, and the epoch's first backward was counted as skipping the prefix it did not skip
+    pl.seed_everything(0)
+    _, data = mnist1d_small()
+    cache, layers, flops = GradientCache(**EAGER), TrainableLayers(), BackwardFlops()
+    trainer = fit(
+        UnitsTurnedBackOnEveryEpoch(), data, [cache, layers, flops], max_epochs=4, limit_train_batches=10
+    )
+    taken_back = [event for event in cache.events if event["reason"] == "taken back"]
+    assert taken_back and all(event["to"] == 0 for event in taken_back)
+    for earlier, later in zip(cache.events, cache.events[1:]):
+        assert later["from"] == earlier["to"], cache.events  # every change of the prefix is in the log
+    epoch_starts = {trainer.num_training_batches * epoch for epoch in range(1, 4)}
+    assert {event["step"] for event in taken_back} <= epoch_starts  # caught before the epoch's first forward
+    for event in taken_back:
+        assert dict(layers.rows)[event["step"]][:2] == [True, True]  # that backward ran through them
+    # the ledger counts only what was skipped (equal batches: the per-prefix figures add up exactly)
+    full = cache.ledger.flops_by_prefix[0]
+    assert cache.ledger.skipped == pytest.approx(sum(full - flops_of for flops_of in flops.per_backward))

@@ -83,13 +83,11 @@ class GradientCache(Callback):
     Raises:
         ValueError: at construction, naming the field, for a value out of range. At train start, for a
             ``units`` name the model does not have.
-        PulseRefusal: at setup, for manual optimization, a module run under ``torch.compile``,
-            FSDP/DeepSpeed/model parallel, DDP without ``find_unused_parameters=True`` or with
-            ``static_graph=True``, another multi-process strategy, or ``activation_cache_mb`` with
-            ``reload_dataloaders_every_n_epochs``; at fit start, for ``torch.optim.LBFGS`` (it moves
-            parameters that have no gradient), ``phases`` without ``"replay"`` and no PulseCycle (they would
-            never come), a share (``start_at``, ``release_at``) of a run of unknown length, and for a second
-            run of this instance (another ``trainer.fit``) unless a checkpoint was restored into it.
+        PulseRefusal: at setup, for manual optimization, ``torch.compile``, a strategy other than one process or
+            DDP, DDP without ``find_unused_parameters=True`` or with ``static_graph=True``, or
+            ``activation_cache_mb`` with ``reload_dataloaders_every_n_epochs``; at fit start, for LBFGS (it moves
+            parameters without a gradient), ``phases`` that never come (no ``"replay"``, no PulseCycle), a share
+            of a run of unknown length, and a second ``trainer.fit`` of this instance without a checkpoint.
 
     Example::
 
@@ -163,6 +161,8 @@ class GradientCache(Callback):
         )
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
         self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)
+        if trainer.world_size > 1:  # before the strategy wraps the model
+            self._lifecycle.frozen_before_wrap = {id(p) for p in pl_module.parameters() if not p.requires_grad}
         self.ledger, self.events = BackwardFlopLedger(), []
         self._pending_state, self._fit_refs = None, None
 
@@ -208,6 +208,9 @@ class GradientCache(Callback):
     ) -> None:
         if batch_idx == 0:  # where recipes unfreeze a backbone: look, once per epoch
             self._retrace(trainer, pl_module, check=True)
+            before = self._lifecycle.frozen_prefix  # a unit the user's code turned back on: released before
+            if self.freezer is not None and self.freezer.release_taken_back():  # the forward and the ledger
+                self._record(trainer.global_step, before, "taken back")
         if self._replay is not None:
             self._replay.begin_batch(batch_idx, frozen=self._lifecycle.frozen_prefix > 0)
 
@@ -244,6 +247,9 @@ class GradientCache(Callback):
         before = self.freezer.frozen_prefix
         enabled = self._phase_enabled and in_span(self._span, trainer.global_step + 1)
         report = self.freezer.step(enabled, _from_rank_zero(trainer))  # DDP: one broadcast per window
+        if report.taken_back:  # the user's code turned a frozen unit back on in the middle of an epoch
+            self._record(trainer.global_step + 1, before, "taken back", after=0)
+            before = 0
         if report.changed:
             self._record(trainer.global_step + 1, before, report.reason)
         # the metrics dict is built only for steps that reach a logger (on rank 0)
@@ -260,7 +266,7 @@ class GradientCache(Callback):
         retraced = self._lifecycle.retrace(pl_module, _from_rank_zero(trainer) if check else None, check)
         if retraced is not None:
             self.ledger.remeasure()
-            rank_zero_info(f"GradientCache: {retraced[0]}.")
+            (rank_zero_warn if retraced[2] else rank_zero_info)(f"GradientCache: {retraced[0]}.")
             if retraced[1]:
                 self._record(trainer.global_step, retraced[1], "retrace")
 
@@ -347,8 +353,9 @@ class GradientCache(Callback):
             append_recent(self.events, freeze_event(trainer.global_step, before, after, "restore"))
 
     # ------------------------------------------------------------------ reporting
-    def _record(self, step: int, before: int, reason: str) -> None:
-        append_recent(self.events, freeze_event(step, before, self._lifecycle.frozen_prefix, reason))
+    def _record(self, step: int, before: int, reason: str, after: int | None = None) -> None:
+        after = self._lifecycle.frozen_prefix if after is None else after
+        append_recent(self.events, freeze_event(step, before, after, reason))
         self._replan()
 
 

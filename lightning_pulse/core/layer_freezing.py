@@ -246,6 +246,7 @@ class StepReport:
     frozen_share: float = 0.0
     refreshed: list[str] = field(default_factory=list)
     outgrown: bool = False  # parameters outside the units train: nothing frozen until the units are retraced
+    taken_back: bool = False  # someone else turned a frozen unit back on: the prefix was released first
 
     @property
     def reason(self) -> str:
@@ -414,11 +415,11 @@ class LayerFreezer:
                 trains, to the flags every process uses (DDP: rank 0's, by broadcast). Called at every window
                 end, on every process.
         """
-        # someone else turned a frozen unit back on: their gradients count, so everything is released
-        if self._taken_back():
-            self.set_prefix(0)
+        # someone else turned a frozen unit back on: their gradients count, so everything is released (a change
+        # of its own, before whatever this step decides)
+        taken_back = self.release_taken_back()
         frozen_during_backward = [i for i, is_frozen in enumerate(self.frozen) if is_frozen]
-        report = StepReport(frozen_share=self.frozen_share)
+        report = StepReport(frozen_share=self.frozen_share, taken_back=taken_back)
         self.frozen_share_sum += report.frozen_share
         self.steps += 1
         for i, unit in enumerate(self.units):
@@ -515,6 +516,11 @@ class LayerFreezer:
     def _turn_on(self, param: nn.Parameter) -> None:
         if self._turned_off.pop(id(param), None) is not None:
             param.requires_grad_(True)
+
+    def release_taken_back(self) -> bool:
+        """Release every unit if a parameter this freezer turned off requires grad again (someone else unfroze
+        it: their gradients count). Returns whether anything changed."""
+        return self._taken_back() and self.set_prefix(0)
 
     def _taken_back(self) -> bool:
         """Whether a parameter this freezer turned off requires grad again: someone else unfroze it."""
@@ -803,6 +809,9 @@ class FreezerLifecycle:
         self._graph_checked = False
         self._model: nn.Module | None = None  # the fit's model: its parameters outside the units are watched
         self._statistics: dict[str, float] | None = None  # a retraced freezer's, for the next one to continue
+        # under DDP, the parameters frozen before the strategy wrapped the model: its reducer left them out, so
+        # their gradients are never averaged over ranks once they train (see :meth:`retrace`)
+        self.frozen_before_wrap: set[int] = set()
 
     @property
     def units(self) -> list[FreezeUnit]:
@@ -858,7 +867,7 @@ class FreezerLifecycle:
 
     def retrace(
         self, model: nn.Module, agree: Callable[[list[bool]], list[bool]] | None = None, check: bool = False
-    ) -> tuple[str, int] | None:
+    ) -> tuple[str, int, bool] | None:
         """Discover the units again once parameters outside them train (the user unfroze a backbone): the
         freezer releases everything, and the units, now with those parameters, wait for the next backward to
         put them into forward order (the graph is checked again there). The new freezer continues the run's
@@ -871,8 +880,8 @@ class FreezerLifecycle:
                 act only on what the freezer found where it last decided (:attr:`LayerFreezer.outgrown`).
 
         Returns:
-            ``(what happened, as a line to log; the frozen prefix it released)``, or ``None`` when the units
-            still cover what trains.
+            ``(what happened, as a line to log; the frozen prefix it released; whether the line is a warning)``,
+            or ``None`` when the units still cover what trains.
         """
         freezer = self.freezer
         if freezer is None:
@@ -882,6 +891,11 @@ class FreezerLifecycle:
             return None
         watched = {id(param) for param in freezer.outside}
         grown = [name for name, p in model.named_parameters() if id(p) in watched and p.requires_grad]
+        unsynced = [
+            name
+            for name, p in model.named_parameters()
+            if id(p) in self.frozen_before_wrap and p.requires_grad
+        ]
         freezer.restore_requires_grad()  # the module as the user left it, to discover the units in
         self._statistics, self._model, self._graph_checked = freezer.run_statistics(), model, False
         self.freezer, self.trace = None, ForwardOrderTrace(discover_units(model, self.unit_names))
@@ -892,7 +906,14 @@ class FreezerLifecycle:
             "with them, and orders them at the next backward; freezing resumes once they are scored, and the "
             "backward FLOPs are measured again"
         )
-        return note, released
+        if unsynced:  # DDP's own limit, with or without this callback: said where it shows
+            note += (
+                f". Under DDP, {unsynced[0]}{' and others' if len(unsynced) > 1 else ''} were frozen when DDP "
+                "wrapped the model, so DDP never averages their gradients: each rank trains its own copy and the "
+                "ranks drift apart. Keep them trainable until the fit starts and freeze them in a callback's "
+                "`on_fit_start` (as Lightning's BackboneFinetuning does)"
+            )
+        return note, released, bool(unsynced)
 
     def restore(self, state: Mapping[str, Any] | None, model: nn.Module) -> None:
         """A rollback in the middle of the fit: :func:`restore_during_fit`."""
