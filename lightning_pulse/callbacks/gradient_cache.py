@@ -31,6 +31,7 @@ from lightning_pulse.core.layer_freezing import (
     LayerFreezer,
     announce_units,
     check_wrapped_model,
+    frozen_parameter_ids,
     in_span,
     refuse_compiled_module,
     refuse_manual_optimization,
@@ -162,7 +163,7 @@ class GradientCache(Callback):
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
         self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)
         if trainer.world_size > 1:  # before the strategy wraps the model
-            self._lifecycle.frozen_before_wrap = {id(p) for p in pl_module.parameters() if not p.requires_grad}
+            self._lifecycle.frozen_before_wrap = frozen_parameter_ids(pl_module)
         self.ledger, self.events = BackwardFlopLedger(), []
         self._pending_state, self._fit_refs = None, None
 

@@ -1031,6 +1031,12 @@ def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Cal
     info(f"GradientCache: {order_note(freezer.units)}")
 
 
+def frozen_parameter_ids(model: nn.Module) -> set[int]:
+    """The ids of ``model``'s parameters that do not require grad now (before DDP wraps it: those its reducer
+    leaves out)."""
+    return {id(param) for param in model.parameters() if not param.requires_grad}
+
+
 def check_wrapped_model(model: nn.Module, world_size: int, strategy_name: str) -> None:
     """Raise a :class:`~lightning_pulse.errors.PulseRefusal` naming the fix if the (strategy-wrapped)
     ``model`` cannot follow ``requires_grad`` changes.
