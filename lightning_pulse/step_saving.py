@@ -26,6 +26,7 @@ from lightning_pulse.core.replay import (
     STEPS_MODE_LIMIT_REFUSAL,
     STEPS_MODE_OPTIMIZERS_REFUSAL,
     STEPS_MODE_RELOAD_REFUSAL,
+    STEPS_MODE_SCHEDULE_LENGTH_REFUSAL,
     STEPS_MODE_STEP_BOUND_REFUSAL,
     HardSampleSelector,
 )
@@ -51,6 +52,9 @@ class StepSavingLoader:
         self._sampler: PlannedBatchSampler | None = None
         self._choose: Callable[[list[list[int]], list[int], list[int], float], list[Any]] | None = None
         self._selector: HardSampleSelector | None = None  # its table's running prior is the passes' prior
+        # the lengths the run had without the plan, and where each comes from: a per-step schedule built for
+        # one of them stops part-way through its course (see refuse_schedules_cut_short)
+        self._unplanned_lengths: dict[int, str] = {}
 
     @property
     def plan(self) -> StepPlan | None:
@@ -144,6 +148,12 @@ class StepSavingLoader:
         shortfall = None if cycle is None else budget_shortfall(plan, cycle.budget)
         if shortfall is not None:  # a warning, not a refusal: a smoke run of a shipped YAML must still train
             rank_zero_warn(f"PulseCycle: {shortfall}")
+        plain_epoch_steps = max(1, math.ceil(plain_batches / accumulate))
+        self._unplanned_lengths = {
+            plan.plain_steps: f"max_epochs={max_epochs} of {plain_epoch_steps} optimizer steps"
+        }
+        if max_steps is not None:  # also when max_epochs ends the plain run first: the user's stated length
+            self._unplanned_lengths[max_steps] = f"max_steps={max_steps}"
         compat.set_max_steps(trainer, plan.total_steps)
         if (
             max_epochs is not None
@@ -152,7 +162,6 @@ class StepSavingLoader:
         ):
             # the planned data ends with max_epochs a few steps before max_steps: let the run reach max_steps on
             # plain batches past the plan, so estimated_stepping_batches is the steps the run really takes
-            plain_epoch_steps = max(1, math.ceil(plain_batches / accumulate))
             compat.set_max_epochs(trainer, max_epochs + math.ceil(plan.steps_past_data / plain_epoch_steps))
         self._choose = choose
         self._sampler = PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches, self._cut)
@@ -207,9 +216,40 @@ class StepSavingLoader:
         compat.mark_last_batch_of(self._trainer, self.epoch_batches)  # this batch may end the pass
         return window, cut
 
+    def refuse_schedules_cut_short(self, trainer: pl.Trainer) -> None:
+        """Refuse, before the first step, a per-step LR scheduler built for the run's unplanned length (its
+        ``max_steps``, or ``max_epochs`` of plain epochs) when the plan takes fewer steps.
+
+        With ``max_epochs`` set, Lightning builds the schedulers before the data unless ``configure_optimizers``
+        reads ``estimated_stepping_batches``, so a literal length (or one from a config) was never checked at
+        :meth:`install`. On a resume the schedulers' lengths come from the checkpoint and the plan is the saved
+        one, so a run accepted at its start is accepted again.
+
+        Raises:
+            PulseRefusal: naming the scheduler, its length and the planned steps.
+        """
+        plan = self.plan
+        if plan is None:
+            return
+        for config in trainer.lr_scheduler_configs:
+            if config.interval != "step":  # an epoch-interval schedule keeps its epochs
+                continue
+            for length in sorted(schedule_lengths(config.scheduler) & self._unplanned_lengths.keys()):
+                if plan.total_steps < length:
+                    raise PulseRefusal(
+                        STEPS_MODE_SCHEDULE_LENGTH_REFUSAL.format(
+                            scheduler=type(config.scheduler).__name__,
+                            length=length,
+                            source=self._unplanned_lengths[length],
+                            planned=plan.total_steps,
+                            share=plan.total_steps / length,
+                        )
+                    )
+
     def on_train_start(self, trainer: pl.Trainer) -> None:
         if self._sampler is None:  # not installed: batch mode
             return
+        self.refuse_schedules_cut_short(trainer)
         # Lightning set the first epoch's validation batch from the plain length after the first pass began
         compat.set_epoch_batches(trainer, self.epoch_batches)
         if self.stream.resumed_at_pass_end:  # what the finished epoch's end did in the run that saved it

@@ -672,6 +672,75 @@ def test_a_run_bounded_by_max_steps_alone_is_refused_when_its_lr_schedule_read_t
     assert model.planned_total == trainer.global_step == schedule.last_epoch < 60
 
 
+class _CosineClassifier(MNIST1DClassifier):
+    """A per-step cosine schedule over ``schedule_length`` steps, as a config gives it, or (``None``) over
+    ``estimated_stepping_batches``."""
+
+    def __init__(self, schedule_length: int | None = None) -> None:
+        super().__init__()
+        self.schedule_length = schedule_length
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        length = self.schedule_length or int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=length)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _cycle_of(budget: float | None) -> list[Callback]:
+    return [] if budget is None else [PulseCycle(**CYCLE, budget=budget)]
+
+
+@pytest.mark.parametrize(
+    ("budget", "run", "length", "source", "planned"),
+    [
+        (None, dict(max_epochs=100, max_steps=120), 120, "max_steps=120", 60),
+        (None, dict(max_epochs=4), 48, "max_epochs=4 of 12 optimizer steps", 24),  # the plain run's 4 x 12
+        (0.6, dict(max_epochs=100, max_steps=120), 120, "max_steps=120", 75),  # the plan fitted to the budget
+    ],
+    ids=["max-steps", "max-epochs", "budget"],
+)
+def test_a_per_step_schedule_built_for_the_unplanned_run_length_is_refused_before_the_first_step(
+    budget, run, length, source, planned
+):
+    """Held-out sweep: with max_epochs set, Lightning builds a scheduler of a literal length before the data,
+    so CosineAnnealingLR(T_max=120) was never checked, and the run planned down to 60 steps stopped it half-way
+    through its course (the learning rate still at half its peak) with no word."""
+    replay, counter = HardSampleReplay(), _StepCounter()
+    trainer = pl.Trainer(callbacks=[*_cycle_of(budget), replay, counter], **run, **trainer_kwargs())
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(_CosineClassifier(length), ShuffleFreeData(num_samples=1000, batch_size=64))
+    assert replay.steps.plan.total_steps == planned  # the final plan: under a budget, the one fitted to it
+    assert str(refusal.value).startswith(
+        f"HardSampleReplay: the per-step CosineAnnealingLR was built for {length} steps, the run's length "
+        f"without step-saving replay ({source}), and mode='steps' plans {planned}: "
+    )
+    assert "`self.trainer.estimated_stepping_batches`" in str(refusal.value) and "mode='batch'" in str(
+        refusal.value
+    )
+    assert trainer.global_step == 0 and counter.steps == 0
+
+
+@pytest.mark.parametrize(("budget", "planned"), [(None, 60), (0.6, 75)], ids=["alone", "budget"])
+def test_a_per_step_schedule_built_from_estimated_stepping_batches_ends_at_the_planned_steps(budget, planned):
+    """The way out the refusal above names: with max_epochs set, the plan is made before the scheduler reads
+    the run's length, so the cosine reaches its end (its minimum) on the run's last step."""
+    pl.seed_everything(0)
+    replay = HardSampleReplay()
+    trainer = pl.Trainer(
+        callbacks=[*_cycle_of(budget), replay],
+        max_epochs=100,
+        max_steps=120,
+        limit_val_batches=0,
+        **trainer_kwargs(),
+    )
+    trainer.fit(_CosineClassifier(), ShuffleFreeData(num_samples=1000, batch_size=64))
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert replay.steps.plan.total_steps == planned  # non-vacuous: fewer than the 120 steps it replaces
+    assert schedule.T_max == schedule.last_epoch == trainer.global_step == planned
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_schedule_lengths_are_read_from_torch_and_hugging_face_schedulers():
     import functools
 

@@ -187,6 +187,12 @@ STEPS_MODE_STEP_BOUND_REFUSAL = (
     "Set max_epochs too (max_epochs={epochs} holds max_steps' data): Lightning then loads the data, and the plan "
     "is made, before the scheduler reads the run's length. Or use mode='batch'."
 )
+STEPS_MODE_SCHEDULE_LENGTH_REFUSAL = (
+    "HardSampleReplay: the per-step {scheduler} was built for {length} steps, the run's length without "
+    "step-saving replay ({source}), and mode='steps' plans {planned}: the schedule would stop at {share:.0%} of "
+    "its course. Build its length from `self.trainer.estimated_stepping_batches` in configure_optimizers (it "
+    "holds the {planned} planned steps), or use mode='batch'."
+)
 STEPS_MODE_LIMIT_REFUSAL = (
     "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which {setting} cuts short; drop it "
     "or use mode='batch'."
