@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import threading
 
-import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.core import per_sample_loss
 from lightning_pulse.core.per_sample_loss import (
     ForwardLossScorer,
@@ -24,7 +21,6 @@ from lightning_pulse.core.per_sample_loss import (
     per_sample_from_unreduced,
 )
 from lightning_pulse.errors import PulseRefusal
-from tests.conftest import trainer_kwargs
 
 
 def _logits_and_targets(batch=8, classes=5, seed=0):
@@ -712,102 +708,3 @@ def test_a_single_logged_value_is_refused_and_a_single_loss_keeps_its_own_scale(
     (3.0 * ce).backward()
     single.drop_unused()  # one call: its own per-sample losses, whatever its weight
     assert torch.allclose(single.per_sample(), F.cross_entropy(logits, target, reduction="none").detach())
-
-
-def test_a_lone_sample_weighted_loss_ranks_samples_as_it_does_next_to_a_negligible_second_term():
-    # held-out sweep: `(F.cross_entropy(..., reduction="none") * w).mean()` alone was scored by the unweighted
-    # cross-entropy, but by the weighted one as soon as any second term joined it, even `1e-6 * mse`: the ranking,
-    # and so the replayed samples, hung on a negligible term. A call the caller reduces is read through the
-    # gradient reaching it, alone or not
-    torch.manual_seed(0)
-    logits = torch.randn(6, 5, requires_grad=True)
-    target = torch.randint(0, 5, (6,))
-    weight = torch.tensor([0.1, 1.0, 2.0, 5.0, 0.5, 3.0])
-    aux = torch.randn(6, 3, requires_grad=True)
-
-    def captured(with_aux_term: bool) -> LossCapture:
-        capture = LossCapture(batch_size=6)
-        with capture:
-            loss = (F.cross_entropy(logits, target, reduction="none") * weight).mean()
-            if with_aux_term:
-                loss = loss + 1e-6 * F.mse_loss(aux, torch.zeros(6, 3))
-        loss.backward()
-        return capture
-
-    cross_entropy = F.cross_entropy(logits, target, reduction="none").detach()
-    weighted = weight * cross_entropy / weight.mean()  # its part in the loss, in the units of a plain mean
-    assert not torch.equal(cross_entropy.argsort(), weighted.argsort())  # the weights reorder these samples
-    alone, with_aux = captured(False).per_sample(), captured(True).per_sample()
-    torch.testing.assert_close(alone, weighted)
-    assert torch.equal(alone.argsort(), with_aux.argsort())
-    # read by NumPy on the CPU; by torch ops elsewhere (an accelerator, bf16): the same numbers
-    capture = captured(False)
-    record = capture.records[0]
-    torch.testing.assert_close(capture._parts([record])(0, record.per_sample), alone)
-    # the NumPy path that splits consecutive steps together reads it the same way
-    together = concat_per_sample([captured(False), captured(False)])
-    np.testing.assert_allclose(together, torch.cat([weighted, weighted]).numpy(), rtol=1e-6)
-
-
-def test_a_lone_loss_torch_reduces_keeps_its_own_per_sample_losses_bit_for_bit():
-    # the weighted reading above must leave the common `F.cross_entropy(logits, y)` as it was: its own losses,
-    # whatever scale the caller gives it, on both the torch and the NumPy path
-    torch.manual_seed(0)
-    logits = torch.randn(8, 4, requires_grad=True)
-    target = torch.randint(0, 4, (8,))
-    expected = F.cross_entropy(logits, target, reduction="none").detach()
-    for reduction, scale in (("mean", 1.0), ("mean", 3.0), ("sum", 0.5)):
-        captures = [LossCapture(batch_size=8) for _ in range(2)]
-        for capture in captures:
-            with capture:
-                loss = F.cross_entropy(logits, target, reduction=reduction)
-            (scale * loss).backward()
-        assert torch.equal(captures[0].per_sample(), expected)
-        assert np.array_equal(concat_per_sample(captures[1:]), expected.numpy())
-    # unweighted and reduced by the caller: the same losses, to rounding
-    capture = LossCapture(batch_size=8)
-    with capture:
-        F.cross_entropy(logits, target, reduction="none").sum().backward()
-    torch.testing.assert_close(capture.per_sample(), expected)
-
-
-class _SampleWeightedClassifier(pl.LightningModule):
-    """A linear classifier whose loss weights each sample by a weight the batch carries, plus an optional
-    auxiliary term; it records which samples each step trained on. ``lr=0``: every fit sees the same model."""
-
-    def __init__(self, aux_weight: float) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = nn.Linear(8, 4)
-        self.aux_weight = aux_weight
-        self.trained: list[list[int]] = []
-
-    def training_step(self, batch, batch_idx):
-        x, y, weight, index = batch
-        self.trained.append(index.tolist())
-        logits = self.layer(x)
-        loss = (F.cross_entropy(logits, y, reduction="none") * weight).mean()
-        if self.aux_weight:
-            loss = loss + self.aux_weight * F.mse_loss(logits[:, 0], y.float())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
-
-
-def test_hard_sample_replay_trains_the_same_samples_of_a_weighted_loss_with_or_without_a_negligible_term():
-    # the same held-out sweep through a fit: with the weights read only next to a second term, `1e-6 * mse`
-    # changed which half of each batch the second epoch trained on
-    generator = torch.Generator().manual_seed(0)
-    x, y = torch.randn(96, 8, generator=generator), torch.randint(0, 4, (96,), generator=generator)
-    weight = torch.rand(96, generator=generator) * 4
-    data = TensorDataset(x, y, weight, torch.arange(96))
-    trained = []
-    for aux_weight in (0.0, 1e-6):
-        model = _SampleWeightedClassifier(aux_weight)
-        replay = HardSampleReplay(mode="batch", replay_fraction=0.5, score_half_life=None)
-        trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
-        trainer.fit(model, DataLoader(data, batch_size=16))
-        trained.append(model.trained)
-    assert [len(step) for step in trained[0]] == [16] * 6 + [8] * 6  # the second epoch keeps the hardest half
-    assert trained[0] == trained[1]

@@ -487,8 +487,7 @@ class LossCapture:
         return any(record.maps_onto_batch for record in self.records)
 
     def per_sample(self) -> Tensor | None:
-        """The ``(B,)`` per-sample loss: the sum over every captured call that maps onto the batch, each call
-        counted with its part in the loss once a backward has reached it (see :meth:`_parts`).
+        """The ``(B,)`` per-sample loss: the sum over every captured call that maps onto the batch.
 
         Summing matches a module whose loss is a sum of terms (e.g. a task loss plus a distillation loss).
         ``None`` if no captured call mapped onto ``B`` samples. Computed once per capture and kept (a later
@@ -497,9 +496,6 @@ class LossCapture:
         if self._per_sample_count == len(self.records):
             return self._per_sample
         mapped = [record for record in self.records if record.maps_onto_batch]
-        if len(mapped) == 1 and (lone := _caller_reduced_part_on_cpu(mapped[0], self.batch_size)) is not None:
-            self._per_sample, self._per_sample_count = lone, len(self.records)
-            return lone
         parts = self._parts(mapped)
         total = None
         for index, record in enumerate(mapped):
@@ -521,21 +517,16 @@ class LossCapture:
         self._per_sample_count = -1
 
     def _parts(self, mapped: list[CapturedLoss]) -> Callable[[int, Tensor], Tensor] | None:
-        """For calls that are all part of the loss: ``(i, values) ->`` call ``i``'s per-sample term as its part
-        in the loss, relative to the largest part (``ce + 0.1 * mse`` scores ``ce + 0.1 * mse``). ``None`` (an
-        unweighted sum) for one call torch reduced, which weighs every sample alike and so keeps its own
-        per-sample losses whatever its weight, or when a part cannot be read. On the device; nothing is
+        """For several calls that are all part of the loss: ``(i, values) ->`` call ``i``'s per-sample term as
+        its part in the loss, relative to the largest part (``ce + 0.1 * mse`` scores ``ce + 0.1 * mse``).
+        ``None`` (an unweighted sum) for one call, or when a part cannot be read. On the device; nothing is
         synchronised.
 
         With ``g`` the gradient of the loss with respect to what the caller got: a call torch reduced stands
         for ``g`` times its per-sample losses (``"mean"``, ``"batchmean"``; ``"sum"``: times its element count
         too); a call the caller reduced (``reduction="none"``) for ``B`` times the sum of ``g * loss`` over each
-        sample's elements, and weighs ``sum(g)``. That holds for a lone such call too, which may weight its
-        samples (``(ce * w).mean()`` scores ``w * ce / mean(w)``): read as plain losses, its weights would count
-        only once a second term joined the loss, however small, and that term would reorder the samples."""
-        if not mapped or any(record.grad is None for record in mapped):
-            return None
-        if len(mapped) == 1 and mapped[0].unreduced is None:
+        sample's elements, and weighs ``sum(g)``."""
+        if len(mapped) < 2 or any(record.grad is None for record in mapped):
             return None
         sizes: list[Tensor] = []
         shares: list[Tensor | None] = []
@@ -818,8 +809,6 @@ def _lone_source(capture: LossCapture) -> tuple[tuple, Tensor, Tensor | None, in
     source = record._source
     if source is None or not record.maps_onto_batch:
         return None
-    if record.unreduced is not None and record.grad is not None:  # caller-reduced: read through its gradient
-        return None
     arguments, unreduced, batch_size = source
     if not unreduced.is_cpu or unreduced.dtype not in (torch.float32, torch.float64):
         return None
@@ -830,26 +819,6 @@ def _lone_source(capture: LossCapture) -> tuple[tuple, Tensor, Tensor | None, in
     width = unreduced.numel() // batch_size
     key = (record.name, record.reduction, width, arguments.get("ignore_index", -100), class_indices)
     return key, unreduced, target if class_indices else None, batch_size
-
-
-def _caller_reduced_part_on_cpu(record: CapturedLoss, batch_size: int) -> Tensor | None:
-    """What :meth:`LossCapture._parts` makes of a lone call the caller reduced, ``B`` times the sum of ``g * loss``
-    over each sample's elements over ``|sum(g)|``, in NumPy for float CPU tensors: a few calls where torch
-    takes a dozen, on every training step. ``None`` where that does not apply, or where the part cannot be read
-    (``sum(g)`` zero or not finite)."""
-    grad, unreduced = record.grad, record.unreduced
-    if grad is None or unreduced is None or tuple(grad.shape) != tuple(unreduced.shape):
-        return None
-    floats = (torch.float32, torch.float64)
-    if not (grad.is_cpu and unreduced.is_cpu) or grad.dtype not in floats or unreduced.dtype not in floats:
-        return None
-    grad_values = grad.numpy().astype(np.float32, copy=False)
-    size = abs(grad_values.sum(dtype=np.float32))
-    if not np.isfinite(size) or size == 0:
-        return None
-    weighted = grad_values * unreduced.numpy().astype(np.float32, copy=False)
-    shares = weighted.reshape(batch_size, -1).sum(axis=1, dtype=np.float32) * np.float32(batch_size)
-    return torch.from_numpy((shares / size).astype(np.float32, copy=False))
 
 
 _NOT_ON_CPU = object()
