@@ -903,4 +903,4 @@ def test_a_retrace_of_parameters_frozen_before_a_ddp_wrap_warns_that_ddp_never_a
     model[0].requires_grad_(True)
     note, released, warns = lifecycle.retrace(model, check=True)
     assert warns and "Under DDP, 0.weight and others were frozen when DDP wrapped the model" in note
-    assert "`on_fit_start`" in note  # the way out
+    assert "in a callback's `on_train_start`" in note  # the way out

@@ -162,14 +162,14 @@ class GradientCache(Callback):
         )
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
         self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)
-        if trainer.world_size > 1:  # before the strategy wraps the model
-            self._lifecycle.frozen_before_wrap = frozen_parameter_ids(pl_module)
         self.ledger, self.events = BackwardFlopLedger(), []
         self._pending_state, self._fit_refs = None, None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_wrapped_model(trainer.strategy.model, trainer.world_size, type(trainer.strategy).__name__)
+        if trainer.world_size > 1:  # DDP just wrapped the model: what is frozen now, its reducer left out
+            self._lifecycle.frozen_before_wrap = frozen_parameter_ids(pl_module)
         refuse_optimizers_that_move_gradless_parameters(trainer.optimizers)
 
     @override

@@ -809,8 +809,8 @@ class FreezerLifecycle:
         self._graph_checked = False
         self._model: nn.Module | None = None  # the fit's model: its parameters outside the units are watched
         self._statistics: dict[str, float] | None = None  # a retraced freezer's, for the next one to continue
-        # under DDP, the parameters frozen before the strategy wrapped the model: its reducer left them out, so
-        # their gradients are never averaged over ranks once they train (see :meth:`retrace`)
+        # under DDP, the parameters frozen when the strategy wrapped the model (read at fit start, right after
+        # the wrap): its reducer left them out, so their gradients are never averaged once they train
         self.frozen_before_wrap: set[int] = set()
 
     @property
@@ -910,8 +910,9 @@ class FreezerLifecycle:
             note += (
                 f". Under DDP, {unsynced[0]}{' and others' if len(unsynced) > 1 else ''} were frozen when DDP "
                 "wrapped the model, so DDP never averages their gradients: each rank trains its own copy and the "
-                "ranks drift apart. Keep them trainable until the fit starts and freeze them in a callback's "
-                "`on_fit_start` (as Lightning's BackboneFinetuning does)"
+                "ranks drift apart (Lightning's BackboneFinetuning, which freezes in `setup`, has the same "
+                "limit). Freeze them after DDP wraps the model instead, in a callback's `on_train_start`, so its "
+                "reducer holds them"
             )
         return note, released, bool(unsynced)
 
@@ -1032,8 +1033,8 @@ def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Cal
 
 
 def frozen_parameter_ids(model: nn.Module) -> set[int]:
-    """The ids of ``model``'s parameters that do not require grad now (before DDP wraps it: those its reducer
-    leaves out)."""
+    """The ids of ``model``'s parameters that do not require grad now (right after DDP wrapped it: those its
+    reducer left out)."""
     return {id(param) for param in model.parameters() if not param.requires_grad}
 
 
