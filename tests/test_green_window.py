@@ -26,7 +26,7 @@ from lightning_pulse.callbacks.green_window import SUSPEND_CHECKPOINT
 from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
 from lightning_pulse.cli import main as cli_main
 from lightning_pulse.cli import run_wait_for_window
-from lightning_pulse.energy.carbon import TimeSeries, parse_timestamp
+from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import OracleForecast
 from tests.conftest import trainer_kwargs
 
@@ -215,6 +215,8 @@ def test_suspend_without_checkpointing_and_no_signal_are_refused(mnist1d_small):
         ({"max_delay": -1.0}, "GreenWindow: `max_delay`=-1.0 must be a share >= 0"),
         ({"max_delay": "3epochs"}, "GreenWindow: `max_delay`='3epochs' must be a duration"),
         ({"deadline": "tomorrow"}, "GreenWindow: `deadline`='tomorrow' is not a UTC time"),
+        ({"expected_duration": 0}, "GreenWindow: `expected_duration`=0 must be a positive duration"),
+        ({"expected_duration": "0h"}, "GreenWindow: `expected_duration`='0h' must be a positive duration"),
         ({"forecast": OracleForecast()}, "GreenWindow: `forecast`=OracleForecast() reads the future"),
         ({"signal": "missing.csv"}, "GreenWindow: `signal`='missing.csv' is not a file"),
         ({"options": {"slot": "0s"}}, "GreenWindow: `options.slot`='0s' must be a positive duration"),
@@ -337,6 +339,96 @@ def test_a_resume_from_a_mid_run_checkpoint_reports_what_the_uninterrupted_run_d
         assert {"kind": "wait", "start": saved[40], "end": saved[40] + 7200.0, "kwh": 0.0} in later[
             "segments"
         ]
+
+
+@pytest.mark.parametrize("behind", ["to the run's start", "30 s"])
+def test_a_resume_on_a_clock_behind_the_save_continues_from_the_save(mnist1d_small, tmp_path, behind):
+    checkpoints, start = tmp_path / "ckpt", parse_timestamp("2020-06-15 04:00:00")
+
+    def run(clock_start, ckpt_path=None, save=False):
+        clock = SimulatedClock(clock_start)
+        green = GreenWindow(
+            signal=DE_JUNE,
+            when_dirty="pause",
+            max_delay=1.0,
+            expected_duration="8h",
+            clock=clock,
+            options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path / "report")),
+        )
+        times = SaveTimes(clock)
+        callbacks = [green, times]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=10, save_top_k=-1))
+        trainer = fit(callbacks, clock, steps=48, enable_checkpointing=save, default_root_dir=tmp_path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(*mnist1d_small(arch="mlp"), ckpt_path=ckpt_path)
+        return (
+            green.report,
+            times.saved,
+            [str(w.message) for w in caught if "before the checkpoint" in str(w.message)],
+        )
+
+    full, saved, _ = run(start, save=True)
+    assert full["summary"]["waited_s"] > 0
+    (checkpoint,) = checkpoints.glob("*step=20.ckpt")
+    # the same script run again (its clock restarted where the first run's started), or another host whose
+    # clock is 30 s behind: the run's time continues from the save, as if the run had not stopped
+    clock_start = start if behind == "to the run's start" else saved[20] - 30.0
+    resumed, _, said = run(clock_start, ckpt_path=str(checkpoint))
+    assert all(s["end"] >= s["start"] for s in resumed["segments"])
+    assert resumed["summary"]["compute_s"] == pytest.approx(48 * STEP_S)
+    for name in FIGURES:
+        assert resumed["summary"][name] == pytest.approx(full["summary"][name], rel=1e-9, abs=1e-9), name
+    assert [(s["kind"], s["start"], s["end"]) for s in resumed["segments"]] == [
+        (s["kind"], s["start"], s["end"]) for s in full["segments"]
+    ]
+    assert len(said) == 1 and f"the clock reads {format_utc(clock_start)}" in said[0]
+
+
+def test_a_deadline_already_past_is_refused_before_the_first_step(mnist1d_small):
+    clock = SimulatedClock(START)
+    green = GreenWindow(signal=DE_JUNE, when_dirty="pause", deadline="2020-06-14 23:00:00", clock=clock)
+    trainer = fit([green], clock, steps=8)
+    with pytest.raises(PulseRefusal) as refused:
+        trainer.fit(*mnist1d_small(arch="mlp"))
+    first = str(refused.value).splitlines()[0]
+    assert first.startswith("GreenWindow: `deadline`='2020-06-14 23:00:00' (UTC) is already past: the clock ")
+    assert "reads 2020-06-15 00:00:00 at fit start" in first
+    assert trainer.global_step == 0
+
+
+def test_a_resume_after_its_deadline_passed_runs_the_rest_without_waiting(mnist1d_small, tmp_path):
+    checkpoints = tmp_path / "ckpt"
+
+    def run(clock_start, ckpt_path=None, save=False):
+        clock = SimulatedClock(clock_start)
+        green = GreenWindow(
+            signal=DE_JUNE,
+            when_dirty="pause",
+            max_delay=1.0,
+            deadline="2020-06-16 00:00:00",
+            expected_duration="8h",
+            clock=clock,
+            options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path / "report")),
+        )
+        callbacks = [green]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=10, save_top_k=-1))
+        trainer = fit(callbacks, clock, steps=48, enable_checkpointing=save, default_root_dir=tmp_path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(*mnist1d_small(arch="mlp"), ckpt_path=ckpt_path)
+        return green, clock, [str(w.message) for w in caught if "`deadline`" in str(w.message)]
+
+    _, _, said = run("2020-06-15 04:00:00", save=True)
+    assert not said
+    (checkpoint,) = checkpoints.glob("*step=20.ckpt")
+    green, clock, said = run("2020-06-16 02:00:00", ckpt_path=str(checkpoint))  # down past the deadline
+    assert len(said) == 1 and "passed while the run was down" in said[0]
+    assert green.report["status"] == "complete"
+    assert clock.time() == parse_timestamp("2020-06-16 02:00:00") + 28 * STEP_S  # 28 steps, no wait
+    assert green.report["summary"]["compute_s"] == pytest.approx(48 * STEP_S)
 
 
 def test_light_mode_neither_reports_nor_charges_warm_up_and_anneal_as_held(mnist1d_small, tmp_path, caplog):

@@ -13,9 +13,11 @@ from benchmarks.green_window import Persistence, SameHourYesterday
 from lightning_pulse.core.green_window import (
     GreenSchedule,
     GreenWindowPolicy,
+    RunClock,
     ScheduleLedger,
     SimulatedClock,
     parse_threshold,
+    passed_deadline,
     read_resume_file,
     simulate_job,
     wait_for_window,
@@ -317,3 +319,31 @@ def test_forecast_from_rejects_what_is_no_forecast():
     with pytest.raises(ValueError, match="`forecast`='tomorrow' is not accepted"):
         forecast_from("tomorrow")
     assert isinstance(forecast_from(str(DE_JUNE)), SeriesForecast)
+
+
+def test_the_run_clock_continues_from_the_save_and_never_goes_back():
+    clock = SimulatedClock(1000.0)
+    run_clock = RunClock(clock)
+    assert run_clock.restart() == (1000.0, None)  # a fresh run: the clock as it reads
+    # resumed from a checkpoint saved at 5000 (suspended at 4000) on a clock reading 1000: moved 1.1 h later
+    now, said = run_clock.restart({"saved_at": 5000.0}, {"at": 4000.0})
+    assert now == 5000.0 and "1.1 h before the checkpoint's save" in said
+    clock.advance(600.0)
+    assert run_clock.time() == 5600.0
+    clock.now -= 100.0  # the clock steps back: the run's time stands still, then carries on from there
+    assert run_clock.time() == 5600.0
+    clock.advance(50.0)
+    assert run_clock.time() == 5650.0
+    assert RunClock(SimulatedClock(9000.0)).restart({"saved_at": 5000.0}) == (9000.0, None)  # ahead: as is
+    with pytest.raises(ValueError, match=r"^`clock.time\(\)` returned 'noon'; it must return Unix seconds"):
+        RunClock(type("Noon", (), {"time": lambda self: "noon", "sleep": lambda self, s: None})()).restart()
+
+
+def test_a_past_deadline_refuses_a_new_run_and_warns_a_resumed_one():
+    assert passed_deadline(None, 5000.0, resumed=False) is None
+    assert passed_deadline(5000.0, 5000.0, resumed=False) is None
+    with pytest.raises(
+        ValueError, match=r"^`deadline`='1970-01-01 01:23:20' \(UTC\) is already past: the clock"
+    ):
+        passed_deadline(5000.0, 6000.0, resumed=False)
+    assert "passed while the run was down" in passed_deadline(5000.0, 6000.0, resumed=True)

@@ -25,6 +25,7 @@ from lightning_pulse.core.green_window import (
     GreenWindowOptions,
     GreenWindowPolicy,
     OpenSegment,
+    RunClock,
     ScheduleLedger,
     SystemClock,
     checked_arguments,
@@ -32,13 +33,14 @@ from lightning_pulse.core.green_window import (
     decision_line,
     fit_start_refusal,
     options_from,
+    passed_deadline,
     seconds_of,
     unknown_length_refusal,
     write_resume_file,
 )
 from lightning_pulse.energy.carbon import format_utc, parse_timestamp
 from lightning_pulse.energy.signal import GreenSignal
-from lightning_pulse.errors import PulseRefusal, refuse_unwritable_dir
+from lightning_pulse.errors import PulseRefusal, refuse_unwritable_dir, refusing
 from lightning_pulse.loggers import log_to_loggers
 
 SUSPEND_CHECKPOINT = "last-green-window.ckpt"
@@ -82,7 +84,7 @@ class GreenWindow(Callback):
         deadline: UTC time (``"2026-03-01 08:00:00"``) by which the run must end, or ``None``.
         forecast: ``"seasonal"`` (the default, past data only), a forecast series path (.csv/.json), or an
             object with ``predict(series, now, starts, slot_s)``.
-        expected_duration: the run's compute time ("20h") if known; else measured from its first steps.
+        expected_duration: the run's compute time ("20h", > 0) if known; else measured from its first steps.
         clock: an object with ``time()`` and ``sleep(seconds)``; the system clock by default, a
             :class:`~lightning_pulse.core.green_window.SimulatedClock` to replay days in seconds.
         options: :class:`GreenWindowOptions`.
@@ -92,7 +94,9 @@ class GreenWindow(Callback):
             forecast (an oracle reads the future and is refused) or signal file. At fit start
             (:class:`~lightning_pulse.PulseRefusal`): ``"light"`` without a PulseCycle with light phases or
             next to ``HardSampleReplay(mode="steps")`` (it plans its batches on the phase sequence),
-            ``"suspend"`` without a ModelCheckpoint, no signal and no EnergyLogger series.
+            ``"suspend"`` without a ModelCheckpoint, no signal and no EnergyLogger series, a new run's
+            ``deadline`` already past (a resumed run's warns and runs on). A resume on a clock that reads
+            earlier than the checkpoint's save continues from the save (``core.green_window.RunClock``).
 
     Example::
 
@@ -137,15 +141,11 @@ class GreenWindow(Callback):
             )
             start = None if self.options.signal_start is None else parse_timestamp(self.options.signal_start)
             self.signal = GreenSignal(signal, start)
+            self.clock = clock or SystemClock()
+            self.run_clock = RunClock(self.clock)  # the clock, never earlier than a resumed checkpoint's save
         except ValueError as error:
             text = str(error)
             raise ValueError(text if text.startswith("GreenWindow") else f"GreenWindow: {text}") from None
-        if clock is not None and not all(callable(getattr(clock, name, None)) for name in ("time", "sleep")):
-            raise ValueError(
-                f"GreenWindow: `clock`={clock!r} must have `time()` (Unix seconds) and `sleep(seconds)` methods, "
-                "or be None for the system clock."
-            )
-        self.clock = clock or SystemClock()
         self.schedule = GreenSchedule(
             self.policy,
             delay,
@@ -200,13 +200,17 @@ class GreenWindow(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        now = self.clock.time()
-        if isinstance(now, bool) or not isinstance(now, (int, float)):
-            raise PulseRefusal(f"GreenWindow: `clock.time()` returned {now!r}; it must return Unix seconds.")
+        # refused: a clock without Unix seconds; a new run's deadline already past on rank 0's clock
+        with refusing("GreenWindow"):
+            now, behind = self.run_clock.restart(self._open, self.suspended)
+            at = now if trainer.world_size == 1 else compat.broadcast_held(trainer.strategy, now, self._held)
+            late = passed_deadline(self.schedule.deadline, at, self.schedule.run_start is not None)
+        for line in filter(None, (behind, late)):
+            rank_zero_warn(line)
         if self._energy is not None and (energy_now := self._energy.account.wall_clock()) is not None:
             if self._follows is not None:  # the EnergyLogger's run start, moved onto this clock
                 self.signal.rate.anchor_as(self._follows, now, energy_now)  # type: ignore[union-attr]
-            if (apart := clocks_apart(now, energy_now, self.options.slot_s)) is not None:
+            if (apart := clocks_apart(self.clock.time(), energy_now, self.options.slot_s)) is not None:
                 rank_zero_warn(apart)
         self.signal.anchor(now)
         if self.schedule.run_start is None:
@@ -237,14 +241,14 @@ class GreenWindow(Callback):
         if steps <= 0:
             return
         self._last_step = trainer.global_step
-        self.segment.stepped(steps, self.clock.time())
+        self.segment.stepped(steps, self.run_clock.time())
         if trainer.world_size > 1 and trainer.global_step % SYNC_EVERY_N_STEPS:
             return
         self._check(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.segment.close(self.clock.time(), self._kwh)
+        self.segment.close(self.run_clock.time(), self._kwh)
         if trainer.is_global_zero:
             self._write_report(trainer, "suspended" if self.suspended else "complete")
 
@@ -259,7 +263,7 @@ class GreenWindow(Callback):
             "suspended": self.suspended,
             "waiting": self._waiting,
             "signal": self.signal.state_dict(),
-            "open": self.segment.state_dict(self.clock.time(), self._next_check),
+            "open": self.segment.state_dict(self.run_clock.time(), self._next_check),
         }
 
     @override
@@ -275,7 +279,7 @@ class GreenWindow(Callback):
         while True:
             decision = None
             if trainer.is_global_zero:
-                now = self.clock.time()
+                now = self.run_clock.time()
                 if now >= self._next_check:
                     self.segment.close(now, self._kwh)  # the compute since the last mark: a segment
                     decision = self._decide(trainer, now)
@@ -304,17 +308,17 @@ class GreenWindow(Callback):
         cycle = pulse_cycle_of(trainer) if self.when_dirty == "light" else None
         if decision.run != (not self._waiting):
             stage = "cycle" if cycle is None else cycle.clock.stage
-            rank_zero_info(decision_line(decision, self.when_dirty, self.clock.time(), stage))
+            rank_zero_info(decision_line(decision, self.when_dirty, self.run_clock.time(), stage))
         self._waiting = not decision.run
         if cycle is not None:
             cycle.hold_light(trainer, pl_module, not decision.run)
             return False
         if decision.run:
             return False
-        start = self.clock.time()
+        start = self.run_clock.time()
         if self.when_dirty == "pause":
             self.clock.sleep(decision.wait_s)
-            self.segment.waited(start, self.clock.time(), self._kwh())
+            self.segment.waited(start, self.run_clock.time(), self._kwh())
             self._next_check = -math.inf
             return True
         self._suspend(trainer, decision, start)
@@ -323,6 +327,8 @@ class GreenWindow(Callback):
     def _suspend(self, trainer: pl.Trainer, decision: Decision, now: float) -> None:
         resume_at = now + (decision.resume_at or now) - decision.at
         self.suspended = {"at": now, "resume_at": resume_at}
+        # wait-for-window reads the resume file on the clock itself, not on the run's (moved) time
+        now, resume_at = now - self.run_clock.behind_s, resume_at - self.run_clock.behind_s
         folder = Path(trainer.checkpoint_callback.dirpath or trainer.default_root_dir)  # type: ignore[union-attr]
         path = folder / SUSPEND_CHECKPOINT
         trainer.save_checkpoint(path)

@@ -8,7 +8,8 @@ objects, and ``benchmarks/green_window.py`` drives the same objects on the 2020 
   optional deadline. It never waits when waiting one slot could make the job miss its deadline or overrun
   its delay budget (:meth:`GreenWindowPolicy.decide`).
 * :class:`SimulatedClock` stands in for the wall clock: sleeping advances it instantly, so days of a real
-  series replay in seconds; :class:`SystemClock` is the real one.
+  series replay in seconds; :class:`SystemClock` is the real one; :class:`RunClock` keeps a run's time from
+  going back (a resume on a clock that reads earlier than the checkpoint's save continues from the save).
 * :class:`ScheduleLedger` keeps what ran when, with its energy, and prices it against the counterfactual:
   the same energy on a carbon-agnostic schedule started at the same moment.
 * :func:`simulate_job` runs a job of a given compute length through the policy on a clock, slot by slot.
@@ -73,6 +74,71 @@ class SimulatedClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class RunClock:
+    """A run's time: its clock's reading, moved later where needed so that it never goes back.
+
+    A run resumed on a clock that reads earlier than its checkpoint's save (a SimulatedClock restarted at the
+    run's start, a host whose clock is behind the saving host's) continues from the save: every reading moves
+    later by the difference, as if the clock read the save time when training resumed. Durations then never
+    come out negative, the signal and the deadline are read at the times the saving run would have read them,
+    and no time is counted as waited while the run was down (none can be measured). A clock that steps back
+    during a run (an NTP correction) is held the same way.
+
+    Args:
+        clock: an object with ``time()`` (Unix seconds) and ``sleep(seconds)``.
+
+    Raises:
+        ValueError: naming ``clock`` when it lacks one of them.
+    """
+
+    def __init__(self, clock: Any) -> None:
+        if not all(callable(getattr(clock, name, None)) for name in ("time", "sleep")):
+            raise ValueError(
+                f"`clock`={clock!r} must have `time()` (Unix seconds) and `sleep(seconds)` methods, or be "
+                "None for the system clock."
+            )
+        self.clock = clock
+        self.behind_s = 0.0  # added to every reading of the clock
+        self.latest = -math.inf
+
+    def restart(
+        self, saved: Mapping[str, Any] | None = None, suspended: Mapping[str, Any] | None = None
+    ) -> tuple[float, str | None]:
+        """Training (re)starts, fresh or from a checkpoint that held the ``saved`` segment (saved at
+        ``saved_at``) and maybe a suspend (``at``): the run's time continues from the later of the two when
+        the clock reads earlier. Returns the run's time now, and the line that says it was moved (else
+        ``None``).
+
+        Raises:
+            ValueError: when the clock's ``time()`` returns no number.
+        """
+        now = self.clock.time()
+        if isinstance(now, bool) or not isinstance(now, (int, float)):
+            raise ValueError(f"`clock.time()` returned {now!r}; it must return Unix seconds.")
+        marks = [(saved or {}).get("saved_at"), (suspended or {}).get("at")]
+        floor = max((float(mark) for mark in marks if mark is not None), default=-math.inf)
+        self.behind_s, self.latest = max(floor - now, 0.0), -math.inf
+        if not self.behind_s:
+            return self.time(), None
+        behind = f"{self.behind_s / 3600:.1f} h" if self.behind_s >= 3600 else f"{self.behind_s:.0f} s"
+        return self.time(), (
+            f"GreenWindow: the clock reads {format_utc(now)}, {behind} before the checkpoint's save at "
+            f"{format_utc(floor)}; the run's time continues from the save (every reading moved {behind} "
+            "later), and nothing is counted as waited while the run was down."
+        )
+
+    def time(self) -> float:
+        now = float(self.clock.time()) + self.behind_s
+        if now < self.latest:  # the clock stepped back: the run's time carries on from where it was
+            self.behind_s += self.latest - now
+            now = self.latest
+        self.latest = now
+        return now
+
+    def sleep(self, seconds: float) -> None:
+        self.clock.sleep(seconds)
 
 
 # ---------------------------------------------------------------------------- the policy
@@ -486,6 +552,7 @@ def write_schedule_plot(
 DURATION_FORMS = {  # what each duration field accepts besides a string with a unit of time
     "max_delay": ", or a share >= 0 of the expected compute time (a number: 1.0 = 100%)",
     "options.slot": ", or a number of seconds > 0",
+    "expected_duration": ", a number of seconds > 0, or None",
 }
 
 
@@ -616,7 +683,36 @@ def checked_arguments(
         raise ValueError(
             f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00'."
         ) from None
-    return when_dirty, checked, delay, share, deadline_s, seconds_of(expected_duration, "expected_duration")
+    expected = seconds_of(expected_duration, "expected_duration")
+    if expected is not None and not expected > 0:  # no work to plan: every decision would be wrong
+        raise ValueError(
+            f"`expected_duration`={expected_duration!r} must be a positive duration such as '20h' (or "
+            "seconds > 0), or None to measure it from the run's first steps."
+        )
+    return when_dirty, checked, delay, share, deadline_s, expected
+
+
+def passed_deadline(deadline: float | None, now: float, resumed: bool) -> str | None:
+    """The deadline is past at fit start (``now`` on the run's clock): a fresh run refuses (a typo'd date,
+    or a clock that does not read what the deadline assumes); a resumed one, whose deadline passed while it
+    was down, runs the rest without waiting, and is told so (the returned line). ``None`` when it is not
+    past.
+
+    Raises:
+        ValueError: for a fresh run, naming ``deadline``, its value and the clock's time.
+    """
+    if deadline is None or now <= deadline:
+        return None
+    if not resumed:
+        raise ValueError(
+            f"`deadline`={format_utc(deadline)!r} (UTC) is already past: the clock reads {format_utc(now)} "
+            "at fit start; give a later UTC time or None (on a SimulatedClock, start the clock before the "
+            "deadline)."
+        )
+    return (
+        f"GreenWindow: `deadline`={format_utc(deadline)!r} (UTC) passed while the run was down (the clock "
+        f"reads {format_utc(now)}); it runs the rest without waiting."
+    )
 
 
 def fit_start_refusal(
