@@ -27,9 +27,8 @@ Part 2, faults. Each fault alone, at 40% and at 80% of a 12-epoch one-cycle run,
 * ``lr``: the learning rate x100 for 8 steps;
 * ``nan_output_forever``: the model's output NaN at every step from 40% on, with finite data (nothing can
   recover: the guard must stop cleanly). Until issue 18 this was ``nan_forever``, NaN *inputs* from 40% on;
-  the guard then skipped non-finite data as the data's fault, without escalating, so that fault no longer
-  stopped a run. Since the fifteenth pass a row of ``rollback_after`` such steps escalates again (an
-  additive ``-inf`` mask in every batch had hidden a model gone bad); a single NaN batch is still skipped.
+  the guard now skips non-finite data as the data's fault, without escalating, so that fault no longer
+  stops a run: it skips every step to the end.
 
 Arms: unguarded; ``StabilityGuard()`` with its defaults; and a tuned guard with frequent snapshots. Per
 fault and arm: how many runs finished (no stop, finite loss), how many recovered (final validation loss

@@ -78,8 +78,7 @@ def test_ranks_skip_and_roll_back_together_when_one_rank_sees_the_fault(tmp_path
 @pytest.mark.ddp
 def test_ranks_agree_that_a_nan_batch_on_one_rank_is_the_datas_fault(tmp_path):
     pl.seed_everything(0)
-    # rollback_after=5: four bad batches in a row stay the data's (a row of rollback_after escalates)
-    guard = StabilityGuard(warmup=10, rollback_after=5, snapshot_every=5, rollback_margin=2)
+    guard = StabilityGuard(warmup=10, rollback_after=2, snapshot_every=5, rollback_margin=2)
     fault = FaultInjector("nan", start=15, length=4, ranks=(1,))
     rank0, rank1 = fit_two_ranks(tmp_path, [fault], guard, max_steps=24)
     # rank 0's batches were clean, rank 1's not: both skipped the four steps as the data's fault, no rollback

@@ -49,7 +49,7 @@ class StabilityGuard(Callback):
     :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers (docs/stability-guard.md):
 
     1. **Skip** the update. A non-finite step whose batch holds non-finite values is the data's fault: skipped,
-       its samples kept in ``bad_samples`` (a row of them escalates). A bad model state rolls back at once.
+       never escalated, its samples kept in ``bad_samples``. A non-finite model state rolls back at once.
     2. **Roll back**, after ``rollback_after`` flagged steps, the model, optimizers, LR schedulers and the
        :class:`~lightning_pulse.protocols.RollbackAware` callbacks to the newest CPU snapshot taken at least
        ``rollback_margin`` steps before the trouble; the next ``skip_after_rollback`` batches are skipped. Unless

@@ -25,7 +25,6 @@ from lightning_pulse.errors import names_itself
 from lightning_pulse.records import append_recent
 
 CAUSES = (None, "data", "state")  # where a flagged step came from, for EscalationPolicy.decide
-DATA_ROW_CAUSE = "data, every step"  # the event cause of a data fault that ends a row of them and escalates
 
 
 class Action(str, Enum):
@@ -108,11 +107,8 @@ class EscalationPolicy:
     """Decides, step by step, whether to apply, skip, roll back or stop, and counts what was lost.
 
     * A flagged step is skipped. A non-finite step whose batch held non-finite values is the data's fault
-      (the model is healthy): it is skipped and does not escalate, while such steps are sparse. When
-      ``rollback_after`` of them (at least two) come in an unbroken row, with no applied step between, every
-      batch failed and the data no longer explains it (a batch may carry ``-inf`` on purpose, as an additive
-      attention mask, around a model that went bad): that step escalates as an ordinary flagged one, with the
-      cause ``"data, every step"``. One that found the model's own state non-finite rolls back at once.
+      (the model is healthy): it is skipped and never escalates. One that found the model's own state
+      non-finite rolls back at once.
     * When ``rollback_after`` flagged steps fall within the last ``spike_memory`` steps, the run rolls
       back to its last good snapshot and then skips the next ``skip_after_rollback`` steps (the batches a
       spike came with are not trained on again, as PaLM did); the next ``lr_cooldown_steps`` applied steps
@@ -170,7 +166,6 @@ class EscalationPolicy:
         self.lr_cooldown_steps = lr_cooldown_steps
         # escalation state
         self.spike_steps: list[int] = []  # flagged steps of the open incident
-        self.data_fault_row: list[int] = []  # data faults since the last applied step (or rollback)
         self.rollback_steps: list[int] = []
         self.skip_remaining = 0
         self.cooldown_remaining = 0
@@ -231,11 +226,9 @@ class EscalationPolicy:
         """The action for a step the detector judged ``verdict`` (call :meth:`forced_skip` first).
 
         ``cause`` says, for a non-finite step, where it came from (see :mod:`lightning_pulse.core.fault_origin`):
-        ``"data"`` (the batch held non-finite values, the model is healthy): skipped and counted in
-        ``bad_batches``, unless it ends an unbroken row of :attr:`data_row_limit` of them, which escalates as
-        an ordinary flagged step (see the class docstring); ``"state"`` (the parameters or optimizer state are
-        non-finite): skipping cannot help, so a rollback (or a stop) right away; ``None``: an ordinary flagged
-        step.
+        ``"data"`` (the batch held non-finite values, the model is healthy): skipped, counted in
+        ``bad_batches``, never escalated; ``"state"`` (the parameters or optimizer state are non-finite):
+        skipping cannot help, so a rollback (or a stop) right away; ``None``: an ordinary flagged step.
         ``rollback_helps`` is called only when an ordinary flagged step would roll back or stop: ``False``
         skips the step instead and ends the incident (the spikes are the data's, see the class docstring).
         """
@@ -246,17 +239,9 @@ class EscalationPolicy:
         while self.rollback_steps and step - self.rollback_steps[0] >= self.rollback_memory:
             self.rollback_steps.pop(0)
         if verdict is Verdict.OK:
-            self.data_fault_row = []  # an applied step: the data faults before it were sparse
             return Action.APPLY
         event: dict[str, Any] = {"step": step, "event": verdict.value}
         if cause == "data":
-            self.data_fault_row.append(step)
-        if cause == "data" and len(self.data_fault_row) >= self.data_row_limit:
-            # every batch since the last applied step failed: the model, or a whole data stream, went bad
-            self.spike_steps = sorted({*self.spike_steps, *self.data_fault_row})  # the incident's start
-            action = Action.STOP if len(self.rollback_steps) >= self.max_rollbacks else Action.ROLLBACK
-            cause = DATA_ROW_CAUSE
-        elif cause == "data":
             action = Action.SKIP
             self.bad_batches += 1
         else:
@@ -283,12 +268,6 @@ class EscalationPolicy:
             event["cause"] = cause
         append_recent(self.events, event)
         return action
-
-    @property
-    def data_row_limit(self) -> int:
-        """Data faults in an unbroken row that escalate: ``rollback_after``, and at least two (one bad batch
-        is never a row)."""
-        return max(2, self.rollback_after)
 
     def _healthy_between(self) -> bool:
         """Whether applied steps came between the incident's flagged steps (step numbers with gaps). Without
@@ -323,7 +302,6 @@ class EscalationPolicy:
         steps are skipped, the cooldown starts. A rollback without a usable snapshot counts too."""
         self.rollback_steps.append(step)
         self.spike_steps = []
-        self.data_fault_row = []
         self.skip_remaining = self.skip_after_rollback
         self.cooldown_remaining = self.lr_cooldown_steps
         self.rollbacks += 1
@@ -336,7 +314,6 @@ class EscalationPolicy:
     def state_dict(self) -> dict[str, Any]:
         return {
             "spike_steps": list(self.spike_steps),
-            "data_fault_row": list(self.data_fault_row),
             "rollback_steps": list(self.rollback_steps),
             "skip_remaining": self.skip_remaining,
             "cooldown_remaining": self.cooldown_remaining,
@@ -356,8 +333,6 @@ class EscalationPolicy:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.spike_steps = [int(s) for s in state_dict["spike_steps"]]
         self.rollback_steps = [int(s) for s in state_dict["rollback_steps"]]
-        # a checkpoint from before data-fault rows were kept: no row open
-        self.data_fault_row = [int(s) for s in state_dict.get("data_fault_row", [])]
         names = (
             "skip_remaining",
             "cooldown_remaining",

@@ -22,12 +22,7 @@ from lightning_pulse.core.carried_state import carried_tensors, restore_carried_
 from lightning_pulse.core.fault_origin import describe_bad_samples, nonfinite_forward_state
 from lightning_pulse.core.snapshots import SnapshotSchedule, TrainingSnapshot
 from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
-from lightning_pulse.core.stability_policy import (
-    DATA_ROW_CAUSE,
-    Action,
-    EscalationPolicy,
-    StabilityGuardConfig,
-)
+from lightning_pulse.core.stability_policy import Action, EscalationPolicy, StabilityGuardConfig
 from lightning_pulse.errors import PulseRefusal, as_config
 from lightning_pulse.phase import Phase, PhaseChange
 
@@ -228,7 +223,7 @@ class StabilityCore:
         (:func:`data_fault_message`), else ``None`` (later ones are skipped silently)."""
         mended = self.mend_forward_state(model)  # before the next forward reads it
         if self.remember_bad_samples(samples):
-            return data_fault_message(step, samples, mended, self.policy.data_row_limit)
+            return data_fault_message(step, samples, mended)
         return None
 
     def remember_bad_samples(self, samples: list[dict[str, Any]]) -> bool:
@@ -426,9 +421,7 @@ def flag_message(
     )
 
 
-def data_fault_message(
-    step: int, samples: list[dict[str, Any]], mended: Sequence[str] = (), row_limit: int = 3
-) -> str:
+def data_fault_message(step: int, samples: list[dict[str, Any]], mended: Sequence[str] = ()) -> str:
     wrote = (
         f" Its forward had written them into {', '.join(mended)}: set back to the newest snapshot's values."
         if mended
@@ -437,22 +430,7 @@ def data_fault_message(
     return (
         f"StabilityGuard: step {step} has non-finite values in its data ({describe_bad_samples(samples)}); "
         f"the model is healthy, so the step is skipped and training goes on.{wrote} Later such steps are "
-        "skipped silently: see `StabilityGuard.bad_samples` and the `stability/bad_batches` counter; "
-        f"{row_limit} in a row, with no applied step between, are no longer blamed on the data and roll back."
-    )
-
-
-def data_row_message(policy: EscalationPolicy, step: int) -> str:
-    """Why the flagged ``step`` escalated, when it ended a row of data faults (``DATA_ROW_CAUSE``), else ``""``:
-    a sentence for the rollback's warning and the stop's error."""
-    flagged = [e for e in policy.events if e["event"] not in ("rollback", "stop") and e["step"] == step]
-    if not flagged or flagged[-1].get("cause") != DATA_ROW_CAUSE:
-        return ""
-    return (
-        f" Step {step} ended a row of {policy.data_row_limit} non-finite steps, with no applied step between, "
-        "each with non-finite values in its batch: every batch failing is not a few bad samples, so the model is "
-        "suspected (batches may carry -inf on purpose, such as an additive attention mask), or a whole data "
-        "stream went bad."
+        "skipped silently: see `StabilityGuard.bad_samples` and the `stability/bad_batches` counter."
     )
 
 
@@ -460,7 +438,6 @@ def rollback_message(policy: EscalationPolicy, step: int, to_step: int | None, u
     return (
         f"StabilityGuard: rollback {policy.rollbacks} at step {step} to the snapshot of step {to_step} "
         f"({undone} applied step(s) undone); skipping the next {policy.skip_remaining} batch(es)."
-        f"{data_row_message(policy, step)}"
     )
 
 
@@ -474,8 +451,7 @@ def stop_message(
     return (
         f"StabilityGuard stopped training at step {step}: spikes kept coming after {recent_rollbacks} "
         f"rollback(s) within {policy.rollback_memory} steps "
-        f"(`max_rollbacks`={policy.max_rollbacks}).{data_row_message(policy, step)} The checkpoint {path!r} "
-        f"holds {holds}. Inspect the data "
+        f"(`max_rollbacks`={policy.max_rollbacks}). The checkpoint {path!r} holds {holds}. Inspect the data "
         f"around the flagged steps (last: {', '.join(flagged)}): spikes whose batch the snapshot reproduced were "
         "skipped as the data's, so these came from the model, or were gradient-norm spikes with an ordinary loss, "
         "which are not tested that way; data with many bad samples can do it too (then clean it, or raise `rollback_after`). To "
