@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 from lightning_pulse.core.fault_origin import (
     batch_sample_ids,
     describe_bad_samples,
@@ -15,6 +18,7 @@ from lightning_pulse.core.fault_origin import (
     state_is_finite,
 )
 from lightning_pulse.core.sample_index import SampleIndexTracker
+from tests.conftest import trainer_kwargs
 
 
 def test_nonfinite_rows_are_found_in_every_floating_tensor_of_a_nested_batch():
@@ -28,6 +32,8 @@ def test_nonfinite_rows_are_found_in_every_floating_tensor_of_a_nested_batch():
     assert (
         nonfinite_rows({"input_ids": torch.arange(8).view(2, 4)}) == []
     )  # integer data cannot be non-finite
+    causal = torch.zeros(4, 4).masked_fill(torch.ones(4, 4).triu(1).bool(), float("-inf"))
+    assert nonfinite_rows({"x": torch.zeros(4, 3), "mask": causal}) == []  # -inf: a mask, on purpose
 
 
 def test_state_is_finite_looks_at_parameters_buffers_and_optimizer_state():
@@ -165,3 +171,69 @@ def test_carried_state_kept_as_a_dict_is_seen_and_mended():
     model(torch.full((2, 5, 3), float("nan")))
     assert nonfinite_forward_state(model) == ["state"]
     assert core.mend_forward_state(model) == ["state"] and nonfinite_forward_state(model) == []
+
+
+class _MaskedSamples(Dataset):
+    """Samples with an additive mask whose last position is padding: ``-inf`` in every batch, on purpose."""
+
+    def __init__(self, n: int, nan_sample: int | None = None):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = (self.x[:, 0] > 0).long()
+        if nan_sample is not None:
+            self.x[nan_sample, 2] = float("nan")  # one bad sample: the data's fault, once an epoch
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i], "mask": torch.tensor([0.0, 0.0, 0.0, float("-inf")])}
+
+
+class _MaskedClassifier(pl.LightningModule):
+    """Reads the mask (harmlessly); from step ``fault_from`` on its outputs turn NaN, its weights stay finite."""
+
+    def __init__(self, fault_from: int | None = None):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.fault_from = fault_from
+
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch["x"]) + 0 * torch.softmax(batch["mask"], -1)[:, :1]
+        if self.fault_from is not None and self.trainer.global_step >= self.fault_from:
+            out = out * float("nan")  # a fault of the model that never ends
+        return nn.functional.cross_entropy(out, batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _masked_guard() -> StabilityGuard:
+    return StabilityGuard(
+        warmup=5, snapshot_every=5, max_snapshots=3, rollback_margin=5, skip_after_rollback=2, max_rollbacks=1
+    )
+
+
+def test_a_model_fault_behind_a_minus_inf_mask_is_not_blamed_on_the_data(tmp_path):
+    """Every batch carries -inf, on purpose. Before, each non-finite step found "non-finite data" and was skipped
+    as a bad batch: 48 of 60 steps dropped silently and fit returned normally. -inf is not counted against the
+    data now, so the model's fault is flagged as such: skipped, rolled back, then stopped."""
+    guard = _masked_guard()
+    trainer = pl.Trainer(max_steps=60, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
+    model = _MaskedClassifier(fault_from=12)
+    with pytest.warns(UserWarning), pytest.raises(StabilityGuardError) as stopped:
+        trainer.fit(model, DataLoader(_MaskedSamples(512), batch_size=16))
+    causes = {event.get("cause") for event in guard.events if "action" in event}
+    assert "data" not in causes and guard.bad_batches == 0
+    assert guard.rollbacks == 1 and guard.stopped and trainer.global_step < 30
+    assert "stopped-step=" in stopped.value.checkpoint_path
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_one_bad_sample_an_epoch_under_a_minus_inf_mask_is_only_ever_skipped():
+    guard = _masked_guard()
+    trainer = pl.Trainer(max_epochs=5, callbacks=[guard], **trainer_kwargs())
+    with pytest.warns(UserWarning, match="non-finite values in its data"):
+        trainer.fit(_MaskedClassifier(), DataLoader(_MaskedSamples(128, nan_sample=50), batch_size=16))
+    assert [(e["step"], e["cause"]) for e in guard.events] == [(3 + 8 * epoch, "data") for epoch in range(5)]
+    assert guard.bad_batches == guard.steps_skipped == 5 and guard.rollbacks == 0 and not guard.stopped

@@ -3,8 +3,8 @@
 StabilityGuard asks only after a step came out non-finite (a rare event), so none of this runs, or
 synchronises, on a healthy step.
 
-* :func:`nonfinite_rows`: the rows of a batch whose floating-point values are not all finite. A batch made
-  non-finite by its data is the data's fault: the model is healthy, the step is skipped and training goes on.
+* :func:`nonfinite_rows`: the rows of a batch holding a NaN or ``+inf`` (not ``-inf``: masks carry it on purpose).
+  A batch made non-finite by its data is the data's fault: the model is healthy, the step is skipped and training goes on.
 * :func:`weights_are_finite`: whether the parameters and optimizer states are all finite. When they are not,
   skipping cannot help: the model itself went bad and has to go back to a snapshot.
 * :func:`nonfinite_forward_state`: the buffers and carried tensors that are not finite. A forward over bad data
@@ -43,12 +43,20 @@ def _tensors(batch: Any) -> Iterator[Tensor]:
 
 
 def nonfinite_rows(batch: Any) -> list[int]:
-    """The positions along dimension 0 of the rows holding a NaN or infinite floating-point value, over every
-    tensor in ``batch`` (nested dicts, lists, tuples). ``[]`` when the batch is finite. One transfer."""
+    """The positions along dimension 0 of the rows holding a NaN or ``+inf`` floating-point value, over every
+    tensor in ``batch`` (nested dicts, lists, tuples). ``[]`` when the batch has none. One transfer.
+
+    ``-inf`` does not count: batches carry it on purpose, as an additive attention or padding mask that the
+    model reads, so it is no evidence against the data. Counted, it had made every step of such a batch "the
+    data's fault": a model whose outputs went NaN was skipped at every step as bad data, never rolled back or
+    stopped. A ``-inf`` that really is a bad value (``log(0)`` in a feature) makes an ordinary non-finite step:
+    skipped, and when it recurs on the snapshot a rollback would go back to, skipped as the data's again
+    (:class:`~lightning_pulse.core.stability_policy.EscalationPolicy`)."""
     masks = []
     for tensor in _tensors(batch):
         if tensor.is_floating_point() or tensor.is_complex():
-            finite = torch.isfinite(tensor.detach())
+            values = tensor.detach()
+            finite = torch.isfinite(values) if values.is_complex() else ~(values.isnan() | values.isposinf())
             rows = finite.reshape(finite.shape[0], -1).all(dim=1) if finite.dim() else finite.reshape(1)
             masks.append(~rows.cpu())
     if not masks:
