@@ -525,3 +525,50 @@ def test_an_unparsable_duration_suggests_only_what_the_field_accepts(kwargs, fie
         else:
             value[field] = suggested
         GreenWindow(**{"signal": DE_JUNE, **value})
+
+
+def test_a_resume_on_an_earlier_clock_says_when_the_energy_loggers_co2_reads_other_hours(tmp_path):
+    # a review: light mode following the EnergyLogger's series, resumed on the clock restarted at the run's
+    # start. GreenWindow's time moved 8 h later and the EnergyLogger's did not: 528.9 g against 483.6 g, and the
+    # "clocks apart" check compared the raw clocks, so nothing said the two figures differ
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 2)
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def run(ckpt_path=None):
+        clock = SimulatedClock("2020-06-15 00:00:00")
+        energy = EnergyLogger(
+            carbon_intensity=DE_JUNE, gpu="none", cpu="constant", ram="none", report_dir=str(tmp_path / "energy"),
+            meters=MeterConfig(sampling_period=0.05, cpu_watts=100.0),
+        )  # fmt: skip
+        energy.account.clock = energy.account.wall_clock = clock  # the documented way to share one clock
+        green = GreenWindow(
+            when_dirty="light", clock=clock, options=GreenWindowOptions(report_dir=str(tmp_path))
+        )
+        pulse = PulseCycle(burst=3, replay=3, maintain=0, warmup=0, anneal=0, maintain_eval="none")
+        saves = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=48, save_top_k=-1)
+        callbacks = [SimulatedStepTime(clock, 600.0), pulse, green, energy, saves]
+        kwargs = trainer_kwargs(max_steps=96, enable_checkpointing=True, default_root_dir=tmp_path)
+        x = torch.randn(800, 8, generator=torch.Generator().manual_seed(0))
+        data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pl.Trainer(callbacks=callbacks, **kwargs).fit(Tiny(), data, ckpt_path=ckpt_path)
+        return [str(w.message) for w in caught if "GreenWindow" in str(w.message)]
+
+    assert not [line for line in run() if "CO2 figures differ" in line]  # a fresh run: one clock, one figure
+    (checkpoint,) = (tmp_path / "ck").glob("*step=48.ckpt")
+    said = run(str(checkpoint))  # the same script again: its clock restarted at the run's start
+    assert [line for line in said if "before the checkpoint's save" in line]
+    assert [line for line in said if "CO2 figures differ" in line]

@@ -339,6 +339,21 @@ def test_the_run_clock_continues_from_the_save_and_never_goes_back():
         RunClock(type("Noon", (), {"time": lambda self: "noon", "sleep": lambda self, s: None})()).restart()
 
 
+def test_a_shift_the_checkpoint_carried_applies_before_the_save_is_compared():
+    # a review: a run moved 6 h later suspended until 23:00 of its own time; its resume file said 17:00 on the
+    # clock. Resumed at 17:00 without the carried shift, its time read 17:00 (a dirty hour), 6 h before its own
+    # resume_at, and it suspended again at once
+    hour = 3600.0
+    run_clock = RunClock(SimulatedClock(17 * hour))  # the clock at the resume file's time
+    now, said = run_clock.restart(
+        {"saved_at": 16 * hour}, {"at": 16 * hour, "resume_at": 23 * hour}, 6 * hour
+    )
+    assert now == 23 * hour and said is None and run_clock.behind_s == 6 * hour
+    # carried, then moved further when the clock reads earlier still
+    now, said = RunClock(SimulatedClock(5 * hour)).restart({"saved_at": 16 * hour}, None, 6 * hour)
+    assert now == 16 * hour and "5.0 h before the checkpoint's save" in said
+
+
 def test_a_past_deadline_refuses_a_new_run_and_warns_a_resumed_one():
     assert passed_deadline(None, 5000.0, resumed=False) is None
     assert passed_deadline(5000.0, 5000.0, resumed=False) is None

@@ -108,12 +108,8 @@ class GreenWindow(Callback):
             GreenWindow(signal="de_2026.csv", when_dirty="light", max_delay=0.3),  # the dirtiest 30% held light
         ])
 
-    The same in LightningCLI YAML::
-
-        trainer:
-          callbacks:
-            - class_path: lightning_pulse.GreenWindow
-              init_args: {signal: grid.csv, when_dirty: suspend, max_delay: 12h, deadline: "2026-03-01 08:00:00"}
+    The same in LightningCLI YAML: ``{class_path: lightning_pulse.GreenWindow, init_args: {signal: grid.csv,
+    when_dirty: suspend, max_delay: 12h, deadline: "2026-03-01 08:00:00"}}`` under ``trainer.callbacks``.
     """
 
     def __init__(
@@ -162,6 +158,7 @@ class GreenWindow(Callback):
         self._energy: Any = None
         self.segment = OpenSegment(self.schedule, self.options.watts)  # the compute since the last mark
         self._open: dict[str, Any] | None = None  # the segment a checkpoint held, until training resumes
+        self._carried_s = 0.0  # the run-time shift a checkpoint held (RunClock.restart)
         self._follows: Any = None  # the EnergyLogger's rate, when its series is the signal
         self._signal_state: dict[str, Any] = {}
         self._last_step = 0
@@ -202,7 +199,7 @@ class GreenWindow(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # refused: a clock without Unix seconds; a new run's deadline already past on rank 0's clock
         with refusing("GreenWindow"):
-            now, behind = self.run_clock.restart(self._open, self.suspended)
+            now, behind = self.run_clock.restart(self._open, self.suspended, self._carried_s)
             at = now if trainer.world_size == 1 else compat.broadcast_held(trainer.strategy, now, self._held)
             late = passed_deadline(self.schedule.deadline, at, self.schedule.run_start is not None)
         for line in filter(None, (behind, late)):
@@ -210,7 +207,7 @@ class GreenWindow(Callback):
         if self._energy is not None and (energy_now := self._energy.account.wall_clock()) is not None:
             if self._follows is not None:  # the EnergyLogger's run start, moved onto this clock
                 self.signal.rate.anchor_as(self._follows, now, energy_now)  # type: ignore[union-attr]
-            if (apart := clocks_apart(self.clock.time(), energy_now, self.options.slot_s)) is not None:
+            if (apart := clocks_apart(now, energy_now, self.options.slot_s)) is not None:
                 rank_zero_warn(apart)
         self.signal.anchor(now)
         if self.schedule.run_start is None:
@@ -264,6 +261,7 @@ class GreenWindow(Callback):
             "waiting": self._waiting,
             "signal": self.signal.state_dict(),
             "open": self.segment.state_dict(self.run_clock.time(), self._next_check),
+            "behind_s": self.run_clock.behind_s,
         }
 
     @override
@@ -271,6 +269,7 @@ class GreenWindow(Callback):
         self.schedule.load_state_dict(state_dict["schedule"])
         self.suspended, self._waiting = state_dict.get("suspended"), bool(state_dict.get("waiting", False))
         self._signal_state, self._open = state_dict.get("signal", {}), state_dict.get("open")
+        self._carried_s = float(state_dict.get("behind_s", 0.0))
         self.signal.load_state_dict(self._signal_state)
 
     # ------------------------------------------------------------------ decisions

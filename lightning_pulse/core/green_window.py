@@ -104,25 +104,32 @@ class RunClock:
         self.latest = -math.inf
 
     def restart(
-        self, saved: Mapping[str, Any] | None = None, suspended: Mapping[str, Any] | None = None
+        self,
+        saved: Mapping[str, Any] | None = None,
+        suspended: Mapping[str, Any] | None = None,
+        carried_s: float = 0.0,
     ) -> tuple[float, str | None]:
         """Training (re)starts, fresh or from a checkpoint that held the ``saved`` segment (saved at
         ``saved_at``) and maybe a suspend (``at``): the run's time continues from the later of the two when
-        the clock reads earlier. Returns the run's time now, and the line that says it was moved (else
-        ``None``).
+        the clock reads earlier. ``carried_s`` is the shift the checkpoint's run already had (its
+        :attr:`behind_s`): it applies first, since the resume file a suspend wrote is on the clock itself, so
+        a run resumed at that file's time comes back at the run's own ``resume_at``. Returns the run's time
+        now, and the line that says it was moved further (else ``None``).
 
         Raises:
             ValueError: when the clock's ``time()`` returns no number.
         """
-        now = self.clock.time()
-        if isinstance(now, bool) or not isinstance(now, (int, float)):
-            raise ValueError(f"`clock.time()` returned {now!r}; it must return Unix seconds.")
+        raw = self.clock.time()
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise ValueError(f"`clock.time()` returned {raw!r}; it must return Unix seconds.")
         marks = [(saved or {}).get("saved_at"), (suspended or {}).get("at")]
         floor = max((float(mark) for mark in marks if mark is not None), default=-math.inf)
-        self.behind_s, self.latest = max(floor - now, 0.0), -math.inf
-        if not self.behind_s:
+        now = raw + carried_s
+        moved = max(floor - now, 0.0)
+        self.behind_s, self.latest = carried_s + moved, -math.inf
+        if not moved:
             return self.time(), None
-        behind = f"{self.behind_s / 3600:.1f} h" if self.behind_s >= 3600 else f"{self.behind_s:.0f} s"
+        behind = f"{moved / 3600:.1f} h" if moved >= 3600 else f"{moved:.0f} s"
         return self.time(), (
             f"GreenWindow: the clock reads {format_utc(now)}, {behind} before the checkpoint's save at "
             f"{format_utc(floor)}; the run's time continues from the save (every reading moved {behind} "
