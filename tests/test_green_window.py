@@ -341,41 +341,46 @@ def test_a_resume_from_a_mid_run_checkpoint_reports_what_the_uninterrupted_run_d
         ]
 
 
+def _paused_run(data, tmp_path, clock_start, ckpt_path=None, save=False, deadline=None, extra=()):
+    """A pause-mode run of 48 steps on its own SimulatedClock (checkpoints every 10 steps when ``save``); the
+    GreenWindow, the clock and the warnings it gave."""
+    clock = SimulatedClock(clock_start)
+    green = GreenWindow(
+        signal=DE_JUNE,
+        when_dirty="pause",
+        max_delay=1.0,
+        deadline=deadline,
+        expected_duration="8h",
+        clock=clock,
+        options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path / "report")),
+    )
+    callbacks = [green, *(make(clock) for make in extra)]
+    if save:
+        callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1))
+    trainer = fit(callbacks, clock, steps=48, enable_checkpointing=save, default_root_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(*data, ckpt_path=ckpt_path)
+    return green, clock, [str(w.message) for w in caught if "GreenWindow" in str(w.message)], callbacks
+
+
 @pytest.mark.parametrize("behind", ["to the run's start", "30 s"])
 def test_a_resume_on_a_clock_behind_the_save_continues_from_the_save(mnist1d_small, tmp_path, behind):
-    checkpoints, start = tmp_path / "ckpt", parse_timestamp("2020-06-15 04:00:00")
-
-    def run(clock_start, ckpt_path=None, save=False):
-        clock = SimulatedClock(clock_start)
-        green = GreenWindow(
-            signal=DE_JUNE,
-            when_dirty="pause",
-            max_delay=1.0,
-            expected_duration="8h",
-            clock=clock,
-            options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path / "report")),
-        )
-        times = SaveTimes(clock)
-        callbacks = [green, times]
-        if save:
-            callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=10, save_top_k=-1))
-        trainer = fit(callbacks, clock, steps=48, enable_checkpointing=save, default_root_dir=tmp_path)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer.fit(*mnist1d_small(arch="mlp"), ckpt_path=ckpt_path)
-        return (
-            green.report,
-            times.saved,
-            [str(w.message) for w in caught if "before the checkpoint" in str(w.message)],
-        )
-
-    full, saved, _ = run(start, save=True)
+    start = parse_timestamp("2020-06-15 04:00:00")
+    first, _, _, callbacks = _paused_run(
+        mnist1d_small(arch="mlp"), tmp_path, start, save=True, extra=[SaveTimes]
+    )
+    full, saved = first.report, callbacks[1].saved
     assert full["summary"]["waited_s"] > 0
-    (checkpoint,) = checkpoints.glob("*step=20.ckpt")
+    (checkpoint,) = (tmp_path / "ckpt").glob("*step=20.ckpt")
     # the same script run again (its clock restarted where the first run's started), or another host whose
     # clock is 30 s behind: the run's time continues from the save, as if the run had not stopped
     clock_start = start if behind == "to the run's start" else saved[20] - 30.0
-    resumed, _, said = run(clock_start, ckpt_path=str(checkpoint))
+    green, _, said, _ = _paused_run(
+        mnist1d_small(arch="mlp"), tmp_path, clock_start, ckpt_path=str(checkpoint)
+    )
+    resumed = green.report
+    said = [line for line in said if "before the checkpoint" in line]
     assert all(s["end"] >= s["start"] for s in resumed["segments"])
     assert resumed["summary"]["compute_s"] == pytest.approx(48 * STEP_S)
     for name in FIGURES:
@@ -399,32 +404,20 @@ def test_a_deadline_already_past_is_refused_before_the_first_step(mnist1d_small)
 
 
 def test_a_resume_after_its_deadline_passed_runs_the_rest_without_waiting(mnist1d_small, tmp_path):
-    checkpoints = tmp_path / "ckpt"
-
-    def run(clock_start, ckpt_path=None, save=False):
-        clock = SimulatedClock(clock_start)
-        green = GreenWindow(
-            signal=DE_JUNE,
-            when_dirty="pause",
-            max_delay=1.0,
-            deadline="2020-06-16 00:00:00",
-            expected_duration="8h",
-            clock=clock,
-            options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path / "report")),
-        )
-        callbacks = [green]
-        if save:
-            callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=10, save_top_k=-1))
-        trainer = fit(callbacks, clock, steps=48, enable_checkpointing=save, default_root_dir=tmp_path)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer.fit(*mnist1d_small(arch="mlp"), ckpt_path=ckpt_path)
-        return green, clock, [str(w.message) for w in caught if "`deadline`" in str(w.message)]
-
-    _, _, said = run("2020-06-15 04:00:00", save=True)
-    assert not said
-    (checkpoint,) = checkpoints.glob("*step=20.ckpt")
-    green, clock, said = run("2020-06-16 02:00:00", ckpt_path=str(checkpoint))  # down past the deadline
+    deadline = "2020-06-16 00:00:00"
+    _, _, said, _ = _paused_run(
+        mnist1d_small(arch="mlp"), tmp_path, "2020-06-15 04:00:00", save=True, deadline=deadline
+    )
+    assert not [line for line in said if "`deadline`" in line]
+    (checkpoint,) = (tmp_path / "ckpt").glob("*step=20.ckpt")
+    green, clock, said, _ = _paused_run(  # down past the deadline
+        mnist1d_small(arch="mlp"),
+        tmp_path,
+        "2020-06-16 02:00:00",
+        ckpt_path=str(checkpoint),
+        deadline=deadline,
+    )
+    said = [line for line in said if "`deadline`" in line]
     assert len(said) == 1 and "passed while the run was down" in said[0]
     assert green.report["status"] == "complete"
     assert clock.time() == parse_timestamp("2020-06-16 02:00:00") + 28 * STEP_S  # 28 steps, no wait
