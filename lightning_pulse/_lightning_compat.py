@@ -279,9 +279,9 @@ def on_train_dataloader_ready(trainer: pl.Trainer, hook: Callable[[Any], None]) 
 
 def replace_batch_sampler(loader: Any, batch_sampler: Any) -> None:
     """Put ``batch_sampler`` into a DataLoader that is already built (its ``__setattr__`` forbids it; the
-    DataLoader reads ``batch_sampler`` again for every iterator, so the next pass uses the new one). A loader with
-    persistent workers keeps its iterator between passes, and that iterator read the batch sampler when it was
-    built: it is dropped (its workers shut down with it), so the next pass builds one over the new sampler."""
+    DataLoader reads ``batch_sampler`` again for every iterator, so the next pass uses the new one). A loader
+    with persistent workers keeps its iterator between passes, and that iterator read the batch sampler when it
+    was built: it is dropped (its workers shut down with it), so the next pass builds one over the new sampler."""
     object.__setattr__(loader, "batch_sampler", batch_sampler)
     if getattr(loader, "_iterator", None) is not None:
         loader._iterator = None

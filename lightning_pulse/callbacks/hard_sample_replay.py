@@ -88,8 +88,9 @@ class HardSampleReplay(Callback):
             unknown length, ``limit_train_batches``, ``overfit_batches``, ``reload_dataloaders_every_n_epochs``,
             a ``GradientAccumulationScheduler``, a per-step LR scheduler built for the run's unplanned length
             (``max_steps``, or ``max_epochs`` of plain epochs) when the plan is shorter, a PulseCycle in seconds
-            or manual optimization stepping several optimizers per batch; after the fit's first two batches (trained in full, before any replay step), for a module
-            carrying state from one batch to the next (a stateful RNN) or a token loss flattened time-major; at
+            or manual optimization stepping several optimizers per batch; after the fit's first two batches
+            (trained in full, before any replay step), for a module carrying state from one batch to the next
+            (a stateful RNN) or a token loss flattened time-major; at
             the first step, before any update, when its loss yields no per-sample value and no ``scorer`` is set.
 
     Example::

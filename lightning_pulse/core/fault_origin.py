@@ -3,8 +3,9 @@
 StabilityGuard asks only after a step came out non-finite (a rare event), so none of this runs, or
 synchronises, on a healthy step.
 
-* :func:`nonfinite_rows`: the rows of a batch holding a NaN or ``+inf`` (not ``-inf``: masks carry it on purpose).
-  A batch made non-finite by its data is the data's fault: the model is healthy, the step is skipped and training goes on.
+* :func:`nonfinite_rows`: the rows of a batch holding a NaN or ``+inf`` (not ``-inf``: masks carry it on
+  purpose). A batch made non-finite by its data is the data's fault: the model is healthy, the step is skipped
+  and training goes on.
 * :func:`weights_are_finite`: whether the parameters and optimizer states are all finite. When they are not,
   skipping cannot help: the model itself went bad and has to go back to a snapshot.
 * :func:`nonfinite_forward_state`: the buffers and carried tensors that are not finite. A forward over bad data

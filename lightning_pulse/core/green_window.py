@@ -144,9 +144,6 @@ class RunClock:
         self.latest = now
         return now
 
-    def sleep(self, seconds: float) -> None:
-        self.clock.sleep(seconds)
-
 
 # ---------------------------------------------------------------------------- the policy
 @dataclass(frozen=True)

@@ -890,12 +890,9 @@ class FreezerLifecycle:
         if not (freezer.check_outside(agree) if check else freezer.outgrown):
             return None
         watched = {id(param) for param in freezer.outside}
-        grown = [name for name, p in model.named_parameters() if id(p) in watched and p.requires_grad]
-        unsynced = [
-            name
-            for name, p in model.named_parameters()
-            if id(p) in self.frozen_before_wrap and p.requires_grad
-        ]
+        training = [(name, id(p)) for name, p in model.named_parameters() if p.requires_grad]
+        grown = [name for name, key in training if key in watched]
+        unsynced = [name for name, key in training if key in self.frozen_before_wrap]
         freezer.restore_requires_grad()  # the module as the user left it, to discover the units in
         self._statistics, self._model, self._graph_checked = freezer.run_statistics(), model, False
         self.freezer, self.trace = None, ForwardOrderTrace(discover_units(model, self.unit_names))
