@@ -95,7 +95,15 @@ def _cycle_spec(config: dict[str, Any]) -> dict[str, Any]:
 def energy_metrics(callbacks: list[Any], trainer: Any) -> dict[str, Any]:
     meter = next((c for c in callbacks if isinstance(c, EnergyLogger)), None)
     total = (meter.report or {}).get("total", {}) if meter is not None else {}
-    return {"kwh": total.get("energy_kwh", math.nan), "co2_kg": total.get("co2_kg", math.nan)}
+    # a figure no meter counted is null in the report: NaN here, so medians and ratios skip it visibly
+    return {
+        "kwh": _or_nan(total.get("energy_kwh")),
+        "co2_kg": _or_nan(total.get("co2_kg")),
+    }
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
 
 
 def arms(config: dict[str, Any]) -> list[Arm]:

@@ -15,8 +15,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
@@ -304,15 +302,6 @@ def gradients_read_before_step(trainer: pl.Trainer, pl_module: pl.LightningModul
     )
 
 
-def batch_size_of(batch: Any, fallback: int) -> int:
-    """Lightning's reading of a batch's size (its first tensor's length); ``fallback`` for a batch object of its
-    own that holds no tensor Lightning can find (a graph batch)."""
-    try:
-        return extract_batch_size(batch)
-    except MisconfigurationException:
-        return fallback
-
-
 def prepare_evaluation_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:
     """A batch fresh from a validation DataLoader made ready for ``validation_step`` as Lightning's evaluation
     loop makes it: the precision plugin's input conversion (``64-true``, ``bf16-true``), the module's
@@ -328,18 +317,37 @@ def set_max_steps(trainer: pl.Trainer, steps: int) -> None:
     trainer.fit_loop.epoch_loop.max_steps = int(steps)
 
 
-def set_max_epochs(trainer: pl.Trainer, epochs: int) -> None:
-    """Let the fit run ``epochs`` epochs (``Trainer(max_epochs=...)``, set after construction)."""
-    trainer.fit_loop.max_epochs = int(epochs)
-
-
 def set_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
-    """Tell Lightning that this epoch holds ``batches`` batches, for its end-of-epoch validation: with a
-    fractional ``val_check_interval`` it validates at batch ``val_check_batch``, which it computes once from
-    the DataLoader's length. The epoch itself ends when the loader does."""
-    interval = trainer.val_check_interval
-    if isinstance(interval, float) and trainer.check_val_every_n_epoch is not None and batches > 0:
+    """Tell Lightning that this epoch holds ``batches`` batches, for its validation: with a fractional
+    ``val_check_interval`` it validates at batch ``val_check_batch``, which it computes once from the
+    DataLoader's length; an int interval keeps its count (:func:`mark_last_batch_of` may have moved the check
+    to the previous pass's end). The epoch itself ends when the loader does."""
+    interval, check = trainer.val_check_interval, trainer.val_check_batch
+    if trainer.check_val_every_n_epoch is None or batches <= 0 or not isinstance(check, int):
+        return  # validation counted over the run's batches, by time, or on an endless loader
+    if isinstance(interval, float):
         trainer.val_check_batch = max(1, int(batches * interval))
+    elif isinstance(interval, int):
+        trainer.val_check_batch = interval
+
+
+def _validate_at_pass_end(trainer: pl.Trainer, batches: int) -> None:
+    """At the last batch of a pass of ``batches`` batches: let Lightning validate there when the plain epoch
+    (the DataLoader's length) validated at its end, its length a multiple of the batches between checks.
+    Lightning validates where ``(batch_idx + 1) % val_check_batch == 0``, so a shorter pass would miss the
+    epoch's end (and the run's final weights) whenever its length is no multiple; the check moves to this
+    batch, and :func:`set_epoch_batches` sets it back at the next pass."""
+    interval, check, plain = trainer.val_check_interval, trainer.val_check_batch, trainer.num_training_batches
+    if trainer.check_val_every_n_epoch is None or not isinstance(check, int) or not isinstance(plain, int):
+        return
+    if isinstance(interval, float):
+        plain_check = max(1, int(plain * interval))
+    elif isinstance(interval, int):
+        plain_check = interval
+    else:
+        return
+    if plain > 0 and plain % plain_check == 0:
+        trainer.val_check_batch = batches
 
 
 def total_steps(trainer: pl.Trainer) -> float:
@@ -353,7 +361,8 @@ def total_steps(trainer: pl.Trainer) -> float:
 def mark_last_batch_of(trainer: pl.Trainer, batches: int) -> None:
     """Call at each training batch (after its fetch) of an epoch that holds ``batches`` batches, fewer than the
     DataLoader's length: Lightning's data fetcher marks the last batch by that length, and there an accumulation
-    window closes on a partial window and epoch-interval LR schedulers step. Not at the pass's start: the
+    window closes on a partial window and epoch-interval LR schedulers step, and the pass's end is validated
+    where the plain epoch's end was (:func:`_validate_at_pass_end`). Not at the pass's start: the
     fetcher may still hold the previous epoch's count then. ``num_training_batches`` is left alone
     (``estimated_stepping_batches`` reads it)."""
     fetcher = trainer.fit_loop._data_fetcher
@@ -363,6 +372,7 @@ def mark_last_batch_of(trainer: pl.Trainer, batches: int) -> None:
     fetcher.done = fetcher.fetched >= batches
     if fetcher.done:  # the batch just fetched ends the pass
         trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
+        _validate_at_pass_end(trainer, batches)
 
 
 def close_restored_epoch(trainer: pl.Trainer) -> None:

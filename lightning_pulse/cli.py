@@ -316,7 +316,7 @@ def run_compare(argv: Sequence[str]) -> int:
     from lightning_pulse.energy.compare import compare_runs, comparison_markdown, load_run, write_comparison
 
     try:
-        runs = [load_run(path) for path in (args.run_a, args.run_b)]
+        runs = [load_run(path, field=field) for field, path in (("RUN_A", args.run_a), ("RUN_B", args.run_b))]
     except (OSError, ValueError) as error:
         sys.stderr.write(f"error: {error}\n")
         return 2

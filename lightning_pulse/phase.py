@@ -282,6 +282,7 @@ class PhaseClock:
         self.stage = "pending"  # pending -> warmup -> cycle -> anneal
         self.history: list[PhaseChange] = []
         self.held = False  # see `hold`
+        self.span: int | None = None  # see `pin_span`
         self.steps_by_phase = {phase.value: 0 for phase in Phase}
         self.seconds_by_phase = {phase.value: 0.0 for phase in Phase}
         # the current segment (one stay in one phase), which warm-up's hand-over to a burst does not end
@@ -325,6 +326,7 @@ class PhaseClock:
             "segment_steps": self._segment_steps,
             "segment_seconds": self._segment_seconds,
             "held": self.held,
+            "span": self.span,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -342,6 +344,15 @@ class PhaseClock:
         self._segment_steps = int(state["segment_steps"])
         self._segment_seconds = float(state["segment_seconds"])
         self.held = bool(state.get("held", False))
+        span = state.get("span")
+        self.span = None if span is None else int(span)
+
+    def pin_span(self, span: int | None) -> None:
+        """Place warm-up and anneal as shares of ``span`` steps from now on, whatever run length each call
+        passes (``None``: the one passed). A step plan pins the span it solved warm-up and anneal on: where
+        no exact fixed point exists, the run's length differs from it by a step or two, and the boundaries
+        must stay where the plan put them (the plan's batches depend on them). Kept in :meth:`state_dict`."""
+        self.span = None if span is None else int(span)
 
     # ------------------------------------------------------------------ progress
     def start(self, total_steps: int | float | None) -> PhaseChange | None:
@@ -597,6 +608,7 @@ class PhaseClock:
     def _warmup_steps(self, total_steps: int | float | None) -> int:
         if not self.warmup:
             return 0
+        total_steps = self.span if self.span is not None else total_steps
         if total_steps is None or not math.isfinite(total_steps):
             raise ValueError(
                 f"`warmup`={self.warmup!r} is a share of the run, which needs {KNOWN_LENGTH}; set one, or "
@@ -607,6 +619,7 @@ class PhaseClock:
     def _anneal_start(self, total_steps: int | float | None) -> int | None:
         if not self.anneal:
             return None
+        total_steps = self.span if self.span is not None else total_steps
         if total_steps is None or not math.isfinite(total_steps):
             raise ValueError(
                 f"`anneal`={self.anneal!r} is a share of the run, which needs {KNOWN_LENGTH}; set one, or "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -41,6 +42,41 @@ from lightning_pulse.core.step_plan import (
 from lightning_pulse.errors import PulseRefusal
 
 
+@dataclass(frozen=True)
+class UnplannedLengths:
+    """The lengths a per-step LR schedule built for the run without the plan has: ``max_steps``, and, where
+    ``max_epochs`` ends the plain run, its ``plain_steps`` (``max_epochs`` epochs of ``epoch_steps``) as the
+    usual formulas count them. Lightning's ``estimated_stepping_batches`` rounds each epoch's steps up;
+    Hugging Face's example scripts' ``len(loader) // accumulate * epochs`` rounds them down, and
+    ``len(loader) * epochs // accumulate`` rounds the run's. Nothing else is read as the run's length: a
+    warm-up count or a Noam schedule's ``d_model`` is no length of the run (a range of lengths around
+    ``plain_steps`` refused such a schedule, a review found)."""
+
+    plain_steps: int
+    max_epochs: int | None
+    batches: int  # the plain epoch's batches
+    accumulate: int
+    max_steps: int | None
+
+    def source_of(self, length: int) -> str | None:
+        """Where ``length`` comes from (for the refusal), or ``None`` for no unplanned length of the run."""
+        if self.max_steps is not None and length == self.max_steps:
+            return f"max_steps={self.max_steps}"  # also when max_epochs ends the plain run first
+        epoch_steps = max(1, math.ceil(self.batches / self.accumulate))
+        if self.max_epochs is None or self.plain_steps != self.max_epochs * epoch_steps:
+            return None  # max_steps ends the plain run: its length is max_steps
+        source = f"max_epochs={self.max_epochs} of {epoch_steps} optimizer steps"
+        if length == self.plain_steps:
+            return source
+        rounded_down = {
+            self.max_epochs * (self.batches // self.accumulate),
+            self.max_epochs * self.batches // self.accumulate,
+        }
+        if length in rounded_down:
+            return f"{source}, {self.plain_steps} in all, counted with the epochs' steps rounded down"
+        return None
+
+
 class StepSavingLoader:
     """One fit's step-saving plan on one training DataLoader, and where the run stands in it."""
 
@@ -52,9 +88,9 @@ class StepSavingLoader:
         self._sampler: PlannedBatchSampler | None = None
         self._choose: Callable[[list[list[int]], list[int], list[int], float], list[Any]] | None = None
         self._selector: HardSampleSelector | None = None  # its table's running prior is the passes' prior
-        # the lengths the run had without the plan, and where each comes from: a per-step schedule built for
-        # one of them stops part-way through its course (see refuse_schedules_cut_short)
-        self._unplanned_lengths: dict[int, str] = {}
+        # the lengths the run had without the plan: a per-step schedule built for one of them stops part-way
+        # through its course (see refuse_schedules_cut_short)
+        self._unplanned: UnplannedLengths | None = None
 
     @property
     def plan(self) -> StepPlan | None:
@@ -148,21 +184,11 @@ class StepSavingLoader:
         shortfall = None if cycle is None else budget_shortfall(plan, cycle.budget)
         if shortfall is not None:  # a warning, not a refusal: a smoke run of a shipped YAML must still train
             rank_zero_warn(f"PulseCycle: {shortfall}")
-        plain_epoch_steps = max(1, math.ceil(plain_batches / accumulate))
-        self._unplanned_lengths = {
-            plan.plain_steps: f"max_epochs={max_epochs} of {plain_epoch_steps} optimizer steps"
-        }
-        if max_steps is not None:  # also when max_epochs ends the plain run first: the user's stated length
-            self._unplanned_lengths[max_steps] = f"max_steps={max_steps}"
+        self._unplanned = UnplannedLengths(plan.plain_steps, max_epochs, plain_batches, accumulate, max_steps)
+        # the plan's data gives exactly its total (warm-up and anneal are pinned where no exact fixed point
+        # exists, see plan_steps), so max_epochs is left as the user set it: epoch-interval schedulers,
+        # EarlyStopping's patience and epoch checkpoints count the epochs they were given
         compat.set_max_steps(trainer, plan.total_steps)
-        if (
-            max_epochs is not None
-            and plan.steps_past_data
-            and plan.first_epoch + len(plan.batch_sizes) >= max_epochs
-        ):
-            # the planned data ends with max_epochs a few steps before max_steps: let the run reach max_steps on
-            # plain batches past the plan, so estimated_stepping_batches is the steps the run really takes
-            compat.set_max_epochs(trainer, max_epochs + math.ceil(plan.steps_past_data / plain_epoch_steps))
         self._choose = choose
         self._sampler = PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches, self._cut)
         compat.replace_batch_sampler(loader, self._sampler)
@@ -218,7 +244,8 @@ class StepSavingLoader:
 
     def refuse_schedules_cut_short(self, trainer: pl.Trainer) -> None:
         """Refuse, before the first step, a per-step LR scheduler built for the run's unplanned length (its
-        ``max_steps``, or ``max_epochs`` of plain epochs) when the plan takes fewer steps.
+        ``max_steps``, or ``max_epochs`` of plain epochs, however rounded: see :class:`UnplannedLengths`) when
+        the plan takes fewer steps.
 
         With ``max_epochs`` set, Lightning builds the schedulers before the data unless ``configure_optimizers``
         reads ``estimated_stepping_batches``, so a literal length (or one from a config) was never checked at
@@ -228,19 +255,20 @@ class StepSavingLoader:
         Raises:
             PulseRefusal: naming the scheduler, its length and the planned steps.
         """
-        plan = self.plan
-        if plan is None:
+        plan, unplanned = self.plan, self._unplanned
+        if plan is None or unplanned is None:
             return
         for config in trainer.lr_scheduler_configs:
             if config.interval != "step":  # an epoch-interval schedule keeps its epochs
                 continue
-            for length in sorted(schedule_lengths(config.scheduler) & self._unplanned_lengths.keys()):
-                if plan.total_steps < length:
+            for length in sorted(schedule_lengths(config.scheduler)):
+                source = unplanned.source_of(length)
+                if source is not None and plan.total_steps < length:
                     raise PulseRefusal(
                         STEPS_MODE_SCHEDULE_LENGTH_REFUSAL.format(
                             scheduler=type(config.scheduler).__name__,
                             length=length,
-                            source=self._unplanned_lengths[length],
+                            source=source,
                             planned=plan.total_steps,
                             share=plan.total_steps / length,
                         )

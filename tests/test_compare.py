@@ -234,3 +234,40 @@ def test_a_run_whose_report_would_replace_its_baseline_is_refused_at_fit_start(r
     assert trainer.global_step == 4 and energy.report_paths[0] == tmp_path / "b" / JSON_NAME
     assert (folder / JSON_NAME).read_bytes() == before
     assert ratio_of(energy.report["comparison"], "steps") == 4 / report(plain)["total"]["steps"]
+
+
+def test_errors_name_the_argument_and_what_is_expected(tmp_path):
+    from lightning_pulse.energy.compare import load_run
+
+    with pytest.raises(FileNotFoundError) as caught:
+        load_run(tmp_path / "typo", field="RUN_A")
+    message = str(caught.value)
+    assert message.startswith("`RUN_A`=") and "typo" in message
+    assert "expected an energy_report.json or a log directory holding one" in message
+    with pytest.raises(ValueError, match=r"^`RUN_B`='': the path is empty"):
+        load_run("", field="RUN_B")
+
+
+def test_an_empty_baseline_is_refused_naming_the_field(tmp_path, monkeypatch):
+    # sweep B: "" became Path("."), searched below the current directory, and one report there was taken
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "energy_report.json").write_text('{"schema": "x"}')
+    with pytest.raises(ValueError, match=r"^EnergyLogger: `accounting.baseline`='': the path is empty"):
+        AccountingConfig(baseline="")
+
+
+def test_a_partial_figure_gets_no_ratio_but_a_note(runs, tmp_path):
+    # a meter lost mid-run leaves an undercount: 0.3x "saved" would be the meter's failure, not the run's
+    _, plain, pulsed = runs
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    undercount = report(pulsed)
+    undercount["total"]["energy_kwh"] *= 0.3
+    undercount["total"]["energy_method"] = "partial"
+    (lost / JSON_NAME).write_text(json.dumps(undercount))
+    comparison = compare_runs(load_run(plain), load_run(lost))
+    for figure in ("energy_kwh", "co2_kg", "cost"):  # CO2 and cost come from the undercounted energy
+        row = next(row for row in comparison["figures"] if row["figure"] == figure)
+        assert row["ratio"] is None and "partial" in row["note"]
+    assert ratio_of(comparison, "duration_s") is not None  # the wall time is still compared

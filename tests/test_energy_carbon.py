@@ -67,7 +67,7 @@ def test_malformed_series_fails_at_construction_naming_the_field(tmp_path):
     path.write_text("Time,Carbon Intensity\n2020-01-01 01:00:00,200\n2020-01-01 00:00:00,300\n")
     with pytest.raises(ValueError, match="strictly increasing"):
         carbon_intensity_from(str(path), None)
-    with pytest.raises(ValueError, match="`carbon_intensity`='missing.csv' is not a file"):
+    with pytest.raises(ValueError, match="`carbon_intensity`='missing.csv' is neither a number nor a file"):
         carbon_intensity_from("missing.csv", None)
     with pytest.raises(ValueError, match="`carbon_intensity`=-5"):
         carbon_intensity_from(-5, None)
@@ -129,3 +129,13 @@ def test_a_fork_reads_the_series_on_its_own_clock_from_the_same_moment():
     unanchored = shared.fork()
     unanchored.anchor_as(Rate("series:test", "gCO2eq/kWh", series=series, series_start=0.0), 5.0, 9.0)
     assert unanchored.run_start == 5.0  # the other has no anchor yet: at this clock's now
+
+
+def test_a_string_that_is_not_a_file_says_a_number_is_accepted_too():
+    from lightning_pulse import EnergyLogger
+
+    with pytest.raises(ValueError) as caught:
+        EnergyLogger(price_per_kwh="0,30")
+    first = str(caught.value).splitlines()[0]
+    assert first.startswith("EnergyLogger: `price_per_kwh`='0,30' is neither a number nor a file")
+    assert "a finite price >= 0 as a number" in first and "CSV" in first

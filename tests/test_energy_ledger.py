@@ -153,13 +153,19 @@ def test_ranks_combine_energy_by_sum_time_by_max_and_methods_by_or():
 
 def test_a_resumed_run_adds_up_with_the_carried_part():
     first = {
-        "buckets": {"total": {"cpu_j": 10.0, "seconds": 5.0, "samples": 100}, "epoch/0": {"cpu_j": 10.0}},
+        "buckets": {
+            "total": {"cpu_j": 10.0, "cpu_flags": 2, "seconds": 5.0, "samples": 100},
+            "epoch/0": {"cpu_j": 10.0, "cpu_flags": 2},
+        },
         "timeline": {"start_wall": [0.0], "end_wall": [5.0], "gpu_j": [0.0], "cpu_j": [10.0], "ram_j": [0.0]},
         "phase_segments": [{"phase": "burst", "cycle": 0, "start_wall": 0.0, "end_wall": 5.0}],
         "events": [{"component": "cpu", "failed": "rapl"}],
     }
     second = {
-        "buckets": {"total": {"cpu_j": 30.0, "seconds": 7.0, "samples": 100}, "epoch/1": {"cpu_j": 30.0}},
+        "buckets": {
+            "total": {"cpu_j": 30.0, "cpu_flags": 2, "seconds": 7.0, "samples": 100},
+            "epoch/1": {"cpu_j": 30.0, "cpu_flags": 2},
+        },
         "timeline": {
             "start_wall": [9.0],
             "end_wall": [16.0],
@@ -544,7 +550,8 @@ def test_account_whose_meters_cannot_be_built_warns_once_and_keeps_counting():
     account.stop()
     assert len(messages) == 1 and "energy metering stopped (IndexError" in messages[0]
     assert report["disabled"].startswith("IndexError") and report["total"]["samples"] == 7
-    assert report["total"]["energy_kwh"] == 0.0 and report["total"]["energy_method"] == NONE
+    # nothing was metered: null, not a 0 that reads as a measurement
+    assert report["total"]["energy_kwh"] is None and report["total"]["energy_method"] == NONE
     assert account.energy_so_far_kwh() == 0.0
 
 
@@ -573,3 +580,70 @@ def test_a_long_run_keeps_its_latest_cycles_and_epochs_and_every_joule_in_its_to
     merged = merge_snapshots(snapshot, snapshot)  # a resumed run's report: the same bounds
     assert sum(key.startswith("cycle/") for key in merged["buckets"]) == RECENT_RECORDS
     assert len(merged["phase_segments"]) == RECENT_RECORDS
+
+
+def test_a_fresh_fit_of_the_same_account_drops_the_earlier_fits_forecast_and_carried_run():
+    # sweep B: a second fit of one EnergyLogger reused the first fit's forecast, and after a resumed fit, added
+    # the resumed run to a fresh one
+    clock = ManualClock()
+    account = account_with(clock)
+    account.start([constant_chain("cpu", 10.0)])
+    account.begin_training(lambda: 0)
+    account.mark(stage="train", phase="burst", epoch=0)
+    clock.now += 1.0
+    state = account.state_dict()
+    account.prediction = {"total_steps": 32.0}
+    account.stop()
+    account.load_state_dict(state)  # before a fit: that fit is a resume
+    account.start([constant_chain("cpu", 10.0)])
+    assert account.resumed_runs == 1 and account.carried is not None and account.prediction is None
+    assert account.metered_kwh() == pytest.approx(10.0 / 3.6e6)
+    account.stop()
+    account.start([constant_chain("cpu", 10.0)])  # no checkpoint loaded: a new run
+    assert account.resumed_runs == 0 and account.carried is None and account.prediction is None
+    assert account.metered_kwh() == 0.0
+    account.load_state_dict(state)  # during a fit (strategies that restore after set-up): applies to it
+    assert account.carried is not None
+    account.stop()
+    account.start([constant_chain("cpu", 10.0)])
+    assert account.carried is None and account.resumed_runs == 0
+    account.stop()
+
+
+def test_a_run_no_meter_counted_has_null_energy_and_logs_no_energy_figure_with_one_warning():
+    # sweep B: with no working meter the loggers got energy/total_kwh 0.0 and the JSON "energy_kwh": 0.0
+    import json
+
+    messages: list[str] = []
+    clock = ManualClock()
+    account = account_with(clock, warn=messages.append)
+    account.start([])  # nothing metered on this machine (cpu="none", ram="none", no GPU)
+    account.begin_training(lambda: 1)
+    account.mark(stage="train", phase="burst", epoch=0)
+    account.batch_started(torch.zeros(4, 3))
+    clock.now += 2.0
+    metrics, forecast = account.epoch_metrics(0, 10.0)
+    assert forecast is None and not any(name.endswith(("_kwh", "_co2_kg", "_cost")) for name in metrics)
+    assert account.step_metrics() is None and account.progress_text() == "—"
+    report = account.report("complete", "EUR")
+    total = json.loads(json.dumps(report))["total"]
+    assert total["energy_kwh"] is None and total["avg_power_w"] is None and total["energy_method"] == NONE
+    assert total["energy_kwh_by_component"] == {"gpu": None, "cpu": None, "ram": None}
+    assert total["duration_s"] == 2.0 and total["samples"] == 4
+    assert len(messages) == 1 and "no meter counted any energy" in messages[0]
+    account.stop()
+
+
+def test_the_meter_startup_stage_is_kept_out_of_the_run():
+    from lightning_pulse.energy.ledger import STARTUP_KEY, STARTUP_STAGE
+
+    ledger = EnergyLedger()
+    ledger.begin(0.0, 1000.0, reading())
+    ledger.mark(0.0, 1000.0, stage="train", phase="burst", epoch=0)
+    ledger.mark(1.0, 1001.0, stage=STARTUP_STAGE)
+    ledger.mark(4.0, 1004.0, stage="other", phase=None, epoch=None)
+    ledger.record(5.0, 1005.0, reading(cpu=50.0))  # 10 W throughout
+    buckets = ledger.snapshot(5.0)["buckets"]
+    assert buckets["total"]["seconds"] == 2.0 and buckets["total"]["cpu_j"] == pytest.approx(20.0)
+    assert buckets[STARTUP_KEY]["seconds"] == 3.0 and buckets[STARTUP_KEY]["cpu_j"] == pytest.approx(30.0)
+    assert buckets["phase/burst"]["seconds"] == 1.0 and buckets["epoch/0"]["cpu_j"] == pytest.approx(10.0)

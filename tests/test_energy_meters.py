@@ -486,3 +486,155 @@ def test_codecarbon_background_start_counts_from_the_request(monkeypatch):
     assert meter.read_joules(10.0) == pytest.approx(watts * 10.0, rel=0.05)
     meter.close()
     assert session.tracker is None and codecarbon_threads() == []
+
+
+# ---------------------------------------------------------------------- sweep B: discontinuities and failures
+def test_nvml_counter_reset_counts_on_from_the_new_value_with_one_warning_and_an_estimated_interval(
+    fake_nvml,
+):
+    # a driver reload restarts NVML's counter from 0: before, every later reading fell below the start baseline
+    # and was clamped, so GPU energy froze for the rest of the run, silently and labelled measured
+    warnings_seen: list[str] = []
+    chain = MeterChain("gpu", [("nvml-counter", lambda: NvmlCounterMeter([0]))], warn=warnings_seen.append)
+    chain.start(0.0)
+    fake_nvml.energy_mj += 30_000
+    assert chain.read(1.0) == (pytest.approx(30.0), MEASURED)
+    fake_nvml.energy_mj = 4_000  # reset: 4 J since the restart
+    assert chain.read(2.0) == (pytest.approx(34.0), ESTIMATED)
+    fake_nvml.energy_mj += 10_000
+    assert chain.read(3.0) == (pytest.approx(44.0), MEASURED)
+    fake_nvml.energy_mj = 1_000  # a second reset: one more event, no second warning
+    assert chain.read(4.0) == (pytest.approx(45.0), ESTIMATED)
+    assert (
+        len(warnings_seen) == 1 and "went back" in warnings_seen[0] and "keeps measuring" in warnings_seen[0]
+    )
+    assert [event.kind for event in chain.events] == ["corrected", "corrected"]
+    chain.close()
+
+
+def test_nvml_power_reading_out_of_range_is_ignored_and_three_in_a_row_fail_the_meter(fake_nvml, monkeypatch):
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetEnforcedPowerLimit", lambda handle: 300_000, raising=False)
+    warnings_seen: list[str] = []
+    chain = MeterChain("gpu", [("nvml-power", lambda: NvmlPowerMeter([0]))], warn=warnings_seen.append)
+    chain.start(0.0)  # 200 W
+    assert chain.read(1.0) == (pytest.approx(200.0), MEASURED)
+    fake_nvml.power_mw = 0xFFFFFFFF  # NVML's all-ones "not available": 4.29 MW, above 1.5 x the 300 W limit
+    assert chain.read(2.0) == (pytest.approx(400.0), ESTIMATED)  # the last good 200 W carried over
+    fake_nvml.power_mw = 200_000
+    assert chain.read(3.0) == (pytest.approx(600.0), MEASURED)
+    assert len(warnings_seen) == 1 and "outside 0-450 W" in warnings_seen[0]
+    fake_nvml.power_mw = 0xFFFFFFFF
+    chain.read(4.0), chain.read(5.0), chain.read(6.0)
+    assert chain.meter is None and "3 out-of-range power readings in a row" in chain.events[-1].reason
+
+
+def test_a_chain_that_loses_its_last_meter_reads_partial_and_its_figure_says_so(fake_nvml):
+    from lightning_pulse.energy.ledger import EnergyLedger, grouped_figures
+    from lightning_pulse.energy.meter import PARTIAL
+
+    chain = MeterChain("gpu", [("nvml-counter", lambda: NvmlCounterMeter([0]))], warn=lambda message: None)
+    ledger = EnergyLedger()
+    chain.start(0.0)
+    ledger.begin(0.0, 1000.0, {"gpu": chain.read(0.0)})
+    ledger.mark(0.0, 1000.0, stage="train", epoch=0)
+    fake_nvml.energy_mj += 100_000
+    ledger.record(1.0, 1001.0, {"gpu": chain.read(1.0)})
+    ledger.mark(1.0, 1001.0, epoch=1)
+    fake_nvml.fail_counter = True
+    ledger.record(2.0, 1002.0, {"gpu": chain.read(2.0)})
+    ledger.record(3.0, 1003.0, {"gpu": chain.read(3.0)})
+    assert chain.read(4.0) == (pytest.approx(100.0), PARTIAL)
+    groups = grouped_figures(ledger.snapshot(3.0)["buckets"], False, False)
+    total = groups["total"]
+    assert total["energy_method"] == PARTIAL and total["methods"]["gpu"] == PARTIAL
+    assert total["energy_kwh"] == pytest.approx(100.0 / 3.6e6) and total["avg_power_w"] is None
+    assert (
+        groups["epochs"]["0"]["energy_method"] == MEASURED and groups["epochs"]["0"]["avg_power_w"] == 100.0
+    )
+    assert groups["epochs"]["1"]["energy_method"] == NONE and groups["epochs"]["1"]["energy_kwh"] is None
+
+
+def test_gpu_lost_with_both_nvml_meters_failing_is_one_warning(fake_nvml, monkeypatch):
+    warnings_seen: list[str] = []
+    chain = MeterChain(
+        "gpu",
+        [("nvml-counter", lambda: NvmlCounterMeter([0])), ("nvml-power", lambda: NvmlPowerMeter([0]))],
+        warn=warnings_seen.append,
+    )
+    chain.start(0.0)
+    chain.read(1.0)
+
+    def lost(handle):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    fake_nvml.fail_counter = True
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", lost)
+    chain.read(2.0)
+    assert len(warnings_seen) == 1 and "gpu meters 'nvml-counter' (" in warnings_seen[0]
+    assert "'nvml-power' (MeterError: NVMLError: GPU is lost) failed" in warnings_seen[0]
+    assert [event.failed for event in chain.events] == ["nvml-counter", "nvml-power"]
+
+
+def test_explicitly_requested_gpu_without_nvml_is_a_warning_and_an_event(monkeypatch):
+    def not_loaded():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", not_loaded)
+    from lightning_pulse.energy.account import build_chains
+    from lightning_pulse.energy.config import MeterConfig
+
+    warnings_seen, infos = [], []
+    config = MeterConfig(gpu_devices=[0])
+    (chain,) = build_chains(config, [0], "none", "none", None, True, warnings_seen.append, infos.append)
+    chain.start(0.0)
+    assert chain.meter is None and infos == []
+    assert len(warnings_seen) == 1 and "'nvml-counter' and 'nvml-power' failed" in warnings_seen[0]
+    assert len(chain.events) == 2
+    # the rank's own CUDA device, not named by the user: absent NVML stays an info line
+    (chain,) = build_chains(
+        MeterConfig(), [0], "none", "none", None, True, warnings_seen.append, infos.append
+    )
+    chain.start(0.0)
+    assert len(warnings_seen) == 1 and len(infos) == 2 and chain.events == []
+
+
+def test_codecarbon_failing_after_a_slow_start_falls_back_to_codecarbons_default_from_its_start(monkeypatch):
+    # the real offline tracker, whose start fails (after its hardware detection); no `cpu_watts`: the CPU gets
+    # codecarbon's own generic-CPU estimate over the whole span (before: none at all, and 0 kWh logged), and
+    # the shared failure warns once, not once per component
+    from codecarbon import OfflineEmissionsTracker
+
+    from lightning_pulse.energy.account import build_chains
+    from lightning_pulse.energy.config import MeterConfig
+    from lightning_pulse.energy.constant import CODECARBON_DEFAULT, codecarbon_default_cpu_watts
+
+    def failing_start(self):
+        raise RuntimeError("cannot read /proc/cpuinfo")
+
+    monkeypatch.setattr(OfflineEmissionsTracker, "start", failing_start)
+    warnings_seen, infos = [], []
+    cpu, ram = build_chains(
+        MeterConfig(rapl_root="/nonexistent"),
+        [],
+        "auto",
+        "codecarbon",
+        None,
+        True,
+        warnings_seen.append,
+        infos.append,
+    )
+    for chain in (cpu, ram):
+        chain.start(10.0)
+    cpu.settle(60.0)
+    watts, source = codecarbon_default_cpu_watts()
+    assert watts == 42.5 and "85 W TDP x 0.5" in source
+    assert cpu.read(14.0) == (pytest.approx(4.0 * watts), ESTIMATED)  # from the failed start, 4 s earlier
+    assert ram.read(14.0) == (0.0, NONE)
+    assert cpu.meter_name == CODECARBON_DEFAULT and cpu.describe()["source"] == source
+    assert len(warnings_seen) == 1 and "cpu meter 'codecarbon' failed" in warnings_seen[0]
+    assert "covers the 4.0 s since the failed meter's start" in warnings_seen[0]
+    assert any("ram meter 'codecarbon' failed" in line for line in infos)
+    assert [event.component for event in cpu.events + ram.events] == ["cpu", "ram"]
+    for chain in (cpu, ram):
+        chain.close()
+    assert codecarbon_threads() == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -17,6 +18,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from examples.mnist1d import MNIST1DClassifier
 from lightning_pulse import PulseCycle, phase_of
 from lightning_pulse.callbacks.gradient_cache import GradientCache
+from lightning_pulse.core.freeze_units import ForwardOrderTrace
+from lightning_pulse.core.layer_freezing import GradlessStepCheck
 from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 
@@ -469,3 +472,220 @@ def test_a_unit_the_users_code_turns_back_on_is_a_release_in_the_events(mnist1d_
     # the ledger counts only what was skipped (equal batches: the per-prefix figures add up exactly)
     full = cache.ledger.flops_by_prefix[0]
     assert cache.ledger.skipped == pytest.approx(sum(full - flops_of for flops_of in flops.per_backward))
+
+
+def _small_data(batch_size: int = 32) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 16, generator=generator)
+    y = (x @ torch.randn(16, 4, generator=generator)).argmax(1)
+    return DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
+
+
+class DecayEveryParameter(torch.optim.Optimizer):
+    """Decoupled weight decay on every parameter, before its ``grad is None`` test (sweep C's optimizer)."""
+
+    def __init__(self, params, lr: float = 0.05, wd: float = 0.01) -> None:
+        super().__init__(params, dict(lr=lr, wd=wd))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.mul_(1 - group["lr"] * group["wd"])
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
+class _MLP(pl.LightningModule):
+    def __init__(self, optimizer: str = "decay-all") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 4),
+        )
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.5)
+        return DecayEveryParameter(self.parameters())
+
+
+class FrozenMovement(Callback):
+    """Steps whose backward ran with ``net.0`` frozen (no gradient) and whose optimizer step still moved it."""
+
+    def __init__(self) -> None:
+        self.frozen_steps: list[int] = []
+        self.moved: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.weight = pl_module.net[0].weight.detach().clone()
+        self.frozen = not pl_module.net[0].weight.requires_grad
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.frozen:
+            self.frozen_steps.append(trainer.global_step)
+            if not torch.equal(self.weight, pl_module.net[0].weight):
+                self.moved.append(trainer.global_step)
+
+
+def _fit_frozen_under(optimizer: str) -> tuple[GradientCache, FrozenMovement, list[str]]:
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
+    movement = FrozenMovement()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = pl.Trainer(max_steps=30, callbacks=[cache, movement], **trainer_kwargs())
+        trainer.fit(_MLP(optimizer), _small_data())
+    return cache, movement, [str(w.message) for w in record if "GradientCache" in str(w.message)]
+
+
+def test_an_optimizer_that_moves_gradless_parameters_is_caught_at_the_first_frozen_step_and_freezing_stops():
+    """Sweep C: an optimizer applying weight decay to every parameter moved the units GradientCache reported
+    frozen at every frozen step (steps 4-11, 16-23, 28-...), while the events and FLOP ledger claimed a freeze."""
+    cache, movement, messages = _fit_frozen_under("decay-all")
+    assert movement.frozen_steps == [5] and movement.moved == []  # checked, put back, then never frozen again
+    assert [(e["step"], e["to"], e["reason"]) for e in cache.events] == [(4, 2, "check"), (5, 0, "optimizer")]
+    (message,) = messages
+    assert "DecayEveryParameter moved the parameters of frozen units" in message
+    assert "remove GradientCache" in message
+    state = cache.state_dict()["optimizer_check"]
+    assert state == {"checked": True, "moved": True, "optimizer": "DecayEveryParameter"}
+    resumed = GradientCache()
+    resumed.load_state_dict({**cache.state_dict(), "cache": None})
+    lifecycle = resumed._lifecycle
+    lifecycle.load_optimizer_check(resumed._pending_state["optimizer_check"])  # what on_train_start does
+    assert not lifecycle.may_freeze
+
+
+def test_torch_adamw_with_weight_decay_skips_gradless_parameters_and_is_never_copied(monkeypatch):
+    copied = []
+    before_step = GradlessStepCheck.before_step
+
+    def spy(self, optimizers, params):
+        before_step(self, optimizers, params)
+        copied.append(len(self._held))
+
+    monkeypatch.setattr(GradlessStepCheck, "before_step", spy)
+    cache, movement, messages = _fit_frozen_under("adamw")
+    assert movement.frozen_steps and movement.moved == [] and messages == []
+    assert copied and set(copied) == {0}  # at every frozen step: never a copy for a torch optimizer
+    assert cache.state_dict()["optimizer_check"]["checked"] and cache._lifecycle.may_freeze
+
+
+class _LayerDrop(pl.LightningModule):
+    """``inp -> blocks[0..3] (residual) -> out``; ``blocks.1`` is dropped on every 5th step, step 0 included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(16, 32)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(4)])
+        self.out = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        for k, block in enumerate(self.blocks):
+            if not (self.training and k == 1 and self.global_step % 5 == 0):
+                h = h + torch.relu(block(h))
+        return self.out(h)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class FrozenPattern(Callback):
+    """Per batch, which of the modules (in true forward order) were frozen during its backward."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names, self.frozen = names, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        modules = dict(pl_module.named_modules())
+        self.frozen.append(tuple(not modules[name].weight.requires_grad for name in self.names))
+
+
+def test_a_block_skipped_by_the_ordering_backward_gets_its_place_before_anything_after_it_freezes(caplog):
+    """Sweep C: the units were ordered from the first backward only, in which LayerDrop skipped blocks.1, so it
+    was ordered last and GradientCache froze inp, blocks.0, blocks.2, blocks.3 while blocks.1 trained."""
+    forward_order = ["inp", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "out"]
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
+    pattern = FrozenPattern(forward_order)
+    with caplog.at_level("INFO"):
+        pl.Trainer(max_steps=30, callbacks=[cache, pattern], **trainer_kwargs()).fit(
+            _LayerDrop(), _small_data()
+        )
+    assert [unit.name for unit in cache.freezer.units] == forward_order
+    prefixes = {sum(frozen) for frozen in pattern.frozen}
+    assert all(frozen == tuple(i < sum(frozen) for i in range(6)) for frozen in pattern.frozen)  # a prefix
+    assert max(prefixes) >= 4  # blocks.2 and blocks.3 froze, with blocks.1 before them
+    assert "blocks.1 got no gradient in the backward that put the units into forward order" in caplog.text
+
+
+class _OddBatchAdapter(pl.LightningModule):
+    """``pre`` (an input adapter) runs on every ``period``-th batch only (odd batches by default), before ``net``."""
+
+    def __init__(self, period: int = 2) -> None:
+        super().__init__()
+        self.period = period
+        torch.manual_seed(0)
+        self.pre = torch.nn.Linear(16, 16)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 4),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        if batch_idx % self.period == 1:
+            x = x + self.pre(x)
+        return torch.nn.functional.cross_entropy(self.net(x), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def test_a_unit_used_on_odd_batches_only_is_placed_at_the_next_backward_that_uses_it(caplog):
+    """A review of this pass: ordering again from the very next backward (an even batch) missed the adapter
+    again, so it was "missed" every 2 steps, the note repeated 32 times and nothing froze in 64 steps."""
+    forward_order = ["pre", "net.0", "net.2", "net.4"]
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
+    pattern = FrozenPattern(forward_order)
+    with caplog.at_level("INFO"):
+        pl.Trainer(max_steps=64, callbacks=[cache, pattern], **trainer_kwargs()).fit(
+            _OddBatchAdapter(), _small_data()
+        )
+    assert [unit.name for unit in cache.freezer.units] == forward_order
+    assert caplog.text.count("pre got no gradient in the backward") == 1
+    assert all(frozen == tuple(i < sum(frozen) for i in range(4)) for frozen in pattern.frozen)  # a prefix
+    assert max(sum(frozen) for frozen in pattern.frozen) >= 2  # freezing happens
+
+
+def test_a_unit_no_waited_backward_sees_stays_last_and_freezing_goes_on(caplog, monkeypatch):
+    """A review of this pass: an adapter used every 40th batch outlived the 32 backwards the ordering waits, was
+    found "missed" again at each use, and nothing froze for 213 of 300 steps. Here the wait is 4 backwards."""
+    monkeypatch.setattr(ForwardOrderTrace, "MAX_BACKWARDS", 4)
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
+    pattern = FrozenPattern(["net.0", "net.2", "net.4"])
+    with caplog.at_level("INFO"):
+        pl.Trainer(max_steps=60, callbacks=[cache, pattern], **trainer_kwargs()).fit(
+            _OddBatchAdapter(period=10), _small_data()
+        )
+    assert cache.freezer is not None and cache.freezer.rare == ["pre"]
+    assert [unit.name for unit in cache.freezer.units][-1] == "pre"
+    assert caplog.text.count("pre got no gradient in the backward") == 1  # not at each of its uses
+    assert sum(any(frozen) for frozen in pattern.frozen) >= 20

@@ -19,6 +19,7 @@ from lightning_pulse.core.layer_freezing import (
     FreezerLifecycle,
     FreezeSettings,
     FreezeWindow,
+    GradlessStepCheck,
     LayerFreezer,
     StepReport,
     freezer_from_state,
@@ -904,3 +905,49 @@ def test_a_retrace_of_parameters_frozen_before_a_ddp_wrap_warns_that_ddp_never_a
     note, released, warns = lifecycle.retrace(model, check=True)
     assert warns and "Under DDP, 0.weight and others were frozen when DDP wrapped the model" in note
     assert "in a callback's `on_train_start`" in note  # the way out
+
+
+def test_a_unit_missing_from_a_backward_keeps_its_place_from_the_order_known_before():
+    from lightning_pulse.core.freeze_units import FreezeUnit, order_units
+
+    units = [FreezeUnit(name, [f"{name}.weight"]) for name in ("a", "b", "c", "d", "never")]
+    # this backward skipped b (LayerDrop); gradients complete from the output side: d, c, a
+    ordered = order_units(units, ["d.weight", "c.weight", "a.weight"], previous=["a", "b", "c", "d"])
+    assert [(u.name, u.used) for u in ordered] == [
+        ("a", True),
+        ("b", True),
+        ("c", True),
+        ("d", True),
+        ("never", False),
+    ]
+    alone = order_units(units, ["d.weight", "c.weight", "a.weight"])
+    assert [u.name for u in alone] == ["a", "c", "d", "b", "never"] and not alone[3].used
+
+
+class _DecayTheDecayedGroup(torch.optim.Optimizer):
+    """Weight decay before the ``grad is None`` test, on the groups with ``wd`` > 0 only (a no-decay group)."""
+
+    def __init__(self, groups) -> None:
+        super().__init__(groups, dict(wd=0.0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.mul_(1 - group["wd"])
+        return None
+
+
+def test_the_gradless_step_check_checks_each_parameter_the_first_time_it_is_frozen():
+    # a review of this pass: checking once, on a first prefix held in a no-decay group, let a later and larger
+    # prefix move at every frozen step
+    exempt, decayed = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    optimizer = _DecayTheDecayedGroup([{"params": [exempt]}, {"params": [decayed], "wd": 0.1}])
+    check = GradlessStepCheck()
+    for frozen, copies, moves in (([exempt], 1, False), ([exempt], 0, False), ([exempt, decayed], 1, True)):
+        before = decayed.detach().clone()
+        check.before_step([optimizer], frozen)
+        assert len(check._held) == copies  # the exempt parameter is copied once, then known to stay
+        optimizer.step()
+        assert check.after_step() is moves
+    assert check.moved and torch.equal(decayed, before)  # put back for that step

@@ -592,3 +592,134 @@ def test_a_sample_whose_every_token_is_ignored_is_scored_easiest_not_kept_unseen
     assert (scores[:8] == 0).all() and np.isfinite(scores).all()
     later = [i for step in module.trained[4:] for i in step]  # epochs 2 and 3: scored batches, cut in half
     assert len(later) == 64 and not set(later) & set(range(8))
+
+
+class _Sequences(torch.utils.data.Dataset):
+    """Token sequences of lengths 3 to 10 with a class label each (a sequence classifier's data)."""
+
+    def __init__(self, count: int = 64) -> None:
+        generator = torch.Generator().manual_seed(0)
+        lengths = torch.randint(3, 11, (count,), generator=generator)
+        self.tokens = [torch.randint(0, 20, (int(n),), generator=generator) for n in lengths]
+        self.labels = torch.randint(0, 3, (count,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        return self.tokens[index], self.labels[index]
+
+
+def _time_major(samples):
+    tokens, labels = zip(*samples)
+    return torch.nn.utils.rnn.pad_sequence(list(tokens)), torch.stack(labels)  # (T, B), torch's default
+
+
+def _listed_with_a_count_first(samples):
+    tokens, labels = zip(*samples)
+    return {
+        "num_tokens": torch.tensor(sum(len(t) for t in tokens)),
+        "tokens": list(tokens),
+        "label": torch.stack(labels),
+    }
+
+
+class _SequenceClassifier(pl.LightningModule):
+    """Mean-pooled embeddings; reads time-major (T, B) batches or dicts holding a list of sequences."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 8)
+        self.head = torch.nn.Linear(8, 3)
+        self.sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        if isinstance(batch, dict):
+            pooled = torch.stack([self.embed(tokens).mean(0) for tokens in batch["tokens"]])
+            labels = batch["label"]
+        else:
+            pooled, labels = self.embed(batch[0]).mean(0), batch[1]
+        self.sizes.append(len(labels))
+        return F.cross_entropy(self.head(pooled), labels)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _sequence_fit(mode: str, collate, **loader) -> tuple[pl.Trainer, _SequenceClassifier, HardSampleReplay]:
+    module, replay = _SequenceClassifier(), HardSampleReplay(mode=mode, replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=3, **trainer_kwargs())
+    trainer.fit(module, DataLoader(_Sequences(), batch_size=8, collate_fn=collate, **loader))
+    return trainer, module, replay
+
+
+@pytest.mark.parametrize(
+    "collate", [_time_major, _listed_with_a_count_first], ids=["time-major", "dict-list"]
+)
+def test_steps_mode_trains_batches_whose_first_tensor_is_not_the_batch(collate):
+    # held-out sweep: the batch size was read from the first tensor (the time-major batch's longest sequence,
+    # the dict's 0-dim count) and the run failed with a RuntimeError, after training started for time-major
+    trainer, module, replay = _sequence_fit("steps", collate, shuffle=True)
+    assert trainer.global_step == trainer.max_steps == 12  # 3 epochs of 4 full batches, from windows of 16
+    assert module.sizes == [8] * 12 and replay.table.seen == 64
+
+
+def test_batch_mode_cuts_a_dict_holding_a_list_of_sequences_and_a_count():
+    trainer, module, _ = _sequence_fit("batch", _listed_with_a_count_first, shuffle=True)
+    assert trainer.global_step == 24 and module.sizes == [8] * 8 + [4] * 16
+
+
+def test_batch_mode_refuses_a_time_major_batch_before_the_first_step():
+    # cut along its first dimension, a (T, B) batch is cut along time: refused, naming the shapes and the way out
+    with pytest.raises(PulseRefusal, match=r"^HardSampleReplay cannot cut .*\(10, 8\).*mode='steps'"):
+        _sequence_fit("batch", _time_major, shuffle=False)
+
+
+class _FocalLoss(pl.LightningModule):
+    """A hand-written focal loss over F.cross_entropy(reduction="none"); each InfoBatch-weighted step checks its
+    gradient against the intended one, the gradient of mean_i(w_i * focal_i) over the true cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        self.expected: list[torch.Tensor] | None = None
+        self.gaps: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        ce = F.cross_entropy(logits, y, reduction="none")
+        loss = ((1 - torch.exp(-ce)) ** 2 * ce).mean()
+        replay = next(c for c in self.trainer.callbacks if isinstance(c, HardSampleReplay))
+        weights, self.expected = replay.batches.current.plan.weights, None
+        if weights is not None:
+            true_ce = -torch.log_softmax(logits, -1).gather(1, y[:, None])[:, 0]  # no captured call
+            assert torch.equal(ce.detach(), true_ce.detach())  # the module sees its true losses
+            intended = (weights * (1 - torch.exp(-true_ce)) ** 2 * true_ce).mean()
+            self.expected = torch.autograd.grad(intended, list(self.parameters()), retain_graph=True)
+        return loss
+
+    def on_after_backward(self):
+        if self.expected is not None:
+            gaps = [
+                (p.grad - e).abs().max() / e.abs().max() for p, e in zip(self.parameters(), self.expected)
+            ]
+            self.gaps.append(float(max(gaps)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_infobatch_weights_each_term_of_a_focal_loss_without_changing_the_cross_entropy_it_sees():
+    # held-out sweep: the weights multiplied the cross-entropy the module received, so the focal factor was
+    # computed from w * ce: it trained on (1 - exp(-w ce))^2 w ce instead of w (1 - exp(-ce))^2 ce
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(256, 10, generator=generator), torch.randint(0, 3, (256,), generator=generator)
+    )
+    module = _FocalLoss()
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay(rule="infobatch", prune_ratio=0.5)], max_epochs=3, **trainer_kwargs()
+    )
+    trainer.fit(module, DataLoader(data, batch_size=32, shuffle=True))
+    assert len(module.gaps) >= 8 and max(module.gaps) < 1e-4  # the pruned steps of epochs 2 and 3

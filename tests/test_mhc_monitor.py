@@ -209,3 +209,147 @@ def test_ranks_agree_on_the_reduced_figures_under_ddp(tmp_path):
     rank1 = json.loads((tmp_path / "rank1.json").read_text())
     assert [entry["step"] for entry in rank0] == [0, 2, 4]
     assert rank0 == rank1  # each rank saw different tokens; max/mean reduction makes the figures agree
+
+
+# ---------------------------------------------------------------------------------------------- sweep A fixes
+class TwoLayerNet(torch.nn.Module):
+    def __init__(self, kind: str = "mhc", keyword: bool = False, gain: float | None = None) -> None:
+        super().__init__()
+        from lightning_pulse.nn import residual_connection
+
+        self.layers = torch.nn.ModuleList(
+            [
+                residual_connection(
+                    kind, torch.nn.Linear(16, 16), 16, 4, alpha_init=0.3 if gain is None else 0.0
+                )
+                for _ in range(2)
+            ]
+        )
+        if gain is not None:  # HC layers with forward gain `gain` each
+            with torch.no_grad():
+                for layer in self.layers:
+                    layer.b_res.copy_(gain * torch.eye(4))
+        self.keyword = keyword
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from lightning_pulse.nn import collapse_streams, expand_streams
+
+        streams = expand_streams(x, 4)
+        for layer in self.layers:
+            streams = layer(streams=streams) if self.keyword else layer(streams)
+        return collapse_streams(streams)
+
+
+class TwoLayerModule(pl.LightningModule):
+    def __init__(self, net: torch.nn.Module, forwards: int = 1, lr: float = 0.1) -> None:
+        super().__init__()
+        self.net, self.forwards, self.lr = net, forwards, lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return sum((self.net(x * (i + 1)) - y).pow(2).mean() for i in range(self.forwards))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _fit_two_layer(module: pl.LightningModule, *monitors: HyperConnectionMonitor, steps: int = 6, **kwargs):
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(48, 5, 16, generator=generator), torch.randn(48, 5, 16, generator=generator)
+    )
+    trainer = pl.Trainer(
+        callbacks=list(monitors), max_steps=steps, **trainer_kwargs(limit_val_batches=0, **kwargs)
+    )
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    return trainer
+
+
+def test_measures_every_n_steps_when_the_layers_run_inside_a_torch_compiled_module():
+    # Hooks registered anew per measurement ran in the graph traced with the first one: only step 0 was recorded.
+    torch._dynamo.reset()
+    results = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        net = TwoLayerNet("hc")
+        monitor = HyperConnectionMonitor(every_n_steps=2)
+        _fit_two_layer(TwoLayerModule(torch.compile(net, backend="aot_eager") if compiled else net), monitor)
+        results[compiled] = monitor.history
+        assert all(len(layer._forward_hooks) == 0 for layer in net.layers)  # the hooks leave with the fit
+    assert [entry["step"] for entry in results[True]] == [0, 2, 4]
+    for got, want in zip(results[True], results[False]):
+        assert got["forward_gain"] == pytest.approx(want["forward_gain"], rel=1e-5)
+        assert got["stream_rms"] == pytest.approx(want["stream_rms"], rel=1e-5)
+    assert results[False][-1]["forward_gain"] != pytest.approx(results[False][0]["forward_gain"], rel=1e-3)
+
+
+def test_the_hooks_leave_the_model_when_the_training_loop_never_runs():
+    # hooks are registered at fit start; Lightning skips on_train_end when the loop does not run
+    net = TwoLayerNet("mhc")
+    _fit_two_layer(TwoLayerModule(net), HyperConnectionMonitor(every_n_steps=2), steps=0)
+    assert all(len(layer._forward_hooks) == 0 for layer in net.layers)
+
+
+def test_measures_layers_called_with_their_streams_as_a_keyword():
+    monitor = HyperConnectionMonitor(every_n_steps=2)
+    _fit_two_layer(TwoLayerModule(TwoLayerNet("mhc", keyword=True)), monitor, steps=3)
+    assert [(entry["step"], entry["layers"]) for entry in monitor.history] == [(0, 2), (2, 2)]
+
+
+def test_a_training_step_that_runs_the_model_twice_is_scored_per_forward_pass_not_as_one_deeper_stack():
+    monitor = HyperConnectionMonitor(every_n_steps=1)
+    _fit_two_layer(TwoLayerModule(TwoLayerNet("hc", gain=1.5), forwards=2, lr=0.0), monitor, steps=1)
+    assert monitor.last["forward_gain"] == pytest.approx(2.25)  # 1.5 ** 2, not 1.5 ** 4 over both passes
+    assert monitor.last["layers"] == 2
+
+
+def test_warns_once_when_a_measured_step_records_nothing():
+    class SkipsTheLayers(TwoLayerModule):
+        def training_step(self, batch, batch_idx):
+            return sum(p.sum() for p in self.parameters()) * 0.0
+
+    monitor = HyperConnectionMonitor(every_n_steps=1)
+    with pytest.warns(UserWarning, match="HyperConnectionMonitor recorded nothing at step 0") as record:
+        _fit_two_layer(SkipsTheLayers(TwoLayerNet()), monitor, steps=3)
+    assert sum("recorded nothing" in str(w.message) for w in record) == 1 and monitor.history == []
+
+
+def test_two_monitors_with_different_prefixes_coexist_and_each_restores_its_own_history(tmp_path):
+    cheap, detailed = (
+        HyperConnectionMonitor(2),
+        HyperConnectionMonitor(3, per_layer=True, prefix="mhc_layers"),
+    )
+    assert cheap.state_key != detailed.state_key
+    trainer = _fit_two_layer(TwoLayerModule(TwoLayerNet()), cheap, detailed, steps=4)
+    trainer.save_checkpoint(tmp_path / "both.ckpt")
+    assert [e["step"] for e in cheap.history] == [0, 2] and [e["step"] for e in detailed.history] == [0, 3]
+
+    resumed = HyperConnectionMonitor(2), HyperConnectionMonitor(3, per_layer=True, prefix="mhc_layers")
+    trainer = pl.Trainer(callbacks=list(resumed), max_steps=7, **trainer_kwargs(limit_val_batches=0))
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 5, 16, generator=generator), torch.randn(64, 5, 16))
+    trainer.fit(
+        TwoLayerModule(TwoLayerNet()), DataLoader(data, batch_size=8), ckpt_path=tmp_path / "both.ckpt"
+    )
+    assert [e["step"] for e in resumed[0].history] == [0, 2, 4, 6]
+    assert [e["step"] for e in resumed[1].history] == [0, 3, 6]
+
+
+def test_a_checkpoint_saved_under_the_old_class_name_key_still_restores_the_history(tmp_path):
+    monitor = HyperConnectionMonitor(every_n_steps=2)
+    trainer = _fit_two_layer(TwoLayerModule(TwoLayerNet()), monitor, steps=3)
+    trainer.save_checkpoint(tmp_path / "new.ckpt")
+    checkpoint = torch.load(tmp_path / "new.ckpt", weights_only=False)
+    callbacks = checkpoint["callbacks"]
+    callbacks["HyperConnectionMonitor"] = callbacks.pop(monitor.state_key)  # as written before the prefix key
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+
+    resumed = HyperConnectionMonitor(every_n_steps=2)
+    trainer = pl.Trainer(callbacks=[resumed], max_steps=5, **trainer_kwargs(limit_val_batches=0))
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 5, 16, generator=generator), torch.randn(64, 5, 16))
+    trainer.fit(
+        TwoLayerModule(TwoLayerNet()), DataLoader(data, batch_size=8), ckpt_path=tmp_path / "old.ckpt"
+    )
+    assert [e["step"] for e in resumed.history] == [0, 2, 4]
+    assert resumed.history[:2] == monitor.history

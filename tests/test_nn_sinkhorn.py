@@ -150,3 +150,11 @@ def test_torch_compile_traces_sinkhorn_as_one_graph_and_matches_eager_in_value_a
     assert eager_grad.abs().amax() > 1e-3
     torch.testing.assert_close(traced_out, eager_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(traced_grad, eager_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_accepts_an_integer_like_numpy_or_torch_iteration_count():
+    np = pytest.importorskip("numpy")
+    logits = torch.randn(3, 4, 4)
+    expected = sinkhorn_knopp(logits, 5)
+    assert torch.equal(sinkhorn_knopp(logits, np.int64(5)), expected)
+    assert torch.equal(sinkhorn_knopp(logits, torch.tensor(5)), expected)

@@ -294,6 +294,45 @@ def test_sample_weights_reweight_the_loss_exactly_as_the_caller_reduces_it():
     assert grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("use", ["focal", "linear", "linear-in-place", "token-focal"])
+def test_sample_weights_of_an_unreduced_loss_weight_its_gradient_not_its_value(use):
+    # held-out sweep: InfoBatch's weights multiplied the values a reduction="none" call returned, so a focal loss
+    # computed its modulating factor from w * ce and trained on (1 - exp(-w ce))^2 w ce, up to 30% off
+    batch, time = 6, 3 if use == "token-focal" else 1
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(batch * time, 5, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 5, (batch * time,), generator=generator)
+    weights = torch.tensor([2.0, 0.5, 1.0, 3.0, 1.5, 0.25])
+    user_weights = torch.rand(batch * time, generator=generator)  # a per-sample weight of the module's own
+
+    def reduce(ce: torch.Tensor) -> torch.Tensor:
+        if use == "linear":
+            return (ce * user_weights).mean()
+        if use == "linear-in-place":
+            return ce.mul_(user_weights).mean()
+        return ((1 - torch.exp(-ce)) ** 2 * ce).mean()  # focal, gamma 2
+
+    capture = LossCapture(batch_size=batch, sample_weights=weights)
+    with capture:
+        ce = F.cross_entropy(logits, targets, reduction="none")
+    true_ce = F.cross_entropy(logits, targets, reduction="none")
+    assert torch.equal(ce, true_ce)  # the module sees the true losses
+    (grad,) = torch.autograd.grad(reduce(ce), logits)
+    # the reference: each sample's term of the module's loss, weighted (sum_i w_i f(ce_i), here its mean)
+    per_element = weights.repeat_interleave(time)
+    terms = {
+        "focal": lambda c: (1 - torch.exp(-c)) ** 2 * c,
+        "token-focal": lambda c: (1 - torch.exp(-c)) ** 2 * c,
+        "linear": lambda c: c * user_weights,
+        "linear-in-place": lambda c: c * user_weights,
+    }[use]
+    reference = (per_element * terms(F.cross_entropy(logits, targets, reduction="none"))).mean()
+    (expected,) = torch.autograd.grad(reference, logits)
+    assert torch.allclose(grad, expected, rtol=1e-5, atol=1e-7)
+    # the scores stay the unweighted losses
+    assert torch.allclose(capture.per_sample(), true_ce.detach().reshape(batch, time).mean(1))
+
+
 def test_legacy_and_positional_reduction_arguments_are_honoured():
     a, b = torch.randn(4, 3), torch.randn(4, 3)
     capture = LossCapture(batch_size=4)

@@ -12,7 +12,13 @@ from lightning_pulse import (
     ScheduledPrune,
     StabilityGuard,
 )
-from lightning_pulse.protocols import ParametersReplacedListener, PhaseListener, RollbackAware, listeners
+from lightning_pulse.protocols import (
+    ParametersReplacedListener,
+    PhaseListener,
+    PhaseStartListener,
+    RollbackAware,
+    listeners,
+)
 
 
 class _Trainer:
@@ -42,4 +48,6 @@ def test_the_shipped_callbacks_declare_the_contracts_they_take_part_in():
     assert isinstance(GradientCache(), PhaseListener) and isinstance(GradientCache(), RollbackAware)
     assert isinstance(ScheduledPrune(), PhaseListener) and isinstance(ScheduledPrune(), RollbackAware)
     assert isinstance(EnergyLogger(country_iso_code="DEU"), PhaseListener)
+    assert isinstance(EnergyLogger(country_iso_code="DEU"), PhaseStartListener)  # books the probe to maintain
+    assert not isinstance(StabilityGuard(), PhaseStartListener)  # it reads the probe: told after it
     assert isinstance(StabilityGuard(), ParametersReplacedListener)

@@ -34,9 +34,7 @@ def _train(
     active: bool,
 ) -> StepInFlight:
     """One training step as HardSampleReplay's hooks drive it (indices 0..B-1, batch_idx = step)."""
-    started = batches.start_batch(
-        selector, batch, torch.arange(len(batch[0])), len(batch[0]), step, step, active
-    )
+    started = batches.start_batch(selector, batch, torch.arange(len(batch[0])), step, step, active)
     loss = F.cross_entropy(model(batch[0]), batch[1])
     batches.close_capture()
     finished = batches.finish_batch(model, batch, outputs=loss)
@@ -74,7 +72,7 @@ def test_a_step_dropped_in_flight_records_nothing():
     model, (x, y) = nn.Linear(3, 4), _data()
     batches, selector = _started()
     try:
-        batches.start_batch(selector, [x, y], torch.arange(8), 8, step=0, batch_idx=0, active=False)
+        batches.start_batch(selector, [x, y], torch.arange(8), step=0, batch_idx=0, active=False)
         F.cross_entropy(model(x), y)
         batches.drop_step()  # a rollback: the model this step was measured on is replaced
         assert batches.current is None
@@ -109,17 +107,62 @@ def test_a_cut_is_refused_before_it_is_made_while_the_module_holds_batch_shaped_
         with pytest.raises(
             PulseRefusal, match=r"^HardSampleReplay cannot cut the batches .* `state` \(tensor"
         ):
-            batches.start_batch(selector, batch, torch.arange(8), 8, step=1, batch_idx=1, active=True)
+            batches.start_batch(selector, batch, torch.arange(8), step=1, batch_idx=1, active=True)
         assert batch[0] is x and batch[1] is y and batches.current is None  # nothing was cut or started
     finally:
         batches.release()
 
 
-def test_indices_that_do_not_match_the_batch_fail_before_anything_is_planned():
+def test_the_batch_size_is_the_recorded_indices_not_a_reading_of_the_batch():
+    # held-out sweep: Lightning's reading (the first tensor's dim 0) took a 0-dim count for a batch of 1 and a
+    # time-major (T, B) tensor for a batch of T, and the run failed with a RuntimeError blaming the collate_fn
+    batches = ReplayBatchLifecycle("steps")
+    batches.start_fit()
+    selector = HardSampleSelector(SampleScoreTable(8), ReplayConfig("topk", replay_fraction=0.5))
+    try:
+        for batch in (
+            {"num_tokens": torch.tensor(37), "tokens": [torch.arange(n) for n in range(3, 11)]},
+            [torch.zeros(5, 8, dtype=torch.long), torch.zeros(8)],
+        ):
+            started = batches.start_batch(selector, batch, torch.arange(8), step=0, batch_idx=0, active=True)
+            assert started.batch_size == 8 and started.offered_count == 8
+            batches.drop_step()
+    finally:
+        batches.release()
+
+
+def test_batch_mode_refuses_a_time_major_batch_at_the_first_batch_only():
+    # a (T, B) batch cut along its first dimension would be cut along time: refused before any step
     batches, selector = _started()
     try:
-        with pytest.raises(RuntimeError, match="batch 3 holds 8 samples but 7 dataset indices"):
-            batches.start_batch(selector, _data(), torch.arange(7), 8, step=0, batch_idx=3, active=True)
+        time_major = [torch.zeros(5, 8), torch.zeros(8)]
+        with pytest.raises(PulseRefusal, match=r"^HardSampleReplay cannot cut .*\(5, 8\).*mode='steps'"):
+            batches.start_batch(selector, time_major, torch.arange(8), step=0, batch_idx=0, active=False)
         assert batches.current is None
+    finally:
+        batches.release()
+    # a first batch of one sample says nothing of the layout: the first batch of two or more is checked
+    batches, selector = _started()
+    try:
+        batches.start_batch(
+            selector, [torch.zeros(5, 1), torch.zeros(1)], torch.arange(1), 0, 0, active=False
+        )
+        batches.drop_step()
+        with pytest.raises(PulseRefusal, match=r"\(5, 8\)"):
+            batches.start_batch(
+                selector, [torch.zeros(5, 8), torch.zeros(8)], torch.arange(8), 1, 1, active=True
+            )
+    finally:
+        batches.release()
+    # a later batch is not checked: a short last batch of 3 next to a (1, 3, 1, 1) statistic, or a (2, 3)
+    # per-batch table, trains (checking every batch refused such runs mid-way)
+    batches, selector = _started()
+    try:
+        first = [torch.zeros(8, 3, 4, 4), torch.zeros(8), torch.zeros(1, 3, 1, 1)]
+        batches.start_batch(selector, first, torch.arange(8), step=0, batch_idx=0, active=False)
+        batches.drop_step()
+        last = [torch.zeros(3, 3, 4, 4), torch.zeros(3), torch.zeros(2, 3)]
+        batches.start_batch(selector, last, torch.arange(3), step=1, batch_idx=1, active=True)
+        assert batches.current is not None
     finally:
         batches.release()

@@ -684,3 +684,96 @@ def test_structured_mode_prunes_a_model_whose_only_compiled_part_holds_no_layer_
     pl.Trainer(max_steps=10, callbacks=[prune], **trainer_kwargs()).fit(model, data)
     assert len(prune.events) == 4 and model.net[0].weight.shape[0] < 32  # channels were cut
     assert tuple(model.teacher._orig_mod.weight.shape) == (2, 10)
+
+
+def _masked_parts(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(the trained tensor, its mask)``: ``weight_orig`` and ``weight_mask``, or ``weight`` and ones."""
+    if pruning.current_mask(layer) is not None:
+        return layer.weight_orig, layer.weight_mask
+    return layer.weight, torch.ones_like(layer.weight)
+
+
+class _ReadsWeightBeforeCall(pl.LightningModule):
+    """Reads its first layer's ``weight`` before calling the layer, in training (an L2 penalty on that layer, and
+    a statistic without autograd) and in validation; records whether each read was the current masked weight."""
+
+    def __init__(self, penalty: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        self.penalty = penalty
+        self.reads: list[tuple[str, int, bool]] = []  # (stage, global step, the read was current)
+        self.batch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _read(self, stage: str) -> None:
+        orig, mask = _masked_parts(self.net[0])
+        with torch.no_grad():
+            current = torch.equal(self.net[0].weight, orig * mask)
+        self.reads.append((stage, self.global_step, current))
+
+    def training_step(self, batch, batch_idx):
+        self._read("train")
+        self.batch = batch
+        x, y = batch
+        reg = self.penalty * self.net[0].weight.pow(2).sum() if self.penalty else 0.0
+        return torch.nn.functional.cross_entropy(self.net(x), y) + reg
+
+    def validation_step(self, batch, batch_idx):
+        self._read("val")
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class ExplicitMaskedGradient(Callback):
+    """At each optimizer step, the largest gap between the first layer's gradient and the one an explicit
+    computation with ``W = weight_orig * weight_mask`` gives on the same batch."""
+
+    def __init__(self) -> None:
+        self.gaps: list[tuple[int, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        (x, y), first, last = pl_module.batch, pl_module.net[0], pl_module.net[2]
+        trained, mask = _masked_parts(first)
+        leaf = trained.detach().clone().requires_grad_(True)
+        weight = leaf * mask
+        hidden = torch.relu(torch.nn.functional.linear(x, weight, first.bias.detach()))
+        out = torch.nn.functional.linear(hidden, pruning.effective_weight(last), last.bias.detach())
+        loss = torch.nn.functional.cross_entropy(out, y) + pl_module.penalty * weight.pow(2).sum()
+        (expected,) = torch.autograd.grad(loss, leaf)
+        self.gaps.append((trainer.global_step, (trained.grad - expected).abs().max().item()))
+
+
+def _read_before_call_fit(
+    penalty: float, callbacks: list[Callback]
+) -> tuple[_ReadsWeightBeforeCall, ScheduledPrune]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 16, generator=generator)
+    y = (x @ torch.randn(16, 4, generator=generator)).argmax(1)
+    data = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+    prune = ScheduledPrune(final_sparsity=0.5, start=6, end=18, every=3, probe_batches=0)
+    model = _ReadsWeightBeforeCall(penalty)
+    trainer = pl.Trainer(max_steps=30, limit_val_batches=2, callbacks=[prune, *callbacks], **trainer_kwargs())
+    trainer.fit(model, data, data)
+    return model, prune
+
+
+def test_a_weight_read_before_its_layer_is_called_trains_through_the_events_with_the_masked_gradient():
+    """Sweep C: an L2 penalty on a pruned layer, read before the layer's call, used last step's tensor (torch's
+    mask hook recomputes `weight` only in the layer's call), so the fit crashed with "Trying to backward through
+    the graph a second time" one step after the first event."""
+    check = ExplicitMaskedGradient()
+    model, prune = _read_before_call_fit(1e-2, [check])
+    assert [event["step"] for event in prune.events] == [9, 12, 15, 18]
+    assert len(check.gaps) == 30 and max(gap for _, gap in check.gaps) < 1e-6
+    assert all(current for _, _, current in model.reads)  # the penalty read this step's masked weight too
+
+
+def test_a_weight_read_without_grad_before_its_layer_is_called_sees_the_current_masked_weights():
+    """The same read without autograd (a max-norm statistic), in training and validation: it silently saw the
+    weight of the layer's last call, before the optimizer step (and before an event's new mask)."""
+    model, prune = _read_before_call_fit(0.0, [])
+    after_events = [(stage, step) for stage, step, _ in model.reads if step > prune.events[0]["step"]]
+    assert {stage for stage, _ in after_events} == {"train", "val"}
+    assert [(stage, step) for stage, step, current in model.reads if not current] == []

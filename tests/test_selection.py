@@ -172,6 +172,36 @@ def test_a_batch_that_cannot_be_cut_in_place_is_named_before_any_step():
         assert cut_refusal(batch, 4) is None
 
 
+def test_a_time_major_batch_or_one_without_a_per_sample_part_is_refused_but_batch_first_ones_are_cut():
+    # held-out sweep: a (T, B) batch cut along its first dimension is cut along time
+    b = 4
+    refused = {
+        "time-major": ((torch.zeros(7, b), torch.zeros(b)), "(7, 4)"),
+        "time-major features": ({"x": torch.zeros(7, b, 3), "y": torch.zeros(b)}, "(7, 4, 3)"),
+        "a lone time-major tensor": (torch.zeros(7, b), "(7, 4)"),
+        "no per-sample part": ({"count": torch.tensor(9), "tokens": torch.zeros(3)}, "no per-sample part"),
+        "a top-level list of sequences": ([torch.zeros(3), torch.zeros(5)], "no per-sample part"),
+    }
+    for name, (batch, said) in refused.items():
+        reason = cut_refusal(batch, b)
+        assert reason and said in reason and "mode='steps'" in reason, name
+    weighted = {"count": torch.tensor(9), "x": torch.zeros(b, 3), "class_weight": torch.ones(10)}
+    fine = {
+        "images whose channels and height equal B": ([torch.zeros(b, b, b, 5), torch.zeros(b)], b),
+        "a square (B, B) tensor": ((torch.zeros(b, b),), b),
+        "a 0-dim count and a class-weight vector": (weighted, b),
+        "variable-length sequences": (
+            {"tokens": [torch.zeros(n) for n in (3, 9, 2, 5)], "y": torch.zeros(b)},
+            b,
+        ),
+        "a batch of one (never cut), time-major": ((torch.zeros(7, 1), torch.zeros(1)), 1),
+    }
+    for name, (batch, size) in fine.items():
+        assert cut_refusal(batch, size) is None, name
+    kept = take_samples(weighted, torch.tensor([0, 2]), b)
+    assert kept["x"].shape == (2, 3) and kept["class_weight"].shape == (10,) and int(kept["count"]) == 9
+
+
 # ---------------------------------------------------------------------- score table
 def test_stale_scores_fade_toward_the_running_mean_by_half_life():
     table = SampleScoreTable(4, half_life=10)

@@ -414,10 +414,8 @@ def test_a_stability_guard_rollback_restores_the_scores_but_not_the_data_stream(
     )
     trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
     assert guard.rollbacks == 1
-    # the data went on: every epoch is still one whole pass, and the run reaches the planned steps (past the
-    # planned batches, on plain ones, where warm-up and anneal had no exact fixed point)
-    past = replay.steps.plan.steps_past_data
-    assert sum(log.windows) == 3 * 720 + 64 * past and trainer.global_step == trainer.max_steps
+    # the data went on: every epoch is still one whole pass, and the run reaches the planned steps
+    assert sum(log.windows) == 3 * 720 and trainer.global_step == trainer.max_steps
 
 
 class _LinearDecay(pl.LightningModule):
@@ -440,7 +438,8 @@ class _LinearDecay(pl.LightningModule):
 
 def test_a_schedule_planned_from_estimated_stepping_batches_ends_with_the_run():
     # held-out sweep: with no exact fixed point for warm-up and anneal the plan said 70 steps and the data gave
-    # 69 before max_epochs, so a linear decay ended at 1/70 of its peak; the run now reaches the planned steps
+    # 69 before max_epochs, so a linear decay ended at 1/70 of its peak. Warm-up and anneal are now pinned to a
+    # span of 69 steps, on which the data gives the run's 70: every planned step is in the planned batches
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -453,13 +452,13 @@ def test_a_schedule_planned_from_estimated_stepping_batches_ends_with_the_run():
         callbacks=[PulseCycle(burst=12, replay=24, maintain=4), replay], max_epochs=4, **trainer_kwargs()
     )
     trainer.fit(module, DataLoader(data, batch_size=32, shuffle=True))
-    assert replay.steps.plan.steps_past_data == 1  # non-vacuous: the planned batches give one step fewer
-    assert trainer.global_step == module.total == trainer.max_steps == 70
+    assert replay.steps.plan.span == 69 and replay.steps.plan.steps_past_data == 0  # no exact fixed point
+    assert trainer.global_step == module.total == trainer.max_steps == 70 and trainer.max_epochs == 4
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.0
 
 
-@pytest.mark.parametrize("resume_step", [40, 69])  # inside the planned batches, and on the step past them
-def test_a_run_past_its_planned_batches_resumes_to_the_same_end(tmp_path, resume_step):
+@pytest.mark.parametrize("resume_step", [40, 69])  # mid-run, and on the last step (past the pinned span)
+def test_a_run_with_a_pinned_span_resumes_to_the_same_end(tmp_path, resume_step):
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -812,10 +811,10 @@ def _digits_data(first: int, last: int) -> TensorDataset:
     return TensorDataset(x, torch.tensor(digits.target[first:last]))
 
 
-def test_the_final_weights_of_a_run_past_its_planned_batches_are_validated_and_checkpointed(tmp_path):
+def test_the_final_weights_of_a_run_with_a_pinned_span_are_validated_and_checkpointed(tmp_path):
     # held-out sweep: the step past the planned batches trained in an extra epoch that max_steps ended before
     # its loader did, so Lightning never validated it and a monitored checkpoint filed the final weights under
-    # the previous step's val_loss. The pass past the plan is now cut to the steps the run has left.
+    # the previous step's val_loss. The run's last step now ends its last planned pass.
     pl.seed_everything(0)
     module, replay = _ValidatedDecay(), HardSampleReplay()
     best = ModelCheckpoint(
@@ -831,8 +830,8 @@ def test_the_final_weights_of_a_run_past_its_planned_batches_are_validated_and_c
         DataLoader(_digits_data(0, 768), batch_size=32, shuffle=True),
         DataLoader(_digits_data(768, 1024), batch_size=64),
     )
-    assert replay.steps.plan.steps_past_data == 1  # non-vacuous: the last step comes past the planned batches
-    assert trainer.global_step == 70 and module.validated_at[-1] == 70
+    assert replay.steps.plan.span == 69  # non-vacuous: no exact fixed point (the run's 70 steps came past it)
+    assert trainer.global_step == 70 and module.validated_at[-1] == 70 and trainer.current_epoch == 4
     final = next(path for path in best.best_k_models if "step=70-" in path)
     validated = trainer.validate(module, DataLoader(_digits_data(768, 1024), batch_size=64), verbose=False)
     assert float(best.best_k_models[final]) == pytest.approx(validated[0]["val_loss"], rel=1e-5)

@@ -72,7 +72,8 @@ class EnergyLogger(Callback):
     per completed pulse cycle (``energy/cycle_kwh``) and every ``log_every_n_steps`` (``energy/power_w``,
     ``energy/kwh_so_far``). After the first epoch, a forecast of the whole run's energy, time and CO2 is
     logged and printed once. The progress bar shows ``kWh``. At the end of fit, ``energy_report.json`` and
-    ``energy_report.md`` are written atomically to ``report_dir`` or the logger's log dir (rank 0 only);
+    ``energy_report.md`` are written atomically to ``report_dir`` or the logger's log dir (rank 0 only; not
+    under ``fast_dev_run``, which suppresses logging); a figure no meter counted is null there and not logged;
     ``lightning-pulse report DIR`` draws ``energy_report.png`` from the JSON (not at fit end: it took longer
     than a short run's training).
 
@@ -89,8 +90,9 @@ class EnergyLogger(Callback):
         price_per_kwh: electricity price per kWh as a number or a CSV series path; ``None``: no cost.
         currency: the price's currency, for labels.
         gpu: ``"auto"`` (NVML on this rank's CUDA device, or on ``meters.gpu_devices``) or ``"none"``.
-        cpu: ``"auto"`` (RAPL, then codecarbon, then ``meters.cpu_watts``), ``"codecarbon"`` (then
-            ``meters.cpu_watts``), ``"constant"`` (``meters.cpu_watts`` only) or ``"none"``.
+        cpu: ``"auto"`` (RAPL, then codecarbon, then ``meters.cpu_watts``, or without it codecarbon's power
+            for a generic CPU, 42.5 W, estimated), ``"codecarbon"`` (then the same last fallback), ``"constant"``
+            (``meters.cpu_watts`` only) or ``"none"``.
         ram: ``"codecarbon"`` (codecarbon's estimate) or ``"none"``.
         report_dir: where to write the report; default the logger's log dir (``trainer.log_dir``).
         meters: how the meters are read (:class:`~lightning_pulse.energy.config.MeterConfig`: sampling
@@ -218,6 +220,11 @@ class EnergyLogger(Callback):
             stage="train", phase=phase_of(trainer).value, cycle=self._last_cycle, epoch=trainer.current_epoch
         )
 
+    def on_pulse_phase_begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: Any) -> None:
+        """Listener of :class:`~lightning_pulse.PulseCycle`, called (once PulseCycle calls it) before the new
+        phase's maintain probe: the probe's time and energy then belong to the phase it runs for."""
+        self.account.mark(phase=change.current.value, cycle=change.cycle)
+
     def on_pulse_phase_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: Any) -> None:
         """Listener of :class:`~lightning_pulse.PulseCycle`: the energy from now on belongs to the new phase."""
         self.account.mark(phase=change.current.value, cycle=change.cycle)
@@ -289,7 +296,7 @@ class EnergyLogger(Callback):
     @guarded_hook
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._in_train_loop = False
-        self.account.end_training()
+        self.account.end_training(_StrategyCollective(trainer, self._held))
         report = self._finish(trainer, status="complete")
         log_to_loggers(trainer, final_metrics(report))
 
@@ -336,7 +343,13 @@ class EnergyLogger(Callback):
         collective = _StrategyCollective(trainer, self._held) if status == "complete" else None
         self.report = self.account.report(status, self.currency, collective, num_nodes=trainer.num_nodes)
         self.report["metrics"] = scalar_metrics(trainer.callback_metrics)
-        if trainer.is_global_zero:
+        if trainer.fast_dev_run:
+            # a smoke test: Lightning suppresses logging and checkpointing, so no file is written either (the
+            # report stays in `self.report`)
+            rank_zero_info(
+                "EnergyLogger: fast_dev_run: the energy report is not written (kept in `.report`)."
+            )
+        elif trainer.is_global_zero:
             baseline = self.accounting.baseline
             self.report_paths = write_report_compared(self.report, directory, baseline, rank_zero_warn)
         return self.report

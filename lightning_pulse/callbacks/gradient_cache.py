@@ -51,7 +51,8 @@ class GradientCache(Callback):
     had. The longest stable run (score ``<= threshold``) from the input side gets ``requires_grad=False``, so
     backward stops at the first trainable unit. A freeze lasts at most ``freeze_for`` steps; then the prefix
     trains one window and refreezes only if still stable. Frozen parameters get ``grad=None``: torch optimizers
-    leave them and their state alone.
+    leave them and their state alone; another optimizer is checked at its first step with frozen units (if it moved
+    them, they are put back, a warning says so, and nothing freezes for the rest of the run).
 
     Freezing happens in ``phases``; a burst releases everything; without a :class:`~lightning_pulse.PulseCycle`
     it is always the replay phase (Egeria/AutoFreeze-style). Decisions fall between optimizer steps. Under DDP
@@ -190,6 +191,7 @@ class GradientCache(Callback):
             self._replan()
             self.ledger.load_state_dict(state["ledger"])
             self.events = list(state["events"])
+            self._lifecycle.load_optimizer_check(state.get("optimizer_check"))
         if (note := pinned_note(self._lifecycle.units)) is not None:
             rank_zero_info(f"GradientCache: {note}.")
 
@@ -220,6 +222,9 @@ class GradientCache(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._end_activation_batch()
+        if (before := self._lifecycle.optimizer_moved_frozen_units(_from_rank_zero(trainer))) is not None:
+            rank_zero_warn(self._lifecycle.optimizer_check.warning())  # freezing stopped for good
+            self._record(trainer.global_step, before, "optimizer")
 
     @override
     def on_before_backward(
@@ -234,8 +239,8 @@ class GradientCache(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.measure_flops:
             self.ledger.end_backward()
-        if self._lifecycle.ordering:  # this backward ordered the waiting units: they get their freezer
-            self._lifecycle.end_backward(_from_rank_zero(trainer))
+        # this backward ordered the waiting units: they get their freezer (unless a unit to place was missed)
+        if self._lifecycle.ordering and self._lifecycle.end_backward(_from_rank_zero(trainer)):
             announce_units(self.freezer, rank_zero_info, rank_zero_warn)
 
     # ------------------------------------------------------------------ the step
@@ -247,7 +252,7 @@ class GradientCache(Callback):
             return
         before = self.freezer.frozen_prefix
         enabled = self._phase_enabled and in_span(self._span, trainer.global_step + 1)
-        report = self.freezer.step(enabled, _from_rank_zero(trainer))  # DDP: one broadcast per window
+        report = self._lifecycle.step(enabled, _from_rank_zero(trainer), trainer.optimizers)
         if report.taken_back:  # the user's code turned a frozen unit back on in the middle of an epoch
             self._record(trainer.global_step + 1, before, "taken back", after=0)
             before = 0
@@ -259,7 +264,7 @@ class GradientCache(Callback):
             metrics = freeze_metrics(report, self.freezer, self.ledger, self.activations, self.measure_flops)
             log_to_loggers(trainer, metrics)
         self.ledger.new_step()
-        if report.outgrown:  # parameters outside the units train (found here, or at a phase change)
+        if report.outgrown or report.misplaced:  # parameters outside the units train, or a unit had no place
             self._retrace(trainer, pl_module)
 
     def _retrace(self, trainer: pl.Trainer, pl_module: pl.LightningModule, check: bool = False) -> None:
@@ -280,7 +285,9 @@ class GradientCache(Callback):
         if self.freezer is None:
             return
         before = self.freezer.frozen_prefix
-        enabled = self._phase_enabled and in_span(self._span, trainer.global_step)
+        enabled = (
+            self._phase_enabled and in_span(self._span, trainer.global_step) and self._lifecycle.may_freeze
+        )
         if self.freezer.follow_phase(enabled, resume=change.reason == "resume"):
             self._record(trainer.global_step, before, f"phase:{change.current.value}")
 
@@ -327,6 +334,7 @@ class GradientCache(Callback):
             "cache": self.freezer.state_dict() if self.freezer is not None else None,
             "ledger": self.ledger.state_dict(),
             "events": list(self.events),
+            "optimizer_check": self._lifecycle.optimizer_check.state_dict(),
         }
 
     @override
@@ -346,6 +354,7 @@ class GradientCache(Callback):
         self._close_contexts()
         before = self._lifecycle.frozen_prefix
         self._lifecycle.restore(state_dict["cache"], pl_module)
+        self._lifecycle.load_optimizer_check(state_dict.get("optimizer_check"))
         # the records were made with parameters the rollback may have changed: record again
         self._replan(again=True)
         self.ledger.new_step()

@@ -91,7 +91,8 @@ class HardSampleReplay(Callback):
             or manual optimization stepping several optimizers per batch; after the fit's first two batches
             (trained in full, before any replay step), for a module carrying state from one batch to the next
             (a stateful RNN) or a token loss flattened time-major; at
-            the first step, before any update, when its loss yields no per-sample value and no ``scorer`` is set.
+            the first step, before any update, when its loss yields no per-sample value and no ``scorer`` is set;
+            in ``mode="batch"``, at the fit's first batch, for a batch that cannot be cut in place: immutable, holding nothing per sample, or time-major (``(T, B)``).
 
     Example::
 
@@ -248,12 +249,12 @@ class HardSampleReplay(Callback):
     ) -> None:
         assert self.selector is not None and self.tracker is not None
         step = trainer.global_step
-        indices = self.tracker.batch_indices(batch_idx)  # a cut batch's: the cut, as loaded
-        offered = compat.batch_size_of(batch, fallback=int(indices.numel()))
+        # the sampler's indices say how many samples the batch holds (a cut batch's: the cut, as loaded)
+        indices = self.tracker.batch_indices(batch_idx)
         active = phase_of(trainer, default=Phase.REPLAY).value in self.phases
         window, cut = self.steps.next_batch() if self.mode == "steps" else (0, None)
         self.batches.start_batch(
-            self.selector, batch, indices, offered, step, batch_idx, active, trainer.global_rank, window, cut
+            self.selector, batch, indices, step, batch_idx, active, trainer.global_rank, window, cut
         )
 
     @override

@@ -33,7 +33,9 @@ class HyperConnectionMonitor(Callback):
 
     Under DDP every rank measures its own batch; gains and the stream RMS are reduced with max, masses with
     mean, so every rank logs and keeps the same figures. The reduced tensors stay referenced until the
-    backend's threads have let go of them, and ``teardown`` waits for that, so no rank aborts at exit. With gradient accumulation the first micro-batch of
+    backend's threads have let go of them, and ``teardown`` waits for that, so no rank aborts at exit. The hooks are registered once per fit and idle (one flag check per layer call) on unmeasured steps,
+    so measurements also work when the layers run inside a ``torch.compile``'d module. A layer called twice in
+    one measured step starts a new forward pass; passes are scored separately and the largest gain is logged. With gradient accumulation the first micro-batch of
     the step is measured. Layers are found at every measurement, so the module may be built lazily.
 
     Args:
@@ -71,6 +73,8 @@ class HyperConnectionMonitor(Callback):
         self.prefix = prefix
         self.history: list[dict[str, Any]] = []
         self._recorder: HyperConnectionRecorder | None = None
+        self._measuring = False  # the current batch is measured
+        self._warned_empty = False
         self._last_measured_step = -1
         self._held = compat.CollectiveHold()  # reduced tensors a collective's thread may still hold
 
@@ -84,12 +88,36 @@ class HyperConnectionMonitor(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # said before the first step; the module is built by now (configure_model ran at the strategy's setup)
-        if not HyperConnectionRecorder(pl_module).layers:
+        self._warned_empty = False
+        self._recorder = self._hooked(pl_module)
+        if self._recorder is None:
             rank_zero_warn(
                 "HyperConnectionMonitor found no HyperConnection/ManifoldHyperConnection layer with n_streams > 1 "
                 "in the module; nothing will be logged. Remove the monitor, or build the model with "
                 "lightning_pulse.nn's hyper-connection layers."
             )
+
+    def _hooked(self, pl_module: pl.LightningModule) -> HyperConnectionRecorder | None:
+        """A recorder whose hooks stay on the module's current layers, idle, until the end of the fit.
+
+        Registered once, not per measurement: under ``torch.compile`` a hook registered anew would run in a
+        graph traced with its predecessor (dynamo guards on the number of hooks), and record nothing."""
+        recorder = HyperConnectionRecorder(pl_module)
+        if self._recorder is not None and [id(m) for m in self._recorder.layers] == [
+            id(m) for m in recorder.layers
+        ]:
+            return self._recorder
+        self._release()
+        if not recorder.layers:
+            return None
+        recorder.attach()
+        recorder.stop()
+        return recorder
+
+    def _release(self) -> None:
+        if self._recorder is not None:
+            self._recorder.detach()
+            self._recorder = None
 
     @override
     def on_train_batch_start(
@@ -98,22 +126,40 @@ class HyperConnectionMonitor(Callback):
         step = trainer.global_step
         if step % self.every_n_steps or step == self._last_measured_step:
             return
-        recorder = HyperConnectionRecorder(pl_module)
-        if not recorder.layers:  # said at fit start
+        self._recorder = self._hooked(pl_module)  # layers may have been built or replaced since fit start
+        if self._recorder is None:  # said at fit start
             return
-        self._recorder = recorder.attach()
+        self._recorder.start()
         self._last_measured_step = step
+        self._measuring = True
+
+    @override
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        # the forward passes are over: activation checkpointing's recomputation in backward is not a new pass
+        if self._recorder is not None:
+            self._recorder.stop()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        recorder, self._recorder = self._recorder, None
-        if recorder is None:
+        recorder = self._recorder
+        if recorder is None or not self._measuring:
             return
-        recorder.detach()
+        self._measuring = False
+        recorder.stop()
         stats = recorder.diagnostics()
         if stats is None:  # the hooked layers were not called in this forward pass
+            if not self._warned_empty:
+                self._warned_empty = True
+                rank_zero_warn(
+                    f"HyperConnectionMonitor recorded nothing at step {self._last_measured_step}: none of the "
+                    f"{len(recorder.layers)} hyper-connection layers it hooks ran in the training forward pass "
+                    "(or they ran in code that bypasses module forward hooks). Nothing is logged for such steps. "
+                    "Call the layers as modules in training_step, or remove the monitor."
+                )
             return
         maxima = [stats["forward_gain"], stats["backward_gain"], stats["stream_rms"]]
         per_layer = list(stats["off_diagonal_mass"])
@@ -144,12 +190,20 @@ class HyperConnectionMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._recorder is not None:  # a batch that raised or was skipped never reached on_train_batch_end
-            self._recorder.detach()
-            self._recorder = None
+        self._measuring = False
+        self._release()  # the hooks leave with the fit
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._measuring = False
+        self._release()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._measuring = False
+        self._release()  # also when the training loop never ran (limit_train_batches=0, a finished run resumed)
         # the rank may exit right after this: no collective's thread may be left holding a reduced tensor
         self._held.wait()
 
@@ -161,6 +215,22 @@ class HyperConnectionMonitor(Callback):
         return compat.reduce_held(trainer.strategy, tensor, reduce_op, self._held).tolist()
 
     # ------------------------------------------------------------------ checkpointing
+    @property
+    @override
+    def state_key(self) -> str:
+        # keyed by prefix, as ModelCheckpoint keys by its settings: two monitors with different prefixes coexist
+        return f"{type(self).__qualname__}{ {'prefix': self.prefix}!r}"
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # checkpoints written before the state key held the prefix keep the state under the class name
+        states = checkpoint.get("callbacks") or {}
+        legacy = states.get(type(self).__qualname__)
+        if self.state_key not in states and isinstance(legacy, dict):
+            self.load_state_dict(legacy)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {

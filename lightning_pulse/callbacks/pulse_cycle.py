@@ -22,7 +22,7 @@ from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock, StepTimer, check_cycle_options
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
-from lightning_pulse.protocols import PhaseListener, listeners
+from lightning_pulse.protocols import PhaseListener, PhaseStartListener, listeners
 
 
 def pulse_cycle_of(trainer: pl.Trainer | None) -> PulseCycle | None:
@@ -229,8 +229,10 @@ class PulseCycle(Callback):
 
     def adopt_plan(self, plan: StepPlan) -> None:
         """Take the run's step plan (from a step-saving HardSampleReplay): epoch-based durations count plain
-        epochs, and warm-up and anneal are shares of the planned total."""
+        epochs, and warm-up and anneal are shares of the span the plan placed them on (its total, or a step or
+        two from it where no exact fixed point exists): the clock is pinned there, so it follows the plan."""
         self.plan = plan
+        self.clock.pin_span(plan.span)
 
     def add_listener(self, listener: Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]) -> None:
         """Call ``listener(trainer, pl_module, change)`` at every phase change, on every rank."""
@@ -240,6 +242,8 @@ class PulseCycle(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
+        if self.plan is None:  # no plan this fit (a steps-mode checkpoint resumed in batch mode)
+            self.clock.pin_span(None)  # warm-up and anneal are shares of the run's length again
         if self.budget is not None and self.plan is None:
             raise PulseRefusal(
                 f"PulseCycle: `budget`={self.budget:g} is met by taking fewer steps, which needs a "
@@ -326,6 +330,8 @@ class PulseCycle(Callback):
 
     def _announce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange) -> None:
         log_to_loggers(trainer, change.metrics())  # nothing at the start of training: no phase ended
+        for callback in listeners(trainer, PhaseStartListener, exclude=self):  # before the probe: its time
+            callback.on_pulse_phase_begin(trainer, pl_module, change)  # belongs to the phase it runs for
         if change.current is Phase.MAINTAIN and change.reason != "resume" and self.maintain_eval == "probe":
             self._run_probe(trainer, pl_module)
         for callback in listeners(trainer, PhaseListener, exclude=self):

@@ -137,6 +137,7 @@ class ScheduledPrune(Callback):
         self._pending_teacher: dict[str, Any] | None = None
         self._restored_frozen: frozenset[str] | None = None  # the frozen set a restored checkpoint read
         self._training = False  # between on_train_start and the end of fit: a state load is a rollback
+        self._masks = pruning.MaskedWeightRefresh(enabled=mode == "unstructured")
 
     @property
     def sparsity(self) -> float:
@@ -211,6 +212,7 @@ class ScheduledPrune(Callback):
         self._last_global_step = trainer.global_step
         self._restore_teacher(trainer, pl_module)
         self._training = True
+        self._masks.forget()  # masks a resume added
         rank_zero_info(
             prune_setup.setup_summary(self.mode, pl_module, selection, self.schedule, self._uses_maintain)
         )
@@ -222,6 +224,13 @@ class ScheduledPrune(Callback):
         if self.mode == "structured" and self._example is None and self.pruner.example_inputs is None:
             # on the first batch, before its step
             self._example = prune_setup.structured_example(pl_module, self.pruner, self.schedule, batch)
+        self._masks.refresh(pl_module, grad=True)  # a read of `layer.weight` before its call is this step's
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._masks.refresh(pl_module, grad=False)  # a read before the call sees the weights of the last step
+
+    on_test_start = on_predict_start = on_validation_start
 
     @override
     def on_train_batch_end(
@@ -253,8 +262,10 @@ class ScheduledPrune(Callback):
         warning = prune_setup.unfinished_warning(self.schedule, trainer.global_step, self.events)
         if warning is not None:
             rank_zero_warn(warning)
+        self._masks.refresh(pl_module, grad=False)  # the last optimizer step came after the last forward
         if self.mode == "unstructured" and self.options.make_permanent:
             pruning.make_masks_permanent(pl_module)
+        self._masks.forget()
         if self.events:
             rank_zero_info(f"ScheduledPrune: at fit end, {pruning.event_summary(self.events[-1])}.")
 
@@ -278,6 +289,7 @@ class ScheduledPrune(Callback):
         if not self._training and "user_frozen" in state_dict:  # a resume: the run's own frozen set
             self._restored_frozen = frozenset(state_dict["user_frozen"])
         self._pending_teacher = state_dict.get("teacher")
+        self._masks.forget()
         trainer = self._trainer_ref()
         if self._training and trainer is not None and trainer.lightning_module is not None:
             # a StabilityGuard rollback: the model has just returned to the snapshot too, so the teacher of an
@@ -292,9 +304,11 @@ class ScheduledPrune(Callback):
         if target is None:
             return
         self._end_distillation(trainer)
+        self._masks.refresh(pl_module, grad=False)  # the probe reads this step's weights
         probe_before = self._probe(trainer, pl_module, maintain_entry)
         teacher = pruning.copy_without_hooks(pl_module) if self.distill is not None else None
         outcome = self.pruner.prune(pl_module, target, trainer.optimizers, self._example)
+        self._masks.forget()
         for problem in outcome.problems:
             rank_zero_warn(f"ScheduledPrune: {problem}")
         if len(outcome.remap):

@@ -284,12 +284,16 @@ def record_gradient_order(params: Mapping[str, nn.Parameter]) -> Iterator[list[s
             handle.remove()
 
 
-def order_units(units: Sequence[FreezeUnit], gradient_order: Sequence[str]) -> list[FreezeUnit]:
+def order_units(
+    units: Sequence[FreezeUnit], gradient_order: Sequence[str], previous: Sequence[str] = ()
+) -> list[FreezeUnit]:
     """Sort units into forward order from a backward's gradient-completion order.
 
     A unit's position is the *last* time one of its parameters got its gradient, read backwards: a tied
     embedding/head weight completes last, so its unit counts as the first one. Units none of whose parameters
-    got a gradient are marked ``used=False`` and go last.
+    got a gradient are marked ``used=False`` and go last, unless ``previous`` (unit names in the forward order
+    an earlier backward found) places them: then each goes right after the unit it followed there (a block
+    LayerDrop skipped in this backward keeps its place), and this backward decides between units it saw.
     """
     last_seen = {name: index for index, name in enumerate(gradient_order)}
     keyed = []
@@ -297,18 +301,51 @@ def order_units(units: Sequence[FreezeUnit], gradient_order: Sequence[str]) -> l
         seen = [last_seen[name] for name in unit.param_names if name in last_seen]
         unit.used = bool(seen)
         keyed.append((0 if seen else 1, -max(seen) if seen else position, position, unit))
-    return [unit for *_, unit in sorted(keyed, key=lambda item: item[:3])]
+    ordered = [unit for *_, unit in sorted(keyed, key=lambda item: item[:3])]
+    return _merge_order(ordered, previous) if previous else ordered
+
+
+def _merge_order(ordered: list[FreezeUnit], previous: Sequence[str]) -> list[FreezeUnit]:
+    by_name = {unit.name: unit for unit in ordered}
+    placed = [unit for unit in ordered if unit.used]
+    names = {unit.name for unit in placed}
+    after: str | None = None  # the unit of `previous` last seen among the placed ones
+    for name in previous:
+        unit = by_name.get(name)
+        if unit is None:
+            continue
+        if name not in names:
+            index = 0 if after is None else [u.name for u in placed].index(after) + 1
+            placed.insert(index, unit)
+            names.add(name)
+            unit.used = True
+        after = name
+    return placed + [unit for unit in ordered if unit.name not in names]
+
+
+_TRACE_ON = "\x00trace on"  # appended to rank 0's order when a wanted unit is still unplaced
 
 
 class ForwardOrderTrace:
-    """Puts discovered units into forward order from one real backward.
+    """Puts discovered units into forward order from one real backward, merged with the order ``previous``
+    backwards found (unit names; see :func:`order_units`).
 
     Call :meth:`begin` before a backward and :meth:`finish` after it. ``broadcast`` (DDP) makes every process
-    use rank 0's order.
+    use rank 0's order. ``wanted`` names units an earlier order missed and that have trained since: a backward
+    that misses them too (an adapter used on odd batches) cannot place them, so the trace goes on, merging what
+    each backward shows, until one sees them all, for at most :attr:`MAX_BACKWARDS` backwards.
     """
 
-    def __init__(self, units: Sequence[FreezeUnit]) -> None:
+    MAX_BACKWARDS = 32
+
+    def __init__(
+        self, units: Sequence[FreezeUnit], previous: Sequence[str] = (), wanted: Sequence[str] = ()
+    ) -> None:
         self.units = list(units)
+        self.previous = list(previous)  # the forward order known so far (see :func:`order_units`)
+        self.wanted = set(wanted)
+        self.backwards = 0
+        self.given_up: list[str] = []  # wanted units still unplaced after MAX_BACKWARDS: trained too rarely
         self._context: Any = None
         self._order: list[str] | None = None
 
@@ -321,11 +358,33 @@ class ForwardOrderTrace:
         self._context = record_gradient_order(params)
         self._order = self._context.__enter__()
 
-    def finish(self, broadcast: Callable[[list[str]], list[str]] | None = None) -> list[FreezeUnit]:
+    def finish(self, broadcast: Callable[[list[str]], list[str]] | None = None) -> list[FreezeUnit] | None:
+        """The units in forward order, or ``None`` while a ``wanted`` unit is still unplaced (trace again)."""
         self.close()
         order = list(self._order or [])
         self._order = None
-        return order_units(self.units, broadcast(order) if broadcast is not None else order)
+        self.backwards += 1
+        trace_on = self._misses_wanted(order)
+        if broadcast is not None:  # rank 0's order and rank 0's answer: every process traces as long
+            order = broadcast(order + [_TRACE_ON] if trace_on else order)
+            trace_on = bool(order) and order[-1] == _TRACE_ON
+            order = order[:-1] if trace_on else order
+        ordered = order_units(self.units, order, self.previous)
+        if trace_on:
+            self.previous = [unit.name for unit in ordered if unit.used]  # what this backward showed, kept
+            return None
+        self.given_up = [unit.name for unit in ordered if unit.name in self.wanted and not unit.used]
+        return ordered
+
+    def _misses_wanted(self, order: Sequence[str]) -> bool:
+        if not self.wanted or self.backwards >= self.MAX_BACKWARDS:
+            return False
+        seen = set(order)
+        known = set(self.previous)
+        return any(
+            unit.name in self.wanted and unit.name not in known and not seen.intersection(unit.param_names)
+            for unit in self.units
+        )
 
     def close(self) -> None:
         """Remove the hooks (also when the backward never came)."""

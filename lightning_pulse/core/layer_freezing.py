@@ -247,11 +247,15 @@ class StepReport:
     refreshed: list[str] = field(default_factory=list)
     outgrown: bool = False  # parameters outside the units train: nothing frozen until the units are retraced
     taken_back: bool = False  # someone else turned a frozen unit back on: the prefix was released first
+    misplaced: bool = False  # a unit the ordering backward missed got a gradient: the order is traced again
+    held: list[int] = field(
+        default_factory=list
+    )  # the units frozen during this backward (their grad is None)
 
     @property
     def reason(self) -> str:
         """Why the prefix changed at this step: ``"retrace"``, ``"check"`` (a window closed) or ``"release"``."""
-        return "retrace" if self.outgrown else "check" if self.window_closed else "release"
+        return "retrace" if self.outgrown or self.misplaced else "check" if self.window_closed else "release"
 
 
 class LayerFreezer:
@@ -289,12 +293,23 @@ class LayerFreezer:
         units: Sequence[FreezeUnit],
         settings: FreezeSettings | None = None,
         outside: Iterable[nn.Parameter] = (),
+        rare: Iterable[str] = (),
     ) -> None:
         self.units = list(units)
         self.settings = settings or FreezeSettings()
         self.outside = list(outside)
         self.outgrown = False  # a parameter outside the units requires grad: nothing freezes any more
         n = len(self.units)
+        # units the ordering backward gave no gradient (ordered last): one that gets a gradient later (a block
+        # LayerDrop skipped then) has an unknown place, so nothing freezes until the units are ordered again;
+        # except ``rare`` ones, which :class:`ForwardOrderTrace` waited for in vain (trained less than once in
+        # its MAX_BACKWARDS backwards): they stay last, or the run would spend its time ordering
+        self.rare = sorted(set(rare))
+        self._unplaced = [
+            i for i, unit in enumerate(self.units) if not unit.used and unit.name not in self.rare
+        ]
+        self.misplaced: list[str] = []  # those of them found with a gradient (DDP: rank 0's, at a window end)
+        self._unplaced_trained: list[str] = []
         used = [i for i, unit in enumerate(self.units) if unit.used]
         # the last unit that gets a gradient always trains, so the loss still requires grad
         self.freezable_limit = used[-1] if used else 0
@@ -419,7 +434,13 @@ class LayerFreezer:
         # of its own, before whatever this step decides)
         taken_back = self.release_taken_back()
         frozen_during_backward = [i for i, is_frozen in enumerate(self.frozen) if is_frozen]
-        report = StepReport(frozen_share=self.frozen_share, taken_back=taken_back)
+        report = StepReport(
+            frozen_share=self.frozen_share, taken_back=taken_back, held=frozen_during_backward
+        )
+        if self._unplaced and not self._unplaced_trained:  # a loop over the unused units' parameters only
+            self._unplaced_trained = self._gradient_reached_unplaced()
+        if agree is None:
+            self.misplaced = self._unplaced_trained
         self.frozen_share_sum += report.frozen_share
         self.steps += 1
         for i, unit in enumerate(self.units):
@@ -430,21 +451,28 @@ class LayerFreezer:
             report.window_closed = True
             report.refreshed = self._close_window()
             # one broadcast per window carries the stable flags and whether the trainable set grew
-            flags = [*self.stable, self.outgrown or self._outside_trains()]
+            flags = [*self.stable, self.outgrown or self._outside_trains(), bool(self._unplaced_trained)]
             if agree is not None:
                 flags = [bool(flag) for flag in agree(flags)]
-            self.stable, self.outgrown = flags[:-1], flags[-1]
+                # rank 0's answer; the names are only for the message
+                self.misplaced = (self._unplaced_trained or ["<on rank 0>"]) if flags[-1] else []
+            self.stable, self.outgrown = flags[:-2], flags[-2]
             report.changed = self.set_prefix(self._propose(enabled))
             self.step_in_window = 0
-        elif not enabled and any(self.frozen):
+        elif (not enabled or self.misplaced) and any(self.frozen):
             report.changed = self.set_prefix(0)
         for i in frozen_during_backward:
             for param in self.units[i].params:
                 # None, not zeros: torch optimizers skip a None grad, so no momentum and no weight decay
                 param.grad = None
         report.frozen_prefix = self.frozen_prefix
-        report.outgrown = self.outgrown
+        report.outgrown, report.misplaced = self.outgrown, bool(self.misplaced)
         return report
+
+    def _gradient_reached_unplaced(self) -> list[str]:
+        """The unused units (see :attr:`misplaced`) that got a gradient in this step's backward."""
+        units = [self.units[i] for i in self._unplaced]
+        return [unit.name for unit in units if any(param.grad is not None for param in unit.params)]
 
     def check_outside(self, agree: Callable[[list[bool]], list[bool]] | None = None) -> bool:
         """Whether a parameter outside the units requires grad now (under DDP rank 0's answer, from ``agree``);
@@ -595,7 +623,7 @@ class LayerFreezer:
         return validated is not None and self.steps - validated < self.settings.freeze_for
 
     def _propose(self, enabled: bool) -> int:
-        if not enabled or self.outgrown:
+        if not enabled or self.outgrown or self.misplaced:
             return 0
         budget = self.settings.max_frozen_share * self.trainable_numel
         frozen_numel = 0
@@ -651,6 +679,7 @@ class LayerFreezer:
             "checking": list(self.checking),
             "window_count": list(self.window_count),
             "snapshot": [[t.detach().clone() for t in item] for item in self.snapshot],
+            "rare": list(self.rare),
             "stats": {
                 "refreshes": self.refreshes,
                 "refresh_hits": self.refresh_hits,
@@ -674,6 +703,8 @@ class LayerFreezer:
             )
         self.steps = int(state["steps"])
         self.step_in_window = int(state["step_in_window"])
+        self.rare = sorted(set(self.rare) | set(state.get("rare", ())))
+        self._unplaced = [i for i in self._unplaced if self.units[i].name not in self.rare]
         self.frozen = [bool(v) for v in state["frozen"]]
         self.stable = [bool(v) for v in state["stable"]]
         self.growing = [False] * len(self.units)  # only read by idle_note; the next window measures it again
@@ -806,12 +837,14 @@ class FreezerLifecycle:
         self.unit_names = unit_names
         self.freezer: LayerFreezer | None = None
         self.trace: ForwardOrderTrace | None = None
+        self._rare: list[str] = []  # units a trace waited for in vain (see LayerFreezer), kept over retraces
         self._graph_checked = False
         self._model: nn.Module | None = None  # the fit's model: its parameters outside the units are watched
         self._statistics: dict[str, float] | None = None  # a retraced freezer's, for the next one to continue
         # under DDP, the parameters frozen when the strategy wrapped the model (read at fit start, right after
         # the wrap): its reducer left them out, so their gradients are never averaged once they train
         self.frozen_before_wrap: set[int] = set()
+        self.optimizer_check = GradlessStepCheck()  # whether the optimizer leaves frozen parameters alone
 
     @property
     def units(self) -> list[FreezeUnit]:
@@ -837,7 +870,7 @@ class FreezerLifecycle:
         Raises:
             ValueError: for a name in ``unit_names`` that ``model`` does not have (see :func:`discover_units`).
         """
-        self._graph_checked, self._model, self._statistics = False, model, None
+        self._graph_checked, self._model, self._statistics, self._rare = False, model, None, []
         self.freezer, self.trace = restore_freezer(None, state, model, self.settings), None
         if self.freezer is None:
             self.trace = ForwardOrderTrace(discover_units(model, self.unit_names))
@@ -858,8 +891,11 @@ class FreezerLifecycle:
         if self.trace is None or not self.trace.running:
             return False
         units = self.trace.finish(broadcast)
+        if units is None:  # a unit to place was missed again: the next backward is traced too
+            return False
         outside = parameters_outside(self._model, units) if self._model is not None else []
-        self.freezer, self.trace = LayerFreezer(units, self.settings, outside), None
+        rare = [*self._rare, *self.trace.given_up]
+        self.freezer, self.trace = LayerFreezer(units, self.settings, outside, rare), None
         if self._statistics is not None:
             self.freezer.continue_statistics(self._statistics)
             self._statistics = None
@@ -887,15 +923,22 @@ class FreezerLifecycle:
         if freezer is None:
             return None
         released = freezer.frozen_prefix if check else 0  # the freezer released it itself where it decided
-        if not (freezer.check_outside(agree) if check else freezer.outgrown):
+        if not (freezer.check_outside(agree) if check else freezer.outgrown or freezer.misplaced):
             return None
+        previous = [unit.name for unit in freezer.units if unit.used]  # merged with the next backward's order
+        if not freezer.outgrown:  # a unit the ordering backward missed got a gradient
+            freezer.restore_requires_grad()
+            self._statistics, self._graph_checked = freezer.run_statistics(), False
+            self._rare = freezer.rare
+            self.freezer, self.trace = None, ForwardOrderTrace(freezer.units, previous, freezer.misplaced)
+            return misplaced_note(freezer.misplaced), released, False
         watched = {id(param) for param in freezer.outside}
         training = [(name, id(p)) for name, p in model.named_parameters() if p.requires_grad]
         grown = [name for name, key in training if key in watched]
         unsynced = [name for name, key in training if key in self.frozen_before_wrap]
         freezer.restore_requires_grad()  # the module as the user left it, to discover the units in
         self._statistics, self._model, self._graph_checked = freezer.run_statistics(), model, False
-        self.freezer, self.trace = None, ForwardOrderTrace(discover_units(model, self.unit_names))
+        self.freezer, self.trace = None, ForwardOrderTrace(discover_units(model, self.unit_names), previous)
         shown = ", ".join(grown[:3]) + (f" and {len(grown) - 3} more" if len(grown) > 3 else "")
         note = (
             f"parameters outside its units started training ({shown or 'on rank 0'}), so a frozen "
@@ -912,6 +955,48 @@ class FreezerLifecycle:
                 "reducer holds them"
             )
         return note, released, bool(unsynced)
+
+    def step(
+        self,
+        enabled: bool,
+        agree: Callable[[list[bool]], list[bool]] | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> StepReport:
+        """:meth:`LayerFreezer.step` (needs a freezer; nothing freezes once the optimizer was found moving frozen
+        parameters), then :meth:`GradlessStepCheck.before_step` on the units frozen during its backward."""
+        freezer = self.freezer
+        if freezer is None:
+            return StepReport()
+        report = freezer.step(enabled and self.may_freeze, agree)
+        if report.held:
+            held = [param for i in report.held for param in freezer.units[i].params]
+            self.optimizer_check.before_step(optimizers, held)
+        return report
+
+    @property
+    def may_freeze(self) -> bool:
+        """``False`` once the optimizer was found moving frozen parameters (:class:`GradlessStepCheck`)."""
+        return not self.optimizer_check.moved
+
+    def optimizer_moved_frozen_units(
+        self, agree: Callable[[list[bool]], list[bool]] | None = None
+    ) -> int | None:
+        """After the optimizer step: if it moved frozen parameters (:meth:`GradlessStepCheck.after_step`, found
+        once), they are back where they were, every unit is released and nothing freezes again: returns the
+        frozen prefix before that; ``None`` otherwise."""
+        if not self.optimizer_check.after_step(agree):
+            return None
+        before = self.frozen_prefix
+        if self.freezer is not None:
+            self.freezer.release_all()
+        return before
+
+    def load_optimizer_check(self, state: Mapping[str, Any] | None) -> None:
+        """Restore :meth:`GradlessStepCheck.state_dict` (resume, rollback): if the optimizer was found moving frozen
+        parameters, every unit is released."""
+        self.optimizer_check.load_state_dict(state)
+        if self.optimizer_check.moved and self.freezer is not None:
+            self.freezer.release_all()
 
     def restore(self, state: Mapping[str, Any] | None, model: nn.Module) -> None:
         """A rollback in the middle of the fit: :func:`restore_during_fit`."""
@@ -932,6 +1017,17 @@ class FreezerLifecycle:
         """Turn back on every parameter the freezer turned off, so the module leaves the fit as it came in."""
         if self.freezer is not None:
             self.freezer.restore_requires_grad()
+
+
+def misplaced_note(names: Sequence[str]) -> str:
+    """What :meth:`FreezerLifecycle.retrace` says when units the ordering backward missed got a gradient."""
+    return (
+        f"{', '.join(names)} got no gradient in the backward that put the units into forward order (skipped "
+        "there: LayerDrop, a branch used on some batches), so it was ordered last and its place was unknown "
+        "once it trained: a frozen prefix could have held units after it. It released every unit and orders "
+        "them again at the next backward (merged with the order known so far); freezing resumes once they are "
+        "scored"
+    )
 
 
 def refuse_manual_optimization(module: Any) -> None:
@@ -1017,6 +1113,109 @@ def refuse_optimizers_that_move_gradless_parameters(optimizers: Iterable[torch.o
                 "without a gradient, so a frozen unit would still move; use a first-order optimizer (SGD, Adam, "
                 "AdamW, ...) or remove GradientCache."
             )
+
+
+def skips_gradless_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's own (a class defined in ``torch.optim``, not a subclass elsewhere):
+    they leave a parameter whose ``grad`` is ``None`` alone (LBFGS, which does not, is refused at fit start)."""
+    return type(optimizer).__module__.startswith("torch.optim.") and not isinstance(
+        optimizer, torch.optim.LBFGS
+    )
+
+
+class GradlessStepCheck:
+    """Checks, at the first optimizer step each parameter spends frozen, that the optimizer leaves it alone.
+
+    Freezing sets a frozen parameter's ``grad`` to ``None`` and relies on the optimizer skipping it, as torch's
+    optimizers, Lion and HF Adafactor do; one that updates every parameter (decoupled weight decay applied before
+    its ``grad is None`` test) moved the units GradientCache reported frozen at every frozen step. Unless every
+    optimizer is one of torch's (:func:`skips_gradless_parameters`: no copy, no cost), :meth:`before_step` keeps
+    an exact copy, on the CPU (a frozen prefix of a large model need not fit twice on the accelerator), of the
+    frozen parameters not checked before, for that one step, and :meth:`after_step` compares: if they moved, it
+    puts them back and :attr:`moved` turns freezing off for the rest of the run. Each parameter is checked once,
+    the first time it is frozen (a first prefix in a no-decay group says nothing of a later, larger one). A step
+    the optimizer did not run (a skipped AMP step) checks nothing; the next frozen step checks again. Under DDP
+    the frozen parameters and the optimizer are the same on every rank, so every rank finds the same;
+    ``agree`` makes that certain.
+
+    Attributes:
+        checked: a step with frozen units has been checked, or needed no check.
+        moved: the optimizer moved frozen parameters: nothing is frozen from then on.
+    """
+
+    def __init__(self) -> None:
+        self.checked = False
+        self.moved = False
+        self.optimizer_name = ""
+        self._torch_only = False  # every optimizer is one of torch's: nothing to check, ever
+        self._verified: set[int] = set()  # ids of the parameters a step left alone while frozen
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._stepped = False
+        self._handles: list[Any] = []
+
+    def before_step(
+        self, optimizers: Sequence[torch.optim.Optimizer], params: Iterable[torch.Tensor]
+    ) -> None:
+        """Before an optimizer step in which ``params`` (the frozen units') have no gradient."""
+        params = list(params)
+        if self.moved or self._torch_only or not params:
+            return
+        unknown = [optimizer for optimizer in optimizers if not skips_gradless_parameters(optimizer)]
+        if not unknown:
+            self.checked = self._torch_only = True
+            return
+        unchecked = [param for param in params if id(param) not in self._verified]
+        if not unchecked:
+            return
+        self.optimizer_name = type(unknown[0]).__qualname__
+        self._held = [(param, param.detach().to("cpu", copy=True)) for param in unchecked]
+        self._stepped = False
+        self._handles = [optimizer.register_step_post_hook(self._mark_stepped) for optimizer in unknown]
+
+    def _mark_stepped(self, *args: Any) -> None:
+        self._stepped = True
+
+    @torch.no_grad()
+    def after_step(self, agree: Callable[[list[bool]], list[bool]] | None = None) -> bool:
+        """After that step: whether it moved the frozen parameters (then put back). ``True`` once, if so."""
+        if not self._held:
+            return False
+        held, self._held, stepped = self._held, [], self._stepped
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        moved = stepped and any(not torch.equal(param.detach().cpu(), copy) for param, copy in held)
+        if agree is not None:
+            stepped, moved = (bool(flag) for flag in agree([stepped, moved]))
+        if moved:
+            for param, copy in held:
+                param.copy_(copy)
+        elif stepped:
+            self._verified.update(id(param) for param, _ in held)
+        self.checked, self.moved = self.checked or stepped, moved
+        return moved
+
+    def warning(self) -> str:
+        return (
+            f"GradientCache: the optimizer {self.optimizer_name} moved the parameters of frozen units, which had no "
+            "gradient (it updates every parameter, e.g. weight decay applied before its `grad is None` test), so "
+            "freezing could not hold them still. They were put back for that step, and GradientCache froze nothing "
+            "for the rest of the run (nor counts any saving). Skip parameters whose `grad` is None in its `step` "
+            "(as torch.optim's optimizers do), or remove GradientCache."
+        )
+
+    def state_dict(self) -> dict[str, bool]:
+        return {"checked": self.checked, "moved": self.moved, "optimizer": self.optimizer_name}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Restore :meth:`state_dict`, keeping what this run found already (a rollback does not unlearn it)."""
+        if state:
+            self.checked = self.checked or bool(state["checked"])
+            self.moved = self.moved or bool(state["moved"])
+            self.optimizer_name = self.optimizer_name or str(state.get("optimizer", ""))
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled for spawning strategies and deep-copied: no tensors
+        return {**self.__dict__, "_held": [], "_handles": [], "_verified": set()}
 
 
 def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Callable[[str], None]) -> None:

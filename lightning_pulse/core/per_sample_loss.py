@@ -18,8 +18,11 @@ which calls the functional form) also yields one loss per sample, with no second
   first asked.
 
 When :attr:`LossCapture.sample_weights` is set (InfoBatch's ``1/(1-r)`` rescale), the loss is instead
-computed once unreduced, weighted per sample and reduced the way the caller asked, as torch's own reduction
-does; that is the one case where the caller's loss value changes, on purpose.
+computed once unreduced and each sample weighted: a reduced loss (``"mean"``, ``"sum"``, ``"batchmean"``) is
+weighted, then reduced as torch's own reduction does, so the caller's loss value changes, on purpose; an
+unreduced one (``reduction="none"``) is returned unweighted, and the weights multiply its gradient instead, so
+whatever the caller computes from it (a focal loss, a clamp, a logged metric) sees the true per-sample losses
+and a per-sample sum of it trains on each term weighted.
 
 A per-sample loss is the mean of the sample's elements: for token losses computed on flattened
 ``(B*T, V)`` logits with ``(B*T,)`` (or ``(B, T)`` flattened) targets, the mean over the sample's ``T``
@@ -264,17 +267,20 @@ def _reduce(
 ) -> Tensor:
     """Reduce ``unreduced`` the way the caller asked (as torch's own reduction does: ``"mean"`` divides by the
     counted elements, the summed class weights of non-ignored targets for cross-entropy / NLL), after
-    multiplying each sample's elements by its weight when ``sample_weights`` ``(B,)`` is given."""
+    multiplying each sample's elements by its weight when ``sample_weights`` ``(B,)`` is given.
+
+    ``reduction="none"``: the values unweighted, a tensor of their own (the caller may change it in place; the
+    capture keeps ``unreduced`` for the scores); the caller weights their gradient (:func:`_weigh_gradient`)."""
     if name == "ctc_loss" and reduction == "mean":
         unreduced = _per_target_length(arguments, unreduced)  # torch averages the length-divided losses
+    if reduction == "none":
+        return unreduced if sample_weights is None else unreduced.clone()
     values = unreduced
     if sample_weights is not None:
         rows = rows_per_sample(unreduced, sample_weights.shape[0])
         assert rows is not None
         weights = sample_weights.to(device=rows.device, dtype=rows.dtype).unsqueeze(1)
         values = (rows * weights).reshape(unreduced.shape)
-    if reduction == "none":
-        return values
     if reduction == "sum":
         return values.sum()
     if reduction == "batchmean":
@@ -283,6 +289,23 @@ def _reduce(
     if counted is None:
         return values.mean() if sample_weights is None else values.sum() / unreduced.numel()
     return values.sum() / counted.sum(dtype=values.dtype)
+
+
+def _weigh_gradient(sample_weights: Tensor) -> Callable[[Tensor], Tensor]:
+    """A tensor hook multiplying the gradient of an unreduced loss by each sample's weight ``(B,)``, broadcast
+    over the sample's elements as :func:`rows_per_sample` splits them.
+
+    How InfoBatch weights a loss the caller reduces itself, maybe not linearly (a focal loss's
+    ``(1 - exp(-ce)) ** g * ce``, a clamp, OHEM's top-k, a logged metric): the caller sees the unweighted
+    losses, and a loss ``sum_i f(loss_i)`` over them trains on the gradient of ``sum_i w_i * f(loss_i)``, not
+    of ``sum_i f(w_i * loss_i)`` (the same for a linear ``f``)."""
+
+    def weigh(grad: Tensor) -> Tensor:
+        rows = rows_per_sample(grad, sample_weights.shape[0])
+        assert rows is not None  # the loss was checked to split into the weights' samples
+        return (rows * sample_weights.to(rows.dtype).unsqueeze(1)).reshape(grad.shape)
+
+    return weigh
 
 
 class _Interceptor:
@@ -430,7 +453,9 @@ class LossCapture:
         batch_size: ``B``, the number of samples in the batch the block trains on. Needed to map an
             unreduced loss onto samples.
         sample_weights: optional ``(B,)`` weights. When set, each sample's elements are multiplied by its
-            weight before the caller's reduction, and the caller gets that weighted loss (with autograd).
+            weight before the caller's reduction, and the caller gets that weighted loss (with autograd); with
+            ``reduction="none"`` the caller gets the unweighted losses and the weights multiply their gradient
+            (a non-linear use of them, a focal loss, is not changed, and is trained on weighted per sample).
 
     Example::
 
@@ -611,7 +636,11 @@ class LossCapture:
             unreduced = original(**signature.unreduced_call(arguments))
             record = self._record(name, arguments, unreduced.detach(), reduction)
             if weights is None or _splits(tuple(unreduced.shape), self.batch_size):
-                return record.watch(_reduce(name, arguments, unreduced, reduction, weights))
+                result = record.watch(_reduce(name, arguments, unreduced, reduction, weights))
+                if weights is not None and reduction == "none" and result.requires_grad:
+                    # after watch's hook, which records the gradient as returned (the loss's parts), unweighted
+                    result.register_hook(_weigh_gradient(weights.to(result.device)))
+                return result
             return record.watch(original(*args, **kwargs))  # cannot be weighted per sample: the caller's loss
 
         result = original(*args, **kwargs)

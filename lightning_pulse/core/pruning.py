@@ -262,6 +262,60 @@ def make_masks_permanent(model: nn.Module) -> list[str]:
     return folded
 
 
+MaskedWeight = tuple[nn.Module, prune.BasePruningMethod]
+
+
+def masked_weights(model: nn.Module) -> list[MaskedWeight]:
+    """Every ``(layer, mask hook)`` of ``model`` whose weight a ``torch.nn.utils.prune`` mask computes."""
+    return [
+        (module, hook)
+        for module in model.modules()
+        for hook in module._forward_pre_hooks.values()
+        if isinstance(hook, prune.BasePruningMethod)
+    ]
+
+
+def refresh_masked_weights(masked: Sequence[MaskedWeight], grad: bool) -> None:
+    """Recompute each masked layer's weight (``weight_orig * weight_mask``) now, with a graph if ``grad``."""
+    with torch.set_grad_enabled(grad):
+        for module, hook in masked:
+            setattr(module, hook._tensor_name, hook.apply_mask(module))
+
+
+class MaskedWeightRefresh:
+    """Keeps ``layer.weight`` of every masked layer current outside the layer's own call.
+
+    torch's mask hook computes ``weight`` in the layer's forward pre-hook only, so between an optimizer step and
+    the layer's next call ``layer.weight`` is the previous step's tensor: a read before the call (an L2 penalty
+    on one layer, a max-norm constraint, a statistic) got last step's values and, with autograd, a graph the
+    last backward had freed ("Trying to backward through the graph a second time"). :meth:`refresh` at the start
+    of every training batch (``grad=True``: the read joins this step's graph and its gradient reaches
+    ``weight_orig`` through the mask) and of every evaluation (``grad=False``) fixes that; the layer's own call
+    still recomputes the weight. Cost: one elementwise multiply per masked layer per call.
+
+    Args:
+        enabled: ``False`` (structured pruning keeps no masks): :meth:`refresh` does nothing.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._masked: list[MaskedWeight] | None = None
+
+    def refresh(self, model: nn.Module, grad: bool) -> None:
+        """Recompute the masked weights of ``model`` (the layers found once, until :meth:`forget`)."""
+        if self.enabled:
+            if self._masked is None:
+                self._masked = masked_weights(model)
+            refresh_masked_weights(self._masked, grad)
+
+    def forget(self) -> None:
+        """The masked layers may have changed (an event, a restore, masks folded): find them again."""
+        self._masked = None
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled for spawning strategies: without the layers
+        return {"enabled": self.enabled, "_masked": None}
+
+
 def layer_sparsity(layers: Mapping[str, nn.Module]) -> dict[str, float]:
     """Share of zero effective weights per layer."""
     return {

@@ -293,16 +293,6 @@ def several_loaders_refusal(reason: str | None) -> str | None:
     )
 
 
-def check_batch_indices(batch_idx: int, offered: int, indices: Tensor) -> None:
-    """Raise ``RuntimeError`` when the batch does not hold one sample per recorded dataset index."""
-    if indices.numel() != offered:
-        raise RuntimeError(
-            f"HardSampleReplay: batch {batch_idx} holds {offered} samples but {indices.numel()} dataset indices "
-            "were recorded for it; the batch size must be the DataLoader's (no collate_fn that adds or drops "
-            "samples)."
-        )
-
-
 def parse_half_life(value: int | float | str | None) -> Duration | None:
     """``score_half_life`` as a :class:`~lightning_pulse.phase.Duration` of steps or epochs (``None``: off).
 

@@ -20,7 +20,7 @@ Example::
     batches = ReplayBatchLifecycle()
     batches.start_fit()
     for step, (indices, batch) in enumerate(indexed_batches):   # indices: (B,) dataset indices of a list batch
-        batches.start_batch(selector, batch, indices, len(indices), step, batch_idx=step, active=True)
+        batches.start_batch(selector, batch, indices, step, batch_idx=step, active=True)
         loss = F.cross_entropy(model(batch[0]), batch[1])       # batch was cut in place; the capture sees this
         batches.close_capture()
         loss.backward(); optimizer.step(); optimizer.zero_grad()
@@ -46,7 +46,7 @@ from lightning_pulse.core.per_sample_loss import (
     StepLossCaptures,
     time_major_refusal,
 )
-from lightning_pulse.core.replay import BatchPlan, Composition, HardSampleSelector, check_batch_indices
+from lightning_pulse.core.replay import BatchPlan, Composition, HardSampleSelector
 from lightning_pulse.core.selection import assign_in_place, cut_refusal, take_samples
 from lightning_pulse.errors import PulseRefusal
 
@@ -66,7 +66,8 @@ class StepInFlight:
         selector: the selector that planned it and records it.
         plan: what it trains (indices, roles) and what it stands for (offered, active).
         step: the optimizer step it trains at.
-        batch_size: the batch as loaded, before a cut in batch mode (the carried-state check's size).
+        batch_size: ``B``, the dataset indices of the batch as loaded, before a cut in batch mode (the
+            carried-state check's size).
         window: steps mode's window the sampler cut the batch from, ``0`` otherwise.
     """
 
@@ -103,7 +104,8 @@ class ReplayBatchLifecycle:
         self.current: StepInFlight | None = None
         self.recorded_steps = 0  # steps of this fit whose losses were recorded
         self.unscored_steps = 0  # later steps whose loss did not split into their samples
-        # batch mode: whether the fit's first batch was checked for a structure that can be cut in place
+        # batch mode: whether the fit's first batch was checked for a structure that can be cut in place (not
+        # every batch: a ragged last batch of a few samples can match a per-batch constant's shape by chance)
         self._structure_checked = False
         self._backward_ran = False  # in the step in flight
 
@@ -119,7 +121,6 @@ class ReplayBatchLifecycle:
         selector: HardSampleSelector,
         batch: Any,
         indices: Tensor,
-        batch_size: int,
         step: int,
         batch_idx: int,
         active: bool,
@@ -132,8 +133,9 @@ class ReplayBatchLifecycle:
         Args:
             selector: plans the batch and will record it.
             batch: the loaded batch; a batch-mode cut changes it in place (what ``training_step`` receives).
-            indices: ``(B,)`` dataset indices of the loaded batch (steps mode: of the sampler's cut).
-            batch_size: ``B``, the batch as loaded.
+            indices: ``(B,)`` dataset indices of the loaded batch (steps mode: of the sampler's cut). They
+                are what says how many samples the batch holds: no reading of the batch's tensors does (a
+                time-major ``(T, B)`` tensor, a 0-dim count or a list of variable-length tensors would misread).
             step: the optimizer step the batch trains at.
             batch_idx: the batch's place in its epoch (seeds the random rules' draws).
             active: whether the phase selects.
@@ -142,18 +144,18 @@ class ReplayBatchLifecycle:
             cut: steps mode's choice at the sampler for a light step, already loaded, else ``None``.
 
         Raises:
-            RuntimeError: when ``indices`` do not match the batch's samples one to one.
-            PulseRefusal: for a cut batch before the carried-state check is done while the module holds
+            PulseRefusal: in batch mode, for a batch that cannot be cut in place to some of its samples
+                (:func:`~lightning_pulse.core.selection.cut_refusal`), at the fit's first batch, before any
+                step. For a cut batch before the carried-state check is done while the module holds
                 batch-shaped state.
         """
         self.captures.drop()
         self._backward_ran = False
-        if (
-            self.mode == "batch" and not self._structure_checked
-        ):  # before the first step, not at the first cut
+        batch_size = int(indices.numel())
+        # the fit's first batch of two or more samples (one of 1 is never cut, and looks like any layout)
+        if self.mode == "batch" and not self._structure_checked and batch_size >= 2:
             refuse(cut_refusal(batch, batch_size))
             self._structure_checked = True
-        check_batch_indices(batch_idx, batch_size, indices)
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
         refuse(self.state_check.before_batch(cut=plan.selected))
         if plan.positions is not None:

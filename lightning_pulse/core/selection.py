@@ -11,15 +11,18 @@ it has been seen once, nothing says it is easy (so the first epoch of a run trai
 * :func:`select_random`: a uniform subset of the scored samples; the control that shows whether scores matter.
 
 The batch helpers (:func:`take_samples`, :func:`assign_in_place`) work on any
-nesting of lists, tuples, named tuples and dicts. A *per-sample leaf* is a tensor whose first dimension is
-the batch size ``B`` (or a list of ``B`` strings); every other leaf is shared by the whole batch and kept.
+nesting of lists, tuples, named tuples, dicts and dataclasses. A *per-sample leaf* is a tensor whose first
+dimension is the batch size ``B`` (or a list of ``B`` strings, or below the top level of ``B`` items); every
+other leaf is shared by the whole batch and kept. :func:`cut_refusal` says when a cut would go wrong: a batch
+that cannot change in place, one with no per-sample leaf, or one holding a tensor with ``B`` second and
+another length first (time-major).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,20 +205,83 @@ def _contents(batch: Any) -> Any:
     return [getattr(batch, field.name) for field in dataclasses.fields(batch)]
 
 
+def _leaves(batch: Any, batch_size: int, nested: bool = False) -> Iterator[tuple[Any, bool]]:
+    """Each leaf :func:`take_samples` reaches in ``batch``, with whether it cuts it (a per-sample leaf)."""
+    if _is_per_sample(batch, batch_size, nested):
+        yield batch, True
+    elif isinstance(batch, (Mapping, list, tuple)) or _is_dataclass_batch(batch):
+        for value in _contents(batch):
+            yield from _leaves(value, batch_size, True)
+    else:
+        yield batch, False
+
+
+def _looks_time_major(value: Any, batch_size: int) -> bool:
+    """A tensor with ``B`` second and something else first: ``(T, B)`` or ``(T, B, F)``, as a time-major
+    collate pads (``pad_sequence(batch_first=False)``). ``(B, ...)`` with ``B`` elsewhere too is batch-first (an
+    image whose channels or height equal ``B``) and is cut along its first dimension; a leading 1 is a
+    broadcast dimension (per-batch statistics ``(1, C, 1, 1)``, a class-weight row ``(1, K)``), not time."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() >= 2
+        and value.shape[0] not in (batch_size, 1)
+        and value.shape[1] == batch_size
+    )
+
+
+def _shapes(tensors: list[Tensor]) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in tensors)
+
+
 def cut_refusal(batch: Any, batch_size: int, nested: bool = False) -> str | None:
     """Why :func:`assign_in_place` could not cut ``batch`` to some of its samples (``None``: it can), found
-    without changing it: checked at a fit's first batch, before any step."""
+    without changing it; a reason completes "HardSampleReplay ...".
+
+    Refused: a batch that cannot change in place; one with no per-sample leaf (no tensor of first dimension
+    ``B``, no list of ``B`` items), so a cut would leave it whole; one holding a tensor with ``B`` second and neither
+    ``B`` nor 1 first (time-major, ``(T, B)``), which a cut along the first dimension would cut along
+    time. Other leaves (a 0-dim count, a ``(num_classes,)`` weight vector) are the whole batch's and kept.
+    ``batch_size`` is ``B``, the number of dataset indices the sampler gave the batch.
+    """
+    if (reason := _immutable_refusal(batch, batch_size, nested)) is not None:
+        return reason
+    if batch_size < 2:  # a batch of one is never cut (core.replay.MIN_COMPOSED): nothing to misread
+        return None
+    leaves = list(_leaves(batch, batch_size, nested))
+    time_major = [leaf for leaf, _ in leaves if _looks_time_major(leaf, batch_size)]
+    if time_major:
+        return (
+            f"cannot cut a batch of {batch_size} samples in mode='batch': it holds tensors of shape "
+            f"{_shapes(time_major)}, {batch_size} along the second dimension and not the first: time-major (as "
+            "pad_sequence(batch_first=False) pads), which a cut along the first dimension would cut along time, "
+            "or a per-batch table with one column per sample, which it cannot tell apart. Use mode='steps', "
+            "which chooses the samples at the sampler, before they are loaded, or a batch-first collate "
+            "(pad_sequence(..., batch_first=True))."
+        )
+    if not any(per_sample for _, per_sample in leaves):
+        tensors = [leaf for leaf, _ in leaves if isinstance(leaf, torch.Tensor)]
+        held = f"tensors of shape {_shapes(tensors)}" if tensors else "no tensor"
+        return (
+            f"cannot cut a batch of {batch_size} samples in mode='batch': it holds no per-sample part (a tensor "
+            f"whose first dimension is {batch_size}, or a list of {batch_size} items), only {held}, so a cut "
+            "would leave it whole. Use mode='steps', which chooses the samples at the sampler, before they are "
+            "loaded, or a batch-first collate."
+        )
+    return None
+
+
+def _immutable_refusal(batch: Any, batch_size: int, nested: bool = False) -> str | None:
     if isinstance(batch, torch.Tensor) or _is_per_sample(batch, batch_size, nested):
         return None
     if isinstance(batch, (dict, MutableMapping, list)) or (
         _is_dataclass_batch(batch) and not type(batch).__dataclass_params__.frozen  # type: ignore[attr-defined]
     ):
         values = _contents(batch)
-        return next((r for v in values if (r := cut_refusal(v, batch_size, True)) is not None), None)
+        return next((r for v in values if (r := _immutable_refusal(v, batch_size, True)) is not None), None)
     if isinstance(batch, tuple):
         for value in batch:
             if isinstance(value, (torch.Tensor, list, tuple, Mapping)) or _is_dataclass_batch(value):
-                if (reason := cut_refusal(value, batch_size, True)) is not None:
+                if (reason := _immutable_refusal(value, batch_size, True)) is not None:
                     return reason
         return None
     # a read-only mapping, a frozen dataclass, or an object of its own (a graph batch) at the top

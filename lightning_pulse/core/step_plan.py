@@ -17,9 +17,10 @@ replay-phase length.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_pulse.phase import Duration, Phase, PhaseClock
@@ -36,8 +37,11 @@ class StepPlan:
         plain_steps: optimizer steps the same data takes without step-saving replay.
         light_steps: of the steps from ``from_step`` on, those in a light (selecting) phase.
         data_steps: optimizer steps the planned batches give (``None``: ``total_steps``). It falls short of
-            ``total_steps`` when warm-up and anneal have no exact fixed point; the run then trains plain batches
-            past the plan to reach ``total_steps``, so the schedules planned for it end with the run.
+            ``total_steps`` only on a resume whose saved total the data no longer fills (a checkpoint of an
+            older plan); the run then trains plain batches past the plan while its epochs allow.
+        phase_steps: the run length warm-up and anneal are shares of (``None``: ``total_steps``). Where they
+            have no exact fixed point it differs from ``total_steps`` by a step or two, and the clock is pinned
+            to it (:meth:`~lightning_pulse.phase.PhaseClock.pin_span`), so the run is exactly its data's steps.
     """
 
     first_epoch: int
@@ -47,6 +51,12 @@ class StepPlan:
     light_steps: int = 0
     data_steps: int | None = None
     from_step: int = 0  # the optimizer step the plan was made at (a resume plans the rest of the run)
+    phase_steps: int | None = None
+
+    @property
+    def span(self) -> int:
+        """The run length warm-up and anneal are placed on as shares (see ``phase_steps``)."""
+        return self.total_steps if self.phase_steps is None else self.phase_steps
 
     @property
     def steps_past_data(self) -> int:
@@ -89,6 +99,7 @@ def plan_steps(
     start_samples: int = 0,
     start_step: int = 0,
     total_steps: int | None = None,
+    start_trained: int | None = None,
 ) -> StepPlan:
     """Play the run forward and return its batches.
 
@@ -107,6 +118,9 @@ def plan_steps(
         start_epoch, start_samples, start_step: where the run stands (a resume: the epoch, the raw samples of
             it already trained, the global step).
         total_steps: the run's total steps, when already fixed (a resume); solved otherwise.
+        start_trained: raw samples the run trained before ``start_step`` (``None``: ``start_epoch`` plain
+            passes and ``start_samples``). With ``drop_last`` a planned pass may train more than a plain one (a
+            light window takes a short rest the plain pass drops), so a resume gives the count it saved.
 
     Raises:
         ValueError: for a run with neither ``max_epochs`` nor ``max_steps``.
@@ -135,20 +149,16 @@ def plan_steps(
         plain_samples,
         accumulate,
     )
-    start = (start_epoch, start_samples, start_step, drop_last)
+    if start_trained is None:
+        start_trained = start_epoch * epoch_samples + start_samples
+    start = (start_epoch, start_samples, start_step, start_trained, drop_last)
     if total_steps is not None:  # a resume keeps its total, also where the planned batches fall short of it
-        plan = _simulate(*args, *start, total_steps)
+        # a clock pinned by the plan that saved the run places warm-up and anneal as that plan did
+        span = clock.span if clock is not None and clock.span is not None else total_steps
+        plan = _simulate(*args, *start, span)
         if plan.total_steps >= total_steps:
-            return plan
-        return StepPlan(
-            plan.first_epoch,
-            plan.batch_sizes,
-            total_steps,
-            plain_steps,
-            plan.light_steps,
-            data_steps=plan.total_steps,
-            from_step=start_step,
-        )
+            return replace(plan, phase_steps=span)
+        return replace(plan, total_steps=total_steps, data_steps=plan.total_steps, phase_steps=span)
     # warm-up and anneal are shares of the total the plan computes: iterate to the fixed point
     guess, seen = plain_steps, {}
     for _ in range(12):
@@ -159,25 +169,20 @@ def plan_steps(
         if plan.total_steps in seen:
             break
         guess = plan.total_steps
-    # no exact fixed point (the anneal's start moves a phase boundary): the smallest total the run does not
-    # exceed, so every batch trains; the adapter lets the run reach it on plain batches past the plan
+    # no exact fixed point: moving the anneal's start by one step moves a phase boundary, and the data's steps
+    # jump past the span (typically span s gives s + 1 steps and s + 1 gives s). Warm-up and anneal are pinned
+    # to the span whose data's steps reach it most closely, so the run is exactly its data's steps (every epoch
+    # one pass, max_epochs kept) and its anneal is at least its share, never cut short
     low, high = min(seen), max(max(seen), max(seen.values()))
-    guess = high
+    best: tuple[int, int] | None = None  # (steps over the span, -span)
     for candidate in range(low, min(high, low + 64) + 1):
         steps = seen[candidate] if candidate in seen else _simulate(*args, *start, candidate).total_steps
-        if steps <= candidate:
-            guess = candidate
-            break
-    final = _simulate(*args, *start, guess)
-    return StepPlan(
-        final.first_epoch,
-        final.batch_sizes,
-        guess,
-        plain_steps,
-        final.light_steps,
-        data_steps=final.total_steps,
-        from_step=start_step,
-    )
+        if steps >= candidate and (best is None or (steps - candidate, -candidate) < best):
+            best = (steps - candidate, -candidate)
+    span = -best[1] if best is not None else low
+    while best is None and span > 0 and _simulate(*args, *start, span).total_steps < span:
+        span -= 1  # a span of 0 (all burst) is reached by the plain run's steps
+    return replace(_simulate(*args, *start, span), phase_steps=span)
 
 
 def _plain_sizes(samples: int, batch_size: int, drop_last: bool) -> list[int]:
@@ -202,6 +207,7 @@ def _simulate(
     epoch: int,
     samples_done: int,
     step: int,
+    trained_before: int,
     drop_last: bool,
     total_steps: int,
 ) -> StepPlan:
@@ -211,7 +217,7 @@ def _simulate(
         sim.start(total_steps)
     window = window_size(batch_size, fraction)
     # the plain run's samples not yet trained
-    data_left = plain_samples - (epoch * samples_per_epoch + samples_done)
+    data_left = plain_samples - trained_before
     epochs: list[list[int]] = []
     light_steps = 0
     sizes: list[int] = []
@@ -387,6 +393,7 @@ class StepSavingStream:
         self._first_pass = True
         self._plain_pass: list[int] = []
         self.resumed_at_pass_end = False  # the checkpoint was saved on the last batch of a pass
+        self.trained_samples = 0  # raw samples of the run's trained batches, all epochs
 
     def make_plan(
         self, clock: PhaseClock | None, light_phases: Iterable[str], **run: int | bool | None
@@ -395,8 +402,12 @@ class StepSavingStream:
         :func:`plan_steps`' ``batch_size``, ``fraction``, ``samples_per_epoch``, ``max_epochs``, ``max_steps``,
         ``accumulate`` and ``drop_last``."""
         resume = self._resume
+        samples_per_epoch, batch_size = int(run["samples_per_epoch"] or 0), int(run["batch_size"] or 1)
+        self._plain_pass = _plain_sizes(samples_per_epoch, batch_size, bool(run["drop_last"]))
         self.resumed_at_pass_end = False
-        if resume is not None and resume["samples"] >= int(run["samples_per_epoch"] or 0):
+        if resume is not None and _pass_ended(
+            resume["samples"], samples_per_epoch, batch_size, run["drop_last"]
+        ):
             # saved at an epoch's end: the run resumes at the next epoch's start
             self.resumed_at_pass_end = resume["batches"] > 0  # on the pass's last batch, not after the epoch
             resume.update(epoch=resume["epoch"] + 1, samples=0, batches=0)
@@ -408,12 +419,13 @@ class StepSavingStream:
             start_samples=resume.get("samples", 0),
             start_step=resume.get("step", 0),
             total_steps=resume.get("total_steps"),
+            start_trained=resume.get("trained"),
             **run,  # type: ignore[arg-type]
         )
+        # a checkpoint of an older version holds no count: its plain passes' samples, as plan_steps reckons
+        passes = resume.get("epoch", 0) * sum(self._plain_pass) + resume.get("samples", 0)
+        self.trained_samples = resume.get("trained", passes)
         self._first_pass = True
-        self._plain_pass = _plain_sizes(
-            int(run["samples_per_epoch"] or 0), int(run["batch_size"] or 1), bool(run["drop_last"])
-        )
         return self.plan
 
     def sizes_for_pass(
@@ -436,10 +448,10 @@ class StepSavingStream:
         self.epoch, self.samples, self.batches = epoch, skip, done
         sizes = self.plan.sizes_of(epoch)
         if not sizes and not skip:
-            # past the plan (its total ran a few steps over the data, or the run is longer than planned):
-            # plain batches, so the run still reaches max_steps and never loops on empty epochs. A pass that
-            # ends the run is cut to its remaining steps: its last batch then ends an epoch, and the final
-            # weights are validated (and a monitored checkpoint ranked) as a plain run's are
+            # past the plan (a resume whose saved total its data no longer fills, or a run longer than
+            # planned): plain batches, so the run goes on to max_steps while its epochs allow and never loops
+            # on empty epochs. A pass that ends the run is cut to its remaining steps: its last batch then
+            # ends an epoch, validated where a plain epoch's end is
             sizes = list(self._plain_pass)
             remaining = self.plan.total_steps - self.pass_step
             if 0 < remaining * accumulate < len(sizes):
@@ -449,6 +461,7 @@ class StepSavingStream:
     def trained(self, raw_samples: int) -> None:
         self.samples += raw_samples
         self.batches += 1
+        self.trained_samples += raw_samples
 
     def state_dict(self, global_step: int) -> dict[str, Any]:
         total = -1 if self.plan is None else self.plan.total_steps
@@ -460,6 +473,7 @@ class StepSavingStream:
             "total_steps": total,
             "pass_step": self.pass_step,
             "pass_prior": self.pass_prior,
+            "trained": self.trained_samples,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -469,26 +483,68 @@ class StepSavingStream:
         self._resume = {k: float(v) if k == "pass_prior" else int(v) for k, v in state.items()}
 
 
+def _pass_ended(samples: int, samples_per_epoch: int, batch_size: int, drop_last: Any) -> bool:
+    """Whether a pass that trained ``samples`` raw samples is over: all of them, or with ``drop_last`` too few
+    left for a batch (as ``_simulate`` ends a planned pass; a light window may take a short rest a plain pass
+    drops, so a pass can end anywhere in that last batch's reach)."""
+    left = samples_per_epoch - samples
+    return left <= 0 or (bool(drop_last) and left < batch_size)
+
+
 def schedule_lengths(scheduler: Any) -> set[int]:
     """The run lengths an LR scheduler says it was built for: ``total_steps`` (OneCycleLR), ``T_max``
-    (CosineAnnealingLR), ``total_iters`` (LinearLR, PolynomialLR), the ints a ``LambdaLR``'s functions were given
-    or close over (Hugging Face's schedules are partials holding ``num_training_steps``), and those of the
-    schedulers inside a ``SequentialLR`` or ``ChainedScheduler``. A function that reads
-    ``trainer.estimated_stepping_batches`` at each call holds no length: it follows the plan."""
+    (CosineAnnealingLR), ``total_iters`` (LinearLR, PolynomialLR), the ints a ``LambdaLR``'s functions read, and
+    those of the schedulers inside a ``SequentialLR`` or ``ChainedScheduler``.
 
-    def ints(values: Iterable[Any]) -> set[int]:
-        return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
-
-    found = ints(getattr(scheduler, name, None) for name in ("total_steps", "T_max", "total_iters"))
+    A function reads the ints it was given or closes over (Hugging Face's schedules are partials holding
+    ``num_training_steps``), the ints held by the attributes its code names on the objects it closes over or is
+    bound to (``lambda s: 1 - s / self.total`` reads the module's ``total``; so does a method reading
+    ``self.total``), the module globals it names, and a callable object's own int attributes. An attribute read
+    at each call from the trainer (``self.trainer.estimated_stepping_batches``) is not read: it follows the
+    plan."""
+    found = _ints(getattr(scheduler, name, None) for name in ("total_steps", "T_max", "total_iters"))
     for function in getattr(scheduler, "lr_lambdas", None) or ():
-        if isinstance(function, functools.partial):
-            found |= ints((*function.args, *function.keywords.values()))
-            function = function.func
-        for cell in getattr(function, "__closure__", None) or ():
-            try:
-                found |= ints([cell.cell_contents])
-            except ValueError:  # an empty cell
-                continue
+        found |= _function_lengths(function)
     for inner in getattr(scheduler, "_schedulers", None) or ():
         found |= schedule_lengths(inner)
+    return found
+
+
+def _ints(values: Iterable[Any]) -> set[int]:
+    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _named_attributes(owner: Any, names: Iterable[str]) -> set[int]:
+    """The ints ``owner`` holds under ``names`` (properties are not run: reading one may compute anything)."""
+    found: set[int] = set()
+    for name in names:
+        try:
+            value = inspect.getattr_static(owner, name)
+        except AttributeError:
+            continue
+        found |= _ints([value])
+    return found
+
+
+def _function_lengths(function: Any) -> set[int]:
+    found: set[int] = set()
+    if isinstance(function, functools.partial):
+        found |= _ints((*function.args, *function.keywords.values()))
+        function = function.func
+    bound_to = getattr(function, "__self__", None)
+    function = getattr(function, "__func__", function)
+    code = getattr(function, "__code__", None)
+    if code is None:  # a callable object: the ints it holds
+        return found | _ints(vars(function).values() if hasattr(function, "__dict__") else ())
+    names = code.co_names
+    if bound_to is not None:
+        found |= _named_attributes(bound_to, names)
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        found |= _ints([value]) or _named_attributes(value, names)
+    globals_ = getattr(function, "__globals__", {})
+    found |= _ints(globals_.get(name) for name in names)
     return found

@@ -22,11 +22,16 @@ from lightning_pulse.energy.carbon import Rate
 from lightning_pulse.energy.codecarbon_meter import CodecarbonMeter, CodecarbonSession
 from lightning_pulse.energy.compare import baseline_ratios
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
-from lightning_pulse.energy.constant import ConstantPowerMeter
+from lightning_pulse.energy.constant import (
+    CODECARBON_DEFAULT,
+    ConstantPowerMeter,
+    codecarbon_default_cpu_watts,
+)
 from lightning_pulse.energy.counting import count_batch, doubtful_sample_count, first_tensor
 from lightning_pulse.energy.ledger import (
     BUCKET_FIELDS,
     J_PER_KWH,
+    STARTUP_STAGE,
     EnergyLedger,
     combine_ranks,
     flatten_buckets,
@@ -35,7 +40,7 @@ from lightning_pulse.energy.ledger import (
     predict_run,
     timeline_edges,
 )
-from lightning_pulse.energy.meter import COMPONENTS, MeterChain, MeterFactory
+from lightning_pulse.energy.meter import COMPONENTS, NONE, MeterChain, MeterFactory
 from lightning_pulse.energy.nvml import NvmlCounterMeter, NvmlPowerMeter, nvml_devices_for_cuda
 from lightning_pulse.energy.rapl import RaplMeter
 from lightning_pulse.energy.report import assemble_report
@@ -81,15 +86,20 @@ def build_chains(
 ) -> list[MeterChain]:
     """The meter chains of one process: NVML counter -> NVML power for ``gpu_devices``; and, when
     ``count_host`` (local rank 0), RAPL -> codecarbon -> ``config.cpu_watts`` for the CPU (as ``cpu``
-    allows) and codecarbon for RAM. One codecarbon tracker serves CPU and RAM, built on first use."""
+    allows; codecarbon's generic-CPU power when ``cpu_watts`` is not set, so the CPU is never unmetered) and
+    codecarbon for RAM. One codecarbon tracker serves CPU and RAM, built on first use. GPUs named in
+    ``config.gpu_devices`` are required: NVML missing for them is a warning, not an info line. One failure
+    shared by several meters (the codecarbon tracker, NVML) warns once."""
     chains: list[MeterChain] = []
+    announced: set[str] = set()
     devices = list(gpu_devices)
     if devices:
         gpu_factories: list[tuple[str, MeterFactory]] = [
             ("nvml-counter", lambda: NvmlCounterMeter(devices)),
             ("nvml-power", lambda: NvmlPowerMeter(devices)),
         ]
-        chains.append(MeterChain("gpu", gpu_factories, warn, info))
+        required = config.gpu_devices is not None
+        chains.append(MeterChain("gpu", gpu_factories, warn, info, required=required, announced=announced))
     if not count_host:  # CPU and RAM are counted once per node
         return chains
     session: CodecarbonSession | None = None
@@ -116,10 +126,19 @@ def build_chains(
     if cpu != "none" and config.cpu_watts is not None:
         watts = config.cpu_watts
         cpu_factories.append(("constant", lambda: ConstantPowerMeter("cpu", watts)))
+    elif cpu in ("auto", "codecarbon"):
+        # what codecarbon itself assumes for a CPU it cannot identify: a labelled estimate rather than no figure
+        default_watts, source = codecarbon_default_cpu_watts()
+        cpu_factories.append(
+            (
+                CODECARBON_DEFAULT,
+                lambda: ConstantPowerMeter("cpu", default_watts, name=CODECARBON_DEFAULT, source=source),
+            )
+        )
     if cpu_factories:
-        chains.append(MeterChain("cpu", cpu_factories, warn, info))
+        chains.append(MeterChain("cpu", cpu_factories, warn, info, announced=announced))
     if ram == "codecarbon":
-        chains.append(MeterChain("ram", [("codecarbon", codecarbon("ram"))], warn, info))
+        chains.append(MeterChain("ram", [("codecarbon", codecarbon("ram"))], warn, info, announced=announced))
     return chains
 
 
@@ -210,6 +229,8 @@ class EnergyAccount:
         self.clock, self.wall_clock = clock, wall_clock
         self.carried: dict[str, Any] | None = None  # the whole run before this fit (from a checkpoint)
         self.resumed_runs = 0
+        self._restored = False  # a checkpoint was loaded for the next fit (not during one)
+        self._settled_once = False
         self.prediction: dict[str, Any] | None = None
         self.ledger: EnergyLedger | None = None
         self.sampler: EnergySampler | None = None
@@ -227,7 +248,17 @@ class EnergyAccount:
         global_zero: bool = True,
     ) -> None:
         """Start metering a fit with ``chains`` (or what calling it builds: a failure to build them then
-        disables metering instead of raising); ``global_zero``: this process reports the carried run."""
+        disables metering instead of raising); ``global_zero``: this process reports the carried run.
+
+        A fit with no checkpoint loaded before it is a new run: the carried run, the forecast and the resume
+        count of an earlier fit of this account are dropped (a second ``fit`` of the same EnergyLogger)."""
+        if not self._restored:
+            self.carried, self.prediction, self.resumed_runs = None, None, 0
+            for rate in (self.intensity, self.price):
+                if rate is not None:
+                    rate.run_start = None  # anchored again below, at this run's start
+        self._restored = False
+        self._settled_once = False  # the wait for a meter still starting, at an epoch end (once a fit)
         self._reset()
         self._warned, self._types_read = set(), set()
         self.global_zero = global_zero
@@ -256,8 +287,13 @@ class EnergyAccount:
 
     def stop(self) -> None:
         """Stop the thread, take a last reading, close the meters. Safe to call more than once."""
-        self.metering = self.in_fit = False
         sampler = self.sampler
+        if sampler is not None and self.in_fit and self.metering:
+            try:
+                self._settle_meters(sampler)
+            except Exception as error:
+                self.warn_once("stop", f"EnergyLogger: stopping the meters failed ({error}).")
+        self.metering = self.in_fit = False
         if sampler is not None:
             try:
                 sampler.stop()
@@ -369,15 +405,55 @@ class EnergyAccount:
         self.count_batch()  # a batch with no backward (its step returned None) counts as loaded
         self._last_batch_end = self.clock()
 
-    def end_training(self) -> None:
+    def end_training(self, collective: Collective | None = None) -> None:
+        """The training loop ended (every rank calls it): settle a meter still starting, before the report.
+        Under DDP, where any rank has one, every rank waits for the others inside the start-up bucket: a rank
+        whose meters are running would otherwise wait for a starting one in the report's first collective, in
+        its own time. Ranks only skewed in time wait in ``"other"``, as in the report's collectives."""
         self.mark(stage="other", phase=None, cycle=None, epoch=None)
         sampler = self.sampler
-        if sampler is not None:  # the report follows: a meter that started in the background must count
-            try:
-                sampler.settle()
-            except Exception as error:
-                self.disable(error)
+        starting = sampler is not None and any(chain.starting for chain in sampler.chains)
+        if not self._single(collective):
+            assert collective is not None  # every rank asks, unconditionally: the same collectives everywhere
+            starting = bool(collective.all_gather(np.array([float(starting)])).any())
+        if not starting:
+            self.step_counter = None
+            return
+        self.mark(stage=STARTUP_STAGE)
+        try:
+            if sampler is not None:  # the report follows: a meter that started in the background must count
+                try:
+                    self._settle_meters(sampler)
+                except Exception as error:
+                    self.disable(error)
+            if not self._single(collective):
+                assert collective is not None
+                collective.all_gather(np.zeros(1))  # every rank, once the slowest settled
+        finally:
+            self.mark(stage="other")
         self.step_counter = None
+
+    @staticmethod
+    def _single(collective: Collective | None) -> bool:
+        return collective is None or collective.world_size == 1
+
+    def _settle_meters(self, sampler: EnergySampler) -> None:
+        """Wait for a meter still starting in the background (codecarbon's hardware detection, about 1.6 s in a
+        process's first fit), then take the reading that holds its backlog. Called at the first epoch end that
+        finds it starting, and at the end of training. The wait is the instrumentation's
+        start-up, not the run's cost: it is booked to the ``meter_startup`` bucket, outside the run's total,
+        stages, phases, cycles and epochs (so two identical runs compare at 1x whichever paid it), and the
+        report shows it on its own line. The backlog is spread by time over the run and the wait."""
+        if not any(chain.starting for chain in sampler.chains):
+            return
+        ledger = self.ledger
+        stage = ledger.label.stage if ledger is not None else "other"
+        self.mark(stage=STARTUP_STAGE)
+        try:
+            sampler.settle()
+            sampler.sample()
+        finally:
+            self.mark(stage=stage)
 
     def fold_counts(self) -> None:
         """Move the per-batch tallies into the ledger under the current label. Optimizer steps are the
@@ -460,8 +536,8 @@ class EnergyAccount:
     def step_metrics(self) -> dict[str, float] | None:
         """``energy/kwh_so_far`` and, from the second call on, ``energy/power_w`` since the previous call."""
         at = self.last_reading_time
-        if at is None:
-            return None
+        if at is None or not self.ledger.metered:
+            return None  # no meter has counted anything: no figure, rather than a 0 that reads as measured
         joules = self.ledger.total_joules
         metrics = {"energy/kwh_so_far": self.metered_kwh()}
         previous = self._last_step_log
@@ -474,7 +550,8 @@ class EnergyAccount:
         """The progress bar's figure; it changes only with a reading, so it is formatted once per reading."""
         at = self.last_reading_time
         if at is None or at != self._progress_at:
-            self._progress_at, self._progress_text = at, f"{self.metered_kwh():.3g}"
+            metered = self.ledger is not None and self.ledger.metered
+            self._progress_at, self._progress_text = at, f"{self.metered_kwh():.3g}" if metered else "—"
         return self._progress_text
 
     def snapshot(
@@ -513,6 +590,28 @@ class EnergyAccount:
     ) -> tuple[dict[str, float], dict[str, Any] | None]:
         """The figures logged at an epoch end, and the run's forecast when this epoch made the first one."""
         epoch_key = f"epoch/{epoch}"
+        sampler = self.sampler
+        if (
+            sampler is not None
+            and self.metering
+            and not self._settled_once
+            and self._single(collective)
+            and any(chain.starting for chain in sampler.chains)
+        ):
+            # a meter still starting in the background (a first epoch shorter than codecarbon's start) has no
+            # reading yet: wait for it here, off the run's figures, so the epoch logs an estimate rather than no
+            # figure (a monitored `energy/total_kwh` must exist) or a 0 nobody measured. Once a fit: a start
+            # that hangs costs its timeout once, not at every epoch end. Not under DDP: the other ranks would
+            # wait for this one in the next collective, inside their training time
+            self._settled_once = True
+            self._settle_meters(sampler)
+            if any(chain.starting for chain in sampler.chains):
+                self.warn_once(
+                    "still starting",
+                    "EnergyLogger: a meter (codecarbon) is still starting after 30 s; the energy figures wait for "
+                    'its first reading, and energy/total_kwh is not logged until then. Set `cpu="constant"` '
+                    '(with `meters.cpu_watts`) and `ram="none"` to meter without it.',
+                )
         snapshot = self.snapshot(
             collective, keys=lambda key: key == "total" or key == epoch_key or key.startswith("phase/")
         )
@@ -525,6 +624,7 @@ class EnergyAccount:
             for name in ("energy_kwh", "avg_power_w", "co2_kg", "cost", "stall_share"):
                 metrics[f"energy/epoch_{name.replace('energy_', '')}"] = row[name]
         total = groups["total"]
+        self.warn_if_unmetered(total)
         metrics.update(
             {
                 "energy/total_kwh": total["energy_kwh"],
@@ -569,10 +669,32 @@ class EnergyAccount:
         metrics["energy/cycle"] = float(cycle)
         return _present(metrics)
 
+    def warn_if_unmetered(self, total: dict[str, Any]) -> None:
+        """One warning when the run's energy is *none* (no meter counted anything) once no meter is still
+        starting: its energy figures are then null in the report and not logged, never a 0 that reads as
+        a measurement."""
+        if self.disabled_reason is not None or total.get("energy_method") != NONE:
+            return  # a disabled account has said so already
+        if any(chain.starting for chain in self.chains):
+            return
+        self.warn_once(
+            "unmetered",
+            "EnergyLogger: no meter counted any energy (see the lines above, or no component is metered: "
+            f"gpu/cpu/ram meters {[chain.meter_name for chain in self.chains] or 'none'}); energy, CO2 and cost "
+            "are null in the report and no energy/*_kwh, *_co2_kg or *_cost metric is logged.",
+        )
+
     def report(
         self, status: str, currency: str, collective: Collective | None = None, num_nodes: int = 1
     ) -> dict[str, Any]:
         """The JSON-ready report of the whole run so far."""
+        report = self._assemble(status, currency, collective, num_nodes)
+        self.warn_if_unmetered(report["total"])
+        return report
+
+    def _assemble(
+        self, status: str, currency: str, collective: Collective | None, num_nodes: int
+    ) -> dict[str, Any]:
         return assemble_report(
             self.snapshot(collective),
             status=status,
@@ -615,6 +737,9 @@ class EnergyAccount:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # loaded before a fit, it makes that fit a resume (kept by `start`); loaded during one (strategies that
+        # restore after set-up), it applies to the fit in progress
+        self._restored = not self.in_fit
         self.carried = state_dict.get("snapshot")
         self.resumed_runs = int(state_dict.get("resumed_runs", 0)) + 1
         self.prediction = state_dict.get("prediction")

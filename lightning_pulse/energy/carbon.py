@@ -368,6 +368,11 @@ def _rate_from(
         refuse_start_without_series(series_start, start_field, f"`{field}`={value!r} is a constant")
         return Rate("constant", unit, constant=constant)
     if isinstance(value, (str, Path)):
+        if not Path(value).is_file():
+            raise ValueError(
+                f"`{field}`={str(value)!r} is neither a number nor a file; expected {number} as a number "
+                f"(not a string), or the path of a CSV with columns `timestamp,value`."
+            )
         series = TimeSeries.from_csv(value, field=field)
         start = parse_series_start(series_start, start_field)
         return Rate(f"series:{series.name}", unit, series=series, series_start=start, notice=notice)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_pulse.energy.meter import NONE
+from lightning_pulse.energy.meter import NONE, PARTIAL
 from lightning_pulse.energy.report import JSON_NAME, SCHEMA, write_atomic, write_report, write_text_atomic
 from lightning_pulse.errors import PulseRefusal
 
@@ -43,43 +43,60 @@ class NotAnEnergyReport(ValueError):
     """A path that is not, or does not hold, a lightning-pulse energy report."""
 
 
-def find_report(path: str | Path) -> Path:
+#: what a run argument may be, for error messages
+EXPECTED_RUN = f"expected an {JSON_NAME} or a log directory holding one"
+
+
+def find_report(path: str | Path, field: str | None = None) -> Path:
     """The ``energy_report.json`` that ``path`` names: the file itself, ``path/energy_report.json``, or the one
-    report found below a directory. Raises :class:`FileNotFoundError` or :class:`NotAnEnergyReport`."""
+    report found below a directory. Raises :class:`FileNotFoundError` or :class:`NotAnEnergyReport`, whose
+    message starts with ``field`` and the value when ``field`` is given (``"RUN_A"``, ``"accounting.baseline"``).
+    An empty path is refused: it would search the whole current directory."""
+    named = f"`{field}`={os.fspath(path)!r}: " if field else ""
+    if not os.fspath(path).strip():
+        raise NotAnEnergyReport(
+            f"{named or repr(os.fspath(path)) + ': '}the path is empty (it would search the whole current "
+            f"directory); {EXPECTED_RUN}."
+        )
     path = Path(path)
+    named = named or f"{path}: "
     if path.is_file():
         return path
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory.")
+        raise FileNotFoundError(f"{named}no such file or directory; {EXPECTED_RUN}.")
     if (path / JSON_NAME).is_file():
         return path / JSON_NAME
     found = sorted(path.rglob(JSON_NAME))
     if not found:
-        raise FileNotFoundError(f"{path}: no {JSON_NAME} in this directory or below it.")
+        raise FileNotFoundError(f"{named}no {JSON_NAME} in this directory or below it; {EXPECTED_RUN}.")
     if len(found) > 1:
         listed = ", ".join(str(p.parent.relative_to(path)) for p in found[:4])
         raise NotAnEnergyReport(
-            f"{path}: {len(found)} energy reports below it ({listed}{', ...' if len(found) > 4 else ''}); "
+            f"{named}{len(found)} energy reports below it ({listed}{', ...' if len(found) > 4 else ''}); "
             "name the run's own directory or its energy_report.json."
         )
     return found[0]
 
 
-def load_run(path: str | Path) -> dict[str, Any]:
-    """A run to compare: its report (validated), the report's path, and its final metrics."""
-    json_path = find_report(path)
+def load_run(path: str | Path, field: str | None = None) -> dict[str, Any]:
+    """A run to compare: its report (validated), the report's path, and its final metrics. Errors start with
+    ``field`` and the value when ``field`` is given (see :func:`find_report`)."""
+    json_path = find_report(path, field)
+    named = f"`{field}`={os.fspath(path)!r}: " if field else ""
     try:
         report = json.loads(json_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise NotAnEnergyReport(
-            f"{json_path} is not a lightning-pulse energy report (not JSON: {error})."
+            f"{named}{json_path} is not a lightning-pulse energy report (not JSON: {error}); {EXPECTED_RUN}."
         ) from None
     if (
         not isinstance(report, dict)
         or report.get("schema") != SCHEMA
         or not isinstance(report.get("total"), dict)
     ):
-        raise NotAnEnergyReport(f"{json_path} is not a lightning-pulse energy report (schema {SCHEMA!r}).")
+        raise NotAnEnergyReport(
+            f"{named}{json_path} is not a lightning-pulse energy report (schema {SCHEMA!r}); {EXPECTED_RUN}."
+        )
     metrics = report.get("metrics")
     source = "report"
     if not metrics:
@@ -129,6 +146,8 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     totals = a["report"]["total"], b["report"]["total"]
     currencies = _currency(a["report"]), _currency(b["report"])
     figures = []
+    # CO2 and cost are the energy times a rate: an undercounted energy undercounts them too
+    energy_partial = PARTIAL in [total.get("energy_method", NONE) for total in totals]
     for key, label, unit, method_key in FIGURES:
         if key == "cost":
             unit = currencies[1] or currencies[0]
@@ -140,6 +159,8 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
             ratio, note = None, f"currencies differ ({currencies[0]} / {currencies[1]})"
         if method_key and NONE in methods:
             ratio = None
+        elif method_key and (PARTIAL in methods or energy_partial):  # an undercount (a meter lost mid-run)
+            ratio, note = None, "partial: a meter was lost mid-run, so the figure undercounts"
         figures.append(
             {
                 "figure": key,

@@ -42,7 +42,7 @@ class MeterConfig(_EnergyLoggerConfig):
         sampling_period: seconds between meter readings on the background thread.
         gpu_devices: NVML indices or GPU UUIDs to meter instead of the rank's own CUDA device.
         cpu_watts: a constant CPU power in watts: what ``cpu="constant"`` counts, and the last CPU fallback
-            of ``cpu="auto"`` / ``"codecarbon"``.
+            of ``cpu="auto"`` / ``"codecarbon"`` (without it, codecarbon's power for a generic CPU is).
         rapl_root: the powercap sysfs directory.
         codecarbon_tracking_mode: codecarbon's ``"machine"`` (the whole node) or ``"process"`` (this
             process's share of CPU load and memory).
@@ -121,10 +121,10 @@ class AccountingConfig(_EnergyLoggerConfig):
 
             if not isinstance(self.baseline, (str, os.PathLike)):
                 raise ValueError(f"`accounting.baseline`={self.baseline!r} must be a path or None.")
-            try:
-                load_run(self.baseline)
-            except (OSError, ValueError) as error:
-                raise ValueError(f"`accounting.baseline`={str(self.baseline)!r}: {error}") from None
+            try:  # its errors name the field, the value and what is allowed
+                load_run(self.baseline, field="accounting.baseline")
+            except OSError as error:
+                raise ValueError(str(error)) from None
             object.__setattr__(self, "baseline", os.fspath(self.baseline))
         steps = self.log_every_n_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):

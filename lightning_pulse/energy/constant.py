@@ -14,6 +14,8 @@ class ConstantPowerMeter(EnergyMeter):
     Args:
         component: ``"gpu"``, ``"cpu"`` or ``"ram"``.
         watts: the assumed average draw, e.g. a CPU's TDP times a typical load.
+        name: the meter's name in warnings and the report.
+        source: where ``watts`` comes from, for the report (e.g. codecarbon's generic CPU).
 
     Raises:
         ValueError: if ``watts`` is not a finite non-negative number.
@@ -22,7 +24,9 @@ class ConstantPowerMeter(EnergyMeter):
     method = ESTIMATED
     name = "constant"
 
-    def __init__(self, component: str, watts: float) -> None:
+    def __init__(
+        self, component: str, watts: float, name: str = "constant", source: str | None = None
+    ) -> None:
         if component not in COMPONENTS:
             raise ValueError(f"`component`={component!r} is not one of {list(COMPONENTS)}.")
         if (
@@ -34,6 +38,8 @@ class ConstantPowerMeter(EnergyMeter):
             raise ValueError(f"`watts`={watts!r} must be a finite number of watts >= 0.")
         self.component = component
         self.watts = float(watts)
+        self.name = name
+        self.source = source
         self._start = 0.0
 
     def start(self, now: float) -> None:
@@ -43,4 +49,23 @@ class ConstantPowerMeter(EnergyMeter):
         return self.watts * max(now - self._start, 0.0)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "watts": self.watts}
+        described = {**super().describe(), "watts": self.watts}
+        if self.source:
+            described["source"] = self.source
+        return described
+
+
+#: the name of the CPU's last fallback when no `meters.cpu_watts` is configured
+CODECARBON_DEFAULT = "codecarbon-default"
+
+
+def codecarbon_default_cpu_watts() -> tuple[float, str]:
+    """codecarbon's own power for a CPU it cannot identify: its generic TDP (``POWER_CONSTANT``, 85 W) x the
+    share of TDP it assumes is drawn on average (``CONSUMPTION_PERCENTAGE_CONSTANT``, 0.5); with its source."""
+    try:
+        from codecarbon.external.hardware import CONSUMPTION_PERCENTAGE_CONSTANT, POWER_CONSTANT
+
+        tdp, share = float(POWER_CONSTANT), float(CONSUMPTION_PERCENTAGE_CONSTANT)
+    except Exception:  # codecarbon moved them: its documented values
+        tdp, share = 85.0, 0.5
+    return tdp * share, f"codecarbon's generic CPU: {tdp:g} W TDP x {share:g}"

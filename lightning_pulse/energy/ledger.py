@@ -23,11 +23,24 @@ from typing import Any
 import numpy as np
 
 from lightning_pulse.energy.carbon import Rate
-from lightning_pulse.energy.meter import COMPONENTS, ESTIMATED, METHOD_FLAGS, NONE, method_from_flags
+from lightning_pulse.energy.meter import (
+    COMPONENTS,
+    ESTIMATED,
+    MEASURED,
+    METHOD_FLAGS,
+    NONE,
+    method_from_flags,
+)
 from lightning_pulse.records import RECENT_RECORDS, append_recent
 
 J_PER_KWH = 3.6e6
 STAGES = ("train", "validation", "other")
+#: the stage of the instrumentation's own start-up (the wait for codecarbon's background start): its
+#: time and energy go to the bucket :data:`STARTUP_KEY` only, outside the run's total, stages and phases
+STARTUP_STAGE = "meter_startup"
+STARTUP_KEY = "meter_startup"
+
+_COUNTING = (MEASURED, ESTIMATED)
 
 # how each field combines over DDP ranks (over resumed runs every field adds up)
 SUM_FIELDS = ("gpu_j", "cpu_j", "ram_j", "co2_kg", "cost", "samples", "tokens", "batches", "token_batches")
@@ -95,6 +108,8 @@ class Label:
     stage: str = "other"
 
     def keys(self) -> tuple[str, ...]:
+        if self.stage == STARTUP_STAGE:
+            return (STARTUP_KEY,)
         keys = ["total", f"stage/{self.stage}"]
         if self.phase is not None:
             keys.append(f"phase/{self.phase}")
@@ -149,6 +164,7 @@ class EnergyLedger:
         self.phase_segments: list[dict[str, Any]] = []
         self.first_wall: float | None = None
         self.last_power_w = 0.0
+        self.metered = False  # whether any reading so far came from a meter (measured or estimated)
         # (total J, time, average power W) of the latest reading, replaced whole under `lock`: one attribute
         # read gives a consistent triple, so the per-step estimate takes no lock
         self._latest: tuple[float, float | None, float] = (0.0, None, 0.0)
@@ -169,6 +185,7 @@ class EnergyLedger:
             for component, (joules, method) in (totals or {}).items():
                 self.totals_j[component] = float(joules)
                 self.methods[component] = method
+                self.metered = self.metered or method in _COUNTING
             self._latest = (sum(self.totals_j.values()), now, self.last_power_w)
             self._append_timeline(wall)
 
@@ -337,6 +354,7 @@ class EnergyLedger:
                 deltas[component] = max(float(joules) - self.totals_j[component], 0.0)
                 self.totals_j[component] = max(float(joules), self.totals_j[component])
                 self.methods[component] = method
+                self.metered = self.metered or method in _COUNTING
             if span > 0:
                 pieces = self._pieces(t0, now)
                 for start, end, label in pieces:
@@ -584,7 +602,9 @@ def _copy(value: Any) -> Any:
 
 # ---------------------------------------------------------------------- figures
 def figures(bucket: Mapping[str, float], has_intensity: bool, has_price: bool) -> dict[str, Any]:
-    """Reportable figures of a raw bucket, each with its method (``measured``/``estimated``/``none``)."""
+    """Reportable figures of a raw bucket, each with its method (``measured``/``estimated``/``partial``/
+    ``none``). A figure no meter counted is ``None`` (null in the JSON), never 0; the average power of a
+    partial figure is ``None`` too (its energy misses an unknown part of its time)."""
     b = Bucket.from_dict(bucket)
     joules = b.joules
     methods = {c: method_from_flags(getattr(b, f"{c}_flags")) for c in COMPONENTS}
@@ -596,11 +616,13 @@ def figures(bucket: Mapping[str, float], has_intensity: bool, has_price: bool) -
     tokens_known = b.batches > 0 and b.token_batches == b.batches
     return {
         "duration_s": b.seconds,
-        "energy_kwh": kwh,
-        "energy_kwh_by_component": {c: getattr(b, f"{c}_j") / J_PER_KWH for c in COMPONENTS},
+        "energy_kwh": kwh if method != NONE else None,
+        "energy_kwh_by_component": {
+            c: getattr(b, f"{c}_j") / J_PER_KWH if methods[c] != NONE else None for c in COMPONENTS
+        },
         "energy_method": method,
         "methods": methods,
-        "avg_power_w": joules / b.seconds if b.seconds > 0 else None,
+        "avg_power_w": joules / b.seconds if b.seconds > 0 and method in _COUNTING else None,
         "co2_kg": b.co2_kg if has_intensity and method != NONE else None,
         "co2_method": ESTIMATED if has_intensity and method != NONE else NONE,
         "g_co2_per_kwh": (b.co2_kg * 1000.0 / kwh) if has_intensity and kwh > 0 else None,

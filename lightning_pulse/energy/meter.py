@@ -17,16 +17,23 @@ from typing import Any
 MEASURED = "measured"
 ESTIMATED = "estimated"
 NONE = "none"
-METHODS = (MEASURED, ESTIMATED, NONE)
+#: a figure with uncounted time in it: its component was metered, then every meter of it was lost
+PARTIAL = "partial"
+METHODS = (MEASURED, ESTIMATED, PARTIAL, NONE)
 COMPONENTS = ("gpu", "cpu", "ram")
 
-# method bit flags, so methods of several ranks or intervals combine with a bitwise or
-METHOD_FLAGS = {MEASURED: 1, ESTIMATED: 2, NONE: 0}
+# method bit flags, so methods of several ranks or intervals combine with a bitwise or. A chain that has lost
+# every meter reads PARTIAL: its intervals hold no energy, and a figure that also holds counted energy is partial
+METHOD_FLAGS = {MEASURED: 1, ESTIMATED: 2, PARTIAL: 4, NONE: 0}
 
 
 def method_from_flags(flags: int) -> str:
-    """The weakest method present: anything estimated makes the figure estimated."""
+    """The weakest method present: uncounted time next to counted energy makes the figure partial, anything
+    estimated makes it estimated; uncounted time alone is none."""
     flags = int(flags)
+    counted = flags & (METHOD_FLAGS[MEASURED] | METHOD_FLAGS[ESTIMATED])
+    if flags & METHOD_FLAGS[PARTIAL]:
+        return PARTIAL if counted else NONE
     if flags & METHOD_FLAGS[ESTIMATED]:
         return ESTIMATED
     if flags & METHOD_FLAGS[MEASURED]:
@@ -81,6 +88,20 @@ class EnergyMeter(ABC):
     def close(self) -> None:  # noqa: B027
         """Release what :meth:`start` took (library handles, tracker threads). Must not raise."""
 
+    def take_notices(self) -> list[str]:
+        """One line for each discontinuity the meter corrected since the last call (a counter that was reset,
+        a reading out of range): the chain warns once per kind, records an event and labels the interval
+        *estimated*. Most meters have none."""
+        notices: list[str] = getattr(self, "_notices", [])
+        self._notices: list[str] = []
+        return notices
+
+    def notice(self, message: str) -> None:
+        """Queue a discontinuity for :meth:`take_notices`."""
+        if not hasattr(self, "_notices"):
+            self._notices = []
+        self._notices.append(message)
+
     def describe(self) -> dict[str, Any]:
         return {"meter": self.name, "method": self.method}
 
@@ -94,6 +115,8 @@ class MeterEvent:
     reason: str
     next: str
     elapsed_s: float
+    #: ``"fallback"`` (the meter stopped) or ``"corrected"`` (it keeps going; one interval is estimated)
+    kind: str = "fallback"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -102,10 +125,17 @@ class MeterEvent:
             "reason": self.reason,
             "next": self.next,
             "elapsed_s": self.elapsed_s,
+            "kind": self.kind,
         }
 
 
 MeterFactory = Callable[[], EnergyMeter]
+
+
+#: a counter total lower than the last one by more than this is a reset, not rounding
+BACKWARDS_TOLERANCE_J = 1e-3
+#: the most events one chain keeps (a meter out of range at every reading would grow the report without end)
+MAX_EVENTS = 100
 
 
 class MeterChain:
@@ -115,12 +145,22 @@ class MeterChain:
         component: ``"gpu"``, ``"cpu"`` or ``"ram"``.
         factories: functions building each meter, most preferred first. A meter is built only when its turn
             comes, so an unused fallback (e.g. codecarbon while RAPL works) costs nothing.
-        warn: called once per failure with a one-line message.
+        warn: called with a one-line message per failure (several meters failing at one instant: one line).
         info: called with a one-line message when a meter is simply not present.
+        required: the user asked for this component by name (``meters.gpu_devices``): a meter that is not
+            present is then a failure (a warning and a report event), not an info line.
+        announced: a set shared by the chains of one process: a failure whose reason another chain already
+            warned about (one codecarbon tracker serves CPU and RAM; one NVML serves both GPU meters) is an info
+            line, not a second warning. Its event is recorded all the same.
 
     The total is ``offset + active_meter.read_joules(now)``; on a failure ``offset`` keeps the last good
     total and the next meter starts from zero at that moment. Energy between the last good reading and the
-    failure is not counted (at most one sampling period).
+    failure is not counted (at most one sampling period). A meter that failed before it ever delivered a
+    reading (codecarbon's background start failing after its hardware detection) is replaced from its own start
+    on, so an estimator next in line (a constant) covers that span too. A total that runs backwards (a counter
+    reset by a driver reload) is rebased where it was, with a warning, an event and the interval labelled
+    *estimated*. When every meter is gone, readings say :data:`PARTIAL` if the component had counted energy
+    before (its figure is partial), else :data:`NONE`.
     """
 
     def __init__(
@@ -129,6 +169,8 @@ class MeterChain:
         factories: Sequence[tuple[str, MeterFactory]],
         warn: Callable[[str], None],
         info: Callable[[str], None] | None = None,
+        required: bool = False,
+        announced: set[str] | None = None,
     ) -> None:
         if component not in COMPONENTS:
             raise ValueError(f"`component`={component!r} is not one of {list(COMPONENTS)}.")
@@ -137,12 +179,17 @@ class MeterChain:
         self._position = -1
         self._warn = warn
         self._info = info or (lambda message: None)
+        self.required = bool(required)
         self.meter: EnergyMeter | None = None
         self.offset_j = 0.0
         self.last_total_j = 0.0
         self.events: list[MeterEvent] = []
         self._started_at = 0.0
-        self._announced: set[str] = set()
+        self._announced: set[Any] = set()
+        self._shared = announced if announced is not None else set()
+        self._meter_since = 0.0  # when the active meter's count starts
+        self._delivered = False  # whether the active meter has delivered a reading (not a start's zero point)
+        self._counted = False  # whether any meter of this chain has
 
     @property
     def method(self) -> str:
@@ -155,25 +202,44 @@ class MeterChain:
     def start(self, now: float) -> None:
         """Start the first meter that works."""
         self._started_at = now
-        self._advance(now, failed=None, reason="")
+        self._advance(now, since=now, failures=[])
 
     def read(self, now: float) -> tuple[float, str]:
         """``(total joules since start, method of the meter that produced the latest increment)``."""
-        if self.meter is None:
-            return self.last_total_j, NONE
+        meter = self.meter
+        if meter is None:
+            return self.last_total_j, PARTIAL if self._counted else NONE
+        was_starting = self.starting
         try:
-            value = float(self.meter.read_joules(now))
+            value = float(meter.read_joules(now))
             if not math.isfinite(value):
                 raise MeterError(f"non-finite reading {value!r}")
         except Exception as error:  # a meter must never stop training: fall back instead
-            failed = self.meter
-            self._close(failed)
+            self._close(meter)
             self.offset_j = self.last_total_j
-            self._advance(now, failed=failed, reason=_one_line(error))
-            return self.last_total_j, NONE if self.meter is None else self.meter.method
-        # counters never run backwards; a meter that does is reset rather than trusted
-        self.last_total_j = max(self.last_total_j, self.offset_j + value)
-        return self.last_total_j, self.meter.method
+            since = now if self._delivered else min(self._meter_since, now)
+            self._advance(now, since=since, failures=[(meter.name, _one_line(error))])
+            if self.meter is not None and since < now:
+                return self.read(now)  # the replacement's count since the failed meter's start
+            return self.last_total_j, self.method if self.meter is not None else self._lost()
+        method = meter.method
+        notices = meter.take_notices()
+        total = self.offset_j + value
+        if total < self.last_total_j - BACKWARDS_TOLERANCE_J:
+            notices.append(
+                f"its total went back from {self.last_total_j:.6g} J to {total:.6g} J (a counter reset); "
+                "rebased there"
+            )
+            self.offset_j = self.last_total_j - value
+        total = max(total, self.last_total_j)
+        if not was_starting:
+            self._delivered = self._counted = True
+        for notice in notices:
+            self._correct(now, meter.name, notice)
+        if notices and method == MEASURED:
+            method = ESTIMATED  # the interval holds a correction, not a plain measurement
+        self.last_total_j = total
+        return total, method
 
     @property
     def starting(self) -> bool:
@@ -201,42 +267,83 @@ class MeterChain:
         return {**described, "fallbacks": [event.to_dict() for event in self.events]}
 
     # ------------------------------------------------------------------ internals
-    def _advance(self, now: float, failed: EnergyMeter | None, reason: str) -> None:
+    def _lost(self) -> str:
+        return PARTIAL if self._counted else NONE
+
+    def _advance(self, now: float, since: float, failures: list[tuple[str, str]]) -> None:
         self.meter = None
-        failures = [] if failed is None else [(failed.name, reason)]
         while self._position + 1 < len(self._factories):
             self._position += 1
             name, factory = self._factories[self._position]
             try:
                 meter = factory()
-                meter.start(now)
+                meter.start(since)
             except MeterUnavailable as error:
-                self._info(
-                    f"EnergyLogger: {self.component} meter '{name}' is not available ({_one_line(error)})."
-                )
+                if self.required:
+                    failures.append((name, _one_line(error)))
+                else:
+                    self._info(
+                        f"EnergyLogger: {self.component} meter '{name}' is not available ({_one_line(error)})."
+                    )
                 continue
             except Exception as error:
                 # a failure at start-up is reported like a failure mid-run: one line, then the next meter
                 failures.append((name, _one_line(error)))
                 continue
             self.meter = meter
+            self._meter_since = since
+            self._delivered = False
             break
-        for failed_name, failed_reason in failures:
-            self._report(now, failed_name, failed_reason)
+        if failures:
+            self._report(now, since, failures)
 
-    def _report(self, now: float, failed_name: str, reason: str) -> None:
+    def _event(self, event: MeterEvent) -> None:
+        if len(self.events) < MAX_EVENTS:
+            self.events.append(event)
+
+    def _report(self, now: float, since: float, failures: list[tuple[str, str]]) -> None:
+        """One line for the meters that failed at this instant, one event each."""
         next_name = self._next_name()
-        self.events.append(MeterEvent(self.component, failed_name, reason, next_name, now - self._started_at))
-        key = f"{failed_name}:{next_name}"
+        for name, reason in failures:
+            self._event(MeterEvent(self.component, name, reason, next_name, now - self._started_at))
+        names = [name for name, _ in failures]
+        reasons = list(dict.fromkeys(reason for _, reason in failures))
+        key = (tuple(names), next_name)
         if key in self._announced:
             return
         self._announced.add(key)
-        then = (
-            "no energy is counted for it from now on"
-            if next_name == "none"
-            else f"falling back to '{next_name}'"
+        quoted = " and ".join(f"'{name}'" for name in names)
+        if len(reasons) == 1:
+            what = f"{self.component} meter{'s' if len(names) > 1 else ''} {quoted} failed ({reasons[0]})"
+        else:
+            listed = ", ".join(f"'{name}' ({reason})" for name, reason in failures)
+            what = f"{self.component} meters {listed} failed"
+        if next_name != "none":
+            then = f"falling back to '{next_name}'"
+            if since < now:
+                then += f", which also covers the {now - since:.1f} s since the failed meter's start"
+        elif self._counted:
+            then = "no energy is counted for it from now on, and its figure is labelled partial"
+        else:
+            then = "no energy is counted for it"
+        message = f"EnergyLogger: {what}; {then}."
+        if all(reason in self._shared for reason in reasons):
+            self._info(message)  # another chain already warned about this very failure
+            return
+        self._shared.update(reasons)
+        self._warn(message)
+
+    def _correct(self, now: float, name: str, notice: str) -> None:
+        """A meter corrected a discontinuity and keeps going: an event, and a warning once per meter."""
+        self._event(MeterEvent(self.component, name, notice, name, now - self._started_at, kind="corrected"))
+        key = ("corrected", name)
+        if key in self._announced:
+            return
+        self._announced.add(key)
+        self._warn(
+            f"EnergyLogger: {self.component} meter '{name}': {notice}; it keeps measuring, and the interval is "
+            "labelled estimated (any further correction is listed in the report's events)."
         )
-        self._warn(f"EnergyLogger: {self.component} meter '{failed_name}' failed ({reason}); {then}.")
 
     def _next_name(self) -> str:
         return "none" if self.meter is None else self.meter.name

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pulse.energy.carbon import Rate
-from lightning_pulse.energy.ledger import grouped_figures
+from lightning_pulse.energy.ledger import STARTUP_KEY, figures, grouped_figures
 from lightning_pulse.energy.meter import COMPONENTS, NONE
 
 JSON_NAME = "energy_report.json"
@@ -47,7 +47,9 @@ def assemble_report(
     disabled: str | None = None,
 ) -> dict[str, Any]:
     """The JSON-ready report of a run snapshot (all ranks, all resumed parts already combined)."""
-    groups = grouped_figures(snapshot.get("buckets", {}), intensity is not None, price is not None)
+    buckets = snapshot.get("buckets", {})
+    groups = grouped_figures(buckets, intensity is not None, price is not None)
+    startup = buckets.get(STARTUP_KEY)
     return {
         "schema": SCHEMA,
         "status": status,
@@ -63,6 +65,11 @@ def assemble_report(
         "currency": currency,
         "counting": dict(counting or {}),
         **groups,
+        # the wait for a meter still starting in the background (at the first epoch end or the end of
+        # training): the instrumentation's cost, kept out of every figure above
+        "meter_startup": None
+        if startup is None
+        else figures(startup, intensity is not None, price is not None),
         "prediction": None if prediction is None else dict(prediction),
         "timeline": snapshot.get("timeline", {}),
         "phase_segments": snapshot.get("phase_segments", []),
@@ -242,7 +249,8 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         f"{report.get('resumed_runs', 0)} resume(s); created {report.get('created_utc', '?')} UTC.",
         "",
         "Every figure carries its method: *measured* (NVML counter or power sensor, RAPL), *estimated* "
-        "(codecarbon's model, a configured constant, a carbon intensity) or *none* (not available). "
+        "(codecarbon's model, a configured constant, a carbon intensity), *partial* (a meter was lost part-way "
+        "and nothing took over: an undercount) or *none* (not available). "
         f"`lightning-pulse report DIR` draws {PNG_NAME} (power over time, energy per phase) from the JSON.",
         "",
         "## Summary",
@@ -285,10 +293,25 @@ def report_markdown(report: Mapping[str, Any]) -> str:
     lines.append("")
     if report.get("disabled"):
         lines += [f"Metering stopped early: {report['disabled']}.", ""]
+    startup = report.get("meter_startup")
+    if startup and startup.get("duration_s"):
+        lines += [
+            f"Meter start-up, not counted in any figure of this report: {_duration(startup.get('duration_s'))} "
+            "waiting for a meter still starting in the background (codecarbon's hardware detection; at the first "
+            "epoch end or the end of training; under DDP, the slowest rank's), "
+            f"{_with_method(startup.get('energy_kwh'), startup.get('energy_method', NONE), 6, 'kWh')}.",
+            "",
+        ]
     events = report.get("events", [])
     if events:
-        lines += ["Fallbacks during the run:", ""]
+        lines += ["Fallbacks and corrections during the run:", ""]
         for event in events:
+            if event.get("kind") == "corrected":
+                lines.append(
+                    f"- {event.get('component')}: '{event.get('failed')}' corrected after "
+                    f"{_duration(event.get('elapsed_s'))}: {event.get('reason')}."
+                )
+                continue
             lines.append(
                 f"- {event.get('component')}: '{event.get('failed')}' failed after {_duration(event.get('elapsed_s'))} "
                 f"({event.get('reason')}); then '{event.get('next')}'."
@@ -377,7 +400,7 @@ def write_plot(report: Mapping[str, Any], path: str | Path) -> Path | None:
     bottoms = [0.0] * len(names)
     for component in COMPONENTS:
         values = [
-            phases[name].get("energy_kwh_by_component", {}).get(component, 0.0) * 1000 for name in names
+            (phases[name].get("energy_kwh_by_component", {}).get(component) or 0.0) * 1000 for name in names
         ]
         if any(values):
             phase_axes.bar(names, values, bottom=bottoms, color=COMPONENT_COLOURS[component], label=component)

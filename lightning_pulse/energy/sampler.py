@@ -94,9 +94,11 @@ class EnergySampler:
 
     def settle(self, timeout: float = 30.0) -> None:
         """Let every meter still starting in the background (codecarbon) finish, so the next reading holds
-        its energy; a no-op once they run."""
+        its energy; a no-op once they run. ``timeout`` bounds the whole wait (chains sharing one codecarbon
+        session would otherwise each wait it out)."""
+        deadline = time.monotonic() + timeout
         for chain in self.chains:
-            chain.settle(timeout)
+            chain.settle(max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         try:

@@ -96,13 +96,40 @@ def stack_diagnostics(h_res_stack: Sequence[Tensor]) -> dict[str, Any]:
     }
 
 
+def _split_passes(layers: Sequence[object], chained: Sequence[bool]) -> list[list[int]]:
+    """Indices of ``layers`` (one per recorded call) grouped into forward passes: a pass ends where a layer
+    already called in it is called again on streams that are not the previous call's output (a second forward
+    pass of the same model, e.g. R-Drop's). A layer applied again to what the previous call returned (a
+    weight-shared block looped, ALBERT-style) goes on the same pass: its gains compose."""
+    passes: list[list[int]] = []
+    seen: set[int] = set()
+    for index, layer in enumerate(layers):
+        if not passes or (id(layer) in seen and not chained[index]):
+            passes.append([])
+            seen = set()
+        passes[-1].append(index)
+        seen.add(id(layer))
+    return passes
+
+
 class HyperConnectionRecorder:
     """Records ``H_res`` of every :class:`HyperConnection` (HC or mHC) layer of a model in call order.
 
-    While attached, a forward hook on each layer recomputes the layer's coefficients from its input under
+    While recording, a forward hook on each layer recomputes the layer's coefficients from its input under
     ``torch.no_grad`` (so training is unaffected, at the cost of one extra coefficient pass per layer) and
     stores ``H_res`` detached, plus the RMS of the layer's output streams. Layers with ``n_streams=1`` (plain
     residuals) are skipped.
+
+    The hooks stay registered from :meth:`attach` to :meth:`detach` and read the mutable :attr:`recording`
+    flag, which :meth:`start` and :meth:`stop` switch. That is what makes recording work inside a
+    ``torch.compile``'d model: dynamo guards on the flag, so it keeps one graph that records and one that does
+    not, whereas hooks registered anew for each measurement would reuse a graph traced with the old hooks
+    (dynamo guards on their number, not their identity) and record nothing.
+
+    Forward passes: when a layer is called again while recording, on streams that are not the previous call's
+    output, a new forward pass has begun (a training step that runs the model twice); a layer applied again to
+    its own output (a looped, weight-shared block) stays in its pass. :meth:`diagnostics` scores each pass on
+    its own.
 
     Args:
         model: any module containing hyper-connection layers.
@@ -118,22 +145,53 @@ class HyperConnectionRecorder:
         self.layers = [m for m in model.modules() if isinstance(m, HyperConnection) and m.n_streams > 1]
         self.h_res: list[Tensor] = []
         self.stream_rms: list[Tensor] = []
+        self.called: list[HyperConnection] = []  # the layer of each record
+        self.chained: list[bool] = []  # whether each call's streams were the previous call's output
+        self._last_output: Tensor | None = None
+        self.recording = False
         self._handles: list[RemovableHandle] = []
 
-    def _hook(self, layer: HyperConnection, args: tuple[Any, ...], output: Tensor) -> None:
+    def _hook(
+        self, layer: HyperConnection, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor
+    ) -> None:
+        if not self.recording:
+            return
+        streams = args[0] if args else kwargs["streams"]  # layer(streams=h) is a valid call
         with torch.no_grad():
-            self.h_res.append(layer.coefficients(args[0]).res.detach())
+            # in place, never rebound: a compiled graph replays its appends on these very lists
+            self.h_res.append(layer.coefficients(streams).res.detach())
             self.stream_rms.append(output.detach().float().pow(2).mean().sqrt())
+            self.called.append(layer)
+            self.chained.append(streams is self._last_output)
+        self._last_output = output
 
     def attach(self) -> HyperConnectionRecorder:
-        """Start recording (clears what was recorded)."""
-        self.detach()
-        self.h_res, self.stream_rms = [], []
-        self._handles = [layer.register_forward_hook(self._hook) for layer in self.layers]
+        """Register the hooks (once) and start recording (clears what was recorded)."""
+        if not self._handles:
+            self._handles = [
+                layer.register_forward_hook(self._hook, with_kwargs=True) for layer in self.layers
+            ]
+        return self.start()
+
+    def start(self) -> HyperConnectionRecorder:
+        """Clear what was recorded and record the following forward passes (the hooks must be attached)."""
+        self.h_res.clear()
+        self.stream_rms.clear()
+        self.called.clear()
+        self.chained.clear()
+        self._last_output = None
+        self.recording = True
         return self
 
+    def stop(self) -> None:
+        """Stop recording; the hooks stay registered (and cost one flag check per layer call)."""
+        self.recording = False
+        self._last_output = None  # not kept alive past the step
+
     def detach(self) -> None:
-        """Stop recording; what was recorded stays available."""
+        """Stop recording and remove the hooks; what was recorded stays available."""
+        self.recording = False
+        self._last_output = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -145,8 +203,26 @@ class HyperConnectionRecorder:
         self.detach()
 
     def diagnostics(self) -> dict[str, Any] | None:
-        """:func:`stack_diagnostics` of what was recorded plus ``"stream_rms"`` (the largest layer-output RMS),
-        or ``None`` if nothing was recorded."""
+        """What was recorded, scored per forward pass, or ``None`` if nothing was recorded.
+
+        Each pass gets :func:`stack_diagnostics`; the gains and ``"stacks"`` are the maximum over passes,
+        ``"off_diagonal_mass"`` holds one value per layer (in order of first call; the mean over that layer's
+        calls), ``"stream_rms"`` is the largest layer-output RMS and ``"passes"`` the number of passes.
+        """
         if not self.h_res:
             return None
-        return {**stack_diagnostics(self.h_res), "stream_rms": float(torch.stack(self.stream_rms).amax())}
+        passes = [
+            stack_diagnostics([self.h_res[i] for i in indices])
+            for indices in _split_passes(self.called, self.chained)
+        ]
+        masses: dict[int, list[float]] = {}
+        for layer, matrix in zip(self.called, self.h_res):
+            masses.setdefault(id(layer), []).append(float(off_diagonal_mass(matrix).mean()))
+        return {
+            "forward_gain": max(stats["forward_gain"] for stats in passes),
+            "backward_gain": max(stats["backward_gain"] for stats in passes),
+            "off_diagonal_mass": [sum(values) / len(values) for values in masses.values()],
+            "stacks": max(stats["stacks"] for stats in passes),
+            "passes": len(passes),
+            "stream_rms": float(torch.stack(self.stream_rms).amax()),
+        }

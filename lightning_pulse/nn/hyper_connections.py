@@ -55,6 +55,8 @@ instead of three; on the char LM they took mHC's step overhead at width 512 from
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -88,14 +90,52 @@ def stream_weights(n_streams: int, spread: float = 0.5, dtype: torch.dtype | Non
     return torch.linspace(1.0 - spread, 1.0 + spread, n_streams, dtype=dtype)
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int if it is integer-like (``int``, a numpy integer, a one-element integer tensor), else
+    ``None``; ``bool`` is not accepted as a count."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    as_int = _as_int(value)
+    if as_int is None or as_int < 1:
         raise ValueError(f"`{name}`={value!r} must be a positive int.")
+    return as_int
 
 
-def _check_spread(spread: Any) -> None:
-    if not isinstance(spread, (int, float)) or isinstance(spread, bool) or not 0.0 <= spread < 1.0:
+def _check_int(name: str, value: Any) -> int:
+    as_int = _as_int(value)
+    if as_int is None:
+        raise ValueError(f"`{name}`={value!r} must be an int.")
+    return as_int
+
+
+def _as_real(value: Any) -> float | None:
+    """``value`` as a finite float if it is a real number (not a ``bool``), else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _check_spread(spread: Any) -> float:
+    value = _as_real(spread)
+    if value is None or not 0.0 <= value < 1.0:
         raise ValueError(f"`spread`={spread!r} must be a number in [0, 1).")
+    return value
+
+
+def _check_axis(channel_dim: int, rank: int) -> int:
+    """``channel_dim`` of a rank-``rank`` tensor as a non-negative axis; out of range raises (no wrap-around)."""
+    if not -rank <= channel_dim < rank:
+        raise ValueError(
+            f"`channel_dim`={channel_dim} is out of range for a {rank}-D tensor (allowed: {-rank} to {rank - 1})."
+        )
+    return channel_dim % rank
 
 
 def expand_streams(x: Tensor, n_streams: int, channel_dim: int = -1, spread: float = 0.5) -> Tensor:
@@ -115,11 +155,12 @@ def expand_streams(x: Tensor, n_streams: int, channel_dim: int = -1, spread: flo
         ``(B, T, n, C)`` or ``(B, n, C, H, W)``.
 
     Raises:
-        ValueError: for a non-positive ``n_streams`` or a ``spread`` outside ``[0, 1)``.
+        ValueError: for a non-positive ``n_streams``, a ``spread`` outside ``[0, 1)``, or a ``channel_dim`` that
+            is not an axis of ``x``.
     """
-    _check_positive_int("n_streams", n_streams)
-    _check_spread(spread)
-    stream_axis = channel_dim % x.dim()
+    n_streams = _check_positive_int("n_streams", n_streams)
+    spread = _check_spread(spread)
+    stream_axis = _check_axis(_check_int("channel_dim", channel_dim), x.dim())
     streams = x.unsqueeze(stream_axis)
     if n_streams == 1:
         return streams
@@ -137,8 +178,11 @@ def collapse_streams(streams: Tensor, channel_dim: int = -1) -> Tensor:
 
     Returns:
         ``(B, T, C)`` or ``(B, C, H, W)``.
+
+    Raises:
+        ValueError: for a ``channel_dim`` that is not an axis of the collapsed tensor.
     """
-    stream_axis = channel_dim % (streams.dim() - 1)
+    stream_axis = _check_axis(_check_int("channel_dim", channel_dim), streams.dim() - 1)
     if streams.shape[stream_axis] == 1:
         return streams.squeeze(stream_axis)
     return streams.mean(dim=stream_axis)
@@ -161,7 +205,10 @@ class _RMSNormalizedProjection(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, streams: Tensor, phi: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        flat = streams.reshape(streams.shape[0], -1).to(phi.dtype)  # computed in phi's dtype (fp32 in layers)
+        # explicit sizes: reshape(0, -1) of an empty batch (no positions) is ambiguous
+        flat = streams.reshape(streams.shape[0], phi.shape[0]).to(
+            phi.dtype
+        )  # in phi's dtype (fp32 in layers)
         raw = flat @ phi
         inv_rms = torch.rsqrt(
             torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[-1] + eps
@@ -173,7 +220,7 @@ class _RMSNormalizedProjection(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: Tensor, grad_streams: Tensor) -> tuple[Tensor, Tensor, None]:
         streams, phi, raw, inv_rms = ctx.saved_tensors
-        flat = streams.reshape(streams.shape[0], -1)
+        flat = streams.reshape(streams.shape[0], phi.shape[0])
         grad_raw = grad * inv_rms
         # d inv_rms / d flat = -inv_rms^3 * flat / K
         grad_inv_rms = (grad * raw).sum(dim=-1, keepdim=True) * inv_rms.pow(3) / -flat.shape[-1]
@@ -259,8 +306,9 @@ class HyperConnection(nn.Module):
         eps: RMSNorm epsilon.
 
     Raises:
-        ValueError: for a non-positive ``dim`` or ``n_streams``, a negative ``alpha_init``, or ``spread`` outside
-            ``[0, 1)``.
+        ValueError: for a non-positive ``dim`` or ``n_streams``, a non-int ``channel_dim``, a negative or
+            non-finite ``alpha_init``, a ``spread`` outside ``[0, 1)``, or an ``eps`` that is not a finite positive
+            number; at call time, for streams whose ``(n_streams, dim)`` axes do not match the layer.
 
     Example::
 
@@ -281,16 +329,20 @@ class HyperConnection(nn.Module):
         eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        _check_positive_int("dim", dim)
-        _check_positive_int("n_streams", n_streams)
-        _check_spread(spread)
-        if not isinstance(alpha_init, (int, float)) or isinstance(alpha_init, bool) or alpha_init < 0:
-            raise ValueError(f"`alpha_init`={alpha_init!r} must be a non-negative number.")
+        dim = _check_positive_int("dim", dim)
+        n_streams = _check_positive_int("n_streams", n_streams)
+        channel_dim = _check_int("channel_dim", channel_dim)  # its range is checked against the input's rank
+        spread = _check_spread(spread)
+        if _as_real(alpha_init) is None or alpha_init < 0:
+            raise ValueError(f"`alpha_init`={alpha_init!r} must be a finite non-negative number.")
+        if _as_real(eps) is None or eps <= 0:
+            # eps = 0 divides by zero on an all-zero position (zero padding): NaN coefficients
+            raise ValueError(f"`eps`={eps!r} must be a finite positive number.")
         self.branch = branch
         self.dim = dim
         self.n_streams = n_streams
         self.channel_dim = channel_dim
-        self.eps = eps
+        self.eps = float(eps)
         if n_streams == 1:
             return  # the plain residual: no coefficients at all
         n, width = n_streams, n_streams * dim
@@ -327,7 +379,26 @@ class HyperConnection(nn.Module):
 
     # ------------------------------------------------------------------ shared machinery
     def _stream_axis(self, streams: Tensor) -> int:
-        return self.channel_dim % (streams.dim() - 1)
+        """The stream axis of ``streams``, after checking that it and the channel axis hold ``(n, C)``."""
+        rank = streams.dim() - 1  # of the collapsed layout the branch sees
+        if rank < 1 or not -rank <= self.channel_dim < rank:
+            raise ValueError(
+                f"{type(self).__name__}: `channel_dim`={self.channel_dim} is out of range for streams of shape "
+                f"{tuple(streams.shape)} (a {rank}-D branch input once the stream axis is removed)."
+            )
+        axis = self.channel_dim % rank
+        if tuple(streams.shape[axis : axis + 2]) != (self.n_streams, self.dim):
+            # A (B, T, C) input with T == n_streams passes this check: nothing tells tokens from streams.
+            raise ValueError(
+                f"{type(self).__name__}(dim={self.dim}, n_streams={self.n_streams}, channel_dim={self.channel_dim}) "
+                f"expects streams with (n_streams, dim) = ({self.n_streams}, {self.dim}) at axes ({axis}, "
+                f"{axis + 1}), the stream axis just before the channel axis: (..., {self.n_streams}, {self.dim}) for "
+                f"tokens (channel_dim=-1) or (B, {self.n_streams}, {self.dim}, H, W) for images (channel_dim=1); got "
+                f"{tuple(streams.shape)}. Likely causes: the input was not widened with "
+                f"expand_streams(x, {self.n_streams}, channel_dim=...), `channel_dim` does not match the layout, or "
+                f"`dim` / `n_streams` differ from the streams'."
+            )
+        return axis
 
     def _to_positions_last(self, streams: Tensor) -> Tensor:
         """``(..., n, C)`` view: every position (token, pixel) in front, the ``n x C`` matrix last."""
@@ -348,11 +419,12 @@ class HyperConnection(nn.Module):
         """
         if self.n_streams == 1:
             raise ValueError("`n_streams`=1 is the plain residual and has no coefficients.")
-        matrices = self._to_positions_last(streams)
+        n = self.n_streams
+        matrices = self._to_positions_last(streams)  # checks the (n, C) axes
         positions = matrices.shape[:-2]
-        (pre, post, res), _ = self._coefficients(matrices.reshape(-1, self.n_streams, self.dim))
+        (pre, post, res), _ = self._coefficients(matrices.reshape(-1, n, self.dim))
         return HyperConnectionCoefficients(
-            pre.view(*positions, -1), post.view(*positions, -1), res.view(*positions, *res.shape[-2:])
+            pre.view(*positions, n), post.view(*positions, n), res.view(*positions, n, n)
         )
 
     def _coefficients(self, matrices: Tensor) -> tuple[HyperConnectionCoefficients, Tensor]:
@@ -429,7 +501,7 @@ class ManifoldHyperConnection(HyperConnection):
 
     Raises:
         ValueError: for a non-positive ``dim``, ``n_streams`` or ``sinkhorn_iters``, a ``res_init_diagonal``
-            outside ``(1/n, 1)``, a negative ``alpha_init``, or ``spread`` outside ``[0, 1)``.
+            that is not a number in ``(1/n, 1)``, and the cases of :class:`HyperConnection`.
 
     Example::
 
@@ -452,15 +524,16 @@ class ManifoldHyperConnection(HyperConnection):
         spread: float = 0.5,
         eps: float = 1e-6,
     ) -> None:
-        _check_positive_int("sinkhorn_iters", sinkhorn_iters)
-        _check_positive_int("n_streams", n_streams)
-        if n_streams > 1 and not (1.0 / n_streams < res_init_diagonal < 1.0):
+        sinkhorn_iters = _check_positive_int("sinkhorn_iters", sinkhorn_iters)
+        n_streams = _check_positive_int("n_streams", n_streams)
+        diagonal = _as_real(res_init_diagonal)
+        if diagonal is None or (n_streams > 1 and not 1.0 / n_streams < diagonal < 1.0):
             raise ValueError(
-                f"`res_init_diagonal`={res_init_diagonal!r} must lie in (1/n_streams, 1) = "
+                f"`res_init_diagonal`={res_init_diagonal!r} must be a number in (1/n_streams, 1) = "
                 f"({1.0 / n_streams:.4g}, 1)."
             )
         self.sinkhorn_iters = sinkhorn_iters
-        self.res_init_diagonal = float(res_init_diagonal)
+        self.res_init_diagonal = diagonal
         super().__init__(branch, dim, n_streams, channel_dim, alpha_init, spread, eps)
 
     def _initial_biases(self, spread: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -7,6 +7,7 @@ Birkhoff polytope). Products of such matrices stay doubly stochastic, so their s
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -89,8 +90,13 @@ def sinkhorn_knopp(logits: Tensor, iters: int = 20) -> Tensor:
         >>> bool(torch.allclose(h_res.sum(-1), torch.ones(8, 4)))
         True
     """
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+    try:  # integer-like values (numpy / torch integer scalars) count as ints; bool does not
+        count = None if isinstance(iters, bool) else operator.index(iters)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
         raise ValueError(f"`iters`={iters!r} must be a positive int.")
+    iters = count
     if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
         raise ValueError(f"`logits` must have shape (..., n, n); got {tuple(logits.shape)}.")
     n = logits.shape[-1]

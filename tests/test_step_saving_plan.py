@@ -1,0 +1,300 @@
+"""Step-saving replay's plan against the Trainer's settings: drop_last resumes, warm-up and anneal without an
+exact fixed point, the lengths of LR schedules built for the plain run, and validation with an int interval."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning import pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pulse import HardSampleReplay, PulseCycle
+from lightning_pulse.core.step_plan import plan_steps, schedule_lengths
+from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.phase import PhaseClock
+from tests.conftest import trainer_kwargs
+
+
+def _data(samples: int, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDataset(
+        torch.randn(samples, 10, generator=generator), torch.randint(0, 3, (samples,), generator=generator)
+    )
+
+
+class _Classifier(pl.LightningModule):
+    """A linear classifier whose LR schedule is ``schedule(self, optimizer)``: ``(scheduler, interval)``."""
+
+    def __init__(self, schedule=None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.schedule = schedule
+        self.validated_at: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]))
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            self.validated_at.append(self.trainer.global_step)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.schedule is None:
+            return optimizer
+        scheduler, interval = self.schedule(self, optimizer)
+        return [optimizer], [{"scheduler": scheduler, "interval": interval}]
+
+
+def _one_cycle(module, optimizer):
+    total = int(module.trainer.estimated_stepping_batches)
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total), "step"
+
+
+def _parameters(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+class _Epochs(Callback):
+    """The epoch of every batch, by the global step it starts at."""
+
+    def __init__(self) -> None:
+        self.at: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.at.append((trainer.current_epoch, trainer.global_step))
+
+
+# ---------------------------------------------------------------------------- drop_last resumes
+def _fit_drop_last(accumulate: int, callbacks=(), ckpt_path=None):
+    pl.seed_everything(0, verbose=False)
+    module = _Classifier(_one_cycle)
+    trainer = pl.Trainer(
+        callbacks=[
+            PulseCycle(burst=4, replay=6, maintain=1, warmup=0.1, anneal=0.1, maintain_eval="none"),
+            HardSampleReplay(),
+            *callbacks,
+        ],
+        max_epochs=6,
+        accumulate_grad_batches=accumulate,
+        **trainer_kwargs(enable_checkpointing=bool(callbacks)),
+    )
+    loader = DataLoader(_data(100), batch_size=8, drop_last=True)  # 12 batches a pass, 4 samples dropped
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return module, trainer
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_a_drop_last_run_resumed_from_a_pass_end_reproduces_the_uninterrupted_run(tmp_path, accumulate):
+    """Held-out sweep: a drop_last pass ends at 96 of 100 samples, and the resume took a checkpoint saved on a
+    pass's last batch for mid-epoch: from step 19 it took 45 of the 52 planned steps, OneCycleLR never ended."""
+    epochs = _Epochs()
+    every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    full_module, full = _fit_drop_last(accumulate, [every_step, epochs])
+    assert full.global_step == full.max_steps == full.lr_scheduler_configs[0].scheduler.total_steps
+    # the optimizer step each pass ends at: the step after its last batch
+    ends = sorted({step + 1 for (epoch, step), (after, _) in zip(epochs.at, epochs.at[1:]) if after != epoch})
+    assert len(ends) == 5
+    for end in ends:
+        module, resumed = _fit_drop_last(accumulate, ckpt_path=str(tmp_path / f"step={end}.ckpt"))
+        assert resumed.global_step == full.global_step, f"resumed from step {end}"
+        assert torch.equal(_parameters(module), _parameters(full_module)), f"resumed from step {end}"
+
+
+# ---------------------------------------------------------------------------- no exact fixed point
+class _CosinePerEpoch(_Classifier):
+    def __init__(self) -> None:
+        super().__init__(self._cosine)
+
+    @staticmethod
+    def _cosine(module, optimizer):
+        module.cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=module.trainer.max_epochs)
+        return module.cosine, "epoch"
+
+
+def _pulse(**overrides) -> PulseCycle:
+    return PulseCycle(
+        **{**dict(burst=4, replay=4, maintain=0, warmup=0.1, anneal=0.1, maintain_eval="none"), **overrides}
+    )
+
+
+def test_a_plan_without_an_exact_fixed_point_pins_its_span_and_keeps_max_epochs():
+    """Held-out sweep: where warm-up and anneal have no exact fixed point, max_epochs was raised by one so the run
+    could train a step past its planned batches, and a CosineAnnealingLR(T_max=max_epochs) per epoch was stepped
+    past its total (4 of 3, the extra epoch at lr 0). The clock is now pinned to the span the plan placed them
+    on, and the run is exactly its planned batches."""
+    pl.seed_everything(0, verbose=False)
+    module, replay, cycle = _CosinePerEpoch(), HardSampleReplay(), _pulse()
+    trainer = pl.Trainer(callbacks=[cycle, replay], max_epochs=3, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(module, DataLoader(_data(64), batch_size=16))
+    plan = replay.steps.plan
+    assert trainer.max_epochs == trainer.current_epoch == 3 and module.cosine.last_epoch == 3
+    assert trainer.global_step == plan.total_steps == trainer.estimated_stepping_batches
+    assert plan.span != plan.total_steps  # non-vacuous: no exact fixed point
+    assert cycle.clock.span == plan.span and plan.steps_past_data == 0
+
+
+def _fit_one_cycle(callbacks=(), ckpt_path=None):
+    pl.seed_everything(0, verbose=False)
+    module, replay = _Classifier(_one_cycle), HardSampleReplay()
+    trainer = pl.Trainer(
+        callbacks=[_pulse(), replay, *callbacks],
+        max_epochs=3,
+        **trainer_kwargs(limit_val_batches=0, enable_checkpointing=bool(callbacks)),
+    )
+    trainer.fit(module, DataLoader(_data(64), batch_size=16), ckpt_path=ckpt_path)
+    return module, trainer, replay.steps.plan
+
+
+def test_a_run_on_a_pinned_span_resumes_from_every_step_to_the_same_end(tmp_path):
+    every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    full_module, full, plan = _fit_one_cycle([every_step])
+    assert plan.span != plan.total_steps == full.global_step  # non-vacuous, and every planned step taken
+    schedule = full.lr_scheduler_configs[0].scheduler
+    assert schedule.total_steps == schedule.last_epoch == full.global_step  # OneCycleLR raises past its total
+    for step in range(1, full.global_step):
+        module, resumed, _ = _fit_one_cycle(ckpt_path=str(tmp_path / f"step={step}.ckpt"))
+        assert (resumed.global_step, resumed.current_epoch) == (full.global_step, 3), f"from step {step}"
+        assert torch.equal(_parameters(module), _parameters(full_module)), f"from step {step}"
+
+
+def test_plan_steps_places_warm_up_and_anneal_on_a_span_its_data_reaches():
+    run = dict(batch_size=16, fraction=0.5, samples_per_epoch=64, max_epochs=3, max_steps=None)
+    clock = PhaseClock({"burst": 4, "replay": 4}, order=["burst", "replay"], warmup=0.1, anneal=0.1)
+    plan = plan_steps(clock, ["replay"], **run)
+    # no total is its own fixed point here: the data of a span of 9 takes 10 steps, that of 10 takes 9
+    assert (plan.span, plan.total_steps) == (9, 10)
+    assert plan.total_steps == sum(
+        len(sizes) for sizes in plan.batch_sizes
+    )  # every step in the planned batches
+    clock.pin_span(plan.span)  # a pinned clock (restored from a checkpoint) replans the same run
+    again = plan_steps(clock, ["replay"], **run, total_steps=plan.total_steps)
+    assert (again.batch_sizes, again.span, again.steps_past_data) == (plan.batch_sizes, 9, 0)
+    restored = PhaseClock({"burst": 4, "replay": 4}, order=["burst", "replay"], warmup=0.1, anneal=0.1)
+    restored.load_state_dict(clock.state_dict())
+    assert restored.span == 9 and restored.copy().span == 9
+
+
+# ---------------------------------------------------------------------------- schedules built for the plain run
+class _StepCounter(Callback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps += 1
+
+
+def _decay_through_self(module, optimizer):
+    module.total = int(module.trainer.estimated_stepping_batches)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: max(0.0, 1 - step / module.total)
+    ), "step"
+
+
+class _DecayMethod(_Classifier):
+    """The length read by a bound method: ``LambdaLR(optimizer, self.decay)``."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            lambda module, optimizer: (torch.optim.lr_scheduler.LambdaLR(optimizer, module.decay), "step")
+        )
+        self.total = 0
+
+    def configure_optimizers(self):
+        self.total = int(self.trainer.estimated_stepping_batches)
+        return super().configure_optimizers()
+
+    def decay(self, step: int) -> float:
+        return max(0.0, 1 - step / self.total)
+
+
+@pytest.mark.parametrize(
+    "module", [lambda: _Classifier(_decay_through_self), _DecayMethod], ids=["closure", "method"]
+)
+def test_a_schedule_reading_its_length_through_self_in_a_max_steps_run_is_refused(module):
+    """Held-out sweep: ``LambdaLR(lambda s: 1 - s / self.total)`` with ``self.total`` from the unplanned
+    ``estimated_stepping_batches`` (max_steps=37) trained 20 steps and stopped its decay at 46% of its peak."""
+    counter = _StepCounter()
+    trainer = pl.Trainer(
+        max_epochs=-1,
+        max_steps=37,
+        callbacks=[HardSampleReplay(), counter],
+        **trainer_kwargs(limit_val_batches=0),
+    )
+    with pytest.raises(
+        PulseRefusal, match=r"max_epochs=-1.*built for max_steps=37 steps.*Set max_epochs too"
+    ):
+        trainer.fit(module(), DataLoader(_data(101), batch_size=8, shuffle=True))
+    assert trainer.global_step == 0 and counter.steps == 0
+
+
+def test_a_schedule_built_with_a_floor_rounded_epoch_count_is_refused():
+    """Held-out sweep: Hugging Face's example scripts count ``len(loader) // accumulate * epochs`` (99 here) where
+    Lightning counts 3 x ceil(100 / 3) = 102; only the exact 102 was refused, and the decay stopped at 51/99."""
+
+    def linear(module, optimizer):
+        total = 100 // 3 * 3
+        return torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.0, total_iters=total), "step"
+
+    counter = _StepCounter()
+    trainer = pl.Trainer(
+        max_epochs=3,
+        accumulate_grad_batches=3,
+        callbacks=[HardSampleReplay(), counter],
+        **trainer_kwargs(limit_val_batches=0),
+    )
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(_Classifier(linear), DataLoader(_data(300), batch_size=3, shuffle=True))
+    assert str(refusal.value).startswith(
+        "HardSampleReplay: the per-step LinearLR was built for 99 steps, the run's length without step-saving "
+        "replay (max_epochs=3 of 34 optimizer steps, 102 in all, counted with the epochs' steps rounded down)"
+    )
+    assert "`self.trainer.estimated_stepping_batches`" in str(refusal.value)
+    assert trainer.global_step == 0 and counter.steps == 0
+
+
+@pytest.mark.parametrize("d_model", [512, 101])
+def test_a_warm_up_count_and_a_model_width_are_no_length_of_the_run(d_model):
+    """A Noam schedule reads a warm-up count from its closure and ``d_model`` through ``self``: both are read as
+    lengths, above the planned steps, and neither is one of the plain run's, so the run trains. 101 lies
+    between the plain run's lengths rounded down (99, 100) and up (102): a window of lengths refused it."""
+    warmup = 60
+
+    def noam(module, optimizer):
+        module.d_model = d_model
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: module.d_model**-0.5 * min((s + 1) ** -0.5, (s + 1) * warmup**-1.5)
+        ), "step"
+
+    replay = HardSampleReplay()
+    trainer = pl.Trainer(
+        max_epochs=3, accumulate_grad_batches=3, callbacks=[replay], **trainer_kwargs(limit_val_batches=0)
+    )
+    trainer.fit(_Classifier(noam), DataLoader(_data(300), batch_size=3, shuffle=True))
+    assert {warmup, d_model} <= schedule_lengths(
+        trainer.lr_scheduler_configs[0].scheduler
+    )  # read, not refused
+    assert warmup > replay.steps.plan.total_steps == trainer.global_step
+
+
+# ---------------------------------------------------------------------------- validation with an int interval
+def test_an_int_val_check_interval_validates_each_planned_pass_end_as_the_plain_epoch_end():
+    """Held-out sweep: validating every 4 batches of 12-batch epochs, the plain run validates every epoch's end
+    and its final weights; the 6-batch planned passes validated only at their 4th batch."""
+    pl.seed_everything(0, verbose=False)
+    module, epochs = _Classifier(), _Epochs()
+    trainer = pl.Trainer(
+        max_epochs=4, val_check_interval=4, callbacks=[HardSampleReplay(), epochs], **trainer_kwargs()
+    )
+    trainer.fit(module, DataLoader(_data(96), batch_size=8), DataLoader(_data(32, seed=1), batch_size=8))
+    pass_ends = [step + 1 for (epoch, step), (after, _) in zip(epochs.at, epochs.at[1:]) if after != epoch]
+    pass_ends.append(trainer.global_step)
+    assert len(pass_ends) == 4 and trainer.global_step < 4 * 12  # non-vacuous: the passes are shorter
+    assert set(pass_ends) <= set(module.validated_at)
+    assert 4 in module.validated_at  # the interval still counts within a pass
