@@ -30,10 +30,10 @@ class PhaseListener(Protocol):
 
 @runtime_checkable
 class PhaseStartListener(Protocol):
-    """Told by :class:`~lightning_pulse.PulseCycle` that a phase starts, before anything runs for it (a maintain
-    phase's probe) and before :class:`PhaseListener` hears of it: what is accounted by time (energy) then
-    books the probe to the phase it runs for. A :class:`~lightning_pulse.StabilityGuard` rollback, which runs
-    nothing for the restored phase, tells :class:`PhaseListener` only."""
+    """Told by :class:`~lightning_pulse.PulseCycle` that a phase starts, before anything runs for it (a
+    maintain phase's probe) and before :class:`PhaseListener` hears of it: what is accounted by time (energy)
+    then books the probe to the phase it runs for. A :class:`~lightning_pulse.StabilityGuard` rollback, which
+    runs nothing for the restored phase, tells :class:`PhaseListener` only."""
 
     def on_pulse_phase_begin(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange

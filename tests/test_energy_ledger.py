@@ -583,8 +583,8 @@ def test_a_long_run_keeps_its_latest_cycles_and_epochs_and_every_joule_in_its_to
 
 
 def test_a_fresh_fit_of_the_same_account_drops_the_earlier_fits_forecast_and_carried_run():
-    # sweep B: a second fit of one EnergyLogger reused the first fit's forecast, and after a resumed fit, added
-    # the resumed run to a fresh one
+    # sweep B: a second fit of one EnergyLogger reused the first fit's forecast, and after a resumed fit,
+    # added the resumed run to a fresh one
     clock = ManualClock()
     account = account_with(clock)
     account.start([constant_chain("cpu", 10.0)])

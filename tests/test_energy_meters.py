@@ -492,8 +492,8 @@ def test_codecarbon_background_start_counts_from_the_request(monkeypatch):
 def test_nvml_counter_reset_counts_on_from_the_new_value_with_one_warning_and_an_estimated_interval(
     fake_nvml,
 ):
-    # a driver reload restarts NVML's counter from 0: before, every later reading fell below the start baseline
-    # and was clamped, so GPU energy froze for the rest of the run, silently and labelled measured
+    # a driver reload restarts NVML's counter from 0: before, every later reading fell below the start
+    # baseline and was clamped, so GPU energy froze for the rest of the run, silently and labelled measured
     warnings_seen: list[str] = []
     chain = MeterChain("gpu", [("nvml-counter", lambda: NvmlCounterMeter([0]))], warn=warnings_seen.append)
     chain.start(0.0)

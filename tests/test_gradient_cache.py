@@ -521,7 +521,8 @@ class _MLP(pl.LightningModule):
 
 
 class FrozenMovement(Callback):
-    """Steps whose backward ran with ``net.0`` frozen (no gradient) and whose optimizer step still moved it."""
+    """Steps whose backward ran with ``net.0`` frozen (no gradient) and whose optimizer step still moved
+    it."""
 
     def __init__(self) -> None:
         self.frozen_steps: list[int] = []
@@ -550,7 +551,8 @@ def _fit_frozen_under(optimizer: str) -> tuple[GradientCache, FrozenMovement, li
 
 def test_an_optimizer_that_moves_gradless_parameters_is_caught_at_the_first_frozen_step_and_freezing_stops():
     """Sweep C: an optimizer applying weight decay to every parameter moved the units GradientCache reported
-    frozen at every frozen step (steps 4-11, 16-23, 28-...), while the events and FLOP ledger claimed a freeze."""
+    frozen at every frozen step (steps 4-11, 16-23, 28-...), while the events and FLOP ledger claimed a
+    freeze."""
     cache, movement, messages = _fit_frozen_under("decay-all")
     assert movement.frozen_steps == [5] and movement.moved == []  # checked, put back, then never frozen again
     assert [(e["step"], e["to"], e["reason"]) for e in cache.events] == [(4, 2, "check"), (5, 0, "optimizer")]
@@ -582,7 +584,8 @@ def test_torch_adamw_with_weight_decay_skips_gradless_parameters_and_is_never_co
 
 
 class _LayerDrop(pl.LightningModule):
-    """``inp -> blocks[0..3] (residual) -> out``; ``blocks.1`` is dropped on every 5th step, step 0 included."""
+    """``inp -> blocks[0..3] (residual) -> out``; ``blocks.1`` is dropped on every 5th step, step 0
+    included."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -617,8 +620,8 @@ class FrozenPattern(Callback):
 
 
 def test_a_block_skipped_by_the_ordering_backward_gets_its_place_before_anything_after_it_freezes(caplog):
-    """Sweep C: the units were ordered from the first backward only, in which LayerDrop skipped blocks.1, so it
-    was ordered last and GradientCache froze inp, blocks.0, blocks.2, blocks.3 while blocks.1 trained."""
+    """Sweep C: the units were ordered from the first backward only, in which LayerDrop skipped blocks.1, so
+    it was ordered last and GradientCache froze inp, blocks.0, blocks.2, blocks.3 while blocks.1 trained."""
     forward_order = ["inp", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "out"]
     cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
     pattern = FrozenPattern(forward_order)
@@ -634,7 +637,8 @@ def test_a_block_skipped_by_the_ordering_backward_gets_its_place_before_anything
 
 
 class _OddBatchAdapter(pl.LightningModule):
-    """``pre`` (an input adapter) runs on every ``period``-th batch only (odd batches by default), before ``net``."""
+    """``pre`` (an input adapter) runs on every ``period``-th batch only (odd batches by default), before
+    ``net``."""
 
     def __init__(self, period: int = 2) -> None:
         super().__init__()
@@ -676,8 +680,9 @@ def test_a_unit_used_on_odd_batches_only_is_placed_at_the_next_backward_that_use
 
 
 def test_a_unit_no_waited_backward_sees_stays_last_and_freezing_goes_on(caplog, monkeypatch):
-    """A review of this pass: an adapter used every 40th batch outlived the 32 backwards the ordering waits, was
-    found "missed" again at each use, and nothing froze for 213 of 300 steps. Here the wait is 4 backwards."""
+    """A review of this pass: an adapter used every 40th batch outlived the 32 backwards the ordering waits,
+    was found "missed" again at each use, and nothing froze for 213 of 300 steps. Here the wait is 4
+    backwards."""
     monkeypatch.setattr(ForwardOrderTrace, "MAX_BACKWARDS", 4)
     cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
     pattern = FrozenPattern(["net.0", "net.2", "net.4"])

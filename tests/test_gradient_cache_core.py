@@ -925,7 +925,8 @@ def test_a_unit_missing_from_a_backward_keeps_its_place_from_the_order_known_bef
 
 
 class _DecayTheDecayedGroup(torch.optim.Optimizer):
-    """Weight decay before the ``grad is None`` test, on the groups with ``wd`` > 0 only (a no-decay group)."""
+    """Weight decay before the ``grad is None`` test, on the groups with ``wd`` > 0 only (a no-decay
+    group)."""
 
     def __init__(self, groups) -> None:
         super().__init__(groups, dict(wd=0.0))

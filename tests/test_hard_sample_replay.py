@@ -670,14 +670,16 @@ def test_batch_mode_cuts_a_dict_holding_a_list_of_sequences_and_a_count():
 
 
 def test_batch_mode_refuses_a_time_major_batch_before_the_first_step():
-    # cut along its first dimension, a (T, B) batch is cut along time: refused, naming the shapes and the way out
+    # cut along its first dimension, a (T, B) batch is cut along time: refused, naming the shapes and the way
+    # out
     with pytest.raises(PulseRefusal, match=r"^HardSampleReplay cannot cut .*\(10, 8\).*mode='steps'"):
         _sequence_fit("batch", _time_major, shuffle=False)
 
 
 class _FocalLoss(pl.LightningModule):
-    """A hand-written focal loss over F.cross_entropy(reduction="none"); each InfoBatch-weighted step checks its
-    gradient against the intended one, the gradient of mean_i(w_i * focal_i) over the true cross-entropy."""
+    """A hand-written focal loss over F.cross_entropy(reduction="none"); each InfoBatch-weighted step checks
+    its gradient against the intended one, the gradient of mean_i(w_i * focal_i) over the true
+    cross-entropy."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -266,7 +266,8 @@ def _fit_two_layer(module: pl.LightningModule, *monitors: HyperConnectionMonitor
 
 
 def test_measures_every_n_steps_when_the_layers_run_inside_a_torch_compiled_module():
-    # Hooks registered anew per measurement ran in the graph traced with the first one: only step 0 was recorded.
+    # Hooks registered anew per measurement ran in the graph traced with the first one: only step 0 was
+    # recorded.
     torch._dynamo.reset()
     results = {}
     for compiled in (False, True):

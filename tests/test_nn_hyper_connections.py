@@ -563,8 +563,9 @@ def test_recorder_scores_each_forward_pass_on_its_own_when_a_layer_recurs():
 
 
 def test_recorder_keeps_a_looped_weight_shared_layer_in_one_pass():
-    # ALBERT-style: one layer applied to its own output four times is a four-deep stack (a review of this pass:
-    # splitting a pass at every repeated call scored it 1.5, hiding the HC gain growth the monitor is for)
+    # ALBERT-style: one layer applied to its own output four times is a four-deep stack (a review of this
+    # pass: splitting a pass at every repeated call scored it 1.5, hiding the HC gain growth the monitor is
+    # for)
     layer = HyperConnection(mlp_branch(), WIDTH, 4, alpha_init=0.0)
     with torch.no_grad():
         layer.b_res.copy_(1.5 * torch.eye(4))

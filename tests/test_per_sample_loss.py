@@ -296,8 +296,8 @@ def test_sample_weights_reweight_the_loss_exactly_as_the_caller_reduces_it():
 
 @pytest.mark.parametrize("use", ["focal", "linear", "linear-in-place", "token-focal"])
 def test_sample_weights_of_an_unreduced_loss_weight_its_gradient_not_its_value(use):
-    # held-out sweep: InfoBatch's weights multiplied the values a reduction="none" call returned, so a focal loss
-    # computed its modulating factor from w * ce and trained on (1 - exp(-w ce))^2 w ce, up to 30% off
+    # held-out sweep: InfoBatch's weights multiplied the values a reduction="none" call returned, so a focal
+    # loss computed its modulating factor from w * ce and trained on (1 - exp(-w ce))^2 w ce, up to 30% off
     batch, time = 6, 3 if use == "token-focal" else 1
     generator = torch.Generator().manual_seed(3)
     logits = torch.randn(batch * time, 5, generator=generator, requires_grad=True)

@@ -694,8 +694,9 @@ def _masked_parts(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _ReadsWeightBeforeCall(pl.LightningModule):
-    """Reads its first layer's ``weight`` before calling the layer, in training (an L2 penalty on that layer, and
-    a statistic without autograd) and in validation; records whether each read was the current masked weight."""
+    """Reads its first layer's ``weight`` before calling the layer, in training (an L2 penalty on that layer,
+    and a statistic without autograd) and in validation; records whether each read was the current masked
+    weight."""
 
     def __init__(self, penalty: float) -> None:
         super().__init__()
@@ -760,9 +761,9 @@ def _read_before_call_fit(
 
 
 def test_a_weight_read_before_its_layer_is_called_trains_through_the_events_with_the_masked_gradient():
-    """Sweep C: an L2 penalty on a pruned layer, read before the layer's call, used last step's tensor (torch's
-    mask hook recomputes `weight` only in the layer's call), so the fit crashed with "Trying to backward through
-    the graph a second time" one step after the first event."""
+    """Sweep C: an L2 penalty on a pruned layer, read before the layer's call, used last step's tensor
+    (torch's mask hook recomputes `weight` only in the layer's call), so the fit crashed with "Trying to
+    backward through the graph a second time" one step after the first event."""
     check = ExplicitMaskedGradient()
     model, prune = _read_before_call_fit(1e-2, [check])
     assert [event["step"] for event in prune.events] == [9, 12, 15, 18]

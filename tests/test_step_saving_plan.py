@@ -1,5 +1,6 @@
 """Step-saving replay's plan against the Trainer's settings: drop_last resumes, warm-up and anneal without an
-exact fixed point, the lengths of LR schedules built for the plain run, and validation with an int interval."""
+exact fixed point, the lengths of LR schedules built for the plain run, and validation with an int
+interval."""
 
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def _fit_drop_last(accumulate: int, callbacks=(), ckpt_path=None):
 @pytest.mark.parametrize("accumulate", [1, 3])
 def test_a_drop_last_run_resumed_from_a_pass_end_reproduces_the_uninterrupted_run(tmp_path, accumulate):
     """Held-out sweep: a drop_last pass ends at 96 of 100 samples, and the resume took a checkpoint saved on a
-    pass's last batch for mid-epoch: from step 19 it took 45 of the 52 planned steps, OneCycleLR never ended."""
+    pass's last batch for mid-epoch: from step 19 it took 45 of the 52 planned steps, OneCycleLR never
+    ended."""
     epochs = _Epochs()
     every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     full_module, full = _fit_drop_last(accumulate, [every_step, epochs])
@@ -125,10 +127,10 @@ def _pulse(**overrides) -> PulseCycle:
 
 
 def test_a_plan_without_an_exact_fixed_point_pins_its_span_and_keeps_max_epochs():
-    """Held-out sweep: where warm-up and anneal have no exact fixed point, max_epochs was raised by one so the run
-    could train a step past its planned batches, and a CosineAnnealingLR(T_max=max_epochs) per epoch was stepped
-    past its total (4 of 3, the extra epoch at lr 0). The clock is now pinned to the span the plan placed them
-    on, and the run is exactly its planned batches."""
+    """Held-out sweep: where warm-up and anneal have no exact fixed point, max_epochs was raised by one so the
+    run could train a step past its planned batches, and a CosineAnnealingLR(T_max=max_epochs) per epoch was
+    stepped past its total (4 of 3, the extra epoch at lr 0). The clock is now pinned to the span the plan
+    placed them on, and the run is exactly its planned batches."""
     pl.seed_everything(0, verbose=False)
     module, replay, cycle = _CosinePerEpoch(), HardSampleReplay(), _pulse()
     trainer = pl.Trainer(callbacks=[cycle, replay], max_epochs=3, **trainer_kwargs(limit_val_batches=0))
@@ -181,7 +183,7 @@ def test_plan_steps_places_warm_up_and_anneal_on_a_span_its_data_reaches():
     assert restored.span == 9 and restored.copy().span == 9
 
 
-# ---------------------------------------------------------------------------- schedules built for the plain run
+# -------------------------------------------------------------------------- schedules built for the plain run
 class _StepCounter(Callback):
     def __init__(self) -> None:
         self.steps = 0
@@ -219,7 +221,8 @@ class _DecayMethod(_Classifier):
 )
 def test_a_schedule_reading_its_length_through_self_in_a_max_steps_run_is_refused(module):
     """Held-out sweep: ``LambdaLR(lambda s: 1 - s / self.total)`` with ``self.total`` from the unplanned
-    ``estimated_stepping_batches`` (max_steps=37) trained 20 steps and stopped its decay at 46% of its peak."""
+    ``estimated_stepping_batches`` (max_steps=37) trained 20 steps and stopped its decay at 46% of its
+    peak."""
     counter = _StepCounter()
     trainer = pl.Trainer(
         max_epochs=-1,
@@ -235,8 +238,9 @@ def test_a_schedule_reading_its_length_through_self_in_a_max_steps_run_is_refuse
 
 
 def test_a_schedule_built_with_a_floor_rounded_epoch_count_is_refused():
-    """Held-out sweep: Hugging Face's example scripts count ``len(loader) // accumulate * epochs`` (99 here) where
-    Lightning counts 3 x ceil(100 / 3) = 102; only the exact 102 was refused, and the decay stopped at 51/99."""
+    """Held-out sweep: Hugging Face's example scripts count ``len(loader) // accumulate * epochs`` (99 here)
+    where Lightning counts 3 x ceil(100 / 3) = 102; only the exact 102 was refused, and the decay stopped at
+    51/99."""
 
     def linear(module, optimizer):
         total = 100 // 3 * 3
@@ -252,8 +256,9 @@ def test_a_schedule_built_with_a_floor_rounded_epoch_count_is_refused():
     with pytest.raises(PulseRefusal) as refusal:
         trainer.fit(_Classifier(linear), DataLoader(_data(300), batch_size=3, shuffle=True))
     assert str(refusal.value).startswith(
-        "HardSampleReplay: the per-step LinearLR was built for 99 steps, the run's length without step-saving "
-        "replay (max_epochs=3 of 34 optimizer steps, 102 in all, counted with the epochs' steps rounded down)"
+        "HardSampleReplay: the per-step LinearLR was built for 99 steps, the run's length without "
+        "step-saving replay (max_epochs=3 of 34 optimizer steps, 102 in all, counted with the epochs' steps "
+        "rounded down)"
     )
     assert "`self.trainer.estimated_stepping_batches`" in str(refusal.value)
     assert trainer.global_step == 0 and counter.steps == 0
@@ -261,8 +266,8 @@ def test_a_schedule_built_with_a_floor_rounded_epoch_count_is_refused():
 
 @pytest.mark.parametrize("d_model", [512, 101])
 def test_a_warm_up_count_and_a_model_width_are_no_length_of_the_run(d_model):
-    """A Noam schedule reads a warm-up count from its closure and ``d_model`` through ``self``: both are read as
-    lengths, above the planned steps, and neither is one of the plain run's, so the run trains. 101 lies
+    """A Noam schedule reads a warm-up count from its closure and ``d_model`` through ``self``: both are read
+    as lengths, above the planned steps, and neither is one of the plain run's, so the run trains. 101 lies
     between the plain run's lengths rounded down (99, 100) and up (102): a window of lengths refused it."""
     warmup = 60
 
@@ -285,8 +290,8 @@ def test_a_warm_up_count_and_a_model_width_are_no_length_of_the_run(d_model):
 
 # ---------------------------------------------------------------------------- validation with an int interval
 def test_an_int_val_check_interval_validates_each_planned_pass_end_as_the_plain_epoch_end():
-    """Held-out sweep: validating every 4 batches of 12-batch epochs, the plain run validates every epoch's end
-    and its final weights; the 6-batch planned passes validated only at their 4th batch."""
+    """Held-out sweep: validating every 4 batches of 12-batch epochs, the plain run validates every epoch's
+    end and its final weights; the 6-batch planned passes validated only at their 4th batch."""
     pl.seed_everything(0, verbose=False)
     module, epochs = _Classifier(), _Epochs()
     trainer = pl.Trainer(

@@ -438,8 +438,8 @@ class _LinearDecay(pl.LightningModule):
 
 def test_a_schedule_planned_from_estimated_stepping_batches_ends_with_the_run():
     # held-out sweep: with no exact fixed point for warm-up and anneal the plan said 70 steps and the data gave
-    # 69 before max_epochs, so a linear decay ended at 1/70 of its peak. Warm-up and anneal are now pinned to a
-    # span of 69 steps, on which the data gives the run's 70: every planned step is in the planned batches
+    # 69 before max_epochs, so a linear decay ended at 1/70 of its peak. Warm-up and anneal are now pinned to
+    # a span of 69 steps, on which the data gives the run's 70: every planned step is in the planned batches
     from sklearn.datasets import load_digits
 
     digits = load_digits()

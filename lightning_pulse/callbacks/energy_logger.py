@@ -91,8 +91,8 @@ class EnergyLogger(Callback):
         currency: the price's currency, for labels.
         gpu: ``"auto"`` (NVML on this rank's CUDA device, or on ``meters.gpu_devices``) or ``"none"``.
         cpu: ``"auto"`` (RAPL, then codecarbon, then ``meters.cpu_watts``, or without it codecarbon's power
-            for a generic CPU, 42.5 W, estimated), ``"codecarbon"`` (then the same last fallback), ``"constant"``
-            (``meters.cpu_watts`` only) or ``"none"``.
+            for a generic CPU, 42.5 W, estimated), ``"codecarbon"`` (then the same last fallback),
+            ``"constant"`` (``meters.cpu_watts`` only) or ``"none"``.
         ram: ``"codecarbon"`` (codecarbon's estimate) or ``"none"``.
         report_dir: where to write the report; default the logger's log dir (``trainer.log_dir``).
         meters: how the meters are read (:class:`~lightning_pulse.energy.config.MeterConfig`: sampling

@@ -91,8 +91,9 @@ class HardSampleReplay(Callback):
             or manual optimization stepping several optimizers per batch; after the fit's first two batches
             (trained in full, before any replay step), for a module carrying state from one batch to the next
             (a stateful RNN) or a token loss flattened time-major; at
-            the first step, before any update, when its loss yields no per-sample value and no ``scorer`` is set;
-            in ``mode="batch"``, at the fit's first batch, for a batch that cannot be cut in place: immutable, holding nothing per sample, or time-major (``(T, B)``).
+            the first step, before any update, when its loss yields no per-sample value and no ``scorer`` is
+            set; in ``mode="batch"``, at the fit's first batch, for a batch that cannot be cut in place:
+            immutable, holding nothing per sample, or time-major (``(T, B)``).
 
     Example::
 

@@ -33,10 +33,12 @@ class HyperConnectionMonitor(Callback):
 
     Under DDP every rank measures its own batch; gains and the stream RMS are reduced with max, masses with
     mean, so every rank logs and keeps the same figures. The reduced tensors stay referenced until the
-    backend's threads have let go of them, and ``teardown`` waits for that, so no rank aborts at exit. The hooks are registered once per fit and idle (one flag check per layer call) on unmeasured steps,
-    so measurements also work when the layers run inside a ``torch.compile``'d module. A layer called twice in
-    one measured step starts a new forward pass; passes are scored separately and the largest gain is logged. With gradient accumulation the first micro-batch of
-    the step is measured. Layers are found at every measurement, so the module may be built lazily.
+    backend's threads have let go of them, and ``teardown`` waits for that, so no rank aborts at exit. The
+    hooks are registered once per fit and idle (one flag check per layer call) on unmeasured steps, so
+    measurements also work when the layers run inside a ``torch.compile``'d module. A layer called twice in
+    one measured step starts a new forward pass; passes are scored separately and the largest gain is logged.
+    With gradient accumulation the first micro-batch of the step is measured. Layers are found at every
+    measurement, so the module may be built lazily.
 
     Args:
         every_n_steps: measure when ``trainer.global_step`` is a multiple of this (step 0 included).
@@ -155,10 +157,11 @@ class HyperConnectionMonitor(Callback):
             if not self._warned_empty:
                 self._warned_empty = True
                 rank_zero_warn(
-                    f"HyperConnectionMonitor recorded nothing at step {self._last_measured_step}: none of the "
-                    f"{len(recorder.layers)} hyper-connection layers it hooks ran in the training forward pass "
-                    "(or they ran in code that bypasses module forward hooks). Nothing is logged for such steps. "
-                    "Call the layers as modules in training_step, or remove the monitor."
+                    f"HyperConnectionMonitor recorded nothing at step {self._last_measured_step}: none of "
+                    f"the {len(recorder.layers)} hyper-connection layers it hooks ran in the training "
+                    "forward pass (or they ran in code that bypasses module forward hooks). Nothing is "
+                    "logged for such steps. Call the layers as modules in training_step, or remove the "
+                    "monitor."
                 )
             return
         maxima = [stats["forward_gain"], stats["backward_gain"], stats["stream_rms"]]
@@ -203,7 +206,8 @@ class HyperConnectionMonitor(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._measuring = False
-        self._release()  # also when the training loop never ran (limit_train_batches=0, a finished run resumed)
+        # also when the training loop never ran (limit_train_batches=0, a finished run resumed)
+        self._release()
         # the rank may exit right after this: no collective's thread may be left holding a reduced tensor
         self._held.wait()
 
@@ -218,7 +222,8 @@ class HyperConnectionMonitor(Callback):
     @property
     @override
     def state_key(self) -> str:
-        # keyed by prefix, as ModelCheckpoint keys by its settings: two monitors with different prefixes coexist
+        # keyed by prefix, as ModelCheckpoint keys by its settings: two monitors with different prefixes
+        # coexist
         return f"{type(self).__qualname__}{ {'prefix': self.prefix}!r}"
 
     @override

@@ -332,8 +332,8 @@ class ForwardOrderTrace:
 
     Call :meth:`begin` before a backward and :meth:`finish` after it. ``broadcast`` (DDP) makes every process
     use rank 0's order. ``wanted`` names units an earlier order missed and that have trained since: a backward
-    that misses them too (an adapter used on odd batches) cannot place them, so the trace goes on, merging what
-    each backward shows, until one sees them all, for at most :attr:`MAX_BACKWARDS` backwards.
+    that misses them too (an adapter used on odd batches) cannot place them, so the trace goes on, merging
+    what each backward shows, until one sees them all, for at most :attr:`MAX_BACKWARDS` backwards.
     """
 
     MAX_BACKWARDS = 32

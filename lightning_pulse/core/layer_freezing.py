@@ -962,8 +962,9 @@ class FreezerLifecycle:
         agree: Callable[[list[bool]], list[bool]] | None = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> StepReport:
-        """:meth:`LayerFreezer.step` (needs a freezer; nothing freezes once the optimizer was found moving frozen
-        parameters), then :meth:`GradlessStepCheck.before_step` on the units frozen during its backward."""
+        """:meth:`LayerFreezer.step` (needs a freezer; nothing freezes once the optimizer was found moving
+        frozen parameters), then :meth:`GradlessStepCheck.before_step` on the units frozen during its
+        backward."""
         freezer = self.freezer
         if freezer is None:
             return StepReport()
@@ -981,9 +982,9 @@ class FreezerLifecycle:
     def optimizer_moved_frozen_units(
         self, agree: Callable[[list[bool]], list[bool]] | None = None
     ) -> int | None:
-        """After the optimizer step: if it moved frozen parameters (:meth:`GradlessStepCheck.after_step`, found
-        once), they are back where they were, every unit is released and nothing freezes again: returns the
-        frozen prefix before that; ``None`` otherwise."""
+        """After the optimizer step: if it moved frozen parameters (:meth:`GradlessStepCheck.after_step`,
+        found once), they are back where they were, every unit is released and nothing freezes again: returns
+        the frozen prefix before that; ``None`` otherwise."""
         if not self.optimizer_check.after_step(agree):
             return None
         before = self.frozen_prefix
@@ -992,8 +993,8 @@ class FreezerLifecycle:
         return before
 
     def load_optimizer_check(self, state: Mapping[str, Any] | None) -> None:
-        """Restore :meth:`GradlessStepCheck.state_dict` (resume, rollback): if the optimizer was found moving frozen
-        parameters, every unit is released."""
+        """Restore :meth:`GradlessStepCheck.state_dict` (resume, rollback): if the optimizer was found moving
+        frozen parameters, every unit is released."""
         self.optimizer_check.load_state_dict(state)
         if self.optimizer_check.moved and self.freezer is not None:
             self.freezer.release_all()
@@ -1025,8 +1026,8 @@ def misplaced_note(names: Sequence[str]) -> str:
         f"{', '.join(names)} got no gradient in the backward that put the units into forward order (skipped "
         "there: LayerDrop, a branch used on some batches), so it was ordered last and its place was unknown "
         "once it trained: a frozen prefix could have held units after it. It released every unit and orders "
-        "them again at the next backward (merged with the order known so far); freezing resumes once they are "
-        "scored"
+        "them again at the next backward (merged with the order known so far); freezing resumes once they "
+        "are scored"
     )
 
 
@@ -1116,8 +1117,9 @@ def refuse_optimizers_that_move_gradless_parameters(optimizers: Iterable[torch.o
 
 
 def skips_gradless_parameters(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is one of torch's own (a class defined in ``torch.optim``, not a subclass elsewhere):
-    they leave a parameter whose ``grad`` is ``None`` alone (LBFGS, which does not, is refused at fit start)."""
+    """Whether ``optimizer`` is one of torch's own (a class defined in ``torch.optim``, not a subclass
+    elsewhere): they leave a parameter whose ``grad`` is ``None`` alone (LBFGS, which does not, is refused at
+    fit start)."""
     return type(optimizer).__module__.startswith("torch.optim.") and not isinstance(
         optimizer, torch.optim.LBFGS
     )
@@ -1126,17 +1128,17 @@ def skips_gradless_parameters(optimizer: torch.optim.Optimizer) -> bool:
 class GradlessStepCheck:
     """Checks, at the first optimizer step each parameter spends frozen, that the optimizer leaves it alone.
 
-    Freezing sets a frozen parameter's ``grad`` to ``None`` and relies on the optimizer skipping it, as torch's
-    optimizers, Lion and HF Adafactor do; one that updates every parameter (decoupled weight decay applied before
-    its ``grad is None`` test) moved the units GradientCache reported frozen at every frozen step. Unless every
-    optimizer is one of torch's (:func:`skips_gradless_parameters`: no copy, no cost), :meth:`before_step` keeps
-    an exact copy, on the CPU (a frozen prefix of a large model need not fit twice on the accelerator), of the
-    frozen parameters not checked before, for that one step, and :meth:`after_step` compares: if they moved, it
-    puts them back and :attr:`moved` turns freezing off for the rest of the run. Each parameter is checked once,
-    the first time it is frozen (a first prefix in a no-decay group says nothing of a later, larger one). A step
-    the optimizer did not run (a skipped AMP step) checks nothing; the next frozen step checks again. Under DDP
-    the frozen parameters and the optimizer are the same on every rank, so every rank finds the same;
-    ``agree`` makes that certain.
+    Freezing sets a frozen parameter's ``grad`` to ``None`` and relies on the optimizer skipping it, as
+    torch's optimizers, Lion and HF Adafactor do; one that updates every parameter (decoupled weight decay
+    applied before its ``grad is None`` test) moved the units GradientCache reported frozen at every frozen
+    step. Unless every optimizer is one of torch's (:func:`skips_gradless_parameters`: no copy, no cost),
+    :meth:`before_step` keeps an exact copy, on the CPU (a frozen prefix of a large model need not fit twice
+    on the accelerator), of the frozen parameters not checked before, for that one step, and
+    :meth:`after_step` compares: if they moved, it puts them back and :attr:`moved` turns freezing off for the
+    rest of the run. Each parameter is checked once, the first time it is frozen (a first prefix in a no-decay
+    group says nothing of a later, larger one). A step the optimizer did not run (a skipped AMP step) checks
+    nothing; the next frozen step checks again. Under DDP the frozen parameters and the optimizer are the same
+    on every rank, so every rank finds the same; ``agree`` makes that certain.
 
     Attributes:
         checked: a step with frozen units has been checked, or needed no check.
@@ -1197,18 +1199,19 @@ class GradlessStepCheck:
 
     def warning(self) -> str:
         return (
-            f"GradientCache: the optimizer {self.optimizer_name} moved the parameters of frozen units, which had no "
-            "gradient (it updates every parameter, e.g. weight decay applied before its `grad is None` test), so "
-            "freezing could not hold them still. They were put back for that step, and GradientCache froze nothing "
-            "for the rest of the run (nor counts any saving). Skip parameters whose `grad` is None in its `step` "
-            "(as torch.optim's optimizers do), or remove GradientCache."
+            f"GradientCache: the optimizer {self.optimizer_name} moved the parameters of frozen units, which "
+            "had no gradient (it updates every parameter, e.g. weight decay applied before its `grad is "
+            "None` test), so freezing could not hold them still. They were put back for that step, and "
+            "GradientCache froze nothing for the rest of the run (nor counts any saving). Skip parameters "
+            "whose `grad` is None in its `step` (as torch.optim's optimizers do), or remove GradientCache."
         )
 
     def state_dict(self) -> dict[str, bool]:
         return {"checked": self.checked, "moved": self.moved, "optimizer": self.optimizer_name}
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
-        """Restore :meth:`state_dict`, keeping what this run found already (a rollback does not unlearn it)."""
+        """Restore :meth:`state_dict`, keeping what this run found already (a rollback does not unlearn
+        it)."""
         if state:
             self.checked = self.checked or bool(state["checked"])
             self.moved = self.moved or bool(state["moved"])

@@ -270,7 +270,8 @@ def _reduce(
     multiplying each sample's elements by its weight when ``sample_weights`` ``(B,)`` is given.
 
     ``reduction="none"``: the values unweighted, a tensor of their own (the caller may change it in place; the
-    capture keeps ``unreduced`` for the scores); the caller weights their gradient (:func:`_weigh_gradient`)."""
+    capture keeps ``unreduced`` for the scores); the caller weights their gradient
+    (:func:`_weigh_gradient`)."""
     if name == "ctc_loss" and reduction == "mean":
         unreduced = _per_target_length(arguments, unreduced)  # torch averages the length-divided losses
     if reduction == "none":
@@ -638,7 +639,8 @@ class LossCapture:
             if weights is None or _splits(tuple(unreduced.shape), self.batch_size):
                 result = record.watch(_reduce(name, arguments, unreduced, reduction, weights))
                 if weights is not None and reduction == "none" and result.requires_grad:
-                    # after watch's hook, which records the gradient as returned (the loss's parts), unweighted
+                    # after watch's hook, which records the gradient as returned (the loss's parts),
+                    # unweighted
                     result.register_hook(_weigh_gradient(weights.to(result.device)))
                 return result
             return record.watch(original(*args, **kwargs))  # cannot be weighted per sample: the caller's loss

@@ -285,13 +285,13 @@ def refresh_masked_weights(masked: Sequence[MaskedWeight], grad: bool) -> None:
 class MaskedWeightRefresh:
     """Keeps ``layer.weight`` of every masked layer current outside the layer's own call.
 
-    torch's mask hook computes ``weight`` in the layer's forward pre-hook only, so between an optimizer step and
-    the layer's next call ``layer.weight`` is the previous step's tensor: a read before the call (an L2 penalty
-    on one layer, a max-norm constraint, a statistic) got last step's values and, with autograd, a graph the
-    last backward had freed ("Trying to backward through the graph a second time"). :meth:`refresh` at the start
-    of every training batch (``grad=True``: the read joins this step's graph and its gradient reaches
-    ``weight_orig`` through the mask) and of every evaluation (``grad=False``) fixes that; the layer's own call
-    still recomputes the weight. Cost: one elementwise multiply per masked layer per call.
+    torch's mask hook computes ``weight`` in the layer's forward pre-hook only, so between an optimizer step
+    and the layer's next call ``layer.weight`` is the previous step's tensor: a read before the call (an L2
+    penalty on one layer, a max-norm constraint, a statistic) got last step's values and, with autograd, a
+    graph the last backward had freed ("Trying to backward through the graph a second time"). :meth:`refresh`
+    at the start of every training batch (``grad=True``: the read joins this step's graph and its gradient
+    reaches ``weight_orig`` through the mask) and of every evaluation (``grad=False``) fixes that; the layer's
+    own call still recomputes the weight. Cost: one elementwise multiply per masked layer per call.
 
     Args:
         enabled: ``False`` (structured pruning keeps no masks): :meth:`refresh` does nothing.

@@ -135,7 +135,8 @@ class ReplayBatchLifecycle:
             batch: the loaded batch; a batch-mode cut changes it in place (what ``training_step`` receives).
             indices: ``(B,)`` dataset indices of the loaded batch (steps mode: of the sampler's cut). They
                 are what says how many samples the batch holds: no reading of the batch's tensors does (a
-                time-major ``(T, B)`` tensor, a 0-dim count or a list of variable-length tensors would misread).
+                time-major ``(T, B)`` tensor, a 0-dim count or a list of variable-length tensors would
+                misread).
             step: the optimizer step the batch trains at.
             batch_idx: the batch's place in its epoch (seeds the random rules' draws).
             active: whether the phase selects.

@@ -218,8 +218,8 @@ def _leaves(batch: Any, batch_size: int, nested: bool = False) -> Iterator[tuple
 
 def _looks_time_major(value: Any, batch_size: int) -> bool:
     """A tensor with ``B`` second and something else first: ``(T, B)`` or ``(T, B, F)``, as a time-major
-    collate pads (``pad_sequence(batch_first=False)``). ``(B, ...)`` with ``B`` elsewhere too is batch-first (an
-    image whose channels or height equal ``B``) and is cut along its first dimension; a leading 1 is a
+    collate pads (``pad_sequence(batch_first=False)``). ``(B, ...)`` with ``B`` elsewhere too is batch-first
+    (an image whose channels or height equal ``B``) and is cut along its first dimension; a leading 1 is a
     broadcast dimension (per-batch statistics ``(1, C, 1, 1)``, a class-weight row ``(1, K)``), not time."""
     return (
         isinstance(value, torch.Tensor)
@@ -238,8 +238,8 @@ def cut_refusal(batch: Any, batch_size: int, nested: bool = False) -> str | None
     without changing it; a reason completes "HardSampleReplay ...".
 
     Refused: a batch that cannot change in place; one with no per-sample leaf (no tensor of first dimension
-    ``B``, no list of ``B`` items), so a cut would leave it whole; one holding a tensor with ``B`` second and neither
-    ``B`` nor 1 first (time-major, ``(T, B)``), which a cut along the first dimension would cut along
+    ``B``, no list of ``B`` items), so a cut would leave it whole; one holding a tensor with ``B`` second and
+    neither ``B`` nor 1 first (time-major, ``(T, B)``), which a cut along the first dimension would cut along
     time. Other leaves (a 0-dim count, a ``(num_classes,)`` weight vector) are the whole batch's and kept.
     ``batch_size`` is ``B``, the number of dataset indices the sampler gave the batch.
     """
@@ -252,20 +252,20 @@ def cut_refusal(batch: Any, batch_size: int, nested: bool = False) -> str | None
     if time_major:
         return (
             f"cannot cut a batch of {batch_size} samples in mode='batch': it holds tensors of shape "
-            f"{_shapes(time_major)}, {batch_size} along the second dimension and not the first: time-major (as "
-            "pad_sequence(batch_first=False) pads), which a cut along the first dimension would cut along time, "
-            "or a per-batch table with one column per sample, which it cannot tell apart. Use mode='steps', "
-            "which chooses the samples at the sampler, before they are loaded, or a batch-first collate "
-            "(pad_sequence(..., batch_first=True))."
+            f"{_shapes(time_major)}, {batch_size} along the second dimension and not the first: time-major "
+            "(as pad_sequence(batch_first=False) pads), which a cut along the first dimension would cut "
+            "along time, or a per-batch table with one column per sample, which it cannot tell apart. Use "
+            "mode='steps', which chooses the samples at the sampler, before they are loaded, or a "
+            "batch-first collate (pad_sequence(..., batch_first=True))."
         )
     if not any(per_sample for _, per_sample in leaves):
         tensors = [leaf for leaf, _ in leaves if isinstance(leaf, torch.Tensor)]
         held = f"tensors of shape {_shapes(tensors)}" if tensors else "no tensor"
         return (
-            f"cannot cut a batch of {batch_size} samples in mode='batch': it holds no per-sample part (a tensor "
-            f"whose first dimension is {batch_size}, or a list of {batch_size} items), only {held}, so a cut "
-            "would leave it whole. Use mode='steps', which chooses the samples at the sampler, before they are "
-            "loaded, or a batch-first collate."
+            f"cannot cut a batch of {batch_size} samples in mode='batch': it holds no per-sample part (a "
+            f"tensor whose first dimension is {batch_size}, or a list of {batch_size} items), only {held}, "
+            "so a cut would leave it whole. Use mode='steps', which chooses the samples at the sampler, "
+            "before they are loaded, or a batch-first collate."
         )
     return None
 

@@ -40,8 +40,9 @@ class StepPlan:
             ``total_steps`` only on a resume whose saved total the data no longer fills (a checkpoint of an
             older plan); the run then trains plain batches past the plan while its epochs allow.
         phase_steps: the run length warm-up and anneal are shares of (``None``: ``total_steps``). Where they
-            have no exact fixed point it differs from ``total_steps`` by a step or two, and the clock is pinned
-            to it (:meth:`~lightning_pulse.phase.PhaseClock.pin_span`), so the run is exactly its data's steps.
+            have no exact fixed point it differs from ``total_steps`` by a step or two, and the clock is
+            pinned to it (:meth:`~lightning_pulse.phase.PhaseClock.pin_span`), so the run is exactly its
+            data's steps.
     """
 
     first_epoch: int
@@ -119,8 +120,8 @@ def plan_steps(
             it already trained, the global step).
         total_steps: the run's total steps, when already fixed (a resume); solved otherwise.
         start_trained: raw samples the run trained before ``start_step`` (``None``: ``start_epoch`` plain
-            passes and ``start_samples``). With ``drop_last`` a planned pass may train more than a plain one (a
-            light window takes a short rest the plain pass drops), so a resume gives the count it saved.
+            passes and ``start_samples``). With ``drop_last`` a planned pass may train more than a plain one
+            (a light window takes a short rest the plain pass drops), so a resume gives the count it saved.
 
     Raises:
         ValueError: for a run with neither ``max_epochs`` nor ``max_steps``.
@@ -171,8 +172,8 @@ def plan_steps(
         guess = plan.total_steps
     # no exact fixed point: moving the anneal's start by one step moves a phase boundary, and the data's steps
     # jump past the span (typically span s gives s + 1 steps and s + 1 gives s). Warm-up and anneal are pinned
-    # to the span whose data's steps reach it most closely, so the run is exactly its data's steps (every epoch
-    # one pass, max_epochs kept) and its anneal is at least its share, never cut short
+    # to the span whose data's steps reach it most closely, so the run is exactly its data's steps (every
+    # epoch one pass, max_epochs kept) and its anneal is at least its share, never cut short
     low, high = min(seen), max(max(seen), max(seen.values()))
     best: tuple[int, int] | None = None  # (steps over the span, -span)
     for candidate in range(low, min(high, low + 64) + 1):
@@ -493,15 +494,15 @@ def _pass_ended(samples: int, samples_per_epoch: int, batch_size: int, drop_last
 
 def schedule_lengths(scheduler: Any) -> set[int]:
     """The run lengths an LR scheduler says it was built for: ``total_steps`` (OneCycleLR), ``T_max``
-    (CosineAnnealingLR), ``total_iters`` (LinearLR, PolynomialLR), the ints a ``LambdaLR``'s functions read, and
-    those of the schedulers inside a ``SequentialLR`` or ``ChainedScheduler``.
+    (CosineAnnealingLR), ``total_iters`` (LinearLR, PolynomialLR), the ints a ``LambdaLR``'s functions read,
+    and those of the schedulers inside a ``SequentialLR`` or ``ChainedScheduler``.
 
     A function reads the ints it was given or closes over (Hugging Face's schedules are partials holding
-    ``num_training_steps``), the ints held by the attributes its code names on the objects it closes over or is
-    bound to (``lambda s: 1 - s / self.total`` reads the module's ``total``; so does a method reading
-    ``self.total``), the module globals it names, and a callable object's own int attributes. An attribute read
-    at each call from the trainer (``self.trainer.estimated_stepping_batches``) is not read: it follows the
-    plan."""
+    ``num_training_steps``), the ints held by the attributes its code names on the objects it closes over or
+    is bound to (``lambda s: 1 - s / self.total`` reads the module's ``total``; so does a method reading
+    ``self.total``), the module globals it names, and a callable object's own int attributes. An attribute
+    read at each call from the trainer (``self.trainer.estimated_stepping_batches``) is not read: it follows
+    the plan."""
     found = _ints(getattr(scheduler, name, None) for name in ("total_steps", "T_max", "total_iters"))
     for function in getattr(scheduler, "lr_lambdas", None) or ():
         found |= _function_lengths(function)

@@ -127,7 +127,8 @@ def build_chains(
         watts = config.cpu_watts
         cpu_factories.append(("constant", lambda: ConstantPowerMeter("cpu", watts)))
     elif cpu in ("auto", "codecarbon"):
-        # what codecarbon itself assumes for a CPU it cannot identify: a labelled estimate rather than no figure
+        # what codecarbon itself assumes for a CPU it cannot identify: a labelled estimate rather than no
+        # figure
         default_watts, source = codecarbon_default_cpu_watts()
         cpu_factories.append(
             (
@@ -438,9 +439,9 @@ class EnergyAccount:
         return collective is None or collective.world_size == 1
 
     def _settle_meters(self, sampler: EnergySampler) -> None:
-        """Wait for a meter still starting in the background (codecarbon's hardware detection, about 1.6 s in a
-        process's first fit), then take the reading that holds its backlog. Called at the first epoch end that
-        finds it starting, and at the end of training. The wait is the instrumentation's
+        """Wait for a meter still starting in the background (codecarbon's hardware detection, about 1.6 s in
+        a process's first fit), then take the reading that holds its backlog. Called at the first epoch end
+        that finds it starting, and at the end of training. The wait is the instrumentation's
         start-up, not the run's cost: it is booked to the ``meter_startup`` bucket, outside the run's total,
         stages, phases, cycles and epochs (so two identical runs compare at 1x whichever paid it), and the
         report shows it on its own line. The backlog is spread by time over the run and the wait."""
@@ -599,18 +600,18 @@ class EnergyAccount:
             and any(chain.starting for chain in sampler.chains)
         ):
             # a meter still starting in the background (a first epoch shorter than codecarbon's start) has no
-            # reading yet: wait for it here, off the run's figures, so the epoch logs an estimate rather than no
-            # figure (a monitored `energy/total_kwh` must exist) or a 0 nobody measured. Once a fit: a start
-            # that hangs costs its timeout once, not at every epoch end. Not under DDP: the other ranks would
-            # wait for this one in the next collective, inside their training time
+            # reading yet: wait for it here, off the run's figures, so the epoch logs an estimate rather than
+            # no figure (a monitored `energy/total_kwh` must exist) or a 0 nobody measured. Once a fit: a
+            # start that hangs costs its timeout once, not at every epoch end. Not under DDP: the other ranks
+            # would wait for this one in the next collective, inside their training time
             self._settled_once = True
             self._settle_meters(sampler)
             if any(chain.starting for chain in sampler.chains):
                 self.warn_once(
                     "still starting",
-                    "EnergyLogger: a meter (codecarbon) is still starting after 30 s; the energy figures wait for "
-                    'its first reading, and energy/total_kwh is not logged until then. Set `cpu="constant"` '
-                    '(with `meters.cpu_watts`) and `ram="none"` to meter without it.',
+                    "EnergyLogger: a meter (codecarbon) is still starting after 30 s; the energy figures "
+                    "wait for its first reading, and energy/total_kwh is not logged until then. Set "
+                    '`cpu="constant"` (with `meters.cpu_watts`) and `ram="none"` to meter without it.',
                 )
         snapshot = self.snapshot(
             collective, keys=lambda key: key == "total" or key == epoch_key or key.startswith("phase/")
@@ -680,8 +681,8 @@ class EnergyAccount:
         self.warn_once(
             "unmetered",
             "EnergyLogger: no meter counted any energy (see the lines above, or no component is metered: "
-            f"gpu/cpu/ram meters {[chain.meter_name for chain in self.chains] or 'none'}); energy, CO2 and cost "
-            "are null in the report and no energy/*_kwh, *_co2_kg or *_cost metric is logged.",
+            f"gpu/cpu/ram meters {[chain.meter_name for chain in self.chains] or 'none'}); energy, CO2 and "
+            "cost are null in the report and no energy/*_kwh, *_co2_kg or *_cost metric is logged.",
         )
 
     def report(
@@ -737,8 +738,8 @@ class EnergyAccount:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # loaded before a fit, it makes that fit a resume (kept by `start`); loaded during one (strategies that
-        # restore after set-up), it applies to the fit in progress
+        # loaded before a fit, it makes that fit a resume (kept by `start`); loaded during one (strategies
+        # that restore after set-up), it applies to the fit in progress
         self._restored = not self.in_fit
         self.carried = state_dict.get("snapshot")
         self.resumed_runs = int(state_dict.get("resumed_runs", 0)) + 1

@@ -50,8 +50,8 @@ EXPECTED_RUN = f"expected an {JSON_NAME} or a log directory holding one"
 def find_report(path: str | Path, field: str | None = None) -> Path:
     """The ``energy_report.json`` that ``path`` names: the file itself, ``path/energy_report.json``, or the one
     report found below a directory. Raises :class:`FileNotFoundError` or :class:`NotAnEnergyReport`, whose
-    message starts with ``field`` and the value when ``field`` is given (``"RUN_A"``, ``"accounting.baseline"``).
-    An empty path is refused: it would search the whole current directory."""
+    message starts with ``field`` and the value when ``field`` is given (``"RUN_A"``,
+    ``"accounting.baseline"``). An empty path is refused: it would search the whole current directory."""
     named = f"`{field}`={os.fspath(path)!r}: " if field else ""
     if not os.fspath(path).strip():
         raise NotAnEnergyReport(

@@ -61,7 +61,8 @@ CODECARBON_DEFAULT = "codecarbon-default"
 
 def codecarbon_default_cpu_watts() -> tuple[float, str]:
     """codecarbon's own power for a CPU it cannot identify: its generic TDP (``POWER_CONSTANT``, 85 W) x the
-    share of TDP it assumes is drawn on average (``CONSUMPTION_PERCENTAGE_CONSTANT``, 0.5); with its source."""
+    share of TDP it assumes is drawn on average (``CONSUMPTION_PERCENTAGE_CONSTANT``, 0.5); with its
+    source."""
     try:
         from codecarbon.external.hardware import CONSUMPTION_PERCENTAGE_CONSTANT, POWER_CONSTANT
 

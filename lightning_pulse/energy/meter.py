@@ -23,7 +23,8 @@ METHODS = (MEASURED, ESTIMATED, PARTIAL, NONE)
 COMPONENTS = ("gpu", "cpu", "ram")
 
 # method bit flags, so methods of several ranks or intervals combine with a bitwise or. A chain that has lost
-# every meter reads PARTIAL: its intervals hold no energy, and a figure that also holds counted energy is partial
+# every meter reads PARTIAL: its intervals hold no energy, and a figure that also holds counted energy is
+# partial
 METHOD_FLAGS = {MEASURED: 1, ESTIMATED: 2, PARTIAL: 4, NONE: 0}
 
 
@@ -150,17 +151,17 @@ class MeterChain:
         required: the user asked for this component by name (``meters.gpu_devices``): a meter that is not
             present is then a failure (a warning and a report event), not an info line.
         announced: a set shared by the chains of one process: a failure whose reason another chain already
-            warned about (one codecarbon tracker serves CPU and RAM; one NVML serves both GPU meters) is an info
-            line, not a second warning. Its event is recorded all the same.
+            warned about (one codecarbon tracker serves CPU and RAM; one NVML serves both GPU meters) is an
+            info line, not a second warning. Its event is recorded all the same.
 
     The total is ``offset + active_meter.read_joules(now)``; on a failure ``offset`` keeps the last good
     total and the next meter starts from zero at that moment. Energy between the last good reading and the
     failure is not counted (at most one sampling period). A meter that failed before it ever delivered a
-    reading (codecarbon's background start failing after its hardware detection) is replaced from its own start
-    on, so an estimator next in line (a constant) covers that span too. A total that runs backwards (a counter
-    reset by a driver reload) is rebased where it was, with a warning, an event and the interval labelled
-    *estimated*. When every meter is gone, readings say :data:`PARTIAL` if the component had counted energy
-    before (its figure is partial), else :data:`NONE`.
+    reading (codecarbon's background start failing after its hardware detection) is replaced from its own
+    start on, so an estimator next in line (a constant) covers that span too. A total that runs backwards (a
+    counter reset by a driver reload) is rebased where it was, with a warning, an event and the interval
+    labelled *estimated*. When every meter is gone, readings say :data:`PARTIAL` if the component had counted
+    energy before (its figure is partial), else :data:`NONE`.
     """
 
     def __init__(
@@ -283,7 +284,8 @@ class MeterChain:
                     failures.append((name, _one_line(error)))
                 else:
                     self._info(
-                        f"EnergyLogger: {self.component} meter '{name}' is not available ({_one_line(error)})."
+                        f"EnergyLogger: {self.component} meter '{name}' is not available "
+                        f"({_one_line(error)})."
                     )
                 continue
             except Exception as error:
@@ -341,8 +343,8 @@ class MeterChain:
             return
         self._announced.add(key)
         self._warn(
-            f"EnergyLogger: {self.component} meter '{name}': {notice}; it keeps measuring, and the interval is "
-            "labelled estimated (any further correction is listed in the report's events)."
+            f"EnergyLogger: {self.component} meter '{name}': {notice}; it keeps measuring, and the interval "
+            "is labelled estimated (any further correction is listed in the report's events)."
         )
 
     def _next_name(self) -> str:

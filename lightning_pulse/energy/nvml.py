@@ -150,12 +150,12 @@ class NvmlCounterMeter(_NvmlMeter):
             if raw >= last:
                 self._counted_mj[index] += raw - last
             else:
-                # the counter restarted (driver reload, GPU reset): it counts from 0 again, so its value is the
-                # energy since the restart; what ran between the last reading and the restart is unknown
+                # the counter restarted (driver reload, GPU reset): it counts from 0 again, so its value is
+                # the energy since the restart; what ran between the last reading and the restart is unknown
                 self._counted_mj[index] += raw
                 self.notice(
-                    f"the energy counter of device {self.devices[index]!r} went back from {last} mJ to {raw} mJ "
-                    "(driver reload or GPU reset); counting on from the new value"
+                    f"the energy counter of device {self.devices[index]!r} went back from {last} mJ to {raw} "
+                    "mJ (driver reload or GPU reset); counting on from the new value"
                 )
         self._last_mj = readings
         return sum(self._counted_mj) / 1000.0
@@ -178,13 +178,14 @@ class NvmlPowerMeter(_NvmlMeter):
         self._implausible = 0
 
     def _watts(self) -> float | None:
-        """The summed power, or ``None`` when a device's reading is out of range (see :data:`POWER_MARGIN`)."""
+        """The summed power, or ``None`` when a device's reading is out of range (see
+        :data:`POWER_MARGIN`)."""
         readings = [int(self.nvml.nvmlDeviceGetPowerUsage(h)) / 1000.0 for h in self.handles]
         for device, watts, bound in zip(self.devices, readings, self.bounds_w):
             if not 0.0 <= watts <= bound:
                 self.notice(
-                    f"device {device!r} read {watts:.6g} W, outside 0-{bound:.6g} W; that reading is ignored and "
-                    "the last good power carried over the interval"
+                    f"device {device!r} read {watts:.6g} W, outside 0-{bound:.6g} W; that reading is ignored "
+                    "and the last good power carried over the interval"
                 )
                 return None
         return sum(readings)

@@ -249,8 +249,8 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         f"{report.get('resumed_runs', 0)} resume(s); created {report.get('created_utc', '?')} UTC.",
         "",
         "Every figure carries its method: *measured* (NVML counter or power sensor, RAPL), *estimated* "
-        "(codecarbon's model, a configured constant, a carbon intensity), *partial* (a meter was lost part-way "
-        "and nothing took over: an undercount) or *none* (not available). "
+        "(codecarbon's model, a configured constant, a carbon intensity), *partial* (a meter was lost "
+        "part-way and nothing took over: an undercount) or *none* (not available). "
         f"`lightning-pulse report DIR` draws {PNG_NAME} (power over time, energy per phase) from the JSON.",
         "",
         "## Summary",
@@ -296,9 +296,10 @@ def report_markdown(report: Mapping[str, Any]) -> str:
     startup = report.get("meter_startup")
     if startup and startup.get("duration_s"):
         lines += [
-            f"Meter start-up, not counted in any figure of this report: {_duration(startup.get('duration_s'))} "
-            "waiting for a meter still starting in the background (codecarbon's hardware detection; at the first "
-            "epoch end or the end of training; under DDP, the slowest rank's), "
+            "Meter start-up, not counted in any figure of this report: "
+            f"{_duration(startup.get('duration_s'))} "
+            "waiting for a meter still starting in the background (codecarbon's hardware detection; at the "
+            "first epoch end or the end of training; under DDP, the slowest rank's), "
             f"{_with_method(startup.get('energy_kwh'), startup.get('energy_method', NONE), 6, 'kWh')}.",
             "",
         ]

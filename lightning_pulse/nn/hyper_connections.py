@@ -91,8 +91,8 @@ def stream_weights(n_streams: int, spread: float = 0.5, dtype: torch.dtype | Non
 
 
 def _as_int(value: Any) -> int | None:
-    """``value`` as an int if it is integer-like (``int``, a numpy integer, a one-element integer tensor), else
-    ``None``; ``bool`` is not accepted as a count."""
+    """``value`` as an int if it is integer-like (``int``, a numpy integer, a one-element integer tensor),
+    else ``None``; ``bool`` is not accepted as a count."""
     if isinstance(value, bool):
         return None
     try:
@@ -130,10 +130,12 @@ def _check_spread(spread: Any) -> float:
 
 
 def _check_axis(channel_dim: int, rank: int) -> int:
-    """``channel_dim`` of a rank-``rank`` tensor as a non-negative axis; out of range raises (no wrap-around)."""
+    """``channel_dim`` of a rank-``rank`` tensor as a non-negative axis; out of range raises (no
+    wrap-around)."""
     if not -rank <= channel_dim < rank:
         raise ValueError(
-            f"`channel_dim`={channel_dim} is out of range for a {rank}-D tensor (allowed: {-rank} to {rank - 1})."
+            f"`channel_dim`={channel_dim} is out of range for a {rank}-D tensor (allowed: {-rank} to "
+            f"{rank - 1})."
         )
     return channel_dim % rank
 
@@ -155,8 +157,8 @@ def expand_streams(x: Tensor, n_streams: int, channel_dim: int = -1, spread: flo
         ``(B, T, n, C)`` or ``(B, n, C, H, W)``.
 
     Raises:
-        ValueError: for a non-positive ``n_streams``, a ``spread`` outside ``[0, 1)``, or a ``channel_dim`` that
-            is not an axis of ``x``.
+        ValueError: for a non-positive ``n_streams``, a ``spread`` outside ``[0, 1)``, or a ``channel_dim``
+            that is not an axis of ``x``.
     """
     n_streams = _check_positive_int("n_streams", n_streams)
     spread = _check_spread(spread)
@@ -307,8 +309,8 @@ class HyperConnection(nn.Module):
 
     Raises:
         ValueError: for a non-positive ``dim`` or ``n_streams``, a non-int ``channel_dim``, a negative or
-            non-finite ``alpha_init``, a ``spread`` outside ``[0, 1)``, or an ``eps`` that is not a finite positive
-            number; at call time, for streams whose ``(n_streams, dim)`` axes do not match the layer.
+            non-finite ``alpha_init``, a ``spread`` outside ``[0, 1)``, or an ``eps`` that is not a finite
+            positive number; at call time, for streams whose ``(n_streams, dim)`` axes do not match the layer.
 
     Example::
 
@@ -383,20 +385,20 @@ class HyperConnection(nn.Module):
         rank = streams.dim() - 1  # of the collapsed layout the branch sees
         if rank < 1 or not -rank <= self.channel_dim < rank:
             raise ValueError(
-                f"{type(self).__name__}: `channel_dim`={self.channel_dim} is out of range for streams of shape "
-                f"{tuple(streams.shape)} (a {rank}-D branch input once the stream axis is removed)."
+                f"{type(self).__name__}: `channel_dim`={self.channel_dim} is out of range for streams of "
+                f"shape {tuple(streams.shape)} (a {rank}-D branch input once the stream axis is removed)."
             )
         axis = self.channel_dim % rank
         if tuple(streams.shape[axis : axis + 2]) != (self.n_streams, self.dim):
             # A (B, T, C) input with T == n_streams passes this check: nothing tells tokens from streams.
             raise ValueError(
-                f"{type(self).__name__}(dim={self.dim}, n_streams={self.n_streams}, channel_dim={self.channel_dim}) "
-                f"expects streams with (n_streams, dim) = ({self.n_streams}, {self.dim}) at axes ({axis}, "
-                f"{axis + 1}), the stream axis just before the channel axis: (..., {self.n_streams}, {self.dim}) for "
-                f"tokens (channel_dim=-1) or (B, {self.n_streams}, {self.dim}, H, W) for images (channel_dim=1); got "
-                f"{tuple(streams.shape)}. Likely causes: the input was not widened with "
-                f"expand_streams(x, {self.n_streams}, channel_dim=...), `channel_dim` does not match the layout, or "
-                f"`dim` / `n_streams` differ from the streams'."
+                f"{type(self).__name__}(dim={self.dim}, n_streams={self.n_streams}, "
+                f"channel_dim={self.channel_dim}) expects streams with (n_streams, dim) = ({self.n_streams}, "
+                f"{self.dim}) at axes ({axis}, {axis + 1}), the stream axis just before the channel axis: "
+                f"(..., {self.n_streams}, {self.dim}) for tokens (channel_dim=-1) or (B, {self.n_streams}, "
+                f"{self.dim}, H, W) for images (channel_dim=1); got {tuple(streams.shape)}. Likely causes: "
+                f"the input was not widened with expand_streams(x, {self.n_streams}, channel_dim=...), "
+                "`channel_dim` does not match the layout, or `dim` / `n_streams` differ from the streams'."
             )
         return axis
 
