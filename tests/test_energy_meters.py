@@ -247,13 +247,13 @@ def fake_nvml(monkeypatch):
     return gpu
 
 
+#: the GPU chain EnergyLogger builds for device 0: the energy counter, then power sampling
+NVML_METERS = [("nvml-counter", lambda: NvmlCounterMeter([0])), ("nvml-power", lambda: NvmlPowerMeter([0]))]
+
+
 def test_nvml_counter_then_power_sampling_after_an_nvml_error(fake_nvml):
     warnings_seen: list[str] = []
-    chain = MeterChain(
-        "gpu",
-        [("nvml-counter", lambda: NvmlCounterMeter([0])), ("nvml-power", lambda: NvmlPowerMeter([0]))],
-        warn=warnings_seen.append,
-    )
+    chain = MeterChain("gpu", NVML_METERS, warn=warnings_seen.append)
     chain.start(0.0)
     fake_nvml.energy_mj += 30_000  # 30 J
     assert chain.read(1.0) == (pytest.approx(30.0), MEASURED)
@@ -556,11 +556,7 @@ def test_a_chain_that_loses_its_last_meter_reads_partial_and_its_figure_says_so(
 
 def test_gpu_lost_with_both_nvml_meters_failing_is_one_warning(fake_nvml, monkeypatch):
     warnings_seen: list[str] = []
-    chain = MeterChain(
-        "gpu",
-        [("nvml-counter", lambda: NvmlCounterMeter([0])), ("nvml-power", lambda: NvmlPowerMeter([0]))],
-        warn=warnings_seen.append,
-    )
+    chain = MeterChain("gpu", NVML_METERS, warn=warnings_seen.append)
     chain.start(0.0)
     chain.read(1.0)
 

@@ -619,16 +619,22 @@ class FrozenPattern(Callback):
         self.frozen.append(tuple(not modules[name].weight.requires_grad for name in self.names))
 
 
+def _fit_with_pattern(module, names, max_steps, caplog):
+    """A fit under GradientCache's test settings; returns the cache and which of ``names`` were frozen per batch."""
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
+    pattern = FrozenPattern(names)
+    with caplog.at_level("INFO"):
+        pl.Trainer(max_steps=max_steps, callbacks=[cache, pattern], **trainer_kwargs()).fit(
+            module, _small_data()
+        )
+    return cache, pattern
+
+
 def test_a_block_skipped_by_the_ordering_backward_gets_its_place_before_anything_after_it_freezes(caplog):
     """Sweep C: the units were ordered from the first backward only, in which LayerDrop skipped blocks.1, so
     it was ordered last and GradientCache froze inp, blocks.0, blocks.2, blocks.3 while blocks.1 trained."""
     forward_order = ["inp", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "out"]
-    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
-    pattern = FrozenPattern(forward_order)
-    with caplog.at_level("INFO"):
-        pl.Trainer(max_steps=30, callbacks=[cache, pattern], **trainer_kwargs()).fit(
-            _LayerDrop(), _small_data()
-        )
+    cache, pattern = _fit_with_pattern(_LayerDrop(), forward_order, 30, caplog)
     assert [unit.name for unit in cache.freezer.units] == forward_order
     prefixes = {sum(frozen) for frozen in pattern.frozen}
     assert all(frozen == tuple(i < sum(frozen) for i in range(6)) for frozen in pattern.frozen)  # a prefix
@@ -636,22 +642,14 @@ def test_a_block_skipped_by_the_ordering_backward_gets_its_place_before_anything
     assert "blocks.1 got no gradient in the backward that put the units into forward order" in caplog.text
 
 
-class _OddBatchAdapter(pl.LightningModule):
-    """``pre`` (an input adapter) runs on every ``period``-th batch only (odd batches by default), before
-    ``net``."""
+class _OddBatchAdapter(_MLP):
+    """``pre`` (an input adapter) runs on every ``period``-th batch only (odd batches by default), before ``net``;
+    trained with Adam."""
 
     def __init__(self, period: int = 2) -> None:
         super().__init__()
         self.period = period
-        torch.manual_seed(0)
         self.pre = torch.nn.Linear(16, 16)
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(16, 32),
-            torch.nn.ReLU(),
-            torch.nn.Linear(32, 32),
-            torch.nn.ReLU(),
-            torch.nn.Linear(32, 4),
-        )
 
     def training_step(self, batch, batch_idx):
         x = batch[0]
@@ -667,12 +665,7 @@ def test_a_unit_used_on_odd_batches_only_is_placed_at_the_next_backward_that_use
     """A review of this pass: ordering again from the very next backward (an even batch) missed the adapter
     again, so it was "missed" every 2 steps, the note repeated 32 times and nothing froze in 64 steps."""
     forward_order = ["pre", "net.0", "net.2", "net.4"]
-    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
-    pattern = FrozenPattern(forward_order)
-    with caplog.at_level("INFO"):
-        pl.Trainer(max_steps=64, callbacks=[cache, pattern], **trainer_kwargs()).fit(
-            _OddBatchAdapter(), _small_data()
-        )
+    cache, pattern = _fit_with_pattern(_OddBatchAdapter(), forward_order, 64, caplog)
     assert [unit.name for unit in cache.freezer.units] == forward_order
     assert caplog.text.count("pre got no gradient in the backward") == 1
     assert all(frozen == tuple(i < sum(frozen) for i in range(4)) for frozen in pattern.frozen)  # a prefix
@@ -684,12 +677,7 @@ def test_a_unit_no_waited_backward_sees_stays_last_and_freezing_goes_on(caplog, 
     was found "missed" again at each use, and nothing froze for 213 of 300 steps. Here the wait is 4
     backwards."""
     monkeypatch.setattr(ForwardOrderTrace, "MAX_BACKWARDS", 4)
-    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
-    pattern = FrozenPattern(["net.0", "net.2", "net.4"])
-    with caplog.at_level("INFO"):
-        pl.Trainer(max_steps=60, callbacks=[cache, pattern], **trainer_kwargs()).fit(
-            _OddBatchAdapter(period=10), _small_data()
-        )
+    cache, pattern = _fit_with_pattern(_OddBatchAdapter(period=10), ["net.0", "net.2", "net.4"], 60, caplog)
     assert cache.freezer is not None and cache.freezer.rare == ["pre"]
     assert [unit.name for unit in cache.freezer.units][-1] == "pre"
     assert caplog.text.count("pre got no gradient in the backward") == 1  # not at each of its uses
