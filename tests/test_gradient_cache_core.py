@@ -647,6 +647,32 @@ def test_flop_ledger_counts_skipped_backward_work():
     assert ledger.step_skipped == 0.0
 
 
+def test_a_measured_backward_gives_the_gradients_of_an_unmeasured_one_bit_for_bit():
+    # FlopCounterMode breaks aten.silu_backward into smaller ops, which moved a SiLU model's gradients in
+    # their last bits: a GradientCache that froze nothing no longer trained like the plain run (sweep D)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, 4))
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+
+    def gradients(count: bool) -> list[torch.Tensor]:
+        model.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        ledger = BackwardFlopLedger()
+        if count:
+            ledger.begin_backward(0)
+        loss.backward()
+        ledger.end_backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(gradients(count=False), gradients(count=True)))
+    ledger = BackwardFlopLedger()
+    with ledger.measuring(0):
+        F.cross_entropy(model(x), y).backward()
+    with FlopCounterMode(display=False) as reference:
+        F.cross_entropy(model(x), y).backward()
+    assert ledger.flops_by_prefix[0] == reference.get_total_flops() > 0
+
+
 def test_freeze_window_resolves_shares_of_the_run():
     assert FreezeWindow(start_at=0.25, release_at=90).steps(200.0) == (50, 90)
     assert [in_span((50, 90), step) for step in (49, 50, 89, 90)] == [False, True, True, False]

@@ -6,6 +6,9 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
 
 def check_measure_flops(measure_flops: bool) -> bool:
     """``measure_flops``, checked.
@@ -21,9 +24,8 @@ def check_measure_flops(measure_flops: bool) -> bool:
 class BackwardFlopLedger:
     """Backward FLOPs per frozen-prefix length, and the FLOPs that freezing skipped.
 
-    Each distinct prefix length is measured once, on a real backward, with
-    ``torch.utils.flop_counter.FlopCounterMode`` (see :meth:`measuring`); length 0 (nothing frozen) is the
-    reference. Every later backward adds ``flops[0] - flops[length]`` to the skipped total. Backwards of a
+    Each distinct prefix length is measured once, on a real backward, with torch's FLOP formulas
+    (:class:`ExactFlopCounter`, see :meth:`measuring`); length 0 (nothing frozen) is the reference. Every later backward adds ``flops[0] - flops[length]`` to the skipped total. Backwards of a
     different batch size than the measured one are counted at the measured size.
     """
 
@@ -52,9 +54,7 @@ class BackwardFlopLedger:
         """Before a backward with ``prefix`` frozen units: count its FLOPs if that length is not measured yet."""
         self._prefix = prefix
         if self._counter is None and self.needs(prefix):
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self._counter = FlopCounterMode(display=False)
+            self._counter = ExactFlopCounter()
             self._counter.__enter__()
 
     def end_backward(self) -> None:
@@ -67,7 +67,7 @@ class BackwardFlopLedger:
         counter, self._counter = self._counter, None
         if counter is not None:
             counter.__exit__(None, None, None)
-            self.flops_by_prefix[self._prefix] = float(counter.get_total_flops())
+            self.flops_by_prefix[self._prefix] = float(counter.total)
 
     def remeasure(self) -> None:
         """Forget the per-length measurements (the model's shapes or the units changed); the totals stay."""
@@ -106,3 +106,26 @@ class BackwardFlopLedger:
         self.skipped = float(state["skipped"])
         self.reference = float(state["reference"])
         self.backwards = int(state["backwards"])
+
+
+class ExactFlopCounter(TorchDispatchMode):
+    """Counts the FLOPs of the ops run inside it with ``torch.utils.flop_counter``'s formulas (matmuls,
+    convolutions, attention), running every op exactly as called.
+
+    Not ``FlopCounterMode``: it breaks an op without a formula into smaller ops (``aten.silu_backward``), which
+    changes the gradients it measures in their last bits, so a measured step of a SiLU model (Llama, Mamba)
+    no longer matched the plain run's. An op without a formula counts zero here, as the elementwise ops it
+    decomposes into do there.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
