@@ -16,6 +16,8 @@ from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.core.per_sample_loss import ForwardLossScorer, OutputKeyScorer
+from lightning_pulse.core.replay import UNTOUCHED, HardSampleSelector, ReplayConfig
+from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 
@@ -511,6 +513,78 @@ def test_a_later_step_whose_loss_does_not_split_trains_on_unscored_and_says_so_o
     with pytest.raises(PulseRefusal, match="found no per-sample loss"):
         trainer.fit(_LabelledOnly(), data)
     assert trainer.global_step == 0
+
+
+class _SquareVocabularyLM(pl.LightningModule):
+    """A next-token LM over 64 tokens: 4 sequences of 16 tokens give a square 64 x 64 matrix of logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.head = torch.nn.Linear(16, 64)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self.head(torch.tanh(self.embed(tokens)))  # (B, T, V)
+        return F.cross_entropy(logits.reshape(-1, 64), tokens.roll(-1, 1).reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_token_lm_whose_flattened_logits_are_square_is_scored_not_taken_for_a_contrastive_loss():
+    # held-out sweep: replay batches cut to 4 of 8 sequences gave 64 x 64 logits, read as a contrastive matrix
+    # over 16 views of each sample: every cut step went unscored (loss_replayed NaN, stale scores), and a run
+    # whose own batches held 4 sequences was refused at its first step
+    tokens = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+    replay = HardSampleReplay(mode="batch", replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    trainer.fit(_SquareVocabularyLM(), DataLoader(TensorDataset(tokens), batch_size=8))
+    metrics = replay.metrics()
+    assert replay.batches.unscored_steps == 0 and metrics["replay_fraction"] == 0.75
+    assert math.isfinite(metrics["loss_replayed"]) and replay.selector.end_run() is None
+    replay = HardSampleReplay(mode="batch")
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    trainer.fit(_SquareVocabularyLM(), DataLoader(TensorDataset(tokens), batch_size=4))
+    assert trainer.global_step == 32 and replay.batches.unscored_steps == 0
+
+
+def test_the_end_note_tells_cut_steps_recorded_without_scores_from_steps_that_had_nothing_scored():
+    # held-out sweep: replay steps that cut their batches but were recorded without scores (their loss did not
+    # split) ended with "nothing was selected ... none of their samples had a score yet ... so all of them trained"
+    selector = HardSampleSelector(SampleScoreTable(16), ReplayConfig(replay_fraction=0.5))
+    batch = torch.arange(8)
+    selector.record(batch, torch.rand(8), np.full(8, UNTOUCHED), 0, active=False, offered=8)  # scores all 8
+    selector.apply()
+    chosen = selector.compose(batch, step=1, batch_idx=0)
+    unscored = torch.full((chosen.indices.numel(),), math.nan)  # what the callback records for such a step
+    selector.record(chosen.indices, unscored, chosen.roles, 1, active=True, offered=8)
+    assert selector.end_run().startswith(
+        "no selected sample was counted in this run. 1 steps were in a replay phase and trained 4 of the 8 "
+        "samples offered to them, but the 4 selected among them have no loss recorded"
+    )
+    # a non-finite loss of a never-scored sample is no selected sample left uncounted (a review of this pass:
+    # one NaN among never-scored samples turned the true note into "no selected sample was counted")
+    selector = HardSampleSelector(SampleScoreTable(16), ReplayConfig(replay_fraction=0.5))
+    chosen = selector.compose(batch, step=0, batch_idx=0)
+    losses = torch.rand(chosen.indices.numel())
+    losses[0] = math.nan
+    selector.record(chosen.indices, losses, chosen.roles, 0, active=True, offered=8)
+    assert selector.end_run().startswith(
+        "nothing was selected in this run. 1 steps were in a replay phase, but none of their samples had a score"
+    )
+    # top-k keeps never-scored samples first: a batch of 6 of them and 2 scored ones trains the 6 alone
+    selector = HardSampleSelector(SampleScoreTable(16), ReplayConfig(replay_fraction=0.5))
+    selector.record(batch[:2], torch.rand(2), np.full(2, UNTOUCHED), 0, active=False, offered=2)
+    selector.apply()
+    offered = torch.cat([batch[:2], torch.arange(8, 14)])
+    chosen = selector.compose(offered, step=1, batch_idx=0)
+    selector.record(chosen.indices, torch.rand(6), chosen.roles, 1, active=True, offered=8)
+    assert chosen.indices.tolist() == list(range(8, 14))
+    assert selector.end_run().startswith(
+        "nothing was selected in this run. 1 steps were in a replay phase and trained 6 of the 8 samples offered "
+        "to them: only samples that had no score yet"
+    )
 
 
 def test_scores_table_covers_a_tensor_dataset_used_directly():

@@ -506,6 +506,27 @@ def test_a_contrastive_loss_over_views_is_not_cut_into_samples():
     assert clip.maps_onto_batch and lm.maps_onto_batch
 
 
+def test_a_token_loss_whose_flattened_rows_equal_the_vocabulary_splits_a_square_matrix_over_views_does_not():
+    # held-out sweep: a replay batch cut to 4 samples of 16 tokens over a vocabulary of 64 gives 64 x 64 logits,
+    # which were read as a contrastive matrix over 16 views of each sample: every cut step went unscored (a
+    # byte-level LM, V=256, on 4 x 64 tokens hits it; with B*T = V in the whole batch the run was refused)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 64)
+    hidden = torch.randn(4, 16, 8)
+    tokens = torch.randint(0, 64, (4, 16))
+    with LossCapture(batch_size=4) as capture:
+        F.cross_entropy(head(hidden).reshape(-1, 64), tokens.reshape(-1))
+    assert capture.maps_onto_batch
+    expected = F.cross_entropy(head(hidden).reshape(-1, 64), tokens.reshape(-1), reduction="none").view(4, 16)
+    assert torch.allclose(capture.per_sample(), expected.mean(1).detach())
+    # the same shape made as SimCLR makes it, from 16 views of each sample joined with torch.cat, is not cut
+    views = F.normalize(torch.cat([head(hidden[:, view]) for view in range(16)]), dim=1)
+    with LossCapture(batch_size=4) as capture:
+        F.cross_entropy(views @ views.t() / 0.1, torch.arange(64).roll(4))
+    assert not capture.maps_onto_batch
+    assert "square 64 x 64 logit matrix over 16 views of each sample" in capture.describe()
+
+
 def test_require_says_what_was_captured_when_nothing_splits_into_the_batch():
     logits, targets = _logits_and_targets(batch=8)
     with LossCapture(batch_size=8) as capture:

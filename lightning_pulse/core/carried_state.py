@@ -20,6 +20,11 @@ replaced it. That leaves out what ordinary modules keep: a cache built once (a p
 replaced), outputs kept for logging or an epoch-end metric (replaced, never read by the next batch),
 torchmetrics states (skipped: they accumulate over an epoch), state reset at every batch start (the old value
 is never read). Hugging Face models keep nothing on the module during training.
+
+A weight that torch's pruning, old-style ``weight_norm`` or ``spectral_norm`` keeps as a plain attribute is no
+candidate: its forward pre-hook computes it anew from parameters before every forward, so it never carries over.
+Counted as one, the weight of a layer as wide as the batch is large would refuse a cut batch before the test
+could clear it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -57,6 +65,18 @@ def _plain_attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
     return ((name, value) for name, value in vars(module).items() if name not in _MODULE_INTERNALS)
 
 
+def _recomputed_before_forward(module: nn.Module) -> set[str]:
+    """The attributes of ``module`` that its forward pre-hooks from torch's pruning, old-style weight norm and
+    spectral norm set from parameters before every forward (``weight`` for ``weight_orig * weight_mask``)."""
+    names: set[str] = set()
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, BasePruningMethod):
+            names.add(hook._tensor_name)
+        elif isinstance(hook, (WeightNorm, SpectralNorm)):
+            names.add(hook.name)
+    return names
+
+
 def _skipped(module: nn.Module) -> bool:
     return type(module).__module__.split(".")[0] == "torchmetrics"
 
@@ -65,12 +85,16 @@ def batch_shaped_attributes(module: nn.Module, batch_size: int) -> dict[str, tup
     """Plain tensors (or tuples, lists or dicts of tensors) held as attributes of ``module`` or its submodules,
     and their buffers, keyed by their dotted path, of which a dimension is ``batch_size``. A buffer updated in
     place (BatchNorm's running statistics) is never *replaced*, so only one assigned anew at every batch (a
-    hidden state kept as a buffer) can be carried state; torchmetrics metrics are skipped."""
+    hidden state kept as a buffer) can be carried state; torchmetrics metrics are skipped, and so are the weights
+    a pruning or weight-norm pre-hook computes before every forward (:func:`_recomputed_before_forward`)."""
     found: dict[str, tuple[Tensor, ...]] = {}
     for prefix, submodule in module.named_modules():
         if _skipped(submodule):
             continue
+        recomputed = _recomputed_before_forward(submodule)
         for name, value in [*_plain_attributes(submodule), *submodule.named_buffers(recurse=False)]:
+            if name in recomputed:
+                continue
             tensors = tensors_in(value)
             if tensors and any(batch_size in tensor.shape for tensor in tensors):
                 found[f"{prefix}.{name}" if prefix else name] = tensors
@@ -160,7 +184,7 @@ class CarriedStateCheck:
         if self.done:
             return None
         if cut and self._cut_blockers:
-            return carried_state_refusal(self.candidate_shapes())
+            return carried_state_refusal(self.candidate_shapes(), read_seen=False)
         self.watch()
         return None
 
@@ -180,10 +204,14 @@ class CarriedStateCheck:
         # a batch cut before the check ends is refused only on a plain tensor, tuple or list attribute: buffers
         # (BatchNorm's statistics when its channels equal the batch size) and dicts (outputs kept for logging, a
         # cache) are batch-shaped far more often than they carry state, and wait for the read/replace test
+        # nor on a tensor still in the graph (a weight recomputed at every forward, WeightDrop's dropped copy): a
+        # carried hidden state is detached, or the next batch's backward would fail through the freed graph
         self._cut_blockers = {
             path
-            for path in self.candidates
-            if not isinstance(_attribute(module, path), dict) and not _is_buffer(module, path)
+            for path, tensors in self.candidates.items()
+            if not isinstance(_attribute(module, path), dict)
+            and not _is_buffer(module, path)
+            and all(tensor.grad_fn is None for tensor in tensors)
         }
 
     def watch(self) -> None:
@@ -225,16 +253,26 @@ class CarriedStateCheck:
         }
 
 
-def carried_state_refusal(found: dict[str, tuple[tuple[int, ...], ...]]) -> str | None:
+def carried_state_refusal(
+    found: dict[str, tuple[tuple[int, ...], ...]], read_seen: bool = True
+) -> str | None:
     """The reason and the way out, after the callback's name, for refusing to cut the batches of a module that
-    carries ``found`` (see :meth:`CarriedStateCheck.describe`) from one batch to the next; ``None`` if nothing."""
+    carries ``found`` (see :meth:`CarriedStateCheck.describe`) from one batch to the next; ``None`` if nothing.
+    ``read_seen=False``: a batch is cut before the read/replace test could tell (the message says so)."""
     if not found:
         return None
+    if read_seen:
+        held = "which holds the batch size and is read by the next batch (a stateful RNN)"
+    else:
+        held = (
+            "which holds the batch size and may be state carried to the next batch (as a stateful RNN's); the "
+            "batch that would tell is cut"
+        )
     return (
-        "cannot cut the batches of a module that carries state from one batch to the next: "
-        f"{CarriedStateCheck.describe(found)}, which holds the batch size and is read by the next batch (a stateful "
-        "RNN). A cut batch no longer matches it, and other samples would break the streams it follows. Remove "
-        "HardSampleReplay for this model, or reset that state at the start of every batch."
+        f"cannot cut the batches of a module that carries state from one batch to the next: "
+        f"{CarriedStateCheck.describe(found)}, {held}. A cut batch no longer matches it, and other samples would "
+        "break the streams it follows. Remove HardSampleReplay for this model, or reset that state at the start of "
+        "every batch."
     )
 
 

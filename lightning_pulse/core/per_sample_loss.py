@@ -670,9 +670,15 @@ class LossCapture:
         logits = arguments.get("input")
         if name in _CLASS_WEIGHTED and isinstance(logits, Tensor) and record.maps_onto_batch:
             rows = logits.shape[0] if logits.dim() == 2 else 0
-            if rows > self.batch_size and logits.shape[1] == rows:
+            if (
+                rows > self.batch_size
+                and logits.shape[1] == rows
+                and not _rows_flattened_from_batch(logits, self.batch_size)
+            ):
                 # a square similarity matrix over k views of each sample (SimCLR's 2B x 2B): its rows may be
-                # stacked view by view, not sample by sample, so cutting them into B runs would misattribute
+                # stacked view by view, not sample by sample, so cutting them into B runs would misattribute.
+                # Square by chance is a token LM whose B*T rows equal its vocabulary (a byte-level LM, V=256,
+                # on 4 x 64 tokens): its rows flatten (B, T, V) sample by sample and split like any other.
                 record.maps_onto_batch = False
                 record.on_batch_rows = True
                 record.why_not = (

@@ -476,19 +476,21 @@ def mix_seed(seed: int, step: int, batch_idx: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + (batch_idx + 1) * 101 + rank) % (2**63 - 1)
 
 
-# running totals are one float64 vector: steps, active steps, offered and trained samples, then the count and
+# running totals are one float64 vector: steps, active steps, offered and trained samples, the selected samples
+# recorded with no finite loss (a step whose loss did not split into its samples: in no role), then the count and
 # the loss sum of each role
 TOTAL_NAMES = (
     "steps",
     "active_steps",
     "offered",
     "trained",
+    "selected_unrecorded",
     *(f"{name}_count" for name in ROLE_NAMES),
     *(f"{name}_loss" for name in ROLE_NAMES),
 )
-_STEPS, _ACTIVE_STEPS, _OFFERED, _TRAINED = range(4)
-_COUNTS = slice(4, 4 + len(ROLE_NAMES))
-_SUMS = slice(4 + len(ROLE_NAMES), 4 + 2 * len(ROLE_NAMES))
+_STEPS, _ACTIVE_STEPS, _OFFERED, _TRAINED, _SELECTED_UNRECORDED = range(5)
+_COUNTS = slice(5, 5 + len(ROLE_NAMES))
+_SUMS = slice(5 + len(ROLE_NAMES), 5 + 2 * len(ROLE_NAMES))
 
 
 def _figures(vector: np.ndarray) -> dict[str, float]:
@@ -581,13 +583,30 @@ class HardSampleSelector:
         return dict(zip(TOTAL_NAMES, self._totals.tolist()))
 
     def nothing_selected(self) -> str | None:
-        """A note when steps were in a replay phase but not one sample was selected in them, else ``None``."""
+        """A note when steps were in a replay phase but not one sample was counted as selected in them, else
+        ``None``. It says why, from the totals: the samples were never scored (they all trained, or only they
+        did), or the steps' losses were not recorded, so whatever they selected is counted in no role."""
         totals = self.totals
         if not totals["active_steps"] or totals["selected_count"]:
             return None
+        steps, offered, trained = (int(totals[name]) for name in ("active_steps", "offered", "trained"))
+        if totals["selected_unrecorded"]:
+            return (
+                f"no selected sample was counted in this run. {steps} steps were in a replay phase and trained "
+                f"{trained} of the {offered} samples offered to them, but the "
+                f"{int(totals['selected_unrecorded'])} selected among them have no loss recorded (a step whose loss does not split into its batch's samples is recorded "
+                "without scores, `HardSampleReplay.batches.unscored_steps` counts such steps; a loss that is not "
+                "finite is not counted): they count in no role, and their scores were not updated."
+            )
+        if trained < offered:
+            return (
+                f"nothing was selected in this run. {steps} steps were in a replay phase and trained {trained} of the "
+                f"{offered} samples offered to them: only samples that had no score yet (a sample is scored when it "
+                "first trains), which are kept first; the scored ones were left out."
+            )
         return (
-            f"nothing was selected in this run. {int(totals['active_steps'])} steps were in a replay phase, but none "
-            "of their samples had a score yet (a sample is scored when it first trains), so all of them trained."
+            f"nothing was selected in this run. {steps} steps were in a replay phase, but none of their samples had "
+            "a score yet (a sample is scored when it first trains), so all of them trained."
         )
 
     def end_run(self) -> str | None:
@@ -807,6 +826,7 @@ class HardSampleSelector:
         step[_TRAINED] = sum(entry.roles.size for entry in pending if entry.active)
         finite = np.isfinite(losses)
         if not finite.all():
+            step[_SELECTED_UNRECORDED] = np.count_nonzero((roles == SELECTED) & ~finite)
             roles, losses = roles[finite], losses[finite]
         step[_COUNTS] = np.bincount(roles, minlength=len(ROLE_NAMES))
         step[_SUMS] = np.bincount(roles, weights=losses, minlength=len(ROLE_NAMES))

@@ -1,0 +1,167 @@
+"""The carried-state check tells a weight recomputed before every forward from state carried to the next batch."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.nn.utils import prune, spectral_norm, weight_norm
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pulse import HardSampleReplay, PulseCycle
+from lightning_pulse.core.carried_state import CarriedStateCheck
+from lightning_pulse.errors import PulseRefusal
+from tests.conftest import trainer_kwargs
+
+# a hidden size equal to the batch size: the weights (64, 16) and (4, 64) hold the batch size
+BATCH = HIDDEN = 64
+
+
+def _recomputed_weights(net: nn.Sequential, kind: str) -> nn.Sequential:
+    """``net`` with its two Linear layers' weights kept as plain attributes that a forward pre-hook computes from
+    parameters before every forward, as ScheduledPrune's unstructured mode and old-style weight norm leave them."""
+    for layer in (net[0], net[2]):
+        if kind == "prune":
+            prune.l1_unstructured(layer, "weight", amount=0.3)
+        elif kind == "weight_norm":
+            with warnings.catch_warnings():  # deprecated for the parametrization, still in use
+                warnings.simplefilter("ignore", FutureWarning)
+                weight_norm(layer)
+        else:
+            spectral_norm(layer)
+    return net
+
+
+class _Classifier(pl.LightningModule):
+    """An MLP, hidden size 64; ``carries_state`` adds a stateful module's hidden state (batch-shaped, read and
+    replaced by the next batch)."""
+
+    def __init__(self, kind: str, carries_state: bool = False) -> None:
+        super().__init__()
+        self.net = _recomputed_weights(
+            nn.Sequential(nn.Linear(16, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 4)), kind
+        )
+        self.carries_state = carries_state
+        self.state: torch.Tensor | None = None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        if self.carries_state:
+            logits = logits if self.state is None else logits + self.state
+            self.state = logits.detach()
+        return F.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class _LightSteps(Callback):
+    """Per step: whether it trained a light step (fewer samples than it was offered)."""
+
+    def __init__(self) -> None:
+        self.light: list[bool] = []
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
+        self.light.append(replay.offered_count > replay.trained_indices.numel())
+
+
+def _pulsed_trainer() -> tuple[pl.Trainer, _LightSteps, DataLoader]:
+    """Steps mode under a cycle whose second step already is a light one (the first the carried-state check
+    could refuse), on 10 batches of 64 per epoch."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(640, 16, generator=generator), torch.randint(0, 4, (640,), generator=generator)
+    pl.seed_everything(0)
+    light = _LightSteps()
+    cycle = PulseCycle(burst=1, replay=4, maintain=0, warmup=0.0, anneal=0.0, maintain_eval="none")
+    trainer = pl.Trainer(
+        callbacks=[cycle, HardSampleReplay(replay_fraction=0.5), light],
+        max_epochs=3,
+        limit_val_batches=0,
+        **trainer_kwargs(),
+    )
+    return trainer, light, DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+
+
+@pytest.mark.parametrize("kind", ["prune", "weight_norm"])
+def test_a_pruned_or_weight_normed_mlp_whose_weights_hold_the_batch_size_trains_in_steps_mode(kind):
+    """Held-out sweep: such a model was refused at its first light step as 'a stateful RNN': its weights, plain
+    attributes recomputed by a forward pre-hook, were batch-shaped. A run ScheduledPrune had pruned was refused
+    mid-run when it resumed at a replay phase."""
+    trainer, light, loader = _pulsed_trainer()
+    trainer.fit(_Classifier(kind), loader)
+    replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
+    assert light.light[:2] == [False, True]  # the second step cut its window while the check was running
+    assert replay.state_check.done and replay.state_check.found == {}
+    assert trainer.global_step == trainer.max_steps == len(light.light) > 2
+
+
+def test_a_pruned_module_that_carries_state_is_refused_before_its_first_light_step_naming_the_state_only():
+    trainer, light, loader = _pulsed_trainer()
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(_Classifier("prune", carries_state=True), loader)
+    assert trainer.global_step == 1 and light.light == [False]  # the first step trained whole, no light one
+    message = str(refusal.value)
+    assert message.startswith("HardSampleReplay cannot cut the batches of a module that carries state")
+    assert "`state` (tensor of shape (64, 4)), which holds the batch size" in message
+    assert "weight" not in message
+
+
+@pytest.mark.parametrize("kind", ["prune", "weight_norm", "spectral_norm"])
+def test_only_the_carried_state_blocks_a_cut_before_the_check_ends_not_a_recomputed_weight(kind):
+    net = _recomputed_weights(nn.Sequential(nn.Linear(16, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 4)), kind)
+    module, check = nn.ModuleDict({"net": net}), CarriedStateCheck()
+    module.state = net(torch.randn(BATCH, 16)).detach()  # the first batch's output, kept for the next batch
+    check.after_first_batch(module, batch_size=BATCH)
+    # the masks' and norms' buffers are candidates too, but only a plain attribute blocks a cut before the test
+    assert check.candidate_shapes() == {"state": ((BATCH, 4),)}
+    assert "`state` (tensor of shape (64, 4))" in check.before_batch(cut=True)
+
+
+def test_a_weight_still_in_the_graph_does_not_block_a_cut_before_the_check_ends():
+    # a review of this pass: a weight dropped anew at every forward (WeightDrop's `self.w = F.dropout(raw)`) is no
+    # hidden state (a carried one is detached), and was refused after step 1 as one
+    raw = nn.Parameter(torch.randn(BATCH, 16))
+    module, check = nn.Module(), CarriedStateCheck()
+    module.w = F.dropout(raw, 0.2)
+    check.after_first_batch(module, batch_size=BATCH)
+    assert "w" in check.candidates and check.candidate_shapes() == {}  # watched, but no cut blocker
+    assert check.before_batch(cut=True) is None  # left to the read/replace test, which clears it
+
+
+class _PlainClassifier(_Classifier):
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.net = nn.Sequential(nn.Linear(16, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 4))
+        self.carries_state = False
+
+
+def test_a_run_scheduled_prune_pruned_resumes_at_a_light_step_as_the_uninterrupted_run(tmp_path):
+    # the sweep's harm: ScheduledPrune's unstructured pruning keeps weights as hook-computed attributes, and a
+    # resume whose second batch was a light one was refused there as "a stateful RNN"
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_pulse import ScheduledPrune
+
+    def fit(ckpt_path=None, every=None):
+        trainer, _, loader = _pulsed_trainer()
+        loader = DataLoader(loader.dataset, batch_size=BATCH)  # a shuffling one resumes exactly only if seeded
+        trainer.callbacks.append(ScheduledPrune(final_sparsity=0.5, start=0.0, end=0.6, probe_batches=0))
+        if every is not None:
+            trainer.callbacks.append(
+                ModelCheckpoint(tmp_path, "{step}", save_top_k=-1, every_n_train_steps=every)
+            )
+        model = _PlainClassifier()
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return model
+
+    whole = fit(every=3)
+    resumed = fit(ckpt_path=tmp_path / "step=6.ckpt")
+    for (name, value), other in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(value, other), name
