@@ -737,6 +737,112 @@ def test_a_rollback_with_no_snapshot_that_fits_stops_the_run_instead_of_training
     assert guard.rollbacks == 0 and trainer.global_step == 21
 
 
+class _TaskHeads(pl.LightningModule):
+    """A trunk and two task heads; the batch's ``task`` field picks the head, and task 1 comes in batch 30
+    only (multi-task and mixture-of-experts models leave a branch unused for a while)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(16, 2), torch.nn.Linear(16, 2)])
+
+    def training_step(self, batch, batch_idx):
+        head = self.heads[int(batch["task"][0])]
+        return torch.nn.functional.cross_entropy(head(self.trunk(batch["x"])), batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        x = torch.randn(64 * 32, 8, generator=torch.Generator().manual_seed(0))
+        task = (torch.arange(len(x)) // 32 == 30).long()
+        rows = [{"x": x[i], "y": (x[i, 0] > 0).long(), "task": task[i]} for i in range(len(x))]
+        return torch.utils.data.DataLoader(rows, batch_size=32)
+
+
+class _NaNIntoTheIdleHeadAt8(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 8:
+            with torch.no_grad():
+                pl_module.heads[1].weight.fill_(float("nan"))
+
+
+def test_a_nan_in_an_unused_branch_is_never_snapshotted_so_the_rollback_returns_to_a_finite_state():
+    """A NaN written into the idle head at step 8 left the loss finite, so the snapshots of steps 10 to 25
+    held it and evicted the finite ones. When batch 30 used the head, the step was non-finite from the state
+    and the guard rolled back to the snapshot of step 25, as NaN as the state it left: the run ended normally,
+    one rollback reported, with a NaN head. Now the snapshots holding it are left out (said once) and the
+    rollback returns to the step-5 snapshot, the newest finite one."""
+    pl.seed_everything(0)
+    model, guard = _TaskHeads(), StabilityGuard(warmup=5, snapshot_every=5, rollback_margin=5)
+    trainer = pl.Trainer(max_steps=50, callbacks=[_NaNIntoTheIdleHeadAt8(), guard], **trainer_kwargs())
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(model)
+    messages = [str(warning.message) for warning in caught]
+    left_out = [m for m in messages if m.startswith("StabilityGuard: no snapshot at step")]
+    assert len(left_out) == 1 and left_out[0].startswith(
+        "StabilityGuard: no snapshot at step 10: heads.1.weight holds non-finite values. A rollback must never"
+    )
+    assert any(
+        m.startswith("StabilityGuard: rollback 1 at step 30 to the snapshot of step 5 ") for m in messages
+    )
+    assert guard.events[-1] == {"step": 30, "event": "rollback", "to_step": 5} and guard.rollbacks == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert guard.snapshots.steps == [0, 5]  # the finite snapshots stayed in the ring (`max_snapshots=2`)
+
+
+class _CausalMaskBuiltAtFirstForward(pl.LightningModule):
+    """Self-attention over the batch with a ``-inf`` causal mask that the first forward builds (a lazy cache),
+    after the fit started; and a BatchNorm, whose running statistics the training loss never reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.out = torch.nn.Linear(16, 2)
+        self.register_buffer("mask", torch.zeros(0), persistent=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        hidden = self.norm(self.embed(x))
+        if self.mask.numel() == 0:
+            self.mask = torch.full((len(x), len(x)), float("-inf")).triu(1)
+        attended = torch.softmax(hidden @ hidden.T / 4 + self.mask, dim=-1) @ hidden
+        return torch.nn.functional.cross_entropy(self.out(attended), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        x = torch.randn(64 * 32, 8, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(list(zip(x, (x[:, 0] > 0).long())), batch_size=32)
+
+
+class _NaNRunningVarFrom8To20(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step in (8, 21):
+            pl_module.norm.running_var.fill_(float("nan") if trainer.global_step == 8 else 1.0)
+
+
+def test_a_buffer_infinite_by_design_never_stops_snapshots_and_a_buffer_with_a_nan_is_left_out():
+    """A ``-inf`` mask built by the first forward was finite (empty) when the guard first saw it, so every
+    later snapshot was left out, with advice about a NaN branch; under a resume the record was lost and the
+    opposite happened. Buffers are now left out for a NaN only: the mask never stops snapshots, while the NaN
+    in the running variance (steps 8 to 20) leaves the snapshots of steps 10 to 20 out."""
+    pl.seed_everything(0)
+    model = _CausalMaskBuiltAtFirstForward()
+    guard = StabilityGuard(warmup=5, snapshot_every=5, rollback_margin=5)
+    trainer = pl.Trainer(max_steps=40, callbacks=[_NaNRunningVarFrom8To20(), guard], **trainer_kwargs())
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(model)
+    left_out = [str(w.message) for w in caught if str(w.message).startswith("StabilityGuard: no snapshot")]
+    assert len(left_out) == 1 and left_out[0].startswith(
+        "StabilityGuard: no snapshot at step 10: norm.running_var holds non-finite values."
+    )
+    assert guard.snapshots_taken == 6 and guard.snapshots.steps == [35, 40]  # 0, 5, 25, 30, 35, 40
+    assert torch.isinf(guard.snapshots.newest().buffers["mask"]).sum() == 32 * 31 // 2
+
+
 def test_a_rollback_after_an_unstructured_pruning_event_returns_to_the_snapshot_under_the_masks():
     """Unstructured ScheduledPrune masked the layers after the step-0 snapshot; a NaN weight at step 25 found no
     snapshot that fit, and the run ended normally with NaN weights."""

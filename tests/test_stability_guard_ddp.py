@@ -21,7 +21,8 @@ from tests.conftest import trainer_kwargs
 
 
 class GuardDump(Callback):
-    """Writes the guard's events and counters, and a digest of the parameters, to ``rank<r>.json``."""
+    """Writes the guard's events, counters and snapshot steps, and a digest of the parameters, to
+    ``rank<r>.json``."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -32,6 +33,7 @@ class GuardDump(Callback):
         record = {
             "events": guard.events,
             "counters": [guard.spikes_detected, guard.steps_skipped, guard.rollbacks, guard.steps_lost],
+            "snapshots": [guard.snapshots.steps, guard.snapshots_taken],
             "params": params.tolist(),
         }
         Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
@@ -107,4 +109,27 @@ def test_ranks_agree_that_spikes_a_snapshot_reproduces_are_the_datas_and_skip_th
         {"step": 27, "event": "loss_spike", "action": "skip", "cause": "recurring"},
     ]
     assert rank0["counters"] == rank1["counters"] == [2, 2, 0, 2]
+    assert rank0["params"] == rank1["params"]
+
+
+class NaNInABufferOnRank1At10(Callback):
+    """A buffer holding ``-inf`` by design on both ranks; rank 1 alone has a NaN in it when step 10 ends (the
+    snapshot due then), and mends it in the next step."""
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.register_buffer("scratch", torch.tensor([0.0, float("-inf")]), persistent=False)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == 1 and trainer.global_step in (10, 11):
+            pl_module.scratch[0] = float("nan") if trainer.global_step == 10 else 0.0
+
+
+@pytest.mark.ddp
+def test_a_nan_in_one_ranks_state_leaves_the_snapshot_out_on_every_rank(tmp_path):
+    """Each rank screens its own state; the finding is all-reduced, so rank 0, whose state is finite, leaves
+    the step-10 snapshot out too and the rings stay alike (otherwise a rollback would part the ranks)."""
+    pl.seed_everything(0)
+    guard = StabilityGuard(warmup=10, snapshot_every=5, rollback_margin=2, max_snapshots=3)
+    rank0, rank1 = fit_two_ranks(tmp_path, [NaNInABufferOnRank1At10()], guard, max_steps=22)
+    assert rank0["snapshots"] == rank1["snapshots"] == [[5, 15, 20], 4]  # 0, 5, 15, 20 taken; 10 left out
     assert rank0["params"] == rank1["params"]

@@ -13,6 +13,7 @@ from lightning_pulse.core.snapshots import (
     RollbackState,
     SnapshotRing,
     copy_to_cpu,
+    nonfinite_tensors,
     restore_snapshot,
     take_snapshot,
     tensor_bytes,
@@ -314,3 +315,43 @@ def test_a_snapshot_from_before_a_pruning_mask_fits_and_restores_under_the_mask(
     assert torch.equal(model[0].weight, saved_weight * mask)
     model.add_module("extra", nn.Linear(2, 2))  # any other change of structure still does not fit
     assert not before.fits(model)
+
+
+def test_nonfinite_tensors_names_nan_and_infinities_but_not_an_overflowing_sum_of_finite_values():
+    big = torch.finfo(torch.float32).max
+    named = {
+        "nan": torch.tensor([1.0, float("nan")]),
+        "plus_inf": torch.tensor([float("inf"), 0.0]),
+        "minus_inf": torch.tensor([[0.0], [float("-inf")]]),
+        "complex_nan": torch.tensor([complex(0.0, float("nan"))]),
+        "half_nan": torch.tensor([float("nan")], dtype=torch.bfloat16),
+        "float8_nan": torch.tensor([1.0, float("nan")]).to(torch.float8_e4m3fn),  # no isfinite for float8
+        "sum_overflows": torch.tensor([big, big]),  # finite, though its sum is not
+        "half_sum_overflows": torch.full((4,), 60000.0, dtype=torch.float16),
+        "integers": torch.tensor([1, 2]),
+        "empty": torch.empty(0),
+        "finite": torch.randn(3, 3),
+    }
+    assert nonfinite_tensors(named) == [
+        "nan",
+        "plus_inf",
+        "minus_inf",
+        "complex_nan",
+        "half_nan",
+        "float8_nan",
+    ]
+    assert nonfinite_tensors({}) == [] and nonfinite_tensors({"ints": torch.tensor([3])}) == []
+
+
+def test_nonfinite_tensors_names_only_a_nan_in_the_tensors_that_may_hold_infinities():
+    inf, nan = float("inf"), float("nan")
+    nan_only = {
+        "causal_mask": torch.tensor([0.0, -inf]),
+        "observer_range": torch.tensor([inf, -inf]),  # a NaN sum of no NaN
+        "running_var": torch.tensor([1.0, nan]),
+        "half_nan": torch.tensor([nan], dtype=torch.bfloat16),
+        "float8_nan": torch.tensor([1.0, nan]).to(torch.float8_e4m3fn),
+    }
+    named = {"weight": torch.tensor([-inf]), "bias": torch.zeros(2)}
+    assert nonfinite_tensors(named, nan_only=nan_only) == ["weight", "running_var", "half_nan", "float8_nan"]
+    assert nonfinite_tensors({}, nan_only={"mask": torch.tensor([-inf])}) == []

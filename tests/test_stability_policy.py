@@ -442,3 +442,104 @@ def test_the_guards_core_concludes_a_rollback_or_a_stop_with_its_message_and_che
     message, path = core.conclude_rollback(Action.ROLLBACK, 40, None, 0, str(tmp_path))
     assert "no snapshot fits the model any more" in message and path.endswith("stopped-step=40.ckpt")
     assert core.policy.rollbacks == 1 and core.policy.events[-1]["to_step"] is None
+
+
+def test_the_guards_core_leaves_a_non_finite_state_out_of_its_snapshots_and_returns_to_a_finite_one():
+    """A NaN in a branch the loss does not use leaves the loss finite: the snapshots taken then held it,
+    evicted the finite ones from the ring, and a rollback returned to them. Now such a state is left out (said
+    once a stretch, also when only another rank holds it): a NaN or infinity in a parameter or the optimizer
+    state, a NaN in a buffer; a ``-inf`` mask buffer is not."""
+    from lightning_pulse.core.stability_steps import StabilityCore
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))  # by design
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(8, 3)).sum().backward()
+    optimizer.step()
+    core = StabilityCore(None, 6.0, 8.0, 20, 5, 1, 2, 5, 2, 0, 3)  # every 5 steps, 2 kept, no margin
+    state, warnings = ([optimizer], [], {}), []
+    assert core.take_snapshot(0, model, *state, warnings.append) and core.take_snapshot(5, model, *state)
+    finite = copy.deepcopy(model.state_dict())
+    optimizer.state[model[2].weight]["exp_avg"][0, 0] = float("nan")  # a NaN only the optimizer state holds
+    assert not core.take_snapshot(10, model, *state, warnings.append)
+    with torch.no_grad():
+        model[1].running_var.fill_(float("nan"))
+    assert not core.take_snapshot(15, model, *state, warnings.append)
+    assert core.schedule.ring.steps == [0, 5] and core.schedule.taken == 2
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "StabilityGuard: no snapshot at step 10: exp_avg of 2.weight holds non-finite values"
+    )
+    assert core.left_out == (10, ["exp_avg of 2.weight"])
+    assert not core.schedule.due(19, True) and core.schedule.due(20, True)  # a period later, not every step
+    target, _ = core.return_to_snapshot(model, state, 20, warnings.append)
+    assert target.step == 5 and core.left_out is None and len(warnings) == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in finite.items())
+    assert all(torch.isfinite(t).all() for t in optimizer.state[model[2].weight].values())
+    # a state non-finite on another rank only is left out on every rank
+    assert not core.take_snapshot(20, model, *state, warnings.append, all_reduce_sum=lambda flag: flag + 1)
+    assert warnings[-1].startswith("StabilityGuard: no snapshot at step 20: tensors (on another rank) hold")
+    assert core.take_snapshot(25, model, *state, all_reduce_sum=lambda flag: flag)
+    assert core.schedule.ring.steps == [5, 25]
+
+
+def test_with_no_finite_snapshot_a_rollback_stops_naming_the_non_finite_tensors(tmp_path):
+    from lightning_pulse.core.stability_steps import StabilityCore
+
+    model = nn.Linear(3, 1)
+    with torch.no_grad():
+        model.bias.fill_(float("nan"))  # e.g. resumed from a checkpoint that held it
+    core = StabilityCore(None, 6.0, 8.0, 20, 5, 1, 2, 5, 2, 0, 3)
+    assert not core.take_snapshot(0, model, [], [], {}) and len(core.schedule.ring) == 0
+    warnings: list[str] = []
+    assert core.return_to_snapshot(model, ([], [], {}), 7, warnings.append) == (None, 0)
+    assert warnings == [
+        "StabilityGuard: no snapshot with a finite state is held: none was taken since step 0 (a non-finite "
+        "state); the parameters stay as they are."
+    ]
+    message, path = core.conclude_rollback(Action.ROLLBACK, 7, None, 0, str(tmp_path))
+    assert message.startswith(
+        "StabilityGuard stopped training at step 7: it had to roll back, but it holds no snapshot with a "
+        "finite state that fits the model: the snapshots since step 0 were left out because bias held "
+        "non-finite values"
+    )
+    assert path.endswith("stopped-step=7.ckpt") and core.policy.stopped
+
+
+def test_the_guards_core_screens_the_optimizer_state_of_each_parameter_outside_the_model():
+    """The optimizer state of every parameter outside the model was named "exp_avg of a parameter outside the
+    model", so each overwrote the one before and only the last was screened: a NaN in the first one's state
+    was snapshotted."""
+    from lightning_pulse.core.stability_steps import StabilityCore
+
+    model, outside = nn.Linear(2, 2), [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.Adam([*model.parameters(), *outside])
+    (model(torch.ones(1, 2)).sum() + sum(p.sum() for p in outside)).backward()
+    optimizer.step()
+    optimizer.state[outside[0]]["exp_avg"].fill_(float("nan"))
+    core, warnings = StabilityCore(None, 6.0, 8.0, 20, 5, 1, 2, 5, 2, 0, 3), []
+    assert not core.take_snapshot(0, model, [optimizer], [], {}, warnings.append)
+    assert core.left_out == (0, ["exp_avg of parameter 2 of optimizer 0 (outside the model)"])
+    assert len(core.schedule.ring) == 0 and len(warnings) == 1
+
+
+def test_the_guards_core_says_why_no_snapshot_was_left_to_return_to():
+    """A rollback that found no snapshot said "no finite snapshot is held" whenever one had been left out, also
+    with finite ones held that no longer fit the model; a parameter infinite by design got the advice for a NaN
+    branch only."""
+    from lightning_pulse.core.stability_steps import StabilityCore
+
+    model = nn.Sequential(nn.Linear(3, 2))
+    core, warnings = StabilityCore(None, 6.0, 8.0, 20, 5, 1, 2, 5, 2, 0, 3), []
+    assert core.take_snapshot(0, model, [], [], {})
+    model.mask = nn.Parameter(torch.tensor([0.0, float("-inf")]), requires_grad=False)  # new structure too
+    assert not core.take_snapshot(5, model, [], [], {}, warnings.append)
+    assert warnings[0].startswith("StabilityGuard: no snapshot at step 5: mask holds non-finite values.")
+    assert (
+        "A parameter infinite by design (a mask held as an `nn.Parameter`) belongs in a buffer" in warnings[0]
+    )
+    assert core.return_to_snapshot(model, ([], [], {}), 7, warnings.append) == (None, 0)
+    assert warnings[1] == (
+        "StabilityGuard: no snapshot fits the model any more (or its optimizers' parameter groups), and none "
+        "was taken since step 5 (a non-finite state); the parameters stay as they are."
+    )

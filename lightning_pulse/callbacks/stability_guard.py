@@ -59,8 +59,11 @@ class StabilityGuard(Callback):
        a checkpoint saved, :class:`StabilityGuardError` raised.
 
     Snapshots: every ``snapshot_every`` steps, at maintain phases and after pruning events, never during an
-    incident. Counters are logged under ``stability/``. DDP ranks decide on all-reduced numbers, so they act
-    alike. Put the guard after callbacks that change gradients (``GradientCache``).
+    incident, nor of a state with a non-finite parameter or optimizer state or a NaN in a buffer (where an
+    infinity can be by design): a NaN in a branch the loss does not use is said once, and a rollback returns
+    to an older, finite snapshot, or stops when none is held. Counters are logged under ``stability/``. DDP
+    ranks decide on all-reduced numbers, so they act alike. Put the guard after callbacks that change gradients
+    (``GradientCache``).
 
     Args:
         loss_zscore: robust z-score above which a loss is a spike; ``None`` turns loss spikes off.
@@ -105,7 +108,8 @@ class StabilityGuard(Callback):
     events = _from_policy("events")
     spikes_detected = _from_policy("spikes_detected")
     last_snapshot_step = property(
-        lambda self: self.schedule.last_step, doc="The step of the newest snapshot."
+        lambda self: self.schedule.last_step,
+        doc="The step of the newest snapshot, or of a newer one left out (its state held non-finite values).",
     )
     snapshots_taken = property(lambda self: self.schedule.taken, doc="Snapshots taken in this fit.")
 
@@ -327,7 +331,12 @@ class StabilityGuard(Callback):
         return trainer.optimizers, schedulers, rollback_states(trainer, exclude=self)
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.core.take_snapshot(trainer.global_step, pl_module, *self._training_state(trainer))
+        """Snapshot the state, unless it holds values a rollback must not return to on any rank (then left
+        out, said once: ``StabilityCore.nonfinite_state``)."""
+        state = self._training_state(trainer)
+        self.core.take_snapshot(
+            trainer.global_step, pl_module, *state, rank_zero_warn, self._sum_over_ranks(trainer)
+        )
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
         """Return to the newest snapshot taken ``rollback_margin`` steps before the incident; then go on

@@ -4,7 +4,8 @@ A :class:`TrainingSnapshot` holds copies of everything a rollback returns to: th
 non-persistent buffers (``register_buffer(..., persistent=False)``: running statistics a checkpoint leaves out
 but training reads), each optimizer's and LR scheduler's ``state_dict``, the ``state_dict`` of selected callbacks, and whatever
 bookkeeping the caller adds (``extra``). Every tensor is copied to the CPU, so snapshots cost host memory,
-not accelerator memory. :class:`SnapshotRing` keeps the newest ``capacity`` snapshots.
+not accelerator memory. :class:`SnapshotRing` keeps the newest ``capacity`` snapshots;
+:func:`nonfinite_tensors` tells a state that should not be kept.
 """
 
 from __future__ import annotations
@@ -82,6 +83,50 @@ def tensor_bytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(tensor_bytes(value) for value in obj)
     return 0
+
+
+def nonfinite_tensors(
+    named: Mapping[str, torch.Tensor], nan_only: Mapping[str, torch.Tensor] | None = None
+) -> list[str]:
+    """The names of the floating-point tensors in ``named`` holding a NaN or an infinite value, then of those
+    in ``nan_only`` holding a NaN (an infinity there can be by design: a ``-inf`` mask, an observer's starting
+    ``inf``). One transfer per device the tensors are on.
+
+    Each tensor is screened by its sum, one vectorised pass (an element-wise ``isfinite`` is several times
+    slower on a CPU than the copy a snapshot makes): a NaN or an infinity makes the sum non-finite, a NaN
+    makes it NaN. So do an overflow of finite values and opposite infinities, so a flagged sum is confirmed
+    element by element (only then). Only plain dense tensors are read: a subclass (a quantised optimizer
+    state) may not support the sum.
+    """
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor, bool]]] = {}
+    for tensors, only_nan in ((named, False), (nan_only or {}, True)):
+        for name, tensor in tensors.items():
+            if (
+                type(tensor) in (torch.Tensor, nn.Parameter)
+                and (tensor.is_floating_point() or tensor.is_complex())
+                and tensor.layout == torch.strided
+            ):
+                by_device.setdefault(tensor.device, []).append((name, tensor.detach(), only_nan))
+    flagged = []
+    for screened in by_device.values():
+        sums = torch.stack(
+            [
+                tensor.sum(dtype=torch.float32 if tensor.element_size() < 4 else None)
+                for _, tensor, _ in screened
+            ]
+        )
+        nan, finite = torch.stack([sums.isnan(), sums.isfinite()]).tolist()
+        flagged += [
+            (name, tensor, only_nan)
+            for (name, tensor, only_nan), is_nan, is_finite in zip(screened, nan, finite)
+            if (is_nan if only_nan else not is_finite)
+        ]
+    bad = set()
+    for name, tensor, only_nan in flagged:
+        values = tensor.float() if tensor.element_size() == 1 else tensor  # float8 has no isfinite
+        if bool(values.isnan().any()) if only_nan else not bool(values.isfinite().all()):
+            bad.add(name)
+    return [name for tensors in (named, nan_only or {}) for name in tensors if name in bad]
 
 
 @dataclass
@@ -505,9 +550,17 @@ class SnapshotSchedule:
         extra: Mapping[str, Any] | None = None,
     ) -> TrainingSnapshot:
         snapshot = self.ring.capture(step, model, optimizers, schedulers, callbacks, extra)
-        self.last_step, self.layout = step, optimizer_layout(optimizers)
+        self.settle(step, optimizers)
         self.taken += 1
         return snapshot
+
+    def settle(self, step: int, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        """The snapshot due at ``step`` was dealt with: taken, or left out (a state with non-finite values is
+        not kept). The next one is due a period later, not at every step until the state is fit to keep. A
+        left-out one records the optimizers' layout too, so a change of parameter groups before it no longer
+        makes a snapshot due at once: the next periodic one holds it (a rollback meanwhile returns only to a
+        snapshot that fits)."""
+        self.last_step, self.layout = step, optimizer_layout(optimizers)
 
     def roll_back(
         self,

@@ -2,6 +2,7 @@
 
 * :class:`StabilityCore`: the guard's algorithm as one object, built from its arguments: the decision of an
   optimizer step, the rollback test, snapshots with their books and the return to one, its checkpointed state.
+* :func:`state_tensors`: the tensors a snapshot returns to, by name (screened before each snapshot).
 * :class:`StepRecord`: the current optimizer step's micro-batches, losses and action, between the guard's hooks.
 * :func:`loss_spiked`, :func:`spike_reproduced` and :func:`rollback_test`: the rollback test's rule (does the
   flagged batch spike at a snapshot's weights too?).
@@ -16,11 +17,12 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-from lightning_pulse.core.carried_state import carried_tensors, restore_carried_tensors
+from lightning_pulse.core.carried_state import carried_tensors, restore_carried_tensors, tensors_in
 from lightning_pulse.core.fault_origin import describe_bad_samples, nonfinite_forward_state
-from lightning_pulse.core.snapshots import SnapshotSchedule, TrainingSnapshot
+from lightning_pulse.core.snapshots import SnapshotSchedule, TrainingSnapshot, nonfinite_tensors
 from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import Action, EscalationPolicy, StabilityGuardConfig
 from lightning_pulse.errors import PulseRefusal, as_config
@@ -106,6 +108,36 @@ def rollback_test(
     return False, None
 
 
+def state_tensors(
+    model: nn.Module, optimizers: Sequence[Any], carried: Mapping[str, Any]
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The tensors a snapshot returns to, by name, in two parts: what training writes (the parameters, and
+    each optimizer-state tensor as ``"exp_avg of layer.weight"``, or ``"exp_avg of parameter 3 of optimizer 0
+    (outside the model)"``), and what a forward writes (the buffers, and the ``carried`` tensors of
+    :func:`~lightning_pulse.core.carried_state.carried_tensors`)."""
+    trained: dict[str, Tensor] = dict(model.named_parameters())
+    names = {id(param): name for name, param in trained.items()}
+    for index, optimizer in enumerate(optimizers):
+        which = f" in optimizer {index}" if index else ""
+        grouped = (param for group in optimizer.param_groups for param in group["params"])
+        for position, param in enumerate(grouped):
+            owner = (
+                names[id(param)] + which
+                if id(param) in names
+                else f"parameter {position} of optimizer {index} (outside the model)"
+            )
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, Tensor):
+                    trained[f"{key} of {owner}"] = value
+    forward: dict[str, Tensor] = dict(model.named_buffers())
+    for name, value in carried.items():
+        tensors = tensors_in(value)
+        forward.update(
+            {name: tensors[0]} if len(tensors) == 1 else {f"{name}[{i}]": t for i, t in enumerate(tensors)}
+        )
+    return trained, forward
+
+
 class StepRecord:
     """What the guard keeps of the current optimizer step from its first micro-batch to its batch end: the
     micro-batches (by reference) and their losses, and its action once decided; and the last applied step's
@@ -172,6 +204,8 @@ class StabilityCore:
         self.schedule = SnapshotSchedule(snapshot_every, max_snapshots, rollback_margin)
         self.bad_samples: list[dict[str, Any]] = []  # {"step", "batch_idx", "rows", "indices"}, newest last
         self.rollback_to: int | None = None  # the snapshot step the last rollback test chose
+        # since the newest snapshot: the first step whose snapshot was left out, and what was non-finite then
+        self.left_out: tuple[int, list[str]] | None = None
 
     def judge(
         self,
@@ -200,7 +234,7 @@ class StabilityCore:
     def start(self) -> None:
         """At fit start, forget what an earlier fit left: a requested snapshot, the rollback test's choice and the
         snapshots (the caller then snapshots the state training starts from, or resumes at)."""
-        self.schedule.pending, self.rollback_to = False, None
+        self.schedule.pending, self.rollback_to, self.left_out = False, None, None
         self.schedule.ring.clear()
 
     def finish_step(
@@ -280,13 +314,49 @@ class StabilityCore:
         return helps
 
     def take_snapshot(
-        self, step: int, model: nn.Module, optimizers: Sequence[Any], schedulers: Sequence[Any], states: Any
-    ) -> None:
-        """Snapshot the training state with the books a rollback returns to (detector, lineage, carried)."""
-        extra = {"detector": self.detector.state_dict(), "carried": carried_tensors(model)}
+        self,
+        step: int,
+        model: nn.Module,
+        optimizers: Sequence[Any],
+        schedulers: Sequence[Any],
+        states: Any,
+        warn: Callable[[str], Any] | None = None,
+        all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
+    ) -> bool:
+        """Snapshot the training state with the books a rollback returns to (detector, lineage, carried),
+        unless it holds non-finite values (:meth:`nonfinite_state`, on any rank: ``all_reduce_sum`` sums the
+        finding). A branch the loss does not use (a task head, a rarely routed expert) can go NaN with the
+        loss finite: a rollback must not return there, and such a snapshot would evict a finite one. It is
+        left out (the first of a stretch said through ``warn``) and the next is due a period later. Whether
+        it was taken."""
+        carried = carried_tensors(model)
+        bad = self.nonfinite_state(model, optimizers, carried)
+        nonfinite = bool(bad)
+        if all_reduce_sum is not None:  # every rank takes the snapshot, or none (their rings stay alike)
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            nonfinite = bool(all_reduce_sum(torch.tensor([float(nonfinite)], device=device)).item())
+        if nonfinite:
+            if self.left_out is None:
+                self.left_out = (step, bad)
+                if warn is not None:
+                    warn(left_out_message(step, bad))
+            self.schedule.settle(step, optimizers)
+            return False
+        self.left_out = None
+        extra = {"detector": self.detector.state_dict(), "carried": carried}
         self.schedule.take(
             step, model, optimizers, schedulers, states, extra={**extra, **self.policy.lineage()}
         )
+        return True
+
+    @staticmethod
+    def nonfinite_state(model: nn.Module, optimizers: Sequence[Any], carried: Mapping[str, Any]) -> list[str]:
+        """The tensors of the training state (:func:`state_tensors`) holding values a rollback must not return
+        to: a NaN or an infinity in a parameter or an optimizer-state tensor; a NaN in a buffer or a carried
+        tensor, where an infinity can be by design (an attention mask of ``-inf``, an observer's starting
+        ``inf``) and a NaN never is. One pass over the state, on its devices, and one transfer per device."""
+        trained, forward = state_tensors(model, optimizers, carried)
+        return nonfinite_tensors(trained, nan_only=forward)
 
     def return_to_snapshot(
         self,
@@ -303,15 +373,18 @@ class StabilityCore:
         start = self.policy.incident_start
         if self.rollback_to is not None:
             start, self.rollback_to = self.rollback_to + self.schedule.margin, None
+        held = len(self.schedule.ring)  # the ones that do not fit go now
         target, predates = self.schedule.roll_back(
             step if start is None else start, model, *state, self.config.rewind_lr_schedule
         )
         if target is None:
-            warn(
-                "StabilityGuard: no snapshot fits the model any more (or its optimizers' parameter groups); "
-                "the parameters stay as they are."
-            )
+            why = "fits the model any more (or its optimizers' parameter groups)"
+            if self.left_out is not None:
+                left_out = f"none was taken since step {self.left_out[0]} (a non-finite state)"
+                why = f"{why}, and {left_out}" if held else f"with a finite state is held: {left_out}"
+            warn(f"StabilityGuard: no snapshot {why}; the parameters stay as they are.")
             return None, 0
+        self.left_out = None  # the state is the snapshot's now, and finite
         if not predates:
             warn(f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one.")
         self.detector.load_state_dict(target.extra["detector"])
@@ -334,7 +407,7 @@ class StabilityCore:
         self.policy.stop(step, to_step)
         path = stop_checkpoint_path(self.config, root_dir, step)
         if action is Action.ROLLBACK:
-            return no_snapshot_message(step, path), path
+            return no_snapshot_message(step, path, self.left_out), path
         return stop_message(self.policy, step, to_step, recent_rollbacks, path), path
 
     def request_maintain_snapshot(self, change: PhaseChange, probe: Mapping[str, float]) -> None:
@@ -461,14 +534,44 @@ def stop_message(
     )
 
 
-def no_snapshot_message(step: int, path: str) -> str:
+def named_list(names: Sequence[str], most: int = 4) -> str:
+    """``"a, b, c, d and 5 more"``; ``"tensors (on another rank)"`` for none (another rank's finding)."""
+    if not names:
+        return "tensors (on another rank)"
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+def left_out_message(step: int, names: Sequence[str]) -> str:
+    verb = "holds" if len(names) == 1 else "hold"
     return (
-        f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the model any "
-        "more: its structure changed after the last one (a layer or buffer added, channels cut outside "
-        "ScheduledPrune), or its optimizer's parameter groups did (a group added by BackboneFinetuning or "
-        "`optimizer.add_param_group`) before a healthy step could be snapshotted, and training on would go on "
-        f"from the bad state. The checkpoint {path!r} holds the current state. Take snapshots more often "
-        "(`snapshot_every`), so that one follows such a change."
+        f"StabilityGuard: no snapshot at step {step}: {named_list(names)} {verb} non-finite values. A "
+        "rollback must never return to such a state, so snapshots are left out until it is finite again; a "
+        "rollback returns to an older one, and with none held the run stops. With a finite loss, a branch "
+        "the loss does not use (a task head, a rarely routed expert) went NaN: find what writes these values "
+        "(a division by a zero norm, a hook or callback that edits the weights). A parameter infinite by "
+        "design (a mask held as an `nn.Parameter`) belongs in a buffer (`register_buffer`): buffers may hold "
+        "infinities."
+    )
+
+
+def no_snapshot_message(step: int, path: str, left_out: tuple[int, Sequence[str]] | None = None) -> str:
+    if left_out is not None:
+        since, names = left_out
+        return (
+            f"StabilityGuard stopped training at step {step}: it had to roll back, but it holds no snapshot "
+            f"with a finite state that fits the model: the snapshots since step {since} were left out "
+            f"because {named_list(names)} held non-finite values, and training on would go on from the bad "
+            f"state. The checkpoint {path!r} holds the current state. Find what writes non-finite values "
+            f"into them, and resume from a checkpoint saved before step {since}."
+        )
+    return (
+        f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the "
+        "model any more: its structure changed after the last one (a layer or buffer added, channels cut "
+        "outside ScheduledPrune), or its optimizer's parameter groups did (a group added by "
+        "BackboneFinetuning or `optimizer.add_param_group`) before a healthy step could be snapshotted, and "
+        f"training on would go on from the bad state. The checkpoint {path!r} holds the current state. Take "
+        "snapshots more often (`snapshot_every`), so that one follows such a change."
     )
 
 
