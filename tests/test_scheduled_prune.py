@@ -778,3 +778,283 @@ def test_a_weight_read_without_grad_before_its_layer_is_called_sees_the_current_
     after_events = [(stage, step) for stage, step, _ in model.reads if step > prune.events[0]["step"]]
     assert {stage for stage, _ in after_events} == {"train", "val"}
     assert [(stage, step) for stage, step, current in model.reads if not current] == []
+
+
+class _EmbeddingNormNet(pl.LightningModule):
+    """Token ids -> embedding (mean over positions) -> Linear, LayerNorm, Linear, BatchNorm1d -> 4 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 16)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 32),
+            torch.nn.LayerNorm(32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 32),
+            torch.nn.BatchNorm1d(32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 4),
+        )
+
+    def forward(self, ids):
+        return self.net(self.emb(ids).mean(1))
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _token_data(length: int = 6) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (256, length), generator=generator)
+    return DataLoader(torch.utils.data.TensorDataset(ids, ids[:, 0] % 4), batch_size=32)
+
+
+def test_structured_mode_with_layer_types_none_cuts_every_layer_that_makes_channels_and_reports_them():
+    """Sweep B: `layer_types=None` (documented: any layer with a weight) crashed at the first batch in
+    structured mode with "`layer_types`=() names no layer type", for every model: the trial cut resolved the
+    resolved types again. The norm layers, which `None` also chooses, led the channel groups in the place of
+    the layers before them (reported uncut while cut; a LayerNorm has no channel count), and an embedding's
+    sparsity was read from its rows."""
+    model = _EmbeddingNormNet()
+    prune = ScheduledPrune(
+        final_sparsity=0.5, mode="structured", start=2, end=6, every=2, probe_batches=0, layer_types=None
+    )
+    pl.Trainer(max_steps=8, callbacks=[prune], **trainer_kwargs()).fit(model, _token_data())
+    last = prune.events[-1]
+    assert last["layer_sparsity"] == {"emb": 0.5, "net.0": 0.5, "net.3": 0.5} and last["sparsity"] == 0.5
+    assert last["uncut_layers"] == ["net.6"]  # its outputs are the logits
+    assert tuple(model.emb.weight.shape) == (50, 8)
+    assert [model.net[i].out_features for i in (0, 3, 6)] == [16, 16, 4]
+    assert tuple(model.net[1].weight.shape) == (16,) and model.net[4].num_features == 16
+
+
+class _FrozenProjectionWithStatistics(pl.LightningModule):
+    """A trainable layer, then a frozen projection whose outputs are scaled by fixed per-channel statistics (a
+    buffer: a cut of the projection's outputs breaks the product), then the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = torch.nn.Linear(16, 32)
+        self.projection = torch.nn.Linear(32, 32).requires_grad_(False)
+        self.register_buffer("scale", torch.rand(32) + 0.5)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.projection(torch.relu(self.encoder(x)))) * self.scale)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def test_the_structured_check_leaves_out_the_layers_the_user_froze_as_the_cuts_do():
+    """The trial cut at fit start chose its layers without the user-frozen set, so it cut a frozen layer that
+    the events never cut, and refused this run ("pruning a copy of the model failed") for a cut that never
+    comes."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 16, generator=generator)
+    data = DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=32)
+    model = _FrozenProjectionWithStatistics()
+    prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=2, end=6, every=2, probe_batches=0)
+    pl.Trainer(max_steps=8, callbacks=[prune], **trainer_kwargs()).fit(model, data)
+    assert prune.events[-1]["layer_sparsity"] == {"encoder": 0.5}
+    assert model.encoder.out_features == 16 and model.projection.out_features == 32
+
+
+class _CheckpointedBlocks(pl.LightningModule):
+    """Embedding -> residual MLP blocks run under activation checkpointing -> LayerNorm -> head."""
+
+    def __init__(
+        self, how: str, use_reentrant: bool, mlp_head: bool = False, frozen: str | None = None
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.how, self.use_reentrant = how, use_reentrant
+        self.emb = torch.nn.Embedding(50, 16)
+        self.blocks = torch.nn.Sequential(*[_ResidualMLP(16) for _ in range(2)])
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = (
+            torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+            if mlp_head
+            else torch.nn.Linear(16, 4)
+        )
+        if frozen is not None:
+            self.get_submodule(frozen).requires_grad_(False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if self.how == "checkpoint_sequential":
+            h = torch.utils.checkpoint.checkpoint_sequential(
+                self.blocks, 2, h, use_reentrant=self.use_reentrant
+            )
+        else:
+            for block in self.blocks:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.use_reentrant)
+        return self.head(self.norm(h).mean(1))
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+class _ResidualMLP(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(width)
+        self.up, self.down = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+
+    def forward(self, h):
+        return h + self.down(torch.relu(self.up(self.ln(h))))
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_sequential"])
+def test_structured_mode_under_reentrant_checkpointing_is_refused_naming_use_reentrant_false(how):
+    """Sweep A: the refusal blamed the model ("no channel group ... give the module a `forward`", or "it broke
+    in blocks.0.ln ... `exclude_pattern`"): torch-pruning cannot see inside a reentrant checkpoint, whose
+    forward runs without autograd. The way out it names, use_reentrant=False, prunes the same model."""
+    steps = StepCounter()
+    prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=2, end=6, every=2, probe_batches=0)
+    trainer = pl.Trainer(max_steps=8, callbacks=[prune, steps], **trainer_kwargs())
+    with pytest.raises(PulseRefusal, match=r"^ScheduledPrune: structured pruning cannot run") as refused:
+        trainer.fit(_CheckpointedBlocks(how, use_reentrant=True), _token_data())
+    message = str(refused.value)
+    assert "reentrant activation checkpointing" in message and "Pass use_reentrant=False" in message
+    assert "exclude_pattern" not in message and "give the module" not in message
+    assert steps.batches == 0 and prune.events == []
+    model = _CheckpointedBlocks(how, use_reentrant=False)
+    prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=2, end=6, every=2, probe_batches=0)
+    pl.Trainer(max_steps=8, callbacks=[prune], **trainer_kwargs()).fit(model, _token_data())
+    assert prune.events[-1]["sparsity"] == 0.5 and model.blocks[0].up.out_features == 16
+
+
+def _fit_structured(model: pl.LightningModule, data: DataLoader, **options) -> ScheduledPrune:
+    prune = ScheduledPrune(
+        final_sparsity=0.5, mode="structured", start=2, end=6, every=2, probe_batches=0, **options
+    )
+    pl.Trainer(max_steps=8, callbacks=[prune], **trainer_kwargs()).fit(model, data)
+    return prune
+
+
+def test_reentrant_checkpointed_layers_are_refused_even_when_the_trial_cut_of_the_others_passes():
+    """Review: the refusal covered only a failing trial cut; with an MLP head the trial cut passed (it cut
+    head.0) and the checkpointed blocks were left uncut, reported as "no channel group of theirs can be cut
+    safely". The check now sees, on the trial's copy, which chosen layers ran with autograd off."""
+    with pytest.raises(PulseRefusal, match="reentrant activation checkpointing") as refused:
+        _fit_structured(_CheckpointedBlocks("checkpoint", use_reentrant=True, mlp_head=True), _token_data())
+    assert "(blocks.0.down, blocks.0.up, blocks.1.down and 1 more)" in str(refused.value)
+    assert "Pass use_reentrant=False" in str(refused.value)
+    model = _CheckpointedBlocks("checkpoint", use_reentrant=False, mlp_head=True)
+    prune = _fit_structured(model, _token_data())
+    assert model.blocks[0].up.out_features == 16 and model.head[0].out_features == 32
+    assert {"blocks.0.up", "blocks.1.up", "head.0"} <= set(prune.events[-1]["layer_sparsity"])
+
+
+def test_layers_run_with_autograd_off_and_no_checkpoint_node_are_refused_naming_exclude_pattern():
+    """Review: a reentrant checkpoint whose input needs no grad (after a frozen embedding) leaves no
+    CheckpointFunctionBackward node in the graph, so that detection missed it (and these blocks get no gradient
+    in training either): the refusal names the layers, a `torch.no_grad()` block or such a checkpoint, and
+    `exclude_pattern`."""
+    model = _CheckpointedBlocks("checkpoint", use_reentrant=True, mlp_head=True, frozen="emb")
+    with pytest.raises(PulseRefusal, match="with autograd off") as refused:
+        _fit_structured(model, _token_data())
+    message = str(refused.value)
+    assert "(blocks.0.down, blocks.0.up, blocks.1.down and 1 more)" in message
+    assert "Leave these layers out with `exclude_pattern`" in message
+
+
+def test_a_frozen_backbone_under_reentrant_checkpointing_still_prunes_the_layers_after_it():
+    """The layers the user froze are not chosen, so running them with autograd off refuses nothing."""
+    model = _CheckpointedBlocks("checkpoint", use_reentrant=True, mlp_head=True, frozen="blocks")
+    prune = _fit_structured(model, _token_data())
+    assert prune.events[-1]["layer_sparsity"] == {"head.0": 0.5} and model.head[0].out_features == 32
+
+
+class _FrozenResidualBranch(pl.LightningModule):
+    """h = relu(encoder(x)); h = h + frozen(h); head(h): every cut of the encoder's outputs cuts the frozen
+    layer's outputs too (the residual sum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = torch.nn.Linear(16, 32)
+        self.frozen = torch.nn.Linear(32, 32).requires_grad_(False)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.encoder(x))
+        return self.head(h + self.frozen(h))
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def test_a_run_whose_every_channel_group_cuts_a_frozen_layer_is_refused_naming_the_frozen_layer():
+    """Review: the refusal said "no channel group ... give the module a `forward`", not the cause: the only
+    group also cuts the layer the user froze. Cutting without the frozen set passes, so that is named."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 16, generator=generator)
+    data = DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=32)
+    with pytest.raises(PulseRefusal, match="also cuts a layer you froze") as refused:
+        _fit_structured(_FrozenResidualBranch(), data)
+    message = str(refused.value)
+    assert "(`requires_grad=False`: frozen)" in message and "Unfreeze those layers" in message
+    assert "give the module" not in message
+
+
+class _UserRMSNorm(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _UserNormNet(pl.LightningModule):
+    """Linear, a user's RMSNorm, Linear, ReLU, Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 32),
+            _UserRMSNorm(32),
+            torch.nn.Linear(32, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 4),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_layer_types_none_leaves_out_a_norm_of_any_class_by_its_one_dimensional_weight():
+    """Review: the norms left out were a fixed list of torch classes; a user's (or Hugging Face's) RMSNorm was
+    chosen, counted at setup and reported "left uncut". A weight of fewer than two dimensions is a per-channel
+    scale, cut with the layer before it."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 16, generator=generator)
+    data = DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=32)
+    model = _UserNormNet()
+    prune = _fit_structured(model, data, layer_types=None)
+    assert prune.events[-1]["layer_sparsity"] == {"net.2": 0.5} and model.net[2].out_features == 32
+    # net.0: torch-pruning holds the norm's weight as a bare parameter, which no cut touches; net.4: the logits
+    assert prune.events[-1]["uncut_layers"] == ["net.0", "net.4"]

@@ -122,7 +122,8 @@ def checked_selection(pruner: pruning.Pruner, model: nn.Module) -> LayerSelectio
     if not selection.layers:
         raise PulseRefusal(
             f"ScheduledPrune: no layer of {model.__class__.__name__} can be pruned with `layer_types`="
-            f"{[t.__name__ for t in pruner.layer_types]}, `exclude_pattern`={pruner.exclude_pattern!r}."
+            f"{[t.__name__ for t in pruner.layer_types] or None}, "
+            f"`exclude_pattern`={pruner.exclude_pattern!r}."
             f"{left_out_note(selection)} Choose other `layer_types` or remove ScheduledPrune."
         )
     return selection
@@ -250,6 +251,18 @@ def resolve_schedule(schedule: PruneSchedule, total_steps: float, step: int) -> 
 
 def refuse_structured(reason: str | None) -> None:
     """Raise :class:`PulseRefusal` with the way out when structured pruning cannot run for ``reason``."""
+    own_way_out = {
+        pruning.REENTRANT_CHECKPOINT: "Pass use_reentrant=False to torch.utils.checkpoint / checkpoint_sequential "
+        "(the non-reentrant form is traced whole), or use mode='unstructured'.",
+        pruning.AUTOGRAD_OFF: "Leave these layers out with `exclude_pattern`, pass use_reentrant=False to a "
+        "checkpoint around them, or use mode='unstructured'.",
+        pruning.FROZEN_COUPLING: "Unfreeze those layers, or use mode='unstructured'.",
+    }
+    for cause, way_out in own_way_out.items():
+        if reason is not None and reason.startswith(cause):
+            raise PulseRefusal(
+                f"ScheduledPrune: structured pruning cannot run on this model: {reason}. {way_out}"
+            )
     if reason is not None:
         raise PulseRefusal(
             f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured'; "

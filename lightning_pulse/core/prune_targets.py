@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 
@@ -41,6 +42,16 @@ class _MatchesHFConv1D(type):
 class HFConv1D(nn.Module, metaclass=_MatchesHFConv1D):
     """Stands for Hugging Face's ``Conv1D`` in ``layer_types`` (``"HFConv1D"``): ``isinstance(m, HFConv1D)``
     is true for a ``transformers.pytorch_utils.Conv1D``, matched by its class's module and name."""
+
+
+def scales_channels(module: nn.Module) -> bool:
+    """Whether ``module``'s own ``weight`` has fewer than two dimensions: a per-channel scale (a norm of any
+    kind, ``torch``'s, Hugging Face's ``LlamaRMSNorm`` or a user's; a ``PReLU``), whose channels are its input's.
+    Structured pruning cuts them with the layer that makes them; as a channel group's root (``layer_types=None``
+    chooses them) they would stand in that layer's place, which the report then calls uncut. An uninitialized
+    lazy weight has no dimensions yet: ``False``."""
+    weight = module._parameters.get("weight")
+    return weight is not None and not is_lazy(weight) and weight.dim() < 2
 
 
 def _has_weight(module: nn.Module) -> bool:
@@ -139,9 +150,10 @@ def select_targets(
 ) -> LayerSelection:
     """The layers of ``model`` to prune: the one place that decides what is prunable.
 
-    A candidate has a ``weight`` parameter, is one of ``layer_types`` (any type when empty) and its name does
-    not match ``exclude`` (``re.search``). Layers named in ``frozen`` (:func:`frozen_layers` at the fit's
-    start) are left out: pruning them would change weights the user froze. So are layers whose weight a
+    A candidate has a ``weight`` parameter, is one of ``layer_types`` (any type when empty; ``structured``:
+    any type but the per-channel scales of :func:`scales_channels`, cut with the layer before them) and its
+    name does not match ``exclude`` (``re.search``). Layers named in ``frozen`` (:func:`frozen_layers` at the
+    fit's start) are left out: pruning them would change weights the user froze. So are layers whose weight a
     parametrization computes (``weight_norm``, ``spectral_norm``). Candidates read without their hook
     are left out; so are owners of a shared weight unless all owners are candidates (then they share one
     mask). ``structured``: any layer holding a shared parameter is left out (cutting it would cut one owner
@@ -154,6 +166,8 @@ def select_targets(
         if not name or not (parametrized or _has_weight(module)):
             continue
         if layer_types and not isinstance(module, layer_types):
+            continue
+        if structured and not layer_types and scales_channels(module):
             continue
         if exclude is not None and re.search(exclude, name) is not None:
             continue

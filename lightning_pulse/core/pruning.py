@@ -771,14 +771,15 @@ def replay_structure(model: nn.Module, example_inputs: Any, history: Sequence[Se
 
 
 def channel_counts(model: nn.Module, names: Sequence[str]) -> dict[str, int]:
-    """Current output channels of the named layers (``out_channels`` / ``out_features`` / ``num_features``)."""
+    """Current output channels of the named layers (``out_channels`` / ``out_features`` / ``num_features`` /
+    ``embedding_dim``: what torch-pruning cuts)."""
     modules = dict(model.named_modules())
     counts = {}
     for name in names:
         module = modules.get(name)
         if module is None:
             continue
-        for attribute in ("out_channels", "out_features", "num_features", "num_embeddings"):
+        for attribute in ("out_channels", "out_features", "num_features", "embedding_dim"):
             if isinstance(getattr(module, attribute, None), int):
                 counts[name] = int(getattr(module, attribute))
                 break
@@ -831,7 +832,9 @@ def check_structured(
     ``example`` after each: intermediate channel counts break models that final ones do not (a head size
     that must divide the width).
 
-    Returns why that is not safe (an error, a changed output shape, nothing that can be cut), or ``None``.
+    Returns why that is not safe (an error, a changed output shape, nothing that can be cut, chosen layers run
+    with autograd off, where the trace cannot see them: :data:`REENTRANT_CHECKPOINT`, :data:`AUTOGRAD_OFF`; every
+    channel group also cuts a layer the user froze: :data:`FROZEN_COUPLING`), or ``None``.
     """
     reason, where = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example)
     if reason is not None and reason.startswith("tracing which channels"):
@@ -840,15 +843,33 @@ def check_structured(
     elif reason is not None and reason.startswith(CUT_FAILED):
         hint = _way_out(model, pruner, sparsities, example, where)
         reason = reason if hint is None else f"{reason}; {hint}"
+    elif reason == NOTHING_TO_CUT and pruner.user_frozen:
+        # the frozen layers are left out of the cut, and so is every group that would cut one of them too
+        if (
+            _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example, frozen=frozenset())[0]
+            is None
+        ):
+            frozen = _first_names(sorted(pruner.user_frozen))
+            reason = f"{FROZEN_COUPLING} (`requires_grad=False`: {frozen}), whose weights must not change"
     return reason
 
 
 def _trial_cut(
-    model: nn.Module, pruner: Pruner, exclude_pattern: str | None, sparsities: Sequence[float], example: Any
+    model: nn.Module,
+    pruner: Pruner,
+    exclude_pattern: str | None,
+    sparsities: Sequence[float],
+    example: Any,
+    frozen: frozenset[str] | None = None,
 ) -> tuple[str | None, str | None]:
-    """:func:`check_structured`'s dry run on a copy, with ``exclude_pattern``: why the cut is not safe (or
-    ``None``), and the module of ``model`` a failing call broke in (or ``None``)."""
-    trial = Pruner("structured", pruner.layer_types, exclude_pattern, pruner.ranking, pruner.min_channels)
+    """:func:`check_structured`'s dry run on a copy, with ``exclude_pattern`` and the user-frozen layers
+    ``frozen`` (``None``: the pruner's): why the cut is not safe (or ``None``), and the module of ``model`` a
+    failing call broke in (or ``None``)."""
+    # the events' selection: `()` goes back to the `None` it was resolved from; user-frozen layers stay out
+    trial = Pruner(
+        "structured", pruner.layer_types or None, exclude_pattern, pruner.ranking, pruner.min_channels
+    )
+    trial.user_frozen = pruner.user_frozen if frozen is None else frozen
     duplicate = copy_without_hooks(model).eval()  # eval: no dropout draws, no batch-norm statistics
     device = next((p.device for p in duplicate.parameters()), torch.device("cpu"))
     inputs = _to_device(as_example_inputs(small_example(example)), device)
@@ -863,6 +884,69 @@ def _trial_cut(
 
 #: how a trial cut that raised is reported (the refusal's reason starts with it)
 CUT_FAILED = "pruning a copy of the model failed"
+
+#: the start of the reason for chosen layers that ran with autograd off in a reentrant activation checkpoint
+REENTRANT_CHECKPOINT = (
+    "its forward runs layers under reentrant activation checkpointing (torch.utils.checkpoint or "
+    "checkpoint_sequential with use_reentrant=True), which runs them without autograd, so torch-pruning's "
+    "dependency graph cannot see them or which channels they read"
+)
+#: the start of the reason for chosen layers that ran with autograd off otherwise
+AUTOGRAD_OFF = (
+    "its forward runs layers to prune with autograd off (in a `torch.no_grad()` block, or in a reentrant "
+    "checkpoint whose inputs need no grad), so torch-pruning's dependency graph cannot see them or which "
+    "channels they read"
+)
+#: the start of the reason for a trial cut that cuts nothing only because of the layers the user froze
+FROZEN_COUPLING = "every channel group of the selected layers also cuts a layer you froze"
+#: the reason for a trial cut that cut nothing
+NOTHING_TO_CUT = "no channel group of the selected layers can be cut safely"
+
+
+def _first_names(names: Sequence[str], most: int = 3) -> str:
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+@contextmanager
+def _run_without_autograd(layers: Mapping[str, nn.Module]) -> Iterator[set[str]]:
+    """Gives the set that holds, once the block is over, the names of ``layers`` that ran in it with autograd
+    off only: torch-pruning traces the autograd graph, so it does not see them, nor which channels they read."""
+    with_grad: set[str] = set()
+    without: set[str] = set()
+
+    def recorder(name: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: Any) -> None:
+            (with_grad if torch.is_grad_enabled() else without).add(name)
+
+        return record
+
+    handles = [layer.register_forward_pre_hook(recorder(name)) for name, layer in layers.items()]
+    found: set[str] = set()
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+        found.update(without - with_grad)
+
+
+def _autograd_off_reason(names: Sequence[str], output: Any) -> str:
+    """:data:`REENTRANT_CHECKPOINT` when ``output``'s autograd graph holds a reentrant checkpoint's node (it
+    stands for the whole checkpointed block), else :data:`AUTOGRAD_OFF`; with the layers ``names``."""
+    seen, stack = set(), [tensor.grad_fn for tensor in _floating_tensors(output)]
+    cause = AUTOGRAD_OFF
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            cause = REENTRANT_CHECKPOINT
+            break
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return f"{cause} ({_first_names(names)})"
+
 
 #: how many exclusions :func:`_way_out` adds and checks before it gives up on naming one that works
 WAY_OUT_TRIES = 3
@@ -1060,9 +1144,10 @@ def _dry_run(
 ) -> str | None:
     try:
         with _time_limit(STRUCTURED_CHECK_SECONDS):
-            try:
-                with torch.no_grad():
-                    before = prune_targets.output_shapes(call_with(duplicate, inputs))
+            try:  # with autograd, as torch-pruning traces it: do the layers to prune run with it?
+                with _run_without_autograd(trial.layers(duplicate)) as without, torch.enable_grad():
+                    output = call_with(duplicate, inputs)
+                before = prune_targets.output_shapes(output)
             except _CheckTimeout:
                 raise
             except Exception as error:  # before any cut: the example, not a cut, is what fails
@@ -1071,6 +1156,9 @@ def _dry_run(
                     f"({type(error).__name__}: {str(error)[:200]}); give the LightningModule an "
                     "`example_input_array` (what its `forward` takes), or a `forward` that takes the batch's input"
                 )
+            if without:
+                return _autograd_off_reason(sorted(without), output)
+            del output
             in_training = _training_shapes(duplicate, inputs, cut=False)
             for sparsity in sparsities:
                 uncut = copy.deepcopy(duplicate)
@@ -1103,7 +1191,7 @@ def _dry_run(
         reason = f"{CUT_FAILED} ({type(error).__name__}: {str(error)[:200]})"
         raise _CutFailed(reason, _failing_module(duplicate, error)) from None
     if not trial.history:
-        return "no channel group of the selected layers can be cut safely"
+        return NOTHING_TO_CUT
     return None
 
 
@@ -1242,8 +1330,9 @@ class PruneOutcome:
         problems: optimizer states that could not be cut and were reset, as messages.
         weight_share: share of the model's parameter elements held by the pruned layers' weights (before the
             event).
-        uncut: structured: the chosen layers that no channel group it could cut safely holds (a layer applied
-            twice, a layer whose outputs feed one of those), left as they are.
+        uncut: structured: the chosen layers that lead no channel group it could cut safely (a layer applied
+            twice, a layer whose outputs feed one of those); a layer cut only within another layer's group is
+            listed too.
     """
 
     sparsity: float
@@ -1262,7 +1351,8 @@ class Pruner:
         mode: ``"unstructured"`` (``torch.nn.utils.prune`` masks on ``|w|``) or ``"structured"`` (output
             channels removed with torch-pruning, ranked by their group L2 norm).
         layer_types: layer classes, ``torch.nn`` names or dotted paths to prune; ``None`` for any layer with a
-            ``weight``.
+            ``weight`` (structured: not the per-channel scales of
+            :func:`~lightning_pulse.core.prune_targets.scales_channels`).
         exclude_pattern: never layers whose qualified name matches this regex (``re.search``).
         ranking: ``"layer"`` (every layer reaches the target) or ``"global"`` (all chosen layers together).
         min_channels: structured: channels every layer keeps at least.
