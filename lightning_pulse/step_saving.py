@@ -91,6 +91,8 @@ class StepSavingLoader:
         # the lengths the run had without the plan: a per-step schedule built for one of them stops part-way
         # through its course (see refuse_schedules_cut_short)
         self._unplanned: UnplannedLengths | None = None
+        # (trainer, its max_steps as the user set it, the plan's cap): see uncap
+        self._capped: tuple[pl.Trainer, int, int] | None = None
 
     @property
     def plan(self) -> StepPlan | None:
@@ -188,6 +190,7 @@ class StepSavingLoader:
         # the plan's data gives exactly its total (warm-up and anneal are pinned where no exact fixed point
         # exists, see plan_steps), so max_epochs is left as the user set it: epoch-interval schedulers,
         # EarlyStopping's patience and epoch checkpoints count the epochs they were given
+        self._capped = (trainer, trainer.max_steps, plan.total_steps)
         compat.set_max_steps(trainer, plan.total_steps)
         self._choose = choose
         self._sampler = PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches, self._cut)
@@ -195,10 +198,20 @@ class StepSavingLoader:
         if cycle is not None:
             cycle.adopt_plan(plan)
         budget = None if cycle is None else cycle.budget
+        replanned = self.stream.replanned_for_another_length
         rank_zero_info(
-            f"HardSampleReplay: {plan_summary(plan, budget)}; trainer.max_steps={plan.total_steps}."
+            f"HardSampleReplay: {plan_summary(plan, budget)}; trainer.max_steps={plan.total_steps}"
+            + (" (the checkpoint's plan remade for this run's length)." if replanned else ".")
         )
         return plan
+
+    def uncap(self, trainer: pl.Trainer) -> None:
+        """Set ``trainer.max_steps`` back as the user set it before a new fit of ``trainer``, unless changed since
+        this fit capped it. The cap stays after the fit (it is the run's length), but read as the user's at a
+        second fit from a checkpoint it made the plain run shorter, and the run was replanned shorter."""
+        if self._capped is not None and self._capped[0] is trainer and trainer.max_steps == self._capped[2]:
+            compat.set_max_steps(trainer, self._capped[1])
+        self._capped = None
 
     def release(self) -> None:
         """Give :attr:`loader` back as the user built it (at the fit's end, when it stopped early, at a reload):

@@ -197,6 +197,9 @@ def test_prediction_scales_the_first_epoch_to_the_whole_run():
     assert predict_run(unread, total_steps=100, intensity_known=True, price_known=False) is None
     assert predict_run(epoch, 100, True, False, epoch=2)["basis"].startswith("epoch 2: 10 optimizer steps")
     assert predict_run(epoch, 100, True, False, epoch=9, steps_done=100) is None  # nothing left to forecast
+    # given the run's batches, per batch: later steps may cover more of them (an accumulation scheduler)
+    counted = {**epoch, "batches": 10}
+    assert predict_run(counted, 100, True, False, total_batches=400)["energy_kwh"] == pytest.approx(40.0)
 
 
 def test_batches_tell_samples_and_tokens():

@@ -759,3 +759,35 @@ def test_the_maintain_probe_is_booked_to_the_maintain_phase_it_runs_for(tmp_path
     assert phases["replay"]["duration_s"] < probes_s / 2  # 8 steps of a small MLP
     seconds = cycle.clock.state_dict()["seconds_by_phase"]  # PulseCycle's own clock agrees
     assert phases["maintain"]["duration_s"] == pytest.approx(seconds["maintain"], abs=0.25)
+
+
+class EveryBatchTakes(Callback):
+    """Each training batch takes `seconds` of the injected clock."""
+
+    def __init__(self, clock: ManualClock, seconds: float) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.clock.now += self.seconds
+
+
+def test_the_forecast_counts_batches_under_an_accumulation_scheduler(tmp_path, caplog):
+    # review: under a GradientAccumulationScheduler the forecast scaled the first epoch's energy per optimizer
+    # step; its 12 steps of one batch each were scaled to the run's 21 steps, the last 9 of which take 5 batches
+    # each: about 40% of the run. Every batch takes 1 s here, so the run takes 48 s, 4 times the first epoch
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    clock = ManualClock()
+    energy = EnergyLogger(
+        cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0)
+    )
+    energy.account.clock = clock
+    schedule = GradientAccumulationScheduler({0: 1, 1: 5})
+    fit = trainer([schedule, energy, EveryBatchTakes(clock, 1.0)], max_epochs=4, default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO):
+        fit.fit(MNIST1DClassifier(arch="mlp"), data())
+
+    prediction, total = energy.report["prediction"], energy.report["total"]
+    assert fit.global_step == 21 and prediction["total_steps"] == 21
+    assert prediction["duration_s"] == pytest.approx(total["duration_s"], rel=0.05)
+    assert prediction["energy_kwh"] == pytest.approx(total["energy_kwh"], rel=0.05)

@@ -565,3 +565,45 @@ def test_a_resume_on_an_earlier_clock_says_when_the_energy_loggers_co2_reads_oth
     said = run(str(checkpoint))  # the same script again: its clock restarted at the run's start
     assert [line for line in said if "before the checkpoint's save" in line]
     assert [line for line in said if "CO2 figures differ" in line]
+
+
+class _BatchesLeftAtDecisions(pl.Callback):
+    """The batches left when GreenWindow (before it in the callbacks) made each decision."""
+
+    def __init__(self, green: GreenWindow) -> None:
+        self.green, self.left = green, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        left = trainer.max_epochs * trainer.num_training_batches - (
+            trainer.fit_loop.epoch_loop.total_batch_idx + 1
+        )
+        self.left += [left] * (self.green.schedule.decision_count - len(self.left))
+
+
+def test_under_an_accumulation_scheduler_the_work_left_is_counted_in_batches(mnist1d_small):
+    # a review of this pass: from the cheap first epoch (one batch a step) the work left was reckoned in steps
+    # of one batch, though later steps take four: GreenWindow could wait for a cleaner hour and miss a deadline
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock(START)
+    green = GreenWindow(
+        signal=DE_JUNE, when_dirty="pause", max_delay=1.0, deadline="2020-06-25 00:00:00", clock=clock
+    )
+    recorder = _BatchesLeftAtDecisions(green)
+    trainer = pl.Trainer(
+        callbacks=[
+            SimulatedStepTime(clock, STEP_S),
+            green,
+            recorder,
+            GradientAccumulationScheduler({0: 1, 1: 4}),
+        ],
+        max_epochs=3,
+        limit_val_batches=0,
+        **trainer_kwargs(),
+    )
+    trainer.fit(model, data)
+    decisions = green.report["decisions"]
+    assert len(decisions) >= 3 and len(recorder.left) == len(decisions)
+    for decision, left in zip(decisions, recorder.left):  # each batch takes STEP_S
+        assert decision["remaining_work_s"] == pytest.approx(left * STEP_S, rel=0.02)

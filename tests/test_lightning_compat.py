@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -111,3 +112,42 @@ def test_all_gather_held_stacks_one_process_without_a_collective():
     tensor = torch.arange(3.0)
     gathered = compat.all_gather_held(OneProcess(), tensor, hold)
     assert gathered.shape == (1, 3) and torch.equal(gathered[0], tensor) and hold.tensors == []
+
+
+def test_total_steps_counts_each_epoch_at_its_own_accumulation_under_a_scheduler(mnist1d_small):
+    # held-out sweep: Lightning's estimate counts every epoch at the current accumulation (48 at the start of this
+    # run, 12 from its second epoch on); GradientCache froze past `release_at` and ScheduledPrune's end fell
+    # past the run's end. 12 batches an epoch: 12 steps, then 3 an epoch (the short window steps at the end)
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lightning_pulse import GradientCache, PruneOptions, ScheduledPrune
+
+    class TotalAtEachEpoch(pl.Callback):
+        def __init__(self):
+            self.totals = []
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.totals.append(compat.total_steps(trainer))
+
+    model, data = mnist1d_small()
+    seen = TotalAtEachEpoch()
+    cache = GradientCache(check_every=2, freeze_for=4, threshold=1.0, release_at=0.7)
+    prune = ScheduledPrune(
+        start=0.2, end=0.7, every=2, probe_batches=0, options=PruneOptions(cadence="steps")
+    )
+    scheduler = GradientAccumulationScheduler({0: 1, 1: 5})
+    trainer = pl.Trainer(callbacks=[scheduler, seen, cache, prune], max_epochs=4, **trainer_kwargs())
+    trainer.fit(model, data)
+    assert trainer.global_step == 21 and seen.totals == [21.0] * 4
+    assert cache._span == (None, 15) and (prune.schedule.start_step, prune.schedule.end_step) == (4, 15)
+    assert prune.schedule.sparsity == pytest.approx(0.5)
+
+
+def test_total_steps_under_an_accumulation_scheduler_is_capped_by_max_steps(mnist1d_small):
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    model, data = mnist1d_small()
+    scheduler = GradientAccumulationScheduler({0: 1, 1: 5})
+    trainer = pl.Trainer(callbacks=[scheduler], max_epochs=4, max_steps=14, **trainer_kwargs())
+    trainer.fit(model, data)
+    assert trainer.global_step == 14 and compat.total_steps(trainer) == 14.0

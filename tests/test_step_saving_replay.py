@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
 
@@ -261,6 +262,51 @@ def test_resume_from_an_end_of_epoch_checkpoint_reproduces_the_uninterrupted_run
     resumed_model, resumed = _fit_pulsed([], ckpt_path=str(tmp_path / "epoch=1.ckpt"), **overrides)
     assert resumed.global_step == full.global_step
     assert torch.equal(_parameters(resumed_model), _parameters(full_model))
+
+
+@pytest.mark.parametrize(
+    ("saved_epochs", "resume_after", "epochs"), [(2, 1, 4), (4, 0, 3)], ids=["longer", "shorter"]
+)
+def test_a_run_resumed_to_another_length_plans_the_rest_for_the_new_length(
+    tmp_path, caplog, saved_epochs, resume_after, epochs
+):
+    # held-out sweep: the checkpoint's plan and the span it pinned the clock to were kept, so a finished run
+    # resumed to more epochs stayed in its anneal (the extension all burst) and a shorter one never annealed
+    def fit(max_epochs, callbacks=(), ckpt_path=None):
+        pl.seed_everything(0)
+        cycle, replay = PulseCycle(**CYCLE), HardSampleReplay(rule="topk", replay_fraction=0.5)
+        trainer = pl.Trainer(
+            callbacks=[cycle, replay, *callbacks],
+            max_epochs=max_epochs,
+            **trainer_kwargs(enable_checkpointing=bool(callbacks)),
+        )
+        model = MNIST1DClassifier()
+        trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64), ckpt_path=ckpt_path)
+        return model, cycle, replay.steps.plan, trainer
+
+    every_epoch = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    fit(saved_epochs, [every_epoch])
+    saved = torch.load(tmp_path / f"epoch={resume_after}.ckpt", weights_only=False)["global_step"]
+    again = ModelCheckpoint(dirpath=tmp_path / "resumed", every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    with caplog.at_level(logging.INFO):
+        model, cycle, plan, trainer = fit(
+            epochs, [again], ckpt_path=str(tmp_path / f"epoch={resume_after}.ckpt")
+        )
+    assert any("plan remade for this run's length" in record.getMessage() for record in caplog.records)
+    assert plan.plain_steps == 12 * epochs and trainer.global_step == plan.total_steps
+    # after the resume, the cycle runs until its anneal, placed on the new run's planned steps
+    changes = [(change.step, change.current.value, change.reason) for change in cycle.history]
+    after = [(phase, reason) for step, phase, reason in changes if step > saved]
+    assert ("replay", "budget") in after and ("maintain", "budget") in after
+    assert (
+        changes[-1] == (round(0.9 * plan.span), "burst", "anneal") and abs(plan.span - plan.total_steps) <= 2
+    )
+    # the new plan is in its checkpoints: resumed again to the same length, the run is the same run
+    model_again, _, _, again_trainer = fit(
+        epochs, ckpt_path=str(tmp_path / "resumed" / f"epoch={epochs - 2}.ckpt")
+    )
+    assert again_trainer.global_step == trainer.global_step
+    assert torch.equal(_parameters(model_again), _parameters(model))
 
 
 def test_plan_without_a_cycle_selects_every_step_and_keeps_each_epoch_one_pass():
@@ -968,3 +1014,24 @@ def test_a_loader_with_persistent_workers_iterated_before_the_fit_trains_the_pla
     trainer.fit(_LinearDecay(), loader)
     assert trainer.global_step == trainer.max_steps < 3 * 8  # the plan ran: fewer steps than plain
     assert sum(len(x) for x, _ in loader) == 256
+
+
+def test_a_second_fit_of_the_same_trainer_plans_for_the_users_max_steps_again(tmp_path, caplog):
+    # review: the plan's cap on trainer.max_steps stayed after the fit, and a second fit of the same Trainer
+    # from a mid-run checkpoint read it as the user's max_steps: a shorter plain run, replanned shorter
+    pl.seed_everything(0)
+    every_epoch = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    cycle, replay = PulseCycle(**CYCLE), HardSampleReplay(rule="topk", replay_fraction=0.5)
+    trainer = pl.Trainer(
+        callbacks=[cycle, replay, every_epoch], max_epochs=3, **trainer_kwargs(enable_checkpointing=True)
+    )
+    trainer.fit(MNIST1DClassifier(), ShuffleFreeData(num_samples=1000, batch_size=64))
+    planned, steps = replay.steps.plan.total_steps, trainer.global_step
+    with caplog.at_level(logging.INFO):
+        trainer.fit(
+            MNIST1DClassifier(),
+            ShuffleFreeData(num_samples=1000, batch_size=64),
+            ckpt_path=str(tmp_path / "epoch=0.ckpt"),
+        )
+    assert replay.steps.plan.total_steps == planned and trainer.global_step == steps
+    assert not any("remade for this run's length" in record.getMessage() for record in caplog.records)

@@ -281,6 +281,8 @@ class EnergyLogger(Callback):
             trainer.current_epoch,
             compat.total_steps(trainer),
             _StrategyCollective(trainer, self._held),
+            # the ledger counts every rank's batches
+            total_batches=compat.total_batches(trainer) * trainer.world_size,
         )
         if forecast is not None:
             rank_zero_info(forecast_message(forecast))

@@ -291,7 +291,7 @@ class GreenWindow(Callback):
                 return
 
     def _decide(self, trainer: pl.Trainer, now: float) -> Decision | None:
-        steps_left = compat.total_steps(trainer) - trainer.global_step
+        steps_left = compat.steps_left_at_run_pace(trainer)
         if steps_left <= 0:  # the last step is done: nothing is left to move into a cleaner hour
             return None
         series, to_series = self.signal.now()

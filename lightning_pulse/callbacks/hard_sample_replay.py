@@ -186,6 +186,7 @@ class HardSampleReplay(Callback):
         refuse(setup_refusal(parallel, tuner_search(trainer), compat.fullgraph_compiled_part(pl_module)))
         self._trainer, self._ready, self._run_checked = trainer, False, False
         if self.mode == "steps":
+            self.steps.uncap(trainer)  # a second fit of the same Trainer plans for the user's max_steps
             self.steps = StepSavingLoader()
             self.steps.check_trainer(trainer)
         if self._remove_hook is not None:

@@ -101,6 +101,7 @@ def plan_steps(
     start_step: int = 0,
     total_steps: int | None = None,
     start_trained: int | None = None,
+    planned_plain_steps: int | None = None,
 ) -> StepPlan:
     """Play the run forward and return its batches.
 
@@ -122,6 +123,9 @@ def plan_steps(
         start_trained: raw samples the run trained before ``start_step`` (``None``: ``start_epoch`` plain
             passes and ``start_samples``). With ``drop_last`` a planned pass may train more than a plain one
             (a light window takes a short rest the plain pass drops), so a resume gives the count it saved.
+        planned_plain_steps: the plain run's steps ``total_steps`` was planned for (``None``: these). A resume
+            to a run of another length (``max_epochs`` raised or lowered) keeps the steps taken and plans the
+            rest again: ``total_steps`` is solved for the new run, warm-up and anneal are shares of it.
 
     Raises:
         ValueError: for a run with neither ``max_epochs`` nor ``max_steps``.
@@ -134,6 +138,8 @@ def plan_steps(
     if max_steps is not None:
         plain = min(plain, max_steps)
     plain_steps = int(plain)
+    if planned_plain_steps is not None and planned_plain_steps != plain_steps:
+        total_steps = None  # the saved total and the span the clock was pinned to belong to the old run
     # the samples the plain run trains: whole epochs, then the steps of a last, partial one
     epoch_samples = plain_epoch_batches * batch_size if drop_last else samples_per_epoch
     whole, rest = divmod(plain_steps, plain_epoch_steps) if plain_epoch_steps else (0, 0)
@@ -161,6 +167,10 @@ def plan_steps(
             return replace(plan, phase_steps=span)
         return replace(plan, total_steps=total_steps, data_steps=plan.total_steps, phase_steps=span)
     # warm-up and anneal are shares of the total the plan computes: iterate to the fixed point
+    if clock is not None and clock.span is not None:  # pinned by the plan of a run of another length
+        clock = clock.copy()
+        clock.pin_span(None)
+        args = (clock, *args[1:])
     guess, seen = plain_steps, {}
     for _ in range(12):
         plan = _simulate(*args, *start, guess)
@@ -378,8 +388,9 @@ class StepSavingStream:
 
     The adapter (:class:`~lightning_pulse.HardSampleReplay`) calls :meth:`make_plan` at fit start,
     :meth:`sizes_for_pass` when the DataLoader starts a pass and :meth:`trained` for every batch. The state
-    (epoch, raw samples of it trained, global step, planned total) goes into checkpoints, so a resume mid-epoch
-    skips what trained and follows the same plan.
+    (epoch, raw samples of it trained, global step, planned total and the plain run's steps it was planned for)
+    goes into checkpoints, so a resume mid-epoch skips what trained and follows the same plan, and a resume to a
+    run of another length plans the rest again.
     """
 
     def __init__(self) -> None:
@@ -394,6 +405,7 @@ class StepSavingStream:
         self._first_pass = True
         self._plain_pass: list[int] = []
         self.resumed_at_pass_end = False  # the checkpoint was saved on the last batch of a pass
+        self.replanned_for_another_length = False  # a resume to another run length remade the saved plan
         self.trained_samples = 0  # raw samples of the run's trained batches, all epochs
 
     def make_plan(
@@ -421,8 +433,11 @@ class StepSavingStream:
             start_step=resume.get("step", 0),
             total_steps=resume.get("total_steps"),
             start_trained=resume.get("trained"),
+            planned_plain_steps=resume.get("plain_steps"),
             **run,  # type: ignore[arg-type]
         )
+        saved_plain_steps = resume.get("plain_steps")
+        self.replanned_for_another_length = saved_plain_steps not in (None, self.plan.plain_steps)
         # a checkpoint of an older version holds no count: its plain passes' samples, as plan_steps reckons
         passes = resume.get("epoch", 0) * sum(self._plain_pass) + resume.get("samples", 0)
         self.trained_samples = resume.get("trained", passes)
@@ -467,6 +482,7 @@ class StepSavingStream:
     def state_dict(self, global_step: int) -> dict[str, Any]:
         total = -1 if self.plan is None else self.plan.total_steps
         return {
+            "plain_steps": -1 if self.plan is None else self.plan.plain_steps,
             "epoch": self.epoch,
             "samples": self.samples,
             "batches": self.batches,

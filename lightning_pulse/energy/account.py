@@ -587,9 +587,14 @@ class EnergyAccount:
         return merge_snapshots(carried, current)
 
     def epoch_metrics(
-        self, epoch: int, total_steps: float, collective: Collective | None = None
+        self,
+        epoch: int,
+        total_steps: float,
+        collective: Collective | None = None,
+        total_batches: float | None = None,
     ) -> tuple[dict[str, float], dict[str, Any] | None]:
-        """The figures logged at an epoch end, and the run's forecast when this epoch made the first one."""
+        """The figures logged at an epoch end, and the run's forecast when this epoch made the first one
+        (``total_batches``: the run's batches, all ranks together; see :func:`predict_run`)."""
         epoch_key = f"epoch/{epoch}"
         sampler = self.sampler
         if (
@@ -647,6 +652,7 @@ class EnergyAccount:
                 self.price is not None,
                 epoch,
                 steps_done=buckets["total"].get("steps"),
+                total_batches=total_batches,
             )
             if forecast is not None:
                 metrics["energy/predicted_kwh"] = forecast["energy_kwh"]

@@ -667,9 +667,12 @@ def predict_run(
     price_known: bool,
     epoch: int = 0,
     steps_done: float | None = None,
+    total_batches: float | None = None,
 ) -> dict[str, Any] | None:
     """carbontracker-style forecast from an epoch (the first one with energy): scale its energy and time per
-    step to ``total_steps``.
+    batch to ``total_batches`` (the run's batches, all ranks together, as the bucket counts them), or, without
+    it, per step to ``total_steps``. Per step is wrong where later steps cover more batches: under a
+    ``GradientAccumulationScheduler`` raising the accumulation from 1 to 5 it forecast 40% of a run's energy.
 
     Returns ``None`` when the epoch made no optimizer step, its meters have read no energy yet (an epoch
     shorter than their first reading: the caller tries the next epoch rather than forecast 0 kWh), the run has
@@ -680,7 +683,10 @@ def predict_run(
     done = b.steps if steps_done is None else steps_done
     if b.steps <= 0 or b.joules <= 0 or not math.isfinite(total_steps) or total_steps <= done:
         return None  # nothing to forecast from, or nothing left to forecast
-    scale = total_steps / b.steps
+    if total_batches is not None and math.isfinite(total_batches) and b.batches > 0:
+        scale = total_batches / b.batches
+    else:
+        scale = total_steps / b.steps
     kwh = b.joules / J_PER_KWH * scale
     return {
         "basis": f"epoch {epoch}: {int(b.steps)} optimizer steps, {b.seconds:.1f} s, {b.joules / J_PER_KWH:.6g} kWh",
