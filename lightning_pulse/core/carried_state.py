@@ -65,16 +65,19 @@ def _plain_attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
     return ((name, value) for name, value in vars(module).items() if name not in _MODULE_INTERNALS)
 
 
+#: forward pre-hooks that compute a layer's weight from parameters before every forward and keep it as a plain
+#: attribute: torch's pruning, old-style weight norm and spectral norm
+WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
+
+
+def hook_weight_name(hook: Any) -> str:
+    """The attribute a :data:`WEIGHT_HOOKS` hook sets (``weight`` for ``weight_orig * weight_mask``)."""
+    return hook._tensor_name if isinstance(hook, BasePruningMethod) else hook.name
+
+
 def _recomputed_before_forward(module: nn.Module) -> set[str]:
-    """The attributes of ``module`` that its forward pre-hooks from torch's pruning, old-style weight norm and
-    spectral norm set from parameters before every forward (``weight`` for ``weight_orig * weight_mask``)."""
-    names: set[str] = set()
-    for hook in module._forward_pre_hooks.values():
-        if isinstance(hook, BasePruningMethod):
-            names.add(hook._tensor_name)
-        elif isinstance(hook, (WeightNorm, SpectralNorm)):
-            names.add(hook.name)
-    return names
+    """The attributes of ``module`` that its :data:`WEIGHT_HOOKS` set from parameters before every forward."""
+    return {hook_weight_name(h) for h in module._forward_pre_hooks.values() if isinstance(h, WEIGHT_HOOKS)}
 
 
 def _skipped(module: nn.Module) -> bool:

@@ -34,8 +34,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import prune
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from lightning_pulse.core import prune_targets
+from lightning_pulse.core.carried_state import WEIGHT_HOOKS, hook_weight_name
 from lightning_pulse.core.prune_targets import LayerSelection, call_with
 
 RANKINGS = ("layer", "global")
@@ -347,13 +349,13 @@ def copy_without_hooks(module: nn.Module) -> nn.Module:
             hooks = getattr(submodule, attribute, None)
             if isinstance(hooks, dict):
                 for hook in hooks.values():
-                    if callable(hook) and not isinstance(hook, _WEIGHT_HOOKS):
+                    if callable(hook) and not isinstance(hook, WEIGHT_HOOKS):
                         memo[id(hook)] = hook
         for hook in submodule._forward_pre_hooks.values():
-            if isinstance(hook, _WEIGHT_HOOKS):
+            if isinstance(hook, WEIGHT_HOOKS):
                 # the computed weight is recomputed by every forward, usually with a graph attached, and a
                 # non-leaf tensor cannot be deep-copied; the copy recomputes it below
-                derived = submodule.__dict__.get(_weight_name(hook))
+                derived = submodule.__dict__.get(hook_weight_name(hook))
                 if isinstance(derived, torch.Tensor):
                     memo[id(derived)] = None
     duplicate = copy.deepcopy(module, memo)
@@ -362,34 +364,19 @@ def copy_without_hooks(module: nn.Module) -> nn.Module:
             hooks = getattr(submodule, attribute, None)
             if isinstance(hooks, dict):
                 for key, hook in list(hooks.items()):
-                    if not isinstance(hook, _WEIGHT_HOOKS):
+                    if not isinstance(hook, WEIGHT_HOOKS):
                         del hooks[key]
         for hook in submodule._forward_pre_hooks.values():
-            if isinstance(hook, _WEIGHT_HOOKS):
+            if isinstance(hook, WEIGHT_HOOKS):
                 with torch.no_grad():
-                    setattr(submodule, _weight_name(hook), _computed_weight(hook, submodule))
+                    setattr(submodule, hook_weight_name(hook), _computed_weight(hook, submodule))
     return duplicate
-
-
-def _weight_hooks() -> tuple[type, ...]:
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    return (prune.BasePruningMethod, WeightNorm, SpectralNorm)
-
-
-#: forward pre-hooks that compute a layer's weight from other tensors: part of the layer, kept in a copy
-_WEIGHT_HOOKS = _weight_hooks()
-
-
-def _weight_name(hook: Any) -> str:
-    return hook._tensor_name if isinstance(hook, prune.BasePruningMethod) else hook.name
 
 
 def _computed_weight(hook: Any, module: nn.Module) -> torch.Tensor:
     if isinstance(hook, prune.BasePruningMethod):
         return hook.apply_mask(module)
-    if isinstance(hook, _WEIGHT_HOOKS[2]):  # spectral norm: no power iteration outside training
+    if isinstance(hook, SpectralNorm):  # no power iteration outside training
         return hook.compute_weight(module, do_power_iteration=False)
     return hook.compute_weight(module)
 
