@@ -352,29 +352,30 @@ def _validate_at_pass_end(trainer: pl.Trainer, batches: int) -> None:
 
 
 def total_steps(trainer: pl.Trainer) -> float:
-    """The run's optimizer steps: ``trainer.estimated_stepping_batches`` as a float, ``inf`` for a run of unknown
-    length. Lightning returns ``max_steps`` for a DataLoader without a length, which is ``-1`` when only
-    ``max_epochs`` bounds the run: read as a length, ``-1`` put every share-of-run setting at step 0 or before.
+    """The run's optimizer steps: ``trainer.estimated_stepping_batches`` as a float, ``inf`` for a run of
+    unknown length. Lightning returns ``max_steps`` for a DataLoader without a length, which is ``-1`` when
+    only ``max_epochs`` bounds the run: read as a length, ``-1`` put every share-of-run setting at step 0 or
+    before.
 
-    Under a ``GradientAccumulationScheduler`` Lightning's estimate counts every epoch at the accumulation of the
-    current one (a held-out run of 75 steps was estimated at 132 at its start and 18 from its fourth epoch on),
-    so the epochs are counted one by one, each at its own accumulation: the short last window of an epoch steps
-    at the epoch's end."""
+    Under a ``GradientAccumulationScheduler`` Lightning's estimate counts every epoch at the accumulation of
+    the current one (a held-out run of 75 steps was estimated at 132 at its start and 18 from its fourth epoch
+    on), so the epochs are counted one by one, each at its own accumulation: the short last window of an epoch
+    steps at the epoch's end."""
     return _run_length(trainer)[0]
 
 
 def total_batches(trainer: pl.Trainer) -> float:
     """The run's training batches on this rank (``inf`` for a run of unknown length), counted with
-    :func:`total_steps`. Work measured per optimizer step does not scale to the rest of a run whose later steps
-    cover more batches (a ``GradientAccumulationScheduler`` raising the accumulation): measured per batch it
-    does."""
+    :func:`total_steps`. Work measured per optimizer step does not scale to the rest of a run whose later
+    steps cover more batches (a ``GradientAccumulationScheduler`` raising the accumulation): measured per
+    batch it does."""
     return _run_length(trainer)[1]
 
 
 def steps_left_at_run_pace(trainer: pl.Trainer) -> float:
-    """Optimizer steps left (:func:`total_steps`), in steps of the size the run's have had on average: a time per
-    step measured so far then times the work left. Under a ``GradientAccumulationScheduler`` a later step covers
-    more batches, so the batches left are counted and divided by the run's batches per step so far."""
+    """Optimizer steps left (:func:`total_steps`), in steps of the size the run's have had on average: a time
+    per step measured so far then times the work left. Under a ``GradientAccumulationScheduler`` a later step
+    covers more batches, so the batches left are counted and divided by the run's batches per step so far."""
     steps_left = total_steps(trainer) - trainer.global_step
     done = trainer.fit_loop.epoch_loop.total_batch_idx + 1  # the run's batches, a resume's included
     scheduled = any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks)

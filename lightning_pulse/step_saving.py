@@ -206,9 +206,9 @@ class StepSavingLoader:
         return plan
 
     def uncap(self, trainer: pl.Trainer) -> None:
-        """Set ``trainer.max_steps`` back as the user set it before a new fit of ``trainer``, unless changed since
-        this fit capped it. The cap stays after the fit (it is the run's length), but read as the user's at a
-        second fit from a checkpoint it made the plain run shorter, and the run was replanned shorter."""
+        """Set ``trainer.max_steps`` back as the user set it before a new fit of ``trainer``, unless changed
+        since this fit capped it. The cap stays after the fit (it is the run's length), but read as the user's
+        at a second fit from a checkpoint it made the plain run shorter, and the run was replanned shorter."""
         if self._capped is not None and self._capped[0] is trainer and trainer.max_steps == self._capped[2]:
             compat.set_max_steps(trainer, self._capped[1])
         self._capped = None

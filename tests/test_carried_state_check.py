@@ -1,4 +1,5 @@
-"""The carried-state check tells a weight recomputed before every forward from state carried to the next batch."""
+"""The carried-state check tells a weight recomputed before every forward from state carried to the next
+batch."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ BATCH = HIDDEN = 64
 
 
 def _recomputed_weights(net: nn.Sequential, kind: str) -> nn.Sequential:
-    """``net`` with its two Linear layers' weights kept as plain attributes that a forward pre-hook computes from
-    parameters before every forward, as ScheduledPrune's unstructured mode and old-style weight norm leave them."""
+    """``net`` with its two Linear layers' weights kept as plain attributes that a forward pre-hook computes
+    from parameters before every forward, as ScheduledPrune's unstructured mode and old-style weight norm
+    leave them."""
     for layer in (net[0], net[2]):
         if kind == "prune":
             prune.l1_unstructured(layer, "weight", amount=0.3)
@@ -91,9 +93,9 @@ def _pulsed_trainer() -> tuple[pl.Trainer, _LightSteps, DataLoader]:
 
 @pytest.mark.parametrize("kind", ["prune", "weight_norm"])
 def test_a_pruned_or_weight_normed_mlp_whose_weights_hold_the_batch_size_trains_in_steps_mode(kind):
-    """Held-out sweep: such a model was refused at its first light step as 'a stateful RNN': its weights, plain
-    attributes recomputed by a forward pre-hook, were batch-shaped. A run ScheduledPrune had pruned was refused
-    mid-run when it resumed at a replay phase."""
+    """Held-out sweep: such a model was refused at its first light step as 'a stateful RNN': its weights,
+    plain attributes recomputed by a forward pre-hook, were batch-shaped. A run ScheduledPrune had pruned was
+    refused mid-run when it resumed at a replay phase."""
     trainer, light, loader = _pulsed_trainer()
     trainer.fit(_Classifier(kind), loader)
     replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
@@ -119,14 +121,15 @@ def test_only_the_carried_state_blocks_a_cut_before_the_check_ends_not_a_recompu
     module, check = nn.ModuleDict({"net": net}), CarriedStateCheck()
     module.state = net(torch.randn(BATCH, 16)).detach()  # the first batch's output, kept for the next batch
     check.after_first_batch(module, batch_size=BATCH)
-    # the masks' and norms' buffers are candidates too, but only a plain attribute blocks a cut before the test
+    # the masks' and norms' buffers are candidates too, but only a plain attribute blocks a cut before the
+    # test
     assert check.candidate_shapes() == {"state": ((BATCH, 4),)}
     assert "`state` (tensor of shape (64, 4))" in check.before_batch(cut=True)
 
 
 def test_a_weight_still_in_the_graph_does_not_block_a_cut_before_the_check_ends():
-    # a review of this pass: a weight dropped anew at every forward (WeightDrop's `self.w = F.dropout(raw)`) is no
-    # hidden state (a carried one is detached), and was refused after step 1 as one
+    # a review of this pass: a weight dropped anew at every forward (WeightDrop's `self.w = F.dropout(raw)`)
+    # is no hidden state (a carried one is detached), and was refused after step 1 as one
     raw = nn.Parameter(torch.randn(BATCH, 16))
     module, check = nn.Module(), CarriedStateCheck()
     module.w = F.dropout(raw, 0.2)
@@ -151,7 +154,8 @@ def test_a_run_scheduled_prune_pruned_resumes_at_a_light_step_as_the_uninterrupt
 
     def fit(ckpt_path=None, every=None):
         trainer, _, loader = _pulsed_trainer()
-        loader = DataLoader(loader.dataset, batch_size=BATCH)  # a shuffling one resumes exactly only if seeded
+        # not shuffled: a shuffling loader resumes exactly only if it is seeded per epoch
+        loader = DataLoader(loader.dataset, batch_size=BATCH)
         trainer.callbacks.append(ScheduledPrune(final_sparsity=0.5, start=0.0, end=0.6, probe_batches=0))
         if every is not None:
             trainer.callbacks.append(

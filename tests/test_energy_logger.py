@@ -773,8 +773,9 @@ class EveryBatchTakes(Callback):
 
 def test_the_forecast_counts_batches_under_an_accumulation_scheduler(tmp_path, caplog):
     # review: under a GradientAccumulationScheduler the forecast scaled the first epoch's energy per optimizer
-    # step; its 12 steps of one batch each were scaled to the run's 21 steps, the last 9 of which take 5 batches
-    # each: about 40% of the run. Every batch takes 1 s here, so the run takes 48 s, 4 times the first epoch
+    # step; its 12 steps of one batch each were scaled to the run's 21 steps, the last 9 of which take 5
+    # batches each: about 40% of the run. Every batch takes 1 s here, so the run takes 48 s, 4 times the first
+    # epoch
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     clock = ManualClock()

@@ -582,7 +582,8 @@ class _BatchesLeftAtDecisions(pl.Callback):
 
 def test_under_an_accumulation_scheduler_the_work_left_is_counted_in_batches(mnist1d_small):
     # a review of this pass: from the cheap first epoch (one batch a step) the work left was reckoned in steps
-    # of one batch, though later steps take four: GreenWindow could wait for a cleaner hour and miss a deadline
+    # of one batch, though later steps take four: GreenWindow could wait for a cleaner hour and miss a
+    # deadline
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     model, data = mnist1d_small(arch="mlp")

@@ -551,7 +551,8 @@ def test_a_token_lm_whose_flattened_logits_are_square_is_scored_not_taken_for_a_
 
 def test_the_end_note_tells_cut_steps_recorded_without_scores_from_steps_that_had_nothing_scored():
     # held-out sweep: replay steps that cut their batches but were recorded without scores (their loss did not
-    # split) ended with "nothing was selected ... none of their samples had a score yet ... so all of them trained"
+    # split) ended with "nothing was selected ... none of their samples had a score yet ... so all of them
+    # trained"
     selector = HardSampleSelector(SampleScoreTable(16), ReplayConfig(replay_fraction=0.5))
     batch = torch.arange(8)
     selector.record(batch, torch.rand(8), np.full(8, UNTOUCHED), 0, active=False, offered=8)  # scores all 8
@@ -571,7 +572,8 @@ def test_the_end_note_tells_cut_steps_recorded_without_scores_from_steps_that_ha
     losses[0] = math.nan
     selector.record(chosen.indices, losses, chosen.roles, 0, active=True, offered=8)
     assert selector.end_run().startswith(
-        "nothing was selected in this run. 1 steps were in a replay phase, but none of their samples had a score"
+        "nothing was selected in this run. 1 steps were in a replay phase, but none of their samples had a "
+        "score"
     )
     # top-k keeps never-scored samples first: a batch of 6 of them and 2 scored ones trains the 6 alone
     selector = HardSampleSelector(SampleScoreTable(16), ReplayConfig(replay_fraction=0.5))
@@ -582,8 +584,8 @@ def test_the_end_note_tells_cut_steps_recorded_without_scores_from_steps_that_ha
     selector.record(chosen.indices, torch.rand(6), chosen.roles, 1, active=True, offered=8)
     assert chosen.indices.tolist() == list(range(8, 14))
     assert selector.end_run().startswith(
-        "nothing was selected in this run. 1 steps were in a replay phase and trained 6 of the 8 samples offered "
-        "to them: only samples that had no score yet"
+        "nothing was selected in this run. 1 steps were in a replay phase and trained 6 of the 8 samples "
+        "offered to them: only samples that had no score yet"
     )
 
 

@@ -115,9 +115,10 @@ def test_all_gather_held_stacks_one_process_without_a_collective():
 
 
 def test_total_steps_counts_each_epoch_at_its_own_accumulation_under_a_scheduler(mnist1d_small):
-    # held-out sweep: Lightning's estimate counts every epoch at the current accumulation (48 at the start of this
-    # run, 12 from its second epoch on); GradientCache froze past `release_at` and ScheduledPrune's end fell
-    # past the run's end. 12 batches an epoch: 12 steps, then 3 an epoch (the short window steps at the end)
+    # held-out sweep: Lightning's estimate counts every epoch at the current accumulation (48 at the start of
+    # this run, 12 from its second epoch on); GradientCache froze past `release_at` and ScheduledPrune's end
+    # fell past the run's end. 12 batches an epoch: 12 steps, then 3 an epoch (the short window steps at the
+    # end)
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     from lightning_pulse import GradientCache, PruneOptions, ScheduledPrune

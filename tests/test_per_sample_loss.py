@@ -507,9 +507,10 @@ def test_a_contrastive_loss_over_views_is_not_cut_into_samples():
 
 
 def test_a_token_loss_whose_flattened_rows_equal_the_vocabulary_splits_a_square_matrix_over_views_does_not():
-    # held-out sweep: a replay batch cut to 4 samples of 16 tokens over a vocabulary of 64 gives 64 x 64 logits,
-    # which were read as a contrastive matrix over 16 views of each sample: every cut step went unscored (a
-    # byte-level LM, V=256, on 4 x 64 tokens hits it; with B*T = V in the whole batch the run was refused)
+    # held-out sweep: a replay batch cut to 4 samples of 16 tokens over a vocabulary of 64 gives 64 x 64
+    # logits, which were read as a contrastive matrix over 16 views of each sample: every cut step went
+    # unscored (a byte-level LM, V=256, on 4 x 64 tokens hits it; with B*T = V in the whole batch the run was
+    # refused)
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 64)
     hidden = torch.randn(4, 16, 8)

@@ -83,8 +83,8 @@ def test_warmup_and_anneal_follow_the_estimated_run_length(mnist1d_small):
 
 def test_warmup_and_anneal_follow_the_run_length_under_an_accumulation_scheduler(mnist1d_small):
     # held-out sweep: the run length came from Lightning's estimate, which counts every epoch at the current
-    # accumulation (48 steps at the start here, 12 from the second epoch on): warm-up and anneal moved with it.
-    # 12 batches an epoch: 12 steps, then 3 an epoch at accumulation 5, 21 in all
+    # accumulation (48 steps at the start here, 12 from the second epoch on): warm-up and anneal moved with
+    # it. 12 batches an epoch: 12 steps, then 3 an epoch at accumulation 5, 21 in all
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     model, data = mnist1d_small()
@@ -93,8 +93,8 @@ def test_warmup_and_anneal_follow_the_run_length_under_an_accumulation_scheduler
     trainer = pl.Trainer(callbacks=[scheduler, cycle], max_epochs=4, **trainer_kwargs())
     trainer.fit(model, data)
     assert trainer.global_step == 21
-    # warm-up round(0.1 * 21) = 2 steps, so the first replay starts at 2 + 3; the anneal from round(0.7 * 21) = 15,
-    # inside the second replay
+    # warm-up round(0.1 * 21) = 2 steps, so the first replay starts at 2 + 3; the anneal from round(0.7 * 21)
+    # = 15, inside the second replay
     changes = [(change.step, change.reason) for change in cycle.history]
     assert changes == [(0, "start"), (5, "budget"), (9, "budget"), (12, "budget"), (15, "anneal")]
 

@@ -960,9 +960,9 @@ def test_reentrant_checkpointed_layers_are_refused_even_when_the_trial_cut_of_th
 
 def test_layers_run_with_autograd_off_and_no_checkpoint_node_are_refused_naming_exclude_pattern():
     """Review: a reentrant checkpoint whose input needs no grad (after a frozen embedding) leaves no
-    CheckpointFunctionBackward node in the graph, so that detection missed it (and these blocks get no gradient
-    in training either): the refusal names the layers, a `torch.no_grad()` block or such a checkpoint, and
-    `exclude_pattern`."""
+    CheckpointFunctionBackward node in the graph, so that detection missed it (and these blocks get no
+    gradient in training either): the refusal names the layers, a `torch.no_grad()` block or such a
+    checkpoint, and `exclude_pattern`."""
     model = _CheckpointedBlocks("checkpoint", use_reentrant=True, mlp_head=True, frozen="emb")
     with pytest.raises(PulseRefusal, match="with autograd off") as refused:
         _fit_structured(model, _token_data())
@@ -1056,5 +1056,6 @@ def test_layer_types_none_leaves_out_a_norm_of_any_class_by_its_one_dimensional_
     model = _UserNormNet()
     prune = _fit_structured(model, data, layer_types=None)
     assert prune.events[-1]["layer_sparsity"] == {"net.2": 0.5} and model.net[2].out_features == 32
-    # net.0: torch-pruning holds the norm's weight as a bare parameter, which no cut touches; net.4: the logits
+    # net.0: torch-pruning holds the norm's weight as a bare parameter, which no cut touches; net.4: the
+    # logits
     assert prune.events[-1]["uncut_layers"] == ["net.0", "net.4"]

@@ -781,7 +781,8 @@ def test_a_nan_in_an_unused_branch_is_never_snapshotted_so_the_rollback_returns_
     messages = [str(warning.message) for warning in caught]
     left_out = [m for m in messages if m.startswith("StabilityGuard: no snapshot at step")]
     assert len(left_out) == 1 and left_out[0].startswith(
-        "StabilityGuard: no snapshot at step 10: heads.1.weight holds non-finite values. A rollback must never"
+        "StabilityGuard: no snapshot at step 10: heads.1.weight holds non-finite values. A rollback must "
+        "never"
     )
     assert any(
         m.startswith("StabilityGuard: rollback 1 at step 30 to the snapshot of step 5 ") for m in messages

@@ -524,9 +524,9 @@ def test_the_guards_core_screens_the_optimizer_state_of_each_parameter_outside_t
 
 
 def test_the_guards_core_says_why_no_snapshot_was_left_to_return_to():
-    """A rollback that found no snapshot said "no finite snapshot is held" whenever one had been left out, also
-    with finite ones held that no longer fit the model; a parameter infinite by design got the advice for a NaN
-    branch only."""
+    """A rollback that found no snapshot said "no finite snapshot is held" whenever one had been left out,
+    also with finite ones held that no longer fit the model; a parameter infinite by design got the advice for
+    a NaN branch only."""
     from lightning_pulse.core.stability_steps import StabilityCore
 
     model = nn.Sequential(nn.Linear(3, 2))

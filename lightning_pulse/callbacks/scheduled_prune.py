@@ -67,8 +67,8 @@ class ScheduledPrune(Callback):
         every: optimizer steps between events on the step cadence (refused next to ``cadence='maintain'``).
         layer_types: layer classes (or ``torch.nn`` names, dotted paths, ``"HFConv1D"``) to prune; ``None`` for
             any layer with a ``weight``. In structured mode these are the layers whose output channels are
-            removed (with ``None``, not a layer whose weight has fewer than two dimensions, a norm of any class
-            or ``PReLU``: it is cut with the layer before it).
+            removed (with ``None``, not a layer whose weight has fewer than two dimensions, a norm of any
+            class or ``PReLU``: it is cut with the layer before it).
         exclude_pattern: never layers whose qualified name matches this regex (``re.search``).
         probe_batches: validation batches evaluated right after each event (and before it when no PulseCycle
             probe just ran); ``0`` turns the probes off.

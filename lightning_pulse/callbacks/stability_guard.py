@@ -62,8 +62,8 @@ class StabilityGuard(Callback):
     incident, nor of a state with a non-finite parameter or optimizer state or a NaN in a buffer (where an
     infinity can be by design): a NaN in a branch the loss does not use is said once, and a rollback returns
     to an older, finite snapshot, or stops when none is held. Counters are logged under ``stability/``. DDP
-    ranks decide on all-reduced numbers, so they act alike. Put the guard after callbacks that change gradients
-    (``GradientCache``).
+    ranks decide on all-reduced numbers, so they act alike. Put the guard after callbacks that change
+    gradients (``GradientCache``).
 
     Args:
         loss_zscore: robust z-score above which a loss is a spike; ``None`` turns loss spikes off.

@@ -25,8 +25,9 @@ class BackwardFlopLedger:
     """Backward FLOPs per frozen-prefix length, and the FLOPs that freezing skipped.
 
     Each distinct prefix length is measured once, on a real backward, with torch's FLOP formulas
-    (:class:`ExactFlopCounter`, see :meth:`measuring`); length 0 (nothing frozen) is the reference. Every later backward adds ``flops[0] - flops[length]`` to the skipped total. Backwards of a
-    different batch size than the measured one are counted at the measured size.
+    (:class:`ExactFlopCounter`, see :meth:`measuring`); length 0 (nothing frozen) is the reference. Every
+    later backward adds ``flops[0] - flops[length]`` to the skipped total. Backwards of a different batch size
+    than the measured one are counted at the measured size.
     """
 
     def __init__(self) -> None:
@@ -112,10 +113,10 @@ class ExactFlopCounter(TorchDispatchMode):
     """Counts the FLOPs of the ops run inside it with ``torch.utils.flop_counter``'s formulas (matmuls,
     convolutions, attention), running every op exactly as called.
 
-    Not ``FlopCounterMode``: it breaks an op without a formula into smaller ops (``aten.silu_backward``), which
-    changes the gradients it measures in their last bits, so a measured step of a SiLU model (Llama, Mamba)
-    no longer matched the plain run's. An op without a formula counts zero here, as the elementwise ops it
-    decomposes into do there.
+    Not ``FlopCounterMode``: it breaks an op without a formula into smaller ops (``aten.silu_backward``),
+    which changes the gradients it measures in their last bits, so a measured step of a SiLU model (Llama,
+    Mamba) no longer matched the plain run's. An op without a formula counts zero here, as the elementwise ops
+    it decomposes into do there.
     """
 
     def __init__(self) -> None:

@@ -22,9 +22,9 @@ torchmetrics states (skipped: they accumulate over an epoch), state reset at eve
 is never read). Hugging Face models keep nothing on the module during training.
 
 A weight that torch's pruning, old-style ``weight_norm`` or ``spectral_norm`` keeps as a plain attribute is no
-candidate: its forward pre-hook computes it anew from parameters before every forward, so it never carries over.
-Counted as one, the weight of a layer as wide as the batch is large would refuse a cut batch before the test
-could clear it.
+candidate: its forward pre-hook computes it anew from parameters before every forward, so it never carries
+over. Counted as one, the weight of a layer as wide as the batch is large would refuse a cut batch before the
+test could clear it.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ def batch_shaped_attributes(module: nn.Module, batch_size: int) -> dict[str, tup
     """Plain tensors (or tuples, lists or dicts of tensors) held as attributes of ``module`` or its submodules,
     and their buffers, keyed by their dotted path, of which a dimension is ``batch_size``. A buffer updated in
     place (BatchNorm's running statistics) is never *replaced*, so only one assigned anew at every batch (a
-    hidden state kept as a buffer) can be carried state; torchmetrics metrics are skipped, and so are the weights
-    a pruning or weight-norm pre-hook computes before every forward (:func:`_recomputed_before_forward`)."""
+    hidden state kept as a buffer) can be carried state; torchmetrics metrics are skipped, and so are the
+    weights a pruning or weight-norm pre-hook computes before every forward
+    (:func:`_recomputed_before_forward`)."""
     found: dict[str, tuple[Tensor, ...]] = {}
     for prefix, submodule in module.named_modules():
         if _skipped(submodule):
@@ -207,8 +208,9 @@ class CarriedStateCheck:
         # a batch cut before the check ends is refused only on a plain tensor, tuple or list attribute: buffers
         # (BatchNorm's statistics when its channels equal the batch size) and dicts (outputs kept for logging, a
         # cache) are batch-shaped far more often than they carry state, and wait for the read/replace test
-        # nor on a tensor still in the graph (a weight recomputed at every forward, WeightDrop's dropped copy): a
-        # carried hidden state is detached, or the next batch's backward would fail through the freed graph
+        # nor on a tensor still in the graph (a weight recomputed at every forward, WeightDrop's dropped
+        # copy): a carried hidden state is detached, or the next batch's backward would fail through the freed
+        # graph
         self._cut_blockers = {
             path
             for path, tensors in self.candidates.items()
@@ -260,22 +262,23 @@ def carried_state_refusal(
     found: dict[str, tuple[tuple[int, ...], ...]], read_seen: bool = True
 ) -> str | None:
     """The reason and the way out, after the callback's name, for refusing to cut the batches of a module that
-    carries ``found`` (see :meth:`CarriedStateCheck.describe`) from one batch to the next; ``None`` if nothing.
-    ``read_seen=False``: a batch is cut before the read/replace test could tell (the message says so)."""
+    carries ``found`` (see :meth:`CarriedStateCheck.describe`) from one batch to the next; ``None`` if
+    nothing. ``read_seen=False``: a batch is cut before the read/replace test could tell (the message says
+    so)."""
     if not found:
         return None
     if read_seen:
         held = "which holds the batch size and is read by the next batch (a stateful RNN)"
     else:
         held = (
-            "which holds the batch size and may be state carried to the next batch (as a stateful RNN's); the "
-            "batch that would tell is cut"
+            "which holds the batch size and may be state carried to the next batch (as a stateful RNN's); "
+            "the batch that would tell is cut"
         )
     return (
         f"cannot cut the batches of a module that carries state from one batch to the next: "
-        f"{CarriedStateCheck.describe(found)}, {held}. A cut batch no longer matches it, and other samples would "
-        "break the streams it follows. Remove HardSampleReplay for this model, or reset that state at the start of "
-        "every batch."
+        f"{CarriedStateCheck.describe(found)}, {held}. A cut batch no longer matches it, and other samples "
+        "would break the streams it follows. Remove HardSampleReplay for this model, or reset that state at "
+        "the start of every batch."
     )
 
 

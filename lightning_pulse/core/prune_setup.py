@@ -252,8 +252,8 @@ def resolve_schedule(schedule: PruneSchedule, total_steps: float, step: int) -> 
 def refuse_structured(reason: str | None) -> None:
     """Raise :class:`PulseRefusal` with the way out when structured pruning cannot run for ``reason``."""
     own_way_out = {
-        pruning.REENTRANT_CHECKPOINT: "Pass use_reentrant=False to torch.utils.checkpoint / checkpoint_sequential "
-        "(the non-reentrant form is traced whole), or use mode='unstructured'.",
+        pruning.REENTRANT_CHECKPOINT: "Pass use_reentrant=False to torch.utils.checkpoint / "
+        "checkpoint_sequential (the non-reentrant form is traced whole), or use mode='unstructured'.",
         pruning.AUTOGRAD_OFF: "Leave these layers out with `exclude_pattern`, pass use_reentrant=False to a "
         "checkpoint around them, or use mode='unstructured'.",
         pruning.FROZEN_COUPLING: "Unfreeze those layers, or use mode='unstructured'.",

@@ -46,10 +46,10 @@ class HFConv1D(nn.Module, metaclass=_MatchesHFConv1D):
 
 def scales_channels(module: nn.Module) -> bool:
     """Whether ``module``'s own ``weight`` has fewer than two dimensions: a per-channel scale (a norm of any
-    kind, ``torch``'s, Hugging Face's ``LlamaRMSNorm`` or a user's; a ``PReLU``), whose channels are its input's.
-    Structured pruning cuts them with the layer that makes them; as a channel group's root (``layer_types=None``
-    chooses them) they would stand in that layer's place, which the report then calls uncut. An uninitialized
-    lazy weight has no dimensions yet: ``False``."""
+    kind, ``torch``'s, Hugging Face's ``LlamaRMSNorm`` or a user's; a ``PReLU``), whose channels are its
+    input's. Structured pruning cuts them with the layer that makes them; as a channel group's root
+    (``layer_types=None`` chooses them) they would stand in that layer's place, which the report then calls
+    uncut. An uninitialized lazy weight has no dimensions yet: ``False``."""
     weight = module._parameters.get("weight")
     return weight is not None and not is_lazy(weight) and weight.dim() < 2
 

@@ -820,8 +820,8 @@ def check_structured(
     that must divide the width).
 
     Returns why that is not safe (an error, a changed output shape, nothing that can be cut, chosen layers run
-    with autograd off, where the trace cannot see them: :data:`REENTRANT_CHECKPOINT`, :data:`AUTOGRAD_OFF`; every
-    channel group also cuts a layer the user froze: :data:`FROZEN_COUPLING`), or ``None``.
+    with autograd off, where the trace cannot see them: :data:`REENTRANT_CHECKPOINT`, :data:`AUTOGRAD_OFF`;
+    every channel group also cuts a layer the user froze: :data:`FROZEN_COUPLING`), or ``None``.
     """
     reason, where = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example)
     if reason is not None and reason.startswith("tracing which channels"):
@@ -898,7 +898,8 @@ def _first_names(names: Sequence[str], most: int = 3) -> str:
 @contextmanager
 def _run_without_autograd(layers: Mapping[str, nn.Module]) -> Iterator[set[str]]:
     """Gives the set that holds, once the block is over, the names of ``layers`` that ran in it with autograd
-    off only: torch-pruning traces the autograd graph, so it does not see them, nor which channels they read."""
+    off only: torch-pruning traces the autograd graph, so it does not see them, nor which channels they
+    read."""
     with_grad: set[str] = set()
     without: set[str] = set()
 

@@ -476,9 +476,9 @@ def mix_seed(seed: int, step: int, batch_idx: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + (batch_idx + 1) * 101 + rank) % (2**63 - 1)
 
 
-# running totals are one float64 vector: steps, active steps, offered and trained samples, the selected samples
-# recorded with no finite loss (a step whose loss did not split into its samples: in no role), then the count and
-# the loss sum of each role
+# running totals are one float64 vector: steps, active steps, offered and trained samples, the selected
+# samples recorded with no finite loss (a step whose loss did not split into its samples: in no role), then
+# the count and the loss sum of each role
 TOTAL_NAMES = (
     "steps",
     "active_steps",
@@ -592,21 +592,22 @@ class HardSampleSelector:
         steps, offered, trained = (int(totals[name]) for name in ("active_steps", "offered", "trained"))
         if totals["selected_unrecorded"]:
             return (
-                f"no selected sample was counted in this run. {steps} steps were in a replay phase and trained "
-                f"{trained} of the {offered} samples offered to them, but the "
-                f"{int(totals['selected_unrecorded'])} selected among them have no loss recorded (a step whose loss does not split into its batch's samples is recorded "
-                "without scores, `HardSampleReplay.batches.unscored_steps` counts such steps; a loss that is not "
-                "finite is not counted): they count in no role, and their scores were not updated."
+                f"no selected sample was counted in this run. {steps} steps were in a replay phase and "
+                f"trained {trained} of the {offered} samples offered to them, but the "
+                f"{int(totals['selected_unrecorded'])} selected among them have no loss recorded (a step "
+                "whose loss does not split into its batch's samples is recorded without scores, "
+                "`HardSampleReplay.batches.unscored_steps` counts such steps; a loss that is not finite is "
+                "not counted): they count in no role, and their scores were not updated."
             )
         if trained < offered:
             return (
-                f"nothing was selected in this run. {steps} steps were in a replay phase and trained {trained} of the "
-                f"{offered} samples offered to them: only samples that had no score yet (a sample is scored when it "
-                "first trains), which are kept first; the scored ones were left out."
+                f"nothing was selected in this run. {steps} steps were in a replay phase and trained "
+                f"{trained} of the {offered} samples offered to them: only samples that had no score yet (a "
+                "sample is scored when it first trains), which are kept first; the scored ones were left out."
             )
         return (
-            f"nothing was selected in this run. {steps} steps were in a replay phase, but none of their samples had "
-            "a score yet (a sample is scored when it first trains), so all of them trained."
+            f"nothing was selected in this run. {steps} steps were in a replay phase, but none of their "
+            "samples had a score yet (a sample is scored when it first trains), so all of them trained."
         )
 
     def end_run(self) -> str | None:

@@ -388,9 +388,9 @@ class StepSavingStream:
 
     The adapter (:class:`~lightning_pulse.HardSampleReplay`) calls :meth:`make_plan` at fit start,
     :meth:`sizes_for_pass` when the DataLoader starts a pass and :meth:`trained` for every batch. The state
-    (epoch, raw samples of it trained, global step, planned total and the plain run's steps it was planned for)
-    goes into checkpoints, so a resume mid-epoch skips what trained and follows the same plan, and a resume to a
-    run of another length plans the rest again.
+    (epoch, raw samples of it trained, global step, planned total and the plain run's steps it was planned
+    for) goes into checkpoints, so a resume mid-epoch skips what trained and follows the same plan, and a
+    resume to a run of another length plans the rest again.
     """
 
     def __init__(self) -> None:
