@@ -143,11 +143,21 @@ def test_accumulation_clipping_and_bf16_change_the_frozen_set_only_between_optim
     assert len(watch.rows) == 60
 
 
-def test_resume_mid_freeze_reproduces_the_uninterrupted_run(mnist1d_small, tmp_path):
+@pytest.mark.parametrize("first_resumed_batch_returns_none", [False, True])
+def test_resume_mid_freeze_reproduces_the_uninterrupted_run(
+    mnist1d_small, tmp_path, first_resumed_batch_returns_none
+):
     def run(max_epochs: int, ckpt_path: str | None = None, save: Path | None = None):
         pl.seed_everything(7)
         model, data = mnist1d_small()
         data.setup("fit")
+        if first_resumed_batch_returns_none:  # review 5: no backward closed the opened prefix: "taken back"
+            step = model.training_step
+
+            def training_step(batch, batch_idx):  # the resumed run's first batch: the 28th step's first
+                return None if model.global_step == 27 and batch_idx == 0 else step(batch, batch_idx)
+
+            model.training_step = training_step
         loader = DataLoader(data.train_set, batch_size=64, shuffle=False)  # order independent of RNG state
         cycle = PulseCycle(burst=6, replay=14, maintain=0, warmup=0.0, anneal=0.0, maintain_eval="none")
         cache = GradientCache(threshold=0.9, check_every=4, freeze_for=8)
@@ -168,7 +178,10 @@ def test_resume_mid_freeze_reproduces_the_uninterrupted_run(mnist1d_small, tmp_p
     assert any(state["cache"]["frozen"]), "the checkpoint must be written mid-freeze"
     resumed_model, resumed_cache = run(max_epochs=6, ckpt_path=str(checkpoint))
     assert resumed_cache.events == whole_cache.events
-    assert resumed_cache.ledger.skipped == whole_cache.ledger.skipped
+    # the resumed run's first backward ran in full (its graph is checked whole), and its ledger says so
+    flops = whole_cache.ledger.flops_by_prefix
+    first_backward_skipped = flops[0] - flops[sum(state["cache"]["frozen"])]
+    assert resumed_cache.ledger.skipped == whole_cache.ledger.skipped - first_backward_skipped > 0
     for name, param in whole_model.named_parameters():
         assert torch.equal(param, dict(resumed_model.named_parameters())[name]), name
 
@@ -474,6 +487,34 @@ def test_a_unit_the_users_code_turns_back_on_is_a_release_in_the_events(mnist1d_
     assert cache.ledger.skipped == pytest.approx(sum(full - flops_of for flops_of in flops.per_backward))
 
 
+def test_a_resumed_fit_opens_its_restored_prefix_only_after_looking_for_units_turned_back_on(
+    mnist1d_small, tmp_path
+):
+    # a resumed fit's first forward trains the restored prefix (so its graph is checked whole); opened before
+    # the epoch-start look, the user's requires_grad_(True) would not show, and the prefix would freeze again
+    # over it
+    def run(max_epochs: int, ckpt_path: str | None = None):
+        pl.seed_everything(0)
+        _, data = mnist1d_small()
+        data.setup("fit")
+        loader = DataLoader(data.train_set, batch_size=64, shuffle=False)  # order independent of RNG state
+        model, cache = UnitsTurnedBackOnEveryEpoch(), GradientCache(**EAGER)
+        trainer = pl.Trainer(
+            callbacks=[cache], max_epochs=max_epochs, limit_train_batches=10, **trainer_kwargs()
+        )
+        trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
+        trainer.save_checkpoint(tmp_path / f"{max_epochs}.ckpt")
+        return model, cache
+
+    whole_model, whole = run(max_epochs=4)
+    run(max_epochs=2)
+    resumed_model, resumed = run(max_epochs=4, ckpt_path=str(tmp_path / "2.ckpt"))
+    assert {"step": 20, "from": 3, "to": 0, "reason": "taken back"} in resumed.events
+    assert resumed.events == whole.events
+    for param, other in zip(whole_model.parameters(), resumed_model.parameters()):
+        assert torch.equal(param, other)
+
+
 def _small_data(batch_size: int = 32) -> DataLoader:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(512, 16, generator=generator)
@@ -619,9 +660,9 @@ class FrozenPattern(Callback):
         self.frozen.append(tuple(not modules[name].weight.requires_grad for name in self.names))
 
 
-def _fit_with_pattern(module, names, max_steps, caplog):
+def _fit_with_pattern(module, names, max_steps, caplog, max_frozen_share=1.0):
     """A fit under GradientCache's test settings; returns the cache and which of ``names`` were frozen per batch."""
-    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=max_frozen_share)
     pattern = FrozenPattern(names)
     with caplog.at_level("INFO"):
         pl.Trainer(max_steps=max_steps, callbacks=[cache, pattern], **trainer_kwargs()).fit(
@@ -682,3 +723,40 @@ def test_a_unit_no_waited_backward_sees_stays_last_and_freezing_goes_on(caplog, 
     assert [unit.name for unit in cache.freezer.units][-1] == "pre"
     assert caplog.text.count("pre got no gradient in the backward") == 1  # not at each of its uses
     assert sum(any(frozen) for frozen in pattern.frozen) >= 20
+
+
+class _LoopedBlocks(pl.LightningModule):
+    """``inp``, then blocks ``a`` and ``b`` applied as a, b, a, b (ALBERT-style weight sharing), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(16, 32)
+        self.a = torch.nn.Linear(32, 32)
+        self.b = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = h + torch.tanh(self.b(h + torch.tanh(self.a(h))))
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_block_applied_again_after_a_later_block_never_freezes_while_that_block_trains(caplog):
+    """Sweep D: GradientCache froze inp and a (57% of the parameters, within the share) while b trained,
+    though b's output is the input of a's second application; the events reported an ordinary prefix
+    freeze."""
+    names = ["inp", "a", "b", "head"]
+    cache, pattern = _fit_with_pattern(_LoopedBlocks(), names, 30, caplog, max_frozen_share=0.6)
+    assert [unit.name for unit in cache.freezer.units] == names
+    # a, b and a again would be 95% of the parameters: over the share, so the prefix stops before the loop
+    assert set(pattern.frozen) == {(False, False, False, False), (True, False, False, False)}
+    assert "freeze only together with everything up to the last of those" in caplog.text
+    assert caplog.text.count("a (after b)") == 1

@@ -14,7 +14,14 @@ from lightning_pulse.core import layer_freezing
 from lightning_pulse.core.activation_cache import LoaderActivationCache, check_cache_mb
 from lightning_pulse.core.backward_flops import BackwardFlopLedger
 from lightning_pulse.core.freeze_metrics import freeze_event, freeze_metrics
-from lightning_pulse.core.freeze_units import ForwardOrderTrace, check_unit_names, discover_units, order_note
+from lightning_pulse.core.freeze_units import (
+    ForwardOrderTrace,
+    check_unit_names,
+    discover_units,
+    farthest_reads,
+    order_note,
+    reread_note,
+)
 from lightning_pulse.core.layer_freezing import (
     FreezerLifecycle,
     FreezeSettings,
@@ -173,6 +180,232 @@ def test_a_tied_parameter_in_the_middle_stops_the_prefix_before_its_first_holder
         False,
         False,
     ]
+
+
+class _LoopedBlocks(nn.Module):
+    """``inp``, then blocks ``a`` and ``b`` applied as a, b, a, b (ALBERT-style weight sharing across depth);
+    bias-free, so a block's weight reaches the node that applies it only through ``weight.t()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 32)
+        self.a = nn.Linear(32, 32, bias=False)
+        self.b = nn.Linear(32, 32, bias=False)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = h + torch.tanh(self.b(h + torch.tanh(self.a(h))))
+        return self.head(h)
+
+
+class _Siamese(nn.Module):
+    """One two-layer encoder applied to both inputs of a pair ``(B, 2, 16)``, then a head on the two codes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+        self.head = nn.Linear(64, 2)
+
+    def forward(self, pair: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.encoder(pair[:, 0]), self.encoder(pair[:, 1])], dim=1))
+
+
+def _lifecycle_ordered_on(
+    model: nn.Module, inputs: torch.Tensor, settings: FreezeSettings
+) -> FreezerLifecycle:
+    lifecycle = FreezerLifecycle(settings)
+    lifecycle.start(None, model)
+    loss = model(inputs).pow(2).mean()
+    lifecycle.begin_backward(loss)
+    loss.backward()
+    assert lifecycle.end_backward()
+    return lifecycle
+
+
+@pytest.mark.parametrize(("share", "frozen"), [(0.6, ["inp"]), (1.0, ["inp", "a", "b"])])
+def test_a_block_applied_again_after_a_later_one_freezes_only_together_with_it(share, frozen):
+    # sweep D: GradientCache froze [inp, a] (58% of the parameters) while b trained, though b's output is the
+    # input of a's second application: a stood still under changing inputs, and backward still ran through it
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=share)
+    lifecycle = _lifecycle_ordered_on(_LoopedBlocks(), torch.randn(8, 16), settings)
+    units = {unit.name: unit for unit in lifecycle.units}
+    assert list(units) == ["inp", "a", "b", "head"]
+    assert units["a"].inputs_from == ["b", "inp"] and units["b"].inputs_from == ["a", "inp"]
+    assert reread_note(lifecycle.units).endswith(": a (after b)")
+    drive(lifecycle.freezer, slowing, 10)
+    assert lifecycle.freezer.frozen_names == frozen  # the loop freezes whole, or not at all
+
+
+def test_a_looped_pair_of_hyper_connection_blocks_freezes_only_whole_through_their_parameter_arithmetic():
+    # sweep D: blocks.0 (split into 10 parameter units and its branch) froze while blocks.1 trained. Its phi
+    # projections reach the op applying them as cat(phi_pre, phi_post, phi_res) * scale, not as a view
+    from lightning_pulse.nn import ManifoldHyperConnection, collapse_streams, expand_streams
+
+    class LoopedPair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp = nn.Linear(8, 16)
+            self.blocks = nn.ModuleList([ManifoldHyperConnection(nn.Linear(16, 16), 16, 2) for _ in range(2)])
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = expand_streams(self.inp(x), 2)
+            for _ in range(2):
+                for block in self.blocks:
+                    h = block(h)
+            return self.head(collapse_streams(h))
+
+    # 0.5: inp and blocks.0's ten parameter units fit (411 of 1290 parameters), its branch no more
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=0.5)
+    lifecycle = _lifecycle_ordered_on(LoopedPair(), torch.randn(4, 3, 8), settings)
+    names = [unit.name for unit in lifecycle.units]
+    assert (
+        names[1:4] == ["blocks.0.phi_res", "blocks.0.phi_post", "blocks.0.phi_pre"]
+        and names[-2] == "blocks.1"
+    )
+    reading = [
+        unit for unit in lifecycle.units[1:-2] if ".b_" not in unit.name
+    ]  # an added bias reads nothing
+    assert len(reading) == 7 and all("blocks.1" in unit.inputs_from for unit in reading)
+    drive(lifecycle.freezer, slowing, 10)
+    assert lifecycle.freezer.frozen_names == ["inp"]
+
+
+def test_a_siamese_encoder_applied_to_two_raw_inputs_still_freezes():
+    # its second application comes after its last layer's first, but reads the raw input: nothing that trains
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=1.0)
+    lifecycle = _lifecycle_ordered_on(_Siamese(), torch.randn(8, 2, 16), settings)
+    assert [(unit.name, unit.inputs_from) for unit in lifecycle.units] == [
+        ("encoder.0", []),
+        ("encoder.2", ["encoder.0"]),
+        ("head", ["encoder.0", "encoder.2"]),
+    ]
+    assert reread_note(lifecycle.units) is None
+    drive(lifecycle.freezer, slowing, 10)
+    assert lifecycle.freezer.frozen_names == ["encoder.0", "encoder.2"]
+
+
+class _InputScale(nn.Module):
+    """A learned elementwise scale of the raw input, then two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+        self.l1, self.l2, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.l2(torch.tanh(self.l1(x * self.scale)))))
+
+
+class _AddedQueries(nn.Module):
+    """DETR-style learned queries, expanded to the batch and added at every decoder layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.query = nn.Linear(16, 32), nn.Embedding(5, 32)
+        self.dec, self.head = nn.ModuleList([nn.Linear(32, 32) for _ in range(3)]), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        queries = self.query.weight.unsqueeze(0).expand(x.shape[0], -1, -1)
+        h = self.inp(x)[:, None].expand_as(queries)
+        for layer in self.dec:
+            h = h + torch.tanh(layer(h + queries))
+        return self.head(h)
+
+
+def _hyper_connection_stack() -> nn.Module:
+    from lightning_pulse.nn import ManifoldHyperConnection, collapse_streams, expand_streams
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(16, 16)
+            self.blocks = nn.ModuleList([ManifoldHyperConnection(nn.Linear(16, 16), 16, 2) for _ in range(3)])
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = expand_streams(self.inp(x), 2)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(collapse_streams(h))
+
+    return Stack()
+
+
+def _weight_norm_stack() -> nn.Module:
+    from torch.nn.utils import parametrizations
+
+    weight_norm = parametrizations.weight_norm
+    return nn.Sequential(
+        weight_norm(nn.Linear(16, 32)), nn.Tanh(), weight_norm(nn.Linear(32, 32)), nn.Linear(32, 4)
+    )
+
+
+@pytest.mark.parametrize(
+    "build",
+    [_hyper_connection_stack, _weight_norm_stack, _InputScale, _AddedQueries],
+    ids=lambda b: b.__name__,
+)
+def test_a_model_applying_each_unit_once_reads_no_later_unit(build):
+    # review 5: only what a parameter is applied to counts, not the parameters applied with it: a plain mHC
+    # stack (phi_res after phi_pre), weight norm (original0 after original1) and a learned input scale (after
+    # the layer it feeds) were taken for loops and froze only with later units; an added query reads nothing
+    torch.manual_seed(0)
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=1.0)
+    lifecycle = _lifecycle_ordered_on(build(), torch.randn(4, 16), settings)
+    assert reread_note(lifecycle.units) is None
+    assert farthest_reads(lifecycle.units) == list(range(len(lifecycle.units)))
+
+
+def test_a_weight_normed_block_applied_again_after_a_later_one_still_reads_it():
+    # weight norm's parameters reach F.linear through its own op (WeightNormInterface): followed there, the
+    # looped block is seen, as without weight norm
+    from torch.nn.utils import parametrizations
+
+    model = _LoopedBlocks()
+    parametrizations.weight_norm(model.a)
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=1.0)
+    lifecycle = _lifecycle_ordered_on(model, torch.randn(8, 16), settings)
+    reads = {unit.name: unit.inputs_from for unit in lifecycle.units}
+    assert all("b" in reads[name] for name in reads if name.startswith("a."))
+    assert reads["b"] == ["a.parametrizations.weight.original0", "a.parametrizations.weight.original1", "inp"]
+
+
+def test_rank_zeros_reads_are_everyones_so_every_process_proposes_the_same_prefix():
+    # review 5: a loop counted from the data (twice on rank 0's batch, once on rank 1's) made each rank read
+    # differently, and with the same agreed stable flags rank 0 froze [inp, a] and rank 1 [inp] only
+    class Pondering(_LoopedBlocks):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.inp(x))
+            for _ in range(2 if x.mean() > 0 else 1):
+                h = h + torch.tanh(self.b(h + torch.tanh(self.a(h))))
+            return self.head(h)
+
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=0.6)
+    rank_zero_reads: list = []
+
+    def broadcast(values: list) -> list:  # the first call is rank 0's: it fills what every later one gets
+        if not rank_zero_reads:
+            rank_zero_reads.append(values)
+        return rank_zero_reads[0] if values and isinstance(values[0], tuple) else values
+
+    frozen = []
+    for shift in (1.0, -1.0):  # rank 0 loops twice, rank 1 once
+        model = Pondering()
+        lifecycle = FreezerLifecycle(settings)
+        lifecycle.start(None, model)
+        loss = model(torch.randn(8, 16) + shift).pow(2).mean()
+        lifecycle.begin_backward(loss)
+        loss.backward()
+        assert lifecycle.end_backward(broadcast)
+        drive(lifecycle.freezer, slowing, 10)
+        frozen.append(lifecycle.freezer.frozen_names)
+    assert frozen == [["inp"], ["inp"]]
 
 
 def test_unit_names_resolve_through_torch_pruning_reparametrisation():
@@ -491,6 +724,14 @@ def test_a_fits_freezer_comes_from_its_first_backward_in_forward_order_and_lets_
     resumed = FreezerLifecycle(settings)
     resumed.start(state, model)  # a checkpoint: its freezer, with the frozen set applied at once
     assert resumed.trace is None and resumed.frozen_prefix == 2 and not model[0].weight.requires_grad
+    resumed.begin_forward()  # but the first forward and backward train it: the graph check sees every layer
+    assert model[0].weight.requires_grad and resumed.frozen_prefix == 2 and resumed.backward_prefix == 0
+    loss = model(torch.randn(2, 40)).pow(2).mean()
+    resumed.begin_backward(loss)
+    loss.backward()
+    assert not resumed.end_backward() and resumed.backward_prefix == 2 and not model[0].weight.requires_grad
+    # the frozen units' gradients of that backward are dropped: the optimizer skips them, as in the saving run
+    assert [p.grad is None for p in model.parameters()] == [True, True, True, True, False, False]
     resumed.restore(None, model)  # a rollback to a state from before the first backward: ordered again
     assert resumed.freezer is None and [unit.name for unit in resumed.units] == ["0", "2", "4"]
     assert all(p.requires_grad for p in model.parameters())
@@ -566,6 +807,19 @@ def test_a_prefix_stable_at_its_last_check_that_never_froze_is_not_said_to_be_mo
     assert freezer.freezes == 0 and freezer.scores[0] is not None and freezer.scores[0] <= 0.5
     note = freezer.idle_note()
     assert "still moving" not in note and "no freeze came after it" in note
+
+
+def test_a_first_unit_over_max_frozen_share_is_named_as_why_nothing_froze():
+    # held-out sweep B: a 97% embedding first was told "no freeze came after it ... a longer run lets it
+    # freeze", though no prefix can start within max_frozen_share, however long the run
+    settings = FreezeSettings(threshold=1.0, check_every=5, freeze_for=10, max_frozen_share=0.25)
+    freezer = LayerFreezer(traced_units(mlp(), torch.randn(2, 40)), settings)  # the first unit: 4100 of 15310
+    drive(freezer, slowing, 15)
+    assert freezer.freezes == 0 and freezer.stable[0]  # stable, and a window closed in a light phase
+    note = freezer.idle_note()
+    assert "longer run" not in note
+    assert "first unit, 0, which holds 27% of the trainable parameters, over max_frozen_share=0.25" in note
+    assert note.endswith("raise max_frozen_share, or pass `units` to split that unit or leave it out")
 
 
 def test_a_unit_still_growing_its_norm_is_not_stable_however_low_its_score():

@@ -105,6 +105,55 @@ def test_gpt2_with_untied_head_freezes_the_embedding_and_only_that_stays_unchang
     assert "model.lm_head.weight" in watch.changed_after(10)
 
 
+class TinyAlbert(pl.LightningModule):
+    """Hugging Face ALBERT from a config (no weights downloaded): one layer's weights applied at 4 depths."""
+
+    def __init__(self) -> None:
+        from transformers import AlbertConfig, AlbertForSequenceClassification
+
+        super().__init__()
+        config = AlbertConfig(
+            vocab_size=100,
+            embedding_size=16,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            num_labels=3,
+        )
+        self.model = AlbertForSequenceClassification(config)
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        return self.model(input_ids=tokens, labels=labels).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_albert_never_freezes_part_of_its_shared_layer_while_the_rest_of_it_trains():
+    # sweep D: its shared layer is split into attention, ffn, ffn_output and norm, and GradientCache froze
+    # attention and ffn while ffn_output and the norm, which feed them at every later depth, trained
+    generator = torch.Generator().manual_seed(0)
+    tokens, labels = torch.randint(0, 100, (128, 16), generator=generator), torch.randint(0, 3, (128,))
+    data = DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=16)
+    torch.manual_seed(0)
+    module, cache = TinyAlbert(), eager_cache()
+    _, watch = fit_client(module, data, cache, max_steps=30)
+    shared = "model.albert.encoder.albert_layer_groups.0.albert_layers.0."
+    assert sum(unit.name.startswith(shared) for unit in cache.freezer.units) == 4
+    # the prefix stops before the shared layer (the whole of it and everything after is over the 0.9 share)
+    assert {name.rpartition(".")[0] for name in watch.frozen()} == {
+        "model.albert.embeddings.word_embeddings",
+        "model.albert.embeddings.position_embeddings",
+        "model.albert.embeddings.token_type_embeddings",
+        "model.albert.embeddings.LayerNorm",
+        "model.albert.encoder.embedding_hidden_mapping_in",
+    }
+    assert watch.changed_while_frozen() == set()
+
+
 def test_shared_conv_cnn_freezes_the_shared_conv_as_one_and_never_the_tied_linear():
     torch.manual_seed(0)
     module, data = CLIENTS["shared-conv-cnn"]()
@@ -333,20 +382,24 @@ class UnfrozenUnitsMove(Callback):
                 self.stalled.append((trainer.global_step, name))
 
 
+def _checkpointed_blocks_data() -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 20, generator=generator)
+    y = (x @ torch.randn(20, 5, generator=generator)).argmax(1)
+    return DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_reentrant_activation_checkpointing_is_refused_and_the_non_reentrant_form_freezes_correctly(
     use_reentrant,
 ):
     # Reentrant checkpointing gives a block's parameters no gradient once its input needs none: a frozen prefix
     # ending before it stalled the (unfrozen) block for 40 steps, reported as training (a held-out sweep).
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(512, 20, generator=generator)
-    y = (x @ torch.randn(20, 5, generator=generator)).argmax(1)
+    loader = _checkpointed_blocks_data()
     pl.seed_everything(0)
     cache = GradientCache(threshold=1.0, check_every=4, freeze_for=8, max_frozen_share=0.9)
     watch = UnfrozenUnitsMove(cache)
     trainer = pl.Trainer(callbacks=[cache, watch], max_steps=64, **trainer_kwargs(limit_val_batches=0))
-    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
     if use_reentrant:
         with pytest.raises(PulseRefusal, match="GradientCache: .*use_reentrant=False"):
             trainer.fit(CheckpointedBlocks(use_reentrant), loader)
@@ -354,6 +407,26 @@ def test_reentrant_activation_checkpointing_is_refused_and_the_non_reentrant_for
         return
     trainer.fit(CheckpointedBlocks(use_reentrant), loader)
     assert watch.checked > 0 and watch.stalled == []
+
+
+def test_a_resumed_frozen_prefix_does_not_hide_reentrant_checkpointing_from_the_graph_check(tmp_path):
+    # sweep A: resumed with a frozen prefix, the first backward already had it frozen, so the reentrant
+    # checkpoints' input needed no gradient and left no node to find: b1 and b2 stood still, reported training
+    pl.seed_everything(0)
+    settings = dict(threshold=1.0, check_every=4, freeze_for=8, max_frozen_share=0.9)
+    cache, path = GradientCache(**settings), str(tmp_path / "frozen.ckpt")
+    trainer = pl.Trainer(callbacks=[cache], max_steps=6, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(CheckpointedBlocks(use_reentrant=False), _checkpointed_blocks_data())
+    assert cache.frozen_units[:2] == ["inp", "b1.0"]  # saved mid-freeze: the prefix ends inside b1
+    trainer.save_checkpoint(path)
+    resumed = pl.Trainer(
+        callbacks=[GradientCache(**settings)], max_steps=12, **trainer_kwargs(limit_val_batches=0)
+    )
+    with pytest.raises(
+        PulseRefusal, match="GradientCache: the loss goes through reentrant .*use_reentrant=False"
+    ):
+        resumed.fit(CheckpointedBlocks(use_reentrant=True), _checkpointed_blocks_data(), ckpt_path=path)
+    assert resumed.global_step == 6  # refused before its first optimizer step
 
 
 class BackboneClassifier(pl.LightningModule):

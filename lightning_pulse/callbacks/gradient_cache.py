@@ -209,11 +209,12 @@ class GradientCache(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if batch_idx == 0:  # where recipes unfreeze a backbone: look, once per epoch
+        if batch_idx == 0 or self._lifecycle.resumed_first_batch:  # where recipes unfreeze a backbone: look
             self._retrace(trainer, pl_module, check=True)
             before = self._lifecycle.frozen_prefix  # a unit the user's code turned back on: released before
             if self.freezer is not None and self.freezer.release_taken_back():  # the forward and the ledger
                 self._record(trainer.global_step, before, "taken back")
+        self._lifecycle.begin_forward()  # a resumed fit's first backward trains its prefix: graph checked
         if self._replay is not None:
             self._replay.begin_batch(batch_idx, frozen=self._lifecycle.frozen_prefix > 0)
 
@@ -233,14 +234,13 @@ class GradientCache(Callback):
         self._end_activation_batch()  # the forward is over: replayed modules get their own forward back
         self._lifecycle.begin_backward(loss)  # the fit's first checks the graph; one orders waiting units
         if self.measure_flops:
-            self.ledger.begin_backward(self._lifecycle.frozen_prefix)
+            self.ledger.begin_backward(self._lifecycle.backward_prefix)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.measure_flops:
             self.ledger.end_backward()
-        # this backward ordered the waiting units: they get their freezer (unless a unit to place was missed)
-        if self._lifecycle.ordering and self._lifecycle.end_backward(_from_rank_zero(trainer)):
+        if self._lifecycle.end_backward(_from_rank_zero(trainer)):  # freezes a restored prefix, orders units
             announce_units(self.freezer, rank_zero_info, rank_zero_warn)
 
     # ------------------------------------------------------------------ the step

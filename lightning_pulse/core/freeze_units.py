@@ -30,6 +30,10 @@ class FreezeUnit:
         shared_with: names outside the unit under which the model also holds one of its parameters (a tied
             weight, e.g. ``lm_head.weight`` for the token embedding), set by :func:`mark_shared`. Such a unit is
             *pinned*: the frozen prefix stops before it, so a shared parameter is never frozen on one side only.
+        inputs_from: names of the other units whose parameters the tensors its own parameters are applied to
+            depend on, set by :func:`mark_inputs`. A unit applied again after later units (a weight-shared
+            layer, a looped block) reads from units after it: it freezes only together with them
+            (:func:`farthest_reads`).
     """
 
     name: str
@@ -37,6 +41,7 @@ class FreezeUnit:
     params: list[nn.Parameter] = field(default_factory=list)
     used: bool = True
     shared_with: list[str] = field(default_factory=list)
+    inputs_from: list[str] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -134,6 +139,140 @@ def pinned_note(units: Sequence[FreezeUnit]) -> str | None:
         "units holding a tied or shared parameter never freeze, so the frozen prefix stops before them: "
         + "; ".join(pinned)
     )
+
+
+def reread_note(units: Sequence[FreezeUnit]) -> str | None:
+    """One line naming the units (in forward order) that read from a later unit, and the farthest one each
+    reads from (``None``: none does). Pinned units are left out: :func:`pinned_note` names them."""
+    position = {unit.name: index for index, unit in enumerate(units)}
+    reread = []
+    for index, unit in enumerate(units):
+        later = [name for name in unit.inputs_from if position.get(name, -1) > index]
+        if later and not unit.pinned:
+            reread.append(f"{unit.name} (after {max(later, key=position.__getitem__)})")
+    if not reread:
+        return None
+    return (
+        "units applied again after later units (a weight-shared layer, a looped block) freeze only together "
+        "with everything up to the last of those, so a frozen prefix never ends between them: "
+        + "; ".join(reread)
+    )
+
+
+def farthest_reads(units: Sequence[FreezeUnit]) -> list[int]:
+    """For each unit in forward order, the farthest position that it or a unit before it reads from
+    (:attr:`FreezeUnit.inputs_from`, itself at least): the first ``k`` units may be frozen together only if
+    ``farthest_reads(units)[k - 1] == k - 1``, since a frozen unit whose input a training unit computes would
+    stand still under changing inputs, and backward would still run through it."""
+    position = {unit.name: index for index, unit in enumerate(units)}
+    farthest, result = -1, []
+    for index, unit in enumerate(units):
+        farthest = max([farthest, index, *(position[name] for name in unit.inputs_from if name in position)])
+        result.append(farthest)
+    return result
+
+
+#: autograd ops that, given only parameters and constants, compute a parameter-like value (views, casts,
+#: concatenation, elementwise arithmetic): ``weight.t()`` inside ``F.linear``, autocast's cast, a pruning
+#: mask's ``weight_orig * weight_mask``, mHC's ``cat(phi...) * scale``, weight norm's ``g * v / |v|``.
+#: Ops with an index (an embedding lookup) are left out: what they compute depends on the data.
+_PARAMETER_OPS = frozenset(
+    (
+        "Alias AsStrided Clone Expand Permute ReshapeAlias Select Slice Split SplitWithSizes Squeeze T "
+        "ToCopy Transpose Unbind Unsqueeze UnsafeView View Cat Stack Add Sub Mul Div Neg Reciprocal Pow "
+        "Sqrt Rsqrt Exp Log Abs Clamp Tanh Sigmoid Softplus Softmax LogSoftmax Sum Mean Norm "
+        "LinalgVectorNorm WeightNormInterface"
+    ).split()
+)
+
+
+def _op_name(node: Any) -> str:
+    """``"T"`` for a ``TBackward0`` node."""
+    return type(node).__name__.rstrip("0123456789").removesuffix("Backward")
+
+
+def mark_inputs(units: Sequence[FreezeUnit], loss: torch.Tensor) -> None:
+    """Add to each unit's :attr:`FreezeUnit.inputs_from` the units its parameters' inputs depend on, read from
+    ``loss``'s autograd graph before its backward.
+
+    One walk gives every node the units whose parameters it reaches, and whether it computes from parameters
+    and constants alone (:data:`_PARAMETER_OPS`; every input that needs a gradient is a parameter or such a
+    node). The first node on from a parameter that is not of that kind applies it, and its unit reads the
+    units that node's activation inputs were computed from (not the parameters applied with it: mHC's
+    ``phi`` projections, weight norm's ``g`` and ``v``). An added parameter (learned queries added at every
+    layer) reads nothing: its gradient does not depend on what it is added to. A layer applied once reads
+    only earlier units; ALBERT's shared layer, applied at every depth, reads its own later sub-layers, and a
+    looped block A, B, A, B has A read B. A Siamese encoder's second application reads the raw input, so it
+    reads nothing more than its first.
+    """
+    if loss.grad_fn is None:
+        return
+    index_of = {id(param): index for index, unit in enumerate(units) for param in unit.params}
+    reach: dict[Any, int] = {}  # node -> bit set of the units whose parameters it reaches
+    parameter_only: set[Any] = set()  # nodes computing from parameters alone
+    parents: dict[Any, list[Any]] = {}
+    leaves: list[tuple[Any, int]] = []  # (AccumulateGrad node, index of the unit holding its parameter)
+    stack, entered = [(loss.grad_fn, False)], set()
+    while stack:  # depth first, children before their node, without recursion (graphs are deep)
+        node, children_done = stack.pop()
+        children = [child for child, _ in node.next_functions]
+        if children_done:
+            bits = 0
+            for child in children:
+                bits |= reach.get(child, 0) if child is not None else 0
+            variable = getattr(node, "variable", None)  # an AccumulateGrad: the parameter itself
+            if variable is not None:
+                parameter_only.add(node)
+                if id(variable) in index_of:
+                    leaves.append((node, index_of[id(variable)]))
+                    bits |= 1 << index_of[id(variable)]
+            elif _op_name(node) in _PARAMETER_OPS and all(
+                c in parameter_only for c in children if c is not None
+            ):
+                # a None child needs no gradient: a constant (``* scale``), a buffer (a pruning mask) or,
+                # rarely, the raw input; taken as a constant, which only ties a unit to the next one it feeds
+                parameter_only.add(node)
+            reach[node] = bits
+            continue
+        if node in entered:
+            continue
+        entered.add(node)
+        stack.append((node, True))
+        for child in children:
+            if child is not None:
+                parents.setdefault(child, []).append(node)
+                if child not in entered:
+                    stack.append((child, False))
+    read = [0] * len(units)
+    for leaf, index in leaves:
+        waiting, seen = list(parents.get(leaf, [])), set()
+        while waiting:
+            node = waiting.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node in parameter_only:
+                waiting.extend(parents.get(node, []))  # still a parameter: the node applying it is further on
+            elif _op_name(node) not in ("Add", "Sub"):  # an added parameter depends on nothing it is added to
+                for child, _ in node.next_functions:
+                    if child is not None and child not in parameter_only:
+                        read[index] |= reach.get(child, 0)
+    for index, unit in enumerate(units):
+        found, bits = set(unit.inputs_from), read[index] & ~(1 << index)
+        while bits:
+            lowest = bits & -bits
+            found.add(units[lowest.bit_length() - 1].name)
+            bits ^= lowest
+        unit.inputs_from = sorted(found)
+
+
+def agree_inputs(units: Sequence[FreezeUnit], broadcast: Callable[[list[Any]], list[Any]]) -> None:
+    """Give every process rank 0's :attr:`FreezeUnit.inputs_from` (DDP, one ``broadcast``): each process marks
+    them from its own graph, and a loop whose count depends on the batch reads differently on each, which
+    would let each propose its own prefix while the parameters must stay the same everywhere."""
+    reads = dict(broadcast([(unit.name, list(unit.inputs_from)) for unit in units]))
+    for unit in units:
+        unit.inputs_from = list(reads.get(unit.name, []))
 
 
 def replace_unit_parameters(

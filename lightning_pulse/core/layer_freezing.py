@@ -29,12 +29,16 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_pulse.core.freeze_units import (
     ForwardOrderTrace,
     FreezeUnit,
+    agree_inputs,
     cut_like,
     discover_units,
+    farthest_reads,
+    mark_inputs,
     mark_shared,
     order_note,
     parameters_outside,
     replace_unit_parameters,
+    reread_note,
 )
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import KNOWN_LENGTH
@@ -268,9 +272,10 @@ class LayerFreezer:
     2. every ``check_every`` steps closes the window: each unit that trained the whole window is scored by its
        movement since the window's start (``||theta - theta_start|| / ||theta_start||``) divided by the largest
        such movement it ever had, and is stable when the score is ``<= threshold``; then the longest prefix of
-       stable, fresh units within ``max_frozen_share`` is frozen (``requires_grad`` off). A unit is fresh while
-       its last score is younger than ``freeze_for`` steps; a frozen prefix whose oldest score expires is
-       released for one window to be scored again (a refresh; a *hit* if it is still stable);
+       stable, fresh units within ``max_frozen_share`` in which no unit reads from a later one
+       (:func:`~lightning_pulse.core.freeze_units.farthest_reads`) is frozen (``requires_grad`` off). A unit
+       is fresh while its last score is younger than ``freeze_for`` steps; a frozen prefix whose oldest score
+       expires is released for one window to be scored again (a refresh; a *hit* if it is still stable);
     3. sets ``grad=None`` on the units that were frozen during this backward, so torch optimizers skip them
        (no momentum, no weight decay, no step count).
 
@@ -382,6 +387,14 @@ class LayerFreezer:
         if self.freezes or not self.freezable_limit or self.pinned_first is not None:
             return None  # it acted, or fit start said why it cannot (a single unit, or a tie)
         threshold, every = self.settings.threshold, self.settings.check_every
+        most = self.settings.max_frozen_share
+        if self._unit_numel[0] > most * self.trainable_numel:  # no prefix fits (_propose): waiting was not it
+            return (
+                f"froze nothing in {self.steps} steps: a frozen prefix starts at the first unit, "
+                f"{self.units[0].name}, which holds {self._unit_numel[0] / self.trainable_numel:.0%} of the "
+                f"trainable parameters, over max_frozen_share={most:g}, so no prefix fits however long the "
+                "run; raise max_frozen_share, or pass `units` to split that unit or leave it out"
+            )
         if not any(score is not None for score in self.scores):
             return (
                 f"froze nothing in {self.steps} steps: no unit trained a whole window of check_every={every} "
@@ -418,6 +431,10 @@ class LayerFreezer:
     @property
     def frozen_names(self) -> list[str]:
         return [unit.name for unit, frozen in zip(self.units, self.frozen) if frozen]
+
+    def turned_off(self) -> list[nn.Parameter]:
+        """The parameters this freezer turned off (``requires_grad``) and has not turned back on."""
+        return list(self._turned_off.values())
 
     # ------------------------------------------------------------------ the step
     def step(self, enabled: bool, agree: Callable[[list[bool]], list[bool]] | None = None) -> StepReport:
@@ -628,6 +645,7 @@ class LayerFreezer:
         budget = self.settings.max_frozen_share * self.trainable_numel
         frozen_numel = 0
         length = 0
+        farthest = farthest_reads(self.units)
         for i in range(self.freezable_limit):
             unit = self.units[i]
             # a pinned unit shares a parameter with a later one: the prefix stops before it
@@ -636,7 +654,8 @@ class LayerFreezer:
             if frozen_numel + self._unit_numel[i] > budget:
                 break
             frozen_numel += self._unit_numel[i]
-            length = i + 1
+            if farthest[i] == i:  # no unit up to here reads from a later one (a looped block is frozen whole)
+                length = i + 1
         return length
 
     def set_prefix(self, length: int) -> bool:
@@ -669,6 +688,7 @@ class LayerFreezer:
             "units": [unit.name for unit in self.units],
             "unit_params": [list(unit.param_names) for unit in self.units],
             "used": [unit.used for unit in self.units],
+            "inputs_from": [list(unit.inputs_from) for unit in self.units],
             "steps": self.steps,
             "step_in_window": self.step_in_window,
             "frozen": list(self.frozen),
@@ -737,9 +757,10 @@ def freezer_from_state(state: Mapping[str, Any], model: nn.Module, settings: Fre
     Units are bound against every parameter, trainable or not: a restored unit may be frozen now.
     """
     everything = dict(model.named_parameters())
+    inputs_from = state.get("inputs_from") or [[] for _ in state["units"]]  # absent in older checkpoints
     units = [
-        FreezeUnit(name, list(params), used=bool(used))
-        for name, params, used in zip(state["units"], state["unit_params"], state["used"])
+        FreezeUnit(name, list(params), used=bool(used), inputs_from=list(reads))
+        for name, params, used, reads in zip(state["units"], state["unit_params"], state["used"], inputs_from)
     ]
     for unit in units:
         unit.bind(everything)
@@ -805,10 +826,11 @@ class FreezerLifecycle:
     A fit starts (:meth:`start`) from a checkpoint's freezer, or with the units discovered in the model waiting
     in a :class:`~lightning_pulse.core.freeze_units.ForwardOrderTrace`, since only a backward shows their forward
     order: after the first (:meth:`begin_backward`, :meth:`end_backward`) they get their freezer. The first
-    backward also walks the graph once (:func:`check_first_graph`). A rollback (:meth:`restore`) and parameters
-    that structured pruning replaced (:meth:`follow`) reach the freezer, or the units still waiting. When
-    parameters outside the units start training (:attr:`LayerFreezer.outgrown`), :meth:`retrace` discovers the
-    units again, and the next backward orders them like the first.
+    backward also walks the graph once (:func:`check_first_graph`, :func:`mark_inputs`); in a resumed fit, it
+    trains the restored prefix (:meth:`begin_forward`), so that the walk sees the whole model. A rollback
+    (:meth:`restore`) and parameters that structured pruning replaced (:meth:`follow`) reach the freezer, or
+    the units still waiting. When parameters outside the units start training (:attr:`LayerFreezer.outgrown`),
+    :meth:`retrace` discovers the units again, and the next backward orders them like the first.
 
     Args:
         settings: the freezer's settings.
@@ -823,6 +845,7 @@ class FreezerLifecycle:
         lifecycle = FreezerLifecycle(FreezeSettings(check_every=2))
         lifecycle.start(None, model)                 # a fresh run: the units wait for the first backward
         for x, y in batches:
+            lifecycle.begin_forward()                # a resumed fit's first forward trains its frozen prefix
             loss = F.cross_entropy(model(x), y)
             lifecycle.begin_backward(loss)
             loss.backward()
@@ -839,6 +862,9 @@ class FreezerLifecycle:
         self.trace: ForwardOrderTrace | None = None
         self._rare: list[str] = []  # units a trace waited for in vain (see LayerFreezer), kept over retraces
         self._graph_checked = False
+        self._open_first_forward = False  # a restored prefix trains in the first forward (begin_forward)
+        self._opened: list[nn.Parameter] = []  # its parameters, turned on until that backward ends
+        self._marked = False  # this backward marked the units' inputs (under DDP, rank 0's are shared)
         self._model: nn.Module | None = None  # the fit's model: its parameters outside the units are watched
         self._statistics: dict[str, float] | None = None  # a retraced freezer's, for the next one to continue
         # under DDP, the parameters frozen when the strategy wrapped the model (read at fit start, right after
@@ -863,6 +889,11 @@ class FreezerLifecycle:
         """How many leading units are frozen now (none without a freezer)."""
         return self.freezer.frozen_prefix if self.freezer is not None else 0
 
+    @property
+    def backward_prefix(self) -> int:
+        """Leading units the next backward skips (none in a resumed fit's first: :meth:`begin_forward`)."""
+        return 0 if self._opened else self.frozen_prefix
+
     def start(self, state: Mapping[str, Any] | None, model: nn.Module) -> None:
         """Start a fit from a checkpoint's freezer ``state`` (``requires_grad`` set from it), or, for a fresh run
         or a state saved before the first backward (``None``), with the units discovered in ``model`` waiting.
@@ -872,24 +903,68 @@ class FreezerLifecycle:
         """
         self._graph_checked, self._model, self._statistics, self._rare = False, model, None, []
         self.freezer, self.trace = restore_freezer(None, state, model, self.settings), None
+        self._open_first_forward, self._opened = self.freezer is not None, []
         if self.freezer is None:
             self.trace = ForwardOrderTrace(discover_units(model, self.unit_names))
+
+    @property
+    def resumed_first_batch(self) -> bool:
+        """Whether the next forward is a resumed fit's first (:meth:`begin_forward` opens its prefix)."""
+        return self._open_first_forward
+
+    def begin_forward(self) -> None:
+        """Before a batch's forward. In a resumed fit's first, turn the restored prefix back on, so that the
+        graph check of its backward (:meth:`begin_backward`) sees the whole model: a frozen prefix hides what
+        follows it (a reentrant checkpoint whose input needs no gradient leaves no node at all).
+        :meth:`end_backward` turns it off again and drops its gradients, so it stands still as in the run that
+        saved it. Call it after looking for units someone else turned back on
+        (:meth:`LayerFreezer.release_taken_back`): turned on here, their change would no longer show."""
+        if self._open_first_forward and self.freezer is not None:
+            self._opened = self.freezer.turned_off()
+            for param in self._opened:
+                param.requires_grad_(True)
+        self._open_first_forward = False  # also when a retrace at that batch left no freezer to open
 
     def begin_backward(self, loss: torch.Tensor) -> None:
         """Before a backward. At the fit's first, before anything is frozen, :func:`check_first_graph` and pin
         the units holding a parameter read twice: a restored freezer's, or those about to be ordered (the same
-        objects). While units wait, record the order this backward hands out gradients in."""
-        if not self._graph_checked:
+        objects). There and at every backward that orders units, :func:`mark_inputs`. While units wait, record
+        the order this backward hands out gradients in."""
+        first = not self._graph_checked
+        if first:
             self._graph_checked = True
             pin_read_twice(self.units, check_first_graph(loss))
+        if first or self.trace is not None:
+            mark_inputs(self.units, loss)
+            self._marked = True
         if self.trace is not None and not self.trace.running:
             self.trace.begin()
 
-    def end_backward(self, broadcast: Callable[[list[str]], list[str]] | None = None) -> bool:
-        """After a backward: put the waiting units in the order it recorded (under DDP rank 0's, which
-        ``broadcast`` gives every process) and build their freezer. Returns whether it was built now."""
+    def end_backward(self, broadcast: Callable[[list[Any]], list[Any]] | None = None) -> bool:
+        """After a backward: turn the restored prefix :meth:`begin_forward` opened off again; put the waiting
+        units in the order it recorded (under DDP rank 0's, which ``broadcast`` gives every process, as it
+        gives rank 0's :func:`mark_inputs`) and build their freezer. Returns whether it was built now."""
+        self._close_opened()
+        marked, self._marked = self._marked, False
+        if marked and broadcast is not None:  # a loop counted from the data reads differently on each rank
+            agree_inputs(self.units, broadcast)
         if self.trace is None or not self.trace.running:
             return False
+        return self._order_waiting(broadcast)
+
+    def _close_opened(self) -> None:
+        """Turn the prefix :meth:`begin_forward` opened off again, once a backward or a step without one
+        ran."""
+        opened, self._opened = self._opened, []
+        if not self._graph_checked:  # no backward ran on it (a skipped batch): open it again for the next one
+            self._open_first_forward = bool(opened)
+        if opened and self.freezer is not None:  # a resumed fit's first backward is over
+            still_off = {id(param) for param in self.freezer.turned_off()}  # unless a burst released them
+            for param in (param for param in opened if id(param) in still_off):
+                param.requires_grad_(False)
+                param.grad = None  # the optimizer skips them: they stand still, as in the run that saved them
+
+    def _order_waiting(self, broadcast: Callable[[list[str]], list[str]] | None) -> bool:
         units = self.trace.finish(broadcast)
         if units is None:  # a unit to place was missed again: the next backward is traced too
             return False
@@ -965,6 +1040,7 @@ class FreezerLifecycle:
         """:meth:`LayerFreezer.step` (needs a freezer; nothing freezes once the optimizer was found moving
         frozen parameters), then :meth:`GradlessStepCheck.before_step` on the units frozen during its
         backward."""
+        self._close_opened()  # a step without a backward (training_step returned None)
         freezer = self.freezer
         if freezer is None:
             return StepReport()
@@ -1001,7 +1077,7 @@ class FreezerLifecycle:
 
     def restore(self, state: Mapping[str, Any] | None, model: nn.Module) -> None:
         """A rollback in the middle of the fit: :func:`restore_during_fit`."""
-        self._model = model
+        self._model, self._open_first_forward = model, False
         self.freezer, self.trace = restore_during_fit(self.freezer, self.trace, state, model, self.settings)
 
     def follow(self, replacements: Iterable[tuple[nn.Parameter, nn.Parameter, torch.Tensor]]) -> None:
@@ -1223,12 +1299,15 @@ class GradlessStepCheck:
 
 def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
     """Say, once the units are in forward order, what they are (``info``), and why nothing can ever freeze if
-    so: a single trainable unit (``info``) or a tied first unit (``warn``)."""
+    so: a single trainable unit (``info``) or a tied first unit (``warn``); and which units freeze only with
+    later ones (``info``, :func:`~lightning_pulse.core.freeze_units.reread_note`)."""
     if freezer.freezable_limit == 0:
         info("GradientCache: the model has a single trainable unit, so nothing can be frozen.")
     elif freezer.pinned_first is not None:
         warn(f"GradientCache: {freezer.pinned_first}.")
     info(f"GradientCache: {order_note(freezer.units)}")
+    if (note := reread_note(freezer.units)) is not None:
+        info(f"GradientCache: {note}.")
 
 
 def frozen_parameter_ids(model: nn.Module) -> set[int]:
