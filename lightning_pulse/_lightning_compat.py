@@ -361,59 +361,54 @@ def total_steps(trainer: pl.Trainer) -> float:
     the current one (a held-out run of 75 steps was estimated at 132 at its start and 18 from its fourth epoch
     on), so the epochs are counted one by one, each at its own accumulation: the short last window of an epoch
     steps at the epoch's end."""
-    return _run_length(trainer)[0]
-
-
-def total_batches(trainer: pl.Trainer) -> float:
-    """The run's training batches on this rank (``inf`` for a run of unknown length), counted with
-    :func:`total_steps`. Work measured per optimizer step does not scale to the rest of a run whose later
-    steps cover more batches (a ``GradientAccumulationScheduler`` raising the accumulation): measured per
-    batch it does."""
-    return _run_length(trainer)[1]
+    return run_length(trainer)[0]
 
 
 def steps_left_at_run_pace(trainer: pl.Trainer) -> float:
     """Optimizer steps left (:func:`total_steps`), in steps of the size the run's have had on average: a time
     per step measured so far then times the work left. Under a ``GradientAccumulationScheduler`` a later step
     covers more batches, so the batches left are counted and divided by the run's batches per step so far."""
-    steps_left = total_steps(trainer) - trainer.global_step
+    steps, batches = run_length(trainer)
+    steps_left = steps - trainer.global_step
     done = trainer.fit_loop.epoch_loop.total_batch_idx + 1  # the run's batches, a resume's included
-    scheduled = any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks)
-    if not scheduled or steps_left <= 0 or done <= 0 or trainer.global_step <= 0:
+    if _accumulation_schedule(trainer) is None or steps_left <= 0 or done <= 0 or trainer.global_step <= 0:
         return steps_left
-    return (total_batches(trainer) - done) * trainer.global_step / done
+    return (batches - done) * trainer.global_step / done
 
 
-def _run_length(trainer: pl.Trainer) -> tuple[float, float]:
-    """``(optimizer steps, batches)`` of the run: each epoch at its own accumulation, the epoch that reaches
-    ``max_steps`` cut at its last window."""
-    estimate = float(
-        trainer.estimated_stepping_batches
-    )  # also sets the training DataLoader up if it is not yet
+def run_length(trainer: pl.Trainer) -> tuple[float, float]:
+    """``(optimizer steps, training batches on this rank)`` of the run (:func:`total_steps`; ``inf`` for a
+    run of unknown length): each epoch at its own accumulation, the epoch that reaches ``max_steps`` cut at
+    its last window. Work measured per optimizer step does not scale to the rest of a run whose later steps
+    cover more batches (a ``GradientAccumulationScheduler`` raising the accumulation): measured per batch it
+    does."""
+    # reading the estimate also sets the training DataLoader up if it is not yet
+    estimate = float(trainer.estimated_stepping_batches)
     if estimate < 0:
         return math.inf, math.inf
-    schedule = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
-
-    def accumulation(epoch: int) -> int:
-        return (
-            trainer.accumulate_grad_batches
-            if schedule is None
-            else schedule.get_accumulate_grad_batches(epoch)
-        )
-
+    schedule = _accumulation_schedule(trainer)
+    if schedule is None:
+        window_of = lambda epoch: trainer.accumulate_grad_batches  # noqa: E731
+    else:
+        window_of = schedule.get_accumulate_grad_batches
     batches, max_epochs = trainer.num_training_batches, trainer.max_epochs
+    # a run bounded by max_steps alone, or of unknown length
     if max_epochs in (None, -1) or not math.isfinite(batches) or batches < 1:
-        # the run's length is max_steps, or unknown
-        return estimate, estimate * accumulation(trainer.current_epoch)
+        return estimate, estimate * window_of(trainer.current_epoch)
     steps, taken = 0, 0
     steps_left = math.inf if trainer.max_steps == -1 else trainer.max_steps
     for epoch in range(max(max_epochs, 1)):
-        epoch_steps = math.ceil(batches / accumulation(epoch))
+        window = window_of(epoch)
+        epoch_steps = math.ceil(batches / window)
         if epoch_steps >= steps_left:
-            steps, taken = steps + steps_left, taken + min(batches, steps_left * accumulation(epoch))
+            steps, taken = steps + steps_left, taken + min(batches, steps_left * window)
             break
         steps, taken, steps_left = steps + epoch_steps, taken + batches, steps_left - epoch_steps
     return (estimate if schedule is None else float(steps)), float(taken)
+
+
+def _accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler | None:
+    return next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
 
 
 def mark_last_batch_of(trainer: pl.Trainer, batches: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+
+def first_names(names: Sequence[str], most: int) -> str:
+    """``"a, b, c and 5 more"``: the first ``most`` of ``names``, and how many a message leaves out."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 class PulseRefusal(MisconfigurationException):

@@ -277,12 +277,12 @@ class EnergyLogger(Callback):
     @override
     @guarded_hook
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        steps, batches = compat.run_length(trainer)
         metrics, forecast = self.account.epoch_metrics(
             trainer.current_epoch,
-            compat.total_steps(trainer),
+            steps,
             _StrategyCollective(trainer, self._held),
-            # the ledger counts every rank's batches
-            total_batches=compat.total_batches(trainer) * trainer.world_size,
+            total_batches=batches * trainer.world_size,  # the ledger counts every rank's batches
         )
         if forecast is not None:
             rank_zero_info(forecast_message(forecast))

@@ -39,6 +39,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from lightning_pulse.core import prune_targets
 from lightning_pulse.core.carried_state import WEIGHT_HOOKS, hook_weight_name
 from lightning_pulse.core.prune_targets import LayerSelection, call_with
+from lightning_pulse.errors import first_names
 
 RANKINGS = ("layer", "global")
 MODES = ("unstructured", "structured")
@@ -836,7 +837,7 @@ def check_structured(
             _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example, frozen=frozenset())[0]
             is None
         ):
-            frozen = _first_names(sorted(pruner.user_frozen))
+            frozen = first_names(sorted(pruner.user_frozen), 3)
             reason = f"{FROZEN_COUPLING} (`requires_grad=False`: {frozen}), whose weights must not change"
     return reason
 
@@ -890,11 +891,6 @@ FROZEN_COUPLING = "every channel group of the selected layers also cuts a layer 
 NOTHING_TO_CUT = "no channel group of the selected layers can be cut safely"
 
 
-def _first_names(names: Sequence[str], most: int = 3) -> str:
-    more = f" and {len(names) - most} more" if len(names) > most else ""
-    return ", ".join(names[:most]) + more
-
-
 @contextmanager
 def _run_without_autograd(layers: Mapping[str, nn.Module]) -> Iterator[set[str]]:
     """Gives the set that holds, once the block is over, the names of ``layers`` that ran in it with autograd
@@ -933,7 +929,7 @@ def _autograd_off_reason(names: Sequence[str], output: Any) -> str:
             break
         seen.add(node)
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return f"{cause} ({_first_names(names)})"
+    return f"{cause} ({first_names(names, 3)})"
 
 
 #: how many exclusions :func:`_way_out` adds and checks before it gives up on naming one that works

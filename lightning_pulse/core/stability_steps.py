@@ -25,7 +25,7 @@ from lightning_pulse.core.fault_origin import describe_bad_samples, nonfinite_fo
 from lightning_pulse.core.snapshots import SnapshotSchedule, TrainingSnapshot, nonfinite_tensors
 from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import Action, EscalationPolicy, StabilityGuardConfig
-from lightning_pulse.errors import PulseRefusal, as_config
+from lightning_pulse.errors import PulseRefusal, as_config, first_names
 from lightning_pulse.phase import Phase, PhaseChange
 
 NONFINITE = (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
@@ -536,10 +536,7 @@ def stop_message(
 
 def named_list(names: Sequence[str], most: int = 4) -> str:
     """``"a, b, c, d and 5 more"``; ``"tensors (on another rank)"`` for none (another rank's finding)."""
-    if not names:
-        return "tensors (on another rank)"
-    more = f" and {len(names) - most} more" if len(names) > most else ""
-    return ", ".join(names[:most]) + more
+    return first_names(names, most) if names else "tensors (on another rank)"
 
 
 def left_out_message(step: int, names: Sequence[str]) -> str:
