@@ -4,7 +4,8 @@
 ``class_path`` in the YAML, with the pulse callbacks configured under ``trainer.callbacks``. Class paths
 resolve from the current directory too, as with ``python -m``, so a project's own modules need no install.
 
-``lightning-pulse report DIR`` re-renders ``energy_report.md`` and the PNG from ``DIR/energy_report.json``.
+``lightning-pulse report DIR`` re-renders ``energy_report.md`` and the PNG from the ``energy_report.json``
+that ``DIR`` names, holds, or holds below it (found as ``compare`` finds a run).
 
 ``lightning-pulse compare RUN_A RUN_B [--out DIR]`` prints run B against run A (wall time, kWh, CO2, cost,
 final metrics, ratios B/A) and writes it as ``energy_comparison.{json,md,png}`` next to RUN_B's report.
@@ -287,12 +288,15 @@ def run_report(argv: Sequence[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="lightning-pulse report", description="Re-render an energy report.")
-    parser.add_argument("directory", help="folder holding energy_report.json")
+    parser.add_argument(
+        "directory",
+        help="an energy_report.json, or a log directory holding one (searched below it, as compare)",
+    )
     args = parser.parse_args(list(argv))
     from lightning_pulse.energy.report import render_report
 
     try:
-        written = render_report(args.directory)
+        written = render_report(args.directory, field="DIR")
     except (FileNotFoundError, ValueError) as error:
         parser.error(str(error))
     for path in written:

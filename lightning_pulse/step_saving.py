@@ -27,6 +27,7 @@ from lightning_pulse.core.replay import (
     STEPS_MODE_LIMIT_REFUSAL,
     STEPS_MODE_OPTIMIZERS_REFUSAL,
     STEPS_MODE_RELOAD_REFUSAL,
+    STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL,
     STEPS_MODE_SCHEDULE_LENGTH_REFUSAL,
     STEPS_MODE_STEP_BOUND_REFUSAL,
     HardSampleSelector,
@@ -50,7 +51,8 @@ class UnplannedLengths:
     Hugging Face's example scripts' ``len(loader) // accumulate * epochs`` rounds them down, and
     ``len(loader) * epochs // accumulate`` rounds the run's. Nothing else is read as the run's length: a
     warm-up count or a Noam schedule's ``d_model`` is no length of the run (a range of lengths around
-    ``plain_steps`` refused such a schedule, a review found)."""
+    ``plain_steps`` refused such a schedule, a review found). A scheduler Lightning steps every ``frequency``
+    optimizer steps (its config's ``"frequency"``) was built for these lengths divided by its frequency."""
 
     plain_steps: int
     max_epochs: int | None
@@ -58,23 +60,62 @@ class UnplannedLengths:
     accumulate: int
     max_steps: int | None
 
-    def source_of(self, length: int) -> str | None:
-        """Where ``length`` comes from (for the refusal), or ``None`` for no unplanned length of the run."""
-        if self.max_steps is not None and length == self.max_steps:
-            return f"max_steps={self.max_steps}"  # also when max_epochs ends the plain run first
+    def source_of(self, length: int, frequency: int = 1) -> tuple[str, int] | None:
+        """Where a schedule of ``length`` scheduler steps comes from (for the refusal) and the unplanned run
+        length in optimizer steps it was built for, or ``None`` for no unplanned length of the run. A
+        scheduler Lightning steps every ``frequency`` optimizer steps spans ``length * frequency`` of them:
+        built for a run of ``n`` steps, its length is ``n // frequency`` or that rounded up (or ``n``, the
+        frequency left out of the count)."""
+        for steps, source in self._lengths():
+            if length == steps:
+                return source, steps
+            if frequency > 1 and length in (steps // frequency, -(-steps // frequency)):
+                return (
+                    f"{source}: {steps} optimizer steps over the scheduler's `frequency`={frequency}",
+                    steps,
+                )
+        return None
+
+    def _lengths(self) -> list[tuple[int, str]]:
+        """The unplanned run lengths in optimizer steps, each with where it comes from."""
+        lengths = [] if self.max_steps is None else [(self.max_steps, f"max_steps={self.max_steps}")]
         epoch_steps = max(1, math.ceil(self.batches / self.accumulate))
         if self.max_epochs is None or self.plain_steps != self.max_epochs * epoch_steps:
-            return None  # max_steps ends the plain run: its length is max_steps
+            return lengths  # max_steps ends the plain run: its length is max_steps
         source = f"max_epochs={self.max_epochs} of {epoch_steps} optimizer steps"
-        if length == self.plain_steps:
-            return source
+        lengths.append((self.plain_steps, source))
         rounded_down = {
             self.max_epochs * (self.batches // self.accumulate),
             self.max_epochs * self.batches // self.accumulate,
-        }
-        if length in rounded_down:
-            return f"{source}, {self.plain_steps} in all, counted with the epochs' steps rounded down"
+        } - {self.plain_steps}
+        rounded = f"{source}, {self.plain_steps} in all, counted with the epochs' steps rounded down"
+        return lengths + [(steps, rounded) for steps in sorted(rounded_down)]
+
+    def cut_short(self, config: Any, planned: int) -> ScheduleCut | None:
+        """The cut of the LR scheduler ``config``'s course when it is a per-step schedule built for an
+        unplanned length that the ``planned`` steps fall short of, else ``None`` (an epoch-interval one keeps
+        its epochs)."""
+        if config.interval != "step":
+            return None
+        frequency = max(1, int(config.frequency))
+        for length in sorted(schedule_lengths(config.scheduler)):
+            found = self.source_of(length, frequency)
+            if found is not None and planned < found[1]:
+                divided = frequency if length != found[1] else 1
+                return ScheduleCut(length, found[0], min(1.0, planned // frequency / length), divided)
         return None
+
+
+@dataclass(frozen=True)
+class ScheduleCut:
+    """A per-step schedule the plan would stop part-way: its ``length`` in scheduler steps, where that comes
+    from (``source``), the ``share`` of its course the planned run reaches, and the ``frequency`` its length
+    was divided by (1: none)."""
+
+    length: int
+    source: str
+    share: float
+    frequency: int
 
 
 class StepSavingLoader:
@@ -169,24 +210,27 @@ class StepSavingLoader:
             accumulate=accumulate,
             drop_last=batches.drop_last,
         )
-        built_for_max_steps = any(  # a per-step schedule whose length is the unplanned max_steps
-            config.interval == "step" and max_steps in schedule_lengths(config.scheduler)
-            for config in trainer.lr_scheduler_configs
-        )
-        if max_epochs is None and built_for_max_steps and plan.total_steps < max_steps:
-            raise PulseRefusal(
-                STEPS_MODE_STEP_BOUND_REFUSAL.format(
-                    max_epochs=trainer.max_epochs,
-                    max_steps=max_steps,
-                    planned=plan.total_steps,
-                    share=plan.total_steps / max_steps,
-                    epochs=math.ceil(max_steps / max(1, math.ceil(plain_batches / accumulate))),
-                )
+        unplanned = UnplannedLengths(plan.plain_steps, max_epochs, plain_batches, accumulate, max_steps)
+        # a per-step schedule whose length is the unplanned max_steps (over its `frequency`, if any)
+        configs = trainer.lr_scheduler_configs
+        cuts = [
+            cut for config in configs if (cut := unplanned.cut_short(config, plan.total_steps)) is not None
+        ]
+        if max_epochs is None and cuts:
+            refusal = STEPS_MODE_STEP_BOUND_REFUSAL.format(
+                max_epochs=trainer.max_epochs,
+                max_steps=max_steps,
+                planned=plan.total_steps,
+                share=min(cut.share for cut in cuts),
+                epochs=math.ceil(max_steps / max(1, math.ceil(plain_batches / accumulate))),
             )
+            if (every := max(cut.frequency for cut in cuts)) > 1:
+                refusal += f" (Its length is max_steps over the scheduler's `frequency`={every}.)"
+            raise PulseRefusal(refusal)
         shortfall = None if cycle is None else budget_shortfall(plan, cycle.budget)
         if shortfall is not None:  # a warning, not a refusal: a smoke run of a shipped YAML must still train
             rank_zero_warn(f"PulseCycle: {shortfall}")
-        self._unplanned = UnplannedLengths(plan.plain_steps, max_epochs, plain_batches, accumulate, max_steps)
+        self._unplanned = unplanned
         # the plan's data gives exactly its total (warm-up and anneal are pinned where no exact fixed point
         # exists, see plan_steps), so max_epochs is left as the user set it: epoch-interval schedulers,
         # EarlyStopping's patience and epoch checkpoints count the epochs they were given
@@ -257,8 +301,8 @@ class StepSavingLoader:
 
     def refuse_schedules_cut_short(self, trainer: pl.Trainer) -> None:
         """Refuse, before the first step, a per-step LR scheduler built for the run's unplanned length (its
-        ``max_steps``, or ``max_epochs`` of plain epochs, however rounded: see :class:`UnplannedLengths`) when
-        the plan takes fewer steps.
+        ``max_steps``, or ``max_epochs`` of plain epochs, however rounded, divided by the scheduler's
+        ``frequency``: see :class:`UnplannedLengths`) when the plan takes fewer steps.
 
         With ``max_epochs`` set, Lightning builds the schedulers before the data unless ``configure_optimizers``
         reads ``estimated_stepping_batches``, so a literal length (or one from a config) was never checked at
@@ -272,20 +316,32 @@ class StepSavingLoader:
         if plan is None or unplanned is None:
             return
         for config in trainer.lr_scheduler_configs:
-            if config.interval != "step":  # an epoch-interval schedule keeps its epochs
+            cut = unplanned.cut_short(config, plan.total_steps)
+            if cut is None:
                 continue
-            for length in sorted(schedule_lengths(config.scheduler)):
-                source = unplanned.source_of(length)
-                if source is not None and plan.total_steps < length:
-                    raise PulseRefusal(
-                        STEPS_MODE_SCHEDULE_LENGTH_REFUSAL.format(
-                            scheduler=type(config.scheduler).__name__,
-                            length=length,
-                            source=source,
-                            planned=plan.total_steps,
-                            share=plan.total_steps / length,
-                        )
+            if cut.frequency > 1 and cut.length == plan.total_steps:  # estimated_stepping_batches, undivided?
+                raise PulseRefusal(
+                    STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL.format(
+                        scheduler=type(config.scheduler).__name__,
+                        frequency=cut.frequency,
+                        length=cut.length,
+                        planned=plan.total_steps,
+                        source=cut.source,
+                        stepped=plan.total_steps // cut.frequency,
+                        share=cut.share,
                     )
+                )
+            refusal = STEPS_MODE_SCHEDULE_LENGTH_REFUSAL.format(
+                scheduler=type(config.scheduler).__name__,
+                length=cut.length,
+                source=cut.source,
+                planned=plan.total_steps,
+                share=cut.share,
+            )
+            if cut.frequency > 1:  # the way out divides the planned steps too
+                every = cut.frequency
+                refusal += f" With `frequency`={every}, divide `estimated_stepping_batches` by {every}."
+            raise PulseRefusal(refusal)
 
     def on_train_start(self, trainer: pl.Trainer) -> None:
         if self._sampler is None:  # not installed: batch mode

@@ -25,6 +25,18 @@ def generated_data_in_a_scratch_folder(tmp_path_factory):
     os.environ.pop("LIGHTNING_PULSE_DATA", None)
 
 
+@pytest.fixture(autouse=True)
+def nothing_written_into_the_working_directory():
+    """A test writes its files (reports, checkpoints, logs) under ``tmp_path``: a report left in the working
+    directory (a Trainer without ``default_root_dir``) would land in the user's checkout."""
+    import os
+
+    before = set(os.listdir())
+    yield
+    written = sorted(set(os.listdir()) - before)
+    assert not written, f"the test wrote {written} into the working directory; give it tmp_path"
+
+
 def trainer_kwargs(**overrides):
     """Trainer arguments for fast, quiet test runs."""
     kwargs = dict(

@@ -192,6 +192,26 @@ def test_report_subcommand_re_renders_an_energy_report(tmp_path, capsys):
     assert "not a lightning-pulse energy report" in capsys.readouterr().err
 
 
+def test_report_subcommand_finds_the_report_below_a_log_root_as_compare_does(tmp_path, capsys):
+    # sweep C: `report LOGROOT` failed ("No energy_report.json in ...") where `compare LOGROOT` searched
+    # below it
+    from lightning_pulse.energy.report import MARKDOWN_NAME, write_report
+    from tests.test_energy_report import small_report
+
+    run = tmp_path / "lightning_logs" / "version_0"
+    write_report(small_report(), run)
+    (run / MARKDOWN_NAME).unlink()
+    assert main(["report", str(tmp_path)]) == 0
+    assert (run / MARKDOWN_NAME).exists() and str(run / MARKDOWN_NAME) in capsys.readouterr().out
+    write_report(small_report(), tmp_path / "lightning_logs" / "version_1")
+    with pytest.raises(SystemExit) as exit_info:  # two runs below it: which one is not guessed
+        main(["report", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "2 energy reports below it (lightning_logs/version_0, lightning_logs/version_1)" in (
+        capsys.readouterr().err
+    )
+
+
 def test_held_seed_lines_come_out_at_release_and_the_hooks_go_back(caplog):
     import logging
     import warnings

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
@@ -24,9 +25,12 @@ from lightning_pulse.energy.compare import (
     COMPARISON_MARKDOWN,
     COMPARISON_PNG,
     FIGURES,
+    chart_title,
     compare_runs,
+    comparison_markdown,
     load_run,
     ratio_of,
+    write_comparison_plot,
 )
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.report import JSON_NAME
@@ -271,3 +275,84 @@ def test_a_partial_figure_gets_no_ratio_but_a_note(runs, tmp_path):
         row = next(row for row in comparison["figures"] if row["figure"] == figure)
         assert row["ratio"] is None and "partial" in row["note"]
     assert ratio_of(comparison, "duration_s") is not None  # the wall time is still compared
+
+
+def test_an_interrupted_run_gets_a_note_on_its_cost_rows_and_a_marked_chart(runs, tmp_path):
+    # sweep C: a run that crashed at step 20 of 48 was compared with a complete one with no note (energy B/A
+    # 2.70x)
+    _, plain, pulsed = runs
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    partial = report(plain)
+    partial["status"] = "interrupted"
+    for key in ("duration_s", "energy_kwh", "co2_kg", "cost"):
+        partial["total"][key] /= 4
+    for key in ("steps", "samples"):
+        partial["total"][key] //= 4
+    (crashed / JSON_NAME).write_text(json.dumps(partial))
+    comparison = compare_runs(load_run(crashed), load_run(pulsed))
+    rows = {row["figure"]: row for row in comparison["figures"]}
+    for figure in ("duration_s", "energy_kwh", "co2_kg", "cost"):
+        row = rows[figure]
+        assert row["note"].startswith("A is interrupted: unequal work (A: 4 steps, B: 16)"), row
+        per_step = (row["b"] / 16) / (row["a"] / 4)
+        assert f"per optimizer step {per_step:.3f}x" in row["note"]
+        assert row["ratio"] == row["b"] / row["a"]  # still given, next to its note
+    assert rows["steps"]["note"] is None and rows["samples"]["note"] is None
+    markdown = comparison_markdown(comparison)
+    assert "| energy (kWh) |" in markdown and "(A is interrupted: unequal work" in markdown
+    assert chart_title(comparison).endswith("\nA is interrupted: its totals cover only part of the run")
+    assert "\n" not in chart_title(compare_runs(load_run(plain), load_run(pulsed)))
+
+
+def red_and_green_pixels(png: Path) -> int:
+    from matplotlib.image import imread
+
+    pixels = (imread(png)[..., :3] * 255).round()
+    colours = np.array([[214, 39, 40], [44, 160, 44]])  # the chart's red and green
+    return int((np.abs(pixels[:, :, None, :] - colours).sum(-1) < 6).any(-1).sum())
+
+
+def test_the_chart_colours_only_time_energy_co2_and_cost(runs, tmp_path):
+    # sweep C: optimizer steps and samples were painted red above 1, like costs; the docs colour only costs
+    _, plain, pulsed = runs
+    more_steps = report(plain)
+    more_steps["total"]["steps"] *= 2
+    more_steps["total"]["samples"] *= 2
+    (tmp_path / JSON_NAME).write_text(json.dumps(more_steps))
+    comparison = compare_runs(load_run(plain), load_run(tmp_path))
+    comparison["metrics"] = []
+    assert ratio_of(comparison, "steps") == 2.0 and ratio_of(comparison, "energy_kwh") == 1.0
+    assert red_and_green_pixels(write_comparison_plot(comparison, tmp_path / "same_cost.png")) == 0
+    more_steps["total"]["energy_kwh"] *= 2  # a cost above the baseline: red
+    (tmp_path / JSON_NAME).write_text(json.dumps(more_steps))
+    dearer = compare_runs(load_run(plain), load_run(tmp_path))
+    assert red_and_green_pixels(write_comparison_plot(dearer, tmp_path / "dearer.png")) > 100
+    more_steps["status"] = "interrupted"  # against a run that did not finish: no verdict in colour
+    (tmp_path / JSON_NAME).write_text(json.dumps(more_steps))
+    unfinished = compare_runs(load_run(plain), load_run(tmp_path))
+    assert red_and_green_pixels(write_comparison_plot(unfinished, tmp_path / "unfinished.png")) == 0
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda r: r.update(metrics=["x"]), "`metrics`=['x'] is not a mapping of metric names to numbers"),
+        (lambda r: r["total"].update(energy_kwh="abc"), "`total.energy_kwh`='abc' is not a number or null"),
+        (lambda r: r["metrics"].update(val_loss="low"), "`metrics.val_loss`='low' is not a number or null"),
+        (lambda r: r["total"].update(energy_method=3), "`total.energy_method`=3 is not a method name"),
+    ],
+)
+def test_a_hand_edited_report_of_the_wrong_types_is_refused_naming_the_file(
+    runs, tmp_path, capsys, edit, expected
+):
+    # sweep C: `"metrics": ["x"]` failed with "dictionary update sequence element #0 ..." (no file named), and
+    # `"energy_kwh": "abc"` was printed as a figure
+    _, plain, _ = runs
+    edited = report(plain)
+    edit(edited)
+    path = write(tmp_path / "edited.json", json.dumps(edited))
+    assert main(["compare", str(plain), str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: `RUN_B`={str(path)!r}: {path}: "), err
+    assert expected in err, err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -139,3 +140,261 @@ def test_a_string_that_is_not_a_file_says_a_number_is_accepted_too():
     first = str(caught.value).splitlines()[0]
     assert first.startswith("EnergyLogger: `price_per_kwh`='0,30' is neither a number nor a file")
     assert "a finite price >= 0 as a number" in first and "CSV" in first
+
+
+def hourly_series(first: str, last: str, value=lambda hours: hours) -> TimeSeries:
+    """An hourly series from ``first`` to ``last`` (UTC) whose value is ``value(hours since first)``."""
+    hours = np.arange(int((utc(last) - utc(first)) // 3600) + 1, dtype=np.float64)
+    return TimeSeries(utc(first) + 3600.0 * hours, value(hours), name="hourly.csv")
+
+
+def test_a_run_that_walks_off_the_series_end_holds_the_last_value_with_one_warning():
+    # sweep C: past the end, each reading was mapped to the same time of year in the series' middle year, so a
+    # run started on 2021-01-08 read 2020-01-10 from 2021-01-10 on: another year stitched in, in silence
+    series = hourly_series("2020-01-01 00:00:00", "2021-01-09 00:00:00")
+    warned: list[str] = []
+    rate = Rate("series:hourly.csv", "gCO2eq/kWh", series=series, warn=warned.append)
+    rate.anchor(utc("2021-01-08 12:00:00"))  # inside the series: the run's own dates
+    assert rate.series_time(utc("2021-01-08 13:00:00")) == utc("2021-01-08 13:00:00")
+    last = float(series.values[-1])
+    for hours in range(1, 30):
+        moment = utc("2021-01-09 00:00:00") + 3600.0 * hours
+        assert rate.series_time(moment) == moment  # one continuous stretch, never another year
+        assert rate.mean(moment, moment + 60) == last  # the last value, held
+    assert len(warned) == 1, warned
+    assert "hourly.csv series ends at 2021-01-09 01:00:00" in warned[0] and "last value" in warned[0]
+    assert "held" in warned[0] and "no other year" in warned[0]
+    held = rate.describe()["held"]["after"]
+    assert held["value"] == last and held["from_utc"] == "2021-01-09 01:00:00"
+
+
+def test_a_run_started_outside_the_series_reads_one_continuous_stretch_across_a_new_year():
+    # sweep C: the same time of year was taken per reading, so a run over a new year's eve jumped back a year
+    series = hourly_series("2019-12-20 00:00:00", "2021-01-09 00:00:00")
+    rate = Rate("series:hourly.csv", "gCO2eq/kWh", series=series, notice=lambda message: None)
+    start = utc("2026-12-31 22:00:00")
+    rate.anchor(start)
+    assert rate.series_time(start) == utc("2020-12-31 22:00:00")
+    for hours in (1, 2, 3, 4, 48):
+        assert rate.series_time(start + 3600.0 * hours) == utc("2020-12-31 22:00:00") + 3600.0 * hours
+    assert rate.describe()["run_start_read_at"] == "2020-12-31 22:00:00"
+    assert rate.describe()["held"] == {}
+
+
+def test_a_partial_year_series_at_another_season_says_its_last_value_is_held():
+    # sweep C: a June excerpt read in December was clamped to its last value while the notice said "read at
+    # the same time of year in 2020"
+    notices: list[str] = []
+    rate = carbon_intensity_from(str(EXCERPT), None, notice=notices.append)
+    series = TimeSeries.from_csv(EXCERPT)
+    december = utc("2026-12-04 10:00:00")
+    rate.anchor(december)
+    with pytest.warns(UserWarning) as caught:
+        assert rate.mean(december, december + 600) == pytest.approx(float(series.values[-1]), rel=1e-9)
+        rate.mean(december + 600, december + 1200)
+    messages = [str(warning.message) for warning in caught]
+    assert len(messages) == 1 and messages[0].startswith(
+        "EnergyLogger: the series:de_2020_excerpt.csv series"
+    )
+    assert "last value" in messages[0] and "held" in messages[0]
+    assert "`accounting.carbon_intensity_start`" in messages[0]  # the way out
+    assert not any("same time of year in 2020" in notice for notice in notices)  # not what happens
+    assert rate.describe()["held"]["after"]["value"] == float(series.values[-1])
+
+
+def test_the_energy_report_records_a_held_value_in_its_carbon_intensity_block(tmp_path):
+    import lightning.pytorch as pl
+
+    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+    from lightning_pulse import EnergyLogger, MeterConfig
+    from tests.conftest import trainer_kwargs
+
+    energy = EnergyLogger(
+        carbon_intensity=str(EXCERPT),
+        gpu="none",
+        cpu="constant",
+        ram="none",
+        meters=MeterConfig(sampling_period=0.05, cpu_watts=100.0),
+        report_dir=str(tmp_path),
+    )
+    shift = utc("2026-12-04 10:00:00") - time.time()
+    energy.account.wall_clock = lambda: (
+        time.time() + shift
+    )  # the run's dates: a December, outside the excerpt
+    trainer = pl.Trainer(callbacks=[energy], max_steps=3, limit_val_batches=0, **trainer_kwargs())
+    with pytest.warns(UserWarning, match="last value .* is held"):
+        trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=300, batch_size=32))
+    last = float(TimeSeries.from_csv(EXCERPT).values[-1])
+    block = energy.report["carbon_intensity"]
+    assert block["held"]["after"]["value"] == last and block["run_start_read_at"].startswith(
+        "2020-12-04 10:00"
+    )
+    assert energy.report["total"]["g_co2_per_kwh"] == pytest.approx(last)
+    assert "is held from 2026-12-04 10:00" in (tmp_path / "energy_report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "build, field",
+    [
+        (
+            lambda: carbon_intensity_from(str(EXCERPT), None, series_start="2030-01-01"),
+            "carbon_intensity_start",
+        ),
+        (lambda: price_from(str(EXCERPT), "EUR", series_start="2019-05-01 00:00:00"), "price_start"),
+    ],
+)
+def test_a_series_start_outside_the_series_is_refused_at_construction(build, field):
+    # sweep C: accepted, and every figure then read the series' last value, held for the whole run
+    with pytest.raises(ValueError) as caught:
+        build()
+    message = str(caught.value)
+    assert (
+        message.startswith(f"`accounting.{field}`=")
+        and "is outside the series de_2020_excerpt.csv" in message
+    )
+    assert "covers 2020-06-01 00:00:00 to 2020-06-05 00:00:00 (UTC)" in message
+
+
+def test_callbacks_refuse_a_series_start_outside_their_series_naming_the_field():
+    from lightning_pulse import AccountingConfig, EnergyLogger, GreenWindow, GreenWindowOptions
+
+    with pytest.raises(ValueError, match=r"^EnergyLogger: `accounting.carbon_intensity_start`='2030-01-01"):
+        EnergyLogger(
+            carbon_intensity=str(EXCERPT), accounting=AccountingConfig(carbon_intensity_start="2030-01-01")
+        )
+    with pytest.raises(  # the value as given (review 18: it showed '2020-07-01 00:00:00')
+        ValueError, match=r"^GreenWindow: `options.signal_start`='2020-07-01' is outside"
+    ):
+        GreenWindow(signal=str(EXCERPT), options=GreenWindowOptions(signal_start="2020-07-01"))
+    inside = GreenWindow(signal=str(EXCERPT), options=GreenWindowOptions(signal_start="2020-06-02"))
+    assert inside.signal.rate.series_start == utc("2020-06-02 00:00:00")
+
+
+def test_green_window_past_its_signal_end_holds_the_last_value_and_warns(mnist1d_small, tmp_path):
+    # sweep C: a 72 h job started two days before its series' end read, past it, the same time of year of the
+    # series' first January (300 instead of 525 g/kWh) in silence, and reported a 50.7% "saving" from the jump
+    import lightning.pytorch as pl
+
+    from lightning_pulse import GreenWindow, GreenWindowOptions, SimulatedClock
+    from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
+    from tests.conftest import trainer_kwargs
+
+    january_2020 = 31 * 24  # hours
+    series = hourly_series(
+        "2020-01-01 00:00:00",
+        "2021-01-03 00:00:00",
+        lambda hours: np.where(hours < january_2020, 100.0, 500.0),
+    )
+    clock = SimulatedClock("2021-01-02 00:00:00")
+    green = GreenWindow(
+        signal=series,
+        when_dirty="pause",
+        clock=clock,
+        expected_duration="36h",
+        options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path)),
+    )
+    model, data = mnist1d_small(arch="mlp")
+    trainer = pl.Trainer(
+        callbacks=[SimulatedStepTime(clock, 3600.0), green],
+        max_steps=36,
+        limit_val_batches=0,
+        **trainer_kwargs(),
+    )
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(model, data)
+    held = [str(w.message) for w in caught if "held" in str(w.message)]
+    assert len(held) == 1 and held[0].startswith(
+        "GreenWindow: the series:hourly.csv series ends at 2021-01-03 01:00"
+    )
+    past_end = [d for d in green.report["decisions"] if d["wall"] >= series.end]
+    assert past_end and all(d["signal"] == 500.0 for d in past_end)  # the last value, not January 2020's 100
+    assert green.report["signal"]["held"]["after"]["value"] == 500.0
+    assert green.report["summary"]["saving_pct"] == pytest.approx(
+        0.0, abs=1e-9
+    )  # a flat signal saves nothing
+
+
+@pytest.mark.parametrize(
+    "first, last, run_start",
+    [
+        ("2026-01-01 00:00:00", "2026-01-02 23:00:00", "2025-12-31 23:00:00"),  # a day-ahead price series
+        ("2020-01-01 00:00:00", "2020-12-31 23:00:00", "2019-12-31 23:00:00"),  # a whole year, like de_2020
+        ("2020-01-01 00:00:00", "2020-12-31 23:00:00", "2019-12-31 01:00:00"),  # 23 h before it
+    ],
+)
+def test_a_run_starting_just_before_a_series_in_the_next_calendar_year_reads_its_own_dates(
+    first, last, run_start
+):
+    # sweep C, review 18: the same time of year of 31 December 23:00 is the series' last hour (or past the
+    # end of a 2-day series), so the whole run, after at most an hour, held the series' last value
+    series = hourly_series(first, last, lambda hours: 100.0 + hours)
+    warned: list[str] = []
+    notices: list[str] = []
+    rate = Rate("series:hourly.csv", "EUR/kWh", series=series, notice=notices.append, warn=warned.append)
+    start = utc(run_start)
+    rate.anchor(start)
+    assert rate.mean(start, start + 60) == 100.0  # the first value, held until the series starts
+    for hours in (5.5, 36.5):
+        moment = utc(first) + 3600.0 * hours
+        assert rate.series_time(moment) == moment  # the run's own dates, one continuous stretch
+        assert rate.mean(moment, moment + 60) == series.value_at(moment) == 100.0 + int(hours)
+    assert notices == [] and len(warned) == 1
+    assert "read at its own dates" in warned[0] and "is held while the run reads before it" in warned[0]
+    described = rate.describe()
+    assert described["run_start_read_at"] == run_start and set(described["held"]) == {"before"}
+    assert described["held"]["before"]["from_utc"] == run_start
+
+
+def test_a_december_to_february_series_is_read_in_the_year_that_holds_that_time_of_year():
+    # sweep C, review 18: the series' middle year (2021) put a December run in December 2021, past its end
+    series = hourly_series("2020-12-01 00:00:00", "2021-02-28 23:00:00")
+    for run_start, read_at in (
+        ("2026-12-15 06:00:00", "2020-12-15 06:00:00"),
+        ("2027-02-01 06:00:00", "2021-02-01 06:00:00"),
+    ):
+        notices: list[str] = []
+        rate = Rate("series:hourly.csv", "gCO2eq/kWh", series=series, notice=notices.append, warn=pytest.fail)
+        rate.anchor(utc(run_start))
+        assert rate.series_time(utc(run_start) + 7200.0) == utc(read_at) + 7200.0
+        assert rate.describe()["run_start_read_at"] == read_at and rate.describe()["held"] == {}
+        assert len(notices) == 1 and f"same time of year in {read_at[:4]}" in notices[0]
+
+
+def test_a_partial_year_excerpt_read_at_another_season_before_it_reads_the_runs_own_dates():
+    # no year holds December in a June excerpt: a run from December 2019 reaches the series at its own dates
+    # (before: December 2020, past the end, holding the last value for good)
+    series = TimeSeries.from_csv(EXCERPT)
+    warned: list[str] = []
+    rate = Rate("series:de_2020_excerpt.csv", "gCO2eq/kWh", series=series, warn=warned.append)
+    start = utc("2019-12-01 00:00:00")
+    rate.anchor(start)
+    assert rate.series_time(start) == start
+    assert rate.mean(start, start + 60) == pytest.approx(float(series.values[0]), rel=1e-9)
+    inside = utc("2020-06-02 07:20:00")
+    assert rate.mean(inside, inside + 60) == pytest.approx(series.value_at(inside), rel=1e-9)
+    assert len(warned) == 1 and "first value" in warned[0] and "while the run reads before it" in warned[0]
+    assert set(rate.describe()["held"]) == {"before"}
+
+
+def test_the_same_time_of_year_notice_names_the_rate_it_is_about(tmp_path):
+    # review 18: intensity and price on one file gave two identical lines
+    notices: list[str] = []
+    intensity = carbon_intensity_from(str(EXCERPT), None, notice=notices.append)
+    price = price_from(str(EXCERPT), "EUR", notice=notices.append)
+    moment = utc("2026-06-02 07:20:00")
+    for rate in (intensity, price):
+        rate.anchor(moment)
+        rate.mean(moment, moment + 60)
+    assert len(notices) == 2 and notices[0] != notices[1]
+    assert "`carbon_intensity`" in notices[0] and "`price_per_kwh`" in notices[1]
+    assert all("same time of year in 2020" in notice for notice in notices)
+
+
+def test_a_held_last_value_is_dated_where_the_run_crosses_the_series_end():
+    # review 18: a reading that starts past the end (a slot) dated the hold from that reading: a slot late
+    series = hourly_series("2020-06-01 00:00:00", "2020-06-02 23:00:00")
+    rate = Rate("series:hourly.csv", "gCO2eq/kWh", series=series, warn=lambda message: None)
+    rate.anchor(utc("2020-06-02 12:00:00"))
+    later = series.end + 1800.0
+    assert rate.mean(later, later + 3600.0) == float(series.values[-1])
+    assert rate.describe()["held"]["after"]["from_utc"] == "2020-06-03 00:00:00"  # series.end, not 00:30

@@ -750,7 +750,14 @@ def test_the_maintain_probe_is_booked_to_the_maintain_phase_it_runs_for(tmp_path
     energy = EnergyLogger(
         cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0)
     )
-    fit = trainer([cycle, energy], max_epochs=1, max_steps=24, limit_train_batches=24, limit_val_batches=0)
+    fit = trainer(
+        [cycle, energy],
+        max_epochs=1,
+        max_steps=24,
+        limit_train_batches=24,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,  # the report goes there, not into the working directory
+    )
     fit.fit(SlowProbe(arch="mlp"), data())
 
     probes_s = 2 * 2 * SlowProbe.PROBE_BATCH_S  # two maintain phases of two probe batches

@@ -16,6 +16,7 @@ from lightning_pulse.energy.report import (
     PNG_NAME,
     assemble_report,
     render_report,
+    report_markdown,
     write_report,
 )
 
@@ -74,6 +75,31 @@ def test_render_report_rejects_a_missing_or_foreign_json(tmp_path):
     (tmp_path / JSON_NAME).write_text(json.dumps({"hello": 1}))
     with pytest.raises(ValueError, match="not a lightning-pulse energy report"):
         render_report(tmp_path)
+
+
+def test_render_report_finds_the_report_below_a_log_root_as_compare_does(tmp_path):
+    # review 18: the docs said `render_report(DIR)` finds it as `compare` does; only the command line did
+    run = tmp_path / "lightning_logs" / "version_0"
+    write_report(small_report(), run, chart=False)
+    (run / MARKDOWN_NAME).unlink()
+    assert render_report(tmp_path) == [run / MARKDOWN_NAME, run / PNG_NAME]
+    write_report(small_report(), tmp_path / "lightning_logs" / "version_1", chart=False)
+    with pytest.raises(ValueError, match=r"2 energy reports below it \(lightning_logs/version_0, "):
+        render_report(tmp_path)  # which one is not guessed
+
+
+def test_a_first_value_held_before_the_series_is_not_said_to_end_when_the_run_reaches_it():
+    # review 18: "held ... until the run reaches the series" for a June excerpt read from February, which the
+    # run never reaches
+    report = small_report()
+    held = {"value": 170.3, "from_utc": "2026-02-01 00:00:00", "series_time_utc": "2020-02-01 00:00:00"}
+    report["carbon_intensity"] = {"source": "series:june.csv", "unit": "gCO2eq/kWh", "held": {"before": held}}
+    markdown = report_markdown(report)
+    assert (
+        "its first value, 170.3 gCO2eq/kWh, is held from 2026-02-01 00:00:00 UTC while the run reads before "
+        "the series." in markdown
+    )
+    assert "until the run reaches" not in markdown
 
 
 def test_a_failed_write_leaves_the_previous_file_intact(tmp_path):

@@ -197,6 +197,35 @@ def test_resume_from_a_checkpoint_written_before_the_first_backward(mnist1d_smal
     assert cache.freezer is not None and cache.events
 
 
+def test_a_resumed_fit_with_nothing_left_to_train_keeps_the_restored_state(mnist1d_small, tmp_path):
+    # held-out sweep: Lightning skips on_train_start when a finished run's checkpoint is resumed to the same
+    # length; the state waiting there to apply was lost: no events, no ledger, and the next checkpoint had
+    # neither them nor the frozen set
+    def saved_state(path: Path) -> dict:
+        saved = torch.load(path, weights_only=False)["callbacks"]
+        return next(state for key, state in saved.items() if key.startswith("GradientCache"))
+
+    model, data = mnist1d_small()
+    cache = GradientCache(**EAGER)
+    trainer = pl.Trainer(callbacks=[cache], max_steps=12, **trainer_kwargs())
+    trainer.fit(model, data)
+    trainer.save_checkpoint(tmp_path / "done.ckpt")
+    assert cache.events and any(saved_state(tmp_path / "done.ckpt")["cache"]["frozen"])
+
+    resumed_cache = GradientCache(**EAGER)
+    resumed = pl.Trainer(callbacks=[resumed_cache], max_steps=12, **trainer_kwargs())
+    resumed.fit(model, data, ckpt_path=str(tmp_path / "done.ckpt"))
+    assert resumed.global_step == 12
+    assert resumed_cache.events == cache.events and resumed_cache.ledger.skipped == cache.ledger.skipped > 0
+    resumed.save_checkpoint(tmp_path / "again.ckpt")
+    again, done = saved_state(tmp_path / "again.ckpt"), saved_state(tmp_path / "done.ckpt")
+    assert again["events"] == done["events"] and again["ledger"] == done["ledger"]
+    assert again["optimizer_check"] == done["optimizer_check"]
+    snapshots = again["cache"].pop("snapshot"), done["cache"].pop("snapshot")
+    assert again["cache"] == done["cache"]  # units, scores, timers, the frozen set
+    assert all(torch.equal(a, b) for unit in zip(*snapshots) for a, b in zip(*unit))
+
+
 def test_ddp_without_unused_parameter_detection_fails_at_setup_naming_the_fix(mnist1d_small, monkeypatch):
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -330,6 +359,69 @@ def test_activation_cache_replays_the_loaded_cut_under_step_saving_replay(mnist1
     assert cache.activations.disabled_reason is None and cache.activations.hits > 0
     for (name, param), other in zip(model.named_parameters(), plain_model.parameters()):
         assert torch.allclose(param, other, rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize("replay_first", [False, True], ids=["cache-first", "replay-first"])
+def test_activation_cache_keys_a_batch_cut_in_place_by_batch_mode_replay_by_the_samples_that_train(
+    mnist1d_small, replay_first
+):
+    """Held-out sweep: next to HardSampleReplay(mode="batch") the cache keyed a batch by the 64 samples
+    loaded, and the batch was cut in place to 32 before the forward: a replayed frozen prefix gave 64 rows for
+    32 ("Expected input batch_size (64) to match target batch_size (32)"), or, recorded cut, every module left
+    the cache with no word. It keys by the samples that train, whichever callback's batch start runs first."""
+    from lightning_pulse import HardSampleReplay
+
+    def run(megabytes):
+        pl.seed_everything(5)
+        model, data = mnist1d_small()
+        cache = GradientCache(threshold=2.0, check_every=6, freeze_for=120, activation_cache_mb=megabytes)
+        replay = HardSampleReplay(mode="batch", replay_fraction=0.5)
+        # burst one epoch, maintain two (frozen, whole batches: recorded, verified), then replay (frozen, cut)
+        cycle = PulseCycle(
+            burst=12, maintain=24, replay=12, order=["burst", "maintain", "replay"], warmup=0.0, anneal=0.0
+        )
+        callbacks = [cycle, replay, cache] if replay_first else [cycle, cache, replay]
+        trainer = pl.Trainer(callbacks=callbacks, max_epochs=5, limit_val_batches=0, **trainer_kwargs())
+        trainer.fit(model, data)
+        return model, cache
+
+    plain_model, plain = run(0.0)
+    model, cache = run(4.0)
+    assert cache.events == plain.events and cache.events[0]["to"] == 3
+    assert (
+        cache.activations.disabled_reason is None and cache.activations.hits > 12
+    )  # replay too, not maintain only
+    for (name, param), other in zip(model.named_parameters(), plain_model.parameters()):
+        assert torch.allclose(param, other, rtol=0, atol=1e-6), name
+
+
+def test_a_replayed_frozen_output_never_stands_in_for_an_input_of_other_samples():
+    """The safety net under the keying: records of four samples are not given for an input of two (a batch
+    cut after it was keyed); the module runs for real, and the batch counts as a miss. Keyed by a function,
+    the batch is keyed when its forward starts, as cut by then."""
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    data = torch.randn(6, 4)
+    indices, cut = torch.tensor([4, 1, 3, 0]), torch.tensor([4, 1])
+    expected = model(data[cut])
+    cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
+    cache.plan([("0", model[0])])
+    for _ in range(2):  # record, verify
+        cache.begin_batch(indices)
+        model(data[indices])
+        cache.end_batch()
+    assert cache.begin_batch(indices) == "hit"
+    assert torch.equal(model(data[cut]), expected)  # computed: the records' four rows would not fit two
+    cache.end_batch()
+    assert cache.hits == 0 and cache.batches == 3 and cache.disabled_reason is None
+
+    assert cache.begin_batch(lambda: cut) == "pending"
+    assert torch.equal(model(torch.full((2, 4), 1e6)), expected)  # replayed: garbage in, the records out
+    cache.end_batch()
+    assert cache.hits == 1 and "forward" not in vars(model[0])
 
 
 def test_activation_cache_switches_itself_off_when_samples_change_between_visits(mnist1d_small):
@@ -760,3 +852,50 @@ def test_a_block_applied_again_after_a_later_block_never_freezes_while_that_bloc
     assert set(pattern.frozen) == {(False, False, False, False), (True, False, False, False)}
     assert "freeze only together with everything up to the last of those" in caplog.text
     assert caplog.text.count("a (after b)") == 1
+
+
+class _TiedTokens(pl.LightningModule):
+    """A token model whose output layer ties its weight to the input embedding (GPT-2's ``lm_head``), or, with
+    ``tie="middle"``, a tied pair of inner layers (``mix_b.weight = mix_a.weight``) and no tied embedding."""
+
+    def __init__(self, tie: str = "embedding") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 32)
+        self.mix_a, self.mix_b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 16)
+        if tie == "embedding":
+            self.head.weight = self.embed.weight
+        else:
+            self.mix_b.weight = self.mix_a.weight
+
+    def training_step(self, batch, batch_idx):
+        tokens = batch[0].abs().mul(4).long().clamp(max=15)  # (B, 16) token ids from the features
+        h = torch.tanh(self.mix_b(torch.tanh(self.mix_a(self.embed(tokens)))))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), tokens.roll(1, 1).flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_tied_first_unit_is_said_once_and_a_tie_further_on_is_named_when_the_units_are_ordered(caplog):
+    """Sweep F: on GPT-2 one fact came twice at start-up: an info line naming the pinned embedding and the
+    warning that nothing can freeze before it."""
+    with caplog.at_level("INFO"), pytest.warns(UserWarning) as warned:
+        pl.Trainer(max_steps=3, callbacks=[GradientCache()], **trainer_kwargs()).fit(
+            _TiedTokens(), _small_data()
+        )
+    tie_warnings = [str(w.message) for w in warned if "GradientCache" in str(w.message)]
+    assert len(tie_warnings) == 1 and "the first unit in forward order, embed, shares" in tie_warnings[0]
+    assert "head.weight" in tie_warnings[0] and "never freeze" not in caplog.text
+
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        pl.Trainer(max_steps=3, callbacks=[GradientCache()], **trainer_kwargs()).fit(
+            _TiedTokens("middle"), _small_data()
+        )
+    pinned = [r.getMessage() for r in caplog.records if "never freeze" in r.getMessage()]
+    assert pinned == [
+        "GradientCache: units holding a tied or shared parameter never freeze, so the frozen prefix stops "
+        "before them: mix_a (also mix_b.weight)."
+    ]

@@ -56,10 +56,10 @@ def assert_same_cache_state(actual: dict | None, expected: dict | None) -> None:
             assert actual[key] == value, key
 
 
-def guarded_fit(mnist1d_small, snapshot_every: int, max_snapshots: int):
+def guarded_fit(mnist1d_small, snapshot_every: int, max_snapshots: int, max_steps: int = 45, **settings):
     pl.seed_everything(0)
     model, data = mnist1d_small()
-    cache = GradientCache(**EAGER)
+    cache = GradientCache(**{**EAGER, **settings})
     recorder = CacheRecorder(cache)
     guard = StabilityGuard(
         warmup=8,
@@ -73,7 +73,7 @@ def guarded_fit(mnist1d_small, snapshot_every: int, max_snapshots: int):
     # the learning rate explodes at steps 26-27, while the refresh window (25-29) trains every unit
     fault = FaultInjector("lr", start=26, length=2, factor=100.0)
     trainer = pl.Trainer(
-        callbacks=[fault, cache, guard, recorder], max_steps=45, **trainer_kwargs(limit_val_batches=0)
+        callbacks=[fault, cache, guard, recorder], max_steps=max_steps, **trainer_kwargs(limit_val_batches=0)
     )
     trainer.fit(model, data)
     rollbacks = [event for event in guard.events if event["event"] == "rollback"]
@@ -123,6 +123,34 @@ def test_rollback_to_a_snapshot_from_before_the_first_backward_traces_the_units_
     assert refrozen and refrozen[0]["to"] == 3
     assert [unit.name for unit in cache.freezer.units] == ["net.1", "net.3", "net.5", "net.8"]
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_a_rollback_to_before_the_first_backward_names_the_units_once_and_the_end_note_counts_the_fit(
+    mnist1d_small, caplog
+):
+    """Held-out sweep F: the units were named again at each rollback to the step-0 snapshot (3 times in a fit),
+    and the end note said "froze nothing in 199 steps" in a 342-step fit (a rollback takes the count back)."""
+    with caplog.at_level("INFO"):  # threshold 0: the weights always move, so nothing ever freezes
+        model, cache, recorder, rollback = guarded_fit(mnist1d_small, 0, 1, threshold=0.0)
+    messages = [record.getMessage() for record in caplog.records]
+    assert rollback["to_step"] == 0 and cache.freezer is not None and cache.events == []
+    assert sum("GradientCache: units in forward order" in message for message in messages) == 1
+    notes = [message for message in messages if "froze nothing" in message]
+    after = rollback["step"] + 1  # the steps taken when it rolled back, the flagged one included
+    assert cache.freezer.steps <= 45 - after  # the freezer's own count went back with the rollback
+    assert len(notes) == 1 and notes[0].startswith(
+        f"GradientCache: froze nothing in 45 steps (a rollback after {after} steps took its scores back to "
+        "those of a snapshot): a frozen prefix starts at the first unit, net.1, last scored"
+    )
+
+
+def test_a_freeze_that_a_rollback_undid_is_not_reported_as_nothing_frozen(mnist1d_small, caplog):
+    # frozen at step 5, rolled back at step 28 to the step-0 snapshot; the fit ends before anything refreezes
+    with caplog.at_level("INFO"):
+        model, cache, recorder, rollback = guarded_fit(mnist1d_small, 0, 1, max_steps=31)
+    assert rollback["to_step"] == 0 and cache.freezer is not None and cache.freezer.freezes == 0
+    assert cache.events[0] == {"step": 5, "from": 0, "to": 3, "reason": "check"}  # the history stays
+    assert cache.frozen_units == [] and "froze nothing" not in caplog.text
 
 
 class AnnounceBurstResume(Callback):

@@ -8,7 +8,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 
-from lightning_pulse import GreenWindow, GreenWindowOptions
+from lightning_pulse import GreenWindow, GreenWindowOptions, SimulatedClock
+from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
 from lightning_pulse.energy.carbon import parse_timestamp
 from tests.conftest import trainer_kwargs
 from tests.ddp_workers import RankOffsetClock, SleepDump
@@ -40,3 +41,21 @@ def test_ranks_pause_together_on_rank_zero_decisions(mnist1d_small, tmp_path):
     assert rank0[-1][1] > 0  # it did pause
     report = json.loads((tmp_path / "green_window_report.json").read_text())
     assert report["summary"]["waited_s"] == pytest.approx(rank0[-1][1])
+
+
+@pytest.mark.ddp
+def test_without_a_report_dir_the_fit_ends_and_rank_zero_writes_to_the_log_dir(mnist1d_small, tmp_path):
+    # held-out sweep: rank 0 alone read `trainer.log_dir`, a broadcast, so the fit crashed or hung at its end
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock("2020-06-15 06:00:00")
+    green = GreenWindow(
+        signal=DE_JUNE, when_dirty="pause", expected_duration="2h", clock=clock, options={"watts": 100.0}
+    )
+    kwargs = trainer_kwargs(devices=2, strategy="ddp_spawn", default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        callbacks=[SimulatedStepTime(clock, 600.0), green], max_steps=12, limit_val_batches=0, **kwargs
+    )
+    trainer.fit(model, data)
+    report = json.loads((tmp_path / "green_window_report.json").read_text())  # logger=False: the root dir
+    assert report["status"] == "complete"
+    assert report["summary"]["compute_s"] == pytest.approx(12 * 600.0)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -364,6 +365,46 @@ def test_resume_from_a_checkpoint_continues_as_the_uninterrupted_run(tmp_path):
     assert torch.equal(_parameters(resumed_model), _parameters(uninterrupted))
     table_full, table_resumed = full.callbacks[0].table, resumed.callbacks[0].table
     assert table_full.scores.tobytes() == table_resumed.scores.tobytes()
+
+
+def _replay_state(checkpoint) -> dict:
+    saved = torch.load(checkpoint, weights_only=False)["callbacks"]
+    return next(state for key, state in saved.items() if key.startswith("HardSampleReplay"))
+
+
+def test_a_checkpoint_saved_after_a_steps_mode_fit_holds_its_data_stream_and_resumes_exactly(tmp_path):
+    # a checkpoint saved after a steps-mode fit (trainer.save_checkpoint), or after a resumed fit with nothing
+    # left to train (held-out sweep), had no data stream: its resume planned the run again from its start and
+    # trained other weights with no word (a held-out CNN: 31 steps, 29 from the epoch-end checkpoint)
+    def fit(epochs, ckpt_path=None, callbacks=()):
+        pl.seed_everything(0)
+        model = MNIST1DClassifier()
+        cycle = PulseCycle(burst=4, replay=3, maintain=1, warmup=0.0, anneal=0.0, maintain_eval="none")
+        trainer = pl.Trainer(
+            callbacks=[cycle, HardSampleReplay(mode="steps"), *callbacks],
+            max_epochs=epochs,
+            **trainer_kwargs(enable_checkpointing=bool(callbacks)),
+        )
+        trainer.fit(model, _ShuffleFreeData(num_samples=1000, batch_size=64), ckpt_path=ckpt_path)
+        return model, trainer
+
+    every_epoch = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    _, done = fit(2, callbacks=[every_epoch])
+    done.save_checkpoint(tmp_path / "done.ckpt")
+    _, again = fit(
+        2, ckpt_path=str(tmp_path / "done.ckpt")
+    )  # Lightning skips on_train_start: nothing to train
+    assert again.global_step == done.global_step
+    again.save_checkpoint(tmp_path / "again.ckpt")
+    finished, held = _replay_state(tmp_path / "done.ckpt"), _replay_state(tmp_path / "again.ckpt")
+    assert held.keys() == finished.keys() and held["stream"] == finished["stream"]
+    torch.testing.assert_close(held["table"], finished["table"], rtol=0, atol=0, equal_nan=True)
+    assert held["stream"]["epoch"] == _replay_state(tmp_path / "epoch=1.ckpt")["stream"]["epoch"] == 1
+
+    reference_model, reference = fit(3, ckpt_path=str(tmp_path / "epoch=1.ckpt"))
+    resumed_model, resumed = fit(3, ckpt_path=str(tmp_path / "again.ckpt"))
+    assert resumed.global_step == reference.global_step
+    assert torch.equal(_parameters(resumed_model), _parameters(reference_model))
 
 
 class _RecordingLogger(Logger):

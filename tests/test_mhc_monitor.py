@@ -105,6 +105,34 @@ def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_history(tmp_pat
         assert got["off_diagonal_mass"] == pytest.approx(want["off_diagonal_mass"], rel=1e-5)
 
 
+def test_a_monitor_reused_for_a_second_fit_measures_its_step_zero_again():
+    """The step measured last (0, in a fit shorter than ``every_n_steps``) carried over to the next fit, which
+    took its own step 0 as measured already and logged nothing."""
+    monitor = HyperConnectionMonitor(every_n_steps=5)
+    for _ in range(2):
+        model, data = tiny_lm("mhc")
+        pl.Trainer(callbacks=[monitor], max_steps=3, **trainer_kwargs(limit_val_batches=0)).fit(model, data)
+    assert [entry["step"] for entry in monitor.history] == [0, 0]
+
+
+def test_the_measured_step_a_checkpoint_holds_still_wins_on_resume(tmp_path):
+    """The per-fit reset runs before the checkpoint's state is loaded: a step the checkpoint says was measured
+    (saved inside that step) is not measured twice."""
+    kwargs = trainer_kwargs(limit_val_batches=0)
+    monitor = HyperConnectionMonitor(every_n_steps=3)
+    model, data = tiny_lm("mhc")
+    trainer = pl.Trainer(callbacks=[monitor], max_steps=3, **kwargs)
+    trainer.fit(model, data)
+    trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    checkpoint = torch.load(tmp_path / "step3.ckpt", weights_only=False)
+    checkpoint["callbacks"][monitor.state_key]["last_measured_step"] = 3  # as if saved inside step 3
+    torch.save(checkpoint, tmp_path / "step3.ckpt")
+
+    model, data = tiny_lm("mhc")
+    pl.Trainer(callbacks=[monitor], max_steps=7, **kwargs).fit(model, data, ckpt_path=tmp_path / "step3.ckpt")
+    assert [entry["step"] for entry in monitor.history] == [0, 6]
+
+
 def test_warns_once_and_logs_nothing_for_a_model_without_hyper_connections():
     model, data = tiny_lm("plain")
     monitor = HyperConnectionMonitor(every_n_steps=1)

@@ -20,6 +20,7 @@ from lightning_pulse.core.per_sample_loss import (
     loss_capture_scope,
     per_sample_from_unreduced,
 )
+from lightning_pulse.core.selection import infobatch_prune
 from lightning_pulse.errors import PulseRefusal
 
 
@@ -294,6 +295,56 @@ def test_sample_weights_reweight_the_loss_exactly_as_the_caller_reduces_it():
     assert grad.abs().sum() > 0
 
 
+_INFOBATCH_LOSSES = {
+    "mean": lambda logits, targets: F.cross_entropy(logits, targets),
+    "sum": lambda logits, targets: F.cross_entropy(logits, targets, reduction="sum"),
+    "sum of elements": lambda logits, targets: F.mse_loss(
+        logits, F.one_hot(targets, 5).float(), reduction="sum"
+    ),
+    "batchmean": lambda logits, targets: F.kl_div(
+        torch.log_softmax(logits, dim=1), F.one_hot(targets, 5).float() * 0.8 + 0.04, reduction="batchmean"
+    ),
+    # the module reduces it: the weights assume a mean over the samples it got (a sum cannot be told apart)
+    "none, then mean": lambda logits, targets: F.cross_entropy(logits, targets, reduction="none").mean(),
+    "none, then a per-sample sum's mean": lambda logits, targets: (
+        F.mse_loss(logits, F.one_hot(targets, 5).float(), reduction="none").sum(dim=1).mean()
+    ),
+}
+
+
+@pytest.mark.parametrize("loss", list(_INFOBATCH_LOSSES))
+def test_infobatch_weights_make_each_reduction_an_unbiased_estimate_of_the_offered_batchs_loss(loss):
+    # held-out sweep: the weights carry k/n (kept over offered), right for a mean over the k kept samples, and
+    # a reduction="sum" loss got it too: 0.76x the offered batch's sum at r=0.5, a learning rate cut by 0.75
+    compute = _INFOBATCH_LOSSES[loss]
+    n, ratio = 8, 0.5
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(n, 5, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 5, (n,), generator=generator)
+    scores = F.cross_entropy(logits, targets, reduction="none").detach()
+    threshold = float(scores.mean())
+    below = int((scores < threshold).sum())
+    # the expectation over the draws, exactly: every distinct outcome, weighted by its probability
+    outcomes = {}
+    draws = torch.Generator().manual_seed(1)
+    while len(outcomes) < 2**below:
+        selection = infobatch_prune(scores, threshold, ratio, draws)
+        outcomes[tuple(selection.positions.tolist())] = selection
+    value, grad = torch.zeros(()), torch.zeros_like(logits)
+    for selection in outcomes.values():
+        kept = selection.positions
+        with LossCapture(batch_size=selection.count, sample_weights=selection.weights, offered=n):
+            estimate = compute(logits[kept], targets[kept])
+        dropped = n - selection.count
+        probability = ratio**dropped * (1 - ratio) ** (below - dropped)
+        value += probability * estimate.detach()
+        grad += probability * torch.autograd.grad(estimate, logits)[0]
+    full = compute(logits, targets)
+    assert torch.allclose(grad, torch.autograd.grad(full, logits)[0], rtol=1e-4, atol=1e-6)
+    if not loss.startswith("none"):  # a reduced loss is weighted in its value too
+        assert value.item() == pytest.approx(full.item(), rel=1e-5)
+
+
 @pytest.mark.parametrize("use", ["focal", "linear", "linear-in-place", "token-focal"])
 def test_sample_weights_of_an_unreduced_loss_weight_its_gradient_not_its_value(use):
     # held-out sweep: InfoBatch's weights multiplied the values a reduction="none" call returned, so a focal
@@ -437,6 +488,8 @@ def test_bad_capture_arguments_fail_with_the_field_name():
         LossCapture(batch_size=0)
     with pytest.raises(ValueError, match="sample_weights"):
         LossCapture(batch_size=3, sample_weights=torch.ones(2))
+    with pytest.raises(ValueError, match="offered"):
+        LossCapture(batch_size=3, sample_weights=torch.ones(3), offered=2)
     with pytest.raises(ValueError, match="loss"):
         ForwardLossScorer(loss="hinge")
     with pytest.raises(ValueError, match="key"):

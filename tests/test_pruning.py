@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import pickle
 
 import pytest
@@ -340,16 +341,186 @@ def test_optimizer_state_follows_the_kept_channels():
     assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in model.parameters())
 
 
-def test_state_that_cannot_be_cut_is_reset_with_a_message():
+@pytest.mark.parametrize(
+    ("odd", "said"),
+    [(torch.zeros(3, 3), "of shape (3, 3)"), ([torch.zeros(3), torch.zeros(3)], "(a list of tensors)")],
+    ids=["tensor", "list-of-tensors"],
+)
+def test_state_that_cannot_be_cut_is_reset_with_a_message(odd, said):
+    # a list of tensors (LBFGS-like history) used to be kept as it was, at the old shapes, with no word
     model = _cnn()
     optimizer = torch.optim.Adam(model.parameters())
     _train_steps(model, optimizer, steps=1)
     weight = model[1].weight
-    optimizer.state[weight]["odd"] = torch.zeros(3, 3)
+    optimizer.state[weight]["odd"] = odd
     result = pruning.prune_channels(model, torch.randn(2, 40), _layers(model), 0.5, {})
     problems = pruning.remap_optimizer_state(optimizer, result.remap)
-    assert len(problems) == 1 and "'odd'" in problems[0]
+    assert len(problems) == 1 and f"'odd' {said}" in problems[0]
     assert model[1].weight not in optimizer.state
+
+
+def test_a_flat_vector_over_all_parameters_under_an_uncut_parameter_is_reset_with_a_message():
+    # an optimizer that keeps a vector over all its parameters in one uncut parameter's entry (as LBFGS does)
+    # kept it at the old total size, with no word
+    model = _cnn()
+    optimizer = torch.optim.Adam(model.parameters())
+    _train_steps(model, optimizer, steps=1)
+    bias = model[8].bias  # the logits' bias: never cut
+    total = sum(parameter.numel() for parameter in model.parameters())
+    optimizer.state[bias]["history"] = [torch.zeros(total)]
+    result = pruning.prune_channels(model, torch.randn(2, 40), _layers(model), 0.5, {})
+    assert model[8].bias is bias
+    problems = pruning.remap_optimizer_state(optimizer, result.remap)
+    assert (
+        len(problems) == 1
+        and f"'history' of a parameter of shape (10,) holds a tensor of {total}" in problems[0]
+    )
+    assert bias not in optimizer.state
+    assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in model.parameters() if p is not bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bfloat16", "float64"])
+def test_the_identity_affine_the_value_check_gives_a_plain_norm_takes_the_models_dtype(dtype):
+    # it was float32 (and on the CPU), so under bf16-true/64-true a model with a LayerNorm or one-group GroupNorm
+    # without affine parameters was refused at fit start for a dtype mismatch inside the check's own copy
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32),
+        nn.LayerNorm(32, elementwise_affine=False),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.GroupNorm(1, 32, affine=False),
+        nn.ReLU(),
+        nn.Linear(32, 4),
+    ).to(dtype)
+    assert (
+        pruning.check_structured(model, pruning.Pruner("structured"), [0.25, 0.5], torch.randn(2, 16)) is None
+    )
+
+
+def _lbfgs_steps(model, optimizer, steps=2, seed=1):
+    """The loss before each of ``steps`` LBFGS steps on one batch."""
+    generator = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(32, 40, generator=generator), torch.randint(0, 10, (32,), generator=generator)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    return [float(optimizer.step(closure)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("cut_first", [True, False], ids=["first-parameter-cut", "first-parameter-kept"])
+def test_a_cut_resets_the_lbfgs_history_and_lbfgs_steps_the_smaller_model(cut_first):
+    # LBFGS keeps its history as flat vectors over all its parameters, under the first one's entry, and caches
+    # their total size: its first step after a cut failed ("Expected offset 724 to equal 1732")
+    model = _cnn()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    _lbfgs_steps(model, optimizer)
+    first = model[1].weight
+    assert optimizer.state[first]["old_dirs"]  # a history to reset
+    layers = {name: layer for name, layer in _layers(model).items() if cut_first or name != "1"}
+    result = pruning.prune_channels(model, torch.randn(2, 40), layers, 0.5, {})
+    assert (model[1].weight is not first) == cut_first
+    assert pruning.remap_optimizer_state(optimizer, result.remap) == [pruning.LBFGS_RESET]
+    assert not optimizer.state and optimizer.param_groups[0]["params"] == list(model.parameters())
+    losses = _lbfgs_steps(model, optimizer, steps=3, seed=2)
+    total = sum(parameter.numel() for parameter in model.parameters())
+    assert optimizer.state[model[1].weight]["d"].numel() == total
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bfloat16", "float64"])
+def test_an_example_in_another_dtype_than_the_module_traces_it(dtype):
+    # bf16-true/64-true: the example recorded from a converted batch was replayed on the freshly built float32
+    # module of a resume (Lightning converts it after restoring it), and a float32 `example_input_array` was
+    # traced on the converted module: both failed ("mat1 and mat2 must have the same dtype")
+    model = _cnn().to(dtype)
+    recorded = torch.randn(2, 40).to(dtype)
+    history = pruning.prune_channels(model, recorded, _layers(model), 0.5, {}).history
+    fresh = _cnn(seed=1)
+    structure = {"history": history, "example_inputs": recorded}
+    pruning.fit_to_state_dict(fresh, model.state_dict(), structure=structure)
+    assert [fresh[i].out_channels for i in (1, 3, 5)] == [13, 13, 13]
+    assert {p.dtype for p in fresh.parameters()} == {torch.float32}  # the module is left as it was
+    converted = _cnn().to(dtype)
+    assert (
+        pruning.check_structured(converted, pruning.Pruner("structured"), [0.25, 0.5], torch.randn(2, 40))
+        is None
+    )
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-true", "16-true", "64-true"])
+def test_the_trace_input_takes_the_dtypes_lightnings_precision_plugin_gives_a_batch(precision):
+    # the example was cast to the model's dtype in every run: a float32 model's float64 input became float32,
+    # though 32-true (and the mixed precisions) leave batches alone
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+
+    plugins = {
+        "32-true": Precision(),
+        "16-mixed": MixedPrecision("16-mixed", "cpu"),
+        "64-true": DoublePrecision(),
+    }
+    plugin = plugins.get(precision) or HalfPrecision(precision)
+    model = plugin.convert_module(_cnn())
+    batch = {"x": torch.randn(2, 40), "t": torch.randn(2, dtype=torch.float64), "index": torch.arange(2)}
+    converted = plugin.convert_input(batch)
+    inputs = pruning.inputs_for(model, batch)
+    assert {key: value.dtype for key, value in inputs.items()} == {k: v.dtype for k, v in converted.items()}
+    # a float32 model also gets a half tensor in float32: the trace runs outside a mixed run's autocast
+    model_dtype = next(model.parameters()).dtype
+    half_up = pruning.inputs_for(model, (torch.randn(2, 40, dtype=torch.bfloat16),))[0].dtype
+    assert half_up == (torch.bfloat16 if precision == "bf16-true" else model_dtype)
+
+
+class _Float64Timesteps(nn.Module):
+    """A float32 CNN whose second input, a float64 timestep, meets a float64 frequency table on purpose."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _cnn()
+        self.register_buffer("frequencies", torch.linspace(1.0, 4.0, 10, dtype=torch.float64))
+
+    def forward(self, x, t):
+        return self.net(x) + torch.cos(t[:, None] @ self.frequencies[None]).float()  # matmul: one dtype
+
+
+def test_a_float32_model_traces_a_float64_input_it_takes_on_purpose():
+    # the float64 timestep was cast to float32, so the dry run failed ("expected m1 and m2 to have the same
+    # dtype") and such a model was refused at fit start, as if it could not run on its own example
+    model = _Float64Timesteps()
+    example = {"x": torch.randn(2, 40), "t": torch.rand(2, dtype=torch.float64)}
+    layers = {f"net.{name}": layer for name, layer in _layers(model.net).items()}
+    assert pruning.check_structured(model, pruning.Pruner("structured"), [0.25, 0.5], example) is None
+    pruning.prune_channels(model, example, layers, 0.5, {})
+    assert [model.net[i].out_channels for i in (1, 3, 5)] == [13, 13, 13]
+    assert model(**example).shape == (2, 10)
+
+
+class _Bfloat16WithFloat32Scale(nn.Module):
+    """A bfloat16 CNN whose output scale, registered first, was kept in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.net = _cnn().to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.net(x) * self.scale.to(torch.bfloat16)
+
+
+def test_a_model_with_a_few_float32_parameters_kept_apart_traces_in_its_converted_dtype():
+    # the example was converted only when all floating parameters shared a dtype, so a float32
+    # `example_input_array` reached bfloat16 convolutions ("Input type (float) and bias type (c10::BFloat16)")
+    model = _Bfloat16WithFloat32Scale()
+    assert next(model.parameters()).dtype == torch.float32  # the first parameter is not the input's dtype
+    example = torch.randn(2, 40)
+    assert pruning.inputs_for(model, example)[0].dtype == torch.bfloat16
+    layers = {f"net.{name}": layer for name, layer in _layers(model.net).items()}
+    pruning.prune_channels(model, example, layers, 0.5, {})
+    assert [model.net[i].out_channels for i in (1, 3, 5)] == [13, 13, 13]
 
 
 def test_replay_rebuilds_pruned_shapes_on_a_fresh_model():

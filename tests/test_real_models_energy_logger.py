@@ -169,7 +169,7 @@ class _CountTrained(pl.LightningModule):
 
 
 @pytest.mark.parametrize("energy_first", [True, False])
-def test_samples_are_counted_as_they_trained_whatever_the_callbacks_order(energy_first):
+def test_samples_are_counted_as_they_trained_whatever_the_callbacks_order(energy_first, tmp_path):
     # listed before a HardSampleReplay that cuts batches in place, EnergyLogger counted each batch before the cut
     from lightning_pulse import HardSampleReplay
 
@@ -179,7 +179,10 @@ def test_samples_are_counted_as_they_trained_whatever_the_callbacks_order(energy
     module, data = _CountTrained(), _digits()
     callbacks = [energy, replay] if energy_first else [replay, energy]
     pl.seed_everything(0)
-    pl.Trainer(**trainer_kwargs(max_epochs=3, limit_val_batches=0, callbacks=callbacks)).fit(module, data)
+    options = trainer_kwargs(
+        max_epochs=3, limit_val_batches=0, callbacks=callbacks, default_root_dir=tmp_path
+    )
+    pl.Trainer(**options).fit(module, data)
     samples = sum(epoch["samples"] for epoch in energy.account.report("finished", "EUR")["epochs"].values())
     plain = 3 * len(data.train_dataloader().dataset)
     assert module.trained < plain and samples == module.trained  # batches were cut, and counted as cut

@@ -501,7 +501,7 @@ class FunctionallyTiedLM(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=3e-3)
 
 
-def test_an_embedding_read_again_as_the_output_projection_is_pinned_like_a_named_tie():
+def test_an_embedding_read_again_as_the_output_projection_is_pinned_like_a_named_tie(tmp_path):
     # it was frozen first in the prefix, and the output projection stopped learning with it
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 32, (256, 9), generator=generator)
@@ -512,7 +512,7 @@ def test_an_embedding_read_again_as_the_output_projection_is_pinned_like_a_named
     assert "embed.weight" not in watch.frozen()
     assert "Embedding" in cache.freezer.units[0].shared_with[0]
     # a fit resumed from its checkpoint pins it the same way (its freezer comes from the checkpoint, not a trace)
-    path = str(trainer.default_root_dir) + "/tied.ckpt"
+    path = str(tmp_path / "tied.ckpt")
     trainer.save_checkpoint(path)
     resumed_cache = eager_cache()
     resumed = pl.Trainer(

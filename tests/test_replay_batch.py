@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_pulse.core.replay import SELECTED, UNTOUCHED, HardSampleSelector, ReplayConfig
 from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, StepInFlight
@@ -164,5 +165,104 @@ def test_batch_mode_refuses_a_time_major_batch_at_the_first_batch_only():
         last = [torch.zeros(3, 3, 4, 4), torch.zeros(3), torch.zeros(2, 3)]
         batches.start_batch(selector, last, torch.arange(3), step=1, batch_idx=1, active=True)
         assert batches.current is not None
+    finally:
+        batches.release()
+
+
+def _scored_infobatch() -> tuple:
+    """A linear model, 16 samples, and a batch-mode InfoBatch selector (r = 0.5) that has scored them all,
+    with their losses; the caller releases the lifecycle."""
+    torch.manual_seed(0)
+    model, (x, y) = nn.Linear(3, 4), _data(16)
+    batches = ReplayBatchLifecycle("batch")
+    batches.start_fit()
+    selector = HardSampleSelector(SampleScoreTable(16), ReplayConfig("infobatch", prune_ratio=0.5))
+    try:
+        _train(batches, selector, model, [x, y], step=0, active=False)  # scores every sample
+    except BaseException:
+        batches.release()  # the loss capture it installed must not outlive the test
+        raise
+    selector.apply()
+    with torch.no_grad():
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    return model, x, y, batches, selector, losses
+
+
+def test_an_infobatch_step_weights_a_sum_loss_to_estimate_the_loaded_batchs_sum():
+    # held-out sweep: the weights carry k/n for a mean over the k kept samples, and a reduction="sum" loss got
+    # them as they were: 0.76x the loaded batch's sum on the pruned steps, silently a smaller learning rate
+    model, x, y, batches, selector, losses = _scored_infobatch()
+    try:
+        threshold = selector.current_threshold(1)
+        batch = [x.clone(), y.clone()]
+        light = batches.start_batch(selector, batch, torch.arange(16), step=1, batch_idx=1, active=True)
+        kept = light.plan.indices
+        assert 0 < len(kept) < 16 and torch.equal(batch[0], x[kept])  # pruned and cut
+        weighted_sum = F.cross_entropy(model(batch[0]), batch[1], reduction="sum")
+        batches.close_capture()
+        batches.drop_step()
+        # each kept sample stands for 1 / q of the loaded batch: q = 1 - r below the threshold, 1 above
+        keep_probability = torch.where(losses[kept] < threshold, 0.5, 1.0)
+        assert weighted_sum.item() == pytest.approx(float((losses[kept] / keep_probability).sum()), rel=1e-5)
+    finally:
+        batches.release()
+
+
+def test_an_infobatch_step_keeping_half_of_an_all_easy_batch_still_weights_a_sum_loss():
+    # held-out sweep: with r = 0.5 and 4 of 8 easy samples kept, each weight (1/q)(k/n) is exactly 1, read as
+    # "nothing pruned" and dropped: a reduction="sum" loss got half the loaded batch's sum, with no word
+    model, x, y, batches, selector, losses = _scored_infobatch()
+    try:
+        easy = torch.sort(torch.argsort(losses)[:8]).values  # 8 samples below the mean score
+        assert bool((losses[easy] < selector.current_threshold(1)).all())
+        kept_counts = set()
+        for batch_idx in range(1, 25):  # the draws vary with batch_idx; each pruned step must weigh by 1 / q
+            batch = [x[easy].clone(), y[easy].clone()]
+            light = batches.start_batch(
+                selector, batch, easy.clone(), step=1, batch_idx=batch_idx, active=True
+            )
+            weighted_sum = F.cross_entropy(model(batch[0]), batch[1], reduction="sum")
+            batches.close_capture()
+            batches.drop_step()
+            kept = light.plan.indices
+            kept_counts.add(len(kept))
+            if len(kept) < 8:
+                assert weighted_sum.item() == pytest.approx(float(losses[kept].sum() / 0.5), rel=1e-5)
+        assert 4 in kept_counts  # the step whose weights are all exactly 1 was among them
+    finally:
+        batches.release()
+
+
+def test_a_tuple_batch_holding_a_tuple_of_names_is_refused_at_the_first_batch_and_a_list_one_is_cut():
+    # held-out sweep: zip(*items) gives the names as a tuple, which a tuple batch cannot change in place; the
+    # cut left all B names next to the k kept samples, names[i] another sample's, with no word
+    x, y = _data()
+    dataset = [(x[i], y[i], i, f"sample{i}") for i in range(8)]
+
+    def loader(container: type) -> DataLoader:
+        def collate(items):
+            xs, ys, ids, names = zip(*items)
+            return container([torch.stack(xs), torch.stack(ys), torch.tensor(ids), names])
+
+        return DataLoader(dataset, batch_size=8, collate_fn=collate)
+
+    model = nn.Linear(3, 4)
+    batches, selector = _started()
+    try:
+        batch = next(iter(loader(tuple)))
+        with pytest.raises(
+            PulseRefusal, match=r"batch\[3\] is a tuple of 8 per-sample items.*list.*mode='steps'"
+        ):
+            batches.start_batch(selector, batch, batch[2], step=0, batch_idx=0, active=False)
+        assert batches.current is None
+    finally:
+        batches.release()
+    batches, selector = _started()
+    try:
+        _train(batches, selector, model, next(iter(loader(list))), step=0, active=False)
+        selector.apply()
+        batch = next(iter(loader(list)))
+        _train(batches, selector, model, batch, step=1, active=True)
+        assert len(batch[2]) == 4 and batch[3] == tuple(f"sample{i}" for i in batch[2].tolist())
     finally:
         batches.release()

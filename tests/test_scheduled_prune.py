@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -14,8 +15,9 @@ from torch.utils.data import DataLoader
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import Phase, PulseCycle, ScheduledPrune
 from lightning_pulse.callbacks.scheduled_prune import DistillConfig, PruneOptions
-from lightning_pulse.core import pruning
-from lightning_pulse.core.prune_schedule import cubic_sparsity
+from lightning_pulse.core import prune_setup, pruning
+from lightning_pulse.core.prune_schedule import PruneSchedule, cubic_sparsity
+from lightning_pulse.core.step_plan import epoch_steps
 from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 
@@ -281,6 +283,74 @@ def test_a_plan_with_no_maintain_phase_in_the_pruning_span_prunes_on_the_step_ca
     ):
         trainer.fit(model, data)
     assert trainer.global_step == 0
+
+
+def _linear_data(samples: int = 640) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(samples, 16, generator=generator), torch.randint(0, 4, (samples,), generator=generator)
+    )
+    return DataLoader(data, batch_size=32)
+
+
+class WarningsAtFirstStep(Callback):
+    """Records the abrupt-cut warnings already given when the first training batch starts."""
+
+    def __init__(self, recwarn) -> None:
+        self.recwarn = recwarn
+        self.said: list[str] | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.said is None:
+            self.said = [str(w.message) for w in self.recwarn if "at once" in str(w.message)]
+
+
+def test_a_maintain_plan_that_cuts_at_once_is_said_at_fit_start_and_a_gradual_one_is_not(recwarn):
+    # held-out sweep: PulseCycle() + ScheduledPrune() at their defaults on a 220-step run had one maintain start
+    # in the pruning span, one cut from 0 to 0.48 (a BatchNorm CNN's probe accuracy 0.975 -> 0.284), and only
+    # the step cadence warned of such a plan; here the same plan at half the length
+    def fit(cycle):
+        pl.seed_everything(0)
+        prune, said = ScheduledPrune(probe_batches=0), WarningsAtFirstStep(recwarn)
+        trainer = pl.Trainer(max_steps=110, callbacks=[cycle, prune, said], **trainer_kwargs(max_epochs=-1))
+        trainer.fit(_LinearClassifier(), _linear_data())
+        return [event["step"] for event in prune.events], said.said
+
+    steps, said = fit(PulseCycle(burst=30, replay=15, maintain=5, maintain_eval="none"))
+    assert steps == [56]  # warm-up to 11, burst, replay, maintain at 56; the next one falls in the anneal
+    assert len(said) == 1 and "pruning at maintain-phase starts" in said[0] and "makes 1 cut(s)" in said[0]
+    assert "at step 56 takes sparsity from 0.00 to 0.48 at once" in said[0]
+    assert "no maintain phase starts at or after step 77: sparsity stops at 0.48" in said[0]
+    assert "a cycle of about 8 steps" in said[0] and "cadence='steps') with `every`=8" in said[0]
+    recwarn.clear()
+    steps, said = fit(PulseCycle(burst=4, replay=2, maintain=2, maintain_eval="none"))
+    assert len(steps) == 9 and said == []
+
+
+@pytest.mark.parametrize(
+    "durations, accumulate",
+    [({"burst": 12, "replay": 5, "maintain": 3}, 1), ({"burst": 0.5, "replay": 0.25, "maintain": 0.15}, 2)],
+)
+def test_the_maintain_starts_planned_at_fit_start_are_where_the_run_enters_maintain_phases(
+    durations, accumulate
+):
+    # the abrupt-cut check on the maintain cadence reads this plan: steps and epoch fractions (20 batches, 10
+    # steps an epoch with accumulation: phases of 5, 2.5 and 1.5 steps) land where the real clock changes
+    cycle = PulseCycle(**durations, maintain_eval="none")
+    planned = prune_setup.maintain_starts(cycle.clock.copy(), 10**6, 90, epoch_steps(20, accumulate))
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        max_steps=90, callbacks=[cycle], **trainer_kwargs(max_epochs=-1, accumulate_grad_batches=accumulate)
+    )
+    trainer.fit(_LinearClassifier(), _linear_data())
+    entered = [change.step for change in cycle.history if change.current is Phase.MAINTAIN]
+    assert len(entered) >= 3 and planned == entered
+    # wall-clock phases end with the seconds the steps take: no plan, and no abrupt-cut warning from a guess
+    seconds = PulseCycle(burst="30s", replay=5, maintain=5).clock
+    assert prune_setup.maintain_starts(seconds, 70, 100, None) is None
+    schedule = PruneSchedule(start=0, end=70)
+    schedule.resolve(100)
+    assert prune_setup.event_cadence("auto", seconds, schedule, 0, 100) == (True, [])
 
 
 class ReplacedListener(Callback):
@@ -1059,3 +1129,80 @@ def test_layer_types_none_leaves_out_a_norm_of_any_class_by_its_one_dimensional_
     # net.0: torch-pruning holds the norm's weight as a bare parameter, which no cut touches; net.4: the
     # logits
     assert prune.events[-1]["uncut_layers"] == ["net.0", "net.4"]
+
+
+class _LBFGSClassifier(MNIST1DClassifier):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+def test_structured_cuts_next_to_lbfgs_reset_its_history_and_training_goes_on():
+    """Held-out: LBFGS's first step after a channel cut failed mid-run ("Expected offset 724 to equal 1732"):
+    its history, flat vectors over all parameters, kept the old total size."""
+    pl.seed_everything(0)
+    model = _LBFGSClassifier()
+    train, _ = _fixed_order_loaders(MNIST1DDataModule(num_samples=1000, batch_size=64))
+    prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=2, end=8, every=3, probe_batches=0)
+    trainer = pl.Trainer(max_steps=12, callbacks=[prune], **trainer_kwargs(max_epochs=-1))
+    with pytest.warns(UserWarning, match=re.escape(pruning.LBFGS_RESET)) as said:
+        trainer.fit(model, train)
+    assert trainer.global_step == 12 and [event["step"] for event in prune.events] == [5, 8]
+    assert [model.net[i].out_channels for i in (1, 3, 5)] == [13, 13, 13]
+    optimizer = trainer.optimizers[0]
+    assert optimizer.state[model.net[1].weight]["d"].numel() == sum(p.numel() for p in model.parameters())
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    assert sum(pruning.LBFGS_RESET in str(w.message) for w in said) == 2  # at each cut
+
+
+def _true_precision_fit(path, precision: str, ckpt_path=None) -> MNIST1DClassifier:
+    pl.seed_everything(0)
+    model = MNIST1DClassifier()
+    train, _ = _fixed_order_loaders(MNIST1DDataModule(num_samples=1000, batch_size=64))
+    callbacks = [
+        ScheduledPrune(final_sparsity=0.5, mode="structured", start=2, end=18, every=4, probe_batches=0)
+    ]
+    if ckpt_path is None:  # at the first epoch's last batch (12 batches), after the cuts at steps 6 and 10
+        callbacks.append(
+            ModelCheckpoint(dirpath=path, every_n_train_steps=12, save_top_k=-1, filename="{step}")
+        )
+    kwargs = trainer_kwargs(max_epochs=-1, precision=precision, enable_checkpointing=ckpt_path is None)
+    trainer = pl.Trainer(max_steps=20, callbacks=callbacks, **kwargs)
+    trainer.fit(model, train, ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+def test_a_structured_run_under_true_precision_resumes_into_a_fresh_module_like_the_uninterrupted_run(
+    tmp_path, precision
+):
+    """Held-out: the resume failed while the checkpoint loaded ("mat1 and mat2 must have the same dtype"): the
+    recorded trace input is in the run's precision, and Lightning restores the module before converting it."""
+    uninterrupted = _true_precision_fit(tmp_path, precision)
+    checkpoint = tmp_path / "step=12.ckpt"
+    assert (
+        torch.load(checkpoint, weights_only=False)["state_dict"]["net.1.weight"].shape[0] < 25
+    )  # cut by then
+    resumed = _true_precision_fit(tmp_path, precision, ckpt_path=str(checkpoint))
+    full, resumed_state = uninterrupted.state_dict(), resumed.state_dict()
+    assert resumed_state.keys() == full.keys()
+    # 64-true: Lightning loads the float64 checkpoint into the float32 module it converts only afterwards
+    tolerance = 0.0 if precision == "bf16-true" else 1e-6
+    for key in full:
+        assert resumed_state[key].dtype == full[key].dtype, key
+        assert torch.allclose(resumed_state[key], full[key], rtol=0.0, atol=tolerance), key
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+def test_a_float32_example_input_array_is_traced_in_the_precision_of_the_run(precision):
+    """Held-out: under bf16-true / 64-true a CNN with a float32 `example_input_array` was refused at fit start
+    ("the model does not run on the example it is traced with ... give the LightningModule an
+    `example_input_array`", which it had); Lightning converts the batches, never that example."""
+    pl.seed_everything(0)
+    model = MNIST1DClassifier()
+    model.example_input_array = torch.randn(2, 40)
+    train, _ = _fixed_order_loaders(MNIST1DDataModule(num_samples=1000, batch_size=64))
+    prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=2, end=6, every=2, probe_batches=0)
+    trainer = pl.Trainer(max_steps=8, callbacks=[prune], **trainer_kwargs(max_epochs=-1, precision=precision))
+    trainer.fit(model, train)
+    assert [model.net[i].out_channels for i in (1, 3, 5)] == [13, 13, 13]
+    assert model.example_input_array.dtype == torch.float32  # the user's example is left as it was

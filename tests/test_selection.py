@@ -172,6 +172,64 @@ def test_a_batch_that_cannot_be_cut_in_place_is_named_before_any_step():
         assert cut_refusal(batch, 4) is None
 
 
+def test_a_tuple_of_per_sample_items_is_cut_where_it_can_be_replaced_and_refused_in_a_tuple():
+    # held-out sweep: zip(*items) in a collate_fn gives the samples' names as a tuple, which no cut followed:
+    # x, y and idx held the kept samples, names all B, names[i] another sample's, with no word
+    x, names = torch.arange(4.0), ("a", "b", "c", "d")
+    for batch in ([x.clone(), names], {"x": x.clone(), "names": names}):
+        assert cut_refusal(batch, 4) is None
+        assign_in_place(batch, take_samples(batch, torch.tensor([1, 3]), 4))
+        parts = list(batch.values()) if isinstance(batch, dict) else batch
+        assert parts[0].tolist() == [1.0, 3.0] and parts[1] == ("b", "d")  # still a tuple, as collated
+    # a tuple batch cannot replace its parts, and only a tensor can change in place: refused, naming the part
+    tupled = (x.clone(), torch.arange(4), names)
+    reason = cut_refusal(tupled, 4)
+    assert reason and "batch[2]" in reason and "list" in reason and "mode='steps'" in reason
+    assert "batch[1][1]" in cut_refusal((x, (x, ({"id": 0},) * 4)), 4)  # found wherever a tuple holds it
+    assert cut_refusal((x, [x, ({"id": 0},) * 4]), 4) is None  # a list holding it replaces it
+    with pytest.raises(TypeError, match="tuple"):  # never zipped short, re-pointing others' tensors
+        assign_in_place((x, tuple(torch.zeros(2) for _ in range(4))), (x, (torch.ones(2),) * 2))
+    # a tuple of per-sample tensors (a multi-task target), or a named tuple, is a structure cut part by part
+    y1, y2 = torch.arange(4), torch.arange(4) * 10
+    structured = (x.clone(), (y1, y2))
+    assert cut_refusal(structured, 4) is None and cut_refusal((x, (y1, y2, y1, y2)), 4) is None
+    assign_in_place(structured, take_samples(structured, torch.tensor([0, 2]), 4))
+    assert y1.tolist() == [0, 2] and y2.tolist() == [0, 20]
+
+
+def test_a_tuple_of_variable_length_sequences_one_of_them_b_long_is_cut_by_sample():
+    # held-out sweep: zip(*items) of token sequences of lengths 3, 4, 2, 5 with B = 4 was read as a structure
+    # because one sequence is 4 long: that one was cut along its tokens, the others kept whole, with no word
+    x = torch.arange(4.0)
+    batch = [x.clone(), tuple(torch.arange(length) for length in (3, 4, 2, 5))]
+    assert cut_refusal(batch, 4) is None
+    assign_in_place(batch, take_samples(batch, torch.tensor([1, 2]), 4))
+    assert batch[0].tolist() == [1.0, 2.0] and [s.tolist() for s in batch[1]] == [[0, 1, 2, 3], [0, 1]]
+    # a tuple batch cannot shorten it in place (Tensor.set_ would re-point the sequences): refused
+    tupled = (x.clone(), tuple(torch.arange(length) for length in (3, 4, 2, 5)))
+    assert "batch[1] is a tuple of 4 per-sample items" in cut_refusal(tupled, 4)
+    # a tuple whose every part holds B rows is still a structure, also when it has B parts
+    y1, y2 = torch.tensor([1, 2]), torch.tensor([10, 20])
+    pair = [torch.arange(2.0), (y1, y2)]
+    assert cut_refusal(pair, 2) is None
+    assign_in_place(pair, take_samples(pair, torch.tensor([1]), 2))
+    assert pair[0].tolist() == [1.0] and [t.tolist() for t in pair[1]] == [[2], [20]]
+
+
+def test_a_tuple_holding_a_names_tuple_is_cut_where_a_dict_or_list_replaces_it_whole():
+    # held-out sweep: {"x": x, "target": (y, names)} was refused ("batch['target'][1] is a tuple of 4
+    # per-sample items") though the cut rebuilds the inner tuple and the dict replaces it whole
+    x, y, names = torch.arange(4.0), torch.arange(4), ("a", "b", "c", "d")
+    for batch in ([x.clone(), (y.clone(), names)], {"x": x.clone(), "target": (y.clone(), names)}):
+        assert cut_refusal(batch, 4) is None
+        assign_in_place(batch, take_samples(batch, torch.tensor([1, 3]), 4))
+        first, (labels, kept_names) = batch.values() if isinstance(batch, dict) else batch
+        assert first.tolist() == [1.0, 3.0] and labels.tolist() == [1, 3] and kept_names == ("b", "d")
+    # held by a tuple batch it is changed in place, which the names tuple cannot be: still refused
+    assert "batch[1][1] is a tuple of 4 per-sample items" in cut_refusal((x, (y, names)), 4)
+    assert "batch[1][0][1]" in cut_refusal((x, ((y, names),)), 4)
+
+
 def test_a_time_major_batch_or_one_without_a_per_sample_part_is_refused_but_batch_first_ones_are_cut():
     # held-out sweep: a (T, B) batch cut along its first dimension is cut along time
     b = 4

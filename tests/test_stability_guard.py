@@ -8,7 +8,9 @@ learning rate for a window.
 from __future__ import annotations
 
 import copy
+import logging
 import math
+import re
 
 import lightning.pytorch as pl
 import numpy as np
@@ -949,3 +951,21 @@ def test_restore_snapshot_checks_the_optimizers_groups_before_loading_anything()
     with pytest.raises(ValueError, match="parameter groups"):
         restore_snapshot(snapshot, model, [optimizer])
     assert torch.equal(model.head.weight, changed) and len(optimizer.param_groups) == 2
+
+
+def test_a_clean_run_ends_with_one_line_of_what_the_guard_watched(caplog):
+    """A run with nothing to answer still says, once, how many steps the guard judged and against what baseline
+    (before, a clean run ended in silence: nothing told the user the guard was watching)."""
+    pl.seed_everything(0)
+    guard = StabilityGuard(warmup=10)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[guard], **trainer_kwargs())
+    with caplog.at_level(logging.INFO):
+        trainer.fit(DigitsBatchNormMLP(), _digits_loader())
+    lines = [record.getMessage() for record in caplog.records if "StabilityGuard:" in record.getMessage()]
+    assert guard.spikes_detected == 0 and guard.rollbacks == 0
+    assert len(lines) == 1, lines
+    assert re.fullmatch(
+        r"StabilityGuard: no spike or non-finite value in 58 optimizer step\(s\) \(medians of the last 100 at "
+        r"most: loss [0-9.e-]+, grad norm [0-9.e-]+\)\.",
+        lines[0],
+    ), lines[0]

@@ -237,3 +237,184 @@ def test_one_bad_sample_an_epoch_under_a_minus_inf_mask_is_only_ever_skipped():
         trainer.fit(_MaskedClassifier(), DataLoader(_MaskedSamples(128, nan_sample=50), batch_size=16))
     assert [(e["step"], e["cause"]) for e in guard.events] == [(3 + 8 * epoch, "data") for epoch in range(5)]
     assert guard.bad_batches == guard.steps_skipped == 5 and guard.rollbacks == 0 and not guard.stopped
+
+
+class _CausalMaskBuffer(pl.LightningModule):
+    """Causal self-attention over ``(B, T, F)`` features whose mask is a ``-inf`` buffer by design, as many
+    hand-written GPTs keep it."""
+
+    def __init__(self, length: int = 6):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 2)
+        self.register_buffer("causal_mask", torch.full((length, length), float("-inf")).triu(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x)
+        q, k, v = self.qkv(h).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / 4 + self.causal_mask  # (B, T, T)
+        h = h + torch.softmax(scores, -1) @ v
+        return nn.functional.cross_entropy(self.out(h.mean(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _sequences(bad_batch: int, value: float) -> DataLoader:
+    """8 batches of 8 sequences; one time step of one sequence in ``bad_batch`` holds ``value``."""
+    x = torch.randn(64, 6, 8, generator=torch.Generator().manual_seed(0))
+    y = (x[:, :, 0].mean(1) > 0).long()
+    x[8 * bad_batch + 1, 2] = value
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def test_an_overflow_under_a_minus_inf_mask_buffer_escalates_like_a_spike_not_as_the_models_fault(tmp_path):
+    """Finite data (1e20) overflows the attention scores of batch 3 in every epoch; data and weights stay
+    finite. The ``-inf`` mask buffer had counted as a non-finite model state: each such step rolled back at
+    once, and the third rollback stopped the run. Now it escalates like a spike: skipped, and where a rollback
+    was due, the rollback test finds the batch spiking at the snapshot too, so it is skipped as recurring."""
+    torch.manual_seed(0)
+    model = _CausalMaskBuffer()
+    guard = StabilityGuard(
+        warmup=5, snapshot_every=5, rollback_margin=2, max_snapshots=3, skip_after_rollback=2
+    )
+    trainer = pl.Trainer(max_steps=48, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
+    trainer.fit(model, _sequences(bad_batch=3, value=1e20))
+    assert [event["step"] for event in guard.events] == [3, 11, 19, 27, 35, 43]  # batch 3 of each epoch
+    assert {event.get("cause") for event in guard.events} == {None, "recurring"}  # never "state"
+    assert guard.rollbacks == 0 and not guard.stopped and trainer.global_step == 48
+
+
+def test_a_nan_batch_under_a_minus_inf_mask_buffer_mends_and_names_only_what_its_forward_made_bad():
+    """The data-fault warning said the bad batch's forward had written into the ``-inf`` mask it never
+    touched, and "set back" the mask."""
+    torch.manual_seed(0)
+    model = _CausalMaskBuffer()
+    guard = StabilityGuard(warmup=5, snapshot_every=5, rollback_margin=2, max_snapshots=3)
+    with pytest.warns(UserWarning, match="non-finite values in its data") as caught:
+        pl.Trainer(max_steps=8, callbacks=[guard], **trainer_kwargs()).fit(model, _sequences(6, float("nan")))
+    warning = next(str(w.message) for w in caught if "non-finite values in its data" in str(w.message))
+    assert "causal_mask" not in warning and "set back" not in warning
+    assert guard.bad_batches == 1 and guard.rollbacks == 0
+    assert torch.equal(model.causal_mask, torch.full((6, 6), float("-inf")).triu(1))
+
+
+def test_an_infinity_a_forward_wrote_into_a_buffer_counts_one_the_snapshot_holds_too_does_not():
+    """A finite overflowing batch makes BatchNorm's running variance ``+inf`` (no NaN): still the model's
+    state going bad, judged against the newest snapshot, whose copy was finite. The ``-inf`` mask the snapshot
+    holds too never counts; with no snapshot to compare with, only a NaN does (as for snapshots)."""
+    from lightning_pulse.core.fault_origin import trace_nonfinite
+    from lightning_pulse.core.stability_steps import StabilityCore
+
+    class MaskedNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(3, 4)
+            self.norm = nn.BatchNorm1d(4)
+            self.register_buffer("causal_mask", torch.full((4, 4), float("-inf")).triu(1))
+
+        def forward(self, x):  # (B, 3) -> (B, 4)
+            h = self.norm(self.embed(x))
+            scores = h[:, :, None] * h[:, None, :] + self.causal_mask  # (B, 4, 4)
+            return (torch.softmax(scores, -1) @ h[:, :, None]).squeeze(-1)
+
+    torch.manual_seed(0)
+    model = MaskedNorm()
+    core = StabilityCore(None, 3.0, 3.0, 20, 5, 2, 0, 10, 2, 0, 3)
+    assert core.saved_forward_state(model) == (None, {})
+    core.take_snapshot(0, model, [], [], {})  # the mask is in it, -inf
+    newest, saved = core.saved_forward_state(model)
+    assert newest is core.schedule.ring.newest()
+    assert set(saved) == {"norm.running_mean", "norm.running_var", "norm.num_batches_tracked", "causal_mask"}
+    clean = [(0, (torch.ones(8, 3),))]
+    model(torch.randn(8, 3))
+    assert nonfinite_forward_state(model, saved) == [] and nonfinite_forward_state(model) == []
+    assert trace_nonfinite(model, [], clean, step=3, saved_forward_state=saved) == (None, [])
+
+    huge = torch.randn(8, 3)
+    huge[2] = 1e20  # finite: its squares overflow the batch variance
+    model(huge)
+    assert torch.isposinf(model.norm.running_var).any() and not model.norm.running_var.isnan().any()
+    assert nonfinite_forward_state(model, saved) == ["norm.running_var"]
+    assert trace_nonfinite(model, [], [(0, (huge,))], step=3, saved_forward_state=saved) == ("state", [])
+    assert nonfinite_forward_state(model) == []  # no snapshot to tell: only a NaN counts
+
+
+def test_an_infinity_in_an_element_the_snapshot_held_finite_counts_though_the_tensor_held_one_before():
+    """The comparison was per tensor: a running maximum ``[-inf, 0.5]`` (channel 0 not seen yet) whose
+    channel 1 overflowed to ``+inf`` was "infinite then too", so never counted."""
+    model = nn.Module()
+    model.register_buffer("running_max", torch.tensor([float("-inf"), 0.5]))
+    saved = {"running_max": model.running_max.clone()}
+    assert nonfinite_forward_state(model, saved) == []
+    model.running_max[1] = float("inf")
+    assert nonfinite_forward_state(model, saved) == ["running_max"]
+
+
+class _MaskFilledAtFirstForward(_CausalMaskBuffer):
+    """The mask buffer is registered as zeros and filled with ``-inf`` by the first forward."""
+
+    def __init__(self, length: int = 6):
+        super().__init__(length)
+        self.causal_mask.zero_()
+        self.filled = False
+
+    def training_step(self, batch, batch_idx):
+        if not self.filled:
+            self.causal_mask.copy_(torch.full_like(self.causal_mask, float("-inf")).triu(1))
+            self.filled = True
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_mask_filled_at_the_first_forward_is_not_taken_for_an_infinity_the_step_wrote(tmp_path):
+    """The fit-start snapshot, taken before any forward, held the zeros: the mask counted as "infinite now,
+    finite then", so the first overflow (step 3) was blamed on the model's state and rolled back at once to
+    that snapshot, zeros and all. A snapshot taken before the fit's first forward is no evidence about
+    infinities now: the overflow escalates like a spike, as with a mask built in ``__init__``."""
+    torch.manual_seed(0)
+    model = _MaskFilledAtFirstForward()
+    guard = StabilityGuard(
+        warmup=5, snapshot_every=5, rollback_margin=2, max_snapshots=3, skip_after_rollback=2
+    )
+    trainer = pl.Trainer(max_steps=24, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
+    with pytest.warns(UserWarning):  # the mask turned infinite since the fit-start snapshot: said once
+        trainer.fit(model, _sequences(bad_batch=3, value=1e20))
+    assert [event["step"] for event in guard.events] == [3, 11, 19]  # batch 3 of each epoch
+    assert "state" not in {event.get("cause") for event in guard.events}
+    assert guard.rollbacks == 0 and not guard.stopped
+    assert torch.equal(model.causal_mask, torch.full((6, 6), float("-inf")).triu(1))
+
+
+class _BatchNormClassifier(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch  # (B, T, 8)
+        return nn.functional.cross_entropy(self.out(torch.relu(self.norm(self.embed(x.mean(1))))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def test_a_running_variance_overflowing_on_a_finite_step_is_said_once_at_the_next_snapshot():
+    """Batch 3 of each epoch (1e30, finite) overflows BatchNorm's running variance to ``+inf`` while its loss
+    stays finite: nothing was flagged, no warning came, and every later snapshot kept the ``+inf`` (which then
+    counts as by design). The next snapshot now compares its forward state with the previous one's."""
+    torch.manual_seed(0)
+    model = _BatchNormClassifier()
+    guard = StabilityGuard(warmup=5, snapshot_every=5, rollback_margin=2, max_snapshots=3)
+    with pytest.warns(UserWarning, match="infinite") as caught:
+        pl.Trainer(max_steps=24, callbacks=[guard], **trainer_kwargs()).fit(model, _sequences(3, 1e30))
+    said = [str(w.message) for w in caught if "infinite at step" in str(w.message)]
+    assert len(said) == 1  # once a fit, though the snapshots of steps 10, 15 and 20 hold it too
+    assert said[0].startswith(
+        "StabilityGuard: norm.running_var is infinite at step 5 where the snapshot of step 0"
+    )
+    assert guard.events == [] and guard.snapshots_taken == 5  # the step was finite; no snapshot dropped
+    assert torch.isposinf(model.norm.running_var).any()

@@ -190,6 +190,43 @@ def test_torch_optimizers_change_nothing_when_every_grad_is_none(name):
             assert torch.equal(now, value) if isinstance(value, torch.Tensor) else now == value, (key, field)
 
 
+def _assert_same_optimizer_state(state, expected):
+    """Every state tensor of every parameter equal to the expected one, in the same dtype."""
+    assert state.keys() == expected.keys()
+    for key, fields in expected.items():
+        for field, value in fields.items():
+            now = state[key][field]
+            if isinstance(value, torch.Tensor):
+                assert now.dtype == value.dtype and torch.equal(now, value), (key, field, now, value)
+            else:
+                assert now == value, (key, field)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("name", ["NAdam", "ASGD"])
+def test_restore_gives_back_optimizer_state_kept_in_another_dtype_than_its_parameters(name, dtype):
+    # held-out sweep: Optimizer.load_state_dict casts every state tensor but `step` to its parameter's dtype,
+    # so under bf16-true a rollback rounded NAdam's float32 `mu_product` (ASGD's `eta`, `mu`) to bfloat16
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).to(dtype)
+    optimizer = OPTIMIZERS[name](model.parameters())
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4, dtype=dtype)).pow(2).sum().backward()
+        optimizer.step()
+    expected = copy.deepcopy(optimizer.state_dict()["state"])
+    assert any(v.dtype == torch.float32 for fields in expected.values() for v in fields.values())
+    snapshot = take_snapshot(3, model, [optimizer])
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4, dtype=dtype)).pow(2).sum().backward()
+        optimizer.step()
+    restore_snapshot(snapshot, model, [optimizer])
+    _assert_same_optimizer_state(optimizer.state_dict()["state"], expected)
+    restore_snapshot(snapshot, model, [optimizer])  # the snapshot is unchanged: it restores again
+    _assert_same_optimizer_state(optimizer.state_dict()["state"], expected)
+
+
 def test_a_snapshot_no_longer_fits_a_model_whose_structure_changed():
     model, optimizer, _ = _setup()
     snapshot = take_snapshot(0, model, [optimizer])

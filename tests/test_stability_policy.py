@@ -149,6 +149,32 @@ def test_a_skip_leaves_an_optimizer_outside_torch_optim_exactly_as_it_was():
     changes.detach()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("make_optimizer", [torch.optim.NAdam, torch.optim.ASGD], ids=["NAdam", "ASGD"])
+def test_a_skip_from_a_backup_gives_back_optimizer_state_kept_in_another_dtype(make_optimizer, dtype):
+    # held-out sweep: the backup went back through Optimizer.load_state_dict, which casts every state tensor
+    # but `step` to its parameter's dtype: under bf16-true NAdam's float32 `mu_product` came back rounded
+    model = nn.Linear(3, 2).to(dtype)
+    optimizer = make_optimizer(model.parameters(), lr=0.1, weight_decay=0.1)
+    changes = StepChanges()
+    changes.attach([optimizer])
+    for _ in range(2):
+        model.zero_grad()
+        model(torch.ones(2, 3, dtype=dtype)).sum().backward()
+        optimizer.step()
+    before = copy.deepcopy(optimizer.state_dict()["state"])
+    assert any(v.dtype == torch.float32 for fields in before.values() for v in fields.values())
+    model.zero_grad()
+    model(torch.ones(2, 3, dtype=dtype)).sum().backward()
+    changes.skip(optimizer, keep_gradients=True)  # clipping by value reads the gradients: backed up
+    optimizer.step()
+    after = optimizer.state_dict()["state"]
+    for key, fields in before.items():
+        for field, value in fields.items():
+            assert after[key][field].dtype == value.dtype and torch.equal(after[key][field], value), field
+    changes.detach()
+
+
 def test_a_scaled_learning_rate_holds_inside_the_step_only():
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -719,17 +719,20 @@ def test_a_run_bounded_by_max_steps_alone_is_refused_when_its_lr_schedule_read_t
 
 class _CosineClassifier(MNIST1DClassifier):
     """A per-step cosine schedule over ``schedule_length`` steps, as a config gives it, or (``None``) over
-    ``estimated_stepping_batches``."""
+    ``estimated_stepping_batches // frequency`` (undivided unless ``divide``), stepped every ``frequency``
+    optimizer steps."""
 
-    def __init__(self, schedule_length: int | None = None) -> None:
+    def __init__(self, schedule_length: int | None = None, frequency: int = 1, divide: bool = True) -> None:
         super().__init__()
-        self.schedule_length = schedule_length
+        self.schedule_length, self.frequency, self.divide = schedule_length, frequency, divide
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
-        length = self.schedule_length or int(self.trainer.estimated_stepping_batches)
+        estimated = int(self.trainer.estimated_stepping_batches)
+        length = self.schedule_length or (estimated // self.frequency if self.divide else estimated)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=length)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        config = {"scheduler": schedule, "interval": "step", "frequency": self.frequency}
+        return {"optimizer": optimizer, "lr_scheduler": config}
 
 
 def _cycle_of(budget: float | None) -> list[Callback]:
@@ -764,6 +767,70 @@ def test_a_per_step_schedule_built_for_the_unplanned_run_length_is_refused_befor
         refusal.value
     )
     assert trainer.global_step == 0 and counter.steps == 0
+
+
+def test_a_schedule_stepped_every_other_step_built_for_the_unplanned_run_over_its_frequency_is_refused():
+    """Held-out sweep: a schedule stepped with ``"frequency": 2`` counts its length in its own steps (the
+    plain run's 48 optimizer steps / 2 = 24); the length was compared with the plain run's 48, so the run
+    planned down to 24 steps was not refused and stopped the schedule at 12 of its 24 steps, with no word.
+    (24 is also the planned steps undivided: see the next test.) Stepped every 4 steps: 48 / 4 = 12."""
+    replay, counter = HardSampleReplay(), _StepCounter()
+    trainer = pl.Trainer(callbacks=[replay, counter], max_epochs=4, **trainer_kwargs())
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(_CosineClassifier(12, frequency=4), ShuffleFreeData(num_samples=1000, batch_size=64))
+    assert replay.steps.plan.total_steps == 24
+    assert str(refusal.value) == (
+        "HardSampleReplay: the per-step CosineAnnealingLR was built for 12 steps, the run's length without "
+        "step-saving replay (max_epochs=4 of 12 optimizer steps: 48 optimizer steps over the scheduler's "
+        "`frequency`=4), and mode='steps' plans 24: the schedule would stop at 50% of its course. Build "
+        "its length from `self.trainer.estimated_stepping_batches` in configure_optimizers (it holds the 24 "
+        "planned steps), or use mode='batch'. With `frequency`=4, divide `estimated_stepping_batches` by 4."
+    )
+    assert trainer.global_step == 0 and counter.steps == 0
+
+    # bounded by max_steps alone the scheduler is built before the data: refused at setup, as without it
+    trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_epochs=-1, max_steps=60, **trainer_kwargs())
+    with pytest.raises(PulseRefusal, match=r"built for max_steps=60 steps.*stop at 50%.*`frequency`=2\.\)$"):
+        trainer.fit(_CosineClassifier(30, frequency=2), ShuffleFreeData(num_samples=1000, batch_size=64))
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("length", [None, 24], ids=["estimated-undivided", "literal"])
+def test_a_schedule_stepped_every_other_step_as_long_as_the_planned_run_is_refused_naming_both_readings(
+    length,
+):
+    """Review: ``T_max=estimated_stepping_batches`` (24, the planned run) with ``"frequency": 2`` was refused
+    as built for the run without step-saving replay (48 / 2). It may be either, and stops at 50% of its course
+    either way: the refusal says both and that the planned steps are to be divided by the frequency."""
+    replay, counter = HardSampleReplay(), _StepCounter()
+    trainer = pl.Trainer(callbacks=[replay, counter], max_epochs=4, **trainer_kwargs())
+    with pytest.raises(PulseRefusal) as refusal:
+        model = _CosineClassifier(length, frequency=2, divide=False)
+        trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64))
+    assert replay.steps.plan.total_steps == 24
+    assert str(refusal.value) == (
+        "HardSampleReplay: the per-step CosineAnnealingLR, stepped every `frequency`=2 optimizer steps, was "
+        "built for 24 steps: the run's 24 planned steps (`estimated_stepping_batches`) read without "
+        "dividing by its frequency, or the run's length without step-saving replay over the frequency "
+        "(max_epochs=4 of 12 optimizer steps: 48 optimizer steps over the scheduler's `frequency`=2). "
+        "Either way the run steps it 12 times: the schedule would stop at 50% of its course. Build its "
+        "length as `self.trainer.estimated_stepping_batches // 2` in configure_optimizers, or use "
+        "mode='batch'."
+    )
+    assert trainer.global_step == 0 and counter.steps == 0
+
+
+def test_a_schedule_stepped_every_other_step_built_from_the_planned_steps_ends_with_the_run():
+    """The way out the refusal above names: ``estimated_stepping_batches // 2`` holds the planned run's
+    scheduler steps, and the cosine reaches its end (its minimum) on the run's last step."""
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay()], max_epochs=4, limit_val_batches=0, **trainer_kwargs()
+    )
+    trainer.fit(_CosineClassifier(frequency=2), ShuffleFreeData(num_samples=1000, batch_size=64))
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert trainer.global_step == 24 and schedule.T_max == schedule.last_epoch == 12
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-9)
 
 
 @pytest.mark.parametrize(("budget", "planned"), [(None, 60), (0.6, 75)], ids=["alone", "budget"])

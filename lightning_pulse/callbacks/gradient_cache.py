@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.callbacks.pulse_cycle import phase_of, refuse_unreachable_phases
 from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixActivationCache, check_cache_mb
 from lightning_pulse.core.backward_flops import BackwardFlopLedger, check_measure_flops
@@ -29,7 +30,6 @@ from lightning_pulse.core.layer_freezing import (
     FreezeSettings,
     FreezeWindow,
     LayerFreezer,
-    announce_units,
     check_wrapped_model,
     frozen_parameter_ids,
     in_span,
@@ -163,8 +163,7 @@ class GradientCache(Callback):
         )
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
         self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)
-        self.ledger, self.events = BackwardFlopLedger(), []
-        self._pending_state, self._fit_refs = None, None
+        self.ledger, self.events, self._pending_state, self._fit_refs = BackwardFlopLedger(), [], None, None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -180,8 +179,10 @@ class GradientCache(Callback):
         with refusing("GradientCache"):  # a share of a run of unknown length (max_time only)
             self._span = self.window.steps(compat.total_steps(trainer))
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
+        cut = next((c for c in trainer.callbacks if isinstance(c, HardSampleReplay)), None)
+        trained = None if cut is None else lambda: cut.trained_indices  # a batch cut in place, maybe after us
         self._replay = LoaderActivationCache.for_fit(
-            trainer.train_dataloader, self.activation_cache_mb, pl_module, rank_zero_warn
+            trainer.train_dataloader, self.activation_cache_mb, pl_module, rank_zero_warn, trained
         )
         self._fit_refs = (trainer, pl_module)
         state, self._pending_state = self._pending_state, None
@@ -189,10 +190,9 @@ class GradientCache(Callback):
         self._lifecycle.start(None if state is None else state["cache"], pl_module)
         if state is not None:
             self._replan()
-            self.ledger.load_state_dict(state["ledger"])
-            self.events = list(state["events"])
             self._lifecycle.load_optimizer_check(state.get("optimizer_check"))
-        if (note := pinned_note(self._lifecycle.units)) is not None:
+        # a restored freezer's pinned units; units still to be ordered are named when they are (announce_units)
+        if self.freezer is not None and (note := pinned_note(self._lifecycle.units)) is not None:
             rank_zero_info(f"GradientCache: {note}.")
 
     def _replan(self, again: bool = False) -> None:
@@ -200,8 +200,7 @@ class GradientCache(Callback):
             self._replay.plan(self.frozen_units, again)
 
     def _end_activation_batch(self) -> None:
-        reason = self._replay.end_batch() if self._replay is not None else None
-        if reason is not None:
+        if self._replay is not None and (reason := self._replay.end_batch()) is not None:
             rank_zero_warn(f"GradientCache: the activation cache switched itself off: {reason}.")
 
     # ------------------------------------------------------------------ forward and backward
@@ -241,7 +240,7 @@ class GradientCache(Callback):
         if self.measure_flops:
             self.ledger.end_backward()
         if self._lifecycle.end_backward(_from_rank_zero(trainer)):  # freezes a restored prefix, orders units
-            announce_units(self.freezer, rank_zero_info, rank_zero_warn)
+            self._lifecycle.announce(rank_zero_info, rank_zero_warn)  # once per fit, not at each rollback
 
     # ------------------------------------------------------------------ the step
     @override
@@ -303,8 +302,7 @@ class GradientCache(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()
-        note = self.freezer.idle_note() if self.freezer is not None else None
-        if note is not None:
+        if (note := self._lifecycle.idle_note(trainer.global_step, self.events)) is not None:
             rank_zero_info(f"GradientCache: {note}.")
         self._end_fit()
         if self._replay is not None:
@@ -330,6 +328,8 @@ class GradientCache(Callback):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
+        if self._pending_state is not None:  # restored, but the fit trained nothing: no on_train_start came
+            return dict(self._pending_state)
         return {
             "cache": self.freezer.state_dict() if self.freezer is not None else None,
             "ledger": self.ledger.state_dict(),
@@ -341,25 +341,26 @@ class GradientCache(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the state of :meth:`state_dict`.
 
-        Before training (a checkpoint restore) the state applies in ``on_train_start``, since DDP must see every
-        parameter trainable when it wraps the model. During training (a rollback) it applies at once: scores,
-        windows, timers and the frozen set return to the saved ones, and the activation cache starts over. The
-        FLOP ledger and ``events`` keep counting what really ran.
+        A checkpoint restore loads the ledger and ``events`` at once, the rest in ``on_train_start`` (DDP must
+        see every parameter trainable when it wraps the model; a fit with nothing to train keeps it for
+        :meth:`state_dict`). During training (a rollback) it applies at once: scores, windows, timers and the
+        frozen set return, the activation cache starts over; the FLOP ledger and ``events`` count what ran.
         """
         self._one_run.restored()
         if self._fit_refs is None:
             self._pending_state = dict(state_dict)
+            self.ledger.load_state_dict(state_dict["ledger"])
+            self.events = list(state_dict["events"])
             return
         trainer, pl_module = self._fit_refs
         self._close_contexts()
         before = self._lifecycle.frozen_prefix
-        self._lifecycle.restore(state_dict["cache"], pl_module)
+        self._lifecycle.restore(state_dict["cache"], pl_module, trainer.global_step)
         self._lifecycle.load_optimizer_check(state_dict.get("optimizer_check"))
         # the records were made with parameters the rollback may have changed: record again
         self._replan(again=True)
         self.ledger.new_step()
-        after = self._lifecycle.frozen_prefix
-        if after != before:
+        if (after := self._lifecycle.frozen_prefix) != before:
             append_recent(self.events, freeze_event(trainer.global_step, before, after, "restore"))
 
     # ------------------------------------------------------------------ reporting

@@ -38,7 +38,7 @@ from lightning_pulse.core.green_window import (
     unknown_length_refusal,
     write_resume_file,
 )
-from lightning_pulse.energy.carbon import format_utc, parse_timestamp
+from lightning_pulse.energy.carbon import format_utc
 from lightning_pulse.energy.signal import GreenSignal
 from lightning_pulse.errors import PulseRefusal, refuse_unwritable_dir, refusing
 from lightning_pulse.loggers import log_to_loggers
@@ -135,8 +135,7 @@ class GreenWindow(Callback):
             self.policy = GreenWindowPolicy(
                 self.forecast, threshold, seconds_of(horizon, "horizon"), self.options.slot_s
             )
-            start = None if self.options.signal_start is None else parse_timestamp(self.options.signal_start)
-            self.signal = GreenSignal(signal, start)
+            self.signal = GreenSignal(signal, self.options.signal_start)
             self.clock = clock or SystemClock()
             self.run_clock = RunClock(self.clock)  # the clock, never earlier than a resumed checkpoint's save
         except ValueError as error:
@@ -221,33 +220,31 @@ class GreenWindow(Callback):
         if self.when_dirty == "light":
             self._waiting = pulse_cycle_of(trainer).held  # type: ignore[union-attr]
         self._check(trainer, pl_module)
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        cycle = pulse_cycle_of(trainer) if self.when_dirty == "light" else None
-        held = cycle is not None and cycle.held and cycle.clock.in_cycle  # warm-up, anneal: not held
-        self.segment.next_step("light" if held else "run", self._kwh)
+        self._mark_kind(trainer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        steps = trainer.global_step - self._last_step
-        if steps <= 0:
+        if (steps := trainer.global_step - self._last_step) <= 0:
             return
         self._last_step = trainer.global_step
-        self.segment.stepped(steps, self.run_clock.time())
-        if trainer.world_size > 1 and trainer.global_step % SYNC_EVERY_N_STEPS:
-            return
-        self._check(trainer, pl_module)
+        self.segment.stepped(steps)
+        if trainer.world_size == 1 or trainer.global_step % SYNC_EVERY_N_STEPS == 0:
+            self._check(trainer, pl_module)
+        self._mark_kind(trainer)
+
+    def on_pulse_phase_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: Any) -> None:
+        if trainer.global_step == self._last_step:  # else this step's batch end here, still to come, marks it
+            self._mark_kind(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.segment.close(self.run_clock.time(), self._kwh)
+        # `trainer.log_dir` is a collective (a broadcast): read on every rank, though rank 0 alone writes
+        folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)
         if trainer.is_global_zero:
-            self._write_report(trainer, "suspended" if self.suspended else "complete")
+            self._write_report(folder, "suspended" if self.suspended else "complete")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -337,6 +334,11 @@ class GreenWindow(Callback):
         trainer.should_stop = True
 
     # ------------------------------------------------------------------ energy
+    def _mark_kind(self, trainer: pl.Trainer) -> None:
+        """Between two steps: a change of the next steps' kind (hold, warm-up, anneal) closes the segment."""
+        cycle = pulse_cycle_of(trainer) if self.when_dirty == "light" else None
+        held = cycle is not None and cycle.held and cycle.clock.in_cycle  # warm-up, anneal: not held
+        self.segment.next_kind("light" if held else "run", self.run_clock.time(), self._kwh)
 
     def _kwh(self) -> float | None:
         """A fresh reading of the EnergyLogger's meters (kWh so far), or ``None`` without one. At each
@@ -344,12 +346,11 @@ class GreenWindow(Callback):
         return None if self._energy is None else self._energy.account.kwh_now()
 
     # ------------------------------------------------------------------ report
-    def _write_report(self, trainer: pl.Trainer, status: str) -> None:
+    def _write_report(self, folder: Path, status: str) -> None:
         source = energy_source(self._energy is not None, self.options.watts)
         self.report = report_record(
             status, self.when_dirty, self.schedule, self.signal.describe(), source, self.suspended
         )
-        folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)
         try:
             self.report_paths = write_green_report(
                 self.report, folder, self.signal.mean, self.schedule.first_forecast, self.options

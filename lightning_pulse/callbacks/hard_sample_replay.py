@@ -133,6 +133,7 @@ class HardSampleReplay(Callback):
         self._remove_hook: Any = None
         self._held = compat.CollectiveHold()  # gathered rows, until gloo's worker lets go of them
         self._saved_state: dict[str, Any] | None = None
+        self._saved_stream: dict[str, Any] | None = None  # steps mode: restored or final, while no pass runs
         self._ready = False  # this fit's selector exists: load_state_dict applies at once
         self._set_up_at = (0, 0)  # (epoch, step) of the latest training DataLoader's set-up
         self.batches = ReplayBatchLifecycle(self.mode, scorer)  # each batch: plan, cut, capture, record
@@ -184,7 +185,7 @@ class HardSampleReplay(Callback):
             return
         parallel = isinstance(trainer.strategy, ModelParallelStrategy)
         refuse(setup_refusal(parallel, tuner_search(trainer), compat.fullgraph_compiled_part(pl_module)))
-        self._trainer, self._ready, self._run_checked = trainer, False, False
+        self._trainer, self._ready, self._run_checked, self._saved_stream = trainer, False, False, None
         if self.mode == "steps":
             self.steps.uncap(trainer)  # a second fit of the same Trainer plans for the user's max_steps
             self.steps = StepSavingLoader()
@@ -242,6 +243,7 @@ class HardSampleReplay(Callback):
         self.selector.set_cadence(steps_per_epoch, log_every)
         self.steps.on_train_start(trainer)  # steps mode only: Lightning learns the planned pass's length
         self.batches.start_fit()  # the carried-state check runs over this fit's first two batches
+        self._saved_stream = None  # the fit trains: its stream moves on from the restored one
         rank_zero_info(f"HardSampleReplay: {self.config.describe(self.mode, self.phases)}")
 
     # ------------------------------------------------------------------ per batch
@@ -316,16 +318,18 @@ class HardSampleReplay(Callback):
             return
         if self._remove_hook is not None:
             self._remove_hook()
+        if self.mode == "steps" and self._saved_stream is None:  # a checkpoint saved after the fit resumes it
+            self._saved_stream = self.steps.stream.state_dict(trainer.global_step)
         self.steps.release()
-        self._remove_hook = self.tracker = self._trainer = None
-        self._ready = False
+        self._remove_hook, self.tracker, self._trainer, self._ready = None, None, None, False
 
     @override
     def state_dict(self) -> dict[str, Any]:
         state = dict(self._saved_state or {}) if self.selector is None else self.selector.state_dict()
-        if self.mode == "steps" and self._trainer is not None:
-            state["stream"] = self.steps.stream.state_dict(self._trainer.global_step)
-        return state
+        stream = self._saved_stream  # a fit with nothing left to train keeps the restored one (no pass ran)
+        if stream is None and self.mode == "steps" and self._trainer is not None:
+            stream = self.steps.stream.state_dict(self._trainer.global_step)
+        return state if stream is None else {**state, "stream": stream}
 
     def rollback_state_dict(self) -> dict[str, Any]:
         """What a :class:`~lightning_pulse.StabilityGuard` rollback returns to: the scores (they describe the
@@ -348,7 +352,7 @@ class HardSampleReplay(Callback):
             self.batches.drop_step()
             self.selector.load_state_dict(state_dict)
         else:
-            self._saved_state = state_dict
+            self._saved_state, self._saved_stream = state_dict, stream
             if stream is not None:
                 self.steps.stream.load_state_dict(stream)
 

@@ -88,6 +88,14 @@ class HyperConnectionMonitor(Callback):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # a new fit counts from step 0 again: a step measured in an earlier fit would skip step 0 of this one,
+        # and a fit shorter than every_n_steps logged nothing. Here, not in on_fit_start: a checkpoint's
+        # state is loaded after setup, before on_fit_start, and must win on a resume
+        if stage == "fit":
+            self._last_measured_step = -1
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # said before the first step; the module is built by now (configure_model ran at the strategy's setup)
         self._warned_empty = False

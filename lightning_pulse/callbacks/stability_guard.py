@@ -173,7 +173,7 @@ class StabilityGuard(Callback):
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
         self._record = steps.StepRecord()
-        self.core.start()
+        self.core.start(trainer.global_step)
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
     @override
@@ -243,7 +243,7 @@ class StabilityGuard(Callback):
         self._one_run.end()
         self._changes.detach()
         log_to_loggers(trainer, self.metrics())
-        if (summary := steps.summary_message(self.policy)) is not None:
+        if (summary := steps.summary_message(self.policy, self.detector)) is not None:
             rank_zero_info(summary)
 
     @override
@@ -279,15 +279,12 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list
     ) -> str | None:
         """Where a non-finite step came from (``trace_nonfinite``); a data fault's samples are remembered."""
+        newest, saved = self.core.saved_forward_state(pl_module)  # saved: tells a -inf mask from an overflow
+        step, sum_over_ranks = trainer.global_step, self._sum_over_ranks(trainer)
         cause, samples = trace_nonfinite(
-            pl_module,
-            trainer.optimizers,
-            batches,
-            trainer.global_step,
-            trainer.train_dataloader,
-            self._sum_over_ranks(trainer),
+            pl_module, trainer.optimizers, batches, step, trainer.train_dataloader, sum_over_ranks, saved
         )
-        if cause == "data" and (warning := self.core.data_fault(pl_module, trainer.global_step, samples)):
+        if cause == "data" and (warning := self.core.data_fault(pl_module, step, samples, (newest, saved))):
             rank_zero_warn(warning)
         return cause
 

@@ -55,12 +55,18 @@ class _ActivationEntry:
     module: nn.Module
     storage: torch.Tensor | None = None  # (capacity, *output shape without batch)
     input_shape: tuple[int, ...] | None = None  # the per-sample shape of its first input, when recorded
+    # whether its first input's first dimension held the batch's samples, when recorded
+    input_holds_rows: bool = False
     calls: int = 0
+
+
+def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
+    return next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
 
 
 def _per_sample_shape(args: tuple[Any, ...]) -> tuple[int, ...] | None:
     """The shape of one sample of the first tensor among ``args`` (``None`` without one)."""
-    first = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+    first = _first_tensor(args)
     return None if first is None else tuple(first.shape[1:])
 
 
@@ -69,11 +75,12 @@ class PrefixActivationCache:
 
     While a prefix is frozen its parameters do not change, so a module's output for a given sample does not
     change either. The first visit of a sample records the outputs of the frozen modules; once every sample
-    of a batch is recorded, the modules' ``forward`` is swapped for a lookup for that batch, and restored
+    of a batch is recorded, the modules' ``forward`` returns a lookup for that batch instead, and is restored
     right after. The first all-recorded batch of every plan is computed for real once more and compared with
     the records: a mismatch (data augmentation, noise added in ``training_step``) switches the cache off. So
     does a module whose input or output changes shape per sample from one batch to the next (a collate
-    function that pads to each batch's longest sequence): it runs for real from then on.
+    function that pads to each batch's longest sequence): it runs for real from then on. A lookup never
+    stands in for an input of another number of samples than the batch's indices: that module runs for real.
 
     Args:
         capacity: how many distinct samples this process sees per epoch (rows of each store).
@@ -93,8 +100,8 @@ class PrefixActivationCache:
         self.disabled_reason: str | None = None
         self.hits = 0
         self.batches = 0
-        self._handles: list[Any] = []
         self._stubbed: list[nn.Module] = []
+        self._indices: torch.Tensor | Callable[[], torch.Tensor] | None = None
         self._slots: torch.Tensor | None = None
         self._mode = "off"
 
@@ -134,35 +141,27 @@ class PrefixActivationCache:
                 # new modules start empty, so every sample has to be visited again
                 self.filled.zero_()
 
-    def begin_batch(self, indices: torch.Tensor) -> str:
-        """Prepare the forward of the batch with dataset ``indices`` (B,): ``"hit"``, ``"record"`` or ``"off"``."""
+    def begin_batch(self, indices: torch.Tensor | Callable[[], torch.Tensor]) -> str:
+        """Prepare the forward of the batch with dataset ``indices`` (B,): ``"hit"``, ``"record"``,
+        ``"verify"`` or ``"off"``.
+
+        ``indices`` may be a function that gives them: it is called when the batch's first cached module
+        starts its forward (``"pending"`` until then), so a batch cut in place after this call (by
+        HardSampleReplay's batch mode) is keyed by the samples that reach the forward.
+        """
         self.end_batch()
         if self.disabled_reason is not None or not self.entries:
             return "off"
         self.batches += 1
-        slots = self._slots_for(indices)
-        if slots is None:
-            self._mode = "off"
-            return "off"
-        self._slots = slots
-        complete = bool(self.filled[slots].all()) and all(e.storage is not None for e in self.entries)
-        if complete and self.verified:
-            for entry in self.entries:
-                self._install_replay(entry, slots)
-            self.hits += 1
-            self._mode = "hit"
-        else:
-            self._mode = "verify" if complete else "record"
-            for entry in self.entries:
-                entry.calls = 0
-                self._handles.append(entry.module.register_forward_hook(self._recorder(entry)))
+        self._indices, self._mode = indices, "pending"
+        for entry in self.entries:
+            self._install_gate(entry)
+        if isinstance(indices, torch.Tensor):
+            self._resolve()
         return self._mode
 
     def end_batch(self) -> None:
         """Undo what :meth:`begin_batch` installed; after a recording forward, mark its samples as recorded."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
         for module in self._stubbed:
             del module.forward  # back to the class's forward
         self._stubbed = []
@@ -177,7 +176,24 @@ class PrefixActivationCache:
                 if self._mode == "verify":
                     self.verified = True
         self._mode = "off"
-        self._slots = None
+        self._slots = self._indices = None
+
+    def _resolve(self) -> None:
+        """Key the batch by its samples: replay them if all are recorded (and the plan verified), or record."""
+        indices = self._indices() if callable(self._indices) else self._indices
+        slots = None if indices is None else self._slots_for(indices)
+        if slots is None:
+            self._mode = "off"
+            return
+        self._slots = slots
+        complete = bool(self.filled[slots].all()) and all(e.storage is not None for e in self.entries)
+        if complete and self.verified:
+            self.hits += 1
+            self._mode = "hit"
+        else:
+            self._mode = "verify" if complete else "record"
+            for entry in self.entries:
+                entry.calls = 0
 
     def _slots_for(self, indices: torch.Tensor) -> torch.Tensor | None:
         indices = indices.to(torch.long).cpu()
@@ -189,35 +205,34 @@ class PrefixActivationCache:
         self.next_slot += len(new)
         return self.slot_of[indices]
 
-    def _recorder(self, entry: _ActivationEntry) -> Callable[..., None]:
-        def record(module: nn.Module, args: Any, output: Any) -> None:
-            entry.calls += 1
-            slots = self._slots
-            if not isinstance(output, torch.Tensor) or slots is None or output.shape[0] != len(slots):
-                entry.calls += 1  # mark as not replayable
+    def _record(self, entry: _ActivationEntry, args: tuple[Any, ...], output: Any) -> None:
+        entry.calls += 1
+        slots = self._slots
+        if not isinstance(output, torch.Tensor) or slots is None or output.shape[0] != len(slots):
+            entry.calls += 1  # mark as not replayable
+            return
+        if entry.storage is None:
+            per_sample = output[0].numel() * output.element_size()
+            if self.bytes_used + per_sample * self.capacity > self.budget_bytes:
+                entry.calls += 1  # over budget: this module (and the ones after it) stay uncached
                 return
-            if entry.storage is None:
-                per_sample = output[0].numel() * output.element_size()
-                if self.bytes_used + per_sample * self.capacity > self.budget_bytes:
-                    entry.calls += 1  # over budget: this module (and the ones after it) stay uncached
-                    return
-                entry.storage = torch.zeros(
-                    (self.capacity, *output.shape[1:]), dtype=output.dtype, device=output.device
-                )
-                entry.input_shape = _per_sample_shape(args)
-            elif output.shape[1:] != entry.storage.shape[1:] or _per_sample_shape(args) != entry.input_shape:
-                self._switch_off_for_shape(entry, tuple(output.shape[1:]))
-                return
-            stored = entry.storage.index_select(0, slots.to(entry.storage.device))
-            if self._mode == "verify" and not torch.allclose(stored, output.detach(), rtol=1e-3, atol=1e-5):
-                self.disabled_reason = (
-                    f"the output of {entry.name} differs between two visits of the same frozen sample (random data "
-                    "augmentation or noise in the forward?)"
-                )
-                return
-            entry.storage.index_copy_(0, slots.to(entry.storage.device), output.detach())
-
-        return record
+            entry.storage = torch.zeros(
+                (self.capacity, *output.shape[1:]), dtype=output.dtype, device=output.device
+            )
+            entry.input_shape = _per_sample_shape(args)
+            first = _first_tensor(args)
+            entry.input_holds_rows = first is not None and first.dim() > 0 and first.shape[0] == len(slots)
+        elif output.shape[1:] != entry.storage.shape[1:] or _per_sample_shape(args) != entry.input_shape:
+            self._switch_off_for_shape(entry, tuple(output.shape[1:]))
+            return
+        stored = entry.storage.index_select(0, slots.to(entry.storage.device))
+        if self._mode == "verify" and not torch.allclose(stored, output.detach(), rtol=1e-3, atol=1e-5):
+            self.disabled_reason = (
+                f"the output of {entry.name} differs between two visits of the same frozen sample (random data "
+                "augmentation or noise in the forward?)"
+            )
+            return
+        entry.storage.index_copy_(0, slots.to(entry.storage.device), output.detach())
 
     def _switch_off_for_shape(self, entry: _ActivationEntry, output_shape: tuple[int, ...]) -> None:
         assert entry.storage is not None
@@ -227,24 +242,41 @@ class PrefixActivationCache:
             "longest sequence?); pad to one fixed length to use the cache"
         )
 
-    def _install_replay(self, entry: _ActivationEntry, slots: torch.Tensor) -> None:
-        storage = entry.storage
-        assert storage is not None
-        rows = slots.to(storage.device)
+    def _fits(self, entry: _ActivationEntry, args: tuple[Any, ...]) -> bool:
+        """Whether ``entry``'s records of the batch stand for its live input ``args``."""
+        if _per_sample_shape(args) != entry.input_shape:
+            return False
+        first = _first_tensor(args)
+        # a batch cut after it was keyed: the lookup's rows would be other samples (a crash, or wrong rows)
+        assert self._slots is not None
+        return not entry.input_holds_rows or (first is not None and first.shape[0] == len(self._slots))
+
+    def _install_gate(self, entry: _ActivationEntry) -> None:
+        """Swap ``entry``'s forward, for this batch, for one that replays, records or just runs it."""
         module = entry.module
 
-        def replay(*args: Any, **kwargs: Any) -> torch.Tensor:
-            if _per_sample_shape(args) == entry.input_shape:
-                return storage.index_select(0, rows)
-            # samples seen before, padded differently: the records no longer fit, so compute and stop caching
+        def gate(*args: Any, **kwargs: Any) -> Any:
+            if self._mode == "pending":  # the batch's first cached forward: its samples are known now
+                self._resolve()
+            if self._mode == "hit":
+                storage = entry.storage
+                assert storage is not None and self._slots is not None
+                if self._fits(entry, args):
+                    return storage.index_select(0, self._slots.to(storage.device))
+                self.hits -= 1  # a miss: this batch's modules run for real from here on
+                self._mode = "miss"
+                output = type(module).forward(module, *args, **kwargs)
+                if _per_sample_shape(args) != entry.input_shape and self.disabled_reason is None:
+                    # samples seen before, padded differently: the records no longer fit, so stop caching
+                    self._switch_off_for_shape(entry, tuple(output.shape[1:]))
+                return output
             output = type(module).forward(module, *args, **kwargs)
-            if self.disabled_reason is None:
-                self.hits -= 1
-                self._switch_off_for_shape(entry, tuple(output.shape[1:]))
+            if self._mode in ("record", "verify"):
+                self._record(entry, args, output)
             return output
 
-        entry.module.forward = replay  # type: ignore[method-assign]
-        self._stubbed.append(entry.module)
+        module.forward = gate  # type: ignore[method-assign]
+        self._stubbed.append(module)
 
 
 class LoaderActivationCache:
@@ -256,12 +288,17 @@ class LoaderActivationCache:
     Args:
         tracker: the installed tracker.
         budget_bytes: the most memory the stores may take.
+
+    Attributes:
+        trained: gives the dataset indices ``(k,)`` of the samples the step under way trains, where a batch is
+            cut in place after it is loaded (``None``: the batch as loaded; a ``None`` it gives: the same).
     """
 
     def __init__(self, tracker: SampleIndexTracker, budget_bytes: int, model: nn.Module) -> None:
         self.tracker = tracker
         size = tracker.dataset_size
         self.cache = PrefixActivationCache(size, size, budget_bytes)
+        self.trained: Callable[[], torch.Tensor | None] | None = None
         self._modules = dict(model.named_modules())
         self._reported = False
 
@@ -278,16 +315,22 @@ class LoaderActivationCache:
 
     @classmethod
     def for_fit(
-        cls, loader: Any, cache_mb: float, model: nn.Module, warn: Callable[[str], None]
+        cls,
+        loader: Any,
+        cache_mb: float,
+        model: nn.Module,
+        warn: Callable[[str], None],
+        trained: Callable[[], torch.Tensor | None] | None = None,
     ) -> LoaderActivationCache | None:
-        """The cache of a fit with ``activation_cache_mb=cache_mb``: ``None`` when that is 0, or when the
-        loader's sample indices cannot be tracked (then ``warn`` says why)."""
+        """The cache of a fit with ``activation_cache_mb=cache_mb`` (and :attr:`trained`): ``None`` when that
+        is 0, or when the loader's sample indices cannot be tracked (then ``warn`` says why)."""
         if not cache_mb:
             return None
         replay = cls.attach(loader, int(cache_mb * 2**20), model)
         if isinstance(replay, str):
             warn(f"GradientCache: the activation cache is off because {replay}.")
             return None
+        replay.trained = trained
         return replay
 
     @staticmethod
@@ -314,8 +357,18 @@ class LoaderActivationCache:
     def begin_batch(self, batch_idx: int, frozen: bool) -> None:
         """Before the forward of batch ``batch_idx``; ``frozen``: whether a prefix is frozen now."""
         indices = self.tracker.batch_indices(batch_idx)  # asked for every batch, as the tracker requires
-        if frozen:
+        if not frozen:
+            return
+        trained = self.trained
+        if trained is None:
             self.cache.begin_batch(indices)
+            return
+
+        def samples() -> torch.Tensor:  # read at the forward: a batch cut in place by then is keyed as cut
+            cut = trained()
+            return indices if cut is None else cut
+
+        self.cache.begin_batch(samples)
 
     def end_batch(self) -> str | None:
         """After the forward. Returns, once, why the cache switched itself off if it just did."""

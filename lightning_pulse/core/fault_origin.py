@@ -8,9 +8,12 @@ synchronises, on a healthy step.
   and training goes on.
 * :func:`weights_are_finite`: whether the parameters and optimizer states are all finite. When they are not,
   skipping cannot help: the model itself went bad and has to go back to a snapshot.
-* :func:`nonfinite_forward_state`: the buffers and carried tensors that are not finite. A forward over bad data
-  writes them (BatchNorm's running statistics), so with bad data they are mended, not rolled back.
+* :func:`nonfinite_forward_state`: the buffers and carried tensors a forward made bad (a NaN, or an infinity
+  where the newest snapshot's copy was finite). A forward over bad data writes them (BatchNorm's running
+  statistics), so with bad data they are mended, not rolled back.
 * :func:`state_is_finite`: both of the above.
+* :func:`forward_state_tensors`: the state a forward writes, by name, alike for the model and a snapshot.
+* :func:`newly_nonfinite`: the tensors non-finite in an element where a saved copy was finite.
 * :func:`batch_sample_ids`: the dataset indices of given rows, when the batch or its DataLoader tells them.
 * :func:`trace_nonfinite`: the verdict on a non-finite step (``"state"``, ``"data"`` or neither), agreed by
   every DDP rank, with the bad samples.
@@ -23,6 +26,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_pulse.core.carried_state import carried_tensors, tensors_in
+from lightning_pulse.core.snapshots import nonfinite_tensors
 
 # the dict keys under which a batch commonly carries its samples' dataset indices
 INDEX_KEYS = ("index", "indices", "idx", "sample_index", "sample_idx")
@@ -85,37 +91,67 @@ def weights_are_finite(module: torch.nn.Module, optimizers: Iterable[torch.optim
     return _all_finite(tensors)
 
 
-def _forward_state(module: torch.nn.Module) -> dict[str, list[Tensor]]:
-    from lightning_pulse.core.carried_state import carried_tensors, tensors_in
+def forward_state_tensors(buffers: Mapping[str, Tensor], carried: Mapping[str, Any]) -> dict[str, Tensor]:
+    """The state a forward writes, by name: the ``buffers``, then the ``carried`` tensors (see
+    :func:`~lightning_pulse.core.carried_state.carried_tensors`), a lone tensor under its attribute's name and
+    each of a tuple, list or dict of them as ``"name[i]"``. A snapshot's copy and the live model's are named
+    alike, so they compare name by name."""
+    named = dict(buffers)
+    for name, value in carried.items():
+        tensors = tensors_in(value)
+        named.update(
+            {name: tensors[0]} if len(tensors) == 1 else {f"{name}[{i}]": t for i, t in enumerate(tensors)}
+        )
+    return named
 
-    named = {name: [b] for name, b in module.named_buffers() if b is not None and b.is_floating_point()}
-    for name, value in carried_tensors(module).items():  # a tensor, or a tuple, list or dict of them
-        named[name] = [t for t in tensors_in(value) if t.is_floating_point()]
-    return {name: tensors for name, tensors in named.items() if tensors}
+
+def newly_nonfinite(
+    current: Mapping[str, Tensor], saved: Mapping[str, Tensor], names: Iterable[str]
+) -> list[str]:
+    """Of ``names`` (keys of ``current``), those non-finite in an element where their copy in ``saved`` (same
+    shape) was finite: ``[-inf, 0.5]`` then ``[-inf, inf]`` counts, a ``-inf`` mask held alike does not. One
+    element-wise pass and one transfer a name: meant for the few tensors found non-finite."""
+    found = []
+    for name in names:
+        now, then = current[name].detach(), saved.get(name)
+        if then is not None and then.shape == now.shape:
+            became = ~torch.isfinite(_comparable(now)) & torch.isfinite(_comparable(then)).to(now.device)
+            if bool(became.any()):
+                found.append(name)
+    return found
 
 
-def nonfinite_forward_state(module: torch.nn.Module) -> list[str]:
+def _comparable(tensor: Tensor) -> Tensor:
+    return tensor.float() if tensor.element_size() == 1 else tensor  # float8 has no isfinite
+
+
+def nonfinite_forward_state(module: torch.nn.Module, saved: Mapping[str, Tensor] | None = None) -> list[str]:
     """The buffers (qualified names) and carried tensors (dotted attribute names, see
-    :func:`~lightning_pulse.core.carried_state.carried_tensors`) holding a NaN or infinite value: the state a
-    forward writes, such as BatchNorm's running statistics or an RNN's carried hidden state. A batch with
-    non-finite data makes it non-finite in its forward, before any step. One transfer."""
-    named = _forward_state(module)
-    if not named:
-        return []
-    flags = [torch.isfinite(t.detach()).all() for tensors in named.values() for t in tensors]
-    device = flags[0].device
-    finite = torch.stack([flag.to(device) for flag in flags]).tolist()
-    bad, position = [], 0
-    for name, tensors in named.items():
-        if not all(finite[position : position + len(tensors)]):
-            bad.append(name)
-        position += len(tensors)
-    return bad
+    :func:`~lightning_pulse.core.carried_state.carried_tensors`) that a forward made bad: holding a NaN, or an
+    infinity in an element where their copy in ``saved`` (the newest snapshot's, named by
+    :func:`forward_state_tensors`; same shape) was finite (:func:`newly_nonfinite`). A batch with non-finite
+    data makes BatchNorm's running statistics or an RNN's carried hidden state NaN in its forward, before any
+    step; an overflowing one can make them infinite.
+
+    An infinity the snapshot held too, or one with no saved copy to compare with, is no evidence: a buffer can
+    hold it by design (a ``-inf`` causal mask, an observer's starting ``inf``), which is why snapshots keep it
+    (:meth:`~lightning_pulse.core.stability_steps.StabilityCore.nonfinite_state`). Counted, such a mask had
+    blamed every overflow inside the forward on the model's state: rolled back at once, then stopped. Two
+    transfers, and one a tensor found infinite, on a non-finite step only."""
+    carried = carried_tensors(module)
+    buffers = dict(module.named_buffers())
+    current = forward_state_tensors(buffers, carried)
+    bad = set(nonfinite_tensors({}, nan_only=current))
+    infinite = [name for name in nonfinite_tensors(current) if name not in bad]
+    bad.update(newly_nonfinite(current, saved or {}, infinite))
+    owners = (name if name in buffers or name in carried else name[: name.rindex("[")] for name in current)
+    return list(dict.fromkeys(owner for owner, name in zip(owners, current) if name in bad))
 
 
 def state_is_finite(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> bool:
-    """Whether every floating-point parameter, buffer, carried tensor (a plain tensor attribute, such as an RNN's
-    hidden state) and optimizer-state tensor is finite."""
+    """Whether every floating-point parameter and optimizer-state tensor is finite and no buffer or carried
+    tensor (a plain tensor attribute, such as an RNN's hidden state) holds a NaN: :func:`nonfinite_forward_state`
+    with no snapshot to compare with, where an infinity can be by design."""
     return weights_are_finite(module, optimizers) and not nonfinite_forward_state(module)
 
 
@@ -177,13 +213,15 @@ def trace_nonfinite(
     step: int,
     loader: Any = None,
     all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
+    saved_forward_state: Mapping[str, Tensor] | None = None,
 ) -> tuple[str | None, list[dict[str, Any]]]:
     """Where the non-finite optimizer step ``step`` came from, the same answer on every rank.
 
     ``("state", [])`` if the weights (:func:`weights_are_finite`) are non-finite on any rank; else
     ``("data", samples)`` if a micro-batch ``(batch_idx, batch)`` held non-finite values on any rank
     (``samples``: this rank's, from :func:`find_bad_samples`; empty on a rank whose batches were clean); else
-    ``("state", [])`` if the forward state (:func:`nonfinite_forward_state`) is non-finite on any rank; else
+    ``("state", [])`` if a forward made the forward state bad on any rank (:func:`nonfinite_forward_state`,
+    against ``saved_forward_state``: the newest snapshot's); else
     ``(None, [])``. Bad data wins over a non-finite forward state because the bad batch's own forward wrote it
     (BatchNorm's running statistics take the NaN rows' mean): the caller skips the step and mends that state
     (:meth:`~lightning_pulse.core.stability_steps.StabilityCore.mend_forward_state`). Under DDP
@@ -192,7 +230,7 @@ def trace_nonfinite(
     """
     samples = find_bad_samples(batches, step, loader)
     weights_bad = not weights_are_finite(module, optimizers)
-    forward_bad = bool(nonfinite_forward_state(module))
+    forward_bad = bool(nonfinite_forward_state(module, saved_forward_state))
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     flags = torch.tensor([float(bool(samples)), float(weights_bad), float(forward_bad)], device=device)
     if all_reduce_sum is not None:

@@ -951,11 +951,10 @@ class OpenSegment:
         self.kwh: float | None = None
         self.steps = 0
         self.kind = "run"
-        self.step_end: float | None = None  # when the latest step ended: where a change of kind cuts
 
     def begin(self, now: float, kwh: float | None) -> None:
         """A new segment starts at ``now`` (``kwh``: the meters' reading then, ``None`` without meters)."""
-        self.start, self.kwh, self.steps, self.step_end = float(now), kwh, 0, float(now)
+        self.start, self.kwh, self.steps = float(now), kwh, 0
 
     def used(self, kwh: float | None, seconds: float, computing: bool) -> float | None:
         """Energy since the mark: measured (``kwh``: the meters now), else ``watts`` while computing (a paused
@@ -979,16 +978,17 @@ class OpenSegment:
         self.schedule.waited(start, end, self.used(kwh, end - start, False))
         self.begin(end, kwh)
 
-    def next_step(self, kind: str, read_kwh: Callable[[], float | None]) -> None:
-        """The coming step is of ``kind``: a change of kind closes the segment where the last step ended."""
+    def next_kind(self, kind: str, now: float, read_kwh: Callable[[], float | None]) -> None:
+        """The steps after ``now`` (a step's end) are of ``kind``: a change closes the segment now, with the
+        meters read now. Not at the next step's start: its time (data loading, a simulated step) has begun
+        there, and the meters would book it to this segment while its time went to the next."""
         if kind != self.kind:
-            if self.steps and self.step_end is not None:
-                self.close(self.step_end, read_kwh)
+            if self.steps:
+                self.close(now, read_kwh)
             self.kind = kind
 
-    def stepped(self, steps: int, now: float) -> None:
+    def stepped(self, steps: int) -> None:
         self.steps += steps
-        self.step_end = float(now)
 
     def state_dict(self, now: float, next_check: float) -> dict[str, Any]:
         """The segment as saved at ``now``, and when the next decision is due."""
@@ -1022,7 +1022,6 @@ class OpenSegment:
         as after a suspend."""
         self.start, self.kwh, self.steps = state["start"], state["kwh"], int(state["steps"])
         self.kind, saved = str(state["kind"]), float(state["saved_at"])
-        self.step_end = saved
         if self.start is None:
             self.begin(now, read_kwh())
         elif now > saved:

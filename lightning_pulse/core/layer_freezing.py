@@ -37,6 +37,7 @@ from lightning_pulse.core.freeze_units import (
     mark_shared,
     order_note,
     parameters_outside,
+    pinned_note,
     replace_unit_parameters,
     reread_note,
 )
@@ -381,24 +382,35 @@ class LayerFreezer:
             "stopping the other side; untie them (Hugging Face: `tie_word_embeddings=False`) to let it freeze"
         )
 
-    def idle_note(self) -> str | None:
+    def idle_note(self, steps: int | None = None, rolled_back_at: int | None = None) -> str | None:
         """What the freezer measured, when it froze nothing in the run (``None`` if it froze something): so a
-        run whose defaults never acted says why they waited."""
+        run whose defaults never acted says why they waited.
+
+        Args:
+            steps: the run's optimizer steps (``None``: :attr:`steps`, which a rollback takes back).
+            rolled_back_at: the optimizer steps taken when the fit last rolled back (the scores went back to a
+                snapshot's); ``None``: no rollback.
+        """
         if self.freezes or not self.freezable_limit or self.pinned_first is not None:
             return None  # it acted, or fit start said why it cannot (a single unit, or a tie)
         threshold, every = self.settings.threshold, self.settings.check_every
         most = self.settings.max_frozen_share
+        nothing = f"froze nothing in {self.steps if steps is None else steps} steps"
+        if rolled_back_at is not None:
+            nothing += (
+                f" (a rollback after {rolled_back_at} steps took its scores back to those of a snapshot)"
+            )
         if self._unit_numel[0] > most * self.trainable_numel:  # no prefix fits (_propose): waiting was not it
             return (
-                f"froze nothing in {self.steps} steps: a frozen prefix starts at the first unit, "
+                f"{nothing}: a frozen prefix starts at the first unit, "
                 f"{self.units[0].name}, which holds {self._unit_numel[0] / self.trainable_numel:.0%} of the "
                 f"trainable parameters, over max_frozen_share={most:g}, so no prefix fits however long the "
                 "run; raise max_frozen_share, or pass `units` to split that unit or leave it out"
             )
         if not any(score is not None for score in self.scores):
             return (
-                f"froze nothing in {self.steps} steps: no unit trained a whole window of check_every={every} "
-                "steps yet, so none was scored"
+                f"{nothing}: no unit trained a whole window of check_every={every} steps "
+                f"{'yet' if rolled_back_at is None else 'since'}, so none was scored"
             )
         first = self.units[0]
         first_score = self.scores[0]
@@ -423,7 +435,7 @@ class LayerFreezer:
             )
             why = f"The weights were still moving: {way_out}"
         return (
-            f"froze nothing in {self.steps} steps: a frozen prefix starts at the first unit, {first.name}, "
+            f"{nothing}: a frozen prefix starts at the first unit, {first.name}, "
             f"{said} (stable at <= threshold={threshold:g}); the lowest last score was {lowest:.3g} "
             f"({lowest_name}). {why}"
         )
@@ -871,6 +883,8 @@ class FreezerLifecycle:
         # the wrap): its reducer left them out, so their gradients are never averaged once they train
         self.frozen_before_wrap: set[int] = set()
         self.optimizer_check = GradlessStepCheck()  # whether the optimizer leaves frozen parameters alone
+        self.rolled_back_at: int | None = None  # optimizer steps taken at the fit's last rollback (restore)
+        self._announced: tuple[str, str | None] | None = None  # the units :meth:`announce` last named
 
     @property
     def units(self) -> list[FreezeUnit]:
@@ -902,6 +916,7 @@ class FreezerLifecycle:
             ValueError: for a name in ``unit_names`` that ``model`` does not have (see :func:`discover_units`).
         """
         self._graph_checked, self._model, self._statistics, self._rare = False, model, None, []
+        self.rolled_back_at, self._announced = None, None
         self.freezer, self.trace = restore_freezer(None, state, model, self.settings), None
         self._open_first_forward, self._opened = self.freezer is not None, []
         if self.freezer is None:
@@ -975,6 +990,22 @@ class FreezerLifecycle:
             self.freezer.continue_statistics(self._statistics)
             self._statistics = None
         return True
+
+    def announce(self, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
+        """:func:`announce_units` for the units :meth:`end_backward` just put in order, unless this fit named
+        the same units already: a rollback to a state saved before the first backward orders them again."""
+        units = self.freezer.units
+        if self._announced != (said := (order_note(units), pinned_note(units))):
+            self._announced = said
+            announce_units(self.freezer, info, warn)
+
+    def idle_note(self, steps: int, events: Iterable[Mapping[str, Any]] = ()) -> str | None:
+        """:meth:`LayerFreezer.idle_note` for a run of ``steps`` optimizer steps; ``None`` without a freezer, or
+        when ``events`` (the changes of the frozen prefix, which a rollback keeps) show a freeze: one a rollback
+        undid is a freeze too."""
+        if self.freezer is None or any(event["to"] > event["from"] for event in events):
+            return None
+        return self.freezer.idle_note(steps, self.rolled_back_at)
 
     def retrace(
         self, model: nn.Module, agree: Callable[[list[bool]], list[bool]] | None = None, check: bool = False
@@ -1075,9 +1106,9 @@ class FreezerLifecycle:
         if self.optimizer_check.moved and self.freezer is not None:
             self.freezer.release_all()
 
-    def restore(self, state: Mapping[str, Any] | None, model: nn.Module) -> None:
-        """A rollback in the middle of the fit: :func:`restore_during_fit`."""
-        self._model, self._open_first_forward = model, False
+    def restore(self, state: Mapping[str, Any] | None, model: nn.Module, step: int | None = None) -> None:
+        """A rollback in the middle of the fit, after ``step`` optimizer steps: :func:`restore_during_fit`."""
+        self._model, self._open_first_forward, self.rolled_back_at = model, False, step
         self.freezer, self.trace = restore_during_fit(self.freezer, self.trace, state, model, self.settings)
 
     def follow(self, replacements: Iterable[tuple[nn.Parameter, nn.Parameter, torch.Tensor]]) -> None:
@@ -1299,15 +1330,19 @@ class GradlessStepCheck:
 
 def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
     """Say, once the units are in forward order, what they are (``info``), and why nothing can ever freeze if
-    so: a single trainable unit (``info``) or a tied first unit (``warn``); and which units freeze only with
-    later ones (``info``, :func:`~lightning_pulse.core.freeze_units.reread_note`)."""
+    so: a single trainable unit (``info``) or a tied first unit (``warn``); which other units are pinned
+    (``info``, :func:`~lightning_pulse.core.freeze_units.pinned_note`) and which freeze only with later ones
+    (``info``, :func:`~lightning_pulse.core.freeze_units.reread_note`)."""
+    pinned = freezer.units
     if freezer.freezable_limit == 0:
         info("GradientCache: the model has a single trainable unit, so nothing can be frozen.")
     elif freezer.pinned_first is not None:
         warn(f"GradientCache: {freezer.pinned_first}.")
+        pinned = pinned[1:]  # the warning named the first unit's tie: one message for one fact
     info(f"GradientCache: {order_note(freezer.units)}")
-    if (note := reread_note(freezer.units)) is not None:
-        info(f"GradientCache: {note}.")
+    for note in (pinned_note(pinned), reread_note(freezer.units)):
+        if note is not None:
+            info(f"GradientCache: {note}.")
 
 
 def frozen_parameter_ids(model: nn.Module) -> set[int]:

@@ -19,10 +19,11 @@ which calls the functional form) also yields one loss per sample, with no second
 
 When :attr:`LossCapture.sample_weights` is set (InfoBatch's ``1/(1-r)`` rescale), the loss is instead
 computed once unreduced and each sample weighted: a reduced loss (``"mean"``, ``"sum"``, ``"batchmean"``) is
-weighted, then reduced as torch's own reduction does, so the caller's loss value changes, on purpose; an
-unreduced one (``reduction="none"``) is returned unweighted, and the weights multiply its gradient instead, so
-whatever the caller computes from it (a focal loss, a clamp, a logged metric) sees the true per-sample losses
-and a per-sample sum of it trains on each term weighted.
+weighted, then reduced as torch's own reduction does, so the caller's loss value changes, on purpose (a
+``"sum"`` with the weights scaled by ``offered / B``, so that it estimates the offered batch's sum, not its
+mean); an unreduced one (``reduction="none"``) is returned unweighted, and the weights multiply its gradient
+instead, so whatever the caller computes from it (a focal loss, a clamp, a logged metric) sees the true
+per-sample losses and a per-sample sum of it trains on each term weighted.
 
 A per-sample loss is the mean of the sample's elements: for token losses computed on flattened
 ``(B*T, V)`` logits with ``(B*T,)`` (or ``(B, T)`` flattened) targets, the mean over the sample's ``T``
@@ -453,10 +454,17 @@ class LossCapture:
     Args:
         batch_size: ``B``, the number of samples in the batch the block trains on. Needed to map an
             unreduced loss onto samples.
-        sample_weights: optional ``(B,)`` weights. When set, each sample's elements are multiplied by its
-            weight before the caller's reduction, and the caller gets that weighted loss (with autograd); with
-            ``reduction="none"`` the caller gets the unweighted losses and the weights multiply their gradient
-            (a non-linear use of them, a focal loss, is not changed, and is trained on weighted per sample).
+        sample_weights: optional ``(B,)`` weights under which the *mean* over these ``B`` samples
+            estimates the mean over the ``offered`` samples they were kept from (InfoBatch:
+            ``(1 / q_i) * B / offered``). Each sample's elements are multiplied by its weight before the
+            caller's reduction, and the caller gets that weighted loss (with autograd): a ``"mean"`` or
+            ``"batchmean"`` then estimates the offered batch's, and a ``"sum"``, weighted by
+            ``sample_weights * offered / B`` (``1 / q_i``), its sum. With ``reduction="none"`` the caller
+            gets the unweighted losses and the weights multiply their gradient (a non-linear use of them, a
+            focal loss, is not changed, and is trained on weighted per sample): right for a caller that
+            averages them over the ``B`` samples (``.mean()``); which reduction the caller applies cannot be
+            seen, and a plain ``.sum()`` trains on ``B / offered`` of the offered batch's sum.
+        offered: how many samples ``sample_weights`` stand for (``n >= B``); ``None``: ``B``.
 
     Example::
 
@@ -466,15 +474,26 @@ class LossCapture:
         losses = capture.per_sample()                # (B,) float32, detached
     """
 
-    def __init__(self, batch_size: int, sample_weights: Tensor | None = None) -> None:
+    def __init__(
+        self, batch_size: int, sample_weights: Tensor | None = None, offered: int | None = None
+    ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size`={batch_size!r} must be a positive int.")
         if sample_weights is not None and tuple(sample_weights.shape) != (batch_size,):
             raise ValueError(
                 f"`sample_weights` has shape {tuple(sample_weights.shape)}; expected ({batch_size},)."
             )
+        if offered is not None and (
+            isinstance(offered, bool) or not isinstance(offered, int) or offered < batch_size
+        ):
+            raise ValueError(f"`offered`={offered!r} must be an int of at least `batch_size`={batch_size}.")
         self.batch_size = batch_size
         self.sample_weights = sample_weights
+        self.offered = batch_size if offered is None else offered
+        # a "sum" estimates the offered batch's sum: the mean weights' B / offered factor taken out again
+        self._sum_weights = sample_weights
+        if sample_weights is not None and self.offered != batch_size:
+            self._sum_weights = sample_weights * (self.offered / batch_size)
         self.records: list[CapturedLoss] = []
         self.compiled_calls: list[str] = []  # losses traced into a torch.compile graph: not capturable
         self._entered = False
@@ -637,6 +656,8 @@ class LossCapture:
             unreduced = original(**signature.unreduced_call(arguments))
             record = self._record(name, arguments, unreduced.detach(), reduction)
             if weights is None or _splits(tuple(unreduced.shape), self.batch_size):
+                if reduction == "sum":
+                    weights = self._sum_weights
                 result = record.watch(_reduce(name, arguments, unreduced, reduction, weights))
                 if weights is not None and reduction == "none" and result.requires_grad:
                     # after watch's hook, which records the gradient as returned (the loss's parts),
@@ -1098,10 +1119,11 @@ class StepLossCaptures:
             self._scope = loss_capture_scope()
             self._scope.__enter__()
 
-    def open(self, batch_size: int, sample_weights: Tensor | None = None) -> None:
-        """Start capturing this step's per-sample losses (the previous step's capture is dropped)."""
+    def open(self, batch_size: int, sample_weights: Tensor | None = None, offered: int | None = None) -> None:
+        """Start capturing this step's per-sample losses (the previous step's capture is dropped); the weights
+        and ``offered`` as :class:`LossCapture` takes them."""
         self.drop()
-        self._open = LossCapture(batch_size=batch_size, sample_weights=sample_weights)
+        self._open = LossCapture(batch_size=batch_size, sample_weights=sample_weights, offered=offered)
         self._open.__enter__()
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from lightning_pulse.phase import KNOWN_LENGTH
@@ -157,15 +158,20 @@ class PruneSchedule:
         self.sparsity = target
         return target
 
-    def planned_cuts(self) -> list[tuple[int, float, float]]:
-        """The step cadence's events of the resolved schedule, as ``(step, from, to)`` sparsities, from the
-        sparsity reached so far (nothing is changed)."""
+    def planned_cuts(self, chances: Iterable[int] | None = None) -> list[tuple[int, float, float]]:
+        """The events of the resolved schedule, as ``(step, from, to)`` sparsities, from the sparsity reached
+        so far (nothing is changed): at the step cadence's chances, or at ``chances`` (the steps, in order, at
+        which maintain phases start)."""
         cuts: list[tuple[int, float, float]] = []
         if math.isinf(self.end_step):
             return cuts
         trial = copy.copy(self)  # its fields are numbers: advancing it leaves this schedule as it is
-        while not trial.finished and trial.next_step is not None:
-            step, before = trial.next_step, trial.sparsity
+        given = None if chances is None else iter(chances)
+        while not trial.finished:
+            step = trial.next_step if given is None else next(given, None)
+            if step is None:
+                break
+            before = trial.sparsity
             if (target := trial.advance(step)) is not None:
                 cuts.append((step, before, target))
         return cuts

@@ -162,8 +162,10 @@ def event_cadence(
     pruned: bool = False,
 ) -> tuple[bool, list[str]]:
     """Whether events happen at maintain-phase starts of ``clock`` (a PulseCycle's; ``None`` without one), and
-    the warnings to give at fit start: :func:`uses_maintain`'s, then, on the step cadence,
-    :func:`abrupt_schedule_warning`'s. Raises :class:`PulseRefusal` as :func:`uses_maintain` does.
+    the warnings to give at fit start: :func:`uses_maintain`'s, then :func:`abrupt_schedule_warning`'s (on
+    the maintain cadence at the maintain starts the clock plans, :func:`maintain_starts`; none for wall-clock
+    phases, whose starts are not known before the run). Raises :class:`PulseRefusal` as :func:`uses_maintain`
+    does.
 
     On the maintain cadence the clock is played forward from ``step``: when no maintain phase starts between
     the schedule's start and the run's end (``total_steps``; a budget that lengthens the replay phases, or a
@@ -195,20 +197,55 @@ def event_cadence(
                     "the maintain phase."
                 )
             on_maintain, warning = False, f"ScheduledPrune: {where}; pruning on the step cadence instead."
-    abrupt = None if on_maintain else abrupt_schedule_warning(schedule)
+    abrupt = None
+    if not on_maintain:
+        abrupt = abrupt_schedule_warning(schedule)
+    elif clock is not None and not schedule.finished and not pruned:
+        starts = maintain_starts(clock, schedule.end_step, total_steps, steps_per_epoch)
+        abrupt = None if starts is None else abrupt_schedule_warning(schedule, starts)
     return on_maintain, [text for text in (warning, abrupt) if text is not None]
 
 
-#: A step-cadence schedule whose largest single cut takes more than this share of ``final_sparsity`` is said
-#: at fit start (the cubic schedule's first cut is 0.875 of it with 2 events, 0.70 with 3, 0.33 with 8): a
-#: held-out ResNet on a 180-step run at the defaults (``every=100``) was cut from 0 to 50% in one event, its loss
-#: jumped from 0.07 to 3.7, and it ended at 3.5x plain's.
+def maintain_starts(
+    clock: PhaseClock, until: int, total_steps: float, steps_per_epoch: float | None
+) -> list[int] | None:
+    """The optimizer steps at which maintain phases start in the run when a copy of ``clock`` (a
+    PulseCycle's) is played forward from now: each one before step ``until``, and the first at or after it.
+    ``None`` when the plan cannot tell: wall-clock phases end with the seconds the steps take, and warm-up or
+    anneal need a run length (PulseCycle refuses that itself).
+
+    The copy advances a step at a time (about a microsecond each, once at fit start), as the run's clock does,
+    so phases counted in epochs change at their own steps too."""
+    if clock.uses_wall_clock:
+        return None
+    sim, starts = clock.copy(), []
+    try:
+        changes = [sim.start(total_steps)] if sim.stage == "pending" else []
+        while True:
+            starts += [c.step for c in changes if c is not None and c.current is Phase.MAINTAIN]
+            if sim.step >= min(until, total_steps) or sim.stage == "anneal":  # anneal is burst to the end
+                break
+            changes = sim.advance(1, 0.0, steps_per_epoch, total_steps)
+        if (not starts or starts[-1] < until) and sim.stage != "anneal":
+            later = sim.first_entry(Phase.MAINTAIN, until, steps_per_epoch, total_steps)
+            starts += [] if later is None else [later]
+    except ValueError:
+        return None
+    return starts
+
+
+#: A schedule whose largest single cut takes more than this share of ``final_sparsity`` is said at fit start
+#: (the cubic schedule's first cut is 0.875 of it with 2 events, 0.70 with 3, 0.33 with 8): a held-out ResNet
+#: on a 180-step run at the defaults (``every=100``) was cut from 0 to 50% in one event, its loss jumped from
+#: 0.07 to 3.7, and it ended at 3.5x plain's; on the maintain cadence, PulseCycle's defaults on a 220-step run
+#: had one maintain start in the span, and a BatchNorm CNN's probe accuracy fell from 0.975 to 0.284 there.
 ABRUPT_CUT_SHARE = 0.75
 
 
-def abrupt_schedule_warning(schedule: PruneSchedule) -> str | None:
-    """A warning when the resolved step cadence cuts most of the way in one event, else ``None``."""
-    cuts = schedule.planned_cuts()
+def abrupt_schedule_warning(schedule: PruneSchedule, maintain_at: Sequence[int] | None = None) -> str | None:
+    """A warning when the schedule cuts most of the way in one event, else ``None``: on the step cadence, or
+    at ``maintain_at`` (the steps maintain phases start at, on the maintain cadence)."""
+    cuts = schedule.planned_cuts(maintain_at)
     if not cuts or schedule.final_sparsity <= 0:
         return None
     step, before, after = max(cuts, key=lambda cut: cut[2] - cut[1])
@@ -216,11 +253,23 @@ def abrupt_schedule_warning(schedule: PruneSchedule) -> str | None:
         return None
     span = schedule.end_step - schedule.start_step
     suggested = max(1, span // 8)
+    span_text = f"the pruning span (steps {schedule.start_step} to {schedule.end_step})"
+    cut_text = f"the one at step {step} takes sparsity from {before:.2f} to {after:.2f} at once"
+    gradual = "gradual pruning needs several smaller cuts with training in between."
+    if maintain_at is None:
+        return (
+            f"ScheduledPrune: with `every`={schedule.every} over {span_text}, the schedule makes {len(cuts)} "
+            f"cut(s), and {cut_text}; {gradual} Set `every` to about {suggested} (8 events over the span), "
+            "or widen `start`/`end`."
+        )
+    end, reached = schedule.end_step, cuts[-1][2]
+    short = f" (no maintain phase starts at or after step {end}: sparsity stops at {reached:.2f})"
+    short = short if reached < schedule.final_sparsity else ""
     return (
-        f"ScheduledPrune: with `every`={schedule.every} over the pruning span (steps {schedule.start_step} to "
-        f"{schedule.end_step}), the schedule makes {len(cuts)} cut(s), and the one at step {step} takes sparsity "
-        f"from {before:.2f} to {after:.2f} at once; gradual pruning needs several smaller cuts with training in "
-        f"between. Set `every` to about {suggested} (8 events over the span), or widen `start`/`end`."
+        f"ScheduledPrune: pruning at maintain-phase starts, the PulseCycle's plan makes {len(cuts)} cut(s) "
+        f"over {span_text}, and {cut_text}{short}; {gradual} Give the span more maintain phases (a cycle of "
+        f"about {suggested} steps has 8 in it: shorter `burst`/`replay`), widen `start`/`end`, or prune on "
+        f"steps: options=PruneOptions(cadence='steps') with `every`={suggested}."
     )
 
 

@@ -31,6 +31,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import prune
@@ -403,13 +404,40 @@ def as_example_inputs(example: Any) -> tuple[Any, ...] | dict[str, Any]:
     return tuple(example) if isinstance(example, (tuple, list)) else (example,)
 
 
-def _to_device(example: tuple[Any, ...] | dict[str, Any], device: torch.device) -> Any:
-    def move(x: Any) -> Any:
-        return x.to(device) if isinstance(x, torch.Tensor) else x
+def inputs_for(model: nn.Module, example: Any) -> tuple[Any, ...] | dict[str, Any]:
+    """The arguments (:func:`as_example_inputs`) to call ``model`` with on ``example``: on the model's device,
+    with floating tensors converted as Lightning's precision plugins convert a batch. The run's dtype is the
+    one holding most of the model's floating parameter elements: a true-precision plugin converts the whole
+    module, and a model that kept a few parameters apart (a float32 scale or norm in a bfloat16 model) still
+    takes its inputs in the converted dtype.
 
-    if isinstance(example, dict):
-        return {key: move(value) for key, value in example.items()}
-    return tuple(move(x) for x in example)
+    A model in bfloat16, float16 or float64 (``bf16-true``, ``16-true``, ``64-true``) gets every floating
+    tensor in its dtype, as those plugins' ``convert_input`` does: a float32 ``example_input_array``, which
+    Lightning never converts, is traced on the converted model. A float32 model (``32-true`` and the mixed
+    precisions, which leave batches alone) gets them as they are (a float64 input stays float64), except that
+    bfloat16 and float16 ones go up to float32: the trace runs outside a mixed run's autocast, where a float32
+    layer takes no half tensor, and a recorded ``bf16-true`` example may meet a freshly built float32 module.
+    The trace reads the structure only, which the dtype does not change."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    elements: dict[torch.dtype, int] = {}
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            size = 0 if nn.parameter.is_lazy(parameter) else parameter.numel()
+            elements[parameter.dtype] = elements.get(parameter.dtype, 0) + size
+    dtype = max(elements, key=elements.__getitem__) if elements else None
+
+    def move(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        converts = dtype != torch.float32 or x.dtype in (torch.bfloat16, torch.float16)
+        if dtype is not None and x.is_floating_point() and converts:
+            return x.to(device=device, dtype=dtype)
+        return x.to(device)
+
+    arguments = as_example_inputs(example)
+    if isinstance(arguments, dict):
+        return {key: move(value) for key, value in arguments.items()}
+    return tuple(move(x) for x in arguments)
 
 
 def build_dependency_graph(model: nn.Module, example_inputs: Any) -> Any:
@@ -421,8 +449,7 @@ def build_dependency_graph(model: nn.Module, example_inputs: Any) -> Any:
     """
     tp = import_torch_pruning()
     modes = {module: module.training for module in model.modules()}
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    inputs = _to_device(as_example_inputs(example_inputs), device)
+    inputs = inputs_for(model, example_inputs)
     calls: dict[nn.Module, int] = {}
 
     def count(module: nn.Module, args: Any) -> None:
@@ -612,36 +639,85 @@ def remap_optimizer_state(optimizer: torch.optim.Optimizer, remap: ParameterRema
 
     The optimizer stays the same object, so LR schedulers and Lightning's wrappers that hold it stay valid.
     State tensors shaped like the parameter are cut with the kept indices; scalars (Adam's ``step``) are
-    kept. A state of any other shape cannot be cut and is dropped (the optimizer re-creates it lazily); the
-    returned messages say which.
+    kept. A state of any other shape, or a list or mapping of tensors, cannot be cut and is dropped (the
+    optimizer re-creates it lazily). A parameter that was not replaced keeps its state, unless that holds a
+    tensor with as many elements as all the optimizer's parameters had (a flat vector over them, which no
+    longer fits): then it is dropped too. ``torch.optim.LBFGS`` keeps its whole history so (under its first
+    parameter); once any parameter is replaced, all of it is dropped (:data:`LBFGS_RESET`). The returned
+    messages say what was dropped.
     """
-    problems = []
+    problems: list[str] = []
+    total_before = sum(parameter.numel() for group in optimizer.param_groups for parameter in group["params"])
+    replaced: set[int] = set()  # ids: a set of tensors would compare their values
     for old, new, kept in remap:
-        found = False
         for group in optimizer.param_groups:
             for index, parameter in enumerate(group["params"]):
                 if parameter is old:
                     group["params"][index] = new
-                    found = True
-        if not found or old not in optimizer.state:
+                    replaced.add(id(new))
+        if id(new) not in replaced or old not in optimizer.state:
             continue
         state = optimizer.state.pop(old)
-        moved = {}
+        moved: dict[str, Any] | None = {}
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.shape == old.shape and value.dim() > 0:
                 moved[key] = ParameterRemap.apply(value, old.shape, new.shape, kept)
-            elif isinstance(value, torch.Tensor) and value.numel() > 1:
+            elif any(tensor.numel() > 1 for tensor in _tensors_in(value)):
                 moved = None
+                what = (
+                    f"of shape {tuple(value.shape)}"
+                    if isinstance(value, torch.Tensor)
+                    else f"(a {type(value).__name__} of tensors)"
+                )
                 problems.append(
-                    f"optimizer state {key!r} of shape {tuple(value.shape)} for a parameter of shape "
-                    f"{tuple(old.shape)} cannot be cut to the pruned shape; that parameter's state was reset."
+                    f"optimizer state {key!r} {what} for a parameter of shape {tuple(old.shape)} cannot be cut "
+                    "to the pruned shape; that parameter's state was reset."
                 )
                 break
             else:
                 moved[key] = value
         if moved is not None:
             optimizer.state[new] = moved
+    if not replaced:
+        return problems
+    if isinstance(optimizer, torch.optim.LBFGS):
+        optimizer.state.clear()
+        optimizer._numel_cache = None  # LBFGS caches its parameters' total size; the cut changed it
+        return [LBFGS_RESET]
+    for parameter in [p for p in optimizer.state if id(p) not in replaced]:
+        flat = [
+            key
+            for key, value in optimizer.state[parameter].items()
+            if any(t.numel() == total_before != parameter.numel() for t in _tensors_in(value))
+        ]
+        if flat:
+            del optimizer.state[parameter]
+            problems.append(
+                f"optimizer state {flat[0]!r} of a parameter of shape {tuple(parameter.shape)} holds a tensor of "
+                f"{total_before} elements, as many as all the optimizer's parameters had before the cut (a flat "
+                "vector over them), which no longer fits; that parameter's state was reset."
+            )
     return problems
+
+
+#: what a structured cut does to a ``torch.optim.LBFGS`` (:func:`remap_optimizer_state`)
+LBFGS_RESET = (
+    "torch.optim.LBFGS's history (its search direction, last gradient and curvature pairs: flat vectors over "
+    "all its parameters) does not fit the cut parameters and was reset; its next step starts a fresh history, "
+    "as its first step did."
+)
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors ``value`` is or holds, in lists, tuples and mappings at any depth."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
 
 
 def _index_shadow(module: nn.Module) -> nn.Module:
@@ -860,7 +936,7 @@ def _trial_cut(
     trial.user_frozen = pruner.user_frozen if frozen is None else frozen
     duplicate = copy_without_hooks(model).eval()  # eval: no dropout draws, no batch-norm statistics
     device = next((p.device for p in duplicate.parameters()), torch.device("cpu"))
-    inputs = _to_device(as_example_inputs(small_example(example)), device)
+    inputs = inputs_for(duplicate, small_example(example))
     # the check must not change the run it checks: random draws happen on forked generators
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         _for_the_value_check(duplicate)
@@ -1032,14 +1108,17 @@ def _for_the_value_check(duplicate: nn.Module) -> None:
     for parameter in duplicate.parameters():
         if parameter.is_floating_point() and not parameter.any():
             parameter.normal_(0.0, 0.1)
+    # the affine takes the model's dtype and device: a float32 one in a bf16-true/64-true model broke the trace
+    like = next((p for p in duplicate.parameters() if p.is_floating_point()), None)
+    place = {} if like is None else {"dtype": like.dtype, "device": like.device}
     for module in duplicate.modules():
         if isinstance(module, nn.LayerNorm) and module.weight is None and len(module.normalized_shape) == 1:
-            module.weight = nn.Parameter(torch.ones(module.normalized_shape))
-            module.bias = nn.Parameter(torch.zeros(module.normalized_shape))
+            module.weight = nn.Parameter(torch.ones(module.normalized_shape, **place))
+            module.bias = nn.Parameter(torch.zeros(module.normalized_shape, **place))
             module.elementwise_affine = True
         elif isinstance(module, nn.GroupNorm) and module.weight is None and module.num_groups == 1:
-            module.weight = nn.Parameter(torch.ones(module.num_channels))
-            module.bias = nn.Parameter(torch.zeros(module.num_channels))
+            module.weight = nn.Parameter(torch.ones(module.num_channels, **place))
+            module.bias = nn.Parameter(torch.zeros(module.num_channels, **place))
             module.affine = True
 
 
@@ -1582,7 +1661,23 @@ def fit_to_state_dict(
             "them (the checkpoint lacks ScheduledPrune's state, e.g. it was saved with weights_only=True). Load "
             "it with ScheduledPrune.load_pruned(module, checkpoint)."
         )
-    replay_structure(module, recorded["example_inputs"], recorded["history"])
+    example = recorded["example_inputs"]
+    floating = (
+        (state_dict[prefix + key].dtype, own[key].dtype)
+        for key in keys
+        if isinstance(state_dict[prefix + key], torch.Tensor)
+        and isinstance(own.get(key), torch.Tensor)
+        and own[key].is_floating_point()
+    )
+    saved_dtype, module_dtype = next(floating, (None, None))
+    if saved_dtype != module_dtype:
+        # Lightning restores the module before a true-precision plugin converts it: the example's tensors
+        # that plugin converted to the checkpoint's dtype go back to the fresh module's (64-true: float64 to
+        # float32, which inputs_for does not do: a float32 model may take a float64 tensor on purpose)
+        example = apply_to_collection(
+            example, torch.Tensor, lambda x: x.to(module_dtype) if x.dtype == saved_dtype else x
+        )
+    replay_structure(module, example, recorded["history"])
 
 
 def load_pruned(

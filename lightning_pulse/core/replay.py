@@ -193,6 +193,16 @@ STEPS_MODE_SCHEDULE_LENGTH_REFUSAL = (
     "its course. Build its length from `self.trainer.estimated_stepping_batches` in configure_optimizers (it "
     "holds the {planned} planned steps), or use mode='batch'."
 )
+# a length that is both the planned steps left undivided and the unplanned ones over the frequency: either way
+# the run steps it planned // frequency times
+STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL = (
+    "HardSampleReplay: the per-step {scheduler}, stepped every `frequency`={frequency} optimizer steps, was "
+    "built for {length} steps: the run's {planned} planned steps (`estimated_stepping_batches`) read "
+    "without dividing by its frequency, or the run's length without step-saving replay over the frequency "
+    "({source}). Either way the run steps it {stepped} times: the schedule would stop at {share:.0%} of its "
+    "course. Build its length as `self.trainer.estimated_stepping_batches // {frequency}` in "
+    "configure_optimizers, or use mode='batch'."
+)
 STEPS_MODE_LIMIT_REFUSAL = (
     "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which {setting} cuts short; drop it "
     "or use mode='batch'."
@@ -649,10 +659,12 @@ class HardSampleSelector:
         ):  # the short last batch of an epoch, cut to one sample
             selection = Selection(torch.arange(offered), None, selection.threshold)
         roles = np.where(np.isnan(scores[selection.positions.numpy()]), UNSEEN, SELECTED)
-        weights = selection.weights
-        if weights is not None and bool((weights == 1).all()):
-            weights = None  # nothing pruned: leave the module's loss exactly as it is
-        positions = None if selection.count == offered else selection.positions
+        weights, kept_all = selection.weights, selection.count == offered
+        # nothing pruned: leave the module's loss exactly as it is. Weights of 1 on a pruned step are still
+        # needed: (1/q)(k/n) is 1 when k/n == q, and a "sum" loss gets 1/q only through them
+        if weights is not None and kept_all and bool((weights == 1).all()):
+            weights = None
+        positions = None if kept_all else selection.positions
         return Composition(positions, indices[selection.positions], roles, weights)
 
     def plan_batch(

@@ -162,9 +162,12 @@ class ReplayBatchLifecycle:
         if plan.positions is not None:
             assign_in_place(batch, take_samples(batch, plan.positions, batch_size))
         self.current = StepInFlight(selector, plan, step, batch_size, window)
-        # InfoBatch's weights reach the module's loss through the capture, also next to a scorer
+        # InfoBatch's weights reach the module's loss through the capture, also next to a scorer; they stand
+        # for the batch as loaded (a "sum" loss estimates its sum, a "mean" its mean)
         if self.scorer is None or plan.weights is not None:
-            self.captures.open(int(plan.roles.size), plan.weights)
+            self.captures.open(
+                int(plan.roles.size), plan.weights, batch_size if plan.weights is not None else None
+            )
         return self.current
 
     def close_capture(self) -> str | None:

@@ -12,10 +12,11 @@ it has been seen once, nothing says it is easy (so the first epoch of a run trai
 
 The batch helpers (:func:`take_samples`, :func:`assign_in_place`) work on any
 nesting of lists, tuples, named tuples, dicts and dataclasses. A *per-sample leaf* is a tensor whose first
-dimension is the batch size ``B`` (or a list of ``B`` strings, or below the top level of ``B`` items); every
-other leaf is shared by the whole batch and kept. :func:`cut_refusal` says when a cut would go wrong: a batch
-that cannot change in place, one with no per-sample leaf, or one holding a tensor with ``B`` second and
-another length first (time-major).
+dimension is the batch size ``B`` (or a list of ``B`` strings, or below the top level a list of ``B`` items or
+a tuple of ``B`` items none of which is per-sample itself, as ``zip(*items)`` makes); every other leaf is
+shared by the whole batch and kept. :func:`cut_refusal` says when a cut would go wrong: a batch that cannot
+change in place (a per-sample tuple held by a tuple included), one with no per-sample leaf, or one holding a
+tensor with ``B`` second and another length first (time-major).
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ def infobatch_prune(
     ``1 - prune_ratio``), so weighting its loss by ``1 / q_i`` makes the sum over the kept samples an
     unbiased estimate of the sum over the whole batch. The weights returned also carry the factor ``k / n``
     (kept over offered), so the module's ordinary *mean* over the ``k`` kept samples estimates the mean over
-    all ``n`` without bias, step by step; the number of steps per epoch does not change.
+    all ``n`` without bias, step by step; the number of steps per epoch does not change. A *sum* over the kept
+    samples needs that factor taken out again (``weights * n / k``, as
+    :class:`~lightning_pulse.core.per_sample_loss.LossCapture` does for a ``reduction="sum"`` loss).
 
     Args:
         scores: ``(n,)`` scores, ``NaN`` for never scored.
@@ -157,13 +160,28 @@ def _is_string_list(value: Any, batch_size: int) -> bool:
 
 def _is_per_sample(value: Any, batch_size: int, nested: bool = True) -> bool:
     """A tensor whose first dimension is the batch's, or a list of one item per sample: strings, or, below the
-    top level, anything (a detection collate's per-image target dicts). The top-level list is the batch's own
+    top level, anything (a detection collate's per-image target dicts); or, below the top level, a tuple of
+    one item per sample (:func:`_is_per_sample_tuple`). The top-level list or tuple is the batch's own
     container (``[x, y]``), whatever its length."""
     if isinstance(value, torch.Tensor):
         return value.dim() >= 1 and value.shape[0] == batch_size
     if _is_string_list(value, batch_size):
         return True
-    return nested and isinstance(value, list) and len(value) == batch_size
+    if not nested:
+        return False
+    return (isinstance(value, list) and len(value) == batch_size) or _is_per_sample_tuple(value, batch_size)
+
+
+def _is_per_sample_tuple(value: Any, batch_size: int) -> bool:
+    """A plain tuple of ``B`` items not all of which are per-sample themselves: what ``zip(*items)`` in a
+    collate_fn makes of the samples' names, ids, target dicts or variable-length sequences (one of which may
+    be ``B`` long by chance). A named tuple, or a tuple whose every part holds ``B`` rows (``(y1, y2)`` of a
+    multi-task target), is a structure whose parts are cut one by one."""
+    return (
+        type(value) is tuple
+        and len(value) == batch_size
+        and not all(_is_per_sample(item, batch_size) for item in value)
+    )
 
 
 def _rebuild(container: Any, items: list[Any]) -> Any:
@@ -181,7 +199,8 @@ def take_samples(batch: Any, positions: Tensor, batch_size: int, nested: bool = 
     if _is_per_sample(batch, batch_size, nested):
         if isinstance(batch, torch.Tensor):
             return batch[positions.to(batch.device)]
-        return [batch[int(i)] for i in positions]
+        kept = [batch[int(i)] for i in positions]
+        return tuple(kept) if isinstance(batch, tuple) else kept
     if isinstance(batch, Mapping):
         return type(batch)(
             {key: take_samples(value, positions, batch_size, True) for key, value in batch.items()}
@@ -270,18 +289,49 @@ def cut_refusal(batch: Any, batch_size: int, nested: bool = False) -> str | None
     return None
 
 
-def _immutable_refusal(batch: Any, batch_size: int, nested: bool = False) -> str | None:
+def _parts(batch: Any) -> list[tuple[str, Any]]:
+    """``(how to reach it, part)`` for each part of a container batch, e.g. ``("[3]", names)``."""
+    if isinstance(batch, Mapping):
+        return [(f"[{key!r}]", value) for key, value in batch.items()]
+    if isinstance(batch, (list, tuple)):
+        return [(f"[{i}]", value) for i, value in enumerate(batch)]
+    return [(f".{field.name}", getattr(batch, field.name)) for field in dataclasses.fields(batch)]
+
+
+def _immutable_refusal(
+    batch: Any, batch_size: int, nested: bool = False, where: str = "batch", replaced: bool = False
+) -> str | None:
+    """:func:`cut_refusal`'s reason for a part that cannot change in place. ``replaced``: ``batch`` is (in) a
+    tuple that a dict, list or mutable dataclass holds, which assign_in_place replaces whole, rebuilt."""
     if isinstance(batch, torch.Tensor) or _is_per_sample(batch, batch_size, nested):
         return None
     if isinstance(batch, (dict, MutableMapping, list)) or (
         _is_dataclass_batch(batch) and not type(batch).__dataclass_params__.frozen  # type: ignore[attr-defined]
     ):
-        values = _contents(batch)
-        return next((r for v in values if (r := _immutable_refusal(v, batch_size, True)) is not None), None)
+        # a part here, a per-sample tuple or a tuple holding one included, is replaced by assignment
+        return next(
+            (
+                reason
+                for key, value in _parts(batch)
+                if (reason := _immutable_refusal(value, batch_size, True, where + key, True)) is not None
+            ),
+            None,
+        )
     if isinstance(batch, tuple):
-        for value in batch:
+        for key, value in _parts(batch):
+            if not replaced and _is_per_sample_tuple(value, batch_size):
+                # only a tensor can change in place (Tensor.set_): the tuple would keep all B items
+                return (
+                    f"cannot cut a batch of {batch_size} samples in mode='batch': its part {where + key} "
+                    f"is a tuple of {batch_size} per-sample items (as zip(*items) in a collate_fn makes) "
+                    "held by a tuple, which cannot change in place (Lightning ignores what "
+                    "on_train_batch_start returns), so it would keep every sample's item next to the kept "
+                    "samples. Make it a list (e.g. list(names) in the collate_fn) or the batch a list or "
+                    "dict, or use mode='steps', which chooses the samples at the sampler, before they are "
+                    "loaded."
+                )
             if isinstance(value, (torch.Tensor, list, tuple, Mapping)) or _is_dataclass_batch(value):
-                if (reason := _immutable_refusal(value, batch_size, True)) is not None:
+                if (reason := _immutable_refusal(value, batch_size, True, where + key, replaced)) is not None:
                     return reason
         return None
     # a read-only mapping, a frozen dataclass, or an object of its own (a graph batch) at the top
@@ -321,6 +371,11 @@ def assign_in_place(batch: Any, new: Any) -> None:
         batch[:] = list(new)
         return
     if isinstance(batch, tuple):
+        if len(batch) != len(new):  # a per-sample tuple: zip would re-point its first items at others' data
+            raise TypeError(
+                f"Cannot cut a tuple of {len(batch)} per-sample items held by a tuple batch in place; use a "
+                "list."
+            )
         for old, value in zip(batch, new):
             if old is value:
                 continue

@@ -209,6 +209,41 @@ def fitted_state(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Mappin
     return saved if fitted.keys() == saved.keys() else fitted
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, with every state tensor back in the dtype it was saved in.
+
+    ``Optimizer.load_state_dict`` casts each floating state tensor but ``step`` to its parameter's dtype:
+    under ``bf16-true`` or ``64-true``, NAdam's ``mu_product`` and ASGD's ``eta`` and ``mu`` (float32 whatever
+    the parameters) would come back rounded to bfloat16, or as float64. Those go back as saved instead, on the
+    device ``load_state_dict`` put them on. Like ``load_state_dict``, the optimizer may keep references into
+    ``state``: hand it a copy to keep ``state`` unchanged.
+    """
+    optimizer.load_state_dict(state)
+    saved_state, live_state = state.get("state"), getattr(optimizer, "state", None)
+    if not isinstance(saved_state, Mapping) or not isinstance(live_state, Mapping):
+        return  # a ``state_dict`` of another layout than torch's: its own ``load_state_dict`` decides
+    saved_ids = (index for group in state.get("param_groups", ()) for index in group.get("params", ()))
+    params = (param for group in optimizer.param_groups for param in group["params"])
+    for index, param in zip(saved_ids, params):
+        if index in saved_state and param in live_state:
+            _in_saved_dtypes(saved_state[index], live_state[param])
+
+
+def _in_saved_dtypes(saved: Any, loaded: Any) -> Any:
+    """``loaded`` (what ``load_state_dict`` made of ``saved``) with each tensor whose dtype it changed taken
+    from ``saved`` again, moved to the loaded tensor's device (dicts are updated in place)."""
+    if isinstance(saved, torch.Tensor) and isinstance(loaded, torch.Tensor):
+        return saved.to(loaded.device) if saved.dtype != loaded.dtype else loaded
+    if isinstance(saved, Mapping) and isinstance(loaded, dict):
+        for key, value in saved.items():
+            if key in loaded:
+                loaded[key] = _in_saved_dtypes(value, loaded[key])
+        return loaded
+    if type(saved) in (list, tuple) and type(loaded) in (list, tuple) and len(saved) == len(loaded):
+        return type(loaded)(_in_saved_dtypes(value, now) for value, now in zip(saved, loaded))
+    return loaded
+
+
 def non_persistent_buffers(
     model: nn.Module, state: Mapping[str, Any] | None = None
 ) -> dict[str, torch.Tensor]:
@@ -262,8 +297,8 @@ def restore_snapshot(
 
     Parameters are overwritten in place (``load_state_dict`` copies into the existing tensors), so
     optimizers and DDP keep pointing at the same parameter objects. Optimizer state goes back to the
-    parameters' devices (``Optimizer.load_state_dict`` moves it). The snapshot itself is left untouched,
-    so it can be restored again.
+    parameters' devices (``Optimizer.load_state_dict`` moves it), in the dtypes it was saved in
+    (:func:`load_optimizer_state`). The snapshot itself is left untouched, so it can be restored again.
 
     Args:
         rewind_schedule: ``True`` also returns the LR schedulers and the optimizers' hyperparameters
@@ -305,7 +340,7 @@ def restore_snapshot(
             for group in optimizer.param_groups
         ]
         # load_state_dict keeps references into the dict it is given: hand it a copy
-        optimizer.load_state_dict(copy.deepcopy(state))
+        load_optimizer_state(optimizer, copy.deepcopy(state))
         if not rewind_schedule:
             for group, hyperparameters in zip(optimizer.param_groups, current_hyperparameters):
                 group.update(hyperparameters)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lightning_pulse.core.snapshots import load_optimizer_state
 from lightning_pulse.core.spike_detection import COLD_RATIO, SCALES, Verdict
 from lightning_pulse.errors import names_itself
 from lightning_pulse.records import append_recent
@@ -458,7 +459,8 @@ class StepChanges:
         """Put back a backed-up state and scaled learning rates (nothing if none is pending)."""
         if self._backup is not None:
             optimizer, state, params = self._backup
-            optimizer.load_state_dict(state)
+            # the backup is dropped after this: the optimizer may keep its tensors
+            load_optimizer_state(optimizer, state)
             with torch.no_grad():
                 live = [p for group in optimizer.param_groups for p in group["params"]]
                 for param, saved in zip(live, params):

@@ -20,10 +20,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pulse.core.carried_state import carried_tensors, restore_carried_tensors, tensors_in
-from lightning_pulse.core.fault_origin import describe_bad_samples, nonfinite_forward_state
+from lightning_pulse.core.carried_state import carried_tensors, restore_carried_tensors
+from lightning_pulse.core.fault_origin import (
+    describe_bad_samples,
+    forward_state_tensors,
+    newly_nonfinite,
+    nonfinite_forward_state,
+)
 from lightning_pulse.core.snapshots import SnapshotSchedule, TrainingSnapshot, nonfinite_tensors
-from lightning_pulse.core.spike_detection import SpikeDetector, Verdict
+from lightning_pulse.core.spike_detection import POOLED, SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import Action, EscalationPolicy, StabilityGuardConfig
 from lightning_pulse.errors import PulseRefusal, as_config, first_names
 from lightning_pulse.phase import Phase, PhaseChange
@@ -129,13 +134,20 @@ def state_tensors(
             for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, Tensor):
                     trained[f"{key} of {owner}"] = value
-    forward: dict[str, Tensor] = dict(model.named_buffers())
-    for name, value in carried.items():
-        tensors = tensors_in(value)
-        forward.update(
-            {name: tensors[0]} if len(tensors) == 1 else {f"{name}[{i}]": t for i, t in enumerate(tensors)}
-        )
-    return trained, forward
+    return trained, forward_state_tensors(dict(model.named_buffers()), carried)
+
+
+def _saved_forward_state(snapshot: TrainingSnapshot, model: nn.Module) -> dict[str, Tensor]:
+    """``snapshot``'s copies of ``model``'s buffers and carried tensors, named by
+    :func:`~lightning_pulse.core.fault_origin.forward_state_tensors`."""
+    saved = {**snapshot.model, **snapshot.buffers}
+    buffers = {name: saved[name] for name, _ in model.named_buffers() if name in saved}
+    return forward_state_tensors(buffers, snapshot.extra.get("carried", {}))
+
+
+#: the newest snapshot that fits the model (or ``None``) and its forward state as evidence about infinities
+#: (:meth:`StabilityCore.saved_forward_state`)
+SavedForwardState = tuple[TrainingSnapshot | None, dict[str, Tensor]]
 
 
 class StepRecord:
@@ -206,6 +218,9 @@ class StabilityCore:
         self.rollback_to: int | None = None  # the snapshot step the last rollback test chose
         # since the newest snapshot: the first step whose snapshot was left out, and what was non-finite then
         self.left_out: tuple[int, list[str]] | None = None
+        # the step this fit started at: its snapshot predates the fit's first forward
+        self.fit_start: int | None = None
+        self.overflow_warned = False  # a forward state that turned infinite between snapshots was said (once)
 
     def judge(
         self,
@@ -231,10 +246,12 @@ class StabilityCore:
         helps = None if rollback_helps is None else lambda: rollback_helps(verdict)
         return verdict, self.policy.decide(step, verdict, cause, helps), cause, newly_unjudged
 
-    def start(self) -> None:
+    def start(self, step: int | None = None) -> None:
         """At fit start, forget what an earlier fit left: a requested snapshot, the rollback test's choice and the
-        snapshots (the caller then snapshots the state training starts from, or resumes at)."""
+        snapshots (the caller then snapshots the state training starts from, or resumes at: ``step``, whose
+        snapshot :meth:`saved_forward_state` does not take as evidence about infinities)."""
         self.schedule.pending, self.rollback_to, self.left_out = False, None, None
+        self.fit_start, self.overflow_warned = step, False
         self.schedule.ring.clear()
 
     def finish_step(
@@ -250,12 +267,19 @@ class StabilityCore:
         self.schedule.pending = False  # the maintain entry (or new structure) came with a flagged step
         return False
 
-    def data_fault(self, model: nn.Module, step: int, samples: list[dict[str, Any]]) -> str | None:
+    def data_fault(
+        self,
+        model: nn.Module,
+        step: int,
+        samples: list[dict[str, Any]],
+        saved: SavedForwardState | None = None,
+    ) -> str | None:
         """After a non-finite step that was the data's fault (``samples``, see
         :func:`~lightning_pulse.core.fault_origin.trace_nonfinite`): mend the forward state
-        (:meth:`mend_forward_state`) and keep the samples. Returns the warning for the run's first bad batch
-        (:func:`data_fault_message`), else ``None`` (later ones are skipped silently)."""
-        mended = self.mend_forward_state(model)  # before the next forward reads it
+        (:meth:`mend_forward_state`, with ``saved``, the trace's :meth:`saved_forward_state`) and keep the
+        samples. Returns the warning for the run's first bad batch (:func:`data_fault_message`), else ``None``
+        (later ones are skipped silently)."""
+        mended = self.mend_forward_state(model, saved)  # before the next forward reads it
         if self.remember_bad_samples(samples):
             return data_fault_message(step, samples, mended)
         return None
@@ -265,18 +289,32 @@ class StabilityCore:
         self.bad_samples = [*self.bad_samples, *samples][-1000:]
         return self.policy.bad_batches == 0
 
-    def mend_forward_state(self, model: nn.Module) -> list[str]:
-        """After a data fault: put the buffers and carried tensors that the bad batch's forward made non-finite
-        (:func:`~lightning_pulse.core.fault_origin.nonfinite_forward_state`) back to the newest snapshot that fits
-        the model. The step is skipped, but its forward already wrote them (BatchNorm's running statistics), and
-        left so they would make every later step non-finite. Returns the names mended; ``[]`` when none was bad
-        or no snapshot fits (the next step then comes out non-finite from the state, and rolls back)."""
-        names = nonfinite_forward_state(model)
-        if not names:
-            return []
+    def saved_forward_state(self, model: nn.Module) -> SavedForwardState:
+        """The newest snapshot that fits ``model`` (``None``: none does), which a data fault's forward state
+        is mended from, and its buffers and carried tensors named as
+        :func:`~lightning_pulse.core.fault_origin.forward_state_tensors` names the model's: what tells an
+        infinity a forward wrote from one held by design
+        (:func:`~lightning_pulse.core.fault_origin.nonfinite_forward_state`). Those are ``{}`` (only a NaN
+        counts) for the snapshot of the fit's start, taken before its first forward: a mask buffer
+        registered as zeros and filled with ``-inf`` by that forward had counted as an infinity the failing
+        step wrote."""
         snapshot = next((s for s in reversed(list(self.schedule.ring)) if s.fits(model)), None)
+        if snapshot is None or (self.fit_start is not None and snapshot.step <= self.fit_start):
+            return snapshot, {}
+        return snapshot, _saved_forward_state(snapshot, model)
+
+    def mend_forward_state(self, model: nn.Module, saved: SavedForwardState | None = None) -> list[str]:
+        """After a data fault: put the buffers and carried tensors that the bad batch's forward made bad
+        (:func:`~lightning_pulse.core.fault_origin.nonfinite_forward_state`, against ``saved``, else
+        :meth:`saved_forward_state`) back to the newest snapshot that fits the model. The step is skipped,
+        but its forward already wrote them (BatchNorm's running statistics), and left so they would make
+        every later step non-finite. A ``-inf`` mask buffer the snapshot holds too is left alone (it used to
+        be named as written by the bad batch). Returns the names mended; ``[]`` when none was bad or no
+        snapshot fits (the next step then comes out non-finite from the state, and rolls back)."""
+        snapshot, evidence = self.saved_forward_state(model) if saved is None else saved
         if snapshot is None:
             return []
+        names = nonfinite_forward_state(model, evidence)
         saved_buffers = {**snapshot.model, **snapshot.buffers}
         carried = snapshot.extra.get("carried", {})
         for name in names:
@@ -328,7 +366,12 @@ class StabilityCore:
         finding). A branch the loss does not use (a task head, a rarely routed expert) can go NaN with the
         loss finite: a rollback must not return there, and such a snapshot would evict a finite one. It is
         left out (the first of a stretch said through ``warn``) and the next is due a period later. Whether
-        it was taken."""
+        it was taken.
+
+        A buffer or carried tensor infinite in an element the previous snapshot held finite (BatchNorm's
+        running variance overflowed on a finite step) is said through ``warn``, once a fit
+        (:func:`turned_infinite_message`): the snapshot keeps it, and from then on it counts as by design. A
+        screen of the forward state, and an element-wise comparison of what is infinite, per snapshot."""
         carried = carried_tensors(model)
         bad = self.nonfinite_state(model, optimizers, carried)
         nonfinite = bool(bad)
@@ -343,6 +386,16 @@ class StabilityCore:
             self.schedule.settle(step, optimizers)
             return False
         self.left_out = None
+        previous = self.schedule.ring.newest()  # compared before the new snapshot may refill its buffers
+        if previous is not None and warn is not None and not self.overflow_warned:
+            current = forward_state_tensors(dict(model.named_buffers()), carried)
+            # no NaN here (screened above): each non-finite one is infinite, compared with the previous copy
+            infinite = newly_nonfinite(
+                current, _saved_forward_state(previous, model), nonfinite_tensors(current)
+            )
+            if infinite:
+                self.overflow_warned = True
+                warn(turned_infinite_message(infinite, previous.step, step))
         extra = {"detector": self.detector.state_dict(), "carried": carried}
         self.schedule.take(
             step, model, optimizers, schedulers, states, extra={**extra, **self.policy.lineage()}
@@ -539,6 +592,18 @@ def named_list(names: Sequence[str], most: int = 4) -> str:
     return first_names(names, most) if names else "tensors (on another rank)"
 
 
+def turned_infinite_message(names: Sequence[str], since: int, step: int) -> str:
+    verb = "is" if len(names) == 1 else "are"
+    return (
+        f"StabilityGuard: {named_list(names)} {verb} infinite at step {step} where the snapshot of step "
+        f"{since} held finite values. Either a forward overflowed it (BatchNorm's running variance after "
+        "a batch of huge finite values; in eval mode the layer then divides by it), or it is infinite by "
+        "design (a mask filled at the first forward). Snapshots keep it, so a rollback no longer undoes it "
+        "and later infinities there count as by design. If it overflowed, find the batch between those "
+        f"steps that did it and resume from a checkpoint saved at step {since} or before. Said once per fit."
+    )
+
+
 def left_out_message(step: int, names: Sequence[str]) -> str:
     verb = "holds" if len(names) == 1 else "hold"
     return (
@@ -572,11 +637,21 @@ def no_snapshot_message(step: int, path: str, left_out: tuple[int, Sequence[str]
     )
 
 
-def summary_message(policy: EscalationPolicy) -> str | None:
-    """The end-of-training line, or ``None`` for a run without spikes or rollbacks."""
+def summary_message(policy: EscalationPolicy, detector: SpikeDetector | None = None) -> str | None:
+    """The end-of-training line. A run without spikes or rollbacks says what the guard watched (its steps and
+    the baselines it judged them against), when ``detector`` is given and judged a step; else ``None``."""
     spikes = policy.spikes_detected
     if not spikes and not policy.rollbacks:
-        return None
+        if detector is None or not detector.accepted_steps:
+            return None
+        baseline = detector.baseline(POOLED)
+        medians = ", ".join(
+            f"{name.replace('_', ' ')} {value:.4g}" for name, value in baseline.items() if value is not None
+        )
+        return (
+            f"StabilityGuard: no spike or non-finite value in {detector.accepted_steps} optimizer step(s)"
+            + (f" (medians of the last {detector.window} at most: {medians})." if medians else ".")
+        )
     recurring = (
         f" ({policy.recurring_spikes} recurring: their batches spiked on the rollback's snapshot too, so they "
         "were skipped, not rolled back)"

@@ -11,8 +11,11 @@ interval. Sources:
   generic ``timestamp,value``. Timestamps are ISO 8601 (naive ones are UTC) or Unix seconds; each value
   holds from its timestamp until the next one.
 
-A series whose dates do not cover the run (the bundled series are from 2020) is read at the same time of
-year, or from a configured ``series_start`` as if the run had started then.
+A run reads one continuous stretch of a series, fixed at its start: its own dates when the run starts inside
+the series or reaches it within a day; else the same time of year in a year where that lies inside the series
+(the bundled series are from 2020); or from a configured ``series_start`` (refused outside the series) as if
+the run had started then. A reading past either end holds the series' nearest value, with one warning, and
+the report records it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ import numpy as np
 
 _TIME_COLUMNS = ("time", "timestamp", "datetime", "date")
 _VALUE_COLUMNS = ("value", "carbon intensity", "carbon_intensity", "price")
+#: a run that starts at most this long before a series reads its own dates: the series' first value stands in
+#: for less than a day, where the same time of year could be the series' last hours (a run from 31 December
+#: 23:00 on a series of the next calendar year) and hold its last value for the rest of the run
+OWN_DATES_WITHIN_S = 24 * 3600.0
 
 
 def parse_timestamp(text: str) -> float:
@@ -153,13 +160,28 @@ def _looks_numeric(text: str) -> bool:
 class Rate:
     """A per-kWh rate that is constant or follows a :class:`TimeSeries`.
 
+    A run reads a series on one continuous stretch of it, fixed at the run's start (:meth:`anchor`): from
+    ``series_start`` when set; else at the run's own dates when the start is inside the series or at most
+    :data:`OWN_DATES_WITHIN_S` before it; else at the same time of year in a year where that lies inside the
+    series (a whole-year shift: the series' middle year first); else, when no year does (a partial-year
+    excerpt read at another season), at its own dates if the run starts before the series. A reading outside
+    the series holds its nearest value (the last one after the end): no other year is stitched in, and it is
+    warned once and recorded in :meth:`describe`.
+
     Args:
         source: a label for reports, e.g. ``"constant"``, ``"country:DEU"``, ``"series:de_2020.csv"``.
         unit: ``"gCO2eq/kWh"`` or e.g. ``"EUR/kWh"``.
         constant: the value, for a constant rate.
         series: the series, for a varying rate.
         series_start: Unix seconds; when set, the run's first second is read at this point of the series.
-        notice: called once with a one-line message when the series is read at the same time of year.
+        notice: called once with a one-line message when the series is read at the same time of year
+            (default: Lightning's ``rank_zero_info``).
+        warn: called once with a one-line message when a reading holds a value outside the series
+            (default: Lightning's ``rank_zero_warn``).
+        reader: the callback whose messages these are.
+        start_field: the setting that moves the series' start, named in the warnings.
+        field: the setting this rate comes from (``carbon_intensity``, ``price_per_kwh``, ``signal``),
+            named in the notice.
     """
 
     def __init__(
@@ -170,6 +192,10 @@ class Rate:
         series: TimeSeries | None = None,
         series_start: float | None = None,
         notice: Callable[[str], None] | None = None,
+        warn: Callable[[str], None] | None = None,
+        reader: str = "EnergyLogger",
+        start_field: str = "accounting.carbon_intensity_start",
+        field: str = "carbon_intensity",
     ) -> None:
         if (constant is None) == (series is None):
             raise ValueError("A Rate needs exactly one of `constant` and `series`.")
@@ -180,19 +206,37 @@ class Rate:
         self.series_start = series_start
         self.run_start: float | None = None
         self.notice = notice
-        self._noticed = False
+        self.warn = warn
+        self.reader = reader
+        self.start_field = start_field
+        self.field = field
+        self._shift: tuple[float, float] | None = None  # (run_start, series time - wall time) for that start
+        self.held: dict[str, dict[str, Any]] = {}  # "after" / "before" the series: the first reading held
 
     def anchor(self, run_start: float) -> None:
-        """Fix the run's start (wall-clock Unix seconds) for ``series_start`` mapping; kept across resumes."""
+        """Fix the run's start (wall-clock Unix seconds), and with it where the run reads the series; kept
+        across resumes."""
         if self.run_start is None:
             self.run_start = float(run_start)
+            self.held = {}
 
-    def fork(self) -> Rate:
+    def fork(self, reader: str = "GreenWindow") -> Rate:
         """This rate for a reader on a clock of its own (a GreenWindow on a SimulatedClock next to an
         EnergyLogger on the system clock): the same series, unit and ``series_start``, but its own run start
         (:meth:`anchor_as`), so each reads the series at its own clock's time. A shared anchor would map one
         clock's times through the other's start: years off when one of them is simulated."""
-        return Rate(self.source, self.unit, self.constant, self.series, self.series_start)
+        return Rate(
+            self.source,
+            self.unit,
+            self.constant,
+            self.series,
+            self.series_start,
+            self.notice,
+            self.warn,
+            reader,
+            self.start_field,
+            self.field,
+        )
 
     def anchor_as(self, other: Rate, now: float, other_now: float) -> None:
         """Anchor at ``other``'s run start moved onto this reader's clock (``now`` on it is ``other_now`` on
@@ -202,39 +246,99 @@ class Rate:
             self.anchor(now if other.run_start is None else other.run_start + (now - other_now))
 
     def series_time(self, wall: float) -> float:
-        """Where in the series the wall-clock time ``wall`` is read."""
-        assert self.series is not None
-        if self.series_start is not None:
-            if self.run_start is None:
-                self.anchor(wall)
-            return self.series_start + (wall - float(self.run_start))
-        if self.series.start <= wall < self.series.end:
-            return wall
-        return self._same_time_of_year(wall)
+        """Where in the series the wall-clock time ``wall`` is read: ``wall`` plus the run's shift."""
+        return self._read(wall, wall)
 
-    def _same_time_of_year(self, wall: float) -> float:
+    def _read(self, wall0: float, wall1: float) -> float:
+        """The series time of ``wall0``; warns once when ``[wall0, wall1]`` reads outside the series."""
         series = self.series
         assert series is not None
-        year = datetime.fromtimestamp(0.5 * (series.start + series.end), timezone.utc).year
-        moment = datetime.fromtimestamp(wall, timezone.utc)
-        try:
-            moved = moment.replace(year=year)
-        except ValueError:  # 29 February outside a leap year
-            moved = moment.replace(year=year, day=28)
-        if not self._noticed and self.notice is not None:
-            self._noticed = True
-            self.notice(
-                f"EnergyLogger: the {self.source} series covers {format_utc(series.start)[:10]} to "
-                f"{format_utc(series.end)[:10]}; the run's dates are read at the same time of year in {year}."
-            )
-        return min(max(moved.timestamp(), series.start), series.end)
+        if self.run_start is None:
+            self.anchor(wall0)
+        shift = self._run_shift()
+        first, last = wall0 + shift, wall1 + shift
+        if last > series.end and "after" not in self.held:
+            # from where the run's one stretch crosses the end, even when this reading starts later (a slot)
+            crossed = max(series.end - shift, float(self.run_start))  # type: ignore[arg-type]
+            self._hold("after", crossed, series.end, float(series.values[-1]))
+        if first < series.start and "before" not in self.held:
+            self._hold("before", wall0, series.start, float(series.values[0]))
+        return first
+
+    def _run_shift(self) -> float:
+        """Series time minus wall time for this run: one value for the whole run, so the run reads one
+        continuous stretch of the series (no jump at its end or at a new year)."""
+        run_start = float(self.run_start)  # type: ignore[arg-type]
+        if self._shift is None or self._shift[0] != run_start:
+            series = self.series
+            assert series is not None
+            if self.series_start is not None:
+                moved = self.series_start
+            elif series.start <= run_start < series.end or (
+                0.0 < series.start - run_start <= OWN_DATES_WITHIN_S
+            ):
+                moved = run_start
+            else:
+                moved = self._same_time_of_year(run_start)
+            self._shift = (run_start, moved - run_start)
+        return self._shift[1]
+
+    def _same_time_of_year(self, wall: float) -> float:
+        """Where a run starting at ``wall`` outside the series reads it: the same time of year in the series'
+        middle year, else in the nearest other year it spans (or the one before or after) where that lies
+        inside it (a December-February series); else, when none does, the run's own dates if they reach the
+        series, else the middle year's (outside it: the held value's warning says what is read)."""
+        series = self.series
+        assert series is not None
+        middle = datetime.fromtimestamp(0.5 * (series.start + series.end), timezone.utc).year
+        first, last = (datetime.fromtimestamp(t, timezone.utc).year for t in (series.start, series.end))
+        years = sorted(range(first - 1, last + 2), key=lambda year: (abs(year - middle), year))
+        for year in years:
+            moved = _in_year(wall, year)
+            if series.start <= moved < series.end:
+                (self.notice or _rank_zero_info)(
+                    f"{self.reader}: `{self.field}` ({self.source}) covers {format_utc(series.start)[:10]} "
+                    f"to {format_utc(series.end)[:10]}; the run's dates are read at the same time of year in "
+                    f"{year}, from {format_utc(moved)} on, as one continuous stretch."
+                )
+                return moved
+        return wall if wall < series.start else _in_year(wall, middle)
+
+    def _hold(self, side: str, wall: float, edge: float, value: float) -> None:
+        """Record and warn (once per side) that readings from ``wall`` hold the series' value at ``edge``."""
+        series_time = wall + self._run_shift()
+        self.held[side] = {
+            "value": value,
+            "from_utc": format_utc(wall),
+            "series_time_utc": format_utc(series_time),
+        }
+        shown = f"{value:g}" if self.unit == "signal" else f"{value:g} {self.unit}"
+        where = (
+            f"its last value ({shown}) is held from {format_utc(wall)} on"
+            if side == "after"
+            else f"its first value ({shown}) is held while the run reads before it"
+        )
+        how = (
+            f"from `{self.start_field}`"
+            if self.series_start is not None
+            else "at its own dates"
+            if self._run_shift() == 0.0
+            else "at the same time of year"
+        )
+        (self.warn or _rank_zero_warn)(
+            f"{self.reader}: the {self.source} series {'ends' if side == 'after' else 'starts'} at "
+            f"{format_utc(edge)} (UTC) and the run, read {how}, reaches {format_utc(series_time)}, "
+            f"outside it: {where}; no other year is read in. Give a series that covers the run, or "
+            f"`{self.start_field}` inside it."
+        )
 
     def mean(self, wall0: float, wall1: float) -> float:
         """Average rate over the wall-clock interval ``[wall0, wall1]``."""
         if self.constant is not None:
             return self.constant
-        start = self.series_time(wall0)
-        return self.series.mean(start, start + max(wall1 - wall0, 0.0))  # type: ignore[union-attr]
+        duration = max(wall1 - wall0, 0.0)
+        start = self._read(wall0, wall0 + duration)
+        return self.series.mean(start, start + duration)  # type: ignore[union-attr]
 
     def describe(self) -> dict[str, Any]:
         described: dict[str, Any] = {"source": self.source, "unit": self.unit}
@@ -248,15 +352,56 @@ class Rate:
                 series_to=format_utc(series.end),
                 series_mean=float(np.mean(series.values)),
                 series_start=None if self.series_start is None else format_utc(self.series_start),
+                run_start_read_at=None
+                if self.run_start is None
+                else format_utc(self.run_start + self._run_shift()),
+                held={side: dict(held) for side, held in self.held.items()},
             )
         return described
 
     def state_dict(self) -> dict[str, Any]:
-        return {"run_start": self.run_start}
+        return {"run_start": self.run_start, "held": {side: dict(held) for side, held in self.held.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("run_start") is not None:
             self.run_start = float(state["run_start"])
+            self.held = {side: dict(held) for side, held in (state.get("held") or {}).items()}
+
+
+def _in_year(wall: float, year: int) -> float:
+    """The moment ``wall`` (Unix seconds) moved to ``year``, same UTC date and time (28 February for 29)."""
+    moment = datetime.fromtimestamp(wall, timezone.utc)
+    try:
+        return moment.replace(year=year).timestamp()
+    except ValueError:  # 29 February outside a leap year
+        return moment.replace(year=year, day=28).timestamp()
+
+
+def _rank_zero_info(message: str) -> None:
+    from lightning.pytorch.utilities import rank_zero_info
+
+    rank_zero_info(message)
+
+
+def _rank_zero_warn(message: str) -> None:
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(message)
+
+
+def refuse_start_outside_series(
+    series: TimeSeries, start: float | None, field: str, value: Any = None
+) -> None:
+    """A series start outside the series would read one held value for the whole run: refused, naming
+    ``field``, its value as given (``value``, else ``start`` in UTC) and the series' coverage."""
+    if start is not None and not series.start <= start < series.end:
+        given = format_utc(start) if value is None else value
+        raise ValueError(
+            f"`{field}`={given!r} is outside the series {series.name}, which covers "
+            f"{format_utc(series.start)} to {format_utc(series.end)} (UTC): a run read from there would hold one value throughout. Give "
+            f"a start inside that range, or leave {field} out to read the run's own dates (the same time of "
+            "year when they are outside the series)."
+        )
 
 
 def refuse_start_without_series(start: str | None, start_field: str, why: str) -> None:
@@ -375,7 +520,16 @@ def _rate_from(
             )
         series = TimeSeries.from_csv(value, field=field)
         start = parse_series_start(series_start, start_field)
-        return Rate(f"series:{series.name}", unit, series=series, series_start=start, notice=notice)
+        refuse_start_outside_series(series, start, f"accounting.{start_field}", series_start)
+        return Rate(
+            f"series:{series.name}",
+            unit,
+            series=series,
+            series_start=start,
+            notice=notice,
+            start_field=f"accounting.{start_field}",
+            field=field,
+        )
     raise ValueError(
         f"`{field}`={value!r} has type {type(value).__name__}; "
         f"expected {expected} or the path of a `timestamp,value` CSV."

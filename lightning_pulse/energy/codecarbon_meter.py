@@ -7,22 +7,48 @@ output-handler interface: each :meth:`CodecarbonSession.read` calls ``tracker.fl
 and hands the cumulative figures to our handler. codecarbon swallows its own exceptions inside ``flush``;
 a flush that delivers nothing is therefore treated as a failure.
 
+Readings never carry an impossible power: the start's totals are dated at codecarbon's own start-up
+measurement (not the moment our start returned), a total implying more than
+:data:`PLAUSIBLE_FACTOR` x codecarbon's own model power is cut to that model power (a notice: one warning, an
+event), and an extrapolation that ran ahead of the measured total is taken back at :data:`PAYBACK_SHARE` of the
+power, not by holding the total flat (0 W).
+
 codecarbon's logging is quieted (level ``ERROR``) while the session runs and restored afterwards.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from typing import Any
 
+from lightning_pulse.energy.constant import codecarbon_default_cpu_watts
 from lightning_pulse.energy.meter import ESTIMATED, EnergyMeter, MeterError
 
 CODECARBON_LOGGER = "codecarbon"
 START_THREAD_NAME = "lightning-pulse-codecarbon-start"
 TRACKING_MODES = ("machine", "process")
 _KWH_TO_J = 3.6e6
+#: an interval whose codecarbon energy implies more than this many times codecarbon's own model power (the mean
+#: of the powers it measured) is not a power: in machine mode its CPU model draws 10-100% of the TDP, so the
+#: mean is at least a tenth of any power it gives, and its RAM model is one constant
+PLAUSIBLE_FACTOR = 10.0
+#: the least RAM model power (W) a bound is based on: codecarbon's smallest RAM (two 5 W DIMMs); the CPU's is
+#: its generic CPU (:func:`plausible_floor_watts`), so a near-idle start does not make ordinary load look implausible
+PLAUSIBLE_RAM_FLOOR_W = 10.0
+#: while an extrapolation that ran ahead of codecarbon's measured total (its power fell) is taken back, the
+#: figure grows at this share of codecarbon's power instead of standing still
+PAYBACK_SHARE = 0.5
+
+
+@functools.cache
+def plausible_floor_watts() -> tuple[float, float]:
+    """The least model power (W) of CPU and RAM a plausibility bound is based on: codecarbon's generic CPU
+    (85 W TDP x 0.5) and :data:`PLAUSIBLE_RAM_FLOOR_W`. Read at the first bound, not at import: it imports
+    codecarbon."""
+    return codecarbon_default_cpu_watts()[0], PLAUSIBLE_RAM_FLOOR_W
 
 
 def country_carbon_intensity(country_iso_code: str) -> float:
@@ -142,6 +168,7 @@ class CodecarbonSession:
         self._last_value = (0.0, 0.0)
         self._flush_now: float | None = None
         self._flushed = (0.0, 0.0)
+        self._raw_flushed: tuple[float, float] | None = None  # codecarbon's own totals at the latest flush
         self._watts: tuple[float, float] | None = None  # the power of the latest flush interval
         self._start_watts = (0.0, 0.0)  # codecarbon's own power at the latest measuring flush
         self._quiet: quiet_codecarbon | None = None
@@ -149,10 +176,14 @@ class CodecarbonSession:
         self.background = bool(background)
         self._starter: threading.Thread | None = None
         self._gap_kwh = (0.0, 0.0)  # (cpu, ram) before codecarbon's own start, of a background start
+        self._dropped_kwh = (0.0, 0.0)  # (cpu, ram) cut from implausible intervals, off every later total
+        self._notices: dict[str, list[str]] = {"cpu": [], "ram": []}
+        self._metered = {"cpu": 0, "ram": 0}  # live meters per component: the ones that take notices
 
-    def acquire(self, now: float) -> None:
+    def acquire(self, now: float, component: str | None = None) -> None:
         """Start the tracker on first use (on a thread of its own when ``background``). Raises
-        :class:`MeterError` if a start in the foreground produces no reading."""
+        :class:`MeterError` if a start in the foreground produces no reading. ``component``: the meter's
+        (``"cpu"`` or ``"ram"``), so that corrections are announced to a meter that reads them."""
         with self._lock:
             if self.error is not None:
                 raise MeterError(self.error)
@@ -160,7 +191,7 @@ class CodecarbonSession:
                 if self.background:
                     self._starter = threading.Thread(
                         target=self._start_quietly,
-                        args=((time.monotonic(), now),),
+                        args=((time.perf_counter(), now),),
                         name=START_THREAD_NAME,
                         daemon=True,
                     )
@@ -168,6 +199,8 @@ class CodecarbonSession:
                 else:
                     self._start(None)
             self._users += 1
+            if component is not None:
+                self._metered[component] += 1
 
     @property
     def starting(self) -> bool:
@@ -181,9 +214,11 @@ class CodecarbonSession:
             starter.join(timeout)
         return self.tracker is not None
 
-    def release(self) -> None:
+    def release(self, component: str | None = None) -> None:
         with self._lock:
             self._users = max(self._users - 1, 0)
+            if component is not None:
+                self._metered[component] = max(self._metered[component] - 1, 0)
             if self._users:
                 return
         self.wait_started(timeout=60.0)  # a tracker still starting is stopped once it runs, never left behind
@@ -199,7 +234,9 @@ class CodecarbonSession:
         measurements (a reading less than ``min_flush_interval`` after the last flush, or a flush that
         measured nothing) the last measured totals are carried forward to ``now`` with the latest power. So
         every interval gets its energy, and a run shorter than codecarbon's measuring period does not end
-        with none.
+        with none. A carried figure that ran ahead of a later measurement is not taken back (totals are
+        cumulative); the figure then grows at :data:`PAYBACK_SHARE` of the power until the measurement
+        catches up, so no interval reads 0 W while codecarbon draws power.
         """
         with self._lock:
             if self.error is not None:
@@ -219,30 +256,88 @@ class CodecarbonSession:
             ):
                 value = self._extrapolated(now)
             else:
-                before = self.receiver.count
-                self.tracker.flush()
-                if self.receiver.count == before:
-                    self.error = "codecarbon's tracker raised inside flush() and returned no measurement"
-                    raise MeterError(self.error)
-                gap = self._gap_kwh
-                value = (self.receiver.cpu_kwh + gap[0], self.receiver.ram_kwh + gap[1])
-                if self._flush_now is not None and value == self._flushed:
-                    # codecarbon measured nothing (`_measure_power_and_energy_if_stale`): no new interval;
-                    # the next measuring flush covers the whole span
-                    value = self._extrapolated(now)
-                else:
-                    if self._flush_now is not None and now > self._flush_now:
-                        hours = (now - self._flush_now) / 3600.0
-                        self._watts = (
-                            max(value[0] - self._flushed[0], 0.0) * 1000.0 / hours,
-                            max(value[1] - self._flushed[1], 0.0) * 1000.0 / hours,
-                        )
-                    self._start_watts = (self.receiver.cpu_watts, self.receiver.ram_watts)
-                    self._flushed, self._flush_now = value, now
-            # an extrapolation is never taken back: a later, lower measurement is held at the figure given
-            value = (max(value[0], self._last_value[0]), max(value[1], self._last_value[1]))
+                value = self._flush(now)
+            value = self._behind_the_figure_given(value, now)
             self._last_now, self._last_value = now, value
             return value
+
+    def take_notices(self, component: str) -> list[str]:
+        """The corrections made for ``component`` since the last call (see :meth:`EnergyMeter.take_notices`)."""
+        with self._lock:
+            notices, self._notices[component] = self._notices[component], []
+            return notices
+
+    def _flush(self, now: float) -> tuple[float, float]:
+        before = self.receiver.count
+        self.tracker.flush()
+        if self.receiver.count == before:
+            self.error = "codecarbon's tracker raised inside flush() and returned no measurement"
+            raise MeterError(self.error)
+        raw = (self.receiver.cpu_kwh, self.receiver.ram_kwh)
+        if self._flush_now is not None and raw == self._raw_flushed:
+            # codecarbon measured nothing (`_measure_power_and_energy_if_stale`): no new interval; the next
+            # measuring flush covers the whole span. Compared on codecarbon's own totals: ours, less a cut
+            # excess, round differently from one flush to the next
+            return self._extrapolated(now)
+        gap, dropped = self._gap_kwh, self._dropped_kwh
+        value = (raw[0] + gap[0] - dropped[0], raw[1] + gap[1] - dropped[1])
+        model_watts = (self.receiver.cpu_watts, self.receiver.ram_watts)
+        if self._flush_now is not None and now > self._flush_now:
+            seconds = now - self._flush_now
+            value = self._plausible(value, model_watts, seconds)
+            self._watts = (
+                max(value[0] - self._flushed[0], 0.0) * _KWH_TO_J / seconds,
+                max(value[1] - self._flushed[1], 0.0) * _KWH_TO_J / seconds,
+            )
+        self._start_watts = model_watts
+        self._flushed, self._flush_now, self._raw_flushed = value, now, raw
+        return value
+
+    def _plausible(
+        self, value: tuple[float, float], model_watts: tuple[float, float], seconds: float
+    ) -> tuple[float, float]:
+        """``value``, with a component whose rise over the ``seconds`` since the last flush implies more than
+        :data:`PLAUSIBLE_FACTOR` x codecarbon's model power counted at that model power instead (codecarbon's
+        own timer firing late, a clock jump): the excess is dropped from this and every later total, with a
+        notice (one warning, an event) to the first cut component a meter reads (codecarbon may meter RAM
+        only, beside RAPL's CPU); a cut of components no meter reads is not announced."""
+        kept, found = list(value), []
+        metered = [component for component in ("cpu", "ram") if self._metered[component]]
+        for index, component in enumerate(("cpu", "ram")):
+            watts = (value[index] - self._flushed[index]) * _KWH_TO_J / seconds
+            bound = PLAUSIBLE_FACTOR * max(model_watts[index], plausible_floor_watts()[index])
+            if watts > bound:
+                kept[index] = self._flushed[index] + model_watts[index] * seconds / _KWH_TO_J
+                if component in metered or not metered:  # no meter recorded: the session is read directly
+                    found.append(
+                        (
+                            component,
+                            f"{component} {watts:.4g} W over {seconds:.3g} s (above {bound:.4g} W, "
+                            f"{PLAUSIBLE_FACTOR:g}x codecarbon's model {model_watts[index]:.3g} W)",
+                        )
+                    )
+        dropped = self._dropped_kwh
+        self._dropped_kwh = (dropped[0] + value[0] - kept[0], dropped[1] + value[1] - kept[1])
+        if found:
+            self._notices[found[0][0]].append(
+                f"codecarbon's totals implied {' and '.join(text for _, text in found)}, not a power; counted "
+                "at the model's power, the excess dropped"
+            )
+        return kept[0], kept[1]
+
+    def _behind_the_figure_given(self, value: tuple[float, float], now: float) -> tuple[float, float]:
+        """``value``, unless a carried figure ran ahead of it (codecarbon's power fell within the carry): then
+        the figure given so far, grown at :data:`PAYBACK_SHARE` of the power until the total catches up.
+        Holding it flat instead made every interval up to then read 0 W."""
+        last = self._last_value
+        if self._last_now is None or (value[0] >= last[0] and value[1] >= last[1]):
+            return (max(value[0], last[0]), max(value[1], last[1]))
+        watts = self._watts if self._watts is not None else self._start_watts
+        seconds = max(now - self._last_now, 0.0)
+        return (
+            value[0] if value[0] >= last[0] else last[0] + PAYBACK_SHARE * watts[0] * seconds / _KWH_TO_J,
+            value[1] if value[1] >= last[1] else last[1] + PAYBACK_SHARE * watts[1] * seconds / _KWH_TO_J,
+        )
 
     def _extrapolated(self, now: float) -> tuple[float, float]:
         """The last flushed totals carried forward to ``now`` with the power of the latest interval, or
@@ -264,15 +359,17 @@ class CodecarbonSession:
 
     def _start(self, requested: tuple[float, float] | None) -> None:
         """Build, start and flush the tracker; publish it under the lock only once it measures.
-        ``requested``: a background start's request, as ``(time.monotonic(), the caller's now)``: the gap
-        before codecarbon's own start is counted, and the start's flush is the first of ours."""
+        ``requested``: a background start's request, as ``(time.perf_counter(), the caller's now)``: the gap
+        before codecarbon's own start is counted, and the start's flush is the first of ours, dated at
+        codecarbon's measurement in it (not when the start returned: a start thread that lost the CPU
+        in between once divided the next reading's energy by a few milliseconds, ~100x the power)."""
         from codecarbon import OfflineEmissionsTracker
 
         quiet = quiet_codecarbon().__enter__()
         receiver = _receiver_class()()
         tracker: Any = None
         error: str | None = None
-        origin = time.monotonic()
+        origin = time.perf_counter()
         try:
             tracker = OfflineEmissionsTracker(
                 country_iso_code=self.country_iso_code,
@@ -285,9 +382,8 @@ class CodecarbonSession:
                 tracking_mode=self.tracking_mode,
             )
             tracker.start()  # codecarbon counts from the end of its hardware detection, inside start()
-            origin = time.monotonic()
+            origin = time.perf_counter()
             tracker.flush()
-            flushed = time.monotonic()
         except Exception as caught:
             error = f"codecarbon could not start ({type(caught).__name__}: {caught})"
         if error is None and receiver.count == 0:
@@ -307,10 +403,15 @@ class CodecarbonSession:
                     receiver.cpu_watts * hours / 1000.0,
                     receiver.ram_watts * hours / 1000.0,
                 )
-                # the start's flush, in the caller's clock: later readings carry forward from it, so a span
-                # in which codecarbon measures nothing new still gets its energy
+                # the start's flush, in the caller's clock at codecarbon's latest measurement (its totals
+                # hold the energy up to then; start() ends with one): later readings carry forward from it,
+                # so a span in which codecarbon measures nothing new still gets its energy
+                measured = getattr(tracker, "_last_measured_time", None)  # codecarbon's perf_counter
+                if not isinstance(measured, float) or not origin - 1.0 <= measured <= time.perf_counter():
+                    measured = origin
                 self._flushed = (receiver.cpu_kwh + gap[0], receiver.ram_kwh + gap[1])
-                self._flush_now = now + (flushed - mono)
+                self._raw_flushed = (receiver.cpu_kwh, receiver.ram_kwh)
+                self._flush_now = now + (measured - mono)
                 self._start_watts = (receiver.cpu_watts, receiver.ram_watts)
             if error is not None:
                 self.error = error
@@ -374,7 +475,7 @@ class CodecarbonMeter(EnergyMeter):
         self._acquired = False
 
     def start(self, now: float) -> None:
-        self.session.acquire(now)
+        self.session.acquire(now, self.component)
         self._acquired = True
         self._baseline_kwh = self._kwh(now)
 
@@ -384,6 +485,9 @@ class CodecarbonMeter(EnergyMeter):
 
     def read_joules(self, now: float) -> float:
         return (self._kwh(now) - self._baseline_kwh) * _KWH_TO_J
+
+    def take_notices(self) -> list[str]:
+        return super().take_notices() + self.session.take_notices(self.component)
 
     @property
     def starting(self) -> bool:
@@ -395,7 +499,7 @@ class CodecarbonMeter(EnergyMeter):
     def close(self) -> None:
         if self._acquired:
             self._acquired = False
-            self.session.release()
+            self.session.release(self.component)
 
     def describe(self) -> dict[str, Any]:
         described = {**super().describe(), "tracking_mode": self.session.tracking_mode}

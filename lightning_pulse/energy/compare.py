@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from lightning_pulse.energy.meter import NONE, PARTIAL
 from lightning_pulse.energy.report import JSON_NAME, SCHEMA, write_atomic, write_report, write_text_atomic
@@ -36,6 +36,9 @@ FIGURES = (
     ("steps", "optimizer steps", None, None),
     ("samples", "samples", None, None),
 )
+#: the figures that are costs of the run (coloured in the PNG; a run that did not finish undercounts them)
+COST_FIGURES = ("duration_s", "energy_kwh", "co2_kg", "cost")
+COMPLETE = "complete"
 _NOT_METRICS = ("epoch", "step")
 
 
@@ -97,6 +100,7 @@ def load_run(path: str | Path, field: str | None = None) -> dict[str, Any]:
         raise NotAnEnergyReport(
             f"{named}{json_path} is not a lightning-pulse energy report (schema {SCHEMA!r}); {EXPECTED_RUN}."
         )
+    _refuse_malformed(report, f"{named}{json_path}")
     metrics = report.get("metrics")
     source = "report"
     if not metrics:
@@ -107,6 +111,35 @@ def load_run(path: str | Path, field: str | None = None) -> dict[str, Any]:
         "metrics": dict(metrics or {}),
         "metrics_source": source,
     }
+
+
+def _refuse_malformed(report: Mapping[str, Any], where: str) -> None:
+    """A report edited by hand into other types (a metric list, a figure as text) is refused, naming the file
+    and the entry, instead of failing later with an unrelated message or printing text as a figure."""
+
+    def number_or_null(value: Any) -> bool:
+        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+    def refuse(entry: str, value: Any, expected: str) -> NoReturn:
+        raise NotAnEnergyReport(f"{where}: `{entry}`={value!r} is not {expected}; {EXPECTED_RUN}.")
+
+    total = report["total"]
+    for key, _, _, method_key in FIGURES:
+        if not number_or_null(total.get(key)):
+            refuse(f"total.{key}", total.get(key), "a number or null")
+        if method_key is not None and not isinstance(total.get(method_key, NONE), str):
+            refuse(f"total.{method_key}", total.get(method_key), "a method name")
+    if not isinstance(report.get("status") or COMPLETE, str):
+        refuse("status", report.get("status"), "a status such as 'complete'")
+    metrics = report.get("metrics")
+    if metrics is not None and not isinstance(metrics, Mapping):
+        refuse("metrics", metrics, "a mapping of metric names to numbers")
+    for name, value in (metrics or {}).items():
+        if not number_or_null(value):
+            refuse(f"metrics.{name}", value, "a number or null")
+    price = report.get("price")
+    if price is not None and not isinstance(price, Mapping):
+        refuse("price", price, "a mapping or null")
 
 
 def csv_metrics(directory: str | Path) -> dict[str, float]:
@@ -148,6 +181,7 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     figures = []
     # CO2 and cost are the energy times a rate: an undercounted energy undercounts them too
     energy_partial = PARTIAL in [total.get("energy_method", NONE) for total in totals]
+    unfinished = _unfinished_note(a["report"], b["report"])
     for key, label, unit, method_key in FIGURES:
         if key == "cost":
             unit = currencies[1] or currencies[0]
@@ -161,6 +195,12 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
             ratio = None
         elif method_key and (PARTIAL in methods or energy_partial):  # an undercount (a meter lost mid-run)
             ratio, note = None, "partial: a meter was lost mid-run, so the figure undercounts"
+        if key in COST_FIGURES and unfinished is not None and values != [None, None]:  # less work done
+            per_step = _ratio(*(_per_step(value, total) for value, total in zip(values, totals)))
+            per_step_text = (
+                "" if ratio is None or per_step is None else f"; per optimizer step {per_step:.3f}x"
+            )
+            note = "; ".join(filter(None, (note, unfinished + per_step_text)))
         figures.append(
             {
                 "figure": key,
@@ -191,6 +231,31 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
         "figures": figures,
         "metrics": metrics,
     }
+
+
+def _unfinished_note(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
+    """``"A is interrupted: unequal work (A: 20 steps, B: 48)"`` when either run did not complete, else
+    ``None``."""
+    parts = [
+        f"{name} is {report.get('status')}" for name, report in (("A", a), ("B", b)) if not _complete(report)
+    ]
+    if not parts:
+        return None
+    return (
+        f"{', '.join(parts)}: unequal work (A: {a['total'].get('steps')} steps, B: {b['total'].get('steps')})"
+    )
+
+
+def _complete(report: Mapping[str, Any]) -> bool:
+    """Whether a report (or a comparison's side) is of a run that completed; one without a status is."""
+    return report.get("status") in (None, COMPLETE)
+
+
+def _per_step(value: Any, total: Mapping[str, Any]) -> float | None:
+    steps = total.get("steps")
+    if not isinstance(value, (int, float)) or not isinstance(steps, (int, float)) or not steps:
+        return None
+    return float(value) / float(steps)
 
 
 def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -346,9 +411,14 @@ def write_comparison_plot(comparison: Mapping[str, Any], path: str | Path) -> Pa
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    # costs (time, energy, CO2, money) are green below the baseline and red above; metrics stay grey, as
-    # whether more is better depends on the metric
-    rows = [(row["label"], row["ratio"], True) for row in comparison["figures"] if row["ratio"] is not None]
+    # costs (time, energy, CO2, money) are green below the baseline and red above; steps, samples and metrics
+    # stay grey, as whether more is better depends on them; so do costs against a run that did not finish
+    unfinished = [name for name in ("a", "b") if not _complete(comparison[name])]
+    rows = [
+        (row["label"], row["ratio"], row["figure"] in COST_FIGURES and not unfinished)
+        for row in comparison["figures"]
+        if row["ratio"] is not None
+    ]
     rows += [
         (row["metric"], row["ratio"], False) for row in comparison["metrics"] if row["ratio"] is not None
     ]
@@ -373,13 +443,21 @@ def write_comparison_plot(comparison: Mapping[str, Any], path: str | Path) -> Pa
         )
     axes.set_xlim(0, 1.15 * max([1.0, *values]))  # room for the labels
     axes.set_xlabel("B / A (A: baseline)")
-    axes.set_title(
-        f"B: {_run_name(comparison['b']['path'])}  against  A: {_run_name(comparison['a']['path'])}",
-        fontsize=9,
-    )
+    axes.set_title(chart_title(comparison), fontsize=9)
     if not rows:
         axes.text(0.5, 0.5, "no figure both runs hold", ha="center", va="center", transform=axes.transAxes)
     return write_atomic(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))
+
+
+def chart_title(comparison: Mapping[str, Any]) -> str:
+    """The PNG's title: the two runs, and a line for each that did not complete."""
+    title = f"B: {_run_name(comparison['b']['path'])}  against  A: {_run_name(comparison['a']['path'])}"
+    for name in ("a", "b"):
+        if not _complete(comparison[name]):
+            title += (
+                f"\n{name.upper()} is {comparison[name]['status']}: its totals cover only part of the run"
+            )
+    return title
 
 
 def _run_name(path: str) -> str:

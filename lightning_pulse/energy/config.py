@@ -92,8 +92,8 @@ class AccountingConfig(_EnergyLoggerConfig):
 
     Args:
         carbon_intensity_start: read a carbon-intensity CSV series as if the run had started at this UTC
-            time (e.g. ``"2020-06-01 12:00:00"``); by default the run's own dates, or the same time of year
-            when they are outside the series.
+            time (e.g. ``"2020-06-01 12:00:00"``), inside the series; by default the run's own dates, or the
+            same time of year when the run starts outside the series.
         price_start: the same, for a price series.
         sample_counter: ``batch -> int`` replacing the default sample count.
         token_counter: ``batch -> int | None`` replacing the default token count.

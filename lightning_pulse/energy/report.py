@@ -125,23 +125,24 @@ def write_report(report: Mapping[str, Any], directory: str | Path, chart: bool =
     return written
 
 
-def render_report(directory: str | Path) -> list[Path]:
-    """Re-render ``energy_report.md`` and ``energy_report.png`` from ``directory/energy_report.json``.
+def render_report(directory: str | Path, field: str | None = None) -> list[Path]:
+    """Re-render ``energy_report.md`` and ``energy_report.png`` next to the run's ``energy_report.json``.
 
     Args:
-        directory: a directory holding ``energy_report.json`` (or the JSON file itself).
+        directory: the JSON file itself, a directory holding it, or a log root with exactly one report below
+            it (found as ``compare`` finds a run: :func:`~lightning_pulse.energy.compare.find_report`).
+        field: the name errors start with (``"DIR"`` for the command line).
 
     Returns:
         The files written.
 
     Raises:
-        FileNotFoundError: if there is no ``energy_report.json``.
-        ValueError: if the JSON is not an energy report.
+        FileNotFoundError: if there is no ``energy_report.json`` there or below it.
+        ValueError: if the JSON is not an energy report, or a log root holds more than one.
     """
-    directory = Path(directory)
-    json_path = directory if directory.is_file() else directory / JSON_NAME
-    if not json_path.is_file():
-        raise FileNotFoundError(f"No {JSON_NAME} in {directory}.")
+    from lightning_pulse.energy.compare import find_report  # compare imports this module
+
+    json_path = find_report(directory, field)
     report = json.loads(json_path.read_text(encoding="utf-8"))
     if not isinstance(report, dict) or report.get("schema") != SCHEMA:
         raise ValueError(f"{json_path} is not a lightning-pulse energy report (schema {SCHEMA!r}).")
@@ -237,6 +238,22 @@ def _table(title: str, rows: Mapping[str, Mapping[str, Any]], currency: str, fir
     return lines + [""]
 
 
+def _held_lines(report: Mapping[str, Any]) -> list[str]:
+    """One line per rate series the run read outside of: the value held there instead of data."""
+    lines = []
+    for key, label in (("carbon_intensity", "Carbon intensity"), ("price", "Price")):
+        rate = report.get(key) or {}
+        for side, held in (rate.get("held") or {}).items():
+            after = side == "after"
+            lines.append(
+                f"- {label}: the run read {rate.get('source')} "
+                f"{'after its end' if after else 'before its start'} (at {held.get('series_time_utc')}), so its {'last' if after else 'first'} value, "
+                f"{_num(held.get('value'))} {rate.get('unit')}, is held from {held.get('from_utc')} UTC"
+                f"{' on' if after else ' while the run reads before the series'}."
+            )
+    return lines
+
+
 def report_markdown(report: Mapping[str, Any]) -> str:
     """The Markdown report: summary, meters, then one table per phase / cycle / epoch / stage."""
     total = report.get("total", {})
@@ -275,6 +292,7 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         f" over {_num(total.get('samples'))} samples; per token: "
         f"{_with_method(total.get('energy_per_token_j'), total.get('per_sample_method', NONE), 4, 'J')}.",
         f"- Data-loader stall: {_share(total.get('stall_share'))} of training-loop time.",
+        *_held_lines(report),
         "",
         "## Meters",
         "",

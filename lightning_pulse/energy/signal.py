@@ -3,7 +3,8 @@
 A *series signal* is a :class:`~lightning_pulse.energy.carbon.TimeSeries` (from the ``Time,Carbon Intensity``
 or ``timestamp,value`` CSV that :mod:`lightning_pulse.energy.carbon` reads, a JSON list, or pairs in Python)
 read through a :class:`~lightning_pulse.energy.carbon.Rate`, so a run in 2026 on the 2020 series reads the
-same time of year, or a configured start, exactly as :class:`~lightning_pulse.EnergyLogger` does. A *live
+same time of year, or a configured start, exactly as :class:`~lightning_pulse.EnergyLogger` does (past the
+series' end its last value holds, with one warning). A *live
 signal* is a callable returning ``(unix_seconds, value)`` (an API poll, a meter): its history is what it has
 returned so far, so no forecast can read its future.
 """
@@ -17,7 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from lightning_pulse.energy.carbon import Rate, TimeSeries, parse_timestamp
+from lightning_pulse.energy.carbon import (
+    Rate,
+    TimeSeries,
+    parse_series_start,
+    parse_timestamp,
+    refuse_start_outside_series,
+)
 
 SignalSource = str | Path | Sequence[Any] | TimeSeries | Callable[[], tuple[float, float]]
 
@@ -60,9 +67,13 @@ def series_from_pairs(items: Any, field: str = "signal", name: str = "series") -
 
 
 def series_signal(
-    source: str | Path | Sequence[Any] | TimeSeries, field: str = "signal", series_start: float | None = None
+    source: str | Path | Sequence[Any] | TimeSeries,
+    field: str = "signal",
+    series_start: float | str | None = None,
 ) -> Rate:
-    """A :class:`Rate` over the series ``source`` names (CSV or JSON path, list of pairs, a TimeSeries)."""
+    """A :class:`Rate` over the series ``source`` names (CSV or JSON path, list of pairs, a TimeSeries), read
+    from ``series_start`` (Unix seconds, or the user's ``options.signal_start`` text, quoted as given when
+    refused) when set."""
     if isinstance(source, TimeSeries):
         series = source
     elif isinstance(source, (str, Path)):
@@ -79,7 +90,18 @@ def series_signal(
             f"`{field}`={source!r} has type {type(source).__name__}; expected a CSV or JSON path, a list of "
             "(time, value) pairs, a callable returning (time, value), or None."
         )
-    return Rate(f"series:{series.name}", "signal", series=series, series_start=series_start)
+    given = series_start if isinstance(series_start, str) else None
+    start = parse_series_start(given, "options.signal_start") if given is not None else series_start
+    refuse_start_outside_series(series, start, "options.signal_start", given)
+    return Rate(
+        f"series:{series.name}",
+        "signal",
+        series=series,
+        series_start=None if start is None else float(start),
+        reader="GreenWindow",
+        start_field="options.signal_start",
+        field=field,
+    )
 
 
 class LiveSignal:
@@ -140,10 +162,11 @@ class GreenSignal:
 
     Args:
         source: see :data:`SignalSource`, or ``None`` (filled in at fit start).
-        series_start: Unix seconds where a series is read from (the run's start maps there).
+        series_start: where a series is read from (the run's start maps there): Unix seconds, or the
+            ``options.signal_start`` text as the user gave it.
     """
 
-    def __init__(self, source: SignalSource | None, series_start: float | None = None) -> None:
+    def __init__(self, source: SignalSource | None, series_start: float | str | None = None) -> None:
         self.live = LiveSignal(source) if callable(source) else None
         self.rate = (
             None if source is None or callable(source) else series_signal(source, "signal", series_start)
