@@ -398,7 +398,8 @@ def refuse_start_outside_series(
         given = format_utc(start) if value is None else value
         raise ValueError(
             f"`{field}`={given!r} is outside the series {series.name}, which covers "
-            f"{format_utc(series.start)} to {format_utc(series.end)} (UTC): a run read from there would hold one value throughout. Give "
+            f"{format_utc(series.start)} to {format_utc(series.end)} (UTC): a run read from there would hold "
+            "one value throughout. Give "
             f"a start inside that range, or leave {field} out to read the run's own dates (the same time of "
             "year when they are outside the series)."
         )

@@ -36,7 +36,8 @@ _KWH_TO_J = 3.6e6
 #: mean is at least a tenth of any power it gives, and its RAM model is one constant
 PLAUSIBLE_FACTOR = 10.0
 #: the least RAM model power (W) a bound is based on: codecarbon's smallest RAM (two 5 W DIMMs); the CPU's is
-#: its generic CPU (:func:`plausible_floor_watts`), so a near-idle start does not make ordinary load look implausible
+#: its generic CPU (:func:`plausible_floor_watts`), so a near-idle start does not make ordinary load look
+#: implausible
 PLAUSIBLE_RAM_FLOOR_W = 10.0
 #: while an extrapolation that ran ahead of codecarbon's measured total (its power fell) is taken back, the
 #: figure grows at this share of codecarbon's power instead of standing still

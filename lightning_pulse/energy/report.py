@@ -247,7 +247,8 @@ def _held_lines(report: Mapping[str, Any]) -> list[str]:
             after = side == "after"
             lines.append(
                 f"- {label}: the run read {rate.get('source')} "
-                f"{'after its end' if after else 'before its start'} (at {held.get('series_time_utc')}), so its {'last' if after else 'first'} value, "
+                f"{'after its end' if after else 'before its start'} (at {held.get('series_time_utc')}), "
+                f"so its {'last' if after else 'first'} value, "
                 f"{_num(held.get('value'))} {rate.get('unit')}, is held from {held.get('from_utc')} UTC"
                 f"{' on' if after else ' while the run reads before the series'}."
             )
