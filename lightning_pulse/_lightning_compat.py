@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
@@ -112,6 +112,8 @@ def private_api_problems() -> list[str]:
 
     if not callable(getattr(fabric_distributed, "_destroy_dist_connection", None)):
         problems.append("lightning.fabric.utilities.distributed._destroy_dist_connection")
+    if "_model_contains_batch_norm" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):
+        problems.append("StochasticWeightAveraging._model_contains_batch_norm")
     return problems
 
 
@@ -318,6 +320,31 @@ def set_max_steps(trainer: pl.Trainer, steps: int) -> None:
     trainer.fit_loop.epoch_loop.max_steps = int(steps)
 
 
+# on the epoch loop: (training steps, max_steps set) of cap_training_steps, so run_length reads the first
+_TRAINING_CAP_ATTR = "_lightning_pulse_training_cap"
+
+
+def cap_training_steps(trainer: pl.Trainer, steps: int, batch_norm_step: bool) -> int:
+    """Cap the fit's training at ``steps`` optimizer steps and return the ``max_steps`` set: one more with
+    ``batch_norm_step``, for the step of a ``StochasticWeightAveraging``'s BatchNorm-update epoch after the
+    training (``max_steps`` counts it: capped at ``steps``, the fit ended before that epoch, and the averaged
+    weights kept BatchNorm statistics of other weights). :func:`run_length` reads ``steps`` while
+    ``max_steps`` is the one set here."""
+    cap = int(steps) + int(batch_norm_step)
+    set_max_steps(trainer, cap)
+    setattr(trainer.fit_loop.epoch_loop, _TRAINING_CAP_ATTR, (int(steps), cap))
+    return cap
+
+
+def _training_max_steps(trainer: pl.Trainer) -> float:
+    """``trainer.max_steps`` (``inf`` for none) less a step :func:`cap_training_steps` left for the
+    BatchNorm-update epoch."""
+    if trainer.max_steps == -1:
+        return math.inf
+    training, cap = getattr(trainer.fit_loop.epoch_loop, _TRAINING_CAP_ATTR, (None, None))
+    return training if training is not None and cap == trainer.max_steps else trainer.max_steps
+
+
 def set_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
     """Tell Lightning that this epoch holds ``batches`` batches, for its validation: with a fractional
     ``val_check_interval`` it validates at batch ``val_check_batch``, which it computes once from the
@@ -381,22 +408,25 @@ def run_length(trainer: pl.Trainer) -> tuple[float, float]:
     run of unknown length): each epoch at its own accumulation, the epoch that reaches ``max_steps`` cut at
     its last window. Work measured per optimizer step does not scale to the rest of a run whose later steps
     cover more batches (a ``GradientAccumulationScheduler`` raising the accumulation): measured per batch it
-    does."""
+    does. The epoch a ``StochasticWeightAveraging`` adds to update BatchNorm statistics trains nothing and is
+    not counted (:func:`training_max_epochs`)."""
     # reading the estimate also sets the training DataLoader up if it is not yet
     estimate = float(trainer.estimated_stepping_batches)
     if estimate < 0:
         return math.inf, math.inf
+    batches, accumulate = _training_epoch_batches(trainer)
     schedule = _accumulation_schedule(trainer)
     if schedule is None:
-        window_of = lambda epoch: trainer.accumulate_grad_batches  # noqa: E731
+        window_of = lambda epoch: accumulate  # noqa: E731
     else:
         window_of = schedule.get_accumulate_grad_batches
-    batches, max_epochs = trainer.num_training_batches, trainer.max_epochs
+    max_epochs = training_max_epochs(trainer)
     # a run bounded by max_steps alone, or of unknown length
     if max_epochs in (None, -1) or not math.isfinite(batches) or batches < 1:
+        estimate = min(estimate, _training_max_steps(trainer))
         return estimate, estimate * window_of(trainer.current_epoch)
     steps, taken = 0, 0
-    steps_left = math.inf if trainer.max_steps == -1 else trainer.max_steps
+    steps_left = _training_max_steps(trainer)
     for epoch in range(max(max_epochs, 1)):
         window = window_of(epoch)
         epoch_steps = math.ceil(batches / window)
@@ -404,11 +434,83 @@ def run_length(trainer: pl.Trainer) -> tuple[float, float]:
             steps, taken = steps + steps_left, taken + min(batches, steps_left * window)
             break
         steps, taken, steps_left = steps + epoch_steps, taken + batches, steps_left - epoch_steps
-    return (estimate if schedule is None else float(steps)), float(taken)
+    return float(steps), float(taken)
 
 
 def _accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler | None:
     return next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+
+
+# ---------------------------------------------------------------------------- StochasticWeightAveraging
+# On a model with BatchNorm (and a finite max_epochs), Lightning's SWA raises `fit_loop.max_epochs` by one in
+# its `on_fit_start` and lowers it again in its `on_train_end`. The epoch it adds (index `_max_epochs`, the
+# user's max_epochs) only recomputes BatchNorm statistics for the averaged weights: at its start SWA sets
+# `fit_loop._skip_backward`, raises `fit_loop.max_batches` by one and sets the accumulation to that count, so
+# the epoch runs forward passes and, at its end, one optimizer step with no backward (global_step moves by
+# one; the step applies whatever gradients the last training step left). Which of our hooks run before SWA's
+# depends on the callback order, so the readers below give the same answer on either side of SWA's hooks.
+def _batch_norm_swa(trainer: pl.Trainer) -> StochasticWeightAveraging | None:
+    """The ``StochasticWeightAveraging`` that has raised ``trainer``'s ``max_epochs`` for its BatchNorm-update
+    epoch in this fit, else ``None`` (none attached, no BatchNorm, an unbounded run, before SWA's
+    ``on_fit_start`` or after its ``on_train_end``)."""
+    swa = next((c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)), None)
+    if swa is None or not swa._model_contains_batch_norm:
+        return None
+    user_epochs = getattr(swa, "_max_epochs", None)  # set in its on_fit_start
+    if user_epochs in (None, -1) or trainer.fit_loop.max_epochs != user_epochs + 1:
+        return None
+    return swa
+
+
+def adds_batch_norm_epoch(trainer: pl.Trainer) -> bool:
+    """Whether a ``StochasticWeightAveraging`` of ``trainer`` adds (or added) an epoch to this fit that only
+    updates BatchNorm statistics: the model holds BatchNorm and ``max_epochs`` is finite. Also true before
+    SWA's ``on_fit_start`` (a DataLoader set up from ``configure_optimizers``)."""
+    swa = next((c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)), None)
+    if swa is None or trainer.max_epochs in (None, -1):
+        return False
+    if swa._model_contains_batch_norm is not None:
+        return bool(swa._model_contains_batch_norm)
+    module = trainer.lightning_module
+    return module is not None and StochasticWeightAveraging.pl_module_contains_batch_norm(module)
+
+
+def training_max_epochs(trainer: pl.Trainer) -> int | None:
+    """``trainer.max_epochs`` less the BatchNorm-update epoch a ``StochasticWeightAveraging`` added: the
+    epochs that train. Lightning's ``estimated_stepping_batches`` counts that epoch as training (a held-out
+    run of 50 steps was read as 60: its anneal covered 3 steps instead of 10, its step plan 49 of 60)."""
+    swa = _batch_norm_swa(trainer)
+    return trainer.max_epochs if swa is None else swa._max_epochs
+
+
+def in_batch_norm_update_epoch(trainer: pl.Trainer) -> bool:
+    """Whether the epoch under way (or just finished, before the fit's end) is the one a
+    ``StochasticWeightAveraging`` added to update BatchNorm statistics: no backward, no training step."""
+    swa = _batch_norm_swa(trainer)
+    return swa is not None and trainer.current_epoch >= swa._max_epochs
+
+
+def training_steps_taken(trainer: pl.Trainer) -> int:
+    """``trainer.global_step`` less the optimizer step of a ``StochasticWeightAveraging``'s BatchNorm-update
+    epoch (the accumulation window that spans the epoch closes with a step and no backward). For
+    ``on_train_end``, where SWA may already have lowered ``max_epochs`` again: it ran when the fit ended one
+    past that epoch, the condition SWA's own ``on_train_end`` tests."""
+    swa = next((c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)), None)
+    if swa is None or not swa._model_contains_batch_norm or getattr(swa, "_max_epochs", -1) in (None, -1):
+        return trainer.global_step
+    ran = trainer.current_epoch == swa._max_epochs + 1 and trainer.global_step > 0
+    return trainer.global_step - int(ran)
+
+
+def _training_epoch_batches(trainer: pl.Trainer) -> tuple[float, int]:
+    """``(batches, accumulation)`` of a training epoch: inside the BatchNorm-update epoch, the values SWA
+    replaced (until its ``on_train_end``) with one batch more and an accumulation spanning the epoch."""
+    batches, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
+    swa = _batch_norm_swa(trainer)
+    saved = None if swa is None else getattr(swa, "_accumulate_grad_batches", None)
+    if in_batch_norm_update_epoch(trainer) and saved is not None and accumulate == batches:
+        return batches - 1, saved
+    return batches, accumulate
 
 
 def mark_last_batch_of(trainer: pl.Trainer, batches: int) -> None:

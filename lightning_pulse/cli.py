@@ -17,6 +17,7 @@ time, for cron or ``sbatch --begin``; then ``lightning-pulse fit ... --ckpt_path
 
 from __future__ import annotations
 
+import builtins
 import inspect
 import logging
 import os
@@ -31,6 +32,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 #: set to 1 for the full tracebacks and jsonargparse's whole report instead of one-line errors
 TRACEBACK_ENV = "LIGHTNING_PULSE_TRACEBACK"
+#: jsonargparse's own switch for its whole report; it takes only true or false
+JSONARGPARSE_DEBUG = "JSONARGPARSE_DEBUG"
 
 # jsonargparse's scaffolding around the sentence that matters: Union alternatives tried, the value dumped
 _SCAFFOLDING = (
@@ -51,7 +54,19 @@ _SCAFFOLDING = (
 
 def _verbose() -> bool:
     return (
-        os.environ.get(TRACEBACK_ENV, "") not in ("", "0") or os.environ.get("JSONARGPARSE_DEBUG", "") != ""
+        os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
+        or os.environ.get(JSONARGPARSE_DEBUG, "").lower() == "true"
+    )
+
+
+def _refused_jsonargparse_debug() -> str | None:
+    """The error for a ``JSONARGPARSE_DEBUG`` that jsonargparse would crash on (it takes true or false)."""
+    value = os.environ.get(JSONARGPARSE_DEBUG, "")
+    if value.lower() in ("", "true", "false"):
+        return None
+    return (
+        f"{JSONARGPARSE_DEBUG}={value} is not accepted; expected true or false "
+        f"(or {TRACEBACK_ENV}=1 for the full report and tracebacks)."
     )
 
 
@@ -68,6 +83,52 @@ def _accepted_options(class_path: str) -> list[str]:
 
 # the types of a failed value, as the user writes them in YAML
 _TYPE_NAMES = {"Sequence": "a list", "MutableSequence": "a list", "list": "a list", "tuple": "a list"}
+
+
+# Union alternatives that are not about the class the user named: the list branch of Lightning's
+# `list[Callback] | Callback` refusing one callback mapping, the base Callback tried as a fallback, and a
+# mapping or list given inline on the command line tried as the path of a file first
+_OFF_TOPIC_ALTERNATIVE = re.compile(
+    r"- (?:Expected a <class 'list'>$|Problem with given class_path 'lightning[\w.]*\.Callback'"
+    r"|Not a valid subclass of Callback$|Expected a path but [{\[])"
+)
+
+
+def _without_off_topic_alternatives(message: str) -> str:
+    """``message`` less the Union alternatives of :data:`_OFF_TOPIC_ALTERNATIVE` (with the lines nested under
+    them) wherever a sibling alternative reports on the class the user named."""
+    lines = message.splitlines()
+
+    def indent(i: int) -> int:
+        return len(lines[i]) - len(lines[i].lstrip())
+
+    def block_end(i: int) -> int:
+        end = i + 1
+        while end < len(lines) and (not lines[end].strip() or indent(end) > indent(i)):
+            end += 1
+        return end
+
+    dropped: set[int] = set()
+    seen: set[int] = set()
+    for start, line in enumerate(lines):
+        if start in seen or not line.lstrip().startswith("- "):
+            continue
+        alternatives = []  # the sibling items of one Union's `Errors:` list
+        item = start
+        while item < len(lines) and lines[item].lstrip().startswith("- ") and indent(item) == indent(start):
+            alternatives.append((item, block_end(item)))
+            seen.add(item)
+            item = alternatives[-1][1]
+        off_topic = [bool(_OFF_TOPIC_ALTERNATIVE.match(lines[i].strip())) for i, _ in alternatives]
+        on_topic = [
+            not off and not lines[i].strip().startswith("- Expected a <class 'NoneType'>")
+            for (i, _), off in zip(alternatives, off_topic)
+        ]
+        if any(on_topic):
+            for (first, end), off in zip(alternatives, off_topic):
+                if off:
+                    dropped.update(range(first, end))
+    return "\n".join(line for i, line in enumerate(lines) if i not in dropped)
 
 
 def _innermost_key(message: str) -> tuple[str | None, list[str]]:
@@ -115,6 +176,41 @@ def _nested_config(block: list[str]) -> tuple[str, bool] | None:
     return None
 
 
+def _expected_class(block: list[str]) -> tuple[str, bool] | None:
+    """What a class-typed field (HardSampleReplay's ``scorer``, ``trainer.callbacks``) takes when its value
+    named no subclass of its type: the type, with the library's own subclasses by class path, and whether null
+    is allowed; ``None`` for other fields."""
+    refused = ("Import path", "Not a valid subclass of", "Expected a dot import path string")
+    if not any(line.startswith(refused) for line in block):
+        return None
+    subtypes = next((line for line in block if line.startswith("Subtypes:")), "")
+    for path in re.findall(r"<class '([\w.]+)'>", subtypes):
+        module_name, _, name = path.rpartition(".")
+        cls = getattr(sys.modules.get(module_name), name, None)
+        if not isinstance(cls, type):
+            continue
+        # the library's own, next to the type (a user's subclasses elsewhere are theirs to name)
+        own = [
+            f"{module_name}.{sub.__qualname__}"
+            for sub in cls.__subclasses__()
+            if sub.__module__ == module_name
+        ]
+        examples = f" ({', '.join(own)} or a subclass of your own)" if own else ""
+        several = " or a list of them" if f"list[{path}]" in subtypes else ""
+        return f"the class_path of a {name}{examples}{several}", "NoneType" in subtypes
+    return None
+
+
+def _expected_callable(block: list[str], value: str) -> tuple[str, bool] | None:
+    """What a function-typed field (AccountingConfig's ``token_counter``) takes when its value is no import
+    path of one, and whether null is allowed; ``None`` for other fields."""
+    subtypes = next((line for line in block if line.startswith("Subtypes:")), "")
+    if "Callable" not in subtypes or not any(line.startswith("Expected a dot import path") for line in block):
+        return None
+    builtin = f", here builtins.{value}" if hasattr(builtins, value) else ""
+    return f"the dot import path of a function (package.module.function{builtin})", "NoneType" in subtypes
+
+
 def summarise_parser_error(message: str) -> str:
     """The sentence of a jsonargparse error that says what is wrong, prefixed with the class it is about.
 
@@ -122,6 +218,7 @@ def summarise_parser_error(message: str) -> str:
     the callback's own sentence sits among the alternatives it tried. This picks it out, so the first line a
     user reads names the class, the field, the value and what is allowed.
     """
+    message = _without_off_topic_alternatives(message)
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     specific = [
         line.removeprefix("- ").strip()
@@ -153,6 +250,10 @@ def summarise_parser_error(message: str) -> str:
             f"{f' ({options})' if options else ''}{', the path of a YAML file holding one' if as_file else ''}"
             f"{', or null' if nullable else ''}."
         )
+    typed = (_expected_class(block) or _expected_callable(block, value)) if key is not None else None
+    if typed is not None:  # a function or a word where a class_path goes, or a word where a function goes
+        allowed, nullable = typed
+        return f"{owner}`{key}`={value} is not accepted; expected {allowed}{', or null' if nullable else ''}."
     if not specific:
         if key is not None and block:  # the innermost field's value was refused by every type it allows
             return f"{owner}`{key}`={value} is not accepted."
@@ -166,7 +267,7 @@ def summarise_parser_error(message: str) -> str:
         )
         value = given[0] if given else "this value"
         names = [match.group(1).rpartition(".")[2] for match in expected]
-        names = [_TYPE_NAMES.get(name, name) for name in names]
+        names = list(dict.fromkeys(_TYPE_NAMES.get(name, name) for name in names))
         types = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
         if types == "a list" and re.fullmatch(r"[\w.-]+", value):  # one word where a list goes
             types += f" (in YAML, [{value}] for a single item)"
@@ -183,7 +284,8 @@ def summarise_parser_error(message: str) -> str:
 class PulseArgumentParser(LightningArgumentParser):
     """LightningCLI's parser, whose errors open with the sentence that says what is wrong (one line, exit 2).
 
-    Set ``LIGHTNING_PULSE_TRACEBACK=1`` (or ``JSONARGPARSE_DEBUG=1``) for jsonargparse's full report.
+    Set ``LIGHTNING_PULSE_TRACEBACK=1`` (or ``JSONARGPARSE_DEBUG=true``: jsonargparse takes only true or
+    false there) for jsonargparse's full report.
     """
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
@@ -215,7 +317,7 @@ class PulseCLI(LightningCLI):
 
     A callback's ``ValueError`` (e.g. ``PulseCycle(burst="-5min")``) is raised while the classes are
     instantiated, before any training; it is reported as ``error: PulseCycle: <message>`` with exit code 2
-    instead of a traceback.
+    instead of a traceback. So is Lightning's refusal of two callbacks that would share a checkpoint entry.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -231,7 +333,38 @@ class PulseCLI(LightningCLI):
             owner = _raised_by(error)
             text = str(error)
             self.parser.error(f"{owner}: {text}" if owner and not text.startswith(owner) else text)
+        except RuntimeError as error:
+            duplicated = re.search(r"more than one stateful callback of type `(\w+)`", str(error))
+            if duplicated is None:
+                raise
+            self.parser.error(_duplicated_callback(duplicated.group(1), self._given_callbacks()))
         self._seed_lines.release()  # the classes are built: the seed lines follow, before training
+
+    def _given_callbacks(self) -> list[Any]:
+        """The callbacks built from ``trainer.callbacks`` (one or a list)."""
+        key = f"{self.subcommand}.trainer.callbacks" if self.subcommand else "trainer.callbacks"
+        given = self.config_init.get(key)
+        return given if isinstance(given, list) else [given]
+
+
+def _duplicated_callback(name: str, callbacks: list[Any]) -> str:
+    """The error for two callbacks of class ``name`` that Lightning refuses: a checkpoint keeps a callback's
+    state under its ``state_key``, the class name unless the callback adds some of its options to it, as
+    ``{'prefix': 'mhc'}`` (HyperConnectionMonitor) or ModelCheckpoint's ``monitor``."""
+    same = [callback for callback in callbacks if type(callback).__name__ == name]
+    options = same[0].state_key.removeprefix(type(same[0]).__qualname__) if same else ""
+    keyed = [(f"`{option}`", value) for option, value in re.findall(r"'(\w+)': ([^,}]+)", options)]
+    if not keyed:
+        return (
+            f"`trainer.callbacks` holds {name} more than once; a Trainer takes one (a checkpoint keeps its "
+            "state under the class name): remove the others."
+        )
+    names = " and ".join(option for option, _ in keyed)
+    return (
+        f"`trainer.callbacks` holds {name} more than once with "
+        f"{' and '.join(f'{option}={value}' for option, value in keyed)}; a checkpoint keeps its state under "
+        f"{names}: give each {name} a distinct {names}, or remove the others."
+    )
 
 
 class HeldSeedLines:
@@ -389,6 +522,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_wait_for_window(args[1:])
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    refused = _refused_jsonargparse_debug()
+    if refused is not None:  # jsonargparse would stop on it with a traceback when building the parser
+        sys.stderr.write(f"error: {refused}\n")
+        return 2
     try:
         PulseCLI(
             model_class=None,

@@ -1,7 +1,7 @@
 """The one exception a lightning-pulse callback raises when it refuses a run at fit start, and the checks
-that several callbacks share: sharded strategies, Tuner searches, one training run per instance, a plain
-check's ``ValueError`` as a refusal, and the argument checks (a callback's name first in its errors, nested
-configs given as mappings)."""
+that several callbacks share: sharded strategies, Tuner searches, one training run per instance, parameters a
+lazy module has not created yet, a plain check's ``ValueError`` as a refusal, and the argument checks (a
+callback's name first in its errors, nested configs given as mappings)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn.parameter import is_lazy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch import nn
 
 
 def first_names(names: Sequence[str], most: int) -> str:
@@ -88,6 +90,24 @@ def refuse_unwritable_dir(callback: str, field: str, directory: str | os.PathLik
         raise PulseRefusal(
             f"{callback}: `{field}`={os.fspath(directory)!r} cannot hold the report ({reason}); give a writable "
             "folder, or None for the logger's log dir."
+        )
+
+
+def refuse_uninitialized_parameters(module: nn.Module, callback: str) -> None:
+    """Raise :class:`PulseRefusal` at fit start when a lazy module of ``module`` (``nn.LazyLinear``,
+    ``nn.LazyConv2d``, ...) has not created its parameters or buffers yet: they exist only after the model's
+    first forward, and ``callback`` reads every weight before the first step (torch's own error there names
+    neither the callback nor the way out). A validation sanity check runs that forward before training starts,
+    if ``validation_step`` calls it; a lazy module the forward never calls is created by neither."""
+    lazy = [name for name, tensor in (*module.named_parameters(), *module.named_buffers()) if is_lazy(tensor)]
+    if lazy:
+        raise PulseRefusal(
+            f"{callback}: the model's {first_names(lazy, 3)} do not exist yet (a lazy module such as "
+            f"nn.LazyLinear creates them the first time it is called), and {callback} reads every weight "
+            "before the first step. Run one forward on an example batch in the LightningModule's `setup` or "
+            "`configure_model` (e.g. `self(self.example_input_array)`), or keep a validation loader whose "
+            "`validation_step` runs the forward (num_sanity_val_steps > 0); a lazy module the forward never "
+            "calls (an auxiliary head) must be created (call it once) or removed."
         )
 
 

@@ -467,7 +467,7 @@ class PhaseClock:
             last_cycle = None
             while sim.step < total_steps:
                 for change in sim.advance(
-                    sim._steps_to_boundary(total_steps), 0.0, steps_per_epoch, total_steps
+                    sim.steps_to_boundary(total_steps), 0.0, steps_per_epoch, total_steps
                 ):
                     if change.current is phase and from_step <= change.step < total_steps:
                         return change.step
@@ -481,18 +481,18 @@ class PhaseClock:
             return from_step
         return None
 
-    def _steps_to_boundary(self, total_steps: float) -> int:
+    def steps_to_boundary(self, total_steps: float) -> int:
         """Optimizer steps up to the clock's next possible change (at least 1): the end of a phase counted in
         steps, the warm-up's end or the anneal's start. Playing forward by these jumps lands on every change at
         its own step, at a cost per phase rather than per step."""
         if self.stage == "anneal":
             return 1
         bounds = []
-        duration = self.durations[self.phase]
-        if self.stage == "cycle" and duration.kind == "steps":
+        if self.stage == "cycle":  # warm-up is burst, which an order may leave out of `durations`
+            duration = self.durations[self.phase]
+            if duration.kind != "steps":  # an epoch duration: its boundary depends on fractions of an epoch
+                return 1
             bounds.append(math.ceil(duration.amount - 1e-9) - self.steps_in_phase)
-        elif self.stage == "cycle":  # an epoch duration: its boundary depends on fractions of an epoch
-            return 1
         if self.stage == "warmup":
             bounds.append(self._warmup_steps(total_steps) - self.step)
         if (anneal_from := self._anneal_start(total_steps)) is not None:

@@ -7,6 +7,7 @@ not core; it lives apart because two callbacks share it.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -15,6 +16,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.seed import isolate_rng
 from lightning_utilities.core.apply_func import apply_to_collection
 
@@ -25,6 +28,10 @@ from lightning_pulse.core.snapshots import TrainingSnapshot, holding
 #: the tensors the probes of this process handed to a collective (see ``compat.CollectiveHold``); the callbacks
 #: that run a probe wait for them at teardown
 PROBE_COLLECTIVES = compat.CollectiveHold()
+
+# how `self.log` and `self.log_dict` take their arguments: a captured call's `batch_size` is read by them
+_LOG = inspect.signature(pl.LightningModule.log)
+_LOG_DICT = inspect.signature(pl.LightningModule.log_dict)
 
 
 def first_validation_batches(
@@ -88,31 +95,70 @@ def run_validation_probe(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any], several: bool = False
 ) -> dict[str, float]:
     """Evaluate the module's own ``validation_step`` on ``batches`` (of the first of ``several`` validation
-    dataloaders: then called with ``dataloader_idx=0``, as Lightning does) and return the mean of what it logs.
+    dataloaders: then called with ``dataloader_idx=0``, as Lightning does) and return what it logs, reduced as
+    Lightning's epoch end reduces it: a mean (the default ``reduce_fx``) weighted by each batch's size
+    (``self.log(..., batch_size=...)``, else inferred from the batch as Lightning infers it, only for these), so
+    a short last batch counts for its samples; ``"sum"``, ``"max"`` and ``"min"`` as named; a torchmetrics
+    object computed once, after the last batch, over all the batches it saw. A value logged with
+    ``on_epoch=False`` has no epoch figure and is left out.
 
     The module's ``self.log`` calls are captured instead of reaching Lightning's logger connector, and its
     torchmetrics states, and any tensor state the module carries between batches (an RNN's hidden state), are
     restored afterwards, and it draws from a copy of the random generators, so neither training nor the real
     validation loop sees anything of the probe.
-    Under DDP the means are averaged over ranks (every rank calls this at the same step).
+    Under DDP every rank calls this at the same step and gets the figures over every rank's batches, as
+    ``sync_dist=True`` gives them: the weighted sums and the weights summed over ranks, sums summed, maxima and
+    minima taken over ranks.
     """
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    sums: dict[str, float] = {}  # a mean's values times their batch sizes; a sum's values
+    weights: dict[str, float] = {}  # a mean's batch sizes
+    extremes: dict[str, tuple[str, float]] = {}  # "max" / "min" and the value so far
+    metrics: dict[str, Any] = {}  # torchmetrics objects logged, computed after the last batch
+    # the batch validation_step runs on, and its size, inferred once where a call gives none
+    batch: Any = None
+    inferred_size: int | None = None
+
+    def size_of_the_batch() -> int:
+        nonlocal inferred_size
+        if inferred_size is None:
+            try:
+                inferred_size = extract_batch_size(batch)
+            except MisconfigurationException:  # no tensor in it: Lightning's validation says so
+                inferred_size = 1
+        return inferred_size
 
     def capture(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        arguments = _LOG.bind_partial(pl_module, name, value, *args, **kwargs).arguments
+        reduction = _reduction(arguments.get("reduce_fx", "mean"))
+        if arguments.get("on_epoch") is False or reduction is None:
+            return
         if hasattr(value, "compute") and callable(value.compute):  # a torchmetrics Metric object
-            value = value.compute()
+            metrics[name] = value
+            return
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 return
             value = value.detach().float().item()
-        if isinstance(value, (int, float)):
-            sums[name] = sums.get(name, 0.0) + float(value)
-            counts[name] = counts.get(name, 0) + 1
+        if not isinstance(value, (int, float)):
+            return
+        value = float(value)
+        if reduction == "mean":
+            batch_size = arguments.get("batch_size")
+            weight = float(size_of_the_batch() if batch_size is None else batch_size)
+            sums[name] = sums.get(name, 0.0) + value * weight
+            weights[name] = weights.get(name, 0.0) + weight
+        elif reduction == "sum":
+            sums[name] = sums.get(name, 0.0) + value
+            weights[name] = 1.0 / trainer.world_size  # summed over ranks: 1, so the figure is the sum
+        else:
+            pick = max if reduction == "max" else min
+            extremes[name] = (reduction, pick(extremes[name][1], value) if name in extremes else value)
 
-    def capture_dict(dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    def capture_dict(dictionary: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
+        arguments = _LOG_DICT.bind_partial(pl_module, dictionary, *args, **kwargs).arguments
+        shared = {key: arguments[key] for key in ("batch_size", "reduce_fx", "on_epoch") if key in arguments}
         for name, value in dictionary.items():
-            capture(name, value)
+            capture(name, value, **shared)
 
     modes = {module: module.training for module in pl_module.modules()}
     pl_module.eval()
@@ -120,34 +166,65 @@ def run_validation_probe(
         with outside_the_loop(pl_module, capture, capture_dict, trainer.precision_plugin.val_step_context()):
             for index, batch in enumerate(batches):
                 batch = compat.prepare_evaluation_batch(trainer, pl_module, batch)
+                inferred_size = None
                 if several:
                     pl_module.validation_step(batch, index, 0)
                 else:
                     pl_module.validation_step(batch, index)
+            # inside: the metrics' states are the probe's until outside_the_loop restores them
+            for name, metric in metrics.items():
+                value = metric.compute()
+                if isinstance(value, torch.Tensor) and value.numel() == 1:
+                    sums[name], weights[name] = float(value.detach().float()), 1.0  # the same on every rank
     finally:
         for module, training in modes.items():
             module.train(training)
-    means = {name: sums[name] / counts[name] for name in sorted(sums)}
-    if trainer.world_size > 1 and means:
-        stacked = torch.tensor(list(means.values()), dtype=torch.float64, device=pl_module.device)
-        stacked = compat.reduce_held(trainer.strategy, stacked, "mean", PROBE_COLLECTIVES)
-        means = dict(zip(means, stacked.tolist()))
-    return means
+    figures: dict[str, float] = {}
+    if names := sorted(sums):
+        totals = torch.tensor(
+            [[sums[name] for name in names], [weights[name] for name in names]],
+            dtype=torch.float64,
+            device=pl_module.device,
+        )
+        if trainer.world_size > 1:
+            totals = compat.reduce_held(trainer.strategy, totals, "sum", PROBE_COLLECTIVES)
+        figures.update(zip(names, (totals[0] / totals[1]).tolist()))
+    for reduction in ("max", "min"):  # rarely logged: a collective each only where one is
+        if names := sorted(name for name, (kind, _) in extremes.items() if kind == reduction):
+            values = torch.tensor(
+                [extremes[name][1] for name in names], dtype=torch.float64, device=pl_module.device
+            )
+            if trainer.world_size > 1:
+                values = compat.reduce_held(trainer.strategy, values, reduction, PROBE_COLLECTIVES)
+            figures.update(zip(names, values.tolist()))
+    return dict(sorted(figures.items()))
+
+
+def _reduction(reduce_fx: Any) -> str | None:
+    """Lightning's name for a ``self.log`` reduction (``"mean"``, ``"sum"``, ``"max"``, ``"min"``), or ``None``
+    for one it refuses itself."""
+    if isinstance(reduce_fx, str):
+        name = reduce_fx.lower()
+        name = "mean" if name == "avg" else name
+    else:
+        name = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(reduce_fx, "")
+    return name if name in ("mean", "sum", "max", "min") else None
 
 
 def training_losses(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]], grad_mode: bool = True
 ) -> list[float]:
     """The losses the module's own ``training_step`` returns on ``(batch_idx, batch)`` pairs, without training.
 
-    As the validation probe, with autograd on as in training (no ``backward``): ``self.log`` calls dropped,
-    torchmetrics states, carried tensor state and the random generators as they were; also the module's public
-    lists, dicts and numbers (``self.training_step_outputs.append(loss)``, counters). Each batch is a copy, so a ``training_step`` that
-    changes its batch in place leaves the batch that trained (and that later callbacks see) as it was. The
-    modules stay in training mode (a batch's training loss is the figure compared), so buffers a training
-    forward updates (BatchNorm's running statistics) change: the caller restores them
-    (:func:`lightning_pulse.core.snapshots.holding` does). A step that returns no loss (Lightning's way to skip
-    a batch) gives none.
+    As the validation probe, with autograd on as in training unless ``grad_mode`` is false (no ``backward``
+    either way; off, no graph is built, and a loss that calls ``torch.autograd.grad`` fails): ``self.log``
+    calls dropped, torchmetrics states, carried tensor state and the random generators as they were; also
+    the module's public lists, dicts and numbers (``self.training_step_outputs.append(loss)``, counters).
+    Each batch is a copy, so a ``training_step`` that changes its batch in place leaves the batch that
+    trained (and that later callbacks see) as it was. The modules stay in training mode (a batch's training
+    loss is the figure compared), so buffers a training forward updates (BatchNorm's running statistics)
+    change: the caller restores them (:func:`lightning_pulse.core.snapshots.holding` does). A step that
+    returns no loss (Lightning's way to skip a batch) gives none.
     """
     losses: list[float] = []
 
@@ -156,7 +233,7 @@ def training_losses(
 
     with (
         outside_the_loop(
-            pl_module, drop, drop, trainer.precision_plugin.train_step_context(), grad_mode=True
+            pl_module, drop, drop, trainer.precision_plugin.train_step_context(), grad_mode=grad_mode
         ),
         kept_python_state(pl_module),
     ):
@@ -214,7 +291,8 @@ class HeldOutProbe:
         self._data = None
 
     def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
-        """The mean of what ``validation_step`` logs on the probe's batches, or ``None`` if unavailable."""
+        """What ``validation_step`` logs on the probe's batches (:func:`run_validation_probe`), or ``None`` if
+        unavailable."""
         if self._unavailable or self.batches == 0:
             return None
         if self._data is None:

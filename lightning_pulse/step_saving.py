@@ -94,15 +94,21 @@ class UnplannedLengths:
     def cut_short(self, config: Any, planned: int) -> ScheduleCut | None:
         """The cut of the LR scheduler ``config``'s course when it is a per-step schedule built for an
         unplanned length that the ``planned`` steps fall short of, else ``None`` (an epoch-interval one keeps
-        its epochs)."""
+        its epochs). The planned run steps it ``planned // frequency`` times: a length of the unplanned run
+        over the frequency that the planned steps still reach (48 planned of a plain 50, ``T_max=50 // 4``,
+        stepped 12 times) is its whole course, not a cut, and one the unplanned run stops short of as well
+        (``T_max=13``, stepped 12 times in either run) is no cut of the plan's."""
         if config.interval != "step":
             return None
         frequency = max(1, int(config.frequency))
+        stepped = planned // frequency
         for length in sorted(schedule_lengths(config.scheduler)):
             found = self.source_of(length, frequency)
-            if found is not None and planned < found[1]:
+            # cut only where the plan steps it fewer times than the unplanned run would have: a length
+            # rounded up (T_max=13 for 50 // 4) that the plain run stops short of too is not the plan's doing
+            if found is not None and stepped < min(length, found[1] // frequency):
                 divided = frequency if length != found[1] else 1
-                return ScheduleCut(length, found[0], min(1.0, planned // frequency / length), divided)
+                return ScheduleCut(length, found[0], stepped / length, divided)
         return None
 
 
@@ -187,7 +193,9 @@ class StepSavingLoader:
         cycle = pulse_cycle_of(trainer)
         if cycle is not None and cycle.clock.uses_wall_clock:
             raise PulseRefusal(STEPS_MODE_CLOCK_REFUSAL)
-        max_epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else None
+        # a StochasticWeightAveraging's BatchNorm-update epoch trains nothing: it is no epoch of the plain run
+        training_epochs = compat.training_max_epochs(trainer)
+        max_epochs = training_epochs if training_epochs not in (None, -1) else None
         max_steps = trainer.max_steps if trainer.max_steps != -1 else None
         if max_epochs is None and max_steps is None:
             if cycle is not None:
@@ -234,8 +242,14 @@ class StepSavingLoader:
         # the plan's data gives exactly its total (warm-up and anneal are pinned where no exact fixed point
         # exists, see plan_steps), so max_epochs is left as the user set it: epoch-interval schedulers,
         # EarlyStopping's patience and epoch checkpoints count the epochs they were given
-        self._capped = (trainer, trainer.max_steps, plan.total_steps)
-        compat.set_max_steps(trainer, plan.total_steps)
+        # that epoch runs after the plain run's last epoch (not after a max_steps that ends it sooner) and
+        # takes a step of its own, which max_steps counts
+        batch_norm_step = compat.adds_batch_norm_epoch(trainer) and (
+            max_epochs is not None and (max_steps is None or max_steps > plan.plain_steps)
+        )
+        user_max_steps = trainer.max_steps
+        cap = compat.cap_training_steps(trainer, plan.total_steps, batch_norm_step)
+        self._capped = (trainer, user_max_steps, cap)
         self._choose = choose
         self._sampler = PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches, self._cut)
         compat.replace_batch_sampler(loader, self._sampler)
@@ -244,7 +258,12 @@ class StepSavingLoader:
         budget = None if cycle is None else cycle.budget
         replanned = self.stream.replanned_for_another_length
         rank_zero_info(
-            f"HardSampleReplay: {plan_summary(plan, budget)}; trainer.max_steps={plan.total_steps}"
+            f"HardSampleReplay: {plan_summary(plan, budget)}; trainer.max_steps={cap}"
+            + (
+                " (one more for StochasticWeightAveraging's BatchNorm-update epoch)"
+                if batch_norm_step
+                else ""
+            )
             + (" (the checkpoint's plan remade for this run's length)." if replanned else ".")
         )
         return plan

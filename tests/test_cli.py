@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -312,3 +313,159 @@ def test_a_value_of_the_wrong_shape_names_the_callbacks_field_on_the_first_line(
     assert not list(tmp_path.rglob("*.ckpt")) and not list(
         tmp_path.rglob("energy_report*")
     )  # nothing trained
+
+
+def _pulse_config_with_callbacks(tmp_path, callbacks) -> str:
+    """The pulse YAML with ``trainer.callbacks`` replaced, written under ``tmp_path``."""
+    config = yaml.safe_load(Path(PULSE_YAML).read_text())
+    config["trainer"]["callbacks"] = callbacks
+    config["trainer"]["default_root_dir"] = str(tmp_path)
+    path = tmp_path / "config_under_test.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _first_error_line(capsys, args) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) <= 2  # the sentence, and one line on how to see more
+    return err[0]
+
+
+_BAD_CYCLE = {"class_path": "lightning_pulse.PulseCycle", "init_args": {"burst": "-5min"}}
+_TYPO_CYCLE = {"class_path": "lightning_pulse.PulseCycle", "init_args": {"burts": 3}}
+_SHORT_GUARD = {"class_path": "lightning_pulse.StabilityGuard", "init_args": {"window": 4}}
+
+
+@pytest.mark.parametrize(
+    ("callback", "expected"),
+    [
+        (_BAD_CYCLE, "error: PulseCycle: `burst`='-5min' must be finite and non-negative"),
+        (_TYPO_CYCLE, "error: PulseCycle: Option 'burts' is not accepted; PulseCycle accepts: burst, "),
+        (_SHORT_GUARD, "error: StabilityGuard: `warmup`=50 must not exceed `window`=4."),
+    ],
+    ids=["constructor", "unknown-option", "guard"],
+)
+@pytest.mark.parametrize("given_as", ["yaml", "command-line"])
+def test_a_single_callback_mapping_is_reported_as_the_same_callback_in_a_list(
+    tmp_path, capsys, callback, expected, given_as
+):
+    # Lightning types trainer.callbacks `list[Callback] | Callback`: a single mapping's refused value was
+    # reported as "PulseCycle: Expected a <class 'list'>" (the list branch's line), naming no field
+    if given_as == "yaml":
+        args = ["fit", "--config", _pulse_config_with_callbacks(tmp_path, callback)]
+    else:
+        args = ["fit", "--config", PULSE_YAML, "--trainer.callbacks", json.dumps(callback)]
+        args += ["--trainer.default_root_dir", str(tmp_path)]
+    single = _first_error_line(capsys, args)
+    in_a_list = _first_error_line(
+        capsys, ["fit", "--config", _pulse_config_with_callbacks(tmp_path, [callback])]
+    )
+    assert single.startswith(expected), single
+    assert single == in_a_list
+
+
+@pytest.mark.parametrize(
+    ("added", "expected"),
+    [
+        (
+            [
+                "--trainer.callbacks+=lightning_pulse.HyperConnectionMonitor",
+                "--trainer.callbacks.every_n_steps=often",
+            ],
+            "error: HyperConnectionMonitor: `every_n_steps`=often is not accepted; expected int.",
+        ),
+        (
+            ["--trainer.callbacks=lightning_pulse.PulseCycle", "--trainer.callbacks.init_args.warmup=abc"],
+            "error: PulseCycle: `warmup`=abc is not accepted; expected float.",
+        ),
+    ],
+    ids=["appended", "single"],
+)
+def test_a_wrong_typed_callback_option_on_the_command_line_names_the_field(tmp_path, capsys, added, expected):
+    # the union's fallback (Lightning's base Callback, "Option 'every_n_steps' is not accepted") kept the
+    # field out: "HyperConnectionMonitor: Expected a <class 'int'>. Got value: often"
+    args = ["fit", "--config", PULSE_YAML, *added, "--trainer.default_root_dir", str(tmp_path)]
+    assert _first_error_line(capsys, args) == expected
+
+
+@pytest.mark.parametrize(
+    ("callback", "expected"),
+    [
+        (
+            {
+                "class_path": "lightning_pulse.EnergyLogger",
+                "init_args": {"accounting": {"token_counter": "len"}},
+            },
+            "error: AccountingConfig: `token_counter`=len is not accepted; expected the dot import path of a "
+            "function (package.module.function, here builtins.len), or null.",
+        ),
+        (
+            {
+                "class_path": "lightning_pulse.HardSampleReplay",
+                "init_args": {"scorer": "torch.nn.functional.mse_loss"},
+            },
+            "error: HardSampleReplay: `scorer`=torch.nn.functional.mse_loss is not accepted; expected the "
+            "class_path of a PerSampleScorer (lightning_pulse.core.per_sample_loss.OutputKeyScorer, "
+            "lightning_pulse.core.per_sample_loss.ForwardLossScorer or a subclass of your own), or null.",
+        ),
+        (
+            {
+                "class_path": "lightning_pulse.HardSampleReplay",
+                "init_args": {"scorer": {"class_path": "torch.nn.MSELoss"}},
+            },
+            "error: HardSampleReplay: `scorer`={'class_path': 'torch.nn.MSELoss'} is not accepted; "
+            "expected the class_path of a PerSampleScorer (",
+        ),
+    ],
+    ids=["token_counter", "scorer-function", "scorer-class"],
+)
+def test_a_function_or_class_field_given_the_wrong_thing_names_the_field_and_what_it_takes(
+    tmp_path, capsys, callback, expected
+):
+    # the sentences were jsonargparse's: "Expected a dot import path string: len", "Expected a path but
+    # torch.nn.functional.mse_loss either not accessible or invalid" (no field; a scorer is no path)
+    first = _first_error_line(capsys, ["fit", "--config", _pulse_config_with_callbacks(tmp_path, [callback])])
+    assert first.startswith(expected), first
+
+
+def test_two_callbacks_sharing_a_checkpoint_entry_are_one_line_naming_the_class_and_the_way_out(
+    tmp_path, capsys
+):
+    # Lightning's RuntimeError ("Found more than one stateful callback of type `PulseCycle`") was a 30-line
+    # traceback with exit code 1
+    run = [*FAST, "--trainer.max_steps", "2", "--trainer.default_root_dir", str(tmp_path)]
+    added = ["--trainer.callbacks+=lightning_pulse.PulseCycle"]
+    first = _first_error_line(capsys, ["fit", "--config", PULSE_YAML, *added, *run])
+    assert first == (
+        "error: `trainer.callbacks` holds PulseCycle more than once; a Trainer takes one (a checkpoint keeps "
+        "its state under the class name): remove the others."
+    )
+    monitors = ["--trainer.callbacks+=lightning_pulse.HyperConnectionMonitor"] * 2
+    first = _first_error_line(capsys, ["fit", "--config", PULSE_YAML, *monitors, *run])
+    assert first.startswith(
+        "error: `trainer.callbacks` holds HyperConnectionMonitor more than once with `prefix`='mhc'"
+    )
+    assert "give each HyperConnectionMonitor a distinct `prefix`" in first
+    # the way out: a monitor keeps its state under its prefix, so two with distinct ones train
+    with pytest.warns(UserWarning, match="found no HyperConnection"):  # the MNIST-1D CNN has none
+        assert main(["fit", "--config", PULSE_YAML, *monitors, "--trainer.callbacks.prefix=b", *run]) == 0
+
+
+@pytest.mark.parametrize("value", ["1", "false"])
+def test_jsonargparse_debug_is_read_as_jsonargparse_reads_it(tmp_path, capsys, monkeypatch, value):
+    # the parser's docstring said JSONARGPARSE_DEBUG=1, which jsonargparse refuses with a traceback ("Invalid
+    # boolean value"); and `false` turned the one-line errors off
+    monkeypatch.setenv("JSONARGPARSE_DEBUG", value)
+    bad = _pulse_config_with_callbacks(tmp_path, [_BAD_CYCLE])
+    if value == "1":
+        assert main(["fit", "--config", bad]) == 2
+        first = capsys.readouterr().err.strip().splitlines()[0]
+        assert first == (
+            "error: JSONARGPARSE_DEBUG=1 is not accepted; expected true or false "
+            "(or LIGHTNING_PULSE_TRACEBACK=1 for the full report and tracebacks)."
+        )
+    else:
+        assert _first_error_line(capsys, ["fit", "--config", bad]).startswith("error: PulseCycle: `burst`=")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -398,3 +399,145 @@ def test_a_held_last_value_is_dated_where_the_run_crosses_the_series_end():
     later = series.end + 1800.0
     assert rate.mean(later, later + 3600.0) == float(series.values[-1])
     assert rate.describe()["held"]["after"]["from_utc"] == "2020-06-03 00:00:00"  # series.end, not 00:30
+
+
+def year_2020(value=lambda hours: 100.0 + hours) -> TimeSeries:
+    """An hourly series of 2020 (366 days, to 2021-01-01 00:00 like ``de_2020.csv``)."""
+    return hourly_series("2020-01-01 00:00:00", "2020-12-31 23:00:00", value)
+
+
+@pytest.mark.parametrize(
+    "run_start, read_at",
+    [
+        ("2025-12-31 12:00:00", "2020-12-31 12:00:00"),  # a 2026 run over a new year's eve
+        ("2019-12-30 00:00:00", "2020-12-30 00:00:00"),  # two days before the series: no own dates
+    ],
+)
+def test_a_run_read_at_the_same_time_of_year_wraps_past_a_whole_year_series_end(run_start, read_at):
+    # review 19: from 2021-01-01 on the run held the 31 December value for the rest of the run (weeks, for a
+    # long one), with a warning, where the same time of year is the series' January
+    series = year_2020()
+    notices: list[str] = []
+    rate = Rate("series:hourly.csv", "gCO2eq/kWh", series=series, notice=notices.append, warn=pytest.fail)
+    start = utc(run_start)
+    rate.anchor(start)
+    assert rate.series_time(start) == utc(read_at)
+    new_year = start + utc("2021-01-01 00:00:00") - utc(read_at)  # where the run crosses the series' end
+    for hours in (0, 5, 24 * 40):  # January 2020, hour by hour, and February six weeks on
+        moment = new_year + 3600.0 * hours
+        assert rate.mean(moment, moment + 60) == series.value_at(utc("2020-01-01 00:00:00") + 3600.0 * hours)
+        assert rate.mean(moment, moment + 60) == 100.0 + hours
+    assert len(notices) == 1 and "wrapping at its end to 2020-01-01 00:00:00 (1 year back)" in notices[0]
+    described = rate.describe()
+    assert described["held"] == {} and described["run_start_read_at"] == read_at
+    assert described["wraps"] == {
+        "at_utc": "2021-01-01 00:00:00",
+        "to_utc": "2020-01-01 00:00:00",
+        "years": 1,
+    }
+    resumed = Rate("series:hourly.csv", "gCO2eq/kWh", series=series, notice=notices.append, warn=pytest.fail)
+    resumed.load_state_dict(rate.state_dict())
+    resumed.anchor(start + 86400.0)  # a resume keeps the first fit's anchor, and with it the wrap
+    assert resumed.mean(new_year + 7200.0, new_year + 7260.0) == 102.0 and resumed.describe() == described
+
+
+def test_the_mean_over_an_interval_across_a_wrapping_series_end_is_the_wrapped_mean():
+    series = year_2020()
+    last = 100.0 + 366 * 24 - 1  # 2020-12-31 23:00
+    rate = Rate(
+        "series:hourly.csv", "gCO2eq/kWh", series=series, notice=lambda message: None, warn=pytest.fail
+    )
+    rate.anchor(utc("2025-12-31 12:00:00"))  # read at 2020-12-31 12:00
+    crossing = utc(
+        "2025-12-31 23:30:00"
+    )  # 2020-12-31 23:30 to 2021-01-01 01:30: half of 23:00, 00:00, half of 01:00
+    assert rate.mean(crossing, crossing + 7200.0) == pytest.approx((0.5 * last + 100.0 + 0.5 * 101.0) / 2)
+    # three years on, a whole period reads every hour of 2020 once: its mean, with no drift from the laps
+    later = utc("2028-12-31 12:00:00") + 1800.0
+    assert rate.mean(later, later + 366 * 86400.0) == pytest.approx(float(series.values.mean()), rel=1e-12)
+    # a three-year series wraps three years back: 2022-01-01 reads 2019-01-01
+    three = hourly_series("2019-01-01 00:00:00", "2021-12-31 23:00:00", lambda hours: 100.0 + hours)
+    rate = Rate(
+        "series:hourly.csv", "gCO2eq/kWh", series=three, notice=lambda message: None, warn=pytest.fail
+    )
+    rate.anchor(utc("2026-12-31 00:00:00"))  # its middle year: 2020-12-31
+    moment = utc("2028-01-01 07:00:00")  # series time 2022-01-01 07:00
+    assert rate.mean(moment, moment + 60) == 107.0 and rate.describe()["wraps"]["years"] == 3
+
+
+@pytest.mark.parametrize(
+    "first, last, run_start, series_start",
+    [
+        ("2020-01-01 00:00:00", "2020-12-31 23:00:00", "2020-12-31 12:00:00", None),  # its own dates
+        (
+            "2020-01-01 00:00:00",
+            "2020-12-31 23:00:00",
+            "2025-12-31 12:00:00",
+            "2020-12-31 12:00:00",
+        ),  # a start
+        (
+            "2020-06-01 00:00:00",
+            "2020-06-30 23:00:00",
+            "2026-06-29 00:00:00",
+            None,
+        ),  # a June excerpt, in June
+    ],
+)
+def test_a_run_at_its_own_dates_from_a_start_or_on_a_partial_year_still_holds_past_the_end(
+    first, last, run_start, series_start
+):
+    series = hourly_series(first, last, lambda hours: 100.0 + hours)
+    warned: list[str] = []
+    rate = Rate(
+        "series:hourly.csv",
+        "gCO2eq/kWh",
+        series=series,
+        series_start=None if series_start is None else utc(series_start),
+        notice=lambda message: None,
+        warn=warned.append,
+    )
+    start = utc(run_start)
+    rate.anchor(start)
+    past_end = start + series.end - rate.series_time(start) + 3600.0 * 5
+    assert rate.mean(past_end, past_end + 60) == float(series.values[-1])  # no other year stitched in
+    assert len(warned) == 1 and "last value" in warned[0] and "no other year" in warned[0]
+    assert set(rate.describe()["held"]) == {"after"} and rate.describe()["wraps"] is None
+
+
+def test_green_window_read_at_the_same_time_of_year_wraps_its_signal_into_january(mnist1d_small, tmp_path):
+    # review 19: a run from 2025-12-31 12:00 on a 2020 series held the 31 December value past 2021-01-01
+    import lightning.pytorch as pl
+
+    from lightning_pulse import GreenWindow, GreenWindowOptions, SimulatedClock
+    from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
+    from tests.conftest import trainer_kwargs
+
+    january = 31 * 24  # hours
+    series = year_2020(lambda hours: np.where(hours < january, 100.0, 500.0))
+    clock = SimulatedClock("2025-12-31 12:00:00")
+    green = GreenWindow(
+        signal=series,
+        when_dirty="pause",
+        clock=clock,
+        expected_duration="36h",
+        options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path)),
+    )
+    model, data = mnist1d_small(arch="mlp")
+    trainer = pl.Trainer(
+        callbacks=[SimulatedStepTime(clock, 3600.0), green],
+        max_steps=36,
+        limit_val_batches=0,
+        **trainer_kwargs(),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data)
+    assert not [str(w.message) for w in caught if "held" in str(w.message)]
+    new_year = utc("2026-01-01 00:00:00")
+    decisions = green.report["decisions"]
+    assert [d["signal"] for d in decisions if d["wall"] < new_year] and all(
+        d["signal"] == 500.0 for d in decisions if d["wall"] < new_year
+    )
+    past_end = [d for d in decisions if d["wall"] >= new_year]
+    assert past_end and all(d["signal"] == 100.0 for d in past_end)  # January 2020, not 31 December's 500
+    assert green.report["signal"]["wraps"]["to_utc"] == "2020-01-01 00:00:00"

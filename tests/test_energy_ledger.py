@@ -215,6 +215,16 @@ def test_batches_tell_samples_and_tokens():
     assert count_tokens({"input_ids": torch.zeros(2, 5, dtype=torch.long)}) == 10
 
 
+def test_a_per_batch_value_leading_the_batch_is_not_taken_for_its_sample_count():
+    # held-out sweep 19: a packing collator's 0-dim `num_tokens` first in a dict batch counted every batch as
+    # 1 sample (8 for 64 trained), and nothing was said
+    ids = torch.zeros(8, 10, dtype=torch.long)
+    packed = {"num_tokens": torch.tensor(80), "input_ids": ids, "attention_mask": torch.ones(8, 10)}
+    assert count_samples(packed) == 8 and count_batch(packed) == (8, packed["attention_mask"].sum())
+    assert count_samples((torch.tensor(80), ids)) == 8 and count_batch((torch.tensor(80), ids))[0] == 8
+    assert doubtful_sample_count(packed) is None  # nothing to doubt once the per-batch value is passed over
+
+
 @pytest.mark.parametrize(
     "batch",
     [
@@ -224,6 +234,7 @@ def test_batches_tell_samples_and_tokens():
         (torch.zeros(3, 2, dtype=torch.bool),),
         (torch.zeros(2, 3, dtype=torch.complex64),),
         (torch.tensor(3.0),),
+        (torch.tensor(3.0), torch.zeros(5, 2)),
         {"input_ids": torch.zeros(2, 5, dtype=torch.long)},
         [],
         "no tensor",

@@ -102,6 +102,22 @@ def test_a_first_value_held_before_the_series_is_not_said_to_end_when_the_run_re
     assert "until the run reaches" not in markdown
 
 
+def test_a_run_that_wraps_past_the_series_end_says_so_in_the_markdown():
+    # review 19: the JSON recorded `wraps` and the Markdown said nothing of the year read after the end
+    report = small_report()
+    wraps = {"at_utc": "2021-01-01 00:00:00", "to_utc": "2020-01-01 00:00:00", "years": 1}
+    report["carbon_intensity"] = {
+        "source": "series:de_2020.csv",
+        "unit": "gCO2eq/kWh",
+        "held": {},
+        "wraps": wraps,
+    }
+    assert (
+        "- Carbon intensity: the run reads series:de_2020.csv at the same time of year and goes on past its end "
+        "(2021-01-01 00:00:00) at 2020-01-01 00:00:00, 1 year back." in report_markdown(report)
+    )
+
+
 def test_a_failed_write_leaves_the_previous_file_intact(tmp_path):
     from lightning_pulse.energy.report import write_atomic
 

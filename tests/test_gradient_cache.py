@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 import warnings
 from pathlib import Path
 
@@ -431,6 +432,79 @@ def test_activation_cache_switches_itself_off_when_samples_change_between_visits
     assert cache.activations.hits == 0
     for param, other in zip(model.parameters(), plain_model.parameters()):
         assert torch.equal(param, other)
+
+
+class UnreadableAt(torch.utils.data.Dataset):
+    """``None`` for the samples at ``unreadable`` (files that fail to load), the others as they are."""
+
+    def __init__(self, dataset, unreadable: set[int]) -> None:
+        self.dataset, self.unreadable = dataset, unreadable
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return None if index in self.unreadable else self.dataset[index]
+
+
+def skip_unreadable(items):
+    """The usual collate_fn that drops the samples that failed to load: 59 rows for 60 drawn indices."""
+    return torch.utils.data.default_collate([item for item in items if item is not None])
+
+
+def _fit_dropping_samples(mnist1d_small, megabytes: float, unreadable: set[int]):
+    pl.seed_everything(5)
+    model, data = mnist1d_small()
+    data.setup("fit")
+    loader = DataLoader(
+        UnreadableAt(data.train_set, unreadable), batch_size=60, shuffle=True, collate_fn=skip_unreadable
+    )
+    cache = GradientCache(threshold=2.0, check_every=6, freeze_for=60, activation_cache_mb=megabytes)
+    trainer = pl.Trainer(callbacks=[cache], max_steps=60, **trainer_kwargs())
+    trainer.fit(model, train_dataloaders=loader)
+    return model, cache
+
+
+def test_a_batch_a_collate_fn_dropped_a_sample_from_is_not_recorded_and_the_cache_keeps_replaying(
+    mnist1d_small,
+):
+    """Held-out sweep: a collate_fn that drops unreadable samples gave a batch of 59 rows for 60 indices; the
+    cache dropped every module for the rest of the run, with no word (0 hits). Now only that batch is left
+    unrecorded; the others replay, and the weights are those of the run without the cache."""
+    unreadable = {13, 400}
+    plain_model, plain = _fit_dropping_samples(mnist1d_small, 0.0, unreadable)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model, cache = _fit_dropping_samples(mnist1d_small, 4.0, unreadable)
+    activations = cache.activations
+    assert cache.events == plain.events and cache.events[0]["to"] == 3
+    assert activations.disabled_reason is None and [e.name for e in activations.entries] == [
+        "net.1",
+        "net.3",
+        "net.5",
+    ]
+    assert activations.unmatched_batches >= 2 and activations.hits >= 5  # 0 before: every module dropped
+    assert not [w for w in said if "activation cache" in str(w.message)]
+    for (name, param), other in zip(model.named_parameters(), plain_model.parameters()):
+        assert torch.allclose(param, other, rtol=0, atol=1e-6), name
+
+
+def test_the_cache_switches_itself_off_naming_the_rows_when_most_batches_lost_a_sample(mnist1d_small):
+    """When most batches hold fewer rows than drawn indices, nothing can be replayed: the cache says so, once,
+    naming the mismatch and the way out, instead of emptying itself with no word."""
+    unreadable = set(range(0, 720, 45))  # 16 samples: most batches of 60 lose one
+    plain_model, _ = _fit_dropping_samples(mnist1d_small, 0.0, unreadable)
+    with pytest.warns(UserWarning) as said:
+        model, cache = _fit_dropping_samples(mnist1d_small, 4.0, unreadable)
+    notes = [str(w.message) for w in said if "activation cache switched itself off" in str(w.message)]
+    assert len(notes) == 1
+    assert re.search(
+        r"\d+ of \d+ frozen batches held another number of rows .* \(the last: 59 rows for 60", notes[0]
+    )
+    assert "collate_fn that drops samples" in notes[0] and "return a stand-in sample" in notes[0]
+    assert cache.activations.disabled_reason in notes[0]
+    for (name, param), other in zip(model.named_parameters(), plain_model.parameters()):
+        assert torch.allclose(param, other, rtol=0, atol=1e-6), name
 
 
 def test_without_flop_measurement_the_same_units_freeze_and_no_flop_figure_is_logged(mnist1d_small, tmp_path):

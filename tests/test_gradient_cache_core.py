@@ -1055,6 +1055,113 @@ def test_activation_cache_switches_itself_off_when_padding_changes_a_samples_sha
     assert "forward" not in vars(embed)
 
 
+class Transposed(nn.Module):
+    """A module whose output is not batch-first: ``(B, F) -> (F, B)``."""
+
+    def forward(self, x):
+        return x.t()
+
+
+def test_a_batch_whose_rows_are_not_its_indices_is_not_recorded_and_most_such_batches_switch_the_cache_off():
+    # held-out sweep: a collate_fn dropping an unreadable sample gave 7 rows for 8 indices, and every module
+    # left the cache for the rest of the run, with no word
+    from lightning_pulse.core.activation_cache import UNMATCHED_BATCHES_TO_SWITCH_OFF, PrefixActivationCache
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).requires_grad_(False)
+    data = torch.randn(10, 4)
+    cache = PrefixActivationCache(capacity=10, dataset_size=10, budget_bytes=2**20)
+    cache.plan([("0", model[0]), ("2", model[2])])
+    assert cache.begin_batch(torch.tensor([0, 1, 2])) == "record"
+    model(data[[0, 2]])  # sample 1 dropped by the collate_fn: 2 rows for 3 indices
+    cache.end_batch()
+    assert [e.name for e in cache.entries] == ["0", "2"] and not cache.filled.any()
+    assert cache.unmatched_batches == 1 and cache.disabled_reason is None
+    indices = torch.tensor([3, 4])
+    expected = model(data[indices])
+    modes = []
+    for _ in range(3):  # the other batches record, verify and replay as before
+        modes.append(cache.begin_batch(indices))
+        assert torch.equal(model(data[indices]), expected)
+        cache.end_batch()
+    assert modes == ["record", "verify", "hit"] and cache.hits == 1
+
+    # a recorded batch that comes back a row short runs for real, and counts as such a batch too
+    assert cache.begin_batch(indices) == "hit"
+    assert torch.allclose(model(data[[4]]), expected[1:])  # computed: 1 row, not the records of 2
+    cache.end_batch()
+    assert cache.hits == 1 and cache.unmatched_batches == 2 and cache.disabled_reason is None
+
+    # most batches such: the cache switches itself off, naming the rows, the indices and the way out
+    for _ in range(UNMATCHED_BATCHES_TO_SWITCH_OFF - 2):
+        cache.begin_batch(torch.tensor([5, 6, 7]))
+        model(data[[5, 7]])
+        cache.end_batch()
+    reason = cache.disabled_reason
+    assert reason is not None and "8 of 11 frozen batches held another number of rows" in reason
+    assert "(the last: 2 rows for 3 indices)" in reason and "collate_fn that drops samples" in reason
+    assert cache.begin_batch(indices) == "off"
+
+    # one module whose output is not batch-first, after one whose output is: that module leaves the cache
+    model = nn.Sequential(nn.Linear(4, 8), Transposed()).requires_grad_(False)
+    cache = PrefixActivationCache(capacity=10, dataset_size=10, budget_bytes=2**20)
+    cache.plan([("0", model[0]), ("1", model[1])])
+    cache.begin_batch(indices)
+    model(data[indices])
+    cache.end_batch()
+    assert [e.name for e in cache.entries] == ["0"] and cache.unmatched_batches == 0
+    assert bool(cache.filled[cache.slot_of[indices]].all())
+
+
+class LastStep(nn.Module):
+    """A module whose input is time-major and output batch-first: ``(T, B, H) -> (B, H)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x[-1])
+
+
+def test_a_time_major_input_short_of_a_sample_is_skipped_and_only_another_length_switches_the_cache_off():
+    # held-out sweep: recorded samples coming back with one dropped by the collate_fn ((T, 7, H) for 8
+    # indices) switched the whole cache off as padding, "output (4,), then (4,)", instead of skipping it
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    torch.manual_seed(0)
+    model = nn.Sequential(LastStep(), nn.Linear(4, 2)).requires_grad_(False)
+    data = torch.randn(5, 16, 4)  # (T, N, H)
+    cache = PrefixActivationCache(capacity=16, dataset_size=16, budget_bytes=2**20)
+    cache.plan([("0", model[0]), ("1", model[1])])
+    indices = torch.arange(8)
+    modes = []
+    for batch in (indices, indices, indices, torch.arange(8, 12)):  # the last: a short last batch, recorded
+        modes.append(cache.begin_batch(batch))
+        model(data[:, batch])
+        cache.end_batch()
+    assert modes == ["record", "verify", "hit", "record"] and cache.disabled_reason is None
+    assert bool(cache.filled[cache.slot_of[torch.arange(12)]].all())
+
+    cache.begin_batch(indices)
+    kept = [0, 1, 2, 4, 5, 6, 7]  # sample 3 dropped
+    assert torch.allclose(model(data[:, kept]), model[1](model[0].linear(data[-1, kept])))  # computed
+    cache.end_batch()
+    assert cache.unmatched_batches == 1 and cache.disabled_reason is None and cache.hits == 1
+    assert cache.begin_batch(indices) == "hit"  # the cache goes on
+    model(data[:, indices])
+    cache.end_batch()
+
+    # the same samples at another length (a collate function padding to each batch's longest): off, naming
+    # the input's shapes, which changed, not the output's, which did not
+    assert cache.begin_batch(indices) == "hit"
+    model(torch.cat([data[:, indices], torch.zeros(1, 8, 4)]))
+    cache.end_batch()
+    reason = cache.disabled_reason
+    assert reason is not None and "the per-sample input of 0 changes shape" in reason
+    assert "((5, 4), then (6, 4):" in reason and cache.unmatched_batches == 1
+
+
 def test_modules_with_dropout_or_batch_statistics_are_not_cached():
     from lightning_pulse.core.activation_cache import PrefixActivationCache
 

@@ -31,7 +31,7 @@ from lightning_pulse.energy.forecast import (
     forecast_from,
     slot_means,
 )
-from lightning_pulse.energy.signal import LiveSignal, series_from_pairs, series_signal
+from lightning_pulse.energy.signal import GreenSignal, LiveSignal, series_from_pairs, series_signal
 
 CARBON = Path(__file__).resolve().parents[1] / "examples" / "data" / "carbon"
 DE_JUNE = CARBON / "de_2020_june_excerpt.csv"
@@ -362,3 +362,31 @@ def test_a_past_deadline_refuses_a_new_run_and_warns_a_resumed_one():
     ):
         passed_deadline(5000.0, 6000.0, resumed=False)
     assert "passed while the run was down" in passed_deadline(5000.0, 6000.0, resumed=True)
+
+
+def test_a_signal_read_at_the_same_time_of_year_forecasts_past_a_whole_year_series_end_from_its_start():
+    # review 19: a run from 2025-12-31 read a 2020 series at 2020-12-31 and, from 2021-01-01 on, its held
+    # 31 December value: every slot past the end alike, January's clean hours unseen by oracle and rule
+    hours = np.arange(366 * 24)
+    year = hourly(
+        np.where(hours < 31 * 24, 100.0, 500.0) + hours % 7, start=parse_timestamp("2020-01-01 00:00:00")
+    )
+    signal = GreenSignal(year)
+    start = parse_timestamp("2025-12-31 12:00:00")
+    signal.anchor(start)
+    series, to_series = signal.now()
+    now = to_series(start + 6 * H)  # 2020-12-31 18:00
+    starts = now + H * np.arange(24)
+    expected = np.concatenate([year.values[-6:], year.values[:18]])  # 31 December's last hours, then January
+    assert OracleForecast().predict(series, now, starts, H) == pytest.approx(expected)
+    decision, _, _ = GreenWindowPolicy(OracleForecast()).decide(series, now, 6 * H, 12 * H)
+    assert not decision.run and decision.resume_at == now + 6 * H  # waits for January's first hour
+    assert signal.mean(start + 12 * H, start + 14 * H) == pytest.approx(year.values[:2].mean())
+    # review 19: a forecast file equal to the series read its held last value flat past the end meanwhile
+    given = SeriesForecast(year).predict(series, now, starts, H)
+    assert given[1:] == pytest.approx(expected[1:]) and given[0] == series.value_at(now)
+    assert signal.describe()["wraps"] == {
+        "at_utc": "2021-01-01 00:00:00",
+        "to_utc": "2020-01-01 00:00:00",
+        "years": 1,
+    }

@@ -793,6 +793,44 @@ def test_batch_mode_refuses_a_time_major_batch_before_the_first_step():
         _sequence_fit("batch", _time_major, shuffle=False)
 
 
+def _with_class_weights_and_a_count(samples):
+    xs, ys = zip(*samples)
+    y = torch.stack(ys)
+    return [torch.stack(xs), (y, torch.bincount(y, minlength=5).float() + 1.0, torch.tensor(len(y)))]
+
+
+class _WeightedClassifier(pl.LightningModule):
+    """Reads ``[x, (y, class_w, count)]``: a ``(B,)`` target, a ``(5,)`` class weight, a 0-dim count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(4, 5)
+        self.sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, (y, class_w, count) = batch
+        assert class_w.shape == (5,) and count.dim() == 0 and len(y) == len(x)
+        self.sizes.append(len(y))
+        return F.cross_entropy(self.head(x), y, weight=1.0 / class_w)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_batch_mode_cuts_a_short_last_batch_as_long_as_its_target_tuple_as_it_cut_the_full_ones():
+    # held-out sweep: batches of 8 passed the check at the first batch, then the last batch of 3 read the
+    # target tuple (y, class_w, count) as 3 samples' items and cut it to 2 of them: the run crashed mid-epoch
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(19, 4, generator=generator), torch.randint(0, 5, (19,), generator=generator)
+    )
+    module, replay = _WeightedClassifier(), HardSampleReplay(mode="batch", replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    trainer.fit(module, DataLoader(data, batch_size=8, collate_fn=_with_class_weights_and_a_count))
+    assert trainer.global_step == 6 and module.sizes[:3] == [8, 8, 3]
+    assert module.sizes[3:] == [4, 4, 2]  # the last batch is cut too, its class weights and count kept
+
+
 class _FocalLoss(pl.LightningModule):
     """A hand-written focal loss over F.cross_entropy(reduction="none"); each InfoBatch-weighted step checks
     its gradient against the intended one, the gradient of mean_i(w_i * focal_i) over the true

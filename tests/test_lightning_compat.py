@@ -152,3 +152,89 @@ def test_total_steps_under_an_accumulation_scheduler_is_capped_by_max_steps(mnis
     trainer = pl.Trainer(callbacks=[scheduler], max_epochs=4, max_steps=14, **trainer_kwargs())
     trainer.fit(model, data)
     assert trainer.global_step == 14 and compat.total_steps(trainer) == 14.0
+
+
+class _BatchNormMLP(pl.LightningModule):
+    """An MLP with BatchNorm: StochasticWeightAveraging adds an epoch that recomputes its statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+        )
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _loader(samples: int = 80):
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(samples, 10, generator=generator), torch.randint(0, 3, (samples,), generator=generator)
+    )
+    return torch.utils.data.DataLoader(data, batch_size=8)  # 10 batches a pass
+
+
+@pytest.mark.parametrize("swa_first", [False, True])
+def test_run_length_leaves_out_the_batch_norm_epoch_of_stochastic_weight_averaging(swa_first):
+    """Held-out sweep: SWA raises max_epochs by one on a model with BatchNorm for an epoch that only
+    recomputes BatchNorm statistics (no backward); the run length read 60 steps where 50 train. Either side of
+    SWA's hooks, and inside that epoch (one batch more, an accumulation spanning it), the length is 50."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    class Reader(pl.Callback):
+        def __init__(self):
+            self.read, self.taken_at_end = [], None
+
+        def _read(self, trainer, hook):
+            steps, batches = compat.run_length(trainer)
+            self.read.append(
+                (hook, trainer.current_epoch, steps, batches, compat.in_batch_norm_update_epoch(trainer))
+            )
+
+        def on_train_start(self, trainer, pl_module):
+            self._read(trainer, "train_start")
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self._read(trainer, "epoch_start")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 9:
+                self._read(trainer, "last_batch")
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self._read(trainer, "epoch_end")
+
+        def on_train_end(self, trainer, pl_module):
+            self.taken_at_end = compat.training_steps_taken(trainer)
+
+    reader, swa = Reader(), StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=0.6)
+    callbacks = [swa, reader] if swa_first else [reader, swa]
+    trainer = pl.Trainer(callbacks=callbacks, max_epochs=5, **trainer_kwargs())
+    trainer.fit(_BatchNormMLP(), _loader())
+    assert trainer.global_step == 51  # the BatchNorm epoch's window closes with a step, no backward
+    assert {(steps, batches) for _, _, steps, batches, _ in reader.read} == {(50.0, 50.0)}
+    in_update_epoch = {(hook, epoch) for hook, epoch, *_, inside in reader.read if inside}
+    assert in_update_epoch == {("epoch_start", 5), ("last_batch", 5), ("epoch_end", 5)}
+    assert reader.taken_at_end == 50 and compat.training_max_epochs(trainer) == trainer.max_epochs == 5
+
+
+def test_a_training_cap_leaves_the_step_of_the_batch_norm_epoch_out_of_the_run_length():
+    """A cap of 50 training steps before SWA's BatchNorm epoch sets max_steps=51 (that epoch's step counts)
+    and the run length stays 50."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    class Cap(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.cap = compat.cap_training_steps(trainer, 50, batch_norm_step=True)
+            self.total = compat.total_steps(trainer)
+
+    cap = Cap()
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=0.6)
+    trainer = pl.Trainer(callbacks=[swa, cap], max_epochs=5, **trainer_kwargs())
+    trainer.fit(_BatchNormMLP(), _loader())
+    # had it been capped at 50, the fit would have ended before the BatchNorm epoch
+    assert (cap.cap, cap.total, trainer.global_step, trainer.current_epoch) == (51, 50.0, 51, 6)

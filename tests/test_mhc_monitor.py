@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -166,7 +167,7 @@ class HoldingStrategy:
     def reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         self.held.append(tensor * self.weight)  # MulBackward saves `tensor`: its use count goes up
         self.handed.append(tensor)
-        return tensor.copy_(torch.maximum(tensor, torch.full_like(tensor, 0.5)))
+        return tensor.copy_(torch.maximum(tensor, 2 * tensor))  # the other rank measured twice these figures
 
     def release(self) -> None:
         self.held.clear()
@@ -191,7 +192,7 @@ def test_reduced_tensors_stay_referenced_until_the_backend_lets_go_and_teardown_
 
     monitor, strategy = HyperConnectionMonitor(every_n_steps=1), HoldingStrategy()
     _measure_under_two_ranks(monitor, strategy)
-    assert monitor.last["forward_gain"] >= 0.5  # the 'reduced' figures were used
+    assert monitor.last["forward_gain"] > 1.5  # the 'reduced' figures were used: mHC's own gain is 1
     assert len(strategy.handed) == 2
     assert all(any(t is h for t in monitor._held.tensors) for h in strategy.handed)
 
@@ -382,3 +383,46 @@ def test_a_checkpoint_saved_under_the_old_class_name_key_still_restores_the_hist
     )
     assert [e["step"] for e in resumed.history] == [0, 2, 4]
     assert resumed.history[:2] == monitor.history
+
+
+# ---------------------------------------------------------------------------------------------- sweep D fixes
+def test_a_measured_step_whose_streams_hold_a_nan_logs_nan_gains_not_a_healthy_looking_number():
+    # Python's max(0.0, nan) is 0.0: one NaN feature made the step log forward/backward gain 0.0
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 5, 16, generator=generator), torch.randn(24, 5, 16, generator=generator)
+    x[16 + 3, 2, 0] = torch.nan  # one position of the third (last) batch
+    monitor = HyperConnectionMonitor(every_n_steps=1)
+    trainer = pl.Trainer(callbacks=[monitor], max_steps=3, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(
+        TwoLayerModule(TwoLayerNet("mhc")), DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    )
+    healthy, poisoned = monitor.history[:2], monitor.history[2]
+    assert all(entry["forward_gain"] == pytest.approx(1.0, abs=1e-3) for entry in healthy)
+    assert poisoned["step"] == 2
+    assert math.isnan(poisoned["forward_gain"]) and math.isnan(poisoned["backward_gain"])
+    assert math.isnan(poisoned["stream_rms"])
+
+
+class HealthyOtherRankStrategy:
+    """A two-rank strategy stand-in: the other rank measured the same figures without NaN, and max keeps a number
+    over NaN, as gloo's max does in one rank order (seen with a real two-process gloo all_reduce)."""
+
+    def reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        other_rank = tensor.nan_to_num(nan=1.0)
+        return torch.fmax(tensor, other_rank) if reduce_op == "max" else (tensor + other_rank) / 2
+
+
+def test_a_nan_on_one_rank_stays_nan_after_the_max_reduction_over_ranks():
+    trainer = SimpleNamespace(
+        strategy=HealthyOtherRankStrategy(), world_size=2, is_global_zero=True, loggers=[], global_step=0
+    )
+    net, monitor = TwoLayerNet("mhc"), HyperConnectionMonitor(every_n_steps=1)
+    module = TwoLayerModule(net)
+    x = torch.randn(2, 5, 16)
+    x[1, 3, 0] = torch.nan
+    monitor.on_train_batch_start(trainer, module, None, 0)
+    net(x)
+    monitor.on_train_batch_end(trainer, module, None, None, 0)
+    assert math.isnan(monitor.last["forward_gain"]) and math.isnan(monitor.last["backward_gain"])
+    assert math.isnan(monitor.last["stream_rms"])
+    monitor.teardown(SimpleNamespace(), None, "fit")

@@ -589,3 +589,72 @@ def test_recorder_hooks_stay_registered_but_idle_while_stopped():
     assert len(recorder.h_res) == 2
     recorder.detach()
     assert all(len(layer._forward_hooks) == 0 for layer in layers)
+
+
+# ---------------------------------------------------------------------------------------------- sweep D fixes
+def test_a_nan_position_makes_the_gains_nan_whichever_stack_or_pass_it_is_in():
+    # Python's max(1.0, nan) is 1.0: a NaN H_res read as a healthy gain of 1 (or 0.0 from the start value)
+    healthy, poisoned = torch.eye(4).expand(3, 4, 4), torch.eye(4).expand(3, 4, 4).clone()
+    poisoned[1, 0, 0] = math.nan  # one position of the second stack
+    stats = stack_diagnostics([torch.eye(4).expand(5, 4, 4), healthy, poisoned])
+    assert stats["stacks"] == 2 and math.isnan(stats["forward_gain"]) and math.isnan(stats["backward_gain"])
+
+    layers = stack(ManifoldHyperConnection, 2)
+    tokens = torch.randn(2, 3, WIDTH)
+    with HyperConnectionRecorder(layers) as recorder:
+        layers(expand_streams(tokens, 4))  # a finite first pass ...
+        tokens[1, 2, 0] = math.nan
+        layers(expand_streams(tokens, 4))  # ... then one NaN token in the second
+    stats = recorder.diagnostics()
+    assert stats["passes"] == 2
+    assert math.isnan(stats["forward_gain"]) and math.isnan(stats["backward_gain"])
+    assert math.isnan(stats["stream_rms"])
+
+
+class SwapsLastTwoAxes(nn.Module):
+    """A branch whose output has its input's elements in another layout: ``(B, T, C)`` -> ``(B, C, T)`` (a
+    Conv1d token block missing its transpose back), ``(B, C, H, W)`` -> ``(B, C, W, H)``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).transpose(-1, -2)
+
+
+class ReturnsOutputAndWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.attention(x, x, x)
+
+
+@pytest.mark.parametrize("cls", [ManifoldHyperConnection, HyperConnection])
+@pytest.mark.parametrize(
+    "branch, x_shape, channel_dim, expected",
+    [
+        (
+            lambda: SwapsLastTwoAxes(nn.Linear(WIDTH, WIDTH)),
+            (2, 5, WIDTH),
+            -1,
+            r"shape \(2, 16, 5\) for a branch input of shape \(2, 5, 16\)",
+        ),
+        (
+            lambda: SwapsLastTwoAxes(nn.Conv2d(WIDTH, WIDTH, 1)),
+            (2, WIDTH, 3, 4),
+            1,
+            r"shape \(2, 16, 4, 3\) for a branch input of shape \(2, 16, 3, 4\)",
+        ),
+        (ReturnsOutputAndWeights, (2, 5, WIDTH), -1, r"a tuple, not a tensor.*must be unwrapped"),
+    ],
+)
+def test_a_branch_output_not_of_the_branch_input_shape_is_refused_naming_the_layer_and_both_shapes(
+    cls, branch, x_shape, channel_dim, expected
+):
+    # same element count in another layout: reshaped into the streams, scrambled, where x + F(x) refuses
+    layer = cls(branch(), WIDTH, 4, channel_dim=channel_dim)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: the branch returned .*{expected}"):
+        layer(expand_streams(torch.randn(x_shape), 4, channel_dim=channel_dim))

@@ -237,3 +237,48 @@ def test_resume_mid_replay_continues_same_phase(mnist1d_small, tmp_path):
 def test_invalid_arguments_fail_at_construction(kwargs, field):
     with pytest.raises(ValueError, match=field):
         PulseCycle(**kwargs)
+
+
+class _BatchNormMLP(pl.LightningModule):
+    """An MLP with BatchNorm: StochasticWeightAveraging adds an epoch that recomputes its statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+        )
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("swa_first", [False, True])
+def test_warmup_and_anneal_next_to_swa_on_batch_norm_are_shares_of_the_training_steps(swa_first):
+    """Held-out sweep: SWA raises max_epochs by one on a model with BatchNorm for an epoch that only
+    recomputes BatchNorm statistics; warm-up and anneal were shares of 60 steps where 50 train (anneal=0.2
+    covered 3 training steps, not 10). They are placed as in the run without that epoch, and its step (no
+    backward) does not move the clock."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    def fit(with_swa: bool):
+        pl.seed_everything(0, verbose=False)
+        generator = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(
+            torch.randn(80, 10, generator=generator), torch.randint(0, 3, (80,), generator=generator)
+        )
+        cycle = PulseCycle(burst=3, replay=3, maintain=0, warmup=0.2, anneal=0.2, maintain_eval="none")
+        swa = [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=0.6)] if with_swa else []
+        callbacks = [*swa, cycle] if swa_first else [cycle, *swa]
+        trainer = pl.Trainer(callbacks=callbacks, max_epochs=5, **trainer_kwargs())
+        trainer.fit(_BatchNormMLP(), torch.utils.data.DataLoader(data, batch_size=8))  # 10 batches a pass
+        changes = [(change.step, change.reason) for change in cycle.history]
+        return changes, cycle.clock.step, trainer.global_step
+
+    plain, with_swa = fit(False), fit(True)
+    assert plain[1:] == (50, 50) and with_swa[1:] == (50, 51)
+    # warm-up round(0.2 * 50) = 10 steps and a burst of 3 before the first replay; anneal from round(0.8 * 50)
+    assert plain[0][:2] == [(0, "start"), (13, "budget")] and plain[0][-1] == (40, "anneal")
+    assert with_swa[0] == plain[0]

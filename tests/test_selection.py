@@ -230,6 +230,134 @@ def test_a_tuple_holding_a_names_tuple_is_cut_where_a_dict_or_list_replaces_it_w
     assert "batch[1][0][1]" in cut_refusal((x, ((y, names),)), 4)
 
 
+def _target_batch(outer: str, size: int) -> list | tuple | dict:
+    """``[x, (y, class_w, count)]``: a ``(B,)`` target, a ``(5,)`` class weight and a 0-dim count."""
+    x = torch.arange(size * 2.0).reshape(size, 2)
+    target = (torch.arange(size) * 10, torch.linspace(0.1, 0.5, 5), torch.tensor(float(size)))
+    if outer == "dict":
+        return {"x": x, "target": target}
+    return [x, target] if outer == "list" else (x, target)
+
+
+@pytest.mark.parametrize("outer", ["list", "tuple", "dict"])
+def test_a_structure_tuple_as_long_as_the_short_last_batch_is_cut_part_by_part_as_the_first_batch_was(outer):
+    # held-out sweep: the first batch (B = 8) passed cut_refusal, then the short last batch of 3 read
+    # (y, class_w, count) as 3 samples' items and cut it as such: a list or dict batch lost a part (unpacking
+    # crashed), a tuple one was refused mid-run. Unlike parts are a structure at any B: y is cut, the rest kept.
+    for size, positions in ((8, [0, 2, 5]), (3, [0, 2])):
+        batch = _target_batch(outer, size)
+        assert cut_refusal(batch, size) is None
+        assign_in_place(batch, take_samples(batch, torch.tensor(positions), size))
+        x, (y, class_w, count) = batch.values() if isinstance(batch, dict) else batch
+        assert x[:, 0].tolist() == [2.0 * p for p in positions]
+        assert y.tolist() == [10 * p for p in positions]
+        assert class_w.shape == (5,) and count.dim() == 0 and count.item() == size
+    # the same with a 0-dim weight between two per-sample parts, (y, weight, lengths)
+    parts = [torch.arange(3.0), (torch.arange(3), torch.tensor(1.0), torch.tensor([4, 5, 6]))]
+    assign_in_place(parts, take_samples(parts, torch.tensor([1, 2]), 3))
+    assert parts[1][0].tolist() == [1, 2] and parts[1][1].dim() == 0 and parts[1][2].tolist() == [5, 6]
+
+
+class _MultiTaskPairs(Dataset):
+    """Samples ``(x, (y1, y2))``, which ``default_collate`` makes ``[x, [y1, y2]]``: lists, not tuples."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int):
+        return torch.tensor([float(i)]), (torch.tensor(i), torch.tensor(10 * i))
+
+
+def test_a_nested_list_as_long_as_the_short_last_batch_is_cut_part_by_part_as_the_first_batch_was():
+    # review: default_collate's [x, [y1, y2]] passed at the batches of 4, then the short last batch of 2 read
+    # [y1, y2] as 2 samples' items and kept one uncut (2,) tensor: y1 was lost, y2 held both samples
+    batches = list(DataLoader(_MultiTaskPairs(), batch_size=4))
+    assert [len(b[0]) for b in batches] == [4, 2] and type(batches[1][1]) is list
+    for batch, last in zip(batches, (3, 5)):
+        size = len(batch[0])
+        assert cut_refusal(batch, size) is None
+        assign_in_place(batch, take_samples(batch, torch.tensor([size - 1]), size))
+        assert batch[0].tolist() == [[float(last)]]
+        assert batch[1][0].tolist() == [last] and batch[1][1].tolist() == [10 * last]
+    # unlike parts, [y, class_w, count] on a short last batch of 3, as a list too: y cut, the rest kept
+    parts = [torch.arange(3.0), [torch.arange(3), torch.linspace(0.1, 0.5, 5), torch.tensor(3.0)]]
+    assign_in_place(parts, take_samples(parts, torch.tensor([0, 2]), 3))
+    assert parts[0].tolist() == [0.0, 2.0] and parts[1][0].tolist() == [0, 2]
+    assert parts[1][1].shape == (5,) and parts[1][2].item() == 3.0
+
+
+def test_names_or_ids_with_a_missing_one_are_still_cut_by_sample():
+    # review: ("a", None, "c") of an optional field was read as unlike parts, a structure, and kept whole
+    # next to the kept samples
+    for names in (("a", None, "c"), [None, 7, 9], (None, None, None)):
+        batch = [torch.arange(3.0), names]
+        assert cut_refusal(batch, 3) is None
+        assign_in_place(batch, take_samples(batch, torch.tensor([0, 2]), 3))
+        assert batch[0].tolist() == [0.0, 2.0] and batch[1] == type(names)(names[i] for i in (0, 2))
+
+
+@pytest.mark.parametrize("size", [2, 3, 8])
+def test_per_sample_lists_that_collate_fns_make_are_cut_by_sample_at_any_batch_size(size):
+    # a batch of 2 or 3 is as long as many structures: the lists below are still one item per sample
+    targets = [
+        {"boxes": torch.rand(i % 3 + 1, 4), "labels": torch.full((i % 3 + 1,), i)} for i in range(size)
+    ]
+    sequences = [torch.full((size + i,), i) for i in range(size)]  # the first one B long by chance
+    names = [f"img{i}.png" for i in range(size)]
+    ids = list(range(100, 100 + size))
+    batch = {"images": torch.arange(float(size)), "targets": targets, "tokens": sequences}
+    batch.update(names=names, ids=ids)
+    assert cut_refusal(batch, size) is None
+    positions = [0, size - 1]
+    assign_in_place(batch, take_samples(batch, torch.tensor(positions), size))
+    assert batch["images"].tolist() == [float(p) for p in positions]
+    assert [int(t["labels"][0]) for t in batch["targets"]] == positions
+    assert [t["boxes"].shape[0] for t in batch["targets"]] == [p % 3 + 1 for p in positions]
+    assert [s.tolist() for s in batch["tokens"]] == [[p] * (size + p) for p in positions]
+    assert batch["names"] == [f"img{p}.png" for p in positions]
+    assert batch["ids"] == [100 + p for p in positions]
+
+
+@pytest.mark.parametrize("size", [3, 4, 8])
+def test_per_sample_lists_of_items_that_differ_a_little_are_still_cut_by_sample(size):
+    # review 19: a detection target with an optional key, an empty image's `torch.tensor([])` boxes, ids mixing
+    # int and float, metadata dicts of different keys: all one item per sample, kept whole while the images were
+    # cut (2 images kept with all 8 targets: the model zipped them into mismatched pairs)
+    targets = [
+        {"boxes": torch.rand(i % 3 + 1, 4), "labels": torch.full((i % 3 + 1,), i)} for i in range(size)
+    ]
+    targets[1]["iscrowd"] = torch.zeros(2)
+    boxes = [torch.rand(i % 3 + 1, 4) for i in range(size)]
+    boxes[1] = torch.tensor([])
+    scale = [1.5 if i % 2 else i for i in range(size)]
+    meta = [{"id": i} if i % 2 else {"id": i, "flipped": True} for i in range(size)]
+    batch = [torch.arange(float(size)), targets, boxes, scale, meta]
+    assert cut_refusal(batch, size) is None
+    positions = [0, size - 1]
+    assign_in_place(batch, take_samples(batch, torch.tensor(positions), size))
+    assert batch[0].tolist() == [float(p) for p in positions]
+    assert [int(t["labels"][0]) for t in batch[1]] == positions
+    assert [b.shape[0] for b in batch[2]] == [p % 3 + 1 for p in positions]
+    assert batch[3] == [1.5 if p % 2 else p for p in positions] and [m["id"] for m in batch[4]] == positions
+
+
+def test_a_structure_with_an_absent_part_is_cut_part_by_part_on_a_batch_of_two():
+    # review 19: `(ids, None)` at B=2 was cut as two samples, to `(None,)`: the ids were lost
+    for size in (2, 8):
+        batch = {
+            "inputs": (torch.arange(float(size * 7)).view(size, 7), None),
+            "y": torch.arange(float(size)),
+        }
+        assert cut_refusal(batch, size) is None
+        assign_in_place(batch, take_samples(batch, torch.tensor([1]), size))
+        ids, absent = batch["inputs"]
+        assert (
+            absent is None
+            and ids.tolist() == [[float(v) for v in range(7, 14)]]
+            and batch["y"].tolist() == [1.0]
+        )
+
+
 def test_a_time_major_batch_or_one_without_a_per_sample_part_is_refused_but_batch_first_ones_are_cut():
     # held-out sweep: a (T, B) batch cut along its first dimension is cut along time
     b = 4

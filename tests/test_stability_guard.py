@@ -937,6 +937,79 @@ def test_a_rollback_with_no_snapshot_that_fits_the_optimizers_groups_stops_witho
     assert torch.load(error.value.checkpoint_path, weights_only=False)["global_step"] == 21
 
 
+class _SWAClassifier(pl.LightningModule):
+    def __init__(self, step_lr: bool) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        self.step_lr = step_lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        if not self.step_lr:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.9)}
+
+
+class _NaNWeightAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.net[0].weight[0, 0] = float("nan")
+
+
+def _swa_fit(tmp_path, step_lr: bool, nan_at: int) -> tuple[pl.Trainer, StabilityGuard, _SWAClassifier]:
+    """80 samples in batches of 8: 10 steps an epoch; StochasticWeightAveraging starts at epoch 1 (step 10),
+    swapping StepLR for its SWALR, or adding SWALR where the module has no scheduler."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(80, 8, generator=generator), torch.randint(0, 3, (80,), generator=generator)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    pl.seed_everything(0)
+    model = _SWAClassifier(step_lr)
+    guard = StabilityGuard(snapshot_every=5, rollback_margin=2, max_snapshots=2, skip_after_rollback=2)
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)
+    callbacks = [_NaNWeightAt(nan_at), guard, swa]
+    trainer = pl.Trainer(max_epochs=3, callbacks=callbacks, default_root_dir=tmp_path, **trainer_kwargs())
+    trainer.fit(model, loader)
+    return trainer, guard, model
+
+
+@pytest.mark.parametrize("step_lr", [False, True], ids=["no-scheduler", "step-lr"])
+def test_a_rollback_after_swa_swapped_in_its_scheduler_returns_to_a_snapshot_taken_since(tmp_path, step_lr):
+    """A NaN weight at step 12, in SWA's first epoch: the rollback returned to the step-10 snapshot, taken
+    before SWA swapped in SWALR. With no scheduler of the module's, it raised "The snapshot holds 1
+    optimizer(s) and 0 scheduler(s), but 1 and 1 were given" out of the batch end; with StepLR, StepLR's state
+    went into SWALR and the restored groups lacked SWALR's ``swa_lr`` (``KeyError`` at the epoch's scheduler
+    step). The first healthy step after the swap is snapshotted now, and a snapshot of other schedulers is
+    never returned to."""
+    from torch.optim.swa_utils import SWALR
+
+    with pytest.warns(UserWarning, match="rollback 1 at step 13 to the snapshot of step 11"):
+        trainer, guard, model = _swa_fit(tmp_path, step_lr, nan_at=12)
+    assert guard.rollbacks == 1 and not guard.stopped and trainer.global_step == 30
+    assert [type(config.scheduler) for config in trainer.lr_scheduler_configs] == [SWALR]
+    assert all("swa_lr" in group for group in trainer.optimizers[0].param_groups)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("step_lr", [False, True], ids=["no-scheduler", "step-lr"])
+def test_a_rollback_with_no_snapshot_of_swas_scheduler_stops_with_a_checkpoint(tmp_path, step_lr):
+    """The weight goes NaN in the first step after the swap: the snapshot due then is left out (a NaN), and
+    every snapshot held is of the schedulers before the swap. The run stops with a checkpoint of the
+    current state, saying why, instead of crashing mid-run in a scheduler's ``load_state_dict``."""
+    with pytest.raises(StabilityGuardError, match=r"no snapshot with a finite state that fits") as error:
+        _swa_fit(tmp_path, step_lr, nan_at=10)
+    assert torch.load(error.value.checkpoint_path, weights_only=False)["global_step"] == 12
+
+
 def test_restore_snapshot_checks_the_optimizers_groups_before_loading_anything():
     from lightning_pulse.core.snapshots import restore_snapshot, take_snapshot
 
@@ -965,7 +1038,27 @@ def test_a_clean_run_ends_with_one_line_of_what_the_guard_watched(caplog):
     assert guard.spikes_detected == 0 and guard.rollbacks == 0
     assert len(lines) == 1, lines
     assert re.fullmatch(
-        r"StabilityGuard: no spike or non-finite value in 58 optimizer step\(s\) \(medians of the last 100 at "
+        r"StabilityGuard: no spike or non-finite value in this fit's 58 optimizer step\(s\) \(medians of "
+        r"the last 100 at "
         r"most: loss [0-9.e-]+, grad norm [0-9.e-]+\)\.",
         lines[0],
     ), lines[0]
+
+
+def test_the_clean_run_line_of_a_resumed_fit_counts_only_this_fits_steps(tmp_path, caplog):
+    """The line counted the detector's judged steps, which the checkpoint carries: a fit resumed after one
+    epoch (29 steps) for a second one said 58 optimizer steps, 29 of them another fit's."""
+    pl.seed_everything(0)
+    first = pl.Trainer(max_epochs=1, callbacks=[StabilityGuard(warmup=10)], **trainer_kwargs())
+    first.fit(DigitsBatchNormMLP(), _digits_loader())
+    first.save_checkpoint(tmp_path / "epoch-1.ckpt")
+    guard = StabilityGuard(warmup=10)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[guard], **trainer_kwargs())
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        trainer.fit(DigitsBatchNormMLP(), _digits_loader(), ckpt_path=tmp_path / "epoch-1.ckpt")
+    lines = [record.getMessage() for record in caplog.records if "StabilityGuard:" in record.getMessage()]
+    assert guard.spikes_detected == 0 and guard.detector.accepted_steps == 58 and trainer.global_step == 58
+    assert len(lines) == 1 and lines[0].startswith(
+        "StabilityGuard: no spike or non-finite value in this fit's 29 optimizer step(s) (medians of "
+    ), lines

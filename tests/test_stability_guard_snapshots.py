@@ -113,6 +113,44 @@ def test_restore_without_rewinding_keeps_the_schedule_and_hyperparameters():
     assert optimizer.state_dict()["state"][0]["step"].item() == 5
 
 
+def test_a_snapshot_of_another_kind_of_lr_scheduler_does_not_fit_and_nothing_is_loaded():
+    """StochasticWeightAveraging swaps the module's scheduler for SWALR mid-run: StepLR's saved state went
+    into SWALR, and the optimizer's groups came back without SWALR's ``swa_lr`` (a ``KeyError`` at its next
+    step). Such a snapshot no longer fits (with the schedule rewound), and is refused before anything
+    loads; without rewinding, the current scheduler and hyperparameters stay, so it still fits."""
+    from torch.optim.swa_utils import SWALR
+
+    model, optimizer, _ = _setup()
+    step_lr = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.9)
+    snapshot = take_snapshot(0, model, [optimizer], [step_lr])
+    swa_lr = SWALR(optimizer, swa_lr=0.01)
+    assert snapshot.fits(model, [optimizer], [step_lr]) and not snapshot.fits(model, [optimizer], [swa_lr])
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    changed = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"1 scheduler\(s\) \['StepLR'\], but 1 and 1 \['SWALR'\]"):
+        restore_snapshot(snapshot, model, [optimizer], [swa_lr])
+    assert torch.equal(model[0].weight, changed)
+    restore_snapshot(snapshot, model, [optimizer], [swa_lr], rewind_schedule=False)
+    assert not torch.equal(model[0].weight, changed) and optimizer.param_groups[0]["swa_lr"] == 0.01
+
+
+def test_a_rewound_restore_keeps_the_group_keys_a_scheduler_set_since_the_snapshot():
+    """A snapshot taken before a scheduler was created (it fits: the same schedulers are given) has groups
+    without the keys that scheduler set (``initial_lr``, SWALR's ``swa_lr``): they were lost on a restore
+    that rewinds the optimizers' hyperparameters, and the scheduler's next step raised ``KeyError``."""
+    from torch.optim.swa_utils import SWALR
+
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    snapshot = take_snapshot(0, model, [optimizer])
+    scheduler = SWALR(optimizer, swa_lr=0.01)
+    restore_snapshot(snapshot, model, [optimizer])
+    assert optimizer.param_groups[0]["swa_lr"] == 0.01 and optimizer.param_groups[0]["initial_lr"] == 0.1
+    optimizer.step()
+    scheduler.step()  # reads both
+
+
 def test_snapshot_is_an_independent_cpu_copy():
     model, optimizer, scheduler = _setup()
     _train_steps(model, optimizer, scheduler, 2)

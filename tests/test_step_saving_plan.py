@@ -288,6 +288,79 @@ def test_a_warm_up_count_and_a_model_width_are_no_length_of_the_run(d_model):
     assert warmup > replay.steps.plan.total_steps == trainer.global_step
 
 
+class _CosineEvery(_Classifier):
+    """A per-step cosine over ``length`` scheduler steps, stepped every ``frequency`` optimizer steps."""
+
+    def __init__(self, length: int, frequency: int) -> None:
+        super().__init__()
+        self.length, self.frequency = length, frequency
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.length)
+        config = {"scheduler": schedule, "interval": "step", "frequency": self.frequency}
+        return {"optimizer": optimizer, "lr_scheduler": config}
+
+
+def _fit_48_of_50(module: pl.LightningModule, counter: Callback) -> tuple[pl.Trainer, HardSampleReplay]:
+    """One plain epoch of 50 batches that the plan takes in 48 steps (one replay phase of 2 light steps)."""
+    replay = HardSampleReplay()
+    cycle = PulseCycle(burst=20, replay=2, maintain=1, warmup=0.1, anneal=0.1, maintain_eval="none")
+    trainer = pl.Trainer(
+        max_epochs=1, callbacks=[cycle, replay, counter], **trainer_kwargs(limit_val_batches=0)
+    )
+    trainer.fit(module, DataLoader(_data(400), batch_size=8))
+    return trainer, replay
+
+
+def test_a_schedule_of_the_plain_run_over_its_frequency_that_the_planned_steps_still_reach_trains():
+    """Held-out sweep: ``T_max=50 // 4`` stepped every 4 steps was refused (at 100% of its course) when the
+    plan took 48 of the plain 50 steps, though the run steps it 12 times, its whole course."""
+    pl.seed_everything(0)
+    trainer, replay = _fit_48_of_50(_CosineEvery(50 // 4, frequency=4), _StepCounter())
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert replay.steps.plan.plain_steps == 50 and replay.steps.plan.total_steps == trainer.global_step == 48
+    assert schedule.T_max == schedule.last_epoch == 12
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize(("length", "frequency", "share"), [(50, 1, "96%"), (50 // 2, 2, "96%")])
+def test_a_schedule_of_the_plain_run_that_the_planned_steps_stop_short_is_still_refused(
+    length, frequency, share
+):
+    """The same plan cuts a schedule of the plain 50 steps (stepped 48 times) and one of 50 // 2 stepped every
+    2 steps (stepped 24 times of 25)."""
+    counter = _StepCounter()
+    with pytest.raises(PulseRefusal, match=rf"built for {length} steps.*plans 48: .*stop at {share} "):
+        _fit_48_of_50(_CosineEvery(length, frequency), counter)
+    assert counter.steps == 0
+
+
+def test_unplanned_lengths_cut_a_schedule_only_where_the_planned_steps_stop_it_short():
+    from types import SimpleNamespace
+
+    from lightning_pulse.step_saving import UnplannedLengths
+
+    def cut(plain: int, planned: int, length: int, frequency: int):
+        unplanned = UnplannedLengths(plain, max_epochs=1, batches=plain, accumulate=1, max_steps=None)
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=length)
+        return unplanned.cut_short(
+            SimpleNamespace(interval="step", frequency=frequency, scheduler=schedule), planned
+        )
+
+    # the unplanned length over the frequency, reached by the planned steps: its whole course
+    assert cut(50, 48, 12, 4) is None and cut(103, 100, 20, 5) is None
+    # stepped fewer times than its length: cut, with the share of its course reached
+    assert cut(50, 48, 50, 1).share == pytest.approx(48 / 50)
+    assert cut(50, 44, 12, 4).share == pytest.approx(11 / 12)
+    undivided = cut(50, 40, 50, 4)  # the frequency left out of the count: stepped 10 times of 50, plain 12
+    assert undivided.share == pytest.approx(10 / 50) and undivided.frequency == 1
+    assert cut(50, 24, 12, 4).frequency == 4
+    # stopped short by the unplanned run as well (stepped 12 times in either): not the plan's cut
+    assert cut(50, 48, 13, 4) is None and cut(50, 48, 50, 4) is None
+
+
 # ---------------------------------------------------------------------------- validation with an int interval
 def test_an_int_val_check_interval_validates_each_planned_pass_end_as_the_plain_epoch_end():
     """Held-out sweep: validating every 4 batches of 12-batch epochs, the plain run validates every epoch's
@@ -303,3 +376,87 @@ def test_an_int_val_check_interval_validates_each_planned_pass_end_as_the_plain_
     assert len(pass_ends) == 4 and trainer.global_step < 4 * 12  # non-vacuous: the passes are shorter
     assert set(pass_ends) <= set(module.validated_at)
     assert 4 in module.validated_at  # the interval still counts within a pass
+
+
+# ---------------------------------------------------------------------------- StochasticWeightAveraging
+class _BatchNormClassifier(_Classifier):
+    """With BatchNorm, so StochasticWeightAveraging adds an epoch that recomputes its statistics;
+    ``read_length`` reads the run length in ``configure_optimizers``, which sets the data (and the plan) up
+    before SWA's ``on_fit_start``."""
+
+    def __init__(self, read_length: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        self.read_length = read_length
+
+    def configure_optimizers(self):
+        if self.read_length:
+            self.length_read = self.trainer.estimated_stepping_batches
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("swa_first, read_length", [(False, False), (True, False), (False, True)])
+def test_a_step_plan_next_to_swa_on_batch_norm_plans_the_training_epochs_and_keeps_the_update_epoch(
+    caplog, swa_first, read_length
+):
+    """Held-out sweep: SWA raises max_epochs by one on a model with BatchNorm for an epoch that only
+    recomputes BatchNorm statistics; the plan took it for a sixth epoch of data (49 steps "instead of 60"),
+    the run ended at max_epochs after 39 and the end line read a share of the plain run's 60 where 50 train.
+    The plan is of the 5 training epochs, max_steps leaves the update epoch its one step (capped at the plan,
+    the fit ended before it), and that epoch recomputes the statistics over the whole data."""
+    import logging
+
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    class UpdateEpochBatches(Callback):
+        def __init__(self) -> None:
+            self.sizes: list[int] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.current_epoch == 5:
+                self.sizes.append(len(batch[0]))
+
+    pl.seed_everything(0, verbose=False)
+    cycle, replay = _pulse(burst=3, replay=4, maintain=1), HardSampleReplay(rule="topk", replay_fraction=0.5)
+    swa, epochs = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=0.6), _Epochs()
+    update_epoch = UpdateEpochBatches()
+    callbacks = [cycle, replay, swa] if not swa_first else [swa, cycle, replay]
+    callbacks += [epochs, update_epoch]
+    trainer = pl.Trainer(callbacks=callbacks, max_epochs=5, **trainer_kwargs())
+    module, data = _BatchNormClassifier(read_length), _data(80)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, DataLoader(data, batch_size=8))  # 10 batches a pass: 50 steps in the plain run
+    plan = replay.steps.plan
+    assert plan.plain_steps == 50 and plan.total_steps < 50
+    trained = [step for epoch, step in epochs.at if epoch < 5]
+    assert (
+        len(trained) == plan.total_steps and trainer.max_steps == trainer.global_step == plan.total_steps + 1
+    )
+    assert cycle.clock.step == plan.total_steps
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(f"took {plan.total_steps} optimizer steps" in m and "plain run's 50." in m for m in messages)
+    # the update epoch recomputed the statistics over one plain pass of all the data
+    assert update_epoch.sizes == [8] * 10 and int(module.net[1].num_batches_tracked) == 10
+
+
+def test_batch_mode_selects_nothing_in_the_batch_norm_epoch_of_swa():
+    """Fixer W: in SWA's BatchNorm-update epoch HardSampleReplay(mode="batch") still cut the batches to the
+    hard samples, so the averaged model's statistics came from them only (0.034 off a pass over the data)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    class UpdateEpochBatches(Callback):
+        def __init__(self) -> None:
+            self.sizes: dict[int, list[int]] = {}
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.sizes.setdefault(trainer.current_epoch, []).append(len(batch[0]))
+
+    pl.seed_everything(0, verbose=False)
+    replay = HardSampleReplay(mode="batch", rule="topk", replay_fraction=0.5)
+    update_epoch = UpdateEpochBatches()
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=0.5)
+    trainer = pl.Trainer(callbacks=[replay, swa, update_epoch], max_epochs=4, **trainer_kwargs())
+    module = _BatchNormClassifier(read_length=False)
+    trainer.fit(module, DataLoader(_data(80), batch_size=8))
+    assert min(update_epoch.sizes[3]) < 8  # non-vacuous: the training epochs were cut
+    assert update_epoch.sizes[4] == [8] * 10 and int(module.net[1].num_batches_tracked) == 10

@@ -37,7 +37,13 @@ from lightning_pulse.core.layer_freezing import (
     refuse_manual_optimization,
     refuse_optimizers_that_move_gradless_parameters,
 )
-from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_sharded_strategy, refusing
+from lightning_pulse.errors import (
+    OneRunPerInstance,
+    names_itself,
+    refuse_sharded_strategy,
+    refuse_uninitialized_parameters,
+    refusing,
+)
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.records import append_recent
@@ -89,7 +95,8 @@ class GradientCache(Callback):
             DDP, DDP without ``find_unused_parameters=True`` or with ``static_graph=True``, or
             ``activation_cache_mb`` with ``reload_dataloaders_every_n_epochs``; at fit start, for LBFGS (it moves
             parameters without a gradient), ``phases`` that never come (no ``"replay"``, no PulseCycle), a share
-            of a run of unknown length, and a second ``trainer.fit`` of this instance without a checkpoint.
+            of a run of unknown length, lazy parameters no forward has created yet, and a second
+            ``trainer.fit`` of this instance without a checkpoint.
 
     Example::
 
@@ -175,6 +182,8 @@ class GradientCache(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
+        # after the sanity check that may create them
+        refuse_uninitialized_parameters(pl_module, "GradientCache")
         refuse_unreachable_phases("GradientCache", self.phases, trainer)
         with refusing("GradientCache"):  # a share of a run of unknown length (max_time only)
             self._span = self.window.steps(compat.total_steps(trainer))

@@ -92,8 +92,9 @@ class HardSampleReplay(Callback):
             (trained in full, before any replay step), for a module carrying state from one batch to the next
             (a stateful RNN) or a token loss flattened time-major; at
             the first step, before any update, when its loss yields no per-sample value and no ``scorer`` is
-            set; in ``mode="batch"``, at the fit's first batch, for a batch that cannot be cut in place:
-            immutable, holding nothing per sample, or time-major (``(T, B)``).
+            set, or when its batch holds fewer rows than drawn indices (a collate_fn that drops samples); in
+            ``mode="batch"``, at the fit's first batch, for a batch that cannot be cut in place: immutable,
+            holding nothing per sample (or fewer rows than drawn indices), or time-major (``(T, B)``).
 
     Example::
 
@@ -255,7 +256,10 @@ class HardSampleReplay(Callback):
         step = trainer.global_step
         # the sampler's indices say how many samples the batch holds (a cut batch's: the cut, as loaded)
         indices = self.tracker.batch_indices(batch_idx)
-        active = phase_of(trainer, default=Phase.REPLAY).value in self.phases
+        # SWA's BatchNorm-update epoch recomputes the statistics over the plain data: no selection there
+        active = phase_of(trainer, default=Phase.REPLAY).value in self.phases and not (
+            compat.in_batch_norm_update_epoch(trainer)
+        )
         window, cut = self.steps.next_batch() if self.mode == "steps" else (0, None)
         self.batches.start_batch(
             self.selector, batch, indices, step, batch_idx, active, trainer.global_rank, window, cut

@@ -31,6 +31,9 @@ class HyperConnectionMonitor(Callback):
       streams never mix); with ``per_layer=True`` also ``{prefix}/off_diagonal_mass/layer_NN``;
     * ``{prefix}/stream_rms``: the largest RMS of any layer's output streams, an activation-scale signal.
 
+    A step whose streams hold a NaN (at any position, on any rank) logs NaN gains and stream RMS, never a
+    finite figure from the other positions.
+
     Under DDP every rank measures its own batch; gains and the stream RMS are reduced with max, masses with
     mean, so every rank logs and keeps the same figures. The reduced tensors stay referenced until the
     backend's threads have let go of them, and ``teardown`` waits for that, so no rank aborts at exit. The
@@ -222,9 +225,18 @@ class HyperConnectionMonitor(Callback):
     def _reduce(
         self, trainer: pl.Trainer, values: list[float], reduce_op: str, device: torch.device
     ) -> list[float]:
-        """``values`` reduced over ranks (``"max"`` / ``"mean"``); the tensors stay referenced until released."""
+        """``values`` reduced over ranks (``"max"`` / ``"mean"``); the tensors stay referenced until released.
+
+        A max is NaN wherever any rank's value is: the backends' max may keep the other rank's number instead
+        (gloo does, depending on rank order), so a NaN flag per value travels in the same collective."""
         tensor = torch.tensor(values, dtype=torch.float64, device=device)
-        return compat.reduce_held(trainer.strategy, tensor, reduce_op, self._held).tolist()
+        if reduce_op == "max":
+            tensor = torch.cat((tensor, tensor.isnan().double()))
+        reduced = compat.reduce_held(trainer.strategy, tensor, reduce_op, self._held)
+        if reduce_op == "max":
+            maxima, any_nan = reduced.chunk(2)
+            reduced = maxima.masked_fill(any_nan > 0, torch.nan)
+        return reduced.tolist()
 
     # ------------------------------------------------------------------ checkpointing
     @property

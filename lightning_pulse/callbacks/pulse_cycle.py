@@ -271,7 +271,7 @@ class PulseCycle(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()
         if self.plan is not None and self.plan.plain_steps:
-            spent, message = spent_summary(self.plan, trainer.global_step, self.budget)
+            spent, message = spent_summary(self.plan, compat.training_steps_taken(trainer), self.budget)
             log_to_loggers(trainer, {"pulse/budget_spent": spent})
             rank_zero_info(f"PulseCycle: {message}")
 
@@ -279,6 +279,8 @@ class PulseCycle(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if compat.in_batch_norm_update_epoch(trainer):  # StochasticWeightAveraging's: no training step
+            return
         global_step = trainer.global_step
         if (lap := self.timer.lap(global_step)) is None:  # inside an accumulation window, or a skipped step
             return
@@ -340,6 +342,8 @@ class PulseCycle(Callback):
             listener(trainer, pl_module, change)
 
     def _refresh_run_length(self, trainer: pl.Trainer) -> None:
+        if compat.in_batch_norm_update_epoch(trainer):  # its batches and accumulation are not the training's
+            return
         # a step-saving sampler reports the plain epoch's length
         steps = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
         self._epoch_steps = float(steps) if steps else None

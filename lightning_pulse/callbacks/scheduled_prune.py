@@ -15,18 +15,31 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    Callback,
+    GradientAccumulationScheduler,
+    StochasticWeightAveraging,
+)
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.callbacks.green_window import GreenWindow
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.core import prune_setup, prune_targets, pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.prune_schedule import PruneSchedule, check_int
 from lightning_pulse.core.prune_setup import PRUNE_EVERY_DEFAULT, PruneOptions, check_options_apply
 from lightning_pulse.core.step_plan import epoch_steps
-from lightning_pulse.errors import OneRunPerInstance, as_config, names_itself, refuse_sharded_strategy
+from lightning_pulse.errors import (
+    OneRunPerInstance,
+    as_config,
+    names_itself,
+    refuse_sharded_strategy,
+    refuse_uninitialized_parameters,
+)
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
@@ -84,7 +97,8 @@ class ScheduledPrune(Callback):
             or after the run's last step, ``cadence="maintain"`` without a maintain phase, FSDP/DeepSpeed or
             another unsupported strategy, a model structured pruning cannot trace or cut safely (one under
             ``torch.compile``, or one whose trial cut does not finish within ``STRUCTURED_CHECK_SECONDS``), a
-            second run of this instance unless a checkpoint was restored into it.
+            lazy module (``nn.LazyLinear``) whose weights no forward has created yet, a second run of this
+            instance unless a checkpoint was restored into it.
         ModuleNotFoundError: at construction, structured mode without torch-pruning installed.
 
     Example::
@@ -169,8 +183,16 @@ class ScheduledPrune(Callback):
             self._check_strategy(trainer)
             swa = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]
             prune_setup.check_weight_averaging(self.mode, swa[0] if swa else None)
+            # the trace input takes the dtype the run's batches take, which the module's dtypes do not tell (a
+            # float32 stem before a bfloat16 body under 32-true takes float32 batches); a mixed plugin's
+            # autocast, which the trace runs outside of, is why half tensors go up to float32 there, and only
+            # there
+            plugin = trainer.precision_plugin
+            self.pruner.run_precision = pruning.RunPrecision(
+                plugin.convert_input(torch.zeros(())).dtype, autocast=isinstance(plugin, MixedPrecision)
+            )
         if self._fitter_handle is None:
-            fitter = pruning.StateDictFitter(self._checkpoint_structure)
+            fitter = pruning.StateDictFitter(self._checkpoint_structure, self._run_precision)
             self._fitter_handle = pl_module.register_load_state_dict_pre_hook(fitter)
 
     @override
@@ -187,6 +209,8 @@ class ScheduledPrune(Callback):
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         total = compat.total_steps(trainer)
         prune_setup.resolve_schedule(self.schedule, total, trainer.global_step)
+        # here, not at setup: a validation sanity check (it runs after setup) creates a lazy module's weights
+        refuse_uninitialized_parameters(pl_module, "ScheduledPrune")
         # read here, not at setup: layers built in configure_model, and a backbone BackboneFinetuning freezes at
         # fit start, exist (and are frozen) only now
         # a resumed run keeps the set its start read (a GradientCache may have frozen layers meanwhile)
@@ -204,10 +228,11 @@ class ScheduledPrune(Callback):
             if getattr(pl_module, "example_input_array", None) is not None:
                 self._example = prune_setup.structured_example(pl_module, self.pruner, self.schedule, None)
         clock = cycle.clock if (cycle := pulse_cycle_of(trainer)) is not None else None
-        per_epoch = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
+        holder = next((type(c).__name__ for c in trainer.callbacks if _holds_pulse_cycle(c)), None)
+        per_epoch = _steps_per_epoch(trainer)
         self._uses_maintain, warnings = prune_setup.event_cadence(
             self.options.cadence, clock, self.schedule, trainer.global_step, total, per_epoch,
-            decided=self._uses_maintain, pruned=bool(self.events),
+            decided=self._uses_maintain, pruned=bool(self.events), holder=holder,
         )  # fmt: skip
         for warning in warnings:
             rank_zero_warn(warning)
@@ -272,6 +297,21 @@ class ScheduledPrune(Callback):
             rank_zero_info(f"ScheduledPrune: at fit end, {pruning.event_summary(self.events[-1])}.")
 
     @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # runs after the module is restored and before any callback reads its state: BaseFinetuning
+        # (BackboneFinetuning) keeps the optimizer's groups by parameter name, stored when it set them up, and
+        # a mask renamed `X.weight` to `X.weight_orig` since (folding it renames it back): its on_fit_start
+        # then failed on the old name (KeyError), so no checkpoint after the first event could be resumed
+        names = {name for name, _ in pl_module.named_parameters()}
+        states = checkpoint.get("callbacks") or {}
+        for callback in trainer.callbacks:
+            state = states.get(callback.state_key)
+            if isinstance(callback, BaseFinetuning) and isinstance(state, dict):
+                states[callback.state_key] = _finetuning_state_renamed(state, names)
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         state = {**self.schedule.state_dict(), **self.pruner.state_dict()}
         state["events"] = [dict(event) for event in self.events]
@@ -333,6 +373,9 @@ class ScheduledPrune(Callback):
         checkpoint = compat.loaded_checkpoint(trainer) if trainer is not None else None
         return ((checkpoint or {}).get("callbacks") or {}).get(self.state_key)
 
+    def _run_precision(self) -> pruning.RunPrecision | None:
+        return self.pruner.run_precision
+
     def _check_strategy(self, trainer: pl.Trainer) -> None:
         from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
@@ -368,3 +411,38 @@ class ScheduledPrune(Callback):
 
 def _no_trainer() -> None:
     return None
+
+
+def _holds_pulse_cycle(callback: Callback) -> bool:
+    """Whether ``callback`` can hold the PulseCycle in its light phases (:meth:`PulseCycle.hold_light`)."""
+    return isinstance(callback, GreenWindow) and callback.when_dirty == "light"
+
+
+def _steps_per_epoch(trainer: pl.Trainer) -> int | None:
+    """Optimizer steps in an epoch, for phases counted in epochs; ``None`` when a
+    GradientAccumulationScheduler changes them from one epoch to another from the current epoch on (no one
+    figure plans such phases; a resumed run past the last change has one)."""
+    schedule = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+    if schedule is None:
+        factors = {trainer.accumulate_grad_batches}
+    else:
+        # the factor in force now (Lightning adds one for epoch 0 when none is given) and those set later
+        in_force = max(start for start in schedule.scheduling if start <= trainer.current_epoch)
+        factors = {factor for start, factor in schedule.scheduling.items() if start >= in_force}
+    return epoch_steps(trainer.num_training_batches, factors.pop()) if len(factors) == 1 else None
+
+
+def _finetuning_state_renamed(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A BaseFinetuning state whose optimizer groups name each parameter as the module names it now
+    (:func:`~lightning_pulse.core.pruning.current_parameter_name`)."""
+    metadata = state.get("internal_optimizer_metadata")
+    if not isinstance(metadata, dict):  # an older layout (before Lightning PR #11887): left as it is
+        return state
+    renamed = {
+        index: [
+            {**group, "params": [pruning.current_parameter_name(name, names) for name in group["params"]]}
+            for group in groups
+        ]
+        for index, groups in metadata.items()
+    }
+    return {**state, "internal_optimizer_metadata": renamed}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -12,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
 from lightning_pulse.core import stability_steps as steps
 from lightning_pulse.core.fault_origin import trace_nonfinite
@@ -19,10 +21,15 @@ from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
 from lightning_pulse.core.snapshots import RollbackState
 from lightning_pulse.core.spike_detection import Verdict
 from lightning_pulse.core.stability_policy import Action, StabilityGuardConfig, StepChanges, StepEnergy
-from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_sharded_strategy
+from lightning_pulse.errors import (
+    OneRunPerInstance,
+    names_itself,
+    refuse_sharded_strategy,
+    refuse_uninitialized_parameters,
+)
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PhaseChange
-from lightning_pulse.probe import losses_at
+from lightning_pulse.probe import losses_at, training_losses
 from lightning_pulse.protocols import rollback_states, tell_restored_phase
 
 __all__ = ["StabilityGuard", "StabilityGuardConfig", "StabilityGuardError"]
@@ -48,8 +55,11 @@ class StabilityGuard(Callback):
     values and robust z-score spikes (median and MAD, log scale, one window per pulse phase); an
     :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers (docs/stability-guard.md):
 
-    1. **Skip** the update. A non-finite step whose batch holds non-finite values is the data's fault: skipped,
-       never escalated, its samples kept in ``bad_samples``. A non-finite model state rolls back at once.
+    1. **Skip** the update. A non-finite step whose batch holds non-finite values, and whose loss is finite
+       without those rows (or, where they cannot be cut out, with them set to 0), is the data's fault:
+       skipped, never escalated, its samples kept in ``bad_samples`` (where no such check can be made,
+       presumed so for 8 steps in a row, then for 8 more only if the batch is non-finite on the rollback's
+       snapshot too). A non-finite model state rolls back at once.
     2. **Roll back**, after ``rollback_after`` flagged steps, the model, optimizers, LR schedulers and the
        :class:`~lightning_pulse.protocols.RollbackAware` callbacks to the newest CPU snapshot taken at least
        ``rollback_margin`` steps before the trouble; the next ``skip_after_rollback`` batches are skipped. Unless
@@ -85,7 +95,8 @@ class StabilityGuard(Callback):
         ValueError: at construction, naming the argument, for a value out of range.
         PulseRefusal: at fit start, for a module using manual optimization, or under FSDP, DeepSpeed or
             model parallelism (a rank holds a shard of the parameters and gradients), and for a second run of
-            this instance (another ``trainer.fit``) unless a checkpoint was restored into it.
+            this instance (another ``trainer.fit``) unless a checkpoint was restored into it; at train start, for
+            lazy parameters no forward has created yet (no validation sanity check ran one).
         StabilityGuardError: during training, when the guard stops the run (after saving a checkpoint).
 
     Example::
@@ -142,6 +153,8 @@ class StabilityGuard(Callback):
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
         self._fixed_key = "burst" if self.config.per_phase_baselines else "all"  # the key without one
         self._energy = StepEnergy()
+        self._cut: HardSampleReplay | None = None  # cuts batches in place: tells the indices of the rows
+        self._check_oom_warned = False  # the data check ran out of memory (said once a fit)
 
     @property
     def bad_samples(self) -> list[dict[str, Any]]:
@@ -168,11 +181,16 @@ class StabilityGuard(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
+        refuse_uninitialized_parameters(
+            pl_module, "StabilityGuard"
+        )  # after the sanity check that may create them
         self._changes.attach(trainer.optimizers)
         self._keep_gradients = compat.gradients_read_before_step(trainer, pl_module, self)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
         self._record = steps.StepRecord()
+        self._cut = next((c for c in trainer.callbacks if isinstance(c, HardSampleReplay)), None)
+        self._check_oom_warned = False
         self.core.start(trainer.global_step)
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
@@ -187,7 +205,12 @@ class StabilityGuard(Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        self._record.losses.append(loss.detach())  # read once per optimizer step, with the gradient norm
+        record = self._record
+        record.losses.append(loss.detach())  # read once per optimizer step, with the gradient norm
+        if self._cut is not None and record.batches:  # after every batch-start hook: the cut is made
+            trained = self._cut.trained_indices  # a reference, no copy
+            if trained is not None:
+                record.trained[record.batches[-1][0]] = trained
 
     @override
     def on_before_optimizer_step(
@@ -209,7 +232,7 @@ class StabilityGuard(Callback):
         )
         key = self._key_of()
         step = trainer.global_step
-        trace = partial(self._nonfinite_cause, trainer, pl_module, batches)
+        trace = partial(self._nonfinite_cause, trainer, pl_module, batches, loss)
         rollback_helps = partial(self._rollback_helps, trainer, pl_module, batches, step, loss)
         verdict, action, cause, unjudged = self.core.judge(step, loss, grad_norm, key, trace, rollback_helps)
         record.decided = action
@@ -231,7 +254,9 @@ class StabilityGuard(Callback):
         if action is None:  # inside an accumulation window
             return
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
-        if self.core.finish_step(action, trainer.global_step, self._energy.end(), trainer.optimizers):
+        energy, optimizers = self._energy.end(), trainer.optimizers
+        schedulers = self._schedulers(trainer)  # StochasticWeightAveraging swaps or adds one mid-run
+        if self.core.finish_step(action, trainer.global_step, energy, optimizers, pl_module, schedulers):
             self._take_snapshot(trainer, pl_module)
         if action in (Action.ROLLBACK, Action.STOP):
             self._roll_back(trainer, pl_module, action)
@@ -243,7 +268,8 @@ class StabilityGuard(Callback):
         self._one_run.end()
         self._changes.detach()
         log_to_loggers(trainer, self.metrics())
-        if (summary := steps.summary_message(self.policy, self.detector)) is not None:
+        summary = steps.summary_message(self.policy, self.detector, self.core.fit_start_accepted)
+        if summary is not None:
             rank_zero_info(summary)
 
     @override
@@ -276,17 +302,86 @@ class StabilityGuard(Callback):
 
     # ------------------------------------------------------------------ non-finite steps
     def _nonfinite_cause(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list, loss: float | None
     ) -> str | None:
-        """Where a non-finite step came from (``trace_nonfinite``); a data fault's samples are remembered."""
+        """Where a non-finite step came from (``trace_nonfinite``); a data fault's samples are remembered.
+        With a non-finite ``loss`` (the same on every rank), bad data is checked by recomputing the loss
+        without the bad rows, or where they cannot be cut out with its NaN and ``+inf`` values set to 0: only
+        one that then comes out finite is the data's fault. Where neither can be checked and the data is no
+        longer presumed at fault, the batch is tested at once on the snapshots a rollback would return to
+        (:meth:`_recurs_at_snapshot`): the data's if non-finite there too, for ``RECURRING_DATA_FAULTS``
+        steps in a row at most."""
         newest, saved = self.core.saved_forward_state(pl_module)  # saved: tells a -inf mask from an overflow
         step, sum_over_ranks = trainer.global_step, self._sum_over_ranks(trainer)
-        cause, samples = trace_nonfinite(
-            pl_module, trainer.optimizers, batches, step, trainer.train_dataloader, sum_over_ranks, saved
+        check = loss is not None and not math.isfinite(loss) and not self._caches_activations(trainer)
+        losses_of = partial(self._losses_of, trainer, pl_module, (newest, saved)) if check else None
+        cause, samples, unchecked = trace_nonfinite(
+            pl_module,
+            trainer.optimizers,
+            batches,
+            step,
+            trainer.train_dataloader,
+            sum_over_ranks,
+            saved,
+            self._record.trained,
+            losses_of,
+            self.core.presumes_data,
         )
-        if cause == "data" and (warning := self.core.data_fault(pl_module, step, samples, (newest, saved))):
+        if cause is None and unchecked:  # bad data no longer presumed at fault: tested at a snapshot
+            if (warning := self.core.presumption_ended(pl_module, step, (newest, saved))) is not None:
+                rank_zero_warn(warning)
+            tested = check and self.core.tests_data_at_snapshot  # an unbroken row of them escalates
+            if tested and self._recurs_at_snapshot(trainer, pl_module, batches, step):
+                cause = "data"
+        if cause == "data" and (
+            warning := self.core.data_fault(pl_module, step, samples, (newest, saved), unchecked)
+        ):
             rank_zero_warn(warning)
         return cause
+
+    def _losses_of(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        saved: steps.SavedForwardState,
+        batches: list[tuple[int, Any]],
+    ) -> list[float | None]:
+        """The training losses of ``(batch_idx, batch)`` pairs at the current weights
+        (``probe.training_losses``, autograd off: no graph is built beside the step's held gradients), with
+        the forward state a bad batch wrote set back (``StabilityCore.forward_state_for_a_check``); ``None``
+        for a batch whose ``training_step`` returns no loss, or fails on the batch checked (a shape fixed in
+        the module, a loss that needs autograd). Running out of memory is such a failure too, not the run's
+        end: the allocator's cache is freed, a warning said once a fit, and the batch counts unchecked."""
+        losses: list[float | None] = []
+        with self.core.forward_state_for_a_check(pl_module, saved):
+            for pair in batches:
+                try:
+                    found = training_losses(trainer, pl_module, [pair], grad_mode=False)
+                except torch.OutOfMemoryError:  # the step's gradients are still held: the check is extra
+                    found = []
+                    self._out_of_memory_in_check(pl_module)
+                except Exception:  # a diagnostic: its failure must not end the run
+                    found = []
+                losses.append(found[0] if found else None)
+        return losses
+
+    def _out_of_memory_in_check(self, pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not self._check_oom_warned:
+            self._check_oom_warned = True
+            rank_zero_warn(
+                "StabilityGuard: recomputing a non-finite step's loss to tell bad data from a bad model "
+                "ran out of memory (the step's gradients are held meanwhile); that batch counts as "
+                "unchecked: its data is presumed at fault for a few steps in a row, then tested on a "
+                "snapshot. Said once per fit."
+            )
+
+    @staticmethod
+    def _caches_activations(trainer: pl.Trainer) -> bool:
+        """Whether a callback caches activations that a forward outside the loop would fill
+        (``GradientCache``): the guard then runs no forward of its own."""
+        return any(getattr(callback, "activations", None) is not None for callback in trainer.callbacks)
 
     # ------------------------------------------------------------------ snapshots and rollbacks
     def _rollback_helps(
@@ -300,7 +395,7 @@ class StabilityGuard(Callback):
     ) -> bool:
         """The rollback test (class docstring, 2.; ``StabilityCore.rollback_helps``), with the flagged and the
         last ordinary batches' losses at a snapshot's weights (``probe.losses_at``)."""
-        caches = any(getattr(callback, "activations", None) is not None for callback in trainer.callbacks)
+        caches = self._caches_activations(trainer)
         return self.core.rollback_helps(
             pl_module,
             step,
@@ -310,6 +405,21 @@ class StabilityGuard(Callback):
             bool(self._record.reference) and not caches,
             lambda target: losses_at(trainer, pl_module, target, batches, self._record.reference, self._held),
             trainer.optimizers,
+            self._schedulers(trainer),
+        )
+
+    def _recurs_at_snapshot(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list, step: int
+    ) -> bool:
+        """Whether the step's batches are non-finite on the snapshots a rollback would return to as well, the
+        ordinary batch finite (``StabilityCore.recurs_at_snapshot``)."""
+        return self.core.recurs_at_snapshot(
+            pl_module,
+            step,
+            bool(self._record.reference),  # no activation cache: the check ran (``_nonfinite_cause``)
+            lambda target: losses_at(trainer, pl_module, target, batches, self._record.reference, self._held),
+            trainer.optimizers,
+            self._schedulers(trainer),
         )
 
     def _sum_over_ranks(self, trainer: pl.Trainer) -> Any:
@@ -324,8 +434,11 @@ class StabilityGuard(Callback):
 
     def _training_state(self, trainer: pl.Trainer) -> tuple[list, list, dict[str, RollbackState]]:
         """What a snapshot holds besides the module: optimizers, LR schedulers, the opted-in callbacks."""
-        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        return trainer.optimizers, schedulers, rollback_states(trainer, exclude=self)
+        return trainer.optimizers, self._schedulers(trainer), rollback_states(trainer, exclude=self)
+
+    @staticmethod
+    def _schedulers(trainer: pl.Trainer) -> list:
+        return [config.scheduler for config in trainer.lr_scheduler_configs]
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Snapshot the state, unless it holds values a rollback must not return to on any rank (then left

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_pulse.core.sample_index import KEEP_ONE_ROW_PER_INDEX
 from lightning_pulse.errors import PulseRefusal
 
 if TYPE_CHECKING:
@@ -54,20 +55,46 @@ class _ActivationEntry:
     name: str
     module: nn.Module
     storage: torch.Tensor | None = None  # (capacity, *output shape without batch)
-    input_shape: tuple[int, ...] | None = None  # the per-sample shape of its first input, when recorded
-    # whether its first input's first dimension held the batch's samples, when recorded
-    input_holds_rows: bool = False
+    # the axis of its first input that held the batch's samples when recorded: 0, 1 (time-major), or None
+    input_rows_axis: int | None = None
+    input_shape: tuple[int, ...] | None = None  # the shape of one sample of its first input, when recorded
     calls: int = 0
+    # in the batch under way: the rows of an output that were not the batch's keys (its first dimension)
+    unmatched_rows: int | None = None
 
 
 def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
     return next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
 
 
-def _per_sample_shape(args: tuple[Any, ...]) -> tuple[int, ...] | None:
-    """The shape of one sample of the first tensor among ``args`` (``None`` without one)."""
+def _rows_axis(args: tuple[Any, ...], rows: int) -> int | None:
+    """The axis of the first tensor among ``args`` that holds the ``rows`` samples: 0 (``(B, ...)``), 1
+    (time-major, ``(T, B, ...)``), or ``None`` (neither)."""
     first = _first_tensor(args)
-    return None if first is None else tuple(first.shape[1:])
+    if first is None:
+        return None
+    return next((axis for axis in (0, 1) if first.dim() > axis and first.shape[axis] == rows), None)
+
+
+def _per_sample_shape(args: tuple[Any, ...], rows_axis: int | None) -> tuple[int, ...] | None:
+    """The shape of one sample of the first tensor among ``args``: its shape without ``rows_axis`` (without
+    its first dimension when that is ``None``); ``None`` without a tensor."""
+    first = _first_tensor(args)
+    if first is None:
+        return None
+    shape, axis = tuple(first.shape), rows_axis or 0
+    return shape[:axis] + shape[axis + 1 :]
+
+
+def _input_rows(entry: _ActivationEntry, args: tuple[Any, ...]) -> int | None:
+    """How many samples the first tensor among ``args`` holds on the axis that held ``entry``'s samples when
+    recorded (``None``: not known)."""
+    first, axis = _first_tensor(args), entry.input_rows_axis
+    return None if first is None or axis is None or first.dim() <= axis else int(first.shape[axis])
+
+
+# a batch whose rows are not its keys is never recorded; once most are (at least this many), the cache is off
+UNMATCHED_BATCHES_TO_SWITCH_OFF = 8
 
 
 class PrefixActivationCache:
@@ -81,6 +108,9 @@ class PrefixActivationCache:
     does a module whose input or output changes shape per sample from one batch to the next (a collate
     function that pads to each batch's longest sequence): it runs for real from then on. A lookup never
     stands in for an input of another number of samples than the batch's indices: that module runs for real.
+    A batch whose rows are not its indices (7 rows for 8 drawn indices: a collate function that drops
+    unreadable samples) is neither recorded nor replayed (:attr:`unmatched_batches` counts them); when most
+    batches are such (and at least ``UNMATCHED_BATCHES_TO_SWITCH_OFF``), the cache switches itself off.
 
     Args:
         capacity: how many distinct samples this process sees per epoch (rows of each store).
@@ -100,6 +130,10 @@ class PrefixActivationCache:
         self.disabled_reason: str | None = None
         self.hits = 0
         self.batches = 0
+        # batches whose rows were not their sample indices: neither recorded nor replayed
+        self.unmatched_batches = 0
+        # (rows, indices) of the batch under way, if they differ
+        self._unmatched: tuple[int, int] | None = None
         self._stubbed: list[nn.Module] = []
         self._indices: torch.Tensor | Callable[[], torch.Tensor] | None = None
         self._slots: torch.Tensor | None = None
@@ -165,7 +199,14 @@ class PrefixActivationCache:
         for module in self._stubbed:
             del module.forward  # back to the class's forward
         self._stubbed = []
-        if self._mode in ("record", "verify") and self._slots is not None and self.disabled_reason is None:
+        if self._mode in ("record", "verify"):
+            reached = [e.unmatched_rows for e in self.entries if e.calls]
+            if reached and self._slots is not None and all(rows is not None for rows in reached):
+                # no module's output had a row per key: the batch's rows are not its samples, not one module
+                self._unmatched = (int(reached[0] or 0), len(self._slots))
+        if self._unmatched is not None:
+            self._count_unmatched(*self._unmatched)
+        elif self._mode in ("record", "verify") and self._slots is not None and self.disabled_reason is None:
             broken = [e for e in self.entries if e.calls != 1 or e.storage is None]
             if broken:
                 # a module called twice (or not at all) per forward cannot be replayed by one lookup
@@ -176,7 +217,24 @@ class PrefixActivationCache:
                 if self._mode == "verify":
                     self.verified = True
         self._mode = "off"
-        self._slots = self._indices = None
+        self._slots = self._indices = self._unmatched = None
+
+    def _count_unmatched(self, rows: int, keys: int) -> None:
+        """A batch of ``rows`` rows for ``keys`` sample indices went by; off once most batches are such."""
+        self.unmatched_batches += 1
+        count = self.unmatched_batches
+        if (
+            self.disabled_reason is None
+            and count >= UNMATCHED_BATCHES_TO_SWITCH_OFF
+            and 2 * count > self.batches
+        ):
+            self.disabled_reason = (
+                f"{count} of {self.batches} frozen batches held another number of rows than the dataset "
+                f"indices the sampler drew for them (the last: {rows} rows for {keys} indices), so their "
+                "outputs cannot be stored per sample: a collate_fn that drops samples (unreadable ones?) "
+                "does this, as does a frozen module whose output is not batch-first (time-major); to use the "
+                f"cache, {KEEP_ONE_ROW_PER_INDEX}"
+            )
 
     def _resolve(self) -> None:
         """Key the batch by its samples: replay them if all are recorded (and the plan verified), or record."""
@@ -193,7 +251,7 @@ class PrefixActivationCache:
         else:
             self._mode = "verify" if complete else "record"
             for entry in self.entries:
-                entry.calls = 0
+                entry.calls, entry.unmatched_rows = 0, None
 
     def _slots_for(self, indices: torch.Tensor) -> torch.Tensor | None:
         indices = indices.to(torch.long).cpu()
@@ -208,8 +266,14 @@ class PrefixActivationCache:
     def _record(self, entry: _ActivationEntry, args: tuple[Any, ...], output: Any) -> None:
         entry.calls += 1
         slots = self._slots
-        if not isinstance(output, torch.Tensor) or slots is None or output.shape[0] != len(slots):
+        if not isinstance(output, torch.Tensor) or slots is None or output.dim() == 0:
             entry.calls += 1  # mark as not replayable
+            return
+        if output.shape[0] != len(slots):
+            # not replayable, unless no module of this batch had a row per key: then it is the batch
+            # (end_batch tells), which is not recorded
+            entry.calls += 1
+            entry.unmatched_rows = int(output.shape[0])
             return
         if entry.storage is None:
             per_sample = output[0].numel() * output.element_size()
@@ -219,12 +283,13 @@ class PrefixActivationCache:
             entry.storage = torch.zeros(
                 (self.capacity, *output.shape[1:]), dtype=output.dtype, device=output.device
             )
-            entry.input_shape = _per_sample_shape(args)
-            first = _first_tensor(args)
-            entry.input_holds_rows = first is not None and first.dim() > 0 and first.shape[0] == len(slots)
-        elif output.shape[1:] != entry.storage.shape[1:] or _per_sample_shape(args) != entry.input_shape:
-            self._switch_off_for_shape(entry, tuple(output.shape[1:]))
-            return
+            entry.input_rows_axis = _rows_axis(args, len(slots))
+            entry.input_shape = _per_sample_shape(args, entry.input_rows_axis)
+        else:
+            input_shape = _per_sample_shape(args, entry.input_rows_axis)
+            if output.shape[1:] != entry.storage.shape[1:] or input_shape != entry.input_shape:
+                self._switch_off_for_shape(entry, input_shape, output)
+                return
         stored = entry.storage.index_select(0, slots.to(entry.storage.device))
         if self._mode == "verify" and not torch.allclose(stored, output.detach(), rtol=1e-3, atol=1e-5):
             self.disabled_reason = (
@@ -234,22 +299,32 @@ class PrefixActivationCache:
             return
         entry.storage.index_copy_(0, slots.to(entry.storage.device), output.detach())
 
-    def _switch_off_for_shape(self, entry: _ActivationEntry, output_shape: tuple[int, ...]) -> None:
+    def _switch_off_for_shape(
+        self, entry: _ActivationEntry, input_shape: tuple[int, ...] | None, output: Any
+    ) -> None:
+        """Off for good: one sample of ``entry``'s input (``input_shape``) or ``output`` differs from the
+        records."""
         assert entry.storage is not None
+        recorded = tuple(entry.storage.shape[1:])
+        now = tuple(output.shape[1:]) if isinstance(output, torch.Tensor) else None
+        # the one that changed, so the message never names two equal shapes
+        side, before, after = (
+            ("output", recorded, now) if now != recorded else ("input", entry.input_shape, input_shape)
+        )
         self.disabled_reason = (
-            f"the per-sample input or output of {entry.name} changes shape between batches (output "
-            f"{tuple(entry.storage.shape[1:])}, then {output_shape}: a collate function padding each batch to its "
-            "longest sequence?); pad to one fixed length to use the cache"
+            f"the per-sample {side} of {entry.name} changes shape between batches ({before}, then {after}: a "
+            "collate function padding each batch to its longest sequence?); pad to one fixed length to use "
+            "the cache"
         )
 
     def _fits(self, entry: _ActivationEntry, args: tuple[Any, ...]) -> bool:
         """Whether ``entry``'s records of the batch stand for its live input ``args``."""
-        if _per_sample_shape(args) != entry.input_shape:
+        if _per_sample_shape(args, entry.input_rows_axis) != entry.input_shape:
             return False
-        first = _first_tensor(args)
         # a batch cut after it was keyed: the lookup's rows would be other samples (a crash, or wrong rows)
         assert self._slots is not None
-        return not entry.input_holds_rows or (first is not None and first.shape[0] == len(self._slots))
+        rows = _input_rows(entry, args)
+        return rows is None or rows == len(self._slots)
 
     def _install_gate(self, entry: _ActivationEntry) -> None:
         """Swap ``entry``'s forward, for this batch, for one that replays, records or just runs it."""
@@ -265,10 +340,14 @@ class PrefixActivationCache:
                     return storage.index_select(0, self._slots.to(storage.device))
                 self.hits -= 1  # a miss: this batch's modules run for real from here on
                 self._mode = "miss"
+                rows = _input_rows(entry, args)  # on the axis that held the samples (1 when time-major)
+                if rows is not None and rows != len(self._slots):
+                    self._unmatched = (rows, len(self._slots))  # rows that are not its keys: skipped, counted
                 output = type(module).forward(module, *args, **kwargs)
-                if _per_sample_shape(args) != entry.input_shape and self.disabled_reason is None:
+                input_shape = _per_sample_shape(args, entry.input_rows_axis)
+                if input_shape != entry.input_shape and self.disabled_reason is None:
                     # samples seen before, padded differently: the records no longer fit, so stop caching
-                    self._switch_off_for_shape(entry, tuple(output.shape[1:]))
+                    self._switch_off_for_shape(entry, input_shape, output)
                 return output
             output = type(module).forward(module, *args, **kwargs)
             if self._mode in ("record", "verify"):

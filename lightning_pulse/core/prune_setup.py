@@ -160,12 +160,14 @@ def event_cadence(
     *,
     decided: bool | None = None,
     pruned: bool = False,
+    holder: str | None = None,
 ) -> tuple[bool, list[str]]:
     """Whether events happen at maintain-phase starts of ``clock`` (a PulseCycle's; ``None`` without one), and
     the warnings to give at fit start: :func:`uses_maintain`'s, then :func:`abrupt_schedule_warning`'s (on
     the maintain cadence at the maintain starts the clock plans, :func:`maintain_starts`; none for wall-clock
     phases, whose starts are not known before the run). Raises :class:`PulseRefusal` as :func:`uses_maintain`
-    does.
+    does. ``holder`` names a callback that can hold the PulseCycle in its light phases (a GreenWindow with
+    ``when_dirty='light'``): its holds move the maintain starts, so that warning says the plan assumes none.
 
     On the maintain cadence the clock is played forward from ``step``: when no maintain phase starts between
     the schedule's start and the run's end (``total_steps``; a budget that lengthens the replay phases, or a
@@ -202,7 +204,7 @@ def event_cadence(
         abrupt = abrupt_schedule_warning(schedule)
     elif clock is not None and not schedule.finished and not pruned:
         starts = maintain_starts(clock, schedule.end_step, total_steps, steps_per_epoch)
-        abrupt = None if starts is None else abrupt_schedule_warning(schedule, starts)
+        abrupt = None if starts is None else abrupt_schedule_warning(schedule, starts, holder)
     return on_maintain, [text for text in (warning, abrupt) if text is not None]
 
 
@@ -211,21 +213,29 @@ def maintain_starts(
 ) -> list[int] | None:
     """The optimizer steps at which maintain phases start in the run when a copy of ``clock`` (a
     PulseCycle's) is played forward from now: each one before step ``until``, and the first at or after it.
-    ``None`` when the plan cannot tell: wall-clock phases end with the seconds the steps take, and warm-up or
-    anneal need a run length (PulseCycle refuses that itself).
+    ``None`` when the plan cannot tell: wall-clock phases end with the seconds the steps take, phases counted
+    in epochs have no ``steps_per_epoch`` when the epoch's length changes (a GradientAccumulationScheduler),
+    and warm-up or anneal need a run length (PulseCycle refuses that itself).
 
-    The copy advances a step at a time, as the run's clock does, so phases counted in epochs change at their
-    own steps too: about 2 µs a step, once at fit start (0.18 s for a 100,000-step run, measured)."""
+    The copy jumps from one possible phase change to the next, as :meth:`PhaseClock.first_entry` does: the
+    end of a phase counted in steps, the warm-up's end, the anneal's start. A phase counted in epochs goes a
+    step at a time, as the run's clock does, so it ends at the step the run's fractions of an epoch add up at.
+    The cost is per phase for step-counted phases, per step for epoch-counted ones; measured once at fit start
+    for a 1,000,000-step run planned to 70%: 0.08 s at PulseCycle's defaults (6,000 cycles; 0.84 s a step at
+    a time), 0.78 s for phases of 2, 1 and 0.5 epochs of 1,000 steps."""
     if clock.uses_wall_clock:
         return None
     sim, starts = clock.copy(), []
+    limit = min(until, total_steps)
     try:
         changes = [sim.start(total_steps)] if sim.stage == "pending" else []
         while True:
             starts += [c.step for c in changes if c is not None and c.current is Phase.MAINTAIN]
-            if sim.step >= min(until, total_steps) or sim.stage == "anneal":  # anneal is burst to the end
+            if sim.step >= limit or sim.stage == "anneal":  # anneal is burst to the end
                 break
-            changes = sim.advance(1, 0.0, steps_per_epoch, total_steps)
+            # the clock's own jumps (as first_entry makes them), none past the plan's end
+            jump = min(sim.steps_to_boundary(total_steps), math.ceil(limit - sim.step))
+            changes = sim.advance(jump, 0.0, steps_per_epoch, total_steps)
         if (not starts or starts[-1] < until) and sim.stage != "anneal":
             later = sim.first_entry(Phase.MAINTAIN, until, steps_per_epoch, total_steps)
             starts += [] if later is None else [later]
@@ -242,9 +252,12 @@ def maintain_starts(
 ABRUPT_CUT_SHARE = 0.75
 
 
-def abrupt_schedule_warning(schedule: PruneSchedule, maintain_at: Sequence[int] | None = None) -> str | None:
+def abrupt_schedule_warning(
+    schedule: PruneSchedule, maintain_at: Sequence[int] | None = None, holder: str | None = None
+) -> str | None:
     """A warning when the schedule cuts most of the way in one event, else ``None``: on the step cadence, or
-    at ``maintain_at`` (the steps maintain phases start at, on the maintain cadence)."""
+    at ``maintain_at`` (the steps maintain phases start at, on the maintain cadence, in a plan that assumes
+    no hold by ``holder``, a callback that can hold the PulseCycle in its light phases)."""
     cuts = schedule.planned_cuts(maintain_at)
     if not cuts or schedule.final_sparsity <= 0:
         return None
@@ -265,8 +278,13 @@ def abrupt_schedule_warning(schedule: PruneSchedule, maintain_at: Sequence[int] 
     end, reached = schedule.end_step, cuts[-1][2]
     short = f" (no maintain phase starts at or after step {end}: sparsity stops at {reached:.2f})"
     short = short if reached < schedule.final_sparsity else ""
+    plan = (
+        "the PulseCycle's plan"
+        if holder is None
+        else f"the PulseCycle's plan, if no {holder} hold moves its phases,"
+    )
     return (
-        f"ScheduledPrune: pruning at maintain-phase starts, the PulseCycle's plan makes {len(cuts)} cut(s) "
+        f"ScheduledPrune: pruning at maintain-phase starts, {plan} makes {len(cuts)} cut(s) "
         f"over {span_text}, and {cut_text}{short}; {gradual} Give the span more maintain phases (a cycle of "
         f"about {suggested} steps has 8 in it: shorter `burst`/`replay`), widen `start`/`end`, or prune on "
         f"steps: options=PruneOptions(cadence='steps') with `every`={suggested}."

@@ -24,7 +24,7 @@ import re
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -252,6 +252,19 @@ def apply_masks(layers: Mapping[str, nn.Module], masks: Mapping[str, torch.Tenso
                 module.weight = module.weight_orig * module.weight_mask
 
 
+def current_parameter_name(name: str, names: Collection[str]) -> str:
+    """``name``, a parameter's qualified name read before a mask was added or folded, as it is among ``names``
+    now: a mask renames ``X.weight`` to ``X.weight_orig``, and folding it renames it back. Unchanged when
+    neither form is among them."""
+    if name in names:
+        return name
+    if f"{name}_orig" in names:
+        return f"{name}_orig"
+    if name.endswith("_orig") and name[: -len("_orig")] in names:
+        return name[: -len("_orig")]
+    return name
+
+
 def make_masks_permanent(model: nn.Module) -> list[str]:
     """Fold every ``torch.nn.utils.prune`` mask into its weight; returns the names of the layers folded."""
     folded = []
@@ -404,34 +417,56 @@ def as_example_inputs(example: Any) -> tuple[Any, ...] | dict[str, Any]:
     return tuple(example) if isinstance(example, (tuple, list)) else (example,)
 
 
-def inputs_for(model: nn.Module, example: Any) -> tuple[Any, ...] | dict[str, Any]:
-    """The arguments (:func:`as_example_inputs`) to call ``model`` with on ``example``: on the model's device,
-    with floating tensors converted as Lightning's precision plugins convert a batch. The run's dtype is the
-    one holding most of the model's floating parameter elements: a true-precision plugin converts the whole
-    module, and a model that kept a few parameters apart (a float32 scale or norm in a bfloat16 model) still
-    takes its inputs in the converted dtype.
+@dataclass(frozen=True)
+class RunPrecision:
+    """How a fit's precision plugin hands a batch to the model, read at setup (:func:`inputs_for`).
 
-    A model in bfloat16, float16 or float64 (``bf16-true``, ``16-true``, ``64-true``) gets every floating
-    tensor in its dtype, as those plugins' ``convert_input`` does: a float32 ``example_input_array``, which
-    Lightning never converts, is traced on the converted model. A float32 model (``32-true`` and the mixed
-    precisions, which leave batches alone) gets them as they are (a float64 input stays float64), except that
-    bfloat16 and float16 ones go up to float32: the trace runs outside a mixed run's autocast, where a float32
-    layer takes no half tensor, and a recorded ``bf16-true`` example may meet a freshly built float32 module.
-    The trace reads the structure only, which the dtype does not change."""
+    Attributes:
+        input_dtype: what the plugin's ``convert_input`` makes of a float32 tensor: float32 under ``32-true``
+            and the mixed precisions, which leave batches alone; the run's dtype under the true ones.
+        autocast: whether the plugin runs the step under autocast (the mixed precisions).
+    """
+
+    input_dtype: torch.dtype
+    autocast: bool = False
+
+
+def inputs_for(
+    model: nn.Module, example: Any, precision: RunPrecision | None = None
+) -> tuple[Any, ...] | dict[str, Any]:
+    """The arguments (:func:`as_example_inputs`) to call ``model`` with on ``example``: on the model's device,
+    with floating tensors converted as the run's ``precision`` plugin converts a batch (known in a fit:
+    :attr:`Pruner.run_precision`).
+
+    Under ``bf16-true``, ``16-true`` and ``64-true`` every floating tensor goes to the run's dtype, as those
+    plugins' ``convert_input`` does: a float32 ``example_input_array``, which Lightning never converts, is
+    traced on the converted model. Under ``32-true`` tensors stay as they are, as that plugin hands a batch
+    over: a float64 input stays float64, a float32 one stays float32 for a float32 stem before a bfloat16
+    body, and a bfloat16 one stays bfloat16 for a model the user put in bfloat16. Under the mixed precisions
+    the same, except that bfloat16 and float16 tensors go up to float32: the trace runs outside their
+    autocast, where a float32 layer takes no half tensor. The trace reads the structure only, which the dtype
+    does not change.
+
+    Without a run (``precision=None``: a fresh module fitted to a checkpoint, :func:`fit_to_state_dict`,
+    :func:`load_pruned`) the run's dtype is guessed as the one holding most of the model's floating parameter
+    elements: a true-precision plugin converts the whole module, a model that kept a few parameters apart (a
+    float32 scale in a bfloat16 model) still takes its inputs in the converted dtype, and a recorded
+    ``bf16-true`` or mixed-precision example meeting a freshly built float32 module goes up to float32."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    elements: dict[torch.dtype, int] = {}
-    for parameter in model.parameters():
-        if parameter.is_floating_point():
-            size = 0 if nn.parameter.is_lazy(parameter) else parameter.numel()
-            elements[parameter.dtype] = elements.get(parameter.dtype, 0) + size
-    dtype = max(elements, key=elements.__getitem__) if elements else None
+    if precision is None:
+        dtype, half_up = _most_elements_dtype(model), True
+    else:
+        dtype, half_up = precision.input_dtype, precision.autocast
 
     def move(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        converts = dtype != torch.float32 or x.dtype in (torch.bfloat16, torch.float16)
-        if dtype is not None and x.is_floating_point() and converts:
+        if dtype is None or not x.is_floating_point():
+            return x.to(device)
+        if dtype != torch.float32:
             return x.to(device=device, dtype=dtype)
+        if half_up and x.dtype in (torch.bfloat16, torch.float16):
+            return x.to(device=device, dtype=torch.float32)
         return x.to(device)
 
     arguments = as_example_inputs(example)
@@ -440,28 +475,56 @@ def inputs_for(model: nn.Module, example: Any) -> tuple[Any, ...] | dict[str, An
     return tuple(move(x) for x in arguments)
 
 
-def build_dependency_graph(model: nn.Module, example_inputs: Any) -> Any:
+def _most_elements_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype holding most of ``model``'s floating parameter elements (``None`` without any)."""
+    elements: dict[torch.dtype, int] = {}
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            size = 0 if nn.parameter.is_lazy(parameter) else parameter.numel()
+            elements[parameter.dtype] = elements.get(parameter.dtype, 0) + size
+    return max(elements, key=elements.__getitem__) if elements else None
+
+
+def build_dependency_graph(
+    model: nn.Module, example_inputs: Any, precision: RunPrecision | None = None
+) -> Any:
     """torch-pruning's dependency graph of ``model``, traced with ``model(*args)`` (``model(**kwargs)`` for a
-    mapping); ``graph.reused_modules`` holds the modules called more than once in that forward.
+    mapping; :func:`inputs_for` with ``precision``); ``graph.reused_modules`` holds the modules called more
+    than once in that forward.
 
     The tracer switches the model to eval mode and leaves it there; we put every module back in the mode it
-    had, since this runs in the middle of training.
+    had, since this runs in the middle of training. It follows the autograd graph, so every parameter requires
+    grad while it traces (each gets its own flag back after): a layer frozen for the moment (a GradientCache
+    freezes its stable prefix in the light phases, when the maintain-phase events come) fed by data that needs
+    no grad would leave no autograd node, and torch-pruning would never see it. The layers the user froze are
+    kept out of the cuts by :attr:`Pruner.user_frozen`, not by being unseen.
     """
     tp = import_torch_pruning()
     modes = {module: module.training for module in model.modules()}
-    inputs = inputs_for(model, example_inputs)
+    inputs = inputs_for(model, example_inputs, precision)
     calls: dict[nn.Module, int] = {}
 
     def count(module: nn.Module, args: Any) -> None:
         calls[module] = calls.get(module, 0) + 1
 
     handles = [module.register_forward_pre_hook(count) for module in model.modules()]
+    frozen = [
+        parameter
+        for parameter in model.parameters()
+        if not parameter.requires_grad
+        and (parameter.is_floating_point() or parameter.is_complex())
+        and not nn.parameter.is_lazy(parameter)
+    ]
     try:
+        for parameter in frozen:
+            parameter.requires_grad_(True)
         with torch.enable_grad():
             graph = tp.DependencyGraph().build_dependency(
                 model, example_inputs=inputs, forward_fn=call_with, verbose=False
             )
     finally:
+        for parameter in frozen:
+            parameter.requires_grad_(False)
         for handle in handles:
             handle.remove()
         for module, training in modes.items():
@@ -499,15 +562,28 @@ def _touches_output(graph: Any, group: Any) -> bool:
     return False
 
 
-def channel_groups(graph: Any, model: nn.Module, roots: Mapping[str, nn.Module]) -> list[ChannelGroup]:
+def _cuts_channels_of(graph: Any, group: Any, modules: Collection[nn.Module]) -> bool:
+    # the output channels of one of ``modules`` (a norm's or a depthwise conv's inputs are its outputs: one
+    # pruning function for both)
+    return any(
+        dependency.target.module in modules and graph.is_out_channel_pruning_fn(dependency.handler)
+        for dependency, _ in group
+    )
+
+
+def channel_groups(
+    graph: Any, model: nn.Module, roots: Mapping[str, nn.Module], frozen: Collection[str] = ()
+) -> list[ChannelGroup]:
     """Prunable channel groups whose root is one of ``roots``.
 
     A group is left out when it also removes output channels of a layer that was not chosen (a residual
     coupling with an unchosen layer), when it would change the model's output shape, or when it would cut a
     bare ``nn.Parameter`` (a learned positional table), a module called more than once per forward, a
     module holding a shared parameter, a module holding a layer that is not chosen (an
-    ``nn.MultiheadAttention``, whose ``out_proj`` is never pruned: cutting it changes its head width), or a
-    layer whose weight is computed (a parametrization, the older ``weight_norm`` / ``spectral_norm``).
+    ``nn.MultiheadAttention``, whose ``out_proj`` is never pruned: cutting it changes its head width), a
+    layer whose weight is computed (a parametrization, the older ``weight_norm`` / ``spectral_norm``), or the
+    channels of a module named in ``frozen`` (the user's frozen layers, of any type: a norm after the root),
+    or of a module holding one. A frozen layer that only reads the cut channels loses those input columns.
     """
     root_types = tuple({type(module) for module in roots.values()})
     chosen = set(roots.values())
@@ -521,10 +597,17 @@ def channel_groups(graph: Any, model: nn.Module, roots: Mapping[str, nn.Module])
     # a weight computed from other tensors (a parametrization, the older weight_norm / spectral_norm hooks) is
     # recomputed from its uncut sources at the next forward: such a layer cannot be cut as a consumer either
     unsafe |= {m for m in model.modules() if prune_targets.computes_its_weight(m)}
+    # the user's frozen layers keep their channels: not only those of the chosen types (unchosen above), but a
+    # frozen norm or scale that the root's group would cut with it
+    named = dict(model.named_modules())
+    frozen_modules = {named[name] for name in frozen if name in named}
+    holds_frozen = {m for m in model.modules() if any(sub in frozen_modules for sub in m.modules())}
     groups = []
     for group in graph.get_all_groups(ignored_layers=unchosen, root_module_types=root_types):
         root_module = group[0].dep.target.module
         if root_module not in chosen or _touches_output(graph, group):
+            continue
+        if _cuts_channels_of(graph, group, holds_frozen):
             continue
         targets = [dependency.target.module for dependency, _ in group]
         if any(isinstance(target, nn.Parameter) or target in unsafe for target in targets):
@@ -804,14 +887,17 @@ def prune_channels(
     original_channels: dict[str, int],
     ranking: str = "layer",
     min_channels: int = 1,
+    precision: RunPrecision | None = None,
+    frozen: Collection[str] = (),
 ) -> StructuredResult:
     """Physically remove channels so that ``sparsity`` of the original channels of ``layers`` are gone.
 
     ``original_channels`` maps root names to their channel count before any pruning; groups seen for the
-    first time are added to it (so pass the same dict on every call).
+    first time are added to it (so pass the same dict on every call). ``precision``: see :func:`inputs_for`.
+    ``frozen``: names of the layers the user froze; no group that would cut one of them is cut.
     """
-    graph = build_dependency_graph(model, example_inputs)
-    groups = channel_groups(graph, model, layers)
+    graph = build_dependency_graph(model, example_inputs, precision)
+    groups = channel_groups(graph, model, layers, frozen)
     for channel_group in groups:
         original_channels.setdefault(channel_group.root, channel_group.channels)
     importances = channel_importance(groups, normalize=ranking == "global")
@@ -826,11 +912,17 @@ def prune_channels(
     return StructuredResult({name: len(indices) for name, indices in removals.items()}, history, remap)
 
 
-def replay_structure(model: nn.Module, example_inputs: Any, history: Sequence[Sequence[Any]]) -> None:
-    """Re-apply recorded structured pruning to a freshly built ``model``, so a pruned state dict fits it."""
+def replay_structure(
+    model: nn.Module,
+    example_inputs: Any,
+    history: Sequence[Sequence[Any]],
+    precision: RunPrecision | None = None,
+) -> None:
+    """Re-apply recorded structured pruning to a freshly built ``model``, so a pruned state dict fits it
+    (``precision``: see :func:`inputs_for`)."""
     if not history:
         return
-    graph = build_dependency_graph(model, example_inputs)
+    graph = build_dependency_graph(model, example_inputs, precision)
     graph.load_pruning_history([[name, is_out, list(indices)] for name, is_out, indices in history])
 
 
@@ -934,9 +1026,10 @@ def _trial_cut(
         "structured", pruner.layer_types or None, exclude_pattern, pruner.ranking, pruner.min_channels
     )
     trial.user_frozen = pruner.user_frozen if frozen is None else frozen
+    trial.run_precision = pruner.run_precision
     duplicate = copy_without_hooks(model).eval()  # eval: no dropout draws, no batch-norm statistics
     device = next((p.device for p in duplicate.parameters()), torch.device("cpu"))
-    inputs = inputs_for(duplicate, small_example(example))
+    inputs = inputs_for(duplicate, small_example(example), pruner.run_precision)
     # the check must not change the run it checks: random draws happen on forked generators
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         _for_the_value_check(duplicate)
@@ -1428,6 +1521,8 @@ class Pruner:
         original_channels: structured: root layer name -> its channels before any pruning.
         history: structured: torch-pruning's history of every removal, in order.
         example_inputs: structured: the two-sample input the model is traced with.
+        run_precision: structured: how the run's precision plugin hands a batch over, set at fit
+            start (:func:`inputs_for`); ``None`` outside a fit: guessed from the model's parameters.
     """
 
     def __init__(
@@ -1464,6 +1559,7 @@ class Pruner:
         self.example_inputs: Any = None
         #: layers the user froze (set at the fit's setup): never pruned
         self.user_frozen: frozenset[str] = frozenset()
+        self.run_precision: RunPrecision | None = None
 
     def selection(self, model: nn.Module) -> LayerSelection:
         """The layers of ``model`` this pruner prunes, and those it leaves out with the reason."""
@@ -1519,6 +1615,8 @@ class Pruner:
             self.original_channels,
             self.ranking,
             self.min_channels,
+            self.run_precision,
+            self.user_frozen,
         )
         self.history.extend(result.history)
         problems = []
@@ -1612,17 +1710,30 @@ def fit_to_state_dict(
     state_dict: Mapping[str, Any],
     prefix: str = "",
     structure: Structure | Callable[[], Structure | None] | None = None,
+    precision: RunPrecision | None = None,
 ) -> None:
     """Make a freshly built ``module`` fit a state dict saved from a pruned one, before it loads.
 
-    Adds a mask to every layer with a ``*.weight_mask`` entry and, when shapes differ, replays the channel
-    removals recorded in ``structure`` (a :class:`Pruner`'s state dict, or a function returning it, asked
-    only then).
+    Creates the parameters its lazy modules (``nn.LazyLinear``) have not created yet
+    (:func:`create_lazy_tensors`), adds a mask to every layer with a ``*.weight_mask`` entry and, when shapes
+    differ, replays the channel removals recorded in ``structure`` (a :class:`Pruner`'s state dict, or a
+    function returning it, asked only then or for a lazy module). ``precision``: in a fit that restores the
+    module, the run's (:attr:`Pruner.run_precision`); read under ``32-true`` and the mixed precisions only
+    (an ``input_dtype`` of float32), whose plugins convert neither the module nor a batch. Otherwise the trace
+    input follows the module's own dtype (:func:`inputs_for` without one): a true-precision plugin converts
+    the module only after Lightning restored it.
 
     Raises:
         RuntimeError: shapes differ and ``structure`` records no removals.
     """
     keys = [key[len(prefix) :] for key in state_dict if key.startswith(prefix)]
+    trace_precision = precision if precision is not None and precision.input_dtype == torch.float32 else None
+    recorded = None
+    if any(nn.parameter.is_lazy(tensor) for tensor in (*module.parameters(), *module.buffers())):
+        recorded = structure() if callable(structure) else structure
+        cut = recorded is not None and bool(recorded.get("history"))
+        example = _example_in_module_dtype(module, state_dict, prefix, keys, recorded) if cut else None
+        create_lazy_tensors(module, state_dict, prefix, example, trace_precision)
     for key in keys:
         if key.endswith(".weight_mask"):
             try:
@@ -1637,6 +1748,7 @@ def fit_to_state_dict(
         for key in keys
         if key in own
         and isinstance(state_dict[prefix + key], torch.Tensor)
+        and not nn.parameter.is_lazy(own[key])  # no entry to create it from: load_state_dict says so
         and own[key].shape != state_dict[prefix + key].shape
     ]
     if not mismatched:
@@ -1654,13 +1766,23 @@ def fit_to_state_dict(
             "checkpoint from before the first cut), or evaluate the cut model itself (trainer.test(ckpt_path=None) "
             "or 'last')."
         )
-    recorded = structure() if callable(structure) else structure
+    if recorded is None:
+        recorded = structure() if callable(structure) else structure
     if not recorded or not recorded.get("history"):
         raise RuntimeError(
             f"The state dict has pruned shapes ({mismatched[0]}) but no recorded channel removals to rebuild "
             "them (the checkpoint lacks ScheduledPrune's state, e.g. it was saved with weights_only=True). Load "
             "it with ScheduledPrune.load_pruned(module, checkpoint)."
         )
+    example = _example_in_module_dtype(module, state_dict, prefix, keys, recorded)
+    replay_structure(module, example, recorded["history"], trace_precision)
+
+
+def _example_in_module_dtype(
+    module: nn.Module, state_dict: Mapping[str, Any], prefix: str, keys: Sequence[str], recorded: Structure
+) -> Any:
+    """The recorded trace input, its tensors of the state dict's floating dtype in the fresh module's."""
+    own = module.state_dict()  # a lazy entry has its dtype already
     example = recorded["example_inputs"]
     floating = (
         (state_dict[prefix + key].dtype, own[key].dtype)
@@ -1670,14 +1792,53 @@ def fit_to_state_dict(
         and own[key].is_floating_point()
     )
     saved_dtype, module_dtype = next(floating, (None, None))
-    if saved_dtype != module_dtype:
-        # Lightning restores the module before a true-precision plugin converts it: the example's tensors
-        # that plugin converted to the checkpoint's dtype go back to the fresh module's (64-true: float64 to
-        # float32, which inputs_for does not do: a float32 model may take a float64 tensor on purpose)
-        example = apply_to_collection(
-            example, torch.Tensor, lambda x: x.to(module_dtype) if x.dtype == saved_dtype else x
-        )
-    replay_structure(module, example, recorded["history"])
+    if saved_dtype == module_dtype:
+        return example
+    # Lightning restores the module before a true-precision plugin converts it: the example's tensors that
+    # plugin converted to the checkpoint's dtype go back to the fresh module's (64-true: float64 to float32,
+    # which inputs_for does not do: a float32 model may take a float64 tensor on purpose)
+    return apply_to_collection(
+        example, torch.Tensor, lambda x: x.to(module_dtype) if x.dtype == saved_dtype else x
+    )
+
+
+def create_lazy_tensors(
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    prefix: str = "",
+    example: Any = None,
+    precision: RunPrecision | None = None,
+) -> None:
+    """Create the parameters and buffers that the lazy modules (``nn.LazyLinear``) of a freshly built ``module``
+    have not created yet, so that a pruned state dict can be fitted to it. torch's own load hook creates them
+    only as each lazy module loads, after :func:`fit_to_state_dict` needed their shapes.
+
+    With ``example`` (a structured run's recorded trace input) ``module`` runs it once, in eval mode and without
+    gradients: that creates them at their uncut shapes, which the recorded removals start from (the saved
+    shapes are the cut ones, and a cut of the layer before a lazy one changes its input size too). Any still
+    lazy then (a module the forward does not call, so never cut) takes the shape of its saved entry, or of the
+    ``*_orig`` entry of a masked weight: an unstructured run changes no shape. One without an entry stays lazy.
+    """
+    if example is not None:
+        modes = {part: part.training for part in module.modules()}
+        module.eval()
+        tensors = (*module.parameters(), *module.buffers())
+        devices = sorted({tensor.device.index or 0 for tensor in tensors if tensor.device.type == "cuda"})
+        # loading must not change the run that loads: lazy layers initialise from forked generators
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                call_with(module, inputs_for(module, example, precision))
+        finally:
+            for part, training in modes.items():
+                part.train(training)
+    for owner_name, owner in module.named_modules():
+        for name, tensor in (*owner._parameters.items(), *owner._buffers.items()):
+            if tensor is None or not nn.parameter.is_lazy(tensor):
+                continue
+            key = f"{prefix}{owner_name}.{name}" if owner_name else f"{prefix}{name}"
+            saved = state_dict.get(key, state_dict.get(f"{key}_orig"))
+            if isinstance(saved, torch.Tensor) and not nn.parameter.is_lazy(saved):
+                tensor.materialize(saved.shape)
 
 
 def load_pruned(
@@ -1697,27 +1858,37 @@ def load_pruned(
 
 class StateDictFitter:
     """``load_state_dict`` pre-hook running :func:`fit_to_state_dict` with the structure that ``structure()``
-    returns when asked (e.g. read from the checkpoint being restored).
+    returns when asked (e.g. read from the checkpoint being restored), and the run's :class:`RunPrecision`
+    that ``precision()`` returns (``None``: none known).
 
-    Holds a bound ``structure`` weakly, and is neither deep-copied nor pickled with the module (a copy of the
+    Holds bound functions weakly, and is neither deep-copied nor pickled with the module (a copy of the
     module would otherwise drag the owner, and through it a Trainer, along).
     """
 
-    def __init__(self, structure: Callable[[], Structure | None]) -> None:
-        self._structure: Callable[[], Any] = (
-            weakref.WeakMethod(structure) if hasattr(structure, "__self__") else lambda: structure
-        )
+    def __init__(
+        self,
+        structure: Callable[[], Structure | None],
+        precision: Callable[[], RunPrecision | None] | None = None,
+    ) -> None:
+        self._structure = _held_weakly(structure)
+        self._precision = _held_weakly(precision)
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        structure = self._structure()
+        structure, precision = self._structure(), self._precision()
         if structure is not None:
-            fit_to_state_dict(module, state_dict, prefix, structure)
+            run_precision = precision() if precision is not None else None
+            fit_to_state_dict(module, state_dict, prefix, structure, run_precision)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StateDictFitter:
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_inert_hook, ())
+
+
+def _held_weakly(function: Callable[..., Any] | None) -> Callable[[], Any]:
+    """A function returning ``function``; a bound method is held weakly (``None`` once its owner is gone)."""
+    return weakref.WeakMethod(function) if hasattr(function, "__self__") else lambda: function
 
 
 def _inert_hook(*args: Any) -> Callable[..., None]:

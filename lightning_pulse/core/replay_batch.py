@@ -47,6 +47,7 @@ from lightning_pulse.core.per_sample_loss import (
     time_major_refusal,
 )
 from lightning_pulse.core.replay import BatchPlan, Composition, HardSampleSelector
+from lightning_pulse.core.sample_index import KEEP_ONE_ROW_PER_INDEX, unmatched_rows, unmatched_rows_cause
 from lightning_pulse.core.selection import assign_in_place, cut_refusal, take_samples
 from lightning_pulse.errors import PulseRefusal
 
@@ -69,6 +70,8 @@ class StepInFlight:
         batch_size: ``B``, the dataset indices of the batch as loaded, before a cut in batch mode (the
             carried-state check's size).
         window: steps mode's window the sampler cut the batch from, ``0`` otherwise.
+        rows_unmatched: its batch holds another number of rows than ``batch_size`` (a collate_fn dropped
+            samples): recorded without scores, and none of the fit's first-batch checks judges by it.
     """
 
     selector: HardSampleSelector
@@ -76,6 +79,7 @@ class StepInFlight:
     step: int
     batch_size: int
     window: int
+    rows_unmatched: bool = False
 
     @property
     def offered_count(self) -> int:
@@ -102,10 +106,12 @@ class ReplayBatchLifecycle:
         self.captures = StepLossCaptures()
         self.state_check = CarriedStateCheck()
         self.current: StepInFlight | None = None
-        self.recorded_steps = 0  # steps of this fit whose losses were recorded
-        self.unscored_steps = 0  # later steps whose loss did not split into their samples
-        # batch mode: whether the fit's first batch was checked for a structure that can be cut in place (not
-        # every batch: a ragged last batch of a few samples can match a per-batch constant's shape by chance)
+        self._batch: Any = None  # the current step's batch (cut, if it was), for what a message says of it
+        # steps of this fit whose losses were recorded, but for those of batches short of their indices
+        self.recorded_steps = 0
+        self.unscored_steps = 0  # steps whose loss did not split into their samples: recorded without scores
+        # batch mode: whether the fit's first full batch was checked for a structure that can be cut in place
+        # (not every batch: a short last batch of a few samples can match a per-batch constant's shape)
         self._structure_checked = False
         self._backward_ran = False  # in the step in flight
 
@@ -146,22 +152,27 @@ class ReplayBatchLifecycle:
 
         Raises:
             PulseRefusal: in batch mode, for a batch that cannot be cut in place to some of its samples
-                (:func:`~lightning_pulse.core.selection.cut_refusal`), at the fit's first batch, before any
-                step. For a cut batch before the carried-state check is done while the module holds
-                batch-shaped state.
+                (:func:`~lightning_pulse.core.selection.cut_refusal`), at the fit's first batch that holds a
+                row per index, before any update. For a cut batch before the carried-state check is done while
+                the module holds batch-shaped state.
         """
         self.captures.drop()
         self._backward_ran = False
         batch_size = int(indices.numel())
         # the fit's first batch of two or more samples (one of 1 is never cut, and looks like any layout)
         if self.mode == "batch" and not self._structure_checked and batch_size >= 2:
-            refuse(cut_refusal(batch, batch_size))
-            self._structure_checked = True
+            reason = cut_refusal(batch, batch_size)
+            # a batch that lost rows (a collate_fn dropped samples) has no part of B rows whatever its layout,
+            # and is not cut: the next full batch tells its layout
+            if reason is None or unmatched_rows(batch, batch_size) is None:
+                refuse(reason)
+                self._structure_checked = True
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
         refuse(self.state_check.before_batch(cut=plan.selected))
         if plan.positions is not None:
             assign_in_place(batch, take_samples(batch, plan.positions, batch_size))
         self.current = StepInFlight(selector, plan, step, batch_size, window)
+        self._batch = batch
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer; they stand
         # for the batch as loaded (a "sum" loss estimates its sum, a "mean" its mean)
         if self.scorer is None or plan.weights is not None:
@@ -179,8 +190,9 @@ class ReplayBatchLifecycle:
             without scores, so its samples keep the ones they had (or stay unscored and always train).
 
         Raises:
-            PulseRefusal: at the fit's first step, when its loss yields no per-sample value and the capture is
-                needed; at any step, when InfoBatch's weights could not reach the loss next to a scorer.
+            PulseRefusal: at the fit's first step of a batch holding a row per index, when its loss yields
+                no per-sample value and the capture is needed; at any step, when InfoBatch's weights could not
+                reach the loss next to a scorer.
         """
         self.captures.close()
         closed = self.captures.closed
@@ -205,6 +217,28 @@ class ReplayBatchLifecycle:
         return None if closed.maps_onto_batch else self._unsplit(closed)
 
     def _unsplit(self, closed: LossCapture) -> str | None:
+        assert self.current is not None
+        step = self.current.step
+        cause = self._unmatched_cause()
+        # the batch lost rows, which no loss can split into its samples: said as such; refused where InfoBatch
+        # weights the loss; else recorded without scores, also at the fit's first step, which then does not
+        # count as the step whose loss has to split (the first full batch's does)
+        if cause is not None:
+            if self.scorer is not None:
+                refuse(
+                    f"cannot split the loss of step {step} into its batch's samples: {cause}. To replay, "
+                    f"{KEEP_ONE_ROW_PER_INDEX}."
+                )
+            self.current.rows_unmatched = True
+            self.unscored_steps += 1
+            if self.unscored_steps > 1:
+                return None
+            return (
+                f"the loss of step {step} could not split into its batch's samples: {cause}. Such steps are "
+                "recorded without scores, so their samples keep the scores they had (or stay unscored and "
+                f"always train); to score them, {KEEP_ONE_ROW_PER_INDEX}. Said once; "
+                "`HardSampleReplay.batches.unscored_steps` counts them."
+            )
         if self.scorer is not None:
             closed.require("HardSampleReplay, whose rule='infobatch' weights it,")
         if not self.recorded_steps:
@@ -212,12 +246,19 @@ class ReplayBatchLifecycle:
         self.unscored_steps += 1
         if self.unscored_steps > 1:
             return None
-        assert self.current is not None
         return (
-            f"the loss of step {self.current.step} did not split into its batch's samples ({closed.describe()}); "
+            f"the loss of step {step} did not split into its batch's samples ({closed.describe()}); "
             "such steps are recorded without scores, so their samples keep the scores they had (or stay unscored "
             "and always train). Said once; `HardSampleReplay.batches.unscored_steps` counts them."
         )
+
+    def _unmatched_cause(self) -> str | None:
+        """Why the current step's batch cannot split into its samples, when its rows are not its dataset
+        indices (a collate_fn that dropped samples); ``None`` when they may be."""
+        assert self.current is not None
+        drawn, trained = self.current.batch_size, int(self.current.plan.roles.size)
+        rows = unmatched_rows(self._batch, trained, drawn)
+        return None if rows is None else unmatched_rows_cause(rows, drawn)
 
     def finish_batch(
         self,
@@ -244,7 +285,7 @@ class ReplayBatchLifecycle:
         """
         if self._backward_ran and (note := self._drop_unused()) is not None:  # manual optimization's backward
             warnings.warn(f"HardSampleReplay: {note}", stacklevel=2)
-        capture, finished, self.current = self.captures.take(), self.current, None
+        capture, finished, self.current, self._batch = self.captures.take(), self.current, None, None
         if finished is None:
             return None
         plan = finished.plan
@@ -262,7 +303,8 @@ class ReplayBatchLifecycle:
         finished.selector.record(
             plan.indices, losses, plan.roles, finished.step, plan.active, plan.offered, all_gather
         )
-        self.recorded_steps += 1
+        if not finished.rows_unmatched:
+            self.recorded_steps += 1
         return finished
 
     def check_carried_state(self, module: nn.Module, finished: StepInFlight | None) -> None:
@@ -272,16 +314,17 @@ class ReplayBatchLifecycle:
         Raises:
             PulseRefusal: naming the attributes that carry state.
         """
-        if finished is not None:
+        # the first batch finds the batch-shaped attributes: one short of its indices would miss them
+        if finished is not None and not (finished.rows_unmatched and self.state_check.first_batch):
             refuse(self.state_check.after_batch(module, finished.batch_size))
 
     def drop_step(self) -> None:
         """Forget the step in flight (a rollback replaces the model it was measured on)."""
         self.captures.drop()
-        self.current = None
+        self.current = self._batch = None
 
     def release(self) -> None:
         """Close every capture and watch, end the capture scope and forget the step in flight."""
         self.captures.release()
         self.state_check.stop()
-        self.current = None
+        self.current = self._batch = None

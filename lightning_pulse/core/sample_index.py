@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
+from lightning_pulse.energy.counting import batch_tensors
+
 
 class RecordingSampler(Sampler[int]):
     """Yields exactly what ``sampler`` yields and records it, for :class:`SampleIndexTracker`.
@@ -330,3 +332,33 @@ class PlannedBatchSampler(BatchSampler):
 
     def __len__(self) -> int:
         return self.plain_length
+
+
+#: the way out when a batch's rows are not its drawn dataset indices (completes a sentence)
+KEEP_ONE_ROW_PER_INDEX = (
+    "keep one row per drawn index: return a stand-in sample from the Dataset, or leave the unreadable "
+    "samples out of the Dataset before the fit, instead of dropping them in the collate_fn"
+)
+
+
+def unmatched_rows(batch: Any, *counts: int) -> int | None:
+    """The rows ``batch`` holds when they are none of ``counts`` (how many dataset indices it stands for), as
+    after a collate_fn that drops unreadable samples (7 rows for 8 drawn indices); ``None`` when they may be.
+
+    The rows are the most common first dimension of its tensors; they may be one of ``counts`` when a
+    tensor has one as its first or second dimension (time-major, ``(T, B)``), or when it holds no tensor of
+    rank >= 1.
+    """
+    shapes = [tensor.shape for tensor in batch_tensors(batch) if tensor.dim() > 0]
+    if not shapes or any(shape[0] in counts or (len(shape) > 1 and shape[1] in counts) for shape in shapes):
+        return None
+    sizes = [int(shape[0]) for shape in shapes]
+    return max(set(sizes), key=sizes.count)
+
+
+def unmatched_rows_cause(rows: int, drawn: int) -> str:
+    """Says that a batch holds ``rows`` rows for its ``drawn`` dataset indices, and the likely cause."""
+    return (
+        f"the batch holds {rows} rows for the {drawn} dataset indices the sampler drew for it (a collate_fn "
+        "that drops samples, unreadable ones?), so its rows cannot be told by sample"
+    )

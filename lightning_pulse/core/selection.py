@@ -10,19 +10,20 @@ it has been seen once, nothing says it is easy (so the first epoch of a run trai
   ``prune_ratio``, weight the kept below-threshold ones by ``1 / (1 - prune_ratio)``.
 * :func:`select_random`: a uniform subset of the scored samples; the control that shows whether scores matter.
 
-The batch helpers (:func:`take_samples`, :func:`assign_in_place`) work on any
-nesting of lists, tuples, named tuples, dicts and dataclasses. A *per-sample leaf* is a tensor whose first
-dimension is the batch size ``B`` (or a list of ``B`` strings, or below the top level a list of ``B`` items or
-a tuple of ``B`` items none of which is per-sample itself, as ``zip(*items)`` makes); every other leaf is
-shared by the whole batch and kept. :func:`cut_refusal` says when a cut would go wrong: a batch that cannot
-change in place (a per-sample tuple held by a tuple included), one with no per-sample leaf, or one holding a
-tensor with ``B`` second and another length first (time-major).
+The batch helpers (:func:`take_samples`, :func:`assign_in_place`) work on any nesting of lists, tuples,
+named tuples, dicts and dataclasses. A *per-sample leaf* is a tensor whose first dimension is the batch size
+``B`` (or a list of ``B`` strings, or below the top level a list or tuple of ``B`` alike items not all of which
+are per-sample themselves, as ``zip(*items)`` makes); every other leaf is shared by the whole batch and kept.
+:func:`cut_refusal` says when a cut would go wrong: a batch that cannot change in place (a
+per-sample tuple held by a tuple included), one with no per-sample leaf, or one holding a tensor with ``B``
+second and another length first (time-major).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -159,29 +160,57 @@ def _is_string_list(value: Any, batch_size: int) -> bool:
 
 
 def _is_per_sample(value: Any, batch_size: int, nested: bool = True) -> bool:
-    """A tensor whose first dimension is the batch's, or a list of one item per sample: strings, or, below the
-    top level, anything (a detection collate's per-image target dicts); or, below the top level, a tuple of
-    one item per sample (:func:`_is_per_sample_tuple`). The top-level list or tuple is the batch's own
-    container (``[x, y]``), whatever its length."""
+    """A tensor whose first dimension is the batch's, a list of ``B`` strings, or, below the top level, a list
+    or tuple of one item per sample (:func:`_is_per_sample_sequence`). The top-level list or tuple is the
+    batch's own container (``[x, y]``), whatever its length."""
     if isinstance(value, torch.Tensor):
         return value.dim() >= 1 and value.shape[0] == batch_size
     if _is_string_list(value, batch_size):
         return True
-    if not nested:
-        return False
-    return (isinstance(value, list) and len(value) == batch_size) or _is_per_sample_tuple(value, batch_size)
+    return nested and _is_per_sample_sequence(value, batch_size)
 
 
-def _is_per_sample_tuple(value: Any, batch_size: int) -> bool:
-    """A plain tuple of ``B`` items not all of which are per-sample themselves: what ``zip(*items)`` in a
-    collate_fn makes of the samples' names, ids, target dicts or variable-length sequences (one of which may
-    be ``B`` long by chance). A named tuple, or a tuple whose every part holds ``B`` rows (``(y1, y2)`` of a
-    multi-task target), is a structure whose parts are cut one by one."""
+def _is_per_sample_sequence(value: Any, batch_size: int) -> bool:
+    """A list or plain tuple of ``B`` alike items (:func:`_alike`) not all of which are per-sample themselves:
+    what a collate_fn makes of the samples' target dicts (detection), names, ids or variable-length sequences
+    (one of which may be ``B`` long by chance), by ``zip(*items)`` or a list. A named tuple, a list or tuple
+    whose every part holds ``B`` rows (``[y1, y2]`` of a multi-task target, as ``default_collate`` makes of a
+    sample's ``(y1, y2)``, on a short last batch of 2), or one of unlike parts that happens to be ``B`` long
+    (``(y, class_w, count)``: a ``(B,)`` and a ``(K,)`` tensor and a 0-dim one, on a short last batch of 3), is
+    a structure whose parts are cut one by one."""
     return (
-        type(value) is tuple
+        (type(value) is tuple or isinstance(value, list))
         and len(value) == batch_size
-        and not all(_is_per_sample(item, batch_size) for item in value)
+        and not _all_present_per_sample(value, batch_size)
+        and _alike(value)
     )
+
+
+def _all_present_per_sample(items: list[Any] | tuple[Any, ...], batch_size: int) -> bool:
+    """Every item but ``None`` holds ``B`` rows (``(ids, None)``: a structure with an optional part)."""
+    present = [item for item in items if item is not None]
+    return bool(present) and all(_is_per_sample(item, batch_size) for item in present)
+
+
+def _alike(items: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether ``items`` could be one field of several samples: one Python type (numbers count as one: an id
+    list ``[1, 1.5, 2]``) and, for tensors, one dtype and number of dimensions (the lengths may differ:
+    variable-length sequences). Mappings may differ in their keys (a detection target with an optional
+    ``iscrowd``). ``None`` goes with anything (an optional field some samples lack), and so does an empty tensor
+    among tensors (the boxes of an image with none, often ``torch.tensor([])``)."""
+    present = [item for item in items if item is not None]
+    if isinstance(present[0] if present else None, torch.Tensor):
+        present = [item for item in present if not (isinstance(item, torch.Tensor) and item.numel() == 0)]
+    if not present:
+        return True
+    first = present[0]
+    if all(isinstance(item, numbers.Number) and not isinstance(item, torch.Tensor) for item in present):
+        return True
+    if not all(type(item) is type(first) for item in present):
+        return False
+    if isinstance(first, torch.Tensor):
+        return all(item.dim() == first.dim() and item.dtype == first.dtype for item in present)
+    return True  # mappings: a detection target may carry optional keys
 
 
 def _rebuild(container: Any, items: list[Any]) -> Any:
@@ -319,7 +348,7 @@ def _immutable_refusal(
         )
     if isinstance(batch, tuple):
         for key, value in _parts(batch):
-            if not replaced and _is_per_sample_tuple(value, batch_size):
+            if not replaced and type(value) is tuple and _is_per_sample_sequence(value, batch_size):
                 # only a tensor can change in place (Tensor.set_): the tuple would keep all B items
                 return (
                     f"cannot cut a batch of {batch_size} samples in mode='batch': its part {where + key} "

@@ -141,6 +141,7 @@ class TrainingSnapshot:
         callbacks: ``state_dict`` of each selected callback, by key.
         extra: the caller's bookkeeping at that step (copied, never restored by :func:`restore_snapshot`).
         buffers: the model's non-persistent buffers, by qualified name (not in its ``state_dict``).
+        scheduler_kinds: the LR schedulers' classes (:func:`scheduler_kinds`); ``None``: not recorded.
     """
 
     step: int
@@ -150,6 +151,7 @@ class TrainingSnapshot:
     callbacks: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     buffers: dict[str, Any] = field(default_factory=dict)
+    scheduler_kinds: tuple[type, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -165,17 +167,34 @@ class TrainingSnapshot:
             tuple(len(group["params"]) for group in state["param_groups"]) for state in self.optimizers
         )
 
-    def fits(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] | None = None) -> bool:
+    def fits(
+        self,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] | None = None,
+        schedulers: Sequence[Any] | None = None,
+    ) -> bool:
         """Whether the snapshot can still be loaded into ``model``: same entries with the same shapes, or the
-        entries of layers masked since (:func:`fitted_state`); and, when ``optimizers`` are given, into them:
-        the same parameter-group layout (:func:`optimizer_layout`).
+        entries of layers masked since (:func:`fitted_state`); when ``optimizers`` are given, into them: the
+        same parameter-group layout (:func:`optimizer_layout`); and when ``schedulers`` are given, into them:
+        the same LR schedulers, in number and class (:func:`scheduler_kinds`).
 
         Another structural change since the snapshot (channels pruned away, a layer added, a parameter group
-        added to an optimizer) makes it unusable.
+        added to an optimizer, an LR scheduler swapped or added: ``StochasticWeightAveraging``'s ``SWALR``)
+        makes it unusable: a scheduler's state would load into another kind of scheduler, and the optimizer's
+        groups would lose the keys the new one set on them (``SWALR``'s ``swa_lr``).
         """
         if optimizers is not None and optimizer_layout(optimizers) != self.optimizer_layout:
             return False
+        if schedulers is not None and not self.holds_schedulers(schedulers):
+            return False
         return fitted_state(self.model, model.state_dict()) is not None
+
+    def holds_schedulers(self, schedulers: Sequence[Any]) -> bool:
+        """Whether the snapshot's scheduler states are of ``schedulers`` (their number, and their classes
+        where recorded)."""
+        if self.scheduler_kinds is None:
+            return len(schedulers) == len(self.schedulers)
+        return scheduler_kinds(schedulers) == self.scheduler_kinds
 
 
 def optimizer_layout(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[int, ...], ...]:
@@ -184,6 +203,12 @@ def optimizer_layout(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple
     ``add_param_group`` (Lightning's ``BackboneFinetuning``) changes it. A ``len`` per group, no pass over the
     parameters."""
     return tuple(tuple(len(group["params"]) for group in optimizer.param_groups) for optimizer in optimizers)
+
+
+def scheduler_kinds(schedulers: Sequence[Any]) -> tuple[type, ...]:
+    """The classes of ``schedulers``, in order: a scheduler's saved state loads only into its own kind, and
+    ``StochasticWeightAveraging`` swaps the first for ``SWALR`` (or adds one) when averaging starts."""
+    return tuple(type(scheduler) for scheduler in schedulers)
 
 
 def fitted_state(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -282,6 +307,7 @@ def take_snapshot(
             {key: stateful.state_dict() for key, stateful in (callbacks or {}).items()}, old.callbacks
         ),
         extra=copy_to_cpu(dict(extra or {})),
+        scheduler_kinds=scheduler_kinds(schedulers),
     )
 
 
@@ -307,15 +333,19 @@ def restore_snapshot(
 
     Raises:
         ValueError: before anything is loaded, if the number of optimizers or schedulers differs from the
-            snapshot's, if an optimizer's parameter groups (their number, or the parameters in one) differ
-            from the saved state's, or if the snapshot no longer fits the model (:meth:`TrainingSnapshot.fits`).
+            snapshot's (with ``rewind_schedule``, the schedulers' classes too), if an optimizer's parameter
+            groups (their number, or the parameters in one) differ from the saved state's, or if the snapshot
+            no longer fits the model (:meth:`TrainingSnapshot.fits`).
     """
     if len(optimizers) != len(snapshot.optimizers) or (
-        rewind_schedule and len(schedulers) != len(snapshot.schedulers)
+        rewind_schedule and not snapshot.holds_schedulers(schedulers)
     ):
+        saved_kinds = snapshot.scheduler_kinds or ()
+        saved = f"{len(snapshot.schedulers)} scheduler(s) {[kind.__name__ for kind in saved_kinds]}"
+        given = f"{len(schedulers)} {[kind.__name__ for kind in scheduler_kinds(schedulers)]}"
         raise ValueError(
-            f"The snapshot holds {len(snapshot.optimizers)} optimizer(s) and {len(snapshot.schedulers)} "
-            f"scheduler(s), but {len(optimizers)} and {len(schedulers)} were given."
+            f"The snapshot holds {len(snapshot.optimizers)} optimizer(s) and {saved}, but "
+            f"{len(optimizers)} and {given} were given."
         )
     if (layout := optimizer_layout(optimizers)) != snapshot.optimizer_layout:
         raise ValueError(
@@ -341,8 +371,11 @@ def restore_snapshot(
         ]
         # load_state_dict keeps references into the dict it is given: hand it a copy
         load_optimizer_state(optimizer, copy.deepcopy(state))
-        if not rewind_schedule:
-            for group, hyperparameters in zip(optimizer.param_groups, current_hyperparameters):
+        for group, hyperparameters in zip(optimizer.param_groups, current_hyperparameters):
+            if rewind_schedule:  # keep the keys a scheduler set since (``initial_lr``, SWALR's ``swa_lr``)
+                for name, value in hyperparameters.items():
+                    group.setdefault(name, value)
+            else:
                 group.update(hyperparameters)
     if rewind_schedule:
         for scheduler, state in zip(schedulers, snapshot.schedulers):
@@ -453,10 +486,10 @@ class SnapshotRing:
         callbacks: Mapping[str, Stateful] | None = None,
         rewind_schedule: bool = True,
     ) -> tuple[TrainingSnapshot | None, bool]:
-        """Restore :meth:`last_good` for ``step`` (one that fits ``model`` and ``optimizers``) and forget the
-        snapshots taken after it (they belong to the timeline that is undone); returns what :meth:`last_good`
-        returned."""
-        target, predates = self.last_good(model, step, optimizers)
+        """Restore :meth:`last_good` for ``step`` (one that fits ``model`` and ``optimizers``, and with
+        ``rewind_schedule`` ``schedulers``) and forget the snapshots taken after it (they belong to the
+        timeline that is undone); returns what :meth:`last_good` returned."""
+        target, predates = self.last_good(model, step, optimizers, schedulers if rewind_schedule else None)
         if target is not None:
             restore_snapshot(target, model, optimizers, schedulers, callbacks, rewind_schedule)
             self.drop_after(target.step)
@@ -466,31 +499,41 @@ class SnapshotRing:
         return self._snapshots[0] if self._snapshots else None
 
     def rollback_candidates(
-        self, model: nn.Module, step: int, optimizers: Sequence[torch.optim.Optimizer] | None = None
+        self,
+        model: nn.Module,
+        step: int,
+        optimizers: Sequence[torch.optim.Optimizer] | None = None,
+        schedulers: Sequence[Any] | None = None,
     ) -> list[TrainingSnapshot]:
         """The snapshots a rollback for trouble at ``step`` could return to, in the order to try them: the
-        one :meth:`last_good` picks, then the oldest held (empty when none fits ``model`` and ``optimizers``)."""
-        newest, _ = self.last_good(model, step, optimizers)
+        one :meth:`last_good` picks, then the oldest held (empty when none fits ``model``, ``optimizers`` and
+        ``schedulers``)."""
+        newest, _ = self.last_good(model, step, optimizers, schedulers)
         oldest = self.oldest()
         if newest is None:
             return []
         return [newest] + ([oldest] if oldest is not None and oldest is not newest else [])
 
     def last_good(
-        self, model: nn.Module, step: int, optimizers: Sequence[torch.optim.Optimizer] | None = None
+        self,
+        model: nn.Module,
+        step: int,
+        optimizers: Sequence[torch.optim.Optimizer] | None = None,
+        schedulers: Sequence[Any] | None = None,
     ) -> tuple[TrainingSnapshot | None, bool]:
         """The snapshot to roll back to: the newest one taken at or before ``step`` that still fits
-        ``model`` (and ``optimizers``, when given: :meth:`TrainingSnapshot.fits`), else the oldest one that fits.
+        ``model`` (and ``optimizers`` and ``schedulers``, when given: :meth:`TrainingSnapshot.fits`), else the
+        oldest one that fits.
 
-        Snapshots that no longer fit (channels pruned since, a parameter group added to an optimizer) are
-        dropped: they can never be loaded again.
+        Snapshots that no longer fit (channels pruned since, a parameter group added to an optimizer, an LR
+        scheduler swapped) are dropped: they can never be loaded again.
 
         Returns:
             ``(snapshot, predates)``: ``snapshot`` is ``None`` when none fits; ``predates`` tells whether it
             was taken at or before ``step``.
         """
         for snapshot in list(self._snapshots):
-            if not snapshot.fits(model, optimizers):
+            if not snapshot.fits(model, optimizers, schedulers):
                 self._snapshots.remove(snapshot)
         target = self.newest_at_or_before(step)
         return (target, True) if target is not None else (self.oldest(), False)
@@ -525,9 +568,10 @@ class SnapshotSchedule:
     """When :class:`~lightning_pulse.StabilityGuard` snapshots, and which snapshot a rollback returns to.
 
     A snapshot is due every ``every`` steps, when one was requested (a maintain phase began, the model's
-    structure changed) and when the optimizers' parameter groups changed since the newest one (older snapshots
-    no longer fit them), but only in a healthy state (no open incident, no skips pending). A rollback returns
-    to the newest snapshot taken at least ``margin`` steps before the incident began.
+    structure changed) and when the optimizers' parameter groups or the LR schedulers changed since the newest
+    one (older snapshots no longer fit them), but only in a healthy state (no open incident, no skips
+    pending). A rollback returns to the newest snapshot taken at least ``margin`` steps before the incident
+    began.
 
     Args:
         every: steps between periodic snapshots; ``0``: only on request.
@@ -560,16 +604,27 @@ class SnapshotSchedule:
         self.layout: tuple[tuple[int, ...], ...] | None = (
             None  # the optimizers' layout at the newest snapshot
         )
+        self.scheduler_kinds: tuple[type, ...] | None = None  # and the schedulers' classes
 
     def due(
-        self, step: int, healthy: bool, optimizers: Sequence[torch.optim.Optimizer] | None = None
+        self,
+        step: int,
+        healthy: bool,
+        optimizers: Sequence[torch.optim.Optimizer] | None = None,
+        schedulers: Sequence[Any] | None = None,
     ) -> bool:
         """Whether to snapshot at the end of the applied step that leaves the counter at ``step``: also when
         ``optimizers`` (if given) have another parameter-group layout than at the newest snapshot (a ``len``
-        per group: :func:`optimizer_layout`), so that a rollback after ``add_param_group`` has one that fits."""
+        per group: :func:`optimizer_layout`), or ``schedulers`` (if given) other classes
+        (:func:`scheduler_kinds`), so that a rollback after ``add_param_group``, or after
+        ``StochasticWeightAveraging`` swapped in its scheduler, has one that fits."""
         requested, self.pending = self.pending, False
         relaid = (
             optimizers is not None and self.layout is not None and optimizer_layout(optimizers) != self.layout
+        ) or (
+            schedulers is not None
+            and self.scheduler_kinds is not None
+            and scheduler_kinds(schedulers) != self.scheduler_kinds
         )
         if requested or relaid:
             return healthy
@@ -585,17 +640,20 @@ class SnapshotSchedule:
         extra: Mapping[str, Any] | None = None,
     ) -> TrainingSnapshot:
         snapshot = self.ring.capture(step, model, optimizers, schedulers, callbacks, extra)
-        self.settle(step, optimizers)
+        self.settle(step, optimizers, schedulers)
         self.taken += 1
         return snapshot
 
-    def settle(self, step: int, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+    def settle(
+        self, step: int, optimizers: Sequence[torch.optim.Optimizer] = (), schedulers: Sequence[Any] = ()
+    ) -> None:
         """The snapshot due at ``step`` was dealt with: taken, or left out (a state with non-finite values is
         not kept). The next one is due a period later, not at every step until the state is fit to keep. A
-        left-out one records the optimizers' layout too, so a change of parameter groups before it no longer
-        makes a snapshot due at once: the next periodic one holds it (a rollback meanwhile returns only to a
-        snapshot that fits)."""
+        left-out one records the optimizers' layout and the schedulers' classes too, so a change of parameter
+        groups or schedulers before it no longer makes a snapshot due at once: the next periodic one holds it
+        (a rollback meanwhile returns only to a snapshot that fits)."""
         self.last_step, self.layout = step, optimizer_layout(optimizers)
+        self.scheduler_kinds = scheduler_kinds(schedulers)
 
     def roll_back(
         self,

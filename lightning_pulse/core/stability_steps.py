@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_pulse.core.carried_state import carried_tensors, restore_carried_tensors
+from lightning_pulse.core.carried_state import carried_tensors, kept_carried_state, restore_carried_tensors
 from lightning_pulse.core.fault_origin import (
     describe_bad_samples,
+    finite_evidence,
     forward_state_tensors,
     newly_nonfinite,
     nonfinite_forward_state,
@@ -51,6 +53,21 @@ def refuse_manual_optimization(module: Any) -> None:
             "`automatic_optimization = False`. Let Lightning run the optimizer (return the loss from "
             "`training_step`), or remove StabilityGuard from the callbacks."
         )
+
+
+#: non-finite steps in a row (no applied step between) presumed the data's fault without a check (their loss
+#: could not be recomputed without the bad rows), after which each next one, until a step applies, is the
+#: data's only if its batch is non-finite on the snapshot a rollback would return to as well (the rollback
+#: test, one forward at the snapshot's weights), else the model's. With a quarter of the batches bad, 8 in a
+#: row come once in 65,000 steps; with most bad (one corrupt sample in 40, batches of 64: 80%), every few
+#: dozen steps, and the test keeps them skipped. Waiting costs a broken model only these skipped steps;
+#: presuming for ever would leave a model whose data holds NaN on purpose unguarded.
+UNCHECKED_DATA_FAULTS = 8
+
+#: non-finite steps in a row past :data:`UNCHECKED_DATA_FAULTS` that a snapshot test may still call the
+#: data's; the next is the model's (:attr:`StabilityCore.tests_data_at_snapshot`). Their batches were bad at
+#: the snapshot too, so this only stops an unbroken row from going on for ever with no step applied.
+RECURRING_DATA_FAULTS = 8
 
 
 #: the verdicts whose loss spiked: the rollback test compares losses at the snapshot
@@ -159,6 +176,8 @@ class StepRecord:
         self.losses: list[Any] = []  # the micro-batch losses of the current optimizer step
         self.batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
         self.reference: list[tuple[int, Any]] = []  # the last applied step's micro-batches
+        # batch_idx -> the dataset indices of the samples it trained, where a callback cut it in place
+        self.trained: dict[int, Tensor] = {}
         self.decided: Action | None = None  # the current optimizer step's action, until its batch end
 
     def take_losses(self) -> list[Any]:
@@ -174,7 +193,7 @@ class StepRecord:
             return None
         if action is Action.APPLY:
             self.reference = self.batches  # an ordinary batch, for the rollback test
-        self.batches = []
+        self.batches, self.trained = [], {}
         return action
 
 
@@ -220,7 +239,22 @@ class StabilityCore:
         self.left_out: tuple[int, list[str]] | None = None
         # the step this fit started at: its snapshot predates the fit's first forward
         self.fit_start: int | None = None
+        # the step after the fit's first applied step (the fit's start, where that step overflowed a value)
+        # and masks of the forward state's elements finite then (finite_evidence): the evidence about
+        # infinities until a snapshot after the fit start exists
+        self.first_forward: tuple[int, dict[str, Tensor]] | None = None
+        # the steps the detector had judged when this fit started (a checkpoint's): the clean-run line counts on
+        self.fit_start_accepted = 0
         self.overflow_warned = False  # a forward state that turned infinite between snapshots was said (once)
+        # unchecked data faults in a row (UNCHECKED_DATA_FAULTS); whether this fit said it stopped presuming
+        self.unchecked_data_faults = 0
+        self.presumption_warned = False
+
+    @property
+    def presumes_data(self) -> bool:
+        """Whether a non-finite step whose bad data could not be checked is still taken as the data's
+        (:data:`UNCHECKED_DATA_FAULTS`)."""
+        return self.unchecked_data_faults < UNCHECKED_DATA_FAULTS
 
     def judge(
         self,
@@ -251,19 +285,31 @@ class StabilityCore:
         snapshots (the caller then snapshots the state training starts from, or resumes at: ``step``, whose
         snapshot :meth:`saved_forward_state` does not take as evidence about infinities)."""
         self.schedule.pending, self.rollback_to, self.left_out = False, None, None
-        self.fit_start, self.overflow_warned = step, False
+        self.fit_start, self.first_forward, self.overflow_warned = step, None, False
+        self.unchecked_data_faults, self.presumption_warned = 0, False
+        self.fit_start_accepted = self.detector.accepted_steps
         self.schedule.ring.clear()
 
     def finish_step(
-        self, action: Action, step: int, energy_kwh: float = 0.0, optimizers: Sequence[Any] | None = None
+        self,
+        action: Action,
+        step: int,
+        energy_kwh: float = 0.0,
+        optimizers: Sequence[Any] | None = None,
+        model: nn.Module | None = None,
+        schedulers: Sequence[Any] | None = None,
     ) -> bool:
         """Book an optimizer step once its update was applied or dropped (with the energy it used); whether a
         snapshot is due at its end (``step``: the counter after it), also because ``optimizers`` gained or
-        changed a parameter group since the newest snapshot (:meth:`SnapshotSchedule.due`). Only an applied
-        step takes one."""
+        changed a parameter group, or ``schedulers`` changed, since the newest snapshot
+        (:meth:`SnapshotSchedule.due`). Only an applied step takes one. The fit's first applied step keeps
+        ``model``'s forward state (:meth:`keep_first_forward`)."""
         self.policy.finish(action, energy_kwh)
         if action is Action.APPLY:
-            return self.schedule.due(step, self.policy.healthy, optimizers)
+            self.unchecked_data_faults = 0
+            if self.first_forward is None and model is not None:
+                self.keep_first_forward(step, model)
+            return self.schedule.due(step, self.policy.healthy, optimizers, schedulers)
         self.schedule.pending = False  # the maintain entry (or new structure) came with a flagged step
         return False
 
@@ -273,35 +319,115 @@ class StabilityCore:
         step: int,
         samples: list[dict[str, Any]],
         saved: SavedForwardState | None = None,
+        unchecked: bool = False,
     ) -> str | None:
         """After a non-finite step that was the data's fault (``samples``, see
-        :func:`~lightning_pulse.core.fault_origin.trace_nonfinite`): mend the forward state
-        (:meth:`mend_forward_state`, with ``saved``, the trace's :meth:`saved_forward_state`) and keep the
-        samples. Returns the warning for the run's first bad batch (:func:`data_fault_message`), else ``None``
-        (later ones are skipped silently)."""
+        :func:`~lightning_pulse.core.fault_origin.trace_nonfinite`; ``unchecked``: presumed, its loss could
+        not be recomputed without the bad rows, counted towards :data:`UNCHECKED_DATA_FAULTS`): mend the
+        forward state (:meth:`mend_forward_state`, with ``saved``, the trace's :meth:`saved_forward_state`)
+        and keep the samples. Returns the warning for the run's first bad batch (:func:`data_fault_message`),
+        else ``None`` (later ones are skipped silently)."""
+        self.unchecked_data_faults = self.unchecked_data_faults + 1 if unchecked else 0
         mended = self.mend_forward_state(model, saved)  # before the next forward reads it
         if self.remember_bad_samples(samples):
             return data_fault_message(step, samples, mended)
         return None
+
+    def presumption_ended(
+        self, model: nn.Module, step: int, saved: SavedForwardState | None = None
+    ) -> str | None:
+        """After a non-finite step with bad data that :attr:`presumes_data` no longer lets be the data's
+        without a test: mend the forward state as :meth:`data_fault` does (the bad batch's own forward may
+        have written it; left so, it makes every later step non-finite), before the caller tests the batch at
+        a snapshot (:meth:`recurs_at_snapshot`). Returns the warning, once a fit
+        (:func:`presumption_ended_message`), else ``None``."""
+        self.mend_forward_state(model, saved)
+        if self.presumption_warned:
+            return None
+        self.presumption_warned = True
+        return presumption_ended_message(step)
+
+    @contextmanager
+    def forward_state_for_a_check(self, model: nn.Module, saved: SavedForwardState | None) -> Iterator[None]:
+        """Run the block with the forward state the flagged step's forward made bad set back as a data fault
+        mends it (:meth:`mend_forward_state`), then give back every buffer and carried tensor as it was on
+        entry (the mend proper comes with the verdict; a training forward in the block writes BatchNorm's
+        running statistics). For recomputing the step's loss without its bad rows: an RNN's hidden state made
+        NaN by a bad row would make that loss NaN too, and blame the data's fault on the model. A copy of the
+        buffers, on their device: a rare step only."""
+        buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        with kept_carried_state(model):
+            try:
+                self.mend_forward_state(model, saved)
+                yield
+            finally:
+                with torch.no_grad():
+                    for name, buffer in model.named_buffers():
+                        if name in buffers:
+                            buffer.copy_(buffers[name])
 
     def remember_bad_samples(self, samples: list[dict[str, Any]]) -> bool:
         """Keep a data fault's samples (the newest 1000); ``True`` for the run's first bad batch (warn once)."""
         self.bad_samples = [*self.bad_samples, *samples][-1000:]
         return self.policy.bad_batches == 0
 
+    def keep_first_forward(self, step: int, model: nn.Module) -> None:
+        """Keep which elements of ``model``'s buffers and carried tensors were finite after the fit's first
+        applied step (``step``: the counter after it): the evidence about infinities until a snapshot taken
+        after the fit's start exists (:meth:`forward_evidence`). An infinity that step (or a bad batch before
+        it) wrote where the fit-start snapshot held a finite value is kept as finite, unless it is a ``-inf``
+        (:func:`~lightning_pulse.core.fault_origin.finite_evidence`): then the next snapshot says it turned
+        infinite since the fit's start (and a data fault mends it), as a ``-inf`` mask filled by the first
+        forward is not. Boolean masks only for tensors holding a non-finite value (nothing for the others),
+        once a fit; nothing per step."""
+        current = forward_state_tensors(dict(model.named_buffers()), carried_tensors(model))
+        fit_start = self._fit_start_snapshot(model)
+        before = {} if fit_start is None else _saved_forward_state(fit_start, model)
+        evidence, overflowed = finite_evidence(current, before)
+        self.first_forward = (fit_start.step if overflowed and fit_start is not None else step, evidence)
+
+    def _newest_fitting(self, model: nn.Module) -> TrainingSnapshot | None:
+        return next((s for s in reversed(list(self.schedule.ring)) if s.fits(model)), None)
+
+    def _fit_start_snapshot(self, model: nn.Module) -> TrainingSnapshot | None:
+        """The newest snapshot that fits ``model`` if it is the one of the fit's start (taken before the fit's
+        first forward), else ``None``."""
+        snapshot = self._newest_fitting(model)
+        if snapshot is None or self.fit_start is None or snapshot.step > self.fit_start:
+            return None
+        return snapshot
+
+    def forward_evidence(
+        self, model: nn.Module
+    ) -> tuple[TrainingSnapshot | None, int | None, dict[str, Tensor]]:
+        """The newest snapshot that fits ``model`` (``None``: none does), and the step and copy of the forward
+        state (named by :func:`~lightning_pulse.core.fault_origin.forward_state_tensors`; a copy, or masks of
+        the elements that were finite) that tell an infinity a forward wrote from one held by design: the
+        snapshot's, when taken after the fit's start; else the masks kept after the fit's first applied step
+        (:meth:`keep_first_forward`); before that step, the fit-start snapshot's, where a ``-inf`` it held
+        finite is by design (:func:`~lightning_pulse.core.fault_origin.finite_evidence`): it predates the
+        fit's first forward, and a mask buffer registered as zeros and filled with ``-inf`` by that forward
+        had counted as an infinity a later step wrote; else no step and ``{}`` (only a NaN counts)."""
+        snapshot = self._newest_fitting(model)
+        if snapshot is not None and (self.fit_start is None or snapshot.step > self.fit_start):
+            return snapshot, snapshot.step, _saved_forward_state(snapshot, model)
+        if self.first_forward is not None:
+            return snapshot, *self.first_forward
+        if snapshot is None:
+            return None, None, {}
+        current = forward_state_tensors(dict(model.named_buffers()), carried_tensors(model))
+        evidence, _ = finite_evidence(current, _saved_forward_state(snapshot, model))
+        return snapshot, snapshot.step, evidence
+
     def saved_forward_state(self, model: nn.Module) -> SavedForwardState:
         """The newest snapshot that fits ``model`` (``None``: none does), which a data fault's forward state
-        is mended from, and its buffers and carried tensors named as
-        :func:`~lightning_pulse.core.fault_origin.forward_state_tensors` names the model's: what tells an
-        infinity a forward wrote from one held by design
-        (:func:`~lightning_pulse.core.fault_origin.nonfinite_forward_state`). Those are ``{}`` (only a NaN
-        counts) for the snapshot of the fit's start, taken before its first forward: a mask buffer
-        registered as zeros and filled with ``-inf`` by that forward had counted as an infinity the failing
-        step wrote."""
-        snapshot = next((s for s in reversed(list(self.schedule.ring)) if s.fits(model)), None)
-        if snapshot is None or (self.fit_start is not None and snapshot.step <= self.fit_start):
-            return snapshot, {}
-        return snapshot, _saved_forward_state(snapshot, model)
+        is mended from, and the forward state that tells an infinity a forward wrote from one held by design
+        (:func:`~lightning_pulse.core.fault_origin.nonfinite_forward_state`; :meth:`forward_evidence`).
+        Before the first periodic snapshot, the masks kept after the fit's first applied step, or before that
+        step the fit-start snapshot's: with no evidence, an infinity a bad batch's forward wrote (BatchNorm's
+        running mean after a ``+inf`` row) was left unmended."""
+        snapshot, _, evidence = self.forward_evidence(model)
+        return snapshot, evidence
 
     def mend_forward_state(self, model: nn.Module, saved: SavedForwardState | None = None) -> list[str]:
         """After a data fault: put the buffers and carried tensors that the bad batch's forward made bad
@@ -310,19 +436,23 @@ class StabilityCore:
         but its forward already wrote them (BatchNorm's running statistics), and left so they would make
         every later step non-finite. A ``-inf`` mask buffer the snapshot holds too is left alone (it used to
         be named as written by the bad batch). Returns the names mended; ``[]`` when none was bad or no
-        snapshot fits (the next step then comes out non-finite from the state, and rolls back)."""
+        snapshot fits. What has no saved value is left as it is: snapshots are left out while it holds a NaN
+        (:meth:`take_snapshot` says so), and a step it makes non-finite is the state's fault (rolled back)."""
         snapshot, evidence = self.saved_forward_state(model) if saved is None else saved
         if snapshot is None:
             return []
-        names = nonfinite_forward_state(model, evidence)
         saved_buffers = {**snapshot.model, **snapshot.buffers}
         carried = snapshot.extra.get("carried", {})
-        for name in names:
+        mended = []
+        for name in nonfinite_forward_state(model, evidence):
             if name in saved_buffers:
                 model.get_buffer(name).copy_(saved_buffers[name])
             elif name in carried:
                 restore_carried_tensors(model, {name: carried[name]})
-        return names
+            else:  # registered since the snapshot: nothing to set it back to (see the docstring)
+                continue
+            mended.append(name)
+        return mended
 
     def rollback_helps(
         self,
@@ -334,11 +464,13 @@ class StabilityCore:
         comparable: bool,
         losses_at: Callable[[TrainingSnapshot], tuple[float, float]],
         optimizers: Sequence[Any] | None = None,
+        schedulers: Sequence[Any] | None = None,
     ) -> bool:
         """The rollback test (:func:`rollback_test`) on the snapshot the rollback would return to (one that
-        fits ``model`` and ``optimizers``), then on the oldest held; ``True`` where it cannot tell anything. It can with a loss that spiked
-        (:func:`loss_spiked`), a log loss scale and ``comparable``: an ordinary applied batch to compare with,
-        and no activation cache that a forward would fill. A gradient-norm spike with an ordinary loss cannot."""
+        fits ``model``, ``optimizers`` and, rewinding the schedule, ``schedulers``), then on the oldest held;
+        ``True`` where it cannot tell anything. It can with a loss that spiked (:func:`loss_spiked`), a log
+        loss scale and ``comparable``: an ordinary applied batch to compare with, and no activation cache that
+        a forward would fill. A gradient-norm spike with an ordinary loss cannot."""
         detector = self.detector
         median = detector.baseline(key)["loss"]
         if loss is None or not loss_spiked(verdict, loss, median, detector.min_ratio):
@@ -347,9 +479,45 @@ class StabilityCore:
             return True
         start = self.policy.incident_start
         before = (step if start is None else start) - self.schedule.margin
-        candidates = self.schedule.ring.rollback_candidates(model, before, optimizers)
+        rewound = schedulers if self.config.rewind_lr_schedule else None  # else the current ones are kept
+        candidates = self.schedule.ring.rollback_candidates(model, before, optimizers, rewound)
         helps, self.rollback_to = rollback_test(candidates, losses_at, loss, self.config.min_ratio)
         return helps
+
+    def recurs_at_snapshot(
+        self,
+        model: nn.Module,
+        step: int,
+        comparable: bool,
+        losses_at: Callable[[TrainingSnapshot], tuple[float, float]],
+        optimizers: Sequence[Any] | None = None,
+        schedulers: Sequence[Any] | None = None,
+    ) -> bool:
+        """Whether a non-finite step's batch is non-finite on each snapshot a rollback could return to (as the
+        rollback test picks them: that one, then the oldest held) while the ordinary batch is finite there.
+        Asked at once for a step whose bad data is no longer presumed at fault (:attr:`presumes_data`): then
+        the data's. ``False`` where it cannot tell (no snapshot, nothing ``comparable``). Unlike
+        :meth:`rollback_helps` it needs no log loss scale and no positive loss: a non-finite loss is no matter
+        of scale, and a loss that may go negative (a density's NLL) had sent bad data to a rollback."""
+        if not comparable:
+            return False
+        start = self.policy.incident_start
+        before = (step if start is None else start) - self.schedule.margin
+        rewound = schedulers if self.config.rewind_lr_schedule else None
+        candidates = self.schedule.ring.rollback_candidates(model, before, optimizers, rewound)
+        for target in candidates:
+            flagged, reference = losses_at(target)
+            if math.isfinite(flagged) or not math.isfinite(reference):
+                return False
+        return bool(candidates)
+
+    @property
+    def tests_data_at_snapshot(self) -> bool:
+        """Whether a step past the presumption (:attr:`presumes_data`) may still be the data's by the snapshot
+        test (:meth:`recurs_at_snapshot`): for :data:`RECURRING_DATA_FAULTS` steps in a row, then the model's,
+        so that a data stream gone bad for good escalates (as ``EscalationPolicy`` does with recurring
+        spikes and no healthy step between)."""
+        return self.unchecked_data_faults < UNCHECKED_DATA_FAULTS + RECURRING_DATA_FAULTS
 
     def take_snapshot(
         self,
@@ -370,8 +538,11 @@ class StabilityCore:
 
         A buffer or carried tensor infinite in an element the previous snapshot held finite (BatchNorm's
         running variance overflowed on a finite step) is said through ``warn``, once a fit
-        (:func:`turned_infinite_message`): the snapshot keeps it, and from then on it counts as by design. A
-        screen of the forward state, and an element-wise comparison of what is infinite, per snapshot."""
+        (:func:`turned_infinite_message`): the snapshot keeps it, and from then on it counts as by design.
+        The previous snapshot is the fit-start one only until the next: compared with the copy of the forward
+        state kept after the fit's first step instead (:meth:`forward_evidence`), a mask filled at the
+        first forward is not said. A screen of the forward state, and an element-wise comparison of what is
+        infinite, per snapshot."""
         carried = carried_tensors(model)
         bad = self.nonfinite_state(model, optimizers, carried)
         nonfinite = bool(bad)
@@ -383,19 +554,18 @@ class StabilityCore:
                 self.left_out = (step, bad)
                 if warn is not None:
                     warn(left_out_message(step, bad))
-            self.schedule.settle(step, optimizers)
+            self.schedule.settle(step, optimizers, schedulers)
             return False
         self.left_out = None
-        previous = self.schedule.ring.newest()  # compared before the new snapshot may refill its buffers
-        if previous is not None and warn is not None and not self.overflow_warned:
+        if warn is not None and not self.overflow_warned:
+            # compared before the new snapshot may refill the buffers of the previous one
+            _, since, previous = self.forward_evidence(model)
             current = forward_state_tensors(dict(model.named_buffers()), carried)
             # no NaN here (screened above): each non-finite one is infinite, compared with the previous copy
-            infinite = newly_nonfinite(
-                current, _saved_forward_state(previous, model), nonfinite_tensors(current)
-            )
+            infinite = newly_nonfinite(current, previous, nonfinite_tensors(current)) if previous else []
             if infinite:
                 self.overflow_warned = True
-                warn(turned_infinite_message(infinite, previous.step, step))
+                warn(turned_infinite_message(infinite, since, step))
         extra = {"detector": self.detector.state_dict(), "carried": carried}
         self.schedule.take(
             step, model, optimizers, schedulers, states, extra={**extra, **self.policy.lineage()}
@@ -431,7 +601,7 @@ class StabilityCore:
             step if start is None else start, model, *state, self.config.rewind_lr_schedule
         )
         if target is None:
-            why = "fits the model any more (or its optimizers' parameter groups)"
+            why = "fits the model any more (or its optimizers' parameter groups, or its LR schedulers)"
             if self.left_out is not None:
                 left_out = f"none was taken since step {self.left_out[0]} (a non-finite state)"
                 why = f"{why}, and {left_out}" if held else f"with a finite state is held: {left_out}"
@@ -560,6 +730,20 @@ def data_fault_message(step: int, samples: list[dict[str, Any]], mended: Sequenc
     )
 
 
+def presumption_ended_message(step: int) -> str:
+    return (
+        f"StabilityGuard: step {step} is non-finite with NaN or +inf values in its data, like the "
+        f"{UNCHECKED_DATA_FAULTS} non-finite steps before it with no applied step between, and whether the "
+        "data made them non-finite could not be checked (the loss could be recomputed neither without the bad "
+        "rows nor with them set to 0: the module failed on or skipped those batches, or the loss was finite "
+        "and the gradient not). Data that holds NaN on purpose (missing labels a loss masks out) would hide "
+        "a fault of the model for ever, so until a step applies such a step is the data's only if its batch "
+        "is non-finite on the snapshots a rollback would return to as well, and for "
+        f"{RECURRING_DATA_FAULTS} steps in a row at most; otherwise it escalates as the model's. Said once "
+        "per fit."
+    )
+
+
 def rollback_message(policy: EscalationPolicy, step: int, to_step: int | None, undone: int) -> str:
     return (
         f"StabilityGuard: rollback {policy.rollbacks} at step {step} to the snapshot of step {to_step} "
@@ -592,13 +776,13 @@ def named_list(names: Sequence[str], most: int = 4) -> str:
     return first_names(names, most) if names else "tensors (on another rank)"
 
 
-def turned_infinite_message(names: Sequence[str], since: int, step: int) -> str:
-    verb = "is" if len(names) == 1 else "are"
+def turned_infinite_message(names: Sequence[str], since: int | None, step: int) -> str:
+    verb, pronoun = ("is", "it") if len(names) == 1 else ("are", "they")
     return (
-        f"StabilityGuard: {named_list(names)} {verb} infinite at step {step} where the snapshot of step "
-        f"{since} held finite values. Either a forward overflowed it (BatchNorm's running variance after "
+        f"StabilityGuard: {named_list(names)} {verb} infinite at step {step} where {pronoun} held finite "
+        f"values at step {since}. Either a forward overflowed it (BatchNorm's running variance after "
         "a batch of huge finite values; in eval mode the layer then divides by it), or it is infinite by "
-        "design (a mask filled at the first forward). Snapshots keep it, so a rollback no longer undoes it "
+        "design (a mask a forward fills). Snapshots keep it, so a rollback no longer undoes it "
         "and later infinities there count as by design. If it overflowed, find the batch between those "
         f"steps that did it and resume from a checkpoint saved at step {since} or before. Said once per fit."
     )
@@ -631,26 +815,32 @@ def no_snapshot_message(step: int, path: str, left_out: tuple[int, Sequence[str]
         f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the "
         "model any more: its structure changed after the last one (a layer or buffer added, channels cut "
         "outside ScheduledPrune), or its optimizer's parameter groups did (a group added by "
-        "BackboneFinetuning or `optimizer.add_param_group`) before a healthy step could be snapshotted, and "
+        "BackboneFinetuning or `optimizer.add_param_group`), or its LR schedulers did "
+        "(StochasticWeightAveraging swapping in SWALR) before a healthy step could be snapshotted, and "
         f"training on would go on from the bad state. The checkpoint {path!r} holds the current state. Take "
         "snapshots more often (`snapshot_every`), so that one follows such a change."
     )
 
 
-def summary_message(policy: EscalationPolicy, detector: SpikeDetector | None = None) -> str | None:
-    """The end-of-training line. A run without spikes or rollbacks says what the guard watched (its steps and
-    the baselines it judged them against), when ``detector`` is given and judged a step; else ``None``."""
+def summary_message(
+    policy: EscalationPolicy, detector: SpikeDetector | None = None, fit_start_accepted: int = 0
+) -> str | None:
+    """The end-of-training line. A run without spikes or rollbacks says what the guard watched (the optimizer
+    steps it judged in this fit, since the detector had judged ``fit_start_accepted``, and the baselines it
+    judged them against), when ``detector`` is given and judged a step in this fit; else ``None``. The spike
+    figures are the run's (checkpointed): "no spike" holds for this fit and, after a resume, for the steps
+    before it that the guard watched."""
     spikes = policy.spikes_detected
     if not spikes and not policy.rollbacks:
-        if detector is None or not detector.accepted_steps:
+        judged = 0 if detector is None else detector.accepted_steps - fit_start_accepted
+        if detector is None or judged <= 0:
             return None
         baseline = detector.baseline(POOLED)
         medians = ", ".join(
             f"{name.replace('_', ' ')} {value:.4g}" for name, value in baseline.items() if value is not None
         )
-        return (
-            f"StabilityGuard: no spike or non-finite value in {detector.accepted_steps} optimizer step(s)"
-            + (f" (medians of the last {detector.window} at most: {medians})." if medians else ".")
+        return f"StabilityGuard: no spike or non-finite value in this fit's {judged} optimizer step(s)" + (
+            f" (medians of the last {detector.window} at most: {medians})." if medians else "."
         )
     recurring = (
         f" ({policy.recurring_spikes} recurring: their batches spiked on the rollback's snapshot too, so they "

@@ -51,8 +51,8 @@ CPU_MODES = ("auto", "codecarbon", "constant", "none")
 RAM_MODES = ("codecarbon", "none")
 MODES = {"gpu": GPU_MODES, "cpu": CPU_MODES, "ram": RAM_MODES}
 COUNTING_NOTES = {
-    "samples": "dimension 0 of the first tensor of each training batch (every micro-batch, so accumulation "
-    "is counted in full), summed over ranks.",
+    "samples": "dimension 0 of the first tensor of rank >= 1 of each training batch (every micro-batch, so "
+    "accumulation is counted in full), summed over ranks.",
     "tokens": "non-zero `attention_mask` entries, else `input_ids` elements, else B*T of an integer (B, T) "
     "first tensor; unknown otherwise. Summed over ranks.",
     "data-loader stall": "time from on_train_batch_end to the next on_train_batch_start (fetching the next "
@@ -386,8 +386,8 @@ class EnergyAccount:
             elif (doubt := doubtful_sample_count(batch)) is not None:
                 self.warn_once(
                     "doubtful",
-                    f"EnergyLogger: counts {samples} samples per training batch (dimension 0 of its first tensor), "
-                    f"but {doubt}. If that is not the sample count, pass "
+                    f"EnergyLogger: counts {samples} samples per training batch (dimension 0 of its first tensor "
+                    f"of rank >= 1), but {doubt}. If that is not the sample count, pass "
                     "`accounting=AccountingConfig(sample_counter=...)`.",
                 )
         self._samples += samples

@@ -14,8 +14,10 @@ interval. Sources:
 A run reads one continuous stretch of a series, fixed at its start: its own dates when the run starts inside
 the series or reaches it within a day; else the same time of year in a year where that lies inside the series
 (the bundled series are from 2020); or from a configured ``series_start`` (refused outside the series) as if
-the run had started then. A reading past either end holds the series' nearest value, with one warning, and
-the report records it.
+the run had started then. A run read at the same time of year on a series of at least one whole year goes on
+past its end a whole number of years back (:class:`WrappedSeries`: 2021-01-01 reads 2020-01-01 on a 2020
+series). Any other reading past either end holds the series' nearest value, with one warning, and the report
+records it.
 """
 
 from __future__ import annotations
@@ -149,6 +151,61 @@ class TimeSeries:
         return float(self.values[max(index, 0)])
 
 
+class WrappedSeries(TimeSeries):
+    """``series`` read on past its end at the same time of year: a time ``t`` at or after the end reads
+    ``t - k * period``, ``k`` the fewest periods that bring it back inside, ``period`` the series' span
+    rounded down to ``years`` whole calendar years from its start (2020-01-01 to 2021-01-01: 366 days). On a
+    series of whole years, past the end it goes on at the start. Before the start the first value holds, as
+    in a :class:`TimeSeries`.
+
+    The integral is periodic past the end, ``integral(t) = k * lap + integral(t - k * period)`` with ``lap``
+    the integral over the series' last ``period``: a run of any length reads it with no copy of the data.
+
+    Args:
+        series: the series, at least ``years`` long (:func:`whole_years`).
+        years: whole calendar years from the series' start, positive.
+    """
+
+    def __init__(self, series: TimeSeries, years: int) -> None:
+        super().__init__(series.times, series.values, series.name)
+        self.years = years
+        self.wraps_at = series.end
+        self.period = _in_year(series.start, _year_of(series.start) + years) - series.start
+        self.lap = series.integral(self.wraps_at) - series.integral(self.wraps_at - self.period)
+
+    @property
+    def end(self) -> float:
+        """No end: the series goes on, a whole number of years back."""
+        return math.inf
+
+    def _laps(self, t: np.ndarray | float) -> np.ndarray:
+        """How many periods back ``t`` is read: none before the series' end."""
+        return np.maximum(
+            np.floor((np.asarray(t, dtype=np.float64) - self.wraps_at) / self.period) + 1.0, 0.0
+        )
+
+    def integral(self, t: float) -> float:
+        laps = float(self._laps(t))
+        return laps * self.lap + super().integral(t - laps * self.period)
+
+    def integrals(self, t: np.ndarray) -> np.ndarray:
+        t = np.asarray(t, dtype=np.float64)
+        laps = self._laps(t)
+        return laps * self.lap + super().integrals(t - laps * self.period)
+
+    def value_at(self, t: float) -> float:
+        return super().value_at(t - float(self._laps(t)) * self.period)
+
+
+def whole_years(series: TimeSeries) -> int:
+    """The series' span in whole calendar years from its start (0 for a partial-year excerpt)."""
+    first = _year_of(series.start)
+    years = 0
+    while _in_year(series.start, first + years + 1) <= series.end:
+        years += 1
+    return years
+
+
 def _looks_numeric(text: str) -> bool:
     try:
         float(text)
@@ -164,9 +221,11 @@ class Rate:
     ``series_start`` when set; else at the run's own dates when the start is inside the series or at most
     :data:`OWN_DATES_WITHIN_S` before it; else at the same time of year in a year where that lies inside the
     series (a whole-year shift: the series' middle year first); else, when no year does (a partial-year
-    excerpt read at another season), at its own dates if the run starts before the series. A reading outside
-    the series holds its nearest value (the last one after the end): no other year is stitched in, and it is
-    warned once and recorded in :meth:`describe`.
+    excerpt read at another season), at its own dates if the run starts before the series. A run read at the
+    same time of year on a series of at least one whole year wraps past its end by whole years
+    (:class:`WrappedSeries`, :attr:`run_series`), said in the notice and in :meth:`describe`. Any other
+    reading outside the series holds its nearest value (the last one after the end): no other year is
+    stitched in, and it is warned once and recorded in :meth:`describe`.
 
     Args:
         source: a label for reports, e.g. ``"constant"``, ``"country:DEU"``, ``"series:de_2020.csv"``.
@@ -174,8 +233,8 @@ class Rate:
         constant: the value, for a constant rate.
         series: the series, for a varying rate.
         series_start: Unix seconds; when set, the run's first second is read at this point of the series.
-        notice: called once with a one-line message when the series is read at the same time of year
-            (default: Lightning's ``rank_zero_info``).
+        notice: called once with a one-line message when the series is read at the same time of year, saying
+            whether it wraps (default: Lightning's ``rank_zero_info``).
         warn: called once with a one-line message when a reading holds a value outside the series
             (default: Lightning's ``rank_zero_warn``).
         reader: the callback whose messages these are.
@@ -210,7 +269,8 @@ class Rate:
         self.reader = reader
         self.start_field = start_field
         self.field = field
-        self._shift: tuple[float, float] | None = None  # (run_start, series time - wall time) for that start
+        # (run_start, series time - wall time, the series as read) for that start
+        self._reading: tuple[float, float, TimeSeries] | None = None
         self.held: dict[str, dict[str, Any]] = {}  # "after" / "before" the series: the first reading held
 
     def anchor(self, run_start: float) -> None:
@@ -245,17 +305,24 @@ class Rate:
         if self.run_start is None:
             self.anchor(now if other.run_start is None else other.run_start + (now - other_now))
 
+    @property
+    def run_series(self) -> TimeSeries | None:
+        """The series as this run reads it: a :class:`WrappedSeries` when the run wraps past the series' end,
+        else :attr:`series` (also before :meth:`anchor`, and for a constant)."""
+        if self.series is None or self.run_start is None:
+            return self.series
+        return self._run_reading()[1]
+
     def series_time(self, wall: float) -> float:
         """Where in the series the wall-clock time ``wall`` is read: ``wall`` plus the run's shift."""
         return self._read(wall, wall)
 
     def _read(self, wall0: float, wall1: float) -> float:
         """The series time of ``wall0``; warns once when ``[wall0, wall1]`` reads outside the series."""
-        series = self.series
-        assert series is not None
+        assert self.series is not None
         if self.run_start is None:
             self.anchor(wall0)
-        shift = self._run_shift()
+        shift, series = self._run_reading()  # a wrapping run's series has no end
         first, last = wall0 + shift, wall1 + shift
         if last > series.end and "after" not in self.held:
             # from where the run's one stretch crosses the end, even when this reading starts later (a slot)
@@ -268,10 +335,15 @@ class Rate:
     def _run_shift(self) -> float:
         """Series time minus wall time for this run: one value for the whole run, so the run reads one
         continuous stretch of the series (no jump at its end or at a new year)."""
+        return self._run_reading()[0]
+
+    def _run_reading(self) -> tuple[float, TimeSeries]:
+        """The run's shift (:meth:`_run_shift`) and the series as it reads it (:attr:`run_series`)."""
         run_start = float(self.run_start)  # type: ignore[arg-type]
-        if self._shift is None or self._shift[0] != run_start:
+        if self._reading is None or self._reading[0] != run_start:
             series = self.series
             assert series is not None
+            read = series
             if self.series_start is not None:
                 moved = self.series_start
             elif series.start <= run_start < series.end or (
@@ -279,30 +351,39 @@ class Rate:
             ):
                 moved = run_start
             else:
-                moved = self._same_time_of_year(run_start)
-            self._shift = (run_start, moved - run_start)
-        return self._shift[1]
+                moved, read = self._same_time_of_year(run_start)
+            self._reading = (run_start, moved - run_start, read)
+        return self._reading[1], self._reading[2]
 
-    def _same_time_of_year(self, wall: float) -> float:
-        """Where a run starting at ``wall`` outside the series reads it: the same time of year in the series'
-        middle year, else in the nearest other year it spans (or the one before or after) where that lies
-        inside it (a December-February series); else, when none does, the run's own dates if they reach the
-        series, else the middle year's (outside it: the held value's warning says what is read)."""
+    def _same_time_of_year(self, wall: float) -> tuple[float, TimeSeries]:
+        """Where a run starting at ``wall`` outside the series reads it, and the series as it reads it: the
+        same time of year in the series' middle year, else in the nearest other year it spans (or the one
+        before or after) where that lies inside it (a December-February series), wrapping past the end by
+        whole years when the series spans one or more; else, when no year does, the run's own dates if they
+        reach the series, else the middle year's (outside it: the held value's warning says what is read)."""
         series = self.series
         assert series is not None
-        middle = datetime.fromtimestamp(0.5 * (series.start + series.end), timezone.utc).year
-        first, last = (datetime.fromtimestamp(t, timezone.utc).year for t in (series.start, series.end))
+        middle = _year_of(0.5 * (series.start + series.end))
+        first, last = _year_of(series.start), _year_of(series.end)
         years = sorted(range(first - 1, last + 2), key=lambda year: (abs(year - middle), year))
         for year in years:
             moved = _in_year(wall, year)
             if series.start <= moved < series.end:
+                read, wrapping = series, ""
+                whole = whole_years(series)
+                if whole:
+                    read = WrappedSeries(series, whole)
+                    back = format_utc(read.wraps_at - read.period)
+                    wrapping = (
+                        f", wrapping at its end to {back} ({whole} year{'s' if whole > 1 else ''} back)"
+                    )
                 (self.notice or _rank_zero_info)(
                     f"{self.reader}: `{self.field}` ({self.source}) covers {format_utc(series.start)[:10]} "
                     f"to {format_utc(series.end)[:10]}; the run's dates are read at the same time of year in "
-                    f"{year}, from {format_utc(moved)} on, as one continuous stretch."
+                    f"{year}, from {format_utc(moved)} on, as one continuous stretch{wrapping}."
                 )
-                return moved
-        return wall if wall < series.start else _in_year(wall, middle)
+                return moved, read
+        return (wall if wall < series.start else _in_year(wall, middle)), series
 
     def _hold(self, side: str, wall: float, edge: float, value: float) -> None:
         """Record and warn (once per side) that readings from ``wall`` hold the series' value at ``edge``."""
@@ -338,7 +419,7 @@ class Rate:
             return self.constant
         duration = max(wall1 - wall0, 0.0)
         start = self._read(wall0, wall0 + duration)
-        return self.series.mean(start, start + duration)  # type: ignore[union-attr]
+        return self._run_reading()[1].mean(start, start + duration)
 
     def describe(self) -> dict[str, Any]:
         described: dict[str, Any] = {"source": self.source, "unit": self.unit}
@@ -356,6 +437,7 @@ class Rate:
                 if self.run_start is None
                 else format_utc(self.run_start + self._run_shift()),
                 held={side: dict(held) for side, held in self.held.items()},
+                wraps=_wrap_described(self.run_series),  # type: ignore[arg-type]
             )
         return described
 
@@ -366,6 +448,21 @@ class Rate:
         if state.get("run_start") is not None:
             self.run_start = float(state["run_start"])
             self.held = {side: dict(held) for side, held in (state.get("held") or {}).items()}
+
+
+def _wrap_described(read: TimeSeries) -> dict[str, Any] | None:
+    """Where a wrapping run goes on past the series' end (series times); ``None`` when it does not wrap."""
+    if not isinstance(read, WrappedSeries):
+        return None
+    return {
+        "at_utc": format_utc(read.wraps_at),
+        "to_utc": format_utc(read.wraps_at - read.period),
+        "years": read.years,
+    }
+
+
+def _year_of(seconds: float) -> int:
+    return datetime.fromtimestamp(seconds, timezone.utc).year
 
 
 def _in_year(wall: float, year: int) -> float:

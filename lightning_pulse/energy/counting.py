@@ -1,8 +1,9 @@
 """How many samples and tokens a batch holds, for energy per sample and per token.
 
-* Samples: the length of the first tensor found in the batch (depth first through mappings, lists, tuples
-  and dataclasses, in field order), i.e. its dimension 0. A batch with no tensor counts 1 (EnergyLogger then
-  warns once: its per-sample figure would be wrong).
+* Samples: dimension 0 of the first tensor of rank >= 1 found in the batch (depth first through mappings,
+  lists, tuples and dataclasses, in field order); a 0-dim tensor (a per-batch value, such as the token count
+  a packing collator puts first) is passed over. A batch with no such tensor counts 1 (EnergyLogger then
+  warns once when it holds no tensor at all: its per-sample figure would be wrong).
 * Tokens, when the batch tells:
   - a mapping with ``attention_mask``: the number of non-zero mask entries (padding excluded);
   - a mapping with ``input_ids``: its number of elements;
@@ -26,22 +27,19 @@ import torch
 
 
 def count_samples(batch: Any) -> int:
-    """Dimension 0 of the first tensor in ``batch`` (``(B, ...)`` -> ``B``); 1 if there is none."""
-    if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor:  # the common case, fast
-        tensor = batch[0]
-        return int(tensor.shape[0]) if tensor.dim() > 0 else 1
-    tensor = first_tensor(batch)
-    if tensor is None:
-        return 1
-    return int(tensor.shape[0]) if tensor.dim() > 0 else 1
+    """Dimension 0 of the first tensor of rank >= 1 in ``batch`` (``(B, ...)`` -> ``B``); 1 if there is none.
+    A 0-dim tensor is a per-batch value (the token count packing collators put first), not a sample count:
+    counted, it made every batch 1 sample."""
+    if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor and batch[0].dim() > 0:
+        return int(batch[0].shape[0])  # the common case, fast
+    tensor = next((tensor for tensor in batch_tensors(batch) if tensor.dim() > 0), None)
+    return 1 if tensor is None else int(tensor.shape[0])
 
 
 def count_batch(batch: Any) -> tuple[int, int | torch.Tensor | None]:
     """``(count_samples(batch), count_tokens(batch))``, cheaply for a list or tuple led by a tensor."""
-    if type(batch) in _SEQUENCES and batch and type(batch[0]) is torch.Tensor:
+    if type(batch) in _SEQUENCES and batch and type(batch[0]) is torch.Tensor and batch[0].dim() > 0:
         shape = batch[0].shape
-        if not shape:
-            return 1, None
         if len(shape) >= 2 and _holds_token_ids(batch[0].dtype):
             return shape[0], batch[0].numel()
         return shape[0], None
@@ -87,11 +85,12 @@ def count_tokens(batch: Any) -> int | torch.Tensor | None:
 
 def first_tensor(batch: Any) -> torch.Tensor | None:
     """The first tensor in ``batch``, depth first through mappings, lists, tuples and dataclass instances."""
-    return next(_tensors(batch), None)
+    return next(batch_tensors(batch), None)
 
 
-def _tensors(batch: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """The tensors in ``batch``, depth first through mappings, lists, tuples and dataclass instances."""
+def batch_tensors(batch: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in ``batch``, depth first through mappings, lists, tuples and dataclass instances (in field
+    order), at most 8 levels down."""
     if depth > 8:
         return
     if isinstance(batch, torch.Tensor):
@@ -106,12 +105,12 @@ def _tensors(batch: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     else:
         return
     for item in items:
-        yield from _tensors(item, depth + 1)
+        yield from batch_tensors(item, depth + 1)
 
 
 def leading_sizes(batch: Any) -> list[int]:
     """Dimension 0 of every tensor of rank >= 1 in ``batch``, in :func:`first_tensor`'s order."""
-    return [int(tensor.shape[0]) for tensor in _tensors(batch) if tensor.dim() > 0]
+    return [int(tensor.shape[0]) for tensor in batch_tensors(batch) if tensor.dim() > 0]
 
 
 def doubtful_sample_count(batch: Any) -> str | None:

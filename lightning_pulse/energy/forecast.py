@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from lightning_pulse.energy.carbon import TimeSeries
+from lightning_pulse.energy.carbon import TimeSeries, WrappedSeries, whole_years
 
 DAY_S = 86400.0
 
@@ -92,6 +92,10 @@ class SeasonalBlendForecast:
 class SeriesForecast:
     """A forecast series the user supplies: its slot means, slot 0 replaced by the value observed now.
 
+    A signal that wraps past its end by whole years (a run read at the same time of year,
+    :class:`~lightning_pulse.energy.carbon.WrappedSeries`) has its forecast read wrapped alike, when the forecast
+    spans those years too; else past its end the forecast's last value holds.
+
     Args:
         series: the forecast, on the same time axis as the signal.
     """
@@ -100,11 +104,21 @@ class SeriesForecast:
 
     def __init__(self, series: TimeSeries) -> None:
         self.series = series
+        self._wrapped: dict[int, TimeSeries] = {}  # the forecast wrapped by so many years, built once
 
     def predict(self, series: TimeSeries, now: float, starts: np.ndarray, slot_s: float) -> np.ndarray:
-        forecast = slot_means(self.series, starts, slot_s)
+        forecast = slot_means(self._read_as(series), starts, slot_s)
         forecast[0] = series.value_at(now)
         return forecast
+
+    def _read_as(self, signal: TimeSeries) -> TimeSeries:
+        """The forecast as the run reads ``signal``: wrapped by the same whole years where it spans them (a
+        flat held value against a signal that goes on into January had steered every decision past the end)."""
+        if not isinstance(signal, WrappedSeries) or whole_years(self.series) < signal.years:
+            return self.series
+        if signal.years not in self._wrapped:
+            self._wrapped[signal.years] = WrappedSeries(self.series, signal.years)
+        return self._wrapped[signal.years]
 
     def __repr__(self) -> str:
         return f"SeriesForecast({self.series.name})"

@@ -239,7 +239,8 @@ def _table(title: str, rows: Mapping[str, Mapping[str, Any]], currency: str, fir
 
 
 def _held_lines(report: Mapping[str, Any]) -> list[str]:
-    """One line per rate series the run read outside of: the value held there instead of data."""
+    """One line per rate series the run read outside of: the value held there instead of data, or the year it
+    wrapped back to."""
     lines = []
     for key, label in (("carbon_intensity", "Carbon intensity"), ("price", "Price")):
         rate = report.get(key) or {}
@@ -251,6 +252,13 @@ def _held_lines(report: Mapping[str, Any]) -> list[str]:
                 f"so its {'last' if after else 'first'} value, "
                 f"{_num(held.get('value'))} {rate.get('unit')}, is held from {held.get('from_utc')} UTC"
                 f"{' on' if after else ' while the run reads before the series'}."
+            )
+        if wraps := rate.get("wraps"):
+            years = wraps.get("years")
+            lines.append(
+                f"- {label}: the run reads {rate.get('source')} at the same time of year and goes on past its "
+                f"end ({wraps.get('at_utc')}) at {wraps.get('to_utc')}, {years} year{'s' if years != 1 else ''} "
+                "back."
             )
     return lines
 

@@ -3,8 +3,9 @@
 A *series signal* is a :class:`~lightning_pulse.energy.carbon.TimeSeries` (from the ``Time,Carbon Intensity``
 or ``timestamp,value`` CSV that :mod:`lightning_pulse.energy.carbon` reads, a JSON list, or pairs in Python)
 read through a :class:`~lightning_pulse.energy.carbon.Rate`, so a run in 2026 on the 2020 series reads the
-same time of year, or a configured start, exactly as :class:`~lightning_pulse.EnergyLogger` does (past the
-series' end its last value holds, with one warning). A *live
+same time of year (wrapping past the end of a whole-year series to its start), or a configured start, exactly
+as :class:`~lightning_pulse.EnergyLogger` does (a run at its own dates or from a configured start holds the
+last value past the series' end, with one warning). A *live
 signal* is a callable returning ``(unix_seconds, value)`` (an API poll, a meter): its history is what it has
 returned so far, so no forecast can read its future.
 """
@@ -184,12 +185,13 @@ class GreenSignal:
             self.rate.anchor(now)
 
     def now(self) -> tuple[TimeSeries, Callable[[float], float]]:
-        """The history to forecast from (reading a live signal now), and the wall -> series time mapping."""
+        """The history to forecast from (reading a live signal now; a series as the run reads it, wrapped
+        past its end when the run wraps), and the wall -> series time mapping."""
         if self.live is not None:
             self.live.observe()
             return self.live.history(), lambda wall: wall
-        assert self.rate is not None and self.rate.series is not None
-        return self.rate.series, self.rate.series_time
+        assert self.rate is not None and self.rate.run_series is not None
+        return self.rate.run_series, self.rate.series_time
 
     def mean(self, t0: float, t1: float) -> float:
         """Mean over the wall-clock interval ``[t0, t1]`` (NaN for a live signal with no reading yet)."""

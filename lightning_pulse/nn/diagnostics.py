@@ -16,7 +16,8 @@ forward pass, through forward hooks, so the model needs no change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +66,13 @@ def off_diagonal_mass(h_res: Tensor) -> Tensor:
     return (total - diagonal) / total.clamp_min(torch.finfo(torch.float64).tiny)
 
 
+def _nan_propagating_max(values: Iterable[float]) -> float:
+    """The largest of ``values``, or NaN if any is NaN. Python's ``max`` keeps whichever of ``x`` and NaN comes
+    first (``max(0.0, nan) == 0.0``), so a NaN gain would be logged as the healthy-looking other value."""
+    values = list(values)
+    return math.nan if any(math.isnan(value) for value in values) else max(values)
+
+
 def stack_diagnostics(h_res_stack: Sequence[Tensor]) -> dict[str, Any]:
     """Composite gains (max over positions) and per-layer off-diagonal mass (mean over positions).
 
@@ -73,7 +81,7 @@ def stack_diagnostics(h_res_stack: Sequence[Tensor]) -> dict[str, Any]:
 
     Returns:
         ``{"forward_gain": float, "backward_gain": float, "off_diagonal_mass": [float per layer],
-        "stacks": int}``.
+        "stacks": int}``; a gain is NaN when any position's is (NaN streams give a NaN ``H_res``).
     """
     if not h_res_stack:
         raise ValueError("`h_res_stack` must hold at least one matrix.")
@@ -83,14 +91,11 @@ def stack_diagnostics(h_res_stack: Sequence[Tensor]) -> dict[str, Any]:
             segments[-1].append(matrix)
         else:
             segments.append([matrix])
-    forward = backward = 0.0
-    for segment in segments:
-        forward_gain, backward_gain = composite_gain(segment)
-        forward = max(forward, float(forward_gain.amax()))
-        backward = max(backward, float(backward_gain.amax()))
+    gains = [composite_gain(segment) for segment in segments]
     return {
-        "forward_gain": forward,
-        "backward_gain": backward,
+        # torch.amax propagates NaN over positions, _nan_propagating_max over segments
+        "forward_gain": _nan_propagating_max(float(forward.amax()) for forward, _ in gains),
+        "backward_gain": _nan_propagating_max(float(backward.amax()) for _, backward in gains),
         "off_diagonal_mass": [float(off_diagonal_mass(matrix).mean()) for matrix in h_res_stack],
         "stacks": len(segments),
     }
@@ -207,7 +212,8 @@ class HyperConnectionRecorder:
 
         Each pass gets :func:`stack_diagnostics`; the gains and ``"stacks"`` are the maximum over passes,
         ``"off_diagonal_mass"`` holds one value per layer (in order of first call; the mean over that layer's
-        calls), ``"stream_rms"`` is the largest layer-output RMS and ``"passes"`` the number of passes.
+        calls), ``"stream_rms"`` is the largest layer-output RMS and ``"passes"`` the number of passes. A gain or
+        ``"stream_rms"`` is NaN when any position of any pass has a NaN one.
         """
         if not self.h_res:
             return None
@@ -219,8 +225,8 @@ class HyperConnectionRecorder:
         for layer, matrix in zip(self.called, self.h_res):
             masses.setdefault(id(layer), []).append(float(off_diagonal_mass(matrix).mean()))
         return {
-            "forward_gain": max(stats["forward_gain"] for stats in passes),
-            "backward_gain": max(stats["backward_gain"] for stats in passes),
+            "forward_gain": _nan_propagating_max(stats["forward_gain"] for stats in passes),
+            "backward_gain": _nan_propagating_max(stats["backward_gain"] for stats in passes),
             "off_diagonal_mass": [sum(values) / len(values) for values in masses.values()],
             "stacks": max(stats["stacks"] for stats in passes),
             "passes": len(passes),

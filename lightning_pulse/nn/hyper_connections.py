@@ -310,7 +310,8 @@ class HyperConnection(nn.Module):
     Raises:
         ValueError: for a non-positive ``dim`` or ``n_streams``, a non-int ``channel_dim``, a negative or
             non-finite ``alpha_init``, a ``spread`` outside ``[0, 1)``, or an ``eps`` that is not a finite
-            positive number; at call time, for streams whose ``(n_streams, dim)`` axes do not match the layer.
+            positive number; at call time, for streams whose ``(n_streams, dim)`` axes do not match the layer,
+            or a branch output that is not one tensor of the branch input's shape and layout.
 
     Example::
 
@@ -441,9 +442,34 @@ class HyperConnection(nn.Module):
             pre, post, res = projection.split((n, n, n * n), dim=-1)  # x' phi for Eq. 7
             return self._coefficient_maps(pre, post, res.unflatten(-1, (n, n))), matrices
 
+    def _check_branch_output(self, branch_input: Tensor, branch_output: Any) -> None:
+        """Refuse a branch output that is not one tensor of the branch input's shape: the layer flattens it to
+        ``(positions, C)``, so another layout with as many elements (``(B, C, T)`` for ``(B, T, C)``) would be
+        scrambled into the streams silently, where the plain ``x + F(x)`` fails on the shapes. Under
+        ``torch.compile`` the comparison is a guard on the shapes, not a graph break."""
+        if not isinstance(branch_output, Tensor):
+            raise ValueError(
+                f"{type(self).__name__}: the branch returned a {type(branch_output).__name__}, not a tensor, for "
+                f"a branch input of shape {tuple(branch_input.shape)}; it must return one tensor of that shape. "
+                "A branch returning a tuple (e.g. nn.MultiheadAttention's (output, weights)) must be unwrapped "
+                "to its output."
+            )
+        if branch_output.shape != branch_input.shape:
+            raise ValueError(
+                f"{type(self).__name__}: the branch returned shape {tuple(branch_output.shape)} for a branch "
+                f"input of shape {tuple(branch_input.shape)}; a residual branch must return its input's shape "
+                f"and layout (channel_dim={self.channel_dim}), as `x + F(x)` requires. A block that transposes "
+                "(e.g. a Conv1d over tokens) must transpose back."
+            )
+
     def forward(self, streams: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """``x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)`` for ``streams`` of shape ``(B, T, n, C)`` or
-        ``(B, n, C, H, W)``; the output has the same shape."""
+        ``(B, n, C, H, W)``; the output has the same shape.
+
+        Raises:
+            ValueError: for streams whose ``(n_streams, dim)`` axes do not match the layer, or (with
+                ``n_streams > 1``) a branch output that is not one tensor of the branch input's shape.
+        """
         axis = self._stream_axis(streams)
         if self.n_streams == 1:
             x = streams.squeeze(axis)
@@ -462,6 +488,7 @@ class HyperConnection(nn.Module):
         if not channels_last:
             branch_input = branch_input.movedim(-1, axis)
         branch_output = self.branch(branch_input, *args, **kwargs)
+        self._check_branch_output(branch_input, branch_output)
         if not channels_last:
             branch_output = branch_output.movedim(axis, -1)
         with torch.autocast(device_type=matrices.device.type, enabled=False):
