@@ -22,6 +22,22 @@ from examples.charlm.data import encode, load_stdlib_text
 SEQ_LEN = 32
 
 
+# ---------------------------------------------------------------------------------------------- models
+class BatchNormMLP(pl.LightningModule):
+    """An MLP with BatchNorm on 10 features and 3 classes: StochasticWeightAveraging adds an epoch that
+    recomputes its statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
 # ---------------------------------------------------------------------------------------------- data
 class _DictWindows(Dataset):
     """Token windows as HF-style dict samples: ``input_ids``, ``attention_mask`` and ``labels``."""

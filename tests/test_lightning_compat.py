@@ -8,6 +8,7 @@ import torch
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_pulse import _lightning_compat as compat
+from tests.clients import BatchNormMLP
 from tests.conftest import trainer_kwargs
 
 
@@ -154,22 +155,6 @@ def test_total_steps_under_an_accumulation_scheduler_is_capped_by_max_steps(mnis
     assert trainer.global_step == 14 and compat.total_steps(trainer) == 14.0
 
 
-class _BatchNormMLP(pl.LightningModule):
-    """An MLP with BatchNorm: StochasticWeightAveraging adds an epoch that recomputes its statistics."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
-        )
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
 def _loader(samples: int = 80):
     generator = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
@@ -214,7 +199,7 @@ def test_run_length_leaves_out_the_batch_norm_epoch_of_stochastic_weight_averagi
     reader, swa = Reader(), StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=0.6)
     callbacks = [swa, reader] if swa_first else [reader, swa]
     trainer = pl.Trainer(callbacks=callbacks, max_epochs=5, **trainer_kwargs())
-    trainer.fit(_BatchNormMLP(), _loader())
+    trainer.fit(BatchNormMLP(), _loader())
     assert trainer.global_step == 51  # the BatchNorm epoch's window closes with a step, no backward
     assert {(steps, batches) for _, _, steps, batches, _ in reader.read} == {(50.0, 50.0)}
     in_update_epoch = {(hook, epoch) for hook, epoch, *_, inside in reader.read if inside}
@@ -235,6 +220,6 @@ def test_a_training_cap_leaves_the_step_of_the_batch_norm_epoch_out_of_the_run_l
     cap = Cap()
     swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=0.6)
     trainer = pl.Trainer(callbacks=[swa, cap], max_epochs=5, **trainer_kwargs())
-    trainer.fit(_BatchNormMLP(), _loader())
+    trainer.fit(BatchNormMLP(), _loader())
     # had it been capped at 50, the fit would have ended before the BatchNorm epoch
     assert (cap.cap, cap.total, trainer.global_step, trainer.current_epoch) == (51, 50.0, 51, 6)

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_pulse import Phase, PulseCycle, PulseRefusal, phase_of, pulse_cycle_of
+from tests.clients import BatchNormMLP
 from tests.conftest import trainer_kwargs
 
 
@@ -239,22 +240,6 @@ def test_invalid_arguments_fail_at_construction(kwargs, field):
         PulseCycle(**kwargs)
 
 
-class _BatchNormMLP(pl.LightningModule):
-    """An MLP with BatchNorm: StochasticWeightAveraging adds an epoch that recomputes its statistics."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
-        )
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
 @pytest.mark.parametrize("swa_first", [False, True])
 def test_warmup_and_anneal_next_to_swa_on_batch_norm_are_shares_of_the_training_steps(swa_first):
     """Held-out sweep: SWA raises max_epochs by one on a model with BatchNorm for an epoch that only
@@ -273,7 +258,7 @@ def test_warmup_and_anneal_next_to_swa_on_batch_norm_are_shares_of_the_training_
         swa = [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=0.6)] if with_swa else []
         callbacks = [*swa, cycle] if swa_first else [cycle, *swa]
         trainer = pl.Trainer(callbacks=callbacks, max_epochs=5, **trainer_kwargs())
-        trainer.fit(_BatchNormMLP(), torch.utils.data.DataLoader(data, batch_size=8))  # 10 batches a pass
+        trainer.fit(BatchNormMLP(), torch.utils.data.DataLoader(data, batch_size=8))  # 10 batches a pass
         changes = [(change.step, change.reason) for change in cycle.history]
         return changes, cycle.clock.step, trainer.global_step
 
