@@ -445,7 +445,7 @@ def test_an_infinity_a_bad_batch_wrote_before_the_first_periodic_snapshot_is_men
     assert [str(w.message) for w in recwarn if "StabilityGuard" in str(w.message)] == [
         "StabilityGuard: step 2 has non-finite values in its data (batch 2 rows [1]); the model is healthy, "
         "so the step is skipped and training goes on. Its forward had written them into norm.running_mean, "
-        "norm.running_var: set back to the newest snapshot's values. Later such steps are skipped silently: "
+        "norm.running_var: set back to their values at step 0. Later such steps are skipped silently: "
         "see `StabilityGuard.bad_samples` and the `stability/bad_batches` counter."
     ]
     assert [(event["step"], event.get("cause")) for event in guard.events] == [(2, "data")]
@@ -476,7 +476,7 @@ def test_an_infinity_a_bad_first_batch_wrote_is_mended_at_once(recwarn):
     assert [str(w.message) for w in recwarn if "StabilityGuard" in str(w.message)] == [
         "StabilityGuard: step 0 has non-finite values in its data (batch 0 rows [1]); the model is healthy, "
         "so the step is skipped and training goes on. Its forward had written them into norm.running_mean, "
-        "norm.running_var: set back to the newest snapshot's values. Later such steps are skipped silently: "
+        "norm.running_var: set back to their values at step 0. Later such steps are skipped silently: "
         "see `StabilityGuard.bad_samples` and the `stability/bad_batches` counter."
     ]
     assert [(event["step"], event.get("cause")) for event in guard.events] == [(0, "data")]

@@ -328,9 +328,10 @@ class StabilityCore:
         and keep the samples. Returns the warning for the run's first bad batch (:func:`data_fault_message`),
         else ``None`` (later ones are skipped silently)."""
         self.unchecked_data_faults = self.unchecked_data_faults + 1 if unchecked else 0
+        saved = self.saved_forward_state(model) if saved is None else saved
         mended = self.mend_forward_state(model, saved)  # before the next forward reads it
         if self.remember_bad_samples(samples):
-            return data_fault_message(step, samples, mended)
+            return data_fault_message(step, samples, mended, None if saved[0] is None else saved[0].step)
         return None
 
     def presumption_ended(
@@ -717,12 +718,12 @@ def flag_message(
     )
 
 
-def data_fault_message(step: int, samples: list[dict[str, Any]], mended: Sequence[str] = ()) -> str:
-    wrote = (
-        f" Its forward had written them into {', '.join(mended)}: set back to the newest snapshot's values."
-        if mended
-        else ""
-    )
+def data_fault_message(
+    step: int, samples: list[dict[str, Any]], mended: Sequence[str] = (), snapshot_step: int | None = None
+) -> str:
+    # the step says how old the values are: carried state (an RNN's hidden state) restarts from there
+    at = "the newest snapshot's values" if snapshot_step is None else f"their values at step {snapshot_step}"
+    wrote = f" Its forward had written them into {', '.join(mended)}: set back to {at}." if mended else ""
     return (
         f"StabilityGuard: step {step} has non-finite values in its data ({describe_bad_samples(samples)}); "
         f"the model is healthy, so the step is skipped and training goes on.{wrote} Later such steps are "
