@@ -398,7 +398,7 @@ def steps_left_at_run_pace(trainer: pl.Trainer) -> float:
     steps, batches = run_length(trainer)
     steps_left = steps - trainer.global_step
     done = trainer.fit_loop.epoch_loop.total_batch_idx + 1  # the run's batches, a resume's included
-    if _accumulation_schedule(trainer) is None or steps_left <= 0 or done <= 0 or trainer.global_step <= 0:
+    if accumulation_schedule(trainer) is None or steps_left <= 0 or done <= 0 or trainer.global_step <= 0:
         return steps_left
     return (batches - done) * trainer.global_step / done
 
@@ -415,7 +415,7 @@ def run_length(trainer: pl.Trainer) -> tuple[float, float]:
     if estimate < 0:
         return math.inf, math.inf
     batches, accumulate = _training_epoch_batches(trainer)
-    schedule = _accumulation_schedule(trainer)
+    schedule = accumulation_schedule(trainer)
     if schedule is None:
         window_of = lambda epoch: accumulate  # noqa: E731
     else:
@@ -437,7 +437,8 @@ def run_length(trainer: pl.Trainer) -> tuple[float, float]:
     return float(steps), float(taken)
 
 
-def _accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler | None:
+def accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler | None:
+    """The trainer's ``GradientAccumulationScheduler``, if it has one."""
     return next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
 
 
@@ -449,11 +450,15 @@ def _accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler
 # the epoch runs forward passes and, at its end, one optimizer step with no backward (global_step moves by
 # one; the step applies whatever gradients the last training step left). Which of our hooks run before SWA's
 # depends on the callback order, so the readers below give the same answer on either side of SWA's hooks.
+def _swa_of(trainer: pl.Trainer) -> StochasticWeightAveraging | None:
+    return next((c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)), None)
+
+
 def _batch_norm_swa(trainer: pl.Trainer) -> StochasticWeightAveraging | None:
     """The ``StochasticWeightAveraging`` that has raised ``trainer``'s ``max_epochs`` for its BatchNorm-update
     epoch in this fit, else ``None`` (none attached, no BatchNorm, an unbounded run, before SWA's
     ``on_fit_start`` or after its ``on_train_end``)."""
-    swa = next((c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)), None)
+    swa = _swa_of(trainer)
     if swa is None or not swa._model_contains_batch_norm:
         return None
     user_epochs = getattr(swa, "_max_epochs", None)  # set in its on_fit_start
@@ -466,7 +471,7 @@ def adds_batch_norm_epoch(trainer: pl.Trainer) -> bool:
     """Whether a ``StochasticWeightAveraging`` of ``trainer`` adds (or added) an epoch to this fit that only
     updates BatchNorm statistics: the model holds BatchNorm and ``max_epochs`` is finite. Also true before
     SWA's ``on_fit_start`` (a DataLoader set up from ``configure_optimizers``)."""
-    swa = next((c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)), None)
+    swa = _swa_of(trainer)
     if swa is None or trainer.max_epochs in (None, -1):
         return False
     if swa._model_contains_batch_norm is not None:
@@ -486,6 +491,9 @@ def training_max_epochs(trainer: pl.Trainer) -> int | None:
 def in_batch_norm_update_epoch(trainer: pl.Trainer) -> bool:
     """Whether the epoch under way (or just finished, before the fit's end) is the one a
     ``StochasticWeightAveraging`` added to update BatchNorm statistics: no backward, no training step."""
+    max_epochs = trainer.fit_loop.max_epochs
+    if max_epochs in (None, -1) or trainer.current_epoch < max_epochs - 1:
+        return False  # not the last epoch: no scan of the callbacks (this runs at every batch)
     swa = _batch_norm_swa(trainer)
     return swa is not None and trainer.current_epoch >= swa._max_epochs
 
@@ -495,7 +503,7 @@ def training_steps_taken(trainer: pl.Trainer) -> int:
     epoch (the accumulation window that spans the epoch closes with a step and no backward). For
     ``on_train_end``, where SWA may already have lowered ``max_epochs`` again: it ran when the fit ended one
     past that epoch, the condition SWA's own ``on_train_end`` tests."""
-    swa = next((c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)), None)
+    swa = _swa_of(trainer)
     if swa is None or not swa._model_contains_batch_norm or getattr(swa, "_max_epochs", -1) in (None, -1):
         return trainer.global_step
     ran = trainer.current_epoch == swa._max_epochs + 1 and trainer.global_step > 0
@@ -507,8 +515,10 @@ def _training_epoch_batches(trainer: pl.Trainer) -> tuple[float, int]:
     replaced (until its ``on_train_end``) with one batch more and an accumulation spanning the epoch."""
     batches, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
     swa = _batch_norm_swa(trainer)
-    saved = None if swa is None else getattr(swa, "_accumulate_grad_batches", None)
-    if in_batch_norm_update_epoch(trainer) and saved is not None and accumulate == batches:
+    if swa is None or trainer.current_epoch < swa._max_epochs:  # not the BatchNorm-update epoch
+        return batches, accumulate
+    saved = getattr(swa, "_accumulate_grad_batches", None)
+    if saved is not None and accumulate == batches:
         return batches - 1, saved
     return batches, accumulate
 

@@ -271,22 +271,16 @@ def test_callbacks_refuse_a_series_start_outside_their_series_naming_the_field()
     assert inside.signal.rate.series_start == utc("2020-06-02 00:00:00")
 
 
-def test_green_window_past_its_signal_end_holds_the_last_value_and_warns(mnist1d_small, tmp_path):
-    # sweep C: a 72 h job started two days before its series' end read, past it, the same time of year of the
-    # series' first January (300 instead of 525 g/kWh) in silence, and reported a 50.7% "saving" from the jump
+def _paused_green_window_run(series, start: str, mnist1d_small, tmp_path):
+    """A GreenWindow (``when_dirty="pause"``, 300 W) on ``series`` from ``start`` on a simulated clock, an hour a
+    step, and the 36-step fit of a small MLP to run: ``(green_window, fit)``."""
     import lightning.pytorch as pl
 
     from lightning_pulse import GreenWindow, GreenWindowOptions, SimulatedClock
     from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
     from tests.conftest import trainer_kwargs
 
-    january_2020 = 31 * 24  # hours
-    series = hourly_series(
-        "2020-01-01 00:00:00",
-        "2021-01-03 00:00:00",
-        lambda hours: np.where(hours < january_2020, 100.0, 500.0),
-    )
-    clock = SimulatedClock("2021-01-02 00:00:00")
+    clock = SimulatedClock(start)
     green = GreenWindow(
         signal=series,
         when_dirty="pause",
@@ -301,8 +295,21 @@ def test_green_window_past_its_signal_end_holds_the_last_value_and_warns(mnist1d
         limit_val_batches=0,
         **trainer_kwargs(),
     )
+    return green, lambda: trainer.fit(model, data)
+
+
+def test_green_window_past_its_signal_end_holds_the_last_value_and_warns(mnist1d_small, tmp_path):
+    # sweep C: a 72 h job started two days before its series' end read, past it, the same time of year of the
+    # series' first January (300 instead of 525 g/kWh) in silence, and reported a 50.7% "saving" from the jump
+    january_2020 = 31 * 24  # hours
+    series = hourly_series(
+        "2020-01-01 00:00:00",
+        "2021-01-03 00:00:00",
+        lambda hours: np.where(hours < january_2020, 100.0, 500.0),
+    )
+    green, fit = _paused_green_window_run(series, "2021-01-02 00:00:00", mnist1d_small, tmp_path)
     with pytest.warns(UserWarning) as caught:
-        trainer.fit(model, data)
+        fit()
     held = [str(w.message) for w in caught if "held" in str(w.message)]
     assert len(held) == 1 and held[0].startswith(
         "GreenWindow: the series:hourly.csv series ends at 2021-01-03 01:00"
@@ -506,32 +513,12 @@ def test_a_run_at_its_own_dates_from_a_start_or_on_a_partial_year_still_holds_pa
 
 def test_green_window_read_at_the_same_time_of_year_wraps_its_signal_into_january(mnist1d_small, tmp_path):
     # review 19: a run from 2025-12-31 12:00 on a 2020 series held the 31 December value past 2021-01-01
-    import lightning.pytorch as pl
-
-    from lightning_pulse import GreenWindow, GreenWindowOptions, SimulatedClock
-    from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
-    from tests.conftest import trainer_kwargs
-
     january = 31 * 24  # hours
     series = year_2020(lambda hours: np.where(hours < january, 100.0, 500.0))
-    clock = SimulatedClock("2025-12-31 12:00:00")
-    green = GreenWindow(
-        signal=series,
-        when_dirty="pause",
-        clock=clock,
-        expected_duration="36h",
-        options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path)),
-    )
-    model, data = mnist1d_small(arch="mlp")
-    trainer = pl.Trainer(
-        callbacks=[SimulatedStepTime(clock, 3600.0), green],
-        max_steps=36,
-        limit_val_batches=0,
-        **trainer_kwargs(),
-    )
+    green, fit = _paused_green_window_run(series, "2025-12-31 12:00:00", mnist1d_small, tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, data)
+        fit()
     assert not [str(w.message) for w in caught if "held" in str(w.message)]
     new_year = utc("2026-01-01 00:00:00")
     decisions = green.report["decisions"]

@@ -18,7 +18,6 @@ import torch
 from lightning.pytorch.callbacks import (
     BaseFinetuning,
     Callback,
-    GradientAccumulationScheduler,
     StochasticWeightAveraging,
 )
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -422,7 +421,7 @@ def _steps_per_epoch(trainer: pl.Trainer) -> int | None:
     """Optimizer steps in an epoch, for phases counted in epochs; ``None`` when a
     GradientAccumulationScheduler changes them from one epoch to another from the current epoch on (no one
     figure plans such phases; a resumed run past the last change has one)."""
-    schedule = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+    schedule = compat.accumulation_schedule(trainer)
     if schedule is None:
         factors = {trainer.accumulate_grad_batches}
     else:

@@ -410,7 +410,7 @@ def trace_nonfinite(
     )
     if explained and (presume_data or not unchecked):
         return "data", samples, unchecked
-    if explained and unchecked:  # bad data no longer presumed: the caller tests it at a snapshot
+    if explained:  # unchecked, and bad data no longer presumed: the caller tests it at a snapshot
         return None, samples, True
     return ("state" if forward_bad else None), [], False
 

@@ -151,7 +151,15 @@ def state_tensors(
             for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, Tensor):
                     trained[f"{key} of {owner}"] = value
-    return trained, forward_state_tensors(dict(model.named_buffers()), carried)
+    return trained, current_forward_state(model, carried)
+
+
+def current_forward_state(model: nn.Module, carried: Mapping[str, Any] | None = None) -> dict[str, Tensor]:
+    """``model``'s buffers and carried tensors (``carried``, when already read) as
+    :func:`~lightning_pulse.core.fault_origin.forward_state_tensors` names them."""
+    return forward_state_tensors(
+        dict(model.named_buffers()), carried_tensors(model) if carried is None else carried
+    )
 
 
 def _saved_forward_state(snapshot: TrainingSnapshot, model: nn.Module) -> dict[str, Tensor]:
@@ -381,7 +389,7 @@ class StabilityCore:
         infinite since the fit's start (and a data fault mends it), as a ``-inf`` mask filled by the first
         forward is not. Boolean masks only for tensors holding a non-finite value (nothing for the others),
         once a fit; nothing per step."""
-        current = forward_state_tensors(dict(model.named_buffers()), carried_tensors(model))
+        current = current_forward_state(model)
         fit_start = self._fit_start_snapshot(model)
         before = {} if fit_start is None else _saved_forward_state(fit_start, model)
         evidence, overflowed = finite_evidence(current, before)
@@ -416,7 +424,7 @@ class StabilityCore:
             return snapshot, *self.first_forward
         if snapshot is None:
             return None, None, {}
-        current = forward_state_tensors(dict(model.named_buffers()), carried_tensors(model))
+        current = current_forward_state(model)
         evidence, _ = finite_evidence(current, _saved_forward_state(snapshot, model))
         return snapshot, snapshot.step, evidence
 
@@ -478,12 +486,19 @@ class StabilityCore:
             return True
         if not comparable or detector.loss_scale != "log":
             return True
+        candidates = self._rollback_candidates(model, step, optimizers, schedulers)
+        helps, self.rollback_to = rollback_test(candidates, losses_at, loss, self.config.min_ratio)
+        return helps
+
+    def _rollback_candidates(
+        self, model: nn.Module, step: int, optimizers: Sequence[Any] | None, schedulers: Sequence[Any] | None
+    ) -> list[TrainingSnapshot]:
+        """The snapshots a rollback from ``step`` would try, as the rollback test takes them: the one it
+        returns to (the margin before the incident's start), then the oldest held."""
         start = self.policy.incident_start
         before = (step if start is None else start) - self.schedule.margin
         rewound = schedulers if self.config.rewind_lr_schedule else None  # else the current ones are kept
-        candidates = self.schedule.ring.rollback_candidates(model, before, optimizers, rewound)
-        helps, self.rollback_to = rollback_test(candidates, losses_at, loss, self.config.min_ratio)
-        return helps
+        return self.schedule.ring.rollback_candidates(model, before, optimizers, rewound)
 
     def recurs_at_snapshot(
         self,
@@ -502,10 +517,7 @@ class StabilityCore:
         of scale, and a loss that may go negative (a density's NLL) had sent bad data to a rollback."""
         if not comparable:
             return False
-        start = self.policy.incident_start
-        before = (step if start is None else start) - self.schedule.margin
-        rewound = schedulers if self.config.rewind_lr_schedule else None
-        candidates = self.schedule.ring.rollback_candidates(model, before, optimizers, rewound)
+        candidates = self._rollback_candidates(model, step, optimizers, schedulers)
         for target in candidates:
             flagged, reference = losses_at(target)
             if math.isfinite(flagged) or not math.isfinite(reference):
@@ -561,7 +573,7 @@ class StabilityCore:
         if warn is not None and not self.overflow_warned:
             # compared before the new snapshot may refill the buffers of the previous one
             _, since, previous = self.forward_evidence(model)
-            current = forward_state_tensors(dict(model.named_buffers()), carried)
+            current = current_forward_state(model, carried)
             # no NaN here (screened above): each non-finite one is infinite, compared with the previous copy
             infinite = newly_nonfinite(current, previous, nonfinite_tensors(current)) if previous else []
             if infinite:
