@@ -396,11 +396,29 @@ def steps_left_at_run_pace(trainer: pl.Trainer) -> float:
     per step measured so far then times the work left. Under a ``GradientAccumulationScheduler`` a later step
     covers more batches, so the batches left are counted and divided by the run's batches per step so far."""
     steps, batches = run_length(trainer)
-    steps_left = steps - trainer.global_step
-    done = trainer.fit_loop.epoch_loop.total_batch_idx + 1  # the run's batches, a resume's included
-    if accumulation_schedule(trainer) is None or steps_left <= 0 or done <= 0 or trainer.global_step <= 0:
+    steps_done, done = run_progress(trainer)
+    steps_left = steps - steps_done
+    if accumulation_schedule(trainer) is None or steps_left <= 0 or done <= 0 or steps_done <= 0:
         return steps_left
-    return (batches - done) * trainer.global_step / done
+    return (batches - done) * steps_done / done
+
+
+def run_progress(trainer: pl.Trainer) -> tuple[int, int]:
+    """``(optimizer steps, training batches on this rank)`` the run has taken so far, a resumed run's earlier
+    part and an earlier ``fit`` of the same Trainer included: the counts :func:`run_length` gives in total."""
+    return trainer.global_step, trainer.fit_loop.epoch_loop.total_batch_idx + 1
+
+
+def steps_per_batch_unknown(trainer: pl.Trainer) -> bool:
+    """Whether the optimizer steps a training batch makes are up to the module and not known before the run:
+    manual optimization with more than one optimizer. Lightning's ``global_step`` (and ``max_steps``) counts
+    every optimizer's ``step()``, two a batch for a GAN's two players, while ``estimated_stepping_batches``
+    counts one a batch; players updated in turn (one step a batch, or a critic stepped five times for each
+    generator step) are treated the same: how many steps a batch makes is the module's choice. With one
+    optimizer, one step a batch is taken, as Lightning's estimate does; a module that steps it every N batches
+    itself (manual accumulation) makes a run N times shorter than that (a documented limit)."""
+    module = trainer.lightning_module
+    return module is not None and not module.automatic_optimization and len(trainer.optimizers) > 1
 
 
 def run_length(trainer: pl.Trainer) -> tuple[float, float]:
@@ -409,11 +427,21 @@ def run_length(trainer: pl.Trainer) -> tuple[float, float]:
     its last window. Work measured per optimizer step does not scale to the rest of a run whose later steps
     cover more batches (a ``GradientAccumulationScheduler`` raising the accumulation): measured per batch it
     does. The epoch a ``StochasticWeightAveraging`` adds to update BatchNorm statistics trains nothing and is
-    not counted (:func:`training_max_epochs`)."""
+    not counted (:func:`training_max_epochs`).
+
+    Where a batch's steps are unknown (:func:`steps_per_batch_unknown`), only ``max_steps`` gives a length in
+    steps, and only when nothing else can end the run first (no ``max_epochs``, or a DataLoader without a
+    length); the batches are then unknown. Otherwise both are ``inf``: read as one step a batch, a GAN's run
+    was planned on half its steps."""
     # reading the estimate also sets the training DataLoader up if it is not yet
     estimate = float(trainer.estimated_stepping_batches)
     if estimate < 0:
         return math.inf, math.inf
+    if steps_per_batch_unknown(trainer):
+        # max_steps counts every optimizer's step, as global_step does: a length if nothing else ends the run
+        epochs, batches_per_epoch = training_max_epochs(trainer), trainer.num_training_batches
+        bounded_by_steps = epochs in (None, -1) or not math.isfinite(batches_per_epoch)
+        return (min(estimate, _training_max_steps(trainer)) if bounded_by_steps else math.inf), math.inf
     batches, accumulate = _training_epoch_batches(trainer)
     schedule = accumulation_schedule(trainer)
     if schedule is None:

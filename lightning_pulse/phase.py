@@ -49,6 +49,18 @@ KNOWN_LENGTH = (
     "(max_time alone gives none)"
 )
 
+#: why a share of the run (or an epoch) has no length in optimizer steps under manual optimization with
+#: ``{count}`` optimizers (:func:`~lightning_pulse._lightning_compat.steps_per_batch_unknown`)
+UNKNOWN_STEPS_PER_BATCH = (
+    "this module steps its {count} optimizers itself (manual optimization) and trainer.global_step counts "
+    "every optimizer's step, so the run's length in optimizer steps is not known before its first batch "
+    "(Lightning's estimate counts one step a batch; alternating updates are counted the same way)"
+)
+#: the way out of a share of such a run: a length ``global_step`` counts
+STEPS_BOUND_ONLY = (
+    "bound the run by max_steps alone (Trainer(max_steps=N) without max_epochs; it counts every step)"
+)
+
 _UNIT_ALIASES = {
     "step": "steps",
     "steps": "steps",
@@ -549,6 +561,29 @@ class PhaseClock:
         ``total_steps``."""
         self._warmup_steps(total_steps)
         self._anneal_start(total_steps)
+
+    def check_steps_per_batch_unknown(self, optimizers: int, total_steps: float) -> None:
+        """Raise ``ValueError`` for settings read in optimizer steps per epoch or per run where a batch's
+        steps are up to a module that steps ``optimizers`` optimizers itself: phases counted in epochs always,
+        and warm-up or anneal unless the run's length in steps is known (``total_steps``: from max_steps)."""
+        reason = UNKNOWN_STEPS_PER_BATCH.format(count=optimizers)
+        if self.uses_epochs:
+            given = ", ".join(f"`{p.value}`={d}" for p, d in self.durations.items() if d.kind == "epochs")
+            raise ValueError(
+                f"phases counted in epochs ({given}) need an epoch's length in optimizer steps, and "
+                f"{reason}; give the durations in steps or seconds."
+            )
+        shares = [
+            f"`{name}`={share!r}"
+            for name, share in (("warmup", self.warmup), ("anneal", self.anneal))
+            if share
+        ]
+        if shares and self.span is None and not math.isfinite(total_steps):
+            what = "are shares" if len(shares) > 1 else "is a share"
+            raise ValueError(
+                f"{' and '.join(shares)} {what} of the run's optimizer steps, and {reason}. Set `warmup=0` "
+                f"and `anneal=0`, or {STEPS_BOUND_ONLY}."
+            )
 
     def remaining(self, steps_per_epoch: float | None = None) -> float:
         """Share of the current phase's budget still left, in ``[0, 1]`` (1 outside the cycle)."""

@@ -187,8 +187,7 @@ class StepSavingLoader:
         self._trainer = trainer
         self._selector = selector
         fraction = selector.config.replay_fraction
-        module = trainer.lightning_module
-        if module is not None and not module.automatic_optimization and len(trainer.optimizers) > 1:
+        if compat.steps_per_batch_unknown(trainer):
             raise PulseRefusal(STEPS_MODE_OPTIMIZERS_REFUSAL.format(count=len(trainer.optimizers)))
         cycle = pulse_cycle_of(trainer)
         if cycle is not None and cycle.clock.uses_wall_clock:

@@ -172,3 +172,90 @@ def test_a_run_scheduled_prune_pruned_resumes_at_a_light_step_as_the_uninterrupt
     resumed = fit(ckpt_path=tmp_path / "step=6.ckpt")
     for (name, value), other in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(value, other), name
+
+
+class _ListKeeping(pl.LightningModule):
+    """A linear classifier keeping a list on itself: ``appended``, each step's predictions for an epoch-end
+    metric (the Lightning docs' ``self.training_step_outputs.append(...)``, cleared at the epoch end);
+    else its output as a state the next batch adds: ``replaced``, a new list at every batch; ``in_place``, the
+    same list's item replaced; ``filled``, the same list, empty before the first batch, then its item
+    replaced; ``epoch_start``, as ``appended`` but the list made anew in ``on_train_epoch_start``;
+    ``hidden_appended``, each step's output appended as an RNN's hidden state, ``(1, B, 4)``, the last one
+    added to the next batch's."""
+
+    def __init__(self, keep: str) -> None:
+        super().__init__()
+        self.net, self.keep = nn.Linear(16, 4), keep
+        self.training_step_outputs: list[torch.Tensor] = []
+        self.state: list[torch.Tensor] = [torch.zeros(BATCH, 4)] if keep == "in_place" else []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        if self.keep in ("appended", "epoch_start"):
+            self.training_step_outputs.append(logits.argmax(-1).detach())
+        elif self.keep == "hidden_appended":
+            logits = logits + self.state[-1][0] if self.state else logits
+            self.state.append(logits.detach()[None])
+        else:
+            logits = logits + self.state[0] if self.state else logits
+            if self.keep == "replaced":
+                self.state = [logits.detach()]
+            else:
+                self.state[:] = [logits.detach()]
+        return F.cross_entropy(logits, y)
+
+    def on_train_epoch_start(self):
+        if self.keep == "epoch_start":
+            self.training_step_outputs = []
+
+    def on_train_epoch_end(self):
+        self.training_step_outputs.clear()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _standalone_steps_mode() -> tuple[pl.Trainer, _LightSteps, DataLoader]:
+    """HardSampleReplay alone in steps mode: every step is light, the second one too (the check's second
+    batch); 5 steps of 64 per epoch from 640 samples, 3 epochs."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(640, 16, generator=generator), torch.randint(0, 4, (640,), generator=generator)
+    pl.seed_everything(0)
+    light = _LightSteps()
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay(replay_fraction=0.5), light], max_epochs=3, **trainer_kwargs()
+    )
+    return trainer, light, DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+
+
+@pytest.mark.parametrize("keep", ["appended", "epoch_start"])
+def test_per_step_outputs_appended_to_a_list_are_not_refused_when_the_second_batch_is_cut(keep):
+    # held-out sweep: standalone steps mode refused this module after its first batch as one "that carries
+    # state" (`training_step_outputs`), as a list blocked a cut batch before the read/replace test could run;
+    # a review of the fix: a list made anew in on_train_epoch_start (after the fit's start) still was
+    trainer, light, loader = _standalone_steps_mode()
+    module = _ListKeeping(keep)
+    trainer.fit(module, loader)
+    replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
+    assert light.light[:2] == [True, True]  # the second batch was cut while the check ran
+    assert replay.state_check.done and replay.state_check.found == {}
+    assert trainer.global_step == trainer.max_steps == len(light.light) == 15
+
+
+@pytest.mark.parametrize("keep", ["replaced", "in_place", "filled", "hidden_appended"])
+def test_a_state_kept_in_a_list_is_still_refused_before_a_cut_second_batch_or_once_it_tells(keep):
+    trainer, light, loader = _standalone_steps_mode()
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(_ListKeeping(keep), loader)
+    # a review of the twentieth pass: a hidden state appended to a list ((1, B, 4): B after the first
+    # dimension) let the cut second batch through, one mixed step before the refusal
+    shape = "(1, 64, 4)" if keep == "hidden_appended" else "(64, 4)"
+    assert f"`state` (tensor of shape {shape})" in str(refusal.value)
+    if keep == "filled":
+        # the limit: an empty list the first batch filled looks like one it appended to, and lets the cut
+        # second batch through; the read/replace test then refuses it, one mixed step late
+        assert trainer.global_step == 2 and "is read by the next batch" in str(refusal.value)
+    else:
+        assert trainer.global_step == 1 and light.light == [True]  # the second batch never trained
+        assert "the batch that would tell is cut" in str(refusal.value)

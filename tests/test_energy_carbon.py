@@ -77,6 +77,37 @@ def test_malformed_series_fails_at_construction_naming_the_field(tmp_path):
         carbon_intensity_from(str(EXCERPT), None, series_start="soon")
 
 
+@pytest.mark.parametrize(
+    ("rows", "first_line"),
+    [
+        (  # a duplicated timestamp: the second row of the pair
+            "2020-06-01 00:00:00,100\n2020-06-01 01:00:00,120\n2020-06-01 01:00:00,130\n",
+            "ci.csv:4: timestamp '2020-06-01 01:00:00' is not after line 3's '2020-06-01 01:00:00'; "
+            "timestamps must be strictly increasing.",
+        ),
+        (  # two offsets on the same instant: the UTC time shows why
+            "2020-06-01T02:00:00+02:00,100\n2020-06-01T00:00:00Z,200\n",
+            "ci.csv:3: timestamp '2020-06-01T00:00:00Z' (2020-06-01 00:00:00 UTC) is not after line 2's "
+            "'2020-06-01T02:00:00+02:00' (2020-06-01 00:00:00 UTC); timestamps must be strictly increasing.",
+        ),
+        (
+            "2020-06-01 00:00:00,100\n2020-06-01 01:00:00,-1\n",
+            "ci.csv:3: value '-1' must be finite and non-negative.",
+        ),
+        ("1590969600,100\nnan,2\n", "ci.csv:3 is not `timestamp,value` (['nan', '2']: 'nan' is not a finite"),
+    ],
+)
+def test_a_refused_csv_is_named_once_with_the_line_of_its_first_bad_row(tmp_path, rows, first_line):
+    # sweep 20d: "`carbon_intensity`: /x/dup_ts.csv: dup_ts.csv: timestamps must be strictly increasing."
+    path = tmp_path / "ci.csv"
+    path.write_text("timestamp,value\n" + rows)
+    with pytest.raises(ValueError) as refused:
+        carbon_intensity_from(str(path), None)
+    message = str(refused.value).splitlines()[0]
+    assert message.startswith(f"`carbon_intensity`: {tmp_path}/{first_line}")
+    assert message.count("ci.csv") == 1
+
+
 def test_run_outside_the_series_reads_the_same_time_of_year():
     notices: list[str] = []
     rate = carbon_intensity_from(str(EXCERPT), None, notice=notices.append)

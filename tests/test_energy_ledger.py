@@ -661,3 +661,78 @@ def test_the_meter_startup_stage_is_kept_out_of_the_run():
     assert buckets["total"]["seconds"] == 2.0 and buckets["total"]["cpu_j"] == pytest.approx(20.0)
     assert buckets[STARTUP_KEY]["seconds"] == 3.0 and buckets[STARTUP_KEY]["cpu_j"] == pytest.approx(30.0)
     assert buckets["phase/burst"]["seconds"] == 1.0 and buckets["epoch/0"]["cpu_j"] == pytest.approx(10.0)
+
+
+def test_the_runs_reading_leaves_out_the_meter_startup_energy_and_seconds():
+    # sweep 20d: the step read-outs used every joule the meters counted, the start-up wait's too
+    from lightning_pulse.energy.ledger import STARTUP_STAGE
+
+    ledger = EnergyLedger()
+    ledger.begin(0.0, 0.0, reading(cpu=5.0))  # a meter's zero point is no energy of the run
+    ledger.mark(0.0, 0.0, stage="train")
+    ledger.record(2.0, 2.0, reading(cpu=45.0))  # 20 W
+    ledger.mark(2.0, 2.0, stage=STARTUP_STAGE)
+    ledger.mark(5.0, 5.0, stage="train")
+    ledger.record(6.0, 6.0, reading(cpu=245.0))  # 50 W: 150 J in the 3 s start-up, 50 J in the run's 1 s
+    joules, seconds = ledger.run_reading
+    assert (joules, seconds) == (pytest.approx(90.0), pytest.approx(3.0))  # a run's power: 30 W, not 40 W
+    assert joules == pytest.approx(ledger.snapshot(6.0)["buckets"]["total"]["cpu_j"])  # the report's total
+    assert ledger.estimate_joules(7.0) == pytest.approx(90.0 + 50.0)  # grows from the run's figure
+
+
+class SlowToStart(ConstantPowerMeter):
+    """codecarbon's background start in miniature: its zero point until :meth:`settle`, which takes
+    ``startup_s`` seconds of ``clock``; then it counts from its own start."""
+
+    def __init__(self, watts: float, clock: ManualClock, startup_s: float) -> None:
+        super().__init__("cpu", watts)
+        self.clock, self.startup_s, self.started = clock, startup_s, False
+
+    @property
+    def starting(self) -> bool:
+        return not self.started
+
+    def settle(self, timeout: float) -> None:
+        if not self.started:
+            self.clock.now += self.startup_s
+            self.started = True
+
+    def read_joules(self, now: float) -> float:
+        return super().read_joules(now) if self.started else 0.0
+
+
+def test_step_figures_wait_for_a_starting_meter_and_leave_its_startup_out_of_the_run():
+    # sweep 20d: kwh_so_far was logged as 0.0 while codecarbon started, then held the start-up wait's energy
+    # (meter_startup, outside the report's total): 25x the total on a first fit
+    clock, steps = ManualClock(), [0]
+    meter = SlowToStart(30.0, clock, startup_s=6.0)
+    account = account_with(clock)
+    account.start([MeterChain("cpu", [("slow", lambda: meter)], print)])
+    account.begin_training(lambda: steps[0])
+    account.mark(stage="train", phase="burst", cycle=0, epoch=0)
+    logged = []
+    for _ in range(4):
+        if steps[0] == 2:  # the first epoch ends: it waits 6 s for the start; 240 J over 8 s, 60 J the run's
+            account.epoch_metrics(0, total_steps=4)
+            account.mark(epoch=1)
+        account.batch_started(torch.zeros(4, 3))
+        clock.now += 1.0
+        steps[0] += 1
+        account.batch_ended()
+        if steps[0] == 4:
+            account.kwh_now()  # a reading after the last step: 60 J more
+        logged.append(account.step_metrics())
+    assert logged[:2] == [None, None]  # nothing counted yet: no 0 kWh that reads as measured
+    assert logged[2] == {"energy/kwh_so_far": pytest.approx(60.0 / 3.6e6)}
+    assert logged[3] == {
+        "energy/kwh_so_far": pytest.approx(120.0 / 3.6e6),
+        "energy/power_w": pytest.approx(30.0),
+    }
+
+    account.end_training()
+    report = account.report("complete", "EUR")
+    clock.now += 5.0  # the fit's shut-down after the report
+    account.stop()
+    assert report["total"]["energy_kwh"] == pytest.approx(120.0 / 3.6e6)
+    assert report["meter_startup"]["energy_kwh"] == pytest.approx(180.0 / 3.6e6)
+    assert account.energy_so_far_kwh() == pytest.approx(report["total"]["energy_kwh"])

@@ -424,6 +424,8 @@ def test_an_exception_in_training_stops_the_thread_and_reports_the_interrupted_r
     report = json.loads((tmp_path / JSON_NAME).read_text())
     assert report["status"] == "interrupted" and report["total"]["steps"] == 4
     assert report["total"]["methods"]["cpu"] == ESTIMATED
+    # the meters were closed before the report was built: it still names the one that counted
+    assert report["meters"]["cpu"]["meter"] == "constant", report["meters"]["cpu"]
 
 
 def test_a_fit_refused_before_its_first_batch_writes_no_report(tmp_path):
@@ -622,9 +624,10 @@ def test_ddp_sums_gpu_over_ranks_and_counts_cpu_once(tmp_path):
 # ---------------------------------------------------------------------- start-up off the training loop
 class HeldCodecarbonStart(Callback):
     """Holds codecarbon's tracker start (its hardware detection, 1.5-3 s on a first fit) until the training
-    epoch has ended, and records what the loop saw meanwhile."""
+    epoch has ended, and records what the loop saw meanwhile. ``startup_s``: how long the start then takes
+    (the hardware detection of a process's first fit; a later one is quicker)."""
 
-    def __init__(self, monkeypatch) -> None:
+    def __init__(self, monkeypatch, startup_s: float = 0.0) -> None:
         from codecarbon import OfflineEmissionsTracker
 
         self.release, self.returned = threading.Event(), threading.Event()
@@ -636,6 +639,7 @@ class HeldCodecarbonStart(Callback):
         def held_start(tracker):
             self.start_threads.append(threading.current_thread().name)
             self.release.wait(timeout=20.0)  # a start on the training thread would stall the fit this long
+            time.sleep(startup_s)
             original(tracker)
             self.returned.set()
 
@@ -690,6 +694,41 @@ def test_codecarbon_starts_off_the_training_thread_and_the_first_batch_does_not_
     )
     assert "not counted" in startup_line and "kWh" in startup_line and "{" not in startup_line  # rendered
     assert leftover_threads() == [] and not any(t.name == START_THREAD_NAME for t in threading.enumerate())
+
+
+def test_step_figures_leave_out_codecarbons_start_up_and_end_at_the_reports_total(tmp_path, monkeypatch):
+    """Sweep 20d: `energy/kwh_so_far` and `energy_so_far_kwh()` held the wait for codecarbon's start
+    (`meter_startup`, outside the report's total): 25x the total on a process's first fit; and while
+    codecarbon was starting, `kwh_so_far` was logged as 0.0."""
+    held = HeldCodecarbonStart(monkeypatch, startup_s=0.5)  # the first epoch's end waits 0.5 s for it
+    energy = EnergyLogger(
+        cpu="codecarbon",
+        meters=MeterConfig(sampling_period=0.05),
+        accounting=AccountingConfig(log_every_n_steps=1),
+    )
+    fit = trainer(
+        [held, energy],
+        limit_train_batches=6,
+        limit_val_batches=0,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+    )
+    fit.fit(MNIST1DClassifier(arch="mlp"), data())
+
+    report = energy.report
+    total = report["total"]["energy_kwh"]
+    assert total > 0 and report["meter_startup"]["energy_kwh"] > 0
+    with open(Path(fit.logger.log_dir) / "metrics.csv") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("energy/kwh_so_far")]
+    # none while codecarbon was held (the whole first epoch: steps 0-5), rather than a 0 nobody measured
+    assert rows and min(int(row["step"]) for row in rows) >= 6
+    so_far = [float(row["energy/kwh_so_far"]) for row in rows]
+    assert so_far == sorted(so_far) and 0 < so_far[-1] <= total
+    assert all(float(row["energy/power_w"]) > 0 for row in rows if row.get("energy/power_w"))
+    # after the fit: the run's figure at its end, which the report counts (the report's reading comes a moment
+    # later, so it may hold a little more)
+    final = energy.energy_so_far_kwh()
+    assert final == pytest.approx(total, rel=0.01) and final <= total
 
 
 def test_a_codecarbon_start_that_fails_in_the_background_falls_back(tmp_path, monkeypatch, recwarn):

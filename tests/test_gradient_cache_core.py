@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pulse.core import layer_freezing
@@ -1003,6 +1004,7 @@ def test_activation_cache_switches_itself_off_when_a_sample_changes_between_visi
     from lightning_pulse.core.activation_cache import PrefixActivationCache
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)  # frozen, as every module the cache is given
     cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
     cache.plan([("0", model[0])])
     indices = torch.tensor([0, 1])
@@ -1168,6 +1170,236 @@ def test_modules_with_dropout_or_batch_statistics_are_not_cached():
     cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
     cache.plan([("0", nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))), ("1", nn.Linear(4, 4))])
     assert cache.entries == []  # the first cannot be replayed, so nothing after it is either
+
+
+class LastHidden(nn.Module):
+    """A GRU or LSTM (a tuple output, nested for the LSTM), then its last step: ``(B, T, F) -> (B, H)``."""
+
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):
+        return self.rnn(x)[0][:, -1]
+
+
+class Twice(nn.Module):
+    """Applies ``layer`` twice per forward (a shared layer)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(self.layer(x))
+
+
+def _record_and_replay(cache, model, data, indices):
+    modes = []
+    for _ in range(3):
+        modes.append(cache.begin_batch(indices))
+        model(data[indices])
+        cache.end_batch()
+    return modes
+
+
+def test_a_frozen_module_the_cache_cannot_replay_is_named_with_why_and_the_ones_before_it_still_replay():
+    # held-out sweep: a frozen GRU (tuple output) stayed frozen ~100 steps with activation_cache_mb=16 and
+    # the cache held nothing: 0 hits, no module cached, disabled_reason None, no word
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    torch.manual_seed(0)
+    data = torch.randn(6, 5, 4)  # (N, T, F)
+    indices = torch.tensor([4, 1, 3])
+    for rnn in (nn.GRU(4, 4, batch_first=True), nn.LSTM(4, 4, batch_first=True)):  # LSTM: (out, (h, c))
+        model = nn.Sequential(nn.Linear(4, 4), LastHidden(rnn)).requires_grad_(False)
+        cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
+        cache.plan([("0", model[0]), ("1.rnn", model[1].rnn)])
+        expected = model(data[indices])
+        modes = _record_and_replay(cache, model, data, indices)
+        assert modes == ["record", "verify", "hit"] and cache.disabled_reason is None
+        assert [e.name for e in cache.entries] == ["0"]  # the linear before it replays, bit for bit
+        assert torch.equal(model(data[indices]), expected)
+        assert cache.uncached == {
+            "1.rnn": "its output is a tuple, not one tensor (as from GRU, LSTM or MultiheadAttention), "
+            "and only a single tensor output is replayed; to cache it, wrap it in a module returning the "
+            "one tensor the model reads and name that module in `units`, or name its enclosing layer (e.g. "
+            "`encoder.layers.0`) in `units`"
+        }
+
+    # a module applied twice per forward; a store over the budget; dropout in training mode
+    model = Twice(nn.Linear(4, 4)).requires_grad_(False)
+    cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
+    cache.plan([("layer", model.layer)])
+    assert _record_and_replay(cache, model, data[:, 0], indices) == ["record", "off", "off"]
+    assert cache.uncached == {
+        "layer": "it runs more than once per forward, and one record per sample cannot stand for several "
+        "calls"
+    }
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4096)).requires_grad_(False)
+    cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**16)
+    cache.plan([("0", model[0]), ("1", model[1])])
+    assert _record_and_replay(cache, model, data[:, 0], indices) == ["record", "verify", "hit"]
+    assert cache.uncached == {
+        "1": "its outputs for 6 samples take 0.0938 MiB, and 0.0624 MiB of activation_cache_mb=0.0625 is "
+        "left; raise activation_cache_mb to cache it"
+    }
+    cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
+    cache.plan([("0", nn.Linear(4, 4)), ("1", nn.Dropout(0.1)), ("2", nn.Linear(4, 4))])
+    assert [e.name for e in cache.entries] == ["0"]
+    dropout_out = (
+        "; to cache it, set that dropout's p to 0 (hidden_dropout_prob=0 in a Hugging Face config), "
+    )
+    assert cache.uncached == {"1": f"it is dropout in training mode{dropout_out}or leave it out of `units`"}
+    cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
+    cache.plan([("0", nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)))])
+    assert cache.uncached == {
+        "0": f"its submodule `1` is dropout in training mode{dropout_out}or leave it out of `units`"
+    }
+
+
+class CheckpointedLayer(nn.Module):
+    """A layer shaped like Hugging Face's under gradient checkpointing: its body runs in a non-reentrant
+    activation checkpoint, and its children are the freeze units (``(B, T, D) -> (B, T, D)``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mix = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, h):
+        return checkpoint(self._body, h, use_reentrant=False)
+
+    def _body(self, h):
+        return self.out(h + self.mix(self.norm(h)))
+
+
+def test_a_frozen_module_whose_input_requires_grad_is_not_replayed_so_a_checkpoint_recomputes_what_ran():
+    # held-out sweep: a Hugging Face Llama with gradient_checkpointing_enable() and activation_cache_mb=16
+    # crashed at the first replayed batch (CheckpointError: "Recomputed values ... have different metadata"):
+    # transformers 5 makes the embeddings' output require grad, so the real input_layernorm inside the
+    # checkpointed layer saves tensors for backward; its replay saved none, and the backward's recompute ran
+    # it for real
+    from lightning_pulse.core.activation_cache import NEEDS_GRADIENT, PrefixActivationCache
+
+    torch.manual_seed(0)
+    embed, layer, head = nn.Embedding(10, 8), CheckpointedLayer(8), nn.Linear(8, 3)
+    nn.ModuleList([embed, layer]).requires_grad_(False)
+    embedded = []  # the embeddings' output: a leaf that requires grad, as Hugging Face's hook below makes it
+
+    def require_grad(module, args, output):  # what Hugging Face's enable_input_require_grads() installs
+        embedded.append(output.requires_grad_(True))
+
+    embed.register_forward_hook(require_grad)
+    tokens = torch.randint(0, 10, (6, 5))
+    indices = torch.tensor([4, 1, 3])
+    cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
+    # the frozen prefix ends inside the layer (as when its next module cannot be replayed: HF's attention
+    # returns a tuple), so the checkpoint also holds modules that run for real and save tensors
+    cache.plan([("embed", embed), ("layer.norm", layer.norm)])
+
+    def gradients() -> tuple[torch.Tensor, torch.Tensor]:
+        head.zero_grad()
+        loss = head(layer(embed(tokens[indices]))).square().sum()
+        cache.end_batch()  # as GradientCache does before the backward: the modules get their forward back
+        loss.backward()  # through the layer's recompute, into the embeddings' output
+        return head.weight.grad.clone(), embedded.pop().grad
+
+    expected = gradients()
+    modes = []
+    for _ in range(3):
+        modes.append(cache.begin_batch(indices))
+        head_grad, input_grad = gradients()
+        assert torch.equal(head_grad, expected[0]) and torch.equal(input_grad, expected[1])
+    assert modes == ["record", "verify", "hit"] and cache.hits == 1
+    assert [e.name for e in cache.entries] == ["embed"]  # outside the checkpoint: still replayed
+    assert cache.uncached == {"layer.norm": NEEDS_GRADIENT}
+    assert "requires grad" in NEEDS_GRADIENT and "activation checkpoint" in NEEDS_GRADIENT
+
+
+class Router(nn.Module):
+    """A frozen router: a mask ``(B, T, D)`` with no gradient, read from an input that may require one."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, width)
+
+    def forward(self, h):
+        return (self.gate(h) > 0).to(h.dtype)
+
+
+class RoutedLayer(nn.Module):
+    """``h + ff(h) * router(h)`` in a non-reentrant activation checkpoint (``(B, T, D) -> (B, T, D)``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.router = Router(width)
+        self.ff = nn.Linear(width, width)
+
+    def forward(self, h):
+        return checkpoint(self._body, h, use_reentrant=False)
+
+    def _body(self, h):
+        return h + self.ff(h) * self.router(h)
+
+
+def test_a_frozen_module_with_a_gradless_output_of_an_input_that_requires_grad_is_not_replayed():
+    # review: a frozen router's mask needs no grad, but its input does (Hugging Face's embeddings hook), so
+    # its real forward saved its weight for backward; the replay saved nothing, and the checkpoint's
+    # recompute raised CheckpointError at the first replayed batch
+    from lightning_pulse.core.activation_cache import NEEDS_GRADIENT, PrefixActivationCache
+
+    torch.manual_seed(0)
+    embed, layer, head = nn.Embedding(10, 8), RoutedLayer(8), nn.Linear(8, 3)
+    nn.ModuleList([embed, layer.router]).requires_grad_(False)
+    embed.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+    tokens = torch.randint(0, 10, (6, 5))
+    indices = torch.tensor([4, 1, 3])
+    cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
+    cache.plan([("embed", embed), ("layer.router", layer.router)])
+
+    def gradient() -> torch.Tensor:
+        layer.ff.zero_grad()
+        loss = head(layer(embed(tokens[indices]))).square().sum()
+        cache.end_batch()
+        loss.backward()
+        return layer.ff.weight.grad.clone()
+
+    expected = gradient()
+    modes = []
+    for _ in range(3):
+        modes.append(cache.begin_batch(indices))
+        assert torch.equal(gradient(), expected)
+    assert modes == ["record", "verify", "hit"] and cache.hits == 1
+    assert [e.name for e in cache.entries] == ["embed"]
+    assert cache.uncached == {"layer.router": NEEDS_GRADIENT}
+
+
+def test_a_replayed_module_whose_input_requires_grad_on_a_later_batch_runs_for_real_and_leaves_the_cache():
+    # review: recorded and verified on batches whose input needs no grad, then given one that does (an
+    # input-gradient penalty every k batches): the replay returned a lookup, and x.grad stayed None
+    from lightning_pulse.core.activation_cache import NEEDS_GRADIENT, PrefixActivationCache
+
+    torch.manual_seed(0)
+    frozen, head = nn.Linear(4, 4).requires_grad_(False), nn.Linear(4, 2)
+    data, indices = torch.randn(6, 4), torch.tensor([4, 1, 3])
+    x = data[indices].clone().requires_grad_(True)
+    head(frozen(x)).sum().backward()
+    expected = x.grad
+    cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
+    cache.plan([("frozen", frozen)])
+    modes = []
+    for step in range(5):
+        x = data[indices].clone().requires_grad_(step == 3)
+        modes.append(cache.begin_batch(indices))
+        loss = head(frozen(x)).sum()
+        cache.end_batch()
+        if step == 3:
+            loss.backward()
+            assert x.grad is not None and torch.equal(x.grad, expected)
+    assert modes == ["record", "verify", "hit", "hit", "off"] and cache.hits == 1  # the 4th ran for real
+    assert cache.entries == [] and cache.uncached == {"frozen": NEEDS_GRADIENT}
 
 
 def test_a_state_of_another_version_is_refused_naming_it():

@@ -79,6 +79,8 @@ def test_light_mode_holds_bursts_to_clean_hours_and_its_co2_matches_the_energy_l
     assert summary["energy_kwh"] == pytest.approx(4.8)
     assert summary["signal_cost"] == pytest.approx(expected_g, rel=1e-6)
     assert energy.report["total"]["co2_kg"] * 1000 == pytest.approx(summary["signal_cost"], rel=1e-6)
+    # held light is training, unlike a pause: every hour of it is booked to stage `train`
+    assert energy.report["stages"]["train"]["duration_s"] == pytest.approx(48 * 3600)
     # at constant power, holding light moves no energy: the agnostic schedule costs the same
     assert summary["saving_pct"] == pytest.approx(0.0, abs=1e-9)
 
@@ -141,6 +143,61 @@ def test_pause_mode_sleeps_dirty_hours_away_on_the_clock_and_keeps_the_deadline(
     # as suspended with nothing left to train)
     assert all(d["remaining_work_s"] > 0 for d in green.report["decisions"])
     assert green.report["segments"][-1]["kind"] == "run"
+
+
+# the EnergyLogger's batch end before the pause, or after it
+@pytest.mark.parametrize("energy_first", [False, True])
+def test_a_pause_inside_an_epoch_is_not_booked_as_training_by_the_energy_logger(
+    mnist1d_small, tmp_path, energy_first
+):
+    # held-out sweep: a pause after a batch was charged to stage `train`, its phase and its epoch, and the
+    # first epoch's forecast scaled the idle hours up to the whole run (2.04 kWh for a run that used 1.2)
+    model, data = mnist1d_small(arch="mlp")  # 12 batches an epoch
+    clock = SimulatedClock(START)
+    energy = EnergyLogger(
+        carbon_intensity=DE_JUNE,
+        gpu="none",
+        cpu="constant",
+        ram="none",
+        meters=MeterConfig(sampling_period=0.05, cpu_watts=100.0),
+        report_dir=str(tmp_path / "energy"),
+    )
+    energy.account.clock = energy.account.wall_clock = clock
+    # the first hour (about 250 g/kWh) is clean, the next ones (255 and up) are dirty: 6 steps, then a pause
+    # of the whole 3 h budget inside epoch 0
+    green = GreenWindow(
+        when_dirty="pause", threshold=255.0, max_delay="3h", expected_duration="4h", clock=clock
+    )
+    callbacks = [energy, green] if energy_first else [green, energy]
+    trainer = fit(callbacks, clock, steps=24, default_root_dir=tmp_path)
+    trainer.fit(model, data)
+
+    summary, report = green.report["summary"], energy.report
+    assert summary["waited_s"] == pytest.approx(3 * 3600) and summary["compute_s"] == pytest.approx(4 * 3600)
+    assert [s["kind"] for s in green.report["segments"]] == ["run", "wait", "run"]
+    train = report["stages"]["train"]
+    assert train["duration_s"] == pytest.approx(4 * 3600) and train["energy_kwh"] == pytest.approx(0.4)
+    assert report["stages"]["other"]["energy_kwh"] == pytest.approx(0.3)  # the pause: idle draw, in the total
+    assert report["total"]["energy_kwh"] == pytest.approx(0.7)
+    assert report["phases"]["burst"]["duration_s"] == pytest.approx(4 * 3600)
+    epoch = report["epochs"]["0"]
+    assert epoch["duration_s"] == pytest.approx(2 * 3600) and epoch["steps"] == 12
+    # the pause is no data-loader wait (SimulatedStepTime's step time, at the batch start, reads as one)
+    assert train["stall_s"] <= 24 * STEP_S
+    # nor loop time, in either order of the callbacks (listed first, GreenWindow's pause used to reach the
+    # next batch's loop time through the EnergyLogger's own batch end: a stall share of 0.55 for 1.0)
+    assert train["stall_share"] == pytest.approx(1.0) and epoch["stall_share"] == pytest.approx(1.0)
+    assert report["prediction"]["energy_kwh"] == pytest.approx(0.4)  # the training, not 1.6 kWh
+    assert report["prediction"]["duration_s"] == pytest.approx(4 * 3600)
+    # GreenWindow's own report counts the idle draw for the run, on its own line
+    assert summary["wait_kwh"] == pytest.approx(0.3) and summary["energy_kwh"] == pytest.approx(0.4)
+    assert report["total"]["co2_kg"] * 1000 == pytest.approx(summary["signal_cost"], rel=1e-6)
+    assert summary["wait_kg"] == pytest.approx(report["stages"]["other"]["co2_kg"], rel=1e-6)
+    series = TimeSeries.from_csv(DE_JUNE)
+    assert summary["mean_signal_run"] == pytest.approx(
+        report["stages"]["train"]["co2_kg"] * 1000 / 0.4, rel=1e-6
+    )
+    assert summary["mean_signal_run"] <= series.values.max()
 
 
 def test_suspend_saves_stops_and_the_resumed_run_finishes_with_its_budget(mnist1d_small, tmp_path, capsys):
@@ -615,3 +672,19 @@ def test_under_an_accumulation_scheduler_the_work_left_is_counted_in_batches(mni
     assert len(decisions) >= 3 and len(recorder.left) == len(decisions)
     for decision, left in zip(decisions, recorder.left):  # each batch takes STEP_S
         assert decision["remaining_work_s"] == pytest.approx(left * STEP_S, rel=0.02)
+
+
+def test_a_manual_module_stepping_two_optimizers_a_batch_is_refused_without_an_expected_duration_naming_why():
+    """Held-out sweep: under manual optimization with two optimizers, global_step counts both players' steps
+    and Lightning's estimate one a batch, so the run's length in steps is unknown: GreenWindow refuses at fit
+    start with that reason and its ways out (it used to decide on half the run)."""
+    from tests.test_pulse_cycle import ManualPlayers, ten_batch_loader
+
+    green = GreenWindow(signal=DE_JUNE, when_dirty="pause", max_delay="3h", clock=SimulatedClock(START))
+    trainer = pl.Trainer(callbacks=[green], max_epochs=3, **trainer_kwargs())
+    with pytest.raises(PulseRefusal, match=r"^GreenWindow: every decision weighs") as refused:
+        trainer.fit(ManualPlayers(players=2), ten_batch_loader())
+    message = str(refused.value)
+    assert trainer.global_step == 0
+    assert "this module steps its 2 optimizers itself (manual optimization)" in message
+    assert "give `expected_duration`" in message and "Trainer(max_steps=N) without max_epochs" in message

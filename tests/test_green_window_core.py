@@ -238,6 +238,36 @@ def test_counterfactual_spreads_the_same_energy_from_the_same_start():
     assert summary["waited_s"] == H and summary["compute_s"] == 2 * H
 
 
+def test_the_mean_signal_as_run_is_the_compute_segments_own_and_the_idle_draw_has_its_own_figures():
+    # held-out sweep: the idle draw's CO2 was divided by the compute energy, and "mean signal, as run" read
+    # 661 g/kWh on a series whose maximum is 593
+    from lightning_pulse.core.green_report import report_markdown, saving_line
+
+    series = hourly([100.0, 400.0, 100.0, 100.0])
+    ledger = ScheduleLedger(series.mean)
+    ledger.add("run", 0.0, H, 1.0)
+    ledger.add("wait", H, 2 * H, 1.0)  # idle as much as it trains
+    ledger.add("run", 2 * H, 3 * H, 1.0)
+    summary = ledger.summary(0.0)
+    assert summary["mean_signal_run"] == pytest.approx(100.0)  # not (100 + 400 + 100) / 2 = 300
+    assert summary["wait_kwh"] == pytest.approx(1.0) and summary["energy_kwh"] == pytest.approx(2.0)
+    assert summary["wait_cost"] == pytest.approx(400.0) and summary["wait_kg"] == pytest.approx(0.4)
+    # the documented rule holds: the idle draw counts for the run, not for the counterfactual (2 kWh at 250)
+    assert summary["signal_cost"] == pytest.approx(100 + 400 + 100)
+    assert summary["saving_kg"] == pytest.approx((500 - 600) / 1000)
+    markdown = report_markdown(
+        {"summary": summary, "status": "complete", "when_dirty": "pause", "rule": "adaptive", "level": None}
+        | {"forecast": "seasonal", "energy_source": "EnergyLogger"}
+    )
+    assert "| mean signal, as run (compute) | 100 |" in markdown
+    assert "| energy while paused (kWh) | 1 |" in markdown and "| CO2 while paused (kg) | 0.4 |" in markdown
+    assert "(0.4 kg CO2 idle draw, counted in the saving)" in saving_line(summary, summary["unit"])
+    priced = ScheduleLedger(series.mean, unit="EUR/MWh")
+    priced.add("wait", 0.0, H, 1.0)
+    priced.add("run", H, 2 * H, 1.0)
+    assert priced.summary()["wait_kg"] is None and priced.summary()["wait_cost"] == pytest.approx(100.0)
+
+
 def test_without_energy_time_stands_in_and_kilograms_are_unknown():
     series = hourly([100.0, 400.0, 100.0])
     ledger = ScheduleLedger(series.mean)
@@ -246,6 +276,8 @@ def test_without_energy_time_stands_in_and_kilograms_are_unknown():
     ledger.add("run", 2 * H, 3 * H, None)
     summary = ledger.summary(0.0)
     assert summary["saving_kg"] is None and summary["energy_kwh"] is None
+    assert summary["wait_kwh"] is None and summary["wait_kg"] is None
+    assert summary["mean_signal_run"] == pytest.approx(100.0)
     assert summary["saving_pct"] == pytest.approx(100 * (1 - 100 / 250))
 
 
@@ -276,6 +308,10 @@ def test_a_ledger_keeps_its_latest_segments_and_every_figure_of_the_older_ones(e
     restored = ScheduleLedger(series.mean)
     restored.load_state_dict(bounded.state_dict())
     assert restored.summary() == bounded.summary()
+    older = bounded.state_dict()  # a checkpoint from before the idle draw's own totals
+    older["folded"] = {k: v for k, v in older["folded"].items() if not k.startswith("wait_")}
+    restored.load_state_dict(older)
+    assert restored.summary()["segments"] == bounded.summary()["segments"]
 
 
 def test_simulated_clock_replays_days_without_sleeping():

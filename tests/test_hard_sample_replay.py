@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import lightning.pytorch as pl
 import numpy as np
@@ -880,3 +881,92 @@ def test_infobatch_weights_each_term_of_a_focal_loss_without_changing_the_cross_
     )
     trainer.fit(module, DataLoader(data, batch_size=32, shuffle=True))
     assert len(module.gaps) >= 8 and max(module.gaps) < 1e-4  # the pruned steps of epochs 2 and 3
+
+
+class _CTCRecognizer(pl.LightningModule):
+    """A GRU with a CTC head over variable-length frames, its targets concatenated (``torch.cat``, the 1-D
+    layout nn.CTCLoss documents) or padded to ``(B, S)``; ``mismatched`` counts steps whose targets are not as
+    long as their lengths say."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = torch.nn.GRU(4, 8, batch_first=True), torch.nn.Linear(8, 6)
+        self.mismatched = 0
+
+    def training_step(self, batch, batch_idx):
+        targets, lengths = batch["targets"], batch["tgt_len"]
+        if targets.dim() == 1:
+            self.mismatched += int(targets.numel() != int(lengths.sum()))
+        log_probs = self.head(self.rnn(batch["x"])[0]).log_softmax(-1).transpose(0, 1)
+        return F.ctc_loss(log_probs, targets, batch["in_len"], lengths)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _ctc_loader(layout: str) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(32):
+        frames = int(torch.randint(10, 14, (1,), generator=generator))
+        count = int(torch.randint(2, 5, (1,), generator=generator))
+        labels = torch.randint(1, 6, (count,), generator=generator)
+        samples.append((torch.randn(frames, 4, generator=generator), labels))
+
+    def collate(items):
+        xs, ys = zip(*items)
+        pad = torch.nn.utils.rnn.pad_sequence
+        return {
+            "x": pad(list(xs), batch_first=True),
+            "in_len": torch.tensor([len(x) for x in xs]),
+            "targets": torch.cat(ys) if layout == "concatenated" else pad(list(ys), batch_first=True),
+            "tgt_len": torch.tensor([len(y) for y in ys]),
+        }
+
+    return DataLoader(samples, batch_size=8, shuffle=True, collate_fn=collate)
+
+
+@pytest.mark.parametrize(
+    ("layout", "mode"), [("concatenated", "batch"), ("padded", "batch"), ("concatenated", "steps")]
+)
+def test_ctc_targets_concatenated_are_refused_in_batch_mode_at_the_second_batch_naming_the_ways_out(
+    layout, mode
+):
+    # held-out sweep: batch mode cut the (B,) target lengths but kept the 1-D targets whole; CTC stopped the
+    # fit at the first cut step (epoch 2) with a size error that did not name HardSampleReplay
+    pl.seed_everything(0)
+    module = _CTCRecognizer()
+    replay = HardSampleReplay(mode=mode, replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=3, **trainer_kwargs())
+    if (layout, mode) == ("concatenated", "batch"):
+        with pytest.raises(PulseRefusal) as refusal:
+            trainer.fit(module, _ctc_loader(layout))
+        assert trainer.global_step == 1  # before the second batch trained, long before the first cut
+        message = str(refusal.value)
+        assert message.startswith("HardSampleReplay cannot cut a batch of 8 samples in mode='batch'")
+        assert "batch['targets']" in message and "the sum of batch['tgt_len']" in message
+        assert "mode='steps'" in message and "(B, S)" in message
+        return
+    trainer.fit(module, _ctc_loader(layout))  # the ways out train, light steps included
+    assert module.mismatched == 0 and trainer.current_epoch == 3
+    assert replay.metrics()["replay_fraction"] < 1.0
+
+
+@pytest.mark.parametrize("half_life", [5.0, "400steps"], ids=["epochs", "steps"])
+def test_a_half_life_in_epochs_warns_where_a_manual_module_steps_two_optimizers_a_batch(half_life):
+    """A review: under manual optimization with two optimizers global_step counts both players' steps, so a
+    half-life of 5 epochs read as one step a batch aged the scores in 2.5 epochs, silently. It warns with the
+    way out (steps); a half-life in steps says nothing."""
+    from tests.test_pulse_cycle import ManualPlayers, ten_batch_loader
+
+    replay = HardSampleReplay(mode="batch", score_half_life=half_life)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(ManualPlayers(players=2), ten_batch_loader())
+    warnings_seen = [str(w.message) for w in caught if "score_half_life" in str(w.message)]
+    if half_life == 5.0:
+        assert len(warnings_seen) == 1 and "steps its 2 optimizers itself" in warnings_seen[0]
+        assert "score_half_life='400steps'" in warnings_seen[0]
+    else:
+        assert warnings_seen == []

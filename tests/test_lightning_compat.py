@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -223,3 +225,70 @@ def test_a_training_cap_leaves_the_step_of_the_batch_norm_epoch_out_of_the_run_l
     trainer.fit(BatchNormMLP(), _loader())
     # had it been capped at 50, the fit would have ended before the BatchNorm epoch
     assert (cap.cap, cap.total, trainer.global_step, trainer.current_epoch) == (51, 50.0, 51, 6)
+
+
+def _read_run_length_at_train_start(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[float, float]:
+    class Reader(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.read = compat.run_length(trainer)
+
+    reader = Reader()
+    trainer.callbacks.append(reader)
+    trainer.fit(module, _loader())
+    return reader.read
+
+
+def test_run_length_is_unknown_where_a_manual_module_steps_several_optimizers_a_batch():
+    """Held-out sweep: a GAN-style module stepping two optimizers a batch takes 2 global steps a batch, and
+    the run length was Lightning's one a batch (30 for 60). Only max_steps alone gives it in steps; with one
+    optimizer, one step a batch stands."""
+    from tests.test_pulse_cycle import ManualPlayers
+
+    two = pl.Trainer(max_epochs=3, **trainer_kwargs())
+    assert _read_run_length_at_train_start(two, ManualPlayers(players=2)) == (math.inf, math.inf)
+    assert two.global_step == 60
+    bounded = pl.Trainer(max_steps=50, **trainer_kwargs())
+    assert _read_run_length_at_train_start(bounded, ManualPlayers(players=2)) == (50.0, math.inf)
+    assert bounded.global_step == 50
+    one = pl.Trainer(max_epochs=3, **trainer_kwargs())
+    assert _read_run_length_at_train_start(one, ManualPlayers(players=1)) == (30.0, 30.0)
+    assert one.global_step == 30
+
+
+def test_readers_of_the_run_length_refuse_or_leave_out_shares_of_a_manual_run_of_two_optimizers(tmp_path):
+    """ScheduledPrune refuses float start/end (pruning ended at 35% of the run), takes int steps past
+    Lightning's one-a-batch estimate, HardSampleReplay's steps mode refuses on the same check, and
+    EnergyLogger makes no forecast where it forecast half the run."""
+    from lightning_pulse import EnergyLogger, HardSampleReplay, MeterConfig, PulseRefusal, ScheduledPrune
+    from tests.test_pulse_cycle import ManualPlayers
+
+    def fit(callbacks, **length):
+        trainer = pl.Trainer(callbacks=callbacks, **(length or {"max_epochs": 3}), **trainer_kwargs())
+        trainer.fit(ManualPlayers(players=2), _loader())
+        return trainer
+
+    shares = ScheduledPrune(final_sparsity=0.5, start=0.1, end=0.7, every=4)
+    with pytest.raises(
+        PulseRefusal, match=r"^ScheduledPrune: `start`=0.1 and `end`=0.7 are shares .* 2 optimizers"
+    ):
+        fit([shares])
+    steps = ScheduledPrune(final_sparsity=0.5, start=32, end=52, every=4)  # past the estimate's 30 steps
+    fit([steps])
+    assert [event["step"] for event in steps.events] == [36, 40, 44, 48, 52]  # sparsity 0 at step 32
+    with pytest.raises(
+        PulseRefusal, match=r"^HardSampleReplay: mode='steps' .* steps 2 optimizers per batch"
+    ):
+        fit([HardSampleReplay(mode="steps")])
+
+    def forecast(**length):
+        energy = EnergyLogger(
+            report_dir=str(tmp_path), cpu="constant", ram="none", meters=MeterConfig(cpu_watts=50)
+        )
+        trainer = fit([energy], **length)
+        return energy.report["prediction"], energy.report["total"]["steps"], trainer.global_step
+
+    assert forecast() == (None, 60, 60)
+    prediction, steps_taken, _ = forecast(max_steps=60)  # max_steps alone: a length in steps, per step
+    assert prediction["total_steps"] == steps_taken == 60
+    basis_kwh = float(prediction["basis"].split(", ")[-1].removesuffix(" kWh"))  # an epoch of 20 steps
+    assert prediction["energy_kwh"] == pytest.approx(3 * basis_kwh, rel=1e-4)

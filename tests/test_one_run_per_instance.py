@@ -84,3 +84,43 @@ def test_a_tuner_search_is_refused_by_hard_sample_replay_and_not_counted_as_a_ru
     assert trainer.global_step == plain.global_step  # the trials left no step behind
     assert sum(cycle.clock.steps_by_phase.values()) == plain.global_step  # the clock counts this run only
     assert cycle.clock.steps_by_phase["replay"] > 0
+
+
+def _energy_logger(report_dir):
+    from lightning_pulse import EnergyLogger, MeterConfig
+
+    return EnergyLogger(
+        report_dir=str(report_dir), cpu="constant", ram="none", meters=MeterConfig(cpu_watts=50)
+    )
+
+
+def test_energy_logger_forecasts_the_steps_its_report_counts_on_a_second_fit_and_on_a_resume(tmp_path):
+    """Held-out sweep: EnergyLogger may train a second fit of the same Trainer (more max_epochs); its report
+    counts that fit only (a new run) but forecast the global run's steps (64 for 32: a 1.9x error on identical
+    epochs). A resume carries the ledger, so there the whole run is forecast, as the report counts it."""
+    energy = _energy_logger(tmp_path / "again")
+    trainer = pl.Trainer(callbacks=[energy], max_epochs=2, **trainer_kwargs())
+    trainer.fit(MNIST1DClassifier(), _data())
+    first = energy.report["total"]["steps"]
+    assert energy.report["prediction"]["total_steps"] == first == trainer.global_step
+    trainer.fit_loop.max_epochs = 4
+    trainer.fit(trainer.lightning_module, _data())
+    assert energy.report["total"]["steps"] == trainer.global_step - first == first
+    assert energy.report["prediction"]["total_steps"] == first
+    # the energy too: this fit's two epochs, scaled from its first (on batches: a review found a forecast of
+    # the steps alone passing while the kWh was scaled over the whole run's batches)
+    prediction = energy.report["prediction"]
+    basis_kwh = float(prediction["basis"].split(", ")[-1].removesuffix(" kWh"))
+    assert prediction["energy_kwh"] == pytest.approx(2 * basis_kwh, rel=1e-4), prediction
+
+    # a checkpoint from before the first forecast: the resumed fit forecasts, on the carried ledger
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    kwargs = trainer_kwargs(enable_checkpointing=True, default_root_dir=str(tmp_path))
+    run = pl.Trainer(callbacks=[_energy_logger(tmp_path / "run"), every], max_epochs=2, **kwargs)
+    run.fit(MNIST1DClassifier(), _data())
+    assert run.callbacks[0].report["prediction"]["total_steps"] == run.global_step
+    resumed_energy = _energy_logger(tmp_path / "resumed")
+    resumed = pl.Trainer(callbacks=[resumed_energy], max_epochs=2, **kwargs)
+    resumed.fit(MNIST1DClassifier(), _data(), ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt"))
+    report = resumed_energy.report
+    assert report["prediction"]["total_steps"] == report["total"]["steps"] == resumed.global_step

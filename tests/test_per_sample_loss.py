@@ -822,3 +822,171 @@ def test_a_single_logged_value_is_refused_and_a_single_loss_keeps_its_own_scale(
     (3.0 * ce).backward()
     single.drop_unused()  # one call: its own per-sample losses, whatever its weight
     assert torch.allclose(single.per_sample(), F.cross_entropy(logits, target, reduction="none").detach())
+
+
+def test_rows_of_pairs_or_triplets_picked_from_the_batch_do_not_split_rows_that_flatten_it_do():
+    # held-out sweep: a ranking loss over all pairs of a batch of 9 (`s[i], s[j]` over torch.combinations,
+    # 36 rows) was cut into 9 runs of 4 consecutive pairs, some not the sample's own: the checks read `input`
+    # only, and the margin / embedding losses take `input1`, `input2` or `anchor`, `positive`, `negative`
+    torch.manual_seed(0)
+    scores = torch.randn(9, requires_grad=True)
+    embeddings = torch.randn(9, 2, 5, requires_grad=True)
+    first, second = torch.combinations(torch.arange(9), 2).unbind(1)
+    sign = torch.sign(torch.randn(36))
+    with LossCapture(batch_size=9) as capture:
+        F.margin_ranking_loss(scores[first], scores[second], sign)
+        F.cosine_embedding_loss(embeddings[first, 0], embeddings[second, 0], sign)
+        mined = torch.randint(0, 9, (3, 18))  # 18 mined triplets: a multiple of B by chance
+        F.triplet_margin_loss(*(embeddings[index, 0] for index in mined))
+        F.triplet_margin_loss(*(embeddings[index, 0] for index in mined), reduction="none")
+    assert [record.maps_onto_batch for record in capture.records] == [False] * 4
+    assert "36 rows (`input1`, `input2`) were picked by an index" in capture.describe()
+    assert "18 rows (`anchor`, `positive`, `negative`) were picked" in capture.describe()
+    # each row is a sample's when one argument flattens the batch: a triplet's anchors `z.view(-1, D)` of
+    # (B, 2, D), whatever picked the negatives; a margin loss on flattened scores against shuffled ones
+    flat = embeddings.reshape(-1, 5)
+    shuffled = torch.randperm(18)
+    with LossCapture(batch_size=9) as capture:
+        F.triplet_margin_loss(flat, flat.flip(0), flat[shuffled])
+        F.margin_ranking_loss(flat.sum(1), flat.sum(1)[shuffled], sign[:18])
+    assert [record.maps_onto_batch for record in capture.records] == [True, True]
+    expected = F.triplet_margin_loss(flat, flat.flip(0), flat[shuffled], reduction="none").view(9, 2).mean(1)
+    assert torch.allclose(capture.records[0].per_sample, expected.detach())
+
+
+def test_a_loss_the_caller_reduces_over_a_padding_mask_scores_each_sample_on_its_own_tokens():
+    # held-out sweep: `(ce * mask).sum() / mask.sum()` was scored as the mean over every position, pads
+    # included (short sequences 24% high, up to 116% off). Each element now counts by its gradient (the
+    # mask's)
+    torch.manual_seed(0)
+    batch, length, vocabulary = 4, 6, 7
+    logits = torch.randn(batch * length, vocabulary, requires_grad=True)
+    targets = torch.randint(0, vocabulary, (batch, length))
+    targets[0, 0] = -100  # an ignored token inside the mask still does not count
+    mask = (torch.arange(length)[None] < torch.tensor([6, 2, 4, 0])[:, None]).float()  # the last: all padding
+    own = F.cross_entropy(logits, targets.view(-1), reduction="none").detach().view(batch, length)
+    counted = mask * (targets != -100)
+    masked_mean = torch.where(counted.sum(1) > 0, (own * counted).sum(1) / counted.sum(1).clamp_min(1), 0.0)
+
+    def step(reduce):
+        capture = LossCapture(batch_size=batch)
+        with capture:
+            ce = F.cross_entropy(logits, targets.view(-1), reduction="none").view(batch, length)
+        reduce(ce).backward()
+        capture.drop_unused()
+        return capture
+
+    masked, plain, zero = (
+        lambda ce: (ce * mask).sum() / mask.sum(),
+        lambda ce: ce.sum() / 23,
+        lambda ce: 0 * ce.mean(),
+    )
+    plain_mean = own.sum(1) / (targets != -100).sum(1)  # a uniform gradient, or none that tells: as before
+    assert torch.allclose(step(masked).per_sample(), masked_mean)
+    assert torch.allclose(step(plain).per_sample(), plain_mean)
+    together = concat_per_sample(
+        [step(masked), step(zero), step(plain)]
+    )  # the vectorized read of several steps
+    np.testing.assert_allclose(together, torch.cat([masked_mean, plain_mean, plain_mean]).numpy(), rtol=1e-6)
+    record = step(masked).records[0]  # the torch path (GPU, bf16) agrees
+    weights = per_sample_loss.element_weights("cross_entropy", {"target": targets.view(-1)}, record.unreduced)
+    on_device = per_sample_from_unreduced(
+        record.unreduced, batch, weights, "none", record.element_grad(batch)
+    )
+    assert torch.allclose(on_device, masked_mean)
+
+
+def _spiky_and_broad_errors(batch=16, pixels=256):
+    # even samples: 1-4 pixels very wrong (~3), the rest right; odd samples: every pixel moderately wrong
+    generator = torch.Generator().manual_seed(0)
+    error = torch.rand(batch, pixels, generator=generator) * 0.05
+    for sample in range(0, batch, 2):
+        wrong = torch.randperm(pixels, generator=generator)[: 1 + sample // 4]
+        error[sample, wrong] = 3 + torch.rand(1, generator=generator)
+    error[1::2] += 0.8 + 0.05 * torch.arange(1, batch, 2, dtype=torch.float32)[:, None]
+    return error
+
+
+@pytest.mark.parametrize(
+    "reduce",
+    [
+        lambda loss: loss[loss > 0.7].mean(),  # bootstrapped OHEM: a threshold on the loss
+        lambda loss: F.relu(loss - 0.5).mean(),  # a margin: a threshold too
+        lambda loss: loss.topk(loss.shape[1] // 4, dim=1).values.mean(),  # each sample's hardest quarter
+        lambda loss: (loss**2).mean(),  # non-linear: harder elements get a larger gradient
+        lambda loss: ((1 - torch.exp(-loss)) ** 2 * loss).mean(),  # focal
+    ],
+    ids=["ohem-threshold", "relu-margin", "per-sample-topk", "squared", "focal"],
+)
+def test_a_loss_the_caller_reduces_by_its_values_is_scored_by_the_plain_mean_of_each_sample(reduce):
+    # held-out sweep: weighting each element by its gradient inverted the ranking of spiky samples (a few
+    # pixels very wrong) and broadly wrong ones under these reductions (rank correlation with each sample's
+    # part in the trained loss -0.61 / -0.61 / -0.25 / -0.54; the plain mean +1.00). The gradient is followed
+    # only where it is a mask independent of the loss (padding)
+    error = _spiky_and_broad_errors()
+    prediction = error.clone().requires_grad_()
+    with LossCapture(batch_size=16) as capture:
+        pixel_loss = F.l1_loss(prediction, torch.zeros_like(error), reduction="none")
+    reduce(pixel_loss).backward()
+    capture.drop_unused()
+    plain_mean = error.mean(1)
+    assert torch.allclose(capture.per_sample(), plain_mean)  # the NumPy path (CPU)
+    on_device = per_sample_from_unreduced(  # the torch path (GPU, bf16)
+        capture.records[0].unreduced, 16, None, "none", capture.records[0].element_grad(16)
+    )
+    assert torch.allclose(on_device, plain_mean)
+    # a mean over padding per sample, then over the batch, is a mask: each sample's own elements
+    lengths = torch.tensor([256, 64, 128, 200] * 4)
+    mask = (torch.arange(256)[None] < lengths[:, None]).float()
+    with LossCapture(batch_size=16) as capture:
+        pixel_loss = F.l1_loss(prediction, torch.zeros_like(error), reduction="none")
+    ((pixel_loss * mask).sum(1) / mask.sum(1)).mean().backward()
+    capture.drop_unused()
+    assert torch.allclose(capture.per_sample(), (error * mask).sum(1) / lengths)
+
+
+def test_a_masked_token_loss_next_to_a_small_second_term_keeps_each_samples_masked_mean():
+    # held-out sweep: a token loss over a padding mask scored [3.0, 1.0] alone, [1.2, 1.6] once a 1e-6 * MSE
+    # term was added: with several terms, a call the caller reduced was scored by B * sum(g * loss) per sample,
+    # its token count times its mean. It is now its per-sample score times its weight (the sum of g), as a
+    # call torch reduced is
+    prediction = torch.tensor([[3.0] * 8, [1.0] * 8], requires_grad=True)
+    mask = torch.tensor([[1.0] * 2 + [0.0] * 6, [1.0] * 8])
+    pooled = torch.zeros(2, requires_grad=True)
+    target = torch.tensor([1.0, -1.0])
+    capture = LossCapture(batch_size=2)
+    with capture:
+        token_loss = F.l1_loss(prediction, torch.zeros(2, 8), reduction="none")
+        auxiliary = F.mse_loss(pooled, target)
+    ((token_loss * mask).sum() / mask.sum() + 0.5 * auxiliary).backward()
+    capture.drop_unused()
+    assert torch.allclose(capture.per_sample(), torch.tensor([3.0 + 0.5, 1.0 + 0.5]))
+
+
+def test_a_center_loss_on_a_learned_table_is_left_out_as_a_penalty_not_refused():
+    # held-out sweep: cross-entropy plus a center-loss penalty `F.mse_loss(class_means, centers[present])` was
+    # refused: `centers[present]` was read as rows picked from the batch. Rows picked from a parameter are the
+    # table's, not the samples'; rows picked from the batch still do not split
+    torch.manual_seed(0)
+    features = torch.randn(8, 4, requires_grad=True)
+    labels = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    head, centers = nn.Linear(4, 10), nn.Parameter(torch.randn(10, 4))
+    present = labels.unique()
+    means = torch.zeros(10, 4).index_add(0, labels, features)[present] / torch.bincount(labels)[present, None]
+    pairs = torch.combinations(torch.arange(10), 2)[:16].T
+    for penalty in (
+        lambda: F.mse_loss(means.detach(), centers[present]),
+        # the centers kept apart, over 16 pairs of them: a multiple of B by chance
+        lambda: F.cosine_embedding_loss(centers[pairs[0]], centers[pairs[1]], -torch.ones(16)),
+    ):
+        with LossCapture(batch_size=8) as capture:
+            (F.cross_entropy(head(features), labels) + 0.01 * penalty()).backward()
+        capture.drop_unused()
+        assert capture.maps_onto_batch and "picked from a parameter" in capture.describe()
+        expected = F.cross_entropy(head(features), labels, reduction="none").detach()
+        assert torch.allclose(capture.per_sample(), expected)
+    with LossCapture(batch_size=8) as capture:  # rows of the batch's outputs, picked: not the samples' own
+        F.cross_entropy(head(features), labels) + F.mse_loss(
+            (2 * features)[present], centers[present].detach()
+        )
+    assert not capture.maps_onto_batch and "picked by an index or a mask" in capture.describe()

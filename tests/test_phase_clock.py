@@ -336,3 +336,20 @@ def test_a_long_run_keeps_the_latest_phase_changes_and_every_total():
     for value in range(5):
         append_recent(records, value, limit=3)
     assert records == [2, 3, 4]
+
+
+def test_settings_read_in_steps_per_epoch_or_per_run_are_refused_where_a_batch_steps_are_unknown():
+    """Manual optimization with two optimizers: an epoch's steps are never known, the run's only from
+    max_steps (a finite ``total_steps``)."""
+    shares = PhaseClock({"burst": 4, "replay": 2}, warmup=0.1, anneal=0.0)
+    with pytest.raises(
+        ValueError, match=r"^`warmup`=0.1 is a share .* steps its 2 optimizers itself .* max_steps"
+    ):
+        shares.check_steps_per_batch_unknown(2, math.inf)
+    shares.check_steps_per_batch_unknown(2, 80)  # max_steps alone: a length global_step counts
+    PhaseClock({"burst": 4, "replay": 2}).check_steps_per_batch_unknown(2, math.inf)  # nothing read in shares
+    epochs = PhaseClock({"burst": "0.5epoch", "replay": 2})
+    with pytest.raises(
+        ValueError, match=r"^phases counted in epochs \(`burst`=0.5epochs\) .* steps or seconds"
+    ):
+        epochs.check_steps_per_batch_unknown(3, 80)

@@ -1474,3 +1474,68 @@ def test_a_forward_whose_arguments_the_batch_does_not_name_is_described_by_its_s
         prune_targets.example_from_batch(
             _OptionalBatchForward(), {"x": torch.randn(4, 8), "y": torch.zeros(4)}
         )
+
+
+class _LoRALinear(nn.Module):
+    """A frozen base layer plus a trainable low-rank update, x W^T + b + x A^T B^T, as LoRA adds it."""
+
+    def __init__(self, features_in: int, features_out: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(features_in, features_out).requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.randn(rank, features_in) * 0.01)
+        self.lora_B = nn.Parameter(torch.zeros(features_out, rank))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.lora_A.t() @ self.lora_B.t()
+
+
+class _LoRAClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.head = _LoRALinear(32, 64), _LoRALinear(64, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.head(F.relu(self.l2(F.relu(self.l1(x)))))
+
+
+def _structured_refusal(model: nn.Module, example: torch.Tensor) -> str:
+    """The refusal of structured pruning at fit start, with the layers the user froze read as a fit reads
+    them."""
+    pruner = pruning.Pruner("structured")
+    pruner.user_frozen = prune_targets.frozen_layers(model)
+    schedule = PruneSchedule(final_sparsity=0.5, start=0, end=10)
+    schedule.resolve(10.0)
+    with pytest.raises(PulseRefusal) as refused:
+        prune_setup.structured_example(model, pruner, schedule, (example, torch.zeros(len(example))))
+    return str(refused.value)
+
+
+def test_a_lora_model_refused_in_structured_mode_names_the_frozen_base_layers_and_the_output_head():
+    """Sweep: with every base layer frozen the only selected layer left is the output head, and the refusal
+    said "no channel group ... can be cut safely" and to give the module a `forward`, which it had. It now
+    names the frozen layers left out and the head, and says that unfreezing them would not help."""
+    message = _structured_refusal(_LoRAClassifier(), torch.randn(8, 32))
+    assert message.startswith(
+        "ScheduledPrune: structured pruning cannot run on this model: nothing can be cut, with or "
+        "without the layers you froze (`requires_grad=False`: l1.base, l2.base): with them left out, the "
+        "only selected layer left is head, the model's output layer, whose outputs are never cut; "
+        "unfrozen, no channel group"
+    )
+    assert message.endswith("Use mode='unstructured'.") and "`forward`" not in message
+
+
+def test_a_frozen_backbone_before_the_output_layer_is_refused_naming_it_not_as_a_coupled_layer():
+    """With the hidden layers frozen only the output layer is left: the refusal said "every channel group of
+    the selected layers also cuts a layer you froze", but the output layer's group cuts none; unfrozen, the
+    hidden layers can be cut."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    for frozen in (model[0], model[2]):
+        frozen.requires_grad_(False)
+    message = _structured_refusal(model, torch.randn(8, 32))
+    assert message == (
+        "ScheduledPrune: structured pruning cannot run on this model: nothing is left to cut once the "
+        "layers you froze are left out (`requires_grad=False`: 0, 2): the only selected layer left is 4, "
+        "the model's output layer, whose outputs are never cut. Unfreeze the layers to cut, or use "
+        "mode='unstructured'."
+    )

@@ -267,3 +267,95 @@ def test_warmup_and_anneal_next_to_swa_on_batch_norm_are_shares_of_the_training_
     # warm-up round(0.2 * 50) = 10 steps and a burst of 3 before the first replay; anneal from round(0.8 * 50)
     assert plain[0][:2] == [(0, "start"), (13, "budget")] and plain[0][-1] == (40, "anneal")
     assert with_swa[0] == plain[0]
+
+
+class ManualPlayers(pl.LightningModule):
+    """Manual optimization stepping each of its ``players`` optimizers once a batch (a GAN's two players):
+    Lightning's global_step counts every optimizer's step."""
+
+    def __init__(self, players: int = 2) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.players = players
+        self.body = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU())
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in optimizers:
+            optimizer.step()
+
+    def configure_optimizers(self):
+        if self.players == 1:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+        return [
+            torch.optim.SGD(self.body.parameters(), lr=0.05),
+            torch.optim.SGD(self.head.parameters(), lr=0.05),
+        ]
+
+
+def ten_batch_loader() -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(80, 10, generator=generator), torch.randint(0, 3, (80,), generator=generator)
+    )
+    return torch.utils.data.DataLoader(data, batch_size=8)  # 10 batches a pass
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "refused"),
+    [
+        (
+            {"warmup": 0.1, "anneal": 0.1},
+            r"`warmup`=0.1 and `anneal`=0.1 are shares of the run's optimizer steps",
+        ),
+        ({"warmup": 0.0, "anneal": 0.2}, r"`anneal`=0.2 is a share of the run's optimizer steps"),
+        (
+            {"burst": "0.5epoch", "warmup": 0.0, "anneal": 0.0},
+            r"phases counted in epochs \(`burst`=0.5epochs\) need an epoch's length in optimizer steps",
+        ),
+    ],
+)
+def test_shares_of_a_manual_run_stepping_two_optimizers_a_batch_are_refused_at_fit_start(kwargs, refused):
+    """Held-out sweep: a GAN-style module steps two optimizers a batch, global_step counts both (60 in 30
+    batches), and Lightning's estimate counts one a batch (30): anneal=0.1 covered 56% of the batches. The
+    length in steps is not known before the run, so shares of it (and of an epoch) are refused."""
+    cycle = PulseCycle(**{"burst": 4, "replay": 2, "maintain": 0, "maintain_eval": "none", **kwargs})
+    trainer = pl.Trainer(callbacks=[cycle], max_epochs=3, **trainer_kwargs())
+    with pytest.raises(
+        PulseRefusal, match=rf"^PulseCycle: {refused}, and this module steps its 2 optimizers"
+    ) as e:
+        trainer.fit(ManualPlayers(players=2), ten_batch_loader())
+    assert trainer.global_step == 0
+    way_out = "max_steps alone" if "anneal" in refused else "give the durations in steps or seconds"
+    assert "global_step counts every optimizer's step" in str(e.value) and way_out in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("players", "length"),
+    [(1, {"max_epochs": 4}), (2, {"max_steps": 80})],
+    ids=["one-optimizer", "two-max-steps"],
+)
+def test_manual_optimization_places_warmup_and_anneal_on_every_optimizer_step(players, length):
+    """One optimizer stepped once a batch (40 steps in 40 batches), and two bounded by max_steps alone (80
+    steps in 40 batches, global_step and max_steps count both): warm-up and anneal are a tenth of the
+    batches."""
+    recorder = PhaseRecorder()
+    cycle = PulseCycle(
+        burst=3 * players, replay=players, maintain=0, warmup=0.1, anneal=0.1, maintain_eval="none"
+    )
+    trainer = pl.Trainer(callbacks=[cycle, recorder], **length, **trainer_kwargs())
+    trainer.fit(ManualPlayers(players=players), ten_batch_loader())
+    assert trainer.global_step == 40 * players and len(recorder.batch_phases) == 40
+    phases = "".join(phase[0] for _, _, phase in recorder.batch_phases)
+    assert phases == "bbbb" + "bbbr" * 8 + "bbbb"  # warm-up, 8 cycles of burst and replay, anneal
+    assert [(change.step, change.reason) for change in cycle.history][-1] == (36 * players, "anneal")

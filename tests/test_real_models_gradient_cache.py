@@ -520,3 +520,55 @@ def test_an_embedding_read_again_as_the_output_projection_is_pinned_like_a_named
     )
     resumed.fit(FunctionallyTiedLM(), data, ckpt_path=path)
     assert resumed_cache.freezer.units[0].pinned and resumed_cache.freezer.frozen_prefix == 0
+
+
+class CheckpointedLlama(pl.LightningModule):
+    """A tiny Hugging Face Llama with gradient_checkpointing_enable() (non-reentrant, HF's default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        self.model = LlamaForCausalLM(config)
+        # gradient_checkpointing_enable() on older transformers (where both exist, the old name warns)
+        enable = getattr(self.model, "activation_checkpointing_enable", None)
+        (enable or self.model.gradient_checkpointing_enable)()
+        # transformers 5 installs this hook (the embeddings' output requires grad) for every model under
+        # gradient checkpointing, 4.x only for PEFT: installed here, the setup is the same on every version
+        self.model.enable_input_require_grads()
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def test_hf_gradient_checkpointing_keeps_only_the_embeddings_in_the_activation_cache_and_trains_on():
+    """Held-out sweep: this Llama with activation_cache_mb=16 crashed at the first replayed batch
+    (CheckpointError: "Recomputed values ... have different metadata", saved [32, 16, 64], recomputed
+    [32, 16]): transformers 5 makes the embeddings' output require grad, so the replayed input_layernorm inside the
+    checkpointed decoder layer saved no tensors where its recompute in backward did."""
+    starts = torch.randint(0, 64, (32, 1), generator=torch.Generator().manual_seed(0))
+    tokens = (starts * 3 + torch.arange(16)) % 64
+    cache = GradientCache(check_every=4, freeze_for=16, threshold=1.0, activation_cache_mb=16)
+    watch = WatchParameters()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=20, callbacks=[cache, watch]))
+    with pytest.warns(
+        UserWarning, match=r"cannot replay the frozen module `model\.model\.layers\.0\.input_layernorm`"
+    ):
+        trainer.fit(CheckpointedLlama(), DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8))
+    assert trainer.global_step == 20 and cache.activations.hits > 0
+    assert list(cache.activations.uncached) == ["model.model.layers.0.input_layernorm"]
+    assert "model.model.embed_tokens.weight" in watch.frozen() and not watch.changed_while_frozen()
+    assert watch.changed_after(12) - watch.frozen()  # the rest keeps learning

@@ -266,3 +266,122 @@ def test_a_tuple_batch_holding_a_tuple_of_names_is_refused_at_the_first_batch_an
         assert len(batch[2]) == 4 and batch[3] == tuple(f"sample{i}" for i in batch[2].tolist())
     finally:
         batches.release()
+
+
+def _ctc_batch(seed: int) -> dict:
+    """8 samples of 12 frames with their 2..4 labels concatenated, as a collate_fn makes nn.CTCLoss's 1-D
+    targets (``torch.cat``), next to their lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 5, (8,), generator=generator)
+    return {
+        "x": torch.randn(8, 12, 4, generator=generator),
+        "in_len": torch.full((8,), 12),
+        "targets": torch.randint(1, 6, (int(lengths.sum()),), generator=generator),
+        "tgt_len": lengths,
+    }
+
+
+def _ctc_step(batches, selector, model, batch, step, active) -> None:
+    started = batches.start_batch(selector, batch, torch.arange(8), step, step, active)
+    log_probs = model(batch["x"]).log_softmax(-1).transpose(0, 1)
+    loss = F.ctc_loss(log_probs, batch["targets"], batch["in_len"], batch["tgt_len"])
+    batches.close_capture()
+    assert batches.finish_batch(model, batch, outputs=loss) is started
+
+
+def test_ctc_targets_concatenated_are_refused_before_the_second_batch_or_a_first_cut_one_trains():
+    # held-out sweep: the cut kept 4 of 8 target lengths and all 26 targets; CTC stopped the fit mid-run with
+    # a size error that did not name the callback (with lengths summing right, it would read others' labels)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6)
+    batches, selector = _started()
+    refused = (
+        r"^HardSampleReplay cannot cut a batch of 8 samples in mode='batch': it holds batch\['targets'\]"
+    )
+    try:
+        _ctc_step(batches, selector, model, _ctc_batch(0), step=0, active=False)  # scores the 8 samples
+        second = _ctc_batch(1)
+        with pytest.raises(PulseRefusal, match=refused + r" \(\d+ items, the sum of batch\['tgt_len'\]\)"):
+            batches.start_batch(selector, second, torch.arange(8), step=1, batch_idx=1, active=False)
+        assert batches.current is None
+        selector.apply()
+        batches.start_fit()  # a fit resumed on these scores: its first batch is cut, no second one confirms
+        first = _ctc_batch(2)
+        with pytest.raises(PulseRefusal, match=refused + r".*mode='steps'.*\(B, S\)"):
+            batches.start_batch(selector, first, torch.arange(8), step=1, batch_idx=1, active=True)
+        assert len(first["tgt_len"]) == 8 and len(first["targets"]) == int(first["tgt_len"].sum())  # uncut
+    finally:
+        batches.release()
+
+
+def test_a_class_weight_vector_as_long_as_the_first_batchs_labels_sum_is_not_refused_and_kept_whole():
+    # a (K,) per-batch constant matches the labels' sum by chance at one batch: the next one does not confirm
+    torch.manual_seed(0)
+    model, weights = nn.Linear(3, 10), torch.linspace(0.5, 1.5, 10)
+    x = torch.randn(8, 3)
+    labels = [torch.tensor([1, 1, 1, 1, 1, 1, 2, 2]), torch.tensor([3, 5, 9, 0, 2, 7, 4, 1])]  # sums 10, 31
+    batches = ReplayBatchLifecycle("batch")
+    batches.start_fit()
+    selector = HardSampleSelector(SampleScoreTable(16), ReplayConfig("topk", replay_fraction=0.5))
+    try:
+        for step, (y, indices) in enumerate([(labels[0], torch.arange(8)), (labels[1], torch.arange(8, 16))]):
+            batch = [x, y, weights]
+            started = batches.start_batch(selector, batch, indices, step, step, active=False)
+            loss = F.cross_entropy(model(batch[0]), batch[1], weight=batch[2])
+            batches.close_capture()
+            assert batches.finish_batch(model, batch, outputs=loss) is started
+        selector.apply()
+        batch = [x, labels[1], weights]
+        light = batches.start_batch(selector, batch, torch.arange(8, 16), step=2, batch_idx=2, active=True)
+        assert len(light.plan.indices) == 4 and len(batch[1]) == 4  # cut by sample
+        assert batch[2] is weights and len(weights) == 10  # the constant kept whole
+        batches.drop_step()
+    finally:
+        batches.release()
+
+
+def _joined_as(batch: dict, layout: str) -> dict:
+    """``_ctc_batch``'s targets split by their lengths as a list or tuple of ints, by ``nn.EmbeddingBag``-style
+    ``(B,)`` offsets or by ``(B + 1,)`` cumulative lengths (``cu_seqlens``) instead of a ``(B,)`` tensor."""
+    lengths = batch.pop("tgt_len")
+    cumulative = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    split = {
+        "list": lengths.tolist(),
+        "tuple": tuple(lengths.tolist()),
+        "offsets": cumulative[:-1],
+        "cu_seqlens": cumulative,
+    }[layout]
+    return {**batch, layout: split}
+
+
+def _target_lengths(batch: dict) -> torch.Tensor:
+    if "offsets" in batch:
+        return torch.diff(batch["offsets"], append=torch.tensor([len(batch["targets"])]))
+    if "cu_seqlens" in batch:
+        return torch.diff(batch["cu_seqlens"])
+    return torch.as_tensor(batch["list" if "list" in batch else "tuple"])
+
+
+@pytest.mark.parametrize("layout", ["list", "tuple", "offsets", "cu_seqlens"])
+def test_joined_targets_split_by_a_list_of_lengths_offsets_or_cu_seqlens_are_refused_at_the_second_batch(
+    layout,
+):
+    # review of the twentieth pass: CTC lengths as a list or tuple of ints crashed at the first cut step with
+    # torch's size error; EmbeddingBag offsets and cu_seqlens crashed later or trained on other samples' bags
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6)
+    batches, selector = _started()
+    try:
+        first = _joined_as(_ctc_batch(0), layout)
+        started = batches.start_batch(selector, first, torch.arange(8), step=0, batch_idx=0, active=False)
+        log_probs = model(first["x"]).log_softmax(-1).transpose(0, 1)
+        loss = F.ctc_loss(log_probs, first["targets"], first["in_len"], _target_lengths(first))
+        batches.close_capture()
+        assert batches.finish_batch(model, first, outputs=loss) is started
+        second = _joined_as(_ctc_batch(1), layout)
+        with pytest.raises(
+            PulseRefusal, match=rf"it holds batch\['targets'\] \(\d+ items, .*batch\['{layout}'\]"
+        ):
+            batches.start_batch(selector, second, torch.arange(8), step=1, batch_idx=1, active=False)
+    finally:
+        batches.release()

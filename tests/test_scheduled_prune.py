@@ -1625,3 +1625,163 @@ def test_the_steps_of_an_epoch_are_known_once_the_last_accumulation_change_has_p
     callbacks = [GradientAccumulationScheduler({0: 1, 2: 2}), read]
     pl.Trainer(max_epochs=4, callbacks=callbacks, **trainer_kwargs()).fit(_LinearClassifier(), _linear_data())
     assert read.read == [None, None, 10, 10]  # 20 batches an epoch, 2 of them a step from epoch 2 on
+
+
+class _SpikesAt(_LinearClassifier):
+    """The loss times 1e4 at the given optimizer steps: a spike StabilityGuard skips, then rolls back."""
+
+    def __init__(self, spike_steps: range) -> None:
+        super().__init__()
+        self.spike_steps = spike_steps
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 1e4 if self.global_step in self.spike_steps else loss
+
+
+class MasksAndRecord(Callback):
+    """After every step (listed after StabilityGuard: after its rollback), the rollbacks so far, the zero
+    share of the masks and of ``layer.weight`` over the pruned layers, and ScheduledPrune's sparsity and
+    events."""
+
+    def __init__(self, prune: ScheduledPrune, guard) -> None:
+        self.prune, self.guard, self.rows = prune, guard, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        layers = list(self.prune.pruner.layers(pl_module).values())
+        masks = [pruning.current_mask(layer) for layer in layers]
+        total = sum(layer.weight.numel() for layer in layers)
+        mask_zeros = sum(int((mask == 0).sum()) for mask in masks if mask is not None) / total
+        weight_zeros = sum(int((layer.weight == 0).sum()) for layer in layers) / total
+        events = [event["step"] for event in self.prune.events]
+        self.rows[trainer.global_step] = (
+            self.guard.rollbacks,
+            mask_zeros,
+            weight_zeros,
+            self.prune.sparsity,
+            events,
+        )
+
+
+def test_a_rollback_to_a_snapshot_from_before_the_first_event_undoes_the_masks_with_the_record():
+    """Held-out sweep (a Llama): a rollback to a snapshot taken before the first unstructured event put the
+    saved weights back under the masks of step 24 (52.5% zeros) while ScheduledPrune's record went back to
+    the snapshot (sparsity 0, no events); the events of steps 12-24 never came back to the record although
+    their masks stayed. The rollback now undoes the masks too (the layers as they were at the snapshot), so
+    the masks, ``layer.weight`` and the record agree at every step, and the undone events are redone."""
+    from lightning_pulse import StabilityGuard
+
+    pl.seed_everything(0)
+    prune = ScheduledPrune(final_sparsity=0.6, start=8, end=40, every=4, probe_batches=0)
+    guard = StabilityGuard(warmup=10, window=20, snapshot_every=10, rollback_after=2, skip_after_rollback=2)
+    record = MasksAndRecord(prune, guard)
+    options = trainer_kwargs(max_steps=50)
+    pl.Trainer(callbacks=[prune, guard, record], **options).fit(_SpikesAt(range(25, 28)), _linear_data())
+
+    assert [(e["step"], e["to_step"]) for e in guard.events if e["event"] == "rollback"] == [(26, 10)]
+    assert record.rows[26][4] == [12, 16, 20, 24] and record.rows[26][1] == pytest.approx(0.525, abs=0.01)
+    assert record.rows[27][1:] == (0.0, 0.0, 0.0, [])  # back to the step-10 snapshot: nothing pruned
+    for step, (_, mask_zeros, weight_zeros, sparsity, _) in record.rows.items():
+        assert mask_zeros == pytest.approx(sparsity, abs=2e-3) and weight_zeros == mask_zeros, step
+    assert [event["step"] for event in prune.events] == [28, 32, 36, 40]  # redone at the next step
+    assert prune.finished and record.rows[50][1] == pytest.approx(0.6, abs=2e-3)
+
+
+def test_a_rollback_to_the_start_of_a_fit_resumed_after_a_fits_end_keeps_the_pruned_zeros_masked(tmp_path):
+    """A fit resumed after a fit's end masks the zeros folded into the weights again at its start, after a
+    StabilityGuard listed before ScheduledPrune took its fit-start snapshot (no masks). A rollback there gives
+    those layers a mask of ones (the snapshot had none) while the restored record says pruned: the zeros are
+    masked again, so they do not grow back and the record and the masks agree."""
+    from lightning_pulse import StabilityGuard
+
+    pl.seed_everything(0)
+    options = {"final_sparsity": 0.5, "start": 0, "end": 16, "every": 2, "probe_batches": 0}
+    trainer = pl.Trainer(callbacks=[ScheduledPrune(**options)], **trainer_kwargs(max_steps=20))
+    trainer.fit(_LinearClassifier(), _linear_data())
+    trainer.save_checkpoint(tmp_path / "pruned.ckpt")  # masks folded into the weights at fit end
+
+    prune = ScheduledPrune(**options)
+    guard = StabilityGuard(warmup=5, window=20, snapshot_every=10, rollback_after=2, rollback_margin=5)
+    record = MasksAndRecord(prune, guard)
+    model = _SpikesAt(range(28, 31))
+    trainer = pl.Trainer(callbacks=[guard, prune, record], **trainer_kwargs(max_steps=40))
+    trainer.fit(model, _linear_data(), ckpt_path=tmp_path / "pruned.ckpt")
+
+    assert [e["to_step"] for e in guard.events if e["event"] == "rollback"] == [20]  # the fit-start snapshot
+    for step, (_, mask_zeros, weight_zeros, sparsity, _) in record.rows.items():
+        assert mask_zeros == pytest.approx(0.5, abs=2e-3) == sparsity and weight_zeros == mask_zeros, step
+    layers = prune.pruner.layers(model).values()  # folded at this fit's end: the zeros stayed zeros
+    assert all(float((layer.weight == 0).float().mean()) == pytest.approx(0.5, abs=2e-3) for layer in layers)
+
+
+class _PruneOnceAt(Callback):
+    """The user's own ``torch.nn.utils.prune`` call: half of ``net.2``'s weights, once, at the end of a step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            torch.nn.utils.prune.l1_unstructured(pl_module.net[2], "weight", amount=0.5)
+
+
+def test_a_rollback_undoes_only_scheduled_prunes_masks_and_keeps_another_pruners():
+    """Review of sweep 20a: a rollback gave every layer masked since the snapshot a mask of ones, so pruning
+    that nothing redoes (Lightning's ``ModelPruning``, the user's own ``torch.nn.utils.prune`` call) was
+    silently lost. Now only ScheduledPrune's layers come back unpruned with its record (it redoes its events);
+    another pruner's layer keeps its mask, the snapshot's weights going back under it."""
+    from lightning_pulse import StabilityGuard
+
+    pl.seed_everything(0)
+    prune = ScheduledPrune(
+        final_sparsity=0.6, start=8, end=40, every=4, probe_batches=0, exclude_pattern=r"net\.2"
+    )
+    guard = StabilityGuard(warmup=10, window=20, snapshot_every=10, rollback_after=2, skip_after_rollback=2)
+    record = MasksAndRecord(prune, guard)
+    model = _SpikesAt(range(25, 28))
+    callbacks = [prune, _PruneOnceAt(12), guard, record]
+    pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_steps=50)).fit(model, _linear_data())
+
+    assert [(e["step"], e["to_step"]) for e in guard.events if e["event"] == "rollback"] == [(26, 10)]
+    assert list(prune.pruner.layers(model)) == ["net.0"]
+    assert record.rows[27][1:] == (0.0, 0.0, 0.0, [])  # ScheduledPrune's layer: back to nothing pruned
+    for step, (_, mask_zeros, weight_zeros, sparsity, _) in record.rows.items():
+        assert mask_zeros == pytest.approx(sparsity, abs=2e-3) and weight_zeros == mask_zeros, step
+    # pruned at step 12, after the snapshot, and by nothing since: still pruned (folded at fit end)
+    assert float((model.net[2].weight == 0).float().mean()) == 0.5
+
+
+def test_a_rollback_to_the_start_of_a_resumed_fit_undoes_the_events_since_and_keeps_the_folded_zeros(
+    tmp_path,
+):
+    """A fit resumed after a fit's end that left the schedule unfinished goes on pruning. A rollback to its
+    start snapshot, taken (guard listed first) before ScheduledPrune masked the folded zeros again, restores
+    the layers under the masks they have now (the snapshot has none): ScheduledPrune's rollback load sets
+    them back to the folded zeros, so the events since are undone with the record and redone."""
+    from lightning_pulse import StabilityGuard
+
+    pl.seed_everything(0)
+    options = {"final_sparsity": 0.6, "start": 0, "end": 16, "every": 2, "probe_batches": 0}
+    trainer = pl.Trainer(callbacks=[ScheduledPrune(**options)], **trainer_kwargs(max_steps=10))
+    with pytest.warns(UserWarning, match="schedule"):
+        trainer.fit(_LinearClassifier(), _linear_data())
+    trainer.save_checkpoint(tmp_path / "pruned.ckpt")  # masks folded into the weights at fit end
+    folded = trainer.callbacks[0].sparsity
+
+    prune = ScheduledPrune(**options)
+    guard = StabilityGuard(warmup=5, window=20, snapshot_every=10, rollback_after=2, rollback_margin=5)
+    # read before ScheduledPrune's batch end (which redoes the undone events at once) and after it
+    before_redo, record = MasksAndRecord(prune, guard), MasksAndRecord(prune, guard)
+    trainer = pl.Trainer(callbacks=[guard, before_redo, prune, record], **trainer_kwargs(max_steps=30))
+    trainer.fit(_SpikesAt(range(18, 21)), _linear_data(), ckpt_path=tmp_path / "pruned.ckpt")
+
+    assert [e["to_step"] for e in guard.events if e["event"] == "rollback"] == [10]  # the fit-start snapshot
+    rolled_back = min(step for step, row in before_redo.rows.items() if row[0] == 1)
+    assert before_redo.rows[rolled_back - 1][3] == 0.6
+    assert folded < 0.6 and before_redo.rows[rolled_back][3] == pytest.approx(
+        folded
+    )  # events since 10 undone
+    for rows in (before_redo.rows, record.rows):
+        for step, (_, mask_zeros, weight_zeros, sparsity, _) in rows.items():
+            assert mask_zeros == pytest.approx(sparsity, abs=2e-3) and weight_zeros == mask_zeros, step
+    assert record.rows[rolled_back][3] == 0.6  # redone in the rollback's own batch end

@@ -32,6 +32,7 @@ from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import BYTES_PER_SAMPLE, SampleScoreTable
 from lightning_pulse.core.selection import (
     assign_in_place,
+    concatenated_parts,
     cut_refusal,
     infobatch_prune,
     select_random,
@@ -711,3 +712,52 @@ def test_untrackable_loaders_say_why():
     assert "custom batch sampler" in SampleIndexTracker.unsupported_reason(custom)
     with pytest.raises(ValueError, match="custom batch sampler"):
         SampleIndexTracker.install(custom)
+
+
+def test_concatenated_parts_finds_ctc_targets_next_to_their_lengths_and_not_padded_or_packed_ones():
+    # held-out sweep: batch mode cut the (B,) target lengths but kept torch.cat(targets) whole, and CTC failed
+    # mid-run with a size error that did not name the callback
+    generator = torch.Generator().manual_seed(0)
+    targets = [torch.randint(1, 6, (int(n),), generator=generator) for n in (2, 4, 3, 4, 2, 3, 4, 4)]
+    lengths = torch.tensor([len(t) for t in targets])
+    frames = torch.full((8,), 15)
+    concatenated = {"x": torch.randn(8, 15, 4), "in_len": frames, "targets": torch.cat(targets)}
+    concatenated["tgt_len"] = lengths
+    assert concatenated_parts(concatenated, 8) == {("batch['targets']", "the sum of batch['tgt_len']"): 26}
+    assert concatenated_parts([concatenated["x"], torch.cat(targets), lengths], 8) == {
+        ("batch[1]", "the sum of batch[2]"): 26
+    }
+    padded = torch.nn.utils.rnn.pad_sequence(targets, batch_first=True)  # (B, S): cut by sample
+    assert concatenated_parts({"targets": padded, "tgt_len": lengths}, 8) == {}
+    # a per-batch constant as long as B or shorter is never taken for one, whatever the labels sum to
+    labels = torch.tensor([0, 1, 0, 0, 1, 0, 0, 0])
+    assert concatenated_parts([torch.randn(8, 3), labels, torch.tensor([0.3, 0.7])], 8) == {}
+    # a PackedSequence's batch_sizes (6 steps) sum its 4 rows' sorted_indices (0 + 1 + 2 + 3) by chance
+    packed = torch.nn.utils.rnn.pack_sequence([torch.randn(n) for n in (6, 5, 3, 2)], enforce_sorted=False)
+    assert len(packed.batch_sizes) == 6 and int(packed.sorted_indices.sum()) == 6
+    assert concatenated_parts([packed, torch.tensor([1, 0, 1, 1])], 4) == {}
+
+
+def test_concatenated_parts_takes_lengths_from_a_list_or_tuple_and_finds_offsets_and_cumulative_lengths():
+    # review of the twentieth pass: CTC's target_lengths as a tuple or list of ints (nn.CTCLoss takes them),
+    # nn.EmbeddingBag's (B,) offsets and packed tokens' (B + 1,) cu_seqlens were missed: batch mode crashed
+    # mid-run or trained on other samples' items
+    lengths = [2, 4, 3, 4, 2, 3, 4, 4]
+    targets = torch.randint(1, 6, (26,))
+    for given in (lengths, tuple(lengths)):
+        assert concatenated_parts({"targets": targets, "tgt_len": given}, 8) == {
+            ("batch['targets']", "the sum of batch['tgt_len']"): 26
+        }
+    cumulative = torch.tensor([0, *lengths]).cumsum(0)  # (B + 1,), ending at 26
+    assert concatenated_parts([torch.tensor([1, 0, 2, 3, 0, 1, 2, 3]), targets, cumulative[:-1]], 8) == {
+        ("batch[1]", "split at the offsets batch[2]"): 26
+    }
+    assert concatenated_parts({"ids": targets, "cu_seqlens": cumulative}, 8) == {
+        ("batch['ids']", "split by the cumulative lengths batch['cu_seqlens']"): 26
+    }
+    # not lengths, offsets or cumulative lengths: a list of names, floats, labels of one class, unsorted labels,
+    # a (B + 1,) vector ending short of the tensor
+    assert concatenated_parts([targets, ["a"] * 8, [0.5] * 8], 8) == {}
+    assert concatenated_parts([targets, torch.zeros(8, dtype=torch.long)], 8) == {}
+    assert concatenated_parts([targets, torch.tensor([0, 3, 1, 2, 0, 1, 2, 3])], 8) == {}
+    assert concatenated_parts([targets, cumulative - torch.arange(9)], 8) == {}

@@ -846,9 +846,10 @@ def test_a_buffer_infinite_by_design_never_stops_snapshots_and_a_buffer_with_a_n
     assert torch.isinf(guard.snapshots.newest().buffers["mask"]).sum() == 32 * 31 // 2
 
 
-def test_a_rollback_after_an_unstructured_pruning_event_returns_to_the_snapshot_under_the_masks():
+def test_a_rollback_after_an_unstructured_pruning_event_returns_to_the_snapshot_before_it():
     """Unstructured ScheduledPrune masked the layers after the step-0 snapshot; a NaN weight at step 25 found no
-    snapshot that fit, and the run ended normally with NaN weights."""
+    snapshot that fit, and the run ended normally with NaN weights. The snapshot fits: the layers come back
+    unpruned with the record, and the schedule prunes them again to its final sparsity."""
 
     class BreaksAt25(DigitsBatchNormMLP):
         def on_train_batch_start(self, batch, batch_idx):
@@ -1062,3 +1063,41 @@ def test_the_clean_run_line_of_a_resumed_fit_counts_only_this_fits_steps(tmp_pat
     assert len(lines) == 1 and lines[0].startswith(
         "StabilityGuard: no spike or non-finite value in this fit's 29 optimizer step(s) (medians of "
     ), lines
+
+
+class _SpikyLinearMLP(pl.LightningModule):
+    """Two Linear layers; the loss times 1e4 at steps 34-36: a spike the guard rolls back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    def training_step(self, batch, batch_idx):
+        loss = torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+        return loss * 1e4 if self.global_step in (34, 35, 36) else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_rollback_keeps_the_pruning_of_lightnings_model_pruning_done_since_the_snapshot():
+    """Review of sweep 20a: Lightning's ModelPruning pruned half the Linear weights once, at the end of epoch 0
+    (step 20); a rollback from step 35 to the step-15 snapshot gave them masks of ones, and nothing pruned
+    them again (0% zeros at fit end, no warning). Masks ScheduledPrune does not own stay: the snapshot's
+    weights go back under them."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    torch.manual_seed(0)
+    x = torch.randn(320, 8)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :4].argmax(1)), batch_size=16)
+    model = _SpikyLinearMLP()
+    once = ModelPruning("l1_unstructured", amount=0.5, apply_pruning=lambda epoch: epoch == 0, verbose=0)
+    guard = StabilityGuard(
+        warmup=10, window=20, snapshot_every=15, rollback_after=2, skip_after_rollback=2, rollback_margin=10
+    )
+    pl.Trainer(max_steps=60, callbacks=[once, guard], **trainer_kwargs()).fit(model, loader)
+
+    assert [(e["step"], e["to_step"]) for e in guard.events if e["event"] == "rollback"] == [(35, 15)]
+    weights = [layer.weight for layer in model.net if isinstance(layer, torch.nn.Linear)]  # folded at fit end
+    zeros = sum(int((weight == 0).sum()) for weight in weights) / sum(weight.numel() for weight in weights)
+    assert zeros == pytest.approx(0.5, abs=1e-3)

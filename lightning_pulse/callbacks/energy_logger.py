@@ -6,6 +6,7 @@ glue: hooks onto the account, the report's location, and logging.
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from lightning_pulse.energy.config import (
 )
 from lightning_pulse.errors import refuse_unwritable_dir
 from lightning_pulse.loggers import log_to_loggers
+from lightning_pulse.phase import STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH
 
 MONITORABLE = ("energy/total_kwh",)
 
@@ -161,6 +163,8 @@ class EnergyLogger(Callback):
             self._batches_this_fit = 0
             self._last_cycle: int | None = None
             self._last_global_step = 0
+            # (global step, batches) the run had taken when this fit's training began
+            self._fit_start_progress = (0, 0)
             self._log_every = 1
             self._log_steps = False
         except ValueError as error:  # the first line a user reads names the callback (the CLI prints it)
@@ -210,6 +214,12 @@ class EnergyLogger(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._in_train_loop = True
         self._last_global_step = trainer.global_step
+        self._fit_start_progress = compat.run_progress(trainer)
+        if compat.steps_per_batch_unknown(trainer) and not math.isfinite(compat.total_steps(trainer)):
+            reason = UNKNOWN_STEPS_PER_BATCH.format(count=len(trainer.optimizers))
+            rank_zero_info(
+                f"EnergyLogger: no forecast of the run's energy: {reason}; to get one, {STEPS_BOUND_ONLY}."
+            )
         self._log_every = self.accounting.log_every_n_steps or max(trainer.log_every_n_steps, 1)
         self._log_steps = trainer.is_global_zero and bool(trainer.loggers)
         self.account.begin_training(lambda: trainer.global_step)
@@ -278,6 +288,11 @@ class EnergyLogger(Callback):
     @guarded_hook
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         steps, batches = compat.run_length(trainer)
+        if self.account.carried is None:
+            # a new run (no checkpoint restored into the account): its figures count this fit only, so the
+            # forecast is of this fit's steps, not those an earlier fit of the same Trainer took
+            steps_before, batches_before = self._fit_start_progress
+            steps, batches = steps - steps_before, batches - batches_before
         metrics, forecast = self.account.epoch_metrics(
             trainer.current_epoch,
             steps,

@@ -8,6 +8,8 @@ its state, logs and writes the report.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +183,11 @@ class GreenWindow(Callback):
             steps_replay=planned,
             checkpointing=isinstance(trainer.checkpoint_callback, ModelCheckpoint),
             signal=self.signal.known or (intensity is not None and intensity.series is not None),
-        ) or unknown_length_refusal(compat.total_steps(trainer), self.schedule.expected_work_s)
+        ) or unknown_length_refusal(
+            compat.total_steps(trainer),
+            self.schedule.expected_work_s,
+            len(trainer.optimizers) if compat.steps_per_batch_unknown(trainer) else 0,
+        )
         if refusal is not None:
             raise PulseRefusal(refusal)
         refuse_unwritable_dir("GreenWindow", "options.report_dir", self.options.report_dir)
@@ -313,8 +319,9 @@ class GreenWindow(Callback):
             return False
         start = self.run_clock.time()
         if self.when_dirty == "pause":
-            self.clock.sleep(decision.wait_s)
-            self.segment.waited(start, self.run_clock.time(), self._kwh())
+            with self._not_training():
+                self.clock.sleep(decision.wait_s)
+                self.segment.waited(start, self.run_clock.time(), self._kwh())
             self._next_check = -math.inf
             return True
         self._suspend(trainer, decision, start)
@@ -339,6 +346,24 @@ class GreenWindow(Callback):
         cycle = pulse_cycle_of(trainer) if self.when_dirty == "light" else None
         held = cycle is not None and cycle.held and cycle.clock.in_cycle  # warm-up, anneal: not held
         self.segment.next_kind("light" if held else "run", self.run_clock.time(), self._kwh)
+
+    @contextmanager
+    def _not_training(self) -> Iterator[None]:
+        """A pause is no training: the EnergyLogger books it to stage ``other``, in no phase, cycle or epoch
+        (the label a pause before its training loop starts has), then goes back to the label it had. Else a
+        pause inside an epoch was charged to the training stage, its phase and epoch, and the first epoch's
+        forecast scaled the idle hours up to the whole run."""
+        account = None if self._energy is None else self._energy.account
+        label = None if account is None or account.ledger is None else account.ledger.label
+        if label is None:
+            yield
+            return
+        account.mark(stage="other", phase=None, cycle=None, epoch=None)  # as `EnergyAccount.end_training`
+        try:
+            yield
+        finally:
+            account.mark(stage=label.stage, phase=label.phase, cycle=label.cycle, epoch=label.epoch)
+            account.skip_gap()  # the time since the last batch's end holds the pause, not a data-loader wait
 
     def _kwh(self) -> float | None:
         """A fresh reading of the EnergyLogger's meters (kWh so far), or ``None`` without one. At each

@@ -239,6 +239,18 @@ class HardSampleReplay(Callback):
         assert self.selector is not None
         steps_per_epoch = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
         self.selector.set_half_life(self.half_life, steps_per_epoch)
+        if (
+            self.half_life is not None
+            and self.half_life.kind == "epochs"
+            and compat.steps_per_batch_unknown(trainer)
+        ):
+            # ages count global steps, which count every optimizer's step: a GAN's two players halve an epoch
+            _warn(
+                f"`score_half_life`={self.half_life.amount:g} epochs is read as {steps_per_epoch} optimizer steps "
+                f"an epoch, one a batch, but this module steps its {len(trainer.optimizers)} optimizers itself "
+                "(manual optimization) and trainer.global_step counts every step: scores age faster by the "
+                "steps a batch makes. Give the half-life in steps (`score_half_life='400steps'`)."
+            )
         _warn(shorter_than_an_epoch(compat.total_steps(trainer), steps_per_epoch, self.mode))
         log_every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
         self.selector.set_cadence(steps_per_epoch, log_every)
@@ -262,7 +274,16 @@ class HardSampleReplay(Callback):
         )
         window, cut = self.steps.next_batch() if self.mode == "steps" else (0, None)
         self.batches.start_batch(
-            self.selector, batch, indices, step, batch_idx, active, trainer.global_rank, window, cut
+            self.selector,
+            batch,
+            indices,
+            step,
+            batch_idx,
+            active,
+            trainer.global_rank,
+            window,
+            cut,
+            pl_module,
         )
 
     @override

@@ -118,6 +118,8 @@ class PulseCycle(Callback):
             non-positive ``probe_batches``, a ``budget`` outside ``(0, 1)``, an option of a phase ``order``
             leaves out, or a ``time_source`` that is not callable. At fit start, for epoch-based
             durations on an infinite dataloader or warm-up/anneal on a run without a finite length.
+            Under manual optimization with several optimizers (``global_step`` counts each one's step), for
+            epoch-based durations, and for warm-up/anneal unless ``max_steps`` alone bounds the run.
         PulseRefusal: at fit start, for a ``budget`` with no step-saving HardSampleReplay attached, with
             wall-clock durations, or out of what the replay fraction can reach; for a ``time_source`` that
             returns no number; and for a second run of this
@@ -251,6 +253,8 @@ class PulseCycle(Callback):
             )
         self._refresh_run_length(trainer)
         with refusing("PulseCycle"):
+            if compat.steps_per_batch_unknown(trainer):  # before the clock's own, generic, run-length refusal
+                self.clock.check_steps_per_batch_unknown(len(trainer.optimizers), self._total_steps)
             self.clock.check_epoch_length(trainer.num_training_batches)
             self.timer.start(trainer.global_step)  # refuses a time source that returns no number
             change = self.clock.start(self._total_steps)  # refuses warm-up or anneal without a run length

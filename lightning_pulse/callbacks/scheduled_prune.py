@@ -9,7 +9,7 @@ Lightning glue over :mod:`lightning_pulse.core.prune_schedule` (when, and to wha
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +111,7 @@ class ScheduledPrune(Callback):
         ])
     """
 
-    # a StabilityGuard rollback may call `load_state_dict` during training (see `load_state_dict`)
+    # a StabilityGuard rollback calls `load_rollback_state_dict` (so `load_state_dict`) during training
     restore_on_rollback = True
 
     @names_itself
@@ -207,7 +207,8 @@ class ScheduledPrune(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         total = compat.total_steps(trainer)
-        prune_setup.resolve_schedule(self.schedule, total, trainer.global_step)
+        manual_optimizers = len(trainer.optimizers) if compat.steps_per_batch_unknown(trainer) else 0
+        prune_setup.resolve_schedule(self.schedule, total, trainer.global_step, manual_optimizers)
         # here, not at setup: a validation sanity check (it runs after setup) creates a lazy module's weights
         refuse_uninitialized_parameters(pl_module, "ScheduledPrune")
         # read here, not at setup: layers built in configure_model, and a backbone BackboneFinetuning freezes at
@@ -337,6 +338,24 @@ class ScheduledPrune(Callback):
             # undone event goes and one saved in the snapshot comes back (on a checkpoint restore: on_train_start)
             self._restore_teacher(trainer, trainer.lightning_module)
 
+    def rollback_state_dict(self) -> dict[str, Any]:
+        """What a :class:`~lightning_pulse.StabilityGuard` snapshot keeps: the whole state, and which layers
+        of the model had a mask then (a rollback keeps the mask a layer has now where the snapshot had none:
+        see :meth:`load_rollback_state_dict`). A pass over the modules, at a snapshot only."""
+        state = self.state_dict()
+        trainer = self._trainer_ref()
+        module = trainer.lightning_module if trainer is not None else None
+        state["masked_layers"] = pruning.masked_layer_names(module) if module is not None else None
+        return state
+
+    def load_rollback_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A rollback: :meth:`load_state_dict`, then the masks of this callback's layers made to say what the
+        restored record says (:meth:`_masks_after_rollback`)."""
+        self.load_state_dict(state_dict)
+        trainer = self._trainer_ref()
+        if trainer is not None and trainer.lightning_module is not None:
+            self._masks_after_rollback(trainer.lightning_module, state_dict.get("masked_layers"))
+
     # ------------------------------------------------------------------ the event
     def _prune_event(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, maintain_entry: bool
@@ -366,6 +385,36 @@ class ScheduledPrune(Callback):
             self._window.open(pl_module, teacher, len(self.events) - 1, trainer.accumulate_grad_batches)
 
     # ------------------------------------------------------------------ helpers
+    def _masks_after_rollback(
+        self, pl_module: pl.LightningModule, masked_then: Collection[str] | None
+    ) -> None:
+        """After a rollback (unstructured), make the masks of this callback's layers say what the restored
+        record says, and ``layer.weight`` show the restored weights at once (a callback reading it later in
+        this step). ``masked_then``: the layers that had a mask at the snapshot (``None``: unknown).
+
+        A layer with a mask now and none at the snapshot kept its mask in the restore
+        (``core/snapshots.py:fitted_state``: another pruner's masks stay, as it does not prune again). Here
+        it was this callback's own event, undone: with no event in the restored record, the layer comes back
+        unpruned (a mask of ones) and the schedule redoes the event. With events, the snapshot is the start of
+        a fit resumed after a fit's end, taken (StabilityGuard listed before this callback) before
+        ``on_train_start`` masked the zeros folded into the weights again: those zeros are masked again, as at
+        that start. A layer masked at the snapshot got its saved mask back. A pass over the layers, at a
+        rollback only.
+        """
+        if self.mode != "unstructured":
+            return
+        if masked_then is not None:
+            masked_then = set(masked_then)
+            for name, layer in self.pruner.layers(pl_module).items():
+                mask = pruning.current_mask(layer)
+                if mask is None or name in masked_then:
+                    continue
+                if self.schedule.sparsity > 0:
+                    pruning.mask_zeros(layer)
+                else:
+                    mask.fill_(1)
+        self._masks.refresh(pl_module, grad=False)
+
     def _checkpoint_structure(self) -> Mapping[str, Any] | None:
         # Lightning restores a module's weights before it hands callbacks their state: read it from the checkpoint
         trainer = self._trainer_ref()

@@ -68,12 +68,12 @@ class StabilityGuard(Callback):
     3. **Stop** when a rollback is needed after ``max_rollbacks`` recent ones: back to the last good snapshot,
        a checkpoint saved, :class:`StabilityGuardError` raised.
 
-    Snapshots: every ``snapshot_every`` steps, at maintain phases and after pruning events, never during an
-    incident, nor of a state with a non-finite parameter or optimizer state or a NaN in a buffer (where an
-    infinity can be by design): a NaN in a branch the loss does not use is said once, and a rollback returns
-    to an older, finite snapshot, or stops when none is held. Counters are logged under ``stability/``. DDP
-    ranks decide on all-reduced numbers, so they act alike. Put the guard after callbacks that change
-    gradients (``GradientCache``).
+    Snapshots: every ``snapshot_every`` steps, at maintain phases and after structured pruning events, never
+    during an incident, nor of a state with a non-finite parameter or optimizer state or a NaN in a buffer
+    (where an infinity can be by design): a NaN in a branch the loss does not use is said once, and a rollback
+    returns to an older, finite snapshot, or stops when none is held. Counters are logged under
+    ``stability/``. DDP ranks decide on all-reduced numbers, so they act alike. Put the guard after callbacks
+    that change gradients (``GradientCache``).
 
     Args:
         loss_zscore: robust z-score above which a loss is a spike; ``None`` turns loss spikes off.
@@ -84,7 +84,7 @@ class StabilityGuard(Callback):
             above ``config.spike_memory`` never rolls back (flagged steps are only skipped).
         skip_after_rollback: optimizer steps (batches, or accumulation windows) skipped after a rollback.
         snapshot_every: take a snapshot every this many optimizer steps; ``0``: only at maintain phases, after
-            pruning events and at the start of training.
+            structured pruning events and at the start of training.
         max_snapshots: snapshots kept in CPU memory.
         rollback_margin: a snapshot counts as good only if taken at least this many steps before the first
             flagged step of the incident (damage can precede its detection).

@@ -43,10 +43,14 @@ def uncacheable_reason(module: nn.Module) -> str | None:
     if "forward" in vars(module):
         return "it already has an instance-level `forward`"
     for name, sub in module.named_modules():
+        what = f"its submodule `{name}`" if name else "it"
         if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0 and sub.training:
-            return f"{name or 'it'} is dropout in training mode"
+            return (
+                f"{what} is dropout in training mode; to cache it, set that dropout's p to 0 "
+                "(hidden_dropout_prob=0 in a Hugging Face config), or leave it out of `units`"
+            )
         if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
-            return f"{name or 'it'} uses batch statistics in training mode"
+            return f"{what} uses batch statistics in training mode"
     return None
 
 
@@ -61,10 +65,22 @@ class _ActivationEntry:
     calls: int = 0
     # in the batch under way: the rows of an output that were not the batch's keys (its first dimension)
     unmatched_rows: int | None = None
+    # in the batch under way: why its output cannot be recorded or replayed (it then leaves the cache at the
+    # batch's end)
+    unrecordable: str | None = None
 
 
 def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
     return next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+
+
+def _reads_gradient(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a tensor among ``args`` and ``kwargs`` (or in a tuple or list among them) requires grad."""
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, torch.Tensor) and item.requires_grad:
+                return True
+    return False
 
 
 def _rows_axis(args: tuple[Any, ...], rows: int) -> int | None:
@@ -96,6 +112,19 @@ def _input_rows(entry: _ActivationEntry, args: tuple[Any, ...]) -> int | None:
 # a batch whose rows are not its keys is never recorded; once most are (at least this many), the cache is off
 UNMATCHED_BATCHES_TO_SWITCH_OFF = 8
 
+# a lookup carries no gradient and saves nothing for backward, so it stands for a real forward only where that
+# reads and returns no tensor that requires grad: autograd saves tensors only for an op with an input that
+# requires grad (a frozen parameter does not), and then sees the same graph either way. Where it differs, the
+# recompute of an activation checkpoint around the module (which runs the real forward in backward) saves
+# tensors the replayed forward did not, and torch raises a CheckpointError mid-run; elsewhere the gradient
+# into the module's input would be lost.
+NEEDS_GRADIENT = (
+    "its output requires grad or it reads a tensor that does (transformers 5's gradient checkpointing, and "
+    "PEFT on 4.x, makes the input embeddings' output require grad; so does an input-gradient penalty), and a "
+    "replayed output carries no gradient: an activation checkpoint around it would recompute it for real in "
+    "backward and fail, and a gradient into its input would be lost"
+)
+
 
 class PrefixActivationCache:
     """Outputs of frozen modules per training sample, replayed so the frozen prefix's forward is skipped.
@@ -111,6 +140,11 @@ class PrefixActivationCache:
     A batch whose rows are not its indices (7 rows for 8 drawn indices: a collate function that drops
     unreadable samples) is neither recorded nor replayed (:attr:`unmatched_batches` counts them); when most
     batches are such (and at least ``UNMATCHED_BATCHES_TO_SWITCH_OFF``), the cache switches itself off.
+    A frozen module that cannot be replayed (its output is a tuple, as from ``nn.GRU``; it runs twice per
+    forward; its store does not fit the budget; dropout inside; it reads or returns a tensor that requires
+    grad, as inside a Hugging Face layer under gradient checkpointing; on a replayed batch too, where it
+    then runs for real) leaves the cache with every module after it: :attr:`uncached` names it and says why
+    (the modules found uncacheable during the fit; never cleared).
 
     Args:
         capacity: how many distinct samples this process sees per epoch (rows of each store).
@@ -128,6 +162,9 @@ class PrefixActivationCache:
         self.entries: list[_ActivationEntry] = []
         self.verified = False
         self.disabled_reason: str | None = None
+        # the first frozen module of a plan that cannot be replayed (nor any after it, the cache being a
+        # prefix) -> why; modules before it are still cached
+        self.uncached: dict[str, str] = {}
         self.hits = 0
         self.batches = 0
         # batches whose rows were not their sample indices: neither recorded nor replayed
@@ -163,7 +200,8 @@ class PrefixActivationCache:
         if keep == 0:
             self.filled.zero_()
         for name, module in modules[keep:]:
-            if uncacheable_reason(module) is not None:
+            if (reason := uncacheable_reason(module)) is not None:
+                self.uncached.setdefault(name, reason)
                 break
             self.entries.append(_ActivationEntry(name, module))
         if changed:
@@ -204,14 +242,21 @@ class PrefixActivationCache:
             if reached and self._slots is not None and all(rows is not None for rows in reached):
                 # no module's output had a row per key: the batch's rows are not its samples, not one module
                 self._unmatched = (int(reached[0] or 0), len(self._slots))
+        if self._mode in ("hit", "miss"):
+            # a module replay left to run for real, as its input required grad: out, with the ones after it
+            needs = next((e for e in self.entries if e.unrecordable is not None), None)
+            if needs is not None:
+                assert needs.unrecordable is not None
+                self.uncached.setdefault(needs.name, needs.unrecordable)
+                self.entries = self.entries[: self.entries.index(needs)]
         if self._unmatched is not None:
             self._count_unmatched(*self._unmatched)
         elif self._mode in ("record", "verify") and self._slots is not None and self.disabled_reason is None:
-            broken = [e for e in self.entries if e.calls != 1 or e.storage is None]
-            if broken:
+            broken = next((e for e in self.entries if e.calls != 1 or e.storage is None), None)
+            if broken is not None:
                 # a module called twice (or not at all) per forward cannot be replayed by one lookup
-                index = self.entries.index(broken[0])
-                self.entries = self.entries[:index]
+                self.uncached.setdefault(broken.name, _why_unrecorded(broken))
+                self.entries = self.entries[: self.entries.index(broken)]
             if self.entries:
                 self.filled[self._slots] = True
                 if self._mode == "verify":
@@ -248,10 +293,12 @@ class PrefixActivationCache:
         if complete and self.verified:
             self.hits += 1
             self._mode = "hit"
+            for entry in self.entries:
+                entry.unrecordable = None
         else:
             self._mode = "verify" if complete else "record"
             for entry in self.entries:
-                entry.calls, entry.unmatched_rows = 0, None
+                entry.calls, entry.unmatched_rows, entry.unrecordable = 0, None, None
 
     def _slots_for(self, indices: torch.Tensor) -> torch.Tensor | None:
         indices = indices.to(torch.long).cpu()
@@ -263,22 +310,37 @@ class PrefixActivationCache:
         self.next_slot += len(new)
         return self.slot_of[indices]
 
-    def _record(self, entry: _ActivationEntry, args: tuple[Any, ...], output: Any) -> None:
+    def _record(
+        self, entry: _ActivationEntry, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
         entry.calls += 1
         slots = self._slots
         if not isinstance(output, torch.Tensor) or slots is None or output.dim() == 0:
-            entry.calls += 1  # mark as not replayable
+            self._unrecordable(entry, _output_reason(output))
             return
         if output.shape[0] != len(slots):
             # not replayable, unless no module of this batch had a row per key: then it is the batch
             # (end_batch tells), which is not recorded
-            entry.calls += 1
+            self._unrecordable(
+                entry,
+                f"its output has {output.shape[0]} rows for the batch's {len(slots)} samples "
+                "(not batch-first?)",
+            )
             entry.unmatched_rows = int(output.shape[0])
             return
+        if output.requires_grad or _reads_gradient(args, kwargs):
+            self._unrecordable(entry, NEEDS_GRADIENT)
+            return
         if entry.storage is None:
-            per_sample = output[0].numel() * output.element_size()
-            if self.bytes_used + per_sample * self.capacity > self.budget_bytes:
-                entry.calls += 1  # over budget: this module (and the ones after it) stay uncached
+            need = output[0].numel() * output.element_size() * self.capacity
+            if self.bytes_used + need > self.budget_bytes:
+                left = (self.budget_bytes - self.bytes_used) / 2**20
+                self._unrecordable(
+                    entry,
+                    f"its outputs for {self.capacity} samples take {need / 2**20:.3g} MiB, and "
+                    f"{left:.3g} MiB of activation_cache_mb={self.budget_bytes / 2**20:g} is left; raise "
+                    "activation_cache_mb to cache it",
+                )
                 return
             entry.storage = torch.zeros(
                 (self.capacity, *output.shape[1:]), dtype=output.dtype, device=output.device
@@ -298,6 +360,13 @@ class PrefixActivationCache:
             )
             return
         entry.storage.index_copy_(0, slots.to(entry.storage.device), output.detach())
+
+    @staticmethod
+    def _unrecordable(entry: _ActivationEntry, reason: str) -> None:
+        """``entry`` cannot be replayed: it leaves the cache at the batch's end (with the ones after it)."""
+        entry.calls += 1
+        if entry.unrecordable is None:
+            entry.unrecordable = reason
 
     def _switch_off_for_shape(
         self, entry: _ActivationEntry, input_shape: tuple[int, ...] | None, output: Any
@@ -336,7 +405,11 @@ class PrefixActivationCache:
             if self._mode == "hit":
                 storage = entry.storage
                 assert storage is not None and self._slots is not None
-                if self._fits(entry, args):
+                # one attribute read per tensor argument: a batch whose input requires grad (an input-gradient
+                # penalty every k batches) needs the real forward, recorded on batches whose input did not
+                if _reads_gradient(args, kwargs):
+                    entry.unrecordable = NEEDS_GRADIENT
+                elif self._fits(entry, args):
                     return storage.index_select(0, self._slots.to(storage.device))
                 self.hits -= 1  # a miss: this batch's modules run for real from here on
                 self._mode = "miss"
@@ -351,11 +424,37 @@ class PrefixActivationCache:
                 return output
             output = type(module).forward(module, *args, **kwargs)
             if self._mode in ("record", "verify"):
-                self._record(entry, args, output)
+                self._record(entry, args, kwargs, output)
             return output
 
         module.forward = gate  # type: ignore[method-assign]
         self._stubbed.append(module)
+
+
+def _output_reason(output: Any) -> str:
+    """Why ``output``, not a tensor with a row per sample, cannot be recorded."""
+    if isinstance(output, tuple):
+        return (
+            "its output is a tuple, not one tensor (as from GRU, LSTM or MultiheadAttention), and only a "
+            "single tensor output is replayed; to cache it, wrap it in a module returning the one tensor "
+            "the model reads and name that module in `units`, or name its enclosing layer (e.g. "
+            "`encoder.layers.0`) in `units`"
+        )
+    if isinstance(output, torch.Tensor):
+        return "its output is a 0-dim tensor, with no row per sample"
+    return f"its output is a {type(output).__name__}, not one tensor"
+
+
+def _why_unrecorded(entry: _ActivationEntry) -> str:
+    """Why the forward just recorded left ``entry`` without a record it could replay."""
+    if entry.unrecordable is not None:
+        return entry.unrecordable
+    if entry.calls == 0:
+        return (
+            "its forward did not run in a frozen batch (its weights read directly, or the module skipped on "
+            "some batches)"
+        )
+    return "it runs more than once per forward, and one record per sample cannot stand for several calls"
 
 
 class LoaderActivationCache:
@@ -378,8 +477,11 @@ class LoaderActivationCache:
         size = tracker.dataset_size
         self.cache = PrefixActivationCache(size, size, budget_bytes)
         self.trained: Callable[[], torch.Tensor | None] | None = None
+        # says which frozen modules cannot be replayed, once each (``None``: nobody is told)
+        self.warn: Callable[[str], None] | None = None
         self._modules = dict(model.named_modules())
         self._reported = False
+        self._uncached_reported: set[str] = set()
 
     @classmethod
     def attach(cls, loader: Any, budget_bytes: int, model: nn.Module) -> LoaderActivationCache | str:
@@ -409,7 +511,7 @@ class LoaderActivationCache:
         if isinstance(replay, str):
             warn(f"GradientCache: the activation cache is off because {replay}.")
             return None
-        replay.trained = trained
+        replay.trained, replay.warn = trained, warn
         return replay
 
     @staticmethod
@@ -432,6 +534,7 @@ class LoaderActivationCache:
         if again:
             self.cache.plan([])
         self.cache.plan([(name, self._modules[name]) for name in frozen_units if name in self._modules])
+        self._report_uncached()
 
     def begin_batch(self, batch_idx: int, frozen: bool) -> None:
         """Before the forward of batch ``batch_idx``; ``frozen``: whether a prefix is frozen now."""
@@ -452,8 +555,23 @@ class LoaderActivationCache:
     def end_batch(self) -> str | None:
         """After the forward. Returns, once, why the cache switched itself off if it just did."""
         self.cache.end_batch()
+        self._report_uncached()
         reason = self.cache.disabled_reason
         if reason is None or self._reported:
             return None
         self._reported = True
         return reason
+
+    def _report_uncached(self) -> None:
+        """Warn, once per module, about a frozen module the cache just left out, and why."""
+        new = [name for name in self.cache.uncached if name not in self._uncached_reported]
+        for name in new:
+            self._uncached_reported.add(name)
+            before = ", ".join(f"`{entry.name}`" for entry in self.cache.entries)
+            kept = f"the ones before it ({before}) stay cached" if before else "the cache holds nothing"
+            if self.warn is not None:
+                self.warn(
+                    f"GradientCache: the activation cache cannot replay the frozen module `{name}`: "
+                    f"{self.cache.uncached[name]}. It runs for real, as do the frozen modules after it, and "
+                    f"{kept} while it is frozen."
+                )

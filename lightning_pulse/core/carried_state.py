@@ -159,6 +159,8 @@ class CarriedStateCheck:
 
     Call :meth:`after_first_batch` when the first batch has trained, :meth:`watch` before the second trains
     and :meth:`after_second_batch` once it has; ``done`` then holds and ``found`` says what carries state.
+    :meth:`note_lists` before the first batch lets a second batch that is cut (:meth:`before_batch`) through
+    a list the first one only appended to.
 
     Example::
 
@@ -172,6 +174,8 @@ class CarriedStateCheck:
         self.candidates: dict[str, tuple[Tensor, ...]] | None = None
         # the candidates on which a batch cut before the check ends is refused
         self._cut_blockers: set[str] = set()
+        # the module's lists before its first batch (note_lists), by dotted path: the list and its items then
+        self._lists_before: dict[str, tuple[list[Any], tuple[Any, ...]]] = {}
         self.found: dict[str, tuple[tuple[int, ...], ...]] = {}
         self.done = False
         self._watch: _ReadWatch | None = None
@@ -202,22 +206,52 @@ class CarriedStateCheck:
         self.after_second_batch(module)
         return carried_state_refusal(self.found)
 
+    def note_lists(self, module: nn.Module) -> None:
+        """Before the first batch: note the lists ``module`` and its submodules hold, so that
+        :meth:`after_first_batch` tells one the batch only appended to (per-step outputs kept for an epoch-end
+        metric, ``self.training_step_outputs.append(...)``) from state carried to the next batch."""
+        self._lists_before = {
+            f"{prefix}.{name}" if prefix else name: (value, tuple(value))
+            for prefix, submodule in module.named_modules()
+            if not _skipped(submodule)
+            for name, value in _plain_attributes(submodule)
+            if isinstance(value, list)
+        }
+
+    def _only_appended(self, path: str, value: Any, batch_size: int) -> bool:
+        """Whether ``value`` is the list noted at ``path`` before the first batch, grown, old items kept, with
+        the batch size in no new tensor but along its first dimension: per-step outputs are ``(B, ...)``, an
+        RNN's hidden state ``(layers, B, hidden)``."""
+        before, items = self._lists_before.get(path, (None, ()))
+        return (
+            value is before
+            and len(value) > len(items)
+            and all(now is then for now, then in zip(value, items))
+            and not any(
+                batch_size in tensor.shape[1:] for item in value[len(items) :] for tensor in tensors_in(item)
+            )
+        )
+
     def after_first_batch(self, module: nn.Module, batch_size: int) -> None:
         self.candidates = batch_shaped_attributes(module, batch_size)
         self.done = not self.candidates  # nothing batch-shaped is kept: nothing can carry over
         # a batch cut before the check ends is refused only on a plain tensor, tuple or list attribute: buffers
-        # (BatchNorm's statistics when its channels equal the batch size) and dicts (outputs kept for logging, a
-        # cache) are batch-shaped far more often than they carry state, and wait for the read/replace test
+        # (BatchNorm's statistics when its channels equal the batch size), dicts (outputs kept for logging, a
+        # cache) and a list the batch only appended to (outputs kept for an epoch-end metric; not an RNN's
+        # (layers, B, hidden) states, which hold B after the first dimension) are batch-shaped
+        # far more often than they carry state, and wait for the read/replace test;
         # nor on a tensor still in the graph (a weight recomputed at every forward, WeightDrop's dropped
         # copy): a carried hidden state is detached, or the next batch's backward would fail through the freed
         # graph
         self._cut_blockers = {
             path
             for path, tensors in self.candidates.items()
-            if not isinstance(_attribute(module, path), dict)
+            if not isinstance(value := _attribute(module, path), dict)
             and not _is_buffer(module, path)
+            and not self._only_appended(path, value, batch_size)
             and all(tensor.grad_fn is None for tensor in tensors)
         }
+        self._lists_before = {}
 
     def watch(self) -> None:
         """Start noting reads of the candidates (until :meth:`after_second_batch` or :meth:`stop`)."""

@@ -75,17 +75,29 @@ def write_green_report(
 
 
 def saving_line(summary: dict[str, Any], unit: str) -> str:
-    """One line: the saving against the carbon-agnostic schedule, the time waited and held light."""
+    """One line: the saving against the carbon-agnostic schedule, the time waited (and its idle draw's CO2)
+    and held light."""
     what = "CO2" if unit.startswith("gCO2") else "cost"
     kg = f" ({summary['saving_kg']:.4g} kg)" if summary.get("saving_kg") is not None else ""
+    idle = (
+        f" ({summary['wait_kg']:.4g} kg CO2 idle draw, counted in the saving)"
+        if summary.get("wait_kg")
+        else ""
+    )
+    waited, light = summary.get("waited_s", 0) / 3600, summary.get("light_s", 0) / 3600
     return (
         f"{summary.get('saving_pct', 0.0):.1f}% less {what}{kg} than the carbon-agnostic schedule; waited "
-        f"{summary.get('waited_s', 0) / 3600:.1f} h, held light {summary.get('light_s', 0) / 3600:.1f} h."
+        f"{waited:.1f} h{idle}, held light {light:.1f} h."
     )
 
 
 def report_markdown(report: dict[str, Any]) -> str:
     summary = report["summary"]
+    if str(summary.get("unit", "gCO2")).startswith("gCO2"):
+        paused = ("CO2 while paused (kg)", summary.get("wait_kg"))
+    else:
+        # the signal is a price per unit of energy: kWh times the signal, in the signal's own unit per kWh
+        paused = (f"cost while paused (kWh x {summary.get('unit', 'signal')})", summary.get("wait_cost"))
     rows = [
         ("status", report["status"]),
         ("when dirty", report["when_dirty"]),
@@ -95,8 +107,10 @@ def report_markdown(report: dict[str, Any]) -> str:
         ("compute (h)", f"{summary.get('compute_s', 0) / 3600:.2f}"),
         ("waited (h)", f"{summary.get('waited_s', 0) / 3600:.2f}"),
         ("held light (h)", f"{summary.get('light_s', 0) / 3600:.2f}"),
-        ("mean signal, as run", summary.get("mean_signal_run")),
+        ("mean signal, as run (compute)", summary.get("mean_signal_run")),
         ("mean signal, carbon-agnostic", summary.get("mean_signal_counterfactual")),
+        ("energy while paused (kWh)", summary.get("wait_kwh")),
+        paused,
         ("saving (%)", summary.get("saving_pct")),
         ("saving (kg CO2)", summary.get("saving_kg")),
         ("decisions", summary.get("decisions")),
@@ -107,7 +121,8 @@ def report_markdown(report: dict[str, Any]) -> str:
     ]
     lines += [
         "",
-        "Counterfactual: the same energy spread evenly over the compute time from the same start.",
+        "Counterfactual: the same energy spread evenly over the compute time from the same start. The energy "
+        "while paused (idle draw) counts for the run, in its saving, and not for the counterfactual.",
         "",
     ]
     return "\n".join(lines)

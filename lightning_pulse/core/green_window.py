@@ -29,7 +29,7 @@ import numpy as np
 
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import Forecast
-from lightning_pulse.phase import KNOWN_LENGTH, parse_duration
+from lightning_pulse.phase import KNOWN_LENGTH, STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH, parse_duration
 from lightning_pulse.records import RECENT_RECORDS, append_recent
 
 COMPUTE_KINDS = ("run", "light")
@@ -367,15 +367,17 @@ class ScheduleLedger:
         folded["start"] = segment["start"] if folded["start"] is None else folded["start"]
         folded["seconds"][segment["kind"]] += seconds
         signal = self.mean_signal(segment["start"], segment["end"])
-        compute = segment["kind"] in COMPUTE_KINDS
         if segment["kwh"] is None:
             folded["energy_known"] = False
+        elif segment["kind"] == "wait":
+            folded["wait_weighted_kwh"] += segment["kwh"] * signal
+            folded["wait_kwh"] += segment["kwh"]
         else:
             folded["weighted_kwh"] += segment["kwh"] * signal
-            folded["compute_kwh"] += segment["kwh"] if compute else 0.0
+            folded["compute_kwh"] += segment["kwh"]
         if segment["kind"] != "wait":  # time stands in for energy: waiting weighs nothing
             folded["weighted_hours"] += seconds / 3600.0 * signal
-            folded["compute_hours"] += seconds / 3600.0 if compute else 0.0
+            folded["compute_hours"] += seconds / 3600.0
 
     def seconds(self, *kinds: str) -> float:
         kept = sum(s["end"] - s["start"] for s in self.segments if s["kind"] in kinds)
@@ -386,8 +388,11 @@ class ScheduleLedger:
 
         The counterfactual spreads the compute segments' energy evenly over ``[start, start + compute
         seconds]``: the same energy on a schedule that ignores the signal, started at the same moment. Energy
-        while waiting (a paused machine's idle draw) counts for the run and not for the counterfactual. With
-        no energy figures, time stands in for energy (constant power): the shares stay right, kg are ``None``.
+        while waiting (a paused machine's idle draw) counts for the run (``signal_cost``, the saving) and not
+        for the counterfactual; it is also given on its own (``wait_kwh``, ``wait_cost``, ``wait_kg``), and
+        ``mean_signal_run`` is the compute segments' own mean (the whole cost over the compute energy could
+        read above the signal's maximum). With no energy figures, time stands in for energy (constant power):
+        the shares stay right, kg are ``None``.
         """
         folded = self.folded
         if not self.segments:
@@ -395,15 +400,20 @@ class ScheduleLedger:
         first = folded["start"] if folded["start"] is not None else self.segments[0]["start"]
         start = first if start is None else float(start)
         known = folded["energy_known"] and all(s["kwh"] is not None for s in self.segments)
-        weighted = folded["weighted_kwh"] if known else folded["weighted_hours"]
+        run_weighted = folded["weighted_kwh"] if known else folded["weighted_hours"]
         compute_weight = folded["compute_kwh"] if known else folded["compute_hours"]
+        wait_weighted, wait_kwh = folded["wait_weighted_kwh"], folded["wait_kwh"]
         for segment in self.segments:
+            signal = self.mean_signal(segment["start"], segment["end"])
+            if segment["kind"] == "wait":  # without energy figures, waiting weighs nothing
+                if known:
+                    wait_weighted += segment["kwh"] * signal
+                    wait_kwh += segment["kwh"]
+                continue
             weight = segment["kwh"] if known else (segment["end"] - segment["start"]) / 3600.0
-            if segment["kind"] == "wait" and not known:
-                weight = 0.0
-            weighted += weight * self.mean_signal(segment["start"], segment["end"])
-            if segment["kind"] in COMPUTE_KINDS:
-                compute_weight += weight
+            run_weighted += weight * signal
+            compute_weight += weight
+        weighted = run_weighted + (wait_weighted if known else 0.0)
         compute_s = self.seconds(*COMPUTE_KINDS)
         counterfactual = compute_weight * self.mean_signal(start, start + compute_s)
         saving = counterfactual - weighted
@@ -415,7 +425,10 @@ class ScheduleLedger:
             "compute_s": compute_s,
             "waited_s": self.seconds("wait"),
             "light_s": self.seconds("light"),
-            "mean_signal_run": weighted / compute_weight if compute_weight else None,
+            "wait_kwh": wait_kwh if known else None,
+            "wait_cost": wait_weighted if known else None,
+            "wait_kg": wait_weighted / 1000.0 if known and carbon else None,
+            "mean_signal_run": run_weighted / compute_weight if compute_weight else None,
             "mean_signal_counterfactual": counterfactual / compute_weight if compute_weight else None,
             "signal_cost": weighted if known else None,
             "counterfactual_cost": counterfactual if known else None,
@@ -432,7 +445,8 @@ class ScheduleLedger:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.segments = [dict(s) for s in state.get("segments", [])]
-        folded = state.get("folded") or _no_folded_segments()  # older checkpoints kept every segment
+        # older checkpoints kept every segment, or folded waits into `weighted_kwh` (no `wait_*` totals)
+        folded = {**_no_folded_segments(), **(state.get("folded") or {})}
         self.folded = {**folded, "seconds": dict(folded["seconds"])}
 
 
@@ -443,8 +457,10 @@ def _no_folded_segments() -> dict[str, Any]:
         "start": None,
         "seconds": dict.fromkeys(SEGMENT_KINDS, 0.0),
         "energy_known": True,
-        "weighted_kwh": 0.0,
+        "weighted_kwh": 0.0,  # compute segments only
         "compute_kwh": 0.0,
+        "wait_weighted_kwh": 0.0,  # a paused machine's idle draw
+        "wait_kwh": 0.0,
         "weighted_hours": 0.0,
         "compute_hours": 0.0,
     }
@@ -770,16 +786,23 @@ def clocks_apart(now: float, energy_now: float, slot_s: float) -> str | None:
     )
 
 
-def unknown_length_refusal(total_steps: float, expected_work_s: float | None) -> str | None:
+def unknown_length_refusal(
+    total_steps: float, expected_work_s: float | None, manual_optimizers: int = 0
+) -> str | None:
     """Why GreenWindow cannot decide in a run of unknown length (``total_steps`` infinite) without an
     ``expected_duration``: the work left, which every decision weighs against the cleaner hours ahead, is never
-    known, so it would make no decision and report no saving. ``None`` when it can."""
+    known, so it would make no decision and report no saving. ``None`` when it can. ``manual_optimizers``: the
+    count of optimizers a module under manual optimization steps itself, when more than one (the length in
+    steps is then unknown whatever the epochs, see :data:`~lightning_pulse.phase.UNKNOWN_STEPS_PER_BATCH`)."""
     if math.isfinite(total_steps) or expected_work_s is not None:
         return None
+    if manual_optimizers > 1:
+        why, bound = UNKNOWN_STEPS_PER_BATCH.format(count=manual_optimizers), STEPS_BOUND_ONLY
+    else:
+        why, bound = "this run has no known length", KNOWN_LENGTH
     return (
-        f"GreenWindow: every decision weighs the work left against the cleaner hours ahead, and this run has no "
-        f"known length, so it would never decide; give `expected_duration` (the run's compute time, e.g. '20h'), "
-        f"or {KNOWN_LENGTH}."
+        f"GreenWindow: every decision weighs the work left against the cleaner hours ahead, and {why}, so it "
+        f"would never decide; give `expected_duration` (the run's compute time, e.g. '20h'), or {bound}."
     )
 
 

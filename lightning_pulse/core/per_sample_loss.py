@@ -29,7 +29,9 @@ A per-sample loss is the mean of the sample's elements: for token losses compute
 ``(B*T, V)`` logits with ``(B*T,)`` (or ``(B, T)`` flattened) targets, the mean over the sample's ``T``
 tokens; ``ignore_index`` tokens are left out and class weights are honoured exactly as the reduced
 cross-entropy does. For ``kl_div(..., reduction="batchmean")`` it is the sample's sum, which is what
-``batchmean`` averages.
+``batchmean`` averages. For a call the caller reduces itself (``reduction="none"``), once a backward ran, the
+elements its gradient leaves out are left out where that gradient is a mask, so a mean over a padding mask
+(``(loss * mask).sum() / mask.sum()``) leaves the pads out; any other reduction keeps the plain mean.
 
 For anything capture cannot see (a hand-written loss, a loss imported as a bare function before
 capture started, a model that returns its loss), give a :class:`PerSampleScorer`.
@@ -144,8 +146,27 @@ class CapturedLoss:
             arguments, unreduced, batch_size = self._source
             self._source = None
             if self.maps_onto_batch:
-                self._per_sample = _per_sample_of(self.name, arguments, unreduced, batch_size, self.reduction)
+                self._per_sample = _per_sample_of(
+                    self.name, arguments, unreduced, batch_size, self.reduction, self.element_grad(batch_size)
+                )
         return self._per_sample
+
+    def element_grad(self, batch_size: int) -> Tensor | None:
+        """For a call the caller reduced itself (``reduction="none"``) with several elements per sample: the
+        gradient of the loss with respect to each element, once a backward read it; ``None`` otherwise.
+
+        How the caller reduced the elements: a plain mean gives them all the same gradient, a masked mean
+        (``(loss * mask).sum() / mask.sum()``) gives the padding none. The sample's score leaves out what such
+        a mask leaves out, and only then (:func:`per_sample_from_unreduced`)."""
+        grad, unreduced = self.grad, self.unreduced
+        if (
+            grad is None
+            or unreduced is None
+            or grad.shape != unreduced.shape
+            or unreduced.numel() <= batch_size
+        ):
+            return None
+        return grad
 
     def __repr__(self) -> str:
         return f"CapturedLoss({self.name!r}, reduction={self.reduction!r}, shape={self.shape})"
@@ -217,7 +238,11 @@ def rows_per_sample(unreduced: Tensor, batch_size: int) -> Tensor | None:
 
 
 def per_sample_from_unreduced(
-    unreduced: Tensor, batch_size: int, weights: Tensor | None = None, reduction: str = "mean"
+    unreduced: Tensor,
+    batch_size: int,
+    weights: Tensor | None = None,
+    reduction: str = "mean",
+    grad: Tensor | None = None,
 ) -> Tensor | None:
     """``(B,)`` per-sample losses from an unreduced loss (see the module docstring for the rule).
 
@@ -226,6 +251,11 @@ def per_sample_from_unreduced(
         batch_size: ``B``.
         weights: per-element weights from :func:`element_weights` (``None``: every element counts 1).
         reduction: the caller's reduction; ``"batchmean"`` makes a sample's loss its sum.
+        grad: for a loss the caller reduced itself, the gradient of its loss with respect to each element
+            of ``unreduced`` (:meth:`CapturedLoss.element_grad`). Used only where it is a mask (see
+            :func:`_kept_by_gradient`): the padding a masked mean leaves out is then left out here too, and a
+            sample none of whose elements reach the loss scores 0. Otherwise (a non-linear reduction, a
+            threshold on the loss, a gradient that tells nothing) the plain mean.
 
     Returns:
         float32 ``(B,)``, detached; ``0`` for a sample with no counted element (all tokens ignored: it adds
@@ -246,10 +276,50 @@ def per_sample_from_unreduced(
         return torch.where(weights != 0, values / weights, 0.0)
     if reduction == "batchmean":
         return rows.sum(dim=1)
+    if grad is not None:
+        kept, is_mask = _kept_by_gradient(grad.detach().reshape(batch_size, -1).to(rows.device), rows)
+        counted = kept if weights is None else kept * weights.detach().reshape(batch_size, -1)
+        counts = counted.sum(dim=1, dtype=torch.float32)
+        masked = torch.where(counts != 0, (rows * kept).sum(dim=1) / counts, 0.0)
+        plain = per_sample_from_unreduced(unreduced, batch_size, weights, reduction)
+        return torch.where(is_mask, masked, plain)  # type: ignore[arg-type]
     if weights is None:
         return rows.mean(dim=1)
     counts = weights.detach().reshape(batch_size, -1).sum(dim=1, dtype=torch.float32)
     return torch.where(counts != 0, rows.sum(dim=1) / counts, 0.0)  # every token ignored: 0
+
+
+#: how far apart, relatively, the non-zero gradients of one sample's elements may lie and still be one value
+#: (rounding: bf16 keeps about 3 significant digits)
+_MASK_TOLERANCE = 1e-2
+
+
+def _kept_by_gradient(grad: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """``(kept, is_mask)`` for a loss the caller reduced itself, from its element gradient ``grad`` and its
+    elements ``rows``, both ``(B, elements)``: ``kept`` (float, 1 where the gradient is not zero), and a 0-dim
+    bool saying whether the gradient acts as a mask that the score may follow. On the device, no sync.
+
+    A mask, as a mean over padding (``(loss * mask).sum() / mask.sum()``, also per sample then over the
+    batch) makes it: one non-zero ``|grad|`` within each sample, and zeros that do not depend on the loss's
+    values. A non-linear reduction (``(l ** 2).mean()``, a focal weight) gives harder elements a larger
+    gradient, and a threshold on the loss (``l[l > 0.7].mean()``, ``relu(l - 0.5).mean()``, a top-k) leaves
+    out exactly each sample's lowest losses: following either would score a sample by how its loss was
+    reduced, which inverts the ranking (a few very wrong elements then outscore many moderately wrong ones),
+    so they keep the plain mean. A threshold is told from padding by every sample that has both kept and
+    left-out elements leaving out only losses no larger than those it keeps: padding, independent of the
+    loss, does not do that in every sample (when it does, the plain mean is kept, as before)."""
+    magnitude = grad.abs().float()
+    kept = magnitude > 0
+    some, every = kept.any(dim=1), kept.all(dim=1)
+    smallest = torch.where(kept, magnitude, torch.inf).amin(dim=1)
+    one_value = ~some | (magnitude.amax(dim=1) <= smallest * (1 + _MASK_TOLERANCE))
+    both = some & ~every
+    dropped_top = torch.where(kept, -torch.inf, rows).amax(dim=1)
+    kept_bottom = torch.where(kept, rows, torch.inf).amin(dim=1)
+    threshold = both.any() & (~both | (dropped_top <= kept_bottom)).all()
+    total = magnitude.sum()
+    is_mask = torch.isfinite(total) & (total > 0) & one_value.all() & ~threshold
+    return kept.float(), is_mask
 
 
 def _per_target_length(arguments: dict[str, Any], unreduced: Tensor) -> Tensor:
@@ -567,33 +637,28 @@ class LossCapture:
         ``None`` (an unweighted sum) for one call, or when a part cannot be read. On the device; nothing is
         synchronised.
 
-        With ``g`` the gradient of the loss with respect to what the caller got: a call torch reduced stands
-        for ``g`` times its per-sample losses (``"mean"``, ``"batchmean"``; ``"sum"``: times its element count
-        too); a call the caller reduced (``reduction="none"``) for ``B`` times the sum of ``g * loss`` over each
-        sample's elements, and weighs ``sum(g)``."""
+        With ``g`` the gradient of the loss with respect to what the caller got, each call stands for its
+        per-sample losses (as scored alone) times its weight in the loss, the sum of ``g``: ``g`` for a call
+        torch reduced (``"mean"``, ``"batchmean"``; ``"sum"``: times its element count), the sum of ``g`` over
+        the elements of a call the caller reduced (``reduction="none"``: 1 for a mean, masked or not). Weighing
+        such a call's samples by ``g`` instead would score a masked token loss by each sample's token count,
+        and a second term, however small, would change its ranking."""
         if len(mapped) < 2 or any(record.grad is None for record in mapped):
             return None
         sizes: list[Tensor] = []
-        shares: list[Tensor | None] = []
         for record in mapped:
             grad = record.grad.float()
             if grad.dim() == 0:
                 sizes.append(grad * (math.prod(record.shape) if record.reduction == "sum" else 1))
-                shares.append(None)
-                continue
-            if record.unreduced is None or tuple(grad.shape) != tuple(record.unreduced.shape):
+            elif record.unreduced is None or tuple(grad.shape) != tuple(record.unreduced.shape):
                 return None
-            rows = rows_per_sample(grad * record.unreduced.float().to(grad.device), self.batch_size)
-            if rows is None:
-                return None
-            sizes.append(grad.sum())
-            shares.append(rows.sum(dim=1) * self.batch_size)
+            else:
+                sizes.append(grad.sum())
         largest = torch.stack([size.abs() for size in sizes]).max()
         readable = torch.isfinite(largest) & (largest > 0)  # else: an unweighted sum, as before
 
         def part(index: int, values: Tensor) -> Tensor:
-            share = shares[index]
-            weighted = values * sizes[index].to(values.device) if share is None else share.to(values.device)
+            weighted = values * sizes[index].to(values.device)
             return torch.where(
                 readable.to(values.device), weighted.to(values.dtype) / largest.to(values.device), values
             )
@@ -707,44 +772,97 @@ class LossCapture:
                     "a contrastive loss computes: which rows belong to which sample cannot be known"
                 )
         if (
-            isinstance(logits, Tensor)
-            and not record.on_batch_rows
-            and (
-                not record.maps_onto_batch or record.shape[0] != self.batch_size
-            )  # B rows: the usual case, no walk
-            and _rows_picked_by_index(logits)
+            not record.on_batch_rows
+            and record.shape
+            and (not record.maps_onto_batch or record.shape[0] != self.batch_size)  # B rows: the usual case
         ):
-            # `logits[mask]` (the labelled tokens only): one row per picked element, so samples hold different
-            # numbers of rows, and cutting them into B equal runs would give one sample's rows to another. One
-            # picked row per sample (B rows, a pooled last token) still splits.
-            record.maps_onto_batch = False
-            record.on_batch_rows = True
-            record.why_not = (
-                f"its {record.shape[0]} input rows were picked by an index or a mask (as `logits[mask]` picks "
-                "labelled tokens), so how many belong to each sample cannot be known; compute it on all rows "
-                "with `ignore_index` for the unlabelled ones"
-            )
-        elif (
-            isinstance(logits, Tensor)
-            and record.maps_onto_batch
-            and record.shape[0] != self.batch_size
-            and logits.grad_fn is not None
-            and not _rows_flattened_from_batch(logits, self.batch_size)
-        ):
-            # `torch.cat([view_1, view_2])` (two augmentations, SimCLR's 2B rows) or `x.repeat(k, 1)` put each
-            # sample's rows B apart, not next to each other: cutting them into B runs would give one sample's rows
-            # to others. Only a flattening of a (B, ...) tensor, `logits.view(-1, V)` of (B, T, V), is cut.
-            record.maps_onto_batch = False
-            record.on_batch_rows = True
-            record.why_not = (
-                f"its {record.shape[0]} input rows are not a flattening of the batch's {self.batch_size} samples "
-                "(as `logits.view(-1, V)` of `(B, T, V)` is; a time-major `(T, B, V)` flattening, `torch.cat` of two "
-                "views of the batch, or a repeat puts each sample's rows apart), so which rows belong to which "
-                "sample cannot be known"
-            )
+            self._check_row_origin(record, arguments)
         self.records.append(record)
         self._per_sample_count = -1
         return record
+
+    def _check_row_origin(self, record: CapturedLoss, arguments: dict[str, Any]) -> None:
+        """Mark ``record`` as not splitting into samples when none of the loss's row arguments (the tensors
+        whose rows are its rows: ``input``, a margin loss's ``input1`` / ``input2``, a triplet's ``anchor``,
+        ``positive``, ``negative``) is known to flatten the batch sample by sample: rows picked by an index or
+        a mask, or made another way (a concatenation, a repeat). One flattened argument is enough: a
+        triplet's anchors ``z.view(-1, D)`` give each row its sample, whatever picked the negatives."""
+        rows = _row_arguments(arguments, record.shape[0])
+        picks = {key: _rows_picked_by_index(tensor) for key, tensor in rows.items()}
+        from_parameters = [key for key, pick in picks.items() if pick == "parameter"]
+        if from_parameters and len(from_parameters) == len(rows):
+            # `centers[present]` (a center loss's learned class centers): the rows are a parameter table's,
+            # not the batch's samples', so the call adds the same to every sample, as a weight penalty does
+            record.maps_onto_batch, record.on_batch_rows = False, False
+            record.why_not = (
+                f"its {record.shape[0]} rows ({_names(from_parameters)}) were picked from a parameter, not "
+                "computed on the batch's samples (left out: it adds the same to every sample)"
+            )
+            return
+        rows = {key: tensor for key, tensor in rows.items() if key not in from_parameters}
+        if not rows:
+            return
+        if record.maps_onto_batch and any(
+            _rows_flattened_from_batch(tensor, self.batch_size) for tensor in rows.values()
+        ):
+            return
+        picked = [key for key in rows if picks[key] == "batch"]
+        if picked:
+            # `logits[mask]` (the labelled tokens only): one row per picked element, so samples hold
+            # different numbers of rows; `s[i], s[j]` over all pairs of the batch (a ranking loss): a row is
+            # two samples'. Cutting them into B equal runs would give one sample's rows to another. One picked
+            # row per sample (B rows, a pooled last token) still splits.
+            if picked == ["input"]:
+                record.why_not = (
+                    f"its {record.shape[0]} input rows were picked by an index or a mask (as "
+                    "`logits[mask]` picks labelled tokens), so how many belong to each sample cannot be "
+                    "known; compute it on all rows with `ignore_index` for the unlabelled ones"
+                )
+            else:
+                record.why_not = (
+                    f"its {record.shape[0]} rows ({_names(picked)}) were picked by an index or a mask (as "
+                    "`s[i], s[j]` pick pairs of samples), so which rows belong to which sample cannot be "
+                    "known"
+                )
+        elif record.maps_onto_batch:
+            # `torch.cat([view_1, view_2])` (two augmentations, SimCLR's 2B rows) or `x.repeat(k, 1)` put
+            # each sample's rows B apart, not next to each other: cutting them into B runs would give one
+            # sample's rows to others. Only a flattening of a (B, ...) tensor, `logits.view(-1, V)` of
+            # (B, T, V), is cut.
+            what = "input rows are" if list(rows) == ["input"] else f"rows ({_names(list(rows))}) are"
+            record.why_not = (
+                f"its {record.shape[0]} {what} not a flattening of the batch's {self.batch_size} samples "
+                "(as `logits.view(-1, V)` of `(B, T, V)` is; a time-major `(T, B, V)` flattening, "
+                "`torch.cat` of two views of the batch, or a repeat puts each sample's rows apart), so which "
+                "rows belong to which sample cannot be known"
+            )
+        else:
+            return
+        record.maps_onto_batch = False
+        record.on_batch_rows = True
+
+
+#: arguments whose rows are not the loss's rows (class weights, CTC's lengths), even when their sizes agree
+_NOT_ROWS = frozenset({"weight", "pos_weight", "input_lengths", "target_lengths"})
+
+
+def _row_arguments(arguments: dict[str, Any], rows: int) -> dict[str, Tensor]:
+    """The tensor arguments of a loss call that autograd can trace back and that hold its ``rows`` rows: its
+    inputs (``input``; ``input1``, ``input2``; ``anchor``, ``positive``, ``negative``) and a target computed
+    with gradient. A target from the batch, with no autograd history, has nothing to tell."""
+    return {
+        key: value
+        for key, value in arguments.items()
+        if isinstance(value, Tensor)
+        and value.grad_fn is not None
+        and value.dim() >= 1
+        and value.shape[0] == rows
+        and key not in _NOT_ROWS
+    }
+
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(f"`{key}`" for key in keys)
 
 
 #: nodes that reshape without moving elements; their input's shape tells where the rows came from
@@ -796,20 +914,27 @@ _PASS_THROUGH = frozenset(
 )
 
 
-def _rows_picked_by_index(tensor: Tensor, depth: int = 4) -> bool:
-    """Whether ``tensor`` was made by picking elements with an index or a mask (through at most ``depth``
-    views and dtype casts): then its rows are not a reshape of the batch."""
-    node = tensor.grad_fn
+def _rows_picked_by_index(tensor: Tensor, depth: int = 4) -> str | None:
+    """``"batch"`` when ``tensor`` was made by picking elements with an index or a mask (through at most
+    ``depth`` views and dtype casts): then its rows are not a reshape of the batch; ``"parameter"`` when the
+    picked tensor is an ``nn.Parameter`` itself (through as many views and casts: ``centers[labels]``), whose
+    rows are not the batch's at all; ``None`` otherwise."""
+    node = _through_views(tensor.grad_fn, depth)
+    if node is None or type(node).__name__ not in _ROW_PICKS:
+        return None
+    source = _through_views(
+        next((parent for parent, _ in node.next_functions if parent is not None), None), depth
+    )
+    return "parameter" if isinstance(getattr(source, "variable", None), torch.nn.Parameter) else "batch"
+
+
+def _through_views(node: Any, depth: int) -> Any:
+    """The first autograd node from ``node`` on that is not a view or a cast (at most ``depth`` steps)."""
     for _ in range(depth):
-        if node is None:
-            return False
-        name = type(node).__name__
-        if name in _ROW_PICKS:
-            return True
-        if name not in _PASS_THROUGH:
-            return False
+        if node is None or type(node).__name__ not in _PASS_THROUGH:
+            return node
         node = next((parent for parent, _ in node.next_functions if parent is not None), None)
-    return False
+    return node
 
 
 def _largest_input(arguments: dict[str, Any]) -> int:
@@ -820,13 +945,18 @@ def _largest_input(arguments: dict[str, Any]) -> int:
 
 
 def _per_sample_of(
-    name: str, arguments: dict[str, Any], unreduced: Tensor, batch_size: int, reduction: str
+    name: str,
+    arguments: dict[str, Any],
+    unreduced: Tensor,
+    batch_size: int,
+    reduction: str,
+    grad: Tensor | None = None,
 ) -> Tensor | None:
-    per_sample = _per_sample_on_cpu(name, arguments, unreduced, batch_size, reduction)
+    per_sample = _per_sample_on_cpu(name, arguments, unreduced, batch_size, reduction, grad)
     if per_sample is _NOT_ON_CPU:
         with torch.no_grad():
             weights = element_weights(name, arguments, unreduced)
-            per_sample = per_sample_from_unreduced(unreduced, batch_size, weights, reduction)
+            per_sample = per_sample_from_unreduced(unreduced, batch_size, weights, reduction, grad)
     return per_sample  # type: ignore[return-value]
 
 
@@ -841,14 +971,26 @@ def concat_per_sample(captures: list[LossCapture]) -> np.ndarray | None:
     sources = [_lone_source(capture) for capture in captures]
     first = sources[0] if sources else None
     if first is not None and all(source is not None and source[0] == first[0] for source in sources[1:]):
-        (name, reduction, width, ignore_index, class_indices), unreduced, _, _ = first
+        (name, reduction, width, ignore_index, class_indices, by_gradient), unreduced, _, _, _ = first
         rows = np.concatenate([source[1].detach().numpy().reshape(-1) for source in sources])
         arguments: dict[str, Any] = {}
         if class_indices:
             targets = np.concatenate([source[2].numpy().reshape(-1) for source in sources])
             arguments = {"target": torch.from_numpy(targets), "ignore_index": ignore_index, "weight": None}
+        kept = None
+        if by_gradient:  # each capture's own gradient says whether it is a mask; if not, all elements count
+            masks = [
+                _kept_by_gradient_on_cpu(source[4], source[1].detach().numpy().reshape(source[3], -1))
+                for source in sources
+            ]
+            kept = np.concatenate(
+                [
+                    np.ones(source[1].numel(), bool) if mask is None else mask.reshape(-1)
+                    for mask, source in zip(masks, sources)
+                ]
+            )
         total = sum(source[3] for source in sources)
-        per_sample = _per_sample_on_cpu(name, arguments, torch.from_numpy(rows), total, reduction)
+        per_sample = _per_sample_on_cpu(name, arguments, torch.from_numpy(rows), total, reduction, kept=kept)
         if isinstance(per_sample, Tensor) and per_sample.numel() == total:
             return per_sample.numpy()
     parts = [capture.per_sample() for capture in captures]
@@ -857,10 +999,10 @@ def concat_per_sample(captures: list[LossCapture]) -> np.ndarray | None:
     return torch.cat([part.detach().float().cpu().reshape(-1) for part in parts]).numpy()  # type: ignore[union-attr]
 
 
-def _lone_source(capture: LossCapture) -> tuple[tuple, Tensor, Tensor | None, int] | None:
-    """``(key, unreduced, targets, batch size)`` of a capture holding exactly one CPU float loss call whose
-    per-sample losses have not been computed yet; ``None`` otherwise. Captures with equal keys can be split
-    together."""
+def _lone_source(capture: LossCapture) -> tuple[tuple, Tensor, Tensor | None, int, Tensor | None] | None:
+    """``(key, unreduced, targets, batch size, element gradient)`` of a capture holding exactly one CPU float
+    loss call whose per-sample losses have not been computed yet; ``None`` otherwise. Captures with equal keys
+    can be split together."""
     if len(capture.records) != 1:
         return None
     record = capture.records[0]
@@ -874,19 +1016,36 @@ def _lone_source(capture: LossCapture) -> tuple[tuple, Tensor, Tensor | None, in
     class_indices = isinstance(target, Tensor) and not target.is_floating_point()
     if class_indices and (not target.is_cpu or arguments.get("weight") is not None):
         return None
+    grad = record.element_grad(batch_size)
+    if grad is not None and not grad.is_cpu:
+        return None
     width = unreduced.numel() // batch_size
-    key = (record.name, record.reduction, width, arguments.get("ignore_index", -100), class_indices)
-    return key, unreduced, target if class_indices else None, batch_size
+    key = (
+        record.name,
+        record.reduction,
+        width,
+        arguments.get("ignore_index", -100),
+        class_indices,
+        grad is not None,
+    )
+    return key, unreduced, target if class_indices else None, batch_size, grad
 
 
 _NOT_ON_CPU = object()
 
 
 def _per_sample_on_cpu(
-    name: str, arguments: dict[str, Any], unreduced: Tensor, batch_size: int, reduction: str
+    name: str,
+    arguments: dict[str, Any],
+    unreduced: Tensor,
+    batch_size: int,
+    reduction: str,
+    grad: Tensor | None = None,
+    kept: np.ndarray | None = None,
 ) -> Tensor | None | object:
     """:func:`per_sample_from_unreduced` in NumPy for float CPU tensors, where a step's few hundred values
-    cost far less than the same torch calls; ``_NOT_ON_CPU`` when it does not apply (GPU, bf16).
+    cost far less than the same torch calls; ``_NOT_ON_CPU`` when it does not apply (GPU, bf16, a gradient
+    elsewhere). ``kept``: the elements that count, already read from the gradient (instead of ``grad``).
 
     Kept to as few NumPy calls as the case needs: this runs on every training step.
     """
@@ -894,7 +1053,7 @@ def _per_sample_on_cpu(
         return _NOT_ON_CPU
     target = arguments.get("target")
     class_indices = name in _CLASS_WEIGHTED and isinstance(target, Tensor) and not target.is_floating_point()
-    if class_indices and not target.is_cpu:
+    if (class_indices and not target.is_cpu) or (grad is not None and not grad.is_cpu):
         return _NOT_ON_CPU
     shape = unreduced.shape
     if not shape or shape[0] < batch_size or shape[0] % batch_size or unreduced.numel() == 0:
@@ -904,22 +1063,59 @@ def _per_sample_on_cpu(
         return torch.from_numpy(rows[:, 0].astype(np.float32))  # astype copies: never a view of the loss
     if reduction == "batchmean":
         return torch.from_numpy(rows.sum(axis=1, dtype=np.float32))
-    if not class_indices:
+    if grad is not None:
+        kept = _kept_by_gradient_on_cpu(grad, rows)
+    if kept is not None:
+        kept = kept.reshape(batch_size, -1)
+    if not class_indices and kept is None:
         return torch.from_numpy(rows.mean(axis=1, dtype=np.float32))
-    targets = target.numpy().reshape(batch_size, -1)
-    ignored = targets == arguments.get("ignore_index", -100)
-    weight = arguments.get("weight")
-    if weight is not None:
-        class_weight = weight.detach().cpu().float().numpy()
-        counts = class_weight[np.where(ignored, 0, targets)]
-        counts[ignored] = 0.0
-        return torch.from_numpy(_mean_over_counted(rows, counts.sum(axis=1, dtype=np.float32)))
-    if rows.shape[1] == 1:  # one target per sample: its own loss, 0 where it is ignored
-        values = rows[:, 0].astype(np.float32)
-        if ignored.any():
-            values[ignored[:, 0]] = 0.0
-        return torch.from_numpy(values)
-    return torch.from_numpy(_mean_over_counted(rows, rows.shape[1] - ignored.sum(axis=1, dtype=np.float32)))
+    counted = None  # what each element counts for in the mean: 1 each, unless the targets say otherwise
+    if class_indices:
+        targets = target.numpy().reshape(batch_size, -1)
+        ignored = targets == arguments.get("ignore_index", -100)
+        weight = arguments.get("weight")
+        if weight is not None:
+            counted = weight.detach().cpu().float().numpy()[np.where(ignored, 0, targets)]
+            counted[ignored] = 0.0
+        elif rows.shape[1] == 1:  # one target per sample: its own loss, 0 where it is ignored
+            values = rows[:, 0].astype(np.float32)
+            if ignored.any():
+                values[ignored[:, 0]] = 0.0
+            return torch.from_numpy(values)
+        elif kept is None:
+            return torch.from_numpy(
+                _mean_over_counted(rows, rows.shape[1] - ignored.sum(axis=1, dtype=np.float32))
+            )
+        else:
+            counted = ~ignored
+    if kept is not None:  # the caller's own reduction over a mask: the elements it leaves out do not count
+        rows = rows * kept
+        counted = kept if counted is None else counted * kept
+    assert counted is not None  # class indices, or a mask, said what counts
+    return torch.from_numpy(_mean_over_counted(rows, counted.sum(axis=1, dtype=np.float32)))
+
+
+def _kept_by_gradient_on_cpu(grad: Tensor, rows: np.ndarray) -> np.ndarray | None:
+    """:func:`_kept_by_gradient` in NumPy: the ``(B, elements)`` bool mask of the elements a caller's own
+    reduction keeps, or ``None`` where its gradient is not such a mask (then the plain mean). Every element
+    kept is ``None`` too: the plain mean, without a mask."""
+    magnitude = np.abs(grad.detach().to(torch.float32).numpy().reshape(rows.shape))
+    kept = magnitude > 0
+    if kept.all():
+        return None
+    total = float(magnitude.sum())
+    if not (math.isfinite(total) and total > 0):  # all zero (a loss scaled by 0), or an overflowed AMP step
+        return None
+    top = magnitude.max(axis=1, keepdims=True)
+    if not ((magnitude * (1 + _MASK_TOLERANCE) >= top) | ~kept).all():
+        return None  # a non-linear reduction: harder elements weigh more
+    infinity = rows.dtype.type(np.inf)
+    dropped_top = np.where(kept, -infinity, rows).max(axis=1)
+    kept_bottom = np.where(kept, rows, infinity).min(axis=1)
+    both = (top[:, 0] > 0) & (dropped_top > -infinity)  # samples with kept and left-out elements
+    if both.any() and (dropped_top <= kept_bottom)[both].all():
+        return None  # a threshold on the loss: the lowest losses left out in every sample
+    return kept
 
 
 def _mean_over_counted(rows: np.ndarray, counts: np.ndarray) -> np.ndarray:

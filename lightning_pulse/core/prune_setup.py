@@ -21,7 +21,7 @@ from lightning_pulse.core import prune_targets, pruning
 from lightning_pulse.core.prune_schedule import PRUNE_EVERY_DEFAULT, PruneSchedule, check_int, check_share
 from lightning_pulse.core.prune_targets import LayerSelection
 from lightning_pulse.errors import PulseRefusal, names_itself, refusing
-from lightning_pulse.phase import Phase, PhaseClock
+from lightning_pulse.phase import STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH, Phase, PhaseClock
 
 CADENCES = ("auto", "maintain", "steps")
 
@@ -306,11 +306,24 @@ def refuse_schedule_past_the_run(schedule: PruneSchedule, total_steps: float, st
         )
 
 
-def resolve_schedule(schedule: PruneSchedule, total_steps: float, step: int) -> None:
+def resolve_schedule(
+    schedule: PruneSchedule, total_steps: float, step: int, manual_optimizers: int = 0
+) -> None:
     """At fit start, place ``schedule`` in a run of ``total_steps`` optimizer steps, now at ``step``
     (:meth:`PruneSchedule.resolve`). Raises :class:`PulseRefusal` when it cannot be placed (a share of a run of
     unknown length, ``start`` after ``end``) or when it would start after the run
-    (:func:`refuse_schedule_past_the_run`)."""
+    (:func:`refuse_schedule_past_the_run`). ``manual_optimizers``: the optimizers a module steps itself
+    where a batch's steps are unknown (:func:`~lightning_pulse._lightning_compat.steps_per_batch_unknown`),
+    else 0; a share of such a run of unknown length is refused with that reason."""
+    spans = (("start", schedule.start), ("end", schedule.end))
+    shares = [f"`{name}`={when!r}" for name, when in spans if isinstance(when, float)]
+    if manual_optimizers and shares and not math.isfinite(total_steps):
+        what = "are shares" if len(shares) > 1 else "is a share"
+        raise PulseRefusal(
+            f"ScheduledPrune: {' and '.join(shares)} {what} of the run's optimizer steps, and "
+            f"{UNKNOWN_STEPS_PER_BATCH.format(count=manual_optimizers)}. Give `start` and `end` as int "
+            f"optimizer steps, or {STEPS_BOUND_ONLY}."
+        )
     with refusing("ScheduledPrune"):
         schedule.resolve(total_steps)
     refuse_schedule_past_the_run(schedule, total_steps, step)
@@ -324,6 +337,8 @@ def refuse_structured(reason: str | None) -> None:
         pruning.AUTOGRAD_OFF: "Leave these layers out with `exclude_pattern`, pass use_reentrant=False to a "
         "checkpoint around them, or use mode='unstructured'.",
         pruning.FROZEN_COUPLING: "Unfreeze those layers, or use mode='unstructured'.",
+        pruning.FROZEN_LEFT_OUT: "Unfreeze the layers to cut, or use mode='unstructured'.",
+        pruning.FROZEN_AND_UNCUTTABLE: "Use mode='unstructured'.",
     }
     for cause, way_out in own_way_out.items():
         if reason is not None and reason.startswith(cause):

@@ -233,9 +233,26 @@ def mask_folded_zeros(layers: Mapping[str, nn.Module], mode: str, sparsity: floa
     masked = []
     for name, module in layers.items():
         if current_mask(module) is None and not bool(module.weight.all()):
-            add_mask(module, module.weight.detach() != 0)
+            mask_zeros(module)
             masked.append(name)
     return masked
+
+
+def mask_zeros(module: nn.Module) -> None:
+    """Set the mask of ``module`` to the nonzero entries of its weight (``weight_orig`` behind a mask; a mask
+    is added where there is none): weights pruned where no mask says so (folded into the weights) stay
+    pruned."""
+    mask = current_mask(module)
+    if mask is None:
+        add_mask(module, module.weight.detach() != 0)
+    else:
+        mask.copy_(module.weight_orig.detach() != 0)
+
+
+def masked_layer_names(model: nn.Module) -> list[str]:
+    """The qualified names of the modules of ``model`` whose weight is behind a ``torch.nn.utils.prune``
+    mask, whoever put it there. A pass over the modules."""
+    return [name for name, module in model.named_modules() if current_mask(module) is not None]
 
 
 def apply_masks(layers: Mapping[str, nn.Module], masks: Mapping[str, torch.Tensor]) -> None:
@@ -990,7 +1007,8 @@ def check_structured(
 
     Returns why that is not safe (an error, a changed output shape, nothing that can be cut, chosen layers run
     with autograd off, where the trace cannot see them: :data:`REENTRANT_CHECKPOINT`, :data:`AUTOGRAD_OFF`;
-    every channel group also cuts a layer the user froze: :data:`FROZEN_COUPLING`), or ``None``.
+    every channel group also cuts a layer the user froze: :data:`FROZEN_COUPLING`; nothing is left once the
+    layers the user froze are left out: :data:`FROZEN_LEFT_OUT`, :data:`FROZEN_AND_UNCUTTABLE`), or ``None``.
     """
     reason, where = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example)
     if reason is not None and reason.startswith("tracing which channels"):
@@ -1000,14 +1018,68 @@ def check_structured(
         hint = _way_out(model, pruner, sparsities, example, where)
         reason = reason if hint is None else f"{reason}; {hint}"
     elif reason == NOTHING_TO_CUT and pruner.user_frozen:
-        # the frozen layers are left out of the cut, and so is every group that would cut one of them too
-        if (
-            _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example, frozen=frozenset())[0]
-            is None
-        ):
-            frozen = first_names(sorted(pruner.user_frozen), 3)
-            reason = f"{FROZEN_COUPLING} (`requires_grad=False`: {frozen}), whose weights must not change"
+        reason = _nothing_to_cut_with_frozen(model, pruner, sparsities, example) or reason
     return reason
+
+
+def _nothing_to_cut_with_frozen(
+    model: nn.Module, pruner: Pruner, sparsities: Sequence[float], example: Any
+) -> str | None:
+    """Why a trial cut that cut nothing did so, on a model with layers the user froze: they are left out of
+    the cut, and so is every group that would cut one of them too. ``None``: they play no part (frozen layers
+    of other types only, and without them nothing can be cut either)."""
+    selection = pruner.selection(model)
+    left_out = [name for name in selection.left_out if name in pruner.user_frozen]
+    unfrozen = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example, frozen=frozenset())[0]
+    outputs = output_layers(model, selection.layers, example, pruner.run_precision)
+    others = [name for name in selection.layers if name not in outputs]
+    if unfrozen is None and (others or not left_out):
+        frozen = first_names(sorted(pruner.user_frozen), 3)
+        return f"{FROZEN_COUPLING} (`requires_grad=False`: {frozen}), whose weights must not change"
+    if not left_out:
+        return None
+    shown = first_names(outputs, 3)
+    if others:
+        never_cut = f"; {shown}: the output layer, never cut" if outputs else ""
+        left = (
+            f"no channel group of the selected layers left ({first_names(others, 3)}{never_cut}) can be cut"
+        )
+    elif len(outputs) == 1:
+        left = (
+            f"the only selected layer left is {shown}, the model's output layer, whose outputs are never cut"
+        )
+    elif outputs:
+        left = f"the only selected layers left, {shown}, are output layers, whose outputs are never cut"
+    else:
+        left = "no selected layer is left"
+    frozen = f"(`requires_grad=False`: {first_names(left_out, 3)})"
+    if unfrozen is None:
+        return f"{FROZEN_LEFT_OUT} {frozen}: {left}"
+    return f"{FROZEN_AND_UNCUTTABLE} {frozen}: with them left out, {left}; unfrozen, {unfrozen}"
+
+
+def output_layers(
+    model: nn.Module, layers: Mapping[str, nn.Module], example: Any, precision: RunPrecision | None = None
+) -> list[str]:
+    """The names of ``layers`` whose output channels reach the model's output (the classifier giving the
+    logits): a cut of them changes the output's shape, so they are never cut. Traced on a copy of ``model``
+    with ``example``; ``[]`` when the trace fails."""
+    duplicate = copy_without_hooks(model).eval()
+    named = dict(duplicate.named_modules())
+    try:
+        graph = build_dependency_graph(duplicate, small_example(example), precision)
+    except Exception:  # only a message needs this: a model the trace fails on is refused for that already
+        return []
+    found = []
+    for name in layers:
+        module = named[name]
+        pruner = graph.get_pruner_of_module(module) if module in graph.module2node else None
+        if pruner is None or pruner.get_out_channels(module) is None:
+            continue
+        group = graph.get_pruning_group(module, pruner.prune_out_channels, [0])
+        if _touches_output(graph, group):
+            found.append(name)
+    return found
 
 
 def _trial_cut(
@@ -1056,6 +1128,11 @@ AUTOGRAD_OFF = (
 )
 #: the start of the reason for a trial cut that cuts nothing only because of the layers the user froze
 FROZEN_COUPLING = "every channel group of the selected layers also cuts a layer you froze"
+#: the start of the reason for a trial cut that cuts nothing once the layers the user froze are left out, and
+#: would cut some with them unfrozen
+FROZEN_LEFT_OUT = "nothing is left to cut once the layers you froze are left out"
+#: the start of the reason for a trial cut that cuts nothing with the layers the user froze left out or not
+FROZEN_AND_UNCUTTABLE = "nothing can be cut, with or without the layers you froze"
 #: the reason for a trial cut that cut nothing
 NOTHING_TO_CUT = "no channel group of the selected layers can be cut safely"
 

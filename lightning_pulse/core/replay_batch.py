@@ -20,7 +20,7 @@ Example::
     batches = ReplayBatchLifecycle()
     batches.start_fit()
     for step, (indices, batch) in enumerate(indexed_batches):   # indices: (B,) dataset indices of a list batch
-        batches.start_batch(selector, batch, indices, step, batch_idx=step, active=True)
+        batches.start_batch(selector, batch, indices, step, batch_idx=step, active=True, module=model)
         loss = F.cross_entropy(model(batch[0]), batch[1])       # batch was cut in place; the capture sees this
         batches.close_capture()
         loss.backward(); optimizer.step(); optimizer.zero_grad()
@@ -48,7 +48,13 @@ from lightning_pulse.core.per_sample_loss import (
 )
 from lightning_pulse.core.replay import BatchPlan, Composition, HardSampleSelector
 from lightning_pulse.core.sample_index import KEEP_ONE_ROW_PER_INDEX, unmatched_rows, unmatched_rows_cause
-from lightning_pulse.core.selection import assign_in_place, cut_refusal, take_samples
+from lightning_pulse.core.selection import (
+    assign_in_place,
+    concatenated_parts,
+    concatenation_refusal,
+    cut_refusal,
+    take_samples,
+)
 from lightning_pulse.errors import PulseRefusal
 
 
@@ -113,6 +119,10 @@ class ReplayBatchLifecycle:
         # batch mode: whether the fit's first full batch was checked for a structure that can be cut in place
         # (not every batch: a short last batch of a few samples can match a per-batch constant's shape)
         self._structure_checked = False
+        # batch mode: the samples' items concatenated (concatenated_parts) that the first checked batch holds,
+        # refused once the next full batch holds them too (a per-batch constant matches by chance, rarely
+        # twice) or a cut comes first
+        self._concatenated: dict[tuple[str, str], int] = {}
         self._backward_ran = False  # in the step in flight
 
     def start_fit(self) -> None:
@@ -120,6 +130,7 @@ class ReplayBatchLifecycle:
         self.state_check = CarriedStateCheck()
         self.recorded_steps = self.unscored_steps = 0
         self._structure_checked = False
+        self._concatenated = {}
         self.captures.start()
 
     def start_batch(
@@ -133,6 +144,7 @@ class ReplayBatchLifecycle:
         rank: int = 0,
         window: int = 0,
         cut: Composition | None = None,
+        module: nn.Module | None = None,
     ) -> StepInFlight:
         """Plan the batch about to train, cut it in place when the plan says so and open its loss capture.
 
@@ -149,16 +161,23 @@ class ReplayBatchLifecycle:
             rank: the global rank (seeds the draws).
             window: steps mode's window size the sampler cut the batch from, else ``0``.
             cut: steps mode's choice at the sampler for a light step, already loaded, else ``None``.
+            module: the module about to train. Before the fit's first batch its lists are noted: one it then
+                only appends to (per-step outputs, also a list made anew in its ``on_train_epoch_start``,
+                which runs after the fit's start) is told from state carried across batches also when the
+                second batch is cut (steps mode).
 
         Raises:
             PulseRefusal: in batch mode, for a batch that cannot be cut in place to some of its samples
                 (:func:`~lightning_pulse.core.selection.cut_refusal`), at the fit's first batch that holds a
-                row per index, before any update. For a cut batch before the carried-state check is done while
-                the module holds batch-shaped state.
+                row per index, before any update; for one holding the samples' items concatenated
+                (:func:`~lightning_pulse.core.selection.concatenated_parts`, CTC's 1-D targets) in that batch
+                and the next, or in the first cut batch. For a cut batch before the carried-state check is
+                done while the module holds batch-shaped state.
         """
         self.captures.drop()
         self._backward_ran = False
         batch_size = int(indices.numel())
+        first_checked = False
         # the fit's first batch of two or more samples (one of 1 is never cut, and looks like any layout)
         if self.mode == "batch" and not self._structure_checked and batch_size >= 2:
             reason = cut_refusal(batch, batch_size)
@@ -166,8 +185,13 @@ class ReplayBatchLifecycle:
             # and is not cut: the next full batch tells its layout
             if reason is None or unmatched_rows(batch, batch_size) is None:
                 refuse(reason)
-                self._structure_checked = True
+                self._structure_checked = first_checked = True
+                self._concatenated = concatenated_parts(batch, batch_size)
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
+        if self._concatenated:
+            self._check_concatenated(batch, batch_size, first_checked, plan.positions is not None)
+        if module is not None and self.state_check.first_batch:
+            self.state_check.note_lists(module)
         refuse(self.state_check.before_batch(cut=plan.selected))
         if plan.positions is not None:
             assign_in_place(batch, take_samples(batch, plan.positions, batch_size))
@@ -180,6 +204,18 @@ class ReplayBatchLifecycle:
                 int(plan.roles.size), plan.weights, batch_size if plan.weights is not None else None
             )
         return self.current
+
+    def _check_concatenated(self, batch: Any, batch_size: int, first: bool, cut: bool) -> None:
+        """Refuse the concatenations the first checked batch held when the next full batch holds them too, or
+        before a cut of the first one; forget them when the next full batch does not."""
+        if first:
+            if cut:  # no second batch can confirm them before the harm
+                refuse(concatenation_refusal(self._concatenated, batch_size))
+        elif batch_size >= 2 and unmatched_rows(batch, batch_size) is None:
+            again = concatenated_parts(batch, batch_size)
+            found = {pair: again[pair] for pair in self._concatenated if pair in again}
+            self._concatenated = {}
+            refuse(concatenation_refusal(found, batch_size))
 
     def close_capture(self) -> str | None:
         """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss).

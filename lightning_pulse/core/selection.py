@@ -16,7 +16,9 @@ named tuples, dicts and dataclasses. A *per-sample leaf* is a tensor whose first
 are per-sample themselves, as ``zip(*items)`` makes); every other leaf is shared by the whole batch and kept.
 :func:`cut_refusal` says when a cut would go wrong: a batch that cannot change in place (a
 per-sample tuple held by a tuple included), one with no per-sample leaf, or one holding a tensor with ``B``
-second and another length first (time-major).
+second and another length first (time-major). :func:`concatenated_parts` finds what a cut would leave whole
+next to the kept samples' lengths or offsets: the samples' variable-length items concatenated (CTC's 1-D
+targets, ``nn.EmbeddingBag``'s input, packed tokens next to their ``cu_seqlens``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
 
 RULES = ("topk", "infobatch", "random")
 
@@ -316,6 +319,120 @@ def cut_refusal(batch: Any, batch_size: int, nested: bool = False) -> str | None
             "before they are loaded, or a batch-first collate."
         )
     return None
+
+
+def _parts_with_paths(
+    batch: Any, batch_size: int, where: str = "batch", nested: bool = False
+) -> Iterator[tuple[str, Tensor | list[int] | tuple[int, ...]]]:
+    """Each tensor :func:`take_samples` reaches in ``batch``, and each per-sample list or tuple of ints (CTC's
+    ``target_lengths`` may be one), with how to reach it (``batch['targets']``), but for the items of other
+    per-sample lists and the parts of a ``PackedSequence`` (its ``batch_sizes`` count steps, not items)."""
+    if isinstance(batch, torch.Tensor):
+        yield where, batch
+    elif isinstance(batch, PackedSequence):
+        return
+    elif _is_per_sample(batch, batch_size, nested):
+        if _is_int_sequence(batch):
+            yield where, batch
+    elif isinstance(batch, (Mapping, list, tuple)) or _is_dataclass_batch(batch):
+        for key, value in _parts(batch):
+            yield from _parts_with_paths(value, batch_size, where + key, True)
+
+
+def _is_int_sequence(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value
+    )
+
+
+def _is_int_tensor(tensor: Tensor) -> bool:
+    dtype = tensor.dtype
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _lengths_total(part: Tensor | list[int] | tuple[int, ...], batch_size: int) -> int | None:
+    """The sum of ``part`` if it is one non-negative integer per sample (a ``(B,)`` tensor, a list or tuple of
+    ``B`` ints), else ``None``."""
+    if isinstance(part, torch.Tensor):
+        if part.shape != (batch_size,) or not _is_int_tensor(part) or not bool((part >= 0).all()):
+            return None
+        return int(part.sum())
+    if len(part) != batch_size or min(part) < 0:
+        return None
+    return int(sum(part))
+
+
+def _is_cumulative(tensor: Tensor, size: int) -> bool:
+    """A ``(size,)`` integer tensor that starts at 0 and never decreases."""
+    return (
+        tensor.shape == (size,)
+        and _is_int_tensor(tensor)
+        and int(tensor[0]) == 0
+        and bool((tensor[1:] >= tensor[:-1]).all())
+    )
+
+
+def concatenated_parts(batch: Any, batch_size: int) -> dict[tuple[str, str], int]:
+    """The 1-D tensors of ``batch`` longer than ``B`` that a part of ``batch`` splits into the samples' items, as
+    ``{(where, how it is split): length}``: the samples' variable-length items concatenated (``torch.cat``), as
+    a collate_fn makes ``nn.CTCLoss``'s 1-D ``targets`` next to their ``target_lengths``, ``nn.EmbeddingBag``'s
+    1-D input next to its ``offsets``, or packed tokens next to their ``cu_seqlens`` (PyTorch Geometric's
+    node-to-graph vector next to its ``ptr``). Split by
+
+    * lengths: ``B`` non-negative ints (a ``(B,)`` tensor, a list or tuple) that sum to its length;
+    * offsets: a ``(B,)`` integer tensor from 0, never decreasing, each value below its length;
+    * cumulative lengths: a ``(B + 1,)`` integer tensor from 0, never decreasing, ending at its length.
+
+    A cut along the first dimension keeps such a tensor whole (it is not ``B`` long) next to the kept samples'
+    lengths or offsets. A per-batch constant (a ``(K,)`` class-weight vector) matches only when some ``(B,)``
+    integers (labels) happen to sum to ``K`` or to be sorted from 0, so a caller confirms a match on a second
+    batch.
+
+    Costs a few reductions per ``(B,)`` or ``(B + 1,)`` integer tensor (device syncs on an accelerator) when a
+    1-D tensor longer than ``B`` is held, nothing otherwise.
+    """
+    parts = list(_parts_with_paths(batch, batch_size))
+    flat = [
+        (where, int(t.shape[0]))
+        for where, t in parts
+        if isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] > batch_size
+    ]
+    if not flat:
+        return {}
+    found: dict[tuple[str, str], int] = {}
+    for split, part in parts:
+        total = _lengths_total(part, batch_size)
+        if total is not None:
+            found.update({(where, f"the sum of {split}"): n for where, n in flat if n == total})
+        if not isinstance(part, torch.Tensor):
+            continue
+        # offsets end above 0 (labels of one class, all 0, are no offsets)
+        if total is not None and total > 0 and _is_cumulative(part, batch_size):
+            last = int(part[-1])
+            found.update({(where, f"split at the offsets {split}"): n for where, n in flat if n > last})
+        if _is_cumulative(part, batch_size + 1):
+            last = int(part[-1])
+            found.update(
+                {(where, f"split by the cumulative lengths {split}"): n for where, n in flat if n == last}
+            )
+    return found
+
+
+def concatenation_refusal(found: dict[tuple[str, str], int], batch_size: int) -> str | None:
+    """The reason, after the callback's name, for refusing to cut a batch holding the concatenations ``found``
+    (:func:`concatenated_parts`); ``None`` if none."""
+    if not found:
+        return None
+    parts = "; ".join(f"{where} ({length} items, {split})" for (where, split), length in found.items())
+    return (
+        f"cannot cut a batch of {batch_size} samples in mode='batch': it holds {parts}: the samples' "
+        "variable-length items concatenated, it seems (as torch.cat(targets) for nn.CTCLoss makes, or "
+        "torch.cat(texts) next to nn.EmbeddingBag's offsets), which a cut along the first dimension would keep "
+        "whole next to the kept samples' lengths or offsets, so these would index other samples' items (or "
+        "fail on a size). Use mode='steps', which chooses the samples at the sampler, before they are loaded, "
+        "or pad them to a (B, S) tensor (nn.CTCLoss takes padded targets, nn.EmbeddingBag a padding_idx). "
+        "A per-batch constant as long (a class-weight vector) can be held by the module instead of the batch."
+    )
 
 
 def _parts(batch: Any) -> list[tuple[str, Any]]:

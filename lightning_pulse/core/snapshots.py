@@ -214,9 +214,12 @@ def scheduler_kinds(schedulers: Sequence[Any]) -> tuple[type, ...]:
 def fitted_state(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """A snapshot's model state ``saved`` under the keys of the model's state now (``current``), or ``None``
     when it does not fit. Entries must match in name and shape, except where ``torch.nn.utils.prune`` masked a
-    layer since (unstructured ScheduledPrune): its parameter ``weight`` became ``weight_orig`` next to a
-    ``weight_mask`` buffer. The saved weight goes back under the mask the layer has now: a rollback past a
-    pruning event keeps what was pruned."""
+    layer since (unstructured pruning): its parameter ``weight`` became ``weight_orig`` next to a
+    ``weight_mask`` buffer. The saved weight goes back under the mask the layer has now: whoever pruned it (Lightning's
+    ``ModelPruning``, the user's own ``torch.nn.utils.prune`` call) does not prune again, so what it pruned
+    stays pruned. The masks of the layers ScheduledPrune prunes follow its restored record instead: its
+    rollback load resets those its snapshot state says were not there yet (``load_rollback_state_dict``).
+    The parameter keeps its name, so optimizers and hooks holding it are not disturbed."""
     fitted: dict[str, Any] = OrderedDict()
     fitted._metadata = getattr(saved, "_metadata", None)  # type: ignore[attr-defined]  # module versions
     for name, value in saved.items():

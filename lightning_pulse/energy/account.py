@@ -334,8 +334,10 @@ class EnergyAccount:
         self._counted_step = step_counter()
 
     def skip_gap(self) -> None:
-        """The time to the next batch holds something else (validation, a phase change): no data wait."""
-        self._last_batch_end = None
+        """The time to the next batch holds something else (validation, a phase change, a pause): no data wait.
+        Also when it is called inside a batch's end hooks before this account's own ``batch_ended``: that batch
+        then opens no gap either (a callback listed before the EnergyLogger)."""
+        self._last_batch_end = self._last_batch_start = None
 
     def batch_started(self, batch: Any) -> None:
         """A training batch starts: the data-loader wait before it; its samples and tokens are counted by
@@ -345,9 +347,9 @@ class EnergyAccount:
         read-out. A token count on the device stays pending (reading it would synchronise a GPU).
         """
         now = self.clock()
-        last_end = self._last_batch_end
-        if last_end is not None:
-            stall, loop = now - last_end, now - self._last_batch_start
+        last_start, last_end = self._last_batch_start, self._last_batch_end
+        if last_end is not None and last_start is not None:
+            stall, loop = now - last_end, now - last_start
             if stall > 0:
                 self._stall_s += stall
             if loop > 0:
@@ -410,15 +412,28 @@ class EnergyAccount:
         """The training loop ended (every rank calls it): settle a meter still starting, before the report.
         Under DDP, where any rank has one, every rank waits for the others inside the start-up bucket: a rank
         whose meters are running would otherwise wait for a starting one in the report's first collective, in
-        its own time. Ranks only skewed in time wait in ``"other"``, as in the report's collectives."""
+        its own time. Ranks only skewed in time wait in ``"other"``, as in the report's collectives.
+
+        :meth:`energy_so_far_kwh` gives the run's figure at this point from then on (see there)."""
         self.mark(stage="other", phase=None, cycle=None, epoch=None)
+        try:
+            self._settle_at_end(collective)
+        finally:
+            self.step_counter = None
+            try:
+                self._ended_kwh = self.kwh_now()
+            except Exception as error:
+                self.disable(error)
+                self._ended_kwh = self.metered_kwh()
+
+    def _settle_at_end(self, collective: Collective | None) -> None:
+        """:meth:`end_training`'s wait for a meter still starting, on any rank, inside the start-up bucket."""
         sampler = self.sampler
         starting = sampler is not None and any(chain.starting for chain in sampler.chains)
         if not self._single(collective):
             assert collective is not None  # every rank asks, unconditionally: the same collectives everywhere
             starting = bool(collective.all_gather(np.array([float(starting)])).any())
         if not starting:
-            self.step_counter = None
             return
         self.mark(stage=STARTUP_STAGE)
         try:
@@ -432,7 +447,6 @@ class EnergyAccount:
                 collective.all_gather(np.zeros(1))  # every rank, once the slowest settled
         finally:
             self.mark(stage="other")
-        self.step_counter = None
 
     @staticmethod
     def _single(collective: Collective | None) -> bool:
@@ -491,8 +505,14 @@ class EnergyAccount:
     # ------------------------------------------------------------------ read-outs
     def energy_so_far_kwh(self) -> float:
         """Energy metered by this process so far, in kWh (plus, on global rank 0 of a resumed run, the run
-        before the resume). Between readings it grows with the latest average power, so consecutive calls
-        see a smooth, never decreasing value. Never raises."""
+        before the resume), without the meter start-up (:meth:`_settle_meters`), as the report's total.
+        Between readings it grows with the latest average power, so consecutive calls see a smooth, never
+        decreasing value. Never raises.
+
+        Once the training loop has ended, the run's figure at its end, exact: what the report (taken right
+        after) counts, not the fit's shut-down after it, nor an extrapolation a little above it."""
+        if self._ended_kwh is not None:
+            return self._ended_kwh
         try:
             sampler = self.sampler
             if sampler is not None and not sampler.running:  # no thread: read here, at most once a period
@@ -504,17 +524,18 @@ class EnergyAccount:
             elif self.metering:
                 joules = self.ledger.estimate_joules(self.clock())
             else:  # metering has ended: the final figure, no extrapolation
-                joules = self.ledger.total_joules
+                joules = self.ledger.run_reading[0]
         except Exception as error:
             self.disable(error)
-            joules = self.ledger.total_joules if self.ledger is not None else 0.0
+            joules = self.ledger.run_reading[0] if self.ledger is not None else 0.0
         value = max(joules / J_PER_KWH + self.carried_kwh(), self._last_so_far_kwh)
         self._last_so_far_kwh = value
         return value
 
     def metered_kwh(self) -> float:
-        """The figure at the latest reading (no extrapolation), carried run included on global rank 0."""
-        joules = self.ledger.total_joules if self.ledger is not None else 0.0
+        """The run's energy at the latest reading (no extrapolation, no meter start-up), carried run included
+        on global rank 0."""
+        joules = self.ledger.run_reading[0] if self.ledger is not None else 0.0
         return joules / J_PER_KWH + self.carried_kwh()
 
     def kwh_now(self) -> float:
@@ -535,23 +556,27 @@ class EnergyAccount:
         return None if self.ledger is None else self.ledger.last_reading_time
 
     def step_metrics(self) -> dict[str, float] | None:
-        """``energy/kwh_so_far`` and, from the second call on, ``energy/power_w`` since the previous call."""
-        at = self.last_reading_time
-        if at is None or not self.ledger.metered:
-            return None  # no meter has counted anything: no figure, rather than a 0 that reads as measured
-        joules = self.ledger.total_joules
-        metrics = {"energy/kwh_so_far": self.metered_kwh()}
+        """``energy/kwh_so_far`` and, from the second call on, ``energy/power_w`` since the previous call: the
+        run's figures at the latest reading, without the meter start-up's energy and seconds (the report's
+        total leaves them out too, so the last ``kwh_so_far`` is never above it)."""
+        ledger = self.ledger
+        if ledger is None or not ledger.counted:
+            # no meter has counted anything yet (codecarbon still starting: its zero point only): no figure,
+            # rather than a 0 that reads as measured
+            return None
+        joules, seconds = ledger.run_reading
+        metrics = {"energy/kwh_so_far": joules / J_PER_KWH + self.carried_kwh()}
         previous = self._last_step_log
-        if previous is not None and at > previous[1]:
-            metrics["energy/power_w"] = (joules - previous[0]) / (at - previous[1])
-        self._last_step_log = (joules, at)
+        if previous is not None and seconds > previous[1]:
+            metrics["energy/power_w"] = (joules - previous[0]) / (seconds - previous[1])
+        self._last_step_log = (joules, seconds)
         return metrics
 
     def progress_text(self) -> str:
         """The progress bar's figure; it changes only with a reading, so it is formatted once per reading."""
         at = self.last_reading_time
         if at is None or at != self._progress_at:
-            metered = self.ledger is not None and self.ledger.metered
+            metered = self.ledger is not None and self.ledger.counted
             self._progress_at, self._progress_text = at, f"{self.metered_kwh():.3g}" if metered else "—"
         return self._progress_text
 
@@ -768,6 +793,7 @@ class EnergyAccount:
         self._pending: dict[tuple[str, ...], torch.Tensor] = {}
         self._last_step_log: tuple[float, float] | None = None
         self._last_so_far_kwh = 0.0
+        self._ended_kwh: float | None = None  # the run's figure when its training loop ended
         self._progress_at: float | None = None
         self._progress_text = ""
 

@@ -43,9 +43,13 @@ def parse_timestamp(text: str) -> float:
     """Unix seconds from ISO 8601 (naive = UTC, ``Z`` allowed) or from a number of Unix seconds."""
     text = text.strip()
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):
+            raise ValueError(f"{text!r} is not a finite number of Unix seconds")
+        return seconds
     moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
@@ -54,6 +58,32 @@ def parse_timestamp(text: str) -> float:
 
 def format_utc(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _first_invalid_row(times: np.ndarray, values: np.ndarray) -> tuple[int, str] | None:
+    """The index of the first row of a series that breaks its rules, and the rule: ``"order"`` (its timestamp
+    is not after the one before, or not finite) or ``"value"`` (not finite, or negative); ``None``: all valid.
+
+    Args:
+        times: Unix seconds, shape ``(N,)``.
+        values: shape ``(N,)``.
+    """
+    late = np.flatnonzero(~(np.diff(times) > 0)) + 1  # `~(> 0)` also catches a NaN timestamp
+    bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
+    found = [(int(late[0]), "order")] if late.size else []
+    found += [(int(bad[0]), "value")] if bad.size else []
+    return min(found) if found else None
+
+
+def _moment(seconds: float) -> str:
+    return f"{format_utc(seconds)} UTC" if math.isfinite(seconds) else repr(float(seconds))
+
+
+def _dated(text: str, seconds: float) -> str:
+    """A timestamp as the file wrote it, with its UTC time where that reads differently (an offset, Unix
+    seconds): two rows that look apart can be the same instant."""
+    utc = _moment(seconds)
+    return repr(text) if f"{text} UTC" == utc else f"{text!r} ({utc})"
 
 
 class TimeSeries:
@@ -72,10 +102,15 @@ class TimeSeries:
         values = np.asarray(values, dtype=np.float64)
         if times.ndim != 1 or times.shape != values.shape or len(times) == 0:
             raise ValueError(f"{name}: times and values must be 1-D, of equal, non-zero length.")
-        if np.any(np.diff(times) <= 0):
-            raise ValueError(f"{name}: timestamps must be strictly increasing.")
-        if not np.all(np.isfinite(values)) or np.any(values < 0):
-            raise ValueError(f"{name}: values must be finite and non-negative.")
+        invalid = _first_invalid_row(times, values)
+        if invalid is not None:
+            row, rule = invalid
+            if rule == "order":
+                raise ValueError(
+                    f"{name}: item {row} ({_moment(times[row])}) is not after item {row - 1} "
+                    f"({_moment(times[row - 1])}); timestamps must be strictly increasing."
+                )
+            raise ValueError(f"{name}: item {row} ({float(values[row])!r}) must be finite and non-negative.")
         self.times = times
         self.values = values
         self.name = name
@@ -102,6 +137,7 @@ class TimeSeries:
             )
         times: list[float] = []
         values: list[float] = []
+        rows: list[tuple[int, str, str]] = []  # (line number, timestamp text, value text) of each data row
         time_col, value_col = 0, 1
         with path.open(newline="") as handle:
             for line_number, row in enumerate(csv.reader(handle), start=1):
@@ -119,12 +155,24 @@ class TimeSeries:
                     raise ValueError(
                         f"`{field}`: {path}:{line_number} is not `timestamp,value` ({row!r}: {error})."
                     ) from error
+                rows.append((line_number, row[time_col].strip(), row[value_col].strip()))
         if not times:
             raise ValueError(f"`{field}`: {path} has no data rows.")
-        try:
-            return cls(np.array(times), np.array(values), name=path.name)
-        except ValueError as error:
-            raise ValueError(f"`{field}`: {path}: {error}") from error
+        time_array, value_array = np.array(times), np.array(values)
+        # checked here rather than in __init__, so the message names the file once and the line of the row
+        invalid = _first_invalid_row(time_array, value_array)
+        if invalid is not None:
+            index, rule = invalid
+            line, moment, value = rows[index]
+            if rule == "order":
+                before_line, before, _ = rows[index - 1]
+                raise ValueError(
+                    f"`{field}`: {path}:{line}: timestamp {_dated(moment, times[index])} is not after line "
+                    f"{before_line}'s {_dated(before, times[index - 1])}; timestamps must be strictly "
+                    "increasing."
+                )
+            raise ValueError(f"`{field}`: {path}:{line}: value {value!r} must be finite and non-negative.")
+        return cls(time_array, value_array, name=path.name)
 
     def integral(self, t: float) -> float:
         """Integral of the step function from ``times[0]`` to ``t`` (negative before the start)."""

@@ -165,9 +165,11 @@ class EnergyLedger:
         self.first_wall: float | None = None
         self.last_power_w = 0.0
         self.metered = False  # whether any reading so far came from a meter (measured or estimated)
-        # (total J, time, average power W) of the latest reading, replaced whole under `lock`: one attribute
-        # read gives a consistent triple, so the per-step estimate takes no lock
-        self._latest: tuple[float, float | None, float] = (0.0, None, 0.0)
+        self.readings = 0  # readings recorded after the zero point of `begin`
+        self._run_seconds = 0.0
+        # (run J, time, average power W, run s) of the latest reading, replaced whole under `lock`: one
+        # attribute read gives a consistent tuple, so the per-step read-outs take no lock
+        self._latest: tuple[float, float | None, float, float] = (0.0, None, 0.0, 0.0)
         self._keys: tuple[str, ...] = ()
         self._keys_of: Label | None = None
         self._bucket_lists: dict[tuple[str, ...], list[Bucket]] = {}
@@ -186,7 +188,7 @@ class EnergyLedger:
                 self.totals_j[component] = float(joules)
                 self.methods[component] = method
                 self.metered = self.metered or method in _COUNTING
-            self._latest = (sum(self.totals_j.values()), now, self.last_power_w)
+            self._latest = (0.0, now, self.last_power_w, 0.0)  # a zero point: the run has counted nothing
             self._append_timeline(wall)
 
     @property
@@ -355,10 +357,13 @@ class EnergyLedger:
                 self.totals_j[component] = max(float(joules), self.totals_j[component])
                 self.methods[component] = method
                 self.metered = self.metered or method in _COUNTING
+            startup_s = 0.0
             if span > 0:
                 pieces = self._pieces(t0, now)
                 for start, end, label in pieces:
                     share = (end - start) / span
+                    if label.stage == STARTUP_STAGE:
+                        startup_s += end - start
                     piece_wall0 = wall0 + (start - t0) / span * (wall - wall0)
                     piece_wall1 = wall0 + (end - t0) / span * (wall - wall0)
                     self._credit(label, deltas, totals, share, piece_wall0, piece_wall1)
@@ -367,9 +372,13 @@ class EnergyLedger:
                 self._credit(self.label, deltas, totals, 1.0, wall, wall)
             if span > 0:
                 self.last_power_w = sum(deltas.values()) / span
+                self._run_seconds += span - startup_s
             self._segments = [(now, self.label)]
             self._last_time, self._last_wall = now, wall
-            self._latest = (sum(self.totals_j.values()), now, self.last_power_w)
+            self.readings += 1
+            total = self.buckets.get("total")
+            run_joules = total.joules if total is not None else 0.0
+            self._latest = (run_joules, now, self.last_power_w, self._run_seconds)
             self._append_timeline(wall)
 
     def _pieces(self, t0: float, t1: float) -> list[tuple[float, float, Label]]:
@@ -438,15 +447,24 @@ class EnergyLedger:
 
     # ------------------------------------------------------------------ read-out
     @property
-    def total_joules(self) -> float:
-        with self.lock:
-            return sum(self.totals_j.values())
+    def run_reading(self) -> tuple[float, float]:
+        """``(joules, seconds)`` of the run at the latest reading: the ``total`` bucket's energy (what the
+        report's total says), so without the meter start-up's (:data:`STARTUP_KEY`) or a meter's zero point,
+        and the time the readings cover without the start-up's."""
+        joules, _, _, seconds = self._latest
+        return joules, seconds
+
+    @property
+    def counted(self) -> bool:
+        """Whether a meter has counted energy over some time: a reading past the zero point of :meth:`begin`
+        (none comes while a meter is still starting in the background; see ``EnergySampler.sample``)."""
+        return self.metered and self.readings > 0
 
     def estimate_joules(self, now: float, horizon: float = 10.0) -> float:
-        """The total at the last reading plus the latest average power times the time since (at most
-        ``horizon`` seconds): a smooth figure between readings, at no metering cost and without the lock (it is
-        read at every optimizer step)."""
-        total, last_time, power = self._latest
+        """The run's energy at the last reading (:attr:`run_reading`) plus the latest average power times the
+        time since (at most ``horizon`` seconds): a smooth figure between readings, at no metering cost and
+        without the lock (it is read at every optimizer step)."""
+        total, last_time, power, _ = self._latest
         if last_time is None:
             return total
         return total + power * min(max(now - last_time, 0.0), horizon)

@@ -191,6 +191,7 @@ class MeterChain:
         self._meter_since = 0.0  # when the active meter's count starts
         self._delivered = False  # whether the active meter has delivered a reading (not a start's zero point)
         self._counted = False  # whether any meter of this chain has
+        self._closed_description: dict[str, Any] | None = None  # the active meter's, when the chain closed
 
     @property
     def method(self) -> str:
@@ -203,6 +204,7 @@ class MeterChain:
     def start(self, now: float) -> None:
         """Start the first meter that works."""
         self._started_at = now
+        self._closed_description = None
         self._advance(now, since=now, failures=[])
 
     def read(self, now: float) -> tuple[float, str]:
@@ -260,11 +262,16 @@ class MeterChain:
 
     def close(self) -> None:
         if self.meter is not None:
+            # an interrupted run's report is built after the meters close: it still names the one that counted
+            self._closed_description = self.meter.describe()
             self._close(self.meter)
             self.meter = None
 
     def describe(self) -> dict[str, Any]:
-        described = self.meter.describe() if self.meter is not None else {"meter": "none", "method": NONE}
+        if self.meter is not None:
+            described = self.meter.describe()
+        else:
+            described = self._closed_description or {"meter": "none", "method": NONE}
         return {**described, "fallbacks": [event.to_dict() for event in self.events]}
 
     # ------------------------------------------------------------------ internals
