@@ -915,8 +915,9 @@ def _spiky_and_broad_errors(batch=16, pixels=256):
         lambda loss: loss.topk(loss.shape[1] // 4, dim=1).values.mean(),  # each sample's hardest quarter
         lambda loss: (loss**2).mean(),  # non-linear: harder elements get a larger gradient
         lambda loss: ((1 - torch.exp(-loss)) ** 2 * loss).mean(),  # focal
+        lambda loss: loss.clamp(max=2.0).mean(),  # a truncated loss: the highest losses left out
     ],
-    ids=["ohem-threshold", "relu-margin", "per-sample-topk", "squared", "focal"],
+    ids=["ohem-threshold", "relu-margin", "per-sample-topk", "squared", "focal", "clamp-max"],
 )
 def test_a_loss_the_caller_reduces_by_its_values_is_scored_by_the_plain_mean_of_each_sample(reduce):
     # held-out sweep: weighting each element by its gradient inverted the ranking of spiky samples (a few
@@ -943,6 +944,39 @@ def test_a_loss_the_caller_reduces_by_its_values_is_scored_by_the_plain_mean_of_
     ((pixel_loss * mask).sum(1) / mask.sum(1)).mean().backward()
     capture.drop_unused()
     assert torch.allclose(capture.per_sample(), (error * mask).sum(1) / lengths)
+
+
+def _focal(loss):
+    return (1 - torch.exp(-loss)) ** 2 * loss
+
+
+@pytest.mark.parametrize(
+    ("elements", "reduce"),
+    [
+        (lambda prediction, mask: prediction, lambda loss, mask: (_focal(loss) * mask).sum() / mask.sum()),
+        (lambda prediction, mask: prediction * mask, lambda loss, mask: (loss * mask).sum() / mask.sum()),
+    ],
+    ids=["focal-over-padding", "zero-filled-pads"],
+)
+def test_a_mask_is_followed_whatever_the_loss_it_masks_and_whatever_loss_its_pads_have(elements, reduce):
+    # a review: a focal loss over a padding mask kept the plain mean, pads included (its gradient differs
+    # between elements), and pads zero-filled in both the prediction and the target (a loss of exactly 0, the
+    # usual masked regression) looked like a threshold (every sample's lowest losses left out): both now score
+    # each sample on its own elements
+    error = _spiky_and_broad_errors()
+    lengths = torch.tensor([256, 64, 128, 200] * 4)
+    mask = (torch.arange(256)[None] < lengths[:, None]).float()
+    prediction = error.clone().requires_grad_()
+    with LossCapture(batch_size=16) as capture:
+        pixel_loss = F.l1_loss(elements(prediction, mask), torch.zeros_like(error), reduction="none")
+    reduce(pixel_loss, mask).backward()
+    capture.drop_unused()
+    masked_mean = (error * mask).sum(1) / lengths
+    assert torch.allclose(capture.per_sample(), masked_mean)  # the NumPy path (CPU)
+    on_device = per_sample_from_unreduced(  # the torch path (GPU, bf16)
+        capture.records[0].unreduced, 16, None, "none", capture.records[0].element_grad(16)
+    )
+    assert torch.allclose(on_device, masked_mean)
 
 
 def test_a_masked_token_loss_next_to_a_small_second_term_keeps_each_samples_masked_mean():

@@ -289,36 +289,33 @@ def per_sample_from_unreduced(
     return torch.where(counts != 0, rows.sum(dim=1) / counts, 0.0)  # every token ignored: 0
 
 
-#: how far apart, relatively, the non-zero gradients of one sample's elements may lie and still be one value
-#: (rounding: bf16 keeps about 3 significant digits)
-_MASK_TOLERANCE = 1e-2
-
-
 def _kept_by_gradient(grad: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
     """``(kept, is_mask)`` for a loss the caller reduced itself, from its element gradient ``grad`` and its
     elements ``rows``, both ``(B, elements)``: ``kept`` (float, 1 where the gradient is not zero), and a 0-dim
     bool saying whether the gradient acts as a mask that the score may follow. On the device, no sync.
 
     A mask, as a mean over padding (``(loss * mask).sum() / mask.sum()``, also per sample then over the
-    batch) makes it: one non-zero ``|grad|`` within each sample, and zeros that do not depend on the loss's
-    values. A non-linear reduction (``(l ** 2).mean()``, a focal weight) gives harder elements a larger
-    gradient, and a threshold on the loss (``l[l > 0.7].mean()``, ``relu(l - 0.5).mean()``, a top-k) leaves
-    out exactly each sample's lowest losses: following either would score a sample by how its loss was
-    reduced, which inverts the ranking (a few very wrong elements then outscore many moderately wrong ones),
-    so they keep the plain mean. A threshold is told from padding by every sample that has both kept and
-    left-out elements leaving out only losses no larger than those it keeps: padding, independent of the
-    loss, does not do that in every sample (when it does, the plain mean is kept, as before)."""
-    magnitude = grad.abs().float()
-    kept = magnitude > 0
-    some, every = kept.any(dim=1), kept.all(dim=1)
-    smallest = torch.where(kept, magnitude, torch.inf).amin(dim=1)
-    one_value = ~some | (magnitude.amax(dim=1) <= smallest * (1 + _MASK_TOLERANCE))
-    both = some & ~every
-    dropped_top = torch.where(kept, -torch.inf, rows).amax(dim=1)
+    batch, also of a non-linear per-element loss), leaves out elements whatever their loss. A threshold on
+    the loss does not: ``l[l > 0.7].mean()``, ``relu(l - 0.5).mean()`` or a top-k leave out each sample's
+    lowest losses, ``l.clamp(max=2).mean()`` its highest; following it would score a sample by what its
+    reduction kept (a sample whose every element is clamped would score 0, the easiest), so it keeps the plain
+    mean. A threshold is told from padding by every sample that has both kept and left-out elements leaving
+    out only losses no larger than the ones it keeps, or only losses no smaller: padding, independent of the
+    loss, does not do that in every sample (when it does, the plain mean is kept, as before). Left-out elements
+    whose loss is exactly 0 (pads zero-filled in both the prediction and the target) are no evidence either
+    way: they add nothing to any sum. Only where the gradient is kept (0 or not) counts, never its size, so a
+    non-linear reduction that keeps every element scores the plain mean."""
+    kept = grad != 0
+    evidence = ~kept & (rows != 0)  # left out, and with a loss that would have counted
+    both = kept.any(dim=1) & evidence.any(dim=1)
+    dropped_top = torch.where(evidence, rows, -torch.inf).amax(dim=1)
+    dropped_bottom = torch.where(evidence, rows, torch.inf).amin(dim=1)
     kept_bottom = torch.where(kept, rows, torch.inf).amin(dim=1)
-    threshold = both.any() & (~both | (dropped_top <= kept_bottom)).all()
-    total = magnitude.sum()
-    is_mask = torch.isfinite(total) & (total > 0) & one_value.all() & ~threshold
+    kept_top = torch.where(kept, rows, -torch.inf).amax(dim=1)
+    one_sided = (dropped_top <= kept_bottom) | (dropped_bottom >= kept_top)
+    threshold = both.any() & (~both | one_sided).all()
+    total = grad.abs().float().sum()
+    is_mask = torch.isfinite(total) & (total > 0) & ~threshold
     return kept.float(), is_mask
 
 
@@ -1106,15 +1103,16 @@ def _kept_by_gradient_on_cpu(grad: Tensor, rows: np.ndarray) -> np.ndarray | Non
     total = float(magnitude.sum())
     if not (math.isfinite(total) and total > 0):  # all zero (a loss scaled by 0), or an overflowed AMP step
         return None
-    top = magnitude.max(axis=1, keepdims=True)
-    if not ((magnitude * (1 + _MASK_TOLERANCE) >= top) | ~kept).all():
-        return None  # a non-linear reduction: harder elements weigh more
     infinity = rows.dtype.type(np.inf)
-    dropped_top = np.where(kept, -infinity, rows).max(axis=1)
+    evidence = ~kept & (rows != 0)  # left out, with a loss that would have counted (zero-filled pads do not)
+    both = kept.any(axis=1) & evidence.any(axis=1)
+    dropped_top = np.where(evidence, rows, -infinity).max(axis=1)
+    dropped_bottom = np.where(evidence, rows, infinity).min(axis=1)
     kept_bottom = np.where(kept, rows, infinity).min(axis=1)
-    both = (top[:, 0] > 0) & (dropped_top > -infinity)  # samples with kept and left-out elements
-    if both.any() and (dropped_top <= kept_bottom)[both].all():
-        return None  # a threshold on the loss: the lowest losses left out in every sample
+    kept_top = np.where(kept, rows, -infinity).max(axis=1)
+    one_sided = (dropped_top <= kept_bottom) | (dropped_bottom >= kept_top)
+    if both.any() and one_sided[both].all():
+        return None  # a threshold on the loss: the lowest (or highest) losses left out in every sample
     return kept
 
 
