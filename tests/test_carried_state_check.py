@@ -181,7 +181,7 @@ class _ListKeeping(pl.LightningModule):
     same list's item replaced; ``filled``, the same list, empty before the first batch, then its item
     replaced; ``epoch_start``, as ``appended`` but the list made anew in ``on_train_epoch_start``;
     ``hidden_appended``, each step's output appended as an RNN's hidden state, ``(1, B, 4)``, the last one
-    added to the next batch's."""
+    added to the next batch's; ``similarity_appended``, a ``(B, B)`` in-batch similarity appended."""
 
     def __init__(self, keep: str) -> None:
         super().__init__()
@@ -194,6 +194,8 @@ class _ListKeeping(pl.LightningModule):
         logits = self.net(x)
         if self.keep in ("appended", "epoch_start"):
             self.training_step_outputs.append(logits.argmax(-1).detach())
+        elif self.keep == "similarity_appended":  # an in-batch similarity, (B, B)
+            self.training_step_outputs.append((logits @ logits.T).detach())
         elif self.keep == "hidden_appended":
             logits = logits + self.state[-1][0] if self.state else logits
             self.state.append(logits.detach()[None])
@@ -229,11 +231,12 @@ def _standalone_steps_mode() -> tuple[pl.Trainer, _LightSteps, DataLoader]:
     return trainer, light, DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
 
 
-@pytest.mark.parametrize("keep", ["appended", "epoch_start"])
+@pytest.mark.parametrize("keep", ["appended", "epoch_start", "similarity_appended"])
 def test_per_step_outputs_appended_to_a_list_are_not_refused_when_the_second_batch_is_cut(keep):
     # held-out sweep: standalone steps mode refused this module after its first batch as one "that carries
     # state" (`training_step_outputs`), as a list blocked a cut batch before the read/replace test could run;
-    # a review of the fix: a list made anew in on_train_epoch_start (after the fit's start) still was
+    # a review of the fix: a list made anew in on_train_epoch_start (after the fit's start) still was, and so
+    # was a (B, B) output (an in-batch similarity) taken for an RNN's (layers, B, hidden) state
     trainer, light, loader = _standalone_steps_mode()
     module = _ListKeeping(keep)
     trainer.fit(module, loader)

@@ -687,4 +687,4 @@ def test_a_manual_module_stepping_two_optimizers_a_batch_is_refused_without_an_e
     message = str(refused.value)
     assert trainer.global_step == 0
     assert "this module steps its 2 optimizers itself (manual optimization)" in message
-    assert "give `expected_duration`" in message and "Trainer(max_steps=N) without max_epochs" in message
+    assert "Give `expected_duration`" in message and "Trainer(max_steps=N) without max_epochs" in message

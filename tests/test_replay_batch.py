@@ -340,6 +340,32 @@ def test_a_class_weight_vector_as_long_as_the_first_batchs_labels_sum_is_not_ref
         batches.release()
 
 
+def test_sorted_labels_from_zero_next_to_a_shared_position_vector_match_the_same_way_twice_and_are_not_refused():
+    # a review: a (B,) domain label [0]*4 + [1]*4 (or in-batch targets arange(B)) next to a shared arange(16)
+    # position vector read as offsets on every batch, so the second batch "confirmed" it and a valid module was
+    # refused; a constant splits the same way on every batch into unequal items, which no concatenation does
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    batches = ReplayBatchLifecycle("batch")
+    batches.start_fit()
+    selector = HardSampleSelector(SampleScoreTable(24), ReplayConfig("topk", replay_fraction=0.5))
+    try:
+        for step in range(3):
+            x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+            batch = {"x": x, "y": y, "domain": torch.tensor([0] * 4 + [1] * 4), "pos": torch.arange(16)}
+            indices = torch.arange(8 * min(step, 1), 8 * min(step, 1) + 8)  # the third: scored samples again
+            started = batches.start_batch(selector, batch, indices, step, step, active=step == 2)
+            loss = F.cross_entropy(model(batch["x"]), batch["y"])
+            batches.close_capture()
+            assert batches.finish_batch(model, batch, outputs=loss) is started
+            selector.apply()
+        assert (
+            len(batch["x"]) == 4 and len(batch["pos"]) == 16
+        )  # the third batch cut, the constant kept whole
+    finally:
+        batches.release()
+
+
 def _joined_as(batch: dict, layout: str) -> dict:
     """``_ctc_batch``'s targets split by their lengths as a list or tuple of ints, by ``nn.EmbeddingBag``-style
     ``(B,)`` offsets or by ``(B + 1,)`` cumulative lengths (``cu_seqlens``) instead of a ``(B,)`` tensor."""

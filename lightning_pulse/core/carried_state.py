@@ -220,7 +220,8 @@ class CarriedStateCheck:
 
     def _only_appended(self, path: str, value: Any, batch_size: int) -> bool:
         """Whether ``value`` is the list noted at ``path`` before the first batch, grown, old items kept, with
-        the batch size in no new tensor but along its first dimension: per-step outputs are ``(B, ...)``, an
+        no new tensor holding the batch size after a first dimension of another size: per-step outputs are
+        ``(B, ...)`` (``(B, B)`` too: class probabilities with as many classes, an in-batch similarity), an
         RNN's hidden state ``(layers, B, hidden)``."""
         before, items = self._lists_before.get(path, (None, ()))
         return (
@@ -228,7 +229,9 @@ class CarriedStateCheck:
             and len(value) > len(items)
             and all(now is then for now, then in zip(value, items))
             and not any(
-                batch_size in tensor.shape[1:] for item in value[len(items) :] for tensor in tensors_in(item)
+                tensor.dim() > 1 and tensor.shape[0] != batch_size and batch_size in tensor.shape[1:]
+                for item in value[len(items) :]
+                for tensor in tensors_in(item)
             )
         )
 

@@ -801,8 +801,8 @@ def unknown_length_refusal(
     else:
         why, bound = "this run has no known length", KNOWN_LENGTH
     return (
-        f"GreenWindow: every decision weighs the work left against the cleaner hours ahead, and {why}, so it "
-        f"would never decide; give `expected_duration` (the run's compute time, e.g. '20h'), or {bound}."
+        f"GreenWindow: every decision weighs the work left against the cleaner hours ahead, and {why}: it "
+        f"would never decide. Give `expected_duration` (the run's compute time, e.g. '20h'), or {bound}."
     )
 
 

@@ -122,7 +122,7 @@ class ReplayBatchLifecycle:
         # batch mode: the samples' items concatenated (concatenated_parts) that the first checked batch holds,
         # refused once the next full batch holds them too (a per-batch constant matches by chance, rarely
         # twice) or a cut comes first
-        self._concatenated: dict[tuple[str, str], int] = {}
+        self._concatenated: dict[tuple[str, str], tuple[int, tuple[int, ...]]] = {}
         self._backward_ran = False  # in the step in flight
 
     def start_fit(self) -> None:
@@ -186,7 +186,7 @@ class ReplayBatchLifecycle:
             if reason is None or unmatched_rows(batch, batch_size) is None:
                 refuse(reason)
                 self._structure_checked = first_checked = True
-                self._concatenated = concatenated_parts(batch, batch_size)
+                self._concatenated = concatenated_parts(batch, batch_size, with_items=True)
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
         if self._concatenated:
             self._check_concatenated(batch, batch_size, first_checked, plan.positions is not None)
@@ -210,10 +210,17 @@ class ReplayBatchLifecycle:
         before a cut of the first one; forget them when the next full batch does not."""
         if first:
             if cut:  # no second batch can confirm them before the harm
-                refuse(concatenation_refusal(self._concatenated, batch_size))
+                lengths = {pair: length for pair, (length, _) in self._concatenated.items()}
+                refuse(concatenation_refusal(lengths, batch_size))
         elif batch_size >= 2 and unmatched_rows(batch, batch_size) is None:
-            again = concatenated_parts(batch, batch_size)
-            found = {pair: again[pair] for pair in self._concatenated if pair in again}
+            again = concatenated_parts(batch, batch_size, with_items=True)
+            # a concatenation's items change from batch to batch, or are all as long; a constant that matches
+            # on every batch the same way (sorted labels from 0 next to a position vector) is none (a review)
+            found = {
+                pair: again[pair][0]
+                for pair, first_match in self._concatenated.items()
+                if pair in again and (again[pair] != first_match or len(set(again[pair][1])) == 1)
+            }
             self._concatenated = {}
             refuse(concatenation_refusal(found, batch_size))
 

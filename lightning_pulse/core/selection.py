@@ -372,7 +372,7 @@ def _is_cumulative(tensor: Tensor, size: int) -> bool:
     )
 
 
-def concatenated_parts(batch: Any, batch_size: int) -> dict[tuple[str, str], int]:
+def concatenated_parts(batch: Any, batch_size: int, with_items: bool = False) -> dict[tuple[str, str], Any]:
     """The 1-D tensors of ``batch`` longer than ``B`` that a part of ``batch`` splits into the samples' items, as
     ``{(where, how it is split): length}``: the samples' variable-length items concatenated (``torch.cat``), as
     a collate_fn makes ``nn.CTCLoss``'s 1-D ``targets`` next to their ``target_lengths``, ``nn.EmbeddingBag``'s
@@ -388,6 +388,10 @@ def concatenated_parts(batch: Any, batch_size: int) -> dict[tuple[str, str], int
     integers (labels) happen to sum to ``K`` or to be sorted from 0, so a caller confirms a match on a second
     batch.
 
+    ``with_items``: each value is ``(length, the samples' item lengths)`` instead, for a caller that tells a
+    concatenation (its items change from batch to batch, or are all as long) from a constant that matches on
+    every batch (sorted labels from 0 next to a ``(K,)`` position vector).
+
     Costs a few reductions per ``(B,)`` or ``(B + 1,)`` integer tensor (device syncs on an accelerator) when a
     1-D tensor longer than ``B`` is held, nothing otherwise.
     """
@@ -399,23 +403,34 @@ def concatenated_parts(batch: Any, batch_size: int) -> dict[tuple[str, str], int
     ]
     if not flat:
         return {}
-    found: dict[tuple[str, str], int] = {}
+    found: dict[tuple[str, str], Any] = {}
     for split, part in parts:
         total = _lengths_total(part, batch_size)
+        matches: list[tuple[str, str, int]] = []
         if total is not None:
-            found.update({(where, f"the sum of {split}"): n for where, n in flat if n == total})
-        if not isinstance(part, torch.Tensor):
-            continue
-        # offsets end above 0 (labels of one class, all 0, are no offsets)
-        if total is not None and total > 0 and _is_cumulative(part, batch_size):
-            last = int(part[-1])
-            found.update({(where, f"split at the offsets {split}"): n for where, n in flat if n > last})
-        if _is_cumulative(part, batch_size + 1):
-            last = int(part[-1])
-            found.update(
-                {(where, f"split by the cumulative lengths {split}"): n for where, n in flat if n == last}
-            )
+            matches += [(where, f"the sum of {split}", n) for where, n in flat if n == total]
+        if isinstance(part, torch.Tensor):
+            # offsets end above 0 (labels of one class, all 0, are no offsets)
+            if total is not None and total > 0 and _is_cumulative(part, batch_size):
+                last = int(part[-1])
+                matches += [(where, f"split at the offsets {split}", n) for where, n in flat if n > last]
+            if _is_cumulative(part, batch_size + 1):
+                last = int(part[-1])
+                matches += [
+                    (where, f"split by the cumulative lengths {split}", n) for where, n in flat if n == last
+                ]
+        for where, how, n in matches:
+            found[(where, how)] = (n, _item_lengths(how, part, n)) if with_items else n
     return found
+
+
+def _item_lengths(how: str, part: Tensor | list[int] | tuple[int, ...], length: int) -> tuple[int, ...]:
+    """The samples' item lengths a concatenation of ``length`` items split ``how`` by ``part`` implies."""
+    values = tuple(int(v) for v in (part.tolist() if isinstance(part, torch.Tensor) else part))
+    if how.startswith("the sum"):
+        return values
+    ends = (*values, length) if how.startswith("split at the offsets") else values
+    return tuple(end - start for start, end in zip(ends, ends[1:]))
 
 
 def concatenation_refusal(found: dict[tuple[str, str], int], batch_size: int) -> str | None:
