@@ -50,20 +50,27 @@ def fit(callbacks, clock, steps=288, **kwargs) -> pl.Trainer:
     return trainer
 
 
-def test_light_mode_holds_bursts_to_clean_hours_and_its_co2_matches_the_energy_logger(
-    mnist1d_small, tmp_path
-):
-    model, data = mnist1d_small(arch="mlp")
-    clock = SimulatedClock(START)
+def energy_on(clock, report_dir) -> EnergyLogger:
+    """An EnergyLogger metering a constant 100 W CPU on the German June series, on ``clock`` (the documented
+    way to share one clock with GreenWindow)."""
     energy = EnergyLogger(
         carbon_intensity=DE_JUNE,
         gpu="none",
         cpu="constant",
         ram="none",
         meters=MeterConfig(sampling_period=0.05, cpu_watts=100.0),
-        report_dir=str(tmp_path / "energy"),
+        report_dir=str(report_dir),
     )
     energy.account.clock = energy.account.wall_clock = clock
+    return energy
+
+
+def test_light_mode_holds_bursts_to_clean_hours_and_its_co2_matches_the_energy_logger(
+    mnist1d_small, tmp_path
+):
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock(START)
+    energy = energy_on(clock, tmp_path / "energy")
     green = GreenWindow(when_dirty="light", clock=clock)  # signal: the EnergyLogger's series
     # PulseCycle's default warm-up and anneal, whose ends change a segment's kind too (a held-out sweep found
     # one step's energy booked to the wrong segment at each change of kind)
@@ -154,15 +161,7 @@ def test_a_pause_inside_an_epoch_is_not_booked_as_training_by_the_energy_logger(
     # first epoch's forecast scaled the idle hours up to the whole run (2.04 kWh for a run that used 1.2)
     model, data = mnist1d_small(arch="mlp")  # 12 batches an epoch
     clock = SimulatedClock(START)
-    energy = EnergyLogger(
-        carbon_intensity=DE_JUNE,
-        gpu="none",
-        cpu="constant",
-        ram="none",
-        meters=MeterConfig(sampling_period=0.05, cpu_watts=100.0),
-        report_dir=str(tmp_path / "energy"),
-    )
-    energy.account.clock = energy.account.wall_clock = clock
+    energy = energy_on(clock, tmp_path / "energy")
     # the first hour (about 250 g/kWh) is clean, the next ones (255 and up) are dirty: 6 steps, then a pause
     # of the whole 3 h budget inside epoch 0
     green = GreenWindow(
@@ -605,11 +604,7 @@ def test_a_resume_on_an_earlier_clock_says_when_the_energy_loggers_co2_reads_oth
 
     def run(ckpt_path=None):
         clock = SimulatedClock("2020-06-15 00:00:00")
-        energy = EnergyLogger(
-            carbon_intensity=DE_JUNE, gpu="none", cpu="constant", ram="none", report_dir=str(tmp_path / "energy"),
-            meters=MeterConfig(sampling_period=0.05, cpu_watts=100.0),
-        )  # fmt: skip
-        energy.account.clock = energy.account.wall_clock = clock  # the documented way to share one clock
+        energy = energy_on(clock, tmp_path / "energy")
         green = GreenWindow(
             when_dirty="light", clock=clock, options=GreenWindowOptions(report_dir=str(tmp_path))
         )

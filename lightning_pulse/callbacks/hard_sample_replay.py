@@ -246,10 +246,10 @@ class HardSampleReplay(Callback):
         ):
             # ages count global steps, which count every optimizer's step: a GAN's two players halve an epoch
             _warn(
-                f"`score_half_life`={self.half_life.amount:g} epochs is read as {steps_per_epoch} optimizer steps "
-                f"an epoch, one a batch, but this module steps its {len(trainer.optimizers)} optimizers itself "
-                "(manual optimization) and trainer.global_step counts every step: scores age faster by the "
-                "steps a batch makes. Give the half-life in steps (`score_half_life='400steps'`)."
+                f"`score_half_life`={self.half_life.amount:g} epochs is read as {steps_per_epoch} optimizer "
+                f"steps an epoch, one a batch, but this module steps its {len(trainer.optimizers)} optimizers "
+                "itself (manual optimization) and trainer.global_step counts every step: scores age faster by "
+                "the steps a batch makes. Give the half-life in steps (`score_half_life='400steps'`)."
             )
         _warn(shorter_than_an_epoch(compat.total_steps(trainer), steps_per_epoch, self.mode))
         log_every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)

@@ -301,9 +301,9 @@ def _kept_by_gradient(grad: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
     reduction kept (a sample whose every element is clamped would score 0, the easiest), so it keeps the plain
     mean. A threshold is told from padding by every sample that has both kept and left-out elements leaving
     out only losses no larger than the ones it keeps, or only losses no smaller: padding, independent of the
-    loss, does not do that in every sample (when it does, the plain mean is kept, as before). Left-out elements
-    whose loss is exactly 0 (pads zero-filled in both the prediction and the target) are no evidence either
-    way: they add nothing to any sum. Only where the gradient is kept (0 or not) counts, never its size, so a
+    loss, does not do that in every sample (when it does, the plain mean is kept, as before). Left-out
+    elements whose loss is exactly 0 (pads zero-filled in both the prediction and the target) are no evidence
+    either way: they add nothing to any sum. Only where the gradient is kept (0 or not) counts, never its size, so a
     non-linear reduction that keeps every element scores the plain mean."""
     kept = grad != 0
     evidence = ~kept & (rows != 0)  # left out, and with a loss that would have counted
@@ -637,8 +637,8 @@ class LossCapture:
         With ``g`` the gradient of the loss with respect to what the caller got, each call stands for its
         per-sample losses (as scored alone) times its weight in the loss, the sum of ``g``: ``g`` for a call
         torch reduced (``"mean"``, ``"batchmean"``; ``"sum"``: times its element count), the sum of ``g`` over
-        the elements of a call the caller reduced (``reduction="none"``: 1 for a mean, masked or not). Weighing
-        such a call's samples by ``g`` instead would score a masked token loss by each sample's token count,
+        the elements of a call the caller reduced (``reduction="none"``: 1 for a mean, masked or not).
+        Weighing such a call's samples by ``g`` instead would score a masked token loss by each sample's token count,
         and a second term, however small, would change its ranking."""
         if len(mapped) < 2 or any(record.grad is None for record in mapped):
             return None

@@ -373,10 +373,10 @@ def _is_cumulative(tensor: Tensor, size: int) -> bool:
 
 
 def concatenated_parts(batch: Any, batch_size: int, with_items: bool = False) -> dict[tuple[str, str], Any]:
-    """The 1-D tensors of ``batch`` longer than ``B`` that a part of ``batch`` splits into the samples' items, as
-    ``{(where, how it is split): length}``: the samples' variable-length items concatenated (``torch.cat``), as
-    a collate_fn makes ``nn.CTCLoss``'s 1-D ``targets`` next to their ``target_lengths``, ``nn.EmbeddingBag``'s
-    1-D input next to its ``offsets``, or packed tokens next to their ``cu_seqlens`` (PyTorch Geometric's
+    """The 1-D tensors of ``batch`` longer than ``B`` that a part of ``batch`` splits into the samples' items,
+    as ``{(where, how it is split): length}``: the samples' variable-length items concatenated
+    (``torch.cat``), as a collate_fn makes ``nn.CTCLoss``'s 1-D ``targets`` next to their ``target_lengths``,
+    ``nn.EmbeddingBag``'s 1-D input next to its ``offsets``, or packed tokens next to their ``cu_seqlens`` (PyTorch Geometric's
     node-to-graph vector next to its ``ptr``). Split by
 
     * lengths: ``B`` non-negative ints (a ``(B,)`` tensor, a list or tuple) that sum to its length;
@@ -442,10 +442,10 @@ def concatenation_refusal(found: dict[tuple[str, str], int], batch_size: int) ->
     return (
         f"cannot cut a batch of {batch_size} samples in mode='batch': it holds {parts}: the samples' "
         "variable-length items concatenated, it seems (as torch.cat(targets) for nn.CTCLoss makes, or "
-        "torch.cat(texts) next to nn.EmbeddingBag's offsets), which a cut along the first dimension would keep "
-        "whole next to the kept samples' lengths or offsets, so these would index other samples' items (or "
-        "fail on a size). Use mode='steps', which chooses the samples at the sampler, before they are loaded, "
-        "or pad them to a (B, S) tensor (nn.CTCLoss takes padded targets, nn.EmbeddingBag a padding_idx). "
+        "torch.cat(texts) next to nn.EmbeddingBag's offsets), which a cut along the first dimension would "
+        "keep whole next to the kept samples' lengths or offsets, so these would index other samples' items "
+        "(or fail on a size). Use mode='steps', which chooses the samples at the sampler, before they are "
+        "loaded, or pad them to a (B, S) tensor (nn.CTCLoss takes padded targets, nn.EmbeddingBag a padding_idx). "
         "A per-batch constant as long (a class-weight vector) can be held by the module instead of the batch."
     )
 

@@ -215,8 +215,8 @@ def fitted_state(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Mappin
     """A snapshot's model state ``saved`` under the keys of the model's state now (``current``), or ``None``
     when it does not fit. Entries must match in name and shape, except where ``torch.nn.utils.prune`` masked a
     layer since (unstructured pruning): its parameter ``weight`` became ``weight_orig`` next to a
-    ``weight_mask`` buffer. The saved weight goes back under the mask the layer has now: whoever pruned it (Lightning's
-    ``ModelPruning``, the user's own ``torch.nn.utils.prune`` call) does not prune again, so what it pruned
+    ``weight_mask`` buffer. The saved weight goes back under the mask the layer has now: whoever pruned it
+    (Lightning's ``ModelPruning``, the user's own ``torch.nn.utils.prune`` call) does not prune again, so what it pruned
     stays pruned. The masks of the layers ScheduledPrune prunes follow its restored record instead: its
     rollback load resets those its snapshot state says were not there yet (``load_rollback_state_dict``).
     The parameter keeps its name, so optimizers and hooks holding it are not disturbed."""

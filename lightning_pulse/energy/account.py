@@ -334,9 +334,9 @@ class EnergyAccount:
         self._counted_step = step_counter()
 
     def skip_gap(self) -> None:
-        """The time to the next batch holds something else (validation, a phase change, a pause): no data wait.
-        Also when it is called inside a batch's end hooks before this account's own ``batch_ended``: that batch
-        then opens no gap either (a callback listed before the EnergyLogger)."""
+        """The time to the next batch holds something else (validation, a phase change, a pause): no data
+        wait. Also when it is called inside a batch's end hooks before this account's own ``batch_ended``:
+        that batch then opens no gap either (a callback listed before the EnergyLogger)."""
         self._last_batch_end = self._last_batch_start = None
 
     def batch_started(self, batch: Any) -> None:
