@@ -62,3 +62,29 @@ def test_a_timed_call_inside_another_counts_for_the_inner_callback_and_apart_met
     # the listener's work (10x the evaluation's) is not the announcer's, nor is the evaluation timed apart
     assert timer.cpu_s["_Listens"] > 3 * timer.cpu_s["_Announces"]
     assert timer.apart_cpu_s["_Announces.evaluate"] > timer.cpu_s["_Announces"]
+
+
+def test_step_saving_replays_choice_at_the_sampler_is_timed_and_the_used_callback_still_pickles(
+    mnist1d_small,
+):
+    """HardSampleReplay chooses each light batch in the sampler, outside its hooks: the timer wraps that method
+    (OFF_HOOK_WORK) and counts it. A lean-core refactor once handed the sampler a closure instead: the timer
+    then raised AttributeError on every benchmark with the callback, and a callback that had run a fit no
+    longer pickled (a second fit under ddp_spawn pickles the callbacks)."""
+    import pickle
+
+    from lightning_pulse import HardSampleReplay, PulseCycle
+
+    def fit(replay: HardSampleReplay) -> None:
+        cycle = PulseCycle(burst=2, replay=4, maintain=0, warmup=0.0, anneal=0.0, maintain_eval="none")
+        module, data = mnist1d_small()
+        pl.Trainer(max_epochs=2, callbacks=[cycle, replay], **trainer_kwargs()).fit(module, data)
+
+    timed, timer = HardSampleReplay(replay_fraction=0.5), HookTimer()
+    timer.install(timed)
+    assert "_choose" in vars(timed)  # wrapped on the instance
+    fit(timed)
+    assert timer.calls["HardSampleReplay"] > 0 and timer.cpu_s["HardSampleReplay"] > 0.0
+    used = HardSampleReplay(replay_fraction=0.5)
+    fit(used)
+    assert isinstance(pickle.loads(pickle.dumps(used)), HardSampleReplay)

@@ -123,7 +123,10 @@ def test_fit_with_pulse_cycle_attributes_energy_to_every_phase(tmp_path, caplog,
     assert ("energy/predicted_kwh" in logged) == (report["prediction"] is not None)
     assert "kWh" in fit.progress_bar_callback.get_metrics(fit, fit.lightning_module)
 
-    assert energy.energy_so_far_kwh() >= total["energy_kwh"] > 0
+    # after the fit: the run's figure at the training loop's end; the report reads the meters a moment later,
+    # so it may hold a little more (a loaded host once put 0.6% between them; the test asked for >=)
+    final = energy.energy_so_far_kwh()
+    assert 0 < final <= total["energy_kwh"] and final == pytest.approx(total["energy_kwh"], rel=0.1)
     # read every step and never decreasing; whether a reading of the sampling thread has landed before the
     # last step depends on how fast this tiny fit runs, so positivity is asserted on the final figure above
     # (mid-run growth between readings is tested on the ledger with a manual clock)

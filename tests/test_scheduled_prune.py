@@ -1785,3 +1785,15 @@ def test_a_rollback_to_the_start_of_a_resumed_fit_undoes_the_events_since_and_ke
         for step, (_, mask_zeros, weight_zeros, sparsity, _) in rows.items():
             assert mask_zeros == pytest.approx(sparsity, abs=2e-3) and weight_zeros == mask_zeros, step
     assert record.rows[rolled_back][3] == 0.6  # redone in the rollback's own batch end
+
+
+def test_a_warning_from_the_prune_core_points_at_the_callbacks_hook():
+    """The messages moved into `core/prune_events.py` with the lean-core refactor still name the callback's
+    file, as Lightning's own callbacks' warnings do: a filter on the callback's module keeps matching."""
+    pl.seed_everything(0)
+    prune = ScheduledPrune(final_sparsity=0.6, start=0, end=16, every=2, probe_batches=0)
+    trainer = pl.Trainer(callbacks=[prune], **trainer_kwargs(max_steps=10))
+    with pytest.warns(UserWarning, match="schedule") as caught:
+        trainer.fit(_LinearClassifier(), _linear_data())
+    unfinished = [w for w in caught if "ScheduledPrune" in str(w.message) and "schedule" in str(w.message)]
+    assert unfinished and all(w.filename.endswith("callbacks/scheduled_prune.py") for w in unfinished)

@@ -1220,3 +1220,21 @@ def test_zero_filled_sets_nan_and_plus_inf_to_zero_and_keeps_masks_and_shapes():
     filled = zero_filled(batch)
     assert filled["x"].tolist() == [[0.0, 1.0], [0.0, float("-inf")]] and x.isnan().any()  # a copy
     assert filled["ids"].tolist() == [3, 4] and filled["nodes"][0].tolist() == [[0.0, 0.0]] * 3
+
+
+def test_the_guards_warnings_on_a_flagged_step_point_at_the_callbacks_file(tmp_path):
+    """The warnings of a flagged step's checks (a data fault, a check out of memory) come from the guard's
+    core since the lean-core refactor, on the guard's behalf: they still name the callback's file, so a
+    warnings filter on the callback's module keeps matching."""
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    x[[37, 53], 1] = float("nan")  # batches 2 and 3, in a row
+    trainer = pl.Trainer(
+        max_epochs=1, callbacks=[StabilityGuard()], default_root_dir=tmp_path, **trainer_kwargs()
+    )
+    with pytest.warns(UserWarning, match="ran out of memory") as caught:
+        trainer.fit(_OutOfMemoryInChecks(), DataLoader(TensorDataset(x, y), batch_size=16))
+    guards = [w for w in caught if str(w.message).startswith("StabilityGuard")]
+    assert len(guards) >= 2 and any("ran out of memory" in str(w.message) for w in guards)
+    assert all(w.filename.endswith("callbacks/stability_guard.py") for w in guards), [
+        w.filename for w in guards
+    ]

@@ -6,13 +6,11 @@ glue: hooks onto the account, the report's location, and logging.
 
 from __future__ import annotations
 
-import math
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch.callbacks import Callback
@@ -23,11 +21,13 @@ from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.energy.account import (
     EnergyAccount,
-    build_chains,
+    TensorCollective,
     final_metrics,
     forecast_message,
-    gpu_devices_of,
     guarded_hook,
+    no_forecast_line,
+    report_folder,
+    trainer_chains,
 )
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
 from lightning_pulse.energy.compare import refuse_overwriting_baseline, scalar_metrics, write_report_compared
@@ -37,28 +37,12 @@ from lightning_pulse.energy.config import (
     MeterConfig,
     checked_arguments,
     checked_configs,
-    prefixed,
+    naming_energy_logger,
 )
 from lightning_pulse.errors import refuse_unwritable_dir
 from lightning_pulse.loggers import log_to_loggers
-from lightning_pulse.phase import STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH
 
 MONITORABLE = ("energy/total_kwh",)
-
-
-class _StrategyCollective:
-    """The account's collectives on a Trainer's strategy."""
-
-    def __init__(self, trainer: pl.Trainer, hold: compat.CollectiveHold) -> None:
-        self.strategy, self.world_size, self.hold = trainer.strategy, trainer.world_size, hold
-
-    def broadcast(self, value: Any) -> Any:
-        return compat.broadcast_held(self.strategy, value, self.hold)
-
-    def all_gather(self, vector: np.ndarray) -> np.ndarray:
-        tensor = torch.tensor(vector, dtype=torch.float64)
-        gathered = compat.all_gather_held(self.strategy, tensor, self.hold)
-        return gathered.detach().cpu().numpy().reshape(self.world_size, -1)
 
 
 class EnergyLogger(Callback):
@@ -139,7 +123,7 @@ class EnergyLogger(Callback):
         accounting: AccountingConfig | None = None,
     ) -> None:
         super().__init__()
-        try:
+        with naming_energy_logger():  # the first line a user reads names the callback (the CLI prints it)
             self.meters, self.accounting = checked_configs(meters, accounting)
             country_iso_code = checked_arguments(
                 gpu, cpu, ram, currency, report_dir, country_iso_code, self.meters, price_per_kwh
@@ -160,15 +144,10 @@ class EnergyLogger(Callback):
             self._trainer: pl.Trainer | None = None
             self._held = compat.CollectiveHold()  # gathered figures, until gloo's worker lets go of them
             self._in_train_loop = False
-            self._batches_this_fit = 0
             self._last_cycle: int | None = None
             self._last_global_step = 0
-            # (global step, batches) the run had taken when this fit's training began
-            self._fit_start_progress = (0, 0)
             self._log_every = 1
             self._log_steps = False
-        except ValueError as error:  # the first line a user reads names the callback (the CLI prints it)
-            raise ValueError(prefixed(str(error))) from None
 
     # ------------------------------------------------------------------ public API
     def energy_so_far_kwh(self) -> float:
@@ -184,19 +163,9 @@ class EnergyLogger(Callback):
         refuse_overwriting_baseline(self.accounting.baseline, self.report_dir, trainer)
         self._trainer = trainer
         self._in_train_loop = False
-        self._batches_this_fit = 0
         self.report, self.report_paths = None, []
         self.account.start(
-            lambda: build_chains(
-                self.meters,
-                gpu_devices_of(trainer.strategy.root_device, self.gpu, self.meters),
-                self.cpu,
-                self.ram,
-                self.country_iso_code,
-                count_host=trainer.local_rank == 0,
-                warn=self._warn_rank,
-                info=rank_zero_info,
-            ),
+            lambda: trainer_chains(trainer, self, self._warn_rank, rank_zero_info),
             global_zero=trainer.is_global_zero,
         )
         if self.accounting.progress_bar:
@@ -214,15 +183,12 @@ class EnergyLogger(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._in_train_loop = True
         self._last_global_step = trainer.global_step
-        self._fit_start_progress = compat.run_progress(trainer)
-        if compat.steps_per_batch_unknown(trainer) and not math.isfinite(compat.total_steps(trainer)):
-            reason = UNKNOWN_STEPS_PER_BATCH.format(count=len(trainer.optimizers))
-            rank_zero_info(
-                f"EnergyLogger: no forecast of the run's energy: {reason}; to get one, {STEPS_BOUND_ONLY}."
-            )
+        self.account.begin_training(lambda: trainer.global_step, compat.run_progress(trainer))
+        if compat.steps_per_batch_unknown(trainer):  # manual optimization, several optimizers
+            if (line := no_forecast_line(compat.total_steps(trainer), len(trainer.optimizers))) is not None:
+                rank_zero_info(line)
         self._log_every = self.accounting.log_every_n_steps or max(trainer.log_every_n_steps, 1)
         self._log_steps = trainer.is_global_zero and bool(trainer.loggers)
-        self.account.begin_training(lambda: trainer.global_step)
         cycle = pulse_cycle_of(trainer)
         self._last_cycle = None if cycle is None else cycle.cycle
         # the epoch too: a fit resumed mid-epoch gets no `on_train_epoch_start` for the epoch it resumes in
@@ -265,7 +231,6 @@ class EnergyLogger(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.account.batch_ended()
-        self._batches_this_fit += 1
         if self._log_steps:  # only rank 0 with a logger reads the step here
             global_step = trainer.global_step
             if global_step > self._last_global_step:
@@ -287,17 +252,9 @@ class EnergyLogger(Callback):
     @override
     @guarded_hook
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        steps, batches = compat.run_length(trainer)
-        if self.account.carried is None:
-            # a new run (no checkpoint restored into the account): its figures count this fit only, so the
-            # forecast is of this fit's steps, not those an earlier fit of the same Trainer took
-            steps_before, batches_before = self._fit_start_progress
-            steps, batches = steps - steps_before, batches - batches_before
+        steps, batches = self.account.forecast_length(compat.run_length(trainer), trainer.world_size)
         metrics, forecast = self.account.epoch_metrics(
-            trainer.current_epoch,
-            steps,
-            _StrategyCollective(trainer, self._held),
-            total_batches=batches * trainer.world_size,  # the ledger counts every rank's batches
+            trainer.current_epoch, steps, self._collective(trainer), total_batches=batches
         )
         if forecast is not None:
             rank_zero_info(forecast_message(forecast))
@@ -313,7 +270,7 @@ class EnergyLogger(Callback):
     @guarded_hook
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._in_train_loop = False
-        self.account.end_training(_StrategyCollective(trainer, self._held))
+        self.account.end_training(self._collective(trainer))
         report = self._finish(trainer, status="complete")
         log_to_loggers(trainer, final_metrics(report))
 
@@ -326,7 +283,7 @@ class EnergyLogger(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self.account.stop()
-        if not self._batches_this_fit:
+        if not self.account.batches_this_fit:
             # a refusal at fit start, or a crash before the first batch: no run to report on
             rank_zero_info("EnergyLogger: the fit stopped before its first training batch; no energy report.")
             return
@@ -345,7 +302,7 @@ class EnergyLogger(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
-        return self.account.state_dict(None if trainer is None else _StrategyCollective(trainer, self._held))
+        return self.account.state_dict(None if trainer is None else self._collective(trainer))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -353,11 +310,8 @@ class EnergyLogger(Callback):
 
     # ------------------------------------------------------------------ internals
     def _finish(self, trainer: pl.Trainer, status: str) -> dict[str, Any]:
-        directory = self.report_dir
-        if directory is None:
-            directory = trainer.log_dir if status == "complete" or trainer.world_size == 1 else None
-        directory = directory or trainer.default_root_dir
-        collective = _StrategyCollective(trainer, self._held) if status == "complete" else None
+        directory = report_folder(self.report_dir, trainer, complete=status == "complete")
+        collective = self._collective(trainer) if status == "complete" else None
         self.report = self.account.report(status, self.currency, collective, num_nodes=trainer.num_nodes)
         self.report["metrics"] = scalar_metrics(trainer.callback_metrics)
         if trainer.fast_dev_run:
@@ -371,9 +325,18 @@ class EnergyLogger(Callback):
             self.report_paths = write_report_compared(self.report, directory, baseline, rank_zero_warn)
         return self.report
 
+    def _collective(self, trainer: pl.Trainer) -> TensorCollective:
+        """The account's collectives on the Trainer's strategy, its tensors held (compat.CollectiveHold)."""
+        strategy, hold = trainer.strategy, self._held
+        return TensorCollective(
+            trainer.world_size,
+            lambda value: compat.broadcast_held(strategy, value, hold),
+            lambda tensor: compat.all_gather_held(strategy, tensor, hold),
+        )
+
     @guarded_hook
     def _log_cycle(self, trainer: pl.Trainer, cycle: int) -> None:
-        metrics = self.account.cycle_metrics(cycle, _StrategyCollective(trainer, self._held))
+        metrics = self.account.cycle_metrics(cycle, self._collective(trainer))
         log_to_loggers(trainer, metrics)
 
     def _warn_rank(self, message: str) -> None:

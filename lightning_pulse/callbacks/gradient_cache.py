@@ -23,27 +23,16 @@ from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixA
 from lightning_pulse.core.backward_flops import BackwardFlopLedger, check_measure_flops
 from lightning_pulse.core.freeze_metrics import METRIC_PREFIX as METRIC_PREFIX
 from lightning_pulse.core.freeze_metrics import freeze_event, freeze_metrics
-from lightning_pulse.core.freeze_units import check_unit_names, pinned_note
+from lightning_pulse.core.freeze_units import check_unit_names
 from lightning_pulse.core.layer_freezing import (
-    SHARDED_REASON,
     FreezerLifecycle,
     FreezeSettings,
     FreezeWindow,
     LayerFreezer,
-    check_wrapped_model,
-    frozen_parameter_ids,
     in_span,
-    refuse_compiled_module,
-    refuse_manual_optimization,
-    refuse_optimizers_that_move_gradless_parameters,
+    refuse_setup,
 )
-from lightning_pulse.errors import (
-    OneRunPerInstance,
-    names_itself,
-    refuse_sharded_strategy,
-    refuse_uninitialized_parameters,
-    refusing,
-)
+from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_uninitialized_parameters, refusing
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.records import append_recent
@@ -162,22 +151,14 @@ class GradientCache(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        refuse_manual_optimization(pl_module)
-        refuse_compiled_module(compat.compiled_part(pl_module))
-        refuse_sharded_strategy(trainer, "GradientCache", SHARDED_REASON)
-        LoaderActivationCache.refuse_reload(
-            self.activation_cache_mb, trainer.reload_dataloaders_every_n_epochs
-        )
+        refuse_setup(trainer, pl_module, compat.compiled_part(pl_module), self.activation_cache_mb)
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
         self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)
         self.ledger, self.events, self._pending_state, self._fit_refs = BackwardFlopLedger(), [], None, None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        check_wrapped_model(trainer.strategy.model, trainer.world_size, type(trainer.strategy).__name__)
-        if trainer.world_size > 1:  # DDP just wrapped the model: what is frozen now, its reducer left out
-            self._lifecycle.frozen_before_wrap = frozen_parameter_ids(pl_module)
-        refuse_optimizers_that_move_gradless_parameters(trainer.optimizers)
+        self._lifecycle.check_fit_start(trainer.strategy, pl_module, trainer.world_size, trainer.optimizers)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -196,17 +177,10 @@ class GradientCache(Callback):
         self._fit_refs = (trainer, pl_module)
         state, self._pending_state = self._pending_state, None
         # a checkpoint applies here, after the strategy wrapped the model: DDP must see every parameter trainable
-        self._lifecycle.start(None if state is None else state["cache"], pl_module)
-        if state is not None:
-            self._replan()
-            self._lifecycle.load_optimizer_check(state.get("optimizer_check"))
+        pinned = self._lifecycle.resume(state, pl_module, self._replay)
         # a restored freezer's pinned units; units still to be ordered are named when they are (announce_units)
-        if self.freezer is not None and (note := pinned_note(self._lifecycle.units)) is not None:
-            rank_zero_info(f"GradientCache: {note}.")
-
-    def _replan(self, again: bool = False) -> None:
-        if self._replay is not None:
-            self._replay.plan(self.frozen_units, again)
+        if pinned is not None:
+            rank_zero_info(f"GradientCache: {pinned}.")
 
     def _end_activation_batch(self) -> None:
         if self._replay is not None and (reason := self._replay.end_batch()) is not None:
@@ -290,13 +264,8 @@ class GradientCache(Callback):
     ) -> None:
         """Release everything when a burst starts; freeze the last stable prefix when a light phase starts."""
         self._phase_enabled = change.current in self.phases
-        if self.freezer is None:
-            return
-        before = self.freezer.frozen_prefix
-        enabled = (
-            self._phase_enabled and in_span(self._span, trainer.global_step) and self._lifecycle.may_freeze
-        )
-        if self.freezer.follow_phase(enabled, resume=change.reason == "resume"):
+        enabled = self._phase_enabled and in_span(self._span, trainer.global_step)
+        if (before := self._lifecycle.follow_phase(enabled, resume=change.reason == "resume")) is not None:
             self._record(trainer.global_step, before, f"phase:{change.current.value}")
 
     def on_pulse_parameters_replaced(
@@ -305,7 +274,7 @@ class GradientCache(Callback):
         """Follow parameters that structured pruning replaced: units, window snapshots, FLOP measurements."""
         self._lifecycle.follow(remap)
         self.ledger.remeasure()
-        self._replan(again=True)
+        self._lifecycle.replan(self._replay, again=True)
 
     # ------------------------------------------------------------------ end
     @override
@@ -339,12 +308,7 @@ class GradientCache(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self._pending_state is not None:  # restored, but the fit trained nothing: no on_train_start came
             return dict(self._pending_state)
-        return {
-            "cache": self.freezer.state_dict() if self.freezer is not None else None,
-            "ledger": self.ledger.state_dict(),
-            "events": list(self.events),
-            "optimizer_check": self._lifecycle.optimizer_check.state_dict(),
-        }
+        return self._lifecycle.state_dict(self.ledger.state_dict(), self.events)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -363,11 +327,7 @@ class GradientCache(Callback):
             return
         trainer, pl_module = self._fit_refs
         self._close_contexts()
-        before = self._lifecycle.frozen_prefix
-        self._lifecycle.restore(state_dict["cache"], pl_module, trainer.global_step)
-        self._lifecycle.load_optimizer_check(state_dict.get("optimizer_check"))
-        # the records were made with parameters the rollback may have changed: record again
-        self._replan(again=True)
+        before = self._lifecycle.roll_back(state_dict, pl_module, trainer.global_step, self._replay)
         self.ledger.new_step()
         if (after := self._lifecycle.frozen_prefix) != before:
             append_recent(self.events, freeze_event(trainer.global_step, before, after, "restore"))
@@ -376,7 +336,7 @@ class GradientCache(Callback):
     def _record(self, step: int, before: int, reason: str, after: int | None = None) -> None:
         after = self._lifecycle.frozen_prefix if after is None else after
         append_recent(self.events, freeze_event(step, before, after, reason))
-        self._replan()
+        self._lifecycle.replan(self._replay)
 
 
 def _from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | None:

@@ -8,8 +8,7 @@ its state, logs and writes the report.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -160,8 +159,6 @@ class GreenWindow(Callback):
         self.segment = OpenSegment(self.schedule, self.options.watts)  # the compute since the last mark
         self._open: dict[str, Any] | None = None  # the segment a checkpoint held, until training resumes
         self._carried_s = 0.0  # the run-time shift a checkpoint held (RunClock.restart)
-        self._follows: Any = None  # the EnergyLogger's rate, when its series is the signal
-        self._signal_state: dict[str, Any] = {}
         self._last_step = 0
         self._next_check = -math.inf
         self._waiting = False
@@ -191,10 +188,7 @@ class GreenWindow(Callback):
         if refusal is not None:
             raise PulseRefusal(refusal)
         refuse_unwritable_dir("GreenWindow", "options.report_dir", self.options.report_dir)
-        if not self.signal.known or self._follows is not None:  # the EnergyLogger's series, on this clock
-            self._follows = intensity
-            self.signal.use(intensity.fork())  # type: ignore[union-attr]
-            self.signal.load_state_dict(self._signal_state)
+        self.signal.follow(intensity)  # without a signal of its own: the EnergyLogger's series, on this clock
         if self.options.watts is None and self._energy is None:
             rank_zero_info(
                 "GreenWindow: no EnergyLogger and no options.watts; savings in % and per kWh only."
@@ -207,16 +201,11 @@ class GreenWindow(Callback):
             now, behind = self.run_clock.restart(self._open, self.suspended, self._carried_s)
             at = now if trainer.world_size == 1 else compat.broadcast_held(trainer.strategy, now, self._held)
             late = passed_deadline(self.schedule.deadline, at, self.schedule.run_start is not None)
-        for line in filter(None, (behind, late)):
+        energy_now = None if self._energy is None else self._energy.account.wall_clock()
+        for line in filter(None, (behind, late, clocks_apart(now, energy_now, self.options.slot_s))):
             rank_zero_warn(line)
-        if self._energy is not None and (energy_now := self._energy.account.wall_clock()) is not None:
-            if self._follows is not None:  # the EnergyLogger's run start, moved onto this clock
-                self.signal.rate.anchor_as(self._follows, now, energy_now)  # type: ignore[union-attr]
-            if (apart := clocks_apart(now, energy_now, self.options.slot_s)) is not None:
-                rank_zero_warn(apart)
-        self.signal.anchor(now)
-        if self.schedule.run_start is None:
-            self.schedule.run_start = now
+        self.signal.anchor(now, energy_now)  # a followed EnergyLogger's run start, moved onto this clock
+        self.schedule.begin(now)
         away = None if self.suspended is None else self.suspended["at"]  # suspended: the time away was waited
         self._next_check = self.segment.restart(now, self._kwh, self._open, away)
         if away is not None:
@@ -271,9 +260,9 @@ class GreenWindow(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.schedule.load_state_dict(state_dict["schedule"])
         self.suspended, self._waiting = state_dict.get("suspended"), bool(state_dict.get("waiting", False))
-        self._signal_state, self._open = state_dict.get("signal", {}), state_dict.get("open")
+        self._open = state_dict.get("open")
         self._carried_s = float(state_dict.get("behind_s", 0.0))
-        self.signal.load_state_dict(self._signal_state)
+        self.signal.load_state_dict(state_dict.get("signal", {}))  # kept for a series followed at fit start
 
     # ------------------------------------------------------------------ decisions
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -294,15 +283,10 @@ class GreenWindow(Callback):
                 return
 
     def _decide(self, trainer: pl.Trainer, now: float) -> Decision | None:
-        steps_left = compat.steps_left_at_run_pace(trainer)
-        if steps_left <= 0:  # the last step is done: nothing is left to move into a cleaner hour
-            return None
-        series, to_series = self.signal.now()
-        decision = self.schedule.decide(series, to_series, now, steps_left)
-        if decision is None:
-            return None
-        self._next_check = now + self.options.slot_s
-        log_to_loggers(trainer, self.schedule.metrics(decision))
+        decision = self.schedule.decide_from(self.signal, now, compat.steps_left_at_run_pace(trainer))
+        if decision is not None:
+            self._next_check = now + self.options.slot_s
+            log_to_loggers(trainer, self.schedule.metrics(decision))
         return decision
 
     def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision) -> bool:
@@ -319,7 +303,7 @@ class GreenWindow(Callback):
             return False
         start = self.run_clock.time()
         if self.when_dirty == "pause":
-            with self._not_training():
+            with nullcontext() if self._energy is None else self._energy.account.not_training():
                 self.clock.sleep(decision.wait_s)
                 self.segment.waited(start, self.run_clock.time(), self._kwh())
             self._next_check = -math.inf
@@ -328,10 +312,8 @@ class GreenWindow(Callback):
         return False
 
     def _suspend(self, trainer: pl.Trainer, decision: Decision, now: float) -> None:
-        resume_at = now + (decision.resume_at or now) - decision.at
-        self.suspended = {"at": now, "resume_at": resume_at}
-        # wait-for-window reads the resume file on the clock itself, not on the run's (moved) time
-        now, resume_at = now - self.run_clock.behind_s, resume_at - self.run_clock.behind_s
+        # the checkpoint keeps the run's times; the resume file, the clock's (see RunClock.suspension)
+        self.suspended, now, resume_at = self.run_clock.suspension(now, decision)
         folder = Path(trainer.checkpoint_callback.dirpath or trainer.default_root_dir)  # type: ignore[union-attr]
         path = folder / SUSPEND_CHECKPOINT
         trainer.save_checkpoint(path)
@@ -346,24 +328,6 @@ class GreenWindow(Callback):
         cycle = pulse_cycle_of(trainer) if self.when_dirty == "light" else None
         held = cycle is not None and cycle.held and cycle.clock.in_cycle  # warm-up, anneal: not held
         self.segment.next_kind("light" if held else "run", self.run_clock.time(), self._kwh)
-
-    @contextmanager
-    def _not_training(self) -> Iterator[None]:
-        """A pause is no training: the EnergyLogger books it to stage ``other``, in no phase, cycle or epoch
-        (the label a pause before its training loop starts has), then goes back to the label it had. Else a
-        pause inside an epoch was charged to the training stage, its phase and epoch, and the first epoch's
-        forecast scaled the idle hours up to the whole run."""
-        account = None if self._energy is None else self._energy.account
-        label = None if account is None or account.ledger is None else account.ledger.label
-        if label is None:
-            yield
-            return
-        account.mark(stage="other", phase=None, cycle=None, epoch=None)  # as `EnergyAccount.end_training`
-        try:
-            yield
-        finally:
-            account.mark(stage=label.stage, phase=label.phase, cycle=label.cycle, epoch=label.epoch)
-            account.skip_gap()  # the time since the last batch's end holds the pause, not a data-loader wait
 
     def _kwh(self) -> float | None:
         """A fresh reading of the EnergyLogger's meters (kWh so far), or ``None`` without one. At each

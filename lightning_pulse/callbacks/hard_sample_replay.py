@@ -16,25 +16,14 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, refuse_unreachable_phases
+from lightning_pulse.core import replay
 from lightning_pulse.core.carried_state import CarriedStateCheck
 from lightning_pulse.core.per_sample_loss import PerSampleScorer
-from lightning_pulse.core.replay import (
-    ROLE_NAMES,
-    SEVERAL_LOADERS,
-    HardSampleSelector,
-    ReplayConfig,
-    parse_half_life,
-    reloaded_data_note,
-    setup_refusal,
-    several_loaders_refusal,
-    shorter_than_an_epoch,
-    untrackable_refusal,
-    validate_replay_args,
-)
+from lightning_pulse.core.replay import HardSampleSelector, ReplayConfig
 from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, refuse
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
-from lightning_pulse.core.step_plan import epoch_steps
+from lightning_pulse.core.step_plan import epoch_steps, loader_epoch_steps
 from lightning_pulse.errors import OneRunPerInstance, names_itself, tuner_search
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase
@@ -123,8 +112,8 @@ class HardSampleReplay(Callback):
         super().__init__()
         self._one_run = OneRunPerInstance("HardSampleReplay")
         self.config = ReplayConfig(rule, replay_fraction, prune_ratio, seed)
-        self.half_life = parse_half_life(score_half_life)
-        self.phases, self.mode = validate_replay_args(phases, mode, rule, scorer, log_every_n_steps)
+        self.half_life = replay.parse_half_life(score_half_life)
+        self.phases, self.mode = replay.validate_replay_args(phases, mode, rule, scorer, log_every_n_steps)
         self.steps = StepSavingLoader()  # mode="steps": the plan and where the run stands in its data
         self.scorer = scorer
         self.log_every_n_steps = log_every_n_steps
@@ -134,7 +123,6 @@ class HardSampleReplay(Callback):
         self._remove_hook: Any = None
         self._held = compat.CollectiveHold()  # gathered rows, until gloo's worker lets go of them
         self._saved_state: dict[str, Any] | None = None
-        self._saved_stream: dict[str, Any] | None = None  # steps mode: restored or final, while no pass runs
         self._ready = False  # this fit's selector exists: load_state_dict applies at once
         self._set_up_at = (0, 0)  # (epoch, step) of the latest training DataLoader's set-up
         self.batches = ReplayBatchLifecycle(self.mode, scorer)  # each batch: plan, cut, capture, record
@@ -164,7 +152,7 @@ class HardSampleReplay(Callback):
     @property
     def trained_origins(self) -> list[str] | None:
         """Why each sample of the current step is there: ``"untouched"``, ``"selected"`` or ``"unseen"``."""
-        return None if (step := self.batches.current) is None else [ROLE_NAMES[r] for r in step.plan.roles]
+        return None if (step := self.batches.current) is None else step.plan.origins
 
     @property
     def state_check(self) -> CarriedStateCheck:
@@ -185,8 +173,9 @@ class HardSampleReplay(Callback):
         if stage != "fit":
             return
         parallel = isinstance(trainer.strategy, ModelParallelStrategy)
-        refuse(setup_refusal(parallel, tuner_search(trainer), compat.fullgraph_compiled_part(pl_module)))
-        self._trainer, self._ready, self._run_checked, self._saved_stream = trainer, False, False, None
+        search, fullgraph = tuner_search(trainer), compat.fullgraph_compiled_part(pl_module)
+        refuse(replay.setup_refusal(parallel, search, fullgraph))
+        self._trainer, self._ready, self._run_checked, self.steps.stream.held = trainer, False, False, None
         if self.mode == "steps":
             self.steps.uncap(trainer)  # a second fit of the same Trainer plans for the user's max_steps
             self.steps = StepSavingLoader()
@@ -201,23 +190,18 @@ class HardSampleReplay(Callback):
         if not self._run_checked:  # here, not at on_train_start: a fit whose steps are done never gets there
             self._one_run.start(self._trainer)
             self._run_checked = True
-        if (reason := SampleIndexTracker.unsupported_reason(loader)) is not None:
-            refuse(untrackable_refusal(reason))
         # a second loader of the same data set-up (a CombinedLoader): refused before anything is installed
         at = (self._trainer.current_epoch, self._trainer.global_step)
-        if self._ready and at == self._set_up_at and loader is not self.steps.loader:
-            refuse(several_loaders_refusal(SEVERAL_LOADERS))
-        note, fresh = (
-            reloaded_data_note(self.tracker.dataset, loader.dataset) if self._ready else (None, False)
-        )
+        second = self._ready and at == self._set_up_at and loader is not self.steps.loader
+        refuse(replay.loader_refusal(loader, second))
+        note, fresh = replay.reloaded_data_note(self.tracker.dataset if self._ready else None, loader.dataset)
         _warn(note)
         self.steps.release()  # a reload (batch mode): the previous loader is the user's again
         self.steps.loader, self.tracker, self._set_up_at = loader, SampleIndexTracker.install(loader), at
         restored, self._saved_state = self._saved_state, None
         selector, size = None if fresh else self.selector, self.tracker.dataset_size  # fresh: a new table
         self.selector = HardSampleSelector.for_data(selector, size, self._new_table, self.config, restored)
-        batches = len(loader) if hasattr(loader, "__len__") else math.inf
-        steps_per_epoch = epoch_steps(batches, self._trainer.accumulate_grad_batches)
+        steps_per_epoch = loader_epoch_steps(loader, self._trainer.accumulate_grad_batches)
         self.selector.set_half_life(self.half_life, steps_per_epoch)
         self._ready = True
         if self.mode == "steps" and self.steps.plan is None:  # planned once per fit
@@ -226,7 +210,8 @@ class HardSampleReplay(Callback):
     def _choose(
         self, windows: list[list[int]], ordinals: list[int], steps: list[int], prior: float
     ) -> list[Any]:
-        # steps mode, at the sampler: the batches that train, chosen for a whole pass before any is loaded
+        # steps mode, at the sampler: the batches that train, chosen for a whole pass before any is loaded. A
+        # method, not a closure: the callback pickles (ddp_spawn) and benchmarks' HookTimer times it
         assert self.selector is not None and self.tracker is not None and self._trainer is not None
         return self.selector.choose_windows(
             windows, self.tracker.batch_size, steps, ordinals, prior, self._trainer.global_rank
@@ -234,29 +219,20 @@ class HardSampleReplay(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        refuse(several_loaders_refusal(SampleIndexTracker.several_loaders_reason(trainer.train_dataloader)))
+        several = SampleIndexTracker.several_loaders_reason(trainer.train_dataloader)
+        refuse(replay.several_loaders_refusal(several))
         refuse_unreachable_phases("HardSampleReplay", self.phases, trainer)
         assert self.selector is not None
         steps_per_epoch = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
         self.selector.set_half_life(self.half_life, steps_per_epoch)
-        if (
-            self.half_life is not None
-            and self.half_life.kind == "epochs"
-            and compat.steps_per_batch_unknown(trainer)
-        ):
-            # ages count global steps, which count every optimizer's step: a GAN's two players halve an epoch
-            _warn(
-                f"`score_half_life`={self.half_life.amount:g} epochs is read as {steps_per_epoch} optimizer "
-                f"steps an epoch, one a batch, but this module steps its {len(trainer.optimizers)} optimizers "
-                "itself (manual optimization) and trainer.global_step counts every step: scores age faster by "
-                "the steps a batch makes. Give the half-life in steps (`score_half_life='400steps'`)."
-            )
-        _warn(shorter_than_an_epoch(compat.total_steps(trainer), steps_per_epoch, self.mode))
+        if compat.steps_per_batch_unknown(trainer):  # a module stepping several optimizers itself
+            _warn(replay.epoch_half_life_note(self.half_life, steps_per_epoch, len(trainer.optimizers)))
+        _warn(replay.shorter_than_an_epoch(compat.total_steps(trainer), steps_per_epoch, self.mode))
         log_every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
         self.selector.set_cadence(steps_per_epoch, log_every)
         self.steps.on_train_start(trainer)  # steps mode only: Lightning learns the planned pass's length
         self.batches.start_fit()  # the carried-state check runs over this fit's first two batches
-        self._saved_stream = None  # the fit trains: its stream moves on from the restored one
+        self.steps.stream.held = None  # the fit trains: its stream moves on from the restored one
         rank_zero_info(f"HardSampleReplay: {self.config.describe(self.mode, self.phases)}")
 
     # ------------------------------------------------------------------ per batch
@@ -264,26 +240,18 @@ class HardSampleReplay(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        assert self.selector is not None and self.tracker is not None
+        selector, tracker = self.selector, self.tracker
+        assert selector is not None and tracker is not None
         step = trainer.global_step
         # the sampler's indices say how many samples the batch holds (a cut batch's: the cut, as loaded)
-        indices = self.tracker.batch_indices(batch_idx)
+        indices = tracker.batch_indices(batch_idx)
         # SWA's BatchNorm-update epoch recomputes the statistics over the plain data: no selection there
         active = phase_of(trainer, default=Phase.REPLAY).value in self.phases and not (
             compat.in_batch_norm_update_epoch(trainer)
         )
         window, cut = self.steps.next_batch() if self.mode == "steps" else (0, None)
         self.batches.start_batch(
-            self.selector,
-            batch,
-            indices,
-            step,
-            batch_idx,
-            active,
-            trainer.global_rank,
-            window,
-            cut,
-            pl_module,
+            selector, batch, indices, step, batch_idx, active, trainer.global_rank, window, cut, pl_module
         )
 
     @override
@@ -343,17 +311,17 @@ class HardSampleReplay(Callback):
             return
         if self._remove_hook is not None:
             self._remove_hook()
-        if self.mode == "steps" and self._saved_stream is None:  # a checkpoint saved after the fit resumes it
-            self._saved_stream = self.steps.stream.state_dict(trainer.global_step)
+        if self.mode == "steps":  # a checkpoint saved after the fit resumes it
+            self.steps.stream.hold(trainer.global_step)
         self.steps.release()
         self._remove_hook, self.tracker, self._trainer, self._ready = None, None, None, False
 
     @override
     def state_dict(self) -> dict[str, Any]:
         state = dict(self._saved_state or {}) if self.selector is None else self.selector.state_dict()
-        stream = self._saved_stream  # a fit with nothing left to train keeps the restored one (no pass ran)
-        if stream is None and self.mode == "steps" and self._trainer is not None:
-            stream = self.steps.stream.state_dict(self._trainer.global_step)
+        step = self._trainer.global_step if self.mode == "steps" and self._trainer is not None else None
+        # a fit with nothing left to train keeps the restored one (no pass ran)
+        stream = self.steps.stream.checkpoint(step)
         return state if stream is None else {**state, "stream": stream}
 
     def rollback_state_dict(self) -> dict[str, Any]:
@@ -377,9 +345,8 @@ class HardSampleReplay(Callback):
             self.batches.drop_step()
             self.selector.load_state_dict(state_dict)
         else:
-            self._saved_state, self._saved_stream = state_dict, stream
-            if stream is not None:
-                self.steps.stream.load_state_dict(stream)
+            self._saved_state = state_dict
+            self.steps.stream.restore(stream)
 
     def load_rollback_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.load_state_dict(state_dict)

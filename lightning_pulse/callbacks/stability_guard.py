@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any
 
@@ -16,7 +15,6 @@ from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
 from lightning_pulse.core import stability_steps as steps
-from lightning_pulse.core.fault_origin import trace_nonfinite
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
 from lightning_pulse.core.snapshots import RollbackState
 from lightning_pulse.core.spike_detection import Verdict
@@ -43,8 +41,9 @@ class StabilityGuardError(RuntimeError):
         self.checkpoint_path = checkpoint_path
 
 
-def _from_policy(name: str) -> property:
-    return property(lambda self: getattr(self.policy, name), doc=f"The policy's ``{name}`` (checkpointed).")
+def _warn_here(message: str) -> None:
+    """``rank_zero_warn`` from this module: a warning the core gives on the guard's behalf points here."""
+    rank_zero_warn(message)
 
 
 class StabilityGuard(Callback):
@@ -107,17 +106,17 @@ class StabilityGuard(Callback):
         trainer = Trainer(max_epochs=20, callbacks=[StabilityGuard(snapshot_every=200, skip_after_rollback=50)])
     """
 
-    spikes_by_kind = _from_policy("spikes_by_kind")
-    steps_skipped = _from_policy("steps_skipped")
-    bad_batches = _from_policy("bad_batches")
-    recurring_spikes = _from_policy("recurring_spikes")
-    rollbacks = _from_policy("rollbacks")
-    steps_undone = _from_policy("steps_undone")
-    energy_wasted_kwh = _from_policy("energy_wasted_kwh")
-    lineage_steps = _from_policy("lineage_steps")
-    stopped = _from_policy("stopped")
-    events = _from_policy("events")
-    spikes_detected = _from_policy("spikes_detected")
+    spikes_by_kind = steps.guard_figure("spikes_by_kind")
+    steps_skipped = steps.guard_figure("steps_skipped")
+    bad_batches = steps.guard_figure("bad_batches")
+    recurring_spikes = steps.guard_figure("recurring_spikes")
+    rollbacks = steps.guard_figure("rollbacks")
+    steps_undone = steps.guard_figure("steps_undone")
+    energy_wasted_kwh = steps.guard_figure("energy_wasted_kwh")
+    lineage_steps = steps.guard_figure("lineage_steps")
+    stopped = steps.guard_figure("stopped")
+    events = steps.guard_figure("events")
+    spikes_detected = steps.guard_figure("spikes_detected")
     last_snapshot_step = property(
         lambda self: self.schedule.last_step,
         doc="The step of the newest snapshot, or of a newer one left out (its state held non-finite values).",
@@ -153,8 +152,6 @@ class StabilityGuard(Callback):
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
         self._fixed_key = "burst" if self.config.per_phase_baselines else "all"  # the key without one
         self._energy = StepEnergy()
-        self._cut: HardSampleReplay | None = None  # cuts batches in place: tells the indices of the rows
-        self._check_oom_warned = False  # the data check ran out of memory (said once a fit)
 
     @property
     def bad_samples(self) -> list[dict[str, Any]]:
@@ -181,16 +178,14 @@ class StabilityGuard(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
-        refuse_uninitialized_parameters(
-            pl_module, "StabilityGuard"
-        )  # after the sanity check that may create them
+        # after the sanity check that may create them
+        refuse_uninitialized_parameters(pl_module, "StabilityGuard")
         self._changes.attach(trainer.optimizers)
         self._keep_gradients = compat.gradients_read_before_step(trainer, pl_module, self)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
-        self._record = steps.StepRecord()
-        self._cut = next((c for c in trainer.callbacks if isinstance(c, HardSampleReplay)), None)
-        self._check_oom_warned = False
+        cut = next((c for c in trainer.callbacks if isinstance(c, HardSampleReplay)), None)
+        self._record = steps.StepRecord(cut)  # cut: cuts batches in place, tells the indices of the rows
         self.core.start(trainer.global_step)
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
@@ -205,10 +200,10 @@ class StabilityGuard(Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        record = self._record
+        record = self._record  # inline, not a record method: a hook of every micro-batch
         record.losses.append(loss.detach())  # read once per optimizer step, with the gradient norm
-        if self._cut is not None and record.batches:  # after every batch-start hook: the cut is made
-            trained = self._cut.trained_indices  # a reference, no copy
+        if record.cut is not None and record.batches:  # after every batch-start hook: the cut is made
+            trained = record.cut.trained_indices  # a reference, no copy
             if trained is not None:
                 record.trained[record.batches[-1][0]] = trained
 
@@ -219,21 +214,20 @@ class StabilityGuard(Callback):
         # after the accumulation window, DDP's all-reduce and the AMP unscale; before clipping
         record = self._record
         losses = record.take_losses()
-        if record.decided is None and self.policy.forced_skip():  # one of the steps skipped after a rollback
-            record.decided = Action.SKIP
         # decided already: a forced skip, or LBFGS's later closure evaluations (trial points), judged on the first
-        if record.decided is not None:
-            if record.decided is not Action.APPLY:
+        if (decided := record.decided_before_judging(self.policy)) is not None:
+            if decided is not Action.APPLY:
                 self._changes.skip(optimizer, self._keep_gradients)
             return
-        batches = record.batches  # kept to the batch end
         loss, grad_norm = step_loss_and_grad_norm(
             optimizer.param_groups, losses, self._sum_over_ranks(trainer), trainer.world_size
         )
-        key = self._key_of()
+        # the baseline key of the step: its pulse phase, or the one fixed key
+        key = self._fixed_key if self._cycle is None else self._cycle.phase.value
         step = trainer.global_step
-        trace = partial(self._nonfinite_cause, trainer, pl_module, batches, loss)
-        rollback_helps = partial(self._rollback_helps, trainer, pl_module, batches, step, loss)
+        record.loss, record.key = loss, key  # for the checks of a flagged step, with its batches
+        trace = partial(self._nonfinite_cause, trainer, pl_module)
+        rollback_helps = partial(self._rollback_helps, trainer, pl_module)
         verdict, action, cause, unjudged = self.core.judge(step, loss, grad_norm, key, trace, rollback_helps)
         record.decided = action
         if unjudged:
@@ -268,8 +262,7 @@ class StabilityGuard(Callback):
         self._one_run.end()
         self._changes.detach()
         log_to_loggers(trainer, self.metrics())
-        summary = steps.summary_message(self.policy, self.detector, self.core.fit_start_accepted)
-        if summary is not None:
+        if (summary := self.core.summary()) is not None:
             rank_zero_info(summary)
 
     @override
@@ -300,137 +293,37 @@ class StabilityGuard(Callback):
         self._one_run.restored()
         self.core.load_state_dict(state_dict)
 
-    # ------------------------------------------------------------------ non-finite steps
-    def _nonfinite_cause(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list, loss: float | None
-    ) -> str | None:
-        """Where a non-finite step came from (``trace_nonfinite``); a data fault's samples are remembered.
-        With a non-finite ``loss`` (the same on every rank), bad data is checked by recomputing the loss
-        without the bad rows, or where they cannot be cut out with its NaN and ``+inf`` values set to 0: only
-        one that then comes out finite is the data's fault. Where neither can be checked and the data is no
-        longer presumed at fault, the batch is tested at once on the snapshots a rollback would return to
-        (:meth:`_recurs_at_snapshot`): the data's if non-finite there too, for ``RECURRING_DATA_FAULTS``
-        steps in a row at most."""
-        newest, saved = self.core.saved_forward_state(pl_module)  # saved: tells a -inf mask from an overflow
-        step, sum_over_ranks = trainer.global_step, self._sum_over_ranks(trainer)
-        check = loss is not None and not math.isfinite(loss) and not self._caches_activations(trainer)
-        losses_of = partial(self._losses_of, trainer, pl_module, (newest, saved)) if check else None
-        cause, samples, unchecked = trace_nonfinite(
+    # ------------------------------------------------------------------ flagged steps
+    def _nonfinite_cause(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+        """Where the non-finite step being judged came from (``StabilityCore.nonfinite_cause``)."""
+        return self.core.nonfinite_cause(self._flagged_step(trainer, pl_module), _warn_here)
+
+    def _rollback_helps(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: Verdict) -> bool:
+        """The rollback test (class docstring, 2.; ``StabilityCore.rollback_helps``)."""
+        return self.core.flagged_rollback_helps(self._flagged_step(trainer, pl_module), verdict)
+
+    def _flagged_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> steps.FlaggedStep:
+        """What the checks of the step being judged read from the trainer (``stability_steps.FlaggedStep``),
+        its losses through ``probe.training_losses`` (autograd off) and ``probe.losses_at``."""
+        return steps.FlaggedStep(
             pl_module,
+            trainer.global_step,
+            self._record,
             trainer.optimizers,
-            batches,
-            step,
+            self._schedulers(trainer),
             trainer.train_dataloader,
-            sum_over_ranks,
-            saved,
-            self._record.trained,
-            losses_of,
-            self.core.presumes_data,
+            self._sum_over_ranks(trainer),
+            steps.caches_activations(trainer.callbacks),
+            partial(training_losses, trainer, pl_module, grad_mode=False),
+            partial(losses_at, trainer, pl_module, hold=self._held),
         )
-        if cause is None and unchecked:  # bad data no longer presumed at fault: tested at a snapshot
-            if (warning := self.core.presumption_ended(pl_module, step, (newest, saved))) is not None:
-                rank_zero_warn(warning)
-            tested = check and self.core.tests_data_at_snapshot  # an unbroken row of them escalates
-            if tested and self._recurs_at_snapshot(trainer, pl_module, batches, step):
-                cause = "data"
-        if cause == "data" and (
-            warning := self.core.data_fault(pl_module, step, samples, (newest, saved), unchecked)
-        ):
-            rank_zero_warn(warning)
-        return cause
-
-    def _losses_of(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        saved: steps.SavedForwardState,
-        batches: list[tuple[int, Any]],
-    ) -> list[float | None]:
-        """The training losses of ``(batch_idx, batch)`` pairs at the current weights
-        (``probe.training_losses``, autograd off: no graph is built beside the step's held gradients), with
-        the forward state a bad batch wrote set back (``StabilityCore.forward_state_for_a_check``); ``None``
-        for a batch whose ``training_step`` returns no loss, or fails on the batch checked (a shape fixed in
-        the module, a loss that needs autograd). Running out of memory is such a failure too, not the run's
-        end: the allocator's cache is freed, a warning said once a fit, and the batch counts unchecked."""
-        losses: list[float | None] = []
-        with self.core.forward_state_for_a_check(pl_module, saved):
-            for pair in batches:
-                try:
-                    found = training_losses(trainer, pl_module, [pair], grad_mode=False)
-                except torch.OutOfMemoryError:  # the step's gradients are still held: the check is extra
-                    found = []
-                    self._out_of_memory_in_check(pl_module)
-                except Exception:  # a diagnostic: its failure must not end the run
-                    found = []
-                losses.append(found[0] if found else None)
-        return losses
-
-    def _out_of_memory_in_check(self, pl_module: pl.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.empty_cache()
-        if not self._check_oom_warned:
-            self._check_oom_warned = True
-            rank_zero_warn(
-                "StabilityGuard: recomputing a non-finite step's loss to tell bad data from a bad model "
-                "ran out of memory (the step's gradients are held meanwhile); that batch counts as "
-                "unchecked: its data is presumed at fault for a few steps in a row, then tested on a "
-                "snapshot. Said once per fit."
-            )
-
-    @staticmethod
-    def _caches_activations(trainer: pl.Trainer) -> bool:
-        """Whether a callback caches activations that a forward outside the loop would fill
-        (``GradientCache``): the guard then runs no forward of its own."""
-        return any(getattr(callback, "activations", None) is not None for callback in trainer.callbacks)
 
     # ------------------------------------------------------------------ snapshots and rollbacks
-    def _rollback_helps(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batches: list,
-        step: int,
-        loss: float | None,
-        verdict: Verdict,
-    ) -> bool:
-        """The rollback test (class docstring, 2.; ``StabilityCore.rollback_helps``), with the flagged and the
-        last ordinary batches' losses at a snapshot's weights (``probe.losses_at``)."""
-        caches = self._caches_activations(trainer)
-        return self.core.rollback_helps(
-            pl_module,
-            step,
-            self._key_of(),
-            verdict,
-            loss,
-            bool(self._record.reference) and not caches,
-            lambda target: losses_at(trainer, pl_module, target, batches, self._record.reference, self._held),
-            trainer.optimizers,
-            self._schedulers(trainer),
-        )
-
-    def _recurs_at_snapshot(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list, step: int
-    ) -> bool:
-        """Whether the step's batches are non-finite on the snapshots a rollback would return to as well, the
-        ordinary batch finite (``StabilityCore.recurs_at_snapshot``)."""
-        return self.core.recurs_at_snapshot(
-            pl_module,
-            step,
-            bool(self._record.reference),  # no activation cache: the check ran (``_nonfinite_cause``)
-            lambda target: losses_at(trainer, pl_module, target, batches, self._record.reference, self._held),
-            trainer.optimizers,
-            self._schedulers(trainer),
-        )
-
     def _sum_over_ranks(self, trainer: pl.Trainer) -> Any:
         """The strategy's sum all-reduce under DDP (its tensors held until the backend lets go), else ``None``."""
         if trainer.world_size == 1:
             return None
         return partial(compat.reduce_held, trainer.strategy, reduce_op="sum", hold=self._held)
-
-    def _key_of(self) -> str:
-        """The baseline key of the current step: its pulse phase, or the one fixed key."""
-        return self._fixed_key if self._cycle is None else self._cycle.phase.value
 
     def _training_state(self, trainer: pl.Trainer) -> tuple[list, list, dict[str, RollbackState]]:
         """What a snapshot holds besides the module: optimizers, LR schedulers, the opted-in callbacks."""

@@ -136,6 +136,14 @@ class RunClock:
             "later), and nothing is counted as waited while the run was down."
         )
 
+    def suspension(self, now: float, decision: Decision) -> tuple[dict[str, float], float, float]:
+        """A suspend at ``now`` (the run's time) on ``decision``: the record the checkpoint keeps (``at`` and
+        ``resume_at``, the decision's resume time moved by the time since it was made, on the run's time), and
+        the suspend's and the resume's times on the clock itself (less :attr:`behind_s`) for the resume file:
+        wait-for-window reads it on the clock itself, not on the run's (moved) time."""
+        resume_at = now + (decision.resume_at or now) - decision.at
+        return {"at": now, "resume_at": resume_at}, now - self.behind_s, resume_at - self.behind_s
+
     def time(self) -> float:
         now = float(self.clock.time()) + self.behind_s
         if now < self.latest:  # the clock stepped back: the run's time carries on from where it was
@@ -772,11 +780,11 @@ def fit_start_refusal(
     return None
 
 
-def clocks_apart(now: float, energy_now: float, slot_s: float) -> str | None:
+def clocks_apart(now: float, energy_now: float | None, slot_s: float) -> str | None:
     """The warning when GreenWindow's clock (``now``) and the EnergyLogger's wall clock (``energy_now``, read
     at the same moment) are more than a slot apart, as when only GreenWindow has a SimulatedClock; ``None``
-    when they agree."""
-    if abs(now - energy_now) <= slot_s:
+    when they agree, or without an EnergyLogger's clock (``energy_now`` ``None``)."""
+    if energy_now is None or abs(now - energy_now) <= slot_s:
         return None
     return (
         f"GreenWindow: its clock reads {format_utc(now)} and the EnergyLogger's {format_utc(energy_now)}; each "
@@ -863,6 +871,11 @@ class GreenSchedule:
     def budget_left_s(self) -> float:
         return max((self.budget_s or 0.0) - self.delayed_s, 0.0)
 
+    def begin(self, now: float) -> None:
+        """Training starts at ``now``: the run's start, unless a resumed run has one already."""
+        if self.run_start is None:
+            self.run_start = now
+
     def ran(self, kind: str, start: float, end: float, steps: int, kwh: float | None) -> None:
         """``steps`` optimizer steps ran in ``[start, end]``, as ``kind`` (``"run"`` or ``"light"``)."""
         self.compute_s += max(end - start, 0.0)
@@ -907,6 +920,16 @@ class GreenSchedule:
         if self.first_forecast is None:
             self.first_forecast = ((starts - offset).tolist(), forecast.tolist())
         return decision
+
+    def decide_from(self, signal: Any, now: float, steps_left: float) -> Decision | None:
+        """The decision at wall time ``now`` on ``signal`` (a
+        :class:`~lightning_pulse.energy.signal.GreenSignal`, read only when a decision is due), or ``None``:
+        once the last step is done (``steps_left`` <= 0: nothing is left to move into a cleaner hour), or
+        while the remaining work is unknown (:meth:`decide`)."""
+        if steps_left <= 0:
+            return None
+        series, to_series = signal.now()
+        return self.decide(series, to_series, now, steps_left)
 
     def metrics(self, decision: Decision) -> dict[str, float]:
         """What a decision logs: the signal and forecast behind it, and the seconds waited so far."""

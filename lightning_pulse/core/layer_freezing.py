@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_pulse.core.activation_cache import LoaderActivationCache
 from lightning_pulse.core.freeze_units import (
     ForwardOrderTrace,
     FreezeUnit,
@@ -41,7 +42,7 @@ from lightning_pulse.core.freeze_units import (
     replace_unit_parameters,
     reread_note,
 )
-from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import KNOWN_LENGTH
 
 STATE_VERSION = 2
@@ -908,9 +909,11 @@ class FreezerLifecycle:
         """Leading units the next backward skips (none in a resumed fit's first: :meth:`begin_forward`)."""
         return 0 if self._opened else self.frozen_prefix
 
-    def start(self, state: Mapping[str, Any] | None, model: nn.Module) -> None:
+    def start(self, state: Mapping[str, Any] | None, model: nn.Module) -> str | None:
         """Start a fit from a checkpoint's freezer ``state`` (``requires_grad`` set from it), or, for a fresh run
         or a state saved before the first backward (``None``), with the units discovered in ``model`` waiting.
+        Returns :func:`~lightning_pulse.core.freeze_units.pinned_note` for a restored freezer's units (units
+        still to be ordered are named when they are: :meth:`announce`), else ``None``.
 
         Raises:
             ValueError: for a name in ``unit_names`` that ``model`` does not have (see :func:`discover_units`).
@@ -921,6 +924,23 @@ class FreezerLifecycle:
         self._open_first_forward, self._opened = self.freezer is not None, []
         if self.freezer is None:
             self.trace = ForwardOrderTrace(discover_units(model, self.unit_names))
+            return None
+        return pinned_note(self.freezer.units)
+
+    def check_fit_start(
+        self, strategy: Any, model: nn.Module, world_size: int, optimizers: Iterable[torch.optim.Optimizer]
+    ) -> None:
+        """At fit start, once the ``strategy`` wrapped ``model`` (as ``strategy.model``) and the
+        ``optimizers`` exist: :func:`check_wrapped_model`; under DDP, remember the parameters frozen now
+        (:attr:`frozen_before_wrap`); :func:`refuse_optimizers_that_move_gradless_parameters`.
+
+        Raises:
+            PulseRefusal: from those two checks.
+        """
+        check_wrapped_model(strategy.model, world_size, type(strategy).__name__)
+        if world_size > 1:  # DDP just wrapped the model: what is frozen now, its reducer left out
+            self.frozen_before_wrap = frozen_parameter_ids(model)
+        refuse_optimizers_that_move_gradless_parameters(optimizers)
 
     @property
     def resumed_first_batch(self) -> bool:
@@ -1081,6 +1101,15 @@ class FreezerLifecycle:
             self.optimizer_check.before_step(optimizers, held)
         return report
 
+    def follow_phase(self, enabled: bool, resume: bool = False) -> int | None:
+        """A pulse phase started: :meth:`LayerFreezer.follow_phase`, where nothing freezes once the optimizer
+        was found moving frozen parameters (:attr:`may_freeze`). Returns the frozen prefix before when the
+        frozen set changed; ``None`` when it did not, or without a freezer."""
+        if self.freezer is None:
+            return None
+        before = self.freezer.frozen_prefix
+        return before if self.freezer.follow_phase(enabled and self.may_freeze, resume=resume) else None
+
     @property
     def may_freeze(self) -> bool:
         """``False`` once the optimizer was found moving frozen parameters (:class:`GradlessStepCheck`)."""
@@ -1111,6 +1140,51 @@ class FreezerLifecycle:
         self._model, self._open_first_forward, self.rolled_back_at = model, False, step
         self.freezer, self.trace = restore_during_fit(self.freezer, self.trace, state, model, self.settings)
 
+    def resume(
+        self, state: Mapping[str, Any] | None, model: nn.Module, replay: LoaderActivationCache | None = None
+    ) -> str | None:
+        """Start a fit from a :meth:`state_dict` (``None``: a fresh run): :meth:`start` from its freezer,
+        plan ``replay`` (the fit's activation cache) on the restored frozen units, then
+        :meth:`load_optimizer_check`. Returns :meth:`start`'s note on the pinned units."""
+        pinned = self.start(None if state is None else state["cache"], model)
+        if state is not None:
+            self.replan(replay)
+            self.load_optimizer_check(state.get("optimizer_check"))
+        return pinned
+
+    def roll_back(
+        self,
+        state: Mapping[str, Any],
+        model: nn.Module,
+        step: int,
+        replay: LoaderActivationCache | None = None,
+    ) -> int:
+        """A rollback, after ``step`` optimizer steps, to a :meth:`state_dict`: :meth:`restore` its freezer,
+        :meth:`load_optimizer_check`, then plan ``replay`` again. Returns the frozen prefix before."""
+        before = self.frozen_prefix
+        self.restore(state["cache"], model, step)
+        self.load_optimizer_check(state.get("optimizer_check"))
+        # the records were made with parameters the rollback may have changed: record again
+        self.replan(replay, again=True)
+        return before
+
+    def replan(self, replay: LoaderActivationCache | None, again: bool = False) -> None:
+        """Cache, in ``replay`` (the fit's activation cache; ``None``: off), the outputs of the units frozen
+        now; ``again``: drop its records first (:meth:`LoaderActivationCache.plan`)."""
+        if replay is not None:
+            replay.plan(self.freezer.frozen_names if self.freezer is not None else [], again)
+
+    def state_dict(self, ledger: Mapping[str, Any], events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+        """:class:`~lightning_pulse.GradientCache`'s checkpoint: the freezer's state (``None`` while the units
+        wait for their order), the given FLOP ``ledger`` state and frozen-prefix ``events``, and the optimizer
+        check's state."""
+        return {
+            "cache": self.freezer.state_dict() if self.freezer is not None else None,
+            "ledger": ledger,
+            "events": list(events),
+            "optimizer_check": self.optimizer_check.state_dict(),
+        }
+
     def follow(self, replacements: Iterable[tuple[nn.Parameter, nn.Parameter, torch.Tensor]]) -> None:
         """Point the units and the window snapshots at parameters that replaced others (structured pruning):
         :func:`follow_replaced_parameters`."""
@@ -1136,6 +1210,23 @@ def misplaced_note(names: Sequence[str]) -> str:
         "them again at the next backward (merged with the order known so far); freezing resumes once they "
         "are scored"
     )
+
+
+def refuse_setup(trainer: Any, module: Any, compiled: str | None, cache_mb: float) -> None:
+    """:class:`~lightning_pulse.GradientCache`'s refusals at setup, in this order: a ``module`` that runs its
+    own optimizer (:func:`refuse_manual_optimization`), a part of it run under ``torch.compile``
+    (``compiled``, its name: :func:`refuse_compiled_module`), a ``trainer`` strategy that shards parameters
+    (:func:`~lightning_pulse.errors.refuse_sharded_strategy`) and an activation cache of ``cache_mb`` on
+    DataLoaders reloaded every ``trainer.reload_dataloaders_every_n_epochs`` epochs
+    (:meth:`LoaderActivationCache.refuse_reload`).
+
+    Raises:
+        PulseRefusal: for the first of these that applies.
+    """
+    refuse_manual_optimization(module)
+    refuse_compiled_module(compiled)
+    refuse_sharded_strategy(trainer, "GradientCache", SHARDED_REASON)
+    LoaderActivationCache.refuse_reload(cache_mb, trainer.reload_dataloaders_every_n_epochs)
 
 
 def refuse_manual_optimization(module: Any) -> None:

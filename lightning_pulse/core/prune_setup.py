@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from torch import nn
 from lightning_pulse.core import prune_targets, pruning
 from lightning_pulse.core.prune_schedule import PRUNE_EVERY_DEFAULT, PruneSchedule, check_int, check_share
 from lightning_pulse.core.prune_targets import LayerSelection
+from lightning_pulse.core.step_plan import epoch_steps
 from lightning_pulse.errors import PulseRefusal, names_itself, refusing
 from lightning_pulse.phase import STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH, Phase, PhaseClock
 
@@ -127,6 +128,36 @@ def checked_selection(pruner: pruning.Pruner, model: nn.Module) -> LayerSelectio
             f"{left_out_note(selection)} Choose other `layer_types` or remove ScheduledPrune."
         )
     return selection
+
+
+def fit_start_selection(
+    pruner: pruning.Pruner,
+    model: nn.Module,
+    schedule: PruneSchedule,
+    frozen: frozenset[str] | None,
+    compiled: Sequence[str],
+    example: Any,
+) -> tuple[LayerSelection, list[str], Any]:
+    """At fit start, the layers ``pruner`` prunes in ``model``, leaving out those the user froze (``frozen``,
+    as a restored checkpoint recorded them; ``None``: the layers frozen in ``model`` now). Raises
+    :class:`PulseRefusal` when there is none (:func:`checked_selection`) and, in structured mode, for a
+    compiled part holding one (``compiled``: :func:`refuse_compiled_structured`), a model that cannot be
+    traced or cut safely (:func:`refuse_structured`) or a frozen copy of a part to cut
+    (:func:`refuse_frozen_twins`).
+
+    Returns the selection, the layers whose zeros folded into the weights were masked again
+    (:func:`~lightning_pulse.core.pruning.mask_folded_zeros`, unstructured), and the structured trace input:
+    from ``example_input_array`` (:func:`structured_example`), else ``example`` as it was."""
+    pruner.user_frozen = prune_targets.frozen_layers(model) if frozen is None else frozen
+    selection = checked_selection(pruner, model)
+    masked = pruning.mask_folded_zeros(selection.layers, pruner.mode, schedule.sparsity)
+    if pruner.mode == "structured":
+        refuse_compiled_structured(pruner.mode, compiled, selection.layers)
+        refuse_structured(pruning.structured_blocker(model, selection))
+        refuse_frozen_twins(model, selection.layers)
+        if getattr(model, "example_input_array", None) is not None:
+            example = structured_example(model, pruner, schedule, None)
+    return selection, masked, example
 
 
 def left_out_note(selection: LayerSelection) -> str:
@@ -242,6 +273,22 @@ def maintain_starts(
     except ValueError:
         return None
     return starts
+
+
+def steps_per_epoch(
+    batches: float, accumulation: int, epoch: int, scheduling: Mapping[int, int] | None
+) -> int | None:
+    """Optimizer steps in an epoch of ``batches`` batches, for phases counted in epochs, at ``accumulation``
+    batches a step; ``None`` when a GradientAccumulationScheduler (``scheduling``: its factor by first epoch)
+    changes them from one epoch to another from the current ``epoch`` on (no one figure plans such phases; a
+    resumed run past the last change has one)."""
+    if scheduling is None:
+        factors = {accumulation}
+    else:
+        # the factor in force now (Lightning adds one for epoch 0 when none is given) and those set later
+        in_force = max(start for start in scheduling if start <= epoch)
+        factors = {factor for start, factor in scheduling.items() if start >= in_force}
+    return epoch_steps(batches, factors.pop()) if len(factors) == 1 else None
 
 
 #: A schedule whose largest single cut takes more than this share of ``final_sparsity`` is said at fit start

@@ -282,6 +282,36 @@ def current_parameter_name(name: str, names: Collection[str]) -> str:
     return name
 
 
+def finetuning_state_renamed(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A BaseFinetuning state whose optimizer groups name each parameter as the module names it now
+    (:func:`current_parameter_name`)."""
+    metadata = state.get("internal_optimizer_metadata")
+    if not isinstance(metadata, dict):  # an older layout (before Lightning PR #11887): left as it is
+        return state
+    renamed = {
+        index: [
+            {**group, "params": [current_parameter_name(name, names) for name in group["params"]]}
+            for group in groups
+        ]
+        for index, groups in metadata.items()
+    }
+    return {**state, "internal_optimizer_metadata": renamed}
+
+
+def rename_in_finetuning_states(states: dict[str, Any], keys: Collection[str], model: nn.Module) -> None:
+    """Replace, in a checkpoint's callback ``states``, the state of each BaseFinetuning callback (``keys``:
+    their state keys) by :func:`finetuning_state_renamed` with the parameter names of ``model`` now. Run once
+    the module is restored and before any callback reads its state: BaseFinetuning (BackboneFinetuning) keeps
+    the optimizer's groups by parameter name, stored when it set them up, and a mask renamed ``X.weight`` to
+    ``X.weight_orig`` since (folding it renames it back): its ``on_fit_start`` then failed on the old name
+    (``KeyError``), so no checkpoint after the first event could be resumed."""
+    names = {name for name, _ in model.named_parameters()}
+    for key in keys:
+        state = states.get(key)
+        if isinstance(state, dict):
+            states[key] = finetuning_state_renamed(state, names)
+
+
 def make_masks_permanent(model: nn.Module) -> list[str]:
     """Fold every ``torch.nn.utils.prune`` mask into its weight; returns the names of the layers folded."""
     folded = []
@@ -446,6 +476,15 @@ class RunPrecision:
 
     input_dtype: torch.dtype
     autocast: bool = False
+
+    @classmethod
+    def of_plugin(cls, plugin: Any, autocast: bool) -> RunPrecision:
+        """How a Lightning precision ``plugin`` hands a batch over: what its ``convert_input`` makes of a
+        float32 tensor, and whether it is a mixed one (``autocast``). The trace input takes the dtype the
+        run's batches take, which the module's dtypes do not tell (a float32 stem before a bfloat16 body under
+        32-true takes float32 batches); a mixed plugin's autocast, which the trace runs outside of, is why
+        half tensors go up to float32 there, and only there."""
+        return cls(plugin.convert_input(torch.zeros(())).dtype, autocast=autocast)
 
 
 def inputs_for(

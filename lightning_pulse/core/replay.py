@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.utils.data import Subset, TensorDataset
 
 from lightning_pulse.core.per_sample_loss import LossCapture, PerSampleScorer, concat_per_sample
+from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import RULES, Selection, infobatch_prune, select_random, select_topk
 from lightning_pulse.phase import PHASE_NAMES, Duration, parse_duration
@@ -245,6 +246,16 @@ def untrackable_refusal(reason: str) -> str:
 SEVERAL_LOADERS = "the fit trains on several DataLoaders at once (a CombinedLoader)"
 
 
+def loader_refusal(loader: Any, second: bool) -> str | None:
+    """Why a training DataLoader handed over at a data set-up is refused (completes "HardSampleReplay ..."),
+    else ``None``: its dataset indices cannot be tracked (:func:`untrackable_refusal`), or it is a ``second``
+    loader of the same set-up (a CombinedLoader: :data:`SEVERAL_LOADERS`). Said before anything is
+    installed."""
+    if (reason := SampleIndexTracker.unsupported_reason(loader)) is not None:
+        return untrackable_refusal(reason)
+    return several_loaders_refusal(SEVERAL_LOADERS) if second else None
+
+
 def same_samples(previous: Any, current: Any) -> bool | None:
     """Whether ``current`` holds ``previous``'s samples at the same indices: ``True`` when that is certain (the
     same object; a ``TensorDataset`` over the same tensor memory; a ``Subset`` of such with the same
@@ -270,7 +281,10 @@ def reloaded_data_note(previous: Any, current: Any) -> tuple[str | None, bool]:
     and whether the scores start again. Scores are kept by dataset index (:func:`same_samples`): kept silently
     for the same samples; kept, with a note of the assumption, for another object of the same length (a
     dataset built anew over the same data, most often); started again for another length. The texts do not
-    change from reload to reload, so Python's warning filter says each once."""
+    change from reload to reload, so Python's warning filter says each once. ``previous`` is ``None`` for the
+    fit's first DataLoader: nothing to say, nothing to start again."""
+    if previous is None:
+        return None, False
     same = same_samples(previous, current)
     if same:
         return None, False
@@ -333,6 +347,23 @@ def half_life_steps(duration: Duration | None, steps_per_epoch: float | None) ->
             f"`score_half_life`={duration} is in epochs but the training DataLoader has no length; give it in steps."
         )
     return duration.amount * steps_per_epoch
+
+
+def epoch_half_life_note(
+    half_life: Duration | None, steps_per_epoch: int | None, optimizers: int
+) -> str | None:
+    """What to tell the user when a module steps its ``optimizers`` itself (manual optimization, several
+    optimizers per batch) and ``score_half_life`` is in epochs, else ``None``: an epoch is read as
+    ``steps_per_epoch`` optimizer steps, one a batch, but scores age by global steps."""
+    if half_life is None or half_life.kind != "epochs":
+        return None
+    # ages count global steps, which count every optimizer's step: a GAN's two players halve an epoch
+    return (
+        f"`score_half_life`={half_life.amount:g} epochs is read as {steps_per_epoch} optimizer "
+        f"steps an epoch, one a batch, but this module steps its {optimizers} optimizers "
+        "itself (manual optimization) and trainer.global_step counts every step: scores age faster by "
+        "the steps a batch makes. Give the half-life in steps (`score_half_life='400steps'`)."
+    )
 
 
 def shorter_than_an_epoch(
@@ -399,6 +430,12 @@ class BatchPlan:
     offered: float
     active: bool
     selected: bool
+
+    @property
+    def origins(self) -> list[str]:
+        """Why each sample is there, by name: ``"untouched"``, ``"selected"`` or ``"unseen"``
+        (:data:`ROLE_NAMES`)."""
+        return [ROLE_NAMES[r] for r in self.roles]
 
 
 class _Measured:

@@ -4,10 +4,12 @@
   optimizer step, the rollback test, snapshots with their books and the return to one, its checkpointed state.
 * :func:`state_tensors`: the tensors a snapshot returns to, by name (screened before each snapshot).
 * :class:`StepRecord`: the current optimizer step's micro-batches, losses and action, between the guard's hooks.
+* :class:`FlaggedStep`: a flagged step with what its checks read from the trainer
+  (:func:`caches_activations`).
 * :func:`loss_spiked`, :func:`spike_reproduced` and :func:`rollback_test`: the rollback test's rule (does the
   flagged batch spike at a snapshot's weights too?).
-* :func:`guard_metrics` and the ``*_message`` functions: the figures logged under ``stability/`` and the
-  texts the guard prints.
+* :func:`guard_metrics`, :func:`guard_figure` and the ``*_message`` functions: the figures logged under
+  ``stability/`` and read from the guard, and the texts the guard prints.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,11 +27,13 @@ from torch import Tensor, nn
 
 from lightning_pulse.core.carried_state import carried_tensors, kept_carried_state, restore_carried_tensors
 from lightning_pulse.core.fault_origin import (
+    LossesOf,
     describe_bad_samples,
     finite_evidence,
     forward_state_tensors,
     newly_nonfinite,
     nonfinite_forward_state,
+    trace_nonfinite,
 )
 from lightning_pulse.core.snapshots import SnapshotSchedule, TrainingSnapshot, nonfinite_tensors
 from lightning_pulse.core.spike_detection import POOLED, SpikeDetector, Verdict
@@ -177,16 +183,23 @@ SavedForwardState = tuple[TrainingSnapshot | None, dict[str, Tensor]]
 
 class StepRecord:
     """What the guard keeps of the current optimizer step from its first micro-batch to its batch end: the
-    micro-batches (by reference) and their losses, and its action once decided; and the last applied step's
-    micro-batches, the ordinary batch of the rollback test."""
+    micro-batches (by reference) and their losses, the step's loss and baseline key while it is judged, and
+    its action once decided; and the last applied step's micro-batches, the ordinary batch of the rollback
+    test. ``cut``: a callback that cuts batches in place (``HardSampleReplay``), which tells the dataset
+    indices of the rows it kept (``trained_indices``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cut: Any = None) -> None:
         self.losses: list[Any] = []  # the micro-batch losses of the current optimizer step
         self.batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
         self.reference: list[tuple[int, Any]] = []  # the last applied step's micro-batches
         # batch_idx -> the dataset indices of the samples it trained, where a callback cut it in place
         self.trained: dict[int, Tensor] = {}
         self.decided: Action | None = None  # the current optimizer step's action, until its batch end
+        self.cut = cut
+        # the loss of the step being judged (mean over the window and ranks) and its baseline key: what the
+        # checks of a flagged step (FlaggedStep) read, while the step is judged
+        self.loss: float | None = None
+        self.key = ""
 
     def take_losses(self) -> list[Any]:
         """The losses recorded since the last call (read once per optimizer step, with the gradient norm)."""
@@ -203,6 +216,54 @@ class StepRecord:
             self.reference = self.batches  # an ordinary batch, for the rollback test
         self.batches, self.trained = [], {}
         return action
+
+    def decided_before_judging(self, policy: EscalationPolicy) -> Action | None:
+        """The step's action where it needs no judging: a forced skip (one of the steps skipped after a
+        rollback, :meth:`EscalationPolicy.forced_skip`), or the action decided already (LBFGS's later closure
+        evaluations, trial points, are judged on the first); else ``None``."""
+        if self.decided is None and policy.forced_skip():
+            self.decided = Action.SKIP
+        return self.decided
+
+
+def caches_activations(callbacks: Sequence[Any]) -> bool:
+    """Whether a callback caches activations that a forward outside the loop would fill
+    (``GradientCache``): the guard then runs no forward of its own."""
+    return any(getattr(callback, "activations", None) is not None for callback in callbacks)
+
+
+@dataclass
+class FlaggedStep:
+    """A flagged optimizer step with what its checks read from the trainer (read when a step is flagged, never
+    on an ordinary one): where a non-finite step came from (:meth:`StabilityCore.nonfinite_cause`) and the
+    rollback test (:meth:`StabilityCore.flagged_rollback_helps`). The step's micro-batches (what it trained,
+    where a callback cut them), its loss (the same on every rank) and baseline key, and the last applied
+    step's batches are its ``record``'s."""
+
+    model: nn.Module
+    step: int
+    record: StepRecord
+    optimizers: Sequence[Any]
+    schedulers: Sequence[Any]
+    loader: Any  # the train dataloader: the dataset indices of bad samples
+    all_reduce_sum: Callable[[Tensor], Tensor] | None  # under DDP, else ``None``
+    caches_activations: bool  # a forward outside the loop would fill a cache (:func:`caches_activations`)
+    # the training losses of ``(batch_idx, batch)`` pairs at the current weights, autograd off (no graph is
+    # built beside the step's held gradients); it may raise for a batch (see StabilityCore.losses_for_a_check)
+    losses_of: LossesOf
+    # the mean losses of two lists of ``(batch_idx, batch)`` pairs at a snapshot's weights
+    # (:meth:`losses_at_snapshot`: the flagged and the ordinary batches)
+    losses_at: Callable[[TrainingSnapshot, list[tuple[int, Any]], list[tuple[int, Any]]], tuple[float, float]]
+
+    def losses_at_snapshot(self, target: TrainingSnapshot) -> tuple[float, float]:
+        """The mean losses of the step's micro-batches and of the last applied step's (the ordinary batch) at
+        ``target``'s weights."""
+        return self.losses_at(target, self.record.batches, self.record.reference)
+
+    @property
+    def comparable(self) -> bool:
+        """Whether the rollback test can compare: an ordinary applied batch, and no activation cache."""
+        return bool(self.record.reference) and not self.caches_activations
 
 
 class StabilityCore:
@@ -257,6 +318,7 @@ class StabilityCore:
         # unchecked data faults in a row (UNCHECKED_DATA_FAULTS); whether this fit said it stopped presuming
         self.unchecked_data_faults = 0
         self.presumption_warned = False
+        self.check_oom_warned = False  # the data check ran out of memory (said once a fit)
 
     @property
     def presumes_data(self) -> bool:
@@ -289,12 +351,14 @@ class StabilityCore:
         return verdict, self.policy.decide(step, verdict, cause, helps), cause, newly_unjudged
 
     def start(self, step: int | None = None) -> None:
-        """At fit start, forget what an earlier fit left: a requested snapshot, the rollback test's choice and the
-        snapshots (the caller then snapshots the state training starts from, or resumes at: ``step``, whose
-        snapshot :meth:`saved_forward_state` does not take as evidence about infinities)."""
+        """At fit start, forget what an earlier fit left: a requested snapshot, the rollback test's choice,
+        the warnings said once a fit and the snapshots (the caller then snapshots the state training starts
+        from, or resumes at: ``step``, whose snapshot :meth:`saved_forward_state` does not take as evidence
+        about infinities)."""
         self.schedule.pending, self.rollback_to, self.left_out = False, None, None
         self.fit_start, self.first_forward, self.overflow_warned = step, None, False
         self.unchecked_data_faults, self.presumption_warned = 0, False
+        self.check_oom_warned = False
         self.fit_start_accepted = self.detector.accepted_steps
         self.schedule.ring.clear()
 
@@ -341,6 +405,85 @@ class StabilityCore:
         if self.remember_bad_samples(samples):
             return data_fault_message(step, samples, mended, None if saved[0] is None else saved[0].step)
         return None
+
+    def nonfinite_cause(self, flagged: FlaggedStep, warn: Callable[[str], Any]) -> str | None:
+        """Where a non-finite step came from (:func:`~lightning_pulse.core.fault_origin.trace_nonfinite`); a
+        data fault's samples are remembered (:meth:`data_fault`), and its warnings said through ``warn``.
+
+        With a non-finite loss (the same on every rank), bad data is checked by recomputing the loss without
+        the bad rows, or where they cannot be cut out with its NaN and ``+inf`` values set to 0
+        (:meth:`losses_for_a_check`): only one that then comes out finite is the data's fault. Where neither
+        can be checked and the data is no longer presumed at fault, the batch is tested at once on the
+        snapshots a rollback would return to (:meth:`recurs_at_snapshot`): the data's if non-finite there too,
+        for :data:`RECURRING_DATA_FAULTS` steps in a row at most. No check runs a forward under an activation
+        cache (``flagged.caches_activations``).
+        """
+        model, step, loss = flagged.model, flagged.step, flagged.record.loss
+        newest, saved = self.saved_forward_state(model)  # saved: tells a -inf mask from an overflow
+        check = loss is not None and not math.isfinite(loss) and not flagged.caches_activations
+        losses_of = (
+            partial(self.losses_for_a_check, model, (newest, saved), flagged.losses_of, warn)
+            if check
+            else None
+        )
+        cause, samples, unchecked = trace_nonfinite(
+            model,
+            flagged.optimizers,
+            flagged.record.batches,
+            step,
+            flagged.loader,
+            flagged.all_reduce_sum,
+            saved,
+            flagged.record.trained,
+            losses_of,
+            self.presumes_data,
+        )
+        if cause is None and unchecked:  # bad data no longer presumed at fault: tested at a snapshot
+            if (warning := self.presumption_ended(model, step, (newest, saved))) is not None:
+                warn(warning)
+            tested = check and self.tests_data_at_snapshot  # an unbroken row of them escalates
+            comparable = bool(flagged.record.reference)  # no activation cache: the check ran
+            if tested and self.recurs_at_snapshot(
+                model, step, comparable, flagged.losses_at_snapshot, flagged.optimizers, flagged.schedulers
+            ):
+                cause = "data"
+        if cause == "data" and (warning := self.data_fault(model, step, samples, (newest, saved), unchecked)):
+            warn(warning)
+        return cause
+
+    def losses_for_a_check(
+        self,
+        model: nn.Module,
+        saved: SavedForwardState,
+        losses_of: LossesOf,
+        warn: Callable[[str], Any],
+        batches: list[tuple[int, Any]],
+    ) -> list[float | None]:
+        """The training losses of ``(batch_idx, batch)`` pairs at the current weights (``losses_of``, one pair
+        at a time, autograd off: no graph is built beside the step's held gradients), with the forward state a
+        bad batch wrote set back (:meth:`forward_state_for_a_check`); ``None`` for a batch whose
+        ``training_step`` returns no loss, or fails on the batch checked (a shape fixed in the module, a loss
+        that needs autograd). Running out of memory is such a failure too, not the run's end: the allocator's
+        cache is freed, a warning said through ``warn`` once a fit, and the batch counts unchecked."""
+        losses: list[float | None] = []
+        with self.forward_state_for_a_check(model, saved):
+            for pair in batches:
+                try:
+                    found = losses_of([pair])
+                except torch.OutOfMemoryError:  # the step's gradients are still held: the check is extra
+                    found = []
+                    self._out_of_memory_in_check(model, warn)
+                except Exception:  # a diagnostic: its failure must not end the run
+                    found = []
+                losses.append(found[0] if found else None)
+        return losses
+
+    def _out_of_memory_in_check(self, model: nn.Module, warn: Callable[[str], Any]) -> None:
+        if getattr(model, "device", torch.device("cpu")).type == "cuda":  # a LightningModule's device
+            torch.cuda.empty_cache()
+        if not self.check_oom_warned:
+            self.check_oom_warned = True
+            warn(CHECK_OUT_OF_MEMORY)
 
     def presumption_ended(
         self, model: nn.Module, step: int, saved: SavedForwardState | None = None
@@ -500,6 +643,21 @@ class StabilityCore:
         rewound = schedulers if self.config.rewind_lr_schedule else None  # else the current ones are kept
         return self.schedule.ring.rollback_candidates(model, before, optimizers, rewound)
 
+    def flagged_rollback_helps(self, flagged: FlaggedStep, verdict: Verdict) -> bool:
+        """The rollback test (:meth:`rollback_helps`) of a flagged step with its ``verdict``: the flagged and
+        the last ordinary batches' losses at a snapshot's weights (:meth:`FlaggedStep.losses_at_snapshot`)."""
+        return self.rollback_helps(
+            flagged.model,
+            flagged.step,
+            flagged.record.key,
+            verdict,
+            flagged.record.loss,
+            flagged.comparable,
+            flagged.losses_at_snapshot,
+            flagged.optimizers,
+            flagged.schedulers,
+        )
+
     def recurs_at_snapshot(
         self,
         model: nn.Module,
@@ -652,6 +810,10 @@ class StabilityCore:
         if maintain_snapshot_wanted(self.config, change, probe, self.policy.healthy):
             self.schedule.pending = True
 
+    def summary(self) -> str | None:
+        """The end-of-training line of this fit (:func:`summary_message`), or ``None``."""
+        return summary_message(self.policy, self.detector, self.fit_start_accepted)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "detector": self.detector.state_dict(),
@@ -667,6 +829,12 @@ class StabilityCore:
         last = state_dict["last_snapshot_step"]
         self.schedule.last_step = None if last is None else int(last)
         self.bad_samples = [dict(sample) for sample in state_dict.get("bad_samples", [])]
+
+
+def guard_figure(name: str) -> property:
+    """A read-only property that reads ``self.policy``'s ``name``: how
+    :class:`~lightning_pulse.StabilityGuard` shows its policy's figures."""
+    return property(lambda self: getattr(self.policy, name), doc=f"The policy's ``{name}`` (checkpointed).")
 
 
 def guard_metrics(policy: EscalationPolicy, with_energy: bool) -> dict[str, float]:
@@ -755,6 +923,15 @@ def presumption_ended_message(step: int) -> str:
         f"{RECURRING_DATA_FAULTS} steps in a row at most; otherwise it escalates as the model's. Said once "
         "per fit."
     )
+
+
+#: the warning when recomputing a non-finite step's loss runs out of memory (said once a fit)
+CHECK_OUT_OF_MEMORY = (
+    "StabilityGuard: recomputing a non-finite step's loss to tell bad data from a bad model "
+    "ran out of memory (the step's gradients are held meanwhile); that batch counts as "
+    "unchecked: its data is presumed at fault for a few steps in a row, then tested on a "
+    "snapshot. Said once per fit."
+)
 
 
 def rollback_message(policy: EscalationPolicy, step: int, to_step: int | None, undone: int) -> str:

@@ -81,6 +81,11 @@ def epoch_steps(batches: float, accumulate: int) -> int | None:
     return math.ceil(batches / accumulate) if math.isfinite(batches) else None
 
 
+def loader_epoch_steps(loader: Any, accumulate: int) -> int | None:
+    """:func:`epoch_steps` of a pass over ``loader`` (``None`` for one without a length)."""
+    return epoch_steps(len(loader) if hasattr(loader, "__len__") else math.inf, accumulate)
+
+
 def window_size(batch_size: int, fraction: float) -> int:
     """Raw samples fetched for one light-phase batch of ``batch_size`` trained samples."""
     return max(batch_size, round(batch_size / fraction))
@@ -407,6 +412,8 @@ class StepSavingStream:
         self.resumed_at_pass_end = False  # the checkpoint was saved on the last batch of a pass
         self.replanned_for_another_length = False  # a resume to another run length remade the saved plan
         self.trained_samples = 0  # raw samples of the run's trained batches, all epochs
+        # a restored or final state, while no pass runs: what a checkpoint saves then (see checkpoint)
+        self.held: dict[str, Any] | None = None
 
     def make_plan(
         self, clock: PhaseClock | None, light_phases: Iterable[str], **run: int | bool | None
@@ -498,6 +505,27 @@ class StepSavingStream:
             self._resume = None
             return
         self._resume = {k: float(v) if k == "pass_prior" else int(v) for k, v in state.items()}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """A checkpoint's state (``None``: it holds none): :attr:`held` until a pass runs, so that a fit with
+        nothing left to train saves it again as it came, and loaded for the next plan
+        (:meth:`load_state_dict`)."""
+        self.held = state
+        if state is not None:
+            self.load_state_dict(state)
+
+    def hold(self, global_step: int) -> None:
+        """At a fit's end: hold the state at ``global_step`` unless one is held, so that a checkpoint saved
+        after the fit resumes it."""
+        if self.held is None:
+            self.held = self.state_dict(global_step)
+
+    def checkpoint(self, global_step: int | None) -> dict[str, Any] | None:
+        """What a checkpoint saves: the :attr:`held` state, else the state at ``global_step`` (``None``: none
+        to give, as no fit plans this stream now)."""
+        if self.held is not None or global_step is None:
+            return self.held
+        return self.state_dict(global_step)
 
 
 def _pass_ended(samples: int, samples_per_epoch: int, batch_size: int, drop_last: Any) -> bool:

@@ -11,8 +11,10 @@ and keeps whatever was counted.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import numpy as np
@@ -45,6 +47,7 @@ from lightning_pulse.energy.nvml import NvmlCounterMeter, NvmlPowerMeter, nvml_d
 from lightning_pulse.energy.rapl import RaplMeter
 from lightning_pulse.energy.report import assemble_report
 from lightning_pulse.energy.sampler import EnergySampler
+from lightning_pulse.phase import STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH
 
 GPU_MODES = ("auto", "none")
 CPU_MODES = ("auto", "codecarbon", "constant", "none")
@@ -72,6 +75,24 @@ class Collective(Protocol):
 
     def all_gather(self, vector: np.ndarray) -> np.ndarray:
         """``(world_size, len(vector))``: every rank's float64 vector."""
+
+
+class TensorCollective:
+    """A :class:`Collective` over tensor collectives (a Lightning strategy's, in EnergyLogger): ``broadcast``
+    gives rank 0's picklable value on every rank, ``gather`` stacks every rank's tensor to
+    ``(world_size, *shape)``; the vectors travel as float64 tensors."""
+
+    def __init__(
+        self,
+        world_size: int,
+        broadcast: Callable[[Any], Any],
+        gather: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.world_size, self.broadcast, self.gather = world_size, broadcast, gather
+
+    def all_gather(self, vector: np.ndarray) -> np.ndarray:
+        gathered = self.gather(torch.tensor(vector, dtype=torch.float64))
+        return gathered.detach().cpu().numpy().reshape(self.world_size, -1)
 
 
 def build_chains(
@@ -156,6 +177,34 @@ def gpu_devices_of(device: torch.device, gpu: str, config: MeterConfig) -> list[
     return nvml_devices_for_cuda([index])
 
 
+def trainer_chains(
+    trainer: Any, settings: Any, warn: Callable[[str], None], info: Callable[[str], None]
+) -> list[MeterChain]:
+    """The meter chains of a Trainer's process (:func:`build_chains`) for an EnergyLogger's ``settings`` (its
+    ``meters``, ``gpu``, ``cpu``, ``ram`` and ``country_iso_code``): the GPU of the process's
+    ``trainer.strategy.root_device`` (:func:`gpu_devices_of`), and the CPU and RAM on local rank 0 only."""
+    return build_chains(
+        settings.meters,
+        gpu_devices_of(trainer.strategy.root_device, settings.gpu, settings.meters),
+        settings.cpu,
+        settings.ram,
+        settings.country_iso_code,
+        count_host=trainer.local_rank == 0,
+        warn=warn,
+        info=info,
+    )
+
+
+def report_folder(report_dir: str | None, trainer: Any, complete: bool) -> str:
+    """Where EnergyLogger writes the report: ``report_dir``, else the Trainer's ``log_dir``, else its
+    ``default_root_dir``. ``log_dir`` is a collective under DDP (a broadcast): it is read only for a
+    ``complete`` run (every rank reports) or in a single process, never after an exception on one rank."""
+    directory = report_dir
+    if directory is None:
+        directory = trainer.log_dir if complete or trainer.world_size == 1 else None
+    return directory or trainer.default_root_dir
+
+
 def guarded_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
     """Run a hook of an object holding an :class:`EnergyAccount` as ``account`` (the EnergyLogger) so that a
     bug in the metering warns once and never fails the training run."""
@@ -184,6 +233,16 @@ def final_metrics(report: dict[str, Any]) -> dict[str, float]:
     metrics["energy/final_duration_s"] = total["duration_s"]
     metrics.update(baseline_ratios(report.get("comparison")))
     return {k: float(v) for k, v in metrics.items() if v is not None}
+
+
+def no_forecast_line(total_steps: float, optimizers: int) -> str | None:
+    """Why a run whose batches make an unknown number of optimizer steps (manual optimization with
+    ``optimizers`` > 1) gets no forecast of its energy when its length in steps is unknown too
+    (``total_steps`` infinite); ``None`` when it is known."""
+    if math.isfinite(total_steps):
+        return None
+    reason = UNKNOWN_STEPS_PER_BATCH.format(count=optimizers)
+    return f"EnergyLogger: no forecast of the run's energy: {reason}; to get one, {STEPS_BOUND_ONLY}."
 
 
 def forecast_message(forecast: dict[str, Any]) -> str:
@@ -238,6 +297,7 @@ class EnergyAccount:
         self.chains: list[MeterChain] = []
         self.disabled_reason: str | None = None
         self.global_zero = True
+        self.fit_start_progress = (0, 0)  # (optimizer steps, batches) taken when this fit's training began
         self._warned: set[str] = set()
         self._types_read: set[type] = set()  # batch types already looked into for a tensor
         self._reset()
@@ -328,16 +388,48 @@ class EnergyAccount:
             self.fold_counts()  # what was tallied so far belongs to the label that ends here
             self.ledger.mark(self.clock(), self.wall_clock(), **changes)
 
-    def begin_training(self, step_counter: Callable[[], int]) -> None:
-        """The training loop starts; ``step_counter()`` is the optimizer steps taken so far."""
+    def begin_training(self, step_counter: Callable[[], int], progress: tuple[int, int] = (0, 0)) -> None:
+        """The training loop starts; ``step_counter()`` is the optimizer steps taken so far, ``progress`` the
+        run's ``(optimizer steps, batches)`` so far (a new run's forecast counts from there:
+        :meth:`forecast_length`)."""
         self.step_counter = step_counter
         self._counted_step = step_counter()
+        self.fit_start_progress = progress
+
+    def forecast_length(self, run_length: tuple[float, float], world_size: int = 1) -> tuple[float, float]:
+        """The ``(steps, batches)`` of ``run_length`` (the whole run's; batches on one of ``world_size``
+        ranks) that a forecast scales the figures to: all of them for a resumed run, whose figures hold its
+        part before the resume; a new run (no checkpoint restored into the account) counts this fit only, so
+        its forecast is of this fit's steps, not those an earlier fit of the same Trainer took (before
+        :meth:`begin_training`'s ``progress``). The batches are every rank's, as the ledger counts them."""
+        steps, batches = run_length
+        if self.carried is None:
+            steps_before, batches_before = self.fit_start_progress
+            steps, batches = steps - steps_before, batches - batches_before
+        return steps, batches * world_size
 
     def skip_gap(self) -> None:
         """The time to the next batch holds something else (validation, a phase change, a pause): no data
         wait. Also when it is called inside a batch's end hooks before this account's own ``batch_ended``:
         that batch then opens no gap either (a callback listed before the EnergyLogger)."""
         self._last_batch_end = self._last_batch_start = None
+
+    @contextmanager
+    def not_training(self) -> Iterator[None]:
+        """A pause is no training (GreenWindow's ``when_dirty="pause"``): it is booked to stage ``other``, in
+        no phase, cycle or epoch (the label a pause before its training loop starts has), then the label it
+        had comes back. Else a pause inside an epoch was charged to the training stage, its phase and epoch,
+        and the first epoch's forecast scaled the idle hours up to the whole run."""
+        label = None if self.ledger is None else self.ledger.label
+        if label is None:
+            yield
+            return
+        self.mark(stage="other", phase=None, cycle=None, epoch=None)  # as `end_training`
+        try:
+            yield
+        finally:
+            self.mark(stage=label.stage, phase=label.phase, cycle=label.cycle, epoch=label.epoch)
+            self.skip_gap()  # the time since the last batch's end holds the pause, not a data-loader wait
 
     def batch_started(self, batch: Any) -> None:
         """A training batch starts: the data-loader wait before it; its samples and tokens are counted by
@@ -407,6 +499,7 @@ class EnergyAccount:
     def batch_ended(self) -> None:
         self.count_batch()  # a batch with no backward (its step returned None) counts as loaded
         self._last_batch_end = self.clock()
+        self.batches_this_fit += 1
 
     def end_training(self, collective: Collective | None = None) -> None:
         """The training loop ended (every rank calls it): settle a meter still starting, before the report.
@@ -509,8 +602,9 @@ class EnergyAccount:
         Between readings it grows with the latest average power, so consecutive calls see a smooth, never
         decreasing value. Never raises.
 
-        Once the training loop has ended, the run's figure at its end, exact: what the report (taken right
-        after) counts, not the fit's shut-down after it, nor an extrapolation a little above it."""
+        Once the training loop has ended, the run's figure at its end, exact: not the fit's shut-down after
+        it, nor an extrapolation a little above it. The report, whose reading comes a moment later, may hold
+        a little more."""
         if self._ended_kwh is not None:
             return self._ended_kwh
         try:
@@ -782,6 +876,7 @@ class EnergyAccount:
     # ------------------------------------------------------------------ internals
     def _reset(self) -> None:
         self.metering = self.in_fit = False
+        self.batches_this_fit = 0  # training batches this fit (none: it stopped before its first, no report)
         self.step_counter: Callable[[], int] | None = None
         self._counted_step: int | None = None
         self._last_batch_start: float | None = None

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,16 @@ def _is_number(value: Any) -> bool:
 def prefixed(message: str) -> str:
     """``message`` as the first line a user reads: it names the callback (``"EnergyLogger: ..."``)."""
     return message if message.startswith("EnergyLogger: ") else f"EnergyLogger: {message}"
+
+
+@contextmanager
+def naming_energy_logger() -> Iterator[None]:
+    """A ``ValueError`` raised in the block (EnergyLogger's construction) comes out :func:`prefixed`: the
+    first line a user reads names the callback (the CLI prints it)."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(prefixed(str(error))) from None
 
 
 def checked_configs(

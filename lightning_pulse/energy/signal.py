@@ -159,7 +159,8 @@ class LiveSignal:
 
 class GreenSignal:
     """The signal a :class:`~lightning_pulse.GreenWindow` follows: a series (read through a :class:`Rate`,
-    so on the same time axis as EnergyLogger's) or live readings; ``None`` until :meth:`use` gives a rate.
+    so on the same time axis as EnergyLogger's) or live readings; ``None`` until :meth:`use` gives a rate, or
+    :meth:`follow` an EnergyLogger's.
 
     Args:
         source: see :data:`SignalSource`, or ``None`` (filled in at fit start).
@@ -172,6 +173,8 @@ class GreenSignal:
         self.rate = (
             None if source is None or callable(source) else series_signal(source, "signal", series_start)
         )
+        self.follows: Rate | None = None  # the EnergyLogger's rate, when its series is the signal
+        self.saved: dict[str, Any] = {}  # the state a checkpoint held (:meth:`load_state_dict`)
 
     @property
     def known(self) -> bool:
@@ -180,7 +183,22 @@ class GreenSignal:
     def use(self, rate: Rate) -> None:
         self.rate = rate
 
-    def anchor(self, now: float) -> None:
+    def follow(self, rate: Rate) -> None:
+        """At fit start: a signal with no source of its own (or that followed one in an earlier fit) follows
+        ``rate``, the EnergyLogger's carbon-intensity series, through a fork of it on this reader's clock
+        (:meth:`Rate.fork`), with the state a checkpoint held. A signal of its own is kept."""
+        if self.known and self.follows is None:
+            return
+        self.follows = rate
+        self.use(rate.fork())
+        self.load_state_dict(self.saved)
+
+    def anchor(self, now: float, other_now: float | None = None) -> None:
+        """The run starts at ``now`` (kept across resumes). A followed rate is first anchored at the
+        EnergyLogger's run start moved onto this clock (``other_now``: the EnergyLogger's clock at the same
+        moment, ``None`` without one; :meth:`Rate.anchor_as`)."""
+        if self.follows is not None and other_now is not None:
+            self.rate.anchor_as(self.follows, now, other_now)  # type: ignore[union-attr]
         if self.rate is not None:
             self.rate.anchor(now)
 
@@ -212,6 +230,7 @@ class GreenSignal:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saved = state  # loaded again onto a rate that :meth:`follow` gives later
         if self.rate is not None and state.get("rate"):
             self.rate.load_state_dict(state["rate"])
         if self.live is not None and state.get("live"):

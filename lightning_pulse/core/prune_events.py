@@ -1,0 +1,278 @@
+"""What a :class:`~lightning_pulse.ScheduledPrune` run keeps of its events, without a Trainer.
+
+:class:`PruneEvents` holds the schedule (when, and to what sparsity), the pruner (what, and how), the record
+of each event, the distillation window after an event and the refresh of masked weights, and what they do
+when training starts, after an optimizer step or a phase change, at an event, a checkpoint, a resume, a
+:class:`~lightning_pulse.StabilityGuard` rollback and the fit's end. The callback hands in the model and what
+it reads from the trainer; the messages go through the ``warn`` and ``info`` it hands in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pulse.core import pruning
+from lightning_pulse.core.distillation import DistillConfig, DistillWindow
+from lightning_pulse.core.prune_schedule import PruneSchedule
+from lightning_pulse.core.prune_setup import (
+    DISTILL_NO_EFFECT,
+    event_cadence,
+    fit_start_selection,
+    setup_summary,
+    structured_example,
+    unfinished_warning,
+)
+from lightning_pulse.core.prune_targets import LayerSelection
+from lightning_pulse.phase import Phase, PhaseChange, PhaseClock
+
+_log = logging.getLogger(__name__)
+
+
+class PruneEvents:
+    """The events of a ScheduledPrune run and their state, over the callback's validated parts.
+
+    Args:
+        schedule: when events happen, and to what sparsity.
+        pruner: what an event prunes, and how.
+        distill: the distillation after each event; ``None`` for none.
+        warn: gives a warning (the callback hands in Lightning's ``rank_zero_warn``).
+        info: gives an informative line (the callback hands in Lightning's ``rank_zero_info``).
+
+    Attributes:
+        events: the record of each event (:func:`~lightning_pulse.core.pruning.event_record`), oldest first.
+        window: the distillation window after an event (``None`` without ``distill``).
+        masks: keeps the masked weights current outside their layers' calls (unstructured only).
+        uses_maintain: whether events happen at maintain-phase starts (:meth:`plan_cadence`).
+        pending_teacher: the distillation state a load brought, until :meth:`restore_teacher` reopens it.
+        last_step: the optimizer step the callback's batch-end hook last counted.
+        example: structured: the trace input, checked on the first batch (:meth:`select`,
+            :meth:`example_from`).
+    """
+
+    def __init__(
+        self,
+        schedule: PruneSchedule,
+        pruner: pruning.Pruner,
+        distill: DistillConfig | None,
+        warn: Callable[[str], Any] = warnings.warn,
+        info: Callable[[str], Any] = _log.info,
+    ) -> None:
+        self.schedule, self.pruner, self.warn, self.info = schedule, pruner, warn, info
+        self.events: list[dict[str, Any]] = []
+        self.window = DistillWindow(distill) if distill is not None else None
+        self.masks = pruning.MaskedWeightRefresh(enabled=pruner.mode == "unstructured")
+        self.uses_maintain: bool | None = None  # decided at the first fit start, kept by a checkpoint
+        self.pending_teacher: dict[str, Any] | None = None
+        self.last_step = 0
+        self.example: Any = None
+        self._fitter_handle: Any = None
+
+    # ------------------------------------------------------------------ loading a pruned state dict
+    def fit_loads(self, module: nn.Module, structure: Callable[[], Mapping[str, Any] | None]) -> None:
+        """From now on, fit ``module`` to the pruned state dict loaded into it (a
+        :class:`~lightning_pulse.core.pruning.StateDictFitter` pre-hook with the structure ``structure()``
+        returns and the pruner's run precision), once until :meth:`stop_fitting_loads`."""
+        if self._fitter_handle is None:
+            fitter = pruning.StateDictFitter(structure, self._run_precision)
+            self._fitter_handle = module.register_load_state_dict_pre_hook(fitter)
+
+    def stop_fitting_loads(self) -> None:
+        """Remove the pre-hook :meth:`fit_loads` added, if any."""
+        if self._fitter_handle is not None:
+            self._fitter_handle.remove()
+            self._fitter_handle = None
+
+    def _run_precision(self) -> pruning.RunPrecision | None:
+        return self.pruner.run_precision
+
+    # ------------------------------------------------------------------ the run
+    def select(
+        self, model: nn.Module, frozen: frozenset[str] | None, compiled: Sequence[str]
+    ) -> LayerSelection:
+        """At fit start, the layers to prune in ``model``, with the checks that refuse them
+        (:func:`~lightning_pulse.core.prune_setup.fit_start_selection`; ``frozen``: the set a restored
+        checkpoint read, ``compiled``: the parts under torch.compile), and :attr:`example` from
+        ``example_input_array``. Says which layers' folded zeros were masked again."""
+        selection, masked, self.example = fit_start_selection(
+            self.pruner, model, self.schedule, frozen, compiled, self.example
+        )
+        if masked:  # unstructured only, so no structured refusal follows it
+            self.info(f"ScheduledPrune: resumed after a fit's end; pruned zeros masked again: {masked}")
+        return selection
+
+    def example_from(self, model: nn.Module, batch: Any) -> None:
+        """Structured: :attr:`example` from ``batch``
+        (:func:`~lightning_pulse.core.prune_setup.structured_example`) when neither ``example_input_array``
+        nor a checkpoint gave one."""
+        if self.pruner.mode == "structured" and self.example is None and self.pruner.example_inputs is None:
+            self.example = structured_example(model, self.pruner, self.schedule, batch)
+
+    def plan_cadence(
+        self,
+        cadence: str,
+        clock: PhaseClock | None,
+        step: int,
+        total_steps: float = math.inf,
+        steps_per_epoch: float | None = None,
+        holder: str | None = None,
+    ) -> None:
+        """At fit start, decide :attr:`uses_maintain`
+        (:func:`~lightning_pulse.core.prune_setup.event_cadence`; a resumed run keeps what its first fit
+        decided) and give its warnings. Raises :class:`~lightning_pulse.errors.PulseRefusal` as that does."""
+        self.uses_maintain, texts = event_cadence(
+            cadence, clock, self.schedule, step, total_steps, steps_per_epoch,
+            decided=self.uses_maintain, pruned=bool(self.events), holder=holder,
+        )  # fmt: skip
+        for text in texts:
+            self.warn(text)
+
+    def start_training(
+        self, model: nn.Module, selection: LayerSelection, step: int, accumulation: int
+    ) -> None:
+        """Once the fit-start checks passed, at optimizer ``step``: reopen a restored distillation window
+        (:meth:`restore_teacher`), find the masked layers again (a resume added masks), and say what is
+        pruned, how far, between which steps and when
+        (:func:`~lightning_pulse.core.prune_setup.setup_summary`)."""
+        self.last_step = step
+        self.restore_teacher(model, accumulation)
+        self.masks.forget()
+        self.info(setup_summary(self.pruner.mode, model, selection, self.schedule, bool(self.uses_maintain)))
+
+    def after_phase_change(self, change: PhaseChange) -> tuple[bool, bool]:
+        """At a PulseCycle phase ``change``: whether it ends the distillation window (the caller closes it)
+        and whether it is an event's chance (a maintain phase starts, not at a resume, on the maintain
+        cadence)."""
+        window_ends = self.window is not None and self.window.ends_with(change)
+        maintain_entry = change.current is Phase.MAINTAIN and change.reason != "resume"
+        return window_ends, bool(self.uses_maintain) and maintain_entry
+
+    def end_fit(self, model: nn.Module, step: int, fold: bool) -> None:
+        """At the fit's end, at optimizer ``step``: the warning for a schedule left unfinished
+        (:func:`~lightning_pulse.core.prune_setup.unfinished_warning`), the masked weights brought up to date
+        (the last optimizer step came after the last forward) and, with ``fold``, every mask folded into its
+        weight (the masked layers are found again), then the line on the last event."""
+        warning = unfinished_warning(self.schedule, step, self.events)
+        if warning is not None:
+            self.warn(warning)
+        self.masks.refresh(model, grad=False)
+        if fold:
+            pruning.make_masks_permanent(model)
+        self.masks.forget()
+        if self.events:
+            self.info(f"ScheduledPrune: at fit end, {pruning.event_summary(self.events[-1])}.")
+
+    # ------------------------------------------------------------------ an event
+    def cut(
+        self, model: nn.Module, target: float, optimizers: Sequence[torch.optim.Optimizer], teacher: bool
+    ) -> tuple[pruning.PruneOutcome, nn.Module | None]:
+        """Prune ``model`` to ``target`` on :attr:`example` (:meth:`Pruner.prune
+        <lightning_pulse.core.pruning.Pruner.prune>`; the masked layers are found again at the next refresh)
+        and warn of each optimizer state that could not be cut and was reset. Returns the outcome and, with
+        ``teacher``, a copy of the model taken before the cut
+        (:func:`~lightning_pulse.core.pruning.copy_without_hooks`)."""
+        copied = pruning.copy_without_hooks(model) if teacher else None
+        outcome = self.pruner.prune(model, target, optimizers, self.example)
+        self.masks.forget()
+        for problem in outcome.problems:
+            self.warn(f"ScheduledPrune: {problem}")
+        return outcome, copied
+
+    def record(
+        self,
+        step: int,
+        target: float,
+        outcome: pruning.PruneOutcome,
+        model: nn.Module,
+        probes: tuple[Mapping[str, float] | None, Mapping[str, float] | None],
+        phase: str | None,
+    ) -> dict[str, Any]:
+        """Add the record of the event at ``step`` (:func:`~lightning_pulse.core.pruning.event_record`, with
+        the pulse ``phase`` it happened in, ``None`` without a PulseCycle) to :attr:`events`, and return it.
+        ``probes``: the probe metrics before and after the event."""
+        event = pruning.event_record(step, target, outcome, model, *probes)
+        event["phase"] = phase
+        self.events.append(event)
+        return event
+
+    def open_window(self, student: nn.Module, teacher: nn.Module | None, accumulation: int) -> None:
+        """Start distilling ``teacher`` (:meth:`cut`'s copy) into ``student`` after the last event, if
+        distillation is on (the term divided by ``accumulation``, the gradient-accumulation factor)."""
+        if self.window is not None and teacher is not None:
+            self.window.open(student, teacher, len(self.events) - 1, accumulation)
+
+    def end_distillation(self) -> dict[str, float]:
+        """Close the open distillation window, if any (its event's record gets its calls and loss), and return
+        the metrics to log: none without a window, and a warning instead when its term never reached the
+        student."""
+        closed = self.window.close(self.events) if self.window is not None else None
+        if closed is None:
+            return {}
+        calls, loss = closed
+        if calls == 0:
+            self.warn(DISTILL_NO_EFFECT)
+            return {}
+        return {"prune/distill_loss": loss}
+
+    def restore_teacher(self, student: nn.Module, accumulation: int) -> None:
+        """Close the open distillation window and reopen the one :attr:`pending_teacher` holds, if any, on the
+        device of ``student`` (the term divided by ``accumulation``, the gradient-accumulation factor)."""
+        saved, self.pending_teacher = self.pending_teacher, None
+        if self.window is not None:
+            self.window.restore(student, saved, accumulation, student.device)
+
+    # ------------------------------------------------------------------ checkpoints and rollbacks
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's and the pruner's state, the event records, the layers the user froze, the cadence
+        decided and, while a distillation window is open, its teacher."""
+        state = {**self.schedule.state_dict(), **self.pruner.state_dict()}
+        state["events"] = [dict(event) for event in self.events]
+        state["user_frozen"], state["uses_maintain"] = sorted(self.pruner.user_frozen), self.uses_maintain
+        teacher = self.window.state_dict() if self.window is not None else None
+        if teacher is not None:
+            state["teacher"] = teacher
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load a :meth:`state_dict`; its teacher waits in :attr:`pending_teacher` (see
+        :meth:`restore_teacher`) and the masked layers are found again at the next refresh."""
+        self.schedule.load_state_dict(state)
+        self.pruner.load_state_dict(state)
+        self.events = [dict(event) for event in state["events"]]
+        self.uses_maintain = state.get("uses_maintain", self.uses_maintain)
+        self.pending_teacher = state.get("teacher")
+        self.masks.forget()
+
+    def masks_after_rollback(self, model: nn.Module, masked_then: Collection[str] | None) -> None:
+        """After a rollback (unstructured), make the masks of the pruned layers say what the restored record
+        says, and ``layer.weight`` show the restored weights at once (a callback reading it later in this
+        step). ``masked_then``: the layers that had a mask at the snapshot (``None``: unknown).
+
+        A layer with a mask now and none at the snapshot kept its mask in the restore
+        (``core/snapshots.py:fitted_state``: another pruner's masks stay, as it does not prune again). Here
+        it was this callback's own event, undone: with no event in the restored record, the layer comes back
+        unpruned (a mask of ones) and the schedule redoes the event. With events, the snapshot is the start of
+        a fit resumed after a fit's end, taken (StabilityGuard listed before this callback) before
+        ``on_train_start`` masked the zeros folded into the weights again: those zeros are masked again, as at
+        that start. A layer masked at the snapshot got its saved mask back. A pass over the layers, at a
+        rollback only.
+        """
+        if self.pruner.mode != "unstructured":
+            return
+        if masked_then is not None:
+            masked_then = set(masked_then)
+            for name, layer in self.pruner.layers(model).items():
+                mask = pruning.current_mask(layer)
+                if mask is None or name in masked_then:
+                    continue
+                if self.schedule.sparsity > 0:
+                    pruning.mask_zeros(layer)
+                else:
+                    mask.fill_(1)
+        self.masks.refresh(model, grad=False)
