@@ -84,6 +84,7 @@ def test_step_saving_replays_choice_at_the_sampler_is_timed_and_the_used_callbac
     timer.install(timed)
     assert "_choose" in vars(timed)  # wrapped on the instance
     fit(timed)
+    assert timed.steps._choose is vars(timed)["_choose"]  # the sampler called the timed method
     assert timer.calls["HardSampleReplay"] > 0 and timer.cpu_s["HardSampleReplay"] > 0.0
     used = HardSampleReplay(replay_fraction=0.5)
     fit(used)

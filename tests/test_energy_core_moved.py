@@ -130,7 +130,7 @@ def test_the_tensor_collective_gathers_float64_rows_and_broadcasts_rank_zeros_va
     assert collective.broadcast(7) == ("from rank 0", 7) and collective.world_size == 2
 
 
-def test_the_batches_ended_in_a_fit_are_counted_and_a_new_fit_starts_from_none():
+def test_the_batches_of_a_fit_are_counted_kept_past_the_stop_and_a_new_fit_starts_from_none():
     clock = ManualClock()
     account = started_account(clock)
     account.begin_training(lambda: 0)

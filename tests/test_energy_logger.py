@@ -126,7 +126,7 @@ def test_fit_with_pulse_cycle_attributes_energy_to_every_phase(tmp_path, caplog,
     # after the fit: the run's figure at the training loop's end; the report reads the meters a moment later,
     # so it may hold a little more (a loaded host once put 0.6% between them; the test asked for >=)
     final = energy.energy_so_far_kwh()
-    assert 0 < final <= total["energy_kwh"] and final == pytest.approx(total["energy_kwh"], rel=0.1)
+    assert total["energy_kwh"] / 2 < final <= total["energy_kwh"]  # not a per-rank or a stale figure
     # read every step and never decreasing; whether a reading of the sampling thread has landed before the
     # last step depends on how fast this tiny fit runs, so positivity is asserted on the final figure above
     # (mid-run growth between readings is tested on the ledger with a manual clock)
