@@ -97,19 +97,22 @@ def test_forward_order_comes_from_backward_not_from_registration():
     )  # the head (last used unit) always trains; the unused one never freezes
 
 
+class TiedEmbeddingLM(nn.Module):
+    """A head that shares the embedding's weight (tied input and output embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.body = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.body(self.embed(tokens))))
+
+
 def test_tied_weight_belongs_to_the_input_side_unit():
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(10, 6)
-            self.body = nn.Linear(6, 6)
-            self.head = nn.Linear(6, 10, bias=False)
-            self.head.weight = self.embed.weight
-
-        def forward(self, tokens):
-            return self.head(torch.tanh(self.body(self.embed(tokens))))
-
-    model = Tied()
+    model = TiedEmbeddingLM()
     units = traced_units(model, torch.randint(0, 10, (3, 5)))
     assert [unit.name for unit in units] == ["embed", "body"]  # head owns nothing of its own
     assert units[0].param_names == ["embed.weight"]

@@ -28,6 +28,7 @@ from lightning_pulse.core.replay import (
 )
 from lightning_pulse.core.step_plan import StepSavingStream, loader_epoch_steps
 from lightning_pulse.errors import PulseRefusal
+from tests.test_gradient_cache_core import TiedEmbeddingLM
 
 
 # ------------------------------------------------------------------------------------------------- replay
@@ -189,18 +190,7 @@ def test_a_resumed_fit_plans_the_cache_on_the_restored_prefix_before_the_optimiz
 
 
 def test_start_names_a_restored_freezers_pinned_units_only():
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(10, 6)
-            self.body = nn.Linear(6, 6)
-            self.head = nn.Linear(6, 10, bias=False)
-            self.head.weight = self.embed.weight
-
-        def forward(self, tokens):
-            return self.head(torch.tanh(self.body(self.embed(tokens))))
-
-    model = Tied()
+    model = TiedEmbeddingLM()
     trace = ForwardOrderTrace(discover_units(model))
     trace.begin()
     model(torch.randint(0, 10, (2, 3))).pow(2).mean().backward()
