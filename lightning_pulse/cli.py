@@ -12,7 +12,8 @@ final metrics, ratios B/A) and writes it as ``energy_comparison.{json,md,png}`` 
 
 ``lightning-pulse wait-for-window DIR [--print [--format iso|unix|slurm]]`` sleeps until the clean window a
 run suspended by GreenWindow waits for (``DIR/green_window.json``, next to its checkpoint), or prints its
-time, for cron or ``sbatch --begin``; then ``lightning-pulse fit ... --ckpt_path last`` resumes the run.
+time, for cron or ``sbatch --begin``; then the ``resume_command`` it prints (``lightning-pulse fit ...
+--ckpt_path`` the suspended run's checkpoint) resumes the run.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shlex
 import warnings
 from pathlib import Path
 
@@ -242,6 +243,40 @@ def test_suspend_saves_stops_and_the_resumed_run_finishes_with_its_budget(mnist1
     )
     assert 0 < summary["waited_s"] <= summary["budget_s"] + 1e-6
     assert summary["compute_s"] == pytest.approx(144 * STEP_S)
+
+
+def test_the_resume_command_resumes_where_the_logger_starts_a_new_version_folder(mnist1d_small, tmp_path):
+    # held-out sweep: the documented `--ckpt_path last` looked in the second run's new version folder
+    # (version_1), found nothing and trained from step 0 again
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock("2020-06-15 06:00:00")
+
+    def attempt(ckpt_path):
+        green = GreenWindow(
+            signal=DE_JUNE, when_dirty="suspend", max_delay=1.0, clock=clock, options={"watts": 250.0}
+        )
+        first_steps = []
+        seen = pl.Callback()
+        seen.on_train_start = lambda trainer, module: first_steps.append(trainer.global_step)
+        trainer = fit(
+            [green, ModelCheckpoint(save_top_k=0), seen],  # no dirpath: the logger's version folder
+            clock,
+            steps=144,
+            enable_checkpointing=True,
+            logger=CSVLogger(tmp_path, name="run"),
+        )
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+        return trainer, first_steps[0]
+
+    trainer, _ = attempt(None)
+    suspended_at = trainer.global_step
+    record = json.loads((tmp_path / "run" / "version_0" / "checkpoints" / "green_window.json").read_text())
+    command = shlex.split(record["resume_command"])
+    assert command[-2] == "--ckpt_path" and command[-1] == record["checkpoint"]
+    assert run_wait_for_window([str(Path(record["checkpoint"]).parent)], clock=clock) == 0
+    trainer, first_step = attempt(command[-1])
+    assert 0 < suspended_at == first_step  # resumed where it stopped, from the second version folder
+    assert (tmp_path / "run" / "version_1").is_dir()
 
 
 def test_light_without_pulse_cycle_is_refused_at_fit_start(mnist1d_small):

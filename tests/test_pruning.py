@@ -1406,9 +1406,13 @@ def test_a_structured_event_reports_the_weight_share_of_the_layers_it_cut_and_na
     assert list(outcome.layer_sparsity) == ["inp"] and model.inp.out_features == 4
     assert outcome.weight_share == pytest.approx(16 * 8 / total)
     assert outcome.uncut == ["mid", "shared", "head"]
+    # mid reads inp's cut channels: its input width shrank, so it is not "left uncut" (a held-out sweep's
+    # ModernBERT `Wo` was said to be)
+    assert outcome.narrowed == ["mid"] and model.mid.in_features == 4
     event = pruning.event_record(10, 0.5, outcome, model)
-    assert "left uncut, no channel group of theirs can be cut safely: mid, shared, head" in (
-        pruning.event_summary(event)
+    assert pruning.event_summary(event).endswith(
+        "left uncut, no channel group of theirs can be cut safely: shared, head; narrowed only by another "
+        "layer's cut (no channel group of theirs can be cut safely; compare their shapes): mid"
     )
 
 

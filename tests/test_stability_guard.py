@@ -11,6 +11,7 @@ import copy
 import logging
 import math
 import re
+import warnings
 
 import lightning.pytorch as pl
 import numpy as np
@@ -1101,3 +1102,20 @@ def test_a_rollback_keeps_the_pruning_of_lightnings_model_pruning_done_since_the
     weights = [layer.weight for layer in model.net if isinstance(layer, torch.nn.Linear)]  # folded at fit end
     zeros = sum(int((weight == 0).sum()) for weight in weights) / sum(weight.numel() for weight in weights)
     assert zeros == pytest.approx(0.5, abs=1e-3)
+
+
+def test_detect_anomaly_is_said_at_train_start_and_not_without_it(small_data):
+    # held-out sweep: with Trainer(detect_anomaly=True) the first NaN raises in backward, before the guard
+    # can skip the step, and nothing said so
+    def fit(detect_anomaly):
+        pl.seed_everything(0)
+        trainer = pl.Trainer(
+            callbacks=[StabilityGuard()], max_steps=2, detect_anomaly=detect_anomaly, **trainer_kwargs()
+        )
+        trainer.fit(MNIST1DClassifier(arch="mlp"), small_data)
+
+    with pytest.warns(UserWarning, match=r"^StabilityGuard: `Trainer\(detect_anomaly=True\)` raises"):
+        fit(True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="StabilityGuard: `Trainer")
+        fit(False)

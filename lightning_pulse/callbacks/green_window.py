@@ -60,7 +60,7 @@ class GreenWindow(Callback):
     * ``"suspend"``: saves ``last-green-window.ckpt`` in the ModelCheckpoint's folder, stops ``fit``
       cleanly, and writes when to come back to ``green_window.json`` next to it; ``lightning-pulse
       wait-for-window DIR`` sleeps until then (or ``--print`` s it for cron or Slurm ``--begin``), and
-      ``lightning-pulse fit ... --ckpt_path last`` resumes.
+      the ``resume_command`` it names (``--ckpt_path`` that checkpoint) resumes.
 
     Waiting never makes the run miss its deadline: it waits a slot only if the remaining work still fits
     before the deadline afterwards (with a 10% reserve on the estimate). Every decision is logged under

@@ -258,7 +258,7 @@ class HardSampleReplay(Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        _warn(self.batches.close_capture())  # refuses a first step whose loss does not split
+        _warn(self.batches.close_capture(loss))  # refuses a first step whose loss does not split
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -180,6 +180,8 @@ class StabilityGuard(Callback):
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         # after the sanity check that may create them
         refuse_uninitialized_parameters(pl_module, "StabilityGuard")
+        if torch.is_anomaly_enabled():  # Lightning enables it around the fit loop, after setup
+            rank_zero_warn(steps.ANOMALY_DETECTION_WARNING)
         self._changes.attach(trainer.optimizers)
         self._keep_gradients = compat.gradients_read_before_step(trainer, pl_module, self)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None

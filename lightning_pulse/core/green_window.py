@@ -769,7 +769,7 @@ def fit_start_refusal(
         )
     if when_dirty == "suspend" and not checkpointing:
         return (
-            "GreenWindow: when_dirty='suspend' saves the checkpoint `--ckpt_path last` resumes from in the "
+            "GreenWindow: when_dirty='suspend' saves the checkpoint the run resumes from in the "
             "ModelCheckpoint's folder, and the Trainer has none; enable checkpointing or use 'pause'/'light'."
         )
     if not signal:
@@ -1087,6 +1087,7 @@ def write_resume_file(
 ) -> Path:
     """Record, next to the checkpoint, when a suspended run should come back."""
     import json
+    import shlex
 
     from lightning_pulse.energy.report import write_text_atomic
 
@@ -1095,7 +1096,10 @@ def write_resume_file(
         "resume_at_unix": resume_at,
         "suspended_at": format_utc(now),
         "checkpoint": str(checkpoint),
-        "resume_command": "lightning-pulse fit --config <your config> --ckpt_path last",
+        # the checkpoint by its path: `--ckpt_path last` looks in the new run's logger version folder
+        # (version_1 when the first run's logger wrote version_0), finds nothing and starts from step 0
+        "resume_command": "lightning-pulse fit --config <your config> --ckpt_path "
+        + shlex.quote(str(checkpoint)),
         "decision": decision.to_dict(),
         "budget_left_s": budget_left_s,
     }

@@ -43,7 +43,7 @@ import functools
 import inspect
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -114,6 +114,7 @@ class CapturedLoss:
         "why_not",
         "on_batch_rows",
         "grad",
+        "node",
         "unreduced",
         "_source",
         "_per_sample",
@@ -137,6 +138,7 @@ class CapturedLoss:
         self.on_batch_rows = False  # computed on the batch's rows, found not to split (a row check said why)
         # d loss / d (what the caller got), summed over the step's backward calls
         self.grad: Tensor | None = None
+        self.node: Any = None  # the autograd node of what the caller got, until the step's loss was accounted
         # a call the caller reduces (reduction="none"): its elements, for its part in the loss
         self.unreduced = source[1] if source is not None and reduction == "none" else None
 
@@ -177,6 +179,7 @@ class CapturedLoss:
         registered before the caller scales ``output`` in place still sees the value as returned."""
         if output.requires_grad:
             output.register_hook(self._add_grad)
+            self.node = output.grad_fn
         return output
 
     def _add_grad(self, grad: Tensor) -> None:
@@ -623,6 +626,7 @@ class LossCapture:
         """After the step's backward calls (call it only when one ran): a call that none of them reached (a value
         computed for logging) no longer counts."""
         for record in self.records:
+            record.node = None  # the backward ran: nothing is left to account for
             if record.grad is None:
                 record.maps_onto_batch, record.on_batch_rows = False, False
                 record.why_not = "not part of the loss that is backpropagated (a value computed for logging?)"
@@ -681,6 +685,70 @@ class LossCapture:
             for r in self.records
         )
         return f"captured {calls}" + (f"; {compiled}" if compiled else "")
+
+    def unaccounted_part(
+        self, loss: Tensor, constants: Iterable[Tensor] = (), limit: int = 200_000
+    ) -> str | None:
+        """What the captured calls leave out of ``loss`` (what the step backpropagates), or ``None``.
+
+        Call it before ``loss``'s backward (the check reads the tensors its autograd graph saved). It walks the
+        graph from ``loss`` down, stopping at what each captured call returned, and looks for a part that
+        reaches the weights without passing through any captured call and that reads the batch's rows: a
+        saved tensor without gradient whose first dimension is a multiple of ``B`` (the input a layer
+        read), not one of ``constants`` (the module's parameters and buffers). That part (a VAE's KL written
+        as ``-0.5 * torch.sum(...)``, a penalty on the logits) is in the loss that trains, per sample, but no
+        score can hold it. A part that reaches the weights alone (a weight penalty) adds the same to every
+        sample and is not reported; nor is anything computed from the captured calls' results (a focal
+        weight, a mask, a scale). A graph of more than ``limit`` nodes is not judged."""
+        root = getattr(loss, "grad_fn", None)
+        boundary = {record.node for record in self.records if record.node is not None}
+        if root is None or not boundary or root in boundary:
+            return None
+        parents: dict[Any, list[Any]] = {root: []}
+        stack, leaves = [root], []
+        while stack:
+            node = stack.pop()
+            if getattr(node, "variable", None) is not None:  # AccumulateGrad: a weight the loss trains
+                leaves.append(node)
+                continue
+            for child, _ in node.next_functions:
+                if child is None or child in boundary:
+                    continue
+                if child not in parents:
+                    if len(parents) >= limit:
+                        return None
+                    parents[child] = []
+                    stack.append(child)
+                parents[child].append(node)
+        # the part of the graph that reaches a weight other than through a captured call
+        reaching, stack = set(leaves), list(leaves)
+        while stack:
+            for parent in parents[stack.pop()]:
+                if parent not in reaching:
+                    reaching.add(parent)
+                    stack.append(parent)
+        kept = {_storage_key(tensor) for tensor in constants}
+        for node in reaching:
+            for saved in _saved_tensors(node):
+                if _holds_batch_rows(saved, self.batch_size) and _storage_key(saved) not in kept:
+                    return (
+                        "its scores leave out part of the loss training_step returned: a part that depends on "
+                        "the batch's samples but was not computed by a loss function it captures (it reads a "
+                        f"{tuple(saved.shape)} tensor in {node.name()}, next to {self.describe()}). A term "
+                        "written with tensor ops, such as a VAE's KL `-0.5 * torch.sum(1 + logvar - mu ** 2 - "
+                        "logvar.exp())`, trains but is in no sample's score, so the hardest samples are chosen "
+                        "by the captured terms alone. To score the whole loss, compute it per sample "
+                        "(`reduction='none'`, the KL summed over its features only), return it in "
+                        "training_step's output dict and set `scorer=OutputKeyScorer(key=...)`. A batch-level "
+                        "term (a load-balancing loss) has no per-sample part: then the captured terms' scores "
+                        "are the ones to keep, and this warning can be filtered."
+                    )
+        return None
+
+    def forget_graph(self) -> None:
+        """Drop the autograd nodes kept for :meth:`unaccounted_part` (a recorded step is kept for a while)."""
+        for record in self.records:
+            record.node = None
 
     def require(self, who: str = "HardSampleReplay") -> LossCapture:
         """This capture, or a :class:`~lightning_pulse.errors.PulseRefusal` saying what was captured and what to
@@ -774,6 +842,8 @@ class LossCapture:
             and (not record.maps_onto_batch or record.shape[0] != self.batch_size)  # B rows: the usual case
         ):
             self._check_row_origin(record, arguments)
+        elif record.maps_onto_batch and not record.on_batch_rows:
+            self._check_rows_are_samples(record, arguments)
         self.records.append(record)
         self._per_sample_count = -1
         return record
@@ -837,6 +907,172 @@ class LossCapture:
             return
         record.maps_onto_batch = False
         record.on_batch_rows = True
+
+    def _check_rows_are_samples(self, record: CapturedLoss, arguments: dict[str, Any]) -> None:
+        """For a call of ``B`` rows (the usual case, cheap: a few autograd nodes): mark it as not the samples'
+        when its rows are a parameter's (``F.mse_loss(layer.weight, w0)``, an L2-SP penalty on a weight of
+        ``B`` rows: left out, it adds the same to every sample) or the features of a product that sums over
+        the batch (Barlow Twins' ``z1.T @ z2``: refused as a ``D x D`` matrix of another ``D`` is)."""
+        rows = {
+            key: value
+            for key, value in arguments.items()
+            if key in _INPUTS and isinstance(value, Tensor) and value.requires_grad and value.dim() >= 1
+        }
+        if rows and all(_computed_from_parameters(tensor) for tensor in rows.values()):
+            record.maps_onto_batch, record.on_batch_rows = False, False
+            record.why_not = (
+                f"its {record.shape[0]} rows ({_names(list(rows))}) are a parameter's, or computed from "
+                "parameters alone, not the batch's samples (left out: it adds the same to every sample)"
+            )
+            return
+        logits = arguments.get("input")
+        if isinstance(logits, Tensor) and _rows_sum_over_the_batch(logits, self.batch_size):
+            record.maps_onto_batch, record.on_batch_rows = False, True
+            record.why_not = (
+                f"its {record.shape[0]} input rows are the columns of a matrix product's transposed first "
+                f"operand, summed over the batch's {self.batch_size} samples (a cross-correlation or covariance "
+                "matrix, `z1.T @ z2`): they are features, not samples"
+            )
+
+
+#: the arguments of a loss whose rows are its rows (the margin, embedding and triplet losses have several)
+_INPUTS = frozenset({"input", "input1", "input2", "anchor", "positive", "negative"})
+
+
+def _computed_from_parameters(tensor: Tensor, limit: int = 4) -> bool:
+    """Whether ``tensor`` is an ``nn.Parameter`` or a tensor of a parameter's shape computed from parameters
+    alone within ``limit`` autograd nodes (``w - w0``, a weight-norm parametrization): no tensor of the
+    batch's is in it. A graph that saved a tensor without gradient (the batch a layer read) is not."""
+    if tensor.grad_fn is None:
+        return isinstance(tensor, torch.nn.Parameter)
+    nodes, shapes, seen, stack = [], set(), {tensor.grad_fn}, [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if not isinstance(variable, torch.nn.Parameter):
+                return False
+            shapes.add(tuple(variable.shape))
+            continue
+        nodes.append(node)
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                if len(seen) >= limit:
+                    return False
+                seen.add(child)
+                stack.append(child)
+    if tuple(tensor.shape) not in shapes:  # a parameter broadcast to B rows (`bias.expand(B, D)`) is per row
+        return False
+    return not any(
+        saved.dim() >= 1 and not saved.requires_grad for node in nodes for saved in _saved_tensors(node)
+    )
+
+
+#: nodes that keep a tensor's rows where they are (element-wise with a scalar or a broadcast constant, a cast)
+_ROW_KEEPING = frozenset(
+    {
+        "DivBackward0",
+        "DivBackward1",
+        "MulBackward0",
+        "MulBackward1",
+        "AddBackward0",
+        "AddBackward1",
+        "SubBackward0",
+        "SubBackward1",
+        "NegBackward0",
+        "CloneBackward0",
+        "ToCopyBackward0",
+    }
+)
+
+
+def _rows_sum_over_the_batch(tensor: Tensor, batch_size: int, depth: int = 4) -> bool:
+    """Whether ``tensor``'s rows come, through element-wise nodes, from a 2-D matrix product whose first
+    operand is a transposed ``(B, D)`` activation (``z1.T @ z2``): the product sums over the batch's rows,
+    and its rows are ``z1``'s features. A weight transposed (``W.T @ h``) is not the batch's."""
+    node = tensor.grad_fn
+    for _ in range(depth):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name == "MmBackward0":
+            break
+        if name not in _ROW_KEEPING:
+            return False
+        node = next((child for child, _ in node.next_functions if child is not None), None)
+    else:
+        return False
+    operand = node.next_functions[0][0]
+    if operand is None or not _transposes_a_matrix(operand):
+        return False
+    source = operand.next_functions[0][0]
+    if source is None or isinstance(getattr(source, "variable", None), torch.nn.Parameter):
+        return False
+    try:
+        summed = int(node._saved_mat2_sym_sizes[0])
+    except (AttributeError, RuntimeError, TypeError, IndexError):
+        return False
+    return summed == batch_size
+
+
+def _transposes_a_matrix(node: Any) -> bool:
+    name = type(node).__name__
+    try:
+        if name == "TBackward0":
+            return True
+        if name == "PermuteBackward0":
+            return tuple(node._saved_dims) == (1, 0)
+        if name == "TransposeBackward0":
+            return {int(node._saved_dim0) % 2, int(node._saved_dim1) % 2} == {0, 1}
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return False
+
+
+#: per autograd node type, the names of the attributes that hold what it saved for its backward
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_tensors(node: Any) -> Iterator[Tensor]:
+    """The tensors an autograd node saved for its backward (none once a backward freed them)."""
+    names = _SAVED_NAMES.get(type(node))
+    if names is None:
+        names = _SAVED_NAMES[type(node)] = tuple(
+            name
+            for name in dir(type(node))
+            # what it read, not what it computed (`result`: a weight norm's norms, computed from the weights)
+            if name.startswith("_saved_")
+            and not name.startswith("_saved_result")
+            and not name.endswith(("_sizes", "_strides"))
+        )
+    for name in names:
+        try:
+            value = getattr(node, name)
+        except (RuntimeError, AttributeError):
+            continue
+        if isinstance(value, Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from (item for item in value if isinstance(item, Tensor))
+
+
+def _holds_batch_rows(tensor: Tensor, batch_size: int) -> bool:
+    """A tensor without gradient whose first dimension is a multiple of ``B``: what a layer reads of the batch
+    (its input, ``(B, ...)``, or flattened, ``(B*T, ...)``; token ids; a dropout mask)."""
+    return (
+        not tensor.requires_grad
+        and tensor.dim() >= 1
+        and tensor.numel() > 0
+        and tensor.shape[0] >= batch_size
+        and tensor.shape[0] % batch_size == 0
+    )
+
+
+def _storage_key(tensor: Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return id(tensor)
 
 
 #: arguments whose rows are not the loss's rows (class weights, CTC's lengths), even when their sizes agree
@@ -1330,6 +1566,8 @@ class StepLossCaptures:
         """The step's closed capture (``None`` if none was opened), which the next step will not see."""
         self.close()
         capture, self.closed = self.closed, None
+        if capture is not None:
+            capture.forget_graph()  # the step is recorded and kept for a while; its graph is not needed
         return capture
 
     def drop(self) -> None:

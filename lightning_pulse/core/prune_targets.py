@@ -306,8 +306,8 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
 
     A tensor batch is the input; of a tuple or list batch, the first item is (a namedtuple whose fields name
     every required argument gives them by name); a mapping batch gives the entries named like ``forward``'s
-    parameters (or its ``x``/``input``/``inputs``/``input_ids`` entry for a
-    ``forward(*args, **kwargs)``).
+    parameters (all its entries, by name, for a ``forward(**inputs)``; its ``x``/``input``/``inputs``/
+    ``input_ids`` entry for a ``forward(*args, **kwargs)``).
 
     Raises:
         ValueError: the reason the call cannot be made from the batch.
@@ -326,6 +326,11 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
         named = {p.name: batch[p.name] for p in positional if p.name in batch}
         if named and all(name in named for name in required):
             return named
+        kinds = {p.kind for p in parameters}
+        if kinds == {inspect.Parameter.VAR_KEYWORD}:
+            # `forward(self, **inputs)`, the usual wrapper of an HF model, takes every entry by name and
+            # none by position
+            return dict(batch)
         if not positional:
             for key in ("x", "input", "inputs", "input_ids"):
                 if key in batch:
@@ -358,3 +363,24 @@ def output_shapes(output: Any) -> list[tuple[int, ...]]:
     if isinstance(output, (tuple, list)):
         return [shape for value in output for shape in output_shapes(value)]
     return []
+
+
+def untraceable_output(output: Any, path: str = "output") -> str | None:
+    """Where ``output`` holds something torch-pruning's trace cannot follow, and what, or ``None``.
+
+    The trace starts from every tensor of the output, looking into tuples, lists and dicts only (a Hugging Face
+    ``ModelOutput`` is a dict); anything else there (a key/value cache object, ``None`` in a tuple, a number)
+    makes it fail with an error that names neither the output nor a way out (``'tuple' object has no attribute
+    'grad_fn'`` for a ``DynamicCache``, which it iterates as tuples)."""
+    if isinstance(output, torch.Tensor):
+        return None
+    if isinstance(output, dict):
+        items = [(f"{path}.{key}", value) for key, value in output.items()]
+    elif isinstance(output, (tuple, list)):
+        items = [(f"{path}[{index}]", value) for index, value in enumerate(output)]
+    elif output is None:
+        return f"None at `{path}`"
+    else:
+        name = type(output).__name__
+        return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name} at `{path}`"
+    return next((found for item, value in items if (found := untraceable_output(value, item))), None)

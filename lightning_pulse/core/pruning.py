@@ -601,12 +601,15 @@ class ChannelGroup:
         module: that layer.
         channels: its current number of output channels.
         group: torch-pruning's group over all channels (used for importance).
+        tied: how many of the root's output channels one removal takes (:func:`tied_channels`): 2 for a
+            gated layer whose output is split with ``chunk(2)`` into a value and a gate multiplied together.
     """
 
     root: str
     module: nn.Module
     channels: int
     group: Any
+    tied: int = 1
 
 
 def _touches_output(graph: Any, group: Any) -> bool:
@@ -627,6 +630,35 @@ def _cuts_channels_of(graph: Any, group: Any, modules: Collection[nn.Module]) ->
     )
 
 
+def _root_channels(graph: Any, root: nn.Module, indices: Sequence[int]) -> set[int]:
+    # the root's own output channels that removing its channels ``indices`` removes
+    pruner = graph.get_pruner_of_module(root)
+    group = graph.get_pruning_group(root, pruner.prune_out_channels, list(indices))
+    return {
+        int(index)
+        for dependency, dependency_indices in group
+        if dependency.target.module is root and graph.is_out_channel_pruning_fn(dependency.handler)
+        for index in dependency_indices
+    }
+
+
+def tied_channels(graph: Any, root: nn.Module, channels: int) -> int | None:
+    """How many of ``root``'s ``channels`` output channels go with each one torch-pruning removes: 1 for most
+    layers; ``k`` when the output is split into ``k`` equal chunks that are combined channel by channel (a gated
+    layer: ``a, g = layer(x).chunk(2, dim=-1)``, then ``act(a) * g``), so removing channel ``j`` removes ``j``,
+    ``j + channels/k``, ... (a class of ``k``). ``None`` for ties of any other pattern, which cannot be counted.
+    """
+    first = _root_channels(graph, root, [0])
+    tied = len(first)
+    if tied <= 1:  # none found: a pruning function torch-pruning does not list as cutting outputs, as before
+        return 1
+    stride = channels // tied
+    if channels % tied or first != set(range(0, channels, stride)):
+        return None
+    # the first `stride` channels must lead disjoint classes that cover every channel
+    return tied if _root_channels(graph, root, range(stride)) == set(range(channels)) else None
+
+
 def channel_groups(
     graph: Any, model: nn.Module, roots: Mapping[str, nn.Module], frozen: Collection[str] = ()
 ) -> list[ChannelGroup]:
@@ -639,7 +671,8 @@ def channel_groups(
     ``nn.MultiheadAttention``, whose ``out_proj`` is never pruned: cutting it changes its head width), a
     layer whose weight is computed (a parametrization, the older ``weight_norm`` / ``spectral_norm``), or the
     channels of a module named in ``frozen`` (the user's frozen layers, of any type: a norm after the root),
-    or of a module holding one. A frozen layer that only reads the cut channels loses those input columns.
+    or of a module holding one, or when the root's own channels are tied in a pattern other than
+    :func:`tied_channels` counts. A frozen layer that only reads the cut channels loses those input columns.
     """
     root_types = tuple({type(module) for module in roots.values()})
     chosen = set(roots.values())
@@ -668,21 +701,26 @@ def channel_groups(
         targets = [dependency.target.module for dependency, _ in group]
         if any(isinstance(target, nn.Parameter) or target in unsafe for target in targets):
             continue
-        pruner = graph.get_pruner_of_module(root_module)
-        groups.append(
-            ChannelGroup(names[root_module], root_module, int(pruner.get_out_channels(root_module)), group)
-        )
+        channels = int(graph.get_pruner_of_module(root_module).get_out_channels(root_module))
+        tied = tied_channels(graph, root_module, channels)
+        if tied is not None:  # other ties would remove channels no count foresees
+            groups.append(ChannelGroup(names[root_module], root_module, channels, group, tied))
     return groups
 
 
 def channel_importance(groups: Sequence[ChannelGroup], normalize: bool = False) -> dict[str, torch.Tensor]:
     """Importance of each channel of each group, by root name: the group L2 norm (each channel's weights in
     the root layer and in every coupled layer). ``normalize`` divides each group by its mean, so groups can be
-    ranked together (global ranking)."""
+    ranked together (global ranking). A group whose channels are tied (:attr:`ChannelGroup.tied`) gets one
+    importance per class of tied channels (their mean), in the order of the class's first channel."""
     tp = import_torch_pruning()
     scorer = tp.importance.GroupMagnitudeImportance(p=2, normalizer="mean" if normalize else None)
-    result = {channel_group.root: scorer(channel_group.group) for channel_group in groups}
-    return {name: imp for name, imp in result.items() if imp is not None}
+    result = {}
+    for channel_group in groups:
+        imp = scorer(channel_group.group)
+        if imp is not None:
+            result[channel_group.root] = imp.reshape(channel_group.tied, -1).mean(0)
+    return result
 
 
 def channels_to_remove(
@@ -691,41 +729,48 @@ def channels_to_remove(
     sparsity: float,
     ranking: str = "layer",
     min_channels: int = 1,
+    tied: Mapping[str, int] | None = None,
 ) -> dict[str, list[int]]:
     """Which channels (current indices) to remove so that ``sparsity`` of the ORIGINAL channels are gone.
 
     ``"layer"``: every group keeps ``round(original * (1 - sparsity))`` channels. ``"global"``: all groups
     together keep ``round(sum(original) * (1 - sparsity))``, the lowest importances across groups going
-    first. No group drops below ``min_channels``.
+    first. No group drops below ``min_channels``. ``tied``: root name -> how many channels each removal takes
+    (:func:`tied_channels`); such a group's importances are per class of tied channels, an index names a
+    class (torch-pruning removes its other channels with it), and it keeps ``round(original / tied *
+    (1 - sparsity))`` classes, so the channels removed are those asked for, not ``tied`` times as many.
     """
     if ranking not in RANKINGS:
         raise ValueError(f"`ranking`={ranking!r} is not one of {list(RANKINGS)}.")
+    ties = {name: (tied or {}).get(name, 1) for name in importances}
     removals: dict[str, list[int]] = {}
-    current = {name: int(imp.numel()) for name, imp in importances.items()}
+    current = {name: int(imp.numel()) for name, imp in importances.items()}  # classes of tied channels
     if ranking == "layer":
         for name, imp in importances.items():
-            keep = max(min_channels, _round_count(1.0 - sparsity, original_channels[name]))
+            least = -(-min_channels // ties[name])
+            keep = max(least, _round_count(1.0 - sparsity, original_channels[name] // ties[name]))
             count = current[name] - keep
             if count > 0:
                 removals[name] = sorted(torch.argsort(imp.float().cpu(), stable=True)[:count].tolist())
         return removals
     names = list(importances)
     keep_total = _round_count(1.0 - sparsity, sum(original_channels[name] for name in names))
-    count = sum(current.values()) - max(keep_total, min_channels * len(names))
+    count = sum(current[name] * ties[name] for name in names) - max(keep_total, min_channels * len(names))
     if count <= 0:
         return removals
     flat = torch.cat([importances[name].float().cpu() for name in names])
     owners = [(name, index) for name in names for index in range(current[name])]
     left = dict(current)
     for position in torch.argsort(flat, stable=True).tolist():
-        if count == 0:
+        if count <= 0:
             break
         name, index = owners[position]
-        if left[name] <= min_channels:
+        # a class takes `tied` channels: none that would overshoot the count or go below `min_channels`
+        if (left[name] - 1) * ties[name] < min_channels or ties[name] > count:
             continue
         removals.setdefault(name, []).append(index)
         left[name] -= 1
-        count -= 1
+        count -= ties[name]
     return {name: sorted(indices) for name, indices in removals.items()}
 
 
@@ -957,7 +1002,8 @@ def prune_channels(
     for channel_group in groups:
         original_channels.setdefault(channel_group.root, channel_group.channels)
     importances = channel_importance(groups, normalize=ranking == "global")
-    removals = channels_to_remove(importances, original_channels, sparsity, ranking, min_channels)
+    tied = {channel_group.root: channel_group.tied for channel_group in groups}
+    removals = channels_to_remove(importances, original_channels, sparsity, ranking, min_channels, tied)
     remap = ParameterRemap()
     roots = {channel_group.root: channel_group.module for channel_group in groups}
     for root_name, indices in removals.items():
@@ -965,7 +1011,8 @@ def prune_channels(
     history = [
         [str(name), bool(is_out), [int(i) for i in idxs]] for name, is_out, idxs in graph.pruning_history()
     ]
-    return StructuredResult({name: len(indices) for name, indices in removals.items()}, history, remap)
+    removed = {name: len(indices) * tied[name] for name, indices in removals.items()}
+    return StructuredResult(removed, history, remap)
 
 
 def replay_structure(
@@ -1172,6 +1219,11 @@ FROZEN_COUPLING = "every channel group of the selected layers also cuts a layer 
 FROZEN_LEFT_OUT = "nothing is left to cut once the layers you froze are left out"
 #: the start of the reason for a trial cut that cuts nothing with the layers the user froze left out or not
 FROZEN_AND_UNCUTTABLE = "nothing can be cut, with or without the layers you froze"
+#: the start of the reason for a model output holding more than tensors in tuples, lists and dicts
+UNTRACEABLE_OUTPUT = (
+    "the model's output holds an object torch-pruning's trace cannot follow (it follows only tensors, in "
+    "tuples, lists and dicts)"
+)
 #: the reason for a trial cut that cut nothing
 NOTHING_TO_CUT = "no channel group of the selected layers can be cut safely"
 
@@ -1430,6 +1482,9 @@ def _dry_run(
                 )
             if without:
                 return _autograd_off_reason(sorted(without), output)
+            untraceable = prune_targets.untraceable_output(output)
+            if untraceable is not None:
+                return f"{UNTRACEABLE_OUTPUT}: it holds {untraceable}"
             del output
             in_training = _training_shapes(duplicate, inputs, cut=False)
             for sparsity in sparsities:
@@ -1605,6 +1660,9 @@ class PruneOutcome:
         uncut: structured: the chosen layers that lead no channel group it could cut safely (a layer applied
             twice, a layer whose outputs feed one of those); a layer cut only within another layer's group is
             listed too.
+        narrowed: those of ``uncut`` whose weights another layer's group has cut, in this event or an earlier
+            one (the input columns of a layer reading cut channels, Llama's ``gate_proj`` cut with
+            ``up_proj``).
     """
 
     sparsity: float
@@ -1613,6 +1671,7 @@ class PruneOutcome:
     problems: list[str]
     weight_share: float = 0.0
     uncut: list[str] = field(default_factory=list)
+    narrowed: list[str] = field(default_factory=list)
 
 
 class Pruner:
@@ -1673,6 +1732,8 @@ class Pruner:
         self.original_channels: dict[str, int] = {}
         self.history: list[list[Any]] = []
         self.example_inputs: Any = None
+        #: structured: the chosen layers whose weights a cut has replaced (narrowed), by name
+        self.narrowed: set[str] = set()
         #: layers the user froze (set at the fit's setup): never pruned
         self.user_frozen: frozenset[str] = frozenset()
         self.run_precision: RunPrecision | None = None
@@ -1742,20 +1803,29 @@ class Pruner:
         counts = channel_counts(model, list(self.original_channels))
         reached, per_layer = channel_sparsity(counts, self.original_channels)
         share = sum(sizes.get(name, 0.0) for name in per_layer)
+        replaced = {id(new) for _, new, _ in result.remap}
+        self.narrowed |= {
+            name
+            for name, module in layers.items()
+            if any(id(parameter) in replaced for parameter in module._parameters.values())
+        }
         uncut = [name for name in layers if name not in per_layer]
-        return PruneOutcome(reached, per_layer, result.remap, problems, share, uncut)
+        narrowed = [name for name in uncut if name in self.narrowed]
+        return PruneOutcome(reached, per_layer, result.remap, problems, share, uncut, narrowed)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "history": [list(entry) for entry in self.history],
             "original_channels": dict(self.original_channels),
             "example_inputs": self.example_inputs,
+            "narrowed": sorted(self.narrowed),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.history = [list(entry) for entry in state["history"]]
         self.original_channels = dict(state["original_channels"])
         self.example_inputs = state["example_inputs"]
+        self.narrowed = set(state.get("narrowed", ()))  # a checkpoint from before it was kept: none known
 
 
 def event_record(
@@ -1775,6 +1845,7 @@ def event_record(
         "layer_sparsity": dict(outcome.layer_sparsity),
         "weight_share": float(outcome.weight_share),
         "uncut_layers": list(outcome.uncut),
+        "narrowed_layers": list(outcome.narrowed),
         **count_parameters(model),
         "probe_before": None if probe_before is None else dict(probe_before),
         "probe_after": None if probe_after is None else dict(probe_after),
@@ -1810,11 +1881,20 @@ def event_summary(event: Mapping[str, Any]) -> str:
     )
     if event["probe_after"]:
         text += f", {probe(event['probe_before'])} -> {probe(event['probe_after'])}"
-    uncut = event.get("uncut_layers") or []
+    narrowed = event.get("narrowed_layers") or []
+    uncut = [name for name in event.get("uncut_layers") or [] if name not in narrowed]
     if uncut:
-        more = f" and {len(uncut) - 3} more" if len(uncut) > 3 else ""
-        text += f"; left uncut, no channel group of theirs can be cut safely: {', '.join(uncut[:3])}{more}"
+        text += f"; left uncut, no channel group of theirs can be cut safely: {_some(uncut)}"
+    if narrowed:
+        text += (
+            "; narrowed only by another layer's cut (no channel group of theirs can be cut safely; compare "
+            f"their shapes): {_some(narrowed)}"
+        )
     return text
+
+
+def _some(names: Sequence[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 # ---------------------------------------------------------------------------------------------- resume

@@ -124,6 +124,10 @@ class ReplayBatchLifecycle:
         # twice) or a cut comes first
         self._concatenated: dict[tuple[str, str], tuple[int, tuple[int, ...]]] = {}
         self._backward_ran = False  # in the step in flight
+        self._module: nn.Module | None = None  # the module training (its parameters and buffers are no batch)
+        # the step in flight: whether its loss was accounted for by its captured calls, and why not
+        self._accounted = False
+        self._unaccounted: str | None = None
 
     def start_fit(self) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope."""
@@ -175,7 +179,8 @@ class ReplayBatchLifecycle:
                 done while the module holds batch-shaped state.
         """
         self.captures.drop()
-        self._backward_ran = False
+        self._backward_ran = self._accounted = False
+        self._unaccounted, self._module = None, module
         batch_size = int(indices.numel())
         first_checked = False
         # the fit's first batch of two or more samples (one of 1 is never cut, and looks like any layout)
@@ -224,8 +229,13 @@ class ReplayBatchLifecycle:
             self._concatenated = {}
             refuse(concatenation_refusal(found, batch_size))
 
-    def close_capture(self) -> str | None:
+    def close_capture(self, loss: Tensor | None = None) -> str | None:
         """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss).
+
+        At the fit's first scored step, ``loss`` (what the step backpropagates) is checked to be accounted for
+        by the captured calls (:meth:`~lightning_pulse.core.per_sample_loss.LossCapture.unaccounted_part`):
+        a part that reads the batch outside them is said once after the backward (:meth:`after_backward`),
+        unless no captured call is left in the loss then (the refusal that names what was captured says more).
 
         Returns:
             Once a fit, what to warn about when a later step's loss does not split into its samples (a loss on
@@ -239,9 +249,16 @@ class ReplayBatchLifecycle:
         """
         self.captures.close()
         closed = self.captures.closed
-        if self.current is None or closed is None or closed.maps_onto_batch:
+        if self.current is None or closed is None:
             return None
-        return self._unsplit(closed)
+        if not self._accounted and self.scorer is None and not self.recorded_steps and closed.maps_onto_batch:
+            self._accounted = True  # the first backward's loss (manual optimization may run more)
+            if isinstance(loss, Tensor):
+                module = self._module
+                constants = [] if module is None else [*module.parameters(), *module.buffers()]
+                self._unaccounted = closed.unaccounted_part(loss, constants)
+        closed.forget_graph()
+        return None if closed.maps_onto_batch else self._unsplit(closed)
 
     def after_backward(self, manual: bool) -> str | None:
         """A backward ran: the captured calls it did not reach (values computed for logging) stop counting
@@ -257,7 +274,13 @@ class ReplayBatchLifecycle:
         if self.current is None or closed is None or not closed.maps_onto_batch:
             return None  # said at close_capture already
         closed.drop_unused()
-        return None if closed.maps_onto_batch else self._unsplit(closed)
+        if closed.maps_onto_batch:
+            # said once, not refused: a batch-level term written by hand (a mixture of experts' load-balancing
+            # loss, a `0 * aux(x).sum()` kept for DDP) looks the same as a per-sample one, and such models train
+            # well on the captured terms' scores
+            unaccounted, self._unaccounted = self._unaccounted, None
+            return unaccounted
+        return self._unsplit(closed)
 
     def _unsplit(self, closed: LossCapture) -> str | None:
         assert self.current is not None

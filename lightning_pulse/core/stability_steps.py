@@ -51,6 +51,13 @@ SHARDED_REASON = (
 )
 
 
+ANOMALY_DETECTION_WARNING = (
+    "StabilityGuard: `Trainer(detect_anomaly=True)` raises at the first NaN in backward, before the guard "
+    "reads the step, so a non-finite step stops the run instead of being skipped (loss and gradient-norm "
+    "spikes are still caught). Turn `detect_anomaly` off to let the guard skip non-finite steps."
+)
+
+
 def refuse_manual_optimization(module: Any) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` for a module that runs its own optimizer."""
     if not module.automatic_optimization:
