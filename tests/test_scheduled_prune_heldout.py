@@ -1,6 +1,6 @@
-"""ScheduledPrune(mode="structured") on the models of a held-out sweep: a gated MLP whose Linear output is split
-with ``chunk(2, dim=-1)``, a Hugging Face causal LM that returns its key/value cache, and the usual Hugging Face
-wrapper ``forward(self, **inputs)`` fed dict batches."""
+"""ScheduledPrune(mode="structured") on the models of a held-out sweep: a gated MLP whose Linear output is
+split with ``chunk(2, dim=-1)``, a Hugging Face causal LM that returns its key/value cache, and the usual
+Hugging Face wrapper ``forward(self, **inputs)`` fed dict batches."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from tests.conftest import trainer_kwargs
 from tests.test_real_models_scheduled_prune import STEPS, _count_training_steps, _fit, _prune
 
 
-# ---------------------------------------------------------------------------------------------- forward(**inputs)
+# ----------------------------------------------------------------------------------------------
+# forward(**inputs)
 class _AnyKeywords(nn.Module):
     def forward(self, **inputs):
         return inputs
@@ -55,7 +56,8 @@ def test_the_usual_hf_wrapper_forward_of_keywords_is_traced_from_the_dict_batch_
     assert set(prune.pruner.example_inputs) == {"input_ids", "attention_mask", "labels"}
 
 
-# ---------------------------------------------------------------------------------------------- an output cache
+# ---------------------------------------------------------------------------------------------- an output
+# cache
 class _TinyQwen2(pl.LightningModule):
     """Hugging Face Qwen2 (tied embeddings) from a config; its forward returns the model's whole output."""
 

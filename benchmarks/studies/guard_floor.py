@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `{command.strip()}`",
         "",
-        "Hook CPU per optimizer step, timed from outside, as a share of the same seed's plain training CPU per "
-        "step; medians over seeds.",
+        "Hook CPU per optimizer step, timed from outside, as a share of the same seed's plain training CPU "
+        "per step; medians over seeds.",
         "",
         "| arm | plain step (ms) | hook time per step (µs) | share, median | per seed |",
         "|---|---|---|---|---|",

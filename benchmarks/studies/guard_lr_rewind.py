@@ -44,9 +44,9 @@ RESULTS_DIR = Path(__file__).parent / "results"
 
 
 class InjectLossSpike(pl.Callback):
-    """Multiplies the loss of the optimizer steps ``first .. first + count - 1`` by ``factor``, in place, before
-    backward: a spike that the batch does not cause. Placed before the guard, which then reads the scaled loss.
-    ``first`` is a share of the run's planned steps, read at train start."""
+    """Multiplies the loss of the optimizer steps ``first .. first + count - 1`` by ``factor``, in place,
+    before backward: a spike that the batch does not cause. Placed before the guard, which then reads the
+    scaled loss. ``first`` is a share of the run's planned steps, read at train start."""
 
     def __init__(self, at: float, count: int, factor: float) -> None:
         self.at, self.count, self.factor = at, count, factor

@@ -691,8 +691,8 @@ class LossCapture:
     ) -> str | None:
         """What the captured calls leave out of ``loss`` (what the step backpropagates), or ``None``.
 
-        Call it before ``loss``'s backward (the check reads the tensors its autograd graph saved). It walks the
-        graph from ``loss`` down, stopping at what each captured call returned, and looks for a part that
+        Call it before ``loss``'s backward (the check reads the tensors its autograd graph saved). It walks
+        the graph from ``loss`` down, stopping at what each captured call returned, and looks for a part that
         reaches the weights without passing through any captured call and that reads the batch's rows: a
         saved tensor without gradient whose first dimension is a multiple of ``B`` (the input a layer
         read), not one of ``constants`` (the module's parameters and buffers). That part (a VAE's KL written
@@ -727,21 +727,34 @@ class LossCapture:
                 if parent not in reaching:
                     reaching.add(parent)
                     stack.append(parent)
+        # it reads the batch only if it shares an activation with the captured calls (a KL on the encoder's
+        # mu, a z-loss on the logits): a term on the weights alone (EWC's Fisher, a spectral norm's u, a
+        # constant mask) meets them only at the weights, whatever its constants' shapes
+        below, stack = set(boundary), list(boundary)
+        while stack:
+            for child, _ in stack.pop().next_functions:
+                if child is not None and child not in below and getattr(child, "variable", None) is None:
+                    if len(below) >= limit:
+                        return None
+                    below.add(child)
+                    stack.append(child)
+        if reaching.isdisjoint(below):
+            return None
         kept = {_storage_key(tensor) for tensor in constants}
         for node in reaching:
             for saved in _saved_tensors(node):
                 if _holds_batch_rows(saved, self.batch_size) and _storage_key(saved) not in kept:
                     return (
-                        "its scores leave out part of the loss training_step returned: a part that depends on "
-                        "the batch's samples but was not computed by a loss function it captures (it reads a "
-                        f"{tuple(saved.shape)} tensor in {node.name()}, next to {self.describe()}). A term "
-                        "written with tensor ops, such as a VAE's KL `-0.5 * torch.sum(1 + logvar - mu ** 2 - "
-                        "logvar.exp())`, trains but is in no sample's score, so the hardest samples are chosen "
-                        "by the captured terms alone. To score the whole loss, compute it per sample "
-                        "(`reduction='none'`, the KL summed over its features only), return it in "
-                        "training_step's output dict and set `scorer=OutputKeyScorer(key=...)`. A batch-level "
-                        "term (a load-balancing loss) has no per-sample part: then the captured terms' scores "
-                        "are the ones to keep, and this warning can be filtered."
+                        "its scores leave out part of the loss training_step returned: a part computed from "
+                        "the batch's activations but not by a loss function it captures (it reads a "
+                        f"{tuple(saved.shape)} tensor in {node.name()}, next to {self.describe()}). If that "
+                        "part is per sample (a VAE's KL written `-0.5 * torch.sum(...)`, a z-loss on the "
+                        "logits), it trains but is in no sample's score: to score the whole loss, compute it "
+                        "per sample (`reduction='none'`), return it in training_step's output dict and set "
+                        "`scorer=OutputKeyScorer(key=...)`. If it is a batch-level term (a mixture of "
+                        "experts' load-balancing loss, which Hugging Face adds with "
+                        "`output_router_logits=True`), it has no per-sample part and the captured terms' "
+                        "scores are the ones to keep: filter this warning."
                     )
         return None
 
@@ -930,8 +943,8 @@ class LossCapture:
             record.maps_onto_batch, record.on_batch_rows = False, True
             record.why_not = (
                 f"its {record.shape[0]} input rows are the columns of a matrix product's transposed first "
-                f"operand, summed over the batch's {self.batch_size} samples (a cross-correlation or covariance "
-                "matrix, `z1.T @ z2`): they are features, not samples"
+                f"operand, summed over the batch's {self.batch_size} samples (a cross-correlation or "
+                "covariance matrix, `z1.T @ z2`): they are features, not samples"
             )
 
 

@@ -386,9 +386,9 @@ def refuse_structured(reason: str | None) -> None:
         pruning.FROZEN_COUPLING: "Unfreeze those layers, or use mode='unstructured'.",
         pruning.FROZEN_LEFT_OUT: "Unfreeze the layers to cut, or use mode='unstructured'.",
         pruning.FROZEN_AND_UNCUTTABLE: "Use mode='unstructured'.",
-        pruning.UNTRACEABLE_OUTPUT: "Have `forward` return tensors only (the logits or the loss); a Hugging Face "
-        "model returns its key/value cache unless `model.config.use_cache = False` (or `use_cache=False` in the "
-        "call). Or use mode='unstructured'.",
+        pruning.UNTRACEABLE_OUTPUT: "Have `forward` return tensors only (the logits or the loss); a Hugging "
+        "Face model returns its key/value cache unless `model.config.use_cache = False` (or "
+        "`use_cache=False` in the call). Or use mode='unstructured'.",
     }
     for cause, way_out in own_way_out.items():
         if reason is not None and reason.startswith(cause):

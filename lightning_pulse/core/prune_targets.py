@@ -368,10 +368,10 @@ def output_shapes(output: Any) -> list[tuple[int, ...]]:
 def untraceable_output(output: Any, path: str = "output") -> str | None:
     """Where ``output`` holds something torch-pruning's trace cannot follow, and what, or ``None``.
 
-    The trace starts from every tensor of the output, looking into tuples, lists and dicts only (a Hugging Face
-    ``ModelOutput`` is a dict); anything else there (a key/value cache object, ``None`` in a tuple, a number)
-    makes it fail with an error that names neither the output nor a way out (``'tuple' object has no attribute
-    'grad_fn'`` for a ``DynamicCache``, which it iterates as tuples)."""
+    The trace starts from every tensor of the output, looking into tuples, lists and dicts only (a Hugging
+    Face ``ModelOutput`` is a dict); anything else there (a key/value cache object, ``None`` in a tuple, a
+    number) makes it fail with an error that names neither the output nor a way out (``'tuple' object has no
+    attribute 'grad_fn'`` for a ``DynamicCache``, which it iterates as tuples)."""
     if isinstance(output, torch.Tensor):
         return None
     if isinstance(output, dict):

@@ -644,9 +644,10 @@ def _root_channels(graph: Any, root: nn.Module, indices: Sequence[int]) -> set[i
 
 def tied_channels(graph: Any, root: nn.Module, channels: int) -> int | None:
     """How many of ``root``'s ``channels`` output channels go with each one torch-pruning removes: 1 for most
-    layers; ``k`` when the output is split into ``k`` equal chunks that are combined channel by channel (a gated
-    layer: ``a, g = layer(x).chunk(2, dim=-1)``, then ``act(a) * g``), so removing channel ``j`` removes ``j``,
-    ``j + channels/k``, ... (a class of ``k``). ``None`` for ties of any other pattern, which cannot be counted.
+    layers; ``k`` when the output is split into ``k`` equal chunks that are combined channel by channel (a
+    gated layer: ``a, g = layer(x).chunk(2, dim=-1)``, then ``act(a) * g``), so removing channel ``j`` removes
+    ``j``, ``j + channels/k``, ... (a class of ``k``). ``None`` for ties of any other pattern, which cannot be
+    counted.
     """
     first = _root_channels(graph, root, [0])
     tied = len(first)

@@ -276,8 +276,8 @@ class ReplayBatchLifecycle:
         closed.drop_unused()
         if closed.maps_onto_batch:
             # said once, not refused: a batch-level term written by hand (a mixture of experts' load-balancing
-            # loss, a `0 * aux(x).sum()` kept for DDP) looks the same as a per-sample one, and such models train
-            # well on the captured terms' scores
+            # loss, a `0 * aux(x).sum()` kept for DDP) looks the same as a per-sample one, and such models
+            # train well on the captured terms' scores
             unaccounted, self._unaccounted = self._unaccounted, None
             return unaccounted
         return self._unsplit(closed)
