@@ -662,3 +662,17 @@ def compiled_part(module: torch.nn.Module | None) -> str | None:
         return "the LightningModule"
     name, _ = next(_compiled_submodules(module), (None, None))
     return None if name is None else name or "the LightningModule"
+
+
+def batches_fetched(trainer: pl.Trainer) -> int:
+    """The training batches this fit's loop has fetched so far, all epochs (its batch progress: ``ready``)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+
+
+def batch_in_flight(trainer: pl.Trainer, fetched: int) -> bool:
+    """Whether the batch fetched as the ``fetched``-th (:func:`batches_fetched`) is still in flight: fetched but
+    not processed (an exception inside ``training_step`` saved by ``OnExceptionCheckpoint``), so Lightning's
+    resume starts at it. Within ``on_train_batch_end`` the batch counts as processed."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    # the same batch (total.ready only grows within a fit); current's counts are reset on a restart
+    return progress.total.ready == fetched and progress.current.processed < progress.current.ready

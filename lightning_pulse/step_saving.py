@@ -131,6 +131,7 @@ class StepSavingLoader:
         self.stream = StepSavingStream()
         self.epoch_batches = 0  # the batches of the pass under way
         self.loader: Any = None  # the training DataLoader tracked in this fit (either mode), until released
+        self._drawn_at: int | None = None  # Lightning's count of batches fetched when the latest was drawn
         self._trainer: pl.Trainer | None = None
         self._sampler: PlannedBatchSampler | None = None
         self._choose: Callable[[list[list[int]], list[int], list[int], float], list[Any]] | None = None
@@ -310,12 +311,28 @@ class StepSavingLoader:
         return self._choose(windows, ordinals, steps, self.stream.pass_prior)
 
     def next_batch(self) -> tuple[int, Any]:
-        """``(raw window size, cut or None)`` of the batch about to train, counted as trained."""
+        """``(raw window size, cut or None)`` of the batch about to train, counted as drawn (a checkpoint
+        counts it once its step ran through: :meth:`checkpoint`)."""
         assert self._sampler is not None and self._trainer is not None
         window, cut = self._sampler.take_window()
-        self.stream.trained(window)
+        self.stream.drawn(window)
+        self._drawn_at = compat.batches_fetched(self._trainer)
         compat.mark_last_batch_of(self._trainer, self.epoch_batches)  # this batch may end the pass
         return window, cut
+
+    def checkpoint(self, global_step: int | None) -> dict[str, Any] | None:
+        """What a checkpoint saves of the stream (see :meth:`StepSavingStream.checkpoint`), counting only the
+        batches whose step ran through."""
+        return self.stream.checkpoint(global_step, self._latest_batch_untrained())
+
+    def _latest_batch_untrained(self) -> bool:
+        """Whether the batch drawn last is still in flight, its step not run through: Lightning's batch
+        progress counts it fetched (``ready``) but not ``processed``, as after an exception inside
+        ``training_step`` saved by ``OnExceptionCheckpoint``, and its resume starts at the processed batches.
+        Within ``on_train_batch_end`` (``ModelCheckpoint``) the batch is processed: it trained."""
+        if self._trainer is None or self._drawn_at is None:
+            return False
+        return compat.batch_in_flight(self._trainer, self._drawn_at)
 
     def refuse_schedules_cut_short(self, trainer: pl.Trainer) -> None:
         """Refuse, before the first step, a per-step LR scheduler built for the run's unplanned length (its

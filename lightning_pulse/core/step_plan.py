@@ -392,10 +392,12 @@ class StepSavingStream:
     """Where a step-saving run stands in its data: the plan, the pass under way and what of it trained.
 
     The adapter (:class:`~lightning_pulse.HardSampleReplay`) calls :meth:`make_plan` at fit start,
-    :meth:`sizes_for_pass` when the DataLoader starts a pass and :meth:`trained` for every batch. The state
+    :meth:`sizes_for_pass` when the DataLoader starts a pass and :meth:`drawn` for every batch. The state
     (epoch, raw samples of it trained, global step, planned total and the plain run's steps it was planned
     for) goes into checkpoints, so a resume mid-epoch skips what trained and follows the same plan, and a
-    resume to a run of another length plans the rest again.
+    resume to a run of another length plans the rest again. A batch drawn whose step never ran through (an
+    exception inside ``training_step``, saved by ``OnExceptionCheckpoint``) did not train: the adapter says so
+    at :meth:`checkpoint` and the state leaves it out, so the resume trains it.
     """
 
     def __init__(self) -> None:
@@ -412,6 +414,7 @@ class StepSavingStream:
         self.resumed_at_pass_end = False  # the checkpoint was saved on the last batch of a pass
         self.replanned_for_another_length = False  # a resume to another run length remade the saved plan
         self.trained_samples = 0  # raw samples of the run's trained batches, all epochs
+        self.latest = 0  # raw samples of this pass's latest batch drawn (0: none drawn yet)
         # a restored or final state, while no pass runs: what a checkpoint saves then (see checkpoint)
         self.held: dict[str, Any] | None = None
 
@@ -468,7 +471,7 @@ class StepSavingStream:
                 self.pass_step = int(resume.get("pass_step", resume["step"] - done // accumulate))
                 self.pass_prior = float(resume.get("pass_prior", prior))
         self._first_pass = False
-        self.epoch, self.samples, self.batches = epoch, skip, done
+        self.epoch, self.samples, self.batches, self.latest = epoch, skip, done, 0
         sizes = self.plan.sizes_of(epoch)
         if not sizes and not skip:
             # past the plan (a resume whose saved total its data no longer fills, or a run longer than
@@ -481,23 +484,29 @@ class StepSavingStream:
                 sizes = sizes[: remaining * accumulate]
         return skip, sizes, done + len(sizes)
 
-    def trained(self, raw_samples: int) -> None:
+    def drawn(self, raw_samples: int) -> None:
+        """Count a batch of ``raw_samples`` as the pass's next one, drawn to train now."""
         self.samples += raw_samples
         self.batches += 1
         self.trained_samples += raw_samples
+        self.latest = raw_samples
 
-    def state_dict(self, global_step: int) -> dict[str, Any]:
+    def state_dict(self, global_step: int, latest_untrained: bool = False) -> dict[str, Any]:
+        """The position to resume from; ``latest_untrained``: the latest batch drawn never trained (its step
+        did not run through), so it is left out and the resume draws it again, as Lightning's batch progress
+        counts it out too."""
+        left_out = self.latest if latest_untrained and self.batches > 0 else 0
         total = -1 if self.plan is None else self.plan.total_steps
         return {
             "plain_steps": -1 if self.plan is None else self.plan.plain_steps,
             "epoch": self.epoch,
-            "samples": self.samples,
-            "batches": self.batches,
+            "samples": self.samples - left_out,
+            "batches": self.batches - (1 if left_out else 0),
             "step": int(global_step),
             "total_steps": total,
             "pass_step": self.pass_step,
             "pass_prior": self.pass_prior,
-            "trained": self.trained_samples,
+            "trained": self.trained_samples - left_out,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -520,12 +529,12 @@ class StepSavingStream:
         if self.held is None:
             self.held = self.state_dict(global_step)
 
-    def checkpoint(self, global_step: int | None) -> dict[str, Any] | None:
+    def checkpoint(self, global_step: int | None, latest_untrained: bool = False) -> dict[str, Any] | None:
         """What a checkpoint saves: the :attr:`held` state, else the state at ``global_step`` (``None``: none
-        to give, as no fit plans this stream now)."""
+        to give, as no fit plans this stream now), leaving out the latest batch if ``latest_untrained``."""
         if self.held is not None or global_step is None:
             return self.held
-        return self.state_dict(global_step)
+        return self.state_dict(global_step, latest_untrained)
 
 
 def _pass_ended(samples: int, samples_per_epoch: int, batch_size: int, drop_last: Any) -> bool:
