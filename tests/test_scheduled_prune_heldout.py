@@ -1,14 +1,19 @@
-"""ScheduledPrune(mode="structured") on the models of a held-out sweep: a gated MLP whose Linear output is
-split with ``chunk(2, dim=-1)``, a Hugging Face causal LM that returns its key/value cache, and the usual
-Hugging Face wrapper ``forward(self, **inputs)`` fed dict batches."""
+"""ScheduledPrune on the models of a held-out sweep: in structured mode a gated MLP whose Linear output is
+split with ``chunk(2, dim=-1)``, a Hugging Face causal LM that returns its key/value cache, the usual Hugging
+Face wrapper ``forward(self, **inputs)`` fed dict batches; in both modes an EMA of the weights kept as
+buffers; in unstructured mode a max-norm constraint written to ``layer.weight``, and ``load_pruned``'s
+``layer.weight``."""
 
 from __future__ import annotations
+
+import pickle
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
 
+from lightning_pulse import ScheduledPrune
 from lightning_pulse.core import prune_targets, pruning
 from lightning_pulse.core.pruning import UNTRACEABLE_OUTPUT
 from lightning_pulse.errors import PulseRefusal
@@ -210,3 +215,171 @@ def test_what_in_an_output_the_trace_cannot_follow_is_named_with_where_it_is():
     assert prune_targets.untraceable_output((tensor, None)) == "None at `output[1]`"
     assert prune_targets.untraceable_output({"a": [tensor, 3]}) == "an int at `output.a[1]`"
     assert prune_targets.untraceable_output({"cache": object()}) == "an object at `output.cache`"
+
+
+# ---------------------------------------------------------------------------------------------- copies kept
+# as buffers
+class _EMABuffers(pl.LightningModule):
+    """A held-out sweep's module: an EMA of every parameter kept as a buffer named after it, updated by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+        for name, parameter in self.net.named_parameters():
+            self.register_buffer("ema_" + name.replace(".", "_"), parameter.detach().clone())
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    @torch.no_grad()
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        for name, parameter in self.net.named_parameters():
+            getattr(self, "ema_" + name.replace(".", "_")).mul_(0.9).add_(parameter.detach(), alpha=0.1)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_structured_mode_refuses_a_copy_of_the_weights_kept_as_buffers_naming_it_before_the_first_step():
+    # held-out sweep: the cut shrank net.0 and not its EMA buffers: "size of tensor a (32) must match the size
+    # of tensor b (16)" at step 28 of 40
+    module = _EMABuffers()
+    calls = _count_training_steps(module)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[_prune(mode="structured")]))
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(module, _three_classes())
+    message = str(refusal.value)
+    assert message.startswith(
+        f"ScheduledPrune: structured pruning cannot run on this model: {pruning.UNCUT_BUFFER}: `ema_0_weight` "
+        "(and 1 more such buffer) has the shape (32, 8) of `net.0.weight`, which the cut changes"
+    )
+    assert "`exclude_pattern`='net\\\\.0'" in message and "mode='unstructured'" in message
+    assert "on_pulse_parameters_replaced" in message
+    assert calls == [] and trainer.global_step == 0
+
+
+def test_a_buffer_the_cut_shrinks_with_its_layer_or_shaped_like_no_cut_parameter_is_no_copy():
+    # a BatchNorm's running statistics are cut with it; class weights shaped like the output layer's bias
+    # (never cut), a step count and a boolean mask are not copies of weights
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    model.register_buffer("class_weights", torch.ones(3))
+    model.register_buffer("seen", torch.zeros((), dtype=torch.long))
+    model.register_buffer("keep", torch.ones(16, 8, dtype=torch.bool))
+    model.register_buffer("scale", torch.ones(16))  # one dimension: shaped like many biases, not a copy
+    assert (
+        pruning.check_structured(model.eval(), pruning.Pruner("structured"), [0.25, 0.5], torch.randn(4, 8))
+        is None
+    )
+    model.register_buffer("frozen_first", model[0].weight.detach().clone())
+    reason = pruning.check_structured(model, pruning.Pruner("structured"), [0.25, 0.5], torch.randn(4, 8))
+    assert reason.startswith(f"{pruning.UNCUT_BUFFER}: `frozen_first` has the shape (16, 8) of `0.weight`")
+
+
+def test_unstructured_mode_warns_at_fit_start_of_buffers_shaped_like_a_weight_to_mask_naming_weight_orig():
+    # held-out sweep: the same module in unstructured mode failed at the first event looking up
+    # `ema_0_weight_orig` (`named_parameters()` gives the masked layer's parameter as `weight_orig` from then
+    # on), with no word before
+    module = _EMABuffers()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=4, callbacks=[_prune(start=3, end=20)]))  # no event
+    with pytest.warns(UserWarning, match="shaped like the weights of layers it will mask") as warned:
+        trainer.fit(module, _three_classes())
+    message = next(str(w.message) for w in warned if "shaped like the weights" in str(w.message))
+    assert "(`ema_0_weight`, `ema_2_weight`; `ema_0_weight` like `net.0.weight`)" in message
+    assert "`net.0.weight` is computed from `net.0.weight_orig * net.0.weight_mask`" in message
+    assert "must use `weight_orig`" in message
+    # a BatchNorm's statistics and a mask's own `weight_mask` are in their layers: no warning
+    plain = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+    pruning.add_mask(plain[0])
+    layers = {"0": plain[0], "2": plain[2]}
+    assert prune_targets.weight_shaped_buffers(plain, layers) == {}
+
+
+# ---------------------------------------------------------------------------------------------- writes to a
+# masked weight
+class _MaxNorm(pl.LightningModule):
+    """A held-out sweep's max-norm constraint, written the usual way after every optimizer step."""
+
+    LIMIT = 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 3)
+        self.largest: list[float] = []  # fc1's largest row norm in each training forward
+
+    def forward(self, x):
+        out = self.fc2(torch.relu(self.fc1(x)))
+        if self.training:
+            self.largest.append(float(self.fc1.weight.detach().norm(dim=1).max()))
+        return out
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0] * 3), batch[1])
+
+    @torch.no_grad()
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.fc1.weight.data = torch.renorm(self.fc1.weight.data, 2, 0, self.LIMIT)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=5e-2)
+
+
+def test_a_write_to_a_masked_layers_weight_after_the_step_holds_as_on_an_unpruned_layer():
+    # held-out sweep: after the first event the constraint went nowhere (`weight` is recomputed from
+    # `weight_orig * weight_mask` at the next forward): the largest row norm grew to 0.95 against 0.5
+    module = _MaxNorm()
+    prune = _prune()
+    _fit(module, _three_classes(), prune)
+    assert prune.events[-1]["sparsity"] == pytest.approx(0.5)
+    assert max(module.largest[1:]) <= _MaxNorm.LIMIT + 1e-5  # every forward after the first step
+    assert float(module.fc1.weight.detach().norm(dim=1).max()) <= _MaxNorm.LIMIT + 1e-5  # folded at fit end
+    assert float((module.fc1.weight == 0).float().mean()) >= 0.5  # pruned entries stayed zero
+
+
+def test_write_keeping_mask_carries_data_assignments_and_no_grad_writes_and_nothing_else():
+    layer = nn.Linear(4, 3)
+    pruning.add_mask(layer, (torch.arange(12).view(3, 4) % 2).float())
+    mask = layer.weight_mask.bool()
+    layer.weight.data = torch.full((3, 4), 7.0)  # a `.data` assignment
+    layer(torch.randn(2, 4))
+    assert torch.equal(layer.weight_orig[mask], torch.full((6,), 7.0)) and not layer.weight[~mask].any()
+    with torch.no_grad():
+        layer.weight.clamp_(max=2.0)  # an in-place write
+    pruning.refresh_masked_weights(pruning.masked_weights(layer), grad=False)
+    assert torch.equal(layer.weight[mask], torch.full((6,), 2.0))
+    before = layer.weight_orig.detach().clone()
+    layer.weight_orig.data.add_(1.0)  # an optimizer step: `weight` is only stale, not written
+    layer(torch.randn(2, 4))
+    assert torch.equal(layer.weight_orig, before + 1.0)
+    layer.weight.data = torch.zeros(3, 4)  # written, then a loaded state supersedes it
+    pruning.fit_to_state_dict(layer, {"weight_orig": before, "weight_mask": layer.weight_mask})
+    layer.load_state_dict({"weight_orig": before, "weight_mask": layer.weight_mask, "bias": layer.bias})
+    layer(torch.randn(2, 4))
+    assert torch.equal(layer.weight_orig, before)
+    copied = pruning.copy_without_hooks(
+        layer
+    )  # a copy neither carries the original's record nor fails to pickle
+    assert copied._forward_pre_hooks and all(
+        hook._written_check is None for hook in copied._forward_pre_hooks.values()
+    )
+    pickle.loads(pickle.dumps(copied))
+    with torch.inference_mode():
+        copied(torch.randn(2, 4))  # under inference mode: no version counter to read, no failure
+    layer.weight.data = torch.full((3, 4), 0.25)  # folding the mask keeps a last write
+    pruning.make_masks_permanent(layer)
+    assert torch.equal(layer.weight, torch.where(mask, 0.25, 0.0))
+
+
+def test_load_pruned_leaves_weight_equal_to_the_masked_loaded_weights_before_any_forward(tmp_path):
+    # held-out sweep: `layer.weight` held the fresh module's random values (no zeros) until the first forward
+    module, prune = _MaxNorm(), _prune()
+    trainer = _fit(module, _three_classes(), prune, enable_checkpointing=True, default_root_dir=tmp_path)
+    del trainer
+    checkpoint = next(tmp_path.rglob("*.ckpt"))  # saved before the fit's end folds the masks
+    loaded = ScheduledPrune.load_pruned(_MaxNorm(), checkpoint)
+    layer = loaded.fc1
+    assert hasattr(layer, "weight_mask")
+    assert torch.equal(layer.weight, layer.weight_orig * layer.weight_mask)
+    assert float((layer.weight == 0).float().mean()) >= 0.5

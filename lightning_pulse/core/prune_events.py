@@ -25,6 +25,7 @@ from lightning_pulse.core.prune_setup import (
     DISTILL_NO_EFFECT,
     event_cadence,
     fit_start_selection,
+    renamed_weight_warning,
     setup_summary,
     structured_example,
     unfinished_warning,
@@ -99,12 +100,15 @@ class PruneEvents:
         """At fit start, the layers to prune in ``model``, with the checks that refuse them
         (:func:`~lightning_pulse.core.prune_setup.fit_start_selection`; ``frozen``: the set a restored
         checkpoint read, ``compiled``: the parts under torch.compile), and :attr:`example` from
-        ``example_input_array``. Says which layers' folded zeros were masked again."""
+        ``example_input_array``. Says which layers' folded zeros were masked again, and warns of buffers
+        shaped like a weight to mask (:func:`~lightning_pulse.core.prune_setup.renamed_weight_warning`)."""
         selection, masked, self.example = fit_start_selection(
             self.pruner, model, self.schedule, frozen, compiled, self.example
         )
         if masked:  # unstructured only, so no structured refusal follows it
             self.info(f"ScheduledPrune: resumed after a fit's end; pruned zeros masked again: {masked}")
+        if (renamed := renamed_weight_warning(self.pruner.mode, model, selection.layers)) is not None:
+            self.warn(renamed)
         return selection
 
     def example_from(self, model: nn.Module, batch: Any) -> None:
@@ -275,4 +279,7 @@ class PruneEvents:
                     pruning.mask_zeros(layer)
                 else:
                     mask.fill_(1)
+        pruning.discard_written_weights(
+            model
+        )  # a write to a computed weight before the rollback is undone too
         self.masks.refresh(model, grad=False)

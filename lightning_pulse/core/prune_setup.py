@@ -160,6 +160,33 @@ def fit_start_selection(
     return selection, masked, example
 
 
+def renamed_weight_warning(mode: str, model: nn.Module, layers: Mapping[str, nn.Module]) -> str | None:
+    """Unstructured: the fit-start warning for buffers of ``model`` shaped like the weight of one of ``layers``
+    (:func:`~lightning_pulse.core.prune_targets.weight_shaped_buffers`), else ``None``. Such a buffer is most
+    often a copy of the weights kept by parameter name (an EMA), and the first event renames each masked
+    layer's parameter ``weight`` to ``weight_orig``: a held-out EMA kept as buffers, updated by name from
+    ``named_parameters()``, failed at the first event (``AttributeError: ... 'ema_0_weight_orig'``). Whether
+    code reads parameters by name shows only in training, so this is said, not refused."""
+    if mode != "unstructured":
+        return None
+    found = prune_targets.weight_shaped_buffers(model, layers)
+    if not found:
+        return None
+    buffer, layer = next(iter(found.items()))
+    names = ", ".join(f"`{name}`" for name in list(found)[:3]) + (
+        f" and {len(found) - 3} more" if len(found) > 3 else ""
+    )
+    return (
+        f"ScheduledPrune: the module holds buffers shaped like the weights of layers it will mask ({names}; "
+        f"`{buffer}` like `{layer}.weight`), as a copy of the weights kept by parameter name (an EMA) is. From "
+        f"the first pruning event on, a masked layer's weight is no longer a parameter: `named_parameters()` "
+        f"gives `{layer}.weight_orig`, and `{layer}.weight` is computed from `{layer}.weight_orig * "
+        f"{layer}.weight_mask` before every forward. Code that reads or writes parameters by name must use "
+        f"`weight_orig` (a write to `{layer}.weight` itself is kept, but not an in-place one through `.data`); "
+        "or leave those layers out with `exclude_pattern`."
+    )
+
+
 def left_out_note(selection: LayerSelection) -> str:
     """``" Left out: a (why), ..."`` for the messages, or ``""`` when every candidate layer was selected."""
     return f" Left out: {selection.describe_left_out()}." if selection.left_out else ""
@@ -386,6 +413,9 @@ def refuse_structured(reason: str | None) -> None:
         pruning.FROZEN_COUPLING: "Unfreeze those layers, or use mode='unstructured'.",
         pruning.FROZEN_LEFT_OUT: "Unfreeze the layers to cut, or use mode='unstructured'.",
         pruning.FROZEN_AND_UNCUTTABLE: "Use mode='unstructured'.",
+        pruning.UNCUT_BUFFER: "Leave that layer out with `exclude_pattern`, use mode='unstructured' (it keeps "
+        "every shape), or keep the copy outside the module, in a callback that follows each cut "
+        "(`on_pulse_parameters_replaced` is given the old and new parameters and the channels kept).",
         pruning.UNTRACEABLE_OUTPUT: "Have `forward` return tensors only (the logits or the loss); a Hugging "
         "Face model returns its key/value cache unless `model.config.use_cache = False` (or "
         "`use_cache=False` in the call). Or use mode='unstructured'.",

@@ -269,6 +269,53 @@ def frozen_twins(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str,
     return twins
 
 
+def _copy_like(buffer: torch.Tensor) -> bool:
+    """Whether ``buffer`` could hold a copy of a layer's weight: floating, created, of two dimensions or more
+    (not a step count, an index table or a boolean attention mask). One dimension matches too easily: a frozen
+    BatchNorm's running statistics, or a per-channel scale, were shaped like the bias of another cut layer."""
+    return not is_lazy(buffer) and buffer.is_floating_point() and buffer.dim() > 1
+
+
+def uncut_buffer_copies(before: nn.Module, after: nn.Module) -> list[tuple[str, str]]:
+    """``(buffer, parameter)`` of ``before`` where ``after`` (a copy of it a trial cut has pruned) changed the
+    parameter's shape and left the buffer, of that shape before the cut, as it was: a copy of the weights kept
+    as a buffer (an EMA updated by parameter name) that the cut does not follow. A buffer the cut shrinks with
+    its layer (a BatchNorm's running statistics) is not one; nor is one no cut parameter was shaped like."""
+    cut_params = dict(after.named_parameters())
+    cut_shapes: dict[tuple[int, ...], str] = {}
+    for name, parameter in before.named_parameters():
+        cut = cut_params.get(name)
+        if cut is not None and not is_lazy(parameter) and cut.shape != parameter.shape:
+            cut_shapes.setdefault(tuple(parameter.shape), name)
+    if not cut_shapes:
+        return []
+    cut_buffers = dict(after.named_buffers())
+    return [
+        (name, cut_shapes[tuple(buffer.shape)])
+        for name, buffer in before.named_buffers()
+        if _copy_like(buffer)
+        and tuple(buffer.shape) in cut_shapes
+        and name in cut_buffers
+        and cut_buffers[name].shape == buffer.shape
+    ]
+
+
+def weight_shaped_buffers(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, str]:
+    """``{buffer: layer}``: the floating buffers of ``model`` outside ``layers`` (a mask's own ``weight_mask``
+    is in its layer) shaped like the weight of one of them, ``layer``."""
+    shapes: dict[tuple[int, ...], str] = {}
+    for name, layer in layers.items():
+        weight = _weight(layer)
+        if weight is not None and not is_lazy(weight):
+            shapes.setdefault(tuple(weight.shape), name)
+    found = {}
+    for name, buffer in model.named_buffers():
+        owner = name.rpartition(".")[0]
+        if owner not in layers and _copy_like(buffer) and tuple(buffer.shape) in shapes:
+            found[name] = shapes[tuple(buffer.shape)]
+    return found
+
+
 def weight_shares(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, float]:
     """Each of ``layers``' share of the model's distinct parameter elements (its weight's)."""
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -24,7 +24,7 @@ import re
 import sys
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -211,15 +211,116 @@ def _move_parameter(module: nn.Module, name: str, position: int) -> None:
     module._parameters.update(items)
 
 
+class WriteKeepingMask(prune.CustomFromMask):
+    """torch's mask from a given tensor (``prune.custom_from_mask``) that keeps a write to the weight it computes.
+
+    torch's mask hook sets ``layer.weight = weight_orig * weight_mask`` before every forward, so a write to
+    ``layer.weight`` (a max-norm constraint ``layer.weight.data = torch.renorm(...)`` after the optimizer
+    step, a clamp under ``torch.no_grad()``) was overwritten at the next forward and lost with no word: a
+    held-out max-norm constraint of 0.5 ended at a row norm of 0.95. This hook remembers the tensor it set (a
+    weak reference, its storage pointer and version counter); when, at its next recompute (the layer's
+    forward, :func:`refresh_masked_weights`, an event, folding the mask), that same tensor has another storage
+    (a ``.data =`` assignment) or a newer version (an in-place write), the written values go into
+    ``weight_orig`` where the mask keeps them, then the weight is recomputed: pruned entries stay zero, and
+    the write holds as on an unpruned layer. Cost: a handful of Python operations per masked layer and
+    recompute, no pass over the weights unless one was written.
+
+    Not seen: an in-place write through ``.data`` (``layer.weight.data.clamp_(...)``: ``.data`` has a version
+    counter of its own), a write made between the backward and the optimizer step (it is carried over that
+    step's update), and writes inside a ``torch.compile``'d forward (the compiled hook recomputes as torch's
+    does). A pending write is dropped when a state dict is loaded into the model (:func:`fit_to_state_dict`)
+    or a rollback restores it (:func:`discard_written_weights`): the loaded state supersedes it.
+    """
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__(mask)
+        self._written_check: tuple[weakref.ref, int, int] | None = None
+
+    def __call__(self, module: nn.Module, inputs: Any) -> None:
+        if torch.compiler.is_compiling():  # a weak reference and a storage pointer have no place in a graph
+            setattr(module, self._tensor_name, self.apply_mask(module))
+            return
+        self.keep_written(module)
+        weight = self.apply_mask(module)
+        setattr(module, self._tensor_name, weight)
+        self.remember(weight)
+
+    def remember(self, weight: torch.Tensor) -> None:
+        """Take ``weight``, just set as the layer's computed weight, as the tensor a later write is seen in
+        (not one computed under ``torch.inference_mode``, which keeps no version counter: not written to)."""
+        inference = weight.is_inference()
+        self._written_check = None if inference else (weakref.ref(weight), weight.data_ptr(), weight._version)
+
+    def forget_written(self) -> None:
+        """Drop a write not yet kept (a load or a rollback restores the weights it was written over)."""
+        self._written_check = None
+
+    def keep_written(self, module: nn.Module) -> bool:
+        """Carry a write to the computed weight since it was set into ``weight_orig`` (where the mask keeps
+        entries); whether there was one."""
+        if self._written_check is None:
+            return False
+        reference, pointer, version = self._written_check
+        weight = module.__dict__.get(self._tensor_name)
+        if weight is None or reference() is not weight:  # replaced since (a copy, a fold): not a write to it
+            return False
+        if weight.data_ptr() == pointer and weight._version == version:
+            return False
+        original = module._parameters[self._tensor_name + "_orig"]
+        mask = module._buffers[self._tensor_name + "_mask"]
+        with torch.no_grad():
+            original.copy_(torch.where(mask != 0, weight.detach().to(original), original))
+        self._written_check = None
+        return True
+
+    def remove(self, module: nn.Module) -> None:
+        self.keep_written(module)  # folding computes the weight from `weight_orig` again
+        super().remove(module)
+
+    def __getstate__(self) -> dict[str, Any]:  # a weak reference neither pickles nor belongs to a copy
+        return {**self.__dict__, "_written_check": None}
+
+
+def mask_hook(module: nn.Module) -> prune.BasePruningMethod | None:
+    """The ``torch.nn.utils.prune`` hook that computes ``module.weight``, or ``None``."""
+    return next(
+        (
+            hook
+            for hook in module._forward_pre_hooks.values()
+            if isinstance(hook, prune.BasePruningMethod) and hook._tensor_name == "weight"
+        ),
+        None,
+    )
+
+
+def keep_written_weights(layers: Iterable[nn.Module]) -> None:
+    """Carry each write to a masked layer's computed weight into ``weight_orig`` now
+    (:meth:`WriteKeepingMask.keep_written`): before an event scores the weights."""
+    for layer in layers:
+        hook = mask_hook(layer)
+        if isinstance(hook, WriteKeepingMask):
+            hook.keep_written(layer)
+
+
+def discard_written_weights(model: nn.Module) -> None:
+    """Drop the writes to masked layers' computed weights not yet kept (:meth:`WriteKeepingMask.forget_written`):
+    a load or a rollback restored the weights they were written over. A pass over the modules."""
+    for _, hook in masked_weights(model):
+        if isinstance(hook, WriteKeepingMask):
+            hook.forget_written()
+
+
 def add_mask(module: nn.Module, mask: torch.Tensor | None = None) -> None:
-    """Put ``module.weight`` behind a mask (all ones by default), keeping the parameter's position."""
+    """Put ``module.weight`` behind a mask (all ones by default, a :class:`WriteKeepingMask`), keeping the
+    parameter's position."""
     if current_mask(module) is not None:
         return
     position = list(module._parameters).index("weight")
     weight = module.weight
     if mask is None:
         mask = torch.ones_like(weight)
-    prune.custom_from_mask(module, "weight", mask.to(device=weight.device, dtype=weight.dtype))
+    hook = WriteKeepingMask.apply(module, "weight", mask.to(device=weight.device, dtype=weight.dtype))
+    hook.remember(module.weight)
     _move_parameter(module, "weight_orig", position)
 
 
@@ -266,7 +367,7 @@ def apply_masks(layers: Mapping[str, nn.Module], masks: Mapping[str, torch.Tenso
             existing.copy_(mask.to(existing))
             # what the forward pre-hook would compute at the next call; set now so reports see it
             with torch.no_grad():
-                module.weight = module.weight_orig * module.weight_mask
+                _recompute(module)
 
 
 def current_parameter_name(name: str, names: Collection[str]) -> str:
@@ -339,11 +440,19 @@ def masked_weights(model: nn.Module) -> list[MaskedWeight]:
     ]
 
 
+def _recompute(module: nn.Module) -> None:
+    hook = mask_hook(module)
+    if hook is not None:
+        hook(module, ())
+    else:
+        module.weight = module.weight_orig * module.weight_mask
+
+
 def refresh_masked_weights(masked: Sequence[MaskedWeight], grad: bool) -> None:
     """Recompute each masked layer's weight (``weight_orig * weight_mask``) now, with a graph if ``grad``."""
     with torch.set_grad_enabled(grad):
         for module, hook in masked:
-            setattr(module, hook._tensor_name, hook.apply_mask(module))
+            hook(module, ())  # a WriteKeepingMask keeps a write to the weight first
 
 
 class MaskedWeightRefresh:
@@ -1095,7 +1204,8 @@ def check_structured(
     Returns why that is not safe (an error, a changed output shape, nothing that can be cut, chosen layers run
     with autograd off, where the trace cannot see them: :data:`REENTRANT_CHECKPOINT`, :data:`AUTOGRAD_OFF`;
     every channel group also cuts a layer the user froze: :data:`FROZEN_COUPLING`; nothing is left once the
-    layers the user froze are left out: :data:`FROZEN_LEFT_OUT`, :data:`FROZEN_AND_UNCUTTABLE`), or ``None``.
+    layers the user froze are left out: :data:`FROZEN_LEFT_OUT`, :data:`FROZEN_AND_UNCUTTABLE`; a buffer the
+    cut leaves shaped like a parameter it changes: :data:`UNCUT_BUFFER`), or ``None``.
     """
     reason, where = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example)
     if reason is not None and reason.startswith("tracing which channels"):
@@ -1193,9 +1303,21 @@ def _trial_cut(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         _for_the_value_check(duplicate)
         try:
-            return _dry_run(duplicate, trial, sparsities, example, inputs), None
+            reason = _dry_run(duplicate, trial, sparsities, example, inputs)
         except _CutFailed as failed:
             return failed.reason, failed.where
+    copies = prune_targets.uncut_buffer_copies(model, duplicate) if reason is None else []
+    if copies:
+        buffer, parameter = copies[0]
+        layer = parameter.rpartition(".")[0]
+        shape = tuple(model.get_buffer(buffer).shape)
+        others = len(copies) - 1
+        more = f" (and {others} more such buffer{'s' if others > 1 else ''})" if others else ""
+        reason = (
+            f"{UNCUT_BUFFER}: `{buffer}`{more} has the shape {shape} of `{parameter}`, which the cut changes "
+            f"(`exclude_pattern`={re.escape(layer)!r} leaves {layer} out)"
+        )
+    return reason, None
 
 
 #: how a trial cut that raised is reported (the refusal's reason starts with it)
@@ -1227,6 +1349,12 @@ UNTRACEABLE_OUTPUT = (
 )
 #: the reason for a trial cut that cut nothing
 NOTHING_TO_CUT = "no channel group of the selected layers can be cut safely"
+#: the start of the reason for a buffer shaped like a parameter the cut changes, which the cut leaves as it is
+UNCUT_BUFFER = (
+    "the model holds a buffer shaped like a parameter the cut changes, and the cut leaves the buffer as it is: "
+    "a copy of the weights kept as buffers (an EMA updated by parameter name) then no longer fits them, and the "
+    "first update after the first pruning event fails"
+)
 
 
 @contextmanager
@@ -1770,6 +1898,7 @@ class Pruner:
         if self.mode == "unstructured":
             # owners of one tied weight share the mask of the first of them
             primaries = selection.primaries
+            keep_written_weights(primaries.values())  # a write since the last forward counts in the ranking
             scores = {name: effective_weight(module).abs() for name, module in primaries.items()}
             previous = {name: current_mask(module) for name, module in primaries.items()}
             masks = unstructured_masks(scores, sparsity, self.ranking, previous)
@@ -1918,11 +2047,13 @@ def fit_to_state_dict(
     module, the run's (:attr:`Pruner.run_precision`); read under ``32-true`` and the mixed precisions only
     (an ``input_dtype`` of float32), whose plugins convert neither the module nor a batch. Otherwise the trace
     input follows the module's own dtype (:func:`inputs_for` without one): a true-precision plugin converts
-    the module only after Lightning restored it.
+    the module only after Lightning restored it. A write to a masked layer's computed weight not yet kept is
+    dropped (:func:`discard_written_weights`): the state loaded now supersedes it.
 
     Raises:
         RuntimeError: shapes differ and ``structure`` records no removals.
     """
+    discard_written_weights(module)  # the state loaded now supersedes a write to a computed weight before it
     keys = [key[len(prefix) :] for key in state_dict if key.startswith(prefix)]
     trace_precision = precision if precision is not None and precision.input_dtype == torch.float32 else None
     recorded = None
@@ -2050,6 +2181,8 @@ def load_pruned(
     structure = next((value for key, value in callbacks.items() if str(key).startswith(state_key)), None)
     fit_to_state_dict(module, checkpoint["state_dict"], structure=structure)
     module.load_state_dict(checkpoint["state_dict"])
+    # `layer.weight` shows the loaded weights before any forward (it held the fresh module's initial values)
+    refresh_masked_weights(masked_weights(module), grad=False)
     return module
 
 
