@@ -417,8 +417,9 @@ def refuse_structured(reason: str | None) -> None:
         "every shape), or keep the copy outside the module, in a callback that follows each cut "
         "(`on_pulse_parameters_replaced` is given the old and new parameters and the channels kept).",
         pruning.UNTRACEABLE_OUTPUT: "Have `forward` return tensors only (the logits or the loss); a Hugging "
-        "Face model returns its key/value cache unless `model.config.use_cache = False` (or "
-        "`use_cache=False` in the call). Or use mode='unstructured'.",
+        "Face model returns its key/value cache unless called with `use_cache=False` (or built with it in its "
+        "config: setting `model.config.use_cache` afterwards does not reach T5's decoder). Or use "
+        "mode='unstructured'.",
     }
     for cause, way_out in own_way_out.items():
         if reason is not None and reason.startswith(cause):
