@@ -670,9 +670,9 @@ def batches_fetched(trainer: pl.Trainer) -> int:
 
 
 def batch_in_flight(trainer: pl.Trainer, fetched: int) -> bool:
-    """Whether the batch fetched as the ``fetched``-th (:func:`batches_fetched`) is still in flight: fetched but
-    not processed (an exception inside ``training_step`` saved by ``OnExceptionCheckpoint``), so Lightning's
-    resume starts at it. Within ``on_train_batch_end`` the batch counts as processed."""
+    """Whether the batch fetched as the ``fetched``-th (:func:`batches_fetched`) is still in flight: fetched
+    but not processed (an exception inside ``training_step`` saved by ``OnExceptionCheckpoint``), so
+    Lightning's resume starts at it. Within ``on_train_batch_end`` the batch counts as processed."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     # the same batch (total.ready only grows within a fit); current's counts are reset on a restart
     return progress.total.ready == fetched and progress.current.processed < progress.current.ready

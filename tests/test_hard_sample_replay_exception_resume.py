@@ -1,10 +1,10 @@
-"""A steps-mode HardSampleReplay run resumed from the checkpoint ``OnExceptionCheckpoint`` saves when an exception
-hits inside ``training_step`` trains what the uninterrupted run trained.
+"""A steps-mode HardSampleReplay run resumed from the checkpoint ``OnExceptionCheckpoint`` saves when an
+exception hits inside ``training_step`` trains what the uninterrupted run trained.
 
-Held-out sweep: the batch in flight had been counted as trained when it was drawn (at the batch's start), so the
-checkpoint's data position skipped it although its step never ran; the resumed run trained every later batch one
-step early (final weights off by up to 0.066). Lightning's own batch progress counts that batch ``ready`` but
-not ``processed`` and resumes after the processed batches; the stream now does the same.
+Held-out sweep: the batch in flight had been counted as trained when it was drawn (at the batch's start), so
+the checkpoint's data position skipped it although its step never ran; the resumed run trained every later
+batch one step early (final weights off by up to 0.066). Lightning's own batch progress counts that batch
+``ready`` but not ``processed`` and resumes after the processed batches; the stream now does the same.
 """
 
 from __future__ import annotations
@@ -97,8 +97,9 @@ def test_a_resume_from_an_exception_checkpoint_trains_the_batch_in_flight_and_re
     _, crashed, _ = _fit(tmp_path, crash_step, where)
     assert crashed.global_step == crash_step
     checkpoint = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
-    # what Lightning resumes from: the batches processed in the epoch (an exception inside training_step leaves
-    # the batch in flight ready, not processed); the stream's saved position counts those batches, no more
+    # what Lightning resumes from: the batches processed in the epoch (an exception inside training_step
+    # leaves the batch in flight ready, not processed); the stream's saved position counts those batches, no
+    # more
     progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
     stream = next(v for k, v in checkpoint["callbacks"].items() if "HardSampleReplay" in k)["stream"]
     assert stream["batches"] == progress["processed"]
