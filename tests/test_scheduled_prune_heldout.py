@@ -273,6 +273,15 @@ def test_a_buffer_the_cut_shrinks_with_its_layer_or_shaped_like_no_cut_parameter
         pruning.check_structured(model.eval(), pruning.Pruner("structured"), [0.25, 0.5], torch.randn(4, 8))
         is None
     )
+    # review: a table or a mask of a cut weight's shape (a sinusoidal positional table (256, 64) next to a
+    # feed-forward Linear(64, 256)) was refused as a copy; only a buffer holding the weight's values is one
+    positions = torch.arange(16.0)[:, None] * torch.exp(-torch.arange(0, 8, 2.0) / 8)[None, :]
+    model.register_buffer("table", torch.cat([positions.sin(), positions.cos()], dim=1))  # (16, 8)
+    model.register_buffer("causal", torch.ones(16, 8).tril())
+    assert (
+        pruning.check_structured(model.eval(), pruning.Pruner("structured"), [0.25, 0.5], torch.randn(4, 8))
+        is None
+    )
     model.register_buffer("frozen_first", model[0].weight.detach().clone())
     reason = pruning.check_structured(model, pruning.Pruner("structured"), [0.25, 0.5], torch.randn(4, 8))
     assert reason.startswith(f"{pruning.UNCUT_BUFFER}: `frozen_first` has the shape (16, 8) of `0.weight`")
@@ -358,9 +367,14 @@ def test_write_keeping_mask_carries_data_assignments_and_no_grad_writes_and_noth
     layer.load_state_dict({"weight_orig": before, "weight_mask": layer.weight_mask, "bias": layer.bias})
     layer(torch.randn(2, 4))
     assert torch.equal(layer.weight_orig, before)
-    copied = pruning.copy_without_hooks(
-        layer
-    )  # a copy neither carries the original's record nor fails to pickle
+    # review: a plain load_state_dict (an EMA or best-weights callback swapping weights in) after a write: the
+    # write was carried over the loaded weights at the next forward
+    layer.weight.data = torch.zeros(3, 4)
+    layer.load_state_dict({"weight_orig": before, "weight_mask": layer.weight_mask, "bias": layer.bias})
+    layer(torch.randn(2, 4))
+    assert torch.equal(layer.weight_orig, before)
+    # a copy neither carries the original's record nor fails to pickle
+    copied = pruning.copy_without_hooks(layer)
     assert copied._forward_pre_hooks and all(
         hook._written_check is None for hook in copied._forward_pre_hooks.values()
     )

@@ -279,7 +279,6 @@ class PruneEvents:
                     pruning.mask_zeros(layer)
                 else:
                     mask.fill_(1)
-        pruning.discard_written_weights(
-            model
-        )  # a write to a computed weight before the rollback is undone too
+        # a write to a computed weight before the rollback is undone too
+        pruning.discard_written_weights(model)
         self.masks.refresh(model, grad=False)

@@ -278,42 +278,63 @@ def _copy_like(buffer: torch.Tensor) -> bool:
 
 def uncut_buffer_copies(before: nn.Module, after: nn.Module) -> list[tuple[str, str]]:
     """``(buffer, parameter)`` of ``before`` where ``after`` (a copy of it a trial cut has pruned) changed the
-    parameter's shape and left the buffer, of that shape before the cut, as it was: a copy of the weights kept
-    as a buffer (an EMA updated by parameter name) that the cut does not follow. A buffer the cut shrinks with
-    its layer (a BatchNorm's running statistics) is not one; nor is one no cut parameter was shaped like."""
+    parameter's shape and left the buffer, of that shape before the cut and holding a copy of its values
+    (:func:`holds_a_copy`), as it was: a copy of the weights kept as a buffer (an EMA updated by parameter
+    name) that the cut does not follow. A buffer the cut shrinks with its layer (a BatchNorm's running
+    statistics) is not one; nor is one of a cut parameter's shape that holds other values (a positional
+    table, a mask)."""
     cut_params = dict(after.named_parameters())
-    cut_shapes: dict[tuple[int, ...], str] = {}
+    cut_shapes: dict[tuple[int, ...], list[tuple[str, torch.Tensor]]] = {}
     for name, parameter in before.named_parameters():
         cut = cut_params.get(name)
         if cut is not None and not is_lazy(parameter) and cut.shape != parameter.shape:
-            cut_shapes.setdefault(tuple(parameter.shape), name)
+            cut_shapes.setdefault(tuple(parameter.shape), []).append((name, parameter))
     if not cut_shapes:
         return []
     cut_buffers = dict(after.named_buffers())
-    return [
-        (name, cut_shapes[tuple(buffer.shape)])
-        for name, buffer in before.named_buffers()
-        if _copy_like(buffer)
-        and tuple(buffer.shape) in cut_shapes
-        and name in cut_buffers
-        and cut_buffers[name].shape == buffer.shape
-    ]
+    found = []
+    for name, buffer in before.named_buffers():
+        if not _copy_like(buffer) or name not in cut_buffers or cut_buffers[name].shape != buffer.shape:
+            continue
+        copied = next(
+            (p_name for p_name, p in cut_shapes.get(tuple(buffer.shape), []) if holds_a_copy(buffer, p)), None
+        )
+        if copied is not None:
+            found.append((name, copied))
+    return found
 
 
 def weight_shaped_buffers(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, str]:
     """``{buffer: layer}``: the floating buffers of ``model`` outside ``layers`` (a mask's own ``weight_mask``
-    is in its layer) shaped like the weight of one of them, ``layer``."""
-    shapes: dict[tuple[int, ...], str] = {}
+    is in its layer) that hold a copy (:func:`holds_a_copy`) of the weight of one of them, ``layer``."""
+    shapes: dict[tuple[int, ...], list[tuple[str, torch.Tensor]]] = {}
     for name, layer in layers.items():
         weight = _weight(layer)
         if weight is not None and not is_lazy(weight):
-            shapes.setdefault(tuple(weight.shape), name)
+            shapes.setdefault(tuple(weight.shape), []).append((name, weight))
     found = {}
     for name, buffer in model.named_buffers():
         owner = name.rpartition(".")[0]
-        if owner not in layers and _copy_like(buffer) and tuple(buffer.shape) in shapes:
-            found[name] = shapes[tuple(buffer.shape)]
+        if owner in layers or not _copy_like(buffer):
+            continue
+        copied = next(
+            (layer for layer, w in shapes.get(tuple(buffer.shape), []) if holds_a_copy(buffer, w)), None
+        )
+        if copied is not None:
+            found[name] = copied
     return found
+
+
+def holds_a_copy(buffer: torch.Tensor, parameter: torch.Tensor) -> bool:
+    """Whether ``buffer`` holds a copy of ``parameter``'s values, or values that follow them (an EMA, a frozen
+    copy taken at some step): their cosine similarity is above 0.5. A table or a mask of the same shape (a
+    sinusoidal positional table, a causal mask) is near 0 against trained or initial weights, and is not a
+    copy. Not seen: a copy that starts from zeros and has not moved yet."""
+    with torch.no_grad():
+        a, b = buffer.detach().flatten().float(), parameter.detach().flatten().float().to(buffer.device)
+        if a.numel() != b.numel() or a.numel() == 0:
+            return False
+        return float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.5
 
 
 def weight_shares(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, float]:

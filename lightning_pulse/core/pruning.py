@@ -251,6 +251,10 @@ class WriteKeepingMask(prune.CustomFromMask):
         inference = weight.is_inference()
         self._written_check = None if inference else (weakref.ref(weight), weight.data_ptr(), weight._version)
 
+    def forget_on_load(self, module: nn.Module, *args: Any) -> None:
+        """A ``load_state_dict`` pre-hook: the loaded weights supersede a write not yet kept."""
+        self._written_check = None
+
     def forget_written(self) -> None:
         """Drop a write not yet kept (a load or a rollback restores the weights it was written over)."""
         self._written_check = None
@@ -321,6 +325,7 @@ def add_mask(module: nn.Module, mask: torch.Tensor | None = None) -> None:
         mask = torch.ones_like(weight)
     hook = WriteKeepingMask.apply(module, "weight", mask.to(device=weight.device, dtype=weight.dtype))
     hook.remember(module.weight)
+    module.register_load_state_dict_pre_hook(hook.forget_on_load)  # a load supersedes a pending write
     _move_parameter(module, "weight_orig", position)
 
 
