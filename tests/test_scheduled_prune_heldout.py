@@ -6,6 +6,7 @@ buffers; in unstructured mode a max-norm constraint written to ``layer.weight``,
 
 from __future__ import annotations
 
+import io
 import pickle
 
 import lightning.pytorch as pl
@@ -384,6 +385,22 @@ def test_write_keeping_mask_carries_data_assignments_and_no_grad_writes_and_noth
     layer.weight.data = torch.full((3, 4), 0.25)  # folding the mask keeps a last write
     pruning.make_masks_permanent(layer)
     assert torch.equal(layer.weight, torch.where(mask, 0.25, 0.0))
+
+
+def test_a_folded_layer_keeps_no_hook_of_ours_and_a_masked_one_one_load_hook_however_often_masked():
+    # review: the load pre-hook outlived the fold, held the old mask, grew by one per fold and re-mask, and
+    # made `torch.save(model)` of the folded model need lightning_pulse to load
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    for _ in range(3):
+        for layer in (model[0], model[2]):
+            pruning.add_mask(layer, (torch.rand_like(layer.weight) > 0.5).float())
+        assert [len(layer._load_state_dict_pre_hooks) for layer in (model[0], model[2])] == [1, 1]
+        model(torch.randn(2, 16))
+        pruning.make_masks_permanent(model)
+        assert [len(layer._load_state_dict_pre_hooks) for layer in (model[0], model[2])] == [0, 0]
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    assert b"lightning_pulse" not in saved.getvalue()
 
 
 def test_load_pruned_leaves_weight_equal_to_the_masked_loaded_weights_before_any_forward(tmp_path):

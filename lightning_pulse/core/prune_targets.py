@@ -329,7 +329,10 @@ def holds_a_copy(buffer: torch.Tensor, parameter: torch.Tensor) -> bool:
     """Whether ``buffer`` holds a copy of ``parameter``'s values, or values that follow them (an EMA, a frozen
     copy taken at some step): their cosine similarity is above 0.5. A table or a mask of the same shape (a
     sinusoidal positional table, a causal mask) is near 0 against trained or initial weights, and is not a
-    copy. Not seen: a copy that starts from zeros and has not moved yet."""
+    copy. Not seen: a copy that starts from zeros and has not moved yet, or one that has drifted far from the
+    weights (a frozen copy of the initial weights after long training: a review measured 0.25)."""
+    if is_lazy(buffer) or is_lazy(parameter) or buffer.is_meta or parameter.is_meta:
+        return False
     with torch.no_grad():
         a, b = buffer.detach().flatten().float(), parameter.detach().flatten().float().to(buffer.device)
         if a.numel() != b.numel() or a.numel() == 0:

@@ -228,8 +228,9 @@ class WriteKeepingMask(prune.CustomFromMask):
     Not seen: an in-place write through ``.data`` (``layer.weight.data.clamp_(...)``: ``.data`` has a version
     counter of its own), a write made between the backward and the optimizer step (it is carried over that
     step's update), and writes inside a ``torch.compile``'d forward (the compiled hook recomputes as torch's
-    does). A pending write is dropped when a state dict is loaded into the model (:func:`fit_to_state_dict`)
-    or a rollback restores it (:func:`discard_written_weights`): the loaded state supersedes it.
+    does). A pending write is dropped when a state dict is loaded into the layer (``load_state_dict``, also
+    through :func:`fit_to_state_dict`) or a rollback restores it (:func:`discard_written_weights`): the loaded
+    state supersedes it.
     """
 
     def __init__(self, mask: torch.Tensor) -> None:
@@ -250,10 +251,6 @@ class WriteKeepingMask(prune.CustomFromMask):
         (not one computed under ``torch.inference_mode``, which keeps no version counter: not written to)."""
         inference = weight.is_inference()
         self._written_check = None if inference else (weakref.ref(weight), weight.data_ptr(), weight._version)
-
-    def forget_on_load(self, module: nn.Module, *args: Any) -> None:
-        """A ``load_state_dict`` pre-hook: the loaded weights supersede a write not yet kept."""
-        self._written_check = None
 
     def forget_written(self) -> None:
         """Drop a write not yet kept (a load or a rollback restores the weights it was written over)."""
@@ -280,9 +277,28 @@ class WriteKeepingMask(prune.CustomFromMask):
     def remove(self, module: nn.Module) -> None:
         self.keep_written(module)  # folding computes the weight from `weight_orig` again
         super().remove(module)
+        # a folded layer is plain torch again: no hook of ours is left to pickle with it
+        for key in _forget_pending_write_hooks(module):
+            del module._load_state_dict_pre_hooks[key]
 
     def __getstate__(self) -> dict[str, Any]:  # a weak reference neither pickles nor belongs to a copy
         return {**self.__dict__, "_written_check": None}
+
+
+def _forget_pending_write(module: nn.Module, *args: Any) -> None:
+    """A masked layer's ``load_state_dict`` pre-hook: the loaded weights supersede a write to its computed weight
+    not yet kept (a plain ``load_state_dict``, as an EMA or best-weights callback does). It holds no mask."""
+    hook = mask_hook(module)
+    if isinstance(hook, WriteKeepingMask):
+        hook.forget_written()
+
+
+def _forget_pending_write_hooks(module: nn.Module) -> list[int]:
+    return [
+        key
+        for key, wrapped in module._load_state_dict_pre_hooks.items()
+        if getattr(wrapped, "hook", None) is _forget_pending_write
+    ]
 
 
 def mask_hook(module: nn.Module) -> prune.BasePruningMethod | None:
@@ -325,7 +341,8 @@ def add_mask(module: nn.Module, mask: torch.Tensor | None = None) -> None:
         mask = torch.ones_like(weight)
     hook = WriteKeepingMask.apply(module, "weight", mask.to(device=weight.device, dtype=weight.dtype))
     hook.remember(module.weight)
-    module.register_load_state_dict_pre_hook(hook.forget_on_load)  # a load supersedes a pending write
+    if not _forget_pending_write_hooks(module):  # once a layer, however often it is masked again
+        module.register_load_state_dict_pre_hook(_forget_pending_write)  # a load supersedes a pending write
     _move_parameter(module, "weight_orig", position)
 
 
