@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -94,6 +95,15 @@ class _TinyQwen2(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+def _structured_refusal(module: pl.LightningModule, data: Any) -> tuple[str, list, pl.Trainer]:
+    """The refusal a structured ScheduledPrune fit of ``module`` raises, the training steps it ran, the trainer."""
+    calls = _count_training_steps(module)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[_prune(mode="structured")]))
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(module, data)
+    return str(refusal.value), calls, trainer
+
+
 def _token_dicts():
     ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
     return torch.utils.data.DataLoader([{"input_ids": row} for row in ids], batch_size=8)
@@ -103,11 +113,7 @@ def test_an_output_holding_a_key_value_cache_is_refused_naming_it_and_use_cache_
     # held-out sweep: the refusal quoted "'tuple' object has no attribute 'grad_fn'" and blamed model.lm_head,
     # a layer the callback had left out, with an `exclude_pattern` that could not help
     module = _TinyQwen2(use_cache=True)
-    calls = _count_training_steps(module)
-    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[_prune(mode="structured")]))
-    with pytest.raises(PulseRefusal) as refusal:
-        trainer.fit(module, _token_dicts())
-    message = str(refusal.value)
+    message, calls, trainer = _structured_refusal(module, _token_dicts())
     assert message.startswith(
         f"ScheduledPrune: structured pruning cannot run on this model: {UNTRACEABLE_OUTPUT}"
     )
@@ -248,11 +254,7 @@ def test_structured_mode_refuses_a_copy_of_the_weights_kept_as_buffers_naming_it
     # held-out sweep: the cut shrank net.0 and not its EMA buffers: "size of tensor a (32) must match the size
     # of tensor b (16)" at step 28 of 40
     module = _EMABuffers()
-    calls = _count_training_steps(module)
-    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[_prune(mode="structured")]))
-    with pytest.raises(PulseRefusal) as refusal:
-        trainer.fit(module, _three_classes())
-    message = str(refusal.value)
+    message, calls, trainer = _structured_refusal(module, _three_classes())
     assert message.startswith(
         f"ScheduledPrune: structured pruning cannot run on this model: {pruning.UNCUT_BUFFER}: `ema_0_weight` "
         "(and 1 more such buffer) has the shape (32, 8) of `net.0.weight`, which the cut changes"
