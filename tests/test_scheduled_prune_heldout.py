@@ -96,7 +96,8 @@ class _TinyQwen2(pl.LightningModule):
 
 
 def _structured_refusal(module: pl.LightningModule, data: Any) -> tuple[str, list, pl.Trainer]:
-    """The refusal a structured ScheduledPrune fit of ``module`` raises, the training steps it ran, the trainer."""
+    """The refusal a structured ScheduledPrune fit of ``module`` raises, the training steps it ran, and the
+    trainer."""
     calls = _count_training_steps(module)
     trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[_prune(mode="structured")]))
     with pytest.raises(PulseRefusal) as refusal:
@@ -227,7 +228,8 @@ def test_what_in_an_output_the_trace_cannot_follow_is_named_with_where_it_is():
 # ---------------------------------------------------------------------------------------------- copies kept
 # as buffers
 class _EMABuffers(pl.LightningModule):
-    """A held-out sweep's module: an EMA of every parameter kept as a buffer named after it, updated by name."""
+    """A held-out sweep's module: an EMA of every parameter kept as a buffer named after it, updated by
+    name."""
 
     def __init__(self) -> None:
         super().__init__()
