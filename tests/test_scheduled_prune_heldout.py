@@ -24,8 +24,7 @@ from tests.conftest import trainer_kwargs
 from tests.test_real_models_scheduled_prune import STEPS, _count_training_steps, _fit, _prune
 
 
-# ----------------------------------------------------------------------------------------------
-# forward(**inputs)
+# ---------------------------------------------------------------------------------------- forward(**inputs)
 class _AnyKeywords(nn.Module):
     def forward(self, **inputs):
         return inputs
@@ -63,8 +62,7 @@ def test_the_usual_hf_wrapper_forward_of_keywords_is_traced_from_the_dict_batch_
     assert set(prune.pruner.example_inputs) == {"input_ids", "attention_mask", "labels"}
 
 
-# ---------------------------------------------------------------------------------------------- an output
-# cache
+# ------------------------------------------------------------------------------------------ an output cache
 class _TinyQwen2(pl.LightningModule):
     """Hugging Face Qwen2 (tied embeddings) from a config; its forward returns the model's whole output."""
 
@@ -225,8 +223,7 @@ def test_what_in_an_output_the_trace_cannot_follow_is_named_with_where_it_is():
     assert prune_targets.untraceable_output({"cache": object()}) == "an object at `output.cache`"
 
 
-# ---------------------------------------------------------------------------------------------- copies kept
-# as buffers
+# ----------------------------------------------------------------------------------- copies kept as buffers
 class _EMABuffers(pl.LightningModule):
     """A held-out sweep's module: an EMA of every parameter kept as a buffer named after it, updated by
     name."""
@@ -311,8 +308,7 @@ def test_unstructured_mode_warns_at_fit_start_of_buffers_shaped_like_a_weight_to
     assert prune_targets.weight_shaped_buffers(plain, layers) == {}
 
 
-# ---------------------------------------------------------------------------------------------- writes to a
-# masked weight
+# -------------------------------------------------------------------------------- writes to a masked weight
 class _MaxNorm(pl.LightningModule):
     """A held-out sweep's max-norm constraint, written the usual way after every optimizer step."""
 

@@ -1003,17 +1003,8 @@ def _rows_sum_over_the_batch(tensor: Tensor, batch_size: int, depth: int = 4) ->
     """Whether ``tensor``'s rows come, through element-wise nodes, from a 2-D matrix product whose first
     operand is a transposed ``(B, D)`` activation (``z1.T @ z2``): the product sums over the batch's rows,
     and its rows are ``z1``'s features. A weight transposed (``W.T @ h``) is not the batch's."""
-    node = tensor.grad_fn
-    for _ in range(depth):
-        if node is None:
-            return False
-        name = type(node).__name__
-        if name == "MmBackward0":
-            break
-        if name not in _ROW_KEEPING:
-            return False
-        node = next((child for child, _ in node.next_functions if child is not None), None)
-    else:
+    node = _through_views(tensor.grad_fn, depth - 1, through=_ROW_KEEPING)
+    if node is None or type(node).__name__ != "MmBackward0":
         return False
     operand = node.next_functions[0][0]
     if operand is None or not _transposes_a_matrix(operand):
@@ -1168,19 +1159,23 @@ def _rows_picked_by_index(tensor: Tensor, depth: int = 4) -> str | None:
     node = _through_views(tensor.grad_fn, depth)
     if node is None or type(node).__name__ not in _ROW_PICKS:
         return None
-    source = _through_views(
-        next((parent for parent, _ in node.next_functions if parent is not None), None), depth
-    )
+    source = _through_views(_first_input(node), depth)
     return "parameter" if isinstance(getattr(source, "variable", None), torch.nn.Parameter) else "batch"
 
 
-def _through_views(node: Any, depth: int) -> Any:
-    """The first autograd node from ``node`` on that is not a view or a cast (at most ``depth`` steps)."""
+def _through_views(node: Any, depth: int, through: frozenset[str] = _PASS_THROUGH) -> Any:
+    """The first autograd node from ``node`` on that is not one of ``through`` (views and casts), following
+    each node's first input (at most ``depth`` steps)."""
     for _ in range(depth):
-        if node is None or type(node).__name__ not in _PASS_THROUGH:
+        if node is None or type(node).__name__ not in through:
             return node
-        node = next((parent for parent, _ in node.next_functions if parent is not None), None)
+        node = _first_input(node)
     return node
+
+
+def _first_input(node: Any) -> Any:
+    """The autograd node of ``node``'s first input that has one, or ``None``."""
+    return next((parent for parent, _ in node.next_functions if parent is not None), None)
 
 
 def _largest_input(arguments: dict[str, Any]) -> int:
