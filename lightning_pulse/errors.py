@@ -34,6 +34,15 @@ class PulseRefusal(MisconfigurationException):
     """
 
 
+class StabilityGuardError(RuntimeError):
+    """Raised by :class:`~lightning_pulse.StabilityGuard` when rollbacks no longer help; a checkpoint was saved
+    first, at ``checkpoint_path``."""
+
+    def __init__(self, message: str, checkpoint_path: str) -> None:
+        super().__init__(message)
+        self.checkpoint_path = checkpoint_path
+
+
 @contextmanager
 def refusing(callback: str) -> Iterator[None]:
     """Turn a ``ValueError`` raised inside the block by a plain-Python check (a clock, a schedule, a span given

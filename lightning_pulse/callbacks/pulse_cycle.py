@@ -27,12 +27,8 @@ from lightning_pulse.protocols import PhaseListener, PhaseStartListener, listene
 
 def pulse_cycle_of(trainer: pl.Trainer | None) -> PulseCycle | None:
     """The :class:`PulseCycle` attached to ``trainer``, or ``None``."""
-    if trainer is None:
-        return None
-    for callback in trainer.callbacks:
-        if isinstance(callback, PulseCycle):
-            return callback
-    return None
+    callbacks = trainer.callbacks if trainer is not None else ()
+    return next((callback for callback in callbacks if isinstance(callback, PulseCycle)), None)
 
 
 def refuse_unreachable_phases(owner: str, phases: Sequence[Any], trainer: pl.Trainer) -> None:
@@ -165,8 +161,7 @@ class PulseCycle(Callback):
         self.clock = PhaseClock(durations, order=list(order), warmup=warmup, anneal=anneal)
         self.budget = check_cycle_options(maintain_eval, probe_batches, budget, durations, list(order))
         self.plan: StepPlan | None = None  # set by a step-saving HardSampleReplay at fit start
-        self.maintain_eval = maintain_eval
-        self.probe_batches = probe_batches
+        self.maintain_eval, self.probe_batches = maintain_eval, probe_batches
         self._held = compat.CollectiveHold()
         self.timer = StepTimer(time_source)  # the optimizer steps and seconds the clock advances by
         self._listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
@@ -292,12 +287,7 @@ class PulseCycle(Callback):
         if self.clock.uses_wall_clock and trainer.world_size > 1:
             # rank 0's clock decides, so every rank switches at the same step
             seconds = self._rank_zero_seconds(trainer, pl_module, seconds)
-        changes = self.clock.advance(
-            steps=steps,
-            seconds=seconds,
-            steps_per_epoch=self._epoch_steps,
-            total_steps=self._total_steps,
-        )
+        changes = self.clock.advance(steps, seconds, self._epoch_steps, self._total_steps)
         if global_step % max(trainer.log_every_n_steps, 1) == 0 and trainer.loggers:
             log_to_loggers(trainer, {"pulse/phase": self.clock.phase.code, "pulse/cycle": self.clock.cycle})
         for change in changes:

@@ -136,7 +136,6 @@ class ScheduledPrune(Callback):
         warn, info = partial(rank_zero_warn, stacklevel=5), partial(rank_zero_info, stacklevel=5)
         self.core = PruneEvents(self.schedule, self.pruner, self.distill, warn, info)
         self._window, self._masks = self.core.window, self.core.masks
-
         self.probe = HeldOutProbe("ScheduledPrune", probe_batches, "accuracy at events is off")
         self._trainer_ref: Callable[[], pl.Trainer | None] = _no_trainer  # picklable, for ddp_spawn
         self._restored_frozen: frozenset[str] | None = None  # the frozen set a restored checkpoint read

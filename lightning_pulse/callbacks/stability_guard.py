@@ -21,6 +21,7 @@ from lightning_pulse.core.spike_detection import Verdict
 from lightning_pulse.core.stability_policy import Action, StabilityGuardConfig, StepChanges, StepEnergy
 from lightning_pulse.errors import (
     OneRunPerInstance,
+    StabilityGuardError,
     names_itself,
     refuse_sharded_strategy,
     refuse_uninitialized_parameters,
@@ -31,14 +32,6 @@ from lightning_pulse.probe import losses_at, training_losses
 from lightning_pulse.protocols import rollback_states, tell_restored_phase
 
 __all__ = ["StabilityGuard", "StabilityGuardConfig", "StabilityGuardError"]
-
-
-class StabilityGuardError(RuntimeError):
-    """Raised by :class:`StabilityGuard` when rollbacks no longer help; a checkpoint was saved first."""
-
-    def __init__(self, message: str, checkpoint_path: str) -> None:
-        super().__init__(message)
-        self.checkpoint_path = checkpoint_path
 
 
 def _warn_here(message: str) -> None:
