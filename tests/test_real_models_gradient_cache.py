@@ -572,3 +572,65 @@ def test_hf_gradient_checkpointing_keeps_only_the_embeddings_in_the_activation_c
     assert list(cache.activations.uncached) == ["model.model.layers.0.input_layernorm"]
     assert "model.model.embed_tokens.weight" in watch.frozen() and not watch.changed_while_frozen()
     assert watch.changed_after(12) - watch.frozen()  # the rest keeps learning
+
+
+class TinyWav2Vec2CTC(pl.LightningModule):
+    """Hugging Face's wav2vec2 for CTC from a small config, trained on variable-length tones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+        config = Wav2Vec2Config(
+            vocab_size=12, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            conv_dim=(16, 16), conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=2, pad_token_id=0, mask_time_prob=0.0, layerdrop=0.0,
+        )  # fmt: skip
+        self.model = Wav2Vec2ForCTC(config)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def tones(count: int = 48) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    items = []
+    for _ in range(count):
+        length, labels = int(torch.randint(400, 800, (1,), generator=generator)), torch.randint(1, 12, (4,))
+        audio = torch.sin(torch.arange(length) * 0.05 * labels.repeat_interleave(length // 4 + 1)[:length])
+        items.append(
+            {"input_values": audio + 0.3 * torch.randn(length, generator=generator), "labels": labels}
+        )
+    return items
+
+
+def pad_audio(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    length = max(len(item["input_values"]) for item in items)
+    audio, mask = torch.zeros(len(items), length), torch.zeros(len(items), length, dtype=torch.long)
+    for row, item in enumerate(items):
+        audio[row, : len(item["input_values"])], mask[row, : len(item["input_values"])] = (
+            item["input_values"],
+            1,
+        )
+    return {
+        "input_values": audio,
+        "attention_mask": mask,
+        "labels": torch.stack([i["labels"] for i in items]),
+    }
+
+
+def test_wav2vec2_feature_encoder_is_not_replayed_and_the_warning_names_freeze_feature_encoder():
+    """Held-out sweep: wav2vec2's feature encoder sets ``requires_grad`` on its own output while training
+    (until ``freeze_feature_encoder()``), so the activation cache cannot replay it once frozen; the warning
+    blamed gradient checkpointing, PEFT or an input-gradient penalty, none of them in play, and named no way
+    out."""
+    cache = GradientCache(check_every=5, freeze_for=10, threshold=1.0, start_at=5, activation_cache_mb=8)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=20, callbacks=[cache]))
+    loader = DataLoader(tones(), batch_size=8, shuffle=True, collate_fn=pad_audio)
+    with pytest.warns(UserWarning, match=r"`model\.wav2vec2\.feature_extractor`.*freeze_feature_encoder\(\)"):
+        trainer.fit(TinyWav2Vec2CTC(), loader)
+    assert trainer.global_step == 20
+    assert "model.wav2vec2.feature_extractor" in cache.activations.uncached

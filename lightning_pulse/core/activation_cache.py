@@ -120,9 +120,11 @@ UNMATCHED_BATCHES_TO_SWITCH_OFF = 8
 # into the module's input would be lost.
 NEEDS_GRADIENT = (
     "its output requires grad or it reads a tensor that does (transformers 5's gradient checkpointing, and "
-    "PEFT on 4.x, makes the input embeddings' output require grad; so does an input-gradient penalty), and a "
-    "replayed output carries no gradient: an activation checkpoint around it would recompute it for real in "
-    "backward and fail, and a gradient into its input would be lost"
+    "PEFT on 4.x, makes the input embeddings' output require grad; so does an input-gradient penalty, and "
+    "wav2vec2's feature encoder sets it on its own output until the model's `freeze_feature_encoder()` is "
+    "called, which also saves the backward through it), and a replayed output carries no gradient: an "
+    "activation checkpoint around it would recompute it for real in backward and fail, and a gradient into its "
+    "input would be lost"
 )
 
 
