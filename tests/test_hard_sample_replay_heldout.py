@@ -266,3 +266,69 @@ def test_a_barlow_twins_loss_whose_feature_count_is_b_is_refused_at_the_first_st
     torch.manual_seed(0)
     with pytest.raises(PulseRefusal, match="features, not samples"):
         _fit(_Barlow(), TensorDataset(torch.rand(4 * B, 12)))
+
+
+class _ReplacedTokenDetector(pl.LightningModule):
+    """ELECTRA's discriminator (a tiny ``ElectraForPreTraining`` from its config): its loss inside the model
+    is ``binary_cross_entropy_with_logits`` on the rows its attention mask picks (``loss="inside"``); or the
+    way out the refusal names, the same loss on all rows, unreduced and averaged over the mask
+    (``"masked_mean"``), which keeps each sample's score in ``self.scores``."""
+
+    def __init__(self, loss: str) -> None:
+        from transformers import ElectraConfig, ElectraForPreTraining
+
+        super().__init__()
+        config = ElectraConfig(
+            vocab_size=30, embedding_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=12, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        self.model, self.loss, self.scores = ElectraForPreTraining(config), loss, []
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        if self.loss == "inside":
+            return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        logits = self.model(input_ids=ids, attention_mask=mask).logits
+        losses = F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none")
+        self.scores.append(((losses * mask).sum(1) / mask.sum(1)).detach())
+        return (losses * mask).sum() / mask.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _replaced_tokens() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 30, (4 * B, 12), generator=generator)
+    lengths = torch.randint(4, 13, (4 * B,), generator=generator)
+    mask = (torch.arange(12) < lengths[:, None]).long()
+    labels = (torch.rand(4 * B, 12, generator=generator) < 0.3).long()
+    return TensorDataset(ids * mask, mask, labels)
+
+
+def test_a_masked_loss_without_ignore_index_is_refused_naming_a_way_out_it_has():
+    # held-out sweep (twenty-third pass): ELECTRA with an attention mask was refused (its rows are picked by
+    # the mask) pointing at `ignore_index`, which binary_cross_entropy_with_logits has not
+    torch.manual_seed(0)
+    with pytest.raises(PulseRefusal) as refusal:
+        _fit(_ReplacedTokenDetector("inside"), _replaced_tokens())
+    message = str(refusal.value)
+    assert "binary_cross_entropy_with_logits" in message and "picked by an index or a mask" in message
+    assert "ignore_index" not in message
+    assert "`reduction='none'` and average it over the mask, `(loss * mask).sum() / mask.sum()`" in message
+    # the way out trains, and each sample's score is its loss over its own tokens
+    torch.manual_seed(0)
+    module = _ReplacedTokenDetector("masked_mean")
+    replay = _fit(module, _replaced_tokens())
+    scores = replay.table.scores[: 2 * B]
+    assert torch.allclose(torch.as_tensor(scores).float(), torch.cat(module.scores), rtol=1e-5)
+
+
+def test_a_masked_loss_with_ignore_index_still_names_it():
+    logits = torch.randn(B, 5, 7, requires_grad=True)  # a picking is read from the graph
+    labels, mask = torch.randint(0, 7, (B, 5)), torch.rand(B, 5) < 0.5
+    with LossCapture(batch_size=B) as capture:
+        F.cross_entropy(logits[mask], labels[mask])
+    assert "compute it on all rows with `ignore_index` for the unlabelled ones" in capture.describe()
+    assert "reduction='none'" not in capture.describe()

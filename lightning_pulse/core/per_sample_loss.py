@@ -896,7 +896,7 @@ class LossCapture:
                 record.why_not = (
                     f"its {record.shape[0]} input rows were picked by an index or a mask (as "
                     "`logits[mask]` picks labelled tokens), so how many belong to each sample cannot be "
-                    "known; compute it on all rows with `ignore_index` for the unlabelled ones"
+                    f"known; {_all_rows_way_out(record.name)}"
                 )
             else:
                 record.why_not = (
@@ -1149,6 +1149,24 @@ _ROW_MOVES = _ROW_PICKS | {
 _PASS_THROUGH = frozenset(
     {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ToCopyBackward0", "CloneBackward0"}
 )
+
+
+#: the captured losses with an ``ignore_index`` argument: a label that leaves its row out of the loss
+_WITH_IGNORE_INDEX = frozenset({"cross_entropy", "nll_loss"})
+
+
+def _all_rows_way_out(name: str) -> str:
+    """How to compute loss ``name`` on all of the batch's rows instead of those a mask picks: with
+    ``ignore_index`` where it has one; else unreduced and averaged over the mask, whose zeros the capture
+    reads from the gradient and leaves out of each sample's score (``binary_cross_entropy_with_logits``,
+    ELECTRA's loss over its attention mask, has no ``ignore_index``)."""
+    where = "(for a model that computes its loss inside, in `training_step` from its logits)"
+    if name in _WITH_IGNORE_INDEX:
+        return f"compute it on all rows with `ignore_index` for the unlabelled ones {where}"
+    return (
+        f"compute it on all rows with `reduction='none'` and average it over the mask, "
+        f"`(loss * mask).sum() / mask.sum()` {where}"
+    )
 
 
 def _rows_picked_by_index(tensor: Tensor, depth: int = 4) -> str | None:
