@@ -16,13 +16,10 @@ they train:
 3. after it, which attributes were stored anew.
 
 An attribute is *carried state* when its first-batch value was read by the second batch and the second batch
-replaced it. A second batch that is cut (steps mode's, from a wider window) cannot wait for that test: it
-trains, and its first read of a plain batch-shaped attribute the first batch left is refused inside its
-forward, before any update (:meth:`CarriedStateCheck.before_batch`); one it never reads is no carried state.
-That leaves out what ordinary modules keep: a cache built once (a positional table: read, never replaced),
-outputs kept for logging or an epoch-end metric (replaced, never read by the next batch), torchmetrics states
-(skipped: they accumulate over an epoch), state reset at every batch start (the old value is never read).
-Hugging Face models keep nothing on the module during training.
+replaced it. That leaves out what ordinary modules keep: a cache built once (a positional table: read, never
+replaced), outputs kept for logging or an epoch-end metric (replaced, never read by the next batch),
+torchmetrics states (skipped: they accumulate over an epoch), state reset at every batch start (the old value
+is never read). Hugging Face models keep nothing on the module during training.
 
 A weight that torch's pruning, old-style ``weight_norm`` or ``spectral_norm`` keeps as a plain attribute is no
 candidate: its forward pre-hook computes it anew from parameters before every forward, so it never carries
@@ -32,7 +29,7 @@ test could clear it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -140,19 +137,12 @@ _METADATA = frozenset(
 
 
 class _ReadWatch(TorchFunctionMode):
-    """Notes which of the watched tensors any torch function (or tensor method) receives; at a read of one of
-    ``stop_at`` it first calls ``on_stop`` with its id (which raises: the read is not made)."""
+    """Notes which of the watched tensors any torch function (or tensor method) receives."""
 
-    def __init__(
-        self,
-        watched: set[int],
-        stop_at: frozenset[int] = frozenset(),
-        on_stop: Callable[[int], None] | None = None,
-    ) -> None:
+    def __init__(self, watched: set[int]) -> None:
         super().__init__()
         self.watched = watched
         self.read: set[int] = set()
-        self.stop_at, self.on_stop = stop_at, on_stop
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -161,8 +151,6 @@ class _ReadWatch(TorchFunctionMode):
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, Tensor) and id(leaf) in self.watched:
                 self.read.add(id(leaf))
-                if id(leaf) in self.stop_at and self.on_stop is not None:
-                    self.on_stop(id(leaf))
         return func(*args, **kwargs)
 
 
@@ -190,7 +178,6 @@ class CarriedStateCheck:
         self._lists_before: dict[str, tuple[list[Any], tuple[Any, ...]]] = {}
         self.found: dict[str, tuple[tuple[int, ...], ...]] = {}
         self.done = False
-        self._batch_size: int | None = None  # the first batch's, the candidates' batch dimension
         self._watch: _ReadWatch | None = None
 
     @property
@@ -198,35 +185,15 @@ class CarriedStateCheck:
         """Whether no batch has been checked yet."""
         return not self.done and self.candidates is None
 
-    def before_batch(
-        self, cut: bool, rows: int | None = None, refuse_read: Callable[[str], None] | None = None
-    ) -> str | None:
+    def before_batch(self, cut: bool) -> str | None:
         """Before each batch trains: starts watching on the second one. ``cut``: the batch is smaller than
-        offered; before the check is done, while a plain batch-shaped tensor is held (a cut blocker), that is
-        refused (:func:`carried_state_refusal`'s reason), since a cut batch may break it.
-
-        With ``refuse_read`` (which raises) and a cut batch of ``rows`` as many rows as the first batch (steps
-        mode cuts at the sampler: full batches of other samples) the batch trains instead, and ``refuse_read``
-        is called with the reason at the first read of a blocker, inside the forward that would mix the
-        streams, before any update. A blocker that batch never reads (outputs kept for a metric, replaced at
-        every batch) is no carried state, and the read/replace test goes on as for a whole batch. A cut batch
-        of another size is refused here: a stateful LSTM checks the old state's shape, not a read, and fails
-        on it before reading it."""
+        offered; before the check is done that is refused (:func:`carried_state_refusal`'s reason) if anything
+        batch-shaped is held, since a cut batch may break it."""
         if self.done:
             return None
-        if not (cut and self._cut_blockers):
-            self.watch()
-            return None
-        found = self.candidate_shapes()
-        if refuse_read is None or rows != self._batch_size:
-            return carried_state_refusal(found, read_seen=False)
-        blocker_paths = {id(t): path for path in self._cut_blockers for t in (self.candidates or {})[path]}
-
-        def refuse_the_read(tensor_id: int) -> None:  # names the attribute read, not every blocker
-            path = blocker_paths[tensor_id]
-            refuse_read(carried_state_refusal({path: found[path]}, read_by_cut_batch=True))
-
-        self.watch(frozenset(blocker_paths), refuse_the_read)
+        if cut and self._cut_blockers:
+            return carried_state_refusal(self.candidate_shapes(), read_seen=False)
+        self.watch()
         return None
 
     def after_batch(self, module: nn.Module, batch_size: int) -> str | None:
@@ -270,7 +237,6 @@ class CarriedStateCheck:
 
     def after_first_batch(self, module: nn.Module, batch_size: int) -> None:
         self.candidates = batch_shaped_attributes(module, batch_size)
-        self._batch_size = batch_size
         self.done = not self.candidates  # nothing batch-shaped is kept: nothing can carry over
         # a batch cut before the check ends is refused only on a plain tensor, tuple or list attribute: buffers
         # (BatchNorm's statistics when its channels equal the batch size), dicts (outputs kept for logging, a
@@ -290,14 +256,10 @@ class CarriedStateCheck:
         }
         self._lists_before = {}
 
-    def watch(
-        self, stop_at: frozenset[int] = frozenset(), on_stop: Callable[[int], None] | None = None
-    ) -> None:
-        """Start noting reads of the candidates (until :meth:`after_second_batch` or :meth:`stop`); at the
-        first read of a tensor whose id is in ``stop_at``, call ``on_stop`` (see :meth:`before_batch`)."""
+    def watch(self) -> None:
+        """Start noting reads of the candidates (until :meth:`after_second_batch` or :meth:`stop`)."""
         if self.candidates and self._watch is None:
-            watched = {id(t) for tensors in self.candidates.values() for t in tensors}
-            self._watch = _ReadWatch(watched, stop_at, on_stop)
+            self._watch = _ReadWatch({id(t) for tensors in self.candidates.values() for t in tensors})
             self._watch.__enter__()
 
     def stop(self) -> None:
@@ -334,27 +296,15 @@ class CarriedStateCheck:
 
 
 def carried_state_refusal(
-    found: dict[str, tuple[tuple[int, ...], ...]], read_seen: bool = True, read_by_cut_batch: bool = False
+    found: dict[str, tuple[tuple[int, ...], ...]], read_seen: bool = True
 ) -> str | None:
     """The reason and the way out, after the callback's name, for refusing to cut the batches of a module that
     carries ``found`` (see :meth:`CarriedStateCheck.describe`) from one batch to the next; ``None`` if
     nothing. ``read_seen=False``: a batch is cut before the read/replace test could tell (the message says
-    so); ``read_by_cut_batch``: such a cut batch reads it (whether it replaces it is not known yet)."""
+    so)."""
     if not found:
         return None
-    if read_by_cut_batch:
-        held = (
-            "which holds the batch size and is read by the next batch, a cut one, so it may be state carried "
-            "to the next batch (as a stateful RNN's); the batch that would tell is cut"
-        )
-        # a table built once and read at every batch, of which a dimension happens to be B, is read too
-        way_out = (
-            "Remove HardSampleReplay for this model, or reset that state at the start of every batch. If it "
-            "is never replaced (a table built once), register it as a buffer (`register_buffer(..., "
-            "persistent=False)`), or start the fit with whole batches (a PulseCycle's burst phase of two "
-            "steps or more) so that the check can tell."
-        )
-    elif read_seen:
+    if read_seen:
         held = "which holds the batch size and is read by the next batch (a stateful RNN)"
         way_out = "Remove HardSampleReplay for this model, or reset that state at the start of every batch."
     else:
@@ -362,12 +312,15 @@ def carried_state_refusal(
             "which holds the batch size and may be state carried to the next batch (as a stateful RNN's); "
             "the batch that would tell is cut"
         )
+        # not learnt by letting the cut batch train and watching for a read: a read inside TorchScript or a
+        # C++ extension never reaches the watch, and a stateful RNN read there would train on mixed streams
         way_out = (
             "If the next batch reads it, remove HardSampleReplay for this model, or reset that state at the "
             "start of every batch. If not (outputs kept for a metric), return it from `training_step` "
             '(`{"loss": loss, "preds": preds}`, the `outputs` of `on_train_batch_end`) instead of keeping it '
-            "on the module, or start the fit with whole batches (a PulseCycle's burst phase of two steps or "
-            "more) so that the check can tell."
+            "on the module; if it is a table built once and never replaced, register it as a buffer "
+            "(`register_buffer(..., persistent=False)`); or start the fit with whole batches (a PulseCycle "
+            "whose burst phase lasts two steps or more, or `mode='batch'`) so that the check can tell."
         )
     return (
         f"cannot cut the batches of a module that carries state from one batch to the next: "

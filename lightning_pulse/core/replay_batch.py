@@ -176,8 +176,7 @@ class ReplayBatchLifecycle:
                 row per index, before any update; for one holding the samples' items concatenated
                 (:func:`~lightning_pulse.core.selection.concatenated_parts`, CTC's 1-D targets) in that batch
                 and the next, or in the first cut batch. For a cut batch before the carried-state check is
-                done while the module holds batch-shaped state: a batch of fewer rows than the first before it
-                trains; one of as many (steps mode's) inside its forward, at its first read of that state.
+                done while the module holds batch-shaped state.
         """
         self.captures.drop()
         self._backward_ran = self._accounted = False
@@ -198,8 +197,7 @@ class ReplayBatchLifecycle:
             self._check_concatenated(batch, batch_size, first_checked, plan.positions is not None)
         if module is not None and self.state_check.first_batch:
             self.state_check.note_lists(module)
-        # a cut batch of B rows (steps mode's) trains, refused at its first read of a batch-shaped tensor
-        refuse(self.state_check.before_batch(plan.selected, int(plan.roles.size), refuse_read=refuse))
+        refuse(self.state_check.before_batch(cut=plan.selected))
         if plan.positions is not None:
             assign_in_place(batch, take_samples(batch, plan.positions, batch_size))
         self.current = StepInFlight(selector, plan, step, batch_size, window)
