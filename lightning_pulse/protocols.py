@@ -66,6 +66,17 @@ class ParametersReplacedListener(Protocol):
     ) -> None: ...
 
 
+@runtime_checkable
+class WeightsChangedListener(Protocol):
+    """Told when a callback changed the values of parameters or buffers, in place or by replacing them (every
+    :class:`~lightning_pulse.ScheduledPrune` event: an unstructured one writes the ``weight_mask`` buffers,
+    which change what the layers compute with no parameter replaced). What was computed from the old values
+    (recorded activations) is stale. A replacement is told to :class:`ParametersReplacedListener` first; an
+    in-place change has no remap, so it is its own contract rather than an empty one."""
+
+    def on_pulse_weights_changed(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
+
+
 _Contract = TypeVar("_Contract")
 
 
@@ -96,3 +107,15 @@ def tell_restored_phase(
     for state in states.values():
         if isinstance(state.callback, PhaseListener):
             state.callback.on_pulse_phase_change(trainer, pl_module, change)
+
+
+def tell_weights_changed(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any, exclude: object
+) -> None:
+    """Tell every :class:`ParametersReplacedListener` of ``remap`` when it replaced any tensor, then every
+    :class:`WeightsChangedListener` that weights changed (an event of ``exclude``, which hears neither)."""
+    if len(remap):
+        for callback in listeners(trainer, ParametersReplacedListener, exclude=exclude):
+            callback.on_pulse_parameters_replaced(trainer, pl_module, remap)
+    for changed in listeners(trainer, WeightsChangedListener, exclude=exclude):
+        changed.on_pulse_weights_changed(trainer, pl_module)

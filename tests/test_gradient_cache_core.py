@@ -1019,6 +1019,47 @@ def test_activation_cache_switches_itself_off_when_a_sample_changes_between_visi
     assert cache.begin_batch(indices) == "off"
 
 
+class _CountsItsCalls(nn.Linear):
+    """A linear layer whose forward writes a buffer of its own in place, as BatchNorm writes its
+    statistics."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_activation_cache_records_again_after_a_frozen_weight_is_written_between_forwards_not_by_them():
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    torch.manual_seed(0)
+    layer = _CountsItsCalls().requires_grad_(False)
+    cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
+    cache.plan([("0", layer)])
+    data, indices = torch.randn(4, 4), torch.tensor([0, 1, 2, 3])
+
+    def visit() -> str:
+        mode = cache.begin_batch(indices)
+        output = layer(data)
+        cache.end_batch()
+        assert torch.equal(output, nn.functional.linear(data, layer.weight, layer.bias))  # never stale
+        return mode
+
+    # the forward's own writes to its buffer do not count: it records, verifies, then replays
+    assert [visit() for _ in range(4)] == ["record", "verify", "hit", "hit"]
+    with torch.no_grad():
+        layer.weight.mul_(0.5)  # an in-place write (a prune event's mask, a rollback, the user's code)
+    assert [visit() for _ in range(3)] == ["record", "verify", "hit"]
+    assert cache.weight_changes == 1
+    layer.register_buffer("scale", torch.ones(()))  # a tensor added (torch's prune adds `weight_mask`)
+    assert visit() == "record" and cache.weight_changes == 2
+    layer.weight = nn.Parameter(layer.weight.detach() * 2, requires_grad=False)  # a tensor replaced
+    assert visit() == "record" and cache.weight_changes == 3
+
+
 def test_activation_cache_switches_itself_off_when_padding_changes_a_samples_shape():
     # held-out sweep: a collate function padding each batch to its longest sequence crashed the recorder
     # mid-run (index_copy_ of 18 positions into rows of 19)

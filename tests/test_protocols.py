@@ -17,7 +17,9 @@ from lightning_pulse.protocols import (
     PhaseListener,
     PhaseStartListener,
     RollbackAware,
+    WeightsChangedListener,
     listeners,
+    tell_weights_changed,
 )
 
 
@@ -51,3 +53,29 @@ def test_the_shipped_callbacks_declare_the_contracts_they_take_part_in():
     assert isinstance(EnergyLogger(country_iso_code="DEU"), PhaseStartListener)  # books the probe to maintain
     assert not isinstance(StabilityGuard(), PhaseStartListener)  # it reads the probe: told after it
     assert isinstance(StabilityGuard(), ParametersReplacedListener)
+    assert isinstance(GradientCache(), WeightsChangedListener)  # drops the activations it recorded
+    assert not isinstance(StabilityGuard(), WeightsChangedListener)
+
+
+class _Told(Callback):
+    """Records, in ``log``, the weight notifications it gets."""
+
+    def __init__(self, log: list[tuple[str, object]]) -> None:
+        self.log = log
+
+    def on_pulse_parameters_replaced(self, trainer, pl_module, remap):
+        self.log.append(("replaced", self))
+
+    def on_pulse_weights_changed(self, trainer, pl_module):
+        self.log.append(("changed", self))
+
+
+def test_weights_changed_in_place_tell_only_that_and_a_replacement_tells_the_remap_first():
+    log: list[tuple[str, object]] = []
+    pruner, first, second = _Told(log), _Told(log), _Told(log)
+    trainer = _Trainer([first, pruner, second])
+    tell_weights_changed(trainer, None, [], exclude=pruner)  # an unstructured event: nothing replaced
+    assert log == [("changed", first), ("changed", second)]
+    log.clear()
+    tell_weights_changed(trainer, None, [("old", "new", "kept")], exclude=pruner)
+    assert log == [("replaced", first), ("replaced", second), ("changed", first), ("changed", second)]

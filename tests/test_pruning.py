@@ -911,6 +911,7 @@ class _PreNormResidual(nn.Module):
     def __init__(self, width: int = 16) -> None:
         super().__init__()
         self.embed = nn.Embedding(30, width)
+        self.stem = nn.Linear(width, width)  # a chosen layer sets the residual width (an embedding's is kept)
         self.norm_in = nn.LayerNorm(width)
         self.up = nn.Linear(width, 4 * width)
         self.down = nn.Linear(4 * width, width)
@@ -918,7 +919,7 @@ class _PreNormResidual(nn.Module):
         self.head = nn.Linear(width, 30)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+        x = self.stem(self.embed(tokens))
         x = x + self.down(torch.relu(self.up(self.norm_in(x))))
         return self.head(self.norm_out(x))
 

@@ -6,6 +6,8 @@ which kept learning, and that refusals are a PulseRefusal raised before the firs
 
 from __future__ import annotations
 
+import warnings
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -291,6 +293,70 @@ def test_structured_prune_mid_run_points_the_units_at_the_new_parameters(tmp_pat
             tuple(p.shape) for p in unit.params
         ]
     assert cache.freezer.trainable_numel == sum(p.numel() for p in model.parameters())
+
+
+class HalveFirstConvAt(Callback):
+    """Halves the first conv layer's weights in place after optimizer step ``step``: the user's own write to a
+    frozen layer, which no callback announces."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.net[1].weight.mul_(0.5)
+
+
+def _cached_prune_run(megabytes: float, prune: ScheduledPrune | None, extra: tuple[Callback, ...] = ()):
+    """The MNIST-1D CNN, unshuffled (12 batches an epoch), whose three conv layers freeze at step 4 for the
+    rest of the 60 steps: with ``megabytes`` they are recorded until step 16, verified, then replayed."""
+    pl.seed_everything(0)
+    data = MNIST1DDataModule(num_samples=1000, batch_size=64)
+    data.setup()
+    model = MNIST1DClassifier(arch="cnn")
+    cache = GradientCache(threshold=2.0, check_every=4, freeze_for=64, activation_cache_mb=megabytes)
+    callbacks = [prune, cache] if prune is not None else [cache]
+    trainer = pl.Trainer(max_steps=60, callbacks=[*callbacks, *extra], **trainer_kwargs())
+    trainer.fit(model, train_dataloaders=DataLoader(data.train_set, batch_size=64))
+    assert [(event["step"], event["to"]) for event in cache.events] == [(4, 3)]  # one freeze, never released
+    return model, cache
+
+
+def _same_weights(model: nn.Module, other: nn.Module) -> None:
+    ours, theirs = model.state_dict(), other.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+@pytest.mark.parametrize("events", ["one inside the replays", "every 3 steps from the freeze's first"])
+def test_an_unstructured_prune_event_drops_the_cached_activations_so_training_equals_the_run_without_it(
+    events,
+):
+    # held-out sweep: unstructured events mask weights in place and said nothing, so the cache kept replaying
+    # the frozen layers' outputs from before the event (max weight difference 0.08 with vs without the cache);
+    # events before the cache's first check switched it off, blaming "random data augmentation"
+    def prune():
+        start, end, every = (24, 24, 5) if events == "one inside the replays" else (6, 30, 3)
+        return ScheduledPrune(0.8, "unstructured", start=start, end=end, every=every, probe_batches=0)
+
+    plain, _ = _cached_prune_run(0.0, prune())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*activation cache switched itself off")
+        model, cache = _cached_prune_run(8.0, prune())
+    _same_weights(model, plain)
+    activations = cache.activations
+    assert activations.disabled_reason is None and activations.hits >= 10
+    assert activations.weight_changes == 0  # each event told the cache (WeightsChangedListener) right away
+
+
+def test_a_frozen_layer_the_users_code_writes_in_place_is_recorded_again_so_training_equals_the_plain_run():
+    # nothing announces this write: the cache sees the weight's version counter move between two forwards
+    plain, _ = _cached_prune_run(0.0, None, (HalveFirstConvAt(30),))
+    model, cache = _cached_prune_run(8.0, None, (HalveFirstConvAt(30),))
+    _same_weights(model, plain)
+    assert cache.activations.weight_changes == 1 and cache.activations.hits >= 10
 
 
 def test_the_activation_cache_switches_itself_off_when_each_batch_is_padded_to_its_own_length():

@@ -75,7 +75,7 @@ class GradientCache(Callback):
     prefix stops before it, and the setup log names it. Parameters frozen when the fit starts (a backbone) belong
     to no unit; once they train again, everything is released and the units are found and ordered again.
     Parameters replaced by structured pruning are followed; names saved before an unstructured prune resolve to
-    ``weight_orig``.
+    ``weight_orig``. After any prune event (``on_pulse_weights_changed``) the activation cache records again.
 
     Raises:
         ValueError: at construction, naming the field, for a value out of range. At train start, for a
@@ -274,6 +274,10 @@ class GradientCache(Callback):
         """Follow parameters that structured pruning replaced: units, window snapshots, FLOP measurements."""
         self._lifecycle.follow(remap)
         self.ledger.remeasure()
+        self._lifecycle.replan(self._replay, again=True)
+
+    def on_pulse_weights_changed(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Drop the recorded activations: weights changed in place (an unstructured prune event's masks)."""
         self._lifecycle.replan(self._replay, again=True)
 
     # ------------------------------------------------------------------ end

@@ -35,7 +35,7 @@ from lightning_pulse.core.prune_setup import PRUNE_EVERY_DEFAULT, PruneOptions, 
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PhaseChange
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
-from lightning_pulse.protocols import ParametersReplacedListener, listeners
+from lightning_pulse.protocols import tell_weights_changed
 
 __all__ = ["DistillConfig", "PruneOptions", "ScheduledPrune"]
 
@@ -49,7 +49,8 @@ class ScheduledPrune(Callback):
     pruned. ``mode="unstructured"`` masks weights (``torch.nn.utils.prune``; no speedup on dense kernels);
     ``mode="structured"`` removes output channels with torch-pruning (coupled layers follow, output layers are
     never cut), cuts the optimizer's state in place, re-wraps DDP and tells every
-    :class:`~lightning_pulse.protocols.ParametersReplacedListener`. It traces ``forward`` on
+    :class:`~lightning_pulse.protocols.ParametersReplacedListener`; every event, of either mode, tells every
+    :class:`~lightning_pulse.protocols.WeightsChangedListener`. It traces ``forward`` on
     ``example_input_array`` (else on the first training batch, by ``forward``'s signature) and first prunes a
     copy to the schedule's levels: a model that cannot be cut safely is refused before the first step.
 
@@ -313,9 +314,8 @@ class ScheduledPrune(Callback):
         self._masks.refresh(pl_module, grad=False)  # the probe reads this step's weights
         probe_before = self._probe(trainer, pl_module, maintain_entry)
         outcome, teacher = self.core.cut(pl_module, target, trainer.optimizers, self.distill is not None)
+        tell_weights_changed(trainer, pl_module, outcome.remap, exclude=self)  # both modes change weights
         if len(outcome.remap):
-            for callback in listeners(trainer, ParametersReplacedListener, exclude=self):
-                callback.on_pulse_parameters_replaced(trainer, pl_module, outcome.remap)
             compat.rewrap_ddp(trainer)
         probes = (probe_before, self._probe(trainer, pl_module))
         phase = phase_of(trainer).value if pulse_cycle_of(trainer) is not None else None

@@ -7,6 +7,7 @@ dataset indices of every batch (:class:`~lightning_pulse.core.sample_index.Sampl
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,8 @@ def uncacheable_reason(module: nn.Module) -> str | None:
 class _ActivationEntry:
     name: str
     module: nn.Module
+    # the parameter and buffer dicts of the module and its submodules: what its output depends on
+    tensor_dicts: list[dict[str, Any]]
     storage: torch.Tensor | None = None  # (capacity, *output shape without batch)
     # the axis of its first input that held the batch's samples when recorded: 0, 1 (time-major), or None
     input_rows_axis: int | None = None
@@ -128,6 +131,27 @@ NEEDS_GRADIENT = (
 )
 
 
+_Weights = tuple[list[torch.Tensor], list[int]]
+
+
+def _weights_of(entries: Sequence[_ActivationEntry]) -> _Weights | None:
+    """Every parameter and buffer of the modules of ``entries``, and its version counter, which each in-place
+    write bumps (``None``: a tensor made under ``torch.inference_mode`` keeps no counter). One pass over the
+    tensors, under 1 us each."""
+    tensors = [t for entry in entries for d in entry.tensor_dicts for t in d.values() if t is not None]
+    try:
+        return tensors, [tensor._version for tensor in tensors]
+    except RuntimeError:
+        return None
+
+
+def _same_weights(now: _Weights | None, seen: _Weights) -> bool:
+    """Whether ``now`` holds the tensors of ``seen``, none added, removed, replaced or written since."""
+    if now is None or len(now[0]) != len(seen[0]):
+        return False
+    return all(map(operator.is_, now[0], seen[0])) and now[1] == seen[1]
+
+
 class PrefixActivationCache:
     """Outputs of frozen modules per training sample, replayed so the frozen prefix's forward is skipped.
 
@@ -146,7 +170,9 @@ class PrefixActivationCache:
     forward; its store does not fit the budget; dropout inside; it reads or returns a tensor that requires
     grad, as inside a Hugging Face layer under gradient checkpointing; on a replayed batch too, where it
     then runs for real) leaves the cache with every module after it: :attr:`uncached` names it and says why
-    (the modules found uncacheable during the fit; never cleared).
+    (the modules found uncacheable during the fit; never cleared). A parameter or buffer of a cached module
+    written, added or replaced between two forwards (not by its own forward, as BatchNorm's statistics are)
+    drops every record (:attr:`weight_changes` counts it): the samples are recorded and verified again.
 
     Args:
         capacity: how many distinct samples this process sees per epoch (rows of each store).
@@ -173,6 +199,10 @@ class PrefixActivationCache:
         self.unmatched_batches = 0
         # (rows, indices) of the batch under way, if they differ
         self._unmatched: tuple[int, int] | None = None
+        # times the cached modules' parameters or buffers changed between two forwards (records dropped)
+        self.weight_changes = 0
+        # the cached modules' parameters and buffers with their version counters, since their last forward
+        self._weights_seen: _Weights | None = None
         self._stubbed: list[nn.Module] = []
         self._indices: torch.Tensor | Callable[[], torch.Tensor] | None = None
         self._slots: torch.Tensor | None = None
@@ -205,9 +235,11 @@ class PrefixActivationCache:
             if (reason := uncacheable_reason(module)) is not None:
                 self.uncached.setdefault(name, reason)
                 break
-            self.entries.append(_ActivationEntry(name, module))
+            dicts = [d for sub in module.modules() for d in (sub._parameters, sub._buffers)]
+            self.entries.append(_ActivationEntry(name, module, dicts))
         if changed:
             self.verified = False
+            self._weights_seen = None
             if keep == 0:
                 self.slot_of.fill_(-1)
                 self.next_slot = 0
@@ -226,6 +258,14 @@ class PrefixActivationCache:
         self.end_batch()
         if self.disabled_reason is not None or not self.entries:
             return "off"
+        weights = _weights_of(self.entries)
+        if self._weights_seen is not None and not _same_weights(weights, self._weights_seen):
+            # written since the last forward, not by it (a prune event's masks, a rollback, the user's code):
+            # every record was computed with the old values, so each sample is recorded and verified again
+            self.weight_changes += 1
+            self.filled.zero_()
+            self.verified = False
+        self._weights_seen = weights  # a replayed batch runs none of them: nothing to take again at its end
         self.batches += 1
         self._indices, self._mode = indices, "pending"
         for entry in self.entries:
@@ -236,6 +276,7 @@ class PrefixActivationCache:
 
     def end_batch(self) -> None:
         """Undo what :meth:`begin_batch` installed; after a recording forward, mark its samples as recorded."""
+        forward_ran = bool(self._stubbed) and self._mode != "hit"
         for module in self._stubbed:
             del module.forward  # back to the class's forward
         self._stubbed = []
@@ -263,6 +304,8 @@ class PrefixActivationCache:
                 self.filled[self._slots] = True
                 if self._mode == "verify":
                     self.verified = True
+        if forward_ran:  # what the forward itself wrote into its modules' buffers belongs to their outputs
+            self._weights_seen = _weights_of(self.entries)
         self._mode = "off"
         self._slots = self._indices = self._unmatched = None
 

@@ -413,6 +413,8 @@ def refuse_structured(reason: str | None) -> None:
         pruning.FROZEN_COUPLING: "Unfreeze those layers, or use mode='unstructured'.",
         pruning.FROZEN_LEFT_OUT: "Unfreeze the layers to cut, or use mode='unstructured'.",
         pruning.FROZEN_AND_UNCUTTABLE: "Use mode='unstructured'.",
+        pruning.CALLED_MORE_THAN_ONCE: "Use mode='unstructured' (one mask serves every call of a shared "
+        "weight), or give each call its own module (weights not shared) to cut them with mode='structured'.",
         pruning.UNCUT_BUFFER: "Leave that layer out with `exclude_pattern`, use mode='unstructured' (it keeps "
         "every shape), or keep the copy outside the module, in a callback that follows each cut "
         "(`on_pulse_parameters_replaced` is given the old and new parameters and the channels kept).",

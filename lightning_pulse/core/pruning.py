@@ -40,6 +40,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from lightning_pulse.core import prune_targets
 from lightning_pulse.core.carried_state import WEIGHT_HOOKS, hook_weight_name
 from lightning_pulse.core.prune_targets import LayerSelection, call_with
+from lightning_pulse.core.selection import take_samples
 from lightning_pulse.errors import first_names
 
 RANKINGS = ("layer", "global")
@@ -798,9 +799,10 @@ def channel_groups(
 
     A group is left out when it also removes output channels of a layer that was not chosen (a residual
     coupling with an unchosen layer), when it would change the model's output shape, or when it would cut a
-    bare ``nn.Parameter`` (a learned positional table), a module called more than once per forward, a
-    module holding a shared parameter, a module holding a layer that is not chosen (an
-    ``nn.MultiheadAttention``, whose ``out_proj`` is never pruned: cutting it changes its head width), a
+    bare ``nn.Parameter`` (a learned positional table), the width of an ``nn.Embedding`` that is not chosen
+    (a language model's residual stream: its every norm, block output and head input), a module called more
+    than once per forward, a module holding a shared parameter, a module holding a layer that is not chosen
+    (an ``nn.MultiheadAttention``, whose ``out_proj`` is never pruned: cutting it changes its head width), a
     layer whose weight is computed (a parametrization, the older ``weight_norm`` / ``spectral_norm``), or the
     channels of a module named in ``frozen`` (the user's frozen layers, of any type: a norm after the root),
     or of a module holding one, or when the root's own channels are tied in a pattern other than
@@ -811,6 +813,9 @@ def channel_groups(
     unchosen = [m for m in model.modules() if isinstance(m, root_types) and m not in chosen]
     names = {module: name for name, module in model.named_modules()}
     unsafe = set(getattr(graph, "reused_modules", ())) | prune_targets.shared_parameter_modules(model)
+    # an embedding table's width is the residual stream's of a transformer: a group through it cuts every
+    # norm, block output and the head's inputs, far more than the chosen layers (chosen, it is cut as asked)
+    unsafe |= {m for m in model.modules() if isinstance(m, nn.Embedding) and m not in chosen}
     # a module holding a layer that is not chosen (an nn.MultiheadAttention, whose out_proj is never pruned or
     # was excluded by name) is one node to torch-pruning: cutting it would cut that layer too
     left_out = set(unchosen)
@@ -1231,14 +1236,51 @@ def check_structured(
     """
     reason, where = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example)
     if reason is not None and reason.startswith("tracing which channels"):
-        hint = attention_hint(model, pruner.exclude_pattern)
+        # a loss in the output is named first: the attention hint is checked by no cut, and a search through
+        # the loss does not end with the attention left out either (HF DETR)
+        hint = None if LOSS_IN_OUTPUT in reason else attention_hint(model, pruner.exclude_pattern)
         reason = reason if hint is None else f"{reason}; {hint}"
     elif reason is not None and reason.startswith(CUT_FAILED):
         hint = _way_out(model, pruner, sparsities, example, where)
         reason = reason if hint is None else f"{reason}; {hint}"
     elif reason == NOTHING_TO_CUT and pruner.user_frozen:
         reason = _nothing_to_cut_with_frozen(model, pruner, sparsities, example) or reason
+    if reason == NOTHING_TO_CUT:
+        reason = _called_more_than_once(model, pruner, example) or reason
     return reason
+
+
+def _called_more_than_once(model: nn.Module, pruner: Pruner, example: Any) -> str | None:
+    """Why nothing could be cut when selected layers run more than once per forward (one block applied at
+    several depths): :data:`CALLED_MORE_THAN_ONCE` with them and their calls. ``None`` when none does (the
+    output layers, never cut anyway, aside), or the model does not run on ``example``."""
+    duplicate = copy_without_hooks(model).eval()
+    named = dict(duplicate.named_modules())
+    layers = {name: named[name] for name in pruner.selection(model).layers if name in named}
+    calls = dict.fromkeys(layers, 0)
+
+    def counter(name: str) -> Callable[..., None]:
+        def count(module: nn.Module, args: Any) -> None:
+            calls[name] += 1
+
+        return count
+
+    handles = [layer.register_forward_pre_hook(counter(name)) for name, layer in layers.items()]
+    try:
+        with torch.no_grad():
+            call_with(duplicate, inputs_for(duplicate, small_example(example), pruner.run_precision))
+    except Exception:  # only a message needs this: the trial cut said why the model cannot be cut
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    outputs = set(output_layers(model, layers, example, pruner.run_precision))
+    repeated = {name: count for name, count in calls.items() if count > 1 and name not in outputs}
+    if not repeated:
+        return None
+    shown = ", ".join(f"{name} x{count}" for name, count in list(repeated.items())[:3])
+    more = f" and {len(repeated) - 3} more" if len(repeated) > 3 else ""
+    return f"{CALLED_MORE_THAN_ONCE} ({shown}{more})"
 
 
 def _nothing_to_cut_with_frozen(
@@ -1319,10 +1361,9 @@ def _trial_cut(
     trial.user_frozen = pruner.user_frozen if frozen is None else frozen
     trial.run_precision = pruner.run_precision
     duplicate = copy_without_hooks(model).eval()  # eval: no dropout draws, no batch-norm statistics
-    device = next((p.device for p in duplicate.parameters()), torch.device("cpu"))
     inputs = inputs_for(duplicate, small_example(example), pruner.run_precision)
     # the check must not change the run it checks: random draws happen on forked generators
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=_cuda_devices(duplicate)):
         _for_the_value_check(duplicate)
         try:
             reason = _dry_run(duplicate, trial, sparsities, example, inputs)
@@ -1369,8 +1410,17 @@ UNTRACEABLE_OUTPUT = (
     "the model's output holds an object torch-pruning's trace cannot follow (it follows only tensors, in "
     "tuples, lists and dicts)"
 )
+#: how the reason for a dependency search that ran out of time names a loss in the model's output
+LOSS_IN_OUTPUT = "the model's output holds its loss"
 #: the reason for a trial cut that cut nothing
 NOTHING_TO_CUT = "no channel group of the selected layers can be cut safely"
+#: the start of the reason for a trial cut that cut nothing while selected layers run more than once per
+#: forward
+CALLED_MORE_THAN_ONCE = (
+    f"{NOTHING_TO_CUT}: the selected layers are called more than once per forward (one module applied at "
+    "several depths, its weights shared across them), and a module called more than once is never cut, nor a "
+    "channel group coupled to one"
+)
 #: the start of the reason for a buffer shaped like a parameter the cut changes, which the cut leaves as it is
 UNCUT_BUFFER = (
     "the model holds a buffer shaped like a parameter the cut changes, and the cut leaves the buffer as it is: "
@@ -1617,9 +1667,11 @@ def _time_limit(seconds: float) -> Iterator[None]:
 def _dry_run(
     duplicate: nn.Module, trial: Pruner, sparsities: Sequence[float], example: Any, inputs: Any
 ) -> str | None:
+    loss = None
     try:
         with _time_limit(STRUCTURED_CHECK_SECONDS):
             try:  # with autograd, as torch-pruning traces it: do the layers to prune run with it?
+                _same_draws(duplicate)
                 with _run_without_autograd(trial.layers(duplicate)) as without, torch.enable_grad():
                     output = call_with(duplicate, inputs)
                 before = prune_targets.output_shapes(output)
@@ -1636,6 +1688,7 @@ def _dry_run(
             untraceable = prune_targets.untraceable_output(output)
             if untraceable is not None:
                 return f"{UNTRACEABLE_OUTPUT}: it holds {untraceable}"
+            loss = _loss_in(output)
             del output
             in_training = _training_shapes(duplicate, inputs, cut=False)
             for sparsity in sparsities:
@@ -1643,6 +1696,7 @@ def _dry_run(
                 names = {id(parameter): name for name, parameter in duplicate.named_parameters()}
                 remap = trial.prune(duplicate, sparsity, (), example).remap
                 with torch.no_grad():
+                    _same_draws(duplicate)  # the reference draws the same numbers (a random mask in forward)
                     output = call_with(duplicate, inputs)
                     after = prune_targets.output_shapes(output)
                     if before != after:
@@ -1661,15 +1715,35 @@ def _dry_run(
                     if training_shapes != in_training:
                         return f"pruning to {sparsity:.2f} changes the model's output shapes in training mode"
     except _CheckTimeout:
+        # the search goes through every op between the layers and the output: a loss's too
+        through_loss = (
+            ""
+            if loss is None
+            else (
+                f"; {LOSS_IN_OUTPUT} ({loss}), whose graph the search goes through as well (on HF "
+                "DETR the loss's box matching kept it from finishing): return what the model computes (its "
+                "logits) from `forward`, and compute the loss in `training_step`"
+            )
+        )
         return (
             f"tracing which channels depend on which (torch-pruning's dependency search) did not finish within "
-            f"{STRUCTURED_CHECK_SECONDS:g} s, as on rotary-embedding attention"
+            f"{STRUCTURED_CHECK_SECONDS:g} s, as on rotary-embedding attention{through_loss}"
         )
     except Exception as error:  # whatever the model does, the answer is a refusal, not a crash mid-run
         reason = f"{CUT_FAILED} ({type(error).__name__}: {str(error)[:200]})"
         raise _CutFailed(reason, _failing_module(duplicate, error)) from None
     if not trial.history:
         return NOTHING_TO_CUT
+    return None
+
+
+def _loss_in(output: Any) -> str | None:
+    """Where ``output`` holds a loss: its ``loss`` entry (a Hugging Face output called with labels), or the
+    output itself when it is one number; else ``None``."""
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return "`loss`"
+    if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
+        return "a single number"
     return None
 
 
@@ -1681,6 +1755,7 @@ def _training_shapes(model: nn.Module, inputs: Any, cut: bool) -> list[tuple[int
     model.train()
     try:
         with torch.no_grad():
+            _same_draws(model)
             return prune_targets.output_shapes(call_with(model, inputs))
     except Exception:
         if cut:
@@ -1701,6 +1776,10 @@ def _changed_function(
     over the cut width normalises the kept channels alone; the reference does the same. Anything else a cut
     changes is a wrong cut: a grouped convolution whose groups no longer line up, a ``GroupNorm`` whose groups
     take other channels, a reshape over the cut channels, a consumer the trace missed.
+
+    Both models run from the same random state (:func:`_same_draws`, as ``output`` did): a forward that draws
+    from torch's generators (ViTMAE's random patch mask, in eval mode too) draws the same numbers in both. A
+    forward that differs between two calls of the uncut model even so is said to be not deterministic.
     """
     modules = dict(uncut.named_modules())
     parameters = dict(uncut.named_parameters())
@@ -1721,28 +1800,69 @@ def _changed_function(
         for name, kept in touched.items()
         if _renormalises(modules.get(name))
     ]
+    again = None
     try:
+        _same_draws(uncut)
         expected = _floating_tensors(call_with(uncut, inputs))
+        moved = _largest_difference(_floating_tensors(output), expected)
+        if moved is not None:
+            _same_draws(uncut)
+            again = _largest_difference(_floating_tensors(call_with(uncut, inputs)), expected)
     finally:
         for handle in handles:
             handle.remove()
-    for got, want in zip(_floating_tensors(output), expected):
+    if moved is None:
+        return None
+    if again is not None:
+        return (
+            "cannot be checked: two calls of the uncut model on the same input, from the same state of "
+            f"torch's random generators, differ by up to {again:.3g}, so its forward is not deterministic "
+            "(it draws from a generator of its own, numpy's or Python's, or uses a nondeterministic "
+            "kernel), and what the cut model computes has nothing to be compared with; make the forward "
+            "deterministic in eval mode (torch's global generators are fine), e.g. by passing its random "
+            "inputs in the batch"
+        )
+    suspects = [
+        name
+        for name in touched
+        if isinstance(modules.get(name), nn.GroupNorm) or getattr(modules.get(name), "groups", 1) > 1
+    ]
+    found = f" at {', '.join(f'`{name}`' for name in suspects[:3])}" if suspects else ""
+    return (
+        f"changes what the kept channels compute (the output moves by up to {moved:.3g} from the model "
+        f"with the removed channels silenced): the cut does not follow this model's channel structure"
+        f"{found}, as with grouped convolutions, GroupNorm, or a reshape over the cut channels; leave out "
+        "the layers whose channels reach them"
+    )
+
+
+def _largest_difference(got: Sequence[torch.Tensor], wanted: Sequence[torch.Tensor]) -> float | None:
+    """How far the tensors ``got`` are from ``wanted`` at most, or ``None`` when all are close."""
+    for have, want in zip(got, wanted):
         scale = want.abs().max().item() if want.numel() else 0.0
-        if not torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-4 * max(scale, 1.0)):
-            error = (got.float() - want.float()).abs().max().item()
-            suspects = [
-                name
-                for name in touched
-                if isinstance(modules.get(name), nn.GroupNorm) or getattr(modules.get(name), "groups", 1) > 1
-            ]
-            found = f" at {', '.join(f'`{name}`' for name in suspects[:3])}" if suspects else ""
-            return (
-                f"changes what the kept channels compute (the output moves by up to {error:.3g} from the model "
-                f"with the removed channels silenced): the cut does not follow this model's channel structure"
-                f"{found}, as with grouped convolutions, GroupNorm, or a reshape over the cut channels; leave out "
-                "the layers whose channels reach them"
-            )
+        if not torch.allclose(have.float(), want.float(), rtol=1e-3, atol=1e-4 * max(scale, 1.0)):
+            return (have.float() - want.float()).abs().max().item()
     return None
+
+
+#: the seed every compared forward of the structured check starts from (:func:`_same_draws`)
+CHECK_SEED = 0
+
+
+def _cuda_devices(model: nn.Module) -> list[int]:
+    """The CUDA devices that ``model``'s parameters and buffers are on."""
+    tensors = (*model.parameters(), *model.buffers())
+    return sorted({tensor.device.index or 0 for tensor in tensors if tensor.device.type == "cuda"})
+
+
+def _same_draws(model: nn.Module) -> None:
+    """Seed torch's CPU generator and those of ``model``'s CUDA devices with :data:`CHECK_SEED`, so that two
+    forwards the check compares draw the same numbers. Called inside the check's ``fork_rng``: the run's own
+    generators are untouched."""
+    torch.default_generator.manual_seed(CHECK_SEED)
+    for index in _cuda_devices(model):
+        with torch.cuda.device(index):
+            torch.cuda.manual_seed(CHECK_SEED)
 
 
 def _renormalises(module: nn.Module | None) -> bool:
@@ -1786,13 +1906,48 @@ def _floating_tensors(output: Any) -> list[torch.Tensor]:
 
 
 def small_example(example: Any) -> Any:
-    """Two samples of ``example`` on the CPU: enough to trace the graph, and tiny in a checkpoint."""
+    """Two samples of ``example`` on the CPU: enough to trace the graph, and tiny in a checkpoint.
+
+    The cut is along the batch dimension, as :func:`~lightning_pulse.core.selection.take_samples` cuts a
+    batch: every tensor of ``B`` rows and every list or tuple of ``B`` per-sample items (a detection batch's
+    list of target dicts) keeps its first two samples, and the items kept stay whole (their boxes are not cut
+    again). ``B`` is the first dimension of the outermost tensor (:func:`_batch_rows`); other leaves are
+    kept."""
+    rows = _batch_rows(example)
+    if rows is not None and rows > 2:
+        example = take_samples(example, torch.arange(2), rows)
+    return _detached_on_cpu(example)
+
+
+def _batch_rows(example: Any) -> int | None:
+    """The batch size of ``example``: the first dimension of its outermost tensor (the first one found at the
+    least nesting: a detection batch's images, not the boxes inside its per-image target dicts), or
+    ``None``."""
+    level = [example]
+    while level:
+        tensors = [item for item in level if isinstance(item, torch.Tensor) and item.dim()]
+        if tensors:
+            return int(tensors[0].shape[0])
+        level = [
+            value
+            for item in level
+            if isinstance(item, (Mapping, list, tuple))
+            for value in (item.values() if isinstance(item, Mapping) else item)
+        ]
+    return None
+
+
+def _detached_on_cpu(example: Any) -> Any:
+    """``example`` with its tensors detached, on the CPU and copied, its mappings plain dicts (what a
+    checkpoint loaded with ``weights_only=True`` takes)."""
     if isinstance(example, torch.Tensor):
-        return (example[:2] if example.dim() and example.shape[0] > 2 else example).detach().cpu().clone()
+        return example.detach().cpu().clone()
+    if isinstance(example, tuple) and hasattr(example, "_fields"):  # named tuple
+        return type(example)(*(_detached_on_cpu(item) for item in example))
     if isinstance(example, (list, tuple)):
-        return type(example)(small_example(item) for item in example)
+        return type(example)(_detached_on_cpu(item) for item in example)
     if isinstance(example, Mapping):
-        return {key: small_example(value) for key, value in example.items()}
+        return {key: _detached_on_cpu(value) for key, value in example.items()}
     return example
 
 
@@ -1803,17 +1958,20 @@ class PruneOutcome:
 
     Attributes:
         sparsity: share of the chosen weights (unstructured) or original channels (structured) now gone.
-        layer_sparsity: the same per layer.
+        layer_sparsity: the same per layer; structured: every chosen layer whose output channels a cut has
+            removed, whether it leads the channel group or is cut within another layer's (a residual block's
+            output layer, cut with the stream's other writers; Llama's ``gate_proj`` with ``up_proj``).
         remap: parameters replaced (structured; empty otherwise).
         problems: optimizer states that could not be cut and were reset, as messages.
         weight_share: share of the model's parameter elements held by the pruned layers' weights (before the
             event).
-        uncut: structured: the chosen layers that lead no channel group it could cut safely (a layer applied
-            twice, a layer whose outputs feed one of those); a layer cut only within another layer's group is
-            listed too.
+        uncut: structured: the chosen layers none of whose output channels has been cut (a layer applied
+            twice, a layer whose outputs feed one of those, the output layer).
         narrowed: those of ``uncut`` whose weights another layer's group has cut, in this event or an earlier
-            one (the input columns of a layer reading cut channels, Llama's ``gate_proj`` cut with
-            ``up_proj``).
+            one (the input columns of a layer reading cut channels).
+        removed_share: share of the whole model's parameters removed so far: masked (unstructured) or gone
+            since before the first event (structured: the chosen layers' and every coupled module's, an
+            embedding or a norm included); ``None`` when unknown (a checkpoint from before it was kept).
     """
 
     sparsity: float
@@ -1823,6 +1981,18 @@ class PruneOutcome:
     weight_share: float = 0.0
     uncut: list[str] = field(default_factory=list)
     narrowed: list[str] = field(default_factory=list)
+    removed_share: float | None = None
+
+
+def masked_parameter_count(model: nn.Module) -> int:
+    """How many weight elements of ``model`` a pruning mask zeroes (a weight shared by several layers counts
+    once)."""
+    masks = {
+        id(module.weight_orig): mask
+        for module in model.modules()
+        if (mask := current_mask(module)) is not None
+    }
+    return sum(int(mask.numel() - torch.count_nonzero(mask)) for mask in masks.values())
 
 
 class Pruner:
@@ -1845,6 +2015,10 @@ class Pruner:
 
     Attributes:
         original_channels: structured: root layer name -> its channels before any pruning.
+        layer_channels: structured: every chosen layer's output channels before any pruning, by name (a layer
+            cut within another layer's group is reported with its real sparsity).
+        original_params: structured: the model's parameter elements before the first event (``None`` before
+            it, or from a checkpoint that did not keep it).
         history: structured: torch-pruning's history of every removal, in order.
         example_inputs: structured: the two-sample input the model is traced with.
         run_precision: structured: how the run's precision plugin hands a batch over, set at fit
@@ -1881,6 +2055,8 @@ class Pruner:
         )
         self.layer_types = resolve_layer_types(layer_types)
         self.original_channels: dict[str, int] = {}
+        self.layer_channels: dict[str, int] = {}
+        self.original_params: int | None = None
         self.history: list[list[Any]] = []
         self.example_inputs: Any = None
         #: structured: the chosen layers whose weights a cut has replaced (narrowed), by name
@@ -1927,11 +2103,21 @@ class Pruner:
             masks.update({alias: masks[primary] for alias, primary in selection.aliases.items()})
             share = prune_targets.weight_share(model, layers)
             apply_masks(layers, masks)
+            removed = masked_parameter_count(model) / max(sum(p.numel() for p in model.parameters()), 1)
             return PruneOutcome(
-                global_sparsity(primaries), layer_sparsity(layers), ParameterRemap(), [], share
+                global_sparsity(primaries),
+                layer_sparsity(layers),
+                ParameterRemap(),
+                [],
+                share,
+                removed_share=removed,
             )
         # the share is of the layers this event really cuts, known only after it: their weights' sizes before it
         sizes = prune_targets.weight_shares(model, layers)
+        if self.original_params is None and not self.history:  # the first event: nothing cut yet
+            self.original_params = sum(parameter.numel() for parameter in model.parameters())
+        for name, count in channel_counts(model, list(layers)).items():
+            self.layer_channels.setdefault(name, count)
         if self.example_inputs is None:
             if example is None:
                 raise ValueError("Structured pruning needs an example input to trace the model with.")
@@ -1952,9 +2138,19 @@ class Pruner:
         if len(result.remap):
             for optimizer in optimizers:
                 problems += remap_optimizer_state(optimizer, result.remap)
-        counts = channel_counts(model, list(self.original_channels))
-        reached, per_layer = channel_sparsity(counts, self.original_channels)
+        # a chosen layer whose outputs were cut within another layer's group is cut, not "left uncut"
+        originals = {**self.layer_channels, **self.original_channels}
+        counts = channel_counts(model, list(originals))
+        cut = {
+            name: channels
+            for name, channels in originals.items()
+            if name in self.original_channels or counts.get(name, channels) < channels
+        }
+        reached, per_layer = channel_sparsity(counts, cut)
         share = sum(sizes.get(name, 0.0) for name in per_layer)
+        removed = None
+        if self.original_params:
+            removed = 1.0 - sum(parameter.numel() for parameter in model.parameters()) / self.original_params
         replaced = {id(new) for _, new, _ in result.remap}
         self.narrowed |= {
             name
@@ -1963,7 +2159,7 @@ class Pruner:
         }
         uncut = [name for name in layers if name not in per_layer]
         narrowed = [name for name in uncut if name in self.narrowed]
-        return PruneOutcome(reached, per_layer, result.remap, problems, share, uncut, narrowed)
+        return PruneOutcome(reached, per_layer, result.remap, problems, share, uncut, narrowed, removed)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -1971,6 +2167,8 @@ class Pruner:
             "original_channels": dict(self.original_channels),
             "example_inputs": self.example_inputs,
             "narrowed": sorted(self.narrowed),
+            "layer_channels": dict(self.layer_channels),
+            "original_params": self.original_params,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -1978,6 +2176,9 @@ class Pruner:
         self.original_channels = dict(state["original_channels"])
         self.example_inputs = state["example_inputs"]
         self.narrowed = set(state.get("narrowed", ()))  # a checkpoint from before it was kept: none known
+        # from before they were kept: the roots' originals only, and the model's size before the cuts unknown
+        self.layer_channels = dict(state.get("layer_channels", self.original_channels))
+        self.original_params = state.get("original_params")
 
 
 def event_record(
@@ -1998,6 +2199,7 @@ def event_record(
         "weight_share": float(outcome.weight_share),
         "uncut_layers": list(outcome.uncut),
         "narrowed_layers": list(outcome.narrowed),
+        "params_removed_share": outcome.removed_share,
         **count_parameters(model),
         "probe_before": None if probe_before is None else dict(probe_before),
         "probe_after": None if probe_after is None else dict(probe_after),
@@ -2012,6 +2214,8 @@ def event_metrics(event: Mapping[str, Any]) -> dict[str, float]:
         "prune/params": float(event["params"]),
         "prune/params_nonzero": float(event["params_nonzero"]),
     }
+    if event.get("params_removed_share") is not None:
+        metrics["prune/params_removed_share"] = float(event["params_removed_share"])
     metrics.update({f"prune/layer/{name}": value for name, value in event["layer_sparsity"].items()})
     for when in ("before", "after"):
         metrics.update(
@@ -2029,8 +2233,11 @@ def event_summary(event: Mapping[str, Any]) -> str:
     text = (
         f"step {event['step']}: sparsity {event['sparsity']:.3f} (target {event['target_sparsity']:.3f}) over "
         f"{len(event['layer_sparsity'])} layers holding {event.get('weight_share', 0.0):.0%} of the model's "
-        f"weights, {event['params_nonzero']} of {event['params']} parameters non-zero"
+        "weights"
     )
+    if event.get("params_removed_share") is not None:  # the cut's whole reach: coupled norms, inputs, tables
+        text += f" ({event['params_removed_share']:.0%} of the model's parameters removed so far)"
+    text += f", {event['params_nonzero']} of {event['params']} parameters non-zero"
     if event["probe_after"]:
         text += f", {probe(event['probe_before'])} -> {probe(event['probe_after'])}"
     narrowed = event.get("narrowed_layers") or []
