@@ -78,7 +78,7 @@ _HOOK_NAMES = tuple(
     name
     for name in dir(Callback)
     if name.startswith(("on_", "setup", "teardown")) and callable(getattr(Callback, name))
-) + ("on_pulse_phase_change", "on_pulse_parameters_replaced")
+) + ("on_pulse_phase_change", "on_pulse_parameters_replaced", "on_pulse_weights_changed")
 
 
 class HookTimer:

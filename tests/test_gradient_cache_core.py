@@ -1615,3 +1615,56 @@ def test_the_gradless_step_check_checks_each_parameter_the_first_time_it_is_froz
         optimizer.step()
         assert check.after_step() is moves
     assert check.moved and torch.equal(decayed, before)  # put back for that step
+
+
+def test_activation_cache_still_sees_a_write_after_a_buffer_made_under_inference_mode_joins_a_module():
+    # a review: one tensor of a cached module made under torch.inference_mode (a buffer rebuilt during
+    # Lightning's validation) keeps no version counter, and the write check went off for the rest of the
+    # freeze: a later write to the weight was replayed stale. Such a tensor is compared by identity alone.
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 8).requires_grad_(False)
+    cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
+    cache.plan([("0", layer)])
+    data, indices = torch.randn(4, 4), torch.arange(4)
+
+    def visit() -> tuple[str, bool]:
+        mode = cache.begin_batch(indices)
+        output = layer(data)
+        cache.end_batch()
+        return mode, torch.equal(output, F.linear(data, layer.weight, layer.bias))
+
+    assert [visit() for _ in range(3)] == [("record", True), ("verify", True), ("hit", True)]
+    with torch.inference_mode():
+        layer.register_buffer("table", torch.ones(3))
+    assert [visit() for _ in range(3)] == [("record", True), ("verify", True), ("hit", True)]
+    with torch.no_grad():
+        layer.weight.mul_(0.5)
+    assert visit() == ("record", True) and cache.weight_changes == 2
+
+
+def test_activation_cache_drops_its_records_after_a_write_that_lands_inside_a_recording_batch():
+    # a review: a frozen weight written after begin_batch and before the forward (the module's own
+    # on_train_batch_start, a callback after GradientCache, training_step code) was taken for the forward's
+    # own write: the older records stayed, and a later batch replayed them stale
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 8).requires_grad_(False)
+    cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
+    cache.plan([("0", layer)])
+    data, first, second = torch.randn(4, 4), torch.tensor([0, 1]), torch.tensor([2, 3])
+
+    def visit(indices: torch.Tensor, write: bool = False) -> tuple[str, bool]:
+        mode = cache.begin_batch(indices)
+        if write:
+            with torch.no_grad():
+                layer.weight.mul_(0.5)
+        output = layer(data[indices])
+        cache.end_batch()
+        return mode, torch.equal(output, F.linear(data[indices], layer.weight, layer.bias))
+
+    assert visit(first) == ("record", True)
+    assert visit(second, write=True) == ("record", True) and cache.weight_changes == 1
+    assert [visit(second)[1], visit(first)[1], visit(first)[1]] == [True, True, True]  # nothing stale

@@ -245,3 +245,15 @@ def test_a_dependency_search_held_up_by_a_loss_in_the_output_is_refused_naming_t
     assert "output holds its loss (`loss`)" in str(refusal.value) and "training_step" in str(refusal.value)
     # the attention hint, which no cut checked, is not offered: leaving the attention out does not help here
     assert "usual cause" not in str(refusal.value)
+
+
+def test_the_trace_example_of_a_defaultdict_batch_is_cut_to_two_samples_as_a_dict():
+    # a review: cutting with the replay's batch cutter rebuilt mappings by their type, and a defaultdict takes
+    # no items: the trace example of such a batch raised TypeError at setup, where it was cut before
+    from collections import defaultdict
+
+    from lightning_pulse.core.pruning import small_example
+
+    batch = defaultdict(list, {"x": torch.randn(8, 3), "y": torch.arange(8)})
+    example = small_example(batch)
+    assert type(example) is dict and example["x"].shape == (2, 3) and example["y"].tolist() == [0, 1]

@@ -175,6 +175,22 @@ def test_a_skip_from_a_backup_gives_back_optimizer_state_kept_in_another_dtype(m
     changes.detach()
 
 
+def test_a_skip_from_a_backup_leaves_a_frozen_parameter_unwritten():
+    # a review: the backup's restore wrote every parameter back, a frozen one too, bumping its version
+    # counter, so GradientCache's activation cache took it for a change and recorded its outputs again
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    changes = StepChanges()
+    changes.attach([optimizer])
+    model(torch.ones(2, 3)).sum().backward()
+    frozen_version, trained = model[0].weight._version, model[1].weight.detach().clone()
+    changes.skip(optimizer, keep_gradients=True)  # clipping by value reads the gradients: backed up
+    optimizer.step()
+    assert model[0].weight._version == frozen_version and torch.equal(model[1].weight, trained)
+    changes.detach()
+
+
 def test_a_scaled_learning_rate_holds_inside_the_step_only():
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -134,20 +134,27 @@ NEEDS_GRADIENT = (
 _Weights = tuple[list[torch.Tensor], list[int]]
 
 
-def _weights_of(entries: Sequence[_ActivationEntry]) -> _Weights | None:
+def _weights_of(entries: Sequence[_ActivationEntry]) -> _Weights:
     """Every parameter and buffer of the modules of ``entries``, and its version counter, which each in-place
-    write bumps (``None``: a tensor made under ``torch.inference_mode`` keeps no counter). One pass over the
-    tensors, under 1 us each."""
+    write bumps. A tensor made under ``torch.inference_mode`` (a buffer rebuilt during validation) keeps no
+    counter: it is compared by identity alone (-1). One pass over the tensors, under 1 us each."""
     tensors = [t for entry in entries for d in entry.tensor_dicts for t in d.values() if t is not None]
     try:
         return tensors, [tensor._version for tensor in tensors]
     except RuntimeError:
-        return None
+        return tensors, [_version_or_none(tensor) for tensor in tensors]
 
 
-def _same_weights(now: _Weights | None, seen: _Weights) -> bool:
+def _version_or_none(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor
+        return -1
+
+
+def _same_weights(now: _Weights, seen: _Weights) -> bool:
     """Whether ``now`` holds the tensors of ``seen``, none added, removed, replaced or written since."""
-    if now is None or len(now[0]) != len(seen[0]):
+    if len(now[0]) != len(seen[0]):
         return False
     return all(map(operator.is_, now[0], seen[0])) and now[1] == seen[1]
 
@@ -203,6 +210,7 @@ class PrefixActivationCache:
         self.weight_changes = 0
         # the cached modules' parameters and buffers with their version counters, since their last forward
         self._weights_seen: _Weights | None = None
+        self._written_checked_at_forward = True
         self._stubbed: list[nn.Module] = []
         self._indices: torch.Tensor | Callable[[], torch.Tensor] | None = None
         self._slots: torch.Tensor | None = None
@@ -258,14 +266,8 @@ class PrefixActivationCache:
         self.end_batch()
         if self.disabled_reason is not None or not self.entries:
             return "off"
-        weights = _weights_of(self.entries)
-        if self._weights_seen is not None and not _same_weights(weights, self._weights_seen):
-            # written since the last forward, not by it (a prune event's masks, a rollback, the user's code):
-            # every record was computed with the old values, so each sample is recorded and verified again
-            self.weight_changes += 1
-            self.filled.zero_()
-            self.verified = False
-        self._weights_seen = weights  # a replayed batch runs none of them: nothing to take again at its end
+        self._drop_records_if_written()
+        self._written_checked_at_forward = False
         self.batches += 1
         self._indices, self._mode = indices, "pending"
         for entry in self.entries:
@@ -276,10 +278,10 @@ class PrefixActivationCache:
 
     def end_batch(self) -> None:
         """Undo what :meth:`begin_batch` installed; after a recording forward, mark its samples as recorded."""
-        forward_ran = bool(self._stubbed) and self._mode != "hit"
         for module in self._stubbed:
             del module.forward  # back to the class's forward
         self._stubbed = []
+        cached = len(self.entries)
         if self._mode in ("record", "verify"):
             reached = [e.unmatched_rows for e in self.entries if e.calls]
             if reached and self._slots is not None and all(rows is not None for rows in reached):
@@ -304,10 +306,22 @@ class PrefixActivationCache:
                 self.filled[self._slots] = True
                 if self._mode == "verify":
                     self.verified = True
-        if forward_ran:  # what the forward itself wrote into its modules' buffers belongs to their outputs
+        if len(self.entries) != cached and self._weights_seen is not None:  # fewer cached, none written
             self._weights_seen = _weights_of(self.entries)
         self._mode = "off"
         self._slots = self._indices = self._unmatched = None
+
+    def _drop_records_if_written(self) -> bool:
+        """Drop every record if the cached modules' tensors were written, added or replaced since their last
+        forward (not by it): a prune event's masks, a rollback, the user's code. Notes them as seen now."""
+        weights = _weights_of(self.entries)
+        written = self._weights_seen is not None and not _same_weights(weights, self._weights_seen)
+        if written:
+            self.weight_changes += 1
+            self.filled.zero_()
+            self.verified = False
+        self._weights_seen = weights
+        return written
 
     def _count_unmatched(self, rows: int, keys: int) -> None:
         """A batch of ``rows`` rows for ``keys`` sample indices went by; off once most batches are such."""
@@ -445,6 +459,11 @@ class PrefixActivationCache:
         module = entry.module
 
         def gate(*args: Any, **kwargs: Any) -> Any:
+            if not self._written_checked_at_forward:  # a write after begin_batch (a later callback's hook)
+                self._written_checked_at_forward = True
+                if self._drop_records_if_written() and self._mode in ("hit", "record", "verify"):
+                    self.hits -= self._mode == "hit"
+                    self._mode = "pending"  # keyed again: recorded
             if self._mode == "pending":  # the batch's first cached forward: its samples are known now
                 self._resolve()
             if self._mode == "hit":
@@ -466,10 +485,12 @@ class PrefixActivationCache:
                 if input_shape != entry.input_shape and self.disabled_reason is None:
                     # samples seen before, padded differently: the records no longer fit, so stop caching
                     self._switch_off_for_shape(entry, input_shape, output)
-                return output
-            output = type(module).forward(module, *args, **kwargs)
-            if self._mode in ("record", "verify"):
-                self._record(entry, args, kwargs, output)
+            else:
+                output = type(module).forward(module, *args, **kwargs)
+                if self._mode in ("record", "verify"):
+                    self._record(entry, args, kwargs, output)
+            if entry is self.entries[-1]:  # what the forwards wrote into their own buffers (BatchNorm's)
+                self._weights_seen = _weights_of(self.entries)
             return output
 
         module.forward = gate  # type: ignore[method-assign]

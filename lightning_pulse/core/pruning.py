@@ -706,7 +706,8 @@ def build_dependency_graph(
     try:
         for parameter in frozen:
             parameter.requires_grad_(True)
-        with torch.enable_grad():
+        # a forward drawing random numbers (ViTMAE's mask) must not move the run's generators at each event
+        with torch.random.fork_rng(devices=_cuda_devices(model)), torch.enable_grad():
             graph = tp.DependencyGraph().build_dependency(
                 model, example_inputs=inputs, forward_fn=call_with, verbose=False
             )
@@ -1913,10 +1914,20 @@ def small_example(example: Any) -> Any:
     list of target dicts) keeps its first two samples, and the items kept stay whole (their boxes are not cut
     again). ``B`` is the first dimension of the outermost tensor (:func:`_batch_rows`); other leaves are
     kept."""
+    example = _plain_mappings(example)  # as the result's are; and a defaultdict is not rebuilt from items
     rows = _batch_rows(example)
     if rows is not None and rows > 2:
         example = take_samples(example, torch.arange(2), rows)
     return _detached_on_cpu(example)
+
+
+def _plain_mappings(example: Any) -> Any:
+    """``example`` with every mapping a plain dict; tensors and other containers as they are."""
+    if isinstance(example, Mapping):
+        return {key: _plain_mappings(value) for key, value in example.items()}
+    if isinstance(example, list) or (isinstance(example, tuple) and not hasattr(example, "_fields")):
+        return type(example)(_plain_mappings(item) for item in example)
+    return example
 
 
 def _batch_rows(example: Any) -> int | None:
@@ -2116,8 +2127,9 @@ class Pruner:
         sizes = prune_targets.weight_shares(model, layers)
         if self.original_params is None and not self.history:  # the first event: nothing cut yet
             self.original_params = sum(parameter.numel() for parameter in model.parameters())
-        for name, count in channel_counts(model, list(layers)).items():
-            self.layer_channels.setdefault(name, count)
+        if not self.history:  # uncut yet: a layer first counted after a cut (a resume) has no known original
+            for name, count in channel_counts(model, list(layers)).items():
+                self.layer_channels.setdefault(name, count)
         if self.example_inputs is None:
             if example is None:
                 raise ValueError("Structured pruning needs an example input to trace the model with.")

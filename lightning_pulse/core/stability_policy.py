@@ -464,7 +464,10 @@ class StepChanges:
             with torch.no_grad():
                 live = [p for group in optimizer.param_groups for p in group["params"]]
                 for param, saved in zip(live, params):
-                    param.copy_(saved)
+                    # one the step left as it was keeps its version counter: a frozen layer's outputs that
+                    # GradientCache's activation cache recorded stay valid (it drops them on any write)
+                    if not torch.equal(param, saved):
+                        param.copy_(saved)
             self._backup = None
         if self._saved_lrs is not None:
             optimizer, lrs = self._saved_lrs
