@@ -257,3 +257,24 @@ def test_the_trace_example_of_a_defaultdict_batch_is_cut_to_two_samples_as_a_dic
     batch = defaultdict(list, {"x": torch.randn(8, 3), "y": torch.arange(8)})
     example = small_example(batch)
     assert type(example) is dict and example["x"].shape == (2, 3) and example["y"].tolist() == [0, 1]
+
+
+def test_a_prune_event_leaves_the_runs_random_stream_alone_when_the_forward_draws():
+    # a review: the event's dependency trace ran the model's forward outside a forked random state, so a
+    # model drawing in forward (a random mask, as ViTMAE's) had the run's stream moved at every event
+    from lightning_pulse.core import pruning
+
+    class DrawsInForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)) * (torch.rand(x.shape[0], 32) > -1))
+
+    for train in (True, False):
+        torch.manual_seed(0)
+        model, example = DrawsInForward().train(train), torch.randn(2, 8)
+        before = torch.get_rng_state()
+        pruning.Pruner(mode="structured").prune(model, 0.5, (), example)
+        assert model.a.out_features == 16 and torch.equal(torch.get_rng_state(), before)

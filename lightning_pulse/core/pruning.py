@@ -1925,7 +1925,9 @@ def _plain_mappings(example: Any) -> Any:
     """``example`` with every mapping a plain dict; tensors and other containers as they are."""
     if isinstance(example, Mapping):
         return {key: _plain_mappings(value) for key, value in example.items()}
-    if isinstance(example, list) or (isinstance(example, tuple) and not hasattr(example, "_fields")):
+    if isinstance(example, tuple) and hasattr(example, "_fields"):  # named tuple
+        return type(example)(*(_plain_mappings(item) for item in example))
+    if isinstance(example, (list, tuple)):
         return type(example)(_plain_mappings(item) for item in example)
     return example
 
