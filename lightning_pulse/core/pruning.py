@@ -690,12 +690,6 @@ def build_dependency_graph(
     tp = import_torch_pruning()
     modes = {module: module.training for module in model.modules()}
     inputs = inputs_for(model, example_inputs, precision)
-    calls: dict[nn.Module, int] = {}
-
-    def count(module: nn.Module, args: Any) -> None:
-        calls[module] = calls.get(module, 0) + 1
-
-    handles = [module.register_forward_pre_hook(count) for module in model.modules()]
     frozen = [
         parameter
         for parameter in model.parameters()
@@ -707,15 +701,14 @@ def build_dependency_graph(
         for parameter in frozen:
             parameter.requires_grad_(True)
         # a forward drawing random numbers (ViTMAE's mask) must not move the run's generators at each event
-        with torch.random.fork_rng(devices=_cuda_devices(model)), torch.enable_grad():
-            graph = tp.DependencyGraph().build_dependency(
-                model, example_inputs=inputs, forward_fn=call_with, verbose=False
-            )
+        with _counting_calls(model.modules()) as calls, torch.random.fork_rng(devices=_cuda_devices(model)):
+            with torch.enable_grad():
+                graph = tp.DependencyGraph().build_dependency(
+                    model, example_inputs=inputs, forward_fn=call_with, verbose=False
+                )
     finally:
         for parameter in frozen:
             parameter.requires_grad_(False)
-        for handle in handles:
-            handle.remove()
         for module, training in modes.items():
             module.train(training)
     # only modules with parameters matter: a ReLU module applied twice holds nothing torch-pruning cuts
@@ -723,6 +716,22 @@ def build_dependency_graph(
         m for m, number in calls.items() if number > 1 and any(True for _ in m.parameters())
     }
     return graph
+
+
+@contextmanager
+def _counting_calls(modules: Iterable[nn.Module]) -> Iterator[dict[nn.Module, int]]:
+    """How many times each of ``modules`` is called inside the block (a forward pre-hook each, removed after)."""
+    calls: dict[nn.Module, int] = {}
+
+    def count(module: nn.Module, args: Any) -> None:
+        calls[module] = calls.get(module, 0) + 1
+
+    handles = [module.register_forward_pre_hook(count) for module in modules]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @dataclass
@@ -1258,25 +1267,17 @@ def _called_more_than_once(model: nn.Module, pruner: Pruner, example: Any) -> st
     duplicate = copy_without_hooks(model).eval()
     named = dict(duplicate.named_modules())
     layers = {name: named[name] for name in pruner.selection(model).layers if name in named}
-    calls = dict.fromkeys(layers, 0)
-
-    def counter(name: str) -> Callable[..., None]:
-        def count(module: nn.Module, args: Any) -> None:
-            calls[name] += 1
-
-        return count
-
-    handles = [layer.register_forward_pre_hook(counter(name)) for name, layer in layers.items()]
     try:
-        with torch.no_grad():
+        with _counting_calls(layers.values()) as calls, torch.no_grad():
             call_with(duplicate, inputs_for(duplicate, small_example(example), pruner.run_precision))
     except Exception:  # only a message needs this: the trial cut said why the model cannot be cut
         return None
-    finally:
-        for handle in handles:
-            handle.remove()
     outputs = set(output_layers(model, layers, example, pruner.run_precision))
-    repeated = {name: count for name, count in calls.items() if count > 1 and name not in outputs}
+    repeated = {
+        name: calls.get(layer, 0)
+        for name, layer in layers.items()
+        if calls.get(layer, 0) > 1 and name not in outputs
+    }
     if not repeated:
         return None
     shown = ", ".join(f"{name} x{count}" for name, count in list(repeated.items())[:3])
