@@ -59,7 +59,9 @@ class RollbackAware(Protocol):
 @runtime_checkable
 class ParametersReplacedListener(Protocol):
     """Told when a callback replaced parameter tensors (structured pruning cut channels): ``remap`` maps
-    each old parameter to its replacement, so that references to the old tensors can follow."""
+    each old parameter to its replacement, so that references to the old tensors can follow.
+    :class:`~lightning_pulse.ScheduledPrune` cuts in place: the replacement is the old object, smaller
+    (``remap.shape_before(old)`` gives its shape before the cut), so what is shaped like it must be cut."""
 
     def on_pulse_parameters_replaced(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any

@@ -404,7 +404,9 @@ class ReplacedListener(Callback):
         self.calls: list[int] = []
 
     def on_pulse_parameters_replaced(self, trainer, pl_module, remap):
-        assert all(new is not old and new.numel() == kept.numel() for old, new, kept in remap)
+        # cut in place: the same object, smaller than before (what holds the parameter stays valid)
+        assert all(new is old and new.numel() == kept.numel() for old, new, kept in remap)
+        assert all(remap.shape_before(old).numel() > new.numel() for old, new, _ in remap)
         self.calls.append(trainer.global_step)
 
 

@@ -163,11 +163,8 @@ class ScheduledPrune(Callback):
 
     @staticmethod
     def load_pruned(module: torch.nn.Module, checkpoint: str | Path | Mapping[str, Any]) -> torch.nn.Module:
-        """Load a checkpoint written during a ScheduledPrune run into a freshly built ``module``.
-
-        Replays the recorded channel removals (structured) and adds masks (unstructured) so the pruned
-        state dict fits, then loads it. Returns ``module``.
-        """
+        """Load a checkpoint of a ScheduledPrune run (a weights-only one too) into a freshly built ``module``,
+        made to fit first (:func:`~lightning_pulse.core.pruning.load_pruned`). Returns ``module``."""
         return pruning.load_pruned(module, checkpoint)
 
     # ------------------------------------------------------------------ hooks
@@ -203,6 +200,7 @@ class ScheduledPrune(Callback):
         prune_setup.resolve_schedule(self.schedule, total, trainer.global_step, manual_optimizers)
         # here, not at setup: a validation sanity check (it runs after setup) creates a lazy module's weights
         errors.refuse_uninitialized_parameters(pl_module, "ScheduledPrune")
+        prune_setup.check_optimizers(self.mode, trainer.optimizers)
         # read here, not at setup: layers built in configure_model, and a backbone BackboneFinetuning freezes at
         # fit start, exist (and are frozen) only now, and configure_model may compile a part
         # a resumed run keeps the set its start read (a GradientCache may have frozen layers meanwhile)

@@ -601,7 +601,9 @@ class LayerFreezer:
                 if id(old) in moved:
                     new, kept = moved[id(old)]
                     snap = self.snapshot[i][j]
-                    fits = snap.shape == old.shape
+                    # a cut made in place (`new is old`) leaves a snapshot of the shape before it, which holds
+                    # every kept index
+                    fits = snap.shape != new.shape and (kept.numel() == 0 or snap.numel() > int(kept.max()))
                     self.snapshot[i][j] = cut_like(snap, new, kept) if fits else new.detach().clone()
         for old_id, (new, _) in moved.items():  # a frozen unit's new tensor is the one to turn back on
             if self._turned_off.pop(old_id, None) is not None:

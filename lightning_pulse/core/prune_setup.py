@@ -106,6 +106,25 @@ def check_strategy(name: str, supported: bool, spawns: bool, mode: str, options:
         )
 
 
+def check_optimizers(mode: str, optimizers: Iterable[Any]) -> None:
+    """Raise :class:`PulseRefusal` for structured mode next to an optimizer that keeps the parameters' values
+    in buffers of its own: a ``ZeroRedundancyOptimizer`` with ``parameters_as_bucket_view=True`` makes every
+    parameter a view into a flat bucket it broadcasts after each step, and a cut parameter leaves its bucket,
+    so the ranks would silently stop sharing its updates. Wrappers' inner optimizers are checked too
+    (:func:`~lightning_pulse.core.pruning.optimizers_within`)."""
+    if mode != "structured":
+        return
+    for optimizer in pruning.optimizers_within(optimizers):
+        if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and optimizer.parameters_as_bucket_view:
+            raise PulseRefusal(
+                "ScheduledPrune: mode='structured' cannot run next to ZeroRedundancyOptimizer with "
+                "parameters_as_bucket_view=True: its parameters are views into flat buckets it broadcasts "
+                "after each step, and a cut parameter leaves its bucket, so after the first cut the ranks "
+                "would silently stop sharing its updates. Use parameters_as_bucket_view=False (the default; "
+                "its cuts are followed), another optimizer, or mode='unstructured'."
+            )
+
+
 def check_weight_averaging(mode: str, averaging: str | None) -> None:
     """Raise :class:`PulseRefusal` for structured mode next to a callback that averages the weights into a copy
     of the module taken before training (``averaging``, its class name): the copy keeps the uncut shapes."""

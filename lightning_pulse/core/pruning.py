@@ -37,7 +37,7 @@ from torch.nn import functional as F
 from torch.nn.utils import prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 
-from lightning_pulse.core import prune_targets
+from lightning_pulse.core import prune_targets, prune_widths
 from lightning_pulse.core.carried_state import WEIGHT_HOOKS, hook_weight_name
 from lightning_pulse.core.prune_targets import LayerSelection, call_with
 from lightning_pulse.core.selection import take_samples
@@ -926,14 +926,19 @@ class ParameterRemap:
 
     ``kept`` holds the flat indices of ``old`` that survive in ``new`` (``new.flatten() ==
     old.flatten()[kept]``), so any tensor shaped like ``old`` (an Adam moment, a score, a cached gradient)
-    can follow with :meth:`apply`. Replacements chained within one event are composed.
+    can follow with :meth:`apply`. Replacements chained within one event are composed. A cut made in place
+    (:func:`prune_group` keeps each parameter object: ``new is old``) records the shape before it, which
+    :meth:`shape_before` gives.
     """
 
     def __init__(self) -> None:
         self._entries: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor]] = {}
         self._key_of_new: dict[int, int] = {}
+        self._shapes: dict[int, torch.Size] = {}  # key -> the shape of the first `old`, before this event
 
-    def add(self, old: nn.Parameter, new: nn.Parameter, kept: torch.Tensor) -> None:
+    def add(
+        self, old: nn.Parameter, new: nn.Parameter, kept: torch.Tensor, old_shape: torch.Size | None = None
+    ) -> None:
         key = self._key_of_new.pop(id(old), None)
         if key is not None:  # `old` was itself created earlier in this event: compose the index maps
             first_old, _, first_kept = self._entries[key]
@@ -941,7 +946,12 @@ class ParameterRemap:
         else:
             key = id(old)
             self._entries[key] = (old, new, kept)
+            self._shapes[key] = old.shape if old_shape is None else old_shape
         self._key_of_new[id(new)] = key
+
+    def shape_before(self, parameter: torch.Tensor) -> torch.Size:
+        """The shape ``parameter`` (an ``old`` of this remap) had before the change; its shape when not in it."""
+        return self._shapes.get(id(parameter), parameter.shape)
 
     def __iter__(self) -> Iterator[tuple[nn.Parameter, nn.Parameter, torch.Tensor]]:
         return iter(list(self._entries.values()))
@@ -978,9 +988,11 @@ def remap_optimizer_state(optimizer: torch.optim.Optimizer, remap: ParameterRema
     messages say what was dropped.
     """
     problems: list[str] = []
-    total_before = sum(parameter.numel() for group in optimizer.param_groups for parameter in group["params"])
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    total_before = sum(math.prod(remap.shape_before(parameter)) for parameter in parameters)
     replaced: set[int] = set()  # ids: a set of tensors would compare their values
     for old, new, kept in remap:
+        old_shape = remap.shape_before(old)
         for group in optimizer.param_groups:
             for index, parameter in enumerate(group["params"]):
                 if parameter is old:
@@ -991,8 +1003,8 @@ def remap_optimizer_state(optimizer: torch.optim.Optimizer, remap: ParameterRema
         state = optimizer.state.pop(old)
         moved: dict[str, Any] | None = {}
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.shape == old.shape and value.dim() > 0:
-                moved[key] = ParameterRemap.apply(value, old.shape, new.shape, kept)
+            if isinstance(value, torch.Tensor) and value.shape == old_shape and value.dim() > 0:
+                moved[key] = ParameterRemap.apply(value, old_shape, new.shape, kept)
             elif any(tensor.numel() > 1 for tensor in _tensors_in(value)):
                 moved = None
                 what = (
@@ -1001,7 +1013,7 @@ def remap_optimizer_state(optimizer: torch.optim.Optimizer, remap: ParameterRema
                     else f"(a {type(value).__name__} of tensors)"
                 )
                 problems.append(
-                    f"optimizer state {key!r} {what} for a parameter of shape {tuple(old.shape)} cannot be cut "
+                    f"optimizer state {key!r} {what} for a parameter of shape {tuple(old_shape)} cannot be cut "
                     "to the pruned shape; that parameter's state was reset."
                 )
                 break
@@ -1029,6 +1041,31 @@ def remap_optimizer_state(optimizer: torch.optim.Optimizer, remap: ParameterRema
                 "vector over them), which no longer fits; that parameter's state was reset."
             )
     return problems
+
+
+def optimizers_within(optimizers: Iterable[Any], depth: int = 3) -> list[torch.optim.Optimizer]:
+    """``optimizers`` and the torch optimizers they hold in their attributes (a wrapper's inner one:
+    Lookahead's ``optimizer``, SAM's ``base_optimizer``), ``depth`` attributes deep, each state once.
+
+    A wrapper keeps the state of the inner optimizer apart from its own; a cut must cut both. One that
+    shares its inner optimizer's ``state`` mapping is listed once (a second cut of the same state would
+    find tensors already cut).
+    """
+    found: list[torch.optim.Optimizer] = []
+    states: set[int] = set()
+
+    def visit(optimizer: torch.optim.Optimizer, level: int) -> None:
+        if id(optimizer.state) not in states:
+            states.add(id(optimizer.state))
+            found.append(optimizer)
+        for value in vars(optimizer).values() if level > 0 else ():
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, torch.optim.Optimizer) and item is not optimizer:
+                    visit(item, level - 1)
+
+    for optimizer in optimizers:
+        visit(optimizer, depth)
+    return found
 
 
 #: what a structured cut does to a ``torch.optim.LBFGS`` (:func:`remap_optimizer_state`)
@@ -1099,6 +1136,7 @@ def prune_group(
             dependency.handler.__self__.pruning_dim = dependency.target.pruning_dim
             dependency.handler(shadows[module], list(dependency_indices))
     group.prune()
+    cut: set[int] = set()  # ids of the parameters already cut in place (a tied one is met twice)
     for module in targets:
         paths = {submodule: path for path, submodule in module.named_modules()}
         shadow_modules = dict(shadows[module].named_modules())
@@ -1106,9 +1144,33 @@ def prune_group(
             new = owner._parameters[name]
             if new is old:
                 continue
+            owner._parameters[name] = old  # the same object, cut: see cut_in_place
+            if id(old) in cut:
+                continue
+            cut.add(id(old))
             kept = shadow_modules[paths[owner]]._parameters[name].detach().reshape(-1).long()
-            new.requires_grad_(old.requires_grad)  # torch-pruning creates trainable parameters
-            remap.add(old, new, kept)
+            old_shape = old.shape
+            cut_in_place(old, new, kept)
+            remap.add(old, old, kept, old_shape)
+
+
+@torch.no_grad()
+def cut_in_place(parameter: nn.Parameter, cut: torch.Tensor, kept: torch.Tensor) -> None:
+    """Give ``parameter`` the values of ``cut`` (its elements ``kept``), keeping the object.
+
+    torch-pruning puts new parameters into the layers; the old objects are what the user's hooks
+    (``register_post_accumulate_grad_hook``, ``register_hook``), the user's own lists of parameters, every
+    optimizer (a wrapper's inner one too) and DDP hold, so the cut goes back into them: all stay valid. A
+    gradient is cut with the same indices (a shape that no longer fits the parameter could not be kept).
+    """
+    grad, parameter.grad = parameter.grad, None
+    # autograd's gradient accumulator keeps the old shape and checks gradients against it; torch drops it
+    # (the next backward makes one of the new shape, with the parameter's hooks) only when the dtype changes
+    other = torch.float64 if cut.dtype != torch.float64 else torch.float32
+    parameter.data = torch.empty(0, dtype=other, device=cut.device)
+    parameter.data = cut.detach()
+    if grad is not None:
+        parameter.grad = ParameterRemap.apply(grad, grad.shape, cut.shape, kept)
 
 
 @dataclass
@@ -2151,7 +2213,7 @@ class Pruner:
         self.history.extend(result.history)
         problems = []
         if len(result.remap):
-            for optimizer in optimizers:
+            for optimizer in optimizers_within(optimizers):
                 problems += remap_optimizer_state(optimizer, result.remap)
         # a chosen layer whose outputs were cut within another layer's group is cut, not "left uncut"
         originals = {**self.layer_channels, **self.original_channels}
@@ -2294,8 +2356,13 @@ def fit_to_state_dict(
     the module only after Lightning restored it. A write to a masked layer's computed weight not yet kept is
     dropped (:func:`discard_written_weights`): the state loaded now supersedes it.
 
+    When ``structure`` records no removals (a weights-only checkpoint), the widths are read from the state
+    dict's shapes instead (:func:`~lightning_pulse.core.prune_widths.fit_widths`): every value is loaded, so
+    which channels the fresh module keeps does not matter.
+
     Raises:
-        RuntimeError: shapes differ and ``structure`` records no removals.
+        RuntimeError: the module lost channels since the state was saved, or a layer's widths differ and
+            neither ``structure`` nor its shapes tell them (:func:`~lightning_pulse.core.prune_widths.fit_widths`).
     """
     discard_written_weights(module)  # the state loaded now supersedes a write to a computed weight before it
     keys = [key[len(prefix) :] for key in state_dict if key.startswith(prefix)]
@@ -2341,11 +2408,9 @@ def fit_to_state_dict(
     if recorded is None:
         recorded = structure() if callable(structure) else structure
     if not recorded or not recorded.get("history"):
-        raise RuntimeError(
-            f"The state dict has pruned shapes ({mismatched[0]}) but no recorded channel removals to rebuild "
-            "them (the checkpoint lacks ScheduledPrune's state, e.g. it was saved with weights_only=True). Load "
-            "it with ScheduledPrune.load_pruned(module, checkpoint)."
-        )
+        # a weights-only checkpoint: its values are all loaded, so only the widths, read from its shapes, matter
+        prune_widths.fit_widths(module, state_dict, prefix)
+        return
     example = _example_in_module_dtype(module, state_dict, prefix, keys, recorded)
     replay_structure(module, example, recorded["history"], trace_precision)
 

@@ -1,0 +1,141 @@
+"""Fit a freshly built module to the widths of a structured run's state dict, read from its shapes alone.
+
+A weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)``) of a
+:class:`~lightning_pulse.ScheduledPrune` run in structured mode holds the cut weights but not the record of
+which channels were removed. None is needed to load it: every value comes from the state dict, so which
+channels the fresh module keeps does not matter, only how many. :func:`fit_widths` gives each layer whose
+entries have other shapes tensors of the saved shapes and sets the attributes its ``forward`` reads
+(``out_features``, ``in_channels``, ``num_features``, ...). A layer whose width lives elsewhere (a grouped
+convolution, an attention block) cannot be fitted so; it is named, with the way out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pulse.core import prune_targets
+
+#: the way out named when a layer's widths cannot be read from its shapes
+FULL_CHECKPOINT = (
+    "save the run's checkpoints with ModelCheckpoint(save_weights_only=False) (the default), which records "
+    "the channel removals ScheduledPrune.load_pruned replays"
+)
+
+
+def _linear(module: nn.Linear, weight: torch.Tensor) -> None:
+    module.out_features, module.in_features = weight.shape
+
+
+def _hf_conv1d(module: nn.Module, weight: torch.Tensor) -> None:
+    module.nf = weight.shape[1]  # Hugging Face's Conv1D stores (in, out); its forward reads `nf`
+
+
+def _conv(module: nn.modules.conv._ConvNd, weight: torch.Tensor) -> None:
+    first, second = weight.shape[0], weight.shape[1] * module.groups
+    module.in_channels, module.out_channels = (first, second) if module.transposed else (second, first)
+
+
+def _norm(module: nn.Module, weight: torch.Tensor) -> None:
+    module.num_features = weight.shape[0]
+
+
+def _layer_norm(module: nn.LayerNorm, weight: torch.Tensor) -> None:
+    module.normalized_shape = tuple(weight.shape)
+
+
+def _group_norm(module: nn.GroupNorm, weight: torch.Tensor) -> None:
+    module.num_channels = weight.shape[0]
+
+
+def _embedding(module: nn.Embedding, weight: torch.Tensor) -> None:
+    module.num_embeddings, module.embedding_dim = weight.shape
+
+
+def _prelu(module: nn.PReLU, weight: torch.Tensor) -> None:
+    module.num_parameters = weight.numel()
+
+
+_WIDTHS: tuple[tuple[Callable[[nn.Module], bool], Callable[[Any, torch.Tensor], None]], ...] = (
+    (lambda m: isinstance(m, nn.Linear), _linear),
+    (prune_targets.is_hf_conv1d, _hf_conv1d),
+    (lambda m: isinstance(m, nn.modules.conv._ConvNd) and m.groups == 1, _conv),
+    (lambda m: isinstance(m, (nn.modules.batchnorm._NormBase)), _norm),
+    (lambda m: isinstance(m, nn.LayerNorm) and m.elementwise_affine, _layer_norm),
+    (lambda m: isinstance(m, nn.GroupNorm) and m.affine, _group_norm),
+    (lambda m: isinstance(m, nn.Embedding), _embedding),
+    (lambda m: isinstance(m, nn.PReLU), _prelu),
+)
+
+
+def _width_setter(module: nn.Module) -> Callable[[Any, torch.Tensor], None] | None:
+    return next((setter for matches, setter in _WIDTHS if matches(module)), None)
+
+
+def differing_layers(
+    module: nn.Module, state_dict: Mapping[str, Any], prefix: str = ""
+) -> dict[str, dict[str, torch.Size]]:
+    """Qualified layer name -> {its parameter or buffer name: the saved shape} for the entries of
+    ``state_dict`` whose shape differs from ``module``'s."""
+    differing: dict[str, dict[str, torch.Size]] = {}
+    for layer_name, layer in module.named_modules():
+        for name, tensor in (*layer._parameters.items(), *layer._buffers.items()):
+            key = f"{prefix}{layer_name}.{name}" if layer_name else f"{prefix}{name}"
+            saved = state_dict.get(key)
+            if tensor is None or nn.parameter.is_lazy(tensor) or not isinstance(saved, torch.Tensor):
+                continue
+            if saved.shape != tensor.shape:
+                differing.setdefault(layer_name, {})[name] = saved.shape
+    return differing
+
+
+def fit_widths(module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "") -> None:
+    """Give every layer of ``module`` whose entries in ``state_dict`` have other shapes tensors of those
+    shapes (values left to the load that follows) and the widths its ``forward`` reads.
+
+    Raises:
+        RuntimeError: for a layer whose widths cannot be read from its shapes (a grouped convolution, a
+            layer of another type), before anything is changed; the message names it and the way out.
+    """
+    differing = differing_layers(module, state_dict, prefix)
+    layers = {name: module.get_submodule(name) for name in differing}
+    unknown = [name for name, layer in layers.items() if _width_setter(layer) is None]
+    for name, layer in layers.items():
+        if any(
+            len(shape) != layer._parameters.get(entry, layer._buffers.get(entry)).dim()
+            for entry, shape in differing[name].items()
+        ):
+            unknown.append(name)
+    if unknown:
+        raise RuntimeError(
+            f"ScheduledPrune: the state dict has cut widths but no record of the channel removals (a weights-only "
+            f"checkpoint), and the widths of {', '.join(sorted({name or '(the root)' for name in unknown}))} "
+            f"({type(layers[unknown[0]]).__name__}) cannot be read from their shapes alone. To load such a model, "
+            f"{FULL_CHECKPOINT}."
+        )
+    for name, layer in layers.items():
+        for entry, shape in differing[name].items():
+            _resize(layer, entry, shape)
+        weight = layer._parameters.get("weight")
+        if weight is None:  # a norm without affine weights: its running statistics tell its width
+            weight = layer._buffers["running_mean"]
+        _width_setter(layer)(layer, weight)
+
+
+@torch.no_grad()
+def _resize(layer: nn.Module, name: str, shape: torch.Size) -> None:
+    """Give ``layer.<name>`` an uninitialised tensor of ``shape`` (same object for a parameter: whatever holds
+    it stays valid)."""
+    if name in layer._parameters:
+        parameter = layer._parameters[name]
+        dtype = parameter.dtype
+        other = torch.float64 if dtype != torch.float64 else torch.float32
+        # dropping autograd's gradient accumulator, which keeps the old shape (see pruning.cut_in_place)
+        parameter.data = torch.empty(0, dtype=other, device=parameter.device)
+        parameter.data = torch.empty(shape, dtype=dtype, device=parameter.device)
+        return
+    buffer = layer._buffers[name]
+    layer._buffers[name] = torch.empty(shape, dtype=buffer.dtype, device=buffer.device)
