@@ -483,7 +483,7 @@ def test_a_resumed_frozen_prefix_does_not_hide_reentrant_checkpointing_from_the_
     cache, path = GradientCache(**settings), str(tmp_path / "frozen.ckpt")
     trainer = pl.Trainer(callbacks=[cache], max_steps=6, **trainer_kwargs(limit_val_batches=0))
     trainer.fit(CheckpointedBlocks(use_reentrant=False), _checkpointed_blocks_data())
-    assert cache.frozen_units[:2] == ["inp", "b1.0"]  # saved mid-freeze: the prefix ends inside b1
+    assert cache.freezer.frozen_names[:2] == ["inp", "b1.0"]  # saved mid-freeze: the prefix ends inside b1
     trainer.save_checkpoint(path)
     resumed = pl.Trainer(
         callbacks=[GradientCache(**settings)], max_steps=12, **trainer_kwargs(limit_val_batches=0)

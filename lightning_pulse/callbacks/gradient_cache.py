@@ -59,8 +59,8 @@ class GradientCache(Callback):
             so ``1.0`` freezes whatever has been scored once.
         check_every: optimizer steps per window; units are scored at the end of every window.
         freeze_for: longest freeze in optimizer steps before a re-check; a multiple of ``check_every``.
-        max_frozen_share: largest share of the trainable parameters frozen at once, in (0, 1]. The last unit in
-            forward order (usually the head) always trains.
+        max_frozen_share: largest share of the trainable parameters frozen at once, in (0, 1]. Heads (units whose
+            output no other unit reads: the last, a second head) always train.
         phases: the pulse phases in which units may be frozen.
         start_at: no freezing before this point: an ``int`` optimizer step or a ``float`` share of the run.
         release_at: nothing is frozen from this point on (same forms as ``start_at``); ``None``: never.
@@ -139,7 +139,7 @@ class GradientCache(Callback):
     @property
     def frozen_units(self) -> list[str]:
         """Names of the units frozen now."""
-        return self.freezer.frozen_names if self.freezer is not None else []
+        return self._lifecycle.frozen_names
 
     @property
     def activations(self) -> PrefixActivationCache | None:
@@ -230,7 +230,7 @@ class GradientCache(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self.freezer is None:
+        if self._lifecycle.repeated_evaluation() or self.freezer is None:  # SAM's second closure: counted
             return
         before = self.freezer.frozen_prefix
         enabled = self._phase_enabled and in_span(self._span, trainer.global_step + 1)

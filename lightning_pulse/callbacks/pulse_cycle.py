@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.core.optimizer_modes import at_evaluation_point
 from lightning_pulse.core.step_plan import StepPlan, epoch_steps, replay_duration_for_budget, spent_summary
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refusing
 from lightning_pulse.loggers import log_to_loggers
@@ -280,15 +281,14 @@ class PulseCycle(Callback):
     ) -> None:
         if compat.in_batch_norm_update_epoch(trainer):  # StochasticWeightAveraging's: no training step
             return
-        global_step = trainer.global_step
-        if (lap := self.timer.lap(global_step)) is None:  # inside an accumulation window, or a skipped step
+        if (lap := self.timer.lap(trainer.global_step)) is None:  # mid accumulation window, or a skipped step
             return
         steps, seconds = lap
         if self.clock.uses_wall_clock and trainer.world_size > 1:
             # rank 0's clock decides, so every rank switches at the same step
             seconds = self._rank_zero_seconds(trainer, pl_module, seconds)
         changes = self.clock.advance(steps, seconds, self._epoch_steps, self._total_steps)
-        if global_step % max(trainer.log_every_n_steps, 1) == 0 and trainer.loggers:
+        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0 and trainer.loggers:
             log_to_loggers(trainer, {"pulse/phase": self.clock.phase.code, "pulse/cycle": self.clock.cycle})
         for change in changes:
             self._announce(trainer, pl_module, change)
@@ -344,7 +344,7 @@ class PulseCycle(Callback):
         self._total_steps = compat.total_steps(trainer)
 
     def _run_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        probe = self.probe.run(trainer, pl_module)
+        probe = at_evaluation_point(trainer.optimizers, self.probe.run, trainer, pl_module)
         if probe is not None:
             self.last_probe = probe
             log_to_loggers(trainer, {f"pulse/probe/{name}": value for name, value in probe.items()})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -197,6 +197,7 @@ class PrefixActivationCache:
         self.entries: list[_ActivationEntry] = []
         self.verified = False
         self.disabled_reason: str | None = None
+        self.mismatched: str | None = None  # the module whose output differed between two visits of a sample
         # the first frozen module of a plan that cannot be replayed (nor any after it, the cache being a
         # prefix) -> why; modules before it are still cached
         self.uncached: dict[str, str] = {}
@@ -413,9 +414,10 @@ class PrefixActivationCache:
                 return
         stored = entry.storage.index_select(0, slots.to(entry.storage.device))
         if self._mode == "verify" and not torch.allclose(stored, output.detach(), rtol=1e-3, atol=1e-5):
+            self.mismatched = entry.name
             self.disabled_reason = (
                 f"the output of {entry.name} differs between two visits of the same frozen sample (random data "
-                "augmentation or noise in the forward?)"
+                "augmentation or noise in the forward, or state that every forward updates?)"
             )
             return
         entry.storage.index_copy_(0, slots.to(entry.storage.device), output.detach())
@@ -495,6 +497,32 @@ class PrefixActivationCache:
 
         module.forward = gate  # type: ignore[method-assign]
         self._stubbed.append(module)
+
+
+def observing_fake_quants(modules: Mapping[str, nn.Module]) -> list[str]:
+    """The names of the fake-quant modules (quantization-aware training, ``torch.ao`` eager or FX) whose
+    observer is on: they move their scale and zero point at every training forward, which changes what the
+    modules after them compute although no parameter moved."""
+    from torch.ao.quantization import FakeQuantizeBase
+
+    return [
+        name
+        for name, module in modules.items()
+        if isinstance(module, FakeQuantizeBase)
+        and bool(getattr(module, "observer_enabled", torch.ones(1))[0])
+    ]
+
+
+def observer_mismatch_reason(module_name: str, observers: Sequence[str]) -> str:
+    """Why the cache switched off when ``module_name``'s output changed between visits of a sample while
+    fake-quant ``observers`` (:func:`observing_fake_quants`) were on."""
+    shown = ", ".join(observers[:3]) + (f" and {len(observers) - 3} more" if len(observers) > 3 else "")
+    return (
+        f"the output of {module_name} differs between two visits of the same frozen sample, and the model's "
+        f"fake-quant observers update their scale at every training forward ({shown}): state written in "
+        "forward, not the frozen parameters, changed it. To use the cache, turn the observers off once they "
+        "settled (`model.apply(torch.ao.quantization.disable_observer)`)"
+    )
 
 
 def _output_reason(output: Any) -> str:
@@ -626,6 +654,8 @@ class LoaderActivationCache:
         if reason is None or self._reported:
             return None
         self._reported = True
+        if self.cache.mismatched is not None and (observers := observing_fake_quants(self._modules)):
+            reason = self.cache.disabled_reason = observer_mismatch_reason(self.cache.mismatched, observers)
         return reason
 
     def _report_uncached(self) -> None:

@@ -159,6 +159,29 @@ def reread_note(units: Sequence[FreezeUnit]) -> str | None:
     )
 
 
+def head_positions(units: Sequence[FreezeUnit]) -> set[int]:
+    """Positions of the *heads*: units that got a gradient and that no other unit reads from
+    (:attr:`FreezeUnit.inputs_from`), so their output reaches the loss without passing through a trainable unit
+    (a classifier, a second head of a multi-task or DANN model, an auxiliary loss's head). A frozen prefix stops
+    before the first: freezing a head stops its loss's learning. The last unit of a chain is the only one;
+    empty when no unit reads another (the reads were never traced: nothing to tell heads by)."""
+    read = {name for unit in units for name in unit.inputs_from if name != unit.name}
+    if not read:
+        return set()
+    return {index for index, unit in enumerate(units) if unit.used and unit.name not in read}
+
+
+def heads_note(units: Sequence[FreezeUnit]) -> str | None:
+    """One line naming the heads (:func:`head_positions`) before the last of them (``None``: one head)."""
+    heads = sorted(head_positions(units))
+    if len(heads) < 2:
+        return None
+    return (
+        "units whose output reaches the loss without passing through another unit are heads and never freeze, "
+        "so the frozen prefix stops before the first: " + ", ".join(units[index].name for index in heads)
+    )
+
+
 def farthest_reads(units: Sequence[FreezeUnit]) -> list[int]:
     """For each unit in forward order, the farthest position that it or a unit before it reads from
     (:attr:`FreezeUnit.inputs_from`, itself at least): the first ``k`` units may be frozen together only if

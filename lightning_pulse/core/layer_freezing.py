@@ -34,6 +34,8 @@ from lightning_pulse.core.freeze_units import (
     cut_like,
     discover_units,
     farthest_reads,
+    head_positions,
+    heads_note,
     mark_inputs,
     mark_shared,
     order_note,
@@ -445,6 +447,12 @@ class LayerFreezer:
     def frozen_names(self) -> list[str]:
         return [unit.name for unit, frozen in zip(self.units, self.frozen) if frozen]
 
+    def drop_frozen_gradients(self) -> None:
+        """``grad=None`` on every frozen unit's parameters, so torch optimizers leave them alone."""
+        for unit, is_frozen in zip(self.units, self.frozen):
+            for param in unit.params if is_frozen else ():
+                param.grad = None
+
     def turned_off(self) -> list[nn.Parameter]:
         """The parameters this freezer turned off (``requires_grad``) and has not turned back on."""
         return list(self._turned_off.values())
@@ -661,10 +669,11 @@ class LayerFreezer:
         frozen_numel = 0
         length = 0
         farthest = farthest_reads(self.units)
+        heads = head_positions(self.units)
         for i in range(self.freezable_limit):
             unit = self.units[i]
-            # a pinned unit shares a parameter with a later one: the prefix stops before it
-            if unit.pinned or not unit.used or not self._fresh(i) or not self.stable[i]:
+            # a pinned unit shares a parameter with a later one, a head feeds the loss: the prefix stops before
+            if unit.pinned or i in heads or not unit.used or not self._fresh(i) or not self.stable[i]:
                 break
             if frozen_numel + self._unit_numel[i] > budget:
                 break
@@ -888,6 +897,10 @@ class FreezerLifecycle:
         self.optimizer_check = GradlessStepCheck()  # whether the optimizer leaves frozen parameters alone
         self.rolled_back_at: int | None = None  # optimizer steps taken at the fit's last rollback (restore)
         self._announced: tuple[str, str | None] | None = None  # the units :meth:`announce` last named
+        self._step_counted = False  # the step under way was counted (at its first closure evaluation)
+        self.repeats_closure = False  # the optimizer evaluates its closure more than once per step (SAM)
+        self._released_now: list[nn.Parameter] = []  # released at the step's first closure evaluation
+        self._ended = False  # the fit ended: every parameter trains again
 
     @property
     def units(self) -> list[FreezeUnit]:
@@ -907,6 +920,12 @@ class FreezerLifecycle:
         return self.freezer.frozen_prefix if self.freezer is not None else 0
 
     @property
+    def frozen_names(self) -> list[str]:
+        """Names of the units frozen now: none without a freezer or once the fit ended (:meth:`end` turned
+        every parameter back on; the freezer keeps its flags for :meth:`state_dict`)."""
+        return self.freezer.frozen_names if self.freezer is not None and not self._ended else []
+
+    @property
     def backward_prefix(self) -> int:
         """Leading units the next backward skips (none in a resumed fit's first: :meth:`begin_forward`)."""
         return 0 if self._opened else self.frozen_prefix
@@ -921,7 +940,7 @@ class FreezerLifecycle:
             ValueError: for a name in ``unit_names`` that ``model`` does not have (see :func:`discover_units`).
         """
         self._graph_checked, self._model, self._statistics, self._rare = False, model, None, []
-        self.rolled_back_at, self._announced = None, None
+        self.rolled_back_at, self._announced, self._step_counted, self._ended = None, None, False, False
         self.freezer, self.trace = restore_freezer(None, state, model, self.settings), None
         self._open_first_forward, self._opened = self.freezer is not None, []
         if self.freezer is None:
@@ -1097,11 +1116,41 @@ class FreezerLifecycle:
         freezer = self.freezer
         if freezer is None:
             return StepReport()
+        frozen_before = list(freezer.frozen) if self.repeats_closure else None
         report = freezer.step(enabled and self.may_freeze, agree)
+        if frozen_before is not None and report.changed:
+            # the closure runs again in this step (SAM), so the frozen set holds until the step ends: units
+            # frozen now keep no gradient of this evaluation (SAM would perturb them and, without a gradient at
+            # the next, never restore them), units released now get none from the later ones (SAM would
+            # restore them to the point it saved at the last step they trained)
+            freezer.drop_frozen_gradients()
+            self._released_now = [
+                param
+                for unit, was, now in zip(freezer.units, frozen_before, freezer.frozen)
+                if was and not now
+                for param in unit.params
+            ]
         if report.held:
             held = [param for i in report.held for param in freezer.units[i].params]
             self.optimizer_check.before_step(optimizers, held)
         return report
+
+    def repeated_evaluation(self) -> bool:
+        """Whether this call (one per closure evaluation, before the optimizer uses its gradients) is a later
+        evaluation of an optimizer step counted already: SAM evaluates its closure twice per step. Windows and
+        freezes count optimizer steps, so it counts nothing; the frozen units' gradients are dropped again. The
+        first call of a step returns ``False``; :meth:`optimizer_moved_frozen_units` ends the step. Units
+        released at the first evaluation get no gradient from the later ones either: they train from the next
+        step."""
+        if not self._step_counted:
+            self._step_counted = True
+            return False
+        self.repeats_closure = True
+        if self.freezer is not None:
+            self.freezer.drop_frozen_gradients()
+        for param in self._released_now:  # released at this step's first evaluation: train from the next
+            param.grad = None
+        return True
 
     def follow_phase(self, enabled: bool, resume: bool = False) -> int | None:
         """A pulse phase started: :meth:`LayerFreezer.follow_phase`, where nothing freezes once the optimizer
@@ -1120,9 +1169,11 @@ class FreezerLifecycle:
     def optimizer_moved_frozen_units(
         self, agree: Callable[[list[bool]], list[bool]] | None = None
     ) -> int | None:
-        """After the optimizer step: if it moved frozen parameters (:meth:`GradlessStepCheck.after_step`,
-        found once), they are back where they were, every unit is released and nothing freezes again: returns
-        the frozen prefix before that; ``None`` otherwise."""
+        """After the optimizer step (at each batch end, which ends the step :meth:`repeated_evaluation`
+        counts): if it moved frozen parameters (:meth:`GradlessStepCheck.after_step`, found once), they are
+        back where they were, every unit is released and nothing freezes again: returns the frozen prefix
+        before that; ``None`` otherwise."""
+        self._step_counted, self._released_now = False, []
         if not self.optimizer_check.after_step(agree):
             return None
         before = self.frozen_prefix
@@ -1199,6 +1250,7 @@ class FreezerLifecycle:
 
     def end(self) -> None:
         """Turn back on every parameter the freezer turned off, so the module leaves the fit as it came in."""
+        self._ended = True
         if self.freezer is not None:
             self.freezer.restore_requires_grad()
 
@@ -1433,7 +1485,7 @@ def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Cal
         warn(f"GradientCache: {freezer.pinned_first}.")
         pinned = pinned[1:]  # the warning named the first unit's tie: one message for one fact
     info(f"GradientCache: {order_note(freezer.units)}")
-    for note in (pinned_note(pinned), reread_note(freezer.units)):
+    for note in (pinned_note(pinned), reread_note(freezer.units), heads_note(freezer.units)):
         if note is not None:
             info(f"GradientCache: {note}.")
 
