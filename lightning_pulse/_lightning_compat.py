@@ -538,6 +538,11 @@ def training_steps_taken(trainer: pl.Trainer) -> int:
     return trainer.global_step - int(ran)
 
 
+def window_ended(trainer: pl.Trainer) -> bool:
+    """At a training batch's end: whether its accumulation window ended (where an optimizer step was due)."""
+    return not trainer.fit_loop._should_accumulate()
+
+
 def _training_epoch_batches(trainer: pl.Trainer) -> tuple[float, int]:
     """``(batches, accumulation)`` of a training epoch: inside the BatchNorm-update epoch, the values SWA
     replaced (until its ``on_train_end``) with one batch more and an accumulation spanning the epoch."""

@@ -207,19 +207,19 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         # after the accumulation window, DDP's all-reduce and the AMP unscale; before clipping
-        record = self._record
-        losses = record.take_losses()
-        # decided already: a forced skip, or LBFGS's later closure evaluations (trial points), judged on the first
-        if (decided := record.decided_before_judging(self.policy)) is not None:
-            if decided is not Action.APPLY:
+        record, step, losses = self._record, trainer.global_step, self._record.take_losses()
+        decided = record.decided_before_judging(self.policy)  # a forced skip, or a later closure evaluation
+        if decided is not None and decided is not Action.APPLY:
+            return self._changes.skip(optimizer, self._keep_gradients)
+        sums = self._sum_over_ranks(trainer)
+        loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, sums, trainer.world_size)
+        if decided is Action.APPLY:  # SAM applies its second's gradient; spikes are judged on the first
+            record.decided = self.core.judge_later_evaluation(step, loss, grad_norm)  # non-finite: a skip
+            if record.decided is not Action.APPLY:
                 self._changes.skip(optimizer, self._keep_gradients)
             return
-        loss, grad_norm = step_loss_and_grad_norm(
-            optimizer.param_groups, losses, self._sum_over_ranks(trainer), trainer.world_size
-        )
         # the baseline key of the step: its pulse phase, or the one fixed key
         key = self._fixed_key if self._cycle is None else self._cycle.phase.value
-        step = trainer.global_step
         record.loss, record.key = loss, key  # for the checks of a flagged step, with its batches
         trace = partial(self._nonfinite_cause, trainer, pl_module)
         rollback_helps = partial(self._rollback_helps, trainer, pl_module)
@@ -228,6 +228,7 @@ class StabilityGuard(Callback):
         if unjudged:
             rank_zero_warn(steps.unjudged_loss_message(loss))
         if action is Action.APPLY:
+            self._changes.hold(optimizer, record.repeats)  # a later closure evaluation may still skip it
             if self.policy.cooldown_remaining and self.config.lr_factor_after_rollback < 1:
                 self._changes.scale_lr(optimizer, self.config.lr_factor_after_rollback)
             return
@@ -239,9 +240,8 @@ class StabilityGuard(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        action = self._record.end()
-        if action is None:  # inside an accumulation window
-            return
+        if (action := self._record.end()) is None:  # inside an accumulation window, or one without a step
+            return self._record.drop_window(compat.window_ended(trainer))
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
         energy, optimizers = self._energy.end(), trainer.optimizers
         schedulers = self._schedulers(trainer)  # StochasticWeightAveraging swaps or adds one mid-run

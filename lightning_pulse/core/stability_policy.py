@@ -399,8 +399,12 @@ class StepChanges:
 
     * :meth:`skip`: every gradient set to ``None``. torch's own optimizers then skip each parameter entirely
       (no moment update, no step count, no weight decay; tested for every class in ``torch.optim``). Any
-      other optimizer may keep global counters (schedule-free ones do): its state and parameters are backed
-      up and put back after its step.
+      other optimizer may keep global counters (schedule-free ones do), or read the gradients in its step
+      (SAM stacks their norms: a list of none fails): its gradients are zeroed in place instead, and its
+      state, its inner optimizers' (SAM's base optimizer) and the parameters are backed up and put back
+      after its step, with the parameter-group dicts it shares with them kept the same objects.
+    * :meth:`hold`: a backup taken before a step that may still be skipped after its parameters moved (a
+      later closure evaluation of SAM or LBFGS that turns out non-finite); dropped after an applied step.
     * :meth:`scale_lr`: the learning rates of one step scaled, put back after the step, before Lightning
       steps the LR schedulers (chainable schedulers never see the lowered value).
 
@@ -411,7 +415,9 @@ class StepChanges:
     """
 
     def __init__(self) -> None:
-        self._backup: tuple[torch.optim.Optimizer, dict[str, Any], list[torch.Tensor]] | None = None
+        # the optimizer, the state dicts of it and its inner optimizers, and its parameters, before the step
+        self._backup: tuple[torch.optim.Optimizer, list[tuple[Any, dict]], list[torch.Tensor]] | None = None
+        self._skipping = False  # the backup goes back after the step (else it is dropped: a step applied)
         self._saved_lrs: tuple[torch.optim.Optimizer, list[Any]] | None = None
         self._depth: dict[int, int] = {}
         self._handles: list[Any] = []
@@ -427,22 +433,28 @@ class StepChanges:
             handle.remove()
         self._handles, self._depth = [], {}
 
+    def hold(self, optimizer: torch.optim.Optimizer, repeats: bool | None = True) -> None:
+        """Back up ``optimizer`` (one that :func:`needs_backup`) before its parameters move within the step,
+        so that a :meth:`skip` decided at a later closure evaluation still puts back the state before the step;
+        nothing where it evaluates the closure once a step (``repeats`` false; ``None``: not known yet)."""
+        if repeats is not False and self._backup is None and needs_backup(optimizer):
+            self._backup = _backup_of(optimizer)
+
     def skip(self, optimizer: torch.optim.Optimizer, keep_gradients: bool = False) -> None:
-        """Make the coming ``optimizer.step()`` change nothing.
+        """Make the coming ``optimizer.step()`` change nothing (or, decided within it, undo it).
 
         ``keep_gradients``: for code that runs between the decision and the step and needs gradients (clipping
         by value raises on a list of none): they are zeroed in place instead, and the step is undone from a
         backup of the state and parameters, as for an optimizer that ``needs_backup``."""
-        if (keep_gradients or needs_backup(optimizer)) and self._backup is None:  # LBFGS may decide twice
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            self._backup = (
-                optimizer,
-                copy.deepcopy(optimizer.state_dict()),
-                [p.detach().clone() for p in params],
-            )
+        backed_up = keep_gradients or needs_backup(optimizer)
+        if backed_up and self._backup is None:  # LBFGS may decide twice; a held backup predates the step
+            self._backup = _backup_of(optimizer)
+        self._skipping = self._skipping or backed_up
+        # torch's own optimizers skip a parameter without a gradient; another may read them all (SAM)
+        zero = keep_gradients or not type(optimizer).__module__.startswith("torch.optim")
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if not keep_gradients:
+                if not zero:
                     param.grad = None
                 elif param.grad is not None:
                     param.grad.zero_()
@@ -456,19 +468,22 @@ class StepChanges:
             group["lr"] = group["lr"] * factor
 
     def restore(self) -> None:
-        """Put back a backed-up state and scaled learning rates (nothing if none is pending)."""
+        """Put back a backed-up state (of a skipped step; a held one of an applied step is dropped) and scaled
+        learning rates (nothing if none is pending)."""
         if self._backup is not None:
-            optimizer, state, params = self._backup
-            # the backup is dropped after this: the optimizer may keep its tensors
-            load_optimizer_state(optimizer, state)
-            with torch.no_grad():
-                live = [p for group in optimizer.param_groups for p in group["params"]]
-                for param, saved in zip(live, params):
-                    # one the step left as it was keeps its version counter: a frozen layer's outputs that
-                    # GradientCache's activation cache recorded stay valid (it drops them on any write)
-                    if not torch.equal(param, saved):
-                        param.copy_(saved)
-            self._backup = None
+            optimizer, states, params = self._backup
+            self._backup = None  # dropped after this: the optimizer may keep its tensors
+            if self._skipping:
+                for owner, state in states:
+                    _load_keeping_groups(owner, state)
+                with torch.no_grad():
+                    live = [p for group in optimizer.param_groups for p in group["params"]]
+                    for param, saved in zip(live, params):
+                        # one the step left as it was keeps its version counter: a frozen layer's outputs that
+                        # GradientCache's activation cache recorded stay valid (it drops them on any write)
+                        if not torch.equal(param, saved):
+                            param.copy_(saved)
+        self._skipping = False
         if self._saved_lrs is not None:
             optimizer, lrs = self._saved_lrs
             for group, lr in zip(optimizer.param_groups, lrs):
@@ -485,6 +500,42 @@ class StepChanges:
 
     def __getstate__(self) -> dict[str, Any]:  # ``ddp_spawn`` pickles the callbacks: hooks stay behind
         return {**self.__dict__, "_handles": [], "_depth": {}}
+
+
+def inner_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers ``optimizer`` holds as attributes (SAM's ``base_optimizer``, Lookahead's ``optimizer``):
+    their state may live outside ``optimizer.state_dict()``."""
+    found = getattr(optimizer, "__dict__", {}).values()
+    return [value for value in found if isinstance(value, torch.optim.Optimizer) and value is not optimizer]
+
+
+def _backup_of(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[torch.optim.Optimizer, list[tuple[Any, dict]], list[torch.Tensor]]:
+    """What :meth:`StepChanges.restore` puts back: the state of ``optimizer`` and of its inner optimizers
+    (copies), and its parameters' values."""
+    owners = [optimizer, *inner_optimizers(optimizer)]
+    states = [(owner, copy.deepcopy(owner.state_dict())) for owner in owners]
+    return (
+        optimizer,
+        states,
+        [p.detach().clone() for group in optimizer.param_groups for p in group["params"]],
+    )
+
+
+def _load_keeping_groups(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """``load_optimizer_state``, keeping the parameter-group list and dicts the same objects:
+    ``load_state_dict`` makes new ones, which would part a wrapper (SAM) from the inner optimizer sharing its groups, so that the
+    learning rates a scheduler sets on the one no longer reach the other."""
+    groups, dicts = optimizer.param_groups, list(optimizer.param_groups)
+    load_optimizer_state(optimizer, state)
+    if optimizer.param_groups is not groups:
+        for kept, loaded in zip(dicts, optimizer.param_groups):
+            if loaded is not kept:
+                kept.clear()
+                kept.update(loaded)
+        groups[:] = dicts
+        optimizer.param_groups = groups
 
 
 def needs_backup(optimizer: torch.optim.Optimizer) -> bool:

@@ -207,10 +207,15 @@ class StepRecord:
         # checks of a flagged step (FlaggedStep) read, while the step is judged
         self.loss: float | None = None
         self.key = ""
+        self.evaluations = 0  # the closure evaluations of the current optimizer step so far
+        # whether the optimizer evaluates the closure more than once a step (SAM, LBFGS), which applied steps
+        # tell (``None`` before the first): then a later evaluation may still skip the step
+        self.repeats: bool | None = None
 
     def take_losses(self) -> list[Any]:
-        """The losses recorded since the last call (read once per optimizer step, with the gradient norm)."""
+        """The losses recorded since the last call (read at each closure evaluation, with the gradient norm)."""
         losses, self.losses = self.losses, []
+        self.evaluations += 1
         return losses
 
     def end(self) -> Action | None:
@@ -221,8 +226,16 @@ class StepRecord:
             return None
         if action is Action.APPLY:
             self.reference = self.batches  # an ordinary batch, for the rollback test
-        self.batches, self.trained = [], {}
+            self.repeats = self.repeats or self.evaluations > 1
+        self.batches, self.trained, self.evaluations = [], {}, 0
         return action
+
+    def drop_window(self, ended: bool) -> None:
+        """At the end of a batch with nothing decided: where its accumulation window ``ended`` all the same (a
+        module's ``optimizer_step`` ran the closure without ``optimizer.step``), its losses and micro-batches
+        are let go, so that the next step is judged on its own window's losses only."""
+        if ended:
+            self.losses, self.batches, self.trained, self.evaluations = [], [], {}, 0
 
     def decided_before_judging(self, policy: EscalationPolicy) -> Action | None:
         """The step's action where it needs no judging: a forced skip (one of the steps skipped after a
@@ -356,6 +369,19 @@ class StabilityCore:
         newly_unjudged = not unjudged_before and detector.unjudged_losses > 0
         helps = None if rollback_helps is None else lambda: rollback_helps(verdict)
         return verdict, self.policy.decide(step, verdict, cause, helps), cause, newly_unjudged
+
+    def judge_later_evaluation(self, step: int, loss: float | None, grad_norm: float | None) -> Action:
+        """The action for a later closure evaluation of a step applied on its first (SAM applies the gradient
+        of its second; LBFGS's trial points): a non-finite loss or gradient norm flags the step as a non-finite
+        first evaluation would, the model's (its weights moved within the step: no data check); spikes are
+        judged on the first evaluation only, so the baselines hold one kind of value."""
+        if loss is not None and not math.isfinite(loss):
+            verdict = Verdict.NONFINITE_LOSS
+        elif grad_norm is not None and not math.isfinite(grad_norm):
+            verdict = Verdict.NONFINITE_GRAD
+        else:
+            return Action.APPLY
+        return self.policy.decide(step, verdict)
 
     def start(self, step: int | None = None) -> None:
         """At fit start, forget what an earlier fit left: a requested snapshot, the rollback test's choice,
