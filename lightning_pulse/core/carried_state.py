@@ -21,6 +21,17 @@ replaced), outputs kept for logging or an epoch-end metric (replaced, never read
 torchmetrics states (skipped: they accumulate over an epoch), state reset at every batch start (the old value
 is never read). Hugging Face models keep nothing on the module during training.
 
+The test cannot tell which dimension of a tensor is the batch's: a state kept per feature (DINO's centre of
+the teacher's outputs, ``(D,)``, replaced by an EMA of their batch mean at every batch) whose width ``D``
+equals the batch size is read and replaced as a stateful RNN's ``(B, H)`` is, and is refused as one. Telling
+them apart would take following the batch's rows through every op of the step (no read of the values does:
+both are computed from the batch's rows), or a step on a batch of another size, which is what the cut would
+be. So such a match is still refused, and when every dimension of the state is also the size of one of the
+module's parameters (a layer's width), the refusal says that it may be a coincidence and names two ways out
+that keep the check exact: a buffer updated in place (``self.center.lerp_(batch_mean, 0.1)``, as BatchNorm's
+running statistics are: never replaced, so never carried state), or another batch size (a state per sample
+follows it and is still refused).
+
 A weight that torch's pruning, old-style ``weight_norm`` or ``spectral_norm`` keeps as a plain attribute is no
 candidate: its forward pre-hook computes it anew from parameters before every forward, so it never carries
 over. Counted as one, the weight of a layer as wide as the batch is large would refuse a cut batch before the
@@ -179,6 +190,10 @@ class CarriedStateCheck:
         self.found: dict[str, tuple[tuple[int, ...], ...]] = {}
         self.done = False
         self._watch: _ReadWatch | None = None
+        # the sizes of the module's parameters' dimensions, and the batch size: a state whose every dimension
+        # is one may be kept per feature, its batch-sized width a coincidence (the refusal says so)
+        self._widths: set[int] = set()
+        self._batch_size = 0
 
     @property
     def first_batch(self) -> bool:
@@ -192,7 +207,8 @@ class CarriedStateCheck:
         if self.done:
             return None
         if cut and self._cut_blockers:
-            return carried_state_refusal(self.candidate_shapes(), read_seen=False)
+            shapes = self.candidate_shapes()
+            return carried_state_refusal(shapes, read_seen=False, coincidence=self._coincidence(shapes))
         self.watch()
         return None
 
@@ -204,7 +220,19 @@ class CarriedStateCheck:
             self.after_first_batch(module, batch_size)
             return None
         self.after_second_batch(module)
-        return carried_state_refusal(self.found)
+        return carried_state_refusal(self.found, coincidence=self._coincidence(self.found))
+
+    def _coincidence(self, found: dict[str, tuple[tuple[int, ...], ...]]) -> int | None:
+        """The batch size when every dimension (but those of size 1) of every tensor in ``found`` is also the
+        size of a dimension of the module's parameters: then each may be a feature's width, not the batch's
+        (DINO's centre ``(D,)`` with ``D == B``), and the refusal says so. ``None`` otherwise: an RNN's
+        ``(layers, B, hidden)`` state or kept predictions ``(B,)`` whose ``B`` no layer has."""
+        widths = self._widths
+        if found and all(
+            size in widths for shapes in found.values() for s in shapes for size in s if size > 1
+        ):
+            return self._batch_size
+        return None
 
     def note_lists(self, module: nn.Module) -> None:
         """Before the first batch: note the lists ``module`` and its submodules hold, so that
@@ -237,6 +265,8 @@ class CarriedStateCheck:
 
     def after_first_batch(self, module: nn.Module, batch_size: int) -> None:
         self.candidates = batch_shaped_attributes(module, batch_size)
+        self._widths = {size for parameter in module.parameters() for size in parameter.shape}
+        self._batch_size = batch_size
         self.done = not self.candidates  # nothing batch-shaped is kept: nothing can carry over
         # a batch cut before the check ends is refused only on a plain tensor, tuple or list attribute: buffers
         # (BatchNorm's statistics when its channels equal the batch size), dicts (outputs kept for logging, a
@@ -296,17 +326,26 @@ class CarriedStateCheck:
 
 
 def carried_state_refusal(
-    found: dict[str, tuple[tuple[int, ...], ...]], read_seen: bool = True
+    found: dict[str, tuple[tuple[int, ...], ...]], read_seen: bool = True, coincidence: int | None = None
 ) -> str | None:
     """The reason and the way out, after the callback's name, for refusing to cut the batches of a module that
     carries ``found`` (see :meth:`CarriedStateCheck.describe`) from one batch to the next; ``None`` if
     nothing. ``read_seen=False``: a batch is cut before the read/replace test could tell (the message says
-    so)."""
+    so). ``coincidence``: the batch size, when it may be a feature's width in ``found`` (the message says so
+    and names the ways out for state kept per feature)."""
     if not found:
         return None
     if read_seen:
         held = "which holds the batch size and is read by the next batch (a stateful RNN)"
         way_out = "Remove HardSampleReplay for this model, or reset that state at the start of every batch."
+        if coincidence is not None:
+            held = (
+                "which holds the batch size and is read by the next batch and replaced, as an RNN's state is"
+            )
+            way_out = (
+                "If it is kept per sample, remove HardSampleReplay for this model, or reset that state at the "
+                "start of every batch."
+            )
     else:
         held = (
             "which holds the batch size and may be state carried to the next batch (as a stateful RNN's); "
@@ -321,6 +360,19 @@ def carried_state_refusal(
             "on the module; if it is a table built once and never replaced, register it as a buffer "
             "(`register_buffer(..., persistent=False)`); or start the fit with whole batches (a PulseCycle "
             "whose burst phase lasts two steps or more, or `mode='batch'`) so that the check can tell."
+        )
+    if coincidence is not None:
+        # what tells a state kept per feature from one kept per sample is where the batch's rows go, which the
+        # check cannot follow; both ways out keep it exact: a buffer updated in place is never carried state,
+        # and a state kept per sample follows another batch size and is refused again
+        way_out += (
+            f" The batch size, {coincidence}, is also the size of a dimension of the module's parameters, so "
+            "the match may be a coincidence: a state kept per feature (a running mean over the batch, as "
+            "DINO's centre) follows no sample, and a cut batch breaks nothing in it. For such a state, make it "
+            "a buffer updated in place, as BatchNorm's running statistics are "
+            "(`self.center.lerp_(batch_mean, 0.1)` for `self.center = self.center * 0.9 + batch_mean * 0.1`, "
+            f"or `.copy_(new)`), which is not refused; or train with a batch size other than {coincidence} "
+            "(a state kept per sample follows it and is refused again)."
         )
     return (
         f"cannot cut the batches of a module that carries state from one batch to the next: "
