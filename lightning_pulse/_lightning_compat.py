@@ -114,7 +114,67 @@ def private_api_problems() -> list[str]:
         problems.append("lightning.fabric.utilities.distributed._destroy_dist_connection")
     if "_model_contains_batch_norm" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):
         problems.append("StochasticWeightAveraging._model_contains_batch_norm")
+    if "_average_model" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):
+        problems.append("StochasticWeightAveraging._average_model")
+    try:  # Lightning >= 2.5
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+    except ImportError:
+        return problems
+    averaging_attributes = vars(EMAWeightAveraging())
+    problems += [
+        f"WeightAveraging.{name}"
+        for name in ("_average_model", "_latest_update_step", "_latest_update_epoch")
+        if name not in averaging_attributes
+    ]
     return problems
+
+
+_AVERAGING_COUNTERS = ("_latest_update_step", "_latest_update_epoch", "n_averaged")
+
+
+class AveragedWeights:
+    """What a StabilityGuard snapshot keeps of a weight-averaging callback: its average model's ``state_dict``
+    and the counters of its updates, so a rollback returns the average with the model.
+
+    Lightning's ``WeightAveraging`` (``EMAWeightAveraging``) folds the weights in at the end of each batch,
+    and ``StochasticWeightAveraging`` at the end of an epoch. Its own ``state_dict`` holds the counters only
+    (the average goes into checkpoints by ``on_save_checkpoint``), so a rollback of the model alone leaves in
+    the average the weights of the undone steps, and, for a callback whose batch-end hook ran before the
+    guard's, the non-finite weights of the step that triggered it: copied into the model at train end. Both
+    keep the average in the private ``_average_model`` (a module, or ``None`` until made) and count updates
+    in ``_latest_update_step`` / ``_latest_update_epoch`` (``n_averaged`` for SWA); restored in place.
+    """
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+
+    def state_dict(self) -> dict[str, Any]:
+        average = self.callback._average_model
+        counters = {
+            name: getattr(self.callback, name) for name in _AVERAGING_COUNTERS if hasattr(self.callback, name)
+        }
+        return {"average": None if average is None else average.state_dict(), "counters": counters}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        average = self.callback._average_model
+        if average is not None and state_dict["average"] is not None:
+            average.load_state_dict(state_dict["average"])
+        for name, value in state_dict["counters"].items():
+            current = getattr(self.callback, name, None)
+            if isinstance(value, torch.Tensor):  # SWA's ``n_averaged``, on the device it lives on
+                device = current.device if isinstance(current, torch.Tensor) else None
+                value = value.to(device) if device is not None else value
+            setattr(self.callback, name, value)
+
+
+def averaged_weights(callbacks: list[Any]) -> dict[str, AveragedWeights]:
+    """The weight-averaging callbacks among ``callbacks`` (:class:`AveragedWeights`), keyed by their index."""
+    return {
+        f"{index}:averaged_weights": AveragedWeights(callback)
+        for index, callback in enumerate(callbacks)
+        if hasattr(callback, "_average_model")
+        and (callback._average_model is None or isinstance(callback._average_model, torch.nn.Module))
+    }
 
 
 class CollectiveHold:

@@ -127,7 +127,11 @@ def test_frozen_units_is_empty_once_the_fit_has_turned_every_parameter_back_on()
     assert watch.frozen_units_seen[-1] == ["net.0"]  # the fit ended with a frozen prefix
     assert all(p.requires_grad for p in model.parameters())
     assert cache.frozen_units == []
-    assert cache.state_dict()["cache"]["frozen"] == [True, False, False]  # the checkpoint keeps the frozen set
+    assert cache.state_dict()["cache"]["frozen"] == [
+        True,
+        False,
+        False,
+    ]  # the checkpoint keeps the frozen set
 
 
 class _QATModel(pl.LightningModule):

@@ -16,7 +16,6 @@ from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
 from lightning_pulse.core import stability_steps as steps
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
-from lightning_pulse.core.snapshots import RollbackState
 from lightning_pulse.core.spike_detection import Verdict
 from lightning_pulse.core.stability_policy import Action, StabilityGuardConfig, StepChanges, StepEnergy
 from lightning_pulse.errors import (
@@ -88,7 +87,7 @@ class StabilityGuard(Callback):
         PulseRefusal: at fit start, for a module using manual optimization, or under FSDP, DeepSpeed or
             model parallelism (a rank holds a shard of the parameters and gradients), and for a second run of
             this instance (another ``trainer.fit``) unless a checkpoint was restored into it; at train start, for
-            lazy parameters no forward has created yet (no validation sanity check ran one).
+            lazy parameters no forward has created yet, and for torch's ``ZeroRedundancyOptimizer``.
         StabilityGuardError: during training, when the guard stops the run (after saving a checkpoint).
 
     Example::
@@ -171,8 +170,7 @@ class StabilityGuard(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
-        # after the sanity check that may create them
-        refuse_uninitialized_parameters(pl_module, "StabilityGuard")
+        refuse_uninitialized_parameters(pl_module, "StabilityGuard")  # after a sanity check's forward
         if torch.is_anomaly_enabled():  # Lightning enables it around the fit loop, after setup
             rank_zero_warn(steps.ANOMALY_DETECTION_WARNING)
         self._changes.attach(trainer.optimizers)
@@ -181,7 +179,7 @@ class StabilityGuard(Callback):
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
         cut = next((c for c in trainer.callbacks if isinstance(c, HardSampleReplay)), None)
         self._record = steps.StepRecord(cut)  # cut: cuts batches in place, tells the indices of the rows
-        self.core.start(trainer.global_step)
+        self.core.start(trainer.global_step, trainer.optimizers)  # refuses ZeRO's sharded optimizer
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
     @override
@@ -320,9 +318,10 @@ class StabilityGuard(Callback):
             return None
         return partial(compat.reduce_held, trainer.strategy, reduce_op="sum", hold=self._held)
 
-    def _training_state(self, trainer: pl.Trainer) -> tuple[list, list, dict[str, RollbackState]]:
-        """What a snapshot holds besides the module: optimizers, LR schedulers, the opted-in callbacks."""
-        return trainer.optimizers, self._schedulers(trainer), rollback_states(trainer, exclude=self)
+    def _training_state(self, trainer: pl.Trainer) -> tuple[list, list, dict[str, Any]]:
+        """What a snapshot holds besides the module: optimizers, LR schedulers, opted-in callbacks, EMAs."""
+        states = rollback_states(trainer, exclude=self) | compat.averaged_weights(trainer.callbacks)
+        return trainer.optimizers, self._schedulers(trainer), states
 
     @staticmethod
     def _schedulers(trainer: pl.Trainer) -> list:

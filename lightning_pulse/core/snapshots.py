@@ -142,6 +142,8 @@ class TrainingSnapshot:
         extra: the caller's bookkeeping at that step (copied, never restored by :func:`restore_snapshot`).
         buffers: the model's non-persistent buffers, by qualified name (not in its ``state_dict``).
         scheduler_kinds: the LR schedulers' classes (:func:`scheduler_kinds`); ``None``: not recorded.
+        layout: the optimizers' parameter-group layout when taken (:func:`optimizer_layout`); ``None``: read
+            from the saved states.
     """
 
     step: int
@@ -152,6 +154,7 @@ class TrainingSnapshot:
     extra: dict[str, Any] = field(default_factory=dict)
     buffers: dict[str, Any] = field(default_factory=dict)
     scheduler_kinds: tuple[type, ...] | None = None
+    layout: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -162,7 +165,11 @@ class TrainingSnapshot:
 
     @property
     def optimizer_layout(self) -> tuple[tuple[int, ...], ...]:
-        """The parameter-group layout of the saved optimizer states (see :func:`optimizer_layout`)."""
+        """The parameter-group layout of the optimizers the states were saved from (see
+        :func:`optimizer_layout`): recorded when taken, as a wrapper's ``state_dict`` may nest torch's
+        (Lookahead's ``{"inner", "slow", "step"}``); else read from torch's layout of the saved states."""
+        if self.layout is not None:
+            return self.layout
         return tuple(
             tuple(len(group["params"]) for group in state["param_groups"]) for state in self.optimizers
         )
@@ -300,6 +307,7 @@ def take_snapshot(
     """
     old = reuse if reuse is not None else TrainingSnapshot(-1, {}, [], [])
     state = model.state_dict()
+    layout = optimizer_layout(optimizers)  # before the states: one a wrapper nests is not torch's layout
     return TrainingSnapshot(
         step=int(step),
         model=copy_to_cpu(state, old.model),
@@ -311,6 +319,7 @@ def take_snapshot(
         ),
         extra=copy_to_cpu(dict(extra or {})),
         scheduler_kinds=scheduler_kinds(schedulers),
+        layout=layout,
     )
 
 

@@ -51,6 +51,22 @@ SHARDED_REASON = (
 )
 
 
+def refuse_unconsolidated_optimizers(optimizers: Sequence[Any]) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` for an optimizer whose state each rank holds a
+    shard of (torch's ``ZeroRedundancyOptimizer``): its ``state_dict()`` raises until a collective
+    ``consolidate_state_dict`` gathered it on one rank, so there is no per-rank state to snapshot and
+    restore. Matched by class name, so no ``torch.distributed`` import is needed on builds without it."""
+    for optimizer in optimizers:
+        if any(kind.__name__ == "ZeroRedundancyOptimizer" for kind in type(optimizer).__mro__):
+            raise PulseRefusal(
+                "StabilityGuard does not support torch's ZeroRedundancyOptimizer: each rank holds a shard "
+                "of the optimizer state, whose `state_dict()` needs a collective consolidation onto one "
+                "rank, so snapshots and rollbacks have no state of the rank to keep and restore. Use the "
+                "optimizer it wraps (e.g. `torch.optim.Adam`) under strategy='ddp', or remove "
+                "StabilityGuard from the callbacks."
+            )
+
+
 ANOMALY_DETECTION_WARNING = (
     "StabilityGuard: `Trainer(detect_anomaly=True)` raises at the first NaN in backward, before the guard "
     "reads the step, so a non-finite step stops the run instead of being skipped (loss and gradient-norm "
@@ -383,11 +399,13 @@ class StabilityCore:
             return Action.APPLY
         return self.policy.decide(step, verdict)
 
-    def start(self, step: int | None = None) -> None:
-        """At fit start, forget what an earlier fit left: a requested snapshot, the rollback test's choice,
-        the warnings said once a fit and the snapshots (the caller then snapshots the state training starts
-        from, or resumes at: ``step``, whose snapshot :meth:`saved_forward_state` does not take as evidence
-        about infinities)."""
+    def start(self, step: int | None = None, optimizers: Sequence[Any] = ()) -> None:
+        """At fit start, refuse optimizers no snapshot can hold (:func:`refuse_unconsolidated_optimizers`);
+        then forget what an earlier fit left: a requested snapshot, the rollback test's choice, the warnings
+        said once a fit and the snapshots (the caller then snapshots the state training starts from, or
+        resumes at: ``step``, whose snapshot :meth:`saved_forward_state` does not take as evidence about
+        infinities)."""
+        refuse_unconsolidated_optimizers(optimizers)
         self.schedule.pending, self.rollback_to, self.left_out = False, None, None
         self.fit_start, self.first_forward, self.overflow_warned = step, None, False
         self.unchecked_data_faults, self.presumption_warned = 0, False
@@ -408,11 +426,13 @@ class StabilityCore:
         snapshot is due at its end (``step``: the counter after it), also because ``optimizers`` gained or
         changed a parameter group, or ``schedulers`` changed, since the newest snapshot
         (:meth:`SnapshotSchedule.due`). Only an applied step takes one. The fit's first applied step keeps
-        ``model``'s forward state (:meth:`keep_first_forward`)."""
+        ``model``'s forward state (:meth:`keep_first_forward`), and asks for a snapshot when the fit-start one
+        no longer fits (:meth:`retake_lazily_shaped_start`)."""
         self.policy.finish(action, energy_kwh)
         if action is Action.APPLY:
             self.unchecked_data_faults = 0
-            if self.first_forward is None and model is not None:
+            if self.first_forward is None and model is not None:  # once a fit
+                self.retake_lazily_shaped_start(model)
                 self.keep_first_forward(step, model)
             return self.schedule.due(step, self.policy.healthy, optimizers, schedulers)
         self.schedule.pending = False  # the maintain entry (or new structure) came with a flagged step
@@ -555,6 +575,19 @@ class StabilityCore:
         """Keep a data fault's samples (the newest 1000); ``True`` for the run's first bad batch (warn once)."""
         self.bad_samples = [*self.bad_samples, *samples][-1000:]
         return self.policy.bad_batches == 0
+
+    def retake_lazily_shaped_start(self, model: nn.Module) -> None:
+        """After the fit's first applied step: when the fit-start snapshot no longer fits ``model``, because
+        its first forward gave a buffer its shape (a lazily initialised one: eager QAT's per-channel observers
+        hold ``min_val`` of shape ``(0,)`` until then), drop it and ask for a snapshot at the end of this
+        step.
+        Without it, no snapshot fits until the first periodic one, and a data fault or a rollback meanwhile
+        would find none. One ``state_dict`` comparison, once a fit."""
+        start = self.schedule.ring.newest()
+        if start is not None and self.fit_start is not None and start.step <= self.fit_start:
+            if not start.fits(model):
+                self.schedule.ring.discard(start)
+                self.schedule.pending = True
 
     def keep_first_forward(self, step: int, model: nn.Module) -> None:
         """Keep which elements of ``model``'s buffers and carried tensors were finite after the fit's first

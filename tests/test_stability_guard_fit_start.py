@@ -1,0 +1,261 @@
+"""StabilityGuard with what its fit-start snapshot or its rollback must account for: buffers shaped by the
+first forward (eager QAT), weight-averaging callbacks, optimizers whose ``state_dict`` is not torch's layout
+(a Lookahead wrapper), and ZeRO's sharded optimizer (refused)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import OrderedDict
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, StochasticWeightAveraging
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pulse.callbacks.stability_guard import StabilityGuard
+from tests.conftest import trainer_kwargs
+
+
+def _data(rows: int = 240, nan_row: int | None = None) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 16, generator=generator)
+    y = (x[:, :4].sum(1) > 0).long()
+    if nan_row is not None:
+        x[nan_row] = float("nan")
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+class _MLP(pl.LightningModule):
+    """A small classifier; ``nan_weight_at``: a NaN written into a weight when that step starts (a model-state
+    fault, as an overflow would leave)."""
+
+    def __init__(self, nan_weight_at: int | None = None, lookahead: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+        self.nan_weight_at, self.lookahead = nan_weight_at, lookahead
+
+    def forward(self, x):
+        return self.net(x)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == self.nan_weight_at:
+            with torch.no_grad():
+                self.net[2].weight[0, 0] = float("nan")
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        inner = torch.optim.Adam(self.parameters(), lr=3e-3)
+        return _Lookahead(inner) if self.lookahead else inner
+
+
+# ---------------------------------------------------------------- 1. buffers shaped by the first forward
+
+
+class _EagerQAT(pl.LightningModule):
+    """Eager-mode QAT: the per-channel fake-quant observers' ``min_val``/``max_val`` are ``(0,)`` until the
+    first forward, ``(out_features,)`` after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.ao.quantization import DeQuantStub, QuantStub, get_default_qat_qconfig, prepare_qat
+
+        net = nn.Sequential(QuantStub(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2), DeQuantStub())
+        net.train()
+        net.qconfig = get_default_qat_qconfig("x86")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.net = prepare_qat(net)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+def test_a_start_snapshot_that_the_first_forward_unfitted_is_retaken_so_a_nan_row_is_a_data_fault(tmp_path):
+    torch.manual_seed(0)
+    model = _EagerQAT()
+    assert model.net[1].weight_fake_quant.activation_post_process.min_val.shape == (0,)
+    guard = StabilityGuard(snapshot_every=100)
+    trainer = pl.Trainer(max_steps=20, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
+    trainer.fit(model, _data(nan_row=8 * 12 + 3))  # a NaN row in step 12's batch, before the next snapshot
+    # the step-0 snapshot no longer fitted after the first forward: retaken at the end of step 0
+    assert guard.snapshots.steps == [1]
+    assert guard.events == [{"step": 12, "event": "nonfinite_loss", "action": "skip", "cause": "data"}]
+    assert guard.rollbacks == 0 and not guard.stopped
+
+
+def test_a_start_snapshot_that_still_fits_is_not_retaken(tmp_path):
+    torch.manual_seed(0)
+    guard = StabilityGuard(snapshot_every=100)
+    trainer = pl.Trainer(max_steps=5, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
+    trainer.fit(_MLP(), _data())
+    assert guard.snapshots.steps == [0] and guard.snapshots_taken == 1
+
+
+# ---------------------------------------------------------------- 2. weight-averaging callbacks
+
+
+def _fit_with(callbacks, tmp_path, max_steps=40, **trainer_overrides) -> _MLP:
+    pl.seed_everything(0)
+    model = _MLP(nan_weight_at=25)
+    kwargs = trainer_kwargs(default_root_dir=tmp_path, **trainer_overrides)
+    pl.Trainer(max_steps=max_steps, callbacks=callbacks, **kwargs).fit(model, _data())
+    return model
+
+
+@pytest.mark.parametrize("ema_first", [True, False])
+def test_an_ema_callback_in_either_order_rolls_back_with_the_model(tmp_path, ema_first):
+    guard, ema = StabilityGuard(snapshot_every=10, rollback_margin=5), EMAWeightAveraging(decay=0.9)
+    model = _fit_with([ema, guard] if ema_first else [guard, ema], tmp_path)
+    assert guard.rollbacks == 1
+    # the average is copied into the model at train end: the step-25 NaN weight must not be in it
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_ema_callback_ends_with_the_same_weights_listed_before_or_after_the_guard(tmp_path):
+    weights = []
+    for ema_first in (True, False):
+        guard, ema = StabilityGuard(snapshot_every=10, rollback_margin=5), EMAWeightAveraging(decay=0.9)
+        model = _fit_with([ema, guard] if ema_first else [guard, ema], tmp_path)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(weights[0], weights[1])
+
+
+class _RecordSWA(Callback):
+    """After the guard's batch end: SWA's count of averaged weights at the end of each step, and right after
+    the rollback."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, int | None] = {}
+        self.at_rollback: object = "no rollback"
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        guard = next(c for c in trainer.callbacks if isinstance(c, StabilityGuard))
+        swa = next(c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging))
+        count = None if swa.n_averaged is None else int(swa.n_averaged)
+        if guard.rollbacks == 1 and self.at_rollback == "no rollback":
+            self.at_rollback = count
+        elif guard.rollbacks == 0:
+            self.by_step[trainer.global_step] = count
+
+
+def test_a_rollback_over_epoch_starts_takes_back_what_swa_averaged_since(tmp_path):
+    # 30 batches an epoch; SWA folds the weights in as each epoch starts (steps 0, 30, 60); the NaN weight of
+    # step 65 rolls back to the snapshot taken when SWA swapped in its scheduler (step 1): the averages of the
+    # undone epochs must go with them, or SWA copies them into the model at train end
+    guard = StabilityGuard(snapshot_every=0, rollback_margin=0)
+    record, swa = _RecordSWA(), StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)
+    pl.seed_everything(0)
+    model = _MLP(nan_weight_at=65)
+    trainer = pl.Trainer(
+        max_epochs=3, callbacks=[swa, guard, record], **trainer_kwargs(default_root_dir=tmp_path)
+    )
+    trainer.fit(model, _data())
+    to_step = guard.events[-1]["to_step"]
+    assert guard.rollbacks == 1 and to_step < 30
+    assert record.by_step[64] != record.by_step[to_step]  # SWA averaged since the snapshot
+    assert record.at_rollback == record.by_step[to_step]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- 4. a wrapper optimizer's nested state
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """Lookahead (Zhang et al. 2019) as commonly written: shares the inner optimizer's ``param_groups``; its
+    ``state_dict`` nests the inner one's, ``{"inner", "slow", "step"}`` (Lightning checkpoints it as is)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, k: int = 5, alpha: float = 0.5) -> None:
+        self.optimizer, self.k, self.alpha, self._step = optimizer, k, alpha, 0
+        self.param_groups, self.defaults = optimizer.param_groups, optimizer.defaults
+        self.state = {p: {"slow": p.detach().clone()} for g in self.param_groups for p in g["params"]}
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+
+    def _params(self):
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def step(self, closure=None):
+        loss = self.optimizer.step(closure)
+        self._step += 1
+        if self._step % self.k == 0:
+            with torch.no_grad():
+                for p in self._params():
+                    slow = self.state[p]["slow"]
+                    slow.add_(p - slow, alpha=self.alpha)
+                    p.copy_(slow)
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        slow = [self.state[p]["slow"].clone() for p in self._params()]
+        return {"inner": self.optimizer.state_dict(), "slow": slow, "step": self._step}
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict["inner"])
+        self.param_groups = self.optimizer.param_groups
+        for p, slow in zip(self._params(), state_dict["slow"]):
+            self.state[p] = {"slow": slow.clone().to(p)}
+        self._step = state_dict["step"]
+
+
+class _KeepOptimizerState(Callback):
+    """The optimizer's state at the end of step ``at`` (``before``) and right after the guard's rollback."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.before, self.after_rollback = at, None, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        guard = next(c for c in trainer.callbacks if isinstance(c, StabilityGuard))
+        if trainer.global_step == self.at and guard.rollbacks == 0:
+            self.before = copy.deepcopy(trainer.optimizers[0].state_dict())
+        if guard.rollbacks == 1 and self.after_rollback is None:
+            self.after_rollback = copy.deepcopy(trainer.optimizers[0].state_dict())
+
+
+def test_a_rollback_restores_a_wrapper_optimizers_nested_state_exactly(tmp_path):
+    guard = StabilityGuard(snapshot_every=10, rollback_margin=5)
+    kept = _KeepOptimizerState(at=20)
+    pl.seed_everything(0)
+    model = _MLP(nan_weight_at=28, lookahead=True)
+    trainer = pl.Trainer(max_steps=35, callbacks=[guard, kept], **trainer_kwargs(default_root_dir=tmp_path))
+    trainer.fit(model, _data())
+    assert guard.rollbacks == 1 and guard.events[-1]["to_step"] == 20
+    before, after = kept.before, kept.after_rollback
+    assert after["step"] == before["step"] == 20
+    for slow_before, slow_after in zip(before["slow"], after["slow"]):
+        assert torch.equal(slow_before, slow_after)
+    for index, entry in before["inner"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(after["inner"]["state"][index][key], value)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- 3. ZeRO's sharded optimizer
+
+
+class _ZeroMLP(_MLP):
+    def configure_optimizers(self):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.Adam, lr=3e-3)
+
+
+@pytest.mark.ddp
+def test_zero_redundancy_optimizer_under_ddp_is_refused_before_the_first_step(tmp_path):
+    trainer = pl.Trainer(
+        max_steps=5,
+        callbacks=[StabilityGuard()],
+        **trainer_kwargs(devices=2, strategy="ddp_spawn", default_root_dir=tmp_path, limit_val_batches=0),
+    )
+    with pytest.raises(Exception, match="StabilityGuard does not support torch's ZeroRedundancyOptimizer"):
+        trainer.fit(_ZeroMLP(), _data())
