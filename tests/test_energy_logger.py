@@ -157,7 +157,10 @@ def test_a_run_shorter_than_codecarbons_measuring_window_reports_its_energy(tmp_
 
     total = energy.report["total"]
     assert total["methods"] == {"gpu": NONE, "cpu": ESTIMATED, "ram": ESTIMATED}
-    assert total["energy_kwh"] > 0 and energy.energy_so_far_kwh() >= total["energy_kwh"]
+    # the run's figure at the training loop's end; the report reads a moment later and may hold a little more
+    # (this test once asked for >= and failed on a loaded host: 5.75e-7 against 5.81e-7); in a two-batch run
+    # that moment can be a large share of the whole, so no closeness is asked
+    assert 0 < energy.energy_so_far_kwh() <= total["energy_kwh"]
     # the whole interval at codecarbon's latest power (the metered span starts a little before the label time)
     assert total["avg_power_w"] == pytest.approx(frozen.watts, rel=0.5)
     assert energy.report["stages"]["train"]["energy_kwh"] > 0
