@@ -123,7 +123,7 @@ def private_api_problems() -> list[str]:
     averaging_attributes = vars(EMAWeightAveraging())
     problems += [
         f"WeightAveraging.{name}"
-        for name in ("_average_model", "_latest_update_step", "_latest_update_epoch")
+        for name in ("_average_model", "_latest_update_step", "_latest_update_epoch", "_use_buffers")
         if name not in averaging_attributes
     ]
     return problems
@@ -175,6 +175,12 @@ def averaged_weights(callbacks: list[Any]) -> dict[str, AveragedWeights]:
         if hasattr(callback, "_average_model")
         and (callback._average_model is None or isinstance(callback._average_model, torch.nn.Module))
     }
+
+
+def averages_buffers(callback: Any) -> bool:
+    """Whether a Lightning ``WeightAveraging`` (``EMAWeightAveraging``) averages the buffers too (its
+    ``use_buffers``, kept in the private ``_use_buffers``; ``True``, the default, where it is not found)."""
+    return bool(getattr(callback, "_use_buffers", True))
 
 
 class CollectiveHold:

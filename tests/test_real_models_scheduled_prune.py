@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_pulse import ScheduledPrune
 from lightning_pulse.core import pruning
+from lightning_pulse.core.prune_setup import PruneOptions
 from lightning_pulse.errors import PulseRefusal
 from tests.clients import CLIENTS, HFCausalLM, OneCycleMLP, TextWindowsDataModule, _digits
 from tests.conftest import StandInTrainer, trainer_kwargs
@@ -479,10 +480,19 @@ def test_a_frozen_copy_of_a_part_to_cut_is_refused_before_the_first_step_and_the
     prune = _prune(mode="structured", exclude_pattern="student")
     _fit(_DigitsWithFrozenCopy(ema=ema), _digits(), prune)
     assert prune.events and all(not name.startswith("student") for name in prune.pruner.original_channels)
-    pl.seed_everything(0)
-    module, prune = _DigitsWithFrozenCopy(ema=ema), _prune(mode="unstructured")
-    _fit(module, _digits(), prune)
-    assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)
+    # unstructured mode renames a masked `weight` to `weight_orig`: an EMA teacher updated from the student
+    # breaks there too (tests/test_scheduled_prune_kept_masks.py), so it is refused unless said to be fixed
+    _refused_before_first_step(
+        _DigitsWithFrozenCopy(ema=ema),
+        _digits(),
+        _prune(mode="unstructured"),
+        r"^ScheduledPrune: `teacher` is a frozen copy of `student`.*fixed_copies=True",
+    )
+    if not ema:
+        pl.seed_everything(0)
+        prune = _prune(mode="unstructured", options=PruneOptions(fixed_copies=True))
+        _fit(_DigitsWithFrozenCopy(ema=ema), _digits(), prune)
+        assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)
 
 
 class _Wav2Vec2Classifier(pl.LightningModule):

@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, Callback, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -136,6 +136,7 @@ class ScheduledPrune(Callback):
         # stacklevel: the messages point at this callback's hook, as before the core held them
         warn, info = partial(rank_zero_warn, stacklevel=5), partial(rank_zero_info, stacklevel=5)
         self.core = PruneEvents(self.schedule, self.pruner, self.distill, warn, info)
+        self.core.fixed_copies = options.fixed_copies
         self._window, self._masks = self.core.window, self.core.masks
         self.probe = HeldOutProbe("ScheduledPrune", probe_batches, "accuracy at events is off")
         self._trainer_ref: Callable[[], pl.Trainer | None] = _no_trainer  # picklable, for ddp_spawn
@@ -177,8 +178,10 @@ class ScheduledPrune(Callback):
             supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
             spawns = isinstance(strategy, DDPStrategy) and compat.spawns_worker_processes(trainer)
             prune_setup.check_strategy(type(strategy).__name__, supported, spawns, self.mode, self.options)
-            swa = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]
-            prune_setup.check_weight_averaging(self.mode, swa[0] if swa else None)
+            averaging = prune_setup.check_weight_averaging(
+                self.mode, trainer.callbacks, compat.averages_buffers
+            )
+            self.core.averaging = averaging
             # the dtype the run's batches take, and whether under autocast (RunPrecision.of_plugin says why)
             plugin = trainer.precision_plugin
             mixed = isinstance(plugin, MixedPrecision)
@@ -190,7 +193,7 @@ class ScheduledPrune(Callback):
         PROBE_COLLECTIVES.wait()  # the rank may exit right after this (see compat.CollectiveHold)
         self._training = False
         self._end_distillation(trainer)
-        self.core.stop_fitting_loads()
+        self.core.stop_fitting_loads(pl_module, fold=stage != "fit" and self.options.make_permanent)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

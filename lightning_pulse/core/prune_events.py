@@ -25,6 +25,8 @@ from lightning_pulse.core.prune_setup import (
     DISTILL_NO_EFFECT,
     event_cadence,
     fit_start_selection,
+    kept_masks_note,
+    refuse_averaged_masks,
     renamed_weight_warning,
     setup_summary,
     structured_example,
@@ -74,6 +76,11 @@ class PruneEvents:
         self.last_step = 0
         self.example: Any = None
         self._fitter_handle: Any = None
+        self._masked_at_setup: list[str] = []  # the layers masked when a stage set up (fit_loads)
+        #: unstructured: a Lightning WeightAveraging of the run, its class name and use_buffers (set at setup)
+        self.averaging: tuple[str, bool] | None = None
+        #: unstructured: the frozen copies of the parts to prune are never updated (PruneOptions.fixed_copies)
+        self.fixed_copies = False
 
     # ------------------------------------------------------------------ loading a pruned state dict
     def fit_loads(self, module: nn.Module, structure: Callable[[], Mapping[str, Any] | None]) -> None:
@@ -83,12 +90,21 @@ class PruneEvents:
         if self._fitter_handle is None:
             fitter = pruning.StateDictFitter(structure, self._run_precision)
             self._fitter_handle = module.register_load_state_dict_pre_hook(fitter)
+            self._masked_at_setup = pruning.masked_layer_names(module)
 
-    def stop_fitting_loads(self) -> None:
-        """Remove the pre-hook :meth:`fit_loads` added, if any."""
+    def stop_fitting_loads(self, module: nn.Module | None = None, fold: bool = False) -> None:
+        """Remove the pre-hook :meth:`fit_loads` added, if any. With ``fold`` (unstructured, at the end of a
+        stage other than fit, when the fit folds its masks at its end), fold the masks ``module`` gained since
+        :meth:`fit_loads`: ``trainer.test(ckpt_path="last")`` after a fit restores a checkpoint saved before
+        the fit's end folded, and the masks it put back made a later ``state_dict()`` unloadable into a plain
+        module. The stage computed with the masked weights; folding keeps them. Masks there before stay."""
         if self._fitter_handle is not None:
             self._fitter_handle.remove()
             self._fitter_handle = None
+        if fold and module is not None and self.pruner.mode == "unstructured":
+            self.masks.refresh(module, grad=False)  # the weights of the stage, then folded as they are
+            pruning.make_masks_permanent(module, keep=set(self._masked_at_setup))
+            self.masks.forget()
 
     def _run_precision(self) -> pruning.RunPrecision | None:
         return self.pruner.run_precision
@@ -103,10 +119,14 @@ class PruneEvents:
         ``example_input_array``. Says which layers' folded zeros were masked again, and warns of buffers
         shaped like a weight to mask (:func:`~lightning_pulse.core.prune_setup.renamed_weight_warning`)."""
         selection, masked, self.example = fit_start_selection(
-            self.pruner, model, self.schedule, frozen, compiled, self.example
+            self.pruner, model, self.schedule, frozen, compiled, self.example, self.fixed_copies
         )
+        if self.pruner.mode == "unstructured":
+            refuse_averaged_masks(self.averaging, model, selection.layers, self._masked_at_setup)
         if masked:  # unstructured only, so no structured refusal follows it
             self.info(f"ScheduledPrune: resumed after a fit's end; pruned zeros masked again: {masked}")
+        elif (kept := kept_masks_note(self.pruner.mode, selection.layers, bool(self.events))) is not None:
+            self.info(kept)  # a resume (events recorded) finds this run's own masks
         if (renamed := renamed_weight_warning(self.pruner.mode, model, selection.layers)) is not None:
             self.warn(renamed)
         return selection

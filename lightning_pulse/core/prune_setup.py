@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,9 @@ class PruneOptions:
         ranking: ``"layer"`` (every layer reaches the target) or ``"global"`` (all chosen layers together).
         min_channels: structured mode: channels every layer keeps at least.
         make_permanent: at fit end, fold unstructured masks into the weights.
+        fixed_copies: unstructured: the frozen copies of the parts to prune (a teacher, a reference model) are
+            never updated from them, so prune anyway (:func:`refuse_frozen_twins`; an EMA cannot be told from
+            a fixed copy at fit start).
     """
 
     initial_sparsity: float = 0.0
@@ -54,6 +57,7 @@ class PruneOptions:
     ranking: str = "layer"
     min_channels: int = 1
     make_permanent: bool = True
+    fixed_copies: bool = False
 
     @names_itself
     def __post_init__(self) -> None:
@@ -63,8 +67,9 @@ class PruneOptions:
         if self.ranking not in pruning.RANKINGS:
             raise ValueError(f"`ranking`={self.ranking!r} is not one of {list(pruning.RANKINGS)}.")
         check_int(self.min_channels, "min_channels", minimum=1)
-        if not isinstance(self.make_permanent, bool):
-            raise ValueError(f"`make_permanent`={self.make_permanent!r} must be a bool.")
+        for name in ("make_permanent", "fixed_copies"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}`={getattr(self, name)!r} must be a bool.")
 
 
 def check_options_apply(mode: str, every: int, options: PruneOptions) -> None:
@@ -80,6 +85,12 @@ def check_options_apply(mode: str, every: int, options: PruneOptions) -> None:
         raise ValueError(
             f"`make_permanent`={options.make_permanent!r} is read by mode='unstructured' only (whether masks are "
             "folded into the weights at fit end); mode='structured' removes channels and keeps no masks. Drop it."
+        )
+    if mode == "structured" and options.fixed_copies:
+        raise ValueError(
+            "`fixed_copies`=True is read by mode='unstructured' only; mode='structured' cuts a part's "
+            "channels and not its copy's, so it refuses any frozen copy of a part to cut. Drop it, or use "
+            "mode='unstructured'."
         )
     if options.cadence == "maintain" and every != PRUNE_EVERY_DEFAULT:
         raise ValueError(
@@ -125,15 +136,113 @@ def check_optimizers(mode: str, optimizers: Iterable[Any]) -> None:
             )
 
 
-def check_weight_averaging(mode: str, averaging: str | None) -> None:
-    """Raise :class:`PulseRefusal` for structured mode next to a callback that averages the weights into a copy
-    of the module taken before training (``averaging``, its class name): the copy keeps the uncut shapes."""
-    if mode == "structured" and averaging is not None:
+#: Lightning's callbacks that average the weights into a copy of the module taken at setup, by class name
+#: (``WeightAveraging``, the base of ``EMAWeightAveraging``, came with Lightning 2.6)
+AVERAGING_CALLBACKS = ("StochasticWeightAveraging", "WeightAveraging")
+_LIGHTNING = ("lightning.", "pytorch_lightning.")
+
+
+def check_weight_averaging(
+    mode: str, callbacks: Iterable[Any], averages_buffers: Callable[[Any], bool]
+) -> tuple[str, bool] | None:
+    """Raise :class:`PulseRefusal` for structured mode next to one of ``callbacks`` that averages the weights
+    into a copy of the module taken before training (:data:`AVERAGING_CALLBACKS`): the copy keeps the uncut
+    shapes. Unstructured: returns the class name of a ``WeightAveraging`` (an ``EMAWeightAveraging``) and
+    whether it averages buffers (``use_buffers``, read by ``averages_buffers``: the compat module's, private
+    Lightning state), if there is one, for :func:`refuse_averaged_masks` at fit start;
+    ``StochasticWeightAveraging`` pairs parameters only."""
+    found = {
+        kind: callback
+        for callback in callbacks
+        for kind in AVERAGING_CALLBACKS
+        if any(
+            base.__name__ == kind and base.__module__.startswith("lightning")
+            for base in type(callback).__mro__
+        )
+    }
+    if mode == "structured" and found:
+        averaging = type(next(iter(found.values()))).__name__
+        caveat = (
+            " (next to a WeightAveraging it refuses a model with a buffer after a layer it masks, naming the "
+            "layers to leave out)"
+            if "WeightAveraging" in found
+            else ""
+        )
         raise PulseRefusal(
             f"ScheduledPrune: mode='structured' cannot run next to {averaging}: it averages the weights into a "
             "copy of the module taken before training, which keeps the uncut shapes, so its first average after "
-            f"a cut would fail mid-run. Use mode='unstructured', or remove {averaging}."
+            f"a cut would fail mid-run. Use mode='unstructured'{caveat}, or remove {averaging}."
         )
+    averaging = found.get("WeightAveraging")
+    if averaging is None:
+        return None
+    return type(averaging).__name__, averages_buffers(averaging)
+
+
+def refuse_averaged_masks(
+    averaging: tuple[str, bool] | None,
+    model: nn.Module,
+    layers: Mapping[str, nn.Module],
+    masked_at_setup: Collection[str],
+) -> None:
+    """Unstructured, next to a Lightning ``WeightAveraging`` (``averaging``: its class name, an
+    ``EMAWeightAveraging``, and its ``use_buffers``): raise :class:`PulseRefusal` when the masks would break
+    its pairing of the module's tensors with those of its copy taken at setup. With ``use_buffers=True`` it
+    pairs parameters and buffers by position, so the ``weight_mask`` buffer an event adds to a layer shifts
+    every buffer after it (a held-out model with BatchNorm crashed one step after the first event), and a mask
+    a layer had at setup (``masked_at_setup``) is averaged in the copy and copied back over the events' masks;
+    masks added after the last buffer are past the copy's end, left alone. With ``use_buffers=False`` it pairs
+    the buffers strictly: any mask added fails its first update after the first event. The way out named
+    leaves the layers that break it out (``exclude_pattern``), with ``use_buffers=True``."""
+    if averaging is None:
+        return
+    name_of, use_buffers = averaging
+    blocking, seen, buffer = [], [], None
+    for name, module in model.named_modules():
+        gains_mask = name in layers and name not in masked_at_setup  # not in the copy (a resume's is not)
+        own = [b for b, _ in module.named_buffers(recurse=False) if not (gains_mask and b == "weight_mask")]
+        if own and seen:  # a buffer after a layer that gains a mask: shifted
+            blocking += seen
+            buffer, seen = buffer or f"{name}.{own[0]}".lstrip("."), []
+        if name in layers:
+            (seen if gains_mask else blocking).append(name)
+    gaining = [name for name in layers if name not in masked_at_setup]
+    if not blocking and (use_buffers or not gaining):
+        return
+    names = sorted(set(blocking), key=list(layers).index)
+    pattern = "^(" + "|".join(re.escape(name) for name in names) + ")$"
+    if len(names) == len(layers):
+        way_out = (
+            f"Remove {name_of} (every layer to prune breaks its pairing), or use StochasticWeightAveraging."
+        )
+    else:
+        left_out = f" and leave {_some_names(names)} out with `exclude_pattern`={pattern!r}" if names else ""
+        way_out = f"Use {name_of}(use_buffers=True){left_out}, or remove {name_of}."
+    if not use_buffers:
+        why = (
+            "with use_buffers=False it keeps the copy's buffers in step with the module's by pairing them "
+            f"strictly, and the mask buffer an event adds to `{gaining[0]}` makes the two lists differ in "
+            "length"
+        )
+    elif buffer is not None:
+        why = (
+            "it pairs the module's parameters and buffers with its averaged copy's by position, and the mask "
+            f"buffer an event adds to `{names[0]}` shifts `{buffer}` after it"
+        )
+    else:
+        why = (
+            f"the copy holds the mask `{names[0]}` carries now, which it averages and copies back over the "
+            "events'"
+        )
+    raise PulseRefusal(
+        f"ScheduledPrune: mode='unstructured' cannot run next to {name_of} on this model: {why}, so the run "
+        f"would crash mid-run or end with wrong masks. {way_out}"
+    )
+
+
+def _some_names(names: Sequence[str]) -> str:
+    shown = ", ".join(f"`{name}`" for name in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def checked_selection(pruner: pruning.Pruner, model: nn.Module) -> LayerSelection:
@@ -156,13 +265,14 @@ def fit_start_selection(
     frozen: frozenset[str] | None,
     compiled: Sequence[str],
     example: Any,
+    fixed_copies: bool = False,
 ) -> tuple[LayerSelection, list[str], Any]:
     """At fit start, the layers ``pruner`` prunes in ``model``, leaving out those the user froze (``frozen``,
     as a restored checkpoint recorded them; ``None``: the layers frozen in ``model`` now). Raises
     :class:`PulseRefusal` when there is none (:func:`checked_selection`) and, in structured mode, for a
     compiled part holding one (``compiled``: :func:`refuse_compiled_structured`), a model that cannot be
     traced or cut safely (:func:`refuse_structured`) or a frozen copy of a part to cut
-    (:func:`refuse_frozen_twins`).
+    (:func:`refuse_frozen_twins`; unstructured too, unless ``fixed_copies``).
 
     Returns the selection, the layers whose zeros folded into the weights were masked again
     (:func:`~lightning_pulse.core.pruning.mask_folded_zeros`, unstructured), and the structured trace input:
@@ -170,6 +280,8 @@ def fit_start_selection(
     pruner.user_frozen = prune_targets.frozen_layers(model) if frozen is None else frozen
     selection = checked_selection(pruner, model)
     masked = pruning.mask_folded_zeros(selection.layers, pruner.mode, schedule.sparsity)
+    if pruner.mode == "unstructured" and not fixed_copies:
+        refuse_frozen_twins(model, selection.layers, pruner.mode)
     if pruner.mode == "structured":
         refuse_compiled_structured(pruner.mode, compiled, selection.layers)
         refuse_structured(pruning.structured_blocker(model, selection))
@@ -203,6 +315,26 @@ def renamed_weight_warning(mode: str, model: nn.Module, layers: Mapping[str, nn.
         f"{layer}.weight_mask` before every forward. Code that reads or writes parameters by name must use "
         f"`weight_orig` (a write to `{layer}.weight` itself is kept, but not an in-place one through `.data`); "
         "or leave those layers out with `exclude_pattern`."
+    )
+
+
+def kept_masks_note(mode: str, layers: Mapping[str, nn.Module], pruned: bool) -> str | None:
+    """Unstructured, before this run's first event (not ``pruned``): the line saying that ``layers`` already
+    carry ``torch.nn.utils.prune`` masks with zeros (the user pruned the model, or :func:`load_pruned
+    <lightning_pulse.core.pruning.load_pruned>` loaded a pruned run), kept: each event's mask is the
+    intersection with the one a layer has (:func:`~lightning_pulse.core.pruning.unstructured_masks`), so the
+    sparsity reported is the real one and may stay above the schedule's target. ``None`` when none has."""
+    if mode != "unstructured" or pruned:
+        return None
+    masks = {name: pruning.current_mask(layer) for name, layer in layers.items()}
+    masked = [name for name, mask in masks.items() if mask is not None and not bool(mask.all())]
+    if not masked:
+        return None
+    return (
+        f"ScheduledPrune: {len(masked)} layer(s) to prune already carry a pruning mask "
+        f"({', '.join(masked[:3])}{' ...' if len(masked) > 3 else ''}; sparsity "
+        f"{pruning.global_sparsity(layers):.3f} of the layers to prune): kept. Their zeros stay pruned: each "
+        "event's mask keeps them, so the sparsity reached can stay above the schedule's target."
     )
 
 
@@ -527,19 +659,36 @@ def unfinished_warning(schedule: PruneSchedule, step: int, events: Sequence[Any]
     )
 
 
-def refuse_frozen_twins(model: nn.Module, layers: dict[str, nn.Module]) -> None:
-    """Refuse structured pruning of a part that has a frozen copy (:func:`prune_targets.frozen_twins`): the cut
+def refuse_frozen_twins(model: nn.Module, layers: dict[str, nn.Module], mode: str = "structured") -> None:
+    """Refuse pruning a part that has a frozen copy (:func:`prune_targets.frozen_twins`). Structured: the cut
     shrinks the part's channels and not the copy's. Code that pairs their parameters (an EMA teacher, a BYOL or
     DINO target network, a DQN target network loaded from the policy) or compares their features (a frozen
     reference for feature matching) then breaks at the first event, or at the first update after it: held-out
-    runs crashed mid-run at all three. Whether the copy is used that way shows only in training, and some only
-    after the first event, so any frozen copy is refused at fit start, with the ways out."""
+    runs crashed mid-run at all three. Unstructured: a mask renames the part's ``weight`` to ``weight_orig``
+    and adds a ``weight_mask`` buffer: a held-out EMA teacher updated by name (``state_dict()``,
+    ``named_parameters()``) crashed at the first event (``KeyError: '0.weight'``), and one updated by
+    ``zip(parameters())`` averaged the unmasked ``weight_orig``, pruned entries included. Whether the copy is
+    updated shows only in training, so any frozen copy is refused at fit start, with the ways out: a copy
+    never updated (a fixed teacher) is said so with ``PruneOptions(fixed_copies=True)`` (unstructured)."""
     twins = prune_targets.frozen_twins(model, layers)
-    if twins:
-        copy, part = next(iter(twins.items()))
+    if not twins:
+        return
+    copy, part = next(iter(twins.items()))
+    if mode == "structured":
         raise PulseRefusal(
             f"ScheduledPrune: `{copy}` is a frozen copy of `{part}`. Structured pruning would cut {part}'s channels "
             f"and not {copy}'s, so code that pairs their parameters (an EMA teacher, a target network) or compares "
-            f"their features breaks at the first pruning event. Use mode='unstructured', which keeps every shape, "
-            f"or leave the part out with `exclude_pattern`={re.escape(part)!r}."
+            f"their features breaks at the first pruning event. Leave the part out with `exclude_pattern`="
+            f"{re.escape(part)!r}; or, if {copy} is never updated from {part} (a fixed teacher or reference "
+            "model), use mode='unstructured' with options=PruneOptions(fixed_copies=True), which keeps every "
+            "shape."
         )
+    raise PulseRefusal(
+        f"ScheduledPrune: `{copy}` is a frozen copy of `{part}`. From the first pruning event on, a "
+        f"masked layer of {part} holds `weight_orig` and a `weight_mask` buffer instead of `weight`, so an "
+        f"update of {copy} from {part} by name (an EMA teacher, a target network) fails, and one by position "
+        f"averages the unmasked weights, pruned entries included. Leave the part out with `exclude_pattern`="
+        f"{re.escape(part)!r}; or, if {copy} is never updated from {part} (a fixed teacher or reference "
+        "model: ScheduledPrune cannot tell one from an EMA at fit start), say so with "
+        "options=PruneOptions(fixed_copies=True)."
+    )

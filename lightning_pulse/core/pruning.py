@@ -160,14 +160,16 @@ def unstructured_masks(
     ranking: str = "layer",
     previous_masks: Mapping[str, torch.Tensor | None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Masks with exactly ``round(sparsity * n)`` zeros, lowest scores first.
+    """Masks with ``round(sparsity * n)`` zeros, lowest scores first, and every zero of the previous masks.
 
     Args:
         scores: layer name -> importance of each weight, same shape as the weight.
         sparsity: the absolute target share of zeros, in ``[0, 1]``.
         ranking: ``"layer"`` (each layer reaches ``sparsity``) or ``"global"`` (all layers together do).
-        previous_masks: layer name -> its current mask; entries already pruned rank below everything, so a
-            mask never gains back a weight.
+        previous_masks: layer name -> its current mask; entries already pruned rank below everything, and
+            the new mask is the intersection with it, so a mask never gains back a weight: one that held more
+            zeros than the target (a mask another pruner put, a pruned model loaded into a fresh run) keeps
+            them all, and the mask has more zeros than the target.
 
     Returns:
         layer name -> a 0/1 mask of the weight's shape and dtype ``float32``.
@@ -189,7 +191,7 @@ def unstructured_masks(
             if prune_count:
                 mask[torch.topk(flat, prune_count, largest=False).indices] = 0.0
             masks[name] = mask.view_as(scores[name])
-        return masks
+        return _kept_zeros(masks, previous_masks)
     names = list(ranked)
     everything = torch.cat([ranked[name].cpu() for name in names])
     mask = torch.ones_like(everything)
@@ -198,6 +200,17 @@ def unstructured_masks(
         mask[torch.topk(everything, prune_count, largest=False).indices] = 0.0
     for name, chunk in zip(names, torch.split(mask, [ranked[n].numel() for n in names])):
         masks[name] = chunk.to(scores[name].device).view_as(scores[name])
+    return _kept_zeros(masks, previous_masks)
+
+
+def _kept_zeros(
+    masks: dict[str, torch.Tensor], previous_masks: Mapping[str, torch.Tensor | None] | None
+) -> dict[str, torch.Tensor]:
+    """``masks``, each times its previous mask: a target below the zeros a mask holds already (put by another
+    pruner, or loaded) un-pruned the rest, so a model pruned to 0.70 went back to the schedule's 0.15."""
+    for name, previous in (previous_masks or {}).items():
+        if previous is not None and name in masks:
+            masks[name] = masks[name] * (previous != 0).to(masks[name])
     return masks
 
 
@@ -436,10 +449,13 @@ def rename_in_finetuning_states(states: dict[str, Any], keys: Collection[str], m
             states[key] = finetuning_state_renamed(state, names)
 
 
-def make_masks_permanent(model: nn.Module) -> list[str]:
-    """Fold every ``torch.nn.utils.prune`` mask into its weight; returns the names of the layers folded."""
+def make_masks_permanent(model: nn.Module, keep: Collection[str] = ()) -> list[str]:
+    """Fold every ``torch.nn.utils.prune`` mask into its weight, except those of the layers named in ``keep``;
+    returns the names of the layers folded."""
     folded = []
     for name, module in model.named_modules():
+        if name in keep:
+            continue
         for hook in list(module._forward_pre_hooks.values()):
             if isinstance(hook, prune.BasePruningMethod):
                 tensor_name = hook._tensor_name
