@@ -254,3 +254,33 @@ def test_every_head_of_a_two_head_model_trains_and_the_frozen_prefix_stops_befor
     assert any(watch.feat_frozen)  # the shared features before the heads still freeze
     assert max(event["to"] for event in cache.events) == 2
     assert "are heads and never freeze" in caplog.text and "cls, dom.2" in caplog.text
+
+
+class _WideAndDeep(pl.LightningModule):
+    """Wide & Deep: a linear term on the raw input (computed first) summed with a deep trunk's head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide = nn.Linear(16, 4)
+        self.deep = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.wide(x) + self.head(self.deep(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+def test_a_wide_part_on_the_raw_input_is_not_a_head_so_the_deep_trunk_still_freezes():
+    """Review: once every unit no other unit reads counted as a head, Wide & Deep's wide part (forward
+    position 0) ended the frozen prefix before it began, and nothing ever froze."""
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
+    pl.seed_everything(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(max_steps=40, callbacks=[cache], **trainer_kwargs()).fit(_WideAndDeep(), _data())
+    assert [unit.name for unit in cache.freezer.units][0] == "wide"
+    assert cache.events and max(event["to"] for event in cache.events) >= 2  # the wide part and the trunk

@@ -155,3 +155,28 @@ def test_an_optimizer_already_in_evaluation_mode_and_one_without_modes_are_left_
     with pytest.raises(RuntimeError), evaluation_point([schedule_free.train() or schedule_free]):
         raise RuntimeError("the probe failed")
     assert schedule_free.param_groups[0]["train_mode"]  # put back also after an exception
+
+
+class _TrainsSomething(torch.optim.SGD):
+    """An optimizer with methods named ``train`` and ``eval`` that are not schedule-free's modes."""
+
+    def train(self, steps):  # noqa: D102 - a user's method of that name
+        raise AssertionError("the probe must not call a train() that is not a mode switch")
+
+    def eval(self):
+        raise AssertionError("the probe must not call an eval() that is not a mode switch")
+
+
+def test_only_optimizers_with_schedule_frees_flag_are_switched_and_their_weights_come_back_exactly():
+    """Review: the two method names alone sent a custom optimizer's ``train(steps)`` through the probe (a
+    crash); and schedule-free's in-place round trip is not exact, so the weights are copied back."""
+    custom = _TrainsSomething([nn.Parameter(torch.ones(2))], lr=0.1)
+    with evaluation_point([custom]) as switched:
+        assert switched == []
+    parameter = nn.Parameter(torch.tensor([0.1, 0.7]))
+    schedule_free = ScheduleFreeSGD([parameter])
+    before = parameter.detach().clone()
+    with evaluation_point([schedule_free]) as switched:
+        assert switched == [schedule_free]
+        parameter.data.add_(1e-3)  # what an inexact round trip leaves behind
+    assert torch.equal(parameter.detach(), before)

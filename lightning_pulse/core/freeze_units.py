@@ -163,12 +163,16 @@ def head_positions(units: Sequence[FreezeUnit]) -> set[int]:
     """Positions of the *heads*: units that got a gradient and that no other unit reads from
     (:attr:`FreezeUnit.inputs_from`), so their output reaches the loss without passing through a trainable unit
     (a classifier, a second head of a multi-task or DANN model, an auxiliary loss's head). A frozen prefix stops
-    before the first: freezing a head stops its loss's learning. The last unit of a chain is the only one;
+    before the first: freezing a head stops its loss's learning. A unit that reads no other unit is not one
+    (its freezing stops no trunk's learning). The last unit of a chain is the only one;
     empty when no unit reads another (the reads were never traced: nothing to tell heads by)."""
     read = {name for unit in units for name in unit.inputs_from if name != unit.name}
     if not read:
         return set()
-    return {index for index, unit in enumerate(units) if unit.used and unit.name not in read}
+    # a unit that reads no other unit (Wide & Deep's wide part, a linear term on the raw input) cuts no trunk
+    # off its loss's learning when frozen: it freezes like any other unit (a review found Wide & Deep never
+    # freezing at all once it counted as a head at position 0)
+    return {index for index, unit in enumerate(units) if unit.used and unit.inputs_from and unit.name not in read}
 
 
 def heads_note(units: Sequence[FreezeUnit]) -> str | None:

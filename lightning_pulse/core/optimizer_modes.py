@@ -13,12 +13,22 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import torch
+
 Result = TypeVar("Result")
 
 
 def has_evaluation_mode(optimizer: Any) -> bool:
-    """Whether ``optimizer`` has both ``eval()`` and ``train()`` methods (torch's own optimizers have neither)."""
-    return callable(getattr(optimizer, "eval", None)) and callable(getattr(optimizer, "train", None))
+    """Whether ``optimizer`` is a schedule-free one: ``eval()`` and ``train()`` methods and schedule-free's
+    ``train_mode`` flag (in its parameter groups, or on the optimizer in older releases). The flag is asked for
+    because the two method names alone say nothing: a custom optimizer's ``train(steps)`` or an optimizer that
+    is also an ``nn.Module`` must not be switched (torch's own optimizers have neither method)."""
+    if not (callable(getattr(optimizer, "eval", None)) and callable(getattr(optimizer, "train", None))):
+        return False
+    groups = getattr(optimizer, "param_groups", None) or []
+    return any(isinstance(group, dict) and "train_mode" in group for group in groups) or isinstance(
+        getattr(optimizer, "train_mode", None), bool
+    )
 
 
 def in_evaluation_mode(optimizer: Any) -> bool:
@@ -34,17 +44,26 @@ def in_evaluation_mode(optimizer: Any) -> bool:
 def evaluation_point(optimizers: Iterable[Any]) -> Iterator[list[Any]]:
     """Inside, every optimizer of ``optimizers`` with an evaluation mode (:func:`has_evaluation_mode`) that is
     training is in evaluation mode (``eval()``), so a forward sees the weights it would be evaluated at; on the
-    way out each is put back (``train()``), also after an exception. Yields the optimizers it switched."""
+    way out each is put back (``train()``), also after an exception, and its parameters are copied back from
+    before the switch: schedule-free moves them with in-place interpolations whose round trip is not exact
+    (a review measured 6e-8), and a run with a probe must train as the same run without it. Yields the
+    optimizers it switched. The copy is of the switched optimizers' parameters only, once per probe."""
     switched: list[Any] = []
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         for optimizer in optimizers:
             if has_evaluation_mode(optimizer) and not in_evaluation_mode(optimizer):
+                params = [param for group in optimizer.param_groups for param in group["params"]]
+                saved += [(param, param.detach().clone()) for param in params]
                 optimizer.eval()
                 switched.append(optimizer)
         yield switched
     finally:
         for optimizer in reversed(switched):
             optimizer.train()
+        with torch.no_grad():
+            for param, value in saved:
+                param.copy_(value)
 
 
 def at_evaluation_point(optimizers: Iterable[Any], function: Callable[..., Result], *args: Any) -> Result:
