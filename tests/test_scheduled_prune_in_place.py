@@ -245,3 +245,33 @@ def test_a_layer_whose_width_its_shapes_do_not_tell_names_the_way_out():
         prune_widths.fit_widths(module, cut)
     assert "save_weights_only=False" in str(raised.value)
     assert module.conv.weight.shape == (8, 4, 3)  # nothing changed
+
+
+def test_load_pruned_of_a_full_checkpoint_keeps_the_fresh_modules_hooks_and_references(tmp_path):
+    """Review: replaying the recorded cuts on a fresh module (a resume, ``load_pruned``) let torch-pruning put
+    new parameters in, so the fresh module's gradient hooks and its list for the L2 term went dead again."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    kwargs = trainer_kwargs(default_root_dir=tmp_path, enable_checkpointing=True)
+    pl.Trainer(max_steps=8, callbacks=[_prune(), checkpoints], **kwargs).fit(HookedNet(), _data())
+    fresh = ScheduledPrune.load_pruned(HookedNet(), os.path.join(tmp_path, "last.ckpt"))
+    assert fresh.fc1.out_features < 32
+    assert fresh.decay[0] is fresh.fc1.weight and fresh.decay[1] is fresh.fc2.weight
+    x, y = next(iter(_data()))
+    fresh.training_step((x, y), 0).backward()
+    assert set(fresh.post_calls.values()) == {1} and len(fresh.post_calls) == 6
+    assert max(p.grad.abs().max().item() for p in fresh.parameters()) <= 0.01
+
+
+def test_a_layer_norm_without_weights_as_wide_as_a_cut_width_names_the_way_out():
+    """Review: a LayerNorm without affine weights holds a width but no tensor, so a weights-only load left it
+    at the old width and returned a model whose first forward failed."""
+
+    class PlainNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 32)
+            self.ln = nn.LayerNorm(32, elementwise_affine=False)
+
+    cut = {"fc.weight": torch.zeros(16, 8), "fc.bias": torch.zeros(16)}
+    with pytest.raises(RuntimeError, match="ln .LayerNorm. cannot be read from their shapes"):
+        prune_widths.fit_widths(PlainNorm(), cut)

@@ -172,7 +172,9 @@ def head_positions(units: Sequence[FreezeUnit]) -> set[int]:
     # a unit that reads no other unit (Wide & Deep's wide part, a linear term on the raw input) cuts no trunk
     # off its loss's learning when frozen: it freezes like any other unit (a review found Wide & Deep never
     # freezing at all once it counted as a head at position 0)
-    return {index for index, unit in enumerate(units) if unit.used and unit.inputs_from and unit.name not in read}
+    return {
+        index for index, unit in enumerate(units) if unit.used and unit.inputs_from and unit.name not in read
+    }
 
 
 def heads_note(units: Sequence[FreezeUnit]) -> str | None:

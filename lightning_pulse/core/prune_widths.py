@@ -59,6 +59,17 @@ def _prelu(module: nn.PReLU, weight: torch.Tensor) -> None:
     module.num_parameters = weight.numel()
 
 
+def drop_gradient_accumulator(parameter: nn.Parameter) -> None:
+    """Let autograd forget ``parameter``'s gradient accumulator before its data takes another shape.
+
+    The accumulator keeps the old shape and checks every gradient against it; torch drops it (the next
+    backward makes one of the new shape, with the parameter's hooks) only when the dtype of the data changes.
+    The passing dtype is float16, or float32 for a float16 parameter: every device has both (MPS has no
+    float64)."""
+    other = torch.float16 if parameter.dtype != torch.float16 else torch.float32
+    parameter.data = torch.empty(0, dtype=other, device=parameter.device)
+
+
 _WIDTHS: tuple[tuple[Callable[[nn.Module], bool], Callable[[Any, torch.Tensor], None]], ...] = (
     (lambda m: isinstance(m, nn.Linear), _linear),
     (prune_targets.is_hf_conv1d, _hf_conv1d),
@@ -104,16 +115,26 @@ def fit_widths(module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "
     layers = {name: module.get_submodule(name) for name in differing}
     unknown = [name for name, layer in layers.items() if _width_setter(layer) is None]
     for name, layer in layers.items():
-        if any(
-            len(shape) != layer._parameters.get(entry, layer._buffers.get(entry)).dim()
-            for entry, shape in differing[name].items()
-        ):
+        if any(len(shape) != _entry(layer, entry).dim() for entry, shape in differing[name].items()):
             unknown.append(name)
+    if differing:
+        # a layer that holds a width but no tensor (a LayerNorm without affine weights) cannot be read from the
+        # state dict: one as wide as a width that was cut may be the one fed the cut channels
+        cut_widths = {
+            _entry(layers[name], entry).shape[0] for name, entries in differing.items() for entry in entries
+        }
+        unknown += [
+            name
+            for name, layer in module.named_modules()
+            if isinstance(layer, nn.LayerNorm)
+            and not layer.elementwise_affine
+            and layer.normalized_shape[-1] in cut_widths
+        ]
     if unknown:
         raise RuntimeError(
             f"ScheduledPrune: the state dict has cut widths but no record of the channel removals (a weights-only "
             f"checkpoint), and the widths of {', '.join(sorted({name or '(the root)' for name in unknown}))} "
-            f"({type(layers[unknown[0]]).__name__}) cannot be read from their shapes alone. To load such a model, "
+            f"({type(module.get_submodule(unknown[0])).__name__}) cannot be read from their shapes alone. To load such a model, "
             f"{FULL_CHECKPOINT}."
         )
     for name, layer in layers.items():
@@ -125,6 +146,12 @@ def fit_widths(module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "
         _width_setter(layer)(layer, weight)
 
 
+def _entry(layer: nn.Module, name: str) -> torch.Tensor:
+    """``layer``'s own parameter or buffer ``name``."""
+    tensor = layer._parameters.get(name)
+    return layer._buffers[name] if tensor is None else tensor
+
+
 @torch.no_grad()
 def _resize(layer: nn.Module, name: str, shape: torch.Size) -> None:
     """Give ``layer.<name>`` an uninitialised tensor of ``shape`` (same object for a parameter: whatever holds
@@ -132,9 +159,7 @@ def _resize(layer: nn.Module, name: str, shape: torch.Size) -> None:
     if name in layer._parameters:
         parameter = layer._parameters[name]
         dtype = parameter.dtype
-        other = torch.float64 if dtype != torch.float64 else torch.float32
-        # dropping autograd's gradient accumulator, which keeps the old shape (see pruning.cut_in_place)
-        parameter.data = torch.empty(0, dtype=other, device=parameter.device)
+        drop_gradient_accumulator(parameter)
         parameter.data = torch.empty(shape, dtype=dtype, device=parameter.device)
         return
     buffer = layer._buffers[name]

@@ -1171,7 +1171,7 @@ def prune_group(
 
 
 @torch.no_grad()
-def cut_in_place(parameter: nn.Parameter, cut: torch.Tensor, kept: torch.Tensor) -> None:
+def cut_in_place(parameter: nn.Parameter, cut: torch.Tensor, kept: torch.Tensor | None) -> None:
     """Give ``parameter`` the values of ``cut`` (its elements ``kept``), keeping the object.
 
     torch-pruning puts new parameters into the layers; the old objects are what the user's hooks
@@ -1180,12 +1180,9 @@ def cut_in_place(parameter: nn.Parameter, cut: torch.Tensor, kept: torch.Tensor)
     gradient is cut with the same indices (a shape that no longer fits the parameter could not be kept).
     """
     grad, parameter.grad = parameter.grad, None
-    # autograd's gradient accumulator keeps the old shape and checks gradients against it; torch drops it
-    # (the next backward makes one of the new shape, with the parameter's hooks) only when the dtype changes
-    other = torch.float64 if cut.dtype != torch.float64 else torch.float32
-    parameter.data = torch.empty(0, dtype=other, device=cut.device)
+    prune_widths.drop_gradient_accumulator(parameter)
     parameter.data = cut.detach()
-    if grad is not None:
+    if grad is not None and kept is not None:
         parameter.grad = ParameterRemap.apply(grad, grad.shape, cut.shape, kept)
 
 
@@ -1250,8 +1247,19 @@ def replay_structure(
     (``precision``: see :func:`inputs_for`)."""
     if not history:
         return
+    held = {
+        (id(module), name): param for module in model.modules() for name, param in module._parameters.items()
+    }
     graph = build_dependency_graph(model, example_inputs, precision)
     graph.load_pruning_history([[name, is_out, list(indices)] for name, is_out, indices in history])
+    # torch-pruning put new parameters in: the objects the module's hooks and lists hold take their values, as
+    # at a cut (a resume or load_pruned left a user's gradient hooks and lists of parameters dead; a review)
+    for module in model.modules():
+        for name, new in list(module._parameters.items()):
+            old = held.get((id(module), name))
+            if old is not None and new is not None and new is not old:
+                module._parameters[name] = old
+                cut_in_place(old, new, kept=None)  # a fresh module's replay: no gradient to cut
 
 
 def channel_counts(model: nn.Module, names: Sequence[str]) -> dict[str, int]:
