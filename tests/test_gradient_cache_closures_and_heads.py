@@ -25,8 +25,8 @@ def _data(batch_size: int = 32, features: int = 16) -> DataLoader:
 
 
 class SAM(torch.optim.Optimizer):
-    """Sharpness-aware minimization as usually written for Lightning: ``step`` evaluates the closure twice, and
-    both of its steps skip a parameter without a gradient."""
+    """Sharpness-aware minimization as usually written for Lightning: ``step`` evaluates the closure twice,
+    and both of its steps skip a parameter without a gradient."""
 
     def __init__(self, params, lr: float = 0.05, rho: float = 0.05) -> None:
         super().__init__(params, dict(lr=lr, rho=rho))

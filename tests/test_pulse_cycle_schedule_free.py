@@ -1,4 +1,4 @@
-"""PulseCycle's maintain probe with a schedule-free optimizer: evaluated at its evaluation weights (sweep A)."""
+"""PulseCycle's maintain probe with a schedule-free optimizer: evaluated at its evaluation weights."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ def test_an_optimizer_already_in_evaluation_mode_and_one_without_modes_are_left_
 class _TrainsSomething(torch.optim.SGD):
     """An optimizer with methods named ``train`` and ``eval`` that are not schedule-free's modes."""
 
-    def train(self, steps):  # noqa: D102 - a user's method of that name
+    def train(self, steps):
         raise AssertionError("the probe must not call a train() that is not a mode switch")
 
     def eval(self):

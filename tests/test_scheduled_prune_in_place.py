@@ -1,8 +1,8 @@
-"""ScheduledPrune(mode="structured") cuts parameters in place: the objects stay, so what holds them stays valid.
+"""ScheduledPrune(mode="structured") cuts parameters in place: the objects stay, and what holds them too.
 
-The user's hooks on parameters and lists of them, a wrapper optimizer's inner optimizer (its state is cut too),
-``ZeroRedundancyOptimizer`` (its shard optimizer holds the same objects; its bucket view is refused), and a
-weights-only checkpoint, loaded by reading each layer's width from its shapes.
+The user's hooks on parameters and lists of them, a wrapper optimizer's inner optimizer (its state is cut
+too), ``ZeroRedundancyOptimizer`` (its shard optimizer holds the same objects; its bucket view is refused),
+and a weights-only checkpoint, loaded by reading each layer's width from its shapes.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_cut_keeps_the_parameters_hooks_and_references(tmp_path):
 
 
 class Lookahead(torch.optim.Optimizer):
-    """A wrapper sharing the inner optimizer's ``param_groups`` and keeping slow weights in a state of its own."""
+    """A wrapper sharing the inner optimizer's ``param_groups``, with slow weights in a state of its own."""
 
     def __init__(self, inner: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
         self.optimizer, self.k, self.alpha, self.steps = inner, k, alpha, 0

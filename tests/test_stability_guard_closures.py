@@ -6,6 +6,7 @@ findings."""
 from __future__ import annotations
 
 import copy
+import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -206,3 +207,27 @@ def test_a_step_is_judged_on_its_own_windows_losses_when_a_window_ended_without_
     for step, loss in judged.items():
         assert loss == pytest.approx(sum(windows[step]) / accumulate, rel=1e-5), step
     assert guard.spikes_detected == 0
+
+
+class FirstStepConverged(Classifier):
+    """Step 0's loss is zeroed: LBFGS converges after one evaluation, so the guard first learns that the
+    optimizer evaluates its closure once a step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 0 if self.trainer.global_step == 0 else loss
+
+
+def test_a_nonfinite_lbfgs_trial_point_right_after_a_one_evaluation_step_is_skipped_from_before_the_step(
+    monkeypatch,
+):
+    """Review: after a step with one evaluation no backup was held, so the skip at the next step's NaN trial
+    point backed up LBFGS's half-done state (an iteration counted, no previous gradient): the step after
+    it crashed inside LBFGS."""
+    monkeypatch.setattr(sys.modules[__name__], "FAULT_STEP", 1)
+    module, state = FirstStepConverged(_lbfgs, nan_at=3), StateAtFaultStep()
+    guard = StabilityGuard(loss_zscore=None, grad_norm_zscore=None, snapshot_every=10)
+    _fit(module, [state, guard])
+    assert (guard.steps_skipped, guard.rollbacks) == (1, 0) and guard.events[0]["step"] == 1
+    assert _same(state.before, state.after)
+    assert all(torch.isfinite(p).all() for p in module.parameters())

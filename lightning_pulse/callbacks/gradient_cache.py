@@ -59,8 +59,8 @@ class GradientCache(Callback):
             so ``1.0`` freezes whatever has been scored once.
         check_every: optimizer steps per window; units are scored at the end of every window.
         freeze_for: longest freeze in optimizer steps before a re-check; a multiple of ``check_every``.
-        max_frozen_share: largest share of the trainable parameters frozen at once, in (0, 1]. Heads (units whose
-            output no other unit reads: the last, a second head) always train.
+        max_frozen_share: largest share of the trainable parameters frozen at once, in (0, 1]. Heads
+            (units whose output no other unit reads: the last, a second head) always train.
         phases: the pulse phases in which units may be frozen.
         start_at: no freezing before this point: an ``int`` optimizer step or a ``float`` share of the run.
         release_at: nothing is frozen from this point on (same forms as ``start_at``); ``None``: never.

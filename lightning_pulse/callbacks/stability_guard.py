@@ -212,9 +212,10 @@ class StabilityGuard(Callback):
         sums = self._sum_over_ranks(trainer)
         loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, sums, trainer.world_size)
         if decided is Action.APPLY:  # SAM applies its second's gradient; spikes are judged on the first
-            record.decided = self.core.judge_later_evaluation(step, loss, grad_norm)  # non-finite: a skip
-            if record.decided is not Action.APPLY:
-                self._changes.skip(optimizer, self._keep_gradients)
+            if self._changes.can_undo_within_step(optimizer, self._keep_gradients):
+                record.decided = self.core.judge_later_evaluation(step, loss, grad_norm)  # non-finite: a skip
+                if record.decided is not Action.APPLY:
+                    self._changes.skip(optimizer, self._keep_gradients)
             return
         # the baseline key of the step: its pulse phase, or the one fixed key
         key = self._fixed_key if self._cycle is None else self._cycle.phase.value

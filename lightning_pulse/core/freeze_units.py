@@ -161,10 +161,10 @@ def reread_note(units: Sequence[FreezeUnit]) -> str | None:
 
 def head_positions(units: Sequence[FreezeUnit]) -> set[int]:
     """Positions of the *heads*: units that got a gradient and that no other unit reads from
-    (:attr:`FreezeUnit.inputs_from`), so their output reaches the loss without passing through a trainable unit
-    (a classifier, a second head of a multi-task or DANN model, an auxiliary loss's head). A frozen prefix stops
-    before the first: freezing a head stops its loss's learning. A unit that reads no other unit is not one
-    (its freezing stops no trunk's learning). The last unit of a chain is the only one;
+    (:attr:`FreezeUnit.inputs_from`), so their output reaches the loss without passing through a trainable
+    unit (a classifier, a second head of a multi-task or DANN model, an auxiliary loss's head). A frozen
+    prefix stops before the first: freezing a head stops its loss's learning. A unit that reads no other unit
+    is not one (its freezing stops no trunk's learning). The last unit of a chain is the only one;
     empty when no unit reads another (the reads were never traced: nothing to tell heads by)."""
     read = {name for unit in units for name in unit.inputs_from if name != unit.name}
     if not read:

@@ -67,7 +67,9 @@ def step_loss_and_grad_norm(
     Args:
         param_groups: the optimizer's parameter groups; parameters without a gradient are left out.
         losses: the micro-batch losses of the step (0-d). Lightning divides each by
-            ``accumulate_grad_batches``, so their sum is the window's mean loss.
+            ``accumulate_grad_batches``, so their sum is the window's mean loss (for a shorter last window of
+            an epoch, that mean times its share of a full window: lower, which a detector of upward spikes
+            only reads as a calmer step).
         all_reduce_sum: under DDP, the strategy's sum all-reduce (``trainer.strategy.reduce``): the loss is
             then the mean over ranks, and every rank gets the same two numbers bit for bit.
         world_size: the number of ranks ``all_reduce_sum`` sums over.

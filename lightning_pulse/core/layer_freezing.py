@@ -672,7 +672,7 @@ class LayerFreezer:
         heads = head_positions(self.units)
         for i in range(self.freezable_limit):
             unit = self.units[i]
-            # a pinned unit shares a parameter with a later one, a head feeds the loss: the prefix stops before
+            # a pinned unit shares a parameter with a later one, a head feeds the loss: the prefix ends
             if unit.pinned or i in heads or not unit.used or not self._fresh(i) or not self.stable[i]:
                 break
             if frozen_numel + self._unit_numel[i] > budget:
@@ -1120,8 +1120,8 @@ class FreezerLifecycle:
         report = freezer.step(enabled and self.may_freeze, agree)
         if frozen_before is not None and report.changed:
             # the closure runs again in this step (SAM), so the frozen set holds until the step ends: units
-            # frozen now keep no gradient of this evaluation (SAM would perturb them and, without a gradient at
-            # the next, never restore them), units released now get none from the later ones (SAM would
+            # frozen now keep no gradient of this evaluation (SAM would perturb them and, without a gradient
+            # at the next, never restore them), units released now get none from the later ones (SAM would
             # restore them to the point it saved at the last step they trained)
             freezer.drop_frozen_gradients()
             self._released_now = [
@@ -1138,8 +1138,8 @@ class FreezerLifecycle:
     def repeated_evaluation(self) -> bool:
         """Whether this call (one per closure evaluation, before the optimizer uses its gradients) is a later
         evaluation of an optimizer step counted already: SAM evaluates its closure twice per step. Windows and
-        freezes count optimizer steps, so it counts nothing; the frozen units' gradients are dropped again. The
-        first call of a step returns ``False``; :meth:`optimizer_moved_frozen_units` ends the step. Units
+        freezes count optimizer steps, so it counts nothing; the frozen units' gradients are dropped again.
+        The first call of a step returns ``False``; :meth:`optimizer_moved_frozen_units` ends the step. Units
         released at the first evaluation get no gradient from the later ones either: they train from the next
         step."""
         if not self._step_counted:

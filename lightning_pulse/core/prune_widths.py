@@ -118,8 +118,8 @@ def fit_widths(module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "
         if any(len(shape) != _entry(layer, entry).dim() for entry, shape in differing[name].items()):
             unknown.append(name)
     if differing:
-        # a layer that holds a width but no tensor (a LayerNorm without affine weights) cannot be read from the
-        # state dict: one as wide as a width that was cut may be the one fed the cut channels
+        # a layer that holds a width but no tensor (a LayerNorm without affine weights) cannot be read from
+        # the state dict: one as wide as a width that was cut may be the one fed the cut channels
         cut_widths = {
             _entry(layers[name], entry).shape[0] for name, entries in differing.items() for entry in entries
         }
@@ -131,11 +131,12 @@ def fit_widths(module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "
             and layer.normalized_shape[-1] in cut_widths
         ]
     if unknown:
+        names = ", ".join(sorted({name or "(the root)" for name in unknown}))
+        kind = type(module.get_submodule(unknown[0])).__name__
         raise RuntimeError(
-            f"ScheduledPrune: the state dict has cut widths but no record of the channel removals (a weights-only "
-            f"checkpoint), and the widths of {', '.join(sorted({name or '(the root)' for name in unknown}))} "
-            f"({type(module.get_submodule(unknown[0])).__name__}) cannot be read from their shapes alone. To load such a model, "
-            f"{FULL_CHECKPOINT}."
+            "ScheduledPrune: the state dict has cut widths but no record of the channel removals (a weights-only "
+            f"checkpoint), and the widths of {names} ({kind}) cannot be read from their shapes alone. To load "
+            f"such a model, {FULL_CHECKPOINT}."
         )
     for name, layer in layers.items():
         for entry, shape in differing[name].items():

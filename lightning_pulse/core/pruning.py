@@ -966,7 +966,7 @@ class ParameterRemap:
         self._key_of_new[id(new)] = key
 
     def shape_before(self, parameter: torch.Tensor) -> torch.Size:
-        """The shape ``parameter`` (an ``old`` of this remap) had before the change; its shape when not in it."""
+        """The shape ``parameter`` (an ``old`` here) had before the change; its shape when not in it."""
         return self._shapes.get(id(parameter), parameter.shape)
 
     def __iter__(self) -> Iterator[tuple[nn.Parameter, nn.Parameter, torch.Tensor]]:
@@ -2386,7 +2386,8 @@ def fit_to_state_dict(
 
     Raises:
         RuntimeError: the module lost channels since the state was saved, or a layer's widths differ and
-            neither ``structure`` nor its shapes tell them (:func:`~lightning_pulse.core.prune_widths.fit_widths`).
+            neither ``structure`` nor its shapes tell them
+            (:func:`~lightning_pulse.core.prune_widths.fit_widths`).
     """
     discard_written_weights(module)  # the state loaded now supersedes a write to a computed weight before it
     keys = [key[len(prefix) :] for key in state_dict if key.startswith(prefix)]
@@ -2432,7 +2433,7 @@ def fit_to_state_dict(
     if recorded is None:
         recorded = structure() if callable(structure) else structure
     if not recorded or not recorded.get("history"):
-        # a weights-only checkpoint: its values are all loaded, so only the widths, read from its shapes, matter
+        # a weights-only checkpoint: its values are all loaded, so only the widths (its shapes) matter
         prune_widths.fit_widths(module, state_dict, prefix)
         return
     example = _example_in_module_dtype(module, state_dict, prefix, keys, recorded)

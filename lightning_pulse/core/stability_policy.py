@@ -435,10 +435,18 @@ class StepChanges:
 
     def hold(self, optimizer: torch.optim.Optimizer, repeats: bool | None = True) -> None:
         """Back up ``optimizer`` (one that :func:`needs_backup`) before its parameters move within the step,
-        so that a :meth:`skip` decided at a later closure evaluation still puts back the state before the step;
-        nothing where it evaluates the closure once a step (``repeats`` false; ``None``: not known yet)."""
-        if repeats is not False and self._backup is None and needs_backup(optimizer):
+        so that a :meth:`skip` decided at a later closure evaluation still puts back the state before the
+        step; nothing where it evaluates the closure once a step (``repeats`` false; ``None``: unknown)."""
+        always = type(optimizer) is torch.optim.LBFGS  # repeats in every step that does not converge at once
+        if (repeats is not False or always) and self._backup is None and needs_backup(optimizer):
             self._backup = _backup_of(optimizer)
+
+    def can_undo_within_step(self, optimizer: torch.optim.Optimizer, keep_gradients: bool = False) -> bool:
+        """Whether a :meth:`skip` decided at a later closure evaluation would put back the state before the
+        step: a backup is held (:meth:`hold`), or none is needed. A backup taken in the middle of the step
+        would hold its half-done state (LBFGS's counted iteration without its previous gradient crashed the
+        next step: a review), so without one the step stays applied, as before later evaluations were read."""
+        return self._backup is not None or not (keep_gradients or needs_backup(optimizer))
 
     def skip(self, optimizer: torch.optim.Optimizer, keep_gradients: bool = False) -> None:
         """Make the coming ``optimizer.step()`` change nothing (or, decided within it, undo it).
@@ -525,8 +533,8 @@ def _backup_of(
 
 def _load_keeping_groups(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """``load_optimizer_state``, keeping the parameter-group list and dicts the same objects:
-    ``load_state_dict`` makes new ones, which would part a wrapper (SAM) from the inner optimizer sharing its groups, so that the
-    learning rates a scheduler sets on the one no longer reach the other."""
+    ``load_state_dict`` makes new ones, which would part a wrapper (SAM) from the inner optimizer sharing its
+    groups, so that the learning rates a scheduler sets on the one no longer reach the other."""
     groups, dicts = optimizer.param_groups, list(optimizer.param_groups)
     load_optimizer_state(optimizer, state)
     if optimizer.param_groups is not groups:

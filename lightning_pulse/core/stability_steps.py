@@ -229,7 +229,7 @@ class StepRecord:
         self.repeats: bool | None = None
 
     def take_losses(self) -> list[Any]:
-        """The losses recorded since the last call (read at each closure evaluation, with the gradient norm)."""
+        """The losses recorded since the last call (read at each closure evaluation, with the grad norm)."""
         losses, self.losses = self.losses, []
         self.evaluations += 1
         return losses
@@ -388,9 +388,9 @@ class StabilityCore:
 
     def judge_later_evaluation(self, step: int, loss: float | None, grad_norm: float | None) -> Action:
         """The action for a later closure evaluation of a step applied on its first (SAM applies the gradient
-        of its second; LBFGS's trial points): a non-finite loss or gradient norm flags the step as a non-finite
-        first evaluation would, the model's (its weights moved within the step: no data check); spikes are
-        judged on the first evaluation only, so the baselines hold one kind of value."""
+        of its second; LBFGS's trial points): a non-finite loss or gradient norm flags the step as a
+        non-finite first evaluation would, the model's (its weights moved within the step: no data check);
+        spikes are judged on the first evaluation only, so the baselines hold one kind of value."""
         if loss is not None and not math.isfinite(loss):
             verdict = Verdict.NONFINITE_LOSS
         elif grad_norm is not None and not math.isfinite(grad_norm):
