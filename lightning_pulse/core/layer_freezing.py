@@ -598,9 +598,10 @@ class LayerFreezer:
     ) -> bool:
         """Follow parameters that were replaced by smaller ones (structured pruning cut channels).
 
-        ``replacements`` yields ``(old, new, kept)`` with ``new.flatten() == old.flatten()[kept]``. Units point
-        at the new tensors, window snapshots are cut with ``kept`` (so the movement still compares the same
-        elements) and the parameter counts are taken again. Returns whether any unit held a replaced parameter.
+        ``replacements`` yields ``(old, new, kept)`` with ``new.flatten() == old.flatten()[kept]`` (ScheduledPrune
+        cuts in place: ``new is old``, already of the cut shape). Units point at ``new``, window snapshots are
+        cut with ``kept`` (so the movement still compares the same elements) and the parameter counts are
+        taken again. Returns whether any unit held a replaced parameter.
         """
         old_params = [list(unit.params) for unit in self.units]
         moved = replace_unit_parameters(self.units, replacements)

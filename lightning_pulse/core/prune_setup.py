@@ -568,7 +568,8 @@ def refuse_structured(reason: str | None) -> None:
         "weight), or give each call its own module (weights not shared) to cut them with mode='structured'.",
         pruning.UNCUT_BUFFER: "Leave that layer out with `exclude_pattern`, use mode='unstructured' (it keeps "
         "every shape), or keep the copy outside the module, in a callback that follows each cut "
-        "(`on_pulse_parameters_replaced` is given the old and new parameters and the channels kept).",
+        "(`on_pulse_parameters_replaced` is given the cut parameters, their shapes before the cut and the "
+        "channels kept).",
         pruning.UNTRACEABLE_OUTPUT: "Have `forward` return tensors only (the logits or the loss); a Hugging "
         "Face model returns its key/value cache unless called with `use_cache=False` (or built with it in its "
         "config: setting `model.config.use_cache` afterwards does not reach T5's decoder). Or use "
