@@ -161,9 +161,12 @@ class AveragedWeights:
             average.load_state_dict(state_dict["average"])
         for name, value in state_dict["counters"].items():
             current = getattr(self.callback, name, None)
-            if isinstance(value, torch.Tensor):  # SWA's ``n_averaged``, on the device it lives on
-                device = current.device if isinstance(current, torch.Tensor) else None
-                value = value.to(device) if device is not None else value
+            if isinstance(current, torch.Tensor):
+                # SWA's ``n_averaged``: written in place, on its device. ``None`` (nothing averaged yet when the
+                # snapshot was taken) becomes 0 once SWA has begun, which asserts it is not ``None`` at every
+                # epoch start; a count of 0 makes its next average a copy of the weights (a review's crash)
+                current.fill_(0 if value is None else int(value))
+                continue
             setattr(self.callback, name, value)
 
 

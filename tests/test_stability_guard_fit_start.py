@@ -259,3 +259,23 @@ def test_zero_redundancy_optimizer_under_ddp_is_refused_before_the_first_step(tm
     )
     with pytest.raises(Exception, match="StabilityGuard does not support torch's ZeroRedundancyOptimizer"):
         trainer.fit(_ZeroMLP(), _data())
+
+
+def test_a_rollback_to_before_swa_began_averaging_lets_swa_go_on(tmp_path):
+    """Review: a rollback to a snapshot taken before SWA's first average set its ``n_averaged`` back to
+    ``None`` while SWA had begun; its next epoch start asserts it is not ``None`` (the run crashed)."""
+    from lightning_pulse.core.stability_policy import StabilityGuardConfig
+
+    guard = StabilityGuard(
+        snapshot_every=10,
+        rollback_margin=0,
+        skip_after_rollback=2,
+        config=StabilityGuardConfig(rewind_lr_schedule=False),
+    )
+    swa = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=2)  # begins at step 30
+    pl.seed_everything(0)
+    model = _MLP(nan_weight_at=30)
+    trainer = pl.Trainer(max_epochs=4, callbacks=[swa, guard], **trainer_kwargs(default_root_dir=tmp_path))
+    trainer.fit(model, _data())
+    assert guard.rollbacks == 1 and swa.n_averaged is not None and int(swa.n_averaged) >= 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
