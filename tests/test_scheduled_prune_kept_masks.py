@@ -295,3 +295,53 @@ def test_a_frozen_copy_of_a_part_to_mask_is_refused_before_the_first_step_and_a_
         ScheduledPrune(mode="structured", options=PruneOptions(fixed_copies=True))
     with pytest.raises(ValueError, match="`fixed_copies`='yes' must be a bool"):
         PruneOptions(fixed_copies="yes")
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.fc2(F.relu(self.fc1(x)))
+
+
+class _PartlyFineTuned(pl.LightningModule):
+    """Named blocks of one layout; the first is frozen with values of its own (partial fine-tuning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block1, self.block2, self.out = (
+            nn.Linear(16, 32),
+            _Block(32),
+            _Block(32),
+            nn.Linear(32, 4),
+        )
+        self.inp.requires_grad_(False), self.block1.requires_grad_(False)
+
+    def forward(self, x):
+        return self.out(self.block2(self.block1(self.inp(x))))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+
+def test_a_frozen_block_of_the_same_layout_with_values_of_its_own_is_not_taken_for_a_copy():
+    """Review: unstructured mode refused partial fine-tuning (a frozen `block1` beside a trained `block2` of the
+    same layout) as "a frozen copy"; only a copy holding the part's values at fit start is refused."""
+    prune = _prune(mode="unstructured")
+    pl.seed_everything(0)
+    model = _PartlyFineTuned()
+    pl.Trainer(max_steps=12, callbacks=[prune], **trainer_kwargs()).fit(model, _data())
+    assert prune.events and prune.events[-1]["sparsity"] > 0.4
+    with pytest.raises(PulseRefusal, match="frozen copy"):
+        teacher = _PartlyFineTuned()
+        teacher.block1 = copy.deepcopy(teacher.block2).requires_grad_(
+            False
+        )  # a copy made right before training
+        pl.Trainer(max_steps=4, callbacks=[_prune(mode="unstructured")], **trainer_kwargs()).fit(
+            teacher, _data()
+        )

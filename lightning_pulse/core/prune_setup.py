@@ -139,7 +139,6 @@ def check_optimizers(mode: str, optimizers: Iterable[Any]) -> None:
 #: Lightning's callbacks that average the weights into a copy of the module taken at setup, by class name
 #: (``WeightAveraging``, the base of ``EMAWeightAveraging``, came with Lightning 2.6)
 AVERAGING_CALLBACKS = ("StochasticWeightAveraging", "WeightAveraging")
-_LIGHTNING = ("lightning.", "pytorch_lightning.")
 
 
 def check_weight_averaging(
@@ -213,7 +212,10 @@ def refuse_averaged_masks(
     pattern = "^(" + "|".join(re.escape(name) for name in names) + ")$"
     if len(names) == len(layers):
         way_out = (
-            f"Remove {name_of} (every layer to prune breaks its pairing), or use StochasticWeightAveraging."
+            f"Remove {name_of} (every layer to prune breaks its pairing), use StochasticWeightAveraging, or "
+            f"register the buffer `{buffer}` before the layers to prune."
+            if buffer
+            else f"Remove {name_of} (every layer to prune breaks its pairing), or use StochasticWeightAveraging."
         )
     else:
         left_out = f" and leave {_some_names(names)} out with `exclude_pattern`={pattern!r}" if names else ""
@@ -671,7 +673,9 @@ def refuse_frozen_twins(model: nn.Module, layers: dict[str, nn.Module], mode: st
     ``zip(parameters())`` averaged the unmasked ``weight_orig``, pruned entries included. Whether the copy is
     updated shows only in training, so any frozen copy is refused at fit start, with the ways out: a copy
     never updated (a fixed teacher) is said so with ``PruneOptions(fixed_copies=True)`` (unstructured)."""
-    twins = prune_targets.frozen_twins(model, layers)
+    # unstructured keeps every shape: only a copy made before training (same values now) is refused; a
+    # frozen block of the same architecture with its own values (partial fine-tuning) trains as before
+    twins = prune_targets.frozen_twins(model, layers, same_values_only=mode == "unstructured")
     if not twins:
         return
     copy, part = next(iter(twins.items()))

@@ -234,7 +234,9 @@ def _positional_siblings(a: str, b: str) -> bool:
     return parent_a == parent_b and last_a.isdigit() and last_b.isdigit()
 
 
-def frozen_twins(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, str]:
+def frozen_twins(
+    model: nn.Module, layers: Mapping[str, nn.Module], same_values_only: bool = False
+) -> dict[str, str]:
     """The frozen copies of parts holding ``layers``: ``{copy's name: part's name}`` (outermost copies only).
 
     A copy is a submodule with parameters, none of them trainable, with the structure of a trainable submodule
@@ -249,6 +251,9 @@ def frozen_twins(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str,
         if name and any(True for _ in m.parameters()) and not any(p.requires_grad for p in m.parameters())
     ]
     frozen = [n for n in frozen if not any(n.startswith(o + ".") for o in frozen)]
+    # the names of the modules that hold a layer (the layer and its ancestors): a set, not a scan per module
+    splits = [name.split(".") for name in layers]
+    holding = {".".join(parts[:end]) for parts in splits for end in range(1, len(parts) + 1)}
     twins: dict[str, str] = {}
     for copy_name in frozen:
         copy = modules[copy_name]
@@ -259,10 +264,13 @@ def frozen_twins(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str,
                 name
                 and type(part) is type(copy)
                 and not name.startswith(copy_name + ".")
-                and any(layer == name or layer.startswith(name + ".") for layer in layers)
+                and name in holding
                 and all(p.requires_grad for p in part.parameters())
                 and _structure(part) == shape
-                and (_same_values(part, copy) or (layered and not _positional_siblings(name, copy_name)))
+                and (
+                    _same_values(part, copy)
+                    or (layered and not same_values_only and not _positional_siblings(name, copy_name))
+                )
             ):
                 twins[copy_name] = name
                 break
