@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pulse.callbacks.gradient_cache import GradientCache
 from tests.conftest import trainer_kwargs
+from tests.qat_models import EagerQATClassifier
 
 
 def _data(batch_size: int = 32, features: int = 16) -> DataLoader:
@@ -134,32 +135,9 @@ def test_frozen_units_is_empty_once_the_fit_has_turned_every_parameter_back_on()
     ]  # the checkpoint keeps the frozen set
 
 
-class _QATModel(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        from torch.ao.quantization import DeQuantStub, QuantStub, get_default_qat_qconfig, prepare_qat
-
-        torch.manual_seed(0)
-        net = nn.Sequential(
-            QuantStub(),
-            nn.Linear(16, 32),
-            nn.ReLU(),
-            nn.Linear(32, 32),
-            nn.ReLU(),
-            nn.Linear(32, 4),
-            DeQuantStub(),
-        )
-        net.train()
-        net.qconfig = get_default_qat_qconfig("x86")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.net = prepare_qat(net)
-
-    def training_step(self, batch, batch_idx):
-        return F.cross_entropy(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=3e-3)
+def _qat_model() -> EagerQATClassifier:
+    torch.manual_seed(0)
+    return EagerQATClassifier((16, 32, 32, 4))
 
 
 class DisableObservers(Callback):
@@ -178,7 +156,7 @@ def _fit_qat(observers_on: bool) -> tuple[GradientCache, list[str]]:
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer = pl.Trainer(max_steps=40, callbacks=callbacks, **trainer_kwargs())
-        trainer.fit(_QATModel(), DataLoader(_data().dataset, batch_size=32, shuffle=True))
+        trainer.fit(_qat_model(), DataLoader(_data().dataset, batch_size=32, shuffle=True))
     return cache, [str(w.message) for w in record if "activation cache switched itself off" in str(w.message)]
 
 

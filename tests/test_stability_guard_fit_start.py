@@ -5,7 +5,6 @@ first forward (eager QAT), weight-averaging callbacks, optimizers whose ``state_
 from __future__ import annotations
 
 import copy
-import warnings
 from collections import OrderedDict
 
 import lightning.pytorch as pl
@@ -18,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pulse.callbacks.stability_guard import StabilityGuard
 from tests.conftest import trainer_kwargs
+from tests.qat_models import EagerQATClassifier
 
 
 def _data(rows: int = 240, nan_row: int | None = None) -> DataLoader:
@@ -57,31 +57,9 @@ class _MLP(pl.LightningModule):
 # ---------------------------------------------------------------- 1. buffers shaped by the first forward
 
 
-class _EagerQAT(pl.LightningModule):
-    """Eager-mode QAT: the per-channel fake-quant observers' ``min_val``/``max_val`` are ``(0,)`` until the
-    first forward, ``(out_features,)`` after."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from torch.ao.quantization import DeQuantStub, QuantStub, get_default_qat_qconfig, prepare_qat
-
-        net = nn.Sequential(QuantStub(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2), DeQuantStub())
-        net.train()
-        net.qconfig = get_default_qat_qconfig("x86")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.net = prepare_qat(net)
-
-    def training_step(self, batch, batch_idx):
-        return F.cross_entropy(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=3e-3)
-
-
 def test_a_start_snapshot_that_the_first_forward_unfitted_is_retaken_so_a_nan_row_is_a_data_fault(tmp_path):
     torch.manual_seed(0)
-    model = _EagerQAT()
+    model = EagerQATClassifier()
     assert model.net[1].weight_fake_quant.activation_post_process.min_val.shape == (0,)
     guard = StabilityGuard(snapshot_every=100)
     trainer = pl.Trainer(max_steps=20, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
