@@ -20,6 +20,7 @@ from torch import nn
 from lightning_pulse.core import prune_targets, pruning
 from lightning_pulse.core.prune_schedule import PRUNE_EVERY_DEFAULT, PruneSchedule, check_int, check_share
 from lightning_pulse.core.prune_targets import LayerSelection
+from lightning_pulse.core.snapshots import is_zero_redundancy, optimizers_within
 from lightning_pulse.core.step_plan import epoch_steps
 from lightning_pulse.errors import PulseRefusal, names_itself, refusing
 from lightning_pulse.phase import STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH, Phase, PhaseClock
@@ -122,11 +123,11 @@ def check_optimizers(mode: str, optimizers: Iterable[Any]) -> None:
     in buffers of its own: a ``ZeroRedundancyOptimizer`` with ``parameters_as_bucket_view=True`` makes every
     parameter a view into a flat bucket it broadcasts after each step, and a cut parameter leaves its bucket,
     so the ranks would silently stop sharing its updates. Wrappers' inner optimizers are checked too
-    (:func:`~lightning_pulse.core.pruning.optimizers_within`)."""
+    (:func:`~lightning_pulse.core.snapshots.optimizers_within`)."""
     if mode != "structured":
         return
-    for optimizer in pruning.optimizers_within(optimizers):
-        if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and optimizer.parameters_as_bucket_view:
+    for optimizer in optimizers_within(optimizers):
+        if is_zero_redundancy(optimizer) and optimizer.parameters_as_bucket_view:
             raise PulseRefusal(
                 "ScheduledPrune: mode='structured' cannot run next to ZeroRedundancyOptimizer with "
                 "parameters_as_bucket_view=True: its parameters are views into flat buckets it broadcasts "

@@ -41,6 +41,7 @@ from lightning_pulse.core import prune_targets, prune_widths
 from lightning_pulse.core.carried_state import WEIGHT_HOOKS, hook_weight_name
 from lightning_pulse.core.prune_targets import LayerSelection, call_with
 from lightning_pulse.core.selection import take_samples
+from lightning_pulse.core.snapshots import optimizers_within
 from lightning_pulse.errors import first_names
 
 RANKINGS = ("layer", "global")
@@ -1057,31 +1058,6 @@ def remap_optimizer_state(optimizer: torch.optim.Optimizer, remap: ParameterRema
                 "vector over them), which no longer fits; that parameter's state was reset."
             )
     return problems
-
-
-def optimizers_within(optimizers: Iterable[Any], depth: int = 3) -> list[torch.optim.Optimizer]:
-    """``optimizers`` and the torch optimizers they hold in their attributes (a wrapper's inner one:
-    Lookahead's ``optimizer``, SAM's ``base_optimizer``), ``depth`` attributes deep, each state once.
-
-    A wrapper keeps the state of the inner optimizer apart from its own; a cut must cut both. One that
-    shares its inner optimizer's ``state`` mapping is listed once (a second cut of the same state would
-    find tensors already cut).
-    """
-    found: list[torch.optim.Optimizer] = []
-    states: set[int] = set()
-
-    def visit(optimizer: torch.optim.Optimizer, level: int) -> None:
-        if id(optimizer.state) not in states:
-            states.add(id(optimizer.state))
-            found.append(optimizer)
-        for value in vars(optimizer).values() if level > 0 else ():
-            for item in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(item, torch.optim.Optimizer) and item is not optimizer:
-                    visit(item, level - 1)
-
-    for optimizer in optimizers:
-        visit(optimizer, depth)
-    return found
 
 
 #: what a structured cut does to a ``torch.optim.LBFGS`` (:func:`remap_optimizer_state`)

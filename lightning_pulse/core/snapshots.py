@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -210,6 +210,37 @@ def optimizer_layout(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple
     ``add_param_group`` (Lightning's ``BackboneFinetuning``) changes it. A ``len`` per group, no pass over the
     parameters."""
     return tuple(tuple(len(group["params"]) for group in optimizer.param_groups) for optimizer in optimizers)
+
+
+def optimizers_within(optimizers: Iterable[Any], depth: int = 3) -> list[torch.optim.Optimizer]:
+    """``optimizers`` and the torch optimizers they hold in their attributes (a wrapper's inner one:
+    Lookahead's ``optimizer``, SAM's ``base_optimizer``), ``depth`` attributes deep, each state once.
+
+    A wrapper keeps the state of the inner optimizer apart from its own; a cut must cut both. One that
+    shares its inner optimizer's ``state`` mapping is listed once (a second cut of the same state would
+    find tensors already cut).
+    """
+    found: list[torch.optim.Optimizer] = []
+    states: set[int] = set()
+
+    def visit(optimizer: torch.optim.Optimizer, level: int) -> None:
+        if id(optimizer.state) not in states:
+            states.add(id(optimizer.state))
+            found.append(optimizer)
+        for value in vars(optimizer).values() if level > 0 else ():
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, torch.optim.Optimizer) and item is not optimizer:
+                    visit(item, level - 1)
+
+    for optimizer in optimizers:
+        visit(optimizer, depth)
+    return found
+
+
+def is_zero_redundancy(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is torch's ``ZeroRedundancyOptimizer`` (each rank holds a shard of its state),
+    by class name: no ``torch.distributed`` import on builds without it."""
+    return any(kind.__name__ == "ZeroRedundancyOptimizer" for kind in type(optimizer).__mro__)
 
 
 def scheduler_kinds(schedulers: Sequence[Any]) -> tuple[type, ...]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_pulse.core.snapshots import load_optimizer_state
+from lightning_pulse.core.snapshots import load_optimizer_state, optimizers_within
 from lightning_pulse.core.spike_detection import COLD_RATIO, SCALES, Verdict
 from lightning_pulse.errors import names_itself
 from lightning_pulse.records import append_recent
@@ -510,19 +510,12 @@ class StepChanges:
         return {**self.__dict__, "_handles": [], "_depth": {}}
 
 
-def inner_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    """The optimizers ``optimizer`` holds as attributes (SAM's ``base_optimizer``, Lookahead's ``optimizer``):
-    their state may live outside ``optimizer.state_dict()``."""
-    found = getattr(optimizer, "__dict__", {}).values()
-    return [value for value in found if isinstance(value, torch.optim.Optimizer) and value is not optimizer]
-
-
 def _backup_of(
     optimizer: torch.optim.Optimizer,
 ) -> tuple[torch.optim.Optimizer, list[tuple[Any, dict]], list[torch.Tensor]]:
     """What :meth:`StepChanges.restore` puts back: the state of ``optimizer`` and of its inner optimizers
     (copies), and its parameters' values."""
-    owners = [optimizer, *inner_optimizers(optimizer)]
+    owners = optimizers_within([optimizer])  # it first, then its inner ones
     states = [(owner, copy.deepcopy(owner.state_dict())) for owner in owners]
     return (
         optimizer,

@@ -35,7 +35,12 @@ from lightning_pulse.core.fault_origin import (
     nonfinite_forward_state,
     trace_nonfinite,
 )
-from lightning_pulse.core.snapshots import SnapshotSchedule, TrainingSnapshot, nonfinite_tensors
+from lightning_pulse.core.snapshots import (
+    SnapshotSchedule,
+    TrainingSnapshot,
+    is_zero_redundancy,
+    nonfinite_tensors,
+)
 from lightning_pulse.core.spike_detection import POOLED, SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import Action, EscalationPolicy, StabilityGuardConfig
 from lightning_pulse.errors import PulseRefusal, as_config, first_names
@@ -55,9 +60,9 @@ def refuse_unconsolidated_optimizers(optimizers: Sequence[Any]) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` for an optimizer whose state each rank holds a
     shard of (torch's ``ZeroRedundancyOptimizer``): its ``state_dict()`` raises until a collective
     ``consolidate_state_dict`` gathered it on one rank, so there is no per-rank state to snapshot and
-    restore. Matched by class name, so no ``torch.distributed`` import is needed on builds without it."""
+    restore."""
     for optimizer in optimizers:
-        if any(kind.__name__ == "ZeroRedundancyOptimizer" for kind in type(optimizer).__mro__):
+        if is_zero_redundancy(optimizer):
             raise PulseRefusal(
                 "StabilityGuard does not support torch's ZeroRedundancyOptimizer: each rank holds a shard "
                 "of the optimizer state, whose `state_dict()` needs a collective consolidation onto one "
