@@ -16,6 +16,7 @@ Measurement rules:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -104,8 +105,12 @@ class HookTimer:
     )
 
     #: work a callback does on the training path outside its hooks, counted with its hooks: step-saving
-    #: replay chooses each light batch inside the DataLoader's sampler, before the samples are loaded
-    OFF_HOOK_WORK = {"HardSampleReplay": ("_choose",)}
+    #: replay chooses each light batch inside the DataLoader's sampler, before the samples are loaded;
+    #: StabilityGuard's step hooks on the optimizers (``StepChanges``) run inside ``optimizer.step()``
+    OFF_HOOK_WORK = {
+        "HardSampleReplay": ("_choose",),
+        "StabilityGuard": ("_changes._enter", "_changes._leave"),
+    }
 
     def __init__(self) -> None:
         self.cpu_s: dict[str, float] = {}
@@ -126,8 +131,10 @@ class HookTimer:
                 continue
             totals = self.one_time_cpu_s if name in self.ONE_TIME_HOOKS else self.cpu_s
             setattr(callback, name, self._timed(label, method, totals))
-        for name in self.OFF_HOOK_WORK.get(label, ()):
-            setattr(callback, name, self._timed(label, getattr(callback, name), self.cpu_s, count=False))
+        for path in self.OFF_HOOK_WORK.get(label, ()):
+            *owners, name = path.split(".")
+            owner = functools.reduce(getattr, owners, callback)  # set on the instance, before the fit
+            setattr(owner, name, self._timed(label, getattr(owner, name), self.cpu_s, count=False))
         for name in apart:
             key = f"{label}.{name}"
             self.apart_cpu_s.setdefault(key, 0.0)

@@ -89,3 +89,28 @@ def test_step_saving_replays_choice_at_the_sampler_is_timed_and_the_used_callbac
     used = HardSampleReplay(replay_fraction=0.5)
     fit(used)
     assert isinstance(pickle.loads(pickle.dumps(used)), HardSampleReplay)
+
+
+def test_stability_guards_step_hooks_on_the_optimizer_are_timed_with_its_hooks(mnist1d_small):
+    """StabilityGuard registers step hooks on the optimizers (``StepChanges._enter``/``_leave``): they run inside
+    ``optimizer.step()``, outside any callback hook, and count towards the guard's time."""
+    from lightning_pulse import StabilityGuard
+
+    guard, timer = StabilityGuard(), HookTimer()
+    timer.install(guard)
+    timed = {name: vars(guard._changes)[name] for name in ("_enter", "_leave")}  # wrapped on the instance
+    registered = []
+
+    class _Inspect(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            optimizer = trainer.optimizers[0]
+            hooks = [
+                *optimizer._optimizer_step_pre_hooks.values(),
+                *optimizer._optimizer_step_post_hooks.values(),
+            ]
+            registered.append(all(any(hook is wrapped for hook in hooks) for wrapped in timed.values()))
+
+    module, data = mnist1d_small()
+    pl.Trainer(max_steps=3, callbacks=[guard, _Inspect()], **trainer_kwargs()).fit(module, data)
+    assert registered == [True, True, True]
+    assert timer.cpu_s["StabilityGuard"] > 0.0
