@@ -1119,3 +1119,38 @@ def test_detect_anomaly_is_said_at_train_start_and_not_without_it(small_data):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="StabilityGuard: `Trainer")
         fit(False)
+
+
+def test_a_burst_back_after_replay_and_maintain_is_not_flagged_for_the_drift_of_its_absence():
+    """A held-out sweep (25th pass): an MLP on digits with PulseCycle(burst=20, replay=10, maintain=5) and
+    StabilityGuard(warmup=10), no fault. The gradient norm grew about 4x while the burst was away; the first
+    burst step after maintain was flagged against the burst window of steps 10-19: two skips, a rollback, 58
+    steps lost, accuracy 0.733 against 0.907. A spike must now also stand out among every phase's values."""
+    from sklearn.datasets import load_digits
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    digits = load_digits()
+    features = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    order = torch.randperm(len(features), generator=torch.Generator().manual_seed(0))
+    dataset = TensorDataset(features[order][:1400], torch.tensor(digits.target)[order][:1400])
+
+    class DigitsMLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            widths = [64, 48, 48, 48]
+            layers = [m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.ReLU())]
+            self.net = nn.Sequential(*layers, nn.Linear(48, 10))
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+    pl.seed_everything(0, verbose=False)
+    cycle = PulseCycle(burst=20, replay=10, maintain=5, warmup=0.0, anneal=0.0, maintain_eval="none")
+    guard = StabilityGuard(warmup=10)
+    loader = DataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1))
+    pl.Trainer(max_steps=80, callbacks=[cycle, guard], **trainer_kwargs()).fit(DigitsMLP(), loader)
+    assert guard.events == [] and guard.steps_skipped == 0 and guard.rollbacks == 0

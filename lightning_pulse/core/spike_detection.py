@@ -350,12 +350,28 @@ class SpikeDetector:
         own = trackers.get(key)
         if own is not None:
             own.forget_before(self.accepted_steps - self.window + 1)  # O(1) unless the key was away a while
+        pooled = trackers.get(POOLED) if key != POOLED else None
         if own is not None and len(own.values) >= own.warmup:  # ``own.ready``, without a property call
             if not self._exceeds(value, own.median, self.min_ratio, scale):  # type: ignore[arg-type]
                 return False, None
             z = own.zscore(value)
-            return z is not None and z > threshold, z
-        pooled = trackers.get(POOLED) if key != POOLED else None
+            if z is None or z <= threshold:
+                return False, z
+            # a key back after other phases ran (a burst after replay and maintain) still holds its values of
+            # the last visit: a spike must also stand out among every key's recent values, or the weights'
+            # normal drift while it was away reads as one (a sweep: a gradient norm grown 4x over 15 steps
+            # flagged at the first burst step after maintain, then a rollback). Standing out: above the
+            # threshold in the pooled spread, or cold_ratio times the pooled median (phases at different
+            # levels widen that spread). Without phases the pooled window holds the same values: the same
+            # verdict, one more score for a flagged step only.
+            if pooled is not None and pooled.ready:
+                if self._exceeds(value, pooled.median, self.cold_ratio, scale):  # type: ignore[arg-type]
+                    return True, z
+                if not self._exceeds(value, pooled.median, self.min_ratio, scale):  # type: ignore[arg-type]
+                    return False, z
+                pooled_z = pooled.zscore(value)
+                return pooled_z is not None and pooled_z > threshold, z
+            return True, z
         if pooled is not None and pooled.ready:
             # a key still warming up (a phase that just started) is judged against every key's recent values:
             # far above their median (cold_ratio) and far outside their spread (the z-score). A phase that
