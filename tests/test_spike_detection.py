@@ -291,3 +291,49 @@ def test_before_any_window_is_warm_a_loss_ten_times_the_median_so_far_is_diverge
     linear = SpikeDetector(warmup=50, loss_scale="linear")  # a ratio to a median near zero means nothing
     linear.assess(0.01, 1.0, accept=True)
     assert linear.assess(5.0, 1.0).verdict is Verdict.OK
+
+
+def _descending_losses(seed: int, steps: int, slope: float, flat_after: int, noise: float) -> list[float]:
+    """A loss falling log-linearly from 0.69 (``slope`` per step on the log scale), flat after
+    ``flat_after`` steps, with multiplicative small-batch noise."""
+    rng = random.Random(seed)
+    return [0.69 * math.exp(-slope * min(step, flat_after) + rng.gauss(0.0, noise)) for step in range(steps)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_1e4_loss_after_a_descent_by_decades_is_a_spike(seed):
+    # as an HF Longformer classifier memorising its data (sweep C): the loss fell from 0.69 to 1e-4 within the
+    # window, whose MAD on the log scale then spans decades, so the robust z-score of a x1e4 step (back to
+    # the early level) stayed under 6 (5.996 on the recorded run) and the step went through unflagged
+    detector = SpikeDetector()  # the defaults: window 100, warm-up 50
+    losses = _descending_losses(seed, steps=70, slope=0.12, flat_after=70, noise=0.2)
+    for loss in losses:
+        assert detector.assess(loss, loss * 10, accept=True).verdict is Verdict.OK
+    tracker = detector._loss["default"]
+    spike = math.log(losses[-1] * 1e4)
+    assert tracker.zscore(spike) < 6 < tracker.jump_zscore(spike)
+    assessment = detector.assess(losses[-1] * 1e4, losses[-1] * 1e5)
+    assert assessment.verdict is Verdict.LOSS_SPIKE and assessment.loss_z > 6
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_after_a_descent_a_lasting_shift_under_10x_is_not_a_spike(seed):
+    # the jump score judges only values 10x (cold_ratio) the window median: a new data source that lifts a
+    # loss which fell by decades to 3x its level stays unflagged, as before (judged by the jump score alone,
+    # every one of its steps was a spike)
+    detector = SpikeDetector()
+    losses = _descending_losses(seed, steps=300, slope=0.05, flat_after=150, noise=0.1)
+    for step, loss in enumerate(losses):
+        shifted = loss * 3 if step >= 200 else loss
+        assert detector.assess(shifted, 1.0, accept=True).verdict is Verdict.OK, step
+
+
+def test_jump_zscore_measures_the_noise_of_one_step_not_the_trend():
+    tracker = RunningRobustZ(window=21, warmup=10)
+    assert tracker.jump_zscore(0.0) is None
+    for step in range(21):  # a straight descent, +-0.1 around it
+        tracker.add(-0.5 * step + (0.1 if step % 2 else -0.1))
+    # successive differences: ten of -0.3, ten of -0.7 (MAD 0.2); the latest five values' median is -9.1
+    spread = 1.4826 * 0.2 / math.sqrt(2)
+    assert tracker.jump_zscore(-9.1 + 3 * spread) == pytest.approx(3.0)
+    assert tracker.zscore(-9.1 + 3 * spread) < 0  # below the window's median (-5.1)

@@ -27,6 +27,8 @@ SCALES = ("log", "linear")
 #: how far above the pooled median a spike must be while its own window warms up
 COLD_RATIO = 10.0
 POOLED = "*"  # the key of the baseline that pools every other key's values
+#: how many of a window's latest values set the level a jump is measured from (``jump_zscore``)
+RECENT = 5
 
 
 class Verdict(str, Enum):
@@ -118,6 +120,25 @@ class RunningRobustZ:
             return 0.0 if value == median else math.copysign(math.inf, value - median)  # type: ignore[operator]
         return (value - median) / scale  # type: ignore[operator]
 
+    def jump_zscore(self, value: float) -> float | None:
+        """How far ``value`` jumps above the median of the last :data:`RECENT` values, in units of the
+        spread of successive differences (``1.4826 * MAD`` of the differences over sqrt(2): the noise of one
+        value, like :meth:`zscore`'s scale on a window without a trend). ``None`` during the warm-up.
+
+        A trend does not inflate this spread, unlike :meth:`zscore`'s: a loss that fell by decades inside
+        the window has a MAD of decades, so a jump back to its early level scores under any threshold.
+        """
+        if not self.ready:
+            return None
+        values = list(self.values)  # in the order they entered
+        differences = [later - earlier for earlier, later in zip(values, values[1:])]
+        typical = statistics.median(differences)
+        spread = MAD_TO_STD * statistics.median([abs(d - typical) for d in differences]) / math.sqrt(2)
+        level = statistics.median(values[-RECENT:])
+        if spread == 0:
+            return 0.0 if value == level else math.copysign(math.inf, value - level)
+        return (value - level) / spread
+
     def add(self, value: float, stamp: int = 0) -> None:
         value = float(value)
         if not math.isfinite(value):  # as OLMo-core's spike detection: a NaN or inf would poison the median
@@ -169,6 +190,9 @@ class SpikeDetector:
     scale: their noise is multiplicative (late in training a loss of 0.05 fluctuates by a factor, not by a
     constant), and on a log scale the z-score of a loss that trends down or a gradient norm that grows
     during early training stays small. Losses that can be zero or negative need ``loss_scale="linear"``.
+    A loss at least ``cold_ratio`` times the median is also a spike when it jumps above the latest values by
+    more than the threshold in the spread of successive differences (:meth:`RunningRobustZ.jump_zscore`):
+    after a descent by decades inside the window the MAD spans decades and hides a x1e4 step.
 
     Each quantity gets a :class:`RunningRobustZ` per ``key``, plus one that pools every key. Only steps
     judged :attr:`Verdict.OK` enter the windows (``assess(..., accept=True)`` or :meth:`accept`), so a spike
@@ -352,11 +376,27 @@ class SpikeDetector:
             own.forget_before(self.accepted_steps - self.window + 1)  # O(1) unless the key was away a while
         pooled = trackers.get(POOLED) if key != POOLED else None
         if own is not None and len(own.values) >= own.warmup:  # ``own.ready``, without a property call
-            if not self._exceeds(value, own.median, self.min_ratio, scale):  # type: ignore[arg-type]
+            median = own.median
+            if not self._exceeds(value, median, self.min_ratio, scale):  # type: ignore[arg-type]
                 return False, None
             z = own.zscore(value)
+            score = z
             if z is None or z <= threshold:
-                return False, z
+                # a window that holds a steep descent (a loss falling by decades as a model memorises its data)
+                # has a spread of decades: a jump back to its early level scores under the threshold. A loss
+                # at least cold_ratio times the median is also judged by how far it jumps above the latest
+                # values, in the spread of successive differences, which a trend does not inflate. Only
+                # there: a lasting shift to 1.5-3x after a descent (a new data source), a slow rise or a
+                # periodic loss keep their verdicts (with this score for every value above min_ratio they
+                # were flagged). Not for gradient norms: a lasting 10-30x rise after a descent (layers
+                # unfrozen, a prune) would become a run of spikes, and a loss spike's gradient norm comes
+                # with its loss.
+                far = trackers is self._loss and scale == "log"
+                far = far and self._exceeds(value, median, self.cold_ratio, scale)  # type: ignore[arg-type]
+                jump = own.jump_zscore(value) if far else None
+                if jump is None or jump <= threshold:
+                    return False, z
+                score = jump
             # a key back after other phases ran (a burst after replay and maintain) still holds its values of
             # the last visit: a spike must also stand out among every key's recent values, or the weights'
             # normal drift while it was away reads as one (a sweep: a gradient norm grown 4x over 15 steps
@@ -366,12 +406,12 @@ class SpikeDetector:
             # verdict, one more score for a flagged step only.
             if pooled is not None and pooled.ready:
                 if self._exceeds(value, pooled.median, self.cold_ratio, scale):  # type: ignore[arg-type]
-                    return True, z
+                    return True, score
                 if not self._exceeds(value, pooled.median, self.min_ratio, scale):  # type: ignore[arg-type]
-                    return False, z
+                    return False, score
                 pooled_z = pooled.zscore(value)
-                return pooled_z is not None and pooled_z > threshold, z
-            return True, z
+                return pooled_z is not None and pooled_z > threshold, score
+            return True, score
         if pooled is not None and pooled.ready:
             # a key still warming up (a phase that just started) is judged against every key's recent values:
             # far above their median (cold_ratio) and far outside their spread (the z-score). A phase that
