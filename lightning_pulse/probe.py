@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.core.carried_state import kept_carried_state, kept_python_state
+from lightning_pulse.core.carried_state import kept_buffers, kept_carried_state, kept_python_state
 from lightning_pulse.core.snapshots import TrainingSnapshot, holding
 
 #: the tensors the probes of this process handed to a collective (see ``compat.CollectiveHold``); the callbacks
@@ -69,16 +69,19 @@ def outside_the_loop(
     grad_mode: bool = False,
 ) -> Iterator[None]:
     """Run one of the module's own steps outside Lightning's loop without leaving a trace in the run: ``self.log``
-    and ``self.log_dict`` go to ``log`` and ``log_dict``, torchmetrics states and the tensor state the module
-    carries between batches (an RNN's hidden state) come back, and a step that draws random numbers (dropout, a
-    diffusion's noise) draws from a copy of the generators. ``step_context`` is the precision plugin's context
-    for that kind of step. ``grad_mode``: autograd on, as in Lightning's training step (a loss that calls
-    ``torch.autograd.grad``, a physics or gradient-penalty term, needs it); nothing calls ``backward``, so no
-    parameter's ``.grad`` changes. Off: nothing records a gradient, as in validation."""
+    and ``self.log_dict`` go to ``log`` and ``log_dict``; torchmetrics states, the tensor state the module
+    carries between batches (an RNN's hidden state) and its public lists, dicts and numbers (the Lightning
+    docs' ``self.validation_step_outputs.append(loss)``, counters) come back; and a step that draws random
+    numbers (dropout, a diffusion's noise) draws from a copy of the generators. ``step_context`` is the
+    precision plugin's context for that kind of step. ``grad_mode``: autograd on, as in Lightning's training
+    step (a loss that calls ``torch.autograd.grad``, a physics or gradient-penalty term, needs it); nothing
+    calls ``backward``, so no parameter's ``.grad`` changes. Off: nothing records a gradient, as in
+    validation."""
     pl_module.log = log  # type: ignore[method-assign]
     pl_module.log_dict = log_dict  # type: ignore[method-assign]
     try:
         with (
+            kept_python_state(pl_module),
             compat.frozen_metric_states(pl_module),
             kept_carried_state(pl_module),
             isolate_rng(),
@@ -102,10 +105,12 @@ def run_validation_probe(
     object computed once, after the last batch, over all the batches it saw. A value logged with
     ``on_epoch=False`` has no epoch figure and is left out.
 
-    The module's ``self.log`` calls are captured instead of reaching Lightning's logger connector, and its
-    torchmetrics states, and any tensor state the module carries between batches (an RNN's hidden state), are
-    restored afterwards, and it draws from a copy of the random generators, so neither training nor the real
-    validation loop sees anything of the probe.
+    The module's ``self.log`` calls are captured instead of reaching Lightning's logger connector; its
+    torchmetrics states, any tensor state it carries between batches (an RNN's hidden state), its public
+    lists, dicts and numbers (outputs kept for the epoch end, counters) and its buffers (one written in eval
+    mode: a count of validation samples, a running mean updated in every forward) are restored afterwards;
+    and it draws from a copy of the random generators; so neither training nor the real validation loop sees
+    anything of the probe.
     Under DDP every rank calls this at the same step and gets the figures over every rank's batches, as
     ``sync_dist=True`` gives them: the weighted sums and the weights summed over ranks, sums summed, maxima and
     minima taken over ranks.
@@ -163,7 +168,10 @@ def run_validation_probe(
     modes = {module: module.training for module in pl_module.modules()}
     pl_module.eval()
     try:
-        with outside_the_loop(pl_module, capture, capture_dict, trainer.precision_plugin.val_step_context()):
+        with (
+            kept_buffers(pl_module),
+            outside_the_loop(pl_module, capture, capture_dict, trainer.precision_plugin.val_step_context()),
+        ):
             for index, batch in enumerate(batches):
                 batch = compat.prepare_evaluation_batch(trainer, pl_module, batch)
                 inferred_size = None
@@ -231,11 +239,8 @@ def training_losses(
     def drop(*args: Any, **kwargs: Any) -> None:
         return None
 
-    with (
-        outside_the_loop(
-            pl_module, drop, drop, trainer.precision_plugin.train_step_context(), grad_mode=grad_mode
-        ),
-        kept_python_state(pl_module),
+    with outside_the_loop(
+        pl_module, drop, drop, trainer.precision_plugin.train_step_context(), grad_mode=grad_mode
     ):
         for batch_idx, batch in batches:
             copy = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)

@@ -43,3 +43,30 @@ def test_an_evaluation_inside_kept_carried_state_leaves_the_training_state_as_it
     assert not hasattr(module, "cache")
     assert module.note == "kept"
     module(torch.randn(2, 5, 3))  # training continues with its own hidden state's batch size
+
+
+def test_a_list_empty_on_entry_that_fills_with_tensors_is_kept_and_emptied_again():
+    """Sweep: the Lightning docs' ``self.validation_step_outputs = []`` filled by an evaluation was taken for
+    tensor state that appeared inside and deleted; the next ``validation_step`` raised AttributeError."""
+    module = Stateful()
+    outputs, per_loader = [], [[], [torch.zeros(1)]]
+    module.validation_step_outputs, module.per_loader = outputs, per_loader
+    with kept_carried_state(module):
+        module.validation_step_outputs.append(torch.ones(1))
+        module.per_loader[0].append(torch.ones(1))
+        module.per_loader = [[torch.ones(1)]]
+    assert module.validation_step_outputs is outputs and outputs == []
+    assert module.per_loader is per_loader and per_loader[0] == [] and len(per_loader[1]) == 1
+
+
+def test_buffers_written_inside_kept_buffers_come_back():
+    from lightning_pulse.core.carried_state import kept_buffers
+
+    module = Stateful()
+    scale = module.scale
+    with kept_buffers(module):
+        module.scale.mul_(3)  # written in place
+        module.scale = module.scale + 1  # and rebound
+        module.register_buffer("seen", torch.zeros(1))  # registered inside
+    assert module.scale is scale and torch.equal(scale, torch.ones(1))
+    assert "seen" not in module._buffers

@@ -44,7 +44,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
@@ -420,61 +422,150 @@ def _to(value: Any, device: Any) -> Any:
     return value.clone() if device is None else value.to(device, copy=True)
 
 
+#: what :func:`_contents` keeps of a list or dict attribute, and of the lists and dicts directly inside it
+Contents = list[tuple[Any, Any]]
+
+
+def _contents(value: Any) -> Contents:
+    """A shallow copy of ``value`` if it is a list or dict, and of each list or dict directly inside it (the
+    Lightning docs' ``[[] for _ in dataloaders]``), paired with the object itself, so that
+    :func:`_put_back` restores each in place: code holding a reference to one sees its old items again."""
+    if isinstance(value, list):
+        kept, items = [(value, list(value))], value
+    elif isinstance(value, dict):
+        kept, items = [(value, dict(value))], value.values()
+    else:
+        return []
+    kept += [
+        (item, list(item) if isinstance(item, list) else dict(item)) for item in items if _container(item)
+    ]
+    return kept
+
+
+def _container(value: Any) -> bool:
+    return isinstance(value, (list, dict))
+
+
+def _put_back(contents: Contents) -> None:
+    for container, items in contents:
+        if isinstance(container, list):
+            container[:] = items
+        else:
+            container.clear()
+            container.update(items)
+
+
 @contextmanager
 def kept_carried_state(module: nn.Module) -> Iterator[None]:
-    """Give back, on exit, the tensor state ``module`` carried on entry (:func:`carried_tensors`), and drop
-    tensor state that appeared inside.
+    """Give back, on exit, the tensor state ``module`` carried on entry (:func:`carried_tensors`), and undo
+    tensor state that appeared inside: an attribute created inside is dropped, one that held no tensors on
+    entry gets its entry value back (a list or dict the same object, with its entry items).
 
     For an evaluation in the middle of training (PulseCycle's maintain probe): a stateful module's
     ``validation_step`` rebinds ``self.state`` to the validation stream's, and the next training batch must
-    continue from the training stream's. References are restored, not values: this undoes
-    ``self.state = ...`` (the usual update), not in-place writes into the same tensor.
+    continue from the training stream's; the Lightning docs' ``self.validation_step_outputs.append(loss)``
+    fills a list that was empty on entry, and the list must stay (the next ``validation_step`` appends to it).
+    References are restored, and the items of lists and dicts, not the values of tensors: this undoes
+    ``self.state = ...`` (the usual update) and ``.append``, not in-place writes into the same tensor.
     """
     saved = carried_tensors(module)
+    # every plain attribute on entry, and the items of its lists and dicts: references and shallow copies only
+    entry = {
+        f"{prefix}.{name}" if prefix else name: (value, _contents(value))
+        for prefix, submodule in module.named_modules()
+        for name, value in _plain_attributes(submodule)
+    }
     try:
         yield
     finally:
-        for dotted, value in carried_tensors(module).items():
-            if dotted not in saved and value is not None:
-                owner_name, _, name = dotted.rpartition(".")
-                delattr(module.get_submodule(owner_name) if owner_name else module, name)
-        for dotted, value in saved.items():
-            if value is not _attribute(module, dotted) and (
-                value is not None or tensors_in(_attribute(module, dotted))
-            ):
-                owner_name, _, name = dotted.rpartition(".")
-                setattr(module.get_submodule(owner_name) if owner_name else module, name, value)
+        for dotted, value in [*carried_tensors(module).items(), *saved.items()]:
+            now = _attribute(module, dotted)
+            if dotted in saved and saved[dotted] is None and not tensors_in(now):
+                continue  # a None is put back only over tensors (a hidden state created since)
+            if dotted not in saved and (value is None or not tensors_in(now)):
+                continue  # holds no tensors now, nor did on entry: not ours (kept_python_state's)
+            owner_name, _, name = dotted.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            if dotted not in entry:
+                if name in vars(owner):
+                    delattr(owner, name)
+                continue
+            old, contents = entry[dotted]
+            _put_back(contents)
+            if now is not old:
+                setattr(owner, name, old)
 
 
 @contextmanager
 def kept_python_state(module: nn.Module) -> Iterator[None]:
     """Give back, on exit, the public list, dict and number attributes of ``module`` and its submodules as they
-    were on entry: lists cut back to their length, dicts to their items, numbers to their values.
+    were on entry: lists and dicts the same objects with their entry items (and those of the lists and dicts
+    directly inside them), numbers their values; such attributes created inside are dropped.
 
-    For a call of the module's own ``training_step`` outside training (StabilityGuard's rollback test): the
-    Lightning docs' ``self.training_step_outputs.append(loss)`` and counters such as ``self.seen += len(x)``
-    would otherwise count that call. Private attributes (``_name``) and other objects are left alone.
+    For a call of the module's own ``training_step`` or ``validation_step`` outside Lightning's loop
+    (StabilityGuard's rollback test, the evaluation probe): the Lightning docs'
+    ``self.validation_step_outputs.append(loss)`` and counters such as ``self.seen += len(x)`` would otherwise
+    count that call, and the real epoch end would average the probe's outputs in. Private attributes
+    (``_name``), booleans (``training``), other objects and torchmetrics metrics (whose states
+    ``frozen_metric_states`` gives back) are left alone.
     """
-    saved: list[tuple[Any, str, Any, Any]] = []
+    saved: list[tuple[Any, str, Any, Contents]] = []
+    names: list[tuple[Any, set[str]]] = []
     for owner in module.modules():
+        if _skipped(owner):
+            continue
+        names.append((owner, set(vars(owner))))
         for name, value in vars(owner).items():
-            if name.startswith("_") or isinstance(value, bool):
-                continue
-            if isinstance(value, list):
-                saved.append((owner, name, value, len(value)))
-            elif isinstance(value, dict):
-                saved.append((owner, name, value, dict(value)))
-            elif isinstance(value, (int, float)):
-                saved.append((owner, name, value, None))
+            if _python_state(name, value):
+                saved.append((owner, name, value, _contents(value)))
     try:
         yield
     finally:
-        for owner, name, value, kept in saved:
-            if isinstance(value, list):
-                del value[kept:]
-            elif isinstance(value, dict):
-                if value != kept:
-                    value.clear()
-                    value.update(kept)
+        for owner, before in names:
+            for name in [n for n, v in vars(owner).items() if n not in before and _python_state(n, v)]:
+                delattr(owner, name)
+        for owner, name, value, contents in saved:
+            _put_back(contents)
             if getattr(owner, name, None) is not value:
                 setattr(owner, name, value)
+
+
+def _python_state(name: str, value: Any) -> bool:
+    """Whether :func:`kept_python_state` gives ``value``, held as attribute ``name``, back."""
+    return (
+        not name.startswith("_")
+        and not isinstance(value, bool)
+        and isinstance(value, (list, dict, int, float))
+    )
+
+
+@contextmanager
+def kept_buffers(module: nn.Module) -> Iterator[None]:
+    """Give back, on exit, every buffer of ``module`` as it was on entry: the same tensor object, with its
+    entry values where something wrote into it (its version counter tells, so an untouched buffer costs only
+    its copy on entry); a buffer registered inside is dropped.
+
+    For an evaluation in the middle of training: a forward in eval mode that updates a running statistic
+    anyway (a test-time normaliser's ``self.mean.lerp_(...)``) or a ``validation_step`` that counts samples
+    in a buffer (``self.seen += len(x)``) would otherwise carry the evaluation into training and into the
+    real validation. A copy of every buffer, on its device: for a few evaluations a fit."""
+    saved = [
+        (owner, name, buffer, buffer._version, buffer.clone())
+        for owner in module.modules()
+        for name, buffer in owner._buffers.items()
+        # an inference tensor cannot be written outside inference mode (and keeps no version count)
+        if buffer is not None and not is_lazy(buffer) and not buffer.is_inference()
+    ]
+    names = [(owner, set(owner._buffers)) for owner in module.modules()]
+    try:
+        yield
+    finally:
+        for owner, before in names:
+            for name in [name for name in owner._buffers if name not in before]:
+                del owner._buffers[name]
+        with torch.no_grad():
+            for owner, name, buffer, version, copy in saved:
+                if buffer._version != version:
+                    buffer.copy_(copy)
+                if owner._buffers.get(name) is not buffer:
+                    owner._buffers[name] = buffer

@@ -1,0 +1,105 @@
+"""The evaluation probe (PulseCycle's maintain probe, ScheduledPrune's event probes) runs the module's own
+``validation_step`` in the middle of training; what that step writes on the module (the Lightning docs'
+``self.validation_step_outputs``, counters, buffers) is given back, so neither training nor the real
+validation loop sees the probe."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+
+from examples.mnist1d import MNIST1DClassifier
+from lightning_pulse import PulseCycle, ScheduledPrune
+from tests.conftest import trainer_kwargs
+
+
+class _DocsPatternClassifier(MNIST1DClassifier):
+    """The Lightning docs' pattern for an epoch-end metric: outputs appended in ``validation_step``,
+    averaged and cleared in ``on_validation_epoch_end``; ``as_numbers`` keeps them as floats (``.item()``).
+    It also counts validation batches in a number and samples in a buffer, and (``running_mean``) shifts its
+    logits by a running mean that every forward updates, in eval mode too (a test-time normaliser)."""
+
+    def __init__(self, as_numbers: bool = False, running_mean: bool = False) -> None:
+        super().__init__(arch="cnn")
+        self.as_numbers, self.running_mean = as_numbers, running_mean
+        self.validation_step_outputs: list = []
+        self.outputs_list_id = id(self.validation_step_outputs)
+        self.validation_batches = 0
+        self.epoch_ends: list[tuple[int, float]] = []  # (outputs averaged, their mean) at every epoch end
+        self.register_buffer("validation_samples", torch.zeros((), dtype=torch.long))
+        self.register_buffer("logit_mean", torch.zeros(10))
+
+    def forward(self, x):
+        logits = self.net(x)
+        if not self.running_mean:
+            return logits
+        with torch.no_grad():
+            self.logit_mean.lerp_(logits.mean(0), 0.1)
+        return logits - self.logit_mean
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.validation_step_outputs.append(loss.item() if self.as_numbers else loss)
+        self.validation_batches += 1
+        self.validation_samples += len(x)
+        self.log("val_loss", loss)
+
+    def on_validation_epoch_end(self):
+        outputs = self.validation_step_outputs
+        assert id(outputs) == self.outputs_list_id  # the user's own list, never replaced
+        mean = float(sum(outputs) / len(outputs))
+        self.epoch_ends.append((len(outputs), mean))
+        self.log("val_outputs_mean", mean)
+        outputs.clear()
+
+
+def _fit(mnist1d_small, callback, **model_kwargs):
+    pl.seed_everything(3)
+    _, data = mnist1d_small()
+    model = _DocsPatternClassifier(**model_kwargs)
+    trainer = pl.Trainer(callbacks=[callback], max_epochs=2, **trainer_kwargs())
+    trainer.fit(model, data)
+    return model, trainer
+
+
+def _cycle(probe: str = "probe") -> PulseCycle:
+    return PulseCycle(burst=5, replay=0, maintain=2, warmup=0.0, anneal=0.0, maintain_eval=probe)
+
+
+@pytest.mark.parametrize(
+    "make_callback",
+    [_cycle, lambda: ScheduledPrune(start=3, end=15, every=4)],
+    ids=["pulse-cycle", "scheduled-prune"],
+)
+def test_the_docs_validation_outputs_list_survives_the_probe(mnist1d_small, make_callback):
+    """Sweep: the probe's ``kept_carried_state`` saw tensors appear in a list that was empty on entry and
+    deleted the attribute; the next ``validation_step`` raised AttributeError mid-run."""
+    callback = make_callback()
+    probes = []
+    run = callback.probe.run
+    callback.probe.run = lambda *args: probes.append(run(*args)) or probes[-1]
+    model, _ = _fit(mnist1d_small, callback)
+    assert len([figures for figures in probes if figures]) >= 2  # several probes ran, each with its figures
+    assert id(model.validation_step_outputs) == model.outputs_list_id
+    assert model.validation_step_outputs == []
+    validation_batches = model.validation_batches // len(model.epoch_ends)
+    assert [count for count, _ in model.epoch_ends] == [validation_batches] * 2
+
+
+@pytest.mark.parametrize("as_numbers", [False, True], ids=["tensors", "numbers"])
+def test_a_run_with_the_probe_trains_and_validates_as_the_run_without_it(mnist1d_small, as_numbers):
+    """Sweep: the probe's outputs stayed in the list (the real epoch averaged 8 stale probe outputs with its 3:
+    val_loss 20% off), its counts in a number and a buffer, and its forwards in a running mean that every
+    forward updates, which then changed training."""
+    probed, probed_trainer = _fit(mnist1d_small, _cycle(), as_numbers=as_numbers, running_mean=True)
+    plain, plain_trainer = _fit(mnist1d_small, _cycle("none"), as_numbers=as_numbers, running_mean=True)
+    assert probed.validation_batches == plain.validation_batches
+    assert torch.equal(probed.validation_samples, plain.validation_samples)
+    assert probed.epoch_ends == plain.epoch_ends
+    for name, parameter in plain.state_dict().items():
+        assert torch.equal(probed.state_dict()[name], parameter), name
+    for key in ("val_loss", "val_outputs_mean"):
+        assert torch.equal(probed_trainer.callback_metrics[key], plain_trainer.callback_metrics[key]), key
