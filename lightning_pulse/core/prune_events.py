@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -32,7 +33,8 @@ from lightning_pulse.core.prune_setup import (
     structured_example,
     unfinished_warning,
 )
-from lightning_pulse.core.prune_targets import LayerSelection
+from lightning_pulse.core.prune_targets import NOT_OWN_WEIGHT, LayerSelection, OwnWeightWatch
+from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import Phase, PhaseChange, PhaseClock
 
 _log = logging.getLogger(__name__)
@@ -81,6 +83,9 @@ class PruneEvents:
         self.averaging: tuple[str, bool] | None = None
         #: unstructured: the frozen copies of the parts to prune are never updated (PruneOptions.fixed_copies)
         self.fixed_copies = False
+        #: unstructured: whether the layers' forwards read their own weights, until the fit's first event
+        self.own_weights = OwnWeightWatch()
+        self._watching = False
 
     # ------------------------------------------------------------------ loading a pruned state dict
     def fit_loads(self, module: nn.Module, structure: Callable[[], Mapping[str, Any] | None]) -> None:
@@ -163,10 +168,14 @@ class PruneEvents:
         """Once the fit-start checks passed, at optimizer ``step``: reopen a restored distillation window
         (:meth:`restore_teacher`), find the masked layers again (a resume added masks), and say what is
         pruned, how far, between which steps and when
-        (:func:`~lightning_pulse.core.prune_setup.setup_summary`)."""
+        (:func:`~lightning_pulse.core.prune_setup.setup_summary`). Unstructured: watch the layers' forwards
+        until the first event (:meth:`leave_out_substituted`)."""
         self.last_step = step
         self.restore_teacher(model, accumulation)
         self.masks.forget()
+        self._watching = self.pruner.mode == "unstructured"
+        if self._watching:
+            self.own_weights.start(selection.layers)
         self.info(setup_summary(self.pruner.mode, model, selection, self.schedule, bool(self.uses_maintain)))
 
     def after_phase_change(self, change: PhaseChange) -> tuple[bool, bool]:
@@ -201,12 +210,38 @@ class PruneEvents:
         and warn of each optimizer state that could not be cut and was reset. Returns the outcome and, with
         ``teacher``, a copy of the model taken before the cut
         (:func:`~lightning_pulse.core.pruning.copy_without_hooks`)."""
+        self.leave_out_substituted(model)
         copied = pruning.copy_without_hooks(model) if teacher else None
         outcome = self.pruner.prune(model, target, optimizers, self.example)
         self.masks.forget()
         for problem in outcome.problems:
             self.warn(f"ScheduledPrune: {problem}")
         return outcome, copied
+
+    def leave_out_substituted(self, model: nn.Module) -> None:
+        """At the fit's first event, before any mask: stop watching the layers' forwards, leave out for good
+        those seen reading a ``weight`` passed in for them rather than their own
+        (:class:`~lightning_pulse.core.prune_targets.OwnWeightWatch`) and say which; raise
+        :class:`~lightning_pulse.errors.PulseRefusal` when that leaves no layer to prune."""
+        if not self._watching:
+            return
+        self._watching = False
+        found = self.own_weights.stop()
+        if not found:
+            return
+        self.pruner.not_trained.update(found)
+        names = ", ".join(list(found)[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+        if not self.pruner.selection(model).layers:
+            pattern = "^(" + "|".join(re.escape(name) for name in found) + ")$"
+            raise PulseRefusal(
+                f"ScheduledPrune: no layer can be pruned: the forwards of {names} read a `weight` passed in "
+                "for them (torch.func.functional_call: a hypernetwork, fast weights), not their own parameter, "
+                "and a mask sets a layer's weight from its own parameter before every call, so it would "
+                "overwrite the weights the model uses and they would stop training. Prune the module that "
+                f"makes those weights instead (leave these layers out with `exclude_pattern`={pattern!r}), "
+                "or remove ScheduledPrune."
+            )
+        self.info(f"ScheduledPrune: left out from the first event on: {names} ({NOT_OWN_WEIGHT}).")
 
     def record(
         self,

@@ -50,15 +50,31 @@ def scales_channels(module: nn.Module) -> bool:
     input's. Structured pruning cuts them with the layer that makes them; as a channel group's root
     (``layer_types=None`` chooses them) they would stand in that layer's place, which the report then calls
     uncut. An uninitialized lazy weight has no dimensions yet: ``False``."""
-    weight = module._parameters.get("weight")
+    weight = _own_parameter(module, "weight")
     return weight is not None and not is_lazy(weight) and weight.dim() < 2
 
 
-def _has_weight(module: nn.Module) -> bool:
+def _own_parameter(module: nn.Module, name: str) -> Any:
+    # a torch.jit.script'ed module's `_parameters` is an OrderedDictWrapper, which has no `.get`
     parameters = module._parameters
-    return isinstance(parameters.get("weight"), nn.Parameter) or isinstance(
-        parameters.get("weight_orig"), nn.Parameter
+    return parameters[name] if name in parameters else None
+
+
+def _has_weight(module: nn.Module) -> bool:
+    return isinstance(_own_parameter(module, "weight"), nn.Parameter) or isinstance(
+        _own_parameter(module, "weight_orig"), nn.Parameter
     )
+
+
+#: why a layer inside a ``torch.jit.script``'ed part is never pruned
+SCRIPTED = "inside a torch.jit.script'ed part, which runs TorchScript and takes no pruning hook"
+
+
+def scripted_modules(model: nn.Module) -> set[str]:
+    """Names of the modules of ``model`` that are ``torch.jit.script``'ed (and so are all their submodules):
+    a ScriptModule refuses forward hooks, and its forward reads its weights inside TorchScript, so a mask
+    could neither be added nor reach the weight it computes."""
+    return {name for name, module in model.named_modules() if isinstance(module, torch.jit.ScriptModule)}
 
 
 def _old_style_norm(module: nn.Module) -> bool:
@@ -77,7 +93,8 @@ def computes_its_weight(module: nn.Module) -> bool:
 
 
 def _weight(module: nn.Module) -> nn.Parameter:
-    return module._parameters.get("weight_orig", module._parameters.get("weight"))
+    weight = _own_parameter(module, "weight_orig")
+    return weight if weight is not None else _own_parameter(module, "weight")
 
 
 def hidden_weight_readers(model: nn.Module) -> dict[str, str]:
@@ -141,12 +158,20 @@ class LayerSelection:
         return ", ".join(items[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
+def _of_types(module: nn.Module, layer_types: tuple[type, ...], scripted: bool) -> bool:
+    # a scripted layer is a RecursiveScriptModule, which keeps the name of the class it was made from
+    if scripted:
+        return any(kind.__name__ == getattr(module, "original_name", None) for kind in layer_types)
+    return isinstance(module, layer_types)
+
+
 def select_targets(
     model: nn.Module,
     layer_types: tuple[type, ...] = (),
     exclude: str | None = None,
     structured: bool = False,
     frozen: Collection[str] = (),
+    not_trained: Mapping[str, str] | None = None,
 ) -> LayerSelection:
     """The layers of ``model`` to prune: the one place that decides what is prunable.
 
@@ -157,21 +182,29 @@ def select_targets(
     parametrization computes (``weight_norm``, ``spectral_norm``). Candidates read without their hook
     are left out; so are owners of a shared weight unless all owners are candidates (then they share one
     mask). ``structured``: any layer holding a shared parameter is left out (cutting it would cut one owner
-    only).
+    only). Layers inside a ``torch.jit.script``'ed part (:func:`scripted_modules`) and those in
+    ``not_trained`` (name -> why: a forward seen reading another tensor than the layer's own weight,
+    :class:`OwnWeightWatch`) are left out with their reason.
     """
+    not_trained = not_trained or {}
     selection = LayerSelection()
     hidden = hidden_weight_readers(model)
+    scripted = scripted_modules(model)
     for name, module in model.named_modules():
-        parametrized = bool(name) and computes_its_weight(module)
+        parametrized = bool(name) and name not in scripted and computes_its_weight(module)
         if not name or not (parametrized or _has_weight(module)):
             continue
-        if layer_types and not isinstance(module, layer_types):
+        if layer_types and not _of_types(module, layer_types, name in scripted):
             continue
         if structured and not layer_types and scales_channels(module):
             continue
         if exclude is not None and re.search(exclude, name) is not None:
             continue
-        if parametrized:
+        if name in scripted:
+            selection.left_out[name] = SCRIPTED
+        elif name in not_trained:
+            selection.left_out[name] = not_trained[name]
+        elif parametrized:
             # weight_norm, spectral_norm, orthogonal...: `weight` is computed from other tensors on every read, so
             # a mask on it would not hold, and zeros in those tensors need not be zeros of the weight
             selection.left_out[name] = (
@@ -203,6 +236,74 @@ def select_targets(
         else:
             selection.aliases.update({name: names[0] for name in names[1:]})
     return selection
+
+
+#: why a layer whose forward was seen reading another tensor than its own weight is never pruned
+NOT_OWN_WEIGHT = (
+    "its forward read a `weight` passed in for it, not its own parameter (torch.func.functional_call: a "
+    "hypernetwork, fast weights); a mask would overwrite that weight with its own"
+)
+
+
+class OwnWeightWatch:
+    """Whether the forward of each layer to mask reads the layer's own ``weight`` parameter, seen from fit
+    start to the first event (unstructured: a mask's forward pre-hook sets ``layer.weight`` to ``weight_orig *
+    mask`` before every call).
+
+    A hypernetwork's ``functional_call(target, generated, x)`` calls ``target``'s layers with the generated
+    tensors swapped in as their ``weight``, and never reads their own: a mask hook overwrote the generated
+    weights with the unused own ones at every call after the first event, so the model stopped using and
+    training them (a held-out run's accuracy fell from 0.89 to 0.30) while the events reported the target's
+    layers pruned. Such a layer is left out (:data:`NOT_OWN_WEIGHT`). The signal is the forward's own read,
+    not a missing gradient: a layer a batch does not route to (a MoE expert) or one whose gradients the user
+    zeroes has none after a step and is pruned as any other. One forward pre-hook per watched layer (an
+    identity check); a layer's hook goes after :data:`OWN_CALLS` calls with its own weight, all at
+    :meth:`stop`. Layers masked already (a resume) compute their weight and are not watched.
+    """
+
+    #: calls with its own weight after which a layer is taken to read it (its hook removed)
+    OWN_CALLS = 16
+
+    def __init__(self) -> None:
+        self.substituted: dict[str, str] = {}
+        self._handles: dict[str, Any] = {}
+
+    def start(self, layers: Mapping[str, nn.Module]) -> None:
+        """Watch the forwards of ``layers`` (name -> layer) from now on."""
+        self.stop()
+        for name, layer in layers.items():
+            own = _own_parameter(layer, "weight")
+            if isinstance(own, nn.Parameter) and "weight_orig" not in layer._parameters:
+                self._handles[name] = layer.register_forward_pre_hook(self._hook(name, layer, own))
+
+    def _hook(self, name: str, layer: nn.Module, own: nn.Parameter) -> Any:
+        own_calls = 0
+
+        def check(module: nn.Module, args: Any) -> None:
+            nonlocal own_calls
+            if module is not layer:  # a deep copy of the model (a user's teacher) carries the hook too
+                return
+            if getattr(module, "weight", None) is own:
+                own_calls += 1
+                if own_calls >= self.OWN_CALLS and (handle := self._handles.pop(name, None)) is not None:
+                    handle.remove()  # torch iterates over a copy of the hooks: removing one here is safe
+                return
+            self.substituted[name] = NOT_OWN_WEIGHT
+            if (handle := self._handles.pop(name, None)) is not None:
+                handle.remove()
+
+        return check
+
+    def stop(self) -> dict[str, str]:
+        """Stop watching; the layers seen reading another ``weight`` than their own, with why."""
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles = {}
+        found, self.substituted = self.substituted, {}
+        return found
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled for spawning strategies: without hooks or layers
+        return {"substituted": {}, "_handles": {}}
 
 
 def frozen_layers(model: nn.Module) -> frozenset[str]:

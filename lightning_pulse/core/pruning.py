@@ -737,13 +737,18 @@ def build_dependency_graph(
 
 @contextmanager
 def _counting_calls(modules: Iterable[nn.Module]) -> Iterator[dict[nn.Module, int]]:
-    """How many times each of ``modules`` is called inside the block (a forward pre-hook each, removed after)."""
+    """How many times each of ``modules`` is called inside the block (a forward pre-hook each, removed after).
+    A ``torch.jit.script``'ed module refuses hooks: its calls are not counted (its layers are never pruned)."""
     calls: dict[nn.Module, int] = {}
 
     def count(module: nn.Module, args: Any) -> None:
         calls[module] = calls.get(module, 0) + 1
 
-    handles = [module.register_forward_pre_hook(count) for module in modules]
+    handles = [
+        module.register_forward_pre_hook(count)
+        for module in modules
+        if not isinstance(module, torch.jit.ScriptModule)
+    ]
     try:
         yield calls
     finally:
@@ -2139,6 +2144,9 @@ class Pruner:
         self.narrowed: set[str] = set()
         #: layers the user froze (set at the fit's setup): never pruned
         self.user_frozen: frozenset[str] = frozenset()
+        #: layers whose forward was seen reading another ``weight`` than their own, with why: never pruned
+        #: (:class:`~lightning_pulse.core.prune_targets.OwnWeightWatch`)
+        self.not_trained: dict[str, str] = {}
         self.run_precision: RunPrecision | None = None
 
     def selection(self, model: nn.Module) -> LayerSelection:
@@ -2149,6 +2157,7 @@ class Pruner:
             self.exclude_pattern,
             structured=self.mode == "structured",
             frozen=self.user_frozen,
+            not_trained=self.not_trained,
         )
 
     def layers(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -2246,6 +2255,7 @@ class Pruner:
             "narrowed": sorted(self.narrowed),
             "layer_channels": dict(self.layer_channels),
             "original_params": self.original_params,
+            "not_trained": dict(self.not_trained),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -2256,6 +2266,7 @@ class Pruner:
         # from before they were kept: the roots' originals only, and the model's size before the cuts unknown
         self.layer_channels = dict(state.get("layer_channels", self.original_channels))
         self.original_params = state.get("original_params")
+        self.not_trained = dict(state.get("not_trained", {}))
 
 
 def event_record(
