@@ -705,6 +705,37 @@ class DecayEveryParameter(torch.optim.Optimizer):
         return loss
 
 
+class LookaheadWithoutOptimizerInit(torch.optim.Optimizer):
+    """Lookahead as pytorch_optimizer, lonePatient and alphadl write it: ``Optimizer.__init__`` is never called
+    (so torch has no step hooks for it), and every ``k`` steps the fast weights are pulled to the slow ones."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, k: int = 5, alpha: float = 0.5) -> None:
+        self.optimizer, self.k, self.alpha, self.steps = optimizer, k, alpha, 0
+        self.param_groups, self.defaults, self.state = optimizer.param_groups, optimizer.defaults, {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.optimizer.step(closure)
+        self.steps += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                slow = self.state.setdefault(p, {"slow": p.detach().clone()})["slow"]
+                if self.steps % self.k == 0:
+                    slow.add_(p - slow, alpha=self.alpha)
+                    p.copy_(slow)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return {"inner": self.optimizer.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state) -> None:
+        self.optimizer.load_state_dict(state["inner"])
+        self.steps = state["steps"]
+
+
 class _MLP(pl.LightningModule):
     def __init__(self, optimizer: str = "decay-all") -> None:
         super().__init__()
@@ -724,6 +755,10 @@ class _MLP(pl.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.5)
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+        if self.optimizer == "lookahead":
+            return LookaheadWithoutOptimizerInit(torch.optim.Adam(self.parameters(), lr=0.01))
         return DecayEveryParameter(self.parameters())
 
 
@@ -788,6 +823,50 @@ def test_torch_adamw_with_weight_decay_skips_gradless_parameters_and_is_never_co
     assert movement.frozen_steps and movement.moved == [] and messages == []
     assert copied and set(copied) == {0}  # at every frozen step: never a copy for a torch optimizer
     assert cache.state_dict()["optimizer_check"]["checked"] and cache._lifecycle.may_freeze
+
+
+class FrozenMovementPerLayer(Callback):
+    """Per linear layer of ``_MLP``: the steps run with it frozen, and those of them that moved it."""
+
+    def __init__(self) -> None:
+        self.frozen_steps: dict[int, list[int]] = {0: [], 2: [], 4: []}
+        self.moved: dict[int, list[int]] = {0: [], 2: [], 4: []}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before = {
+            i: (pl_module.net[i].weight.detach().clone(), not pl_module.net[i].weight.requires_grad)
+            for i in self.frozen_steps
+        }
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        for i, (weight, frozen) in self.before.items():
+            if frozen:
+                self.frozen_steps[i].append(trainer.global_step)
+                if not torch.equal(weight, pl_module.net[i].weight):
+                    self.moved[i].append(trainer.global_step)
+
+
+def test_a_lookahead_without_optimizer_init_freezes_as_adam_does_and_its_sync_never_moves_a_frozen_layer():
+    """Sweep D: a Lookahead that never calls ``Optimizer.__init__`` crashed the fit at its first freeze
+    (``'Lookahead' object has no attribute '_optimizer_step_post_hooks'``). Its slow-weight sync every 5 steps
+    falls inside the freezes (from steps 4, 16, 28) and would pull the frozen layers towards the slow copy."""
+    runs = {}
+    for optimizer in ("adam", "lookahead"):
+        cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
+        movement = FrozenMovementPerLayer()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            pl.Trainer(max_steps=30, callbacks=[cache, movement], **trainer_kwargs()).fit(
+                _MLP(optimizer), _small_data()
+            )
+        messages = [str(w.message) for w in record if "GradientCache" in str(w.message)]
+        runs[optimizer] = (cache, movement, messages)
+    (adam, adam_movement, _), (lookahead, movement, messages) = runs["adam"], runs["lookahead"]
+    assert movement.frozen_steps == adam_movement.frozen_steps and movement.frozen_steps[0]
+    assert [(e["step"], e["to"]) for e in lookahead.events] == [(e["step"], e["to"]) for e in adam.events]
+    assert movement.moved == {0: [], 2: [], 4: []}  # the syncs at steps 10, 20 (and 25) were put back
+    assert lookahead._lifecycle.optimizer_check.put_back > 0 and lookahead._lifecycle.may_freeze
+    assert not any("moved the parameters" in message for message in messages)
 
 
 class _LayerDrop(pl.LightningModule):

@@ -1617,6 +1617,51 @@ def test_the_gradless_step_check_checks_each_parameter_the_first_time_it_is_froz
     assert check.moved and torch.equal(decayed, before)  # put back for that step
 
 
+class _SyncEverySecondStep(torch.optim.Optimizer):
+    """A Lookahead-like wrapper that calls ``Optimizer.__init__`` (torch hooks its step) around an inner SGD,
+    and pulls every parameter halfway to a slow copy on every second step, gradient or not."""
+
+    def __init__(self, params) -> None:
+        params = list(params)
+        super().__init__(params, {})
+        self.inner, self.slow, self.steps = (
+            torch.optim.SGD(params, lr=0.1),
+            [p.detach().clone() for p in params],
+            0,
+        )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.inner.step()
+        self.steps += 1
+        if self.steps % 2 == 0:
+            for p, slow in zip(self.param_groups[0]["params"], self.slow):
+                slow.add_(p - slow, alpha=0.5)
+                p.copy_(slow)
+
+
+def test_the_gradless_step_check_puts_frozen_parameters_back_at_every_step_of_a_wrapper_optimizer():
+    # sweep D: a wrapper's own writes (Lookahead's sync every k steps) move a unit frozen mid-cycle on some
+    # steps only, so checking its first frozen step (not a sync) let every later sync move it
+    frozen, trained = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    optimizer = _SyncEverySecondStep([frozen, trained])
+    frozen.grad, trained.grad = None, torch.ones(3)
+    with torch.no_grad():
+        frozen.add_(1.0)  # trained before it froze: it differs from the slow copy
+    before = frozen.detach().clone()
+    check = GradlessStepCheck()
+    for _ in range(4):
+        check.before_step([optimizer], [frozen])
+        assert len(check._held) == 1  # copied at every frozen step, not once
+        optimizer.step()
+        assert check.after_step() is False  # put back, and freezing goes on
+        assert torch.equal(frozen, before)
+    assert check.put_back == 2 and check.checked and not check.moved  # the two syncs
+    assert not torch.equal(trained, torch.ones(3))  # the inner SGD still trained the other parameter
+    assert layer_freezing.holds_frozen_parameters_every_step(optimizer)  # wraps an inner optimizer
+    assert not layer_freezing.holds_frozen_parameters_every_step(torch.optim.SGD([frozen], lr=0.1))
+
+
 def test_activation_cache_still_sees_a_write_after_a_buffer_made_under_inference_mode_joins_a_module():
     # a review: one tensor of a cached module made under torch.inference_mode (a buffer rebuilt during
     # Lightning's validation) keeps no version counter, and the write check went off for the rest of the

@@ -46,8 +46,8 @@ class GradientCache(Callback):
     had. The longest stable run (score ``<= threshold``) from the input side gets ``requires_grad=False``, so
     backward stops at the first trainable unit. A freeze lasts at most ``freeze_for`` steps; then the prefix
     trains one window and refreezes only if still stable. Frozen parameters get ``grad=None``: torch optimizers
-    leave them and their state alone; another optimizer is checked at its first step with frozen units (if it
-    moved them, they are put back, a warning says so, and nothing freezes for the rest of the run).
+    leave them and their state alone; another is checked at its first step with frozen units (if it moved them,
+    they are put back, a warning says so, and nothing freezes again); a wrapper's (Lookahead) are put back.
 
     Freezing happens in ``phases``; a burst releases everything; without a :class:`~lightning_pulse.PulseCycle`
     it is always the replay phase (Egeria/AutoFreeze-style). Decisions fall between optimizer steps. Under DDP

@@ -1378,6 +1378,20 @@ def skips_gradless_parameters(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+def holds_frozen_parameters_every_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether GradientCache puts the frozen parameters back after every step of ``optimizer``, not only checks
+    the first: a wrapper holding another optimizer (Lookahead) writes parameters itself after the inner step,
+    on some steps only (its slow-weight sync every k steps pulls a unit frozen mid-cycle towards the slow
+    copy), so a first frozen step that is not one of them says nothing; and torch runs no step hooks for a
+    class that skipped ``Optimizer.__init__`` (pytorch_optimizer's, lonePatient's and alphadl's Lookahead), so
+    whether such a step ran cannot be seen."""
+    hooked = hasattr(optimizer, "_optimizer_step_post_hooks") and getattr(
+        type(optimizer).step, "hooked", False
+    )
+    wraps = any(isinstance(value, torch.optim.Optimizer) for value in vars(optimizer).values())
+    return wraps or not hooked
+
+
 class GradlessStepCheck:
     """Checks, at the first optimizer step each parameter spends frozen, that the optimizer leaves it alone.
 
@@ -1391,11 +1405,14 @@ class GradlessStepCheck:
     rest of the run. Each parameter is checked once, the first time it is frozen (a first prefix in a no-decay
     group says nothing of a later, larger one). A step the optimizer did not run (a skipped AMP step) checks
     nothing; the next frozen step checks again. Under DDP the frozen parameters and the optimizer are the same
-    on every rank, so every rank finds the same; ``agree`` makes that certain.
+    on every rank, so every rank finds the same; ``agree`` makes that certain. A wrapper optimizer
+    (:func:`holds_frozen_parameters_every_step`: Lookahead) is copied at every frozen step instead, and whatever
+    it moved is put back after it; freezing goes on.
 
     Attributes:
         checked: a step with frozen units has been checked, or needed no check.
         moved: the optimizer moved frozen parameters: nothing is frozen from then on.
+        put_back: frozen parameters a wrapper optimizer moved at a step and that were put back (not saved).
     """
 
     def __init__(self) -> None:
@@ -1407,6 +1424,8 @@ class GradlessStepCheck:
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._stepped = False
         self._handles: list[Any] = []
+        self._holding = False  # this step's copy is put back (holds_frozen_parameters_every_step)
+        self.put_back = 0
 
     def before_step(
         self, optimizers: Sequence[torch.optim.Optimizer], params: Iterable[torch.Tensor]
@@ -1419,10 +1438,14 @@ class GradlessStepCheck:
         if not unknown:
             self.checked = self._torch_only = True
             return
+        self.optimizer_name = type(unknown[0]).__qualname__
+        if any(holds_frozen_parameters_every_step(optimizer) for optimizer in unknown):
+            self._held = [(param, param.detach().to("cpu", copy=True)) for param in params]
+            self._holding = True
+            return
         unchecked = [param for param in params if id(param) not in self._verified]
         if not unchecked:
             return
-        self.optimizer_name = type(unknown[0]).__qualname__
         self._held = [(param, param.detach().to("cpu", copy=True)) for param in unchecked]
         self._stepped = False
         self._handles = [optimizer.register_step_post_hook(self._mark_stepped) for optimizer in unknown]
@@ -1436,6 +1459,13 @@ class GradlessStepCheck:
         if not self._held:
             return False
         held, self._held, stepped = self._held, [], self._stepped
+        if self._holding:  # a wrapper's own writes (Lookahead's sync) are undone; freezing goes on
+            self._holding, self.checked = False, True
+            for param, copy in held:
+                if not torch.equal(param.detach().cpu(), copy):
+                    param.copy_(copy)
+                    self.put_back += 1
+            return False
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -1471,7 +1501,7 @@ class GradlessStepCheck:
             self.optimizer_name = self.optimizer_name or str(state.get("optimizer", ""))
 
     def __getstate__(self) -> dict[str, Any]:  # pickled for spawning strategies and deep-copied: no tensors
-        return {**self.__dict__, "_held": [], "_handles": [], "_verified": set()}
+        return {**self.__dict__, "_held": [], "_handles": [], "_verified": set(), "_holding": False}
 
 
 def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
