@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import time
+import types
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -37,7 +38,7 @@ from torch.nn import functional as F
 from torch.nn.utils import prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 
-from lightning_pulse.core import prune_targets, prune_widths
+from lightning_pulse.core import prune_targets, prune_widths, user_hooks
 from lightning_pulse.core.carried_state import WEIGHT_HOOKS, hook_weight_name
 from lightning_pulse.core.prune_targets import LayerSelection, call_with
 from lightning_pulse.core.selection import take_samples
@@ -547,21 +548,29 @@ def global_sparsity(layers: Mapping[str, nn.Module]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- copies
-def copy_without_hooks(module: nn.Module) -> nn.Module:
+def copy_without_hooks(module: nn.Module, keep_user_hooks: bool = False) -> nn.Module:
     """A deep copy of ``module`` that carries none of its hooks, except those that compute a layer's weight:
-    ``torch.nn.utils.prune`` masks and the older ``weight_norm`` / ``spectral_norm``.
+    ``torch.nn.utils.prune`` masks and the older ``weight_norm`` / ``spectral_norm``; and, with
+    ``keep_user_hooks``, the forward hooks the model's author registered
+    (:func:`~lightning_pulse.core.user_hooks.is_user_hook`), which the model's function may depend on (a
+    pre-hook gating a layer's inputs): a check of what a cut does must run them as the run will.
 
     Hooks registered by others (callbacks, profilers) are shared, not copied, during the copy (a bound method
-    would otherwise pull its owner, and often the whole Trainer, into the copy) and then dropped from it.
+    would otherwise pull its owner, and often the whole Trainer, into the copy) and then dropped from it. A
+    kept hook is shared too; one bound to a module of ``module`` is bound to that module's copy.
     """
     memo: dict[int, Any] = {}
+    kept: set[int] = set()  # ids of the kept forward hooks' handles
     for submodule in module.modules():
         for attribute in _HOOK_DICTS:
             hooks = getattr(submodule, attribute, None)
             if isinstance(hooks, dict):
-                for hook in hooks.values():
+                for key, hook in hooks.items():
                     if callable(hook) and not isinstance(hook, WEIGHT_HOOKS):
                         memo[id(hook)] = hook
+                    forward = attribute in user_hooks.FORWARD_HOOK_DICTS
+                    if keep_user_hooks and forward and user_hooks.is_user_hook(hook):
+                        kept.add(key)
         for hook in submodule._forward_pre_hooks.values():
             if isinstance(hook, WEIGHT_HOOKS):
                 # the computed weight is recomputed by every forward, usually with a graph attached, and a
@@ -570,18 +579,31 @@ def copy_without_hooks(module: nn.Module) -> nn.Module:
                 if isinstance(derived, torch.Tensor):
                     memo[id(derived)] = None
     duplicate = copy.deepcopy(module, memo)
+    kept_flags = {flag for flags in user_hooks.FORWARD_HOOK_DICTS.values() for flag in flags}
     for submodule in duplicate.modules():
         for attribute in _HOOK_DICTS:
             hooks = getattr(submodule, attribute, None)
             if isinstance(hooks, dict):
+                may_keep = attribute in user_hooks.FORWARD_HOOK_DICTS or attribute in kept_flags
                 for key, hook in list(hooks.items()):
-                    if not isinstance(hook, WEIGHT_HOOKS):
+                    if may_keep and key in kept:
+                        hooks[key] = _bound_to_copy(hook, memo)
+                    elif not isinstance(hook, WEIGHT_HOOKS):
                         del hooks[key]
         for hook in submodule._forward_pre_hooks.values():
             if isinstance(hook, WEIGHT_HOOKS):
                 with torch.no_grad():
                     setattr(submodule, hook_weight_name(hook), _computed_weight(hook, submodule))
     return duplicate
+
+
+def _bound_to_copy(hook: Any, memo: Mapping[int, Any]) -> Any:
+    # a method of a module that was copied runs on the copy: it reads the copy's (cut) state, as the run's
+    # hook will read the model's
+    owner = getattr(hook, "__self__", None)
+    if isinstance(hook, types.MethodType) and isinstance(owner, nn.Module) and id(owner) in memo:
+        return types.MethodType(hook.__func__, memo[id(owner)])
+    return hook
 
 
 def _computed_weight(hook: Any, module: nn.Module) -> torch.Tensor:
@@ -1318,20 +1340,41 @@ def check_structured(
         hint = None if LOSS_IN_OUTPUT in reason else attention_hint(model, pruner.exclude_pattern)
         reason = reason if hint is None else f"{reason}; {hint}"
     elif reason is not None and reason.startswith(CUT_FAILED):
-        hint = _way_out(model, pruner, sparsities, example, where)
+        hooked = IN_USER_HOOK in reason and where is not None
+        pre = f"the {user_hooks.HOOK_KINDS['_forward_pre_hooks']} " in reason
+        hint = _hook_way_out(model, pruner, sparsities, example, where, pre) if hooked else None
+        hint = hint or _way_out(model, pruner, sparsities, example, where)
         reason = reason if hint is None else f"{reason}; {hint}"
     elif reason == NOTHING_TO_CUT and pruner.user_frozen:
         reason = _nothing_to_cut_with_frozen(model, pruner, sparsities, example) or reason
     if reason == NOTHING_TO_CUT:
-        reason = _called_more_than_once(model, pruner, example) or reason
+        reason = (
+            _called_more_than_once(model, pruner, example) or _parametrized_left_out(model, pruner) or reason
+        )
     return reason
+
+
+def _parametrized_left_out(model: nn.Module, pruner: Pruner) -> str | None:
+    """Why nothing could be cut when layers whose weight a parametrization computes are left out: they are
+    named, with the way to let them be cut. ``None`` when there are none."""
+    left_out = [name for name, why in pruner.selection(model).left_out.items() if "parametrization" in why]
+    if not left_out:
+        return None
+    them = "it" if len(left_out) == 1 else "them"
+    return (
+        f"{NOTHING_TO_CUT}: {first_names(left_out, 3)} {'is' if them == 'it' else 'are'} left out (the "
+        "weight is computed by a parametrization, which a cut cannot follow), and so is every channel group "
+        f"that would cut {them}; remove the parametrization before the fit "
+        f"(`torch.nn.utils.parametrize.remove_parametrizations`) to let {them} and the layers next to {them} "
+        "be cut"
+    )
 
 
 def _called_more_than_once(model: nn.Module, pruner: Pruner, example: Any) -> str | None:
     """Why nothing could be cut when selected layers run more than once per forward (one block applied at
     several depths): :data:`CALLED_MORE_THAN_ONCE` with them and their calls. ``None`` when none does (the
     output layers, never cut anyway, aside), or the model does not run on ``example``."""
-    duplicate = copy_without_hooks(model).eval()
+    duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
     named = dict(duplicate.named_modules())
     layers = {name: named[name] for name in pruner.selection(model).layers if name in named}
     try:
@@ -1394,7 +1437,7 @@ def output_layers(
     """The names of ``layers`` whose output channels reach the model's output (the classifier giving the
     logits): a cut of them changes the output's shape, so they are never cut. Traced on a copy of ``model``
     with ``example``; ``[]`` when the trace fails."""
-    duplicate = copy_without_hooks(model).eval()
+    duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
     named = dict(duplicate.named_modules())
     try:
         graph = build_dependency_graph(duplicate, small_example(example), precision)
@@ -1429,7 +1472,9 @@ def _trial_cut(
     )
     trial.user_frozen = pruner.user_frozen if frozen is None else frozen
     trial.run_precision = pruner.run_precision
-    duplicate = copy_without_hooks(model).eval()  # eval: no dropout draws, no batch-norm statistics
+    duplicate = copy_without_hooks(
+        model, keep_user_hooks=True
+    ).eval()  # eval: no dropout draws, no batch-norm statistics
     inputs = inputs_for(duplicate, small_example(example), pruner.run_precision)
     # the check must not change the run it checks: random draws happen on forked generators
     with torch.random.fork_rng(devices=_cuda_devices(duplicate)):
@@ -1455,6 +1500,8 @@ def _trial_cut(
 #: how a trial cut that raised is reported (the refusal's reason starts with it)
 CUT_FAILED = "pruning a copy of the model failed"
 
+#: how the reason for a trial cut that failed in a forward hook the user registered says so
+IN_USER_HOOK = "in a hook you registered"
 #: the start of the reason for chosen layers that ran with autograd off in a reentrant activation checkpoint
 REENTRANT_CHECKPOINT = (
     "its forward runs layers under reentrant activation checkpointing (torch.utils.checkpoint or "
@@ -1571,6 +1618,51 @@ def _way_out(
     if not place:
         return attention_hint(model, pruner.exclude_pattern)
     return f"{place}: leave out the layers around it with `exclude_pattern`"
+
+
+def _hook_way_out(
+    model: nn.Module, pruner: Pruner, sparsities: Sequence[float], example: Any, hooked: str, pre: bool
+) -> str | None:
+    """The ``exclude_pattern`` to offer after a trial cut failed in a hook the user registered on ``hooked``:
+    the selected layers whose channel groups cut ``hooked``'s inputs (a ``pre`` hook) or outputs, where the
+    hook's fixed widths are, checked by cutting again without them. ``None``: no group reaches ``hooked`` (a
+    hook on the model itself), or the cut fails without them as well."""
+    duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
+    named = dict(duplicate.named_modules())
+    try:
+        graph = build_dependency_graph(duplicate, small_example(example), pruner.run_precision)
+    except Exception:  # only a message needs this: the trial cut said why the model cannot be cut
+        return None
+    target = named[hooked]
+    own = graph.get_pruner_of_module(target) if target in graph.module2node else None
+    # one pruning function for inputs and outputs (a norm, a depthwise conv): either cut reaches both
+    shared = own is not None and getattr(own, "prune_in_channels", None) == own.prune_out_channels
+
+    def reaches(dependency: Any) -> bool:
+        out = graph.is_out_channel_pruning_fn(dependency.handler)
+        return dependency.target.module is target and (shared or out != pre)
+
+    reaching = []
+    for name in pruner.selection(model).layers:
+        module = named[name]
+        handler = graph.get_pruner_of_module(module) if module in graph.module2node else None
+        if handler is None or handler.get_out_channels(module) is None:
+            continue
+        group = graph.get_pruning_group(module, handler.prune_out_channels, [0])
+        if any(reaches(dependency) for dependency, _ in group):
+            reaching.append(name)
+    if not reaching:
+        return None
+    left_out = "|".join(re.escape(name) for name in reaching)
+    left_out = f"^{left_out}$" if len(reaching) == 1 else f"^({left_out})$"
+    pattern = "|".join(p for p in (pruner.exclude_pattern, left_out) if p)
+    if _trial_cut(model, pruner, pattern, sparsities, example)[0] is not None:
+        return None
+    return (
+        f"leave out the layers whose channels reach `{hooked}` ({first_names(reaching, 3)}): with "
+        f"`exclude_pattern`={pattern!r} the trial cut passes and the other layers are cut; or make the hook "
+        "read its widths from the tensors it gets"
+    )
 
 
 def _exclusion_for(model: nn.Module, where: str | None, exclude_pattern: str | None) -> str | None:
@@ -1761,7 +1853,7 @@ def _dry_run(
             del output
             in_training = _training_shapes(duplicate, inputs, cut=False)
             for sparsity in sparsities:
-                uncut = copy.deepcopy(duplicate)
+                uncut = copy_without_hooks(duplicate, keep_user_hooks=True)  # user hooks shared, not copied
                 names = {id(parameter): name for name, parameter in duplicate.named_parameters()}
                 remap = trial.prune(duplicate, sparsity, (), example).remap
                 with torch.no_grad():
@@ -1800,7 +1892,16 @@ def _dry_run(
         )
     except Exception as error:  # whatever the model does, the answer is a refusal, not a crash mid-run
         reason = f"{CUT_FAILED} ({type(error).__name__}: {str(error)[:200]})"
-        raise _CutFailed(reason, _failing_module(duplicate, error)) from None
+        hooked = user_hooks.failing_user_hook(duplicate, error)
+        if hooked is None:
+            raise _CutFailed(reason, _failing_module(duplicate, error)) from None
+        name, attribute, hook = hooked
+        kind, shown = user_hooks.HOOK_KINDS[attribute], user_hooks.describe_hook(hook)
+        where = f"`{name}`" if name else "the model itself"
+        reason = (
+            f"{reason} {IN_USER_HOOK}: the {kind} {shown} on {where}, which does not follow the cut widths"
+        )
+        raise _CutFailed(reason, name) from None
     if not trial.history:
         return NOTHING_TO_CUT
     return None
