@@ -144,6 +144,10 @@ class TrainingSnapshot:
         scheduler_kinds: the LR schedulers' classes (:func:`scheduler_kinds`); ``None``: not recorded.
         layout: the optimizers' parameter-group layout when taken (:func:`optimizer_layout`); ``None``: read
             from the saved states.
+        inner_optimizers: for each optimizer, the ``state_dict`` of each optimizer it holds
+            (:func:`optimizers_within`: SAM's base optimizer, whose state SAM's ``state_dict`` leaves out), or
+            ``None`` where the wrapper's own ``state_dict`` nests it (Lookahead's ``"inner"``: kept once).
+        inner_layout: the layout of those inner optimizers when taken; ``None``: not recorded.
     """
 
     step: int
@@ -155,12 +159,15 @@ class TrainingSnapshot:
     buffers: dict[str, Any] = field(default_factory=dict)
     scheduler_kinds: tuple[type, ...] | None = None
     layout: tuple[tuple[int, ...], ...] | None = None
+    inner_optimizers: list[list[Any]] = field(default_factory=list)
+    inner_layout: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data the snapshot holds."""
+        optimizers = [self.optimizers, self.inner_optimizers]
         return tensor_bytes(
-            [self.model, self.optimizers, self.schedulers, self.callbacks, self.extra, self.buffers]
+            [self.model, *optimizers, self.schedulers, self.callbacks, self.extra, self.buffers]
         )
 
     @property
@@ -192,9 +199,18 @@ class TrainingSnapshot:
         """
         if optimizers is not None and optimizer_layout(optimizers) != self.optimizer_layout:
             return False
+        if optimizers is not None and not self.holds_inner_optimizers(optimizers):
+            return False
         if schedulers is not None and not self.holds_schedulers(schedulers):
             return False
         return fitted_state(self.model, model.state_dict()) is not None
+
+    def holds_inner_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+        """Whether the inner optimizers of ``optimizers`` have the layout the snapshot saved theirs in (where
+        it recorded one)."""
+        return (
+            self.inner_layout is None or optimizer_layout(inner_optimizers(optimizers)) == self.inner_layout
+        )
 
     def holds_schedulers(self, schedulers: Sequence[Any]) -> bool:
         """Whether the snapshot's scheduler states are of ``schedulers`` (their number, and their classes
@@ -235,6 +251,59 @@ def optimizers_within(optimizers: Iterable[Any], depth: int = 3) -> list[torch.o
     for optimizer in optimizers:
         visit(optimizer, depth)
     return found
+
+
+def inner_optimizers(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """The optimizers that ``optimizers`` hold (:func:`optimizers_within` of each, less itself), in order."""
+    return [inner for optimizer in optimizers for inner in optimizers_within([optimizer])[1:]]
+
+
+def _tensor_ids(obj: Any) -> set[int]:
+    """The ids of the tensors in ``obj`` (nested dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return {id(obj)}
+    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
+    return set().union(*(_tensor_ids(value) for value in values))
+
+
+def states_within(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> list[Any]:
+    """The ``state_dict`` of each optimizer ``optimizer`` holds (:func:`optimizers_within`), given its own
+    ``state``; ``None`` for one whose state tensors ``state`` already holds (a Lookahead nests its inner
+    optimizer's: its own ``load_state_dict`` puts that back), so a snapshot keeps each tensor once."""
+    within = optimizers_within([optimizer])[1:]
+    nested = _tensor_ids(state) if within else set()  # no walk for a plain optimizer
+    states = []
+    for inner in within:
+        inner_state = inner.state_dict()
+        held = _tensor_ids(inner_state.get("state", {}))
+        states.append(None if held and held <= nested else inner_state)
+    return states
+
+
+def load_keeping_groups(loads: Sequence[tuple[torch.optim.Optimizer, Any]]) -> None:
+    """Load each ``(optimizer, state)`` with :func:`load_optimizer_state` (none where ``state`` is ``None``),
+    then give every optimizer back the parameter-group list and dicts it held before, with the loaded values.
+
+    ``load_state_dict`` makes new ones (a wrapper's own load may make them inside its inner optimizer): a
+    wrapper (SAM, Lookahead) sharing its inner optimizer's groups would part from it, so that the learning
+    rates an LR scheduler or the guard's cooldown set on the one no longer reach the updates of the other.
+    Put back innermost first: a wrapper whose ``param_groups`` reads its inner optimizer's finds them kept.
+    """
+    kept = [(optimizer, optimizer.param_groups, list(optimizer.param_groups)) for optimizer, _ in loads]
+    for optimizer, state in loads:
+        if state is not None:
+            load_optimizer_state(optimizer, state)
+    for optimizer, groups, dicts in reversed(kept):
+        loaded = optimizer.param_groups
+        if loaded is groups and all(now is dict_ for now, dict_ in zip(loaded, dicts)):
+            continue
+        for dict_, now in zip(dicts, list(loaded)):
+            if now is not dict_:
+                dict_.clear()
+                dict_.update(now)
+        groups[:] = dicts
+        if optimizer.param_groups is not groups:
+            optimizer.param_groups = groups
 
 
 def is_zero_redundancy(optimizer: Any) -> bool:
@@ -339,11 +408,15 @@ def take_snapshot(
     old = reuse if reuse is not None else TrainingSnapshot(-1, {}, [], [])
     state = model.state_dict()
     layout = optimizer_layout(optimizers)  # before the states: one a wrapper nests is not torch's layout
+    states = [optimizer.state_dict() for optimizer in optimizers]
+    inner = [states_within(optimizer, state) for optimizer, state in zip(optimizers, states)]
     return TrainingSnapshot(
         step=int(step),
         model=copy_to_cpu(state, old.model),
         buffers=copy_to_cpu(non_persistent_buffers(model, state), old.buffers),
-        optimizers=copy_to_cpu([optimizer.state_dict() for optimizer in optimizers], old.optimizers),
+        optimizers=copy_to_cpu(states, old.optimizers),
+        inner_optimizers=copy_to_cpu(inner, old.inner_optimizers),
+        inner_layout=optimizer_layout(inner_optimizers(optimizers)),
         schedulers=copy_to_cpu([scheduler.state_dict() for scheduler in schedulers], old.schedulers),
         callbacks=copy_to_cpu(
             {key: stateful.state_dict() for key, stateful in (callbacks or {}).items()}, old.callbacks
@@ -367,7 +440,9 @@ def restore_snapshot(
     Parameters are overwritten in place (``load_state_dict`` copies into the existing tensors), so
     optimizers and DDP keep pointing at the same parameter objects. Optimizer state goes back to the
     parameters' devices (``Optimizer.load_state_dict`` moves it), in the dtypes it was saved in
-    (:func:`load_optimizer_state`). The snapshot itself is left untouched, so it can be restored again.
+    (:func:`load_optimizer_state`), with those of the optimizers a wrapper holds (SAM's base optimizer), the
+    parameter-group dicts they share kept shared (:func:`load_keeping_groups`). The snapshot itself is left
+    untouched, so it can be restored again.
 
     Args:
         rewind_schedule: ``True`` also returns the LR schedulers and the optimizers' hyperparameters
@@ -377,8 +452,9 @@ def restore_snapshot(
     Raises:
         ValueError: before anything is loaded, if the number of optimizers or schedulers differs from the
             snapshot's (with ``rewind_schedule``, the schedulers' classes too), if an optimizer's parameter
-            groups (their number, or the parameters in one) differ from the saved state's, or if the snapshot
-            no longer fits the model (:meth:`TrainingSnapshot.fits`).
+            groups (their number, or the parameters in one) differ from the saved state's (or an inner
+            optimizer's from its saved one's), or if the snapshot no longer fits the model
+            (:meth:`TrainingSnapshot.fits`).
     """
     if len(optimizers) != len(snapshot.optimizers) or (
         rewind_schedule and not snapshot.holds_schedulers(schedulers)
@@ -395,6 +471,12 @@ def restore_snapshot(
             f"The snapshot's optimizer state has parameter groups of {snapshot.optimizer_layout} parameters, but "
             f"the optimizers now have {layout}: a parameter group was added or changed since."
         )
+    if not snapshot.holds_inner_optimizers(optimizers):
+        raise ValueError(
+            f"The snapshot's inner optimizer state (a wrapper's, SAM's base optimizer) has parameter groups of "
+            f"{snapshot.inner_layout} parameters, but the inner optimizers now have "
+            f"{optimizer_layout(inner_optimizers(optimizers))}."
+        )
     # everything is checked before anything is loaded: a state is never half restored
     fitted = fitted_state(snapshot.model, model.state_dict())
     if fitted is None:
@@ -407,13 +489,17 @@ def restore_snapshot(
             continue
         if buffer is not None and buffer.shape == saved.shape:
             buffer.copy_(saved)
-    for optimizer, state in zip(optimizers, snapshot.optimizers):
+    for index, (optimizer, state) in enumerate(zip(optimizers, snapshot.optimizers)):
         current_hyperparameters = [
             {name: value for name, value in group.items() if name != "params"}
             for group in optimizer.param_groups
         ]
+        # the inner optimizers' own states too (SAM's base optimizer); the groups they share stay shared.
         # load_state_dict keeps references into the dict it is given: hand it a copy
-        load_optimizer_state(optimizer, copy.deepcopy(state))
+        inner = snapshot.inner_optimizers[index] if index < len(snapshot.inner_optimizers) else []
+        within = optimizers_within([optimizer])[1 : 1 + len(inner)]
+        loads = [(optimizer, state), *zip(within, inner)]
+        load_keeping_groups([(owner, copy.deepcopy(saved)) for owner, saved in loads])
         for group, hyperparameters in zip(optimizer.param_groups, current_hyperparameters):
             if rewind_schedule:  # keep the keys a scheduler set since (``initial_lr``, SWALR's ``swa_lr``)
                 for name, value in hyperparameters.items():

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_pulse.core.snapshots import load_optimizer_state, optimizers_within
+from lightning_pulse.core.snapshots import load_keeping_groups, optimizers_within
 from lightning_pulse.core.spike_detection import COLD_RATIO, SCALES, Verdict
 from lightning_pulse.errors import names_itself
 from lightning_pulse.records import append_recent
@@ -410,8 +410,10 @@ class StepChanges:
 
     :meth:`attach` registers step hooks on the optimizers. torch runs an instance's hooks from the ``step``
     of every optimizer class it has built, so a subclass's ``super().step()`` runs them before its own step
-    ends: a depth count puts things back only when the outermost ``step`` returns. :meth:`restore` does it
-    by hand where the optimizer did not step (a ``GradScaler`` that found infs).
+    ends: a depth count puts things back only when the outermost ``step`` returns. An optimizer whose class
+    torch never built (a Lookahead that does not call ``Optimizer.__init__``, as commonly written) runs no
+    step hooks: its instance's ``step`` is wrapped instead (:class:`_StepThrough`), until :meth:`detach`.
+    :meth:`restore` does it by hand where the optimizer did not step (a ``GradScaler`` that found infs).
     """
 
     def __init__(self) -> None:
@@ -425,8 +427,11 @@ class StepChanges:
     def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self.detach()
         for optimizer in optimizers:
-            self._handles.append(optimizer.register_step_pre_hook(self._enter))
-            self._handles.append(optimizer.register_step_post_hook(self._leave))
+            if runs_step_hooks(optimizer):
+                self._handles.append(optimizer.register_step_pre_hook(self._enter))
+                self._handles.append(optimizer.register_step_post_hook(self._leave))
+            else:  # put back right after its step too, not after Lightning stepped the LR schedulers
+                self._handles.append(_StepThrough(self, optimizer))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -481,9 +486,8 @@ class StepChanges:
         if self._backup is not None:
             optimizer, states, params = self._backup
             self._backup = None  # dropped after this: the optimizer may keep its tensors
-            if self._skipping:
-                for owner, state in states:
-                    _load_keeping_groups(owner, state)
+            if self._skipping:  # all at once: a wrapper's own load may part the groups its inner ones share
+                load_keeping_groups(states)
                 with torch.no_grad():
                     live = [p for group in optimizer.param_groups for p in group["params"]]
                     for param, saved in zip(live, params):
@@ -510,6 +514,50 @@ class StepChanges:
         return {**self.__dict__, "_handles": [], "_depth": {}}
 
 
+def runs_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether torch runs ``optimizer``'s step hooks around its whole ``step``: ``Optimizer.__init__`` wraps
+    the class's ``step`` (marked ``hooked``) and makes the instance's hook dicts; a class that never calls it
+    (or overrides ``step`` in a class torch never built) has neither."""
+    return bool(getattr(type(optimizer).step, "hooked", False)) and hasattr(
+        optimizer, "_optimizer_step_post_hooks"
+    )
+
+
+class _StepThrough:
+    """An optimizer instance's ``step`` that runs :class:`StepChanges`' step hooks around the class's step (or
+    an instance's own ``step`` set before), for an optimizer whose step runs none (:func:`runs_step_hooks`).
+    Lightning calls the optimizer's ``step`` attribute, so the instance's one is found first. A removable
+    handle: :meth:`remove` puts the previous ``step`` back. A class, not a closure: the optimizer stays
+    picklable and copyable while it is attached.
+
+    It marks the step as an LR scheduler's own wrapper does (``_wrapped_by_lr_sched``, ``_opt_called``): an
+    LR scheduler would warn that ``step`` was overridden, and one built later (``StochasticWeightAveraging``'s
+    ``SWALR``) would wrap it through ``step.__func__``, which it has not."""
+
+    _wrapped_by_lr_sched = True
+
+    def __init__(self, changes: StepChanges, optimizer: torch.optim.Optimizer) -> None:
+        self.changes, self.optimizer = changes, optimizer
+        self.previous = vars(optimizer).get("step")
+        optimizer.step = self  # type: ignore[method-assign]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        optimizer = self.optimizer
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # as an LR scheduler's wrapper records
+        self.changes._enter(optimizer, args, kwargs)
+        step = self.previous or type(optimizer).step.__get__(optimizer)
+        result = step(*args, **kwargs)
+        self.changes._leave(optimizer, args, kwargs)
+        return result
+
+    def remove(self) -> None:
+        if vars(self.optimizer).get("step") is self:
+            if self.previous is None:
+                del self.optimizer.step
+            else:
+                self.optimizer.step = self.previous  # type: ignore[method-assign]
+
+
 def _backup_of(
     optimizer: torch.optim.Optimizer,
 ) -> tuple[torch.optim.Optimizer, list[tuple[Any, dict]], list[torch.Tensor]]:
@@ -522,21 +570,6 @@ def _backup_of(
         states,
         [p.detach().clone() for group in optimizer.param_groups for p in group["params"]],
     )
-
-
-def _load_keeping_groups(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """``load_optimizer_state``, keeping the parameter-group list and dicts the same objects:
-    ``load_state_dict`` makes new ones, which would part a wrapper (SAM) from the inner optimizer sharing its
-    groups, so that the learning rates a scheduler sets on the one no longer reach the other."""
-    groups, dicts = optimizer.param_groups, list(optimizer.param_groups)
-    load_optimizer_state(optimizer, state)
-    if optimizer.param_groups is not groups:
-        for kept, loaded in zip(dicts, optimizer.param_groups):
-            if loaded is not kept:
-                kept.clear()
-                kept.update(loaded)
-        groups[:] = dicts
-        optimizer.param_groups = groups
 
 
 def needs_backup(optimizer: torch.optim.Optimizer) -> bool:
