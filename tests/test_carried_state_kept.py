@@ -67,6 +67,27 @@ def test_buffers_written_inside_kept_buffers_come_back():
     with kept_buffers(module):
         module.scale.mul_(3)  # written in place
         module.scale = module.scale + 1  # and rebound
-        module.register_buffer("seen", torch.zeros(1))  # registered inside
+        module.register_buffer("seen", torch.zeros(1))  # registered inside: a lazy setup, kept
     assert module.scale is scale and torch.equal(scale, torch.ones(1))
-    assert "seen" not in module._buffers
+    assert "seen" in module._buffers
+    with kept_buffers(module):
+        module.scale.data.mul_(5)  # a write through ``.data`` bumps no version counter
+        module.seen.data.resize_(3).fill_(2)  # resized in place (an observer's first forward)
+    assert torch.equal(scale, torch.ones(1)) and torch.equal(module.seen, torch.zeros(1))
+
+
+def test_python_state_of_a_subclassed_dict_is_left_alone_and_a_lazy_setup_survives():
+    """A review: a Hugging Face ``ModelOutput`` kept as an attribute (a dict subclass whose ``update`` raises)
+    crashed every probe; a list a ``validation_step`` builds at its first call was dropped, and the real
+    validation raised ``AttributeError``."""
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    from lightning_pulse.core.carried_state import kept_python_state
+
+    module = Stateful()
+    module.last_output = SequenceClassifierOutput(logits=torch.zeros(2, 3))
+    with kept_python_state(module):
+        module.class_weights = [1.0, 2.0]  # a lazy setup behind its own flag
+        module._built = True
+    assert isinstance(module.last_output, SequenceClassifierOutput)
+    assert module.class_weights == [1.0, 2.0]

@@ -40,6 +40,7 @@ test could clear it.
 
 from __future__ import annotations
 
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -430,12 +431,12 @@ def _contents(value: Any) -> Contents:
     """A shallow copy of ``value`` if it is a list or dict, and of each list or dict directly inside it (the
     Lightning docs' ``[[] for _ in dataloaders]``), paired with the object itself, so that
     :func:`_put_back` restores each in place: code holding a reference to one sees its old items again."""
+    if not _container(value):
+        return []
     if isinstance(value, list):
         kept, items = [(value, list(value))], value
-    elif isinstance(value, dict):
-        kept, items = [(value, dict(value))], value.values()
     else:
-        return []
+        kept, items = [(value, dict(value))], value.values()
     kept += [
         (item, list(item) if isinstance(item, list) else dict(item)) for item in items if _container(item)
     ]
@@ -443,7 +444,8 @@ def _contents(value: Any) -> Contents:
 
 
 def _container(value: Any) -> bool:
-    return isinstance(value, (list, dict))
+    # plain lists and dicts only: a subclass may refuse clear/update (Hugging Face's ModelOutput raises)
+    return type(value) in (list, dict, OrderedDict, defaultdict)
 
 
 def _put_back(contents: Contents) -> None:
@@ -500,7 +502,10 @@ def kept_carried_state(module: nn.Module) -> Iterator[None]:
 def kept_python_state(module: nn.Module) -> Iterator[None]:
     """Give back, on exit, the public list, dict and number attributes of ``module`` and its submodules as they
     were on entry: lists and dicts the same objects with their entry items (and those of the lists and dicts
-    directly inside them), numbers their values; such attributes created inside are dropped.
+    directly inside them), numbers their values. Attributes created inside stay: a setup a ``validation_step``
+    makes at its first call (behind its own flag) must survive (a review: dropping them raised
+    ``AttributeError`` in the real validation), at the price that a list first created inside keeps the
+    call's items.
 
     For a call of the module's own ``training_step`` or ``validation_step`` outside Lightning's loop
     (StabilityGuard's rollback test, the evaluation probe): the Lightning docs'
@@ -510,20 +515,15 @@ def kept_python_state(module: nn.Module) -> Iterator[None]:
     ``frozen_metric_states`` gives back) are left alone.
     """
     saved: list[tuple[Any, str, Any, Contents]] = []
-    names: list[tuple[Any, set[str]]] = []
     for owner in module.modules():
         if _skipped(owner):
             continue
-        names.append((owner, set(vars(owner))))
         for name, value in vars(owner).items():
             if _python_state(name, value):
                 saved.append((owner, name, value, _contents(value)))
     try:
         yield
     finally:
-        for owner, before in names:
-            for name in [n for n, v in vars(owner).items() if n not in before and _python_state(n, v)]:
-                delattr(owner, name)
         for owner, name, value, contents in saved:
             _put_back(contents)
             if getattr(owner, name, None) is not value:
@@ -535,20 +535,22 @@ def _python_state(name: str, value: Any) -> bool:
     return (
         not name.startswith("_")
         and not isinstance(value, bool)
-        and isinstance(value, (list, dict, int, float))
+        and (isinstance(value, (int, float)) or _container(value))
     )
 
 
 @contextmanager
 def kept_buffers(module: nn.Module) -> Iterator[None]:
     """Give back, on exit, every buffer of ``module`` as it was on entry: the same tensor object, with its
-    entry values where something wrote into it (its version counter tells, so an untouched buffer costs only
-    its copy on entry); a buffer registered inside is dropped.
+    entry values where something wrote into it (its version counter, or its values where a write through
+    ``.data`` or a custom kernel left the counter alone); a buffer registered inside stays (a lazy setup at
+    the first call must survive, as for :func:`kept_python_state`).
 
     For an evaluation in the middle of training: a forward in eval mode that updates a running statistic
     anyway (a test-time normaliser's ``self.mean.lerp_(...)``) or a ``validation_step`` that counts samples
     in a buffer (``self.seen += len(x)``) would otherwise carry the evaluation into training and into the
-    real validation. A copy of every buffer, on its device: for a few evaluations a fit."""
+    real validation. A copy of every buffer, on its device, per evaluation: a model holding buffers of
+    gigabytes (a retrieval datastore, a large queue) needs that much memory free during the probe."""
     saved = [
         (owner, name, buffer, buffer._version, buffer.clone())
         for owner in module.modules()
@@ -556,16 +558,16 @@ def kept_buffers(module: nn.Module) -> Iterator[None]:
         # an inference tensor cannot be written outside inference mode (and keeps no version count)
         if buffer is not None and not is_lazy(buffer) and not buffer.is_inference()
     ]
-    names = [(owner, set(owner._buffers)) for owner in module.modules()]
     try:
         yield
     finally:
-        for owner, before in names:
-            for name in [name for name in owner._buffers if name not in before]:
-                del owner._buffers[name]
         with torch.no_grad():
             for owner, name, buffer, version, copy in saved:
-                if buffer._version != version:
+                # a write through ``.data`` or a custom kernel bumps no version counter: compare values too
+                unchanged = buffer.shape == copy.shape and torch.equal(buffer, copy)
+                if buffer._version != version or not unchanged:
+                    if buffer.shape != copy.shape:  # resized in place (an observer's first forward)
+                        buffer.resize_(copy.shape)
                     buffer.copy_(copy)
                 if owner._buffers.get(name) is not buffer:
                     owner._buffers[name] = buffer
