@@ -240,6 +240,7 @@ class ScheduledPrune(Callback):
         if steps <= 0:  # inside an accumulation window
             return
         core.last_step = trainer.global_step
+        core.leave_out_substituted(pl_module)  # after the first step's forwards (once; before any mask)
         if core.window is not None and core.window.step(steps):
             self._end_distillation(trainer)
         if not core.uses_maintain and self.schedule.due(trainer.global_step):

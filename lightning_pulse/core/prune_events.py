@@ -169,7 +169,7 @@ class PruneEvents:
         (:meth:`restore_teacher`), find the masked layers again (a resume added masks), and say what is
         pruned, how far, between which steps and when
         (:func:`~lightning_pulse.core.prune_setup.setup_summary`). Unstructured: watch the layers' forwards
-        until the first event (:meth:`leave_out_substituted`)."""
+        over the first optimizer step (:meth:`leave_out_substituted`)."""
         self.last_step = step
         self.restore_teacher(model, accumulation)
         self.masks.forget()
@@ -219,7 +219,8 @@ class PruneEvents:
         return outcome, copied
 
     def leave_out_substituted(self, model: nn.Module) -> None:
-        """At the fit's first event, before any mask: stop watching the layers' forwards, leave out for good
+        """After the fit's first optimizer step (or at an event before it), before any mask: stop watching
+        the layers' forwards (nothing when not watching: a cheap call every step), leave out for good
         those seen reading a ``weight`` passed in for them rather than their own
         (:class:`~lightning_pulse.core.prune_targets.OwnWeightWatch`) and say which; raise
         :class:`~lightning_pulse.errors.PulseRefusal` when that leaves no layer to prune."""

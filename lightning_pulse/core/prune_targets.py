@@ -256,13 +256,12 @@ class OwnWeightWatch:
     training them (a held-out run's accuracy fell from 0.89 to 0.30) while the events reported the target's
     layers pruned. Such a layer is left out (:data:`NOT_OWN_WEIGHT`). The signal is the forward's own read,
     not a missing gradient: a layer a batch does not route to (a MoE expert) or one whose gradients the user
-    zeroes has none after a step and is pruned as any other. One forward pre-hook per watched layer (an
-    identity check); a layer's hook goes after :data:`OWN_CALLS` calls with its own weight, all at
-    :meth:`stop`. Layers masked already (a resume) compute their weight and are not watched.
+    zeroes has none after a step and is pruned as any other. A weight passed in that shares the parameter's
+    storage (a detached alias for a stop-gradient target, per-sample gradients through ``vmap``) is the
+    layer's own. One forward pre-hook per watched layer (an identity check; nothing counted, so a compiled
+    model is not recompiled), watched over the fit's first optimizer step (:meth:`stop`). Layers masked
+    already (a resume) compute their weight and are not watched.
     """
-
-    #: calls with its own weight after which a layer is taken to read it (its hook removed)
-    OWN_CALLS = 16
 
     def __init__(self) -> None:
         self.substituted: dict[str, str] = {}
@@ -277,16 +276,11 @@ class OwnWeightWatch:
                 self._handles[name] = layer.register_forward_pre_hook(self._hook(name, layer, own))
 
     def _hook(self, name: str, layer: nn.Module, own: nn.Parameter) -> Any:
-        own_calls = 0
-
         def check(module: nn.Module, args: Any) -> None:
-            nonlocal own_calls
             if module is not layer:  # a deep copy of the model (a user's teacher) carries the hook too
                 return
-            if getattr(module, "weight", None) is own:
-                own_calls += 1
-                if own_calls >= self.OWN_CALLS and (handle := self._handles.pop(name, None)) is not None:
-                    handle.remove()  # torch iterates over a copy of the hooks: removing one here is safe
+            weight = getattr(module, "weight", None)
+            if weight is own or _aliases(weight, own):
                 return
             self.substituted[name] = NOT_OWN_WEIGHT
             if (handle := self._handles.pop(name, None)) is not None:
@@ -304,6 +298,19 @@ class OwnWeightWatch:
 
     def __getstate__(self) -> dict[str, Any]:  # pickled for spawning strategies: without hooks or layers
         return {"substituted": {}, "_handles": {}}
+
+
+@torch._dynamo.disable  # a storage pointer is no graph op; reached only for a weight other than the own one
+def _aliases(weight: Any, own: nn.Parameter) -> bool:
+    """Whether ``weight`` shares ``own``'s storage (a detached alias, also inside ``vmap``/``grad``)."""
+    if not isinstance(weight, torch.Tensor):
+        return False
+    try:
+        while torch._C._functorch.is_functorch_wrapped_tensor(weight):
+            weight = torch._C._functorch.get_unwrapped(weight)
+        return weight.untyped_storage().data_ptr() == own.untyped_storage().data_ptr()
+    except RuntimeError:  # a tensor without storage (a fake or meta tensor)
+        return False
 
 
 def frozen_layers(model: nn.Module) -> frozenset[str]:
