@@ -92,8 +92,8 @@ def test_step_saving_replays_choice_at_the_sampler_is_timed_and_the_used_callbac
 
 
 def test_stability_guards_step_hooks_on_the_optimizer_are_timed_with_its_hooks(mnist1d_small):
-    """StabilityGuard registers step hooks on the optimizers (``StepChanges._enter``/``_leave``): they run inside
-    ``optimizer.step()``, outside any callback hook, and count towards the guard's time."""
+    """StabilityGuard registers step hooks on the optimizers (``StepChanges._enter``/``_leave``): they run
+    inside ``optimizer.step()``, outside any callback hook, and count towards the guard's time."""
     from lightning_pulse import StabilityGuard
 
     guard, timer = StabilityGuard(), HookTimer()

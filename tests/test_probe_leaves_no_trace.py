@@ -91,8 +91,8 @@ def test_the_docs_validation_outputs_list_survives_the_probe(mnist1d_small, make
 
 @pytest.mark.parametrize("as_numbers", [False, True], ids=["tensors", "numbers"])
 def test_a_run_with_the_probe_trains_and_validates_as_the_run_without_it(mnist1d_small, as_numbers):
-    """Sweep: the probe's outputs stayed in the list (the real epoch averaged 8 stale probe outputs with its 3:
-    val_loss 20% off), its counts in a number and a buffer, and its forwards in a running mean that every
+    """Sweep: the probe's outputs stayed in the list (the real epoch averaged 8 stale probe outputs with its
+    3: val_loss 20% off), its counts in a number and a buffer, and its forwards in a running mean that every
     forward updates, which then changed training."""
     probed, probed_trainer = _fit(mnist1d_small, _cycle(), as_numbers=as_numbers, running_mean=True)
     plain, plain_trainer = _fit(mnist1d_small, _cycle("none"), as_numbers=as_numbers, running_mean=True)

@@ -458,11 +458,11 @@ def test_damage_after_the_newest_snapshot_rolls_back_to_the_oldest_that_predates
 
 def test_a_gradient_spike_whose_loss_spiked_too_is_tested_like_a_loss_spike():
     # A stateful LSTM regressor on 7 outlier targets: early on, a loss 160x the median stayed under the loss
-    # z-score while its gradient norm passed its own, so the step was flagged as a gradient spike. Its loss is no
-    # ordinary one, so the rollback test runs; it used to be left to escalate, and the guard rolled back on data.
-    # Since the jump score (a loss 10x the median judged in the spread of successive differences, 25th pass)
-    # these steps are flagged by their loss; the rule for a gradient spike with a spiked loss is tested below
-    # (test_a_gradient_spike_counts_as_a_loss_spike_when_its_loss_is_abnormal).
+    # z-score while its gradient norm passed its own, so the step was flagged as a gradient spike. Its loss is
+    # no ordinary one, so the rollback test runs; it used to be left to escalate, and the guard rolled back on
+    # data. Since the jump score (a loss 10x the median judged in the spread of successive differences, 25th
+    # pass) these steps are flagged by their loss; the rule for a gradient spike with a spiked loss is tested
+    # below (test_a_gradient_spike_counts_as_a_loss_spike_when_its_loss_is_abnormal).
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1500, 8, generator=generator)
     y = x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(1500, 1, generator=generator)

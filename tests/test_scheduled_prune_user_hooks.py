@@ -1,5 +1,5 @@
-"""ScheduledPrune(mode='structured') and the forward hooks a model's author registered: the fit-start trial cut
-runs them (a held-out sweep found it ran a copy without them, so a pre-hook gating a layer's inputs with a
+"""ScheduledPrune(mode='structured') and the forward hooks a model's author registered: the fit-start trial
+cut runs them (a held-out sweep found it ran a copy without them, so a pre-hook gating a layer's inputs with a
 fixed width-48 tensor passed the check and the first event's cut broke the next forward mid-run). A hook that
 breaks under the cut refuses the run at fit start, naming the hooked module and a checked ``exclude_pattern``;
 a hook that follows the widths keeps working; hooks of callbacks stay out of the check's copy. Also: a layer

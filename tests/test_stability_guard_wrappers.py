@@ -1,5 +1,5 @@
-"""StabilityGuard with optimizer wrappers shaped as they are commonly written: a Lookahead that shares its inner
-optimizer's ``param_groups`` and nests its state (with or without calling ``Optimizer.__init__``; its
+"""StabilityGuard with optimizer wrappers shaped as they are commonly written: a Lookahead that shares its
+inner optimizer's ``param_groups`` and nests its state (with or without calling ``Optimizer.__init__``; its
 ``load_state_dict`` loads the inner one and re-links the groups), and SAM, whose base optimizer's state is not
 in SAM's ``state_dict``. A skip and a rollback must behave as with the plain inner optimizer: weights and
 inner state back, the parameter groups still shared, the LR schedule and the guard's cooldown reaching the
@@ -280,3 +280,23 @@ def test_a_skipped_step_under_a_wrapper_leaves_weights_and_every_state_as_before
     ]
     before, after = watch.seen[FAULT_STEP], watch.seen[FAULT_STEP + 1]
     assert _same(before, after)
+
+
+def test_the_guards_step_wrapper_comes_off_when_the_fit_raises(tmp_path):
+    """A review: the wrapper put on the `step` of an optimizer that never called `Optimizer.__init__` stayed
+    after an exception mid-fit (Lightning runs no train-end hook then): a later fit wrapped it twice, and a
+    stale guard's restore could run inside it."""
+
+    class RaiseAtStep(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                optimizers.append(trainer.optimizers[0])
+                raise RuntimeError("stop here")
+
+    optimizers: list = []
+    with pytest.raises(RuntimeError, match="stop here"):
+        _fit(tmp_path, "common_lookahead", None, callbacks=[RaiseAtStep()])
+    from lightning_pulse.core.stability_policy import _StepThrough
+
+    # the LR scheduler's own wrapper of `step` is back, the guard's is gone
+    assert optimizers and not isinstance(vars(optimizers[0]).get("step"), _StepThrough)

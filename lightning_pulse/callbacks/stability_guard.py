@@ -260,6 +260,10 @@ class StabilityGuard(Callback):
             rank_zero_info(summary)
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: BaseException) -> None:
+        self._changes.detach()  # no train-end hook runs after an exception (the guard's own stop too)
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._changes.detach()
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)

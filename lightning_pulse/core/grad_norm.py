@@ -85,7 +85,7 @@ def step_loss_and_grad_norm(
         loss = torch.stack([value.detach().float() for value in losses]).sum() if losses else None
     if all_reduce_sum is None:
         # the loss and every per-tensor norm read at once; the last sum of squares is then a few host flops,
-        # not two more ops (on a CPU step of a small model, each op costs about as much as the norms of a layer)
+        # not two more ops (on a CPU step of a small model, each op costs about as much as a layer's norms)
         parts = _norm_parts(grads) if grads else []
         values = parts if loss is None else [loss, *parts]
         if not values:

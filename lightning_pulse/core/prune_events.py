@@ -236,7 +236,8 @@ class PruneEvents:
             pattern = "^(" + "|".join(re.escape(name) for name in found) + ")$"
             raise PulseRefusal(
                 f"ScheduledPrune: no layer can be pruned: the forwards of {names} read a `weight` passed in "
-                "for them (torch.func.functional_call: a hypernetwork, fast weights), not their own parameter, "
+                "for them (torch.func.functional_call: a hypernetwork, fast weights), not their own "
+                "parameter, "
                 "and a mask sets a layer's weight from its own parameter before every call, so it would "
                 "overwrite the weights the model uses and they would stop training. Prune the module that "
                 f"makes those weights instead (leave these layers out with `exclude_pattern`={pattern!r}), "

@@ -760,7 +760,8 @@ def build_dependency_graph(
 @contextmanager
 def _counting_calls(modules: Iterable[nn.Module]) -> Iterator[dict[nn.Module, int]]:
     """How many times each of ``modules`` is called inside the block (a forward pre-hook each, removed after).
-    A ``torch.jit.script``'ed module refuses hooks: its calls are not counted (its layers are never pruned)."""
+    A ``torch.jit.script``'ed module refuses hooks: its calls are not counted (its layers are never
+    pruned)."""
     calls: dict[nn.Module, int] = {}
 
     def count(module: nn.Module, args: Any) -> None:

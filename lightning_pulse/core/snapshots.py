@@ -473,8 +473,8 @@ def restore_snapshot(
         )
     if not snapshot.holds_inner_optimizers(optimizers):
         raise ValueError(
-            f"The snapshot's inner optimizer state (a wrapper's, SAM's base optimizer) has parameter groups of "
-            f"{snapshot.inner_layout} parameters, but the inner optimizers now have "
+            "The snapshot's inner optimizer state (a wrapper's, SAM's base optimizer) has parameter groups "
+            f"of {snapshot.inner_layout} parameters, but the inner optimizers now have "
             f"{optimizer_layout(inner_optimizers(optimizers))}."
         )
     # everything is checked before anything is loaded: a state is never half restored

@@ -382,10 +382,10 @@ class SpikeDetector:
             z = own.zscore(value)
             score = z
             if z is None or z <= threshold:
-                # a window that holds a steep descent (a loss falling by decades as a model memorises its data)
-                # has a spread of decades: a jump back to its early level scores under the threshold. A loss
-                # at least cold_ratio times the median is also judged by how far it jumps above the latest
-                # values, in the spread of successive differences, which a trend does not inflate. Only
+                # a window that holds a steep descent (a loss falling by decades as a model memorises its
+                # data) has a spread of decades: a jump back to its early level scores under the threshold. A
+                # loss at least cold_ratio times the median is also judged by how far it jumps above the
+                # latest values, in the spread of successive differences, which a trend does not inflate. Only
                 # there: a lasting shift to 1.5-3x after a descent (a new data source), a slow rise or a
                 # periodic loss keep their verdicts (with this score for every value above min_ratio they
                 # were flagged). Not for gradient norms: a lasting 10-30x rise after a descent (layers
