@@ -165,9 +165,49 @@ def test_hooks_of_callbacks_stay_out_of_the_checks_copy():
     assert log.calls >= STEPS and log.on_other_modules == 0
 
 
+class _RecordsActivations(_Mlp):
+    """Keeps an activation for its loss (an activation penalty) through a hook, as a bound method and as a
+    closure over the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acts: list[torch.Tensor] = []
+        self.seen: list[tuple[int, ...]] = []
+        self.net[1].register_forward_hook(self.record)
+        self.net[3].register_forward_hook(lambda module, args, output: self.seen.append(tuple(output.shape)))
+
+    def record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.acts.append(output)
+
+    def training_step(self, batch, batch_index):
+        self.acts.clear()
+        self.seen.clear()
+        loss = nn.functional.cross_entropy(self(batch[0]), batch[1]) + 1e-3 * self.acts[0].pow(2).mean()
+        assert self.seen == [(32, 48)] or self.seen == [(32, self.net[2].out_features)]  # the batch's own
+        return loss
+
+
+def test_a_model_that_records_activations_for_its_loss_trains_and_its_list_is_untouched():
+    """A review: the check's copies ran the model's hooks and wrote into the real module's lists (the first
+    step's loss read an activation of the check), and a kept activation with its graph made the next copy
+    fail ("Only Tensors created explicitly by the user ... support the deepcopy protocol"): a healthy model
+    was refused."""
+    module = _RecordsActivations()
+    module.acts.append(torch.ones(1, requires_grad=True) * 2)  # an activation with its graph, at fit start
+    prune = _prune()
+    assert _fit(module, prune).steps == STEPS
+    assert prune.events and _widths(module)[:2] == [24, 24]
+
+
 def test_which_hooks_count_as_the_users():
     module = _Mlp()
     assert user_hooks.is_user_hook(lambda *args: None)
+    log = _ActivationLog()
+
+    def counting(module, args, output):  # a hook a callback defines inside its own method
+        log.calls += 1
+
+    assert not user_hooks.is_user_hook(counting)
     assert user_hooks.is_user_hook(module.halve_the_negatives)  # a method of the model itself
     assert not user_hooks.is_user_hook(_ActivationLog().record)  # a Lightning callback's, whoever wrote it
     assert not user_hooks.is_user_hook(pruning.Pruner("structured").prune)  # this library's

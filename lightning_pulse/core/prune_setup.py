@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from lightning_pulse.core import prune_targets, pruning
+from lightning_pulse.core.carried_state import kept_carried_state, kept_python_state
 from lightning_pulse.core.prune_schedule import PRUNE_EVERY_DEFAULT, PruneSchedule, check_int, check_share
 from lightning_pulse.core.prune_targets import LayerSelection
 from lightning_pulse.core.snapshots import is_zero_redundancy, optimizers_within
@@ -583,6 +584,8 @@ def refuse_structured(reason: str | None) -> None:
             raise PulseRefusal(
                 f"ScheduledPrune: structured pruning cannot run on this model: {reason}. {way_out}"
             )
+    if reason is not None and pruning.IN_USER_HOOK in reason:  # the reason names the hook and the way out
+        raise PulseRefusal(f"ScheduledPrune: structured pruning cannot run on this model: {reason}.")
     if reason is not None:
         raise PulseRefusal(
             f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured'; "
@@ -627,7 +630,11 @@ def structured_example(model: nn.Module, pruner: pruning.Pruner, schedule: Prune
         example = pruning.small_example(pruning.example_input(model, batch))
     except ValueError as error:
         refuse_structured(str(error))
-    refuse_structured(pruning.check_structured(model, pruner, schedule.sample_targets(), example))
+    # the user's hooks run on the check's copies; one closing over the model (``self.acts.append``) writes
+    # into it
+    with kept_python_state(model), kept_carried_state(model):
+        reason = pruning.check_structured(model, pruner, schedule.sample_targets(), example)
+    refuse_structured(reason)
     return example
 
 

@@ -578,6 +578,13 @@ def copy_without_hooks(module: nn.Module, keep_user_hooks: bool = False) -> nn.M
                 derived = submodule.__dict__.get(hook_weight_name(hook))
                 if isinstance(derived, torch.Tensor):
                     memo[id(derived)] = None
+        # tensors a hook kept on the model (activations recorded for a loss) still hold their graph after a
+        # forward, and a non-leaf tensor cannot be deep-copied: the copy holds them detached
+        for value in vars(submodule).values():
+            if isinstance(value, (torch.Tensor, list, tuple, dict)):
+                for tensor in _nested_tensors(value):
+                    if tensor.grad_fn is not None:
+                        memo.setdefault(id(tensor), tensor.detach())
     duplicate = copy.deepcopy(module, memo)
     kept_flags = {flag for flags in user_hooks.FORWARD_HOOK_DICTS.values() for flag in flags}
     for submodule in duplicate.modules():
@@ -595,6 +602,14 @@ def copy_without_hooks(module: nn.Module, keep_user_hooks: bool = False) -> nn.M
                 with torch.no_grad():
                     setattr(submodule, hook_weight_name(hook), _computed_weight(hook, submodule))
     return duplicate
+
+
+def _nested_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 3 and isinstance(value, (list, tuple, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _nested_tensors(item, depth + 1)
 
 
 def _bound_to_copy(hook: Any, memo: Mapping[int, Any]) -> Any:

@@ -47,6 +47,18 @@ def _unwrapped(hook: Any) -> Any:
     return hook
 
 
+def _closes_over_a_callback(function: Any) -> bool:
+    # a function a callback defined inside its own method (``def hook(...): self.seen += 1``) is the callback's
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if any(cls.__name__ == "Callback" and _from_machinery(cls.__module__) for cls in type(value).__mro__):
+            return True
+    return False
+
+
 def is_user_hook(hook: Any) -> bool:
     """Whether ``hook`` is the model author's own: a function defined outside :data:`MACHINERY_PACKAGES`, a
     bound method of a module (the model's own), or a callable object (or a method of an object) none of whose
@@ -55,7 +67,7 @@ def is_user_hook(hook: Any) -> bool:
     owner = getattr(target, "__self__", None)
     if isinstance(target, (types.FunctionType, types.MethodType)):
         function = getattr(target, "__func__", target)
-        if _from_machinery(getattr(function, "__module__", None)):
+        if _from_machinery(getattr(function, "__module__", None)) or _closes_over_a_callback(function):
             return False
     else:
         owner = target  # a callable object
