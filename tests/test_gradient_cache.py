@@ -21,6 +21,7 @@ from lightning_pulse import PulseCycle, phase_of
 from lightning_pulse.callbacks.gradient_cache import GradientCache
 from lightning_pulse.core.freeze_units import ForwardOrderTrace
 from lightning_pulse.core.layer_freezing import GradlessStepCheck
+from lightning_pulse.core.snapshots import StepThrough
 from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 
@@ -736,6 +737,14 @@ class LookaheadWithoutOptimizerInit(torch.optim.Optimizer):
         self.steps = state["steps"]
 
 
+class HookedLookahead(LookaheadWithoutOptimizerInit):
+    """The same Lookahead built through ``Optimizer.__init__``: torch runs its step hooks."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, k: int = 5, alpha: float = 0.5) -> None:
+        torch.optim.Optimizer.__init__(self, [p for g in optimizer.param_groups for p in g["params"]], {})
+        super().__init__(optimizer, k, alpha)
+
+
 class _MLP(pl.LightningModule):
     def __init__(self, optimizer: str = "decay-all") -> None:
         super().__init__()
@@ -759,6 +768,8 @@ class _MLP(pl.LightningModule):
             return torch.optim.Adam(self.parameters(), lr=0.01)
         if self.optimizer == "lookahead":
             return LookaheadWithoutOptimizerInit(torch.optim.Adam(self.parameters(), lr=0.01))
+        if self.optimizer == "hooked-lookahead":
+            return HookedLookahead(torch.optim.Adam(self.parameters(), lr=0.01))
         return DecayEveryParameter(self.parameters())
 
 
@@ -814,9 +825,9 @@ def test_torch_adamw_with_weight_decay_skips_gradless_parameters_and_is_never_co
     copied = []
     before_step = GradlessStepCheck.before_step
 
-    def spy(self, optimizers, params):
-        before_step(self, optimizers, params)
-        copied.append(len(self._held))
+    def spy(self, optimizers, params, *rest):
+        before_step(self, optimizers, params, *rest)
+        copied.append(len(self._held) + len(self._copies))
 
     monkeypatch.setattr(GradlessStepCheck, "before_step", spy)
     cache, movement, messages = _fit_frozen_under("adamw")
@@ -867,6 +878,58 @@ def test_a_lookahead_without_optimizer_init_freezes_as_adam_does_and_its_sync_ne
     assert movement.moved == {0: [], 2: [], 4: []}  # the syncs at steps 10, 20 (and 25) were put back
     assert lookahead._lifecycle.optimizer_check.put_back > 0 and lookahead._lifecycle.may_freeze
     assert not any("moved the parameters" in message for message in messages)
+
+
+@pytest.mark.parametrize("optimizer", ["lookahead", "hooked-lookahead"])
+def test_a_callback_listed_before_gradient_cache_never_reads_a_frozen_layer_a_lookahead_sync_moved(optimizer):
+    """Review of the Lookahead fix: the sync's writes were put back in GradientCache's own batch end, so a
+    callback listed before it (EMA / WeightAveraging, StabilityGuard's snapshot) read the frozen layers as the
+    sync moved them. They are put back right after the step now: a step post hook, or the wrapped ``step`` of
+    a Lookahead torch never hooks (unwrapped at the fit's end)."""
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
+    movement = FrozenMovementPerLayer()
+    model = _MLP(optimizer)
+    trainer = pl.Trainer(max_steps=30, callbacks=[movement, cache], **trainer_kwargs())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, _small_data())
+    assert movement.frozen_steps[0] and movement.moved == {0: [], 2: [], 4: []}
+    check = cache._lifecycle.optimizer_check
+    assert check.put_back > 0 and cache._lifecycle.may_freeze
+    lookahead = trainer.optimizers[0]
+    assert "step" not in vars(lookahead) and not getattr(lookahead, "_optimizer_step_post_hooks", None)
+
+
+@pytest.mark.parametrize("guard_first", [True, False])
+def test_gradient_cache_and_stability_guard_both_wrap_a_lookahead_step_and_both_unwrap(guard_first):
+    """Both callbacks wrap the ``step`` of a Lookahead torch never hooks; in either order both run, the frozen
+    layers stay put, and the fit leaves the optimizer's ``step`` as it came."""
+    from lightning_pulse import StabilityGuard
+
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
+    guard = StabilityGuard(warmup=8, grad_norm_zscore=None, snapshot_every=10)
+    movement = FrozenMovementPerLayer()
+    model = _MLP("lookahead")
+    chains = []
+
+    class StepChain(Callback):  # the wrappers around the optimizer's step, outermost first
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            step, chain = vars(trainer.optimizers[0]).get("step"), []
+            while isinstance(step, StepThrough):
+                chain.append(type(step.hooks).__name__)
+                step = step.previous
+            chains.append(chain)
+
+    callbacks = [movement, StepChain(), *([guard, cache] if guard_first else [cache, guard])]
+    trainer = pl.Trainer(max_steps=30, callbacks=callbacks, **trainer_kwargs())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, _small_data())
+    assert sorted(chains[0]) == ["GradlessStepCheck", "StepChanges"]  # both wrapped from the first step
+    assert movement.frozen_steps[0] and movement.moved == {0: [], 2: [], 4: []}
+    assert cache._lifecycle.optimizer_check.put_back > 0
+    assert "step" not in vars(trainer.optimizers[0])  # both unwrapped, whichever ended first
+    assert "step" not in vars(trainer.optimizers[0])
 
 
 class _LayerDrop(pl.LightningModule):

@@ -121,6 +121,28 @@ def test_windows_and_freezes_count_optimizer_steps_under_an_optimizer_that_evalu
     assert all(not moved for _, before, _, moved in watch.rows if before)
 
 
+def test_sam_is_checked_once_not_held_at_every_frozen_step():
+    """Review: SAM holds its base optimizer and was held like Lookahead (a copy and a compare of the frozen
+    prefix at every frozen step). It perturbs and restores at every step, so its first frozen step shows what
+    it does: checked once, no copy held; a Lookahead around SAM still is held (its sync is periodic)."""
+    from lightning_pulse.core.layer_freezing import holds_frozen_parameters_every_step
+
+    sam, watch, model = _fit("sam")
+    check = sam._lifecycle.optimizer_check
+    assert sam._lifecycle.repeats_closure and any(after for _, _, after, _ in watch.rows)
+    assert check.checked and not check.moved and check.put_back == 0 and not check._copies
+    assert check._verified  # the frozen layer was checked at its first frozen step
+    optimizer = model.trainer.optimizers[0]
+    assert not holds_frozen_parameters_every_step(optimizer, repeats_closure=True)
+
+    class LookaheadAroundSAM(torch.optim.Optimizer):
+        def __init__(self, inner: torch.optim.Optimizer) -> None:
+            super().__init__([p for group in inner.param_groups for p in group["params"]], {})
+            self.inner = inner
+
+    assert holds_frozen_parameters_every_step(LookaheadAroundSAM(optimizer), repeats_closure=True)
+
+
 def test_frozen_units_is_empty_once_the_fit_has_turned_every_parameter_back_on():
     """Sweep B: ``frozen_units`` listed the units frozen at the last event after the fit, while every
     parameter trained again."""

@@ -1650,16 +1650,87 @@ def test_the_gradless_step_check_puts_frozen_parameters_back_at_every_step_of_a_
         frozen.add_(1.0)  # trained before it froze: it differs from the slow copy
     before = frozen.detach().clone()
     check = GradlessStepCheck()
+    copies = set()
     for _ in range(4):
         check.before_step([optimizer], [frozen])
-        assert len(check._held) == 1  # copied at every frozen step, not once
+        copies.add(id(check._copies[id(frozen)][1]))
+        assert check._copies[id(frozen)][1].device == frozen.device and not check._held  # no host copy
         optimizer.step()
-        assert check.after_step() is False  # put back, and freezing goes on
+        assert torch.equal(frozen, before)  # put back by its step post hook, before any batch-end callback
+        assert check.after_step() is False  # and freezing goes on
         assert torch.equal(frozen, before)
+    assert len(copies) == 1  # copied once, when it froze, not at every step
     assert check.put_back == 2 and check.checked and not check.moved  # the two syncs
     assert not torch.equal(trained, torch.ones(3))  # the inner SGD still trained the other parameter
     assert layer_freezing.holds_frozen_parameters_every_step(optimizer)  # wraps an inner optimizer
     assert not layer_freezing.holds_frozen_parameters_every_step(torch.optim.SGD([frozen], lr=0.1))
+    check.before_step([optimizer], [])  # released: its copy is dropped
+    assert not check._copies
+    check.detach()
+    assert not optimizer._optimizer_step_post_hooks and not optimizer._optimizer_step_pre_hooks
+
+
+@pytest.mark.parametrize("inner_first", [True, False])
+def test_two_step_wrappers_of_one_optimizer_both_run_and_come_off_in_either_order(inner_first):
+    # StabilityGuard and GradientCache may both wrap the step of an optimizer torch never hooks: removing the
+    # inner one first left the outer one calling it, and the outer's removal put it back for good
+    from lightning_pulse.core.snapshots import StepThrough
+
+    class Count:
+        def __init__(self) -> None:
+            self.entered = self.left = 0
+
+        def _enter(self, *args) -> None:
+            self.entered += 1
+
+        def _leave(self, *args) -> None:
+            self.left += 1
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    first, second = Count(), Count()
+    inner, outer = StepThrough(first, optimizer), StepThrough(second, optimizer)
+    optimizer.step()
+    assert (first.entered, first.left, second.entered, second.left) == (1, 1, 1, 1)
+    (inner if inner_first else outer).remove()
+    optimizer.step()
+    assert (first.left, second.left) == ((1, 2) if inner_first else (2, 1))
+    (outer if inner_first else inner).remove()
+    optimizer.step()
+    assert (first.left, second.left) == ((1, 2) if inner_first else (2, 1)) and "step" not in vars(optimizer)
+
+
+def test_zero_around_a_torch_optimizer_and_a_slots_optimizer_are_classified_without_holding_or_crashing(
+    tmp_path,
+):
+    # a review: ZeroRedundancyOptimizer holds its local optimizer and was held like Lookahead (two host copies
+    # and a compare per frozen step), though it broadcasts the unchanged values; around one of torch's it is
+    # checked once. vars() of a __slots__ optimizer raised TypeError.
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class SlotsSGD(torch.optim.SGD):
+        __slots__ = ()
+
+    layer = nn.Linear(4, 4)
+    assert not layer_freezing.holds_frozen_parameters_every_step(SlotsSGD(layer.parameters(), lr=0.1))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        zero = ZeroRedundancyOptimizer(layer.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)
+        assert not layer_freezing.holds_frozen_parameters_every_step(zero)
+        layer.weight.requires_grad_(False)
+        layer(torch.ones(2, 4)).sum().backward()
+        check = GradlessStepCheck()
+        check.attach([zero])
+        before = layer.weight.detach().clone()
+        check.before_step([zero], [layer.weight])
+        assert check._held and not check._copies  # the check-once copy, not a hold
+        zero.step()
+        assert check.after_step() is False and check.checked and not check.moved
+        assert torch.equal(layer.weight, before) and not check._attached
+        other = ZeroRedundancyOptimizer(layer.parameters(), optimizer_class=SlotsSGD, lr=0.1)
+        assert layer_freezing.holds_frozen_parameters_every_step(other)  # around one not torch's: held
+    finally:
+        dist.destroy_process_group()
 
 
 def test_activation_cache_still_sees_a_write_after_a_buffer_made_under_inference_mode_joins_a_module():

@@ -296,7 +296,7 @@ def test_the_guards_step_wrapper_comes_off_when_the_fit_raises(tmp_path):
     optimizers: list = []
     with pytest.raises(RuntimeError, match="stop here"):
         _fit(tmp_path, "common_lookahead", None, callbacks=[RaiseAtStep()])
-    from lightning_pulse.core.stability_policy import _StepThrough
+    from lightning_pulse.core.snapshots import StepThrough
 
     # the LR scheduler's own wrapper of `step` is back, the guard's is gone
-    assert optimizers and not isinstance(vars(optimizers[0]).get("step"), _StepThrough)
+    assert optimizers and not isinstance(vars(optimizers[0]).get("step"), StepThrough)

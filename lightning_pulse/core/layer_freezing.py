@@ -26,6 +26,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+try:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+except ImportError:  # a torch built without distributed support
+    ZeroRedundancyOptimizer = ()  # type: ignore[assignment,misc]
+
 from lightning_pulse.core.activation_cache import LoaderActivationCache
 from lightning_pulse.core.freeze_units import (
     ForwardOrderTrace,
@@ -44,6 +49,7 @@ from lightning_pulse.core.freeze_units import (
     replace_unit_parameters,
     reread_note,
 )
+from lightning_pulse.core.snapshots import StepThrough, runs_step_hooks
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import KNOWN_LENGTH
 
@@ -962,7 +968,9 @@ class FreezerLifecycle:
         check_wrapped_model(strategy.model, world_size, type(strategy).__name__)
         if world_size > 1:  # DDP just wrapped the model: what is frozen now, its reducer left out
             self.frozen_before_wrap = frozen_parameter_ids(model)
+        optimizers = list(optimizers)
         refuse_optimizers_that_move_gradless_parameters(optimizers)
+        self.optimizer_check.attach(optimizers)  # frozen parameters put back right after a wrapper's step
 
     @property
     def resumed_first_batch(self) -> bool:
@@ -1131,9 +1139,8 @@ class FreezerLifecycle:
                 if was and not now
                 for param in unit.params
             ]
-        if report.held:
-            held = [param for i in report.held for param in freezer.units[i].params]
-            self.optimizer_check.before_step(optimizers, held)
+        held = [param for i in report.held for param in freezer.units[i].params]
+        self.optimizer_check.before_step(optimizers, held, self.repeats_closure)  # none held: copies dropped
         return report
 
     def repeated_evaluation(self) -> bool:
@@ -1252,6 +1259,7 @@ class FreezerLifecycle:
     def end(self) -> None:
         """Turn back on every parameter the freezer turned off, so the module leaves the fit as it came in."""
         self._ended = True
+        self.optimizer_check.detach()
         if self.freezer is not None:
             self.freezer.restore_requires_grad()
 
@@ -1378,18 +1386,30 @@ def skips_gradless_parameters(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-def holds_frozen_parameters_every_step(optimizer: torch.optim.Optimizer) -> bool:
+def holds_frozen_parameters_every_step(
+    optimizer: torch.optim.Optimizer, repeats_closure: bool = False
+) -> bool:
     """Whether GradientCache puts the frozen parameters back after every step of ``optimizer``, not only checks
-    the first: a wrapper holding another optimizer (Lookahead) writes parameters itself after the inner step,
-    on some steps only (its slow-weight sync every k steps pulls a unit frozen mid-cycle towards the slow
-    copy), so a first frozen step that is not one of them says nothing; and torch runs no step hooks for a
-    class that skipped ``Optimizer.__init__`` (pytorch_optimizer's, lonePatient's and alphadl's Lookahead), so
-    whether such a step ran cannot be seen."""
-    hooked = hasattr(optimizer, "_optimizer_step_post_hooks") and getattr(
-        type(optimizer).step, "hooked", False
-    )
-    wraps = any(isinstance(value, torch.optim.Optimizer) for value in vars(optimizer).values())
-    return wraps or not hooked
+    the first: a wrapper holding another optimizer whose step it calls (Lookahead) writes parameters itself
+    after the inner step, on some steps only (its slow-weight sync every k steps pulls a unit frozen mid-cycle
+    towards the slow copy), so a first frozen step that is not one of them says nothing; and torch runs no step
+    hooks for a class that skipped ``Optimizer.__init__`` (pytorch_optimizer's, lonePatient's and alphadl's
+    Lookahead), so whether such a step ran cannot be seen. Not a ZeroRedundancyOptimizer around one of torch's
+    optimizers (it broadcasts the unchanged values of the parameters its rank owns), nor a wrapper that
+    evaluates its closure twice at every step (``repeats_closure``) around one of torch's (SAM perturbs and
+    restores at every step, so its first frozen step shows what it does); a wrapper around SAM still is."""
+    if not runs_step_hooks(optimizer):
+        return True
+    inner = _inner_optimizers(optimizer)
+    if isinstance(optimizer, ZeroRedundancyOptimizer) or repeats_closure:
+        return not all(skips_gradless_parameters(held) for held in inner)
+    return bool(inner)
+
+
+def _inner_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    # getattr, not vars(): a class with __slots__ has no __dict__
+    values = getattr(optimizer, "__dict__", {}).values()
+    return [value for value in values if isinstance(value, torch.optim.Optimizer)]
 
 
 class GradlessStepCheck:
@@ -1405,9 +1425,15 @@ class GradlessStepCheck:
     rest of the run. Each parameter is checked once, the first time it is frozen (a first prefix in a no-decay
     group says nothing of a later, larger one). A step the optimizer did not run (a skipped AMP step) checks
     nothing; the next frozen step checks again. Under DDP the frozen parameters and the optimizer are the same
-    on every rank, so every rank finds the same; ``agree`` makes that certain. A wrapper optimizer
-    (:func:`holds_frozen_parameters_every_step`: Lookahead) is copied at every frozen step instead, and whatever
-    it moved is put back after it; freezing goes on.
+    on every rank, so every rank finds the same; ``agree`` makes that certain.
+
+    A wrapper optimizer (:func:`holds_frozen_parameters_every_step`: Lookahead) is held instead, and freezing
+    goes on: a copy on the parameter's device, taken once when a parameter joins the frozen set (again if
+    something wrote it in place since: a rollback) and dropped when it leaves, is written back, where the
+    step moved it, right after every step: from a step post hook, or a wrapped instance ``step`` where torch
+    runs no hooks (:meth:`attach`), so callbacks that read the weights at the batch end, in any order, see
+    them frozen; :meth:`after_step` puts back what a step the hooks missed moved. No host transfer but one
+    flag per parameter.
 
     Attributes:
         checked: a step with frozen units has been checked, or needed no check.
@@ -1424,14 +1450,45 @@ class GradlessStepCheck:
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._stepped = False
         self._handles: list[Any] = []
-        self._holding = False  # this step's copy is put back (holds_frozen_parameters_every_step)
+        self._holding = False  # this step's frozen parameters are put back after it
+        # id -> (frozen parameter, its value when it froze, its version counter then): held optimizers only
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._attached: dict[int, list[Any]] = {}  # optimizer id -> the hooks that put back after its step
+        self._depth: dict[int, int] = {}  # a subclass's super().step() runs the hooks within its own step
         self.put_back = 0
 
+    def attach(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """At fit start: put back after each step of those that may be held (an optimizer whose step torch
+        never hooks is wrapped now, so its first frozen step is covered too); until :meth:`detach`."""
+        for optimizer in optimizers:
+            if id(optimizer) in self._attached or skips_gradless_parameters(optimizer):
+                continue
+            if not holds_frozen_parameters_every_step(optimizer):
+                continue
+            if runs_step_hooks(optimizer):
+                hooks = [optimizer.register_step_pre_hook(self._enter)]
+                hooks.append(optimizer.register_step_post_hook(self._leave))
+            else:
+                hooks = [StepThrough(self, optimizer)]
+            self._attached[id(optimizer)] = hooks
+
+    def detach(self) -> None:
+        for hooks in self._attached.values():
+            for hook in hooks:
+                hook.remove()
+        self._attached, self._depth, self._copies, self._holding = {}, {}, {}, False
+
     def before_step(
-        self, optimizers: Sequence[torch.optim.Optimizer], params: Iterable[torch.Tensor]
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        params: Iterable[torch.Tensor],
+        repeats_closure: bool = False,
     ) -> None:
-        """Before an optimizer step in which ``params`` (the frozen units') have no gradient."""
+        """Before an optimizer step in which ``params`` (the frozen units') have no gradient (each step, with
+        none where nothing is frozen). ``repeats_closure``: the optimizer evaluates its closure twice (SAM)."""
         params = list(params)
+        kept = {id(param) for param in params}  # a held copy of a released parameter is dropped
+        self._copies = {key: entry for key, entry in self._copies.items() if key in kept}
         if self.moved or self._torch_only or not params:
             return
         unknown = [optimizer for optimizer in optimizers if not skips_gradless_parameters(optimizer)]
@@ -1439,8 +1496,13 @@ class GradlessStepCheck:
             self.checked = self._torch_only = True
             return
         self.optimizer_name = type(unknown[0]).__qualname__
-        if any(holds_frozen_parameters_every_step(optimizer) for optimizer in unknown):
-            self._held = [(param, param.detach().to("cpu", copy=True)) for param in params]
+        held = [o for o in unknown if holds_frozen_parameters_every_step(o, repeats_closure)]
+        if held:
+            self.attach(held)  # a hooked one from this step on (its post hook has not run yet)
+            for param in params:
+                entry = self._copies.get(id(param))
+                if entry is None or entry[2] != param._version:  # new to the frozen set, or written since
+                    self._copies[id(param)] = (param, param.detach().clone(), param._version)
             self._holding = True
             return
         unchecked = [param for param in params if id(param) not in self._verified]
@@ -1450,22 +1512,41 @@ class GradlessStepCheck:
         self._stepped = False
         self._handles = [optimizer.register_step_post_hook(self._mark_stepped) for optimizer in unknown]
 
+    def _enter(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._depth[id(optimizer)] = self._depth.get(id(optimizer), 0) + 1
+
+    def _leave(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        depth = self._depth[id(optimizer)] = max(0, self._depth.get(id(optimizer), 0) - 1)
+        if depth == 0 and self._holding:
+            self._put_back()
+
+    @torch.no_grad()
+    def _put_back(self) -> None:  # a wrapper's own writes (Lookahead's sync) are undone; freezing goes on
+        entries = list(self._copies.values())
+        if not entries:
+            return
+        # one flag per parameter, read at once: the only transfer to the host
+        device = entries[0][1].device
+        flags = torch.stack([torch.ne(param, copy).any().to(device) for param, copy, _ in entries]).tolist()
+        for (param, copy, _), moved in zip(entries, flags):
+            if moved:  # one the step left alone keeps its version: the activation cache's records stay valid
+                param.copy_(copy)
+                self.put_back += 1
+            self._copies[id(param)] = (param, copy, param._version)  # the optimizer's own write, same values
+
     def _mark_stepped(self, *args: Any) -> None:
         self._stepped = True
 
     @torch.no_grad()
     def after_step(self, agree: Callable[[list[bool]], list[bool]] | None = None) -> bool:
         """After that step: whether it moved the frozen parameters (then put back). ``True`` once, if so."""
+        if self._holding:  # put back after the step already, unless the hooks missed it
+            self._put_back()
+            self._holding, self.checked = False, True
+            return False
         if not self._held:
             return False
         held, self._held, stepped = self._held, [], self._stepped
-        if self._holding:  # a wrapper's own writes (Lookahead's sync) are undone; freezing goes on
-            self._holding, self.checked = False, True
-            for param, copy in held:
-                if not torch.equal(param.detach().cpu(), copy):
-                    param.copy_(copy)
-                    self.put_back += 1
-            return False
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -1501,7 +1582,8 @@ class GradlessStepCheck:
             self.optimizer_name = self.optimizer_name or str(state.get("optimizer", ""))
 
     def __getstate__(self) -> dict[str, Any]:  # pickled for spawning strategies and deep-copied: no tensors
-        return {**self.__dict__, "_held": [], "_handles": [], "_verified": set(), "_holding": False}
+        dropped = {"_held": [], "_handles": [], "_verified": set(), "_holding": False, "_copies": {}}
+        return {**self.__dict__, **dropped, "_attached": {}, "_depth": {}}
 
 
 def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Callable[[str], None]) -> None:

@@ -797,3 +797,61 @@ class SnapshotSchedule:
         ``model`` and ``optimizers`` (see :meth:`SnapshotRing.roll_back`)."""
         step = incident_start - self.margin
         return self.ring.roll_back(step, model, optimizers, schedulers, callbacks, rewind_schedule)
+
+
+def runs_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether torch runs ``optimizer``'s step hooks around its whole ``step``: ``Optimizer.__init__`` wraps
+    the class's ``step`` (marked ``hooked``) and makes the instance's hook dicts; a class that never calls it
+    (or overrides ``step`` in a class torch never built) has neither."""
+    return bool(getattr(type(optimizer).step, "hooked", False)) and hasattr(
+        optimizer, "_optimizer_step_post_hooks"
+    )
+
+
+class StepHooks(Protocol):
+    def _enter(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None: ...
+
+    def _leave(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None: ...
+
+
+class StepThrough:
+    """An optimizer instance's ``step`` that runs ``hooks``' ``_enter`` and ``_leave`` around the class's step
+    (or an instance's own ``step`` set before), for an optimizer whose step runs no step hooks
+    (:func:`runs_step_hooks`). Lightning calls the optimizer's ``step`` attribute, so the instance's one is
+    found first. A removable handle: :meth:`remove` takes it out of the chain, in any order (StabilityGuard
+    and GradientCache may both wrap the same optimizer in one fit). A class, not a closure: the optimizer
+    stays picklable and copyable while it is attached.
+
+    It marks the step as an LR scheduler's own wrapper does (``_wrapped_by_lr_sched``, ``_opt_called``): an
+    LR scheduler would warn that ``step`` was overridden, and one built later (``StochasticWeightAveraging``'s
+    ``SWALR``) would wrap it through ``step.__func__``, which it has not."""
+
+    _wrapped_by_lr_sched = True
+
+    def __init__(self, hooks: StepHooks, optimizer: torch.optim.Optimizer) -> None:
+        self.hooks, self.optimizer = hooks, optimizer
+        self.previous = getattr(optimizer, "__dict__", {}).get("step")
+        optimizer.step = self  # type: ignore[method-assign]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        optimizer = self.optimizer
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # as an LR scheduler's wrapper records
+        self.hooks._enter(optimizer, args, kwargs)
+        step = self.previous or type(optimizer).step.__get__(optimizer)
+        result = step(*args, **kwargs)
+        self.hooks._leave(optimizer, args, kwargs)
+        return result
+
+    def remove(self) -> None:
+        outer = getattr(self.optimizer, "__dict__", {}).get("step")
+        if outer is self:
+            if self.previous is None:
+                del self.optimizer.step
+            else:
+                self.optimizer.step = self.previous  # type: ignore[method-assign]
+            return
+        while isinstance(outer, StepThrough):  # wrapped again since: unlink it, the outer one stays
+            if outer.previous is self:
+                outer.previous = self.previous
+                return
+            outer = outer.previous

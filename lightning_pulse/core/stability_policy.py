@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from lightning_pulse.core.snapshots import load_keeping_groups, optimizers_within
+from lightning_pulse.core.snapshots import StepThrough as _StepThrough
+from lightning_pulse.core.snapshots import load_keeping_groups, optimizers_within, runs_step_hooks
 from lightning_pulse.core.spike_detection import COLD_RATIO, SCALES, Verdict
 from lightning_pulse.errors import names_itself
 from lightning_pulse.records import append_recent
@@ -512,50 +513,6 @@ class StepChanges:
 
     def __getstate__(self) -> dict[str, Any]:  # ``ddp_spawn`` pickles the callbacks: hooks stay behind
         return {**self.__dict__, "_handles": [], "_depth": {}}
-
-
-def runs_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether torch runs ``optimizer``'s step hooks around its whole ``step``: ``Optimizer.__init__`` wraps
-    the class's ``step`` (marked ``hooked``) and makes the instance's hook dicts; a class that never calls it
-    (or overrides ``step`` in a class torch never built) has neither."""
-    return bool(getattr(type(optimizer).step, "hooked", False)) and hasattr(
-        optimizer, "_optimizer_step_post_hooks"
-    )
-
-
-class _StepThrough:
-    """An optimizer instance's ``step`` that runs :class:`StepChanges`' step hooks around the class's step (or
-    an instance's own ``step`` set before), for an optimizer whose step runs none (:func:`runs_step_hooks`).
-    Lightning calls the optimizer's ``step`` attribute, so the instance's one is found first. A removable
-    handle: :meth:`remove` puts the previous ``step`` back. A class, not a closure: the optimizer stays
-    picklable and copyable while it is attached.
-
-    It marks the step as an LR scheduler's own wrapper does (``_wrapped_by_lr_sched``, ``_opt_called``): an
-    LR scheduler would warn that ``step`` was overridden, and one built later (``StochasticWeightAveraging``'s
-    ``SWALR``) would wrap it through ``step.__func__``, which it has not."""
-
-    _wrapped_by_lr_sched = True
-
-    def __init__(self, changes: StepChanges, optimizer: torch.optim.Optimizer) -> None:
-        self.changes, self.optimizer = changes, optimizer
-        self.previous = vars(optimizer).get("step")
-        optimizer.step = self  # type: ignore[method-assign]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        optimizer = self.optimizer
-        optimizer._opt_called = True  # type: ignore[attr-defined]  # as an LR scheduler's wrapper records
-        self.changes._enter(optimizer, args, kwargs)
-        step = self.previous or type(optimizer).step.__get__(optimizer)
-        result = step(*args, **kwargs)
-        self.changes._leave(optimizer, args, kwargs)
-        return result
-
-    def remove(self) -> None:
-        if vars(self.optimizer).get("step") is self:
-            if self.previous is None:
-                del self.optimizer.step
-            else:
-                self.optimizer.step = self.previous  # type: ignore[method-assign]
 
 
 def _backup_of(
