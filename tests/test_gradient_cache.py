@@ -1286,3 +1286,47 @@ def test_whole_blocks_in_a_non_reentrant_checkpoint_are_replayed_bit_for_bit_lik
     (plain, _), (cached, cache) = fit_with(0), fit_with(16)
     assert cache.events and cache.activations.hits > 0 and cache.activations.uncached == {}
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), cached.parameters()))
+
+
+@pytest.mark.parametrize("fault_step", [13, 17, 21])
+def test_a_guard_rollback_listed_before_gradient_cache_is_not_undone_for_the_frozen_layers(fault_step):
+    """Review of the put-back after the step: the batch end put the frozen layers back a second time, after
+    StabilityGuard (listed first) had rolled back in its own batch end: frozen layers from after the snapshot,
+    the others from the snapshot, and the copy re-stamped so that this mix stayed."""
+    from lightning_pulse import StabilityGuard
+
+    class NaNWeight(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == fault_step:
+                with torch.no_grad():
+                    pl_module.net[4].weight[0, 0] = float("nan")
+
+    class AfterGuard(Callback):  # what the rollback restored, right after the guard's batch end
+        def __init__(self) -> None:
+            self.rollbacks, self.restored = 0, None
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if guard.rollbacks > self.rollbacks:
+                self.rollbacks = guard.rollbacks
+                self.restored = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+    class Last(Callback):  # the model at the end of that batch, after every callback
+        def __init__(self) -> None:
+            self.differing = None
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if after.restored is not None and self.differing is None:
+                state = pl_module.state_dict()
+                self.differing = [k for k, v in state.items() if not torch.equal(v, after.restored[k])]
+
+    pl.seed_everything(0)
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0)
+    guard = StabilityGuard(warmup=5, window=10, snapshot_every=6, rollback_margin=1)
+    after, last = AfterGuard(), Last()
+    callbacks = [NaNWeight(), guard, after, cache, last]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(max_steps=34, callbacks=callbacks, **trainer_kwargs()).fit(
+            _MLP("lookahead"), _small_data(16)
+        )
+    assert guard.rollbacks >= 1 and last.differing == []

@@ -1406,6 +1406,10 @@ def holds_frozen_parameters_every_step(
     return bool(inner)
 
 
+def _moved(param: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+    return (torch.ne(param, copy) & ~(torch.isnan(param) & torch.isnan(copy))).any()
+
+
 def _inner_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     # getattr, not vars(): a class with __slots__ has no __dict__
     values = getattr(optimizer, "__dict__", {}).values()
@@ -1451,6 +1455,7 @@ class GradlessStepCheck:
         self._stepped = False
         self._handles: list[Any] = []
         self._holding = False  # this step's frozen parameters are put back after it
+        self._put_back_after_step = False  # by the hooks, right after it: the batch end writes nothing
         # id -> (frozen parameter, its value when it froze, its version counter then): held optimizers only
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._attached: dict[int, list[Any]] = {}  # optimizer id -> the hooks that put back after its step
@@ -1477,6 +1482,7 @@ class GradlessStepCheck:
             for hook in hooks:
                 hook.remove()
         self._attached, self._depth, self._copies, self._holding = {}, {}, {}, False
+        self._put_back_after_step = False
 
     def before_step(
         self,
@@ -1519,6 +1525,7 @@ class GradlessStepCheck:
         depth = self._depth[id(optimizer)] = max(0, self._depth.get(id(optimizer), 0) - 1)
         if depth == 0 and self._holding:
             self._put_back()
+            self._put_back_after_step = True
 
     @torch.no_grad()
     def _put_back(self) -> None:  # a wrapper's own writes (Lookahead's sync) are undone; freezing goes on
@@ -1527,7 +1534,8 @@ class GradlessStepCheck:
             return
         # one flag per parameter, read at once: the only transfer to the host
         device = entries[0][1].device
-        flags = torch.stack([torch.ne(param, copy).any().to(device) for param, copy, _ in entries]).tolist()
+        # NaN where it was NaN is no move (a frozen NaN would be written back, and its version bumped, every step)
+        flags = torch.stack([_moved(param, copy).to(device) for param, copy, _ in entries]).tolist()
         for (param, copy, _), moved in zip(entries, flags):
             if moved:  # one the step left alone keeps its version: the activation cache's records stay valid
                 param.copy_(copy)
@@ -1541,8 +1549,9 @@ class GradlessStepCheck:
     def after_step(self, agree: Callable[[list[bool]], list[bool]] | None = None) -> bool:
         """After that step: whether it moved the frozen parameters (then put back). ``True`` once, if so."""
         if self._holding:  # put back after the step already, unless the hooks missed it
-            self._put_back()
-            self._holding, self.checked = False, True
+            if not self._put_back_after_step:  # else a write since (a rollback) is not the step's: kept
+                self._put_back()
+            self._holding, self.checked, self._put_back_after_step = False, True, False
             return False
         if not self._held:
             return False
