@@ -3,7 +3,7 @@
 :func:`grad_norm` is the 2-norm of all gradients together, what ``clip_grad_norm_`` computes (torch's
 ``get_total_norm``: a fused per-tensor norm per device and dtype, then one norm of the stacked results).
 :func:`step_loss_and_grad_norm` adds the step's loss and, under DDP, one all-reduce, and brings both numbers
-to the host in one transfer (on the CPU, read where they lie).
+to the host in one transfer.
 
 Where it is read decides what it means. StabilityGuard reads it in ``on_before_optimizer_step``: after every
 micro-batch of an accumulation window has added its gradient, after DDP's gradient all-reduce (every rank
@@ -84,15 +84,22 @@ def step_loss_and_grad_norm(
     else:
         loss = torch.stack([value.detach().float() for value in losses]).sum() if losses else None
     if all_reduce_sum is None:
-        # the loss and every per-tensor norm read at once; the last sum of squares is then a few host flops,
-        # not two more ops (on a CPU step of a small model, each op costs about as much as a layer's norms)
+        # the loss and every per-tensor norm in the one device-to-host transfer of the step; the last sum of
+        # squares is then a few host flops, not two more ops (on a CPU step of a small model, each op costs
+        # about as much as the norms of a layer). On an accelerator this is where the step synchronises, which
+        # the decision needs anyway (it must exist before optimizer.step()).
         parts = _norm_parts(grads) if grads else []
         values = parts if loss is None else [loss, *parts]
         if not values:
             return None, None
-        read = _as_floats(values)
-        norms = read if loss is None else read[1:]
-        return (None if loss is None else read[0]), (math.hypot(*norms) if grads else None)
+        try:
+            read = torch.stack(values).tolist()  # promotes mixed dtypes
+        except RuntimeError:  # values on several devices
+            read = torch.stack([_as_fp32_on(value, values[0].device) for value in values]).tolist()
+        norm_squares = read if loss is None else read[1:]
+        return (None if loss is None else read[0]), (
+            math.sqrt(sum(x * x for x in norm_squares)) if grads else None
+        )
     norm = grad_norm(grads)
     # DDP: one all-reduce of (loss sum, ranks with a loss, norm sum). Every rank holds the same all-reduced
     # gradients, so the summed norm divided by world size is the norm; summing it makes the number the same
@@ -111,20 +118,6 @@ def step_loss_and_grad_norm(
     return (loss_sum / ranks_with_loss if ranks_with_loss else None), (
         norm_sum / world_size if grads else None
     )
-
-
-def _as_floats(values: Sequence[Tensor]) -> list[float]:
-    """``values`` (0-d) as Python floats. Off the CPU in one device-to-host transfer of them stacked: where an
-    accelerator run synchronises, which the decision needs anyway (it must exist before ``optimizer.step()``).
-    On the CPU each is read where it lies: there is nothing to transfer, and the stack is one more op than
-    the reads (measured in a char-LM fit: 30 µs of the guard's 440 µs step). The first and last value stand
-    for all: the loss and the gradients are on one device, or on the devices of a model split over them."""
-    if values[0].device.type == "cpu" and values[-1].device.type == "cpu":
-        return [value.item() for value in values]
-    try:
-        return torch.stack(list(values)).tolist()  # promotes mixed dtypes
-    except RuntimeError:  # values on several devices
-        return torch.stack([_as_fp32_on(value, values[0].device) for value in values]).tolist()
 
 
 def _as_fp32_on(value: Tensor, device: torch.device) -> Tensor:
