@@ -49,7 +49,7 @@ from lightning_pulse.core.freeze_units import (
     replace_unit_parameters,
     reread_note,
 )
-from lightning_pulse.core.snapshots import StepThrough, runs_step_hooks
+from lightning_pulse.core.snapshots import hook_around_steps, runs_step_hooks
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import KNOWN_LENGTH
 
@@ -1470,12 +1470,7 @@ class GradlessStepCheck:
                 continue
             if not holds_frozen_parameters_every_step(optimizer):
                 continue
-            if runs_step_hooks(optimizer):
-                hooks = [optimizer.register_step_pre_hook(self._enter)]
-                hooks.append(optimizer.register_step_post_hook(self._leave))
-            else:
-                hooks = [StepThrough(self, optimizer)]
-            self._attached[id(optimizer)] = hooks
+            self._attached[id(optimizer)] = hook_around_steps(optimizer, self)
 
     def detach(self) -> None:
         for hooks in self._attached.values():

@@ -83,7 +83,7 @@ class PruneEvents:
         self.averaging: tuple[str, bool] | None = None
         #: unstructured: the frozen copies of the parts to prune are never updated (PruneOptions.fixed_copies)
         self.fixed_copies = False
-        #: unstructured: whether the layers' forwards read their own weights, until the fit's first event
+        #: unstructured: whether the layers' forwards read their own weights, over the fit's first step
         self.own_weights = OwnWeightWatch()
         self._watching = False
 
@@ -237,10 +237,9 @@ class PruneEvents:
             raise PulseRefusal(
                 f"ScheduledPrune: no layer can be pruned: the forwards of {names} read a `weight` passed in "
                 "for them (torch.func.functional_call: a hypernetwork, fast weights), not their own "
-                "parameter, "
-                "and a mask sets a layer's weight from its own parameter before every call, so it would "
-                "overwrite the weights the model uses and they would stop training. Prune the module that "
-                f"makes those weights instead (leave these layers out with `exclude_pattern`={pattern!r}), "
+                "parameter, and a mask sets a layer's weight from its own parameter before every call, so it "
+                "would overwrite the weights the model uses and they would stop training. Prune the module "
+                f"that makes those weights instead (leave these layers out with `exclude_pattern`={pattern!r}), "
                 "or remove ScheduledPrune."
             )
         self.info(f"ScheduledPrune: left out from the first event on: {names} ({NOT_OWN_WEIGHT}).")

@@ -246,9 +246,9 @@ NOT_OWN_WEIGHT = (
 
 
 class OwnWeightWatch:
-    """Whether the forward of each layer to mask reads the layer's own ``weight`` parameter, seen from fit
-    start to the first event (unstructured: a mask's forward pre-hook sets ``layer.weight`` to ``weight_orig *
-    mask`` before every call).
+    """Whether the forward of each layer to mask reads the layer's own ``weight`` parameter, seen over the
+    fit's first optimizer step (unstructured: a mask's forward pre-hook sets ``layer.weight`` to ``weight_orig
+    * mask`` before every call).
 
     A hypernetwork's ``functional_call(target, generated, x)`` calls ``target``'s layers with the generated
     tensors swapped in as their ``weight``, and never reads their own: a mask hook overwrote the generated
@@ -259,8 +259,8 @@ class OwnWeightWatch:
     zeroes has none after a step and is pruned as any other. A weight passed in that shares the parameter's
     storage (a detached alias for a stop-gradient target, per-sample gradients through ``vmap``) is the
     layer's own. One forward pre-hook per watched layer (an identity check; nothing counted, so a compiled
-    model is not recompiled), watched over the fit's first optimizer step (:meth:`stop`). Layers masked
-    already (a resume) compute their weight and are not watched.
+    model is not recompiled), until :meth:`stop`. Layers masked already (a resume) compute their weight and
+    are not watched.
     """
 
     def __init__(self) -> None:

@@ -808,6 +808,18 @@ def runs_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+def hook_around_steps(optimizer: torch.optim.Optimizer, hooks: StepHooks) -> list[Any]:
+    """Run ``hooks``' ``_enter`` and ``_leave`` around every ``step`` of ``optimizer``: as torch's step hooks
+    where it runs them (:func:`runs_step_hooks`), else through a :class:`StepThrough` on the instance. The
+    removable handles."""
+    if runs_step_hooks(optimizer):
+        return [
+            optimizer.register_step_pre_hook(hooks._enter),
+            optimizer.register_step_post_hook(hooks._leave),
+        ]
+    return [StepThrough(hooks, optimizer)]
+
+
 class StepHooks(Protocol):
     def _enter(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None: ...
 

@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_pulse.core.snapshots import StepThrough as _StepThrough
-from lightning_pulse.core.snapshots import load_keeping_groups, optimizers_within, runs_step_hooks
+from lightning_pulse.core.snapshots import hook_around_steps, load_keeping_groups, optimizers_within
 from lightning_pulse.core.spike_detection import COLD_RATIO, SCALES, Verdict
 from lightning_pulse.errors import names_itself
 from lightning_pulse.records import append_recent
@@ -413,7 +412,8 @@ class StepChanges:
     of every optimizer class it has built, so a subclass's ``super().step()`` runs them before its own step
     ends: a depth count puts things back only when the outermost ``step`` returns. An optimizer whose class
     torch never built (a Lookahead that does not call ``Optimizer.__init__``, as commonly written) runs no
-    step hooks: its instance's ``step`` is wrapped instead (:class:`_StepThrough`), until :meth:`detach`.
+    step hooks: its instance's ``step`` is wrapped instead (``snapshots.hook_around_steps``), until
+    :meth:`detach`.
     :meth:`restore` does it by hand where the optimizer did not step (a ``GradScaler`` that found infs).
     """
 
@@ -428,11 +428,9 @@ class StepChanges:
     def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self.detach()
         for optimizer in optimizers:
-            if runs_step_hooks(optimizer):
-                self._handles.append(optimizer.register_step_pre_hook(self._enter))
-                self._handles.append(optimizer.register_step_post_hook(self._leave))
-            else:  # put back right after its step too, not after Lightning stepped the LR schedulers
-                self._handles.append(_StepThrough(self, optimizer))
+            # where torch runs no step hooks, a wrapped instance ``step``: put back right after the step too,
+            # not after Lightning stepped the LR schedulers
+            self._handles.extend(hook_around_steps(optimizer, self))
 
     def detach(self) -> None:
         for handle in self._handles:
