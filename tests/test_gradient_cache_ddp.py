@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.gradient_cache import GradientCache
 from tests.conftest import trainer_kwargs
+from tests.ddp_workers import TwoGlooProcesses
 
 
 class RankReport(Callback):
@@ -127,7 +128,7 @@ def test_a_loop_counted_from_each_ranks_data_freezes_the_same_units_on_both(tmp_
     data = DataLoader(TensorDataset(x, labels), batch_size=8, sampler=RankHalf(64))
     # 0.6: inp and a (57% of the parameters) fit, b no more
     cache = GradientCache(threshold=1.0, check_every=3, freeze_for=48, max_frozen_share=0.6)
-    strategy = DDPStrategy(find_unused_parameters=True, start_method="spawn", process_group_backend="gloo")
+    strategy = TwoGlooProcesses(find_unused_parameters=True)
     trainer = pl.Trainer(
         callbacks=[cache, FrozenReport(str(tmp_path))],
         max_steps=8,
@@ -154,9 +155,7 @@ def test_a_resume_mid_freeze_under_ddp_agrees_on_the_reads_of_the_resumed_first_
         folder.mkdir()
         data = DataLoader(TensorDataset(x, labels), batch_size=8, sampler=RankHalf(64))
         cache = GradientCache(threshold=1.0, check_every=3, freeze_for=48, max_frozen_share=0.6)
-        strategy = DDPStrategy(
-            find_unused_parameters=True, start_method="spawn", process_group_backend="gloo"
-        )
+        strategy = TwoGlooProcesses(find_unused_parameters=True)
         trainer = pl.Trainer(
             callbacks=[cache, FrozenReport(str(folder))],
             max_epochs=max_epochs,

@@ -12,7 +12,7 @@ from lightning_pulse import GreenWindow, GreenWindowOptions, SimulatedClock
 from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
 from lightning_pulse.energy.carbon import parse_timestamp
 from tests.conftest import trainer_kwargs
-from tests.ddp_workers import RankOffsetClock, SleepDump
+from tests.ddp_workers import RankOffsetClock, SleepDump, TwoGlooProcesses
 
 DE_JUNE = str(
     Path(__file__).resolve().parents[1] / "examples" / "data" / "carbon" / "de_2020_june_excerpt.csv"
@@ -51,7 +51,7 @@ def test_without_a_report_dir_the_fit_ends_and_rank_zero_writes_to_the_log_dir(m
     green = GreenWindow(
         signal=DE_JUNE, when_dirty="pause", expected_duration="2h", clock=clock, options={"watts": 100.0}
     )
-    kwargs = trainer_kwargs(devices=2, strategy="ddp_spawn", default_root_dir=str(tmp_path))
+    kwargs = trainer_kwargs(devices=2, strategy=TwoGlooProcesses(), default_root_dir=str(tmp_path))
     trainer = pl.Trainer(
         callbacks=[SimulatedStepTime(clock, 600.0), green], max_steps=12, limit_val_batches=0, **kwargs
     )

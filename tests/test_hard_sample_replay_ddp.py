@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from tests.conftest import trainer_kwargs
+from tests.ddp_workers import TwoGlooProcesses
 
 
 class ReplayDump(Callback):
@@ -109,7 +110,7 @@ def test_a_later_step_unscored_on_one_rank_keeps_both_ranks_in_step(tmp_path):
         callbacks=[HardSampleReplay(mode="batch"), TableDump(str(tmp_path))],
         max_epochs=2,
         limit_val_batches=0,
-        **trainer_kwargs(devices=2, strategy="ddp_spawn"),
+        **trainer_kwargs(devices=2, strategy=TwoGlooProcesses()),
     )
     trainer.fit(_LabelledOnly(), data)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -134,8 +135,6 @@ class ParameterDump(Callback):
 def test_ranks_stay_identical_under_a_static_graph_with_a_weighted_loss(tmp_path):
     # regression sweep: reading the loss's parts with a second autograd pass before backward made the ranks'
     # parameters drift apart under DDPStrategy(static_graph=True) (0.06 after 6 steps); a hook now reads them
-    from lightning.pytorch.strategies import DDPStrategy
-
     from tests.test_hard_sample_replay import WeightedAuxiliaryLoss, _data
 
     pl.seed_everything(0)
@@ -143,7 +142,7 @@ def test_ranks_stay_identical_under_a_static_graph_with_a_weighted_loss(tmp_path
         callbacks=[HardSampleReplay(mode="batch"), ParameterDump(str(tmp_path))],
         max_steps=6,
         limit_val_batches=0,
-        **trainer_kwargs(devices=2, strategy=DDPStrategy(start_method="spawn", static_graph=True)),
+        **trainer_kwargs(devices=2, strategy=TwoGlooProcesses(static_graph=True)),
     )
     trainer.fit(WeightedAuxiliaryLoss(arch="mlp"), _data())
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))

@@ -18,6 +18,7 @@ from benchmarks.stability_guard import FaultInjector
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse.callbacks.stability_guard import StabilityGuard
 from tests.conftest import trainer_kwargs
+from tests.ddp_workers import TwoGlooProcesses
 
 
 class GuardDump(Callback):
@@ -39,12 +40,14 @@ class GuardDump(Callback):
         Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def fit_two_ranks(tmp_path, faults, guard, max_steps) -> tuple[dict, dict]:
-    """A two-process gloo fit of the MNIST-1D MLP with ``faults`` and ``guard``; each rank's dumped record."""
+def fit_two_ranks(tmp_path, faults, guard, max_steps, spawn=False) -> tuple[dict, dict]:
+    """A two-process gloo fit of the MNIST-1D MLP with ``faults`` and ``guard``; each rank's dumped record.
+    ``spawn``: ranks in fresh interpreters (``ddp_spawn``), not forked from the preloaded server."""
+    strategy = "ddp_spawn" if spawn else TwoGlooProcesses()
     trainer = pl.Trainer(
         callbacks=[*faults, guard, GuardDump(str(tmp_path))],
         max_steps=max_steps,
-        **trainer_kwargs(devices=2, strategy="ddp_spawn", limit_val_batches=0),
+        **trainer_kwargs(devices=2, strategy=strategy, limit_val_batches=0),
     )
     trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=60))
     return tuple(json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
@@ -62,7 +65,8 @@ def test_ranks_skip_and_roll_back_together_when_one_rank_sees_the_fault(tmp_path
         rollback_margin=2,
     )
     fault = FaultInjector("scale", start=25, length=3, ranks=(1,))
-    rank0, rank1 = fit_two_ranks(tmp_path, [fault], guard, max_steps=32)
+    # ddp_spawn: ranks that also exit through a whole interpreter's teardown (the gloo exit abort)
+    rank0, rank1 = fit_two_ranks(tmp_path, [fault], guard, max_steps=32, spawn=True)
     assert (
         rank0["events"]
         == rank1["events"]

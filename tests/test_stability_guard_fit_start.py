@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pulse.callbacks.stability_guard import StabilityGuard
 from tests.conftest import trainer_kwargs
+from tests.ddp_workers import TwoGlooProcesses
 from tests.qat_models import EagerQATClassifier
 
 
@@ -233,7 +234,9 @@ def test_zero_redundancy_optimizer_under_ddp_is_refused_before_the_first_step(tm
     trainer = pl.Trainer(
         max_steps=5,
         callbacks=[StabilityGuard()],
-        **trainer_kwargs(devices=2, strategy="ddp_spawn", default_root_dir=tmp_path, limit_val_batches=0),
+        **trainer_kwargs(
+            devices=2, strategy=TwoGlooProcesses(), default_root_dir=tmp_path, limit_val_batches=0
+        ),
     )
     with pytest.raises(Exception, match="StabilityGuard does not support torch's ZeroRedundancyOptimizer"):
         trainer.fit(_ZeroMLP(), _data())

@@ -25,6 +25,7 @@ from lightning_pulse.core.step_plan import (
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PhaseClock
 from tests.conftest import trainer_kwargs
+from tests.ddp_workers import TwoGlooProcesses
 
 CYCLE = dict(burst=6, replay=6, maintain=2, warmup=0.1, anneal=0.1, maintain_eval="none")
 
@@ -433,7 +434,7 @@ def test_two_gloo_ranks_take_identical_steps(tmp_path):
         callbacks=[StepsDump(str(tmp_path)), PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5)],
         max_epochs=3,
         limit_val_batches=0,
-        **trainer_kwargs(devices=2, strategy="ddp_spawn"),
+        **trainer_kwargs(devices=2, strategy=TwoGlooProcesses()),
     )
     trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=32))
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
