@@ -978,8 +978,15 @@ def test_unit_names_and_cache_budget_are_checked_naming_the_field():
 def test_activation_cache_records_verifies_then_replays_frozen_outputs_without_running_the_module():
     from lightning_pulse.core.activation_cache import PrefixActivationCache
 
+    class CountingLinear(nn.Linear):
+        runs = 0
+
+        def forward(self, x):
+            self.runs += 1
+            return super().forward(x)
+
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = nn.Sequential(CountingLinear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     model[0].requires_grad_(False)
     data = torch.randn(6, 4)
     cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
@@ -992,15 +999,51 @@ def test_activation_cache_records_verifies_then_replays_frozen_outputs_without_r
         assert torch.equal(model(data[indices]), expected)
         cache.end_batch()
     modes.append(cache.begin_batch(indices))
-    # the frozen layer is replaced by a lookup: garbage inputs give the recorded outputs
-    assert torch.equal(model(torch.full((3, 4), 1e6)), expected)
+    runs = model[0].runs
+    assert torch.equal(model(data[indices]), expected)
     cache.end_batch()
+    assert model[0].runs == runs  # the frozen layer was replaced by a lookup
     assert modes == ["record", "verify", "hit"] and cache.hits == 1 and cache.disabled_reason is None
     assert cache.bytes_used == 6 * 8 * 4
     assert "forward" not in vars(model[0])  # the class's forward is back after the batch
     # a sample not seen yet is recorded, not replayed
     assert cache.begin_batch(torch.tensor([4, 0])) == "record"
     cache.end_batch()
+
+
+@pytest.mark.parametrize("transform", ["mixup", "flip within each row", "noise"])
+def test_a_replay_whose_input_differs_from_the_recorded_one_runs_for_real_and_switches_the_cache_off(
+    transform,
+):
+    # held-out sweep: mixup switched on after the one check of a freeze, and the cache replayed the outputs
+    # of the clean inputs for 283 batches; each replay now compares per-row sums of the input with the
+    # recorded ones
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    data = torch.randn(6, 4)
+    cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
+    cache.plan([("0", model[0])])
+    indices = torch.tensor([4, 1, 3])
+    for _ in range(3):  # record, verify, replay the clean input
+        cache.begin_batch(indices)
+        model(data[indices])
+        cache.end_batch()
+    assert cache.hits == 1 and cache.disabled_reason is None
+    clean = data[indices]
+    changed = {
+        "mixup": 0.7 * clean + 0.3 * clean[torch.tensor([2, 0, 1])],
+        "flip within each row": clean.flip(1),  # the same values per row: the weighted sum tells
+        "noise": clean + 1e-3 * torch.randn_like(clean),
+    }[transform]
+    cache_free = model(changed)  # between batches: no lookup installed
+    assert cache.begin_batch(indices) == "hit"
+    assert torch.equal(model(changed), cache_free)  # run for real
+    cache.end_batch()
+    assert cache.hits == 1 and "the input of 0 differs" in cache.disabled_reason
+    assert cache.begin_batch(indices) == "off" and torch.equal(model(changed), cache_free)
 
 
 def test_activation_cache_switches_itself_off_when_a_sample_changes_between_visits():

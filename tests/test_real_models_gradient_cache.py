@@ -308,13 +308,38 @@ class HalveFirstConvAt(Callback):
                 pl_module.net[1].weight.mul_(0.5)
 
 
-def _cached_prune_run(megabytes: float, prune: ScheduledPrune | None, extra: tuple[Callback, ...] = ()):
+class MixupFrom(MNIST1DClassifier):
+    """Mixes each batch with a permutation of itself (mixup, seeded) from global step ``onset`` on."""
+
+    def __init__(self, onset: int) -> None:
+        super().__init__(arch="cnn")
+        self.onset = onset
+        self.mixing = torch.Generator().manual_seed(1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step < self.onset:
+            return super().training_step(batch, batch_idx)
+        lam = float(torch.rand((), generator=self.mixing))
+        perm = torch.randperm(len(x), generator=self.mixing)
+        out = self(lam * x + (1 - lam) * x[perm])
+        return lam * nn.functional.cross_entropy(out, y) + (1 - lam) * nn.functional.cross_entropy(
+            out, y[perm]
+        )
+
+
+def _cached_prune_run(
+    megabytes: float,
+    prune: ScheduledPrune | None,
+    extra: tuple[Callback, ...] = (),
+    model_factory=lambda: MNIST1DClassifier(arch="cnn"),
+):
     """The MNIST-1D CNN, unshuffled (12 batches an epoch), whose three conv layers freeze at step 4 for the
     rest of the 60 steps: with ``megabytes`` they are recorded until step 16, verified, then replayed."""
     pl.seed_everything(0)
     data = MNIST1DDataModule(num_samples=1000, batch_size=64)
     data.setup()
-    model = MNIST1DClassifier(arch="cnn")
+    model = model_factory()
     cache = GradientCache(threshold=2.0, check_every=4, freeze_for=64, activation_cache_mb=megabytes)
     callbacks = [prune, cache] if prune is not None else [cache]
     trainer = pl.Trainer(max_steps=60, callbacks=[*callbacks, *extra], **trainer_kwargs())
@@ -357,6 +382,23 @@ def test_a_frozen_layer_the_users_code_writes_in_place_is_recorded_again_so_trai
     model, cache = _cached_prune_run(8.0, None, (HalveFirstConvAt(30),))
     _same_weights(model, plain)
     assert cache.activations.weight_changes == 1 and cache.activations.hits >= 10
+
+
+def test_a_transform_started_mid_freeze_switches_the_cache_off_so_training_equals_the_plain_run():
+    # held-out sweep: mixup switched on after the cache's one check of the freeze; the cache kept replaying
+    # the frozen layers' outputs of the clean inputs it recorded (283 replays, no warning: weights 0.035
+    # off, test accuracy 0.482 vs 0.525). Each replay now compares per-row sums of the frozen prefix's input
+    # with the recorded ones; the first mixed batch runs for real and the cache switches off
+    plain, _ = _cached_prune_run(0.0, None, model_factory=lambda: MixupFrom(30))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, cache = _cached_prune_run(8.0, None, model_factory=lambda: MixupFrom(30))
+    _same_weights(model, plain)
+    said = [str(w.message) for w in caught if "activation cache switched itself off" in str(w.message)]
+    assert (
+        len(said) == 1 and "the input of net.1 differs from the one its outputs were recorded for" in said[0]
+    )
+    assert cache.activations.hits >= 10  # the clean batches before the onset were replayed
 
 
 def test_the_activation_cache_switches_itself_off_when_each_batch_is_padded_to_its_own_length():

@@ -65,6 +65,10 @@ class _ActivationEntry:
     # the axis of its first input that held the batch's samples when recorded: 0, 1 (time-major), or None
     input_rows_axis: int | None = None
     input_shape: tuple[int, ...] | None = None  # the shape of one sample of its first input, when recorded
+    # per recorded sample, two sums of each tensor argument that holds the batch's rows (_input_prints):
+    # (capacity, 2 * len(prints_layout)); which arguments held rows when recorded
+    input_prints: torch.Tensor | None = None
+    prints_layout: tuple[bool, ...] | None = None
     calls: int = 0
     # in the batch under way: the rows of an output that were not the batch's keys (its first dimension)
     unmatched_rows: int | None = None
@@ -84,6 +88,55 @@ def _reads_gradient(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
             if isinstance(item, torch.Tensor) and item.requires_grad:
                 return True
     return False
+
+
+def _tensor_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among ``args`` and ``kwargs`` (by name), in a fixed order."""
+    values = (*args, *(kwargs[name] for name in sorted(kwargs)))
+    return [value for value in values if isinstance(value, torch.Tensor)]
+
+
+_print_weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _row_print(tensor: torch.Tensor, axis: int) -> torch.Tensor:
+    """``(rows, 2)`` float64: per row of ``tensor`` (on ``axis``), the sum of its values and their sum
+    weighted by fixed pseudo-random weights in [0.5, 1.5) (so a flip or shift within the row changes it too).
+    One float64 product with a ``(values per row, 2)`` matrix: the same input gives the same sums up to the
+    order of accumulation, whatever the batch."""
+    rows = tensor.movedim(axis, 0) if axis else tensor
+    flat = rows.reshape(rows.shape[0], -1)  # a view, unless time-major
+    key = (flat.shape[1], tensor.device)
+    if (weights := _print_weights.get(key)) is None:
+        generator = torch.Generator().manual_seed(0)
+        pseudo_random = torch.rand(flat.shape[1], generator=generator, dtype=torch.float64) + 0.5
+        weights = torch.stack((torch.ones_like(pseudo_random), pseudo_random), 1).to(tensor.device)
+        _print_weights[key] = weights
+    return flat.to(torch.float64) @ weights
+
+
+def _input_prints(
+    entry: _ActivationEntry, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int
+) -> list[tuple[torch.Tensor, int] | None]:
+    """Each tensor argument of ``entry`` with the axis that holds the batch's ``rows`` samples (the axis of
+    its first input when recorded, else 0), or ``None`` where it holds no row per sample (not compared)."""
+    found: list[tuple[torch.Tensor, int] | None] = []
+    for tensor in _tensor_arguments(args, kwargs):
+        axis = next(
+            (
+                a
+                for a in (entry.input_rows_axis, 0)
+                if a is not None and tensor.dim() > a and tensor.shape[a] == rows
+            ),
+            None,
+        )
+        found.append(None if axis is None or tensor.is_complex() else (tensor, axis))
+    return found
+
+
+# how far two float64 sums of one input may differ (the order of accumulation); mixup, noise or a crop move
+# them by many orders of magnitude more
+PRINT_RTOL, PRINT_ATOL = 1e-6, 1e-6
 
 
 def _rows_axis(args: tuple[Any, ...], rows: int) -> int | None:
@@ -166,7 +219,10 @@ class PrefixActivationCache:
     change either. The first visit of a sample records the outputs of the frozen modules; once every sample
     of a batch is recorded, the modules' ``forward`` returns a lookup for that batch instead, and is restored
     right after. The first all-recorded batch of every plan is computed for real once more and compared with
-    the records: a mismatch (data augmentation, noise added in ``training_step``) switches the cache off. So
+    the records: a mismatch (data augmentation, noise added in ``training_step``) switches the cache off.
+    Every replay also compares two sums per row of each cached module's input with those noted when it was
+    recorded (:func:`_row_print`): an input that differs (a transform started after that check) runs the
+    batch for real and switches the cache off. So
     does a module whose input or output changes shape per sample from one batch to the next (a collate
     function that pads to each batch's longest sequence): it runs for real from then on. A lookup never
     stands in for an input of another number of samples than the batch's indices: that module runs for real.
@@ -215,6 +271,7 @@ class PrefixActivationCache:
         self._stubbed: list[nn.Module] = []
         self._indices: torch.Tensor | Callable[[], torch.Tensor] | None = None
         self._slots: torch.Tensor | None = None
+        self._replayed: list[torch.Tensor] = []  # the lookups returned in the batch under way
         self._mode = "off"
 
     @property
@@ -311,6 +368,7 @@ class PrefixActivationCache:
             self._weights_seen = _weights_of(self.entries)
         self._mode = "off"
         self._slots = self._indices = self._unmatched = None
+        self._replayed = []
 
     def _drop_records_if_written(self) -> bool:
         """Drop every record if the cached modules' tensors were written, added or replaced since their last
@@ -407,6 +465,12 @@ class PrefixActivationCache:
             )
             entry.input_rows_axis = _rows_axis(args, len(slots))
             entry.input_shape = _per_sample_shape(args, entry.input_rows_axis)
+            entry.prints_layout = tuple(
+                item is not None for item in _input_prints(entry, args, kwargs, len(slots))
+            )
+            entry.input_prints = torch.zeros(
+                (self.capacity, 2 * len(entry.prints_layout)), dtype=torch.float64, device=output.device
+            )
         else:
             input_shape = _per_sample_shape(args, entry.input_rows_axis)
             if output.shape[1:] != entry.storage.shape[1:] or input_shape != entry.input_shape:
@@ -421,6 +485,53 @@ class PrefixActivationCache:
             )
             return
         entry.storage.index_copy_(0, slots.to(entry.storage.device), output.detach())
+        self._record_prints(entry, args, kwargs, slots)
+
+    def _record_prints(
+        self, entry: _ActivationEntry, args: tuple[Any, ...], kwargs: dict[str, Any], slots: torch.Tensor
+    ) -> None:
+        """Note, per sample, the sums of ``entry``'s input that a replay compares with its live input."""
+        assert entry.input_prints is not None
+        found = _input_prints(entry, args, kwargs, len(slots))
+        if tuple(item is not None for item in found) != entry.prints_layout:
+            self._switch_off_for_input(entry)
+            return
+        prints = entry.input_prints
+        for position, item in enumerate(found):
+            if item is not None:
+                columns = prints[:, 2 * position : 2 * position + 2]
+                columns[slots.to(prints.device)] = _row_print(*item).to(prints.device)
+
+    def _input_changed(self, entry: _ActivationEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the live input of ``entry`` differs from the one its records of the batch were made of
+        (one pair of sums per row of each tensor argument, compared with those noted when recording; an
+        argument that is a lookup just replayed is its record); if so, the cache switches off."""
+        prints, slots = entry.input_prints, self._slots
+        assert prints is not None and slots is not None
+        found = _input_prints(entry, args, kwargs, len(slots))
+        changed = tuple(item is not None for item in found) != entry.prints_layout
+        recorded = prints.index_select(0, slots.to(prints.device))
+        for position, item in enumerate(found):
+            if changed or item is None or any(item[0] is replayed for replayed in self._replayed):
+                continue
+            live = _row_print(*item).to(prints.device)
+            columns = recorded[:, 2 * position : 2 * position + 2]
+            # equal bit for bit most of the time: the tolerance is for an accumulation order that moved
+            changed = not (
+                torch.equal(live, columns) or torch.allclose(live, columns, rtol=PRINT_RTOL, atol=PRINT_ATOL)
+            )
+        if changed:
+            self._switch_off_for_input(entry)
+        return changed
+
+    def _switch_off_for_input(self, entry: _ActivationEntry) -> None:
+        """Off for good: ``entry``'s input differs from the one recorded for the same samples."""
+        if self.disabled_reason is None:
+            self.disabled_reason = (
+                f"the input of {entry.name} differs from the one its outputs were recorded for, for the same "
+                "samples (data augmentation, mixup or noise that `training_step` started applying after the "
+                "cache's first check?); that batch ran for real"
+            )
 
     @staticmethod
     def _unrecordable(entry: _ActivationEntry, reason: str) -> None:
@@ -475,8 +586,10 @@ class PrefixActivationCache:
                 # penalty every k batches) needs the real forward, recorded on batches whose input did not
                 if _reads_gradient(args, kwargs):
                     entry.unrecordable = NEEDS_GRADIENT
-                elif self._fits(entry, args):
-                    return storage.index_select(0, self._slots.to(storage.device))
+                elif self._fits(entry, args) and not self._input_changed(entry, args, kwargs):
+                    replayed = storage.index_select(0, self._slots.to(storage.device))
+                    self._replayed.append(replayed)
+                    return replayed
                 self.hits -= 1  # a miss: this batch's modules run for real from here on
                 self._mode = "miss"
                 rows = _input_rows(entry, args)  # on the axis that held the samples (1 when time-major)
