@@ -242,9 +242,8 @@ class HardSampleReplay(Callback):
     ) -> None:
         selector, tracker = self.selector, self.tracker
         assert selector is not None and tracker is not None
-        step = trainer.global_step
         # the sampler's indices say how many samples the batch holds (a cut batch's: the cut, as loaded)
-        indices = tracker.batch_indices(batch_idx)
+        step, indices = trainer.global_step, tracker.batch_indices(batch_idx)
         # SWA's BatchNorm-update epoch recomputes the statistics over the plain data: no selection there
         active = phase_of(trainer, default=Phase.REPLAY).value in self.phases and not (
             compat.in_batch_norm_update_epoch(trainer)
@@ -258,7 +257,8 @@ class HardSampleReplay(Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        _warn(self.batches.close_capture(loss))  # refuses a first step whose loss does not split
+        divided_by = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        _warn(self.batches.close_capture(loss, divided_by))  # refuses a first step whose loss does not split
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

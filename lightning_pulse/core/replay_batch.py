@@ -128,12 +128,15 @@ class ReplayBatchLifecycle:
         # the step in flight: whether its loss was accounted for by its captured calls, and why not
         self._accounted = False
         self._unaccounted: str | None = None
+        # said once a fit: a step whose terms' coefficients could not be read (weighed relative to the
+        # largest)
+        self._said_coefficients = False
 
     def start_fit(self) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope."""
         self.state_check = CarriedStateCheck()
         self.recorded_steps = self.unscored_steps = 0
-        self._structure_checked = False
+        self._structure_checked = self._said_coefficients = False
         self._concatenated = {}
         self.captures.start()
 
@@ -229,8 +232,13 @@ class ReplayBatchLifecycle:
             self._concatenated = {}
             refuse(concatenation_refusal(found, batch_size))
 
-    def close_capture(self, loss: Tensor | None = None) -> str | None:
+    def close_capture(self, loss: Tensor | None = None, divided_by: float = 1.0) -> str | None:
         """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss).
+
+        ``loss`` is watched for its backward's scale
+        (:meth:`~lightning_pulse.core.per_sample_loss.LossCapture.watch_loss`), so that several captured calls
+        count with their exact coefficients in the loss the step returned, ``divided_by`` being what that loss
+        was divided by before (Lightning's ``accumulate_grad_batches``).
 
         At the fit's first scored step, ``loss`` (what the step backpropagates) is checked to be accounted for
         by the captured calls (:meth:`~lightning_pulse.core.per_sample_loss.LossCapture.unaccounted_part`):
@@ -251,6 +259,8 @@ class ReplayBatchLifecycle:
         closed = self.captures.closed
         if self.current is None or closed is None:
             return None
+        if isinstance(loss, Tensor):
+            closed.watch_loss(loss, divided_by)
         if not self._accounted and self.scorer is None and not self.recorded_steps and closed.maps_onto_batch:
             self._accounted = True  # the first backward's loss (manual optimization may run more)
             if isinstance(loss, Tensor):
@@ -354,6 +364,17 @@ class ReplayBatchLifecycle:
         capture, finished, self.current, self._batch = self.captures.take(), self.current, None, None
         if finished is None:
             return None
+        if capture is not None and not self._said_coefficients and capture.coefficients_unknown():
+            self._said_coefficients = True
+            warnings.warn(
+                f"HardSampleReplay: the coefficients of step {finished.step}'s captured loss terms could not "
+                "be read (its backward did not go through the loss the callback watches, e.g. a "
+                "`loss.backward()` instead of `manual_backward`, or several backward calls had different "
+                "scales), so its terms are weighed relative to the largest, which is off where coefficients "
+                "change from step to step (a per-batch mixup lambda). Use `self.manual_backward(loss)`, or "
+                "set `scorer=` (e.g. OutputKeyScorer). Said once.",
+                stacklevel=2,
+            )
         plan = finished.plan
         losses: LossCapture | Tensor
         if self.scorer is None:
