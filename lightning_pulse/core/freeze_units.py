@@ -34,6 +34,9 @@ class FreezeUnit:
             depend on, set by :func:`mark_inputs`. A unit applied again after later units (a weight-shared
             layer, a looped block) reads from units after it: it freezes only together with them
             (:func:`farthest_reads`).
+        frozen_with: names of later units it freezes only together with, because a custom autograd Function
+            needs them frozen or trained together (:mod:`~lightning_pulse.core.custom_functions`); found anew at
+            each fit's first backward, like a pin.
     """
 
     name: str
@@ -42,6 +45,7 @@ class FreezeUnit:
     used: bool = True
     shared_with: list[str] = field(default_factory=list)
     inputs_from: list[str] = field(default_factory=list)
+    frozen_with: list[str] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -190,13 +194,15 @@ def heads_note(units: Sequence[FreezeUnit]) -> str | None:
 
 def farthest_reads(units: Sequence[FreezeUnit]) -> list[int]:
     """For each unit in forward order, the farthest position that it or a unit before it reads from
-    (:attr:`FreezeUnit.inputs_from`, itself at least): the first ``k`` units may be frozen together only if
-    ``farthest_reads(units)[k - 1] == k - 1``, since a frozen unit whose input a training unit computes would
-    stand still under changing inputs, and backward would still run through it."""
+    (:attr:`FreezeUnit.inputs_from`) or must freeze with (:attr:`FreezeUnit.frozen_with`), itself at least: the
+    first ``k`` units may be frozen together only if ``farthest_reads(units)[k - 1] == k - 1``, since a frozen
+    unit whose input a training unit computes would stand still under changing inputs, and backward would still
+    run through it."""
     position = {unit.name: index for index, unit in enumerate(units)}
     farthest, result = -1, []
     for index, unit in enumerate(units):
-        farthest = max([farthest, index, *(position[name] for name in unit.inputs_from if name in position)])
+        reads = (position[name] for name in (*unit.inputs_from, *unit.frozen_with) if name in position)
+        farthest = max([farthest, index, *reads])
         result.append(farthest)
     return result
 

@@ -32,6 +32,7 @@ except ImportError:  # a torch built without distributed support
     ZeroRedundancyOptimizer = ()  # type: ignore[assignment,misc]
 
 from lightning_pulse.core.activation_cache import LoaderActivationCache
+from lightning_pulse.core.custom_functions import FunctionScan
 from lightning_pulse.core.freeze_units import (
     ForwardOrderTrace,
     FreezeUnit,
@@ -430,7 +431,15 @@ class LayerFreezer:
         growing = self.growing[0] and stable_last
         if growing:
             said += f", but its norm was still growing by over {MAX_STABLE_GROWTH:.0%} a window"
-        if stable_last and not growing:  # stable at its last check, but no freeze followed it
+        together = farthest_reads(self.units)[0]
+        if stable_last and not growing and together > 0:  # its group never was stable and fresh at once
+            why = (
+                f"It freezes only together with the units up to {self.units[together].name} (a loop, or a "
+                "custom autograd Function: see the message at the first step), which were never all stable "
+                f"at one check within max_frozen_share={most:g}; a longer run, or a higher threshold, lets "
+                "them freeze"
+            )
+        elif stable_last and not growing:  # stable at its last check, but no freeze followed it
             why = (
                 "Its last check found it stable, but no freeze came after it: freezing waits for a light phase "
                 "inside the freezing span, and the run ended (or stayed in a burst) first; a longer run lets it "
@@ -908,6 +917,14 @@ class FreezerLifecycle:
         self.repeats_closure = False  # the optimizer evaluates its closure more than once per step (SAM)
         self._released_now: list[nn.Parameter] = []  # released at the step's first closure evaluation
         self._ended = False  # the fit ended: every parameter trains again
+        # the first backward's custom Functions (core.custom_functions), kept until the units are ordered
+        self._scan: FunctionScan | None = None
+        # unit parameters the first backward gave a gradient without reaching them as leaves (inside a custom
+        # Function's backward): checked at the first backward after each freeze (:meth:`_check_lost_gradients`)
+        self._reached_inside: list[tuple[str, nn.Parameter]] = []
+        self._freezes_seen = 0  # the freezer's freeze count at that check
+        self.gradients_lost: list[str] = []  # names of parameters a freeze cut off: nothing freezes any more
+        self._notes: list[str] = []  # warnings for :meth:`announce`
 
     @property
     def units(self) -> list[FreezeUnit]:
@@ -948,6 +965,7 @@ class FreezerLifecycle:
         """
         self._graph_checked, self._model, self._statistics, self._rare = False, model, None, []
         self.rolled_back_at, self._announced, self._step_counted, self._ended = None, None, False, False
+        self._scan, self._reached_inside, self.gradients_lost, self._notes = None, [], [], []
         self.freezer, self.trace = restore_freezer(None, state, model, self.settings), None
         self._open_first_forward, self._opened = self.freezer is not None, []
         if self.freezer is None:
@@ -999,6 +1017,10 @@ class FreezerLifecycle:
         if first:
             self._graph_checked = True
             pin_read_twice(self.units, check_first_graph(loss))
+            if self._scan is not None:
+                self._scan.finish()
+            named = dict(self._model.named_parameters()) if self._model is not None else {}
+            self._scan = FunctionScan(self.units, loss, named)
         if first or self.trace is not None:
             mark_inputs(self.units, loss)
             self._marked = True
@@ -1008,14 +1030,71 @@ class FreezerLifecycle:
     def end_backward(self, broadcast: Callable[[list[Any]], list[Any]] | None = None) -> bool:
         """After a backward: turn the restored prefix :meth:`begin_forward` opened off again; put the waiting
         units in the order it recorded (under DDP rank 0's, which ``broadcast`` gives every process, as it
-        gives rank 0's :func:`mark_inputs`) and build their freezer. Returns whether it was built now."""
+        gives rank 0's :func:`mark_inputs`) and build their freezer; group the units a custom Function needs
+        frozen together (:meth:`_group_functions`) and check the first backward after a freeze
+        (:meth:`_check_lost_gradients`). Returns whether the freezer was built now, or a warning waits for
+        :meth:`announce`."""
         self._close_opened()
         marked, self._marked = self._marked, False
         if marked and broadcast is not None:  # a loop counted from the data reads differently on each rank
             agree_inputs(self.units, broadcast)
-        if self.trace is None or not self.trace.running:
-            return False
-        return self._order_waiting(broadcast)
+        built = self.trace is not None and self.trace.running and self._order_waiting(broadcast)
+        self._group_functions(broadcast)
+        self._check_lost_gradients(broadcast)
+        return built or bool(self._notes)
+
+    def _group_functions(self, broadcast: Callable[[list[Any]], list[Any]] | None) -> None:
+        """Once the units are in forward order after the first backward: make the units a custom Function
+        needs frozen together freeze only together (:meth:`FunctionScan.groups`), saying so; remember the
+        parameters that got their gradient inside a Function's backward, for :meth:`_check_lost_gradients`."""
+        scan = self._scan
+        if scan is None:
+            return
+        scan.finish()
+        if self.freezer is None:  # the units still wait for their order: grouped once they have it
+            return
+        self._scan, units = None, self.freezer.units
+        for first, last, note in scan.groups(units):
+            if units[last].name not in units[first].frozen_with:
+                units[first].frozen_with.append(units[last].name)
+                self._notes.append(note)
+        named = {name: param for unit in units for name, param in zip(unit.param_names, unit.params)}
+        reached = [
+            name for name, param in named.items() if id(param) not in scan.leaves and param.grad is not None
+        ]
+        if broadcast is not None:  # every process freezes the same prefix, and checks at the same backwards
+            groups, reached = broadcast([[(unit.name, list(unit.frozen_with)) for unit in units], reached])
+            together = dict(groups)
+            for unit in units:
+                unit.frozen_with = list(together.get(unit.name, []))
+        self._reached_inside = [(name, named[name]) for name in reached if name in named]
+        self._freezes_seen = self.freezer.freezes
+
+    def _check_lost_gradients(self, broadcast: Callable[[list[Any]], list[Any]] | None) -> None:
+        """The safety net for what the first backward could not show: at the first backward after a freeze,
+        every parameter still training that the first backward reached inside a custom Function must get a
+        gradient again. If one got none, the freeze cut it off: freezing stops for the run (the next step
+        releases every unit) and a warning names them. Costs nothing on other steps, nor for a model whose
+        parameters are all leaves of the graph."""
+        freezer = self.freezer
+        if freezer is None or not self._reached_inside or freezer.freezes == self._freezes_seen:
+            return
+        self._freezes_seen = freezer.freezes
+        if self.gradients_lost:
+            return
+        lost = [name for name, param in self._reached_inside if param.requires_grad and param.grad is None]
+        if broadcast is not None:
+            lost = list(broadcast([lost])[0])
+        if lost:
+            self.gradients_lost = lost
+            shown = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+            self._notes.append(
+                f"after freezing {', '.join(freezer.frozen_names)}, parameters it left training got no "
+                f"gradient ({shown}): they get theirs inside a custom autograd Function's backward, which the "
+                "frozen prefix stopped autograd from calling. It released every unit at this step and freezes "
+                "nothing for the rest of the run; have that Function take those parameters as inputs, or "
+                "remove GradientCache"
+            )
 
     def _close_opened(self) -> None:
         """Turn the prefix :meth:`begin_forward` opened off again, once a backward or a step without one
@@ -1048,6 +1127,9 @@ class FreezerLifecycle:
         if self._announced != (said := (order_note(units), pinned_note(units))):
             self._announced = said
             announce_units(self.freezer, info, warn)
+        notes, self._notes = self._notes, []
+        for note in notes:
+            warn(f"GradientCache: {note}.")
 
     def idle_note(self, steps: int, events: Iterable[Mapping[str, Any]] = ()) -> str | None:
         """:meth:`LayerFreezer.idle_note` for a run of ``steps`` optimizer steps; ``None`` without a freezer, or
@@ -1171,8 +1253,9 @@ class FreezerLifecycle:
 
     @property
     def may_freeze(self) -> bool:
-        """``False`` once the optimizer was found moving frozen parameters (:class:`GradlessStepCheck`)."""
-        return not self.optimizer_check.moved
+        """``False`` once the optimizer was found moving frozen parameters (:class:`GradlessStepCheck`), or a
+        freeze cut parameters still training off their gradients (:attr:`gradients_lost`)."""
+        return not self.optimizer_check.moved and not self.gradients_lost
 
     def optimizer_moved_frozen_units(
         self, agree: Callable[[list[bool]], list[bool]] | None = None
@@ -1255,6 +1338,8 @@ class FreezerLifecycle:
         """Remove the order recording's hooks (also when the backward never came)."""
         if self.trace is not None:
             self.trace.close()
+        if self._scan is not None:
+            self._scan.finish()
 
     def end(self) -> None:
         """Turn back on every parameter the freezer turned off, so the module leaves the fit as it came in."""
