@@ -108,6 +108,8 @@ def private_api_problems() -> list[str]:
     ]
     if not callable(getattr(torch.Tensor, "_use_count", None)):
         problems.append("torch.Tensor._use_count")
+    if "_scale" not in vars(torch.amp.GradScaler("cpu", enabled=False)):
+        problems.append("torch.amp.GradScaler._scale")
     from lightning.fabric.utilities import distributed as fabric_distributed
 
     if not callable(getattr(fabric_distributed, "_destroy_dist_connection", None)):
@@ -750,3 +752,18 @@ def batch_in_flight(trainer: pl.Trainer, fetched: int) -> bool:
     progress = trainer.fit_loop.epoch_loop.batch_progress
     # the same batch (total.ready only grows within a fit); current's counts are reset on a restart
     return progress.total.ready == fetched and progress.current.processed < progress.current.ready
+
+
+def backward_loss_divisor(trainer: pl.Trainer, pl_module: pl.LightningModule) -> float | torch.Tensor:
+    """What the loss a module's step returned was divided by to become the loss ``on_before_backward`` gets:
+    ``accumulate_grad_batches`` under automatic optimization, over the GradScaler's scale under ``16-mixed``
+    (Lightning scales the loss before it calls that hook). The scale is a copy of the scaler's tensor, read
+    without a host sync; ``update()`` changes the scaler's in place after the step."""
+    divided_by: float | torch.Tensor = (
+        trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+    )
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    scale = getattr(scaler, "_scale", None)  # private to torch's GradScaler; None until its first scale()
+    if scaler is not None and scaler.is_enabled() and isinstance(scale, torch.Tensor):
+        divided_by = divided_by / scale.detach().clone()
+    return divided_by

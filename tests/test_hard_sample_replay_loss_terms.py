@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -117,6 +118,7 @@ class _Mixup(_Recording):
         self.automatic_optimization = not manual
         self.log_variance = nn.Parameter(torch.tensor([0.5, -1.0]))
         self.generator = torch.Generator().manual_seed(1)
+        self.backward_twice = False
 
     def training_step(self, batch, batch_idx):
         x, y, indices = batch
@@ -144,6 +146,8 @@ class _Mixup(_Recording):
         if not self.automatic_optimization:
             optimizer = self.optimizers()
             optimizer.zero_grad()
+            if self.backward_twice:  # the same loss backpropagated twice in one step
+                self.manual_backward(loss, retain_graph=True)
             self.manual_backward(loss)
             optimizer.step()
         return loss
@@ -174,8 +178,10 @@ def test_terms_with_coefficients_that_change_every_step_score_their_combined_per
     assert torch.allclose(scores, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_manual_optimization_with_manual_backward_scores_the_combined_loss_without_warning():
+@pytest.mark.parametrize("backward_twice", [False, True], ids=["once", "retain-graph-twice"])
+def test_manual_optimization_with_manual_backward_scores_the_combined_loss_without_warning(backward_twice):
     module = _Mixup("mixup", manual=True)
+    module.backward_twice = backward_twice  # twice: the loss's one hook read both backwards (a false warning)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*coefficients.*")
         replay = _fit(module, steps=4)
@@ -223,3 +229,16 @@ def test_a_watched_loss_gives_exact_coefficients_under_any_backward_scale():
         expected = expected + (1 - lam) * F.cross_entropy(logits, y[perm], reduction="none")
         assert torch.allclose(capture.per_sample(), expected.detach(), rtol=1e-6)
         assert not capture.coefficients_unknown()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("form", ["mixup", "uncertainty"])
+def test_terms_under_a_grad_scaler_whose_scale_changes_every_step_score_their_combined_loss(form, accumulate):
+    # 16-mixed: Lightning scales the loss before on_before_backward, so the watched loss's gradient is 1 and the
+    # scale must come from the scaler (scores were 65536x too high, doubling as the scale grew)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+    module = _Mixup(form)
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    replay = _fit(module, steps=4, accumulate_grad_batches=accumulate, plugins=plugins)
+    scores, expected = module.scored(replay)
+    assert torch.allclose(scores, expected, rtol=1e-3, atol=1e-4), (scores[:4], expected[:4])

@@ -257,7 +257,7 @@ class HardSampleReplay(Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        divided_by = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        divided_by = compat.backward_loss_divisor(trainer, pl_module)  # `loss` as the step returned it
         _warn(self.batches.close_capture(loss, divided_by))  # refuses a first step whose loss does not split
 
     @override

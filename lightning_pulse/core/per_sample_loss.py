@@ -45,6 +45,7 @@ import functools
 import inspect
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -593,6 +594,8 @@ class LossCapture:
         self.compiled_calls: list[str] = []  # losses traced into a torch.compile graph: not capturable
         # per watched loss (watch_loss): [d backpropagated / d loss, summed over backward calls; divided_by]
         self.watched_losses: list[list[Any]] = []
+        self._watched_tensors: list[Any] = []
+        self._backward_starts: list[tuple[list[Any], list[Any]]] = []
         self._entered = False
         self._per_sample: Tensor | None = None
         self._per_sample_count = 0  # how many records `_per_sample` was computed from
@@ -649,20 +652,26 @@ class LossCapture:
         self._per_sample, self._per_sample_count = total, len(self.records)
         return total
 
-    def watch_loss(self, loss: Tensor, divided_by: float = 1.0) -> None:
-        """Watch ``loss``, what a backward of the step backpropagates (before any AMP scaling), for that
-        backward's scale: several calls' parts in it are then read as their exact coefficients
-        (:meth:`_parts`).
-        ``divided_by``: what the loss the module returned was divided by before this (Lightning divides it by
-        ``accumulate_grad_batches`` under automatic optimization), so that the coefficients are the returned
-        loss's. Call it before the backward; once per backward call."""
+    def watch_loss(self, loss: Tensor, divided_by: float | Tensor = 1.0) -> None:
+        """Watch ``loss``, what a backward of the step backpropagates, for that backward's scale: several
+        calls' parts in it are then read as their exact coefficients (:meth:`_parts`).
+        ``divided_by``: what the loss the module returned was divided by to become ``loss`` (Lightning divides
+        it by ``accumulate_grad_batches`` under automatic optimization, and ``16-mixed`` multiplies it by the
+        GradScaler's scale before the hook that calls this: a 0-dim tensor then, read without a sync), so that
+        the coefficients are the returned loss's. Call it before the backward; a loss backpropagated again
+        (``retain_graph``) is watched once."""
         if not isinstance(loss, Tensor) or not loss.requires_grad or loss.numel() != 1:
             return
-        slot: list[Any] = [None, float(divided_by)]
+        if any(watched() is loss for watched in self._watched_tensors):
+            return  # backpropagated again (retain_graph): its hook already adds every backward's gradient
+        self._watched_tensors.append(weakref.ref(loss))
+        slot: list[Any] = [None, divided_by if isinstance(divided_by, Tensor) else float(divided_by)]
 
         def add(grad: Tensor) -> None:
             grad = grad.detach().reshape(())
             slot[0] = grad if slot[0] is None else slot[0] + grad
+            # the records' gradients as this backward starts: which backward reached them (no sync)
+            self._backward_starts.append((slot, [record.grad for record in self.records]))
 
         loss.register_hook(add)
         self.watched_losses.append(slot)
@@ -673,13 +682,27 @@ class LossCapture:
         ``None`` when none was watched or reached. Several backward calls (manual optimization) share it
         only if each one's is the same: otherwise it is NaN (nothing is synchronised here), and the parts
         fall back."""
-        scales = [grad.float() / divided_by for grad, divided_by in self.watched_losses if grad is not None]
+        reached = self._slots_reaching_records()
+        scales = [grad.float() / divided_by for grad, divided_by in reached if grad is not None]
         if not scales:
             return None
         first = scales[0]
         for other in scales[1:]:
             first = torch.where(other.to(first.device) == first, first, torch.nan)
         return first
+
+    def _slots_reaching_records(self) -> list[list[Any]]:
+        """The watched losses whose backward changed a record's gradient (a GAN's generator backward does
+        not reach the discriminator's terms, and may run at another AMP scale); all of them if unknown."""
+        if not self._backward_starts:
+            return self.watched_losses
+        ends = [before for _, before in self._backward_starts[1:]] + [[r.grad for r in self.records]]
+        reaching: list[list[Any]] = []
+        for (slot, before), after in zip(self._backward_starts, ends):
+            changed = any(a is not b for a, b in zip(before, after))
+            if changed and not any(slot is other for other in reaching):
+                reaching.append(slot)
+        return reaching or self.watched_losses
 
     def coefficients_unknown(self) -> bool:
         """Whether several calls' parts are read relative to the largest one, not as their exact coefficients
@@ -689,7 +712,7 @@ class LossCapture:
         mapped = [record for record in self.records if record.maps_onto_batch]
         if len(mapped) < 2 or any(record.grad is None for record in mapped):
             return False
-        reached = [grad for grad, _ in self.watched_losses if grad is not None]
+        reached = [grad for grad, _ in self._slots_reaching_records() if grad is not None]
         if len(reached) < 2:
             return not reached
         scale = self._backward_scale()

@@ -232,7 +232,7 @@ class ReplayBatchLifecycle:
             self._concatenated = {}
             refuse(concatenation_refusal(found, batch_size))
 
-    def close_capture(self, loss: Tensor | None = None, divided_by: float = 1.0) -> str | None:
+    def close_capture(self, loss: Tensor | None = None, divided_by: float | Tensor = 1.0) -> str | None:
         """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss).
 
         ``loss`` is watched for its backward's scale
