@@ -108,7 +108,7 @@ def private_api_problems() -> list[str]:
     ]
     if not callable(getattr(torch.Tensor, "_use_count", None)):
         problems.append("torch.Tensor._use_count")
-    if "_scale" not in vars(torch.amp.GradScaler("cpu", enabled=False)):
+    if "_scale" not in vars(torch.amp.GradScaler("cpu")):
         problems.append("torch.amp.GradScaler._scale")
     from lightning.fabric.utilities import distributed as fabric_distributed
 
