@@ -11,11 +11,12 @@ Freezing relies on autograd skipping what needs no gradient. A custom ``torch.au
   while it is still called.
 
 :class:`FunctionScan` watches the fit's first backward: it finds the first kind from the parameters that get a
-gradient inside a Function's backward without being leaves of the graph, and the second by calling each
-Function that takes parameters once more, with every parameter frozen, right before autograd calls it (the
-trial; a Function that asks only for what requires grad, or ignores it, passes). :meth:`FunctionScan.groups`
-turns both into units that freeze only together: a prefix then leaves such a Function either untouched or with
-no input needing a gradient (not called, and all it trains frozen with it).
+gradient inside a Function's backward without being leaves of the graph. The second kind cannot be told from a
+healthy one without calling the user's backward once more, which is not safe (a backward may pop state kept on
+``ctx``, unpack a checkpointed tensor once, recompute BatchNorm, draw random numbers or add into a buffer
+itself): every Function that takes parameters of several units as inputs is treated as that kind.
+:meth:`FunctionScan.groups` turns both into units that freeze only together: a prefix then leaves such a
+Function either untouched or with no input needing a gradient (not called, and all it trains frozen with it).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ class CustomFunction:
             parameters alone.
         parameters: ids of the parameters that are its inputs themselves.
         closure: ids of the parameters that got their gradient inside its backward without being its inputs.
-        failure: why its trial backward failed, with every parameter frozen (``None``: it passed, or none ran).
     """
 
     name: str
@@ -54,7 +54,6 @@ class CustomFunction:
     parameter_inputs: list[bool]
     parameters: set[int] = field(default_factory=set)
     closure: set[int] = field(default_factory=set)
-    failure: str | None = None
 
     @property
     def takes_parameters(self) -> bool:
@@ -96,9 +95,7 @@ class FunctionScan:
         self._nodes: list[Any] = []  # the custom Function nodes, in the order of :attr:`functions`
         if loss.grad_fn is not None:
             self._walk(loss.grad_fn)
-        if any(function.takes_parameters for function in self.functions) or any(
-            id(param) not in self.leaves for param in self._params
-        ):
+        if any(id(param) not in self.leaves for param in self._params):  # trained inside a backward
             self._hook()
 
     def _walk(self, root: Any) -> None:
@@ -148,18 +145,15 @@ class FunctionScan:
 
     def _hook(self) -> None:
         for index, node in enumerate(self._nodes):
-            self._handles.append(node.register_prehook(self._entering(index, node)))
+            self._handles.append(node.register_prehook(self._entering(index)))
             self._handles.append(node.register_hook(self._leaving))
         for param in self._params:
             if id(param) not in self.leaves:  # reached some other way: inside a Function's backward
                 self._handles.append(param.register_post_accumulate_grad_hook(self._accumulated))
 
-    def _entering(self, index: int, node: Any) -> Any:
+    def _entering(self, index: int) -> Any:
         def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-            self._active.append(index)
-            function = self.functions[index]
-            if function.takes_parameters and function.failure is None:
-                function.failure = self._trial(node, grad_outputs)
+            self._active.append(index)  # only noted: the user's backward is never called here
 
         return hook
 
@@ -171,25 +165,6 @@ class FunctionScan:
         if self._active:
             self.functions[self._active[-1]].closure.add(id(param))
 
-    def _trial(self, node: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> str | None:
-        """Call the Function's backward once more with every parameter frozen, as a frozen prefix may leave it
-        called with some of its parameters frozen. Frozen, no parameter accumulates a gradient, so the real
-        backward that follows is unchanged. Returns the error it raised (``None``: it passed)."""
-        if any(grad is None for grad in grad_outputs):
-            return "an output without a gradient, which the trial cannot stand in for"
-        flags = [param.requires_grad for param in self._params]
-        try:
-            for param in self._params:
-                param.requires_grad_(False)
-            # copies: a backward may add into the gradient it is handed in place (mHC's projection does)
-            node.apply(*(grad.clone() for grad in grad_outputs))
-        except Exception as error:  # whatever it raises with frozen parameters, it raises in training too
-            return f"{type(error).__name__}: {error}"
-        finally:
-            for param, flag in zip(self._params, flags):
-                param.requires_grad_(flag)
-        return None
-
     def finish(self) -> None:
         """Remove the hooks (also when the backward never came)."""
         for handle in self._handles:
@@ -200,13 +175,13 @@ class FunctionScan:
         """For ``units`` in forward order, the spans ``(first, last, note)`` of positions that must freeze
         together because of a Function: from the first unit whose freezing changes what the Function gets to the
         last one it needs. A prefix covering ``first`` but not ``last`` would leave it called with a frozen
-        parameter it differentiates (a failed trial), or not called while parameters it trains still train."""
+        parameter it may differentiate, or not called while parameters it trains still train."""
         position = {id(unit): index for index, unit in enumerate(units)}
         at = [position[id(unit)] for unit in self.units]  # this scan's unit index -> forward position
         spans = []
         for function in self.functions:
             closure_units = {at[self._unit_of[key]] for key in function.closure if key in self._unit_of}
-            if function.failure is None and not closure_units:
+            if not function.takes_parameters and not closure_units:
                 continue
             # an input stops needing a gradient once the prefix covers the last unit it reaches
             lasts = [
@@ -217,7 +192,7 @@ class FunctionScan:
             if closure_units:  # not called once no input needs a gradient: they freeze with its inputs
                 needed = {last for last, _ in lasts} | closure_units
             else:  # called with some of its parameters frozen: they freeze together, and with any input
-                # computed after the first of them (its trial does not cover a grad-free input otherwise)
+                # computed after the first of them
                 needed = {last for last, is_parameter in lasts if is_parameter}
                 needed |= {last for last, _ in lasts if needed and last > min(needed)}
             if len(needed) < 2:
@@ -231,22 +206,18 @@ class FunctionScan:
         names = sorted(self._names.get(key, "?") for key in function.closure or function.parameters)
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         where = f"the custom autograd Function {function.name} in {_common_module(names)}"
-        if function.closure:
-            why = (
-                f"gives gradients in its backward to parameters that are not its inputs ({shown}), and "
-                "once a frozen prefix makes its inputs grad-free autograd never calls that backward, so they "
-                "would stop training"
+        if not function.closure:
+            return (
+                f"{where} takes parameters of several units as inputs ({shown}): a backward that differentiates "
+                "them all (a RevNet block's `torch.autograd.grad(out, [x] + params)`) fails once a frozen prefix "
+                f"ends among them, and only a second call of the user's backward could tell. So {span} freeze "
+                "only together, or not at all; to let them freeze separately, apply one Function per layer"
             )
-            way_out = "pass those parameters to it as inputs"
-        else:
-            why = (
-                f"failed when its backward ran with its parameters ({shown}) frozen "
-                f"({(function.failure or '')[:160]}), as a frozen prefix ending among them would run it"
-            )
-            way_out = "ask `torch.autograd.grad` in its backward only for the parameters with `requires_grad`"
         return (
-            f"{where} {why}. So {span} freeze only together, or not at all; to let them freeze separately, "
-            f"{way_out}"
+            f"{where} gives gradients in its backward to parameters that are not its inputs ({shown}), and once "
+            "a frozen prefix makes its inputs grad-free autograd never calls that backward, so they would stop "
+            f"training. So {span} freeze only together, or not at all; to let them freeze separately, pass those "
+            "parameters to it as inputs"
         )
 
 
