@@ -331,8 +331,9 @@ def test_activation_cache_replays_frozen_outputs_exactly_and_skips_their_forward
     assert plain.activations is None
     assert cache.events == plain.events and cache.events[0]["to"] == 3
     assert cache.activations.hits > 0 and cache.activations.disabled_reason is None
-    # 720 samples x (25x19 + 25x10 + 25x5) floats of the three frozen conv layers
-    assert cache.activations.bytes_used == 720 * 850 * 4
+    # 720 samples x (25x19 + 25x10 + 25x5) floats of the three frozen conv layers, and two float64 sums of
+    # each layer's input per sample
+    assert cache.activations.bytes_used == 720 * 850 * 4 + 720 * 3 * 2 * 8
     assert flops.total < plain_flops.total
     for (name, param), other in zip(model.named_parameters(), plain_model.parameters()):
         assert torch.allclose(param, other, rtol=0, atol=1e-6), name

@@ -1004,7 +1004,7 @@ def test_activation_cache_records_verifies_then_replays_frozen_outputs_without_r
     cache.end_batch()
     assert model[0].runs == runs  # the frozen layer was replaced by a lookup
     assert modes == ["record", "verify", "hit"] and cache.hits == 1 and cache.disabled_reason is None
-    assert cache.bytes_used == 6 * 8 * 4
+    assert cache.bytes_used == 6 * 8 * 4 + 6 * 2 * 8  # the outputs, and two float64 sums of the input
     assert "forward" not in vars(model[0])  # the class's forward is back after the batch
     # a sample not seen yet is recorded, not replayed
     assert cache.begin_batch(torch.tensor([4, 0])) == "record"
@@ -1328,8 +1328,8 @@ def test_a_frozen_module_the_cache_cannot_replay_is_named_with_why_and_the_ones_
     cache.plan([("0", model[0]), ("1", model[1])])
     assert _record_and_replay(cache, model, data[:, 0], indices) == ["record", "verify", "hit"]
     assert cache.uncached == {
-        "1": "its outputs for 6 samples take 0.0938 MiB, and 0.0624 MiB of activation_cache_mb=0.0625 is "
-        "left; raise activation_cache_mb to cache it"
+        "1": "its outputs (and input sums) for 6 samples take 0.0938 MiB, and 0.0623 MiB of "
+        "activation_cache_mb=0.0625 is left; raise activation_cache_mb to cache it"
     }
     cache = PrefixActivationCache(capacity=6, dataset_size=6, budget_bytes=2**20)
     cache.plan([("0", nn.Linear(4, 4)), ("1", nn.Dropout(0.1)), ("2", nn.Linear(4, 4))])

@@ -65,10 +65,10 @@ class _ActivationEntry:
     # the axis of its first input that held the batch's samples when recorded: 0, 1 (time-major), or None
     input_rows_axis: int | None = None
     input_shape: tuple[int, ...] | None = None  # the shape of one sample of its first input, when recorded
-    # per recorded sample, two sums of each tensor argument that holds the batch's rows (_input_prints):
-    # (capacity, 2 * len(prints_layout)); which arguments held rows when recorded
+    # per recorded sample, two sums of each tensor argument that held the batch's rows (_input_prints):
+    # (capacity, 2 * len(print_columns)), NaN where that sample's recording had no such argument
     input_prints: torch.Tensor | None = None
-    prints_layout: tuple[bool, ...] | None = None
+    print_columns: dict[int | str, int] | None = None  # argument (position or keyword) -> its pair of columns
     calls: int = 0
     # in the batch under way: the rows of an output that were not the batch's keys (its first dimension)
     unmatched_rows: int | None = None
@@ -90,38 +90,59 @@ def _reads_gradient(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return False
 
 
-def _tensor_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors among ``args`` and ``kwargs`` (by name), in a fixed order."""
-    values = (*args, *(kwargs[name] for name in sorted(kwargs)))
-    return [value for value in values if isinstance(value, torch.Tensor)]
+def _tensor_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int | str, torch.Tensor]]:
+    """The tensors among ``args`` and ``kwargs``, each with its position or keyword."""
+    named = [*enumerate(args), *kwargs.items()]
+    return [(key, value) for key, value in named if isinstance(value, torch.Tensor)]
 
 
-_print_weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+def print_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the per-row sums of an input on ``device``: float64, but float32 on MPS, which has no
+    float64 (the tolerance widens to match, :func:`print_tolerance`)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
-def _row_print(tensor: torch.Tensor, axis: int) -> torch.Tensor:
-    """``(rows, 2)`` float64: per row of ``tensor`` (on ``axis``), the sum of its values and their sum
-    weighted by fixed pseudo-random weights in [0.5, 1.5) (so a flip or shift within the row changes it too).
-    One float64 product with a ``(values per row, 2)`` matrix: the same input gives the same sums up to the
-    order of accumulation, whatever the batch."""
+def print_tolerance(dtype: torch.dtype, values_per_row: int) -> tuple[float, float]:
+    """``(rtol, atol)`` within which two sums of ``dtype`` over ``values_per_row`` values of one input stand
+    for the same input (the order of accumulation moved); mixup, noise or a crop move them by orders of
+    magnitude more. float32 (MPS) rounds ~1e-7 per addition, so its atol grows with the values summed."""
+    if dtype == torch.float64:
+        return 1e-6, 1e-6
+    return 1e-4, 1e-6 * max(values_per_row, 1)
+
+
+_PrintWeights = dict[tuple[int, torch.device, torch.dtype], torch.Tensor]
+
+
+def _row_print(tensor: torch.Tensor, axis: int, weights_seen: _PrintWeights) -> torch.Tensor:
+    """``(rows, 2)`` sums (in :func:`print_dtype`): per row of ``tensor`` (on ``axis``), the sum of its values
+    and their sum weighted by fixed pseudo-random weights in [0.5, 1.5) (so a flip or shift within the row
+    changes it too), kept in ``weights_seen`` per row length, device and dtype. One product with a
+    ``(values per row, 2)`` matrix: the same input gives the same sums up to the order of accumulation,
+    whatever the batch."""
     rows = tensor.movedim(axis, 0) if axis else tensor
     flat = rows.reshape(rows.shape[0], -1)  # a view, unless time-major
-    key = (flat.shape[1], tensor.device)
-    if (weights := _print_weights.get(key)) is None:
+    dtype = print_dtype(tensor.device)
+    key = (flat.shape[1], tensor.device, dtype)
+    if (weights := weights_seen.get(key)) is None:
         generator = torch.Generator().manual_seed(0)
         pseudo_random = torch.rand(flat.shape[1], generator=generator, dtype=torch.float64) + 0.5
-        weights = torch.stack((torch.ones_like(pseudo_random), pseudo_random), 1).to(tensor.device)
-        _print_weights[key] = weights
-    return flat.to(torch.float64) @ weights
+        weights = torch.stack((torch.ones_like(pseudo_random), pseudo_random), 1).to(tensor.device, dtype)
+        weights_seen[key] = weights
+    return flat.to(dtype) @ weights
 
 
 def _input_prints(
     entry: _ActivationEntry, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int
-) -> list[tuple[torch.Tensor, int] | None]:
-    """Each tensor argument of ``entry`` with the axis that holds the batch's ``rows`` samples (the axis of
-    its first input when recorded, else 0), or ``None`` where it holds no row per sample (not compared)."""
-    found: list[tuple[torch.Tensor, int] | None] = []
-    for tensor in _tensor_arguments(args, kwargs):
+) -> dict[int | str, tuple[torch.Tensor, int]]:
+    """The tensor arguments of ``entry`` (by position or keyword) with the axis that holds the batch's
+    ``rows`` samples (the axis of its first input when recorded, else 0). Left out, as not per sample: a
+    1-dim one other than the first (a ``(T,)`` position vector whose length happens to be the batch size).
+    A shared tensor with a row per sample in some batches only ((1, T) position ids in a batch of one row)
+    is compared only for the samples recorded with it, so it matches itself; one broadcast along the batch
+    (position ids expanded to (B, T)) has the same sums in every row and is compared as any other."""
+    found: dict[int | str, tuple[torch.Tensor, int]] = {}
+    for number, (key, tensor) in enumerate(_tensor_arguments(args, kwargs)):
         axis = next(
             (
                 a
@@ -130,13 +151,9 @@ def _input_prints(
             ),
             None,
         )
-        found.append(None if axis is None or tensor.is_complex() else (tensor, axis))
+        if axis is not None and not tensor.is_complex() and (number == 0 or tensor.dim() > 1):
+            found[key] = (tensor, axis)
     return found
-
-
-# how far two float64 sums of one input may differ (the order of accumulation); mixup, noise or a crop move
-# them by many orders of magnitude more
-PRINT_RTOL, PRINT_ATOL = 1e-6, 1e-6
 
 
 def _rows_axis(args: tuple[Any, ...], rows: int) -> int | None:
@@ -272,13 +289,14 @@ class PrefixActivationCache:
         self._indices: torch.Tensor | Callable[[], torch.Tensor] | None = None
         self._slots: torch.Tensor | None = None
         self._replayed: list[torch.Tensor] = []  # the lookups returned in the batch under way
+        self._print_weights: _PrintWeights = {}  # the weights of the input sums (_row_print), per row length
         self._mode = "off"
 
     @property
     def bytes_used(self) -> int:
-        return sum(
-            e.storage.numel() * e.storage.element_size() for e in self.entries if e.storage is not None
-        )
+        """The bytes of the stores of the outputs and of the per-sample sums of the inputs."""
+        tensors = [t for e in self.entries for t in (e.storage, e.input_prints) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def hit_rate(self) -> float | None:
@@ -450,27 +468,27 @@ class PrefixActivationCache:
             self._unrecordable(entry, NEEDS_GRADIENT)
             return
         if entry.storage is None:
-            need = output[0].numel() * output.element_size() * self.capacity
+            # the axis of the first positional tensor, else of the first keyword one (``x=`` time-major)
+            entry.input_rows_axis = _rows_axis((*args, *kwargs.values()), len(slots))
+            found = _input_prints(entry, args, kwargs, len(slots))
+            prints_dtype = print_dtype(output.device)
+            prints_need = 2 * len(found) * prints_dtype.itemsize * self.capacity
+            need = output[0].numel() * output.element_size() * self.capacity + prints_need
             if self.bytes_used + need > self.budget_bytes:
                 left = (self.budget_bytes - self.bytes_used) / 2**20
                 self._unrecordable(
                     entry,
-                    f"its outputs for {self.capacity} samples take {need / 2**20:.3g} MiB, and "
-                    f"{left:.3g} MiB of activation_cache_mb={self.budget_bytes / 2**20:g} is left; raise "
-                    "activation_cache_mb to cache it",
+                    f"its outputs (and input sums) for {self.capacity} samples take {need / 2**20:.3g} "
+                    f"MiB, and {left:.3g} MiB of activation_cache_mb={self.budget_bytes / 2**20:g} is left; "
+                    "raise activation_cache_mb to cache it",
                 )
                 return
             entry.storage = torch.zeros(
                 (self.capacity, *output.shape[1:]), dtype=output.dtype, device=output.device
             )
-            entry.input_rows_axis = _rows_axis(args, len(slots))
             entry.input_shape = _per_sample_shape(args, entry.input_rows_axis)
-            entry.prints_layout = tuple(
-                item is not None for item in _input_prints(entry, args, kwargs, len(slots))
-            )
-            entry.input_prints = torch.zeros(
-                (self.capacity, 2 * len(entry.prints_layout)), dtype=torch.float64, device=output.device
-            )
+            entry.print_columns = {}
+            entry.input_prints = torch.zeros((self.capacity, 0), dtype=prints_dtype, device=output.device)
         else:
             input_shape = _per_sample_shape(args, entry.input_rows_axis)
             if output.shape[1:] != entry.storage.shape[1:] or input_shape != entry.input_shape:
@@ -491,35 +509,42 @@ class PrefixActivationCache:
         self, entry: _ActivationEntry, args: tuple[Any, ...], kwargs: dict[str, Any], slots: torch.Tensor
     ) -> None:
         """Note, per sample, the sums of ``entry``'s input that a replay compares with its live input."""
-        assert entry.input_prints is not None
-        found = _input_prints(entry, args, kwargs, len(slots))
-        if tuple(item is not None for item in found) != entry.prints_layout:
-            self._switch_off_for_input(entry)
-            return
-        prints = entry.input_prints
-        for position, item in enumerate(found):
-            if item is not None:
-                columns = prints[:, 2 * position : 2 * position + 2]
-                columns[slots.to(prints.device)] = _row_print(*item).to(prints.device)
+        assert entry.input_prints is not None and entry.print_columns is not None
+        found, columns = _input_prints(entry, args, kwargs, len(slots)), entry.print_columns
+        for key in found.keys() - columns.keys():  # an argument first seen now (a mask the batch needs)
+            columns[key] = len(columns)
+            prints = entry.input_prints
+            nan = prints.new_full((len(prints), 2), math.nan)
+            entry.input_prints = torch.cat((prints, nan), 1)
+        prints, at = entry.input_prints, slots.to(entry.input_prints.device)
+        for key, column in columns.items():
+            if key in found:
+                pair: torch.Tensor | float = _row_print(*found[key], self._print_weights).to(prints)
+            else:
+                pair = math.nan  # this recording had no such argument: nothing to compare it with
+            prints[at, 2 * column : 2 * column + 2] = pair
 
     def _input_changed(self, entry: _ActivationEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether the live input of ``entry`` differs from the one its records of the batch were made of
         (one pair of sums per row of each tensor argument, compared with those noted when recording; an
         argument that is a lookup just replayed is its record); if so, the cache switches off."""
-        prints, slots = entry.input_prints, self._slots
-        assert prints is not None and slots is not None
+        prints, slots, columns = entry.input_prints, self._slots, entry.print_columns
+        assert prints is not None and slots is not None and columns is not None
         found = _input_prints(entry, args, kwargs, len(slots))
-        changed = tuple(item is not None for item in found) != entry.prints_layout
         recorded = prints.index_select(0, slots.to(prints.device))
-        for position, item in enumerate(found):
-            if changed or item is None or any(item[0] is replayed for replayed in self._replayed):
+        changed = False
+        for key, item in found.items():
+            if changed or key not in columns or any(item[0] is replayed for replayed in self._replayed):
                 continue
-            live = _row_print(*item).to(prints.device)
-            columns = recorded[:, 2 * position : 2 * position + 2]
+            live = _row_print(*item, self._print_weights)
+            rtol, atol = print_tolerance(live.dtype, item[0].numel() // max(len(slots), 1))
+            live = live.to(prints)
+            pair = recorded[:, 2 * columns[key] : 2 * columns[key] + 2]
+            # NaN: the sample was recorded in a batch without this argument (no mask: no padding there)
+            live = torch.where(pair.isnan(), 0.0, live)
+            pair = pair.nan_to_num(0.0)
             # equal bit for bit most of the time: the tolerance is for an accumulation order that moved
-            changed = not (
-                torch.equal(live, columns) or torch.allclose(live, columns, rtol=PRINT_RTOL, atol=PRINT_ATOL)
-            )
+            changed = not (torch.equal(live, pair) or torch.allclose(live, pair, rtol=rtol, atol=atol))
         if changed:
             self._switch_off_for_input(entry)
         return changed
