@@ -73,7 +73,8 @@ class _Reformer(pl.LightningModule):
 
 
 class _EncoderWatch(pl.Callback):
-    """Per step: the units frozen during it, and whether the first encoder layer's feed-forward weight moved."""
+    """Per step: the units frozen during it, and whether the first encoder layer's feed-forward weight
+    moved."""
 
     def __init__(self, cache: GradientCache) -> None:
         self.cache, self.rows, self.frozen = cache, [], ()

@@ -234,8 +234,8 @@ def test_a_watched_loss_gives_exact_coefficients_under_any_backward_scale():
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("form", ["mixup", "uncertainty"])
 def test_terms_under_a_grad_scaler_whose_scale_changes_every_step_score_their_combined_loss(form, accumulate):
-    # 16-mixed: Lightning scales the loss before on_before_backward, so the watched loss's gradient is 1 and the
-    # scale must come from the scaler (scores were 65536x too high, doubling as the scale grew)
+    # 16-mixed: Lightning scales the loss before on_before_backward, so the watched loss's gradient is 1 and
+    # the scale must come from the scaler (scores were 65536x too high, doubling as the scale grew)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
     module = _Mixup(form)
     plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]

@@ -3,10 +3,12 @@
 Freezing relies on autograd skipping what needs no gradient. A custom ``torch.autograd.Function`` (a Python
 ``forward``/``backward`` pair) can break that in two ways, both seen on held-out models:
 
-* its backward hands gradients to parameters that are not its inputs (reached through a closure, as Hugging Face
+* its backward hands gradients to parameters that are not its inputs (reached through a closure, as Hugging
+Face
   Reformer's ``_ReversibleFunction`` reaches every encoder layer). Once a frozen prefix makes all its inputs
   grad-free, autograd never calls that backward, and those parameters silently stop training;
-* its backward differentiates its parameter inputs itself (``torch.autograd.grad(out, [x] + params)``, a RevNet
+* its backward differentiates its parameter inputs itself (``torch.autograd.grad(out, [x] + params)``, a
+RevNet
   block) and raises ``One of the differentiated Tensors does not require grad`` once some of them are frozen
   while it is still called.
 
@@ -72,8 +74,8 @@ def _bits(value: int) -> list[int]:
 class FunctionScan:
     """Watches one backward (the fit's first) for custom Functions a frozen prefix could break.
 
-    Create it before the backward, with the ``loss`` and the ``units`` (in any order); call :meth:`finish` after
-    it. The hooks it places live for that backward only.
+    Create it before the backward, with the ``loss`` and the ``units`` (in any order); call :meth:`finish`
+    after it. The hooks it places live for that backward only.
 
     Args:
         units: the units whose parameters may freeze.
@@ -173,9 +175,9 @@ class FunctionScan:
 
     def groups(self, units: Sequence[FreezeUnit]) -> list[tuple[int, int, str]]:
         """For ``units`` in forward order, the spans ``(first, last, note)`` of positions that must freeze
-        together because of a Function: from the first unit whose freezing changes what the Function gets to the
-        last one it needs. A prefix covering ``first`` but not ``last`` would leave it called with a frozen
-        parameter it may differentiate, or not called while parameters it trains still train."""
+        together because of a Function: from the first unit whose freezing changes what the Function gets to
+        the last one it needs. A prefix covering ``first`` but not ``last`` would leave it called with a
+        frozen parameter it may differentiate, or not called while parameters it trains still train."""
         position = {id(unit): index for index, unit in enumerate(units)}
         at = [position[id(unit)] for unit in self.units]  # this scan's unit index -> forward position
         spans = []
@@ -208,16 +210,17 @@ class FunctionScan:
         where = f"the custom autograd Function {function.name} in {_common_module(names)}"
         if not function.closure:
             return (
-                f"{where} takes parameters of several units as inputs ({shown}): a backward that differentiates "
-                "them all (a RevNet block's `torch.autograd.grad(out, [x] + params)`) fails once a frozen prefix "
-                f"ends among them, and only a second call of the user's backward could tell. So {span} freeze "
-                "only together, or not at all; to let them freeze separately, apply one Function per layer"
+                f"{where} takes parameters of several units as inputs ({shown}): a backward that "
+                "differentiates them all (a RevNet block's `torch.autograd.grad(out, [x] + params)`) fails "
+                "once a frozen prefix ends among them, and only a second call of the user's backward could "
+                f"tell. So {span} freeze only together, or not at all; to let them freeze separately, apply "
+                "one Function per layer"
             )
         return (
-            f"{where} gives gradients in its backward to parameters that are not its inputs ({shown}), and once "
-            "a frozen prefix makes its inputs grad-free autograd never calls that backward, so they would stop "
-            f"training. So {span} freeze only together, or not at all; to let them freeze separately, pass those "
-            "parameters to it as inputs"
+            f"{where} gives gradients in its backward to parameters that are not its inputs ({shown}), and "
+            "once a frozen prefix makes its inputs grad-free autograd never calls that backward, so they "
+            f"would stop training. So {span} freeze only together, or not at all; to let them freeze "
+            "separately, pass those parameters to it as inputs"
         )
 
 

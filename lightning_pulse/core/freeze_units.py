@@ -35,8 +35,8 @@ class FreezeUnit:
             layer, a looped block) reads from units after it: it freezes only together with them
             (:func:`farthest_reads`).
         frozen_with: names of later units it freezes only together with, because a custom autograd Function
-            needs them frozen or trained together (:mod:`~lightning_pulse.core.custom_functions`); found anew at
-            each fit's first backward, like a pin.
+            needs them frozen or trained together (:mod:`~lightning_pulse.core.custom_functions`); found anew
+            at each fit's first backward, like a pin.
     """
 
     name: str
@@ -194,10 +194,10 @@ def heads_note(units: Sequence[FreezeUnit]) -> str | None:
 
 def farthest_reads(units: Sequence[FreezeUnit]) -> list[int]:
     """For each unit in forward order, the farthest position that it or a unit before it reads from
-    (:attr:`FreezeUnit.inputs_from`) or must freeze with (:attr:`FreezeUnit.frozen_with`), itself at least: the
-    first ``k`` units may be frozen together only if ``farthest_reads(units)[k - 1] == k - 1``, since a frozen
-    unit whose input a training unit computes would stand still under changing inputs, and backward would still
-    run through it."""
+    (:attr:`FreezeUnit.inputs_from`) or must freeze with (:attr:`FreezeUnit.frozen_with`), itself at least:
+    the first ``k`` units may be frozen together only if ``farthest_reads(units)[k - 1] == k - 1``, since a
+    frozen unit whose input a training unit computes would stand still under changing inputs, and backward
+    would still run through it."""
     position = {unit.name: index for index, unit in enumerate(units)}
     farthest, result = -1, []
     for index, unit in enumerate(units):

@@ -920,7 +920,8 @@ class FreezerLifecycle:
         # the first backward's custom Functions (core.custom_functions), kept until the units are ordered
         self._scan: FunctionScan | None = None
         # unit parameters the first backward gave a gradient without reaching them as leaves (inside a custom
-        # Function's backward): checked at the first backward after each freeze (:meth:`_check_lost_gradients`)
+        # Function's backward): checked at the first backward after each freeze
+        # (:meth:`_check_lost_gradients`)
         self._reached_inside: list[tuple[str, nn.Parameter]] = []
         self._freezes_seen = 0  # the freezer's freeze count at that check
         self.gradients_lost: list[str] = []  # names of parameters a freeze cut off: nothing freezes any more
@@ -1090,10 +1091,10 @@ class FreezerLifecycle:
             shown = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
             self._notes.append(
                 f"after freezing {', '.join(freezer.frozen_names)}, parameters it left training got no "
-                f"gradient ({shown}): they get theirs inside a custom autograd Function's backward, which the "
-                "frozen prefix stopped autograd from calling. It released every unit at this step and freezes "
-                "nothing for the rest of the run; have that Function take those parameters as inputs, or "
-                "remove GradientCache"
+                f"gradient ({shown}): they get theirs inside a custom autograd Function's backward, which "
+                "the frozen prefix stopped autograd from calling. It released every unit at this step and "
+                "freezes nothing for the rest of the run; have that Function take those parameters as "
+                "inputs, or remove GradientCache"
             )
 
     def _close_opened(self) -> None:
