@@ -19,21 +19,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pulse import GradientCache, PulseCycle
 from lightning_pulse.core.layer_freezing import FreezerLifecycle, FreezeSettings
+from tests.conftest import trainer_kwargs
 
 torch.set_num_threads(1)
 
 
 def _fit(module: pl.LightningModule, data: TensorDataset, callbacks: list, steps: int) -> pl.Trainer:
-    trainer = pl.Trainer(
-        max_steps=steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        num_sanity_val_steps=0,
-    )
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=callbacks))
     trainer.fit(module, DataLoader(data, batch_size=16, shuffle=True))
     return trainer
 

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pulse import HardSampleReplay
 from lightning_pulse.core import per_sample_loss
 from lightning_pulse.core.per_sample_loss import LossCapture
+from tests.conftest import trainer_kwargs
 
 N, B, CLASSES = 64, 16, 5
 CLASS_WEIGHT = torch.linspace(0.5, 2.0, CLASSES)
@@ -30,18 +31,9 @@ def _data() -> TensorDataset:
     return TensorDataset(x, y, torch.arange(N))
 
 
-def _fit(module: pl.LightningModule, steps: int = 4, **trainer_kwargs) -> HardSampleReplay:
+def _fit(module: pl.LightningModule, steps: int = 4, **overrides) -> HardSampleReplay:
     replay = HardSampleReplay(mode="batch")
-    trainer = pl.Trainer(
-        max_steps=steps,
-        callbacks=[replay],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        **trainer_kwargs,
-    )
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=[replay], **overrides))
     trainer.fit(module, DataLoader(_data(), batch_size=B, shuffle=False))
     return replay
 

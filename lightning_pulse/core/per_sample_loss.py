@@ -662,6 +662,8 @@ class LossCapture:
         (``retain_graph``) is watched once."""
         if not isinstance(loss, Tensor) or not loss.requires_grad or loss.numel() != 1:
             return
+        if sum(record.maps_onto_batch for record in self.records) < 2:
+            return  # one term (the usual loss) has no coefficient to read: no hook on the step's path
         if any(watched() is loss for watched in self._watched_tensors):
             return  # backpropagated again (retain_graph): its hook already adds every backward's gradient
         self._watched_tensors.append(weakref.ref(loss))
