@@ -720,6 +720,39 @@ class LossCapture:
         scale = self._backward_scale()
         return scale is None or bool(torch.isnan(scale))
 
+    def signed_coefficients(self) -> str | None:
+        """After the step's backward: the captured calls the caller reduced itself (``reduction="none"``)
+        whose elements enter the backpropagated loss with coefficients of both signs (a policy gradient's
+        ``(F.cross_entropy(logits, a, reduction="none") * advantage).mean()``), described; else ``None``.
+
+        The gradient each call's hook already added up is read (no hook of its own); one device sync for all
+        calls, so a caller checks a fit's first steps only. Positive coefficients (sample weights, a masked
+        mean, a focal factor) are a weighting of each sample's own loss; coefficients of both signs make
+        ``loss_i`` pushed down for some samples and up for others, and its value no ranking of hardness."""
+        signed = [
+            record
+            for record in self.records
+            if record.maps_onto_batch
+            and record.grad is not None
+            and record.unreduced is not None
+            and tuple(record.grad.shape) == tuple(record.unreduced.shape)
+            and record.grad.numel() > 1
+        ]
+        if not signed:
+            return None
+        device = signed[0].grad.device
+        ranges = torch.stack([torch.stack(torch.aminmax(r.grad.float())).to(device) for r in signed]).tolist()
+        found = []
+        for record, (low, high) in zip(signed, ranges):
+            # a tolerance for rounding: an analytic positive coefficient never comes out below -1e-6 of the
+            # largest
+            tolerance = 1e-6 * max(-low, high)
+            if low < -tolerance and high > tolerance:
+                found.append(
+                    f"{record.name}(reduction='none') (d loss / d its elements from {low:.3g} to {high:.3g})"
+                )
+        return "; ".join(found) or None
+
     def drop_unused(self) -> None:
         """After the step's backward calls (call it only when one ran): a call that none of them reached (a value
         computed for logging) no longer counts."""

@@ -57,6 +57,11 @@ from lightning_pulse.core.selection import (
 )
 from lightning_pulse.errors import PulseRefusal
 
+#: How many of a fit's first steps have their captured losses checked for per-sample coefficients of both
+#: signs (:meth:`~lightning_pulse.core.per_sample_loss.LossCapture.signed_coefficients`): a step whose
+#: coefficients are all 0 (equal rewards) shows none, so more than one.
+SIGN_CHECKED_STEPS = 3
+
 
 def refuse(reason: str | None) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` for ``reason`` (it completes "HardSampleReplay ..."),
@@ -131,6 +136,9 @@ class ReplayBatchLifecycle:
         # said once a fit: a step whose terms' coefficients could not be read (weighed relative to the
         # largest)
         self._said_coefficients = False
+        # the fit's first steps whose captured losses are checked for per-sample coefficients of both signs
+        # (LossCapture.signed_coefficients: a device sync each); none after them
+        self._sign_checks_left = SIGN_CHECKED_STEPS
 
     def start_fit(self) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope."""
@@ -138,6 +146,7 @@ class ReplayBatchLifecycle:
         self.recorded_steps = self.unscored_steps = 0
         self._structure_checked = self._said_coefficients = False
         self._concatenated = {}
+        self._sign_checks_left = SIGN_CHECKED_STEPS
         self.captures.start()
 
     def start_batch(
@@ -285,12 +294,39 @@ class ReplayBatchLifecycle:
             return None  # said at close_capture already
         closed.drop_unused()
         if closed.maps_onto_batch:
+            # a fit's first steps only: nothing on the per-step path after them
+            if self._sign_checks_left > 0:
+                self._refuse_signed_coefficients(closed)
             # said once, not refused: a batch-level term written by hand (a mixture of experts' load-balancing
             # loss, a `0 * aux(x).sum()` kept for DDP) looks the same as a per-sample one, and such models
             # train well on the captured terms' scores
             unaccounted, self._unaccounted = self._unaccounted, None
             return unaccounted
         return self._unsplit(closed)
+
+    def _refuse_signed_coefficients(self, closed: LossCapture) -> None:
+        """Over a fit's first steps, refuse scores read from a captured loss whose samples enter the loss
+        that trains with coefficients of both signs (a policy gradient's advantages): the unweighted loss
+        then ranks no hardness (a held-out REINFORCE module: rank correlation -0.4 with each sample's own
+        term). Nothing to do for a scorer, or for rule='random', which reads no score."""
+        assert self.current is not None
+        if self.scorer is not None:
+            return
+        self._sign_checks_left -= 1
+        if self.current.selector.config.rule == "random" or (signed := closed.signed_coefficients()) is None:
+            return
+        self._sign_checks_left = 0
+        refuse(
+            f"cannot score the samples of step {self.current.step}'s loss: its captured {signed} enters the "
+            "loss that trains with per-sample coefficients of both signs (signed coefficients such as "
+            "policy-gradient advantages, `(F.cross_entropy(logits, actions, reduction='none') * "
+            "advantage).mean()`), and an unweighted per-sample loss does not rank how hard a sample is then: "
+            "a sample whose term the step pushes up would score as one it pushes down. Set `scorer=` to a "
+            "PerSampleScorer returning each sample's own term, e.g. "
+            "lightning_pulse.core.per_sample_loss.OutputKeyScorer(key='per_sample_loss') with training_step "
+            "returning {'loss': loss, 'per_sample_loss': (ce * advantage).detach()}, or use rule='random', "
+            "which reads no score."
+        )
 
     def _unsplit(self, closed: LossCapture) -> str | None:
         assert self.current is not None

@@ -18,7 +18,8 @@ are per-sample themselves, as ``zip(*items)`` makes); every other leaf is shared
 per-sample tuple held by a tuple included), one with no per-sample leaf, or one holding a tensor with ``B``
 second and another length first (time-major). :func:`concatenated_parts` finds what a cut would leave whole
 next to the kept samples' lengths or offsets: the samples' variable-length items concatenated (CTC's 1-D
-targets, ``nn.EmbeddingBag``'s input, packed tokens next to their ``cu_seqlens``).
+targets, ``nn.EmbeddingBag``'s input, packed tokens next to their ``cu_seqlens``, graphs' nodes next to their
+node-to-graph vector).
 """
 
 from __future__ import annotations
@@ -372,6 +373,18 @@ def _is_cumulative(tensor: Tensor, size: int) -> bool:
     )
 
 
+def _sample_id_counts(tensor: Tensor, batch_size: int) -> tuple[int, ...] | None:
+    """For a 1-D integer tensor that never decreases and holds each of ``0 .. B-1`` (a row-to-sample vector:
+    PyTorch Geometric's node-to-graph ``batch``), the rows of each sample (its bincount); else ``None``.
+    Sorted ids with a gap, or not starting at 0, are no such vector."""
+    if not _is_int_tensor(tensor) or int(tensor[0]) != 0 or int(tensor[-1]) != batch_size - 1:
+        return None
+    steps = tensor[1:] - tensor[:-1]
+    if not bool(((steps == 0) | (steps == 1)).all()):
+        return None
+    return tuple(int(n) for n in torch.bincount(tensor, minlength=batch_size).tolist())
+
+
 def concatenated_parts(batch: Any, batch_size: int, with_items: bool = False) -> dict[tuple[str, str], Any]:
     """The 1-D tensors of ``batch`` longer than ``B`` that a part of ``batch`` splits into the samples' items,
     as ``{(where, how it is split): length}``: the samples' variable-length items concatenated
@@ -381,7 +394,10 @@ def concatenated_parts(batch: Any, batch_size: int, with_items: bool = False) ->
 
     * lengths: ``B`` non-negative ints (a ``(B,)`` tensor, a list or tuple) that sum to its length;
     * offsets: a ``(B,)`` integer tensor from 0, never decreasing, each value below its length;
-    * cumulative lengths: a ``(B + 1,)`` integer tensor from 0, never decreasing, ending at its length.
+    * cumulative lengths: a ``(B + 1,)`` integer tensor from 0, never decreasing, ending at its length;
+    * itself: an integer tensor that never decreases and holds each sample id ``0 .. B-1`` (a row-to-sample
+      vector, PyTorch Geometric's bare node-to-graph ``batch``; what it indexes, ``(N, F)`` node features,
+      is joined alike).
 
     A cut along the first dimension keeps such a tensor whole (it is not ``B`` long) next to the kept samples'
     lengths or offsets. A per-batch constant (a ``(K,)`` class-weight vector) matches only when some ``(B,)``
@@ -396,14 +412,22 @@ def concatenated_parts(batch: Any, batch_size: int, with_items: bool = False) ->
     1-D tensor longer than ``B`` is held, nothing otherwise.
     """
     parts = list(_parts_with_paths(batch, batch_size))
-    flat = [
-        (where, int(t.shape[0]))
+    joined = [
+        (where, t)
         for where, t in parts
         if isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] > batch_size
     ]
-    if not flat:
+    if not joined:
         return {}
+    flat = [(where, int(t.shape[0])) for where, t in joined]
     found: dict[tuple[str, str], Any] = {}
+    for where, tensor in joined:
+        # a vector that splits itself: each row's sample id, 0 to B - 1 in order (PyTorch Geometric's bare
+        # node-to-graph `batch` vector, with no `ptr` or `num_nodes` beside it)
+        lengths = _sample_id_counts(tensor, batch_size)
+        if lengths is not None:
+            how = f"its values the sample ids 0 to {batch_size - 1} in order, a row-to-sample vector"
+            found[(where, how)] = (int(tensor.shape[0]), lengths) if with_items else int(tensor.shape[0])
     for split, part in parts:
         total = _lengths_total(part, batch_size)
         matches: list[tuple[str, str, int]] = []
@@ -442,7 +466,8 @@ def concatenation_refusal(found: dict[tuple[str, str], int], batch_size: int) ->
     return (
         f"cannot cut a batch of {batch_size} samples in mode='batch': it holds {parts}: the samples' "
         "variable-length items concatenated, it seems (as torch.cat(targets) for nn.CTCLoss makes, or "
-        "torch.cat(texts) next to nn.EmbeddingBag's offsets), which a cut along the first dimension would "
+        "torch.cat(texts) next to nn.EmbeddingBag's offsets, or graphs joined as PyTorch Geometric joins "
+        "them: node rows next to a node-to-graph vector), which a cut along the first dimension would "
         "keep whole next to the kept samples' lengths or offsets, so these would index other samples' items "
         "(or fail on a size). Use mode='steps', which chooses the samples at the sampler, before they are "
         "loaded, or pad them to a (B, S) tensor (nn.CTCLoss takes padded targets, nn.EmbeddingBag a padding_idx). "
