@@ -32,6 +32,7 @@ from lightning_pulse.core.prune_setup import (
     setup_summary,
     structured_example,
     unfinished_warning,
+    unreached_warning,
 )
 from lightning_pulse.core.prune_targets import NOT_OWN_WEIGHT, LayerSelection, OwnWeightWatch
 from lightning_pulse.errors import PulseRefusal
@@ -122,7 +123,9 @@ class PruneEvents:
         (:func:`~lightning_pulse.core.prune_setup.fit_start_selection`; ``frozen``: the set a restored
         checkpoint read, ``compiled``: the parts under torch.compile), and :attr:`example` from
         ``example_input_array``. Says which layers' folded zeros were masked again, and warns of buffers
-        shaped like a weight to mask (:func:`~lightning_pulse.core.prune_setup.renamed_weight_warning`)."""
+        shaped like a weight to mask (:func:`~lightning_pulse.core.prune_setup.renamed_weight_warning`) and
+        of large trainable parameters out of reach
+        (:func:`~lightning_pulse.core.prune_setup.unreached_warning`)."""
         selection, masked, self.example = fit_start_selection(
             self.pruner, model, self.schedule, frozen, compiled, self.example, self.fixed_copies
         )
@@ -134,6 +137,9 @@ class PruneEvents:
             self.info(kept)  # a resume (events recorded) finds this run's own masks
         if (renamed := renamed_weight_warning(self.pruner.mode, model, selection.layers)) is not None:
             self.warn(renamed)
+        exclude, final = self.pruner.exclude_pattern, self.schedule.final_sparsity
+        if (unreached := unreached_warning(model, selection, exclude, final)) is not None:
+            self.warn(unreached)
         return selection
 
     def example_from(self, model: nn.Module, batch: Any) -> None:

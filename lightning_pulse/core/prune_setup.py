@@ -257,9 +257,58 @@ def checked_selection(pruner: pruning.Pruner, model: nn.Module) -> LayerSelectio
             f"ScheduledPrune: no layer of {model.__class__.__name__} can be pruned with `layer_types`="
             f"{[t.__name__ for t in pruner.layer_types] or None}, "
             f"`exclude_pattern`={pruner.exclude_pattern!r}."
-            f"{left_out_note(selection)} Choose other `layer_types` or remove ScheduledPrune."
+            f"{left_out_note(selection)}{_weightless_note(model, pruner.layer_types)} Choose other "
+            "`layer_types` or remove ScheduledPrune."
         )
     return selection
+
+
+def _weightless_note(model: nn.Module, layer_types: tuple[type, ...]) -> str:
+    found = prune_targets.weightless_of_types(model, layer_types)
+    if not found:
+        return ""
+    name, why = next(iter(found.items()))
+    more = f" (and {len(found) - 1} more like it)" if len(found) > 1 else ""
+    return f" `{name}`{more} cannot be pruned: {why}."
+
+
+def unreached_warning(
+    model: nn.Module, selection: LayerSelection, exclude: str | None, final_sparsity: float
+) -> str | None:
+    """The fit-start warning when trainable parameters out of reach of ``selection`` hold more than
+    :data:`~lightning_pulse.core.prune_targets.UNREACHED_SHARE` of the model's (embedding tables, biases and
+    norms aside: :func:`~lightning_pulse.core.prune_targets.unreached_parameters`), else ``None``. A
+    held-out sweep: a transformers-5 OLMoE keeps its experts (59% of the model) in fused 3-D parameters, not
+    layers; sparsity 0.5 was reported while 14.8% of the model was zero, with nothing said."""
+    unreached, reached, total = prune_targets.unreached_parameters(model, selection, exclude)
+    out_of_reach = sum(size for _, size, _ in unreached)
+    if not total or out_of_reach <= prune_targets.UNREACHED_SHARE * total:
+        return None
+    by_reason: dict[str, list[str]] = {}
+    for name, size, why in unreached[:3]:
+        by_reason.setdefault(why, []).append(f"`{name}` ({size / total:.0%})")
+    shown = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
+    more = f"; and {len(unreached) - 3} more" if len(unreached) > 3 else ""
+    reasons = [why for _, _, why in unreached]
+    ways = []
+    if any("(`layer_types`)" in why for why in reasons):
+        ways.append("add the types named to `layer_types` (`None`: any layer with a `weight`)")
+    if any("not a layer's `weight`" in why for why in reasons):
+        experts = any("expert tensors" in why for why in reasons)
+        ways.append(
+            "ScheduledPrune prunes a layer's `weight` only and never these: build that part from `nn.Linear` "
+            f"layers{' (one per expert)' if experts else ''}, or mask such tensors yourself with "
+            "`torch.nn.utils.prune` (it keeps such masks, and this check counts them as pruned)"
+        )
+    way_out = "; ".join(ways) or "lift the reasons named"
+    return (
+        f"ScheduledPrune: the layers it prunes hold {reached / total:.0%} of the trainable parameters "
+        f"(embedding tables aside), while {out_of_reach / total:.0%} are out of its reach and will not be "
+        f"pruned: {shown}{more}. The `sparsity` it reports counts only the pruned layers: "
+        f"`final_sparsity`={final_sparsity:g} zeroes about {final_sparsity * reached / total:.0%} of these "
+        f"parameters. Way out: {way_out}; or, to prune only these layers knowingly, name the rest in "
+        "`exclude_pattern`, which this check then leaves out."
+    )
 
 
 def fit_start_selection(

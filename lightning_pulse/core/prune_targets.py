@@ -571,3 +571,81 @@ def untraceable_output(output: Any, path: str = "output") -> str | None:
         name = type(output).__name__
         return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name} at `{path}`"
     return next((found for item, value in items if (found := untraceable_output(value, item))), None)
+
+
+# ---------------------------------------------------------------------------------------- out of reach
+#: share of the trainable parameters (embedding tables aside) that, out of reach, is warned of at fit start
+UNREACHED_SHARE = 1 / 3
+
+
+def weightless_of_types(model: nn.Module, layer_types: tuple[type, ...]) -> dict[str, str]:
+    """Modules of ``layer_types`` that have no ``weight`` parameter (a Hugging Face MoE's ``OlmoeExperts``
+    keeps every expert in fused 3-D ``gate_up_proj`` / ``down_proj``), name -> why they cannot be pruned."""
+    found = {}
+    for name, module in model.named_modules():
+        if not name or not layer_types or not isinstance(module, layer_types) or _has_weight(module):
+            continue
+        own = [f"`{key}` ({value.dim()}-D)" for key, value in module._parameters.items() if value is not None]
+        found[name] = (
+            f"{type(module).__name__} has no `weight` parameter, the only parameter ScheduledPrune prunes; "
+            + (f"its own are {', '.join(own)}" if own else "it holds no parameter of its own")
+            + (", fused tensors holding every expert" if _expert_like(module) and own else "")
+        )
+    return found
+
+
+def _expert_like(module: nn.Module) -> bool:
+    return "expert" in type(module).__name__.lower()
+
+
+def _embedding_parameters(model: nn.Module) -> set[int]:
+    """``id``s of embedding tables: ``nn.Embedding``/``EmbeddingBag`` weights (and any module holding one: a
+    tied ``lm_head``), and bare parameters named as embeddings (a ViT's ``position_embeddings``)."""
+    found = {
+        id(parameter)
+        for module in model.modules()
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+        for parameter in module.parameters(recurse=False)
+    }
+    found.update(id(p) for name, p in model.named_parameters() if "embed" in name.rpartition(".")[2].lower())
+    return found
+
+
+def unreached_parameters(
+    model: nn.Module, selection: LayerSelection, exclude: str | None
+) -> tuple[list[tuple[str, int, str]], int, int]:
+    """The trainable parameters of ``model`` with two or more dimensions that ``selection`` does not prune,
+    largest first, as ``(name, elements, why)``; the trainable elements the selected weights hold; and the
+    trainable elements all these are measured against. Embedding tables are none of these (a lookup table is
+    not pruned by magnitude with the layers, and a tiny config with a real vocabulary can hold most of its
+    parameters there: counting it would warn on every small language model), nor are biases and norm scales
+    (one dimension), parameters the user froze or masked with ``torch.nn.utils.prune`` (``<name>_orig``), or
+    those of a layer ``exclude`` matches (choices already made)."""
+    embeddings = _embedding_parameters(model)
+    reached_ids = {id(_weight(layer)) for layer in selection.layers.values()}
+    modules = dict(model.named_modules())
+    unreached, reached, total, seen = [], 0, 0, set(embeddings)
+    for qualified, parameter in model.named_parameters():
+        if id(parameter) in seen or not parameter.requires_grad or is_lazy(parameter):
+            continue
+        seen.add(id(parameter))
+        total += parameter.numel()
+        owner, _, key = qualified.rpartition(".")
+        module = modules[owner]
+        if id(parameter) in reached_ids:
+            reached += parameter.numel()
+            continue
+        user_masked = key.endswith("_orig") and f"{key[: -len('_orig')]}_mask" in module._buffers
+        if parameter.dim() < 2 or user_masked or (exclude is not None and re.search(exclude, owner)):
+            continue
+        kind = type(module).__name__
+        if key == "weight" and owner in selection.left_out:
+            why = selection.left_out[owner]
+        elif key == "weight":
+            why = f"`weight` of {kind}, not a layer type it prunes (`layer_types`)"
+        elif parameter.dim() == 3 and _expert_like(module):
+            why = f"fused 3-D expert tensors of {kind}, one slice per expert, not a layer's `weight`"
+        else:
+            why = f"`{key}` of {kind} is not a layer's `weight`, the only parameter it prunes"
+        unreached.append((qualified, parameter.numel(), why))
+    return sorted(unreached, key=lambda item: -item[1]), reached, total
