@@ -445,9 +445,9 @@ def test_an_infinity_a_bad_batch_wrote_before_the_first_periodic_snapshot_is_men
     assert [str(w.message) for w in recwarn if "StabilityGuard" in str(w.message)] == [
         "StabilityGuard: step 2 has non-finite values in its data (batch 2 rows [1]); the model is healthy, "
         "so the step is skipped and training goes on. Its forward had written them into norm.running_mean, "
-        "norm.running_var: set back to their values at step 0. Later such steps are skipped silently: "
+        "norm.running_var: set back to their values before this step. Later such steps are skipped silently: "
         "see `StabilityGuard.bad_samples` and the `stability/bad_batches` counter."
-    ]
+    ]  # the copy taken before the step, not the fit-start snapshot's values (step 0)
     assert [(event["step"], event.get("cause")) for event in guard.events] == [(2, "data")]
     assert guard.rollbacks == 0 and guard.snapshots.steps == [0, 5]
     assert all(torch.isfinite(buffer).all() for buffer in model.buffers())

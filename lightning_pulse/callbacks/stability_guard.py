@@ -187,6 +187,7 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._energy.begin()  # at the first batch of an optimizer step
+        self.core.pre_step.before_step(self._record.batches)  # at the first: copies what forwards write
         self._record.batches.append((batch_idx, batch))
 
     @override
@@ -279,8 +280,8 @@ class StabilityGuard(Callback):
     def on_pulse_parameters_replaced(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
     ) -> None:
-        """Snapshot at the end of the step: older snapshots no longer fit a model whose channels were cut."""
-        self.schedule.pending = self.schedule.pending or self.policy.healthy
+        """Snapshot at the end of the step (older ones no longer fit), the pre-step copy of buffers dropped."""
+        self.core.parameters_replaced(trainer.global_step)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -333,8 +334,7 @@ class StabilityGuard(Callback):
         return [config.scheduler for config in trainer.lr_scheduler_configs]
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Snapshot the state, unless it holds values a rollback must not return to on any rank (then left
-        out, said once: ``StabilityCore.nonfinite_state``)."""
+        """Snapshot the state unless a rank holds values a rollback must not return to (said once)."""
         state = self._training_state(trainer)
         self.core.take_snapshot(
             trainer.global_step, pl_module, *state, rank_zero_warn, self._sum_over_ranks(trainer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 
 class Stateful(Protocol):
@@ -527,6 +529,110 @@ def holding(snapshot: TrainingSnapshot, model: nn.Module) -> Iterator[None]:
         yield
     finally:
         restore_snapshot(own, model)
+
+
+class PreStepBuffers:
+    """The buffers that training forwards write (BatchNorm's running statistics and ``num_batches_tracked``),
+    copied before each optimizer step's first forward, so that a step skipped as the data's fault can set them
+    back to their values before it (StabilityGuard's mend). The newest snapshot may be ``snapshot_every``
+    steps older: setting them back to it threw those steps' statistics away at every bad batch.
+
+    Which buffers (:meth:`learn`): those whose values differ from a snapshot's copy, at the end of the first
+    applied step after the fit's start or a structured prune (:attr:`learn_after`), and before each snapshot
+    (buffers that start being written later); the set only grows. Values, not version counters: BatchNorm's
+    kernel updates its running statistics without bumping theirs. The guard's own writes leave no trace
+    there: its checks give buffers back bit for bit, a rollback returns them to a snapshot's values.
+
+    Per step (:meth:`before_step`): a call that returns at once for a model whose forwards write no buffer
+    (and inside an accumulation window: the copy is taken before the window's first micro-batch); else one
+    ``torch._foreach_copy_`` into tensors allocated when the set was learned. Resumed, or before the first
+    learn, there is no copy (:attr:`copied` is false): the mend falls back to the snapshot's values.
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self, learn_after: int | None = None) -> None:
+        """Forget the buffers learned and the copy (a new fit, or parameters replaced: the modules and shapes
+        the copy was made for may be gone); ``learn_after``: learn at the end of the first applied step whose
+        counter after it is past this one."""
+        self.names: list[str] = []
+        self.slots: list[tuple[dict[str, Any], str]] = []  # (owner's ``_buffers``, key) of each name
+        self.sources: list[torch.Tensor] = []  # the buffer tensors the last copy read
+        self.copies: list[torch.Tensor] = []
+        self.copied = False  # the copies hold the values before the current step's first forward
+        self.learn_after = learn_after
+
+    def learn(self, model: nn.Module, snapshot: TrainingSnapshot | None) -> None:
+        """Add the buffers of ``model`` whose values differ from ``snapshot``'s copies (same shape and dtype;
+        the newest snapshot, taken before the forwards since). A comparison per buffer not learned yet, on
+        the buffer's device: at a snapshot, not per step."""
+        if snapshot is None:
+            return
+        saved = {**snapshot.model, **snapshot.buffers}
+        written = set(self.names)
+        for name, buffer in model.named_buffers():
+            before = saved.get(name)
+            if name in written or not isinstance(before, torch.Tensor) or is_lazy(buffer):
+                continue
+            if buffer.layout != torch.strided:  # a sparse buffer: no in-place copy before each step
+                continue
+            if before.shape == buffer.shape and before.dtype == buffer.dtype:
+                if not torch.equal(buffer, before.to(buffer.device, non_blocking=True)):
+                    written.add(name)
+        if len(written) > len(self.names):
+            self._allocate(model, [name for name, _ in model.named_buffers() if name in written])
+
+    def _allocate(self, model: nn.Module, names: list[str]) -> None:
+        self.names, self.slots = names, []
+        for name in names:
+            owner, _, key = name.rpartition(".")
+            self.slots.append((model.get_submodule(owner)._buffers, key))
+        self.sources = [buffers[key] for buffers, key in self.slots]
+        self.copies = [torch.empty_like(source) for source in self.sources]
+        self.copied = False  # filled before the next step's first forward
+
+    def before_step(self, batches: Sequence[Any]) -> None:
+        """Before a micro-batch's forward: copy the learned buffers when it is an optimizer step's first
+        (``batches``: the step's micro-batches so far, empty at its first)."""
+        if batches or not self.slots:
+            return
+        sources = [buffers[key] for buffers, key in self.slots]
+        if not all(map(operator.is_, sources, self.sources)):  # a module replaced a buffer's tensor
+            self._refit(sources)
+        torch._foreach_copy_(self.copies, self.sources)
+        self.copied = True
+
+    def _refit(self, sources: list[Any]) -> None:
+        """Follow buffers whose tensor a module replaced: a copy of the new shape, dtype or device where
+        needed; one set to ``None`` is dropped."""
+        kept = [index for index, source in enumerate(sources) if isinstance(source, torch.Tensor)]
+        self.names = [self.names[index] for index in kept]
+        self.slots = [self.slots[index] for index in kept]
+        self.sources = [sources[index] for index in kept]
+        copies = [self.copies[index] for index in kept]
+        self.copies = [
+            held if _same_layout(held, source) else torch.empty_like(source)
+            for held, source in zip(copies, self.sources)
+        ]
+
+    def restore(self) -> list[str]:
+        """Set the learned buffers back to their values before the current step's first forward; the names
+        set back (``[]`` with no copy for this step)."""
+        if not self.copied:
+            return []
+        with torch.no_grad():
+            for (buffers, key), saved in zip(self.slots, self.copies):
+                current = buffers.get(key)
+                if isinstance(current, torch.Tensor) and _same_layout(current, saved):
+                    current.copy_(saved)
+                else:  # the bad forward replaced the tensor by one of another shape (or dropped it)
+                    buffers[key] = saved.clone()
+        return list(self.names)
+
+
+def _same_layout(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    return tensor.shape == other.shape and tensor.dtype == other.dtype and tensor.device == other.device
 
 
 class RollbackState:

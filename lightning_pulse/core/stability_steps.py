@@ -36,6 +36,7 @@ from lightning_pulse.core.fault_origin import (
     trace_nonfinite,
 )
 from lightning_pulse.core.snapshots import (
+    PreStepBuffers,
     SnapshotSchedule,
     TrainingSnapshot,
     is_zero_redundancy,
@@ -360,6 +361,8 @@ class StabilityCore:
         self.unchecked_data_faults = 0
         self.presumption_warned = False
         self.check_oom_warned = False  # the data check ran out of memory (said once a fit)
+        # the buffers training forwards write, copied before each step: what a data fault's mend sets back
+        self.pre_step = PreStepBuffers()
 
     @property
     def presumes_data(self) -> bool:
@@ -417,6 +420,7 @@ class StabilityCore:
         self.check_oom_warned = False
         self.fit_start_accepted = self.detector.accepted_steps
         self.schedule.ring.clear()
+        self.pre_step.clear(learn_after=-1 if step is None else step)  # learned at the first applied step
 
     def finish_step(
         self,
@@ -432,8 +436,15 @@ class StabilityCore:
         changed a parameter group, or ``schedulers`` changed, since the newest snapshot
         (:meth:`SnapshotSchedule.due`). Only an applied step takes one. The fit's first applied step keeps
         ``model``'s forward state (:meth:`keep_first_forward`), and asks for a snapshot when the fit-start one
-        no longer fits (:meth:`retake_lazily_shaped_start`)."""
+        no longer fits (:meth:`retake_lazily_shaped_start`). The first applied step after the fit's start or
+        a prune learns which buffers forwards write, against the newest snapshot
+        (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`)."""
         self.policy.finish(action, energy_kwh)
+        pre_step = self.pre_step
+        if action is Action.APPLY and model is not None and pre_step.learn_after is not None:
+            if pre_step.learn_after < step and (newest := self.schedule.ring.newest()) is not None:
+                pre_step.learn(model, newest)  # with no snapshot yet: at the next applied step
+                pre_step.learn_after = None
         if action is Action.APPLY:
             self.unchecked_data_faults = 0
             if self.first_forward is None and model is not None:  # once a fit
@@ -461,7 +472,9 @@ class StabilityCore:
         saved = self.saved_forward_state(model) if saved is None else saved
         mended = self.mend_forward_state(model, saved)  # before the next forward reads it
         if self.remember_bad_samples(samples):
-            return data_fault_message(step, samples, mended, None if saved[0] is None else saved[0].step)
+            before_step = self.pre_step.copied and set(mended) <= set(self.pre_step.names)
+            snapshot_step = None if saved[0] is None else saved[0].step
+            return data_fault_message(step, samples, mended, snapshot_step, before_step)
         return None
 
     def nonfinite_cause(self, flagged: FlaggedStep, warn: Callable[[str], Any]) -> str | None:
@@ -653,22 +666,30 @@ class StabilityCore:
         return snapshot, evidence
 
     def mend_forward_state(self, model: nn.Module, saved: SavedForwardState | None = None) -> list[str]:
-        """After a data fault: put the buffers and carried tensors that the bad batch's forward made bad
-        (:func:`~lightning_pulse.core.fault_origin.nonfinite_forward_state`, against ``saved``, else
-        :meth:`saved_forward_state`) back to the newest snapshot that fits the model. The step is skipped,
-        but its forward already wrote them (BatchNorm's running statistics), and left so they would make
-        every later step non-finite. A ``-inf`` mask buffer the snapshot holds too is left alone (it used to
-        be named as written by the bad batch). Returns the names mended; ``[]`` when none was bad or no
-        snapshot fits. What has no saved value is left as it is: snapshots are left out while it holds a NaN
-        (:meth:`take_snapshot` says so), and a step it makes non-finite is the state's fault (rolled back)."""
+        """After a data fault: set back what the bad step's forwards wrote. The step is skipped, but its
+        forward already wrote BatchNorm's running statistics, and left so they would make every later step
+        non-finite. The buffers training forwards write go back to their values before the step's first
+        forward (all of them, finite or not: the run goes on as if the step had been skipped;
+        :class:`~lightning_pulse.core.snapshots.PreStepBuffers`). Where no such copy exists (a resume, the
+        fit's first steps), and for carried tensors and buffers not learned yet, those the bad forward made
+        bad (:func:`~lightning_pulse.core.fault_origin.nonfinite_forward_state`, against ``saved``, else
+        :meth:`saved_forward_state`) go back to the newest snapshot that fits the model (which threw away
+        up to ``snapshot_every`` steps of running statistics at each bad batch where it was the only
+        source). A ``-inf`` mask buffer the snapshot holds too is left alone (it used to be named as written
+        by the bad batch). Returns the names of those made bad that were set back; ``[]`` when none was bad
+        or nothing held their values. What has no saved value is left as it is: snapshots are left out while
+        it holds a NaN (:meth:`take_snapshot` says so), and a step it makes non-finite is the state's fault
+        (rolled back)."""
         snapshot, evidence = self.saved_forward_state(model) if saved is None else saved
-        if snapshot is None:
-            return []
-        saved_buffers = {**snapshot.model, **snapshot.buffers}
-        carried = snapshot.extra.get("carried", {})
+        bad = nonfinite_forward_state(model, evidence)  # read before the copy sets them back
+        before_step = set(self.pre_step.restore())
+        saved_buffers = {} if snapshot is None else {**snapshot.model, **snapshot.buffers}
+        carried = {} if snapshot is None else snapshot.extra.get("carried", {})
         mended = []
-        for name in nonfinite_forward_state(model, evidence):
-            if name in saved_buffers:
+        for name in bad:
+            if name in before_step:  # set back to its values before the step already
+                pass
+            elif name in saved_buffers:
                 model.get_buffer(name).copy_(saved_buffers[name])
             elif name in carried:
                 restore_carried_tensors(model, {name: carried[name]})
@@ -784,7 +805,9 @@ class StabilityCore:
         The previous snapshot is the fit-start one only until the next: compared with the copy of the forward
         state kept after the fit's first step instead (:meth:`forward_evidence`), a mask filled at the
         first forward is not said. A screen of the forward state, and an element-wise comparison of what is
-        infinite, per snapshot."""
+        infinite, per snapshot. Each snapshot also learns which buffers forwards write
+        (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`: those that start being written later)."""
+        self.pre_step.learn(model, self.schedule.ring.newest())
         carried = carried_tensors(model)
         bad = self.nonfinite_state(model, optimizers, carried)
         nonfinite = bool(bad)
@@ -874,6 +897,13 @@ class StabilityCore:
         if action is Action.ROLLBACK:
             return no_snapshot_message(step, path, self.left_out), path
         return stop_message(self.policy, step, to_step, recent_rollbacks, path), path
+
+    def parameters_replaced(self, step: int) -> None:
+        """A structured prune replaced parameters (and buffers: a BatchNorm's of the channels cut): a snapshot
+        at the end of the step, if healthy (older ones no longer fit), and the pre-step copy dropped (its
+        shapes and modules may be gone), the buffers forwards write learned anew from ``step``."""
+        self.schedule.pending = self.schedule.pending or self.policy.healthy
+        self.pre_step.clear(learn_after=step)
 
     def request_maintain_snapshot(self, change: PhaseChange, probe: Mapping[str, float]) -> None:
         """Ask for a snapshot at the end of this step when ``change`` starts a maintain phase
@@ -970,10 +1000,15 @@ def flag_message(
 
 
 def data_fault_message(
-    step: int, samples: list[dict[str, Any]], mended: Sequence[str] = (), snapshot_step: int | None = None
+    step: int,
+    samples: list[dict[str, Any]],
+    mended: Sequence[str] = (),
+    snapshot_step: int | None = None,
+    before_step: bool = False,
 ) -> str:
     # the step says how old the values are: carried state (an RNN's hidden state) restarts from there
     at = "the newest snapshot's values" if snapshot_step is None else f"their values at step {snapshot_step}"
+    at = "their values before this step" if before_step else at
     wrote = f" Its forward had written them into {', '.join(mended)}: set back to {at}." if mended else ""
     return (
         f"StabilityGuard: step {step} has non-finite values in its data ({describe_bad_samples(samples)}); "
