@@ -128,3 +128,48 @@ def test_recurrent_and_attention_weights_out_of_reach_are_warned_of_too(client, 
     said = _fit_warnings(module, data, _prune())
     assert len(said) == 1 and biggest in said[0] and why in said[0]
     assert "(one per expert)" not in said[0]  # the way out fits the model
+
+
+class _ConvNetWithPositionTable(pl.LightningModule):
+    """Most weights in convolutions, a linear head, and a bare position table added by broadcast (minGPT's
+    ``pos_emb``): the table is a lookup, not a layer's weight, and is not counted as out of reach."""
+
+    def __init__(self, table_rows: int = 0) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv1d(1, 32, 5, padding=2), torch.nn.ReLU(), torch.nn.Conv1d(32, 32, 5, padding=2),
+            torch.nn.ReLU(), torch.nn.AdaptiveAvgPool1d(1), torch.nn.Flatten(), torch.nn.Linear(32, 4),
+        )  # fmt: skip
+        self.pos_emb = torch.nn.Parameter(torch.zeros(1, table_rows, 16)) if table_rows else None
+
+    def forward(self, x):
+        if self.pos_emb is not None:
+            x = x + self.pos_emb.mean()  # read by a broadcast add, as a position table is
+        return self.net(x.unsqueeze(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        x, y = torch.randn(64, 16, generator=generator), torch.randint(0, 4, (64,), generator=generator)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+def test_layer_types_the_user_named_are_a_choice_not_warned_of():
+    """A review: ``layer_types=["Linear"]`` on a convolutional model was told to widen it (the convolutions
+    hold 97% of the weights), while the same choice made with ``exclude_pattern`` was not. Tensors that no
+    ``layer_types`` reaches are still warned of (the MoE tests above)."""
+    assert not _fit_warnings(_ConvNetWithPositionTable(), None, _prune(layer_types=["Linear"]))
+
+
+def test_a_bare_position_table_is_not_counted_out_of_reach():
+    """A review: a minGPT-style ``pos_emb`` table (here 3x the model's other weights) was counted out of reach
+    and warned of, though position tables, like embeddings, are lookups that magnitude pruning leaves alone."""
+    module = _ConvNetWithPositionTable(table_rows=1024)
+    assert module.pos_emb.numel() > 2 * sum(p.numel() for p in module.net.parameters())
+    assert not _fit_warnings(module, None, _prune())

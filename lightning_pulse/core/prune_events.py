@@ -138,7 +138,10 @@ class PruneEvents:
         if (renamed := renamed_weight_warning(self.pruner.mode, model, selection.layers)) is not None:
             self.warn(renamed)
         exclude, final = self.pruner.exclude_pattern, self.schedule.final_sparsity
-        if (unreached := unreached_warning(model, selection, exclude, final)) is not None:
+        # layer types the user named are a choice already made, as exclude_pattern is: not warned of
+        default_types = ((), pruning.resolve_layer_types(pruning.DEFAULT_LAYER_TYPES))
+        chosen, structured = self.pruner.layer_types not in default_types, self.pruner.mode == "structured"
+        if (unreached := unreached_warning(model, selection, exclude, final, chosen, structured)) is not None:
             self.warn(unreached)
         return selection
 

@@ -273,14 +273,19 @@ def _weightless_note(model: nn.Module, layer_types: tuple[type, ...]) -> str:
 
 
 def unreached_warning(
-    model: nn.Module, selection: LayerSelection, exclude: str | None, final_sparsity: float
+    model: nn.Module,
+    selection: LayerSelection,
+    exclude: str | None,
+    final_sparsity: float,
+    types_chosen: bool = False,
+    structured: bool = False,
 ) -> str | None:
     """The fit-start warning when trainable parameters out of reach of ``selection`` hold more than
     :data:`~lightning_pulse.core.prune_targets.UNREACHED_SHARE` of the model's (embedding tables, biases and
     norms aside: :func:`~lightning_pulse.core.prune_targets.unreached_parameters`), else ``None``. A
     held-out sweep: a transformers-5 OLMoE keeps its experts (59% of the model) in fused 3-D parameters, not
     layers; sparsity 0.5 was reported while 14.8% of the model was zero, with nothing said."""
-    unreached, reached, total = prune_targets.unreached_parameters(model, selection, exclude)
+    unreached, reached, total = prune_targets.unreached_parameters(model, selection, exclude, types_chosen)
     out_of_reach = sum(size for _, size, _ in unreached)
     if not total or out_of_reach <= prune_targets.UNREACHED_SHARE * total:
         return None
@@ -289,7 +294,7 @@ def unreached_warning(
         by_reason.setdefault(why, []).append(f"`{name}` ({size / total:.0%})")
     shown = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
     more = f"; and {len(unreached) - 3} more" if len(unreached) > 3 else ""
-    reasons = [why for _, _, why in unreached]
+    reasons = [why for _, _, why in unreached[:3]]  # the ways out fit the reasons shown
     ways = []
     if any("(`layer_types`)" in why for why in reasons):
         ways.append("add the types named to `layer_types` (`None`: any layer with a `weight`)")
@@ -297,15 +302,21 @@ def unreached_warning(
         experts = any("expert tensors" in why for why in reasons)
         ways.append(
             "ScheduledPrune prunes a layer's `weight` only and never these: build that part from `nn.Linear` "
-            f"layers{' (one per expert)' if experts else ''}, or mask such tensors yourself with "
-            "`torch.nn.utils.prune` (it keeps such masks, and this check counts them as pruned)"
+            f"layers{' (one per expert)' if experts else ''}"
+            + (
+                ""
+                if structured
+                else ", or mask such tensors yourself with `torch.nn.utils.prune` (it keeps such masks, and "
+                "this check counts them as pruned)"
+            )
         )
     way_out = "; ".join(ways) or "lift the reasons named"
     return (
         f"ScheduledPrune: the layers it prunes hold {reached / total:.0%} of the trainable parameters "
         f"(embedding tables aside), while {out_of_reach / total:.0%} are out of its reach and will not be "
         f"pruned: {shown}{more}. The `sparsity` it reports counts only the pruned layers: "
-        f"`final_sparsity`={final_sparsity:g} zeroes about {final_sparsity * reached / total:.0%} of these "
+        f"`final_sparsity`={final_sparsity:g} {'removes' if structured else 'zeroes'} about "
+        f"{final_sparsity * reached / total:.0%} of these "
         f"parameters. Way out: {way_out}; or, to prune only these layers knowingly, name the rest in "
         "`exclude_pattern`, which this check then leaves out."
     )

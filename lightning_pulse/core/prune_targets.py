@@ -598,21 +598,29 @@ def _expert_like(module: nn.Module) -> bool:
     return "expert" in type(module).__name__.lower()
 
 
+def _names_a_table(leaf: str) -> bool:
+    return "emb" in leaf or leaf.startswith("pos") or leaf == "pe"
+
+
 def _embedding_parameters(model: nn.Module) -> set[int]:
     """``id``s of embedding tables: ``nn.Embedding``/``EmbeddingBag`` weights (and any module holding one: a
-    tied ``lm_head``), and bare parameters named as embeddings (a ViT's ``position_embeddings``)."""
+    tied ``lm_head``), and bare parameters named as embedding or position tables (a ViT's
+    ``position_embeddings``, a minGPT ``pos_emb``, a ``pe``)."""
     found = {
         id(parameter)
         for module in model.modules()
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
         for parameter in module.parameters(recurse=False)
     }
-    found.update(id(p) for name, p in model.named_parameters() if "embed" in name.rpartition(".")[2].lower())
+    # position tables too: a minGPT ``pos_emb``, a ``position`` or ``pe`` table read by a broadcast add
+    found.update(
+        id(p) for name, p in model.named_parameters() if _names_a_table(name.rpartition(".")[2].lower())
+    )
     return found
 
 
 def unreached_parameters(
-    model: nn.Module, selection: LayerSelection, exclude: str | None
+    model: nn.Module, selection: LayerSelection, exclude: str | None, types_chosen: bool = False
 ) -> tuple[list[tuple[str, int, str]], int, int]:
     """The trainable parameters of ``model`` with two or more dimensions that ``selection`` does not prune,
     largest first, as ``(name, elements, why)``; the trainable elements the selected weights hold; and the
@@ -620,7 +628,8 @@ def unreached_parameters(
     not pruned by magnitude with the layers, and a tiny config with a real vocabulary can hold most of its
     parameters there: counting it would warn on every small language model), nor are biases and norm scales
     (one dimension), parameters the user froze or masked with ``torch.nn.utils.prune`` (``<name>_orig``), or
-    those of a layer ``exclude`` matches (choices already made)."""
+    those of a layer ``exclude`` matches, nor, when the user named ``layer_types`` (``types_chosen``), the
+    weights of layers of other types (choices already made)."""
     embeddings = _embedding_parameters(model)
     reached_ids = {id(_weight(layer)) for layer in selection.layers.values()}
     modules = dict(model.named_modules())
@@ -641,6 +650,8 @@ def unreached_parameters(
         kind = type(module).__name__
         if key == "weight" and owner in selection.left_out:
             why = selection.left_out[owner]
+        elif key == "weight" and types_chosen:
+            continue
         elif key == "weight":
             why = f"`weight` of {kind}, not a layer type it prunes (`layer_types`)"
         elif parameter.dim() == 3 and _expert_like(module):
