@@ -7,6 +7,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
@@ -147,3 +148,79 @@ def test_ranks_stay_identical_under_a_static_graph_with_a_weighted_loss(tmp_path
     trainer.fit(WeightedAuxiliaryLoss(arch="mlp"), _data())
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0 == rank1
+
+
+class _RankSkewedReinforce(pl.LightningModule):
+    """REINFORCE with batch-normalised advantages where only rank 1's batches have coefficients of both signs:
+    rank 0's rewards are all equal (a sparse reward nothing earned), so its advantages are all 0. Rank 1
+    rewards its easiest half, whose terms the step pushes down while it pushes the harder half up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        ce = torch.nn.functional.cross_entropy(self.net(x), y, reduction="none")
+        reward = (ce.detach() < ce.detach().median()).float() * self.global_rank
+        advantage = (reward - reward.mean()) / (reward.std() + 1e-8)
+        return (ce * advantage).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class _RefusalDump(HardSampleReplay):
+    """HardSampleReplay that writes, per rank, what its hooks raised (a rank's own exception is not what the
+    launching process reraises)."""
+
+    def __init__(self, directory: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.directory = directory
+
+    def _dump(self, trainer, hook, *args) -> None:
+        try:
+            getattr(super(), hook)(trainer, *args)
+        except Exception as error:
+            Path(self.directory, f"rank{trainer.global_rank}.txt").write_text(
+                f"{type(error).__name__}: {error}"
+            )
+            raise
+
+    def on_after_backward(self, trainer, pl_module):
+        self._dump(trainer, "on_after_backward", pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._dump(trainer, "on_train_batch_end", pl_module, outputs, batch, batch_idx)
+
+
+@pytest.mark.ddp
+def test_every_rank_refuses_coefficients_of_both_signs_that_only_one_rank_shows(tmp_path):
+    # a review: the check read each rank's own loss; rank 1 refused alone after its backward and rank 0 died in
+    # the next per-step all_gather (gloo: "Connection closed by peer"; NCCL would hang). The ranks now vote
+    from torch.utils.data import DataLoader, TensorDataset
+
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(128, 8, generator=generator), torch.randint(0, 4, (128,), generator=generator)
+    )
+    trainer = pl.Trainer(
+        callbacks=[_RefusalDump(str(tmp_path), mode="batch")],
+        max_epochs=2,
+        limit_val_batches=0,
+        **trainer_kwargs(devices=2, strategy=TwoGlooProcesses()),
+    )
+    with pytest.raises(Exception, match="PulseRefusal|HardSampleReplay cannot score"):
+        trainer.fit(_RankSkewedReinforce(), DataLoader(data, batch_size=16))
+    rank0, rank1 = ((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
+    assert rank1.startswith(
+        "PulseRefusal: HardSampleReplay cannot score the samples of step 0's loss: its captured "
+    )
+    assert "cross_entropy(reduction='none')" in rank1
+    assert rank0.startswith(
+        "PulseRefusal: HardSampleReplay cannot score the samples of step 0's loss: on rank 1 of 2 its captured "
+        "per-sample loss enters the loss that trains with coefficients of both signs across its samples' "
+        "losses, where this rank's did not"
+    )
+    for rank in (rank0, rank1):
+        assert "scorer=" in rank and "rule='random'" in rank

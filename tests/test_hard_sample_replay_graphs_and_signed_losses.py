@@ -162,6 +162,32 @@ class _Losses(pl.LightningModule):
         if kind == "focal":
             ce = F.cross_entropy(logits, y, reduction="none")
             return ((1 - torch.exp(-ce)) ** 2 * ce).mean()
+        # the same losses reduced by hand: the check reads only calls with reduction="none"
+        if kind == "weighted_smoothed_none":
+            weight = torch.tensor([0.5, 1.0, 2.0, 1.5])
+            return F.cross_entropy(logits, y, weight=weight, label_smoothing=0.1, reduction="none").mean()
+        if kind == "mixup_none":
+            lam, perm = 0.3, torch.randperm(len(y))
+            mixed = self.net(lam * x + (1 - lam) * x[perm])
+            ce_y, ce_perm = (F.cross_entropy(mixed, t, reduction="none") for t in (y, y[perm]))
+            return (lam * ce_y + (1 - lam) * ce_perm).mean()
+        if kind == "sum_none":
+            return F.cross_entropy(logits, y, reduction="none").sum()
+        ce = F.cross_entropy(logits, y, reduction="none")
+        # both signs, in the losses' order: only the easiest samples are pushed up
+        if kind == "mean_std":
+            return ce.mean() + ce.std()
+        if kind == "flooding":  # per-sample flooding; its first losses lie on both sides of 1.4
+            return (ce - 1.4).abs().mean()
+        if kind == "softmax_weighted":
+            return (F.softmax(ce / 0.5, dim=0) * ce).sum()
+        # both signs across the losses' order
+        if kind == "vrex":  # V-REx: the variance of two environments' (the batch's halves') mean losses
+            risks = torch.stack([ce[: len(y) // 2].mean(), ce[len(y) // 2 :].mean()])
+            return risks.mean() + 10 * risks.var()
+        if kind == "nnpu":  # a PU loss: the negative-class loss of the positives (first half) subtracted
+            negative = F.binary_cross_entropy_with_logits(logits[:, 0], torch.zeros(len(y)), reduction="none")
+            return negative[len(y) // 2 :].mean() - 0.3 * negative[: len(y) // 2].mean()
         # REINFORCE with batch-normalised advantages: each sample's term is ce_i * advantage_i
         actions = torch.distributions.Categorical(logits=logits.detach()).sample()
         reward = (actions == y).float()
@@ -181,17 +207,31 @@ def _fit_losses(kind: str, **replay) -> tuple[pl.Trainer, HardSampleReplay]:
     return trainer, callback
 
 
-def test_a_reinforce_loss_is_refused_at_the_first_step_naming_the_signed_coefficients_and_the_ways_out():
+@pytest.mark.parametrize(
+    "kind, call",
+    [
+        ("reinforce", "cross_entropy"),
+        ("vrex", "cross_entropy"),
+        ("nnpu", "binary_cross_entropy_with_logits"),
+    ],
+)
+def test_a_reinforce_loss_is_refused_at_the_first_step_naming_the_signed_coefficients_and_the_ways_out(
+    kind, call
+):
     # held-out sweep: `(F.cross_entropy(logits, a, reduction="none") * adv).mean()` was scored by the
-    # unweighted cross-entropy (rank correlation -0.4 with each sample's own term), with no word
+    # unweighted cross-entropy (rank correlation -0.4 with each sample's own term), with no word; a variance
+    # penalty across groups and a PU loss push some samples up that are harder than some pushed down too
     with pytest.raises(PulseRefusal) as refusal:
-        _fit_losses("reinforce")
+        _fit_losses(kind)
     message = str(refusal.value)
     assert message.startswith("HardSampleReplay cannot score the samples of step 0's loss")
     for named in (
-        "cross_entropy(reduction='none')",
-        "both signs",
+        f"{call}(reduction='none')",
+        "an element it pushes up has a loss of",
+        "both signs that do not follow the samples' losses",
         "policy-gradient advantages",
+        "a variance penalty across groups",
+        "a PU loss",
         "does not rank how hard a sample is",
         "scorer=",
         "OutputKeyScorer",
@@ -220,6 +260,9 @@ def test_the_ways_out_the_signed_coefficients_refusal_names_train(replay):
         "tokens",
         "sum",
         "focal",
+        "weighted_smoothed_none",
+        "mixup_none",
+        "sum_none",
     ],
 )
 def test_losses_whose_samples_enter_with_positive_coefficients_are_not_refused(kind):
@@ -227,11 +270,23 @@ def test_losses_whose_samples_enter_with_positive_coefficients_are_not_refused(k
     assert trainer.current_epoch == 2 and callback.table.seen == 64
 
 
+@pytest.mark.parametrize("kind", ["mean_std", "flooding", "softmax_weighted"])
+def test_losses_that_push_up_only_their_easiest_samples_are_not_refused(kind):
+    # a review: these were refused for their coefficients of both signs, though ranking by the unweighted
+    # loss agrees with the loss that trains (each coefficient grows with the sample's loss)
+    trainer, callback = _fit_losses(kind)
+    assert trainer.current_epoch == 2 and callback.table.seen == 64
+
+
 def test_signed_coefficients_reads_the_gradient_each_call_already_added_up():
-    logits = torch.randn(6, 3, requires_grad=True)
+    # sample i's margin for its class is 3 - i: losses grow with i
     y = torch.tensor([0, 1, 2, 0, 1, 2])
+    logits = torch.zeros(6, 3)
+    logits[torch.arange(6), y] = 3.0 - torch.arange(6.0)
+    logits.requires_grad_(True)
     for coefficients, signed in [
-        (torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]), True),
+        (torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]), True),  # the hardest pushed up
+        (torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0, 2.0]), False),  # only the easiest pushed up, in order
         (torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 3.0]), False),  # weights, some zero
         (torch.zeros(6), False),  # equal rewards: nothing to tell
     ]:
@@ -244,3 +299,6 @@ def test_signed_coefficients_reads_the_gradient_each_call_already_added_up():
         assert (found is not None) is signed, coefficients
         if signed:
             assert found.startswith("cross_entropy(reduction='none')")
+            # sample 5's loss (pushed up) against sample 0's (pushed down)
+            losses = F.cross_entropy(logits.detach(), y, reduction="none")
+            assert f"pushes up has a loss of {losses[5]:.3g}, one it pushes down {losses[0]:.3g}" in found

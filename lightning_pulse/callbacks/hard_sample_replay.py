@@ -231,7 +231,7 @@ class HardSampleReplay(Callback):
         log_every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
         self.selector.set_cadence(steps_per_epoch, log_every)
         self.steps.on_train_start(trainer)  # steps mode only: Lightning learns the planned pass's length
-        self.batches.start_fit()  # the carried-state check runs over this fit's first two batches
+        self.batches.start_fit(trainer.world_size)  # carried state: checked over the first two batches
         self.steps.stream.held = None  # the fit trains: its stream moves on from the restored one
         rank_zero_info(f"HardSampleReplay: {self.config.describe(self.mode, self.phases)}")
 

@@ -92,6 +92,20 @@ SINGLE_PASS_ELEMENTS = 1 << 20
 _REDUCTIONS = ("mean", "sum", "none", "batchmean")
 
 
+def _sign_order(grad: Tensor, unreduced: Tensor) -> Tensor:
+    """``[lowest, highest coefficient, highest loss of an element pushed up, lowest of one pushed down]``
+    (float32, on the loss's device) of a call's elements: ``grad`` is ``d loss / d`` each element of
+    ``unreduced``. With no element of one sign the last two are ``-inf`` and ``inf``."""
+    grad, values = grad.detach().float(), unreduced.detach().float()
+    low, high = torch.aminmax(grad)
+    # a tolerance for rounding: an analytic positive coefficient never comes out below -1e-6 of the largest
+    tolerance = 1e-6 * torch.maximum(-low, high)
+    # a NaN coefficient (an overflowed fp16 step) is of no sign
+    pushed_up = torch.where(grad < -tolerance, values, -math.inf).max()
+    pushed_down = torch.where(grad > tolerance, values, math.inf).min()
+    return torch.stack([low, high, pushed_up, pushed_down])
+
+
 class CapturedLoss:
     """One loss call seen by a :class:`LossCapture`.
 
@@ -722,13 +736,18 @@ class LossCapture:
 
     def signed_coefficients(self) -> str | None:
         """After the step's backward: the captured calls the caller reduced itself (``reduction="none"``)
-        whose elements enter the backpropagated loss with coefficients of both signs (a policy gradient's
-        ``(F.cross_entropy(logits, a, reduction="none") * advantage).mean()``), described; else ``None``.
+        whose elements enter the backpropagated loss with coefficients of both signs out of the loss's order
+        (a policy gradient's ``(F.cross_entropy(logits, a, reduction="none") * advantage).mean()``),
+        described; else ``None``.
 
-        The gradient each call's hook already added up is read (no hook of its own); one device sync for all
-        calls, so a caller checks a fit's first steps only. Positive coefficients (sample weights, a masked
-        mean, a focal factor) are a weighting of each sample's own loss; coefficients of both signs make
-        ``loss_i`` pushed down for some samples and up for others, and its value no ranking of hardness."""
+        The gradient each call's hook already added up (``d loss / d`` its elements; negative: the step pushes
+        that element up) is read, with no hook of its own, in one device sync for all calls, so a caller
+        checks a fit's first steps only. Positive coefficients (sample weights, a masked mean, a focal factor)
+        weight each sample's own loss. Coefficients of both signs are refused only when some element pushed up
+        has a higher loss than some element pushed down: where only the easiest elements are pushed up (a
+        per-sample flooding ``|ce - b|``, ``ce.mean() + ce.std()``, a softmax-weighted ``ce``), ranking by
+        the unweighted loss still agrees with the loss that trains; where the signs cross that order
+        (advantages, a variance penalty across groups, a PU loss), ``loss_i`` ranks no hardness."""
         signed = [
             record
             for record in self.records
@@ -741,15 +760,14 @@ class LossCapture:
         if not signed:
             return None
         device = signed[0].grad.device
-        ranges = torch.stack([torch.stack(torch.aminmax(r.grad.float())).to(device) for r in signed]).tolist()
+        ranges = torch.stack([_sign_order(r.grad, r.unreduced).to(device) for r in signed]).tolist()
         found = []
-        for record, (low, high) in zip(signed, ranges):
-            # a tolerance for rounding: an analytic positive coefficient never comes out below -1e-6 of the
-            # largest
-            tolerance = 1e-6 * max(-low, high)
-            if low < -tolerance and high > tolerance:
+        for record, (low, high, hardest_up, easiest_down) in zip(signed, ranges):
+            if hardest_up > easiest_down:
                 found.append(
-                    f"{record.name}(reduction='none') (d loss / d its elements from {low:.3g} to {high:.3g})"
+                    f"{record.name}(reduction='none') (d loss / d its elements from {low:.3g} to {high:.3g}; "
+                    f"an element it pushes up has a loss of {hardest_up:.3g}, one it pushes down "
+                    f"{easiest_down:.3g})"
                 )
         return "; ".join(found) or None
 

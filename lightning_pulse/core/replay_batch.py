@@ -59,8 +59,23 @@ from lightning_pulse.errors import PulseRefusal
 
 #: How many of a fit's first steps have their captured losses checked for per-sample coefficients of both
 #: signs (:meth:`~lightning_pulse.core.per_sample_loss.LossCapture.signed_coefficients`): a step whose
-#: coefficients are all 0 (equal rewards) shows none, so more than one.
+#: coefficients are all 0 (equal rewards) shows none, so more than one. Under data parallelism the ranks
+#: vote on each of them (one one-element ``all_gather`` each), so that every rank refuses or none does.
 SIGN_CHECKED_STEPS = 3
+
+#: Why a step's captured loss cannot score its samples when its coefficients have both signs (completes the
+#: refusal after what was found; :meth:`ReplayBatchLifecycle.finish_batch`).
+_SIGNED_WAYS_OUT = (
+    "per-sample coefficients of both signs that do not follow the samples' losses (an element the step "
+    "pushes up has a higher loss than one it pushes down: policy-gradient advantages, "
+    "`(F.cross_entropy(logits, actions, reduction='none') * advantage).mean()`; a variance penalty across "
+    "groups; a PU loss that subtracts a loss on the positives), and an unweighted per-sample loss does not "
+    "rank how hard a sample is then: a sample whose term the step pushes up would score as one it pushes "
+    "down. Set `scorer=` to a PerSampleScorer returning each sample's own term, e.g. "
+    "lightning_pulse.core.per_sample_loss.OutputKeyScorer(key='per_sample_loss') with training_step "
+    "returning {'loss': loss, 'per_sample_loss': (ce * advantage).detach()}, or use rule='random', which "
+    "reads no score."
+)
 
 
 def refuse(reason: str | None) -> None:
@@ -137,11 +152,15 @@ class ReplayBatchLifecycle:
         # largest)
         self._said_coefficients = False
         # the fit's first steps whose captured losses are checked for per-sample coefficients of both signs
-        # (LossCapture.signed_coefficients: a device sync each); none after them
+        # (LossCapture.signed_coefficients: a device sync each, and a vote of the ranks); none after them
         self._sign_checks_left = SIGN_CHECKED_STEPS
+        self.world_size = 1  # ranks > 1: a rank's verdict waits for the others' at the step's end
+        self._signed: str | None = None  # the step in flight's refusal, for the ranks' vote
 
-    def start_fit(self) -> None:
-        """Check this fit's first two batches for carried state anew and enter the capture scope."""
+    def start_fit(self, world_size: int = 1) -> None:
+        """Check this fit's first two batches for carried state anew and enter the capture scope; over
+        ``world_size`` ranks, the checks of a fit's first steps that read each rank's own loss are voted on."""
+        self.world_size = world_size
         self.state_check = CarriedStateCheck()
         self.recorded_steps = self.unscored_steps = 0
         self._structure_checked = self._said_coefficients = False
@@ -192,7 +211,7 @@ class ReplayBatchLifecycle:
         """
         self.captures.drop()
         self._backward_ran = self._accounted = False
-        self._unaccounted, self._module = None, module
+        self._unaccounted, self._module, self._signed = None, module, None
         batch_size = int(indices.numel())
         first_checked = False
         # the fit's first batch of two or more samples (one of 1 is never cut, and looks like any layout)
@@ -294,9 +313,7 @@ class ReplayBatchLifecycle:
             return None  # said at close_capture already
         closed.drop_unused()
         if closed.maps_onto_batch:
-            # a fit's first steps only: nothing on the per-step path after them
-            if self._sign_checks_left > 0:
-                self._refuse_signed_coefficients(closed)
+            self._refuse_signed_coefficients(closed)  # a fit's first steps only: nothing per step after them
             # said once, not refused: a batch-level term written by hand (a mixture of experts' load-balancing
             # loss, a `0 * aux(x).sum()` kept for DDP) looks the same as a per-sample one, and such models
             # train well on the captured terms' scores
@@ -304,28 +321,51 @@ class ReplayBatchLifecycle:
             return unaccounted
         return self._unsplit(closed)
 
+    def _checks_signs(self, step: StepInFlight) -> bool:
+        """Whether ``step`` is one of a fit's first steps whose captured loss is checked for per-sample
+        coefficients of both signs: not with a scorer, nor with rule='random' (no score read)."""
+        return self._sign_checks_left > 0 and self.scorer is None and step.selector.config.rule != "random"
+
     def _refuse_signed_coefficients(self, closed: LossCapture) -> None:
         """Over a fit's first steps, refuse scores read from a captured loss whose samples enter the loss
-        that trains with coefficients of both signs (a policy gradient's advantages): the unweighted loss
-        then ranks no hardness (a held-out REINFORCE module: rank correlation -0.4 with each sample's own
-        term). Nothing to do for a scorer, or for rule='random', which reads no score."""
+        that trains with coefficients of both signs across the samples' losses (a policy gradient's
+        advantages): the unweighted loss then ranks no hardness (a held-out REINFORCE module: rank correlation
+        -0.4 with each sample's own term). One process: refused here, before the update. Several: kept for
+        the ranks' vote at the step's end (:meth:`_vote_on_signs`), since another rank's batch may show no
+        sign at all (equal rewards, all-zero advantages) and a rank refusing alone leaves the others waiting
+        in the next collective."""
         assert self.current is not None
-        if self.scorer is not None:
+        if not self._checks_signs(self.current) or (signed := closed.signed_coefficients()) is None:
+            return
+        self._signed = f"cannot score the samples of step {self.current.step}'s loss: its captured {signed} "
+        if self.world_size <= 1:
+            refuse(f"{self._signed}enters the loss that trains with {_SIGNED_WAYS_OUT}")
+
+    def _vote_on_signs(self, finished: StepInFlight, all_gather: Callable[[Tensor], Tensor] | None) -> None:
+        """At the end of each of a fit's first checked steps, on every rank: refuse on every rank when any
+        rank's captured loss had per-sample coefficients of both signs (one ``all_gather`` of one element)."""
+        if not self._checks_signs(finished):
             return
         self._sign_checks_left -= 1
-        if self.current.selector.config.rule == "random" or (signed := closed.signed_coefficients()) is None:
+        mine, self._signed = self._signed, None
+        if all_gather is None:  # one process: refused after the backward already (manual optimization: here)
+            refuse(None if mine is None else f"{mine}enters the loss that trains with {_SIGNED_WAYS_OUT}")
+            return
+        votes = all_gather(torch.tensor([float(mine is not None)], dtype=torch.float64)).cpu().reshape(-1)
+        refusing = [rank for rank, vote in enumerate(votes.tolist()) if vote]
+        if not refusing:
             return
         self._sign_checks_left = 0
+        if mine is not None:
+            refuse(f"{mine}enters the loss that trains with {_SIGNED_WAYS_OUT}")
+        ranks = f"rank{'s' * (len(refusing) > 1)} {', '.join(map(str, refusing))} of {len(votes)}"
         refuse(
-            f"cannot score the samples of step {self.current.step}'s loss: its captured {signed} enters the "
-            "loss that trains with per-sample coefficients of both signs (signed coefficients such as "
-            "policy-gradient advantages, `(F.cross_entropy(logits, actions, reduction='none') * "
-            "advantage).mean()`), and an unweighted per-sample loss does not rank how hard a sample is then: "
-            "a sample whose term the step pushes up would score as one it pushes down. Set `scorer=` to a "
-            "PerSampleScorer returning each sample's own term, e.g. "
-            "lightning_pulse.core.per_sample_loss.OutputKeyScorer(key='per_sample_loss') with training_step "
-            "returning {'loss': loss, 'per_sample_loss': (ce * advantage).detach()}, or use rule='random', "
-            "which reads no score."
+            f"cannot score the samples of step {finished.step}'s loss: on {ranks} its captured "
+            "per-sample loss enters the loss that trains with coefficients of both signs across its samples' "
+            "losses, where this rank's did not "
+            "(its batch may have given every sample the same sign, or none: equal rewards make all-zero "
+            "advantages), so that every rank refuses alike. The loss has "
+            f"{_SIGNED_WAYS_OUT}"
         )
 
     def _unsplit(self, closed: LossCapture) -> str | None:
@@ -393,13 +433,18 @@ class ReplayBatchLifecycle:
             the one in flight was dropped).
 
         Raises:
-            PulseRefusal: at the fit's first batch, for a token loss flattened time-major.
+            PulseRefusal: at the fit's first batch, for a token loss flattened time-major. Under data
+                parallelism, on every rank at the end of one of a fit's first steps
+                (:data:`SIGN_CHECKED_STEPS`) when some rank's captured loss had per-sample coefficients of
+                both signs across its samples' losses.
         """
         if self._backward_ran and (note := self._drop_unused()) is not None:  # manual optimization's backward
             warnings.warn(f"HardSampleReplay: {note}", stacklevel=2)
         capture, finished, self.current, self._batch = self.captures.take(), self.current, None, None
         if finished is None:
             return None
+        # every rank, every step: the first steps' vote stays matched across ranks, before record's gather
+        self._vote_on_signs(finished, all_gather)
         if capture is not None and not self._said_coefficients and capture.coefficients_unknown():
             self._said_coefficients = True
             warnings.warn(
