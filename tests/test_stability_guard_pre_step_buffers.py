@@ -147,3 +147,70 @@ def test_a_prune_that_replaces_parameters_drops_the_copy_until_a_step_learns_ane
     model(torch.randn(5, 3))
     guard.core.finish_step(Action.APPLY, 2, model=model)  # learns again, against the newest snapshot
     assert guard.core.pre_step.names == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+
+
+class _ForwardInTrainModeFirst(pl.Callback):
+    """Listed before the guard: a training-mode forward on the batch before the guard's copy (a scoring or
+    logging pass), which on a bad batch writes its NaN into BatchNorm's statistics before the copy."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        with torch.no_grad():
+            pl_module.net(batch[0])
+
+
+def test_a_copy_taken_after_the_bad_batch_reached_the_buffers_falls_back_to_the_snapshot():
+    """A review: the copy held the NaN a callback's forward wrote first, the mend "set it back", the data
+    check failed on it and the steps rolled back as the model's (2 rollbacks, 0 bad batches, NaN buffers at
+    the end). Such names fall back to the snapshot's values, as before the copy existed."""
+    pl.seed_everything(0)
+    model = _BatchNormRegressor()
+    guard = StabilityGuard(snapshot_every=100, loss_zscore=None, grad_norm_zscore=None)
+    pl.seed_everything(0)
+    trainer = pl.Trainer(callbacks=[_ForwardInTrainModeFirst(), guard], **trainer_kwargs(max_epochs=4))
+    with pytest.warns(UserWarning):
+        trainer.fit(model, _loader(with_nan=True))
+    assert guard.rollbacks == 0
+    assert guard.bad_batches == 4
+    assert all(torch.isfinite(buffer.float()).all() for buffer in model.buffers())
+
+
+class _PruneAndFold(pl.Callback):
+    """A user's own ``torch.nn.utils.prune``: masks changed at steps 4 and 8 (between snapshots), then folded
+    into the weight at step 14, which deletes the mask buffer."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        layer = pl_module.net[0]
+        if trainer.global_step in (4, 8):
+            torch.nn.utils.prune.l1_unstructured(layer, "weight", amount=0.05 * trainer.global_step)
+        if trainer.global_step == 14:
+            torch.nn.utils.prune.remove(layer, "weight")
+
+
+def test_pruning_masks_are_not_copied_before_each_step_and_folding_them_in_trains_on():
+    """A review: masks a prune event changed between snapshots were learned as written by forwards and
+    copied before every step (as large as the weights), and folding them in (the buffer deleted) crashed the
+    next step with a KeyError."""
+    model = _BatchNormRegressor()
+    guard = StabilityGuard(snapshot_every=5, rollback_margin=5)
+    trainer = pl.Trainer(callbacks=[guard, _PruneAndFold()], **trainer_kwargs(max_steps=30))
+    trainer.fit(model, _loader(with_nan=False))
+    assert trainer.global_step == 30
+    assert not any(name.endswith("_mask") for name in guard.core.pre_step.names)
+    assert any("running_mean" in name for name in guard.core.pre_step.names)
+
+
+class _DropsItsRunningBuffer(pl.Callback):
+    """Deletes a buffer the forwards write (a module that stops tracking a statistic) at step 12."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 12:
+            del pl_module.net[3]._buffers["mean"]
+            pl_module.net[3].mean = torch.zeros(16)  # a plain attribute from now on
+
+
+def test_a_written_buffer_deleted_mid_fit_is_dropped_from_the_copy():
+    model = _BatchNormRegressor()
+    guard = StabilityGuard(snapshot_every=5, rollback_margin=5)
+    trainer = pl.Trainer(callbacks=[guard, _DropsItsRunningBuffer()], **trainer_kwargs(max_steps=24))
+    trainer.fit(model, _loader(with_nan=False))
+    assert trainer.global_step == 24

@@ -577,6 +577,8 @@ class PreStepBuffers:
                 continue
             if buffer.layout != torch.strided:  # a sparse buffer: no in-place copy before each step
                 continue
+            if _is_pruning_mask(model, name):  # written by prune events between steps, never by a forward
+                continue
             if before.shape == buffer.shape and before.dtype == buffer.dtype:
                 if not torch.equal(buffer, before.to(buffer.device, non_blocking=True)):
                     written.add(name)
@@ -597,9 +599,11 @@ class PreStepBuffers:
         (``batches``: the step's micro-batches so far, empty at its first)."""
         if batches or not self.slots:
             return
-        sources = [buffers[key] for buffers, key in self.slots]
+        sources = [buffers.get(key) for buffers, key in self.slots]  # a deleted one: dropped
         if not all(map(operator.is_, sources, self.sources)):  # a module replaced a buffer's tensor
             self._refit(sources)
+            if not self.sources:  # every one dropped
+                return
         torch._foreach_copy_(self.copies, self.sources)
         self.copied = True
 
@@ -629,6 +633,13 @@ class PreStepBuffers:
                 else:  # the bad forward replaced the tensor by one of another shape (or dropped it)
                     buffers[key] = saved.clone()
         return list(self.names)
+
+
+def _is_pruning_mask(model: nn.Module, name: str) -> bool:
+    """Whether buffer ``name`` is the ``<tensor>_mask`` of ``torch.nn.utils.prune`` (next to ``<tensor>_orig``):
+    as large as its weight, it would be copied before every step."""
+    owner, _, key = name.rpartition(".")
+    return key.endswith("_mask") and f"{key[: -len('_mask')]}_orig" in model.get_submodule(owner)._parameters
 
 
 def _same_layout(tensor: torch.Tensor, other: torch.Tensor) -> bool:

@@ -683,6 +683,8 @@ class StabilityCore:
         snapshot, evidence = self.saved_forward_state(model) if saved is None else saved
         bad = nonfinite_forward_state(model, evidence)  # read before the copy sets them back
         before_step = set(self.pre_step.restore())
+        if before_step:  # a copy taken after a forward on the bad batch (a callback's, listed first) holds it
+            before_step -= set(nonfinite_forward_state(model, evidence))
         saved_buffers = {} if snapshot is None else {**snapshot.model, **snapshot.buffers}
         carried = {} if snapshot is None else snapshot.extra.get("carried", {})
         mended = []
