@@ -247,6 +247,28 @@ def test_ddp_without_unused_parameter_detection_fails_at_setup_naming_the_fix(mn
             torch.distributed.destroy_process_group()
 
 
+def test_ddp_with_a_static_graph_is_refused_naming_the_models_for_which_its_advice_fails(
+    mnist1d_small, monkeypatch
+):
+    # held-out sweep C: the refusal sent a Reformer user to `find_unused_parameters=True`, on which DDP itself
+    # fails at the first backward ("marked as ready twice"); plain DDP with `static_graph=True` trains it
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    model, data = mnist1d_small()
+    strategy = DDPStrategy(find_unused_parameters=True, static_graph=True, process_group_backend="gloo")
+    trainer = pl.Trainer(callbacks=[GradientCache()], max_steps=2, **trainer_kwargs(strategy=strategy))
+    try:
+        with pytest.raises(PulseRefusal, match="static_graph") as caught:
+            trainer.fit(model, data)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    text = str(caught.value)
+    assert "Reformer" in text and "fails under `find_unused_parameters=True` in DDP itself" in text
+    assert "train it without GradientCache" in text and "on one process" in text
+
+
 def test_manual_optimization_is_refused_at_setup(mnist1d_small):
     model, data = mnist1d_small()
     model.automatic_optimization = False

@@ -1,12 +1,12 @@
 """GradientCache: freeze the leading modules that have stopped moving, so backward really stops early.
 
-The algorithm lives in :mod:`lightning_pulse.core.layer_freezing` (units: :mod:`~lightning_pulse.core.freeze_units`,
-FLOPs: :mod:`~lightning_pulse.core.backward_flops`, activation replay: :mod:`~lightning_pulse.core.activation_cache`);
-this file is the Lightning glue.
-"""
+The Lightning glue of :mod:`lightning_pulse.core.layer_freezing` (units: ``core.freeze_units``, FLOPs:
+``core.backward_flops``, activation replay: ``core.activation_cache``)."""
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +21,7 @@ from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.callbacks.pulse_cycle import phase_of, refuse_unreachable_phases
 from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixActivationCache, check_cache_mb
 from lightning_pulse.core.backward_flops import BackwardFlopLedger, check_measure_flops
+from lightning_pulse.core.custom_functions import add_ddp_inner_backward_note
 from lightning_pulse.core.freeze_metrics import METRIC_PREFIX as METRIC_PREFIX
 from lightning_pulse.core.freeze_metrics import freeze_event, freeze_metrics
 from lightning_pulse.core.freeze_units import check_unit_names
@@ -41,18 +42,15 @@ from lightning_pulse.records import append_recent
 class GradientCache(Callback):
     r"""Freezes the leading module units whose parameters have stopped moving, so backward stops early.
 
-    Every ``check_every`` optimizer steps each unit (embedding, block, head, ... found automatically, in forward
-    order) is scored by its plasticity: its relative parameter movement over the window over the largest it ever
-    had. The longest stable run (score ``<= threshold``) from the input side gets ``requires_grad=False``, so
-    backward stops at the first trainable unit. A freeze lasts at most ``freeze_for`` steps; then the prefix
-    trains one window and refreezes only if still stable. Frozen parameters get ``grad=None``: torch optimizers
-    leave them and their state alone; another is checked at its first step with frozen units (if it moved them,
-    they are put back, a warning says so, and nothing freezes again); a wrapper's (Lookahead) are put back.
+    Every ``check_every`` optimizer steps each unit (embedding, block, head, ..., in forward order) is scored
+    by its plasticity, its movement over the window against the largest it ever had. The longest stable run
+    (score ``<= threshold``) from the input side gets ``requires_grad=False``: backward stops at the first
+    trainable unit. A freeze lasts at most ``freeze_for`` steps, then the prefix trains a window and refreezes
+    only if still stable. Frozen parameters get ``grad=None`` (an optimizer moving them stops freezing).
 
-    Freezing happens in ``phases``; a burst releases everything; without a :class:`~lightning_pulse.PulseCycle`
-    it is always the replay phase (Egeria/AutoFreeze-style). Decisions fall between optimizer steps. Under DDP
-    rank 0's verdicts are broadcast once per window. A :class:`~lightning_pulse.StabilityGuard` rollback takes
-    the scores, timers and frozen set back with the model.
+    Freezing happens in ``phases`` (always without a :class:`~lightning_pulse.PulseCycle`; a burst releases
+    everything), between optimizer steps; under DDP rank 0's verdicts are broadcast once per window. A
+    ``StabilityGuard`` rollback takes the scores, timers and frozen set back.
 
     Args:
         threshold: a unit is stable when its plasticity score is ``<= threshold`` (>= 0); scores never exceed 1,
@@ -71,27 +69,24 @@ class GradientCache(Callback):
         measure_flops: measure each frozen-prefix length's backward once with ``torch.utils.flop_counter`` and
             log the backward FLOPs skipped.
 
-    A unit holding a parameter the model also holds elsewhere (a tied embedding and head) never freezes: the
-    prefix stops before it, and the setup log names it. Parameters frozen when the fit starts (a backbone) belong
-    to no unit; once they train again, everything is released and the units are found and ordered again.
-    Parameters replaced by structured pruning are followed; names saved before an unstructured prune resolve to
-    ``weight_orig``. After any prune event (``on_pulse_weights_changed``) the activation cache records again.
+    A unit holding a tied or shared parameter never freezes (the prefix stops before it). Parameters frozen
+    at fit start (a backbone) belong to no unit; once they train, everything is released and the units found
+    again. Pruned parameters are followed; after a prune event the activation cache records again.
 
     Raises:
-        ValueError: at construction, naming the field, for a value out of range. At train start, for a
+        ValueError: at construction, naming the field, for a value out of range; at train start, for a
             ``units`` name the model does not have.
-        PulseRefusal: at setup, for manual optimization, ``torch.compile``, a strategy other than one process or
-            DDP, DDP without ``find_unused_parameters=True`` or with ``static_graph=True``, or
-            ``activation_cache_mb`` with ``reload_dataloaders_every_n_epochs``; at fit start, for LBFGS (it moves
-            parameters without a gradient), ``phases`` that never come (no ``"replay"``, no PulseCycle), a share
-            of a run of unknown length, lazy parameters no forward has created yet, and a second
-            ``trainer.fit`` of this instance without a checkpoint.
+        PulseRefusal: at setup, for manual optimization, ``torch.compile``, a strategy other than one process
+            or DDP, DDP without ``find_unused_parameters=True`` or with ``static_graph=True``, or
+            ``activation_cache_mb`` with ``reload_dataloaders_every_n_epochs``; at fit start, for LBFGS,
+            ``phases`` that never come, a share of a run of unknown length, lazy parameters, a second fit
+            without a checkpoint; under DDP before the first backward, for a custom autograd Function training
+            layers it keeps on its ``ctx`` (Reformer's), on which DDP itself fails.
 
     Example::
 
         from lightning import Trainer
         from lightning_pulse import GradientCache, PulseCycle
-
         trainer = Trainer(max_epochs=20, callbacks=[PulseCycle(burst=200, replay=100, maintain=20), GradientCache()])
     """
 
@@ -128,6 +123,7 @@ class GradientCache(Callback):
         self._pending_state: dict[str, Any] | None = None
         # set from on_train_start to the end of training: a load_state_dict then applies at once (a rollback)
         self._fit_refs: tuple[pl.Trainer, pl.LightningModule] | None = None
+        self._held = compat.CollectiveHold()  # the hit rates' gathered counts, until gloo's worker lets go
         self._phase_enabled = True
         self._span: tuple[int | None, int | None] = (None, None)
 
@@ -184,7 +180,7 @@ class GradientCache(Callback):
 
     def _end_activation_batch(self) -> None:
         if self._replay is not None and (reason := self._replay.end_batch()) is not None:
-            rank_zero_warn(f"GradientCache: the activation cache switched itself off: {reason}.")
+            warnings.warn(self._replay.switch_off_warning(reason), stacklevel=2)  # on its rank, named
 
     # ------------------------------------------------------------------ forward and backward
     @override
@@ -240,11 +236,13 @@ class GradientCache(Callback):
             before = 0
         if report.changed:
             self._record(trainer.global_step + 1, before, report.reason)
-        # the metrics dict is built only for steps that reach a logger (on rank 0)
         due = report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
-        if due and trainer.is_global_zero and trainer.loggers:
-            metrics = freeze_metrics(report, self.freezer, self.ledger, self.activations, self.measure_flops)
-            log_to_loggers(trainer, metrics)
+        if due and trainer.loggers:  # each rank gives its activation hit rate (two counts): the lowest logged
+            gather = functools.partial(compat.all_gather_held, trainer.strategy, hold=self._held)
+            rate = self._replay.logged_hit_rate(gather) if self._replay is not None else {}
+            if trainer.is_global_zero:  # the metrics dict is built only for steps that reach a logger
+                metrics = freeze_metrics(report, self.freezer, self.ledger, None, self.measure_flops)
+                log_to_loggers(trainer, {**metrics, **rate})
         self.ledger.new_step()
         if report.outgrown or report.misplaced:  # parameters outside the units train, or a unit had no place
             self._retrace(trainer, pl_module)
@@ -294,10 +292,12 @@ class GradientCache(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        add_ddp_inner_backward_note(exception, rank_zero_warn)  # where check_wrapped_model's advice led
         self._end_fit()
 
     def _end_fit(self) -> None:
         self._fit_refs = None
+        self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
         self._close_contexts()
         self._lifecycle.end()  # the user's module leaves fit exactly as it came in: every parameter trainable
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_pulse.core.freeze_metrics import METRIC_PREFIX
 from lightning_pulse.core.sample_index import KEEP_ONE_ROW_PER_INDEX
 from lightning_pulse.errors import PulseRefusal
 
@@ -300,6 +301,7 @@ class PrefixActivationCache:
 
     @property
     def hit_rate(self) -> float | None:
+        """Replayed batches over frozen batches, those after a switch-off included (none of them replayed)."""
         return self.hits / self.batches if self.batches else None
 
     def plan(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
@@ -340,7 +342,12 @@ class PrefixActivationCache:
         HardSampleReplay's batch mode) is keyed by the samples that reach the forward.
         """
         self.end_batch()
-        if self.disabled_reason is not None or not self.entries:
+        if self.disabled_reason is not None:
+            self.batches += (
+                1  # a frozen batch it no longer replays: the hit rate falls from the switch-off on
+            )
+            return "off"
+        if not self.entries:
             return "off"
         self._drop_records_if_written()
         self._written_checked_at_forward = False
@@ -795,6 +802,31 @@ class LoaderActivationCache:
         if self.cache.mismatched is not None and (observers := observing_fake_quants(self._modules)):
             reason = self.cache.disabled_reason = observer_mismatch_reason(self.cache.mismatched, observers)
         return reason
+
+    @staticmethod
+    def switch_off_warning(reason: str) -> str:
+        """The warning that the cache switched itself off for ``reason`` (from :meth:`end_batch`), to be said
+        on the process where it did: under DDP it names the rank, since the other ranks' caches go on."""
+        world = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not world or torch.distributed.get_world_size() == 1:
+            return f"GradientCache: the activation cache switched itself off: {reason}."
+        return (
+            f"GradientCache: rank {torch.distributed.get_rank()}'s activation cache switched itself off: "
+            f"{reason}. The other ranks' caches go on, but under DDP every step waits for the slowest rank, "
+            "so their replays save little from now on; the logged `activation_hit_rate` is the lowest rank's"
+        )
+
+    def logged_hit_rate(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """The metric ``gradient_cache/activation_hit_rate``: :attr:`PrefixActivationCache.hit_rate` of the
+        process with the lowest one (none before a frozen batch). ``gather`` stacks every
+        process's tensor in a ``(world_size, ...)`` tensor (one all-gather of two counts; one process: its
+        own). Under DDP every step waits for the slowest rank, so a step's frozen forward is saved only where
+        every rank replays it: rank 0's rate alone overstated the saving when another rank's cache switched
+        itself off (0.42 logged while rank 1 replayed nothing). The lowest rank's rate is still an upper
+        bound: the ranks may replay on different steps."""
+        counts = gather(torch.tensor([self.cache.hits, self.cache.batches], dtype=torch.long))
+        rates = [hits / batches for hits, batches in counts.reshape(-1, 2).tolist() if batches]
+        return {f"{METRIC_PREFIX}activation_hit_rate": min(rates)} if rates else {}
 
     def _report_uncached(self) -> None:
         """Warn, once per module, about a frozen module the cache just left out, and why."""

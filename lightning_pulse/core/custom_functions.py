@@ -23,7 +23,7 @@ Function either untouched or with no input needing a gradient (not called, and a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,8 @@ class CustomFunction:
             parameters alone.
         parameters: ids of the parameters that are its inputs themselves.
         closure: ids of the parameters that got their gradient inside its backward without being its inputs.
+        held: for each module (or parameter) it keeps on its ``ctx`` (Reformer's ``ctx.layers``), the ids of
+            its trainable parameters; known before its backward runs.
     """
 
     name: str
@@ -56,6 +58,7 @@ class CustomFunction:
     parameter_inputs: list[bool]
     parameters: set[int] = field(default_factory=set)
     closure: set[int] = field(default_factory=set)
+    held: list[set[int]] = field(default_factory=list)
 
     @property
     def takes_parameters(self) -> bool:
@@ -143,7 +146,9 @@ class FunctionScan:
                 for child in children
                 if isinstance(getattr(child, "variable", None), torch.Tensor)
             }
-            self.functions.append(CustomFunction(name, reaches, parameters, direct))
+            self.functions.append(
+                CustomFunction(name, reaches, parameters, direct, held=_held_parameters(node))
+            )
 
     def _hook(self) -> None:
         for index, node in enumerate(self._nodes):
@@ -166,6 +171,24 @@ class FunctionScan:
     def _accumulated(self, param: torch.Tensor) -> None:
         if self._active:
             self.functions[self._active[-1]].closure.add(id(param))
+
+    def held_outside_graph(self) -> list[str]:
+        """Before the backward: the Functions that keep on their ``ctx`` a module (or parameter) that trains and
+        none of whose parameters the graph reaches as a leaf, each described by its name and the module holding
+        those parameters. Their backward can only train them by running a backward through them itself
+        (Reformer's reversible layers), which DDP with ``find_unused_parameters=True`` cannot follow
+        (:data:`DDP_INNER_BACKWARD`). A module the graph also reaches elsewhere (the whole model kept on
+        ``ctx``, with a branch unused in this step) is not counted."""
+        found = []
+        for function in self.functions:
+            hidden = [ids for ids in function.held if ids and not ids & self.leaves]
+            outside = sorted(self._names.get(key, "?") for ids in hidden for key in ids)
+            if outside:
+                found.append(
+                    f"the custom autograd Function {function.name} keeps layers of {_common_module(outside)} "
+                    f"on its `ctx` ({len(outside)} trainable parameters, e.g. {outside[0]}), not as inputs"
+                )
+        return found
 
     def finish(self) -> None:
         """Remove the hooks (also when the backward never came)."""
@@ -222,6 +245,52 @@ class FunctionScan:
             f"would stop training. So {span} freeze only together, or not at all; to let them freeze "
             "separately, pass those parameters to it as inputs"
         )
+
+
+def _held_parameters(node: Any) -> list[set[int]]:
+    """For each module or parameter a custom Function's node keeps on its ``ctx`` (also in a list, tuple or
+    dict), the ids of its trainable parameters. Read from the node's attributes only; nothing is called."""
+    found: list[set[int]] = []
+    values = list(vars(node).values()) if hasattr(node, "__dict__") else []
+    for value in values:
+        items = list(value.values()) if isinstance(value, dict) else value
+        for item in items if isinstance(items, (list, tuple)) else [items]:
+            if isinstance(item, nn.Module):
+                found.append({id(param) for param in item.parameters() if param.requires_grad})
+            elif isinstance(item, nn.Parameter) and item.requires_grad:
+                found.append({id(item)})
+    return found
+
+
+DDP_INNER_BACKWARD = (
+    "A model whose custom autograd Function trains layers that are not its inputs, by running a backward "
+    "through them inside its own backward (Hugging Face Reformer's reversible layers, a RevNet block that "
+    "reaches its layers that way), fails under `find_unused_parameters=True` in DDP itself, with or without "
+    "GradientCache: DDP marks those parameters unused after the forward, then their gradients arrive "
+    "('Expected to mark a variable ready only once'). So GradientCache cannot freeze such a model under DDP: "
+    "train it without GradientCache (DDP with `static_graph=True` trains it), or with GradientCache on one "
+    "process"
+)
+
+
+def ddp_inner_backward_note(exception: BaseException) -> str | None:
+    """The note for DDP's error at a backward under ``find_unused_parameters=True`` (which GradientCache asks
+    for) when a parameter got its gradient after DDP had marked it unused; ``None`` for any other error, and
+    for GradientCache's own messages (its refusal quotes DDP's error)."""
+    text = str(exception)
+    if "mark a variable ready only once" not in text or "GradientCache:" in text:
+        return None
+    return (
+        "GradientCache: DDP failed under `find_unused_parameters=True`, which GradientCache asks for; that "
+        f"advice does not hold for every model. {DDP_INNER_BACKWARD}."
+    )
+
+
+def add_ddp_inner_backward_note(exception: BaseException, warn: Callable[[str], Any]) -> None:
+    """Add :func:`ddp_inner_backward_note` to ``exception`` where it applies, as a note (Python 3.11 on;
+    before that, ``warn`` says it)."""
+    if (note := ddp_inner_backward_note(exception)) is not None:
+        getattr(exception, "add_note", warn)(note)
 
 
 def _common_module(names: Sequence[str]) -> str:

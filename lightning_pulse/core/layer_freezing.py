@@ -32,7 +32,7 @@ except ImportError:  # a torch built without distributed support
     ZeroRedundancyOptimizer = ()  # type: ignore[assignment,misc]
 
 from lightning_pulse.core.activation_cache import LoaderActivationCache
-from lightning_pulse.core.custom_functions import FunctionScan
+from lightning_pulse.core.custom_functions import DDP_INNER_BACKWARD, FunctionScan
 from lightning_pulse.core.freeze_units import (
     ForwardOrderTrace,
     FreezeUnit,
@@ -926,6 +926,9 @@ class FreezerLifecycle:
         self._freezes_seen = 0  # the freezer's freeze count at that check
         self.gradients_lost: list[str] = []  # names of parameters a freeze cut off: nothing freezes any more
         self._notes: list[str] = []  # warnings for :meth:`announce`
+        # DDP wrapped the model with `find_unused_parameters=True` (check_fit_start): it marks the parameters
+        # the graph does not reach unused after each forward (refuse_inner_backward_under_ddp)
+        self.ddp_marks_unused = False
 
     @property
     def units(self) -> list[FreezeUnit]:
@@ -985,6 +988,7 @@ class FreezerLifecycle:
             PulseRefusal: from those two checks.
         """
         check_wrapped_model(strategy.model, world_size, type(strategy).__name__)
+        self.ddp_marks_unused = isinstance(strategy.model, DistributedDataParallel)  # and finds unused ones
         if world_size > 1:  # DDP just wrapped the model: what is frozen now, its reducer left out
             self.frozen_before_wrap = frozen_parameter_ids(model)
         optimizers = list(optimizers)
@@ -1022,6 +1026,8 @@ class FreezerLifecycle:
                 self._scan.finish()
             named = dict(self._model.named_parameters()) if self._model is not None else {}
             self._scan = FunctionScan(self.units, loss, named)
+            if self.ddp_marks_unused:
+                refuse_inner_backward_under_ddp(self._scan)
         if first or self.trace is not None:
             mark_inputs(self.units, loss)
             self._marked = True
@@ -1378,6 +1384,22 @@ def refuse_setup(trainer: Any, module: Any, compiled: str | None, cache_mb: floa
     LoaderActivationCache.refuse_reload(cache_mb, trainer.reload_dataloaders_every_n_epochs)
 
 
+def refuse_inner_backward_under_ddp(scan: FunctionScan) -> None:
+    """Before the fit's first backward under DDP with ``find_unused_parameters=True``: raise a
+    :class:`~lightning_pulse.errors.PulseRefusal` for a custom autograd Function that keeps on its ``ctx``
+    trainable layers the graph does not reach (:meth:`FunctionScan.held_outside_graph`): its backward trains
+    them by a backward of its own, which fails in DDP itself (:data:`DDP_INNER_BACKWARD`). The scan's hooks
+    are removed first."""
+    held = scan.held_outside_graph()
+    if not held:
+        return
+    scan.finish()
+    raise PulseRefusal(
+        f"GradientCache: {held[0]}, so its backward can only train them by a backward of its own. "
+        f"{DDP_INNER_BACKWARD}."
+    )
+
+
 def refuse_manual_optimization(module: Any) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` for a module that runs its own optimizer."""
     if not module.automatic_optimization:
@@ -1712,13 +1734,15 @@ def check_wrapped_model(model: nn.Module, world_size: int, strategy_name: str) -
         if getattr(model, "static_graph", False):
             raise PulseRefusal(
                 "GradientCache: it changes which parameters get gradients, which `static_graph=True` forbids; use "
-                "`DDPStrategy(find_unused_parameters=True)` without `static_graph`."
+                "`DDPStrategy(find_unused_parameters=True)` without `static_graph`. That advice does not "
+                f"hold for every model. {DDP_INNER_BACKWARD}."
             )
         if not model.find_unused_parameters:
             raise PulseRefusal(
                 "GradientCache: it freezes parameters after DDP wrapped the model, so DDP must skip parameters that get "
                 "no gradient: use `strategy=DDPStrategy(find_unused_parameters=True)` or the strategy name "
-                "'ddp_find_unused_parameters_true' ('ddp_spawn_find_unused_parameters_true' for spawn)."
+                "'ddp_find_unused_parameters_true' ('ddp_spawn_find_unused_parameters_true' for spawn). That "
+                f"advice does not hold for every model. {DDP_INNER_BACKWARD}."
             )
         return
     if world_size > 1:
