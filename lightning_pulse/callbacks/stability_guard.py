@@ -223,10 +223,10 @@ class StabilityGuard(Callback):
         record.loss, record.key = loss, key  # for the checks of a flagged step, with its batches
         trace = partial(self._nonfinite_cause, trainer, pl_module)
         rollback_helps = partial(self._rollback_helps, trainer, pl_module)
-        verdict, action, cause, unjudged = self.core.judge(step, loss, grad_norm, key, trace, rollback_helps)
+        verdict, action, cause, note = self.core.judge(step, loss, grad_norm, key, trace, rollback_helps)
         record.decided = action
-        if unjudged:
-            rank_zero_warn(steps.unjudged_loss_message(loss))
+        if note is not None:  # said once: a loss a log scale cannot judge, recurring spikes as a level
+            rank_zero_warn(note)
         if action is Action.APPLY:
             self._changes.hold(optimizer, record.repeats)  # a later closure evaluation may still skip it
             if self.policy.cooldown_remaining and self.config.lr_factor_after_rollback < 1:

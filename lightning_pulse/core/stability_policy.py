@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import copy
+import math
+import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -351,6 +353,119 @@ class EscalationPolicy:
         self.spikes_by_kind.update({k: int(n) for k, n in state_dict.get("spikes_by_kind", {}).items()})
         self.stopped = bool(state_dict.get("stopped", False))
         self.events = [dict(event) for event in state_dict.get("events", [])]
+
+
+#: a level of the data, not spikes: recurring spikes (flagged, and spiking on the rollback's snapshot too) at
+#: least this many in the last ``window`` steps and at least this share of them. The outlier tests
+#: (7 shifted targets in 1,500, 4 zero targets under a log loss, batches of 32) flag at most 17 and 12
+#: steps in 100; a task or data source at a higher loss on every 2nd-4th batch makes 25-50 of 100.
+LEVEL_MIN_STEPS = 5
+LEVEL_SHARE = 0.2
+#: recurring spikes that make this share of the last ``window`` steps are said (once a fit), not yet applied
+NOTICE_SHARE = 0.05
+
+
+class RecurringLevel:
+    """Recurring spikes that make up a large, lasting share of recent steps: a level of the data (a second
+    task, a data source with higher losses), not spikes, which are rare by nature.
+
+    :meth:`record` takes the steps and losses of an incident the rollback test resolved as recurring. Once
+    they make at least :data:`LEVEL_MIN_STEPS` and :data:`LEVEL_SHARE` of the last ``window`` steps,
+    :attr:`found` is set for the rest of the fit, and :meth:`holds` tells a flagged step at that level (a loss
+    within ``same_factor`` of the level's median; a NaN, a spike far above the level or a gradient spike of
+    a step at the ordinary level is not): the
+    caller applies it and lets it into the baselines, so the windows learn the second level, without the
+    rollback test's forwards. Below that, at :data:`NOTICE_SHARE`, :meth:`record` says so once (the steps
+    are still skipped). Non-finite steps never count.
+
+    Args:
+        window: the steps over which the share is taken (the detector's ``window``).
+        same_factor: how far above the level's median a loss may be and still be at that level.
+    """
+
+    def __init__(self, window: int = 100, same_factor: float = 4.0) -> None:
+        self.window = window
+        self.same_factor = same_factor
+        self.steps: list[int] = []  # recurring steps, the last ``window`` steps only
+        self.losses: list[float] = []  # the level's latest losses (recurring, then applied at the level)
+        self.found = False
+        self.noticed = False  # the share below LEVEL_SHARE was said (once a fit)
+        self.first: int | None = None  # the fit's first recurring step
+
+    @property
+    def needed(self) -> int:
+        return max(LEVEL_MIN_STEPS, math.ceil(LEVEL_SHARE * self.window))
+
+    def record(self, step: int, steps: Iterable[int], losses: Iterable[float]) -> str | None:
+        """Book an incident resolved as recurring at ``step``; the message to say, once a fit: at the switch
+        to a level (:func:`level_message`), or at :data:`NOTICE_SHARE` before it."""
+        steps = list(steps)
+        self.first = min([*steps, step]) if self.first is None else self.first
+        recent = [s for s in (*self.steps, *steps) if step - s < self.window]
+        self.steps = recent
+        self._keep(losses)
+        if not self.found and len(recent) >= self.needed:
+            self.found = self.noticed = True
+            return level_message(len(recent), self.window, switched=True)
+        # said only once a whole window passed since the first: a level is said once, at its switch
+        seen_a_window = step - self.first >= self.window
+        many = len(recent) >= max(LEVEL_MIN_STEPS, NOTICE_SHARE * self.window)
+        if not self.noticed and seen_a_window and many:
+            self.noticed = True
+            return level_message(len(self.steps), self.window, switched=False)
+        return None
+
+    def holds(self, loss: float | None) -> bool:
+        """Whether a flagged step with ``loss`` is at the level found (its loss then joins the level's)."""
+        if not self.found or loss is None or not math.isfinite(loss) or not self.losses:
+            return False
+        median = statistics.median(self.losses)
+        # far above it: a spike; far below it: an ordinary step (its gradient spike keeps its verdict)
+        if not median / self.same_factor <= loss <= median * self.same_factor:
+            return False
+        self._keep([loss])
+        return True
+
+    def _keep(self, losses: Iterable[float]) -> None:
+        self.losses = (self.losses + [float(v) for v in losses if math.isfinite(v)])[-self.window :]
+
+    def start(self) -> None:
+        """A new fit says its notice again (what was found stays: the windows hold the level)."""
+        self.noticed, self.first = self.found, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": list(self.steps), "losses": list(self.losses), "found": self.found}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.steps = [int(s) for s in state_dict.get("steps", [])]
+        self.losses = [float(v) for v in state_dict.get("losses", [])]
+        self.found = bool(state_dict.get("found", False))
+        self.noticed, self.first = self.found, None
+
+
+def level_message(count: int, window: int, switched: bool) -> str:
+    """The once-a-fit warning about recurring spikes that make a large share of recent steps."""
+    share = f"{count} of the last {window} steps ({count / window:.0%})"
+    said = (
+        "StabilityGuard: recurring loss spikes (batches that spike at the rollback's snapshot too) made "
+        f"{share}. Spikes are rare; a share this large is a level of the data: a task or a data source "
+        "whose losses sit far above the others (round-robin multi-task training)."
+    )
+    if switched:
+        said += (
+            " From now on such steps are applied and enter the baselines (they were skipped: that part of "
+            "the data was not trained on); non-finite values and spikes far above that level are still "
+            "caught."
+        )
+    else:
+        said += (
+            f" They are still skipped; at {LEVEL_SHARE:.0%} of the steps they would be applied as a level."
+        )
+    return said + (
+        " If these batches are bad data, fix the data; for tasks at different loss levels, bring their "
+        "losses to one scale (normalise each task's loss, or weight it), or turn loss spikes off "
+        "(`loss_zscore=None`; non-finite values are still caught)."
+    )
 
 
 class StepEnergy:

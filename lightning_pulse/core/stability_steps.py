@@ -43,7 +43,12 @@ from lightning_pulse.core.snapshots import (
     nonfinite_tensors,
 )
 from lightning_pulse.core.spike_detection import POOLED, SpikeDetector, Verdict
-from lightning_pulse.core.stability_policy import Action, EscalationPolicy, StabilityGuardConfig
+from lightning_pulse.core.stability_policy import (
+    Action,
+    EscalationPolicy,
+    RecurringLevel,
+    StabilityGuardConfig,
+)
 from lightning_pulse.errors import PulseRefusal, as_config, first_names
 from lightning_pulse.phase import Phase, PhaseChange
 
@@ -363,6 +368,10 @@ class StabilityCore:
         self.check_oom_warned = False  # the data check ran out of memory (said once a fit)
         # the buffers training forwards write, copied before each step: what a data fault's mend sets back
         self.pre_step = PreStepBuffers()
+        # recurring spikes that make a level of the data, the steps applied at it, the open incident's losses
+        self.level = RecurringLevel(window, SAME_SPIKE_FACTOR)
+        self.level_steps = 0
+        self.flagged_losses: dict[int, float] = {}
 
     @property
     def presumes_data(self) -> bool:
@@ -384,15 +393,35 @@ class StabilityCore:
         ``trace_cause`` is called only for a non-finite step (where it came from, see
         :func:`~lightning_pulse.core.fault_origin.trace_nonfinite`); ``rollback_helps(verdict)`` only when the
         step would roll back or stop (see :meth:`EscalationPolicy.decide`). Returns ``(verdict, action, cause,
-        newly_unjudged)``; ``newly_unjudged`` is true at the first loss a log scale cannot judge (warn once).
+        note)``; ``note`` is a warning to say (once): the first loss a log scale cannot judge, or recurring
+        spikes that make a large share of recent steps (:class:`RecurringLevel`). A flagged step at the level
+        such spikes turned out to be is applied and accepted into the baselines (verdict OK, ``level_steps``).
         """
-        detector = self.detector
+        detector, policy = self.detector, self.policy
         unjudged_before = detector.unjudged_losses
         verdict = detector.assess(loss, grad_norm, key, accept=True).verdict
+        note = unjudged_loss_message(loss) if not unjudged_before and detector.unjudged_losses else None
+        if verdict.is_spike and verdict not in NONFINITE and self.level.holds(loss):
+            # a step at the level of the data that recurring spikes turned out to be: trained, and its values
+            # teach the windows that level (no rollback test: it would find the batch spiking again)
+            detector.accept(loss, grad_norm, key)
+            self.level_steps += 1
+            return Verdict.OK, Action.APPLY, None, note
         cause = trace_cause() if verdict in NONFINITE else None
-        newly_unjudged = not unjudged_before and detector.unjudged_losses > 0
         helps = None if rollback_helps is None else lambda: rollback_helps(verdict)
-        return verdict, self.policy.decide(step, verdict, cause, helps), cause, newly_unjudged
+        if verdict is Verdict.OK:  # the usual step: no incident, nothing for the level's books
+            return verdict, policy.decide(step, verdict, cause, helps), cause, note
+        incident, recurring_before = [*policy.spike_steps, step], policy.recurring_spikes
+        action = policy.decide(step, verdict, cause, helps)
+        flagged = self.flagged_losses
+        for old in [s for s in flagged if step - s >= policy.spike_memory]:
+            del flagged[old]
+        if verdict.is_spike and verdict not in NONFINITE and cause is None and loss is not None:
+            flagged[step] = loss  # a non-finite step never counts towards a level
+        if (resolved := policy.recurring_spikes - recurring_before) > 0:
+            steps = [s for s in incident[-resolved:] if s in flagged]
+            note = self.level.record(step, steps, [flagged[s] for s in steps]) or note
+        return verdict, action, cause, note
 
     def judge_later_evaluation(self, step: int, loss: float | None, grad_norm: float | None) -> Action:
         """The action for a later closure evaluation of a step applied on its first (SAM applies the gradient
@@ -418,6 +447,8 @@ class StabilityCore:
         self.fit_start, self.first_forward, self.overflow_warned = step, None, False
         self.unchecked_data_faults, self.presumption_warned = 0, False
         self.check_oom_warned = False
+        self.level.start()
+        self.flagged_losses = {}
         self.fit_start_accepted = self.detector.accepted_steps
         self.schedule.ring.clear()
         self.pre_step.clear(learn_after=-1 if step is None else step)  # learned at the first applied step
@@ -923,6 +954,7 @@ class StabilityCore:
             "policy": self.policy.state_dict(),
             "last_snapshot_step": self.schedule.last_step,
             "bad_samples": self.bad_samples,
+            "level": {**self.level.state_dict(), "applied": self.level_steps},
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -932,6 +964,8 @@ class StabilityCore:
         last = state_dict["last_snapshot_step"]
         self.schedule.last_step = None if last is None else int(last)
         self.bad_samples = [dict(sample) for sample in state_dict.get("bad_samples", [])]
+        self.level.load_state_dict(state_dict.get("level", {}))
+        self.level_steps = int(state_dict.get("level", {}).get("applied", 0))
 
 
 def guard_figure(name: str) -> property:
