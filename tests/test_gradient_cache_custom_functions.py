@@ -18,8 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pulse import GradientCache, PulseCycle
-from lightning_pulse.core.custom_functions import FunctionScan, ddp_inner_backward_note
-from lightning_pulse.core.freeze_units import discover_units
+from lightning_pulse.core.custom_functions import ddp_inner_backward_note
 from lightning_pulse.core.layer_freezing import FreezerLifecycle, FreezeSettings
 from tests.conftest import trainer_kwargs
 
@@ -274,38 +273,6 @@ def test_a_freeze_that_cuts_off_gradients_it_could_not_see_is_undone_and_freezin
 
 
 # ------------------------------------------------------------------ DDP (held-out sweep C)
-def _held_outside_graph(model: nn.Module, loss: torch.Tensor) -> list[str]:
-    scan = FunctionScan(discover_units(model), loss, dict(model.named_parameters()))
-    try:
-        return scan.held_outside_graph()
-    finally:
-        scan.finish()
-
-
-def test_the_forward_shows_a_function_that_trains_layers_kept_on_its_ctx_before_any_backward():
-    # DDP with `find_unused_parameters=True` fails on such a model at its first backward (Reformer, sweep C):
-    # GradientCache refuses it before that backward, from the graph alone (no backward runs here)
-    torch.manual_seed(0)
-    model = _ClosureNet()
-    held = _held_outside_graph(model, model(torch.randn(4, 8)).pow(2).mean())
-    assert len(held) == 1 and "Function _WritesGradients keeps layers of inner on its `ctx`" in held[0]
-    reformer = _Reformer().net
-    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
-    held = _held_outside_graph(reformer, reformer(input_ids=tokens, labels=tokens).loss)
-    assert held and all(
-        "_ReversibleFunction keeps layers of reformer.encoder.layers" in note for note in held
-    )
-    # a RevNet block taking its parameters as inputs trains under DDP: they are leaves of the graph
-    revnet = _RevNet(only_trainable=True)
-    logits = revnet.head(revnet.blocks(revnet.stem(torch.randn(4, 64))))
-    assert _held_outside_graph(revnet, logits.pow(2).mean()) == []
-    # nor is a Function that keeps the whole model on its ctx, which the graph reaches elsewhere (a branch
-    # unused in this step is what `find_unused_parameters=True` is for)
-    net = nn.ModuleDict({"used": nn.Linear(4, 4), "unused": nn.Linear(4, 4)})
-    loss = _KeepsItsModel.apply(net["used"](torch.randn(2, 4)), net).sum()
-    assert _held_outside_graph(net, loss) == []
-
-
 class _KeepsItsModel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, model):

@@ -69,9 +69,10 @@ class GradientCache(Callback):
         measure_flops: measure each frozen-prefix length's backward once with ``torch.utils.flop_counter`` and
             log the backward FLOPs skipped.
 
-    A unit holding a tied or shared parameter never freezes (the prefix stops before it). Parameters frozen
-    at fit start (a backbone) belong to no unit; once they train, everything is released and the units found
-    again. Pruned parameters are followed; after a prune event the activation cache records again.
+    A unit holding a tied or shared parameter never freezes (the prefix stops before it; the setup log names
+    it). Parameters frozen at fit start (a backbone) belong to no unit; once they train, everything is
+    released and the units found again. Pruned parameters are followed; after a prune event the activation
+    cache records again.
 
     Raises:
         ValueError: at construction, naming the field, for a value out of range; at train start, for a
@@ -80,8 +81,7 @@ class GradientCache(Callback):
             or DDP, DDP without ``find_unused_parameters=True`` or with ``static_graph=True``, or
             ``activation_cache_mb`` with ``reload_dataloaders_every_n_epochs``; at fit start, for LBFGS,
             ``phases`` that never come, a share of a run of unknown length, lazy parameters, a second fit
-            without a checkpoint; under DDP before the first backward, for a custom autograd Function training
-            layers it keeps on its ``ctx`` (Reformer's), on which DDP itself fails.
+            without a checkpoint.
 
     Example::
 
@@ -237,10 +237,10 @@ class GradientCache(Callback):
         if report.changed:
             self._record(trainer.global_step + 1, before, report.reason)
         due = report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
-        if due and trainer.loggers:  # each rank gives its activation hit rate (two counts): the lowest logged
+        if due:  # every rank joins the hit rates' gather (a logger may be on rank 0 only); the lowest logged
             gather = functools.partial(compat.all_gather_held, trainer.strategy, hold=self._held)
             rate = self._replay.logged_hit_rate(gather) if self._replay is not None else {}
-            if trainer.is_global_zero:  # the metrics dict is built only for steps that reach a logger
+            if trainer.is_global_zero and trainer.loggers:  # the metrics dict: only for a logged step
                 metrics = freeze_metrics(report, self.freezer, self.ledger, None, self.measure_flops)
                 log_to_loggers(trainer, {**metrics, **rate})
         self.ledger.new_step()

@@ -49,8 +49,6 @@ class CustomFunction:
             parameters alone.
         parameters: ids of the parameters that are its inputs themselves.
         closure: ids of the parameters that got their gradient inside its backward without being its inputs.
-        held: for each module (or parameter) it keeps on its ``ctx`` (Reformer's ``ctx.layers``), the ids of
-            its trainable parameters; known before its backward runs.
     """
 
     name: str
@@ -58,7 +56,6 @@ class CustomFunction:
     parameter_inputs: list[bool]
     parameters: set[int] = field(default_factory=set)
     closure: set[int] = field(default_factory=set)
-    held: list[set[int]] = field(default_factory=list)
 
     @property
     def takes_parameters(self) -> bool:
@@ -146,9 +143,7 @@ class FunctionScan:
                 for child in children
                 if isinstance(getattr(child, "variable", None), torch.Tensor)
             }
-            self.functions.append(
-                CustomFunction(name, reaches, parameters, direct, held=_held_parameters(node))
-            )
+            self.functions.append(CustomFunction(name, reaches, parameters, direct))
 
     def _hook(self) -> None:
         for index, node in enumerate(self._nodes):
@@ -171,24 +166,6 @@ class FunctionScan:
     def _accumulated(self, param: torch.Tensor) -> None:
         if self._active:
             self.functions[self._active[-1]].closure.add(id(param))
-
-    def held_outside_graph(self) -> list[str]:
-        """Before the backward: the Functions that keep on their ``ctx`` a module (or parameter) that trains and
-        none of whose parameters the graph reaches as a leaf, each described by its name and the module holding
-        those parameters. Their backward can only train them by running a backward through them itself
-        (Reformer's reversible layers), which DDP with ``find_unused_parameters=True`` cannot follow
-        (:data:`DDP_INNER_BACKWARD`). A module the graph also reaches elsewhere (the whole model kept on
-        ``ctx``, with a branch unused in this step) is not counted."""
-        found = []
-        for function in self.functions:
-            hidden = [ids for ids in function.held if ids and not ids & self.leaves]
-            outside = sorted(self._names.get(key, "?") for ids in hidden for key in ids)
-            if outside:
-                found.append(
-                    f"the custom autograd Function {function.name} keeps layers of {_common_module(outside)} "
-                    f"on its `ctx` ({len(outside)} trainable parameters, e.g. {outside[0]}), not as inputs"
-                )
-        return found
 
     def finish(self) -> None:
         """Remove the hooks (also when the backward never came)."""
@@ -247,21 +224,6 @@ class FunctionScan:
         )
 
 
-def _held_parameters(node: Any) -> list[set[int]]:
-    """For each module or parameter a custom Function's node keeps on its ``ctx`` (also in a list, tuple or
-    dict), the ids of its trainable parameters. Read from the node's attributes only; nothing is called."""
-    found: list[set[int]] = []
-    values = list(vars(node).values()) if hasattr(node, "__dict__") else []
-    for value in values:
-        items = list(value.values()) if isinstance(value, dict) else value
-        for item in items if isinstance(items, (list, tuple)) else [items]:
-            if isinstance(item, nn.Module):
-                found.append({id(param) for param in item.parameters() if param.requires_grad})
-            elif isinstance(item, nn.Parameter) and item.requires_grad:
-                found.append({id(item)})
-    return found
-
-
 DDP_INNER_BACKWARD = (
     "A model whose custom autograd Function trains layers that are not its inputs, by running a backward "
     "through them inside its own backward (Hugging Face Reformer's reversible layers, a RevNet block that "
@@ -269,7 +231,7 @@ DDP_INNER_BACKWARD = (
     "GradientCache: DDP marks those parameters unused after the forward, then their gradients arrive "
     "('Expected to mark a variable ready only once'). So GradientCache cannot freeze such a model under DDP: "
     "train it without GradientCache (DDP with `static_graph=True` trains it), or with GradientCache on one "
-    "process"
+    "process. (Gradient checkpointing with `use_reentrant=True` fails the same way: use `use_reentrant=False`.)"
 )
 
 

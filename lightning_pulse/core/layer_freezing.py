@@ -926,9 +926,6 @@ class FreezerLifecycle:
         self._freezes_seen = 0  # the freezer's freeze count at that check
         self.gradients_lost: list[str] = []  # names of parameters a freeze cut off: nothing freezes any more
         self._notes: list[str] = []  # warnings for :meth:`announce`
-        # DDP wrapped the model with `find_unused_parameters=True` (check_fit_start): it marks the parameters
-        # the graph does not reach unused after each forward (refuse_inner_backward_under_ddp)
-        self.ddp_marks_unused = False
 
     @property
     def units(self) -> list[FreezeUnit]:
@@ -988,7 +985,6 @@ class FreezerLifecycle:
             PulseRefusal: from those two checks.
         """
         check_wrapped_model(strategy.model, world_size, type(strategy).__name__)
-        self.ddp_marks_unused = isinstance(strategy.model, DistributedDataParallel)  # and finds unused ones
         if world_size > 1:  # DDP just wrapped the model: what is frozen now, its reducer left out
             self.frozen_before_wrap = frozen_parameter_ids(model)
         optimizers = list(optimizers)
@@ -1026,8 +1022,6 @@ class FreezerLifecycle:
                 self._scan.finish()
             named = dict(self._model.named_parameters()) if self._model is not None else {}
             self._scan = FunctionScan(self.units, loss, named)
-            if self.ddp_marks_unused:
-                refuse_inner_backward_under_ddp(self._scan)
         if first or self.trace is not None:
             mark_inputs(self.units, loss)
             self._marked = True
@@ -1382,22 +1376,6 @@ def refuse_setup(trainer: Any, module: Any, compiled: str | None, cache_mb: floa
     refuse_compiled_module(compiled)
     refuse_sharded_strategy(trainer, "GradientCache", SHARDED_REASON)
     LoaderActivationCache.refuse_reload(cache_mb, trainer.reload_dataloaders_every_n_epochs)
-
-
-def refuse_inner_backward_under_ddp(scan: FunctionScan) -> None:
-    """Before the fit's first backward under DDP with ``find_unused_parameters=True``: raise a
-    :class:`~lightning_pulse.errors.PulseRefusal` for a custom autograd Function that keeps on its ``ctx``
-    trainable layers the graph does not reach (:meth:`FunctionScan.held_outside_graph`): its backward trains
-    them by a backward of its own, which fails in DDP itself (:data:`DDP_INNER_BACKWARD`). The scan's hooks
-    are removed first."""
-    held = scan.held_outside_graph()
-    if not held:
-        return
-    scan.finish()
-    raise PulseRefusal(
-        f"GradientCache: {held[0]}, so its backward can only train them by a backward of its own. "
-        f"{DDP_INNER_BACKWARD}."
-    )
 
 
 def refuse_manual_optimization(module: Any) -> None:
