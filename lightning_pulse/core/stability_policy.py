@@ -51,6 +51,10 @@ class StabilityGuardConfig:
         loss_scale: ``"log"`` (loss noise is multiplicative) or ``"linear"``, for losses that can be zero or
             negative. The gradient norm is always judged on a log scale.
         per_phase_baselines: keep one baseline window per pulse phase.
+        learn_recurring_level: train the batches of recurring loss spikes once they make a fifth of recent
+            steps, as a level of the data (a second task at a higher loss in round-robin multi-task
+            training), and let the baselines learn it. Off by default: by share alone a second task cannot be
+            told from a data source gone bad for good, which this would train on; either way it is said.
         spike_memory: steps over which flagged steps are counted towards ``rollback_after``.
         rollback_memory: steps over which rollbacks are counted towards ``max_rollbacks``.
         snapshot_at_maintain: also snapshot when a maintain phase starts (if its probe loss is finite).
@@ -69,6 +73,7 @@ class StabilityGuardConfig:
     min_ratio: float = 1.5
     loss_scale: str = "log"
     per_phase_baselines: bool = True
+    learn_recurring_level: bool = False
     spike_memory: int = 50
     rollback_memory: int = 1000
     snapshot_at_maintain: bool = True
@@ -89,7 +94,12 @@ class StabilityGuardConfig:
             raise ValueError(f"`loss_scale`={self.loss_scale!r} is not one of {list(SCALES)}.")
         check_int("spike_memory", self.spike_memory, minimum=1)
         check_int("rollback_memory", self.rollback_memory, minimum=1)
-        for name in ("per_phase_baselines", "snapshot_at_maintain", "rewind_lr_schedule"):
+        for name in (
+            "per_phase_baselines",
+            "learn_recurring_level",
+            "snapshot_at_maintain",
+            "rewind_lr_schedule",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}`={getattr(self, name)!r} must be True or False.")
         factor = self.lr_factor_after_rollback
@@ -383,11 +393,13 @@ class RecurringLevel:
         same_factor: how far above the level's median a loss may be and still be at that level.
     """
 
-    def __init__(self, window: int = 100, same_factor: float = 4.0) -> None:
+    def __init__(self, window: int = 100, same_factor: float = 4.0, learn: bool = False) -> None:
         self.window = window
         self.same_factor = same_factor
+        self.learn = learn  # StabilityGuardConfig.learn_recurring_level: else the share is only said
         self.steps: list[int] = []  # recurring steps, the last ``window`` steps only
         self.losses: list[float] = []  # the level's latest losses (recurring, then applied at the level)
+        self.grad_norms: list[float] = []  # and their gradient norms: a step at the level's loss may explode
         self.found = False
         self.noticed = False  # the share below LEVEL_SHARE was said (once a fit)
         self.first: int | None = None  # the fit's first recurring step
@@ -396,76 +408,101 @@ class RecurringLevel:
     def needed(self) -> int:
         return max(LEVEL_MIN_STEPS, math.ceil(LEVEL_SHARE * self.window))
 
-    def record(self, step: int, steps: Iterable[int], losses: Iterable[float]) -> str | None:
+    def record(
+        self, step: int, steps: Iterable[int], losses: Iterable[float], grad_norms: Iterable[float] = ()
+    ) -> str | None:
         """Book an incident resolved as recurring at ``step``; the message to say, once a fit: at the switch
         to a level (:func:`level_message`), or at :data:`NOTICE_SHARE` before it."""
         steps = list(steps)
         self.first = min([*steps, step]) if self.first is None else self.first
         recent = [s for s in (*self.steps, *steps) if step - s < self.window]
         self.steps = recent
-        self._keep(losses)
+        self._keep(losses, grad_norms)
         if not self.found and len(recent) >= self.needed:
-            self.found = self.noticed = True
-            return level_message(len(recent), self.window, switched=True)
+            self.found = self.noticed = True  # found: said once; with `learn`, its steps train from now on
+            return level_message(len(recent), self.window, switched=self.learn, large=True)
         # said only once a whole window passed since the first: a level is said once, at its switch
         seen_a_window = step - self.first >= self.window
         many = len(recent) >= max(LEVEL_MIN_STEPS, NOTICE_SHARE * self.window)
         if not self.noticed and seen_a_window and many:
             self.noticed = True
-            return level_message(len(self.steps), self.window, switched=False)
+            return level_message(len(self.steps), self.window, switched=False, large=False)
         return None
 
-    def holds(self, loss: float | None) -> bool:
+    def holds(self, loss: float | None, grad_norm: float | None = None) -> bool:
         """Whether a flagged step with ``loss`` is at the level found (its loss then joins the level's)."""
-        if not self.found or loss is None or not math.isfinite(loss) or not self.losses:
+        if not (self.found and self.learn) or loss is None or not math.isfinite(loss) or not self.losses:
             return False
         median = statistics.median(self.losses)
         # far above it: a spike; far below it: an ordinary step (its gradient spike keeps its verdict)
         if not median / self.same_factor <= loss <= median * self.same_factor:
             return False
-        self._keep([loss])
+        # a gradient far above the level's own: an explosion on a batch of the level, not the level
+        if grad_norm is not None and self.grad_norms:
+            if (
+                not math.isfinite(grad_norm)
+                or grad_norm > statistics.median(self.grad_norms) * self.same_factor
+            ):
+                return False
+        self._keep([loss], [] if grad_norm is None else [grad_norm])
         return True
 
-    def _keep(self, losses: Iterable[float]) -> None:
+    def _keep(self, losses: Iterable[float], grad_norms: Iterable[float] = ()) -> None:
         self.losses = (self.losses + [float(v) for v in losses if math.isfinite(v)])[-self.window :]
+        kept = [float(v) for v in grad_norms if v is not None and math.isfinite(v)]
+        self.grad_norms = (self.grad_norms + kept)[-self.window :]
 
     def start(self) -> None:
         """A new fit says its notice again (what was found stays: the windows hold the level)."""
         self.noticed, self.first = self.found, None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": list(self.steps), "losses": list(self.losses), "found": self.found}
+        return {
+            "steps": list(self.steps),
+            "losses": list(self.losses),
+            "grad_norms": list(self.grad_norms),
+            "found": self.found,
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.steps = [int(s) for s in state_dict.get("steps", [])]
         self.losses = [float(v) for v in state_dict.get("losses", [])]
+        self.grad_norms = [float(v) for v in state_dict.get("grad_norms", [])]
         self.found = bool(state_dict.get("found", False))
         self.noticed, self.first = self.found, None
 
 
-def level_message(count: int, window: int, switched: bool) -> str:
-    """The once-a-fit warning about recurring spikes that make a large share of recent steps."""
+def level_message(count: int, window: int, switched: bool, large: bool) -> str:
+    """The once-a-fit warning about recurring spikes that make a large share of recent steps: ``switched``,
+    their steps train from now on (``learn_recurring_level``); ``large``, the share reached the level's."""
     share = f"{count} of the last {window} steps ({count / window:.0%})"
     said = (
         "StabilityGuard: recurring loss spikes (batches that spike at the rollback's snapshot too) made "
-        f"{share}. Spikes are rare; a share this large is a level of the data: a task or a data source "
-        "whose losses sit far above the others (round-robin multi-task training)."
+        f"{share}, and they are skipped: that part of the data is not trained on. Spikes are rare; a share "
+        "this large is either a level of the data (a task or a data source whose losses sit far above the "
+        "others, as in round-robin multi-task training) or a data source gone bad: the guard cannot tell which."
     )
     if switched:
         said += (
-            " From now on such steps are applied and enter the baselines (they were skipped: that part of "
-            "the data was not trained on); non-finite values and spikes far above that level are still "
-            "caught."
+            " `learn_recurring_level` is on: from now on such steps are TRAINED ON and enter the baselines; "
+            "non-finite values, spikes far above that level and gradient norms far above its own are still "
+            "caught, but a fault whose loss lands within 4x of the level is trained on."
+        )
+    elif large:
+        said += (
+            " If it is a second task, set `config=StabilityGuardConfig(learn_recurring_level=True)` to train "
+            "such steps as a level,"
         )
     else:
+        said += " If it is a second task,"
+    if not switched:
         said += (
-            f" They are still skipped; at {LEVEL_SHARE:.0%} of the steps they would be applied as a level."
+            " or bring the tasks' losses to one scale (normalise or weight each task's loss), or turn loss "
+            "spikes off (`loss_zscore=None`; non-finite values are still caught). If it is bad data, fix the data."
         )
-    return said + (
-        " If these batches are bad data, fix the data; for tasks at different loss levels, bring their "
-        "losses to one scale (normalise each task's loss, or weight it), or turn loss spikes off "
-        "(`loss_zscore=None`; non-finite values are still caught)."
-    )
+    else:
+        said += " If these batches are bad data, fix the data and turn `learn_recurring_level` off."
+    return said
 
 
 class StepEnergy:

@@ -369,9 +369,9 @@ class StabilityCore:
         # the buffers training forwards write, copied before each step: what a data fault's mend sets back
         self.pre_step = PreStepBuffers()
         # recurring spikes that make a level of the data, the steps applied at it, the open incident's losses
-        self.level = RecurringLevel(window, SAME_SPIKE_FACTOR)
+        self.level = RecurringLevel(window, SAME_SPIKE_FACTOR, self.config.learn_recurring_level)
         self.level_steps = 0
-        self.flagged_losses: dict[int, float] = {}
+        self.flagged_losses: dict[int, tuple[float, float | None]] = {}
 
     @property
     def presumes_data(self) -> bool:
@@ -401,7 +401,7 @@ class StabilityCore:
         unjudged_before = detector.unjudged_losses
         verdict = detector.assess(loss, grad_norm, key, accept=True).verdict
         note = unjudged_loss_message(loss) if not unjudged_before and detector.unjudged_losses else None
-        if verdict.is_spike and verdict not in NONFINITE and self.level.holds(loss):
+        if verdict.is_spike and verdict not in NONFINITE and self.level.holds(loss, grad_norm):
             # a step at the level of the data that recurring spikes turned out to be: trained, and its values
             # teach the windows that level (no rollback test: it would find the batch spiking again)
             detector.accept(loss, grad_norm, key)
@@ -417,10 +417,11 @@ class StabilityCore:
         for old in [s for s in flagged if step - s >= policy.spike_memory]:
             del flagged[old]
         if verdict.is_spike and verdict not in NONFINITE and cause is None and loss is not None:
-            flagged[step] = loss  # a non-finite step never counts towards a level
+            flagged[step] = (loss, grad_norm)  # a non-finite step never counts towards a level
         if (resolved := policy.recurring_spikes - recurring_before) > 0:
             steps = [s for s in incident[-resolved:] if s in flagged]
-            note = self.level.record(step, steps, [flagged[s] for s in steps]) or note
+            losses, grads = [flagged[s][0] for s in steps], [flagged[s][1] for s in steps]
+            note = self.level.record(step, steps, losses, grads) or note
         return verdict, action, cause, note
 
     def judge_later_evaluation(self, step: int, loss: float | None, grad_norm: float | None) -> Action:
