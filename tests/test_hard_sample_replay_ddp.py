@@ -196,8 +196,8 @@ class _RefusalDump(HardSampleReplay):
 
 @pytest.mark.ddp
 def test_every_rank_refuses_coefficients_of_both_signs_that_only_one_rank_shows(tmp_path):
-    # a review: the check read each rank's own loss; rank 1 refused alone after its backward and rank 0 died in
-    # the next per-step all_gather (gloo: "Connection closed by peer"; NCCL would hang). The ranks now vote
+    # a review: the check read each rank's own loss; rank 1 refused alone after its backward and rank 0 died
+    # in the next per-step all_gather (gloo: "Connection closed by peer"; NCCL would hang). The ranks now vote
     from torch.utils.data import DataLoader, TensorDataset
 
     generator = torch.Generator().manual_seed(0)
@@ -218,9 +218,9 @@ def test_every_rank_refuses_coefficients_of_both_signs_that_only_one_rank_shows(
     )
     assert "cross_entropy(reduction='none')" in rank1
     assert rank0.startswith(
-        "PulseRefusal: HardSampleReplay cannot score the samples of step 0's loss: on rank 1 of 2 its captured "
-        "per-sample loss enters the loss that trains with coefficients of both signs across its samples' "
-        "losses, where this rank's did not"
+        "PulseRefusal: HardSampleReplay cannot score the samples of step 0's loss: on rank 1 of 2 its "
+        "captured per-sample loss enters the loss that trains with coefficients of both signs across its "
+        "samples' losses, where this rank's did not"
     )
     for rank in (rank0, rank1):
         assert "scorer=" in rank and "rule='random'" in rank

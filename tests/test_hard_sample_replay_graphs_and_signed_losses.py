@@ -1,6 +1,6 @@
-"""HardSampleReplay on two cases a held-out sweep found: graphs joined with a bare node-to-graph ``batch`` vector
-(batch mode crashed at its first cut), and a loss whose per-sample terms enter with coefficients of both signs
-(a REINFORCE loss scored by its unweighted cross-entropy, with no word)."""
+"""HardSampleReplay on two cases a held-out sweep found: graphs joined with a bare node-to-graph ``batch``
+vector (batch mode crashed at its first cut), and a loss whose per-sample terms enter with coefficients of
+both signs (a REINFORCE loss scored by its unweighted cross-entropy, with no word)."""
 
 from __future__ import annotations
 

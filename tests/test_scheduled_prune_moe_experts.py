@@ -169,7 +169,8 @@ def test_layer_types_the_user_named_are_a_choice_not_warned_of():
 
 def test_a_bare_position_table_is_not_counted_out_of_reach():
     """A review: a minGPT-style ``pos_emb`` table (here 3x the model's other weights) was counted out of reach
-    and warned of, though position tables, like embeddings, are lookups that magnitude pruning leaves alone."""
+    and warned of, though position tables, like embeddings, are lookups that magnitude pruning leaves
+    alone."""
     module = _ConvNetWithPositionTable(table_rows=1024)
     assert module.pos_emb.numel() > 2 * sum(p.numel() for p in module.net.parameters())
     assert not _fit_warnings(module, None, _prune())

@@ -1,11 +1,11 @@
 """StabilityGuard sets the buffers a bad batch's forward wrote back to their values before its step.
 
 A data fault's step is skipped, but its forward already wrote BatchNorm's running statistics. They used to go
-back to the newest snapshot's values: with ``snapshot_every=100`` every bad batch threw away up to 100 steps of
-statistics (two runs differing only in ``snapshot_every`` ended with the same weights and different validation
-losses). The guard now copies the buffers training forwards write before each optimizer step's first forward
-(:class:`~lightning_pulse.core.snapshots.PreStepBuffers`), and the run ends as one in which that step was
-skipped by hand.
+back to the newest snapshot's values: with ``snapshot_every=100`` every bad batch threw away up to 100 steps
+of statistics (two runs differing only in ``snapshot_every`` ended with the same weights and different
+validation losses). The guard now copies the buffers training forwards write before each optimizer step's
+first forward (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`), and the run ends as one in which that
+step was skipped by hand.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ BAD_SAMPLE = 21  # in batch 2 of each epoch (no shuffling): a sample that comes 
 
 
 class _MeanByReplacement(nn.Module):
-    """Keeps a running mean by replacing its buffer's tensor at every training forward, not writing into it."""
+    """Keeps a running mean by replacing its buffer's tensor at every training forward, not writing into
+    it."""
 
     def __init__(self, width: int) -> None:
         super().__init__()

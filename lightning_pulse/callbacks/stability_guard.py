@@ -280,7 +280,8 @@ class StabilityGuard(Callback):
     def on_pulse_parameters_replaced(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
     ) -> None:
-        """Snapshot at the end of the step (older ones no longer fit), the pre-step copy of buffers dropped."""
+        """Snapshot at the end of the step (older ones no longer fit), the pre-step copy of buffers
+        dropped."""
         self.core.parameters_replaced(trainer.global_step)
 
     @override

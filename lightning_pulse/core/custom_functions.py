@@ -231,7 +231,8 @@ DDP_INNER_BACKWARD = (
     "GradientCache: DDP marks those parameters unused after the forward, then their gradients arrive "
     "('Expected to mark a variable ready only once'). So GradientCache cannot freeze such a model under DDP: "
     "train it without GradientCache (DDP with `static_graph=True` trains it), or with GradientCache on one "
-    "process. (Gradient checkpointing with `use_reentrant=True` fails the same way: use `use_reentrant=False`.)"
+    "process. (Gradient checkpointing with `use_reentrant=True` fails the same way: use "
+    "`use_reentrant=False`.)"
 )
 
 

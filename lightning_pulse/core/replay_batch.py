@@ -159,7 +159,8 @@ class ReplayBatchLifecycle:
 
     def start_fit(self, world_size: int = 1) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope; over
-        ``world_size`` ranks, the checks of a fit's first steps that read each rank's own loss are voted on."""
+        ``world_size`` ranks, the checks of a fit's first steps that read each rank's own loss are voted
+        on."""
         self.world_size = world_size
         self.state_check = CarriedStateCheck()
         self.recorded_steps = self.unscored_steps = 0

@@ -636,8 +636,8 @@ class PreStepBuffers:
 
 
 def _is_pruning_mask(model: nn.Module, name: str) -> bool:
-    """Whether buffer ``name`` is the ``<tensor>_mask`` of ``torch.nn.utils.prune`` (next to ``<tensor>_orig``):
-    as large as its weight, it would be copied before every step."""
+    """Whether buffer ``name`` is the ``<tensor>_mask`` of ``torch.nn.utils.prune`` (next to
+    ``<tensor>_orig``): as large as its weight, it would be copied before every step."""
     owner, _, key = name.rpartition(".")
     return key.endswith("_mask") and f"{key[: -len('_mask')]}_orig" in model.get_submodule(owner)._parameters
 

@@ -480,29 +480,25 @@ def level_message(count: int, window: int, switched: bool, large: bool) -> str:
         "StabilityGuard: recurring loss spikes (batches that spike at the rollback's snapshot too) made "
         f"{share}, and they are skipped: that part of the data is not trained on. Spikes are rare; a share "
         "this large is either a level of the data (a task or a data source whose losses sit far above the "
-        "others, as in round-robin multi-task training) or a data source gone bad: the guard cannot tell which."
+        "others, as in round-robin multi-task training) or a data source gone bad: the guard cannot tell "
+        "which."
     )
     if switched:
-        said += (
+        return said + (
             " `learn_recurring_level` is on: from now on such steps are TRAINED ON and enter the baselines; "
             "non-finite values, spikes far above that level and gradient norms far above its own are still "
-            "caught, but a fault whose loss lands within 4x of the level is trained on."
+            "caught, but a fault whose loss lands within 4x of the level is trained on. If these batches are "
+            "bad data, fix the data and turn `learn_recurring_level` off."
         )
-    elif large:
-        said += (
-            " If it is a second task, set `config=StabilityGuardConfig(learn_recurring_level=True)` to train "
-            "such steps as a level,"
+    ways = (
+        "bring the tasks' losses to one scale (normalise or weight each task's loss), or turn loss spikes "
+        "off (`loss_zscore=None`; non-finite values are still caught)"
+    )
+    if large:
+        ways = (
+            f"set `config=StabilityGuardConfig(learn_recurring_level=True)` to train them as a level, {ways}"
         )
-    else:
-        said += " If it is a second task,"
-    if not switched:
-        said += (
-            " or bring the tasks' losses to one scale (normalise or weight each task's loss), or turn loss "
-            "spikes off (`loss_zscore=None`; non-finite values are still caught). If it is bad data, fix the data."
-        )
-    else:
-        said += " If these batches are bad data, fix the data and turn `learn_recurring_level` off."
-    return said
+    return said + f" If it is a second task, {ways}. If it is bad data, fix the data."
 
 
 class StepEnergy:
