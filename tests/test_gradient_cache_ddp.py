@@ -198,32 +198,10 @@ class _ClosureLinear(torch.autograd.Function):
         return x.grad, None
 
 
-def _hidden_closure(layer: nn.Module) -> type[torch.autograd.Function]:
-    """The same Function reaching its layer through the class's closure: nothing on ``ctx`` shows it."""
-
-    class _Hidden(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            with torch.no_grad():
-                return torch.tanh(layer(x))
-
-        @staticmethod
-        def backward(ctx, grad):
-            (x,) = ctx.saved_tensors
-            with torch.enable_grad():
-                x = x.detach().requires_grad_(True)
-                torch.autograd.backward(torch.tanh(layer(x)), grad)
-            return x.grad
-
-    return _Hidden
-
-
 class _ClosureModel(pl.LightningModule):
-    def __init__(self, hidden: bool) -> None:
+    def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.hidden = hidden
         self.stem, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
         self.blocks = nn.ModuleList([nn.Linear(32, 32), nn.Linear(32, 32)])
 
@@ -231,14 +209,14 @@ class _ClosureModel(pl.LightningModule):
         x, y = batch
         h = self.stem(x)
         for layer in self.blocks:
-            h = h + (_hidden_closure(layer).apply(h) if self.hidden else _ClosureLinear.apply(h, layer))
+            h = h + _ClosureLinear.apply(h, layer)
         return F.cross_entropy(self.head(h), y)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def _closure_fit(hidden: bool) -> None:
+def _closure_fit() -> None:
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
         torch.randn(64, 16, generator=generator), torch.randint(0, 4, (64,), generator=generator)
@@ -248,22 +226,19 @@ def _closure_fit(hidden: bool) -> None:
         max_steps=4,
         **trainer_kwargs(devices=2, strategy=TwoGlooProcesses(find_unused_parameters=True)),
     )
-    trainer.fit(_ClosureModel(hidden), DataLoader(data, batch_size=8))
+    trainer.fit(_ClosureModel(), DataLoader(data, batch_size=8))
 
 
 @pytest.mark.ddp
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came with Python 3.11")
-@pytest.mark.parametrize("hidden", [False, True], ids=["kept-on-ctx", "closure"])
-def test_ddps_own_failure_on_a_layer_trained_inside_a_backward_carries_a_note_that_the_advice_does_not_hold(
-    hidden,
-):
+def test_ddps_own_failure_on_a_layer_trained_inside_a_backward_carries_a_note_that_the_advice_does_not_hold():
     # held-out sweep C: GradientCache sent a DDP user to `find_unused_parameters=True`, on which DDP itself
     # fails for a Function that trains layers inside its backward (Hugging Face Reformer) at the first
     # backward. The error now says that GradientCache's advice led there and what to do. (A refusal before the
     # backward, from layers kept on the Function's ctx, was tried and taken out after a review: it refused
     # healthy models, a MoE dispatch keeping its experts, and could refuse on one rank alone.)
     with pytest.raises(Exception, match="mark a variable ready only once") as caught:
-        _closure_fit(hidden=hidden)
+        _closure_fit()
     notes = getattr(caught.value, "__notes__", [])
     assert any("that advice does not hold for every model" in note for note in notes), notes
     assert any("GradientCache cannot freeze such a model under DDP" in note for note in notes)
