@@ -343,9 +343,8 @@ class PrefixActivationCache:
         """
         self.end_batch()
         if self.disabled_reason is not None:
-            self.batches += (
-                1  # a frozen batch it no longer replays: the hit rate falls from the switch-off on
-            )
+            # a frozen batch it no longer replays: the hit rate falls from the switch-off on
+            self.batches += 1
             return "off"
         if not self.entries:
             return "off"

@@ -368,6 +368,7 @@ class StabilityCore:
         self.check_oom_warned = False  # the data check ran out of memory (said once a fit)
         # the buffers training forwards write, copied before each step: what a data fault's mend sets back
         self.pre_step = PreStepBuffers()
+        self.mended_from_copy: list[str] = []  # the names the last mend set back from that copy
         # recurring spikes that make a level of the data, the steps applied at it, the open incident's losses
         self.level = RecurringLevel(window, SAME_SPIKE_FACTOR, self.config.learn_recurring_level)
         self.level_steps = 0
@@ -504,7 +505,7 @@ class StabilityCore:
         saved = self.saved_forward_state(model) if saved is None else saved
         mended = self.mend_forward_state(model, saved)  # before the next forward reads it
         if self.remember_bad_samples(samples):
-            before_step = self.pre_step.copied and set(mended) <= set(self.pre_step.names)
+            before_step = set(mended) <= set(self.mended_from_copy)  # else named with the snapshot's step
             snapshot_step = None if saved[0] is None else saved[0].step
             return data_fault_message(step, samples, mended, snapshot_step, before_step)
         return None
@@ -719,7 +720,7 @@ class StabilityCore:
             before_step -= set(nonfinite_forward_state(model, evidence))
         saved_buffers = {} if snapshot is None else {**snapshot.model, **snapshot.buffers}
         carried = {} if snapshot is None else snapshot.extra.get("carried", {})
-        mended = []
+        mended, self.mended_from_copy = [], [name for name in bad if name in before_step]
         for name in bad:
             if name in before_step:  # set back to its values before the step already
                 pass
