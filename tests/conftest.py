@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from lightning.pytorch.loggers import Logger
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 torch.set_num_threads(1)
@@ -76,6 +77,35 @@ def mnist1d_small():
         )
 
     return make
+
+
+class RecordingLogger(Logger):
+    """A logger that keeps every ``log_metrics`` call in memory, as ``(step, metrics)`` rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    @property
+    def metrics(self) -> list[dict[str, float]]:
+        return [metrics for _, metrics in self.rows]
+
+    def logged(self, key: str) -> list[tuple[int | None, float]]:
+        return [(step, metrics[key]) for step, metrics in self.rows if key in metrics]
 
 
 class StandInTrainer:

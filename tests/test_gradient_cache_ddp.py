@@ -13,14 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.gradient_cache import GradientCache
-from tests.conftest import trainer_kwargs
+from tests.conftest import RecordingLogger, trainer_kwargs
 from tests.ddp_workers import TwoGlooProcesses
 
 
@@ -262,26 +261,6 @@ class _MixupOnRankOne(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-class _RecordingLogger(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.records.append(dict(metrics))
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-
 class _SaidAndReplayed(Callback):
     """Writes, per rank, the warnings said during training, the activation hit rate and the logged ones."""
 
@@ -297,7 +276,7 @@ class _SaidAndReplayed(Callback):
         self._catcher.__exit__(None, None, None)
         cache = next(cb for cb in trainer.callbacks if isinstance(cb, GradientCache))
         key = "gradient_cache/activation_hit_rate"
-        logged = [record[key] for record in trainer.loggers[0].records if key in record]
+        logged = [value for _, value in trainer.loggers[0].logged(key)]
         report = {
             "said": [str(w.message) for w in self._said],
             "hit_rate": cache.activations.hit_rate,
@@ -324,7 +303,7 @@ def test_a_switch_off_on_rank_one_is_said_and_the_logged_hit_rate_is_the_lowest_
         log_every_n_steps=1,
         **{
             **trainer_kwargs(devices=2, strategy=TwoGlooProcesses(find_unused_parameters=True)),
-            "logger": _RecordingLogger(),
+            "logger": RecordingLogger(),
         },
     )
     trainer.fit(_MixupOnRankOne(), DataLoader(data, batch_size=8))
@@ -358,6 +337,6 @@ def test_the_hit_rates_gather_runs_on_every_rank_when_only_rank_zero_has_a_logge
         callbacks=[cache, _LoggerOnRankZeroOnly()],
         max_steps=12,
         log_every_n_steps=1,
-        **{**trainer_kwargs(devices=2, strategy=strategy), "logger": _RecordingLogger()},
+        **{**trainer_kwargs(devices=2, strategy=strategy), "logger": RecordingLogger()},
     )
     trainer.fit(_MixupOnRankOne(), DataLoader(data, batch_size=8))  # a rank's error or timeout raises here

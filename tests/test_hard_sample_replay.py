@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
@@ -21,7 +20,7 @@ from lightning_pulse.core.per_sample_loss import ForwardLossScorer, OutputKeySco
 from lightning_pulse.core.replay import UNTOUCHED, HardSampleSelector, ReplayConfig
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.errors import PulseRefusal
-from tests.conftest import trainer_kwargs
+from tests.conftest import RecordingLogger, trainer_kwargs
 
 BATCHES_PER_EPOCH = 12  # 720 training samples in batches of 64 (the last one holds 16)
 
@@ -408,28 +407,8 @@ def test_a_checkpoint_saved_after_a_steps_mode_fit_holds_its_data_stream_and_res
     assert torch.equal(_parameters(resumed_model), _parameters(reference_model))
 
 
-class _RecordingLogger(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: list[dict[str, float]] = []
-
-    @property
-    def name(self):
-        return "recording"
-
-    @property
-    def version(self):
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.append(dict(metrics))
-
-
 def test_replay_metrics_reach_the_loggers():
-    logger = _RecordingLogger()
+    logger = RecordingLogger()
     kwargs = {**trainer_kwargs(), "logger": logger}
     trainer = pl.Trainer(
         callbacks=[HardSampleReplay(mode="batch", log_every_n_steps=6)], max_epochs=2, **kwargs

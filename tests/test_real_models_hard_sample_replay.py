@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -23,21 +22,7 @@ from lightning_pulse.core.replay import HardSampleSelector, ReplayConfig, shorte
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.errors import PulseRefusal
 from tests.clients import CLIENTS, StatefulLSTM, StreamDataModule, TextWindowsDataModule
-from tests.conftest import StandInTrainer, trainer_kwargs
-
-
-class _Logger(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict[str, float]]] = []
-
-    name, version = "memory", 0
-
-    def log_hyperparams(self, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.rows.append((step, dict(metrics)))
+from tests.conftest import RecordingLogger, StandInTrainer, trainer_kwargs
 
 
 class _Trained(Callback):
@@ -301,7 +286,7 @@ def test_hf_models_computing_their_own_loss_give_real_per_sample_losses_and_repl
     torch.manual_seed(0)
     module, _ = CLIENTS[name]()
     data = TextWindowsDataModule(kind, max_chars=8_000)  # 225 windows: 14 batches of 16 and 1 of 1 per epoch
-    truth, logger = _PerSampleTruth(kind), _Logger()
+    truth, logger = _PerSampleTruth(kind), RecordingLogger()
     callbacks = [HardSampleReplay(mode="batch", replay_fraction=0.5, log_every_n_steps=1), truth]
     trainer = pl.Trainer(
         callbacks=callbacks,

@@ -10,7 +10,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers.logger import Logger
 from torch.utils.data import DataLoader
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
@@ -20,30 +19,7 @@ from lightning_pulse.core import prune_setup, pruning
 from lightning_pulse.core.prune_schedule import PruneSchedule, cubic_sparsity
 from lightning_pulse.core.step_plan import epoch_steps
 from lightning_pulse.errors import PulseRefusal
-from tests.conftest import trainer_kwargs
-
-
-class RecordingLogger(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.records.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def logged(self, key: str) -> list[tuple[int, float]]:
-        return [(step, metrics[key]) for step, metrics in self.records if key in metrics]
+from tests.conftest import RecordingLogger, trainer_kwargs
 
 
 class OptimizerWatch(Callback):
