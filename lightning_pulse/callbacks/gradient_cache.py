@@ -70,9 +70,9 @@ class GradientCache(Callback):
             log the backward FLOPs skipped.
 
     A unit holding a tied or shared parameter never freezes (the prefix stops before it; the setup log names
-    it). Parameters frozen at fit start (a backbone) belong to no unit; once they train, everything is
-    released and the units found again. Pruned parameters are followed; after a prune event the activation
-    cache records again.
+    it). Parameters frozen before the first backward (a backbone) belong to no unit; once they train (get a
+    gradient or an optimizer's step), everything is released and the units found again. Pruned parameters are
+    followed; after a prune event the activation cache records again.
 
     Raises:
         ValueError: at construction, naming the field, for a value out of range; at train start, for a

@@ -442,10 +442,13 @@ def _split(root: nn.Module, named: Mapping[str, nn.Parameter], min_units: int) -
 
 @contextmanager
 def record_gradient_order(params: Mapping[str, nn.Parameter]) -> Iterator[list[str]]:
-    """Record the names of ``params`` in the order backward finishes accumulating their gradients."""
+    """Record the names of ``params`` in the order backward finishes accumulating their gradients. One that
+    requires no gradient gets none, so it is not recorded (torch refuses a hook on it)."""
     order: list[str] = []
     handles = []
     for name, param in params.items():
+        if not param.requires_grad:
+            continue
 
         def hook(_: torch.Tensor, name: str = name) -> None:
             order.append(name)

@@ -295,13 +295,16 @@ class LayerFreezer:
     would still run through it, and it would stand still while its inputs change. So where a freeze is decided
     (a window's end, a light phase, a restored state; :meth:`check_outside` at other points) the freezer
     checks ``outside``; if one trains, it releases everything and freezes nothing more (:attr:`outgrown`) until
-    its units are discovered again (:meth:`FreezerLifecycle.retrace`).
+    its units are discovered again (:meth:`FreezerLifecycle.retrace`). One trains when it requires grad and got
+    a gradient or one of ``optimizers`` holds it (:meth:`_outside_trains`).
 
     Args:
         units: the bound units in forward order (see :func:`discover_units` and :func:`order_units`).
         settings: validated :class:`FreezeSettings`.
         outside: the model's parameters in no unit (:func:`~lightning_pulse.core.freeze_units.parameters_outside`);
             none: the trainable set is not watched.
+        optimizers: the fit's optimizers, read at each look (a param group added later counts); ``None``:
+            unknown, so an ``outside`` parameter trains as soon as it requires grad.
     """
 
     def __init__(
@@ -310,10 +313,12 @@ class LayerFreezer:
         settings: FreezeSettings | None = None,
         outside: Iterable[nn.Parameter] = (),
         rare: Iterable[str] = (),
+        optimizers: Sequence[torch.optim.Optimizer] | None = None,
     ) -> None:
         self.units = list(units)
         self.settings = settings or FreezeSettings()
         self.outside = list(outside)
+        self.optimizers = optimizers
         self.outgrown = False  # a parameter outside the units requires grad: nothing freezes any more
         n = len(self.units)
         # units the ordering backward gave no gradient (ordered last): one that gets a gradient later (a block
@@ -540,7 +545,15 @@ class LayerFreezer:
         return grew
 
     def _outside_trains(self) -> bool:
-        return any(param.requires_grad for param in self.outside)
+        """Whether a parameter outside the units requires grad and got a gradient or an optimizer holds it. One
+        that neither can move, nor slow a backward: a model re-creating an ``nn.Parameter`` in its forward (the
+        widely copied VQ-VAE ``VectorQuantizerEMA``) leaves a new one outside at every step, which, taken for
+        one that started training, released every unit at every window's end, so nothing ever froze."""
+        wanting = [param for param in self.outside if param.requires_grad]
+        if not wanting or self.optimizers is None or any(param.grad is not None for param in wanting):
+            return bool(wanting)
+        held = optimizer_parameter_ids(self.optimizers)
+        return held is None or any(id(param) in held for param in wanting)
 
     def run_statistics(self) -> dict[str, float]:
         """The run's step count and statistics, which a freezer over rediscovered units continues."""
@@ -791,7 +804,12 @@ class LayerFreezer:
         self.freezes = int(stats["freezes"])
 
 
-def freezer_from_state(state: Mapping[str, Any], model: nn.Module, settings: FreezeSettings) -> LayerFreezer:
+def freezer_from_state(
+    state: Mapping[str, Any],
+    model: nn.Module,
+    settings: FreezeSettings,
+    optimizers: Sequence[torch.optim.Optimizer] | None = None,
+) -> LayerFreezer:
     """A :class:`LayerFreezer` rebuilt from :meth:`LayerFreezer.state_dict` on ``model``'s parameters.
 
     Units are bound against every parameter, trainable or not: a restored unit may be frozen now.
@@ -804,16 +822,22 @@ def freezer_from_state(state: Mapping[str, Any], model: nn.Module, settings: Fre
     ]
     for unit in units:
         unit.bind(everything)
-    freezer = LayerFreezer(mark_shared(units, model), settings, parameters_outside(model, units))
+    outside = parameters_outside(model, units)
+    freezer = LayerFreezer(mark_shared(units, model), settings, outside, optimizers=optimizers)
     freezer.load_state_dict(state)
     return freezer
 
 
 def restore_freezer(
-    current: LayerFreezer | None, state: Mapping[str, Any] | None, model: nn.Module, settings: FreezeSettings
+    current: LayerFreezer | None,
+    state: Mapping[str, Any] | None,
+    model: nn.Module,
+    settings: FreezeSettings,
+    optimizers: Sequence[torch.optim.Optimizer] | None = None,
 ) -> LayerFreezer | None:
     """The freezer described by ``state`` (``None``: one saved before the units were ordered), with
-    ``requires_grad`` set from its frozen flags; ``current`` is reused when it has the same units."""
+    ``requires_grad`` set from its frozen flags; ``current`` is reused when it has the same units.
+    ``optimizers``: see :class:`LayerFreezer`."""
     if current is not None:
         current.restore_requires_grad()
     if state is None:
@@ -822,7 +846,7 @@ def restore_freezer(
         current.load_state_dict(state)
         freezer = current
     else:
-        freezer = freezer_from_state(state, model, settings)
+        freezer = freezer_from_state(state, model, settings, optimizers)
     freezer.apply_requires_grad()
     return freezer
 
@@ -833,6 +857,7 @@ def restore_during_fit(
     state: Mapping[str, Any] | None,
     model: nn.Module,
     settings: FreezeSettings,
+    optimizers: Sequence[torch.optim.Optimizer] | None = None,
 ) -> tuple[LayerFreezer | None, ForwardOrderTrace | None]:
     """:func:`restore_freezer` in the middle of a fit (a rollback), with the pending unit trace to go with it.
 
@@ -841,7 +866,7 @@ def restore_during_fit(
     ``current`` and ``state`` are both ``None`` and ``trace`` is kept.
     """
     units = current.units if current is not None else None
-    freezer = restore_freezer(current, state, model, settings)
+    freezer = restore_freezer(current, state, model, settings, optimizers)
     if freezer is not None:
         return freezer, None
     return None, ForwardOrderTrace(units) if units is not None else trace
@@ -911,6 +936,9 @@ class FreezerLifecycle:
         # the wrap): its reducer left them out, so their gradients are never averaged once they train
         self.frozen_before_wrap: set[int] = set()
         self.optimizer_check = GradlessStepCheck()  # whether the optimizer leaves frozen parameters alone
+        # the fit's optimizers (from fit start): a parameter outside the units none holds, with no gradient,
+        # does not train (LayerFreezer._outside_trains); None before, as for a freezer used on its own
+        self.optimizers: list[torch.optim.Optimizer] | None = None
         self.rolled_back_at: int | None = None  # optimizer steps taken at the fit's last rollback (restore)
         self._announced: tuple[str, str | None] | None = None  # the units :meth:`announce` last named
         self._step_counted = False  # the step under way was counted (at its first closure evaluation)
@@ -967,7 +995,7 @@ class FreezerLifecycle:
         self._graph_checked, self._model, self._statistics, self._rare = False, model, None, []
         self.rolled_back_at, self._announced, self._step_counted, self._ended = None, None, False, False
         self._scan, self._reached_inside, self.gradients_lost, self._notes = None, [], [], []
-        self.freezer, self.trace = restore_freezer(None, state, model, self.settings), None
+        self.freezer, self.trace = restore_freezer(None, state, model, self.settings, self.optimizers), None
         self._open_first_forward, self._opened = self.freezer is not None, []
         if self.freezer is None:
             self.trace = ForwardOrderTrace(discover_units(model, self.unit_names))
@@ -987,7 +1015,7 @@ class FreezerLifecycle:
         check_wrapped_model(strategy.model, world_size, type(strategy).__name__)
         if world_size > 1:  # DDP just wrapped the model: what is frozen now, its reducer left out
             self.frozen_before_wrap = frozen_parameter_ids(model)
-        optimizers = list(optimizers)
+        optimizers = self.optimizers = list(optimizers)
         refuse_optimizers_that_move_gradless_parameters(optimizers)
         self.optimizer_check.attach(optimizers)  # frozen parameters put back right after a wrapper's step
 
@@ -1014,6 +1042,7 @@ class FreezerLifecycle:
         the units holding a parameter read twice: a restored freezer's, or those about to be ordered (the same
         objects). There and at every backward that orders units, :func:`mark_inputs`. While units wait, record
         the order this backward hands out gradients in."""
+        self._rediscover_refrozen()
         first = not self._graph_checked
         if first:
             self._graph_checked = True
@@ -1027,6 +1056,21 @@ class FreezerLifecycle:
             self._marked = True
         if self.trace is not None and not self.trace.running:
             self.trace.begin()
+
+    def _rediscover_refrozen(self) -> None:
+        """Discover the units waiting for their order again when the user's code froze one of their parameters
+        since they were discovered (in its own or the module's ``on_train_start`` after GradientCache's, or in
+        the first ``on_train_epoch_start``): that counts as a freeze before the fit, so those parameters
+        belong to no unit and are watched like a frozen backbone. Before, recording the order hooked a
+        parameter that no longer required grad, and the fit crashed at its first backward."""
+        trace = self.trace
+        if trace is None or trace.running or self._model is None:
+            return
+        if all(param.requires_grad for unit in trace.units for param in unit.params):
+            return
+        units = discover_units(self._model, self.unit_names)
+        self.trace = ForwardOrderTrace(units, trace.previous, sorted(trace.wanted))
+        self._graph_checked = False  # the pins and custom Functions are found on the new units
 
     def end_backward(self, broadcast: Callable[[list[Any]], list[Any]] | None = None) -> bool:
         """After a backward: turn the restored prefix :meth:`begin_forward` opened off again; put the waiting
@@ -1115,7 +1159,7 @@ class FreezerLifecycle:
             return False
         outside = parameters_outside(self._model, units) if self._model is not None else []
         rare = [*self._rare, *self.trace.given_up]
-        self.freezer, self.trace = LayerFreezer(units, self.settings, outside, rare), None
+        self.freezer, self.trace = LayerFreezer(units, self.settings, outside, rare, self.optimizers), None
         if self._statistics is not None:
             self.freezer.continue_statistics(self._statistics)
             self._statistics = None
@@ -1283,7 +1327,9 @@ class FreezerLifecycle:
     def restore(self, state: Mapping[str, Any] | None, model: nn.Module, step: int | None = None) -> None:
         """A rollback in the middle of the fit, after ``step`` optimizer steps: :func:`restore_during_fit`."""
         self._model, self._open_first_forward, self.rolled_back_at = model, False, step
-        self.freezer, self.trace = restore_during_fit(self.freezer, self.trace, state, model, self.settings)
+        self.freezer, self.trace = restore_during_fit(
+            self.freezer, self.trace, state, model, self.settings, self.optimizers
+        )
 
     def resume(
         self, state: Mapping[str, Any] | None, model: nn.Module, replay: LoaderActivationCache | None = None
@@ -1346,6 +1392,8 @@ class FreezerLifecycle:
         """Turn back on every parameter the freezer turned off, so the module leaves the fit as it came in."""
         self._ended = True
         self.optimizer_check.detach()
+        if self.optimizers is not None:  # the freezer shares the list: their state is not kept past the fit
+            self.optimizers.clear()
         if self.freezer is not None:
             self.freezer.restore_requires_grad()
 
@@ -1494,6 +1542,19 @@ def holds_frozen_parameters_every_step(
 
 def _moved(param: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
     return (torch.ne(param, copy) & ~(torch.isnan(param) & torch.isnan(copy))).any()
+
+
+def optimizer_parameter_ids(optimizers: Iterable[torch.optim.Optimizer]) -> set[int] | None:
+    """Ids of the parameters ``optimizers`` (and the optimizers they wrap) hold now; ``None`` when one of them
+    shows no ``param_groups``, so what it holds cannot be told."""
+    held: set[int] = set()
+    for optimizer in optimizers:
+        for part in (optimizer, *_inner_optimizers(optimizer)):
+            groups = getattr(part, "param_groups", None)
+            if groups is None:
+                return None
+            held.update(id(param) for group in groups for param in group["params"])
+    return held
 
 
 def _inner_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
