@@ -12,7 +12,9 @@ synchronises, on a healthy step.
   finite without those rows, or (where the rows cannot be cut out) with its NaN and ``+inf`` values set to 0;
   if not, the data holds NaN on purpose (missing labels) or by chance, and the model is at fault.
 * :func:`weights_are_finite`: whether the parameters and optimizer states are all finite. When they are not,
-  skipping cannot help: the model itself went bad and has to go back to a snapshot.
+  skipping cannot help: the model itself went bad and has to go back to a snapshot. A parameter no optimizer
+  step writes (frozen, or held by no optimizer: an EMA codebook a forward writes) counts with the forward
+  state instead (:func:`~lightning_pulse.core.snapshots.written_outside`).
 * :func:`nonfinite_forward_state`: the buffers and carried tensors a forward made bad (a NaN, or an infinity
   where the newest snapshot's copy was finite). A forward over bad data writes them (BatchNorm's running
   statistics), so with bad data they are mended, not rolled back.
@@ -39,7 +41,7 @@ from torch import Tensor
 
 from lightning_pulse.core.carried_state import carried_tensors, tensors_in
 from lightning_pulse.core.selection import take_samples
-from lightning_pulse.core.snapshots import nonfinite_tensors
+from lightning_pulse.core.snapshots import nonfinite_tensors, written_outside
 from lightning_pulse.energy.counting import leading_sizes
 
 # the dict keys under which a batch commonly carries its samples' dataset indices
@@ -159,10 +161,13 @@ def _all_finite(tensors: Sequence[Tensor]) -> bool:
     return bool(torch.stack([torch.isfinite(t.detach()).all().to(device) for t in tensors]).all().item())
 
 
-def weights_are_finite(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> bool:
-    """Whether every floating-point parameter and optimizer-state tensor is finite: what only an optimizer step
-    writes, so a skipped step leaves it as it was. One transfer."""
-    tensors = [t for t in module.parameters() if t.is_floating_point()]
+def weights_are_finite(
+    module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = (), leave_out: Iterable[str] = ()
+) -> bool:
+    """Whether every floating-point parameter (but those named in ``leave_out``) and optimizer-state tensor is
+    finite: what only an optimizer step writes, so a skipped step leaves it as it was. One transfer."""
+    left_out = set(leave_out)
+    tensors = [t for name, t in module.named_parameters() if t.is_floating_point() and name not in left_out]
     for optimizer in optimizers:
         for state in optimizer.state.values():
             tensors.extend(v for v in state.values() if isinstance(v, Tensor) and v.is_floating_point())
@@ -368,7 +373,8 @@ def trace_nonfinite(
     """Where the non-finite optimizer step ``step`` came from, the same answer on every rank:
     ``(cause, samples, unchecked)``.
 
-    ``("state", [], False)`` if the weights (:func:`weights_are_finite`) are non-finite on any rank. Else, if
+    ``("state", [], False)`` if the weights (:func:`weights_are_finite`: the parameters an optimizer step
+    writes, and the optimizer states) are non-finite on any rank. Else, if
     a micro-batch ``(batch_idx, batch)`` held a NaN or ``+inf`` on any rank: ``("data", samples, unchecked)``
     (``samples``: this rank's, :func:`find_bad_samples` with ``trained``; empty on a rank whose batches were
     clean) when the data explains the step (:func:`data_explains_step`, with ``losses_of``: the loss is
@@ -379,8 +385,10 @@ def trace_nonfinite(
     state's, 80% of the steps of a module with BatchNorm that cannot take a smaller
     batch, on data with one corrupt sample in 40, had rolled back at once, and stopped the run. Otherwise,
     as for a step without bad data: ``("state", [], False)`` if a forward made the forward state bad on any
-    rank (:func:`nonfinite_forward_state`, against ``saved_forward_state``: the newest snapshot's), else
-    ``(None, [], False)``.
+    rank (:func:`nonfinite_forward_state`, against ``saved_forward_state``: the newest snapshot's), or a
+    parameter no optimizer step writes holds a NaN or an infinity
+    (:func:`~lightning_pulse.core.snapshots.written_outside`: an EMA codebook kept in parameters, which a
+    forward over bad data makes NaN as it does BatchNorm's statistics), else ``(None, [], False)``.
 
     NaN in the data is no proof: data can hold it on purpose (missing labels a multi-task loss masks out).
     Taken as proof, every overflow of such a model was skipped as bad data, never rolled back or stopped.
@@ -396,8 +404,11 @@ def trace_nonfinite(
         for batch_idx, _, _, rows, ids in traced
         if rows != []
     ]
-    weights_bad = not weights_are_finite(module, optimizers)
-    forward_bad = bool(nonfinite_forward_state(module, saved_forward_state))
+    optimizers = list(optimizers)
+    # the parameters a forward writes (an EMA codebook) go bad with the forward state, by the data's fault too
+    outside = written_outside(module, optimizers)
+    weights_bad = not weights_are_finite(module, optimizers, leave_out=outside)
+    forward_bad = bool(nonfinite_forward_state(module, saved_forward_state) or nonfinite_tensors(outside))
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     flags = torch.tensor([float(bool(samples)), float(weights_bad), float(forward_bad)], device=device)
     if all_reduce_sum is not None:

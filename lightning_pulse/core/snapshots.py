@@ -533,44 +533,60 @@ def holding(snapshot: TrainingSnapshot, model: nn.Module) -> Iterator[None]:
 
 class PreStepBuffers:
     """The buffers that training forwards write (BatchNorm's running statistics and ``num_batches_tracked``),
-    copied before each optimizer step's first forward, so that a step skipped as the data's fault can set them
-    back to their values before it (StabilityGuard's mend). The newest snapshot may be ``snapshot_every``
-    steps older: setting them back to it threw those steps' statistics away at every bad batch.
+    and the parameters they write (an EMA codebook or a momentum encoder: frozen, or held by no optimizer;
+    :func:`written_outside`), copied before each optimizer step's first forward, so that a step skipped as
+    the data's fault can set them back to their values before it (StabilityGuard's mend). The newest snapshot
+    may be ``snapshot_every`` steps older: setting them back to it threw those steps' statistics away at
+    every bad batch.
 
-    Which buffers (:meth:`learn`): those whose values differ from a snapshot's copy, at the end of the first
-    applied step after the fit's start or a structured prune (:attr:`learn_after`), and before each snapshot
-    (buffers that start being written later); the set only grows. Values, not version counters: BatchNorm's
-    kernel updates its running statistics without bumping theirs. The guard's own writes leave no trace
-    there: its checks give buffers back bit for bit, a rollback returns them to a snapshot's values.
+    Which (:meth:`learn`): buffers whose values differ from a snapshot's copy, and parameters written outside
+    the optimizers whose fingerprint (their sum, on their device: no copy of a frozen backbone crosses to the
+    host) changed since the last learn, at the end of the first two applied steps after the fit's start or a
+    structured prune (:attr:`learn_after`), and before each snapshot (tensors that start being written
+    later); the set only grows. Values, not version counters: BatchNorm's kernel updates its running
+    statistics without bumping theirs. The guard's own writes leave no trace there: its checks give buffers
+    and parameters back bit for bit, a rollback returns them to a snapshot's values.
 
     Per step (:meth:`before_step`): a call that returns at once for a model whose forwards write no buffer
-    (and inside an accumulation window: the copy is taken before the window's first micro-batch); else one
-    ``torch._foreach_copy_`` into tensors allocated when the set was learned. Resumed, or before the first
-    learn, there is no copy (:attr:`copied` is false): the mend falls back to the snapshot's values.
+    or parameter (and inside an accumulation window: the copy is taken before the window's first
+    micro-batch); else one ``torch._foreach_copy_`` into tensors allocated when the set was learned. Resumed,
+    or before the first learn, there is no copy (:attr:`copied` is false): the mend falls back to the
+    snapshot's values.
     """
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self, learn_after: int | None = None) -> None:
-        """Forget the buffers learned and the copy (a new fit, or parameters replaced: the modules and shapes
+        """Forget the tensors learned and the copy (a new fit, or parameters replaced: the modules and shapes
         the copy was made for may be gone); ``learn_after``: learn at the end of the first applied step whose
         counter after it is past this one."""
         self.names: list[str] = []
-        self.slots: list[tuple[dict[str, Any], str]] = []  # (owner's ``_buffers``, key) of each name
-        self.sources: list[torch.Tensor] = []  # the buffer tensors the last copy read
+        self.slots: list[tuple[dict[str, Any], str]] = []  # (owner's ``_buffers``/``_parameters``, key)
+        self.sources: list[torch.Tensor] = []  # the tensors the last copy read
         self.copies: list[torch.Tensor] = []
         self.copied = False  # the copies hold the values before the current step's first forward
         self.learn_after = learn_after
+        self.early_learns = 2  # the applied steps from ``learn_after`` on that learn (then: snapshots only)
+        self.fingerprints: dict[str, float] = {}  # of the parameters written outside, at the last learn
 
-    def learn(self, model: nn.Module, snapshot: TrainingSnapshot | None) -> None:
+    def learn(
+        self, model: nn.Module, snapshot: TrainingSnapshot | None, optimizers: Sequence[Any] | None = None
+    ) -> None:
         """Add the buffers of ``model`` whose values differ from ``snapshot``'s copies (same shape and dtype;
-        the newest snapshot, taken before the forwards since). A comparison per buffer not learned yet, on
-        the buffer's device: at a snapshot, not per step."""
-        if snapshot is None:
-            return
-        saved = {**snapshot.model, **snapshot.buffers}
+        the newest snapshot, taken before the forwards since), and, with ``optimizers``, the parameters
+        written outside them whose fingerprint changed since the last call (:func:`fingerprints`). A
+        comparison per buffer not learned yet, on the buffer's device, and a sum per such parameter: at a
+        snapshot, not per step."""
         written = set(self.names)
+        if optimizers is not None:
+            outside = {
+                name: p for name, p in written_outside(model, optimizers).items() if name not in written
+            }
+            now = fingerprints(outside)
+            written.update(name for name, value in now.items() if self.fingerprints.get(name, value) != value)
+            self.fingerprints = now
+        saved = {} if snapshot is None else {**snapshot.model, **snapshot.buffers}
         for name, buffer in model.named_buffers():
             before = saved.get(name)
             if name in written or not isinstance(before, torch.Tensor) or is_lazy(buffer):
@@ -583,56 +599,98 @@ class PreStepBuffers:
                 if not torch.equal(buffer, before.to(buffer.device, non_blocking=True)):
                     written.add(name)
         if len(written) > len(self.names):
-            self._allocate(model, [name for name, _ in model.named_buffers() if name in written])
+            tensors = [*model.named_buffers(), *model.named_parameters()]
+            self._allocate(model, [name for name, _ in tensors if name in written])
 
     def _allocate(self, model: nn.Module, names: list[str]) -> None:
         self.names, self.slots = names, []
         for name in names:
             owner, _, key = name.rpartition(".")
-            self.slots.append((model.get_submodule(owner)._buffers, key))
-        self.sources = [buffers[key] for buffers, key in self.slots]
-        self.copies = [torch.empty_like(source) for source in self.sources]
+            module = model.get_submodule(owner)
+            self.slots.append((module._buffers if key in module._buffers else module._parameters, key))
+        self.sources = [tensors[key] for tensors, key in self.slots]
+        self.copies = [torch.empty_like(source, requires_grad=False) for source in self.sources]
         self.copied = False  # filled before the next step's first forward
 
     def before_step(self, batches: Sequence[Any]) -> None:
-        """Before a micro-batch's forward: copy the learned buffers when it is an optimizer step's first
+        """Before a micro-batch's forward: copy the learned tensors when it is an optimizer step's first
         (``batches``: the step's micro-batches so far, empty at its first)."""
         if batches or not self.slots:
             return
-        sources = [buffers.get(key) for buffers, key in self.slots]  # a deleted one: dropped
-        if not all(map(operator.is_, sources, self.sources)):  # a module replaced a buffer's tensor
+        sources = [tensors.get(key) for tensors, key in self.slots]  # a deleted one: dropped
+        if not all(map(operator.is_, sources, self.sources)):  # a module replaced a tensor
             self._refit(sources)
             if not self.sources:  # every one dropped
                 return
-        torch._foreach_copy_(self.copies, self.sources)
+        with torch.no_grad():  # a parameter that requires grad: no graph from it to the copy
+            torch._foreach_copy_(self.copies, self.sources)
         self.copied = True
 
     def _refit(self, sources: list[Any]) -> None:
-        """Follow buffers whose tensor a module replaced: a copy of the new shape, dtype or device where
-        needed; one set to ``None`` is dropped."""
+        """Follow tensors a module replaced (a buffer assigned anew, a parameter re-created as a new
+        ``nn.Parameter``): a copy of the new shape, dtype or device where needed; one set to ``None`` is
+        dropped."""
         kept = [index for index, source in enumerate(sources) if isinstance(source, torch.Tensor)]
         self.names = [self.names[index] for index in kept]
         self.slots = [self.slots[index] for index in kept]
         self.sources = [sources[index] for index in kept]
         copies = [self.copies[index] for index in kept]
         self.copies = [
-            held if _same_layout(held, source) else torch.empty_like(source)
+            held if _same_layout(held, source) else torch.empty_like(source, requires_grad=False)
             for held, source in zip(copies, self.sources)
         ]
 
     def restore(self) -> list[str]:
-        """Set the learned buffers back to their values before the current step's first forward; the names
+        """Set the learned tensors back to their values before the current step's first forward; the names
         set back (``[]`` with no copy for this step)."""
         if not self.copied:
             return []
         with torch.no_grad():
-            for (buffers, key), saved in zip(self.slots, self.copies):
-                current = buffers.get(key)
+            for (tensors, key), saved in zip(self.slots, self.copies):
+                current = tensors.get(key)
                 if isinstance(current, torch.Tensor) and _same_layout(current, saved):
                     current.copy_(saved)
+                elif isinstance(current, nn.Parameter):  # re-created in another shape by the bad forward
+                    tensors[key] = nn.Parameter(saved.clone(), requires_grad=current.requires_grad)
                 else:  # the bad forward replaced the tensor by one of another shape (or dropped it)
-                    buffers[key] = saved.clone()
+                    tensors[key] = saved.clone()
         return list(self.names)
+
+
+def written_outside(model: nn.Module, optimizers: Sequence[Any]) -> dict[str, nn.Parameter]:
+    """The parameters of ``model`` that no optimizer step writes, by name: frozen ones (``requires_grad``
+    false: an optimizer skips a parameter without a gradient) and those no optimizer holds (a momentum
+    encoder, an EMA codebook, one a forward re-creates as a new ``nn.Parameter``, which no optimizer holds
+    from then on). Only code of the module's own (a forward, ``training_step``) changes them, as it changes
+    buffers. With no ``optimizers``, none: a caller that names none has every parameter count as trained. A
+    set of ids and a pass over the parameters: for a snapshot or a flagged step, not per step."""
+    if not optimizers:
+        return {}
+    held = {
+        id(param) for optimizer in optimizers for group in optimizer.param_groups for param in group["params"]
+    }
+    return {
+        name: param
+        for name, param in model.named_parameters()
+        if not param.requires_grad or id(param) not in held
+    }
+
+
+def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """A sum of each plain dense floating-point tensor of ``tensors``, by name, computed on its device (one
+    transfer per device): what tells :meth:`PreStepBuffers.learn` a parameter was written. A write that
+    keeps the sum bit for bit (rows swapped) goes unseen: that parameter falls back to the snapshot's values
+    at a data fault, as one not learned yet."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in tensors.items():
+        if type(tensor) in (torch.Tensor, nn.Parameter) and tensor.layout == torch.strided:
+            if tensor.is_floating_point() and not is_lazy(tensor):
+                by_device.setdefault(tensor.device, []).append((name, tensor.detach()))
+    found: dict[str, float] = {}
+    for named in by_device.values():
+        sums = torch.stack([tensor.sum(dtype=torch.float32) for _, tensor in named]).tolist()
+        found.update((name, value) for (name, _), value in zip(named, sums))
+    return found
 
 
 def _is_pruning_mask(model: nn.Module, name: str) -> bool:

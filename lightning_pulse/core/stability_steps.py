@@ -41,6 +41,7 @@ from lightning_pulse.core.snapshots import (
     TrainingSnapshot,
     is_zero_redundancy,
     nonfinite_tensors,
+    written_outside,
 )
 from lightning_pulse.core.spike_detection import POOLED, SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import (
@@ -208,6 +209,19 @@ def _saved_forward_state(snapshot: TrainingSnapshot, model: nn.Module) -> dict[s
     saved = {**snapshot.model, **snapshot.buffers}
     buffers = {name: saved[name] for name, _ in model.named_buffers() if name in saved}
     return forward_state_tensors(buffers, snapshot.extra.get("carried", {}))
+
+
+def _made_bad(model: nn.Module, evidence: Mapping[str, Tensor]) -> list[str]:
+    """What a forward made bad (:func:`~lightning_pulse.core.fault_origin.nonfinite_forward_state`), and the
+    parameters holding a NaN or an infinity: asked after a data fault's verdict, which the model's own
+    weights would have made the state's, only those a forward writes (an EMA codebook) can."""
+    return nonfinite_forward_state(model, evidence) + nonfinite_tensors(dict(model.named_parameters()))
+
+
+def _parameter_or_buffer(model: nn.Module, name: str) -> Tensor:
+    owner, _, key = name.rpartition(".")
+    module = model.get_submodule(owner)
+    return module._parameters[key] if key in module._parameters else module._buffers[key]
 
 
 #: the newest snapshot that fits the model (or ``None``) and its forward state as evidence about infinities
@@ -469,15 +483,17 @@ class StabilityCore:
         changed a parameter group, or ``schedulers`` changed, since the newest snapshot
         (:meth:`SnapshotSchedule.due`). Only an applied step takes one. The fit's first applied step keeps
         ``model``'s forward state (:meth:`keep_first_forward`), and asks for a snapshot when the fit-start one
-        no longer fits (:meth:`retake_lazily_shaped_start`). The first applied step after the fit's start or
-        a prune learns which buffers forwards write, against the newest snapshot
-        (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`)."""
+        no longer fits (:meth:`retake_lazily_shaped_start`). The first two applied steps after the fit's start
+        or a prune learn which buffers and parameters forwards write, against the newest snapshot
+        (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`; the second: a momentum encoder or an
+        ``AveragedModel`` copied from the model keeps its values at its first update)."""
         self.policy.finish(action, energy_kwh)
         pre_step = self.pre_step
         if action is Action.APPLY and model is not None and pre_step.learn_after is not None:
             if pre_step.learn_after < step and (newest := self.schedule.ring.newest()) is not None:
-                pre_step.learn(model, newest)  # with no snapshot yet: at the next applied step
-                pre_step.learn_after = None
+                pre_step.learn(model, newest, optimizers)  # with no snapshot yet: at the next applied step
+                pre_step.early_learns -= 1
+                pre_step.learn_after = step if pre_step.early_learns else None
         if action is Action.APPLY:
             self.unchecked_data_faults = 0
             if self.first_forward is None and model is not None:  # once a fit
@@ -526,7 +542,14 @@ class StabilityCore:
         newest, saved = self.saved_forward_state(model)  # saved: tells a -inf mask from an overflow
         check = loss is not None and not math.isfinite(loss) and not flagged.caches_activations
         losses_of = (
-            partial(self.losses_for_a_check, model, (newest, saved), flagged.losses_of, warn)
+            partial(
+                self.losses_for_a_check,
+                model,
+                (newest, saved),
+                flagged.losses_of,
+                warn,
+                optimizers=flagged.optimizers,
+            )
             if check
             else None
         )
@@ -562,15 +585,17 @@ class StabilityCore:
         losses_of: LossesOf,
         warn: Callable[[str], Any],
         batches: list[tuple[int, Any]],
+        optimizers: Sequence[Any] = (),
     ) -> list[float | None]:
         """The training losses of ``(batch_idx, batch)`` pairs at the current weights (``losses_of``, one pair
         at a time, autograd off: no graph is built beside the step's held gradients), with the forward state a
-        bad batch wrote set back (:meth:`forward_state_for_a_check`); ``None`` for a batch whose
+        bad batch wrote set back (:meth:`forward_state_for_a_check`, with the parameters written outside
+        ``optimizers`` given back too); ``None`` for a batch whose
         ``training_step`` returns no loss, or fails on the batch checked (a shape fixed in the module, a loss
         that needs autograd). Running out of memory is such a failure too, not the run's end: the allocator's
         cache is freed, a warning said through ``warn`` once a fit, and the batch counts unchecked."""
         losses: list[float | None] = []
-        with self.forward_state_for_a_check(model, saved):
+        with self.forward_state_for_a_check(model, saved, optimizers):
             for pair in batches:
                 try:
                     found = losses_of([pair])
@@ -604,14 +629,24 @@ class StabilityCore:
         return presumption_ended_message(step)
 
     @contextmanager
-    def forward_state_for_a_check(self, model: nn.Module, saved: SavedForwardState | None) -> Iterator[None]:
+    def forward_state_for_a_check(
+        self, model: nn.Module, saved: SavedForwardState | None, optimizers: Sequence[Any] = ()
+    ) -> Iterator[None]:
         """Run the block with the forward state the flagged step's forward made bad set back as a data fault
-        mends it (:meth:`mend_forward_state`), then give back every buffer and carried tensor as it was on
-        entry (the mend proper comes with the verdict; a training forward in the block writes BatchNorm's
-        running statistics). For recomputing the step's loss without its bad rows: an RNN's hidden state made
-        NaN by a bad row would make that loss NaN too, and blame the data's fault on the model. A copy of the
-        buffers, on their device: a rare step only."""
+        mends it (:meth:`mend_forward_state`), then give back every buffer and carried tensor, and every
+        parameter no step of ``optimizers`` writes (:func:`~lightning_pulse.core.snapshots.written_outside`:
+        the same object, in its values), as it was on entry (the mend proper comes with the verdict; a
+        training forward in the block writes BatchNorm's running statistics, a ``training_step`` a momentum
+        encoder or an ``AveragedModel``). For recomputing the step's loss without its bad rows: an RNN's
+        hidden state made NaN by a bad row would make that loss NaN too, and blame the data's fault on the
+        model. A copy of the buffers, on their device, and of those parameters on the CPU (a frozen backbone
+        may not fit twice on the device): a rare step only."""
         buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        parameters = [
+            (model.get_submodule(name.rpartition(".")[0])._parameters, name.rpartition(".")[2], param)
+            for name, param in written_outside(model, optimizers).items()
+        ]
+        values = [param.detach().to("cpu", copy=True) for _, _, param in parameters]
         with kept_carried_state(model):
             try:
                 self.mend_forward_state(model, saved)
@@ -621,6 +656,9 @@ class StabilityCore:
                     for name, buffer in model.named_buffers():
                         if name in buffers:
                             buffer.copy_(buffers[name])
+                    for (owner, key, param), value in zip(parameters, values):
+                        owner[key] = param  # the object a forward in the block re-created goes
+                        param.copy_(value)
 
     def remember_bad_samples(self, samples: list[dict[str, Any]]) -> bool:
         """Keep a data fault's samples (the newest 1000); ``True`` for the run's first bad batch (warn once)."""
@@ -703,8 +741,10 @@ class StabilityCore:
         forward already wrote BatchNorm's running statistics, and left so they would make every later step
         non-finite. The buffers training forwards write go back to their values before the step's first
         forward (all of them, finite or not: the run goes on as if the step had been skipped;
-        :class:`~lightning_pulse.core.snapshots.PreStepBuffers`). Where no such copy exists (a resume, the
-        fit's first steps), and for carried tensors and buffers not learned yet, those the bad forward made
+        :class:`~lightning_pulse.core.snapshots.PreStepBuffers`), and so do the parameters forwards write (an
+        EMA codebook; :func:`_made_bad`: frozen, or held by no optimizer). Where no such copy exists (a
+        resume, the fit's first steps), and for carried tensors, buffers and parameters not learned yet, those
+        the bad forward made
         bad (:func:`~lightning_pulse.core.fault_origin.nonfinite_forward_state`, against ``saved``, else
         :meth:`saved_forward_state`) go back to the newest snapshot that fits the model (which threw away
         up to ``snapshot_every`` steps of running statistics at each bad batch where it was the only
@@ -714,18 +754,19 @@ class StabilityCore:
         it holds a NaN (:meth:`take_snapshot` says so), and a step it makes non-finite is the state's fault
         (rolled back)."""
         snapshot, evidence = self.saved_forward_state(model) if saved is None else saved
-        bad = nonfinite_forward_state(model, evidence)  # read before the copy sets them back
+        bad = _made_bad(model, evidence)  # read before the copy sets them back
         before_step = set(self.pre_step.restore())
         if before_step:  # a copy taken after a forward on the bad batch (a callback's, listed first) holds it
-            before_step -= set(nonfinite_forward_state(model, evidence))
-        saved_buffers = {} if snapshot is None else {**snapshot.model, **snapshot.buffers}
+            before_step -= set(_made_bad(model, evidence))
+        saved_tensors = {} if snapshot is None else {**snapshot.model, **snapshot.buffers}
         carried = {} if snapshot is None else snapshot.extra.get("carried", {})
         mended, self.mended_from_copy = [], [name for name in bad if name in before_step]
         for name in bad:
             if name in before_step:  # set back to its values before the step already
                 pass
-            elif name in saved_buffers:
-                model.get_buffer(name).copy_(saved_buffers[name])
+            elif name in saved_tensors:
+                with torch.no_grad():  # a parameter may require grad
+                    _parameter_or_buffer(model, name).copy_(saved_tensors[name])
             elif name in carried:
                 restore_carried_tensors(model, {name: carried[name]})
             else:  # registered since the snapshot: nothing to set it back to (see the docstring)
@@ -842,7 +883,7 @@ class StabilityCore:
         first forward is not said. A screen of the forward state, and an element-wise comparison of what is
         infinite, per snapshot. Each snapshot also learns which buffers forwards write
         (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`: those that start being written later)."""
-        self.pre_step.learn(model, self.schedule.ring.newest())
+        self.pre_step.learn(model, self.schedule.ring.newest(), optimizers)
         carried = carried_tensors(model)
         bad = self.nonfinite_state(model, optimizers, carried)
         nonfinite = bool(bad)
