@@ -19,7 +19,8 @@ An attribute is *carried state* when its first-batch value was read by the secon
 replaced it. That leaves out what ordinary modules keep: a cache built once (a positional table: read, never
 replaced), outputs kept for logging or an epoch-end metric (replaced, never read by the next batch),
 torchmetrics states (skipped: they accumulate over an epoch), state reset at every batch start (the old value
-is never read). Hugging Face models keep nothing on the module during training.
+is never read). Hugging Face text models keep nothing on the module during training; Qwen2-VL keeps
+``rope_deltas`` ``(B, 1)`` for generation, computed anew at every training forward (replaced, never read).
 
 The test cannot tell which dimension of a tensor is the batch's: a state kept per feature (DINO's centre of
 the teacher's outputs, ``(D,)``, replaced by an EMA of their batch mean at every batch) whose width ``D``
@@ -41,7 +42,7 @@ test could clear it.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -203,15 +204,21 @@ class CarriedStateCheck:
         """Whether no batch has been checked yet."""
         return not self.done and self.candidates is None
 
-    def before_batch(self, cut: bool) -> str | None:
+    def before_batch(self, cut: bool, whole_batches: Callable[[], str] | None = None) -> str | None:
         """Before each batch trains: starts watching on the second one. ``cut``: the batch is smaller than
         offered; before the check is done that is refused (:func:`carried_state_refusal`'s reason) if anything
-        batch-shaped is held, since a cut batch may break it."""
+        batch-shaped is held, since a cut batch may break it. ``whole_batches``: how this fit could start with
+        whole batches, for the refusal's way out (:data:`WHOLE_BATCHES` if not given)."""
         if self.done:
             return None
         if cut and self._cut_blockers:
             shapes = self.candidate_shapes()
-            return carried_state_refusal(shapes, read_seen=False, coincidence=self._coincidence(shapes))
+            return carried_state_refusal(
+                shapes,
+                read_seen=False,
+                coincidence=self._coincidence(shapes),
+                whole_batches=WHOLE_BATCHES if whole_batches is None else whole_batches(),
+            )
         self.watch()
         return None
 
@@ -328,14 +335,23 @@ class CarriedStateCheck:
         }
 
 
+#: the ways a fit can start with whole batches, so that the read/replace test tells (the refusal before a cut
+#: second batch names them; a caller that knows the batch cannot be cut in batch mode names the burst only)
+WHOLE_BATCHES = "a PulseCycle whose burst phase lasts two steps or more, or `mode='batch'`"
+
+
 def carried_state_refusal(
-    found: dict[str, tuple[tuple[int, ...], ...]], read_seen: bool = True, coincidence: int | None = None
+    found: dict[str, tuple[tuple[int, ...], ...]],
+    read_seen: bool = True,
+    coincidence: int | None = None,
+    whole_batches: str = WHOLE_BATCHES,
 ) -> str | None:
     """The reason and the way out, after the callback's name, for refusing to cut the batches of a module that
     carries ``found`` (see :meth:`CarriedStateCheck.describe`) from one batch to the next; ``None`` if
     nothing. ``read_seen=False``: a batch is cut before the read/replace test could tell (the message says
-    so). ``coincidence``: the batch size, when it may be a feature's width in ``found`` (the message says so
-    and names the ways out for state kept per feature)."""
+    so, and names ``whole_batches``, the ways to start the fit with whole batches). ``coincidence``: the batch
+    size, when it may be a feature's width in ``found`` (the message says so and names the ways out for state
+    kept per feature)."""
     if not found:
         return None
     if read_seen:
@@ -356,13 +372,18 @@ def carried_state_refusal(
         )
         # not learnt by letting the cut batch train and watching for a read: a read inside TorchScript or a
         # C++ extension never reaches the watch, and a stateful RNN read there would train on mixed streams
+        # a library model's attribute (a Hugging Face VLM's `rope_deltas`, recomputed at every training
+        # forward and kept for generation) is none of the user's code: clearing it after the step is the way
+        # out that needs no change of the model, and it is exact (nothing left on the module carries over)
+        cleared = " and ".join(f"`self.{path} = None`" for path in found)
         way_out = (
             "If the next batch reads it, remove HardSampleReplay for this model, or reset that state at the "
             "start of every batch. If not (outputs kept for a metric), return it from `training_step` "
             '(`{"loss": loss, "preds": preds}`, the `outputs` of `on_train_batch_end`) instead of keeping it '
             "on the module; if it is a table built once and never replaced, register it as a buffer "
-            "(`register_buffer(..., persistent=False)`); or start the fit with whole batches (a PulseCycle "
-            "whose burst phase lasts two steps or more, or `mode='batch'`) so that the check can tell."
+            "(`register_buffer(..., persistent=False)`); if every forward computes it anew (a model's cache "
+            f"for generation), clear it at the end of `training_step` ({cleared}); or start the fit with "
+            f"whole batches ({whole_batches}) so that the check can tell."
         )
     if coincidence is not None:
         # what tells a state kept per feature from one kept per sample is where the batch's rows go, which the

@@ -34,6 +34,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,6 +54,8 @@ from lightning_pulse.core.selection import (
     concatenated_parts,
     concatenation_refusal,
     cut_refusal,
+    joined_rows,
+    joined_rows_refusal,
     take_samples,
 )
 from lightning_pulse.errors import PulseRefusal
@@ -143,6 +146,9 @@ class ReplayBatchLifecycle:
         # refused once the next full batch holds them too (a per-batch constant matches by chance, rarely
         # twice) or a cut comes first
         self._concatenated: dict[tuple[str, str], tuple[int, tuple[int, ...]]] = {}
+        # batch mode: the shapes of the tensors the first checked batch holds whose first dimension is not B
+        # (joined_rows), refused when the next full batch holds them with another first dimension
+        self._joined_rows: dict[str, tuple[int, ...]] = {}
         self._backward_ran = False  # in the step in flight
         self._module: nn.Module | None = None  # the module training (its parameters and buffers are no batch)
         # the step in flight: whether its loss was accounted for by its captured calls, and why not
@@ -165,7 +171,7 @@ class ReplayBatchLifecycle:
         self.state_check = CarriedStateCheck()
         self.recorded_steps = self.unscored_steps = 0
         self._structure_checked = self._said_coefficients = False
-        self._concatenated = {}
+        self._concatenated, self._joined_rows = {}, {}
         self._sign_checks_left = SIGN_CHECKED_STEPS
         self.captures.start()
 
@@ -206,9 +212,11 @@ class ReplayBatchLifecycle:
             PulseRefusal: in batch mode, for a batch that cannot be cut in place to some of its samples
                 (:func:`~lightning_pulse.core.selection.cut_refusal`), at the fit's first batch that holds a
                 row per index, before any update; for one holding the samples' items concatenated
-                (:func:`~lightning_pulse.core.selection.concatenated_parts`, CTC's 1-D targets) in that batch
-                and the next, or in the first cut batch. For a cut batch before the carried-state check is
-                done while the module holds batch-shaped state.
+                (:func:`~lightning_pulse.core.selection.concatenated_parts`, CTC's 1-D targets, Qwen2-VL's
+                patches next to their grids) in that batch and the next, or in the first cut batch; for one
+                holding a tensor whose first dimension is neither ``B`` nor 1 and changes from that batch to
+                the next (:func:`~lightning_pulse.core.selection.joined_rows`). For a cut batch before the
+                carried-state check is done while the module holds batch-shaped state.
         """
         self.captures.drop()
         self._backward_ran = self._accounted = False
@@ -224,12 +232,16 @@ class ReplayBatchLifecycle:
                 refuse(reason)
                 self._structure_checked = first_checked = True
                 self._concatenated = concatenated_parts(batch, batch_size, with_items=True)
+                self._joined_rows = joined_rows(batch, batch_size)
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
-        if self._concatenated:
+        if self._concatenated or self._joined_rows:
             self._check_concatenated(batch, batch_size, first_checked, plan.positions is not None)
         if module is not None and self.state_check.first_batch:
             self.state_check.note_lists(module)
-        refuse(self.state_check.before_batch(cut=plan.selected))
+        if not self.state_check.done:  # the fit's first two batches (the ways out are only read to refuse)
+            refuse(
+                self.state_check.before_batch(plan.selected, partial(self._whole_batches, batch, batch_size))
+            )
         if plan.positions is not None:
             assign_in_place(batch, take_samples(batch, plan.positions, batch_size))
         self.current = StepInFlight(selector, plan, step, batch_size, window)
@@ -244,9 +256,10 @@ class ReplayBatchLifecycle:
 
     def _check_concatenated(self, batch: Any, batch_size: int, first: bool, cut: bool) -> None:
         """Refuse the concatenations the first checked batch held when the next full batch holds them too, or
-        before a cut of the first one; forget them when the next full batch does not."""
+        before a cut of the first one, and the tensors whose first dimension (not ``B``) the next full batch
+        changes; forget them after the next full batch."""
         if first:
-            if cut:  # no second batch can confirm them before the harm
+            if cut:  # no second batch can confirm them before the harm (nor tell joined rows from a constant)
                 lengths = {pair: length for pair, (length, _) in self._concatenated.items()}
                 refuse(concatenation_refusal(lengths, batch_size))
         elif batch_size >= 2 and unmatched_rows(batch, batch_size) is None:
@@ -258,8 +271,24 @@ class ReplayBatchLifecycle:
                 for pair, first_match in self._concatenated.items()
                 if pair in again and (again[pair] != first_match or len(set(again[pair][1])) == 1)
             }
-            self._concatenated = {}
+            joined_before, self._concatenated, self._joined_rows = self._joined_rows, {}, {}
             refuse(concatenation_refusal(found, batch_size))
+            refuse(joined_rows_refusal(joined_before, joined_rows(batch, batch_size), batch_size))
+
+    def _whole_batches(self, batch: Any, batch_size: int) -> str:
+        """How a fit can start with whole batches so that the carried-state check can tell, for its refusal
+        before a cut second batch: a PulseCycle's burst, or batch mode where it can cut ``batch`` (only
+        called when refusing: it reads the batch)."""
+        burst = "a PulseCycle whose burst phase lasts two steps or more"
+        if self.mode == "batch" or batch_size < 2:
+            return burst
+        if cut_refusal(batch, batch_size) is not None:
+            return f"{burst}; not `mode='batch'`, which cannot cut this batch in place"
+        joined = concatenated_parts(batch, batch_size)
+        if joined:
+            parts = ", ".join(f"{where} (joined: {how})" for where, how in joined)
+            return f"{burst}; not `mode='batch'`, which would keep {parts} whole next to the kept samples"
+        return f"{burst}, or `mode='batch'`"
 
     def close_capture(self, loss: Tensor | None = None, divided_by: float | Tensor = 1.0) -> str | None:
         """Stop capturing before backward (what runs after, e.g. a maintain-phase probe, is not this batch's loss).

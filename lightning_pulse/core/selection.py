@@ -19,7 +19,9 @@ per-sample tuple held by a tuple included), one with no per-sample leaf, or one 
 second and another length first (time-major). :func:`concatenated_parts` finds what a cut would leave whole
 next to the kept samples' lengths or offsets: the samples' variable-length items concatenated (CTC's 1-D
 targets, ``nn.EmbeddingBag``'s input, packed tokens next to their ``cu_seqlens``, graphs' nodes next to their
-node-to-graph vector).
+node-to-graph vector, a VLM's image patches next to each image's grid); :func:`joined_rows` the tensors whose
+first dimension is not ``B``, for a caller that refuses one whose first dimension changes from batch to batch
+with nothing beside it that says how it splits (:func:`joined_rows_refusal`).
 """
 
 from __future__ import annotations
@@ -351,16 +353,39 @@ def _is_int_tensor(tensor: Tensor) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def _lengths_total(part: Tensor | list[int] | tuple[int, ...], batch_size: int) -> int | None:
-    """The sum of ``part`` if it is one non-negative integer per sample (a ``(B,)`` tensor, a list or tuple of
-    ``B`` ints), else ``None``."""
+#: the most columns a ``(B, k)`` integer tensor may have to be read as each sample's item count, the
+#: product of its row (Qwen2-VL's ``image_grid_thw``, ``(B, 3)``: an image's patches are ``t * h * w``); a wider one is a
+#: padded sequence, not a size
+MAX_SIZE_COLUMNS = 4
+
+
+def _item_counts(
+    part: Tensor | list[int] | tuple[int, ...], batch_size: int
+) -> tuple[str, tuple[int, ...]] | None:
+    """Each sample's item count if ``part`` gives one non-negative integer per sample, with how it is read:
+    a ``(B,)`` tensor, a list or tuple of ``B`` ints (``"the sum of"``), or a ``(B, k)`` integer tensor of at
+    most :data:`MAX_SIZE_COLUMNS` columns, each row a sample's sizes whose product is its count (``"the sum
+    of the row products of"``); else ``None``."""
     if isinstance(part, torch.Tensor):
-        if part.shape != (batch_size,) or not _is_int_tensor(part) or not bool((part >= 0).all()):
+        if part.dim() not in (1, 2) or part.shape[0] != batch_size or not _is_int_tensor(part):
             return None
-        return int(part.sum())
+        if part.dim() == 2 and not 1 <= part.shape[1] <= MAX_SIZE_COLUMNS:
+            return None
+        if not bool((part >= 0).all()):
+            return None
+        if part.dim() == 1:
+            return "the sum of", tuple(int(n) for n in part.tolist())
+        return "the sum of the row products of", tuple(int(n) for n in part.prod(dim=1).tolist())
     if len(part) != batch_size or min(part) < 0:
         return None
-    return int(sum(part))
+    return "the sum of", tuple(int(n) for n in part)
+
+
+def _padded_sizes(tensors: list[Tensor], batch_size: int) -> set[int]:
+    """The sizes of the dimensions after the first of the batch's per-sample tensors (a padded length ``L``
+    of ``(B, L)`` token ids): a tensor of two or more dimensions whose first is one of them may be the whole
+    batch's, sized by the padding (a shared ``(L, L)`` attention mask, an ``(L, D)`` position table)."""
+    return {size for t in tensors if t.dim() >= 2 and t.shape[0] == batch_size for size in t.shape[1:]}
 
 
 def _is_cumulative(tensor: Tensor, size: int) -> bool:
@@ -386,36 +411,46 @@ def _sample_id_counts(tensor: Tensor, batch_size: int) -> tuple[int, ...] | None
 
 
 def concatenated_parts(batch: Any, batch_size: int, with_items: bool = False) -> dict[tuple[str, str], Any]:
-    """The 1-D tensors of ``batch`` longer than ``B`` that a part of ``batch`` splits into the samples' items,
-    as ``{(where, how it is split): length}``: the samples' variable-length items concatenated
-    (``torch.cat``), as a collate_fn makes ``nn.CTCLoss``'s 1-D ``targets`` next to their ``target_lengths``,
-    ``nn.EmbeddingBag``'s 1-D input next to its ``offsets``, or packed tokens next to their ``cu_seqlens`` (PyTorch Geometric's
-    node-to-graph vector next to its ``ptr``). Split by
+    """The tensors of ``batch`` whose first dimension is longer than ``B`` and that a part of ``batch`` splits
+    along it into the samples' items, as ``{(where, how it is split): length}``: the samples' variable-length
+    items joined (``torch.cat``), as a collate_fn makes ``nn.CTCLoss``'s 1-D ``targets`` next to their
+    ``target_lengths``, ``nn.EmbeddingBag``'s 1-D input next to its ``offsets``, packed tokens next to their
+    ``cu_seqlens`` (PyTorch Geometric's node-to-graph vector next to its ``ptr``), or a vision-language
+    model's image patches, ``(sum of patches, D)``, next to each image's patch grid (Qwen2-VL's
+    ``pixel_values`` and ``image_grid_thw``). Split by
 
-    * lengths: ``B`` non-negative ints (a ``(B,)`` tensor, a list or tuple) that sum to its length;
+    * lengths: ``B`` non-negative ints (a ``(B,)`` tensor, a list or tuple) that sum to its length, or a
+      ``(B, k)`` non-negative integer tensor of a few columns (:data:`MAX_SIZE_COLUMNS`) whose row products
+      do (a grid ``t, h, w`` per sample);
     * offsets: a ``(B,)`` integer tensor from 0, never decreasing, each value below its length;
     * cumulative lengths: a ``(B + 1,)`` integer tensor from 0, never decreasing, ending at its length;
-    * itself: an integer tensor that never decreases and holds each sample id ``0 .. B-1`` (a row-to-sample
-      vector, PyTorch Geometric's bare node-to-graph ``batch``; what it indexes, ``(N, F)`` node features,
-      is joined alike).
+    * itself (1-D only): an integer tensor that never decreases and holds each sample id ``0 .. B-1`` (a
+      row-to-sample vector, PyTorch Geometric's bare node-to-graph ``batch``; what it indexes, ``(N, F)``
+      node features, is joined alike).
 
     A cut along the first dimension keeps such a tensor whole (it is not ``B`` long) next to the kept samples'
-    lengths or offsets. A per-batch constant (a ``(K,)`` class-weight vector) matches only when some ``(B,)``
-    integers (labels) happen to sum to ``K`` or to be sorted from 0, so a caller confirms a match on a second
-    batch.
+    lengths or offsets. A per-batch constant (a ``(K,)`` class-weight vector, a ``(K, D)`` codebook) matches
+    only when some ``(B,)`` integers (labels) happen to sum to ``K`` or to be sorted from 0, so a caller
+    confirms a match on a second batch. A tensor of two or more dimensions whose first is also a later
+    dimension of a per-sample tensor (``(L, L)`` next to ``(B, L)`` token ids) is left out: it may be the
+    batch's own, sized by the padding.
 
     ``with_items``: each value is ``(length, the samples' item lengths)`` instead, for a caller that tells a
     concatenation (its items change from batch to batch, or are all as long) from a constant that matches on
     every batch (sorted labels from 0 next to a ``(K,)`` position vector).
 
-    Costs a few reductions per ``(B,)`` or ``(B + 1,)`` integer tensor (device syncs on an accelerator) when a
-    1-D tensor longer than ``B`` is held, nothing otherwise.
+    Costs a few reductions per ``(B,)``, ``(B, k)`` or ``(B + 1,)`` integer tensor (device syncs on an
+    accelerator) when a tensor whose first dimension is longer than ``B`` is held, nothing otherwise.
     """
     parts = list(_parts_with_paths(batch, batch_size))
+    padded = _padded_sizes([t for _, t in parts if isinstance(t, torch.Tensor)], batch_size)
     joined = [
         (where, t)
         for where, t in parts
-        if isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] > batch_size
+        if isinstance(t, torch.Tensor)
+        and t.dim() >= 1
+        and t.shape[0] > batch_size
+        and (t.dim() == 1 or t.shape[0] not in padded)
     ]
     if not joined:
         return {}
@@ -424,36 +459,43 @@ def concatenated_parts(batch: Any, batch_size: int, with_items: bool = False) ->
     for where, tensor in joined:
         # a vector that splits itself: each row's sample id, 0 to B - 1 in order (PyTorch Geometric's bare
         # node-to-graph `batch` vector, with no `ptr` or `num_nodes` beside it)
-        lengths = _sample_id_counts(tensor, batch_size)
+        lengths = _sample_id_counts(tensor, batch_size) if tensor.dim() == 1 else None
         if lengths is not None:
             how = f"its values the sample ids 0 to {batch_size - 1} in order, a row-to-sample vector"
             found[(where, how)] = (int(tensor.shape[0]), lengths) if with_items else int(tensor.shape[0])
     for split, part in parts:
-        total = _lengths_total(part, batch_size)
-        matches: list[tuple[str, str, int]] = []
-        if total is not None:
-            matches += [(where, f"the sum of {split}", n) for where, n in flat if n == total]
-        if isinstance(part, torch.Tensor):
+        counts = _item_counts(part, batch_size)
+        matches: list[tuple[str, str, int, tuple[int, ...]]] = []
+        if counts is not None:
+            how, items = counts
+            total = sum(items)
+            matches += [(where, f"{how} {split}", n, items) for where, n in flat if n == total]
+        if isinstance(part, torch.Tensor) and part.dim() == 1:
             # offsets end above 0 (labels of one class, all 0, are no offsets)
-            if total is not None and total > 0 and _is_cumulative(part, batch_size):
+            if counts is not None and sum(counts[1]) > 0 and _is_cumulative(part, batch_size):
                 last = int(part[-1])
-                matches += [(where, f"split at the offsets {split}", n) for where, n in flat if n > last]
+                matches += [
+                    (where, f"split at the offsets {split}", n, _item_lengths(part, n, True))
+                    for where, n in flat
+                    if n > last
+                ]
             if _is_cumulative(part, batch_size + 1):
                 last = int(part[-1])
                 matches += [
-                    (where, f"split by the cumulative lengths {split}", n) for where, n in flat if n == last
+                    (where, f"split by the cumulative lengths {split}", n, _item_lengths(part, n, False))
+                    for where, n in flat
+                    if n == last
                 ]
-        for where, how, n in matches:
-            found[(where, how)] = (n, _item_lengths(how, part, n)) if with_items else n
+        for where, how, n, items in matches:
+            found[(where, how)] = (n, items) if with_items else n
     return found
 
 
-def _item_lengths(how: str, part: Tensor | list[int] | tuple[int, ...], length: int) -> tuple[int, ...]:
-    """The samples' item lengths a concatenation of ``length`` items split ``how`` by ``part`` implies."""
-    values = tuple(int(v) for v in (part.tolist() if isinstance(part, torch.Tensor) else part))
-    if how.startswith("the sum"):
-        return values
-    ends = (*values, length) if how.startswith("split at the offsets") else values
+def _item_lengths(bounds: Tensor, length: int, offsets: bool) -> tuple[int, ...]:
+    """The samples' item lengths that a concatenation of ``length`` items split at ``bounds`` implies:
+    ``(B,)`` offsets (the last item runs to ``length``) or ``(B + 1,)`` cumulative lengths."""
+    values = tuple(int(v) for v in bounds.tolist())
+    ends = (*values, length) if offsets else values
     return tuple(end - start for start, end in zip(ends, ends[1:]))
 
 
@@ -467,11 +509,55 @@ def concatenation_refusal(found: dict[tuple[str, str], int], batch_size: int) ->
         f"cannot cut a batch of {batch_size} samples in mode='batch': it holds {parts}: the samples' "
         "variable-length items concatenated, it seems (as torch.cat(targets) for nn.CTCLoss makes, or "
         "torch.cat(texts) next to nn.EmbeddingBag's offsets, or graphs joined as PyTorch Geometric joins "
-        "them: node rows next to a node-to-graph vector), which a cut along the first dimension would "
-        "keep whole next to the kept samples' lengths or offsets, so these would index other samples' items "
+        "them: node rows next to a node-to-graph vector, or images of several sizes joined as Qwen2-VL's "
+        "processor joins them: patch rows next to each image's patch grid), which a cut along the first "
+        "dimension would keep whole next to the kept samples' lengths or offsets, so these would index other samples' items "
         "(or fail on a size). Use mode='steps', which chooses the samples at the sampler, before they are "
         "loaded, or pad them to a (B, S) tensor (nn.CTCLoss takes padded targets, nn.EmbeddingBag a padding_idx). "
         "A per-batch constant as long (a class-weight vector) can be held by the module instead of the batch."
+    )
+
+
+def joined_rows(batch: Any, batch_size: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors of two or more dimensions in ``batch`` whose first dimension is neither
+    ``B``, nor 1 (a broadcast one), nor a later dimension of a per-sample tensor (a padded length), by where they are
+    (``batch['pixel_values']``): what a cut along the first dimension keeps whole. One whose first dimension
+    changes from one batch to the next (:func:`joined_rows_refusal`) holds rows of the samples joined, with
+    nothing beside it that says how they split (image patches of several sizes with a grid of one row per
+    image, not per sample; a graph's nodes; a detection batch's boxes with an image-index column); one that
+    keeps its shape is a constant (a codebook)."""
+    tensors = [(where, t) for where, t in _parts_with_paths(batch, batch_size) if isinstance(t, torch.Tensor)]
+    padded = _padded_sizes([t for _, t in tensors], batch_size)
+    return {
+        where: tuple(t.shape)
+        for where, t in tensors
+        if t.dim() >= 2 and t.shape[0] not in (batch_size, 1) and t.shape[0] not in padded
+    }
+
+
+def joined_rows_refusal(
+    before: dict[str, tuple[int, ...]], now: dict[str, tuple[int, ...]], batch_size: int
+) -> str | None:
+    """The reason, after the callback's name, for refusing to cut a batch whose :func:`joined_rows` ``now``
+    hold a tensor whose first dimension was another in the batch ``before`` (another full one); ``None`` if
+    none."""
+    changed = {
+        where: shape for where, shape in now.items() if where in before and before[where][0] != shape[0]
+    }
+    if not changed:
+        return None
+    held = "; ".join(
+        f"{where} of shape {shape} (before: {before[where]})" for where, shape in changed.items()
+    )
+    return (
+        f"cannot cut a batch of {batch_size} samples in mode='batch': it holds {held}, whose first dimension "
+        f"is not the batch's {batch_size} samples and changes from batch to batch: the samples' rows joined "
+        "along it, it seems (image patches of several sizes, as Qwen2-VL's processor joins them; a graph's "
+        "nodes; a detection batch's boxes with an image-index column), which a cut along the first dimension "
+        "would keep whole next to the kept samples, so the model would read other samples' rows (or fail on "
+        "a size). Use mode='steps', which chooses the samples at the sampler, before they are loaded, or "
+        "pad them to a (B, ...) tensor. A tensor the whole batch shares whose size changes (negatives drawn "
+        "per batch) can be made in training_step instead."
     )
 
 
