@@ -418,3 +418,45 @@ def test_only_a_state_whose_every_dimension_is_a_layer_width_is_called_a_possibl
     with pytest.raises(PulseRefusal, match=r"`state` \(tensor of shape \(64, 4\)\).* may be a coincidence"):
         trainer.fit(_Classifier("prune", carries_state=True), loader)
     assert trainer.global_step == 1
+
+
+class _FixedTable(pl.LightningModule):
+    """A fixed sinusoid-like table ``(1, 8, 32)`` kept as a plain attribute, as HF VideoMAE keeps its position
+    embeddings; ``state_from_init``: a hidden state that exists before the first batch and is replaced at
+    every batch (carried state), instead of the table."""
+
+    def __init__(self, state_from_init: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8 * 32, 32), nn.Tanh(), nn.Linear(32, 4))
+        self.table = torch.sin(torch.arange(8 * 32, dtype=torch.float32)).reshape(1, 8, 32)
+        self.state_from_init = state_from_init
+        self.state = torch.zeros(32, 4) if state_from_init else None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net((x.reshape(-1, 8, 32) + self.table).flatten(1))
+        if self.state_from_init:
+            logits = logits + self.state
+            self.state = logits.detach()
+        return F.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_fixed_table_held_as_a_plain_attribute_as_wide_as_the_batch_is_no_carried_state():
+    # held-out sweep (twenty-eighth pass): HF VideoMAE keeps its sinusoidal position table (1, patches, D) as a
+    # plain attribute; with the batch size equal to D, steps mode alone was refused at step 0 as "a module
+    # that carries state". The first batch leaves that tensor in place: carried state is assigned anew at every
+    # batch, so it is no candidate. A state that exists before the first batch and is replaced is still one.
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(320, 8 * 32, generator=generator), torch.randint(0, 4, (320,), generator=generator)
+    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+    pl.seed_everything(0)
+    trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_epochs=3, **trainer_kwargs())
+    trainer.fit(_FixedTable(), loader)
+    replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
+    assert trainer.state.finished and replay.state_check.done and replay.state_check.found == {}
+    trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_epochs=3, **trainer_kwargs())
+    with pytest.raises(PulseRefusal, match=r"`state` \(tensor of shape \(32, 4\)\)"):
+        trainer.fit(_FixedTable(state_from_init=True), loader)

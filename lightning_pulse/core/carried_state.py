@@ -41,6 +41,7 @@ test could clear it.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -120,6 +121,11 @@ def batch_shaped_attributes(module: nn.Module, batch_size: int) -> dict[str, tup
     return found
 
 
+def _same_objects(before: tuple[Tensor, ...], now: tuple[Tensor, ...]) -> bool:
+    """Whether ``now`` holds the very tensors ``before`` did (none assigned anew)."""
+    return len(before) == len(now) > 0 and all(map(operator.is_, before, now))
+
+
 def _is_buffer(module: nn.Module, path: str) -> bool:
     owner, _, name = path.rpartition(".")
     return name in (module.get_submodule(owner) if owner else module)._buffers
@@ -191,6 +197,8 @@ class CarriedStateCheck:
         self._cut_blockers: set[str] = set()
         # the module's lists before its first batch (note_lists), by dotted path: the list and its items then
         self._lists_before: dict[str, tuple[list[Any], tuple[Any, ...]]] = {}
+        # the tensors the module's plain attributes held before its first batch, by dotted path (note_lists)
+        self._held_before: dict[str, tuple[Tensor, ...]] = {}
         self.found: dict[str, tuple[tuple[int, ...], ...]] = {}
         self.done = False
         self._watch: _ReadWatch | None = None
@@ -247,14 +255,20 @@ class CarriedStateCheck:
     def note_lists(self, module: nn.Module) -> None:
         """Before the first batch: note the lists ``module`` and its submodules hold, so that
         :meth:`after_first_batch` tells one the batch only appended to (per-step outputs kept for an epoch-end
-        metric, ``self.training_step_outputs.append(...)``) from state carried to the next batch."""
-        self._lists_before = {
-            f"{prefix}.{name}" if prefix else name: (value, tuple(value))
+        metric, ``self.training_step_outputs.append(...)``) from state carried to the next batch; and the
+        tensors its plain attributes hold, so that one the first batch left in place (a fixed table kept as a
+        plain attribute, HF VideoMAE's sinusoidal ``position_embeddings`` ``(1, P, D)``, whose ``D`` was the
+        batch size) is no candidate: state carried from batch to batch is assigned anew at every batch."""
+        attributes = [
+            (f"{prefix}.{name}" if prefix else name, value)
             for prefix, submodule in module.named_modules()
             if not _skipped(submodule)
             for name, value in _plain_attributes(submodule)
-            if isinstance(value, list)
+        ]
+        self._lists_before = {
+            path: (value, tuple(value)) for path, value in attributes if isinstance(value, list)
         }
+        self._held_before = {path: held for path, value in attributes if (held := tensors_in(value))}
 
     def _only_appended(self, path: str, value: Any, batch_size: int) -> bool:
         """Whether ``value`` is the list noted at ``path`` before the first batch, grown, old items kept, with
@@ -274,7 +288,12 @@ class CarriedStateCheck:
         )
 
     def after_first_batch(self, module: nn.Module, batch_size: int) -> None:
-        self.candidates = batch_shaped_attributes(module, batch_size)
+        held_before, self._held_before = self._held_before, {}
+        self.candidates = {
+            path: tensors
+            for path, tensors in batch_shaped_attributes(module, batch_size).items()
+            if not _same_objects(held_before.get(path, ()), tensors)
+        }
         self._widths = {size for parameter in module.parameters() for size in parameter.shape}
         self._batch_size = batch_size
         self.done = not self.candidates  # nothing batch-shaped is kept: nothing can carry over
