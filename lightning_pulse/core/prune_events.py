@@ -26,9 +26,14 @@ from lightning_pulse.core.prune_setup import (
     DISTILL_NO_EFFECT,
     event_cadence,
     fit_start_selection,
+    kept_above_target,
     kept_masks_note,
+    lowered_target_warning,
     refuse_averaged_masks,
+    refuse_mode_change,
+    refuse_replaced_weights,
     renamed_weight_warning,
+    saved_mode,
     setup_summary,
     structured_example,
     unfinished_warning,
@@ -87,6 +92,8 @@ class PruneEvents:
         #: unstructured: whether the layers' forwards read their own weights, over the fit's first step
         self.own_weights = OwnWeightWatch()
         self._watching = False
+        #: the mode of the run whose state was loaded (a resume), until :meth:`select` checks it
+        self.restored_mode: str | None = None
 
     # ------------------------------------------------------------------ loading a pruned state dict
     def fit_loads(self, module: nn.Module, structure: Callable[[], Mapping[str, Any] | None]) -> None:
@@ -125,7 +132,10 @@ class PruneEvents:
         ``example_input_array``. Says which layers' folded zeros were masked again, and warns of buffers
         shaped like a weight to mask (:func:`~lightning_pulse.core.prune_setup.renamed_weight_warning`) and
         of large trainable parameters out of reach
-        (:func:`~lightning_pulse.core.prune_setup.unreached_warning`)."""
+        (:func:`~lightning_pulse.core.prune_setup.unreached_warning`). First, a resume with another ``mode``
+        than the checkpoint's is refused (:func:`~lightning_pulse.core.prune_setup.refuse_mode_change`)."""
+        restored, self.restored_mode = self.restored_mode, None
+        refuse_mode_change(restored, self.pruner.mode)
         selection, masked, self.example = fit_start_selection(
             self.pruner, model, self.schedule, frozen, compiled, self.example, self.fixed_copies
         )
@@ -177,11 +187,15 @@ class PruneEvents:
         """Once the fit-start checks passed, at optimizer ``step``: reopen a restored distillation window
         (:meth:`restore_teacher`), find the masked layers again (a resume added masks), and say what is
         pruned, how far, between which steps and when
-        (:func:`~lightning_pulse.core.prune_setup.setup_summary`). Unstructured: watch the layers' forwards
-        over the first optimizer step (:meth:`leave_out_substituted`)."""
+        (:func:`~lightning_pulse.core.prune_setup.setup_summary`), warning of a resumed sparsity above this
+        run's ``final_sparsity`` (:func:`~lightning_pulse.core.prune_setup.lowered_target_warning`).
+        Unstructured: watch the layers' forwards over the first optimizer step
+        (:meth:`leave_out_substituted`)."""
         self.last_step = step
         self.restore_teacher(model, accumulation)
         self.masks.forget()
+        if (lowered := lowered_target_warning(self.schedule)) is not None:
+            self.warn(lowered)
         self._watching = self.pruner.mode == "unstructured"
         if self._watching:
             self.own_weights.start(selection.layers)
@@ -208,7 +222,8 @@ class PruneEvents:
             pruning.make_masks_permanent(model)
         self.masks.forget()
         if self.events:
-            self.info(f"ScheduledPrune: at fit end, {pruning.event_summary(self.events[-1])}.")
+            kept = kept_above_target(self.schedule)
+            self.info(f"ScheduledPrune: at fit end, {kept}{pruning.event_summary(self.events[-1])}.")
 
     # ------------------------------------------------------------------ an event
     def cut(
@@ -229,7 +244,9 @@ class PruneEvents:
 
     def leave_out_substituted(self, model: nn.Module) -> None:
         """After the fit's first optimizer step (or at an event before it), before any mask: stop watching
-        the layers' forwards (nothing when not watching: a cheap call every step), leave out for good
+        the layers' forwards (nothing when not watching: a cheap call every step), raise
+        :class:`~lightning_pulse.errors.PulseRefusal` for layers whose weight parameter was replaced meanwhile
+        (:func:`~lightning_pulse.core.prune_setup.refuse_replaced_weights`), leave out for good
         those seen reading a ``weight`` passed in for them rather than their own
         (:class:`~lightning_pulse.core.prune_targets.OwnWeightWatch`) and say which; raise
         :class:`~lightning_pulse.errors.PulseRefusal` when that leaves no layer to prune."""
@@ -237,6 +254,7 @@ class PruneEvents:
             return
         self._watching = False
         found = self.own_weights.stop()
+        refuse_replaced_weights(self.own_weights.replaced)
         if not found:
             return
         self.pruner.not_trained.update(found)
@@ -303,6 +321,7 @@ class PruneEvents:
         state = {**self.schedule.state_dict(), **self.pruner.state_dict()}
         state["events"] = [dict(event) for event in self.events]
         state["user_frozen"], state["uses_maintain"] = sorted(self.pruner.user_frozen), self.uses_maintain
+        state["mode"] = self.pruner.mode
         teacher = self.window.state_dict() if self.window is not None else None
         if teacher is not None:
             state["teacher"] = teacher
@@ -316,6 +335,7 @@ class PruneEvents:
         self.events = [dict(event) for event in state["events"]]
         self.uses_maintain = state.get("uses_maintain", self.uses_maintain)
         self.pending_teacher = state.get("teacher")
+        self.restored_mode = saved_mode(state)
         self.masks.forget()
 
     def masks_after_rollback(self, model: nn.Module, masked_then: Collection[str] | None) -> None:

@@ -336,13 +336,15 @@ def fit_start_selection(
     :class:`PulseRefusal` when there is none (:func:`checked_selection`) and, in structured mode, for a
     compiled part holding one (``compiled``: :func:`refuse_compiled_structured`), a model that cannot be
     traced or cut safely (:func:`refuse_structured`) or a frozen copy of a part to cut
-    (:func:`refuse_frozen_twins`; unstructured too, unless ``fixed_copies``).
+    (:func:`refuse_frozen_twins`; unstructured too, unless ``fixed_copies``); in both modes, for a part an
+    AveragedModel submodule averages (:func:`refuse_averaged_sources`).
 
     Returns the selection, the layers whose zeros folded into the weights were masked again
     (:func:`~lightning_pulse.core.pruning.mask_folded_zeros`, unstructured), and the structured trace input:
     from ``example_input_array`` (:func:`structured_example`), else ``example`` as it was."""
     pruner.user_frozen = prune_targets.frozen_layers(model) if frozen is None else frozen
     selection = checked_selection(pruner, model)
+    refuse_averaged_sources(model, selection.layers, pruner.mode)
     masked = pruning.mask_folded_zeros(selection.layers, pruner.mode, schedule.sparsity)
     if pruner.mode == "unstructured" and not fixed_copies:
         refuse_frozen_twins(model, selection.layers, pruner.mode)
@@ -634,6 +636,8 @@ def refuse_structured(reason: str | None) -> None:
         "every shape), or keep the copy outside the module, in a callback that follows each cut "
         "(`on_pulse_parameters_replaced` is given the cut parameters, their shapes before the cut and the "
         "channels kept).",
+        pruning.UNCUT_AVERAGE: "Leave out the layers whose cut reaches that part (its inputs come from "
+        "them) with `exclude_pattern`, or use mode='unstructured' (it keeps every shape).",
         pruning.UNTRACEABLE_OUTPUT: "Have `forward` return tensors only (the logits or the loss); a Hugging "
         "Face model returns its key/value cache unless called with `use_cache=False` (or built with it in its "
         "config: setting `model.config.use_cache` afterwards does not reach T5's decoder). Or use "
@@ -764,4 +768,124 @@ def refuse_frozen_twins(model: nn.Module, layers: dict[str, nn.Module], mode: st
         f"{re.escape(part)!r}; or, if {copy} is never updated from {part} (a fixed teacher or reference "
         "model: ScheduledPrune cannot tell one from an EMA at fit start), say so with "
         "options=PruneOptions(fixed_copies=True)."
+    )
+
+
+def refuse_averaged_sources(model: nn.Module, layers: Mapping[str, nn.Module], mode: str) -> None:
+    """Raise :class:`PulseRefusal` when a ``torch.optim.swa_utils.AveragedModel`` submodule (an EMA or SWA
+    of a part, ``AveragedModel(self.net)``) averages a part that holds ``layers``
+    (:func:`~lightning_pulse.core.prune_targets.averaged_sources`). ``update_parameters`` pairs the copy's
+    tensors with the part's by position. Unstructured: a held-out EMA averaged the part's unmasked
+    ``weight_orig``, pruned entries included; its copy, pruned with masks of its own, averaged those masks
+    too (``use_buffers=True``: 3% of them fractional) and ended at 0.486 sparsity while 0.500 was reported.
+    Without its own masks, the copy would average the dense weights, none pruned. Structured: the cut part's
+    shapes no longer match the copy's. The copy's own layers are never pruned (left out, ``AVERAGED_COPY``),
+    so leaving the part out leaves both dense."""
+    sources = prune_targets.averaged_sources(model, layers)
+    if not sources:
+        return
+    copy, part = next(iter(sources.items()))
+    pattern = f"^{re.escape(part)}(\\.|$)"
+    if mode == "structured":
+        harm = (
+            f"from the first event on, {part}'s cut parameters no longer match the copy's shapes, so its "
+            "first update after a cut fails"
+        )
+        way_out = (
+            "use mode='unstructured' with Lightning's EMAWeightAveraging callback in place of the submodule"
+        )
+    else:
+        harm = (
+            f"from the first event on, it would average {part}'s unmasked `weight_orig`, pruned entries "
+            "included, so the average keeps weights the model pruned and is not as sparse as reported"
+        )
+        way_out = (
+            "keep the average with Lightning's EMAWeightAveraging callback (use_buffers=True) in place of "
+            "the submodule: it copies the averaged weights back under the model's masks"
+        )
+    raise PulseRefusal(
+        f"ScheduledPrune: `{copy}` is the copy an AveragedModel (EMA/SWA) averages from `{part}`, a part it "
+        f"prunes, and `update_parameters` pairs their tensors by position: {harm}. To prune `{part}`, "
+        f"{way_out}; or leave `{part}` out with `exclude_pattern`={pattern!r} (its averaged copy is never "
+        "pruned)."
+    )
+
+
+def refuse_replaced_weights(replaced: Sequence[str]) -> None:
+    """Unstructured, after the fit's first optimizer step, before any mask: raise :class:`PulseRefusal` for
+    the layers whose ``weight`` parameter was replaced by a new one meanwhile (``replaced``:
+    :attr:`~lightning_pulse.core.prune_targets.OwnWeightWatch.replaced`). A mask keeps the weight in
+    ``weight_orig`` and sets ``weight`` from it before every call: a held-out VQ-VAE (the zalandoresearch
+    ``VectorQuantizerEMA``) assigns ``_embedding.weight = nn.Parameter(...)`` in every forward, and its run
+    crashed at the first event (``TypeError: cannot assign 'torch.FloatTensor' as parameter 'weight'``).
+    Seen only once a forward ran, so said here, before the first event."""
+    if not replaced:
+        return
+    names = _some_names(replaced)
+    pattern = "^(" + "|".join(re.escape(name) for name in replaced) + ")$"
+    raise PulseRefusal(
+        f"ScheduledPrune: the `weight` parameter of {names} was replaced by a new one during the first "
+        "training step (code that assigns `layer.weight = nn.Parameter(...)`, as the forward of an EMA "
+        "codebook does): a mask keeps the weight in `weight_orig` and sets `weight` from it before every "
+        "call, so the first pruning event would fail on the next assignment, or the mask would be lost. "
+        f"Leave these layers out with `exclude_pattern`={pattern!r}, or narrow `layer_types` to the layers "
+        "to prune."
+    )
+
+
+def saved_mode(state: Mapping[str, Any]) -> str | None:
+    """The ``mode`` of the run that saved ``state`` (a ScheduledPrune state dict): as recorded, else, for a
+    checkpoint from before it was, ``"structured"`` when it holds a cut's history, ``"unstructured"`` when it
+    holds events and none, and ``None`` before any event (nothing pruned, any mode may resume)."""
+    if state.get("mode") is not None:
+        return str(state["mode"]) if state.get("events") else None
+    if state.get("history"):
+        return "structured"
+    return "unstructured" if state.get("events") else None
+
+
+def refuse_mode_change(saved: str | None, mode: str) -> None:
+    """At the fit start of a resume, raise :class:`PulseRefusal` when the run that saved the checkpoint pruned
+    with another ``mode`` (``saved``: :func:`saved_mode`). A held-out resume of an unstructured run's
+    checkpoint with ``mode='structured'`` was refused on its first batch with the trial cut's error
+    (``cannot assign 'torch.FloatTensor' as parameter 'weight'``), blaming the model: the checkpoint's masks
+    are no channels to cut. The other way, the cut model's sparsity counts channels, and the masks would take
+    it as weights'."""
+    if saved is None or saved == mode:
+        return
+    if saved == "unstructured":
+        what = "its layers carry masks (`weight_orig` and `weight_mask`), not channels a cut can remove"
+        fresh = "from the pruned weights with the masks folded in (`torch.nn.utils.prune.remove`)"
+    else:
+        what = "its layers are cut to smaller shapes, and its sparsity counts channels, not weights"
+        fresh = "from the cut model (`ScheduledPrune.load_pruned` into a freshly built module)"
+    raise PulseRefusal(
+        f"ScheduledPrune: the checkpoint resumed was saved by a run with mode={saved!r}, and this run has "
+        f"mode={mode!r}: a resume cannot change the mode ({what}). Resume with mode={saved!r}; or, to prune "
+        f"with mode={mode!r}, start a new fit (without `ckpt_path`) {fresh}."
+    )
+
+
+def lowered_target_warning(schedule: PruneSchedule) -> str | None:
+    """At fit start, the warning for a resumed run whose sparsity reached is above the ``final_sparsity`` of
+    this run (lowered on resume), else ``None``: masks are never undone, so the model keeps the sparsity
+    reached and no event prunes more (a held-out resume from 0.5 to 0.2 kept 0.48 with nothing said)."""
+    if schedule.sparsity <= schedule.final_sparsity + 1e-9:
+        return None
+    return (
+        f"ScheduledPrune: the resumed run reached sparsity {schedule.sparsity:.3f}, above this run's "
+        f"`final_sparsity`={schedule.final_sparsity:g}: what is pruned stays pruned (masks and cuts are "
+        f"never undone), so the model keeps {schedule.sparsity:.3f} and no event prunes more. To end at "
+        f"{schedule.final_sparsity:g}, start a new fit (without `ckpt_path`) from unpruned weights."
+    )
+
+
+def kept_above_target(schedule: PruneSchedule) -> str:
+    """The fit-end line's opening when the sparsity kept is above this run's ``final_sparsity``
+    (:func:`lowered_target_warning`), else ``""``."""
+    if schedule.sparsity <= schedule.final_sparsity + 1e-9:
+        return ""
+    return (
+        f"sparsity {schedule.sparsity:.3f} kept from the resumed run, above this run's `final_sparsity`="
+        f"{schedule.final_sparsity:g} (never undone); its last event: "
     )

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
+from torch.optim.swa_utils import AveragedModel
 
 
 def is_hf_conv1d(module: object) -> bool:
@@ -110,6 +111,75 @@ def hidden_weight_readers(model: nn.Module) -> dict[str, str]:
     return found
 
 
+#: why a layer inside a ``torch.optim.swa_utils.AveragedModel`` is never pruned on its own
+AVERAGED_COPY = (
+    "inside an AveragedModel (EMA/SWA): a copy averaged from another module by position, not trained; masks "
+    "of its own would not be the model's"
+)
+
+
+def averaged_copies(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: averaged module}`` of each ``torch.optim.swa_utils.AveragedModel`` in ``model`` (outermost
+    ones): ``name`` is that of the copy it averages into (``<averaged model>.module``). Its parameters require
+    grad, yet no optimizer trains them: ``update_parameters`` averages another module's tensors into them."""
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        inner = getattr(module, "module", None)
+        if (
+            isinstance(module, AveragedModel)
+            and isinstance(inner, nn.Module)
+            and not any(name.startswith(f"{outer}.") for outer in found)
+        ):
+            found[f"{name}.module" if name else "module"] = inner
+    return found
+
+
+def _inside(name: str, parts: Collection[str]) -> bool:
+    return any(name == part or name.startswith(f"{part}.") for part in parts)
+
+
+def averaged_parts(model: nn.Module) -> dict[str, str]:
+    """``{averaged copy: part}``: each AveragedModel copy (:func:`averaged_copies`) and the first part of
+    ``model`` outside every copy with its type and structure: the part it is averaged from, as
+    ``AveragedModel(self.net)`` makes it (``update_parameters(self.net)`` pairs their tensors by position)."""
+    copies = averaged_copies(model)
+    found = {}
+    for copy_name, copy in copies.items():
+        shape = _structure(copy, plain=True)
+        for name, part in model.named_modules():
+            if (
+                name
+                and type(part) is type(copy)
+                and not _inside(name, copies)
+                and _structure(part, plain=True) == shape
+            ):
+                found[copy_name] = name
+                break
+    return found
+
+
+def averaged_sources(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, str]:
+    """The entries of :func:`averaged_parts` whose part holds some of ``layers``."""
+    splits = [name.split(".") for name in layers]
+    holding = {".".join(parts[:end]) for parts in splits for end in range(1, len(parts) + 1)}
+    return {copy: part for copy, part in averaged_parts(model).items() if part in holding}
+
+
+def uncut_averaged_copies(before: nn.Module, after: nn.Module) -> list[tuple[str, str]]:
+    """``(copy, part)`` of :func:`averaged_parts` in ``before`` where ``after`` (a copy of it a trial cut has
+    pruned) changed a parameter shape of the part and none of the copy's: a part left out whose inputs
+    another layer's cut narrows (an EMA of a head behind a cut body), whose average then fails on the shapes."""
+
+    def shapes(model: nn.Module, name: str) -> list[tuple[int, ...]]:
+        return [tuple(p.shape) for p in model.get_submodule(name).parameters()]
+
+    return [
+        (copy, part)
+        for copy, part in averaged_parts(before).items()
+        if shapes(before, part) != shapes(after, part) and shapes(before, copy) == shapes(after, copy)
+    ]
+
+
 def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
     """``id(parameter) -> [qualified names]`` over every owner (``remove_duplicate=False``); a pruned
     ``weight_orig`` is named ``weight``."""
@@ -184,12 +254,14 @@ def select_targets(
     mask). ``structured``: any layer holding a shared parameter is left out (cutting it would cut one owner
     only). Layers inside a ``torch.jit.script``'ed part (:func:`scripted_modules`) and those in
     ``not_trained`` (name -> why: a forward seen reading another tensor than the layer's own weight,
-    :class:`OwnWeightWatch`) are left out with their reason.
+    :class:`OwnWeightWatch`) are left out with their reason, and so are the layers of the copy a
+    ``torch.optim.swa_utils.AveragedModel`` averages into (:func:`averaged_copies`; :data:`AVERAGED_COPY`).
     """
     not_trained = not_trained or {}
     selection = LayerSelection()
     hidden = hidden_weight_readers(model)
     scripted = scripted_modules(model)
+    averaged = averaged_copies(model)
     for name, module in model.named_modules():
         parametrized = bool(name) and name not in scripted and computes_its_weight(module)
         if not name or not (parametrized or _has_weight(module)):
@@ -202,6 +274,8 @@ def select_targets(
             continue
         if name in scripted:
             selection.left_out[name] = SCRIPTED
+        elif _inside(name, averaged):
+            selection.left_out[name] = AVERAGED_COPY
         elif name in not_trained:
             selection.left_out[name] = not_trained[name]
         elif parametrized:
@@ -265,7 +339,10 @@ class OwnWeightWatch:
 
     def __init__(self) -> None:
         self.substituted: dict[str, str] = {}
+        #: the layers whose ``weight`` parameter was replaced by another one while watched (:meth:`stop`)
+        self.replaced: list[str] = []
         self._handles: dict[str, Any] = {}
+        self._owns: dict[str, tuple[nn.Module, nn.Parameter]] = {}
 
     def start(self, layers: Mapping[str, nn.Module]) -> None:
         """Watch the forwards of ``layers`` (name -> layer) from now on."""
@@ -274,6 +351,7 @@ class OwnWeightWatch:
             own = _own_parameter(layer, "weight")
             if isinstance(own, nn.Parameter) and "weight_orig" not in layer._parameters:
                 self._handles[name] = layer.register_forward_pre_hook(self._hook(name, layer, own))
+                self._owns[name] = (layer, own)
 
     def _hook(self, name: str, layer: nn.Module, own: nn.Parameter) -> Any:
         def check(module: nn.Module, args: Any) -> None:
@@ -289,15 +367,22 @@ class OwnWeightWatch:
         return check
 
     def stop(self) -> dict[str, str]:
-        """Stop watching; the layers seen reading another ``weight`` than their own, with why."""
+        """Stop watching; the layers seen reading another ``weight`` than their own, with why. The layers
+        whose ``weight`` is no longer the parameter :meth:`start` found go to :attr:`replaced`: code that
+        assigns a new one (``layer.weight = nn.Parameter(...)`` in a forward, as a VQ-VAE's EMA codebook
+        does) would replace the masked weight that a mask's hook computes, and the first refresh after an
+        event failed (``TypeError: cannot assign 'torch.FloatTensor' as parameter 'weight'``)."""
         for handle in self._handles.values():
             handle.remove()
-        self._handles = {}
+        self.replaced = [
+            name for name, (layer, own) in self._owns.items() if layer._parameters.get("weight") is not own
+        ]
+        self._handles, self._owns = {}, {}
         found, self.substituted = self.substituted, {}
         return found
 
     def __getstate__(self) -> dict[str, Any]:  # pickled for spawning strategies: without hooks or layers
-        return {"substituted": {}, "_handles": {}}
+        return {"substituted": {}, "replaced": [], "_handles": {}, "_owns": {}}
 
 
 @torch._dynamo.disable  # a storage pointer is no graph op; reached only for a weight other than the own one
@@ -323,12 +408,16 @@ def frozen_layers(model: nn.Module) -> frozenset[str]:
     )
 
 
-def _structure(module: nn.Module) -> tuple:
+def _structure(module: nn.Module, plain: bool = False) -> tuple:
     """What two modules must share to be copies of each other: their submodules' names and types, and their
-    parameters' names, shapes and dtypes."""
+    parameters' names, shapes and dtypes; ``plain``: a masked ``X.weight_orig`` named ``X.weight``."""
+
+    def named(name: str) -> str:
+        return name[: -len("_orig")] if plain and name.endswith("weight_orig") else name
+
     return (
         tuple((name, type(m).__name__) for name, m in module.named_modules()),
-        tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()),
+        tuple((named(name), tuple(p.shape), p.dtype) for name, p in module.named_parameters()),
     )
 
 
@@ -629,11 +718,14 @@ def unreached_parameters(
     parameters there: counting it would warn on every small language model), nor are biases and norm scales
     (one dimension), parameters the user froze or masked with ``torch.nn.utils.prune`` (``<name>_orig``), or
     those of a layer ``exclude`` matches, nor, when the user named ``layer_types`` (``types_chosen``), the
-    weights of layers of other types (choices already made)."""
+    weights of layers of other types (choices already made), nor those of an AveragedModel's copy
+    (:func:`averaged_copies`: averaged, not trained)."""
     embeddings = _embedding_parameters(model)
     reached_ids = {id(_weight(layer)) for layer in selection.layers.values()}
     modules = dict(model.named_modules())
-    unreached, reached, total, seen = [], 0, 0, set(embeddings)
+    # an averaged copy (EMA/SWA) is not trained: neither out of reach nor counted in the total
+    averaged = {id(p) for copy in averaged_copies(model).values() for p in copy.parameters()}
+    unreached, reached, total, seen = [], 0, 0, embeddings | averaged
     for qualified, parameter in model.named_parameters():
         if id(parameter) in seen or not parameter.requires_grad or is_lazy(parameter):
             continue

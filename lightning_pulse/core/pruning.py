@@ -1347,7 +1347,8 @@ def check_structured(
     with autograd off, where the trace cannot see them: :data:`REENTRANT_CHECKPOINT`, :data:`AUTOGRAD_OFF`;
     every channel group also cuts a layer the user froze: :data:`FROZEN_COUPLING`; nothing is left once the
     layers the user froze are left out: :data:`FROZEN_LEFT_OUT`, :data:`FROZEN_AND_UNCUTTABLE`; a buffer the
-    cut leaves shaped like a parameter it changes: :data:`UNCUT_BUFFER`), or ``None``.
+    cut leaves shaped like a parameter it changes: :data:`UNCUT_BUFFER`; an AveragedModel copy of a part the
+    cut changes, left as it is: :data:`UNCUT_AVERAGE`), or ``None``.
     """
     reason, where = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example)
     if reason is not None and reason.startswith("tracing which channels"):
@@ -1510,6 +1511,10 @@ def _trial_cut(
             f"{UNCUT_BUFFER}: `{buffer}`{more} has the shape {shape} of `{parameter}`, which the cut changes "
             f"(`exclude_pattern`={re.escape(layer)!r} leaves {layer} out)"
         )
+    averages = prune_targets.uncut_averaged_copies(model, duplicate) if reason is None else []
+    if averages:
+        copy, part = averages[0]
+        reason = f"{UNCUT_AVERAGE}: the cut changes shapes of `{part}`, which `{copy}` averages"
     return reason, None
 
 
@@ -1558,6 +1563,13 @@ UNCUT_BUFFER = (
     "the model holds a buffer shaped like a parameter the cut changes, and the cut leaves the buffer as it is: "
     "a copy of the weights kept as buffers (an EMA updated by parameter name) then no longer fits them, and the "
     "first update after the first pruning event fails"
+)
+
+#: the start of the reason for an AveragedModel copy of a part whose shapes the cut changes and not its own
+UNCUT_AVERAGE = (
+    "the model holds an AveragedModel (EMA/SWA) copy of a part the cut changes, and the cut leaves the copy "
+    "as it is: `update_parameters` pairs their tensors by position, and its first update after the first "
+    "pruning event fails"
 )
 
 
