@@ -212,3 +212,37 @@ def test_a_parameter_outside_the_units_trains_once_it_has_a_gradient_or_an_optim
     assert again.check_outside()
     # a freezer not told the optimizers counts every parameter that requires grad, as before
     assert LayerFreezer(units, FreezeSettings(), outside).check_outside()
+
+
+class _UnfrozenWithANewOptimizer(MNIST1DClassifier):
+    """A CNN whose backbone (``net.1``, ``net.3``) is frozen in ``__init__`` and, at epoch 1's start, unfrozen
+    together with a new optimizer that holds only trainable parameters (``setup_optimizers`` again)."""
+
+    def __init__(self) -> None:
+        super().__init__(arch="cnn")
+        for index in (1, 3):
+            self.net[index].requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+    def on_train_epoch_start(self):
+        if self.current_epoch == 1:
+            for index in (1, 3):
+                self.net[index].requires_grad_(True)
+            self.trainer.strategy.setup_optimizers(self.trainer)
+
+
+def test_a_backbone_unfrozen_with_a_new_optimizer_at_an_epochs_start_is_followed_at_that_epochs_first_batch(
+    mnist1d_small,
+):
+    # a review of this pass: the freezer looked only in the optimizers of the fit's start, so a backbone the new
+    # optimizer held was taken for one no optimizer holds, and noticed at the next window's end (step 15) after
+    # it had trained two steps while a unit after it stayed frozen
+    _, data = mnist1d_small()
+    pl.seed_everything(0)
+    cache = GradientCache(threshold=2.0, check_every=5, freeze_for=20)
+    trainer = pl.Trainer(callbacks=[cache], **trainer_kwargs(max_epochs=2, limit_val_batches=0))
+    trainer.fit(_UnfrozenWithANewOptimizer(), data)
+    retraces = [event["step"] for event in cache.events if event["reason"] == "retrace"]
+    assert retraces and retraces[0] == 12  # epoch 1's first batch (12 batches an epoch)

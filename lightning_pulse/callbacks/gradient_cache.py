@@ -188,6 +188,7 @@ class GradientCache(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if batch_idx == 0 or self._lifecycle.resumed_first_batch:  # where recipes unfreeze a backbone: look
+            self._lifecycle.follow_optimizers(trainer.optimizers)  # a recipe may have made new ones
             self._retrace(trainer, pl_module, check=True)
             before = self._lifecycle.frozen_prefix  # a unit the user's code turned back on: released before
             if self.freezer is not None and self.freezer.release_taken_back():  # the forward and the ledger

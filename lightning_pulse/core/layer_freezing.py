@@ -1019,6 +1019,12 @@ class FreezerLifecycle:
         refuse_optimizers_that_move_gradless_parameters(optimizers)
         self.optimizer_check.attach(optimizers)  # frozen parameters put back right after a wrapper's step
 
+    def follow_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Look at the fit's optimizers now (in the list the freezer shares): a recipe unfreezing a backbone may
+        have replaced them (``trainer.strategy.setup_optimizers``)."""
+        if self.optimizers is not None:
+            self.optimizers[:] = list(optimizers)
+
     @property
     def resumed_first_batch(self) -> bool:
         """Whether the next forward is a resumed fit's first (:meth:`begin_forward` opens its prefix)."""
@@ -1249,6 +1255,8 @@ class FreezerLifecycle:
         frozen parameters), then :meth:`GradlessStepCheck.before_step` on the units frozen during its
         backward."""
         self._close_opened()  # a step without a backward (training_step returned None)
+        if optimizers:
+            self.follow_optimizers(optimizers)
         freezer = self.freezer
         if freezer is None:
             return StepReport()
@@ -1392,8 +1400,9 @@ class FreezerLifecycle:
         """Turn back on every parameter the freezer turned off, so the module leaves the fit as it came in."""
         self._ended = True
         self.optimizer_check.detach()
-        if self.optimizers is not None:  # the freezer shares the list: their state is not kept past the fit
-            self.optimizers.clear()
+        self.optimizers = None  # their state is not kept past the fit; unknown again, as for a freezer alone
+        if self.freezer is not None:
+            self.freezer.optimizers = None
         if self.freezer is not None:
             self.freezer.restore_requires_grad()
 
