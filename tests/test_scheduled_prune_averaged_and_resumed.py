@@ -75,6 +75,38 @@ class _WithAverage(pl.LightningModule):
         return torch.optim.SGD([*self.body.parameters(), *self.head.parameters()], lr=0.05, momentum=0.9)
 
 
+class _TwoTowers(pl.LightningModule):
+    """Query and document towers of one structure; an EMA of ``averaged`` (``"doc"`` or ``"query"``)."""
+
+    def __init__(self, averaged: str) -> None:
+        super().__init__()
+        self.query, self.doc = (nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)) for _ in "qd")
+        self.out, self.averaged = nn.Linear(32, 4), averaged
+        self.doc_ema = AveragedModel(getattr(self, averaged), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.out(torch.cat([self.query(batch[0]), self.doc(batch[0])], 1)), batch[1])
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.doc_ema.update_parameters(getattr(self, self.averaged))
+
+    def configure_optimizers(self):
+        trained = [p for name, p in self.named_parameters() if not name.startswith("doc_ema")]
+        return torch.optim.SGD(trained, lr=0.05)
+
+
+def test_the_part_an_averaged_model_copies_is_the_nearest_of_those_of_its_structure():
+    # a review of this pass: the first part of the copy's type and structure was taken for its source, so an
+    # EMA of the document tower left out was refused as one of the query tower being pruned
+    pl.seed_everything(0)
+    trainer = pl.Trainer(max_steps=12, callbacks=[_prune(exclude_pattern=r"^doc(\.|$)")], **trainer_kwargs())
+    trainer.fit(_TwoTowers("doc"), _data())
+    assert trainer.global_step == 12
+    trainer = pl.Trainer(max_steps=12, callbacks=[_prune(exclude_pattern=r"^doc(\.|$)")], **trainer_kwargs())
+    with pytest.raises(PulseRefusal, match="from `query`"):
+        trainer.fit(_TwoTowers("query"), _data())
+
+
 @pytest.mark.parametrize("mode", ["unstructured", "structured"])
 def test_an_averaged_model_of_a_part_to_prune_is_refused_at_fit_start_naming_the_ways_out(mode):
     """Held-out sweep: unstructured, the AveragedModel's copy (its parameters require grad, so it is not a
@@ -227,8 +259,11 @@ def test_a_resume_with_another_mode_is_refused_at_fit_start_naming_the_mode_chan
 
 
 def test_the_mode_of_a_checkpoint_saved_before_it_was_recorded_is_read_from_its_state():
-    events = [{"step": 4}]
+    events = [{"step": 4, "sparsity": 0.3}]
     assert prune_setup.saved_mode({"history": [], "events": events}) == "unstructured"
+    # a review: a structured event that cut no channel yet (an early one of a gradual schedule) leaves no
+    # history either; it was read as unstructured, and a resume in the same mode was refused
+    assert prune_setup.saved_mode({"history": [], "events": [{"step": 3, "sparsity": 0.0}]}) is None
     assert prune_setup.saved_mode({"history": [["net.0", "out", [1]]], "events": events}) == "structured"
     assert prune_setup.saved_mode({"history": [], "events": []}) is None
     assert prune_setup.saved_mode({"mode": "structured", "history": [], "events": []}) is None

@@ -855,12 +855,14 @@ def refuse_replaced_weights(replaced: Sequence[str]) -> None:
 def saved_mode(state: Mapping[str, Any]) -> str | None:
     """The ``mode`` of the run that saved ``state`` (a ScheduledPrune state dict): as recorded, else, for a
     checkpoint from before it was, ``"structured"`` when it holds a cut's history, ``"unstructured"`` when it
-    holds events and none, and ``None`` before any event (nothing pruned, any mode may resume)."""
+    holds none and an event that pruned, and ``None`` before any event that pruned (any mode may resume)."""
     if state.get("mode") is not None:
         return str(state["mode"]) if state.get("events") else None
     if state.get("history"):
         return "structured"
-    return "unstructured" if state.get("events") else None
+    # a structured event that cut no channel (an early one of a gradual schedule) leaves no history either
+    pruned = any(float(event.get("sparsity") or 0.0) > 0.0 for event in state.get("events") or [])
+    return "unstructured" if pruned else None
 
 
 def refuse_mode_change(saved: str | None, mode: str) -> None:

@@ -141,23 +141,35 @@ def _inside(name: str, parts: Collection[str]) -> bool:
 
 
 def averaged_parts(model: nn.Module) -> dict[str, str]:
-    """``{averaged copy: part}``: each AveragedModel copy (:func:`averaged_copies`) and the first part of
-    ``model`` outside every copy with its type and structure: the part it is averaged from, as
-    ``AveragedModel(self.net)`` makes it (``update_parameters(self.net)`` pairs their tensors by position)."""
+    """``{averaged copy: part}``: each AveragedModel copy (:func:`averaged_copies`) and the part of ``model``
+    outside every copy with its type and structure that it is averaged from, as ``AveragedModel(self.net)``
+    makes it (``update_parameters(self.net)`` pairs their tensors by position). Of several such parts (two
+    identical towers, an EMA of one ``Linear`` among many of its shape), the one whose values are nearest the
+    copy's: an average follows its part (at the start of a fit, equal to it), not a twin."""
     copies = averaged_copies(model)
     found = {}
     for copy_name, copy in copies.items():
         shape = _structure(copy, plain=True)
-        for name, part in model.named_modules():
-            if (
-                name
-                and type(part) is type(copy)
-                and not _inside(name, copies)
-                and _structure(part, plain=True) == shape
-            ):
-                found[copy_name] = name
-                break
+        candidates = [
+            name
+            for name, part in model.named_modules()
+            if name
+            and type(part) is type(copy)
+            and not _inside(name, copies)
+            and _structure(part, plain=True) == shape
+        ]
+        if candidates:
+            found[copy_name] = min(candidates, key=lambda name: _distance(copy, model.get_submodule(name)))
     return found
+
+
+@torch.no_grad()
+def _distance(copy: nn.Module, part: nn.Module) -> float:
+    """The squared distance between the parameters of two modules of one structure, paired by position."""
+    return sum(
+        float((a.detach().float() - b.detach().float().to(a.device)).pow(2).sum())
+        for a, b in zip(copy.parameters(), part.parameters())
+    )
 
 
 def averaged_sources(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, str]:
