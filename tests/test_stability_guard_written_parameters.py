@@ -210,3 +210,65 @@ def test_a_frozen_backbone_nobody_writes_is_never_copied_before_a_step():
         model.teacher.weight.mul_(0.5)
     guard.core.pre_step.learn(model, take_snapshot(1, model), optimizers)
     assert guard.core.pre_step.names == ["teacher.weight"]
+
+
+def test_a_frozen_backbone_is_summed_not_copied_by_a_data_check_and_set_back_if_the_rerun_writes_it():
+    """A review of this pass: the data check copied every frozen parameter to the CPU before its re-run (a
+    LoRA fit's whole frozen backbone, at every bad batch). One learned as written by nobody is summed
+    before and after instead, and set back from the newest snapshot only if the re-run wrote it."""
+    guard = StabilityGuard()
+    model = nn.Sequential(nn.Linear(3, 64), nn.Linear(64, 1))
+    model[0].requires_grad_(False)  # the frozen backbone
+    optimizers = [torch.optim.SGD(model[1].parameters(), lr=0.1)]
+    guard.core.start(0, optimizers)
+    guard.core.take_snapshot(0, model, optimizers, [], {})
+    guard.core.take_snapshot(1, model, optimizers, [], {})  # learned: nobody writes it
+    before = model[0].weight.detach().clone()
+    copied: list[tuple[int, ...]] = []
+    real_to = torch.Tensor.to
+
+    def recording_to(tensor, *args, **kwargs):
+        if kwargs.get("copy"):
+            copied.append(tuple(tensor.shape))
+        return real_to(tensor, *args, **kwargs)
+
+    torch.Tensor.to = recording_to
+    try:
+        with guard.core.forward_state_for_a_check(model, guard.core.saved_forward_state(model), optimizers):
+            with torch.no_grad():
+                model[0].weight.add_(1.0)  # a re-run that writes it after all
+    finally:
+        torch.Tensor.to = real_to
+    assert (64, 3) not in copied and torch.equal(model[0].weight, before)
+
+
+def test_units_a_freezer_releases_and_freezes_again_are_not_learned_as_written():
+    """A review of this pass: with GradientCache, a unit frozen, released for a refresh (the optimizer trains
+    it) and frozen again between two looks had a new sum, and was learned as written by a forward: copied
+    before every step for the rest of the fit. Its optimizer state changed too, so an optimizer step wrote
+    it."""
+    from lightning_pulse import GradientCache
+
+    class _Deep(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            layers = [nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(5)]
+            self.net = nn.Sequential(*layers, nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            return F.mse_loss(self.net(batch[0]).squeeze(-1), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    pl.seed_everything(0)
+    x = torch.randn(800, 16)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, 0].clone()), batch_size=16)
+    guard = StabilityGuard(snapshot_every=10, max_snapshots=3, warmup=5)
+    cache = GradientCache(threshold=10.0, check_every=3, freeze_for=6)
+    pl.Trainer(callbacks=[cache, guard], **trainer_kwargs(max_steps=100)).fit(_Deep(), loader)
+    refreezes = [
+        e for e in cache.events if "to" in e and e["to"] > e["from"] and e["from"] == 0 and e["step"] > 20
+    ]
+    assert refreezes  # a unit froze again after a release
+    assert guard.core.pre_step.names == []

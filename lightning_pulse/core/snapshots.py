@@ -583,8 +583,24 @@ class PreStepBuffers:
             outside = {
                 name: p for name, p in written_outside(model, optimizers).items() if name not in written
             }
-            now = fingerprints(outside)
-            written.update(name for name, value in now.items() if self.fingerprints.get(name, value) != value)
+            # an optimizer's state for one of them (a unit a freezer released for a while, then froze again)
+            # changed: an optimizer step wrote it, not a forward; so it is not learned as written
+            states = {
+                f"{name} {key}": value
+                for optimizer in optimizers
+                for name, param in outside.items()
+                for key, value in optimizer.state.get(param, {}).items()
+                if isinstance(value, torch.Tensor)
+            }
+            now = fingerprints({**outside, **states})
+            stepped = {  # a state that is new since the last look counts too
+                key.rpartition(" ")[0] for key, value in now.items()
+                if key not in outside and self.fingerprints.get(key) != value
+            }
+            written.update(
+                name for name, value in now.items()
+                if name in outside and name not in stepped and self.fingerprints.get(name, value) != value
+            )
             self.fingerprints = now
         saved = {} if snapshot is None else {**snapshot.model, **snapshot.buffers}
         for name, buffer in model.named_buffers():

@@ -39,6 +39,7 @@ from lightning_pulse.core.snapshots import (
     PreStepBuffers,
     SnapshotSchedule,
     TrainingSnapshot,
+    fingerprints,
     is_zero_redundancy,
     nonfinite_tensors,
     written_outside,
@@ -642,11 +643,16 @@ class StabilityCore:
         model. A copy of the buffers, on their device, and of those parameters on the CPU (a frozen backbone
         may not fit twice on the device): a rare step only."""
         buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        outside = written_outside(model, optimizers)
+        unwritten = self._unwritten_since_snapshot(outside, None if saved is None else saved[0])
         parameters = [
             (model.get_submodule(name.rpartition(".")[0])._parameters, name.rpartition(".")[2], param)
-            for name, param in written_outside(model, optimizers).items()
+            for name, param in outside.items()
         ]
-        values = [param.detach().to("cpu", copy=True) for _, _, param in parameters]
+        values = [  # a frozen backbone is summed, not copied
+            None if name in unwritten else param.detach().to("cpu", copy=True)
+            for name, param in outside.items()
+        ]
         with kept_carried_state(model):
             try:
                 self.mend_forward_state(model, saved)
@@ -658,7 +664,28 @@ class StabilityCore:
                             buffer.copy_(buffers[name])
                     for (owner, key, param), value in zip(parameters, values):
                         owner[key] = param  # the object a forward in the block re-created goes
-                        param.copy_(value)
+                        if value is not None:
+                            param.copy_(value)
+                    after = fingerprints({name: outside[name] for name in unwritten})
+                    for name, value in after.items():  # written by the re-run: the snapshot holds its values
+                        if value != self.pre_step.fingerprints[name]:
+                            outside[name].copy_(unwritten[name])
+
+    def _unwritten_since_snapshot(
+        self, outside: Mapping[str, Tensor], snapshot: TrainingSnapshot | None
+    ) -> dict[str, Tensor]:
+        """The parameters of ``outside`` learned as written by nobody (a frozen backbone: their sum the same
+        at every look, the newest snapshot's included) and still at that sum, with the snapshot's copy of
+        each: a check sums them before and after its re-run instead of copying them to the CPU."""
+        pre_step = self.pre_step
+        learned = {name for name in pre_step.fingerprints if name not in pre_step.names and name in outside}
+        if snapshot is None or not learned:
+            return {}
+        candidates = {name: outside[name] for name in learned if name in outside and name in snapshot.model}
+        now = fingerprints(candidates)  # one written since (an EMA that starts late) is copied
+        return {
+            name: snapshot.model[name] for name, value in now.items() if value == pre_step.fingerprints[name]
+        }
 
     def remember_bad_samples(self, samples: list[dict[str, Any]]) -> bool:
         """Keep a data fault's samples (the newest 1000); ``True`` for the run's first bad batch (warn once)."""
