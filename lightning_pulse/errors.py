@@ -1,7 +1,7 @@
 """The one exception a lightning-pulse callback raises when it refuses a run at fit start, and the checks
-that several callbacks share: sharded strategies, Tuner searches, one training run per instance, parameters a
-lazy module has not created yet, a plain check's ``ValueError`` as a refusal, and the argument checks (a
-callback's name first in its errors, nested configs given as mappings)."""
+that several callbacks share: sharded strategies, Tuner searches, one training run per instance, states loaded
+by validate, test or predict, parameters a lazy module has not created yet, a plain check's ``ValueError`` as
+a refusal, and the argument checks (a callback's name first in its errors, nested configs given as mappings)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn.parameter import is_lazy
 
@@ -157,7 +158,32 @@ def tuner_search(trainer: pl.Trainer) -> str | None:
     return None
 
 
-class OneRunPerInstance:
+class FitRestores:
+    """Tells a callback whether a state Lightning loads into it is a resume of the fit it starts.
+
+    Lightning loads a checkpoint's callback states in every stage: ``trainer.validate(ckpt_path=...)``
+    (``test``, ``predict``) loads them too, to evaluate the checkpoint's weights. Kept, such a state would be
+    carried into the next ``trainer.fit`` of the same instances, which has no ``ckpt_path`` and starts at
+    step 0 (evaluate a checkpoint, then fine-tune the model that holds its weights). :meth:`setup`, in every
+    stage (Lightning calls the ``setup`` hooks before it restores), notes the trainer; :meth:`restored`, from
+    ``load_state_dict``, says to drop the state while that trainer runs another stage than fit. A load
+    outside a running trainer (by hand) and one during a fit (a resume, a StabilityGuard rollback) apply.
+    """
+
+    def __init__(self) -> None:
+        self._trainer_state: TrainerState | None = None  # one object for the Trainer's life, updated in place
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """At the ``setup`` hook, in every stage (before Lightning restores a checkpoint into the callback)."""
+        self._trainer_state = getattr(trainer, "state", None)  # a stand-in trainer (a test's) may have none
+
+    def restored(self) -> bool:
+        """From ``load_state_dict``: whether to load the state (not while validate, test or predict run)."""
+        state = self._trainer_state
+        return state is None or state.status != TrainerStatus.RUNNING or state.fn == TrainerFn.FITTING
+
+
+class OneRunPerInstance(FitRestores):
     """Refuses a second training run of a callback instance whose state belongs to its first run.
 
     Such a callback holds one run's plan and tables (a phase clock planned for that run's length, a score
@@ -165,20 +191,26 @@ class OneRunPerInstance:
     on the same Trainer or a new one (a loop over folds), they would be silently wrong. :meth:`start`, at
     ``on_train_start``, refuses when this instance already started a run, unless a checkpoint was just
     restored into it (:meth:`restored`, from ``load_state_dict``: a resume); then it records the run. A Tuner
-    search does not count: it restores the state from before its trials.
+    search does not count: it restores the state from before its trials. A state loaded by validate, test or
+    predict is dropped (:class:`FitRestores`): it is no resume.
 
     Args:
         callback: the callback's name, for the message.
     """
 
     def __init__(self, callback: str) -> None:
+        super().__init__()
         self.callback = callback
         self.started_at_step: int | None = None
         self._restored = False
 
-    def restored(self) -> None:
-        """A checkpoint's state was loaded into the instance (a mid-run rollback is cleared at the run's end)."""
+    def restored(self) -> bool:
+        """A checkpoint's state is loaded into the instance (a mid-run rollback is cleared at the run's end):
+        whether to load it (:meth:`FitRestores.restored`)."""
+        if not super().restored():
+            return False
         self._restored = True
+        return True
 
     def start(self, trainer: pl.Trainer) -> None:
         """At ``on_train_start``.

@@ -224,6 +224,26 @@ class PhaseChange:
         )
 
 
+def check_same_order(state: Mapping[str, Any], order: Sequence[Phase]) -> None:
+    """Raise ``ValueError`` when the clock ``state`` was saved with another cycle order than ``order``."""
+    new = [phase.value for phase in order]
+    saved = state.get("order")
+    if saved is None:  # saved before the order was: at least its phase must sit at its place in this order
+        position, phase = int(state["position"]), str(state["phase"])
+        if state["stage"] != "cycle" or (position < len(new) and new[position] == phase):
+            return
+        ran, resume = f"a cycle with {phase!r} at place {position + 1}", "the order it was saved with"
+    elif list(saved) == new:
+        return
+    else:
+        ran = resume = f"`order`={list(saved)}"
+    raise ValueError(
+        f"the checkpoint's clock ran {ran}, and this one's `order` is {new}: its phase and place in the cycle "
+        f"do not carry over to another order. Resume with {resume}, or start a new run (no ckpt_path) from "
+        "the checkpoint's weights."
+    )
+
+
 class PhaseClock:
     """Decides the current phase from optimizer steps, epochs and seconds.
 
@@ -339,9 +359,18 @@ class PhaseClock:
             "segment_seconds": self._segment_seconds,
             "held": self.held,
             "span": self.span,
+            "order": [phase.value for phase in self.order],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: for a state saved with another cycle ``order``: its phase and place in the cycle
+                would not be this clock's (a phase left out fails a step later; a reshuffled order repeats
+                or skips a phase). A state from before the order was saved is checked on its phase's place.
+        """
+        check_same_order(state, self.order)
         self.phase = Phase(state["phase"])
         self.position = int(state["position"])
         self.cycle = int(state["cycle"])

@@ -39,7 +39,7 @@ from lightning_pulse.energy.config import (
     checked_configs,
     naming_energy_logger,
 )
-from lightning_pulse.errors import refuse_unwritable_dir
+from lightning_pulse.errors import FitRestores, refuse_unwritable_dir
 from lightning_pulse.loggers import log_to_loggers
 
 MONITORABLE = ("energy/total_kwh",)
@@ -98,15 +98,8 @@ class EnergyLogger(Callback):
 
         trainer = Trainer(max_epochs=10, callbacks=[PulseCycle(), EnergyLogger(country_iso_code="DEU")])
 
-    The same in LightningCLI YAML::
-
-        trainer:
-          callbacks:
-            - class_path: lightning_pulse.EnergyLogger
-              init_args:
-                country_iso_code: DEU
-                price_per_kwh: 0.3
-                meters: {codecarbon_tracking_mode: process}
+    The same in LightningCLI YAML: ``{class_path: lightning_pulse.EnergyLogger, init_args: {country_iso_code:
+    DEU, price_per_kwh: 0.3, meters: {codecarbon_tracking_mode: process}}}`` under ``trainer.callbacks``.
     """
 
     def __init__(
@@ -142,6 +135,7 @@ class EnergyLogger(Callback):
             self.report: dict[str, Any] | None = None
             self.report_paths: list[Path] = []
             self._trainer: pl.Trainer | None = None
+            self._fit_restores = FitRestores()
             self._held = compat.CollectiveHold()  # gathered figures, until gloo's worker lets go of them
             self._in_train_loop = False
             self._last_cycle: int | None = None
@@ -157,6 +151,10 @@ class EnergyLogger(Callback):
         return self.account.energy_so_far_kwh()
 
     # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._fit_restores.setup(trainer)  # in every stage, before Lightning restores: see FitRestores
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refuse_unwritable_dir("EnergyLogger", "report_dir", self.report_dir)
@@ -306,7 +304,8 @@ class EnergyLogger(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.account.load_state_dict(state_dict)
+        if self._fit_restores.restored():  # not when loaded by validate, test or predict: no resume
+            self.account.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ internals
     def _finish(self, trainer: pl.Trainer, status: str) -> dict[str, Any]:

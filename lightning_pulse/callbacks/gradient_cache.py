@@ -145,6 +145,7 @@ class GradientCache(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._one_run.setup(trainer)  # in every stage: see FitRestores
         if stage != "fit":
             return
         refuse_setup(trainer, pl_module, compat.compiled_part(pl_module), self.activation_cache_mb)
@@ -324,7 +325,8 @@ class GradientCache(Callback):
         :meth:`state_dict`). During training (a rollback) it applies at once: scores, windows, timers and the
         frozen set return, the activation cache starts over; the FLOP ledger and ``events`` count what ran.
         """
-        self._one_run.restored()
+        if not self._one_run.restored():  # loaded by validate, test or predict: no resume
+            return
         if self._fit_refs is None:
             self._pending_state = dict(state_dict)
             self.ledger.load_state_dict(state_dict["ledger"])

@@ -41,7 +41,7 @@ from lightning_pulse.core.green_window import (
 )
 from lightning_pulse.energy.carbon import format_utc
 from lightning_pulse.energy.signal import GreenSignal
-from lightning_pulse.errors import PulseRefusal, refuse_unwritable_dir, refusing
+from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, refuse_unwritable_dir, refusing
 from lightning_pulse.loggers import log_to_loggers
 
 SUSPEND_CHECKPOINT = "last-green-window.ckpt"
@@ -96,7 +96,8 @@ class GreenWindow(Callback):
             (:class:`~lightning_pulse.PulseRefusal`): ``"light"`` without a PulseCycle with light phases or
             next to ``HardSampleReplay(mode="steps")`` (it plans its batches on the phase sequence),
             ``"suspend"`` without a ModelCheckpoint, no signal and no EnergyLogger series, a new run's
-            ``deadline`` already past (a resumed run's warns and runs on). A resume on a clock that reads
+            ``deadline`` already past (a resumed run's warns and runs on), a second fit of this instance
+            (create one per fit; a checkpoint restored into it resumes). A resume on a clock that reads
             earlier than the checkpoint's save continues from the save (``core.green_window.RunClock``).
 
     Example::
@@ -127,6 +128,7 @@ class GreenWindow(Callback):
         options: GreenWindowOptions | None = None,
     ) -> None:
         super().__init__()
+        self._one_run = OneRunPerInstance("GreenWindow")  # a second fit would spend the first's delay budget
         try:
             self.options = options if isinstance(options, GreenWindowOptions) else options_from(options)
             checked = checked_arguments(
@@ -142,14 +144,9 @@ class GreenWindow(Callback):
         except ValueError as error:
             text = str(error)
             raise ValueError(text if text.startswith("GreenWindow") else f"GreenWindow: {text}") from None
+        ledger = ScheduleLedger(self.signal.mean, self.options.unit)
         self.schedule = GreenSchedule(
-            self.policy,
-            delay,
-            share,
-            expected,
-            deadline_s,
-            ScheduleLedger(self.signal.mean, self.options.unit),
-            light=self.when_dirty == "light",
+            self.policy, delay, share, expected, deadline_s, ledger, light=self.when_dirty == "light"
         )
         self.suspended: dict[str, Any] | None = None
         self.report: dict[str, Any] | None = None
@@ -159,11 +156,13 @@ class GreenWindow(Callback):
         self.segment = OpenSegment(self.schedule, self.options.watts)  # the compute since the last mark
         self._open: dict[str, Any] | None = None  # the segment a checkpoint held, until training resumes
         self._carried_s = 0.0  # the run-time shift a checkpoint held (RunClock.restart)
-        self._last_step = 0
-        self._next_check = -math.inf
-        self._waiting = False
+        self._last_step, self._next_check, self._waiting = 0, -math.inf, False
 
     # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._one_run.setup(trainer)  # in every stage, before Lightning restores: see FitRestores
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_pulse.callbacks.energy_logger import EnergyLogger
@@ -196,6 +195,7 @@ class GreenWindow(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._one_run.start(trainer)  # before anything is planned from a state of another run
         # refused: a clock without Unix seconds; a new run's deadline already past on rank 0's clock
         with refusing("GreenWindow"):
             now, behind = self.run_clock.restart(self._open, self.suspended, self._carried_s)
@@ -258,10 +258,11 @@ class GreenWindow(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._one_run.restored():  # loaded by validate, test or predict: no resume
+            return
         self.schedule.load_state_dict(state_dict["schedule"])
         self.suspended, self._waiting = state_dict.get("suspended"), bool(state_dict.get("waiting", False))
-        self._open = state_dict.get("open")
-        self._carried_s = float(state_dict.get("behind_s", 0.0))
+        self._open, self._carried_s = state_dict.get("open"), float(state_dict.get("behind_s", 0.0))
         self.signal.load_state_dict(state_dict.get("signal", {}))  # kept for a series followed at fit start
 
     # ------------------------------------------------------------------ decisions

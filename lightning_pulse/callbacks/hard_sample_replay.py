@@ -170,6 +170,7 @@ class HardSampleReplay(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._one_run.setup(trainer)  # in every stage: see FitRestores
         if stage != "fit":
             return
         parallel = isinstance(trainer.strategy, ModelParallelStrategy)
@@ -338,7 +339,8 @@ class HardSampleReplay(Callback):
         flight (measured on the model being replaced). The DataLoader's pass (next batches, an epoch's selection)
         is not rewound.
         """
-        self._one_run.restored()
+        if not self._one_run.restored():  # loaded by validate, test or predict: no resume
+            return
         state_dict = dict(state_dict)
         stream = state_dict.pop("stream", None)
         if self._ready and self.selector is not None:  # a rollback: the data stream is not rewound

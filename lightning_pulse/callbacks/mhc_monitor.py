@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.errors import names_itself
+from lightning_pulse.errors import FitRestores, names_itself
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
 
@@ -69,6 +69,7 @@ class HyperConnectionMonitor(Callback):
     @names_itself
     def __init__(self, every_n_steps: int = 50, per_layer: bool = False, prefix: str = "mhc") -> None:
         super().__init__()
+        self._fit_restores = FitRestores()
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"`every_n_steps`={every_n_steps!r} must be a positive int.")
         if not isinstance(prefix, str) or not prefix:
@@ -92,6 +93,7 @@ class HyperConnectionMonitor(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._fit_restores.setup(trainer)  # in every stage, before Lightning restores: see FitRestores
         # a new fit counts from step 0 again: a step measured in an earlier fit would skip step 0 of this one,
         # and a fit shorter than every_n_steps logged nothing. Here, not in on_fit_start: a checkpoint's
         # state is loaded after setup, before on_fit_start, and must win on a resume
@@ -265,5 +267,7 @@ class HyperConnectionMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._fit_restores.restored():  # loaded by validate, test or predict: no resume
+            return
         self.history = [dict(entry) for entry in state_dict.get("history", [])]
         self._last_measured_step = int(state_dict.get("last_measured_step", -1))

@@ -106,8 +106,7 @@ class PulseCycle(Callback):
             light-phase steps each stand for ``1 / replay_fraction`` batches of data, the replay phase's length
             is set at fit start so that the run's data takes that share of the plain run's steps; the log says
             the plan at fit start and what was spent at the end (``pulse/budget_spent``).
-        time_source: seconds counter for wall-clock phases; ``time.monotonic`` by default. Tests inject a
-            fake one.
+        time_source: seconds counter for wall-clock phases; ``time.monotonic`` by default (tests inject one).
 
     Raises:
         ValueError: at construction, naming the field, for an unparsable or negative duration, an unknown
@@ -119,8 +118,8 @@ class PulseCycle(Callback):
             epoch-based durations, and for warm-up/anneal unless ``max_steps`` alone bounds the run.
         PulseRefusal: at fit start, for a ``budget`` with no step-saving HardSampleReplay attached, with
             wall-clock durations, or out of what the replay fraction can reach; for a ``time_source`` that
-            returns no number; and for a second run of this
-            instance (another ``trainer.fit``) unless a checkpoint was restored into it.
+            returns no number; for a second run of this instance (another ``trainer.fit``) unless a checkpoint
+            was restored into it; and for a checkpoint of a clock that ran another ``order``.
 
     Example::
 
@@ -129,12 +128,8 @@ class PulseCycle(Callback):
 
         trainer = Trainer(max_epochs=20, callbacks=[PulseCycle(burst="15min", replay="10min", maintain="5min")])
 
-    The same in LightningCLI YAML::
-
-        trainer:
-          callbacks:
-            - class_path: lightning_pulse.PulseCycle
-              init_args: {burst: 15min, replay: 10min, maintain: 5min}
+    The same in LightningCLI YAML: ``{class_path: lightning_pulse.PulseCycle, init_args: {burst: 15min,
+    replay: 10min, maintain: 5min}}`` under ``trainer.callbacks``.
     """
 
     # a StabilityGuard rollback restores `rollback_state_dict` (the probe), never the clock
@@ -202,8 +197,7 @@ class PulseCycle(Callback):
 
         For schedulers such as :class:`~lightning_pulse.GreenWindow`: holding ends a burst now, and no burst
         starts until the hold is let go, which starts one now (:meth:`PhaseClock.hold`). Listeners are told
-        of every change. Call it on every rank with the same value at the same step; the hold is in the
-        checkpoint.
+        of every change. Call it on every rank with the same value at the same step (the hold is saved).
         """
         for change in self.clock.hold(held):
             self._announce(trainer, pl_module, change)
@@ -238,6 +232,10 @@ class PulseCycle(Callback):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._one_run.setup(trainer)  # in every stage, before Lightning restores: see FitRestores
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         if self.plan is None:  # no plan this fit (a steps-mode checkpoint resumed in batch mode)
@@ -271,7 +269,10 @@ class PulseCycle(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()
         if self.plan is not None and self.plan.plain_steps:
-            spent, message = spent_summary(self.plan, compat.training_steps_taken(trainer), self.budget)
+            taken, plan = compat.training_steps_taken(trainer), self.plan
+            spent, message = spent_summary(plan, taken, self.budget)
+            if taken < plan.total_steps:  # EarlyStopping, max_time: a share of a plain run it did not finish
+                message += f" It stopped early: {plan.total_steps} steps ({plan.spent:.3f}) were planned."
             log_to_loggers(trainer, {"pulse/budget_spent": spent})
             rank_zero_info(f"PulseCycle: {message}")
 
@@ -299,9 +300,10 @@ class PulseCycle(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._one_run.restored()
-        self.clock.load_state_dict(state_dict["clock"])
-        self.last_probe = dict(state_dict.get("last_probe", {}))
+        if self._one_run.restored():  # not when loaded by validate, test or predict: no resume
+            with refusing("PulseCycle"):  # a clock saved with another `order`
+                self.clock.load_state_dict(state_dict["clock"])
+            self.last_probe = dict(state_dict.get("last_probe", {}))
 
     def rollback_state_dict(self) -> dict[str, Any]:
         """What a :class:`~lightning_pulse.StabilityGuard` rollback returns to: the last probe's metrics

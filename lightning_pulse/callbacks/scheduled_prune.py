@@ -171,6 +171,7 @@ class ScheduledPrune(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._one_run.setup(trainer)  # in every stage: see FitRestores
         self._trainer_ref = weakref.ref(trainer)
         if stage == "fit":
             errors.refuse_sharded_strategy(trainer, "ScheduledPrune", prune_setup.SHARDED_REASON)
@@ -278,7 +279,8 @@ class ScheduledPrune(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._one_run.restored()
+        if not self._one_run.restored():  # loaded by validate, test or predict: no resume
+            return
         self.core.load_state_dict(state_dict)
         if not self._training and "user_frozen" in state_dict:  # a resume: the run's own frozen set
             self._restored_frozen = frozenset(state_dict["user_frozen"])

@@ -162,6 +162,7 @@ class StabilityGuard(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._one_run.setup(trainer)  # in every stage: see FitRestores
         if stage != "fit":
             return
         steps.refuse_manual_optimization(pl_module)
@@ -290,7 +291,8 @@ class StabilityGuard(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._one_run.restored()
+        if not self._one_run.restored():  # loaded by validate, test or predict: no resume
+            return
         self.core.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ flagged steps
