@@ -255,3 +255,46 @@ def test_batches_of_hf_text_and_image_models_and_per_batch_constants_are_cut_in_
         assert light["codebook"].shape == (16, 4)  # the constants kept whole
     finally:
         batches.release()
+
+
+class _KeepsItsLogits(pl.LightningModule):
+    """Keeps its (B, C) logits on itself, replaced every step: steps mode alone refuses it at the cut second
+    batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 3)
+
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch["x"])
+        self.last_logits = out.detach()
+        return torch.nn.functional.cross_entropy(out, batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _with_joined_targets(samples):
+    # YOLO-style targets: one row per box, (image index, class, box), joined across the batch
+    counts = torch.tensor([sample["boxes"] for sample in samples])
+    image = torch.repeat_interleave(torch.arange(len(samples)), counts)
+    return {
+        "x": torch.stack([sample["x"] for sample in samples]),
+        "y": torch.tensor([sample["y"] for sample in samples]),
+        "targets": torch.cat([image[:, None].float(), torch.rand(len(image), 5)], 1),
+    }
+
+
+def test_the_carried_state_refusal_names_batch_mode_only_on_condition_for_joined_rows_it_cannot_split():
+    # a review of this pass: with joined rows nothing splits (YOLO targets; Qwen2-VL with text-only samples),
+    # steps mode's refusal named `mode='batch'` as a way out, which refuses such batches at the second batch
+    generator = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(4, generator=generator), "y": i % 3, "boxes": i % 4} for i in range(64)]
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, collate_fn=_with_joined_targets)
+    pl.seed_everything(0)
+    trainer = pl.Trainer(callbacks=[HardSampleReplay()], **trainer_kwargs(max_epochs=3))
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(_KeepsItsLogits(), loader)
+    message = str(refusal.value)
+    assert "`last_logits`" in message
+    assert "or `mode='batch'` if batch['targets']" in message and "keeps its first dimension" in message

@@ -288,6 +288,10 @@ class ReplayBatchLifecycle:
         if joined:
             parts = ", ".join(f"{where} (joined: {how})" for where, how in joined)
             return f"{burst}; not `mode='batch'`, which would keep {parts} whole next to the kept samples"
+        rows = joined_rows(batch, batch_size)
+        if rows:  # one batch cannot tell joined rows from a per-batch constant: batch mode refuses the former
+            held = ", ".join(f"{where} {shape}" for where, shape in rows.items())
+            return f"{burst}, or `mode='batch'` if {held} keeps its first dimension from batch to batch"
         return f"{burst}, or `mode='batch'`"
 
     def close_capture(self, loss: Tensor | None = None, divided_by: float | Tensor = 1.0) -> str | None:
