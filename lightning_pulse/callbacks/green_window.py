@@ -235,6 +235,7 @@ class GreenWindow(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._one_run.end()  # a state loaded during this run is no resume of the next
         self.segment.close(self.run_clock.time(), self._kwh)
         # `trainer.log_dir` is a collective (a broadcast): read on every rank, though rank 0 alone writes
         folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)

@@ -594,11 +594,13 @@ class PreStepBuffers:
             }
             now = fingerprints({**outside, **states})
             stepped = {  # a state that is new since the last look counts too
-                key.rpartition(" ")[0] for key, value in now.items()
+                key.rpartition(" ")[0]
+                for key, value in now.items()
                 if key not in outside and self.fingerprints.get(key) != value
             }
             written.update(
-                name for name, value in now.items()
+                name
+                for name, value in now.items()
                 if name in outside and name not in stepped and self.fingerprints.get(name, value) != value
             )
             self.fingerprints = now
