@@ -846,7 +846,8 @@ def refuse_replaced_weights(replaced: Sequence[str]) -> None:
         f"ScheduledPrune: the `weight` parameter of {names} was replaced by a new one during the first "
         "training step (code that assigns `layer.weight = nn.Parameter(...)`, as the forward of an EMA "
         "codebook does): a mask keeps the weight in `weight_orig` and sets `weight` from it before every "
-        "call, so the first pruning event would fail on the next assignment, or the mask would be lost. "
+        "call, so an event would fail on the next such assignment, or the mask would be lost; and the new "
+        "parameter is in no optimizer, so the layer no longer trains. "
         f"Leave these layers out with `exclude_pattern`={pattern!r}, or narrow `layer_types` to the layers "
         "to prune."
     )
