@@ -1,7 +1,8 @@
 """The one exception a lightning-pulse callback raises when it refuses a run at fit start, and the checks
 that several callbacks share: sharded strategies, Tuner searches, one training run per instance, states loaded
 by validate, test or predict, parameters a lazy module has not created yet, a plain check's ``ValueError`` as
-a refusal, and the argument checks (a callback's name first in its errors, nested configs given as mappings)."""
+a refusal, and the argument checks (a callback's name first in its errors, nested configs given as
+mappings)."""
 
 from __future__ import annotations
 
@@ -174,7 +175,8 @@ class FitRestores:
         self._trainer_state: TrainerState | None = None  # one object for the Trainer's life, updated in place
 
     def setup(self, trainer: pl.Trainer) -> None:
-        """At the ``setup`` hook, in every stage (before Lightning restores a checkpoint into the callback)."""
+        """At the ``setup`` hook, in every stage (before Lightning restores a checkpoint into the
+        callback)."""
         self._trainer_state = getattr(trainer, "state", None)  # a stand-in trainer (a test's) may have none
 
     def restored(self) -> bool:

@@ -238,9 +238,9 @@ def check_same_order(state: Mapping[str, Any], order: Sequence[Phase]) -> None:
     else:
         ran = resume = f"`order`={list(saved)}"
     raise ValueError(
-        f"the checkpoint's clock ran {ran}, and this one's `order` is {new}: its phase and place in the cycle "
-        f"do not carry over to another order. Resume with {resume}, or start a new run (no ckpt_path) from "
-        "the checkpoint's weights."
+        f"the checkpoint's clock ran {ran}, and this one's `order` is {new}: its phase and place in the "
+        f"cycle do not carry over to another order. Resume with {resume}, or start a new run (no ckpt_path) "
+        "from the checkpoint's weights."
     )
 
 

@@ -445,10 +445,11 @@ class _FixedTable(pl.LightningModule):
 
 
 def test_a_fixed_table_held_as_a_plain_attribute_as_wide_as_the_batch_is_no_carried_state():
-    # held-out sweep (twenty-eighth pass): HF VideoMAE keeps its sinusoidal position table (1, patches, D) as a
-    # plain attribute; with the batch size equal to D, steps mode alone was refused at step 0 as "a module
-    # that carries state". The first batch leaves that tensor in place: carried state is assigned anew at every
-    # batch, so it is no candidate. A state that exists before the first batch and is replaced is still one.
+    # held-out sweep (twenty-eighth pass): HF VideoMAE keeps its sinusoidal position table (1, patches, D) as
+    # a plain attribute; with the batch size equal to D, steps mode alone was refused at step 0 as "a module
+    # that carries state". The first batch leaves that tensor in place: carried state is assigned anew at
+    # every batch, so it is no candidate. A state that exists before the first batch and is replaced is still
+    # one.
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(320, 8 * 32, generator=generator), torch.randint(0, 4, (320,), generator=generator)
     loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)

@@ -1,5 +1,6 @@
 """GradientCache and what the user's model does to its own parameters during the fit: a backbone frozen after
-GradientCache's ``on_train_start``, parameters a forward re-creates. Real Trainer fits and the core beneath."""
+GradientCache's ``on_train_start``, parameters a forward re-creates. Real Trainer fits and the core
+beneath."""
 
 from __future__ import annotations
 
@@ -236,9 +237,9 @@ class _UnfrozenWithANewOptimizer(MNIST1DClassifier):
 def test_a_backbone_unfrozen_with_a_new_optimizer_at_an_epochs_start_is_followed_at_that_epochs_first_batch(
     mnist1d_small,
 ):
-    # a review of this pass: the freezer looked only in the optimizers of the fit's start, so a backbone the new
-    # optimizer held was taken for one no optimizer holds, and noticed at the next window's end (step 15) after
-    # it had trained two steps while a unit after it stayed frozen
+    # a review of this pass: the freezer looked only in the optimizers of the fit's start, so a backbone the
+    # new optimizer held was taken for one no optimizer holds, and noticed at the next window's end (step 15)
+    # after it had trained two steps while a unit after it stayed frozen
     _, data = mnist1d_small()
     pl.seed_everything(0)
     cache = GradientCache(threshold=2.0, check_every=5, freeze_for=20)

@@ -1,6 +1,6 @@
 """Batch mode and a vision-language model's image patches joined across the batch (Qwen2-VL's
-``pixel_values``, ``(sum of patches, D)``, next to ``image_grid_thw``); steps mode on its own and an attribute such a model
-computes anew at every forward (``rope_deltas``)."""
+``pixel_values``, ``(sum of patches, D)``, next to ``image_grid_thw``); steps mode on its own and an attribute
+such a model computes anew at every forward (``rope_deltas``)."""
 
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 class _VisionLanguage(pl.LightningModule):
-    """Trains the model on its own loss; ``clear_rope_deltas``: sets the model's ``rope_deltas`` (computed anew
-    at every training forward, kept for generation) to ``None`` at the end of each ``training_step``."""
+    """Trains the model on its own loss; ``clear_rope_deltas``: sets the model's ``rope_deltas`` (computed
+    anew at every training forward, kept for generation) to ``None`` at the end of each ``training_step``."""
 
     def __init__(self, kind: str = "qwen2_vl", clear_rope_deltas: bool = False) -> None:
         super().__init__()

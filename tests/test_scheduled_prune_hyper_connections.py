@@ -1,6 +1,6 @@
-"""ScheduledPrune on a small CNN built from this library's own ``ManifoldHyperConnection`` (``channel_dim=1``, as
-docs/mhc.md shows). A held-out sweep: the fit-start warning told the user to build the stream maps ("`phi_res`
-of ManifoldHyperConnection is not a layer's `weight`") "from `nn.Linear` layers"."""
+"""ScheduledPrune on a small CNN built from this library's own ``ManifoldHyperConnection`` (``channel_dim=1``,
+as docs/mhc.md shows). A held-out sweep: the fit-start warning told the user to build the stream maps
+("`phi_res` of ManifoldHyperConnection is not a layer's `weight`") "from `nn.Linear` layers"."""
 
 from __future__ import annotations
 

@@ -295,8 +295,8 @@ class LayerFreezer:
     would still run through it, and it would stand still while its inputs change. So where a freeze is decided
     (a window's end, a light phase, a restored state; :meth:`check_outside` at other points) the freezer
     checks ``outside``; if one trains, it releases everything and freezes nothing more (:attr:`outgrown`) until
-    its units are discovered again (:meth:`FreezerLifecycle.retrace`). One trains when it requires grad and got
-    a gradient or one of ``optimizers`` holds it (:meth:`_outside_trains`).
+    its units are discovered again (:meth:`FreezerLifecycle.retrace`). One trains when it requires grad and
+    got a gradient or one of ``optimizers`` holds it (:meth:`_outside_trains`).
 
     Args:
         units: the bound units in forward order (see :func:`discover_units` and :func:`order_units`).
@@ -545,10 +545,10 @@ class LayerFreezer:
         return grew
 
     def _outside_trains(self) -> bool:
-        """Whether a parameter outside the units requires grad and got a gradient or an optimizer holds it. One
-        that neither can move, nor slow a backward: a model re-creating an ``nn.Parameter`` in its forward (the
-        widely copied VQ-VAE ``VectorQuantizerEMA``) leaves a new one outside at every step, which, taken for
-        one that started training, released every unit at every window's end, so nothing ever froze."""
+        """Whether a parameter outside the units requires grad and got a gradient or an optimizer holds it.
+        One that neither can move, nor slow a backward: a model re-creating an ``nn.Parameter`` in its forward
+        (the widely copied VQ-VAE ``VectorQuantizerEMA``) leaves a new one outside at every step, which, taken
+        for one that started training, released every unit at every window's end, so nothing ever froze."""
         wanting = [param for param in self.outside if param.requires_grad]
         if not wanting or self.optimizers is None or any(param.grad is not None for param in wanting):
             return bool(wanting)
@@ -1020,8 +1020,8 @@ class FreezerLifecycle:
         self.optimizer_check.attach(optimizers)  # frozen parameters put back right after a wrapper's step
 
     def follow_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Look at the fit's optimizers now (in the list the freezer shares): a recipe unfreezing a backbone may
-        have replaced them (``trainer.strategy.setup_optimizers``)."""
+        """Look at the fit's optimizers now (in the list the freezer shares): a recipe unfreezing a backbone
+        may have replaced them (``trainer.strategy.setup_optimizers``)."""
         if self.optimizers is not None:
             self.optimizers[:] = list(optimizers)
 

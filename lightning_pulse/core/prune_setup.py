@@ -273,7 +273,8 @@ def _weightless_note(model: nn.Module, layer_types: tuple[type, ...]) -> str:
 
 
 def _type_path(layer_type: type) -> str:
-    """How ``layer_types`` names ``layer_type``: its bare name for a ``torch.nn`` class, else its dotted path."""
+    """How ``layer_types`` names ``layer_type``: its bare name for a ``torch.nn`` class, else its dotted
+    path."""
     if getattr(nn, layer_type.__name__, None) is layer_type:
         return layer_type.__name__
     return f"{layer_type.__module__}.{layer_type.__qualname__}"

@@ -182,7 +182,8 @@ def averaged_sources(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[
 def uncut_averaged_copies(before: nn.Module, after: nn.Module) -> list[tuple[str, str]]:
     """``(copy, part)`` of :func:`averaged_parts` in ``before`` where ``after`` (a copy of it a trial cut has
     pruned) changed a parameter shape of the part and none of the copy's: a part left out whose inputs
-    another layer's cut narrows (an EMA of a head behind a cut body), whose average then fails on the shapes."""
+    another layer's cut narrows (an EMA of a head behind a cut body), whose average then fails on the
+    shapes."""
 
     def shapes(model: nn.Module, name: str) -> list[tuple[int, ...]]:
         return [tuple(p.shape) for p in model.get_submodule(name).parameters()]

@@ -354,7 +354,8 @@ def _is_int_tensor(tensor: Tensor) -> bool:
 
 
 #: the most columns a ``(B, k)`` integer tensor may have to be read as each sample's item count, the
-#: product of its row (Qwen2-VL's ``image_grid_thw``, ``(B, 3)``: an image's patches are ``t * h * w``); a wider one is a
+#: product of its row (Qwen2-VL's ``image_grid_thw``, ``(B, 3)``: an image's patches are ``t * h * w``); a
+# wider one is a
 #: padded sequence, not a size
 MAX_SIZE_COLUMNS = 4
 
@@ -511,21 +512,22 @@ def concatenation_refusal(found: dict[tuple[str, str], int], batch_size: int) ->
         "torch.cat(texts) next to nn.EmbeddingBag's offsets, or graphs joined as PyTorch Geometric joins "
         "them: node rows next to a node-to-graph vector, or images of several sizes joined as Qwen2-VL's "
         "processor joins them: patch rows next to each image's patch grid), which a cut along the first "
-        "dimension would keep whole next to the kept samples' lengths or offsets, so these would index other samples' items "
-        "(or fail on a size). Use mode='steps', which chooses the samples at the sampler, before they are "
-        "loaded, or pad them to a (B, S) tensor (nn.CTCLoss takes padded targets, nn.EmbeddingBag a padding_idx). "
+        "dimension would keep whole next to the kept samples' lengths or offsets, so these would index "
+        "other samples' items (or fail on a size). Use mode='steps', which chooses the samples at the "
+        "sampler, before they are loaded, or pad them to a (B, S) tensor (nn.CTCLoss takes padded targets, "
+        "nn.EmbeddingBag a padding_idx). "
         "A per-batch constant as long (a class-weight vector) can be held by the module instead of the batch."
     )
 
 
 def joined_rows(batch: Any, batch_size: int) -> dict[str, tuple[int, ...]]:
     """The shapes of the tensors of two or more dimensions in ``batch`` whose first dimension is neither
-    ``B``, nor 1 (a broadcast one), nor a later dimension of a per-sample tensor (a padded length), by where they are
-    (``batch['pixel_values']``): what a cut along the first dimension keeps whole. One whose first dimension
-    changes from one batch to the next (:func:`joined_rows_refusal`) holds rows of the samples joined, with
-    nothing beside it that says how they split (image patches of several sizes with a grid of one row per
-    image, not per sample; a graph's nodes; a detection batch's boxes with an image-index column); one that
-    keeps its shape is a constant (a codebook)."""
+    ``B``, nor 1 (a broadcast one), nor a later dimension of a per-sample tensor (a padded length), by where
+    they are (``batch['pixel_values']``): what a cut along the first dimension keeps whole. One whose first
+    dimension changes from one batch to the next (:func:`joined_rows_refusal`) holds rows of the samples
+    joined, with nothing beside it that says how they split (image patches of several sizes with a grid of one
+    row per image, not per sample; a graph's nodes; a detection batch's boxes with an image-index column); one
+    that keeps its shape is a constant (a codebook)."""
     tensors = [(where, t) for where, t in _parts_with_paths(batch, batch_size) if isinstance(t, torch.Tensor)]
     padded = _padded_sizes([t for _, t in tensors], batch_size)
     return {
