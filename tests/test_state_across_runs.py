@@ -79,7 +79,8 @@ def test_a_checkpoint_evaluated_before_a_fresh_fit_is_not_resumed_by_that_fit(st
     followed (no ckpt_path, step 0) resumed them: a clock 'resuming' at step 30 whose phases summed past the
     run, the checkpoint's prune events skipped, a replay plan of the rest of the old run, an energy report of
     both. It must train as a fit of fresh callbacks does."""
-    kwargs = trainer_kwargs(enable_checkpointing=True, limit_val_batches=2)
+    # the energy reports go to tmp_path (a Trainer without a logger writes them in its default_root_dir)
+    kwargs = trainer_kwargs(enable_checkpointing=True, limit_val_batches=2, default_root_dir=tmp_path)
     torch.manual_seed(0)
     saving = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=12, save_top_k=-1)
     pl.Trainer(callbacks=[*_suite(), saving], max_epochs=6, **kwargs).fit(Predicting(arch="mlp"), _data())
@@ -88,7 +89,8 @@ def test_a_checkpoint_evaluated_before_a_fresh_fit_is_not_resumed_by_that_fit(st
     figures = {}
     for evaluated in (False, True):
         callbacks = _suite()
-        trainer = pl.Trainer(callbacks=callbacks, max_epochs=6, **trainer_kwargs(limit_val_batches=2))
+        kwargs = trainer_kwargs(limit_val_batches=2, default_root_dir=tmp_path / str(evaluated))
+        trainer = pl.Trainer(callbacks=callbacks, max_epochs=6, **kwargs)
         if evaluated:  # the checkpoint's weights (and callback states) are loaded for the evaluation
             evaluate = getattr(trainer, stage)
             evaluate(Predicting(arch="mlp"), _data(), ckpt_path=str(checkpoint))
