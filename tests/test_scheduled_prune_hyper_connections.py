@@ -14,6 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pulse import ScheduledPrune
+from lightning_pulse.core import pruning
+from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.nn import ManifoldHyperConnection, collapse_streams, expand_streams
 from tests.conftest import trainer_kwargs
 
@@ -61,3 +63,17 @@ def test_the_stream_maps_of_hyper_connections_are_not_counted_out_of_reach():
     said = _fit(prune)
     assert not [message for message in said if "out of its reach" in message]
     assert prune.events and prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)
+
+
+def test_a_structured_search_that_runs_out_of_time_names_the_hyper_connections_not_rotary_attention(
+    monkeypatch,
+):
+    # the sweep's model waited out the 60 s search and was told of rotary attention it does not have; the
+    # search takes minutes here, so half a second runs it out on any machine
+    monkeypatch.setattr(pruning, "STRUCTURED_CHECK_SECONDS", 0.5)
+    prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=2, end=6, every=2, probe_batches=0)
+    with pytest.raises(PulseRefusal) as refusal:
+        _fit(prune)
+    message = str(refusal.value)
+    assert "did not finish within 0.5 s, as on the streams of HyperConnection layers" in message
+    assert "rotary" not in message

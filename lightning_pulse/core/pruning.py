@@ -44,6 +44,7 @@ from lightning_pulse.core.prune_targets import LayerSelection, call_with
 from lightning_pulse.core.selection import take_samples
 from lightning_pulse.core.snapshots import optimizers_within
 from lightning_pulse.errors import first_names
+from lightning_pulse.nn.hyper_connections import HyperConnection
 
 RANKINGS = ("layer", "global")
 MODES = ("unstructured", "structured")
@@ -1914,9 +1915,17 @@ def _dry_run(
                 "logits) from `forward`, and compute the loss in `training_step`"
             )
         )
+        # named after what this model holds: a held-out sweep's convolutional mHC model was told of rotary
+        # attention it does not have
+        seen_on = (
+            "as on the streams of HyperConnection layers around convolutions (`exclude_pattern` naming the "
+            "blocks they wrap leaves them out)"
+            if any(isinstance(part, HyperConnection) for part in duplicate.modules())
+            else "as on rotary-embedding attention"
+        )
         return (
             f"tracing which channels depend on which (torch-pruning's dependency search) did not finish within "
-            f"{STRUCTURED_CHECK_SECONDS:g} s, as on rotary-embedding attention{through_loss}"
+            f"{STRUCTURED_CHECK_SECONDS:g} s, {seen_on}{through_loss}"
         )
     except Exception as error:  # whatever the model does, the answer is a refusal, not a crash mid-run
         reason = f"{CUT_FAILED} ({type(error).__name__}: {str(error)[:200]})"
