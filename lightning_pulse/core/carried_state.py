@@ -356,7 +356,8 @@ class CarriedStateCheck:
 
 #: the ways a fit can start with whole batches, so that the read/replace test tells (the refusal before a cut
 #: second batch names them; a caller that knows the batch cannot be cut in batch mode names the burst only)
-WHOLE_BATCHES = "a PulseCycle whose burst phase lasts two steps or more, or `mode='batch'`"
+BURST_FIRST = "a PulseCycle whose burst phase lasts two steps or more"
+WHOLE_BATCHES = f"{BURST_FIRST}, or `mode='batch'`"
 
 
 def carried_state_refusal(

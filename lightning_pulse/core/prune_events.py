@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from lightning_pulse.core.prune_schedule import PruneSchedule
 from lightning_pulse.core.prune_setup import (
     DISTILL_NO_EFFECT,
     event_cadence,
+    exact_names_pattern,
     fit_start_selection,
     kept_above_target,
     kept_masks_note,
@@ -260,7 +260,7 @@ class PruneEvents:
         self.pruner.not_trained.update(found)
         names = ", ".join(list(found)[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
         if not self.pruner.selection(model).layers:
-            pattern = "^(" + "|".join(re.escape(name) for name in found) + ")$"
+            pattern = exact_names_pattern(found)
             raise PulseRefusal(
                 f"ScheduledPrune: no layer can be pruned: the forwards of {names} read a `weight` passed in "
                 "for them (torch.func.functional_call: a hypernetwork, fast weights), not their own "

@@ -211,7 +211,7 @@ def refuse_averaged_masks(
     if not blocking and (use_buffers or not gaining):
         return
     names = sorted(set(blocking), key=list(layers).index)
-    pattern = "^(" + "|".join(re.escape(name) for name in names) + ")$"
+    pattern = exact_names_pattern(names)
     if len(names) == len(layers):
         way_out = (
             f"Remove {name_of} (every layer to prune breaks its pairing), use StochasticWeightAveraging, or "
@@ -270,6 +270,11 @@ def _weightless_note(model: nn.Module, layer_types: tuple[type, ...]) -> str:
     name, why = next(iter(found.items()))
     more = f" (and {len(found) - 1} more like it)" if len(found) > 1 else ""
     return f" `{name}`{more} cannot be pruned: {why}."
+
+
+def exact_names_pattern(names: Iterable[str]) -> str:
+    """An ``exclude_pattern`` that matches exactly the layers ``names``, for a refusal's way out."""
+    return "^(" + "|".join(re.escape(name) for name in names) + ")$"
 
 
 def _type_path(layer_type: type) -> str:
@@ -842,7 +847,7 @@ def refuse_replaced_weights(replaced: Sequence[str]) -> None:
     if not replaced:
         return
     names = _some_names(replaced)
-    pattern = "^(" + "|".join(re.escape(name) for name in replaced) + ")$"
+    pattern = exact_names_pattern(replaced)
     raise PulseRefusal(
         f"ScheduledPrune: the `weight` parameter of {names} was replaced by a new one during the first "
         "training step (code that assigns `layer.weight = nn.Parameter(...)`, as the forward of an EMA "

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pulse.core.carried_state import CarriedStateCheck
+from lightning_pulse.core.carried_state import BURST_FIRST, CarriedStateCheck
 from lightning_pulse.core.per_sample_loss import (
     LossCapture,
     PerSampleScorer,
@@ -279,7 +279,7 @@ class ReplayBatchLifecycle:
         """How a fit can start with whole batches so that the carried-state check can tell, for its refusal
         before a cut second batch: a PulseCycle's burst, or batch mode where it can cut ``batch`` (only
         called when refusing: it reads the batch)."""
-        burst = "a PulseCycle whose burst phase lasts two steps or more"
+        burst = BURST_FIRST
         if self.mode == "batch" or batch_size < 2:
             return burst
         if cut_refusal(batch, batch_size) is not None:
