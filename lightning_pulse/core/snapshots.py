@@ -150,6 +150,8 @@ class TrainingSnapshot:
             (:func:`optimizers_within`: SAM's base optimizer, whose state SAM's ``state_dict`` leaves out), or
             ``None`` where the wrapper's own ``state_dict`` nests it (Lookahead's ``"inner"``: kept once).
         inner_layout: the layout of those inner optimizers when taken; ``None``: not recorded.
+        optimizer_kinds: the optimizers' classes (:func:`optimizer_kinds`); ``None``: not recorded.
+        inner_kinds: the classes of those inner optimizers; ``None``: not recorded.
     """
 
     step: int
@@ -163,6 +165,8 @@ class TrainingSnapshot:
     layout: tuple[tuple[int, ...], ...] | None = None
     inner_optimizers: list[list[Any]] = field(default_factory=list)
     inner_layout: tuple[tuple[int, ...], ...] | None = None
+    optimizer_kinds: tuple[type, ...] | None = None
+    inner_kinds: tuple[type, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -191,14 +195,19 @@ class TrainingSnapshot:
     ) -> bool:
         """Whether the snapshot can still be loaded into ``model``: same entries with the same shapes, or the
         entries of layers masked since (:func:`fitted_state`); when ``optimizers`` are given, into them: the
-        same parameter-group layout (:func:`optimizer_layout`); and when ``schedulers`` are given, into them:
-        the same LR schedulers, in number and class (:func:`scheduler_kinds`).
+        same classes (:func:`optimizer_kinds`, inner ones too) and parameter-group layout
+        (:func:`optimizer_layout`); and when ``schedulers`` are given, into them: the same LR schedulers, in
+        number and class (:func:`scheduler_kinds`).
 
         Another structural change since the snapshot (channels pruned away, a layer added, a parameter group
-        added to an optimizer, an LR scheduler swapped or added: ``StochasticWeightAveraging``'s ``SWALR``)
-        makes it unusable: a scheduler's state would load into another kind of scheduler, and the optimizer's
-        groups would lose the keys the new one set on them (``SWALR``'s ``swa_lr``).
+        added to an optimizer, an optimizer swapped for one of another class, an LR scheduler swapped or
+        added: ``StochasticWeightAveraging``'s ``SWALR``) makes it unusable: Adam's state would load into SGD
+        (which then ran on Adam's ``lr``), SGD's into Adam (``KeyError: 'step'``), a scheduler's state into
+        another kind of scheduler, and the optimizer's groups would lose the keys the new one set on them
+        (``SWALR``'s ``swa_lr``).
         """
+        if optimizers is not None and not self.holds_optimizers(optimizers):
+            return False
         if optimizers is not None and optimizer_layout(optimizers) != self.optimizer_layout:
             return False
         if optimizers is not None and not self.holds_inner_optimizers(optimizers):
@@ -207,11 +216,19 @@ class TrainingSnapshot:
             return False
         return fitted_state(self.model, model.state_dict()) is not None
 
+    def holds_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+        """Whether the snapshot's optimizer states are of ``optimizers``: their number, and their classes
+        where recorded (a state loads only into its own kind of optimizer)."""
+        if self.optimizer_kinds is None:
+            return len(optimizers) == len(self.optimizers)
+        return optimizer_kinds(optimizers) == self.optimizer_kinds
+
     def holds_inner_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
-        """Whether the inner optimizers of ``optimizers`` have the layout the snapshot saved theirs in (where
-        it recorded one)."""
-        return (
-            self.inner_layout is None or optimizer_layout(inner_optimizers(optimizers)) == self.inner_layout
+        """Whether the inner optimizers of ``optimizers`` have the classes and the layout the snapshot saved
+        theirs in (where it recorded them)."""
+        inner = inner_optimizers(optimizers)
+        return (self.inner_kinds is None or optimizer_kinds(inner) == self.inner_kinds) and (
+            self.inner_layout is None or optimizer_layout(inner) == self.inner_layout
         )
 
     def holds_schedulers(self, schedulers: Sequence[Any]) -> bool:
@@ -228,6 +245,13 @@ def optimizer_layout(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple
     ``add_param_group`` (Lightning's ``BackboneFinetuning``) changes it. A ``len`` per group, no pass over the
     parameters."""
     return tuple(tuple(len(group["params"]) for group in optimizer.param_groups) for optimizer in optimizers)
+
+
+def optimizer_kinds(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[type, ...]:
+    """The classes of ``optimizers``, in order: a saved optimizer state loads only into its own kind (Adam's
+    into SGD gave SGD Adam's ``lr`` and state keys; SGD's into Adam raised ``KeyError: 'step'``), and a
+    callback may swap the optimizer mid-run (``trainer.optimizers = [...]``)."""
+    return tuple(type(optimizer) for optimizer in optimizers)
 
 
 def optimizers_within(optimizers: Iterable[Any], depth: int = 3) -> list[torch.optim.Optimizer]:
@@ -412,13 +436,16 @@ def take_snapshot(
     layout = optimizer_layout(optimizers)  # before the states: one a wrapper nests is not torch's layout
     states = [optimizer.state_dict() for optimizer in optimizers]
     inner = [states_within(optimizer, state) for optimizer, state in zip(optimizers, states)]
+    held = inner_optimizers(optimizers)
     return TrainingSnapshot(
         step=int(step),
         model=copy_to_cpu(state, old.model),
         buffers=copy_to_cpu(non_persistent_buffers(model, state), old.buffers),
         optimizers=copy_to_cpu(states, old.optimizers),
         inner_optimizers=copy_to_cpu(inner, old.inner_optimizers),
-        inner_layout=optimizer_layout(inner_optimizers(optimizers)),
+        inner_layout=optimizer_layout(held),
+        optimizer_kinds=optimizer_kinds(optimizers),
+        inner_kinds=optimizer_kinds(held),
         schedulers=copy_to_cpu([scheduler.state_dict() for scheduler in schedulers], old.schedulers),
         callbacks=copy_to_cpu(
             {key: stateful.state_dict() for key, stateful in (callbacks or {}).items()}, old.callbacks
@@ -453,10 +480,10 @@ def restore_snapshot(
 
     Raises:
         ValueError: before anything is loaded, if the number of optimizers or schedulers differs from the
-            snapshot's (with ``rewind_schedule``, the schedulers' classes too), if an optimizer's parameter
-            groups (their number, or the parameters in one) differ from the saved state's (or an inner
-            optimizer's from its saved one's), or if the snapshot no longer fits the model
-            (:meth:`TrainingSnapshot.fits`).
+            snapshot's (with ``rewind_schedule``, the schedulers' classes too), if an optimizer is of another
+            class than the saved state's, or its parameter groups (their number, or the parameters in one)
+            differ from the saved state's (or an inner optimizer's from its saved one's), or if the snapshot
+            no longer fits the model (:meth:`TrainingSnapshot.fits`).
     """
     if len(optimizers) != len(snapshot.optimizers) or (
         rewind_schedule and not snapshot.holds_schedulers(schedulers)
@@ -468,16 +495,24 @@ def restore_snapshot(
             f"The snapshot holds {len(snapshot.optimizers)} optimizer(s) and {saved}, but "
             f"{len(optimizers)} and {given} were given."
         )
+    if not snapshot.holds_optimizers(optimizers):
+        raise ValueError(
+            f"The snapshot holds the state of {[kind.__name__ for kind in snapshot.optimizer_kinds or ()]}, "
+            f"but the optimizers now are {[kind.__name__ for kind in optimizer_kinds(optimizers)]}: an "
+            "optimizer was swapped for one of another class since."
+        )
     if (layout := optimizer_layout(optimizers)) != snapshot.optimizer_layout:
         raise ValueError(
             f"The snapshot's optimizer state has parameter groups of {snapshot.optimizer_layout} parameters, but "
             f"the optimizers now have {layout}: a parameter group was added or changed since."
         )
     if not snapshot.holds_inner_optimizers(optimizers):
+        inner = inner_optimizers(optimizers)
+        saved_inner = [kind.__name__ for kind in snapshot.inner_kinds or ()]
         raise ValueError(
-            "The snapshot's inner optimizer state (a wrapper's, SAM's base optimizer) has parameter groups "
-            f"of {snapshot.inner_layout} parameters, but the inner optimizers now have "
-            f"{optimizer_layout(inner_optimizers(optimizers))}."
+            f"The snapshot's inner optimizer state (a wrapper's, SAM's base optimizer) is of {saved_inner} "
+            f"with parameter groups of {snapshot.inner_layout} parameters, but the inner optimizers now are "
+            f"{[kind.__name__ for kind in optimizer_kinds(inner)]} with {optimizer_layout(inner)}."
         )
     # everything is checked before anything is loaded: a state is never half restored
     fitted = fitted_state(snapshot.model, model.state_dict())
@@ -890,10 +925,10 @@ class SnapshotSchedule:
     """When :class:`~lightning_pulse.StabilityGuard` snapshots, and which snapshot a rollback returns to.
 
     A snapshot is due every ``every`` steps, when one was requested (a maintain phase began, the model's
-    structure changed) and when the optimizers' parameter groups or the LR schedulers changed since the newest
-    one (older snapshots no longer fit them), but only in a healthy state (no open incident, no skips
-    pending). A rollback returns to the newest snapshot taken at least ``margin`` steps before the incident
-    began.
+    structure changed) and when the optimizers' classes or parameter groups or the LR schedulers changed
+    since the newest one (older snapshots no longer fit them), but only in a healthy state (no open incident,
+    no skips pending). A rollback returns to the newest snapshot taken at least ``margin`` steps before the
+    incident began.
 
     Args:
         every: steps between periodic snapshots; ``0``: only on request.
@@ -927,6 +962,7 @@ class SnapshotSchedule:
             None  # the optimizers' layout at the newest snapshot
         )
         self.scheduler_kinds: tuple[type, ...] | None = None  # and the schedulers' classes
+        self.optimizer_kinds: tuple[type, ...] | None = None  # and the optimizers' classes
 
     def due(
         self,
@@ -936,13 +972,19 @@ class SnapshotSchedule:
         schedulers: Sequence[Any] | None = None,
     ) -> bool:
         """Whether to snapshot at the end of the applied step that leaves the counter at ``step``: also when
-        ``optimizers`` (if given) have another parameter-group layout than at the newest snapshot (a ``len``
-        per group: :func:`optimizer_layout`), or ``schedulers`` (if given) other classes
-        (:func:`scheduler_kinds`), so that a rollback after ``add_param_group``, or after
-        ``StochasticWeightAveraging`` swapped in its scheduler, has one that fits."""
+        ``optimizers`` (if given) have other classes (:func:`optimizer_kinds`) or another parameter-group
+        layout than at the newest snapshot (a ``len`` per group: :func:`optimizer_layout`), or ``schedulers``
+        (if given) other classes (:func:`scheduler_kinds`), so that a rollback after a callback swapped the
+        optimizer for another kind, after ``add_param_group``, or after ``StochasticWeightAveraging`` swapped
+        in its scheduler, has one that fits."""
         requested, self.pending = self.pending, False
         relaid = (
-            optimizers is not None and self.layout is not None and optimizer_layout(optimizers) != self.layout
+            optimizers is not None
+            and self.layout is not None
+            and (
+                optimizer_kinds(optimizers) != self.optimizer_kinds
+                or optimizer_layout(optimizers) != self.layout
+            )
         ) or (
             schedulers is not None
             and self.scheduler_kinds is not None
@@ -971,10 +1013,11 @@ class SnapshotSchedule:
     ) -> None:
         """The snapshot due at ``step`` was dealt with: taken, or left out (a state with non-finite values is
         not kept). The next one is due a period later, not at every step until the state is fit to keep. A
-        left-out one records the optimizers' layout and the schedulers' classes too, so a change of parameter
-        groups or schedulers before it no longer makes a snapshot due at once: the next periodic one holds it
-        (a rollback meanwhile returns only to a snapshot that fits)."""
+        left-out one records the optimizers' classes and layout and the schedulers' classes too, so a change
+        of optimizers, parameter groups or schedulers before it no longer makes a snapshot due at once: the
+        next periodic one holds it (a rollback meanwhile returns only to a snapshot that fits)."""
         self.last_step, self.layout = step, optimizer_layout(optimizers)
+        self.optimizer_kinds = optimizer_kinds(optimizers)
         self.scheduler_kinds = scheduler_kinds(schedulers)
 
     def roll_back(

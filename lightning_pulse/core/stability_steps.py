@@ -481,13 +481,13 @@ class StabilityCore:
     ) -> bool:
         """Book an optimizer step once its update was applied or dropped (with the energy it used); whether a
         snapshot is due at its end (``step``: the counter after it), also because ``optimizers`` gained or
-        changed a parameter group, or ``schedulers`` changed, since the newest snapshot
-        (:meth:`SnapshotSchedule.due`). Only an applied step takes one. The fit's first applied step keeps
-        ``model``'s forward state (:meth:`keep_first_forward`), and asks for a snapshot when the fit-start one
-        no longer fits (:meth:`retake_lazily_shaped_start`). The first two applied steps after the fit's start
-        or a prune learn which buffers and parameters forwards write, against the newest snapshot
-        (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`; the second: a momentum encoder or an
-        ``AveragedModel`` copied from the model keeps its values at its first update)."""
+        changed a parameter group or were swapped for another class, or ``schedulers`` changed, since the
+        newest snapshot (:meth:`SnapshotSchedule.due`). Only an applied step takes one. The fit's first
+        applied step keeps ``model``'s forward state (:meth:`keep_first_forward`), and asks for a snapshot
+        when the fit-start one no longer fits (:meth:`retake_lazily_shaped_start`). The first two applied
+        steps after the fit's start or a prune learn which buffers and parameters forwards write, against the
+        newest snapshot (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`; the second: a momentum
+        encoder or an ``AveragedModel`` copied from the model keeps its values at its first update)."""
         self.policy.finish(action, energy_kwh)
         pre_step = self.pre_step
         if action is Action.APPLY and model is not None and pre_step.learn_after is not None:
@@ -969,7 +969,8 @@ class StabilityCore:
             step if start is None else start, model, *state, self.config.rewind_lr_schedule
         )
         if target is None:
-            why = "fits the model any more (or its optimizers' parameter groups, or its LR schedulers)"
+            optimizers = "its optimizers' classes or parameter groups"
+            why = f"fits the model any more (or {optimizers}, or its LR schedulers)"
             if self.left_out is not None:
                 left_out = f"none was taken since step {self.left_out[0]} (a non-finite state)"
                 why = f"{why}, and {left_out}" if held else f"with a finite state is held: {left_out}"
@@ -1217,7 +1218,8 @@ def no_snapshot_message(step: int, path: str, left_out: tuple[int, Sequence[str]
         f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the "
         "model any more: its structure changed after the last one (a layer or buffer added, channels cut "
         "outside ScheduledPrune), or its optimizer's parameter groups did (a group added by "
-        "BackboneFinetuning or `optimizer.add_param_group`), or its LR schedulers did "
+        "BackboneFinetuning or `optimizer.add_param_group`), or its optimizers did (one swapped for another "
+        "class: `trainer.optimizers = [...]`), or its LR schedulers did "
         "(StochasticWeightAveraging swapping in SWALR) before a healthy step could be snapshotted, and "
         f"training on would go on from the bad state. The checkpoint {path!r} holds the current state. Take "
         "snapshots more often (`snapshot_every`), so that one follows such a change."
