@@ -75,5 +75,36 @@ def test_a_structured_search_that_runs_out_of_time_names_the_hyper_connections_n
     with pytest.raises(PulseRefusal) as refusal:
         _fit(prune)
     message = str(refusal.value)
-    assert "did not finish within 0.5 s, as on the streams of HyperConnection layers" in message
+    assert "did not finish within 0.5 s, on the streams of HyperConnection layers (block)" in message
     assert "rotary" not in message
+
+
+class _HyperConnectedMLP(_HyperConnectedCNN):
+    """Linear layers only, as in an mHC transformer's feed-forward blocks: no convolution anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Flatten(), nn.Linear(36, CHANNELS), nn.ReLU())
+        branch = nn.Sequential(nn.Linear(CHANNELS, 16), nn.ReLU(), nn.Linear(16, CHANNELS))
+        self.block = ManifoldHyperConnection(branch, dim=CHANNELS, n_streams=2)
+
+    def forward(self, x):
+        return self.head(collapse_streams(self.block(expand_streams(self.stem(x), 2))))
+
+
+def test_the_endless_search_on_hyper_connection_streams_is_named_for_a_model_without_convolutions(
+    monkeypatch,
+):
+    # a held-out sweep's Linear-only mHC Llama was told of "HyperConnection layers around convolutions", with
+    # an `exclude_pattern` for the blocks that left nothing to cut; the search never ends on the streams
+    monkeypatch.setattr(pruning, "STRUCTURED_CHECK_SECONDS", 0.5)
+    prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=2, end=6, every=2, probe_batches=0)
+    pl.seed_everything(0)
+    trainer = pl.Trainer(callbacks=[prune], **trainer_kwargs(max_steps=8, limit_val_batches=0))
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(_HyperConnectedMLP())
+    message = str(refusal.value)
+    assert "on the streams of HyperConnection layers (block), where it never ends" in message
+    assert "convolution" not in message and "attention" not in message
+    assert message.endswith("Use mode='unstructured' (its masks need no dependency search).")
+    assert trainer.global_step == 0

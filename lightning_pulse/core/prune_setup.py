@@ -663,6 +663,8 @@ def refuse_structured(reason: str | None) -> None:
         "channels kept).",
         pruning.UNCUT_AVERAGE: "Leave out the layers whose cut reaches that part (its inputs come from "
         "them) with `exclude_pattern`, or use mode='unstructured' (it keeps every shape).",
+        pruning.GRAPH_BUILD_FAILED: "No `exclude_pattern` or `layer_types` changes that: the graph is built "
+        "over the whole model, whatever layers are chosen. Use mode='unstructured' (its masks need no graph).",
         pruning.UNTRACEABLE_OUTPUT: "Have `forward` return tensors only (the logits or the loss); a Hugging "
         "Face model returns its key/value cache unless called with `use_cache=False` (or built with it in its "
         "config: setting `model.config.use_cache` afterwards does not reach T5's decoder). Or use "
@@ -673,6 +675,11 @@ def refuse_structured(reason: str | None) -> None:
             raise PulseRefusal(
                 f"ScheduledPrune: structured pruning cannot run on this model: {reason}. {way_out}"
             )
+    if reason is not None and pruning.ON_HYPER_CONNECTION_STREAMS in reason:
+        raise PulseRefusal(
+            f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured' "
+            "(its masks need no dependency search)."
+        )
     if reason is not None and pruning.IN_USER_HOOK in reason:  # the reason names the hook and the way out
         raise PulseRefusal(f"ScheduledPrune: structured pruning cannot run on this model: {reason}.")
     if reason is not None:

@@ -1355,7 +1355,9 @@ def check_structured(
     if reason is not None and reason.startswith("tracing which channels"):
         # a loss in the output is named first: the attention hint is checked by no cut, and a search through
         # the loss does not end with the attention left out either (HF DETR)
-        hint = None if LOSS_IN_OUTPUT in reason else attention_hint(model, pruner.exclude_pattern)
+        # nor is the attention named next to HyperConnection streams: the search never ends on those
+        endless = LOSS_IN_OUTPUT in reason or ON_HYPER_CONNECTION_STREAMS in reason
+        hint = None if endless else attention_hint(model, pruner.exclude_pattern)
         reason = reason if hint is None else f"{reason}; {hint}"
     elif reason is not None and reason.startswith(CUT_FAILED):
         hooked = IN_USER_HOOK in reason and where is not None
@@ -1521,6 +1523,15 @@ def _trial_cut(
 
 #: how a trial cut that raised is reported (the refusal's reason starts with it)
 CUT_FAILED = "pruning a copy of the model failed"
+#: the start of the reason for a dependency graph torch-pruning could not build on the uncut model: it builds
+#: the graph of the whole model, whatever layers are chosen, so no `exclude_pattern` changes it
+GRAPH_BUILD_FAILED = (
+    "torch-pruning could not build its dependency graph of this model (which channels depend on which), "
+    "before any cut"
+)
+#: how the reason for a dependency search that ran out of time names HyperConnection layers: torch-pruning's
+#: search on their streams never ends (see :func:`_endless_search_on_streams`)
+ON_HYPER_CONNECTION_STREAMS = "on the streams of HyperConnection layers"
 
 #: how the reason for a trial cut that failed in a forward hook the user registered says so
 IN_USER_HOOK = "in a hook you registered"
@@ -1628,7 +1639,7 @@ def _way_out(
     reshape), else the innermost part around the failing module that holds a chosen layer (the convolutions
     feeding a ``GroupNorm`` whose groups must divide their channels). A cut that then breaks elsewhere adds that
     part's pattern too, up to :data:`WAY_OUT_TRIES` times. Where no pattern passes, the first failing module is
-    named."""
+    named, with the patterns that failed too, and no pattern is offered."""
     patterns, current = [], pruner.exclude_pattern
     place = "" if where is None else f"it broke in {where} ({type(model.get_submodule(where)).__name__})"
     for _ in range(WAY_OUT_TRIES):
@@ -1644,9 +1655,12 @@ def _way_out(
             ).lstrip("; ")
         if not reason.startswith(CUT_FAILED):
             break
+    # only a checked pattern is offered: an unchecked "leave out the layers around it" failed the same way
+    # when followed (a held-out sweep's Mllama)
+    failed = f"the trial cut fails with `exclude_pattern`={current!r} as well" if patterns else None
     if not place:
-        return attention_hint(model, pruner.exclude_pattern)
-    return f"{place}: leave out the layers around it with `exclude_pattern`"
+        return failed
+    return place if failed is None else f"{place}; {failed}"
 
 
 def _hook_way_out(
@@ -1915,20 +1929,20 @@ def _dry_run(
                 "logits) from `forward`, and compute the loss in `training_step`"
             )
         )
-        # named after what this model holds: a held-out sweep's convolutional mHC model was told of rotary
-        # attention it does not have
-        seen_on = (
-            "as on the streams of HyperConnection layers around convolutions (`exclude_pattern` naming the "
-            "blocks they wrap leaves them out)"
-            if any(isinstance(part, HyperConnection) for part in duplicate.modules())
-            else "as on rotary-embedding attention"
-        )
+        # named after what this model holds: held-out sweeps' mHC models (convolutional, and Linear-only) were
+        # told of rotary attention, then of convolutions, they do not have
+        seen_on = _endless_search_on_streams(duplicate) or "as on rotary-embedding attention"
         return (
             f"tracing which channels depend on which (torch-pruning's dependency search) did not finish within "
             f"{STRUCTURED_CHECK_SECONDS:g} s, {seen_on}{through_loss}"
         )
     except Exception as error:  # whatever the model does, the answer is a refusal, not a crash mid-run
-        reason = f"{CUT_FAILED} ({type(error).__name__}: {str(error)[:200]})"
+        failure = f"({type(error).__name__}: {str(error)[:200]})"
+        if not trial.history and _in_graph_build(error):
+            # no layer to blame: a held-out sweep's HF Mllama was told to leave out `lm_head` around a failure
+            # in torch-pruning's index mapping, which fails the same with it left out
+            raise _CutFailed(f"{GRAPH_BUILD_FAILED} {failure}", None) from None
+        reason = f"{CUT_FAILED} {failure}"
         hooked = user_hooks.failing_user_hook(duplicate, error)
         if hooked is None:
             raise _CutFailed(reason, _failing_module(duplicate, error)) from None
@@ -1942,6 +1956,40 @@ def _dry_run(
     if not trial.history:
         return NOTHING_TO_CUT
     return None
+
+
+def _in_graph_build(error: BaseException) -> bool:
+    """Whether ``error`` was raised by torch-pruning's own work while it built the dependency graph (its index
+    mappings), not by the model's forward that the build runs (a cut width that breaks a reshape)."""
+    frame, building = error.__traceback__, False
+    while frame is not None:
+        code = frame.tb_frame.f_code
+        if code is build_dependency_graph.__code__:
+            building = True
+        elif building and code is call_with.__code__:
+            return False
+        frame = frame.tb_next
+    return building
+
+
+def _endless_search_on_streams(model: nn.Module) -> str | None:
+    """Why the dependency search ran out of time on ``model``'s HyperConnection layers with more than one
+    stream, or ``None`` without any. torch-pruning never ends that search: the layer's coefficient path
+    projects the streams onto the concatenated ``phi`` maps and splits the projection in three, both of which
+    it reads as channel-preserving, and each turn around that loop shifts the channel index by a split offset,
+    so no turn repeats an earlier one (index 0 of a stream reached 300 of 8 channels within 2000 steps)."""
+    layers = [
+        name
+        for name, part in model.named_modules()
+        if isinstance(part, HyperConnection) and part.n_streams > 1
+    ]
+    if not layers:
+        return None
+    return (
+        f"{ON_HYPER_CONNECTION_STREAMS} ({first_names(layers, 3)}), where it never ends: their coefficient "
+        "path (the projection of the streams and its split into H_pre, H_post and H_res) sends the stream "
+        "channels round a loop whose channel index grows at each turn"
+    )
 
 
 def _loss_in(output: Any) -> str | None:
