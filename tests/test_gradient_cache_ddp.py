@@ -340,3 +340,56 @@ def test_the_hit_rates_gather_runs_on_every_rank_when_only_rank_zero_has_a_logge
         **{**trainer_kwargs(devices=2, strategy=strategy), "logger": RecordingLogger()},
     )
     trainer.fit(_MixupOnRankOne(), DataLoader(data, batch_size=8))  # a rank's error or timeout raises here
+
+
+class _SavesAtEpochEnd(Callback):
+    """Saves a checkpoint at the end of epoch ``epoch`` (a fit resumed from it starts the next epoch), and the
+    final parameters of each rank."""
+
+    def __init__(self, folder: Path, epoch: int | None = None) -> None:
+        self.folder, self.epoch = folder, epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            trainer.save_checkpoint(self.folder / "mid.ckpt")
+            cache = next(cb for cb in trainer.callbacks if isinstance(cb, GradientCache))
+            (self.folder / f"frozen{trainer.global_rank}.json").write_text(json.dumps(cache.frozen_units))
+
+    def on_train_end(self, trainer, pl_module):
+        params = {name: param.detach().clone() for name, param in pl_module.named_parameters()}
+        torch.save(params, self.folder / f"params{trainer.global_rank}.pt")
+
+
+@pytest.mark.ddp
+def test_a_ddp_resume_mid_freeze_with_accumulated_batches_trains_as_the_uninterrupted_run(tmp_path):
+    # held-out sweep C: the resumed fit's first backward trains the restored prefix (for its graph check), in
+    # the first micro-batch of an accumulation window, which DDP runs without syncing but counts as a use of
+    # the prefix; its gradients were dropped right after, so the window's syncing backward found the prefix
+    # used with no gradient and DDP failed ("Encountered gradient which is undefined, but still allreduced")
+    generator = torch.Generator().manual_seed(0)
+    x, labels = torch.randn(64, 16, generator=generator), torch.randint(0, 4, (64,), generator=generator)
+
+    def run(folder: Path, ckpt_path: str | None = None, save_at: int | None = None) -> list[dict]:
+        folder.mkdir()
+        data = DataLoader(TensorDataset(x, labels), batch_size=8, sampler=RankHalf(64))
+        cache = GradientCache(threshold=1.0, check_every=2, freeze_for=48, max_frozen_share=0.6)
+        trainer = pl.Trainer(
+            callbacks=[cache, _SavesAtEpochEnd(folder, save_at)],
+            max_epochs=4,
+            **trainer_kwargs(
+                devices=2,
+                strategy=TwoGlooProcesses(find_unused_parameters=True),
+                use_distributed_sampler=False,
+                accumulate_grad_batches=2,
+            ),
+        )
+        trainer.fit(_MixupOnRankOne(), data, ckpt_path=ckpt_path)  # mixes nothing in 8 steps
+        return [torch.load(folder / f"params{rank}.pt") for rank in (0, 1)]
+
+    whole = run(tmp_path / "whole", save_at=1)  # 2 optimizer steps an epoch: saved at step 4
+    assert json.loads((tmp_path / "whole" / "frozen1.json").read_text()) == ["net.0"]  # saved mid-freeze
+    resumed = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "whole" / "mid.ckpt"))
+    for rank in (0, 1):
+        assert resumed[rank].keys() == whole[rank].keys()
+        for name, value in whole[rank].items():
+            assert torch.equal(resumed[rank][name], value), (rank, name)

@@ -929,6 +929,9 @@ class FreezerLifecycle:
         self._graph_checked = False
         self._open_first_forward = False  # a restored prefix trains in the first forward (begin_forward)
         self._opened: list[nn.Parameter] = []  # its parameters, turned on until that backward ends
+        # their gradients, kept past a backward DDP did not synchronize (see :meth:`_close_opened`)
+        self._opened_gradients: list[nn.Parameter] = []
+        self._wrapped: nn.Module | None = None  # the strategy's model (from fit start): DDP's wrapper, or not
         self._marked = False  # this backward marked the units' inputs (under DDP, rank 0's are shared)
         self._model: nn.Module | None = None  # the fit's model: its parameters outside the units are watched
         self._statistics: dict[str, float] | None = None  # a retraced freezer's, for the next one to continue
@@ -996,7 +999,7 @@ class FreezerLifecycle:
         self.rolled_back_at, self._announced, self._step_counted, self._ended = None, None, False, False
         self._scan, self._reached_inside, self.gradients_lost, self._notes = None, [], [], []
         self.freezer, self.trace = restore_freezer(None, state, model, self.settings, self.optimizers), None
-        self._open_first_forward, self._opened = self.freezer is not None, []
+        self._open_first_forward, self._opened, self._opened_gradients = self.freezer is not None, [], []
         if self.freezer is None:
             self.trace = ForwardOrderTrace(discover_units(model, self.unit_names))
             return None
@@ -1013,6 +1016,7 @@ class FreezerLifecycle:
             PulseRefusal: from those two checks.
         """
         check_wrapped_model(strategy.model, world_size, type(strategy).__name__)
+        self._wrapped = strategy.model
         if world_size > 1:  # DDP just wrapped the model: what is frozen now, its reducer left out
             self.frozen_before_wrap = frozen_parameter_ids(model)
         optimizers = self.optimizers = list(optimizers)
@@ -1085,7 +1089,8 @@ class FreezerLifecycle:
         frozen together (:meth:`_group_functions`) and check the first backward after a freeze
         (:meth:`_check_lost_gradients`). Returns whether the freezer was built now, or a warning waits for
         :meth:`announce`."""
-        self._close_opened()
+        # DDP's wrapper in its `no_sync` (a micro-batch that accumulates) does not synchronize this backward
+        self._close_opened(synced=getattr(self._wrapped, "require_backward_grad_sync", True))
         marked, self._marked = self._marked, False
         if marked and broadcast is not None:  # a loop counted from the data reads differently on each rank
             agree_inputs(self.units, broadcast)
@@ -1147,9 +1152,15 @@ class FreezerLifecycle:
                 "inputs, or remove GradientCache"
             )
 
-    def _close_opened(self) -> None:
+    def _close_opened(self, synced: bool = True) -> None:
         """Turn the prefix :meth:`begin_forward` opened off again, once a backward or a step without one
-        ran."""
+        ran, and drop its gradients once a backward was synchronized (``synced``) or the step comes.
+
+        A backward DDP does not synchronize (the first micro-batches of an accumulation window) still counts
+        the opened prefix as used in the window, so the window's synchronizing backward averages its
+        gradients, and fails on one that is gone ("Encountered gradient which is undefined"); they are kept
+        until that backward is over (a held-out two-rank resume with ``accumulate_grad_batches=2`` crashed).
+        The later micro-batches run with the prefix off, as in the run that saved it."""
         opened, self._opened = self._opened, []
         if not self._graph_checked:  # no backward ran on it (a skipped batch): open it again for the next one
             self._open_first_forward = bool(opened)
@@ -1157,7 +1168,11 @@ class FreezerLifecycle:
             still_off = {id(param) for param in self.freezer.turned_off()}  # unless a burst released them
             for param in (param for param in opened if id(param) in still_off):
                 param.requires_grad_(False)
+                self._opened_gradients.append(param)
+        if synced:
+            for param in self._opened_gradients:
                 param.grad = None  # the optimizer skips them: they stand still, as in the run that saved them
+            self._opened_gradients = []
 
     def _order_waiting(self, broadcast: Callable[[list[str]], list[str]] | None) -> bool:
         units = self.trace.finish(broadcast)
@@ -1398,7 +1413,7 @@ class FreezerLifecycle:
 
     def end(self) -> None:
         """Turn back on every parameter the freezer turned off, so the module leaves the fit as it came in."""
-        self._ended = True
+        self._ended, self._wrapped, self._opened_gradients = True, None, []
         self.optimizer_check.detach()
         self.optimizers = None  # their state is not kept past the fit; unknown again, as for a freezer alone
         if self.freezer is not None:
