@@ -1,7 +1,7 @@
 """StabilityGuard when a callback swaps the optimizer mid-run (``trainer.optimizers = [new]``).
 
-A snapshot holds the optimizer's ``state_dict``, which loads only into its own kind of optimizer. A rollback to
-a snapshot taken before a swap to another class loaded it anyway (only the optimizers' number and their
+A snapshot holds the optimizer's ``state_dict``, which loads only into its own kind of optimizer. A rollback
+to a snapshot taken before a swap to another class loaded it anyway (only the optimizers' number and their
 groups' sizes were compared): Adam's state went into SGD, which then trained on Adam's ``lr`` with Adam's
 state keys (silently), and SGD's into Adam raised ``KeyError: 'step'`` mid-run. A snapshot of another
 optimizer class is now unusable, as one of another LR scheduler class is (StochasticWeightAveraging's swap):
@@ -139,7 +139,41 @@ def test_a_swap_to_a_new_optimizer_of_the_same_class_keeps_its_snapshots(tmp_pat
     assert [event["to_step"] for event in guard.events if event["event"] == "rollback"] == [30]
     assert not guard.stopped and trainer.global_step == 50
     assert watch.rows[34][:2] == ("Adam", 5e-4)
-    assert all(watch.rows[step][::2] == ("Adam", ["exp_avg", "exp_avg_sq", "step"]) for step in range(41, 50))
+    # the snapshot's hyperparameters come back with its state, as for a rate set in place (documented)
+    after = [watch.rows[step] for step in range(41, 50)]
+    assert after and all(row == ("Adam", 1e-3, ["exp_avg", "exp_avg_sq", "step"]) for row in after)
+
+
+class _SpikingInsideSam(_Spiking):
+    def configure_optimizers(self):
+        return _SAM(_optimizer(self.kind, self.parameters()))
+
+
+class _SwapInnerOptimizer(Callback):
+    """At ``SWAP_STEP`` SAM around Adam is replaced by SAM around SGD: the outer class stays ``_SAM``."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == SWAP_STEP and not isinstance(
+            trainer.optimizers[0].base_optimizer, torch.optim.SGD
+        ):
+            trainer.optimizers = [_SAM(_optimizer("sgd", pl_module.parameters()))]
+
+
+def test_a_swap_of_the_inner_optimizer_makes_a_snapshot_due_and_the_rollback_returns_to_it(tmp_path):
+    """SAM(Adam) -> SAM(SGD): only the inner class changes. The schedule compared the outer classes alone, so
+    no snapshot followed the swap and the rollback at 38 found none that fits (a stop); the first healthy step
+    after the swap (34) is snapshotted now, and SGD keeps its own lr."""
+    pl.seed_everything(0)
+    guard = StabilityGuard(
+        window=20, warmup=10, snapshot_every=10, rollback_margin=2, max_snapshots=3, skip_after_rollback=2
+    )
+    callbacks = [_SwapInnerOptimizer(), guard]
+    trainer = pl.Trainer(max_steps=50, callbacks=callbacks, default_root_dir=tmp_path, **trainer_kwargs())
+    trainer.fit(_SpikingInsideSam("adam", spike_steps=(36, 37, 38)))
+    assert [event["to_step"] for event in guard.events if event["event"] == "rollback"] == [34]
+    assert not guard.stopped and trainer.global_step == 50
+    base = trainer.optimizers[0].base_optimizer
+    assert isinstance(base, torch.optim.SGD) and base.param_groups[0]["lr"] == LEARNING_RATES["sgd"]
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "inside-sam"])

@@ -963,6 +963,7 @@ class SnapshotSchedule:
         )
         self.scheduler_kinds: tuple[type, ...] | None = None  # and the schedulers' classes
         self.optimizer_kinds: tuple[type, ...] | None = None  # and the optimizers' classes
+        self.inner_kinds: tuple[type, ...] = ()  # and their inner ones' (SAM's base optimizer)
 
     def due(
         self,
@@ -984,6 +985,11 @@ class SnapshotSchedule:
             and (
                 optimizer_kinds(optimizers) != self.optimizer_kinds
                 or optimizer_layout(optimizers) != self.layout
+                # a wrapper's inner optimizer swapped (SAM(Adam) -> SAM(SGD)); no walk for plain optimizers
+                or (
+                    bool(self.inner_kinds)
+                    and optimizer_kinds(inner_optimizers(optimizers)) != self.inner_kinds
+                )
             )
         ) or (
             schedulers is not None
@@ -1018,6 +1024,7 @@ class SnapshotSchedule:
         next periodic one holds it (a rollback meanwhile returns only to a snapshot that fits)."""
         self.last_step, self.layout = step, optimizer_layout(optimizers)
         self.optimizer_kinds = optimizer_kinds(optimizers)
+        self.inner_kinds = optimizer_kinds(inner_optimizers(optimizers))
         self.scheduler_kinds = scheduler_kinds(schedulers)
 
     def roll_back(
