@@ -1,7 +1,7 @@
 """ScheduledPrune(mode='structured') where torch-pruning cannot build its dependency graph at all: a held-out
-sweep's tiny HF Mllama was refused with "it broke in model.lm_head (Linear): leave out the layers around it with
-`exclude_pattern`", and `exclude_pattern='lm_head'` gave the same refusal. The error is raised in torch-pruning's
-index mapping while it builds the graph of the whole model, which no pattern changes."""
+sweep's tiny HF Mllama was refused with "it broke in model.lm_head (Linear): leave out the layers around it
+with `exclude_pattern`", and `exclude_pattern='lm_head'` gave the same refusal. The error is raised in
+torch-pruning's index mapping while it builds the graph of the whole model, which no pattern changes."""
 
 from __future__ import annotations
 

@@ -92,19 +92,71 @@ class _HyperConnectedMLP(_HyperConnectedCNN):
         return self.head(collapse_streams(self.block(expand_streams(self.stem(x), 2))))
 
 
-def test_the_endless_search_on_hyper_connection_streams_is_named_for_a_model_without_convolutions(
+def _structured_fit(model: pl.LightningModule, exclude_pattern: str | None = None) -> pl.Trainer:
+    prune = ScheduledPrune(
+        final_sparsity=0.5,
+        mode="structured",
+        start=2,
+        end=6,
+        every=2,
+        probe_batches=0,
+        exclude_pattern=exclude_pattern,
+    )
+    pl.seed_everything(0)
+    trainer = pl.Trainer(callbacks=[prune], **trainer_kwargs(max_steps=8, limit_val_batches=0))
+    trainer.fit(model)
+    return trainer
+
+
+def _first_search_runs_out(monkeypatch) -> None:
+    """The fit's own search runs out of time at once (it never ends on the streams); the trial cut that checks
+    the offered pattern gets the full time, as in a real run, so a busy machine cannot time it out."""
+    trial_cut, calls = pruning._trial_cut, []
+
+    def timed_trial_cut(*args, **kwargs):
+        calls.append(None)
+        monkeypatch.setattr(pruning, "STRUCTURED_CHECK_SECONDS", 0.5 if len(calls) == 1 else 60.0)
+        return trial_cut(*args, **kwargs)
+
+    monkeypatch.setattr(pruning, "_trial_cut", timed_trial_cut)
+
+
+def test_the_endless_search_on_hyper_connection_streams_is_named_with_a_checked_pattern_that_works(
     monkeypatch,
 ):
     # a held-out sweep's Linear-only mHC Llama was told of "HyperConnection layers around convolutions", with
-    # an `exclude_pattern` for the blocks that left nothing to cut; the search never ends on the streams
-    monkeypatch.setattr(pruning, "STRUCTURED_CHECK_SECONDS", 0.5)
-    prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=2, end=6, every=2, probe_batches=0)
-    pl.seed_everything(0)
-    trainer = pl.Trainer(callbacks=[prune], **trainer_kwargs(max_steps=8, limit_val_batches=0))
+    # an unchecked `exclude_pattern` for the blocks; the search never ends on the streams, but leaving out the
+    # layers that write into them (the stem's, the branch's last) lets the branch's hidden width be cut
+    _first_search_runs_out(monkeypatch)
     with pytest.raises(PulseRefusal) as refusal:
-        trainer.fit(_HyperConnectedMLP())
+        _structured_fit(_HyperConnectedMLP())
     message = str(refusal.value)
     assert "on the streams of HyperConnection layers (block), where it never ends" in message
     assert "convolution" not in message and "attention" not in message
+    pattern = r"^(stem\.1|block\.branch\.2)$"
+    assert (
+        f"with `exclude_pattern`={pattern!r} (the layers writing into the streams) the trial cut passes"
+        in (message)
+    )
+    assert message.endswith(
+        "Use the `exclude_pattern` named, or mode='unstructured' (its masks need no dependency search)."
+    )
+    monkeypatch.undo()
+    model = _HyperConnectedMLP()
+    trainer = _structured_fit(model, exclude_pattern=pattern)
+    assert trainer.global_step == 8
+    assert model.block.branch[0].out_features < 16 and model.block.branch[2].out_features == CHANNELS
+
+
+def test_the_stream_refusal_offers_no_pattern_where_leaving_the_writers_out_leaves_nothing_to_cut(
+    monkeypatch,
+):
+    # the CNN's only branch convolution writes into the streams: with it and the stem left out, no layer is
+    # left to cut, so no pattern is offered
+    _first_search_runs_out(monkeypatch)
+    prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=2, end=6, every=2, probe_batches=0)
+    with pytest.raises(PulseRefusal) as refusal:
+        _fit(prune)
+    message = str(refusal.value)
+    assert "exclude_pattern" not in message
     assert message.endswith("Use mode='unstructured' (its masks need no dependency search).")
-    assert trainer.global_step == 0

@@ -21,6 +21,7 @@ from lightning_pulse.core import prune_targets, pruning
 from lightning_pulse.core.carried_state import kept_carried_state, kept_python_state
 from lightning_pulse.core.prune_schedule import PRUNE_EVERY_DEFAULT, PruneSchedule, check_int, check_share
 from lightning_pulse.core.prune_targets import LayerSelection
+from lightning_pulse.core.pruning import exact_names_pattern
 from lightning_pulse.core.snapshots import is_zero_redundancy, optimizers_within
 from lightning_pulse.core.step_plan import epoch_steps
 from lightning_pulse.errors import PulseRefusal, names_itself, refusing
@@ -270,11 +271,6 @@ def _weightless_note(model: nn.Module, layer_types: tuple[type, ...]) -> str:
     name, why = next(iter(found.items()))
     more = f" (and {len(found) - 1} more like it)" if len(found) > 1 else ""
     return f" `{name}`{more} cannot be pruned: {why}."
-
-
-def exact_names_pattern(names: Iterable[str]) -> str:
-    """An ``exclude_pattern`` that matches exactly the layers ``names``, for a refusal's way out."""
-    return "^(" + "|".join(re.escape(name) for name in names) + ")$"
 
 
 def _type_path(layer_type: type) -> str:
@@ -664,7 +660,8 @@ def refuse_structured(reason: str | None) -> None:
         pruning.UNCUT_AVERAGE: "Leave out the layers whose cut reaches that part (its inputs come from "
         "them) with `exclude_pattern`, or use mode='unstructured' (it keeps every shape).",
         pruning.GRAPH_BUILD_FAILED: "No `exclude_pattern` or `layer_types` changes that: the graph is built "
-        "over the whole model, whatever layers are chosen. Use mode='unstructured' (its masks need no graph).",
+        "over the whole model, whatever layers are chosen. Use mode='unstructured' (its masks need no "
+        "graph).",
         pruning.UNTRACEABLE_OUTPUT: "Have `forward` return tensors only (the logits or the loss); a Hugging "
         "Face model returns its key/value cache unless called with `use_cache=False` (or built with it in its "
         "config: setting `model.config.use_cache` afterwards does not reach T5's decoder). Or use "
@@ -676,9 +673,10 @@ def refuse_structured(reason: str | None) -> None:
                 f"ScheduledPrune: structured pruning cannot run on this model: {reason}. {way_out}"
             )
     if reason is not None and pruning.ON_HYPER_CONNECTION_STREAMS in reason:
+        leave_out = "the `exclude_pattern` named, or " if pruning.TRIAL_CUT_PASSES in reason else ""
         raise PulseRefusal(
-            f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured' "
-            "(its masks need no dependency search)."
+            f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use {leave_out}"
+            "mode='unstructured' (its masks need no dependency search)."
         )
     if reason is not None and pruning.IN_USER_HOOK in reason:  # the reason names the hook and the way out
         raise PulseRefusal(f"ScheduledPrune: structured pruning cannot run on this model: {reason}.")

@@ -1358,6 +1358,8 @@ def check_structured(
         # nor is the attention named next to HyperConnection streams: the search never ends on those
         endless = LOSS_IN_OUTPUT in reason or ON_HYPER_CONNECTION_STREAMS in reason
         hint = None if endless else attention_hint(model, pruner.exclude_pattern)
+        if ON_HYPER_CONNECTION_STREAMS in reason:  # only the groups reaching the streams never end
+            hint = _stream_writers_way_out(model, pruner, sparsities, example)
         reason = reason if hint is None else f"{reason}; {hint}"
     elif reason is not None and reason.startswith(CUT_FAILED):
         hooked = IN_USER_HOOK in reason and where is not None
@@ -1529,6 +1531,8 @@ GRAPH_BUILD_FAILED = (
     "torch-pruning could not build its dependency graph of this model (which channels depend on which), "
     "before any cut"
 )
+#: how a way out says that a trial cut checked the ``exclude_pattern`` it offers
+TRIAL_CUT_PASSES = "the trial cut passes"
 #: how the reason for a dependency search that ran out of time names HyperConnection layers: torch-pruning's
 #: search on their streams never ends (see :func:`_endless_search_on_streams`)
 ON_HYPER_CONNECTION_STREAMS = "on the streams of HyperConnection layers"
@@ -1644,23 +1648,56 @@ def _way_out(
     place = "" if where is None else f"it broke in {where} ({type(model.get_submodule(where)).__name__})"
     for _ in range(WAY_OUT_TRIES):
         pattern = _exclusion_for(model, where, current)
-        if pattern is None:
+        if pattern is None or pattern in patterns:  # the same part again: the same cut would fail again
             break
         patterns.append(pattern)
         current = "|".join(p for p in (pruner.exclude_pattern, *patterns) if p)
         reason, where = _trial_cut(model, pruner, current, sparsities, example)
         if reason is None:
             return (
-                f"{place}; with `exclude_pattern`={current!r} the trial cut passes and the other layers are cut"
+                f"{place}; with `exclude_pattern`={current!r} {TRIAL_CUT_PASSES} and the other layers are cut"
             ).lstrip("; ")
         if not reason.startswith(CUT_FAILED):
             break
     # only a checked pattern is offered: an unchecked "leave out the layers around it" failed the same way
     # when followed (a held-out sweep's Mllama)
-    failed = f"the trial cut fails with `exclude_pattern`={current!r} as well" if patterns else None
+    failed = f"the trial cut does not pass with `exclude_pattern`={current!r} either" if patterns else None
     if not place:
         return failed
     return place if failed is None else f"{place}; {failed}"
+
+
+def _stream_writers_way_out(
+    model: nn.Module, pruner: Pruner, sparsities: Sequence[float], example: Any
+) -> str | None:
+    """The ``exclude_pattern`` to offer after the dependency search ran out of time on HyperConnection
+    streams, checked by a trial cut: only the channel groups that reach the streams never end, and they start
+    at the chosen layers as wide as the streams (each wrapped block's last layer, the layer before
+    ``expand_streams``), so those are left out by name (and :func:`_way_out` refines a cut that then fails).
+    ``None`` when no chosen layer is that wide or no pattern passes. Its trial cut may run out of time too:
+    the refusal then comes after a second search."""
+    widths = {
+        part.dim for part in model.modules() if isinstance(part, HyperConnection) and part.n_streams > 1
+    }
+    chosen = list(pruner.selection(model).layers)
+    writers = [name for name, count in channel_counts(model, chosen).items() if count in widths]
+    if not writers:
+        return None
+    pattern = "|".join(part for part in (pruner.exclude_pattern, exact_names_pattern(writers)) if part)
+    reason, where = _trial_cut(model, pruner, pattern, sparsities, example)
+    if reason is None:
+        return f"with `exclude_pattern`={pattern!r} (the layers writing into the streams) {TRIAL_CUT_PASSES}"
+    if not reason.startswith(CUT_FAILED):
+        return None
+    narrowed = copy.copy(pruner)
+    narrowed.exclude_pattern = pattern
+    hint = _way_out(model, narrowed, sparsities, example, where)
+    return hint if hint is not None and TRIAL_CUT_PASSES in hint else None
+
+
+def exact_names_pattern(names: Iterable[str]) -> str:
+    """An ``exclude_pattern`` that matches exactly the layers ``names``, for a refusal's way out."""
+    return "^(" + "|".join(re.escape(name) for name in names) + ")$"
 
 
 def _hook_way_out(
