@@ -159,11 +159,11 @@ class EnergyLogger(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refuse_unwritable_dir("EnergyLogger", "report_dir", self.report_dir)
         refuse_overwriting_baseline(self.accounting.baseline, self.report_dir, trainer)
-        self._trainer = trainer
-        self._in_train_loop = False
+        self._trainer, self._in_train_loop = trainer, False
         self.report, self.report_paths = None, []
+        collective = self._collective(trainer)  # every rank: a refusal of process mode is decided together
         self.account.start(
-            lambda: trainer_chains(trainer, self, self._warn_rank, rank_zero_info),
+            lambda: trainer_chains(trainer, self, self._warn_rank, rank_zero_info, collective),
             global_zero=trainer.is_global_zero,
         )
         if self.accounting.progress_bar:

@@ -12,6 +12,7 @@ and keeps whatever was counted.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -47,6 +48,7 @@ from lightning_pulse.energy.nvml import NvmlCounterMeter, NvmlPowerMeter, nvml_d
 from lightning_pulse.energy.rapl import RaplMeter
 from lightning_pulse.energy.report import assemble_report
 from lightning_pulse.energy.sampler import EnergySampler
+from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH
 
 GPU_MODES = ("auto", "none")
@@ -61,8 +63,12 @@ COUNTING_NOTES = {
     "data-loader stall": "time from on_train_batch_end to the next on_train_batch_start (fetching the next "
     "batch, plus any hook work in between) over the time between consecutive batch starts; gaps that contain "
     "a validation run or a phase change are left out. Averaged over ranks.",
-    "ddp": "GPU energy is metered on every rank and summed; CPU and RAM energy once per node (local rank 0).",
+    "ddp": "GPU energy is metered on every rank and summed; CPU and RAM energy once per node (local rank 0; "
+    "in codecarbon's process mode its process and child processes, which hold the node's other ranks).",
 }
+#: parent processes each rank names for the process-mode check (a rank Lightning's `strategy="ddp"` starts is
+#: a direct child of local rank 0; a deeper chain than this reads as unrelated: refused, never miscounted)
+ANCESTRY_DEPTH = 8
 
 
 class Collective(Protocol):
@@ -164,6 +170,59 @@ def build_chains(
     return chains
 
 
+def process_row(node_rank: int, local_rank: int) -> np.ndarray:
+    """This process's row for :func:`ranks_outside_local_zero`: node, local rank, pid, then the pids of its
+    parent processes (up to :data:`ANCESTRY_DEPTH`, -1 after them; none when psutil cannot tell)."""
+    try:
+        import psutil  # codecarbon's dependency: installed wherever codecarbon meters
+
+        parents = [parent.pid for parent in psutil.Process().parents()][:ANCESTRY_DEPTH]
+    except Exception:  # unknown parents: the rank reads as outside local rank 0 (a refusal, not a guess)
+        parents = []
+    padding = [-1] * (ANCESTRY_DEPTH - len(parents))
+    return np.array([node_rank, local_rank, os.getpid(), *parents, *padding], dtype=np.float64)
+
+
+def ranks_outside_local_zero(rows: np.ndarray) -> list[int]:
+    """The global ranks (row indices of every rank's :func:`process_row`) whose process is neither local rank
+    0 of its node nor one of its descendants: what a codecarbon process-mode tracker on local rank 0 does not
+    see (it follows its process and its children, recursively)."""
+    heads = {int(row[0]): int(row[2]) for row in rows if int(row[1]) == 0}
+    outside = []
+    for rank, row in enumerate(rows):
+        head = heads.get(int(row[0]))
+        if int(row[1]) != 0 and (head is None or head not in row[3:].astype(np.int64).tolist()):
+            outside.append(rank)
+    return outside
+
+
+def refuse_uncounted_processes(
+    config: MeterConfig, cpu: str, ram: str, collective: Collective, node_rank: int, local_rank: int
+) -> None:
+    """Refuse (every rank alike, from one ``all_gather``) a DDP run whose CPU or RAM codecarbon may meter in
+    ``"process"`` mode (``cpu="auto"`` too: codecarbon is its fallback after RAPL) while a rank runs outside
+    local rank 0's process tree (``ddp_spawn``, torchrun, a cluster launcher). CPU and RAM are metered on
+    local rank 0 only, as machine mode needs (it sees the whole node); in process mode that tracker sees its
+    own process and its children only, so such a rank's energy would be silently missing (about half of it
+    on two ranks). Metering each rank and summing is not done:
+    the CPU chain's RAPL and constant meters are per node, and a rank whose codecarbon fell back to one
+    would count the node once more. Under Lightning's `strategy="ddp"` from a script the other ranks are
+    children of rank 0: counted, and allowed."""
+    codecarbon_meters = cpu in ("auto", "codecarbon") or ram == "codecarbon"
+    if config.codecarbon_tracking_mode != "process" or not codecarbon_meters or collective.world_size <= 1:
+        return
+    outside = ranks_outside_local_zero(collective.all_gather(process_row(node_rank, local_rank)))
+    if outside:
+        raise PulseRefusal(
+            "EnergyLogger: `meters.codecarbon_tracking_mode`='process' under DDP meters CPU and RAM with one "
+            "codecarbon tracker on local rank 0, which sees its own process and its child processes only; "
+            f"rank(s) {outside} run in processes of their own (ddp_spawn, torchrun or a cluster launcher), "
+            "so their CPU and RAM energy would be missing. Set `meters.codecarbon_tracking_mode` to "
+            "'machine' (the whole node, metered once per node), or launch with `strategy=\"ddp\"` from a "
+            "script (its ranks are child processes of rank 0)."
+        )
+
+
 def gpu_devices_of(device: torch.device, gpu: str, config: MeterConfig) -> list[int | str]:
     """The NVML devices a process meters: none for ``gpu="none"``, ``config.gpu_devices`` when set, else
     the NVML index of the process's CUDA ``device`` (none off CUDA)."""
@@ -178,11 +237,21 @@ def gpu_devices_of(device: torch.device, gpu: str, config: MeterConfig) -> list[
 
 
 def trainer_chains(
-    trainer: Any, settings: Any, warn: Callable[[str], None], info: Callable[[str], None]
+    trainer: Any,
+    settings: Any,
+    warn: Callable[[str], None],
+    info: Callable[[str], None],
+    collective: Collective | None = None,
 ) -> list[MeterChain]:
     """The meter chains of a Trainer's process (:func:`build_chains`) for an EnergyLogger's ``settings`` (its
     ``meters``, ``gpu``, ``cpu``, ``ram`` and ``country_iso_code``): the GPU of the process's
-    ``trainer.strategy.root_device`` (:func:`gpu_devices_of`), and the CPU and RAM on local rank 0 only."""
+    ``trainer.strategy.root_device`` (:func:`gpu_devices_of`), and the CPU and RAM on local rank 0 only.
+    Every rank calls it: with a multi-process ``collective``, it refuses CPU and RAM metering that would miss
+    a rank (:func:`refuse_uncounted_processes`)."""
+    if collective is not None:
+        refuse_uncounted_processes(
+            settings.meters, settings.cpu, settings.ram, collective, trainer.node_rank, trainer.local_rank
+        )
     return build_chains(
         settings.meters,
         gpu_devices_of(trainer.strategy.root_device, settings.gpu, settings.meters),
@@ -320,6 +389,7 @@ class EnergyAccount:
                     rate.run_start = None  # anchored again below, at this run's start
         self._restored = False
         self._settled_once = False  # the wait for a meter still starting, at an epoch end (once a fit)
+        self._total_seen = False  # an epoch end had a figure of the run's energy (no wait needed after it)
         self._reset()
         self._warned, self._types_read = set(), set()
         self.global_zero = global_zero
@@ -343,6 +413,8 @@ class EnergyAccount:
             )
             self.sampler.start()
             self.metering = True
+        except PulseRefusal:  # a run the meters cannot count (refused by the chains' builder, every rank)
+            raise
         except Exception as error:
             self.disable(error)
 
@@ -510,7 +582,7 @@ class EnergyAccount:
         :meth:`energy_so_far_kwh` gives the run's figure at this point from then on (see there)."""
         self.mark(stage="other", phase=None, cycle=None, epoch=None)
         try:
-            self._settle_at_end(collective)
+            self._settle_together(collective, after="other")  # the report follows
         finally:
             self.step_counter = None
             try:
@@ -519,18 +591,20 @@ class EnergyAccount:
                 self.disable(error)
                 self._ended_kwh = self.metered_kwh()
 
-    def _settle_at_end(self, collective: Collective | None) -> None:
-        """:meth:`end_training`'s wait for a meter still starting, on any rank, inside the start-up bucket."""
+    def _settle_together(self, collective: Collective | None, after: str) -> bool:
+        """Wait for a meter still starting, on any rank, every rank inside the start-up bucket, then label
+        the time ``after`` (a stage); whether any rank had one. Every rank calls it at the same point: under
+        DDP it asks every rank, unconditionally (the same collectives everywhere)."""
         sampler = self.sampler
         starting = sampler is not None and any(chain.starting for chain in sampler.chains)
         if not self._single(collective):
-            assert collective is not None  # every rank asks, unconditionally: the same collectives everywhere
+            assert collective is not None
             starting = bool(collective.all_gather(np.array([float(starting)])).any())
         if not starting:
-            return
+            return False
         self.mark(stage=STARTUP_STAGE)
         try:
-            if sampler is not None:  # the report follows: a meter that started in the background must count
+            if sampler is not None:  # a meter that started in the background must count
                 try:
                     self._settle_meters(sampler)
                 except Exception as error:
@@ -539,7 +613,8 @@ class EnergyAccount:
                 assert collective is not None
                 collective.all_gather(np.zeros(1))  # every rank, once the slowest settled
         finally:
-            self.mark(stage="other")
+            self.mark(stage=after)
+        return True
 
     @staticmethod
     def _single(collective: Collective | None) -> bool:
@@ -715,28 +790,26 @@ class EnergyAccount:
         """The figures logged at an epoch end, and the run's forecast when this epoch made the first one
         (``total_batches``: the run's batches, all ranks together; see :func:`predict_run`)."""
         epoch_key = f"epoch/{epoch}"
-        sampler = self.sampler
-        if (
-            sampler is not None
-            and self.metering
-            and not self._settled_once
-            and self._single(collective)
-            and any(chain.starting for chain in sampler.chains)
-        ):
+        single = self._single(collective)
+        if not self._settled_once and (self.metering if single else not self._total_seen):
             # a meter still starting in the background (a first epoch shorter than codecarbon's start) has no
             # reading yet: wait for it here, off the run's figures, so the epoch logs an estimate rather than
             # no figure (a monitored `energy/total_kwh` must exist) or a 0 nobody measured. Once a fit: a
-            # start that hangs costs its timeout once, not at every epoch end. Not under DDP: the other ranks
-            # would wait for this one in the next collective, inside their training time
-            self._settled_once = True
-            self._settle_meters(sampler)
-            if any(chain.starting for chain in sampler.chains):
-                self.warn_once(
-                    "still starting",
-                    "EnergyLogger: a meter (codecarbon) is still starting after 30 s; the energy figures "
-                    "wait for its first reading, and energy/total_kwh is not logged until then. Set "
-                    '`cpu="constant"` (with `meters.cpu_watts`) and `ram="none"` to meter without it.',
-                )
+            # start that hangs costs its timeout once, not at every epoch end. Under DDP every rank waits,
+            # together (one `all_gather` asks whether any rank's meter is starting, at each epoch end until
+            # the run has a figure): a rank that waited alone would make the others wait for it in the next
+            # collective, inside their training time, and a rank that did not wait would log no figure. The
+            # condition is the same on every rank (`metering` may not be: a rank can be disabled alone)
+            if self._settle_together(collective, after=self.ledger.label.stage if self.ledger else "other"):
+                self._settled_once = True
+                sampler = self.sampler
+                if sampler is not None and any(chain.starting for chain in sampler.chains):
+                    self.warn_once(
+                        "still starting",
+                        "EnergyLogger: a meter (codecarbon) is still starting after 30 s; the energy figures "
+                        "wait for its first reading, and energy/total_kwh is not logged until then. Set "
+                        '`cpu="constant"` (with `meters.cpu_watts`) and `ram="none"` to meter without it.',
+                    )
         snapshot = self.snapshot(
             collective, keys=lambda key: key == "total" or key == epoch_key or key.startswith("phase/")
         )
@@ -749,6 +822,8 @@ class EnergyAccount:
             for name in ("energy_kwh", "avg_power_w", "co2_kg", "cost", "stall_share"):
                 metrics[f"energy/epoch_{name.replace('energy_', '')}"] = row[name]
         total = groups["total"]
+        # the same on every rank (combined over ranks), as the condition of the wait above must be
+        self._total_seen = self._total_seen or total["energy_kwh"] is not None
         self.warn_if_unmetered(total)
         metrics.update(
             {
@@ -845,9 +920,10 @@ class EnergyAccount:
             described[component] = (
                 chain.describe() if chain is not None else {"meter": "none", "method": "none"}
             )
-            described[component]["counted_on"] = (
-                "every rank, summed" if component == "gpu" else "local rank 0 of each node"
-            )
+            counted_on = "every rank, summed" if component == "gpu" else "local rank 0 of each node"
+            if described[component].get("tracking_mode") == "process":  # refused where it misses a rank
+                counted_on += ", its process and child processes (any other rank of the node among them)"
+            described[component]["counted_on"] = counted_on
         return described
 
     # ------------------------------------------------------------------ checkpoints
