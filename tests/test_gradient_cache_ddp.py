@@ -360,6 +360,18 @@ class _SavesAtEpochEnd(Callback):
         torch.save(params, self.folder / f"params{trainer.global_rank}.pt")
 
 
+class _FrozenUnitsHoldNoGradient(Callback):
+    """Listed before GradientCache: what a callback reading gradients before the step (a gradient-norm logger)
+    sees of the frozen units. The gradients a resumed fit's first backward gives the reopened prefix are kept
+    only until the window's syncing backward, never until the step."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        cache = next(cb for cb in trainer.callbacks if isinstance(cb, GradientCache))
+        for name, param in pl_module.named_parameters():
+            if any(name.startswith(f"{unit}.") for unit in cache.frozen_units):
+                assert param.grad is None, (trainer.global_step, name)
+
+
 @pytest.mark.ddp
 def test_a_ddp_resume_mid_freeze_with_accumulated_batches_trains_as_the_uninterrupted_run(tmp_path):
     # held-out sweep C: the resumed fit's first backward trains the restored prefix (for its graph check), in
@@ -374,7 +386,7 @@ def test_a_ddp_resume_mid_freeze_with_accumulated_batches_trains_as_the_uninterr
         data = DataLoader(TensorDataset(x, labels), batch_size=8, sampler=RankHalf(64))
         cache = GradientCache(threshold=1.0, check_every=2, freeze_for=48, max_frozen_share=0.6)
         trainer = pl.Trainer(
-            callbacks=[cache, _SavesAtEpochEnd(folder, save_at)],
+            callbacks=[_FrozenUnitsHoldNoGradient(), cache, _SavesAtEpochEnd(folder, save_at)],
             max_epochs=4,
             **trainer_kwargs(
                 devices=2,

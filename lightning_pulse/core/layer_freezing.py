@@ -1038,8 +1038,8 @@ class FreezerLifecycle:
         """Before a batch's forward. In a resumed fit's first, turn the restored prefix back on, so that the
         graph check of its backward (:meth:`begin_backward`) sees the whole model: a frozen prefix hides what
         follows it (a reentrant checkpoint whose input needs no gradient leaves no node at all).
-        :meth:`end_backward` turns it off again and drops its gradients, so it stands still as in the run that
-        saved it. Call it after looking for units someone else turned back on
+        :meth:`end_backward` turns it off again and drops its gradients (under DDP, after the accumulation
+        window's synchronizing backward), so it stands still as in the run that saved it. Call it after looking for units someone else turned back on
         (:meth:`LayerFreezer.release_taken_back`): turned on here, their change would no longer show."""
         if self._open_first_forward and self.freezer is not None:
             self._opened = self.freezer.turned_off()
