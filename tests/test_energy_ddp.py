@@ -94,9 +94,10 @@ def test_monitored_total_exists_at_every_epoch_end_under_ddp_while_codecarbon_st
 
 @pytest.mark.ddp
 def test_process_tracking_is_refused_where_a_rank_runs_outside_local_rank_zeros_processes(tmp_path):
-    """Sweep C: with `codecarbon_tracking_mode="process"` under DDP, CPU and RAM were metered by local rank 0's
-    tracker, which follows its own process and its children only: ranks launched as its siblings (ddp_spawn,
-    torchrun, here a fork server) were silently missing, about half the CPU energy. Refused at fit start."""
+    """Sweep C: with `codecarbon_tracking_mode="process"` under DDP, CPU and RAM were metered by local rank
+    0's tracker, which follows its own process and its children only: ranks launched as its siblings
+    (ddp_spawn, torchrun, here a fork server) were silently missing, about half the CPU energy. Refused at fit
+    start."""
     energy = EnergyLogger(
         country_iso_code="DEU", ram="none", meters=MeterConfig(codecarbon_tracking_mode="process")
     )

@@ -160,3 +160,42 @@ def test_the_stream_refusal_offers_no_pattern_where_leaving_the_writers_out_leav
     message = str(refusal.value)
     assert "exclude_pattern" not in message
     assert message.endswith("Use mode='unstructured' (its masks need no dependency search).")
+
+
+class _ResidualBranchCNN(_HyperConnectedCNN):
+    """A ResNet basic block as the branch: every convolution and norm in it is as wide as the streams."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        branch = nn.Sequential(
+            nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1),
+            nn.BatchNorm2d(CHANNELS),
+            nn.ReLU(),
+            nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1),
+            nn.BatchNorm2d(CHANNELS),
+        )
+        self.block = ManifoldHyperConnection(branch, dim=CHANNELS, n_streams=2, channel_dim=1)
+
+    def forward(self, x):
+        streams = self.block(expand_streams(self.stem(x), 2, channel_dim=1))
+        return self.head(collapse_streams(streams, channel_dim=1).mean((2, 3)))
+
+
+def test_a_residual_branch_gets_a_pattern_of_its_last_layers_only_and_its_first_convolution_is_cut(
+    monkeypatch,
+):
+    # a review: with every layer of the branch as wide as the streams, all of them were left out and nothing
+    # was left to cut, so no pattern was offered; only the branch's last convolution writes into the streams
+    # (the norm after it is no chosen layer), and leaving it and the stem out lets the first one be cut
+    _first_search_runs_out(monkeypatch)
+    with pytest.raises(PulseRefusal) as refusal:
+        _structured_fit(_ResidualBranchCNN())
+    pattern = r"^(stem\.0|block\.branch\.3)$"
+    assert f"`exclude_pattern`={pattern!r} (the layers writing into the streams) the trial cut passes" in str(
+        refusal.value
+    )
+    monkeypatch.undo()
+    model = _ResidualBranchCNN()
+    trainer = _structured_fit(model, exclude_pattern=pattern)
+    assert trainer.global_step == 8
+    assert model.block.branch[0].out_channels < CHANNELS and model.block.branch[3].out_channels == CHANNELS

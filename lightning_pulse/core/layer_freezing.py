@@ -1039,8 +1039,9 @@ class FreezerLifecycle:
         graph check of its backward (:meth:`begin_backward`) sees the whole model: a frozen prefix hides what
         follows it (a reentrant checkpoint whose input needs no gradient leaves no node at all).
         :meth:`end_backward` turns it off again and drops its gradients (under DDP, after the accumulation
-        window's synchronizing backward), so it stands still as in the run that saved it. Call it after looking for units someone else turned back on
-        (:meth:`LayerFreezer.release_taken_back`): turned on here, their change would no longer show."""
+        window's synchronizing backward), so it stands still as in the run that saved it. Call it after
+        looking for units someone else turned back on (:meth:`LayerFreezer.release_taken_back`): turned on
+        here, their change would no longer show."""
         if self._open_first_forward and self.freezer is not None:
             self._opened = self.freezer.turned_off()
             for param in self._opened:

@@ -1672,27 +1672,64 @@ def _stream_writers_way_out(
 ) -> str | None:
     """The ``exclude_pattern`` to offer after the dependency search ran out of time on HyperConnection
     streams, checked by a trial cut: only the channel groups that reach the streams never end, and they start
-    at the chosen layers as wide as the streams (each wrapped block's last layer, the layer before
-    ``expand_streams``), so those are left out by name (and :func:`_way_out` refines a cut that then fails).
-    ``None`` when no chosen layer is that wide or no pattern passes. Its trial cut may run out of time too:
-    the refusal then comes after a second search."""
+    at the chosen layers as wide as the streams. First those that write into them (:func:`_stream_writers`:
+    each block's last layer, the layers before ``expand_streams``) are left out by name, then, where that
+    fails, every chosen layer as wide as the streams (:func:`_way_out` refines a cut that then fails).
+    ``None`` when no chosen layer is that wide or no pattern passes. A trial cut that runs out of time too
+    ends the search for a pattern (the refusal comes after two searches)."""
     widths = {
         part.dim for part in model.modules() if isinstance(part, HyperConnection) and part.n_streams > 1
     }
     chosen = list(pruner.selection(model).layers)
-    writers = [name for name, count in channel_counts(model, chosen).items() if count in widths]
-    if not writers:
+    wide = [name for name, count in channel_counts(model, chosen).items() if count in widths]
+    if not wide:
         return None
-    pattern = "|".join(part for part in (pruner.exclude_pattern, exact_names_pattern(writers)) if part)
+    writers = _stream_writers(model, wide)
+    if writers != wide:  # a residual branch of layers all as wide as the streams: only its last one writes
+        pattern = "|".join(part for part in (pruner.exclude_pattern, exact_names_pattern(writers)) if part)
+        reason, _ = _trial_cut(model, pruner, pattern, sparsities, example)
+        if reason is None:
+            return (
+                f"with `exclude_pattern`={pattern!r} (the layers writing into the streams) {TRIAL_CUT_PASSES}"
+            )
+        if not reason.startswith((CUT_FAILED, NOTHING_TO_CUT)):  # out of time again: no third search
+            return None
+    pattern = "|".join(part for part in (pruner.exclude_pattern, exact_names_pattern(wide)) if part)
     reason, where = _trial_cut(model, pruner, pattern, sparsities, example)
     if reason is None:
-        return f"with `exclude_pattern`={pattern!r} (the layers writing into the streams) {TRIAL_CUT_PASSES}"
+        which = (
+            "the layers writing into the streams" if writers == wide else "the chosen layers as wide as them"
+        )
+        return f"with `exclude_pattern`={pattern!r} ({which}) {TRIAL_CUT_PASSES}"
     if not reason.startswith(CUT_FAILED):
         return None
     narrowed = copy.copy(pruner)
     narrowed.exclude_pattern = pattern
     hint = _way_out(model, narrowed, sparsities, example, where)
     return hint if hint is not None and TRIAL_CUT_PASSES in hint else None
+
+
+def _stream_writers(model: nn.Module, wide: Sequence[str]) -> list[str]:
+    """Of the chosen layers ``wide`` (as wide as the streams), those that write into them: the ones outside
+    every HyperConnection's branch (the layer before ``expand_streams``), and in each branch its last layer
+    with a weight and what follows it (a norm); the layers before it in the branch (a ResNet branch's first
+    convolution) feed only that one and can be cut."""
+    branches = [
+        (f"{name}.branch." if name else "branch.")
+        for name, part in model.named_modules()
+        if isinstance(part, HyperConnection) and part.n_streams > 1
+    ]
+    writers = [name for name in wide if not any(name.startswith(prefix) for prefix in branches)]
+    for prefix in branches:
+        inside = [name for name in wide if name.startswith(prefix)]  # in registration order
+        weighted = [
+            name
+            for name in inside
+            if not isinstance(model.get_submodule(name), nn.modules.batchnorm._NormBase)
+        ]
+        if weighted:
+            writers += inside[inside.index(weighted[-1]) :]
+    return [name for name in wide if name in set(writers)]
 
 
 def exact_names_pattern(names: Iterable[str]) -> str:
