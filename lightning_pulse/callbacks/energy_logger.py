@@ -26,6 +26,7 @@ from lightning_pulse.energy.account import (
     forecast_message,
     guarded_hook,
     no_forecast_line,
+    refuse_uncounted_processes,
     report_folder,
     trainer_chains,
 )
@@ -161,9 +162,12 @@ class EnergyLogger(Callback):
         refuse_overwriting_baseline(self.accounting.baseline, self.report_dir, trainer)
         self._trainer, self._in_train_loop = trainer, False
         self.report, self.report_paths = None, []
-        collective = self._collective(trainer)  # every rank: a refusal of process mode is decided together
+        # every rank, outside the meters' start (where an error only disables a rank, which would then miss
+        # the gather the others wait in): a refusal of process mode is decided together
+        meters, rank = (self.meters, self.cpu, self.ram), (trainer.node_rank, trainer.local_rank)
+        refuse_uncounted_processes(*meters, self._collective(trainer), *rank)
         self.account.start(
-            lambda: trainer_chains(trainer, self, self._warn_rank, rank_zero_info, collective),
+            lambda: trainer_chains(trainer, self, self._warn_rank, rank_zero_info),
             global_zero=trainer.is_global_zero,
         )
         if self.accounting.progress_bar:

@@ -237,21 +237,12 @@ def gpu_devices_of(device: torch.device, gpu: str, config: MeterConfig) -> list[
 
 
 def trainer_chains(
-    trainer: Any,
-    settings: Any,
-    warn: Callable[[str], None],
-    info: Callable[[str], None],
-    collective: Collective | None = None,
+    trainer: Any, settings: Any, warn: Callable[[str], None], info: Callable[[str], None]
 ) -> list[MeterChain]:
     """The meter chains of a Trainer's process (:func:`build_chains`) for an EnergyLogger's ``settings`` (its
     ``meters``, ``gpu``, ``cpu``, ``ram`` and ``country_iso_code``): the GPU of the process's
-    ``trainer.strategy.root_device`` (:func:`gpu_devices_of`), and the CPU and RAM on local rank 0 only.
-    Every rank calls it: with a multi-process ``collective``, it refuses CPU and RAM metering that would miss
-    a rank (:func:`refuse_uncounted_processes`)."""
-    if collective is not None:
-        refuse_uncounted_processes(
-            settings.meters, settings.cpu, settings.ram, collective, trainer.node_rank, trainer.local_rank
-        )
+    ``trainer.strategy.root_device`` (:func:`gpu_devices_of`), and the CPU and RAM on local rank 0 only
+    (:func:`refuse_uncounted_processes` refuses, before, a process mode that would miss a rank)."""
     return build_chains(
         settings.meters,
         gpu_devices_of(trainer.strategy.root_device, settings.gpu, settings.meters),
@@ -413,8 +404,6 @@ class EnergyAccount:
             )
             self.sampler.start()
             self.metering = True
-        except PulseRefusal:  # a run the meters cannot count (refused by the chains' builder, every rank)
-            raise
         except Exception as error:
             self.disable(error)
 
@@ -903,7 +892,7 @@ class EnergyAccount:
             num_nodes=num_nodes,
             sampling_period_s=self.sampling_period,
             resumed_runs=self.resumed_runs,
-            meters=self.meter_descriptions(),
+            meters=self.meter_descriptions(1 if collective is None else collective.world_size),
             intensity=self.intensity,
             price=self.price,
             currency=currency,
@@ -912,7 +901,7 @@ class EnergyAccount:
             disabled=self.disabled_reason,
         )
 
-    def meter_descriptions(self) -> dict[str, Any]:
+    def meter_descriptions(self, world_size: int = 1) -> dict[str, Any]:
         chains = {chain.component: chain for chain in self.chains}
         described = {}
         for component in COMPONENTS:
@@ -921,7 +910,8 @@ class EnergyAccount:
                 chain.describe() if chain is not None else {"meter": "none", "method": "none"}
             )
             counted_on = "every rank, summed" if component == "gpu" else "local rank 0 of each node"
-            if described[component].get("tracking_mode") == "process":  # refused where it misses a rank
+            process_mode = described[component].get("tracking_mode") == "process"
+            if process_mode and world_size > 1:  # refused where it misses a rank
                 counted_on += ", its process and child processes (any other rank of the node among them)"
             described[component]["counted_on"] = counted_on
         return described
