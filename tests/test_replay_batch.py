@@ -169,6 +169,39 @@ def test_batch_mode_refuses_a_time_major_batch_at_the_first_batch_only():
         batches.release()
 
 
+def test_batch_mode_follows_a_first_batch_square_tensor_and_refuses_it_later_when_time_major():
+    # held-out sweep: (T, B) tokens with T == B at the first batch told neither layout, and a later batch was
+    # cut along time; the places that were (B, B) are read on every later batch, before its cut
+    batches, selector = _started(32)
+    try:
+        first = [torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.bool), torch.zeros(8)]
+        batches.start_batch(selector, first, torch.arange(8), step=0, batch_idx=0, active=False)
+        batches.drop_step()
+        batches.start_batch(selector, first, torch.arange(8, 16), step=1, batch_idx=1, active=False)
+        batches.drop_step()
+        later = [torch.zeros(5, 8), torch.zeros(8, 5, dtype=torch.bool), torch.zeros(8)]
+        with pytest.raises(PulseRefusal, match=r"\(5, 8\).*batch\[0\] was \(8, 8\).*mode='steps'"):
+            batches.start_batch(selector, later, torch.arange(16, 24), step=2, batch_idx=2, active=True)
+        assert batches.current is None
+    finally:
+        batches.release()
+    # batch-first (B, L) tokens with L == B at the first batch, then another L, and a per-batch (2, 3) table
+    # elsewhere on a short last batch of 3: trained (only the first batch's square places are read)
+    batches, selector = _started(32)
+    try:
+        first = [torch.zeros(8, 8), torch.zeros(8), torch.zeros(2, 3)]
+        batches.start_batch(selector, first, torch.arange(8), step=0, batch_idx=0, active=False)
+        batches.drop_step()
+        later = [torch.zeros(8, 5), torch.zeros(8), torch.zeros(2, 3)]
+        batches.start_batch(selector, later, torch.arange(8, 16), step=1, batch_idx=1, active=False)
+        batches.drop_step()
+        last = [torch.zeros(3, 6), torch.zeros(3), torch.zeros(2, 3)]
+        batches.start_batch(selector, last, torch.arange(16, 19), step=2, batch_idx=2, active=True)
+        assert batches.current is not None
+    finally:
+        batches.release()
+
+
 def _scored_infobatch() -> tuple:
     """A linear model, 16 samples, and a batch-mode InfoBatch selector (r = 0.5) that has scored them all,
     with their losses; the caller releases the lifecycle."""

@@ -56,7 +56,9 @@ from lightning_pulse.core.selection import (
     cut_refusal,
     joined_rows,
     joined_rows_refusal,
+    square_parts,
     take_samples,
+    time_major_later_refusal,
 )
 from lightning_pulse.errors import PulseRefusal
 
@@ -149,6 +151,9 @@ class ReplayBatchLifecycle:
         # batch mode: the shapes of the tensors the first checked batch holds whose first dimension is not B
         # (joined_rows), refused when the next full batch holds them with another first dimension
         self._joined_rows: dict[str, tuple[int, ...]] = {}
+        # batch mode: the tensors of the first checked batch with B along both first dimensions ((B, B) tokens
+        # or (T, B) with T == B), whose layout every later batch is checked for before its cut
+        self._square_parts: dict[str, tuple[int, ...]] = {}
         self._backward_ran = False  # in the step in flight
         self._module: nn.Module | None = None  # the module training (its parameters and buffers are no batch)
         # the step in flight: whether its loss was accounted for by its captured calls, and why not
@@ -171,7 +176,7 @@ class ReplayBatchLifecycle:
         self.state_check = CarriedStateCheck()
         self.recorded_steps = self.unscored_steps = 0
         self._structure_checked = self._said_coefficients = False
-        self._concatenated, self._joined_rows = {}, {}
+        self._concatenated, self._joined_rows, self._square_parts = {}, {}, {}
         self._sign_checks_left = SIGN_CHECKED_STEPS
         self.captures.start()
 
@@ -215,7 +220,10 @@ class ReplayBatchLifecycle:
                 (:func:`~lightning_pulse.core.selection.concatenated_parts`, CTC's 1-D targets, Qwen2-VL's
                 patches next to their grids) in that batch and the next, or in the first cut batch; for one
                 holding a tensor whose first dimension is neither ``B`` nor 1 and changes from that batch to
-                the next (:func:`~lightning_pulse.core.selection.joined_rows`). For a cut batch before the
+                the next (:func:`~lightning_pulse.core.selection.joined_rows`); for a later batch with ``B``
+                second and another length first where the first checked batch held ``B`` along both first
+                dimensions (:func:`~lightning_pulse.core.selection.time_major_later_refusal`: time-major
+                with ``T == B`` then). For a cut batch before the
                 carried-state check is done while the module holds batch-shaped state.
         """
         self.captures.drop()
@@ -233,6 +241,9 @@ class ReplayBatchLifecycle:
                 self._structure_checked = first_checked = True
                 self._concatenated = concatenated_parts(batch, batch_size, with_items=True)
                 self._joined_rows = joined_rows(batch, batch_size)
+                self._square_parts = square_parts(batch, batch_size)
+        elif self._square_parts and batch_size >= 2:  # empty for most batches: then no cost
+            refuse(time_major_later_refusal(self._square_parts, batch, batch_size))
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
         if self._concatenated or self._joined_rows:
             self._check_concatenated(batch, batch_size, first_checked, plan.positions is not None)

@@ -21,7 +21,9 @@ next to the kept samples' lengths or offsets: the samples' variable-length items
 targets, ``nn.EmbeddingBag``'s input, packed tokens next to their ``cu_seqlens``, graphs' nodes next to their
 node-to-graph vector, a VLM's image patches next to each image's grid); :func:`joined_rows` the tensors whose
 first dimension is not ``B``, for a caller that refuses one whose first dimension changes from batch to batch
-with nothing beside it that says how it splits (:func:`joined_rows_refusal`).
+with nothing beside it that says how it splits (:func:`joined_rows_refusal`); :func:`square_parts` the tensors
+whose first two dimensions are both ``B`` (either layout), for a caller that refuses a later batch holding
+``(T, B)`` there (:func:`time_major_later_refusal`).
 """
 
 from __future__ import annotations
@@ -304,14 +306,7 @@ def cut_refusal(batch: Any, batch_size: int, nested: bool = False) -> str | None
     leaves = list(_leaves(batch, batch_size, nested))
     time_major = [leaf for leaf, _ in leaves if _looks_time_major(leaf, batch_size)]
     if time_major:
-        return (
-            f"cannot cut a batch of {batch_size} samples in mode='batch': it holds tensors of shape "
-            f"{_shapes(time_major)}, {batch_size} along the second dimension and not the first: time-major "
-            "(as pad_sequence(batch_first=False) pads), which a cut along the first dimension would cut "
-            "along time, or a per-batch table with one column per sample, which it cannot tell apart. Use "
-            "mode='steps', which chooses the samples at the sampler, before they are loaded, or a "
-            "batch-first collate (pad_sequence(..., batch_first=True))."
-        )
+        return _time_major_reason(time_major, batch_size)
     if not any(per_sample for _, per_sample in leaves):
         tensors = [leaf for leaf, _ in leaves if isinstance(leaf, torch.Tensor)]
         held = f"tensors of shape {_shapes(tensors)}" if tensors else "no tensor"
@@ -322,6 +317,51 @@ def cut_refusal(batch: Any, batch_size: int, nested: bool = False) -> str | None
             "before they are loaded, or a batch-first collate."
         )
     return None
+
+
+def _time_major_reason(tensors: list[Tensor], batch_size: int, before: str = "") -> str:
+    """Why a cut of a batch holding the time-major ``tensors`` is refused; ``before`` says what an earlier
+    batch held there."""
+    return (
+        f"cannot cut a batch of {batch_size} samples in mode='batch': it holds tensors of shape "
+        f"{_shapes(tensors)}, {batch_size} along the second dimension and not the first{before}: time-major "
+        "(as pad_sequence(batch_first=False) pads), which a cut along the first dimension would cut "
+        "along time, or a per-batch table with one column per sample, which it cannot tell apart. Use "
+        "mode='steps', which chooses the samples at the sampler, before they are loaded, or a "
+        "batch-first collate (pad_sequence(..., batch_first=True))."
+    )
+
+
+def square_parts(batch: Any, batch_size: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors of two or more dimensions in ``batch`` whose first two dimensions are both
+    ``B``, by where they are: batch-first ``(B, L)`` whose padded length ``L`` is ``B`` by chance, or
+    time-major ``(T, B)`` whose ``T`` is, which :func:`cut_refusal` cannot tell apart. A later batch shows
+    which (:func:`time_major_later_refusal`)."""
+    return {
+        where: tuple(t.shape)
+        for where, t in _parts_with_paths(batch, batch_size)
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == t.shape[1] == batch_size
+    }
+
+
+def time_major_later_refusal(square: dict[str, tuple[int, ...]], batch: Any, batch_size: int) -> str | None:
+    """The reason, after the callback's name, for refusing to cut a later batch whose tensor at one of the
+    places ``square`` (:func:`square_parts` of the first batch) now has ``B`` second and another length first:
+    time-major. Only those places are read, so a per-batch constant elsewhere whose width matches a short last
+    batch's size (a ``(2, 3)`` table next to 3 samples) never refuses a run mid-way; none is read when
+    ``square`` is empty (a few shape comparisons per batch otherwise)."""
+    if not square:
+        return None
+    shown = {
+        where: t
+        for where, t in _parts_with_paths(batch, batch_size)
+        if where in square and _looks_time_major(t, batch_size)
+    }
+    if not shown:
+        return None
+    before = "; ".join(f"{where} was {square[where]}" for where in shown)
+    before = f" ({before} at the fit's first batch, which told neither layout)"
+    return _time_major_reason(list(shown.values()), batch_size, before)
 
 
 def _parts_with_paths(
