@@ -200,6 +200,17 @@ def test_batch_mode_follows_a_first_batch_square_tensor_and_refuses_it_later_whe
         assert batches.current is not None
     finally:
         batches.release()
+    # a review: a collate_fn that drops an unreadable sample gives batch-first (7, 8) tokens for 8 indices,
+    # which looks time-major; it holds no tensor of B rows and is not cut, so it trains (unscored), as before
+    batches, selector = _started(32)
+    try:
+        first = [torch.zeros(8, 8), torch.zeros(8)]
+        batches.start_batch(selector, first, torch.arange(8), step=0, batch_idx=0, active=False)
+        batches.drop_step()
+        dropped = [torch.zeros(7, 8), torch.zeros(7)]
+        batches.start_batch(selector, dropped, torch.arange(8, 16), step=1, batch_idx=1, active=True)
+    finally:
+        batches.release()
 
 
 def _scored_infobatch() -> tuple:

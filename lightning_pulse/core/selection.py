@@ -349,15 +349,14 @@ def time_major_later_refusal(square: dict[str, tuple[int, ...]], batch: Any, bat
     places ``square`` (:func:`square_parts` of the first batch) now has ``B`` second and another length first:
     time-major. Only those places are read, so a per-batch constant elsewhere whose width matches a short last
     batch's size (a ``(2, 3)`` table next to 3 samples) never refuses a run mid-way; none is read when
-    ``square`` is empty (a few shape comparisons per batch otherwise)."""
+    ``square`` is empty (one walk over the batch's tensors otherwise)."""
     if not square:
         return None
-    shown = {
-        where: t
-        for where, t in _parts_with_paths(batch, batch_size)
-        if where in square and _looks_time_major(t, batch_size)
-    }
-    if not shown:
+    parts = list(_parts_with_paths(batch, batch_size))
+    shown = {where: t for where, t in parts if where in square and _looks_time_major(t, batch_size)}
+    # a batch that lost rows (a collate_fn dropped a sample: (7, 8) batch-first tokens for 8 indices) holds no
+    # tensor of B rows, and is not cut; a time-major one holds its (B,) labels or (B, T) mask next to (T, B)
+    if not shown or not any(isinstance(t, Tensor) and t.dim() and t.shape[0] == batch_size for _, t in parts):
         return None
     before = "; ".join(f"{where} was {square[where]}" for where in shown)
     before = f" ({before} at the fit's first batch, which told neither layout)"
