@@ -644,6 +644,14 @@ def resolve_schedule(
 def refuse_structured(reason: str | None) -> None:
     """Raise :class:`PulseRefusal` with the way out when structured pruning cannot run for ``reason``."""
     own_way_out = {
+        pruning.NOT_RUN_ON_EXAMPLE: "Give the LightningModule an `example_input_array` (what its `forward` "
+        "takes; it is traced as given), or a `forward` that takes the batch's input; or use "
+        "mode='unstructured'.",
+        NOT_RUN_ON_GIVEN_EXAMPLE: "Make `example_input_array` what `forward` takes (a tuple is passed as "
+        "positional arguments, a dict as keyword arguments, anything else as the one argument), or use "
+        "mode='unstructured'.",
+        BATCH_NOT_CUT: "Give the LightningModule an `example_input_array` (what its `forward` takes): it is "
+        "traced as given, uncut. Or use mode='unstructured'.",
         pruning.REENTRANT_CHECKPOINT: "Pass use_reentrant=False to torch.utils.checkpoint / "
         "checkpoint_sequential (the non-reentrant form is traced whole), or use mode='unstructured'.",
         pruning.AUTOGRAD_OFF: "Leave these layers out with `exclude_pattern`, pass use_reentrant=False to a "
@@ -718,18 +726,48 @@ def refuse_compiled_structured(mode: str, compiled: Sequence[str], layers: Itera
 
 
 def structured_example(model: nn.Module, pruner: pruning.Pruner, schedule: PruneSchedule, batch: Any) -> Any:
-    """The small trace input of ``model`` (from ``example_input_array``, else ``batch``), once a copy of the
-    model has been pruned to the schedule's levels on it; :class:`PulseRefusal` when that is not safe."""
+    """The trace input of ``model`` (from ``example_input_array``, else ``batch``), once a copy of the model
+    has been pruned to the schedule's levels on it; :class:`PulseRefusal` when that is not safe. The pruner
+    keeps it (:attr:`~lightning_pulse.core.pruning.Pruner.example_inputs`, unless a checkpoint gave one).
+
+    Two samples of it (:func:`~lightning_pulse.core.pruning.small_example`) keep the trace fast, where the
+    model runs on them. A batch whose samples are not rows of its first tensor (a graph batch's nodes next to
+    its whole ``edge_index``) does not cut that way: a user's ``example_input_array`` is then traced as given
+    (its size is the user's choice), and a training batch that runs whole is refused with that reason
+    (:data:`BATCH_NOT_CUT`), not as a model that does not run."""
+    given = getattr(model, "example_input_array", None) is not None
     try:
-        example = pruning.small_example(pruning.example_input(model, batch))
+        whole = pruning.example_input(model, batch)
     except ValueError as error:
         refuse_structured(str(error))
+    example, targets = pruning.small_example(whole), schedule.sample_targets()
     # the user's hooks run on the check's copies; one closing over the model (``self.acts.append``) writes
     # into it
     with kept_python_state(model), kept_carried_state(model):
-        reason = pruning.check_structured(model, pruner, schedule.sample_targets(), example)
+        reason = pruning.check_structured(model, pruner, targets, example)
+        not_run = reason is not None and reason.startswith(pruning.NOT_RUN_ON_EXAMPLE)
+        if not_run and pruning.small_example_cuts(whole):  # the cut, not the model, may be what breaks
+            if given:
+                example = pruning.as_traced(whole)
+                reason = pruning.check_structured(model, pruner, targets, example)
+            elif pruning.runs_on(model, whole, pruner.run_precision):
+                error = reason[len(pruning.NOT_RUN_ON_EXAMPLE) :].strip()
+                reason = f"{BATCH_NOT_CUT} {error}"
+    if given and reason is not None and reason.startswith(pruning.NOT_RUN_ON_EXAMPLE):
+        reason = NOT_RUN_ON_GIVEN_EXAMPLE + reason[len(pruning.NOT_RUN_ON_EXAMPLE) :]
     refuse_structured(reason)
+    if pruner.example_inputs is None:  # the events trace it as it is, cut or whole
+        pruner.example_inputs = example
     return example
+
+
+#: the start of the reason for a model that does not run on the user's ``example_input_array``, as given
+NOT_RUN_ON_GIVEN_EXAMPLE = "the model does not run on its `example_input_array`, before any cut"
+#: the start of the reason for a training batch the model runs on whole and not on its first two samples
+BATCH_NOT_CUT = (
+    "the training batch cannot be cut to the two samples the model is traced with: the model runs on the "
+    "whole batch, and not on the first two rows of its first tensor with the rest left as they are"
+)
 
 
 def setup_summary(
@@ -748,8 +786,13 @@ def setup_summary(
 
 
 def unfinished_warning(schedule: PruneSchedule, step: int, events: Sequence[Any]) -> str | None:
-    """At fit end, the warning for a run that stopped at ``step`` before the schedule finished, or ``None``."""
-    if schedule.finished:
+    """At fit end, the warning for a run that stopped at ``step`` before the schedule finished, or ``None``.
+
+    A run whose last event reached the final target is not unfinished, though the schedule never saw its end
+    step: next to a PulseCycle's maintain phases the last chance can come a step before it, where the cubic
+    target is ``final_sparsity`` but for a float's last digits (0.49999984 of 0.5, which rounds to the same
+    weight or channel count), or its measured sparsity (``events[-1]["sparsity"]``) is at the target."""
+    if schedule.finished or (events and reached_final(schedule, events[-1].get("sparsity"))):
         return None
     if not events:  # the user asked for pruning and got none: said, not left to a look at the weights
         return (
@@ -762,6 +805,19 @@ def unfinished_warning(schedule: PruneSchedule, step: int, events: Sequence[Any]
         f"ScheduledPrune: the run ended at step {step} {when} the schedule's end (step {schedule.end_step}); "
         f"sparsity reached {schedule.sparsity:.3f} of {schedule.final_sparsity}."
     )
+
+
+def reached_final(schedule: PruneSchedule, measured: float | None) -> bool:
+    """Whether the last event's target (``schedule.sparsity``) is the final one within a float's precision, or
+    what it ``measured`` is at least the final target."""
+    final = schedule.final_sparsity
+    close = math.isclose(schedule.sparsity, final, rel_tol=FINAL_TARGET_TOLERANCE)
+    return close or (measured is not None and measured >= final)
+
+
+#: how near the final target a last event's target counts as it: the cubic schedule a step before its end
+#: differs from ``final_sparsity`` by ``final / span**3`` (3e-7 of it over 150 steps), one weight in millions
+FINAL_TARGET_TOLERANCE = 1e-6
 
 
 def refuse_frozen_twins(model: nn.Module, layers: dict[str, nn.Module], mode: str = "structured") -> None:

@@ -1401,7 +1401,7 @@ def _called_more_than_once(model: nn.Module, pruner: Pruner, example: Any) -> st
     layers = {name: named[name] for name in pruner.selection(model).layers if name in named}
     try:
         with _counting_calls(layers.values()) as calls, torch.no_grad():
-            call_with(duplicate, inputs_for(duplicate, small_example(example), pruner.run_precision))
+            call_with(duplicate, inputs_for(duplicate, as_traced(example), pruner.run_precision))
     except Exception:  # only a message needs this: the trial cut said why the model cannot be cut
         return None
     outputs = set(output_layers(model, layers, example, pruner.run_precision))
@@ -1462,7 +1462,7 @@ def output_layers(
     duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
     named = dict(duplicate.named_modules())
     try:
-        graph = build_dependency_graph(duplicate, small_example(example), precision)
+        graph = build_dependency_graph(duplicate, as_traced(example), precision)
     except Exception:  # only a message needs this: a model the trace fails on is refused for that already
         return []
     found = []
@@ -1494,10 +1494,11 @@ def _trial_cut(
     )
     trial.user_frozen = pruner.user_frozen if frozen is None else frozen
     trial.run_precision = pruner.run_precision
+    trial.example_inputs = as_traced(example)  # as given: the caller chose its size (small_example)
     duplicate = copy_without_hooks(
         model, keep_user_hooks=True
     ).eval()  # eval: no dropout draws, no batch-norm statistics
-    inputs = inputs_for(duplicate, small_example(example), pruner.run_precision)
+    inputs = inputs_for(duplicate, trial.example_inputs, pruner.run_precision)
     # the check must not change the run it checks: random draws happen on forked generators
     with torch.random.fork_rng(devices=_cuda_devices(duplicate)):
         _for_the_value_check(duplicate)
@@ -1523,6 +1524,8 @@ def _trial_cut(
     return reason, None
 
 
+#: the start of the reason for a model that raised on the example before any cut
+NOT_RUN_ON_EXAMPLE = "the model does not run on the example it is traced with, before any cut"
 #: how a trial cut that raised is reported (the refusal's reason starts with it)
 CUT_FAILED = "pruning a copy of the model failed"
 #: the start of the reason for a dependency graph torch-pruning could not build on the uncut model: it builds
@@ -1747,7 +1750,7 @@ def _hook_way_out(
     duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
     named = dict(duplicate.named_modules())
     try:
-        graph = build_dependency_graph(duplicate, small_example(example), pruner.run_precision)
+        graph = build_dependency_graph(duplicate, as_traced(example), pruner.run_precision)
     except Exception:  # only a message needs this: the trial cut said why the model cannot be cut
         return None
     target = named[hooked]
@@ -1956,11 +1959,8 @@ def _dry_run(
             except _CheckTimeout:
                 raise
             except Exception as error:  # before any cut: the example, not a cut, is what fails
-                return (
-                    f"the model does not run on the example it is traced with, before any cut "
-                    f"({type(error).__name__}: {str(error)[:200]}); give the LightningModule an "
-                    "`example_input_array` (what its `forward` takes), or a `forward` that takes the batch's input"
-                )
+                # the way out depends on where the example came from: the caller says it (prune_setup)
+                return f"{NOT_RUN_ON_EXAMPLE} ({type(error).__name__}: {str(error)[:200]})"
             if without:
                 return _autograd_off_reason(sorted(without), output)
             untraceable = prune_targets.untraceable_output(output)
@@ -2235,7 +2235,9 @@ def _floating_tensors(output: Any) -> list[torch.Tensor]:
 
 
 def small_example(example: Any) -> Any:
-    """Two samples of ``example`` on the CPU: enough to trace the graph, and tiny in a checkpoint.
+    """Two samples of ``example`` on the CPU: enough to trace the graph, and tiny in a checkpoint. The checks
+    and the events trace the example they are given as it is (:func:`as_traced`): this cut is made once, where
+    the example is chosen (:func:`~lightning_pulse.core.prune_setup.structured_example`).
 
     The cut is along the batch dimension, as :func:`~lightning_pulse.core.selection.take_samples` cuts a
     batch: every tensor of ``B`` rows and every list or tuple of ``B`` per-sample items (a detection batch's
@@ -2247,6 +2249,29 @@ def small_example(example: Any) -> Any:
     if rows is not None and rows > 2:
         example = take_samples(example, torch.arange(2), rows)
     return _detached_on_cpu(example)
+
+
+def small_example_cuts(example: Any) -> bool:
+    """Whether :func:`small_example` leaves out samples of ``example`` (it holds more than two)."""
+    rows = _batch_rows(_plain_mappings(example))
+    return rows is not None and rows > 2
+
+
+def as_traced(example: Any) -> Any:
+    """``example`` whole, as it is traced: its tensors detached on the CPU, its mappings plain dicts."""
+    return _detached_on_cpu(_plain_mappings(example))
+
+
+def runs_on(model: nn.Module, example: Any, precision: RunPrecision | None = None) -> bool:
+    """Whether a copy of ``model`` (eval, its user hooks kept, no autograd) runs on ``example``; the run's
+    random stream is left alone."""
+    duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
+    with torch.random.fork_rng(devices=_cuda_devices(duplicate)), torch.no_grad():
+        try:
+            call_with(duplicate, inputs_for(duplicate, as_traced(example), precision))
+        except Exception:  # the question asked is only whether it runs
+            return False
+    return True
 
 
 def _plain_mappings(example: Any) -> Any:
