@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +12,13 @@ import pytest
 
 from benchmarks.green_window import Persistence, SameHourYesterday
 from lightning_pulse.core.green_window import (
+    AfterStart,
     GreenSchedule,
     GreenWindowPolicy,
     RunClock,
     ScheduleLedger,
     SimulatedClock,
+    parse_deadline,
     parse_threshold,
     passed_deadline,
     read_resume_file,
@@ -426,3 +429,43 @@ def test_a_signal_read_at_the_same_time_of_year_forecasts_past_a_whole_year_seri
         "to_utc": "2020-01-01 00:00:00",
         "years": 1,
     }
+
+
+def test_the_docs_first_example_figures():
+    # held-out sweep: the page's first example started on Monday 15 June and printed "-18.7% CO2 saved" with
+    # no word; the page now starts it on the median midnight of 8-20 June and gives the range
+    page = (Path(__file__).resolve().parents[1] / "docs" / "green-window.md").read_text()
+    series = TimeSeries.from_csv(DE_JUNE)
+    saved = {}
+    for day in range(8, 21):
+        start = parse_timestamp(f"2020-06-{day:02d} 00:00:00")
+        job = simulate_job(GreenWindowPolicy(SeasonalBlendForecast()), series, start, 8 * H, 8 * H)
+        saved[day] = round(job["saving_pct"], 1)
+    ranked = sorted(saved, key=saved.get)
+    median, worst, best = ranked[len(ranked) // 2], ranked[0], ranked[-1]
+    assert f'SimulatedClock("2020-06-{median:02d} 00:00:00")' in page
+    first = " ".join(page.split("Here a run pauses through dirty hours")[1].split("```")[0].split())
+    assert f"`{saved[median]:.1f}% CO2 saved, 8 h waited`" in first and f"{saved[best]:.1f}% saved" in first
+    assert saved[worst] < 0 and f"{-saved[worst]:.1f}% more CO2 (Monday {worst} June" in first
+
+
+def test_a_flat_forecast_equal_to_its_level_up_to_rounding_is_clean():
+    # "at or below" the level: the slot means of a flat stretch after a varying one differ in their last
+    # digits (differences of long integrals), and a forecast 4e-13 above the cleanest slot was called dirty
+    june = TimeSeries.from_csv(DE_JUNE)
+    flat = np.full(96 * 30, june.values[-1])  # 30 more days, flat, inside the series (nothing held)
+    series = TimeSeries(
+        june.start + 900.0 * np.arange(len(june.values) + len(flat)), np.r_[june.values, flat]
+    )
+    now = parse_timestamp("2020-07-15 05:00:00")
+    decision, _, forecast = GreenWindowPolicy(SeasonalBlendForecast()).decide(series, now, H, 7 * H)
+    assert forecast.max() - forecast.min() < 1e-9 * forecast.min()
+    assert decision.run and decision.reason == "clean"
+
+
+def test_a_deadline_is_a_utc_time_or_a_duration_after_the_start():
+    assert parse_deadline("+36h") == AfterStart(36 * H) and parse_deadline(None) is None
+    assert parse_deadline("2026-03-01 08:00:00") == parse_timestamp("2026-03-01 08:00:00")
+    for bad in ("36h", "+0h", "+3steps", "soon"):
+        with pytest.raises(ValueError, match=rf"`deadline`='{re.escape(bad)}' is not a UTC time .* '\+36h'"):
+            parse_deadline(bad)

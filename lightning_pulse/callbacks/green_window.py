@@ -82,7 +82,7 @@ class GreenWindow(Callback):
         max_delay: the delay budget: a float is a share of the run's expected compute time (``1.0``: as
             long again), a string a duration ("12h"). ``None``: ``1.0`` for pause and suspend; ``0.5`` for
             light, where it is the share of the run that may be held light (it takes as long either way).
-        deadline: UTC time (``"2026-03-01 08:00:00"``) by which the run must end, or ``None``.
+        deadline: when the run must end by: a UTC time (``"2026-03-01 08:00:00"``), ``"+36h"`` after its start.
         forecast: ``"seasonal"`` (the default, past data only), a forecast series path (.csv/.json), or an
             object with ``predict(series, now, starts, slot_s)``.
         expected_duration: the run's compute time ("20h", > 0) if known; else measured from its first steps.
@@ -111,7 +111,7 @@ class GreenWindow(Callback):
         ])
 
     The same in LightningCLI YAML: ``{class_path: lightning_pulse.GreenWindow, init_args: {signal: grid.csv,
-    when_dirty: suspend, max_delay: 12h, deadline: "2026-03-01 08:00:00"}}`` under ``trainer.callbacks``.
+    when_dirty: suspend, max_delay: 12h, deadline: "+36h"}}`` under ``trainer.callbacks``.
     """
 
     def __init__(
@@ -121,7 +121,7 @@ class GreenWindow(Callback):
         threshold: float | str | None = None,
         horizon: str | float | None = None,
         max_delay: float | str | None = None,
-        deadline: str | None = None,
+        deadline: str | None = None,  # a UTC time, or "+36h" after the run's start
         forecast: Any = "seasonal",
         expected_duration: str | float | None = None,
         clock: Any = None,

@@ -162,7 +162,8 @@ class Decision:
         at: when it was taken, in signal-series seconds.
         run: whether the slot starting now runs.
         reason: ``"clean"`` (the rule says run), ``"dirty"`` (it says wait), ``"deadline"`` or ``"budget"``
-            (waiting one more slot could miss the deadline / overrun the delay budget, so it runs).
+            (waiting one more slot could miss the deadline / overrun the delay budget, so it runs), ``"held"``
+            (a series read past its end holds its last value: no later slot is cleaner, so it runs).
         signal: the value observed now.
         forecast_now: the forecast's value for the slot starting now (the observed value, except for an oracle).
         clean_below: the level the rule compared it against (``-inf`` when no slot has to run: light mode
@@ -201,11 +202,13 @@ def decision_line(decision: Decision, when_dirty: str, now: float, stage: str = 
     wall time ``now``; ``stage``: PulseCycle's (light mode), whose warm-up and anneal a hold cannot lighten."""
     word = "runs" if decision.run else f"waits ({when_dirty})"
     level = (
-        f"clean below {decision.clean_below:.4g}"
+        f"clean at or below {decision.clean_below:.4g}"
         if math.isfinite(decision.clean_below)
         else "its light budget covers the rest of the run"
     )
     line = f"GreenWindow: {word} at {format_utc(now)}: signal {decision.signal:.4g}, {level} ({decision.reason})."
+    if decision.reason == "held":
+        line = line[:-1] + ": the series has ended and holds its last value, so no later hour is cleaner."
     if not decision.run and when_dirty == "light" and stage in UNHELD_STAGES:
         line += (
             f" PulseCycle's {UNHELD_STAGES[stage]} trains as usual: nothing is held, nor charged to the delay "
@@ -280,8 +283,12 @@ class GreenWindowPolicy:
         remaining_work_s: float,
         budget_left_s: float,
         deadline: float | None = None,
+        held: bool = False,
     ) -> tuple[Decision, np.ndarray, np.ndarray]:
-        """The decision at ``now`` (series seconds), with the slot starts and forecast it used.
+        """The decision at ``now`` (series seconds), with the slot starts and forecast it used. ``held``: the
+        signal holds its value from ``now`` on (a series read past its end), so the slot runs: no slot ahead
+        can be cleaner, and waiting would only spend the budget (a forecast of the held stretch, which reads
+        the days before it or rounds the flat value differently, had a run wait on it).
 
         Waiting happens only if ``now + slot + remaining_work <= deadline`` and ``slot <= budget_left``: a job
         that could still finish by the deadline when it starts running now can always still finish by it,
@@ -306,9 +313,13 @@ class GreenWindowPolicy:
             level = -math.inf  # every slot may be held
         else:
             level = float(np.partition(forecast, min(work_slots, slots) - 1)[min(work_slots, slots) - 1])
-        clean = forecast[0] <= level
+        # "at or below" the level: a forecast equal to it (up to rounding: a flat stretch's slot means differ
+        # in the last digits) is clean
+        clean = forecast[0] <= level + (1e-9 * abs(level) if math.isfinite(level) else 0.0)
         may_wait = now + slot + remaining_work_s <= end + 1e-6
-        if clean:
+        if held:
+            reason = "held"
+        elif clean:
             reason = "clean"
         elif not may_wait:
             reason = (
@@ -680,8 +691,9 @@ def checked_arguments(
     max_delay: float | str | None,
     deadline: str | None,
     expected_duration: Any,
-) -> tuple[str, Forecast, float, bool, float | None, float | None]:
-    """GreenWindow's arguments, checked: ``(mode, forecast, delay, delay_is_share, deadline, expected_work_s)``.
+) -> tuple[str, Forecast, float, bool, float | AfterStart | None, float | None]:
+    """GreenWindow's arguments, checked: ``(mode, forecast, delay, delay_is_share, deadline, expected_work_s)``
+    (``deadline``: see :func:`parse_deadline`).
 
     Raises:
         ValueError: naming the field, the value and what is allowed.
@@ -705,12 +717,7 @@ def checked_arguments(
     delay = float(max_delay) if share else seconds_of(max_delay, "max_delay")
     if delay is None or not math.isfinite(delay) or delay < 0:
         raise ValueError(f"`max_delay`={max_delay!r} must be a share >= 0 (1.0 = 100%) or a duration.")
-    try:
-        deadline_s = None if deadline is None else parse_timestamp(str(deadline))
-    except ValueError:
-        raise ValueError(
-            f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00'."
-        ) from None
+    deadline_s = parse_deadline(deadline)
     expected = seconds_of(expected_duration, "expected_duration")
     if expected is not None and not expected > 0:  # no work to plan: every decision would be wrong
         raise ValueError(
@@ -718,6 +725,38 @@ def checked_arguments(
             "seconds > 0), or None to measure it from the run's first steps."
         )
     return when_dirty, checked, delay, share, deadline_s, expected
+
+
+@dataclass(frozen=True)
+class AfterStart:
+    """A deadline given as a duration (``"+36h"``): that long after the run's start, which a resumed run keeps,
+    so it does not go stale in a config file the way a date does."""
+
+    seconds: float
+
+
+def parse_deadline(deadline: Any) -> float | AfterStart | None:
+    """``None``; a UTC time (``"2026-03-01 08:00:00"``, Unix seconds) -> Unix seconds; ``"+36h"`` (a duration
+    after a ``+``) -> :class:`AfterStart`.
+
+    Raises:
+        ValueError: naming ``deadline``, its value and both forms.
+    """
+    if deadline is None:
+        return None
+    text = str(deadline).strip()
+    try:
+        if text.startswith("+"):
+            after = seconds_of(text[1:], "deadline")
+            if after is not None and after > 0:
+                return AfterStart(after)
+            raise ValueError
+        return parse_timestamp(text)
+    except ValueError:
+        raise ValueError(
+            f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00', nor a positive duration "
+            "after the run's start such as '+36h'."
+        ) from None
 
 
 def passed_deadline(deadline: float | None, now: float, resumed: bool) -> str | None:
@@ -830,7 +869,8 @@ class GreenSchedule:
             when ``share`` is true, else seconds.
         share: how to read ``max_delay``.
         expected_work_s: the run's compute time if known in advance; else measured from its steps.
-        deadline: wall-clock seconds by which the run must end, or ``None``.
+        deadline: wall-clock seconds by which the run must end, an :class:`AfterStart` (that long after the
+            run's start), or ``None``.
         ledger: where segments go.
         light: the run is held in light phases instead of waiting. It then takes as long either way, so
             the window is the rest of the run: the slots that may be held (at most the budget left) are its
@@ -843,12 +883,12 @@ class GreenSchedule:
         max_delay: float,
         share: bool,
         expected_work_s: float | None,
-        deadline: float | None,
+        deadline: float | AfterStart | None,
         ledger: ScheduleLedger,
         light: bool = False,
     ) -> None:
         self.policy, self.max_delay, self.share, self.light = policy, float(max_delay), share, light
-        self.expected_work_s, self.deadline, self.ledger = expected_work_s, deadline, ledger
+        self.expected_work_s, self.given_deadline, self.ledger = expected_work_s, deadline, ledger
         self.run_start: float | None = None
         self.planned_work_s: float | None = None
         self.budget_s: float | None = None
@@ -858,6 +898,14 @@ class GreenSchedule:
         self.decisions: list[dict[str, Any]] = []  # the latest RECENT_RECORDS
         self.decision_count = 0
         self.first_forecast: tuple[list[float], list[float]] | None = None
+
+    @property
+    def deadline(self) -> float | None:
+        """The deadline in the run's seconds; one given after the start (:class:`AfterStart`) is ``None`` until
+        the run starts (:meth:`begin`, or a resumed run's start)."""
+        if not isinstance(self.given_deadline, AfterStart):
+            return self.given_deadline
+        return None if self.run_start is None else self.run_start + self.given_deadline.seconds
 
     def remaining_work_s(self, steps_left: float) -> float | None:
         """Compute still to do: measured seconds per step times the steps left, else the expected time
@@ -889,9 +937,15 @@ class GreenSchedule:
         self.ledger.add("wait", start, end, kwh)
 
     def decide(
-        self, series: TimeSeries, to_series: Callable[[float], float], now: float, steps_left: float
+        self,
+        series: TimeSeries,
+        to_series: Callable[[float], float],
+        now: float,
+        steps_left: float,
+        held: bool = False,
     ) -> Decision | None:
-        """The decision at wall time ``now``, or ``None`` while the remaining work is unknown."""
+        """The decision at wall time ``now``, or ``None`` while the remaining work is unknown; ``held``: the
+        signal holds its value from now on (:meth:`GreenWindowPolicy.decide`)."""
         remaining = self.remaining_work_s(steps_left)
         if remaining is None:
             return None
@@ -909,7 +963,7 @@ class GreenSchedule:
             budget = remaining - work
             if work == 0.0:  # the budget covers the rest of the run: a last partial slot may be held too
                 budget = max(budget, self.policy.slot_s)
-        decision, starts, forecast = self.policy.decide(series, now + offset, work, budget, deadline)
+        decision, starts, forecast = self.policy.decide(series, now + offset, work, budget, deadline, held)
         record = {**decision.to_dict(), "wall": now}
         if self.light:  # what is left of the run and of its light budget, not the policy's split of them
             record.update(remaining_work_s=float(remaining), budget_left_s=float(self.budget_left_s()))
@@ -929,7 +983,9 @@ class GreenSchedule:
         if steps_left <= 0:
             return None
         series, to_series = signal.now()
-        return self.decide(series, to_series, now, steps_left)
+        # a series read past its end holds its last value (a wrapping one has no end); a live signal can change
+        held = signal.live is None and to_series(now) >= series.end
+        return self.decide(series, to_series, now, steps_left, held)
 
     def metrics(self, decision: Decision) -> dict[str, float]:
         """What a decision logs: the signal and forecast behind it, and the seconds waited so far."""
