@@ -183,9 +183,9 @@ class EnergyLogger(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._in_train_loop = True
-        self._last_global_step = trainer.global_step
-        self.account.begin_training(lambda: trainer.global_step, compat.run_progress(trainer))
+        self._in_train_loop, self._last_global_step = True, trainer.global_step
+        progress = compat.run_progress(trainer)  # the loader's batch size tells a time-major batch's samples
+        self.account.begin_training(lambda: trainer.global_step, progress, trainer.train_dataloader)
         if compat.steps_per_batch_unknown(trainer):  # manual optimization, several optimizers
             if (line := no_forecast_line(compat.total_steps(trainer), len(trainer.optimizers))) is not None:
                 rank_zero_info(line)

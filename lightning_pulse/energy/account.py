@@ -30,7 +30,7 @@ from lightning_pulse.energy.constant import (
     ConstantPowerMeter,
     codecarbon_default_cpu_watts,
 )
-from lightning_pulse.energy.counting import count_batch, doubtful_sample_count, first_tensor
+from lightning_pulse.energy.counting import SampleLayout, count_batch, loader_batch_size, sample_layout
 from lightning_pulse.energy.ledger import (
     BUCKET_FIELDS,
     J_PER_KWH,
@@ -359,7 +359,8 @@ class EnergyAccount:
         self.global_zero = True
         self.fit_start_progress = (0, 0)  # (optimizer steps, batches) taken when this fit's training began
         self._warned: set[str] = set()
-        self._types_read: set[type] = set()  # batch types already looked into for a tensor
+        self._layouts: dict[type, SampleLayout] = {}  # how each batch type's samples are counted
+        self.loader_batch_size: int | None = None  # what the training DataLoader's first batch holds
         self._reset()
 
     # ------------------------------------------------------------------ a fit
@@ -382,7 +383,7 @@ class EnergyAccount:
         self._settled_once = False  # the wait for a meter still starting, at an epoch end (once a fit)
         self._total_seen = False  # an epoch end had a figure of the run's energy (no wait needed after it)
         self._reset()
-        self._warned, self._types_read = set(), set()
+        self._warned, self._layouts = set(), {}
         self.global_zero = global_zero
         self.disabled_reason = None
         self.ledger = EnergyLedger(self.intensity, self.price)
@@ -449,10 +450,14 @@ class EnergyAccount:
             self.fold_counts()  # what was tallied so far belongs to the label that ends here
             self.ledger.mark(self.clock(), self.wall_clock(), **changes)
 
-    def begin_training(self, step_counter: Callable[[], int], progress: tuple[int, int] = (0, 0)) -> None:
+    def begin_training(
+        self, step_counter: Callable[[], int], progress: tuple[int, int] = (0, 0), loader: Any = None
+    ) -> None:
         """The training loop starts; ``step_counter()`` is the optimizer steps taken so far, ``progress`` the
         run's ``(optimizer steps, batches)`` so far (a new run's forecast counts from there:
-        :meth:`forecast_length`)."""
+        :meth:`forecast_length`); ``loader`` the training DataLoader, whose batch size tells a time-major
+        batch's samples (:func:`~lightning_pulse.energy.counting.sample_layout`)."""
+        self.loader_batch_size = loader_batch_size(loader)
         self.step_counter = step_counter
         self._counted_step = step_counter()
         self.fit_start_progress = progress
@@ -521,31 +526,22 @@ class EnergyAccount:
             if self._custom_counting:
                 samples = int(self.sample_counter(batch)) if self.sample_counter else count_batch(batch)[0]
                 tokens = self.token_counter(batch) if self.token_counter else count_batch(batch)[1]
-            else:
-                samples, tokens = count_batch(batch)
+            else:  # the layout is decided at a batch type's first batch, then only applied
+                if (layout := self._layouts.get(type(batch))) is None:
+                    layout = self._layouts[type(batch)] = sample_layout(batch, self.loader_batch_size)
+                    if layout.doubt is not None:
+                        self.warn_once("samples", f"EnergyLogger: {layout.doubt}")
+                samples, tokens = count_batch(batch, layout)
         except Exception as error:  # a counter that cannot read a batch must not stop training
             self.warn_once(
                 "counter", f"EnergyLogger: could not count the batch ({type(error).__name__}: {error})."
             )
             return
-        if not self._custom_counting and type(batch) not in self._types_read:
-            # once per batch type, not per step: the default count is dimension 0 of the batch's first tensor
-            self._types_read.add(type(batch))
-            if samples == 1 and first_tensor(batch) is None:
-                self.warn_once(
-                    "uncounted",
-                    f"EnergyLogger: found no tensor in a training batch of type {type(batch).__name__}, so "
-                    "each batch counts as 1 sample and the energy per sample is too high. Pass "
-                    "`accounting=AccountingConfig(sample_counter=...)` to count its samples.",
-                )
-            elif (doubt := doubtful_sample_count(batch)) is not None:
-                self.warn_once(
-                    "doubtful",
-                    f"EnergyLogger: counts {samples} samples per training batch (dimension 0 of its first tensor "
-                    f"of rank >= 1), but {doubt}. If that is not the sample count, pass "
-                    "`accounting=AccountingConfig(sample_counter=...)`.",
-                )
-        self._samples += samples
+        if type(samples) is int:
+            self._samples += samples
+        else:  # a graph count as a tensor: read at the next read-out, not every step (a GPU synchronisation)
+            pending = self._pending_samples_now
+            self._pending_samples_now = samples if pending is None else pending + samples
         if tokens is None:
             return
         if type(tokens) is int:
@@ -652,12 +648,16 @@ class EnergyAccount:
             loop_s=self._loop_s,
             steps=steps,
         )
-        if self._pending_now is not None:
-            earlier = self._pending.get(keys)
-            self._pending[keys] = self._pending_now if earlier is None else earlier + self._pending_now
+        for now, pending in (
+            (self._pending_now, self._pending),
+            (self._pending_samples_now, self._pending_samples),
+        ):
+            if now is not None:
+                earlier = pending.get(keys)
+                pending[keys] = now if earlier is None else earlier + now
         self._batches = self._samples = self._tokens = self._token_batches = 0
         self._stall_s = self._loop_s = 0.0
-        self._pending_now = None
+        self._pending_now = self._pending_samples_now = None
 
     # ------------------------------------------------------------------ read-outs
     def energy_so_far_kwh(self) -> float:
@@ -897,9 +897,18 @@ class EnergyAccount:
             price=self.price,
             currency=currency,
             prediction=self.prediction,
-            counting=COUNTING_NOTES,
+            counting=self.counting_notes(),
             disabled=self.disabled_reason,
         )
+
+    def counting_notes(self) -> dict[str, str]:
+        """:data:`COUNTING_NOTES`, the samples' as this fit's batches were counted (a doubt said)."""
+        if self._custom_counting:
+            return {**COUNTING_NOTES, "samples": "the `sample_counter` given, for each training batch."}
+        described = "; ".join(dict.fromkeys(layout.described for layout in self._layouts.values()))
+        if not described or described == SampleLayout.described:
+            return COUNTING_NOTES
+        return {**COUNTING_NOTES, "samples": f"{described} (every micro-batch), summed over ranks."}
 
     def meter_descriptions(self, world_size: int = 1) -> dict[str, Any]:
         chains = {chain.component: chain for chain in self.chains}
@@ -952,6 +961,8 @@ class EnergyAccount:
         self._stall_s = self._loop_s = 0.0
         self._pending_now: torch.Tensor | None = None
         self._pending: dict[tuple[str, ...], torch.Tensor] = {}
+        self._pending_samples_now: torch.Tensor | None = None  # device sample counts (graphs), as tokens
+        self._pending_samples: dict[tuple[str, ...], torch.Tensor] = {}
         self._last_step_log: tuple[float, float] | None = None
         self._last_so_far_kwh = 0.0
         self._ended_kwh: float | None = None  # the run's figure when its training loop ended
@@ -972,6 +983,10 @@ class EnergyAccount:
             pending, self._pending = self._pending, {}
             for label_keys, tokens in pending.items():
                 ledger.add_tokens(label_keys, int(tokens.item()))
+        if self._pending_samples:
+            pending, self._pending_samples = self._pending_samples, {}
+            for label_keys, samples in pending.items():
+                ledger.add_counts(label_keys, batches=0, samples=int(samples.item()))
         return ledger.snapshot(self.clock(), edges=edges, timeline=timeline, keys=keys)
 
     def _world_snapshot(

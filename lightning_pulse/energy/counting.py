@@ -3,7 +3,11 @@
 * Samples: dimension 0 of the first tensor of rank >= 1 found in the batch (depth first through mappings,
   lists, tuples and dataclasses, in field order); a 0-dim tensor (a per-batch value, such as the token count
   a packing collator puts first) is passed over. A batch with no such tensor counts 1 (EnergyLogger then
-  warns once when it holds no tensor at all: its per-sample figure would be wrong).
+  warns once when it holds no tensor at all: its per-sample figure would be wrong). Two layouts whose first
+  tensor is not the samples are told at a batch type's first batch (:func:`sample_layout`) and then counted
+  by :func:`count_with`: a PyTorch Geometric-style dict batch (the graphs of its node-to-graph ``batch``
+  vector, not the nodes) and a time-major ``(T, B)`` batch (dimension 1, told by the DataLoader's batch
+  size); a first batch whose count the DataLoader's batch size contradicts is doubted (warned once).
 * Tokens, when the batch tells:
   - a mapping with ``attention_mask``: the number of non-zero mask entries (padding excluded);
   - a mapping with ``input_ids``: its number of elements;
@@ -36,8 +40,13 @@ def count_samples(batch: Any) -> int:
     return 1 if tensor is None else int(tensor.shape[0])
 
 
-def count_batch(batch: Any) -> tuple[int, int | torch.Tensor | None]:
-    """``(count_samples(batch), count_tokens(batch))``, cheaply for a list or tuple led by a tensor."""
+def count_batch(
+    batch: Any, layout: SampleLayout | None = None
+) -> tuple[int | torch.Tensor, int | torch.Tensor | None]:
+    """``(count_samples(batch), count_tokens(batch))``, cheaply for a list or tuple led by a tensor; the
+    samples by ``layout`` (:func:`sample_layout`) when it is not the default rule."""
+    if layout is not None and layout.kind != "first":
+        return count_with(layout, batch), count_tokens(batch)
     if type(batch) in _SEQUENCES and batch and type(batch[0]) is torch.Tensor and batch[0].dim() > 0:
         shape = batch[0].shape
         if len(shape) >= 2 and _holds_token_ids(batch[0].dtype):
@@ -123,3 +132,118 @@ def doubtful_sample_count(batch: Any) -> str | None:
     if sizes.count(common) <= sizes.count(sizes[0]):
         return None
     return f"its tensors' leading sizes are {sizes[:6]}{' ...' if len(sizes) > 6 else ''}, the first being {sizes[0]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleLayout:
+    """How the samples of a batch type are counted, decided once, at its first batch (:func:`sample_layout`),
+    so that every later batch is counted by a shape look-up or two.
+
+    ``kind``: ``"first"`` (dimension 0 of the first tensor, the documented rule), ``"graphs"`` (a PyTorch
+    Geometric-style dict batch: its ``ptr`` or node-to-graph ``batch`` vector gives the graphs) or
+    ``"time_major"`` (dimension 1 of the first tensor: ``(T, B)`` batches, told by the loader's batch size).
+    ``described``: what is counted, for the report. ``doubt``: why the count may still be wrong and the way
+    out, warned once; the report says it too."""
+
+    kind: str = "first"
+    described: str = "dimension 0 of the first tensor of rank >= 1"
+    doubt: str | None = None
+
+
+_SAMPLE_COUNTER_WAY_OUT = "pass `accounting=AccountingConfig(sample_counter=...)`"
+
+
+def graph_vector(batch: Any) -> torch.Tensor | None:
+    """The node-to-graph vector of a PyTorch Geometric-style dict batch: a 1-D integer tensor named ``batch``,
+    as long as dimension 0 of ``x`` (else of the first tensor): the nodes, sorted and starting at 0; else
+    ``None``. Reads its values (once, at a batch type's first batch)."""
+    vector = batch.get("batch") if isinstance(batch, Mapping) else None
+    if vector is None:
+        return None
+    first = batch.get("x")  # the node features, wherever they are; else the first tensor
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        first = next((tensor for tensor in batch_tensors(batch) if tensor.dim() > 0), None)
+    if (
+        not isinstance(vector, torch.Tensor)
+        or vector.dim() != 1
+        or vector.numel() == 0
+        or not _holds_token_ids(vector.dtype)
+        or first is None
+        or first.shape[0] != vector.shape[0]
+    ):
+        return None
+    steps = vector[1:] - vector[:-1]
+    return vector if int(vector[0]) == 0 and bool(((steps == 0) | (steps == 1)).all()) else None
+
+
+def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLayout:
+    """How to count the samples of ``batch``'s type, from its first batch: a node-to-graph ``batch`` vector
+    (:func:`graph_vector`) counts graphs; a first tensor ``(T, B, ...)`` with the loader's batch size ``B``
+    second and neither ``B`` nor 1 first counts dimension 1 (time-major); else dimension 0 of the first
+    tensor, with a doubt when the loader's batch size or most of the batch's tensors say otherwise.
+    ``loader_batch_size``: the training DataLoader's ``batch_size`` (what its first batch holds), if known."""
+    if graph_vector(batch) is not None:
+        return SampleLayout(
+            "graphs", "graphs: the node-to-graph `batch` vector's last value + 1 (`ptr`'s length - 1)"
+        )
+    first = next((tensor for tensor in batch_tensors(batch) if tensor.dim() > 0), None)
+    if first is None:
+        return SampleLayout(
+            doubt=f"found no tensor in a training batch of type {type(batch).__name__}, so each batch counts "
+            "as 1 sample and the energy per sample is too high. Pass "
+            "`accounting=AccountingConfig(sample_counter=...)` to count its samples."
+        )
+    size = int(first.shape[0])
+    if loader_batch_size is not None and first.dim() >= 2 and size not in (loader_batch_size, 1):
+        # B second, and no batch-first tensor beside it: a (B, F) one makes the first N joined rows of B
+        # columns (every image's (N, 4) boxes, in a batch of 4 images), not time steps
+        batch_first = any(t.dim() >= 2 and t.shape[0] == loader_batch_size for t in batch_tensors(batch))
+        if first.shape[1] == loader_batch_size and not batch_first:
+            return SampleLayout("time_major", "dimension 1 of the first tensor: time-major (T, B) batches")
+    doubt = doubtful_sample_count(batch)
+    if doubt is None and loader_batch_size is not None and size != loader_batch_size:
+        doubt = f"the training DataLoader's batch_size is {loader_batch_size}"
+    if doubt is None:
+        return SampleLayout()
+    return SampleLayout(
+        described=f"dimension 0 of the first tensor of rank >= 1; MAY BE WRONG: {size} per batch, "
+        f"but {doubt}",
+        doubt=f"counts {size} samples per training batch (dimension 0 of its first tensor of rank >= 1), but "
+        f"{doubt}. If that is not the sample count, {_SAMPLE_COUNTER_WAY_OUT}; the energy per token "
+        "(`energy/j_per_token`) does not depend on it.",
+    )
+
+
+def count_with(layout: SampleLayout, batch: Any) -> int | torch.Tensor:
+    """The samples of ``batch`` by ``layout``: an int, or a 0-dim tensor (a node-to-graph vector's graphs,
+    summed where the vector is and read at the next read-out, so that a GPU step is not synchronised)."""
+    if layout.kind == "graphs" and isinstance(batch, Mapping):
+        ptr = batch.get("ptr")
+        if isinstance(ptr, torch.Tensor) and ptr.dim() == 1:
+            return max(int(ptr.shape[0]) - 1, 0)
+        vector = batch.get("batch")
+        if isinstance(vector, torch.Tensor) and vector.dim() == 1:
+            if vector.numel() == 0:
+                return 0
+            return vector[-1] + 1  # a tensor, added up where it is: read at read-outs, not every step
+    if layout.kind == "time_major":
+        if type(batch) in _SEQUENCES and batch and type(batch[0]) is torch.Tensor and batch[0].dim() > 1:
+            return batch[0].shape[1]  # the common case, fast
+        first = next((tensor for tensor in batch_tensors(batch) if tensor.dim() > 0), None)
+        if first is not None and first.dim() > 1:
+            return int(first.shape[1])
+    return count_samples(batch)
+
+
+def loader_batch_size(loader: Any) -> int | None:
+    """The samples a training DataLoader's first batch holds: its ``batch_size`` (or its batch sampler's),
+    at most its sampler's length (a dataset smaller than a batch); ``None`` when it does not say."""
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(size, int):
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    if not isinstance(size, int) or size < 1:
+        return None
+    try:
+        return min(size, len(loader.sampler))
+    except (AttributeError, TypeError, NotImplementedError):  # an iterable dataset's sampler has no length
+        return size
