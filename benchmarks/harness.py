@@ -10,6 +10,8 @@ Measurement rules:
 * Training FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` active on training batches only
   (forward, backward and optimizer step). The counter slows a step about 3x, so with ``flops="separate"``
   it runs in a second pass with the same seed and never in a timed pass.
+* A benchmark calls :func:`warm_up` (one short untimed fit) before its timed arms, so the process's one-time
+  costs (codecarbon's start) fall in no arm's time.
 * CPU time is process CPU time (``time.process_time``) spent in training, validation excluded. Torch runs
   on ``threads`` intra-op threads (1 by default) so the figure does not depend on how busy the other core is.
 """
@@ -365,6 +367,33 @@ def run_arms(
         "environment": environment(),
         "elapsed_s": time.perf_counter() - started,
     }
+
+
+#: the warm-up fit's seed, apart from the timed runs' seeds
+WARM_UP_SEED = 99
+
+
+def warm_up(
+    workload: str,
+    arm: Arm,
+    workload_kwargs: dict[str, Any] | None = None,
+    steps: int = 3,
+    threads: int = 1,
+) -> None:
+    """One short fit of ``arm`` (``steps`` optimizer steps, then its test), neither timed nor reported, to run
+    before the timed arms: the process's one-time costs (imports inside a fit, codecarbon's start, the first
+    kernels' set-up) would otherwise fall in whichever arm runs first. ``arm`` should carry the meters the
+    timed arms carry, so their start is paid here, and write its reports where no figure is read."""
+    run_arms(
+        workload,
+        [arm],
+        seeds=[WARM_UP_SEED],
+        trainer_kwargs={"max_steps": steps},
+        workload_kwargs=workload_kwargs,
+        flops="none",
+        threads=threads,
+        log=lambda line: None,
+    )
 
 
 def _reached(curve: list[dict[str, float]], metric: str, target: float, mode: str) -> dict[str, float] | None:

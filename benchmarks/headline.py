@@ -36,7 +36,15 @@ from typing import Any
 
 import yaml
 
-from benchmarks.harness import RESULTS_DIR, Arm, _median, environment, instantiate_callbacks, run_arms
+from benchmarks.harness import (
+    RESULTS_DIR,
+    Arm,
+    _median,
+    environment,
+    instantiate_callbacks,
+    run_arms,
+    warm_up,
+)
 from lightning_pulse import (
     EnergyLogger,
     GradientCache,
@@ -268,15 +276,7 @@ def time_arms(
 ) -> dict[str, Any]:
     """The arms' timed runs (rotated per seed, nothing counted), after one untimed fit: the process's one-time
     costs (imports, codecarbon's start) are no arm's."""
-    run_arms(
-        workload,
-        arm_list[:1],
-        seeds=[99],
-        trainer_kwargs={"max_steps": 3},
-        workload_kwargs=overrides,
-        flops="none",
-        log=lambda line: None,
-    )
+    warm_up(workload, arm_list[0], overrides)
     return run_arms(
         workload,
         arm_list,
