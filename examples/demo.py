@@ -136,6 +136,20 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore")
 
 
+def energy_rows(plain: dict[str, Any], pulse: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """The energy row and, where the EnergyLogger knows the grid (``country_iso_code``), the CO2 row: without
+    it ``co2_kg`` is ``None``, and formatting it crashed the demo after both fits."""
+    rows = []
+    for key, label, method in (
+        ("energy_kwh", "energy, kWh", "energy_method"),
+        ("co2_kg", "CO2, kg", "co2_method"),
+    ):
+        if plain.get(key) is not None and pulse.get(key) is not None:
+            ratio = f"{pulse[key] / plain[key]:.3f}x" if plain[key] else ""
+            rows.append((f"{label} ({pulse[method]})", f"{plain[key]:.3g}", f"{pulse[key]:.3g}", ratio))
+    return rows
+
+
 def main() -> None:
     quiet_lightning()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -191,23 +205,7 @@ def main() -> None:
     rows = summary_rows(result)
     energies = plain_callbacks.energy(), pulse_callbacks.energy()
     if all(energies):
-        plain_energy, pulse_energy = energies
-        rows.append(
-            (
-                f"energy, kWh ({pulse_energy['energy_method']})",
-                f"{plain_energy['energy_kwh']:.3g}",
-                f"{pulse_energy['energy_kwh']:.3g}",
-                f"{pulse_energy['energy_kwh'] / plain_energy['energy_kwh']:.3f}x",
-            )
-        )
-        rows.append(
-            (
-                f"CO2, kg ({pulse_energy['co2_method']})",
-                f"{plain_energy['co2_kg']:.3g}",
-                f"{pulse_energy['co2_kg']:.3g}",
-                f"{pulse_energy['co2_kg'] / plain_energy['co2_kg']:.3f}x",
-            )
-        )
+        rows += energy_rows(*energies)
     widths = [max(len(row[i]) for row in rows + [("", "plain", "pulse", "pulse/plain")]) for i in range(4)]
     header = ("", "plain", "pulse", "pulse/plain")
     print()

@@ -106,3 +106,14 @@ def test_a_suite_without_pulse_cycle_reports_all_its_steps_as_burst_steps(tmp_pa
     assert f"| steps burst/replay/maintain | {plain_steps}/0/0 | {pulse_steps}/0/0 |" in (
         output.with_suffix(".md").read_text()
     )
+
+
+def test_the_energy_rows_leave_out_co2_where_the_meter_knows_no_grid():
+    # a held-out fix's find: an EnergyLogger without `country_iso_code` reports `co2_kg` None, and formatting
+    # it raised TypeError after both fits, losing their figures
+    plain = {"energy_kwh": 2e-4, "energy_method": "estimated", "co2_kg": None, "co2_method": "none"}
+    pulse = {"energy_kwh": 1e-4, "energy_method": "estimated", "co2_kg": None, "co2_method": "none"}
+    assert demo.energy_rows(plain, pulse) == [("energy, kWh (estimated)", "0.0002", "0.0001", "0.500x")]
+    plain.update(co2_kg=4e-5, co2_method="intensity")
+    pulse.update(co2_kg=2e-5, co2_method="intensity")
+    assert demo.energy_rows(plain, pulse)[1] == ("CO2, kg (intensity)", "4e-05", "2e-05", "0.500x")
