@@ -9,6 +9,7 @@ report per run. The meters are a constant CPU power, so energy is exactly watts 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -47,7 +48,7 @@ class CountWhatTheLoopSees(Callback):
             self.samples += int(batch[0].shape[0])
 
 
-def fit_client(name: str, tmp_path: Path, cycle: bool = True, **trainer_overrides):
+def fit_client(name: str, tmp_path: Path, cycle: bool = True, before_energy=(), **trainer_overrides):
     pl.seed_everything(0, verbose=False)
     module, data = CLIENTS[name]()
     energy = EnergyLogger(
@@ -58,7 +59,7 @@ def fit_client(name: str, tmp_path: Path, cycle: bool = True, **trainer_override
         meters=MeterConfig(sampling_period=0.05, cpu_watts=WATTS),
     )
     counter = CountWhatTheLoopSees()
-    callbacks = [energy, counter]
+    callbacks = [*before_energy, energy, counter]
     if cycle:
         callbacks.insert(
             0, PulseCycle(burst=4, replay=2, maintain=2, warmup=0.0, anneal=0.0, maintain_eval="none")
@@ -106,7 +107,10 @@ def test_energy_logger_reports_each_client_run(name, tmp_path):
     assert {k: v["steps"] for k, v in phases.items()} == {"burst": 16, "replay": 8, "maintain": 8}
     assert all(v["energy_kwh"] > 0 and v["energy_method"] == ESTIMATED for v in phases.values())
     in_loop = sum(report["stages"][stage]["energy_kwh"] for stage in ("train", "validation"))
-    assert sum(v["energy_kwh"] for v in phases.values()) == pytest.approx(in_loop, rel=0.01)
+    # exactly: every moment with a phase is in stage train or validation, and the other way round (the sanity
+    # check would be validation in no phase; these fits have none). A 1% tolerance hid one in 18 runs on a
+    # busy machine at 1.0108 (see the next test)
+    assert sum(v["energy_kwh"] for v in phases.values()) == pytest.approx(in_loop, rel=1e-9)
     assert {k: v["steps"] for k, v in report["epochs"].items()} == {"0": 16, "1": 16}
     # (the cycle that begins with the last step's phase change holds no step, only the end of the run)
     assert [v["steps"] for v in report["cycles"].values() if v["steps"]] == [8, 8, 8, 8]
@@ -117,6 +121,24 @@ def test_energy_logger_reports_each_client_run(name, tmp_path):
     # the logger got the per-epoch and final figures
     logged = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"energy/epoch_kwh", "energy/final_kwh", "energy/burst_kwh", "energy/replay_kwh"} <= set(logged)
+
+
+class SlowTrainStart(Callback):
+    """Listed between PulseCycle and EnergyLogger: time passes after PulseCycle announced its first phase and
+    before EnergyLogger marks the training stage (as a busy machine's preemption did there)."""
+
+    def on_train_start(self, trainer, pl_module):
+        time.sleep(0.3)
+
+
+def test_the_phases_sum_to_the_in_loop_stages_however_long_the_training_start_takes(tmp_path):
+    # 3 J at 10 W went to phase burst and stage other: the phases were 1.5x train + validation
+    _, energy, _ = fit_client("transformer-encoder", tmp_path, before_energy=[SlowTrainStart()])
+    report = energy.report
+    phases = sum(v["energy_kwh"] for v in report["phases"].values())
+    in_loop = sum(report["stages"][stage]["energy_kwh"] for stage in ("train", "validation"))
+    assert phases == pytest.approx(in_loop, rel=1e-9)
+    assert report["stages"]["other"]["energy_kwh"] * 3.6e6 >= 0.3 * WATTS * 0.99  # the wait: no phase's
 
 
 def test_per_step_one_cycle_schedule_is_untouched_by_the_energy_logger(tmp_path):

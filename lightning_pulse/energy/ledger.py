@@ -7,9 +7,9 @@ How attribution works. The training thread marks *labels* (phase, cycle, epoch, 
 time stamp whenever one changes; it does nothing per step but count. The sampler records cumulative joules
 per component every period; the energy of each sampling interval is split over the labels that were in
 force during it, in proportion to their time in the interval (constant power within an interval). Each
-label adds to the buckets ``total``, ``stage/<stage>``, and, inside the training loop, ``phase/<phase>``,
-``cycle/<n>`` and ``epoch/<n>``. CO2 and cost of each piece use the mean intensity and price over the
-piece's wall-clock time.
+label adds to the buckets ``total``, ``stage/<stage>``, and, inside the training loop (stage ``train`` or
+``validation``), ``phase/<phase>``, ``cycle/<n>`` and ``epoch/<n>``. CO2 and cost of each piece use the mean
+intensity and price over the piece's wall-clock time.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ from lightning_pulse.records import RECENT_RECORDS, append_recent
 
 J_PER_KWH = 3.6e6
 STAGES = ("train", "validation", "other")
+#: the stages of the training loop: only a label in one of them adds to ``phase/``, ``cycle/`` and ``epoch/``
+#: buckets, so the phases sum to exactly these stages (less the sanity check, a validation in no phase)
+IN_LOOP_STAGES = ("train", "validation")
 #: the stage of the instrumentation's own start-up (the wait for codecarbon's background start): its
 #: time and energy go to the bucket :data:`STARTUP_KEY` only, outside the run's total, stages and phases
 STARTUP_STAGE = "meter_startup"
@@ -100,7 +103,8 @@ _FLAG_FIELD = {component: f"{component}_flags" for component in COMPONENTS}
 
 @dataclass(frozen=True)
 class Label:
-    """What the run is doing: ``phase``/``cycle``/``epoch`` are ``None`` outside the training loop."""
+    """What the run is doing: ``phase``/``cycle``/``epoch`` count only in the training loop's stages
+    (:data:`IN_LOOP_STAGES`), where they are set; elsewhere they are ``None`` or not yet in force."""
 
     phase: str | None = None
     cycle: int | None = None
@@ -111,6 +115,11 @@ class Label:
         if self.stage == STARTUP_STAGE:
             return (STARTUP_KEY,)
         keys = ["total", f"stage/{self.stage}"]
+        if self.stage not in IN_LOOP_STAGES:
+            # a phase marked before the training stage starts is outside the loop: PulseCycle, listed
+            # first, announces its first phase in its `on_train_start`, before EnergyLogger's marks the stage
+            # `train`; that moment (1% of a short run on a busy machine) was in a phase but in no loop stage
+            return tuple(keys)
         if self.phase is not None:
             keys.append(f"phase/{self.phase}")
         if self.cycle is not None:
