@@ -755,7 +755,7 @@ def parse_deadline(deadline: Any) -> float | AfterStart | None:
     except ValueError:
         raise ValueError(
             f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00', nor a positive duration "
-            "after the run's start such as '+36h'."
+            "after the run's start such as '+36h' (units: s, min, h)."
         ) from None
 
 
