@@ -151,7 +151,8 @@ def _schedule_ended_by(last_step: int) -> PruneSchedule:
 
 def test_a_last_event_a_step_before_the_end_at_the_target_is_not_warned_as_unfinished():
     """Held-out sweep (PulseCycle, HardSampleReplay): the last event came at step 169 and reached 0.49999984
-    of 0.5; the run was still warned "with no event at or after the schedule's end ... reached 0.500 of 0.5"."""
+    of 0.5; the run was still warned "with no event at or after the schedule's end ... reached 0.500 of
+    0.5"."""
     schedule = _schedule_ended_by(169)
     assert not schedule.finished and schedule.sparsity != 0.5
     events = [{"sparsity": schedule.sparsity}]

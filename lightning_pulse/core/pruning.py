@@ -2386,7 +2386,9 @@ class Pruner:
         original_params: structured: the model's parameter elements before the first event (``None`` before
             it, or from a checkpoint that did not keep it).
         history: structured: torch-pruning's history of every removal, in order.
-        example_inputs: structured: the two-sample input the model is traced with.
+        example_inputs: structured: the input the model is traced with (saved in checkpoints): two samples,
+            or the user's whole ``example_input_array`` where its cut does not run
+            (:func:`~lightning_pulse.core.prune_setup.structured_example`).
         run_precision: structured: how the run's precision plugin hands a batch over, set at fit
             start (:func:`inputs_for`); ``None`` outside a fit: guessed from the model's parameters.
     """
