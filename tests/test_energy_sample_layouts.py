@@ -205,3 +205,31 @@ def test_layouts_are_told_from_the_first_batch_and_the_loader():
     assert loader_batch_size(DataLoader(list(range(3)), batch_size=8)) == 3  # the dataset is smaller
     assert loader_batch_size(DataLoader(list(range(30)), batch_size=8)) == 8
     assert loader_batch_size(None) is None
+
+
+def test_a_batch_key_that_is_no_graph_vector_and_a_custom_batch_samplers_cap_are_not_taken_for_layouts():
+    # a review of this pass: each of these counted a healthy run wrong, silently (288 samples for 64 with
+    # per-sample ids under `batch`, 8 for 64 with an all-zero flag there, 80 for 60 with a bucketing sampler
+    # whose `batch_size` is a cap), or warned falsely (a detection batch the loader's size confirms)
+    from torch.utils.data import Sampler
+
+    from lightning_pulse.energy.counting import loader_batch_size, sample_layout
+
+    ids = {"input": torch.zeros(8, 3), "batch": torch.arange(8)}  # every row its own "graph"
+    flags = {"input": torch.zeros(8, 3), "batch": torch.zeros(8, dtype=torch.long)}  # one "graph" of 8 rows
+    assert sample_layout(ids, 8).kind == "first" and sample_layout(flags, 8).kind == "first"
+    graphs = {"x": torch.zeros(7, 3), "batch": torch.tensor([0, 0, 1, 1, 1, 2, 2])}
+    assert sample_layout(graphs, 3).kind == "graphs" and sample_layout(graphs, 4).kind == "first"
+
+    class Buckets(Sampler):
+        batch_size = 16  # the largest bucket: a cap, not what a batch holds
+
+        def __iter__(self):
+            return iter([list(range(12)), list(range(12, 28))])
+
+        def __len__(self):
+            return 2
+
+    assert loader_batch_size(DataLoader(list(range(28)), batch_sampler=Buckets())) is None
+    detection = (torch.zeros(4, 3, 8, 8), [{"boxes": torch.zeros(n, 4)} for n in (5, 6, 7, 8)])
+    assert sample_layout(detection, 4).doubt is None

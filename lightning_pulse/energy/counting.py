@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import BatchSampler
 
 
 def count_samples(batch: Any) -> int:
@@ -153,7 +154,7 @@ class SampleLayout:
 _SAMPLE_COUNTER_WAY_OUT = "pass `accounting=AccountingConfig(sample_counter=...)`"
 
 
-def graph_vector(batch: Any) -> torch.Tensor | None:
+def graph_vector(batch: Any, loader_batch_size: int | None = None) -> torch.Tensor | None:
     """The node-to-graph vector of a PyTorch Geometric-style dict batch: a 1-D integer tensor named ``batch``,
     as long as dimension 0 of ``x`` (else of the first tensor): the nodes, sorted and starting at 0; else
     ``None``. Reads its values (once, at a batch type's first batch)."""
@@ -173,7 +174,14 @@ def graph_vector(batch: Any) -> torch.Tensor | None:
     ):
         return None
     steps = vector[1:] - vector[:-1]
-    return vector if int(vector[0]) == 0 and bool(((steps == 0) | (steps == 1)).all()) else None
+    if int(vector[0]) != 0 or not bool(((steps == 0) | (steps == 1)).all()):
+        return None
+    graphs = int(vector[-1]) + 1
+    # a per-sample id (0, 1, 2, ...) or flag (all 0) named `batch` is not a graph vector: its graphs would be
+    # its rows, or not the loader's batch
+    if graphs == vector.numel() or loader_batch_size not in (None, graphs):
+        return None
+    return vector
 
 
 def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLayout:
@@ -182,7 +190,7 @@ def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLay
     second and neither ``B`` nor 1 first counts dimension 1 (time-major); else dimension 0 of the first
     tensor, with a doubt when the loader's batch size or most of the batch's tensors say otherwise.
     ``loader_batch_size``: the training DataLoader's ``batch_size`` (what its first batch holds), if known."""
-    if graph_vector(batch) is not None:
+    if graph_vector(batch, loader_batch_size) is not None:
         return SampleLayout(
             "graphs", "graphs: the node-to-graph `batch` vector's last value + 1 (`ptr`'s length - 1)"
         )
@@ -200,7 +208,9 @@ def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLay
         batch_first = any(t.dim() >= 2 and t.shape[0] == loader_batch_size for t in batch_tensors(batch))
         if first.shape[1] == loader_batch_size and not batch_first:
             return SampleLayout("time_major", "dimension 1 of the first tensor: time-major (T, B) batches")
-    doubt = doubtful_sample_count(batch)
+    # the loader's batch size confirming dimension 0 outweighs most tensors' leading sizes (a detection
+    # batch's images next to its per-image target dicts)
+    doubt = None if size == loader_batch_size else doubtful_sample_count(batch)
     if doubt is None and loader_batch_size is not None and size != loader_batch_size:
         doubt = f"the training DataLoader's batch_size is {loader_batch_size}"
     if doubt is None:
@@ -239,8 +249,8 @@ def loader_batch_size(loader: Any) -> int | None:
     """The samples a training DataLoader's first batch holds: its ``batch_size`` (or its batch sampler's),
     at most its sampler's length (a dataset smaller than a batch); ``None`` when it does not say."""
     size = getattr(loader, "batch_size", None)
-    if not isinstance(size, int):
-        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    if not isinstance(size, int) and type(getattr(loader, "batch_sampler", None)) is BatchSampler:
+        size = loader.batch_sampler.batch_size  # a custom batch sampler's `batch_size` may be a cap only
     if not isinstance(size, int) or size < 1:
         return None
     try:
