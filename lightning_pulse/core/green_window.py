@@ -983,8 +983,9 @@ class GreenSchedule:
         if steps_left <= 0:
             return None
         series, to_series = signal.now()
-        # a series read past its end holds its last value (a wrapping one has no end); a live signal can change
-        held = signal.live is None and to_series(now) >= series.end
+        # a series read past its end holds its last value (a wrapping one has no end); a live signal can change,
+        # and so can one that does not say (a signal of the caller's own, with no `live`)
+        held = getattr(signal, "live", True) is None and to_series(now) >= series.end
         return self.decide(series, to_series, now, steps_left, held)
 
     def metrics(self, decision: Decision) -> dict[str, float]:
