@@ -4,7 +4,9 @@ config with no pulse method is refused before any fit."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
+import warnings
 
 import pytest
 import yaml
@@ -33,8 +35,17 @@ def write_config(path, callbacks):
 
 
 def run_demo(monkeypatch, arguments):
+    """``demo.main`` in this process: its quieting of Lightning (a global warnings filter and logger levels,
+    right for a command) is undone after it, or every later test that expects a warning fails."""
     monkeypatch.setattr(sys, "argv", ["python -m examples.demo", *arguments])
-    demo.main()
+    names = ("lightning.pytorch", "lightning.fabric", "lightning_fabric")
+    levels = {name: logging.getLogger(name).level for name in names}
+    try:
+        with warnings.catch_warnings():
+            demo.main()
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 @pytest.fixture
