@@ -82,7 +82,8 @@ class GreenWindow(Callback):
         max_delay: the delay budget: a float is a share of the run's expected compute time (``1.0``: as
             long again), a string a duration ("12h"). ``None``: ``1.0`` for pause and suspend; ``0.5`` for
             light, where it is the share of the run that may be held light (it takes as long either way).
-        deadline: when the run must end by: a UTC time (``"2026-03-01 08:00:00"``), ``"+36h"`` after its start.
+        deadline: when the run must end by: a UTC time (``"2026-03-01 08:00:00"``), ``"+36h"`` after its
+            start.
         forecast: ``"seasonal"`` (the default, past data only), a forecast series path (.csv/.json), or an
             object with ``predict(series, now, starts, slot_s)``.
         expected_duration: the run's compute time ("20h", > 0) if known; else measured from its first steps.

@@ -692,8 +692,8 @@ def checked_arguments(
     deadline: str | None,
     expected_duration: Any,
 ) -> tuple[str, Forecast, float, bool, float | AfterStart | None, float | None]:
-    """GreenWindow's arguments, checked: ``(mode, forecast, delay, delay_is_share, deadline, expected_work_s)``
-    (``deadline``: see :func:`parse_deadline`).
+    """GreenWindow's arguments, checked: ``(mode, forecast, delay, delay_is_share, deadline,
+    expected_work_s)`` (``deadline``: see :func:`parse_deadline`).
 
     Raises:
         ValueError: naming the field, the value and what is allowed.
@@ -729,8 +729,8 @@ def checked_arguments(
 
 @dataclass(frozen=True)
 class AfterStart:
-    """A deadline given as a duration (``"+36h"``): that long after the run's start, which a resumed run keeps,
-    so it does not go stale in a config file the way a date does."""
+    """A deadline given as a duration (``"+36h"``): that long after the run's start, which a resumed run
+    keeps, so it does not go stale in a config file the way a date does."""
 
     seconds: float
 
@@ -754,8 +754,8 @@ def parse_deadline(deadline: Any) -> float | AfterStart | None:
         return parse_timestamp(text)
     except ValueError:
         raise ValueError(
-            f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00', nor a positive duration "
-            "after the run's start such as '+36h' (units: s, min, h)."
+            f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00', nor a positive "
+            "duration after the run's start such as '+36h' (units: s, min, h)."
         ) from None
 
 
@@ -901,8 +901,8 @@ class GreenSchedule:
 
     @property
     def deadline(self) -> float | None:
-        """The deadline in the run's seconds; one given after the start (:class:`AfterStart`) is ``None`` until
-        the run starts (:meth:`begin`, or a resumed run's start)."""
+        """The deadline in the run's seconds; one given after the start (:class:`AfterStart`) is ``None``
+        until the run starts (:meth:`begin`, or a resumed run's start)."""
         if not isinstance(self.given_deadline, AfterStart):
             return self.given_deadline
         return None if self.run_start is None else self.run_start + self.given_deadline.seconds
@@ -983,8 +983,8 @@ class GreenSchedule:
         if steps_left <= 0:
             return None
         series, to_series = signal.now()
-        # a series read past its end holds its last value (a wrapping one has no end); a live signal can change,
-        # and so can one that does not say (a signal of the caller's own, with no `live`)
+        # a series read past its end holds its last value (a wrapping one has no end); a live signal can
+        # change, and so can one that does not say (a signal of the caller's own, with no `live`)
         held = getattr(signal, "live", True) is None and to_series(now) >= series.end
         return self.decide(series, to_series, now, steps_left, held)
 
