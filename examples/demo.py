@@ -129,9 +129,13 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+#: the loggers whose per-fit banners the demo quiets
+LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_fabric")
+
+
 def quiet_lightning() -> None:
     """The demo prints one table; Lightning's per-fit banners and known warnings would bury it."""
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric"):
+    for name in LIGHTNING_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
 

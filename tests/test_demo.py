@@ -38,8 +38,7 @@ def run_demo(monkeypatch, arguments):
     """``demo.main`` in this process: its quieting of Lightning (a global warnings filter and logger levels,
     right for a command) is undone after it, or every later test that expects a warning fails."""
     monkeypatch.setattr(sys, "argv", ["python -m examples.demo", *arguments])
-    names = ("lightning.pytorch", "lightning.fabric", "lightning_fabric")
-    levels = {name: logging.getLogger(name).level for name in names}
+    levels = {name: logging.getLogger(name).level for name in demo.LIGHTNING_LOGGERS}
     try:
         with warnings.catch_warnings():
             demo.main()

@@ -37,7 +37,7 @@ def count_samples(batch: Any) -> int:
     counted, it made every batch 1 sample."""
     if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor and batch[0].dim() > 0:
         return int(batch[0].shape[0])  # the common case, fast
-    tensor = next((tensor for tensor in batch_tensors(batch) if tensor.dim() > 0), None)
+    tensor = first_tensor(batch)
     return 1 if tensor is None else int(tensor.shape[0])
 
 
@@ -94,8 +94,9 @@ def count_tokens(batch: Any) -> int | torch.Tensor | None:
 
 
 def first_tensor(batch: Any) -> torch.Tensor | None:
-    """The first tensor in ``batch``, depth first through mappings, lists, tuples and dataclass instances."""
-    return next(batch_tensors(batch), None)
+    """The first tensor of rank >= 1 in ``batch``, depth first through mappings, lists, tuples and dataclass
+    instances (a 0-dim tensor is a per-batch value, not samples)."""
+    return next((tensor for tensor in batch_tensors(batch) if tensor.dim() > 0), None)
 
 
 def batch_tensors(batch: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -163,7 +164,7 @@ def graph_vector(batch: Any, loader_batch_size: int | None = None) -> torch.Tens
         return None
     first = batch.get("x")  # the node features, wherever they are; else the first tensor
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
-        first = next((tensor for tensor in batch_tensors(batch) if tensor.dim() > 0), None)
+        first = first_tensor(batch)
     if (
         not isinstance(vector, torch.Tensor)
         or vector.dim() != 1
@@ -194,7 +195,7 @@ def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLay
         return SampleLayout(
             "graphs", "graphs: the node-to-graph `batch` vector's last value + 1 (`ptr`'s length - 1)"
         )
-    first = next((tensor for tensor in batch_tensors(batch) if tensor.dim() > 0), None)
+    first = first_tensor(batch)
     if first is None:
         return SampleLayout(
             doubt=f"found no tensor in a training batch of type {type(batch).__name__}, so each batch counts "
@@ -239,7 +240,7 @@ def count_with(layout: SampleLayout, batch: Any) -> int | torch.Tensor:
     if layout.kind == "time_major":
         if type(batch) in _SEQUENCES and batch and type(batch[0]) is torch.Tensor and batch[0].dim() > 1:
             return batch[0].shape[1]  # the common case, fast
-        first = next((tensor for tensor in batch_tensors(batch) if tensor.dim() > 0), None)
+        first = first_tensor(batch)
         if first is not None and first.dim() > 1:
             return int(first.shape[1])
     return count_samples(batch)
