@@ -10,8 +10,12 @@ Measurement rules:
 * Training FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` active on training batches only
   (forward, backward and optimizer step). The counter slows a step about 3x, so with ``flops="separate"``
   it runs in a second pass with the same seed and never in a timed pass.
-* A benchmark calls :func:`warm_up` (one short untimed fit) before its timed arms, so the process's one-time
-  costs (codecarbon's start) fall in no arm's time.
+* The process's one-time costs (codecarbon's start, the first kernels' set-up) fall in the first timed fit.
+  The headline and the demo call :func:`warm_up` (one short untimed fit) first, so they fall in no arm's
+  time. The other benchmarks either pass ``rotate_arms=True``, so each seed starts at another arm and the
+  median over seeds drops the one slow fit, or leave them in seed 0's baseline, where they would flatter the
+  methods' CPU ratios: in the committed results without either (gradient_cache, scheduled_prune,
+  mhc_stability) seed 0's baseline CPU time is within the spread of the other seeds'.
 * CPU time is process CPU time (``time.process_time``) spent in training, validation excluded. Torch runs
   on ``threads`` intra-op threads (1 by default) so the figure does not depend on how busy the other core is.
 """
