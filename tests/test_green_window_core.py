@@ -198,6 +198,29 @@ def test_a_threshold_waits_for_the_first_clean_slot_and_says_when():
     assert decision.run and decision.reason == "deadline"
 
 
+def test_slots_past_a_held_series_end_are_its_last_value_not_a_forecast():
+    # the series ends at hour 44 on 600 g/kWh, held from there on; yesterday's 20-23 h were clean (100), so
+    # a forecast of the held stretch promised a clean slot that never comes: the run waited for it, then ran
+    # at once at the end. Past the end the signal is known, and nothing there is cleaner than now (300).
+    series = hourly([500.0] * 20 + [100.0] * 4 + [300.0] * 19 + [600.0])
+    policy = GreenWindowPolicy(SameHourYesterday())
+    decision, starts, forecast = policy.decide(series, 40 * H, H, 6 * H, holds_from=series.end)
+    assert decision.run and decision.reason == "clean" and decision.clean_below == 300.0
+    assert forecast[starts >= 44 * H].tolist() == [600.0] * 3
+    # a signal with no end (a live one, a wrapping one) is forecast all the way
+    decision, _, _ = policy.decide(series, 40 * H, H, 6 * H)
+    assert not decision.run and decision.resume_at == 44 * H
+    # from the end on the slot runs, reason "held"; the series itself is left as it was
+    decision, _, _ = policy.decide(series, 45 * H, H, 6 * H, holds_from=series.end)
+    assert decision.run and decision.reason == "held" and series.values[-1] == 600.0
+    # the schedule gives its policy the end of a series read past it (GreenSignal has `live` None)
+    signal = GreenSignal(series)
+    signal.anchor(0.0)  # read at its own dates: a partial-year series, so it holds past its end
+    ledger = ScheduleLedger(series.mean)
+    schedule = GreenSchedule(GreenWindowPolicy(SameHourYesterday()), 6 * H, False, H, None, ledger)
+    assert schedule.decide_from(signal, 40 * H, steps_left=1).reason == "clean"
+
+
 def test_the_percentile_rule_compares_with_the_horizon_only():
     series = hourly([200.0] * 48 + [100.0, 150.0, 300.0, 300.0] + [10.0] * 20)
     policy = GreenWindowPolicy(OracleForecast(), threshold="50%", horizon_s=4 * H)

@@ -283,12 +283,14 @@ class GreenWindowPolicy:
         remaining_work_s: float,
         budget_left_s: float,
         deadline: float | None = None,
-        held: bool = False,
+        holds_from: float = math.inf,
     ) -> tuple[Decision, np.ndarray, np.ndarray]:
-        """The decision at ``now`` (series seconds), with the slot starts and forecast it used. ``held``: the
-        signal holds its value from ``now`` on (a series read past its end), so the slot runs: no slot ahead
-        can be cleaner, and waiting would only spend the budget (a forecast of the held stretch, which reads
-        the days before it or rounds the flat value differently, had a run wait on it).
+        """The decision at ``now`` (series seconds), with the slot starts and forecast it used. ``holds_from``:
+        the series time from which the signal holds its last value (a series read past its end). Slots from
+        there on are that value, not a forecast: it is what the run will be charged there (a forecast of the
+        held stretch reads the days before it, so a run waited for a clean guess and then ran at once when the
+        end came). Once ``now`` is there the slot runs, reason ``"held"``: no slot ahead can be cleaner, and
+        waiting would only spend the budget.
 
         Waiting happens only if ``now + slot + remaining_work <= deadline`` and ``slot <= budget_left``: a job
         that could still finish by the deadline when it starts running now can always still finish by it,
@@ -301,7 +303,8 @@ class GreenWindowPolicy:
             end = min(end, deadline)
         slots = max(1, math.ceil((end - now) / slot - 1e-9))
         starts = now + slot * np.arange(slots)
-        forecast = np.asarray(self.forecast.predict(series, now, starts, slot), dtype=np.float64)
+        forecast = np.array(self.forecast.predict(series, now, starts, slot), dtype=np.float64)  # a copy
+        forecast[starts >= holds_from] = series.value_at(holds_from)
         # light mode passes no work once its light budget covers the rest of the run: no slot has to run
         work_slots = max(0, math.ceil(remaining_work_s / slot - 1e-9))
         if self.rule == "absolute":
@@ -317,7 +320,7 @@ class GreenWindowPolicy:
         # in the last digits) is clean
         clean = forecast[0] <= level + (1e-9 * abs(level) if math.isfinite(level) else 0.0)
         may_wait = now + slot + remaining_work_s <= end + 1e-6
-        if held:
+        if now >= holds_from:
             reason = "held"
         elif clean:
             reason = "clean"
@@ -942,10 +945,10 @@ class GreenSchedule:
         to_series: Callable[[float], float],
         now: float,
         steps_left: float,
-        held: bool = False,
+        holds_from: float = math.inf,
     ) -> Decision | None:
-        """The decision at wall time ``now``, or ``None`` while the remaining work is unknown; ``held``: the
-        signal holds its value from now on (:meth:`GreenWindowPolicy.decide`)."""
+        """The decision at wall time ``now``, or ``None`` while the remaining work is unknown; ``holds_from``:
+        the series time from which the signal holds its last value (:meth:`GreenWindowPolicy.decide`)."""
         remaining = self.remaining_work_s(steps_left)
         if remaining is None:
             return None
@@ -963,7 +966,9 @@ class GreenSchedule:
             budget = remaining - work
             if work == 0.0:  # the budget covers the rest of the run: a last partial slot may be held too
                 budget = max(budget, self.policy.slot_s)
-        decision, starts, forecast = self.policy.decide(series, now + offset, work, budget, deadline, held)
+        decision, starts, forecast = self.policy.decide(
+            series, now + offset, work, budget, deadline, holds_from
+        )
         record = {**decision.to_dict(), "wall": now}
         if self.light:  # what is left of the run and of its light budget, not the policy's split of them
             record.update(remaining_work_s=float(remaining), budget_left_s=float(self.budget_left_s()))
@@ -985,8 +990,8 @@ class GreenSchedule:
         series, to_series = signal.now()
         # a series read past its end holds its last value (a wrapping one has no end); a live signal can
         # change, and so can one that does not say (a signal of the caller's own, with no `live`)
-        held = getattr(signal, "live", True) is None and to_series(now) >= series.end
-        return self.decide(series, to_series, now, steps_left, held)
+        holds_from = series.end if getattr(signal, "live", True) is None else math.inf
+        return self.decide(series, to_series, now, steps_left, holds_from)
 
     def metrics(self, decision: Decision) -> dict[str, float]:
         """What a decision logs: the signal and forecast behind it, and the seconds waited so far."""
