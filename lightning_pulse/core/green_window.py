@@ -285,12 +285,12 @@ class GreenWindowPolicy:
         deadline: float | None = None,
         holds_from: float = math.inf,
     ) -> tuple[Decision, np.ndarray, np.ndarray]:
-        """The decision at ``now`` (series seconds), with the slot starts and forecast it used. ``holds_from``:
-        the series time from which the signal holds its last value (a series read past its end). Slots from
-        there on are that value, not a forecast: it is what the run will be charged there (a forecast of the
-        held stretch reads the days before it, so a run waited for a clean guess and then ran at once when the
-        end came). Once ``now`` is there the slot runs, reason ``"held"``: no slot ahead can be cleaner, and
-        waiting would only spend the budget.
+        """The decision at ``now`` (series seconds), with the slot starts and forecast it used.
+        ``holds_from``: the series time from which the signal holds its last value (a series read past its
+        end). Slots from there on are that value, not a forecast: it is what the run will be charged there (a
+        forecast of the held stretch reads the days before it, so a run waited for a clean guess and then ran
+        at once when the end came). Once ``now`` is there the slot runs, reason ``"held"``: no slot ahead can
+        be cleaner, and waiting would only spend the budget.
 
         Waiting happens only if ``now + slot + remaining_work <= deadline`` and ``slot <= budget_left``: a job
         that could still finish by the deadline when it starts running now can always still finish by it,
