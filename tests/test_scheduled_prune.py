@@ -304,6 +304,16 @@ def test_a_maintain_plan_that_cuts_at_once_is_said_at_fit_start_and_a_gradual_on
     assert len(steps) == 9 and said == []
 
 
+@pytest.mark.parametrize(("end", "offered"), [(12, "a cycle of about 3 steps has 3 in it"), (7, "too short")])
+def test_an_abrupt_cut_on_a_short_span_is_offered_cycles_that_exist(end, offered):
+    # sweep (docs as written): the docs' own example, a 2-to-12 span, was told "a cycle of about 1 steps has 8
+    # in it", and no PulseCycle has a one-step cycle (a burst step and a maintain step at least)
+    schedule = PruneSchedule(start=2, end=end)
+    schedule.resolve(20)
+    said = prune_setup.abrupt_schedule_warning(schedule, maintain_at=[6, 14])
+    assert offered in said and "about 1 steps" not in said
+
+
 @pytest.mark.parametrize(
     "durations, accumulate",
     [({"burst": 12, "replay": 5, "maintain": 3}, 1), ({"burst": 0.5, "replay": 0.25, "maintain": 0.15}, 2)],

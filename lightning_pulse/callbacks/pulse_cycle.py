@@ -112,14 +112,15 @@ class PulseCycle(Callback):
         ValueError: at construction, naming the field, for an unparsable or negative duration, an unknown
             phase, all-zero durations, ``warmup + anneal >= 1``, an unknown ``maintain_eval`` or a
             non-positive ``probe_batches``, a ``budget`` outside ``(0, 1)``, an option of a phase ``order``
-            leaves out, or a ``time_source`` that is not callable. At fit start, for epoch-based
-            durations on an infinite dataloader or warm-up/anneal on a run without a finite length.
-            Under manual optimization with several optimizers (``global_step`` counts each one's step), for
-            epoch-based durations, and for warm-up/anneal unless ``max_steps`` alone bounds the run.
-        PulseRefusal: at fit start, for a ``budget`` with no step-saving HardSampleReplay attached, with
-            wall-clock durations, or out of what the replay fraction can reach; for a ``time_source`` that
-            returns no number; for a second run of this instance (another ``trainer.fit``) unless a checkpoint
-            was restored into it; and for a checkpoint of a clock that ran another ``order``.
+            leaves out, or a ``time_source`` that is not callable.
+        PulseRefusal: at fit start (a ``MisconfigurationException``, not a ``ValueError``), for epoch-based
+            durations on an infinite dataloader or warm-up/anneal on a run without a finite length; under
+            manual optimization with several optimizers (``global_step`` counts each one's step), for
+            epoch-based durations, and for warm-up/anneal unless ``max_steps`` alone bounds the run; for a
+            ``budget`` with no step-saving HardSampleReplay attached, with wall-clock durations, or out of
+            what the replay fraction can reach; for a ``time_source`` that returns no number; for a second run
+            of this instance (another ``trainer.fit``) unless a checkpoint was restored into it; and for a
+            checkpoint of a clock that ran another ``order``.
 
     Example::
 

@@ -389,7 +389,12 @@ def _explicit_units(root: nn.Module, module_names: Sequence[str], all_names: lis
     claimed: set[str] = set()
     for name in module_names:
         if name not in modules and name not in parameters:
-            raise ValueError(f"`units` entry {name!r} is neither a module nor a parameter of the model.")
+            top = [child for child, module in root.named_children() if any(True for _ in module.parameters())]
+            raise ValueError(
+                f"GradientCache: `units` entry {name!r} is neither a module nor a parameter of the model; "
+                f"name modules as `model.named_modules()` lists them (its top level: {top[:8]}), or leave "
+                "`units` unset to split the model automatically."
+            )
         owned = _under(name, all_names)
         overlap = claimed.intersection(owned)
         if overlap:

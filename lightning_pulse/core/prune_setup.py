@@ -595,11 +595,19 @@ def abrupt_schedule_warning(
         if holder is None
         else f"the PulseCycle's plan, if no {holder} hold moves its phases,"
     )
+    # a cycle is at least a burst step and a maintain step: a span too short for 8 such cycles is offered
+    # 3 (the cubic schedule's first cut is then 0.70 of the target, under ABRUPT_CUT_SHARE)
+    phases = next(((count, span // count) for count in (8, 3) if span // count >= 2), None)
+    cycle = (
+        f"a cycle of about {phases[1]} steps has {phases[0]} in it: shorter `burst`/`replay`"
+        if phases is not None
+        else f"the span of {span} steps is too short for more: widen it"
+    )
     return (
         f"ScheduledPrune: pruning at maintain-phase starts, {plan} makes {len(cuts)} cut(s) "
-        f"over {span_text}, and {cut_text}{short}; {gradual} Give the span more maintain phases (a cycle of "
-        f"about {suggested} steps has 8 in it: shorter `burst`/`replay`), widen `start`/`end`, or prune on "
-        f"steps: options=PruneOptions(cadence='steps') with `every`={suggested}."
+        f"over {span_text}, and {cut_text}{short}; {gradual} Give the span more maintain phases ({cycle}), "
+        f"widen `start`/`end`, or prune on steps: options=PruneOptions(cadence='steps') with "
+        f"`every`={suggested}."
     )
 
 
