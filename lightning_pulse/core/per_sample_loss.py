@@ -540,6 +540,20 @@ _INTERCEPTOR = _Interceptor()
 
 
 @contextmanager
+def losses_not_captured() -> Iterator[None]:
+    """Losses called in this thread inside the block pass straight through, even inside an open capture:
+    another callback's forward on a copy of the model (ScheduledPrune's trial cut on the first batch, which
+    runs a Hugging Face model's own loss on two rows) is not the step's loss."""
+    local = _INTERCEPTOR.local
+    was_busy = getattr(local, "busy", False)
+    local.busy = True
+    try:
+        yield
+    finally:
+        local.busy = was_busy
+
+
+@contextmanager
 def loss_capture_scope() -> Iterator[None]:
     """Keep ``torch.nn.functional``'s losses patched for a whole block (e.g. one ``fit``).
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_pulse.core import pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
+from lightning_pulse.core.per_sample_loss import losses_not_captured
 from lightning_pulse.core.prune_schedule import PruneSchedule
 from lightning_pulse.core.prune_setup import (
     DISTILL_NO_EFFECT,
@@ -160,7 +161,10 @@ class PruneEvents:
         (:func:`~lightning_pulse.core.prune_setup.structured_example`) when neither ``example_input_array``
         nor a checkpoint gave one."""
         if self.pruner.mode == "structured" and self.example is None and self.pruner.example_inputs is None:
-            self.example = structured_example(model, self.pruner, self.schedule, batch)
+            with (
+                losses_not_captured()
+            ):  # inside HardSampleReplay's capture of the step when it is listed first
+                self.example = structured_example(model, self.pruner, self.schedule, batch)
 
     def plan_cadence(
         self,
