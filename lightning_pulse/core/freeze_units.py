@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pulse.errors import PulseRefusal
+
 DEFAULT_MIN_UNITS = 8
 
 
@@ -361,7 +363,7 @@ def discover_units(
         min_units: the automatic split stops once there are this many units.
 
     Raises:
-        ValueError: for a name that is neither a module nor a parameter of ``root``, or names that overlap.
+        PulseRefusal: for a name that is neither a module nor a parameter of ``root``, or names that overlap.
     """
     named = {name: p for name, p in root.named_parameters() if p.requires_grad}
     all_names = list(named)
@@ -390,7 +392,7 @@ def _explicit_units(root: nn.Module, module_names: Sequence[str], all_names: lis
     for name in module_names:
         if name not in modules and name not in parameters:
             top = [child for child, module in root.named_children() if any(True for _ in module.parameters())]
-            raise ValueError(
+            raise PulseRefusal(
                 f"GradientCache: `units` entry {name!r} is neither a module nor a parameter of the model; "
                 f"name modules as `model.named_modules()` lists them (its top level: {top[:8]}), or leave "
                 "`units` unset to split the model automatically."
@@ -398,7 +400,10 @@ def _explicit_units(root: nn.Module, module_names: Sequence[str], all_names: lis
         owned = _under(name, all_names)
         overlap = claimed.intersection(owned)
         if overlap:
-            raise ValueError(f"`units` entry {name!r} overlaps another entry on {sorted(overlap)[0]!r}.")
+            raise PulseRefusal(
+                f"GradientCache: `units` entry {name!r} overlaps another entry on {sorted(overlap)[0]!r}; "
+                "give each module or parameter once, in one entry."
+            )
         claimed.update(owned)
         if owned:
             units.append(FreezeUnit(name, owned))
