@@ -755,3 +755,18 @@ def test_a_deadline_after_the_run_start_is_kept_from_the_first_start_across_a_re
     said = [line for line in said if "`deadline`" in line]
     assert len(said) == 1 and "'2020-06-15 10:00:00' (UTC) passed while the run was down" in said[0]
     assert clock.time() == start + 11 * 3600 + 28 * STEP_S  # 28 steps, no wait
+
+
+def test_a_deadline_the_run_cannot_meet_is_warned_once_and_labelled_deadline(mnist1d_small, tmp_path):
+    # held-out sweep: 8 h of work with the deadline 1.5 h after the start: every hour read "clean" (the
+    # window, cut at the deadline, had fewer slots than the work) and the run ended late with no word
+    green, clock, said, _ = _paused_run(mnist1d_small(arch="mlp"), tmp_path, START, deadline="+90m")
+    said = [line for line in said if "deadline" in line]
+    assert said == [  # as docs/green-window.md quotes it
+        "GreenWindow: the deadline 2020-06-15 01:30:00 (UTC) cannot be met: at 2020-06-15 00:00:00 about 8 h "
+        "of work is left (estimated), 1.5 h before it; the run trains without waiting and ends about 6.5 h past "
+        "it. Give a later deadline, or less work."
+    ]
+    assert {d["reason"] for d in green.report["decisions"]} == {"deadline"}
+    assert green.report["summary"]["waited_s"] == 0 and clock.time() == parse_timestamp(START) + 48 * STEP_S
+    assert green.report["summary"]["deadline_unmet"]["deadline"] == "2020-06-15 01:30:00"

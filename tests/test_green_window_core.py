@@ -492,3 +492,48 @@ def test_a_deadline_is_a_utc_time_or_a_duration_after_the_start():
     for bad in ("36h", "+0h", "+3steps", "soon"):
         with pytest.raises(ValueError, match=rf"`deadline`='{re.escape(bad)}' is not a UTC time .* '\+36h'"):
             parse_deadline(bad)
+
+
+def test_a_deadline_the_work_left_cannot_meet_runs_for_the_deadline_not_as_clean():
+    # held-out sweep: 4 h of work with the deadline 1.5 h away: the window (cut at the deadline) had fewer
+    # slots than the work, so the adaptive level was its dirtiest slot and every hour read "clean"
+    series = hourly([300, 100, 300, 300, 80, 300, 300, 300] * 10)
+    policy = GreenWindowPolicy(OracleForecast())
+    decision, _, _ = policy.decide(series, 48 * H, 4 * H, 12 * H, deadline=49.5 * H)
+    assert decision.run and decision.reason == "deadline"
+    # with room before the deadline, the same hour is dirty
+    decision, _, _ = policy.decide(series, 48 * H, 4 * H, 12 * H, deadline=70 * H)
+    assert not decision.run and decision.reason == "dirty"
+
+
+@pytest.mark.parametrize("light", [False, True])
+def test_a_deadline_out_of_reach_is_warned_once_recorded_and_runs_without_waiting(light):
+    series = hourly([300, 100, 300, 300, 80, 300, 300, 300] * 10)
+    ledger = ScheduleLedger(lambda start, end: 1.0)
+    schedule = GreenSchedule(
+        GreenWindowPolicy(OracleForecast()), 1.0, True, 4 * H, AfterStart(1.5 * H), ledger, light=light
+    )
+    schedule.begin(48 * H)
+    decisions = []
+    for hour in range(4):
+        decisions.append(schedule.decide(series, lambda t: t, (48 + hour) * H, math.inf))
+        schedule.ran("run", (48 + hour) * H, (49 + hour) * H, 1, None)
+    assert [d.reason for d in decisions] == ["deadline"] * 4 and all(d.run for d in decisions)
+    (line,) = schedule.news
+    assert line.startswith("GreenWindow: the deadline 1970-01-03 01:30:00 (UTC) cannot be met")
+    assert "about 4 h of work is left" in line and "trains without waiting" in line
+    assert schedule.summary()["deadline_unmet"]["remaining_work_s"] == 4 * H
+    restored = GreenSchedule(schedule.policy, 1.0, True, 4 * H, AfterStart(1.5 * H), ledger, light=light)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.summary()["deadline_unmet"] == schedule.summary()["deadline_unmet"]
+
+
+def test_a_deadline_after_the_start_takes_the_forms_of_the_other_durations():
+    # held-out sweep: '+3600' was refused though the other durations take a number of seconds
+    assert parse_deadline("+3600") == AfterStart(3600.0) and parse_deadline("+90.5") == AfterStart(90.5)
+    assert parse_deadline("+ 90 min") == AfterStart(5400.0) and parse_deadline("+1.5hr") == AfterStart(5400.0)
+    for bad in ("+2d", "+0", "+-3600", "+inf", "+1h30min"):
+        with pytest.raises(
+            ValueError, match=r"'\+36h' or '\+3600': seconds, or a number with a unit \(s, sec, "
+        ):
+            parse_deadline(bad)

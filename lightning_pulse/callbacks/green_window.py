@@ -63,12 +63,13 @@ class GreenWindow(Callback):
       the ``resume_command`` it names (``--ckpt_path`` that checkpoint) resumes.
 
     Waiting never makes the run miss its deadline: it waits a slot only if the remaining work still fits
-    before the deadline afterwards (with a 10% reserve on the estimate). Every decision is logged under
-    ``green/`` (signal, forecast, level, run, seconds waited, budget left). At the end of fit,
-    ``green_window_report.{json,md,png}`` compare the CO2 (or cost) with the counterfactual: the same
-    energy on a carbon-agnostic schedule started at the same moment. Energy comes from an attached
-    :class:`~lightning_pulse.EnergyLogger`, else from ``options.watts``. Under DDP, rank 0 decides and every
-    rank follows. The decisions, budget and accounting are in the checkpoint.
+    before the deadline afterwards (with a 10% reserve on the estimate). A deadline the work left cannot meet
+    is warned once and recorded in the report; the run then trains without waiting (reason ``"deadline"``).
+    Every decision is logged under ``green/`` (signal, forecast, level, run, seconds waited, budget left).
+    At the end of fit, ``green_window_report.{json,md,png}`` compare the CO2 (or cost) with the
+    counterfactual: the same energy on a carbon-agnostic schedule started at the same moment. Energy comes
+    from an attached :class:`~lightning_pulse.EnergyLogger`, else from ``options.watts``. Under DDP, rank 0
+    decides and every rank follows. The decisions, budget and accounting are in the checkpoint.
 
     Args:
         signal: the series to follow: a CSV (``Time,Carbon Intensity`` or ``timestamp,value``) or JSON path,
@@ -290,6 +291,8 @@ class GreenWindow(Callback):
 
     def _decide(self, trainer: pl.Trainer, now: float) -> Decision | None:
         decision = self.schedule.decide_from(self.signal, now, compat.steps_left_at_run_pace(trainer))
+        while self.schedule.news:  # a deadline found out of reach
+            rank_zero_warn(self.schedule.news.pop(0))
         if decision is not None:
             self._next_check = now + self.options.slot_s
             log_to_loggers(trainer, self.schedule.metrics(decision))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -29,7 +30,14 @@ import numpy as np
 
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import Forecast
-from lightning_pulse.phase import KNOWN_LENGTH, STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH, parse_duration
+from lightning_pulse.phase import (
+    _SECONDS_PER_UNIT,
+    _UNIT_ALIASES,
+    KNOWN_LENGTH,
+    STEPS_BOUND_ONLY,
+    UNKNOWN_STEPS_PER_BATCH,
+    parse_duration,
+)
 from lightning_pulse.records import RECENT_RECORDS, append_recent
 
 COMPUTE_KINDS = ("run", "light")
@@ -162,7 +170,8 @@ class Decision:
         at: when it was taken, in signal-series seconds.
         run: whether the slot starting now runs.
         reason: ``"clean"`` (the rule says run), ``"dirty"`` (it says wait), ``"deadline"`` or ``"budget"``
-            (waiting one more slot could miss the deadline / overrun the delay budget, so it runs), ``"held"``
+            (waiting one more slot could miss the deadline / overrun the delay budget, or the work left no
+            longer fits before the deadline, so it runs), ``"held"``
             (a series read past its end holds its last value: no later slot is cleaner, so it runs).
         signal: the value observed now.
         forecast_now: the forecast's value for the slot starting now (the observed value, except for an oracle).
@@ -295,6 +304,8 @@ class GreenWindowPolicy:
         Waiting happens only if ``now + slot + remaining_work <= deadline`` and ``slot <= budget_left``: a job
         that could still finish by the deadline when it starts running now can always still finish by it,
         whatever was waited before (running moves ``now`` and ``remaining_work`` by the same amount).
+        A job that cannot finish by the deadline any more (``now + remaining_work > deadline``) runs, reason
+        ``"deadline"``, whatever the signal.
         """
         slot = self.slot_s
         observed = series.value_at(now)
@@ -320,7 +331,12 @@ class GreenWindowPolicy:
         # in the last digits) is clean
         clean = forecast[0] <= level + (1e-9 * abs(level) if math.isfinite(level) else 0.0)
         may_wait = now + slot + remaining_work_s <= end + 1e-6
-        if now >= holds_from:
+        # the work left does not fit before the deadline: the window is shorter than the work, so the adaptive
+        # level is its dirtiest slot and every slot would read "clean"; it runs because of the deadline
+        late = deadline is not None and now + remaining_work_s > deadline + 1e-6
+        if late:
+            reason = "deadline"
+        elif now >= holds_from:
             reason = "held"
         elif clean:
             reason = "clean"
@@ -738,9 +754,14 @@ class AfterStart:
     seconds: float
 
 
+NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+SECONDS_UNITS = [unit for unit, kind in _UNIT_ALIASES.items() if kind in _SECONDS_PER_UNIT]
+
+
 def parse_deadline(deadline: Any) -> float | AfterStart | None:
-    """``None``; a UTC time (``"2026-03-01 08:00:00"``, Unix seconds) -> Unix seconds; ``"+36h"`` (a duration
-    after a ``+``) -> :class:`AfterStart`.
+    """``None``; a UTC time (``"2026-03-01 08:00:00"``, Unix seconds) -> Unix seconds; ``"+36h"`` or
+    ``"+3600"`` (a duration after a ``+``, as GreenWindow's other durations: a unit of time or seconds) ->
+    :class:`AfterStart`.
 
     Raises:
         ValueError: naming ``deadline``, its value and both forms.
@@ -750,15 +771,18 @@ def parse_deadline(deadline: Any) -> float | AfterStart | None:
     text = str(deadline).strip()
     try:
         if text.startswith("+"):
-            after = seconds_of(text[1:], "deadline")
-            if after is not None and after > 0:
-                return AfterStart(after)
+            # as GreenWindow's other durations: a number of seconds, or a number with a unit of time
+            after = text[1:].strip()
+            seconds = seconds_of(float(after) if NUMBER.fullmatch(after) else after, "deadline")
+            if seconds is not None and 0 < seconds < math.inf:
+                return AfterStart(seconds)
             raise ValueError
         return parse_timestamp(text)
     except ValueError:
         raise ValueError(
             f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00', nor a positive "
-            "duration after the run's start such as '+36h' (units: s, min, h)."
+            f"duration after the run's start such as '+36h' or '+3600': seconds, or a number with a unit "
+            f"({', '.join(SECONDS_UNITS)})."
         ) from None
 
 
@@ -901,6 +925,8 @@ class GreenSchedule:
         self.decisions: list[dict[str, Any]] = []  # the latest RECENT_RECORDS
         self.decision_count = 0
         self.first_forecast: tuple[list[float], list[float]] | None = None
+        self.deadline_unmet: dict[str, Any] | None = None  # when the work left was first seen not to fit
+        self.news: list[str] = []  # warnings for the caller to give, once each
 
     @property
     def deadline(self) -> float | None:
@@ -959,8 +985,12 @@ class GreenSchedule:
         deadline = None
         if self.deadline is not None:
             deadline = self.deadline + offset - DEADLINE_MARGIN * remaining
+        unmet = self.deadline is not None and now + remaining > self.deadline
+        if unmet and self.deadline_unmet is None:
+            self.deadline_unmet = self.missed_deadline(now, remaining)
         work, budget = remaining, self.budget_left_s()
-        if self.light:
+        # past reach of the deadline, nothing held light makes it either: all the work left runs at once
+        if self.light and not unmet:
             # the run takes as long either way: of the rest, `work` must burst and the rest may be held light
             work = max(remaining - budget, 0.0)
             budget = remaining - work
@@ -979,6 +1009,27 @@ class GreenSchedule:
         if self.first_forecast is None:
             self.first_forecast = ((starts - offset).tolist(), forecast.tolist())
         return decision
+
+    def missed_deadline(self, now: float, remaining: float) -> dict[str, Any]:
+        """The record (for the report) of the deadline found out of reach at ``now`` with ``remaining``
+        seconds of work left; it queues the warning, unless the deadline is already past (a resumed run is
+        told so at its start)."""
+        deadline = float(self.deadline)  # type: ignore[arg-type]
+        record = {
+            "at": format_utc(now),
+            "deadline": format_utc(deadline),
+            "remaining_work_s": float(remaining),
+            "ends_late_s": float(now + remaining - deadline),
+        }
+        if now <= deadline:
+            without = "without waiting or holding light" if self.light else "without waiting"
+            self.news.append(
+                f"GreenWindow: the deadline {record['deadline']} (UTC) cannot be met: at {record['at']} "
+                f"about {remaining / 3600:.2g} h of work is left (estimated), {(deadline - now) / 3600:.2g} h "
+                f"before it; the run trains {without} and ends about {record['ends_late_s'] / 3600:.2g} h "
+                "past it. Give a later deadline, or less work."
+            )
+        return record
 
     def decide_from(self, signal: Any, now: float, steps_left: float) -> Decision | None:
         """The decision at wall time ``now`` on ``signal`` (a
@@ -1013,6 +1064,7 @@ class GreenSchedule:
             "planned_work_s": self.planned_work_s,
             "decisions": self.decision_count,
             "deadline": None if self.deadline is None else format_utc(self.deadline),
+            "deadline_unmet": self.deadline_unmet,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -1026,6 +1078,7 @@ class GreenSchedule:
             "decisions": [dict(d) for d in self.decisions],
             "decision_count": self.decision_count,
             "first_forecast": self.first_forecast,
+            "deadline_unmet": self.deadline_unmet,
             "ledger": self.ledger.state_dict(),
         }
 
@@ -1038,6 +1091,7 @@ class GreenSchedule:
         self.decision_count = int(state.get("decision_count", len(self.decisions)))
         first = state.get("first_forecast")
         self.first_forecast = None if first is None else (list(first[0]), list(first[1]))
+        self.deadline_unmet = state.get("deadline_unmet")
         self.ledger.load_state_dict(state["ledger"])
 
 
