@@ -1,4 +1,5 @@
-"""HardSampleReplay with time-major batches whose time length equals the batch size at the first batch."""
+"""HardSampleReplay with batches holding a tensor with the batch size along both first dimensions at the first
+batch: time-major tokens whose time length equals it, per-sample pairwise tensors, features as many."""
 
 from __future__ import annotations
 
@@ -87,3 +88,175 @@ def test_steps_mode_trains_the_same_time_major_batches_whole():
     module = _TimeMajorAttention()
     _fit("steps", module)
     assert module.shapes and all(shape[1] == BATCH for shape in module.shapes)
+
+
+# held-out sweep: a batch-first encoder's batch carried a (B, B) "same label" mask next to its tokens; the first
+# cut kept its rows only ((8, 8) to (4, 8) next to 4 samples) and the pairwise loss failed at step 13
+
+
+class _LabelledSequences(Dataset):
+    """36 token sequences (4 full batches of 8 and a short one of 4); the first batch's longest is 8 long."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        lengths = [8, 5, 3, 6, 4, 7, 2, 5] + [
+            int(n) for n in torch.randint(2, 12, (28,), generator=generator)
+        ]
+        self.tokens = [torch.randint(1, VOCAB, (n,), generator=generator) for n in lengths]
+        self.labels = torch.randint(0, 3, (len(lengths),), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        return self.tokens[index], self.labels[index]
+
+
+def _batch_first_with(pairwise):
+    """A collate_fn of batch-first tokens, their padding mask, the labels and ``pairwise(labels)`` (or none)."""
+
+    def collate(samples):
+        tokens, labels = zip(*samples)
+        x = pad_sequence(list(tokens), batch_first=True)
+        y = torch.stack(labels)
+        batch = {"input_ids": x, "mask": (x != 0).float(), "labels": y}
+        if pairwise is not None:
+            batch["pairs"] = pairwise(y)
+        return batch
+
+    return collate
+
+
+def _same_label(y):
+    return (y[:, None] == y[None, :]).float()
+
+
+def _lower_label(y):  # asymmetric: no symmetry says it is pairwise
+    return (y[:, None] < y[None, :]).float()
+
+
+class _PairwiseEncoder(pl.LightningModule):
+    """A batch-first TransformerEncoder; its loss adds one on the samples' pairwise similarities against the
+    batch's ``pairs`` (or, with ``relation``, against that relation of the labels computed here)."""
+
+    def __init__(self, relation=None) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+        self.encoder = torch.nn.TransformerEncoder(layer, 1)
+        self.head = torch.nn.Linear(16, 3)
+        self.relation = relation
+        self.rows: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        mask, y = batch["mask"], batch["labels"]
+        self.rows.append(len(y))
+        h = self.encoder(self.embed(batch["input_ids"]), src_key_padding_mask=mask == 0)
+        z = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        pairs = self.relation(y) if self.relation is not None else batch["pairs"]
+        similarity = F.normalize(z, dim=1) @ F.normalize(z, dim=1).T
+        return F.cross_entropy(self.head(z), y) + F.binary_cross_entropy_with_logits(5 * similarity, pairs)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def _fit_pairwise(mode, module, pairwise, tmp_path):
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay(mode=mode, replay_fraction=0.5)],
+        max_epochs=2,
+        **trainer_kwargs(default_root_dir=tmp_path),
+    )
+    loader = DataLoader(_LabelledSequences(), batch_size=BATCH, collate_fn=_batch_first_with(pairwise))
+    trainer.fit(module, loader)
+
+
+def test_batch_mode_refuses_a_per_sample_pairwise_mask_before_any_cut_naming_the_ways_out(tmp_path):
+    module = _PairwiseEncoder()
+    with pytest.raises(
+        PulseRefusal,
+        match=r"^HardSampleReplay cannot cut .*pairwise \(B, B\).*batch\['pairs'\] \(8, 8\) is symmetric"
+        r".*mode='steps'.*training_step",
+    ):
+        _fit_pairwise("batch", module, _same_label, tmp_path)
+    assert module.rows == [BATCH]  # refused at the second batch, before any cut
+
+
+def test_batch_mode_refuses_an_asymmetric_pairwise_tensor_at_the_short_last_batch_before_any_cut(tmp_path):
+    module = _PairwiseEncoder()
+    with pytest.raises(
+        PulseRefusal,
+        match=r"^HardSampleReplay cannot cut .*batch\['pairs'\] was \(8, 8\) at the fit's first batch and is "
+        r"\(4, 4\) at this batch of 4: its second dimension follows",
+    ):
+        _fit_pairwise("batch", module, _lower_label, tmp_path)
+    assert module.rows == [BATCH] * 4  # the first epoch's full batches, uncut
+
+
+@pytest.mark.parametrize("mode", ["steps", "batch"])
+def test_the_pairwise_refusals_ways_out_train(mode, tmp_path):
+    # steps mode: the collate_fn builds the mask for the samples the sampler chose (its loss would fail on a
+    # mask of other samples); batch mode: the step computes it from the cut labels
+    module = _PairwiseEncoder(relation=_same_label if mode == "batch" else None)
+    _fit_pairwise(mode, module, _same_label if mode == "steps" else None, tmp_path)
+    if mode == "batch":
+        assert len(module.rows) == 10 and min(module.rows[5:]) < BATCH  # the second epoch's cut steps
+    else:
+        assert module.rows and sum(module.rows) < 2 * len(_LabelledSequences())  # fewer samples trained
+
+
+class _SquareFeatures(pl.LightningModule):
+    """An MLP over 8 features in batches of 8: ``(8, 8)`` at every full batch, ``(4, 8)`` at the short one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(BATCH, 3)
+        self.rows: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.rows.append(len(y))
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_batch_mode_cuts_features_and_tokens_as_long_as_the_batch(tmp_path):
+    # not pairwise: features as many as the samples on every batch, tokens as long as them on the first
+    generator = torch.Generator().manual_seed(0)
+    features = torch.utils.data.TensorDataset(
+        torch.randn(36, BATCH, generator=generator), torch.arange(36) % 3
+    )
+    square = _SquareFeatures()
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay(mode="batch", replay_fraction=0.5)],
+        max_epochs=2,
+        **trainer_kwargs(default_root_dir=tmp_path),
+    )
+    trainer.fit(square, DataLoader(features, batch_size=BATCH))
+    assert min(square.rows[5:]) < BATCH
+    tokens = _PairwiseEncoder(relation=_same_label)
+    _fit_pairwise("batch", tokens, None, tmp_path)
+    assert min(tokens.rows[5:]) < BATCH
+
+
+def test_the_pairwise_watch_reads_a_sorted_padding_mask_as_no_relation_and_a_cut_first_batch_at_once():
+    from lightning_pulse.core.selection import PairwiseWatch
+
+    # lengths 3, 2, 1 padded to 3: symmetric, but its diagonal holds 1 and 0; the tokens beside it are not
+    padded = {
+        "x": torch.tensor([[5, 6, 7], [8, 9, 0], [4, 0, 0]]),
+        "mask": torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]]),
+    }
+    watch = PairwiseWatch(padded, 3)
+    assert watch.refusal(padded, 3, cut=False, first=True) is None
+    assert watch.refusal(padded, 3, cut=True) is None
+    # the fit's first batch is cut (a resumed fit): its symmetry is all there is to read before the harm
+    labelled = {"y": torch.tensor([0, 1, 0]), "same": _same_label(torch.tensor([0, 1, 0]))}
+    reason = PairwiseWatch(labelled, 3).refusal(labelled, 3, cut=True, first=True)
+    assert (
+        reason is not None
+        and "batch['same'] (3, 3) is symmetric" in reason
+        and "at the fit's first batch" in reason
+    )

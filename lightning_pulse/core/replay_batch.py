@@ -50,6 +50,7 @@ from lightning_pulse.core.per_sample_loss import (
 from lightning_pulse.core.replay import BatchPlan, Composition, HardSampleSelector
 from lightning_pulse.core.sample_index import KEEP_ONE_ROW_PER_INDEX, unmatched_rows, unmatched_rows_cause
 from lightning_pulse.core.selection import (
+    PairwiseWatch,
     assign_in_place,
     concatenated_parts,
     concatenation_refusal,
@@ -154,6 +155,8 @@ class ReplayBatchLifecycle:
         # batch mode: the tensors of the first checked batch with B along both first dimensions ((B, B) tokens
         # or (T, B) with T == B), whose layout every later batch is checked for before its cut
         self._square_parts: dict[str, tuple[int, ...]] = {}
+        # batch mode: those of them that may be per-sample pairwise (B, B) tensors, watched before each cut
+        self._pairwise: PairwiseWatch | None = None
         self._backward_ran = False  # in the step in flight
         self._module: nn.Module | None = None  # the module training (its parameters and buffers are no batch)
         # the step in flight: whether its loss was accounted for by its captured calls, and why not
@@ -177,6 +180,7 @@ class ReplayBatchLifecycle:
         self.recorded_steps = self.unscored_steps = 0
         self._structure_checked = self._said_coefficients = False
         self._concatenated, self._joined_rows, self._square_parts = {}, {}, {}
+        self._pairwise = None
         self._sign_checks_left = SIGN_CHECKED_STEPS
         self.captures.start()
 
@@ -223,7 +227,8 @@ class ReplayBatchLifecycle:
                 the next (:func:`~lightning_pulse.core.selection.joined_rows`); for a later batch with ``B``
                 second and another length first where the first checked batch held ``B`` along both first
                 dimensions (:func:`~lightning_pulse.core.selection.time_major_later_refusal`: time-major
-                with ``T == B`` then). For a cut batch before the
+                with ``T == B`` then); for a per-sample pairwise ``(B, B)`` tensor there, found by the
+                :class:`~lightning_pulse.core.selection.PairwiseWatch` before a cut. For a cut batch before the
                 carried-state check is done while the module holds batch-shaped state.
         """
         self.captures.drop()
@@ -242,11 +247,14 @@ class ReplayBatchLifecycle:
                 self._concatenated = concatenated_parts(batch, batch_size, with_items=True)
                 self._joined_rows = joined_rows(batch, batch_size)
                 self._square_parts = square_parts(batch, batch_size)
+                self._pairwise = PairwiseWatch(batch, batch_size) if self._square_parts else None
         elif self._square_parts and batch_size >= 2:  # empty for most batches: then no cost
             refuse(time_major_later_refusal(self._square_parts, batch, batch_size))
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
         if self._concatenated or self._joined_rows:
             self._check_concatenated(batch, batch_size, first_checked, plan.positions is not None)
+        if self._pairwise is not None:
+            refuse(self._pairwise.refusal(batch, batch_size, plan.positions is not None, first=first_checked))
         if module is not None and self.state_check.first_batch:
             self.state_check.note_lists(module)
         if not self.state_check.done:  # the fit's first two batches (the ways out are only read to refuse)

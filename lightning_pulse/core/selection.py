@@ -23,7 +23,8 @@ node-to-graph vector, a VLM's image patches next to each image's grid); :func:`j
 first dimension is not ``B``, for a caller that refuses one whose first dimension changes from batch to batch
 with nothing beside it that says how it splits (:func:`joined_rows_refusal`); :func:`square_parts` the tensors
 whose first two dimensions are both ``B`` (either layout), for a caller that refuses a later batch holding
-``(T, B)`` there (:func:`time_major_later_refusal`).
+``(T, B)`` there (:func:`time_major_later_refusal`); :class:`PairwiseWatch` those of them that are per-sample
+pairwise ``(B, B)`` tensors (a same-label mask), which a cut would keep whole along the second dimension.
 """
 
 from __future__ import annotations
@@ -361,6 +362,126 @@ def time_major_later_refusal(square: dict[str, tuple[int, ...]], batch: Any, bat
     before = "; ".join(f"{where} was {square[where]}" for where in shown)
     before = f" ({before} at the fit's first batch, which told neither layout)"
     return _time_major_reason(list(shown.values()), batch_size, before)
+
+
+def _is_square(value: Any, batch_size: int) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() >= 2
+        and value.shape[0] == value.shape[1] == batch_size
+    )
+
+
+def _pairwise_reason(shown: dict[str, str], batch_size: int) -> str:
+    """Why a cut of a batch holding the per-sample pairwise tensors ``shown`` (where: what showed it) is
+    refused."""
+    found = "; ".join(f"{where} {why}" for where, why in shown.items())
+    return (
+        f"cannot cut a batch of {batch_size} samples in mode='batch': it holds a per-sample pairwise "
+        f"(B, B) tensor, one row and one column per sample (a same-label mask, a similarity or distance "
+        f"matrix): {found}. A cut keeps only its rows (to (k, {batch_size}) next to k kept samples), and "
+        "nothing says that its second dimension is the samples too (a (B, F) feature or token tensor whose "
+        "F equals B would be cut wrongly along both). Use mode='steps', which chooses the samples at the "
+        "sampler, before the collate_fn builds the pairwise tensor for them, or compute the pairwise "
+        "tensor in training_step from the batch's per-sample parts (e.g. "
+        "`same = labels[:, None] == labels[None, :]`)."
+    )
+
+
+class PairwiseWatch:
+    """Finds, before a batch-mode cut, a per-sample pairwise ``(B, B)`` tensor that a cut along the first
+    dimension would keep whole along its second (``(k, B)`` next to ``k`` samples).
+
+    A tensor with ``B`` along both first dimensions at the fit's first checked batch (:func:`square_parts`)
+    may be batch-first ``(B, F)`` whose ``F`` is ``B`` (features, tokens padded to a length), time-major, or
+    pairwise. It is watched while it stays ``(b, b)`` at every batch of ``b`` samples (a batch-first one of
+    another length leaves). It is pairwise, and refused, when
+
+    * it was ``(b, b)`` at batches of two sizes (an epoch's short last batch): its second dimension follows
+      the samples, which no feature or padded length does; or
+    * it was symmetric in its first two dimensions with one value along its diagonal at every batch read,
+      and not constant at one of them, at the fit's second batch or at the first cut, whichever comes first
+      (a same-label mask, a similarity matrix; a feature or token tensor is so by no chance, an all-ones
+      padding mask of a full-length batch is constant, one of a batch sorted by length has 1 and 0 along
+      its diagonal; two batches, because one-hot labels of 3 classes in batches of 3 are, 1 time in 27).
+      Values are read (a device sync) only for such tensors and only at those two batches.
+
+    A square tensor that is neither (an asymmetric pairwise tensor on batches of one size) is cut along its
+    first dimension.
+    """
+
+    def __init__(self, batch: Any, batch_size: int) -> None:
+        square = {where: t for where, t in _parts_with_paths(batch, batch_size) if _is_square(t, batch_size)}
+        # the batch sizes at which each watched place was (b, b), at every batch read so far
+        self.sizes: dict[str, set[int]] = {where: {batch_size} for where in square}
+        self.first_shapes = {where: tuple(t.shape) for where, t in square.items()}
+        self._symmetric = {where for where, t in square.items() if _is_relation_like(t)}
+        self._varied = {where for where in self._symmetric if not _is_constant(square[where])}
+        self._batches_read = 1
+        self._values_read = False  # the fit's second batch or first cut has been read for symmetry
+
+    def refusal(self, batch: Any, batch_size: int, cut: bool, first: bool = False) -> str | None:
+        """The reason, after the callback's name, for refusing to cut ``batch`` (``cut``: the plan cuts it;
+        ``first``: the batch the watch was made from), or ``None``. A batch that lost rows (a collate_fn
+        dropped a sample) holds no tensor of ``B`` rows, is not cut, and is not read."""
+        if not self.sizes or batch_size < 2:
+            return None
+        held: dict[str, Any] = {}
+        if not first:
+            parts = list(_parts_with_paths(batch, batch_size))
+            if not any(isinstance(t, Tensor) and t.dim() and t.shape[0] == batch_size for _, t in parts):
+                return None
+            held = {where: t for where, t in parts if where in self.sizes}
+            for where in list(self.sizes):
+                tensor = held.get(where)
+                if not _is_square(tensor, batch_size):
+                    del self.sizes[where]
+                    self._symmetric.discard(where)
+                    continue
+                self.sizes[where].add(batch_size)
+                if where in self._symmetric:
+                    if not _is_relation_like(tensor):
+                        self._symmetric.discard(where)
+                    elif not _is_constant(tensor):
+                        self._varied.add(where)
+            self._batches_read += 1
+        followed = {
+            where: f"was {self.first_shapes[where]} at the fit's first batch and is "
+            f"{tuple(held[where].shape)} at this batch of {batch_size}: its second dimension follows the "
+            "number of samples"
+            for where, sizes in self.sizes.items()
+            if len(sizes) >= 2
+        }
+        if followed:
+            return _pairwise_reason(followed, batch_size)
+        if not self._values_read and (cut or self._batches_read >= 2):
+            read = "first batch" if self._batches_read == 1 else "first two batches"
+            symmetric = {
+                where: f"{self.first_shapes[where]} is symmetric in its first two dimensions with one value "
+                f"along its diagonal, and not constant, at the fit's {read}"
+                for where in self._symmetric & self._varied
+                if where in self.sizes
+            }
+            # read once: a pairwise tensor constant on both batches (one label each) is missed, as documented
+            self._values_read = True
+            self._symmetric.clear()
+            if symmetric:
+                return _pairwise_reason(symmetric, batch_size)
+        return None
+
+
+def _is_relation_like(tensor: Tensor) -> bool:
+    """``(b, b, ...)`` symmetric in the first two dimensions with one value along the diagonal, as a relation between the
+    samples is (a same-label mask's 1s, a distance matrix's 0s). A padding mask of a batch sorted by length
+    can be symmetric (lengths 3, 2, 1 padded to 3), but its diagonal then holds both 1 and 0."""
+    if tensor.shape[0] < 3:  # a batch of 2 is never cut to fewer (core.replay.MIN_COMPOSED): nothing to tell
+        return False
+    diagonal = tensor.diagonal(dim1=0, dim2=1)
+    return bool(torch.equal(tensor, tensor.transpose(0, 1))) and _is_constant(diagonal)
+
+
+def _is_constant(tensor: Tensor) -> bool:
+    return tensor.numel() == 0 or bool((tensor == tensor.reshape(-1)[0]).all())
 
 
 def _parts_with_paths(
