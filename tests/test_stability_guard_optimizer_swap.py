@@ -81,12 +81,21 @@ class _WatchOptimizer(Callback):
         self.rows[trainer.global_step] = (type(optimizer).__name__, group["lr"], sorted(state))
 
 
-def _fit(tmp_path, first: str, to: str, spike_steps: tuple[int, ...], lr: float | None = None):
+def _guard(snapshot_every: int = 10) -> StabilityGuard:
+    return StabilityGuard(
+        window=20,
+        warmup=10,
+        snapshot_every=snapshot_every,
+        rollback_margin=2,
+        max_snapshots=3,
+        skip_after_rollback=2,
+    )
+
+
+def _fit(tmp_path, first: str, to: str, spike_steps: tuple[int, ...], lr: float | None = None, every=10):
     pl.seed_everything(0)
     model, watch = _Spiking(first, spike_steps), _WatchOptimizer()
-    guard = StabilityGuard(
-        window=20, warmup=10, snapshot_every=10, rollback_margin=2, max_snapshots=3, skip_after_rollback=2
-    )
+    guard = _guard(every)
     callbacks = [_SwapOptimizer(to, lr), watch, guard]
     trainer = pl.Trainer(max_steps=50, callbacks=callbacks, default_root_dir=tmp_path, **trainer_kwargs())
     return trainer, model, guard, watch
@@ -121,13 +130,43 @@ def test_a_rollback_with_no_snapshot_of_the_new_optimizer_stops_with_a_checkpoin
     held is of the old optimizer. The rollback at step 35 used to load it (Adam->SGD silently, at Adam's lr;
     SGD->Adam ``KeyError``); now the run stops with a checkpoint of the current state and nothing loaded."""
     trainer, model, guard, watch = _fit(tmp_path, first, to, spike_steps=(33, 34, 35))
-    with pytest.raises(StabilityGuardError, match=r"no snapshot fits .*swapped for another class") as error:
+    with pytest.raises(
+        StabilityGuardError, match=r"no snapshot fits its optimizers.*swapped for another class"
+    ) as error:
         trainer.fit(model)
     assert guard.rollbacks == 0 and trainer.global_step == 36
     checkpoint = torch.load(error.value.checkpoint_path, weights_only=False)
     assert checkpoint["global_step"] == 36
     saved_group = checkpoint["optimizer_states"][0]["param_groups"][0]
     assert saved_group["lr"] == LEARNING_RATES[to] and ("betas" in saved_group) == (to == "adam")
+
+
+def test_the_stop_after_a_swap_no_healthy_step_followed_names_a_way_out_that_works(tmp_path):
+    """Adam swapped for SGD at step 33 and the loss spiking from that step on: the stop used to advise
+    "Take snapshots more often (`snapshot_every`)", and with ``snapshot_every=1`` the run stopped the same
+    way (the first healthy step after a swap is snapshotted whatever the period; none came). The message
+    says the optimizers changed after the newest snapshot and that more frequent snapshots would not help,
+    and its way out works: the checkpoint's weights in a new run whose ``configure_optimizers`` returns SGD
+    roll back past the same spikes and train on."""
+    trainer, model, guard, _ = _fit(tmp_path, "adam", "sgd", spike_steps=(33, 34, 35), every=1)
+    with pytest.raises(StabilityGuardError) as error:
+        trainer.fit(model)
+    message = str(error.value)
+    assert (
+        "no snapshot fits its optimizers or LR schedulers: they changed after the newest snapshot" in message
+    )
+    assert "(step 33)" in message and "no healthy step followed the change" in message
+    assert "more frequent snapshots would not help" in message and "Take snapshots more often" not in message
+    assert "`configure_optimizers` returns the new optimizer" in message
+
+    pl.seed_everything(0)
+    again = _Spiking("sgd", spike_steps=(13, 14, 15))
+    again.load_state_dict(torch.load(error.value.checkpoint_path, weights_only=False)["state_dict"])
+    guard = _guard(snapshot_every=1)
+    trainer = pl.Trainer(max_steps=30, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
+    trainer.fit(again)
+    assert guard.rollbacks == 1 and trainer.global_step == 30 and not guard.stopped
+    assert all(torch.isfinite(p).all() for p in again.parameters())
 
 
 def test_a_swap_to_a_new_optimizer_of_the_same_class_keeps_its_snapshots(tmp_path):

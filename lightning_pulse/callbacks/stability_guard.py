@@ -246,6 +246,8 @@ class StabilityGuard(Callback):
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
         energy, optimizers = self._energy.end(), trainer.optimizers
         schedulers = self._schedulers(trainer)  # StochasticWeightAveraging swaps or adds one mid-run
+        if self._record.forced:  # skipped after a rollback: what its forwards wrote goes back too
+            self.core.mend_forward_state(pl_module)
         if self.core.finish_step(action, trainer.global_step, energy, optimizers, pl_module, schedulers):
             self._take_snapshot(trainer, pl_module)
         if action in (Action.ROLLBACK, Action.STOP):

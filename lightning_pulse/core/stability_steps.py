@@ -244,6 +244,7 @@ class StepRecord:
         # batch_idx -> the dataset indices of the samples it trained, where a callback cut it in place
         self.trained: dict[int, Tensor] = {}
         self.decided: Action | None = None  # the current optimizer step's action, until its batch end
+        self.forced = False  # whether the last decided step was a forced skip (after a rollback)
         self.cut = cut
         # the loss of the step being judged (mean over the window and ranks) and its baseline key: what the
         # checks of a flagged step (FlaggedStep) read, while the step is judged
@@ -282,9 +283,11 @@ class StepRecord:
     def decided_before_judging(self, policy: EscalationPolicy) -> Action | None:
         """The step's action where it needs no judging: a forced skip (one of the steps skipped after a
         rollback, :meth:`EscalationPolicy.forced_skip`), or the action decided already (LBFGS's later closure
-        evaluations, trial points, are judged on the first); else ``None``."""
-        if self.decided is None and policy.forced_skip():
-            self.decided = Action.SKIP
+        evaluations, trial points, are judged on the first); else ``None``. :attr:`forced` tells a forced
+        skip at its batch end, whose forwards' writes the guard then sets back."""
+        if self.decided is None:
+            self.forced = policy.forced_skip()
+            self.decided = Action.SKIP if self.forced else None
         return self.decided
 
 
@@ -368,6 +371,8 @@ class StabilityCore:
         self.rollback_to: int | None = None  # the snapshot step the last rollback test chose
         # since the newest snapshot: the first step whose snapshot was left out, and what was non-finite then
         self.left_out: tuple[int, list[str]] | None = None
+        # the newest snapshot that a rollback found fitting the model but not its optimizers or schedulers
+        self.unfit_optimizers_after: int | None = None
         # the step this fit started at: its snapshot predates the fit's first forward
         self.fit_start: int | None = None
         # the step after the fit's first applied step (the fit's start, where that step overflowed a value)
@@ -461,6 +466,7 @@ class StabilityCore:
         infinities)."""
         refuse_unconsolidated_optimizers(optimizers)
         self.schedule.pending, self.rollback_to, self.left_out = False, None, None
+        self.unfit_optimizers_after = None
         self.fit_start, self.first_forward, self.overflow_warned = step, None, False
         self.unchecked_data_faults, self.presumption_warned = 0, False
         self.check_oom_warned = False
@@ -764,10 +770,12 @@ class StabilityCore:
         return snapshot, evidence
 
     def mend_forward_state(self, model: nn.Module, saved: SavedForwardState | None = None) -> list[str]:
-        """After a data fault: set back what the bad step's forwards wrote. The step is skipped, but its
-        forward already wrote BatchNorm's running statistics, and left so they would make every later step
-        non-finite. The buffers training forwards write go back to their values before the step's first
-        forward (all of them, finite or not: the run goes on as if the step had been skipped;
+        """After a data fault, and after each forced skip (a batch of the window skipped after a rollback,
+        never judged: its batch may hold NaN rows all the same): set back what the skipped step's forwards
+        wrote. The step is skipped, but its forward already wrote BatchNorm's running statistics, and left so
+        they would make every later step non-finite. The buffers training forwards write go back to their
+        values before the step's first forward (all of them, finite or not: the run goes on as if the step had
+        been skipped;
         :class:`~lightning_pulse.core.snapshots.PreStepBuffers`), and so do the parameters forwards write (an
         EMA codebook; :func:`_made_bad`: frozen, or held by no optimizer). Where no such copy exists (a
         resume, the fit's first steps), and for carried tensors, buffers and parameters not learned yet, those
@@ -964,11 +972,15 @@ class StabilityCore:
         start = self.policy.incident_start
         if self.rollback_to is not None:
             start, self.rollback_to = self.rollback_to + self.schedule.margin, None
-        held = len(self.schedule.ring)  # the ones that do not fit go now
+        held = list(self.schedule.ring)  # the ones that do not fit go now
         target, predates = self.schedule.roll_back(
             step if start is None else start, model, *state, self.config.rewind_lr_schedule
         )
         if target is None:
+            # the model still fits one: the optimizers or LR schedulers changed since, with no healthy step
+            # after the change to snapshot (no_snapshot_message says what helps then)
+            fitting = [snapshot.step for snapshot in held if snapshot.fits(model)]
+            self.unfit_optimizers_after = max(fitting) if fitting else None
             optimizers = "its optimizers' classes or parameter groups"
             why = f"fits the model any more (or {optimizers}, or its LR schedulers)"
             if self.left_out is not None:
@@ -999,7 +1011,7 @@ class StabilityCore:
         self.policy.stop(step, to_step)
         path = stop_checkpoint_path(self.config, root_dir, step)
         if action is Action.ROLLBACK:
-            return no_snapshot_message(step, path, self.left_out), path
+            return no_snapshot_message(step, path, self.left_out, self.unfit_optimizers_after), path
         return stop_message(self.policy, step, to_step, recent_rollbacks, path), path
 
     def parameters_replaced(self, step: int) -> None:
@@ -1204,7 +1216,15 @@ def left_out_message(step: int, names: Sequence[str]) -> str:
     )
 
 
-def no_snapshot_message(step: int, path: str, left_out: tuple[int, Sequence[str]] | None = None) -> str:
+def no_snapshot_message(
+    step: int,
+    path: str,
+    left_out: tuple[int, Sequence[str]] | None = None,
+    unfit_optimizers_after: int | None = None,
+) -> str:
+    """Why a rollback found no snapshot to return to, and what helps: ``left_out``, the step since which
+    snapshots were left out and what was non-finite; ``unfit_optimizers_after``, the newest snapshot that
+    still fits the model, not its optimizers or LR schedulers (they changed after it)."""
     if left_out is not None:
         since, names = left_out
         return (
@@ -1214,15 +1234,30 @@ def no_snapshot_message(step: int, path: str, left_out: tuple[int, Sequence[str]
             f"state. The checkpoint {path!r} holds the current state. Find what writes non-finite values "
             f"into them, and resume from a checkpoint saved before step {since}."
         )
+    if unfit_optimizers_after is not None:
+        # the first healthy step after such a change is snapshotted whatever `snapshot_every`: more frequent
+        # snapshots cannot help, a change the run can snapshot (at a fit's start) can
+        return (
+            f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits its "
+            f"optimizers or LR schedulers: they changed after the newest snapshot (step "
+            f"{unfit_optimizers_after}) (an optimizer swapped for another class: `trainer.optimizers = "
+            "[...]`; a group added to an optimizer's parameter groups: BackboneFinetuning, "
+            "`optimizer.add_param_group`; StochasticWeightAveraging swapping in SWALR), and no healthy step "
+            "followed the change. The first one after it would have been snapshotted whatever "
+            "`snapshot_every`, so more frequent snapshots would not help; a rollback would load the old "
+            f"state into the new ones, and training on would go on from the bad state. The checkpoint "
+            f"{path!r} holds the current state. If the change made these steps diverge (a learning rate too "
+            "high for the new optimizer), change that. To train on with the change, make it at a fit's "
+            "start, which the guard snapshots: load the weights of a checkpoint saved before the change (or "
+            "this one's) into a new run (YourModule.load_from_checkpoint(path), then trainer.fit) whose "
+            "`configure_optimizers` returns the new optimizer and schedulers."
+        )
     return (
         f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the "
         "model any more: its structure changed after the last one (a layer or buffer added, channels cut "
-        "outside ScheduledPrune), or its optimizer's parameter groups did (a group added by "
-        "BackboneFinetuning or `optimizer.add_param_group`), or its optimizers did (one swapped for another "
-        "class: `trainer.optimizers = [...]`), or its LR schedulers did "
-        "(StochasticWeightAveraging swapping in SWALR) before a healthy step could be snapshotted, and "
-        f"training on would go on from the bad state. The checkpoint {path!r} holds the current state. Take "
-        "snapshots more often (`snapshot_every`), so that one follows such a change."
+        "outside ScheduledPrune) before a healthy step could be snapshotted, and training on would go on "
+        f"from the bad state. The checkpoint {path!r} holds the current state. Take snapshots more often "
+        "(`snapshot_every`), so that one follows such a change."
     )
 
 
