@@ -300,3 +300,35 @@ def test_a_resume_with_a_lower_final_sparsity_says_once_that_the_pruned_stays_an
             trainer = pl.Trainer(max_steps=12, callbacks=[_prune(final_sparsity=final)], **trainer_kwargs())
             trainer.fit(_MLP(), _data(), ckpt_path=checkpoint)
         assert _pulse_warnings(caught) == []
+
+
+class _QuantizationAware(_MLP):
+    """torch.ao's quantization-aware training: each Linear's per-channel fake quantizer holds a `(1,)` scale
+    until its first forward, which torch's own load resizes to the saved `(32,)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.ao import quantization
+
+        self.net.qconfig = quantization.get_default_qat_qconfig("fbgemm")
+        self.net.train()
+        quantization.prepare_qat(self.net, inplace=True)
+
+
+def test_an_unstructured_resume_of_a_quantization_aware_model_loads_its_fake_quantizer_scales(tmp_path):
+    """Held-out sweep: the resume was refused with "the state dict holds the model from before channels were cut
+    (net.0.weight_fake_quant.scale: (32,) there, (1,) in this module ...)", though unstructured mode cuts no
+    channel and the resume works without the callback."""
+    pl.seed_everything(0)
+    saving = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=8, save_top_k=-1)
+    trainer = pl.Trainer(
+        max_steps=12, callbacks=[_prune(), saving], **trainer_kwargs(enable_checkpointing=True)
+    )
+    trainer.fit(_QuantizationAware(), _data())
+    checkpoint = next(tmp_path.glob("*step=8*.ckpt"))
+    resumed, prune = _QuantizationAware(), _prune()
+    trainer = pl.Trainer(max_steps=12, callbacks=[prune], **trainer_kwargs())
+    trainer.fit(resumed, _data(), ckpt_path=checkpoint)
+    assert trainer.global_step == 12
+    assert resumed.net[0].weight_fake_quant.scale.shape == (32,)
+    assert _zeros(resumed.net[0]) > 0.3

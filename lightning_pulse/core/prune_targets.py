@@ -89,6 +89,22 @@ def _old_style_norm(module: nn.Module) -> bool:
     return any(isinstance(hook, (SpectralNorm, WeightNorm)) for hook in module._forward_pre_hooks.values())
 
 
+def weight_computation_removal(module: nn.Module) -> str:
+    """The call that makes ``module``'s computed ``weight`` a plain parameter again (:func:`computes_its_weight`):
+    each kind has its own, and the others raise on it (``remove_parametrizations`` on an old-style
+    ``weight_norm``: "does not have a parametrization on weight")."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    hooks = module._forward_pre_hooks.values()
+    if not parametrize.is_parametrized(module, "weight"):
+        if any(isinstance(hook, WeightNorm) for hook in hooks):
+            return "torch.nn.utils.remove_weight_norm(layer)"
+        if any(isinstance(hook, SpectralNorm) for hook in hooks):
+            return "torch.nn.utils.remove_spectral_norm(layer)"
+    return "torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')"
+
+
 def computes_its_weight(module: nn.Module) -> bool:
     """Whether ``module``'s ``weight`` is computed from other tensors at each forward: a parametrization, or
     the older ``weight_norm`` / ``spectral_norm`` hooks. Such a layer is never pruned, nor cut as a consumer."""

@@ -1383,12 +1383,18 @@ def _parametrized_left_out(model: nn.Module, pruner: Pruner) -> str | None:
     if not left_out:
         return None
     them = "it" if len(left_out) == 1 else "them"
+    removals: dict[str, list[str]] = {}
+    for name in left_out:
+        removals.setdefault(prune_targets.weight_computation_removal(model.get_submodule(name)), []).append(
+            name
+        )
+    # each kind its own call: `remove_parametrizations` raises on an old-style `weight_norm` hook
+    calls = "; ".join(f"`{call}` for {first_names(names, 3)}" for call, names in removals.items())
     return (
         f"{NOTHING_TO_CUT}: {first_names(left_out, 3)} {'is' if them == 'it' else 'are'} left out (the "
         "weight is computed by a parametrization, which a cut cannot follow), and so is every channel group "
-        f"that would cut {them}; remove the parametrization before the fit "
-        f"(`torch.nn.utils.parametrize.remove_parametrizations`) to let {them} and the layers next to {them} "
-        "be cut"
+        f"that would cut {them}; remove the parametrization before the fit ({calls}) to let {them} and the "
+        f"layers next to {them} be cut"
     )
 
 
@@ -1635,6 +1641,10 @@ def _autograd_off_reason(names: Sequence[str], output: Any) -> str:
 
 #: how many exclusions :func:`_way_out` adds and checks before it gives up on naming one that works
 WAY_OUT_TRIES = 3
+#: how many more trial cuts :func:`_way_out` spends leaving chosen layers out by name (:func:`_layer_search`)
+LAYER_SEARCH_TRIES = 4
+#: past this many seconds of checking exclusions, :func:`_way_out` starts no further trial cut (a large model's)
+WAY_OUT_SECONDS = 30.0
 
 
 def _way_out(
@@ -1644,30 +1654,115 @@ def _way_out(
 
     The pattern leaves out the part the call broke in: the attention modules when it broke inside one (a head
     reshape), else the innermost part around the failing module that holds a chosen layer (the convolutions
-    feeding a ``GroupNorm`` whose groups must divide their channels). A cut that then breaks elsewhere adds that
-    part's pattern too, up to :data:`WAY_OUT_TRIES` times. Where no pattern passes, the first failing module is
-    named, with the patterns that failed too, and no pattern is offered."""
-    patterns, current = [], pruner.exclude_pattern
+    feeding a ``GroupNorm`` whose groups must divide their channels), then the attention modules. A cut that
+    then breaks elsewhere keeps that pattern and adds the new part's too; one that breaks in the same place
+    drops it. A pattern that leaves out no chosen layer the user's pattern leaves in (the user's own, again)
+    or every one of them (the module holding the whole model) is not tried. Where none passes within
+    :data:`WAY_OUT_TRIES` cuts, chosen layers are left out by name (:func:`_layer_search`: the break is in the
+    model's own ``forward``, or in a layer whose input another one cuts). Where no pattern passes, the failing
+    module is named, with the patterns that failed, and no pattern is offered."""
+    started, tries, failed = time.monotonic(), 0, []
+    current = pruner.exclude_pattern
     place = "" if where is None else f"it broke in {where} ({type(model.get_submodule(where)).__name__})"
-    for _ in range(WAY_OUT_TRIES):
-        pattern = _exclusion_for(model, where, current)
-        if pattern is None or pattern in patterns:  # the same part again: the same cut would fail again
+
+    def passes(with_pattern: str) -> str:
+        return f"{place}; with `exclude_pattern`={with_pattern!r} {TRIAL_CUT_PASSES} and the other layers are cut"
+
+    while tries < WAY_OUT_TRIES and time.monotonic() - started < WAY_OUT_SECONDS:
+        candidates = _exclusions_for(model, pruner, where, current)
+        pattern = next((p for p in candidates if _joined(current, p) not in failed), None)
+        if pattern is None:
             break
-        patterns.append(pattern)
-        current = "|".join(p for p in (pruner.exclude_pattern, *patterns) if p)
-        reason, where = _trial_cut(model, pruner, current, sparsities, example)
+        tries += 1
+        trial_pattern = _joined(current, pattern)
+        reason, broke_in = _trial_cut(model, pruner, trial_pattern, sparsities, example)
         if reason is None:
-            return (
-                f"{place}; with `exclude_pattern`={current!r} {TRIAL_CUT_PASSES} and the other layers are cut"
-            ).lstrip("; ")
+            return passes(trial_pattern).lstrip("; ")
+        failed.append(trial_pattern)
+        if reason.startswith("tracing which channels"):  # out of time: a search by layer would be as well
+            return f"{place}; the trial cut does not pass with `exclude_pattern`={trial_pattern!r} either"
         if not reason.startswith(CUT_FAILED):
             break
-    # only a checked pattern is offered: an unchecked "leave out the layers around it" failed the same way
-    # when followed (a held-out sweep's Mllama)
-    failed = f"the trial cut does not pass with `exclude_pattern`={current!r} either" if patterns else None
-    if not place:
-        return failed
-    return place if failed is None else f"{place}; {failed}"
+        if broke_in != where:  # this part was the trouble there: keep it out, and look at the next one
+            current, where = trial_pattern, broke_in
+    found, searched = _layer_search(model, pruner, current, sparsities, example, started)
+    if found is not None:
+        return passes(found).lstrip("; ")
+    tried = [repr(pattern) for pattern in failed[:3]] + (
+        ["chosen layers left out by name"] if searched else []
+    )
+    if not tried:
+        return f"{place}; it found no `exclude_pattern` to check".lstrip("; ")
+    return f"{place}; no `exclude_pattern` it checked lets the trial cut pass ({', '.join(tried)})".lstrip(
+        "; "
+    )
+
+
+def _joined(*patterns: str | None) -> str:
+    return "|".join(pattern for pattern in patterns if pattern)
+
+
+def _exclusions_for(model: nn.Module, pruner: Pruner, where: str | None, current: str | None) -> list[str]:
+    """The patterns :func:`_way_out` tries for a break in ``where``, best first: each leaves out some but not
+    all of the layers that ``current`` leaves chosen."""
+    attention = attention_pattern(model, current)
+    around = None if where is None or _in_attention(model, where) else _exclusion_for(model, where)
+    chosen = set(_chosen(model, pruner, current))
+    found: list[str] = []
+    for pattern in (around, None if attention is None else attention[0]):
+        left = set(_chosen(model, pruner, _joined(current, pattern))) if pattern else chosen
+        if left != chosen and left and pattern not in found:
+            found.append(pattern)
+    return found
+
+
+def _chosen(model: nn.Module, pruner: Pruner, exclude_pattern: str | None) -> list[str]:
+    """The layers ``pruner`` would choose with ``exclude_pattern`` instead of its own."""
+    narrowed = copy.copy(pruner)
+    narrowed.exclude_pattern = exclude_pattern
+    return list(narrowed.selection(model).layers)
+
+
+def _layer_search(
+    model: nn.Module,
+    pruner: Pruner,
+    current: str | None,
+    sparsities: Sequence[float],
+    example: Any,
+    started: float,
+) -> tuple[str | None, int]:
+    """A pattern that leaves out chosen layers by name and lets the trial cut pass, or ``None``, with the
+    number of trial cuts it took. The chosen layers (the output layers, never cut, aside) are halved in their
+    order, and the half whose leaving out passes is halved again, up to :data:`LAYER_SEARCH_TRIES` cuts; the
+    smallest half that passed is offered.
+    A break in the model's own ``forward`` (a fixed ``.view`` of a layer's output) names no part to leave out,
+    but one layer, or a few, are what it reads."""
+    chosen = _chosen(model, pruner, current)
+    named = {name: model.get_submodule(name) for name in chosen}
+    try:
+        outputs = set(output_layers(model, named, example, pruner.run_precision))
+    except (
+        Exception
+    ):  # only a message needs this: torch-pruning's own search can fail (a GRU's index mapping)
+        outputs = set()
+    candidates = [name for name in chosen if name not in outputs]
+    passing, tries = None, 0
+    while len(candidates) > 1:
+        half = len(candidates) // 2
+        for part in (candidates[:half], candidates[half:]):
+            if tries >= LAYER_SEARCH_TRIES or time.monotonic() - started >= WAY_OUT_SECONDS:
+                return passing, tries
+            tries += 1
+            pattern = _joined(current, exact_names_pattern(part))
+            reason, _ = _trial_cut(model, pruner, pattern, sparsities, example)
+            if reason is None:
+                passing, candidates = pattern, part
+                break
+            if not reason.startswith((CUT_FAILED, NOTHING_TO_CUT)):  # out of time, say: no further search
+                return passing, tries
+        else:
+            break
+    return passing, tries
 
 
 def _stream_writers_way_out(
@@ -1785,11 +1880,9 @@ def _hook_way_out(
     )
 
 
-def _exclusion_for(model: nn.Module, where: str | None, exclude_pattern: str | None) -> str | None:
-    """The pattern that leaves out the part ``where`` sits in (see :func:`_way_out`), or ``None``."""
-    if where is None or _in_attention(model, where):
-        attention = attention_pattern(model, exclude_pattern)
-        return None if attention is None else attention[0]
+def _exclusion_for(model: nn.Module, where: str) -> str | None:
+    """The pattern that leaves out the innermost part around ``where`` that holds another layer with a weight
+    (see :func:`_way_out`), or ``None``."""
     weighted = _weighted_names(model)
     parts = where.split(".")
     for end in range(len(parts), 0, -1):
@@ -2688,6 +2781,7 @@ def fit_to_state_dict(
         and isinstance(state_dict[prefix + key], torch.Tensor)
         and not nn.parameter.is_lazy(own[key])  # no entry to create it from: load_state_dict says so
         and own[key].shape != state_dict[prefix + key].shape
+        and not _resized_on_load(module, key)
     ]
     if not mismatched:
         return
@@ -2712,6 +2806,21 @@ def fit_to_state_dict(
         return
     example = _example_in_module_dtype(module, state_dict, prefix, keys, recorded)
     replay_structure(module, example, recorded["history"], trace_precision)
+
+
+def _resized_on_load(module: nn.Module, key: str) -> bool:
+    """Whether the module owning the state entry ``key`` resizes it to the saved shape as it loads: torch.ao's
+    fake quantizers and observers, whose per-channel ``scale`` / ``min_val`` are ``(1,)`` until their first
+    forward. No cut made those shapes differ (a QAT model's resume was refused as if channels had been cut)."""
+    from torch.ao.quantization import FakeQuantizeBase
+    from torch.ao.quantization.observer import ObserverBase
+
+    owner_name = key.rpartition(".")[0]
+    try:
+        owner = module.get_submodule(owner_name)
+    except AttributeError:
+        return False
+    return isinstance(owner, (FakeQuantizeBase, ObserverBase))
 
 
 def _example_in_module_dtype(

@@ -1,0 +1,190 @@
+"""The ways out a structured ScheduledPrune refusal names, from a held-out sweep: each ``exclude_pattern`` it
+offers was checked by a trial cut, and following it fits. A break in the LightningModule's own ``forward`` (a
+fixed ``.view`` after a layer) named no pattern; on HF Swin, ``exclude_pattern='downsample'`` was answered with
+``'downsample|downsample'`` failing; on a channel-shuffle CNN the module holding the whole model (``'net'``)
+was named; and an old-style ``weight_norm`` layer was told to run ``remove_parametrizations``, which raises
+on it."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pulse import ScheduledPrune
+from lightning_pulse.errors import PulseRefusal
+from tests.conftest import trainer_kwargs
+
+
+def _vectors() -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=generator)
+    return DataLoader(TensorDataset(x, (x[:, :4].argmax(dim=1))), batch_size=16)
+
+
+def _images(channels: int = 1) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(32, channels, 16, 16, generator=generator)
+    return DataLoader(TensorDataset(x, (x.mean(dim=(1, 2, 3)) > 0).long()), batch_size=8)
+
+
+def _prune(**overrides) -> ScheduledPrune:
+    options = {
+        "final_sparsity": 0.5,
+        "mode": "structured",
+        "start": 2,
+        "end": 6,
+        "every": 2,
+        "probe_batches": 0,
+    }
+    return ScheduledPrune(**{**options, **overrides})
+
+
+def _fit(module: pl.LightningModule, data: DataLoader, prune: ScheduledPrune, steps: int = 8) -> None:
+    trainer = pl.Trainer(callbacks=[prune], max_steps=steps, **trainer_kwargs())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data)
+
+
+def _offered(message: str) -> list[str]:
+    return [eval(found) for found in re.findall(r"`exclude_pattern`=('(?:[^'\\]|\\.)*')", message)]
+
+
+class _Classifier(pl.LightningModule):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).flatten(1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class _FixedHeadsInForward(_Classifier):
+    """A fixed head layout after layer `b`, written in the LightningModule's own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.h = (
+            nn.Linear(16, 32),
+            nn.Linear(32, 32),
+            nn.Linear(32, 32),
+            nn.Linear(32, 4),
+        )
+        self.example_input_array = torch.randn(2, 16)
+
+    def forward(self, x):
+        z = self.a(x).relu()
+        z = self.b(z).view(x.shape[0], 8, 4).softmax(-1).reshape(x.shape[0], 32)
+        return self.h(self.c(z).relu())
+
+
+def test_a_break_in_the_modules_own_forward_names_a_checked_pattern_that_fits():
+    # before: "pruning a copy of the model failed (RuntimeError: shape '[2, 8, 4]' is invalid ...)" and no pattern
+    with pytest.raises(PulseRefusal, match=r"the trial cut passes") as refused:
+        _fit(_FixedHeadsInForward(), _vectors(), _prune())
+    (pattern,) = _offered(str(refused.value))
+    assert re.search(pattern, "b") and not re.search(pattern, "a") and not re.search(pattern, "c")
+    module = _FixedHeadsInForward()
+    _fit(module, _vectors(), _prune(exclude_pattern=pattern))
+    assert module.b.out_features == 32 and module.a.out_features < 32
+
+
+class _ChannelShuffle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2, self.out = (
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.Linear(16, 2),
+        )
+
+    def forward(self, x):
+        h = self.c1(x).relu()
+        b, c, height, width = h.shape
+        h = h.view(b, 2, c // 2, height, width).transpose(1, 2).reshape(b, c, height, width)
+        return self.out(self.c2(h).relu().mean((2, 3)))
+
+
+class _Wrapped(_Classifier):
+    def __init__(self, net: nn.Module, example: torch.Tensor) -> None:
+        super().__init__()
+        self.net, self.example_input_array = net, example
+
+    def forward(self, x):
+        out = self.net(x)
+        return out.logits if hasattr(out, "logits") else out
+
+
+def test_a_pattern_leaving_out_the_whole_model_is_never_offered_and_the_offered_one_fits():
+    # before: "it broke in net (_ChannelShuffle); the trial cut does not pass with `exclude_pattern`='net' either"
+    with pytest.raises(PulseRefusal, match=r"it broke in net \(_ChannelShuffle\)") as refused:
+        _fit(_Wrapped(_ChannelShuffle(), torch.randn(2, 1, 16, 16)), _images(), _prune())
+    message = str(refused.value)
+    assert "'net'" not in message
+    (pattern,) = _offered(message)
+    module = _Wrapped(_ChannelShuffle(), torch.randn(2, 1, 16, 16))
+    _fit(module, _images(), _prune(exclude_pattern=pattern))
+    assert module.net.c2.out_channels < 16
+
+
+def test_swin_is_never_told_its_own_pattern_again_and_the_offered_one_fits():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.SwinConfig(
+        image_size=16,
+        patch_size=2,
+        num_channels=3,
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 2],
+        window_size=4,
+        num_labels=2,
+    )
+
+    def swin() -> _Wrapped:
+        torch.manual_seed(0)
+        return _Wrapped(transformers.SwinForImageClassification(config), torch.randn(2, 3, 16, 16))
+
+    # before: "the trial cut does not pass with `exclude_pattern`='downsample|downsample' either", no pattern
+    with pytest.raises(PulseRefusal, match=r"it broke in .*downsample") as refused:
+        _fit(swin(), _images(3), _prune(exclude_pattern="downsample"))
+    message = str(refused.value)
+    assert "downsample|downsample" not in message
+    (pattern,) = _offered(message)
+    module = swin()
+    parameters = sum(p.numel() for p in module.parameters())
+    _fit(module, _images(3), _prune(exclude_pattern=pattern))
+    assert sum(p.numel() for p in module.parameters()) < parameters
+
+
+class _OldStyleWeightNorm(_Classifier):
+    """Both kinds of weight_norm keep every channel group of this MLP from being cut (`out` gives the logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.utils.weight_norm(nn.Linear(16, 32))  # the deprecated hook form
+        self.fc2 = nn.utils.parametrizations.weight_norm(nn.Linear(32, 32))
+        self.out = nn.Linear(32, 4)
+        self.example_input_array = torch.randn(2, 16)
+
+    def forward(self, x):
+        return self.out(self.fc2(self.fc1(x).relu()).relu())
+
+
+def test_each_kind_of_computed_weight_is_named_with_the_call_that_removes_it():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = _OldStyleWeightNorm()
+    # before: `torch.nn.utils.parametrize.remove_parametrizations` for both, which raises on fc1
+    with pytest.raises(
+        PulseRefusal, match=r"`torch\.nn\.utils\.remove_weight_norm\(layer\)` for fc1"
+    ) as refused:
+        _fit(module, _vectors(), _prune())
+    assert re.search(r"remove_parametrizations\(layer, 'weight'\)` for fc2", str(refused.value))
+    nn.utils.remove_weight_norm(module.fc1)  # the calls named work
+    nn.utils.parametrize.remove_parametrizations(module.fc2, "weight")
