@@ -188,3 +188,23 @@ def test_each_kind_of_computed_weight_is_named_with_the_call_that_removes_it():
     assert re.search(r"remove_parametrizations\(layer, 'weight'\)` for fc2", str(refused.value))
     nn.utils.remove_weight_norm(module.fc1)  # the calls named work
     nn.utils.parametrize.remove_parametrizations(module.fc2, "weight")
+
+
+class _SpectralMixInForward(_Classifier):
+    """An FFT over the features after layer `b` (as FNet mixes tokens): a cut of `b` changes every output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.c(torch.fft.fft(self.b(torch.relu(self.a(x)))).real)
+
+
+def test_a_module_with_its_own_forward_is_not_told_to_give_itself_one():
+    # sweep (FNet, T5, BART with `forward(**inputs)`): the refusal's closing advice said "or give the module a
+    # `forward`" to modules that had one
+    with pytest.raises(PulseRefusal, match="^ScheduledPrune: structured pruning cannot run") as refused:
+        _fit(_SpectralMixInForward(), _vectors(), _prune())
+    assert "give the module a `forward`" not in str(refused.value)
+    assert "narrow `layer_types`/`exclude_pattern`" in str(refused.value)

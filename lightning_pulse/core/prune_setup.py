@@ -371,7 +371,7 @@ def fit_start_selection(
         refuse_frozen_twins(model, selection.layers, pruner.mode)
     if pruner.mode == "structured":
         refuse_compiled_structured(pruner.mode, compiled, selection.layers)
-        refuse_structured(pruning.structured_blocker(model, selection))
+        refuse_structured(pruning.structured_blocker(model, selection), model)
         refuse_frozen_twins(model, selection.layers)
         if getattr(model, "example_input_array", None) is not None:
             example = structured_example(model, pruner, schedule, None)
@@ -649,8 +649,9 @@ def resolve_schedule(
     refuse_schedule_past_the_run(schedule, total_steps, step)
 
 
-def refuse_structured(reason: str | None) -> None:
-    """Raise :class:`PulseRefusal` with the way out when structured pruning cannot run for ``reason``."""
+def refuse_structured(reason: str | None, model: nn.Module | None = None) -> None:
+    """Raise :class:`PulseRefusal` with the way out when structured pruning cannot run for ``reason`` (on
+    ``model``: one with a ``forward`` of its own is not told to add one)."""
     own_way_out = {
         pruning.NOT_RUN_ON_EXAMPLE: "Give the LightningModule an `example_input_array` (what its `forward` "
         "takes; it is traced as given), or a `forward` that takes the batch's input; or use "
@@ -697,10 +698,15 @@ def refuse_structured(reason: str | None) -> None:
     if reason is not None and pruning.IN_USER_HOOK in reason:  # the reason names the hook and the way out
         raise PulseRefusal(f"ScheduledPrune: structured pruning cannot run on this model: {reason}.")
     if reason is not None:
+        forward = (
+            "give the module a `forward` (and an `example_input_array` when a batch does not hold its "
+            "arguments) that runs the model, or "
+            if model is None or not prune_targets.has_own_forward(model)
+            else ""
+        )
         raise PulseRefusal(
             f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured'; "
-            "or give the module a `forward` (and an `example_input_array` when a batch does not hold its "
-            "arguments) that runs the model, or narrow `layer_types`/`exclude_pattern` to layers that can be cut."
+            f"or {forward}narrow `layer_types`/`exclude_pattern` to layers that can be cut."
         )
 
 
@@ -747,7 +753,7 @@ def structured_example(model: nn.Module, pruner: pruning.Pruner, schedule: Prune
     try:
         whole = pruning.example_input(model, batch)
     except ValueError as error:
-        refuse_structured(str(error))
+        refuse_structured(str(error), model)
     example, targets = pruning.small_example(whole), schedule.sample_targets()
     # the user's hooks run on the check's copies; one closing over the model (``self.acts.append``) writes
     # into it
@@ -763,7 +769,7 @@ def structured_example(model: nn.Module, pruner: pruning.Pruner, schedule: Prune
                 reason = f"{BATCH_NOT_CUT} {error}"
     if given and reason is not None and reason.startswith(pruning.NOT_RUN_ON_EXAMPLE):
         reason = NOT_RUN_ON_GIVEN_EXAMPLE + reason[len(pruning.NOT_RUN_ON_EXAMPLE) :]
-    refuse_structured(reason)
+    refuse_structured(reason, model)
     if pruner.example_inputs is None:  # the events trace it as it is, cut or whole
         pruner.example_inputs = example
     return example
