@@ -7,6 +7,7 @@ when an upgrade moves an attribute, instead of letting a callback silently do no
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -708,16 +709,61 @@ def _compiled_submodules(module: torch.nn.Module | None) -> Iterator[tuple[str, 
             yield name, submodule
 
 
-def fullgraph_compiled_part(module: torch.nn.Module | None) -> str | None:
-    """The name of a submodule compiled with ``torch.compile(..., fullgraph=True)`` (a graph break is an error
-    there), else ``None``. Reads the compiled module's private ``dynamo_ctx``; ``None`` where it is missing."""
-    for name, compiled in _compiled_submodules(module):
-        context = getattr(compiled, "dynamo_ctx", None)
-        if context is not None and (
-            getattr(context, "fullgraph", False) or getattr(context, "error_on_graph_break", False)
-        ):
-            return name or "the LightningModule"
-    return None
+def _fullgraph(dynamo_ctx: Any) -> bool:
+    """Whether a dynamo context (the private ``dynamo_ctx`` of a compiled module) makes a graph break an error."""
+    return dynamo_ctx is not None and bool(
+        getattr(dynamo_ctx, "fullgraph", False) or getattr(dynamo_ctx, "error_on_graph_break", False)
+    )
+
+
+def fullgraph_compiled_step(module: torch.nn.Module | None) -> str | None:
+    """``"the LightningModule"`` when its ``training_step`` runs under ``torch.compile(..., fullgraph=True)``
+    (Lightning unwrapped ``trainer.fit(torch.compile(model, fullgraph=True))`` and compiles its steps), else
+    ``None``. Reads Lightning's private ``_compiler_ctx``."""
+    context = getattr(module, "_compiler_ctx", None)
+    return (
+        "the LightningModule" if isinstance(context, dict) and _fullgraph(context.get("dynamo_ctx")) else None
+    )
+
+
+class FullgraphBreaks:
+    """Hands dynamo's graph-break errors in the submodules compiled with ``fullgraph=True`` to a handler,
+    between :meth:`watch` and :meth:`release`, by wrapping the compiled forward that ``OptimizedModule`` keeps on
+    the instance (a module without one is left alone). Picklable while released."""
+
+    def __init__(self) -> None:
+        self._wrapped: list[tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any]]] = []
+
+    def watch(self, module: torch.nn.Module | None, handler: Callable[[str, str], None]) -> None:
+        """Call ``handler(name, message)`` for such an error in a part of ``module`` (``name``, the part's name;
+        ``message``, the error's text) inside its ``except`` block: what it raises replaces the error (which
+        stays chained as its context); if it returns, the error goes on."""
+        from torch._dynamo.exc import Unsupported
+
+        def watching(name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(forward)
+            def forward_handing_graph_breaks(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return forward(*args, **kwargs)
+                except Unsupported as error:
+                    handler(name or "the LightningModule", str(error))
+                    raise
+
+            return forward_handing_graph_breaks
+
+        self.release()
+        for name, compiled in _compiled_submodules(module):
+            forward = compiled.__dict__.get("forward")
+            if forward is not None and _fullgraph(getattr(compiled, "dynamo_ctx", None)):
+                compiled.forward = watching(name, forward)
+                self._wrapped.append((compiled, compiled.forward, forward))
+
+    def release(self) -> None:
+        """Give every watched part its own forward back (unless something replaced ours since)."""
+        for compiled, ours, forward in self._wrapped:
+            if compiled.__dict__.get("forward") is ours:
+                compiled.forward = forward
+        self._wrapped.clear()
 
 
 def compiled_parts(module: torch.nn.Module | None) -> list[str]:
@@ -738,6 +784,27 @@ def compiled_part(module: torch.nn.Module | None) -> str | None:
         return "the LightningModule"
     name, _ = next(_compiled_submodules(module), (None, None))
     return None if name is None else name or "the LightningModule"
+
+
+def compiled_part_holding(module: torch.nn.Module | None, submodules: list[torch.nn.Module]) -> str | None:
+    """The name of a part of ``module`` under ``torch.compile`` that runs one of ``submodules`` (a compiled
+    submodule holding it, one compiled in place with ``Module.compile()``, or ``"the LightningModule"`` that
+    Lightning unwrapped from ``trainer.fit(torch.compile(model))``), else ``None``. Reads the private
+    ``_compiler_ctx`` and ``_compiled_call_impl``."""
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return "the LightningModule"
+    wanted = {id(submodule) for submodule in submodules}
+    for name, part in module.named_modules() if module is not None else ():
+        compiled = isinstance(part, _optimized_module_type()) or getattr(part, "_compiled_call_impl", None)
+        if compiled and any(id(inner) in wanted for inner in part.modules()):
+            return name or "the LightningModule"
+    return None
+
+
+def _optimized_module_type() -> type:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return OptimizedModule
 
 
 def batches_fetched(trainer: pl.Trainer) -> int:

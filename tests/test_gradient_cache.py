@@ -589,6 +589,23 @@ def test_a_compiled_module_is_refused_at_setup(mnist1d_small, how):
     assert trainer.global_step == 0
 
 
+def test_a_module_compiled_in_configure_model_is_refused_before_the_first_step(mnist1d_small):
+    # Lightning calls configure_model (its documented place for torch.compile) after the callbacks' setup: the
+    # setup check missed it, and the units were read in the compiled backward's order (nothing ever froze)
+    model, data = mnist1d_small()
+
+    def compile_net() -> None:
+        model.net = torch.compile(model.net, backend="aot_eager")
+
+    model.configure_model = compile_net
+    trainer = pl.Trainer(callbacks=[GradientCache()], max_steps=4, **trainer_kwargs())
+    with pytest.raises(
+        PulseRefusal, match=r"^GradientCache: net runs under torch.compile, .*Remove GradientCache"
+    ):
+        trainer.fit(model, data)
+    assert trainer.global_step == 0
+
+
 class BackboneUnfrozenAtEpochOne(MNIST1DClassifier):
     """The usual transfer-learning recipe: the first two convolutions frozen in ``__init__``, trained again
     from epoch 1 on (a plain ``on_train_epoch_start`` hook, no callback)."""

@@ -639,19 +639,75 @@ def test_steps_mode_alone_shortens_epochs_and_tells_lightning_and_onecycle_up_fr
     assert metrics["replayed_distinct"] > 0
 
 
-def test_a_module_compiled_with_fullgraph_is_refused_at_setup():
-    # the capture runs at a graph break, which fullgraph=True forbids: the fit used to crash at its first step
-    # with dynamo's own error, naming neither HardSampleReplay nor the way out
-    class Compiled(MNIST1DClassifier):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.compile(self.net, backend="aot_eager", fullgraph=True)
+class _FullgraphNet(MNIST1DClassifier):
+    """Its network compiled with ``fullgraph=True`` in ``__init__`` or in ``configure_model`` (Lightning's place for
+    torch.compile, after the callbacks' setup); ``loss_inside``: the compiled part computes the loss too."""
 
+    def __init__(self, where: str, loss_inside: bool = False, fullgraph: bool = True) -> None:
+        super().__init__()
+        self.where, self.loss_inside, self.fullgraph = where, loss_inside, fullgraph
+        if where == "__init__":
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        if not isinstance(self.net, torch._dynamo.eval_frame.OptimizedModule):
+            net = _NetWithLoss(self.net) if self.loss_inside else self.net
+            self.net = torch.compile(net, backend="aot_eager", fullgraph=self.fullgraph)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.net(x, y) if self.loss_inside else F.cross_entropy(self.net(x), y)
+
+
+class _NetWithLoss(torch.nn.Module):
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y=None):
+        return self.net(x) if y is None else F.cross_entropy(self.net(x), y)
+
+
+@pytest.mark.parametrize("where", ["__init__", "configure_model"])
+def test_a_fullgraph_part_without_the_loss_trains_wherever_it_is_compiled(where):
+    # the loss in training_step is captured outside the compiled part: nothing breaks its graph. It used to be
+    # refused when compiled in __init__ and never checked when compiled in configure_model
+    torch._dynamo.reset()
+    replay = HardSampleReplay(mode="batch")
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    trainer.fit(_FullgraphNet(where), _data())
+    assert trainer.global_step == 24
+    assert replay.metrics()["table_seen"] == 720  # every training sample's loss captured in the first epoch
+
+
+@pytest.mark.parametrize("where", ["__init__", "configure_model"])
+def test_a_loss_inside_a_fullgraph_part_is_refused_at_the_first_step_naming_the_way_out(where):
+    # the capture runs the patched loss at a graph break, which fullgraph=True makes dynamo's own error
+    torch._dynamo.reset()
     trainer = pl.Trainer(callbacks=[HardSampleReplay(mode="batch")], max_epochs=1, **trainer_kwargs())
     with pytest.raises(
-        PulseRefusal, match=r"^HardSampleReplay cannot capture the loss of net, compiled .*fullgraph"
+        PulseRefusal,
+        match=r"^HardSampleReplay cannot capture the F.cross_entropy called inside net, compiled with "
+        r"torch.compile\(\.\.\., fullgraph=True\).* compile without fullgraph=True",
     ):
-        trainer.fit(Compiled(), _data())
+        trainer.fit(_FullgraphNet(where, loss_inside=True), _data())
+    assert trainer.global_step == 0
+    # the way out: compiled without fullgraph=True, the loss is captured at its graph break
+    replay = HardSampleReplay(mode="batch")
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=1, **trainer_kwargs())
+    trainer.fit(_FullgraphNet(where, loss_inside=True, fullgraph=False), _data())
+    assert replay.metrics()["table_seen"] == 720
+
+
+def test_a_training_step_compiled_with_fullgraph_is_refused_at_fit_start():
+    # trainer.fit(torch.compile(model)): Lightning compiles training_step, which holds the loss
+    trainer = pl.Trainer(callbacks=[HardSampleReplay(mode="batch")], max_epochs=1, **trainer_kwargs())
+    model = torch.compile(MNIST1DClassifier(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(
+        PulseRefusal,
+        match=r"^HardSampleReplay cannot capture the loss of the LightningModule, whose training_step",
+    ):
+        trainer.fit(model, _data())
     assert trainer.global_step == 0
 
 

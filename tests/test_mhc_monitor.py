@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -311,6 +312,27 @@ def test_measures_every_n_steps_when_the_layers_run_inside_a_torch_compiled_modu
         assert got["forward_gain"] == pytest.approx(want["forward_gain"], rel=1e-5)
         assert got["stream_rms"] == pytest.approx(want["stream_rms"], rel=1e-5)
     assert results[False][-1]["forward_gain"] != pytest.approx(results[False][0]["forward_gain"], rel=1e-3)
+
+
+def test_a_compiled_model_is_measured_after_an_unmonitored_fit_in_the_same_process():
+    # dynamo does not guard on hooks added after it traced a graph, and a fresh model of the same classes reuses
+    # the graph of the unmonitored fit: the monitor recorded nothing and blamed the training_step
+    torch._dynamo.reset()
+
+    def fit(*monitors: HyperConnectionMonitor) -> None:
+        torch.manual_seed(0)
+        _fit_two_layer(TwoLayerModule(torch.compile(TwoLayerNet("mhc"), backend="eager")), *monitors)
+
+    first, last = HyperConnectionMonitor(every_n_steps=2), HyperConnectionMonitor(every_n_steps=2)
+    fit(first)
+    fit()  # a baseline without the monitor
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "recorded nothing"
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        fit(last)
+    assert [entry["step"] for entry in last.history] == [0, 2, 4]
+    for got, want in zip(last.history, first.history):
+        assert got["stream_rms"] == pytest.approx(want["stream_rms"], rel=1e-5)
 
 
 def test_the_hooks_leave_the_model_when_the_training_loop_never_runs():

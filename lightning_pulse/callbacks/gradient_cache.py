@@ -31,6 +31,7 @@ from lightning_pulse.core.layer_freezing import (
     FreezeWindow,
     LayerFreezer,
     in_span,
+    refuse_compiled_module,
     refuse_setup,
 )
 from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_uninitialized_parameters, refusing
@@ -77,7 +78,8 @@ class GradientCache(Callback):
     Raises:
         ValueError: at construction, naming the field, for a value out of range; at train start, for a
             ``units`` name the model does not have.
-        PulseRefusal: at setup, for manual optimization, ``torch.compile``, a strategy other than one process
+        PulseRefusal: at setup, for manual optimization, ``torch.compile`` (again at fit start, for a part
+            compiled in ``configure_model``), a strategy other than one process
             or DDP, DDP without ``find_unused_parameters=True`` or with ``static_graph=True``, or
             ``activation_cache_mb`` with ``reload_dataloaders_every_n_epochs``; at fit start, for LBFGS,
             ``phases`` that never come, a share of a run of unknown length, lazy parameters, a second fit
@@ -155,6 +157,8 @@ class GradientCache(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # again after configure_model, the place Lightning documents for torch.compile, which runs after setup
+        refuse_compiled_module(compat.compiled_part(pl_module))
         self._lifecycle.check_fit_start(trainer.strategy, pl_module, trainer.world_size, trainer.optimizers)
 
     @override

@@ -71,7 +71,7 @@ class HardSampleReplay(Callback):
             infinite DataLoader.
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
             ``IterableDataset``, a custom batch sampler), several training DataLoaders, ``ModelParallelStrategy``,
-            a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), a submodule compiled with
+            a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), a ``training_step`` compiled with
             ``fullgraph=True``, ``phases`` without ``"replay"`` and no PulseCycle (they would never come), a
             second run of this instance unless a checkpoint was restored into it, or in ``mode="steps"`` a run of
             unknown length, ``limit_train_batches``, ``overfit_batches``, ``reload_dataloaders_every_n_epochs``,
@@ -79,11 +79,11 @@ class HardSampleReplay(Callback):
             (``max_steps``, or ``max_epochs`` of plain epochs) when the plan is shorter, a PulseCycle in seconds
             or manual optimization stepping several optimizers per batch; after the fit's first two batches
             (trained in full, before any replay step), for a module carrying state from one batch to the next
-            (a stateful RNN) or a token loss flattened time-major; at
-            the first step, before any update, when its loss yields no per-sample value and no ``scorer`` is
-            set, or when its batch holds fewer rows than drawn indices (a collate_fn that drops samples); in
-            ``mode="batch"``, at the fit's first batch, for a batch that cannot be cut in place: immutable,
-            holding nothing per sample (or fewer rows than drawn indices), or time-major (``(T, B)``).
+            (a stateful RNN) or a token loss flattened time-major; at the first step, before any update, for a
+            loss called inside a part compiled with ``fullgraph=True``, when its loss yields no per-sample value
+            and no ``scorer`` is set, or when its batch holds fewer rows than drawn indices (a collate_fn that
+            drops samples); in ``mode="batch"``, at the fit's first batch, for a batch that cannot be cut in
+            place: immutable, holding nothing per sample (or fewer rows than drawn indices), or time-major.
 
     Example::
 
@@ -126,6 +126,7 @@ class HardSampleReplay(Callback):
         self._ready = False  # this fit's selector exists: load_state_dict applies at once
         self._set_up_at = (0, 0)  # (epoch, step) of the latest training DataLoader's set-up
         self.batches = ReplayBatchLifecycle(self.mode, scorer)  # each batch: plan, cut, capture, record
+        self._fullgraph = compat.FullgraphBreaks()  # fit start to end: a loss in a fullgraph part refused
 
     # ------------------------------------------------------------------ public state
     @property
@@ -174,8 +175,7 @@ class HardSampleReplay(Callback):
         if stage != "fit":
             return
         parallel = isinstance(trainer.strategy, ModelParallelStrategy)
-        search, fullgraph = tuner_search(trainer), compat.fullgraph_compiled_part(pl_module)
-        refuse(replay.setup_refusal(parallel, search, fullgraph))
+        refuse(replay.setup_refusal(parallel, tuner_search(trainer), None))
         self._trainer, self._ready, self._run_checked, self.steps.stream.held = trainer, False, False, None
         if self.mode == "steps":
             self.steps.uncap(trainer)  # a second fit of the same Trainer plans for the user's max_steps
@@ -217,6 +217,12 @@ class HardSampleReplay(Callback):
         return self.selector.choose_windows(
             windows, self.tracker.batch_size, steps, ordinals, prior, self._trainer.global_rank
         )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after configure_model, which may compile; a fullgraph part fails only if it holds the loss (see Raises)
+        refuse(replay.setup_refusal(False, None, compat.fullgraph_compiled_step(pl_module)))
+        self._fullgraph.watch(pl_module, lambda part, text: refuse(replay.fullgraph_loss_refusal(part, text)))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -302,11 +308,13 @@ class HardSampleReplay(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self.batches.release()
+        self._fullgraph.release()
         self.steps.release()  # Lightning calls no teardown hook after an exception
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.batches.release()
+        self._fullgraph.release()
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
         if stage != "fit":
             return

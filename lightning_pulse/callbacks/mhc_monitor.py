@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
@@ -38,7 +38,9 @@ class HyperConnectionMonitor(Callback):
     mean, so every rank logs and keeps the same figures. The reduced tensors stay referenced until the
     backend's threads have let go of them, and ``teardown`` waits for that, so no rank aborts at exit. The
     hooks are registered once per fit and idle (one flag check per layer call) on unmeasured steps, so
-    measurements also work when the layers run inside a ``torch.compile``'d module. A layer called twice in
+    measurements also work when the layers run inside a ``torch.compile``'d module; registering them there
+    clears dynamo's compiled code (``torch.compiler.reset()``, said in the log), which may hold a graph traced
+    without them (an earlier fit in the process). A layer called twice in
     one measured step starts a new forward pass; passes are scored separately and the largest gain is logged.
     With gradient accumulation the first micro-batch of the step is measured. Layers are found at every
     measurement, so the module may be built lazily.
@@ -116,7 +118,10 @@ class HyperConnectionMonitor(Callback):
         """A recorder whose hooks stay on the module's current layers, idle, until the end of the fit.
 
         Registered once, not per measurement: under ``torch.compile`` a hook registered anew would run in a
-        graph traced with its predecessor (dynamo guards on the number of hooks), and record nothing."""
+        graph traced with its predecessor (dynamo guards on the number of hooks), and record nothing. For the
+        same reason, new hooks on layers that run compiled clear dynamo's compiled code: dynamo does not guard
+        on hooks added after it traced a graph, and reused the graph of an earlier fit or forward without them
+        (a second model of the same classes too), so nothing was recorded."""
         recorder = HyperConnectionRecorder(pl_module)
         if self._recorder is not None and [id(m) for m in self._recorder.layers] == [
             id(m) for m in recorder.layers
@@ -127,6 +132,13 @@ class HyperConnectionMonitor(Callback):
             return None
         recorder.attach()
         recorder.stop()
+        if (part := compat.compiled_part_holding(pl_module, recorder.layers)) is not None:
+            torch.compiler.reset()  # the part, and the rest of the process's compiled code, compile again
+            rank_zero_info(
+                f"HyperConnectionMonitor: cleared torch.compile's compiled code (torch.compiler.reset()), so that "
+                f"{part} is traced again with the monitor's hooks; a graph traced before they existed would "
+                "run without them (dynamo does not guard on hooks added later)."
+            )
         return recorder
 
     def _release(self) -> None:
@@ -172,9 +184,11 @@ class HyperConnectionMonitor(Callback):
                 rank_zero_warn(
                     f"HyperConnectionMonitor recorded nothing at step {self._last_measured_step}: none of "
                     f"the {len(recorder.layers)} hyper-connection layers it hooks ran in the training "
-                    "forward pass (or they ran in code that bypasses module forward hooks). Nothing is "
-                    "logged for such steps. Call the layers as modules in training_step, or remove the "
-                    "monitor."
+                    "forward pass (or they ran in code that bypasses module forward hooks, such as a "
+                    "torch.compile'd function that is not a module of the LightningModule, traced before "
+                    "the hooks existed). Nothing is logged for such steps. Call the layers as modules in "
+                    "training_step, compile the modules rather than a function (or call "
+                    "torch.compiler.reset() before the fit), or remove the monitor."
                 )
             return
         maxima = [stats["forward_gain"], stats["backward_gain"], stats["stream_rms"]]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,12 @@ import torch
 from torch import Tensor
 from torch.utils.data import Subset, TensorDataset
 
-from lightning_pulse.core.per_sample_loss import LossCapture, PerSampleScorer, concat_per_sample
+from lightning_pulse.core.per_sample_loss import (
+    CAPTURED_LOSSES,
+    LossCapture,
+    PerSampleScorer,
+    concat_per_sample,
+)
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import RULES, Selection, infobatch_prune, select_random, select_topk
@@ -157,10 +163,30 @@ MODEL_PARALLEL_REFUSAL = (
     "remove HardSampleReplay from the callbacks."
 )
 FULLGRAPH_REFUSAL = (
-    "cannot capture the loss of {part}, compiled with torch.compile(..., fullgraph=True): a loss called inside it "
-    "is captured at a graph break, which fullgraph makes an error. Compile without fullgraph=True (a graph without "
+    "cannot capture the loss of {part}, whose training_step runs under torch.compile(..., fullgraph=True): the "
+    "loss is captured at a graph break, which fullgraph makes an error (and a compiled training_step is not "
+    "supported by the capture). Compile the network alone (e.g. `self.net = torch.compile(self.net, "
+    "fullgraph=True)` in configure_model, the loss computed on its outputs in training_step), or remove "
+    "HardSampleReplay."
+)
+FULLGRAPH_LOSS_REFUSAL = (
+    "cannot capture the {loss} called inside {part}, compiled with torch.compile(..., fullgraph=True): the "
+    "capture runs at a graph break, which fullgraph makes an error. Compute the loss on {part}'s outputs in "
+    "training_step (a fullgraph part without the loss works), compile without fullgraph=True (a graph without "
     "breaks compiles the same; the capture adds one per loss call), or remove HardSampleReplay."
 )
+
+
+def fullgraph_loss_refusal(part: str, message: str) -> str | None:
+    """Why a fit is refused at its first step (completes "HardSampleReplay ..."), else ``None``: ``part``,
+    compiled with ``fullgraph=True``, raised dynamo's graph-break error (``message``) at a call of a captured
+    loss (patched in, and run eagerly behind ``torch.compiler.disable``)."""
+    if "disable" not in message:
+        return None
+    loss = next((name for name in CAPTURED_LOSSES if re.search(rf"\b{name}\b", message)), None)
+    return None if loss is None else FULLGRAPH_LOSS_REFUSAL.format(loss=f"F.{loss}", part=part)
+
+
 TUNER_REFUSAL = (
     "does not take part in a Tuner search: the attached {search} runs its trials as a fit, whose steps "
     "HardSampleReplay would cut into replayed batches (and cap at its planned steps), and then restores a "
@@ -223,7 +249,7 @@ STEPS_MODE_RELOAD_REFUSAL = (
 def setup_refusal(model_parallel: bool, tuner_search: str | None, fullgraph_part: str | None) -> str | None:
     """Why a fit is refused at setup (completes "HardSampleReplay ..."), else ``None``: a model-parallel
     strategy (FSDP and DeepSpeed cut no batch: they work), a Tuner search (``tuner_search``, its class name) or a
-    submodule compiled with ``fullgraph=True`` (``fullgraph_part``, its name)."""
+    training_step compiled with ``fullgraph=True`` (``fullgraph_part``, the module's name; at fit start)."""
     if model_parallel:
         return MODEL_PARALLEL_REFUSAL
     if tuner_search is not None:
