@@ -763,9 +763,9 @@ def test_a_deadline_the_run_cannot_meet_is_warned_once_and_labelled_deadline(mni
     green, clock, said, _ = _paused_run(mnist1d_small(arch="mlp"), tmp_path, START, deadline="+90m")
     said = [line for line in said if "deadline" in line]
     assert said == [  # as docs/green-window.md quotes it
-        "GreenWindow: the deadline 2020-06-15 01:30:00 (UTC) cannot be met: at 2020-06-15 00:00:00 about 8 h "
-        "of work is left (estimated), 1.5 h before it; the run trains without waiting and ends about 6.5 h past "
-        "it. Give a later deadline, or less work."
+        "GreenWindow: the deadline 2020-06-15 01:30:00 (UTC) cannot be met: at 2020-06-15 00:00:00 about 8.0 h "
+        "of work is left (estimated), 1.5 h before it; the run trains without waiting and ends about 6.5 h "
+        "past it. Give a later deadline, or less work."
     ]
     assert {d["reason"] for d in green.report["decisions"]} == {"deadline"}
     assert green.report["summary"]["waited_s"] == 0 and clock.time() == parse_timestamp(START) + 48 * STEP_S

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from benchmarks.green_window import Persistence, SameHourYesterday
+from lightning_pulse.core.green_report import report_markdown
 from lightning_pulse.core.green_window import (
     AfterStart,
     GreenSchedule,
@@ -18,6 +19,7 @@ from lightning_pulse.core.green_window import (
     RunClock,
     ScheduleLedger,
     SimulatedClock,
+    duration_text,
     parse_deadline,
     parse_threshold,
     passed_deadline,
@@ -213,6 +215,15 @@ def test_slots_past_a_held_series_end_are_its_last_value_not_a_forecast():
     # from the end on the slot runs, reason "held"; the series itself is left as it was
     decision, _, _ = policy.decide(series, 45 * H, H, 6 * H, holds_from=series.end)
     assert decision.run and decision.reason == "held" and series.values[-1] == 600.0
+    # held-out review: decision slots start at the run's own minute, so the last one before the end straddles
+    # it; it read yesterday's clean 100 and the run waited 3 h for it, to be charged 600 (100 until the end
+    # at 44 h, then 600): it blends by the share past the end, (100 + 600) / 2 > 300 now
+    straddling = hourly([500.0] * 19 + [100.0] * 5 + [300.0] * 19 + [600.0])
+    decision, starts, forecast = policy.decide(straddling, 40.5 * H, H, 6 * H, holds_from=straddling.end)
+    assert (
+        forecast[starts == 43.5 * H].tolist() == [350.0] and forecast[starts > 44 * H].tolist() == [600.0] * 3
+    )
+    assert decision.run and decision.reason == "clean"
     # the schedule gives its policy the end of a series read past it (GreenSignal has `live` None)
     signal = GreenSignal(series)
     signal.anchor(0.0)  # read at its own dates: a partial-year series, so it holds past its end
@@ -509,21 +520,53 @@ def test_a_deadline_the_work_left_cannot_meet_runs_for_the_deadline_not_as_clean
 @pytest.mark.parametrize("light", [False, True])
 def test_a_deadline_out_of_reach_is_warned_once_recorded_and_runs_without_waiting(light):
     series = hourly([300, 100, 300, 300, 80, 300, 300, 300] * 10)
-    ledger = ScheduleLedger(lambda start, end: 1.0)
-    schedule = GreenSchedule(
-        GreenWindowPolicy(OracleForecast()), 1.0, True, 4 * H, AfterStart(1.5 * H), ledger, light=light
-    )
-    schedule.begin(48 * H)
-    decisions = []
-    for hour in range(4):
-        decisions.append(schedule.decide(series, lambda t: t, (48 + hour) * H, math.inf))
-        schedule.ran("run", (48 + hour) * H, (49 + hour) * H, 1, None)
-    assert [d.reason for d in decisions] == ["deadline"] * 4 and all(d.run for d in decisions)
+
+    def run(deadline):
+        ledger = ScheduleLedger(lambda start, end: 1.0)
+        schedule = GreenSchedule(
+            GreenWindowPolicy(OracleForecast()), 0.5, True, 4 * H, deadline, ledger, light=light
+        )
+        schedule.begin(48 * H)
+        decisions = []
+        for hour in range(4):
+            decisions.append(schedule.decide(series, lambda t: t, (48 + hour) * H, math.inf))
+            kind = "run" if decisions[-1].run else "light"
+            schedule.ran(kind, (48 + hour) * H, (49 + hour) * H, 1, None)
+        return schedule, decisions
+
+    schedule, decisions = run(AfterStart(1.5 * H))
+    if light:
+        # held-out review: holding light cannot move the end, so bursting every slot only lost the saving
+        # (10 h of work, half held light, bursts at 238 g/kWh instead of 176): it holds as with no deadline
+        _, free = run(None)
+        assert (
+            [d.reason for d in decisions] == [d.reason for d in free] == ["clean", "clean", "dirty", "dirty"]
+        )
+    else:
+        assert [d.reason for d in decisions] == ["deadline"] * 4 and all(d.run for d in decisions)
     (line,) = schedule.news
     assert line.startswith("GreenWindow: the deadline 1970-01-03 01:30:00 (UTC) cannot be met")
-    assert "about 4 h of work is left" in line and "trains without waiting" in line
+    # held-out review: `:.2g` read "1.5e+02 h" for a long job; plain hours, minutes under an hour
+    assert "about 4.0 h of work is left (estimated), 1.5 h before it" in line
+    assert "trains without waiting and ends about 2.5 h past it" in line and "light" not in line
+    assert (duration_text(150 * H), duration_text(0.04 * H), duration_text(3599.0)) == (
+        "150.0 h",
+        "2 min",
+        "1.0 h",
+    )
+    markdown = report_markdown(
+        {"summary": schedule.summary(), "status": "complete", "when_dirty": "pause", "rule": "adaptive"}
+        | {"level": None, "forecast": "oracle", "energy_source": None}
+    )
+    assert "| deadline (UTC) | 1970-01-03 01:30:00 |" in markdown
+    assert (
+        "| deadline unmet | yes: at 1970-01-03 00:00:00 (UTC) about 4.0 h of work was left; ends about 2.5 h"
+        in markdown
+    )
     assert schedule.summary()["deadline_unmet"]["remaining_work_s"] == 4 * H
-    restored = GreenSchedule(schedule.policy, 1.0, True, 4 * H, AfterStart(1.5 * H), ledger, light=light)
+    restored = GreenSchedule(
+        schedule.policy, 0.5, True, 4 * H, AfterStart(1.5 * H), schedule.ledger, light=light
+    )
     restored.load_state_dict(schedule.state_dict())
     assert restored.summary()["deadline_unmet"] == schedule.summary()["deadline_unmet"]
 

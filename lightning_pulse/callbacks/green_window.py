@@ -65,6 +65,7 @@ class GreenWindow(Callback):
     Waiting never makes the run miss its deadline: it waits a slot only if the remaining work still fits
     before the deadline afterwards (with a 10% reserve on the estimate). A deadline the work left cannot meet
     is warned once and recorded in the report; the run then trains without waiting (reason ``"deadline"``).
+    Light mode holds light as it would without a deadline: holding light cannot move the run's end.
     Every decision is logged under ``green/`` (signal, forecast, level, run, seconds waited, budget left).
     At the end of fit, ``green_window_report.{json,md,png}`` compare the CO2 (or cost) with the
     counterfactual: the same energy on a carbon-agnostic schedule started at the same moment. Energy comes
@@ -84,7 +85,7 @@ class GreenWindow(Callback):
             long again), a string a duration ("12h"). ``None``: ``1.0`` for pause and suspend; ``0.5`` for
             light, where it is the share of the run that may be held light (it takes as long either way).
         deadline: when the run must end by: a UTC time (``"2026-03-01 08:00:00"``), ``"+36h"`` after its
-            start.
+            start (quote ``"+3600"`` in YAML: unquoted it is a number).
         forecast: ``"seasonal"`` (the default, past data only), a forecast series path (.csv/.json), or an
             object with ``predict(series, now, starts, slot_s)``.
         expected_duration: the run's compute time ("20h", > 0) if known; else measured from its first steps.

@@ -7,7 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_pulse.core.green_window import GreenSchedule, GreenWindowOptions, write_schedule_plot
+from lightning_pulse.core.green_window import (
+    GreenSchedule,
+    GreenWindowOptions,
+    duration_text,
+    write_schedule_plot,
+)
 from lightning_pulse.energy.report import write_text_atomic
 
 REPORT_NAME = "green_window_report"
@@ -91,6 +96,16 @@ def saving_line(summary: dict[str, Any], unit: str) -> str:
     )
 
 
+def unmet_text(unmet: dict[str, Any] | None) -> str:
+    """The summary's ``deadline_unmet`` record as a report row."""
+    if unmet is None:
+        return "no"
+    return (
+        f"yes: at {unmet['at']} (UTC) about {duration_text(unmet['remaining_work_s'])} of work was left; "
+        f"ends about {duration_text(unmet['ends_late_s'])} past it"
+    )
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     summary = report["summary"]
     if str(summary.get("unit", "gCO2")).startswith("gCO2"):
@@ -114,6 +129,8 @@ def report_markdown(report: dict[str, Any]) -> str:
         ("saving (%)", summary.get("saving_pct")),
         ("saving (kg CO2)", summary.get("saving_kg")),
         ("decisions", summary.get("decisions")),
+        ("deadline (UTC)", summary.get("deadline") or "none"),
+        ("deadline unmet", unmet_text(summary.get("deadline_unmet"))),
     ]
     lines = ["# GreenWindow report", "", "| | |", "|---|---|"]
     lines += [

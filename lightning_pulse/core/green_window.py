@@ -298,7 +298,8 @@ class GreenWindowPolicy:
         ``holds_from``: the series time from which the signal holds its last value (a series read past its
         end). Slots from there on are that value, not a forecast: it is what the run will be charged there (a
         forecast of the held stretch reads the days before it, so a run waited for a clean guess and then ran
-        at once when the end came). Once ``now`` is there the slot runs, reason ``"held"``: no slot ahead can
+        at once when the end came); the slot straddling the end blends its forecast with that value by the
+        share of it past the end. Once ``now`` is there the slot runs, reason ``"held"``: no slot ahead can
         be cleaner, and waiting would only spend the budget.
 
         Waiting happens only if ``now + slot + remaining_work <= deadline`` and ``slot <= budget_left``: a job
@@ -315,7 +316,13 @@ class GreenWindowPolicy:
         slots = max(1, math.ceil((end - now) / slot - 1e-9))
         starts = now + slot * np.arange(slots)
         forecast = np.array(self.forecast.predict(series, now, starts, slot), dtype=np.float64)  # a copy
-        forecast[starts >= holds_from] = series.value_at(holds_from)
+        if math.isfinite(holds_from):
+            held = series.value_at(holds_from)
+            # a slot straddling the end is charged the held value for its share past the end
+            past = np.clip((starts + slot - holds_from) / slot, 0.0, 1.0)
+            forecast = np.where(
+                starts >= holds_from, held, np.where(past > 0, forecast * (1 - past) + held * past, forecast)
+            )
         # light mode passes no work once its light budget covers the rest of the run: no slot has to run
         work_slots = max(0, math.ceil(remaining_work_s / slot - 1e-9))
         if self.rule == "absolute":
@@ -881,6 +888,15 @@ def unknown_length_refusal(
 
 
 # ---------------------------------------------------------------------------- one run's bookkeeping
+def duration_text(seconds: float) -> str:
+    """``seconds`` as a person reads it: hours to a tenth, minutes under an hour, seconds under a minute."""
+    if round(seconds / 60) >= 60:  # 3599 s reads "1.0 h", not "60 min"
+        return f"{seconds / 3600:.1f} h"
+    if round(seconds) >= 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s" if seconds >= 0.5 else "under a second"
+
+
 DEADLINE_MARGIN = 0.1  # share of the remaining-work estimate kept in reserve before a deadline
 
 
@@ -901,7 +917,9 @@ class GreenSchedule:
         ledger: where segments go.
         light: the run is held in light phases instead of waiting. It then takes as long either way, so
             the window is the rest of the run: the slots that may be held (at most the budget left) are its
-            dirtiest, and the rule picks the ``remaining - budget_left`` cleanest for bursts.
+            dirtiest, and the rule picks the ``remaining - budget_left`` cleanest for bursts. The deadline
+            has no say in that (holding light cannot move the end); one out of reach is still warned and
+            recorded.
     """
 
     def __init__(
@@ -985,12 +1003,13 @@ class GreenSchedule:
         deadline = None
         if self.deadline is not None:
             deadline = self.deadline + offset - DEADLINE_MARGIN * remaining
-        unmet = self.deadline is not None and now + remaining > self.deadline
-        if unmet and self.deadline_unmet is None:
+        if self.deadline is not None and now + remaining > self.deadline and self.deadline_unmet is None:
             self.deadline_unmet = self.missed_deadline(now, remaining)
         work, budget = remaining, self.budget_left_s()
-        # past reach of the deadline, nothing held light makes it either: all the work left runs at once
-        if self.light and not unmet:
+        if self.light:
+            # holding light cannot move the run's end, so the deadline has no say in what is held: out of
+            # reach, bursting every slot would only throw the saving away
+            deadline = None
             # the run takes as long either way: of the rest, `work` must burst and the rest may be held light
             work = max(remaining - budget, 0.0)
             budget = remaining - work
@@ -1022,12 +1041,11 @@ class GreenSchedule:
             "ends_late_s": float(now + remaining - deadline),
         }
         if now <= deadline:
-            without = "without waiting or holding light" if self.light else "without waiting"
             self.news.append(
                 f"GreenWindow: the deadline {record['deadline']} (UTC) cannot be met: at {record['at']} "
-                f"about {remaining / 3600:.2g} h of work is left (estimated), {(deadline - now) / 3600:.2g} h "
-                f"before it; the run trains {without} and ends about {record['ends_late_s'] / 3600:.2g} h "
-                "past it. Give a later deadline, or less work."
+                f"about {duration_text(remaining)} of work is left (estimated), {duration_text(deadline - now)} "
+                f"before it; the run trains without waiting and ends about {duration_text(record['ends_late_s'])}"
+                " past it. Give a later deadline, or less work."
             )
         return record
 
