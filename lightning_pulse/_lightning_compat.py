@@ -682,6 +682,23 @@ def close_restored_epoch(trainer: pl.Trainer) -> None:
     epochs.processed = min(epochs.processed, epochs.completed)
 
 
+def forget_earlier_fit_validation(trainer: pl.Trainer) -> None:
+    """Call at ``on_train_start``: clear the mark of a validation run by an earlier fit of this Trainer, as a new
+    Trainer has it. A step-limited fit restored from a checkpoint restarts its epoch, and the restarting epoch
+    loop counts as done once training is done and this mark is set: left over from the earlier fit, an epoch
+    restored done (its last batch trained) ended before its first iteration, which is what clears the
+    restart, so every following epoch ended the same way, training nothing, without end."""
+    val_loop = getattr(trainer.fit_loop.epoch_loop, "val_loop", None)
+    if val_loop is not None and hasattr(val_loop, "_has_run"):
+        val_loop._has_run = False
+
+
+def epoch_restarting(trainer: pl.Trainer) -> bool:
+    """Whether the training epoch under way was restored from a checkpoint and goes on from it (it may end
+    with no batch: its last one trained before the checkpoint)."""
+    return bool(trainer.fit_loop.epoch_loop.restarting)
+
+
 # ---------------------------------------------------------------------------- EnergyLogger (issue 3)
 def set_callback_metric(trainer: pl.Trainer, name: str, value: float) -> None:
     """Make ``name`` monitorable (``ModelCheckpoint``/``EarlyStopping`` read ``trainer.callback_metrics``)

@@ -23,6 +23,7 @@ from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
 from lightning_pulse.core.replay import (
     STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL,
     STEPS_MODE_CLOCK_REFUSAL,
+    STEPS_MODE_EMPTY_EPOCH_REFUSAL,
     STEPS_MODE_LENGTH_REFUSAL,
     STEPS_MODE_LIMIT_REFUSAL,
     STEPS_MODE_OPTIMIZERS_REFUSAL,
@@ -141,6 +142,9 @@ class StepSavingLoader:
         self._unplanned: UnplannedLengths | None = None
         # (trainer, its max_steps as the user set it, the plan's cap): see uncap
         self._capped: tuple[pl.Trainer, int, int] | None = None
+        self._batches_drawn = 0  # this fit's, all epochs
+        self._drawn_before_epoch = 0  # by the end of the previous epoch (see on_train_epoch_end)
+        self._restored_epoch_open = False  # the fit's first epoch goes on from a checkpoint: it may draw none
 
     @property
     def plan(self) -> StepPlan | None:
@@ -316,6 +320,7 @@ class StepSavingLoader:
         assert self._sampler is not None and self._trainer is not None
         window, cut = self._sampler.take_window()
         self.stream.drawn(window)
+        self._batches_drawn += 1
         self._drawn_at = compat.batches_fetched(self._trainer)
         compat.mark_last_batch_of(self._trainer, self.epoch_batches)  # this batch may end the pass
         return window, cut
@@ -382,9 +387,35 @@ class StepSavingLoader:
         if self._sampler is None:  # not installed: batch mode
             return
         self.refuse_schedules_cut_short(trainer)
+        # a second fit of this Trainer from a checkpoint saved at a pass's end (each planned run ends on one)
+        # otherwise trained no batch in any epoch, forever: see forget_earlier_fit_validation
+        compat.forget_earlier_fit_validation(trainer)
+        self._drawn_before_epoch = self._batches_drawn
+        self._restored_epoch_open = compat.epoch_restarting(trainer)
         # Lightning set the first epoch's validation batch from the plain length after the first pass began
         compat.set_epoch_batches(trainer, self.epoch_batches)
         if self.stream.resumed_at_pass_end:  # what the finished epoch's end did in the run that saved it
             compat.close_restored_epoch(trainer)
             if self._selector is not None:
                 self._selector.apply()  # the next pass selects from every score of the finished one
+
+    def on_train_epoch_end(self, trainer: pl.Trainer) -> None:
+        """Refuse to go on after an epoch that drew no batch while planned steps remain: Lightning would start
+        the next epoch the same way, without end (the first epoch of a resumed fit may end with none, its last
+        batch trained before the checkpoint).
+
+        Raises:
+            PulseRefusal: naming the epoch, the steps left and the way out.
+        """
+        if self._sampler is None:  # not installed: batch mode
+            return
+        drew_none, restored = self._batches_drawn == self._drawn_before_epoch, self._restored_epoch_open
+        self._drawn_before_epoch, self._restored_epoch_open = self._batches_drawn, False
+        # a stop asked for ends the fit here anyway
+        stopping = trainer.should_stop
+        if drew_none and not restored and not stopping and 0 <= trainer.global_step < trainer.max_steps:
+            raise PulseRefusal(
+                STEPS_MODE_EMPTY_EPOCH_REFUSAL.format(
+                    epoch=trainer.current_epoch, step=trainer.global_step, max_steps=trainer.max_steps
+                )
+            )

@@ -1103,3 +1103,83 @@ def test_a_second_fit_of_the_same_trainer_plans_for_the_users_max_steps_again(tm
         )
     assert replay.steps.plan.total_steps == planned and trainer.global_step == steps
     assert not any("remade for this run's length" in record.getMessage() for record in caplog.records)
+
+
+class _TinyValidated(pl.LightningModule):
+    """96 samples in batches of 8 (12 per epoch), validated at every epoch's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(96, 16, generator=generator)
+        self.y = (self.x @ torch.randn(16, 4, generator=generator)).argmax(1)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=8)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=32)
+
+
+class _StaleValidationMark(Callback):
+    """Sets the mark of a validation run at fit start, as an earlier fit of the Trainer left it before the fix:
+    every epoch of the resumed fit then ends before drawing a batch."""
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.fit_loop.epoch_loop.val_loop._has_run = True
+
+
+def _fit_then_resume_on_the_same_trainer(tmp_path, extra_callbacks=()):
+    pl.seed_everything(0)
+    model = _TinyValidated()
+    cycle = PulseCycle(burst=4, replay=3, maintain=1, warmup=0.1, anneal=0.1, probe_batches=1)
+    callbacks = [cycle, HardSampleReplay(), *extra_callbacks]
+    # max_epochs only as a safety net: max_steps ends both fits long before it, and a regression stops there
+    trainer = pl.Trainer(callbacks=callbacks, max_steps=30, max_epochs=25, **trainer_kwargs())
+    trainer.fit(model)
+    checkpoint = str(tmp_path / "end.ckpt")
+    trainer.save_checkpoint(checkpoint)
+    first_steps = trainer.global_step
+    trainer.fit_loop.epoch_loop.max_steps = 40  # the user asks for more steps
+    return trainer, model, checkpoint, first_steps
+
+
+def test_a_same_trainer_fit_resumed_from_its_final_checkpoint_trains_to_its_new_plan(tmp_path):
+    # held-out sweep: the same Trainer and callbacks resumed from the checkpoint saved after a max_steps fit
+    # (which the plan ends on a pass's end) replanned 34 steps, then every epoch trained no batch, forever: the
+    # epoch restored done ended before the iteration that clears Lightning's restart, as the earlier fit's
+    # validation still counted as run
+    trainer, model, checkpoint, first_steps = _fit_then_resume_on_the_same_trainer(tmp_path)
+    assert first_steps < 30  # the plan's steps
+    trainer.fit(model, ckpt_path=checkpoint)
+    assert first_steps < trainer.global_step == trainer.max_steps < 40
+    assert trainer.current_epoch < 10
+
+    # a new Trainer and new callbacks resuming the same checkpoint train the same steps
+    cycle = PulseCycle(burst=4, replay=3, maintain=1, warmup=0.1, anneal=0.1, probe_batches=1)
+    resumed = pl.Trainer(
+        callbacks=[cycle, HardSampleReplay()], max_steps=40, max_epochs=25, **trainer_kwargs()
+    )
+    resumed.fit(_TinyValidated(), ckpt_path=checkpoint)
+    assert resumed.global_step == trainer.global_step
+
+
+def test_an_epoch_that_draws_no_batch_while_planned_steps_remain_is_refused_not_repeated(tmp_path):
+    trainer, model, checkpoint, first_steps = _fit_then_resume_on_the_same_trainer(
+        tmp_path, [_StaleValidationMark()]
+    )
+    with pytest.raises(PulseRefusal, match=r"HardSampleReplay: .*drew no batch .* new Trainer"):
+        trainer.fit(model, ckpt_path=checkpoint)
+    assert (
+        trainer.global_step == first_steps and trainer.current_epoch < 10
+    )  # refused at once, not at epoch 25

@@ -285,6 +285,7 @@ class HardSampleReplay(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps.on_train_epoch_end(trainer)  # steps mode: an epoch that drew no batch is refused
         if self.selector is not None:
             self.selector.apply()  # the next epoch selects from every score of this one
             self._log(trainer)

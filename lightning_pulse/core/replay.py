@@ -246,6 +246,14 @@ STEPS_MODE_RELOAD_REFUSAL = (
 )
 
 
+STEPS_MODE_EMPTY_EPOCH_REFUSAL = (
+    "HardSampleReplay: mode='steps' drew no batch from the planned data in epoch {epoch} while steps remain "
+    "(global_step={step}, trainer.max_steps={max_steps}), and Lightning would start every following epoch the "
+    "same way, without end; stopped here instead. Resume the saved run with a new Trainer and new callbacks "
+    "(`Trainer(max_steps=...)`, then `trainer.fit(..., ckpt_path=...)`), or use mode='batch'."
+)
+
+
 def setup_refusal(model_parallel: bool, tuner_search: str | None, fullgraph_part: str | None) -> str | None:
     """Why a fit is refused at setup (completes "HardSampleReplay ..."), else ``None``: a model-parallel
     strategy (FSDP and DeepSpeed cut no batch: they work), a Tuner search (``tuner_search``, its class name) or a
