@@ -177,12 +177,42 @@ def _nested_config(block: list[str]) -> tuple[str, bool] | None:
     return None
 
 
+# why jsonargparse could not import a class_path or a function's path: a typo in the class or the module
+# name, or a module that fails on an import of its own
+_IMPORT_FAILURE = re.compile(r"(?:module '[\w.]+' has no attribute '\w+'|No module named '[\w.]+')$")
+
+
+def _unimportable_class_paths(message: str) -> dict[str, str]:
+    """The class paths of a jsonargparse report that did not import, each with the reason. They are the
+    user's typos: neither the class the error is about nor a class that exists."""
+    lines = [line.strip().removeprefix("- ").strip() for line in message.splitlines() if line.strip()]
+    unimportable = {}
+    for line, following in zip(lines, lines[1:]):
+        given = re.fullmatch(r"Problem with given class_path '([\w.]+)':", line)
+        if given and _IMPORT_FAILURE.fullmatch(following):
+            unimportable[given.group(1)] = following
+    return unimportable
+
+
+def _import_failure(block: list[str], unimportable: dict[str, str]) -> str | None:
+    """``"X cannot be imported (reason)"`` for the path a field's value named that did not import."""
+    for line in block:
+        given = re.fullmatch(r"Problem with given class_path '([\w.]+)':", line)
+        if given and given.group(1) in unimportable:
+            return f"{given.group(1)} cannot be imported ({unimportable[given.group(1)]})"
+    reason = next((match for line in block if (match := _IMPORT_FAILURE.search(line))), None)
+    path = _given_value(block)
+    if reason is not None and path is not None and re.fullmatch(r"[\w.]+", path):  # a function's path
+        return f"{path} cannot be imported ({reason.group(0)})"
+    return None
+
+
 def _expected_class(block: list[str]) -> tuple[str, bool] | None:
     """What a class-typed field (HardSampleReplay's ``scorer``, ``trainer.callbacks``) takes when its value
-    named no subclass of its type: the type, with the library's own subclasses by class path, and whether null
-    is allowed; ``None`` for other fields."""
+    named no subclass of its type, or a class_path that does not import: the type, with the library's own
+    subclasses by class path, and whether null is allowed; ``None`` for other fields."""
     refused = ("Import path", "Not a valid subclass of", "Expected a dot import path string")
-    if not any(line.startswith(refused) for line in block):
+    if not any(line.startswith(refused) or _IMPORT_FAILURE.fullmatch(line) for line in block):
         return None
     subtypes = next((line for line in block if line.startswith("Subtypes:")), "")
     for path in re.findall(r"<class '([\w.]+)'>", subtypes):
@@ -198,7 +228,8 @@ def _expected_class(block: list[str]) -> tuple[str, bool] | None:
         ]
         examples = f" ({', '.join(own)} or a subclass of your own)" if own else ""
         several = " or a list of them" if f"list[{path}]" in subtypes else ""
-        return f"the class_path of a {name}{examples}{several}", "NoneType" in subtypes
+        article = "an" if name[:1] in "AEIOU" else "a"
+        return f"the class_path of {article} {name}{examples}{several}", "NoneType" in subtypes
     return None
 
 
@@ -206,7 +237,11 @@ def _expected_callable(block: list[str], value: str) -> tuple[str, bool] | None:
     """What a function-typed field (AccountingConfig's ``token_counter``) takes when its value is no import
     path of one, and whether null is allowed; ``None`` for other fields."""
     subtypes = next((line for line in block if line.startswith("Subtypes:")), "")
-    if "Callable" not in subtypes or not any(line.startswith("Expected a dot import path") for line in block):
+    refused = any(
+        line.startswith("Expected a dot import path") or "expects a function or a callable class: " in line
+        for line in block
+    )
+    if "Callable" not in subtypes or not refused:
         return None
     builtin = f", here builtins.{value}" if hasattr(builtins, value) else ""
     return f"the dot import path of a function (package.module.function{builtin})", "NoneType" in subtypes
@@ -226,7 +261,8 @@ def summarise_parser_error(message: str) -> str:
         for line in lines
         if not line.removeprefix("- ").startswith(_SCAFFOLDING)
     ]
-    class_paths = re.findall(r"class_path '([\w.]+)'", message)
+    unimportable = _unimportable_class_paths(message)
+    class_paths = [path for path in re.findall(r"class_path '([\w.]+)'", message) if path not in unimportable]
     # a value tried against the union's fallback, Lightning's base Callback, is not about the class the user named
     named = [
         path for path in class_paths if not (path.startswith("lightning") and path.endswith(".Callback"))
@@ -234,7 +270,7 @@ def summarise_parser_error(message: str) -> str:
     class_paths = named or class_paths
     if not class_paths:
         # a constructor's ValueError names no class path; the value dump does, when one class was given
-        given = set(re.findall(r"""class_path['"]?[=:] ?['"]([\w.]+)['"]""", message))
+        given = set(re.findall(r"""class_path['"]?[=:] ?['"]([\w.]+)['"]""", message)) - set(unimportable)
         class_paths = sorted(given) if len(given) == 1 else []
     owner = f"{class_paths[-1].rpartition('.')[2]}: " if class_paths else ""
     key, block = _innermost_key(message)
@@ -254,7 +290,12 @@ def summarise_parser_error(message: str) -> str:
     typed = (_expected_class(block) or _expected_callable(block, value)) if key is not None else None
     if typed is not None:  # a function or a word where a class_path goes, or a word where a function goes
         allowed, nullable = typed
-        return f"{owner}`{key}`={value} is not accepted; expected {allowed}{', or null' if nullable else ''}."
+        failure = _import_failure(block, unimportable)
+        refusal = f"`{key}`={value} is not accepted{f': {failure}' if failure else ''}"
+        if failure is not None and value.startswith("["):
+            # an entry of trainer.callbacks named it: no callback owns the list (the dump names the good ones)
+            owner, refusal = "", f"`{key}`: {failure}"
+        return f"{owner}{refusal}; expected {allowed}{', or null' if nullable else ''}."
     if not specific:
         if key is not None and block:  # the innermost field's value was refused by every type it allows
             return f"{owner}`{key}`={value} is not accepted."

@@ -22,6 +22,7 @@ from lightning_pulse import (
     StabilityGuard,
 )
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.core.distillation import DistillConfig
 from lightning_pulse.core.green_window import GreenWindowOptions
 from lightning_pulse.core.prune_setup import PruneOptions
 from lightning_pulse.core.stability_policy import StabilityGuardConfig
@@ -149,6 +150,12 @@ def test_phases_that_never_come_without_a_pulse_cycle_are_refused(mnist1d_small,
             lambda: ScheduledPrune(options={"min_channels": 0}),
             r"^ScheduledPrune: PruneOptions: `min_channels`=0",
         ),
+        # named `distill.temperature`, without the config, unlike the others
+        (lambda: DistillConfig(temperature=0), r"^DistillConfig: `temperature`=0 must be a positive"),
+        (
+            lambda: ScheduledPrune(distill={"steps": 0}),
+            r"^ScheduledPrune: DistillConfig: `steps`=0 must be None or an int >= 1",
+        ),
         # a string is a sequence: its letters were read as phases
         (lambda: PulseCycle(order="burst"), r"^PulseCycle: `order`='burst' must be a list of phase names"),
         # an empty list meant every layer, as None does
@@ -173,6 +180,8 @@ def test_phases_that_never_come_without_a_pulse_cycle_are_refused(mnist1d_small,
         "memory",
         "prune-options",
         "prune-mapping",
+        "distill",
+        "distill-mapping",
         "order",
         "layer-types",
         "start-format",

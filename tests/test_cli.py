@@ -431,6 +431,93 @@ def test_a_function_or_class_field_given_the_wrong_thing_names_the_field_and_wha
     assert first.startswith(expected), first
 
 
+_SCORERS = (
+    "expected the class_path of a PerSampleScorer (lightning_pulse.core.per_sample_loss.OutputKeyScorer, "
+    "lightning_pulse.core.per_sample_loss.ForwardLossScorer or a subclass of your own), or null."
+)
+
+
+@pytest.mark.parametrize(
+    ("callback", "expected"),
+    [
+        (
+            {
+                "class_path": "lightning_pulse.HardSampleReplay",
+                "init_args": {"scorer": {"class_path": "lightning_pulse.core.per_sample_loss.NoSuch"}},
+            },
+            "error: HardSampleReplay: `scorer`={'class_path': 'lightning_pulse.core.per_sample_loss.NoSuch'} is "
+            "not accepted: lightning_pulse.core.per_sample_loss.NoSuch cannot be imported (module "
+            f"'lightning_pulse.core.per_sample_loss' has no attribute 'NoSuch'); {_SCORERS}",
+        ),
+        (
+            {
+                "class_path": "lightning_pulse.HardSampleReplay",
+                "init_args": {
+                    "scorer": {
+                        "class_path": "lightning_pulse.core.per_sample_los.ForwardLossScorer",
+                        "init_args": {"loss": "cross_entropy"},
+                    }
+                },
+            },
+            "error: HardSampleReplay: `scorer`={'class_path': 'lightning_pulse.core.per_sample_los."
+            "ForwardLossScorer', 'init_args': {'loss': 'cross_entropy'}} is not accepted: lightning_pulse.core."
+            "per_sample_los.ForwardLossScorer cannot be imported (module 'lightning_pulse.core' has no "
+            f"attribute 'per_sample_los'); {_SCORERS}",
+        ),
+        (
+            {
+                "class_path": "lightning_pulse.HardSampleReplay",
+                "init_args": {"scorer": "no_such_package.Scorer"},
+            },
+            "error: HardSampleReplay: `scorer`=no_such_package.Scorer is not accepted: no_such_package.Scorer "
+            f"cannot be imported (No module named 'no_such_package'); {_SCORERS}",
+        ),
+        (
+            {"class_path": "lightning_pulse.PulseCycle", "init_args": {"time_source": "time.monotonik"}},
+            "error: PulseCycle: `time_source`=time.monotonik is not accepted: time.monotonik cannot be imported "
+            "(module 'time' has no attribute 'monotonik'); expected the dot import path of a function "
+            "(package.module.function), or null.",
+        ),
+        (
+            {"class_path": "lightning_pulse.callbaks.PulseCycle"},
+            "error: `trainer.callbacks`: lightning_pulse.callbaks.PulseCycle cannot be imported (module "
+            "'lightning_pulse' has no attribute 'callbaks'); expected the class_path of a Callback",
+        ),
+    ],
+    ids=["scorer-class-typo", "scorer-module-typo", "scorer-no-package", "time_source-typo", "callback-typo"],
+)
+def test_a_class_or_function_path_that_does_not_import_names_the_field_and_what_it_takes(
+    tmp_path, capsys, callback, expected
+):
+    # jsonargparse's import error led with the class the path named, which does not exist ("NoSuch: module
+    # ... has no attribute 'NoSuch'") or is a real one blamed for the user's typo ("ForwardLossScorer: module
+    # 'lightning_pulse.core' has no attribute 'per_sample_los'"); and named neither the field nor what it takes
+    config = _pulse_config_with_callbacks(tmp_path, [{"class_path": "lightning_pulse.PulseCycle"}, callback])
+    first = _first_error_line(capsys, ["fit", "--config", config])
+    assert first.startswith(expected), first
+
+
+@pytest.mark.parametrize("last", [True, False], ids=["prune-last", "prune-before-another"])
+def test_a_bad_distill_value_in_yaml_names_its_config_as_the_other_nested_configs_do(tmp_path, capsys, last):
+    # it was "error: `distill.weight`=-1.0 must be a positive finite number.", naming no class, where the
+    # guard's config says "StabilityGuardConfig: `min_ratio`=..." (jsonargparse's report names the callback
+    # only when the refused one is the last in the list)
+    prune = {"class_path": "lightning_pulse.ScheduledPrune", "init_args": {"distill": {"weight": -1.0}}}
+    guard = {"class_path": "lightning_pulse.StabilityGuard", "init_args": {"config": {"min_ratio": 20.0}}}
+    cycle = {"class_path": "lightning_pulse.PulseCycle"}
+    firsts = []
+    for bad in (prune, guard):
+        callbacks = [cycle, bad] if last else [bad, cycle]
+        firsts.append(
+            _first_error_line(capsys, ["fit", "--config", _pulse_config_with_callbacks(tmp_path, callbacks)])
+        )
+    owner = "ScheduledPrune: " if last else ""
+    assert firsts[0] == f"error: {owner}DistillConfig: `weight`=-1.0 must be a positive finite number."
+    assert firsts[1].startswith(
+        f"error: {owner.replace('ScheduledPrune', 'StabilityGuard')}StabilityGuardConfig: "
+    )
+
+
 def test_two_callbacks_sharing_a_checkpoint_entry_are_one_line_naming_the_class_and_the_way_out(
     tmp_path, capsys
 ):

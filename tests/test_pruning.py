@@ -280,7 +280,7 @@ def test_a_lazy_state_dict_saved_before_any_forward_loads_into_a_fresh_lazy_modu
 
 
 def test_distill_config_rejects_bad_values_naming_the_field():
-    for kwargs, field in (({"temperature": 0}, "`distill.temperature`"), ({"steps": 0}, "`distill.steps`")):
+    for kwargs, field in (({"temperature": 0}, "`temperature`"), ({"steps": 0}, "`steps`")):
         with pytest.raises(ValueError, match=field):
             DistillConfig(**kwargs)
 

@@ -49,7 +49,7 @@ def _fixed_order_loaders(data: MNIST1DDataModule) -> tuple[DataLoader, DataLoade
         ({"every": 0}, "`every`"),
         ({"layer_types": ["Nonsense"]}, "`layer_types`"),
         ({"exclude_pattern": "(unclosed"}, "`exclude_pattern`"),
-        ({"distill": {"temperature": 0}}, "`distill.temperature`"),
+        ({"distill": {"temperature": 0}}, "DistillConfig: `temperature`"),
         ({"distill": True}, "`distill`"),
         ({"probe_batches": -1}, "`probe_batches`"),
         ({"options": {"min_channels": True}}, "`min_channels`"),

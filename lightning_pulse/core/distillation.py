@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_pulse.errors import names_itself
 from lightning_pulse.phase import Phase, PhaseChange
 
 
@@ -43,6 +44,7 @@ class DistillConfig:
     temperature: float = 2.0
     steps: int | None = None
 
+    @names_itself  # "DistillConfig: `weight`=...", as the other nested configs name themselves
     def __post_init__(self) -> None:
         for name in ("weight", "temperature"):
             value = getattr(self, name)
@@ -52,10 +54,10 @@ class DistillConfig:
                 or not math.isfinite(value)
                 or value <= 0
             ):
-                raise ValueError(f"`distill.{name}`={value!r} must be a positive finite number.")
+                raise ValueError(f"`{name}`={value!r} must be a positive finite number.")
         steps = self.steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise ValueError(f"`distill.steps`={steps!r} must be None or an int >= 1.")
+            raise ValueError(f"`steps`={steps!r} must be None or an int >= 1.")
 
 
 def distillation_loss(
