@@ -292,10 +292,9 @@ class HardSampleReplay(Callback):
 
     def _log(self, trainer: pl.Trainer) -> None:
         every, selector = self.log_every_n_steps or max(trainer.log_every_n_steps, 1), self.selector
-        if selector is None or selector.window_steps < every:  # before the trainer's (costlier) properties
-            return
-        if trainer.is_global_zero and trainer.loggers:
-            log_to_loggers(trainer, selector.window_metrics())
+        if selector is not None and selector.window_steps >= every:  # before the trainer's costlier properties
+            if trainer.is_global_zero and trainer.loggers:
+                log_to_loggers(trainer, selector.window_metrics())
 
     # ------------------------------------------------------------------ lifecycle
     @override
@@ -359,8 +358,7 @@ class HardSampleReplay(Callback):
             self._saved_state = state_dict
             self.steps.stream.restore(stream)
 
-    def load_rollback_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.load_state_dict(state_dict)
+    load_rollback_state_dict = load_state_dict  # a rollback (during training) as load_state_dict tells
 
 
 def _warn(note: str | None) -> None:
