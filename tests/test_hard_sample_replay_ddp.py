@@ -187,6 +187,9 @@ class _RefusalDump(HardSampleReplay):
             )
             raise
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._dump(trainer, "on_train_batch_start", pl_module, batch, batch_idx)
+
     def on_after_backward(self, trainer, pl_module):
         self._dump(trainer, "on_after_backward", pl_module)
 
@@ -224,3 +227,104 @@ def test_every_rank_refuses_coefficients_of_both_signs_that_only_one_rank_shows(
     )
     for rank in (rank0, rank1):
         assert "scorer=" in rank and "rule='random'" in rank
+
+
+def _same_label_mask_one_class_on_rank_0(samples):
+    """A collate_fn of features, labels and their (B, B) same-label mask, where rank 0's batches hold one class
+    (imbalanced shards): its mask is constant, rank 1's is not."""
+    x, y = (torch.stack(part) for part in zip(*samples))
+    if torch.distributed.get_rank() == 0:
+        y = torch.zeros_like(y)
+    return {"x": x, "y": y, "same": (y[:, None] == y[None, :]).float()}
+
+
+class _PairwiseLoss(pl.LightningModule):
+    """Cross-entropy plus a loss on the samples' pairwise similarities against the batch's same-label mask;
+    writes, per rank, the batches it stepped."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(6, 3)
+        self.directory = directory
+
+    def training_step(self, batch, batch_idx):
+        with Path(self.directory, f"steps{self.global_rank}.txt").open("a") as steps:
+            steps.write(f"{batch_idx}\n")
+        z = self.net(batch["x"])
+        similarity = torch.nn.functional.normalize(z, dim=1) @ torch.nn.functional.normalize(z, dim=1).T
+        pairwise = torch.nn.functional.binary_cross_entropy_with_logits(similarity, batch["same"])
+        return torch.nn.functional.cross_entropy(z, batch["y"]) + pairwise
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.ddp
+def test_every_rank_refuses_a_pairwise_mask_that_only_one_rank_shows_before_either_steps(tmp_path):
+    # a review: each rank decided from its own batch; rank 1 refused at its second batch and rank 0, whose
+    # mask was constant, stepped on and died in backward (gloo: "Connection closed by peer"; NCCL would hang)
+    from torch.utils.data import DataLoader, TensorDataset
+
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(64, 6, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+    )
+    trainer = pl.Trainer(
+        callbacks=[_RefusalDump(str(tmp_path), mode="batch", replay_fraction=0.5)],
+        max_epochs=2,
+        limit_val_batches=0,
+        **trainer_kwargs(devices=2, strategy=TwoGlooProcesses()),
+    )
+    loader = DataLoader(data, batch_size=4, collate_fn=_same_label_mask_one_class_on_rank_0)
+    with pytest.raises(Exception, match="PulseRefusal|HardSampleReplay cannot cut"):
+        trainer.fit(_PairwiseLoss(str(tmp_path)), loader)
+    rank0, rank1 = ((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
+    start = "PulseRefusal: HardSampleReplay cannot cut a batch of 4 samples in mode='batch': it holds a per-sample "
+    assert rank1.startswith(start) and "batch['same'] (4, 4) is symmetric" in rank1
+    assert (
+        rank0.startswith(start) and "on rank 1 of 2 (named there), where this rank's batch did not" in rank0
+    )
+    for rank in (rank0, rank1):
+        assert "mode='steps'" in rank and "training_step" in rank
+    # both refused at the second batch's start: neither stepped into it
+    assert [(tmp_path / f"steps{r}.txt").read_text().split() for r in (0, 1)] == [["0"], ["0"]]
+
+
+def _tokens_padded_to_the_batch_on_rank_0(samples):
+    """A collate_fn of (B, T) tokens and labels, padded to 4 on rank 0 and to 6 on rank 1: only rank 0's
+    first batch holds a tensor with B (4) along both first dimensions, so only its watch exists."""
+    x, y = (torch.stack(part) for part in zip(*samples))
+    length = 4 if torch.distributed.get_rank() == 0 else 6
+    return {"tokens": x[:, :length], "y": y}
+
+
+class _TokenBag(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.EmbeddingBag(10, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.head(self.embed(batch["tokens"])), batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.ddp
+def test_ranks_vote_alike_on_the_pairwise_watch_where_only_one_rank_watches(tmp_path):
+    # whether a rank watches depends on its own batch (tokens padded to its longest): the ranks still vote at
+    # the same batches (the first ones, the short last one), or one would wait in a vote the other never joins
+    from torch.utils.data import DataLoader, TensorDataset
+
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, 10, (60, 6), generator=generator), torch.randint(0, 3, (60,)))
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay(mode="batch", replay_fraction=0.5), TableDump(str(tmp_path))],
+        max_epochs=2,
+        limit_val_batches=0,
+        **trainer_kwargs(devices=2, strategy=TwoGlooProcesses()),
+    )
+    trainer.fit(_TokenBag(), DataLoader(data, batch_size=4, collate_fn=_tokens_padded_to_the_batch_on_rank_0))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["scores"] == rank1["scores"]

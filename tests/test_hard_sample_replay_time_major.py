@@ -154,6 +154,8 @@ class _PairwiseEncoder(pl.LightningModule):
         h = self.encoder(self.embed(batch["input_ids"]), src_key_padding_mask=mask == 0)
         z = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         pairs = self.relation(y) if self.relation is not None else batch["pairs"]
+        if pairs.layout != torch.strided:  # a collate_fn that built it sparse
+            pairs = pairs.to_dense()
         similarity = F.normalize(z, dim=1) @ F.normalize(z, dim=1).T
         return F.cross_entropy(self.head(z), y) + F.binary_cross_entropy_with_logits(5 * similarity, pairs)
 
@@ -180,6 +182,29 @@ def test_batch_mode_refuses_a_per_sample_pairwise_mask_before_any_cut_naming_the
     ):
         _fit_pairwise("batch", module, _same_label, tmp_path)
     assert module.rows == [BATCH]  # refused at the second batch, before any cut
+
+
+def test_batch_mode_refuses_a_sparse_per_sample_pairwise_mask_before_any_cut(tmp_path):
+    # a review: reading a sparse (B, B) mask's values raised NotImplementedError (no equal/diagonal on SparseCPU)
+    module = _PairwiseEncoder()
+    with pytest.raises(
+        PulseRefusal,
+        match=r"^HardSampleReplay cannot cut .*batch\['pairs'\] \(8, 8\) is symmetric.*mode='steps'",
+    ):
+        _fit_pairwise("batch", module, lambda y: _same_label(y).to_sparse(), tmp_path)
+    assert module.rows == [BATCH]  # refused at the second batch, before any cut
+
+
+def test_the_pairwise_refusal_names_a_one_hot_target_read_as_an_identity_matrix():
+    from lightning_pulse.core.selection import PairwiseWatch
+
+    # every batch holds each of its 3 classes once, in order: one-hot (3, 3) is the identity at both batches
+    batch = {"x": torch.randn(3, 5), "target": torch.eye(3)}
+    watch = PairwiseWatch(batch, 3)
+    assert watch.refusal(batch, 3, cut=False, first=True) is None
+    reason = watch.refusal(batch, 3, cut=False)
+    assert reason is not None and "batch['target'] (3, 3) is symmetric" in reason
+    assert "one-hot target" in reason and "pass class indices" in reason
 
 
 def test_batch_mode_refuses_an_asymmetric_pairwise_tensor_at_the_short_last_batch_before_any_cut(tmp_path):

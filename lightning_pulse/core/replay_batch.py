@@ -13,7 +13,8 @@
    carries state from one batch to the next (:class:`~lightning_pulse.core.carried_state.CarriedStateCheck`).
 
 The caller passes in what only the training loop knows: the optimizer step, whether the phase selects, the
-rank, steps mode's window and cut from the sampler and, under data parallelism, an ``all_gather``.
+rank, steps mode's window and cut from the sampler and, under data parallelism, an ``all_gather`` (batch
+mode's vote on a per-sample pairwise tensor before a step gathers through ``torch.distributed`` itself).
 
 Example::
 
@@ -31,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +59,7 @@ from lightning_pulse.core.selection import (
     cut_refusal,
     joined_rows,
     joined_rows_refusal,
+    pairwise_elsewhere_reason,
     square_parts,
     take_samples,
     time_major_later_refusal,
@@ -82,6 +85,12 @@ _SIGNED_WAYS_OUT = (
     "returning {'loss': loss, 'per_sample_loss': (ce * advantage).detach()}, or use rule='random', which "
     "reads no score."
 )
+
+
+def _backend_released(tensor: Tensor) -> bool:
+    """Whether only Python still holds ``tensor`` (no collective's backend thread does): torch's private
+    reference count of its storage owner, as ``_lightning_compat.backend_released`` reads it."""
+    return tensor._use_count() <= 1
 
 
 def refuse(reason: str | None) -> None:
@@ -157,6 +166,12 @@ class ReplayBatchLifecycle:
         self._square_parts: dict[str, tuple[int, ...]] = {}
         # batch mode: those of them that may be per-sample pairwise (B, B) tensors, watched before each cut
         self._pairwise: PairwiseWatch | None = None
+        # batch mode over ranks: whether they vote on the pairwise watch at the next batch, and at the next
+        # batch of a size this fit has not had (the sizes are the same on every rank; what each rank watches
+        # is not: its own batch's padded lengths can be B), and what the votes handed to the backend
+        self._pairwise_vote_next, self._pairwise_vote_new_size = True, False
+        self._sizes_seen: set[int] = set()
+        self._vote_buffers: list[Tensor] = []
         self._backward_ran = False  # in the step in flight
         self._module: nn.Module | None = None  # the module training (its parameters and buffers are no batch)
         # the step in flight: whether its loss was accounted for by its captured calls, and why not
@@ -181,6 +196,7 @@ class ReplayBatchLifecycle:
         self._structure_checked = self._said_coefficients = False
         self._concatenated, self._joined_rows, self._square_parts = {}, {}, {}
         self._pairwise = None
+        self._pairwise_vote_next, self._pairwise_vote_new_size, self._sizes_seen = True, False, set()
         self._sign_checks_left = SIGN_CHECKED_STEPS
         self.captures.start()
 
@@ -228,7 +244,9 @@ class ReplayBatchLifecycle:
                 second and another length first where the first checked batch held ``B`` along both first
                 dimensions (:func:`~lightning_pulse.core.selection.time_major_later_refusal`: time-major
                 with ``T == B`` then); for a per-sample pairwise ``(B, B)`` tensor there, found by the
-                :class:`~lightning_pulse.core.selection.PairwiseWatch` before a cut. For a cut batch before the
+                :class:`~lightning_pulse.core.selection.PairwiseWatch` before a cut (over ranks: on every
+                rank when any rank's watch refuses, by a vote through ``torch.distributed``). For a cut batch
+                before the
                 carried-state check is done while the module holds batch-shaped state.
         """
         self.captures.drop()
@@ -253,8 +271,14 @@ class ReplayBatchLifecycle:
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
         if self._concatenated or self._joined_rows:
             self._check_concatenated(batch, batch_size, first_checked, plan.positions is not None)
+        pairwise = None
         if self._pairwise is not None:
-            refuse(self._pairwise.refusal(batch, batch_size, plan.positions is not None, first=first_checked))
+            pairwise = self._pairwise.refusal(
+                batch, batch_size, plan.positions is not None, first=first_checked
+            )
+        if self.mode == "batch" and self.world_size > 1:
+            pairwise = self._vote_on_pairwise(pairwise, batch_size)
+        refuse(pairwise)
         if module is not None and self.state_check.first_batch:
             self.state_check.note_lists(module)
         if not self.state_check.done:  # the fit's first two batches (the ways out are only read to refuse)
@@ -293,6 +317,49 @@ class ReplayBatchLifecycle:
             joined_before, self._concatenated, self._joined_rows = self._joined_rows, {}, {}
             refuse(concatenation_refusal(found, batch_size))
             refuse(joined_rows_refusal(joined_before, joined_rows(batch, batch_size), batch_size))
+
+    def _vote_on_pairwise(self, mine: str | None, batch_size: int) -> str | None:
+        """Over ranks, before a batch's step: refuse on every rank when any rank's
+        :class:`~lightning_pulse.core.selection.PairwiseWatch` refuses (one rank's batch may hold a constant
+        same-label mask while another's shows it; a rank refusing alone leaves the others in the step's
+        backward, waiting for it). The ranks vote at each batch while any of them may still read values (the
+        fit's first batches), and after that at each batch of a new size (an epoch's short last batch) while
+        any of them still watches a tensor: a fit whose first batch holds no square tensor on any rank votes
+        once. Every rank takes the same batches (one all_gather of three flags each)."""
+        new_size = batch_size not in self._sizes_seen
+        self._sizes_seen.add(batch_size)
+        if not (self._pairwise_vote_next or (self._pairwise_vote_new_size and new_size)):
+            return mine
+        watch = self._pairwise
+        # a rank whose first batches lost rows has not made its watch yet: it may still read values
+        pending = not self._structure_checked or (watch is not None and watch.values_pending)
+        votes = self._gather_flags([mine is not None, pending, watch is not None and watch.watching])
+        if votes is None:  # no process group (a single process told world_size > 1): its own verdict
+            return mine
+        self._pairwise_vote_next, self._pairwise_vote_new_size = (
+            bool(votes[:, 1].any()),
+            bool(votes[:, 2].any()),
+        )
+        refusing = [rank for rank, vote in enumerate(votes[:, 0].tolist()) if vote]
+        if not refusing or mine is not None:
+            return mine
+        return pairwise_elsewhere_reason(refusing, len(votes), batch_size)
+
+    def _gather_flags(self, flags: list[bool]) -> Tensor | None:
+        """``flags`` of every rank, ``(world_size, len(flags))``, through ``torch.distributed`` (the batch's
+        start is given no gather); ``None`` without a process group. What the backend is handed stays
+        referenced until it lets go (:meth:`release`): a thread of its own dropping the last reference while
+        the rank exits aborts it (as ``_lightning_compat.CollectiveHold`` says)."""
+        distributed = torch.distributed
+        if not (distributed.is_available() and distributed.is_initialized()):
+            return None
+        on_gpu = distributed.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        mine = torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(distributed.get_world_size())]
+        distributed.all_gather(gathered, mine)
+        self._vote_buffers = [t for t in self._vote_buffers if not _backend_released(t)] + [mine, *gathered]
+        return torch.stack(gathered).cpu()
 
     def _whole_batches(self, batch: Any, batch_size: int) -> str:
         """How a fit can start with whole batches so that the carried-state check can tell, for its refusal
@@ -549,3 +616,8 @@ class ReplayBatchLifecycle:
         self.captures.release()
         self.state_check.stop()
         self.current = self._batch = None
+        deadline = time.monotonic() + 10.0  # the rank may exit right after (see _gather_flags)
+        while self._vote_buffers and time.monotonic() < deadline:
+            self._vote_buffers = [t for t in self._vote_buffers if not _backend_released(t)]
+            if self._vote_buffers:
+                time.sleep(0)  # a thread yield, so the backend's worker gets the core

@@ -384,7 +384,22 @@ def _pairwise_reason(shown: dict[str, str], batch_size: int) -> str:
         "F equals B would be cut wrongly along both). Use mode='steps', which chooses the samples at the "
         "sampler, before the collate_fn builds the pairwise tensor for them, or compute the pairwise "
         "tensor in training_step from the batch's per-sample parts (e.g. "
-        "`same = labels[:, None] == labels[None, :]`)."
+        "`same = labels[:, None] == labels[None, :]`). A (B, C) one-hot target with C == B whose batches "
+        "each hold every class once, in order, reads as one too (an identity matrix): pass class indices "
+        "instead, or use mode='steps'."
+    )
+
+
+def pairwise_elsewhere_reason(ranks: list[int], world_size: int, batch_size: int) -> str:
+    """Why a rank whose own batch showed no per-sample pairwise tensor refuses with the ranks ``ranks``
+    (of ``world_size``) whose batches did, so that every rank refuses alike before a collective."""
+    on = f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} of {world_size}"
+    return _pairwise_reason(
+        {
+            f"on {on}": "(named there), where this rank's batch did not show it (its values may have been "
+            "constant, e.g. every sample of one label), so every rank refuses alike"
+        },
+        batch_size,
     )
 
 
@@ -404,7 +419,14 @@ class PairwiseWatch:
       (a same-label mask, a similarity matrix; a feature or token tensor is so by no chance, an all-ones
       padding mask of a full-length batch is constant, one of a batch sorted by length has 1 and 0 along
       its diagonal; two batches, because one-hot labels of 3 classes in batches of 3 are, 1 time in 27).
-      Values are read (a device sync) only for such tensors and only at those two batches.
+      Values are read only for such tensors and only at those two batches: up to three device syncs per
+      tensor at each (its symmetry, its diagonal, whether it is constant; a sparse one is made dense). A
+      ``(B, C)`` one-hot target with ``C == B`` whose batches each hold every class once, in order, is an
+      identity matrix at both and refused too.
+
+    Each rank decides from its own batch; under data parallelism the caller votes on :meth:`refusal`
+    (:class:`~lightning_pulse.core.replay_batch.ReplayBatchLifecycle`), so that every rank refuses or none
+    does.
 
     A square tensor that is neither (an asymmetric pairwise tensor on batches of one size) is cut along its
     first dimension.
@@ -419,6 +441,16 @@ class PairwiseWatch:
         self._varied = {where for where in self._symmetric if not _is_constant(square[where])}
         self._batches_read = 1
         self._values_read = False  # the fit's second batch or first cut has been read for symmetry
+
+    @property
+    def values_pending(self) -> bool:
+        """Whether a later batch's values may still make :meth:`refusal` refuse (not only its shape)."""
+        return not self._values_read and bool(self._symmetric)
+
+    @property
+    def watching(self) -> bool:
+        """Whether some tensor is still watched for its shape (a batch of a new size may refuse)."""
+        return bool(self.sizes)
 
     def refusal(self, batch: Any, batch_size: int, cut: bool, first: bool = False) -> str | None:
         """The reason, after the callback's name, for refusing to cut ``batch`` (``cut``: the plan cuts it;
@@ -476,12 +508,20 @@ def _is_relation_like(tensor: Tensor) -> bool:
     can be symmetric (lengths 3, 2, 1 padded to 3), but its diagonal then holds both 1 and 0."""
     if tensor.shape[0] < 3:  # a batch of 2 is never cut to fewer (core.replay.MIN_COMPOSED): nothing to tell
         return False
+    tensor = _dense(tensor)
     diagonal = tensor.diagonal(dim1=0, dim2=1)
     return bool(torch.equal(tensor, tensor.transpose(0, 1))) and _is_constant(diagonal)
 
 
 def _is_constant(tensor: Tensor) -> bool:
+    tensor = _dense(tensor)
     return tensor.numel() == 0 or bool((tensor == tensor.reshape(-1)[0]).all())
+
+
+def _dense(tensor: Tensor) -> Tensor:
+    """``tensor`` with values to compare: a sparse one (a pairwise mask the collate_fn built sparse) has no
+    ``torch.equal`` or ``diagonal``; read at two batches only, so made dense there."""
+    return tensor if tensor.layout == torch.strided else tensor.to_dense()
 
 
 def _parts_with_paths(
