@@ -301,7 +301,7 @@ def test_invalid_arguments_fail_at_construction(kwargs, field):
 def test_unknown_unit_name_fails_at_fit_start(mnist1d_small):
     model, data = mnist1d_small()
     with pytest.raises(
-        ValueError, match=r"^GradientCache: `units` entry 'net.99' is neither .* top level: \['net'\]"
+        PulseRefusal, match=r"^GradientCache: `units` entry 'net.99' is neither .* top level: \['net'\]"
     ):
         fit(model, data, [GradientCache(units=["net.1", "net.99"])], max_steps=1)
 
