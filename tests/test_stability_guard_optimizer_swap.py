@@ -159,9 +159,8 @@ def test_the_stop_after_a_swap_no_healthy_step_followed_names_a_way_out_that_wor
     assert "more frequent snapshots would not help" in message and "Take snapshots more often" not in message
     assert "`configure_optimizers` returns the new optimizer" in message
 
-    pl.seed_everything(0)
-    again = _Spiking("sgd", spike_steps=(13, 14, 15))
-    again.load_state_dict(torch.load(error.value.checkpoint_path, weights_only=False)["state_dict"])
+    pl.seed_everything(0)  # the way out as the message words it: a new module with the new optimizer
+    again = _Spiking.load_from_checkpoint(error.value.checkpoint_path, kind="sgd", spike_steps=(13, 14, 15))
     guard = _guard(snapshot_every=1)
     trainer = pl.Trainer(max_steps=30, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
     trainer.fit(again)

@@ -215,3 +215,54 @@ def test_a_written_buffer_deleted_mid_fit_is_dropped_from_the_copy():
     trainer = pl.Trainer(callbacks=[guard, _DropsItsRunningBuffer()], **trainer_kwargs(max_steps=24))
     trainer.fit(model, _loader(with_nan=False))
     assert trainer.global_step == 24
+
+
+class _PrunableRegressor(_BatchNormRegressor):
+    """BatchNorm only (a structured cut can follow), with a ``forward`` for ScheduledPrune to trace."""
+
+    def __init__(self, skip_steps_of: frozenset[int] = frozenset()) -> None:
+        super().__init__(skip_steps_of)
+        self.net = nn.Sequential(
+            nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU()
+        )
+        self.net.append(nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.filterwarnings("ignore:`training_step` returned `None`")
+@pytest.mark.parametrize("prune_after_guard", [True, False])
+def test_a_bad_batch_right_after_a_structured_prune_leaves_the_buffers_as_a_run_that_skipped_it(
+    prune_after_guard,
+):
+    """A review: a prune drops the pre-step copy (its shapes are gone) until an applied step learns anew.
+    With ScheduledPrune listed after the guard, the snapshot after the cut comes one step later, so a bad
+    batch at the step right after the cut (step 4) found neither a copy nor a snapshot that fits: its NaN
+    stayed in BatchNorm's running statistics to the end of the fit, with no rollback and no warning. The
+    names still there stay learned through the cut, copied in their new shapes from the next step on."""
+    from lightning_pulse import ScheduledPrune
+
+    after_cut = BAD_SAMPLE // BATCH + 2  # batch 4 of each epoch: the step right after the cut at step 4
+    torch.manual_seed(0)
+    by_hand, guarded = _PrunableRegressor(skip_steps_of=frozenset({after_cut})), _PrunableRegressor()
+    guarded.load_state_dict(by_hand.state_dict())
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    x[after_cut * BATCH + 3, 2] = float("nan")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(dim=1)), batch_size=BATCH)
+    for model in (by_hand, guarded):
+        pl.seed_everything(0)
+        prune = ScheduledPrune(
+            final_sparsity=0.5, mode="structured", start=4, end=4, every=4, probe_batches=0
+        )
+        callbacks = [prune]
+        if model is guarded:
+            guard = StabilityGuard(snapshot_every=100, loss_zscore=None, grad_norm_zscore=None)
+            callbacks = [guard, prune] if prune_after_guard else [prune, guard]
+        pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_steps=8)).fit(model, loader)
+        assert [event["step"] for event in prune.events] == [4]
+    assert guard.bad_batches == 1 and guard.rollbacks == 0
+    for (name, kept), (_, expected) in zip(guarded.named_buffers(), by_hand.named_buffers()):
+        assert torch.equal(kept, expected), name
+    for (name, kept), (_, expected) in zip(guarded.named_parameters(), by_hand.named_parameters()):
+        assert torch.equal(kept, expected), name

@@ -9,9 +9,12 @@ left them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
+import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_pulse import StabilityGuard
@@ -60,7 +63,10 @@ class _BuffersAtBatchEnd(Callback):
         self.at[trainer.global_step] = {name: b.clone() for name, b in pl_module.named_buffers()}
 
 
-def _fit(with_nan: bool) -> tuple[StabilityGuard, _BuffersAtBatchEnd, _BatchNormRegressor]:
+def _fit(
+    with_nan: bool, checkpoints: Path | None = None, resume_from: Path | None = None
+) -> tuple[StabilityGuard, _BuffersAtBatchEnd, _BatchNormRegressor]:
+    """The run; ``checkpoints``: save one at the end of each epoch (8 steps) there; ``resume_from``: resume."""
     pl.seed_everything(0)
     guard = StabilityGuard(
         window=20,
@@ -71,8 +77,14 @@ def _fit(with_nan: bool) -> tuple[StabilityGuard, _BuffersAtBatchEnd, _BatchNorm
         skip_after_rollback=SKIP_AFTER_ROLLBACK,
     )
     watch, model = _BuffersAtBatchEnd(), _BatchNormRegressor()
-    trainer = pl.Trainer(max_steps=30, callbacks=[guard, watch], **trainer_kwargs())
-    trainer.fit(model, _loader(with_nan))
+    callbacks: list[Callback] = [guard, watch]
+    if checkpoints is not None:
+        callbacks.append(
+            ModelCheckpoint(dirpath=checkpoints, filename="{step}", every_n_train_steps=8, save_top_k=-1)
+        )
+    kwargs = trainer_kwargs(enable_checkpointing=checkpoints is not None)
+    trainer = pl.Trainer(max_steps=30, callbacks=callbacks, **kwargs)
+    trainer.fit(model, _loader(with_nan), ckpt_path=resume_from)
     return guard, watch, model
 
 
@@ -99,3 +111,20 @@ def test_the_skip_window_sets_back_what_healthy_forwards_wrote_too():
     assert all(
         torch.equal(watch.at[15][name], watch.at[15 + SKIP_AFTER_ROLLBACK][name]) for name in watch.at[15]
     )
+
+
+@pytest.mark.parametrize("with_nan", [False, True])
+def test_a_run_resumed_inside_the_skip_window_ends_as_the_uninterrupted_run(tmp_path, with_nan):
+    """Resumed from the checkpoint of step 16, four steps of the window (15-20) still to skip: the resumed
+    fit had no copy of the buffers from before a step until its first applied one, so its skipped steps set
+    back only what was non-finite; the running statistics of the rest of the window stayed, and every
+    BatchNorm buffer ended unlike the uninterrupted run's (``num_batches_tracked`` 5 higher). Now they set
+    back to the fit-start snapshot (the state the window keeps): the two runs end alike, bit for bit."""
+    _, whole_watch, whole = _fit(with_nan, checkpoints=tmp_path)
+    resumed_guard, watch, resumed = _fit(with_nan, resume_from=tmp_path / "step=16.ckpt")
+    assert [event["step"] for event in resumed_guard.events if event["event"] == "rollback"] == [14]
+    window_end = 15 + SKIP_AFTER_ROLLBACK
+    assert all(torch.equal(watch.at[window_end][name], b) for name, b in whole_watch.at[window_end].items())
+    ended = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
+    for name, tensor in [*resumed.named_parameters(), *resumed.named_buffers()]:
+        assert torch.equal(tensor, ended[name]), name

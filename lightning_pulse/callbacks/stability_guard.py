@@ -247,7 +247,7 @@ class StabilityGuard(Callback):
         energy, optimizers = self._energy.end(), trainer.optimizers
         schedulers = self._schedulers(trainer)  # StochasticWeightAveraging swaps or adds one mid-run
         if self._record.forced:  # skipped after a rollback: what its forwards wrote goes back too
-            self.core.mend_forward_state(pl_module)
+            self.core.mend_forward_state(pl_module, optimizers=optimizers)
         if self.core.finish_step(action, trainer.global_step, energy, optimizers, pl_module, schedulers):
             self._take_snapshot(trainer, pl_module)
         if action in (Action.ROLLBACK, Action.STOP):
@@ -284,8 +284,8 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
     ) -> None:
         """Snapshot at the end of the step (older ones no longer fit), the pre-step copy of buffers
-        dropped."""
-        self.core.parameters_replaced(trainer.global_step)
+        made anew in the new shapes."""
+        self.core.parameters_replaced(trainer.global_step, pl_module)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -585,17 +585,20 @@ class PreStepBuffers:
     Per step (:meth:`before_step`): a call that returns at once for a model whose forwards write no buffer
     or parameter (and inside an accumulation window: the copy is taken before the window's first
     micro-batch); else one ``torch._foreach_copy_`` into tensors allocated when the set was learned. Resumed,
-    or before the first learn, there is no copy (:attr:`copied` is false): the mend falls back to the
-    snapshot's values.
+    or before the first learn, there is no copy (:attr:`copied` is false): the mend sets back to the newest
+    snapshot, which holds the values before the step when no step was applied since it (a resume inside the
+    skip window after a rollback), and learns the set against it then; else only what was made non-finite.
     """
 
     def __init__(self) -> None:
         self.clear()
 
-    def clear(self, learn_after: int | None = None) -> None:
+    def clear(self, learn_after: int | None = None, keep: nn.Module | None = None) -> None:
         """Forget the tensors learned and the copy (a new fit, or parameters replaced: the modules and shapes
         the copy was made for may be gone); ``learn_after``: learn at the end of the first applied step whose
-        counter after it is past this one."""
+        counter after it is past this one. ``keep``: the model whose tensors of the names learned so far that
+        it still holds stay learned, in copies of their current shapes (filled before the next step)."""
+        kept = [] if keep is None else self.names
         self.names: list[str] = []
         self.slots: list[tuple[dict[str, Any], str]] = []  # (owner's ``_buffers``/``_parameters``, key)
         self.sources: list[torch.Tensor] = []  # the tensors the last copy read
@@ -604,6 +607,9 @@ class PreStepBuffers:
         self.learn_after = learn_after
         self.early_learns = 2  # the applied steps from ``learn_after`` on that learn (then: snapshots only)
         self.fingerprints: dict[str, float] = {}  # of the parameters written outside, at the last learn
+        if keep is not None and kept:
+            held = {name for name, _ in [*keep.named_buffers(), *keep.named_parameters()]}
+            self._allocate(keep, [name for name in kept if name in held])
 
     def learn(
         self, model: nn.Module, snapshot: TrainingSnapshot | None, optimizers: Sequence[Any] | None = None

@@ -389,6 +389,10 @@ class StabilityCore:
         # the buffers training forwards write, copied before each step: what a data fault's mend sets back
         self.pre_step = PreStepBuffers()
         self.mended_from_copy: list[str] = []  # the names the last mend set back from that copy
+        # the step counter after the last applied step of the run's current timeline (the fit's start, a
+        # rollback's snapshot): a snapshot taken at it or later holds the state before the current step's
+        # first forward, where no pre-step copy exists yet (mend_forward_state)
+        self.applied_through: int | None = None
         # recurring spikes that make a level of the data, the steps applied at it, the open incident's losses
         self.level = RecurringLevel(window, SAME_SPIKE_FACTOR, self.config.learn_recurring_level)
         self.level_steps = 0
@@ -468,6 +472,7 @@ class StabilityCore:
         self.schedule.pending, self.rollback_to, self.left_out = False, None, None
         self.unfit_optimizers_after = None
         self.fit_start, self.first_forward, self.overflow_warned = step, None, False
+        self.applied_through = step
         self.unchecked_data_faults, self.presumption_warned = 0, False
         self.check_oom_warned = False
         self.level.start()
@@ -502,7 +507,7 @@ class StabilityCore:
                 pre_step.early_learns -= 1
                 pre_step.learn_after = step if pre_step.early_learns else None
         if action is Action.APPLY:
-            self.unchecked_data_faults = 0
+            self.unchecked_data_faults, self.applied_through = 0, step
             if self.first_forward is None and model is not None:  # once a fit
                 self.retake_lazily_shaped_start(model)
                 self.keep_first_forward(step, model)
@@ -769,7 +774,12 @@ class StabilityCore:
         snapshot, _, evidence = self.forward_evidence(model)
         return snapshot, evidence
 
-    def mend_forward_state(self, model: nn.Module, saved: SavedForwardState | None = None) -> list[str]:
+    def mend_forward_state(
+        self,
+        model: nn.Module,
+        saved: SavedForwardState | None = None,
+        optimizers: Sequence[Any] | None = None,
+    ) -> list[str]:
         """After a data fault, and after each forced skip (a batch of the window skipped after a rollback,
         never judged: its batch may hold NaN rows all the same): set back what the skipped step's forwards
         wrote. The step is skipped, but its forward already wrote BatchNorm's running statistics, and left so
@@ -778,8 +788,13 @@ class StabilityCore:
         been skipped;
         :class:`~lightning_pulse.core.snapshots.PreStepBuffers`), and so do the parameters forwards write (an
         EMA codebook; :func:`_made_bad`: frozen, or held by no optimizer). Where no such copy exists (a
-        resume, the fit's first steps), and for carried tensors, buffers and parameters not learned yet, those
-        the bad forward made
+        resume, the fit's first steps, a structured prune) and no step was applied since the newest snapshot
+        that fits the model (not one of step 0), that snapshot holds those values: what the step's forwards
+        wrote is learned against it (with ``optimizers``: parameters written outside them too) and set back
+        to it (:meth:`_set_back_to_snapshot`; a run resumed inside the skip window left the running statistics
+        of the rest of the window in place, unlike the run it resumed). For carried tensors, non-persistent
+        buffers, tensors not learned yet, and where a step was applied since that snapshot, those the bad
+        forward made
         bad (:func:`~lightning_pulse.core.fault_origin.nonfinite_forward_state`, against ``saved``, else
         :meth:`saved_forward_state`) go back to the newest snapshot that fits the model (which threw away
         up to ``snapshot_every`` steps of running statistics at each bad batch where it was the only
@@ -790,7 +805,10 @@ class StabilityCore:
         (rolled back)."""
         snapshot, evidence = self.saved_forward_state(model) if saved is None else saved
         bad = _made_bad(model, evidence)  # read before the copy sets them back
-        before_step = set(self.pre_step.restore())
+        if self.pre_step.copied:
+            before_step = set(self.pre_step.restore())
+        else:
+            before_step = set(self._set_back_to_snapshot(model, snapshot, optimizers))
         if before_step:  # a copy taken after a forward on the bad batch (a callback's, listed first) holds it
             before_step -= set(_made_bad(model, evidence))
         saved_tensors = {} if snapshot is None else {**snapshot.model, **snapshot.buffers}
@@ -808,6 +826,35 @@ class StabilityCore:
                 continue
             mended.append(name)
         return mended
+
+    def _set_back_to_snapshot(
+        self, model: nn.Module, snapshot: TrainingSnapshot | None, optimizers: Sequence[Any] | None
+    ) -> list[str]:
+        """With no pre-step copy: when no step was applied since ``snapshot`` (the newest that fits the model;
+        the steps since were skipped and set back alike), it holds the state before the current step's first
+        forward; learn what differs from it (:meth:`PreStepBuffers.learn`: from the next step on, a copy is
+        taken) and set every learned buffer and parameter of its ``state_dict`` back to it: a checkpoint holds
+        those, so a resumed fit (whose start the snapshot is) gets the uninterrupted run's values. Not a
+        non-persistent buffer (a checkpoint does not hold it: the snapshot has its values from ``__init__``),
+        nor at a snapshot of step 0, taken before the model's first forward: a mask a first forward fills
+        once (registered as zeros) would stay zeros. The names set back; ``[]`` where a step was applied since
+        or none fits. Skipped steps only."""
+        if snapshot is None or snapshot.step == 0 or self.applied_through is None:
+            return []
+        if snapshot.step < self.applied_through:
+            return []
+        self.pre_step.learn(model, snapshot, optimizers)
+        current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        set_back = []
+        with torch.no_grad():  # a parameter may require grad
+            for name in self.pre_step.names:
+                value, tensor = snapshot.model.get(name), current.get(name)
+                if not isinstance(value, Tensor) or not isinstance(tensor, Tensor):
+                    continue
+                if value.shape == tensor.shape and value.dtype == tensor.dtype:  # the snapshot's: on the CPU
+                    tensor.copy_(value)
+                    set_back.append(name)
+        return set_back
 
     def rollback_helps(
         self,
@@ -989,6 +1036,7 @@ class StabilityCore:
             warn(f"StabilityGuard: no snapshot {why}; the parameters stay as they are.")
             return None, 0
         self.left_out = None  # the state is the snapshot's now, and finite
+        self.applied_through = target.step  # the steps applied since are undone
         if not predates:
             warn(f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one.")
         self.detector.load_state_dict(target.extra["detector"])
@@ -1014,12 +1062,15 @@ class StabilityCore:
             return no_snapshot_message(step, path, self.left_out, self.unfit_optimizers_after), path
         return stop_message(self.policy, step, to_step, recent_rollbacks, path), path
 
-    def parameters_replaced(self, step: int) -> None:
+    def parameters_replaced(self, step: int, model: nn.Module | None = None) -> None:
         """A structured prune replaced parameters (and buffers: a BatchNorm's of the channels cut): a snapshot
         at the end of the step, if healthy (older ones no longer fit), and the pre-step copy dropped (its
-        shapes and modules may be gone), the buffers forwards write learned anew from ``step``."""
+        shapes and modules may be gone), the buffers forwards write learned anew from ``step``; those
+        ``model`` still holds stay learned, copied again from the next step on (``keep`` of
+        :meth:`PreStepBuffers.clear`: a step skipped before the next applied one set back only what was
+        non-finite where no snapshot followed the prune)."""
         self.schedule.pending = self.schedule.pending or self.policy.healthy
-        self.pre_step.clear(learn_after=step)
+        self.pre_step.clear(learn_after=step, keep=model)
 
     def request_maintain_snapshot(self, change: PhaseChange, probe: Mapping[str, float]) -> None:
         """Ask for a snapshot at the end of this step when ``change`` starts a maintain phase
