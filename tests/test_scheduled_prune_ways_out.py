@@ -208,3 +208,52 @@ def test_a_module_with_its_own_forward_is_not_told_to_give_itself_one():
         _fit(_SpectralMixInForward(), _vectors(), _prune())
     assert "give the module a `forward`" not in str(refused.value)
     assert "narrow `layer_types`/`exclude_pattern`" in str(refused.value)
+
+
+class _BertWithReshapingHead(_Classifier):
+    """An HF BERT backbone under a head whose root `forward` reshapes `proj`'s output with a fixed `.view`: the
+    cut breaks in the head, and, once `proj` is left out, in BERT's attention."""
+
+    def __init__(self, transformers) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+        )
+        self.net, self.proj, self.head = transformers.BertModel(config), nn.Linear(32, 32), nn.Linear(8, 2)
+        self.example_input_array = torch.randint(0, 64, (2, 8))
+
+    def forward(self, x):
+        hidden = self.net(x).last_hidden_state[:, 0]
+        return self.head(self.proj(hidden).view(x.shape[0], 8, 4).mean(-1))
+
+
+def _tokens() -> DataLoader:
+    x = torch.randint(0, 64, (32, 8), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(x, x[:, 0] % 2), batch_size=8)
+
+
+def test_a_break_in_the_modules_own_forward_over_an_hf_backbone_names_a_pattern_with_its_attention_that_fits():
+    transformers = pytest.importorskip("transformers")
+    # before: "it broke in head (Linear); no `exclude_pattern` it checked lets the trial cut pass ('attention',
+    # chosen layers left out by name)": 'attention' alone still broke in the head, and every half of the layers
+    # that left `proj` out broke in BertSelfAttention
+    with pytest.raises(PulseRefusal, match=r"it broke in head \(Linear\); .*the trial cut passes") as refused:
+        _fit(_BertWithReshapingHead(transformers), _tokens(), _prune())
+    (pattern,) = _offered(str(refused.value))
+    assert re.search(pattern, "proj") and re.search(pattern, "net.encoder.layer.0.attention.self.query")
+    module = _BertWithReshapingHead(transformers)
+    parameters = sum(p.numel() for p in module.parameters())
+    _fit(module, _tokens(), _prune(exclude_pattern=pattern))
+    assert module.proj.out_features == 32 and sum(p.numel() for p in module.parameters()) < parameters
+
+
+def test_after_one_slow_trial_cut_the_search_for_a_way_out_starts_no_further_one(monkeypatch):
+    from lightning_pulse.core import pruning
+
+    # every cut counts as slow: the search stops after its first, which leaves `a` out and breaks again
+    # (the next, leaving `b` and `c` out, would pass)
+    monkeypatch.setattr(pruning, "SLOW_TRIAL_SECONDS", 1e-9)
+    with pytest.raises(PulseRefusal, match=r"no `exclude_pattern` it checked") as refused:
+        _fit(_FixedHeadsInForward(), _vectors(), _prune())
+    assert _offered(str(refused.value)) == []

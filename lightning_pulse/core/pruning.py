@@ -1645,6 +1645,27 @@ WAY_OUT_TRIES = 3
 LAYER_SEARCH_TRIES = 4
 #: past this many seconds of checking exclusions, :func:`_way_out` starts no further trial cut (a large model's)
 WAY_OUT_SECONDS = 30.0
+#: after one trial cut this slow, :func:`_way_out` starts no further one: the next would be as slow
+SLOW_TRIAL_SECONDS = 10.0
+
+
+class _TrialClock:
+    """Trial cuts timed for :func:`_way_out`, which starts no further one past :data:`WAY_OUT_SECONDS` of
+    checking exclusions or after one of its cuts took :data:`SLOW_TRIAL_SECONDS` (the failed cut it looks for
+    a way out of is not counted: the first pattern, the attention left out say, is worth one more)."""
+
+    def __init__(self) -> None:
+        self.started, self.slowest = time.monotonic(), 0.0
+
+    def cut(self, *args: Any) -> tuple[str | None, str | None]:
+        began = time.monotonic()
+        try:
+            return _trial_cut(*args)
+        finally:
+            self.slowest = max(self.slowest, time.monotonic() - began)
+
+    def out_of_time(self) -> bool:
+        return self.slowest >= SLOW_TRIAL_SECONDS or time.monotonic() - self.started >= WAY_OUT_SECONDS
 
 
 def _way_out(
@@ -1660,22 +1681,23 @@ def _way_out(
     or every one of them (the module holding the whole model) is not tried. Where none passes within
     :data:`WAY_OUT_TRIES` cuts, chosen layers are left out by name (:func:`_layer_search`: the break is in the
     model's own ``forward``, or in a layer whose input another one cuts). Where no pattern passes, the failing
-    module is named, with the patterns that failed, and no pattern is offered."""
-    started, tries, failed = time.monotonic(), 0, []
+    module is named, with the patterns that failed, and no pattern is offered. :class:`_TrialClock` says when
+    no further trial cut starts."""
+    clock, tries, failed = _TrialClock(), 0, []
     current = pruner.exclude_pattern
     place = "" if where is None else f"it broke in {where} ({type(model.get_submodule(where)).__name__})"
 
     def passes(with_pattern: str) -> str:
         return f"{place}; with `exclude_pattern`={with_pattern!r} {TRIAL_CUT_PASSES} and the other layers are cut"
 
-    while tries < WAY_OUT_TRIES and time.monotonic() - started < WAY_OUT_SECONDS:
+    while tries < WAY_OUT_TRIES and not clock.out_of_time():
         candidates = _exclusions_for(model, pruner, where, current)
         pattern = next((p for p in candidates if _joined(current, p) not in failed), None)
         if pattern is None:
             break
         tries += 1
         trial_pattern = _joined(current, pattern)
-        reason, broke_in = _trial_cut(model, pruner, trial_pattern, sparsities, example)
+        reason, broke_in = clock.cut(model, pruner, trial_pattern, sparsities, example)
         if reason is None:
             return passes(trial_pattern).lstrip("; ")
         failed.append(trial_pattern)
@@ -1685,7 +1707,7 @@ def _way_out(
             break
         if broke_in != where:  # this part was the trouble there: keep it out, and look at the next one
             current, where = trial_pattern, broke_in
-    found, searched = _layer_search(model, pruner, current, sparsities, example, started)
+    found, searched = _layer_search(model, pruner, current, sparsities, example, where, clock)
     if found is not None:
         return passes(found).lstrip("; ")
     tried = [repr(pattern) for pattern in failed[:3]] + (
@@ -1729,14 +1751,18 @@ def _layer_search(
     current: str | None,
     sparsities: Sequence[float],
     example: Any,
-    started: float,
+    where: str | None,
+    clock: _TrialClock,
 ) -> tuple[str | None, int]:
     """A pattern that leaves out chosen layers by name and lets the trial cut pass, or ``None``, with the
     number of trial cuts it took. The chosen layers (the output layers, never cut, aside) are halved in their
     order, and the half whose leaving out passes is halved again, up to :data:`LAYER_SEARCH_TRIES` cuts; the
     smallest half that passed is offered.
     A break in the model's own ``forward`` (a fixed ``.view`` of a layer's output) names no part to leave out,
-    but one layer, or a few, are what it reads."""
+    but one layer, or a few, are what it reads. A half whose leaving out moves the break away from ``where``
+    (the one searched for) got past it: the part the cut then breaks in is left out too (the attention of an
+    HF backbone under a head that reshapes in ``forward``: without the attention every half fails, without
+    the head's layer the attention breaks), and that half is halved further with that part left out."""
     chosen = _chosen(model, pruner, current)
     named = {name: model.get_submodule(name) for name in chosen}
     try:
@@ -1747,16 +1773,39 @@ def _layer_search(
         outputs = set()
     candidates = [name for name in chosen if name not in outputs]
     passing, tries = None, 0
+
+    def cut(pattern: str) -> tuple[str | None, str | None] | None:
+        nonlocal tries
+        if tries >= LAYER_SEARCH_TRIES or clock.out_of_time():
+            return None
+        tries += 1
+        return clock.cut(model, pruner, pattern, sparsities, example)
+
     while len(candidates) > 1:
         half = len(candidates) // 2
         for part in (candidates[:half], candidates[half:]):
-            if tries >= LAYER_SEARCH_TRIES or time.monotonic() - started >= WAY_OUT_SECONDS:
+            tried = cut(_joined(current, exact_names_pattern(part)))
+            if tried is None:
                 return passing, tries
-            tries += 1
-            pattern = _joined(current, exact_names_pattern(part))
-            reason, _ = _trial_cut(model, pruner, pattern, sparsities, example)
+            reason, broke_in = tried
+            if reason is not None and reason.startswith(CUT_FAILED) and broke_in != where:
+                # past the break searched for: the new one's part goes too, if that leaves some layer cut
+                part_out = _joined(current, exact_names_pattern(part))
+                extra = next(iter(_exclusions_for(model, pruner, broke_in, part_out)), None)
+                widened = _joined(current, extra)
+                left = set(_chosen(model, pruner, widened))
+                kept = [name for name in part if name in left]  # none: that part alone, tried before
+                if extra is not None and kept:
+                    pattern = _joined(widened, exact_names_pattern(kept))
+                    tried = cut(pattern)
+                    if tried is None:
+                        return passing, tries
+                    reason, _ = tried
+                    if reason is None:
+                        passing, current, candidates = pattern, widened, kept
+                        break
             if reason is None:
-                passing, candidates = pattern, part
+                passing, candidates = _joined(current, exact_names_pattern(part)), part
                 break
             if not reason.startswith((CUT_FAILED, NOTHING_TO_CUT)):  # out of time, say: no further search
                 return passing, tries
