@@ -429,6 +429,8 @@ def test_an_exception_in_training_stops_the_thread_and_reports_the_interrupted_r
     assert leftover_threads() == []
     report = json.loads((tmp_path / JSON_NAME).read_text())
     assert report["status"] == "interrupted" and report["total"]["steps"] == 4
+    # sweep: the batch that raised before its backward trained nothing, and was counted (5 batches' samples)
+    assert report["total"]["samples"] == 4 * BATCH
     assert report["total"]["methods"]["cpu"] == ESTIMATED
     # the meters were closed before the report was built: it still names the one that counted
     assert report["meters"]["cpu"]["meter"] == "constant", report["meters"]["cpu"]

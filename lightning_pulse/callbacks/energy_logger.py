@@ -284,6 +284,7 @@ class EnergyLogger(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        self.account.drop_batch_in_flight()
         self.account.stop()
         if not self.account.batches_this_fit:
             # a refusal at fit start, or a crash before the first batch: no run to report on

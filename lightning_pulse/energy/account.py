@@ -516,6 +516,11 @@ class EnergyAccount:
         self._batches += 1
         self._uncounted = batch
 
+    def drop_batch_in_flight(self) -> None:
+        """The batch that started and reached no backward (an exception in its forward) trained nothing: it is
+        not counted at the read-out that follows."""
+        self._uncounted = None
+
     def count_batch(self) -> None:
         """Count the samples and tokens of the batch that started, once: at its backward, so a batch another
         callback cut in place at its start counts as it trained, whatever the callbacks' order (else at its end)."""
