@@ -257,3 +257,41 @@ def test_after_one_slow_trial_cut_the_search_for_a_way_out_starts_no_further_one
     with pytest.raises(PulseRefusal, match=r"no `exclude_pattern` it checked") as refused:
         _fit(_FixedHeadsInForward(), _vectors(), _prune())
     assert _offered(str(refused.value)) == []
+
+
+class _DictRows(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(64, 16, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"values": self.x[index], "labels": self.x[index, :4].argmax()}
+
+
+class _HandsTheBatchOn(pl.LightningModule):
+    """A wrapper written as many wrap an HF model: `forward(self, batch)` hands the dict batch on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, batch):
+        return self.net(batch["values"])
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_forward_taking_the_batch_whole_is_traced_on_the_batch():
+    # sweep (wav2vec2 and Whisper wrapped as `forward(self, batch): return self.model(**batch)`): the dict batch
+    # was read as keyword arguments, refused ("missing ['batch']"), and the way out offered, narrowing
+    # `layer_types`, gave the same refusal word for word
+    prune = _prune()
+    _fit(_HandsTheBatchOn(), DataLoader(_DictRows(), batch_size=16), prune)
+    assert prune.events and prune.events[-1]["sparsity"] > 0.2

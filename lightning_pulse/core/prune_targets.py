@@ -614,7 +614,8 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
     A tensor batch is the input; of a tuple or list batch, the first item is (a namedtuple whose fields name
     every required argument gives them by name); a mapping batch gives the entries named like ``forward``'s
     parameters (all its entries, by name, for a ``forward(**inputs)``; its ``x``/``input``/``inputs``/
-    ``input_ids`` entry for a ``forward(*args, **kwargs)``).
+    ``input_ids`` entry for a ``forward(*args, **kwargs)``; the whole batch for a ``forward(batch)`` whose one
+    required argument the batch does not name).
 
     Raises:
         ValueError: the reason the call cannot be made from the batch.
@@ -642,6 +643,10 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
             for key in ("x", "input", "inputs", "input_ids"):
                 if key in batch:
                     return (batch[key],)
+        if not named and len(required) == 1:
+            # `forward(self, batch)` handing the batch on (`self.model(**batch)`), as wrappers of an HF model
+            # are often written: the batch is its one argument
+            return (batch,)
         missing = [name for name in required if name not in batch]
         raise ValueError(
             f"`forward{signature}` of {type(module).__name__} cannot be called with the "
