@@ -64,7 +64,10 @@ class _BuffersAtBatchEnd(Callback):
 
 
 def _fit(
-    with_nan: bool, checkpoints: Path | None = None, resume_from: Path | None = None
+    with_nan: bool,
+    checkpoints: Path | None = None,
+    resume_from: Path | None = None,
+    module: type[_BatchNormRegressor] = _BatchNormRegressor,
 ) -> tuple[StabilityGuard, _BuffersAtBatchEnd, _BatchNormRegressor]:
     """The run; ``checkpoints``: save one at the end of each epoch (8 steps) there; ``resume_from``: resume."""
     pl.seed_everything(0)
@@ -76,7 +79,7 @@ def _fit(
         max_snapshots=3,
         skip_after_rollback=SKIP_AFTER_ROLLBACK,
     )
-    watch, model = _BuffersAtBatchEnd(), _BatchNormRegressor()
+    watch, model = _BuffersAtBatchEnd(), module()
     callbacks: list[Callback] = [guard, watch]
     if checkpoints is not None:
         callbacks.append(
@@ -125,6 +128,28 @@ def test_a_run_resumed_inside_the_skip_window_ends_as_the_uninterrupted_run(tmp_
     assert [event["step"] for event in resumed_guard.events if event["event"] == "rollback"] == [14]
     window_end = 15 + SKIP_AFTER_ROLLBACK
     assert all(torch.equal(watch.at[window_end][name], b) for name, b in whole_watch.at[window_end].items())
+    ended = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
+    for name, tensor in [*resumed.named_parameters(), *resumed.named_buffers()]:
+        assert torch.equal(tensor, ended[name]), name
+
+
+class _SpikeAtSixteen(_BatchNormRegressor):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step == 16:  # a loss spike: skipped, its forward's statistics kept
+            x, y = x * 30, y * 30
+        return nn.functional.mse_loss(self.head(self.net(x)).squeeze(-1), y)
+
+
+def test_a_run_resumed_before_a_kept_skip_and_a_data_fault_ends_as_the_uninterrupted_run(tmp_path):
+    """Review: resumed at step 16, a skipped loss spike (which keeps its forward's statistics) then the NaN
+    row's data fault at 17. With no copy from before each step yet, the fault set back to the resumed
+    snapshot and undid the spike's statistics, which the uninterrupted run keeps. The checkpoint now names
+    the tensors forwards write, so the resumed fit copies them from its first step."""
+    whole_guard, _, whole = _fit(True, checkpoints=tmp_path, module=_SpikeAtSixteen)
+    resumed_guard, _, resumed = _fit(True, resume_from=tmp_path / "step=16.ckpt", module=_SpikeAtSixteen)
+    kinds = [(event["event"], event["step"]) for event in resumed_guard.events if event["step"] >= 16]
+    assert ("loss_spike", 16) in kinds and ("nonfinite_loss", 17) in kinds
     ended = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
     for name, tensor in [*resumed.named_parameters(), *resumed.named_buffers()]:
         assert torch.equal(tensor, ended[name]), name

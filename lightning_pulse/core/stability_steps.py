@@ -393,6 +393,8 @@ class StabilityCore:
         # rollback's snapshot): a snapshot taken at it or later holds the state before the current step's
         # first forward, where no pre-step copy exists yet (mend_forward_state)
         self.applied_through: int | None = None
+        self.forward_state_mended = False  # the current step's forward writes were set back (a skip's)
+        self.resumed_written: list[str] = []  # what forwards write, learned by the run a checkpoint resumes
         # recurring spikes that make a level of the data, the steps applied at it, the open incident's losses
         self.level = RecurringLevel(window, SAME_SPIKE_FACTOR, self.config.learn_recurring_level)
         self.level_steps = 0
@@ -462,12 +464,16 @@ class StabilityCore:
             return Action.APPLY
         return self.policy.decide(step, verdict)
 
-    def start(self, step: int | None = None, optimizers: Sequence[Any] = ()) -> None:
+    def start(
+        self, step: int | None = None, optimizers: Sequence[Any] = (), model: nn.Module | None = None
+    ) -> None:
         """At fit start, refuse optimizers no snapshot can hold (:func:`refuse_unconsolidated_optimizers`);
         then forget what an earlier fit left: a requested snapshot, the rollback test's choice, the warnings
         said once a fit and the snapshots (the caller then snapshots the state training starts from, or
         resumes at: ``step``, whose snapshot :meth:`saved_forward_state` does not take as evidence about
-        infinities)."""
+        infinities). A resumed ``model`` copies the tensors its forwards write before its first step (the
+        names the checkpoint holds): a skip in its first steps sets back to the values before it, as in the
+        run it resumes (to the resumed snapshot instead, it undid a skipped spike's statistics kept since)."""
         refuse_unconsolidated_optimizers(optimizers)
         self.schedule.pending, self.rollback_to, self.left_out = False, None, None
         self.unfit_optimizers_after = None
@@ -480,6 +486,10 @@ class StabilityCore:
         self.fit_start_accepted = self.detector.accepted_steps
         self.schedule.ring.clear()
         self.pre_step.clear(learn_after=-1 if step is None else step)  # learned at the first applied step
+        if model is not None and self.resumed_written:
+            self.pre_step.names = self.resumed_written
+            self.pre_step.clear(learn_after=step, keep=model)
+        self.resumed_written = []
 
     def finish_step(
         self,
@@ -506,6 +516,10 @@ class StabilityCore:
                 pre_step.learn(model, newest, optimizers)  # with no snapshot yet: at the next applied step
                 pre_step.early_learns -= 1
                 pre_step.learn_after = step if pre_step.early_learns else None
+        mended, self.forward_state_mended = self.forward_state_mended, False
+        if action is not Action.APPLY and not mended:
+            # a skip that kept its forward's writes (a loss spike): the state moved on since the snapshot
+            self.applied_through = step
         if action is Action.APPLY:
             self.unchecked_data_faults, self.applied_through = 0, step
             if self.first_forward is None and model is not None:  # once a fit
@@ -804,6 +818,7 @@ class StabilityCore:
         it holds a NaN (:meth:`take_snapshot` says so), and a step it makes non-finite is the state's fault
         (rolled back)."""
         snapshot, evidence = self.saved_forward_state(model) if saved is None else saved
+        self.forward_state_mended = True
         bad = _made_bad(model, evidence)  # read before the copy sets them back
         if self.pre_step.copied:
             before_step = set(self.pre_step.restore())
@@ -1089,6 +1104,7 @@ class StabilityCore:
             "last_snapshot_step": self.schedule.last_step,
             "bad_samples": self.bad_samples,
             "level": {**self.level.state_dict(), "applied": self.level_steps},
+            "written_by_forwards": list(self.pre_step.names),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -1100,6 +1116,7 @@ class StabilityCore:
         self.bad_samples = [dict(sample) for sample in state_dict.get("bad_samples", [])]
         self.level.load_state_dict(state_dict.get("level", {}))
         self.level_steps = int(state_dict.get("level", {}).get("applied", 0))
+        self.resumed_written = [str(name) for name in state_dict.get("written_by_forwards", [])]
 
 
 def guard_figure(name: str) -> property:
