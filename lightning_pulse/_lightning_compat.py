@@ -717,13 +717,38 @@ def set_callback_metric(trainer: pl.Trainer, name: str, value: float) -> None:
         trainer.callback_metrics[name] = tensor
 
 
-def _compiled_submodules(module: torch.nn.Module | None) -> Iterator[tuple[str, torch.nn.Module]]:
-    """``(name, compiled module)`` of every ``torch.compile``d submodule (the name ``""`` for ``module`` itself)."""
+def _compiled_submodules(
+    module: torch.nn.Module | None, in_place: bool = True
+) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``(name, compiled part)`` of every part of ``module`` under ``torch.compile`` (the name ``""`` for ``module``
+    itself): a ``torch.compile(part)`` wrapper (``OptimizedModule``), or a part compiled in place with
+    ``part.compile()``, which keeps the compiled call on the instance as the private ``_compiled_call_impl``
+    (no wrapper to find: GradientCache and HardSampleReplay used to miss it and train unrefused, or crash);
+    ``in_place=False`` leaves those out."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     for name, submodule in module.named_modules() if module is not None else ():
-        if isinstance(submodule, OptimizedModule):
+        if isinstance(submodule, OptimizedModule) or (in_place and _compiled_in_place(submodule) is not None):
             yield name, submodule
+
+
+def _compiled_in_place(part: torch.nn.Module) -> Callable[..., Any] | None:
+    """The compiled call that ``part.compile()`` set on ``part`` (what ``part(...)`` runs), else ``None``."""
+    return part.__dict__.get("_compiled_call_impl")
+
+
+def _in_place_dynamo_ctx(compiled_call: Callable[..., Any]) -> Any:
+    """The dynamo context of a call compiled in place (``torch.compile(part._call_impl, **kwargs)``, which
+    ``Module.compile`` stores without its arguments): the function dynamo returns keeps it only in its closure,
+    as ``self``. ``None`` where this torch keeps it elsewhere."""
+    code = getattr(compiled_call, "__code__", None)
+    for name, cell in zip(code.co_freevars if code is not None else (), compiled_call.__closure__ or ()):
+        if name == "self":
+            try:
+                return cell.cell_contents
+            except ValueError:  # an empty cell
+                return None
+    return None
 
 
 def _fullgraph(dynamo_ctx: Any) -> bool:
@@ -744,12 +769,13 @@ def fullgraph_compiled_step(module: torch.nn.Module | None) -> str | None:
 
 
 class FullgraphBreaks:
-    """Hands dynamo's graph-break errors in the submodules compiled with ``fullgraph=True`` to a handler,
-    between :meth:`watch` and :meth:`release`, by wrapping the compiled forward that ``OptimizedModule`` keeps on
-    the instance (a module without one is left alone). Picklable while released."""
+    """Hands dynamo's graph-break errors in the parts compiled with ``fullgraph=True`` to a handler, between
+    :meth:`watch` and :meth:`release`, by wrapping the compiled call each keeps on its instance: the
+    ``forward`` of a ``torch.compile(part)`` wrapper, the ``_compiled_call_impl`` of a part compiled in place
+    with ``part.compile()`` (a part without one is left alone). Picklable while released."""
 
     def __init__(self) -> None:
-        self._wrapped: list[tuple[torch.nn.Module, Callable[..., Any], Callable[..., Any]]] = []
+        self._wrapped: list[tuple[torch.nn.Module, str, Callable[..., Any], Callable[..., Any]]] = []
 
     def watch(self, module: torch.nn.Module | None, handler: Callable[[str, str], None]) -> None:
         """Call ``handler(name, message)`` for such an error in a part of ``module`` (``name``, the part's name;
@@ -757,37 +783,47 @@ class FullgraphBreaks:
         stays chained as its context); if it returns, the error goes on."""
         from torch._dynamo.exc import Unsupported
 
-        def watching(name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(forward)
-            def forward_handing_graph_breaks(*args: Any, **kwargs: Any) -> Any:
+        def watching(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(call)
+            def call_handing_graph_breaks(*args: Any, **kwargs: Any) -> Any:
                 try:
-                    return forward(*args, **kwargs)
+                    return call(*args, **kwargs)
                 except Unsupported as error:
                     handler(name or "the LightningModule", str(error))
                     raise
 
-            return forward_handing_graph_breaks
+            return call_handing_graph_breaks
 
         self.release()
-        for name, compiled in _compiled_submodules(module):
-            forward = compiled.__dict__.get("forward")
-            if forward is not None and _fullgraph(getattr(compiled, "dynamo_ctx", None)):
-                compiled.forward = watching(name, forward)
-                self._wrapped.append((compiled, compiled.forward, forward))
+        for name, part in _compiled_submodules(module):
+            if (call := _compiled_in_place(part)) is not None:
+                attribute, context = "_compiled_call_impl", _in_place_dynamo_ctx(call)
+            else:
+                attribute, call, context = (
+                    "forward",
+                    part.__dict__.get("forward"),
+                    getattr(part, "dynamo_ctx", None),
+                )
+            # a context this torch hides is watched too: the handler acts only on a captured loss's graph break,
+            # which is an error (rather than a fallback to eager) only under fullgraph
+            if call is not None and (context is None or _fullgraph(context)):
+                setattr(part, attribute, watching(name, call))
+                self._wrapped.append((part, attribute, getattr(part, attribute), call))
 
     def release(self) -> None:
-        """Give every watched part its own forward back (unless something replaced ours since)."""
-        for compiled, ours, forward in self._wrapped:
-            if compiled.__dict__.get("forward") is ours:
-                compiled.forward = forward
+        """Give every watched part its own compiled call back (unless something replaced ours since)."""
+        for part, attribute, ours, call in self._wrapped:
+            if part.__dict__.get(attribute) is ours:
+                setattr(part, attribute, call)
         self._wrapped.clear()
 
 
 def compiled_parts(module: torch.nn.Module | None) -> list[str]:
     """The names of every part of ``module`` that runs under ``torch.compile``: compiled submodules, and ``""``
     for ``module`` itself (compiled, or a LightningModule that Lightning unwrapped from
-    ``trainer.fit(torch.compile(model))``)."""
-    names = [name for name, _ in _compiled_submodules(module)]
+    ``trainer.fit(torch.compile(model))``). Not the parts compiled in place with ``part.compile()``: structured
+    pruning, which reads this, cuts such a part (its wrapper-free call recompiles on the swapped layers)."""
+    names = [name for name, _ in _compiled_submodules(module, in_place=False)]
     if getattr(module, "_compiler_ctx", None) is not None and "" not in names:
         names.insert(0, "")
     return names
@@ -795,8 +831,9 @@ def compiled_parts(module: torch.nn.Module | None) -> list[str]:
 
 def compiled_part(module: torch.nn.Module | None) -> str | None:
     """What of ``module`` runs under ``torch.compile``: the name of a compiled submodule
-    (``self.model = torch.compile(...)``), ``"the LightningModule"`` when Lightning unwrapped a compiled one
-    (``trainer.fit(torch.compile(model))``), else ``None``."""
+    (``self.model = torch.compile(...)`` or ``self.model.compile()``), ``"the LightningModule"`` when Lightning
+    unwrapped a compiled one (``trainer.fit(torch.compile(model))``) or it was compiled in place
+    (``model.compile()``), else ``None``."""
     if getattr(module, "_compiler_ctx", None) is not None:
         return "the LightningModule"
     name, _ = next(_compiled_submodules(module), (None, None))

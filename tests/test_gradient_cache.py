@@ -589,18 +589,28 @@ def test_a_compiled_module_is_refused_at_setup(mnist1d_small, how):
     assert trainer.global_step == 0
 
 
-def test_a_module_compiled_in_configure_model_is_refused_before_the_first_step(mnist1d_small):
+@pytest.mark.parametrize("how", ["torch.compile(net)", "net.compile()", "model.compile()"])
+def test_a_module_compiled_in_configure_model_is_refused_before_the_first_step(mnist1d_small, how):
     # Lightning calls configure_model (its documented place for torch.compile) after the callbacks' setup: the
-    # setup check missed it, and the units were read in the compiled backward's order (nothing ever froze)
+    # setup check missed it, and the units were read in the compiled backward's order (nothing ever froze).
+    # Compiled in place (Module.compile), there is no wrapper to find: it trained unrefused, and
+    # model.compile() read the units in the wrong order and blamed the compiled graph's autograd Function
+    torch._dynamo.reset()
     model, data = mnist1d_small()
 
-    def compile_net() -> None:
-        model.net = torch.compile(model.net, backend="aot_eager")
+    def compile_in_configure_model() -> None:
+        if how == "torch.compile(net)":
+            model.net = torch.compile(model.net, backend="aot_eager")
+        elif how == "net.compile()":
+            model.net.compile(backend="aot_eager")
+        else:
+            model.compile(backend="aot_eager")
 
-    model.configure_model = compile_net
+    model.configure_model = compile_in_configure_model
+    part = "the LightningModule" if how == "model.compile()" else "net"
     trainer = pl.Trainer(callbacks=[GradientCache()], max_steps=4, **trainer_kwargs())
     with pytest.raises(
-        PulseRefusal, match=r"^GradientCache: net runs under torch.compile, .*Remove GradientCache"
+        PulseRefusal, match=rf"^GradientCache: {part} runs under torch.compile, .*Remove GradientCache"
     ):
         trainer.fit(model, data)
     assert trainer.global_step == 0

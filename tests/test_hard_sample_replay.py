@@ -641,21 +641,41 @@ def test_steps_mode_alone_shortens_epochs_and_tells_lightning_and_onecycle_up_fr
 
 class _FullgraphNet(MNIST1DClassifier):
     """Its network compiled with ``fullgraph=True`` in ``__init__`` or in ``configure_model`` (Lightning's place for
-    torch.compile, after the callbacks' setup); ``loss_inside``: the compiled part computes the loss too."""
+    torch.compile, after the callbacks' setup); ``loss_inside``: the compiled part computes the loss too. ``how``:
+    ``torch.compile(net)`` (a wrapper), ``net.compile()`` or ``model.compile()`` (compiled in place; the
+    LightningModule's forward then takes the targets and ``training_step`` calls it)."""
 
-    def __init__(self, where: str, loss_inside: bool = False, fullgraph: bool = True) -> None:
+    def __init__(
+        self, where: str, loss_inside: bool = False, fullgraph: bool = True, how: str = "torch.compile(net)"
+    ) -> None:
         super().__init__()
-        self.where, self.loss_inside, self.fullgraph = where, loss_inside, fullgraph
+        self.where, self.loss_inside, self.fullgraph, self.how = where, loss_inside, fullgraph, how
+        self.compiled = False
+        # Module.compile(fullgraph=True) of a module whose forward is torch's own (nn.Sequential) fails in torch
+        # itself ("found no compiled frames": dynamo skips torch's files); _NetWithLoss's forward is ours
+        if how == "net.compile()" or (self.loss_inside and how != "model.compile()"):
+            self.net = _NetWithLoss(self.net)
         if where == "__init__":
             self.configure_model()
 
     def configure_model(self) -> None:
-        if not isinstance(self.net, torch._dynamo.eval_frame.OptimizedModule):
-            net = _NetWithLoss(self.net) if self.loss_inside else self.net
-            self.net = torch.compile(net, backend="aot_eager", fullgraph=self.fullgraph)
+        if self.compiled:
+            return
+        self.compiled = True
+        if self.how == "torch.compile(net)":
+            self.net = torch.compile(self.net, backend="aot_eager", fullgraph=self.fullgraph)
+        elif self.how == "net.compile()":
+            self.net.compile(backend="aot_eager", fullgraph=self.fullgraph)
+        else:
+            self.compile(backend="aot_eager", fullgraph=self.fullgraph)
+
+    def forward(self, x, y=None):
+        return super().forward(x) if y is None else F.cross_entropy(super().forward(x), y)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.how == "model.compile()":
+            return self(x, y) if self.loss_inside else F.cross_entropy(self(x), y)
         return self.net(x, y) if self.loss_inside else F.cross_entropy(self.net(x), y)
 
 
@@ -668,34 +688,52 @@ class _NetWithLoss(torch.nn.Module):
         return self.net(x) if y is None else F.cross_entropy(self.net(x), y)
 
 
-@pytest.mark.parametrize("where", ["__init__", "configure_model"])
-def test_a_fullgraph_part_without_the_loss_trains_wherever_it_is_compiled(where):
+@pytest.mark.parametrize(
+    "where, how",
+    [
+        ("__init__", "torch.compile(net)"),
+        ("configure_model", "torch.compile(net)"),
+        ("configure_model", "net.compile()"),
+    ],
+)
+def test_a_fullgraph_part_without_the_loss_trains_wherever_it_is_compiled(where, how):
     # the loss in training_step is captured outside the compiled part: nothing breaks its graph. It used to be
     # refused when compiled in __init__ and never checked when compiled in configure_model
     torch._dynamo.reset()
     replay = HardSampleReplay(mode="batch")
     trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
-    trainer.fit(_FullgraphNet(where), _data())
+    trainer.fit(_FullgraphNet(where, how=how), _data())
     assert trainer.global_step == 24
     assert replay.metrics()["table_seen"] == 720  # every training sample's loss captured in the first epoch
 
 
-@pytest.mark.parametrize("where", ["__init__", "configure_model"])
-def test_a_loss_inside_a_fullgraph_part_is_refused_at_the_first_step_naming_the_way_out(where):
-    # the capture runs the patched loss at a graph break, which fullgraph=True makes dynamo's own error
+@pytest.mark.parametrize(
+    "where, how",
+    [
+        ("__init__", "torch.compile(net)"),
+        ("configure_model", "torch.compile(net)"),
+        ("configure_model", "net.compile()"),
+        ("configure_model", "model.compile()"),
+    ],
+)
+def test_a_loss_inside_a_fullgraph_part_is_refused_at_the_first_step_naming_the_way_out(where, how):
+    # the capture runs the patched loss at a graph break, which fullgraph=True makes dynamo's own error. A part
+    # compiled in place (Module.compile) crashed with that error: the watch found only torch.compile's wrappers
     torch._dynamo.reset()
+    part = "the LightningModule" if how == "model.compile()" else "net"
     trainer = pl.Trainer(callbacks=[HardSampleReplay(mode="batch")], max_epochs=1, **trainer_kwargs())
     with pytest.raises(
         PulseRefusal,
-        match=r"^HardSampleReplay cannot capture the F.cross_entropy called inside net, compiled with "
+        match=rf"^HardSampleReplay cannot capture the F.cross_entropy called inside {part}, compiled with "
         r"torch.compile\(\.\.\., fullgraph=True\).* compile without fullgraph=True",
     ):
-        trainer.fit(_FullgraphNet(where, loss_inside=True), _data())
+        trainer.fit(_FullgraphNet(where, loss_inside=True, how=how), _data())
     assert trainer.global_step == 0
     # the way out: compiled without fullgraph=True, the loss is captured at its graph break
+    torch._dynamo.reset()
     replay = HardSampleReplay(mode="batch")
     trainer = pl.Trainer(callbacks=[replay], max_epochs=1, **trainer_kwargs())
-    trainer.fit(_FullgraphNet(where, loss_inside=True, fullgraph=False), _data())
+    trainer.fit(_FullgraphNet(where, loss_inside=True, fullgraph=False, how=how), _data())
     assert replay.metrics()["table_seen"] == 720
 
 

@@ -292,3 +292,25 @@ def test_readers_of_the_run_length_refuse_or_leave_out_shares_of_a_manual_run_of
     assert prediction["total_steps"] == steps_taken == 60
     basis_kwh = float(prediction["basis"].split(", ")[-1].removesuffix(" kWh"))  # an epoch of 20 steps
     assert prediction["energy_kwh"] == pytest.approx(3 * basis_kwh, rel=1e-4)
+
+
+class _Doubler(torch.nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_part_compiled_in_place_is_found_and_watched_only_under_fullgraph(fullgraph):
+    # Module.compile() leaves no wrapper, only the private _compiled_call_impl, and keeps its fullgraph only in
+    # the closure of the function torch.compile returns: a torch upgrade that moves either fails here
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), _Doubler())
+    model[1].compile(backend="eager", fullgraph=fullgraph)
+    assert compat.compiled_part(model) == "1"
+    assert compat._fullgraph(compat._in_place_dynamo_ctx(model[1]._compiled_call_impl)) is fullgraph
+    compiled_call = model[1]._compiled_call_impl
+    breaks = compat.FullgraphBreaks()
+    breaks.watch(model, lambda part, message: None)
+    assert (model[1]._compiled_call_impl is not compiled_call) is fullgraph  # a fallback part left alone
+    assert torch.equal(model[1](torch.ones(1, 2)), torch.full((1, 2), 2.0))
+    breaks.release()
+    assert model[1]._compiled_call_impl is compiled_call
