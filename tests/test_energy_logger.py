@@ -436,6 +436,32 @@ def test_an_exception_in_training_stops_the_thread_and_reports_the_interrupted_r
     assert report["meters"]["cpu"]["meter"] == "constant", report["meters"]["cpu"]
 
 
+def test_an_interrupted_token_run_counts_the_tokens_of_the_batches_that_trained(tmp_path):
+    # review: leaving out the batch that raised left the batch count one above the batches whose tokens were
+    # counted, and the report's tokens became unknown
+    from examples.charlm import CharLMDataModule, CharTransformerLM
+
+    class RaisesAtTheThirdStep(CharTransformerLM):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 2:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    energy = EnergyLogger(
+        cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=20.0)
+    )
+    fit = trainer(
+        [energy], max_epochs=1, limit_train_batches=5, limit_val_batches=1, default_root_dir=tmp_path
+    )
+    with pytest.raises(RuntimeError, match="boom"):
+        fit.fit(
+            RaisesAtTheThirdStep(d_model=16, n_layers=1, n_heads=2, seq_len=16),
+            CharLMDataModule(20_000, 16, 8),
+        )
+    total = json.loads((tmp_path / JSON_NAME).read_text())["total"]
+    assert (total["samples"], total["tokens"]) == (16, 2 * 8 * 16)
+
+
 def test_a_fit_refused_before_its_first_batch_writes_no_report(tmp_path):
     from lightning.pytorch.callbacks import Callback
 

@@ -678,11 +678,15 @@ class StabilityCore:
             None if name in unwritten else param.detach().to("cpu", copy=True)
             for name, param in outside.items()
         ]
+        mended = (
+            self.forward_state_mended
+        )  # the check gives everything back: the step's writes are not mended
         with kept_carried_state(model):
             try:
                 self.mend_forward_state(model, saved)
                 yield
             finally:
+                self.forward_state_mended = mended
                 with torch.no_grad():
                     for name, buffer in model.named_buffers():
                         if name in buffers:

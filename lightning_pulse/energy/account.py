@@ -518,7 +518,9 @@ class EnergyAccount:
 
     def drop_batch_in_flight(self) -> None:
         """The batch that started and reached no backward (an exception in its forward) trained nothing: it is
-        not counted at the read-out that follows."""
+        not counted at the read-out that follows (nor among the batches whose tokens are known)."""
+        if self._uncounted is not None:  # nothing folded it yet: fold_counts counts the batch first
+            self._batches -= 1
         self._uncounted = None
 
     def count_batch(self) -> None:
