@@ -82,7 +82,7 @@ def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
     return next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
 
 
-def _reads_gradient(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def reads_gradient(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a tensor among ``args`` and ``kwargs`` (or in a tuple or list among them) requires grad."""
     for value in (*args, *kwargs.values()):
         for item in value if isinstance(value, (tuple, list)) else (value,):
@@ -186,6 +186,13 @@ def _input_rows(entry: _ActivationEntry, args: tuple[Any, ...]) -> int | None:
 # a batch whose rows are not its keys is never recorded; once most are (at least this many), the cache is off
 UNMATCHED_BATCHES_TO_SWITCH_OFF = 8
 
+# Hugging Face speech models make their feature encoder's output require grad in training (for its gradient
+# checkpointing); also named by GradientCache's note on a backward that still runs through frozen units
+FEATURE_ENCODER_HINT = (
+    "wav2vec2's feature encoder sets it on its own output until the model's `freeze_feature_encoder()` is "
+    "called, which also saves the backward through it"
+)
+
 # a lookup carries no gradient and saves nothing for backward, so it stands for a real forward only where that
 # reads and returns no tensor that requires grad: autograd saves tensors only for an op with an input that
 # requires grad (a frozen parameter does not), and then sees the same graph either way. Where it differs, the
@@ -195,8 +202,7 @@ UNMATCHED_BATCHES_TO_SWITCH_OFF = 8
 NEEDS_GRADIENT = (
     "its output requires grad or it reads a tensor that does (transformers 5's gradient checkpointing, and "
     "PEFT on 4.x, makes the input embeddings' output require grad; so does an input-gradient penalty, and "
-    "wav2vec2's feature encoder sets it on its own output until the model's `freeze_feature_encoder()` is "
-    "called, which also saves the backward through it), and a replayed output carries no gradient: an "
+    f"{FEATURE_ENCODER_HINT}), and a replayed output carries no gradient: an "
     "activation checkpoint around it would recompute it for real in backward and fail, and a gradient into its "
     "input would be lost"
 )
@@ -470,7 +476,7 @@ class PrefixActivationCache:
             )
             entry.unmatched_rows = int(output.shape[0])
             return
-        if output.requires_grad or _reads_gradient(args, kwargs):
+        if output.requires_grad or reads_gradient(args, kwargs):
             self._unrecordable(entry, NEEDS_GRADIENT)
             return
         if entry.storage is None:
@@ -615,7 +621,7 @@ class PrefixActivationCache:
                 assert storage is not None and self._slots is not None
                 # one attribute read per tensor argument: a batch whose input requires grad (an input-gradient
                 # penalty every k batches) needs the real forward, recorded on batches whose input did not
-                if _reads_gradient(args, kwargs):
+                if reads_gradient(args, kwargs):
                     entry.unrecordable = NEEDS_GRADIENT
                 elif self._fits(entry, args) and not self._input_changed(entry, args, kwargs):
                     replayed = storage.index_select(0, self._slots.to(storage.device))
