@@ -232,6 +232,14 @@ def test_slots_past_a_held_series_end_are_its_last_value_not_a_forecast():
     assert schedule.decide_from(signal, 40 * H, steps_left=1).reason == "clean"
 
 
+def test_a_simulated_job_past_its_series_end_reads_the_held_value_and_does_not_wait():
+    # sweep: the simulator called the policy without the series' end, so a job read past it waited 10 h on a
+    # forecast of the held stretch for no saving
+    series = hourly([500.0] * 20 + [100.0] * 4 + [300.0] * 19 + [600.0])
+    job = simulate_job(GreenWindowPolicy(SameHourYesterday()), series, series.end + 5 * H, 12 * H, 12 * H)
+    assert job["waits"] == 0 and job["finished_at"] == series.end + 17 * H
+
+
 def test_the_percentile_rule_compares_with_the_horizon_only():
     series = hourly([200.0] * 48 + [100.0, 150.0, 300.0, 300.0] + [10.0] * 20)
     policy = GreenWindowPolicy(OracleForecast(), threshold="50%", horizon_s=4 * H)

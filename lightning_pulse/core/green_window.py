@@ -523,7 +523,9 @@ def simulate_job(
     clock: SimulatedClock | None = None,
 ) -> dict[str, Any]:
     """Run a job of ``work_s`` compute seconds through ``policy`` from ``start``, slot by slot, on a
-    :class:`SimulatedClock` (the signal's own time axis); a paused job draws nothing.
+    :class:`SimulatedClock` (the signal's own time axis); a paused job draws nothing. Past ``series``' end
+    its last value holds (a wrapping series has none), as GreenWindow reads it: those slots are that value,
+    not a forecast.
 
     Returns:
         the ledger's :meth:`~ScheduleLedger.summary` plus ``finished_at``, ``decisions`` (count), ``waits``.
@@ -533,7 +535,7 @@ def simulate_job(
     remaining, budget, decisions, waits = float(work_s), float(budget_s), 0, 0
     while remaining > 1e-9:
         now = clock.time()
-        decision, _, _ = policy.decide(series, now, remaining, budget, deadline)
+        decision, _, _ = policy.decide(series, now, remaining, budget, deadline, series.end)
         decisions += 1
         if decision.run:
             seconds = min(policy.slot_s, remaining)
