@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Collection, Mapping
+from copy import copy as shallow_copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -599,12 +600,27 @@ def has_own_forward(module: nn.Module) -> bool:
 
 
 def call_with(model: nn.Module, example: Any) -> Any:
-    """``model(**example)`` for a mapping, ``model(*example)`` for a tuple or list, else ``model(example)``."""
+    """``model(**example)`` for a mapping, ``model(*example)`` for a tuple or list, else ``model(example)``.
+
+    Each call gets its own copy of every mapping among the arguments: the checks call the model on one example
+    many times (trace, trial cuts, output comparisons, torch-pruning's graph build), and a ``forward(batch)``
+    that takes entries out of its batch (``batch.pop("labels")``, as HF wrappers do) would otherwise leave the
+    next call a batch without them. ``**example`` already unpacks a mapping example into a new dict."""
     if isinstance(example, Mapping):
         return model(**example)
     if isinstance(example, (tuple, list)):
-        return model(*example)
+        return model(*(_fresh_mapping(argument) for argument in example))
     return model(example)
+
+
+def _fresh_mapping(argument: Any) -> Any:
+    """A shallow copy of ``argument`` if it is a mapping (its own type where it copies), else ``argument``."""
+    if not isinstance(argument, Mapping):
+        return argument
+    try:
+        return shallow_copy(argument)
+    except Exception:  # a mapping type that does not copy: a plain dict holds the same entries
+        return dict(argument)
 
 
 def example_from_batch(module: nn.Module, batch: Any) -> Any:
