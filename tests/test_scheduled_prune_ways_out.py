@@ -323,3 +323,13 @@ def test_a_forward_taking_entries_out_of_the_batch_it_is_handed_is_traced_and_cu
     prune = _prune()
     _fit(module_type(), DataLoader(_DictRows(), batch_size=16), prune)
     assert prune.events and prune.events[-1]["sparsity"] > 0.2
+
+
+def test_a_dict_handed_whole_to_forward_is_moved_and_converted_as_a_top_level_input():
+    # review: only top-level tensors went to the model's device and dtype, so a `(batch,)` example's tensors
+    # stayed as loaded (on a GPU run: the trace on another device than the copy of the model)
+    from lightning_pulse.core.pruning import inputs_for
+
+    model = nn.Linear(4, 2).to(torch.bfloat16)
+    (moved,) = inputs_for(model, ({"values": torch.randn(2, 4), "labels": torch.tensor([0, 1])},))
+    assert moved["values"].dtype == torch.bfloat16 and moved["labels"].dtype == torch.int64

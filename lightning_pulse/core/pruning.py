@@ -702,6 +702,8 @@ def inputs_for(
         dtype, half_up = precision.input_dtype, precision.autocast
 
     def move(x: Any) -> Any:
+        if isinstance(x, Mapping):  # a dict batch handed whole to `forward(batch)`: its tensors too
+            return {key: move(value) for key, value in x.items()}
         if not isinstance(x, torch.Tensor):
             return x
         if dtype is None or not x.is_floating_point():
