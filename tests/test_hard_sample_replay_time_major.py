@@ -207,15 +207,90 @@ def test_the_pairwise_refusal_names_a_one_hot_target_read_as_an_identity_matrix(
     assert "one-hot target" in reason and "pass class indices" in reason
 
 
-def test_batch_mode_refuses_an_asymmetric_pairwise_tensor_at_the_short_last_batch_before_any_cut(tmp_path):
+def test_batch_mode_refuses_a_pairwise_mask_constant_at_the_first_batches_where_a_new_size_shows_it(tmp_path):
+    # every sample of the first two batches has one label: their masks are all ones, no evidence; the short
+    # last batch of 4 is (4, 4), follows the number of samples, and holds two labels (read at its new size)
+    data = _LabelledSequences()
+    data.labels[: 2 * BATCH] = 0
     module = _PairwiseEncoder()
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay(mode="batch", replay_fraction=0.5)],
+        max_epochs=2,
+        **trainer_kwargs(default_root_dir=tmp_path),
+    )
     with pytest.raises(
         PulseRefusal,
         match=r"^HardSampleReplay cannot cut .*batch\['pairs'\] was \(8, 8\) at the fit's first batch and is "
-        r"\(4, 4\) at this batch of 4: its second dimension follows",
+        r"\(4, 4\) at this batch of 4, symmetric .* not constant at a batch whose values were read",
     ):
-        _fit_pairwise("batch", module, _lower_label, tmp_path)
+        trainer.fit(module, DataLoader(data, batch_size=BATCH, collate_fn=_batch_first_with(_same_label)))
     assert module.rows == [BATCH] * 4  # the first epoch's full batches, uncut
+
+
+# a sweep (regression): tokens padded to their batch's longest were (4, 4) in the full batch of 4 and (2, 2)
+# in the last batch of 2; the shape alone was read as a pairwise tensor and the run refused mid-run
+
+
+class _DynamicallyPadded(Dataset):
+    """10 token sequences: in batches of 4 the full ones pad to length 4, the last one of 2 to length 2."""
+
+    lengths = [4, 3, 2, 4, 1, 4, 3, 2, 2, 1]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index):
+        return torch.randint(1, VOCAB, (self.lengths[index],), generator=torch.Generator().manual_seed(index))
+
+
+def _padded_to_the_longest(items):
+    ids = pad_sequence(items, batch_first=True)
+    return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+
+class _TokenLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.out = torch.nn.Linear(16, VOCAB)
+        self.shapes: list[tuple[int, ...]] = []
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        self.shapes.append(tuple(ids.shape))
+        labels = ids.masked_fill(batch["attention_mask"] == 0, -100)
+        return F.cross_entropy(self.out(self.embed(ids)).reshape(-1, VOCAB), labels.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_batch_mode_trains_tokens_padded_to_a_length_that_equals_the_batch_size_at_two_sizes(tmp_path):
+    module = _TokenLM()
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay(mode="batch", replay_fraction=0.5)],
+        max_steps=9,
+        **trainer_kwargs(default_root_dir=tmp_path),
+    )
+    trainer.fit(module, DataLoader(_DynamicallyPadded(), batch_size=4, collate_fn=_padded_to_the_longest))
+    assert trainer.global_step == 9 and (2, 2) in module.shapes
+    assert min(shape[0] for shape in module.shapes[3:]) < 4  # the second epoch's full batches were cut
+
+
+def test_the_pairwise_watch_needs_value_evidence_beside_a_shape_that_follows_the_batch():
+    from lightning_pulse.core.selection import PairwiseWatch
+
+    def labelled(y):
+        y = torch.tensor(y)
+        return {"y": y, "lower": (y[:, None] < y[None, :]).float(), "ids": torch.randint(1, 9, (len(y),) * 2)}
+
+    first = labelled([0, 1, 2, 0])
+    watch = PairwiseWatch(first, 4)
+    assert watch.refusal(first, 4, cut=False, first=True) is None
+    assert watch.refusal(labelled([2, 1, 0, 1]), 4, cut=False) is None
+    # (3, 3) at a batch of 3: tokens by chance, and an asymmetric pairwise tensor, which is so not detected
+    assert watch.refusal(labelled([1, 0, 2]), 3, cut=True) is None
+    assert watch.watching and watch.sizes["batch['lower']"] == {3, 4}
 
 
 @pytest.mark.parametrize("mode", ["steps", "batch"])

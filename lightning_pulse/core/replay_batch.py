@@ -323,9 +323,10 @@ class ReplayBatchLifecycle:
         :class:`~lightning_pulse.core.selection.PairwiseWatch` refuses (one rank's batch may hold a constant
         same-label mask while another's shows it; a rank refusing alone leaves the others in the step's
         backward, waiting for it). The ranks vote at each batch while any of them may still read values (the
-        fit's first batches), and after that at each batch of a new size (an epoch's short last batch) while
-        any of them still watches a tensor: a fit whose first batch holds no square tensor on any rank votes
-        once. Every rank takes the same batches (one all_gather of three flags each)."""
+        fit's first batches), and after that at each batch of a new size (an epoch's short last batch, whose
+        watched tensors' values are read: a shape alone never refuses) while any of them still watches a
+        tensor: a fit whose first batch holds no square tensor on any rank votes once. Every rank takes the
+        same batches (one all_gather of three flags each)."""
         new_size = batch_size not in self._sizes_seen
         self._sizes_seen.add(batch_size)
         if not (self._pairwise_vote_next or (self._pairwise_vote_new_size and new_size)):

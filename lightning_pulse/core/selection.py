@@ -412,24 +412,28 @@ class PairwiseWatch:
     pairwise. It is watched while it stays ``(b, b)`` at every batch of ``b`` samples (a batch-first one of
     another length leaves). It is pairwise, and refused, when
 
-    * it was ``(b, b)`` at batches of two sizes (an epoch's short last batch): its second dimension follows
-      the samples, which no feature or padded length does; or
+    * it was ``(b, b)`` at batches of two sizes (an epoch's short last batch), and relation-like (symmetric in
+      its first two dimensions with one value along its diagonal, not constant) at one of the batches whose
+      values were read: the fit's first two, and the first batch of each new size (so a mask constant at the
+      first two batches, every sample of one label, is found at the short last batch when it varies there).
+      The shape alone says nothing: tokens padded to the longest of their batch are ``(4, 4)`` in a batch of
+      4 and ``(2, 2)`` in one of 2 by chance (a sweep: such a run was refused mid-run). An asymmetric
+      pairwise tensor is so not detected; or
     * it was symmetric in its first two dimensions with one value along its diagonal at every batch read,
       and not constant at one of them, at the fit's second batch or at the first cut, whichever comes first
       (a same-label mask, a similarity matrix; a feature or token tensor is so by no chance, an all-ones
       padding mask of a full-length batch is constant, one of a batch sorted by length has 1 and 0 along
       its diagonal; two batches, because one-hot labels of 3 classes in batches of 3 are, 1 time in 27).
-      Values are read only for such tensors and only at those two batches: up to three device syncs per
-      tensor at each (its symmetry, its diagonal, whether it is constant; a sparse one is made dense). A
-      ``(B, C)`` one-hot target with ``C == B`` whose batches each hold every class once, in order, is an
-      identity matrix at both and refused too.
+      Values are read only for such tensors and only at those two batches and at the first batch of each
+      new size while watched: up to three device syncs per tensor at each (its symmetry, its diagonal,
+      whether it is constant; a sparse one is made dense). A ``(B, C)`` one-hot target with ``C == B``
+      whose batches each hold every class once, in order, is an identity matrix at both and refused too.
 
     Each rank decides from its own batch; under data parallelism the caller votes on :meth:`refusal`
     (:class:`~lightning_pulse.core.replay_batch.ReplayBatchLifecycle`), so that every rank refuses or none
     does.
 
-    A square tensor that is neither (an asymmetric pairwise tensor on batches of one size) is cut along its
-    first dimension.
+    A square tensor that is neither (an asymmetric pairwise tensor) is cut along its first dimension.
     """
 
     def __init__(self, batch: Any, batch_size: int) -> None:
@@ -439,6 +443,9 @@ class PairwiseWatch:
         self.first_shapes = {where: tuple(t.shape) for where, t in square.items()}
         self._symmetric = {where for where, t in square.items() if _is_relation_like(t)}
         self._varied = {where for where in self._symmetric if not _is_constant(square[where])}
+        # relation-like and not constant at some batch whose values were read: what makes a (b, b) shape at
+        # batches of two sizes evidence (the shape alone matches tokens padded to a length that equals b)
+        self._related = set(self._varied)
         self._batches_read = 1
         self._values_read = False  # the fit's second batch or first cut has been read for symmetry
 
@@ -470,19 +477,24 @@ class PairwiseWatch:
                     del self.sizes[where]
                     self._symmetric.discard(where)
                     continue
+                new_size = batch_size not in self.sizes[where]
                 self.sizes[where].add(batch_size)
                 if where in self._symmetric:
                     if not _is_relation_like(tensor):
                         self._symmetric.discard(where)
                     elif not _is_constant(tensor):
                         self._varied.add(where)
+                        self._related.add(where)
+                elif new_size and where not in self._related and _is_related(tensor):
+                    self._related.add(where)
             self._batches_read += 1
         followed = {
             where: f"was {self.first_shapes[where]} at the fit's first batch and is "
-            f"{tuple(held[where].shape)} at this batch of {batch_size}: its second dimension follows the "
-            "number of samples"
+            f"{tuple(held[where].shape)} at this batch of {batch_size}, symmetric in its first two "
+            "dimensions with one value along its diagonal and not constant at a batch whose values were "
+            "read: its second dimension follows the number of samples"
             for where, sizes in self.sizes.items()
-            if len(sizes) >= 2
+            if len(sizes) >= 2 and where in self._related
         }
         if followed:
             return _pairwise_reason(followed, batch_size)
@@ -511,6 +523,10 @@ def _is_relation_like(tensor: Tensor) -> bool:
     tensor = _dense(tensor)
     diagonal = tensor.diagonal(dim1=0, dim2=1)
     return bool(torch.equal(tensor, tensor.transpose(0, 1))) and _is_constant(diagonal)
+
+
+def _is_related(tensor: Tensor) -> bool:
+    return _is_relation_like(tensor) and not _is_constant(tensor)
 
 
 def _is_constant(tensor: Tensor) -> bool:
