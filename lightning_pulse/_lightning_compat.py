@@ -829,15 +829,26 @@ def compiled_parts(module: torch.nn.Module | None) -> list[str]:
     return names
 
 
-def compiled_part(module: torch.nn.Module | None) -> str | None:
+def compiled_part(module: torch.nn.Module | None, trainable: bool = False) -> str | None:
     """What of ``module`` runs under ``torch.compile``: the name of a compiled submodule
     (``self.model = torch.compile(...)`` or ``self.model.compile()``), ``"the LightningModule"`` when Lightning
     unwrapped a compiled one (``trainer.fit(torch.compile(model))``) or it was compiled in place
-    (``model.compile()``), else ``None``."""
-    if getattr(module, "_compiler_ctx", None) is not None:
+    (``model.compile()``), else ``None``. ``trainable``: only a part holding a parameter that requires grad
+    (not a compiled loss module, nor a frozen teacher)."""
+
+    def counts(part: torch.nn.Module) -> bool:
+        return not trainable or any(parameter.requires_grad for parameter in part.parameters())
+
+    if module is not None and getattr(module, "_compiler_ctx", None) is not None and counts(module):
         return "the LightningModule"
-    name, _ = next(_compiled_submodules(module), (None, None))
+    name = next((name for name, part in _compiled_submodules(module) if counts(part)), None)
     return None if name is None else name or "the LightningModule"
+
+
+def compiled_trainable_part(module: torch.nn.Module | None) -> str | None:
+    """:func:`compiled_part` holding a parameter that requires grad: the only kind whose compiled backward hands
+    out gradients (of parameters a freezer would order) in its own order."""
+    return compiled_part(module, trainable=True)
 
 
 def compiled_part_holding(module: torch.nn.Module | None, submodules: list[torch.nn.Module]) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import re
 import warnings
@@ -614,6 +615,82 @@ def test_a_module_compiled_in_configure_model_is_refused_before_the_first_step(m
     ):
         trainer.fit(model, data)
     assert trainer.global_step == 0
+
+
+class WithCompiledLossAndTeacher(MNIST1DClassifier):
+    """A distillation step: a loss module and a frozen teacher (run under ``no_grad``), either compiled in
+    ``where`` (``"__init__"`` or ``"configure_model"``); the student trains uncompiled."""
+
+    def __init__(self, where: str, part: str) -> None:
+        super().__init__(arch="cnn")
+        self.where, self.part = where, part
+        self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+        self.teacher = copy.deepcopy(self.net).requires_grad_(False)
+        if where == "__init__":
+            self.compile_part()
+
+    def compile_part(self) -> None:
+        setattr(self, self.part, torch.compile(getattr(self, self.part), backend="eager"))
+
+    def configure_model(self) -> None:
+        if self.where == "configure_model" and not hasattr(getattr(self, self.part), "_orig_mod"):
+            self.compile_part()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        with torch.no_grad():
+            teacher = self.teacher(x)
+        distill = torch.nn.functional.kl_div(
+            logits.log_softmax(-1), teacher.softmax(-1), reduction="batchmean"
+        )
+        return self.loss_fn(logits, y) + distill
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("where", ["__init__", "configure_model"])
+@pytest.mark.parametrize("part", ["loss_fn", "teacher"])
+def test_a_compiled_part_with_nothing_to_train_is_not_refused(mnist1d_small, where, part):
+    # only a compiled part holding trainable parameters hands their gradients out in its own order: a compiled
+    # loss module or frozen teacher used to be refused (at setup, and at fit start from configure_model)
+    torch._dynamo.reset()
+    pl.seed_everything(0)
+    _, data = mnist1d_small()
+    model = WithCompiledLossAndTeacher(where, part)
+    cache = GradientCache(threshold=1.0, check_every=2, freeze_for=4, phases=("replay",))
+    trainer = fit(model, data, [cache], max_steps=8, limit_train_batches=8)
+    assert trainer.global_step == 8
+    assert hasattr(getattr(model, part), "_orig_mod")  # it did run compiled
+    assert cache.events and cache.events[0]["to"] > 0  # froze as usual
+
+
+class CompiledBackboneUnfrozenAtEpochOne(MNIST1DClassifier):
+    """A compiled backbone frozen in ``__init__`` and trained again from epoch 1 on."""
+
+    def __init__(self) -> None:
+        super().__init__(arch="cnn")
+        self.backbone = torch.compile(self.net[:4].requires_grad_(False), backend="eager")
+        self.head = self.net[4:]
+        del self.net  # the parts train under their own names only
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == 1:
+            self.backbone.requires_grad_(True)
+
+
+def test_a_compiled_part_unfrozen_during_the_fit_is_refused_before_it_trains(mnist1d_small):
+    # frozen at setup it is no reason to refuse; once it trains, its compiled backward would order the units
+    torch._dynamo.reset()
+    _, data = mnist1d_small()
+    trainer = pl.Trainer(callbacks=[GradientCache()], max_steps=8, limit_train_batches=4, **trainer_kwargs())
+    with pytest.raises(PulseRefusal, match=r"^GradientCache: backbone runs under torch.compile, "):
+        trainer.fit(CompiledBackboneUnfrozenAtEpochOne(), data)
+    assert trainer.global_step == 4
 
 
 class BackboneUnfrozenAtEpochOne(MNIST1DClassifier):

@@ -80,8 +80,9 @@ class GradientCache(Callback):
     Raises:
         ValueError: at construction, naming the field, for a value out of range; at train start, for a
             ``units`` name the model does not have.
-        PulseRefusal: at setup, for manual optimization, ``torch.compile`` (again at fit start, for a part
-            compiled in ``configure_model``), a strategy other than one process
+        PulseRefusal: at setup, for manual optimization, ``torch.compile`` of a part with parameters that train
+            (again at fit start, for one compiled in ``configure_model``, and when one starts training; a
+            compiled loss module or frozen teacher is fine), a strategy other than one process
             or DDP, DDP without ``find_unused_parameters=True`` or with ``static_graph=True``, or
             ``activation_cache_mb`` with ``reload_dataloaders_every_n_epochs``; at fit start, for LBFGS,
             ``phases`` that never come, a share of a run of unknown length, lazy parameters, a second fit
@@ -152,7 +153,7 @@ class GradientCache(Callback):
         self._one_run.setup(trainer)  # in every stage: see FitRestores
         if stage != "fit":
             return
-        refuse_setup(trainer, pl_module, compat.compiled_part(pl_module), self.activation_cache_mb)
+        refuse_setup(trainer, pl_module, compat.compiled_trainable_part(pl_module), self.activation_cache_mb)
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
         self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)
         self.ledger, self.events, self._pending_state, self._fit_refs = BackwardFlopLedger(), [], None, None
@@ -160,7 +161,7 @@ class GradientCache(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # again after configure_model, the place Lightning documents for torch.compile, which runs after setup
-        refuse_compiled_module(compat.compiled_part(pl_module))
+        refuse_compiled_module(compat.compiled_trainable_part(pl_module))
         self._lifecycle.check_fit_start(trainer.strategy, pl_module, trainer.world_size, trainer.optimizers)
 
     @override
@@ -257,6 +258,8 @@ class GradientCache(Callback):
 
     def _retrace(self, trainer: pl.Trainer, pl_module: pl.LightningModule, check: bool = False) -> None:
         """Discover the units again once parameters outside them train (``check``: look now, one broadcast)."""
+        # a compiled part frozen at fit start that trains now: its compiled backward would order the units
+        refuse_compiled_module(compat.compiled_trainable_part(pl_module))
         retraced = self._lifecycle.retrace(pl_module, _from_rank_zero(trainer) if check else None, check)
         if retraced is not None:
             self.ledger.remeasure()
