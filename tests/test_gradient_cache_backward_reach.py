@@ -133,3 +133,73 @@ def test_wav2vec2_frozen_feature_encoder_is_named_and_freeze_feature_encoder_sil
     notes = run(freeze_encoder=False)
     assert len(notes) == 1 and "'model.wav2vec2.feature_extractor' returns an output" in notes[0]
     assert run(freeze_encoder=True) == []  # the way out the note names works
+
+
+def test_a_torch_jit_scripted_unit_goes_unchecked_and_the_fit_finishes():
+    """Review: arming the check hooked every frozen unit, and a ``torch.jit.script``-ed one raised
+    ``register_forward_hook is not supported on ScriptModules`` at its first freeze, ending the fit."""
+    model = Net(marks_output=False)
+    model.encoder = torch.jit.script(Encoder(marks_output=False))
+    cache, notes = _fit(model, units=["encoder", "block", "head"])
+    assert any(event["to"] >= 1 for event in cache.events)  # the scripted unit was frozen
+    assert notes == []
+    assert not any(module._forward_hooks for module in model.block.modules())
+
+
+def _gpt2_with_checkpointing(disable_input_require_grads: bool, freeze_embeddings: bool = False):
+    from transformers import GPT2LMHeadModel
+
+    from tests.clients import HFCausalLM
+
+    torch.manual_seed(0)
+    module = HFCausalLM()
+    config = module.model.config
+    config.tie_word_embeddings = False
+    module.model = GPT2LMHeadModel(config)
+    # transformers 5 calls enable_input_require_grads() here for a text model, even non-reentrant
+    module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if disable_input_require_grads:
+        module.model.disable_input_require_grads()
+    if freeze_embeddings:
+        module.model.transformer.wte.requires_grad_(False)
+        module.model.transformer.wpe.requires_grad_(False)
+    return module
+
+
+def _fit_gpt2(module, units: list[str] | None = None) -> list[str]:
+    from tests.clients import SEQ_LEN
+
+    ids = torch.randint(1, 128, (40, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": row, "labels": row} for row in ids]
+    cache = GradientCache(threshold=1.0, check_every=2, freeze_for=8, max_frozen_share=0.95, units=units)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=8, callbacks=[cache], limit_val_batches=0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(batches, batch_size=10))
+    assert cache.events and cache.events[0]["to"] > 0
+    return [str(w.message) for w in caught if REACH in str(w.message)]
+
+
+def test_gpt2_gradient_checkpointing_names_enable_input_require_grads_and_its_way_out_silences_it():
+    """Review: with ``gradient_checkpointing_enable(use_reentrant=False)`` a GPT-2's frozen token embeddings
+    return an output that requires grad (transformers' ``enable_input_require_grads`` hook), and the note
+    blamed wav2vec2's feature encoder and offered ``freeze_feature_encoder()`` or a reentrant-checkpointing
+    reason to leave it, which GradientCache refuses anyway."""
+    pytest.importorskip("transformers")
+    notes = _fit_gpt2(_gpt2_with_checkpointing(disable_input_require_grads=False))
+    assert len(notes) == 1
+    assert "frozen unit 'model.transformer.wte' returns an output that requires grad" in notes[0]
+    assert "enable_input_require_grads()" in notes[0] and "model.disable_input_require_grads()" in notes[0]
+    assert "freeze_feature_encoder" not in notes[0] and "reentrant gradient" not in notes[0]
+    # the way out the note names works
+    assert _fit_gpt2(_gpt2_with_checkpointing(disable_input_require_grads=True)) == []
+
+
+def test_frozen_hooked_embeddings_outside_the_units_are_named_through_the_first_unit_s_input():
+    pytest.importorskip("transformers")
+    units = ["model.transformer.h.0", "model.transformer.h.1", "model.transformer.ln_f", "model.lm_head"]
+    notes = _fit_gpt2(_gpt2_with_checkpointing(False, freeze_embeddings=True), units)
+    assert len(notes) == 1
+    assert "the input of frozen unit 'model.transformer.h.0' already requires grad" in notes[0]
+    assert "model.disable_input_require_grads()" in notes[0] and "freeze_feature_encoder" not in notes[0]
+    assert _fit_gpt2(_gpt2_with_checkpointing(True, freeze_embeddings=True), units) == []

@@ -886,17 +886,55 @@ def follow_replaced_parameters(
         replace_unit_parameters(trace.units, replacements)
 
 
+# transformers' gradient_checkpointing_enable() calls enable_input_require_grads() for text models (even for
+# non-reentrant checkpointing, the only kind GradientCache accepts), whose hook makes the input embeddings'
+# output require grad: backward then runs through every frozen unit after them
+INPUT_REQUIRE_GRADS_CAUSE = (
+    "transformers' `enable_input_require_grads()`, which `gradient_checkpointing_enable()` calls for text "
+    "models, hooks the input embeddings to make their output require grad"
+)
+INPUT_REQUIRE_GRADS_WAY_OUT = (
+    "Call `model.disable_input_require_grads()` after `model.gradient_checkpointing_enable(...)` and before "
+    "fit: the non-reentrant checkpointing GradientCache accepts does not need it"
+)
+
+
+def input_embeddings_marked_by_transformers(model: nn.Module) -> tuple[set[int], bool]:
+    """The ids of the Hugging Face models' input embeddings (``get_input_embeddings()``) and of the modules
+    that transformers' ``enable_input_require_grads`` hooked (it keeps the hook handles as
+    ``_require_grads_hooks``; before transformers 5, one as ``_require_grads_hook``), and whether a hooked
+    module is frozen: then it, not its weights, makes the activations after it require grad."""
+    handles, embeddings = [], set()
+    for module in model.modules():
+        kept = list(getattr(module, "_require_grads_hooks", None) or ())
+        single = getattr(module, "_require_grads_hook", None)
+        handles += kept + ([single] if single is not None and single not in kept else [])
+        if callable(getattr(module, "enable_input_require_grads", None)):  # a transformers PreTrainedModel
+            try:
+                found = module.get_input_embeddings()
+            except (AttributeError, NotImplementedError):
+                continue
+            if isinstance(found, nn.Module):
+                embeddings.add(id(found))
+    hook_ids = {getattr(handle, "id", None) for handle in handles}
+    hooked = [module for module in model.modules() if handles and hook_ids & set(module._forward_hooks)]
+    frozen_hooked = any(not any(p.requires_grad for p in module.parameters()) for module in hooked)
+    return embeddings | {id(module) for module in hooked}, frozen_hooked
+
+
 class BackwardReachCheck:
     """Whether backward still runs through the frozen prefix, looked at once per new longest prefix.
 
     Freezing units ``0..k-1`` stops backward at unit ``k`` only when no activation of the prefix requires grad.
     A module that sets ``requires_grad`` on its own output (Hugging Face's wav2vec2 feature encoder, for its
-    gradient checkpointing) or an input that requires grad makes autograd carry the gradient back through the
-    frozen units anyway: their parameters stand still, but their input gradients are computed (a held-out
-    wav2vec2 skipped 38.6% of its backward FLOPs instead of 63.8%). The first forward after the prefix grew
-    past every length looked at runs with forward hooks on the frozen units' modules; :meth:`finish`
-    removes them before the backward and names the first frozen unit whose output requires grad. Other steps
-    cost nothing; once it said so, it never looks again in the fit.
+    gradient checkpointing; the input embeddings under transformers' ``enable_input_require_grads`` hook,
+    which ``gradient_checkpointing_enable()`` adds for text models) or an input that requires grad makes
+    autograd carry the gradient back through the frozen units anyway: their parameters stand still, but their
+    input gradients are computed (a held-out wav2vec2 skipped 38.6% of its backward FLOPs instead of 63.8%).
+    The first forward after the prefix grew past every length looked at runs with forward hooks on the frozen
+    units' modules; :meth:`finish` removes them before the backward and names the first frozen unit whose
+    output requires grad (a ``torch.jit.script``-ed unit takes no hooks and goes unchecked). Other steps cost
+    nothing; once it said so, it never looks again in the fit.
     """
 
     def __init__(self) -> None:
@@ -905,19 +943,30 @@ class BackwardReachCheck:
         self._hooks: list[Any] = []
         self._reached: list[tuple[int, bool]] = []  # (unit index, whether its input required grad already)
         self._armed_prefix = 0
+        # transformers' enable_input_require_grads hooked frozen input embeddings; these units hold input
+        # embeddings
+        self._inputs_marked = False
+        self._marking_units: set[int] = set()
 
     def arm(self, model: nn.Module | None, units: Sequence[FreezeUnit], prefix: int) -> None:
         """Before a forward with ``prefix`` units frozen: hook their modules if that prefix is new."""
         if self.noted or model is None or prefix <= self.longest_checked:
             return
         self.longest_checked = self._armed_prefix = prefix
+        marked, self._inputs_marked = input_embeddings_marked_by_transformers(model)
+        self._marking_units = set()
         for index, unit in enumerate(units[:prefix]):
             try:
                 module = model.get_submodule(unit.name)
             except AttributeError:  # a unit named by a parameter, or the rest of the model: no output
                 continue
+            if any(id(inner) in marked for inner in module.modules()):
+                self._marking_units.add(index)
             look = functools.partial(self._look, index)
-            self._hooks.append(module.register_forward_hook(look, with_kwargs=True))
+            try:
+                self._hooks.append(module.register_forward_hook(look, with_kwargs=True))
+            except RuntimeError:  # a torch.jit.script'ed unit takes no hooks: it goes unchecked, not the fit
+                continue
 
     def _look(self, index: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         values = tuple(output.values()) if isinstance(output, Mapping) else output
@@ -933,20 +982,26 @@ class BackwardReachCheck:
         index, inherited = min(reached)
         self.noted = True
         name, frozen = units[index].name, [unit.name for unit in units[index : self._armed_prefix]]
-        cause = (
+        if index in self._marking_units or (inherited and self._inputs_marked):
+            cause, way_out = INPUT_REQUIRE_GRADS_CAUSE, INPUT_REQUIRE_GRADS_WAY_OUT
+        else:
+            cause = f"a module that sets `requires_grad` on its own output: {FEATURE_ENCODER_HINT}"
+            way_out = (
+                "For a Hugging Face speech model call `model.freeze_feature_encoder()` before fit (the "
+                "feature encoder then never trains); or leave it where that gradient is wanted (an "
+                "input-gradient penalty)"
+            )
+        reason = (
             f"the input of frozen unit {name!r} already requires grad (the model's input, as for an "
-            "input-gradient penalty, or a module around the unit that sets `requires_grad` on it: "
+            f"input-gradient penalty, or {cause})"
             if inherited
             else f"frozen unit {name!r} returns an output that requires grad although none of its inputs "
-            "does (a module that sets `requires_grad` on its own output: "
+            f"does ({cause})"
         )
-        cause += FEATURE_ENCODER_HINT + ")"
         return (
-            f"backward still runs through the frozen units {', '.join(frozen)}: {cause}. Their parameters "
-            "stand still and the logged skipped share counts only what was really skipped, but their input "
-            "gradients are still computed. For a Hugging Face speech model call `model.freeze_feature_encoder()` "
-            "before fit (the feature encoder then never trains); or leave it (needed where transformers' "
-            "reentrant gradient checkpointing or PEFT make the input embeddings' output require grad)"
+            f"backward still runs through the frozen units {', '.join(frozen)}: {reason}. Their parameters "
+            "stand still, but their input gradients are still computed (the skipped share logged with "
+            f"`measure_flops` counts only what was really skipped). {way_out}"
         )
 
     def close(self) -> None:
