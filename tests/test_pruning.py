@@ -1551,3 +1551,20 @@ def test_a_frozen_backbone_before_the_output_layer_is_refused_naming_it_not_as_a
         "the model's output layer, whose outputs are never cut. Unfreeze the layers to cut, or use "
         "mode='unstructured'."
     )
+
+
+def test_the_structured_search_time_limit_passes_an_except_exception_of_the_code_it_interrupts():
+    # a full-suite run hung for minutes in an endless search on HyperConnection streams: the time limit's
+    # exception, raised inside code that turns any Exception into a reason, was swallowed there, and with the
+    # profile hook gone the rest of the search ran unbounded
+    def python_calls() -> None:
+        for _ in range(20_000):
+            abs(-1)
+
+    with pytest.raises(pruning._CheckTimeout):
+        with pruning._time_limit(0.0):
+            try:
+                python_calls()
+            except Exception:
+                pass
+            python_calls()

@@ -2062,8 +2062,10 @@ def attention_hint(model: nn.Module, exclude_pattern: str | None) -> str | None:
 STRUCTURED_CHECK_SECONDS = 60.0
 
 
-class _CheckTimeout(Exception):
-    pass
+class _CheckTimeout(BaseException):
+    """A BaseException: raised at any Python call of the search, it must pass the ``except Exception`` of the
+    code it interrupts (ours that turns a failed cut into a reason, torch-pruning's): swallowed there, with the
+    profile hook gone, the rest of the search ran unbounded (a suite run hung in it for minutes)."""
 
 
 @contextmanager
