@@ -1559,7 +1559,7 @@ def test_the_structured_search_time_limit_passes_an_except_exception_of_the_code
     # profile hook gone the rest of the search ran unbounded
     def python_calls() -> None:
         for _ in range(20_000):
-            abs(-1)
+            pruning.exact_names_pattern(["a"])  # the search's own code, where the limit is raised
 
     with pytest.raises(pruning._CheckTimeout):
         with pruning._time_limit(0.0):
@@ -1568,3 +1568,26 @@ def test_the_structured_search_time_limit_passes_an_except_exception_of_the_code
             except Exception:
                 pass
             python_calls()
+
+
+def test_the_structured_search_time_limit_is_not_lost_in_a_weakref_callback_that_runs_meanwhile():
+    # the hang found: the limit came due inside torch._dynamo's `_remove_id`, a weakref callback that ran
+    # during the search; CPython ignored the exception there and unhooked the profile, so nothing bounded the
+    # search any more. It is raised in the search's own code only
+    import weakref
+
+    class Dies:
+        pass
+
+    def callback(reference) -> None:
+        for _ in range(10_000):  # the limit comes due in here, at the first check (every 4096 events)
+            abs(-1)
+
+    with pytest.raises(pruning._CheckTimeout):
+        with pruning._time_limit(0.0):
+            for _ in range(3):
+                thing = Dies()
+                reference = weakref.ref(thing, callback)
+                del thing  # the callback runs here, in the block
+                pruning.exact_names_pattern(["a"])
+    assert reference() is None
