@@ -683,10 +683,10 @@ def close_restored_epoch(trainer: pl.Trainer) -> None:
 
 
 def forget_earlier_fit_validation(trainer: pl.Trainer) -> None:
-    """Call at ``on_train_start``: clear the mark of a validation run by an earlier fit of this Trainer, as a new
-    Trainer has it. A step-limited fit restored from a checkpoint restarts its epoch, and the restarting epoch
-    loop counts as done once training is done and this mark is set: left over from the earlier fit, an epoch
-    restored done (its last batch trained) ended before its first iteration, which is what clears the
+    """Call at ``on_train_start``: clear the mark of a validation run by an earlier fit of this Trainer, as a
+    new Trainer has it. A step-limited fit restored from a checkpoint restarts its epoch, and the restarting
+    epoch loop counts as done once training is done and this mark is set: left over from the earlier fit, an
+    epoch restored done (its last batch trained) ended before its first iteration, which is what clears the
     restart, so every following epoch ended the same way, training nothing, without end."""
     val_loop = getattr(trainer.fit_loop.epoch_loop, "val_loop", None)
     if val_loop is not None and hasattr(val_loop, "_has_run"):
@@ -720,11 +720,11 @@ def set_callback_metric(trainer: pl.Trainer, name: str, value: float) -> None:
 def _compiled_submodules(
     module: torch.nn.Module | None, in_place: bool = True
 ) -> Iterator[tuple[str, torch.nn.Module]]:
-    """``(name, compiled part)`` of every part of ``module`` under ``torch.compile`` (the name ``""`` for ``module``
-    itself): a ``torch.compile(part)`` wrapper (``OptimizedModule``), or a part compiled in place with
-    ``part.compile()``, which keeps the compiled call on the instance as the private ``_compiled_call_impl``
-    (no wrapper to find: GradientCache and HardSampleReplay used to miss it and train unrefused, or crash);
-    ``in_place=False`` leaves those out."""
+    """``(name, compiled part)`` of every part of ``module`` under ``torch.compile`` (the name ``""`` for
+    ``module`` itself): a ``torch.compile(part)`` wrapper (``OptimizedModule``), or a part compiled in place
+    with ``part.compile()``, which keeps the compiled call on the instance as the private
+    ``_compiled_call_impl`` (no wrapper to find: GradientCache and HardSampleReplay used to miss it and train
+    unrefused, or crash); ``in_place=False`` leaves those out."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     for name, submodule in module.named_modules() if module is not None else ():
@@ -739,8 +739,8 @@ def _compiled_in_place(part: torch.nn.Module) -> Callable[..., Any] | None:
 
 def _in_place_dynamo_ctx(compiled_call: Callable[..., Any]) -> Any:
     """The dynamo context of a call compiled in place (``torch.compile(part._call_impl, **kwargs)``, which
-    ``Module.compile`` stores without its arguments): the function dynamo returns keeps it only in its closure,
-    as ``self``. ``None`` where this torch keeps it elsewhere."""
+    ``Module.compile`` stores without its arguments): the function dynamo returns keeps it only in its
+    closure, as ``self``. ``None`` where this torch keeps it elsewhere."""
     code = getattr(compiled_call, "__code__", None)
     for name, cell in zip(code.co_freevars if code is not None else (), compiled_call.__closure__ or ()):
         if name == "self":
@@ -778,9 +778,9 @@ class FullgraphBreaks:
         self._wrapped: list[tuple[torch.nn.Module, str, Callable[..., Any], Callable[..., Any]]] = []
 
     def watch(self, module: torch.nn.Module | None, handler: Callable[[str, str], None]) -> None:
-        """Call ``handler(name, message)`` for such an error in a part of ``module`` (``name``, the part's name;
-        ``message``, the error's text) inside its ``except`` block: what it raises replaces the error (which
-        stays chained as its context); if it returns, the error goes on."""
+        """Call ``handler(name, message)`` for such an error in a part of ``module`` (``name``, the part's
+        name; ``message``, the error's text) inside its ``except`` block: what it raises replaces the error
+        (which stays chained as its context); if it returns, the error goes on."""
         from torch._dynamo.exc import Unsupported
 
         def watching(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
@@ -804,8 +804,8 @@ class FullgraphBreaks:
                     part.__dict__.get("forward"),
                     getattr(part, "dynamo_ctx", None),
                 )
-            # a context this torch hides is watched too: the handler acts only on a captured loss's graph break,
-            # which is an error (rather than a fallback to eager) only under fullgraph
+            # a context this torch hides is watched too: the handler acts only on a captured loss's graph
+            # break, which is an error (rather than a fallback to eager) only under fullgraph
             if call is not None and (context is None or _fullgraph(context)):
                 setattr(part, attribute, watching(name, call))
                 self._wrapped.append((part, attribute, getattr(part, attribute), call))
@@ -821,8 +821,9 @@ class FullgraphBreaks:
 def compiled_parts(module: torch.nn.Module | None) -> list[str]:
     """The names of every part of ``module`` that runs under ``torch.compile``: compiled submodules, and ``""``
     for ``module`` itself (compiled, or a LightningModule that Lightning unwrapped from
-    ``trainer.fit(torch.compile(model))``). Not the parts compiled in place with ``part.compile()``: structured
-    pruning, which reads this, cuts such a part (its wrapper-free call recompiles on the swapped layers)."""
+    ``trainer.fit(torch.compile(model))``). Not the parts compiled in place with ``part.compile()``:
+    structured pruning, which reads this, cuts such a part (its wrapper-free call recompiles on the swapped
+    layers)."""
     names = [name for name, _ in _compiled_submodules(module, in_place=False)]
     if getattr(module, "_compiler_ctx", None) is not None and "" not in names:
         names.insert(0, "")
@@ -831,8 +832,8 @@ def compiled_parts(module: torch.nn.Module | None) -> list[str]:
 
 def compiled_part(module: torch.nn.Module | None, trainable: bool = False) -> str | None:
     """What of ``module`` runs under ``torch.compile``: the name of a compiled submodule
-    (``self.model = torch.compile(...)`` or ``self.model.compile()``), ``"the LightningModule"`` when Lightning
-    unwrapped a compiled one (``trainer.fit(torch.compile(model))``) or it was compiled in place
+    (``self.model = torch.compile(...)`` or ``self.model.compile()``), ``"the LightningModule"`` when
+    Lightning unwrapped a compiled one (``trainer.fit(torch.compile(model))``) or it was compiled in place
     (``model.compile()``), else ``None``. ``trainable``: only a part holding a parameter that requires grad
     (not a compiled loss module, nor a frozen teacher)."""
 
@@ -846,7 +847,8 @@ def compiled_part(module: torch.nn.Module | None, trainable: bool = False) -> st
 
 
 def compiled_trainable_part(module: torch.nn.Module | None) -> str | None:
-    """:func:`compiled_part` holding a parameter that requires grad: the only kind whose compiled backward hands
+    """:func:`compiled_part` holding a parameter that requires grad: the only kind whose compiled backward
+    hands
     out gradients (of parameters a freezer would order) in its own order."""
     return compiled_part(module, trainable=True)
 

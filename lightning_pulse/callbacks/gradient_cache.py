@@ -73,14 +73,15 @@ class GradientCache(Callback):
     A unit holding a tied or shared parameter never freezes (the prefix stops before it; the setup log names
     it). Parameters frozen before the first backward (a backbone) belong to no unit; once they train (get a
     gradient or an optimizer's step), everything is released and the units found again. Pruned parameters are
-    followed; after a prune event the activation cache records again. A frozen module that makes its activations
-    require grad (HF wav2vec2's feature encoder, until ``freeze_feature_encoder()``) lets backward run through the
-    prefix anyway: a warning says so, once.
+    followed; after a prune event the activation cache records again. A frozen module that makes its
+    activations require grad (HF wav2vec2's feature encoder, until ``freeze_feature_encoder()``) lets backward
+    run through the prefix anyway: a warning says so, once.
 
     Raises:
         ValueError: at construction, naming the field, for a value out of range; at train start, for a
             ``units`` name the model does not have.
-        PulseRefusal: at setup, for manual optimization, ``torch.compile`` of a part with parameters that train
+        PulseRefusal: at setup, for manual optimization, ``torch.compile`` of a part with parameters that
+        train
             (again at fit start, for one compiled in ``configure_model``, and when one starts training; a
             compiled loss module or frozen teacher is fine), a strategy other than one process
             or DDP, DDP without ``find_unused_parameters=True`` or with ``static_graph=True``, or

@@ -80,10 +80,11 @@ class HardSampleReplay(Callback):
             or manual optimization stepping several optimizers per batch; after the fit's first two batches
             (trained in full, before any replay step), for a module carrying state from one batch to the next
             (a stateful RNN) or a token loss flattened time-major; at the first step, before any update, for a
-            loss called inside a part compiled with ``fullgraph=True``, when its loss yields no per-sample value
-            and no ``scorer`` is set, or when its batch holds fewer rows than drawn indices (a collate_fn that
-            drops samples); in ``mode="batch"``, at the fit's first batch, for a batch that cannot be cut in
-            place: immutable, holding nothing per sample (or fewer rows than drawn indices), or time-major.
+            loss called inside a part compiled with ``fullgraph=True``, when its loss yields no per-sample
+            value and no ``scorer`` is set, or when its batch holds fewer rows than drawn indices (a
+            collate_fn that drops samples); in ``mode="batch"``, at the fit's first batch, for a batch that
+            cannot be cut in place: immutable, holding nothing per sample (or fewer rows than drawn indices),
+            or time-major.
 
     Example::
 
@@ -220,7 +221,7 @@ class HardSampleReplay(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # after configure_model, which may compile; a fullgraph part fails only if it holds the loss (see Raises)
+        # after configure_model, which may compile; a fullgraph part fails only if it holds the loss
         refuse(replay.setup_refusal(False, None, compat.fullgraph_compiled_step(pl_module)))
         self._fullgraph.watch(pl_module, lambda part, text: refuse(replay.fullgraph_loss_refusal(part, text)))
 
@@ -292,7 +293,7 @@ class HardSampleReplay(Callback):
 
     def _log(self, trainer: pl.Trainer) -> None:
         every, selector = self.log_every_n_steps or max(trainer.log_every_n_steps, 1), self.selector
-        if selector is not None and selector.window_steps >= every:  # before the trainer's costlier properties
+        if selector is not None and selector.window_steps >= every:  # before the trainer's dearer properties
             if trainer.is_global_zero and trainer.loggers:
                 log_to_loggers(trainer, selector.window_metrics())
 

@@ -925,17 +925,16 @@ def input_embeddings_marked_by_transformers(model: nn.Module) -> tuple[set[int],
 class BackwardReachCheck:
     """Whether backward still runs through the frozen prefix, looked at once per new longest prefix.
 
-    Freezing units ``0..k-1`` stops backward at unit ``k`` only when no activation of the prefix requires grad.
-    A module that sets ``requires_grad`` on its own output (Hugging Face's wav2vec2 feature encoder, for its
-    gradient checkpointing; the input embeddings under transformers' ``enable_input_require_grads`` hook,
+    Freezing units ``0..k-1`` stops backward at unit ``k`` only when no activation of the prefix requires
+    grad. A module that sets ``requires_grad`` on its own output (Hugging Face's wav2vec2 feature encoder, for
+    its gradient checkpointing; the input embeddings under transformers' ``enable_input_require_grads`` hook,
     which ``gradient_checkpointing_enable()`` adds for text models) or an input that requires grad makes
     autograd carry the gradient back through the frozen units anyway: their parameters stand still, but their
     input gradients are computed (a held-out wav2vec2 skipped 38.6% of its backward FLOPs instead of 63.8%).
     The first forward after the prefix grew past every length looked at runs with forward hooks on the frozen
     units' modules; :meth:`finish` removes them before the backward and names the first frozen unit whose
     output requires grad (a ``torch.jit.script``-ed unit takes no hooks and goes unchecked). Other steps cost
-    nothing; once it said so, it never looks again in the fit.
-    """
+    nothing; once it said so, it never looks again in the fit."""
 
     def __init__(self) -> None:
         self.longest_checked = 0  # the longest frozen prefix already looked at

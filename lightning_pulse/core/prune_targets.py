@@ -91,9 +91,10 @@ def _old_style_norm(module: nn.Module) -> bool:
 
 
 def weight_computation_removal(module: nn.Module) -> str:
-    """The call that makes ``module``'s computed ``weight`` a plain parameter again (:func:`computes_its_weight`):
-    each kind has its own, and the others raise on it (``remove_parametrizations`` on an old-style
-    ``weight_norm``: "does not have a parametrization on weight")."""
+    """The call that makes ``module``'s computed ``weight`` a plain parameter again
+    (:func:`computes_its_weight`): each kind has its own, and the others raise on it
+    (``remove_parametrizations`` on an old-style ``weight_norm``: "does not have a parametrization on
+    weight")."""
     from torch.nn.utils.spectral_norm import SpectralNorm
     from torch.nn.utils.weight_norm import WeightNorm
 

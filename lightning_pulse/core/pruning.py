@@ -1645,7 +1645,8 @@ def _autograd_off_reason(names: Sequence[str], output: Any) -> str:
 WAY_OUT_TRIES = 3
 #: how many more trial cuts :func:`_way_out` spends leaving chosen layers out by name (:func:`_layer_search`)
 LAYER_SEARCH_TRIES = 4
-#: past this many seconds of checking exclusions, :func:`_way_out` starts no further trial cut (a large model's)
+# : past this many seconds of checking exclusions, :func:`_way_out` starts no further trial cut (a large
+# model's)
 WAY_OUT_SECONDS = 30.0
 #: after one trial cut this slow, :func:`_way_out` starts no further one: the next would be as slow
 SLOW_TRIAL_SECONDS = 10.0
@@ -2064,7 +2065,8 @@ STRUCTURED_CHECK_SECONDS = 60.0
 
 class _CheckTimeout(BaseException):
     """A BaseException: raised at any Python call of the search, it must pass the ``except Exception`` of the
-    code it interrupts (ours that turns a failed cut into a reason, torch-pruning's): swallowed there, with the
+    code it interrupts (ours that turns a failed cut into a reason, torch-pruning's): swallowed there, with
+    the
     profile hook gone, the rest of the search ran unbounded (a suite run hung in it for minutes)."""
 
 

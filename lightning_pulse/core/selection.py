@@ -515,9 +515,9 @@ class PairwiseWatch:
 
 
 def _is_relation_like(tensor: Tensor) -> bool:
-    """``(b, b, ...)`` symmetric in the first two dimensions with one value along the diagonal, as a relation between the
-    samples is (a same-label mask's 1s, a distance matrix's 0s). A padding mask of a batch sorted by length
-    can be symmetric (lengths 3, 2, 1 padded to 3), but its diagonal then holds both 1 and 0."""
+    """``(b, b, ...)`` symmetric in the first two dimensions with one value along the diagonal, as a relation
+    between the samples is (a same-label mask's 1s, a distance matrix's 0s). A padding mask of a batch sorted
+    by length can be symmetric (lengths 3, 2, 1 padded to 3), but its diagonal then holds both 1 and 0."""
     if tensor.shape[0] < 3:  # a batch of 2 is never cut to fewer (core.replay.MIN_COMPOSED): nothing to tell
         return False
     tensor = _dense(tensor)
