@@ -847,8 +847,7 @@ def compiled_part(module: torch.nn.Module | None, trainable: bool = False) -> st
 
 
 def compiled_trainable_part(module: torch.nn.Module | None) -> str | None:
-    """:func:`compiled_part` holding a parameter that requires grad: the only kind whose compiled backward
-    hands
+    """:func:`compiled_part` holding a parameter that requires grad: the only kind whose compiled backward hands
     out gradients (of parameters a freezer would order) in its own order."""
     return compiled_part(module, trainable=True)
 

@@ -78,16 +78,14 @@ class GradientCache(Callback):
     run through the prefix anyway: a warning says so, once.
 
     Raises:
-        ValueError: at construction, naming the field, for a value out of range; at train start, for a
-            ``units`` name the model does not have.
-        PulseRefusal: at setup, for manual optimization, ``torch.compile`` of a part with parameters that
-        train
+        ValueError: at construction, naming the field, for a value out of range.
+        PulseRefusal: at setup, for manual optimization, ``torch.compile`` of a part with parameters that train
             (again at fit start, for one compiled in ``configure_model``, and when one starts training; a
-            compiled loss module or frozen teacher is fine), a strategy other than one process
-            or DDP, DDP without ``find_unused_parameters=True`` or with ``static_graph=True``, or
-            ``activation_cache_mb`` with ``reload_dataloaders_every_n_epochs``; at fit start, for LBFGS,
-            ``phases`` that never come, a share of a run of unknown length, lazy parameters, a second fit
-            without a checkpoint.
+            compiled loss module or frozen teacher is fine), a strategy other than one process or DDP, DDP
+            without ``find_unused_parameters=True`` or with ``static_graph=True``, or ``activation_cache_mb``
+            with ``reload_dataloaders_every_n_epochs``; at fit start, for LBFGS, ``phases`` that never come, a
+            share of a run of unknown length, lazy parameters, a second fit without a checkpoint; at train
+            start, for a ``units`` name the model does not have or entries that overlap.
 
     Example::
 

@@ -359,7 +359,7 @@ class HardSampleReplay(Callback):
             self._saved_state = state_dict
             self.steps.stream.restore(stream)
 
-    load_rollback_state_dict = load_state_dict  # a rollback (during training) as load_state_dict tells
+    load_rollback_state_dict = load_state_dict  # a rollback mid-training: load_state_dict says how
 
 
 def _warn(note: str | None) -> None:

@@ -180,9 +180,8 @@ class StabilityGuard(Callback):
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
         cut = next((c for c in trainer.callbacks if isinstance(c, HardSampleReplay)), None)
         self._record = steps.StepRecord(cut)  # cut: cuts batches in place, tells the indices of the rows
-        self.core.start(
-            trainer.global_step, trainer.optimizers, pl_module
-        )  # refuses ZeRO's sharded optimizer
+        # refuses ZeRO's sharded optimizer
+        self.core.start(trainer.global_step, trainer.optimizers, pl_module)
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
 
     @override

@@ -790,7 +790,7 @@ def parse_deadline(deadline: Any) -> float | AfterStart | None:
     except ValueError:
         raise ValueError(
             f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00', nor a positive "
-            f"duration after the run's start such as '+36h' or '+3600': seconds, or a number with a unit "
+            "duration after the run's start such as '+36h' or '+3600': seconds, or a number with a unit "
             f"({', '.join(SECONDS_UNITS)})."
         ) from None
 

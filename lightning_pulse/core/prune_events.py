@@ -161,9 +161,8 @@ class PruneEvents:
         (:func:`~lightning_pulse.core.prune_setup.structured_example`) when neither ``example_input_array``
         nor a checkpoint gave one."""
         if self.pruner.mode == "structured" and self.example is None and self.pruner.example_inputs is None:
-            with (
-                losses_not_captured()
-            ):  # inside HardSampleReplay's capture of the step when it is listed first
+            # inside HardSampleReplay's capture of the step when it is listed first
+            with losses_not_captured():
                 self.example = structured_example(model, self.pruner, self.schedule, batch)
 
     def plan_cadence(

@@ -1387,15 +1387,15 @@ def _parametrized_left_out(model: nn.Module, pruner: Pruner) -> str | None:
     them = "it" if len(left_out) == 1 else "them"
     removals: dict[str, list[str]] = {}
     for name in left_out:
-        removals.setdefault(prune_targets.weight_computation_removal(model.get_submodule(name)), []).append(
-            name
-        )
+        call = prune_targets.weight_computation_removal(model.get_submodule(name))
+        removals.setdefault(call, []).append(name)
     # each kind its own call: `remove_parametrizations` raises on an old-style `weight_norm` hook
     calls = "; ".join(f"`{call}` for {first_names(names, 3)}" for call, names in removals.items())
     return (
         f"{NOTHING_TO_CUT}: {first_names(left_out, 3)} {'is' if them == 'it' else 'are'} left out (the "
-        "weight is computed by a parametrization, which a cut cannot follow), and so is every channel group "
-        f"that would cut {them}; remove the parametrization before the fit ({calls}) to let {them} and the "
+        "weight is computed by a parametrization or a weight_norm/spectral_norm hook, which a cut cannot "
+        f"follow), and so is every channel group that would cut {them}; remove it before the fit ({calls}) to "
+        f"let {them} and the "
         f"layers next to {them} be cut"
     )
 
@@ -1645,8 +1645,7 @@ def _autograd_off_reason(names: Sequence[str], output: Any) -> str:
 WAY_OUT_TRIES = 3
 #: how many more trial cuts :func:`_way_out` spends leaving chosen layers out by name (:func:`_layer_search`)
 LAYER_SEARCH_TRIES = 4
-# : past this many seconds of checking exclusions, :func:`_way_out` starts no further trial cut (a large
-# model's)
+#: past this many seconds of checking exclusions, :func:`_way_out` starts no further trial cut
 WAY_OUT_SECONDS = 30.0
 #: after one trial cut this slow, :func:`_way_out` starts no further one: the next would be as slow
 SLOW_TRIAL_SECONDS = 10.0
@@ -1770,9 +1769,8 @@ def _layer_search(
     named = {name: model.get_submodule(name) for name in chosen}
     try:
         outputs = set(output_layers(model, named, example, pruner.run_precision))
-    except (
-        Exception
-    ):  # only a message needs this: torch-pruning's own search can fail (a GRU's index mapping)
+    # only a message needs this: torch-pruning's own search can fail (a GRU's index mapping)
+    except Exception:
         outputs = set()
     candidates = [name for name in chosen if name not in outputs]
     passing, tries = None, 0
@@ -2065,9 +2063,8 @@ STRUCTURED_CHECK_SECONDS = 60.0
 
 class _CheckTimeout(BaseException):
     """A BaseException: raised at any Python call of the search, it must pass the ``except Exception`` of the
-    code it interrupts (ours that turns a failed cut into a reason, torch-pruning's): swallowed there, with
-    the
-    profile hook gone, the rest of the search ran unbounded (a suite run hung in it for minutes)."""
+    code it interrupts (ours that turns a failed cut into a reason, torch-pruning's): swallowed there, with the
+    profile hook gone, the rest of the search ran unbounded."""
 
 
 @contextmanager

@@ -246,8 +246,7 @@ class ReplayBatchLifecycle:
                 with ``T == B`` then); for a per-sample pairwise ``(B, B)`` tensor there, found by the
                 :class:`~lightning_pulse.core.selection.PairwiseWatch` before a cut (over ranks: on every
                 rank when any rank's watch refuses, by a vote through ``torch.distributed``). For a cut batch
-                before the
-                carried-state check is done while the module holds batch-shaped state.
+                before the carried-state check is done while the module holds batch-shaped state.
         """
         self.captures.drop()
         self._backward_ran = self._accounted = False

@@ -678,9 +678,8 @@ class StabilityCore:
             None if name in unwritten else param.detach().to("cpu", copy=True)
             for name, param in outside.items()
         ]
-        mended = (
-            self.forward_state_mended
-        )  # the check gives everything back: the step's writes are not mended
+        # the check gives everything back: the step's writes are not mended
+        mended = self.forward_state_mended
         with kept_carried_state(model):
             try:
                 self.mend_forward_state(model, saved)
