@@ -860,17 +860,10 @@ def compiled_part_holding(module: torch.nn.Module | None, submodules: list[torch
     if getattr(module, "_compiler_ctx", None) is not None:
         return "the LightningModule"
     wanted = {id(submodule) for submodule in submodules}
-    for name, part in module.named_modules() if module is not None else ():
-        compiled = isinstance(part, _optimized_module_type()) or getattr(part, "_compiled_call_impl", None)
-        if compiled and any(id(inner) in wanted for inner in part.modules()):
+    for name, part in _compiled_submodules(module):
+        if any(id(inner) in wanted for inner in part.modules()):
             return name or "the LightningModule"
     return None
-
-
-def _optimized_module_type() -> type:
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return OptimizedModule
 
 
 def batches_fetched(trainer: pl.Trainer) -> int:

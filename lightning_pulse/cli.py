@@ -180,6 +180,8 @@ def _nested_config(block: list[str]) -> tuple[str, bool] | None:
 # why jsonargparse could not import a class_path or a function's path: a typo in the class or the module
 # name, or a module that fails on an import of its own
 _IMPORT_FAILURE = re.compile(r"(?:module '[\w.]+' has no attribute '\w+'|No module named '[\w.]+')$")
+# the line of a jsonargparse report that names the class path it then says went wrong
+_GIVEN_CLASS_PATH = re.compile(r"Problem with given class_path '([\w.]+)':")
 
 
 def _unimportable_class_paths(message: str) -> dict[str, str]:
@@ -188,7 +190,7 @@ def _unimportable_class_paths(message: str) -> dict[str, str]:
     lines = [line.strip().removeprefix("- ").strip() for line in message.splitlines() if line.strip()]
     unimportable = {}
     for line, following in zip(lines, lines[1:]):
-        given = re.fullmatch(r"Problem with given class_path '([\w.]+)':", line)
+        given = _GIVEN_CLASS_PATH.fullmatch(line)
         if given and _IMPORT_FAILURE.fullmatch(following):
             unimportable[given.group(1)] = following
     return unimportable
@@ -197,7 +199,7 @@ def _unimportable_class_paths(message: str) -> dict[str, str]:
 def _import_failure(block: list[str], unimportable: dict[str, str]) -> str | None:
     """``"X cannot be imported (reason)"`` for the path a field's value named that did not import."""
     for line in block:
-        given = re.fullmatch(r"Problem with given class_path '([\w.]+)':", line)
+        given = _GIVEN_CLASS_PATH.fullmatch(line)
         if given and given.group(1) in unimportable:
             return f"{given.group(1)} cannot be imported ({unimportable[given.group(1)]})"
     reason = next((match for line in block if (match := _IMPORT_FAILURE.search(line))), None)

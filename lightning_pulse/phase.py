@@ -82,6 +82,8 @@ _UNIT_ALIASES = {
     "hours": "hours",
 }
 _SECONDS_PER_UNIT = {"seconds": 1.0, "minutes": 60.0, "hours": 3600.0}
+#: every spelling of a unit of time a duration takes (``"s"``, ``"min"``, ``"hours"``...), for messages
+SECONDS_UNIT_NAMES = tuple(unit for unit, kind in _UNIT_ALIASES.items() if kind in _SECONDS_PER_UNIT)
 _DURATION_RE = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([a-zA-Z]+)\s*$")
 
 

@@ -126,7 +126,7 @@ class HardSampleReplay(Callback):
         self._saved_state: dict[str, Any] | None = None
         self._ready = False  # this fit's selector exists: load_state_dict applies at once
         self._set_up_at = (0, 0)  # (epoch, step) of the latest training DataLoader's set-up
-        self.batches = ReplayBatchLifecycle(self.mode, scorer)  # each batch: plan, cut, capture, record
+        self.batches = ReplayBatchLifecycle(self.mode, scorer, self._held)  # plan, cut, capture, record
         self._fullgraph = compat.FullgraphBreaks()  # fit start to end: a loss in a fullgraph part refused
 
     # ------------------------------------------------------------------ public state

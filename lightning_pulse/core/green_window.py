@@ -31,9 +31,8 @@ import numpy as np
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import Forecast
 from lightning_pulse.phase import (
-    _SECONDS_PER_UNIT,
-    _UNIT_ALIASES,
     KNOWN_LENGTH,
+    SECONDS_UNIT_NAMES,
     STEPS_BOUND_ONLY,
     UNKNOWN_STEPS_PER_BATCH,
     parse_duration,
@@ -763,8 +762,7 @@ class AfterStart:
     seconds: float
 
 
-NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
-SECONDS_UNITS = [unit for unit, kind in _UNIT_ALIASES.items() if kind in _SECONDS_PER_UNIT]
+_NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def parse_deadline(deadline: Any) -> float | AfterStart | None:
@@ -782,7 +780,7 @@ def parse_deadline(deadline: Any) -> float | AfterStart | None:
         if text.startswith("+"):
             # as GreenWindow's other durations: a number of seconds, or a number with a unit of time
             after = text[1:].strip()
-            seconds = seconds_of(float(after) if NUMBER.fullmatch(after) else after, "deadline")
+            seconds = seconds_of(float(after) if _NUMBER.fullmatch(after) else after, "deadline")
             if seconds is not None and 0 < seconds < math.inf:
                 return AfterStart(seconds)
             raise ValueError
@@ -791,7 +789,7 @@ def parse_deadline(deadline: Any) -> float | AfterStart | None:
         raise ValueError(
             f"`deadline`={deadline!r} is not a UTC time such as '2026-03-01 08:00:00', nor a positive "
             "duration after the run's start such as '+36h' or '+3600': seconds, or a number with a unit "
-            f"({', '.join(SECONDS_UNITS)})."
+            f"({', '.join(SECONDS_UNIT_NAMES)})."
         ) from None
 
 

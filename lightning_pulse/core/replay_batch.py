@@ -32,7 +32,6 @@ Example::
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,12 +86,6 @@ _SIGNED_WAYS_OUT = (
 )
 
 
-def _backend_released(tensor: Tensor) -> bool:
-    """Whether only Python still holds ``tensor`` (no collective's backend thread does): torch's private
-    reference count of its storage owner, as ``_lightning_compat.backend_released`` reads it."""
-    return tensor._use_count() <= 1
-
-
 def refuse(reason: str | None) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` for ``reason`` (it completes "HardSampleReplay ..."),
     if there is one."""
@@ -134,6 +127,8 @@ class ReplayBatchLifecycle:
     Args:
         mode: ``"steps"`` or ``"batch"`` (:data:`~lightning_pulse.core.replay.MODES`): how a light step trains.
         scorer: computes the per-sample losses instead of the capture; ``None`` captures the module's own loss.
+        hold: keeps what the DDP vote hands to a collective until the backend lets go of it (``keep(*tensors)``,
+            ``wait()``: the callback's ``_lightning_compat.CollectiveHold``); ``None`` keeps nothing.
 
     Attributes:
         captures: the module's own per-sample losses, one capture per step inside a fit-long scope.
@@ -141,9 +136,10 @@ class ReplayBatchLifecycle:
         current: the step between :meth:`start_batch` and :meth:`finish_batch`, else ``None``.
     """
 
-    def __init__(self, mode: str = "batch", scorer: PerSampleScorer | None = None) -> None:
+    def __init__(self, mode: str = "batch", scorer: PerSampleScorer | None = None, hold: Any = None) -> None:
         self.mode = mode
         self.scorer = scorer
+        self.hold = hold
         self.captures = StepLossCaptures()
         self.state_check = CarriedStateCheck()
         self.current: StepInFlight | None = None
@@ -171,7 +167,6 @@ class ReplayBatchLifecycle:
         # is not: its own batch's padded lengths can be B), and what the votes handed to the backend
         self._pairwise_vote_next, self._pairwise_vote_new_size = True, False
         self._sizes_seen: set[int] = set()
-        self._vote_buffers: list[Tensor] = []
         self._backward_ran = False  # in the step in flight
         self._module: nn.Module | None = None  # the module training (its parameters and buffers are no batch)
         # the step in flight: whether its loss was accounted for by its captured calls, and why not
@@ -347,9 +342,9 @@ class ReplayBatchLifecycle:
 
     def _gather_flags(self, flags: list[bool]) -> Tensor | None:
         """``flags`` of every rank, ``(world_size, len(flags))``, through ``torch.distributed`` (the batch's
-        start is given no gather); ``None`` without a process group. What the backend is handed stays
-        referenced until it lets go (:meth:`release`): a thread of its own dropping the last reference while
-        the rank exits aborts it (as ``_lightning_compat.CollectiveHold`` says)."""
+        start is given no gather); ``None`` without a process group. What the backend is handed goes to
+        :attr:`hold` until it lets go (:meth:`release` waits): a thread of its own dropping the last reference
+        while the rank exits aborts it (as ``_lightning_compat.CollectiveHold`` says)."""
         distributed = torch.distributed
         if not (distributed.is_available() and distributed.is_initialized()):
             return None
@@ -358,7 +353,8 @@ class ReplayBatchLifecycle:
         mine = torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(distributed.get_world_size())]
         distributed.all_gather(gathered, mine)
-        self._vote_buffers = [t for t in self._vote_buffers if not _backend_released(t)] + [mine, *gathered]
+        if self.hold is not None:
+            self.hold.keep(mine, *gathered)
         return torch.stack(gathered).cpu()
 
     def _whole_batches(self, batch: Any, batch_size: int) -> str:
@@ -616,8 +612,5 @@ class ReplayBatchLifecycle:
         self.captures.release()
         self.state_check.stop()
         self.current = self._batch = None
-        deadline = time.monotonic() + 10.0  # the rank may exit right after (see _gather_flags)
-        while self._vote_buffers and time.monotonic() < deadline:
-            self._vote_buffers = [t for t in self._vote_buffers if not _backend_released(t)]
-            if self._vote_buffers:
-                time.sleep(0)  # a thread yield, so the backend's worker gets the core
+        if self.hold is not None:
+            self.hold.wait()  # the rank may exit right after (see _gather_flags)

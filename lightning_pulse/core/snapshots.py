@@ -593,12 +593,15 @@ class PreStepBuffers:
     def __init__(self) -> None:
         self.clear()
 
-    def clear(self, learn_after: int | None = None, keep: nn.Module | None = None) -> None:
+    def clear(
+        self, learn_after: int | None = None, keep: nn.Module | None = None, names: list[str] | None = None
+    ) -> None:
         """Forget the tensors learned and the copy (a new fit, or parameters replaced: the modules and shapes
         the copy was made for may be gone); ``learn_after``: learn at the end of the first applied step whose
-        counter after it is past this one. ``keep``: the model whose tensors of the names learned so far that
-        it still holds stay learned, in copies of their current shapes (filled before the next step)."""
-        kept = [] if keep is None else self.names
+        counter after it is past this one. ``keep``: the model whose tensors of ``names`` (default: the names
+        learned so far) that it still holds stay learned, in copies of their current shapes (filled before
+        the next step)."""
+        kept = [] if keep is None else (self.names if names is None else names)
         self.names: list[str] = []
         self.slots: list[tuple[dict[str, Any], str]] = []  # (owner's ``_buffers``/``_parameters``, key)
         self.sources: list[torch.Tensor] = []  # the tensors the last copy read

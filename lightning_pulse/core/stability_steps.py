@@ -487,8 +487,7 @@ class StabilityCore:
         self.schedule.ring.clear()
         self.pre_step.clear(learn_after=-1 if step is None else step)  # learned at the first applied step
         if model is not None and self.resumed_written:
-            self.pre_step.names = self.resumed_written
-            self.pre_step.clear(learn_after=step, keep=model)
+            self.pre_step.clear(learn_after=step, keep=model, names=self.resumed_written)
         self.resumed_written = []
 
     def finish_step(
