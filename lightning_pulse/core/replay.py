@@ -534,8 +534,22 @@ def gather_rows(
             ``all_gather``, a ``torch.distributed`` wrapper, or ``lambda t: t[None]`` for one process).
         indices: ``(k,)`` this rank's dataset indices; losses ``(k,)``; roles ``(k,)``.
     """
-    sizes = torch.tensor([float(losses.numel()), float(offered)], dtype=torch.float64)
-    gathered_sizes = all_gather(sizes).cpu().reshape(-1, 2)
+    return gather_rows_and_codes(all_gather, indices, losses, roles, offered, None)[:4]
+
+
+def gather_rows_and_codes(
+    all_gather: Callable[[Tensor], Tensor],
+    indices: Tensor,
+    losses: Tensor,
+    roles: np.ndarray,
+    offered: float,
+    code: int | None = 0,
+) -> tuple[Tensor, Tensor, np.ndarray, float, list[int]]:
+    """:func:`gather_rows`, and every rank's ``code`` in rank order, sent with the row counts the gather
+    exchanges anyway: what a caller's ranks vote on at every step costs no collective of its own (``None``:
+    no code is sent, and none comes back)."""
+    sent = [float(losses.numel()), float(offered)] + ([] if code is None else [float(code)])
+    gathered_sizes = all_gather(torch.tensor(sent, dtype=torch.float64)).cpu().reshape(-1, len(sent))
     counts = [int(n) for n in gathered_sizes[:, 0].tolist()]
     capacity = max(counts)
     rows = torch.full((capacity, 3), math.nan, dtype=torch.float64)  # ranks' batches may differ in size
@@ -549,6 +563,7 @@ def gather_rows(
         merged[:, 1].float(),
         merged[:, 2].long().numpy(),
         float(gathered_sizes[:, 1].sum()),
+        [] if code is None else [int(c) for c in gathered_sizes[:, 2].tolist()],
     )
 
 
@@ -857,20 +872,24 @@ class HardSampleSelector:
         active: bool,
         offered: float,
         all_gather: Callable[[Tensor], Tensor] | None = None,
-    ) -> None:
+        refusal: int = 0,
+    ) -> list[int]:
         """Keep a step's measurement: the trained samples' ``indices`` ``(k,)``, their ``losses`` (a capture,
         read when applied, or a ``(k,)`` tensor), ``roles``, whether the step selected (``active``) and how
-        many samples were offered. With ``all_gather`` (data parallel), every rank's rows are kept."""
+        many samples were offered. With ``all_gather`` (data parallel), every rank's rows are kept, and every
+        rank's ``refusal`` (a caller's code, 0 for none) returned, in rank order (``[]`` without)."""
         entry = _Measured(indices, losses, roles, step, self.current_threshold(step), active, float(offered))
+        codes: list[int] = []
         if all_gather is not None:
             local = torch.from_numpy(host_losses([losses]))
-            entry.indices, entry.losses, entry.roles, entry.offered = gather_rows(
-                all_gather, indices, local, roles, offered
+            entry.indices, entry.losses, entry.roles, entry.offered, codes = gather_rows_and_codes(
+                all_gather, indices, local, roles, offered, refusal
             )
             entry.shared = True
         self._unapplied.append(entry)
         if len(self._unapplied) >= self.apply_every:
             self.apply()
+        return codes
 
     def apply(self) -> None:
         """Apply the kept steps' losses to the table (one vectorized update) and to the running totals."""

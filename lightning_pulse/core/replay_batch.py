@@ -86,6 +86,12 @@ _SIGNED_WAYS_OUT = (
 )
 
 
+# what a rank votes at a batch's start or a step's end: no refusal, a pairwise one (its message says where
+# it was found), another found before the step or at its end, one of carried state (raised after the step is
+# logged: check_carried_state)
+_PAIRWISE, _OTHER, _CARRIED = 1, 2, 3
+
+
 def refuse(reason: str | None) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` for ``reason`` (it completes "HardSampleReplay ..."),
     if there is one."""
@@ -180,6 +186,12 @@ class ReplayBatchLifecycle:
         self._sign_checks_left = SIGN_CHECKED_STEPS
         self.world_size = 1  # ranks > 1: a rank's verdict waits for the others' at the step's end
         self._signed: str | None = None  # the step in flight's refusal, for the ranks' vote
+        # over ranks: the first refusal found at this batch's start (for the vote), one kept from a batch the
+        # ranks did not vote at for the vote at its step's end, and the refusal agreed on there for
+        # check_carried_state to raise (one process: the carried-state check's own)
+        self._found: str | None = None
+        self._deferred: str | None = None
+        self._after_log: str | None = None
 
     def start_fit(self, world_size: int = 1) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope; over
@@ -239,13 +251,16 @@ class ReplayBatchLifecycle:
                 second and another length first where the first checked batch held ``B`` along both first
                 dimensions (:func:`~lightning_pulse.core.selection.time_major_later_refusal`: time-major
                 with ``T == B`` then); for a per-sample pairwise ``(B, B)`` tensor there, found by the
-                :class:`~lightning_pulse.core.selection.PairwiseWatch` before a cut (over ranks: on every
-                rank when any rank's watch refuses, by a vote through ``torch.distributed``). For a cut batch
-                before the carried-state check is done while the module holds batch-shaped state.
+                :class:`~lightning_pulse.core.selection.PairwiseWatch` before a cut. For a cut batch
+                before the carried-state check is done while the module holds batch-shaped state. Over ranks
+                every rank refuses when any does (:meth:`_vote_at_start`): before the step at the batches the
+                ranks vote at (a fit's first ones), else at the step's end (:meth:`finish_batch`), the rank
+                that found it training its batch whole meanwhile.
         """
         self.captures.drop()
         self._backward_ran = self._accounted = False
         self._unaccounted, self._module, self._signed = None, module, None
+        self._found = self._deferred = None
         batch_size = int(indices.numel())
         first_checked = False
         # the fit's first batch of two or more samples (one of 1 is never cut, and looks like any layout)
@@ -254,14 +269,14 @@ class ReplayBatchLifecycle:
             # a batch that lost rows (a collate_fn dropped samples) has no part of B rows whatever its layout,
             # and is not cut: the next full batch tells its layout
             if reason is None or unmatched_rows(batch, batch_size) is None:
-                refuse(reason)
+                self._refuse_here(reason)
                 self._structure_checked = first_checked = True
                 self._concatenated = concatenated_parts(batch, batch_size, with_items=True)
                 self._joined_rows = joined_rows(batch, batch_size)
                 self._square_parts = square_parts(batch, batch_size)
                 self._pairwise = PairwiseWatch(batch, batch_size) if self._square_parts else None
         elif self._square_parts and batch_size >= 2:  # empty for most batches: then no cost
-            refuse(time_major_later_refusal(self._square_parts, batch, batch_size))
+            self._refuse_here(time_major_later_refusal(self._square_parts, batch, batch_size))
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
         if self._concatenated or self._joined_rows:
             self._check_concatenated(batch, batch_size, first_checked, plan.positions is not None)
@@ -270,15 +285,17 @@ class ReplayBatchLifecycle:
             pairwise = self._pairwise.refusal(
                 batch, batch_size, plan.positions is not None, first=first_checked
             )
-        if self.mode == "batch" and self.world_size > 1:
-            pairwise = self._vote_on_pairwise(pairwise, batch_size)
-        refuse(pairwise)
         if module is not None and self.state_check.first_batch:
             self.state_check.note_lists(module)
         if not self.state_check.done:  # the fit's first two batches (the ways out are only read to refuse)
-            refuse(
-                self.state_check.before_batch(plan.selected, partial(self._whole_batches, batch, batch_size))
-            )
+            whole_batches = partial(self._whole_batches, batch, batch_size)
+            self._refuse_here(self.state_check.before_batch(plan.selected, whole_batches))
+        if self.world_size > 1:
+            pairwise = self._vote_at_start(pairwise, batch_size)
+        refuse(pairwise)
+        if self._found is not None:  # a rank's refusal where the ranks do not vote: said at the step's end
+            self._deferred = self._found
+            plan = selector.plan_batch(self.mode, indices, False, step, batch_idx, rank, cut, window)
         if plan.positions is not None:
             assign_in_place(batch, take_samples(batch, plan.positions, batch_size))
         self.current = StepInFlight(selector, plan, step, batch_size, window)
@@ -298,7 +315,7 @@ class ReplayBatchLifecycle:
         if first:
             if cut:  # no second batch can confirm them before the harm (nor tell joined rows from a constant)
                 lengths = {pair: length for pair, (length, _) in self._concatenated.items()}
-                refuse(concatenation_refusal(lengths, batch_size))
+                self._refuse_here(concatenation_refusal(lengths, batch_size))
         elif batch_size >= 2 and unmatched_rows(batch, batch_size) is None:
             again = concatenated_parts(batch, batch_size, with_items=True)
             # a concatenation's items change from batch to batch, or are all as long; a constant that matches
@@ -309,36 +326,75 @@ class ReplayBatchLifecycle:
                 if pair in again and (again[pair] != first_match or len(set(again[pair][1])) == 1)
             }
             joined_before, self._concatenated, self._joined_rows = self._joined_rows, {}, {}
-            refuse(concatenation_refusal(found, batch_size))
-            refuse(joined_rows_refusal(joined_before, joined_rows(batch, batch_size), batch_size))
+            self._refuse_here(concatenation_refusal(found, batch_size))
+            self._refuse_here(joined_rows_refusal(joined_before, joined_rows(batch, batch_size), batch_size))
 
-    def _vote_on_pairwise(self, mine: str | None, batch_size: int) -> str | None:
-        """Over ranks, before a batch's step: refuse on every rank when any rank's
-        :class:`~lightning_pulse.core.selection.PairwiseWatch` refuses (one rank's batch may hold a constant
-        same-label mask while another's shows it; a rank refusing alone leaves the others in the step's
-        backward, waiting for it). The ranks vote at each batch while any of them may still read values (the
-        fit's first batches), and after that at each batch of a new size (an epoch's short last batch, whose
-        watched tensors' values are read: a shape alone never refuses) while any of them still watches a
-        tensor: a fit whose first batch holds no square tensor on any rank votes once. Every rank takes the
-        same batches (one all_gather of three flags each)."""
+    def _refuse_here(self, reason: str | None) -> None:
+        """Refuse the batch about to train for ``reason`` (``None``: nothing). One process: at once. Over
+        ranks: the first one found is kept for the ranks' vote (another rank's batch may not show it)."""
+        if reason is not None and self._found is None:
+            if self.world_size <= 1:
+                refuse(reason)
+            self._found = reason
+
+    def _vote_at_start(self, pairwise: str | None, batch_size: int) -> str | None:
+        """Over ranks, before a batch's step: refuse on every rank when any rank refuses the batch (one
+        rank's batch may be time-major where another's looks batch-first, hold joined rows, a constant
+        same-label mask, a module state only its data makes it read; a rank refusing alone leaves the others
+        in the step's backward, waiting for it). The ranks vote at each batch while any of them has a check
+        of the fit's first batches open (the layout, concatenated or joined rows, the pairwise watch's values,
+        the carried-state check before a cut), and after that at each batch of a new size (an epoch's short
+        last batch, whose watched tensors' values are read: a shape alone never refuses) while any of them
+        still watches a tensor: one all_gather of three numbers each, at the same batches on every rank. A
+        refusal a rank finds at a later batch (a time-major length that stops matching ``B``) waits for the
+        vote at its step's end (:meth:`finish_batch`), riding on the rows' gather every step has. Returns the
+        pairwise refusal to raise; raises any other."""
         new_size = batch_size not in self._sizes_seen
         self._sizes_seen.add(batch_size)
         if not (self._pairwise_vote_next or (self._pairwise_vote_new_size and new_size)):
-            return mine
-        watch = self._pairwise
+            return pairwise
+        watch, checks = self._pairwise, self.state_check
         # a rank whose first batches lost rows has not made its watch yet: it may still read values
-        pending = not self._structure_checked or (watch is not None and watch.values_pending)
-        votes = self._gather_flags([mine is not None, pending, watch is not None and watch.watching])
+        pending = (
+            (self.mode == "batch" and not self._structure_checked)
+            or (watch is not None and watch.values_pending)
+            or bool(self._concatenated or self._joined_rows)
+            or checks.first_batch
+        )
+        code = _OTHER if self._found is not None else _PAIRWISE if pairwise is not None else 0
+        votes = self._gather_flags([code, pending, watch is not None and watch.watching])
         if votes is None:  # no process group (a single process told world_size > 1): its own verdict
-            return mine
+            refuse(self._found)
+            return pairwise
         self._pairwise_vote_next, self._pairwise_vote_new_size = (
             bool(votes[:, 1].any()),
             bool(votes[:, 2].any()),
         )
+        found, self._found = self._found, None  # voted on here: nothing waits for the step's end
+        refuse(self._agreed_refusal(votes[:, 0].tolist(), found))
         refusing = [rank for rank, vote in enumerate(votes[:, 0].tolist()) if vote]
-        if not refusing or mine is not None:
-            return mine
+        if not refusing or pairwise is not None:
+            return pairwise
         return pairwise_elsewhere_reason(refusing, len(votes), batch_size)
+
+    def _agreed_refusal(self, codes: list[int], mine: str | None) -> str | None:
+        """The refusal every rank raises alike, given every rank's refusal ``codes`` (this rank's for
+        ``mine``): that of the first rank whose refusal is not a pairwise one (those say where they were found
+        themselves), its text broadcast from there; ``None`` if there is none. Every rank takes the same
+        branch: they all read the same ``codes``."""
+        others = [rank for rank, vote in enumerate(codes) if vote not in (0, _PAIRWISE)]
+        if not others:
+            return None
+        source, text = others[0], [mine]
+        if len(codes) == 1:  # a gather over one process
+            return mine
+        torch.distributed.broadcast_object_list(text, src=source)
+        if self.hold is not None:
+            self.hold.keep()  # no tensor to keep (torch's own buffers), but the exit-time teardown registered
+        return (
+            f"{text[0]} (Found on rank {source} of {len(codes)}; every rank refuses alike, so that none "
+            "waits for another in a collective.)"
+        )
 
     def _gather_flags(self, flags: list[bool]) -> Tensor | None:
         """``flags`` of every rank, ``(world_size, len(flags))``, through ``torch.distributed`` (the batch's
@@ -574,19 +630,39 @@ class ReplayBatchLifecycle:
             )
         plan = finished.plan
         losses: LossCapture | Tensor
+        found, code, self._deferred, self._after_log = self._deferred, _OTHER, None, None
         if self.scorer is None:
             assert capture is not None  # opened at the batch start whenever there is no scorer
             if capture.maps_onto_batch:
                 losses = capture
-                if self.state_check.first_batch:
-                    refuse(time_major_refusal(losses, batch))
+                if self.state_check.first_batch and found is None:
+                    found = time_major_refusal(losses, batch)
             else:  # a later step whose loss does not split (close_capture said so): no scores, every rank alike
                 losses = torch.full((int(plan.roles.size),), math.nan)
         else:
             losses = self.scorer.score(module, batch, outputs, int(plan.roles.size))
-        finished.selector.record(
-            plan.indices, losses, plan.roles, finished.step, plan.active, plan.offered, all_gather
+        # after the scorer (which may read the state) and before the rows' gather, which the ranks vote on
+        if not (finished.rows_unmatched and self.state_check.first_batch):  # the first batch finds candidates
+            self._after_log = self.state_check.after_batch(module, finished.batch_size)
+            if found is None and self._after_log is not None:
+                found, code = self._after_log, _CARRIED
+        if all_gather is None and code != _CARRIED:  # one process: refused before the record, as found
+            refuse(found)
+        codes = finished.selector.record(
+            plan.indices,
+            losses,
+            plan.roles,
+            finished.step,
+            plan.active,
+            plan.offered,
+            all_gather,
+            refusal=0 if found is None else code,
         )
+        if any(codes):  # over ranks: every rank refuses what the first refusing rank found
+            agreed = self._agreed_refusal(codes, found)
+            if codes[[bool(vote) for vote in codes].index(True)] != _CARRIED:
+                refuse(agreed)
+            self._after_log = agreed
         if not finished.rows_unmatched:
             self.recorded_steps += 1
         return finished
@@ -598,9 +674,10 @@ class ReplayBatchLifecycle:
         Raises:
             PulseRefusal: naming the attributes that carry state.
         """
-        # the first batch finds the batch-shaped attributes: one short of its indices would miss them
-        if finished is not None and not (finished.rows_unmatched and self.state_check.first_batch):
-            refuse(self.state_check.after_batch(module, finished.batch_size))
+        # found by finish_batch (over ranks: agreed on there), raised here so that the refused step is logged
+        if finished is not None:
+            after_log, self._after_log = self._after_log, None
+            refuse(after_log)
 
     def drop_step(self) -> None:
         """Forget the step in flight (a rollback replaces the model it was measured on)."""
