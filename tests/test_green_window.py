@@ -434,16 +434,19 @@ def test_a_resume_from_a_mid_run_checkpoint_reports_what_the_uninterrupted_run_d
         ]
 
 
-def _paused_run(data, tmp_path, clock_start, ckpt_path=None, save=False, deadline=None, extra=()):
-    """A pause-mode run of 48 steps on its own SimulatedClock (checkpoints every 10 steps when ``save``); the
-    GreenWindow, the clock and the warnings it gave."""
+def _paused_run(
+    data, tmp_path, clock_start, ckpt_path=None, save=False, deadline=None, extra=(), expected="8h"
+):
+    """A pause-mode run of 48 steps (8 h of compute; ``expected``: the ``expected_duration`` given) on its own
+    SimulatedClock (checkpoints every 10 steps when ``save``); the GreenWindow, the clock and the warnings it
+    gave."""
     clock = SimulatedClock(clock_start)
     green = GreenWindow(
         signal=DE_JUNE,
         when_dirty="pause",
         max_delay=1.0,
         deadline=deadline,
-        expected_duration="8h",
+        expected_duration=expected,
         clock=clock,
         options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path / "report")),
     )
@@ -752,8 +755,9 @@ def test_a_deadline_after_the_run_start_is_kept_from_the_first_start_across_a_re
     green, clock, said, _ = _paused_run(  # down until after the first start's deadline
         mnist1d_small(arch="mlp"), tmp_path, start + 11 * 3600, ckpt_path=str(checkpoint), deadline="+10h"
     )
-    said = [line for line in said if "`deadline`" in line]
+    said = [line for line in said if "deadline" in line]  # told once, at the start, not again at a decision
     assert len(said) == 1 and "'2020-06-15 10:00:00' (UTC) passed while the run was down" in said[0]
+    assert green.report["summary"]["deadline_unmet"]["deadline"] == "2020-06-15 10:00:00"
     assert clock.time() == start + 11 * 3600 + 28 * STEP_S  # 28 steps, no wait
 
 
@@ -770,3 +774,56 @@ def test_a_deadline_the_run_cannot_meet_is_warned_once_and_labelled_deadline(mni
     assert {d["reason"] for d in green.report["decisions"]} == {"deadline"}
     assert green.report["summary"]["waited_s"] == 0 and clock.time() == parse_timestamp(START) + 48 * STEP_S
     assert green.report["summary"]["deadline_unmet"]["deadline"] == "2020-06-15 01:30:00"
+
+
+def test_a_deadline_out_of_reach_on_the_first_estimate_is_not_reported_unmet_when_the_run_ends_in_time(
+    mnist1d_small, tmp_path
+):
+    # pass 30, left open: `expected_duration="12h"` against a deadline 10 h after the start is out of reach;
+    # the measured steps say 8 h, the run ends in time, and its report said the deadline was unmet
+    start = parse_timestamp(START)
+    green, clock, said, _ = _paused_run(
+        mnist1d_small(arch="mlp"), tmp_path, start, save=True, deadline="+10h", expected="12h"
+    )
+    said = [line for line in said if "deadline" in line]
+    assert len(said) == 2 and "cannot be met: at 2020-06-15 00:00:00 about 12.0 h of work" in said[0]
+    assert said[1].startswith("GreenWindow: the deadline 2020-06-15 10:00:00 (UTC) is in reach again: at ")
+    summary = green.report["summary"]
+    assert clock.time() <= start + 10 * 3600 and summary["waited_s"] > 0  # it waited again, in time
+    assert summary["deadline_unmet"] is None
+    cleared = summary["deadline_cleared"]
+    assert (cleared["at"], cleared["remaining_work_s"], cleared["cleared_by"]) == (
+        START,
+        12 * 3600,
+        "estimate",
+    )
+    report = tmp_path / "report"
+    assert "| deadline unmet | no |" in (report / "green_window_report.md").read_text()
+    assert (
+        json.loads((report / "green_window_report.json").read_text())["summary"]["deadline_cleared"]
+        == cleared
+    )
+    # the checkpoint carries both: a resume reports the same
+    (checkpoint,) = (tmp_path / "ckpt").glob("*step=20.ckpt")
+    resumed, _, said, _ = _paused_run(
+        mnist1d_small(arch="mlp"), tmp_path, start, ckpt_path=str(checkpoint), deadline="+10h", expected="12h"
+    )
+    assert not [line for line in said if "deadline" in line]
+    assert resumed.report["summary"]["deadline_unmet"] is None
+    assert resumed.report["summary"]["deadline_cleared"] == cleared
+
+
+def test_a_deadline_passed_before_the_first_estimate_is_warned(mnist1d_small, tmp_path):
+    # pass 30, left open: with no `expected_duration` the first estimate comes after the first step (10
+    # simulated minutes); a deadline 5 minutes after the start had passed by then, and was recorded unwarned
+    green, _, said, _ = _paused_run(
+        mnist1d_small(arch="mlp"), tmp_path, START, deadline="+5min", expected=None
+    )
+    said = [line for line in said if "deadline" in line]
+    assert said == [
+        "GreenWindow: the deadline 2020-06-15 00:05:00 (UTC) has passed: at 2020-06-15 00:10:00, 5 min after "
+        "it, about 7.8 h of work is left (estimated); the run trains without waiting and ends about 7.9 h past "
+        "it. Give a later deadline, or less work."
+    ]
+    unmet = green.report["summary"]["deadline_unmet"]
+    assert unmet["at"] == "2020-06-15 00:10:00" and unmet["ends_late_s"] == pytest.approx(8 * 3600 - 300)

@@ -34,7 +34,6 @@ from lightning_pulse.core.green_window import (
     decision_line,
     fit_start_refusal,
     options_from,
-    passed_deadline,
     seconds_of,
     unknown_length_refusal,
     write_resume_file,
@@ -64,7 +63,8 @@ class GreenWindow(Callback):
 
     Waiting never makes the run miss its deadline: it waits a slot only if the remaining work still fits
     before the deadline afterwards (with a 10% reserve on the estimate). A deadline the work left cannot meet
-    is warned once and recorded in the report; the run then trains without waiting (reason ``"deadline"``).
+    (or already past) is warned, and the run trains without waiting (reason ``"deadline"``) until a later
+    estimate fits again (said too); the report records the outcome: where the run ended against it.
     Light mode holds light as it would without a deadline: holding light cannot move the run's end.
     Every decision is logged under ``green/`` (signal, forecast, level, run, seconds waited, budget left).
     At the end of fit, ``green_window_report.{json,md,png}`` compare the CO2 (or cost) with the
@@ -206,7 +206,7 @@ class GreenWindow(Callback):
         with refusing("GreenWindow"):
             now, behind = self.run_clock.restart(self._open, self.suspended, self._carried_s)
             at = now if trainer.world_size == 1 else compat.broadcast_held(trainer.strategy, now, self._held)
-            late = passed_deadline(self.schedule.deadline, at, self.schedule.run_start is not None)
+            late = self.schedule.deadline_at_start(at)
         energy_now = None if self._energy is None else self._energy.account.wall_clock()
         for line in filter(None, (behind, late, clocks_apart(now, energy_now, self.options.slot_s))):
             rank_zero_warn(line)
@@ -242,7 +242,10 @@ class GreenWindow(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()  # a state loaded during this run is no resume of the next
-        self.segment.close(self.run_clock.time(), self._kwh)
+        now = self.run_clock.time()
+        self.segment.close(now, self._kwh)
+        if not self.suspended:  # the run has ended: its deadline record is the outcome, no longer an estimate
+            self.schedule.finish(now)
         # `trainer.log_dir` is a collective (a broadcast): read on every rank, though rank 0 alone writes
         folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)
         if trainer.is_global_zero:
@@ -292,7 +295,7 @@ class GreenWindow(Callback):
 
     def _decide(self, trainer: pl.Trainer, now: float) -> Decision | None:
         decision = self.schedule.decide_from(self.signal, now, compat.steps_left_at_run_pace(trainer))
-        while self.schedule.news:  # a deadline found out of reach
+        while self.schedule.news:  # a deadline found out of reach, or in reach again
             rank_zero_warn(self.schedule.news.pop(0))
         if decision is not None:
             self._next_check = now + self.options.slot_s

@@ -315,7 +315,10 @@ class GreenWindowPolicy:
         slots = max(1, math.ceil((end - now) / slot - 1e-9))
         starts = now + slot * np.arange(slots)
         forecast = np.array(self.forecast.predict(series, now, starts, slot), dtype=np.float64)  # a copy
-        if math.isfinite(holds_from):
+        # an oracle reads the series itself, which holds its last value past the end: its slot means are
+        # already what the run is charged there, the straddling slot's included (blending it again counted
+        # the held part twice)
+        if math.isfinite(holds_from) and not getattr(self.forecast, "reads_future", False):
             held = series.value_at(holds_from)
             # a slot straddling the end is charged the held value for its share past the end
             past = np.clip((starts + slot - holds_from) / slot, 0.0, 1.0)
@@ -943,7 +946,11 @@ class GreenSchedule:
         self.decisions: list[dict[str, Any]] = []  # the latest RECENT_RECORDS
         self.decision_count = 0
         self.first_forecast: tuple[list[float], list[float]] | None = None
-        self.deadline_unmet: dict[str, Any] | None = None  # when the work left was first seen not to fit
+        # while the latest estimate of the work left does not fit before the deadline: when it was found so;
+        # at the end of a complete run, whether the run ended past it (:meth:`finish`)
+        self.deadline_unmet: dict[str, Any] | None = None
+        self.deadline_cleared: dict[str, Any] | None = None  # the latest such finding that did not hold
+        self.told_passed = False  # this fit was told at its start that its deadline had passed
         self.news: list[str] = []  # warnings for the caller to give, once each
 
     @property
@@ -965,6 +972,13 @@ class GreenSchedule:
 
     def budget_left_s(self) -> float:
         return max((self.budget_s or 0.0) - self.delayed_s, 0.0)
+
+    def deadline_at_start(self, now: float) -> str | None:
+        """:func:`passed_deadline` at this fit's start (``now``, before :meth:`begin`): a fresh run whose
+        deadline is past is refused; a resumed one is told, and not told again when a decision finds it so."""
+        line = passed_deadline(self.deadline, now, resumed=self.run_start is not None)
+        self.told_passed = line is not None
+        return line
 
     def begin(self, now: float) -> None:
         """Training starts at ``now``: the run's start, unless a resumed run has one already."""
@@ -1003,8 +1017,8 @@ class GreenSchedule:
         deadline = None
         if self.deadline is not None:
             deadline = self.deadline + offset - DEADLINE_MARGIN * remaining
-        if self.deadline is not None and now + remaining > self.deadline and self.deadline_unmet is None:
-            self.deadline_unmet = self.missed_deadline(now, remaining)
+        if self.deadline is not None:
+            self.follow_deadline(now, remaining)
         work, budget = remaining, self.budget_left_s()
         if self.light:
             # holding light cannot move the run's end, so the deadline has no say in what is held: out of
@@ -1029,10 +1043,39 @@ class GreenSchedule:
             self.first_forecast = ((starts - offset).tolist(), forecast.tolist())
         return decision
 
+    def follow_deadline(self, now: float, remaining: float) -> None:
+        """Keep :attr:`deadline_unmet` on the latest estimate of the work left (``remaining`` at ``now``).
+        Out of reach, it is recorded and warned (:meth:`missed_deadline`). A record a later estimate overturns
+        (the steps got faster, the run's length shrank) is cleared once the work fits with the reserve the
+        decisions keep (so the run may wait again), and kept as :attr:`deadline_cleared`: a report must not
+        say "unmet" of a run that then ended in time. Clearing only with the reserve keeps an estimate that
+        hovers at the deadline from warning every slot; the end of the run settles the rest (:meth:`finish`).
+        """
+        deadline = float(self.deadline)  # type: ignore[arg-type]
+        if now + remaining > deadline:
+            if self.deadline_unmet is None:
+                self.deadline_unmet = self.missed_deadline(now, remaining)
+        elif self.deadline_unmet is not None and now + remaining * (1 + DEADLINE_MARGIN) <= deadline:
+            found = self.deadline_unmet["at"]
+            self.clear_unmet(now, "estimate")
+            self.news.append(
+                f"GreenWindow: the deadline {format_utc(deadline)} (UTC) is in reach again: at "
+                f"{format_utc(now)} about {duration_text(remaining)} of work is left (estimated), "
+                f"{duration_text(deadline - now)} before it (it was out of reach at {found})"
+                + ("." if self.light else "; the run may wait for clean hours again.")
+            )
+
+    def clear_unmet(self, now: float, by: str) -> None:
+        """The out-of-reach record did not hold at ``now``: ``by`` a later ``"estimate"``, or the run's
+        ``"end"`` by the deadline."""
+        cleared = {"cleared_at": format_utc(now), "cleared_by": by}
+        self.deadline_cleared = {**(self.deadline_unmet or {}), **cleared}
+        self.deadline_unmet = None
+
     def missed_deadline(self, now: float, remaining: float) -> dict[str, Any]:
         """The record (for the report) of the deadline found out of reach at ``now`` with ``remaining``
-        seconds of work left; it queues the warning, unless the deadline is already past (a resumed run is
-        told so at its start)."""
+        seconds of work left; it queues the warning, unless this fit was told at its start that the deadline
+        had passed (a resumed run)."""
         deadline = float(self.deadline)  # type: ignore[arg-type]
         record = {
             "at": format_utc(now),
@@ -1040,14 +1083,48 @@ class GreenSchedule:
             "remaining_work_s": float(remaining),
             "ends_late_s": float(now + remaining - deadline),
         }
+        late = duration_text(record["ends_late_s"])
         if now <= deadline:
             self.news.append(
                 f"GreenWindow: the deadline {record['deadline']} (UTC) cannot be met: at {record['at']} "
                 f"about {duration_text(remaining)} of work is left (estimated), {duration_text(deadline - now)} "
-                f"before it; the run trains without waiting and ends about {duration_text(record['ends_late_s'])}"
-                " past it. Give a later deadline, or less work."
+                f"before it; the run trains without waiting and ends about {late} past it. Give a later "
+                "deadline, or less work."
+            )
+        elif not self.told_passed:  # it passed between two decisions, or before the first estimate
+            self.news.append(
+                f"GreenWindow: the deadline {record['deadline']} (UTC) has passed: at {record['at']}, "
+                f"{duration_text(now - deadline)} after it, about {duration_text(remaining)} of work is left "
+                f"(estimated); the run trains without waiting and ends about {late} past it. Give a later "
+                "deadline, or less work."
             )
         return record
+
+    def finish(self, now: float) -> None:
+        """The run ended at ``now`` (complete, not suspended): the deadline record becomes the outcome. Ended
+        by the deadline, an out-of-reach record is cleared (``cleared_by`` ``"end"``); ended past it, the
+        record says by how much (``ends_late_s``; the estimate stays in ``estimated_late_s``), and a run that
+        no decision found late (the steps slowed between two) is recorded at its end."""
+        deadline = self.deadline
+        if deadline is None:
+            return
+        if now <= deadline + 1e-6:
+            if self.deadline_unmet is not None:
+                self.clear_unmet(now, "end")
+        elif self.deadline_unmet is None:
+            self.deadline_unmet = {
+                "at": format_utc(now),
+                "deadline": format_utc(deadline),
+                "remaining_work_s": 0.0,
+                "ends_late_s": now - deadline,
+            }
+        else:
+            unmet = self.deadline_unmet
+            self.deadline_unmet = {
+                **unmet,
+                "estimated_late_s": unmet.get("estimated_late_s", unmet["ends_late_s"]),
+                "ends_late_s": now - deadline,
+            }
 
     def decide_from(self, signal: Any, now: float, steps_left: float) -> Decision | None:
         """The decision at wall time ``now`` on ``signal`` (a
@@ -1083,6 +1160,7 @@ class GreenSchedule:
             "decisions": self.decision_count,
             "deadline": None if self.deadline is None else format_utc(self.deadline),
             "deadline_unmet": self.deadline_unmet,
+            "deadline_cleared": self.deadline_cleared,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -1097,6 +1175,7 @@ class GreenSchedule:
             "decision_count": self.decision_count,
             "first_forecast": self.first_forecast,
             "deadline_unmet": self.deadline_unmet,
+            "deadline_cleared": self.deadline_cleared,
             "ledger": self.ledger.state_dict(),
         }
 
@@ -1110,6 +1189,7 @@ class GreenSchedule:
         first = state.get("first_forecast")
         self.first_forecast = None if first is None else (list(first[0]), list(first[1]))
         self.deadline_unmet = state.get("deadline_unmet")
+        self.deadline_cleared = state.get("deadline_cleared")  # older checkpoints have none
         self.ledger.load_state_dict(state["ledger"])
 
 
