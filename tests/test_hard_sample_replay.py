@@ -749,6 +749,56 @@ def test_a_training_step_compiled_with_fullgraph_is_refused_at_fit_start():
     assert trainer.global_step == 0
 
 
+class _FullgraphPerSampleLoss(_FullgraphNet):
+    """The loss inside a fullgraph part, per sample; training_step returns it for an OutputKeyScorer."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        per_sample = self.net(x, y)
+        return {"loss": per_sample.mean(), "per_sample": per_sample.detach()}
+
+
+class _PerSampleLossNet(torch.nn.Module):
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y=None):
+        return self.net(x) if y is None else F.cross_entropy(self.net(x), y, reduction="none")
+
+
+@pytest.mark.parametrize(
+    "where, how",
+    [
+        ("__init__", "torch.compile(net)"),
+        ("configure_model", "torch.compile(net)"),
+        ("configure_model", "net.compile()"),
+    ],
+)
+def test_a_loss_inside_a_fullgraph_part_trains_next_to_a_scorer(where, how):
+    # a scorer reads the per-sample losses the module returns: nothing is captured, so the loss functions are
+    # not patched for the fit (their graph break failed the fullgraph part), and the fit is not refused
+    torch._dynamo.reset()
+    model = _FullgraphPerSampleLoss("configure_model", loss_inside=True, how=how)
+    model.net = _PerSampleLossNet(model.net.net)
+    if where == "__init__":
+        model.configure_model()
+    replay = HardSampleReplay(mode="batch", scorer=OutputKeyScorer("per_sample"))
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    trainer.fit(model, _data())
+    assert replay.metrics()["table_seen"] == 720
+    # InfoBatch weights the module's loss through the capture, next to a scorer too: still refused
+    torch._dynamo.reset()
+    model = _FullgraphPerSampleLoss("configure_model", loss_inside=True, how=how)
+    model.net = _PerSampleLossNet(model.net.net)
+    replay = HardSampleReplay(rule="infobatch", mode="batch", scorer=OutputKeyScorer("per_sample"))
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=1, **trainer_kwargs())
+    with pytest.raises(
+        PulseRefusal, match=r"^HardSampleReplay cannot capture the F.cross_entropy called inside"
+    ):
+        trainer.fit(model, _data())
+
+
 class _TokenTagger(pl.LightningModule):
     """Tags every token of a sequence; targets of -100 are ignored. Records the samples each step trains on."""
 

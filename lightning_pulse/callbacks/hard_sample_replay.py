@@ -126,7 +126,7 @@ class HardSampleReplay(Callback):
         self._saved_state: dict[str, Any] | None = None
         self._ready = False  # this fit's selector exists: load_state_dict applies at once
         self._set_up_at = (0, 0)  # (epoch, step) of the latest training DataLoader's set-up
-        self.batches = ReplayBatchLifecycle(self.mode, scorer, self._held)  # plan, cut, capture, record
+        self.batches = ReplayBatchLifecycle(self.mode, scorer, self._held, rule)  # plan, cut, capture, record
         self._fullgraph = compat.FullgraphBreaks()  # fit start to end: a loss in a fullgraph part refused
 
     # ------------------------------------------------------------------ public state
@@ -221,9 +221,9 @@ class HardSampleReplay(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # after configure_model, which may compile; a fullgraph part fails only if it holds the loss
-        refuse(replay.setup_refusal(False, None, compat.fullgraph_compiled_step(pl_module)))
-        self._fullgraph.watch(pl_module, lambda part, text: refuse(replay.fullgraph_loss_refusal(part, text)))
+        if self.batches.captures_losses:  # after configure_model, which may compile (a scorer: no capture)
+            refuse(replay.setup_refusal(False, None, compat.fullgraph_compiled_step(pl_module)))
+            self._fullgraph.watch(pl_module, lambda *error: refuse(replay.fullgraph_loss_refusal(*error)))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

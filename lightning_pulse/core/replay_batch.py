@@ -135,16 +135,23 @@ class ReplayBatchLifecycle:
         scorer: computes the per-sample losses instead of the capture; ``None`` captures the module's own loss.
         hold: keeps what the DDP vote hands to a collective until the backend lets go of it (``keep(*tensors)``,
             ``wait()``: the callback's ``_lightning_compat.CollectiveHold``); ``None`` keeps nothing.
+        rule: the selection rule; ``"infobatch"`` weights the module's loss through the capture.
 
     Attributes:
         captures: the module's own per-sample losses, one capture per step inside a fit-long scope.
+        captures_losses: whether the module's loss functions are captured at all: not with a scorer, unless
+            InfoBatch's weights must reach the loss (the capture patches them for the fit, a graph break
+            that a ``fullgraph=True`` part holding the loss cannot take).
         state_check: finds state the module carries across batches, over each fit's first two batches.
         current: the step between :meth:`start_batch` and :meth:`finish_batch`, else ``None``.
     """
 
-    def __init__(self, mode: str = "batch", scorer: PerSampleScorer | None = None, hold: Any = None) -> None:
+    def __init__(
+        self, mode: str = "batch", scorer: PerSampleScorer | None = None, hold: Any = None, rule: str = "topk"
+    ) -> None:
         self.mode = mode
         self.scorer = scorer
+        self.captures_losses = scorer is None or rule == "infobatch"
         self.hold = hold
         self.captures = StepLossCaptures()
         self.state_check = CarriedStateCheck()
@@ -205,7 +212,8 @@ class ReplayBatchLifecycle:
         self._pairwise = None
         self._pairwise_vote_next, self._pairwise_vote_new_size, self._sizes_seen = True, False, set()
         self._sign_checks_left = SIGN_CHECKED_STEPS
-        self.captures.start()
+        if self.captures_losses:
+            self.captures.start()
 
     def start_batch(
         self,
