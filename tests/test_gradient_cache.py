@@ -307,6 +307,24 @@ def test_unknown_unit_name_fails_at_fit_start(mnist1d_small):
         fit(model, data, [GradientCache(units=["net.1", "net.99"])], max_steps=1)
 
 
+def test_a_units_entry_holding_only_frozen_parameters_is_said_to_be_left_out(mnist1d_small, caplog):
+    # a held-out sweep (LoRA on a frozen model): a `units` name holding only frozen parameters vanished from
+    # the units unsaid, while a name the model lacks is refused
+    model, data = mnist1d_small()
+    model.net[1].requires_grad_(False)
+    with caplog.at_level("INFO"):
+        fit(model, data, [GradientCache(units=["net.1", "net.3", "net.5"])], max_steps=2)
+    said = [
+        record.getMessage()
+        for record in caplog.records
+        if "hold no parameter that trains" in record.getMessage()
+    ]
+    assert said == [
+        "GradientCache: `units` entries ['net.1'] hold no parameter that trains (frozen by the user), so they "
+        "are left out of the units, as frozen parameters are."
+    ]
+
+
 class TrainingFlops(Callback):
     """Total FLOPs of training batches (forward and backward), counted like the benchmark harness does."""
 

@@ -377,6 +377,13 @@ def discover_units(
     return mark_shared(units, root)
 
 
+def untrained_entries(root: nn.Module, module_names: Sequence[str]) -> list[str]:
+    """The explicit ``units`` entries of ``root`` holding no parameter that trains (all frozen by the user):
+    :func:`discover_units` leaves them out, as it leaves out every frozen parameter."""
+    trained = [name for name, param in root.named_parameters() if param.requires_grad]
+    return [name for name in module_names if not _under(name, trained)]
+
+
 def parameters_outside(root: nn.Module, units: Sequence[FreezeUnit]) -> list[nn.Parameter]:
     """``root``'s parameters that no unit holds: those frozen when the units were discovered (a backbone the
     user froze). One of them requiring grad later means the units no longer cover what trains."""

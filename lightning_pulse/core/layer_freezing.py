@@ -50,6 +50,7 @@ from lightning_pulse.core.freeze_units import (
     pinned_note,
     replace_unit_parameters,
     reread_note,
+    untrained_entries,
 )
 from lightning_pulse.core.snapshots import hook_around_steps, runs_step_hooks
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
@@ -1328,6 +1329,15 @@ class FreezerLifecycle:
         if self._announced != (said := (order_note(units), pinned_note(units))):
             self._announced = said
             announce_units(self.freezer, info, warn)
+            if (
+                self.unit_names
+                and self._model is not None
+                and (left := untrained_entries(self._model, self.unit_names))
+            ):
+                info(
+                    f"GradientCache: `units` entries {left} hold no parameter that trains (frozen by the user), "
+                    "so they are left out of the units, as frozen parameters are."
+                )
         notes, self._notes = self._notes, []
         for note in notes:
             warn(f"GradientCache: {note}.")
