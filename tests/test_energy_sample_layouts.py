@@ -5,6 +5,8 @@ Real Trainers fit small models on CPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -176,6 +178,56 @@ def test_a_count_the_loaders_batch_size_disagrees_with_is_said_once_and_labelled
         assert "MAY BE WRONG" in markdown
     else:  # the way out: the images
         assert energy.report["total"]["samples"] == 12 and not said
+
+
+class MeanPooled(pl.LightningModule):
+    """Classifies variable-length sequences that the collate_fn keeps apart, in a list."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        self.layout = layout
+        self.net = nn.Linear(FEATURES, 2)
+
+    def training_step(self, batch, batch_idx):
+        if self.layout == "list":
+            sequences, labels = batch
+        elif self.layout == "dict":
+            sequences, labels = batch["sequences"], batch["labels"]
+        else:
+            sequences, labels = batch.sequences, batch.labels
+        return F.cross_entropy(self.net(torch.stack([s.mean(0) for s in sequences])), labels)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@dataclasses.dataclass
+class SequenceBatch:
+    sequences: list
+    labels: torch.Tensor
+
+
+@pytest.mark.parametrize("layout", ["list", "dict", "dataclass"])
+def test_a_list_of_variable_length_samples_counts_its_length(tmp_path, layout, recwarn):
+    # a held-out sweep: the first sequence's length was counted as the batch's samples (332 for 768), with a
+    # warning that called one batch's count the count of every batch
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    items = [(torch.randn(3 + i % 7, FEATURES, generator=generator), i % 2) for i in range(38)]
+
+    def collate(chunk):
+        sequences, labels = [s for s, _ in chunk], torch.tensor([y for _, y in chunk])
+        if layout == "list":
+            return [sequences, labels]
+        if layout == "dict":
+            return {"sequences": sequences, "labels": labels}
+        return SequenceBatch(sequences, labels)
+
+    energy = logger_for(tmp_path)
+    fit(MeanPooled(layout), DataLoader(items, batch_size=8, collate_fn=collate), energy, tmp_path)
+    assert energy.report["total"]["samples"] == 38  # 4 batches of 8 and one of 6
+    assert "list of per-sample tensors" in energy.report["counting"]["samples"]
+    assert not energy_warnings(recwarn)
 
 
 def test_layouts_are_told_from_the_first_batch_and_the_loader():

@@ -142,14 +142,17 @@ class SampleLayout:
     so that every later batch is counted by a shape look-up or two.
 
     ``kind``: ``"first"`` (dimension 0 of the first tensor, the documented rule), ``"graphs"`` (a PyTorch
-    Geometric-style dict batch: its ``ptr`` or node-to-graph ``batch`` vector gives the graphs) or
-    ``"time_major"`` (dimension 1 of the first tensor: ``(T, B)`` batches, told by the loader's batch size).
+    Geometric-style dict batch: its ``ptr`` or node-to-graph ``batch`` vector gives the graphs),
+    ``"time_major"`` (dimension 1 of the first tensor: ``(T, B)`` batches, told by the loader's batch size) or
+    ``"items"`` (the length of a list of per-sample tensors at ``path``: a collate_fn that keeps
+    variable-length samples apart).
     ``described``: what is counted, for the report. ``doubt``: why the count may still be wrong and the way
     out, warned once; the report says it too."""
 
     kind: str = "first"
     described: str = "dimension 0 of the first tensor of rank >= 1"
     doubt: str | None = None
+    path: tuple[Any, ...] = ()  # ``"items"``: the keys, indices or fields down to the list of samples
 
 
 _SAMPLE_COUNTER_WAY_OUT = "pass `accounting=AccountingConfig(sample_counter=...)`"
@@ -209,6 +212,10 @@ def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLay
         batch_first = any(t.dim() >= 2 and t.shape[0] == loader_batch_size for t in batch_tensors(batch))
         if first.shape[1] == loader_batch_size and not batch_first:
             return SampleLayout("time_major", "dimension 1 of the first tensor: time-major (T, B) batches")
+    if loader_batch_size is not None and size != loader_batch_size:
+        path = _sample_list_path(batch, loader_batch_size)
+        if path is not None:
+            return SampleLayout("items", "the length of the batch's list of per-sample tensors", path=path)
     # the loader's batch size confirming dimension 0 outweighs most tensors' leading sizes (a detection
     # batch's images next to its per-image target dicts)
     doubt = None if size == loader_batch_size else doubtful_sample_count(batch)
@@ -225,6 +232,50 @@ def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLay
     )
 
 
+def _sample_list_path(batch: Any, loader_batch_size: int, depth: int = 0) -> tuple[Any, ...] | None:
+    """Where, depth first (as :func:`first_tensor` reads), a list or tuple of ``loader_batch_size`` tensors of
+    rank >= 1 and unequal leading sizes lies in ``batch`` (variable-length samples a collate_fn kept apart):
+    the keys, indices or field names down to it; ``None`` when there is none."""
+    if depth > 3:
+        return None
+    if isinstance(batch, (list, tuple)):
+        sizes = {int(item.shape[0]) for item in batch if isinstance(item, torch.Tensor) and item.dim() > 0}
+        if len(batch) == loader_batch_size >= 2 and len(sizes) > 1:
+            if all(isinstance(item, torch.Tensor) and item.dim() > 0 for item in batch):
+                return ()
+        children: Any = enumerate(batch)
+    elif isinstance(batch, Mapping):
+        children = batch.items()
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        children = ((field.name, getattr(batch, field.name)) for field in dataclasses.fields(batch))
+    else:
+        return None
+    for key, item in children:
+        if isinstance(item, torch.Tensor):
+            if item.dim() > 0:  # the first tensor comes before any list after it
+                return None
+            continue
+        found = _sample_list_path(item, loader_batch_size, depth + 1)
+        if found is not None:
+            return (key, *found)
+    return None
+
+
+def _at_path(batch: Any, path: tuple[Any, ...]) -> Any:
+    """What lies at ``path`` (:func:`_sample_list_path`) in ``batch``; ``None`` where the batch differs."""
+    for key in path:
+        if isinstance(batch, (list, tuple, Mapping)):
+            try:
+                batch = batch[key]
+            except (IndexError, KeyError, TypeError):
+                return None
+        elif isinstance(key, str) and dataclasses.is_dataclass(batch):
+            batch = getattr(batch, key, None)
+        else:
+            return None
+    return batch
+
+
 def count_with(layout: SampleLayout, batch: Any) -> int | torch.Tensor:
     """The samples of ``batch`` by ``layout``: an int, or a 0-dim tensor (a node-to-graph vector's graphs,
     summed where the vector is and read at the next read-out, so that a GPU step is not synchronised)."""
@@ -237,6 +288,10 @@ def count_with(layout: SampleLayout, batch: Any) -> int | torch.Tensor:
             if vector.numel() == 0:
                 return 0
             return vector[-1] + 1  # a tensor, added up where it is: read at read-outs, not every step
+    if layout.kind == "items":
+        samples = _at_path(batch, layout.path)
+        if isinstance(samples, (list, tuple)):
+            return len(samples)
     if layout.kind == "time_major":
         if type(batch) in _SEQUENCES and batch and type(batch[0]) is torch.Tensor and batch[0].dim() > 1:
             return batch[0].shape[1]  # the common case, fast
