@@ -589,6 +589,11 @@ class LossCapture:
             averages them over the ``B`` samples (``.mean()``); which reduction the caller applies cannot be
             seen, and a plain ``.sum()`` trains on ``B / offered`` of the offered batch's sum.
         offered: how many samples ``sample_weights`` stand for (``n >= B``); ``None``: ``B``.
+        batch: the batch the block trains on, for the first dimensions of its tensors only (not kept): a
+            call whose rows do not split into ``B`` samples but that reads a tensor of the batch's ``N`` rows
+            (a graph batch's nodes, packed sequences' tokens), as its target or as a layer's input, is on the
+            batch's rows, and makes the step unsplittable; without it, such a call is left out as a penalty on
+            the weights is.
 
     Example::
 
@@ -599,7 +604,11 @@ class LossCapture:
     """
 
     def __init__(
-        self, batch_size: int, sample_weights: Tensor | None = None, offered: int | None = None
+        self,
+        batch_size: int,
+        sample_weights: Tensor | None = None,
+        offered: int | None = None,
+        batch: Any = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size`={batch_size!r} must be a positive int.")
@@ -618,6 +627,15 @@ class LossCapture:
         self._sum_weights = sample_weights
         if sample_weights is not None and self.offered != batch_size:
             self._sum_weights = sample_weights * (self.offered / batch_size)
+        # the batch's tensors whose first dimension is not B (packed rows: a graph batch's nodes), by storage:
+        # their row counts and where they lie, to know a loss reading them (no reference to the batch is kept)
+        packed = [
+            leaf
+            for leaf in tree_leaves(batch)
+            if isinstance(leaf, Tensor) and leaf.dim() >= 1 and leaf.shape[0] != batch_size
+        ]
+        self._batch_rows = frozenset(int(leaf.shape[0]) for leaf in packed)
+        self._batch_storages = frozenset(_storage_key(leaf) for leaf in packed)
         self.records: list[CapturedLoss] = []
         self.compiled_calls: list[str] = []  # losses traced into a torch.compile graph: not capturable
         # per watched loss (watch_loss): [d backpropagated / d loss, summed over backward calls; divided_by]
@@ -1091,10 +1109,42 @@ class LossCapture:
                 "`torch.cat` of two views of the batch, or a repeat puts each sample's rows apart), so which "
                 "rows belong to which sample cannot be known"
             )
+        elif self._reads_packed_rows(rows, arguments, record.shape[0]):
+            # a node loss on a graph batch, a token loss on packed sequences: N rows of the batch, not a
+            # multiple of B. Left out as a penalty, the score was the other terms alone, and whether a step
+            # refused depended on whether its N happened to be a multiple of B
+            record.why_not = (
+                f"its {record.shape[0]} rows are computed from a batch tensor of {record.shape[0]} rows (packed "
+                "rows: a graph batch's nodes, packed sequences' tokens), so which rows belong to which sample "
+                "cannot be known"
+            )
         else:
             return
         record.maps_onto_batch = False
         record.on_batch_rows = True
+
+    def _reads_packed_rows(self, rows: dict[str, Tensor], arguments: dict[str, Any], count: int) -> bool:
+        """Whether a call of ``count`` rows (not a multiple of ``B``) is computed on the batch's rows: its target,
+        or a tensor its rows' autograd graph read (a layer's input, token ids), is one of the batch's tensors
+        of ``count`` rows. A term of a constant size (a load-balancing loss over ``E`` experts), over the weights,
+        or on a table of the module's own reads none: a penalty, left out."""
+        if count not in self._batch_rows:
+            return False
+        target = arguments.get("target")
+        if isinstance(target, Tensor) and self._is_packed_batch_tensor(target, count):
+            return True
+        return any(
+            _reads(tensor, functools.partial(self._is_packed_batch_tensor, count=count))
+            for tensor in rows.values()
+        )
+
+    def _is_packed_batch_tensor(self, tensor: Tensor, count: int) -> bool:
+        return (
+            not tensor.requires_grad
+            and tensor.dim() >= 1
+            and tensor.shape[0] == count
+            and _storage_key(tensor) in self._batch_storages
+        )
 
     def _check_rows_are_samples(self, record: CapturedLoss, arguments: dict[str, Any]) -> None:
         """For a call of ``B`` rows (the usual case, cheap: a few autograd nodes): mark it as not the samples'
@@ -1245,6 +1295,26 @@ def _holds_batch_rows(tensor: Tensor, batch_size: int) -> bool:
         and tensor.shape[0] >= batch_size
         and tensor.shape[0] % batch_size == 0
     )
+
+
+def _reads(tensor: Tensor, wanted: Callable[[Tensor], bool], limit: int = 2000) -> bool:
+    """Whether ``tensor``'s autograd graph (at most ``limit`` nodes) saved a tensor that is ``wanted``: what a
+    layer read (its input, token ids)."""
+    root = tensor.grad_fn
+    seen, stack = {root}, [root]
+    while stack:
+        node = stack.pop()
+        if getattr(node, "variable", None) is not None:
+            continue
+        if any(wanted(saved) for saved in _saved_tensors(node)):
+            return True
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                if len(seen) >= limit:
+                    return False
+                seen.add(child)
+                stack.append(child)
+    return False
 
 
 def _storage_key(tensor: Tensor) -> int:
@@ -1750,11 +1820,19 @@ class StepLossCaptures:
             self._scope = loss_capture_scope()
             self._scope.__enter__()
 
-    def open(self, batch_size: int, sample_weights: Tensor | None = None, offered: int | None = None) -> None:
-        """Start capturing this step's per-sample losses (the previous step's capture is dropped); the weights
-        and ``offered`` as :class:`LossCapture` takes them."""
+    def open(
+        self,
+        batch_size: int,
+        sample_weights: Tensor | None = None,
+        offered: int | None = None,
+        batch: Any = None,
+    ) -> None:
+        """Start capturing this step's per-sample losses (the previous step's capture is dropped); the weights,
+        ``offered`` and ``batch`` as :class:`LossCapture` takes them."""
         self.drop()
-        self._open = LossCapture(batch_size=batch_size, sample_weights=sample_weights, offered=offered)
+        self._open = LossCapture(
+            batch_size=batch_size, sample_weights=sample_weights, offered=offered, batch=batch
+        )
         self._open.__enter__()
 
     def close(self) -> None:

@@ -49,7 +49,13 @@ from lightning_pulse.core.per_sample_loss import (
     time_major_refusal,
 )
 from lightning_pulse.core.replay import BatchPlan, Composition, HardSampleSelector
-from lightning_pulse.core.sample_index import KEEP_ONE_ROW_PER_INDEX, unmatched_rows, unmatched_rows_cause
+from lightning_pulse.core.sample_index import (
+    KEEP_ONE_ROW_PER_INDEX,
+    SCORE_PACKED_ROWS,
+    rows_short_of_indices,
+    unmatched_rows,
+    unmatched_rows_cause,
+)
 from lightning_pulse.core.selection import (
     PairwiseWatch,
     assign_in_place,
@@ -275,8 +281,9 @@ class ReplayBatchLifecycle:
         if self.mode == "batch" and not self._structure_checked and batch_size >= 2:
             reason = cut_refusal(batch, batch_size)
             # a batch that lost rows (a collate_fn dropped samples) has no part of B rows whatever its layout,
-            # and is not cut: the next full batch tells its layout
-            if reason is None or unmatched_rows(batch, batch_size) is None:
+            # and is not cut: the next full batch tells its layout. One with more rows than indices and none of
+            # B (a graph batch's nodes) never holds a row per index: its layout is judged now
+            if reason is None or rows_short_of_indices(batch, batch_size) is None:
                 self._refuse_here(reason)
                 self._structure_checked = first_checked = True
                 self._concatenated = concatenated_parts(batch, batch_size, with_items=True)
@@ -312,7 +319,7 @@ class ReplayBatchLifecycle:
         # for the batch as loaded (a "sum" loss estimates its sum, a "mean" its mean)
         if self.scorer is None or plan.weights is not None:
             self.captures.open(
-                int(plan.roles.size), plan.weights, batch_size if plan.weights is not None else None
+                int(plan.roles.size), plan.weights, batch_size if plan.weights is not None else None, batch
             )
         return self.current
 
@@ -324,7 +331,7 @@ class ReplayBatchLifecycle:
             if cut:  # no second batch can confirm them before the harm (nor tell joined rows from a constant)
                 lengths = {pair: length for pair, (length, _) in self._concatenated.items()}
                 self._refuse_here(concatenation_refusal(lengths, batch_size))
-        elif batch_size >= 2 and unmatched_rows(batch, batch_size) is None:
+        elif batch_size >= 2 and rows_short_of_indices(batch, batch_size) is None:
             again = concatenated_parts(batch, batch_size, with_items=True)
             # a concatenation's items change from batch to batch, or are all as long; a constant that matches
             # on every batch the same way (sorted labels from 0 next to a position vector) is none (a review)
@@ -550,12 +557,20 @@ class ReplayBatchLifecycle:
 
     def _unsplit(self, closed: LossCapture) -> str | None:
         assert self.current is not None
-        step = self.current.step
-        cause = self._unmatched_cause()
+        step, drawn = self.current.step, self.current.batch_size
+        rows = unmatched_rows(self._batch, int(self.current.plan.roles.size), drawn)
+        cause = None if rows is None else unmatched_rows_cause(rows, drawn)
+        if rows is not None and rows > drawn and self.scorer is None and not self.recorded_steps:
+            # more rows than indices (a graph batch's nodes, no tensor of B rows): nothing is dropped, and no
+            # later batch holds a row per index, so the fit's first step is the one whose loss has to split
+            refuse(
+                f"found no per-sample loss in training_step ({closed.describe()}; batch of {drawn} samples): "
+                f"{cause}. To replay, {SCORE_PACKED_ROWS}."
+            )
         # the batch lost rows, which no loss can split into its samples: said as such; refused where InfoBatch
         # weights the loss; else recorded without scores, also at the fit's first step, which then does not
         # count as the step whose loss has to split (the first full batch's does)
-        if cause is not None:
+        if rows is not None and rows < drawn:
             if self.scorer is not None:
                 refuse(
                     f"cannot split the loss of step {step} into its batch's samples: {cause}. To replay, "
@@ -583,14 +598,6 @@ class ReplayBatchLifecycle:
             "such steps are recorded without scores, so their samples keep the scores they had (or stay unscored "
             "and always train). Said once; `HardSampleReplay.batches.unscored_steps` counts them."
         )
-
-    def _unmatched_cause(self) -> str | None:
-        """Why the current step's batch cannot split into its samples, when its rows are not its dataset
-        indices (a collate_fn that dropped samples); ``None`` when they may be."""
-        assert self.current is not None
-        drawn, trained = self.current.batch_size, int(self.current.plan.roles.size)
-        rows = unmatched_rows(self._batch, trained, drawn)
-        return None if rows is None else unmatched_rows_cause(rows, drawn)
 
     def finish_batch(
         self,

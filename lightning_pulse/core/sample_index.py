@@ -356,9 +356,32 @@ def unmatched_rows(batch: Any, *counts: int) -> int | None:
     return max(set(sizes), key=sizes.count)
 
 
+def rows_short_of_indices(batch: Any, *counts: int) -> int | None:
+    """:func:`unmatched_rows` when they are fewer than the most of ``counts`` (a collate_fn dropped samples);
+    ``None`` also for a batch holding more rows than indices (packed rows: a graph batch's nodes)."""
+    rows = unmatched_rows(batch, *counts)
+    return rows if rows is not None and rows < max(counts) else None
+
+
 def unmatched_rows_cause(rows: int, drawn: int) -> str:
     """Says that a batch holds ``rows`` rows for its ``drawn`` dataset indices, and the likely cause."""
+    if rows > drawn:
+        return (
+            f"the batch holds {rows} rows for the {drawn} dataset indices the sampler drew for it and no tensor "
+            f"of {drawn} rows: more rows than samples (packed rows, as a graph batch's nodes or packed "
+            "sequences' tokens), so a loss over its rows cannot be told by sample"
+        )
     return (
         f"the batch holds {rows} rows for the {drawn} dataset indices the sampler drew for it (a collate_fn "
         "that drops samples, unreadable ones?), so its rows cannot be told by sample"
     )
+
+
+#: the way out when a loss is over a batch's packed rows (completes a sentence)
+SCORE_PACKED_ROWS = (
+    "set `scorer=` to a PerSampleScorer that returns one loss per sample, e.g. "
+    "lightning_pulse.core.per_sample_loss.OutputKeyScorer(key='per_sample_loss') with training_step returning "
+    "{'loss': loss, 'per_sample_loss': per_graph}, each sample's mean over its rows: "
+    "`per_graph = torch.zeros(B).index_add_(0, batch['batch'], per_node) / counts` of the "
+    "`reduction='none'` loss (or a per-sample loss term in the loss itself, which is then captured)"
+)
