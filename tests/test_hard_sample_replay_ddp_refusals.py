@@ -48,6 +48,14 @@ def _time_major_from_rank_0s_fourth_batch(samples, _calls=[]):  # noqa: B006 (th
     return {"tokens": (index[None, :] + torch.arange(length)[:, None]) % 10, "y": y}
 
 
+def _time_major_on_both_ranks_fourth_batch(samples, _calls=[]):  # noqa: B006 (the process's batches so far)
+    """As above, but both ranks' fourth batches stop matching B, each its own way: 6 long on rank 0, 5 on 1."""
+    index, _, y = _split(samples)
+    on_rank_0, call = _rank_0_and_call(_calls)
+    length = (6 if on_rank_0 else 5) if call == 3 else BATCH
+    return {"tokens": (index[None, :] + torch.arange(length)[:, None]) % 10, "y": y}
+
+
 class _TimeMajorBag(pl.LightningModule):
     """Embeds ``(T, B)`` tokens and averages them over time; writes, per rank, the batches it stepped."""
 
@@ -112,12 +120,13 @@ def _streams_fresh_on_rank_1(samples):
     }
 
 
-def _fit_refused(module, collate, tmp_path):
+def _fit_refused(module, collate, tmp_path, accumulate=1):
     """Fit two gloo ranks in batch mode; the text each rank's refusal had, and the batches each stepped."""
     trainer = pl.Trainer(
         callbacks=[_RefusalDump(str(tmp_path), mode="batch", replay_fraction=0.5)],
         max_epochs=2,
         limit_val_batches=0,
+        accumulate_grad_batches=accumulate,
         **trainer_kwargs(devices=2, strategy=TwoGlooProcesses()),
     )
     with pytest.raises(Exception, match="PulseRefusal|HardSampleReplay"):
@@ -144,6 +153,18 @@ def test_every_rank_refuses_a_time_major_batch_that_only_one_rank_shows_after_th
     assert "batch_first=True" in texts[0]
     # at the end of the same step: the rank that found it trained that batch whole, the other its cut
     assert steps[0] == steps[1] and len(steps[0]) > 3
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_ranks_finding_different_refusals_at_one_batch_raise_the_first_ranks_alike(tmp_path, accumulate):
+    # a review: each rank's own text would have differed; the first refusing rank's is broadcast. With
+    # accumulation the batch is the second micro-batch of a step: refused at that micro-batch's end alike
+    module = _TimeMajorBag(str(tmp_path))
+    texts, steps = _fit_refused(module, _time_major_on_both_ranks_fourth_batch, tmp_path, accumulate)
+    _refused_alike(texts, "cannot cut a batch of 4 samples in mode='batch': it holds tensors of shape (6, 4)")
+    assert "(Found on rank 0 of 2;" in texts[0]
+    assert steps == [["0", "1", "2", "3"], ["0", "1", "2", "3"]]
 
 
 @pytest.mark.ddp

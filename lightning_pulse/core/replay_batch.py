@@ -205,6 +205,8 @@ class ReplayBatchLifecycle:
         self._found: str | None = None
         self._deferred: str | None = None
         self._after_log: str | None = None
+        self._dropped_deferral: str | None = None  # a deferred refusal whose step a rollback dropped
+        self._start_votes = 0  # the ranks' votes at a batch's start this fit
 
     def start_fit(self, world_size: int = 1) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope; over
@@ -217,6 +219,7 @@ class ReplayBatchLifecycle:
         self._concatenated, self._joined_rows, self._square_parts = {}, {}, {}
         self._pairwise = None
         self._pairwise_vote_next, self._pairwise_vote_new_size, self._sizes_seen = True, False, set()
+        self._dropped_deferral, self._start_votes = None, 0
         self._sign_checks_left = SIGN_CHECKED_STEPS
         if self.captures_losses:
             self.captures.start()
@@ -274,7 +277,8 @@ class ReplayBatchLifecycle:
         self.captures.drop()
         self._backward_ran = self._accounted = False
         self._unaccounted, self._module, self._signed = None, module, None
-        self._found = self._deferred = None
+        # a refusal deferred to a step a rollback dropped: found again, for this batch's step
+        self._found, self._deferred, self._dropped_deferral = self._dropped_deferral, None, None
         batch_size = int(indices.numel())
         first_checked = False
         # the fit's first batch of two or more samples (one of 1 is never cut, and looks like any layout)
@@ -374,8 +378,11 @@ class ReplayBatchLifecycle:
             (self.mode == "batch" and not self._structure_checked)
             or (watch is not None and watch.values_pending)
             or bool(self._concatenated or self._joined_rows)
-            or checks.first_batch
+            # the carried-state check waits for a batch whose rows match its indices: not for ever (every
+            # batch may lose rows), or the vote would be a collective at every step
+            or (checks.first_batch and self._start_votes < 3)
         )
+        self._start_votes += 1
         code = _OTHER if self._found is not None else _PAIRWISE if pairwise is not None else 0
         votes = self._gather_flags([code, pending, watch is not None and watch.watching])
         if votes is None:  # no process group (a single process told world_size > 1): its own verdict
@@ -401,8 +408,9 @@ class ReplayBatchLifecycle:
         if not others:
             return None
         source, text = others[0], [mine]
-        if len(codes) == 1:  # a gather over one process
-            return mine
+        distributed = torch.distributed
+        if len(codes) == 1 or not (distributed.is_available() and distributed.is_initialized()):
+            return mine  # a gather over one process, or a caller's own gather without a process group
         torch.distributed.broadcast_object_list(text, src=source)
         if self.hold is not None:
             self.hold.keep()  # no tensor to keep (torch's own buffers), but the exit-time teardown registered
@@ -695,7 +703,9 @@ class ReplayBatchLifecycle:
             refuse(after_log)
 
     def drop_step(self) -> None:
-        """Forget the step in flight (a rollback replaces the model it was measured on)."""
+        """Forget the step in flight (a rollback replaces the model it was measured on); a refusal deferred to
+        its end goes to the next batch's step."""
+        self._dropped_deferral, self._deferred = self._deferred, None
         self.captures.drop()
         self.current = self._batch = None
 
