@@ -7,10 +7,12 @@ import json
 import shlex
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import timer as lightning_timer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_pulse import (
@@ -798,7 +800,10 @@ def test_a_deadline_out_of_reach_on_the_first_estimate_is_not_reported_unmet_whe
         "estimate",
     )
     report = tmp_path / "report"
-    assert "| deadline unmet | no |" in (report / "green_window_report.md").read_text()
+    assert (  # the finding the estimate overturned is noted
+        "| deadline unmet | no (out of reach at 2020-06-15 00:00:00 (UTC), in reach again at "
+        f"{cleared['cleared_at']} (UTC)) |" in (report / "green_window_report.md").read_text()
+    )
     assert (
         json.loads((report / "green_window_report.json").read_text())["summary"]["deadline_cleared"]
         == cleared
@@ -827,3 +832,98 @@ def test_a_deadline_passed_before_the_first_estimate_is_warned(mnist1d_small, tm
     ]
     unmet = green.report["summary"]["deadline_unmet"]
     assert unmet["at"] == "2020-06-15 00:10:00" and unmet["ends_late_s"] == pytest.approx(8 * 3600 - 300)
+
+
+@pytest.mark.parametrize("stop", ["max_time", "EarlyStopping"])
+def test_a_run_max_time_stops_with_work_left_keeps_its_deadline_open_and_its_requeue_settles_it(
+    mnist1d_small, tmp_path, monkeypatch, stop
+):
+    # review of 1b70cf5: `max_time` stopped a run 36 steps short of 48, 4 h before a deadline its estimate
+    # said it would miss by 2 h; it was reported "complete" and the deadline "unmet | no" (cleared by "end")
+    start = parse_timestamp(START)
+    clock = SimulatedClock(start)
+    # Lightning's Timer reads time.monotonic: on the run's clock, max_time stops at a known step, unslept
+    monkeypatch.setattr(lightning_timer, "time", SimpleNamespace(monotonic=clock.time))
+
+    def green_window(clock) -> GreenWindow:
+        return GreenWindow(
+            signal=DE_JUNE,
+            when_dirty="pause",
+            max_delay=1.0,
+            deadline="+6h",
+            expected_duration="8h",
+            clock=clock,
+            options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path / "report")),
+        )
+
+    green = green_window(clock)
+    if stop == "max_time":
+        trainer = fit([green], clock, steps=48, enable_checkpointing=False, max_time={"hours": 2})
+    else:  # a real end of the run: it may settle the record
+        early = EarlyStopping("train_loss", stopping_threshold=1e9, check_on_train_epoch_end=True)
+        trainer = fit([green, early], clock, steps=48, enable_checkpointing=False)
+    trainer.fit(*mnist1d_small(arch="mlp"))
+    assert trainer.global_step == 12 and clock.time() == start + 2 * 3600
+    summary, markdown = green.report["summary"], (tmp_path / "report" / "green_window_report.md").read_text()
+    if stop == "EarlyStopping":
+        assert green.report["status"] == "complete" and summary["deadline_unmet"] is None
+        assert summary["deadline_cleared"]["cleared_by"] == "end"
+        return
+    assert green.report["status"] == "stopped" and "| status | stopped |" in markdown
+    found = {
+        "at": START,
+        "deadline": "2020-06-15 06:00:00",
+        "remaining_work_s": 8 * 3600,
+        "ends_late_s": 7200,
+    }
+    assert summary["deadline_unmet"] == found and summary["deadline_cleared"] is None  # still the estimate
+    assert (
+        "| deadline unmet | yes: at 2020-06-15 00:00:00 (UTC) about 8.0 h of work was left; ends about 2.0 h "
+        "past it |" in markdown
+    )
+    # a requeue handler saves after the stop; the resumed run carries the open record: not told again, and
+    # its end settles it
+    trainer.save_checkpoint(tmp_path / "requeue.ckpt")
+    monkeypatch.undo()
+    clock = SimulatedClock(clock.time())
+    resumed = green_window(clock)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit([resumed], clock, steps=48, enable_checkpointing=False).fit(
+            *mnist1d_small(arch="mlp"), ckpt_path=str(tmp_path / "requeue.ckpt")
+        )
+    assert not [w for w in caught if "deadline" in str(w.message)]
+    summary = resumed.report["summary"]
+    assert resumed.report["status"] == "complete" and clock.time() == start + 8 * 3600
+    assert summary["deadline_unmet"] == {
+        **found,
+        "estimated_late_s": 7200,
+        "ends_late_s": 7200,
+        "ended_at": "2020-06-15 08:00:00",
+    }
+    assert summary["deadline_cleared"] is None
+
+
+def test_light_mode_says_it_holds_light_past_a_deadline_out_of_reach_and_ends_where_it_said(
+    mnist1d_small, tmp_path
+):
+    # review of 1b70cf5: light mode's line said "the run trains without waiting", yet it held light as
+    # without a deadline; its held steps are steps of the run, so the end it gives counts them
+    clock = SimulatedClock(START)
+    green = GreenWindow(
+        signal=DE_JUNE, when_dirty="light", deadline="+6h", expected_duration="8h", clock=clock
+    )
+    trainer = fit([cycle(), green], clock, steps=48, default_root_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(*mnist1d_small(arch="mlp"))
+    said = [str(w.message) for w in caught if "deadline" in str(w.message)]
+    assert said == [
+        "GreenWindow: the deadline 2020-06-15 06:00:00 (UTC) cannot be met: at 2020-06-15 00:00:00 about 8.0 h "
+        "of work is left (estimated), 6.0 h before it; the run holds light as it would without a deadline and "
+        "ends about 2.0 h past it. Give a later deadline, or less work."
+    ]
+    summary = green.report["summary"]
+    assert summary["light_s"] > 0 and "dirty" in {d["reason"] for d in green.report["decisions"]}
+    assert clock.time() == parse_timestamp(START) + 8 * 3600  # 2.0 h past it, as said
+    assert summary["deadline_unmet"]["ends_late_s"] == 7200 and summary["deadline_unmet"]["ended_at"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from benchmarks.green_window import Persistence, SameHourYesterday
-from lightning_pulse.core.green_report import report_markdown
+from lightning_pulse.core.green_report import report_markdown, unmet_text
 from lightning_pulse.core.green_window import (
     AfterStart,
     GreenSchedule,
@@ -24,6 +24,7 @@ from lightning_pulse.core.green_window import (
     parse_threshold,
     passed_deadline,
     read_resume_file,
+    run_status,
     simulate_job,
     wait_for_window,
 )
@@ -442,7 +443,11 @@ def test_a_past_deadline_refuses_a_new_run_and_warns_a_resumed_one():
         ValueError, match=r"^`deadline`='1970-01-01 01:23:20' \(UTC\) is already past: the clock"
     ):
         passed_deadline(5000.0, 6000.0, resumed=False)
-    assert "passed while the run was down" in passed_deadline(5000.0, 6000.0, resumed=True)
+    assert passed_deadline(5000.0, 6000.0, resumed=True).endswith(
+        "passed while the run was down (the clock reads 1970-01-01 01:40:00); it runs the rest without waiting."
+    )
+    # light mode holds light as without a deadline (review of 1b70cf5: the lines said it trains unheld)
+    assert passed_deadline(5000.0, 6000.0, resumed=True, light=True).endswith("; it holds light as before.")
 
 
 def test_a_signal_read_at_the_same_time_of_year_forecasts_past_a_whole_year_series_end_from_its_start():
@@ -556,7 +561,11 @@ def test_a_deadline_out_of_reach_is_warned_once_recorded_and_runs_without_waitin
     assert line.startswith("GreenWindow: the deadline 1970-01-03 01:30:00 (UTC) cannot be met")
     # held-out review: `:.2g` read "1.5e+02 h" for a long job; plain hours, minutes under an hour
     assert "about 4.0 h of work is left (estimated), 1.5 h before it" in line
-    assert "trains without waiting and ends about 2.5 h past it" in line and "light" not in line
+    # review of 1b70cf5: light mode's line said "trains without waiting", false there (it holds as above)
+    if light:
+        assert "; the run holds light as it would without a deadline and ends about 2.5 h past it." in line
+    else:
+        assert "trains without waiting and ends about 2.5 h past it" in line and "light" not in line
     assert (duration_text(150 * H), duration_text(0.04 * H), duration_text(3599.0)) == (
         "150.0 h",
         "2 min",
@@ -616,7 +625,7 @@ def test_a_deadline_out_of_reach_that_a_later_estimate_meets_is_cleared_and_kept
     (again,) = schedule.news
     assert again.startswith(
         "GreenWindow: the deadline 1970-01-03 06:00:00 (UTC) is in reach again: at 1970-01-03 01:00:00 about "
-        "1.0 h of work is left (estimated), 5.0 h before it (it was out of reach at 1970-01-03 00:00:00)"
+        "1.0 h of work is left (estimated), 5.0 h before it (it was out of reach at 1970-01-03 00:00:00 (UTC))"
     )
     assert again.endswith("." if light else "; the run may wait for clean hours again.")
     summary = schedule.summary()
@@ -633,11 +642,22 @@ def test_a_deadline_out_of_reach_that_a_later_estimate_meets_is_cleared_and_kept
         {"summary": summary, "status": "complete", "when_dirty": "pause", "rule": "adaptive"}
         | {"level": None, "forecast": "oracle", "energy_source": None}
     )
-    assert "| deadline unmet | no |" in markdown
+    # the cleared finding is noted, not dropped (review of 1b70cf5: the row read a bare "no")
+    assert (
+        "| deadline unmet | no (out of reach at 1970-01-03 00:00:00 (UTC), in reach again at "
+        "1970-01-03 01:00:00 (UTC)) |" in markdown
+    )
     restored = _schedule_with_deadline(6.0, light=light)
     restored.load_state_dict(json.loads(json.dumps(schedule.state_dict())))
     assert restored.summary()["deadline_cleared"] == summary["deadline_cleared"]
     assert restored.summary()["deadline_unmet"] is None
+    # the steps slowed again and the run ended past it after all: the outcome, with the overturned finding
+    restored.finish(54.25 * H)
+    late = restored.summary()
+    assert unmet_text(late["deadline_unmet"], late["deadline_cleared"]) == (
+        "yes: the run ended 15 min past it (out of reach at 1970-01-03 00:00:00 (UTC), in reach again at "
+        "1970-01-03 01:00:00 (UTC))"
+    )
 
 
 def test_an_estimate_that_fits_only_within_the_reserve_is_settled_by_where_the_run_ends():
@@ -660,6 +680,13 @@ def test_an_estimate_that_fits_only_within_the_reserve_is_settled_by_where_the_r
     late.finish(55 * H)  # ended past it: by how much, with the estimate kept
     assert late.summary()["deadline_unmet"]["ends_late_s"] == H
     assert late.summary()["deadline_unmet"]["estimated_late_s"] == 2 * H
+    # review of 1b70cf5: the row read "at <end> about under a second of work was left" for an outcome
+    assert unmet_text(late.summary()["deadline_unmet"]) == (
+        "yes: the run ended 1.0 h past it (estimated 2.0 h at 1970-01-03 00:00:00 (UTC))"
+    )
+    assert unmet_text(schedule.summary()["deadline_unmet"], schedule.summary()["deadline_cleared"]) == (
+        "no (out of reach at 1970-01-03 00:00:00 (UTC), the run ended in time at 1970-01-03 05:30:00 (UTC))"
+    )
     # a run no decision found late (its steps slowed between two) is recorded at its end
     unseen = _schedule_with_deadline(10.0)
     unseen.decide(series, lambda t: t, 48 * H, steps_left=100)
@@ -670,7 +697,21 @@ def test_an_estimate_that_fits_only_within_the_reserve_is_settled_by_where_the_r
         "deadline": "1970-01-03 10:00:00",
         "remaining_work_s": 0.0,
         "ends_late_s": 0.5 * H,
+        "ended_at": "1970-01-03 10:30:00",
     }
+    assert unmet_text(unseen.summary()["deadline_unmet"]) == "yes: the run ended 30 min past it"
+
+
+def test_a_run_that_max_time_stops_with_steps_left_is_stopped_not_complete():
+    # review of 1b70cf5: a run Lightning's Timer stopped 36 steps short was reported "complete", and its
+    # open deadline record cleared as met by its end
+    never = lambda: pytest.fail("steps left are read only when a Timer has run out")  # noqa: E731
+    assert run_status(False, [], never) == "complete"  # EarlyStopping, or the run's length reached
+    assert run_status(False, [None, 12.5], never) == "complete"  # a Timer with time left did not stop it
+    assert run_status(False, [0.0], lambda: 36) == "stopped"
+    assert run_status(False, [-0.2], lambda: math.inf) == "stopped"  # a run of unknown length
+    assert run_status(False, [-0.2], lambda: 0) == "complete"  # time ran out at the last step
+    assert run_status(True, [-0.2], lambda: 36) == "suspended"
 
 
 def test_a_deadline_already_past_when_first_found_out_of_reach_is_warned_once():
@@ -693,6 +734,14 @@ def test_a_deadline_already_past_when_first_found_out_of_reach_is_warned_once():
     assert said is not None and "passed while the run was down" in said
     resumed.decide(series, lambda t: t, 199 * H, steps_left=math.inf)
     assert resumed.news == [] and resumed.deadline_unmet is not None
+    light = _schedule_with_deadline(1.0, expected_h=8.0, light=True)
+    decision = light.decide(hourly([300, 100] * 200), lambda t: t, 50 * H, steps_left=math.inf)
+    assert not decision.run and decision.reason == "dirty"  # it holds light, as the line says
+    assert light.news == [
+        "GreenWindow: the deadline 1970-01-03 01:00:00 (UTC) has passed: at 1970-01-03 02:00:00, 1.0 h after "
+        "it, about 8.0 h of work is left (estimated); the run holds light as it would without a deadline and "
+        "ends about 9.0 h past it. Give a later deadline, or less work."
+    ]
 
 
 def test_the_oracle_charges_a_slot_straddling_a_held_series_end_once():

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, Timer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -34,6 +34,7 @@ from lightning_pulse.core.green_window import (
     decision_line,
     fit_start_refusal,
     options_from,
+    run_status,
     seconds_of,
     unknown_length_refusal,
     write_resume_file,
@@ -64,7 +65,7 @@ class GreenWindow(Callback):
     Waiting never makes the run miss its deadline: it waits a slot only if the remaining work still fits
     before the deadline afterwards (with a 10% reserve on the estimate). A deadline the work left cannot meet
     (or already past) is warned, and the run trains without waiting (reason ``"deadline"``) until a later
-    estimate fits again (said too); the report records the outcome: where the run ended against it.
+    estimate fits again (said too); the report records the outcome (``max_time`` stopped: the estimate).
     Light mode holds light as it would without a deadline: holding light cannot move the run's end.
     Every decision is logged under ``green/`` (signal, forecast, level, run, seconds waited, budget left).
     At the end of fit, ``green_window_report.{json,md,png}`` compare the CO2 (or cost) with the
@@ -244,12 +245,14 @@ class GreenWindow(Callback):
         self._one_run.end()  # a state loaded during this run is no resume of the next
         now = self.run_clock.time()
         self.segment.close(now, self._kwh)
-        if not self.suspended:  # the run has ended: its deadline record is the outcome, no longer an estimate
+        timers = [c.time_remaining() for c in trainer.callbacks if isinstance(c, Timer)]  # max_time's
+        status = run_status(bool(self.suspended), timers, lambda: compat.steps_left_at_run_pace(trainer))
+        if status == "complete":  # the run has ended: its deadline record is the outcome, not an estimate
             self.schedule.finish(now)
         # `trainer.log_dir` is a collective (a broadcast): read on every rank, though rank 0 alone writes
         folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)
         if trainer.is_global_zero:
-            self._write_report(folder, "suspended" if self.suspended else "complete")
+            self._write_report(folder, status)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

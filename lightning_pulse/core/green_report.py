@@ -96,14 +96,25 @@ def saving_line(summary: dict[str, Any], unit: str) -> str:
     )
 
 
-def unmet_text(unmet: dict[str, Any] | None) -> str:
-    """The summary's ``deadline_unmet`` record as a report row."""
+def unmet_text(unmet: dict[str, Any] | None, cleared: dict[str, Any] | None = None) -> str:
+    """The summary's ``deadline_unmet`` record as a report row: the outcome where the run's end settled it
+    (``ended_at``), else the latest estimate; ``cleared``, an earlier out-of-reach finding that did not hold,
+    is noted in brackets."""
     if unmet is None:
-        return "no"
-    return (
-        f"yes: at {unmet['at']} (UTC) about {duration_text(unmet['remaining_work_s'])} of work was left; "
-        f"ends about {duration_text(unmet['ends_late_s'])} past it"
-    )
+        text = "no"
+    elif "ended_at" in unmet:  # settled at the run's end (GreenSchedule.finish)
+        text = f"yes: the run ended {duration_text(unmet['ends_late_s'])} past it"
+        if "estimated_late_s" in unmet:
+            text += f" (estimated {duration_text(unmet['estimated_late_s'])} at {unmet['at']} (UTC))"
+    else:
+        text = (
+            f"yes: at {unmet['at']} (UTC) about {duration_text(unmet['remaining_work_s'])} of work was left; "
+            f"ends about {duration_text(unmet['ends_late_s'])} past it"
+        )
+    if cleared is None:
+        return text
+    how = "in reach again" if cleared.get("cleared_by") == "estimate" else "the run ended in time"
+    return f"{text} (out of reach at {cleared['at']} (UTC), {how} at {cleared['cleared_at']} (UTC))"
 
 
 def report_markdown(report: dict[str, Any]) -> str:
@@ -130,7 +141,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         ("saving (kg CO2)", summary.get("saving_kg")),
         ("decisions", summary.get("decisions")),
         ("deadline (UTC)", summary.get("deadline") or "none"),
-        ("deadline unmet", unmet_text(summary.get("deadline_unmet"))),
+        ("deadline unmet", unmet_text(summary.get("deadline_unmet"), summary.get("deadline_cleared"))),
     ]
     lines = ["# GreenWindow report", "", "| | |", "|---|---|"]
     lines += [

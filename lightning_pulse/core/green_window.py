@@ -796,11 +796,11 @@ def parse_deadline(deadline: Any) -> float | AfterStart | None:
         ) from None
 
 
-def passed_deadline(deadline: float | None, now: float, resumed: bool) -> str | None:
+def passed_deadline(deadline: float | None, now: float, resumed: bool, light: bool = False) -> str | None:
     """The deadline is past at fit start (``now`` on the run's clock): a fresh run refuses (a typo'd date,
     or a clock that does not read what the deadline assumes); a resumed one, whose deadline passed while it
-    was down, runs the rest without waiting, and is told so (the returned line). ``None`` when it is not
-    past.
+    was down, runs the rest without waiting (``light``: holds light as before, the deadline has no say), and
+    is told so (the returned line). ``None`` when it is not past.
 
     Raises:
         ValueError: for a fresh run, naming ``deadline``, its value and the clock's time.
@@ -815,8 +815,22 @@ def passed_deadline(deadline: float | None, now: float, resumed: bool) -> str | 
         )
     return (
         f"GreenWindow: `deadline`={format_utc(deadline)!r} (UTC) passed while the run was down (the clock "
-        f"reads {format_utc(now)}); it runs the rest without waiting."
+        f"reads {format_utc(now)}); it {'holds light as before' if light else 'runs the rest without waiting'}."
     )
+
+
+def run_status(suspended: bool, timers_left_s: list[float | None], steps_left: Callable[[], float]) -> str:
+    """How a fit's training ended: ``"suspended"`` (it waits to resume), ``"stopped"`` (Lightning's Timer,
+    ``max_time``, ended it with steps left: ``timers_left_s`` are the Timers' ``time_remaining()``,
+    ``steps_left`` the steps the run has left, read only then), else ``"complete"``: the run reached its
+    planned length, or a callback ended it for good (EarlyStopping). Only a complete run settles its
+    deadline record (:meth:`GreenSchedule.finish`): a run max_time stops is usually requeued, and its work
+    left still decides whether it meets the deadline."""
+    if suspended:
+        return "suspended"
+    if any(left is not None and left <= 0 for left in timers_left_s) and steps_left() > 0:
+        return "stopped"
+    return "complete"
 
 
 def fit_start_refusal(
@@ -976,7 +990,7 @@ class GreenSchedule:
     def deadline_at_start(self, now: float) -> str | None:
         """:func:`passed_deadline` at this fit's start (``now``, before :meth:`begin`): a fresh run whose
         deadline is past is refused; a resumed one is told, and not told again when a decision finds it so."""
-        line = passed_deadline(self.deadline, now, resumed=self.run_start is not None)
+        line = passed_deadline(self.deadline, now, resumed=self.run_start is not None, light=self.light)
         self.told_passed = line is not None
         return line
 
@@ -1061,7 +1075,7 @@ class GreenSchedule:
             self.news.append(
                 f"GreenWindow: the deadline {format_utc(deadline)} (UTC) is in reach again: at "
                 f"{format_utc(now)} about {duration_text(remaining)} of work is left (estimated), "
-                f"{duration_text(deadline - now)} before it (it was out of reach at {found})"
+                f"{duration_text(deadline - now)} before it (it was out of reach at {found} (UTC))"
                 + ("." if self.light else "; the run may wait for clean hours again.")
             )
 
@@ -1083,27 +1097,29 @@ class GreenSchedule:
             "remaining_work_s": float(remaining),
             "ends_late_s": float(now + remaining - deadline),
         }
-        late = duration_text(record["ends_late_s"])
+        # light mode holds light as it would without a deadline; its held steps are steps of the run, counted in
+        # `remaining` (the run takes as long either way), so the end estimate holds in both modes
+        does = "holds light as it would without a deadline" if self.light else "trains without waiting"
+        late = f"the run {does} and ends about {duration_text(record['ends_late_s'])} past it"
         if now <= deadline:
             self.news.append(
                 f"GreenWindow: the deadline {record['deadline']} (UTC) cannot be met: at {record['at']} "
                 f"about {duration_text(remaining)} of work is left (estimated), {duration_text(deadline - now)} "
-                f"before it; the run trains without waiting and ends about {late} past it. Give a later "
-                "deadline, or less work."
+                f"before it; {late}. Give a later deadline, or less work."
             )
         elif not self.told_passed:  # it passed between two decisions, or before the first estimate
             self.news.append(
                 f"GreenWindow: the deadline {record['deadline']} (UTC) has passed: at {record['at']}, "
                 f"{duration_text(now - deadline)} after it, about {duration_text(remaining)} of work is left "
-                f"(estimated); the run trains without waiting and ends about {late} past it. Give a later "
-                "deadline, or less work."
+                f"(estimated); {late}. Give a later deadline, or less work."
             )
         return record
 
     def finish(self, now: float) -> None:
-        """The run ended at ``now`` (complete, not suspended): the deadline record becomes the outcome. Ended
-        by the deadline, an out-of-reach record is cleared (``cleared_by`` ``"end"``); ended past it, the
-        record says by how much (``ends_late_s``; the estimate stays in ``estimated_late_s``), and a run that
+        """The run ended at ``now``, its planned length reached (status ``"complete"``: see
+        :func:`run_status`): the deadline record becomes the outcome. Ended by the deadline (at or before
+        it), an out-of-reach record is cleared (``cleared_by`` ``"end"``); ended past it, the record says by
+        how much (``ends_late_s``, ``ended_at``; the estimate stays in ``estimated_late_s``), and a run that
         no decision found late (the steps slowed between two) is recorded at its end."""
         deadline = self.deadline
         if deadline is None:
@@ -1117,6 +1133,7 @@ class GreenSchedule:
                 "deadline": format_utc(deadline),
                 "remaining_work_s": 0.0,
                 "ends_late_s": now - deadline,
+                "ended_at": format_utc(now),
             }
         else:
             unmet = self.deadline_unmet
@@ -1124,6 +1141,7 @@ class GreenSchedule:
                 **unmet,
                 "estimated_late_s": unmet.get("estimated_late_s", unmet["ends_late_s"]),
                 "ends_late_s": now - deadline,
+                "ended_at": format_utc(now),
             }
 
     def decide_from(self, signal: Any, now: float, steps_left: float) -> Decision | None:
