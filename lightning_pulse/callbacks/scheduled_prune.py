@@ -312,7 +312,7 @@ class ScheduledPrune(Callback):
     def _prune_event(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, maintain_entry: bool
     ) -> None:
-        if (target := self.schedule.advance(step)) is None:
+        if (target := self.core.advance(step)) is None:  # none at or after the run's end
             return
         self._end_distillation(trainer)
         self._masks.refresh(pl_module, grad=False)  # the probe reads this step's weights

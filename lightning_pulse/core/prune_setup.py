@@ -251,17 +251,72 @@ def _some_names(names: Sequence[str]) -> str:
 
 
 def checked_selection(pruner: pruning.Pruner, model: nn.Module) -> LayerSelection:
-    """The layers ``pruner`` would prune in ``model``; :class:`PulseRefusal` when there is none."""
+    """The layers ``pruner`` would prune in ``model``; :class:`PulseRefusal` when there is none, with the way
+    out: other ``layer_types``, or, when no ``layer_types`` can help because the layers any of them would
+    select are frozen by the user, the ways that do (:func:`_frozen_way_out`)."""
     selection = pruner.selection(model)
     if not selection.layers:
+        chosen = (
+            f"no layer of {model.__class__.__name__} can be pruned with `layer_types`="
+            f"{[t.__name__ for t in pruner.layer_types] or None}, `exclude_pattern`={pruner.exclude_pattern!r}"
+        )
+        weightless = _weightless_note(model, pruner.layer_types)
+        if (frozen := _frozen_way_out(pruner, model)) is not None:
+            raise PulseRefusal(f"ScheduledPrune: {chosen}, and {frozen[0]}{weightless} {frozen[1]}")
         raise PulseRefusal(
-            f"ScheduledPrune: no layer of {model.__class__.__name__} can be pruned with `layer_types`="
-            f"{[t.__name__ for t in pruner.layer_types] or None}, "
-            f"`exclude_pattern`={pruner.exclude_pattern!r}."
-            f"{left_out_note(selection)}{_weightless_note(model, pruner.layer_types)} Choose other "
-            "`layer_types` or remove ScheduledPrune."
+            f"ScheduledPrune: {chosen}.{left_out_note(selection)}{weightless} Choose other `layer_types` or "
+            "remove ScheduledPrune."
         )
     return selection
+
+
+def _frozen_way_out(pruner: pruning.Pruner, model: nn.Module) -> tuple[str, str] | None:
+    """Where no layer of any type can be pruned in ``model`` and some are left out as frozen by the user:
+    why no ``layer_types`` can help, and the ways out that work (whether unfreezing helps, as the structured
+    refusal says; holding bare trained parameters in ``nn.Linear`` layers; a narrower ``exclude_pattern``).
+    ``None`` where other ``layer_types`` would select a layer, or nothing is frozen. A held-out sweep (prompt
+    tuning on a frozen GPT-2, LoRA adapters held as bare ``nn.Parameter`` on a frozen Llama) was told to
+    "choose other `layer_types`", and each it tried was refused again."""
+    structured, exclude = pruner.mode == "structured", pruner.exclude_pattern
+
+    def any_type(frozen: Collection[str], exclude: str | None) -> LayerSelection:
+        return prune_targets.select_targets(model, (), exclude, structured, frozen, pruner.not_trained)
+
+    selection = any_type(pruner.user_frozen, exclude)
+    frozen = [name for name, why in selection.left_out.items() if why == prune_targets.FROZEN_BY_USER]
+    if selection.layers or not frozen:
+        return None
+    others = {name: why for name, why in selection.left_out.items() if name not in frozen}
+    # what trains outside any layer's `weight` (a soft prompt, adapters held as bare parameters)
+    trained = {
+        name: parameter
+        for name, parameter in model.named_parameters()
+        if parameter.requires_grad and name.rpartition(".")[2] != "weight"
+    }
+    bare = list(trained)
+    every = "every layer with a `weight`" if not others else f"{len(frozen)} of the layers with a `weight`"
+    verb = "is" if not others or len(frozen) == 1 else "are"
+    why = (
+        f"no other `layer_types` can help: {every} (`layer_types`=None) {verb} frozen by the user "
+        f"(`requires_grad=False`: {_some_names(frozen)}), and ScheduledPrune never changes frozen weights."
+    )
+    if others:
+        why += f" Left out too: {LayerSelection(left_out=others).describe_left_out(3)}."
+    if bare:
+        why += (
+            f" What trains is {_some_names(bare)}: parameters held outside a layer's `weight`, the only "
+            "parameter it prunes."
+        )
+    ways = []
+    if any_type((), exclude).layers:
+        ways.append("unfreeze the layers to prune")
+    if any(p.dim() >= 2 for p in trained.values()):
+        ways.append("hold trained matrices in `nn.Linear` layers (as peft's LoRA holds its adapters)")
+    if exclude is not None and any_type((), None).layers:
+        ways.append("narrow `exclude_pattern`")
+    ways.append("remove ScheduledPrune")
+    text = ", ".join(ways[:-1]) + f" or {ways[-1]}" if len(ways) > 1 else ways[0]
+    return why, f"Way out: {text}."
 
 
 def _weightless_note(model: nn.Module, layer_types: tuple[type, ...]) -> str:
@@ -497,10 +552,10 @@ def event_cadence(
             on_maintain, warning = False, f"ScheduledPrune: {where}; pruning on the step cadence instead."
     abrupt = None
     if not on_maintain:
-        abrupt = abrupt_schedule_warning(schedule)
+        abrupt = abrupt_schedule_warning(schedule, run_end=total_steps)
     elif clock is not None and not schedule.finished and not pruned:
         starts = maintain_starts(clock, schedule.end_step, total_steps, steps_per_epoch)
-        abrupt = None if starts is None else abrupt_schedule_warning(schedule, starts, holder)
+        abrupt = None if starts is None else abrupt_schedule_warning(schedule, starts, holder, total_steps)
     return on_maintain, [text for text in (warning, abrupt) if text is not None]
 
 
@@ -565,12 +620,17 @@ ABRUPT_CUT_SHARE = 0.75
 
 
 def abrupt_schedule_warning(
-    schedule: PruneSchedule, maintain_at: Sequence[int] | None = None, holder: str | None = None
+    schedule: PruneSchedule,
+    maintain_at: Sequence[int] | None = None,
+    holder: str | None = None,
+    run_end: float = math.inf,
 ) -> str | None:
     """A warning when the schedule cuts most of the way in one event, else ``None``: on the step cadence, or
     at ``maintain_at`` (the steps maintain phases start at, on the maintain cadence, in a plan that assumes
-    no hold by ``holder``, a callback that can hold the PulseCycle in its light phases)."""
-    cuts = schedule.planned_cuts(maintain_at)
+    no hold by ``holder``, a callback that can hold the PulseCycle in its light phases). Chances at or after
+    ``run_end`` (the run's optimizer steps) make no cut (:meth:`PruneEvents.advance
+    <lightning_pulse.core.prune_events.PruneEvents.advance>`) and are not counted."""
+    cuts = [cut for cut in schedule.planned_cuts(maintain_at) if cut[0] < run_end]
     if not cuts or schedule.final_sparsity <= 0:
         return None
     step, before, after = max(cuts, key=lambda cut: cut[2] - cut[1])
@@ -588,7 +648,10 @@ def abrupt_schedule_warning(
             "or widen `start`/`end`."
         )
     end, reached = schedule.end_step, cuts[-1][2]
-    short = f" (no maintain phase starts at or after step {end}: sparsity stops at {reached:.2f})"
+    short = (
+        f" (no maintain phase starts at or after step {end} with a step left to train after it: sparsity "
+        f"stops at {reached:.2f})"
+    )
     short = short if reached < schedule.final_sparsity else ""
     plan = (
         "the PulseCycle's plan"
@@ -634,7 +697,9 @@ def resolve_schedule(
     unknown length, ``start`` after ``end``) or when it would start after the run
     (:func:`refuse_schedule_past_the_run`). ``manual_optimizers``: the optimizers a module steps itself
     where a batch's steps are unknown (:func:`~lightning_pulse._lightning_compat.steps_per_batch_unknown`),
-    else 0; a share of such a run of unknown length is refused with that reason."""
+    else 0; a share of such a run of unknown length is refused with that reason. An ``end`` at the run's
+    last step (``end=1.0``) is placed a step before it: no event is made at that step
+    (:meth:`PruneEvents.advance <lightning_pulse.core.prune_events.PruneEvents.advance>`)."""
     spans = (("start", schedule.start), ("end", schedule.end))
     shares = [f"`{name}`={when!r}" for name, when in spans if isinstance(when, float)]
     if manual_optimizers and shares and not math.isfinite(total_steps):
@@ -647,6 +712,11 @@ def resolve_schedule(
     with refusing("ScheduledPrune"):
         schedule.resolve(total_steps)
     refuse_schedule_past_the_run(schedule, total_steps, step)
+    if schedule.end_step == total_steps:
+        # `end` at the run's end (`end=1.0`): no event is made at the run's last step, after its last batch
+        # (PruneEvents.advance), so the schedule ends a step before, where the cut to `final_sparsity` still
+        # has a batch to train after it, rather than stopping short of it
+        schedule.end_step = max(schedule.start_step, schedule.end_step - 1)
 
 
 def refuse_structured(reason: str | None, model: nn.Module | None = None) -> None:

@@ -261,6 +261,10 @@ class LayerSelection:
         return ", ".join(items[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
+#: why a layer whose ``weight`` the user froze is never pruned (:func:`frozen_layers`)
+FROZEN_BY_USER = "frozen by the user (`requires_grad=False`)"
+
+
 def _of_types(module: nn.Module, layer_types: tuple[type, ...], scripted: bool) -> bool:
     # a scripted layer is a RecursiveScriptModule, which keeps the name of the class it was made from
     if scripted:
@@ -318,7 +322,7 @@ def select_targets(
                 "its weight is computed by a parametrization (weight_norm, spectral_norm...)"
             )
         elif name in frozen:
-            selection.left_out[name] = "frozen by the user (`requires_grad=False`)"
+            selection.left_out[name] = FROZEN_BY_USER
         elif name in hidden:
             selection.left_out[name] = hidden[name]
         else:
