@@ -281,7 +281,18 @@ def test_a_frozen_copy_of_a_part_to_mask_is_refused_before_the_first_step_and_a_
             PulseRefusal, match=r"^ScheduledPrune: `teacher` is a frozen copy of `student`"
         ) as error:
             trainer.fit(_SelfDistill(update), _data())
-        assert "fixed_copies=True" in str(error.value) and "exclude_pattern" in str(error.value)
+        assert "fixed_copies=True" in str(error.value) and "EMAWeightAveraging" in str(error.value)
+        # the student is all there is to prune: leaving it out is no way out (a sweep followed it, and was
+        # refused again: "no layer can be pruned")
+        assert "Leaving student out (`exclude_pattern`) would leave no layer to prune" in str(error.value)
+    if update == "by position":  # the EMA way out it names: Lightning's callback in place of the copy
+        pl.seed_everything(0)
+        module = _SelfDistill(None)
+        del module.teacher
+        module.training_step = lambda batch, batch_idx: F.cross_entropy(module(batch[0]), batch[1])
+        prune = _prune()
+        _fit_with_ema(module, prune, use_buffers=True)
+        assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)
     if update is not None:
         return
     pl.seed_everything(0)

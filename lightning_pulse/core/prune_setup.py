@@ -921,23 +921,34 @@ def refuse_frozen_twins(model: nn.Module, layers: dict[str, nn.Module], mode: st
     if not twins:
         return
     copy, part = next(iter(twins.items()))
+    # leaving the part out helps only where another layer is left to prune (a distilled student beside its
+    # frozen teacher and its EMA copy is all there is: the way out led to "no layer can be pruned")
+    others = [name for name in layers if not (name == part or name.startswith(f"{part}."))]
+    leave_out = (
+        f"Leave the part out with `exclude_pattern`={re.escape(part)!r}"
+        if others
+        else f"Leaving {part} out (`exclude_pattern`) would leave no layer to prune"
+    )
+    ema = (
+        f"an EMA of {part} kept with Lightning's EMAWeightAveraging callback (use_buffers=True) in place of "
+        f"{copy} prunes with mode='unstructured'"
+    )
     if mode == "structured":
         raise PulseRefusal(
             f"ScheduledPrune: `{copy}` is a frozen copy of `{part}`. Structured pruning would cut {part}'s channels "
             f"and not {copy}'s, so code that pairs their parameters (an EMA teacher, a target network) or compares "
-            f"their features breaks at the first pruning event. Leave the part out with `exclude_pattern`="
-            f"{re.escape(part)!r}; or, if {copy} is never updated from {part} (a fixed teacher or reference "
-            "model), use mode='unstructured' with options=PruneOptions(fixed_copies=True), which keeps every "
-            "shape."
+            f"their features breaks at the first pruning event. {leave_out}; {ema}; or, if {copy} is never "
+            f"updated from {part} (a fixed teacher or reference model), use mode='unstructured' with "
+            "options=PruneOptions(fixed_copies=True), which keeps every shape."
         )
     raise PulseRefusal(
         f"ScheduledPrune: `{copy}` is a frozen copy of `{part}`. From the first pruning event on, a "
         f"masked layer of {part} holds `weight_orig` and a `weight_mask` buffer instead of `weight`, so an "
         f"update of {copy} from {part} by name (an EMA teacher, a target network) fails, and one by position "
-        f"averages the unmasked weights, pruned entries included. Leave the part out with `exclude_pattern`="
-        f"{re.escape(part)!r}; or, if {copy} is never updated from {part} (a fixed teacher or reference "
-        "model: ScheduledPrune cannot tell one from an EMA at fit start), say so with "
-        "options=PruneOptions(fixed_copies=True)."
+        f"averages the unmasked weights, pruned entries included. {leave_out}; for an EMA, {ema} (it copies "
+        f"the averaged weights back under the model's masks); or, if {copy} is never updated from {part} (a "
+        "fixed teacher or reference model: ScheduledPrune cannot tell one from an EMA at fit start), say so "
+        "with options=PruneOptions(fixed_copies=True)."
     )
 
 
