@@ -20,6 +20,9 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler, Stochasti
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
+from lightning_pulse.core.freeze_units import trainable_while
+from lightning_pulse.protocols import temporarily_frozen
+
 LIGHTNING_VERSION = pl.__version__
 
 _PROGRESS_ITEMS_ATTR = "_lightning_pulse_progress_items"
@@ -302,7 +305,13 @@ def rewrap_ddp(trainer: pl.Trainer) -> bool:
     """Wrap the LightningModule in a fresh ``DistributedDataParallel`` after its parameters were replaced.
 
     DDP's reducer holds the parameters it was built with; after a structural change it must be rebuilt, as
-    ``DDPStrategy.configure_ddp`` builds it. Returns whether the module was re-wrapped.
+    ``DDPStrategy.configure_ddp`` builds it. The reducer registers only the parameters that require grad while
+    it is built, and never averages the gradients of the others: those a
+    :class:`~lightning_pulse.protocols.TemporaryFreezer` holds frozen for now (GradientCache's frozen prefix)
+    are turned on while it is built, then off again, so that the ranks still average them once they are
+    released. Parameters frozen otherwise (the user's) stay out, as at Lightning's own wrap. Call it after the
+    :class:`~lightning_pulse.protocols.ParametersReplacedListener` callbacks followed the change: the freezers
+    name the parameters they hold now. Returns whether the module was re-wrapped.
     """
     from lightning.pytorch.strategies import DDPStrategy
     from torch.nn.parallel import DistributedDataParallel
@@ -310,7 +319,9 @@ def rewrap_ddp(trainer: pl.Trainer) -> bool:
     strategy = trainer.strategy
     if not isinstance(strategy, DDPStrategy) or not isinstance(strategy.model, DistributedDataParallel):
         return False
-    strategy.model = strategy._setup_model(strategy.lightning_module)
+    module = strategy.lightning_module
+    with trainable_while(module, temporarily_frozen(trainer, module)):
+        strategy.model = strategy._setup_model(module)
     strategy._register_ddp_hooks()
     return True
 

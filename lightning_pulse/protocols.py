@@ -79,6 +79,18 @@ class WeightsChangedListener(Protocol):
     def on_pulse_weights_changed(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
 
 
+@runtime_checkable
+class TemporaryFreezer(Protocol):
+    """Holds parameters frozen (``requires_grad=False``) only for a while, as
+    :class:`~lightning_pulse.GradientCache` does: ``temporarily_frozen(pl_module)`` gives the qualified names
+    (as in ``pl_module.named_parameters()``) of those it holds frozen now and will release. A fresh DDP wrapper
+    (:func:`~lightning_pulse._lightning_compat.rewrap_ddp`, after a structured prune) is built with them
+    trainable, so that its reducer averages their gradients once they train again; what the user froze stays
+    out. Names, not tensors: a structural change may replace the parameter objects."""
+
+    def temporarily_frozen(self, pl_module: pl.LightningModule) -> list[str]: ...
+
+
 _Contract = TypeVar("_Contract")
 
 
@@ -109,6 +121,15 @@ def tell_restored_phase(
     for state in states.values():
         if isinstance(state.callback, PhaseListener):
             state.callback.on_pulse_phase_change(trainer, pl_module, change)
+
+
+def temporarily_frozen(trainer: pl.Trainer, pl_module: pl.LightningModule) -> set[str]:
+    """The names of the parameters that a :class:`TemporaryFreezer` of ``trainer`` holds frozen now."""
+    return {
+        name
+        for freezer in listeners(trainer, TemporaryFreezer)
+        for name in freezer.temporarily_frozen(pl_module)
+    }
 
 
 def tell_weights_changed(

@@ -103,11 +103,11 @@ trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=
 """
 
 
-@pytest.mark.ddp
-@pytest.mark.slow
-def test_structured_pruning_under_ddp_rewraps_and_keeps_ranks_in_sync(tmp_path):
+def _run_two_ranks(source: str, tmp_path: Path) -> tuple[dict, dict]:
+    """Run ``source`` as a script launching a two-rank ``strategy="ddp"`` fit (each rank writes
+    ``rank<r>.json`` into the folder given as its argument); returns both ranks' reports."""
     script = tmp_path / "structured_ddp.py"
-    script.write_text(textwrap.dedent(_DDP_SCRIPT))
+    script.write_text(textwrap.dedent(source))
     # an earlier ddp_spawn test in this process leaves LOCAL_RANK/WORLD_SIZE/MASTER_PORT in os.environ; a child
     # that inherits them believes it is an already-launched rank and waits forever for its peers
     distributed = {
@@ -134,8 +134,13 @@ def test_structured_pruning_under_ddp_rewraps_and_keeps_ranks_in_sync(tmp_path):
         timeout=240,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    return tuple(json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_structured_pruning_under_ddp_rewraps_and_keeps_ranks_in_sync(tmp_path):
+    rank0, rank1 = _run_two_ranks(_DDP_SCRIPT, tmp_path)
     assert rank0["events"] == rank1["events"] == [5, 8]
     assert rank0["channels"] == rank1["channels"] == [13, 13, 13]
     # the DDP wrapper holds the pruned module, not stale full-size parameters
@@ -143,3 +148,83 @@ def test_structured_pruning_under_ddp_rewraps_and_keeps_ranks_in_sync(tmp_path):
     # six more steps on different data shards after the last event: equal only if gradients were averaged
     for name, values in rank0["params"].items():
         assert torch.allclose(torch.tensor(values), torch.tensor(rank1["params"][name]), atol=1e-6), name
+
+
+_GRADIENT_CACHE_SCRIPT = """
+import json, sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pulse import GradientCache, ScheduledPrune
+
+torch.set_num_threads(1)
+out = Path(sys.argv[1])
+
+
+class MLP(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), 1e-2)
+
+
+class Dump(Callback):
+    def __init__(self):
+        self.frozen_at_cuts = []
+
+    def on_pulse_parameters_replaced(self, trainer, pl_module, remap):  # told after GradientCache
+        self.frozen_at_cuts.append(list(trainer.callbacks[0].frozen_units))
+
+    def on_train_end(self, trainer, pl_module):
+        Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps({
+            "params": {name: p.detach().flatten().tolist() for name, p in pl_module.named_parameters()},
+            "frozen_at_cuts": self.frozen_at_cuts,
+            "freezes": [(e["step"], e["from"], e["to"]) for e in trainer.callbacks[0].events],
+        }))
+
+
+pl.seed_everything(0)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(256, 16, generator=g)
+y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+callbacks = [
+    GradientCache(threshold=10.0, check_every=2, freeze_for=4),
+    ScheduledPrune(final_sparsity=0.5, mode="structured", start=0.1, end=0.6, every=2, probe_batches=0),
+    Dump(),
+]
+trainer = pl.Trainer(
+    accelerator="cpu", devices=2, strategy="ddp_find_unused_parameters_true", max_steps=30, callbacks=callbacks,
+    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(MLP(), DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
+"""
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_a_cut_while_gradient_cache_holds_units_frozen_keeps_both_ranks_bit_identical(tmp_path):
+    # held-out DDP sweep: the re-wrap after a structured cut built a reducer without the units GradientCache held
+    # frozen then, so once released their gradients were never averaged and each rank trained its own copy
+    rank0, rank1 = _run_two_ranks(_GRADIENT_CACHE_SCRIPT, tmp_path)
+    assert rank0["frozen_at_cuts"] == rank1["frozen_at_cuts"]
+    assert any(rank0["frozen_at_cuts"]), "no cut came while a unit was frozen"
+    assert rank0["freezes"] == rank1["freezes"] and any(to == 0 for _, _, to in rank0["freezes"][1:])
+    assert rank0["params"].keys() == rank1["params"].keys()
+    for name, values in rank0["params"].items():
+        assert values == rank1["params"][name], name  # bit for bit: the same averaged update on both ranks

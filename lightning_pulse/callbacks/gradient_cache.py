@@ -166,8 +166,7 @@ class GradientCache(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
-        # after the sanity check that may create them
-        refuse_uninitialized_parameters(pl_module, "GradientCache")
+        refuse_uninitialized_parameters(pl_module, "GradientCache")  # here: the sanity check may create them
         refuse_unreachable_phases("GradientCache", self.phases, trainer)
         with refusing("GradientCache"):  # a share of a run of unknown length (max_time only)
             self._span = self.window.steps(compat.total_steps(trainer))
@@ -287,6 +286,10 @@ class GradientCache(Callback):
     def on_pulse_weights_changed(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Drop the recorded activations: weights changed in place (an unstructured prune event's masks)."""
         self._lifecycle.replan(self._replay, again=True)
+
+    def temporarily_frozen(self, pl_module: pl.LightningModule) -> list[str]:
+        """Names of the parameters it holds frozen now: a DDP re-wrap must register them (TemporaryFreezer)."""
+        return self._lifecycle.held_frozen_names(pl_module)
 
     # ------------------------------------------------------------------ end
     @override

@@ -337,6 +337,26 @@ def cut_like(tensor: torch.Tensor, new: torch.Tensor, kept: torch.Tensor) -> tor
     return tensor.reshape(-1).index_select(0, kept.to(tensor.device)).reshape(new.shape).clone()
 
 
+@contextmanager
+def trainable_while(model: nn.Module, names: Iterable[str]) -> Iterator[list[str]]:
+    """Turn on ``requires_grad`` of the parameters of ``model`` named in ``names`` that are off, for the
+    duration of the block (yields their names), then turn them off again. A name ``model`` does not have is
+    skipped: a structural change may have removed it."""
+    wanted = set(names)
+    opened = [
+        (name, param)
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if name in wanted and not param.requires_grad
+    ]
+    for _, param in opened:
+        param.requires_grad_(True)
+    try:
+        yield [name for name, _ in opened]
+    finally:
+        for _, param in opened:
+            param.requires_grad_(False)
+
+
 def _under(prefix: str, names: Sequence[str]) -> list[str]:
     return [name for name in names if name == prefix or name.startswith(prefix + ".")]
 

@@ -1107,6 +1107,14 @@ class FreezerLifecycle:
         every parameter back on; the freezer keeps its flags for :meth:`state_dict`)."""
         return self.freezer.frozen_names if self.freezer is not None and not self._ended else []
 
+    def held_frozen_names(self, model: nn.Module) -> list[str]:
+        """Qualified names in ``model`` of the parameters the freezer turned off and will turn back on (not
+        those the user froze); none once the fit ended."""
+        held = (
+            {id(param) for param in self.freezer.turned_off()} if self.freezer and not self._ended else set()
+        )
+        return [name for name, param in model.named_parameters(remove_duplicate=False) if id(param) in held]
+
     @property
     def backward_prefix(self) -> int:
         """Leading units the next backward skips (none in a resumed fit's first: :meth:`begin_forward`)."""
