@@ -24,6 +24,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.carried_state import kept_buffers, kept_carried_state, kept_python_state
 from lightning_pulse.core.snapshots import TrainingSnapshot, holding
+from lightning_pulse.core.stability_steps import DrawnState
 
 #: the tensors the probes of this process handed to a collective (see ``compat.CollectiveHold``); the callbacks
 #: that run a probe wait for them at teardown
@@ -220,7 +221,11 @@ def _reduction(reduce_fx: Any) -> str | None:
 
 
 def training_losses(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]], grad_mode: bool = True
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    batches: list[tuple[int, Any]],
+    grad_mode: bool = True,
+    drawn: Mapping[int, DrawnState] | None = None,
 ) -> list[float]:
     """The losses the module's own ``training_step`` returns on ``(batch_idx, batch)`` pairs, without training.
 
@@ -233,8 +238,13 @@ def training_losses(
     loss is the figure compared), so buffers a training forward updates (BatchNorm's running statistics)
     change: the caller restores them (:func:`lightning_pulse.core.snapshots.holding` does). A step that
     returns no loss (Lightning's way to skip a batch) gives none.
+
+    ``drawn``: by ``batch_idx``, the generator states a batch's ``training_step`` drew from when it trained
+    (``StepRecord.drawn``); each such batch's step draws from them (its dropout masks, a diffusion's timesteps
+    and noise), so that a re-run reproduces what trained. The run's generators come back after all the same.
     """
     losses: list[float] = []
+    drawn = drawn or {}
 
     def drop(*args: Any, **kwargs: Any) -> None:
         return None
@@ -243,6 +253,8 @@ def training_losses(
         pl_module, drop, drop, trainer.precision_plugin.train_step_context(), grad_mode=grad_mode
     ):
         for batch_idx, batch in batches:
+            for generator, state in drawn.get(batch_idx, ()):  # inside isolate_rng: the run's come back
+                generator.set_state(state)
             copy = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
             output = pl_module.training_step(copy, batch_idx)
             loss = output.get("loss") if isinstance(output, dict) else output
@@ -258,13 +270,16 @@ def losses_at(
     flagged: list[tuple[int, Any]],
     reference: list[tuple[int, Any]],
     hold: compat.CollectiveHold,
+    drawn: tuple[Mapping[int, DrawnState], Mapping[int, DrawnState]] = ({}, {}),
 ) -> tuple[float, float]:
     """The mean training loss of the ``flagged`` and of the ``reference`` batches with ``snapshot``'s weights
-    swapped in (StabilityGuard's rollback test); the module's own state comes back bit for bit. Under DDP the
-    sums are all-reduced, so every rank gets the same two numbers (every rank calls this at the same step)."""
+    swapped in (StabilityGuard's rollback test); the module's own state comes back bit for bit. ``drawn``: the
+    generator states each list's batches drew from when they trained (:func:`training_losses`; every rank its
+    own). Under DDP the sums are all-reduced, so every rank gets the same two numbers (every rank calls this
+    at the same step)."""
     with holding(snapshot, pl_module):
-        flagged_losses = training_losses(trainer, pl_module, flagged)
-        reference_losses = training_losses(trainer, pl_module, reference)
+        flagged_losses = training_losses(trainer, pl_module, flagged, drawn=drawn[0])
+        reference_losses = training_losses(trainer, pl_module, reference, drawn=drawn[1])
     sums = torch.tensor(
         [sum(flagged_losses), len(flagged_losses), sum(reference_losses), len(reference_losses)],
         dtype=torch.float64,

@@ -54,8 +54,9 @@ class StabilityGuard(Callback):
     2. **Roll back**, after ``rollback_after`` flagged steps, the model, optimizers, LR schedulers and the
        :class:`~lightning_pulse.protocols.RollbackAware` callbacks to the newest CPU snapshot taken at least
        ``rollback_margin`` steps before the trouble; the next ``skip_after_rollback`` batches are skipped. Unless
-       the flagged batch spikes at that snapshot's weights too (the rollback test): then the data spikes, the
-       step is skipped and counted in ``recurring_spikes``.
+       the flagged batch spikes at that snapshot's weights too (the rollback test, each batch re-run from the
+       torch generator states its step drew from): then the data spikes, the step is skipped and counted in
+       ``recurring_spikes``.
     3. **Stop** when a rollback is needed after ``max_rollbacks`` recent ones: back to the last good snapshot,
        a checkpoint saved, :class:`StabilityGuardError` raised.
 
@@ -179,7 +180,7 @@ class StabilityGuard(Callback):
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
         cut = next((c for c in trainer.callbacks if isinstance(c, HardSampleReplay)), None)
-        self._record = steps.StepRecord(cut)  # cut: cuts batches in place, tells the indices of the rows
+        self._record = steps.StepRecord(cut, pl_module.device)  # cut: cuts batches in place, tells their rows
         # refuses ZeRO's sharded optimizer
         self.core.start(trainer.global_step, trainer.optimizers, pl_module)
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
@@ -190,7 +191,7 @@ class StabilityGuard(Callback):
     ) -> None:
         self._energy.begin()  # at the first batch of an optimizer step
         self.core.pre_step.before_step(self._record.batches)  # at the first: copies what forwards write
-        self._record.batches.append((batch_idx, batch))
+        self._record.add(batch_idx, batch)  # with the generator states its training_step draws from
 
     @override
     def on_before_backward(
@@ -319,8 +320,8 @@ class StabilityGuard(Callback):
             trainer.train_dataloader,
             self._sum_over_ranks(trainer),
             steps.caches_activations(trainer.callbacks),
-            partial(training_losses, trainer, pl_module, grad_mode=False),
-            partial(losses_at, trainer, pl_module, hold=self._held),
+            partial(training_losses, trainer, pl_module, grad_mode=False, drawn=self._record.drawn),
+            partial(losses_at, trainer, pl_module, hold=self._held, drawn=self._record.drawn_states),
         )
 
     # ------------------------------------------------------------------ snapshots and rollbacks

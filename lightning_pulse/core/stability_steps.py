@@ -56,6 +56,8 @@ from lightning_pulse.phase import Phase, PhaseChange
 
 NONFINITE = (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
 
+_CPU_GENERATOR = torch.default_generator  # read at every micro-batch (StepRecord.add): no lookup each time
+
 
 #: why StabilityGuard refuses a sharded strategy (:func:`~lightning_pulse.errors.refuse_sharded_strategy`)
 SHARDED_REASON = (
@@ -230,17 +232,38 @@ def _parameter_or_buffer(model: nn.Module, name: str) -> Tensor:
 SavedForwardState = tuple[TrainingSnapshot | None, dict[str, Tensor]]
 
 
+#: the random generator states a micro-batch's ``training_step`` drew from: ``(generator, state)`` pairs, the
+#: CPU's default generator and, for a module on a GPU, that device's (:meth:`StepRecord.add`)
+DrawnState = tuple[tuple[torch.Generator, Tensor], ...]
+
+
+def cuda_generator_of(device: torch.device | str | None) -> torch.Generator | None:
+    """The default CUDA generator of ``device`` (a module's), which its ``training_step`` draws from on the
+    GPU (dropout, ``torch.randn(..., device=...)``); ``None`` off CUDA."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    torch.cuda.init()  # fills torch.cuda.default_generators; a no-op once CUDA is up (a module on it)
+    index = torch.device(device).index
+    return torch.cuda.default_generators[torch.cuda.current_device() if index is None else index]
+
+
 class StepRecord:
     """What the guard keeps of the current optimizer step from its first micro-batch to its batch end: the
-    micro-batches (by reference) and their losses, the step's loss and baseline key while it is judged, and
-    its action once decided; and the last applied step's micro-batches, the ordinary batch of the rollback
-    test. ``cut``: a callback that cuts batches in place (``HardSampleReplay``), which tells the dataset
-    indices of the rows it kept (``trained_indices``)."""
+    micro-batches (by reference), the random generator states each one's ``training_step`` drew from, their
+    losses, the step's loss and baseline key while it is judged, and its action once decided; and the last
+    applied step's micro-batches and states, the ordinary batch of the rollback test. ``cut``: a callback that
+    cuts batches in place (``HardSampleReplay``), which tells the dataset indices of the rows it kept
+    (``trained_indices``). ``device``: the module's, whose CUDA generator is recorded too."""
 
-    def __init__(self, cut: Any = None) -> None:
+    def __init__(self, cut: Any = None, device: torch.device | str | None = None) -> None:
         self.losses: list[Any] = []  # the micro-batch losses of the current optimizer step
         self.batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
         self.reference: list[tuple[int, Any]] = []  # the last applied step's micro-batches
+        # batch_idx -> the generator states its training_step drew from (unique within an optimizer step),
+        # for this step and the reference: a re-run of the batch draws what the step drew (the rollback test)
+        self.drawn: dict[int, DrawnState] = {}
+        self.reference_drawn: dict[int, DrawnState] = {}
+        self._cuda = cuda_generator_of(device)
         # batch_idx -> the dataset indices of the samples it trained, where a callback cut it in place
         self.trained: dict[int, Tensor] = {}
         self.decided: Action | None = None  # the current optimizer step's action, until its batch end
@@ -254,6 +277,21 @@ class StepRecord:
         # whether the optimizer evaluates the closure more than once a step (SAM, LBFGS), which applied steps
         # tell (``None`` before the first): then a later evaluation may still skip the step
         self.repeats: bool | None = None
+
+    def add(self, batch_idx: int, batch: Any) -> None:
+        """Keep a micro-batch at its batch start, with the generator states its ``training_step`` will draw
+        from. Torch's own generators only: a state is a copy of ~5 KB (the CPU's Mersenne Twister) or 16 bytes
+        (a GPU's Philox seed and offset), about a microsecond; numpy's and Python's cost 10-35 each, too much
+        for every step, so a re-run draws new numbers from those."""
+        self.batches.append((batch_idx, batch))
+        cuda = self._cuda
+        cpu = (_CPU_GENERATOR, _CPU_GENERATOR.get_state())
+        self.drawn[batch_idx] = (cpu,) if cuda is None else (cpu, (cuda, cuda.get_state()))
+
+    @property
+    def drawn_states(self) -> tuple[dict[int, DrawnState], dict[int, DrawnState]]:
+        """The generator states of this step's micro-batches and of the reference's, by ``batch_idx``."""
+        return self.drawn, self.reference_drawn
 
     def take_losses(self) -> list[Any]:
         """The losses recorded since the last call (read at each closure evaluation, with the grad norm)."""
@@ -269,8 +307,9 @@ class StepRecord:
             return None
         if action is Action.APPLY:
             self.reference = self.batches  # an ordinary batch, for the rollback test
+            self.reference_drawn = self.drawn
             self.repeats = self.repeats or self.evaluations > 1
-        self.batches, self.trained, self.evaluations = [], {}, 0
+        self.batches, self.drawn, self.trained, self.evaluations = [], {}, {}, 0
         return action
 
     def drop_window(self, ended: bool) -> None:
@@ -278,7 +317,7 @@ class StepRecord:
         module's ``optimizer_step`` ran the closure without ``optimizer.step``), its losses and micro-batches
         are let go, so that the next step is judged on its own window's losses only."""
         if ended:
-            self.losses, self.batches, self.trained, self.evaluations = [], [], {}, 0
+            self.losses, self.batches, self.drawn, self.trained, self.evaluations = [], [], {}, {}, 0
 
     def decided_before_judging(self, policy: EscalationPolicy) -> Action | None:
         """The step's action where it needs no judging: a forced skip (one of the steps skipped after a
@@ -314,10 +353,13 @@ class FlaggedStep:
     all_reduce_sum: Callable[[Tensor], Tensor] | None  # under DDP, else ``None``
     caches_activations: bool  # a forward outside the loop would fill a cache (:func:`caches_activations`)
     # the training losses of ``(batch_idx, batch)`` pairs at the current weights, autograd off (no graph is
-    # built beside the step's held gradients); it may raise for a batch (see StabilityCore.losses_for_a_check)
+    # built beside the step's held gradients); it may raise for a batch (StabilityCore.losses_for_a_check).
+    # Each pair draws from the generator states its batch_idx drew from in this step (``record.drawn``)
     losses_of: LossesOf
     # the mean losses of two lists of ``(batch_idx, batch)`` pairs at a snapshot's weights
-    # (:meth:`losses_at_snapshot`: the flagged and the ordinary batches)
+    # (:meth:`losses_at_snapshot`: the flagged and the ordinary batches), each pair drawing from the states it
+    # drew from when it trained (``record.drawn_states``): a spike the step's own draws made (a diffusion
+    # timestep, dropout) comes again, as the data's
     losses_at: Callable[[TrainingSnapshot, list[tuple[int, Any]], list[tuple[int, Any]]], tuple[float, float]]
 
     def losses_at_snapshot(self, target: TrainingSnapshot) -> tuple[float, float]:
