@@ -277,10 +277,10 @@ class HardSampleReplay(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        gather = None
+        gather, last = None, batch_idx + 1 >= trainer.num_training_batches  # see finish_batch's epoch_ends
         if trainer.world_size > 1:  # every rank keeps every rank's rows: identical tables and decisions
             gather = partial(compat.all_gather_held, trainer.strategy, hold=self._held)
-        if (finished := self.batches.finish_batch(pl_module, batch, outputs, gather)) is not None:
+        if (finished := self.batches.finish_batch(pl_module, batch, outputs, gather, last)) is not None:
             self._log(trainer)  # before the carried-state check: a refused step is still logged
             self.batches.check_carried_state(pl_module, finished)
 

@@ -207,6 +207,9 @@ class ReplayBatchLifecycle:
         self._after_log: str | None = None
         self._dropped_deferral: str | None = None  # a deferred refusal whose step a rollback dropped
         self._start_votes = 0  # the ranks' votes at a batch's start this fit
+        # the selector of the latest batch: an epoch's last batch applies its kept steps also when a rollback
+        # dropped that batch's step (finish_batch's `epoch_ends`)
+        self._selector: HardSampleSelector | None = None
 
     def start_fit(self, world_size: int = 1) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope; over
@@ -279,6 +282,7 @@ class ReplayBatchLifecycle:
         self._unaccounted, self._module, self._signed = None, module, None
         # a refusal deferred to a step a rollback dropped: found again, for this batch's step
         self._found, self._deferred, self._dropped_deferral = self._dropped_deferral, None, None
+        self._selector = selector
         batch_size = int(indices.numel())
         first_checked = False
         # the fit's first batch of two or more samples (one of 1 is never cut, and looks like any layout)
@@ -613,6 +617,7 @@ class ReplayBatchLifecycle:
         batch: Any,
         outputs: Any,
         all_gather: Callable[[Tensor], Tensor] | None = None,
+        epoch_ends: bool = False,
     ) -> StepInFlight | None:
         """Record the step's per-sample losses into its selector and end the step.
 
@@ -622,6 +627,11 @@ class ReplayBatchLifecycle:
             outputs: what ``training_step`` returned (for a scorer).
             all_gather: under data parallelism, ``tensor -> (world_size, *tensor.shape)``: every rank records
                 every rank's rows, so tables and decisions stay identical.
+            epoch_ends: the batch is its epoch's last: the selector applies its kept steps now, as the epoch's
+                end would. A checkpoint saved at this batch's end (``ModelCheckpoint(every_n_train_steps=...)``
+                landing there) then holds them applied: Lightning resumes from it without running the
+                epoch's end hooks again, so the next epoch chose from unapplied scores (a held-out two-rank
+                run resumed at step 14 ended with other weights).
 
         Returns:
             The finished step (for :meth:`check_carried_state`), or ``None`` when no step was started (or
@@ -637,6 +647,7 @@ class ReplayBatchLifecycle:
             warnings.warn(f"HardSampleReplay: {note}", stacklevel=2)
         capture, finished, self.current, self._batch = self.captures.take(), self.current, None, None
         if finished is None:
+            self._end_epoch(epoch_ends)
             return None
         # every rank, every step: the first steps' vote stays matched across ranks, before record's gather
         self._vote_on_signs(finished, all_gather)
@@ -688,7 +699,12 @@ class ReplayBatchLifecycle:
             self._after_log = agreed
         if not finished.rows_unmatched:
             self.recorded_steps += 1
+        self._end_epoch(epoch_ends)
         return finished
+
+    def _end_epoch(self, epoch_ends: bool) -> None:
+        if epoch_ends and self._selector is not None:
+            self._selector.apply()
 
     def check_carried_state(self, module: nn.Module, finished: StepInFlight | None) -> None:
         """After a finished step (and whatever the caller logs for it): refuse a module carrying state from one
