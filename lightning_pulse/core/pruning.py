@@ -1038,13 +1038,19 @@ class ParameterRemap:
         return tensor.reshape(-1).index_select(0, kept.to(tensor.device)).reshape(new_shape).clone()
 
 
-def remap_optimizer_state(optimizer: torch.optim.Optimizer, remap: ParameterRemap) -> list[str]:
+def remap_optimizer_state(
+    optimizer: torch.optim.Optimizer, remap: ParameterRemap, names: Mapping[int, str] | None = None
+) -> list[str]:
     """Swap replaced parameters inside ``optimizer`` and cut their state to the new shapes, in place.
 
     The optimizer stays the same object, so LR schedulers and Lightning's wrappers that hold it stay valid.
     State tensors shaped like the parameter are cut with the kept indices; scalars (Adam's ``step``) are
     kept. A state of any other shape, or a list or mapping of tensors, cannot be cut and is dropped (the
-    optimizer re-creates it lazily). A parameter that was not replaced keeps its state, unless that holds a
+    optimizer re-creates it lazily). A square ``(n, n)`` weight's state of its shape may instead be a matrix
+    over one side (a Shampoo or K-FAC preconditioner): outside ``torch.optim``'s own optimizers, one that
+    reads so (:func:`_one_side_matrix`) is dropped too, unless the cut kept the same rows as columns (then
+    every reading is cut alike). ``names`` (``id(parameter) -> name``) names the parameters in the messages.
+    A parameter that was not replaced keeps its state, unless that holds a
     tensor with as many elements as all the optimizer's parameters had (a flat vector over them, which no
     longer fits): then it is dropped too. ``torch.optim.LBFGS`` keeps its whole history so (under its first
     parameter); once any parameter is replaced, all of it is dropped (:data:`LBFGS_RESET`). The returned
@@ -1065,8 +1071,29 @@ def remap_optimizer_state(optimizer: torch.optim.Optimizer, remap: ParameterRema
             continue
         state = optimizer.state.pop(old)
         moved: dict[str, Any] | None = {}
+        # a square weight's state of its shape may be a matrix over its outputs or inputs, not one value per
+        # weight; cut as the weight, it turned wrong (non-symmetric) or took a shape the next step crashed on
+        one_sided = (
+            len(old_shape) == 2
+            and old_shape[0] == old_shape[1]
+            and not _keeps_one_value_per_weight(optimizer)
+            and not _same_cut_on_both_sides(old_shape, new.shape, kept)
+        )
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.shape == old_shape and value.dim() > 0:
+                reading = _one_side_matrix(value, new.shape) if one_sided else None
+                if reading is not None:
+                    moved = None
+                    name = (names or {}).get(id(new))
+                    problems.append(
+                        f"optimizer state {key!r} of {type(optimizer).__name__} for "
+                        f"{f'parameter {name!r}' if name else 'a parameter'} of shape {tuple(old_shape)} "
+                        f"{reading}, so it reads as a matrix over the weight's outputs or its inputs (a "
+                        "Shampoo or K-FAC preconditioner), not one value per weight; the cut kept other rows "
+                        "than columns, so which side it covers is unknown and cut as the weight it would be "
+                        "wrong; that parameter's state was reset."
+                    )
+                    break
                 moved[key] = ParameterRemap.apply(value, old_shape, new.shape, kept)
             elif any(tensor.numel() > 1 for tensor in _tensors_in(value)):
                 moved = None
@@ -1112,6 +1139,50 @@ LBFGS_RESET = (
     "all its parameters) does not fit the cut parameters and was reset; its next step starts a fresh history, "
     "as its first step did."
 )
+
+
+def _keeps_one_value_per_weight(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of ``torch.optim``'s own, whose every state shaped like its parameter
+    holds one value per weight (Adam's moments, SGD's momentum, Adagrad's sum, ASGD's ``ax``, ...); a
+    subclass or another library's optimizer may keep other matrices of that shape."""
+    return type(optimizer).__module__.split(".")[:2] == ["torch", "optim"]
+
+
+def _same_cut_on_both_sides(old_shape: torch.Size, new_shape: torch.Size, kept: torch.Tensor) -> bool:
+    """Whether the cut of a square ``(n, n)`` weight kept the same rows as columns, in the same order (a
+    residual stream cut on both sides): then one value per weight, a matrix over the outputs ``(n, n)`` and
+    one over the inputs ``(n, n)`` are all cut to the same elements."""
+    n = old_shape[0]
+    if len(new_shape) != 2 or new_shape[0] != new_shape[1] or kept.numel() != math.prod(new_shape):
+        return False
+    grid = kept.reshape(new_shape)
+    rows, columns = grid[:, 0] // n, grid[0, :] % n
+    return torch.equal(rows, columns) and torch.equal(grid, rows[:, None] * n + columns[None, :])
+
+
+def _one_side_matrix(value: torch.Tensor, new_shape: torch.Size) -> str | None:
+    """Why ``value``, a state of a square weight's shape ``(n, n)``, reads as a matrix over one side of the
+    weight rather than one value per weight; ``None`` when it reads as one value per weight.
+
+    A preconditioner over one side (Shampoo's ``L``/``R``, K-FAC's factors) is symmetric; an eigenbasis over
+    one side (SOAP's) has orthonormal rows and columns. A momentum or second moment of a trained weight is
+    neither. An all-zero one is cut alike under both readings, unless the cut leaves the weight non-square:
+    then the readings want different shapes.
+    """
+    if not value.is_floating_point():
+        return None
+    matrix = value.detach().float()
+    scale = float(matrix.abs().max())
+    if scale == 0.0:
+        square = new_shape[0] == new_shape[1]
+        return None if square else "is all zero while the cut leaves the weight non-square"
+    tolerance = max(1e-4, 8 * torch.finfo(value.dtype).eps)
+    if float((matrix - matrix.T).abs().max()) <= tolerance * scale:
+        return "is symmetric"
+    norms = torch.cat([matrix.square().sum(0), matrix.square().sum(1)])
+    if float((norms - 1).abs().max()) <= tolerance:  # a weight's copy drawn at 1/sqrt(n) scale is farther
+        return "has orthonormal rows and columns"
+    return None
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -2664,8 +2735,9 @@ class Pruner:
         self.history.extend(result.history)
         problems = []
         if len(result.remap):
+            names = {id(parameter): name for name, parameter in model.named_parameters()}
             for optimizer in optimizers_within(optimizers):
-                problems += remap_optimizer_state(optimizer, result.remap)
+                problems += remap_optimizer_state(optimizer, result.remap, names)
         # a chosen layer whose outputs were cut within another layer's group is cut, not "left uncut"
         originals = {**self.layer_channels, **self.original_channels}
         counts = channel_counts(model, list(originals))
