@@ -799,6 +799,43 @@ def test_a_loss_inside_a_fullgraph_part_trains_next_to_a_scorer(where, how):
         trainer.fit(model, _data())
 
 
+class _SmallPerSample(pl.LightningModule):
+    """Returns its per-sample losses for an OutputKeyScorer and logs nothing (Lightning's `self.log` inside a
+    fullgraph-compiled training_step is a graph break of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(8, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        per_sample = F.cross_entropy(self.net(x), y, reduction="none")
+        return {"loss": per_sample.mean(), "per_sample": per_sample.detach()}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("how", ["model.compile(fullgraph=True)", "torch.compile(model, fullgraph=True)"])
+def test_a_whole_module_compiled_with_fullgraph_trains_next_to_a_scorer(how):
+    # a scorer needs no capture: the fullgraph training_step that is refused without one trains with one
+    torch._dynamo.reset()
+    model = _SmallPerSample()
+    if how.startswith("model."):
+        model.compile(fullgraph=True)
+    else:
+        model = torch.compile(model, fullgraph=True)
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(64, 8, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+    )
+    replay = HardSampleReplay(mode="batch", scorer=OutputKeyScorer("per_sample"))
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    assert trainer.global_step == 16 and replay.metrics()["table_seen"] == 64
+
+
 class _TokenTagger(pl.LightningModule):
     """Tags every token of a sequence; targets of -100 are ignored. Records the samples each step trains on."""
 

@@ -44,6 +44,8 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -589,11 +591,12 @@ class LossCapture:
             averages them over the ``B`` samples (``.mean()``); which reduction the caller applies cannot be
             seen, and a plain ``.sum()`` trains on ``B / offered`` of the offered batch's sum.
         offered: how many samples ``sample_weights`` stand for (``n >= B``); ``None``: ``B``.
-        batch: the batch the block trains on, for the first dimensions of its tensors only (not kept): a
-            call whose rows do not split into ``B`` samples but that reads a tensor of the batch's ``N`` rows
-            (a graph batch's nodes, packed sequences' tokens), as its target or as a layer's input, is on the
-            batch's rows, and makes the step unsplittable; without it, such a call is left out as a penalty on
-            the weights is.
+        batch: the batch the block trains on, for the row counts and storage of its tensors only (not kept):
+            a call whose rows do not split into ``B`` samples but that reads a tensor of the batch's ``N`` rows
+            (a graph batch's nodes, packed sequences' tokens, also a ``(1, N)`` row of them or a view such as
+            ``ids[None]``), as its target (or a slice of it: ``ids[1:]``) or as a layer's input, is on the
+            batch's rows, and makes the step unsplittable, also with ``N - 1`` rows (a next-token shift); without
+            it, such a call is left out as a penalty on the weights is.
 
     Example::
 
@@ -634,8 +637,11 @@ class LossCapture:
             for leaf in tree_leaves(batch)
             if isinstance(leaf, Tensor) and leaf.dim() >= 1 and leaf.shape[0] != batch_size
         ]
-        self._batch_rows = frozenset(int(leaf.shape[0]) for leaf in packed)
+        self._batch_rows = frozenset(count for leaf in packed for count in _row_counts(leaf))
         self._batch_storages = frozenset(_storage_key(leaf) for leaf in packed)
+        # call sites whose graph was walked and read no batch tensor of their rows' count: not walked again
+        # (a walk that finds nothing runs to its node limit, ms per call); StepLossCaptures shares it over a fit
+        self.unread_sites: set[tuple[Any, ...]] = set()
         self.records: list[CapturedLoss] = []
         self.compiled_calls: list[str] = []  # losses traced into a torch.compile graph: not capturable
         # per watched loss (watch_loss): [d backpropagated / d loss, summed over backward calls; divided_by]
@@ -1109,7 +1115,7 @@ class LossCapture:
                 "`torch.cat` of two views of the batch, or a repeat puts each sample's rows apart), so which "
                 "rows belong to which sample cannot be known"
             )
-        elif self._reads_packed_rows(rows, arguments, record.shape[0]):
+        elif self._reads_packed_rows(record, rows, arguments):
             # a node loss on a graph batch, a token loss on packed sequences: N rows of the batch, not a
             # multiple of B. Left out as a penalty, the score was the other terms alone, and whether a step
             # refused depended on whether its N happened to be a multiple of B
@@ -1123,27 +1129,40 @@ class LossCapture:
         record.maps_onto_batch = False
         record.on_batch_rows = True
 
-    def _reads_packed_rows(self, rows: dict[str, Tensor], arguments: dict[str, Any], count: int) -> bool:
-        """Whether a call of ``count`` rows (not a multiple of ``B``) is computed on the batch's rows: its target,
-        or a tensor its rows' autograd graph read (a layer's input, token ids), is one of the batch's tensors
-        of ``count`` rows. A term of a constant size (a load-balancing loss over ``E`` experts), over the weights,
-        or on a table of the module's own reads none: a penalty, left out."""
-        if count not in self._batch_rows:
-            return False
+    def _reads_packed_rows(
+        self, record: CapturedLoss, rows: dict[str, Tensor], arguments: dict[str, Any]
+    ) -> bool:
+        """Whether a call of ``count`` rows (not a multiple of ``B``) is computed on the batch's rows: its target
+        is (a view of) a batch tensor of ``count`` rows, or a tensor its rows' autograd graph read (a layer's
+        input, token ids) is a batch tensor of ``count`` rows, or of ``count + 1`` (a next-token shift,
+        ``logits[:-1]``). Rows are counted along the first dimension, the first two flattened (a ``(1, T)`` row
+        of packed tokens) or all elements. A term of a constant size (a load-balancing loss over ``E``
+        experts), over the weights, or on a table of the module's own reads none: a penalty, left out."""
+        count = record.shape[0]
         target = arguments.get("target")
         if isinstance(target, Tensor) and self._is_packed_batch_tensor(target, count):
             return True
-        return any(
+        if count not in self._batch_rows and count + 1 not in self._batch_rows:
+            return False
+        site = (record.name, _call_site(), record.shape[1:])
+        if site in self.unread_sites:
+            return False
+        found = any(
             _reads(tensor, functools.partial(self._is_packed_batch_tensor, count=count))
             for tensor in rows.values()
         )
+        if not found:
+            self.unread_sites.add(site)
+        return found
 
     def _is_packed_batch_tensor(self, tensor: Tensor, count: int) -> bool:
+        # by storage, so that a view the module reads (`ids[None]`, `ids[1:]`) is the batch tensor it views
         return (
             not tensor.requires_grad
             and tensor.dim() >= 1
-            and tensor.shape[0] == count
+            and bool(self._batch_storages)
             and _storage_key(tensor) in self._batch_storages
+            and not _row_counts(tensor).isdisjoint((count, count + 1))
         )
 
     def _check_rows_are_samples(self, record: CapturedLoss, arguments: dict[str, Any]) -> None:
@@ -1315,6 +1334,29 @@ def _reads(tensor: Tensor, wanted: Callable[[Tensor], bool], limit: int = 2000) 
                 seen.add(child)
                 stack.append(child)
     return False
+
+
+def _row_counts(tensor: Tensor) -> frozenset[int]:
+    """The row counts a loss over ``tensor``'s rows may have: its first dimension, its first two flattened (a
+    ``(1, T)`` row of packed tokens, read as ``T`` rows) and its elements."""
+    counts = {int(tensor.shape[0]), tensor.numel()}
+    if tensor.dim() >= 2:
+        counts.add(int(tensor.shape[0]) * int(tensor.shape[1]))
+    return frozenset(counts)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _call_site() -> tuple[str, int]:
+    """File and line of the loss call in the caller's code: the first frame outside this module and torch
+    (``nn.CrossEntropyLoss`` calls the functional form from torch)."""
+    frame = sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_TORCH_DIR)
+    ):
+        frame = frame.f_back
+    return ("", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
 
 def _storage_key(tensor: Tensor) -> int:
@@ -1813,9 +1855,11 @@ class StepLossCaptures:
         self.closed: LossCapture | None = None
         self._open: LossCapture | None = None
         self._scope: Any = None
+        self._unread_sites: set[tuple[Any, ...]] = set()  # LossCapture.unread_sites, over the fit's steps
 
     def start(self) -> None:
         """Enter the fit-long scope (once)."""
+        self._unread_sites = set()  # a new fit may train another module
         if self._scope is None:
             self._scope = loss_capture_scope()
             self._scope.__enter__()
@@ -1833,6 +1877,7 @@ class StepLossCaptures:
         self._open = LossCapture(
             batch_size=batch_size, sample_weights=sample_weights, offered=offered, batch=batch
         )
+        self._open.unread_sites = self._unread_sites
         self._open.__enter__()
 
     def close(self) -> None:

@@ -288,6 +288,15 @@ class ReplayBatchLifecycle:
         # the fit's first batch of two or more samples (one of 1 is never cut, and looks like any layout)
         if self.mode == "batch" and not self._structure_checked and batch_size >= 2:
             reason = cut_refusal(batch, batch_size)
+            rows = unmatched_rows(batch, batch_size)
+            if reason is not None and rows is not None and rows > batch_size:
+                # steps mode takes the batch whole, and then refuses a loss over its packed rows: the way
+                # out there is a scorer, said now, not after a second refusal
+                reason = (
+                    f"{reason} It holds {rows} packed rows for its {batch_size} samples (a graph batch's "
+                    "nodes, packed sequences' tokens): in mode='steps' a loss over them does not split into "
+                    f"samples either, so also {SCORE_PACKED_ROWS}."
+                )
             # a batch that lost rows (a collate_fn dropped samples) has no part of B rows whatever its layout,
             # and is not cut: the next full batch tells its layout. One with more rows than indices and none of
             # B (a graph batch's nodes) never holds a row per index: its layout is judged now

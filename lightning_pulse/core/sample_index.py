@@ -347,8 +347,11 @@ def unmatched_rows(batch: Any, *counts: int) -> int | None:
 
     The rows are the most common first dimension of its tensors; they may be one of ``counts`` when a
     tensor has one as its first or second dimension (time-major, ``(T, B)``), or when it holds no tensor of
-    rank >= 1.
+    rank >= 1. A batch of sequences packed into one row (:func:`packed_sequence_rows`) holds its tokens' rows.
     """
+    packed = packed_sequence_rows(batch, max(counts))
+    if packed is not None:
+        return packed
     shapes = [tensor.shape for tensor in batch_tensors(batch) if tensor.dim() > 0]
     if not shapes or any(shape[0] in counts or (len(shape) > 1 and shape[1] in counts) for shape in shapes):
         return None
@@ -356,9 +359,31 @@ def unmatched_rows(batch: Any, *counts: int) -> int | None:
     return max(set(sizes), key=sizes.count)
 
 
+def packed_sequence_rows(batch: Any, drawn: int) -> int | None:
+    """The token count ``T`` of a batch that packs its ``drawn`` sequences into one row of ``T`` tokens (HF's
+    ``DataCollatorWithFlattening``: ``input_ids``, ``labels`` and ``position_ids`` each ``(1, T)``), else
+    ``None``. Told by every tensor being ``(1, T)`` with ``T >= drawn``, or by ``position_ids`` ``(1, T)`` that
+    restart within the row (next to flash-attention's ``cu_seq_lens``): one row for several indices is not a
+    batch that lost samples, and no later batch holds a row per index."""
+    tensors = [tensor for tensor in batch_tensors(batch) if tensor.dim() > 0]
+    if drawn < 2 or not tensors or any(tensor.shape[0] == drawn for tensor in tensors):
+        return None
+    lengths = {int(tensor.shape[1]) for tensor in tensors if tensor.dim() == 2 and tensor.shape[0] == 1}
+    if len(lengths) != 1 or (length := lengths.pop()) < drawn:
+        return None
+    if all(tensor.dim() == 2 and tensor.shape[0] == 1 for tensor in tensors):
+        return length
+    positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
+    if isinstance(positions, Tensor) and tuple(positions.shape) == (1, length) and length > 1:
+        if bool((positions[0, 1:] <= positions[0, :-1]).any()):  # a new sequence starts at a lower position
+            return length
+    return None
+
+
 def rows_short_of_indices(batch: Any, *counts: int) -> int | None:
     """:func:`unmatched_rows` when they are fewer than the most of ``counts`` (a collate_fn dropped samples);
-    ``None`` also for a batch holding more rows than indices (packed rows: a graph batch's nodes)."""
+    ``None`` also for a batch holding more rows than indices (packed rows: a graph batch's nodes, sequences
+    packed into one row)."""
     rows = unmatched_rows(batch, *counts)
     return rows if rows is not None and rows < max(counts) else None
 
@@ -381,7 +406,9 @@ def unmatched_rows_cause(rows: int, drawn: int) -> str:
 SCORE_PACKED_ROWS = (
     "set `scorer=` to a PerSampleScorer that returns one loss per sample, e.g. "
     "lightning_pulse.core.per_sample_loss.OutputKeyScorer(key='per_sample_loss') with training_step returning "
-    "{'loss': loss, 'per_sample_loss': per_graph}, each sample's mean over its rows: "
-    "`per_graph = torch.zeros(B).index_add_(0, batch['batch'], per_node) / counts` of the "
-    "`reduction='none'` loss (or a per-sample loss term in the loss itself, which is then captured)"
+    "{'loss': loss, 'per_sample_loss': per_sample}, each sample's mean over its rows: "
+    "`per_sample = torch.zeros(B).index_add_(0, sample_of_row, per_row) / counts` of the "
+    "`reduction='none'` loss, where sample_of_row is each row's sample (a graph batch's `batch` vector; for "
+    "packed sequences `(position_ids[0] == 0).cumsum(0) - 1`, or read from `cu_seqlens`) (or a per-sample loss "
+    "term in the loss itself, which is then captured)"
 )
