@@ -91,6 +91,19 @@ class TemporaryFreezer(Protocol):
     def temporarily_frozen(self, pl_module: pl.LightningModule) -> list[str]: ...
 
 
+@runtime_checkable
+class StepUndoer(Protocol):
+    """A callback that may drop the update of the optimizer step in flight (skip it, undo it by a rollback, or
+    stop): :class:`~lightning_pulse.StabilityGuard`. ``undoes_step(step)`` says whether the update of the step
+    that leaves the counter at ``step`` is or will be dropped, asked at that step's batch end, before or after
+    the undoer's own batch end (whatever the callbacks' order). A callback that changes the model there asks
+    first (:func:`step_undone`) and waits for an applied step: a change made on weights about to be rolled
+    back is chosen from bad values, and the rollback finds no snapshot that fits a model cut since
+    (:class:`~lightning_pulse.ScheduledPrune` defers its event)."""
+
+    def undoes_step(self, step: int) -> bool: ...
+
+
 _Contract = TypeVar("_Contract")
 
 
@@ -142,3 +155,10 @@ def tell_weights_changed(
             callback.on_pulse_parameters_replaced(trainer, pl_module, remap)
     for changed in listeners(trainer, WeightsChangedListener, exclude=exclude):
         changed.on_pulse_weights_changed(trainer, pl_module)
+
+
+def step_undone(trainer: pl.Trainer, step: int) -> bool:
+    """Whether a :class:`StepUndoer` of ``trainer`` drops the update of the optimizer step that leaves the
+    counter at ``step``. DDP ranks get the same answer where the undoers decide alike (StabilityGuard: on
+    all-reduced numbers)."""
+    return any(undoer.undoes_step(step) for undoer in listeners(trainer, StepUndoer))

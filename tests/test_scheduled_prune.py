@@ -1672,7 +1672,8 @@ def test_a_rollback_to_a_snapshot_from_before_the_first_event_undoes_the_masks_w
     assert record.rows[27][1:] == (0.0, 0.0, 0.0, [])  # back to the step-10 snapshot: nothing pruned
     for step, (_, mask_zeros, weight_zeros, sparsity, _) in record.rows.items():
         assert mask_zeros == pytest.approx(sparsity, abs=2e-3) and weight_zeros == mask_zeros, step
-    assert [event["step"] for event in prune.events] == [28, 32, 36, 40]  # redone at the next step
+    # redone at the next applied step: 28 and 29 are the skips after the rollback, whose updates are dropped
+    assert [event["step"] for event in prune.events] == [30, 34, 38, 40]
     assert prune.finished and record.rows[50][1] == pytest.approx(0.6, abs=2e-3)
 
 
@@ -1758,8 +1759,10 @@ def test_a_rollback_to_the_start_of_a_resumed_fit_undoes_the_events_since_and_ke
     folded = trainer.callbacks[0].sparsity
 
     prune = ScheduledPrune(**options)
-    guard = StabilityGuard(warmup=5, window=20, snapshot_every=10, rollback_after=2, rollback_margin=5)
-    # read before ScheduledPrune's batch end (which redoes the undone events at once) and after it
+    guard = StabilityGuard(
+        warmup=5, window=20, snapshot_every=10, rollback_after=2, rollback_margin=5, skip_after_rollback=2
+    )
+    # read before ScheduledPrune's batch end (which redoes the undone events) and after it
     before_redo, record = MasksAndRecord(prune, guard), MasksAndRecord(prune, guard)
     trainer = pl.Trainer(callbacks=[guard, before_redo, prune, record], **trainer_kwargs(max_steps=30))
     trainer.fit(_SpikesAt(range(18, 21)), _linear_data(), ckpt_path=tmp_path / "pruned.ckpt")
@@ -1773,7 +1776,9 @@ def test_a_rollback_to_the_start_of_a_resumed_fit_undoes_the_events_since_and_ke
     for rows in (before_redo.rows, record.rows):
         for step, (_, mask_zeros, weight_zeros, sparsity, _) in rows.items():
             assert mask_zeros == pytest.approx(sparsity, abs=2e-3) and weight_zeros == mask_zeros, step
-    assert record.rows[rolled_back][3] == 0.6  # redone in the rollback's own batch end
+    # not redone in the rollback's own step nor the two skipped after it (their updates are dropped): at the
+    # first applied step
+    assert record.rows[rolled_back + 2][3] == pytest.approx(folded) and record.rows[rolled_back + 3][3] == 0.6
 
 
 def test_a_warning_from_the_prune_core_points_at_the_callbacks_hook():

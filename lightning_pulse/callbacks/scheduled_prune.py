@@ -35,7 +35,7 @@ from lightning_pulse.core.prune_setup import PRUNE_EVERY_DEFAULT, PruneOptions, 
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PhaseChange
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
-from lightning_pulse.protocols import tell_weights_changed
+from lightning_pulse.protocols import step_undone, tell_weights_changed
 
 __all__ = ["DistillConfig", "PruneOptions", "ScheduledPrune"]
 
@@ -61,8 +61,8 @@ class ScheduledPrune(Callback):
     Events are logged under ``prune/`` and kept in :attr:`events` and in checkpoints, which resume
     mid-schedule into a freshly built module (outside a Trainer: :meth:`load_pruned`). A
     :class:`~lightning_pulse.StabilityGuard` rollback restores this callback with the model; an undone event
-    is redone at the next chance. Single-device and DDP; under ``ddp_spawn``/``ddp_fork`` only unstructured
-    mode with ``make_permanent=True`` (Lightning copies rank 0's weights back into the unpruned module).
+    is redone at the next chance, one due in a step the guard drops at the next applied step. Single-device
+    and DDP; under ``ddp_spawn``/``ddp_fork`` only unstructured mode with ``make_permanent=True``.
 
     Args:
         final_sparsity: share of weights (unstructured) or of channels of the chosen layers (structured)
@@ -244,14 +244,14 @@ class ScheduledPrune(Callback):
         core.leave_out_substituted(pl_module)  # after the first step's forwards (once; before any mask)
         if core.window is not None and core.window.step(steps):
             self._end_distillation(trainer)
-        if not core.uses_maintain and self.schedule.due(trainer.global_step):
+        if core.event_due(trainer.global_step) and not step_undone(trainer, trainer.global_step):
             self._prune_event(trainer, pl_module, trainer.global_step, maintain_entry=False)
 
     def on_pulse_phase_change(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange
     ) -> None:
         """Called by PulseCycle on every rank: prune when a maintain phase starts."""
-        window_ends, due = self.core.after_phase_change(change)
+        window_ends, due = self.core.after_phase_change(change, step_undone(trainer, trainer.global_step))
         if window_ends:
             self._end_distillation(trainer)
         if due:
@@ -281,7 +281,7 @@ class ScheduledPrune(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self._one_run.restored():  # loaded by validate, test or predict: no resume
             return
-        self.core.load_state_dict(state_dict)
+        self.core.load_state_dict(state_dict, rollback=self._training)
         if not self._training and "user_frozen" in state_dict:  # a resume: the run's own frozen set
             self._restored_frozen = frozenset(state_dict["user_frozen"])
         trainer = self._trainer_ref()

@@ -115,6 +115,15 @@ class StabilityGuard(Callback):
         doc="The step of the newest snapshot, or of a newer one left out (its state held non-finite values).",
     )
     snapshots_taken = property(lambda self: self.schedule.taken, doc="Snapshots taken in this fit.")
+    undoes_step = property(lambda self: self._record.undoes, doc=steps.StepRecord.undoes.__doc__)
+    bad_samples = property(
+        lambda self: self.core.bad_samples,
+        doc='Data faults\' samples, ``{"step", "batch_idx", "rows", "indices"}``, newest last (checkpointed).',
+    )
+    steps_lost = property(
+        lambda self: self.policy.steps_lost,
+        doc="Optimizer steps whose work is not in the model: skipped ones plus those undone by rollbacks.",
+    )
 
     @names_itself
     def __init__(
@@ -145,16 +154,6 @@ class StabilityGuard(Callback):
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
         self._fixed_key = "burst" if self.config.per_phase_baselines else "all"  # the key without one
         self._energy = StepEnergy()
-
-    @property
-    def bad_samples(self) -> list[dict[str, Any]]:
-        """The samples of data faults, ``{"step", "batch_idx", "rows", "indices"}``, newest last (checkpointed)."""
-        return self.core.bad_samples
-
-    @property
-    def steps_lost(self) -> int:
-        """Optimizer steps whose work is not in the model: skipped ones plus those undone by rollbacks."""
-        return self.policy.steps_lost
 
     def metrics(self) -> dict[str, float]:
         """The stability figures of the run so far, as logged under ``stability/``."""
@@ -209,7 +208,8 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         # after the accumulation window, DDP's all-reduce and the AMP unscale; before clipping
-        record, step, losses = self._record, trainer.global_step, self._record.take_losses()
+        record, step = self._record, trainer.global_step
+        losses = record.take_losses(step + 1)  # the counter this step leaves, for the step's batch end
         decided = record.decided_before_judging(self.policy)  # a forced skip, or a later closure evaluation
         if decided is not None and decided is not Action.APPLY:
             return self._changes.skip(optimizer, self._keep_gradients)

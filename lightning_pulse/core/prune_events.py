@@ -64,6 +64,7 @@ class PruneEvents:
         uses_maintain: whether events happen at maintain-phase starts (:meth:`plan_cadence`).
         pending_teacher: the distillation state a load brought, until :meth:`restore_teacher` reopens it.
         last_step: the optimizer step the callback's batch-end hook last counted.
+        deferred: a maintain-cadence event waits for the next applied step (:meth:`after_phase_change`).
         example: structured: the trace input, checked on the first batch (:meth:`select`,
             :meth:`example_from`).
     """
@@ -83,6 +84,7 @@ class PruneEvents:
         self.uses_maintain: bool | None = None  # decided at the first fit start, kept by a checkpoint
         self.pending_teacher: dict[str, Any] | None = None
         self.last_step = 0
+        self.deferred = False
         self.example: Any = None
         self._fitter_handle: Any = None
         self._masked_at_setup: list[str] = []  # the layers masked when a stage set up (fit_loads)
@@ -208,13 +210,24 @@ class PruneEvents:
             self.own_weights.start(selection.layers)
         self.info(setup_summary(self.pruner.mode, model, selection, self.schedule, bool(self.uses_maintain)))
 
-    def after_phase_change(self, change: PhaseChange) -> tuple[bool, bool]:
+    def after_phase_change(self, change: PhaseChange, undone: bool = False) -> tuple[bool, bool]:
         """At a PulseCycle phase ``change``: whether it ends the distillation window (the caller closes it)
         and whether it is an event's chance (a maintain phase starts, not at a resume, on the maintain
-        cadence)."""
+        cadence). In a step whose update is ``undone`` (a StabilityGuard skip or rollback), the chance waits
+        for the next applied step (:attr:`deferred`, :meth:`event_due`): a cut there is chosen from
+        magnitudes about to be dropped, and a structured one left the guard no snapshot that fits the model,
+        so a held-out sweep's recoverable NaN burst stopped the fit where PulseCycle was listed first."""
         window_ends = self.window is not None and self.window.ends_with(change)
         maintain_entry = change.current is Phase.MAINTAIN and change.reason != "resume"
-        return window_ends, bool(self.uses_maintain) and maintain_entry
+        due = bool(self.uses_maintain) and maintain_entry
+        self.deferred = self.deferred or (due and undone)
+        return window_ends, due and not undone
+
+    def event_due(self, step: int) -> bool:
+        """At the batch end of the optimizer step that leaves the counter at ``step``: whether an event's
+        chance is due, a deferred one (:meth:`after_phase_change`) or the step cadence's. The caller asks
+        whether the step's update is undone before taking it (:meth:`advance`); if so it stays due."""
+        return self.deferred or (not self.uses_maintain and self.schedule.due(step))
 
     def advance(self, step: int) -> float | None:
         """Take the chance to prune at optimizer ``step`` (:meth:`PruneSchedule.advance
@@ -222,7 +235,9 @@ class PruneEvents:
         always at or after :attr:`run_end`. A chance there comes after the run's last batch (a maintain phase
         starting at ``max_steps``, a step cadence landing on it): a cut then reaches the delivered model with
         no step to recover, as a held-out sweep's digits MLP did (0.46 to 0.50, probe val_loss 0.564 to
-        0.593), while the fit-start plan, which counts chances before the run's end only, said 0.46."""
+        0.593), while the fit-start plan, which counts chances before the run's end only, said 0.46. Takes
+        a deferred chance too (:attr:`deferred`)."""
+        self.deferred = False
         return None if step >= self.run_end else self.schedule.advance(step)
 
     def end_fit(self, model: nn.Module, step: int, fold: bool) -> None:
@@ -333,8 +348,8 @@ class PruneEvents:
     # ------------------------------------------------------------------ checkpoints and rollbacks
     def state_dict(self) -> dict[str, Any]:
         """The schedule's and the pruner's state, the event records, the layers the user froze, the cadence
-        decided and, while a distillation window is open, its teacher."""
-        state = {**self.schedule.state_dict(), **self.pruner.state_dict()}
+        decided, a deferred chance and, while a distillation window is open, its teacher."""
+        state = {**self.schedule.state_dict(), **self.pruner.state_dict(), "deferred_event": self.deferred}
         state["events"] = [dict(event) for event in self.events]
         state["user_frozen"], state["uses_maintain"] = sorted(self.pruner.user_frozen), self.uses_maintain
         state["mode"] = self.pruner.mode
@@ -343,9 +358,12 @@ class PruneEvents:
             state["teacher"] = teacher
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], rollback: bool = False) -> None:
         """Load a :meth:`state_dict`; its teacher waits in :attr:`pending_teacher` (see
-        :meth:`restore_teacher`) and the masked layers are found again at the next refresh."""
+        :meth:`restore_teacher`) and the masked layers are found again at the next refresh. A ``rollback``
+        keeps a deferred chance: the maintain phase it waits for began (the clock does not go back), and an
+        event taken since the snapshot held a deferred one is undone and redone at the next applied step."""
+        self.deferred = bool(state.get("deferred_event", False)) or (rollback and self.deferred)
         self.schedule.load_state_dict(state)
         self.pruner.load_state_dict(state)
         self.events = [dict(event) for event in state["events"]]

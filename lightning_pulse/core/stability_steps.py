@@ -267,6 +267,8 @@ class StepRecord:
         # batch_idx -> the dataset indices of the samples it trained, where a callback cut it in place
         self.trained: dict[int, Tensor] = {}
         self.decided: Action | None = None  # the current optimizer step's action, until its batch end
+        self.ended: tuple[int, Action] | None = None  # the last decided step's counter and action, once ended
+        self.step_after = -1  # the counter the step in flight leaves (told with its losses)
         self.forced = False  # whether the last decided step was a forced skip (after a rollback)
         self.cut = cut
         # the loss of the step being judged (mean over the window and ranks) and its baseline key: what the
@@ -293,8 +295,10 @@ class StepRecord:
         """The generator states of this step's micro-batches and of the reference's, by ``batch_idx``."""
         return self.drawn, self.reference_drawn
 
-    def take_losses(self) -> list[Any]:
-        """The losses recorded since the last call (read at each closure evaluation, with the grad norm)."""
+    def take_losses(self, step_after: int = -1) -> list[Any]:
+        """The losses recorded since the last call (read at each closure evaluation, with the grad norm), for
+        the step that leaves the counter at ``step_after`` (what :meth:`end` records)."""
+        self.step_after = step_after
         losses, self.losses = self.losses, []
         self.evaluations += 1
         return losses
@@ -305,12 +309,21 @@ class StepRecord:
         action, self.decided = self.decided, None
         if action is None:
             return None
+        self.ended = (self.step_after, action)
         if action is Action.APPLY:
             self.reference = self.batches  # an ordinary batch, for the rollback test
             self.reference_drawn = self.drawn
             self.repeats = self.repeats or self.evaluations > 1
         self.batches, self.drawn, self.trained, self.evaluations = [], {}, {}, 0
         return action
+
+    def undoes(self, step: int) -> bool:
+        """Whether the update of the optimizer step that leaves the counter at ``step`` is dropped (skipped,
+        undone by a rollback, or the run stops): the step in flight, decided with its batch end to come, or the
+        one that ended at ``step`` (:class:`~lightning_pulse.protocols.StepUndoer`)."""
+        if self.decided is not None:
+            return self.decided is not Action.APPLY
+        return self.ended is not None and self.ended[0] == step and self.ended[1] is not Action.APPLY
 
     def drop_window(self, ended: bool) -> None:
         """At the end of a batch with nothing decided: where its accumulation window ``ended`` all the same (a
@@ -415,6 +428,10 @@ class StabilityCore:
         self.left_out: tuple[int, list[str]] | None = None
         # the newest snapshot that a rollback found fitting the model but not its optimizers or schedulers
         self.unfit_optimizers_after: int | None = None
+        # the step of the last structured cut a ParametersReplacedListener heard of, and the one a rollback
+        # found no snapshot after (no_snapshot_message names it: the stop is then not a change outside)
+        self.replaced_at: int | None = None
+        self.cut_unsnapshotted: int | None = None
         # the step this fit started at: its snapshot predates the fit's first forward
         self.fit_start: int | None = None
         # the step after the fit's first applied step (the fit's start, where that step overflowed a value)
@@ -518,7 +535,7 @@ class StabilityCore:
         run it resumes (to the resumed snapshot instead, it undid a skipped spike's statistics kept since)."""
         refuse_unconsolidated_optimizers(optimizers)
         self.schedule.pending, self.rollback_to, self.left_out = False, None, None
-        self.unfit_optimizers_after = None
+        self.unfit_optimizers_after = self.replaced_at = self.cut_unsnapshotted = None
         self.fit_start, self.first_forward, self.overflow_warned = step, None, False
         self.applied_through = step
         self.unchecked_data_faults, self.presumption_warned = 0, False
@@ -1087,6 +1104,9 @@ class StabilityCore:
             # after the change to snapshot (no_snapshot_message says what helps then)
             fitting = [snapshot.step for snapshot in held if snapshot.fits(model)]
             self.unfit_optimizers_after = max(fitting) if fitting else None
+            newest = max((snapshot.step for snapshot in held), default=None)
+            cut = self.replaced_at  # at a snapshot's own step: StabilityGuard listed first took it before
+            self.cut_unsnapshotted = cut if cut is not None and (newest is None or cut >= newest) else None
             optimizers = "its optimizers' classes or parameter groups"
             why = f"fits the model any more (or {optimizers}, or its LR schedulers)"
             if self.left_out is not None:
@@ -1118,7 +1138,8 @@ class StabilityCore:
         self.policy.stop(step, to_step)
         path = stop_checkpoint_path(self.config, root_dir, step)
         if action is Action.ROLLBACK:
-            return no_snapshot_message(step, path, self.left_out, self.unfit_optimizers_after), path
+            unfit = (self.left_out, self.unfit_optimizers_after, self.cut_unsnapshotted)
+            return no_snapshot_message(step, path, *unfit), path
         return stop_message(self.policy, step, to_step, recent_rollbacks, path), path
 
     def parameters_replaced(self, step: int, model: nn.Module | None = None) -> None:
@@ -1129,6 +1150,7 @@ class StabilityCore:
         :meth:`PreStepBuffers.clear`: a step skipped before the next applied one set back only what was
         non-finite where no snapshot followed the prune)."""
         self.schedule.pending = self.schedule.pending or self.policy.healthy
+        self.replaced_at = step
         self.pre_step.clear(learn_after=step, keep=model)
 
     def request_maintain_snapshot(self, change: PhaseChange, probe: Mapping[str, float]) -> None:
@@ -1333,10 +1355,12 @@ def no_snapshot_message(
     path: str,
     left_out: tuple[int, Sequence[str]] | None = None,
     unfit_optimizers_after: int | None = None,
+    cut_at: int | None = None,
 ) -> str:
     """Why a rollback found no snapshot to return to, and what helps: ``left_out``, the step since which
     snapshots were left out and what was non-finite; ``unfit_optimizers_after``, the newest snapshot that
-    still fits the model, not its optimizers or LR schedulers (they changed after it)."""
+    still fits the model, not its optimizers or LR schedulers (they changed after it); ``cut_at``, the step
+    of a structured pruning event no snapshot followed (the model's structure changed there)."""
     if left_out is not None:
         since, names = left_out
         return (
@@ -1363,6 +1387,20 @@ def no_snapshot_message(
             "start, which the guard snapshots: load the weights of a checkpoint saved before the change (or "
             "this one's) into a new run (YourModule.load_from_checkpoint(path), then trainer.fit) whose "
             "`configure_optimizers` returns the new optimizer and schedulers."
+        )
+    if cut_at is not None:
+        # a snapshot follows a cut at its first healthy applied step whatever `snapshot_every`; ScheduledPrune
+        # cuts in no step the guard drops (StepUndoer), so the cut came in an applied step of the incident
+        return (
+            f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the "
+            f"model any more: ScheduledPrune cut channels at step {cut_at}, and no healthy step came after "
+            "the cut to snapshot before this incident needed a rollback (the cut came inside the incident, "
+            "or StabilityGuard was listed before PulseCycle and ScheduledPrune and the next step was "
+            "flagged), so a rollback would load the uncut state into the cut model. More frequent snapshots "
+            f"would not help. The checkpoint {path!r} holds the current state. List StabilityGuard after "
+            "PulseCycle and ScheduledPrune (it then snapshots a cut in the cut's own step); inspect the data "
+            "and learning rate around the flagged steps, and resume from a checkpoint saved before step "
+            f"{cut_at} (`ckpt_path`)."
         )
     return (
         f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the "
