@@ -853,6 +853,34 @@ class DecayEveryParameter(torch.optim.Optimizer):
         return loss
 
 
+class HandWrittenSGD(torch.optim.Optimizer):
+    """Plain SGD outside ``torch.optim`` (so GradientCache checks it); skips parameters without a gradient."""
+
+    def __init__(self, params, lr: float = 0.05, wd: float = 0.01) -> None:
+        super().__init__(params, dict(lr=lr, wd=wd))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
+class DecayBeforeItsClosure(HandWrittenSGD):
+    """Decoupled weight decay on every parameter before ``super().step(closure)`` evaluates the closure (the
+    held-out sweep's hand-written Lion): Lightning's ``on_before_optimizer_step`` runs inside that closure."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.mul_(1 - group["lr"] * group["wd"])
+        return super().step(closure)
+
+
 class LookaheadWithoutOptimizerInit(torch.optim.Optimizer):
     """Lookahead as pytorch_optimizer, lonePatient and alphadl write it: ``Optimizer.__init__`` is never called
     (so torch has no step hooks for it), and every ``k`` steps the fast weights are pulled to the slow ones."""
@@ -917,6 +945,10 @@ class _MLP(pl.LightningModule):
             return LookaheadWithoutOptimizerInit(torch.optim.Adam(self.parameters(), lr=0.01))
         if self.optimizer == "hooked-lookahead":
             return HookedLookahead(torch.optim.Adam(self.parameters(), lr=0.01))
+        if self.optimizer == "hand-written-sgd":
+            return HandWrittenSGD(self.parameters())
+        if self.optimizer == "decay-before-closure":
+            return DecayBeforeItsClosure(self.parameters())
         return DecayEveryParameter(self.parameters())
 
 
@@ -966,6 +998,49 @@ def test_an_optimizer_that_moves_gradless_parameters_is_caught_at_the_first_froz
     lifecycle = resumed._lifecycle
     lifecycle.load_optimizer_check(resumed._pending_state["optimizer_check"])  # what on_train_start does
     assert not lifecycle.may_freeze
+
+
+def test_an_optimizer_that_moves_frozen_parameters_before_evaluating_its_closure_is_caught_the_same_way():
+    """Held-out sweep: the copy was taken in ``on_before_optimizer_step``, inside Lightning's closure, after
+    such an optimizer had already decayed the frozen units: ``moved: False``, and 80 of 104 frozen
+    parameter-steps moved. It is taken as the step begins now (a step pre hook)."""
+    HandWrittenSGD([torch.nn.Parameter(torch.zeros(1))])  # torch hooks the base's step too: hooks run nested
+    cache, movement, messages = _fit_frozen_under("decay-before-closure")
+    assert movement.frozen_steps == [5] and movement.moved == []  # checked, put back, then never frozen again
+    assert [(e["step"], e["to"], e["reason"]) for e in cache.events] == [(4, 2, "check"), (5, 0, "optimizer")]
+    (message,) = messages
+    assert "DecayBeforeItsClosure moved the parameters of frozen units" in message
+    state = cache.state_dict()["optimizer_check"]
+    assert state == {"checked": True, "moved": True, "optimizer": "DecayBeforeItsClosure"}
+
+
+def test_the_optimizer_check_hooks_only_the_first_frozen_step_and_no_step_after_it():
+    """The copy taken as the step begins needs a step pre hook: on the step that checks the frozen units only,
+    none before or after (nor after the fit), so a checked optimizer costs nothing per step."""
+
+    class PreHooks(Callback):  # per optimizer step: whether net.0 was frozen at its start, its step pre hooks
+        rows: list[tuple[int, bool, int]] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.frozen = not pl_module.net[0].weight.requires_grad
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            hooks = len(trainer.optimizers[0]._optimizer_step_pre_hooks)
+            self.rows.append((trainer.global_step, self.frozen, hooks))
+
+    cache, watch = GradientCache(check_every=4, freeze_for=8, threshold=1.0, max_frozen_share=1.0), PreHooks()
+    trainer = pl.Trainer(max_steps=30, callbacks=[cache, watch], **trainer_kwargs())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_MLP("hand-written-sgd"), _small_data())
+    frozen = [step for step, is_frozen, _ in watch.rows if is_frozen]
+    assert len(frozen) > 10 and [step for step, _, hooks in watch.rows if hooks] == frozen[:1]
+    check = cache._lifecycle.optimizer_check
+    assert check.checked and not check.moved and cache._lifecycle.may_freeze
+    assert (
+        not trainer.optimizers[0]._optimizer_step_pre_hooks
+        and not trainer.optimizers[0]._optimizer_step_post_hooks
+    )
 
 
 def test_torch_adamw_with_weight_decay_skips_gradless_parameters_and_is_never_copied(monkeypatch):

@@ -1660,6 +1660,44 @@ def test_the_gradless_step_check_checks_each_parameter_the_first_time_it_is_froz
     assert check.moved and torch.equal(decayed, before)  # put back for that step
 
 
+class _DecayBeforeItsClosure(torch.optim.Optimizer):
+    """Decays every parameter, then evaluates its closure (a hand-written Lion with decoupled decay)."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.mul_(0.5)
+        if closure is not None:
+            closure()
+
+
+@pytest.mark.parametrize("closure_in_step", [True, False])
+def test_the_gradless_step_check_copies_before_the_step_whether_it_or_a_precision_plugin_runs_the_closure(
+    closure_in_step,
+):
+    # held-out sweep: before_step runs in the closure (Lightning's on_before_optimizer_step), after this
+    # optimizer's decay, so its copy held the moved values; armed, the copy is taken as the step begins.
+    # AMP's GradScaler evaluates the closure before the step: there before_step's own copy precedes the step
+    frozen = nn.Parameter(torch.ones(3))
+    optimizer = _DecayBeforeItsClosure([frozen, nn.Parameter(torch.ones(3))])
+    check = GradlessStepCheck()
+    check.arm([optimizer], lambda: [frozen])
+    assert len(optimizer._optimizer_step_pre_hooks) == 1
+    if closure_in_step:
+        optimizer.step(lambda: check.before_step([optimizer], [frozen]))
+    else:
+        check.before_step([optimizer], [frozen])
+        optimizer.step()
+    assert check.after_step() is True and check.moved and torch.equal(frozen, torch.ones(3))  # put back
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    check.arm([optimizer], lambda: [frozen])  # nothing freezes any more: no hooks
+    assert not optimizer._optimizer_step_pre_hooks
+
+
 class _SyncEverySecondStep(torch.optim.Optimizer):
     """A Lookahead-like wrapper that calls ``Optimizer.__init__`` (torch hooks its step) around an inner SGD,
     and pulls every parameter halfway to a slow copy on every second step, gradient or not."""

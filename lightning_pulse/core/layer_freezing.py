@@ -1186,6 +1186,17 @@ class FreezerLifecycle:
         self._open_first_forward = False  # also when a retrace at that batch left no freezer to open
         if self.freezer is not None and not self._opened:
             self.backward_reach.arm(self._model, self.freezer.units, self.freezer.frozen_prefix)
+        if self.freezer is not None and self.optimizers:  # the step's frozen set: final before its forward
+            self.optimizer_check.arm(self.optimizers, self._frozen_parameters, self.repeats_closure)
+
+    def _frozen_parameters(self) -> list[nn.Parameter]:
+        """The parameters of the units frozen now (read when an optimizer step begins: the freezer then)."""
+        freezer = self.freezer
+        if freezer is None:
+            return []
+        return [
+            param for unit, frozen in zip(freezer.units, freezer.frozen) if frozen for param in unit.params
+        ]
 
     def begin_backward(self, loss: torch.Tensor) -> None:
         """Before a backward. At the fit's first, before anything is frozen, :func:`check_first_graph` and pin
@@ -1748,11 +1759,14 @@ class GradlessStepCheck:
     torch's optimizers, Lion and HF Adafactor do; one that updates every parameter (decoupled weight decay
     applied before its ``grad is None`` test) moved the units GradientCache reported frozen at every frozen
     step. Unless every optimizer is one of torch's (:func:`skips_gradless_parameters`: no copy, no cost),
-    :meth:`before_step` keeps an exact copy, on the CPU (a frozen prefix of a large model need not fit twice
-    on the accelerator), of the frozen parameters not checked before, for that one step, and
-    :meth:`after_step` compares: if they moved, it puts them back and :attr:`moved` turns freezing off for the
-    rest of the run. Each parameter is checked once, the first time it is frozen (a first prefix in a no-decay
-    group says nothing of a later, larger one). A step the optimizer did not run (a skipped AMP step) checks
+    an exact copy, on the CPU (a frozen prefix of a large model need not fit twice on the accelerator), of the
+    frozen parameters not checked before is kept for that one step, taken as the step begins
+    (:meth:`arm`, :class:`StepStartCopy`), before it evaluates its closure: an optimizer may move them there
+    (decoupled weight decay applied before the closure), and Lightning calls :meth:`before_step` from inside
+    the closure, where such a move was already made and went unseen. :meth:`after_step` compares: if they
+    moved, it puts them back and :attr:`moved` turns freezing off for the rest of the run. Each parameter is
+    checked once, the first time it is frozen (a first prefix in a no-decay group says nothing of a later,
+    larger one). A step the optimizer did not run (a skipped AMP step) checks
     nothing; the next frozen step checks again. Under DDP the frozen parameters and the optimizer are the same
     on every rank, so every rank finds the same; ``agree`` makes that certain.
 
@@ -1777,8 +1791,7 @@ class GradlessStepCheck:
         self._torch_only = False  # every optimizer is one of torch's: nothing to check, ever
         self._verified: set[int] = set()  # ids of the parameters a step left alone while frozen
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._stepped = False
-        self._handles: list[Any] = []
+        self._at_start: StepStartCopy | None = None  # the copy taken as the step under check begins
         self._holding = False  # this step's frozen parameters are put back after it
         self._put_back_after_step = False  # by the hooks, right after it: the batch end writes nothing
         # id -> (frozen parameter, its value when it froze, its version counter then): held optimizers only
@@ -1801,8 +1814,31 @@ class GradlessStepCheck:
         for hooks in self._attached.values():
             for hook in hooks:
                 hook.remove()
+        if self._at_start is not None:
+            self._at_start.remove()
+            self._at_start = None
         self._attached, self._depth, self._copies, self._holding = {}, {}, {}, False
         self._put_back_after_step = False
+
+    def arm(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        frozen: Callable[[], list[torch.Tensor]],
+        repeats_closure: bool = False,
+    ) -> None:
+        """Before a batch's forward: if parameters frozen now (``frozen()``) are not checked yet and an
+        optimizer needs the check (not one of torch's, not held), copy those frozen when its next step begins
+        (:class:`StepStartCopy`); :meth:`after_step` removes the hooks. Checked parameters cost no hook."""
+        if self.moved or self._torch_only or self._at_start is not None:
+            return
+        if all(id(param) in self._verified for param in frozen()):
+            return
+        unknown = [optimizer for optimizer in optimizers if not skips_gradless_parameters(optimizer)]
+        if not unknown or any(holds_frozen_parameters_every_step(o, repeats_closure) for o in unknown):
+            return  # before_step finds nothing to check, or holds them (copied when they join the frozen set)
+        self._at_start = StepStartCopy(
+            unknown, lambda: [param for param in frozen() if id(param) not in self._verified]
+        )
 
     def before_step(
         self,
@@ -1834,9 +1870,12 @@ class GradlessStepCheck:
         unchecked = [param for param in params if id(param) not in self._verified]
         if not unchecked:
             return
-        self._held = [(param, param.detach().to("cpu", copy=True)) for param in unchecked]
-        self._stepped = False
-        self._handles = [optimizer.register_step_post_hook(self._mark_stepped) for optimizer in unknown]
+        if self._at_start is None:  # not armed (a freezer used on its own): the step has not begun yet
+            self._at_start = StepStartCopy(unknown, list)
+        # the copies taken as the step began; taken now where it has not begun: a precision plugin evaluating
+        # the closure before the step (AMP's GradScaler), or not armed
+        taken = self._at_start.take()
+        self._held = [taken.get(id(param)) or (param, _host_copy(param)) for param in unchecked]
 
     def _enter(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._depth[id(optimizer)] = self._depth.get(id(optimizer), 0) + 1
@@ -1862,12 +1901,12 @@ class GradlessStepCheck:
                 self.put_back += 1
             self._copies[id(param)] = (param, copy, param._version)  # the optimizer's own write, same values
 
-    def _mark_stepped(self, *args: Any) -> None:
-        self._stepped = True
-
     @torch.no_grad()
     def after_step(self, agree: Callable[[list[bool]], list[bool]] | None = None) -> bool:
         """After that step: whether it moved the frozen parameters (then put back). ``True`` once, if so."""
+        at_start, self._at_start = self._at_start, None
+        if at_start is not None:  # hooks for the steps of this batch only
+            at_start.remove()
         if self._holding:  # put back after the step already, unless the hooks missed it
             if not self._put_back_after_step:  # else a write since (a rollback) is not the step's: kept
                 self._put_back()
@@ -1875,10 +1914,7 @@ class GradlessStepCheck:
             return False
         if not self._held:
             return False
-        held, self._held, stepped = self._held, [], self._stepped
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        held, self._held, stepped = self._held, [], at_start is not None and at_start.stepped
         moved = stepped and any(not torch.equal(param.detach().cpu(), copy) for param, copy in held)
         if agree is not None:
             stepped, moved = (bool(flag) for flag in agree([stepped, moved]))
@@ -1911,8 +1947,46 @@ class GradlessStepCheck:
             self.optimizer_name = self.optimizer_name or str(state.get("optimizer", ""))
 
     def __getstate__(self) -> dict[str, Any]:  # pickled for spawning strategies and deep-copied: no tensors
-        dropped = {"_held": [], "_handles": [], "_verified": set(), "_holding": False, "_copies": {}}
+        dropped = {"_held": [], "_at_start": None, "_verified": set(), "_holding": False, "_copies": {}}
         return {**self.__dict__, **dropped, "_attached": {}, "_depth": {}}
+
+
+class StepStartCopy:
+    """A host copy of ``frozen()``, taken when a step of one of ``optimizers`` begins (torch's step pre hook,
+    through :func:`~lightning_pulse.core.snapshots.hook_around_steps`), so before the step evaluates its
+    closure, or at :meth:`take` if that comes first; :attr:`stepped` once such a step ended. A subclass's
+    ``super().step()`` runs the hooks again inside its step: only the outermost counts."""
+
+    def __init__(
+        self, optimizers: Iterable[torch.optim.Optimizer], frozen: Callable[[], list[torch.Tensor]]
+    ) -> None:
+        self.frozen, self.stepped = frozen, False
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._depth: dict[int, int] = {}
+        self._handles = [hook for optimizer in optimizers for hook in hook_around_steps(optimizer, self)]
+
+    def take(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The copies, by parameter id (taken now if the step has not begun)."""
+        if self.copies is None:
+            self.copies = {id(param): (param, _host_copy(param)) for param in self.frozen()}
+        return self.copies
+
+    def _enter(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._depth[id(optimizer)] = self._depth.get(id(optimizer), 0) + 1
+        self.take()
+
+    def _leave(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        depth = self._depth[id(optimizer)] = max(0, self._depth.get(id(optimizer), 0) - 1)
+        self.stepped = self.stepped or depth == 0
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _host_copy(param: torch.Tensor) -> torch.Tensor:
+    return param.detach().to("cpu", copy=True)
 
 
 def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
