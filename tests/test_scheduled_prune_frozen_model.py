@@ -94,8 +94,8 @@ def test_a_model_whose_every_layer_is_frozen_is_refused_saying_no_layer_types_he
     trained = "`prompt`" if kind == "prompt" else "`net.0.lora_A`, `net.0.lora_B`, `net.3.lora_A` and 1 more"
     assert f"What trains is {trained}: parameters held outside a layer's `weight`" in said
     assert said.endswith(
-        "Way out: unfreeze the layers to prune, hold trained matrices in `nn.Linear` layers (as peft's LoRA "
-        "holds its adapters) or remove ScheduledPrune."
+        "Way out: unfreeze the layers to prune, hold trained adapter matrices in `nn.Linear` layers (as "
+        "peft's LoRA holds them) or remove ScheduledPrune."
     )
     assert "Choose other `layer_types`" not in said
 
@@ -125,10 +125,93 @@ def test_where_other_layer_types_would_help_the_refusal_still_says_to_choose_the
 
 
 def test_a_frozen_model_whose_trained_layers_exclude_pattern_leaves_out_is_told_to_narrow_it():
+    # review: the message said "no other `layer_types` can help" (true) because "every layer with a `weight`
+    # is frozen" (false: the trained adapters are, but `exclude_pattern` left them out)
     with pytest.raises(PulseRefusal) as refused:
         _fit(_Tuned("linear"), exclude_pattern="lora")
     said = str(refused.value)
-    assert "no other `layer_types` can help" in said and "What trains" not in said
-    assert said.endswith(
-        "Way out: unfreeze the layers to prune, narrow `exclude_pattern` or remove ScheduledPrune."
+    assert (
+        "no other `layer_types` can help: the layers with a trained `weight` are left out by "
+        "`exclude_pattern`='lora' (`layer_types`=None: `net.0.lora_A`, `net.0.lora_B`, `net.3.lora_A` and 1 "
+        "more), and the rest are frozen by the user (`requires_grad=False`: `embed`, `net.0.base`, `net.2` "
+        "and 1 more)" in said
     )
+    assert "every layer with a `weight`" not in said and "What trains" not in said
+    assert said.endswith(
+        "Way out: narrow `exclude_pattern` so that it leaves `net.0.lora_A`, `net.0.lora_B`, `net.3.lora_A` "
+        "and 1 more in, unfreeze the layers to prune or remove ScheduledPrune."
+    )
+
+
+class _BackboneAndHead(pl.LightningModule):
+    """A frozen backbone and a trained head (``"head"``), or a trained LayerNorm between frozen layers
+    (``"norm"``)."""
+
+    def __init__(self, trained: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 16)
+        self.backbone = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.LayerNorm(32), nn.Linear(32, 32))
+        self.head = nn.Linear(32, 4)
+        self.requires_grad_(False)
+        (self.head if trained == "head" else self.backbone[2]).requires_grad_(True)
+
+    def forward(self, x):
+        return self.head(self.backbone(self.embed(x).mean(dim=1)))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def test_a_trained_layers_weight_is_never_called_frozen_or_held_outside_a_layer():
+    # review: a frozen backbone's trained `head`, left out by exclude_pattern='head', was said to be frozen
+    # ("every layer with a `weight`") and `head.bias` the only thing trained, "held outside a layer's weight"
+    with pytest.raises(PulseRefusal) as refused:
+        _fit(_BackboneAndHead("head"), exclude_pattern="head")
+    said = str(refused.value)
+    assert (
+        "the layer with a trained `weight` is left out by `exclude_pattern`='head' "
+        "(`layer_types`=None: `head`)" in said
+    )
+    assert "What trains besides is `head.bias`" in said and "every layer with a `weight`" not in said
+    assert "narrow `exclude_pattern` so that it leaves `head` in" in said
+    # structured mode: a trained LayerNorm's `weight` is a per-channel scale it never cuts on its own; it was
+    # left out of what trains, and the LayerNorm counted among the frozen layers
+    with pytest.raises(PulseRefusal) as refused:
+        _fit(_BackboneAndHead("norm"), mode="structured")
+    said = str(refused.value)
+    assert (
+        "every layer with a `weight` (`layer_types`=None), per-channel scales aside, is frozen by the user"
+        in said
+    )
+    assert "`backbone.2.weight` (per-channel scales) train too" in said
+    assert "What trains besides is `backbone.2.bias`" in said
+    assert "use mode='unstructured' with `layer_types`=None" in said
+    prune = _fit(_BackboneAndHead("norm"), mode="unstructured", layer_types=None)  # the way out it names
+    assert prune.events and set(prune.core.pruner.layers(_BackboneAndHead("norm"))) == {"backbone.2"}
+
+
+class _PromptEmbedding(_Tuned):
+    """A frozen model tuned through a soft prompt held in an ``nn.Embedding``, as peft's PromptEmbedding."""
+
+    def __init__(self) -> None:
+        super().__init__("prompt")
+        self.prompt = None
+        self.soft = nn.Embedding(2, 16)
+
+    def training_step(self, batch, batch_idx):
+        x = torch.cat([self.soft.weight.expand(len(batch[0]), -1, -1), self.embed(batch[0])], dim=1)
+        return nn.functional.cross_entropy(self.net(x.mean(dim=1)), batch[1])
+
+
+def test_a_soft_prompt_in_an_embedding_is_named_as_all_other_layer_types_would_prune():
+    # review: the refusal said "Choose other `layer_types`", and `layer_types=None` prunes the prompt itself
+    with pytest.raises(PulseRefusal) as refused:
+        _fit(_PromptEmbedding())
+    assert "Other `layer_types` (None) would select only `soft`, an `nn.Embedding`" in str(refused.value)
+    assert "that prunes the prompt itself" in str(refused.value)
+    with pytest.raises(PulseRefusal) as refused:  # other types select trained `nn.Linear` layers: not said
+        _fit(_Tuned("linear"), layer_types=["Conv1d"])
+    assert "`nn.Embedding`" not in str(refused.value)

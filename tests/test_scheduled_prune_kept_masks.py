@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -306,6 +307,75 @@ def test_a_frozen_copy_of_a_part_to_mask_is_refused_before_the_first_step_and_a_
         ScheduledPrune(mode="structured", options=PruneOptions(fixed_copies=True))
     with pytest.raises(ValueError, match="`fixed_copies`='yes' must be a bool"):
         PruneOptions(fixed_copies="yes")
+
+
+class _Students(pl.LightningModule):
+    """`students` students, each beside a frozen copy made before training, and a trained layer besides
+    (`other`) whose name the first student's name begins, or none."""
+
+    def __init__(self, students: int, other: str | None) -> None:
+        super().__init__()
+        self.parts = [f"student{index or ''}" for index in range(students)]
+        for name in self.parts:
+            setattr(self, name, nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)))
+            setattr(
+                self,
+                name.replace("student", "teacher"),
+                copy.deepcopy(getattr(self, name)).requires_grad_(False),
+            )
+        self.other = other
+        if other is not None:
+            setattr(self, other, nn.Linear(16, 4))
+
+    def forward(self, x):
+        hidden = sum(getattr(self, name)(x) for name in self.parts)
+        return hidden if self.other is None else getattr(self, self.other)(hidden)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        hidden = sum(getattr(self, name)(x) for name in self.parts)
+        target = sum(getattr(self, name.replace("student", "teacher"))(x) for name in self.parts).detach()
+        loss = F.mse_loss(hidden, target)
+        return loss if self.other is None else loss + F.cross_entropy(getattr(self, self.other)(hidden), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+
+@pytest.mark.parametrize("mode", ["unstructured", "structured"])
+def test_the_exclude_pattern_a_frozen_copy_refusal_offers_leaves_every_copied_part_out_and_trains(mode):
+    """Review: the pattern offered was the unanchored part name ('student'), which also left out
+    `student_head`, and named one part where two students had frozen teachers: a sweep followed it into
+    "no layer can be pruned". It is now anchored, covers every part with a frozen copy, keeps the user's own
+    pattern, and is offered only where the layers it leaves are there to prune."""
+    for students, other, exclude in ((1, "student_head", None), (2, "head", "aux"), (2, None, None)):
+        module = _Students(students, other)
+        trainer = pl.Trainer(
+            max_steps=4, callbacks=[_prune(mode=mode, exclude_pattern=exclude)], **trainer_kwargs()
+        )
+        with pytest.raises(
+            PulseRefusal, match=r"^ScheduledPrune: `teacher` is a frozen copy of `student`"
+        ) as error:
+            trainer.fit(module, _data())
+        message = str(error.value)
+        if other is None:
+            assert "(and `teacher1` of `student" in message  # structured: of `student` (values may differ)
+            assert (
+                "Leaving student and student1 out (`exclude_pattern`) would leave no layer to prune"
+                in message
+            )
+            continue
+        offered = re.search(r"`exclude_pattern`='([^']*)'", message).group(1).replace("\\\\", "\\")
+        assert offered == ("^(student)(\\.|$)" if students == 1 else "aux|^(student|student1)(\\.|$)")
+        if mode == "structured":  # what is left is the output layer, which structured mode does not cut
+            continue
+        pl.seed_everything(0)
+        prune = _prune(mode=mode, exclude_pattern=offered)
+        module = _Students(students, other)
+        pl.Trainer(max_steps=12, callbacks=[prune], **trainer_kwargs()).fit(module, _data())
+        # the trained layer besides is pruned, the students are not
+        assert float((getattr(module, other).weight == 0).float().mean()) == pytest.approx(0.5, abs=0.02)
+        assert all(bool((getattr(module, name)[0].weight != 0).all()) for name in module.parts)
 
 
 class _Block(nn.Module):

@@ -135,3 +135,41 @@ def test_the_fit_start_plan_of_the_step_cadence_counts_no_cut_at_the_runs_last_s
     schedule.resolve(55)
     assert prune_setup.abrupt_schedule_warning(schedule, run_end=55) is None
     assert "the one at step 55" in prune_setup.abrupt_schedule_warning(schedule, run_end=56)
+
+
+class _TwoOptimizersABatch(_Classifier):
+    """A module stepping two optimizers itself each batch: global_step (and max_steps) grows by 2 a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+        first.step()
+        second.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(
+            self.net[2].parameters(), lr=0.1
+        )
+
+
+@pytest.mark.parametrize("end", [1.0, 40])
+def test_an_end_at_the_runs_end_is_reached_a_batch_before_it_when_a_batch_steps_two_optimizers(end, recwarn):
+    # batches end at steps 2, 4, ..., 40: an `end` placed a step before the run's end (39) came due only at
+    # step 40, where no cut is made, and the run ended at 0.07 of 0.5 while the plan promised the cut at 39
+    pl.seed_everything(0)
+    prune = ScheduledPrune(final_sparsity=0.5, start=0, end=end, every=100, probe_batches=0)
+    trainer = pl.Trainer(max_steps=40, callbacks=[prune], **trainer_kwargs(max_epochs=-1))
+    trainer.fit(_TwoOptimizersABatch(), _data())
+    assert trainer.global_step == 40
+    assert prune.schedule.end_step == 38
+    assert [event["step"] for event in prune.events] == [2, 38]
+    assert prune.finished and prune.events[-1]["target_sparsity"] == 0.5
+    plan = [str(w.message) for w in recwarn if "takes sparsity" in str(w.message)]
+    assert len(plan) == 1 and "the one at step 38 takes sparsity from 0.00 to 0.50" in plan[0]
+    assert not [w for w in recwarn if "sparsity reached" in str(w.message) or "unfinished" in str(w.message)]

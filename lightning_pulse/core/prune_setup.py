@@ -245,6 +245,10 @@ def refuse_averaged_masks(
     )
 
 
+def _and_list(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
 def _some_names(names: Sequence[str]) -> str:
     shown = ", ".join(f"`{name}`" for name in names[:3])
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -263,9 +267,10 @@ def checked_selection(pruner: pruning.Pruner, model: nn.Module) -> LayerSelectio
         weightless = _weightless_note(model, pruner.layer_types)
         if (frozen := _frozen_way_out(pruner, model)) is not None:
             raise PulseRefusal(f"ScheduledPrune: {chosen}, and {frozen[0]}{weightless} {frozen[1]}")
+        embeddings = _embeddings_only_note(pruner, model)
         raise PulseRefusal(
-            f"ScheduledPrune: {chosen}.{left_out_note(selection)}{weightless} Choose other `layer_types` or "
-            "remove ScheduledPrune."
+            f"ScheduledPrune: {chosen}.{left_out_note(selection)}{weightless}{embeddings} Choose other "
+            "`layer_types` or remove ScheduledPrune."
         )
     return selection
 
@@ -287,36 +292,94 @@ def _frozen_way_out(pruner: pruning.Pruner, model: nn.Module) -> tuple[str, str]
     if selection.layers or not frozen:
         return None
     others = {name: why for name, why in selection.left_out.items() if name not in frozen}
-    # what trains outside any layer's `weight` (a soft prompt, adapters held as bare parameters)
-    trained = {
-        name: parameter
-        for name, parameter in model.named_parameters()
-        if parameter.requires_grad and name.rpartition(".")[2] != "weight"
+    # layers with a trained weight that the user's own pattern left out: that pattern, not the freezing, is
+    # why nothing is left (a frozen backbone's trained `head` with exclude_pattern='head' was said to be
+    # frozen, and its weight to be no layer's)
+    excluded = list(any_type(pruner.user_frozen, None).layers) if exclude is not None else []
+    every_layer = prune_targets.select_targets(model, (), None, structured, (), pruner.not_trained)
+    layer_weights = {f"{name}.weight" for name in [*every_layer.layers, *every_layer.left_out]}
+    # structured mode cuts a per-channel scale (a LayerNorm's) with the layer before it, never on its own
+    scales = {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if structured and name and prune_targets.scales_channels(module)
     }
-    bare = list(trained)
-    every = "every layer with a `weight`" if not others else f"{len(frozen)} of the layers with a `weight`"
-    verb = "is" if not others or len(frozen) == 1 else "are"
-    why = (
-        f"no other `layer_types` can help: {every} (`layer_types`=None) {verb} frozen by the user "
-        f"(`requires_grad=False`: {_some_names(frozen)}), and ScheduledPrune never changes frozen weights."
-    )
+    trained = {
+        name: p for name, p in model.named_parameters() if p.requires_grad and name not in layer_weights
+    }
+    bare = [name for name in trained if name not in scales]
+    scaled = [name for name in trained if name in scales]
+    scales_aside = ", per-channel scales aside," if scaled else ""
+    if excluded:
+        which = (
+            "the layer with a trained `weight` is"
+            if len(excluded) == 1
+            else "the layers with a trained `weight` are"
+        )
+        why = (
+            f"no other `layer_types` can help: {which} left out by `exclude_pattern`={exclude!r} "
+            f"(`layer_types`=None: {_some_names(excluded)}), and the rest{scales_aside} are frozen by the "
+            f"user (`requires_grad=False`: {_some_names(frozen)}), whose weights ScheduledPrune never "
+            "changes."
+        )
+    else:
+        every = (
+            "every layer with a `weight`" if not others else f"{len(frozen)} of the layers with a `weight`"
+        )
+        verb = "is" if not others or len(frozen) == 1 else "are"
+        why = (
+            f"no other `layer_types` can help: {every} (`layer_types`=None){scales_aside} {verb} frozen by "
+            f"the user (`requires_grad=False`: {_some_names(frozen)}), and ScheduledPrune never changes "
+            "frozen weights."
+        )
     if others:
         why += f" Left out too: {LayerSelection(left_out=others).describe_left_out(3)}."
-    if bare:
+    if scaled:
         why += (
-            f" What trains is {_some_names(bare)}: parameters held outside a layer's `weight`, the only "
-            "parameter it prunes."
+            f" {_some_names(scaled)} (per-channel scales) train too: mode='structured' cuts such a scale "
+            "with the layer before it, never on its own."
+        )
+    if bare:
+        besides = " besides" if excluded or scaled else ""
+        why += (
+            f" What trains{besides} is {_some_names(bare)}: parameters held outside a layer's `weight`, the "
+            "only parameter it prunes."
         )
     ways = []
+    if excluded:
+        ways.append(f"narrow `exclude_pattern` so that it leaves {_some_names(excluded)} in")
     if any_type((), exclude).layers:
         ways.append("unfreeze the layers to prune")
-    if any(p.dim() >= 2 for p in trained.values()):
-        ways.append("hold trained matrices in `nn.Linear` layers (as peft's LoRA holds its adapters)")
-    if exclude is not None and any_type((), None).layers:
+    if any(trained[name].dim() >= 2 for name in bare):
+        ways.append("hold trained adapter matrices in `nn.Linear` layers (as peft's LoRA holds them)")
+    if exclude is not None and not excluded and any_type((), None).layers:
         ways.append("narrow `exclude_pattern`")
+    if scaled and any_type((), exclude).layers:
+        ways.append(
+            "use mode='unstructured' with `layer_types`=None (it prunes a per-channel scale's `weight`)"
+        )
     ways.append("remove ScheduledPrune")
     text = ", ".join(ways[:-1]) + f" or {ways[-1]}" if len(ways) > 1 else ways[0]
     return why, f"Way out: {text}."
+
+
+def _embeddings_only_note(pruner: pruning.Pruner, model: nn.Module) -> str:
+    """Where the layers any ``layer_types`` would select in a model the user froze are all ``nn.Embedding``:
+    that they are, as peft's prompt tuning holds its soft prompt in one (``PromptEmbedding``), which
+    ``layer_types=None`` would then prune itself; else ``""``."""
+    if not pruner.user_frozen:
+        return ""
+    structured = pruner.mode == "structured"
+    layers = prune_targets.select_targets(
+        model, (), pruner.exclude_pattern, structured, pruner.user_frozen, pruner.not_trained
+    ).layers
+    if not layers or not all(isinstance(layer, nn.Embedding) for layer in layers.values()):
+        return ""
+    return (
+        f" Other `layer_types` (None) would select only {_some_names(list(layers))}, an `nn.Embedding` in a "
+        "model otherwise frozen: where it holds a soft prompt (peft's prompt tuning), that prunes the prompt "
+        "itself."
+    )
 
 
 def _weightless_note(model: nn.Module, layer_types: tuple[type, ...]) -> str:
@@ -423,11 +486,11 @@ def fit_start_selection(
     refuse_averaged_sources(model, selection.layers, pruner.mode)
     masked = pruning.mask_folded_zeros(selection.layers, pruner.mode, schedule.sparsity)
     if pruner.mode == "unstructured" and not fixed_copies:
-        refuse_frozen_twins(model, selection.layers, pruner.mode)
+        refuse_frozen_twins(model, selection.layers, pruner.mode, pruner.exclude_pattern)
     if pruner.mode == "structured":
         refuse_compiled_structured(pruner.mode, compiled, selection.layers)
         refuse_structured(pruning.structured_blocker(model, selection), model)
-        refuse_frozen_twins(model, selection.layers)
+        refuse_frozen_twins(model, selection.layers, exclude=pruner.exclude_pattern)
         if getattr(model, "example_input_array", None) is not None:
             example = structured_example(model, pruner, schedule, None)
     return selection, masked, example
@@ -697,9 +760,10 @@ def resolve_schedule(
     unknown length, ``start`` after ``end``) or when it would start after the run
     (:func:`refuse_schedule_past_the_run`). ``manual_optimizers``: the optimizers a module steps itself
     where a batch's steps are unknown (:func:`~lightning_pulse._lightning_compat.steps_per_batch_unknown`),
-    else 0; a share of such a run of unknown length is refused with that reason. An ``end`` at the run's
-    last step (``end=1.0``) is placed a step before it: no event is made at that step
-    (:meth:`PruneEvents.advance <lightning_pulse.core.prune_events.PruneEvents.advance>`)."""
+    else 0; a share of such a run of unknown length is refused with that reason. An ``end`` within the run's
+    last batch (``end=1.0``, ``end=max_steps``) is placed a batch's steps before the run's end (one step; one
+    per optimizer where a module steps ``manual_optimizers`` each batch): no event is made at the run's last
+    step (:meth:`PruneEvents.advance <lightning_pulse.core.prune_events.PruneEvents.advance>`)."""
     spans = (("start", schedule.start), ("end", schedule.end))
     shares = [f"`{name}`={when!r}" for name, when in spans if isinstance(when, float)]
     if manual_optimizers and shares and not math.isfinite(total_steps):
@@ -712,11 +776,14 @@ def resolve_schedule(
     with refusing("ScheduledPrune"):
         schedule.resolve(total_steps)
     refuse_schedule_past_the_run(schedule, total_steps, step)
-    if schedule.end_step == total_steps:
-        # `end` at the run's end (`end=1.0`): no event is made at the run's last step, after its last batch
-        # (PruneEvents.advance), so the schedule ends a step before, where the cut to `final_sparsity` still
-        # has a batch to train after it, rather than stopping short of it
-        schedule.end_step = max(schedule.start_step, schedule.end_step - 1)
+    # `end` within the run's last batch (`end=1.0`): no event is made at the run's last step, after its last
+    # batch (PruneEvents.advance), so the schedule ends a batch's steps before, where the cut to
+    # `final_sparsity` still has a batch to train after it. A module stepping two optimizers a batch makes
+    # global_step +2 a batch: a chance placed a step before the end came due only at the run's end, and
+    # with every=100 the run ended at 0.07 of 0.5 while the fit-start plan promised the cut
+    per_batch = max(1, manual_optimizers)
+    if total_steps - per_batch < schedule.end_step <= total_steps:
+        schedule.end_step = max(schedule.start_step, int(total_steps) - per_batch)
 
 
 def refuse_structured(reason: str | None, model: nn.Module | None = None) -> None:
@@ -904,7 +971,9 @@ def reached_final(schedule: PruneSchedule, measured: float | None) -> bool:
 FINAL_TARGET_TOLERANCE = 1e-6
 
 
-def refuse_frozen_twins(model: nn.Module, layers: dict[str, nn.Module], mode: str = "structured") -> None:
+def refuse_frozen_twins(
+    model: nn.Module, layers: dict[str, nn.Module], mode: str = "structured", exclude: str | None = None
+) -> None:
     """Refuse pruning a part that has a frozen copy (:func:`prune_targets.frozen_twins`). Structured: the cut
     shrinks the part's channels and not the copy's. Code that pairs their parameters (an EMA teacher, a BYOL or
     DINO target network, a DQN target network loaded from the policy) or compares their features (a frozen
@@ -914,35 +983,51 @@ def refuse_frozen_twins(model: nn.Module, layers: dict[str, nn.Module], mode: st
     ``named_parameters()``) crashed at the first event (``KeyError: '0.weight'``), and one updated by
     ``zip(parameters())`` averaged the unmasked ``weight_orig``, pruned entries included. Whether the copy is
     updated shows only in training, so any frozen copy is refused at fit start, with the ways out: a copy
-    never updated (a fixed teacher) is said so with ``PruneOptions(fixed_copies=True)`` (unstructured)."""
+    never updated (a fixed teacher) is said so with ``PruneOptions(fixed_copies=True)`` (unstructured), and
+    an ``exclude_pattern`` (the user's ``exclude`` joined with one anchored on every part with a frozen copy)
+    where it leaves a layer to prune."""
     # unstructured keeps every shape: only a copy made before training (same values now) is refused; a
     # frozen block of the same architecture with its own values (partial fine-tuning) trains as before
-    twins = prune_targets.frozen_twins(model, layers, same_values_only=mode == "unstructured")
+    same_values_only = mode == "unstructured"
+    found = twins = prune_targets.frozen_twins(model, layers, same_values_only=same_values_only)
     if not twins:
         return
     copy, part = next(iter(twins.items()))
-    # leaving the part out helps only where another layer is left to prune (a distilled student beside its
-    # frozen teacher and its EMA copy is all there is: the way out led to "no layer can be pruned")
-    others = [name for name in layers if not (name == part or name.startswith(f"{part}."))]
+    # the pattern offered leaves out every part with a frozen copy, anchored (unanchored, 'student' also left
+    # `student_head` out), and the layers it leaves are those it would select: a sweep followed the pattern
+    # into "no layer can be pruned" where a second student had a frozen teacher, or `student_head` was all
+    # there was besides; a part whose copy shows only once the others are left out is left out too
+    parts: list[str] = []
+    rest = dict(layers)
+    while twins:
+        parts += [name for name in dict.fromkeys(twins.values()) if name not in parts]
+        pattern = f"^({'|'.join(re.escape(name) for name in parts)})(\\.|$)"
+        rest = {name: layer for name, layer in layers.items() if re.search(pattern, name) is None}
+        twins = prune_targets.frozen_twins(model, rest, same_values_only=same_values_only) if rest else {}
+    offered = pattern if exclude is None else f"{exclude}|{pattern}"
+    named = _and_list(parts)
     leave_out = (
-        f"Leave the part out with `exclude_pattern`={re.escape(part)!r}"
-        if others
-        else f"Leaving {part} out (`exclude_pattern`) would leave no layer to prune"
+        f"Leave {'the part' if len(parts) == 1 else named} out with `exclude_pattern`={offered!r}"
+        if rest
+        else f"Leaving {named} out (`exclude_pattern`) would leave no layer to prune"
     )
+    also = [f"`{other}` of `{of}`" for other, of in list(found.items())[1:]]
+    head = f"`{copy}` is a frozen copy of `{part}`" + (f" (and {_and_list(also)})" if also else "")
     ema = (
         f"an EMA of {part} kept with Lightning's EMAWeightAveraging callback (use_buffers=True) in place of "
-        f"{copy} prunes with mode='unstructured'"
+        f"{copy} prunes with mode='unstructured' where no buffer (a BatchNorm's) follows a masked layer "
+        "(docs: 'Works with', EMAWeightAveraging)"
     )
     if mode == "structured":
         raise PulseRefusal(
-            f"ScheduledPrune: `{copy}` is a frozen copy of `{part}`. Structured pruning would cut {part}'s channels "
+            f"ScheduledPrune: {head}. Structured pruning would cut {part}'s channels "
             f"and not {copy}'s, so code that pairs their parameters (an EMA teacher, a target network) or compares "
             f"their features breaks at the first pruning event. {leave_out}; {ema}; or, if {copy} is never "
             f"updated from {part} (a fixed teacher or reference model), use mode='unstructured' with "
             "options=PruneOptions(fixed_copies=True), which keeps every shape."
         )
     raise PulseRefusal(
-        f"ScheduledPrune: `{copy}` is a frozen copy of `{part}`. From the first pruning event on, a "
+        f"ScheduledPrune: {head}. From the first pruning event on, a "
         f"masked layer of {part} holds `weight_orig` and a `weight_mask` buffer instead of `weight`, so an "
         f"update of {copy} from {part} by name (an EMA teacher, a target network) fails, and one by position "
         f"averages the unmasked weights, pruned entries included. {leave_out}; for an EMA, {ema} (it copies "
