@@ -428,6 +428,18 @@ def _training_max_steps(trainer: pl.Trainer) -> float:
     return training if training is not None and cap == trainer.max_steps else trainer.max_steps
 
 
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """Set the epoch of ``loader``'s sampler (and its batch sampler's) as Lightning does at an epoch's start.
+
+    Lightning creates a fit's first iterator in ``FitLoop.setup_data``, before ``on_advance_start`` sets the
+    samplers' epoch. A DataLoader with workers draws its first batches' indices when the iterator is created,
+    so a pass that begins there is drawn in the sampler's previous epoch (a fresh sampler's 0 on a resume into
+    epoch 1); this sets it first. Lightning's own call follows with the same epoch."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    _set_sampler_epoch(loader, epoch)
+
+
 def set_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
     """Tell Lightning that this epoch holds ``batches`` batches, for its validation: with a fractional
     ``val_check_interval`` it validates at batch ``val_check_batch``, which it computes once from the

@@ -145,6 +145,7 @@ class StepSavingLoader:
         self._batches_drawn = 0  # this fit's, all epochs
         self._drawn_before_epoch = 0  # by the end of the previous epoch (see on_train_epoch_end)
         self._restored_epoch_open = False  # the fit's first epoch goes on from a checkpoint: it may draw none
+        self._training_started = False  # on_train_start ran: Lightning sets each pass's sampler epoch first
 
     @property
     def plan(self) -> StepPlan | None:
@@ -295,12 +296,21 @@ class StepSavingLoader:
         trainer = self._trainer
         assert trainer is not None and self._sampler is not None
         accumulate = trainer.accumulate_grad_batches
+        # a loader with workers begins the fit's first pass inside Lightning's data set-up, before
+        # on_train_start and before Lightning sets the sampler's epoch: what both do first happens here, else a
+        # resume into a later epoch drew its pass in epoch 0's order, and one from a pass's end chose it before
+        # the finished pass's scores were applied
+        early = not self._training_started
+        if early and self.stream.resumed_at_pass_end and self._selector is not None:
+            self._selector.apply()
         skip, sizes, self.epoch_batches = self.stream.sizes_for_pass(
             trainer.current_epoch,
             trainer.global_step,
             self._prior(),
             accumulate,
         )
+        if early and self.loader is not None:  # the pass's epoch, which Lightning sets only after the draw
+            compat.set_sampler_epoch(self.loader, self.stream.epoch)
         self._sampler.start_pass_at(self.stream.batches)
         compat.set_epoch_batches(trainer, self.epoch_batches)
         return skip, sizes
@@ -386,6 +396,7 @@ class StepSavingLoader:
     def on_train_start(self, trainer: pl.Trainer) -> None:
         if self._sampler is None:  # not installed: batch mode
             return
+        self._training_started = True
         self.refuse_schedules_cut_short(trainer)
         # a second fit of this Trainer from a checkpoint saved at a pass's end (each planned run ends on one)
         # otherwise trained no batch in any epoch, forever: see forget_earlier_fit_validation

@@ -92,6 +92,26 @@ def test_train_dataloader_hook_runs_before_the_first_pass(mnist1d_small):
     assert "process_dataloader" not in vars(trainer.strategy)
 
 
+def test_set_sampler_epoch_sets_a_loaders_sampler_epoch_through_lightnings_own_call():
+    from torch.utils.data import DataLoader
+
+    class EpochSampler(torch.utils.data.Sampler):
+        epoch = 0
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+        def __iter__(self):
+            return iter(range(4))
+
+        def __len__(self):
+            return 4
+
+    sampler = EpochSampler()
+    compat.set_sampler_epoch(DataLoader(range(4), sampler=sampler, batch_size=2), 3)
+    assert sampler.epoch == 3
+
+
 def test_set_callback_metric_is_visible_through_the_public_callback_metrics():
     trainer = pl.Trainer(**trainer_kwargs())
     assert isinstance(trainer._logger_connector._callback_metrics, dict)
