@@ -1698,6 +1698,27 @@ def test_the_gradless_step_check_copies_before_the_step_whether_it_or_a_precisio
     assert not optimizer._optimizer_step_pre_hooks
 
 
+def test_the_gradless_step_check_walks_no_frozen_set_it_found_all_checked_before():
+    # a review: arm rebuilt and walked the frozen parameters at every batch once all were checked (23 µs a
+    # step on a 12-layer BERT with a hand-written optimizer); an unchanged frozen set is now a key look-up
+    exempt, decayed = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    optimizer = _DecayTheDecayedGroup([{"params": [exempt]}, {"params": [decayed], "wd": 0.1}])
+    check, walks = GradlessStepCheck(), []
+
+    def frozen():
+        walks.append(1)
+        return [exempt]
+
+    check.arm([optimizer], frozen, frozen_set=("freezer", (True, False)))
+    optimizer.step(lambda: check.before_step([optimizer], [exempt]))
+    assert check.after_step() is False
+    for _ in range(3):
+        check.arm([optimizer], frozen, frozen_set=("freezer", (True, False)))
+    assert len(walks) == 3  # the armed step's copy, then one walk that finds it all checked, then none
+    check.arm([optimizer], lambda: [exempt, decayed], frozen_set=("freezer", (True, True)))  # a new set
+    assert optimizer._optimizer_step_pre_hooks  # the decayed parameter is not checked yet
+
+
 class _SyncEverySecondStep(torch.optim.Optimizer):
     """A Lookahead-like wrapper that calls ``Optimizer.__init__`` (torch hooks its step) around an inner SGD,
     and pulls every parameter halfway to a slow copy on every second step, gradient or not."""

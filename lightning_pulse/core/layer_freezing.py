@@ -1187,7 +1187,13 @@ class FreezerLifecycle:
         if self.freezer is not None and not self._opened:
             self.backward_reach.arm(self._model, self.freezer.units, self.freezer.frozen_prefix)
         if self.freezer is not None and self.optimizers:  # the step's frozen set: final before its forward
-            self.optimizer_check.arm(self.optimizers, self._frozen_parameters, self.repeats_closure)
+            frozen_set = (
+                id(self.freezer),
+                tuple(self.freezer.frozen),
+            )  # what arm found checked, if unchanged
+            self.optimizer_check.arm(
+                self.optimizers, self._frozen_parameters, self.repeats_closure, frozen_set
+            )
 
     def _frozen_parameters(self) -> list[nn.Parameter]:
         """The parameters of the units frozen now (read when an optimizer step begins: the freezer then)."""
@@ -1790,6 +1796,7 @@ class GradlessStepCheck:
         self.optimizer_name = ""
         self._torch_only = False  # every optimizer is one of torch's: nothing to check, ever
         self._verified: set[int] = set()  # ids of the parameters a step left alone while frozen
+        self._all_checked: Any = None  # the frozen set arm last found all verified
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._at_start: StepStartCopy | None = None  # the copy taken as the step under check begins
         self._holding = False  # this step's frozen parameters are put back after it
@@ -1825,13 +1832,19 @@ class GradlessStepCheck:
         optimizers: Sequence[torch.optim.Optimizer],
         frozen: Callable[[], list[torch.Tensor]],
         repeats_closure: bool = False,
+        frozen_set: Any = None,
     ) -> None:
         """Before a batch's forward: if parameters frozen now (``frozen()``) are not checked yet and an
         optimizer needs the check (not one of torch's, not held), copy those frozen when its next step begins
-        (:class:`StepStartCopy`); :meth:`after_step` removes the hooks. Checked parameters cost no hook."""
+        (:class:`StepStartCopy`); :meth:`after_step` removes the hooks. Checked parameters cost no hook, and
+        a ``frozen_set`` (a key of what is frozen) found all checked before costs no walk over them either
+        (the checked set only grows)."""
         if self.moved or self._torch_only or self._at_start is not None:
             return
+        if frozen_set is not None and frozen_set == self._all_checked:
+            return
         if all(id(param) in self._verified for param in frozen()):
+            self._all_checked = frozen_set
             return
         unknown = [optimizer for optimizer in optimizers if not skips_gradless_parameters(optimizer)]
         if not unknown or any(holds_frozen_parameters_every_step(o, repeats_closure) for o in unknown):
@@ -1948,6 +1961,7 @@ class GradlessStepCheck:
 
     def __getstate__(self) -> dict[str, Any]:  # pickled for spawning strategies and deep-copied: no tensors
         dropped = {"_held": [], "_at_start": None, "_verified": set(), "_holding": False, "_copies": {}}
+        dropped["_all_checked"] = None  # what it found checked was the dropped _verified
         return {**self.__dict__, **dropped, "_attached": {}, "_depth": {}}
 
 
