@@ -80,11 +80,11 @@ class HardSampleReplay(Callback):
             (``max_steps``, or ``max_epochs`` of plain epochs) when the plan is shorter, a PulseCycle in seconds
             or manual optimization stepping several optimizers per batch; after the fit's first two batches
             (trained in full, before any replay step), for a module carrying state from one batch to the next (a
-            stateful RNN) or a token loss flattened time-major; at the first step, before any update, for a loss
-            called inside a part compiled with ``fullgraph=True``, when its loss yields no per-sample value and no
-            ``scorer`` is set, or when its batch holds more rows than drawn indices (packed rows: graph nodes,
-            packed tokens); in ``mode="batch"``, at the fit's first batch, for a batch that cannot be cut in
-            place: immutable, holding nothing per sample (or fewer rows than drawn indices), or time-major.
+            stateful RNN) or a token loss flattened time-major; at the first step, before any update, without a
+            ``scorer`` (or with rule='infobatch'): for a loss called in a ``fullgraph=True`` part, a loss with no
+            per-sample value, or packed rows (graph nodes, packed tokens: more rows than drawn indices, none of B
+            rows) that the loss does not split; in ``mode="batch"``, at the fit's first batch, for a batch that
+            cannot be cut in place: immutable, holding nothing per sample (or fewer rows), or time-major.
 
     Example::
 

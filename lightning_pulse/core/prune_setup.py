@@ -745,10 +745,14 @@ def refuse_schedule_past_the_run(schedule: PruneSchedule, total_steps: float, st
         and not schedule.finished
         and schedule.start_step >= max(total_steps, step + 1)
     ):
+        shares = isinstance(schedule.start, float)  # 1.0 is the run's end: a share can only be lowered
+        way_out = (
+            "below 1.0 (such as 0.2 and 0.8)" if shares else ", or give them as shares of the run (0.2, 0.8)"
+        )
         raise PulseRefusal(
             f"ScheduledPrune: the schedule starts at step {schedule.start_step} (`start`={schedule.start!r}), but "
-            f"the run ends at step {int(total_steps)}: nothing would be pruned. Lower `start` and `end`, or give "
-            "them as shares of the run (floats such as 0.2 and 0.8)."
+            f"the run ends at step {int(total_steps)}: nothing would be pruned. Lower `start` and `end`"
+            f"{' ' if shares else ''}{way_out}."
         )
 
 
