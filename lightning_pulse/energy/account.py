@@ -618,7 +618,9 @@ class EnergyAccount:
         that finds it starting, and at the end of training. The wait is the instrumentation's
         start-up, not the run's cost: it is booked to the ``meter_startup`` bucket, outside the run's total,
         stages, phases, cycles and epochs (so two identical runs compare at 1x whichever paid it), and the
-        report shows it on its own line. The backlog is spread by time over the run and the wait."""
+        report shows it on its own line. The backlog is spread by time over the run and the wait. A start
+        still running after :data:`~lightning_pulse.energy.sampler.STARTING_WAIT_S` is given up: the reading
+        falls back to the next meter (``meters.cpu_watts`` or codecarbon's generic CPU) from the start on."""
         if not any(chain.starting for chain in sampler.chains):
             return
         ledger = self.ledger
@@ -796,16 +798,10 @@ class EnergyAccount:
             # the run has a figure): a rank that waited alone would make the others wait for it in the next
             # collective, inside their training time, and a rank that did not wait would log no figure. The
             # condition is the same on every rank (`metering` may not be: a rank can be disabled alone)
+            # A start that does not finish within the wait is given up there: its chain falls back (one
+            # warning) to an estimate over the whole span, never a 0 that no meter counted
             if self._settle_together(collective, after=self.ledger.label.stage if self.ledger else "other"):
                 self._settled_once = True
-                sampler = self.sampler
-                if sampler is not None and any(chain.starting for chain in sampler.chains):
-                    self.warn_once(
-                        "still starting",
-                        "EnergyLogger: a meter (codecarbon) is still starting after 30 s; the energy figures "
-                        "wait for its first reading, and energy/total_kwh is not logged until then. Set "
-                        '`cpu="constant"` (with `meters.cpu_watts`) and `ram="none"` to meter without it.',
-                    )
         snapshot = self.snapshot(
             collective, keys=lambda key: key == "total" or key == epoch_key or key.startswith("phase/")
         )

@@ -14,12 +14,17 @@ event), and an extrapolation that ran ahead of the measured total is taken back 
 power, not by holding the total flat (0 W).
 
 codecarbon's logging is quieted (level ``ERROR``) while the session runs and restored afterwards.
+
+A background start holds :data:`FORK_GATE` (see :class:`ForkGate`): a process forked meanwhile (a DataLoader's
+workers) would inherit the pipes of the subprocesses codecarbon's start runs, and hang it. A start that does
+not finish is given up (:meth:`CodecarbonSession.abandon_start`); its thread stops its own tracker if it ends.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -42,6 +47,65 @@ PLAUSIBLE_RAM_FLOOR_W = 10.0
 #: while an extrapolation that ran ahead of codecarbon's measured total (its power fell) is taken back, the
 #: figure grows at this share of codecarbon's power instead of standing still
 PAYBACK_SHARE = 0.5
+#: the longest a fork on another thread (a DataLoader starting its workers) waits for a codecarbon start in
+#: flight; a start that takes longer is not waited for again (a first start takes 1.5-3 s)
+FORK_WAIT_S = 10.0
+
+
+class ForkGate:
+    """Holds ``os.fork()`` on other threads while codecarbon starts on a thread of its own.
+
+    codecarbon's start runs subprocesses (``uname -p`` through ``platform.platform()``, ``lscpu``, ``file``,
+    cpuinfo's probe; ``nvidia-smi`` and ``rocm-smi`` at its import). A process forked while one of them is
+    being spawned inherits the write end of the spawn's pipes (``O_CLOEXEC`` closes them at an ``exec``, and
+    a forked worker does not exec): the start then reads its pipe until that process exits, for a
+    persistent DataLoader worker the whole fit. Caching ``platform``'s answers beforehand covers one of these
+    only, so a fork waits here for the start instead, at most :data:`FORK_WAIT_S`, through an
+    ``os.register_at_fork`` hook (registered once per process, at the first background start; subprocess
+    spawns do not run such hooks). A fork with no start in flight costs one set lookup.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        self._registered = False
+
+    def _reset(self) -> None:
+        self._changed = threading.Condition(threading.Lock())
+        self._starters: set[threading.Thread] = set()
+
+    def enter(self, starter: threading.Thread) -> None:
+        """``starter`` (not started yet) holds forks from now until :meth:`leave`."""
+        with self._changed:
+            if not self._registered and hasattr(os, "register_at_fork"):
+                # its own fork hook takes the lock `ThreadPoolExecutor.submit` needs (codecarbon's CPU probe):
+                # imported first, so that ours, registered after it, runs before it
+                import concurrent.futures.thread  # noqa: F401
+
+                os.register_at_fork(before=self._wait, after_in_child=self._reset)
+                self._registered = True
+            self._starters.add(starter)
+
+    def leave(self, starter: threading.Thread | None) -> None:
+        with self._changed:
+            self._starters.discard(starter)  # type: ignore[arg-type]
+            self._changed.notify_all()
+
+    def _wait(self) -> None:
+        if not self._starters:
+            return
+        current = threading.current_thread()
+        deadline = time.monotonic() + FORK_WAIT_S
+        with self._changed:
+            while self._starters and current not in self._starters:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._starters.clear()  # stuck: the next fork does not wait for it again
+                    break
+                self._changed.wait(remaining)
+
+
+#: the process's one gate: forks are process-wide
+FORK_GATE = ForkGate()
 
 
 @functools.cache
@@ -176,6 +240,7 @@ class CodecarbonSession:
         self.hardware: dict[str, Any] = {}
         self.background = bool(background)
         self._starter: threading.Thread | None = None
+        self._abandoned = False  # a background start given up: its thread stops its own tracker if it ends
         self._gap_kwh = (0.0, 0.0)  # (cpu, ram) before codecarbon's own start, of a background start
         self._dropped_kwh = (0.0, 0.0)  # (cpu, ram) cut from implausible intervals, off every later total
         self._notices: dict[str, list[str]] = {"cpu": [], "ram": []}
@@ -196,6 +261,7 @@ class CodecarbonSession:
                         name=START_THREAD_NAME,
                         daemon=True,
                     )
+                    FORK_GATE.enter(self._starter)  # before it runs: a fork right after must wait too
                     self._starter.start()
                 else:
                     self._start(None)
@@ -215,6 +281,18 @@ class CodecarbonSession:
             starter.join(timeout)
         return self.tracker is not None
 
+    def abandon_start(self, reason: str) -> None:
+        """Give up a background start still running: readings raise :class:`MeterError` from now on (the
+        meters' chains fall back), forks no longer wait for it, and its thread, if the start ever ends,
+        stops the tracker it built rather than publish it."""
+        with self._lock:
+            if not self.starting:
+                return
+            self._abandoned = True
+            self.error = reason  # word for word the chain's: the meters sharing it warn once
+            starter = self._starter
+        FORK_GATE.leave(starter)
+
     def release(self, component: str | None = None) -> None:
         with self._lock:
             self._users = max(self._users - 1, 0)
@@ -222,7 +300,9 @@ class CodecarbonSession:
                 self._metered[component] = max(self._metered[component] - 1, 0)
             if self._users:
                 return
-        self.wait_started(timeout=60.0)  # a tracker still starting is stopped once it runs, never left behind
+        # a tracker still starting is stopped once it runs, never left behind: by us, or by its own thread
+        if not self._abandoned and not self.wait_started(timeout=60.0):
+            self.abandon_start("it did not finish within 60 s of the meters' release")
         with self._lock:
             if self._users == 0:
                 self._stop()
@@ -357,6 +437,8 @@ class CodecarbonSession:
             self._start(requested)
         except MeterError:  # kept in `self.error`: the next reading raises it, and the chain falls back there
             pass
+        finally:
+            FORK_GATE.leave(threading.current_thread())
 
     def _start(self, requested: tuple[float, float] | None) -> None:
         """Build, start and flush the tracker; publish it under the lock only once it measures.
@@ -396,42 +478,65 @@ class CodecarbonSession:
             except Exception:  # only descriptive; never worth failing for
                 hardware = {}
         with self._lock:
-            self.tracker, self.receiver, self._quiet, self.hardware = tracker, receiver, quiet, hardware
-            if error is None and requested is not None:
-                mono, now = requested
-                hours = max(origin - mono, 0.0) / 3600.0
-                gap = self._gap_kwh = (
-                    receiver.cpu_watts * hours / 1000.0,
-                    receiver.ram_watts * hours / 1000.0,
-                )
-                # the start's flush, in the caller's clock at codecarbon's latest measurement (its totals
-                # hold the energy up to then; start() ends with one): later readings carry forward from it,
-                # so a span in which codecarbon measures nothing new still gets its energy
-                measured = getattr(tracker, "_last_measured_time", None)  # codecarbon's perf_counter
-                if not isinstance(measured, float) or not origin - 1.0 <= measured <= time.perf_counter():
-                    measured = origin
-                self._flushed = (receiver.cpu_kwh + gap[0], receiver.ram_kwh + gap[1])
-                self._raw_flushed = (receiver.cpu_kwh, receiver.ram_kwh)
-                self._flush_now = now + (measured - mono)
-                self._start_watts = (receiver.cpu_watts, receiver.ram_watts)
-            if error is not None:
-                self.error = error
-                self._stop()
+            abandoned = self._abandoned  # the meters fell back without it: stopped below, unpublished
+            if not abandoned:
+                self._publish(tracker, receiver, quiet, hardware, error, requested, origin)
+        if abandoned:
+            _stop_tracker(tracker)
+            quiet.__exit__(None, None, None)
+            return
         if error is not None:
             raise MeterError(error)
+
+    def _publish(
+        self,
+        tracker: Any,
+        receiver: Any,
+        quiet: quiet_codecarbon,
+        hardware: dict[str, Any],
+        error: str | None,
+        requested: tuple[float, float] | None,
+        origin: float,
+    ) -> None:
+        """Under the lock: the started tracker becomes the session's (a failed one is stopped)."""
+        self.tracker, self.receiver, self._quiet, self.hardware = tracker, receiver, quiet, hardware
+        if error is None and requested is not None:
+            mono, now = requested
+            hours = max(origin - mono, 0.0) / 3600.0
+            gap = self._gap_kwh = (
+                receiver.cpu_watts * hours / 1000.0,
+                receiver.ram_watts * hours / 1000.0,
+            )
+            # the start's flush, in the caller's clock at codecarbon's latest measurement (its totals
+            # hold the energy up to then; start() ends with one): later readings carry forward from it,
+            # so a span in which codecarbon measures nothing new still gets its energy
+            measured = getattr(tracker, "_last_measured_time", None)  # codecarbon's perf_counter
+            if not isinstance(measured, float) or not origin - 1.0 <= measured <= time.perf_counter():
+                measured = origin
+            self._flushed = (receiver.cpu_kwh + gap[0], receiver.ram_kwh + gap[1])
+            self._raw_flushed = (receiver.cpu_kwh, receiver.ram_kwh)
+            self._flush_now = now + (measured - mono)
+            self._start_watts = (receiver.cpu_watts, receiver.ram_watts)
+        if error is not None:
+            self.error = error
+            self._stop()
 
     def _stop(self) -> None:
         tracker, self.tracker = self.tracker, None
         self._starter = None
-        if tracker is not None:
-            try:
-                tracker.stop()
-            except Exception:  # stopping must not raise; its timers are cancelled before anything can fail
-                pass
-            _join_timers(tracker)
+        _stop_tracker(tracker)
         if self._quiet is not None:
             self._quiet.__exit__(None, None, None)
             self._quiet = None
+
+
+def _stop_tracker(tracker: Any) -> None:
+    if tracker is not None:
+        try:
+            tracker.stop()
+        except Exception:  # stopping must not raise; its timers are cancelled before anything can fail
+            pass
+        _join_timers(tracker)
 
 
 def _join_timers(tracker: Any) -> None:
@@ -496,6 +601,9 @@ class CodecarbonMeter(EnergyMeter):
 
     def settle(self, timeout: float) -> None:
         self.session.wait_started(timeout)
+
+    def give_up_start(self, reason: str) -> None:
+        self.session.abandon_start(reason)
 
     def close(self) -> None:
         if self._acquired:

@@ -86,6 +86,10 @@ class EnergyMeter(ABC):
         """Wait (at most ``timeout`` seconds) for a start that runs in the background to finish, so that a
         last reading holds its energy. Must not raise."""
 
+    def give_up_start(self, reason: str) -> None:  # noqa: B027 - most meters start synchronously
+        """A start that runs in the background has not finished in time and is given up (its chain falls
+        back): let go of it, so that nothing waits for it any more. Must not raise."""
+
     def close(self) -> None:  # noqa: B027
         """Release what :meth:`start` took (library handles, tracker threads). Must not raise."""
 
@@ -192,6 +196,7 @@ class MeterChain:
         self._delivered = False  # whether the active meter has delivered a reading (not a start's zero point)
         self._counted = False  # whether any meter of this chain has
         self._closed_description: dict[str, Any] | None = None  # the active meter's, when the chain closed
+        self._given_up: str | None = None  # why the active meter's background start was given up
 
     @property
     def method(self) -> str:
@@ -214,6 +219,8 @@ class MeterChain:
             return self.last_total_j, PARTIAL if self._counted else NONE
         was_starting = self.starting
         try:
+            if self._given_up is not None:
+                raise MeterError(self._given_up)
             value = float(meter.read_joules(now))
             if not math.isfinite(value):
                 raise MeterError(f"non-finite reading {value!r}")
@@ -247,6 +254,8 @@ class MeterChain:
     @property
     def starting(self) -> bool:
         """Whether the active meter is still starting in the background (:attr:`EnergyMeter.starting`)."""
+        if self._given_up is not None:
+            return False  # it fails at the next reading
         try:
             return self.meter is not None and bool(self.meter.starting)
         except Exception:  # a meter that cannot tell fails at its next reading, and falls back there
@@ -259,6 +268,19 @@ class MeterChain:
                 self.meter.settle(timeout)
             except Exception:  # a meter that cannot settle fails at its next reading, and falls back there
                 pass
+
+    def give_up_start(self, reason: str) -> None:
+        """The active meter's background start did not finish in time (``reason`` says so): it fails at the
+        next reading, which falls back to the next meter from this meter's own start, so the fallback's
+        estimate covers the whole span, never a zero nobody counted."""
+        meter = self.meter
+        if meter is None or not self.starting:
+            return
+        self._given_up = reason
+        try:
+            meter.give_up_start(reason)
+        except Exception:  # it fails at the next reading all the same
+            pass
 
     def close(self) -> None:
         if self.meter is not None:
@@ -279,7 +301,7 @@ class MeterChain:
         return PARTIAL if self._counted else NONE
 
     def _advance(self, now: float, since: float, failures: list[tuple[str, str]]) -> None:
-        self.meter = None
+        self.meter, self._given_up = None, None
         while self._position + 1 < len(self._factories):
             self._position += 1
             name, factory = self._factories[self._position]

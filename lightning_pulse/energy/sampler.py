@@ -11,9 +11,12 @@ from lightning_pulse.energy.meter import MeterChain
 
 THREAD_NAME = "lightning-pulse-energy-sampler"
 
-#: how long readings wait for a meter still starting in the background (codecarbon: 1-2 s) before they are
-#: recorded without it
+#: how long readings wait for a meter still starting in the background (codecarbon: 1-2 s); then its start is
+#: given up and its chain falls back (an estimate from the meter's own start on, not its zero point)
 STARTING_GRACE_S = 60.0
+#: how long :meth:`EnergySampler.settle` waits for such a start (at an epoch end, at the end) before it gives
+#: it up the same way
+STARTING_WAIT_S = 30.0
 
 
 class EnergySampler:
@@ -83,22 +86,32 @@ class EnergySampler:
                 return
             now = self.clock()
             self.last_sample_time = now
-            if now - self._started_at < STARTING_GRACE_S and any(chain.starting for chain in self.chains):
-                # no reading while a meter starts: its first real one holds the energy of the meantime, and
-                # the ledger spreads it over the phases since the last reading (a zero reading here put a short
-                # fit's whole backlog into its last interval, the fit end)
-                return
+            if any(chain.starting for chain in self.chains):
+                if now - self._started_at < STARTING_GRACE_S:
+                    # no reading while a meter starts: its first real one holds the energy of the meantime,
+                    # and the ledger spreads it over the phases since the last reading (a zero reading here
+                    # put a short fit's whole backlog into its last interval, the fit end)
+                    return
+                self._give_up_starts(STARTING_GRACE_S)  # its zero point is no reading either
             totals = {chain.component: chain.read(now) for chain in self.chains}
             self.ledger.record(now, self.wall_clock(), totals)
             self.samples += 1
 
-    def settle(self, timeout: float = 30.0) -> None:
+    def settle(self, timeout: float | None = None) -> None:
         """Let every meter still starting in the background (codecarbon) finish, so the next reading holds
-        its energy; a no-op once they run. ``timeout`` bounds the whole wait (chains sharing one codecarbon
-        session would otherwise each wait it out)."""
+        its energy; a no-op once they run. ``timeout`` (default :data:`STARTING_WAIT_S`) bounds the whole
+        wait (chains sharing one codecarbon session would otherwise each wait it out); a start still running
+        then is given up: the next reading falls back over the whole span since that meter's start."""
+        timeout = STARTING_WAIT_S if timeout is None else timeout
         deadline = time.monotonic() + timeout
         for chain in self.chains:
             chain.settle(max(0.0, deadline - time.monotonic()))
+        self._give_up_starts(timeout)
+
+    def _give_up_starts(self, waited_s: float) -> None:
+        for chain in self.chains:
+            if chain.starting:
+                chain.give_up_start(f"its background start did not finish within {waited_s:g} s")
 
     def _run(self) -> None:
         try:
