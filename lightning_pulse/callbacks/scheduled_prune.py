@@ -179,10 +179,10 @@ class ScheduledPrune(Callback):
             supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
             spawns = isinstance(strategy, DDPStrategy) and compat.spawns_worker_processes(trainer)
             prune_setup.check_strategy(type(strategy).__name__, supported, spawns, self.mode, self.options)
-            averaging = prune_setup.check_weight_averaging(
+            prune_setup.refuse_structured_next_to_pruning(self.mode, trainer.callbacks)
+            self.core.averaging = prune_setup.check_weight_averaging(
                 self.mode, trainer.callbacks, compat.averages_buffers
             )
-            self.core.averaging = averaging
             # the dtype the run's batches take, and whether under autocast (RunPrecision.of_plugin says why)
             plugin = trainer.precision_plugin
             mixed = isinstance(plugin, MixedPrecision)

@@ -27,6 +27,7 @@ from lightning_pulse.core.prune_setup import (
     event_cadence,
     exact_names_pattern,
     fit_start_selection,
+    folded_elsewhere_note,
     kept_above_target,
     kept_masks_note,
     lowered_target_warning,
@@ -79,6 +80,9 @@ class PruneEvents:
     ) -> None:
         self.schedule, self.pruner, self.warn, self.info = schedule, pruner, warn, info
         self.events: list[dict[str, Any]] = []
+        #: unstructured: the layers this callback has masked in this fit (:meth:`start_training`, :meth:`cut`):
+        #: only their masks are folded at the fit's end (:meth:`end_fit`)
+        self.own_masked: set[str] = set()
         self.window = DistillWindow(distill) if distill is not None else None
         self.masks = pruning.MaskedWeightRefresh(enabled=pruner.mode == "unstructured")
         self.uses_maintain: bool | None = None  # decided at the first fit start, kept by a checkpoint
@@ -208,6 +212,9 @@ class PruneEvents:
         self._watching = self.pruner.mode == "unstructured"
         if self._watching:
             self.own_weights.start(selection.layers)
+        # masks on the layers to prune now: a resume's, folded zeros masked again, or adopted by the next event
+        layers = selection.layers.items() if self._watching else ()
+        self.own_masked = {name for name, layer in layers if pruning.current_mask(layer) is not None}
         self.info(setup_summary(self.pruner.mode, model, selection, self.schedule, bool(self.uses_maintain)))
 
     def after_phase_change(self, change: PhaseChange, undone: bool = False) -> tuple[bool, bool]:
@@ -243,14 +250,27 @@ class PruneEvents:
     def end_fit(self, model: nn.Module, step: int, fold: bool) -> None:
         """At the fit's end, at optimizer ``step``: the warning for a schedule left unfinished
         (:func:`~lightning_pulse.core.prune_setup.unfinished_warning`), the masked weights brought up to date
-        (the last optimizer step came after the last forward) and, with ``fold``, every mask folded into its
-        weight (the masked layers are found again), then the line on the last event."""
+        (the last optimizer step came after the last forward) and, with ``fold``, the masks of the layers this
+        callback masked (:attr:`own_masked`) folded into their weights, then the line on the last event.
+
+        Another pruner's masks stay: Lightning's ``ModelPruning(make_pruning_permanent=False)`` was told to keep
+        them, and folding every mask in the model took its reparametrisation away. A layer of this callback's
+        whose mask another callback has already folded is left as it is, its pruned zeros in its weight, and
+        the line says so (:func:`~lightning_pulse.core.prune_setup.folded_elsewhere_note`):
+        ``ModelPruning.on_train_end`` folds every prune hook in the model, ours included, before this runs, and
+        the refresh of the hooks found before then crashed a finished fit (``no attribute 'weight_mask'``)."""
         warning = unfinished_warning(self.schedule, step, self.events)
         if warning is not None:
             self.warn(warning)
+        self.masks.forget()  # the hooks there now, not those found before another callback folded some
         self.masks.refresh(model, grad=False)
+        modules = dict(model.named_modules()) if self.own_masked else {}
+        masked = [name for name in sorted(self.own_masked) if name in modules]
+        gone = [name for name in masked if pruning.current_mask(modules[name]) is None]
+        if gone:
+            (self.info if fold else self.warn)(folded_elsewhere_note(gone, fold))
         if fold:
-            pruning.make_masks_permanent(model)
+            pruning.make_masks_permanent(model, only=set(masked) - set(gone))
         self.masks.forget()
         if self.events:
             kept = kept_above_target(self.schedule)
@@ -268,6 +288,8 @@ class PruneEvents:
         self.leave_out_substituted(model)
         copied = pruning.copy_without_hooks(model) if teacher else None
         outcome = self.pruner.prune(model, target, optimizers, self.example)
+        if self.pruner.mode == "unstructured":  # every chosen layer is masked now
+            self.own_masked.update(outcome.layer_sparsity)
         self.masks.forget()
         for problem in outcome.problems:
             self.warn(f"ScheduledPrune: {problem}")

@@ -181,6 +181,54 @@ def check_weight_averaging(
     return type(averaging).__name__, averages_buffers(averaging)
 
 
+#: Lightning's callback that puts ``torch.nn.utils.prune`` masks on the module at epoch ends, by class name
+PRUNING_CALLBACKS = ("ModelPruning",)
+
+
+def refuse_structured_next_to_pruning(mode: str, callbacks: Iterable[Any]) -> None:
+    """Raise :class:`PulseRefusal` for structured mode next to Lightning's ``ModelPruning``. It masks layers
+    at an epoch end, after the fit-start check of the masks a model carries, and a later cut that narrows a
+    masked layer (its input, when the cut is upstream) puts a new parameter where the mask's hook sets a
+    tensor: a held-out sweep's run crashed at the next event's forward (``cannot assign
+    'torch.FloatTensor' as parameter 'weight'``), with ``make_pruning_permanent=False`` too. Unstructured
+    masks sit next to ModelPruning's (:meth:`PruneEvents.end_fit
+    <lightning_pulse.core.prune_events.PruneEvents.end_fit>` leaves its masks alone)."""
+    if mode != "structured":
+        return
+    for callback in callbacks:
+        found = next(
+            (base for base in type(callback).__mro__ if _is_lightning(base, PRUNING_CALLBACKS)), None
+        )
+        if found is not None:
+            raise PulseRefusal(
+                f"ScheduledPrune: mode='structured' cannot run next to {type(callback).__name__}: it masks "
+                "layers at epoch ends, and a later cut that narrows a masked layer or its input would fail "
+                f"mid-run. Use mode='unstructured' (its masks and {found.__name__}'s live side by side), or "
+                f"remove one of the two pruners."
+            )
+
+
+def _is_lightning(base: type, names: Sequence[str]) -> bool:
+    return base.__name__ in names and base.__module__.startswith(("lightning", "pytorch_lightning"))
+
+
+def folded_elsewhere_note(layers: Sequence[str], fold: bool) -> str:
+    """The fit-end line for this callback's ``layers`` whose masks another callback folded before the fit's end
+    (Lightning's ``ModelPruning`` with ``make_pruning_permanent=True`` folds every mask in the model at
+    ``on_train_end``); ``fold``: this callback was to fold them too (``make_permanent``)."""
+    kept = (
+        "as make_permanent=True does"
+        if fold
+        else "so make_permanent=False could not keep their masks (ModelPruning(make_pruning_permanent=False) "
+        "leaves them)"
+    )
+    return (
+        f"ScheduledPrune: at fit end, the masks of {_some_names(list(layers))} had already been folded into "
+        f"their weights by another callback (Lightning's ModelPruning does at train end); they are left as "
+        f"they are, with their pruned zeros, {kept}."
+    )
+
+
 def refuse_averaged_masks(
     averaging: tuple[str, bool] | None,
     model: nn.Module,

@@ -452,12 +452,15 @@ def rename_in_finetuning_states(states: dict[str, Any], keys: Collection[str], m
             states[key] = finetuning_state_renamed(state, names)
 
 
-def make_masks_permanent(model: nn.Module, keep: Collection[str] = ()) -> list[str]:
-    """Fold every ``torch.nn.utils.prune`` mask into its weight, except those of the layers named in ``keep``;
-    returns the names of the layers folded."""
+def make_masks_permanent(
+    model: nn.Module, keep: Collection[str] = (), only: Collection[str] | None = None
+) -> list[str]:
+    """Fold every ``torch.nn.utils.prune`` mask into its weight, except those of the layers named in ``keep``
+    and, with ``only``, of the layers not named in it (another pruner's); returns the names of the layers
+    folded."""
     folded = []
     for name, module in model.named_modules():
-        if name in keep:
+        if name in keep or (only is not None and name not in only):
             continue
         for hook in list(module._forward_pre_hooks.values()):
             if isinstance(hook, prune.BasePruningMethod):
