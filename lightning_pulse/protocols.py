@@ -99,9 +99,10 @@ class StepUndoer(Protocol):
     the undoer's own batch end (whatever the callbacks' order). A callback that changes the model there asks
     first (:func:`step_undone`) and waits for an applied step: a change made on weights about to be rolled
     back is chosen from bad values, and the rollback finds no snapshot that fits a model cut since
-    (:class:`~lightning_pulse.ScheduledPrune` defers its event)."""
+    (:class:`~lightning_pulse.ScheduledPrune` defers its event). Without ``forced_skips``, the steps skipped
+    after a rollback (whose weights are the rollback's snapshot's, not diverged) do not count."""
 
-    def undoes_step(self, step: int) -> bool: ...
+    def undoes_step(self, step: int, forced_skips: bool = True) -> bool: ...
 
 
 _Contract = TypeVar("_Contract")
@@ -157,8 +158,8 @@ def tell_weights_changed(
         changed.on_pulse_weights_changed(trainer, pl_module)
 
 
-def step_undone(trainer: pl.Trainer, step: int) -> bool:
+def step_undone(trainer: pl.Trainer, step: int, forced_skips: bool = True) -> bool:
     """Whether a :class:`StepUndoer` of ``trainer`` drops the update of the optimizer step that leaves the
-    counter at ``step``. DDP ranks get the same answer where the undoers decide alike (StabilityGuard: on
-    all-reduced numbers)."""
-    return any(undoer.undoes_step(step) for undoer in listeners(trainer, StepUndoer))
+    counter at ``step`` (``forced_skips``: also a skip after a rollback). DDP ranks get the same answer where
+    the undoers decide alike (StabilityGuard: on all-reduced numbers)."""
+    return any(undoer.undoes_step(step, forced_skips) for undoer in listeners(trainer, StepUndoer))

@@ -240,18 +240,19 @@ class ScheduledPrune(Callback):
         steps = trainer.global_step - core.last_step
         if steps <= 0:  # inside an accumulation window
             return
-        core.last_step = trainer.global_step
+        core.last_step = step = trainer.global_step
         core.leave_out_substituted(pl_module)  # after the first step's forwards (once; before any mask)
         if core.window is not None and core.window.step(steps):
             self._end_distillation(trainer)
-        if core.event_due(trainer.global_step) and not step_undone(trainer, trainer.global_step):
-            self._prune_event(trainer, pl_module, trainer.global_step, maintain_entry=False)
+        if core.event_due(step) and not core.waits(partial(step_undone, trainer, step)):
+            self._prune_event(trainer, pl_module, step, maintain_entry=False)
 
     def on_pulse_phase_change(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange
     ) -> None:
         """Called by PulseCycle on every rank: prune when a maintain phase starts."""
-        window_ends, due = self.core.after_phase_change(change, step_undone(trainer, trainer.global_step))
+        undone = partial(step_undone, trainer, trainer.global_step)  # asked only when an event is due
+        window_ends, due = self.core.after_phase_change(change, undone)
         if window_ends:
             self._end_distillation(trainer)
         if due:
@@ -304,8 +305,7 @@ class ScheduledPrune(Callback):
         restored record says (:meth:`PruneEvents.masks_after_rollback
         <lightning_pulse.core.prune_events.PruneEvents.masks_after_rollback>`)."""
         self.load_state_dict(state_dict)
-        trainer = self._trainer_ref()
-        if trainer is not None and trainer.lightning_module is not None:
+        if (trainer := self._trainer_ref()) is not None and trainer.lightning_module is not None:
             self.core.masks_after_rollback(trainer.lightning_module, state_dict.get("masked_layers"))
 
     # ------------------------------------------------------------------ the event

@@ -189,6 +189,8 @@ class StabilityGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._energy.begin()  # at the first batch of an optimizer step
+        if self.core.snapshot_owed:  # a cut after the last step's batch end, all its callbacks' hooks done
+            self._take_snapshot(trainer, pl_module)
         self.core.pre_step.before_step(self._record.batches)  # at the first: copies what forwards write
         self._record.add(batch_idx, batch)  # with the generator states its training_step draws from
 
@@ -246,8 +248,7 @@ class StabilityGuard(Callback):
         if (action := self._record.end()) is None:  # inside an accumulation window, or one without a step
             return self._record.drop_window(compat.window_ended(trainer))
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
-        energy, optimizers = self._energy.end(), trainer.optimizers
-        schedulers = self._schedulers(trainer)  # StochasticWeightAveraging swaps or adds one mid-run
+        energy, optimizers, schedulers = self._energy.end(), trainer.optimizers, self._schedulers(trainer)
         if self._record.forced:  # skipped after a rollback: what its forwards wrote goes back too
             self.core.mend_forward_state(pl_module, optimizers=optimizers)
         if self.core.finish_step(action, trainer.global_step, energy, optimizers, pl_module, schedulers):
@@ -285,9 +286,8 @@ class StabilityGuard(Callback):
     def on_pulse_parameters_replaced(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
     ) -> None:
-        """Snapshot at the end of the step (older ones no longer fit), the pre-step copy of buffers
-        made anew in the new shapes."""
-        self.core.parameters_replaced(trainer.global_step, pl_module)
+        """Snapshot the cut (older snapshots no longer fit; ``StabilityCore.parameters_replaced``)."""
+        self.core.parameters_replaced(trainer.global_step, pl_module, self._record)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -337,7 +337,7 @@ class StabilityGuard(Callback):
         return trainer.optimizers, self._schedulers(trainer), states
 
     @staticmethod
-    def _schedulers(trainer: pl.Trainer) -> list:
+    def _schedulers(trainer: pl.Trainer) -> list:  # read each step: StochasticWeightAveraging swaps one in
         return [config.scheduler for config in trainer.lr_scheduler_configs]
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -317,13 +317,24 @@ class StepRecord:
         self.batches, self.drawn, self.trained, self.evaluations = [], {}, {}, 0
         return action
 
-    def undoes(self, step: int) -> bool:
+    def undoes(self, step: int, forced_skips: bool = True) -> bool:
         """Whether the update of the optimizer step that leaves the counter at ``step`` is dropped (skipped,
         undone by a rollback, or the run stops): the step in flight, decided with its batch end to come, or the
-        one that ended at ``step`` (:class:`~lightning_pulse.protocols.StepUndoer`)."""
+        one that ended at ``step`` (:class:`~lightning_pulse.protocols.StepUndoer`). Without ``forced_skips``,
+        a skip after a rollback does not count: it drops a batch, not a diverged update (the weights are the
+        rollback's snapshot's)."""
         if self.decided is not None:
-            return self.decided is not Action.APPLY
-        return self.ended is not None and self.ended[0] == step and self.ended[1] is not Action.APPLY
+            action = self.decided
+        elif self.ended is not None and self.ended[0] == step:
+            action = self.ended[1]
+        else:
+            return False
+        return action is not Action.APPLY and (forced_skips or not self.forced)
+
+    def applied(self, step: int) -> bool:
+        """Whether the optimizer step that leaves the counter at ``step`` has ended, applied (its batch end
+        is over: a change made now comes after the guard's snapshot of the step, if any)."""
+        return self.decided is None and self.ended == (step, Action.APPLY)
 
     def drop_window(self, ended: bool) -> None:
         """At the end of a batch with nothing decided: where its accumulation window ``ended`` all the same (a
@@ -428,10 +439,11 @@ class StabilityCore:
         self.left_out: tuple[int, list[str]] | None = None
         # the newest snapshot that a rollback found fitting the model but not its optimizers or schedulers
         self.unfit_optimizers_after: int | None = None
-        # the step of the last structured cut a ParametersReplacedListener heard of, and the one a rollback
-        # found no snapshot after (no_snapshot_message names it: the stop is then not a change outside)
+        # the step of the last structured cut a ParametersReplacedListener heard of that no snapshot (taken or
+        # left out) has followed yet, and the one a rollback found so (no_snapshot_message names it)
         self.replaced_at: int | None = None
         self.cut_unsnapshotted: int | None = None
+        self.snapshot_owed = False  # a cut came after an applied step's batch end: snapshot before the next
         # the step this fit started at: its snapshot predates the fit's first forward
         self.fit_start: int | None = None
         # the step after the fit's first applied step (the fit's start, where that step overflowed a value)
@@ -536,6 +548,7 @@ class StabilityCore:
         refuse_unconsolidated_optimizers(optimizers)
         self.schedule.pending, self.rollback_to, self.left_out = False, None, None
         self.unfit_optimizers_after = self.replaced_at = self.cut_unsnapshotted = None
+        self.snapshot_owed = False
         self.fit_start, self.first_forward, self.overflow_warned = step, None, False
         self.applied_through = step
         self.unchecked_data_faults, self.presumption_warned = 0, False
@@ -584,7 +597,9 @@ class StabilityCore:
                 self.retake_lazily_shaped_start(model)
                 self.keep_first_forward(step, model)
             return self.schedule.due(step, self.policy.healthy, optimizers, schedulers)
-        self.schedule.pending = False  # the maintain entry (or new structure) came with a flagged step
+        # the maintain entry came with a dropped step: no snapshot asked; a cut no snapshot followed yet keeps
+        # asking (older snapshots no longer fit the model): at the next applied step, if healthy
+        self.schedule.pending = self.replaced_at is not None
         return False
 
     def data_fault(
@@ -1042,6 +1057,8 @@ class StabilityCore:
         infinite, per snapshot. Each snapshot also learns which buffers forwards write
         (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`: those that start being written later)."""
         self.pre_step.learn(model, self.schedule.ring.newest(), optimizers)
+        # this snapshot (or one left out) follows the cut, and holds what a request asked for
+        self.replaced_at, self.snapshot_owed, self.schedule.pending = None, False, False
         carried = carried_tensors(model)
         bad = self.nonfinite_state(model, optimizers, carried)
         nonfinite = bool(bad)
@@ -1104,9 +1121,7 @@ class StabilityCore:
             # after the change to snapshot (no_snapshot_message says what helps then)
             fitting = [snapshot.step for snapshot in held if snapshot.fits(model)]
             self.unfit_optimizers_after = max(fitting) if fitting else None
-            newest = max((snapshot.step for snapshot in held), default=None)
-            cut = self.replaced_at  # at a snapshot's own step: StabilityGuard listed first took it before
-            self.cut_unsnapshotted = cut if cut is not None and (newest is None or cut >= newest) else None
+            self.cut_unsnapshotted = self.replaced_at
             optimizers = "its optimizers' classes or parameter groups"
             why = f"fits the model any more (or {optimizers}, or its LR schedulers)"
             if self.left_out is not None:
@@ -1142,16 +1157,32 @@ class StabilityCore:
             return no_snapshot_message(step, path, *unfit), path
         return stop_message(self.policy, step, to_step, recent_rollbacks, path), path
 
-    def parameters_replaced(self, step: int, model: nn.Module | None = None) -> None:
-        """A structured prune replaced parameters (and buffers: a BatchNorm's of the channels cut): a snapshot
-        at the end of the step, if healthy (older ones no longer fit), and the pre-step copy dropped (its
-        shapes and modules may be gone), the buffers forwards write learned anew from ``step``; those
-        ``model`` still holds stay learned, copied again from the next step on (``keep`` of
-        :meth:`PreStepBuffers.clear`: a step skipped before the next applied one set back only what was
-        non-finite where no snapshot followed the prune)."""
-        self.schedule.pending = self.schedule.pending or self.policy.healthy
+    def parameters_replaced(
+        self, step: int, model: nn.Module | None = None, record: StepRecord | None = None
+    ) -> None:
+        """A structured prune replaced parameters (and buffers: a BatchNorm's of the channels cut) at the step
+        that leaves the counter at ``step``: older snapshots no longer fit, so one follows the cut, in a
+        healthy state. Where the step has ended applied (:meth:`StepRecord.applied` of ``record``: the cut
+        came after the guard's batch end, StabilityGuard listed first), before the next step's first forward
+        (:attr:`snapshot_owed`): the weights just judged healthy, with the cutter's books complete, as the
+        guard listed last snapshots them (once per cut; every DDP rank is told of the cut and decides alike,
+        on all-reduced numbers). Else at the end of the step if applied, or of the first applied step after
+        it (:meth:`finish_step`); before, a flagged step right after a cut left no snapshot that fit.
+
+        The cut starts a new incident: a rollback cannot go back past it, so the flagged steps before it are
+        forgotten (an incident they opened kept every snapshot away, and a flagged step after the cut
+        stopped the run). The pre-step copy is dropped (its shapes and modules may be gone), the buffers
+        forwards write learned anew from ``step``; those ``model`` still holds stay learned, copied again from
+        the next step on (``keep`` of :meth:`PreStepBuffers.clear`: a step skipped before the next applied one
+        set back only what was non-finite where no snapshot followed the prune)."""
+        self.policy.spike_steps = []
         self.replaced_at = step
         self.pre_step.clear(learn_after=step, keep=model)
+        if record is not None and (record.applied(step) or record.forced):
+            # a skip after a rollback drops a batch, on the snapshot's weights: snapshotted as healthy
+            self.snapshot_owed = self.policy.healthy or record.forced
+        else:
+            self.schedule.pending = self.schedule.pending or self.policy.healthy
 
     def request_maintain_snapshot(self, change: PhaseChange, probe: Mapping[str, float]) -> None:
         """Ask for a snapshot at the end of this step when ``change`` starts a maintain phase
@@ -1389,18 +1420,17 @@ def no_snapshot_message(
             "`configure_optimizers` returns the new optimizer and schedulers."
         )
     if cut_at is not None:
-        # a snapshot follows a cut at its first healthy applied step whatever `snapshot_every`; ScheduledPrune
-        # cuts in no step the guard drops (StepUndoer), so the cut came in an applied step of the incident
+        # the guard snapshots a cut in its own step when applied, else at the first applied healthy step after
+        # it, whatever `snapshot_every` or the callbacks' order: here the cut came in a step the guard dropped,
+        # and the steps after it were flagged before one was applied
         return (
             f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the "
-            f"model any more: ScheduledPrune cut channels at step {cut_at}, and no healthy step came after "
-            "the cut to snapshot before this incident needed a rollback (the cut came inside the incident, "
-            "or StabilityGuard was listed before PulseCycle and ScheduledPrune and the next step was "
-            "flagged), so a rollback would load the uncut state into the cut model. More frequent snapshots "
-            f"would not help. The checkpoint {path!r} holds the current state. List StabilityGuard after "
-            "PulseCycle and ScheduledPrune (it then snapshots a cut in the cut's own step); inspect the data "
-            "and learning rate around the flagged steps, and resume from a checkpoint saved before step "
-            f"{cut_at} (`ckpt_path`)."
+            f"model any more: channels were cut at step {cut_at} (ScheduledPrune, or another callback "
+            "replacing parameters) in a step whose update the guard dropped, and this incident began before "
+            "an applied step after the cut could be snapshotted, so a rollback would load the uncut state "
+            f"into the cut model. More frequent snapshots would not help. The checkpoint {path!r} holds the "
+            "current state. Inspect the data and learning rate around the flagged steps, and resume from "
+            f"a checkpoint saved before step {cut_at} (`ckpt_path`)."
         )
     return (
         f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the "
