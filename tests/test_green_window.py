@@ -291,6 +291,38 @@ def test_light_without_pulse_cycle_is_refused_at_fit_start(mnist1d_small):
         trainer.fit(model, data)
 
 
+def test_the_energy_report_of_a_suspended_or_max_time_stopped_run_says_so(
+    mnist1d_small, tmp_path, monkeypatch
+):
+    # a held-out sweep: a run GreenWindow suspended after 1 of 60 steps wrote an energy report "complete",
+    # and `lightning-pulse compare` showed it against a whole run as a 0.51x saving
+    from lightning_pulse.energy.compare import _unfinished_note
+
+    clock = SimulatedClock("2020-06-15 06:00:00")
+    green = GreenWindow(
+        signal=DE_JUNE, when_dirty="suspend", max_delay=1.0, clock=clock, options={"watts": 250.0}
+    )
+    energy = energy_on(clock, tmp_path / "suspended")
+    trainer = fit(
+        [green, energy, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0)],
+        clock,
+        steps=144,
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(*mnist1d_small(arch="mlp"))
+    assert green.suspended is not None and energy.report["status"] == "suspended"
+    whole = {"status": "complete", "total": {"steps": 144}}
+    assert _unfinished_note(energy.report, whole).startswith("A is suspended: unequal work")
+    # max_time with steps left (Lightning's Timer on the run's clock): "stopped", as GreenWindow says it
+    clock = SimulatedClock("2020-06-15 00:00:00")
+    monkeypatch.setattr(lightning_timer, "time", SimpleNamespace(monotonic=clock.time))
+    energy = energy_on(clock, tmp_path / "stopped")
+    trainer = fit([energy], clock, steps=48, enable_checkpointing=False, max_time={"hours": 2})
+    trainer.fit(*mnist1d_small(arch="mlp"))
+    assert trainer.global_step < 48 and energy.report["status"] == "stopped"
+
+
 def test_suspend_without_checkpointing_and_no_signal_are_refused(mnist1d_small):
     model, data = mnist1d_small(arch="mlp")
     clock = SimulatedClock(START)
