@@ -83,10 +83,10 @@ class WeightsChangedListener(Protocol):
 class TemporaryFreezer(Protocol):
     """Holds parameters frozen (``requires_grad=False``) only for a while, as
     :class:`~lightning_pulse.GradientCache` does: ``temporarily_frozen(pl_module)`` gives the qualified names
-    (as in ``pl_module.named_parameters()``) of those it holds frozen now and will release. A fresh DDP wrapper
-    (:func:`~lightning_pulse._lightning_compat.rewrap_ddp`, after a structured prune) is built with them
-    trainable, so that its reducer averages their gradients once they train again; what the user froze stays
-    out. Names, not tensors: a structural change may replace the parameter objects."""
+    (as in ``pl_module.named_parameters()``) of those it holds frozen now and will release. A fresh DDP
+    wrapper (:func:`~lightning_pulse._lightning_compat.rewrap_ddp`, after a structured prune) is built with
+    them trainable, so that its reducer averages their gradients once they train again; what the user froze
+    stays out. Names, not tensors: a structural change may replace the parameter objects."""
 
     def temporarily_frozen(self, pl_module: pl.LightningModule) -> list[str]: ...
 

@@ -297,9 +297,9 @@ class StepSavingLoader:
         assert trainer is not None and self._sampler is not None
         accumulate = trainer.accumulate_grad_batches
         # a loader with workers begins the fit's first pass inside Lightning's data set-up, before
-        # on_train_start and before Lightning sets the sampler's epoch: what both do first happens here, else a
-        # resume into a later epoch drew its pass in epoch 0's order, and one from a pass's end chose it before
-        # the finished pass's scores were applied
+        # on_train_start and before Lightning sets the sampler's epoch: what both do first happens here, else
+        # a resume into a later epoch drew its pass in epoch 0's order, and one from a pass's end chose it
+        # before the finished pass's scores were applied
         early = not self._training_started
         if early and self.stream.resumed_at_pass_end and self._selector is not None:
             self._selector.apply()

@@ -320,8 +320,8 @@ def test_a_units_entry_holding_only_frozen_parameters_is_said_to_be_left_out(mni
         if "hold no parameter that trains" in record.getMessage()
     ]
     assert said == [
-        "GradientCache: `units` entries ['net.1'] hold no parameter that trains (frozen by the user), so they "
-        "are left out of the units, as frozen parameters are."
+        "GradientCache: `units` entries ['net.1'] hold no parameter that trains (frozen by the user), so "
+        "they are left out of the units, as frozen parameters are."
     ]
 
 

@@ -859,8 +859,8 @@ def test_a_deadline_passed_before_the_first_estimate_is_warned(mnist1d_small, tm
     said = [line for line in said if "deadline" in line]
     assert said == [
         "GreenWindow: the deadline 2020-06-15 00:05:00 (UTC) has passed: at 2020-06-15 00:10:00, 5 min after "
-        "it, about 7.8 h of work is left (estimated); the run trains without waiting and ends about 7.9 h past "
-        "it. Give a later deadline, or less work."
+        "it, about 7.8 h of work is left (estimated); the run trains without waiting and ends about 7.9 h "
+        "past it. Give a later deadline, or less work."
     ]
     unmet = green.report["summary"]["deadline_unmet"]
     assert unmet["at"] == "2020-06-15 00:10:00" and unmet["ends_late_s"] == pytest.approx(8 * 3600 - 300)
@@ -951,9 +951,9 @@ def test_light_mode_says_it_holds_light_past_a_deadline_out_of_reach_and_ends_wh
         trainer.fit(*mnist1d_small(arch="mlp"))
     said = [str(w.message) for w in caught if "deadline" in str(w.message)]
     assert said == [
-        "GreenWindow: the deadline 2020-06-15 06:00:00 (UTC) cannot be met: at 2020-06-15 00:00:00 about 8.0 h "
-        "of work is left (estimated), 6.0 h before it; the run holds light as it would without a deadline and "
-        "ends about 2.0 h past it. Give a later deadline, or less work."
+        "GreenWindow: the deadline 2020-06-15 06:00:00 (UTC) cannot be met: at 2020-06-15 00:00:00 about "
+        "8.0 h of work is left (estimated), 6.0 h before it; the run holds light as it would without a "
+        "deadline and ends about 2.0 h past it. Give a later deadline, or less work."
     ]
     summary = green.report["summary"]
     assert summary["light_s"] > 0 and "dirty" in {d["reason"] for d in green.report["decisions"]}

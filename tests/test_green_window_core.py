@@ -444,7 +444,8 @@ def test_a_past_deadline_refuses_a_new_run_and_warns_a_resumed_one():
     ):
         passed_deadline(5000.0, 6000.0, resumed=False)
     assert passed_deadline(5000.0, 6000.0, resumed=True).endswith(
-        "passed while the run was down (the clock reads 1970-01-01 01:40:00); it runs the rest without waiting."
+        "passed while the run was down (the clock reads 1970-01-01 01:40:00); it "
+        "runs the rest without waiting."
     )
     # light mode holds light as without a deadline (review of 1b70cf5: the lines said it trains unheld)
     assert passed_deadline(5000.0, 6000.0, resumed=True, light=True).endswith("; it holds light as before.")
@@ -625,7 +626,8 @@ def test_a_deadline_out_of_reach_that_a_later_estimate_meets_is_cleared_and_kept
     (again,) = schedule.news
     assert again.startswith(
         "GreenWindow: the deadline 1970-01-03 06:00:00 (UTC) is in reach again: at 1970-01-03 01:00:00 about "
-        "1.0 h of work is left (estimated), 5.0 h before it (it was out of reach at 1970-01-03 00:00:00 (UTC))"
+        "1.0 h of work is left (estimated), 5.0 h before it (it was out of "
+        "reach at 1970-01-03 00:00:00 (UTC))"
     )
     assert again.endswith("." if light else "; the run may wait for clean hours again.")
     summary = schedule.summary()

@@ -51,8 +51,8 @@ def _rows() -> DataLoader:
 
 @pytest.mark.parametrize("guard_first", [False, True])
 def test_a_rollback_at_a_maintain_entry_defers_the_cut_to_the_next_applied_step(guard_first, tmp_path):
-    # held-out sweep: NaN losses at steps 14-16 made the guard decide a rollback at step 16, the batch before a
-    # maintain entry. With PulseCycle listed first (as in the shipped YAML), its phase change reached
+    # held-out sweep: NaN losses at steps 14-16 made the guard decide a rollback at step 16, the batch before
+    # a maintain entry. With PulseCycle listed first (as in the shipped YAML), its phase change reached
     # ScheduledPrune, which cut channels (from the diverged weights) before the guard's batch end rolled back;
     # the guard then found no snapshot that fitted and stopped the fit, blaming a cut "outside ScheduledPrune"
     pl.seed_everything(0)
@@ -67,8 +67,9 @@ def test_a_rollback_at_a_maintain_entry_defers_the_cut_to_the_next_applied_step(
     trainer.fit(model, _rows())  # rolls back, does not stop
     assert guard.policy.rollback_steps == [16] and not guard.stopped
     assert trainer.global_step == 30
-    # the maintain entry of step 17 came in the rolled-back step: the cut waits for step 18, the skip after the
-    # rollback (on the snapshot's weights, which the guard snapshots cut), and reaches the planned sparsity
+    # the maintain entry of step 17 came in the rolled-back step: the cut waits for step 18, the skip after
+    # the rollback (on the snapshot's weights, which the guard snapshots cut),
+    # and reaches the planned sparsity
     assert [event["step"] for event in prune.events] == [5, 11, 18]
     assert prune.sparsity == pytest.approx(0.5) and prune.finished
     assert [model.net[i].out_features for i in (0, 2, 4)] == [32, 32, 16]  # half the channels
@@ -165,8 +166,9 @@ def _fit(order: str, nan_steps: tuple[int, ...], tmp_path, max_steps: int = 30, 
 @pytest.mark.parametrize("order", ["gp", "pg"])
 def test_a_flagged_step_right_after_a_cut_rolls_back_to_the_cut_in_either_order(order, tmp_path):
     # review of the deferral: with the guard listed first, the cut at 17 came after its batch end, the guard
-    # asked for a snapshot at the end of step 18, which was flagged and dropped the request; the rollback at 19
-    # found only uncut snapshots and stopped the fit. Now the guard snapshots the cut before step 18's forward
+    # asked for a snapshot at the end of step 18, which was flagged and dropped the request; the rollback at
+    # 19 found only uncut snapshots and stopped the fit. Now the guard snapshots
+    # the cut before step 18's forward
     guard, prune, model = _fit(order, (17, 18, 19), tmp_path)
     assert not guard.stopped and guard.policy.rollback_steps == [19]
     assert [(e["step"], e["to_step"]) for e in guard.events if e["event"] == "rollback"] == [(19, 17)]
@@ -201,8 +203,9 @@ def test_skips_after_a_rollback_that_reach_the_runs_end_hold_no_event_back(mode,
 
 
 def test_a_rollback_during_the_skips_after_a_cut_made_in_them_returns_to_the_cut(tmp_path):
-    # the cut made in the first skip after the rollback of 16 (step 18) is snapshotted before step 19, the next
-    # skip: the second incident's rollback at 24 returns there, not to an uncut snapshot (which would stop)
+    # the cut made in the first skip after the rollback of 16 (step 18) is snapshotted before step 19, the
+    # next skip: the second incident's rollback at 24 returns there, not to an
+    # uncut snapshot (which would stop)
     guard, prune, model = _fit("cpg", (14, 15, 16, 22, 23, 24), tmp_path, skip_after_rollback=3)
     assert not guard.stopped and guard.policy.rollback_steps == [16, 24]
     assert [e["to_step"] for e in guard.events if e["event"] == "rollback"] == [11, 18]

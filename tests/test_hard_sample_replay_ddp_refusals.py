@@ -1,5 +1,5 @@
-"""HardSampleReplay under DDP: a refusal that only one rank's batch or module shows is raised on every rank, at
-the same step (a rank refusing alone leaves the others waiting in the next collective)."""
+"""HardSampleReplay under DDP: a refusal that only one rank's batch or module shows is raised on every rank,
+at the same step (a rank refusing alone leaves the others waiting in the next collective)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def _time_major_from_rank_0s_fourth_batch(samples, _calls=[]):  # noqa: B006 (th
 
 
 def _time_major_on_both_ranks_fourth_batch(samples, _calls=[]):  # noqa: B006 (the process's batches so far)
-    """As above, but both ranks' fourth batches stop matching B, each its own way: 6 long on rank 0, 5 on 1."""
+    """As above, but both ranks' fourth batches stop matching B, each its own
+    way: 6 long on rank 0, 5 on 1."""
     index, _, y = _split(samples)
     on_rank_0, call = _rank_0_and_call(_calls)
     length = (6 if on_rank_0 else 5) if call == 3 else BATCH
@@ -75,7 +76,8 @@ class _TimeMajorBag(pl.LightningModule):
 def _patches_joined_on_rank_0(samples, _calls=[]):  # noqa: B006 (the process's batches so far)
     """Features, labels and the samples' patches joined along the first dimension (no per-sample count beside
     them): two per sample on rank 1's batches, so its first two batches' ``(8, 2)`` keep their shape (a
-    per-batch constant, for all a batch tells); on rank 0 two, then three per sample: ``(8, 2)``, ``(12, 2)``."""
+    per-batch constant, for all a batch tells); on rank 0 two, then three per
+    sample: ``(8, 2)``, ``(12, 2)``."""
     index, x, y = _split(samples)
     on_rank_0, call = _rank_0_and_call(_calls)
     per_sample = 2 + int(on_rank_0 and call == 1)
@@ -83,8 +85,8 @@ def _patches_joined_on_rank_0(samples, _calls=[]):  # noqa: B006 (the process's 
 
 
 class _CarriedOnRank0(pl.LightningModule):
-    """Keeps its hidden state ``(B, 5)`` on the module and adds it to the next batch's unless that batch starts
-    new streams (``fresh``): rank 1's batches always do, so only rank 0 reads the state it carries."""
+    """Keeps its hidden state ``(B, 5)`` on the module and adds it to the next batch's unless that batch
+    starts new streams (``fresh``): rank 1's batches always do, so only rank 0 reads the state it carries."""
 
     def __init__(self, directory: str) -> None:
         super().__init__()

@@ -1,4 +1,5 @@
-"""HardSampleReplay under DDP, resumed from a checkpoint saved at an epoch's last batch: two gloo processes."""
+"""HardSampleReplay under DDP, resumed from a checkpoint saved at an epoch's
+last batch: two gloo processes."""
 
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ def _fit(model, data, directory: Path, ckpt_path: Path | None = None) -> dict[in
 def test_a_resume_from_an_epoch_end_checkpoint_under_ddp_reproduces_the_uninterrupted_run(
     mnist1d_small, tmp_path
 ):
-    # Lightning resumes from a checkpoint saved at an epoch's last batch without running that epoch's end hooks
-    # again: the steps measured but not yet applied were left unapplied, so the next epoch selected from other
-    # scores (all of the last batch's samples still unscored, kept) and the weights differed
+    # Lightning resumes from a checkpoint saved at an epoch's last batch without running that epoch's end
+    # hooks again: the steps measured but not yet applied were left unapplied, so the next epoch selected from
+    # other scores (all of the last batch's samples still unscored, kept) and the weights differed
     pl.seed_everything(0)
     full = _fit(*mnist1d_small(), tmp_path / "full")
     checkpoint = tmp_path / "full" / "step=6.ckpt"

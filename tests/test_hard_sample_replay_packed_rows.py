@@ -1,7 +1,7 @@
 """HardSampleReplay on losses over a batch's packed rows (a graph batch's nodes, packed sequences' tokens:
-``(N, .)`` with ``N != B``), which a held-out sweep found scored wrong or refused by chance: a packed-row term next
-to a per-sample one was left out as a weight penalty whenever ``N % B != 0``, and a node-level loss on a batch
-with no tensor of ``B`` rows was blamed on a collate_fn that drops samples, never refused."""
+``(N, .)`` with ``N != B``), which a held-out sweep found scored wrong or refused by chance: a packed-row term
+next to a per-sample one was left out as a weight penalty whenever ``N % B != 0``, and a node-level loss on a
+batch with no tensor of ``B`` rows was blamed on a collate_fn that drops samples, never refused."""
 
 from __future__ import annotations
 
@@ -287,8 +287,9 @@ def _flat_1d(items: list) -> dict:
 
 class _PackedLM(pl.LightningModule):
     """A next-token CE over packed tokens, computed as HF's causal-LM loss is (``(1, T, V)`` logits viewed as
-    ``(T, V)``, the labels shifted into a new tensor by a pad and a slice); with ``per_sequence``, plus a CE of
-    each sequence's mean hidden state; with ``score``, each sequence's mean token loss for an OutputKeyScorer."""
+    ``(T, V)``, the labels shifted into a new tensor by a pad and a slice); with ``per_sequence``, plus a CE
+    of each sequence's mean hidden state; with ``score``, each sequence's mean token
+    loss for an OutputKeyScorer."""
 
     def __init__(self, per_sequence: bool = False, score: bool = False) -> None:
         super().__init__()
@@ -336,9 +337,9 @@ def _with_labels(collate):
     "collate", [_with_labels(_flatten), _with_labels(_flat_1d)], ids=["(1, T)", "1-D, read as ids[None]"]
 )
 def test_a_token_term_on_sequences_packed_as_hf_packs_them_makes_the_step_unsplittable(collate):
-    # held-out review: HF's layouts kept the token term a penalty (the (1, T) leaves were counted as 1 row; the
-    # 1-D ids were read through a (1, T) view, and the labels shifted into new storage), so the first step (33
-    # tokens for 4 sequences) was scored by the per-sequence CE alone
+    # held-out review: HF's layouts kept the token term a penalty (the (1, T) leaves were counted as 1 row;
+    # the 1-D ids were read through a (1, T) view, and the labels shifted into new storage), so the first step
+    # (33 tokens for 4 sequences) was scored by the per-sequence CE alone
     batch = collate(_token_sequences()[:B])
     with LossCapture(batch_size=B, batch=batch) as capture:
         _PackedLM(per_sequence=True).training_step(batch, 0)

@@ -1,5 +1,5 @@
-"""HardSampleReplay(mode="steps") resumed with DataLoader workers: the resumed run trains what the uninterrupted one
-did, from the resumed step on."""
+"""HardSampleReplay(mode="steps") resumed with DataLoader workers: the resumed run trains what the
+uninterrupted one did, from the resumed step on."""
 
 from __future__ import annotations
 
@@ -84,10 +84,10 @@ def _fit(persistent: bool, callbacks=(), ckpt_path=None) -> IndexedMLP:
 def test_a_resume_with_dataloader_workers_trains_the_uninterrupted_runs_batches(
     tmp_path, persistent, resume_step
 ):
-    # held-out sweep: Lightning creates the fit's first iterator before it sets the sampler's epoch, and a loader
-    # with workers draws its first indices right then. A resume into the second pass drew epoch 0's order (every
-    # later step trained other samples, final weights off by 0.18); one from a pass's last batch also chose the
-    # next pass before the finished pass's scores were applied
+    # held-out sweep: Lightning creates the fit's first iterator before it sets the sampler's epoch, and a
+    # loader with workers draws its first indices right then. A resume into the second pass drew epoch 0's
+    # order (every later step trained other samples, final weights off by 0.18); one from a pass's last batch
+    # also chose the next pass before the finished pass's scores were applied
     every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     full = _fit(persistent, [every_step])
     checkpoint = next(tmp_path.glob(f"*step={resume_step}.ckpt"))

@@ -297,7 +297,10 @@ def test_a_maintain_plan_that_cuts_at_once_is_said_at_fit_start_and_a_gradual_on
     assert steps == [56]  # warm-up to 11, burst, replay, maintain at 56; the next one falls in the anneal
     assert len(said) == 1 and "pruning at maintain-phase starts" in said[0] and "makes 1 cut(s)" in said[0]
     assert "at step 56 takes sparsity from 0.00 to 0.48 at once" in said[0]
-    stops = "no maintain phase starts at or after step 77 with a step left to train after it: sparsity stops at 0.48"
+    stops = (
+        "no maintain phase starts at or after step 77 with a step left to train after it: "
+        "sparsity stops at 0.48"
+    )
     assert stops in said[0]
     assert "a cycle of about 8 steps" in said[0] and "cadence='steps') with `every`=8" in said[0]
     recwarn.clear()

@@ -209,8 +209,9 @@ callbacks = [
     Dump(),
 ]
 trainer = pl.Trainer(
-    accelerator="cpu", devices=2, strategy="ddp_find_unused_parameters_true", max_steps=30, callbacks=callbacks,
-    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    accelerator="cpu", devices=2, strategy="ddp_find_unused_parameters_true", max_steps=30,
+    callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False,
 )
 trainer.fit(MLP(), DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
 """
@@ -219,8 +220,9 @@ trainer.fit(MLP(), DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_a_cut_while_gradient_cache_holds_units_frozen_keeps_both_ranks_bit_identical(tmp_path):
-    # held-out DDP sweep: the re-wrap after a structured cut built a reducer without the units GradientCache held
-    # frozen then, so once released their gradients were never averaged and each rank trained its own copy
+    # held-out DDP sweep: the re-wrap after a structured cut built a reducer without the units GradientCache
+    # held frozen then, so once released their gradients were never averaged and
+    # each rank trained its own copy
     rank0, rank1 = _run_two_ranks(_GRADIENT_CACHE_SCRIPT, tmp_path)
     assert rank0["frozen_at_cuts"] == rank1["frozen_at_cuts"]
     assert any(rank0["frozen_at_cuts"]), "no cut came while a unit was frozen"

@@ -92,7 +92,8 @@ def test_structured_mode_is_refused_at_fit_start_next_to_model_pruning(permanent
 
 def test_fit_ends_cleanly_when_model_pruning_folded_our_masks_first(caplog):
     # ModelPruning.on_train_end folds every prune hook in the model before ScheduledPrune.on_fit_end, whose
-    # refresh of the hooks it had found crashed the finished fit: 'Conv2d' object has no attribute 'weight_mask'
+    # refresh of the hooks it had found crashed the finished fit: 'Conv2d' object
+    # has no attribute 'weight_mask'
     model = _ConvNet()
     prune = _prune()
     with caplog.at_level(logging.INFO):

@@ -288,7 +288,7 @@ class GradientCache(Callback):
         self._lifecycle.replan(self._replay, again=True)
 
     def temporarily_frozen(self, pl_module: pl.LightningModule) -> list[str]:
-        """Names of the parameters it holds frozen now: a DDP re-wrap must register them (TemporaryFreezer)."""
+        """Names of the parameters it holds frozen now, which a DDP re-wrap registers (TemporaryFreezer)."""
         return self._lifecycle.held_frozen_names(pl_module)
 
     # ------------------------------------------------------------------ end

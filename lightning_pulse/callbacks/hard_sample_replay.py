@@ -72,19 +72,19 @@ class HardSampleReplay(Callback):
         PulseRefusal: at fit start, for a DataLoader whose dataset indices cannot be tracked (an
             ``IterableDataset``, a custom batch sampler), several training DataLoaders, ``ModelParallelStrategy``,
             a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), a ``training_step`` compiled with
-            ``fullgraph=True`` unless a ``scorer`` is set (rule other than ``'infobatch'``), ``phases`` without
-            ``"replay"`` and no PulseCycle (they would never come), a second run of this instance unless a
-            checkpoint was restored into it, or in ``mode="steps"`` a run of unknown length,
+            ``fullgraph=True`` unless a ``scorer`` is set (rule other than ``'infobatch'``), ``phases``
+            without ``"replay"`` and no PulseCycle (they would never come), a second run of this instance
+            unless a checkpoint was restored into it, or in ``mode="steps"`` a run of unknown length,
             ``limit_train_batches``, ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, a
             ``GradientAccumulationScheduler``, a per-step LR scheduler built for the run's unplanned length
             (``max_steps``, or ``max_epochs`` of plain epochs) when the plan is shorter, a PulseCycle in seconds
             or manual optimization stepping several optimizers per batch; after the fit's first two batches
-            (trained in full, before any replay step), for a module carrying state from one batch to the next (a
-            stateful RNN) or a token loss flattened time-major; at the first step, before any update, without a
-            ``scorer`` (or with rule='infobatch'): for a loss called in a ``fullgraph=True`` part, a loss with no
-            per-sample value, or packed rows (graph nodes, packed tokens: more rows than drawn indices, none of B
-            rows) that the loss does not split; in ``mode="batch"``, at the fit's first batch, for a batch that
-            cannot be cut in place: immutable, holding nothing per sample (or fewer rows), or time-major.
+            (trained in full, before any replay step), for a module carrying state from one batch to the next
+            (a stateful RNN) or a token loss flattened time-major; at the first step, before any update,
+            without a ``scorer`` (or with rule='infobatch'): for a loss called in a ``fullgraph=True`` part, a
+            loss with no per-sample value, or packed rows (graph nodes, packed tokens: more rows than indices,
+            none of B rows) the loss does not split; in ``mode="batch"``, at the first batch, for a batch
+            that cannot be cut in place: immutable, holding nothing per sample (or fewer rows), or time-major.
 
     Example::
 

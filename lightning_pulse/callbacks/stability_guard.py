@@ -118,7 +118,7 @@ class StabilityGuard(Callback):
     undoes_step = property(lambda self: self._record.undoes, doc=steps.StepRecord.undoes.__doc__)
     bad_samples = property(
         lambda self: self.core.bad_samples,
-        doc='Data faults\' samples, ``{"step", "batch_idx", "rows", "indices"}``, newest last (checkpointed).',
+        doc='Data faults\' samples ``{"step", "batch_idx", "rows", "indices"}``, newest last (checkpointed).',
     )
     steps_lost = property(
         lambda self: self.policy.steps_lost,

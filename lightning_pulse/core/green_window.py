@@ -815,7 +815,8 @@ def passed_deadline(deadline: float | None, now: float, resumed: bool, light: bo
         )
     return (
         f"GreenWindow: `deadline`={format_utc(deadline)!r} (UTC) passed while the run was down (the clock "
-        f"reads {format_utc(now)}); it {'holds light as before' if light else 'runs the rest without waiting'}."
+        f"reads {format_utc(now)}); it "
+        f"{'holds light as before' if light else 'runs the rest without waiting'}."
     )
 
 
@@ -1097,8 +1098,8 @@ class GreenSchedule:
             "remaining_work_s": float(remaining),
             "ends_late_s": float(now + remaining - deadline),
         }
-        # light mode holds light as it would without a deadline; its held steps are steps of the run, counted in
-        # `remaining` (the run takes as long either way), so the end estimate holds in both modes
+        # light mode holds light as it would without a deadline; its held steps are steps of the run, counted
+        # in `remaining` (the run takes as long either way), so the end estimate holds in both modes
         does = "holds light as it would without a deadline" if self.light else "trains without waiting"
         late = f"the run {does} and ends about {duration_text(record['ends_late_s'])} past it"
         if now <= deadline:

@@ -1360,8 +1360,8 @@ class FreezerLifecycle:
                 and (left := untrained_entries(self._model, self.unit_names))
             ):
                 info(
-                    f"GradientCache: `units` entries {left} hold no parameter that trains (frozen by the user), "
-                    "so they are left out of the units, as frozen parameters are."
+                    f"GradientCache: `units` entries {left} hold no parameter that trains (frozen by the "
+                    "user), so they are left out of the units, as frozen parameters are."
                 )
         notes, self._notes = self._notes, []
         for note in notes:

@@ -592,11 +592,11 @@ class LossCapture:
             seen, and a plain ``.sum()`` trains on ``B / offered`` of the offered batch's sum.
         offered: how many samples ``sample_weights`` stand for (``n >= B``); ``None``: ``B``.
         batch: the batch the block trains on, for the row counts and storage of its tensors only (not kept):
-            a call whose rows do not split into ``B`` samples but that reads a tensor of the batch's ``N`` rows
-            (a graph batch's nodes, packed sequences' tokens, also a ``(1, N)`` row of them or a view such as
-            ``ids[None]``), as its target (or a slice of it: ``ids[1:]``) or as a layer's input, is on the
-            batch's rows, and makes the step unsplittable, also with ``N - 1`` rows (a next-token shift); without
-            it, such a call is left out as a penalty on the weights is.
+            a call whose rows do not split into ``B`` samples but that reads a tensor of the batch's ``N``
+            rows (a graph batch's nodes, packed sequences' tokens, also a ``(1, N)`` row of them or a view
+            such as ``ids[None]``), as its target (or a slice of it: ``ids[1:]``) or as a layer's input, is on
+            the batch's rows, and makes the step unsplittable, also with ``N - 1`` rows (a next-token shift);
+            without it, such a call is left out as a penalty on the weights is.
 
     Example::
 
@@ -640,7 +640,8 @@ class LossCapture:
         self._batch_rows = frozenset(count for leaf in packed for count in _row_counts(leaf))
         self._batch_storages = frozenset(_storage_key(leaf) for leaf in packed)
         # call sites whose graph was walked and read no batch tensor of their rows' count: not walked again
-        # (a walk that finds nothing runs to its node limit, ms per call); StepLossCaptures shares it over a fit
+        # (a walk that finds nothing runs to its node limit, ms per call);
+        # StepLossCaptures shares it over a fit
         self.unread_sites: set[tuple[Any, ...]] = set()
         self.records: list[CapturedLoss] = []
         self.compiled_calls: list[str] = []  # losses traced into a torch.compile graph: not capturable
@@ -1120,9 +1121,9 @@ class LossCapture:
             # multiple of B. Left out as a penalty, the score was the other terms alone, and whether a step
             # refused depended on whether its N happened to be a multiple of B
             record.why_not = (
-                f"its {record.shape[0]} rows are computed from a batch tensor of {record.shape[0]} rows (packed "
-                "rows: a graph batch's nodes, packed sequences' tokens), so which rows belong to which sample "
-                "cannot be known"
+                f"its {record.shape[0]} rows are computed from a batch tensor of {record.shape[0]} rows "
+                "(packed rows: a graph batch's nodes, packed sequences' tokens), so which rows belong to "
+                "which sample cannot be known"
             )
         else:
             return
@@ -1132,12 +1133,13 @@ class LossCapture:
     def _reads_packed_rows(
         self, record: CapturedLoss, rows: dict[str, Tensor], arguments: dict[str, Any]
     ) -> bool:
-        """Whether a call of ``count`` rows (not a multiple of ``B``) is computed on the batch's rows: its target
-        is (a view of) a batch tensor of ``count`` rows, or a tensor its rows' autograd graph read (a layer's
-        input, token ids) is a batch tensor of ``count`` rows, or of ``count + 1`` (a next-token shift,
-        ``logits[:-1]``). Rows are counted along the first dimension, the first two flattened (a ``(1, T)`` row
-        of packed tokens) or all elements. A term of a constant size (a load-balancing loss over ``E``
-        experts), over the weights, or on a table of the module's own reads none: a penalty, left out."""
+        """Whether a call of ``count`` rows (not a multiple of ``B``) is computed on the batch's rows: its
+        target is (a view of) a batch tensor of ``count`` rows, or a tensor its rows' autograd graph read (a
+        layer's input, token ids) is a batch tensor of ``count`` rows, or of ``count + 1`` (a next-token
+        shift, ``logits[:-1]``). Rows are counted along the first dimension, the first two flattened (a
+        ``(1, T)`` row of packed tokens) or all elements. A term of a constant size (a load-balancing loss
+        over ``E`` experts), over the weights, or on a table of the module's own
+        reads none: a penalty, left out."""
         count = record.shape[0]
         target = arguments.get("target")
         if isinstance(target, Tensor) and self._is_packed_batch_tensor(target, count):
@@ -1871,8 +1873,8 @@ class StepLossCaptures:
         offered: int | None = None,
         batch: Any = None,
     ) -> None:
-        """Start capturing this step's per-sample losses (the previous step's capture is dropped); the weights,
-        ``offered`` and ``batch`` as :class:`LossCapture` takes them."""
+        """Start capturing this step's per-sample losses (the previous step's capture is dropped); the
+        weights, ``offered`` and ``batch`` as :class:`LossCapture` takes them."""
         self.drop()
         self._open = LossCapture(
             batch_size=batch_size, sample_weights=sample_weights, offered=offered, batch=batch

@@ -80,8 +80,8 @@ class PruneEvents:
     ) -> None:
         self.schedule, self.pruner, self.warn, self.info = schedule, pruner, warn, info
         self.events: list[dict[str, Any]] = []
-        #: unstructured: the layers this callback has masked in this fit (:meth:`start_training`, :meth:`cut`):
-        #: only their masks are folded at the fit's end (:meth:`end_fit`)
+        #: unstructured: the layers this callback has masked in this fit (:meth:`start_training`,
+        #: :meth:`cut`): only their masks are folded at the fit's end (:meth:`end_fit`)
         self.own_masked: set[str] = set()
         self.window = DistillWindow(distill) if distill is not None else None
         self.masks = pruning.MaskedWeightRefresh(enabled=pruner.mode == "unstructured")
@@ -212,7 +212,8 @@ class PruneEvents:
         self._watching = self.pruner.mode == "unstructured"
         if self._watching:
             self.own_weights.start(selection.layers)
-        # masks on the layers to prune now: a resume's, folded zeros masked again, or adopted by the next event
+        # masks on the layers to prune now: a resume's, folded zeros masked
+        # again, or adopted by the next event
         layers = selection.layers.items() if self._watching else ()
         self.own_masked = {name for name, layer in layers if pruning.current_mask(layer) is not None}
         self.info(setup_summary(self.pruner.mode, model, selection, self.schedule, bool(self.uses_maintain)))
@@ -232,8 +233,8 @@ class PruneEvents:
         return window_ends, due and not self.waits(undone)
 
     def waits(self, undone: bool | Callable[[bool], bool]) -> bool:
-        """Whether a due chance waits (:attr:`deferred`, until :meth:`advance`) because StabilityGuard drops its
-        step's update as flagged: ``undone``, or ``undone(forced_skips=False)``
+        """Whether a due chance waits (:attr:`deferred`, until :meth:`advance`) because StabilityGuard drops
+        its step's update as flagged: ``undone``, or ``undone(forced_skips=False)``
         (:func:`~lightning_pulse.protocols.step_undone`). The skips that follow a rollback
         (``skip_after_rollback``) do not count: the weights then are the rollback's snapshot's, healthy; a
         mask fits any snapshot, and the guard snapshots a structured cut made there before the next step.
@@ -266,12 +267,13 @@ class PruneEvents:
         (the last optimizer step came after the last forward) and, with ``fold``, the masks of the layers this
         callback masked (:attr:`own_masked`) folded into their weights, then the line on the last event.
 
-        Another pruner's masks stay: Lightning's ``ModelPruning(make_pruning_permanent=False)`` was told to keep
-        them, and folding every mask in the model took its reparametrisation away. A layer of this callback's
-        whose mask another callback has already folded is left as it is, its pruned zeros in its weight, and
-        the line says so (:func:`~lightning_pulse.core.prune_setup.folded_elsewhere_note`):
-        ``ModelPruning.on_train_end`` folds every prune hook in the model, ours included, before this runs, and
-        the refresh of the hooks found before then crashed a finished fit (``no attribute 'weight_mask'``)."""
+        Another pruner's masks stay: Lightning's ``ModelPruning(make_pruning_permanent=False)`` was told to
+        keep them, and folding every mask in the model took its reparametrisation away. A layer of this
+        callback's whose mask another callback has already folded is left as it is, its pruned zeros in its
+        weight, and the line says so (:func:`~lightning_pulse.core.prune_setup.folded_elsewhere_note`):
+        ``ModelPruning.on_train_end`` folds every prune hook in the model, ours included, before this runs,
+        and the refresh of the hooks found before then crashed a finished fit
+        (``no attribute 'weight_mask'``)."""
         warning = unfinished_warning(self.schedule, step, self.events)
         if warning is not None:
             self.warn(warning + (WAITED_NOTE if self.deferred else ""))
@@ -383,8 +385,8 @@ class PruneEvents:
     # ------------------------------------------------------------------ checkpoints and rollbacks
     def state_dict(self) -> dict[str, Any]:
         """The schedule's and the pruner's state, the event records, the layers the user froze, the cadence
-        decided, a deferred chance (kept in a StabilityGuard stop checkpoint too: its maintain phase began, and
-        a resume from it takes the event at its first step) and, while a distillation window is open, its
+        decided, a deferred chance (kept in a StabilityGuard stop checkpoint too: its maintain phase began,
+        and a resume from it takes the event at its first step) and, while a distillation window is open, its
         teacher."""
         state = {**self.schedule.state_dict(), **self.pruner.state_dict(), "deferred_event": self.deferred}
         state["events"] = [dict(event) for event in self.events]

@@ -213,8 +213,8 @@ def _is_lightning(base: type, names: Sequence[str]) -> bool:
 
 
 def folded_elsewhere_note(layers: Sequence[str], fold: bool) -> str:
-    """The fit-end line for this callback's ``layers`` whose masks another callback folded before the fit's end
-    (Lightning's ``ModelPruning`` with ``make_pruning_permanent=True`` folds every mask in the model at
+    """The fit-end line for this callback's ``layers`` whose masks another callback folded before the fit's
+    end (Lightning's ``ModelPruning`` with ``make_pruning_permanent=True`` folds every mask in the model at
     ``on_train_end``); ``fold``: this callback was to fold them too (``make_permanent``)."""
     kept = (
         "as make_permanent=True does"
@@ -310,7 +310,8 @@ def checked_selection(pruner: pruning.Pruner, model: nn.Module) -> LayerSelectio
     if not selection.layers:
         chosen = (
             f"no layer of {model.__class__.__name__} can be pruned with `layer_types`="
-            f"{[t.__name__ for t in pruner.layer_types] or None}, `exclude_pattern`={pruner.exclude_pattern!r}"
+            f"{[t.__name__ for t in pruner.layer_types] or None}, "
+            f"`exclude_pattern`={pruner.exclude_pattern!r}"
         )
         weightless = _weightless_note(model, pruner.layer_types)
         if (frozen := _frozen_way_out(pruner, model)) is not None:

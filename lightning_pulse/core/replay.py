@@ -166,9 +166,9 @@ FULLGRAPH_REFUSAL = (
     "cannot capture the loss of {part}, whose training_step runs under torch.compile(..., fullgraph=True): the "
     "loss is captured at a graph break, which fullgraph makes an error (and a compiled training_step is not "
     "supported by the capture). Compile the network alone (e.g. `self.net = torch.compile(self.net, "
-    "fullgraph=True)` in configure_model, the loss computed on its outputs in training_step), set `scorer=` to a "
-    "PerSampleScorer (e.g. OutputKeyScorer over per-sample losses training_step returns) with a rule other than "
-    "'infobatch' (nothing is captured then), or remove HardSampleReplay."
+    "fullgraph=True)` in configure_model, the loss computed on its outputs in training_step), set `scorer=` "
+    "to a PerSampleScorer (e.g. OutputKeyScorer over per-sample losses training_step returns) with a rule "
+    "other than 'infobatch' (nothing is captured then), or remove HardSampleReplay."
 )
 FULLGRAPH_LOSS_REFUSAL = (
     "cannot capture the {loss} called inside {part}, compiled with torch.compile(..., fullgraph=True): the "

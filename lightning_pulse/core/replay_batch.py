@@ -298,8 +298,8 @@ class ReplayBatchLifecycle:
                     f"samples either, so also {SCORE_PACKED_ROWS}."
                 )
             # a batch that lost rows (a collate_fn dropped samples) has no part of B rows whatever its layout,
-            # and is not cut: the next full batch tells its layout. One with more rows than indices and none of
-            # B (a graph batch's nodes) never holds a row per index: its layout is judged now
+            # and is not cut: the next full batch tells its layout. One with more rows than indices and none
+            # of B (a graph batch's nodes) never holds a row per index: its layout is judged now
             if reason is None or rows_short_of_indices(batch, batch_size) is None:
                 self._refuse_here(reason)
                 self._structure_checked = first_checked = True
@@ -637,10 +637,10 @@ class ReplayBatchLifecycle:
             all_gather: under data parallelism, ``tensor -> (world_size, *tensor.shape)``: every rank records
                 every rank's rows, so tables and decisions stay identical.
             epoch_ends: the batch is its epoch's last: the selector applies its kept steps now, as the epoch's
-                end would. A checkpoint saved at this batch's end (``ModelCheckpoint(every_n_train_steps=...)``
-                landing there) then holds them applied: Lightning resumes from it without running the
-                epoch's end hooks again, so the next epoch chose from unapplied scores (a held-out two-rank
-                run resumed at step 14 ended with other weights).
+                end would. A checkpoint saved at this batch's end
+                (``ModelCheckpoint(every_n_train_steps=...)`` landing there) then holds them applied:
+                Lightning resumes from it without running the epoch's end hooks again, so the next epoch chose
+                from unapplied scores (a held-out two-rank run resumed at step 14 ended with other weights).
 
         Returns:
             The finished step (for :meth:`check_carried_state`), or ``None`` when no step was started (or

@@ -362,9 +362,9 @@ def unmatched_rows(batch: Any, *counts: int) -> int | None:
 def packed_sequence_rows(batch: Any, drawn: int) -> int | None:
     """The token count ``T`` of a batch that packs its ``drawn`` sequences into one row of ``T`` tokens (HF's
     ``DataCollatorWithFlattening``: ``input_ids``, ``labels`` and ``position_ids`` each ``(1, T)``), else
-    ``None``. Told by every tensor being ``(1, T)`` with ``T >= drawn``, or by ``position_ids`` ``(1, T)`` that
-    restart within the row (next to flash-attention's ``cu_seq_lens``): one row for several indices is not a
-    batch that lost samples, and no later batch holds a row per index."""
+    ``None``. Told by every tensor being ``(1, T)`` with ``T >= drawn``, or by ``position_ids`` ``(1, T)``
+    that restart within the row (next to flash-attention's ``cu_seq_lens``): one row for several indices is
+    not a batch that lost samples, and no later batch holds a row per index."""
     tensors = [tensor for tensor in batch_tensors(batch) if tensor.dim() > 0]
     if drawn < 2 or not tensors or any(tensor.shape[0] == drawn for tensor in tensors):
         return None
@@ -392,9 +392,9 @@ def unmatched_rows_cause(rows: int, drawn: int) -> str:
     """Says that a batch holds ``rows`` rows for its ``drawn`` dataset indices, and the likely cause."""
     if rows > drawn:
         return (
-            f"the batch holds {rows} rows for the {drawn} dataset indices the sampler drew for it and no tensor "
-            f"of {drawn} rows: more rows than samples (packed rows, as a graph batch's nodes or packed "
-            "sequences' tokens), so a loss over its rows cannot be told by sample"
+            f"the batch holds {rows} rows for the {drawn} dataset indices the sampler drew for it and no "
+            f"tensor of {drawn} rows: more rows than samples (packed rows, as a graph batch's nodes or "
+            "packed sequences' tokens), so a loss over its rows cannot be told by sample"
         )
     return (
         f"the batch holds {rows} rows for the {drawn} dataset indices the sampler drew for it (a collate_fn "
@@ -405,10 +405,10 @@ def unmatched_rows_cause(rows: int, drawn: int) -> str:
 #: the way out when a loss is over a batch's packed rows (completes a sentence)
 SCORE_PACKED_ROWS = (
     "set `scorer=` to a PerSampleScorer that returns one loss per sample, e.g. "
-    "lightning_pulse.core.per_sample_loss.OutputKeyScorer(key='per_sample_loss') with training_step returning "
-    "{'loss': loss, 'per_sample_loss': per_sample}, each sample's mean over its rows: "
+    "lightning_pulse.core.per_sample_loss.OutputKeyScorer(key='per_sample_loss') with training_step "
+    "returning {'loss': loss, 'per_sample_loss': per_sample}, each sample's mean over its rows: "
     "`per_sample = torch.zeros(B).index_add_(0, sample_of_row, per_row) / counts` of the "
     "`reduction='none'` loss, where sample_of_row is each row's sample (a graph batch's `batch` vector; for "
-    "packed sequences `(position_ids[0] == 0).cumsum(0) - 1`, or read from `cu_seqlens`) (or a per-sample loss "
-    "term in the loss itself, which is then captured)"
+    "packed sequences `(position_ids[0] == 0).cumsum(0) - 1`, or read from `cu_seqlens`) (or a per-sample "
+    "loss term in the loss itself, which is then captured)"
 )

@@ -319,10 +319,10 @@ class StepRecord:
 
     def undoes(self, step: int, forced_skips: bool = True) -> bool:
         """Whether the update of the optimizer step that leaves the counter at ``step`` is dropped (skipped,
-        undone by a rollback, or the run stops): the step in flight, decided with its batch end to come, or the
-        one that ended at ``step`` (:class:`~lightning_pulse.protocols.StepUndoer`). Without ``forced_skips``,
-        a skip after a rollback does not count: it drops a batch, not a diverged update (the weights are the
-        rollback's snapshot's)."""
+        undone by a rollback, or the run stops): the step in flight, decided with its batch end to come, or
+        the one that ended at ``step`` (:class:`~lightning_pulse.protocols.StepUndoer`). Without
+        ``forced_skips``, a skip after a rollback does not count: it drops a batch, not a diverged update (the
+        weights are the rollback's snapshot's)."""
         if self.decided is not None:
             action = self.decided
         elif self.ended is not None and self.ended[0] == step:
@@ -1421,8 +1421,8 @@ def no_snapshot_message(
         )
     if cut_at is not None:
         # the guard snapshots a cut in its own step when applied, else at the first applied healthy step after
-        # it, whatever `snapshot_every` or the callbacks' order: here the cut came in a step the guard dropped,
-        # and the steps after it were flagged before one was applied
+        # it, whatever `snapshot_every` or the callbacks' order: here the cut came in a step the guard
+        # dropped, and the steps after it were flagged before one was applied
         return (
             f"StabilityGuard stopped training at step {step}: it had to roll back, but no snapshot fits the "
             f"model any more: channels were cut at step {cut_at} (ScheduledPrune, or another callback "
