@@ -1719,6 +1719,19 @@ def test_the_gradless_step_check_walks_no_frozen_set_it_found_all_checked_before
     assert optimizer._optimizer_step_pre_hooks  # the decayed parameter is not checked yet
 
 
+def test_a_structured_cut_makes_the_optimizer_check_look_at_the_new_frozen_parameters_again():
+    # a review: the frozen set's key (the freezer, its flags) stays the same when a cut swaps the units'
+    # parameters in place, so arm took the new, unchecked parameters for checked ones
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    lifecycle = _lifecycle_ordered_on(model, torch.randn(6, 4), FreezeSettings())
+    check = lifecycle.optimizer_check
+    check._all_checked = ("a frozen set", (True, False, False))  # found all checked before the cut
+    old = model[0].weight
+    new = nn.Parameter(old.detach()[:6].clone())  # its first 6 output rows kept
+    lifecycle.follow([(old, new, torch.arange(6 * 4))])
+    assert check._all_checked is None
+
+
 class _SyncEverySecondStep(torch.optim.Optimizer):
     """A Lookahead-like wrapper that calls ``Optimizer.__init__`` (torch hooks its step) around an inner SGD,
     and pulls every parameter halfway to a slow copy on every second step, gradient or not."""

@@ -105,8 +105,10 @@ def test_the_guard_says_which_step_it_drops_in_flight_and_after_its_batch_end():
     assert not record.undoes(18)
     record.end()
     assert not record.undoes(18) and record.applied(18) and not record.applied(17)
+    record.take_losses(19)
     record.forced, record.decided = True, Action.SKIP  # a skip after a rollback, in flight
     assert record.undoes(19) and not record.undoes(19, forced_skips=False)
+    assert not record.undoes(20)  # the step in flight is 19's: another step's answer is not this one's
     assert isinstance(StabilityGuard(), StepUndoer)
 
 

@@ -40,7 +40,7 @@ def _train(
     batches.close_capture()
     finished = batches.finish_batch(model, batch, outputs=loss)
     assert finished is started and batches.current is None
-    batches.check_carried_state(model, finished)
+    batches.check_carried_state(finished)
     return finished
 
 

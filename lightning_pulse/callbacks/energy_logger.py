@@ -327,7 +327,7 @@ class EnergyLogger(Callback):
     # ------------------------------------------------------------------ internals
     def _finish(self, trainer: pl.Trainer, status: str) -> dict[str, Any]:
         ended = status != "interrupted"  # every rank reaches a train end: collectives are safe
-        directory = report_folder(self.report_dir, trainer, complete=ended)
+        directory = report_folder(self.report_dir, trainer, ended=ended)
         collective = self._collective(trainer) if ended else None
         self.report = self.account.report(status, self.currency, collective, num_nodes=trainer.num_nodes)
         self.report["metrics"] = scalar_metrics(trainer.callback_metrics)

@@ -282,7 +282,7 @@ class HardSampleReplay(Callback):
             gather = partial(compat.all_gather_held, trainer.strategy, hold=self._held)
         if (finished := self.batches.finish_batch(pl_module, batch, outputs, gather, last)) is not None:
             self._log(trainer)  # before the carried-state check: a refused step is still logged
-            self.batches.check_carried_state(pl_module, finished)
+            self.batches.check_carried_state(finished)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

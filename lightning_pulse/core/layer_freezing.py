@@ -1187,10 +1187,8 @@ class FreezerLifecycle:
         if self.freezer is not None and not self._opened:
             self.backward_reach.arm(self._model, self.freezer.units, self.freezer.frozen_prefix)
         if self.freezer is not None and self.optimizers:  # the step's frozen set: final before its forward
-            frozen_set = (
-                id(self.freezer),
-                tuple(self.freezer.frozen),
-            )  # what arm found checked, if unchanged
+            # what arm found all checked, if unchanged (a structured cut swaps parameters: follow forgets it)
+            frozen_set = (id(self.freezer), tuple(self.freezer.frozen))
             self.optimizer_check.arm(
                 self.optimizers, self._frozen_parameters, self.repeats_closure, frozen_set
             )
@@ -1571,8 +1569,10 @@ class FreezerLifecycle:
 
     def follow(self, replacements: Iterable[tuple[nn.Parameter, nn.Parameter, torch.Tensor]]) -> None:
         """Point the units and the window snapshots at parameters that replaced others (structured pruning):
-        :func:`follow_replaced_parameters`."""
+        :func:`follow_replaced_parameters`. The new parameters are not checked yet: the optimizer check arms
+        again."""
         follow_replaced_parameters(replacements, self.freezer, self.trace)
+        self.optimizer_check.forget_checked_set()
 
     def close(self) -> None:
         """Remove the order recording's hooks (also when the backward never came)."""
@@ -1826,6 +1826,11 @@ class GradlessStepCheck:
             self._at_start = None
         self._attached, self._depth, self._copies, self._holding = {}, {}, {}, False
         self._put_back_after_step = False
+
+    def forget_checked_set(self) -> None:
+        """The frozen set :meth:`arm` found all checked no longer holds the same parameters (a cut replaced
+        them, keeping the key): look at them again."""
+        self._all_checked = None
 
     def arm(
         self,

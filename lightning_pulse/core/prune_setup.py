@@ -209,7 +209,7 @@ def refuse_structured_next_to_pruning(mode: str, callbacks: Iterable[Any]) -> No
 
 
 def _is_lightning(base: type, names: Sequence[str]) -> bool:
-    return base.__name__ in names and base.__module__.startswith(("lightning", "pytorch_lightning"))
+    return base.__name__ in names and base.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
 
 
 def folded_elsewhere_note(layers: Sequence[str], fold: bool) -> str:

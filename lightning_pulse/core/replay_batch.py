@@ -715,7 +715,7 @@ class ReplayBatchLifecycle:
         if epoch_ends and self._selector is not None:
             self._selector.apply()
 
-    def check_carried_state(self, module: nn.Module, finished: StepInFlight | None) -> None:
+    def check_carried_state(self, finished: StepInFlight | None) -> None:
         """After a finished step (and whatever the caller logs for it): refuse a module carrying state from one
         batch to the next, once the fit's first two batches show it. ``None`` (no step finished): nothing.
 

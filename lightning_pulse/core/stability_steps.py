@@ -323,7 +323,7 @@ class StepRecord:
         the one that ended at ``step`` (:class:`~lightning_pulse.protocols.StepUndoer`). Without
         ``forced_skips``, a skip after a rollback does not count: it drops a batch, not a diverged update (the
         weights are the rollback's snapshot's)."""
-        if self.decided is not None:
+        if self.decided is not None and self.step_after == step:
             action = self.decided
         elif self.ended is not None and self.ended[0] == step:
             action = self.ended[1]

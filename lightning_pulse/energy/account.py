@@ -255,13 +255,14 @@ def trainer_chains(
     )
 
 
-def report_folder(report_dir: str | None, trainer: Any, complete: bool) -> str:
+def report_folder(report_dir: str | None, trainer: Any, ended: bool) -> str:
     """Where EnergyLogger writes the report: ``report_dir``, else the Trainer's ``log_dir``, else its
-    ``default_root_dir``. ``log_dir`` is a collective under DDP (a broadcast): it is read only for a
-    ``complete`` run (every rank reports) or in a single process, never after an exception on one rank."""
+    ``default_root_dir``. ``log_dir`` is a collective under DDP (a broadcast): it is read only when every rank
+    ``ended`` its training (complete, suspended or stopped; not interrupted) or in a single process, never
+    after an exception on one rank."""
     directory = report_dir
     if directory is None:
-        directory = trainer.log_dir if complete or trainer.world_size == 1 else None
+        directory = trainer.log_dir if ended or trainer.world_size == 1 else None
     return directory or trainer.default_root_dir
 
 
