@@ -61,8 +61,8 @@ class ScheduledPrune(Callback):
     Events are logged under ``prune/`` and kept in :attr:`events` and in checkpoints, which resume
     mid-schedule into a freshly built module (outside a Trainer: :meth:`load_pruned`). A
     :class:`~lightning_pulse.StabilityGuard` rollback restores this callback with the model; an undone event
-    is redone at the next chance, one due in a step the guard drops at the next applied step. Single-device
-    and DDP; under ``ddp_spawn``/``ddp_fork`` only unstructured mode with ``make_permanent=True``.
+    is redone at the next chance, one due in a step the guard flags at the next step it does not. Single
+    device and DDP; under ``ddp_spawn``/``ddp_fork`` only unstructured mode with ``make_permanent=True``.
 
     Args:
         final_sparsity: share of weights (unstructured) or of channels of the chosen layers (structured)
