@@ -498,6 +498,18 @@ def steps_left_at_run_pace(trainer: pl.Trainer) -> float:
     return (batches - done) * steps_done / done
 
 
+def run_end_status(trainer: pl.Trainer, suspended: bool) -> str:
+    """How a fit's training ended (``core.green_window.run_status``): ``"suspended"``, ``"stopped"``
+    (Lightning's Timer, ``max_time``, ended it with steps left) or ``"complete"``. What GreenWindow and
+    EnergyLogger report."""
+    from lightning.pytorch.callbacks import Timer
+
+    from lightning_pulse.core.green_window import run_status
+
+    timers = [callback.time_remaining() for callback in trainer.callbacks if isinstance(callback, Timer)]
+    return run_status(suspended, timers, lambda: steps_left_at_run_pace(trainer))
+
+
 def run_progress(trainer: pl.Trainer) -> tuple[int, int]:
     """``(optimizer steps, training batches on this rank)`` the run has taken so far, a resumed run's earlier
     part and an earlier ``fit`` of the same Trainer included: the counts :func:`run_length` gives in total."""

@@ -12,18 +12,7 @@ from lightning_pulse import HardSampleReplay, Phase, PulseCycle, ScheduledPrune
 from lightning_pulse.core import prune_setup
 from lightning_pulse.core.prune_schedule import PruneSchedule
 from tests.conftest import trainer_kwargs
-
-
-class _Classifier(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+from tests.test_scheduled_prune import _LinearClassifier as _Classifier
 
 
 def _data(samples: int = 640) -> DataLoader:

@@ -13,14 +13,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
-from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.green_window import GreenWindow
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
-from lightning_pulse.core.green_window import run_status
 from lightning_pulse.energy.account import (
     EnergyAccount,
     TensorCollective,
@@ -46,16 +45,6 @@ from lightning_pulse.errors import FitRestores, refuse_unwritable_dir
 from lightning_pulse.loggers import log_to_loggers
 
 MONITORABLE = ("energy/total_kwh",)
-
-
-def run_end_status(trainer: pl.Trainer) -> str:
-    """How a fit's training ended, for its report: ``"suspended"`` (GreenWindow waits for a cleaner hour),
-    ``"stopped"`` (``max_time`` with steps left), else ``"complete"`` (``core.green_window.run_status``). A
-    report of the first two is compared as unfinished work, not as a saving."""
-    windows = [callback for callback in trainer.callbacks if isinstance(callback, GreenWindow)]
-    timers = [callback.time_remaining() for callback in trainer.callbacks if isinstance(callback, Timer)]
-    suspended = any(window.suspended for window in windows)
-    return run_status(suspended, timers, lambda: compat.steps_left_at_run_pace(trainer))
 
 
 class EnergyLogger(Callback):
@@ -285,7 +274,10 @@ class EnergyLogger(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._in_train_loop = False
         self.account.end_training(self._collective(trainer))
-        report = self._finish(trainer, status=run_end_status(trainer))
+        # suspended or stopped with steps left: compared as unfinished work, not as a saving
+        windows = [callback for callback in trainer.callbacks if isinstance(callback, GreenWindow)]
+        status = compat.run_end_status(trainer, any(window.suspended for window in windows))
+        report = self._finish(trainer, status=status)
         log_to_loggers(trainer, final_metrics(report))
 
     @override

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -34,7 +34,6 @@ from lightning_pulse.core.green_window import (
     decision_line,
     fit_start_refusal,
     options_from,
-    run_status,
     seconds_of,
     unknown_length_refusal,
     write_resume_file,
@@ -245,8 +244,7 @@ class GreenWindow(Callback):
         self._one_run.end()  # a state loaded during this run is no resume of the next
         now = self.run_clock.time()
         self.segment.close(now, self._kwh)
-        timers = [c.time_remaining() for c in trainer.callbacks if isinstance(c, Timer)]  # max_time's
-        status = run_status(bool(self.suspended), timers, lambda: compat.steps_left_at_run_pace(trainer))
+        status = compat.run_end_status(trainer, bool(self.suspended))
         if status == "complete":  # the run has ended: its deadline record is the outcome, not an estimate
             self.schedule.finish(now)
         # `trainer.log_dir` is a collective (a broadcast): read on every rank, though rank 0 alone writes

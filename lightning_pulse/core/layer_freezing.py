@@ -1186,12 +1186,12 @@ class FreezerLifecycle:
         self._open_first_forward = False  # also when a retrace at that batch left no freezer to open
         if self.freezer is not None and not self._opened:
             self.backward_reach.arm(self._model, self.freezer.units, self.freezer.frozen_prefix)
-        if self.freezer is not None and self.optimizers:  # the step's frozen set: final before its forward
+        check = self.optimizer_check
+        # the step's frozen set is final before its forward; nothing to build once the check is over
+        if self.freezer is not None and self.optimizers and check.may_arm:
             # what arm found all checked, if unchanged (a structured cut swaps parameters: follow forgets it)
             frozen_set = (id(self.freezer), tuple(self.freezer.frozen))
-            self.optimizer_check.arm(
-                self.optimizers, self._frozen_parameters, self.repeats_closure, frozen_set
-            )
+            check.arm(self.optimizers, self._frozen_parameters, self.repeats_closure, frozen_set)
 
     def _frozen_parameters(self) -> list[nn.Parameter]:
         """The parameters of the units frozen now (read when an optimizer step begins: the freezer then)."""
@@ -1827,6 +1827,12 @@ class GradlessStepCheck:
         self._attached, self._depth, self._copies, self._holding = {}, {}, {}, False
         self._put_back_after_step = False
 
+    @property
+    def may_arm(self) -> bool:
+        """Whether :meth:`arm` can still hook a step: no move found yet, an optimizer not torch's own, no copy
+        armed already."""
+        return not (self.moved or self._torch_only or self._at_start is not None)
+
     def forget_checked_set(self) -> None:
         """The frozen set :meth:`arm` found all checked no longer holds the same parameters (a cut replaced
         them, keeping the key): look at them again."""
@@ -1844,7 +1850,7 @@ class GradlessStepCheck:
         (:class:`StepStartCopy`); :meth:`after_step` removes the hooks. Checked parameters cost no hook, and
         a ``frozen_set`` (a key of what is frozen) found all checked before costs no walk over them either
         (the checked set only grows)."""
-        if self.moved or self._torch_only or self._at_start is not None:
+        if not self.may_arm:
             return
         if frozen_set is not None and frozen_set == self._all_checked:
             return
