@@ -28,7 +28,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 # The headline table (benchmarks/headline.py): plain, each callback alone, the shipped suite, a random subset and
-# InfoBatch on three workloads, 3 seeds; about 30 minutes on 2 CPU cores. Writes benchmarks/results/headline.*
+# InfoBatch on three workloads, 5 seeds; about 30 minutes on 2 CPU cores. Writes benchmarks/results/headline.*
 bench: install
 	$(PY) -m benchmarks.headline
 

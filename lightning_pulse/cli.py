@@ -356,6 +356,14 @@ def _raised_by(error: BaseException) -> str:
     return owner
 
 
+#: what the top-level ``--help`` adds after LightningCLI's subcommands
+OTHER_COMMANDS = (
+    "Energy reports: `report DIR` re-renders a run's energy report; `compare RUN_A RUN_B [--out DIR]` "
+    "compares two runs; `wait-for-window DIR [--print]` waits for the clean window a run suspended by "
+    "GreenWindow waits for. Each takes --help."
+)
+
+
 class PulseCLI(LightningCLI):
     """LightningCLI in subclass mode whose construction errors read like argument errors.
 
@@ -366,6 +374,8 @@ class PulseCLI(LightningCLI):
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("parser_class", PulseArgumentParser)
+        # the top-level --help also names the commands main() dispatches before LightningCLI sees them
+        kwargs.setdefault("parser_kwargs", {}).setdefault("epilog", OTHER_COMMANDS)
         self._seed_lines = HeldSeedLines()
         with self._seed_lines:
             super().__init__(*args, **kwargs)

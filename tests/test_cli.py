@@ -36,6 +36,15 @@ def test_pulse_yaml_trains_end_to_end_with_the_cycle_attached(tmp_path):
     assert (tmp_path / "config.yaml").exists()
 
 
+def test_top_level_help_names_the_commands_besides_lightnings(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code in (0, None)
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the epilog
+    for command in ("fit", "report DIR", "compare RUN_A RUN_B", "wait-for-window DIR"):
+        assert command in shown
+
+
 def test_print_config_round_trips(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", PULSE_YAML, "--print_config"])
