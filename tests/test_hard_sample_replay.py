@@ -992,6 +992,45 @@ def test_batch_mode_cuts_a_short_last_batch_as_long_as_its_target_tuple_as_it_cu
     assert module.sizes[3:] == [4, 4, 2]  # the last batch is cut too, its class weights and count kept
 
 
+_CLASS_WEIGHTS = torch.arange(1.0, 11.0)
+
+
+def _with_class_weights(samples):
+    xs, ys = zip(*samples)
+    return {"x": torch.stack(xs), "y": torch.stack(ys), "class_weights": _CLASS_WEIGHTS.clone()}
+
+
+class _ClassWeighted(pl.LightningModule):
+    """Reads ``{"x", "y", "class_weights"}``: a ``(10,)`` class weight the collate_fn adds to every batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(4, 10)
+        self.seen: list[tuple[int, list[float]]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((len(batch["y"]), batch["class_weights"].tolist()))
+        return F.cross_entropy(self.head(batch["x"]), batch["y"], weight=batch["class_weights"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_batch_mode_keeps_a_class_weight_vector_whole_on_a_short_last_batch_as_long_as_it():
+    # sweep: batches of 16 kept the (10,) weights whole, but the epoch's last batch of 10 samples read them as
+    # per-sample and cut them to 5 with the samples: cross_entropy raised at the first cut last batch
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(42, 4, generator=generator), torch.randint(0, 10, (42,), generator=generator)
+    )
+    module, replay = _ClassWeighted(), HardSampleReplay(mode="batch", replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    trainer.fit(module, DataLoader(data, batch_size=16, collate_fn=_with_class_weights))
+    assert trainer.global_step == 6
+    assert [size for size, _ in module.seen] == [16, 16, 10, 8, 8, 5]  # the last batch is cut too
+    assert all(weights == _CLASS_WEIGHTS.tolist() for _, weights in module.seen)
+
+
 class _FocalLoss(pl.LightningModule):
     """A hand-written focal loss over F.cross_entropy(reduction="none"); each InfoBatch-weighted step checks
     its gradient against the intended one, the gradient of mean_i(w_i * focal_i) over the true

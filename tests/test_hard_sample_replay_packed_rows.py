@@ -108,6 +108,44 @@ def test_a_fit_whose_first_batch_packs_rows_not_a_multiple_of_b_is_refused_at_it
     assert trainer.global_step == 0  # before any update
 
 
+class _DeepDistilled(pl.LightningModule):
+    """A per-sequence CE ``(B,)`` plus a per-token distillation MSE over the ``N`` packed rows, after ``depth``
+    layers; its target is a teacher's output, not a batch tensor, so only a walk down to the first layer's
+    input finds that its rows are the batch's."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.dec, self.head = nn.Linear(6, 8), nn.Linear(8, 6), nn.Linear(8, 2)
+        self.body = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(depth)))
+        self.teacher = nn.Linear(6, 6).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        h = self.body(self.enc(batch["tokens"]))
+        count = len(batch["y"])
+        sums = torch.zeros(count, 8).index_add_(0, batch["seq_id"], h)
+        pooled = sums / torch.bincount(batch["seq_id"], minlength=count)[:, None]
+        with torch.no_grad():
+            teacher = torch.tanh(self.teacher(batch["tokens"]))
+        return F.cross_entropy(self.head(pooled), batch["y"]) + F.mse_loss(self.dec(h), teacher)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("depth", [2, 500])
+def test_a_packed_row_term_is_refused_at_the_first_step_however_deep_the_model(depth):
+    # sweep: the walk for a batch tensor stopped at 2000 autograd nodes (some 25 Llama layers) and took the
+    # distillation term for a weight penalty: 500 layers trained, scored by the CE alone, with no word
+    trainer = pl.Trainer(max_epochs=1, callbacks=[HardSampleReplay()], **trainer_kwargs())
+    loader = DataLoader(_Items(_sequences()), batch_size=B, shuffle=False, collate_fn=_pack)
+    with pytest.raises(
+        PulseRefusal, match=r"mse_loss.*its 33 rows are computed from a batch tensor of 33 rows"
+    ):
+        trainer.fit(_DeepDistilled(depth), loader)
+    assert trainer.global_step == 0  # before any update
+
+
 class _Penalized(nn.Module):
     """A CE on ``(B, D)`` features next to a penalty that is not on the batch's rows."""
 
@@ -379,7 +417,7 @@ def test_a_next_token_term_shifted_across_packed_rows_is_unsplittable():
 
 def test_a_walk_that_finds_no_batch_tensor_runs_once_per_call_site_over_a_fit(monkeypatch):
     # a term whose row count matches a batch tensor's but that reads a copy of it: the walk finds nothing and
-    # runs to its node limit (ms per call); its verdict is kept for the call site, not walked again each step
+    # walks the whole graph (ms per call); its verdict is kept for the call site, not walked again each step
     from lightning_pulse.core import per_sample_loss
     from lightning_pulse.core.per_sample_loss import StepLossCaptures
 

@@ -38,6 +38,7 @@ from lightning_pulse.core.selection import (
     select_random,
     select_topk,
     take_samples,
+    whole_parts,
 )
 
 NAN = math.nan
@@ -108,6 +109,26 @@ def test_take_follows_any_batch_structure():
     assert taken["pair"].x.tolist() == [3.0, 1.0] and taken["pair"].y.tolist() == [30, 10]
     assert taken["text"] == ["d", "b"]
     assert taken["shared"] is batch["shared"]  # not per-sample: shared by the batch
+
+
+def test_parts_a_full_batch_held_whole_stay_whole_at_a_batch_as_long_as_them():
+    # a (10,) class-weight vector and 10 class names, whole at batches of 16, read as the samples' at an
+    # epoch's last batch of 10 and cut with them (a sweep: cross_entropy failed on weights of 5)
+    names = [f"class {k}" for k in range(10)]
+
+    def batch(size: int) -> dict:
+        return {"x": torch.randn(size, 4), "y": (torch.arange(size), names), "w": torch.arange(10.0)}
+
+    whole = whole_parts(batch(16), 16)
+    # the (y, names) structure too: at a last batch of 2 it stays a structure, not 2 samples' items
+    assert whole == {"batch['y']": ("tuple", 2), "batch['y'][1]": ("list", 10), "batch['w']": (10,)}
+    last = batch(10)
+    taken = take_samples(last, torch.tensor([7, 2]), 10, whole=whole)
+    assert taken["x"].shape == (2, 4) and taken["y"][0].tolist() == [7, 2]  # the samples are cut
+    assert taken["w"] is last["w"] and taken["y"][1] == names
+    assert take_samples(last, torch.tensor([7, 2]), 10)["w"].tolist() == [7.0, 2.0]  # by shape alone: cut
+    # a part of another size than the full batch showed is judged by its shape, as before
+    assert take_samples({"w": torch.arange(12.0)}, torch.tensor([1]), 12, whole=whole)["w"].tolist() == [1.0]
 
 
 def test_assign_in_place_changes_lists_dicts_and_tensors_held_by_tuples():

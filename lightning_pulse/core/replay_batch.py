@@ -68,6 +68,7 @@ from lightning_pulse.core.selection import (
     square_parts,
     take_samples,
     time_major_later_refusal,
+    whole_parts,
 )
 from lightning_pulse.errors import PulseRefusal
 
@@ -181,6 +182,9 @@ class ReplayBatchLifecycle:
         self._square_parts: dict[str, tuple[int, ...]] = {}
         # batch mode: those of them that may be per-sample pairwise (B, B) tensors, watched before each cut
         self._pairwise: PairwiseWatch | None = None
+        # batch mode: the parts the first checked batch held whole, not B long (whole_parts), kept whole at
+        # every cut: a (10,) class-weight vector matches a short last batch of 10, not its samples
+        self._whole_parts: dict[str, tuple[Any, ...]] = {}
         # batch mode over ranks: whether they vote on the pairwise watch at the next batch, and at the next
         # batch of a size this fit has not had (the sizes are the same on every rank; what each rank watches
         # is not: its own batch's padded lengths can be B), and what the votes handed to the backend
@@ -220,7 +224,7 @@ class ReplayBatchLifecycle:
         self.recorded_steps = self.unscored_steps = 0
         self._structure_checked = self._said_coefficients = False
         self._concatenated, self._joined_rows, self._square_parts = {}, {}, {}
-        self._pairwise = None
+        self._pairwise, self._whole_parts = None, {}
         self._pairwise_vote_next, self._pairwise_vote_new_size, self._sizes_seen = True, False, set()
         self._dropped_deferral, self._start_votes = None, 0
         self._sign_checks_left = SIGN_CHECKED_STEPS
@@ -307,6 +311,7 @@ class ReplayBatchLifecycle:
                 self._joined_rows = joined_rows(batch, batch_size)
                 self._square_parts = square_parts(batch, batch_size)
                 self._pairwise = PairwiseWatch(batch, batch_size) if self._square_parts else None
+                self._whole_parts = whole_parts(batch, batch_size)
         elif self._square_parts and batch_size >= 2:  # empty for most batches: then no cost
             self._refuse_here(time_major_later_refusal(self._square_parts, batch, batch_size))
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
@@ -329,7 +334,7 @@ class ReplayBatchLifecycle:
             self._deferred = self._found
             plan = selector.plan_batch(self.mode, indices, False, step, batch_idx, rank, cut, window)
         if plan.positions is not None:
-            assign_in_place(batch, take_samples(batch, plan.positions, batch_size))
+            assign_in_place(batch, take_samples(batch, plan.positions, batch_size, whole=self._whole_parts))
         self.current = StepInFlight(selector, plan, step, batch_size, window)
         self._batch = batch
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer; they stand

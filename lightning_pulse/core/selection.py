@@ -14,6 +14,8 @@ The batch helpers (:func:`take_samples`, :func:`assign_in_place`) work on any ne
 named tuples, dicts and dataclasses. A *per-sample leaf* is a tensor whose first dimension is the batch size
 ``B`` (or a list of ``B`` strings, or below the top level a list or tuple of ``B`` alike items not all of which
 are per-sample themselves, as ``zip(*items)`` makes); every other leaf is shared by the whole batch and kept.
+:func:`whole_parts` notes those a full batch held with another first dimension or length than ``B``, so that
+:func:`take_samples` keeps them whole also at a batch of their size (an epoch's short last batch).
 :func:`cut_refusal` says when a cut would go wrong: a batch that cannot change in place (a
 per-sample tuple held by a tuple included), one with no per-sample leaf, or one holding a tensor with ``B``
 second and another length first (time-major). :func:`concatenated_parts` finds what a cut would leave whole
@@ -232,26 +234,69 @@ def _is_dataclass_batch(value: Any) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
-def take_samples(batch: Any, positions: Tensor, batch_size: int, nested: bool = False) -> Any:
-    """A new batch of the same structure holding only the samples at ``positions`` (in that order)."""
-    if _is_per_sample(batch, batch_size, nested):
+def take_samples(
+    batch: Any,
+    positions: Tensor,
+    batch_size: int,
+    nested: bool = False,
+    whole: Mapping[str, tuple[Any, ...]] | None = None,
+    where: str = "batch",
+) -> Any:
+    """A new batch of the same structure holding only the samples at ``positions`` (in that order).
+
+    ``whole``: the parts a full batch showed are no samples' (:func:`whole_parts`), kept whole here when they
+    have the same shape, whatever ``batch_size`` (a ``(10,)`` class-weight vector on a last batch of 10)."""
+    if _is_per_sample(batch, batch_size, nested) and not (whole and whole.get(where) == _size_of(batch)):
         if isinstance(batch, torch.Tensor):
             return batch[positions.to(batch.device)]
         kept = [batch[int(i)] for i in positions]
         return tuple(kept) if isinstance(batch, tuple) else kept
-    if isinstance(batch, Mapping):
-        return type(batch)(
-            {key: take_samples(value, positions, batch_size, True) for key, value in batch.items()}
-        )
-    if isinstance(batch, (list, tuple)):
-        return _rebuild(batch, [take_samples(value, positions, batch_size, True) for value in batch])
-    if _is_dataclass_batch(batch):
-        fields = {
-            f.name: take_samples(getattr(batch, f.name), positions, batch_size, True)
-            for f in dataclasses.fields(batch)
-        }
-        return dataclasses.replace(batch, **fields)
+    if isinstance(batch, (Mapping, list, tuple)) or _is_dataclass_batch(batch):
+        parts = [
+            take_samples(value, positions, batch_size, True, whole, where + key)
+            for key, value in _parts(batch)
+        ]
+        if isinstance(batch, Mapping):
+            return type(batch)(dict(zip(batch.keys(), parts)))
+        if isinstance(batch, (list, tuple)):
+            return _rebuild(batch, parts)
+        return dataclasses.replace(batch, **{f.name: v for f, v in zip(dataclasses.fields(batch), parts)})
     return batch
+
+
+def _size_of(value: Any) -> tuple[Any, ...] | None:
+    """What tells a part is the one a full batch held: a tensor's shape, a list's or tuple's length."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, len(value))
+    return None
+
+
+def _leading_size(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.dim() >= 1 else None
+    return len(value) if isinstance(value, (list, tuple)) else None
+
+
+def whole_parts(
+    batch: Any, batch_size: int, nested: bool = False, where: str = "batch"
+) -> dict[str, tuple[Any, ...]]:
+    """The parts of a (full) batch of ``batch_size`` samples that :func:`take_samples` keeps whole and whose
+    first dimension or length is not ``batch_size``, by where they are, with their sizes: a per-batch constant
+    (a ``(K,)`` class-weight vector, a list of ``K`` class names). A per-sample part has the batch's size at
+    every batch, so one of another size at a full batch is none; passed to :func:`take_samples`, it stays
+    whole at a batch whose size happens to be its own (an epoch's short last batch of ``K``)."""
+    if _is_per_sample(batch, batch_size, nested):
+        return {}
+    found: dict[str, tuple[Any, ...]] = {}
+    size = _size_of(batch)
+    if nested and size is not None and _leading_size(batch) not in (None, batch_size):
+        found[where] = size
+    if isinstance(batch, (Mapping, list, tuple)) or _is_dataclass_batch(batch):
+        for key, value in _parts(batch):
+            found.update(whole_parts(value, batch_size, True, where + key))
+    return found
 
 
 def _contents(batch: Any) -> Any:
