@@ -1238,3 +1238,50 @@ def test_the_guards_warnings_on_a_flagged_step_point_at_the_callbacks_file(tmp_p
     assert all(w.filename.endswith("callbacks/stability_guard.py") for w in guards), [
         w.filename for w in guards
     ]
+
+
+# ---------------------------------------------------------------- a training_step that changes its batch
+class _WeightedRows(Dataset):
+    """64 dict samples ``{"x", "y", "weight"}``; sample 21's weight is NaN (one batch of 8 an epoch)."""
+
+    def __init__(self):
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(64, 6, generator=generator), torch.randn(64, 1, generator=generator)
+        self.weight = torch.ones(64)
+        self.weight[21] = float("nan")
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.y[i], "weight": self.weight[i]}
+
+
+class _PopsWeight(pl.LightningModule):
+    def __init__(self, pops: bool):
+        super().__init__()
+        self.pops = pops
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        weight = batch.pop("weight") if self.pops else batch["weight"]  # a common idiom: take a key out
+        return (
+            nn.functional.mse_loss(self.net(batch["x"]), batch["y"], reduction="none").mean(1) * weight
+        ).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("pops", [False, True])
+def test_a_training_step_that_pops_a_key_of_its_batch_still_has_a_nan_sample_found_in_the_data(pops):
+    """``w = batch.pop("weight")`` left the guard, which kept the batch by reference, a batch without the NaN
+    weight: the fault was charged to the model (no bad samples) and its third flag rolled the run back to its
+    start. The guard keeps the batch's containers as ``training_step`` received them now: each NaN batch is
+    the data's, skipped, and the run never rolls back, as when the key is only read."""
+    pl.seed_everything(0)
+    guard = StabilityGuard(warmup=3, window=20, snapshot_every=4, rollback_margin=2)
+    trainer = pl.Trainer(max_epochs=3, callbacks=[guard], **trainer_kwargs())
+    trainer.fit(_PopsWeight(pops), DataLoader(_WeightedRows(), batch_size=8))
+    assert [(sample["batch_idx"], sample["rows"]) for sample in guard.bad_samples] == [(2, [5])] * 3
+    assert guard.metrics()["stability/bad_batches"] == 3 and guard.metrics()["stability/rollbacks"] == 0

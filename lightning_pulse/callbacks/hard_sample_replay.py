@@ -145,6 +145,8 @@ class HardSampleReplay(Callback):
         """Dataset indices ``(k,)`` of the samples the current step trains on (batch start to batch end)."""
         return None if (step := self.batches.current) is None else step.plan.indices
 
+    cut_batch = property(lambda self: self.batches.cut_batch, doc="The batch this batch start cut, as cut.")
+
     @property
     def offered_count(self) -> int | None:
         """How many samples the data offered for the current step: in steps mode the window the sampler cut the

@@ -201,9 +201,7 @@ class StabilityGuard(Callback):
         record = self._record  # inline, not a record method: a hook of every micro-batch
         record.losses.append(loss.detach())  # read once per optimizer step, with the gradient norm
         if record.cut is not None and record.batches:  # after every batch-start hook: the cut is made
-            trained = record.cut.trained_indices  # a reference, no copy
-            if trained is not None:
-                record.trained[record.batches[-1][0]] = trained
+            record.note_cut()
 
     @override
     def on_before_optimizer_step(

@@ -31,9 +31,11 @@ pairwise ``(B, B)`` tensors (a same-label mask), which a cut would keep whole al
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
+from collections import UserDict
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -232,6 +234,46 @@ def _rebuild(container: Any, items: list[Any]) -> Any:
 
 def _is_dataclass_batch(value: Any) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+#: what a batch's containers hold that is no container: kept as it is, never walked into
+_LEAVES = (Tensor, str, bytes, int, float, type(None))
+
+
+def containers_copied(batch: Any) -> Any:
+    """``batch`` with each container in it copied (dicts and other mutable mappings, lists, dataclasses, the
+    tuples that hold one of these) and everything else shared, tensors included: what a ``training_step`` that
+    pops or rebinds entries (``batch.pop("labels")``) leaves as it received it, for microseconds a batch and
+    no tensor data. A list or tuple of over 8 items whose first item is no container is taken as one of leaves
+    (per-sample strings or tensors), as one of 8 or fewer that holds none: a list is copied, a tuple kept,
+    neither walked. An object of another kind (a graph batch, a read-only mapping) is the same object.
+
+    Raises:
+        Exception: what copying a mapping or dataclass of the user's own raises (``copy.copy``).
+    """
+    if isinstance(batch, _LEAVES):
+        return batch
+    if type(batch) is dict:  # the common batch, also Hugging Face's collators' (a dict of tensors)
+        return {key: v if isinstance(v, _LEAVES) else containers_copied(v) for key, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        # a short one is a batch's parts, each looked at; a long one holds per-sample items, alike
+        if all(isinstance(item, _LEAVES) for item in (batch if len(batch) <= 8 else batch[:1])):
+            return batch if isinstance(batch, tuple) else copy.copy(batch)  # a tuple of leaves cannot change
+        return _rebuild(batch, [containers_copied(item) for item in batch])
+    if isinstance(batch, MutableMapping):  # a BatchEncoding (a UserDict) keeps its encodings
+        copied = copy.copy(batch)
+        entries = copied.data if isinstance(copied, UserDict) else copied  # BatchEncoding.items() costs 1 µs
+        for key, value in entries.items():
+            if not isinstance(value, _LEAVES):
+                entries[key] = containers_copied(value)
+        return copied
+    if _is_dataclass_batch(batch):
+        copied = copy.copy(batch)
+        for field in dataclasses.fields(batch):
+            if not isinstance(value := getattr(batch, field.name), _LEAVES):
+                object.__setattr__(copied, field.name, containers_copied(value))  # a frozen one too
+        return copied
+    return batch
 
 
 def take_samples(

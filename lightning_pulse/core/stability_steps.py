@@ -35,6 +35,7 @@ from lightning_pulse.core.fault_origin import (
     nonfinite_forward_state,
     trace_nonfinite,
 )
+from lightning_pulse.core.selection import containers_copied
 from lightning_pulse.core.snapshots import (
     PreStepBuffers,
     SnapshotSchedule,
@@ -249,15 +250,17 @@ def cuda_generator_of(device: torch.device | str | None) -> torch.Generator | No
 
 class StepRecord:
     """What the guard keeps of the current optimizer step from its first micro-batch to its batch end: the
-    micro-batches (by reference), the random generator states each one's ``training_step`` drew from, their
-    losses, the step's loss and baseline key while it is judged, and its action once decided; and the last
-    applied step's micro-batches and states, the ordinary batch of the rollback test. ``cut``: a callback that
-    cuts batches in place (``HardSampleReplay``), which tells the dataset indices of the rows it kept
-    (``trained_indices``). ``device``: the module's, whose CUDA generator is recorded too."""
+    micro-batches (their containers copied, as ``training_step`` received them), the random generator states
+    each one's ``training_step`` drew from, their losses, the step's loss and baseline key while it is judged,
+    and its action once decided; and the last applied step's micro-batches and states, the ordinary batch of
+    the rollback test. ``cut``: a callback that cuts batches in place (``HardSampleReplay``), which tells the
+    dataset indices of the rows it kept (``trained_indices``) and, where it cut a batch, that batch as cut
+    (``cut_batch``: its hook may run after the guard's). ``device``: the module's, whose CUDA generator is
+    recorded too."""
 
     def __init__(self, cut: Any = None, device: torch.device | str | None = None) -> None:
         self.losses: list[Any] = []  # the micro-batch losses of the current optimizer step
-        self.batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
+        self.batches: list[tuple[int, Any]] = []  # and its micro-batches, their containers copied
         self.reference: list[tuple[int, Any]] = []  # the last applied step's micro-batches
         # batch_idx -> the generator states its training_step drew from (unique within an optimizer step),
         # for this step and the reference: a re-run of the batch draws what the step drew (the rollback test)
@@ -281,14 +284,32 @@ class StepRecord:
         self.repeats: bool | None = None
 
     def add(self, batch_idx: int, batch: Any) -> None:
-        """Keep a micro-batch at its batch start, with the generator states its ``training_step`` will draw
-        from. Torch's own generators only: a state is a copy of ~5 KB (the CPU's Mersenne Twister) or 16 bytes
-        (a GPU's Philox seed and offset), about a microsecond; numpy's and Python's cost 10-35 each, too much
-        for every step, so a re-run draws new numbers from those."""
+        """Keep a micro-batch at its batch start, its containers copied (:func:`containers_copied`; its
+        tensors shared, so an in-place change to one is seen), with the generator states its
+        ``training_step`` will draw from. Torch's own generators only: a state is a copy of ~5 KB (the CPU's
+        Mersenne Twister) or 16 bytes (a GPU's Philox seed and offset), about a microsecond; numpy's and
+        Python's cost 10-35 each, too much for every step, so a re-run draws new numbers from those."""
+        # its containers as received: a training_step that pops a key leaves the checks the whole batch; a
+        # container of the user's own that does not copy is kept by reference (measurement never kills a run)
+        try:  # not contextlib.suppress: a context manager a micro-batch costs more than the copy
+            batch = containers_copied(batch)
+        except Exception:
+            pass
         self.batches.append((batch_idx, batch))
         cuda = self._cuda
         cpu = (_CPU_GENERATOR, _CPU_GENERATOR.get_state())
         self.drawn[batch_idx] = (cpu,) if cuda is None else (cpu, (cuda, cuda.get_state()))
+
+    def note_cut(self) -> None:
+        """At the backward of the last micro-batch: the dataset indices of the samples it trained, where the
+        cut callback chose them, and the batch as it cut it (made after this record's copy where the cut's
+        hook came after the guard's)."""
+        trained = self.cut.trained_indices  # a reference, no copy
+        if trained is not None:
+            batch_idx = self.batches[-1][0]
+            self.trained[batch_idx] = trained
+            if (cut_batch := self.cut.cut_batch) is not None:
+                self.batches[-1] = (batch_idx, cut_batch)
 
     @property
     def drawn_states(self) -> tuple[dict[int, DrawnState], dict[int, DrawnState]]:
