@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
 from lightning_pulse.core.freeze_units import trainable_while
+from lightning_pulse.errors import PulseRefusal, first_names
 from lightning_pulse.protocols import temporarily_frozen
 
 LIGHTNING_VERSION = pl.__version__
@@ -277,6 +278,31 @@ def broadcast_held(strategy: Any, value: Any, hold: CollectiveHold) -> Any:
     return strategy.broadcast(value, src=0)
 
 
+def refuse_uneven_epochs(
+    trainer: pl.Trainer, callback: str, why: str, hold: CollectiveHold, other_way_out: str | None = None
+) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` at fit start, on every rank alike, when the ranks'
+    training epochs hold different numbers of batches (``use_distributed_sampler=False`` with each rank's own
+    shard): a rank then ends its epoch while another is still training, so a collective ``callback`` runs at
+    an epoch boundary (``why``) meets another rank's per-step one and hangs. One all-gather of each rank's
+    ``num_training_batches``; ranks whose loaders all have no length are not checked. ``other_way_out``
+    is said after Lightning's."""
+    if trainer.world_size <= 1 or not torch.distributed.is_initialized():
+        return
+    batches = trainer.num_training_batches
+    mine = torch.tensor([batches if math.isfinite(batches) else -1], dtype=torch.int64)
+    counts = [int(count) for count in all_gather_held(trainer.strategy, mine, hold).flatten().tolist()]
+    if len(set(counts)) > 1:
+        per_rank = [f"rank {rank}: {'no length' if n < 0 else n}" for rank, n in enumerate(counts)]
+        also = "" if other_way_out is None else f", or {other_way_out}"
+        raise PulseRefusal(
+            f"{callback}: the ranks' training epochs hold different numbers of batches "
+            f"({first_names(per_rank, 4)}), and {why}. Keep Lightning's use_distributed_sampler=True (the "
+            "default), or give every rank as many batches (shards of equal length, or an int "
+            f"limit_train_batches that every rank's shard reaches){also}."
+        )
+
+
 def backend_released(tensor: torch.Tensor) -> bool:
     """Whether only Python still holds ``tensor``: no collective's backend thread (gloo's worker, NCCL's
     watchdog) keeps a reference to it. Reads torch's private reference count of the tensor's storage owner."""
@@ -359,6 +385,24 @@ def on_train_dataloader_ready(trainer: pl.Trainer, hook: Callable[[Any], None]) 
                 del strategy.process_dataloader
 
     return remove
+
+
+class TrainDataloaderWatch:
+    """Holds at most one :func:`on_train_dataloader_ready` hook: :meth:`watch` replaces the previous one (a
+    previous fit's, which ended before it was stopped), :meth:`stop` removes it."""
+
+    def __init__(self) -> None:
+        self._remove: Callable[[], None] | None = None
+
+    def watch(self, trainer: pl.Trainer, hook: Callable[[Any], None] | None) -> None:
+        """Call ``hook`` for every training DataLoader ``trainer`` prepares from now on (``None``: none)."""
+        self.stop()
+        self._remove = None if hook is None else on_train_dataloader_ready(trainer, hook)
+
+    def stop(self) -> None:
+        if self._remove is not None:
+            self._remove()
+        self._remove = None
 
 
 def replace_batch_sampler(loader: Any, batch_sampler: Any) -> None:

@@ -65,8 +65,8 @@ class GradientCache(Callback):
         release_at: nothing is frozen from this point on (same forms as ``start_at``); ``None``: never.
         units: explicit units as module or parameter names (the order is traced); ``None``: automatic split.
         activation_cache_mb: memory for replaying the frozen modules' outputs per sample, which skips the frozen
-            prefix's forward too (0: off). Needs a map-style DataLoader and samples that are the same at every
-            visit (checked: the cache switches itself off on a mismatch).
+            prefix's forward too (0: off). Needs one map-style DataLoader (worker processes are fine) and
+            samples that are the same at every visit (checked: the cache switches itself off on a mismatch).
         measure_flops: measure each frozen-prefix length's backward once with ``torch.utils.flop_counter`` and
             log the backward FLOPs skipped.
 
@@ -84,8 +84,9 @@ class GradientCache(Callback):
             compiled loss module or frozen teacher is fine), a strategy other than one process or DDP, DDP
             without ``find_unused_parameters=True`` or with ``static_graph=True``, or ``activation_cache_mb``
             with ``reload_dataloaders_every_n_epochs``; at fit start, for LBFGS, ``phases`` that never come, a
-            share of a run of unknown length, lazy parameters, a second fit without a checkpoint; at train
-            start, for a ``units`` name the model does not have or entries that overlap.
+            share of a run of unknown length, lazy parameters, a second fit without a checkpoint, the cache on
+            data whose sample indices cannot be tracked; at train start, for a ``units`` name the model does
+            not have or entries that overlap.
 
     Example::
 
@@ -124,6 +125,7 @@ class GradientCache(Callback):
         self.ledger = BackwardFlopLedger()
         self.events: list[dict[str, Any]] = []  # the latest 1,000 changes of the frozen prefix
         self._replay: LoaderActivationCache | None = None
+        self._loader_watch = compat.TrainDataloaderWatch()  # tracks from before a loader's first pass
         self._pending_state: dict[str, Any] | None = None
         # set from on_train_start to the end of training: a load_state_dict then applies at once (a rollback)
         self._fit_refs: tuple[pl.Trainer, pl.LightningModule] | None = None
@@ -153,6 +155,7 @@ class GradientCache(Callback):
         if stage != "fit":
             return
         refuse_setup(trainer, pl_module, compat.compiled_trainable_part(pl_module), self.activation_cache_mb)
+        self._loader_watch.watch(trainer, LoaderActivationCache.track if self.activation_cache_mb else None)
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
         self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)
         self.ledger, self.events, self._pending_state, self._fit_refs = BackwardFlopLedger(), [], None, None
@@ -168,6 +171,8 @@ class GradientCache(Callback):
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         refuse_uninitialized_parameters(pl_module, "GradientCache")  # here: the sanity check may create them
         refuse_unreachable_phases("GradientCache", self.phases, trainer)
+        why = "it takes rank 0's frozen layers at each epoch start, which ranks would reach at other steps"
+        compat.refuse_uneven_epochs(trainer, "GradientCache", why, self._held)
         with refusing("GradientCache"):  # a share of a run of unknown length (max_time only)
             self._span = self.window.steps(compat.total_steps(trainer))
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
@@ -176,6 +181,7 @@ class GradientCache(Callback):
         self._replay = LoaderActivationCache.for_fit(
             trainer.train_dataloader, self.activation_cache_mb, pl_module, rank_zero_warn, trained
         )
+        self._loader_watch.stop()  # the data is set up (reloading it is refused with the cache)
         self._fit_refs = (trainer, pl_module)
         state, self._pending_state = self._pending_state, None
         # a checkpoint applies here, after the strategy wrapped the model: DDP must see every parameter trainable
@@ -200,8 +206,8 @@ class GradientCache(Callback):
             if self.freezer is not None and self.freezer.release_taken_back():  # the forward and the ledger
                 self._record(trainer.global_step, before, "taken back")
         self._lifecycle.begin_forward()  # a resumed fit's first backward trains its prefix: graph checked
-        if self._replay is not None:
-            self._replay.begin_batch(batch_idx, frozen=self._lifecycle.frozen_prefix > 0)
+        if self._replay is not None:  # not that batch: its prefix's outputs require grad, no record of them
+            self._replay.begin_batch(batch_idx, frozen=self._lifecycle.backward_prefix > 0)
 
     @override
     def on_train_batch_end(

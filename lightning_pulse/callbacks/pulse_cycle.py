@@ -114,7 +114,8 @@ class PulseCycle(Callback):
             non-positive ``probe_batches``, a ``budget`` outside ``(0, 1)``, an option of a phase ``order``
             leaves out, or a ``time_source`` that is not callable.
         PulseRefusal: at fit start (a ``MisconfigurationException``, not a ``ValueError``), for epoch-based
-            durations on an infinite dataloader or warm-up/anneal on a run without a finite length; under
+            durations on an infinite dataloader or, under DDP, on ranks whose epochs hold different numbers of
+            batches, or warm-up/anneal on a run without a finite length; under
             manual optimization with several optimizers (``global_step`` counts each one's step), for
             epoch-based durations, and for warm-up/anneal unless ``max_steps`` alone bounds the run; for a
             ``budget`` with no step-saving HardSampleReplay attached, with wall-clock durations, or out of
@@ -251,6 +252,11 @@ class PulseCycle(Callback):
             if compat.steps_per_batch_unknown(trainer):  # before the clock's own, generic, run-length refusal
                 self.clock.check_steps_per_batch_unknown(len(trainer.optimizers), self._total_steps)
             self.clock.check_epoch_length(trainer.num_training_batches)
+        if self.clock.uses_epochs:  # an epoch is each rank's own pass: a duration in epochs needs one length
+            why = "phases counted in epochs would switch at other steps on each rank"
+            out = "give the durations in steps or seconds"
+            compat.refuse_uneven_epochs(trainer, "PulseCycle", why, self._held, out)
+        with refusing("PulseCycle"):
             self.timer.start(trainer.global_step)  # refuses a time source that returns no number
             change = self.clock.start(self._total_steps)  # refuses warm-up or anneal without a run length
         self.probe.reset()

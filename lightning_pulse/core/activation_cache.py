@@ -649,6 +649,15 @@ class PrefixActivationCache:
         self._stubbed.append(module)
 
 
+def _untracked_refusal(reason: str) -> PulseRefusal:
+    """The refusal at fit start of a cache whose training data's sample indices cannot be tracked."""
+    return PulseRefusal(
+        f"GradientCache: `activation_cache_mb` needs the dataset index of every training sample, and "
+        f"{reason}. Set activation_cache_mb=0 (freezing still skips the frozen layers' backward), or train "
+        "on one map-style DataLoader with automatic batching and a plain BatchSampler."
+    )
+
+
 def observing_fake_quants(modules: Mapping[str, nn.Module]) -> list[str]:
     """The names of the fake-quant modules (quantization-aware training, ``torch.ao`` eager or FX) whose
     observer is on: they move their scale and zero point at every training forward, which changes what the
@@ -738,6 +747,18 @@ class LoaderActivationCache:
             return reason
         return cls(SampleIndexTracker.install(loader), budget_bytes, model)
 
+    @staticmethod
+    def track(loader: Any) -> None:
+        """Install the tracker into a training DataLoader as it is prepared, before its first pass: with
+        worker processes a pass draws its first batches' indices as it starts, so a tracker installed at train
+        start had none for batch 0. Raises :class:`~lightning_pulse.errors.PulseRefusal` for an untrackable
+        loader."""
+        from lightning_pulse.core.sample_index import SampleIndexTracker
+
+        if (reason := SampleIndexTracker.unsupported_reason(loader)) is not None:
+            raise _untracked_refusal(reason)
+        SampleIndexTracker.install(loader)  # shared: HardSampleReplay's install finds it (and vice versa)
+
     @classmethod
     def for_fit(
         cls,
@@ -747,14 +768,18 @@ class LoaderActivationCache:
         warn: Callable[[str], None],
         trained: Callable[[], torch.Tensor | None] | None = None,
     ) -> LoaderActivationCache | None:
-        """The cache of a fit with ``activation_cache_mb=cache_mb`` (and :attr:`trained`): ``None`` when that
-        is 0, or when the loader's sample indices cannot be tracked (then ``warn`` says why)."""
+        """The cache of a fit with ``activation_cache_mb=cache_mb`` (and :attr:`trained`) on ``loader``
+        (``trainer.train_dataloader``, :meth:`track`-ed): ``None`` when that is 0. Raises
+        :class:`~lightning_pulse.errors.PulseRefusal` when the loader's sample indices cannot be tracked."""
+        from lightning_pulse.core.sample_index import SampleIndexTracker
+
         if not cache_mb:
             return None
+        if (several := SampleIndexTracker.several_loaders_reason(loader)) is not None:
+            raise _untracked_refusal(several)
         replay = cls.attach(loader, int(cache_mb * 2**20), model)
         if isinstance(replay, str):
-            warn(f"GradientCache: the activation cache is off because {replay}.")
-            return None
+            raise _untracked_refusal(replay)
         replay.trained, replay.warn = trained, warn
         return replay
 

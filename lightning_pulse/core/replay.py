@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import Subset, TensorDataset
+from torch.utils.data import DistributedSampler, Subset, TensorDataset
 
 from lightning_pulse.core.per_sample_loss import (
     CAPTURED_LOSSES,
@@ -283,14 +283,37 @@ def untrackable_refusal(reason: str) -> str:
 SEVERAL_LOADERS = "the fit trains on several DataLoaders at once (a CombinedLoader)"
 
 
-def loader_refusal(loader: Any, second: bool) -> str | None:
+def loader_refusal(loader: Any, second: bool, world_size: int = 1) -> str | None:
     """Why a training DataLoader handed over at a data set-up is refused (completes "HardSampleReplay ..."),
-    else ``None``: its dataset indices cannot be tracked (:func:`untrackable_refusal`), or it is a ``second``
-    loader of the same set-up (a CombinedLoader: :data:`SEVERAL_LOADERS`). Said before anything is
-    installed."""
+    else ``None``: its dataset indices cannot be tracked (:func:`untrackable_refusal`), it is a ``second``
+    loader of the same set-up (a CombinedLoader: :data:`SEVERAL_LOADERS`), or, on one of ``world_size`` > 1
+    processes, its indices are not drawn by a ``DistributedSampler`` (:func:`per_rank_data_refusal`). Said
+    before anything is installed."""
     if (reason := SampleIndexTracker.unsupported_reason(loader)) is not None:
         return untrackable_refusal(reason)
-    return several_loaders_refusal(SEVERAL_LOADERS) if second else None
+    if second:
+        return several_loaders_refusal(SEVERAL_LOADERS)
+    return per_rank_data_refusal(SampleIndexTracker.drawing_sampler(loader), world_size)
+
+
+def per_rank_data_refusal(sampler: Any, world_size: int) -> str | None:
+    """Why a multi-process fit whose training ``sampler`` is no ``DistributedSampler`` is refused (completes
+    "HardSampleReplay ..."), else ``None``. The score table is kept by dataset index and shared by the ranks
+    (each rank's scored rows are gathered into every rank's table), which holds when the ranks draw from one
+    dataset through a ``DistributedSampler`` (Lightning's, its ``DistributedSamplerWrapper`` around a custom
+    sampler, or the user's own). With ``use_distributed_sampler=False`` a rank may hold its own shard: a row
+    would mix two ranks' samples (shards of equal length) or lie past a shorter shard's table (an
+    ``IndexError`` at the first epoch end); nothing in one process tells a shard from the whole dataset."""
+    if world_size <= 1 or isinstance(sampler, DistributedSampler):
+        return None
+    return (
+        f"needs one dataset index space shared by the {world_size} processes, but the training sampler is "
+        f"{type(sampler).__name__}, not a DistributedSampler: its scores are kept by dataset index and "
+        "gathered from every rank into one table, so with each rank's own shard they would mix different "
+        "samples in one row or index past a shorter shard. Keep Lightning's use_distributed_sampler=True "
+        "(the default), or give the training DataLoader a torch DistributedSampler over the whole dataset, or "
+        "train in one process."
+    )
 
 
 def same_samples(previous: Any, current: Any) -> bool | None:
