@@ -249,6 +249,19 @@ def _expected_callable(block: list[str], value: str) -> tuple[str, bool] | None:
     return f"the dot import path of a function (package.module.function{builtin})", "NoneType" in subtypes
 
 
+def _expected_class_names(block: list[str]) -> tuple[str, bool] | None:
+    """What a list of classes given by name (ScheduledPrune's ``layer_types``, ``Sequence[str | type]``) takes
+    when an entry is neither a word nor an import path, and whether null is allowed; ``None`` otherwise.
+    jsonargparse's own sentence there is the first alternative it tried, "Expected a <class 'str'>"."""
+    subtypes = next((line for line in block if line.startswith("Subtypes:")), "")
+    if "[str | type]" not in subtypes or not any(
+        line.startswith("Expected a dot import path") for line in block
+    ):
+        return None
+    allowed = "a list of layer classes by name: a torch.nn name such as Linear, or a dotted import path"
+    return f"{allowed} such as mypackage.layers.MyConv", "NoneType" in subtypes
+
+
 def summarise_parser_error(message: str) -> str:
     """The sentence of a jsonargparse error that says what is wrong, prefixed with the class it is about.
 
@@ -289,6 +302,13 @@ def summarise_parser_error(message: str) -> str:
             f"{f' ({options})' if options else ''}{', the path of a YAML file holding one' if as_file else ''}"
             f"{', or null' if nullable else ''}."
         )
+    names = _expected_class_names(block) if key is not None else None
+    if names is not None:  # an entry of the list is no string: a number, a list, a mapping
+        allowed, nullable = names
+        whole = next((line for line in reversed(block) if line.startswith("Given value: ")), "")
+        whole = whole.removeprefix("Given value: ") or value
+        refusal = f"`{key}`={whole}: entry {value} is not accepted"
+        return f"{owner}{refusal}; expected {allowed}{', or null' if nullable else ''}."
     typed = (_expected_class(block) or _expected_callable(block, value)) if key is not None else None
     if typed is not None:  # a function or a word where a class_path goes, or a word where a function goes
         allowed, nullable = typed

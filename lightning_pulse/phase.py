@@ -802,6 +802,11 @@ def check_cycle_options(
             f"PulseCycle: `budget`={budget!r} must be a number in (0, 1): the share of the plain run's "
             "optimizer steps to spend (or None for the durations as given)."
         )
+    if maintain_eval == "none" and probe_batches != PHASE_OPTION_DEFAULTS["maintain"]["probe_batches"]:
+        raise ValueError(
+            f"PulseCycle: `probe_batches`={probe_batches!r} sizes the maintain probe, which "
+            "`maintain_eval`='none' turns off, so it would do nothing; drop it, or use maintain_eval='probe'."
+        )
     given = {
         **(durations or {}),
         "maintain_eval": maintain_eval,

@@ -480,6 +480,51 @@ def test_a_fit_refused_before_its_first_batch_writes_no_report(tmp_path):
     assert energy.report is None
 
 
+class FailsAtTheFirstBatch(Callback):
+    """Listed before the EnergyLogger, it raises in the first batch: at its start (before the EnergyLogger
+    sees it), in its forward, or at its end (after its optimizer step)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.where == "batch start":
+            raise ValueError("fails at the first batch's start")
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.where == "forward":  # the EnergyLogger counts a batch at its own `on_before_backward`
+            raise ValueError("fails before the first backward")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.where == "batch end":
+            raise ValueError("fails after the first step")
+
+
+@pytest.mark.parametrize("where", ["batch start", "forward", "batch end"])
+def test_a_fit_that_fails_in_its_first_batch_says_whether_it_trained(tmp_path, where, caplog):
+    # a sweep: a hook failing at the end of the first batch (one optimizer step taken) was told "the fit
+    # stopped before its first training batch; no energy report"
+    energy = EnergyLogger(cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.02, cpu_watts=5.0))
+    fit = trainer([FailsAtTheFirstBatch(where), energy], default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO), pytest.raises(ValueError, match="fails"):
+        fit.fit(MNIST1DClassifier(arch="mlp"), data())
+    said = [record.getMessage() for record in caplog.records if "EnergyLogger:" in record.getMessage()]
+    if where == "batch end":  # the step trained: the interrupted run is reported, as any later crash is
+        assert fit.global_step == 1 and not said
+        report = json.loads((tmp_path / JSON_NAME).read_text())
+        assert report["status"] == "interrupted"
+        assert (report["total"]["steps"], report["total"]["samples"]) == (1, BATCH)
+        return
+    assert fit.global_step == 0 and energy.report is None and not list(tmp_path.rglob("energy_report*"))
+    if where == "batch start":
+        assert said == ["EnergyLogger: the fit stopped before its first training batch; no energy report."]
+    else:
+        assert said == [
+            "EnergyLogger: the fit stopped in its first training batch, before its backward (nothing "
+            "trained); no energy report."
+        ]
+
+
 def test_a_bug_in_the_epoch_figures_warns_once_and_training_goes_on(tmp_path, monkeypatch, recwarn):
     import lightning_pulse.energy.account as account_module
 

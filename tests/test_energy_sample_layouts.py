@@ -285,3 +285,59 @@ def test_a_batch_key_that_is_no_graph_vector_and_a_custom_batch_samplers_cap_are
     assert loader_batch_size(DataLoader(list(range(28)), batch_sampler=Buckets())) is None
     detection = (torch.zeros(4, 3, 8, 8), [{"boxes": torch.zeros(n, 4)} for n in (5, 6, 7, 8)])
     assert sample_layout(detection, 4).doubt is None
+
+
+@pytest.mark.parametrize("first_length", [9, 8])
+def test_a_list_of_samples_is_counted_by_its_length_whatever_its_first_samples_length(
+    tmp_path, first_length, recwarn
+):
+    # a sweep: when the first batch's first sequence happened to be as long as the batch size (8 rows, 8
+    # samples), the list went unnoticed and every batch counted its first sequence: 134 samples for 64
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    lengths = [first_length] + [int(torch.randint(3, 30, (1,), generator=generator)) for _ in range(63)]
+    items = [(torch.randn(n, FEATURES, generator=generator), i % 2) for i, n in enumerate(lengths)]
+
+    def collate(chunk):
+        return [[s for s, _ in chunk], torch.tensor([y for _, y in chunk])]
+
+    energy = logger_for(tmp_path)
+    fit(MeanPooled("list"), DataLoader(items, batch_size=8, collate_fn=collate), energy, tmp_path)
+    assert energy.report["total"]["samples"] == 64
+    assert "list of per-sample tensors" in energy.report["counting"]["samples"]
+    assert not energy_warnings(recwarn)
+
+
+@pytest.mark.parametrize("first_length", [7, 1])
+def test_a_list_of_one_sample_at_batch_size_one_counts_one_sample_a_batch(tmp_path, first_length, recwarn):
+    # a sweep: `[sequences, labels]` at batch_size=1 counted every row of each sequence as a sample (646 for
+    # 40): a list of one tensor has no unequal lengths to tell it by, but the labels' length and the list's
+    # say one sample
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    lengths = [first_length] + [3 + i % 11 for i in range(1, 20)]
+    items = [(torch.randn(n, FEATURES, generator=generator), i % 2) for i, n in enumerate(lengths)]
+
+    def collate(chunk):
+        sequences, labels = zip(*chunk)  # tuples, as zip gives them
+        return [sequences, torch.tensor(labels)]
+
+    energy = logger_for(tmp_path)
+    fit(MeanPooled("list"), DataLoader(items, batch_size=1, collate_fn=collate), energy, tmp_path)
+    assert energy.report["total"]["samples"] == 20
+    assert "list of per-sample tensors" in energy.report["counting"]["samples"]
+    assert not energy_warnings(recwarn)
+
+
+def test_lists_that_are_not_per_sample_tensors_keep_the_first_tensor_rule():
+    from lightning_pulse.energy.counting import sample_layout
+
+    # two inputs of a batch of 2 (each batch-first), then the labels: not 2 samples of 2 rows each
+    assert sample_layout([[torch.zeros(2, 5), torch.zeros(2, 5)], torch.zeros(2)], 2).kind == "first"
+    # images, then every image's boxes joined: unequal leading sizes, but not one kind of tensor
+    assert sample_layout((torch.zeros(2, 3, 8, 8), torch.zeros(7, 4)), 2).kind == "first"
+    # a pre-batched dataset unwrapped at batch_size=1: the labels say 6 samples, not 1 (doubted, not items)
+    unwrapped = sample_layout({"inputs": [torch.zeros(6, 5)], "labels": torch.zeros(6)}, 1)
+    assert unwrapped.kind == "first" and unwrapped.doubt is not None
+    # fixed-size samples kept in a list: the labels' length confirms the list's
+    assert sample_layout([[torch.zeros(5) for _ in range(4)], torch.zeros(4)], 4).kind == "items"

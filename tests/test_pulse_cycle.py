@@ -104,8 +104,9 @@ def test_maintain_probe_logs_and_leaves_real_validation_untouched(mnist1d_small,
     def fit(probe: str):
         pl.seed_everything(3)
         model, data = mnist1d_small()
+        probe_options = {"probe_batches": 2} if probe == "probe" else {}  # it would do nothing with "none"
         cycle = PulseCycle(
-            burst=5, replay=0, maintain=2, warmup=0.0, anneal=0.0, maintain_eval=probe, probe_batches=2
+            burst=5, replay=0, maintain=2, warmup=0.0, anneal=0.0, maintain_eval=probe, **probe_options
         )
         logger = CSVLogger(tmp_path, name=probe)
         trainer = pl.Trainer(

@@ -620,11 +620,18 @@ def test_lightning_cli_nests_the_config_as_a_plain_mapping():
     parser = ArgumentParser()
     parser.add_class_arguments(StabilityGuard, "guard")
     parsed = parser.parse_object(
-        {"guard": {"snapshot_every": 50, "config": {"min_ratio": 2.0, "lr_cooldown_steps": 10}}}
+        {
+            "guard": {
+                "snapshot_every": 50,
+                "config": {"min_ratio": 2.0, "lr_cooldown_steps": 10, "lr_factor_after_rollback": 0.5},
+            }
+        }
     )
     guard = parser.instantiate_classes(parsed)["guard"]
     assert isinstance(guard, StabilityGuard) and guard.schedule.every == 50
-    assert guard.config == StabilityGuardConfig(min_ratio=2.0, lr_cooldown_steps=10)
+    assert guard.config == StabilityGuardConfig(
+        min_ratio=2.0, lr_cooldown_steps=10, lr_factor_after_rollback=0.5
+    )
     assert guard.detector.min_ratio == 2.0 and guard.policy.lr_cooldown_steps == 10
 
 

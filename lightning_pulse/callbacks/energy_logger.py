@@ -292,9 +292,8 @@ class EnergyLogger(Callback):
     ) -> None:
         self.account.drop_batch_in_flight()
         self.account.stop()
-        if not self.account.batches_this_fit:
-            # a refusal at fit start, or a crash before the first batch: no run to report on
-            rank_zero_info("EnergyLogger: the fit stopped before its first training batch; no energy report.")
+        if (where := self.account.nothing_trained()) is not None:  # no run to report on
+            rank_zero_info(f"EnergyLogger: the fit stopped {where}; no energy report.")
             return
         # collectives are not safe after an exception on one rank, so only a single process reports
         if self.account.ledger is not None and trainer.world_size == 1 and self.report is None:

@@ -76,8 +76,10 @@ class HyperConnectionMonitor(Callback):
             raise ValueError(f"`every_n_steps`={every_n_steps!r} must be a positive int.")
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"`prefix`={prefix!r} must be a non-empty string.")
+        if not isinstance(per_layer, bool):  # bool('no') is True, and bool(None) hid a null in YAML
+            raise ValueError(f"`per_layer`={per_layer!r} must be a bool.")
         self.every_n_steps = every_n_steps
-        self.per_layer = bool(per_layer)
+        self.per_layer = per_layer
         self.prefix = prefix
         self.history: list[dict[str, Any]] = []
         self._recorder: HyperConnectionRecorder | None = None

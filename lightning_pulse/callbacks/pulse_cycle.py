@@ -153,7 +153,8 @@ class PulseCycle(Callback):
     ) -> None:
         super().__init__()
         self._one_run = OneRunPerInstance("PulseCycle")
-        if isinstance(order, str):  # a string is a sequence too: its letters would be read as phases
+        # a string is a sequence too: its letters would be read as phases; a set has no order
+        if isinstance(order, str) or not isinstance(order, Sequence):
             raise ValueError(f"`order`={order!r} must be a list of phase names, such as {list(PHASE_NAMES)}.")
         durations = {"burst": burst, "replay": replay, "maintain": maintain}
         self.clock = PhaseClock(durations, order=list(order), warmup=warmup, anneal=anneal)

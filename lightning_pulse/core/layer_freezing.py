@@ -100,6 +100,11 @@ class FreezeWindow:
         object.__setattr__(self, "phases", tuple(phases))
         _check_run_point("start_at", self.start_at)
         _check_run_point("release_at", self.release_at)
+        if self.release_at is not None:
+            start = self.start_at if self.start_at is not None else type(self.release_at)(0)
+            # a step against a share compares only once the run's length is known: steps() does it then
+            if type(start) is type(self.release_at) and self.release_at <= start:
+                raise ValueError(_empty_window_text(self.start_at, self.release_at))
 
     def steps(self, total_steps: float) -> tuple[int | None, int | None]:
         """``(start, release)`` as optimizer steps of a run of ``total_steps``.
@@ -117,7 +122,21 @@ class FreezeWindow:
                     )
                 point = int(round(point * total_steps))
             resolved.append(point)
-        return resolved[0], resolved[1]
+        start, release = resolved
+        if release is not None and release <= (start or 0):
+            raise ValueError(
+                _empty_window_text(
+                    self.start_at, self.release_at, f" (steps {start or 0} and {release} of this run)"
+                )
+            )
+        return start, release
+
+
+def _empty_window_text(start_at: int | float | None, release_at: int | float, steps: str = "") -> str:
+    return (
+        f"`release_at`={release_at!r} is not after `start_at`={start_at!r}{steps}, so nothing would ever be "
+        "frozen. Give a `release_at` after `start_at`, or None to never release."
+    )
 
 
 def in_span(span: tuple[int | None, int | None], step: int) -> bool:

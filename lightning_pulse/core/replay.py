@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,9 +136,10 @@ def validate_replay_args(
         ValueError: naming the argument, its value and what is allowed.
     """
     mode = mode if mode is not None else "batch" if rule == "infobatch" else "steps"
-    phases = [phases] if isinstance(phases, str) else list(phases)
+    given = phases
+    phases = [given] if isinstance(given, str) else list(given) if isinstance(given, Iterable) else []
     if not phases or any(p not in PHASE_NAMES for p in phases):
-        raise ValueError(f"`phases`={phases!r} must be a non-empty list of phases from {list(PHASE_NAMES)}.")
+        raise ValueError(f"`phases`={given!r} must be a non-empty list of phases from {list(PHASE_NAMES)}.")
     if mode == "epoch":
         raise ValueError(EPOCH_MODE_REMOVED)
     if mode not in MODES:

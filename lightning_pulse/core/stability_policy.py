@@ -111,6 +111,12 @@ class StabilityGuardConfig:
                 f"`lr_factor_after_rollback`={factor!r} acts during the cooldown after a rollback, and "
                 "`lr_cooldown_steps`=0 gives none: set lr_cooldown_steps > 0, or leave the factor at 1."
             )
+        if factor == 1 and self.lr_cooldown_steps != 0:
+            raise ValueError(
+                f"`lr_cooldown_steps`={self.lr_cooldown_steps!r} lasts a cooldown in which "
+                f"`lr_factor_after_rollback`={factor!r} leaves the learning rate as it is, so it would do "
+                "nothing: set lr_factor_after_rollback < 1, or leave lr_cooldown_steps at 0."
+            )
         path = self.stop_checkpoint_path
         if path is not None and (not isinstance(path, str) or not path):
             raise ValueError(f"`stop_checkpoint_path`={path!r} must be a non-empty path or None.")

@@ -30,7 +30,7 @@ from lightning_pulse.energy.constant import (
     ConstantPowerMeter,
     codecarbon_default_cpu_watts,
 )
-from lightning_pulse.energy.counting import SampleLayout, count_batch, loader_batch_size, sample_layout
+from lightning_pulse.energy.counting import BatchCounter
 from lightning_pulse.energy.ledger import (
     BUCKET_FIELDS,
     J_PER_KWH,
@@ -345,7 +345,6 @@ class EnergyAccount:
         self.intensity, self.price = intensity, price
         self.sampling_period = float(sampling_period)
         self.sample_counter, self.token_counter = accounting.sample_counter, accounting.token_counter
-        self._custom_counting = self.sample_counter is not None or self.token_counter is not None
         self.warn = warn
         self.clock, self.wall_clock = clock, wall_clock
         self.carried: dict[str, Any] | None = None  # the whole run before this fit (from a checkpoint)
@@ -360,8 +359,7 @@ class EnergyAccount:
         self.global_zero = True
         self.fit_start_progress = (0, 0)  # (optimizer steps, batches) taken when this fit's training began
         self._warned: set[str] = set()
-        self._layouts: dict[type, SampleLayout] = {}  # how each batch type's samples are counted
-        self.loader_batch_size: int | None = None  # what the training DataLoader's first batch holds
+        self._counter = BatchCounter()  # how each batch type's samples are counted, by the training loader(s)
         self._reset()
 
     # ------------------------------------------------------------------ a fit
@@ -384,7 +382,7 @@ class EnergyAccount:
         self._settled_once = False  # the wait for a meter still starting, at an epoch end (once a fit)
         self._total_seen = False  # an epoch end had a figure of the run's energy (no wait needed after it)
         self._reset()
-        self._warned, self._layouts = set(), {}
+        self._warned, self._counter = set(), BatchCounter()
         self.global_zero = global_zero
         self.disabled_reason = None
         self.ledger = EnergyLedger(self.intensity, self.price)
@@ -456,9 +454,10 @@ class EnergyAccount:
     ) -> None:
         """The training loop starts; ``step_counter()`` is the optimizer steps taken so far, ``progress`` the
         run's ``(optimizer steps, batches)`` so far (a new run's forecast counts from there:
-        :meth:`forecast_length`); ``loader`` the training DataLoader, whose batch size tells a time-major
-        batch's samples (:func:`~lightning_pulse.energy.counting.sample_layout`)."""
-        self.loader_batch_size = loader_batch_size(loader)
+        :meth:`forecast_length`); ``loader`` the training DataLoader (or the several Lightning combines),
+        whose batch size tells a time-major batch's samples
+        (:class:`~lightning_pulse.energy.counting.BatchCounter`)."""
+        self._counter = BatchCounter(loader)
         self.step_counter = step_counter
         self._counted_step = step_counter()
         self.fit_start_progress = progress
@@ -515,6 +514,7 @@ class EnergyAccount:
                 self._loop_s += loop
         self._last_batch_start = now
         self._batches += 1
+        self.batches_started_this_fit += 1
         self._uncounted = batch
 
     def drop_batch_in_flight(self) -> None:
@@ -530,16 +530,15 @@ class EnergyAccount:
         batch, self._uncounted = self._uncounted, None
         if batch is None:
             return
+        self.batches_counted_this_fit += 1
         try:
-            if self._custom_counting:
-                samples = int(self.sample_counter(batch)) if self.sample_counter else count_batch(batch)[0]
-                tokens = self.token_counter(batch) if self.token_counter else count_batch(batch)[1]
+            if self.sample_counter is not None:
+                samples = int(self.sample_counter(batch))
+                tokens = self.token_counter(batch) if self.token_counter else self._counter.tokens(batch)
             else:  # the layout is decided at a batch type's first batch, then only applied
-                if (layout := self._layouts.get(type(batch))) is None:
-                    layout = self._layouts[type(batch)] = sample_layout(batch, self.loader_batch_size)
-                    if layout.doubt is not None:
-                        self.warn_once("samples", f"EnergyLogger: {layout.doubt}")
-                samples, tokens = count_batch(batch, layout)
+                samples, tokens = self._counter.count(batch, self._doubted)
+                if self.token_counter is not None:
+                    tokens = self.token_counter(batch)
         except Exception as error:  # a counter that cannot read a batch must not stop training
             self.warn_once(
                 "counter", f"EnergyLogger: could not count the batch ({type(error).__name__}: {error})."
@@ -560,6 +559,19 @@ class EnergyAccount:
         else:
             self._tokens += int(tokens)
         self._token_batches += 1
+
+    def nothing_trained(self) -> str | None:
+        """Where a fit that raised stopped, when none of its training batches trained (reached its backward
+        or its end): no run to report on; ``None`` once one did (then even a batch whose end hooks failed,
+        after its optimizer step, is reported). Read after :meth:`drop_batch_in_flight`."""
+        if self.batches_this_fit or self.batches_counted_this_fit:
+            return None
+        if self.batches_started_this_fit:  # it raised before its backward
+            return "in its first training batch, before its backward (nothing trained)"
+        return "before its first training batch"  # a refusal at fit start, or a crash before the first batch
+
+    def _doubted(self, key: str, why: str) -> None:
+        self.warn_once(key, f"EnergyLogger: {why}")
 
     def batch_ended(self) -> None:
         self.count_batch()  # a batch with no backward (its step returned None) counts as loaded
@@ -907,10 +919,10 @@ class EnergyAccount:
 
     def counting_notes(self) -> dict[str, str]:
         """:data:`COUNTING_NOTES`, the samples' as this fit's batches were counted (a doubt said)."""
-        if self._custom_counting:
+        if self.sample_counter is not None:
             return {**COUNTING_NOTES, "samples": "the `sample_counter` given, for each training batch."}
-        described = "; ".join(dict.fromkeys(layout.described for layout in self._layouts.values()))
-        if not described or described == SampleLayout.described:
+        described = self._counter.described()
+        if described is None:
             return COUNTING_NOTES
         return {**COUNTING_NOTES, "samples": f"{described} (every micro-batch), summed over ranks."}
 
@@ -955,7 +967,8 @@ class EnergyAccount:
     # ------------------------------------------------------------------ internals
     def _reset(self) -> None:
         self.metering = self.in_fit = False
-        self.batches_this_fit = 0  # training batches this fit (none: it stopped before its first, no report)
+        self.batches_this_fit = 0  # training batches this fit that ended
+        self.batches_started_this_fit = self.batches_counted_this_fit = 0  # see nothing_trained
         self.step_counter: Callable[[], int] | None = None
         self._counted_step: int | None = None
         self._last_batch_start: float | None = None

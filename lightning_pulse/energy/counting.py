@@ -7,7 +7,10 @@
   tensor is not the samples are told at a batch type's first batch (:func:`sample_layout`) and then counted
   by :func:`count_with`: a PyTorch Geometric-style dict batch (the graphs of its node-to-graph ``batch``
   vector, not the nodes) and a time-major ``(T, B)`` batch (dimension 1, told by the DataLoader's batch
-  size); a first batch whose count the DataLoader's batch size contradicts is doubted (warned once).
+  size); a list of per-sample tensors (a collate_fn that keeps variable-length samples apart) counts its
+  length; a first batch whose count the DataLoader's batch size contradicts is doubted (warned once).
+* Several training loaders (Lightning combines them: one batch per loader in each batch) are counted loader by
+  loader and added up (:class:`BatchCounter`).
 * Tokens, when the batch tells:
   - a mapping with ``attention_mask``: the number of non-zero mask entries (padding excluded);
   - a mapping with ``input_ids``: its number of elements;
@@ -24,7 +27,7 @@ in a few attribute look-ups, since it runs on every training batch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -191,7 +194,8 @@ def graph_vector(batch: Any, loader_batch_size: int | None = None) -> torch.Tens
 def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLayout:
     """How to count the samples of ``batch``'s type, from its first batch: a node-to-graph ``batch`` vector
     (:func:`graph_vector`) counts graphs; a first tensor ``(T, B, ...)`` with the loader's batch size ``B``
-    second and neither ``B`` nor 1 first counts dimension 1 (time-major); else dimension 0 of the first
+    second and neither ``B`` nor 1 first counts dimension 1 (time-major); a list of ``B`` per-sample tensors
+    (:func:`_sample_list`) counts its length; else dimension 0 of the first
     tensor, with a doubt when the loader's batch size or most of the batch's tensors say otherwise.
     ``loader_batch_size``: the training DataLoader's ``batch_size`` (what its first batch holds), if known."""
     if graph_vector(batch, loader_batch_size) is not None:
@@ -212,10 +216,9 @@ def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLay
         batch_first = any(t.dim() >= 2 and t.shape[0] == loader_batch_size for t in batch_tensors(batch))
         if first.shape[1] == loader_batch_size and not batch_first:
             return SampleLayout("time_major", "dimension 1 of the first tensor: time-major (T, B) batches")
-    if loader_batch_size is not None and size != loader_batch_size:
-        path = _sample_list_path(batch, loader_batch_size)
-        if path is not None:
-            return SampleLayout("items", "the length of the batch's list of per-sample tensors", path=path)
+    path = None if loader_batch_size is None else _sample_list(batch, loader_batch_size)
+    if path is not None:
+        return SampleLayout("items", "the length of the batch's list of per-sample tensors", path=path)
     # the loader's batch size confirming dimension 0 outweighs most tensors' leading sizes (a detection
     # batch's images next to its per-image target dicts)
     doubt = None if size == loader_batch_size else doubtful_sample_count(batch)
@@ -234,15 +237,13 @@ def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLay
 
 def _sample_list_path(batch: Any, loader_batch_size: int, depth: int = 0) -> tuple[Any, ...] | None:
     """Where, depth first (as :func:`first_tensor` reads), a list or tuple of ``loader_batch_size`` tensors of
-    rank >= 1 and unequal leading sizes lies in ``batch`` (variable-length samples a collate_fn kept apart):
-    the keys, indices or field names down to it; ``None`` when there is none."""
+    rank >= 1, of one dtype and one shape past dimension 0, lies in ``batch`` before any other tensor of rank
+    >= 1: the keys, indices or field names down to it; ``None`` when there is none."""
     if depth > 3:
         return None
     if isinstance(batch, (list, tuple)):
-        sizes = {int(item.shape[0]) for item in batch if isinstance(item, torch.Tensor) and item.dim() > 0}
-        if len(batch) == loader_batch_size >= 2 and len(sizes) > 1:
-            if all(isinstance(item, torch.Tensor) and item.dim() > 0 for item in batch):
-                return ()
+        if len(batch) == loader_batch_size and _one_kind_of_tensor(batch):
+            return ()
         children: Any = enumerate(batch)
     elif isinstance(batch, Mapping):
         children = batch.items()
@@ -258,6 +259,32 @@ def _sample_list_path(batch: Any, loader_batch_size: int, depth: int = 0) -> tup
         found = _sample_list_path(item, loader_batch_size, depth + 1)
         if found is not None:
             return (key, *found)
+    return None
+
+
+def _one_kind_of_tensor(items: list | tuple) -> bool:
+    """Tensors of rank >= 1, of one dtype and one shape past dimension 0 (samples of one dataset), at least
+    one. A tuple of a batch's own tensors mostly differs in one of these (images and their joined boxes)."""
+    if not items or not all(type(item) is torch.Tensor and item.dim() > 0 for item in items):
+        return False
+    first = items[0]
+    return all(item.dtype == first.dtype and item.shape[1:] == first.shape[1:] for item in items)
+
+
+def _sample_list(batch: Any, loader_batch_size: int) -> tuple[Any, ...] | None:
+    """Where ``batch`` holds a list of its samples (:func:`_sample_list_path`), ``None`` if nowhere: their
+    lengths differ (variable-length
+    samples), or a tensor after them is as long as the list (the labels) while they are not all that long
+    (else they are batch-first inputs: two of a batch of 2). At a batch size of 1, the labels suffice: a batch
+    of one sample holds one, whatever its length. Whatever the first sample's length: one as long as the
+    batch size is no sign of anything (a sweep: 134 samples counted for 64)."""
+    path = _sample_list_path(batch, loader_batch_size)
+    if path is None:
+        return None
+    lengths = [int(item.shape[0]) for item in _at_path(batch, path)]
+    labelled = loader_batch_size in leading_sizes(batch)[len(lengths) :]  # the list's tensors come first
+    if len(set(lengths)) > 1 or (labelled and (loader_batch_size == 1 or lengths[0] != loader_batch_size)):
+        return path
     return None
 
 
@@ -313,3 +340,144 @@ def loader_batch_size(loader: Any) -> int | None:
         return min(size, len(loader.sampler))
     except (AttributeError, TypeError, NotImplementedError):  # an iterable dataset's sampler has no length
         return size
+
+
+def loader_parts(loaders: Any) -> list[tuple[tuple[Any, ...], int | None]] | None:
+    """The training loaders of a fit on several at once (a dict, list or tuple of them, nested or not, as
+    ``trainer.train_dataloader`` gives what Lightning combined): each one's keys or indices and its batch size
+    (:func:`loader_batch_size`); ``None`` for one loader. Each training batch holds one batch per loader at
+    the same place (``None`` for a loader already exhausted, in ``CombinedLoader``'s mode ``"max_size"``)."""
+    if not isinstance(loaders, (Mapping, list, tuple)):
+        return None
+    parts: list[tuple[tuple[Any, ...], int | None]] = []
+
+    def walk(node: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(node, (Mapping, list, tuple)):
+            for key, child in node.items() if isinstance(node, Mapping) else enumerate(node):
+                walk(child, (*path, key))
+        else:
+            parts.append((path, loader_batch_size(node)))
+
+    walk(loaders, ())
+    return parts
+
+
+_MISSING = object()
+
+
+def _loader_batch(batch: Any, path: tuple[Any, ...]) -> Any:
+    """One loader's batch in a combined ``batch``: at ``path``, through the mappings, lists and tuples that
+    Lightning combines the loaders' batches in; ``_MISSING`` where ``batch`` does not have that shape."""
+    for key in path:
+        if isinstance(batch, Mapping) and key in batch:
+            batch = batch[key]
+        elif isinstance(batch, (list, tuple)) and isinstance(key, int) and key < len(batch):
+            batch = batch[key]
+        else:
+            return _MISSING
+    return batch
+
+
+class BatchCounter:
+    """The samples and tokens of a fit's training batches, by the rules of this module: each batch type's
+    layout told at its first batch (:func:`sample_layout`, with the training loader's batch size), then
+    applied. On several training loaders (:func:`loader_parts`) each loader's batch is counted by its own
+    layout and loader's batch size, and the loaders' counts are added up: the default rule alone found the
+    first loader's batch only (a sweep: 40 samples counted for 60 trained). A combined batch that does not
+    hold the loaders' batches at their places (joined in ``on_after_batch_transfer``, say) is counted as one
+    batch, with a doubt.
+
+    ``loaders``: ``trainer.train_dataloader``."""
+
+    def __init__(self, loaders: Any = None) -> None:
+        self.parts = loader_parts(loaders)
+        self.batch_size = loader_batch_size(loaders) if self.parts is None else None
+        self.layouts: dict[tuple[tuple[Any, ...], type], SampleLayout] = {}
+
+    def count(
+        self, batch: Any, doubted: Callable[[str, str], None]
+    ) -> tuple[int | torch.Tensor, int | torch.Tensor | None]:
+        """``(samples, tokens)`` of ``batch``; ``doubted(key, why)`` once per layout that may count wrong."""
+        if self.parts is None:
+            return count_batch(batch, self._layout((), batch, self.batch_size, doubted))
+        batches = [(path, _loader_batch(batch, path), size) for path, size in self.parts]
+        if any(part is _MISSING for _, part, _ in batches):
+            return count_batch(batch, self._layout(None, batch, None, doubted))
+        samples: int | torch.Tensor = 0
+        tokens: int | torch.Tensor | None = 0
+        for path, part, size in batches:
+            if part is None:  # an exhausted loader
+                continue
+            part_samples, part_tokens = count_batch(part, self._layout(path, part, size, doubted))
+            samples = samples + part_samples
+            # known only when every loader's batch tells (the ledger's rule for a run's batches)
+            tokens = None if tokens is None or part_tokens is None else tokens + part_tokens
+        return samples, tokens
+
+    def tokens(self, batch: Any) -> int | torch.Tensor | None:
+        """The tokens of ``batch`` (every loader's, added up), for a ``sample_counter`` given without a
+        ``token_counter``."""
+        if self.parts is None:
+            return count_tokens(batch)
+        tokens: int | torch.Tensor | None = 0
+        for path, _ in self.parts:
+            part = _loader_batch(batch, path)
+            if part is _MISSING:
+                return count_tokens(batch)
+            if part is not None:
+                part_tokens = count_tokens(part)
+                tokens = None if tokens is None or part_tokens is None else tokens + part_tokens
+        return tokens
+
+    def described(self) -> str | None:
+        """What the samples counted, for the report; ``None`` for the default rule alone."""
+        if not self.layouts:
+            return None
+        if self.parts is None:
+            told = dict.fromkeys(layout.described for layout in self.layouts.values())
+            return None if list(told) == [SampleLayout.described] else "; ".join(told)
+        alike = {layout.described for layout in self.layouts.values()}
+        if len(alike) == 1:  # said once
+            return f"every training loader's batch, added up, each by {alike.pop()}"
+        told = dict.fromkeys(
+            f"{self._name(path)}{layout.described}" for (path, _), layout in self.layouts.items()
+        )
+        return f"every training loader's batch, added up: {'; '.join(told)}"
+
+    def _layout(
+        self, path: tuple[Any, ...] | None, batch: Any, size: int | None, doubted: Callable[[str, str], None]
+    ) -> SampleLayout:
+        key = (path, type(batch))
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = self.layouts[key] = self._tell(path, batch, size)
+            if layout.doubt is not None:
+                doubted(f"samples {path}", f"{self._name(path)}{layout.doubt}")
+        return layout
+
+    def _tell(self, path: tuple[Any, ...] | None, batch: Any, size: int | None) -> SampleLayout:
+        layout = sample_layout(batch, size)
+        if path is not None or self.parts is None:
+            return layout
+        places = ", ".join(_place(part) for part, _ in self.parts)
+        why = (
+            f"the fit trains on {len(self.parts)} training loaders, whose batches Lightning combines into "
+            f"one a step, one per loader, but a training batch of type {type(batch).__name__} does not hold "
+            f"them at their places ({places})"
+        )
+        return SampleLayout(
+            layout.kind,
+            f"the whole combined batch, as one: {layout.described}; MAY BE WRONG: {why}",
+            doubt=f"{why}, so its samples are counted as one batch's ({layout.described}). If that is not "
+            f"the sample count, {_SAMPLE_COUNTER_WAY_OUT}; the energy per token (`energy/j_per_token`) does "
+            "not depend on it.",
+            path=layout.path,
+        )
+
+    def _name(self, path: tuple[Any, ...] | None) -> str:
+        return "" if path is None or self.parts is None else f"training loader {_place(path)}: "
+
+
+def _place(path: tuple[Any, ...]) -> str:
+    """A loader's keys or indices in the combined batch, as Python indexes it: ``['a']``, ``[0]``."""
+    return "".join(f"[{key!r}]" for key in path)
