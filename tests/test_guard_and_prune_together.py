@@ -218,7 +218,33 @@ def test_a_rollback_during_the_skips_after_a_cut_made_in_them_returns_to_the_cut
 def test_an_event_still_waiting_at_the_runs_end_says_the_guard_held_it(tmp_path):
     # every step from the last chance (17) to the run's end (20) flagged: the event never comes, and the
     # fit-end warning says why instead of a bare "sparsity reached 0.49 of 0.5"
-    with pytest.warns(UserWarning, match="An event due waited for a step StabilityGuard did not flag"):
+    with pytest.warns(
+        UserWarning, match=r"An event due \(a cut to 0.500\) waited for a step StabilityGuard did not flag"
+    ):
         guard, prune, _ = _fit("gp", (16, 17, 18, 19), tmp_path, max_steps=20, rollback_after=10)
     assert not guard.stopped and [event["step"] for event in prune.events] == [11]
     assert prune.core.deferred and not prune.finished
+
+
+@pytest.mark.parametrize("mode", ["structured", "unstructured"])
+@pytest.mark.parametrize("guard_first", [False, True])
+def test_a_final_cut_the_guard_pushes_onto_the_runs_last_step_is_said_to_have_waited(
+    guard_first, mode, tmp_path
+):
+    # sweep: `end=1.0` places the final cut at 29 of 30 (a batch to train after it); the guard skipped 29, the
+    # cut waited for 30, the run's last step, where no cut is made, and `advance` cleared the wait first: the
+    # fit-end warning said only "sparsity reached 0.492 of 0.5", although the docs promise the wait is said
+    pl.seed_everything(0)
+    guard = StabilityGuard(warmup=5, window=10, snapshot_every=4, rollback_after=3, rollback_margin=2)
+    prune = ScheduledPrune(final_sparsity=0.5, mode=mode, probe_batches=0, start=5, end=1.0, every=6)
+    callbacks = [guard, prune] if guard_first else [prune, guard]
+    trainer = pl.Trainer(max_steps=30, callbacks=callbacks, **trainer_kwargs(default_root_dir=tmp_path))
+    with pytest.warns(UserWarning, match="ScheduledPrune: the run ended") as caught:
+        trainer.fit(_NaNLossAt(nan_steps=(28,)), _rows())
+    assert [(event["step"], event["action"]) for event in guard.policy.events] == [(28, "skip")]
+    assert [event["step"] for event in prune.events] == [11, 17, 23] and not prune.finished
+    said = [str(w.message) for w in caught if "ScheduledPrune: the run ended" in str(w.message)]
+    assert len(said) == 1
+    assert f"sparsity reached {prune.sparsity:.3f} of 0.5" in said[0] and prune.sparsity < 0.495
+    assert "An event due (a cut to 0.500) waited for a step StabilityGuard did not flag" in said[0]
+    assert "none came before the run's last step, where no cut is made" in said[0]

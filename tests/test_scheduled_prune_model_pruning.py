@@ -133,3 +133,19 @@ def test_fit_end_folds_only_its_own_masks_and_keeps_model_prunings():
     assert [n for n, _ in head.named_buffers()] == ["weight_mask"]
     assert "weight_orig" in dict(head.named_parameters())
     assert pruning.mask_hook(head) is not None and _zeros(head) == pytest.approx(HEAD_ZEROS, abs=0.02)
+
+
+def test_fit_end_keeps_model_prunings_bias_masks_on_the_layers_both_prune():
+    # sweep: with ModelPruning's default parameters_to_prune (every layer's weight and bias), the fit-end fold
+    # removed every prune hook of ScheduledPrune's layers, ModelPruning's bias masks too. The weight has one
+    # mask, with both pruners' zeros: folded; the bias, ScheduledPrune's never, keeps its mask
+    model = _ConvNet()
+    prune = ScheduledPrune(**{"final_sparsity": 0.5, "start": 2, "end": 8, "every": 1, "probe_batches": 0})
+    model_pruning = ModelPruning("l1_unstructured", amount=0.3, make_pruning_permanent=False, verbose=0)
+    _fit(model, prune, model_pruning)
+    conv, head = model.net[0], model.net[3]
+    for layer in (conv, head):
+        assert pruning.current_mask(layer) is None and [n for n, _ in layer.named_buffers()] == ["bias_mask"]
+        assert [n for n, _ in layer.named_parameters()] == ["weight", "bias_orig"]
+        assert float((layer.bias == 0).float().mean()) > 0  # the bias mask still zeroes
+    assert _zeros(conv) >= 0.5 and _zeros(head) >= 0.5

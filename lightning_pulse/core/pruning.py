@@ -453,17 +453,23 @@ def rename_in_finetuning_states(states: dict[str, Any], keys: Collection[str], m
 
 
 def make_masks_permanent(
-    model: nn.Module, keep: Collection[str] = (), only: Collection[str] | None = None
+    model: nn.Module,
+    keep: Collection[str] = (),
+    only: Collection[str] | None = None,
+    tensors: Collection[str] | None = None,
 ) -> list[str]:
     """Fold every ``torch.nn.utils.prune`` mask into its weight, except those of the layers named in ``keep``
-    and, with ``only``, of the layers not named in it (another pruner's); returns the names of the layers
-    folded."""
+    and, with ``only``, of the layers not named in it (another pruner's) and, with ``tensors``, those of the
+    parameters not named in it (another pruner's ``bias_mask`` on a layer both prune); returns the names of
+    the layers folded."""
     folded = []
     for name, module in model.named_modules():
         if name in keep or (only is not None and name not in only):
             continue
         for hook in list(module._forward_pre_hooks.values()):
-            if isinstance(hook, prune.BasePruningMethod):
+            if isinstance(hook, prune.BasePruningMethod) and (
+                tensors is None or hook._tensor_name in tensors
+            ):
                 tensor_name = hook._tensor_name
                 position = list(module._parameters).index(tensor_name + "_orig")
                 prune.remove(module, tensor_name)
