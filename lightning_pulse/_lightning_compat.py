@@ -278,6 +278,14 @@ def broadcast_held(strategy: Any, value: Any, hold: CollectiveHold) -> Any:
     return strategy.broadcast(value, src=0)
 
 
+def from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | None:
+    """Under DDP, a function that gives every process rank 0's list; ``None`` in a single process."""
+    if trainer.world_size == 1:
+        return None
+    strategy, hold = trainer.strategy, CollectiveHold()
+    return lambda values: list(broadcast_held(strategy, values, hold))
+
+
 def refuse_uneven_epochs(
     trainer: pl.Trainer, callback: str, why: str, hold: CollectiveHold, other_way_out: str | None = None
 ) -> None:

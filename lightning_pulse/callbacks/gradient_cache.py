@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse._lightning_compat import from_rank_zero
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.callbacks.pulse_cycle import phase_of, refuse_unreachable_phases
 from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixActivationCache, check_cache_mb
@@ -214,7 +215,7 @@ class GradientCache(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._end_activation_batch()
-        if (before := self._lifecycle.optimizer_moved_frozen_units(_from_rank_zero(trainer))) is not None:
+        if (before := self._lifecycle.optimizer_moved_frozen_units(from_rank_zero(trainer))) is not None:
             rank_zero_warn(self._lifecycle.optimizer_check.warning())  # freezing stopped for good
             self._record(trainer.global_step, before, "optimizer")
 
@@ -231,7 +232,7 @@ class GradientCache(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.measure_flops:
             self.ledger.end_backward()
-        if self._lifecycle.end_backward(_from_rank_zero(trainer)):  # freezes a restored prefix, orders units
+        if self._lifecycle.end_backward(from_rank_zero(trainer)):  # freezes a restored prefix, orders units
             self._lifecycle.announce(rank_zero_info, rank_zero_warn)  # once per fit, not at each rollback
 
     # ------------------------------------------------------------------ the step
@@ -243,7 +244,7 @@ class GradientCache(Callback):
             return
         before = self.freezer.frozen_prefix
         enabled = self._phase_enabled and in_span(self._span, trainer.global_step + 1)
-        report = self._lifecycle.step(enabled, _from_rank_zero(trainer), trainer.optimizers)
+        report = self._lifecycle.step(enabled, from_rank_zero(trainer), trainer.optimizers)
         if report.taken_back:  # the user's code turned a frozen unit back on in the middle of an epoch
             self._record(trainer.global_step + 1, before, "taken back", after=0)
             before = 0
@@ -264,7 +265,7 @@ class GradientCache(Callback):
         """Discover the units again once parameters outside them train (``check``: look now, one broadcast)."""
         # a compiled part frozen at fit start that trains now: its compiled backward would order the units
         refuse_compiled_module(compat.compiled_trainable_part(pl_module))
-        retraced = self._lifecycle.retrace(pl_module, _from_rank_zero(trainer) if check else None, check)
+        retraced = self._lifecycle.retrace(pl_module, from_rank_zero(trainer) if check else None, check)
         if retraced is not None:
             self.ledger.remeasure()
             (rank_zero_warn if retraced[2] else rank_zero_info)(f"GradientCache: {retraced[0]}.")
@@ -361,11 +362,3 @@ class GradientCache(Callback):
         after = self._lifecycle.frozen_prefix if after is None else after
         append_recent(self.events, freeze_event(step, before, after, reason))
         self._lifecycle.replan(self._replay)
-
-
-def _from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | None:
-    """Under DDP, a function that gives every process rank 0's list; ``None`` in a single process."""
-    if trainer.world_size == 1:
-        return None
-    strategy, hold = trainer.strategy, compat.CollectiveHold()
-    return lambda values: list(compat.broadcast_held(strategy, values, hold))
