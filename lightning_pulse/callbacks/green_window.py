@@ -21,6 +21,7 @@ from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
 from lightning_pulse.core.green_report import energy_source, report_record, saving_line, write_green_report
 from lightning_pulse.core.green_window import (
+    FAST_DEV_RUN_LINE,
     Decision,
     GreenSchedule,
     GreenWindowOptions,
@@ -34,6 +35,7 @@ from lightning_pulse.core.green_window import (
     decision_line,
     fit_start_refusal,
     options_from,
+    pause,
     seconds_of,
     unknown_length_refusal,
     write_resume_file,
@@ -55,22 +57,20 @@ class GreenWindow(Callback):
     waiting, ``when_dirty`` says what the run does:
 
     * ``"light"``: stays in PulseCycle's light phases (replay, maintain): lighter, never stopped;
-    * ``"pause"``: sleeps in-process on its clock (machines you own whose idle power is low);
+    * ``"pause"``: sleeps in-process on its clock (machines you own whose idle power is low; SIGTERM ends it);
     * ``"suspend"``: saves ``last-green-window.ckpt`` in the ModelCheckpoint's folder, stops ``fit``
       cleanly, and writes when to come back to ``green_window.json`` next to it; ``lightning-pulse
       wait-for-window DIR`` sleeps until then (or ``--print`` s it for cron or Slurm ``--begin``), and
       the ``resume_command`` it names (``--ckpt_path`` that checkpoint) resumes.
 
-    Waiting never makes the run miss its deadline: it waits a slot only if the remaining work still fits
-    before the deadline afterwards (with a 10% reserve on the estimate). A deadline the work left cannot meet
-    (or already past) is warned, and the run trains without waiting (reason ``"deadline"``) until a later
-    estimate fits again (said too); the report records the outcome (``max_time`` stopped: the estimate).
-    Light mode holds light as it would without a deadline: holding light cannot move the run's end.
-    Every decision is logged under ``green/`` (signal, forecast, level, run, seconds waited, budget left).
-    At the end of fit, ``green_window_report.{json,md,png}`` compare the CO2 (or cost) with the
-    counterfactual: the same energy on a carbon-agnostic schedule started at the same moment. Energy comes
-    from an attached :class:`~lightning_pulse.EnergyLogger`, else from ``options.watts``. Under DDP, rank 0
-    decides and every rank follows. The decisions, budget and accounting are in the checkpoint.
+    Waiting never makes the run miss its deadline: it waits a slot only if the remaining work (with a 10%
+    reserve) still fits before it. A deadline out of reach (or past) is warned, and the run trains without
+    waiting (reason ``"deadline"``) until a later estimate fits again; the report records the outcome. Light
+    mode holds light as without a deadline (holding light cannot move the run's end). Every decision is
+    logged under ``green/`` (signal, forecast, level, run, seconds waited, budget left). At the end of fit,
+    ``green_window_report.{json,md,png}`` compare the CO2 (or cost) with the same energy on a carbon-agnostic
+    schedule started at the same moment. Energy comes from an attached :class:`~lightning_pulse.EnergyLogger`,
+    else ``options.watts``. Under DDP, rank 0 decides and every rank follows; all of it is in the checkpoint.
 
     Args:
         signal: the series to follow: a CSV (``Time,Carbon Intensity`` or ``timestamp,value``) or JSON path,
@@ -100,8 +100,7 @@ class GreenWindow(Callback):
             next to ``HardSampleReplay(mode="steps")`` (it plans its batches on the phase sequence),
             ``"suspend"`` without a ModelCheckpoint, no signal and no EnergyLogger series, a new run's
             ``deadline`` already past (a resumed run's warns and runs on), a second fit of this instance
-            (create one per fit; a checkpoint restored into it resumes). A resume on a clock that reads
-            earlier than the checkpoint's save continues from the save (``core.green_window.RunClock``).
+            (create one per fit; a checkpoint restored into it resumes).
 
     Example::
 
@@ -218,6 +217,8 @@ class GreenWindow(Callback):
             rank_zero_info(f"GreenWindow: resuming after {(now - away) / 3600:.1f} h suspended.")
         self._open = self.suspended = None
         self._last_step = trainer.global_step
+        if trainer.fast_dev_run:  # a smoke test: `_check` takes no decision, so its batches run
+            rank_zero_info(FAST_DEV_RUN_LINE)
         if self.when_dirty == "light":
             self._waiting = pulse_cycle_of(trainer).held  # type: ignore[union-attr]
         self._check(trainer, pl_module)
@@ -250,7 +251,7 @@ class GreenWindow(Callback):
         # `trainer.log_dir` is a collective (a broadcast): read on every rank, though rank 0 alone writes
         folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)
         if trainer.is_global_zero:
-            self._write_report(folder, status)
+            self._write_report(None if trainer.fast_dev_run else folder, status)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -279,7 +280,7 @@ class GreenWindow(Callback):
     # ------------------------------------------------------------------ decisions
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Decide if a slot has passed (rank 0's clock and decision, shared), and act on it."""
-        while True:
+        while not trainer.fast_dev_run:
             decision = None
             if trainer.is_global_zero:
                 now = self.run_clock.time()
@@ -318,10 +319,12 @@ class GreenWindow(Callback):
         start = self.run_clock.time()
         if self.when_dirty == "pause":
             with nullcontext() if self._energy is None else self._energy.account.not_training():
-                self.clock.sleep(decision.wait_s)
-                self.segment.waited(start, self.run_clock.time(), self._kwh())
-            self._next_check = -math.inf
-            return True
+                slept = pause(self.clock, decision.wait_s, lambda: trainer.received_sigterm)
+                self.segment.waited(start, end := self.run_clock.time(), self._kwh())
+            if not slept:  # Lightning stops the fit at this batch's end, as it does without GreenWindow
+                rank_zero_info(f"GreenWindow: SIGTERM received; the pause ends after {end - start:.0f} s.")
+            self._next_check = -math.inf if slept else self._next_check
+            return slept
         self._suspend(trainer, decision, start)
         return False
 
@@ -349,15 +352,16 @@ class GreenWindow(Callback):
         return None if self._energy is None else self._energy.account.kwh_now()
 
     # ------------------------------------------------------------------ report
-    def _write_report(self, folder: Path, status: str) -> None:
+    def _write_report(self, folder: Path | None, status: str) -> None:
         source = energy_source(self._energy is not None, self.options.watts)
         self.report = report_record(
             status, self.when_dirty, self.schedule, self.signal.describe(), source, self.suspended
         )
         try:
-            self.report_paths = write_green_report(
-                self.report, folder, self.signal.mean, self.schedule.first_forecast, self.options
-            )
+            if folder is not None:  # None: a fast_dev_run smoke test, which writes no files
+                self.report_paths = write_green_report(
+                    self.report, folder, self.signal.mean, self.schedule.first_forecast, self.options
+                )
         except Exception as error:  # a report that cannot be written must not fail a finished run
             rank_zero_warn(f"GreenWindow: could not write the report to {folder} ({error}).")
         rank_zero_info(f"GreenWindow: {saving_line(self.report['summary'], self.options.unit)}")

@@ -160,6 +160,33 @@ class RunClock:
         return now
 
 
+WAIT_SLICE_S = 1.0  # a real pause sleeps in slices this long, so that a stop request (SIGTERM) ends it soon
+FAST_DEV_RUN_LINE = (
+    "GreenWindow: fast_dev_run: it does not act (no wait, hold or suspend: the smoke test runs its batches) "
+    "and writes no report (kept in `.report`)."
+)
+
+
+def pause(clock: Any, seconds: float, stop: Callable[[], bool]) -> bool:
+    """Sleep ``seconds`` on ``clock`` unless ``stop()`` says to stop (the trainer received SIGTERM): ``True``
+    when the whole pause was slept. A real clock sleeps in :data:`WAIT_SLICE_S` slices and asks between them:
+    Lightning's SIGTERM handler only sets a flag, and one long ``time.sleep`` resumes after it (PEP 475), so
+    the process slept on (up to a slot) until the supervisor's SIGKILL. A :class:`SimulatedClock` moves
+    in one step: no real time passes in it, so nothing can arrive meanwhile."""
+    if isinstance(clock, SimulatedClock):
+        if stop():
+            return False
+        clock.sleep(seconds)
+        return True
+    left = float(seconds)
+    while left > 0:
+        if stop():
+            return False
+        clock.sleep(min(left, WAIT_SLICE_S))
+        left -= WAIT_SLICE_S
+    return True
+
+
 # ---------------------------------------------------------------------------- the policy
 @dataclass(frozen=True)
 class Decision:
