@@ -413,6 +413,35 @@ class TrainDataloaderWatch:
         self._remove = None
 
 
+def on_training_step_output(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``hook(output)`` with what ``training_step`` returned, right after it returns: under automatic
+    optimization before the step's backward and update (no callback hook sees the output before the batch
+    end, after the update). ``Strategy.training_step`` is wrapped on this trainer's strategy instance only, as
+    :func:`on_train_dataloader_ready` wraps ``process_dataloader``. Returns a function removing the hook."""
+    strategy = trainer.strategy
+    original = strategy.training_step
+    shadowed = "training_step" in vars(strategy)
+    state = {"active": True}
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        output = original(*args, **kwargs)
+        if state["active"]:
+            hook(output)
+        return output
+
+    strategy.training_step = training_step  # type: ignore[method-assign]
+
+    def remove() -> None:
+        state["active"] = False
+        if vars(strategy).get("training_step") is training_step:
+            if shadowed:
+                strategy.training_step = original  # type: ignore[method-assign]
+            else:
+                del strategy.training_step
+
+    return remove
+
+
 def replace_batch_sampler(loader: Any, batch_sampler: Any) -> None:
     """Put ``batch_sampler`` into a DataLoader that is already built (its ``__setattr__`` forbids it; the
     DataLoader reads ``batch_sampler`` again for every iterator, so the next pass uses the new one). A loader

@@ -92,6 +92,22 @@ def test_train_dataloader_hook_runs_before_the_first_pass(mnist1d_small):
     assert "process_dataloader" not in vars(trainer.strategy)
 
 
+def test_training_step_output_hook_sees_the_output_before_the_steps_backward(mnist1d_small):
+    model, data = mnist1d_small()
+    seen, at_backward = [], []
+
+    class AtBackward(pl.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            at_backward.append(len(seen))
+
+    trainer = pl.Trainer(max_steps=2, callbacks=[AtBackward()], **trainer_kwargs())
+    remove = compat.on_training_step_output(trainer, seen.append)
+    trainer.fit(model, data)
+    assert at_backward == [1, 2] and all(isinstance(output, torch.Tensor) for output in seen)
+    remove()
+    assert "training_step" not in vars(trainer.strategy)
+
+
 def test_set_sampler_epoch_sets_a_loaders_sampler_epoch_through_lightnings_own_call():
     from torch.utils.data import DataLoader
 

@@ -72,7 +72,8 @@ class HardSampleReplay(Callback):
         PulseRefusal: at fit start, under DDP for a training sampler that is no ``DistributedSampler``; for a
             DataLoader whose dataset indices cannot be tracked (an
             ``IterableDataset``, a custom batch sampler), several training DataLoaders, ``ModelParallelStrategy``,
-            a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), a ``training_step`` compiled with
+            a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), batches too small for ``mode="batch"``
+            to cut at ``replay_fraction`` (the smallest that cuts is named), a ``training_step`` compiled with
             ``fullgraph=True`` unless a ``scorer`` is set (rule other than ``'infobatch'``), ``phases``
             without ``"replay"`` and no PulseCycle (they would never come), a second run of this instance
             unless a checkpoint was restored into it, or in ``mode="steps"`` a run of unknown length,
@@ -82,6 +83,7 @@ class HardSampleReplay(Callback):
             or manual optimization stepping several optimizers per batch; after the fit's first two batches
             (trained in full, before any replay step), for a module carrying state from one batch to the next
             (a stateful RNN) or a token loss flattened time-major; at the first step, before any update,
+            with a ``scorer`` that raises on the fit's first batch (tried once on ``training_step``'s output);
             without a ``scorer`` (or with rule='infobatch'): for a loss called in a ``fullgraph=True`` part, a
             loss with no per-sample value, or packed rows (graph nodes, packed tokens: more rows than indices,
             none of B rows) the loss does not split; in ``mode="batch"``, at the first batch, for a batch
@@ -187,7 +189,10 @@ class HardSampleReplay(Callback):
             self.steps.check_trainer(trainer)
         if self._remove_hook is not None:
             self._remove_hook()
-        self._remove_hook = compat.on_train_dataloader_ready(trainer, self._on_train_dataloader)
+        hooks = [compat.on_train_dataloader_ready(trainer, self._on_train_dataloader)]
+        if self.scorer is not None:  # tried once on the fit's first training_step output, before the update
+            hooks.append(compat.on_training_step_output(trainer, self.batches.try_scorer))
+        self._remove_hook = lambda: [remove() for remove in hooks]
 
     def _on_train_dataloader(self, loader: Any) -> None:
         # runs inside Lightning's data setup, before the loader's first pass (and on a resume, after the
@@ -232,8 +237,9 @@ class HardSampleReplay(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         several = SampleIndexTracker.several_loaders_reason(trainer.train_dataloader)
         refuse(replay.several_loaders_refusal(several))
+        assert self.selector is not None and self.tracker is not None
+        refuse(replay.uncut_batches_refusal(self.mode, self.config, self.tracker.batch_size))
         refuse_unreachable_phases("HardSampleReplay", self.phases, trainer)
-        assert self.selector is not None
         steps_per_epoch = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
         self.selector.set_half_life(self.half_life, steps_per_epoch)
         if compat.steps_per_batch_unknown(trainer):  # a module stepping several optimizers itself

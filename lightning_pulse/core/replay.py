@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -449,6 +450,36 @@ def shorter_than_an_epoch(
     return head + (
         "no batch will be cut (replay_fraction stays 1.0) and the run costs what it costs without "
         "HardSampleReplay. Train for more than one epoch to select, or remove HardSampleReplay."
+    )
+
+
+def uncut_batches_refusal(mode: str, config: ReplayConfig, batch_size: int) -> str | None:
+    """Why ``mode="batch"`` can never cut the run's batches of ``batch_size`` samples (a cut keeps
+    :data:`MIN_COMPOSED` samples or more, and fewer than offered), so that the run would train as without the
+    callback and its figures count every sample as selected; with what is needed. ``None`` if it can cut."""
+    if mode != "batch" or batch_size < 1:
+        return None
+    if config.rule == "infobatch":
+        if batch_size > MIN_COMPOSED:
+            return None
+        return (
+            f"cannot prune batches of {batch_size} sample(s) with rule='infobatch': a pruned batch keeps at least "
+            f"{MIN_COMPOSED} samples, so every batch would train whole and the run would train as without "
+            f"HardSampleReplay. Use a batch_size of {MIN_COMPOSED + 1} or more, or rule='topk' with mode='steps'."
+        )
+    fraction = config.replay_fraction
+
+    def cuts(size: int) -> bool:
+        return MIN_COMPOSED <= max(1, round(fraction * size)) < size
+
+    if fraction >= 1 or cuts(batch_size):  # 1.0 trains whole batches on purpose (a control run)
+        return None
+    needed = next(size for size in itertools.count(batch_size + 1) if cuts(size))  # fraction < 1: exists
+    return (
+        f"cannot cut batches of {batch_size} sample(s) to replay_fraction={fraction} in mode='batch': a cut "
+        f"keeps at least {MIN_COMPOSED} samples and fewer than the batch, so every batch would train whole and "
+        f"the run would train as without HardSampleReplay. Use a batch_size of {needed} or more, or "
+        "mode='steps' (full batches drawn from wider windows, in fewer steps)."
     )
 
 

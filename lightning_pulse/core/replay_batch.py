@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -43,7 +43,9 @@ from torch import Tensor, nn
 
 from lightning_pulse.core.carried_state import BURST_FIRST, CarriedStateCheck
 from lightning_pulse.core.per_sample_loss import (
+    ForwardLossScorer,
     LossCapture,
+    OutputKeyScorer,
     PerSampleScorer,
     StepLossCaptures,
     time_major_refusal,
@@ -105,6 +107,36 @@ def refuse(reason: str | None) -> None:
     if there is one."""
     if reason is not None:
         raise PulseRefusal(f"HardSampleReplay {reason}")
+
+
+def scorer_refusal(scorer: PerSampleScorer, error: Exception) -> str:
+    """Why HardSampleReplay refuses ``scorer``, which raised ``error`` on the fit's first batch, with the way
+    out for its kind (completes "HardSampleReplay ...", one line)."""
+    name = type(scorer).__name__
+    raised = (str(error).splitlines() or [""])[0][:300].rstrip()
+    raised += "" if raised.endswith((".", "!", "?")) else "."
+    if isinstance(scorer, ForwardLossScorer):
+        why = (
+            f"It calls `pl_module(batch[{scorer.input!r}])` with that one input, which a module needing more "
+            "(an encoder-decoder's decoder input or labels, as T5) cannot run on. Return per-sample losses from "
+            "training_step and set `scorer=OutputKeyScorer(key=...)`, subclass PerSampleScorer, or drop "
+            "`scorer` to capture the module's own loss."
+        )
+    elif isinstance(scorer, OutputKeyScorer):
+        why = (
+            f"Return the per-sample losses from training_step under that key (`{{'loss': loss, {scorer.key!r}: "
+            "per_sample.detach()}`, a "
+            "`(B,)` tensor), or drop `scorer` to capture the module's own loss (a torch.nn.functional loss)."
+        )
+    else:
+        why = (
+            "Fix the scorer (called as `scorer(pl_module, batch, outputs, batch_size)` after training_step), "
+            "or drop `scorer` to capture the module's own loss."
+        )
+    return (
+        f"cannot score this module's samples with its scorer {name}: tried on the fit's first batch, it "
+        f"raised {type(error).__name__}: {raised} {why}"
+    )
 
 
 @dataclass
@@ -171,7 +203,7 @@ class ReplayBatchLifecycle:
         self.unscored_steps = 0  # steps whose loss did not split into their samples: recorded without scores
         # batch mode: whether the fit's first full batch was checked for a structure that can be cut in place
         # (not every batch: a short last batch of a few samples can match a per-batch constant's shape)
-        self._structure_checked = False
+        self._structure_checked = self._scorer_tried = False
         # batch mode: the samples' items concatenated (concatenated_parts) that the first checked batch holds,
         # refused once the next full batch holds them too (a per-batch constant matches by chance, rarely
         # twice) or a cut comes first
@@ -224,7 +256,7 @@ class ReplayBatchLifecycle:
         self.world_size = world_size
         self.state_check = CarriedStateCheck()
         self.recorded_steps = self.unscored_steps = 0
-        self._structure_checked = self._said_coefficients = False
+        self._structure_checked = self._said_coefficients = self._scorer_tried = False
         self._concatenated, self._joined_rows, self._square_parts = {}, {}, {}
         self._pairwise, self._whole_parts = None, {}
         self._pairwise_vote_next, self._pairwise_vote_new_size, self._sizes_seen = True, False, set()
@@ -325,7 +357,7 @@ class ReplayBatchLifecycle:
                 batch, batch_size, plan.positions is not None, first=first_checked
             )
         if module is not None and self.state_check.first_batch:
-            self.state_check.note_lists(module)
+            self.state_check.note_lists(module, batch_size)
         if not self.state_check.done:  # the fit's first two batches (the ways out are only read to refuse)
             whole_batches = partial(self._whole_batches, batch, batch_size)
             self._refuse_here(self.state_check.before_batch(plan.selected, whole_batches))
@@ -348,6 +380,36 @@ class ReplayBatchLifecycle:
                 int(plan.roles.size), plan.weights, batch_size if plan.weights is not None else None, batch
             )
         return self.current
+
+    def try_scorer(self, output: Any) -> None:
+        """At the fit's first step, right after ``training_step`` returned ``output`` (under automatic
+        optimization: before its backward and update), score the batch once with the scorer and drop the result:
+        a scorer that cannot score this module (a module its forward cannot run on one input, an output without
+        the key) is refused before any update instead of after it, with the model's error inside the refusal.
+
+        Raises:
+            PulseRefusal: naming the scorer, what it raised and the way out (:func:`scorer_refusal`).
+        """
+        step, module = self.current, self._module
+        if self.scorer is None or self._scorer_tried or self.recorded_steps or step is None or module is None:
+            return
+        if output is None:  # a step skipped by returning None has nothing to score: tried at the next one
+            return
+        self._scorer_tried = True
+        outputs = dict(output) if isinstance(output, Mapping) else {"loss": output}  # as the batch end's
+        cuda = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
+        with torch.random.fork_rng(devices=cuda):  # the trial draws nothing from the run's random streams
+            self._score(module, self._batch, outputs, int(step.plan.roles.size))
+
+    def _score(self, module: Any, batch: Any, outputs: Any, batch_size: int) -> Tensor:
+        """The scorer's losses; at the fit's first steps, a scorer that fails is refused naming itself."""
+        assert self.scorer is not None
+        if self.recorded_steps:
+            return self.scorer.score(module, batch, outputs, batch_size)
+        try:
+            return self.scorer.score(module, batch, outputs, batch_size)
+        except Exception as error:
+            raise PulseRefusal(f"HardSampleReplay {scorer_refusal(self.scorer, error)}") from error
 
     def _check_concatenated(self, batch: Any, batch_size: int, first: bool, cut: bool) -> None:
         """Refuse the concatenations the first checked batch held when the next full batch holds them too, or
@@ -692,7 +754,7 @@ class ReplayBatchLifecycle:
             else:  # a later step whose loss does not split (close_capture said so): no scores, every rank alike
                 losses = torch.full((int(plan.roles.size),), math.nan)
         else:
-            losses = self.scorer.score(module, batch, outputs, int(plan.roles.size))
+            losses = self._score(module, batch, outputs, int(plan.roles.size))
         # after the scorer (which may read the state) and before the rows' gather, which the ranks vote on
         if not (finished.rows_unmatched and self.state_check.first_batch):  # the first batch finds candidates
             self._after_log = self.state_check.after_batch(module, finished.batch_size)
