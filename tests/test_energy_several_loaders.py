@@ -128,3 +128,26 @@ def test_tokens_of_several_loaders_are_known_when_every_loaders_batch_tells_them
     assert counter.tokens({"a": ids(2), "b": ids(3)}) == 25  # with a `sample_counter` given
     assert counter.count({"a": ids(2), "b": (torch.zeros(3, 4), torch.zeros(3))}, doubted) == (5, None)
     assert not doubts
+
+
+class TrainsOnOneLoader(TrainsOnEveryLoader):
+    def training_step(self, batch, batch_idx):
+        alone = isinstance(batch, list) and isinstance(batch[0], torch.Tensor)
+        return super().training_step([batch] if alone else batch, batch_idx)
+
+
+@pytest.mark.parametrize("wrapped", ["list", "dict"])
+def test_one_training_loader_in_a_list_or_dict_is_described_as_one_loader(tmp_path, wrapped):
+    # a review: `fit(model, [loader])` said "every training loader's batch, added up", of one loader
+    torch.set_num_threads(1)
+    notes = {}
+    for given in ("alone", wrapped):
+        energy = EnergyLogger(
+            report_dir=tmp_path / given, cpu="constant", ram="none", meters=MeterConfig(cpu_watts=20.0)
+        )
+        trainer = pl.Trainer(callbacks=[energy], **trainer_kwargs(max_epochs=1, default_root_dir=tmp_path))
+        one = loader(16, 4)
+        trainer.fit(TrainsOnOneLoader(), {"alone": one, "list": [one], "dict": {"k": one}}[given])
+        assert energy.report["total"]["samples"] == 16
+        notes[given] = energy.report["counting"]["samples"]
+    assert notes[wrapped] == notes["alone"] and "added up" not in notes[wrapped]

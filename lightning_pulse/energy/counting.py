@@ -8,7 +8,8 @@
   by :func:`count_with`: a PyTorch Geometric-style dict batch (the graphs of its node-to-graph ``batch``
   vector, not the nodes) and a time-major ``(T, B)`` batch (dimension 1, told by the DataLoader's batch
   size); a list of per-sample tensors (a collate_fn that keeps variable-length samples apart) counts its
-  length; a first batch whose count the DataLoader's batch size contradicts is doubted (warned once).
+  length (doubted at a batch size of 2 or 3, where a tuple of the batch's own inputs looks the same); a
+  first batch whose count the DataLoader's batch size contradicts is doubted (warned once).
 * Several training loaders (Lightning combines them: one batch per loader in each batch) are counted loader by
   loader and added up (:class:`BatchCounter`).
 * Tokens, when the batch tells:
@@ -148,7 +149,9 @@ class SampleLayout:
     Geometric-style dict batch: its ``ptr`` or node-to-graph ``batch`` vector gives the graphs),
     ``"time_major"`` (dimension 1 of the first tensor: ``(T, B)`` batches, told by the loader's batch size) or
     ``"items"`` (the length of a list of per-sample tensors at ``path``: a collate_fn that keeps
-    variable-length samples apart).
+    variable-length samples apart) or ``"items_or_first"`` (such a list whose first tensor is as long as the
+    batch size: both readings count the same at this batch, and the next batch of the type tells them apart,
+    :func:`second_look`).
     ``described``: what is counted, for the report. ``doubt``: why the count may still be wrong and the way
     out, warned once; the report says it too."""
 
@@ -156,6 +159,7 @@ class SampleLayout:
     described: str = "dimension 0 of the first tensor of rank >= 1"
     doubt: str | None = None
     path: tuple[Any, ...] = ()  # ``"items"``: the keys, indices or fields down to the list of samples
+    lengths: tuple[int, ...] = ()  # ``"items_or_first"``: the list's leading sizes at the first batch
 
 
 _SAMPLE_COUNTER_WAY_OUT = "pass `accounting=AccountingConfig(sample_counter=...)`"
@@ -191,13 +195,14 @@ def graph_vector(batch: Any, loader_batch_size: int | None = None) -> torch.Tens
     return vector
 
 
-def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLayout:
+def sample_layout(batch: Any, loader_batch_size: int | None = None, uneven: bool = True) -> SampleLayout:
     """How to count the samples of ``batch``'s type, from its first batch: a node-to-graph ``batch`` vector
     (:func:`graph_vector`) counts graphs; a first tensor ``(T, B, ...)`` with the loader's batch size ``B``
-    second and neither ``B`` nor 1 first counts dimension 1 (time-major); a list of ``B`` per-sample tensors
-    (:func:`_sample_list`) counts its length; else dimension 0 of the first
-    tensor, with a doubt when the loader's batch size or most of the batch's tensors say otherwise.
-    ``loader_batch_size``: the training DataLoader's ``batch_size`` (what its first batch holds), if known."""
+    second and neither ``B`` nor 1 first counts dimension 1 (time-major), unless a list of ``B`` samples the
+    labels confirm holds it; a list of ``B`` per-sample tensors (:func:`_sample_list`) counts its length; else
+    dimension 0 of the first tensor, with a doubt when the loader's batch size or most of the batch's tensors
+    say otherwise. ``loader_batch_size``: the training DataLoader's ``batch_size`` (what its first batch
+    holds), if known; ``uneven``: whether its epochs may end on a short batch (:func:`loader_ends_short`)."""
     if graph_vector(batch, loader_batch_size) is not None:
         return SampleLayout(
             "graphs", "graphs: the node-to-graph `batch` vector's last value + 1 (`ptr`'s length - 1)"
@@ -210,15 +215,17 @@ def sample_layout(batch: Any, loader_batch_size: int | None = None) -> SampleLay
             "`accounting=AccountingConfig(sample_counter=...)` to count its samples."
         )
     size = int(first.shape[0])
+    found = None if loader_batch_size is None else _sample_list(batch, loader_batch_size)
     if loader_batch_size is not None and first.dim() >= 2 and size not in (loader_batch_size, 1):
         # B second, and no batch-first tensor beside it: a (B, F) one makes the first N joined rows of B
-        # columns (every image's (N, 4) boxes, in a batch of 4 images), not time steps
+        # columns (every image's (N, 4) boxes, in a batch of 4 images), not time steps; nor a list of B
+        # samples the labels confirm (variable-length sequences of B features: 40 counted for 37)
         batch_first = any(t.dim() >= 2 and t.shape[0] == loader_batch_size for t in batch_tensors(batch))
-        if first.shape[1] == loader_batch_size and not batch_first:
+        labelled_list = found is not None and found[1]
+        if first.shape[1] == loader_batch_size and not batch_first and not labelled_list:
             return SampleLayout("time_major", "dimension 1 of the first tensor: time-major (T, B) batches")
-    path = None if loader_batch_size is None else _sample_list(batch, loader_batch_size)
-    if path is not None:
-        return SampleLayout("items", "the length of the batch's list of per-sample tensors", path=path)
+    if found is not None:
+        return _items_layout(found[0], loader_batch_size, uneven, lengths=found[2])
     # the loader's batch size confirming dimension 0 outweighs most tensors' leading sizes (a detection
     # batch's images next to its per-image target dicts)
     doubt = None if size == loader_batch_size else doubtful_sample_count(batch)
@@ -271,21 +278,73 @@ def _one_kind_of_tensor(items: list | tuple) -> bool:
     return all(item.dtype == first.dtype and item.shape[1:] == first.shape[1:] for item in items)
 
 
-def _sample_list(batch: Any, loader_batch_size: int) -> tuple[Any, ...] | None:
-    """Where ``batch`` holds a list of its samples (:func:`_sample_list_path`), ``None`` if nowhere: their
-    lengths differ (variable-length
-    samples), or a tensor after them is as long as the list (the labels) while they are not all that long
-    (else they are batch-first inputs: two of a batch of 2). At a batch size of 1, the labels suffice: a batch
-    of one sample holds one, whatever its length. Whatever the first sample's length: one as long as the
-    batch size is no sign of anything (a sweep: 134 samples counted for 64)."""
+def _sample_list(batch: Any, loader_batch_size: int) -> tuple[tuple[Any, ...], bool, tuple[int, ...]] | None:
+    """``(path, labelled, lengths)`` where ``batch`` holds a list of its samples (:func:`_sample_list_path`),
+    ``None`` if nowhere: their lengths differ (variable-length samples), or a tensor after them is as long as
+    the list (the labels: ``labelled``) while they are not all that long (else they are batch-first inputs:
+    two of a batch of 2). At a batch size of 1, the labels suffice: a batch of one sample holds one, whatever
+    its length. ``lengths`` (the list's leading sizes; else ``()``) when its first is as long as the batch
+    size: a sample that happens to be that long (a sweep: 134 samples counted for 64 when that was taken for
+    batch-first), or a batch-first tensor beside some that are not per-sample (``(anchors (B, F), negatives
+    (K, F))`` at B=2: 38 counted for 37). Both count ``B`` at this batch; the next one tells
+    (:func:`second_look`)."""
     path = _sample_list_path(batch, loader_batch_size)
     if path is None:
         return None
     lengths = [int(item.shape[0]) for item in _at_path(batch, path)]
     labelled = loader_batch_size in leading_sizes(batch)[len(lengths) :]  # the list's tensors come first
     if len(set(lengths)) > 1 or (labelled and (loader_batch_size == 1 or lengths[0] != loader_batch_size)):
-        return path
+        pending = loader_batch_size > 1 and lengths[0] == loader_batch_size
+        return path, labelled, tuple(lengths) if pending else ()
     return None
+
+
+_FEW_ITEMS = 3  # a list this short may be a tuple of the batch's own inputs (nodes and edges)
+
+
+def _items_layout(
+    path: tuple[Any, ...], loader_batch_size: int, uneven: bool, lengths: tuple[int, ...] = ()
+) -> SampleLayout:
+    """The layout of a list of samples at ``path``. Doubted where it may as well be a tuple of as many of the
+    batch's own inputs (graph batches ``((node_feats, edge_feats), y)`` at a batch size of 2): both count the
+    same on every full batch, but a tuple keeps its length on a short last batch. ``lengths``: the list's
+    leading sizes, its first as long as the batch size (told at the next batch: :func:`second_look`)."""
+    if lengths:
+        return SampleLayout(
+            "items_or_first",
+            "the length of the batch's list of per-sample tensors (dimension 0 of its first tensor, the same "
+            "count, at the one batch seen)",
+            path=path,
+            lengths=lengths,
+        )
+    if not uneven or not 1 < loader_batch_size <= _FEW_ITEMS:
+        return SampleLayout("items", "the length of the batch's list of per-sample tensors", path=path)
+    why = (
+        f"a tuple of {loader_batch_size} of the batch's own inputs (a graph's node and edge features, say) "
+        f"looks so too, and counts {loader_batch_size} for the epoch's short last batch as well"
+    )
+    return SampleLayout(
+        "items",
+        f"the length of the batch's list of per-sample tensors; MAY BE WRONG: {why}",
+        doubt=f"counts the length of a list of {loader_batch_size} tensors of one kind in each training "
+        f"batch, taking them for its samples, but {why}. If that is not the sample count, "
+        f"{_SAMPLE_COUNTER_WAY_OUT}; the energy per token (`energy/j_per_token`) does not depend on it.",
+        path=path,
+    )
+
+
+def second_look(
+    layout: SampleLayout, batch: Any, loader_batch_size: int, uneven: bool = True
+) -> SampleLayout:
+    """An ``"items_or_first"`` layout told at its batch type's second batch: the list's leading sizes as
+    they were (a batch-first tensor beside some that are not per-sample, such as negatives or a memory bank)
+    count dimension 0 of the first tensor; new sizes, the list's length (new samples)."""
+    samples = _at_path(batch, layout.path)
+    if not isinstance(samples, (list, tuple)) or not _one_kind_of_tensor(samples):
+        return SampleLayout()
+    if tuple(int(item.shape[0]) for item in samples) == layout.lengths:
+        return SampleLayout()
+    return _items_layout(layout.path, loader_batch_size, uneven)
 
 
 def _at_path(batch: Any, path: tuple[Any, ...]) -> Any:
@@ -315,7 +374,7 @@ def count_with(layout: SampleLayout, batch: Any) -> int | torch.Tensor:
             if vector.numel() == 0:
                 return 0
             return vector[-1] + 1  # a tensor, added up where it is: read at read-outs, not every step
-    if layout.kind == "items":
+    if layout.kind in ("items", "items_or_first"):
         samples = _at_path(batch, layout.path)
         if isinstance(samples, (list, tuple)):
             return len(samples)
@@ -342,21 +401,34 @@ def loader_batch_size(loader: Any) -> int | None:
         return size
 
 
-def loader_parts(loaders: Any) -> list[tuple[tuple[Any, ...], int | None]] | None:
+def loader_ends_short(loader: Any) -> bool:
+    """Whether a training DataLoader's epochs may end on a short batch: ``False`` only when it drops the last
+    one or its sampler's length is a multiple of its batch size."""
+    size = loader_batch_size(loader)
+    if size is None or getattr(loader, "drop_last", False):
+        return size is None
+    try:
+        return len(loader.sampler) % size != 0
+    except (AttributeError, TypeError, NotImplementedError):
+        return True
+
+
+def loader_parts(loaders: Any) -> list[tuple[tuple[Any, ...], int | None, bool]] | None:
     """The training loaders of a fit on several at once (a dict, list or tuple of them, nested or not, as
     ``trainer.train_dataloader`` gives what Lightning combined): each one's keys or indices and its batch size
-    (:func:`loader_batch_size`); ``None`` for one loader. Each training batch holds one batch per loader at
+    (:func:`loader_batch_size`) and whether it may end on a short batch (:func:`loader_ends_short`); ``None``
+    for one loader. Each training batch holds one batch per loader at
     the same place (``None`` for a loader already exhausted, in ``CombinedLoader``'s mode ``"max_size"``)."""
     if not isinstance(loaders, (Mapping, list, tuple)):
         return None
-    parts: list[tuple[tuple[Any, ...], int | None]] = []
+    parts: list[tuple[tuple[Any, ...], int | None, bool]] = []
 
     def walk(node: Any, path: tuple[Any, ...]) -> None:
         if isinstance(node, (Mapping, list, tuple)):
             for key, child in node.items() if isinstance(node, Mapping) else enumerate(node):
                 walk(child, (*path, key))
         else:
-            parts.append((path, loader_batch_size(node)))
+            parts.append((path, loader_batch_size(node), loader_ends_short(node)))
 
     walk(loaders, ())
     return parts
@@ -392,6 +464,7 @@ class BatchCounter:
     def __init__(self, loaders: Any = None) -> None:
         self.parts = loader_parts(loaders)
         self.batch_size = loader_batch_size(loaders) if self.parts is None else None
+        self.uneven = loader_ends_short(loaders) if self.parts is None else True
         self.layouts: dict[tuple[tuple[Any, ...], type], SampleLayout] = {}
 
     def count(
@@ -399,16 +472,16 @@ class BatchCounter:
     ) -> tuple[int | torch.Tensor, int | torch.Tensor | None]:
         """``(samples, tokens)`` of ``batch``; ``doubted(key, why)`` once per layout that may count wrong."""
         if self.parts is None:
-            return count_batch(batch, self._layout((), batch, self.batch_size, doubted))
-        batches = [(path, _loader_batch(batch, path), size) for path, size in self.parts]
-        if any(part is _MISSING for _, part, _ in batches):
-            return count_batch(batch, self._layout(None, batch, None, doubted))
+            return count_batch(batch, self._layout((), batch, self.batch_size, self.uneven, doubted))
+        batches = [(path, _loader_batch(batch, path), size, uneven) for path, size, uneven in self.parts]
+        if any(part is _MISSING for _, part, _, _ in batches):
+            return count_batch(batch, self._layout(None, batch, None, True, doubted))
         samples: int | torch.Tensor = 0
         tokens: int | torch.Tensor | None = 0
-        for path, part, size in batches:
+        for path, part, size, uneven in batches:
             if part is None:  # an exhausted loader
                 continue
-            part_samples, part_tokens = count_batch(part, self._layout(path, part, size, doubted))
+            part_samples, part_tokens = count_batch(part, self._layout(path, part, size, uneven, doubted))
             samples = samples + part_samples
             # known only when every loader's batch tells (the ledger's rule for a run's batches)
             tokens = None if tokens is None or part_tokens is None else tokens + part_tokens
@@ -420,7 +493,7 @@ class BatchCounter:
         if self.parts is None:
             return count_tokens(batch)
         tokens: int | torch.Tensor | None = 0
-        for path, _ in self.parts:
+        for path, _, _ in self.parts:
             part = _loader_batch(batch, path)
             if part is _MISSING:
                 return count_tokens(batch)
@@ -433,7 +506,8 @@ class BatchCounter:
         """What the samples counted, for the report; ``None`` for the default rule alone."""
         if not self.layouts:
             return None
-        if self.parts is None:
+        if self.parts is None or (len(self.parts) == 1 and None not in {path for path, _ in self.layouts}):
+            # one loader, given alone or in a list or dict of one: nothing added up
             told = dict.fromkeys(layout.described for layout in self.layouts.values())
             return None if list(told) == [SampleLayout.described] else "; ".join(told)
         alike = {layout.described for layout in self.layouts.values()}
@@ -445,21 +519,29 @@ class BatchCounter:
         return f"every training loader's batch, added up: {'; '.join(told)}"
 
     def _layout(
-        self, path: tuple[Any, ...] | None, batch: Any, size: int | None, doubted: Callable[[str, str], None]
+        self,
+        path: tuple[Any, ...] | None,
+        batch: Any,
+        size: int | None,
+        uneven: bool,
+        doubted: Callable[[str, str], None],
     ) -> SampleLayout:
         key = (path, type(batch))
         layout = self.layouts.get(key)
-        if layout is None:
-            layout = self.layouts[key] = self._tell(path, batch, size)
+        if layout is None or layout.kind == "items_or_first":
+            if layout is None:
+                layout = self.layouts[key] = self._tell(path, batch, size, uneven)
+            elif size is not None:  # told at the first batch: both readings counted it the same
+                layout = self.layouts[key] = second_look(layout, batch, size, uneven)
             if layout.doubt is not None:
                 doubted(f"samples {path}", f"{self._name(path)}{layout.doubt}")
         return layout
 
-    def _tell(self, path: tuple[Any, ...] | None, batch: Any, size: int | None) -> SampleLayout:
-        layout = sample_layout(batch, size)
+    def _tell(self, path: tuple[Any, ...] | None, batch: Any, size: int | None, uneven: bool) -> SampleLayout:
+        layout = sample_layout(batch, size, uneven)
         if path is not None or self.parts is None:
             return layout
-        places = ", ".join(_place(part) for part, _ in self.parts)
+        places = ", ".join(_place(part) for part, _, _ in self.parts)
         why = (
             f"the fit trains on {len(self.parts)} training loaders, whose batches Lightning combines into "
             f"one a step, one per loader, but a training batch of type {type(batch).__name__} does not hold "
