@@ -109,9 +109,9 @@ def test_a_fit_whose_first_batch_packs_rows_not_a_multiple_of_b_is_refused_at_it
 
 
 class _DeepDistilled(pl.LightningModule):
-    """A per-sequence CE ``(B,)`` plus a per-token distillation MSE over the ``N`` packed rows, after ``depth``
-    layers; its target is a teacher's output, not a batch tensor, so only a walk down to the first layer's
-    input finds that its rows are the batch's."""
+    """A per-sequence CE ``(B,)`` plus a per-token distillation MSE over the ``N`` packed rows, after
+    ``depth`` layers; its target is a teacher's output, not a batch tensor, so only a walk down to the first
+    layer's input finds that its rows are the batch's."""
 
     def __init__(self, depth: int) -> None:
         super().__init__()

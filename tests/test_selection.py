@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections import namedtuple
+from collections import UserDict, namedtuple
+from collections.abc import MutableMapping
 
 import numpy as np
 import pytest
@@ -33,8 +34,10 @@ from lightning_pulse.core.sample_scores import BYTES_PER_SAMPLE, SampleScoreTabl
 from lightning_pulse.core.selection import (
     assign_in_place,
     concatenated_parts,
+    containers_copied,
     cut_refusal,
     infobatch_prune,
+    popped_entries_restored,
     select_random,
     select_topk,
     take_samples,
@@ -782,3 +785,61 @@ def test_concatenated_parts_takes_lengths_from_a_list_or_tuple_and_finds_offsets
     assert concatenated_parts([targets, torch.zeros(8, dtype=torch.long)], 8) == {}
     assert concatenated_parts([targets, torch.tensor([0, 3, 1, 2, 0, 1, 2, 3])], 8) == {}
     assert concatenated_parts([targets, cumulative - torch.arange(9)], 8) == {}
+
+
+class _Store(MutableMapping):
+    """A mapping that keeps its entries in an attribute (``copy.copy`` shares it)."""
+
+    def __init__(self, entries):
+        self._entries = entries
+
+    def __getitem__(self, key):
+        return self._entries[key]
+
+    def __setitem__(self, key, value):
+        self._entries[key] = value
+
+    def __delitem__(self, key):
+        del self._entries[key]
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self):
+        return len(self._entries)
+
+
+def test_containers_copied_copies_dicts_and_user_dicts_and_keeps_other_mappings_by_reference():
+    # review of 7988f9e: a MutableMapping's copy shared its entries attribute, so the nested copies were
+    # written into the user's batch, and a key training_step deleted left the copy too
+    meta = {"ids": [1, 2]}
+    store = _Store({"x": torch.ones(2), "meta": meta})
+    assert containers_copied(store) is store and store["meta"] is meta
+    for batch in ({"x": torch.ones(2), "meta": meta}, UserDict({"x": torch.ones(2), "meta": meta})):
+        copied = containers_copied(batch)
+        assert copied is not batch and type(copied) is type(batch) and batch["meta"] is meta
+        del batch["x"]
+        assert "x" in copied and copied["meta"] == meta and copied["meta"] is not meta
+
+
+def test_popped_entries_restored_keeps_what_later_hooks_rebound_and_puts_back_what_the_step_popped():
+    x, y, weight = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    batch = {"x": x, "y": y, "extra": {"weight": weight, "id": 3}, "parts": [x, {"w": weight}]}
+    received = containers_copied(batch)
+    assert popped_entries_restored(batch, received) is batch  # nothing popped: the batch itself
+    rebound = torch.full((2,), 5.0)
+    batch["x"] = rebound  # a batch-start hook after the copy
+    batch.pop("y"), batch["extra"].pop("weight"), batch["parts"][1].pop("w")  # the training_step
+    restored = popped_entries_restored(batch, received)
+    assert (
+        restored["x"] is rebound and restored["y"] is y and restored["extra"] == {"id": 3, "weight": weight}
+    )
+    assert restored["parts"][1]["w"] is weight and restored["parts"][0] is x
+    assert set(batch) == {"x", "extra", "parts"} and batch["extra"] == {"id": 3}  # left as it stands
+    # a list popped from its end gets its tail back; a new entry stays; another type is the batch's
+    listed = [x, y]
+    received = containers_copied(listed)
+    listed.pop()
+    assert popped_entries_restored(listed, received) == [x, y] and listed == [x]
+    assert popped_entries_restored({"a": 1, "new": 2}, {"a": 1})["new"] == 2
+    assert popped_entries_restored((x,), [x, y]) == (x,)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -1285,3 +1287,166 @@ def test_a_training_step_that_pops_a_key_of_its_batch_still_has_a_nan_sample_fou
     trainer.fit(_PopsWeight(pops), DataLoader(_WeightedRows(), batch_size=8))
     assert [(sample["batch_idx"], sample["rows"]) for sample in guard.bad_samples] == [(2, [5])] * 3
     assert guard.metrics()["stability/bad_batches"] == 3 and guard.metrics()["stability/rollbacks"] == 0
+
+
+class _ConstantSample(Dataset):
+    """64 dict samples ``{"x", "y"}``; sample 21's ``x`` is constant: standardized per sample, it is NaN."""
+
+    def __init__(self):
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(64, 6, generator=generator), torch.randn(64, 1, generator=generator)
+        self.x[21] = 1.0
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def _standardize(batch: dict) -> None:
+    x = batch["x"]
+    batch["x"] = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)  # rebound, as augmentations do
+
+
+class _Standardizes(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        _standardize(batch)
+
+
+class _StandardizedRegressor(pl.LightningModule):
+    """Pops ``y`` from its batch; standardizes ``x`` in its ``on_train_batch_start`` where ``own_hook``."""
+
+    def __init__(self, own_hook: bool):
+        super().__init__()
+        self.own_hook = own_hook
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.own_hook:
+            _standardize(batch)
+
+    def training_step(self, batch, batch_idx):
+        y = batch.pop("y")
+        return nn.functional.mse_loss(self.net(batch["x"]), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("where", ["a callback listed after the guard", "the module's own hook"])
+def test_a_batch_start_hook_after_the_guard_that_makes_a_nan_row_leaves_it_the_datas_fault(where):
+    """A batch-start hook that runs after the guard's (a callback listed after it, the module's own
+    ``on_train_batch_start``) rebinds ``batch["x"]`` standardized: sample 21's row turns NaN. The guard had
+    copied the batch before the rebinding, so its checks saw the raw, finite ``x``: the step was charged to
+    the model and the run rolled back. It reads the batch as it stands now, with what ``training_step``
+    popped (``y``) put back: each NaN batch is the data's, skipped, and the run never rolls back."""
+    pl.seed_everything(0)
+    guard = StabilityGuard(warmup=3, window=20, snapshot_every=4, rollback_margin=2)
+    own_hook = where == "the module's own hook"
+    callbacks = [guard] if own_hook else [guard, _Standardizes()]
+    trainer = pl.Trainer(max_epochs=3, callbacks=callbacks, **trainer_kwargs())
+    trainer.fit(_StandardizedRegressor(own_hook), DataLoader(_ConstantSample(), batch_size=8))
+    assert [(sample["batch_idx"], sample["rows"]) for sample in guard.bad_samples] == [(2, [5])] * 3
+    assert guard.metrics()["stability/bad_batches"] == 3 and guard.metrics()["stability/rollbacks"] == 0
+
+
+class _PopsWeightClassifier(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+
+    def training_step(self, batch, batch_idx):
+        weight = batch.pop("weight")
+        return (
+            nn.functional.cross_entropy(self.net(batch["x"]), batch["y"], reduction="none") * weight
+        ).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("guard_first", [False, True])
+def test_a_popped_nan_weight_of_a_batch_hard_sample_replay_cut_names_the_sample_that_trained(guard_first):
+    """``HardSampleReplay(mode="batch")`` cuts each batch of 16 in place to 8 rows and ``training_step`` pops
+    the NaN weight of sample 37. Listed first, the guard copies the batch before the cut: the weight it puts
+    back is cut as the batch was, so sample 37 is named, in the cut batch's rows."""
+    from lightning_pulse import HardSampleReplay
+
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 10, generator=generator), torch.randint(0, 3, (256,), generator=generator)
+    weight = torch.ones(256)
+    weight[37] = float("nan")
+    samples = [{"x": x[i], "y": y[i], "weight": weight[i]} for i in range(256)]
+    pl.seed_everything(0)
+    guard, replay = StabilityGuard(), HardSampleReplay(mode="batch", replay_fraction=0.5)
+    callbacks = [guard, replay] if guard_first else [replay, guard]
+    trainer = pl.Trainer(max_epochs=4, callbacks=callbacks, **trainer_kwargs())
+    trainer.fit(_PopsWeightClassifier(), DataLoader(samples, batch_size=16, shuffle=True))
+    assert [sample["indices"] for sample in guard.bad_samples] == [[37]] * 3  # an epoch's cut left it out
+    assert max(sample["rows"][0] for sample in guard.bad_samples[1:]) < 8  # rows of cut batches
+
+
+class _Store(MutableMapping):
+    """The textbook mapping of one's own: its entries live in an attribute, which ``copy.copy`` shares."""
+
+    def __init__(self, entries: dict):
+        self._entries = entries
+
+    def __getitem__(self, key):
+        return self._entries[key]
+
+    def __setitem__(self, key, value):
+        self._entries[key] = value
+
+    def __delitem__(self, key):
+        del self._entries[key]
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class _NotesMeta(pl.Callback):
+    """Listed before the guard: notes the nested ``meta`` dict of each batch as loaded."""
+
+    meta = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.meta = batch["meta"]
+
+
+class _ReadsItsOwnMeta(pl.LightningModule):
+    """Checks that its batch's nested ``meta`` dict is the one its batch was loaded with (``noted``)."""
+
+    def __init__(self, noted: _NotesMeta):
+        super().__init__()
+        self.noted = noted
+        self.net = nn.Linear(6, 1)
+
+    def training_step(self, batch, batch_idx):
+        assert batch["meta"] is self.noted.meta
+        return nn.functional.mse_loss(self.net(batch["x"]), batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_mapping_that_keeps_its_entries_in_an_attribute_reaches_training_step_unchanged():
+    """The guard's copy of a ``MutableMapping`` subclass (``copy.copy``: a new object sharing its entries
+    attribute) wrote its nested copies into the user's batch: ``training_step`` got a ``meta`` dict other
+    than the one its batch was loaded with. Such a mapping is kept by reference now, as any object of the
+    user's own."""
+
+    def collate(samples):
+        return _Store(
+            {"x": torch.randn(len(samples), 6), "y": torch.randn(len(samples), 1), "meta": {"n": 1}}
+        )
+
+    pl.seed_everything(0)
+    noted, guard = _NotesMeta(), StabilityGuard(warmup=3, window=20)
+    trainer = pl.Trainer(max_steps=4, callbacks=[noted, guard], **trainer_kwargs())
+    trainer.fit(_ReadsItsOwnMeta(noted), DataLoader(range(32), batch_size=8, collate_fn=collate))
+    assert trainer.global_step == 4

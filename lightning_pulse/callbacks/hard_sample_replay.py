@@ -17,7 +17,6 @@ from typing_extensions import override
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, refuse_unreachable_phases
 from lightning_pulse.core import replay
-from lightning_pulse.core.carried_state import CarriedStateCheck
 from lightning_pulse.core.per_sample_loss import PerSampleScorer
 from lightning_pulse.core.replay import HardSampleSelector, ReplayConfig
 from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, refuse
@@ -148,8 +147,6 @@ class HardSampleReplay(Callback):
         """Dataset indices ``(k,)`` of the samples the current step trains on (batch start to batch end)."""
         return None if (step := self.batches.current) is None else step.plan.indices
 
-    cut_batch = property(lambda self: self.batches.cut_batch, doc="The batch this batch start cut, as cut.")
-
     @property
     def offered_count(self) -> int | None:
         """How many samples the data offered for the current step: in steps mode the window the sampler cut the
@@ -161,10 +158,7 @@ class HardSampleReplay(Callback):
         """Why each sample of the current step is there: ``"untouched"``, ``"selected"`` or ``"unseen"``."""
         return None if (step := self.batches.current) is None else step.plan.origins
 
-    @property
-    def state_check(self) -> CarriedStateCheck:
-        """The check for state the module carries across batches (done after each fit's first two)."""
-        return self.batches.state_check
+    state_check = property(lambda self: self.batches.state_check, doc="The carried-state check.")
 
     def metrics(self) -> dict[str, float]:
         """Totals since fit start: replay fraction, losses by origin, table size and reuse, threshold. Steps

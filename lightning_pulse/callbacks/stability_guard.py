@@ -179,7 +179,9 @@ class StabilityGuard(Callback):
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
         cut = next((c for c in trainer.callbacks if isinstance(c, HardSampleReplay)), None)
-        self._record = steps.StepRecord(cut, pl_module.device)  # cut: cuts batches in place, tells their rows
+        # cut: cuts batches in place, tells their rows; listed after the guard, it cuts after the guard's copy
+        before = cut is not None and trainer.callbacks.index(self) < trainer.callbacks.index(cut)
+        self._record = steps.StepRecord(cut, pl_module.device, copied_before_cut=before)
         # refuses ZeRO's sharded optimizer
         self.core.start(trainer.global_step, trainer.optimizers, pl_module)
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good

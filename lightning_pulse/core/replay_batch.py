@@ -63,7 +63,6 @@ from lightning_pulse.core.selection import (
     assign_in_place,
     concatenated_parts,
     concatenation_refusal,
-    containers_copied,
     cut_refusal,
     joined_rows,
     joined_rows_refusal,
@@ -197,7 +196,6 @@ class ReplayBatchLifecycle:
         self.state_check = CarriedStateCheck()
         self.current: StepInFlight | None = None
         self._batch: Any = None  # the current step's batch (cut, if it was), for what a message says of it
-        self.cut_batch: Any = None  # the batch start's cut batch, its containers copied (else None)
         # steps of this fit whose losses were recorded, but for those of batches short of their indices
         self.recorded_steps = 0
         self.unscored_steps = 0  # steps whose loss did not split into their samples: recorded without scores
@@ -369,8 +367,6 @@ class ReplayBatchLifecycle:
             plan = selector.plan_batch(self.mode, indices, False, step, batch_idx, rank, cut, window)
         if plan.positions is not None:
             assign_in_place(batch, take_samples(batch, plan.positions, batch_size, whole=self._whole_parts))
-        # its containers as cut, for a StabilityGuard whose own copy came before the cut (listed first)
-        self.cut_batch = None if plan.positions is None else containers_copied(batch)
         self.current = StepInFlight(selector, plan, step, batch_size, window)
         self._batch = batch
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer; they stand
@@ -797,6 +793,14 @@ class ReplayBatchLifecycle:
         if finished is not None:
             after_log, self._after_log = self._after_log, None
             refuse(after_log)
+
+    @property
+    def cut_of_current(self) -> Callable[[Any], Any] | None:
+        """How the current step's batch was cut, as a function of a copy of it taken before the cut (a
+        StabilityGuard listed first keeps one); ``None`` where it was not cut. Nothing is copied here."""
+        if (step := self.current) is None or (positions := step.plan.positions) is None:
+            return None
+        return partial(take_samples, positions=positions, batch_size=step.batch_size, whole=self._whole_parts)
 
     def drop_step(self) -> None:
         """Forget the step in flight (a rollback replaces the model it was measured on); a refusal deferred to

@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import math
 import numbers
+import operator
 from collections import UserDict
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -246,7 +247,8 @@ def containers_copied(batch: Any) -> Any:
     pops or rebinds entries (``batch.pop("labels")``) leaves as it received it, for microseconds a batch and
     no tensor data. A list or tuple of over 8 items whose first item is no container is taken as one of leaves
     (per-sample strings or tensors), as one of 8 or fewer that holds none: a list is copied, a tuple kept,
-    neither walked. An object of another kind (a graph batch, a read-only mapping) is the same object.
+    neither walked. An object of another kind (a graph batch, a read-only mapping, a mapping other than a dict
+    or ``UserDict``, whose storage a shallow copy may share) is the same object.
 
     Raises:
         Exception: what copying a mapping or dataclass of the user's own raises (``copy.copy``).
@@ -260,7 +262,9 @@ def containers_copied(batch: Any) -> Any:
         if all(isinstance(item, _LEAVES) for item in (batch if len(batch) <= 8 else batch[:1])):
             return batch if isinstance(batch, tuple) else copy.copy(batch)  # a tuple of leaves cannot change
         return _rebuild(batch, [containers_copied(item) for item in batch])
-    if isinstance(batch, MutableMapping):  # a BatchEncoding (a UserDict) keeps its encodings
+    # a dict subclass holds its entries, a UserDict (a BatchEncoding, which keeps its encodings) its .data,
+    # which copy.copy copies; another mapping may keep them in an attribute the copy would share: by reference
+    if isinstance(batch, (dict, UserDict)):
         copied = copy.copy(batch)
         entries = copied.data if isinstance(copied, UserDict) else copied  # BatchEncoding.items() costs 1 µs
         for key, value in entries.items():
@@ -273,6 +277,41 @@ def containers_copied(batch: Any) -> Any:
             if not isinstance(value := getattr(batch, field.name), _LEAVES):
                 object.__setattr__(copied, field.name, containers_copied(value))  # a frozen one too
         return copied
+    return batch
+
+
+def popped_entries_restored(batch: Any, received: Any) -> Any:
+    """``batch`` as it stands after its ``training_step`` (what every batch-start hook made of it: a
+    callback's or the module's rebinding) with the mapping entries it no longer holds put back from
+    ``received``, its :func:`containers_copied` copy (what the step popped), walking the mappings, lists,
+    tuples and dataclasses both hold alike; a list the step shortened gets its tail back. New containers only
+    where an entry is put back, ``batch`` itself otherwise: read when a step is checked, never on an ordinary
+    one."""
+    if received is batch or isinstance(batch, _LEAVES) or type(received) is not type(batch):
+        return batch
+    if isinstance(batch, (dict, UserDict)):
+        restored = None
+        for key, value in received.items():
+            if key in batch and (value := popped_entries_restored(batch[key], value)) is batch[key]:
+                continue
+            restored = copy.copy(batch) if restored is None else restored
+            restored[key] = value
+        return batch if restored is None else restored
+    if isinstance(batch, (list, tuple)):
+        items = [popped_entries_restored(item, old) for item, old in zip(batch, received)]
+        items += list(batch[len(received) :])
+        if isinstance(batch, list):
+            items += received[len(batch) :]  # popped from its end
+        same = len(items) == len(batch) and all(map(operator.is_, items, batch))
+        return batch if same else _rebuild(batch, items)
+    if _is_dataclass_batch(batch):
+        restored = None
+        for field in dataclasses.fields(batch):
+            value = getattr(batch, field.name)
+            if (new := popped_entries_restored(value, getattr(received, field.name))) is not value:
+                restored = copy.copy(batch) if restored is None else restored
+                object.__setattr__(restored, field.name, new)
+        return batch if restored is None else restored
     return batch
 
 

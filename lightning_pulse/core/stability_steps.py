@@ -35,7 +35,7 @@ from lightning_pulse.core.fault_origin import (
     nonfinite_forward_state,
     trace_nonfinite,
 )
-from lightning_pulse.core.selection import containers_copied
+from lightning_pulse.core.selection import containers_copied, popped_entries_restored
 from lightning_pulse.core.snapshots import (
     PreStepBuffers,
     SnapshotSchedule,
@@ -250,18 +250,26 @@ def cuda_generator_of(device: torch.device | str | None) -> torch.Generator | No
 
 class StepRecord:
     """What the guard keeps of the current optimizer step from its first micro-batch to its batch end: the
-    micro-batches (their containers copied, as ``training_step`` received them), the random generator states
-    each one's ``training_step`` drew from, their losses, the step's loss and baseline key while it is judged,
-    and its action once decided; and the last applied step's micro-batches and states, the ordinary batch of
-    the rollback test. ``cut``: a callback that cuts batches in place (``HardSampleReplay``), which tells the
-    dataset indices of the rows it kept (``trained_indices``) and, where it cut a batch, that batch as cut
-    (``cut_batch``: its hook may run after the guard's). ``device``: the module's, whose CUDA generator is
+    micro-batches (by reference, and their containers copied at the guard's batch start: :meth:`as_trained`),
+    the random generator states each one's ``training_step`` drew from, their losses, the step's loss and
+    baseline key while it is judged, and its action once decided; and the last applied step's micro-batches
+    and states, the ordinary batch of the rollback test. ``cut``: a callback that cuts batches in place
+    (``HardSampleReplay``), which tells the dataset indices of the rows it kept (``trained_indices``) and
+    how it cut the current batch (``batches.cut_of_current``), for a copy taken before the cut
+    (``copied_before_cut``: the guard's hook runs first). ``device``: the module's, whose CUDA generator is
     recorded too."""
 
-    def __init__(self, cut: Any = None, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, cut: Any = None, device: torch.device | str | None = None, copied_before_cut: bool = False
+    ) -> None:
         self.losses: list[Any] = []  # the micro-batch losses of the current optimizer step
-        self.batches: list[tuple[int, Any]] = []  # and its micro-batches, their containers copied
+        self.batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
         self.reference: list[tuple[int, Any]] = []  # the last applied step's micro-batches
+        # batch_idx -> a micro-batch's containers copied at the guard's batch start, and how the cut callback
+        # then cut the batch (None: not after the copy): what its training_step popped, for as_trained
+        self.received: dict[int, tuple[Any, Callable[[Any], Any] | None]] = {}
+        self.reference_received: dict[int, tuple[Any, Callable[[Any], Any] | None]] = {}
+        self.copied_before_cut = copied_before_cut
         # batch_idx -> the generator states its training_step drew from (unique within an optimizer step),
         # for this step and the reference: a re-run of the batch draws what the step drew (the rollback test)
         self.drawn: dict[int, DrawnState] = {}
@@ -284,32 +292,51 @@ class StepRecord:
         self.repeats: bool | None = None
 
     def add(self, batch_idx: int, batch: Any) -> None:
-        """Keep a micro-batch at its batch start, its containers copied (:func:`containers_copied`; its
-        tensors shared, so an in-place change to one is seen), with the generator states its
-        ``training_step`` will draw from. Torch's own generators only: a state is a copy of ~5 KB (the CPU's
-        Mersenne Twister) or 16 bytes (a GPU's Philox seed and offset), about a microsecond; numpy's and
-        Python's cost 10-35 each, too much for every step, so a re-run draws new numbers from those."""
-        # its containers as received: a training_step that pops a key leaves the checks the whole batch; a
-        # container of the user's own that does not copy is kept by reference (measurement never kills a run)
+        """Keep a micro-batch at its batch start, by reference and its containers copied
+        (:func:`containers_copied`; its tensors shared), with the generator states its ``training_step`` will
+        draw from. Torch's own generators only: a state is a copy of ~5 KB (the CPU's Mersenne Twister) or 16
+        bytes (a GPU's Philox seed and offset), about a microsecond; numpy's and Python's cost 10-35 each, too
+        much for every step, so a re-run draws new numbers from those."""
+        self.batches.append((batch_idx, batch))  # shows what later batch-start hooks rebind in it
+        # and what a training_step that pops a key took out; a container of the user's own that does not copy
+        # is kept by reference (measurement never kills a run)
         try:  # not contextlib.suppress: a context manager a micro-batch costs more than the copy
-            batch = containers_copied(batch)
+            self.received[batch_idx] = (containers_copied(batch), None)
         except Exception:
-            pass
-        self.batches.append((batch_idx, batch))
+            self.received[batch_idx] = (batch, None)
         cuda = self._cuda
         cpu = (_CPU_GENERATOR, _CPU_GENERATOR.get_state())
         self.drawn[batch_idx] = (cpu,) if cuda is None else (cpu, (cuda, cuda.get_state()))
 
     def note_cut(self) -> None:
         """At the backward of the last micro-batch: the dataset indices of the samples it trained, where the
-        cut callback chose them, and the batch as it cut it (made after this record's copy where the cut's
-        hook came after the guard's)."""
+        cut callback chose them, and, where its cut came after this record's copy, how it cut the batch (the
+        copy is cut alike when it is read: no cost on an ordinary step)."""
         trained = self.cut.trained_indices  # a reference, no copy
         if trained is not None:
             batch_idx = self.batches[-1][0]
             self.trained[batch_idx] = trained
-            if (cut_batch := self.cut.cut_batch) is not None:
-                self.batches[-1] = (batch_idx, cut_batch)
+            copied = self.received[batch_idx][0]
+            if self.copied_before_cut and copied is not self.batches[-1][1]:
+                self.received[batch_idx] = (copied, self.cut.batches.cut_of_current)
+
+    def as_trained(self, reference: bool = False) -> list[tuple[int, Any]]:
+        """The step's micro-batches (``reference``: the last applied step's) as their ``training_step`` got
+        them: each as it stands now (the rebinding of every batch-start hook, the guard's or not, and a cut in
+        place) with the entries the step popped put back from the copy (:func:`popped_entries_restored`), cut
+        as the batch was. Read on flagged steps only; a copy that does not cut or merge leaves the batch."""
+        pairs, received = (
+            (self.reference, self.reference_received) if reference else (self.batches, self.received)
+        )
+        trained = []
+        for batch_idx, batch in pairs:
+            copied, cut = received.get(batch_idx, (batch, None))
+            try:
+                batch = popped_entries_restored(batch, copied if cut is None else cut(copied))
+            except Exception:
+                pass
+            trained.append((batch_idx, batch))
+        return trained
 
     @property
     def drawn_states(self) -> tuple[dict[int, DrawnState], dict[int, DrawnState]]:
@@ -333,9 +360,9 @@ class StepRecord:
         self.ended = (self.step_after, action)
         if action is Action.APPLY:
             self.reference = self.batches  # an ordinary batch, for the rollback test
-            self.reference_drawn = self.drawn
+            self.reference_drawn, self.reference_received = self.drawn, self.received
             self.repeats = self.repeats or self.evaluations > 1
-        self.batches, self.drawn, self.trained, self.evaluations = [], {}, {}, 0
+        self.batches, self.drawn, self.received, self.trained, self.evaluations = [], {}, {}, {}, 0
         return action
 
     def undoes(self, step: int, forced_skips: bool = True) -> bool:
@@ -363,6 +390,7 @@ class StepRecord:
         are let go, so that the next step is judged on its own window's losses only."""
         if ended:
             self.losses, self.batches, self.drawn, self.trained, self.evaluations = [], [], {}, {}, 0
+            self.received = {}
 
     def decided_before_judging(self, policy: EscalationPolicy) -> Action | None:
         """The step's action where it needs no judging: a forced skip (one of the steps skipped after a
@@ -410,7 +438,7 @@ class FlaggedStep:
     def losses_at_snapshot(self, target: TrainingSnapshot) -> tuple[float, float]:
         """The mean losses of the step's micro-batches and of the last applied step's (the ordinary batch) at
         ``target``'s weights."""
-        return self.losses_at(target, self.record.batches, self.record.reference)
+        return self.losses_at(target, self.record.as_trained(), self.record.as_trained(reference=True))
 
     @property
     def comparable(self) -> bool:
@@ -676,7 +704,7 @@ class StabilityCore:
         cause, samples, unchecked = trace_nonfinite(
             model,
             flagged.optimizers,
-            flagged.record.batches,
+            flagged.record.as_trained(),
             step,
             flagged.loader,
             flagged.all_reduce_sum,
