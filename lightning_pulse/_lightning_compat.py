@@ -270,6 +270,15 @@ def all_gather_held(strategy: Any, tensor: torch.Tensor, hold: CollectiveHold) -
     return torch.stack(outputs)
 
 
+def all_gather_of(trainer: pl.Trainer, hold: CollectiveHold) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Under DDP, :func:`all_gather_held` on ``trainer``'s strategy (``tensor -> (world_size, *shape)``);
+    ``None`` in a single process."""
+    if trainer.world_size <= 1:
+        return None
+    strategy = trainer.strategy
+    return lambda tensor: all_gather_held(strategy, tensor, hold)
+
+
 def broadcast_held(strategy: Any, value: Any, hold: CollectiveHold) -> Any:
     """``strategy.broadcast(value, src=0)`` for a picklable object, with the exit-time process-group teardown
     registered (see :func:`destroy_process_group_at_exit`); the pickled buffers are torch's own, so ``hold``
@@ -287,20 +296,27 @@ def from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | No
 
 
 def refuse_uneven_epochs(
-    trainer: pl.Trainer, callback: str, why: str, hold: CollectiveHold, other_way_out: str | None = None
+    trainer: pl.Trainer,
+    callback: str,
+    why: str,
+    hold: CollectiveHold,
+    other_way_out: str | None = None,
+    only_if_an_epoch_ends: bool = False,
 ) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` at fit start, on every rank alike, when the ranks'
     training epochs hold different numbers of batches (``use_distributed_sampler=False`` with each rank's own
     shard): a rank then ends its epoch while another is still training, so a collective ``callback`` runs at
     an epoch boundary (``why``) meets another rank's per-step one and hangs. One all-gather of each rank's
     ``num_training_batches``; ranks whose loaders all have no length are not checked. ``other_way_out``
-    is said after Lightning's."""
+    is said after Lightning's. ``only_if_an_epoch_ends``: a run that ends before any rank can end an epoch
+    (:func:`_may_end_an_epoch`) is not refused (the epoch-end hooks of a run stopped by ``max_steps`` come
+    on every rank at the same step); decided after the gather, so every rank alike."""
     if trainer.world_size <= 1 or not torch.distributed.is_initialized():
         return
     batches = trainer.num_training_batches
     mine = torch.tensor([batches if math.isfinite(batches) else -1], dtype=torch.int64)
     counts = [int(count) for count in all_gather_held(trainer.strategy, mine, hold).flatten().tolist()]
-    if len(set(counts)) > 1:
+    if len(set(counts)) > 1 and not (only_if_an_epoch_ends and not _may_end_an_epoch(trainer, min(counts))):
         per_rank = [f"rank {rank}: {'no length' if n < 0 else n}" for rank, n in enumerate(counts)]
         also = "" if other_way_out is None else f", or {other_way_out}"
         raise PulseRefusal(
@@ -309,6 +325,20 @@ def refuse_uneven_epochs(
             "default), or give every rank as many batches (shards of equal length, or an int "
             f"limit_train_batches that every rank's shard reaches){also}."
         )
+
+
+def _may_end_an_epoch(trainer: pl.Trainer, shortest: int) -> bool:
+    """Whether a rank whose training epoch holds ``shortest`` batches (``-1``: no length) may reach its end
+    before the run does: the run's batches from here are bounded only by ``max_steps`` at a known number of
+    batches a step (automatic optimization, no ``GradientAccumulationScheduler``); a resumed fit counts the
+    batches its epoch has already trained."""
+    if shortest < 0 or trainer.max_steps < 0 or accumulation_schedule(trainer) is not None:
+        return True
+    if trainer.lightning_module is None or not trainer.lightning_module.automatic_optimization:
+        return True  # a module stepping its optimizers itself may take several batches a step
+    trained = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+    return trained + left >= shortest
 
 
 def backend_released(tensor: torch.Tensor) -> bool:

@@ -109,3 +109,21 @@ def test_a_loader_whose_sample_indices_cannot_be_tracked_is_refused_before_the_f
     with pytest.raises(PulseRefusal, match=rf"^GradientCache: .*{reason}.*activation_cache_mb=0") as refusal:
         trainer.fit(_CountedSteps(), loaders())
     assert steps == [], str(refusal.value)
+
+
+@pytest.mark.parametrize("end", ["refused_at_train_start", "nothing_left_to_train"])
+def test_a_fit_that_ends_before_training_leaves_no_loader_hook_on_the_strategy(tmp_path, end):
+    """Review of eb164ca: the loader hook was taken off at the end of on_train_start only, so a fit refused
+    there (two loaders) or resumed from its final checkpoint (no on_train_start) kept it on the strategy,
+    holding the trainer in a closure (a later ddp_spawn fit could not pickle the callback)."""
+    cache = GradientCache(**FREEZE_AT_ONCE, activation_cache_mb=4)
+    trainer = pl.Trainer(callbacks=[cache], max_epochs=1, **trainer_kwargs(default_root_dir=str(tmp_path)))
+    if end == "refused_at_train_start":
+        with pytest.raises(PulseRefusal, match="GradientCache: .*2 DataLoaders"):
+            trainer.fit(_DeepMLP(), [_worker_loader(False, 0), _worker_loader(False, 0)])
+    else:
+        first, _, model = _fit(4, persistent=False, max_epochs=1, workers=0)
+        first.save_checkpoint(tmp_path / "done.ckpt")
+        trainer.fit(model, _worker_loader(False, 0), ckpt_path=tmp_path / "done.ckpt")
+        assert trainer.global_step == first.global_step  # nothing trained
+    assert "process_dataloader" not in vars(trainer.strategy)

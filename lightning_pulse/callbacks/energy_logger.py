@@ -185,7 +185,7 @@ class EnergyLogger(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         why = "it combines the ranks' figures at every epoch end, which the ranks would reach at other steps"
-        compat.refuse_uneven_epochs(trainer, "EnergyLogger", why, self._held)
+        compat.refuse_uneven_epochs(trainer, "EnergyLogger", why, self._held, only_if_an_epoch_ends=True)
         self._in_train_loop, self._last_global_step = True, trainer.global_step
         progress = compat.run_progress(trainer)  # the loader's batch size tells a time-major batch's samples
         self.account.begin_training(lambda: trainer.global_step, progress, trainer.train_dataloader)

@@ -173,7 +173,7 @@ class GradientCache(Callback):
         refuse_uninitialized_parameters(pl_module, "GradientCache")  # here: the sanity check may create them
         refuse_unreachable_phases("GradientCache", self.phases, trainer)
         why = "it takes rank 0's frozen layers at each epoch start, which ranks would reach at other steps"
-        compat.refuse_uneven_epochs(trainer, "GradientCache", why, self._held)
+        compat.refuse_uneven_epochs(trainer, "GradientCache", why, self._held, only_if_an_epoch_ends=True)
         with refusing("GradientCache"):  # a share of a run of unknown length (max_time only)
             self._span = self.window.steps(compat.total_steps(trainer))
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
@@ -315,7 +315,12 @@ class GradientCache(Callback):
         add_ddp_inner_backward_note(exception, rank_zero_warn)  # where check_wrapped_model's advice led
         self._end_fit()
 
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._loader_watch.stop()  # a fit with no step left never reached on_train_start
+
     def _end_fit(self) -> None:
+        self._loader_watch.stop()  # a fit refused before on_train_start's stop: no hook left on the strategy
         self._fit_refs = None
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
         self._close_contexts()

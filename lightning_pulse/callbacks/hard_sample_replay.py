@@ -68,7 +68,7 @@ class HardSampleReplay(Callback):
         ValueError: at construction, naming the argument, for a value outside the ranges above or
             ``rule="infobatch"`` with ``mode="steps"``; at fit start, for an epoch-based half-life with an
             infinite DataLoader.
-        PulseRefusal: at fit start, under DDP for a training sampler that is no ``DistributedSampler``; for a
+        PulseRefusal: at fit start, under DDP for ranks training different datasets; for a
             DataLoader whose dataset indices cannot be tracked (an
             ``IterableDataset``, a custom batch sampler), several training DataLoaders, ``ModelParallelStrategy``,
             a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), batches too small for ``mode="batch"``
@@ -197,7 +197,8 @@ class HardSampleReplay(Callback):
         # a second loader of the same data set-up (a CombinedLoader): refused before anything is installed
         at = (self._trainer.current_epoch, self._trainer.global_step)
         second = self._ready and at == self._set_up_at and loader is not self.steps.loader
-        refuse(replay.loader_refusal(loader, second, self._trainer.world_size))  # DDP: one index space
+        # DDP: one all-gather on every rank here, as Lightning's own has_len_all_ranks does in this set-up
+        refuse(replay.loader_refusal(loader, second, compat.all_gather_of(self._trainer, self._held)))
         note, fresh = replay.reloaded_data_note(self.tracker.dataset if self._ready else None, loader.dataset)
         _warn(note)
         self.steps.release()  # a reload (batch mode): the previous loader is the user's again

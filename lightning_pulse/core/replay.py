@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import math
 import re
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DistributedSampler, Subset, TensorDataset
+from torch.utils.data import Subset, TensorDataset
 
 from lightning_pulse.core.per_sample_loss import (
     CAPTURED_LOSSES,
@@ -285,36 +286,60 @@ def untrackable_refusal(reason: str) -> str:
 SEVERAL_LOADERS = "the fit trains on several DataLoaders at once (a CombinedLoader)"
 
 
-def loader_refusal(loader: Any, second: bool, world_size: int = 1) -> str | None:
+def loader_refusal(
+    loader: Any, second: bool, all_gather: Callable[[Tensor], Tensor] | None = None
+) -> str | None:
     """Why a training DataLoader handed over at a data set-up is refused (completes "HardSampleReplay ..."),
     else ``None``: its dataset indices cannot be tracked (:func:`untrackable_refusal`), it is a ``second``
-    loader of the same set-up (a CombinedLoader: :data:`SEVERAL_LOADERS`), or, on one of ``world_size`` > 1
-    processes, its indices are not drawn by a ``DistributedSampler`` (:func:`per_rank_data_refusal`). Said
-    before anything is installed."""
+    loader of the same set-up (a CombinedLoader: :data:`SEVERAL_LOADERS`), or, under DDP (``all_gather``
+    given: ``tensor -> (world_size, *tensor.shape)``), the ranks' datasets differ
+    (:func:`per_rank_data_refusal`). Said before anything is installed."""
     if (reason := SampleIndexTracker.unsupported_reason(loader)) is not None:
         return untrackable_refusal(reason)
     if second:
         return several_loaders_refusal(SEVERAL_LOADERS)
-    return per_rank_data_refusal(SampleIndexTracker.drawing_sampler(loader), world_size)
+    return None if all_gather is None else per_rank_data_refusal(loader.dataset, all_gather)
 
 
-def per_rank_data_refusal(sampler: Any, world_size: int) -> str | None:
-    """Why a multi-process fit whose training ``sampler`` is no ``DistributedSampler`` is refused (completes
-    "HardSampleReplay ..."), else ``None``. The score table is kept by dataset index and shared by the ranks
-    (each rank's scored rows are gathered into every rank's table), which holds when the ranks draw from one
-    dataset through a ``DistributedSampler`` (Lightning's, its ``DistributedSamplerWrapper`` around a custom
-    sampler, or the user's own). With ``use_distributed_sampler=False`` a rank may hold its own shard: a row
-    would mix two ranks' samples (shards of equal length) or lie past a shorter shard's table (an
-    ``IndexError`` at the first epoch end); nothing in one process tells a shard from the whole dataset."""
-    if world_size <= 1 or isinstance(sampler, DistributedSampler):
+def dataset_fingerprint(dataset: Any) -> list[int]:
+    """Cheap identity facts of ``dataset``, equal in every process that holds the same data: its length, the
+    type names down a chain of ``Subset`` s, those ``Subset`` s' indices (CRC-32) and the innermost length."""
+    names, indices_crc, inner = [], 0, dataset
+    while True:
+        names.append(f"{type(inner).__module__}.{type(inner).__qualname__}")
+        if not isinstance(inner, Subset):
+            break
+        indices_crc = zlib.crc32(np.ascontiguousarray(inner.indices, dtype=np.int64).tobytes(), indices_crc)
+        inner = inner.dataset
+    return [len(dataset), zlib.crc32("/".join(names).encode()), indices_crc, len(inner)]
+
+
+#: what each :func:`dataset_fingerprint` entry says, for the refusal
+_FINGERPRINT_FACTS = ("lengths", "dataset types", "Subset indices", "lengths of the dataset under the Subset")
+
+
+def per_rank_data_refusal(dataset: Any, all_gather: Callable[[Tensor], Tensor]) -> str | None:
+    """Why a multi-process fit whose ranks train different datasets is refused (completes "HardSampleReplay
+    ..."), else ``None``. One all-gather of each rank's :func:`dataset_fingerprint`, so every rank takes the
+    same decision. The score table is kept by dataset index and each rank's scored rows are gathered into
+    every rank's table: that holds when index ``i`` is the same sample on every rank (one dataset, drawn by a
+    ``DistributedSampler`` or any rank-aware sampler), not with a dataset per rank (a ``Subset`` each, or
+    another dataset), where a row would mix two ranks' samples (equal lengths) or lie past a shorter dataset's
+    table (an ``IndexError`` at the first epoch end). Two datasets of the same length and type, not
+    ``Subset`` s or ``Subset`` s with the same indices, cannot be told apart this way."""
+    mine = torch.tensor(dataset_fingerprint(dataset), dtype=torch.int64)
+    ranks = all_gather(mine).reshape(-1, len(mine)).cpu().tolist()
+    differ = [fact for column, fact in enumerate(_FINGERPRINT_FACTS) if len({r[column] for r in ranks}) > 1]
+    if not differ:
         return None
+    lengths = ", ".join(f"rank {rank}: {facts[0]}" for rank, facts in enumerate(ranks))
     return (
-        f"needs one dataset index space shared by the {world_size} processes, but the training sampler is "
-        f"{type(sampler).__name__}, not a DistributedSampler: its scores are kept by dataset index and "
-        "gathered from every rank into one table, so with each rank's own shard they would mix different "
-        "samples in one row or index past a shorter shard. Keep Lightning's use_distributed_sampler=True "
-        "(the default), or give the training DataLoader a torch DistributedSampler over the whole dataset, or "
-        "train in one process."
+        f"needs one dataset index space shared by the {len(ranks)} processes, but the ranks' training "
+        f"datasets differ ({' and '.join(differ)}; lengths {lengths}): its scores are kept by dataset index "
+        "and gathered from every rank into one table, so a row would mix different samples or index past a "
+        "shorter dataset. Give every rank the same whole dataset and shard it with a sampler (Lightning's "
+        "use_distributed_sampler=True, the default, or a rank-aware sampler of your own over the whole "
+        "dataset) instead of a Subset or dataset per rank, or train in one process."
     )
 
 

@@ -153,15 +153,6 @@ class SampleIndexTracker:
             return "the dataset has no length"
         return None
 
-    @staticmethod
-    def drawing_sampler(loader: DataLoader) -> Any:
-        """The sampler that draws ``loader``'s dataset indices, under the :class:`RecordingSampler` this
-        module may have put around it (a :class:`PlannedBatchSampler` keeps the sampler it was given)."""
-        sampler = loader.batch_sampler.sampler
-        while isinstance(sampler, RecordingSampler):
-            sampler = sampler.sampler
-        return sampler
-
     @classmethod
     def install(cls, loader: DataLoader) -> SampleIndexTracker:
         """Put a :class:`RecordingSampler` into ``loader`` (once) and return its tracker.
