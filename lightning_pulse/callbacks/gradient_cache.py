@@ -71,12 +71,10 @@ class GradientCache(Callback):
         measure_flops: measure each frozen-prefix length's backward once with ``torch.utils.flop_counter`` and
             log the backward FLOPs skipped.
 
-    A unit holding a tied or shared parameter never freezes (the prefix stops before it; the setup log names
-    it). Parameters frozen before the first backward (a backbone) belong to no unit; once they train (get a
-    gradient or an optimizer's step), everything is released and the units found again. Pruned parameters are
-    followed; after a prune event the activation cache records again. A frozen module that makes its
-    activations require grad (HF wav2vec2's feature encoder, until ``freeze_feature_encoder()``) lets backward
-    run through the prefix anyway: a warning says so, once.
+    A unit holding a tied or shared parameter never freezes (the setup log names it). Parameters frozen before
+    the first backward (a backbone) belong to no unit; once they train, everything is released and the units
+    found again. Pruned parameters are followed. A frozen module whose activations require grad (HF wav2vec2's
+    feature encoder) lets backward run through the prefix anyway: a warning says so, once.
 
     Raises:
         ValueError: at construction, naming the field, for a value out of range.

@@ -68,9 +68,9 @@ class HardSampleReplay(Callback):
         ValueError: at construction, naming the argument, for a value outside the ranges above or
             ``rule="infobatch"`` with ``mode="steps"``; at fit start, for an epoch-based half-life with an
             infinite DataLoader.
-        PulseRefusal: at fit start, under DDP for ranks training different datasets; for a
-            DataLoader whose dataset indices cannot be tracked (an
-            ``IterableDataset``, a custom batch sampler), several training DataLoaders, ``ModelParallelStrategy``,
+        PulseRefusal: at fit start, under DDP for ranks training different datasets; for a DataLoader whose
+            dataset indices cannot be tracked (an ``IterableDataset``, a custom batch sampler), several training
+            DataLoaders, ``ModelParallelStrategy``,
             a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), batches too small for ``mode="batch"``
             to cut at ``replay_fraction`` (the smallest that cuts is named), a ``training_step`` compiled with
             ``fullgraph=True`` unless a ``scorer`` is set (rule other than ``'infobatch'``), ``phases``
@@ -92,7 +92,6 @@ class HardSampleReplay(Callback):
 
         from lightning import Trainer
         from lightning_pulse import HardSampleReplay, PulseCycle
-
         trainer = Trainer(max_epochs=20, callbacks=[PulseCycle(burst=200, replay=100, maintain=20), HardSampleReplay()])
     """
 
