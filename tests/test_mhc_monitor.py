@@ -448,3 +448,116 @@ def test_a_nan_on_one_rank_stays_nan_after_the_max_reduction_over_ranks():
     assert math.isnan(monitor.last["forward_gain"]) and math.isnan(monitor.last["backward_gain"])
     assert math.isnan(monitor.last["stream_rms"])
     monitor.teardown(SimpleNamespace(), None, "fit")
+
+
+# ------------------------------------------------------------------------------------ held-out sweep s11
+class LayerDropModule(TwoLayerModule):
+    """Two mHC layers and a head; ``drops[step]`` lists the layers rank 1 skips at that step, as LayerDrop or
+    stochastic depth with per-rank draws (or an early exit) does."""
+
+    def __init__(self, drops: dict[int, set[int]]) -> None:
+        super().__init__(TwoLayerNet("mhc"))
+        self.head, self.drops = torch.nn.Linear(16, 16), drops
+
+    def training_step(self, batch, batch_idx):
+        from lightning_pulse.nn import collapse_streams, expand_streams
+
+        x, y = batch
+        skipped = self.drops.get(self.global_step, set()) if self.global_rank == 1 else set()
+        streams = expand_streams(x, 4)
+        for index, layer in enumerate(self.net.layers):
+            if index not in skipped:
+                streams = layer(streams)
+        return (self.head(collapse_streams(streams)) - y).pow(2).mean()
+
+
+class RankFigures(pl.Callback):
+    """Writes this rank's own recorded figures (before any reduction) at each measured step, with its own
+    recorder, to ``<directory>/local<r>.json``."""
+
+    def __init__(self, directory: str, every_n_steps: int) -> None:
+        self.directory, self.every_n_steps, self.figures = directory, every_n_steps, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
+
+        self.recorder = None
+        if trainer.global_step % self.every_n_steps == 0:
+            self.recorder = HyperConnectionRecorder(pl_module).attach()
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.recorder is not None:
+            self.recorder.detach()
+            names = {id(layer): name for name, layer in pl_module.named_modules()}
+            stats = self.recorder.diagnostics()
+            if stats is not None:
+                stats["names"] = [names[id(layer)] for layer in dict.fromkeys(self.recorder.called)]
+            self.figures[trainer.global_step] = stats
+
+    def on_train_end(self, trainer, pl_module):
+        Path(self.directory, f"local{trainer.global_rank}.json").write_text(json.dumps(self.figures))
+
+
+@pytest.mark.ddp
+def test_ranks_that_ran_different_layers_or_none_agree_on_figures_over_the_layers_each_ran(tmp_path):
+    # A rank that ran fewer layers sent a shorter per-layer list to the reduction, and one that recorded
+    # nothing skipped it: DDP hung at the first such step. The process group's timeout turns a hang into a
+    # failure.
+    from datetime import timedelta
+
+    from tests.ddp_workers import TwoGlooProcesses
+
+    torch.manual_seed(0)
+    module = LayerDropModule({0: {0}, 2: {0, 1}})  # rank 1: layer 0 skipped at step 0, both at step 2
+    monitor = HistoryDump(str(tmp_path), every_n_steps=2)
+    strategy = TwoGlooProcesses(find_unused_parameters=True, timeout=timedelta(seconds=45))
+    _fit_two_layer(module, monitor, RankFigures(str(tmp_path), 2), steps=5, devices=2, strategy=strategy)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    local0, local1 = (json.loads((tmp_path / f"local{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == rank1 and [entry["step"] for entry in rank0] == [0, 2, 4]
+    assert local1["2"] is None and local1["0"]["names"] == ["net.layers.1"]
+    for entry in rank0:
+        mine, other = local0[str(entry["step"])], local1[str(entry["step"])]
+        others = dict(zip(other["names"], other["off_diagonal_mass"])) if other else {}
+        # each layer's mass: the mean over the ranks that ran it; the gains: the max over those ranks
+        masses = [
+            (mass + others[name]) / 2 if name in others else mass
+            for name, mass in zip(mine["names"], mine["off_diagonal_mass"])
+        ]
+        assert entry["layers"] == 2
+        assert entry["off_diagonal_mass"] == sum(masses) / 2
+        for key in ("forward_gain", "backward_gain", "stream_rms"):
+            assert entry[key] == max(mine[key], other[key] if other else -math.inf)
+
+
+class EmptyExpertNet(TwoLayerNet):
+    """Two mHC layers, then, with ``empty_expert``, a third one called on zero positions (an MoE expert that
+    got no tokens), whose output is not used."""
+
+    def __init__(self, empty_expert: bool) -> None:
+        super().__init__("mhc")
+        from lightning_pulse.nn import ManifoldHyperConnection
+
+        self.expert = ManifoldHyperConnection(torch.nn.Linear(16, 16), 16, 4) if empty_expert else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.expert is not None:
+            from lightning_pulse.nn import expand_streams
+
+            self.expert(expand_streams(x, 4)[:0])
+        return out
+
+
+def test_a_layer_called_on_zero_positions_in_a_measured_step_adds_nothing_to_the_figures():
+    # amax() of the empty call's gain raised and killed the fit; its off-diagonal mass would have been NaN
+    histories = []
+    for empty_expert in (False, True):
+        torch.manual_seed(0)  # the expert is built last: the two layers start the same in both runs
+        monitor = HyperConnectionMonitor(every_n_steps=2)
+        _fit_two_layer(TwoLayerModule(EmptyExpertNet(empty_expert)), monitor, steps=4)
+        histories.append(monitor.history)
+    without, with_empty_call = histories
+    assert [entry["step"] for entry in with_empty_call] == [0, 2]
+    assert with_empty_call == without  # figures of the two layers that ran on positions, bit for bit
+    assert all(entry["layers"] == 2 and math.isfinite(entry["off_diagonal_mass"]) for entry in without)

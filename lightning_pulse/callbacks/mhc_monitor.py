@@ -27,16 +27,22 @@ class HyperConnectionMonitor(Callback):
     * ``{prefix}/forward_gain`` and ``{prefix}/backward_gain``: the largest absolute row and column sum of the
       product ``H_res^{(L)} ... H_res^{(1)}`` in call order, maximised over tokens (the mHC paper's "Amax gain
       magnitude"); 1 for mHC (doubly stochastic) and for plain residuals, unbounded for HC;
-    * ``{prefix}/off_diagonal_mass``: mean over layers of the share of ``|H_res|`` off the diagonal (0: the
-      streams never mix); with ``per_layer=True`` also ``{prefix}/off_diagonal_mass/layer_NN``;
+    * ``{prefix}/off_diagonal_mass``: mean over the layers that ran of the share of ``|H_res|`` off the
+      diagonal (0: the streams never mix); with ``per_layer=True`` also
+      ``{prefix}/off_diagonal_mass/layer_NN``, ``NN`` the layer's position among the hooked layers
+      (``modules()`` order);
     * ``{prefix}/stream_rms``: the largest RMS of any layer's output streams, an activation-scale signal.
 
     A step whose streams hold a NaN (at any position, on any rank) logs NaN gains and stream RMS, never a
     finite figure from the other positions.
 
-    Under DDP every rank measures its own batch; gains and the stream RMS are reduced with max, masses with
-    mean, so every rank logs and keeps the same figures. The reduced tensors stay referenced until the
-    backend's threads have let go of them, and ``teardown`` waits for that, so no rank aborts at exit. The
+    A layer called on zero positions (an MoE expert without tokens) adds nothing.
+
+    Under DDP every rank measures its own batch; gains and the stream RMS are reduced with max, each layer's
+    mass is averaged over the ranks that ran it, so every rank logs and keeps the same figures. Ranks may run
+    different layers, or none (LayerDrop, early exit, routing): each sends the same fixed-size tensors. The
+    reduced tensors stay referenced until the backend's threads have let go of them, and ``teardown`` waits
+    for that, so no rank aborts at exit. The
     hooks are registered once per fit and idle (one flag check per layer call) on unmeasured steps, so
     measurements also work when the layers run inside a ``torch.compile``'d module; registering them there
     clears dynamo's compiled code (``torch.compiler.reset()``, said in the log), which may hold a graph traced
@@ -179,8 +185,21 @@ class HyperConnectionMonitor(Callback):
             return
         self._measuring = False
         recorder.stop()
+        # every rank sends tensors of the same sizes at every measured step, whatever it ran: ranks may run
+        # different layers (LayerDrop, early exit, routing) or none. Masses are (sum, count) per hooked layer
+        # in module order, so a layer adds only where it ran; -inf maxima say "nothing recorded here"
         stats = recorder.diagnostics()
-        if stats is None:  # the hooked layers were not called in this forward pass
+        maxima = torch.full((3,), -torch.inf, dtype=torch.float64, device=pl_module.device)
+        masses = torch.zeros(2, len(recorder.layers), dtype=torch.float64, device=pl_module.device)
+        if stats is not None:
+            maxima = maxima.new_tensor([stats["forward_gain"], stats["backward_gain"], stats["stream_rms"]])
+            masses[0, stats["layer_index"]] = masses.new_tensor(stats["off_diagonal_mass"])
+            masses[1, stats["layer_index"]] = 1.0
+        if trainer.world_size > 1:
+            maxima = self._reduce(trainer, maxima, "max")
+            masses = self._reduce(trainer, masses, "sum")
+        ran = masses[1] > 0
+        if not ran.any():  # no rank called the hooked layers in this forward pass
             if not self._warned_empty:
                 self._warned_empty = True
                 rank_zero_warn(
@@ -193,17 +212,13 @@ class HyperConnectionMonitor(Callback):
                     "torch.compiler.reset() before the fit), or remove the monitor."
                 )
             return
-        maxima = [stats["forward_gain"], stats["backward_gain"], stats["stream_rms"]]
-        per_layer = list(stats["off_diagonal_mass"])
-        if trainer.world_size > 1:  # every rank takes this branch on the same step, so the collectives match
-            maxima = self._reduce(trainer, maxima, "max", pl_module.device)
-            per_layer = self._reduce(trainer, per_layer, "mean", pl_module.device)
-        forward_gain, backward_gain, stream_rms = maxima
+        per_layer = dict(zip(ran.nonzero().flatten().tolist(), (masses[0][ran] / masses[1][ran]).tolist()))
+        forward_gain, backward_gain, stream_rms = maxima.tolist()
         entry = {
             "step": self._last_measured_step,
             "forward_gain": forward_gain,
             "backward_gain": backward_gain,
-            "off_diagonal_mass": sum(per_layer) / len(per_layer),
+            "off_diagonal_mass": sum(per_layer.values()) / len(per_layer),
             "stream_rms": stream_rms,
             "layers": len(per_layer),
         }
@@ -216,7 +231,7 @@ class HyperConnectionMonitor(Callback):
         }
         if self.per_layer:
             metrics.update(
-                {f"{self.prefix}/off_diagonal_mass/layer_{i:02d}": mass for i, mass in enumerate(per_layer)}
+                {f"{self.prefix}/off_diagonal_mass/layer_{i:02d}": mass for i, mass in per_layer.items()}
             )
         log_to_loggers(trainer, metrics, step=self._last_measured_step)
 
@@ -240,21 +255,18 @@ class HyperConnectionMonitor(Callback):
         # the rank may exit right after this: no collective's thread may be left holding a reduced tensor
         self._held.wait()
 
-    def _reduce(
-        self, trainer: pl.Trainer, values: list[float], reduce_op: str, device: torch.device
-    ) -> list[float]:
-        """``values`` reduced over ranks (``"max"`` / ``"mean"``); the tensors stay referenced until released.
+    def _reduce(self, trainer: pl.Trainer, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        """``tensor`` reduced over ranks (``"max"`` / ``"sum"``); the tensors stay referenced until released.
 
         A max is NaN wherever any rank's value is: the backends' max may keep the other rank's number instead
         (gloo does, depending on rank order), so a NaN flag per value travels in the same collective."""
-        tensor = torch.tensor(values, dtype=torch.float64, device=device)
         if reduce_op == "max":
             tensor = torch.cat((tensor, tensor.isnan().double()))
         reduced = compat.reduce_held(trainer.strategy, tensor, reduce_op, self._held)
         if reduce_op == "max":
             maxima, any_nan = reduced.chunk(2)
             reduced = maxima.masked_fill(any_nan > 0, torch.nan)
-        return reduced.tolist()
+        return reduced
 
     # ------------------------------------------------------------------ checkpointing
     @property

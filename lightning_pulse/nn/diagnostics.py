@@ -163,8 +163,13 @@ class HyperConnectionRecorder:
             return
         streams = args[0] if args else kwargs["streams"]  # layer(streams=h) is a valid call
         with torch.no_grad():
+            h_res = layer.coefficients(streams).res.detach()
+            if h_res.numel() == 0:
+                # a call on zero positions (an MoE expert without tokens) adds nothing to a gain or a mass:
+                # its (0, n, n) H_res has no maximum and a NaN mean, and would split the stack it sits in
+                return
             # in place, never rebound: a compiled graph replays its appends on these very lists
-            self.h_res.append(layer.coefficients(streams).res.detach())
+            self.h_res.append(h_res)
             self.stream_rms.append(output.detach().float().pow(2).mean().sqrt())
             self.called.append(layer)
             self.chained.append(streams is self._last_output)
@@ -212,8 +217,9 @@ class HyperConnectionRecorder:
 
         Each pass gets :func:`stack_diagnostics`; the gains and ``"stacks"`` are the maximum over passes,
         ``"off_diagonal_mass"`` holds one value per layer (in order of first call; the mean over that layer's
-        calls), ``"stream_rms"`` is the largest layer-output RMS and ``"passes"`` the number of passes. A gain or
-        ``"stream_rms"`` is NaN when any position of any pass has a NaN one.
+        calls), ``"layer_index"`` each such layer's position in :attr:`layers`, ``"stream_rms"`` is the largest
+        layer-output RMS and ``"passes"`` the number of passes. A gain or ``"stream_rms"`` is NaN when any
+        position of any pass has a NaN one.
         """
         if not self.h_res:
             return None
@@ -221,6 +227,7 @@ class HyperConnectionRecorder:
             stack_diagnostics([self.h_res[i] for i in indices])
             for indices in _split_passes(self.called, self.chained)
         ]
+        position = {id(layer): index for index, layer in enumerate(self.layers)}
         masses: dict[int, list[float]] = {}
         for layer, matrix in zip(self.called, self.h_res):
             masses.setdefault(id(layer), []).append(float(off_diagonal_mass(matrix).mean()))
@@ -228,6 +235,7 @@ class HyperConnectionRecorder:
             "forward_gain": _nan_propagating_max(stats["forward_gain"] for stats in passes),
             "backward_gain": _nan_propagating_max(stats["backward_gain"] for stats in passes),
             "off_diagonal_mass": [sum(values) / len(values) for values in masses.values()],
+            "layer_index": [position[layer] for layer in masses],
             "stacks": max(stats["stacks"] for stats in passes),
             "passes": len(passes),
             "stream_rms": float(torch.stack(self.stream_rms).amax()),
