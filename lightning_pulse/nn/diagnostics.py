@@ -217,9 +217,9 @@ class HyperConnectionRecorder:
 
         Each pass gets :func:`stack_diagnostics`; the gains and ``"stacks"`` are the maximum over passes,
         ``"off_diagonal_mass"`` holds one value per layer (in order of first call; the mean over that layer's
-        calls), ``"layer_index"`` each such layer's position in :attr:`layers`, ``"stream_rms"`` is the largest
-        layer-output RMS and ``"passes"`` the number of passes. A gain or ``"stream_rms"`` is NaN when any
-        position of any pass has a NaN one.
+        calls), ``"layer_index"`` each such layer's position in :attr:`layers`, ``"stream_rms"`` is the
+        largest layer-output RMS and ``"passes"`` the number of passes. A gain or ``"stream_rms"`` is NaN when
+        any position of any pass has a NaN one.
         """
         if not self.h_res:
             return None
