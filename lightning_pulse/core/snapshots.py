@@ -239,6 +239,34 @@ class TrainingSnapshot:
         return scheduler_kinds(schedulers) == self.scheduler_kinds
 
 
+#: the fields of a :class:`TrainingSnapshot` a checkpoint carries (:func:`snapshot_state`); the classes it
+#: records are left out: a checkpoint holds plain data, and a resume restores these optimizers' states anyway
+_CHECKPOINTED_FIELDS = ("step", "model", "optimizers", "schedulers", "callbacks", "extra", "buffers")
+
+
+def snapshot_state(snapshot: TrainingSnapshot) -> dict[str, Any]:
+    """``snapshot`` as plain data for a checkpoint (its CPU tensors, not copied): :func:`snapshot_from_state`
+    reads it back."""
+    state = {name: getattr(snapshot, name) for name in _CHECKPOINTED_FIELDS}
+    state["inner_optimizers"] = snapshot.inner_optimizers
+    state["layout"] = None if snapshot.layout is None else [list(group) for group in snapshot.layout]
+    inner = snapshot.inner_layout
+    state["inner_layout"] = None if inner is None else [list(group) for group in inner]
+    return state
+
+
+def snapshot_from_state(state: Mapping[str, Any]) -> TrainingSnapshot:
+    """The snapshot :func:`snapshot_state` wrote; its optimizers' and schedulers' classes are not recorded
+    (:meth:`TrainingSnapshot.fits` then compares their number and layout)."""
+    layout, inner = state.get("layout"), state.get("inner_layout")
+    return TrainingSnapshot(
+        **{name: state[name] for name in _CHECKPOINTED_FIELDS},
+        inner_optimizers=list(state.get("inner_optimizers", [])),
+        layout=None if layout is None else tuple(tuple(group) for group in layout),
+        inner_layout=None if inner is None else tuple(tuple(group) for group in inner),
+    )
+
+
 def optimizer_layout(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[int, ...], ...]:
     """For each optimizer, the number of parameters in each of its parameter groups: a saved optimizer state
     loads only into the layout it was saved from (``Optimizer.load_state_dict`` raises otherwise), and

@@ -43,6 +43,8 @@ from lightning_pulse.core.snapshots import (
     fingerprints,
     is_zero_redundancy,
     nonfinite_tensors,
+    snapshot_from_state,
+    snapshot_state,
     written_outside,
 )
 from lightning_pulse.core.spike_detection import POOLED, SpikeDetector, Verdict
@@ -515,6 +517,9 @@ class StabilityCore:
         self.applied_through: int | None = None
         self.forward_state_mended = False  # the current step's forward writes were set back (a skip's)
         self.resumed_written: list[str] = []  # what forwards write, learned by the run a checkpoint resumes
+        # from a checkpoint saved mid-incident: the snapshots its rollback may return to, for this fit's ring
+        self.resumed_snapshots: list[TrainingSnapshot] = []
+        self.resumed_mid_incident = False  # this fit's ring holds them: no snapshot of the state resumed at
         # recurring spikes that make a level of the data, the steps applied at it, the open incident's losses
         self.level = RecurringLevel(window, SAME_SPIKE_FACTOR, self.config.learn_recurring_level)
         self.level_steps = 0
@@ -606,6 +611,9 @@ class StabilityCore:
         self.flagged_losses = {}
         self.fit_start_accepted = self.detector.accepted_steps
         self.schedule.ring.clear()
+        for snapshot in self.resumed_snapshots:
+            self.schedule.ring.add(snapshot)
+        self.resumed_mid_incident, self.resumed_snapshots = bool(self.resumed_snapshots), []
         self.pre_step.clear(learn_after=-1 if step is None else step)  # learned at the first applied step
         if model is not None and self.resumed_written:
             self.pre_step.clear(learn_after=step, keep=model, names=self.resumed_written)
@@ -1104,7 +1112,16 @@ class StabilityCore:
         state kept after the fit's first step instead (:meth:`forward_evidence`), a mask filled at the
         first forward is not said. A screen of the forward state, and an element-wise comparison of what is
         infinite, per snapshot. Each snapshot also learns which buffers forwards write
-        (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`: those that start being written later)."""
+        (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`: those that start being written later).
+
+        A fit resumed mid-incident takes none at its start (:meth:`start`): the state it resumes at went bad,
+        and its ring holds what the uninterrupted run's held, which took none during the incident either."""
+        if self.resumed_mid_incident and step == self.fit_start:
+            self.resumed_mid_incident = False
+            last = self.schedule.last_step  # the next periodic one is due when the uninterrupted run's is
+            self.schedule.settle(step, optimizers, schedulers)
+            self.schedule.last_step = last
+            return False
         self.pre_step.learn(model, self.schedule.ring.newest(), optimizers)
         # this snapshot (or one left out) follows the cut, and holds what a request asked for
         self.replaced_at, self.snapshot_owed, self.schedule.pending = None, False, False
@@ -1204,7 +1221,8 @@ class StabilityCore:
         if action is Action.ROLLBACK:
             unfit = (self.left_out, self.unfit_optimizers_after, self.cut_unsnapshotted)
             return no_snapshot_message(step, path, *unfit), path
-        return stop_message(self.policy, step, to_step, recent_rollbacks, path), path
+        resumed_at = self.fit_start if self.fit_start else None  # a fit started at step 0 resumed nothing
+        return stop_message(self.policy, step, to_step, recent_rollbacks, path, resumed_at), path
 
     def parameters_replaced(
         self, step: int, model: nn.Module | None = None, record: StepRecord | None = None
@@ -1244,7 +1262,7 @@ class StabilityCore:
         return summary_message(self.policy, self.detector, self.fit_start_accepted)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "detector": self.detector.state_dict(),
             "policy": self.policy.state_dict(),
             "last_snapshot_step": self.schedule.last_step,
@@ -1252,6 +1270,24 @@ class StabilityCore:
             "level": {**self.level.state_dict(), "applied": self.level_steps},
             "written_by_forwards": list(self.pre_step.names),
         }
+        if snapshots := self.incident_snapshots():
+            state["incident_snapshots"] = [snapshot_state(snapshot) for snapshot in snapshots]
+        return state
+
+    def incident_snapshots(self) -> list[TrainingSnapshot]:
+        """While an incident is open (steps flagged, no rollback or stop yet), the snapshots its rollback may
+        return to (the one taken ``rollback_margin`` steps before it, and the oldest, which the rollback test
+        tries next): the state a checkpoint holds may have gone bad since them, so a fit resumed from it
+        needs them to roll back as the uninterrupted run does. Else none: a checkpoint of a healthy state (or
+        of one a rollback just restored) holds what a snapshot would."""
+        start, ring = self.policy.incident_start, self.schedule.ring
+        if start is None or self.policy.stopped:
+            return []
+        if self.resumed_snapshots:  # loaded, the fit not started yet: a checkpoint now saves them again
+            return self.resumed_snapshots
+        wanted = [ring.newest_at_or_before(start - self.schedule.margin), ring.oldest()]
+        held = {snapshot.step: snapshot for snapshot in wanted if snapshot is not None}
+        return [held[step] for step in sorted(held)]  # in the ring's order, oldest first
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.detector.load_state_dict(state_dict["detector"])
@@ -1263,6 +1299,7 @@ class StabilityCore:
         self.level.load_state_dict(state_dict.get("level", {}))
         self.level_steps = int(state_dict.get("level", {}).get("applied", 0))
         self.resumed_written = [str(name) for name in state_dict.get("written_by_forwards", [])]
+        self.resumed_snapshots = [snapshot_from_state(s) for s in state_dict.get("incident_snapshots", [])]
 
 
 def guard_figure(name: str) -> property:
@@ -1381,16 +1418,35 @@ def rollback_message(policy: EscalationPolicy, step: int, to_step: int | None, u
 
 
 def stop_message(
-    policy: EscalationPolicy, step: int, to_step: int | None, recent_rollbacks: int, path: str
+    policy: EscalationPolicy,
+    step: int,
+    to_step: int | None,
+    recent_rollbacks: int,
+    path: str,
+    resumed_at: int | None = None,
 ) -> str:
+    """The stop's message; ``resumed_at``: the step this fit resumed a checkpoint at (``None``: not resumed).
+    A stop back at that step's snapshot names the checkpoint first: it may hold a model gone bad before the
+    guard flagged a step (a checkpoint saved mid-incident carries the snapshots a rollback needs)."""
     flagged = [str(e["step"]) for e in policy.events if e["event"] not in ("rollback", "stop")][-8:]
     holds = (
         f"the snapshot of step {to_step}" if to_step is not None else "the current state (no snapshot fitted)"
     )
-    return (
+    stopped = (
         f"StabilityGuard stopped training at step {step}: spikes kept coming after {recent_rollbacks} "
-        f"rollback(s) within {policy.rollback_memory} steps "
-        f"(`max_rollbacks`={policy.max_rollbacks}). The checkpoint {path!r} holds {holds}. Inspect the data "
+        f"rollback(s) within {policy.rollback_memory} steps (`max_rollbacks`={policy.max_rollbacks})."
+    )
+    if resumed_at is not None and to_step == resumed_at:
+        return (
+            f"{stopped} Every rollback returned to the state this fit resumed at (step {resumed_at}), its "
+            f"only snapshot, and the spikes came back each time (last flagged: {', '.join(flagged)}); the "
+            f"checkpoint {path!r} holds that state. If they began soon after the resume, the checkpoint it "
+            "resumed from was most likely saved after the model went bad and before the guard flagged a "
+            "step (one saved while steps were flagged carries older snapshots): resume from an earlier "
+            "checkpoint. Otherwise inspect the data and learning rate around the flagged steps."
+        )
+    return (
+        f"{stopped} The checkpoint {path!r} holds {holds}. Inspect the data "
         f"around the flagged steps (last: {', '.join(flagged)}): spikes whose batch the snapshot reproduced were "
         "skipped as the data's, so these came from the model, or were gradient-norm spikes with an ordinary loss, "
         "which are not tested that way; data with many bad samples can do it too (then clean it, or raise `rollback_after`). To "
