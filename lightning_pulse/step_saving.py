@@ -28,6 +28,7 @@ from lightning_pulse.core.replay import (
     STEPS_MODE_LIMIT_REFUSAL,
     STEPS_MODE_OPTIMIZERS_REFUSAL,
     STEPS_MODE_RELOAD_REFUSAL,
+    STEPS_MODE_RESUMED_SCHEDULE_REFUSAL,
     STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL,
     STEPS_MODE_SCHEDULE_LENGTH_REFUSAL,
     STEPS_MODE_STEP_BOUND_REFUSAL,
@@ -39,7 +40,9 @@ from lightning_pulse.core.step_plan import (
     StepSavingStream,
     budget_shortfall,
     plan_summary,
+    resumed_plan_change,
     schedule_lengths,
+    scheduler_past_end,
 )
 from lightning_pulse.errors import PulseRefusal
 
@@ -356,8 +359,8 @@ class StepSavingLoader:
 
         With ``max_epochs`` set, Lightning builds the schedulers before the data unless ``configure_optimizers``
         reads ``estimated_stepping_batches``, so a literal length (or one from a config) was never checked at
-        :meth:`install`. On a resume the schedulers' lengths come from the checkpoint and the plan is the saved
-        one, so a run accepted at its start is accepted again.
+        :meth:`install`. On a resume the schedulers' lengths come from the checkpoint, whose plan may differ
+        from this run's: :meth:`check_resumed_plan`.
 
         Raises:
             PulseRefusal: naming the scheduler, its length and the planned steps.
@@ -393,11 +396,40 @@ class StepSavingLoader:
                 refusal += f" With `frequency`={every}, divide `estimated_stepping_batches` by {every}."
             raise PulseRefusal(refusal)
 
+    def check_resumed_plan(self, trainer: pl.Trainer) -> None:
+        """On a resume whose plan differs in length from the checkpoint's (a PulseCycle added or removed, or
+        another run length): refuse where a restored per-step scheduler would be stepped past its end, else
+        warn once naming both lengths and the cause (a run length changed by the user is announced already).
+
+        Raises:
+            PulseRefusal: naming the scheduler, its length, both plans and the way out.
+        """
+        plan, stream, unplanned = self.plan, self.stream, self._unplanned
+        if plan is None or stream.saved_total_steps is None:
+            return
+        # past a plan's data the run trains plain batches while its epochs allow: max_epochs ends it there
+        bounded = unplanned is not None and unplanned.max_epochs is not None
+        run_steps = plan.data_steps if plan.data_steps is not None and bounded else plan.total_steps
+        change = resumed_plan_change(stream, run_steps)
+        if change is None:
+            return
+        saved = stream.saved_total_steps
+        if past := scheduler_past_end(trainer.lr_scheduler_configs, trainer.global_step, saved, run_steps):
+            raise PulseRefusal(
+                STEPS_MODE_RESUMED_SCHEDULE_REFUSAL.format(scheduler=past[0], length=past[1], change=change)
+            )
+        cycle_changed = stream.saved_with_cycle not in (None, stream.with_cycle)
+        if cycle_changed or not stream.replanned_for_another_length:
+            rank_zero_warn(
+                f"HardSampleReplay: {change}; the resumed run is not the one the checkpoint saved."
+            )
+
     def on_train_start(self, trainer: pl.Trainer) -> None:
         if self._sampler is None:  # not installed: batch mode
             return
         self._training_started = True
         self.refuse_schedules_cut_short(trainer)
+        self.check_resumed_plan(trainer)
         # a second fit of this Trainer from a checkpoint saved at a pass's end (each planned run ends on one)
         # otherwise trained no batch in any epoch, forever: see forget_earlier_fit_validation
         compat.forget_earlier_fit_validation(trainer)

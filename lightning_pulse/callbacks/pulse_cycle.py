@@ -13,12 +13,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.optimizer_modes import at_evaluation_point
 from lightning_pulse.core.step_plan import StepPlan, epoch_steps, replay_duration_for_budget, spent_summary
+from lightning_pulse.core.step_plan import resumed_without_plan as plan_lost_warning
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refusing
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock, StepTimer, check_cycle_options
@@ -160,6 +161,7 @@ class PulseCycle(Callback):
         self.clock = PhaseClock(durations, order=list(order), warmup=warmup, anneal=anneal)
         self.budget = check_cycle_options(maintain_eval, probe_batches, budget, durations, list(order))
         self.plan: StepPlan | None = None  # set by a step-saving HardSampleReplay at fit start
+        self._saved_plan_steps: int | None = None  # the checkpoint's plan's (see plan_lost_warning)
         self.maintain_eval, self.probe_batches = maintain_eval, probe_batches
         self._held = compat.CollectiveHold()
         self.timer = StepTimer(time_source)  # the optimizer steps and seconds the clock advances by
@@ -249,6 +251,10 @@ class PulseCycle(Callback):
                 "HardSampleReplay in mode='steps' (its default) next to this PulseCycle; add one or drop `budget`."
             )
         self._refresh_run_length(trainer)
+        if self.plan is None:  # a step-saving checkpoint resumed without its plan: another run length
+            configs, saved = trainer.lr_scheduler_configs, self._saved_plan_steps
+            if warning := plan_lost_warning(configs, trainer.global_step, saved, self._total_steps):
+                rank_zero_warn(warning)
         with refusing("PulseCycle"):
             if compat.steps_per_batch_unknown(trainer):  # before the clock's own, generic, run-length refusal
                 self.clock.check_steps_per_batch_unknown(len(trainer.optimizers), self._total_steps)
@@ -304,7 +310,8 @@ class PulseCycle(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"clock": self.clock.state_dict(), "last_probe": dict(self.last_probe)}
+        state = {"clock": self.clock.state_dict(), "last_probe": dict(self.last_probe)}
+        return {**state, "planned_steps": getattr(self.plan, "total_steps", None)}  # see plan_lost_warning
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -312,6 +319,7 @@ class PulseCycle(Callback):
             with refusing("PulseCycle"):  # a clock saved with another `order`
                 self.clock.load_state_dict(state_dict["clock"])
             self.last_probe = dict(state_dict.get("last_probe", {}))
+            self._saved_plan_steps = state_dict.get("planned_steps")
 
     def rollback_state_dict(self) -> dict[str, Any]:
         """What a :class:`~lightning_pulse.StabilityGuard` rollback returns to: the last probe's metrics

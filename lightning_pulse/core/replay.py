@@ -236,6 +236,13 @@ STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL = (
     "course. Build its length as `self.trainer.estimated_stepping_batches // {frequency}` in "
     "configure_optimizers, or use mode='batch'."
 )
+# a resume whose plan is longer than the saved one: the restored scheduler keeps the saved plan's length
+STEPS_MODE_RESUMED_SCHEDULE_REFUSAL = (
+    "HardSampleReplay: the per-step {scheduler} restored from the checkpoint spans {length} steps, and this "
+    "run would step it past its end ({change}); OneCycleLR raises there mid-run. Resume with the callbacks, "
+    "max_epochs and max_steps the checkpoint was saved with, or start a new run (its schedule is then built "
+    "for the new plan)."
+)
 STEPS_MODE_LIMIT_REFUSAL = (
     "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which {setting} cuts short; drop it "
     "or use mode='batch'."
@@ -1049,6 +1056,9 @@ class HardSampleSelector:
             "unapplied": _unapplied_state(self._unapplied),
             "totals": dict(zip(TOTAL_NAMES, self._totals.tolist())),
             "threshold": list(self._threshold),
+            # a NaN threshold is redone at the next step after an apply; without it a resume waits
+            # `threshold_every` steps and its figures part from the uninterrupted run's
+            "applied_since_threshold": self._applied_since_threshold,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1060,6 +1070,7 @@ class HardSampleSelector:
         self._totals = np.array([float(saved.get(name, 0.0)) for name in TOTAL_NAMES])
         value, step = state.get("threshold", (math.nan, -1))
         self._threshold = (float(value), int(step))
+        self._applied_since_threshold = bool(state.get("applied_since_threshold", False))  # older: absent
 
 
 def _unapplied_state(unapplied: list[_Measured]) -> dict[str, Any] | None:

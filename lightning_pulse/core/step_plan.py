@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import Duration, Phase, PhaseClock
 
 
@@ -413,6 +414,11 @@ class StepSavingStream:
         self._plain_pass: list[int] = []
         self.resumed_at_pass_end = False  # the checkpoint was saved on the last batch of a pass
         self.replanned_for_another_length = False  # a resume to another run length remade the saved plan
+        # the checkpoint's planned total and whether a PulseCycle's clock planned it (None: no checkpoint, or
+        # one saved before it was recorded), and whether one plans this run: see resumed_plan_change
+        self.saved_total_steps: int | None = None
+        self.saved_with_cycle: bool | None = None
+        self.with_cycle = False
         self.trained_samples = 0  # raw samples of the run's trained batches, all epochs
         self.latest = 0  # raw samples of this pass's latest batch drawn (0: none drawn yet)
         # a restored or final state, while no pass runs: what a checkpoint saves then (see checkpoint)
@@ -435,6 +441,10 @@ class StepSavingStream:
             self.resumed_at_pass_end = resume["batches"] > 0  # on the pass's last batch, not after the epoch
             resume.update(epoch=resume["epoch"] + 1, samples=0, batches=0)
         resume = resume or {}
+        saved_total, saved_cycle = resume.get("total_steps"), resume.get("pulse_cycle")
+        self.saved_total_steps = None if saved_total is None else int(saved_total)
+        self.saved_with_cycle = None if saved_cycle is None else bool(saved_cycle)
+        self.with_cycle = clock is not None
         self.plan = plan_steps(
             clock,
             light_phases,
@@ -507,6 +517,7 @@ class StepSavingStream:
             "pass_step": self.pass_step,
             "pass_prior": self.pass_prior,
             "trained": self.trained_samples - left_out,
+            "pulse_cycle": int(self.with_cycle),  # the plan depends on it: a resume without it plans anew
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -535,6 +546,72 @@ class StepSavingStream:
         if self.held is not None or global_step is None:
             return self.held
         return self.state_dict(global_step, latest_untrained)
+
+
+def resumed_plan_change(stream: StepSavingStream, run_steps: int) -> str | None:
+    """What changed a resumed run's length from the plan its checkpoint saved (``run_steps``: the steps this
+    run takes in all): ``None`` where it did not, else the old and new lengths and the cause. Within a plan
+    each step's phase decides its batch, so the plan of another callback set, or of another run length, is
+    another run."""
+    saved = stream.saved_total_steps
+    if saved is None or saved < 0 or saved == run_steps:
+        return None
+    if stream.saved_with_cycle is not None and stream.saved_with_cycle != stream.with_cycle:
+        cause = (
+            "a PulseCycle was added since"
+            if stream.with_cycle
+            else "the PulseCycle it was saved with is gone"
+        )
+    elif stream.replanned_for_another_length:
+        cause = "the run's max_epochs or max_steps changed"
+    else:
+        cause = "the callbacks changed since (a PulseCycle added or removed, or its settings)"
+    return f"the checkpoint's plan was {saved} optimizer steps, this run plans {run_steps}: {cause}"
+
+
+def scheduler_past_end(
+    configs: Iterable[Any], step: int, saved_total: int, run_steps: int
+) -> tuple[str, int] | None:
+    """``(name, length)`` of a restored per-step LR scheduler (Lightning's scheduler configs: ``interval``,
+    ``frequency``, ``scheduler``) that the saved plan of ``saved_total`` steps stepped within its length
+    and a resumed run of ``run_steps`` steps, at optimizer ``step`` now, steps past it (``OneCycleLR``
+    raises there mid-run); ``None`` where none does. Its steps so far are its ``last_epoch``, one per
+    ``frequency`` optimizer steps."""
+    for config in configs:
+        lengths = schedule_lengths(config.scheduler)
+        if config.interval != "step" or not lengths:
+            continue
+        every, length = max(1, int(config.frequency or 1)), max(lengths)
+        stepped = int(getattr(config.scheduler, "last_epoch", 0)) - step // every
+        if stepped + saved_total // every <= length < stepped + run_steps // every:
+            return type(config.scheduler).__name__, length
+    return None
+
+
+def resumed_without_plan(
+    configs: Iterable[Any], step: int, saved_total: int | None, run_steps: float
+) -> str | None:
+    """A PulseCycle resumed from a checkpoint a step-saving plan of ``saved_total`` steps made (``None``: none
+    did), with no such plan now (the HardSampleReplay left out): a warning where the run's ``run_steps``
+    differ, ``None`` where they do not.
+
+    Raises:
+        PulseRefusal: where a restored per-step scheduler (``configs``, at optimizer ``step``) would be
+            stepped past its end.
+    """
+    if saved_total is None or not math.isfinite(run_steps) or int(run_steps) == saved_total:
+        return None
+    change = (
+        f"the checkpoint's step-saving plan was {saved_total} optimizer steps, this run without a "
+        f"HardSampleReplay(mode='steps') takes {int(run_steps)}"
+    )
+    if past := scheduler_past_end(configs, step, saved_total, int(run_steps)):
+        raise PulseRefusal(
+            f"PulseCycle: the per-step {past[0]} restored from the checkpoint spans {past[1]} steps, and "
+            f"this run would step it past its end ({change}). Resume with the HardSampleReplay the "
+            "checkpoint was saved with, or start a new run."
+        )
+    return f"PulseCycle: {change}; the resumed run is not the one the checkpoint saved."
 
 
 def _pass_ended(samples: int, samples_per_epoch: int, batch_size: int, drop_last: Any) -> bool:

@@ -1,0 +1,128 @@
+"""HardSampleReplay resumed: figures that follow the checkpoint, and a steps-mode plan of another length."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from examples.mnist1d import MNIST1DClassifier
+from lightning_pulse import HardSampleReplay, PulseCycle
+from lightning_pulse.errors import PulseRefusal
+from tests.conftest import trainer_kwargs
+from tests.test_step_saving_replay import CYCLE, OneCycleClassifier, ShuffleFreeData
+
+
+def _fit(callbacks, epochs=2, ckpt_path=None, checkpoints=None):
+    pl.seed_everything(0)
+    model = MNIST1DClassifier()
+    saving = []
+    if checkpoints is not None:
+        saving = [ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1)]
+    trainer = pl.Trainer(
+        callbacks=[*callbacks, *saving],
+        max_epochs=epochs,
+        **trainer_kwargs(enable_checkpointing=bool(saving), log_every_n_steps=1),
+    )
+    trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64), ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def _replay(trainer) -> HardSampleReplay:
+    return next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
+
+
+def test_a_resume_from_before_the_first_threshold_ends_with_the_uninterrupted_runs_figures(tmp_path):
+    # held-out sweep: the checkpoint of step 1 holds a NaN threshold (nothing scored when it was taken) that
+    # the uninterrupted run redoes at step 2, after the first scores were applied; the resumed run kept it for
+    # `threshold_every` steps, so its learned rate and final threshold differed (weights equal)
+    def callbacks():
+        return [PulseCycle(**CYCLE), HardSampleReplay(rule="topk", replay_fraction=0.5)]
+
+    _, full = _fit(callbacks(), checkpoints=tmp_path)
+    _, resumed = _fit(callbacks(), ckpt_path=str(next(tmp_path.glob("*step=1.ckpt"))))
+    assert resumed.global_step == full.global_step
+    figures = [_replay(t).metrics() for t in (full, resumed)]
+    assert figures[1]["learned_rate"] == figures[0]["learned_rate"]
+    assert figures[1]["threshold"] == figures[0]["threshold"]
+
+    # a checkpoint written before the flag was saved still resumes (as before: the threshold waits)
+    older = torch.load(next(tmp_path.glob("*step=1.ckpt")), weights_only=False)
+    for key, state in older["callbacks"].items():
+        if key.startswith("HardSampleReplay"):
+            del state["applied_since_threshold"]
+    torch.save(older, tmp_path / "older.ckpt")
+    _, from_older = _fit(callbacks(), ckpt_path=str(tmp_path / "older.ckpt"))
+    assert from_older.global_step == full.global_step
+
+
+def _onecycle_fit(callbacks, ckpt_path=None, checkpoints=None, epochs=4):
+    pl.seed_everything(0)
+    model = OneCycleClassifier()
+    saving = []
+    if checkpoints is not None:
+        saving = [ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1)]
+    trainer = pl.Trainer(
+        callbacks=[*callbacks, *saving],
+        max_epochs=epochs,
+        **trainer_kwargs(enable_checkpointing=bool(saving)),
+    )
+    trainer.fit(model, ShuffleFreeData(num_samples=1000, batch_size=64), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_resume_with_the_pulse_cycle_left_out_says_the_plan_changed_and_trains_what_it_says(tmp_path):
+    # held-out sweep: the checkpoint's plan was 57 steps, the resumed run announced 57 and trained 54 on other
+    # data, with no word from the library (Lightning only says a callback is missing)
+    saved = _onecycle_fit([PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5)], checkpoints=tmp_path)
+    with pytest.warns(UserWarning, match="HardSampleReplay: the checkpoint's plan was") as caught:
+        resumed = _onecycle_fit(
+            [HardSampleReplay(replay_fraction=0.5)], ckpt_path=str(next(tmp_path.glob("*step=10.ckpt")))
+        )
+    said = [str(w.message) for w in caught if "checkpoint's plan was" in str(w.message)]
+    assert len(said) == 1
+    assert f"was {saved.global_step} optimizer steps, this run plans {resumed.global_step}" in said[0]
+    assert "PulseCycle it was saved with is gone" in said[0] and resumed.global_step < saved.global_step
+
+
+def test_a_resume_with_a_pulse_cycle_added_is_refused_before_its_restored_onecycle_is_stepped_past_its_end(
+    tmp_path,
+):
+    # held-out sweep: HSR alone planned 48 steps, the resume with a PulseCycle planned 62 and the restored
+    # OneCycleLR (48 steps) raised "Tried to step 49 times" mid-run
+    _onecycle_fit([HardSampleReplay(replay_fraction=0.5)], checkpoints=tmp_path)
+    resumed = None
+    with pytest.raises(PulseRefusal, match="HardSampleReplay: the per-step OneCycleLR restored") as refusal:
+        resumed = _onecycle_fit(
+            [PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5)],
+            ckpt_path=str(next(tmp_path.glob("*step=10.ckpt"))),
+        )
+    assert resumed is None and "a PulseCycle was added since" in str(refusal.value)
+
+
+def test_a_resume_with_the_hard_sample_replay_left_out_is_refused_before_its_restored_onecycle_overruns(
+    tmp_path,
+):
+    # held-out sweep: a PulseCycle with a step-saving HardSampleReplay planned 73 steps; resumed without the
+    # HardSampleReplay the run took the plain 96 and the restored OneCycleLR raised "Tried to step 74 times"
+    _onecycle_fit([PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5)], checkpoints=tmp_path)
+    resumed = None
+    with pytest.raises(PulseRefusal, match="PulseCycle: the per-step OneCycleLR restored") as refusal:
+        resumed = _onecycle_fit([PulseCycle(**CYCLE)], ckpt_path=str(next(tmp_path.glob("*step=10.ckpt"))))
+    assert resumed is None and "this run without a HardSampleReplay(mode='steps') takes 48" in str(
+        refusal.value
+    )
+
+
+def test_a_resume_to_more_epochs_is_refused_before_its_restored_onecycle_overruns(tmp_path):
+    # held-out sweep: resumed to max_epochs=10 the plan was remade longer and the restored OneCycleLR raised
+    # "Tried to step 58 times" mid-run; the docs said the plan was the saved one
+    _onecycle_fit([PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5)], checkpoints=tmp_path)
+    with pytest.raises(PulseRefusal, match="HardSampleReplay: the per-step OneCycleLR restored") as refusal:
+        _onecycle_fit(
+            [PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5)],
+            ckpt_path=str(next(tmp_path.glob("*step=10.ckpt"))),
+            epochs=6,
+        )
+    assert "the run's max_epochs or max_steps changed" in str(refusal.value)
