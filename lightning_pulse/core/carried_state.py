@@ -131,25 +131,6 @@ def _is_buffer(module: nn.Module, path: str) -> bool:
     return name in (module.get_submodule(owner) if owner else module)._buffers
 
 
-def _read_and_rebound(
-    module: nn.Module, path: str, held_before: dict[str, tuple[Tensor, ...]], read: set[int]
-) -> bool:
-    """Whether the buffer at ``path`` held a tensor before the first batch that the batch read and then
-    replaced (a hidden state kept as a buffer); not the mask of a torch pruning hook (a pruning event's)."""
-    owner, _, name = path.rpartition(".")
-    holder = module.get_submodule(owner) if owner else module
-    mask = any(
-        isinstance(hook, BasePruningMethod) and name == f"{hook._tensor_name}_mask"
-        for hook in holder._forward_pre_hooks.values()
-    )
-    before = held_before.get(path, ())
-    return (
-        not mask
-        and any(id(t) in read for t in before)
-        and not _same_objects(before, tensors_in(holder._buffers[name]))
-    )
-
-
 def _attribute(module: nn.Module, path: str) -> Any:
     owner, _, name = path.rpartition(".")
     try:
@@ -221,8 +202,6 @@ class CarriedStateCheck:
         self.found: dict[str, tuple[tuple[int, ...], ...]] = {}
         self.done = False
         self._watch: _ReadWatch | None = None
-        # during the first batch: reads of the batch-shaped buffers held before it (note_lists)
-        self._first_watch: _ReadWatch | None = None
         # the sizes of the module's parameters' dimensions, and the batch size: a state whose every dimension
         # is one may be kept per feature, its batch-sized width a coincidence (the refusal says so)
         self._widths: set[int] = set()
@@ -273,7 +252,7 @@ class CarriedStateCheck:
             return self._batch_size
         return None
 
-    def note_lists(self, module: nn.Module, batch_size: int | None = None) -> None:
+    def note_lists(self, module: nn.Module) -> None:
         """Before the first batch: note the lists ``module`` and its submodules hold, so that
         :meth:`after_first_batch` tells one the batch only appended to (per-step outputs kept for an epoch-end
         metric, ``self.training_step_outputs.append(...)``) from state carried to the next batch; and the
@@ -290,32 +269,6 @@ class CarriedStateCheck:
             path: (value, tuple(value)) for path, value in attributes if isinstance(value, list)
         }
         self._held_before = {path: held for path, value in attributes if (held := tensors_in(value))}
-        # and its buffers, watched for reads over the first batch (of ``batch_size``): one the batch reads and
-        # then rebinds to a new tensor (a hidden state kept as a buffer, `self.h = h.detach()`) blocks a cut
-        # second batch, as a plain attribute does; one it updates in place (BatchNorm's running statistics, an
-        # EMA, a step counter) is the same object after it, so no candidate; one it assigns anew before
-        # reading (`self.centred = x - x.mean(0)`) never had its old value read
-        buffers = {
-            f"{prefix}.{name}" if prefix else name: buffer
-            for prefix, submodule in module.named_modules()
-            if not _skipped(submodule)
-            for name, buffer in submodule.named_buffers(recurse=False)
-        }
-        self._held_before.update((path, (buffer,)) for path, buffer in buffers.items())
-        self._stop_first_watch()
-        if batch_size is not None:
-            watched = {id(buffer) for buffer in buffers.values() if batch_size in buffer.shape}
-            if watched:
-                self._first_watch = _ReadWatch(watched)
-                self._first_watch.__enter__()
-
-    def _stop_first_watch(self) -> set[int]:
-        """Stop watching the buffers' reads over the first batch; the ids of those read."""
-        watch, self._first_watch = self._first_watch, None
-        if watch is None:
-            return set()
-        watch.__exit__(None, None, None)
-        return watch.read
 
     def _only_appended(self, path: str, value: Any, batch_size: int) -> bool:
         """Whether ``value`` is the list noted at ``path`` before the first batch, grown, old items kept, with
@@ -336,7 +289,6 @@ class CarriedStateCheck:
 
     def after_first_batch(self, module: nn.Module, batch_size: int) -> None:
         held_before, self._held_before = self._held_before, {}
-        buffers_read = self._stop_first_watch()
         self.candidates = {
             path: tensors
             for path, tensors in batch_shaped_attributes(module, batch_size).items()
@@ -345,10 +297,8 @@ class CarriedStateCheck:
         self._widths = {size for parameter in module.parameters() for size in parameter.shape}
         self._batch_size = batch_size
         self.done = not self.candidates  # nothing batch-shaped is kept: nothing can carry over
-        # a batch cut before the check ends is refused only on a plain tensor, tuple or list attribute, or on a
-        # buffer the first batch read and then rebound (note_lists; other buffers, BatchNorm's statistics when
-        # its channels equal the batch size, one the batch creates, wait for the read/replace test); dicts
-        # (outputs kept for logging, a
+        # a batch cut before the check ends is refused only on a plain tensor, tuple or list attribute: buffers
+        # (BatchNorm's statistics when its channels equal the batch size), dicts (outputs kept for logging, a
         # cache) and a list the batch only appended to (outputs kept for an epoch-end metric; not an RNN's
         # (layers, B, hidden) states, which hold B after the first dimension) are batch-shaped
         # far more often than they carry state, and wait for the read/replace test;
@@ -359,7 +309,7 @@ class CarriedStateCheck:
             path
             for path, tensors in self.candidates.items()
             if not isinstance(value := _attribute(module, path), dict)
-            and (not _is_buffer(module, path) or _read_and_rebound(module, path, held_before, buffers_read))
+            and not _is_buffer(module, path)
             and not self._only_appended(path, value, batch_size)
             and all(tensor.grad_fn is None for tensor in tensors)
         }
@@ -372,7 +322,6 @@ class CarriedStateCheck:
             self._watch.__enter__()
 
     def stop(self) -> None:
-        self._stop_first_watch()
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.__exit__(None, None, None)

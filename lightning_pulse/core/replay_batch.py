@@ -355,7 +355,7 @@ class ReplayBatchLifecycle:
                 batch, batch_size, plan.positions is not None, first=first_checked
             )
         if module is not None and self.state_check.first_batch:
-            self.state_check.note_lists(module, batch_size)
+            self.state_check.note_lists(module)
         if not self.state_check.done:  # the fit's first two batches (the ways out are only read to refuse)
             whole_batches = partial(self._whole_batches, batch, batch_size)
             self._refuse_here(self.state_check.before_batch(plan.selected, whole_batches))
