@@ -103,7 +103,10 @@ def nonfinite_rows(batch: Any, sample_count: int | None = None) -> list[int] | N
         if tensor.is_floating_point() or tensor.is_complex():
             values = tensor.detach()
             finite = torch.isfinite(values) if values.is_complex() else ~(values.isnan() | values.isposinf())
-            rows = ~(finite.reshape(finite.shape[0], -1).all(dim=1) if finite.dim() else finite.reshape(1))
+            # the row width spelt out, not -1: a tensor with a zero-size dimension (an image's (0, 4) boxes)
+            # cannot be reshaped with -1
+            width = math.prod(finite.shape[1:])
+            rows = ~(finite.reshape(finite.shape[0], width).all(dim=1) if finite.dim() else finite.reshape(1))
             bad.append((tensor, rows))
     if not bad:
         return []

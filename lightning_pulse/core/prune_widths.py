@@ -59,6 +59,20 @@ def _prelu(module: nn.PReLU, weight: torch.Tensor) -> None:
     module.num_parameters = weight.numel()
 
 
+def memory_format_of(tensor: torch.Tensor) -> torch.memory_format:
+    """The memory format ``tensor`` is laid out in, to give a cut or resized copy of it the same layout: a
+    model moved to ``channels_last`` stays so after its channels are cut (torch-pruning's ``index_select``
+    returns a contiguous tensor). A tensor laid out both ways (a ``(C, 1, 1, 1)`` weight) reads as
+    contiguous; one of any other strides too."""
+    if tensor.is_contiguous():
+        return torch.contiguous_format
+    if tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if tensor.dim() == 5 and tensor.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
 def drop_gradient_accumulator(parameter: nn.Parameter) -> None:
     """Let autograd forget ``parameter``'s gradient accumulator before its data takes another shape.
 
@@ -159,9 +173,9 @@ def _resize(layer: nn.Module, name: str, shape: torch.Size) -> None:
     it stays valid)."""
     if name in layer._parameters:
         parameter = layer._parameters[name]
-        dtype = parameter.dtype
+        dtype, layout = parameter.dtype, memory_format_of(parameter)
         drop_gradient_accumulator(parameter)
-        parameter.data = torch.empty(shape, dtype=dtype, device=parameter.device)
+        parameter.data = torch.empty(shape, dtype=dtype, device=parameter.device, memory_format=layout)
         return
     buffer = layer._buffers[name]
     layer._buffers[name] = torch.empty(shape, dtype=buffer.dtype, device=buffer.device)

@@ -1044,7 +1044,8 @@ class ParameterRemap:
             raise ValueError(
                 f"Cannot remap a tensor of shape {tuple(tensor.shape)} onto parameter shape {tuple(old_shape)}."
             )
-        return tensor.reshape(-1).index_select(0, kept.to(tensor.device)).reshape(new_shape).clone()
+        cut = tensor.reshape(-1).index_select(0, kept.to(tensor.device)).reshape(new_shape)
+        return cut.clone(memory_format=prune_widths.memory_format_of(tensor))
 
 
 def remap_optimizer_state(
@@ -1282,8 +1283,9 @@ def cut_in_place(parameter: nn.Parameter, cut: torch.Tensor, kept: torch.Tensor 
     gradient is cut with the same indices (a shape that no longer fits the parameter could not be kept).
     """
     grad, parameter.grad = parameter.grad, None
+    layout = prune_widths.memory_format_of(parameter)
     prune_widths.drop_gradient_accumulator(parameter)
-    parameter.data = cut.detach()
+    parameter.data = cut.detach().contiguous(memory_format=layout)
     if grad is not None and kept is not None:
         parameter.grad = ParameterRemap.apply(grad, grad.shape, cut.shape, kept)
 
@@ -2352,10 +2354,12 @@ def _changed_function(
         name = names.get(id(old))
         if name is None or name not in parameters:
             continue
-        flat = parameters[name].data.view(-1)
-        silenced = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
-        silenced[kept.to(flat.device)] = False
-        flat[silenced] = 0
+        weight = parameters[name].data
+        # `kept` counts elements in row-major order whatever the memory format: a mask of the weight's shape
+        # silences them in place on a channels_last weight too, whose `.view(-1)` torch refuses
+        silenced = torch.ones(weight.numel(), dtype=torch.bool, device=weight.device)
+        silenced[kept.to(weight.device)] = False
+        weight.masked_fill_(silenced.view(weight.shape), 0)
         owner, _, leaf = name.rpartition(".")
         if leaf == "weight":
             touched[owner] = kept
