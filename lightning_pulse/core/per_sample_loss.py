@@ -48,7 +48,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -639,6 +639,7 @@ class LossCapture:
         ]
         self._batch_rows = frozenset(count for leaf in packed for count in _row_counts(leaf))
         self._batch_storages = frozenset(_storage_key(leaf) for leaf in packed)
+        self._joined_items = _joined_item_shapes(batch, batch_size)
         # call sites whose graph was walked and read no batch tensor of their rows' count: not walked again
         # (a walk that finds nothing walks the whole graph, ms per call);
         # StepLossCaptures shares it over a fit
@@ -1045,9 +1046,12 @@ class LossCapture:
                 # on 4 x 64 tokens): its rows flatten (B, T, V) sample by sample and split like any other.
                 record.maps_onto_batch = False
                 record.on_batch_rows = True
+                views = rows // self.batch_size
                 record.why_not = (
-                    f"a square {rows} x {rows} logit matrix over {rows // self.batch_size} views of each sample, as "
-                    "a contrastive loss computes: which rows belong to which sample cannot be known"
+                    f"a square {rows} x {rows} logit matrix over {views} views of each sample, as "
+                    "a contrastive loss computes: which rows belong to which sample cannot be known; for "
+                    f"OutputKeyScorer return a ({self.batch_size},) tensor, e.g. the unreduced rows' "
+                    f"`.view({views}, {self.batch_size}).mean(0)` for views stacked as [view1; view2]"
                 )
         if (
             not record.on_batch_rows
@@ -1116,6 +1120,14 @@ class LossCapture:
                 "`torch.cat` of two views of the batch, or a repeat puts each sample's rows apart), so which "
                 "rows belong to which sample cannot be known"
             )
+        elif self._joins_per_sample_items(arguments.get("target"), record.shape[0]):
+            # `torch.cat` of each image's boxes (a detection loss's box term): the rows of a new tensor, which
+            # no batch storage holds, so the packed-row check below read none and left the term out
+            record.why_not = (
+                f"its {record.shape[0]} rows' target joins the batch's per-sample items along their rows (as "
+                "`torch.cat` of each image's boxes does), so which rows belong to which sample cannot be "
+                "known; to score it, sum each sample's rows (`index_add_`) in a (B,) loss for OutputKeyScorer"
+            )
         elif self._reads_packed_rows(record, rows, arguments):
             # a node loss on a graph batch, a token loss on packed sequences: N rows of the batch, not a
             # multiple of B. Left out as a penalty, the score was the other terms alone, and whether a step
@@ -1129,6 +1141,16 @@ class LossCapture:
             return
         record.maps_onto_batch = False
         record.on_batch_rows = True
+
+    def _joins_per_sample_items(self, target: Any, count: int) -> bool:
+        """Whether ``target`` (``count`` rows) has the rows, trailing shape and dtype of the batch's
+        per-sample items joined (:func:`_joined_item_shapes`)."""
+        return (
+            isinstance(target, Tensor)
+            and not target.requires_grad
+            and target.dim() >= 1
+            and (count, tuple(target.shape[1:]), target.dtype) in self._joined_items
+        )
 
     def _reads_packed_rows(
         self, record: CapturedLoss, rows: dict[str, Tensor], arguments: dict[str, Any]
@@ -1337,6 +1359,39 @@ def _reads(tensor: Tensor, wanted: Callable[[Tensor], bool]) -> bool:
                 seen.add(child)
                 stack.append(child)
     return False
+
+
+def _joined_item_shapes(batch: Any, batch_size: int, depth: int = 0) -> frozenset[tuple[Any, ...]]:
+    """``(rows, trailing shape, dtype)`` of each field of the per-sample items a list or tuple of ``B`` items
+    in ``batch`` holds (a detection batch's target dicts: their ``boxes`` ``(k_i, 4)``), joined along the
+    first dimension as ``torch.cat`` joins them. Items of at most two dimensions (images are not joined)."""
+    if depth > 4 or isinstance(batch, (Tensor, str, bytes)):
+        return frozenset()
+    if isinstance(batch, Mapping):
+        found: frozenset[tuple[Any, ...]] = frozenset()
+        for value in batch.values():
+            found |= _joined_item_shapes(value, batch_size, depth + 1)
+        return found
+    if not isinstance(batch, (list, tuple)):
+        return frozenset()
+    if len(batch) == batch_size and batch_size >= 2:
+        fields: dict[Any, list[Tensor]] = {}
+        for item in batch:
+            pairs = item.items() if isinstance(item, Mapping) else [(None, item)]
+            for key, value in pairs:
+                if isinstance(value, Tensor) and 1 <= value.dim() <= 2:
+                    fields.setdefault(key, []).append(value)
+        joined = set()
+        for tensors in fields.values():
+            # an image with no boxes may hold `torch.tensor([])`: no rows, whatever its shape
+            kinds = {(tuple(t.shape[1:]), t.dtype) for t in tensors if t.numel()}
+            if len(tensors) == batch_size and len(kinds) == 1:
+                joined.add((sum(int(t.shape[0]) for t in tensors if t.numel()), *kinds.pop()))
+        return frozenset(joined)
+    found = frozenset()
+    for value in batch:
+        found |= _joined_item_shapes(value, batch_size, depth + 1)
+    return found
 
 
 def _row_counts(tensor: Tensor) -> frozenset[int]:
@@ -1769,7 +1824,8 @@ class OutputKeyScorer(PerSampleScorer):
 
     Args:
         key: the entry of ``training_step``'s returned dict holding a ``(B,)`` tensor (or ``(B, ...)``,
-            averaged over the non-batch dimensions).
+            averaged over the non-batch dimensions). ``k*B`` rows (two views' ``(2B,)``, flattened tokens'
+            ``(B*T,)``) are refused: their layout is unknown, so reduce them to ``(B,)`` first.
     """
 
     def __init__(self, key: str = "per_sample_loss") -> None:
@@ -1783,7 +1839,19 @@ class OutputKeyScorer(PerSampleScorer):
             raise ValueError(
                 f"OutputKeyScorer: training_step's output has no {self.key!r} entry (found {found})."
             )
-        rows = rows_per_sample(torch.as_tensor(outputs[self.key]).detach(), batch_size)
+        losses = torch.as_tensor(outputs[self.key]).detach()
+        rows = rows_per_sample(losses, batch_size)
+        if rows is not None and losses.shape[0] != batch_size:
+            # k*B rows have no known layout: [view1; view2] stacked (SimCLR) puts a sample's rows apart, a
+            # (B*T,) flattening keeps them together; folding them into runs of k would misattribute the first
+            count = losses.shape[0] // batch_size
+            raise ValueError(
+                f"OutputKeyScorer: outputs[{self.key!r}] has {losses.shape[0]} rows for a batch of "
+                f"{batch_size} samples; it must be a ({batch_size},) tensor, one loss per sample. Reduce the "
+                f"rows first: `losses.view({count}, {batch_size}).mean(0)` for {count} views stacked view by "
+                f"view (SimCLR's [view1; view2]), `losses.view({batch_size}, -1).mean(1)` for rows sample by "
+                "sample."
+            )
         if rows is None:
             raise ValueError(
                 f"OutputKeyScorer: outputs[{self.key!r}] does not split into {batch_size} samples."

@@ -112,7 +112,7 @@ def scorer_refusal(scorer: PerSampleScorer, error: Exception) -> str:
     """Why HardSampleReplay refuses ``scorer``, which raised ``error`` on the fit's first batch, with the way
     out for its kind (completes "HardSampleReplay ...", one line)."""
     name = type(scorer).__name__
-    raised = (str(error).splitlines() or [""])[0][:300].rstrip()
+    raised = (str(error).splitlines() or [""])[0][:400].rstrip()
     raised += "" if raised.endswith((".", "!", "?")) else "."
     if isinstance(scorer, ForwardLossScorer):
         why = (

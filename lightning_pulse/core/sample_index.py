@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
+from lightning_pulse.core.selection import holds_item_per_sample
 from lightning_pulse.energy.counting import batch_tensors
 
 
@@ -347,11 +348,15 @@ def unmatched_rows(batch: Any, *counts: int) -> int | None:
 
     The rows are the most common first dimension of its tensors; they may be one of ``counts`` when a
     tensor has one as its first or second dimension (time-major, ``(T, B)``), or when it holds no tensor of
-    rank >= 1. A batch of sequences packed into one row (:func:`packed_sequence_rows`) holds its tokens' rows.
+    rank >= 1, or when it holds a list or tuple of one item per index (:func:`holds_item_per_sample`: a
+    detection collate's ``tuple(zip(*items))``, whose ``(C, H, W)`` images count channels, not samples). A
+    batch of sequences packed into one row (:func:`packed_sequence_rows`) holds its tokens' rows.
     """
     packed = packed_sequence_rows(batch, max(counts))
     if packed is not None:
         return packed
+    if any(holds_item_per_sample(batch, count) for count in counts if count >= 2):
+        return None
     shapes = [tensor.shape for tensor in batch_tensors(batch) if tensor.dim() > 0]
     if not shapes or any(shape[0] in counts or (len(shape) > 1 and shape[1] in counts) for shape in shapes):
         return None

@@ -399,6 +399,14 @@ def _leaves(batch: Any, batch_size: int, nested: bool = False) -> Iterator[tuple
         yield batch, False
 
 
+def holds_item_per_sample(batch: Any, batch_size: int) -> bool:
+    """Whether ``batch`` holds a per-sample leaf that is not a tensor: a list of ``B`` strings, or below the
+    top level a list or tuple of ``B`` alike items (torchvision's detection collate ``tuple(zip(*items))``
+    makes ``B`` images of ``(C, H, W)`` and ``B`` target dicts), so it holds a row per index whatever its
+    tensors' first dimensions."""
+    return any(per_sample and not isinstance(leaf, Tensor) for leaf, per_sample in _leaves(batch, batch_size))
+
+
 def _looks_time_major(value: Any, batch_size: int) -> bool:
     """A tensor with ``B`` second and something else first: ``(T, B)`` or ``(T, B, F)``, as a time-major
     collate pads (``pad_sequence(batch_first=False)``). ``(B, ...)`` with ``B`` elsewhere too is batch-first
