@@ -112,10 +112,11 @@ class HookTimer:
 
     #: work a callback does on the training path outside its hooks, counted with its hooks: step-saving
     #: replay chooses each light batch inside the DataLoader's sampler, before the samples are loaded;
-    #: StabilityGuard's step hooks on the optimizers (``StepChanges``) run inside ``optimizer.step()``
+    #: StabilityGuard's step hooks on the optimizers (``StepChanges``) run inside ``optimizer.step()``, and its
+    #: copy of each batch as ``training_step`` gets it inside the strategy's ``training_step``
     OFF_HOOK_WORK = {
         "HardSampleReplay": ("_choose",),
-        "StabilityGuard": ("_changes._enter", "_changes._leave"),
+        "StabilityGuard": ("_changes._enter", "_changes._leave", "_entered"),
     }
 
     def __init__(self) -> None:

@@ -448,20 +448,39 @@ def on_training_step_output(trainer: pl.Trainer, hook: Callable[[Any], None]) ->
     optimization before the step's backward and update (no callback hook sees the output before the batch
     end, after the update). ``Strategy.training_step`` is wrapped on this trainer's strategy instance only, as
     :func:`on_train_dataloader_ready` wraps ``process_dataloader``. Returns a function removing the hook."""
+    return _wrap_training_step(trainer, after=hook)
+
+
+def on_training_step_input(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``hook(batch)`` with the batch ``training_step`` is about to get, right before the call: after
+    every ``on_train_batch_start`` (the callbacks' and the module's) and whatever they did to the batch.
+    Lightning's loops pass it first (``strategy.training_step(batch, batch_idx)``). Wrapped as
+    :func:`on_training_step_output` wraps it; either may be installed first and removed in any order.
+    Returns a function removing the hook."""
+    return _wrap_training_step(trainer, before=hook)
+
+
+def _wrap_training_step(
+    trainer: pl.Trainer,
+    before: Callable[[Any], None] | None = None,
+    after: Callable[[Any], None] | None = None,
+) -> Callable[[], None]:
     strategy = trainer.strategy
     original = strategy.training_step
-    shadowed = "training_step" in vars(strategy)
+    shadowed = "training_step" in vars(strategy)  # another hook already wraps it on this instance
     state = {"active": True}
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
+        if before is not None and state["active"]:
+            before(args[0] if args else kwargs.get("batch"))
         output = original(*args, **kwargs)
-        if state["active"]:
-            hook(output)
+        if after is not None and state["active"]:
+            after(output)
         return output
 
     strategy.training_step = training_step  # type: ignore[method-assign]
 
-    def remove() -> None:
+    def remove() -> None:  # a wrapper another wrapped after it stays in the chain, passing calls through
         state["active"] = False
         if vars(strategy).get("training_step") is training_step:
             if shadowed:
@@ -470,6 +489,23 @@ def on_training_step_output(trainer: pl.Trainer, hook: Callable[[Any], None]) ->
                 del strategy.training_step
 
     return remove
+
+
+class TrainingStepEntryWatch:
+    """Holds at most one :func:`on_training_step_input` hook, as :class:`TrainDataloaderWatch` holds one."""
+
+    def __init__(self) -> None:
+        self._remove: Callable[[], None] | None = None
+
+    def watch(self, trainer: pl.Trainer, hook: Callable[[Any], None]) -> None:
+        """Call ``hook(batch)`` at every ``training_step`` entry of ``trainer`` from now on."""
+        self.stop()
+        self._remove = on_training_step_input(trainer, hook)
+
+    def stop(self) -> None:
+        if self._remove is not None:
+            self._remove()
+        self._remove = None
 
 
 def replace_batch_sampler(loader: Any, batch_sampler: Any) -> None:

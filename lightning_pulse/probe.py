@@ -276,18 +276,31 @@ def losses_at(
     swapped in (StabilityGuard's rollback test); the module's own state comes back bit for bit. ``drawn``: the
     generator states each list's batches drew from when they trained (:func:`training_losses`; every rank its
     own). Under DDP the sums are all-reduced, so every rank gets the same two numbers (every rank calls this
-    at the same step)."""
+    at the same step). A ``training_step`` that raises on a rank raises on every rank, after the
+    all-reduce."""
+    failure: Exception | None = None
     with holding(snapshot, pl_module):
-        flagged_losses = training_losses(trainer, pl_module, flagged, drawn=drawn[0])
-        reference_losses = training_losses(trainer, pl_module, reference, drawn=drawn[1])
+        try:
+            flagged_losses = training_losses(trainer, pl_module, flagged, drawn=drawn[0])
+            reference_losses = training_losses(trainer, pl_module, reference, drawn=drawn[1])
+        except Exception as error:  # raised after the all-reduce, which every rank must reach
+            failure, flagged_losses, reference_losses = error, [], []
     sums = torch.tensor(
-        [sum(flagged_losses), len(flagged_losses), sum(reference_losses), len(reference_losses)],
+        [
+            sum(flagged_losses),
+            len(flagged_losses),
+            sum(reference_losses),
+            len(reference_losses),
+            failure is not None,
+        ],
         dtype=torch.float64,
         device=pl_module.device,
     )
     if trainer.world_size > 1:
         sums = compat.reduce_held(trainer.strategy, sums, "sum", hold)
-    flagged_sum, flagged_count, reference_sum, reference_count = sums.tolist()
+    flagged_sum, flagged_count, reference_sum, reference_count, failed = sums.tolist()
+    if failed:  # on every rank alike
+        raise failure if failure is not None else RuntimeError("training_step failed on another rank")
     if not flagged_count or not reference_count:  # every step skipped its batch: nothing to compare
         return math.nan, math.nan
     return flagged_sum / flagged_count, reference_sum / reference_count

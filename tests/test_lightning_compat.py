@@ -108,6 +108,33 @@ def test_training_step_output_hook_sees_the_output_before_the_steps_backward(mni
     assert "training_step" not in vars(trainer.strategy)
 
 
+@pytest.mark.parametrize("removed_first", ["input", "output"])
+def test_training_step_input_hook_sees_the_batch_after_every_batch_start_hook_beside_an_output_hook(
+    mnist1d_small, removed_first
+):
+    """Both wrappers stack on the strategy, removed in either order: the input hook gets the batch a later
+    batch-start hook rebound, before the step; after both removals the strategy's own method is back."""
+    model, data = mnist1d_small()
+    batches, outputs = [], []
+
+    class Marks(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            batch.append("marked")  # the module's batch is a list: seen by the input hook
+
+    trainer = pl.Trainer(max_steps=2, callbacks=[Marks()], **trainer_kwargs())
+    remove_input = compat.on_training_step_input(trainer, lambda batch: batches.append(batch[-1]))
+    remove_output = compat.on_training_step_output(trainer, outputs.append)
+    model.training_step = lambda batch, batch_idx, step=model.training_step: step(batch[:-1], batch_idx)
+    trainer.fit(model, data)
+    assert batches == ["marked", "marked"] and len(outputs) == 2
+    removals = [remove_input, remove_output] if removed_first == "input" else [remove_output, remove_input]
+    for remove in removals:
+        remove()
+    model.training_step = lambda batch, batch_idx: torch.tensor(0.0)
+    trainer.strategy.training_step(["batch"], 0)
+    assert len(batches) == 2 and len(outputs) == 2  # both inactive, whichever wrapper stays in the chain
+
+
 def test_set_sampler_epoch_sets_a_loaders_sampler_epoch_through_lightnings_own_call():
     from torch.utils.data import DataLoader
 

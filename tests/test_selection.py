@@ -37,7 +37,6 @@ from lightning_pulse.core.selection import (
     containers_copied,
     cut_refusal,
     infobatch_prune,
-    popped_entries_restored,
     select_random,
     select_topk,
     take_samples,
@@ -820,26 +819,3 @@ def test_containers_copied_copies_dicts_and_user_dicts_and_keeps_other_mappings_
         assert copied is not batch and type(copied) is type(batch) and batch["meta"] is meta
         del batch["x"]
         assert "x" in copied and copied["meta"] == meta and copied["meta"] is not meta
-
-
-def test_popped_entries_restored_keeps_what_later_hooks_rebound_and_puts_back_what_the_step_popped():
-    x, y, weight = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
-    batch = {"x": x, "y": y, "extra": {"weight": weight, "id": 3}, "parts": [x, {"w": weight}]}
-    received = containers_copied(batch)
-    assert popped_entries_restored(batch, received) is batch  # nothing popped: the batch itself
-    rebound = torch.full((2,), 5.0)
-    batch["x"] = rebound  # a batch-start hook after the copy
-    batch.pop("y"), batch["extra"].pop("weight"), batch["parts"][1].pop("w")  # the training_step
-    restored = popped_entries_restored(batch, received)
-    assert (
-        restored["x"] is rebound and restored["y"] is y and restored["extra"] == {"id": 3, "weight": weight}
-    )
-    assert restored["parts"][1]["w"] is weight and restored["parts"][0] is x
-    assert set(batch) == {"x", "extra", "parts"} and batch["extra"] == {"id": 3}  # left as it stands
-    # a list popped from its end gets its tail back; a new entry stays; another type is the batch's
-    listed = [x, y]
-    received = containers_copied(listed)
-    listed.pop()
-    assert popped_entries_restored(listed, received) == [x, y] and listed == [x]
-    assert popped_entries_restored({"a": 1, "new": 2}, {"a": 1})["new"] == 2
-    assert popped_entries_restored((x,), [x, y]) == (x,)

@@ -1450,3 +1450,96 @@ def test_a_mapping_that_keeps_its_entries_in_an_attribute_reaches_training_step_
     trainer = pl.Trainer(max_steps=4, callbacks=[noted, guard], **trainer_kwargs())
     trainer.fit(_ReadsItsOwnMeta(noted), DataLoader(range(32), batch_size=8, collate_fn=collate))
     assert trainer.global_step == 4
+
+
+class _WeightedSamples(Dataset):
+    """64 regression samples with a weight, 0 for sample 21 (the third batch of 8, row 5)."""
+
+    def __init__(self):
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(64, 6, generator=generator), torch.randn(64, 1, generator=generator)
+        self.w = torch.ones(64, 1)
+        self.w[21] = 0.0
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return {"x": self.x[index], "y": self.y[index], "w": self.w[index]}
+
+
+class _ReweightsLabels(pl.Callback):
+    """Listed after the guard: rebinds ``y`` to ``y * w / w`` (NaN where the weight is 0)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch["y"] = batch["y"] * batch["w"] / batch["w"]
+
+
+class _PopsWhatAHookMade(pl.LightningModule):
+    """``training_step`` pops ``y`` (and ``v``, which its own ``on_train_batch_start`` adds where
+    ``adds_key``: NaN where the weight is 0)."""
+
+    def __init__(self, adds_key: bool):
+        super().__init__()
+        self.adds_key = adds_key
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.adds_key:
+            batch["v"] = torch.where(batch["w"] == 0, float("nan"), 1.0)
+
+    def training_step(self, batch, batch_idx):
+        y = batch.pop("y")
+        scale = batch.pop("v") if self.adds_key else 1.0
+        return ((self.net(batch["x"]) - y) ** 2 * scale).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("hook", ["a later callback rebinds the popped key", "the module's hook adds it"])
+def test_an_entry_a_later_batch_start_hook_made_and_training_step_popped_is_checked_as_trained(hook):
+    """The guard keeps the batch as ``training_step`` got it (its containers copied at the step's entry):
+    a NaN label a callback listed after the guard rebound, or a NaN key the module's own
+    ``on_train_batch_start`` added, both popped by the step, is the data's fault (skipped, never rolled
+    back). Kept from the guard's batch start, the first was checked with the finite label it had before
+    and charged to the model; the second's re-run for the rollback test raised ``KeyError`` out of the fit."""
+    pl.seed_everything(0)
+    guard = StabilityGuard(warmup=3, window=20, snapshot_every=4, rollback_margin=2)
+    adds_key = hook == "the module's hook adds it"
+    callbacks = [guard] if adds_key else [guard, _ReweightsLabels()]
+    trainer = pl.Trainer(max_epochs=3, callbacks=callbacks, **trainer_kwargs())
+    trainer.fit(_PopsWhatAHookMade(adds_key), DataLoader(_WeightedSamples(), batch_size=8))
+    assert [(sample["batch_idx"], sample["rows"]) for sample in guard.bad_samples] == [(2, [5])] * 3
+    assert guard.metrics()["stability/bad_batches"] == 3 and guard.metrics()["stability/rollbacks"] == 0
+
+
+class _StashesPerBatch(pl.LightningModule):
+    """Its ``on_train_batch_start`` stashes a per-batch scale on a private list, which ``training_step``
+    consumes: a re-run of ``training_step`` alone finds the list empty and raises ``IndexError``."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+        self._scales = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._scales.append(100.0 if batch_idx in (5, 7) else 1.0)  # loss spikes, a healthy step between
+
+    def training_step(self, batch, batch_idx):
+        return ((self.net(batch["x"]) - batch["y"]) ** 2).mean() * self._scales.pop()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_training_step_that_fails_when_the_rollback_test_re_runs_it_leaves_the_test_inconclusive():
+    """The rollback test re-runs ``training_step`` on the spiking batch; here the re-run raises. The test
+    counts as inconclusive (the spike is rolled back, as an untested one), said once; the fit goes on."""
+    pl.seed_everything(0)
+    guard = StabilityGuard(warmup=3, window=20, rollback_after=2, snapshot_every=2, rollback_margin=1)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[guard], **trainer_kwargs())
+    with pytest.warns(UserWarning, match="re-running training_step .* raised IndexError") as caught:
+        trainer.fit(_StashesPerBatch(), DataLoader(_WeightedSamples(), batch_size=8))
+    assert sum("re-running training_step" in str(warning.message) for warning in caught) == 1
+    assert guard.metrics()["stability/rollbacks"] == 1 and trainer.global_step == 8

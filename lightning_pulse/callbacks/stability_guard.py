@@ -151,6 +151,7 @@ class StabilityGuard(Callback):
         self._keep_gradients = False  # skip by zeroing gradients and undoing the step (clipping by value)
         self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
         self._record = steps.StepRecord()  # the current optimizer step's micro-batches, losses and action
+        self._entry_watch = compat.TrainingStepEntryWatch()  # keeps each batch as training_step gets it
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
         self._fixed_key = "burst" if self.config.per_phase_baselines else "all"  # the key without one
         self._energy = StepEnergy()
@@ -179,9 +180,8 @@ class StabilityGuard(Callback):
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
         cut = next((c for c in trainer.callbacks if isinstance(c, HardSampleReplay)), None)
-        # cut: cuts batches in place, tells their rows; listed after the guard, it cuts after the guard's copy
-        before = cut is not None and trainer.callbacks.index(self) < trainer.callbacks.index(cut)
-        self._record = steps.StepRecord(cut, pl_module.device, copied_before_cut=before)
+        self._record = steps.StepRecord(cut, pl_module.device)  # cut: cuts batches in place, tells their rows
+        self._entry_watch.watch(trainer, self._entered)  # after every batch-start hook and a cut
         # refuses ZeRO's sharded optimizer
         self.core.start(trainer.global_step, trainer.optimizers, pl_module)
         self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
@@ -269,10 +269,12 @@ class StabilityGuard(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: BaseException) -> None:
         self._changes.detach()  # no train-end hook runs after an exception (the guard's own stop too)
+        self._entry_watch.stop()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._changes.detach()
+        self._entry_watch.stop()
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
 
     def on_pulse_phase_change(
@@ -306,7 +308,7 @@ class StabilityGuard(Callback):
 
     def _rollback_helps(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: Verdict) -> bool:
         """The rollback test (class docstring, 2.; ``StabilityCore.rollback_helps``)."""
-        return self.core.flagged_rollback_helps(self._flagged_step(trainer, pl_module), verdict)
+        return self.core.flagged_rollback_helps(self._flagged_step(trainer, pl_module), verdict, _warn_here)
 
     def _flagged_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> steps.FlaggedStep:
         """What the checks of the step being judged read from the trainer (``stability_steps.FlaggedStep``),
@@ -325,6 +327,9 @@ class StabilityGuard(Callback):
         )
 
     # ------------------------------------------------------------------ snapshots and rollbacks
+    def _entered(self, batch: Any) -> None:  # a method of its own: benchmarks/harness.py times it
+        self._record.entered(batch)
+
     def _sum_over_ranks(self, trainer: pl.Trainer) -> Any:
         """The strategy's sum all-reduce under DDP (its tensors held until the backend lets go), else ``None``."""
         if trainer.world_size == 1:

@@ -794,14 +794,6 @@ class ReplayBatchLifecycle:
             after_log, self._after_log = self._after_log, None
             refuse(after_log)
 
-    @property
-    def cut_of_current(self) -> Callable[[Any], Any] | None:
-        """How the current step's batch was cut, as a function of a copy of it taken before the cut (a
-        StabilityGuard listed first keeps one); ``None`` where it was not cut. Nothing is copied here."""
-        if (step := self.current) is None or (positions := step.plan.positions) is None:
-            return None
-        return partial(take_samples, positions=positions, batch_size=step.batch_size, whole=self._whole_parts)
-
     def drop_step(self) -> None:
         """Forget the step in flight (a rollback replaces the model it was measured on); a refusal deferred to
         its end goes to the next batch's step."""

@@ -35,7 +35,6 @@ import copy
 import dataclasses
 import math
 import numbers
-import operator
 from collections import UserDict
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -277,41 +276,6 @@ def containers_copied(batch: Any) -> Any:
             if not isinstance(value := getattr(batch, field.name), _LEAVES):
                 object.__setattr__(copied, field.name, containers_copied(value))  # a frozen one too
         return copied
-    return batch
-
-
-def popped_entries_restored(batch: Any, received: Any) -> Any:
-    """``batch`` as it stands after its ``training_step`` (what every batch-start hook made of it: a
-    callback's or the module's rebinding) with the mapping entries it no longer holds put back from
-    ``received``, its :func:`containers_copied` copy (what the step popped), walking the mappings, lists,
-    tuples and dataclasses both hold alike; a list the step shortened gets its tail back. New containers only
-    where an entry is put back, ``batch`` itself otherwise: read when a step is checked, never on an ordinary
-    one."""
-    if received is batch or isinstance(batch, _LEAVES) or type(received) is not type(batch):
-        return batch
-    if isinstance(batch, (dict, UserDict)):
-        restored = None
-        for key, value in received.items():
-            if key in batch and (value := popped_entries_restored(batch[key], value)) is batch[key]:
-                continue
-            restored = copy.copy(batch) if restored is None else restored
-            restored[key] = value
-        return batch if restored is None else restored
-    if isinstance(batch, (list, tuple)):
-        items = [popped_entries_restored(item, old) for item, old in zip(batch, received)]
-        items += list(batch[len(received) :])
-        if isinstance(batch, list):
-            items += received[len(batch) :]  # popped from its end
-        same = len(items) == len(batch) and all(map(operator.is_, items, batch))
-        return batch if same else _rebuild(batch, items)
-    if _is_dataclass_batch(batch):
-        restored = None
-        for field in dataclasses.fields(batch):
-            value = getattr(batch, field.name)
-            if (new := popped_entries_restored(value, getattr(received, field.name))) is not value:
-                restored = copy.copy(batch) if restored is None else restored
-                object.__setattr__(restored, field.name, new)
-        return batch if restored is None else restored
     return batch
 
 

@@ -35,7 +35,7 @@ from lightning_pulse.core.fault_origin import (
     nonfinite_forward_state,
     trace_nonfinite,
 )
-from lightning_pulse.core.selection import containers_copied, popped_entries_restored
+from lightning_pulse.core.selection import containers_copied
 from lightning_pulse.core.snapshots import (
     PreStepBuffers,
     SnapshotSchedule,
@@ -252,26 +252,19 @@ def cuda_generator_of(device: torch.device | str | None) -> torch.Generator | No
 
 class StepRecord:
     """What the guard keeps of the current optimizer step from its first micro-batch to its batch end: the
-    micro-batches (by reference, and their containers copied at the guard's batch start: :meth:`as_trained`),
+    micro-batches (as their ``training_step`` got them: :meth:`entered`, :meth:`as_trained`),
     the random generator states each one's ``training_step`` drew from, their losses, the step's loss and
     baseline key while it is judged, and its action once decided; and the last applied step's micro-batches
     and states, the ordinary batch of the rollback test. ``cut``: a callback that cuts batches in place
-    (``HardSampleReplay``), which tells the dataset indices of the rows it kept (``trained_indices``) and
-    how it cut the current batch (``batches.cut_of_current``), for a copy taken before the cut
-    (``copied_before_cut``: the guard's hook runs first). ``device``: the module's, whose CUDA generator is
-    recorded too."""
+    (``HardSampleReplay``), which tells the dataset indices of the rows it kept (``trained_indices``).
+    ``device``: the module's, whose CUDA generator is recorded too."""
 
-    def __init__(
-        self, cut: Any = None, device: torch.device | str | None = None, copied_before_cut: bool = False
-    ) -> None:
+    def __init__(self, cut: Any = None, device: torch.device | str | None = None) -> None:
         self.losses: list[Any] = []  # the micro-batch losses of the current optimizer step
-        self.batches: list[tuple[int, Any]] = []  # and its micro-batches, by reference
+        # and its micro-batches: by reference from the guard's batch start, their containers copied once
+        # training_step is entered (what it received, before it pops entries: :meth:`entered`)
+        self.batches: list[tuple[int, Any]] = []
         self.reference: list[tuple[int, Any]] = []  # the last applied step's micro-batches
-        # batch_idx -> a micro-batch's containers copied at the guard's batch start, and how the cut callback
-        # then cut the batch (None: not after the copy): what its training_step popped, for as_trained
-        self.received: dict[int, tuple[Any, Callable[[Any], Any] | None]] = {}
-        self.reference_received: dict[int, tuple[Any, Callable[[Any], Any] | None]] = {}
-        self.copied_before_cut = copied_before_cut
         # batch_idx -> the generator states its training_step drew from (unique within an optimizer step),
         # for this step and the reference: a re-run of the batch draws what the step drew (the rollback test)
         self.drawn: dict[int, DrawnState] = {}
@@ -294,51 +287,40 @@ class StepRecord:
         self.repeats: bool | None = None
 
     def add(self, batch_idx: int, batch: Any) -> None:
-        """Keep a micro-batch at its batch start, by reference and its containers copied
-        (:func:`containers_copied`; its tensors shared), with the generator states its ``training_step`` will
-        draw from. Torch's own generators only: a state is a copy of ~5 KB (the CPU's Mersenne Twister) or 16
-        bytes (a GPU's Philox seed and offset), about a microsecond; numpy's and Python's cost 10-35 each, too
-        much for every step, so a re-run draws new numbers from those."""
-        self.batches.append((batch_idx, batch))  # shows what later batch-start hooks rebind in it
-        # and what a training_step that pops a key took out; a container of the user's own that does not copy
-        # is kept by reference (measurement never kills a run)
-        try:  # not contextlib.suppress: a context manager a micro-batch costs more than the copy
-            self.received[batch_idx] = (containers_copied(batch), None)
-        except Exception:
-            self.received[batch_idx] = (batch, None)
+        """Keep a micro-batch at its batch start, by reference (until :meth:`entered`), with the generator
+        states its ``training_step`` will draw from. Torch's own generators only: a state is a copy of ~5 KB
+        (the CPU's Mersenne Twister) or 16 bytes (a GPU's Philox seed and offset), about a microsecond;
+        numpy's and Python's cost 10-35 each, too much for every step, so a re-run draws new numbers from
+        those."""
+        self.batches.append((batch_idx, batch))
         cuda = self._cuda
         cpu = (_CPU_GENERATOR, _CPU_GENERATOR.get_state())
         self.drawn[batch_idx] = (cpu,) if cuda is None else (cpu, (cuda, cuda.get_state()))
 
+    def entered(self, batch: Any) -> None:
+        """At ``training_step``'s entry, the batch it gets: after every batch-start hook (the guard's or not,
+        the module's) and a cut in place, whatever they rebound, added or deleted. Kept with its containers
+        copied (:func:`containers_copied`; its tensors shared), so entries the step pops or rebinds
+        (``batch.pop("labels")``) stay as it got them. A container of the user's own that does not copy is
+        kept by reference (measurement never kills a run)."""
+        if self.batches:
+            try:  # not contextlib.suppress: a context manager a micro-batch costs more than the copy
+                copied = containers_copied(batch)
+            except Exception:
+                copied = batch
+            self.batches[-1] = (self.batches[-1][0], copied)
+
     def note_cut(self) -> None:
         """At the backward of the last micro-batch: the dataset indices of the samples it trained, where the
-        cut callback chose them, and, where its cut came after this record's copy, how it cut the batch (the
-        copy is cut alike when it is read: no cost on an ordinary step)."""
+        cut callback chose them."""
         trained = self.cut.trained_indices  # a reference, no copy
         if trained is not None:
-            batch_idx = self.batches[-1][0]
-            self.trained[batch_idx] = trained
-            copied = self.received[batch_idx][0]
-            if self.copied_before_cut and copied is not self.batches[-1][1]:
-                self.received[batch_idx] = (copied, self.cut.batches.cut_of_current)
+            self.trained[self.batches[-1][0]] = trained
 
     def as_trained(self, reference: bool = False) -> list[tuple[int, Any]]:
         """The step's micro-batches (``reference``: the last applied step's) as their ``training_step`` got
-        them: each as it stands now (the rebinding of every batch-start hook, the guard's or not, and a cut in
-        place) with the entries the step popped put back from the copy (:func:`popped_entries_restored`), cut
-        as the batch was. Read on flagged steps only; a copy that does not cut or merge leaves the batch."""
-        pairs, received = (
-            (self.reference, self.reference_received) if reference else (self.batches, self.received)
-        )
-        trained = []
-        for batch_idx, batch in pairs:
-            copied, cut = received.get(batch_idx, (batch, None))
-            try:
-                batch = popped_entries_restored(batch, copied if cut is None else cut(copied))
-            except Exception:
-                pass
-            trained.append((batch_idx, batch))
-        return trained
+        them (:meth:`entered`)."""
+        return self.reference if reference else self.batches
 
     @property
     def drawn_states(self) -> tuple[dict[int, DrawnState], dict[int, DrawnState]]:
@@ -362,9 +344,9 @@ class StepRecord:
         self.ended = (self.step_after, action)
         if action is Action.APPLY:
             self.reference = self.batches  # an ordinary batch, for the rollback test
-            self.reference_drawn, self.reference_received = self.drawn, self.received
+            self.reference_drawn = self.drawn
             self.repeats = self.repeats or self.evaluations > 1
-        self.batches, self.drawn, self.received, self.trained, self.evaluations = [], {}, {}, {}, 0
+        self.batches, self.drawn, self.trained, self.evaluations = [], {}, {}, 0
         return action
 
     def undoes(self, step: int, forced_skips: bool = True) -> bool:
@@ -392,7 +374,6 @@ class StepRecord:
         are let go, so that the next step is judged on its own window's losses only."""
         if ended:
             self.losses, self.batches, self.drawn, self.trained, self.evaluations = [], [], {}, {}, 0
-            self.received = {}
 
     def decided_before_judging(self, policy: EscalationPolicy) -> Action | None:
         """The step's action where it needs no judging: a forced skip (one of the steps skipped after a
@@ -508,6 +489,7 @@ class StabilityCore:
         self.unchecked_data_faults = 0
         self.presumption_warned = False
         self.check_oom_warned = False  # the data check ran out of memory (said once a fit)
+        self.rerun_failed_warned = False  # a snapshot test's re-run failed (said once a fit)
         # the buffers training forwards write, copied before each step: what a data fault's mend sets back
         self.pre_step = PreStepBuffers()
         self.mended_from_copy: list[str] = []  # the names the last mend set back from that copy
@@ -607,6 +589,7 @@ class StabilityCore:
         self.applied_through = step
         self.unchecked_data_faults, self.presumption_warned = 0, False
         self.check_oom_warned = False
+        self.rerun_failed_warned = False
         self.level.start()
         self.flagged_losses = {}
         self.fit_start_accepted = self.detector.accepted_steps
@@ -727,7 +710,13 @@ class StabilityCore:
             tested = check and self.tests_data_at_snapshot  # an unbroken row of them escalates
             comparable = bool(flagged.record.reference)  # no activation cache: the check ran
             if tested and self.recurs_at_snapshot(
-                model, step, comparable, flagged.losses_at_snapshot, flagged.optimizers, flagged.schedulers
+                model,
+                step,
+                comparable,
+                flagged.losses_at_snapshot,
+                flagged.optimizers,
+                flagged.schedulers,
+                warn,
             ):
                 cause = "data"
         if cause == "data" and (warning := self.data_fault(model, step, samples, (newest, saved), unchecked)):
@@ -1015,12 +1004,15 @@ class StabilityCore:
         losses_at: Callable[[TrainingSnapshot], tuple[float, float]],
         optimizers: Sequence[Any] | None = None,
         schedulers: Sequence[Any] | None = None,
+        warn: Callable[[str], Any] | None = None,
     ) -> bool:
         """The rollback test (:func:`rollback_test`) on the snapshot the rollback would return to (one that
         fits ``model``, ``optimizers`` and, rewinding the schedule, ``schedulers``), then on the oldest held;
         ``True`` where it cannot tell anything. It can with a loss that spiked (:func:`loss_spiked`), a log
         loss scale and ``comparable``: an ordinary applied batch to compare with, and no activation cache that
-        a forward would fill. A gradient-norm spike with an ordinary loss cannot."""
+        a forward would fill. A gradient-norm spike with an ordinary loss cannot. A re-run of
+        ``training_step`` that fails leaves the test inconclusive (``True``; said through ``warn`` once a
+        fit)."""
         detector = self.detector
         median = detector.baseline(key)["loss"]
         if loss is None or not loss_spiked(verdict, loss, median, detector.min_ratio):
@@ -1028,8 +1020,38 @@ class StabilityCore:
         if not comparable or detector.loss_scale != "log":
             return True
         candidates = self._rollback_candidates(model, step, optimizers, schedulers)
-        helps, self.rollback_to = rollback_test(candidates, losses_at, loss, self.config.min_ratio)
+        try:
+            losses_at = self._rerun_or_inconclusive(model, losses_at, warn)
+            helps, self.rollback_to = rollback_test(candidates, losses_at, loss, self.config.min_ratio)
+        except InconclusiveCheck:  # a re-run failed: the test tells nothing
+            return True
         return helps
+
+    def _rerun_or_inconclusive(
+        self,
+        model: nn.Module,
+        losses_at: Callable[[TrainingSnapshot], tuple[float, float]],
+        warn: Callable[[str], Any] | None,
+    ) -> Callable[[TrainingSnapshot], tuple[float, float]]:
+        """``losses_at`` raising :class:`InconclusiveCheck` where a re-run of ``training_step`` fails (out of
+        memory, or an error on the batch as it is re-run): the check is extra and must not end the run;
+        said through ``warn`` once a fit."""
+
+        def losses(target: TrainingSnapshot) -> tuple[float, float]:
+            try:
+                return losses_at(target)
+            except torch.OutOfMemoryError:  # the step's gradients are still held
+                if getattr(model, "device", torch.device("cpu")).type == "cuda":
+                    torch.cuda.empty_cache()
+                failure = "ran out of memory"
+            except Exception as error:
+                failure = f"raised {type(error).__name__}: {error}"
+            if warn is not None and not self.rerun_failed_warned:
+                self.rerun_failed_warned = True
+                warn(RERUN_FAILED.format(failure=failure))
+            raise InconclusiveCheck
+
+        return losses
 
     def _rollback_candidates(
         self, model: nn.Module, step: int, optimizers: Sequence[Any] | None, schedulers: Sequence[Any] | None
@@ -1041,7 +1063,9 @@ class StabilityCore:
         rewound = schedulers if self.config.rewind_lr_schedule else None  # else the current ones are kept
         return self.schedule.ring.rollback_candidates(model, before, optimizers, rewound)
 
-    def flagged_rollback_helps(self, flagged: FlaggedStep, verdict: Verdict) -> bool:
+    def flagged_rollback_helps(
+        self, flagged: FlaggedStep, verdict: Verdict, warn: Callable[[str], Any] | None = None
+    ) -> bool:
         """The rollback test (:meth:`rollback_helps`) of a flagged step with its ``verdict``: the flagged and
         the last ordinary batches' losses at a snapshot's weights (:meth:`FlaggedStep.losses_at_snapshot`)."""
         return self.rollback_helps(
@@ -1054,6 +1078,7 @@ class StabilityCore:
             flagged.losses_at_snapshot,
             flagged.optimizers,
             flagged.schedulers,
+            warn,
         )
 
     def recurs_at_snapshot(
@@ -1064,18 +1089,24 @@ class StabilityCore:
         losses_at: Callable[[TrainingSnapshot], tuple[float, float]],
         optimizers: Sequence[Any] | None = None,
         schedulers: Sequence[Any] | None = None,
+        warn: Callable[[str], Any] | None = None,
     ) -> bool:
         """Whether a non-finite step's batch is non-finite on each snapshot a rollback could return to (as the
         rollback test picks them: that one, then the oldest held) while the ordinary batch is finite there.
         Asked at once for a step whose bad data is no longer presumed at fault (:attr:`presumes_data`): then
         the data's. ``False`` where it cannot tell (no snapshot, nothing ``comparable``). Unlike
         :meth:`rollback_helps` it needs no log loss scale and no positive loss: a non-finite loss is no matter
-        of scale, and a loss that may go negative (a density's NLL) had sent bad data to a rollback."""
+        of scale, and a loss that may go negative (a density's NLL) had sent bad data to a rollback. A re-run
+        of ``training_step`` that fails cannot tell either (said through ``warn`` once a fit)."""
         if not comparable:
             return False
         candidates = self._rollback_candidates(model, step, optimizers, schedulers)
+        losses_at = self._rerun_or_inconclusive(model, losses_at, warn)
         for target in candidates:
-            flagged, reference = losses_at(target)
+            try:
+                flagged, reference = losses_at(target)
+            except InconclusiveCheck:
+                return False
             if math.isfinite(flagged) or not math.isfinite(reference):
                 return False
         return bool(candidates)
@@ -1402,6 +1433,17 @@ def presumption_ended_message(step: int) -> str:
 
 
 #: the warning when recomputing a non-finite step's loss runs out of memory (said once a fit)
+RERUN_FAILED = (
+    "StabilityGuard: re-running training_step on a flagged step's batch to test it on a snapshot {failure}; "
+    "that test counts as inconclusive (a spike is rolled back as untested, a non-finite step is not blamed "
+    "on the data by it). Said once per fit."
+)
+
+
+class InconclusiveCheck(Exception):
+    """A check of a flagged step could not run (a re-run of ``training_step`` failed)."""
+
+
 CHECK_OUT_OF_MEMORY = (
     "StabilityGuard: recomputing a non-finite step's loss to tell bad data from a bad model "
     "ran out of memory (the step's gradients are held meanwhile); that batch counts as "
