@@ -401,46 +401,16 @@ def on_train_dataloader_ready(trainer: pl.Trainer, hook: Callable[[Any], None]) 
     """
     from lightning.pytorch.trainer.states import RunningStage
 
-    strategy = trainer.strategy
-    original = strategy.process_dataloader
-    shadowed = "process_dataloader" in vars(strategy)  # another hook already wraps it on this instance
-    state = {"active": True}
+    def wrap(original: Callable[..., Any], active: Callable[[], bool]) -> Callable[..., Any]:
+        def process_dataloader(dataloader: object) -> object:
+            dataloader = original(dataloader)
+            if active() and trainer.state.stage == RunningStage.TRAINING:
+                hook(dataloader)
+            return dataloader
 
-    def process_dataloader(dataloader: object) -> object:
-        dataloader = original(dataloader)
-        if state["active"] and trainer.state.stage == RunningStage.TRAINING:
-            hook(dataloader)
-        return dataloader
+        return process_dataloader
 
-    strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
-
-    def remove() -> None:
-        state["active"] = False
-        if vars(strategy).get("process_dataloader") is process_dataloader:
-            if shadowed:
-                strategy.process_dataloader = original  # type: ignore[method-assign]
-            else:
-                del strategy.process_dataloader
-
-    return remove
-
-
-class TrainDataloaderWatch:
-    """Holds at most one :func:`on_train_dataloader_ready` hook: :meth:`watch` replaces the previous one (a
-    previous fit's, which ended before it was stopped), :meth:`stop` removes it."""
-
-    def __init__(self) -> None:
-        self._remove: Callable[[], None] | None = None
-
-    def watch(self, trainer: pl.Trainer, hook: Callable[[Any], None] | None) -> None:
-        """Call ``hook`` for every training DataLoader ``trainer`` prepares from now on (``None``: none)."""
-        self.stop()
-        self._remove = None if hook is None else on_train_dataloader_ready(trainer, hook)
-
-    def stop(self) -> None:
-        if self._remove is not None:
-            self._remove()
-        self._remove = None
+    return _wrap_on_instance(trainer.strategy, "process_dataloader", wrap)
 
 
 def on_training_step_output(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Callable[[], None]:
@@ -448,7 +418,17 @@ def on_training_step_output(trainer: pl.Trainer, hook: Callable[[Any], None]) ->
     optimization before the step's backward and update (no callback hook sees the output before the batch
     end, after the update). ``Strategy.training_step`` is wrapped on this trainer's strategy instance only, as
     :func:`on_train_dataloader_ready` wraps ``process_dataloader``. Returns a function removing the hook."""
-    return _wrap_training_step(trainer, after=hook)
+
+    def wrap(original: Callable[..., Any], active: Callable[[], bool]) -> Callable[..., Any]:
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            output = original(*args, **kwargs)
+            if active():
+                hook(output)
+            return output
+
+        return training_step
+
+    return _wrap_on_instance(trainer.strategy, "training_step", wrap)
 
 
 def on_training_step_input(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Callable[[], None]:
@@ -457,50 +437,54 @@ def on_training_step_input(trainer: pl.Trainer, hook: Callable[[Any], None]) -> 
     Lightning's loops pass it first (``strategy.training_step(batch, batch_idx)``). Wrapped as
     :func:`on_training_step_output` wraps it; either may be installed first and removed in any order.
     Returns a function removing the hook."""
-    return _wrap_training_step(trainer, before=hook)
+
+    def wrap(original: Callable[..., Any], active: Callable[[], bool]) -> Callable[..., Any]:
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            if active():
+                hook(args[0] if args else kwargs.get("batch"))
+            return original(*args, **kwargs)
+
+        return training_step
+
+    return _wrap_on_instance(trainer.strategy, "training_step", wrap)
 
 
-def _wrap_training_step(
-    trainer: pl.Trainer,
-    before: Callable[[Any], None] | None = None,
-    after: Callable[[Any], None] | None = None,
+def _wrap_on_instance(
+    owner: Any, name: str, wrap: Callable[[Callable[..., Any], Callable[[], bool]], Callable[..., Any]]
 ) -> Callable[[], None]:
-    strategy = trainer.strategy
-    original = strategy.training_step
-    shadowed = "training_step" in vars(strategy)  # another hook already wraps it on this instance
+    """Put ``wrap(original, active)`` in place of ``owner``'s method ``name`` on that instance only; returns a
+    function removing it. A wrapper another hook wrapped after it stays in the chain, passing calls through
+    (``active()`` is then false), so hooks may be installed and removed in any order."""
+    original = getattr(owner, name)
+    shadowed = name in vars(owner)  # another hook already wraps it on this instance
     state = {"active": True}
+    wrapper = wrap(original, lambda: state["active"])
+    setattr(owner, name, wrapper)
 
-    def training_step(*args: Any, **kwargs: Any) -> Any:
-        if before is not None and state["active"]:
-            before(args[0] if args else kwargs.get("batch"))
-        output = original(*args, **kwargs)
-        if after is not None and state["active"]:
-            after(output)
-        return output
-
-    strategy.training_step = training_step  # type: ignore[method-assign]
-
-    def remove() -> None:  # a wrapper another wrapped after it stays in the chain, passing calls through
+    def remove() -> None:
         state["active"] = False
-        if vars(strategy).get("training_step") is training_step:
+        if vars(owner).get(name) is wrapper:
             if shadowed:
-                strategy.training_step = original  # type: ignore[method-assign]
+                setattr(owner, name, original)
             else:
-                del strategy.training_step
+                delattr(owner, name)
 
     return remove
 
 
-class TrainingStepEntryWatch:
-    """Holds at most one :func:`on_training_step_input` hook, as :class:`TrainDataloaderWatch` holds one."""
+class HookWatch:
+    """Holds at most one hook installed by ``install(trainer, hook)`` (:func:`on_train_dataloader_ready`,
+    :func:`on_training_step_input`): :meth:`watch` replaces the previous one (a previous fit's, which ended
+    before it was stopped), :meth:`stop` removes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, install: Callable[[pl.Trainer, Callable[[Any], None]], Callable[[], None]]) -> None:
+        self._install = install
         self._remove: Callable[[], None] | None = None
 
-    def watch(self, trainer: pl.Trainer, hook: Callable[[Any], None]) -> None:
-        """Call ``hook(batch)`` at every ``training_step`` entry of ``trainer`` from now on."""
+    def watch(self, trainer: pl.Trainer, hook: Callable[[Any], None] | None) -> None:
+        """Call ``hook`` from now on, as the installer says (``None``: no hook)."""
         self.stop()
-        self._remove = on_training_step_input(trainer, hook)
+        self._remove = None if hook is None else self._install(trainer, hook)
 
     def stop(self) -> None:
         if self._remove is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import MutableMapping
 
 import pytest
 import torch
@@ -115,3 +116,26 @@ class StandInTrainer:
 
     def __init__(self, strategy_class: type) -> None:
         self.strategy = strategy_class.__new__(strategy_class)
+
+
+class AttributeStoredMapping(MutableMapping):
+    """A mapping of one's own that keeps its entries in an attribute (``copy.copy`` shares it): a batch type
+    the library must keep by reference, never copy into."""
+
+    def __init__(self, entries: dict):
+        self._entries = entries
+
+    def __getitem__(self, key):
+        return self._entries[key]
+
+    def __setitem__(self, key, value):
+        self._entries[key] = value
+
+    def __delitem__(self, key):
+        del self._entries[key]
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections import UserDict, namedtuple
-from collections.abc import MutableMapping
 
 import numpy as np
 import pytest
@@ -42,6 +41,7 @@ from lightning_pulse.core.selection import (
     take_samples,
     whole_parts,
 )
+from tests.conftest import AttributeStoredMapping
 
 NAN = math.nan
 
@@ -786,33 +786,11 @@ def test_concatenated_parts_takes_lengths_from_a_list_or_tuple_and_finds_offsets
     assert concatenated_parts([targets, cumulative - torch.arange(9)], 8) == {}
 
 
-class _Store(MutableMapping):
-    """A mapping that keeps its entries in an attribute (``copy.copy`` shares it)."""
-
-    def __init__(self, entries):
-        self._entries = entries
-
-    def __getitem__(self, key):
-        return self._entries[key]
-
-    def __setitem__(self, key, value):
-        self._entries[key] = value
-
-    def __delitem__(self, key):
-        del self._entries[key]
-
-    def __iter__(self):
-        return iter(self._entries)
-
-    def __len__(self):
-        return len(self._entries)
-
-
 def test_containers_copied_copies_dicts_and_user_dicts_and_keeps_other_mappings_by_reference():
     # review of 7988f9e: a MutableMapping's copy shared its entries attribute, so the nested copies were
     # written into the user's batch, and a key training_step deleted left the copy too
     meta = {"ids": [1, 2]}
-    store = _Store({"x": torch.ones(2), "meta": meta})
+    store = AttributeStoredMapping({"x": torch.ones(2), "meta": meta})
     assert containers_copied(store) is store and store["meta"] is meta
     for batch in ({"x": torch.ones(2), "meta": meta}, UserDict({"x": torch.ones(2), "meta": meta})):
         copied = containers_copied(batch)

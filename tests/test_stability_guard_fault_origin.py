@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -20,7 +18,7 @@ from lightning_pulse.core.fault_origin import (
     state_is_finite,
 )
 from lightning_pulse.core.sample_index import SampleIndexTracker
-from tests.conftest import trainer_kwargs
+from tests.conftest import AttributeStoredMapping, trainer_kwargs
 
 
 def test_nonfinite_rows_are_found_in_every_floating_tensor_of_a_nested_batch():
@@ -1387,28 +1385,6 @@ def test_a_popped_nan_weight_of_a_batch_hard_sample_replay_cut_names_the_sample_
     assert max(sample["rows"][0] for sample in guard.bad_samples[1:]) < 8  # rows of cut batches
 
 
-class _Store(MutableMapping):
-    """The textbook mapping of one's own: its entries live in an attribute, which ``copy.copy`` shares."""
-
-    def __init__(self, entries: dict):
-        self._entries = entries
-
-    def __getitem__(self, key):
-        return self._entries[key]
-
-    def __setitem__(self, key, value):
-        self._entries[key] = value
-
-    def __delitem__(self, key):
-        del self._entries[key]
-
-    def __iter__(self):
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 class _NotesMeta(pl.Callback):
     """Listed before the guard: notes the nested ``meta`` dict of each batch as loaded."""
 
@@ -1441,7 +1417,7 @@ def test_a_mapping_that_keeps_its_entries_in_an_attribute_reaches_training_step_
     user's own."""
 
     def collate(samples):
-        return _Store(
+        return AttributeStoredMapping(
             {"x": torch.randn(len(samples), 6), "y": torch.randn(len(samples), 1), "meta": {"n": 1}}
         )
 

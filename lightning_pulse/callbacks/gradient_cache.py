@@ -124,7 +124,7 @@ class GradientCache(Callback):
         self.ledger = BackwardFlopLedger()
         self.events: list[dict[str, Any]] = []  # the latest 1,000 changes of the frozen prefix
         self._replay: LoaderActivationCache | None = None
-        self._loader_watch = compat.TrainDataloaderWatch()  # tracks from before a loader's first pass
+        self._loader_watch = compat.HookWatch(compat.on_train_dataloader_ready)
         self._pending_state: dict[str, Any] | None = None
         # set from on_train_start to the end of training: a load_state_dict then applies at once (a rollback)
         self._fit_refs: tuple[pl.Trainer, pl.LightningModule] | None = None

@@ -151,7 +151,7 @@ class StabilityGuard(Callback):
         self._keep_gradients = False  # skip by zeroing gradients and undoing the step (clipping by value)
         self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
         self._record = steps.StepRecord()  # the current optimizer step's micro-batches, losses and action
-        self._entry_watch = compat.TrainingStepEntryWatch()  # keeps each batch as training_step gets it
+        self._entry_watch = compat.HookWatch(compat.on_training_step_input)
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
         self._fixed_key = "burst" if self.config.per_phase_baselines else "all"  # the key without one
         self._energy = StepEnergy()
