@@ -130,5 +130,6 @@ def test_a_fast_dev_run_smoke_test_runs_its_batch_without_waiting_or_suspending(
     check = GreenWindow(
         signal=dirty_now_signal(start), when_dirty="pause", expected_duration="8h", clock=clock
     )
-    pl.Trainer(callbacks=[check], **trainer_kwargs(max_steps=1)).fit(*mnist1d_small(arch="mlp"))
+    control = trainer_kwargs(max_steps=1, default_root_dir=tmp_path / "control")
+    pl.Trainer(callbacks=[check], **control).fit(*mnist1d_small(arch="mlp"))
     assert clock.time() > start
