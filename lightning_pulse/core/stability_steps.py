@@ -252,7 +252,7 @@ def cuda_generator_of(device: torch.device | str | None) -> torch.Generator | No
 
 class StepRecord:
     """What the guard keeps of the current optimizer step from its first micro-batch to its batch end: the
-    micro-batches (as their ``training_step`` got them: :meth:`entered`, :meth:`as_trained`),
+    micro-batches (as their ``training_step`` got them: :meth:`entered`),
     the random generator states each one's ``training_step`` drew from, their losses, the step's loss and
     baseline key while it is judged, and its action once decided; and the last applied step's micro-batches
     and states, the ordinary batch of the rollback test. ``cut``: a callback that cuts batches in place
@@ -316,11 +316,6 @@ class StepRecord:
         trained = self.cut.trained_indices  # a reference, no copy
         if trained is not None:
             self.trained[self.batches[-1][0]] = trained
-
-    def as_trained(self, reference: bool = False) -> list[tuple[int, Any]]:
-        """The step's micro-batches (``reference``: the last applied step's) as their ``training_step`` got
-        them (:meth:`entered`)."""
-        return self.reference if reference else self.batches
 
     @property
     def drawn_states(self) -> tuple[dict[int, DrawnState], dict[int, DrawnState]]:
@@ -421,7 +416,7 @@ class FlaggedStep:
     def losses_at_snapshot(self, target: TrainingSnapshot) -> tuple[float, float]:
         """The mean losses of the step's micro-batches and of the last applied step's (the ordinary batch) at
         ``target``'s weights."""
-        return self.losses_at(target, self.record.as_trained(), self.record.as_trained(reference=True))
+        return self.losses_at(target, self.record.batches, self.record.reference)
 
     @property
     def comparable(self) -> bool:
@@ -695,7 +690,7 @@ class StabilityCore:
         cause, samples, unchecked = trace_nonfinite(
             model,
             flagged.optimizers,
-            flagged.record.as_trained(),
+            flagged.record.batches,
             step,
             flagged.loader,
             flagged.all_reduce_sum,
@@ -753,8 +748,7 @@ class StabilityCore:
         return losses
 
     def _out_of_memory_in_check(self, model: nn.Module, warn: Callable[[str], Any]) -> None:
-        if getattr(model, "device", torch.device("cpu")).type == "cuda":  # a LightningModule's device
-            torch.cuda.empty_cache()
+        _release_cuda_cache(model)
         if not self.check_oom_warned:
             self.check_oom_warned = True
             warn(CHECK_OUT_OF_MEMORY)
@@ -1041,8 +1035,7 @@ class StabilityCore:
             try:
                 return losses_at(target)
             except torch.OutOfMemoryError:  # the step's gradients are still held
-                if getattr(model, "device", torch.device("cpu")).type == "cuda":
-                    torch.cuda.empty_cache()
+                _release_cuda_cache(model)
                 failure = "ran out of memory"
             except Exception as error:
                 failure = f"raised {type(error).__name__}: {error}"
@@ -1438,6 +1431,13 @@ RERUN_FAILED = (
     "that test counts as inconclusive (a spike is rolled back as untested, a non-finite step is not blamed "
     "on the data by it). Said once per fit."
 )
+
+
+def _release_cuda_cache(model: nn.Module) -> None:
+    """After a check ran out of memory: give the cached blocks back on a GPU module (a LightningModule's
+    ``device``), where the step's gradients are still held."""
+    if getattr(model, "device", torch.device("cpu")).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class InconclusiveCheck(Exception):
