@@ -401,10 +401,10 @@ def on_train_dataloader_ready(trainer: pl.Trainer, hook: Callable[[Any], None]) 
     """
     from lightning.pytorch.trainer.states import RunningStage
 
-    def wrap(original: Callable[..., Any], active: Callable[[], bool]) -> Callable[..., Any]:
+    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
         def process_dataloader(dataloader: object) -> object:
             dataloader = original(dataloader)
-            if active() and trainer.state.stage == RunningStage.TRAINING:
+            if state["active"] and trainer.state.stage == RunningStage.TRAINING:
                 hook(dataloader)
             return dataloader
 
@@ -419,10 +419,10 @@ def on_training_step_output(trainer: pl.Trainer, hook: Callable[[Any], None]) ->
     end, after the update). ``Strategy.training_step`` is wrapped on this trainer's strategy instance only, as
     :func:`on_train_dataloader_ready` wraps ``process_dataloader``. Returns a function removing the hook."""
 
-    def wrap(original: Callable[..., Any], active: Callable[[], bool]) -> Callable[..., Any]:
+    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
         def training_step(*args: Any, **kwargs: Any) -> Any:
             output = original(*args, **kwargs)
-            if active():
+            if state["active"]:
                 hook(output)
             return output
 
@@ -438,9 +438,9 @@ def on_training_step_input(trainer: pl.Trainer, hook: Callable[[Any], None]) -> 
     :func:`on_training_step_output` wraps it; either may be installed first and removed in any order.
     Returns a function removing the hook."""
 
-    def wrap(original: Callable[..., Any], active: Callable[[], bool]) -> Callable[..., Any]:
+    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
         def training_step(*args: Any, **kwargs: Any) -> Any:
-            if active():
+            if state["active"]:
                 hook(args[0] if args else kwargs.get("batch"))
             return original(*args, **kwargs)
 
@@ -450,15 +450,16 @@ def on_training_step_input(trainer: pl.Trainer, hook: Callable[[Any], None]) -> 
 
 
 def _wrap_on_instance(
-    owner: Any, name: str, wrap: Callable[[Callable[..., Any], Callable[[], bool]], Callable[..., Any]]
+    owner: Any, name: str, wrap: Callable[[Callable[..., Any], dict[str, bool]], Callable[..., Any]]
 ) -> Callable[[], None]:
-    """Put ``wrap(original, active)`` in place of ``owner``'s method ``name`` on that instance only; returns a
+    """Put ``wrap(original, state)`` in place of ``owner``'s method ``name`` on that instance only; returns a
     function removing it. A wrapper another hook wrapped after it stays in the chain, passing calls through
-    (``active()`` is then false), so hooks may be installed and removed in any order."""
+    (``state["active"]`` is then false: a dict read, not a call, on a per-step path), so hooks may be
+    installed and removed in any order."""
     original = getattr(owner, name)
     shadowed = name in vars(owner)  # another hook already wraps it on this instance
     state = {"active": True}
-    wrapper = wrap(original, lambda: state["active"])
+    wrapper = wrap(original, state)
     setattr(owner, name, wrapper)
 
     def remove() -> None:
