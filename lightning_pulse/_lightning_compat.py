@@ -113,6 +113,8 @@ def private_api_problems() -> list[str]:
     ]
     if not callable(getattr(torch.Tensor, "_use_count", None)):
         problems.append("torch.Tensor._use_count")
+    if "_current_fx_name" not in vars(pl.LightningModule()):
+        problems.append("LightningModule._current_fx_name")
     if "_scale" not in vars(torch.amp.GradScaler("cpu")):
         problems.append("torch.amp.GradScaler._scale")
     from lightning.fabric.utilities import distributed as fabric_distributed
@@ -775,6 +777,24 @@ def training_steps_taken(trainer: pl.Trainer) -> int:
         return trainer.global_step
     ran = trainer.current_epoch == swa._max_epochs + 1 and trainer.global_step > 0
     return trainer.global_step - int(ran)
+
+
+#: hooks Lightning runs after its count of batches that stepped moved past the epoch's last step
+_AFTER_THE_LAST_COUNT = frozenset({"on_train_epoch_end", "on_train_end", "on_fit_end"})
+
+
+def logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning gives a metric logged now: its count of batches that stepped, where
+    ``LightningModule.log``, ``LearningRateMonitor`` and validation write (one behind ``global_step`` at a
+    training batch's end; a batch count, not an optimizer count, with several optimizers). At a training
+    epoch's or the fit's end, the last step's, as Lightning writes an epoch's metrics. ``trainer.global_step``
+    where a Trainer has no fit loop of that shape."""
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    counted = getattr(epoch_loop, "_batches_that_stepped", None)
+    if not isinstance(counted, int):
+        return trainer.global_step
+    hook = getattr(trainer.strategy.lightning_module, "_current_fx_name", None)
+    return counted - 1 if hook in _AFTER_THE_LAST_COUNT and counted > 0 else counted
 
 
 def window_ended(trainer: pl.Trainer) -> bool:

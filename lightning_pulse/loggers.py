@@ -11,12 +11,17 @@ from collections.abc import Mapping
 
 import lightning.pytorch as pl
 
+from lightning_pulse import _lightning_compat as compat
+
 
 def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float] | None, step: int | None = None) -> None:
-    """Write ``metrics`` to each of ``trainer``'s loggers at ``step`` (the global step by default), on rank 0;
-    nothing for empty ``metrics``."""
+    """Write ``metrics`` to each of ``trainer``'s loggers at ``step``, on rank 0; nothing for empty ``metrics``.
+
+    By default at the step Lightning writes the user's own metrics of the same moment
+    (``compat.logging_step``): a phase change, an energy figure or a skipped step lines up with the loss of
+    the step it belongs to, not one after it."""
     if not metrics or not trainer.is_global_zero:
         return
-    at = trainer.global_step if step is None else step
+    at = compat.logging_step(trainer) if step is None else step
     for logger in trainer.loggers:
         logger.log_metrics(dict(metrics), step=at)
