@@ -30,9 +30,10 @@ from lightning_pulse.energy.account import (
     refuse_uncounted_processes,
     report_folder,
     trainer_chains,
+    write_fit_report,
 )
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
-from lightning_pulse.energy.compare import refuse_overwriting_baseline, scalar_metrics, write_report_compared
+from lightning_pulse.energy.compare import refuse_overwriting_baseline, scalar_metrics
 from lightning_pulse.energy.config import (
     DEFAULT_CURRENCY,
     AccountingConfig,
@@ -140,9 +141,6 @@ class EnergyLogger(Callback):
             self._fit_restores = FitRestores()
             self._held = compat.CollectiveHold()  # gathered figures, until gloo's worker lets go of them
             self._in_train_loop = False
-            self._last_cycle: int | None = None
-            self._last_global_step = 0
-            self._log_every = 1
             self._log_steps = False
 
     # ------------------------------------------------------------------ public API
@@ -186,19 +184,18 @@ class EnergyLogger(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         why = "it combines the ranks' figures at every epoch end, which the ranks would reach at other steps"
         compat.refuse_uneven_epochs(trainer, "EnergyLogger", why, self._held, only_if_an_epoch_ends=True)
-        self._in_train_loop, self._last_global_step = True, trainer.global_step
+        self._in_train_loop = True
         progress = compat.run_progress(trainer)  # the loader's batch size tells a time-major batch's samples
         self.account.begin_training(lambda: trainer.global_step, progress, trainer.train_dataloader)
         if compat.steps_per_batch_unknown(trainer):  # manual optimization, several optimizers
             if (line := no_forecast_line(compat.total_steps(trainer), len(trainer.optimizers))) is not None:
                 rank_zero_info(line)
-        self._log_every = self.accounting.log_every_n_steps or max(trainer.log_every_n_steps, 1)
+        self.account.log_steps_every(self.accounting.log_every_n_steps or max(trainer.log_every_n_steps, 1))
         self._log_steps = trainer.is_global_zero and bool(trainer.loggers)
         cycle = pulse_cycle_of(trainer)
-        self._last_cycle = None if cycle is None else cycle.cycle
         # the epoch too: a fit resumed mid-epoch gets no `on_train_epoch_start` for the epoch it resumes in
-        self.account.mark(
-            stage="train", phase=phase_of(trainer).value, cycle=self._last_cycle, epoch=trainer.current_epoch
+        self.account.mark_training(
+            phase_of(trainer).value, None if cycle is None else cycle.cycle, trainer.current_epoch
         )
 
     def on_pulse_phase_begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: Any) -> None:
@@ -208,10 +205,8 @@ class EnergyLogger(Callback):
 
     def on_pulse_phase_change(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: Any) -> None:
         """Listener of :class:`~lightning_pulse.PulseCycle`: the energy from now on belongs to the new phase."""
-        self.account.mark(phase=change.current.value, cycle=change.cycle)
-        self.account.skip_gap()  # the gap holds the phase change (maybe a probe), not a data wait
-        finished, self._last_cycle = self._last_cycle, change.cycle
-        if change.previous is not None and finished is not None and change.cycle > finished:
+        finished = self.account.change_phase(change.current.value, change.cycle, change.previous is not None)
+        if finished is not None:  # the change entered a later cycle: the one it left is complete
             self._log_cycle(trainer, finished)
 
     @override
@@ -237,11 +232,8 @@ class EnergyLogger(Callback):
     ) -> None:
         self.account.batch_ended()
         if self._log_steps:  # only rank 0 with a logger reads the step here
-            global_step = trainer.global_step
-            if global_step > self._last_global_step:
-                self._last_global_step = global_step
-                if global_step % self._log_every == 0:
-                    log_to_loggers(trainer, self.account.step_metrics())
+            if (metrics := self.account.due_step_metrics(trainer.global_step)) is not None:
+                log_to_loggers(trainer, metrics)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -290,9 +282,7 @@ class EnergyLogger(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self.account.drop_batch_in_flight()
-        self.account.stop()
-        if (where := self.account.nothing_trained()) is not None:  # no run to report on
+        if (where := self.account.interrupted()) is not None:  # no run to report on
             rank_zero_info(f"EnergyLogger: the fit stopped {where}; no energy report.")
             return
         # collectives are not safe after an exception on one rank, so only a single process reports
@@ -324,15 +314,15 @@ class EnergyLogger(Callback):
         collective = self._collective(trainer) if ended else None
         self.report = self.account.report(status, self.currency, collective, num_nodes=trainer.num_nodes)
         self.report["metrics"] = scalar_metrics(trainer.callback_metrics)
-        if trainer.fast_dev_run:
-            # a smoke test: Lightning suppresses logging and checkpointing, so no file is written either (the
-            # report stays in `self.report`)
-            rank_zero_info(
-                "EnergyLogger: fast_dev_run: the energy report is not written (kept in `.report`)."
-            )
-        elif trainer.is_global_zero:
-            baseline = self.accounting.baseline
-            self.report_paths = write_report_compared(self.report, directory, baseline, rank_zero_warn)
+        self.report_paths = write_fit_report(  # rank 0 only, and not under fast_dev_run (a smoke test)
+            self.report,
+            directory,
+            self.accounting.baseline,
+            bool(trainer.fast_dev_run),
+            trainer.is_global_zero,
+            rank_zero_info,
+            rank_zero_warn,
+        )
         return self.report
 
     def _collective(self, trainer: pl.Trainer) -> TensorCollective:

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 
 from lightning_pulse.energy.carbon import Rate
 from lightning_pulse.energy.codecarbon_meter import CodecarbonMeter, CodecarbonSession
-from lightning_pulse.energy.compare import baseline_ratios
+from lightning_pulse.energy.compare import baseline_ratios, write_report_compared
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.constant import (
     CODECARBON_DEFAULT,
@@ -266,6 +267,27 @@ def report_folder(report_dir: str | None, trainer: Any, ended: bool) -> str:
     return directory or trainer.default_root_dir
 
 
+def write_fit_report(
+    report: dict[str, Any],
+    directory: str,
+    baseline: str | None,
+    smoke_test: bool,
+    writes: bool,
+    info: Callable[[str], None],
+    warn: Callable[[str], None],
+) -> list[Path]:
+    """Write EnergyLogger's ``report`` into ``directory``, compared against the ``baseline`` run
+    (:func:`~lightning_pulse.energy.compare.write_report_compared`), where this process ``writes`` (the
+    global rank 0); the paths written. Under a ``smoke_test`` (``fast_dev_run``) Lightning suppresses logging
+    and checkpointing, so no file is written either (the report stays in EnergyLogger's ``.report``)."""
+    if smoke_test:
+        info("EnergyLogger: fast_dev_run: the energy report is not written (kept in `.report`).")
+        return []
+    if not writes:
+        return []
+    return write_report_compared(report, directory, baseline, warn)
+
+
 def guarded_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
     """Run a hook of an object holding an :class:`EnergyAccount` as ``account`` (the EnergyLogger) so that a
     bug in the metering warns once and never fails the training run."""
@@ -358,6 +380,8 @@ class EnergyAccount:
         self.disabled_reason: str | None = None
         self.global_zero = True
         self.fit_start_progress = (0, 0)  # (optimizer steps, batches) taken when this fit's training began
+        self._logged_step, self._log_every = 0, 1  # the last step seen by due_step_metrics, its interval
+        self._cycle: int | None = None  # the pulse cycle the training is in, for change_phase
         self._warned: set[str] = set()
         self._counter = BatchCounter()  # how each batch type's samples are counted, by the training loader(s)
         self._reset()
@@ -459,8 +483,25 @@ class EnergyAccount:
         (:class:`~lightning_pulse.energy.counting.BatchCounter`)."""
         self._counter = BatchCounter(loader)
         self.step_counter = step_counter
-        self._counted_step = step_counter()
+        self._counted_step = self._logged_step = step_counter()
         self.fit_start_progress = progress
+
+    def mark_training(self, phase: str, cycle: int | None, epoch: int) -> None:
+        """The training loop starts in ``phase`` of pulse ``cycle`` (``None``: no pulse cycle) and ``epoch``;
+        a later phase change into a later cycle completes this one (:meth:`change_phase`)."""
+        self._cycle = cycle
+        self.mark(stage="train", phase=phase, cycle=cycle, epoch=epoch)
+
+    def change_phase(self, phase: str, cycle: int, after_phase: bool) -> int | None:
+        """The pulse cycle's phase changes to ``phase`` of ``cycle``: the energy from now on belongs to it.
+        Returns the cycle this change completed, whose figures are then due: the one the training was in,
+        when the change comes ``after_phase`` (a phase before it) and enters a later cycle; else ``None``."""
+        self.mark(phase=phase, cycle=cycle)
+        self.skip_gap()  # the gap holds the phase change (maybe a probe), not a data wait
+        finished, self._cycle = self._cycle, cycle
+        if after_phase and finished is not None and cycle > finished:
+            return finished
+        return None
 
     def forecast_length(self, run_length: tuple[float, float], world_size: int = 1) -> tuple[float, float]:
         """The ``(steps, batches)`` of ``run_length`` (the whole run's; batches on one of ``world_size``
@@ -523,6 +564,14 @@ class EnergyAccount:
         if self._uncounted is not None:  # nothing folded it yet: fold_counts counts the batch first
             self._batches -= 1
         self._uncounted = None
+
+    def interrupted(self) -> str | None:
+        """The fit raised: drop the batch in flight (:meth:`drop_batch_in_flight`) and stop metering. Where
+        the fit stopped when none of its training batches trained (:meth:`nothing_trained`: no run to report
+        on), else ``None``."""
+        self.drop_batch_in_flight()
+        self.stop()
+        return self.nothing_trained()
 
     def count_batch(self) -> None:
         """Count the samples and tokens of the batch that started, once: at its backward, so a batch another
@@ -751,6 +800,22 @@ class EnergyAccount:
             metrics["energy/power_w"] = (joules - previous[0]) / (seconds - previous[1])
         self._last_step_log = (joules, seconds)
         return metrics
+
+    def log_steps_every(self, every: int) -> None:
+        """:meth:`due_step_metrics` gives the step figures at each optimizer step that is a multiple of
+        ``every``, after the step the training loop began at (:meth:`begin_training`)."""
+        self._log_every = every
+
+    def due_step_metrics(self, global_step: int) -> dict[str, float] | None:
+        """:meth:`step_metrics` at the first batch end of optimizer step ``global_step`` when it is a multiple
+        of the interval (:meth:`log_steps_every`); ``None`` at any other batch end (a step already seen, as
+        under gradient accumulation, or one between two logged steps)."""
+        if global_step <= self._logged_step:
+            return None
+        self._logged_step = global_step
+        if global_step % self._log_every:
+            return None
+        return self.step_metrics()
 
     def progress_text(self) -> str:
         """The progress bar's figure; it changes only with a reading, so it is formatted once per reading."""
