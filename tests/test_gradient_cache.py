@@ -996,7 +996,7 @@ def test_an_optimizer_that_moves_gradless_parameters_is_caught_at_the_first_froz
     resumed = GradientCache()
     resumed.load_state_dict({**cache.state_dict(), "cache": None})
     lifecycle = resumed._lifecycle
-    lifecycle.load_optimizer_check(resumed._pending_state["optimizer_check"])  # what on_train_start does
+    lifecycle.load_optimizer_check(resumed._lifecycle.pending["optimizer_check"])  # what on_train_start does
     assert not lifecycle.may_freeze
 
 

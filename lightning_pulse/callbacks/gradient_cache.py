@@ -24,7 +24,7 @@ from lightning_pulse.core.activation_cache import LoaderActivationCache, PrefixA
 from lightning_pulse.core.backward_flops import BackwardFlopLedger, check_measure_flops
 from lightning_pulse.core.custom_functions import add_ddp_inner_backward_note
 from lightning_pulse.core.freeze_metrics import METRIC_PREFIX as METRIC_PREFIX
-from lightning_pulse.core.freeze_metrics import freeze_event, freeze_metrics
+from lightning_pulse.core.freeze_metrics import freeze_metrics
 from lightning_pulse.core.freeze_units import check_unit_names
 from lightning_pulse.core.layer_freezing import (
     FreezerLifecycle,
@@ -38,7 +38,6 @@ from lightning_pulse.core.layer_freezing import (
 from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_uninitialized_parameters, refusing
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
-from lightning_pulse.records import append_recent
 
 
 class GradientCache(Callback):
@@ -122,10 +121,8 @@ class GradientCache(Callback):
 
         self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)  # the freezer and its units
         self.ledger = BackwardFlopLedger()
-        self.events: list[dict[str, Any]] = []  # the latest 1,000 changes of the frozen prefix
         self._replay: LoaderActivationCache | None = None
         self._loader_watch = compat.HookWatch(compat.on_train_dataloader_ready)
-        self._pending_state: dict[str, Any] | None = None
         # set from on_train_start to the end of training: a load_state_dict then applies at once (a rollback)
         self._fit_refs: tuple[pl.Trainer, pl.LightningModule] | None = None
         self._held = compat.CollectiveHold()  # the hit rates' gathered counts, until gloo's worker lets go
@@ -143,6 +140,11 @@ class GradientCache(Callback):
         return self._lifecycle.frozen_names
 
     @property
+    def events(self) -> list[dict[str, Any]]:
+        """The latest 1,000 changes of the frozen prefix (``step``, ``from``, ``to``, ``reason``)."""
+        return self._lifecycle.events
+
+    @property
     def activations(self) -> PrefixActivationCache | None:
         """The activation cache of the current fit (``None`` when off)."""
         return self._replay.cache if self._replay is not None else None
@@ -157,7 +159,7 @@ class GradientCache(Callback):
         self._loader_watch.watch(trainer, LoaderActivationCache.track if self.activation_cache_mb else None)
         # a new fit starts from scratch unless a checkpoint restore (which comes after setup) says otherwise
         self._lifecycle = FreezerLifecycle(self.settings, self.unit_names)
-        self.ledger, self.events, self._pending_state, self._fit_refs = BackwardFlopLedger(), [], None, None
+        self.ledger, self._fit_refs = BackwardFlopLedger(), None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -182,12 +184,8 @@ class GradientCache(Callback):
         )
         self._loader_watch.stop()  # the data is set up (reloading it is refused with the cache)
         self._fit_refs = (trainer, pl_module)
-        state, self._pending_state = self._pending_state, None
         # a checkpoint applies here, after the strategy wrapped the model: DDP must see every parameter trainable
-        pinned = self._lifecycle.resume(state, pl_module, self._replay)
-        # a restored freezer's pinned units; units still to be ordered are named when they are (announce_units)
-        if pinned is not None:
-            rank_zero_info(f"GradientCache: {pinned}.")
+        self._lifecycle.resume(self._lifecycle.pending, pl_module, self._replay, info=rank_zero_info)
 
     def _end_activation_batch(self) -> None:
         if self._replay is not None and (reason := self._replay.end_batch()) is not None:
@@ -201,9 +199,8 @@ class GradientCache(Callback):
         if batch_idx == 0 or self._lifecycle.resumed_first_batch:  # where recipes unfreeze a backbone: look
             self._lifecycle.follow_optimizers(trainer.optimizers)  # a recipe may have made new ones
             self._retrace(trainer, pl_module, check=True)
-            before = self._lifecycle.frozen_prefix  # a unit the user's code turned back on: released before
-            if self.freezer is not None and self.freezer.release_taken_back():  # the forward and the ledger
-                self._record(trainer.global_step, before, "taken back")
+            # a unit the user's code turned back on: released before the forward and the ledger
+            self._lifecycle.release_taken_back(trainer.global_step, self._replay)
         self._lifecycle.begin_forward()  # a resumed fit's first backward trains its prefix: graph checked
         if self._replay is not None:  # not that batch: its prefix's outputs require grad, no record of them
             self._replay.begin_batch(batch_idx, frozen=self._lifecycle.backward_prefix > 0)
@@ -215,7 +212,7 @@ class GradientCache(Callback):
         self._end_activation_batch()
         if (before := self._lifecycle.optimizer_moved_frozen_units(from_rank_zero(trainer))) is not None:
             rank_zero_warn(self._lifecycle.optimizer_check.warning())  # freezing stopped for good
-            self._record(trainer.global_step, before, "optimizer")
+            self._lifecycle.record(trainer.global_step, before, "optimizer", self._replay)
 
     @override
     def on_before_backward(
@@ -243,11 +240,7 @@ class GradientCache(Callback):
         before = self.freezer.frozen_prefix
         enabled = self._phase_enabled and in_span(self._span, trainer.global_step + 1)
         report = self._lifecycle.step(enabled, from_rank_zero(trainer), trainer.optimizers)
-        if report.taken_back:  # the user's code turned a frozen unit back on in the middle of an epoch
-            self._record(trainer.global_step + 1, before, "taken back", after=0)
-            before = 0
-        if report.changed:
-            self._record(trainer.global_step + 1, before, report.reason)
+        self._lifecycle.record_step(trainer.global_step + 1, before, report, self._replay)
         due = report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
         if due:  # every rank joins the hit rates' gather (a logger may be on rank 0 only); the lowest logged
             gather = functools.partial(compat.all_gather_held, trainer.strategy, hold=self._held)
@@ -268,7 +261,7 @@ class GradientCache(Callback):
             self.ledger.remeasure()
             (rank_zero_warn if retraced[2] else rank_zero_info)(f"GradientCache: {retraced[0]}.")
             if retraced[1]:
-                self._record(trainer.global_step, retraced[1], "retrace")
+                self._lifecycle.record(trainer.global_step, retraced[1], "retrace", self._replay)
 
     @override
     def on_pulse_phase_change(
@@ -278,15 +271,14 @@ class GradientCache(Callback):
         self._phase_enabled = change.current in self.phases
         enabled = self._phase_enabled and in_span(self._span, trainer.global_step)
         if (before := self._lifecycle.follow_phase(enabled, resume=change.reason == "resume")) is not None:
-            self._record(trainer.global_step, before, f"phase:{change.current.value}")
+            self._lifecycle.record(trainer.global_step, before, f"phase:{change.current.value}", self._replay)
 
     def on_pulse_parameters_replaced(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
     ) -> None:
         """Follow parameters that structured pruning replaced: units, window snapshots, FLOP measurements."""
-        self._lifecycle.follow(remap)
+        self._lifecycle.follow(remap, self._replay)
         self.ledger.remeasure()
-        self._lifecycle.replan(self._replay, again=True)
 
     def on_pulse_weights_changed(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Drop the recorded activations: weights changed in place (an unstructured prune event's masks)."""
@@ -321,20 +313,13 @@ class GradientCache(Callback):
         self._loader_watch.stop()  # a fit refused before on_train_start's stop: no hook left on the strategy
         self._fit_refs = None
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
-        self._close_contexts()
+        self._lifecycle.close(self._replay, self.ledger)
         self._lifecycle.end()  # the user's module leaves fit exactly as it came in: every parameter trainable
-
-    def _close_contexts(self) -> None:
-        if self.activations is not None:
-            self.activations.end_batch()
-        self._lifecycle.close()
-        self.ledger.close()
 
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self._pending_state is not None:  # restored, but the fit trained nothing: no on_train_start came
-            return dict(self._pending_state)
+        # the restored state as it was while a restored fit trained nothing (no on_train_start came)
         return self._lifecycle.state_dict(self.ledger.state_dict(), self.events)
 
     @override
@@ -349,19 +334,10 @@ class GradientCache(Callback):
         if not self._one_run.restored():  # loaded by validate, test or predict: no resume
             return
         if self._fit_refs is None:
-            self._pending_state = dict(state_dict)
+            self._lifecycle.hold(state_dict)  # applied by on_train_start
             self.ledger.load_state_dict(state_dict["ledger"])
-            self.events = list(state_dict["events"])
             return
         trainer, pl_module = self._fit_refs
-        self._close_contexts()
-        before = self._lifecycle.roll_back(state_dict, pl_module, trainer.global_step, self._replay)
+        self._lifecycle.close(self._replay, self.ledger)
+        self._lifecycle.roll_back(state_dict, pl_module, trainer.global_step, self._replay)  # records changes
         self.ledger.new_step()
-        if (after := self._lifecycle.frozen_prefix) != before:
-            append_recent(self.events, freeze_event(trainer.global_step, before, after, "restore"))
-
-    # ------------------------------------------------------------------ reporting
-    def _record(self, step: int, before: int, reason: str, after: int | None = None) -> None:
-        after = self._lifecycle.frozen_prefix if after is None else after
-        append_recent(self.events, freeze_event(step, before, after, reason))
-        self._lifecycle.replan(self._replay)

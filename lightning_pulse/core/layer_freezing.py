@@ -33,7 +33,9 @@ except ImportError:  # a torch built without distributed support
     ZeroRedundancyOptimizer = ()  # type: ignore[assignment,misc]
 
 from lightning_pulse.core.activation_cache import FEATURE_ENCODER_HINT, LoaderActivationCache, reads_gradient
+from lightning_pulse.core.backward_flops import BackwardFlopLedger
 from lightning_pulse.core.custom_functions import DDP_INNER_BACKWARD, FunctionScan
+from lightning_pulse.core.freeze_metrics import freeze_event
 from lightning_pulse.core.freeze_units import (
     ForwardOrderTrace,
     FreezeUnit,
@@ -55,6 +57,7 @@ from lightning_pulse.core.freeze_units import (
 from lightning_pulse.core.snapshots import hook_around_steps, runs_step_hooks
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import KNOWN_LENGTH
+from lightning_pulse.records import append_recent
 
 STATE_VERSION = 2
 
@@ -1048,6 +1051,9 @@ class FreezerLifecycle:
     Attributes:
         freezer: the fit's freezer; ``None`` while the units wait for a backward to order them.
         trace: the units waiting for that backward; ``None`` once there is a freezer.
+        events: the latest 1,000 changes of the frozen prefix (:func:`freeze_event`, see :meth:`record`), for
+            :class:`~lightning_pulse.GradientCache`'s report and checkpoint; a rollback keeps them.
+        pending: a checkpoint's state restored before the fit trains (:meth:`hold`), until :meth:`resume`.
 
     Example::
 
@@ -1102,6 +1108,8 @@ class FreezerLifecycle:
         self.gradients_lost: list[str] = []  # names of parameters a freeze cut off: nothing freezes any more
         self._notes: list[str] = []  # warnings for :meth:`announce`
         self.backward_reach = BackwardReachCheck()  # whether backward still runs through the frozen prefix
+        self.events: list[dict[str, Any]] = []  # the latest 1,000 changes of the frozen prefix
+        self.pending: dict[str, Any] | None = None  # a checkpoint's state, until the fit's start applies it
 
     @property
     def units(self) -> list[FreezeUnit]:
@@ -1188,6 +1196,14 @@ class FreezerLifecycle:
     def resumed_first_batch(self) -> bool:
         """Whether the next forward is a resumed fit's first (:meth:`begin_forward` opens its prefix)."""
         return self._open_first_forward
+
+    def release_taken_back(self, step: int, replay: LoaderActivationCache | None = None) -> None:
+        """At an epoch's first batch, before its forward: release every unit if the user's code turned one
+        the freezer froze back on (:meth:`LayerFreezer.release_taken_back`), and :meth:`record` that at
+        ``step``, so the forward and the FLOP ledger see the release."""
+        before = self.frozen_prefix
+        if self.freezer is not None and self.freezer.release_taken_back():
+            self.record(step, before, "taken back", replay)
 
     def begin_forward(self) -> None:
         """Before a batch's forward. In a resumed fit's first, turn the restored prefix back on, so that the
@@ -1480,6 +1496,33 @@ class FreezerLifecycle:
         self.optimizer_check.before_step(optimizers, held, self.repeats_closure)  # none held: copies dropped
         return report
 
+    def record_step(
+        self, step: int, before: int, report: StepReport, replay: LoaderActivationCache | None = None
+    ) -> None:
+        """:meth:`record` the changes of the frozen prefix that :meth:`step` reported in ``report``, at
+        optimizer ``step``, from the ``before`` units frozen when it began: first a release because the user's
+        code turned a frozen unit back on in the middle of an epoch, then the step's own change."""
+        if report.taken_back:
+            self.record(step, before, "taken back", replay, after=0)
+            before = 0
+        if report.changed:
+            self.record(step, before, report.reason, replay)
+
+    def record(
+        self,
+        step: int,
+        before: int,
+        reason: str,
+        replay: LoaderActivationCache | None = None,
+        after: int | None = None,
+    ) -> None:
+        """Append a change of the frozen prefix, at optimizer ``step`` from ``before`` units to ``after``
+        (``None``: the frozen prefix now), and ``reason``, to :attr:`events`; then plan ``replay`` on the
+        units frozen now (:meth:`replan`)."""
+        after = self.frozen_prefix if after is None else after
+        append_recent(self.events, freeze_event(step, before, after, reason))
+        self.replan(replay)
+
     def repeated_evaluation(self) -> bool:
         """Whether this call (one per closure evaluation, before the optimizer uses its gradients) is a later
         evaluation of an optimizer step counted already: SAM evaluates its closure twice per step. Windows and
@@ -1542,15 +1585,24 @@ class FreezerLifecycle:
         )
 
     def resume(
-        self, state: Mapping[str, Any] | None, model: nn.Module, replay: LoaderActivationCache | None = None
+        self,
+        state: Mapping[str, Any] | None,
+        model: nn.Module,
+        replay: LoaderActivationCache | None = None,
+        info: Callable[[str], None] | None = None,
     ) -> str | None:
         """Start a fit from a :meth:`state_dict` (``None``: a fresh run): :meth:`start` from its freezer,
         plan ``replay`` (the fit's activation cache) on the restored frozen units, then
-        :meth:`load_optimizer_check`. Returns :meth:`start`'s note on the pinned units."""
+        :meth:`load_optimizer_check`. Returns :meth:`start`'s note on the pinned units, and says it through
+        ``info``: a restored freezer's (units still to be ordered are named when they are:
+        :meth:`announce`). Drops the :attr:`pending` state (pass it as ``state``)."""
+        self.pending = None
         pinned = self.start(None if state is None else state["cache"], model)
         if state is not None:
             self.replan(replay)
             self.load_optimizer_check(state.get("optimizer_check"))
+        if pinned is not None and info is not None:
+            info(f"GradientCache: {pinned}.")
         return pinned
 
     def roll_back(
@@ -1561,12 +1613,16 @@ class FreezerLifecycle:
         replay: LoaderActivationCache | None = None,
     ) -> int:
         """A rollback, after ``step`` optimizer steps, to a :meth:`state_dict`: :meth:`restore` its freezer,
-        :meth:`load_optimizer_check`, then plan ``replay`` again. Returns the frozen prefix before."""
+        :meth:`load_optimizer_check`, then plan ``replay`` again; a change of the frozen prefix goes to
+        :attr:`events` (reason ``"restore"``), which the state does not replace. Returns the frozen prefix
+        before."""
         before = self.frozen_prefix
         self.restore(state["cache"], model, step)
         self.load_optimizer_check(state.get("optimizer_check"))
         # the records were made with parameters the rollback may have changed: record again
         self.replan(replay, again=True)
+        if (after := self.frozen_prefix) != before:
+            append_recent(self.events, freeze_event(step, before, after, "restore"))
         return before
 
     def replan(self, replay: LoaderActivationCache | None, again: bool = False) -> None:
@@ -1575,10 +1631,19 @@ class FreezerLifecycle:
         if replay is not None:
             replay.plan(self.freezer.frozen_names if self.freezer is not None else [], again)
 
+    def hold(self, state: Mapping[str, Any]) -> None:
+        """A checkpoint restore before the fit trains: keep ``state`` (a :meth:`state_dict`) as
+        :attr:`pending` for :meth:`resume` at the fit's start (DDP must see every parameter trainable when it
+        wraps the model), and take its :attr:`events` at once."""
+        self.pending, self.events = dict(state), list(state["events"])
+
     def state_dict(self, ledger: Mapping[str, Any], events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         """:class:`~lightning_pulse.GradientCache`'s checkpoint: the freezer's state (``None`` while the units
         wait for their order), the given FLOP ``ledger`` state and frozen-prefix ``events``, and the optimizer
-        check's state."""
+        check's state; the :attr:`pending` state as it came while a restored fit trained nothing (no
+        :meth:`resume` came)."""
+        if self.pending is not None:
+            return dict(self.pending)
         return {
             "cache": self.freezer.state_dict() if self.freezer is not None else None,
             "ledger": ledger,
@@ -1586,20 +1651,32 @@ class FreezerLifecycle:
             "optimizer_check": self.optimizer_check.state_dict(),
         }
 
-    def follow(self, replacements: Iterable[tuple[nn.Parameter, nn.Parameter, torch.Tensor]]) -> None:
+    def follow(
+        self,
+        replacements: Iterable[tuple[nn.Parameter, nn.Parameter, torch.Tensor]],
+        replay: LoaderActivationCache | None = None,
+    ) -> None:
         """Point the units and the window snapshots at parameters that replaced others (structured pruning):
         :func:`follow_replaced_parameters`. The new parameters are not checked yet: the optimizer check arms
-        again."""
+        again. ``replay`` (the fit's activation cache) drops its records and plans again (:meth:`replan`)."""
         follow_replaced_parameters(replacements, self.freezer, self.trace)
         self.optimizer_check.forget_checked_set()
+        self.replan(replay, again=True)
 
-    def close(self) -> None:
-        """Remove the order recording's hooks (also when the backward never came)."""
+    def close(
+        self, replay: LoaderActivationCache | None = None, ledger: BackwardFlopLedger | None = None
+    ) -> None:
+        """Remove the order recording's hooks (also when the backward never came); with them, end the batch
+        under way of ``replay``'s cache and ``ledger``'s count (a rollback, the fit's end)."""
+        if replay is not None:
+            replay.cache.end_batch()
         if self.trace is not None:
             self.trace.close()
         if self._scan is not None:
             self._scan.finish()
         self.backward_reach.close()
+        if ledger is not None:
+            ledger.close()
 
     def end(self) -> None:
         """Turn back on every parameter the freezer turned off, so the module leaves the fit as it came in."""
