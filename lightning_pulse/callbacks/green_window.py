@@ -1,14 +1,13 @@
 """GreenWindow: run the bursts when the grid is clean (or power cheap); lighten, pause or suspend otherwise.
 
-The policy, clocks and accounting live in :mod:`lightning_pulse.core.green_window`, the forecasts in
-:mod:`lightning_pulse.energy.forecast`; this file maps trainer hooks onto them, checks its arguments, holds
-its state, logs and writes the report.
+The policy, clocks, accounting and argument checks live in :mod:`lightning_pulse.core.green_window`, the
+report in :mod:`lightning_pulse.core.green_report`, the forecasts in :mod:`lightning_pulse.energy.forecast`;
+this file maps trainer hooks onto them, holds its state and logs.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,29 +18,21 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
-from lightning_pulse.core.green_report import energy_source, report_record, saving_line, write_green_report
+from lightning_pulse.core.green_report import energy_source, finish_report, saving_line
 from lightning_pulse.core.green_window import (
     FAST_DEV_RUN_LINE,
+    NO_ENERGY_LINE,
     Decision,
-    GreenSchedule,
     GreenWindowOptions,
-    GreenWindowPolicy,
-    OpenSegment,
-    RunClock,
-    ScheduleLedger,
-    SystemClock,
-    checked_arguments,
     clocks_apart,
     decision_line,
     fit_start_refusal,
-    options_from,
-    pause,
-    seconds_of,
+    green_window_parts,
+    pause_slot,
+    restart_run,
     unknown_length_refusal,
-    write_resume_file,
+    write_resume_notice,
 )
-from lightning_pulse.energy.carbon import format_utc
-from lightning_pulse.energy.signal import GreenSignal
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, refuse_unwritable_dir, refusing
 from lightning_pulse.loggers import log_to_loggers
 
@@ -134,31 +125,27 @@ class GreenWindow(Callback):
     ) -> None:
         super().__init__()
         self._one_run = OneRunPerInstance("GreenWindow")  # a second fit would spend the first's delay budget
-        try:
-            self.options = options if isinstance(options, GreenWindowOptions) else options_from(options)
-            checked = checked_arguments(
-                when_dirty, forecast, threshold, horizon, max_delay, deadline, expected_duration
-            )
-            self.when_dirty, self.forecast, delay, share, deadline_s, expected = checked
-            self.policy = GreenWindowPolicy(
-                self.forecast, threshold, seconds_of(horizon, "horizon"), self.options.slot_s
-            )
-            self.signal = GreenSignal(signal, self.options.signal_start)
-            self.clock = clock or SystemClock()
-            self.run_clock = RunClock(self.clock)  # the clock, never earlier than a resumed checkpoint's save
-        except ValueError as error:
-            text = str(error)
-            raise ValueError(text if text.startswith("GreenWindow") else f"GreenWindow: {text}") from None
-        ledger = ScheduleLedger(self.signal.mean, self.options.unit)
-        self.schedule = GreenSchedule(
-            self.policy, delay, share, expected, deadline_s, ledger, light=self.when_dirty == "light"
+        parts = green_window_parts(  # checked: a ValueError names the field
+            signal,
+            when_dirty,
+            threshold,
+            horizon,
+            max_delay,
+            deadline,
+            forecast,
+            expected_duration,
+            clock,
+            options,
         )
+        self.options, self.when_dirty, self.forecast = parts.options, parts.when_dirty, parts.forecast
+        self.policy, self.signal, self.clock = parts.policy, parts.signal, parts.clock
+        # run_clock: the clock, never earlier than a resumed checkpoint's save (see GreenWindowParts)
+        self.run_clock, self.schedule, self.segment = parts.run_clock, parts.schedule, parts.segment
         self.suspended: dict[str, Any] | None = None
         self.report: dict[str, Any] | None = None
         self.report_paths: list[Path] = []
         self._held = compat.CollectiveHold()
         self._energy: Any = None
-        self.segment = OpenSegment(self.schedule, self.options.watts)  # the compute since the last mark
         self._open: dict[str, Any] | None = None  # the segment a checkpoint held, until training resumes
         self._carried_s = 0.0  # the run-time shift a checkpoint held (RunClock.restart)
         self._last_step, self._next_check, self._waiting = 0, -math.inf, False
@@ -179,8 +166,7 @@ class GreenWindow(Callback):
         intensity = None if self._energy is None else self._energy.intensity
         refusal = fit_start_refusal(
             self.when_dirty,
-            pulse_cycle=cycle is not None,
-            light_phases=cycle is not None and bool(cycle.clock.light_phases),
+            light_phases=None if cycle is None else bool(cycle.clock.light_phases),
             steps_replay=planned,
             checkpointing=isinstance(trainer.checkpoint_callback, ModelCheckpoint),
             signal=self.signal.known or (intensity is not None and intensity.series is not None),
@@ -194,9 +180,7 @@ class GreenWindow(Callback):
         refuse_unwritable_dir("GreenWindow", "options.report_dir", self.options.report_dir)
         self.signal.follow(intensity)  # without a signal of its own: the EnergyLogger's series, on this clock
         if self.options.watts is None and self._energy is None:
-            rank_zero_info(
-                "GreenWindow: no EnergyLogger and no options.watts; savings in % and per kWh only."
-            )
+            rank_zero_info(NO_ENERGY_LINE)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -209,12 +193,11 @@ class GreenWindow(Callback):
         energy_now = None if self._energy is None else self._energy.account.wall_clock()
         for line in filter(None, (behind, late, clocks_apart(now, energy_now, self.options.slot_s))):
             rank_zero_warn(line)
-        self.signal.anchor(now, energy_now)  # a followed EnergyLogger's run start, moved onto this clock
-        self.schedule.begin(now)
-        away = None if self.suspended is None else self.suspended["at"]  # suspended: the time away was waited
-        self._next_check = self.segment.restart(now, self._kwh, self._open, away)
-        if away is not None:
-            rank_zero_info(f"GreenWindow: resuming after {(now - away) / 3600:.1f} h suspended.")
+        self._next_check, resumed = restart_run(
+            now, energy_now, self.signal, self.schedule, self.segment, self._kwh, self._open, self.suspended
+        )
+        if resumed is not None:
+            rank_zero_info(resumed)
         self._open = self.suspended = None
         self._last_step = trainer.global_step
         if trainer.fast_dev_run:  # a smoke test: `_check` takes no decision, so its batches run
@@ -316,16 +299,16 @@ class GreenWindow(Callback):
             return False
         if decision.run:
             return False
-        start = self.run_clock.time()
-        if self.when_dirty == "pause":
-            with nullcontext() if self._energy is None else self._energy.account.not_training():
-                slept = pause(self.clock, decision.wait_s, lambda: trainer.received_sigterm)
-                self.segment.waited(start, end := self.run_clock.time(), self._kwh())
-            if not slept:  # Lightning stops the fit at this batch's end, as it does without GreenWindow
-                rank_zero_info(f"GreenWindow: SIGTERM received; the pause ends after {end - start:.0f} s.")
-            self._next_check = -math.inf if slept else self._next_check
-            return slept
-        self._suspend(trainer, decision, start)
+        if self.when_dirty == "pause":  # an EnergyLogger books the pause to no training stage
+            account = None if self._energy is None else self._energy.account
+            stopped = pause_slot(
+                self.run_clock, self.segment, decision.wait_s, lambda: trainer.received_sigterm, account
+            )
+            if stopped is not None:  # Lightning stops the fit at this batch's end, as without GreenWindow
+                rank_zero_info(stopped)
+            self._next_check = -math.inf if stopped is None else self._next_check
+            return stopped is None
+        self._suspend(trainer, decision, self.run_clock.time())
         return False
 
     def _suspend(self, trainer: pl.Trainer, decision: Decision, now: float) -> None:
@@ -335,8 +318,7 @@ class GreenWindow(Callback):
         path = folder / SUSPEND_CHECKPOINT
         trainer.save_checkpoint(path)
         if trainer.is_global_zero:
-            written = write_resume_file(folder, now, resume_at, path, decision, self.schedule.budget_left_s())
-            rank_zero_info(f"GreenWindow: suspended until {format_utc(resume_at)} UTC ({written}).")
+            rank_zero_info(write_resume_notice(folder, now, resume_at, path, decision, self.schedule))
         trainer.should_stop = True
 
     # ------------------------------------------------------------------ energy
@@ -354,14 +336,9 @@ class GreenWindow(Callback):
     # ------------------------------------------------------------------ report
     def _write_report(self, folder: Path | None, status: str) -> None:
         source = energy_source(self._energy is not None, self.options.watts)
-        self.report = report_record(
-            status, self.when_dirty, self.schedule, self.signal.describe(), source, self.suspended
+        self.report, self.report_paths, failure = finish_report(  # folder None: fast_dev_run, no files
+            status, self.when_dirty, self.schedule, self.signal, source, self.suspended, folder, self.options
         )
-        try:
-            if folder is not None:  # None: a fast_dev_run smoke test, which writes no files
-                self.report_paths = write_green_report(
-                    self.report, folder, self.signal.mean, self.schedule.first_forecast, self.options
-                )
-        except Exception as error:  # a report that cannot be written must not fail a finished run
-            rank_zero_warn(f"GreenWindow: could not write the report to {folder} ({error}).")
+        if failure is not None:  # a report that cannot be written must not fail a finished run
+            rank_zero_warn(failure)
         rank_zero_info(f"GreenWindow: {saving_line(self.report['summary'], self.options.unit)}")

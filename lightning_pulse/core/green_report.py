@@ -14,6 +14,7 @@ from lightning_pulse.core.green_window import (
     write_schedule_plot,
 )
 from lightning_pulse.energy.report import write_text_atomic
+from lightning_pulse.energy.signal import GreenSignal
 
 REPORT_NAME = "green_window_report"
 
@@ -77,6 +78,28 @@ def write_green_report(
         )
         written += [png] if png is not None else []
     return written
+
+
+def finish_report(
+    status: str,
+    when_dirty: str,
+    schedule: GreenSchedule,
+    signal: GreenSignal,
+    energy_source: str | None,
+    suspended: dict[str, Any] | None,
+    folder: Path | None,
+    options: GreenWindowOptions,
+) -> tuple[dict[str, Any], list[Path], str | None]:
+    """The report (:func:`report_record`), the files written into ``folder`` (:func:`write_green_report`;
+    ``None``: a fast_dev_run smoke test, which writes no files), and the line that says why they could not be
+    written (else ``None``): a report that cannot be written must not fail a finished run."""
+    report = report_record(status, when_dirty, schedule, signal.describe(), energy_source, suspended)
+    try:
+        if folder is None:
+            return report, [], None
+        return report, write_green_report(report, folder, signal.mean, schedule.first_forecast, options), None
+    except Exception as error:
+        return report, [], f"GreenWindow: could not write the report to {folder} ({error})."
 
 
 def saving_line(summary: dict[str, Any], unit: str) -> str:

@@ -22,14 +22,16 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import Forecast
+from lightning_pulse.energy.signal import GreenSignal
 from lightning_pulse.phase import (
     KNOWN_LENGTH,
     SECONDS_UNIT_NAMES,
@@ -165,6 +167,7 @@ FAST_DEV_RUN_LINE = (
     "GreenWindow: fast_dev_run: it does not act (no wait, hold or suspend: the smoke test runs its batches) "
     "and writes no report (kept in `.report`)."
 )
+NO_ENERGY_LINE = "GreenWindow: no EnergyLogger and no options.watts; savings in % and per kWh only."
 
 
 def pause(clock: Any, seconds: float, stop: Callable[[], bool]) -> bool:
@@ -185,6 +188,21 @@ def pause(clock: Any, seconds: float, stop: Callable[[], bool]) -> bool:
         clock.sleep(min(left, WAIT_SLICE_S))
         left -= WAIT_SLICE_S
     return True
+
+
+def pause_slot(
+    run_clock: RunClock, segment: OpenSegment, seconds: float, stop: Callable[[], bool], account: Any = None
+) -> str | None:
+    """A pause of ``seconds`` on ``run_clock``'s clock (:func:`pause`, ended early when ``stop()``), booked in
+    ``segment`` as waited from the run's time before it to the run's time after it. ``account``: an attached
+    EnergyLogger's :class:`~lightning_pulse.energy.account.EnergyAccount` (or ``None``): the pause is booked
+    there to no training stage (``not_training``), and its meters are read at the pause's end. Returns
+    ``None`` when the whole pause was slept, else the line that says ``stop()`` (SIGTERM) ended it."""
+    start = run_clock.time()
+    with nullcontext() if account is None else account.not_training():
+        slept = pause(run_clock.clock, seconds, stop)
+        segment.waited(start, end := run_clock.time(), None if account is None else account.kwh_now())
+    return None if slept else f"GreenWindow: SIGTERM received; the pause ends after {end - start:.0f} s."
 
 
 # ---------------------------------------------------------------------------- the policy
@@ -863,17 +881,17 @@ def run_status(suspended: bool, timers_left_s: list[float | None], steps_left: C
 
 def fit_start_refusal(
     when_dirty: str,
-    pulse_cycle: bool,
-    light_phases: bool,
+    light_phases: bool | None,
     steps_replay: bool,
     checkpointing: bool,
     signal: bool,
 ) -> str | None:
-    """Why GreenWindow cannot run in this Trainer (``None``: it can). ``pulse_cycle``: a PulseCycle is
-    attached; ``light_phases``: it has a light phase; ``steps_replay``: a ``HardSampleReplay(mode="steps")``
-    is attached; ``checkpointing``: the Trainer has a ModelCheckpoint; ``signal``: a signal was given, or an
-    attached EnergyLogger has a carbon-intensity series."""
+    """Why GreenWindow cannot run in this Trainer (``None``: it can). ``light_phases``: the attached
+    PulseCycle has a light phase (``None``: no PulseCycle is attached); ``steps_replay``: a
+    ``HardSampleReplay(mode="steps")`` is attached; ``checkpointing``: the Trainer has a ModelCheckpoint;
+    ``signal``: a signal was given, or an attached EnergyLogger has a carbon-intensity series."""
     if when_dirty == "light" and not light_phases:
+        pulse_cycle = light_phases is not None
         return (
             "GreenWindow: when_dirty='light' keeps the run in PulseCycle's light phases (replay, maintain), "
             f"but {'the PulseCycle has no light phase' if pulse_cycle else 'no PulseCycle is attached'}; "
@@ -1338,6 +1356,85 @@ class OpenSegment:
         return float(state["next_check"])
 
 
+def restart_run(
+    now: float,
+    energy_now: float | None,
+    signal: GreenSignal,
+    schedule: GreenSchedule,
+    segment: OpenSegment,
+    read_kwh: Callable[[], float | None],
+    saved: dict[str, Any] | None,
+    suspended: Mapping[str, Any] | None,
+) -> tuple[float, str | None]:
+    """Training (re)starts at ``now`` (the run's time, :meth:`RunClock.restart`), from a checkpoint that held
+    the ``saved`` segment and maybe a suspend (``suspended``), or afresh. Returns when the next decision is
+    due (:meth:`OpenSegment.restart`), and the line that says how long the run was suspended (else ``None``).
+    ``energy_now``: a followed EnergyLogger's wall clock read at ``now``, or ``None``."""
+    signal.anchor(now, energy_now)  # a followed EnergyLogger's run start, moved onto this clock
+    schedule.begin(now)
+    away = None if suspended is None else suspended["at"]  # suspended: the time away was waited
+    next_check = segment.restart(now, read_kwh, saved, away)
+    if away is None:
+        return next_check, None
+    return next_check, f"GreenWindow: resuming after {(now - away) / 3600:.1f} h suspended."
+
+
+class GreenWindowParts(NamedTuple):
+    """What a :class:`~lightning_pulse.GreenWindow` runs on, built from its arguments
+    (:func:`green_window_parts`)."""
+
+    options: GreenWindowOptions
+    when_dirty: str
+    forecast: Forecast
+    policy: GreenWindowPolicy
+    signal: GreenSignal
+    clock: Any
+    run_clock: RunClock  # the clock, never earlier than a resumed checkpoint's save
+    schedule: GreenSchedule
+    segment: OpenSegment  # the compute since the last mark
+
+
+def green_window_parts(
+    signal: Any,
+    when_dirty: str,
+    threshold: float | str | None,
+    horizon: str | float | None,
+    max_delay: float | str | None,
+    deadline: str | None,
+    forecast: Any,
+    expected_duration: str | float | None,
+    clock: Any,
+    options: GreenWindowOptions | Mapping[str, Any] | None,
+) -> GreenWindowParts:
+    """GreenWindow's arguments (as :class:`~lightning_pulse.GreenWindow` takes them), checked, as the objects
+    it runs on: the policy, the signal, the clock (``None``: the system clock), the schedule and its segment.
+
+    Raises:
+        ValueError: starting ``"GreenWindow: "``, naming the field, the value and what is allowed.
+    """
+    try:
+        options = options if isinstance(options, GreenWindowOptions) else options_from(options)
+        checked = checked_arguments(
+            when_dirty, forecast, threshold, horizon, max_delay, deadline, expected_duration
+        )
+        when_dirty, checked_forecast, delay, share, deadline_s, expected = checked
+        policy = GreenWindowPolicy(
+            checked_forecast, threshold, seconds_of(horizon, "horizon"), options.slot_s
+        )
+        green_signal = GreenSignal(signal, options.signal_start)
+        clock = clock or SystemClock()
+        run_clock = RunClock(clock)
+    except ValueError as error:
+        text = str(error)
+        raise ValueError(text if text.startswith("GreenWindow") else f"GreenWindow: {text}") from None
+    ledger = ScheduleLedger(green_signal.mean, options.unit)
+    schedule = GreenSchedule(policy, delay, share, expected, deadline_s, ledger, light=when_dirty == "light")
+    segment = OpenSegment(schedule, options.watts)
+    return GreenWindowParts(
+        options, when_dirty, checked_forecast, policy, green_signal, clock, run_clock, schedule, segment
+    )
+
+
 # ---------------------------------------------------------------------------- suspended runs
 RESUME_FILE = "green_window.json"
 
@@ -1364,6 +1461,15 @@ def write_resume_file(
         "budget_left_s": budget_left_s,
     }
     return write_text_atomic(Path(folder) / RESUME_FILE, json.dumps(record, indent=2))
+
+
+def write_resume_notice(
+    folder: Path, now: float, resume_at: float, checkpoint: Path, decision: Decision, schedule: GreenSchedule
+) -> str:
+    """:func:`write_resume_file` (with ``schedule``'s delay budget left), and the line that says until when
+    the run is suspended, and where the file is."""
+    written = write_resume_file(folder, now, resume_at, checkpoint, decision, schedule.budget_left_s())
+    return f"GreenWindow: suspended until {format_utc(resume_at)} UTC ({written})."
 
 
 def read_resume_file(path: str | Path) -> dict[str, Any]:
