@@ -206,6 +206,11 @@ class PhaseChange:
             "pulse/cycle": self.cycle,
         }
 
+    @property
+    def place(self) -> str:
+        """Where the run stands at this change, for a log line: ``"replay of cycle 2 at step 340"``."""
+        return f"{self.current} of cycle {self.cycle} at step {self.step}"
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["previous"] = None if self.previous is None else self.previous.value
@@ -573,6 +578,12 @@ class PhaseClock:
         self.position = position
         return [self._enter(self.order[position], reason)]
 
+    def start_or_resume(self, total_steps: int | float | None) -> PhaseChange:
+        """:meth:`start`, or on a clock already running (a resumed run keeps its restored phase) the
+        :meth:`resume_change`: the change to tell listeners either way."""
+        change = self.start(total_steps)
+        return self.resume_change() if change is None else change
+
     def resume_change(self) -> PhaseChange:
         """The change that tells listeners the phase training goes on in, reason ``"resume"``: after a
         checkpoint restore or a StabilityGuard rollback (which does not turn the clock back). Not kept in
@@ -586,6 +597,17 @@ class PhaseClock:
                 "epoch-based phase durations need a dataloader with a length; give the durations in steps or "
                 "seconds instead."
             )
+
+    def check_fit(
+        self, batches_per_epoch: float, total_steps: float, optimizers_stepped_by_module: int = 0
+    ) -> None:
+        """Raise ``ValueError`` for a fit this clock cannot follow: where the module steps
+        ``optimizers_stepped_by_module`` optimizers itself (manual optimization with several),
+        :meth:`check_steps_per_batch_unknown` first, before the clock's own, generic, run-length refusal; then
+        :meth:`check_epoch_length`."""
+        if optimizers_stepped_by_module:
+            self.check_steps_per_batch_unknown(optimizers_stepped_by_module, total_steps)
+        self.check_epoch_length(batches_per_epoch)
 
     def check_run_length(self, total_steps: int | float | None) -> None:
         """Raise ``ValueError`` if warm-up or anneal (shares of the run) cannot be placed in a run of
@@ -828,3 +850,42 @@ def check_cycle_options(
                 f"{list(order)} leaves out, so it would do nothing; drop it, or add {phase!r} to `order`."
             )
     return None if budget is None else float(budget)
+
+
+def cycle_clock(
+    burst: DurationLike,
+    replay: DurationLike,
+    maintain: DurationLike,
+    order: Sequence[str],
+    warmup: float,
+    anneal: float,
+    maintain_eval: str,
+    probe_batches: int,
+    budget: float | None,
+) -> tuple[PhaseClock, float | None]:
+    """PulseCycle's :class:`PhaseClock` and its ``budget`` as a float (or ``None``), from its options: the
+    phase durations and the clock's checked first, then the rest (:func:`check_cycle_options`).
+
+    Raises:
+        ValueError: for an ``order`` that is not a list of phase names, and as :class:`PhaseClock` and
+            :func:`check_cycle_options` do.
+    """
+    # a string is a sequence too: its letters would be read as phases; a set has no order
+    if isinstance(order, str) or not isinstance(order, Sequence):
+        raise ValueError(f"`order`={order!r} must be a list of phase names, such as {list(PHASE_NAMES)}.")
+    durations = {"burst": burst, "replay": replay, "maintain": maintain}
+    clock = PhaseClock(durations, order=list(order), warmup=warmup, anneal=anneal)
+    return clock, check_cycle_options(maintain_eval, probe_batches, budget, durations, list(order))
+
+
+def unreachable_alone(owner: str, phases: Sequence[Any]) -> str | None:
+    """Why ``owner``, which acts only in ``phases``, would do nothing in a run without a PulseCycle (every
+    step of such a run counts as ``replay``, so phases without it never come), or ``None`` where ``phases``
+    include replay."""
+    names = [getattr(phase, "value", phase) for phase in phases]
+    if Phase.REPLAY.value in names:
+        return None
+    return (
+        f"{owner}: `phases`={names} never come in a run without a PulseCycle (every step counts as "
+        "'replay'), so it would do nothing. Add a PulseCycle to the callbacks, or include 'replay'."
+    )

@@ -17,12 +17,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.core.cycle_budget import fit_replay_to_budget, spent_report, start_without_plan
 from lightning_pulse.core.optimizer_modes import at_evaluation_point
-from lightning_pulse.core.step_plan import StepPlan, epoch_steps, replay_duration_for_budget, spent_summary
+from lightning_pulse.core.step_plan import StepPlan, clock_epoch_steps
 from lightning_pulse.core.step_plan import resumed_without_plan as plan_lost_warning
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refusing
 from lightning_pulse.loggers import log_to_loggers
-from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, PhaseClock, StepTimer, check_cycle_options
+from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, StepTimer, cycle_clock, unreachable_alone
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
 from lightning_pulse.protocols import PhaseListener, PhaseStartListener, listeners
 
@@ -37,12 +38,8 @@ def refuse_unreachable_phases(owner: str, phases: Sequence[Any], trainer: pl.Tra
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` when ``owner`` acts only in ``phases`` and no
     :class:`PulseCycle` is attached: every step of such a run counts as ``replay``, so phases without it would
     never come and the callback would do nothing, silently."""
-    names = [getattr(phase, "value", phase) for phase in phases]
-    if pulse_cycle_of(trainer) is None and Phase.REPLAY.value not in names:
-        raise PulseRefusal(
-            f"{owner}: `phases`={names} never come in a run without a PulseCycle (every step counts as "
-            "'replay'), so it would do nothing. Add a PulseCycle to the callbacks, or include 'replay'."
-        )
+    if pulse_cycle_of(trainer) is None and (why := unreachable_alone(owner, phases)):
+        raise PulseRefusal(why)
 
 
 def phase_of(trainer: pl.Trainer | None, default: Phase = Phase.BURST) -> Phase:
@@ -154,12 +151,9 @@ class PulseCycle(Callback):
     ) -> None:
         super().__init__()
         self._one_run = OneRunPerInstance("PulseCycle")
-        # a string is a sequence too: its letters would be read as phases; a set has no order
-        if isinstance(order, str) or not isinstance(order, Sequence):
-            raise ValueError(f"`order`={order!r} must be a list of phase names, such as {list(PHASE_NAMES)}.")
-        durations = {"burst": burst, "replay": replay, "maintain": maintain}
-        self.clock = PhaseClock(durations, order=list(order), warmup=warmup, anneal=anneal)
-        self.budget = check_cycle_options(maintain_eval, probe_batches, budget, durations, list(order))
+        self.clock, self.budget = cycle_clock(
+            burst, replay, maintain, order, warmup, anneal, maintain_eval, probe_batches, budget
+        )
         self.plan: StepPlan | None = None  # set by a step-saving HardSampleReplay at fit start
         self._saved_plan_steps: int | None = None  # the checkpoint's plan's (see plan_lost_warning)
         self.maintain_eval, self.probe_batches = maintain_eval, probe_batches
@@ -213,11 +207,7 @@ class PulseCycle(Callback):
         """Set the replay phase's length (steps) so that the run spends :attr:`budget` of the plain run's steps,
         given that light-phase steps stand for ``1 / fraction`` batches of data. Called by a step-saving
         :class:`~lightning_pulse.HardSampleReplay` at fit start, before it plans the run."""
-        if self.budget is not None:
-            with refusing("PulseCycle"):
-                self.clock.durations[Phase.REPLAY] = replay_duration_for_budget(
-                    self.clock, self.budget, fraction, light_phases, plain_epoch_steps
-                )
+        fit_replay_to_budget(self.clock, self.budget, fraction, light_phases, plain_epoch_steps)
 
     def check_run_length(self, total_steps: float) -> None:
         """Refuse a run whose length warm-up or anneal (shares of it) cannot be planned on."""
@@ -244,35 +234,26 @@ class PulseCycle(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         if self.plan is None:  # no plan this fit (a steps-mode checkpoint resumed in batch mode)
-            self.clock.pin_span(None)  # warm-up and anneal are shares of the run's length again
-        if self.budget is not None and self.plan is None:
-            raise PulseRefusal(
-                f"PulseCycle: `budget`={self.budget:g} is met by taking fewer steps, which needs a "
-                "HardSampleReplay in mode='steps' (its default) next to this PulseCycle; add one or drop `budget`."
-            )
+            start_without_plan(self.clock, self.budget)  # unpins the clock; refuses a `budget`
         self._refresh_run_length(trainer)
         if self.plan is None:  # a step-saving checkpoint resumed without its plan: another run length
             configs, saved = trainer.lr_scheduler_configs, self._saved_plan_steps
             if warning := plan_lost_warning(configs, trainer.global_step, saved, self._total_steps):
                 rank_zero_warn(warning)
+        stepped_itself = len(trainer.optimizers) if compat.steps_per_batch_unknown(trainer) else 0
         with refusing("PulseCycle"):
-            if compat.steps_per_batch_unknown(trainer):  # before the clock's own, generic, run-length refusal
-                self.clock.check_steps_per_batch_unknown(len(trainer.optimizers), self._total_steps)
-            self.clock.check_epoch_length(trainer.num_training_batches)
+            self.clock.check_fit(trainer.num_training_batches, self._total_steps, stepped_itself)
         if self.clock.uses_epochs:  # an epoch is each rank's own pass: a duration in epochs needs one length
             why = "phases counted in epochs would switch at other steps on each rank"
             out = "give the durations in steps or seconds"
             compat.refuse_uneven_epochs(trainer, "PulseCycle", why, self._held, out)
         with refusing("PulseCycle"):
             self.timer.start(trainer.global_step)  # refuses a time source that returns no number
-            change = self.clock.start(self._total_steps)  # refuses warm-up or anneal without a run length
+            change = self.clock.start_or_resume(self._total_steps)  # refuses warm-up, anneal without a length
         self.probe.reset()
         compat.add_progress_bar_item(trainer, "phase", lambda: self.clock.label)
-        if change is None:  # resumed: tell listeners where we are
-            change = self.clock.resume_change()
-            rank_zero_info(
-                f"PulseCycle: resuming in {change.current} of cycle {change.cycle} at step {change.step}."
-            )
+        if change.reason == "resume":  # resumed: tell listeners where we are
+            rank_zero_info(f"PulseCycle: resuming in {change.place}.")
         self._announce(trainer, pl_module, change)
 
     @override
@@ -283,10 +264,7 @@ class PulseCycle(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()
         if self.plan is not None and self.plan.plain_steps:
-            taken, plan = compat.training_steps_taken(trainer), self.plan
-            spent, message = spent_summary(plan, taken, self.budget)
-            if taken < plan.total_steps:  # EarlyStopping, max_time: a share of a plain run it did not finish
-                message += f" It stopped early: {plan.total_steps} steps ({plan.spent:.3f}) were planned."
+            spent, message = spent_report(self.plan, compat.training_steps_taken(trainer), self.budget)
             log_to_loggers(trainer, {"pulse/budget_spent": spent})
             rank_zero_info(f"PulseCycle: {message}")
 
@@ -357,8 +335,7 @@ class PulseCycle(Callback):
         if compat.in_batch_norm_update_epoch(trainer):  # its batches and accumulation are not the training's
             return
         # a step-saving sampler reports the plain epoch's length
-        steps = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
-        self._epoch_steps = float(steps) if steps else None
+        self._epoch_steps = clock_epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
         self._total_steps = compat.total_steps(trainer)
 
     def _run_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

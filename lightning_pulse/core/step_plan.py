@@ -87,6 +87,13 @@ def loader_epoch_steps(loader: Any, accumulate: int) -> int | None:
     return epoch_steps(len(loader) if hasattr(loader, "__len__") else math.inf, accumulate)
 
 
+def clock_epoch_steps(batches: float, accumulate: int) -> float | None:
+    """:func:`epoch_steps` as :meth:`~lightning_pulse.phase.PhaseClock.advance` takes an epoch's length
+    (``steps_per_epoch``): a float, or ``None`` for an epoch of unknown length or of no steps."""
+    steps = epoch_steps(batches, accumulate)
+    return float(steps) if steps else None
+
+
 def window_size(batch_size: int, fraction: float) -> int:
     """Raw samples fetched for one light-phase batch of ``batch_size`` trained samples."""
     return max(batch_size, round(batch_size / fraction))
