@@ -16,7 +16,6 @@ from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
 from lightning_pulse.core import stability_steps as steps
 from lightning_pulse.core.grad_norm import step_loss_and_grad_norm
-from lightning_pulse.core.spike_detection import Verdict
 from lightning_pulse.core.stability_policy import Action, StabilityGuardConfig, StepChanges, StepEnergy
 from lightning_pulse.errors import (
     OneRunPerInstance,
@@ -120,10 +119,7 @@ class StabilityGuard(Callback):
         lambda self: self.core.bad_samples,
         doc='Data faults\' samples ``{"step", "batch_idx", "rows", "indices"}``, newest last (checkpointed).',
     )
-    steps_lost = property(
-        lambda self: self.policy.steps_lost,
-        doc="Optimizer steps whose work is not in the model: skipped ones plus those undone by rollbacks.",
-    )
+    steps_lost = property(lambda self: self.policy.steps_lost, doc=steps.EscalationPolicy.steps_lost.__doc__)
 
     @names_itself
     def __init__(
@@ -173,14 +169,13 @@ class StabilityGuard(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         refuse_uninitialized_parameters(pl_module, "StabilityGuard")  # after a sanity check's forward
-        if torch.is_anomaly_enabled():  # Lightning enables it around the fit loop, after setup
-            rank_zero_warn(steps.ANOMALY_DETECTION_WARNING)
+        steps.warn_of_anomaly_detection(_warn_here)  # Lightning enables it around the fit loop, after setup
         self._changes.attach(trainer.optimizers)
         self._keep_gradients = compat.gradients_read_before_step(trainer, pl_module, self)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
-        cut = next((c for c in trainer.callbacks if isinstance(c, HardSampleReplay)), None)
-        self._record = steps.StepRecord(cut, pl_module.device)  # cut: cuts batches in place, tells their rows
+        # HardSampleReplay cuts batches in place and tells their rows
+        self._record = steps.StepRecord.of_callbacks(trainer.callbacks, HardSampleReplay, pl_module.device)
         self._entry_watch.watch(trainer, self._entered)  # after every batch-start hook and a cut
         # refuses ZeRO's sharded optimizer
         self.core.start(trainer.global_step, trainer.optimizers, pl_module)
@@ -218,27 +213,16 @@ class StabilityGuard(Callback):
         sums = self._sum_over_ranks(trainer)
         loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, sums, trainer.world_size)
         if decided is Action.APPLY:  # SAM applies its second's gradient; spikes are judged on the first
-            if self._changes.can_undo_within_step(optimizer, self._keep_gradients):
-                record.decided = self.core.judge_later_evaluation(step, loss, grad_norm)  # non-finite: a skip
-                if record.decided is not Action.APPLY:
-                    self._changes.skip(optimizer, self._keep_gradients)
-            return
+            changes = (self._changes, optimizer, self._keep_gradients)  # a non-finite one: a skip
+            return self.core.judge_later_step(record, step, loss, grad_norm, *changes)
         # the baseline key of the step: its pulse phase, or the one fixed key
         key = self._fixed_key if self._cycle is None else self._cycle.phase.value
-        record.loss, record.key = loss, key  # for the checks of a flagged step, with its batches
-        trace = partial(self._nonfinite_cause, trainer, pl_module)
-        rollback_helps = partial(self._rollback_helps, trainer, pl_module)
-        verdict, action, cause, note = self.core.judge(step, loss, grad_norm, key, trace, rollback_helps)
-        record.decided = action
-        if note is not None:  # said once: a loss a log scale cannot judge, recurring spikes as a level
-            rank_zero_warn(note)
-        if action is Action.APPLY:
-            self._changes.hold(optimizer, record.repeats)  # a later closure evaluation may still skip it
-            if self.policy.cooldown_remaining and self.config.lr_factor_after_rollback < 1:
-                self._changes.scale_lr(optimizer, self.config.lr_factor_after_rollback)
-            return
-        self._changes.skip(optimizer, self._keep_gradients)
-        if cause != "data":
+        # a flagged step's checks read the trainer; a note (said once) and their warnings point here
+        verdict, action, cause = self.core.judge_step(
+            record, step, loss, grad_norm, key, partial(self._flagged_step, trainer, pl_module), _warn_here
+        )
+        self.core.carry_out(action, record, self._changes, optimizer, self._keep_gradients)  # hold or skip
+        if action is not Action.APPLY and cause != "data":
             rank_zero_info(steps.flag_message(step, verdict, action, loss, grad_norm, key, self.detector))
 
     @override
@@ -249,9 +233,8 @@ class StabilityGuard(Callback):
             return self._record.drop_window(compat.window_ended(trainer))
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
         energy, optimizers, schedulers = self._energy.end(), trainer.optimizers, self._schedulers(trainer)
-        if self._record.forced:  # skipped after a rollback: what its forwards wrote goes back too
-            self.core.mend_forward_state(pl_module, optimizers=optimizers)
-        if self.core.finish_step(action, trainer.global_step, energy, optimizers, pl_module, schedulers):
+        step, forced = trainer.global_step, self._record.forced  # forced: skipped after a rollback
+        if self.core.finish_step(action, step, energy, optimizers, pl_module, schedulers, forced):
             self._take_snapshot(trainer, pl_module)
         if action in (Action.ROLLBACK, Action.STOP):
             self._roll_back(trainer, pl_module, action)
@@ -302,14 +285,6 @@ class StabilityGuard(Callback):
         self.core.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ flagged steps
-    def _nonfinite_cause(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
-        """Where the non-finite step being judged came from (``StabilityCore.nonfinite_cause``)."""
-        return self.core.nonfinite_cause(self._flagged_step(trainer, pl_module), _warn_here)
-
-    def _rollback_helps(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: Verdict) -> bool:
-        """The rollback test (class docstring, 2.; ``StabilityCore.rollback_helps``)."""
-        return self.core.flagged_rollback_helps(self._flagged_step(trainer, pl_module), verdict, _warn_here)
-
     def _flagged_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> steps.FlaggedStep:
         """What the checks of the step being judged read from the trainer (``stability_steps.FlaggedStep``),
         its losses through ``probe.training_losses`` (autograd off) and ``probe.losses_at``."""

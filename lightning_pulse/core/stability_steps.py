@@ -53,6 +53,7 @@ from lightning_pulse.core.stability_policy import (
     EscalationPolicy,
     RecurringLevel,
     StabilityGuardConfig,
+    StepChanges,
 )
 from lightning_pulse.errors import PulseRefusal, as_config, first_names
 from lightning_pulse.phase import Phase, PhaseChange
@@ -90,6 +91,13 @@ ANOMALY_DETECTION_WARNING = (
     "reads the step, so a non-finite step stops the run instead of being skipped (loss and gradient-norm "
     "spikes are still caught). Turn `detect_anomaly` off to let the guard skip non-finite steps."
 )
+
+
+def warn_of_anomaly_detection(warn: Callable[[str], Any]) -> None:
+    """Say :data:`ANOMALY_DETECTION_WARNING` through ``warn`` where torch's anomaly detection is on (Lightning
+    enables it around the fit loop, after ``setup``: read at train start)."""
+    if torch.is_anomaly_enabled():
+        warn(ANOMALY_DETECTION_WARNING)
 
 
 def refuse_manual_optimization(module: Any) -> None:
@@ -285,6 +293,14 @@ class StepRecord:
         # whether the optimizer evaluates the closure more than once a step (SAM, LBFGS), which applied steps
         # tell (``None`` before the first): then a later evaluation may still skip the step
         self.repeats: bool | None = None
+
+    @classmethod
+    def of_callbacks(
+        cls, callbacks: Sequence[Any], cut_type: type, device: torch.device | str | None = None
+    ) -> StepRecord:
+        """The record of a fit with ``callbacks``: the first that is a ``cut_type`` (``HardSampleReplay``) is
+        its ``cut``."""
+        return cls(next((callback for callback in callbacks if isinstance(callback, cut_type)), None), device)
 
     def add(self, batch_idx: int, batch: Any) -> None:
         """Keep a micro-batch at its batch start, by reference (until :meth:`entered`), with the generator
@@ -566,6 +582,73 @@ class StabilityCore:
             return Action.APPLY
         return self.policy.decide(step, verdict)
 
+    def judge_step(
+        self,
+        record: StepRecord,
+        step: int,
+        loss: float | None,
+        grad_norm: float | None,
+        key: str,
+        flagged: Callable[[], FlaggedStep],
+        warn: Callable[[str], Any],
+    ) -> tuple[Verdict, Action, str | None]:
+        """:meth:`judge` the optimizer step in flight, ``record``'s: its loss and baseline key are kept there
+        for the checks of a flagged step (with its batches), and so is the action decided. ``flagged()``: what
+        those checks read from the trainer, called only when the step is flagged: where a non-finite step
+        came from (:meth:`nonfinite_cause`) and the rollback test (:meth:`flagged_rollback_helps`). Their
+        warnings are said through ``warn``, and so is the judgement's note (once: a loss a log scale cannot
+        judge, recurring spikes as a level). Returns ``(verdict, action, cause)``."""
+        record.loss, record.key = loss, key
+        verdict, action, cause, note = self.judge(
+            step,
+            loss,
+            grad_norm,
+            key,
+            lambda: self.nonfinite_cause(flagged(), warn),
+            lambda verdict: self.flagged_rollback_helps(flagged(), verdict, warn),
+        )
+        record.decided = action
+        if note is not None:
+            warn(note)
+        return verdict, action, cause
+
+    def judge_later_step(
+        self,
+        record: StepRecord,
+        step: int,
+        loss: float | None,
+        grad_norm: float | None,
+        changes: StepChanges,
+        optimizer: torch.optim.Optimizer,
+        keep_gradients: bool = False,
+    ) -> None:
+        """A later closure evaluation of the step in ``record``, applied on its first
+        (:meth:`judge_later_evaluation`): where ``changes`` can still undo the step within it
+        (:meth:`StepChanges.can_undo_within_step`), a non-finite one skips it; else the step stays applied."""
+        if changes.can_undo_within_step(optimizer, keep_gradients):
+            record.decided = self.judge_later_evaluation(step, loss, grad_norm)
+            if record.decided is not Action.APPLY:
+                changes.skip(optimizer, keep_gradients)
+
+    def carry_out(
+        self,
+        action: Action,
+        record: StepRecord,
+        changes: StepChanges,
+        optimizer: torch.optim.Optimizer,
+        keep_gradients: bool = False,
+    ) -> None:
+        """Make the coming ``optimizer.step()`` do what :meth:`judge_step` decided, through ``changes``: an
+        applied step is held (a later closure evaluation may still skip it, where ``record.repeats``), and
+        taken at ``config.lr_factor_after_rollback`` times the learning rates in the cooldown after a
+        rollback; any other is skipped."""
+        if action is Action.APPLY:
+            changes.hold(optimizer, record.repeats)
+            if self.policy.cooldown_remaining and self.config.lr_factor_after_rollback < 1:
+                changes.scale_lr(optimizer, self.config.lr_factor_after_rollback)
+            return
+        changes.skip(optimizer, keep_gradients)
+
     def start(
         self, step: int | None = None, optimizers: Sequence[Any] = (), model: nn.Module | None = None
     ) -> None:
@@ -605,8 +688,11 @@ class StabilityCore:
         optimizers: Sequence[Any] | None = None,
         model: nn.Module | None = None,
         schedulers: Sequence[Any] | None = None,
+        forced: bool = False,
     ) -> bool:
-        """Book an optimizer step once its update was applied or dropped (with the energy it used); whether a
+        """Book an optimizer step once its update was applied or dropped (with the energy it used); a
+        ``forced`` skip (after a rollback) first sets back what its forwards wrote
+        (:meth:`mend_forward_state`, with ``optimizers``). Whether a
         snapshot is due at its end (``step``: the counter after it), also because ``optimizers`` gained or
         changed a parameter group or were swapped for another class, or ``schedulers`` changed, since the
         newest snapshot (:meth:`SnapshotSchedule.due`). Only an applied step takes one. The fit's first
@@ -615,6 +701,8 @@ class StabilityCore:
         steps after the fit's start or a prune learn which buffers and parameters forwards write, against the
         newest snapshot (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`; the second: a momentum
         encoder or an ``AveragedModel`` copied from the model keeps its values at its first update)."""
+        if forced and model is not None:
+            self.mend_forward_state(model, optimizers=optimizers)
         self.policy.finish(action, energy_kwh)
         pre_step = self.pre_step
         if action is Action.APPLY and model is not None and pre_step.learn_after is not None:
