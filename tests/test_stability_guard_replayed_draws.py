@@ -1,5 +1,5 @@
 """StabilityGuard's re-runs of a recorded batch (the rollback test, the non-finite data check) draw what the
-step drew: each micro-batch's torch generator states are recorded at its batch start and set back for its
+step drew: each micro-batch's torch generator states are recorded at its ``training_step``'s entry and set back for its
 re-run, inside an isolation that gives the run its own generators back.
 
 Found by a held-out sweep: a diffusion loss (timestep and noise drawn per sample in ``training_step``, SNR
@@ -121,12 +121,24 @@ class Dropout(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def test_a_replayed_batch_gives_the_loss_it_trained_on_bit_for_bit_with_dropout():
+class DrawsAtBatchStart(Callback):
+    """Listed after the guard: draws from torch's generator at each batch start (a mixup callback's mixing
+    weight), between the guard's batch start and ``training_step``."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.mixing = torch.rand(1)
+
+
+@pytest.mark.parametrize("draw_before_step", [False, True], ids=["plain", "a-later-hook-draws"])
+def test_a_replayed_batch_gives_the_loss_it_trained_on_bit_for_bit_with_dropout(draw_before_step):
+    # held-out sweep: the states were kept at the guard's batch start, so a later hook's draw shifted every
+    # re-run's dropout masks; they are kept at training_step's entry
     pl.seed_everything(0, verbose=False)
     guard = StabilityGuard()
     checker = ReplayChecker(guard)
     loader = DataLoader(_regression_data(64), batch_size=8, shuffle=True)
-    pl.Trainer(**trainer_kwargs(max_steps=12, callbacks=[guard, checker])).fit(Dropout(), loader)
+    callbacks = [guard, *([DrawsAtBatchStart()] if draw_before_step else []), checker]
+    pl.Trainer(**trainer_kwargs(max_steps=12, callbacks=callbacks)).fit(Dropout(), loader)
     assert len(checker.compared) == 11
     for trained, replayed, at_now, earlier_loss, reference in checker.compared:
         # the flagged batch (at the current weights and at a snapshot of them) and the reference batch (at
@@ -148,8 +160,12 @@ def test_the_step_record_keeps_each_batchs_states_until_its_step_ends_an_applied
     record = StepRecord(device="cpu")
     torch.manual_seed(0)
     record.add(0, "a")
+    torch.rand(2)  # a later batch-start hook's draw
+    record.entered("a")  # training_step's entry: its states
     first = torch.rand(3)  # what batch 0's training_step would draw
+    record.entered("a")  # a closure evaluated again: the states of its first evaluation stay
     record.add(1, "b")
+    record.entered("b")
     (generator, state), *gpu = record.drawn[0]
     assert generator is torch.default_generator and not gpu  # a CPU module: no CUDA generator recorded
     with isolate_rng():
@@ -159,9 +175,11 @@ def test_the_step_record_keeps_each_batchs_states_until_its_step_ends_an_applied
     record.end()
     assert set(record.reference_drawn) == {0, 1} and record.drawn == {}
     record.add(2, "c")
+    record.entered("c")
     record.decided = Action.SKIP
     record.end()  # a skipped step's states go with its batches; the reference stays the applied step's
     assert set(record.reference_drawn) == {0, 1} and record.drawn == {}
     record.add(3, "d")
+    record.entered("d")
     record.drop_window(ended=True)
     assert record.drawn == {} and record.drawn_states == ({}, record.reference_drawn)

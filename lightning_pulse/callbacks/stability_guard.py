@@ -189,7 +189,7 @@ class StabilityGuard(Callback):
         if self.core.snapshot_owed:  # a cut after the last step's batch end, all its callbacks' hooks done
             self._take_snapshot(trainer, pl_module)
         self.core.pre_step.before_step(self._record.batches)  # at the first: copies what forwards write
-        self._record.add(batch_idx, batch)  # with the generator states its training_step draws from
+        self._record.add(batch_idx, batch)  # its generator states: at training_step's entry (_entered)
 
     @override
     def on_before_backward(

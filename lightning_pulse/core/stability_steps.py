@@ -303,28 +303,31 @@ class StepRecord:
         return cls(next((callback for callback in callbacks if isinstance(callback, cut_type)), None), device)
 
     def add(self, batch_idx: int, batch: Any) -> None:
-        """Keep a micro-batch at its batch start, by reference (until :meth:`entered`), with the generator
-        states its ``training_step`` will draw from. Torch's own generators only: a state is a copy of ~5 KB
-        (the CPU's Mersenne Twister) or 16 bytes (a GPU's Philox seed and offset), about a microsecond;
-        numpy's and Python's cost 10-35 each, too much for every step, so a re-run draws new numbers from
-        those."""
+        """Keep a micro-batch at its batch start, by reference (until :meth:`entered`)."""
         self.batches.append((batch_idx, batch))
-        cuda = self._cuda
-        cpu = (_CPU_GENERATOR, _CPU_GENERATOR.get_state())
-        self.drawn[batch_idx] = (cpu,) if cuda is None else (cpu, (cuda, cuda.get_state()))
 
     def entered(self, batch: Any) -> None:
         """At ``training_step``'s entry, the batch it gets: after every batch-start hook (the guard's or not,
         the module's) and a cut in place, whatever they rebound, added or deleted. Kept with its containers
         copied (:func:`containers_copied`; its tensors shared), so entries the step pops or rebinds
         (``batch.pop("labels")``) stay as it got them. A container of the user's own that does not copy is
-        kept by reference (measurement never kills a run)."""
+        kept by reference (measurement never kills a run).
+
+        With it, at the first entry (a closure evaluated again draws on), the generator states its
+        ``training_step`` draws from: here, not at the batch start, so a later hook's draw (a mixup callback's
+        weight) is not replayed into the step's. Torch's own generators only: a state is a copy of ~5 KB (the
+        CPU's Mersenne Twister) or 16 bytes (a GPU's Philox seed and offset), about a microsecond; numpy's and
+        Python's cost 10-35 each, too much for every step, so a re-run draws new numbers from those."""
         if self.batches:
+            batch_idx = self.batches[-1][0]
             try:  # not contextlib.suppress: a context manager a micro-batch costs more than the copy
                 copied = containers_copied(batch)
             except Exception:
                 copied = batch
-            self.batches[-1] = (self.batches[-1][0], copied)
+            self.batches[-1] = (batch_idx, copied)
+            if batch_idx not in self.drawn:
+                cuda, cpu = self._cuda, (_CPU_GENERATOR, _CPU_GENERATOR.get_state())
+                self.drawn[batch_idx] = (cpu,) if cuda is None else (cpu, (cuda, cuda.get_state()))
 
     def note_cut(self) -> None:
         """At the backward of the last micro-batch: the dataset indices of the samples it trained, where the
