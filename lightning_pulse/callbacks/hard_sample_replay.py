@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -18,11 +17,11 @@ from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, refuse_unreachable_phases
 from lightning_pulse.core import replay
 from lightning_pulse.core.per_sample_loss import PerSampleScorer
-from lightning_pulse.core.replay import HardSampleSelector, ReplayConfig
+from lightning_pulse.core.replay import ReplayConfig
 from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, refuse
-from lightning_pulse.core.sample_index import SampleIndexTracker
+from lightning_pulse.core.replay_data import ReplayData
 from lightning_pulse.core.sample_scores import SampleScoreTable
-from lightning_pulse.core.step_plan import epoch_steps, loader_epoch_steps
+from lightning_pulse.core.step_plan import epoch_steps
 from lightning_pulse.errors import OneRunPerInstance, names_itself, tuner_search
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase
@@ -114,32 +113,22 @@ class HardSampleReplay(Callback):
         super().__init__()
         self._one_run = OneRunPerInstance("HardSampleReplay")
         self.config = ReplayConfig(rule, replay_fraction, prune_ratio, seed)
-        self.half_life = replay.parse_half_life(score_half_life)
+        self.data = ReplayData(self.config, replay.parse_half_life(score_half_life))  # tracker, selector
         self.phases, self.mode = replay.validate_replay_args(phases, mode, rule, scorer, log_every_n_steps)
         self.steps = StepSavingLoader()  # mode="steps": the plan and where the run stands in its data
         self.scorer = scorer
         self.log_every_n_steps = log_every_n_steps
-        self.selector: HardSampleSelector | None = None
-        self.tracker: SampleIndexTracker | None = None
         self._trainer: pl.Trainer | None = None
         self._remove_hook: Any = None
         self._held = compat.CollectiveHold()  # gathered rows, until gloo's worker lets go of them
-        self._saved_state: dict[str, Any] | None = None
-        self._ready = False  # this fit's selector exists: load_state_dict applies at once
-        self._set_up_at = (0, 0)  # (epoch, step) of the latest training DataLoader's set-up
         self.batches = ReplayBatchLifecycle(self.mode, scorer, self._held, rule)  # plan, cut, capture, record
         self._fullgraph = compat.FullgraphBreaks()  # fit start to end: a loss in a fullgraph part refused
 
     # ------------------------------------------------------------------ public state
-    @property
-    def table(self) -> SampleScoreTable | None:
-        """The per-sample score table (``None`` before the first fit's DataLoader exists)."""
-        return None if self.selector is None else self.selector.table
-
-    @property
-    def threshold(self) -> float:
-        """The score above which a sample counts as hard (``NaN`` before anything was scored)."""
-        return math.nan if self.selector is None else self.selector.threshold
+    selector = property(lambda self: self.data.selector, doc="The selector (None before any DataLoader).")
+    tracker = property(lambda self: self.data.tracker, doc="The index tracker of the fit's DataLoader.")
+    table = property(lambda self: self.data.table, doc=ReplayData.table.__doc__)
+    threshold = property(lambda self: self.data.threshold, doc=ReplayData.threshold.__doc__)
 
     @property
     def trained_indices(self) -> torch.Tensor | None:
@@ -175,7 +164,8 @@ class HardSampleReplay(Callback):
             return
         parallel = isinstance(trainer.strategy, ModelParallelStrategy)
         refuse(replay.setup_refusal(parallel, tuner_search(trainer), None))
-        self._trainer, self._ready, self._run_checked, self.steps.stream.held = trainer, False, False, None
+        self._trainer, self._run_checked, self.steps.stream.held = trainer, False, None
+        self.data.ready = False  # a checkpoint's scores loaded from here on wait for this fit's DataLoader
         if self.mode == "steps":
             self.steps.uncap(trainer)  # a second fit of the same Trainer plans for the user's max_steps
             self.steps = StepSavingLoader()
@@ -195,19 +185,11 @@ class HardSampleReplay(Callback):
             self._run_checked = True
         # a second loader of the same data set-up (a CombinedLoader): refused before anything is installed
         at = (self._trainer.current_epoch, self._trainer.global_step)
-        second = self._ready and at == self._set_up_at and loader is not self.steps.loader
         # DDP: one all-gather on every rank here, as Lightning's own has_len_all_ranks does in this set-up
-        refuse(replay.loader_refusal(loader, second, compat.all_gather_of(self._trainer, self._held)))
-        note, fresh = replay.reloaded_data_note(self.tracker.dataset if self._ready else None, loader.dataset)
-        _warn(note)
+        refuse(self.data.loader_refusal(loader, at, compat.all_gather_of(self._trainer, self._held)))
         self.steps.release()  # a reload (batch mode): the previous loader is the user's again
-        self.steps.loader, self.tracker, self._set_up_at = loader, SampleIndexTracker.install(loader), at
-        restored, self._saved_state = self._saved_state, None
-        selector, size = None if fresh else self.selector, self.tracker.dataset_size  # fresh: a new table
-        self.selector = HardSampleSelector.for_data(selector, size, self._new_table, self.config, restored)
-        steps_per_epoch = loader_epoch_steps(loader, self._trainer.accumulate_grad_batches)
-        self.selector.set_half_life(self.half_life, steps_per_epoch)
-        self._ready = True
+        self.steps.loader = loader  # given back at the fit's end (also when the set-up fails from here on)
+        self.data.attach(loader, at, self._trainer.accumulate_grad_batches, self._new_table, _warn)
         if self.mode == "steps" and self.steps.plan is None:  # planned once per fit
             self.steps.install(self._trainer, loader, self.tracker, self.selector, self.phases, self._choose)
 
@@ -216,10 +198,8 @@ class HardSampleReplay(Callback):
     ) -> list[Any]:
         # steps mode, at the sampler: the batches that train, chosen for a whole pass before any is loaded. A
         # method, not a closure: the callback pickles (ddp_spawn) and benchmarks' HookTimer times it
-        assert self.selector is not None and self.tracker is not None and self._trainer is not None
-        return self.selector.choose_windows(
-            windows, self.tracker.batch_size, steps, ordinals, prior, self._trainer.global_rank
-        )
+        assert self._trainer is not None
+        return self.data.choose(windows, ordinals, steps, prior, self._trainer.global_rank)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -229,18 +209,14 @@ class HardSampleReplay(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        several = SampleIndexTracker.several_loaders_reason(trainer.train_dataloader)
-        refuse(replay.several_loaders_refusal(several))
-        assert self.selector is not None and self.tracker is not None
-        refuse(replay.uncut_batches_refusal(self.mode, self.config, self.tracker.batch_size))
+        refuse(self.data.start_refusal(trainer.train_dataloader, self.mode))  # several loaders, uncut batches
         refuse_unreachable_phases("HardSampleReplay", self.phases, trainer)
         steps_per_epoch = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
-        self.selector.set_half_life(self.half_life, steps_per_epoch)
-        if compat.steps_per_batch_unknown(trainer):  # a module stepping several optimizers itself
-            _warn(replay.epoch_half_life_note(self.half_life, steps_per_epoch, len(trainer.optimizers)))
-        _warn(replay.shorter_than_an_epoch(compat.total_steps(trainer), steps_per_epoch, self.mode))
+        # a module stepping several optimizers itself: scores age by its steps, an epoch is read as batches
+        manual = len(trainer.optimizers) if compat.steps_per_batch_unknown(trainer) else 0
         log_every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
-        self.selector.set_cadence(steps_per_epoch, log_every)
+        planned = compat.total_steps(trainer)  # the run's optimizer steps (inf: unknown)
+        self.data.start_training(steps_per_epoch, log_every, planned, self.mode, manual, _warn)
         self.steps.on_train_start(trainer)  # steps mode only: Lightning learns the planned pass's length
         self.batches.start_fit(trainer.world_size)  # carried state: checked over the first two batches
         self.steps.stream.held = None  # the fit trains: its stream moves on from the restored one
@@ -251,7 +227,7 @@ class HardSampleReplay(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        selector, tracker = self.selector, self.tracker
+        selector, tracker = self.data.selector, self.data.tracker
         assert selector is not None and tracker is not None
         # the sampler's indices say how many samples the batch holds (a cut batch's: the cut, as loaded)
         step, indices = trainer.global_step, tracker.batch_indices(batch_idx)
@@ -290,12 +266,12 @@ class HardSampleReplay(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.on_train_epoch_end(trainer)  # steps mode: an epoch that drew no batch is refused
-        if self.selector is not None:
-            self.selector.apply()  # the next epoch selects from every score of this one
+        if (selector := self.data.selector) is not None:
+            selector.apply()  # the next epoch selects from every score of this one
             self._log(trainer)
 
     def _log(self, trainer: pl.Trainer) -> None:
-        every, selector = self.log_every_n_steps or max(trainer.log_every_n_steps, 1), self.selector
+        every, selector = self.log_every_n_steps or max(trainer.log_every_n_steps, 1), self.data.selector
         if selector is not None and selector.window_steps >= every:  # before the trainer's dearer properties
             if trainer.is_global_zero and trainer.loggers:
                 log_to_loggers(trainer, selector.window_metrics())
@@ -327,15 +303,15 @@ class HardSampleReplay(Callback):
         if self.mode == "steps":  # a checkpoint saved after the fit resumes it
             self.steps.stream.hold(trainer.global_step)
         self.steps.release()
-        self._remove_hook, self.tracker, self._trainer, self._ready = None, None, None, False
+        self._remove_hook, self._trainer = None, None
+        self.data.detach()
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = dict(self._saved_state or {}) if self.selector is None else self.selector.state_dict()
         step = self._trainer.global_step if self.mode == "steps" and self._trainer is not None else None
         # a fit with nothing left to train keeps the restored one (no pass ran)
         stream = self.steps.checkpoint(step)  # leaves out a batch in flight (an exception in training_step)
-        return state if stream is None else {**state, "stream": stream}
+        return self.data.state_dict(stream)
 
     def rollback_state_dict(self) -> dict[str, Any]:
         """What a :class:`~lightning_pulse.StabilityGuard` rollback returns to: the scores (they describe the
@@ -353,14 +329,11 @@ class HardSampleReplay(Callback):
         """
         if not self._one_run.restored():  # loaded by validate, test or predict: no resume
             return
-        state_dict = dict(state_dict)
-        stream = state_dict.pop("stream", None)
-        if self._ready and self.selector is not None:  # a rollback: the data stream is not rewound
+        if self.data.ready:  # a rollback: the scores apply at once, the data stream is not rewound
             self.batches.drop_step()
-            self.selector.load_state_dict(state_dict)
-        else:
-            self._saved_state = state_dict
-            self.steps.stream.restore(stream)
+            self.data.load_state_dict(state_dict)
+        else:  # the scores apply when a DataLoader sizes the table
+            self.steps.stream.restore(self.data.load_state_dict(state_dict))
 
     load_rollback_state_dict = load_state_dict  # a rollback mid-training: load_state_dict says how
 
