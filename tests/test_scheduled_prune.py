@@ -164,7 +164,7 @@ def test_layers_another_callback_freezes_at_fit_start_are_never_pruned_and_a_res
     assert state["user_frozen"] == ["net.1"]
     resumed = ScheduledPrune(final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1, mode=mode)
     resumed.load_state_dict({**state, "user_frozen": ["net.1", "net.3"]})
-    assert resumed._restored_frozen == frozenset({"net.1", "net.3"})
+    assert resumed.core.restored_frozen == frozenset({"net.1", "net.3"})
 
 
 def test_layers_under_a_parametrization_are_left_out_and_named(mnist1d_small, caplog):

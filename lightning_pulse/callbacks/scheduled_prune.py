@@ -29,7 +29,7 @@ from lightning_pulse.callbacks.green_window import GreenWindow
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.core import prune_setup, pruning
 from lightning_pulse.core.distillation import DistillConfig
-from lightning_pulse.core.prune_events import PruneEvents
+from lightning_pulse.core.prune_events import PruneEvents, reusable_probe
 from lightning_pulse.core.prune_schedule import PruneSchedule, check_int
 from lightning_pulse.core.prune_setup import PRUNE_EVERY_DEFAULT, PruneOptions, check_options_apply
 from lightning_pulse.loggers import log_to_loggers
@@ -140,7 +140,6 @@ class ScheduledPrune(Callback):
         self._window, self._masks = self.core.window, self.core.masks
         self.probe = HeldOutProbe("ScheduledPrune", probe_batches, "accuracy at events is off")
         self._trainer_ref: Callable[[], pl.Trainer | None] = _no_trainer  # picklable, for ddp_spawn
-        self._restored_frozen: frozenset[str] | None = None  # the frozen set a restored checkpoint read
         self._training = False  # between on_train_start and the end of fit: a state load is a rollback
 
     @property
@@ -179,10 +178,7 @@ class ScheduledPrune(Callback):
             supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
             spawns = isinstance(strategy, DDPStrategy) and compat.spawns_worker_processes(trainer)
             prune_setup.check_strategy(type(strategy).__name__, supported, spawns, self.mode, self.options)
-            prune_setup.refuse_structured_next_to_pruning(self.mode, trainer.callbacks)
-            self.core.averaging = prune_setup.check_weight_averaging(
-                self.mode, trainer.callbacks, compat.averages_buffers
-            )
+            self.core.check_neighbours(trainer.callbacks, compat.averages_buffers)
             # the dtype the run's batches take, and whether under autocast (RunPrecision.of_plugin says why)
             plugin = trainer.precision_plugin
             mixed = isinstance(plugin, MixedPrecision)
@@ -208,11 +204,10 @@ class ScheduledPrune(Callback):
         # read here, not at setup: layers built in configure_model, and a backbone BackboneFinetuning freezes at
         # fit start, exist (and are frozen) only now, and configure_model may compile a part
         # a resumed run keeps the set its start read (a GradientCache may have frozen layers meanwhile)
-        restored, self._restored_frozen = self._restored_frozen, None
         compiled = compat.compiled_parts(pl_module) if self.mode == "structured" else []
-        selection = self.core.select(pl_module, restored, compiled)
+        selection = self.core.select(pl_module, compiled=compiled)  # with the frozen set a resume restored
         clock = cycle.clock if (cycle := pulse_cycle_of(trainer)) is not None else None
-        holder = next((type(c).__name__ for c in trainer.callbacks if _holds_pulse_cycle(c)), None)
+        holder = prune_setup.pulse_cycle_holder(trainer.callbacks, GreenWindow)
         per_epoch = _steps_per_epoch(trainer)
         self.core.plan_cadence(self.options.cadence, clock, trainer.global_step, total, per_epoch, holder)
         self.core.start_training(pl_module, selection, trainer.global_step, trainer.accumulate_grad_batches)
@@ -282,23 +277,18 @@ class ScheduledPrune(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self._one_run.restored():  # loaded by validate, test or predict: no resume
             return
-        self.core.load_state_dict(state_dict, rollback=self._training)
-        if not self._training and "user_frozen" in state_dict:  # a resume: the run's own frozen set
-            self._restored_frozen = frozenset(state_dict["user_frozen"])
-        trainer = self._trainer_ref()
-        if self._training and trainer is not None and trainer.lightning_module is not None:
-            # a StabilityGuard rollback: the model has just returned to the snapshot too, so the teacher of an
-            # undone event goes and one saved in the snapshot comes back (on a checkpoint restore: on_train_start)
-            self.core.restore_teacher(trainer.lightning_module, trainer.accumulate_grad_batches)
+        # while training, a StabilityGuard rollback: the teacher returns to the snapshot with the model
+        trainer = self._trainer_ref() if self._training else None
+        student = trainer.lightning_module if trainer is not None else None
+        accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
+        self.core.load_state_dict(state_dict, self._training, student, accumulation)
 
     def rollback_state_dict(self) -> dict[str, Any]:
         """What a :class:`~lightning_pulse.StabilityGuard` snapshot keeps: the whole state, and which layers
         of the model had a mask then (a rollback keeps the mask a layer has now where the snapshot had none:
         see :meth:`load_rollback_state_dict`). A pass over the modules, at a snapshot only."""
-        state, trainer = self.state_dict(), self._trainer_ref()
-        module = trainer.lightning_module if trainer is not None else None
-        state["masked_layers"] = pruning.masked_layer_names(module) if module is not None else None
-        return state
+        trainer = self._trainer_ref()
+        return self.core.rollback_state_dict(trainer.lightning_module if trainer is not None else None)
 
     def load_rollback_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A rollback: :meth:`load_state_dict`, then the masks of this callback's layers made to say what the
@@ -316,12 +306,14 @@ class ScheduledPrune(Callback):
             return
         self._end_distillation(trainer)
         self._masks.refresh(pl_module, grad=False)  # the probe reads this step's weights
-        probe_before = self._probe(trainer, pl_module, maintain_entry)
+        # PulseCycle has just evaluated the model at this maintain entry: reuse it rather than evaluate twice
+        reused = reusable_probe(pulse_cycle_of(trainer), maintain_entry)
+        probe_before = reused if reused is not None else self.probe.run(trainer, pl_module)
         outcome, teacher = self.core.cut(pl_module, target, trainer.optimizers, self.distill is not None)
         tell_weights_changed(trainer, pl_module, outcome.remap, exclude=self)  # both modes change weights
         if len(outcome.remap):
             compat.rewrap_ddp(trainer)
-        probes = (probe_before, self._probe(trainer, pl_module))
+        probes = (probe_before, self.probe.run(trainer, pl_module))
         phase = phase_of(trainer).value if pulse_cycle_of(trainer) is not None else None
         event = self.core.record(step, target, outcome, pl_module, probes, phase)
         log_to_loggers(trainer, pruning.event_metrics(event))
@@ -335,15 +327,6 @@ class ScheduledPrune(Callback):
         checkpoint = compat.loaded_checkpoint(trainer) if trainer is not None else None
         return ((checkpoint or {}).get("callbacks") or {}).get(self.state_key)
 
-    def _probe(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, maintain_entry: bool = False
-    ) -> dict[str, float] | None:
-        cycle = pulse_cycle_of(trainer)
-        # PulseCycle has just evaluated the model at this maintain entry: reuse it rather than evaluate twice
-        if maintain_entry and cycle is not None and cycle.maintain_eval == "probe" and cycle.last_probe:
-            return dict(cycle.last_probe)
-        return self.probe.run(trainer, pl_module)
-
     def _end_distillation(self, trainer: pl.Trainer | None) -> None:
         if (metrics := self.core.end_distillation()) and trainer is not None:
             log_to_loggers(trainer, metrics)
@@ -351,11 +334,6 @@ class ScheduledPrune(Callback):
 
 def _no_trainer() -> None:
     return None
-
-
-def _holds_pulse_cycle(callback: Callback) -> bool:
-    """Whether ``callback`` can hold the PulseCycle in its light phases (:meth:`PulseCycle.hold_light`)."""
-    return isinstance(callback, GreenWindow) and callback.when_dirty == "light"
 
 
 def _steps_per_epoch(trainer: pl.Trainer) -> int | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from lightning_pulse.core.per_sample_loss import losses_not_captured
 from lightning_pulse.core.prune_schedule import PruneSchedule
 from lightning_pulse.core.prune_setup import (
     DISTILL_NO_EFFECT,
+    check_weight_averaging,
     event_cadence,
     exact_names_pattern,
     fit_start_selection,
@@ -34,6 +35,7 @@ from lightning_pulse.core.prune_setup import (
     refuse_averaged_masks,
     refuse_mode_change,
     refuse_replaced_weights,
+    refuse_structured_next_to_pruning,
     renamed_weight_warning,
     saved_mode,
     setup_summary,
@@ -64,6 +66,8 @@ class PruneEvents:
         masks: keeps the masked weights current outside their layers' calls (unstructured only).
         uses_maintain: whether events happen at maintain-phase starts (:meth:`plan_cadence`).
         pending_teacher: the distillation state a load brought, until :meth:`restore_teacher` reopens it.
+        restored_frozen: the layers the user froze, as a resumed checkpoint recorded them, until
+            :meth:`select` takes them (a resumed run keeps the set its start read).
         last_step: the optimizer step the callback's batch-end hook last counted.
         deferred: a due event waits for a step StabilityGuard does not flag (:meth:`waits`).
         example: structured: the trace input, checked on the first batch (:meth:`select`,
@@ -87,6 +91,7 @@ class PruneEvents:
         self.masks = pruning.MaskedWeightRefresh(enabled=pruner.mode == "unstructured")
         self.uses_maintain: bool | None = None  # decided at the first fit start, kept by a checkpoint
         self.pending_teacher: dict[str, Any] | None = None
+        self.restored_frozen: frozenset[str] | None = None
         self.last_step = 0
         self.deferred = False
         self.example: Any = None
@@ -132,18 +137,29 @@ class PruneEvents:
         return self.pruner.run_precision
 
     # ------------------------------------------------------------------ the run
+    def check_neighbours(self, callbacks: Iterable[Any], averages_buffers: Callable[[Any], bool]) -> None:
+        """At setup of a fit, the checks of the ``callbacks`` next to this one
+        (:func:`~lightning_pulse.core.prune_setup.refuse_structured_next_to_pruning`, then
+        :func:`~lightning_pulse.core.prune_setup.check_weight_averaging`, which sets :attr:`averaging`;
+        ``averages_buffers``: the compat module's reader of ``use_buffers``)."""
+        refuse_structured_next_to_pruning(self.pruner.mode, callbacks)
+        self.averaging = check_weight_averaging(self.pruner.mode, callbacks, averages_buffers)
+
     def select(
-        self, model: nn.Module, frozen: frozenset[str] | None, compiled: Sequence[str]
+        self, model: nn.Module, frozen: frozenset[str] | None = None, compiled: Sequence[str] = ()
     ) -> LayerSelection:
         """At fit start, the layers to prune in ``model``, with the checks that refuse them
         (:func:`~lightning_pulse.core.prune_setup.fit_start_selection`; ``frozen``: the set a restored
-        checkpoint read, ``compiled``: the parts under torch.compile), and :attr:`example` from
-        ``example_input_array``. Says which layers' folded zeros were masked again, and warns of buffers
-        shaped like a weight to mask (:func:`~lightning_pulse.core.prune_setup.renamed_weight_warning`) and
-        of large trainable parameters out of reach
-        (:func:`~lightning_pulse.core.prune_setup.unreached_warning`). First, a resume with another ``mode``
-        than the checkpoint's is refused (:func:`~lightning_pulse.core.prune_setup.refuse_mode_change`)."""
+        checkpoint read, by default :attr:`restored_frozen`, taken here; ``compiled``: the parts under
+        torch.compile), and :attr:`example` from ``example_input_array``. Says which layers' folded zeros
+        were masked again, and warns of buffers shaped like a weight to mask
+        (:func:`~lightning_pulse.core.prune_setup.renamed_weight_warning`) and of large trainable parameters
+        out of reach (:func:`~lightning_pulse.core.prune_setup.unreached_warning`). First, a resume with
+        another ``mode`` than the checkpoint's is refused
+        (:func:`~lightning_pulse.core.prune_setup.refuse_mode_change`)."""
         restored, self.restored_mode = self.restored_mode, None
+        restored_frozen, self.restored_frozen = self.restored_frozen, None
+        frozen = restored_frozen if frozen is None else frozen
         refuse_mode_change(restored, self.pruner.mode)
         selection, masked, self.example = fit_start_selection(
             self.pruner, model, self.schedule, frozen, compiled, self.example, self.fixed_copies
@@ -403,11 +419,23 @@ class PruneEvents:
             state["teacher"] = teacher
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any], rollback: bool = False) -> None:
+    def load_state_dict(
+        self,
+        state: Mapping[str, Any],
+        rollback: bool = False,
+        student: nn.Module | None = None,
+        accumulation: int = 1,
+    ) -> None:
         """Load a :meth:`state_dict`; its teacher waits in :attr:`pending_teacher` (see
         :meth:`restore_teacher`) and the masked layers are found again at the next refresh. A ``rollback``
         keeps a deferred chance: the maintain phase it waits for began (the clock does not go back), and an
-        event taken since the snapshot held a deferred one is undone and redone at the next applied step."""
+        event taken since the snapshot held a deferred one is undone and redone at the next applied step.
+        A resume (not a ``rollback``) keeps the run's own frozen set in :attr:`restored_frozen`.
+
+        A ``rollback`` with the ``student`` (the model, just returned to the snapshot too) restores the
+        teacher at once (:meth:`restore_teacher`, ``accumulation`` the gradient-accumulation factor): the
+        teacher of an undone event goes and one saved in the snapshot comes back (on a checkpoint restore,
+        :meth:`start_training` does)."""
         self.deferred = bool(state.get("deferred_event", False)) or (rollback and self.deferred)
         self.schedule.load_state_dict(state)
         self.pruner.load_state_dict(state)
@@ -416,6 +444,17 @@ class PruneEvents:
         self.pending_teacher = state.get("teacher")
         self.restored_mode = saved_mode(state)
         self.masks.forget()
+        if not rollback and "user_frozen" in state:
+            self.restored_frozen = frozenset(state["user_frozen"])
+        if rollback and student is not None:
+            self.restore_teacher(student, accumulation)
+
+    def rollback_state_dict(self, model: nn.Module | None) -> dict[str, Any]:
+        """What a StabilityGuard snapshot keeps: the :meth:`state_dict`, and which layers of ``model`` had a
+        mask then (``None`` without a model), for :meth:`masks_after_rollback`. A pass over the modules."""
+        state = self.state_dict()
+        state["masked_layers"] = pruning.masked_layer_names(model) if model is not None else None
+        return state
 
     def masks_after_rollback(self, model: nn.Module, masked_then: Collection[str] | None) -> None:
         """After a rollback (unstructured), make the masks of the pruned layers say what the restored record
@@ -446,6 +485,15 @@ class PruneEvents:
         # a write to a computed weight before the rollback is undone too
         pruning.discard_written_weights(model)
         self.masks.refresh(model, grad=False)
+
+
+def reusable_probe(cycle: Any, maintain_entry: bool) -> dict[str, float] | None:
+    """The probe metrics to reuse as those before an event: at a ``maintain_entry``, a copy of the probe a
+    PulseCycle (``cycle``; ``None`` without one) has just run there (``maintain_eval='probe'``), rather than
+    evaluate the model twice; else ``None``."""
+    if maintain_entry and cycle is not None and cycle.maintain_eval == "probe" and cycle.last_probe:
+        return dict(cycle.last_probe)
+    return None
 
 
 #: what the fit-end warning adds where an event due still waited (:meth:`PruneEvents.waits`) at the run's end

@@ -707,6 +707,14 @@ def maintain_starts(
     return starts
 
 
+def pulse_cycle_holder(callbacks: Iterable[Any], holder_type: type) -> str | None:
+    """The class name of the first of ``callbacks`` that can hold the PulseCycle in its light phases
+    (:meth:`PulseCycle.hold_light <lightning_pulse.PulseCycle.hold_light>`): a ``holder_type`` (the callback
+    hands in GreenWindow) with ``when_dirty='light'``; ``None`` for none (see :func:`event_cadence`)."""
+    holders = (c for c in callbacks if isinstance(c, holder_type) and c.when_dirty == "light")
+    return next((type(c).__name__ for c in holders), None)
+
+
 def steps_per_epoch(
     batches: float, accumulation: int, epoch: int, scheduling: Mapping[int, int] | None
 ) -> int | None:
