@@ -133,3 +133,36 @@ def test_a_fast_dev_run_smoke_test_runs_its_batch_without_waiting_or_suspending(
     control = trainer_kwargs(max_steps=1, default_root_dir=tmp_path / "control")
     pl.Trainer(callbacks=[check], **control).fit(*mnist1d_small(arch="mlp"))
     assert clock.time() > start
+
+
+@pytest.mark.parametrize("failure", [OSError("disk full"), KeyboardInterrupt()], ids=["error", "interrupt"])
+def test_a_report_write_that_fails_keeps_the_report_and_the_last_paths(mnist1d_small, tmp_path, failure):
+    # a review: the report was only kept once its files were written (a Ctrl-C there left `.report` None), and a
+    # failed write emptied the paths the run's earlier report was written to
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock("2020-06-15 12:00:00")
+    green = GreenWindow(
+        signal=dirty_now_signal(clock.time() - 12 * 3600),  # dirty at midnight only: this fit runs clean
+        when_dirty="pause",
+        clock=clock,
+        options=GreenWindowOptions(watts=100.0, report_dir=str(tmp_path / "report")),
+    )
+    trainer = pl.Trainer(callbacks=[green], **trainer_kwargs(max_steps=3, default_root_dir=tmp_path))
+    trainer.fit(model, data)
+    written = list(green.report_paths)
+    assert written and all(path.exists() for path in written)
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    green.report = None
+    with pytest.MonkeyPatch.context() as patch:  # a fake only for the failing disk / the interrupt
+        patch.setattr("lightning_pulse.core.green_report.write_green_report", fail)
+        if isinstance(failure, KeyboardInterrupt):
+            with pytest.raises(KeyboardInterrupt):
+                green._write_report(tmp_path / "report", "complete")
+        else:
+            with pytest.warns(UserWarning, match="GreenWindow: could not write the report"):
+                green._write_report(tmp_path / "report", "complete")
+    assert green.report is not None and green.report["status"] == "complete"
+    assert green.report_paths == written

@@ -155,7 +155,7 @@ def test_selection_says_which_folded_zeros_were_masked_again_and_training_starts
     with torch.no_grad():
         model[1].weight[0] = 0
     events.schedule.sparsity = 0.5
-    selection = events.select(model, None, [])
+    selection = events.select(model, compiled=[])
     assert said == [("info", "ScheduledPrune: resumed after a fit's end; pruned zeros masked again: ['1']")]
     events.uses_maintain = False
     events.masks.refresh(model, grad=False)

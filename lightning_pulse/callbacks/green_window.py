@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
-from lightning_pulse.core.green_report import energy_source, finish_report, saving_line
+from lightning_pulse.core.green_report import energy_source, report_record, saving_line, write_report_safely
 from lightning_pulse.core.green_window import (
     FAST_DEV_RUN_LINE,
     NO_ENERGY_LINE,
@@ -126,16 +126,16 @@ class GreenWindow(Callback):
         super().__init__()
         self._one_run = OneRunPerInstance("GreenWindow")  # a second fit would spend the first's delay budget
         parts = green_window_parts(  # checked: a ValueError names the field
-            signal,
-            when_dirty,
-            threshold,
-            horizon,
-            max_delay,
-            deadline,
-            forecast,
-            expected_duration,
-            clock,
-            options,
+            signal=signal,
+            when_dirty=when_dirty,
+            threshold=threshold,
+            horizon=horizon,
+            max_delay=max_delay,
+            deadline=deadline,
+            forecast=forecast,
+            expected_duration=expected_duration,
+            clock=clock,
+            options=options,
         )
         self.options, self.when_dirty, self.forecast = parts.options, parts.when_dirty, parts.forecast
         self.policy, self.signal, self.clock = parts.policy, parts.signal, parts.clock
@@ -336,9 +336,11 @@ class GreenWindow(Callback):
     # ------------------------------------------------------------------ report
     def _write_report(self, folder: Path | None, status: str) -> None:
         source = energy_source(self._energy is not None, self.options.watts)
-        self.report, self.report_paths, failure = finish_report(  # folder None: fast_dev_run, no files
-            status, self.when_dirty, self.schedule, self.signal, source, self.suspended, folder, self.options
-        )
+        signal = self.signal.describe()
+        self.report = report_record(status, self.when_dirty, self.schedule, signal, source, self.suspended)
+        # kept before the files are written (an interrupt there leaves it); folder None: fast_dev_run
+        written, failure = write_report_safely(self.report, folder, self.signal, self.schedule, self.options)
+        self.report_paths = self.report_paths if written is None else written
         if failure is not None:  # a report that cannot be written must not fail a finished run
             rank_zero_warn(failure)
         rank_zero_info(f"GreenWindow: {saving_line(self.report['summary'], self.options.unit)}")

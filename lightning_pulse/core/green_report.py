@@ -80,26 +80,22 @@ def write_green_report(
     return written
 
 
-def finish_report(
-    status: str,
-    when_dirty: str,
-    schedule: GreenSchedule,
-    signal: GreenSignal,
-    energy_source: str | None,
-    suspended: dict[str, Any] | None,
+def write_report_safely(
+    report: dict[str, Any],
     folder: Path | None,
+    signal: GreenSignal,
+    schedule: GreenSchedule,
     options: GreenWindowOptions,
-) -> tuple[dict[str, Any], list[Path], str | None]:
-    """The report (:func:`report_record`), the files written into ``folder`` (:func:`write_green_report`;
-    ``None``: a fast_dev_run smoke test, which writes no files), and the line that says why they could not be
-    written (else ``None``): a report that cannot be written must not fail a finished run."""
-    report = report_record(status, when_dirty, schedule, signal.describe(), energy_source, suspended)
+) -> tuple[list[Path] | None, str | None]:
+    """Write ``report`` into ``folder`` (:func:`write_green_report`; ``None``: a fast_dev_run smoke test,
+    which writes no files): the paths written (``None`` where none were), and the line that says why they
+    could not be (else ``None``): a report that cannot be written must not fail a finished run."""
+    if folder is None:
+        return None, None
     try:
-        if folder is None:
-            return report, [], None
-        return report, write_green_report(report, folder, signal.mean, schedule.first_forecast, options), None
+        return write_green_report(report, folder, signal.mean, schedule.first_forecast, options), None
     except Exception as error:
-        return report, [], f"GreenWindow: could not write the report to {folder} ({error})."
+        return None, f"GreenWindow: could not write the report to {folder} ({error})."
 
 
 def saving_line(summary: dict[str, Any], unit: str) -> str:

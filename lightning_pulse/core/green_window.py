@@ -1395,6 +1395,7 @@ class GreenWindowParts(NamedTuple):
 
 
 def green_window_parts(
+    *,
     signal: Any,
     when_dirty: str,
     threshold: float | str | None,
