@@ -183,3 +183,56 @@ def test_the_step_record_keeps_each_batchs_states_until_its_step_ends_an_applied
     record.entered("d")
     record.drop_window(ended=True)
     assert record.drawn == {} and record.drawn_states == ({}, record.reference_drawn)
+
+
+class EndsTheFirstEpochInsideAWindow(Dropout):
+    """Its ``on_train_batch_start`` returns -1 at the first epoch's second batch (Lightning skips the rest of
+    the epoch), inside an accumulation window of two. Keeps each micro-batch's loss as it trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.window: list[float] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.current_epoch == 0 and batch_idx == 1:
+            return -1
+
+    def on_before_backward(self, loss):
+        self.window.append(float(loss.detach()))
+
+
+class WindowReplays(Callback):
+    """Listed after the guard: at each optimizer step, the guard's re-runs of the step's micro-batches next to
+    the losses they trained with (Lightning divides each by the window's length before backward)."""
+
+    def __init__(self, guard: StabilityGuard) -> None:
+        self.guard = guard
+        self.rows: list[tuple[list[float], list[float]]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        flagged = self.guard._flagged_step(trainer, pl_module)
+        replayed = [flagged.losses_of([batch])[0] for batch in flagged.record.batches]
+        trained = [loss * trainer.accumulate_grad_batches for loss in pl_module.window]
+        self.rows.append((replayed, trained))
+        pl_module.window = []
+
+
+def test_a_window_an_epoch_ended_early_is_let_go_before_the_next_epochs_first_step():
+    # a review: the abandoned window's batch and states stayed in the record, so the next step's loss summed
+    # both windows' losses and its re-runs drew the abandoned batch's dropout masks
+    pl.seed_everything(0, verbose=False)
+    guard = StabilityGuard()
+    replays = WindowReplays(guard)
+    loader = DataLoader(_regression_data(16), batch_size=4)
+    trainer = pl.Trainer(
+        **trainer_kwargs(max_epochs=2, accumulate_grad_batches=2, callbacks=[guard, replays])
+    )
+    module = EndsTheFirstEpochInsideAWindow()
+    module.window = []
+    trainer.fit(module, loader)
+    assert trainer.global_step == 2  # the second epoch's two windows; the first epoch's was abandoned
+    first_window = replays.rows[0][1]
+    assert len(first_window) == 3  # the abandoned micro-batch trained its backward too, then the window's two
+    for replayed, trained in replays.rows:
+        # each window's own micro-batches, each re-run drawing the masks it trained with
+        assert replayed == trained[-len(replayed) :] and len(replayed) == 2

@@ -60,7 +60,9 @@ from lightning_pulse.phase import Phase, PhaseChange
 
 NONFINITE = (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
 
-_CPU_GENERATOR = torch.default_generator  # read at every micro-batch (StepRecord.add): no lookup each time
+_CPU_GENERATOR = (
+    torch.default_generator
+)  # read at every micro-batch (StepRecord.entered): no lookup each time
 
 
 #: why StabilityGuard refuses a sharded strategy (:func:`~lightning_pulse.errors.refuse_sharded_strategy`)
@@ -244,7 +246,7 @@ SavedForwardState = tuple[TrainingSnapshot | None, dict[str, Tensor]]
 
 
 #: the random generator states a micro-batch's ``training_step`` drew from: ``(generator, state)`` pairs, the
-#: CPU's default generator and, for a module on a GPU, that device's (:meth:`StepRecord.add`)
+#: CPU's default generator and, for a module on a GPU, that device's (:meth:`StepRecord.entered`)
 DrawnState = tuple[tuple[torch.Generator, Tensor], ...]
 
 
@@ -303,7 +305,11 @@ class StepRecord:
         return cls(next((callback for callback in callbacks if isinstance(callback, cut_type)), None), device)
 
     def add(self, batch_idx: int, batch: Any) -> None:
-        """Keep a micro-batch at its batch start, by reference (until :meth:`entered`)."""
+        """Keep a micro-batch at its batch start, by reference (until :meth:`entered`). An epoch's first batch
+        opens a window: what a window left behind goes (a module's ``on_train_batch_start`` that returns -1
+        ends the epoch inside a window, with no step), so the step is judged and re-run on its own batches."""
+        if batch_idx == 0 and self.batches:
+            self.drop_window(ended=True)
         self.batches.append((batch_idx, batch))
 
     def entered(self, batch: Any) -> None:
