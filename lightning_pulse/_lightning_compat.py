@@ -113,6 +113,10 @@ def private_api_problems() -> list[str]:
     ]
     if not callable(getattr(torch.Tensor, "_use_count", None)):
         problems.append("torch.Tensor._use_count")
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    if "_batches_that_stepped" not in _TrainingEpochLoop.__init__.__code__.co_names:
+        problems.append("_TrainingEpochLoop._batches_that_stepped")
     if "_current_fx_name" not in vars(pl.LightningModule()):
         problems.append("LightningModule._current_fx_name")
     if "_scale" not in vars(torch.amp.GradScaler("cpu")):
@@ -794,7 +798,10 @@ def logging_step(trainer: pl.Trainer) -> int:
     if not isinstance(counted, int):
         return trainer.global_step
     hook = getattr(trainer.strategy.lightning_module, "_current_fx_name", None)
-    return counted - 1 if hook in _AFTER_THE_LAST_COUNT and counted > 0 else counted
+    ran = not getattr(
+        epoch_loop, "restarting", False
+    )  # a restored fit that trained no batch: count not moved on
+    return counted - 1 if hook in _AFTER_THE_LAST_COUNT and counted > 0 and ran else counted
 
 
 def window_ended(trainer: pl.Trainer) -> bool:

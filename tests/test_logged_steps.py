@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pulse import EnergyLogger, PulseCycle
+from lightning_pulse import EnergyLogger, GradientCache, HyperConnectionMonitor, PulseCycle
 from lightning_pulse.loggers import log_to_loggers
 from tests.conftest import RecordingLogger, trainer_kwargs
 
@@ -56,3 +58,101 @@ def test_energy_and_phase_metrics_line_up_with_the_training_loss(mnist1d_small, 
     assert set(library) <= loss_steps
     assert [step for step, _ in logger.logged("energy/epoch_kwh")] == [7]
     assert [step for step, _ in logger.logged("energy/final_kwh")] == [7]
+
+
+class TwoOptimizersHC(pl.LightningModule):
+    """Manual optimization of two optimizers on a hyper-connection net: two optimizer steps a batch."""
+
+    def __init__(self) -> None:
+        from tests.test_mhc_monitor import TwoLayerNet
+
+        super().__init__()
+        self.net = TwoLayerNet()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        x, y = batch
+        loss = (self.net(x) - y).pow(2).mean()
+        self.log("train_loss", loss)
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+
+    def configure_optimizers(self):
+        parameters = list(self.net.parameters())
+        half = len(parameters) // 2
+        return [torch.optim.SGD(parameters[:half], lr=0.1), torch.optim.SGD(parameters[half:], lr=0.1)]
+
+
+def test_hyper_connection_figures_sit_with_the_loss_of_the_batch_they_measured_with_two_optimizers(tmp_path):
+    # a review: the monitor logged at global_step, which counts both optimizers' steps (0, 4, 8 for batches 0,
+    # 2, 4), where the loss sits at the batch count
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(48, 5, 16, generator=generator), torch.randn(48, 5, 16, generator=generator)
+    )
+    logger = RecordingLogger()
+    trainer = pl.Trainer(
+        callbacks=[HyperConnectionMonitor(every_n_steps=4)],
+        **trainer_kwargs(logger=logger, max_epochs=1, log_every_n_steps=1, default_root_dir=tmp_path),
+    )
+    trainer.fit(TwoOptimizersHC(), DataLoader(data, batch_size=8))
+    measured = [step for step, metrics in logger.rows if any(key.startswith("mhc/") for key in metrics)]
+    assert measured == [0, 2, 4]  # global_step 0, 4, 8: batches 0, 2 and 4
+    assert set(measured) <= {step for step, _ in logger.logged("train_loss")}
+
+
+def test_gradient_cache_rows_share_the_steps_lightning_logs_at(mnist1d_small, tmp_path):
+    # a review: its regular rows were due on global_step % n before the step (0, 5, 10), the loss's after it
+    model, data = mnist1d_small()
+    logger = RecordingLogger()
+    trainer = pl.Trainer(
+        callbacks=[GradientCache()],
+        **trainer_kwargs(logger=logger, max_steps=12, log_every_n_steps=5, default_root_dir=tmp_path),
+    )
+    trainer.fit(model, data)
+    rows = [
+        step for step, metrics in logger.rows if any(key.startswith("gradient_cache/") for key in metrics)
+    ]
+    assert [step for step, _ in logger.logged("train_loss")] == [4, 9]
+    assert rows and set(rows) <= {4, 9, 11}  # 11: the epoch's last window, closed where its rates are due
+
+
+class StopsAtTrainStart(Callback):
+    """Stops the fit before its first batch, as GreenWindow's suspend loop does when a resume is still dirty."""
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.should_stop = True
+
+
+def test_a_resumed_fit_that_trains_nothing_logs_its_summary_at_the_last_step_not_before_it(
+    mnist1d_small, tmp_path
+):
+    # a review: Lightning's count still held the checkpoint's value, so taking one off put the resumed fit's
+    # summary a step behind the first fit's
+    def fit(max_steps: int, ckpt_path=None, extra=()) -> RecordingLogger:
+        model, data = mnist1d_small(arch="mlp")
+        logger = RecordingLogger()
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=9, save_top_k=-1)
+        callbacks = [
+            EnergyLogger(country_iso_code="DEU", report_dir=str(tmp_path / "energy")),
+            checkpoint,
+            *extra,
+        ]
+        kwargs = trainer_kwargs(
+            logger=logger, max_steps=max_steps, log_every_n_steps=1, enable_checkpointing=True
+        )
+        pl.Trainer(callbacks=callbacks, limit_val_batches=0, default_root_dir=tmp_path, **kwargs).fit(
+            model, data, ckpt_path=ckpt_path
+        )
+        return logger
+
+    first = fit(9)
+    saved = next((tmp_path / "ckpt").glob("*.ckpt"))
+    resumed = fit(24, saved, [StopsAtTrainStart()])
+    last_loss = first.logged("train_loss")[-1][0]
+    assert [step for step, _ in first.logged("energy/final_kwh")] == [last_loss]
+    assert [step for step, _ in resumed.logged("energy/final_kwh")] == [last_loss]

@@ -241,7 +241,8 @@ class GradientCache(Callback):
         enabled = self._phase_enabled and in_span(self._span, trainer.global_step + 1)
         report = self._lifecycle.step(enabled, from_rank_zero(trainer), trainer.optimizers)
         self._lifecycle.record_step(trainer.global_step + 1, before, report, self._replay)
-        due = report.window_closed or trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
+        # Lightning's rule (the loss's rows): the step this optimizer step completes is a multiple
+        due = report.window_closed or (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0
         if due:  # every rank joins the hit rates' gather (a logger may be on rank 0 only); the lowest logged
             gather = functools.partial(compat.all_gather_held, trainer.strategy, hold=self._held)
             rate = self._replay.logged_hit_rate(gather) if self._replay is not None else {}

@@ -22,7 +22,7 @@ class HyperConnectionMonitor(Callback):
     Every ``every_n_steps`` optimizer steps it watches one training forward pass: forward hooks on every
     :class:`~lightning_pulse.nn.HyperConnection` / :class:`~lightning_pulse.nn.ManifoldHyperConnection` found in
     ``pl_module.modules()`` recompute each layer's ``H_res`` (no gradient, no change to the module or its
-    outputs), and it logs to every logger of the Trainer, at the measured ``global_step``:
+    outputs), and it logs to every logger of the Trainer, at the step Lightning logs the measured batch's loss:
 
     * ``{prefix}/forward_gain`` and ``{prefix}/backward_gain``: the largest absolute row and column sum of the
       product ``H_res^{(L)} ... H_res^{(1)}`` in call order, maximised over tokens (the mHC paper's "Amax gain
@@ -92,6 +92,7 @@ class HyperConnectionMonitor(Callback):
         self._measuring = False  # the current batch is measured
         self._warned_empty = False
         self._last_measured_step = -1
+        self._logged_at = 0  # the measured batch's step on the loggers' axis (compat.logging_step)
         self._held = compat.CollectiveHold()  # reduced tensors a collective's thread may still hold
 
     # ------------------------------------------------------------------ public figures
@@ -166,6 +167,7 @@ class HyperConnectionMonitor(Callback):
             return
         self._recorder.start()
         self._last_measured_step = step
+        self._logged_at = compat.logging_step(trainer)  # where Lightning logs this batch's own loss
         self._measuring = True
 
     @override
@@ -233,7 +235,7 @@ class HyperConnectionMonitor(Callback):
             metrics.update(
                 {f"{self.prefix}/off_diagonal_mass/layer_{i:02d}": mass for i, mass in per_layer.items()}
             )
-        log_to_loggers(trainer, metrics, step=self._last_measured_step)
+        log_to_loggers(trainer, metrics, step=self._logged_at)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
