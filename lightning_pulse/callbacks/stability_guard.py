@@ -213,8 +213,8 @@ class StabilityGuard(Callback):
         sums = self._sum_over_ranks(trainer)
         loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, sums, trainer.world_size)
         if decided is Action.APPLY:  # SAM applies its second's gradient; spikes are judged on the first
-            changes = (self._changes, optimizer, self._keep_gradients)  # a non-finite one: a skip
-            return self.core.judge_later_step(record, step, loss, grad_norm, *changes)
+            changes, keep = self._changes, self._keep_gradients  # a non-finite one: a skip
+            return self.core.judge_later_step(record, step, loss, grad_norm, changes, optimizer, keep)
         # the baseline key of the step: its pulse phase, or the one fixed key
         key = self._fixed_key if self._cycle is None else self._cycle.phase.value
         # a flagged step's checks read the trainer; a note (said once) and their warnings point here
