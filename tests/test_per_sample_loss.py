@@ -248,6 +248,35 @@ def test_per_sample_loss_is_the_mean_of_each_samples_elements(name, make, expect
     assert torch.allclose(capture.per_sample(), expected(a, b), atol=1e-6)
 
 
+def test_a_batchmean_kl_scores_each_samples_share_on_flattened_and_batch_first_inputs_alike():
+    # batchmean divides the sum by the input's first dimension: B*T on flattened (B*T, V) token logits, where
+    # each sample's share is its sum over T (it was its whole sum: the KL counted T times next to another term)
+    batch, time, vocab = 3, 4, 5
+    generator = torch.Generator().manual_seed(4)
+
+    def capture(flat: bool) -> tuple[LossCapture, torch.Tensor]:
+        student = torch.randn(batch, time, vocab, generator=generator).log_softmax(-1)
+        teacher = torch.randn(batch, time, vocab, generator=generator).softmax(-1)
+        sums = F.kl_div(student, teacher, reduction="none").sum((1, 2))
+        taken = LossCapture(batch_size=batch)
+        with taken:
+            if flat:
+                F.kl_div(student.reshape(-1, vocab), teacher.reshape(-1, vocab), reduction="batchmean")
+            else:
+                F.kl_div(student, teacher, reduction="batchmean")
+        return taken, sums / time if flat else sums
+
+    captures, expected = zip(*(capture(flat) for flat in (True, False, True)))
+    for taken, share in zip(captures, expected):
+        assert torch.allclose(taken.per_sample(), share, rtol=1e-6)
+    # steps joined into one pass only where their input rows per sample agree (same elements per sample here)
+    captures, expected = zip(*(capture(flat) for flat in (True, False, True, True)))
+    joined = concat_per_sample(list(captures))
+    assert np.allclose(joined, torch.cat(expected).numpy(), rtol=1e-6)
+    captures, expected = zip(*(capture(True) for _ in range(2)))
+    assert np.allclose(concat_per_sample(list(captures)), torch.cat(expected).numpy(), rtol=1e-6)
+
+
 def test_token_losses_average_each_samples_own_tokens_and_skip_ignored_ones():
     batch, time, vocab = 3, 5, 7
     generator = torch.Generator().manual_seed(1)
