@@ -3,7 +3,8 @@ label-smoothed cross-entropy (the class weight divided out of torch's per-sample
 term for low-weight classes), terms whose coefficients change from step to step (mixup's ``lam * ce(y) +
 (1 - lam) * ce(y[perm])``, scored ``1 / max(lam, 1 - lam)`` too high; uncertainty weighting) and a
 distillation KL on flattened ``(B*T, V)`` token logits with ``reduction="batchmean"`` (counted ``T`` times
-next to the token cross-entropy)."""
+next to the token cross-entropy) and a token cross-entropy with ``reduction="sum"`` and ``-100`` labels or
+class weights (counted ``numel / counted weight`` times next to another term)."""
 
 from __future__ import annotations
 
@@ -299,4 +300,93 @@ def test_a_batchmean_kl_on_flattened_token_logits_scores_each_samples_share_of_i
     # before: batchmean divides by the input's B*T rows, not B, and each sample scored its whole sum, the KL
     # counted T times next to the token-mean cross-entropy (a held-out sweep's GPT-2 distillation ranked
     # its samples against the loss, rank correlation -0.6 to -0.9)
+    assert torch.allclose(scores, expected, rtol=1e-5, atol=1e-6)
+
+
+TAGS = torch.tensor([3, 7, 1, 9, 4, 0, 10, 2])  # a sample's labels, each sample in its own order
+TAG_WEIGHT = torch.linspace(0.5, 2.0, VOCAB)
+
+
+class _TokenTagger(pl.LightningModule):
+    """A frozen token tagger (lr 0) with a regression head: ``0.5 * ce + 0.5 * mse``, the token cross-entropy
+    summed over the batch's counted tokens and divided by ``B`` (fairseq's and many seq2seq scripts' form), or
+    torch's token mean. Every sample has the same labels (``TAGS``, half of them ``-100`` where padded), in
+    its own order, so each sample's counted weight is the same and its score is exactly its part of the
+    loss."""
+
+    def __init__(self, reduction: str, padded: bool, class_weighted: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.tag, self.regress = nn.Embedding(VOCAB, 6), nn.Linear(6, VOCAB), nn.Linear(6, 3)
+        self.reduction, self.padded = reduction, padded
+        self.weight = TAG_WEIGHT if class_weighted else None
+        self.expected: dict[int, float] = {}
+
+    def training_step(self, batch, batch_idx):
+        tokens, order, regression_targets, indices = batch
+        tags = TAGS.clone()
+        if self.padded:
+            tags[SEQUENCE // 2 :] = -100
+        targets = tags[order]  # (B, T)
+        hidden = self.embed(tokens)
+        logits, prediction = self.tag(hidden), self.regress(hidden.mean(1))
+        ce = F.cross_entropy(
+            logits.reshape(-1, VOCAB), targets.reshape(-1), weight=self.weight, reduction=self.reduction
+        )
+        if self.reduction == "sum":
+            ce = ce / tokens.shape[0]
+        with torch.no_grad():  # each sample's part of the loss, times B, written out
+            counted = targets != -100
+            weight = counted.float() if self.weight is None else self.weight[targets.clamp_min(0)] * counted
+            nll = -F.log_softmax(logits, -1).gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1)
+            sums = (weight * nll).sum(1)
+            if self.reduction == "mean":  # torch divides by the batch's counted weight
+                sums = sums * tokens.shape[0] / weight.sum()
+            squared = ((prediction - regression_targets) ** 2).mean(1)
+        self.expected.update(zip(indices.tolist(), (0.5 * sums + 0.5 * squared).tolist()))
+        return 0.5 * ce + 0.5 * F.mse_loss(prediction, regression_targets)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("mode", ["batch", "steps"])
+@pytest.mark.parametrize("one_evaluation", [False, True], ids=["two-evaluations", "one-evaluation"])
+@pytest.mark.parametrize(
+    ("reduction", "padded", "class_weighted"),
+    [
+        ("sum", True, False),
+        ("sum", True, True),
+        ("sum", False, True),
+        ("sum", False, False),
+        ("mean", True, True),
+    ],
+    ids=[
+        "sum-padded",
+        "sum-padded-class-weighted",
+        "sum-class-weighted",
+        "sum",
+        "mean-padded-class-weighted",
+    ],
+)
+def test_a_summed_token_cross_entropy_scores_each_samples_part_next_to_another_term(
+    monkeypatch, reduction, padded, class_weighted, one_evaluation, mode
+):
+    if one_evaluation:  # a language model's large logits take the path that evaluates the loss once
+        monkeypatch.setattr(per_sample_loss, "SINGLE_PASS_ELEMENTS", 0)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (N, SEQUENCE), generator=generator)
+    order = torch.rand(N, SEQUENCE, generator=generator).argsort(1)
+    regression_targets = torch.randn(N, 3, generator=generator)
+    module = _TokenTagger(reduction, padded, class_weighted)
+    replay = HardSampleReplay(mode=mode)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=4, callbacks=[replay]))
+    dataset = TensorDataset(tokens, order, regression_targets, torch.arange(N))
+    trainer.fit(module, DataLoader(dataset, batch_size=B, shuffle=False))
+    indices = sorted(module.expected)
+    scores = torch.as_tensor(replay.table.scores[indices], dtype=torch.float32)
+    expected = torch.tensor([module.expected[index] for index in indices])
+    # before: a "sum" counted as its element count times its per-sample means, which leave out the -100
+    # tokens and divide out the class weights: with half the labels -100 the cross-entropy weighed twice its
+    # part next to the regression term ("mean" and an unweighted, unpadded "sum" were right, and still are)
     assert torch.allclose(scores, expected, rtol=1e-5, atol=1e-6)

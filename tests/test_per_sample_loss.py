@@ -833,6 +833,38 @@ def test_each_term_counts_with_its_part_in_the_backpropagated_loss_and_logged_va
     assert torch.allclose(capture.per_sample(), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("class_weighted", [False, True], ids=["ignored", "ignored-and-class-weighted"])
+def test_a_summed_token_cross_entropy_counts_as_its_mean_times_what_the_mean_divides_by(class_weighted):
+    # a "sum" next to another term counted as its element count times its per-sample means, which leave out
+    # the -100 tokens and divide out the class weights: `ce_sum / counted` was weighed numel / counted times
+    # `ce_mean`, the same loss. Each sample's padding differs here: both score its mean over its own tokens
+    batch, time, classes = 4, 6, 5
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(batch * time, classes, generator=generator, requires_grad=True)
+    targets = torch.randint(0, classes, (batch, time), generator=generator)
+    targets[torch.arange(time) >= torch.tensor([[6], [4], [2], [1]])] = -100  # 6, 4, 2 and 1 tokens counted
+    targets = targets.reshape(-1)
+    weight = torch.linspace(0.5, 2.0, classes) if class_weighted else None
+    counted = (targets != -100) * (1.0 if weight is None else weight[targets.clamp_min(0)])
+    auxiliary = torch.randn(batch, requires_grad=True)
+    scores = []
+    for reduction in ("sum", "mean"):
+        capture = LossCapture(batch_size=batch)
+        with capture:
+            ce = F.cross_entropy(logits, targets, weight=weight, reduction=reduction)
+            ce = ce / counted.sum() if reduction == "sum" else ce
+            loss = 0.5 * ce + 0.5 * F.mse_loss(auxiliary, torch.ones(batch))
+        capture.watch_loss(loss)
+        loss.backward()
+        capture.drop_unused()
+        scores.append(capture.per_sample())
+    per_token = F.cross_entropy(logits, targets, weight=weight, reduction="none").detach().reshape(batch, -1)
+    own_mean = per_token.sum(1) / counted.reshape(batch, -1).sum(1)
+    expected = 0.5 * own_mean + 0.5 * (auxiliary.detach() - 1.0) ** 2
+    torch.testing.assert_close(scores[0], expected)
+    torch.testing.assert_close(scores[1], expected)
+
+
 def test_a_single_logged_value_is_refused_and_a_single_loss_keeps_its_own_scale():
     torch.manual_seed(0)
     logits = torch.randn(8, 4, requires_grad=True)

@@ -123,6 +123,9 @@ class CapturedLoss:
         shape: shape of the unreduced loss.
         maps_onto_batch: whether the unreduced loss splits into the batch's ``B`` samples (its leading size is
             ``B`` or a multiple of it).
+        mean_divisor: for a ``"sum"`` call, what torch's ``"mean"`` of it divides by (the sum is that many
+            times the mean): its element count, or for class-index cross-entropy / NLL the summed class
+            weights of its non-ignored targets (a 0-dim tensor on the loss's device).
         per_sample: ``(B,)`` float32 losses, detached (on the loss's device), or ``None`` when
             ``maps_onto_batch`` is false.
     """
@@ -132,6 +135,7 @@ class CapturedLoss:
         "reduction",
         "shape",
         "maps_onto_batch",
+        "mean_divisor",
         "why_not",
         "on_batch_rows",
         "grad",
@@ -155,6 +159,7 @@ class CapturedLoss:
         self._source = source  # (arguments it needs, detached unreduced loss, batch size), until first read
         self._per_sample = per_sample
         self.maps_onto_batch = per_sample is not None if source is None else _splits(shape, source[2])
+        self.mean_divisor: float | Tensor = float(math.prod(shape))
         self.why_not = "does not split into the batch's samples"  # read only when maps_onto_batch is false
         self.on_batch_rows = False  # computed on the batch's rows, found not to split (a row check said why)
         # d loss / d (what the caller got), summed over the step's backward calls
@@ -852,17 +857,20 @@ class LossCapture:
 
         With ``g`` the gradient of the loss with respect to what the caller got, each call stands for its
         per-sample losses (as scored alone) times its weight in the loss, the sum of ``g``: ``g`` for a call
-        torch reduced (``"mean"``, ``"batchmean"``; ``"sum"``: times its element count), the sum of ``g`` over
-        the elements of a call the caller reduced (``reduction="none"``: 1 for a mean, masked or not).
-        Weighing such a call's samples by ``g`` instead would score a masked token loss by each sample's token count,
-        and a second term, however small, would change its ranking."""
+        torch reduced (``"mean"``, ``"batchmean"``; ``"sum"``: times what its ``"mean"`` divides by,
+        :attr:`CapturedLoss.mean_divisor`), the sum of ``g`` over the elements of a call the caller reduced
+        (``reduction="none"``: 1 for a mean, masked or not). Weighing such a call's samples by ``g`` instead
+        would score a masked token loss by each sample's token count, and a second term, however small, would
+        change its ranking. A ``"sum"`` times its element count counted the ``ignore_index`` tokens and class
+        weights that its per-sample losses leave out: a token cross-entropy with half its labels ``-100``
+        weighed twice its part next to another term."""
         if len(mapped) < 2 or any(record.grad is None for record in mapped):
             return None
         sizes: list[Tensor] = []
         for record in mapped:
             grad = record.grad.float()
             if grad.dim() == 0:
-                sizes.append(grad * (math.prod(record.shape) if record.reduction == "sum" else 1))
+                sizes.append(grad * record.mean_divisor if record.reduction == "sum" else grad)
             elif record.unreduced is None or tuple(grad.shape) != tuple(record.unreduced.shape):
                 return None
             else:
@@ -1056,6 +1064,9 @@ class LossCapture:
         record = CapturedLoss(
             name, reduction, tuple(unreduced.shape), source=(kept, unreduced, self.batch_size)
         )
+        counted = element_weights(name, arguments, unreduced) if reduction == "sum" else None
+        if counted is not None:  # what torch's "mean" divides by: the summed weight of the counted targets
+            record.mean_divisor = counted.detach().sum(dtype=torch.float32)
         logits = arguments.get("input")
         if name in _CLASS_WEIGHTED and isinstance(logits, Tensor) and record.maps_onto_batch:
             rows = logits.shape[0] if logits.dim() == 2 else 0
