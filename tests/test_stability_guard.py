@@ -26,6 +26,7 @@ from lightning_pulse import GradientCache, HardSampleReplay, PulseCycle, Schedul
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
 from lightning_pulse.core.snapshots import copy_to_cpu
+from lightning_pulse.core.spike_detection import POOLED
 from lightning_pulse.core.stability_policy import StabilityGuardConfig
 from lightning_pulse.energy import MeterConfig
 from lightning_pulse.phase import PhaseChange
@@ -1071,6 +1072,67 @@ def test_the_clean_run_line_of_a_resumed_fit_counts_only_this_fits_steps(tmp_pat
     assert len(lines) == 1 and lines[0].startswith(
         "StabilityGuard: no spike or non-finite value in this fit's 29 optimizer step(s) (medians of "
     ), lines
+
+
+class _GaussianNLLRegressor(pl.LightningModule):
+    """A heteroscedastic regression (mean and log-variance heads) on ``F.gaussian_nll_loss``: its loss goes
+    negative once the predicted variance falls below ``1 / (2 pi)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        mean, log_var = self.net(batch[0]).unbind(-1)
+        loss = torch.nn.functional.gaussian_nll_loss(mean, batch[1], log_var.exp())
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _gaussian_nll_loader():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(640, 8, generator=generator)
+    y = x @ torch.randn(8, generator=generator) * 0.5 + 0.05 * torch.randn(640, generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
+
+
+def test_the_end_line_of_a_loss_gone_negative_says_how_many_losses_a_log_scale_left_unjudged(caplog):
+    """A Gaussian NLL loss goes negative: a log scale cannot judge a loss <= 0. The end line said "no spike"
+    over all the steps and gave as the loss median that of the positive losses only (0.55 where the run's was
+    -0.6); it now counts the unjudged losses, names the way out and gives no loss median. On the linear scale
+    every loss is judged: the usual line, whose loss median is the run's."""
+    lines, grad_norms = {}, {}
+    for scale in ("log", "linear"):
+        pl.seed_everything(0)
+        model = _GaussianNLLRegressor()
+        guard = StabilityGuard(config={"loss_scale": scale})
+        trainer = pl.Trainer(max_epochs=2, callbacks=[guard], **trainer_kwargs())
+        caplog.clear()
+        with caplog.at_level(logging.INFO), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the mid-run warning about the first loss <= 0
+            trainer.fit(model, _gaussian_nll_loader())
+        lines[scale] = [
+            r.getMessage() for r in caplog.records if r.getMessage().startswith("StabilityGuard:")
+        ]
+        assert guard.spikes_detected == 0 and trainer.global_step == len(model.losses) == 40
+        grad_norms[scale] = guard.detector.baseline(POOLED)["grad_norm"]
+    unjudged = sum(loss <= 0 for loss in model.losses)
+    assert 0 < unjudged < 40, model.losses  # both kinds of loss, so a positive-only median would differ
+    assert lines["log"] == [
+        "StabilityGuard: no spike or non-finite value in this fit's 40 optimizer step(s), but "
+        f"{unjudged} of their losses were <= 0, which a log scale cannot judge, so a loss spike there would "
+        "have gone unnoticed: pass `config=StabilityGuardConfig(loss_scale='linear')` for such losses "
+        f"(medians of the last 100 at most: grad norm {grad_norms['log']:.4g}; "
+        "no loss median: on a log scale it would be of the positive losses only)."
+    ], lines["log"]
+    assert lines["linear"] == [
+        "StabilityGuard: no spike or non-finite value in this fit's 40 optimizer step(s) (medians of the "
+        f"last 100 at most: loss {np.median(model.losses):.4g}, grad norm {grad_norms['linear']:.4g})."
+    ], lines["linear"]
 
 
 class _SpikyLinearMLP(pl.LightningModule):

@@ -502,8 +502,9 @@ class StabilityCore:
         # and masks of the forward state's elements finite then (finite_evidence): the evidence about
         # infinities until a snapshot after the fit start exists
         self.first_forward: tuple[int, dict[str, Tensor]] | None = None
-        # the steps the detector had judged when this fit started (a checkpoint's): the clean-run line counts on
-        self.fit_start_accepted = 0
+        # the steps the detector had judged, and the losses it could not, when this fit started (a
+        # checkpoint's): the end-of-training line counts on
+        self.fit_start_accepted = self.fit_start_unjudged = 0
         self.overflow_warned = False  # a forward state that turned infinite between snapshots was said (once)
         # unchecked data faults in a row (UNCHECKED_DATA_FAULTS); whether this fit said it stopped presuming
         self.unchecked_data_faults = 0
@@ -680,6 +681,7 @@ class StabilityCore:
         self.level.start()
         self.flagged_losses = {}
         self.fit_start_accepted = self.detector.accepted_steps
+        self.fit_start_unjudged = self.detector.unjudged_losses
         self.schedule.ring.clear()
         for snapshot in self.resumed_snapshots:
             self.schedule.ring.add(snapshot)
@@ -1380,7 +1382,7 @@ class StabilityCore:
 
     def summary(self) -> str | None:
         """The end-of-training line of this fit (:func:`summary_message`), or ``None``."""
-        return summary_message(self.policy, self.detector, self.fit_start_accepted)
+        return summary_message(self.policy, self.detector, self.fit_start_accepted, self.fit_start_unjudged)
 
     def state_dict(self) -> dict[str, Any]:
         state = {
@@ -1483,9 +1485,11 @@ def flag_message(
     detector: SpikeDetector,
 ) -> str:
     baseline = detector.baseline(key)
+    # a log scale's loss window holds the positive losses only: with a loss <= 0 seen, not the run's median
+    positive = " of the positive losses" if detector.loss_scale == "log" and detector.unjudged_losses else ""
     return (
         f"StabilityGuard: step {step} flagged as {verdict} (loss={fmt(loss)}, grad_norm={fmt(grad_norm)}; "
-        f"{key} medians loss={fmt(baseline['loss'])}, grad_norm={fmt(baseline['grad_norm'])}); "
+        f"{key} medians loss={fmt(baseline['loss'])}{positive}, grad_norm={fmt(baseline['grad_norm'])}); "
         f"action: {action}."
     )
 
@@ -1686,24 +1690,39 @@ def no_snapshot_message(
 
 
 def summary_message(
-    policy: EscalationPolicy, detector: SpikeDetector | None = None, fit_start_accepted: int = 0
+    policy: EscalationPolicy,
+    detector: SpikeDetector | None = None,
+    fit_start_accepted: int = 0,
+    fit_start_unjudged: int = 0,
 ) -> str | None:
     """The end-of-training line. A run without spikes or rollbacks says what the guard watched (the optimizer
     steps it judged in this fit, since the detector had judged ``fit_start_accepted``, and the baselines it
     judged them against), when ``detector`` is given and judged a step in this fit; else ``None``. The spike
     figures are the run's (checkpointed): "no spike" holds for this fit and, after a resume, for the steps
-    before it that the guard watched."""
+    before it that the guard watched. Losses a log scale could not judge in this fit (the detector's count
+    beyond ``fit_start_unjudged``) are said, and then no loss median is given: it would be of the positive
+    losses only."""
+    unjudged = 0 if detector is None else detector.unjudged_losses - fit_start_unjudged
     spikes = policy.spikes_detected
     if not spikes and not policy.rollbacks:
         judged = 0 if detector is None else detector.accepted_steps - fit_start_accepted
         if detector is None or judged <= 0:
             return None
         baseline = detector.baseline(POOLED)
+        if unjudged:
+            baseline.pop("loss")
         medians = ", ".join(
             f"{name.replace('_', ' ')} {value:.4g}" for name, value in baseline.items() if value is not None
         )
-        return f"StabilityGuard: no spike or non-finite value in this fit's {judged} optimizer step(s)" + (
-            f" (medians of the last {detector.window} at most: {medians})." if medians else "."
+        clean = f"StabilityGuard: no spike or non-finite value in this fit's {judged} optimizer step(s)"
+        if not unjudged:
+            return clean + (
+                f" (medians of the last {detector.window} at most: {medians})." if medians else "."
+            )
+        medians = f"medians of the last {detector.window} at most: {medians}; " if medians else ""
+        return (
+            f"{clean}, but {unjudged_losses_note(unjudged, 'their')} ({medians}no loss median: on a log "
+            "scale it would be of the positive losses only)."
         )
     recurring = (
         f" ({policy.recurring_spikes} recurring: their batches spiked on the rollback's snapshot too, so they "
@@ -1711,7 +1730,17 @@ def summary_message(
         if policy.recurring_spikes
         else ""
     )
+    unjudged_note = " Also, " + unjudged_losses_note(unjudged, "this fit's") + "." if unjudged else ""
     return (
         f"StabilityGuard: {spikes} spike(s){recurring}, {policy.steps_skipped} step(s) skipped, "
-        f"{policy.rollbacks} rollback(s), {policy.steps_lost} step(s) of work lost."
+        f"{policy.rollbacks} rollback(s), {policy.steps_lost} step(s) of work lost.{unjudged_note}"
+    )
+
+
+def unjudged_losses_note(count: int, whose: str) -> str:
+    """What ``count`` of ``whose`` losses a log scale could not judge mean, and the way out (the
+    end-of-training line)."""
+    return (
+        f"{count} of {whose} losses {'was' if count == 1 else 'were'} <= 0, which a log scale cannot judge, so a loss spike there would "
+        "have gone unnoticed: pass `config=StabilityGuardConfig(loss_scale='linear')` for such losses"
     )
