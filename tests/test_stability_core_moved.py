@@ -215,7 +215,7 @@ def test_summary_counts_this_fits_losses_a_log_scale_could_not_judge_and_gives_n
     verdict, *_ = core.judge(5, -1.0, 1e4, "all", lambda: None)  # the spike line says them too
     assert verdict is Verdict.GRAD_SPIKE
     assert core.summary().endswith(
-        "0 rollback(s), 0 step(s) of work lost. Also, 1 of this fit's losses were <= 0, which a log scale "
+        "0 rollback(s), 0 step(s) of work lost. Also, 1 of this fit's losses was <= 0, which a log scale "
         "cannot judge, so a loss spike there would have gone unnoticed: pass "
         "`config=StabilityGuardConfig(loss_scale='linear')` for such losses."
     )
