@@ -10,6 +10,7 @@ import copy
 import functools
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,9 +19,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_pulse.core.freeze_units import trainable_while
+from lightning_pulse.core.run_shares import PlacedShares, shares_named
 from lightning_pulse.errors import PulseRefusal, first_names
 from lightning_pulse.protocols import temporarily_frozen
 
@@ -708,6 +711,47 @@ def run_length(trainer: pl.Trainer) -> tuple[float, float]:
             break
         steps, taken, steps_left = steps + epoch_steps, taken + batches, steps_left - epoch_steps
     return float(steps), float(taken)
+
+
+# on the fit loop: the fit's settings placed as shares of the run's length (core.run_shares.PlacedShares)
+_PLACED_SHARES_ATTR = "_lightning_pulse_placed_shares"
+
+
+def note_run_shares(
+    trainer: pl.Trainer, owner: str, placed: dict[str, Any] | str, in_steps: bool = False
+) -> None:
+    """At ``on_train_start``, where ``owner`` placed settings on the run's length (:func:`run_length`):
+    remember them with the epoch length that length was read from, for :func:`check_run_shares`.
+
+    ``placed``: the settings by name (the shares among them are kept, as
+    :func:`~lightning_pulse.core.run_shares.shares_named` names them; none: nothing to note), or what was
+    placed, in words. ``in_steps``: the settings also take int optimizer steps. Lightning attaches a new
+    training DataLoader for each fit and rebuilds none between the callbacks' ``on_train_start``: a note with
+    another DataLoader than the record's is another fit's, and starts a new record."""
+    if not (what := placed if isinstance(placed, str) else shares_named(**placed)):
+        return
+    if (loader := trainer.fit_loop._combined_loader) is None:  # a fit that trains nothing
+        return
+    record = getattr(trainer.fit_loop, _PLACED_SHARES_ATTR, None)
+    if record is None or record.loader() is not loader:  # weakly: a rebuilt one's workers may end
+        record = PlacedShares(weakref.ref(loader), trainer.num_training_batches, run_length(trainer)[0])
+        setattr(trainer.fit_loop, _PLACED_SHARES_ATTR, record)
+    record.place(owner, what, in_steps)
+
+
+def check_run_shares(trainer: pl.Trainer) -> None:
+    """At a training epoch's start, after Lightning rebuilt the DataLoader
+    (``reload_dataloaders_every_n_epochs``): warn once a fit, naming every setting :func:`note_run_shares`
+    noted, when this epoch's length gives the run another length than the one they were placed on. In a
+    growing curriculum no later epoch's length is known ahead, so they cannot be placed again right. A
+    DataLoader rebuilt at the same length (to reshuffle or re-sample), or a run that ``max_steps`` alone
+    bounds, says nothing."""
+    record = getattr(trainer.fit_loop, _PLACED_SHARES_ATTR, None)
+    batches = trainer.num_training_batches
+    if record is None or record.warned or batches == record.batches or in_batch_norm_update_epoch(trainer):
+        return
+    if (warning := record.moved(trainer.current_epoch, batches, run_length(trainer)[0])) is not None:
+        rank_zero_warn(warning)
 
 
 def accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler | None:

@@ -377,3 +377,37 @@ def test_a_part_compiled_in_place_is_found_and_watched_only_under_fullgraph(full
     assert torch.equal(model[1](torch.ones(1, 2)), torch.full((1, 2), 2.0))
     breaks.release()
     assert model[1]._compiled_call_impl is compiled_call
+
+
+def test_every_share_placed_on_a_run_whose_reloaded_epochs_change_length_is_named_in_one_warning(
+    tmp_path, recwarn
+):
+    """Held-out sweep: a growing curriculum's run was read from its first epoch's length: ScheduledPrune ended
+    its schedule at 36% of the run, GradientCache released at 43% where 0.8 was asked, EnergyLogger forecast
+    16 of 28 steps, unsaid. Here 3 + 4 + 5 + 6 batches are read as 12 steps at fit start and 16 at the next
+    epoch: one warning there names every share and the ways out."""
+    from lightning_pulse import EnergyLogger, GradientCache, MeterConfig, ScheduledPrune
+    from tests.clients import BatchNormMLP
+    from tests.test_pulse_cycle import Curriculum
+
+    prune = ScheduledPrune(final_sparsity=0.5, start=0.1, end=0.7, every=4)
+    cache = GradientCache(check_every=2, freeze_for=4, threshold=1.0, release_at=0.8)
+    energy = EnergyLogger(
+        report_dir=str(tmp_path), cpu="constant", ram="none", meters=MeterConfig(cpu_watts=50)
+    )
+    trainer = pl.Trainer(
+        callbacks=[prune, cache, energy],
+        max_epochs=4,
+        reload_dataloaders_every_n_epochs=1,
+        **trainer_kwargs(),
+    )
+    trainer.fit(BatchNormMLP(), datamodule=Curriculum(grow=1))
+    said = [str(w.message) for w in recwarn if "`reload_dataloaders_every_n_epochs`" in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        "ScheduledPrune, GradientCache, EnergyLogger: the training DataLoader rebuilt for "
+    )
+    assert "the run, read as 12 optimizer steps (16 now)" in said[0]
+    placed = "ScheduledPrune (`start`=0.1, `end`=0.7), GradientCache (`release_at`=0.8), EnergyLogger (the "
+    assert placed + "forecast of the run's energy)" in said[0]
+    assert said[0].endswith("or give ScheduledPrune's and GradientCache's settings as int optimizer steps.")

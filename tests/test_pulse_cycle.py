@@ -360,3 +360,53 @@ def test_manual_optimization_places_warmup_and_anneal_on_every_optimizer_step(pl
     phases = "".join(phase[0] for _, _, phase in recorder.batch_phases)
     assert phases == "bbbb" + "bbbr" * 8 + "bbbb"  # warm-up, 8 cycles of burst and replay, anneal
     assert [(change.step, change.reason) for change in cycle.history][-1] == (36 * players, "anneal")
+
+
+class Curriculum(pl.LightningDataModule):
+    """A training DataLoader rebuilt every epoch (``reload_dataloaders_every_n_epochs=1``) holding 3 batches
+    of 8, then ``grow`` more each epoch: a growing curriculum, or (``grow=0``) a reshuffle at the same
+    length."""
+
+    def __init__(self, grow: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = (
+            torch.randn(80, 10, generator=generator),
+            torch.randint(0, 3, (80,), generator=generator),
+        )
+        self.grow = grow
+
+    def train_dataloader(self):
+        count = 8 * (3 + self.grow * self.trainer.current_epoch)
+        data = torch.utils.data.TensorDataset(self.x[:count], self.y[:count])
+        return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+
+
+@pytest.mark.parametrize(
+    ("grow", "bound", "warned"),
+    [(1, {"max_epochs": 4}, True), (0, {"max_epochs": 6}, False), (1, {"max_steps": 18}, False)],
+    ids=["growing", "reshuffled", "growing-bounded-by-steps"],
+)
+def test_a_share_placed_on_a_run_whose_reloaded_epochs_change_length_is_warned_once(
+    grow, bound, warned, recwarn
+):
+    """Held-out sweep: a curriculum's DataLoader, rebuilt each epoch at a new length, moved the run's length
+    (Lightning reads `max_epochs` x the current epoch's batches: 12, then 16, 20, 24 for an 18-step run), and
+    `anneal=0.2` annealed no step, unsaid. No later epoch's length is known ahead: a warning names the setting
+    and the way out (`max_steps` alone: the anneal is then the last 20% of 18 steps). A reload at the same
+    length, to reshuffle, says nothing."""
+    pl.seed_everything(0, verbose=False)
+    cycle = PulseCycle(burst=1, replay=3, maintain=0, warmup=0.0, anneal=0.2, maintain_eval="none")
+    trainer = pl.Trainer(callbacks=[cycle], reload_dataloaders_every_n_epochs=1, **bound, **trainer_kwargs())
+    trainer.fit(BatchNormMLP(), datamodule=Curriculum(grow))
+    assert trainer.global_step == 18  # 3 + 4 + 5 + 6 batches, or 6 epochs of 3
+    said = [str(w.message) for w in recwarn if "`reload_dataloaders_every_n_epochs`" in str(w.message)]
+    if warned:
+        assert len(said) == 1, said
+        assert said[0].startswith("PulseCycle: the training DataLoader rebuilt for epoch 1 ")
+        assert "holds 4 batches, where the epoch the run's length was read from held 3" in said[0]
+        assert "PulseCycle (`anneal`=0.2)" in said[0] and "Set Trainer(max_steps=N)" in said[0]
+    else:
+        assert said == []
+        last = cycle.history[-1]
+        assert (last.step, last.reason) == (14, "anneal")  # round(0.8 * 18), mid-replay

@@ -187,6 +187,7 @@ class EnergyLogger(Callback):
         self._in_train_loop = True
         progress = compat.run_progress(trainer)  # the loader's batch size tells a time-major batch's samples
         self.account.begin_training(lambda: trainer.global_step, progress, trainer.train_dataloader)
+        compat.note_run_shares(trainer, "EnergyLogger", "the forecast of the run's energy")
         if compat.steps_per_batch_unknown(trainer):  # manual optimization, several optimizers
             if (line := no_forecast_line(compat.total_steps(trainer), len(trainer.optimizers))) is not None:
                 rank_zero_info(line)
@@ -213,6 +214,7 @@ class EnergyLogger(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.account.mark(epoch=trainer.current_epoch)
         self.account.skip_gap()
+        compat.check_run_shares(trainer)  # the forecast's run length moves with a reload of another length
 
     @override
     def on_train_batch_start(

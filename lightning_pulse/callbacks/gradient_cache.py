@@ -176,6 +176,8 @@ class GradientCache(Callback):
         compat.refuse_uneven_epochs(trainer, "GradientCache", why, self._held, only_if_an_epoch_ends=True)
         with refusing("GradientCache"):  # a share of a run of unknown length (max_time only)
             self._span = self.window.steps(compat.total_steps(trainer))
+        shares = {"start_at": self.window.start_at, "release_at": self.window.release_at}
+        compat.note_run_shares(trainer, "GradientCache", shares, in_steps=True)
         self._phase_enabled = phase_of(trainer, default=Phase.REPLAY) in self.phases
         cut = next((c for c in trainer.callbacks if isinstance(c, HardSampleReplay)), None)
         trained = None if cut is None else lambda: cut.trained_indices  # a batch cut in place, maybe after us
@@ -197,6 +199,7 @@ class GradientCache(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if batch_idx == 0 or self._lifecycle.resumed_first_batch:  # where recipes unfreeze a backbone: look
+            compat.check_run_shares(trainer)  # and a DataLoader rebuilt at another length moves the window
             self._lifecycle.follow_optimizers(trainer.optimizers)  # a recipe may have made new ones
             self._retrace(trainer, pl_module, check=True)
             # a unit the user's code turned back on: released before the forward and the ledger

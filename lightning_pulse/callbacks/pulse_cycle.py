@@ -236,6 +236,8 @@ class PulseCycle(Callback):
         if self.plan is None:  # no plan this fit (a steps-mode checkpoint resumed in batch mode)
             start_without_plan(self.clock, self.budget)  # unpins the clock; refuses a `budget`
         self._refresh_run_length(trainer)
+        shares = {"warmup": self.clock.warmup, "anneal": self.clock.anneal}
+        compat.note_run_shares(trainer, "PulseCycle", shares)
         if self.plan is None:  # a step-saving checkpoint resumed without its plan: another run length
             configs, saved = trainer.lr_scheduler_configs, self._saved_plan_steps
             if warning := plan_lost_warning(configs, trainer.global_step, saved, self._total_steps):
@@ -259,6 +261,7 @@ class PulseCycle(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._refresh_run_length(trainer)
+        compat.check_run_shares(trainer)  # a DataLoader rebuilt at another length moves warm-up and anneal
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

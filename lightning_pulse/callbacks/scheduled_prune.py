@@ -196,6 +196,7 @@ class ScheduledPrune(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         total = compat.total_steps(trainer)
+        compat.note_run_shares(trainer, "ScheduledPrune", self.schedule.shares, in_steps=True)
         manual_optimizers = len(trainer.optimizers) if compat.steps_per_batch_unknown(trainer) else 0
         prune_setup.resolve_schedule(self.schedule, total, trainer.global_step, manual_optimizers)
         # here, not at setup: a validation sanity check (it runs after setup) creates a lazy module's weights
@@ -217,6 +218,8 @@ class ScheduledPrune(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if batch_idx == 0:  # an epoch's start: a DataLoader rebuilt at another length moves `start` and `end`
+            compat.check_run_shares(trainer)
         if self.mode == "structured" and self.core.example is None and self.pruner.example_inputs is None:
             self.core.example_from(pl_module, batch)  # on the first batch, before its step
         self._masks.refresh(pl_module, grad=True)  # a read of `layer.weight` before its call is this step's
@@ -262,9 +265,7 @@ class ScheduledPrune(Callback):
         self.core.end_fit(pl_module, trainer.global_step, fold)
 
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: BaseException) -> None:
         self.core.readers.stop()  # no teardown follows: the module leaves the fit without this run's hooks
 
     @override

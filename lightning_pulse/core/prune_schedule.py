@@ -119,6 +119,11 @@ class PruneSchedule:
         self.finished = False
         self.next_step: int | None = None
 
+    @property
+    def shares(self) -> dict[str, int | float]:
+        """``start`` and ``end`` as given: a ``float`` is a share of the run, placed on its length."""
+        return {"start": self.start, "end": self.end}
+
     def resolve(self, total_steps: float) -> None:
         """Fix the span in optimizer steps for a run of ``total_steps`` (``inf`` if unknown)."""
         self.start_step = resolve_step(self.start, total_steps, "start")

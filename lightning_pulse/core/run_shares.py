@@ -1,0 +1,73 @@
+"""Settings placed as shares of a run, and the run's length they were placed on (:class:`PlacedShares`).
+
+Lightning reads a run's length (``estimated_stepping_batches``) as ``max_epochs`` times the current epoch's
+batches. A training DataLoader rebuilt each epoch (``reload_dataloaders_every_n_epochs``) at another length, a
+growing curriculum, moves that length at every epoch, and a share placed at fit start lands elsewhere than
+asked (the anneal of the last 20% of a 28-step run, read as 16 steps, never came). No later epoch's length is
+known ahead, so nothing can place them right: :class:`PlacedShares` says so, once, naming each one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def shares_named(**settings: object) -> str:
+    """The ``settings`` given as shares of the run (a ``float``; ``0.0`` places nothing), as a warning names
+    them: ``"`warmup`=0.1, `anneal`=0.2"``; ``""`` when none is."""
+    shares = [f"`{name}`={value!r}" for name, value in settings.items() if isinstance(value, float) and value]
+    return ", ".join(shares)
+
+
+@dataclass
+class PlacedShares:
+    """One fit's settings placed on the run's length, by the callback that placed them, and that length:
+    ``steps`` optimizer steps, read while an epoch held ``batches`` batches of the DataLoader ``loader``
+    refers to (weakly; the fit's first: a note of another fit, another DataLoader, starts a new record).
+
+    Attributes:
+        placed: what each callback placed (``"PulseCycle"``: ``"`warmup`=0.1, `anneal`=0.2"``).
+        in_steps: the callbacks whose settings also take int optimizer steps (a way out the warning names).
+        warned: whether this fit's warning was given.
+    """
+
+    loader: Callable[[], object | None]
+    batches: float
+    steps: float
+    placed: dict[str, str] = field(default_factory=dict)
+    in_steps: list[str] = field(default_factory=list)
+    warned: bool = False
+
+    def place(self, owner: str, what: str, in_steps: bool) -> None:
+        """Note that ``owner`` placed ``what`` on this length (``in_steps``: its settings take steps too)."""
+        self.placed[owner] = what
+        if in_steps and owner not in self.in_steps:
+            self.in_steps.append(owner)
+
+    def moved(self, epoch: int, batches: float, steps: float) -> str | None:
+        """The warning, once, when epoch ``epoch`` holds ``batches`` batches and the run's length read now is
+        ``steps``, not the one the settings were placed on; ``None`` otherwise, also where only the epoch's
+        length moved (``max_steps`` alone bounds the run: its length is the same)."""
+        if self.warned or not self.placed or batches == self.batches or steps == self.steps:
+            return None
+        self.warned = True
+        placed = ", ".join(f"{owner} ({what})" for owner, what in self.placed.items())
+        in_steps = " and ".join(f"{owner}'s" for owner in self.in_steps)
+        in_steps = f"; or give {in_steps} settings as int optimizer steps" if in_steps else ""
+        read, now, held = _count(self.steps), _count(steps), _count(self.batches)
+        return (
+            f"{', '.join(self.placed)}: the training DataLoader rebuilt for epoch {epoch} "
+            f"(`reload_dataloaders_every_n_epochs`) holds {_count(batches)} batches, where the epoch the "
+            f"run's length was read from held {held}: the run, read as {read} optimizer steps ({now} now), "
+            "has no length known ahead when its epochs change length (Lightning counts `max_epochs` times "
+            f"the current epoch's batches). These were placed as shares of {read} steps and will not land "
+            f"where asked: {placed}. Set Trainer(max_steps=N) and leave `max_epochs` unset, so that the "
+            f"run's length is known{in_steps}."
+        )
+
+
+def _count(value: float) -> str:
+    """``16`` for ``16.0``; ``inf`` (a DataLoader without a length) as it is."""
+    return str(int(value)) if math.isfinite(value) and value == int(value) else str(value)
