@@ -422,6 +422,19 @@ def on_train_dataloader_ready(trainer: pl.Trainer, hook: Callable[[Any], None]) 
     return _wrap_on_instance(trainer.strategy, "process_dataloader", wrap)
 
 
+def train_dataloaders_given(trainer: pl.Trainer) -> list[Any] | None:
+    """The training iterables given to ``fit``, in the order Lightning's data set-up hands them over (it
+    flattens them with a ``CombinedLoader``), known from ``setup`` on; ``None`` where a ``train_dataloader``
+    hook of the module or datamodule builds them at the data set-up (not called here: Lightning calls it
+    once, and it may be costly)."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    instance = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
+    if instance is None or isinstance(instance, (pl.LightningModule, pl.LightningDataModule)):
+        return None
+    return (instance if isinstance(instance, CombinedLoader) else CombinedLoader(instance)).flattened
+
+
 def on_training_step_output(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Callable[[], None]:
     """Call ``hook(output)`` with what ``training_step`` returned, right after it returns: under automatic
     optimization before the step's backward and update (no callback hook sees the output before the batch
@@ -583,34 +596,55 @@ def set_sampler_epoch(loader: Any, epoch: int) -> None:
 
 def set_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
     """Tell Lightning that this epoch holds ``batches`` batches, for its validation: with a fractional
-    ``val_check_interval`` it validates at batch ``val_check_batch``, which it computes once from the
-    DataLoader's length; an int interval keeps its count (:func:`mark_last_batch_of` may have moved the check
-    to the previous pass's end). The epoch itself ends when the loader does."""
+    ``val_check_interval`` it validates at multiples of ``val_check_batch``, which it computes once from the
+    DataLoader's length, so the pass's next check goes there (:func:`mark_last_batch_of` places the later
+    ones; on a resume Lightning reads it to tell whether the restored batch validated); an int interval keeps
+    its count (:func:`mark_last_batch_of` may have moved the check to the previous pass's end). The epoch
+    itself ends when the loader does."""
     interval, check = trainer.val_check_interval, trainer.val_check_batch
     if trainer.check_val_every_n_epoch is None or batches <= 0 or not isinstance(check, int):
         return  # validation counted over the run's batches, by time, or on an endless loader
     if isinstance(interval, float):
-        trainer.val_check_batch = max(1, int(batches * interval))
+        _place_fractional_check(trainer, batches, position=max(1, trainer.fit_loop.epoch_loop.batch_idx + 1))
     elif isinstance(interval, int):
         trainer.val_check_batch = interval
 
 
+def _fractional_checks(plain: int, batches: int, interval: float) -> list[int]:
+    """The batches (counted from 1) of a pass of ``batches`` that validate, where the plain epoch of
+    ``plain`` batches validates at each multiple of ``max(1, int(plain * interval))``: each of its checks at
+    the same share of the pass, rounded down as Lightning rounds the interval. The pass validates as often as
+    the plain epoch (less only where it holds fewer batches than checks), and at its end where the plain
+    epoch did."""
+    every = max(1, int(plain * interval))
+    return sorted({max(1, check * batches // plain) for check in range(every, plain + 1, every)})
+
+
+def _place_fractional_check(trainer: pl.Trainer, batches: int, position: int) -> None:
+    """With a fractional ``val_check_interval``, at the ``position``-th batch (from 1) of a pass of
+    ``batches``: set ``val_check_batch`` to the pass's next check (:func:`_fractional_checks`) at or after
+    it, as Lightning validates where ``(batch_idx + 1) % val_check_batch == 0``. Checks every
+    ``int(batches * interval)`` batches put a third check at 0.5 in a 9-batch pass (at 4 and 8), once its
+    end was validated as the plain epoch's."""
+    interval, check, plain = trainer.val_check_interval, trainer.val_check_batch, trainer.num_training_batches
+    if trainer.check_val_every_n_epoch is None or not isinstance(interval, float):
+        return
+    if not isinstance(check, int) or not isinstance(plain, int) or plain <= 0 or batches <= 0:
+        return  # by time, or on an endless loader
+    later = [at for at in _fractional_checks(plain, min(batches, plain), interval) if at >= position]
+    trainer.val_check_batch = later[0] if later else plain + 1  # no multiple of it left in the epoch
+
+
 def _validate_at_pass_end(trainer: pl.Trainer, batches: int) -> None:
-    """At the last batch of a pass of ``batches`` batches: let Lightning validate there when the plain epoch
-    (the DataLoader's length) validated at its end, its length a multiple of the batches between checks.
-    Lightning validates where ``(batch_idx + 1) % val_check_batch == 0``, so a shorter pass would miss the
-    epoch's end (and the run's final weights) whenever its length is no multiple; the check moves to this
-    batch, and :func:`set_epoch_batches` sets it back at the next pass."""
+    """At the last batch of a pass of ``batches`` batches, with an int ``val_check_interval``: let Lightning
+    validate there when the plain epoch (the DataLoader's length) validated at its end, its length a multiple
+    of the interval. Lightning validates where ``(batch_idx + 1) % val_check_batch == 0``, so a shorter pass
+    would miss the epoch's end (and the run's final weights) whenever its length is no multiple; the check
+    moves to this batch, and :func:`set_epoch_batches` sets it back at the next pass."""
     interval, check, plain = trainer.val_check_interval, trainer.val_check_batch, trainer.num_training_batches
     if trainer.check_val_every_n_epoch is None or not isinstance(check, int) or not isinstance(plain, int):
         return
-    if isinstance(interval, float):
-        plain_check = max(1, int(plain * interval))
-    elif isinstance(interval, int):
-        plain_check = interval
-    else:
-        return
-    if plain > 0 and plain % plain_check == 0:
+    if isinstance(interval, int) and plain > 0 and plain % interval == 0:
         trainer.val_check_batch = batches
 
 
@@ -878,6 +912,7 @@ def mark_last_batch_of(trainer: pl.Trainer, batches: int) -> None:
         return
     fetcher.length = batches
     fetcher.done = fetcher.fetched >= batches
+    _place_fractional_check(trainer, batches, position=trainer.fit_loop.epoch_loop.batch_idx + 1)
     if fetcher.done:  # the batch just fetched ends the pass
         trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
         _validate_at_pass_end(trainer, batches)

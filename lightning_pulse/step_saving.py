@@ -33,7 +33,9 @@ from lightning_pulse.core.replay import (
     STEPS_MODE_SCHEDULE_LENGTH_REFUSAL,
     STEPS_MODE_STEP_BOUND_REFUSAL,
     HardSampleSelector,
+    given_loaders_refusal,
 )
+from lightning_pulse.core.replay_batch import refuse
 from lightning_pulse.core.sample_index import PlannedBatchSampler, SampleIndexTracker
 from lightning_pulse.core.step_plan import (
     StepPlan,
@@ -149,14 +151,35 @@ class StepSavingLoader:
         self._drawn_before_epoch = 0  # by the end of the previous epoch (see on_train_epoch_end)
         self._restored_epoch_open = False  # the fit's first epoch goes on from a checkpoint: it may draw none
         self._training_started = False  # on_train_start ran: Lightning sets each pass's sampler epoch first
+        self._deferred: pl.Trainer | None = None  # check_trainer waits for the data set-up (check_at_setup)
 
     @property
     def plan(self) -> StepPlan | None:
         return self.stream.plan
 
+    def check_at_setup(self, trainer: pl.Trainer, loaders: list[Any] | None) -> None:
+        """At setup: the training DataLoaders' own refusal
+        (:func:`~lightning_pulse.core.replay.loader_refusal`), then :meth:`check_trainer`, whose ways out
+        (``mode='batch'``, dropping the setting) leave that refusal standing. ``loaders``: the ones given to
+        ``fit``; built by a hook (``None``), they come at the data set-up, where :meth:`check_deferred` checks
+        the settings after the DataLoader's own refusal."""
+        # nothing reaches a data set-up that trains no batch (limit_train_batches=0): checked here then
+        self._deferred = trainer if loaders is None and trainer.limit_train_batches != 0 else None
+        refuse(None if loaders is None else given_loaders_refusal(loaders))
+        if self._deferred is None:
+            self.check_trainer(trainer)
+
+    def check_deferred(self) -> None:
+        """At the data set-up, after the DataLoader's own refusal: :meth:`check_trainer`, where
+        :meth:`check_at_setup` left it to the data set-up; nothing otherwise."""
+        trainer, self._deferred = self._deferred, None
+        if trainer is not None:
+            self.check_trainer(trainer)
+
     @staticmethod
     def check_trainer(trainer: pl.Trainer) -> None:
-        """Refuse, at setup, Trainer settings under which the plan would not drive the run's batches.
+        """Refuse Trainer settings under which the plan would not drive the run's batches (see
+        :meth:`check_at_setup` for when).
 
         Raises:
             PulseRefusal: for ``fast_dev_run``, ``overfit_batches``, ``limit_train_batches`` or

@@ -1,6 +1,6 @@
 """Step-saving replay's plan against the Trainer's settings: drop_last resumes, warm-up and anneal without an
-exact fixed point, the lengths of LR schedules built for the plain run, and validation with an int
-interval."""
+exact fixed point, the lengths of LR schedules built for the plain run, and validation with an int or a
+float interval."""
 
 from __future__ import annotations
 
@@ -460,3 +460,81 @@ def test_batch_mode_selects_nothing_in_the_batch_norm_epoch_of_swa():
     trainer.fit(module, DataLoader(_data(80), batch_size=8))
     assert min(update_epoch.sizes[3]) < 8  # non-vacuous: the training epochs were cut
     assert update_epoch.sizes[4] == [8] * 10 and int(module.net[1].num_batches_tracked) == 10
+
+
+# ------------------------------------------------------------------------ validation with a float interval
+class _Validations(Callback):
+    """Each pass's length and the batches of it (counted from 1) that validated, by epoch."""
+
+    def __init__(self) -> None:
+        self.batches: dict[int, int] = {}
+        self.validated: dict[int, list[int]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches[trainer.current_epoch] = batch_idx + 1
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            at = trainer.fit_loop.epoch_loop.batch_idx + 1
+            self.validated.setdefault(trainer.current_epoch, []).append(at)
+
+
+def _fit_validations(callbacks, **trainer_args) -> _Validations:
+    """Four epochs of 12 batches (96 samples in batches of 8)."""
+    pl.seed_everything(0, verbose=False)
+    validations = _Validations()
+    trainer = pl.Trainer(max_epochs=4, callbacks=[*callbacks, validations], **trainer_kwargs(**trainer_args))
+    trainer.fit(
+        _Classifier(), DataLoader(_data(96), batch_size=8), DataLoader(_data(32, seed=1), batch_size=8)
+    )
+    return validations
+
+
+@pytest.mark.parametrize(
+    "interval, every_n_epochs, expected",
+    [
+        # the plain epoch validates at 6 and 12: each pass at its half and its end
+        (0.5, 1, {0: [4, 8], 1: [4, 9], 2: [4, 9], 3: [4, 9]}),
+        # the plain epoch at 3, 6, 9 and 12: each pass at its quarters, rounded down as Lightning rounds
+        (0.25, 1, {0: [2, 4, 6, 8], 1: [2, 4, 6, 9], 2: [2, 4, 6, 9], 3: [2, 4, 6, 9]}),
+        # the plain epoch at 5 and 10 (not its end): the same shares of the pass, not its end either
+        (0.42, 1, {0: [3, 6], 1: [3, 7], 2: [3, 7], 3: [3, 7]}),
+        # only every second epoch validates, at the same points
+        (0.5, 2, {1: [4, 9], 3: [4, 9]}),
+    ],
+)
+def test_a_float_val_check_interval_validates_each_planned_pass_at_its_shares_once(
+    interval, every_n_epochs, expected
+):
+    """Held-out sweep: validating at 0.5 of 12-batch epochs (2 checks each), the 9-batch planned passes
+    validated at batches 4 and 8 (every int(9 * 0.5)) and again at 9, the plain epoch's end moved to the
+    pass's: 11 validations where the plain run had 8, two of them back to back. Each pass now validates as
+    often as the plain epoch, at the same shares of it."""
+    cycle = PulseCycle(burst=4, replay=4, maintain=2, warmup=0, anneal=0, probe_batches=1)
+    validations = _fit_validations(
+        [cycle, HardSampleReplay(rule="topk", replay_fraction=0.5)],
+        val_check_interval=interval,
+        check_val_every_n_epoch=every_n_epochs,
+    )
+    assert validations.batches == {0: 8, 1: 9, 2: 9, 3: 9}  # non-vacuous: passes shorter than the 12 batches
+    assert validations.validated == expected
+
+
+@pytest.mark.parametrize(
+    "interval, every_n_epochs, expected",
+    [
+        # every 4 batches of a pass, and its end as the plain epoch's (12 a multiple of 4), every second epoch
+        (4, 2, {1: [4, 6], 3: [4, 6]}),
+        # counted over the run's batches across passes: its batches 5, 10, 15 and 20
+        (5, None, {0: [5], 1: [4], 2: [3], 3: [2]}),
+    ],
+)
+def test_an_int_val_check_interval_keeps_counting_batches_next_to_the_float_placement(
+    interval, every_n_epochs, expected
+):
+    """The fractional interval's placement leaves an int interval as it was, by epoch or over the run."""
+    validations = _fit_validations(
+        [HardSampleReplay()], val_check_interval=interval, check_val_every_n_epoch=every_n_epochs
+    )
+    assert validations.batches == {0: 6, 1: 6, 2: 6, 3: 6}  # non-vacuous: passes shorter than the 12 batches
+    assert validations.validated == expected

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import HardSampleReplay, PulseCycle
@@ -199,6 +199,77 @@ def test_what_steps_mode_cannot_plan_is_refused_at_fit_start(cycle, trainer_extr
     with pytest.raises(PulseRefusal, match=rf"^HardSampleReplay: mode='steps' .*{match}"):
         trainer.fit(MNIST1DClassifier(), MNIST1DDataModule(num_samples=1000, batch_size=64))
     assert trainer.global_step == 0
+
+
+class _EndlessStream(IterableDataset):
+    """The dataset's samples drawn at random without end, as a streaming source gives them."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        while True:
+            yield self.dataset[int(torch.randint(len(self.dataset), (1,), generator=generator))]
+
+
+class _EndlessData(MNIST1DDataModule):
+    def train_dataloader(self):
+        return DataLoader(_EndlessStream(self.train_set), batch_size=64)
+
+
+def _given_to_fit(data: MNIST1DDataModule, loaders: str):
+    """``fit``'s data arguments: ``data`` itself (its hook builds the DataLoader at the data set-up), or its
+    training DataLoader built beforehand and given to ``fit`` (``"one"``; ``"two"``: twice, as a dict)."""
+    if loaders == "hook":
+        return {"datamodule": data}
+    data.prepare_data()
+    data.setup("fit")
+    train = data.train_dataloader()
+    return {"train_dataloaders": train if loaders == "one" else {"a": train, "b": data.train_dataloader()}}
+
+
+@pytest.mark.parametrize("setting", [{"limit_train_batches": 12}, {"reload_dataloaders_every_n_epochs": 1}])
+@pytest.mark.parametrize(
+    ("data", "loaders", "match"),
+    [
+        pytest.param(_EndlessData, "one", "needs the dataset index .* an IterableDataset", id="stream-given"),
+        pytest.param(_EndlessData, "hook", "needs the dataset index .* an IterableDataset", id="stream-hook"),
+        pytest.param(MNIST1DDataModule, "two", "needs one training DataLoader, .* several", id="two-given"),
+    ],
+)
+def test_a_loader_no_mode_can_track_is_refused_before_a_setting_whose_way_out_is_mode_batch(
+    setting, data, loaders, match
+):
+    # held-out sweep: an endless IterableDataset with limit_train_batches was refused for the limit, whose way
+    # out (drop it or use mode='batch') only led to the IterableDataset's refusal, which no setting lifts
+    trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_steps=40, **trainer_kwargs(**setting))
+    with pytest.raises(PulseRefusal, match=rf"^HardSampleReplay {match}"):
+        trainer.fit(MNIST1DClassifier(), **_given_to_fit(data(num_samples=1000, batch_size=64), loaders))
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("loaders", ["one", "hook"])
+def test_a_map_style_dataset_with_limit_train_batches_keeps_its_refusal_and_the_way_out_trains(loaders):
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay()], max_epochs=2, **trainer_kwargs(limit_train_batches=6)
+    )
+    with pytest.raises(PulseRefusal) as refused:
+        trainer.fit(
+            MNIST1DClassifier(), **_given_to_fit(MNIST1DDataModule(num_samples=1000, batch_size=64), loaders)
+        )
+    assert str(refused.value) == (
+        "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which `limit_train_batches`=6 "
+        "cuts short; drop it or use mode='batch'."
+    )
+    assert trainer.global_step == 0
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay(mode="batch")], max_epochs=2, **trainer_kwargs(limit_train_batches=6)
+    )
+    trainer.fit(
+        MNIST1DClassifier(), **_given_to_fit(MNIST1DDataModule(num_samples=1000, batch_size=64), loaders)
+    )
+    assert trainer.global_step == 2 * 6  # the way out it names trains the limited epochs
 
 
 def _fit_pulsed(callbacks, ckpt_path=None, **trainer_overrides):

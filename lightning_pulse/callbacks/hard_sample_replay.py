@@ -169,7 +169,7 @@ class HardSampleReplay(Callback):
         if self.mode == "steps":
             self.steps.uncap(trainer)  # a second fit of the same Trainer plans for the user's max_steps
             self.steps = StepSavingLoader()
-            self.steps.check_trainer(trainer)
+            self.steps.check_at_setup(trainer, compat.train_dataloaders_given(trainer))
         if self._remove_hook is not None:
             self._remove_hook()
         hooks = [compat.on_train_dataloader_ready(trainer, self._on_train_dataloader)]
@@ -187,6 +187,7 @@ class HardSampleReplay(Callback):
         at = (self._trainer.current_epoch, self._trainer.global_step)
         # DDP: one all-gather on every rank here, as Lightning's own has_len_all_ranks does in this set-up
         refuse(self.data.loader_refusal(loader, at, compat.all_gather_of(self._trainer, self._held)))
+        self.steps.check_deferred()  # steps mode, DataLoaders from a hook: the Trainer's settings, only now
         self.steps.release()  # a reload (batch mode): the previous loader is the user's again
         self.steps.loader = loader  # given back at the fit's end (also when the set-up fails from here on)
         self.data.attach(loader, at, self._trainer.accumulate_grad_batches, self._new_table, _warn)

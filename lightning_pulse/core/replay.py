@@ -308,6 +308,15 @@ def loader_refusal(
     return None if all_gather is None else per_rank_data_refusal(loader.dataset, all_gather)
 
 
+def given_loaders_refusal(loaders: Sequence[Any]) -> str | None:
+    """Why training DataLoaders known before their data set-up (given to ``fit``) will be refused there
+    (completes "HardSampleReplay ..."), else ``None``: :func:`loader_refusal` of each, in the order they are
+    handed over (the ranks' datasets are compared at the data set-up). Said before a Trainer setting's
+    refusal, whose way out (``mode='batch'``) such a DataLoader refuses too."""
+    refusals = (loader_refusal(loader, second=i > 0) for i, loader in enumerate(loaders))
+    return next((refusal for refusal in refusals if refusal is not None), None)
+
+
 def dataset_fingerprint(dataset: Any) -> list[int]:
     """Cheap identity facts of ``dataset``, equal in every process that holds the same data: its length, the
     type names down a chain of ``Subset`` s, those ``Subset`` s' indices (CRC-32) and the innermost length."""
