@@ -265,10 +265,6 @@ class ScheduledPrune(Callback):
         self.core.end_fit(pl_module, trainer.global_step, fold)
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: BaseException) -> None:
-        self.core.readers.stop()  # no teardown follows: the module leaves the fit without this run's hooks
-
-    @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:

@@ -21,7 +21,6 @@ from torch import nn
 from lightning_pulse.core import pruning
 from lightning_pulse.core.distillation import DistillConfig, DistillWindow
 from lightning_pulse.core.per_sample_loss import losses_not_captured
-from lightning_pulse.core.prune_readers import UntracedReaders
 from lightning_pulse.core.prune_schedule import PruneSchedule
 from lightning_pulse.core.prune_setup import (
     DISTILL_NO_EFFECT,
@@ -73,8 +72,6 @@ class PruneEvents:
         deferred: a due event waits for a step StabilityGuard does not flag (:meth:`waits`).
         example: structured: the trace input, checked on the first batch (:meth:`select`,
             :meth:`example_from`).
-        readers: structured: the modules ``forward`` does not call, watched in training from the fit's start
-            (:class:`~lightning_pulse.core.prune_readers.UntracedReaders`) until its end.
     """
 
     def __init__(
@@ -111,8 +108,6 @@ class PruneEvents:
         self.restored_mode: str | None = None
         #: the run's optimizer steps (:meth:`plan_cadence`): no event at or after it (:meth:`advance`)
         self.run_end = math.inf
-        self.readers = UntracedReaders()
-        self._compiled: Sequence[str] = ()  # the parts under torch.compile (:meth:`select`)
 
     # ------------------------------------------------------------------ loading a pruned state dict
     def fit_loads(self, module: nn.Module, structure: Callable[[], Mapping[str, Any] | None]) -> None:
@@ -130,7 +125,6 @@ class PruneEvents:
         :meth:`fit_loads`: ``trainer.test(ckpt_path="last")`` after a fit restores a checkpoint saved before
         the fit's end folded, and the masks it put back made a later ``state_dict()`` unloadable into a plain
         module. The stage computed with the masked weights; folding keeps them. Masks there before stay."""
-        self.readers.stop()
         if self._fitter_handle is not None:
             self._fitter_handle.remove()
             self._fitter_handle = None
@@ -162,8 +156,7 @@ class PruneEvents:
         (:func:`~lightning_pulse.core.prune_setup.renamed_weight_warning`) and of large trainable parameters
         out of reach (:func:`~lightning_pulse.core.prune_setup.unreached_warning`). First, a resume with
         another ``mode`` than the checkpoint's is refused
-        (:func:`~lightning_pulse.core.prune_setup.refuse_mode_change`). Structured, with a trace input known
-        (``example_input_array``, a resumed checkpoint's): starts :attr:`readers`."""
+        (:func:`~lightning_pulse.core.prune_setup.refuse_mode_change`)."""
         restored, self.restored_mode = self.restored_mode, None
         restored_frozen, self.restored_frozen = self.restored_frozen, None
         frozen = restored_frozen if frozen is None else frozen
@@ -185,25 +178,16 @@ class PruneEvents:
         chosen, structured = self.pruner.layer_types not in default_types, self.pruner.mode == "structured"
         if (unreached := unreached_warning(model, selection, exclude, final, chosen, structured)) is not None:
             self.warn(unreached)
-        self._compiled = compiled
-        self._watch_readers(model)
         return selection
 
     def example_from(self, model: nn.Module, batch: Any) -> None:
         """Structured: :attr:`example` from ``batch``
         (:func:`~lightning_pulse.core.prune_setup.structured_example`) when neither ``example_input_array``
-        nor a checkpoint gave one; then starts :attr:`readers`."""
+        nor a checkpoint gave one."""
         if self.pruner.mode == "structured" and self.example is None and self.pruner.example_inputs is None:
             # inside HardSampleReplay's capture of the step when it is listed first
             with losses_not_captured():
                 self.example = structured_example(model, self.pruner, self.schedule, batch)
-                self._watch_readers(model)
-
-    def _watch_readers(self, model: nn.Module) -> None:
-        # structured, once the trace input is known: the modules `forward` does not call, watched from here on
-        example = self.pruner.example_inputs if self.pruner.example_inputs is not None else self.example
-        if self.pruner.mode == "structured" and example is not None and not self.readers.started:
-            self.readers.start(model, self.pruner, example, self._compiled)
 
     def plan_cadence(
         self,
@@ -311,7 +295,6 @@ class PruneEvents:
         ``ModelPruning.on_train_end`` folds every prune hook in the model, ours included, before this runs,
         and the refresh of the hooks found before then crashed a finished fit
         (``no attribute 'weight_mask'``)."""
-        self.readers.stop()
         warning = unfinished_warning(self.schedule, step, self.events)
         if warning is not None:
             waited = WAITED_NOTE.format(target=self.schedule.target(step)) if self.deferred else ""
@@ -356,11 +339,7 @@ class PruneEvents:
         (:func:`~lightning_pulse.core.prune_setup.refuse_replaced_weights`), leave out for good
         those seen reading a ``weight`` passed in for them rather than their own
         (:class:`~lightning_pulse.core.prune_targets.OwnWeightWatch`) and say which; raise
-        :class:`~lightning_pulse.errors.PulseRefusal` when that leaves no layer to prune. Structured: gives
-        :meth:`UntracedReaders.after_first_step
-        <lightning_pulse.core.prune_readers.UntracedReaders.after_first_step>`'s warning, once."""
-        if (untraced := self.readers.after_first_step()) is not None:
-            self.warn(untraced)
+        :class:`~lightning_pulse.errors.PulseRefusal` when that leaves no layer to prune."""
         if not self._watching:
             return
         self._watching = False
