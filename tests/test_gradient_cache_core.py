@@ -380,6 +380,43 @@ def test_a_weight_normed_block_applied_again_after_a_later_one_still_reads_it():
     assert reads["b"] == ["a.parametrizations.weight.original0", "a.parametrizations.weight.original1", "inp"]
 
 
+class _StandardisedLinear(nn.Linear):
+    """Weight standardisation written in the layer's forward: its weight is read by three kinds of op."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return F.linear(x, (w - w.mean(1, keepdim=True)) / (w.std(1, keepdim=True) + 1e-5), self.bias)
+
+
+@pytest.mark.parametrize("norm", ["spectral", "standardised"])
+def test_a_block_normalising_its_own_weight_pins_nothing_and_still_reads_the_block_it_loops_over(norm):
+    # held-out sweep: spectral norm (sigma = u . (W v), then W / sigma) and weight standardisation read the
+    # weight by ops of different kinds inside the layer's own forward; taken for a tie, every such layer was
+    # pinned and nothing froze. The forward's calls, recorded from begin_forward, show those reads as its own
+    from torch.nn.utils import parametrizations
+
+    model = _LoopedBlocks()
+    if norm == "spectral":
+        parametrizations.spectral_norm(model.a)
+    else:
+        model.a = _StandardisedLinear(32, 32, bias=False)
+    lifecycle = FreezerLifecycle(
+        FreezeSettings(threshold=1.0, check_every=5, freeze_for=50, max_frozen_share=0.6)
+    )
+    lifecycle.start(None, model)
+    lifecycle.begin_forward()
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    lifecycle.begin_backward(loss)
+    loss.backward()
+    assert lifecycle.end_backward()
+    assert [unit.name for unit in lifecycle.units if unit.pinned] == []
+    # its weight reaches the op applying it through the normalisation: the loop over b is still seen
+    reads = {unit.name: unit.inputs_from for unit in lifecycle.units}
+    assert all("b" in reads[name] for name in reads if name.startswith("a"))
+    drive(lifecycle.freezer, slowing, 10)
+    assert lifecycle.freezer.frozen_names == ["inp"]  # inp and a fit in 0.6, but a freezes only with b
+
+
 def test_rank_zeros_reads_are_everyones_so_every_process_proposes_the_same_prefix():
     # review 5: a loop counted from the data (twice on rank 0's batch, once on rank 1's) made each rank read
     # differently, and with the same agreed stable flags rank 0 froze [inp, a] and rank 1 [inp] only

@@ -211,14 +211,16 @@ def farthest_reads(units: Sequence[FreezeUnit]) -> list[int]:
 
 #: autograd ops that, given only parameters and constants, compute a parameter-like value (views, casts,
 #: concatenation, elementwise arithmetic): ``weight.t()`` inside ``F.linear``, autocast's cast, a pruning
-#: mask's ``weight_orig * weight_mask``, mHC's ``cat(phi...) * scale``, weight norm's ``g * v / |v|``.
-#: Ops with an index (an embedding lookup) are left out: what they compute depends on the data.
+#: mask's ``weight_orig * weight_mask``, mHC's ``cat(phi...) * scale``, weight norm's ``g * v / |v|``,
+#: spectral norm's ``W / (u . (W v))`` (its ``u``, ``v`` are buffers), weight standardisation's
+#: ``(w - mean(w)) / std(w)``. Ops with an index (an embedding lookup) are left out: what they compute depends
+#: on the data.
 _PARAMETER_OPS = frozenset(
     (
         "Alias AsStrided Clone Expand Permute ReshapeAlias Select Slice Split SplitWithSizes Squeeze T "
         "ToCopy Transpose Unbind Unsqueeze UnsafeView View Cat Stack Add Sub Mul Div Neg Reciprocal Pow "
-        "Sqrt Rsqrt Exp Log Abs Clamp Tanh Sigmoid Softplus Softmax LogSoftmax Sum Mean Norm "
-        "LinalgVectorNorm WeightNormInterface"
+        "Sqrt Rsqrt Exp Log Abs Clamp ClampMin Tanh Sigmoid Softplus Softmax LogSoftmax Sum Mean Norm "
+        "LinalgVectorNorm WeightNormInterface Mv Dot Vdot Std Var StdMean VarMean"
     ).split()
 )
 

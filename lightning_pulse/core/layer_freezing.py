@@ -35,6 +35,7 @@ except ImportError:  # a torch built without distributed support
 from lightning_pulse.core.activation_cache import FEATURE_ENCODER_HINT, LoaderActivationCache, reads_gradient
 from lightning_pulse.core.backward_flops import BackwardFlopLedger
 from lightning_pulse.core.custom_functions import DDP_INNER_BACKWARD, FunctionScan
+from lightning_pulse.core.forward_calls import ForwardCalls
 from lightning_pulse.core.freeze_metrics import freeze_event
 from lightning_pulse.core.freeze_units import (
     ForwardOrderTrace,
@@ -1077,6 +1078,7 @@ class FreezerLifecycle:
         self.trace: ForwardOrderTrace | None = None
         self._rare: list[str] = []  # units a trace waited for in vain (see LayerFreezer), kept over retraces
         self._graph_checked = False
+        self._calls = ForwardCalls()  # the modules' calls in the forward of the graph checked (begin_forward)
         self._open_first_forward = False  # a restored prefix trains in the first forward (begin_forward)
         self._opened: list[nn.Parameter] = []  # its parameters, turned on until that backward ends
         # their gradients, kept past a backward DDP did not synchronize (see :meth:`_close_opened`)
@@ -1213,12 +1215,16 @@ class FreezerLifecycle:
         window's synchronizing backward), so it stands still as in the run that saved it. Call it after
         looking for units someone else turned back on (:meth:`LayerFreezer.release_taken_back`): turned on
         here, their change would no longer show. A frozen prefix longer than any before is watched in this
-        forward (:class:`BackwardReachCheck`)."""
+        forward (:class:`BackwardReachCheck`). Before the graph check's forward, the modules' calls are
+        recorded (:class:`~lightning_pulse.core.forward_calls.ForwardCalls`), so that a weight read twice
+        inside its own layer's forward (spectral norm) pins nothing."""
         if self._open_first_forward and self.freezer is not None:
             self._opened = self.freezer.turned_off()
             for param in self._opened:
                 param.requires_grad_(True)
         self._open_first_forward = False  # also when a retrace at that batch left no freezer to open
+        if not self._graph_checked and self._model is not None:  # tells a weight's reads in its own forward
+            self._calls.arm(self._model)
         if self.freezer is not None and not self._opened:
             self.backward_reach.arm(self._model, self.freezer.units, self.freezer.frozen_prefix)
         check = self.optimizer_check
@@ -1249,7 +1255,9 @@ class FreezerLifecycle:
         first = not self._graph_checked
         if first:
             self._graph_checked = True
-            pin_read_twice(self.units, check_first_graph(loss))
+            own_read = self._calls.own_reads(self.units, self._model) if self._model is not None else None
+            self._calls.close()
+            pin_read_twice(self.units, check_first_graph(loss), own_read)
             if self._scan is not None:
                 self._scan.finish()
             named = dict(self._model.named_parameters()) if self._model is not None else {}
@@ -1674,6 +1682,7 @@ class FreezerLifecycle:
             self.trace.close()
         if self._scan is not None:
             self._scan.finish()
+        self._calls.close()
         self.backward_reach.close()
         if ledger is not None:
             ledger.close()
@@ -1754,9 +1763,11 @@ def check_first_graph(loss: torch.Tensor) -> dict[int, list[str]]:
     A parameter read by ops of different kinds (a token embedding's lookup and, as ``F.linear(h, embed.weight)``,
     the output projection) is tied without a second name, which :func:`mark_shared` cannot see: freezing its
     unit would stop the output layer too. A module applied several times reads its weights by one kind of op:
-    not reported (it is one unit, frozen or trained as a whole)."""
+    not reported (it is one unit, frozen or trained as a whole). Returned for each such parameter: each kind
+    of op and the sequence numbers of its nodes reading it, for :func:`pin_read_twice` to leave out the reads
+    inside the parameter's own unit's forward."""
     seen, stack = set(), [loss.grad_fn]
-    readers: dict[int, set[str]] = {}  # a parameter's id: the kinds of op that read it
+    readers: dict[int, dict[str, list[int]]] = {}  # a parameter's id: kind of op reading it -> its nodes
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -1774,18 +1785,34 @@ def check_first_graph(loss: torch.Tensor) -> dict[int, list[str]]:
         for next_node, _ in node.next_functions:
             variable = getattr(next_node, "variable", None)  # an AccumulateGrad: a parameter read by `node`
             if isinstance(variable, torch.Tensor):
-                kind = type(node).__name__.removesuffix("Backward0").removesuffix("Backward")
-                readers.setdefault(id(variable), set()).add(kind)
+                kind = (
+                    type(node).__name__.rstrip("0123456789").removesuffix("Backward")
+                )  # MeanBackward1: Mean
+                readers.setdefault(id(variable), {}).setdefault(kind, []).append(node._sequence_nr())
             stack.append(next_node)
-    return {key: sorted(kinds) for key, kinds in readers.items() if len(kinds) > 1}
+    return {key: kinds for key, kinds in readers.items() if len(kinds) > 1}
 
 
-def pin_read_twice(units: Sequence[FreezeUnit], read_twice: dict[int, list[str]]) -> None:
-    """Pin the units holding a parameter :func:`check_first_graph` found read by ops of different kinds."""
+def pin_read_twice(
+    units: Sequence[FreezeUnit],
+    read_twice: Mapping[int, Mapping[str, Sequence[int]]],
+    own_read: Callable[[nn.Parameter, int], bool] | None = None,
+) -> None:
+    """Pin the units holding a parameter :func:`check_first_graph` found read by ops of different kinds,
+    unless ``own_read`` (:meth:`~lightning_pulse.core.forward_calls.ForwardCalls.own_reads`) finds every one
+    of those reads inside the parameter's own unit's forward: spectral norm's ``W / sigma`` with
+    ``sigma = u . (W v)``, weight standardisation's ``(w - mean(w)) / std(w)``, which freezing the unit stops
+    together."""
     for unit in units:
-        kinds = sorted({kind for param in unit.params for kind in read_twice.get(id(param), [])})
+        kinds: set[str] = set()
+        for param in unit.params:
+            reads = read_twice.get(id(param), {})
+            if own_read is None or not all(own_read(param, n) for numbers in reads.values() for n in numbers):
+                kinds.update(reads)
         if kinds and not unit.pinned:
-            unit.shared_with = [f"<its weight read again in forward ({', '.join(kinds)})>"]
+            unit.shared_with = [
+                f"<its weight read again outside its own forward ({', '.join(sorted(kinds))})>"
+            ]
 
 
 def refuse_optimizers_that_move_gradless_parameters(optimizers: Iterable[torch.optim.Optimizer]) -> None:
