@@ -15,7 +15,8 @@ from lightning_pulse import _lightning_compat as compat
 
 
 def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float] | None, step: int | None = None) -> None:
-    """Write ``metrics`` to each of ``trainer``'s loggers at ``step``, on rank 0; nothing for empty ``metrics``.
+    """Write ``metrics`` to each of ``trainer``'s loggers at ``step``, on rank 0; nothing for empty
+    ``metrics``.
 
     By default at the step Lightning writes the user's own metrics of the same moment
     (``compat.logging_step``): a phase change, an energy figure or a skipped step lines up with the loss of

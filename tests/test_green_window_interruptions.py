@@ -137,8 +137,8 @@ def test_a_fast_dev_run_smoke_test_runs_its_batch_without_waiting_or_suspending(
 
 @pytest.mark.parametrize("failure", [OSError("disk full"), KeyboardInterrupt()], ids=["error", "interrupt"])
 def test_a_report_write_that_fails_keeps_the_report_and_the_last_paths(mnist1d_small, tmp_path, failure):
-    # a review: the report was only kept once its files were written (a Ctrl-C there left `.report` None), and a
-    # failed write emptied the paths the run's earlier report was written to
+    # a review: the report was only kept once its files were written (a Ctrl-C there left `.report` None),
+    # and a failed write emptied the paths the run's earlier report was written to
     model, data = mnist1d_small(arch="mlp")
     clock = SimulatedClock("2020-06-15 12:00:00")
     green = GreenWindow(

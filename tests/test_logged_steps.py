@@ -122,7 +122,7 @@ def test_gradient_cache_rows_share_the_steps_lightning_logs_at(mnist1d_small, tm
 
 
 class StopsAtTrainStart(Callback):
-    """Stops the fit before its first batch, as GreenWindow's suspend loop does when a resume is still dirty."""
+    """Stops the fit before its first batch (GreenWindow's suspend loop does when a resume is still dirty)."""
 
     def on_train_start(self, trainer, pl_module):
         trainer.should_stop = True

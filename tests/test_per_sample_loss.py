@@ -250,7 +250,7 @@ def test_per_sample_loss_is_the_mean_of_each_samples_elements(name, make, expect
 
 def test_a_batchmean_kl_scores_each_samples_share_on_flattened_and_batch_first_inputs_alike():
     # batchmean divides the sum by the input's first dimension: B*T on flattened (B*T, V) token logits, where
-    # each sample's share is its sum over T (it was its whole sum: the KL counted T times next to another term)
+    # each sample's share is its sum over T (it was its whole sum: the KL counted T times beside another term)
     batch, time, vocab = 3, 4, 5
     generator = torch.Generator().manual_seed(4)
 

@@ -1,5 +1,6 @@
-"""Trainer-free tests of :class:`~lightning_pulse.core.replay_data.ReplayData`: HardSampleReplay's training data
-(index tracker, selector, scores restored before the data) across set-ups of the DataLoader and across fits."""
+"""Trainer-free tests of :class:`~lightning_pulse.core.replay_data.ReplayData`: HardSampleReplay's training
+data (index tracker, selector, scores restored before the data) across set-ups of the DataLoader and across
+fits."""
 
 from __future__ import annotations
 

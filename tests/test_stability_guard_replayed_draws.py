@@ -1,6 +1,6 @@
 """StabilityGuard's re-runs of a recorded batch (the rollback test, the non-finite data check) draw what the
-step drew: each micro-batch's torch generator states are recorded at its ``training_step``'s entry and set back for its
-re-run, inside an isolation that gives the run its own generators back.
+step drew: each micro-batch's torch generator states are recorded at its ``training_step``'s entry and set
+back for its re-run, inside an isolation that gives the run its own generators back.
 
 Found by a held-out sweep: a diffusion loss (timestep and noise drawn per sample in ``training_step``, SNR
 weights capped at 1000) was stopped after 3 rollbacks, its spikes called the model's, because the re-runs

@@ -4,7 +4,8 @@ Issue 17 asks for StabilityGuard at most 1% of a char-LM step; ``benchmarks/over
 whole. This study splits that time: each hook the guard overrides, its work off the hooks (the optimizer step
 hooks, the copy at ``training_step``'s entry: :attr:`benchmarks.harness.HookTimer.OFF_HOOK_WORK`), and inside
 ``on_before_optimizer_step`` the loss and gradient-norm read (``step_loss_and_grad_norm``) and the verdict
-(``StabilityCore.judge``), each wrapped from outside for the fit. CPU µs per optimizer step, median over seeds;
+(``StabilityCore.judge``), each wrapped from outside for the fit. CPU µs per optimizer step, median over
+seeds;
 the char LM at ``benchmarks/overhead.py``'s settings, no validation.
 
 Run: ``python -m benchmarks.studies.guard_hooks`` (about 2 minutes on 2 cores; a quiet machine).
@@ -103,8 +104,8 @@ def main() -> None:
     lines = [
         "# StabilityGuard's time per step, hook by hook (char LM)",
         "",
-        f"Command: `python -m benchmarks.studies.guard_hooks`. CPU µs per optimizer step ({STEPS} steps), median "
-        f"over seeds {args.seeds}; `inside:` rows are parts of `on_before_optimizer_step`.",
+        f"Command: `python -m benchmarks.studies.guard_hooks`. CPU µs per optimizer step ({STEPS} steps), "
+        f"median over seeds {args.seeds}; `inside:` rows are parts of `on_before_optimizer_step`.",
         "",
         "| where | µs per step |",
         "|---|---|",

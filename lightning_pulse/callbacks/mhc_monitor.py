@@ -22,7 +22,7 @@ class HyperConnectionMonitor(Callback):
     Every ``every_n_steps`` optimizer steps it watches one training forward pass: forward hooks on every
     :class:`~lightning_pulse.nn.HyperConnection` / :class:`~lightning_pulse.nn.ManifoldHyperConnection` found in
     ``pl_module.modules()`` recompute each layer's ``H_res`` (no gradient, no change to the module or its
-    outputs), and it logs to every logger of the Trainer, at the step Lightning logs the measured batch's loss:
+    outputs), and it logs to every logger of the Trainer, where Lightning logs the measured batch's loss:
 
     * ``{prefix}/forward_gain`` and ``{prefix}/backward_gain``: the largest absolute row and column sum of the
       product ``H_res^{(L)} ... H_res^{(1)}`` in call order, maximised over tokens (the mHC paper's "Amax gain

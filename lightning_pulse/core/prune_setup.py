@@ -710,7 +710,8 @@ def maintain_starts(
 def pulse_cycle_holder(callbacks: Iterable[Any], holder_type: type) -> str | None:
     """The class name of the first of ``callbacks`` that can hold the PulseCycle in its light phases
     (:meth:`PulseCycle.hold_light <lightning_pulse.PulseCycle.hold_light>`): a ``holder_type`` (the callback
-    hands in GreenWindow: a core module imports no callback) with ``when_dirty='light'``; ``None`` for none (see :func:`event_cadence`)."""
+    hands in GreenWindow: a core module imports no callback) with ``when_dirty='light'``; ``None`` for none
+    (see :func:`event_cadence`)."""
     holders = (c for c in callbacks if isinstance(c, holder_type) and c.when_dirty == "light")
     return next((type(c).__name__ for c in holders), None)
 

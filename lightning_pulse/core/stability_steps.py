@@ -1741,6 +1741,7 @@ def unjudged_losses_note(count: int, whose: str) -> str:
     """What ``count`` of ``whose`` losses a log scale could not judge mean, and the way out (the
     end-of-training line)."""
     return (
-        f"{count} of {whose} losses {'was' if count == 1 else 'were'} <= 0, which a log scale cannot judge, so a loss spike there would "
-        "have gone unnoticed: pass `config=StabilityGuardConfig(loss_scale='linear')` for such losses"
+        f"{count} of {whose} losses {'was' if count == 1 else 'were'} <= 0, which a log scale cannot judge, "
+        "so a loss spike there would have gone unnoticed: pass "
+        "`config=StabilityGuardConfig(loss_scale='linear')` for such losses"
     )
