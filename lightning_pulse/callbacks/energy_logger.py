@@ -320,10 +320,10 @@ class EnergyLogger(Callback):
             self.report,
             directory,
             self.accounting.baseline,
-            bool(trainer.fast_dev_run),
-            trainer.is_global_zero,
-            rank_zero_info,
-            rank_zero_warn,
+            smoke_test=bool(trainer.fast_dev_run),
+            writes=trainer.is_global_zero,
+            info=rank_zero_info,
+            warn=rank_zero_warn,
         )
         return self.report
 

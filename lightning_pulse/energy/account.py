@@ -271,6 +271,7 @@ def write_fit_report(
     report: dict[str, Any],
     directory: str,
     baseline: str | None,
+    *,
     smoke_test: bool,
     writes: bool,
     info: Callable[[str], None],
