@@ -876,9 +876,8 @@ def logging_step(trainer: pl.Trainer) -> int:
     if not isinstance(counted, int):
         return trainer.global_step
     hook = getattr(trainer.strategy.lightning_module, "_current_fx_name", None)
-    ran = not getattr(
-        epoch_loop, "restarting", False
-    )  # a restored fit that trained no batch: count not moved on
+    # a restored fit that trained no batch: Lightning's count has not moved past the checkpoint's last step
+    ran = not getattr(epoch_loop, "restarting", False)
     return counted - 1 if hook in _AFTER_THE_LAST_COUNT and counted > 0 and ran else counted
 
 
