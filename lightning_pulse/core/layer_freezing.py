@@ -1084,6 +1084,9 @@ class FreezerLifecycle:
         # their gradients, kept past a backward DDP did not synchronize (see :meth:`_close_opened`)
         self._opened_gradients: list[nn.Parameter] = []
         self._wrapped: nn.Module | None = None  # the strategy's model (from fit start): DDP's wrapper, or not
+        # whether it has DDP's `require_backward_grad_sync` (DDP's __init__ sets it); only then read at each
+        # backward: a miss on a module raises inside nn.Module.__getattr__ (about 7 µs a step)
+        self._sync_flag = False
         self._marked = False  # this backward marked the units' inputs (under DDP, rank 0's are shared)
         self._model: nn.Module | None = None  # the fit's model: its parameters outside the units are watched
         self._statistics: dict[str, float] | None = None  # a retraced freezer's, for the next one to continue
@@ -1182,6 +1185,7 @@ class FreezerLifecycle:
         """
         check_wrapped_model(strategy.model, world_size, type(strategy).__name__)
         self._wrapped = strategy.model
+        self._sync_flag = hasattr(self._wrapped, "require_backward_grad_sync")
         if world_size > 1:  # DDP just wrapped the model: what is frozen now, its reducer left out
             self.frozen_before_wrap = frozen_parameter_ids(model)
         optimizers = self.optimizers = list(optimizers)
@@ -1291,7 +1295,7 @@ class FreezerLifecycle:
         (:meth:`_check_lost_gradients`). Returns whether the freezer was built now, or a warning waits for
         :meth:`announce`."""
         # DDP's wrapper in its `no_sync` (a micro-batch that accumulates) does not synchronize this backward
-        self._close_opened(synced=getattr(self._wrapped, "require_backward_grad_sync", True))
+        self._close_opened(synced=not self._sync_flag or self._wrapped.require_backward_grad_sync)
         marked, self._marked = self._marked, False
         if marked and broadcast is not None:  # a loop counted from the data reads differently on each rank
             agree_inputs(self.units, broadcast)
@@ -1689,7 +1693,7 @@ class FreezerLifecycle:
 
     def end(self) -> None:
         """Turn back on every parameter the freezer turned off, so the module leaves the fit as it came in."""
-        self._ended, self._wrapped, self._opened_gradients = True, None, []
+        self._ended, self._wrapped, self._opened_gradients, self._sync_flag = True, None, [], False
         self.optimizer_check.detach()
         self.optimizers = None  # their state is not kept past the fit; unknown again, as for a freezer alone
         if self.freezer is not None:
@@ -1996,6 +2000,8 @@ class GradlessStepCheck:
         """Before an optimizer step in which ``params`` (the frozen units') have no gradient (each step, with
         none where nothing is frozen). ``repeats_closure``: the optimizer evaluates its closure twice (SAM)."""
         params = list(params)
+        if not params and not self._copies:  # nothing frozen, no copy held: nothing to drop or check
+            return
         kept = {id(param) for param in params}  # a held copy of a released parameter is dropped
         self._copies = {key: entry for key, entry in self._copies.items() if key in kept}
         if self.moved or self._torch_only or not params:
@@ -2048,9 +2054,14 @@ class GradlessStepCheck:
                 self.put_back += 1
             self._copies[id(param)] = (param, copy, param._version)  # the optimizer's own write, same values
 
-    @torch.no_grad()
     def after_step(self, agree: Callable[[list[bool]], list[bool]] | None = None) -> bool:
         """After that step: whether it moved the frozen parameters (then put back). ``True`` once, if so."""
+        if self._at_start is None and not self._holding and not self._held:
+            return False  # most steps: nothing armed, held or copied, so no grad-mode context (~15 µs a step)
+        return self._after_checked_step(agree)
+
+    @torch.no_grad()
+    def _after_checked_step(self, agree: Callable[[list[bool]], list[bool]] | None) -> bool:
         at_start, self._at_start = self._at_start, None
         if at_start is not None:  # hooks for the steps of this batch only
             at_start.remove()
