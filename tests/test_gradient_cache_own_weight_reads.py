@@ -202,3 +202,117 @@ def test_a_spectral_normed_embedding_read_again_as_the_output_projection_stays_p
         pl.Trainer(**trainer_kwargs(max_steps=24, callbacks=[cache])).fit(SpectralTiedLM(), data)
     assert cache.freezer.units[0].name.startswith("embed") and cache.freezer.units[0].pinned
     assert cache.events == []
+
+
+class TiedEmbed(nn.Module):
+    """A tied embedding whose own forward does both the lookup and, with ``decode=True``, the output
+    projection: one module, called twice, reading its weight by one kind of op in each call."""
+
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, d) * 0.1)
+
+    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        return F.linear(x, self.weight) if decode else F.embedding(x, self.weight)
+
+
+class DecodeFlagLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = TiedEmbed(32, 16)
+        self.blocks = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x)
+        logits = self.embed(h + self.blocks(h), decode=True)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+def test_a_tied_embedding_projecting_in_another_call_of_its_own_forward_stays_pinned():
+    """Review of 086bbd3: a read counted as the embedding's own if it lay in any call of it, so the lookup in
+    ``embed(x)`` and the projection in ``embed(h, decode=True)`` (a real tie: freezing the unit stops the
+    output layer too) pinned nothing and the "untie" warning was gone. Each call must read the weight by
+    every kind of op it is read by (a spectral-normed layer applied twice still does)."""
+    tokens = torch.randint(0, 32, (128, 9), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=16)
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0)
+    with pytest.warns(UserWarning, match=r"GradientCache: the first unit in forward order, embed, shares"):
+        pl.Trainer(**trainer_kwargs(max_steps=8, callbacks=[cache])).fit(DecodeFlagLM(), data)
+    assert cache.freezer.units[0].name == "embed" and cache.freezer.units[0].pinned
+
+
+def test_without_autograd_sequence_numbers_a_weight_read_by_two_kinds_is_pinned_as_before(monkeypatch):
+    """Review of 086bbd3: the private ``Node._sequence_nr()`` was called unguarded at the first backward of
+    every GradientCache fit; a torch without it would crash there. Read in one place
+    (``forward_calls.sequence_number``), it now gives ``None`` and the reads are judged as before the record
+    of calls: the spectral-normed layers are pinned, with the tie warning, and the fit runs."""
+    from lightning_pulse.core import forward_calls
+
+    # another torch's autograd node: the method is missing
+    monkeypatch.setattr(forward_calls, "_SEQUENCE_NR", "_no_such_method")
+    assert forward_calls.sequence_number(torch.ones(1, requires_grad=True).exp().grad_fn) is None
+    cache, _, said, _ = fit(spectral)
+    assert cache.freezer.units[0].pinned and all(event["to"] == 0 for event in cache.events)
+    assert any("the first unit in forward order, layers.0" in message for message in said), said
+
+
+class CompiledTeacherKD(pl.LightningModule):
+    """A student distilled from a frozen teacher compiled with ``torch.compile`` (``in_place``: with
+    ``teacher.compile()``), which the docs say trains as usual next to GradientCache."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        teacher = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).requires_grad_(False)
+        if in_place:
+            teacher.compile(backend="eager")
+            self.teacher = teacher
+        else:
+            self.teacher = torch.compile(teacher, backend="eager")
+        self.student = nn.Sequential(
+            nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx == 0:  # the forward whose calls GradientCache records: the hooks on each side
+            self.hooks = {name: _hooks(getattr(self, name)) for name in ("teacher", "student")}
+        with torch.no_grad():
+            t = self.teacher(x)
+        s = self.student(x)
+        kd = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
+        return F.cross_entropy(s, y) + kd
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.student.parameters(), lr=3e-3)
+
+
+def _hooks(module: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["wrapper", "in-place"])
+def test_a_compiled_frozen_teacher_next_to_gradient_cache_compiles_as_one_graph(in_place):
+    """Review of 086bbd3: the hooks recording the first forward's calls went on every module, the compiled
+    teacher's too; dynamo traced them and broke the graph at their autograd node (3 graphs, 10 breaks, for
+    the whole fit; 1 graph without GradientCache). Only modules holding a unit's parameter, outside compiled
+    parts, are hooked now."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cache = GradientCache(check_every=4, freeze_for=8, threshold=1.0)
+    module = CompiledTeacherKD(in_place)
+    pl.Trainer(**trainer_kwargs(max_steps=4, callbacks=[cache])).fit(module, rule_data())
+    assert [unit.name for unit in cache.freezer.units] == ["student.0", "student.2", "student.4"]
+    assert module.hooks["teacher"] == 0 and module.hooks["student"] > 0
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    if not in_place:  # a module compiled in place shows no graph in these counters (torch 2.13)
+        assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()

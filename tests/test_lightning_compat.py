@@ -379,6 +379,12 @@ def test_a_part_compiled_in_place_is_found_and_watched_only_under_fullgraph(full
     assert model[1]._compiled_call_impl is compiled_call
 
 
+FORECAST_LINE = (
+    "Read again at each epoch's end as `max_epochs` times that epoch's batches, so blind to the lengths of the "
+    "epochs still to come: EnergyLogger (the forecast of the run's energy)."
+)
+
+
 def test_every_share_placed_on_a_run_whose_reloaded_epochs_change_length_is_named_in_one_warning(
     tmp_path, recwarn
 ):
@@ -408,6 +414,35 @@ def test_every_share_placed_on_a_run_whose_reloaded_epochs_change_length_is_name
         "ScheduledPrune, GradientCache, EnergyLogger: the training DataLoader rebuilt for "
     )
     assert "the run, read as 12 optimizer steps (16 now)" in said[0]
-    placed = "ScheduledPrune (`start`=0.1, `end`=0.7), GradientCache (`release_at`=0.8), EnergyLogger (the "
-    assert placed + "forecast of the run's energy)" in said[0]
+    placed = "ScheduledPrune (`start`=0.1, `end`=0.7), GradientCache (`release_at`=0.8)."
+    assert "These were placed as shares of 12 steps and will not land where asked: " + placed in said[0]
+    # the forecast is read again at each epoch's end: not placed once, only blind to the epochs to come
+    assert FORECAST_LINE in said[0]
     assert said[0].endswith("or give ScheduledPrune's and GradientCache's settings as int optimizer steps.")
+
+
+def test_an_energy_logger_alone_on_a_growing_curriculum_says_its_forecast_is_read_again_each_epoch(
+    tmp_path, recwarn
+):
+    """Review of 15c67e8: EnergyLogger's forecast, read again at each epoch's end, was said to be "placed as
+    shares of 12 steps" that "will not land where asked"; it only cannot see the lengths of the epochs to
+    come. The way out (`max_steps`) stays."""
+    from lightning_pulse import EnergyLogger, MeterConfig
+    from tests.clients import BatchNormMLP
+    from tests.test_pulse_cycle import Curriculum
+
+    energy = EnergyLogger(
+        report_dir=str(tmp_path), cpu="constant", ram="none", meters=MeterConfig(cpu_watts=50)
+    )
+    trainer = pl.Trainer(
+        callbacks=[energy], max_epochs=3, reload_dataloaders_every_n_epochs=1, **trainer_kwargs()
+    )
+    trainer.fit(BatchNormMLP(), datamodule=Curriculum(grow=1))
+    said = [str(w.message) for w in recwarn if "`reload_dataloaders_every_n_epochs`" in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith("EnergyLogger: the training DataLoader rebuilt for epoch 1 ")
+    assert "placed as shares" not in said[0] and "will not land" not in said[0]
+    assert FORECAST_LINE in said[0]
+    assert said[0].endswith(
+        "Set Trainer(max_steps=N) and leave `max_epochs` unset, so that the run's length is known."
+    )

@@ -187,7 +187,7 @@ class EnergyLogger(Callback):
         self._in_train_loop = True
         progress = compat.run_progress(trainer)  # the loader's batch size tells a time-major batch's samples
         self.account.begin_training(lambda: trainer.global_step, progress, trainer.train_dataloader)
-        compat.note_run_shares(trainer, "EnergyLogger", "the forecast of the run's energy")
+        compat.note_run_shares(trainer, "EnergyLogger", "the forecast of the run's energy", rereads=True)
         if compat.steps_per_batch_unknown(trainer):  # manual optimization, several optimizers
             if (line := no_forecast_line(compat.total_steps(trainer), len(trainer.optimizers))) is not None:
                 rank_zero_info(line)

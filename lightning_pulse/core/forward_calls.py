@@ -1,4 +1,5 @@
-"""Which module's forward made each autograd node: a parameter read inside its own unit's forward is no tie.
+"""Which module's call made each autograd node: a parameter read only inside calls of its own unit's forward,
+each call reading it by every kind of op it is read by, is no tie.
 
 Plain torch. GradientCache's first backward pins a unit whose parameter the forward reads by ops of different
 kinds (an embedding read again as the output projection, ``F.linear(h, embed.weight)``): freezing it would
@@ -6,12 +7,14 @@ stop the output layer too. A layer that reads its own weight twice inside its fo
 ``sigma = u . (W v)`` and ``W / sigma``, weight standardisation's ``(w - mean(w)) / std(w)``) ties nothing:
 freezing its unit stops every read together. :class:`ForwardCalls` records, during one forward, the span of
 autograd sequence numbers (which every node takes in turn, as the forward makes it) of each module's calls;
-:meth:`ForwardCalls.own_reads` tells whether a node reading a unit's parameter lies inside its own forward.
+:meth:`ForwardCalls.own_reads` tells whether a unit's parameter's reads lie so. The sequence number is private
+torch API (``Node._sequence_nr()``), read in one place (:func:`sequence_number`): where it is missing, every
+read counts as outside, so a weight read by ops of different kinds is pinned, as before the record.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +24,18 @@ from torch.nn.utils import parametrize
 from lightning_pulse.core.freeze_units import FreezeUnit
 
 _PARAMETRIZATIONS = ".parametrizations."  # where torch.nn.utils.parametrize keeps a tensor's ``original``
+_SEQUENCE_NR = "_sequence_nr"  # the private torch method (2.x) numbering autograd nodes, read only here
+
+
+def sequence_number(node: Any) -> int | None:
+    """The autograd sequence number of ``node`` (``Node._sequence_nr()``, private torch API), or ``None``
+    where this torch gives none (renamed, or failing): the callers then judge a weight's reads as before the
+    record of calls, as a tie where they are of different kinds."""
+    try:
+        number = getattr(node, _SEQUENCE_NR)()
+    except Exception:  # any failure of a private method means the same: no number to compare
+        return None
+    return number if isinstance(number, int) else None
 
 
 class ForwardCalls:
@@ -29,8 +44,11 @@ class ForwardCalls:
 
     A node made inside a call has a sequence number between the two taken when the call began (before its
     forward pre-hooks) and ended (after its forward hooks): autograd numbers the nodes a thread makes in turn.
-    Without a record (never armed, a module run through ``.forward``, a ``torch.jit.script``-ed one), no read
-    counts as its own, so the reads are judged as before.
+    Without a record (never armed, a module run through ``.forward``, a ``torch.jit.script``-ed one, no
+    sequence numbers in this torch), no read counts as its own, so the reads are judged as before. Only the
+    modules :meth:`own_reads` can use are hooked: those holding a unit's parameter, outside any compiled part
+    (a hook inside one is traced by dynamo, which breaks the graph at the hook's autograd node: a frozen
+    teacher under ``torch.compile`` ran as 3 graphs with 10 breaks, for the rest of the fit, instead of 1).
     """
 
     def __init__(self) -> None:
@@ -38,18 +56,21 @@ class ForwardCalls:
         self._open: dict[int, list[int]] = {}  # id(module) -> the sequence numbers its open calls began at
         self._hooks: list[Any] = []
         self._model: nn.Module | None = None
+        self._watched: list[int] = []  # id() of each module hooked
         self._probe = torch.zeros((), requires_grad=True)
 
-    def arm(self, model: nn.Module) -> None:
-        """Record the calls of ``model``'s modules from now on (a record from before is dropped)."""
+    def arm(self, model: nn.Module, units: Sequence[FreezeUnit]) -> None:
+        """Record the calls of those of ``model``'s modules that hold a parameter of ``units`` from now on (a
+        record from before is dropped)."""
         self._spans, self._open = {}, {}
-        if self._model is model and self._hooks:
+        holding = {prefix for unit in units for name in unit.param_names for prefix in _prefixes(name)}
+        watched = list({id(m): m for name, m in _uncompiled_modules(model) if name in holding}.values())
+        key = [id(module) for module in watched]
+        if self._model is model and self._watched == key and self._hooks:
             return
         self.close()
-        self._model = model
-        for module in model.modules():
-            if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: its reads count as outside
-                continue
+        self._model, self._watched = model, key
+        for module in watched:
             # first of the pre-hooks: the older spectral_norm computes `weight` in one of them
             self._hooks.append(module.register_forward_pre_hook(self._began, prepend=True))
             self._hooks.append(module.register_forward_hook(self._ended, always_call=True))
@@ -58,14 +79,14 @@ class ForwardCalls:
         """Remove the hooks; the record stays for :meth:`own_reads`."""
         for hook in self._hooks:
             hook.remove()
-        self._hooks, self._model = [], None
+        self._hooks, self._model, self._watched = [], None, []
 
     def _number(self) -> int | None:
         """A fresh autograd sequence number: nodes this thread made before have smaller ones, later ones
         larger."""
         with torch.enable_grad():
             node = self._probe.view_as(self._probe).grad_fn
-        return None if node is None else node._sequence_nr()  # no node under inference mode
+        return None if node is None else sequence_number(node)  # no node under inference mode
 
     def _began(self, module: nn.Module, args: Any) -> None:
         if (number := self._number()) is not None:
@@ -76,12 +97,21 @@ class ForwardCalls:
         if began and (number := self._number()) is not None:
             self._spans.setdefault(id(module), []).append((began.pop(), number))
 
-    def _inside(self, module: nn.Module, number: int) -> bool:
-        return any(first < number < last for first, last in self._spans.get(id(module), ()))
+    def _call_holding(self, module: nn.Module, number: int) -> tuple[int, int] | None:
+        """The innermost call of ``module`` that made the node numbered ``number``, else ``None``."""
+        spans = [span for span in self._spans.get(id(module), ()) if span[0] < number < span[1]]
+        return min(spans, key=lambda span: span[1] - span[0]) if spans else None
 
-    def own_reads(self, units: Sequence[FreezeUnit], root: nn.Module) -> Callable[[nn.Parameter, int], bool]:
-        """A test of whether the node with sequence number ``number`` reading ``param`` (a parameter of one of
-        ``units``, discovered in ``root``) was made inside its own unit's forward.
+    def own_reads(
+        self, units: Sequence[FreezeUnit], root: nn.Module
+    ) -> Callable[[nn.Parameter, Mapping[str, Sequence[int | None]]], bool]:
+        """A test of whether the reads of ``param`` (a parameter of one of ``units``, discovered in ``root``),
+        given as the sequence numbers of the nodes of each kind of op reading it, were all made inside calls
+        of its own unit's forward, each of those calls reading it by every one of the kinds. Spectral norm and
+        weight standardisation read their weight by ops of different kinds in each call of the layer (also in
+        a layer applied several times); a tied embedding doing the lookup in one call and the output
+        projection in another (``embed(x)``, then ``embed(h, decode=True)``) reads it by one kind a call: a
+        tie, which freezing the unit would stop on both sides.
 
         Its own forward is a call of the outermost module holding it whose trainable parameters all belong to
         its unit and that the forward called (a unit's module; for a unit that is a lone parameter, the module
@@ -110,9 +140,21 @@ class ForwardCalls:
                         scope.append(modules[layer])
                 scopes[id(param)] = scope
 
-        def own_read(param: nn.Parameter, number: int) -> bool:
+        def own_read(param: nn.Parameter, reads: Mapping[str, Sequence[int | None]]) -> bool:
             scope = scopes.get(id(param))
-            return scope is not None and all(self._inside(module, number) for module in scope)
+            if scope is None:
+                return False
+            for module in scope:
+                kinds_by_call: dict[tuple[int, int], set[str]] = {}
+                for kind, numbers in reads.items():
+                    for number in numbers:
+                        call = None if number is None else self._call_holding(module, number)
+                        if call is None:  # outside its calls, or unnumbered (sequence_number)
+                            return False
+                        kinds_by_call.setdefault(call, set()).add(kind)
+                if any(len(kinds) < len(reads) for kinds in kinds_by_call.values()):
+                    return False  # one call reads it by one kind, another by another: a tie
+            return True
 
         return own_read
 
@@ -122,3 +164,18 @@ def _prefixes(name: str) -> list[str]:
     ``""`` (the root)."""
     parts = name.split(".")[:-1]
     return [".".join(parts[:end]) for end in range(len(parts), -1, -1)]
+
+
+def _uncompiled_modules(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``(name, module)`` for ``model`` and its submodules, leaving out every part run under
+    ``torch.compile`` (an ``OptimizedModule`` wrapper, or a module compiled in place with ``.compile()``,
+    which keeps the private ``_compiled_call_impl``) or ``torch.jit.script`` (which takes no hooks), with all
+    it holds."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    compiled_in_place = model.__dict__.get("_compiled_call_impl") is not None
+    if compiled_in_place or isinstance(model, (OptimizedModule, torch.jit.ScriptModule)):
+        return
+    yield prefix, model
+    for name, child in model.named_children():
+        yield from _uncompiled_modules(child, f"{prefix}.{name}" if prefix else name)

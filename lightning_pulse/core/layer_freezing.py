@@ -35,7 +35,7 @@ except ImportError:  # a torch built without distributed support
 from lightning_pulse.core.activation_cache import FEATURE_ENCODER_HINT, LoaderActivationCache, reads_gradient
 from lightning_pulse.core.backward_flops import BackwardFlopLedger
 from lightning_pulse.core.custom_functions import DDP_INNER_BACKWARD, FunctionScan
-from lightning_pulse.core.forward_calls import ForwardCalls
+from lightning_pulse.core.forward_calls import ForwardCalls, sequence_number
 from lightning_pulse.core.freeze_metrics import freeze_event
 from lightning_pulse.core.freeze_units import (
     ForwardOrderTrace,
@@ -1228,7 +1228,7 @@ class FreezerLifecycle:
                 param.requires_grad_(True)
         self._open_first_forward = False  # also when a retrace at that batch left no freezer to open
         if not self._graph_checked and self._model is not None:  # tells a weight's reads in its own forward
-            self._calls.arm(self._model)
+            self._calls.arm(self._model, self.units)
         if self.freezer is not None and not self._opened:
             self.backward_reach.arm(self._model, self.freezer.units, self.freezer.frozen_prefix)
         check = self.optimizer_check
@@ -1753,7 +1753,7 @@ def refuse_compiled_module(compiled: str | None) -> None:
         )
 
 
-def check_first_graph(loss: torch.Tensor) -> dict[int, list[str]]:
+def check_first_graph(loss: torch.Tensor) -> dict[int, dict[str, list[int | None]]]:
     """One walk of the first step's autograd graph: refuse what freezing cannot follow, and find the parameters
     the forward reads in ways of different kinds, with those kinds (by ``id`` of the parameter).
 
@@ -1771,7 +1771,8 @@ def check_first_graph(loss: torch.Tensor) -> dict[int, list[str]]:
     of op and the sequence numbers of its nodes reading it, for :func:`pin_read_twice` to leave out the reads
     inside the parameter's own unit's forward."""
     seen, stack = set(), [loss.grad_fn]
-    readers: dict[int, dict[str, list[int]]] = {}  # a parameter's id: kind of op reading it -> its nodes
+    # a parameter's id: kind of op reading it -> its nodes' sequence numbers
+    readers: dict[int, dict[str, list[int | None]]] = {}
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -1792,26 +1793,27 @@ def check_first_graph(loss: torch.Tensor) -> dict[int, list[str]]:
                 kind = (
                     type(node).__name__.rstrip("0123456789").removesuffix("Backward")
                 )  # MeanBackward1: Mean
-                readers.setdefault(id(variable), {}).setdefault(kind, []).append(node._sequence_nr())
+                number = sequence_number(node)  # None without the private method: judged as a tie
+                readers.setdefault(id(variable), {}).setdefault(kind, []).append(number)
             stack.append(next_node)
     return {key: kinds for key, kinds in readers.items() if len(kinds) > 1}
 
 
 def pin_read_twice(
     units: Sequence[FreezeUnit],
-    read_twice: Mapping[int, Mapping[str, Sequence[int]]],
-    own_read: Callable[[nn.Parameter, int], bool] | None = None,
+    read_twice: Mapping[int, Mapping[str, Sequence[int | None]]],
+    own_read: Callable[[nn.Parameter, Mapping[str, Sequence[int | None]]], bool] | None = None,
 ) -> None:
     """Pin the units holding a parameter :func:`check_first_graph` found read by ops of different kinds,
     unless ``own_read`` (:meth:`~lightning_pulse.core.forward_calls.ForwardCalls.own_reads`) finds every one
-    of those reads inside the parameter's own unit's forward: spectral norm's ``W / sigma`` with
-    ``sigma = u . (W v)``, weight standardisation's ``(w - mean(w)) / std(w)``, which freezing the unit stops
-    together."""
+    of those reads inside calls of the parameter's own unit's forward, each call reading it by every kind:
+    spectral norm's ``W / sigma`` with ``sigma = u . (W v)``, weight standardisation's
+    ``(w - mean(w)) / std(w)``, which freezing the unit stops together."""
     for unit in units:
         kinds: set[str] = set()
         for param in unit.params:
             reads = read_twice.get(id(param), {})
-            if own_read is None or not all(own_read(param, n) for numbers in reads.values() for n in numbers):
+            if reads and (own_read is None or not own_read(param, reads)):
                 kinds.update(reads)
         if kinds and not unit.pinned:
             unit.shared_with = [

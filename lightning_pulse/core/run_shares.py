@@ -4,7 +4,9 @@ Lightning reads a run's length (``estimated_stepping_batches``) as ``max_epochs`
 batches. A training DataLoader rebuilt each epoch (``reload_dataloaders_every_n_epochs``) at another length, a
 growing curriculum, moves that length at every epoch, and a share placed at fit start lands elsewhere than
 asked (the anneal of the last 20% of a 28-step run, read as 16 steps, never came). No later epoch's length is
-known ahead, so nothing can place them right: :class:`PlacedShares` says so, once, naming each one.
+known ahead, so nothing can place them right: :class:`PlacedShares` says so, once, naming each one. What is
+read again at each epoch (EnergyLogger's forecast) is named apart: it follows each epoch's length, but cannot
+see the epochs still to come.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class PlacedShares:
     Attributes:
         placed: what each callback placed (``"PulseCycle"``: ``"`warmup`=0.1, `anneal`=0.2"``).
         in_steps: the callbacks whose settings also take int optimizer steps (a way out the warning names).
+        rereads: the callbacks that read the run's length again at each epoch's end (EnergyLogger's forecast):
+            not placed once, only blind to the later epochs' lengths.
         warned: whether this fit's warning was given.
     """
 
@@ -38,13 +42,17 @@ class PlacedShares:
     steps: float
     placed: dict[str, str] = field(default_factory=dict)
     in_steps: list[str] = field(default_factory=list)
+    rereads: list[str] = field(default_factory=list)
     warned: bool = False
 
-    def place(self, owner: str, what: str, in_steps: bool) -> None:
-        """Note that ``owner`` placed ``what`` on this length (``in_steps``: its settings take steps too)."""
+    def place(self, owner: str, what: str, in_steps: bool, rereads: bool = False) -> None:
+        """Note that ``owner`` placed ``what`` on this length (``in_steps``: its settings take steps too;
+        ``rereads``: it reads the run's length again at each epoch's end)."""
         self.placed[owner] = what
         if in_steps and owner not in self.in_steps:
             self.in_steps.append(owner)
+        if rereads and owner not in self.rereads:
+            self.rereads.append(owner)
 
     def moved(self, epoch: int, batches: float, steps: float) -> str | None:
         """The warning, once, when epoch ``epoch`` holds ``batches`` batches and the run's length read now is
@@ -53,18 +61,27 @@ class PlacedShares:
         if self.warned or not self.placed or batches == self.batches or steps == self.steps:
             return None
         self.warned = True
-        placed = ", ".join(f"{owner} ({what})" for owner, what in self.placed.items())
         in_steps = " and ".join(f"{owner}'s" for owner in self.in_steps)
         in_steps = f"; or give {in_steps} settings as int optimizer steps" if in_steps else ""
         read, now, held = _count(self.steps), _count(steps), _count(self.batches)
+        named = {o: f"{o} ({what})" for o, what in self.placed.items()}
+        once = [named[o] for o in named if o not in self.rereads]  # placed at fit start, never again
+        again = [named[o] for o in named if o in self.rereads]  # the length read anew each epoch: no end seen
+        placed = (
+            f" These were placed as shares of {read} steps and will not land where asked: {', '.join(once)}."
+        )
+        reread = (
+            " Read again at each epoch's end as `max_epochs` times that epoch's batches, so blind to the "
+            f"lengths of the epochs still to come: {', '.join(again)}."
+        )
+        said = (placed if once else "") + (reread if again else "")
         return (
             f"{', '.join(self.placed)}: the training DataLoader rebuilt for epoch {epoch} "
             f"(`reload_dataloaders_every_n_epochs`) holds {_count(batches)} batches, where the epoch the "
             f"run's length was read from held {held}: the run, read as {read} optimizer steps ({now} now), "
             "has no length known ahead when its epochs change length (Lightning counts `max_epochs` times "
-            f"the current epoch's batches). These were placed as shares of {read} steps and will not land "
-            f"where asked: {placed}. Set Trainer(max_steps=N) and leave `max_epochs` unset, so that the "
-            f"run's length is known{in_steps}."
+            f"the current epoch's batches).{said} Set Trainer(max_steps=N) and leave `max_epochs` "
+            f"unset, so that the run's length is known{in_steps}."
         )
 
 
