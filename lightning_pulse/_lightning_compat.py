@@ -756,6 +756,7 @@ def note_run_shares(
     owner: str,
     placed: dict[str, Any] | str,
     in_steps: bool = False,
+    in_duration: bool = False,
     rereads: bool = False,
 ) -> None:
     """At ``on_train_start``, where ``owner`` placed settings on the run's length (:func:`run_length`):
@@ -763,11 +764,11 @@ def note_run_shares(
 
     ``placed``: the settings by name (the shares among them are kept, as
     :func:`~lightning_pulse.core.run_shares.shares_named` names them; none: nothing to note), or what was
-    placed, in words. ``in_steps``: the settings also take int optimizer steps. ``rereads``: what was placed
-    is read again at each epoch's end (a forecast), so only the epochs still to come are unseen. Lightning
-    attaches a new training DataLoader for each fit and rebuilds none between the callbacks'
-    ``on_train_start``: a note with another DataLoader than the record's is another fit's, and starts a new
-    record."""
+    placed, in words. ``in_steps``, ``in_duration``: the settings also take int optimizer steps, a duration
+    (ways out the warning names). ``rereads``: what was placed is read again at each epoch's end (a forecast),
+    so only the epochs still to come are unseen. Lightning attaches a new training DataLoader for each fit and rebuilds none
+    between the callbacks' ``on_train_start``: a note with another DataLoader than the record's is another
+    fit's, and starts a new record."""
     if not (what := placed if isinstance(placed, str) else shares_named(**placed)):
         return
     if (loader := trainer.fit_loop._combined_loader) is None:  # a fit that trains nothing
@@ -776,7 +777,7 @@ def note_run_shares(
     if record is None or record.loader() is not loader:  # weakly: a rebuilt one's workers may end
         record = PlacedShares(weakref.ref(loader), trainer.num_training_batches, run_length(trainer)[0])
         setattr(trainer.fit_loop, _PLACED_SHARES_ATTR, record)
-    record.place(owner, what, in_steps, rereads)
+    record.place(owner, what, in_steps, in_duration, rereads)
 
 
 def check_run_shares(trainer: pl.Trainer) -> None:

@@ -195,16 +195,12 @@ class PhaseChange:
 
     def metrics(self) -> dict[str, float]:
         """What :class:`~lightning_pulse.PulseCycle` logs at this change: the steps and seconds of the phase
-        that ended, the new phase's :attr:`Phase.code` and the cycle. Empty at the start (no phase ended)."""
+        that ended. Empty at the start (no phase ended). Not the new phase's code or cycle: the row sits at
+        the step the change follows, the ended phase's last, where ``pulse/phase`` is the phase it trained."""
         if self.previous is None:
             return {}
         ended = self.previous.value
-        return {
-            f"pulse/{ended}_steps": float(self.ended_steps),
-            f"pulse/{ended}_seconds": self.ended_seconds,
-            "pulse/phase": self.current.code,
-            "pulse/cycle": self.cycle,
-        }
+        return {f"pulse/{ended}_steps": float(self.ended_steps), f"pulse/{ended}_seconds": self.ended_seconds}
 
     @property
     def place(self) -> str:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.callbacks import timer as lightning_timer
 from lightning.pytorch.loggers import CSVLogger
@@ -959,3 +960,78 @@ def test_light_mode_says_it_holds_light_past_a_deadline_out_of_reach_and_ends_wh
     assert summary["light_s"] > 0 and "dirty" in {d["reason"] for d in green.report["decisions"]}
     assert clock.time() == parse_timestamp(START) + 8 * 3600  # 2.0 h past it, as said
     assert summary["deadline_unmet"]["ends_late_s"] == 7200 and summary["deadline_unmet"]["ended_at"]
+
+
+class GrowingCurriculum(pl.LightningDataModule):
+    """A training DataLoader rebuilt each epoch (``reload_dataloaders_every_n_epochs=1``) of 4 batches of 16,
+    then ``grow`` batches more each epoch."""
+
+    def __init__(self, grow: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = (
+            torch.randn(160, 16, generator=generator),
+            torch.randint(0, 4, (160,), generator=generator),
+        )
+        self.grow = grow
+
+    def train_dataloader(self):
+        count = 16 * (4 + self.grow * self.trainer.current_epoch)
+        data = torch.utils.data.TensorDataset(self.x[:count], self.y[:count])
+        return torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
+
+
+class Linear16(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(16, 4)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize(
+    ("grow", "settings", "bound", "warned"),
+    [
+        (2, {"max_delay": 1.0}, {"max_epochs": 4}, True),
+        (0, {"max_delay": 1.0}, {"max_epochs": 4}, False),
+        (2, {"max_delay": "3h"}, {"max_epochs": 4}, False),
+        (2, {"max_delay": 1.0, "expected_duration": "5h"}, {"max_epochs": 4}, False),
+        (2, {"max_delay": 1.0}, {"max_steps": 28}, False),
+    ],
+    ids=["growing-share", "reshuffled", "growing-duration", "share-of-expected-duration", "bounded-by-steps"],
+)
+def test_a_max_delay_share_placed_on_a_run_whose_reloaded_epochs_change_length_is_warned(
+    grow, settings, bound, warned, tmp_path
+):
+    # a sweep: the budget, a share of the run's compute, is fixed at the first decision from Lightning's
+    # estimate (4 epochs x the first epoch's 4 batches: 16 steps); the run took 28 and got 0.57 of what was
+    # asked, unsaid. No later epoch's length is known ahead: the warning names it and the ways out
+    clock = SimulatedClock(START)
+    options = GreenWindowOptions(watts=250.0, report_dir=str(tmp_path))
+    green = GreenWindow(signal=DE_JUNE, when_dirty="pause", clock=clock, options=options, **settings)
+    trainer = pl.Trainer(
+        callbacks=[SimulatedStepTime(clock, STEP_S), green],
+        **bound,
+        reload_dataloaders_every_n_epochs=1,
+        limit_val_batches=0,
+        **trainer_kwargs(default_root_dir=tmp_path),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Linear16(), datamodule=GrowingCurriculum(grow))
+    assert trainer.global_step == (28 if grow else 16)
+    said = [str(w.message) for w in caught if "`reload_dataloaders_every_n_epochs`" in str(w.message)]
+    if not warned:
+        assert said == []
+        if "max_steps" in bound:  # the way out: the share is placed on the run's real length
+            assert green.schedule.budget_s == pytest.approx(green.schedule.compute_s)
+        return
+    assert len(said) == 1, said
+    assert green.schedule.budget_s == pytest.approx(16 / 28 * green.schedule.compute_s)  # as the warning says
+    assert said[0].startswith("GreenWindow: the training DataLoader rebuilt for epoch 1 ")
+    assert "GreenWindow (`max_delay`=1.0)" in said[0] and "Set Trainer(max_steps=N)" in said[0]
+    assert "give GreenWindow's settings as a duration" in said[0]

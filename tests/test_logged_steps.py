@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pulse import EnergyLogger, GradientCache, HyperConnectionMonitor, PulseCycle
+from benchmarks.stability_guard import FaultInjector
+from lightning_pulse import (
+    EnergyLogger,
+    GradientCache,
+    HyperConnectionMonitor,
+    PulseCycle,
+    StabilityGuard,
+    phase_of,
+)
+from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
 from lightning_pulse.loggers import log_to_loggers
 from tests.conftest import RecordingLogger, trainer_kwargs
 
@@ -58,6 +70,71 @@ def test_energy_and_phase_metrics_line_up_with_the_training_loss(mnist1d_small, 
     assert set(library) <= loss_steps
     assert [step for step, _ in logger.logged("energy/epoch_kwh")] == [7]
     assert [step for step, _ in logger.logged("energy/final_kwh")] == [7]
+
+
+class LogsItsPhase(pl.LightningModule):
+    """Logs the phase and cycle it trains each batch in, from ``training_step``: Lightning writes them where
+    it writes that batch's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(16, 4)
+
+    def training_step(self, batch, batch_idx):
+        self.log("trained_in_phase", float(phase_of(self.trainer).code))
+        self.log("trained_in_cycle", float(pulse_cycle_of(self.trainer).cycle))
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_the_phase_row_at_a_step_is_the_phase_that_step_trained_in(every, tmp_path):
+    # a sweep: the gauge was read after the clock moved on, so each row carried the next batch's phase (every
+    # switch one step before the loss it belongs to; the fit's last step read a burst that never trained)
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(192, 16, generator=generator), torch.randint(0, 4, (192,), generator=generator)
+    )
+    logger = RecordingLogger()
+    cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0, anneal=0, maintain_eval="none")
+    trainer = pl.Trainer(
+        callbacks=[cycle],
+        **trainer_kwargs(logger=logger, max_steps=12, log_every_n_steps=every, default_root_dir=tmp_path),
+    )
+    trainer.fit(LogsItsPhase(), DataLoader(data, batch_size=16))
+    for gauge, trained in (("pulse/phase", "trained_in_phase"), ("pulse/cycle", "trained_in_cycle")):
+        expected = dict(logger.logged(trained))
+        # every row with the gauge (a change row gives the ended phase's steps and seconds only)
+        rows = {
+            step: value for step, metrics in logger.rows for key, value in metrics.items() if key == gauge
+        }
+        assert len(expected) == 12 // every
+        assert rows == expected, gauge
+    # the reference itself: two cycles of burst, replay, maintain, read at the logged steps
+    trained_in = [int(value) for _, value in logger.logged("trained_in_phase")]
+    assert trained_in == ([0, 0, 0, 1, 1, 2] * 2)[every - 1 :: every]
+
+
+def test_a_skipped_step_is_counted_in_the_row_of_the_loss_it_skipped(mnist1d_small, tmp_path):
+    # values, not only steps: the guard's row after a skipped step gives the count that step raised, where
+    # Lightning writes the NaN loss of the batch it skipped (not one step early or late)
+    model, data = mnist1d_small(arch="mlp")
+    logger = RecordingLogger()
+    guard = StabilityGuard()
+    trainer = pl.Trainer(
+        callbacks=[FaultInjector("nan", start=6), guard],
+        **trainer_kwargs(logger=logger, max_steps=10, log_every_n_steps=1, limit_val_batches=0),
+    )
+    trainer.fit(model, data)
+    assert [event["step"] for event in guard.events] == [6]
+    nan_losses = [step for step, loss in logger.logged("train_loss") if math.isnan(loss)]
+    skipped = logger.logged("stability/steps_skipped")
+    assert nan_losses == [6]
+    assert skipped[0] == (6, 1.0)  # the first row, at the skipped step; the fit's summary at the last
+    assert skipped[-1] == (9, 1.0)
 
 
 class TwoOptimizersHC(pl.LightningModule):

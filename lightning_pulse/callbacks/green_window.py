@@ -198,14 +198,18 @@ class GreenWindow(Callback):
         )
         if resumed is not None:
             rank_zero_info(resumed)
-        self._open = self.suspended = None
-        self._last_step = trainer.global_step
+        self._open, self.suspended, self._last_step = None, None, trainer.global_step
         if trainer.fast_dev_run:  # a smoke test: `_check` takes no decision, so its batches run
             rank_zero_info(FAST_DEV_RUN_LINE)
         if self.when_dirty == "light":
             self._waiting = pulse_cycle_of(trainer).held  # type: ignore[union-attr]
         self._check(trainer, pl_module)
         self._mark_kind(trainer)
+        compat.note_run_shares(trainer, "GreenWindow", self.schedule.shares, in_duration=True)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        compat.check_run_shares(trainer)  # a DataLoader rebuilt at another length moves a share's budget
 
     @override
     def on_train_batch_end(

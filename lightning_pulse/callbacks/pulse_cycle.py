@@ -283,9 +283,11 @@ class PulseCycle(Callback):
         if self.clock.uses_wall_clock and trainer.world_size > 1:
             # rank 0's clock decides, so every rank switches at the same step
             seconds = self._rank_zero_seconds(trainer, pl_module, seconds)
+        # read before the clock moves on: the row sits at the step just trained, and gives what it trained in
+        trained = {"pulse/phase": self.clock.phase.code, "pulse/cycle": self.clock.cycle}
         changes = self.clock.advance(steps, seconds, self._epoch_steps, self._total_steps)
         if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0 and trainer.loggers:
-            log_to_loggers(trainer, {"pulse/phase": self.clock.phase.code, "pulse/cycle": self.clock.cycle})
+            log_to_loggers(trainer, trained)
         for change in changes:
             self._announce(trainer, pl_module, change)
 

@@ -1021,6 +1021,12 @@ class GreenSchedule:
             return self.given_deadline
         return None if self.run_start is None else self.run_start + self.given_deadline.seconds
 
+    @property
+    def shares(self) -> dict[str, float]:
+        """``max_delay`` where it is a share placed on the run's length (Lightning's estimate when the budget
+        is fixed, at the first decision); none given as a duration, or as a share of ``expected_duration``."""
+        return {"max_delay": self.max_delay} if self.share and self.expected_work_s is None else {}
+
     def remaining_work_s(self, steps_left: float) -> float | None:
         """Compute still to do: measured seconds per step times the steps left, else the expected time
         minus what ran; ``None`` while neither is known."""

@@ -32,6 +32,7 @@ class PlacedShares:
     Attributes:
         placed: what each callback placed (``"PulseCycle"``: ``"`warmup`=0.1, `anneal`=0.2"``).
         in_steps: the callbacks whose settings also take int optimizer steps (a way out the warning names).
+        in_durations: the callbacks whose settings also take a duration (``"12h"``: another way out).
         rereads: the callbacks that read the run's length again at each epoch's end (EnergyLogger's forecast):
             not placed once, only blind to the later epochs' lengths.
         warned: whether this fit's warning was given.
@@ -42,15 +43,20 @@ class PlacedShares:
     steps: float
     placed: dict[str, str] = field(default_factory=dict)
     in_steps: list[str] = field(default_factory=list)
+    in_durations: list[str] = field(default_factory=list)
     rereads: list[str] = field(default_factory=list)
     warned: bool = False
 
-    def place(self, owner: str, what: str, in_steps: bool, rereads: bool = False) -> None:
+    def place(
+        self, owner: str, what: str, in_steps: bool, in_duration: bool = False, rereads: bool = False
+    ) -> None:
         """Note that ``owner`` placed ``what`` on this length (``in_steps``: its settings take steps too;
-        ``rereads``: it reads the run's length again at each epoch's end)."""
+        ``in_duration``: a duration; ``rereads``: it reads the run's length again at each epoch's end)."""
         self.placed[owner] = what
         if in_steps and owner not in self.in_steps:
             self.in_steps.append(owner)
+        if in_duration and owner not in self.in_durations:
+            self.in_durations.append(owner)
         if rereads and owner not in self.rereads:
             self.rereads.append(owner)
 
@@ -63,6 +69,8 @@ class PlacedShares:
         self.warned = True
         in_steps = " and ".join(f"{owner}'s" for owner in self.in_steps)
         in_steps = f"; or give {in_steps} settings as int optimizer steps" if in_steps else ""
+        in_durations = " and ".join(f"{owner}'s" for owner in self.in_durations)
+        in_steps += f'; or give {in_durations} settings as a duration ("12h")' if in_durations else ""
         read, now, held = _count(self.steps), _count(steps), _count(self.batches)
         named = {o: f"{o} ({what})" for o, what in self.placed.items()}
         once = [named[o] for o in named if o not in self.rereads]  # placed at fit start, never again
