@@ -265,6 +265,13 @@ def reduce_held(strategy: Any, tensor: torch.Tensor, reduce_op: str, hold: Colle
     return reduced
 
 
+def rank_zero_number(trainer: pl.Trainer, device: torch.device, value: float, hold: CollectiveHold) -> float:
+    """Rank 0's ``value`` on every rank: a sum all-reduce of a tensor kept in ``hold`` until the backend lets go
+    of it, not an object broadcast whose tensors nobody here can keep."""
+    mine = torch.tensor([value if trainer.global_rank == 0 else 0.0], dtype=torch.float64)
+    return float(reduce_held(trainer.strategy, mine.to(device), "sum", hold)[0])
+
+
 def all_gather_held(strategy: Any, tensor: torch.Tensor, hold: CollectiveHold) -> torch.Tensor:
     """``tensor`` from every rank, stacked to ``(world_size, *tensor.shape)``, keeping the input and every
     output buffer in ``hold``. Lightning's ``strategy.all_gather`` goes through the autograd all-gather, whose

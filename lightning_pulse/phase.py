@@ -318,6 +318,7 @@ class PhaseClock:
         self.history: list[PhaseChange] = []
         self.held = False  # see `hold`
         self.span: int | None = None  # see `pin_span`
+        self.rows = PhaseRows()  # which steps log the phase, and what: PulseCycle's rows
         self.steps_by_phase = {phase.value: 0 for phase in Phase}
         self.seconds_by_phase = {phase.value: 0.0 for phase in Phase}
         # the current segment (one stay in one phase), which warm-up's hand-over to a burst does not end
@@ -755,6 +756,31 @@ class StepTimer:
         seconds = now - (self._tick if self._tick is not None else now)
         self._tick = now
         return steps, seconds
+
+
+class PhaseRows:
+    """Which steps get a ``pulse/phase`` and ``pulse/cycle`` row, and what it says: the phase and cycle the step
+    trained in, read at its start (:meth:`step_starts`), since a scheduler holding light at its batch end
+    (:meth:`PhaseClock.hold`, GreenWindow) can move the clock before PulseCycle's batch end reads it.
+
+    A row at every ``log_every_n_steps``-th step, as Lightning logs, and at every switch whatever that cadence:
+    the first step of a phase and the last one of a phase the clock ended, so that a phase shorter than the
+    cadence still shows, at its true steps.
+    """
+
+    def __init__(self) -> None:
+        self.trained: dict[str, float] = {}  # this step's phase code and cycle
+        self._previous: dict[str, float] | None = None  # the last step's (None: the fit's first step)
+
+    def step_starts(self, clock: PhaseClock) -> None:
+        self.trained = {"pulse/phase": clock.phase.code, "pulse/cycle": clock.cycle}
+
+    def after_step(self, step: int, every_n_steps: int, ended: bool) -> dict[str, float] | None:
+        """The row of the step that just ended, or ``None``: ``step`` is Lightning's ``global_step`` after it,
+        ``ended`` whether the clock ended a phase with it."""
+        first = self.trained != self._previous
+        self._previous = self.trained
+        return self.trained if first or ended or step % max(every_n_steps, 1) == 0 else None
 
 
 #: what PulseCycle's ``maintain_eval`` accepts

@@ -73,27 +73,49 @@ def test_energy_and_phase_metrics_line_up_with_the_training_loss(mnist1d_small, 
 
 
 class LogsItsPhase(pl.LightningModule):
-    """Logs the phase and cycle it trains each batch in, from ``training_step``: Lightning writes them where
-    it writes that batch's loss."""
+    """Keeps the phase and cycle each step trained in, whatever the logging cadence."""
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.net = torch.nn.Linear(16, 4)
+        self.trained_in: list[tuple[float, float]] = []  # (phase code, cycle) by step
 
     def training_step(self, batch, batch_idx):
-        self.log("trained_in_phase", float(phase_of(self.trainer).code))
-        self.log("trained_in_cycle", float(pulse_cycle_of(self.trainer).cycle))
+        cycle = pulse_cycle_of(self.trainer)
+        self.trained_in.append((float(phase_of(self.trainer).code), float(cycle.cycle)))
         return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-@pytest.mark.parametrize("every", [1, 2])
-def test_the_phase_row_at_a_step_is_the_phase_that_step_trained_in(every, tmp_path):
-    # a sweep: the gauge was read after the clock moved on, so each row carried the next batch's phase (every
-    # switch one step before the loss it belongs to; the fit's last step read a burst that never trained)
+class HoldsLightAfter(Callback):
+    """A scheduler listed before PulseCycle that holds light at a step's batch end, as GreenWindow does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step + 1:  # after that step trained
+            pulse_cycle_of(trainer).hold_light(trainer, pl_module, True)
+
+
+def phase_rows(logger: RecordingLogger) -> dict[int, tuple[float, float]]:
+    phases, cycles = dict(logger.logged("pulse/phase")), dict(logger.logged("pulse/cycle"))
+    assert phases.keys() == cycles.keys()
+    return {step: (phases[step], cycles[step]) for step in phases}
+
+
+def switch_steps(trained_in: list[tuple[float, float]]) -> set[int]:
+    """The first and last step of every phase."""
+    edges = {0, len(trained_in) - 1}
+    for step in range(1, len(trained_in)):
+        if trained_in[step] != trained_in[step - 1]:
+            edges |= {step - 1, step}
+    return edges
+
+
+def fit_logging_phases(every: int, tmp_path, callbacks=(), steps: int = 12) -> tuple[LogsItsPhase, dict]:
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
         torch.randn(192, 16, generator=generator), torch.randint(0, 4, (192,), generator=generator)
@@ -101,21 +123,33 @@ def test_the_phase_row_at_a_step_is_the_phase_that_step_trained_in(every, tmp_pa
     logger = RecordingLogger()
     cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0, anneal=0, maintain_eval="none")
     trainer = pl.Trainer(
-        callbacks=[cycle],
-        **trainer_kwargs(logger=logger, max_steps=12, log_every_n_steps=every, default_root_dir=tmp_path),
+        callbacks=[*callbacks, cycle],
+        **trainer_kwargs(logger=logger, max_steps=steps, log_every_n_steps=every, default_root_dir=tmp_path),
     )
-    trainer.fit(LogsItsPhase(), DataLoader(data, batch_size=16))
-    for gauge, trained in (("pulse/phase", "trained_in_phase"), ("pulse/cycle", "trained_in_cycle")):
-        expected = dict(logger.logged(trained))
-        # every row with the gauge (a change row gives the ended phase's steps and seconds only)
-        rows = {
-            step: value for step, metrics in logger.rows for key, value in metrics.items() if key == gauge
-        }
-        assert len(expected) == 12 // every
-        assert rows == expected, gauge
-    # the reference itself: two cycles of burst, replay, maintain, read at the logged steps
-    trained_in = [int(value) for _, value in logger.logged("trained_in_phase")]
-    assert trained_in == ([0, 0, 0, 1, 1, 2] * 2)[every - 1 :: every]
+    model = LogsItsPhase()
+    trainer.fit(model, DataLoader(data, batch_size=16))
+    return model, phase_rows(logger)
+
+
+@pytest.mark.parametrize("every", [1, 2, 5])
+def test_the_phase_row_at_a_step_is_the_phase_that_step_trained_in(every, tmp_path):
+    # a sweep: the gauge was read after the clock moved on, so each row carried the next batch's phase (every
+    # switch one step before the loss it belongs to; the fit's last step read a burst that never trained); a
+    # review: a cadence longer than a phase left that phase out of the series (a 1-step maintain under 5)
+    model, rows = fit_logging_phases(every, tmp_path)
+    trained_in = model.trained_in
+    assert [phase for phase, _ in trained_in] == [0, 0, 0, 1, 1, 2] * 2  # the reference itself
+    assert all(rows[step] == trained_in[step] for step in rows)
+    cadence = {step for step in range(12) if (step + 1) % every == 0}  # Lightning's: global_step % n
+    assert set(rows) == cadence | switch_steps(trained_in)
+
+
+def test_a_hold_from_a_scheduler_listed_first_does_not_relabel_the_step_it_follows(tmp_path):
+    # a review: holding light at step 1's batch end, before PulseCycle's batch end read the clock, logged
+    # that burst step as replay
+    model, rows = fit_logging_phases(1, tmp_path, callbacks=[HoldsLightAfter(step=1)], steps=6)
+    assert [phase for phase, _ in model.trained_in][:3] == [0, 0, 1]
+    assert rows == dict(enumerate(model.trained_in))
 
 
 def test_a_skipped_step_is_counted_in_the_row_of_the_loss_it_skipped(mnist1d_small, tmp_path):

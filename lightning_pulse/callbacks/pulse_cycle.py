@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -272,6 +271,12 @@ class PulseCycle(Callback):
             rank_zero_info(f"PulseCycle: {message}")
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int
+    ) -> None:
+        self.clock.rows.step_starts(self.clock)  # what the step trains in, for its row
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -282,12 +287,11 @@ class PulseCycle(Callback):
         steps, seconds = lap
         if self.clock.uses_wall_clock and trainer.world_size > 1:
             # rank 0's clock decides, so every rank switches at the same step
-            seconds = self._rank_zero_seconds(trainer, pl_module, seconds)
-        # read before the clock moves on: the row sits at the step just trained, and gives what it trained in
-        trained = {"pulse/phase": self.clock.phase.code, "pulse/cycle": self.clock.cycle}
+            seconds = compat.rank_zero_number(trainer, pl_module.device, seconds, self._held)
         changes = self.clock.advance(steps, seconds, self._epoch_steps, self._total_steps)
-        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0 and trainer.loggers:
-            log_to_loggers(trainer, trained)
+        row = self.clock.rows.after_step(trainer.global_step, trainer.log_every_n_steps, bool(changes))
+        if row is not None:  # the phase and cycle the step trained in, read at its start
+            log_to_loggers(trainer, row)
         for change in changes:
             self._announce(trainer, pl_module, change)
 
@@ -319,12 +323,6 @@ class PulseCycle(Callback):
         PROBE_COLLECTIVES.wait()
 
     # ------------------------------------------------------------------ internals
-    def _rank_zero_seconds(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seconds: float) -> float:
-        """Rank 0's seconds on every rank: a sum all-reduce of a tensor this callback owns (kept until the
-        backend lets go of it), not an object broadcast whose tensors nobody here can keep."""
-        mine = torch.tensor([seconds if trainer.global_rank == 0 else 0.0], dtype=torch.float64)
-        return float(compat.reduce_held(trainer.strategy, mine.to(pl_module.device), "sum", self._held)[0])
-
     def _announce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange) -> None:
         log_to_loggers(trainer, change.metrics())  # nothing at the start of training: no phase ended
         for callback in listeners(trainer, PhaseStartListener, exclude=self):  # before the probe: its time
