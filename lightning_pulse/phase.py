@@ -733,6 +733,7 @@ class StepTimer:
         self.time_source = time_source or time.monotonic
         self._step = 0
         self._tick: float | None = None
+        self._paused_at: float | None = None
 
     def start(self, step: int) -> None:
         """Count from optimizer step ``step`` (the run's, which a resume does not start at 0) and now.
@@ -740,7 +741,7 @@ class StepTimer:
         Raises:
             ValueError: when the time source returns something other than a number of seconds.
         """
-        self._step = step
+        self._step, self._paused_at = step, None
         self._tick = self.time_source()
         if isinstance(self._tick, bool) or not isinstance(self._tick, (int, float)):
             raise ValueError(f"`time_source` returned {self._tick!r}; it must return seconds as a number.")
@@ -756,6 +757,19 @@ class StepTimer:
         seconds = now - (self._tick if self._tick is not None else now)
         self._tick = now
         return steps, seconds
+
+    def pause(self, paused: bool) -> None:
+        """Leave the time from ``pause(True)`` to ``pause(False)`` out of the next lap: no step ran in it (a
+        GreenWindow pause), so no phase counted in time may spend it. Before :meth:`start` it does nothing
+        (start reads the time afresh)."""
+        if self._tick is None:
+            return
+        now = self.time_source()
+        if paused:
+            self._paused_at = now
+        elif self._paused_at is not None:
+            self._tick += max(now - self._paused_at, 0.0)
+            self._paused_at = None
 
 
 class PhaseRows:

@@ -8,6 +8,7 @@ every contract is looked up the same way, in ``trainer.callbacks`` order.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from lightning_pulse.core.snapshots import RollbackState
@@ -105,6 +106,17 @@ class StepUndoer(Protocol):
     def undoes_step(self, step: int, forced_skips: bool = True) -> bool: ...
 
 
+@runtime_checkable
+class PauseListener(Protocol):
+    """Told when a callback stops training for a while between two steps (a
+    :class:`~lightning_pulse.GreenWindow` pause): ``paused=True`` before it, ``False`` after it
+    (:func:`pausing`). No step runs in between, so what is counted in training time leaves it out, each on
+    its own clock: :class:`~lightning_pulse.PulseCycle`'s phases in seconds (a 15 min burst after a 4 h pause
+    had ended after one step)."""
+
+    def on_pulse_pause(self, trainer: pl.Trainer, paused: bool) -> None: ...
+
+
 _Contract = TypeVar("_Contract")
 
 
@@ -163,3 +175,17 @@ def step_undone(trainer: pl.Trainer, step: int, forced_skips: bool = True) -> bo
     counter at ``step`` (``forced_skips``: also a skip after a rollback). DDP ranks get the same answer where
     the undoers decide alike (StabilityGuard: on all-reduced numbers)."""
     return any(undoer.undoes_step(step, forced_skips) for undoer in listeners(trainer, StepUndoer))
+
+
+@contextmanager
+def pausing(trainer: pl.Trainer, exclude: object = None) -> Iterator[None]:
+    """Tell every :class:`PauseListener` of ``trainer`` that a pause starts, and that it ended (also when it
+    ends in an exception, such as a KeyboardInterrupt while sleeping)."""
+    told = list(listeners(trainer, PauseListener, exclude=exclude))
+    for listener in told:
+        listener.on_pulse_pause(trainer, True)
+    try:
+        yield
+    finally:
+        for listener in told:
+            listener.on_pulse_pause(trainer, False)

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.callbacks import timer as lightning_timer
 from lightning.pytorch.loggers import CSVLogger
@@ -203,6 +204,51 @@ def test_a_pause_inside_an_epoch_is_not_booked_as_training_by_the_energy_logger(
     assert summary["mean_signal_run"] <= series.values.max()
 
 
+@pytest.mark.parametrize("pulse_first", [True, False])  # PulseCycle's batch end before the pause, or after it
+def test_a_pause_is_no_time_in_pulse_cycle_phases_counted_in_seconds(mnist1d_small, tmp_path, pulse_first):
+    # held-out sweep: with PulseCycle(burst="15min", ...) the burst after a 4 h pause trained 1 step instead
+    # of 15: PulseCycle's step timer put the pause into the next step's seconds
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock(START)
+    pulse = PulseCycle(
+        burst="30min",
+        replay="20min",
+        maintain="10min",
+        warmup=0,
+        anneal=0,
+        maintain_eval="none",
+        time_source=clock,
+    )
+    # as above: an hour of steps, then a pause of the whole 3 h budget, then the other 3 h of steps
+    green = GreenWindow(
+        signal=DE_JUNE,
+        when_dirty="pause",
+        threshold=255.0,
+        max_delay="3h",
+        expected_duration="4h",
+        clock=clock,
+        options={"watts": 100.0, "report_dir": str(tmp_path)},
+    )
+    phases = []
+    pulse.add_listener(
+        lambda trainer, module, change: phases.append((trainer.global_step, change.current.value))
+    )
+    trainer = fit(
+        [pulse, green] if pulse_first else [green, pulse], clock, steps=24, default_root_dir=tmp_path
+    )
+    trainer.fit(model, data)
+
+    assert green.report["summary"]["waited_s"] == pytest.approx(3 * 3600)
+    assert [s["kind"] for s in green.report["segments"]] == ["run", "wait", "run"]
+    # every phase as long as the cycle says, the burst after the pause too: 3, 2 and 1 ten-minute steps
+    expected = [(6 * c + offset, phase) for c in range(4) for offset, phase in ((0, "burst"), (3, "replay"))]
+    expected += [(6 * c + 5, "maintain") for c in range(4)]
+    assert sorted(p for p in phases if p[0] < 24) == sorted(expected)
+    assert pulse.clock.seconds_by_phase == pytest.approx(
+        {"burst": 12 * STEP_S, "replay": 8 * STEP_S, "maintain": 4 * STEP_S}
+    )
+
+
 def test_suspend_saves_stops_and_the_resumed_run_finishes_with_its_budget(mnist1d_small, tmp_path, capsys):
     model, data = mnist1d_small(arch="mlp")
     clock = SimulatedClock("2020-06-15 06:00:00")
@@ -384,6 +430,75 @@ def test_a_live_signal_is_read_at_every_decision_and_forecast_from_its_readings_
     assert green.report["summary"]["waited_s"] <= 6 * 3600
     # a day of readings at most: the seasonal forecast had no earlier day, so it held the last reading
     assert all(d["forecast_now"] == d["signal"] for d in green.report["decisions"])
+
+
+@pytest.mark.parametrize("signal", [None, lambda: (0.0, 100.0)], ids=["energy-logger-series", "live"])
+def test_a_signal_start_without_a_series_of_its_own_is_refused_at_construction(signal, tmp_path, capsys):
+    # held-out sweep: next to no `signal` (the EnergyLogger's series, read from the EnergyLogger's start) or
+    # a callable, `options.signal_start` was accepted and did nothing, even a value outside the data: the run
+    # read its own dates, and the report said `series_start: None`
+    with pytest.raises(ValueError) as raised:
+        GreenWindow(signal=signal, when_dirty="pause", options={"signal_start": "2023-01-01 00:00:00"})
+    first = str(raised.value).splitlines()[0]
+    assert first.startswith("GreenWindow: `options.signal_start`='2023-01-01 00:00:00' says where a series")
+    way_out = "`accounting.carbon_intensity_start`" if signal is None else "a live signal's readings carry"
+    assert way_out in first and "leave signal_start out" in first.lower()
+    if signal is not None:
+        return
+    # the same in LightningCLI YAML: exit code 2 before anything trains
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples/mnist1d/pulse.yaml").read_text())
+    energy = {"class_path": "lightning_pulse.EnergyLogger", "init_args": {"carbon_intensity": DE_JUNE}}
+    green = {
+        "class_path": "lightning_pulse.GreenWindow",
+        "init_args": {"when_dirty": "pause", "options": {"signal_start": "2020-06-19 00:00:00"}},
+    }
+    config["trainer"].update(callbacks=[energy, green], default_root_dir=str(tmp_path))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(tmp_path / "run.yaml")])
+    assert exit_info.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[0]
+    assert "GreenWindow: `options.signal_start`='2020-06-19 00:00:00' says where a series" in line, line
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("*report*"))
+
+
+class TickingClock(SimulatedClock):
+    """A simulated clock that moves a microsecond at every reading, as the system clock does between two."""
+
+    def time(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    __call__ = time
+
+
+def test_a_live_reading_stamped_after_the_decision_read_the_clock_is_the_one_it_decides_on(
+    mnist1d_small, tmp_path
+):
+    # a sweep on the system clock: the callable's own time() is a few µs after the decision's `now`, and the
+    # decision read the history at `now`, the reading before: every decision acted a slot late, and a run the
+    # signal had turned clean for waited one more slot on the old dirty value
+    model, data = mnist1d_small(arch="mlp")
+    clock = TickingClock(START)
+    readings: list[float] = []
+
+    def live() -> tuple[float, float]:
+        readings.append(300.0 if not readings else 50.0)  # dirty at the start, clean from the second reading
+        return clock.time(), readings[-1]
+
+    green = GreenWindow(
+        signal=live,
+        when_dirty="pause",
+        threshold=100.0,
+        expected_duration="4h",
+        clock=clock,
+        options={"watts": 100.0, "report_dir": str(tmp_path)},
+    )
+    fit([green], clock, steps=24).fit(model, data)
+    decisions = green.report["decisions"]
+    assert [d["signal"] for d in decisions] == readings[: len(decisions)] and len(decisions) >= 3
+    assert [d["run"] for d in decisions[:3]] == [False, True, True]
+    assert green.report["summary"]["waited_s"] == pytest.approx(3600.0, abs=1e-3)
 
 
 def test_wait_for_window_prints_for_schedulers_and_fails_in_one_line(tmp_path, capsys):
@@ -769,7 +884,7 @@ def test_a_signal_held_past_its_series_end_never_makes_the_run_wait(mnist1d_smal
     # the June excerpt ends 2020-06-22: from there its last value (339.435) holds, flat, and a wait can gain
     # nothing; the run waited on the forecast ("signal 339.4, clean below 339.4 (dirty)")
     green, clock, said, _ = _paused_run(mnist1d_small(arch="mlp"), tmp_path, start)
-    assert any("its last value (339.435) is held" in line for line in said)
+    assert any("its last value (339.435 gCO2eq/kWh) is held" in line for line in said)
     summary = green.report["summary"]
     assert summary["waited_s"] == 0 and clock.time() == parse_timestamp(start) + 48 * STEP_S
     reasons = {decision["reason"] for decision in green.schedule.decisions}

@@ -305,13 +305,58 @@ def test_the_mean_signal_as_run_is_the_compute_segments_own_and_the_idle_draw_ha
         {"summary": summary, "status": "complete", "when_dirty": "pause", "rule": "adaptive", "level": None}
         | {"forecast": "seasonal", "energy_source": "EnergyLogger"}
     )
-    assert "| mean signal, as run (compute) | 100 |" in markdown
+    assert "| mean signal (gCO2eq/kWh), as run (compute) | 100 |" in markdown
     assert "| energy while paused (kWh) | 1 |" in markdown and "| CO2 while paused (kg) | 0.4 |" in markdown
     assert "(0.4 kg CO2 idle draw, counted in the saving)" in saving_line(summary, summary["unit"])
     priced = ScheduleLedger(series.mean, unit="EUR/MWh")
     priced.add("wait", 0.0, H, 1.0)
     priced.add("run", H, 2 * H, 1.0)
     assert priced.summary()["wait_kg"] is None and priced.summary()["wait_cost"] == pytest.approx(100.0)
+
+
+def _markdown_of(summary) -> str:
+    return report_markdown(
+        {"summary": summary, "status": "complete", "when_dirty": "pause", "rule": "adaptive", "level": None}
+        | {"forecast": "seasonal", "energy_source": "options.watts"}
+    )
+
+
+def test_the_report_gives_the_signals_unit_money_for_a_price_and_a_loss_as_more():
+    # held-out sweep: the mean-signal rows had no unit (the JSON said "unit": "signal"), a price run showed
+    # "saving (kg CO2) | None" and no saving in money, and a tiny loss read "-0.0% less CO2 (-5.836e-05 kg)"
+    from lightning_pulse.core.green_report import saving_line
+
+    series = hourly([100.0, 400.0, 100.0, 100.0])
+    priced = ScheduleLedger(series.mean, unit="EUR/MWh")
+    priced.add("run", 0.0, H, 1.0)
+    priced.add("wait", H, 2 * H, 0.5)  # 0.5 kWh idle at 400 EUR/MWh: 0.2 EUR
+    priced.add("run", 2 * H, 3 * H, 1.0)
+    summary = priced.summary(0.0)
+    markdown = _markdown_of(summary)
+    assert "None" not in markdown and "kg" not in markdown
+    assert "| mean signal (EUR/MWh), as run (compute) | 100 |" in markdown
+    assert "| mean signal (EUR/MWh), carbon-agnostic | 250 |" in markdown
+    assert "| cost while paused (EUR) | 0.2 |" in markdown
+    # 2 kWh at 100 + the idle 0.2 EUR, against 2 kWh at 250: 0.5 - 0.4 = 0.1 EUR saved
+    assert "| saving (EUR) | 0.1 |" in markdown
+    assert saving_line(summary, "EUR/MWh").startswith("20.0% less cost (0.1 EUR) than")
+    per_kwh = ScheduleLedger(series.mean, unit="USD/kWh")
+    per_kwh.add("run", 2 * H, 3 * H, 1.0)  # 1 kWh at 100 against 400 from the start at H
+    assert "| saving (USD) | 300 |" in _markdown_of(per_kwh.summary(H))
+    odd = ScheduleLedger(series.mean, unit="points")  # per no energy it names: kWh x the unit, as given
+    odd.add("run", 2 * H, 3 * H, 1.0)
+    assert "| saving (kWh x points) | 300 |" in _markdown_of(odd.summary(H))
+
+    carbon = ScheduleLedger(series.mean)
+    carbon.add("run", 0.0, H, None)  # no energy figures: no kg, and no row saying None
+    markdown = _markdown_of(carbon.summary(0.0))
+    assert "None" not in markdown and "| mean signal (gCO2eq/kWh), as run (compute) | 100 |" in markdown
+    tiny = {"saving_pct": -0.018, "saving_kg": -5.836e-05, "waited_s": 7200.0, "light_s": 0.0}
+    assert saving_line(tiny, "gCO2eq/kWh").startswith("0.0% more CO2 (5.836e-05 kg) than")
+    assert saving_line({**tiny, "saving_pct": -19.2}, "gCO2eq/kWh").startswith("19.2% more CO2")
+    # the JSON's signal block says the unit too (it said "signal")
+    assert series_signal([(0.0, 1.0), (H, 2.0)], unit="EUR/MWh").describe()["unit"] == "EUR/MWh"
+    assert GreenSignal(lambda: (0.0, 1.0), unit="EUR/MWh").describe()["unit"] == "EUR/MWh"
 
 
 def test_without_energy_time_stands_in_and_kilograms_are_unknown():

@@ -210,6 +210,20 @@ def test_step_timer_reads_the_steps_and_seconds_since_its_last_reading():
     assert timer.lap(7) == (1, 7.5)
 
 
+def test_step_timer_leaves_a_pause_out_of_the_next_lap():
+    # a GreenWindow pause between two steps (PauseListener): no step trains in it
+    readings = iter([100.0, 110.0, 111.0, 4 * 3600.0 + 111.0, 4 * 3600.0 + 112.0, 4 * 3600.0 + 200.0])
+    timer = StepTimer(lambda: next(readings))
+    timer.pause(True)  # before start (a pause at train start, PulseCycle listed later): nothing to leave out
+    timer.pause(False)
+    timer.start(0)  # 100
+    assert timer.lap(1) == (1, 10.0)  # 110
+    timer.pause(True)  # 111
+    timer.pause(False)  # 4 h later
+    assert timer.lap(2) == (1, 2.0)  # 1 s before the pause and 1 s after it, not 4 h
+    assert timer.lap(3) == (1, 88.0)
+
+
 def test_step_timer_refuses_a_time_source_that_is_not_callable_or_returns_no_number():
     with pytest.raises(ValueError, match=r"^`time_source`=5 must be a callable returning seconds"):
         StepTimer(5)  # type: ignore[arg-type]

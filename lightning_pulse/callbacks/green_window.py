@@ -35,6 +35,7 @@ from lightning_pulse.core.green_window import (
 )
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, refuse_unwritable_dir, refusing
 from lightning_pulse.loggers import log_to_loggers
+from lightning_pulse.protocols import pausing
 
 SUSPEND_CHECKPOINT = "last-green-window.ckpt"
 SYNC_EVERY_N_STEPS = 10  # under DDP, rank 0's clock is consulted (and its decision shared) this often
@@ -85,13 +86,13 @@ class GreenWindow(Callback):
         options: :class:`GreenWindowOptions`.
 
     Raises:
-        ValueError: at construction, naming the field, for a bad mode, threshold, duration, deadline,
-            forecast (an oracle reads the future and is refused) or signal file. At fit start
-            (:class:`~lightning_pulse.PulseRefusal`): ``"light"`` without a PulseCycle with light phases or
-            next to ``HardSampleReplay(mode="steps")`` (it plans its batches on the phase sequence),
-            ``"suspend"`` without a ModelCheckpoint, no signal and no EnergyLogger series, a new run's
-            ``deadline`` already past (a resumed run's warns and runs on), a second fit of this instance
-            (create one per fit; a checkpoint restored into it resumes).
+        ValueError: at construction, naming the field, for a bad mode, threshold, duration, deadline, forecast
+            (an oracle reads the future and is refused), signal file, or ``options.signal_start`` without a
+            series ``signal``. At fit start (:class:`~lightning_pulse.PulseRefusal`): ``"light"`` without a
+            PulseCycle with light phases or next to ``HardSampleReplay(mode="steps")`` (it plans its batches
+            on the phase sequence), ``"suspend"`` without a ModelCheckpoint, no signal and no EnergyLogger
+            series, a new run's ``deadline`` already past (a resumed run's warns and runs on), a second fit of
+            this instance (create one per fit; a checkpoint restored into it resumes).
 
     Example::
 
@@ -304,10 +305,9 @@ class GreenWindow(Callback):
         if decision.run:
             return False
         if self.when_dirty == "pause":  # an EnergyLogger books the pause to no training stage
-            account = None if self._energy is None else self._energy.account
-            stopped = pause_slot(
-                self.run_clock, self.segment, decision.wait_s, lambda: trainer.received_sigterm, account
-            )
+            sigterm, account = (lambda: trainer.received_sigterm), getattr(self._energy, "account", None)
+            with pausing(trainer, exclude=self):  # nor PulseCycle to its phases in seconds (PauseListener)
+                stopped = pause_slot(self.run_clock, self.segment, decision.wait_s, sigterm, account)
             if stopped is not None:  # Lightning stops the fit at this batch's end, as without GreenWindow
                 rank_zero_info(stopped)
             self._next_check = -math.inf if stopped is None else self._next_check
@@ -339,8 +339,7 @@ class GreenWindow(Callback):
 
     # ------------------------------------------------------------------ report
     def _write_report(self, folder: Path | None, status: str) -> None:
-        source = energy_source(self._energy is not None, self.options.watts)
-        signal = self.signal.describe()
+        source, signal = energy_source(self._energy is not None, self.options.watts), self.signal.describe()
         self.report = report_record(status, self.when_dirty, self.schedule, signal, source, self.suspended)
         # kept before the files are written (an interrupt there leaves it); folder None: fast_dev_run
         written, failure = write_report_safely(self.report, folder, self.signal, self.schedule, self.options)

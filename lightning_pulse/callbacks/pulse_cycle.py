@@ -159,8 +159,7 @@ class PulseCycle(Callback):
         self._held = compat.CollectiveHold()
         self.timer = StepTimer(time_source)  # the optimizer steps and seconds the clock advances by
         self._listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
-        # refreshed every epoch: both can change when a callback changes the epoch's length
-        self._total_steps = math.inf
+        self._total_steps = math.inf  # both refreshed every epoch: a callback can change the epoch's length
         self._epoch_steps: float | None = None
         self.probe = HeldOutProbe("PulseCycle", probe_batches, "the maintain probe is off")
         self.last_probe: dict[str, float] = {}
@@ -199,6 +198,9 @@ class PulseCycle(Callback):
         """
         for change in self.clock.hold(held):
             self._announce(trainer, pl_module, change)
+
+    def on_pulse_pause(self, trainer: pl.Trainer, paused: bool) -> None:  # a PauseListener: GreenWindow's
+        self.timer.pause(paused)  # no step trains in a pause: phases in seconds leave it out
 
     def fit_budget(
         self, fraction: float, light_phases: Sequence[str], plain_epoch_steps: float | None
@@ -285,8 +287,7 @@ class PulseCycle(Callback):
         if (lap := self.timer.lap(trainer.global_step)) is None:  # mid accumulation window, or a skipped step
             return
         steps, seconds = lap
-        if self.clock.uses_wall_clock and trainer.world_size > 1:
-            # rank 0's clock decides, so every rank switches at the same step
+        if self.clock.uses_wall_clock and trainer.world_size > 1:  # rank 0's clock: all switch at one step
             seconds = compat.rank_zero_number(trainer, pl_module.device, seconds, self._held)
         changes = self.clock.advance(steps, seconds, self._epoch_steps, self._total_steps)
         row = self.clock.rows.after_step(trainer.global_step, trainer.log_every_n_steps, bool(changes))
@@ -318,8 +319,7 @@ class PulseCycle(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # the rank may exit right after this: no collective's thread may be left holding our tensors
-        self._held.wait()
+        self._held.wait()  # the rank may exit right after this: no collective's thread may keep our tensors
         PROBE_COLLECTIVES.wait()
 
     # ------------------------------------------------------------------ internals

@@ -98,11 +98,29 @@ def write_report_safely(
         return None, f"GreenWindow: could not write the report to {folder} ({error})."
 
 
+def money(amount: float | None, unit: str) -> tuple[str, float | None]:
+    """A cost in kWh x ``unit`` (the signal a price per energy, such as ``EUR/MWh``) in money, with its name,
+    where the unit says per what energy (``EUR/MWh`` -> ``EUR``, divided by 1000); else kWh x the unit."""
+    currency, _, per = unit.partition("/")
+    scale = {"Wh": 1000.0, "kWh": 1.0, "MWh": 1e-3, "GWh": 1e-6}.get(per.strip())
+    if scale is None or not currency.strip():
+        return f"kWh x {unit}", amount
+    return currency.strip(), None if amount is None else amount * scale
+
+
 def saving_line(summary: dict[str, Any], unit: str) -> str:
-    """One line: the saving against the carbon-agnostic schedule, the time waited (and its idle draw's CO2)
-    and held light."""
-    what = "CO2" if unit.startswith("gCO2") else "cost"
-    kg = f" ({summary['saving_kg']:.4g} kg)" if summary.get("saving_kg") is not None else ""
+    """One line: the saving against the carbon-agnostic schedule (a loss says "more", its figures positive:
+    "-0.0% less CO2 (-5.8e-05 kg)" read as a saving), the time waited (and its idle draw's CO2) and held
+    light."""
+    carbon = unit.startswith("gCO2")
+    what = "CO2" if carbon else "cost"
+    pct = summary.get("saving_pct") or 0.0
+    sign = -1.0 if pct < 0 else 1.0
+    if carbon:
+        name, amount = "kg", summary.get("saving_kg")
+    else:
+        name, amount = money(summary.get("saving"), unit)
+    shown = f" ({sign * amount:.4g} {name})" if amount is not None else ""
     idle = (
         f" ({summary['wait_kg']:.4g} kg CO2 idle draw, counted in the saving)"
         if summary.get("wait_kg")
@@ -110,8 +128,8 @@ def saving_line(summary: dict[str, Any], unit: str) -> str:
     )
     waited, light = summary.get("waited_s", 0) / 3600, summary.get("light_s", 0) / 3600
     return (
-        f"{summary.get('saving_pct', 0.0):.1f}% less {what}{kg} than the carbon-agnostic schedule; waited "
-        f"{waited:.1f} h{idle}, held light {light:.1f} h."
+        f"{abs(pct):.1f}% {'more' if pct < 0 else 'less'} {what}{shown} than the carbon-agnostic schedule; "
+        f"waited {waited:.1f} h{idle}, held light {light:.1f} h."
     )
 
 
@@ -138,11 +156,16 @@ def unmet_text(unmet: dict[str, Any] | None, cleared: dict[str, Any] | None = No
 
 def report_markdown(report: dict[str, Any]) -> str:
     summary = report["summary"]
-    if str(summary.get("unit", "gCO2")).startswith("gCO2"):
+    unit = str(summary.get("unit", "gCO2eq/kWh"))
+    if unit.startswith("gCO2"):
         paused = ("CO2 while paused (kg)", summary.get("wait_kg"))
+        saving = ("saving (kg CO2)", summary.get("saving_kg"))
     else:
-        # the signal is a price per unit of energy: kWh times the signal, in the signal's own unit per kWh
-        paused = (f"cost while paused (kWh x {summary.get('unit', 'signal')})", summary.get("wait_cost"))
+        # the signal is a price per unit of energy: kWh times the signal, in money where its unit says per
+        # what energy
+        currency, cost = money(summary.get("wait_cost"), unit)
+        paused = (f"cost while paused ({currency})", cost)
+        saving = (f"saving ({currency})", money(summary.get("saving"), unit)[1])
     rows = [
         ("status", report["status"]),
         ("when dirty", report["when_dirty"]),
@@ -152,16 +175,17 @@ def report_markdown(report: dict[str, Any]) -> str:
         ("compute (h)", f"{summary.get('compute_s', 0) / 3600:.2f}"),
         ("waited (h)", f"{summary.get('waited_s', 0) / 3600:.2f}"),
         ("held light (h)", f"{summary.get('light_s', 0) / 3600:.2f}"),
-        ("mean signal, as run (compute)", summary.get("mean_signal_run")),
-        ("mean signal, carbon-agnostic", summary.get("mean_signal_counterfactual")),
+        (f"mean signal ({unit}), as run (compute)", summary.get("mean_signal_run")),
+        (f"mean signal ({unit}), carbon-agnostic", summary.get("mean_signal_counterfactual")),
         ("energy while paused (kWh)", summary.get("wait_kwh")),
         paused,
         ("saving (%)", summary.get("saving_pct")),
-        ("saving (kg CO2)", summary.get("saving_kg")),
+        saving,
         ("decisions", summary.get("decisions")),
         ("deadline (UTC)", summary.get("deadline") or "none"),
         ("deadline unmet", unmet_text(summary.get("deadline_unmet"), summary.get("deadline_cleared"))),
     ]
+    rows = [(name, value) for name, value in rows if value is not None]  # unknown figures (no energy): no row
     lines = ["# GreenWindow report", "", "| | |", "|---|---|"]
     lines += [
         f"| {name} | {value if not isinstance(value, float) else f'{value:.4g}'} |" for name, value in rows

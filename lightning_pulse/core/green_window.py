@@ -701,8 +701,10 @@ class GreenWindowOptions:
         watts: power assumed for the accounting when no EnergyLogger is attached (then kg are estimates);
             ``None``: savings in % and per kWh only.
         signal_start: read a series signal from this moment (UTC) as if the run started then, as
-            EnergyLogger's ``carbon_intensity_start``.
-        unit: the signal's unit; ``gCO2eq/kWh`` gives savings in kg too.
+            EnergyLogger's ``carbon_intensity_start``; refused next to no ``signal`` (the EnergyLogger's
+            series is read from its own start) and a callable (its readings carry their own times).
+        unit: the signal's unit; ``gCO2eq/kWh`` gives savings in kg too, a price per energy (``EUR/MWh``) in
+            money.
         report_dir: where the report goes; default the logger's log dir.
     """
 
@@ -1428,7 +1430,7 @@ def green_window_parts(
         policy = GreenWindowPolicy(
             checked_forecast, threshold, seconds_of(horizon, "horizon"), options.slot_s
         )
-        green_signal = GreenSignal(signal, options.signal_start)
+        green_signal = GreenSignal(signal, options.signal_start, options.unit)
         clock = clock or SystemClock()
         run_clock = RunClock(clock)
     except ValueError as error:

@@ -71,10 +71,12 @@ def series_signal(
     source: str | Path | Sequence[Any] | TimeSeries,
     field: str = "signal",
     series_start: float | str | None = None,
+    unit: str = "signal",
 ) -> Rate:
     """A :class:`Rate` over the series ``source`` names (CSV or JSON path, list of pairs, a TimeSeries), read
     from ``series_start`` (Unix seconds, or the user's ``options.signal_start`` text, quoted as given when
-    refused) when set."""
+    refused) when set; ``unit``: the signal's (GreenWindow's ``options.unit``), for its report and
+    warnings."""
     if isinstance(source, TimeSeries):
         series = source
     elif isinstance(source, (str, Path)):
@@ -96,7 +98,7 @@ def series_signal(
     refuse_start_outside_series(series, start, "options.signal_start", given)
     return Rate(
         f"series:{series.name}",
-        "signal",
+        unit,
         series=series,
         series_start=None if start is None else float(start),
         reader="GreenWindow",
@@ -111,8 +113,10 @@ class LiveSignal:
     A reading older than the last one is ignored; one at the same time replaces it.
     """
 
-    def __init__(self, read: Callable[[], tuple[float, float]], name: str = "live") -> None:
-        self.read, self.name = read, name
+    def __init__(
+        self, read: Callable[[], tuple[float, float]], name: str = "live", unit: str = "signal"
+    ) -> None:
+        self.read, self.name, self.unit = read, name, unit
         self.times: list[float] = []
         self.values: list[float] = []
         self._series: TimeSeries | None = None
@@ -157,6 +161,28 @@ class LiveSignal:
         self._series = None
 
 
+def refuse_start_without_own_series(source: SignalSource | None, series_start: float | str | None) -> None:
+    """``options.signal_start`` places the run in a series of GreenWindow's own: next to no ``signal`` (the
+    EnergyLogger's series, read from the EnergyLogger's start so that the two reports price the same hours) or
+    a live signal (its readings carry their own times) it would do nothing, and was silently ignored."""
+    if series_start is None or (source is not None and not callable(source)):
+        return
+    given = f"`options.signal_start`={series_start!r}"
+    if source is None:
+        raise ValueError(
+            f"{given} says where a series of GreenWindow's own starts, and `signal` is None: GreenWindow "
+            "follows the EnergyLogger's carbon-intensity series, read from the EnergyLogger's own start, so "
+            "that both reports price the same hours. Set that start on the EnergyLogger "
+            "(`accounting.carbon_intensity_start`), give `signal` the series' path, or leave signal_start "
+            "out."
+        )
+    raise ValueError(
+        f"{given} says where a series starts, and `signal` is a callable: a live signal's readings carry "
+        "their own times. Leave signal_start out, or give `signal` a series' path to replay it from that "
+        "start."
+    )
+
+
 class GreenSignal:
     """The signal a :class:`~lightning_pulse.GreenWindow` follows: a series (read through a :class:`Rate`,
     so on the same time axis as EnergyLogger's) or live readings; ``None`` until :meth:`use` gives a rate, or
@@ -165,13 +191,19 @@ class GreenSignal:
     Args:
         source: see :data:`SignalSource`, or ``None`` (filled in at fit start).
         series_start: where a series is read from (the run's start maps there): Unix seconds, or the
-            ``options.signal_start`` text as the user gave it.
+            ``options.signal_start`` text as the user gave it; refused without a series of its own.
+        unit: the signal's unit (``options.unit``); a followed EnergyLogger series keeps its own.
     """
 
-    def __init__(self, source: SignalSource | None, series_start: float | str | None = None) -> None:
-        self.live = LiveSignal(source) if callable(source) else None
+    def __init__(
+        self, source: SignalSource | None, series_start: float | str | None = None, unit: str = "signal"
+    ) -> None:
+        refuse_start_without_own_series(source, series_start)
+        self.live = LiveSignal(source, unit=unit) if callable(source) else None
         self.rate = (
-            None if source is None or callable(source) else series_signal(source, "signal", series_start)
+            None
+            if source is None or callable(source)
+            else series_signal(source, "signal", series_start, unit)
         )
         self.follows: Rate | None = None  # the EnergyLogger's rate, when its series is the signal
         self.saved: dict[str, Any] = {}  # the state a checkpoint held (:meth:`load_state_dict`)
@@ -204,10 +236,14 @@ class GreenSignal:
 
     def now(self) -> tuple[TimeSeries, Callable[[float], float]]:
         """The history to forecast from (reading a live signal now; a series as the run reads it, wrapped
-        past its end when the run wraps), and the wall -> series time mapping."""
+        past its end when the run wraps), and the wall -> series time mapping (for a live signal, the time of
+        the reading just taken where that is later: call it with the time the decision read before)."""
         if self.live is not None:
-            self.live.observe()
-            return self.live.history(), lambda wall: wall
+            moment, _ = self.live.observe()
+            # the reading just taken is the value now, for the decision that asked for it: the callable's own
+            # clock stamps it after the decision read the time (microseconds on the system clock), where the
+            # history still held the reading before (every decision acted on the previous one, a slot late)
+            return self.live.history(), lambda wall: max(wall, moment)
         assert self.rate is not None and self.rate.run_series is not None
         return self.rate.run_series, self.rate.series_time
 
@@ -220,7 +256,11 @@ class GreenSignal:
 
     def describe(self) -> dict[str, Any] | None:
         if self.live is not None:
-            return {"source": f"live:{self.live.name}", "readings": len(self.live.times)}
+            return {
+                "source": f"live:{self.live.name}",
+                "unit": self.live.unit,
+                "readings": len(self.live.times),
+            }
         return None if self.rate is None else self.rate.describe()
 
     def state_dict(self) -> dict[str, Any]:
