@@ -879,12 +879,13 @@ def training_steps_taken(trainer: pl.Trainer) -> int:
 _AFTER_THE_LAST_COUNT = frozenset({"on_train_epoch_end", "on_train_end", "on_fit_end"})
 
 
-def logging_step(trainer: pl.Trainer) -> int:
+def logging_step(trainer: pl.Trainer, epoch_end: bool = False) -> int:
     """The step Lightning gives a metric logged now: its count of batches that stepped, where
     ``LightningModule.log``, ``LearningRateMonitor`` and validation write (one behind ``global_step`` at a
     training batch's end; a batch count, not an optimizer count, with several optimizers). At a training
-    epoch's or the fit's end, the last step's, as Lightning writes an epoch's metrics. ``trainer.global_step``
-    where a Trainer has no fit loop of that shape."""
+    epoch's or the fit's end, the last step's, as Lightning writes an epoch's metrics; ``epoch_end``: that
+    step from the next epoch's start too (a figure of the epoch before, logged once it has closed).
+    ``trainer.global_step`` where a Trainer has no fit loop of that shape."""
     epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     counted = getattr(epoch_loop, "_batches_that_stepped", None)
     if not isinstance(counted, int):
@@ -892,7 +893,8 @@ def logging_step(trainer: pl.Trainer) -> int:
     hook = getattr(trainer.strategy.lightning_module, "_current_fx_name", None)
     # a restored fit that trained no batch: Lightning's count has not moved past the checkpoint's last step
     ran = not getattr(epoch_loop, "restarting", False)
-    return counted - 1 if hook in _AFTER_THE_LAST_COUNT and counted > 0 and ran else counted
+    after_last = epoch_end or hook in _AFTER_THE_LAST_COUNT
+    return counted - 1 if after_last and counted > 0 and ran else counted
 
 
 def window_ended(trainer: pl.Trainer) -> bool:

@@ -26,3 +26,9 @@ def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float] | None, ste
     at = compat.logging_step(trainer) if step is None else step
     for logger in trainer.loggers:
         logger.log_metrics(dict(metrics), step=at)
+
+
+def log_closed_epoch(trainer: pl.Trainer, metrics: Mapping[str, float] | None) -> None:
+    """:func:`log_to_loggers` at a training epoch's start, of the epoch before it (figures final only once it
+    has closed): at that epoch's last step, where Lightning writes an epoch's own metrics."""
+    log_to_loggers(trainer, metrics, compat.logging_step(trainer, epoch_end=True))

@@ -149,6 +149,28 @@ def test_thinning_the_timeline_never_loses_energy():
     assert sum(timeline["cpu_j"]) == pytest.approx(500.0)
 
 
+def test_the_timeline_and_phase_bands_leave_out_the_meter_start_up_as_every_figure_does():
+    # a held-out sweep: the report's timeline (the PNG's power panel) held codecarbon's start-up wait, which
+    # the report keeps out of every figure: 4x the total on a short first fit, drawn as a "burst"
+    from lightning_pulse.energy.ledger import STARTUP_KEY, STARTUP_STAGE
+
+    ledger = EnergyLedger()
+    ledger.begin(0.0, 0.0, reading())
+    ledger.mark(0.0, 0.0, stage="train", phase="burst", cycle=0, epoch=0)
+    ledger.mark(1.0, 1.0, stage=STARTUP_STAGE)  # the wait, at the first epoch end
+    ledger.record(5.0, 5.0, reading(cpu=50.0))  # 10 W: 10 J of training, 40 J of the wait
+    ledger.mark(5.0, 5.0, stage="train")
+    ledger.record(6.0, 6.0, reading(cpu=60.0))
+    snapshot = ledger.snapshot(6.0)
+    buckets = snapshot["buckets"]
+    assert buckets["total"]["cpu_j"] == pytest.approx(20.0) and buckets[STARTUP_KEY][
+        "cpu_j"
+    ] == pytest.approx(40.0)
+    assert sum(snapshot["timeline"]["cpu_j"]) == pytest.approx(buckets["total"]["cpu_j"])
+    spans = [(s["phase"], s["start_wall"], s["end_wall"]) for s in snapshot["phase_segments"]]
+    assert spans == [("burst", 0.0, 1.0), ("burst", 5.0, None)]  # no band over the wait
+
+
 def test_ranks_combine_energy_by_sum_time_by_max_and_methods_by_or():
     keys = ["total", "phase/burst"]
     rank0 = {
@@ -470,15 +492,18 @@ def test_account_epoch_metrics_and_a_single_forecast():
     account.start([constant_chain("cpu", 36.0)])
     steps = [0]
     account.begin_training(lambda: steps[0])
-    account.mark(stage="train", phase="burst", epoch=0)
+    account.mark_training("burst", None, 0)
     account.batch_started(torch.zeros(5, 1))
     clock.now += 100.0
     steps[0] = 4  # four optimizer steps in the epoch, of a 40-step run
     metrics, forecast = account.epoch_metrics(0, total_steps=40)
     again, second = account.epoch_metrics(0, total_steps=40)
+    # the epoch's own figures once it has closed (the next epoch's start): final, as the report's
+    assert "energy/epoch_kwh" not in metrics
+    closed = account.start_epoch(1)
     account.stop()
-    assert metrics["energy/epoch_kwh"] == pytest.approx(3600.0 / 3.6e6)
-    assert metrics["energy/burst_kwh"] == metrics["energy/total_kwh"] == metrics["energy/epoch_kwh"]
+    assert closed["energy/epoch_kwh"] == pytest.approx(3600.0 / 3.6e6)
+    assert metrics["energy/burst_kwh"] == metrics["energy/total_kwh"] == closed["energy/epoch_kwh"]
     assert forecast is not None and metrics["energy/predicted_kwh"] == pytest.approx(10 * 3600.0 / 3.6e6)
     assert second is None and "energy/predicted_kwh" not in again
 

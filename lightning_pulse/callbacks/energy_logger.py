@@ -18,7 +18,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.callbacks.green_window import GreenWindow
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.energy.account import (
     EnergyAccount,
@@ -43,7 +42,7 @@ from lightning_pulse.energy.config import (
     naming_energy_logger,
 )
 from lightning_pulse.errors import FitRestores, refuse_unwritable_dir
-from lightning_pulse.loggers import log_to_loggers
+from lightning_pulse.loggers import log_closed_epoch, log_to_loggers
 
 MONITORABLE = ("energy/total_kwh",)
 
@@ -165,6 +164,7 @@ class EnergyLogger(Callback):
         # the gather the others wait in): a refusal of process mode is decided together
         meters, rank = (self.meters, self.cpu, self.ram), (trainer.node_rank, trainer.local_rank)
         refuse_uncounted_processes(*meters, self._collective(trainer), *rank)
+        self.account.extend_carried(trainer.ckpt_path, rank_zero_info)  # a suspended fit's end, next to it
         self.account.start(
             lambda: trainer_chains(trainer, self, self._warn_rank, rank_zero_info),
             global_zero=trainer.is_global_zero,
@@ -212,8 +212,7 @@ class EnergyLogger(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.account.mark(epoch=trainer.current_epoch)
-        self.account.skip_gap()
+        log_closed_epoch(trainer, self.account.start_epoch(trainer.current_epoch, self._collective(trainer)))
         compat.check_run_shares(trainer)  # the forecast's run length moves with a reload of another length
 
     @override
@@ -269,12 +268,13 @@ class EnergyLogger(Callback):
     @guarded_hook
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._in_train_loop = False
-        self.account.end_training(self._collective(trainer))
-        # suspended or stopped with steps left: compared as unfinished work, not as a saving
-        windows = [callback for callback in trainer.callbacks if isinstance(callback, GreenWindow)]
-        status = compat.run_end_status(trainer, any(window.suspended for window in windows))
+        collective = self._collective(trainer)
+        self.account.end_training(collective)
+        # suspended (GreenWindow tells the account) or stopped with steps left: unfinished work, not a saving
+        status = compat.run_end_status(trainer, self.account.suspended)
         report = self._finish(trainer, status=status)
-        log_to_loggers(trainer, final_metrics(report))
+        self.account.carry_past_checkpoint(collective, trainer.is_global_zero, rank_zero_warn)
+        log_to_loggers(trainer, {**self.account.close_last_epoch(collective), **final_metrics(report)})
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

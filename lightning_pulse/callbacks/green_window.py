@@ -319,8 +319,9 @@ class GreenWindow(Callback):
         # the checkpoint keeps the run's times; the resume file, the clock's (see RunClock.suspension)
         self.suspended, now, resume_at = self.run_clock.suspension(now, decision)
         folder = Path(trainer.checkpoint_callback.dirpath or trainer.default_root_dir)  # type: ignore[union-attr]
-        path = folder / SUSPEND_CHECKPOINT
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path := folder / SUSPEND_CHECKPOINT)
+        if self._energy is not None:  # its energy after this (Lightning validates after a stop) is carried
+            self._energy.account.saved_for_suspend(path)
         if trainer.is_global_zero:
             rank_zero_info(write_resume_notice(folder, now, resume_at, path, decision, self.schedule))
         trainer.should_stop = True

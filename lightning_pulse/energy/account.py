@@ -44,11 +44,13 @@ from lightning_pulse.energy.ledger import (
     predict_run,
     timeline_edges,
 )
+from lightning_pulse.energy.ledger import figures as bucket_figures
 from lightning_pulse.energy.meter import COMPONENTS, NONE, MeterChain, MeterFactory
 from lightning_pulse.energy.nvml import NvmlCounterMeter, NvmlPowerMeter, nvml_devices_for_cuda
 from lightning_pulse.energy.rapl import RaplMeter
 from lightning_pulse.energy.report import assemble_report
 from lightning_pulse.energy.sampler import EnergySampler
+from lightning_pulse.energy.suspend_carry import carry_path, read_carry, write_carry
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH
 
@@ -385,6 +387,8 @@ class EnergyAccount:
         self._cycle: int | None = None  # the pulse cycle the training is in, for change_phase
         self._warned: set[str] = set()
         self._counter = BatchCounter()  # how each batch type's samples are counted, by the training loader(s)
+        self._saved_total: dict[str, Any] | None = None  # the `total` bucket the latest state_dict held
+        self._suspend_saved: tuple[str, dict[str, Any] | None] | None = None  # see saved_for_suspend
         self._reset()
 
     # ------------------------------------------------------------------ a fit
@@ -408,6 +412,7 @@ class EnergyAccount:
         self._total_seen = False  # an epoch end had a figure of the run's energy (no wait needed after it)
         self._reset()
         self._warned, self._counter = set(), BatchCounter()
+        self._suspend_saved = None
         self.global_zero = global_zero
         self.disabled_reason = None
         self.ledger = EnergyLedger(self.intensity, self.price)
@@ -492,6 +497,42 @@ class EnergyAccount:
         a later phase change into a later cycle completes this one (:meth:`change_phase`)."""
         self._cycle = cycle
         self.mark(stage="train", phase=phase, cycle=cycle, epoch=epoch)
+        self._open_epoch = epoch
+
+    def start_epoch(self, epoch: int, collective: Collective | None = None) -> dict[str, float]:
+        """``epoch`` starts: its label from now on, no data-loader wait before its first batch. Returns the
+        figures of the epoch this closes (:meth:`closed_epoch_metrics`), to log (every rank calls it)."""
+        closing, self._open_epoch = self._open_epoch, epoch
+        self.mark(epoch=epoch)
+        self.skip_gap()
+        if closing is None or closing == epoch:  # a fit resumed at an epoch's start: none closes here
+            return {}
+        return self.closed_epoch_metrics(closing, collective)
+
+    def close_last_epoch(self, collective: Collective | None = None) -> dict[str, float]:
+        """After :meth:`end_training`: the figures of the fit's last epoch, which its end closed (every
+        rank calls it)."""
+        closing, self._open_epoch = self._open_epoch, None
+        return {} if closing is None else self.closed_epoch_metrics(closing, collective)
+
+    def closed_epoch_metrics(self, epoch: int, collective: Collective | None = None) -> dict[str, float]:
+        """``energy/epoch_*`` of ``epoch`` once its label has ended (the next epoch's start, or the end of
+        training): the reading taken here closes its last interval, so they are the report's, final. At
+        the epoch-end hook they were not: the epoch goes on after it (the epoch-end hooks of the callbacks
+        after EnergyLogger, a checkpoint save; the last epoch until training ends), and the next reading
+        credited that tail, at its own power, to the epoch already logged (up to 35% on sub-second epochs
+        with codecarbon). Never raises: a bug here warns once and training goes on."""
+        key = f"epoch/{epoch}"
+        try:
+            bucket = self.snapshot(collective, keys=lambda name: name == key)["buckets"].get(key)
+            if bucket is None:
+                return {}
+            row = bucket_figures(bucket, self.intensity is not None, self.price is not None)
+        except Exception as error:
+            self.warn_once("closed epoch", f"EnergyLogger: the closed epoch's figures failed ({error!r}).")
+            return {}
+        names = ("energy_kwh", "avg_power_w", "co2_kg", "cost", "stall_share")
+        return _present({f"energy/epoch_{name.replace('energy_', '')}": row[name] for name in names})
 
     def change_phase(self, phase: str, cycle: int, after_phase: bool) -> int | None:
         """The pulse cycle's phase changes to ``phase`` of ``cycle``: the energy from now on belongs to it.
@@ -887,11 +928,8 @@ class EnergyAccount:
         buckets = snapshot["buckets"]
         buckets.setdefault("total", {})
         groups = grouped_figures(buckets, self.intensity is not None, self.price is not None)
-        row = groups["epochs"].get(str(epoch))
+        row = groups["epochs"].get(str(epoch))  # its figures are logged when it closes: closed_epoch_metrics
         metrics: dict[str, float | None] = {}
-        if row is not None:
-            for name in ("energy_kwh", "avg_power_w", "co2_kg", "cost", "stall_share"):
-                metrics[f"energy/epoch_{name.replace('energy_', '')}"] = row[name]
         total = groups["total"]
         # the same on every rank (combined over ranks), as the condition of the wait above must be
         self._total_seen = self._total_seen or total["energy_kwh"] is not None
@@ -1010,6 +1048,8 @@ class EnergyAccount:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, collective: Collective | None = None) -> dict[str, Any]:
         snapshot = self.snapshot(collective) if self.ledger is not None else self.carried
+        total = (snapshot or {}).get("buckets", {}).get("total")
+        self._saved_total = None if total is None else dict(total)
         return {
             "version": 1,
             "snapshot": snapshot,
@@ -1030,6 +1070,60 @@ class EnergyAccount:
             if rate is not None and state_dict.get(key):
                 rate.load_state_dict(state_dict[key])
 
+    # ------------------------------------------------------------------ a suspend's checkpoint
+    def saved_for_suspend(self, checkpoint: str | os.PathLike) -> None:
+        """A checkpoint was just saved to ``checkpoint`` with :meth:`state_dict`'s latest figures, and the fit
+        stops after it (GreenWindow's suspend): :meth:`carry_past_checkpoint` writes, at the fit's end, the
+        whole run's figures next to it, for the fit that resumes from it (:meth:`extend_carried`)."""
+        self._suspend_saved = (str(checkpoint), self._saved_total)
+
+    @property
+    def suspended(self) -> bool:
+        """This fit saved a suspend checkpoint and stops (:meth:`saved_for_suspend`), until its figures are
+        carried (:meth:`carry_past_checkpoint`)."""
+        return self._suspend_saved is not None
+
+    def carry_past_checkpoint(
+        self, collective: Collective | None = None, writes: bool = True, warn: Callable[[str], None] = print
+    ) -> None:
+        r"""At the end of a fit that was suspended (:meth:`saved_for_suspend`; every rank calls it, a
+        collective under DDP), after its report: write the whole run's figures next to the checkpoint
+        (``writes``: rank 0), so that the resumed run also counts what this fit used after the checkpoint
+        (Lightning's validation after the stop, the shut-down), once; ``warn``\ s when it cannot."""
+        if self._suspend_saved is None:
+            return
+        (checkpoint, base), self._suspend_saved = self._suspend_saved, None
+        snapshot = self.state_dict(collective)["snapshot"]  # taken after the report's: never below it
+        if not writes or base is None or snapshot is None:
+            return
+        try:
+            write_carry(checkpoint, base, snapshot)
+        except (OSError, TypeError, ValueError) as error:  # a suspended run's figures must not fail its end
+            warn(
+                f"EnergyLogger: could not write {carry_path(checkpoint)} ({error}); a fit resumed from "
+                f"{checkpoint} will not count the energy this fit used after saving it."
+            )
+
+    def extend_carried(
+        self, checkpoint: str | os.PathLike | None, info: Callable[[str], None] = print
+    ) -> None:
+        """Before :meth:`start` of a fit resumed from ``checkpoint``: where a suspended fit left its whole
+        figures next to it (:meth:`carry_past_checkpoint`), continuing the figures the checkpoint holds, the
+        run carried is those (the energy after the checkpoint included, once), and ``info`` says so."""
+        if not self._restored or not self.carried or checkpoint is None:
+            return
+        snapshot = read_carry(checkpoint, self.carried.get("buckets", {}).get("total"))
+        if snapshot is None:
+            return
+        before = sum(float(self.carried["buckets"]["total"].get(f"{c}_j", 0.0)) for c in COMPONENTS)
+        after = sum(float(snapshot["buckets"].get("total", {}).get(f"{c}_j", 0.0)) for c in COMPONENTS)
+        self.carried = snapshot
+        info(
+            f"EnergyLogger: the suspended fit used {(after - before) / J_PER_KWH:.3g} kWh after saving its "
+            f"checkpoint (Lightning's validation after the stop, its shut-down): counted from "
+            f"{carry_path(checkpoint).name}."
+        )
+
     # ------------------------------------------------------------------ internals
     def _reset(self) -> None:
         self.metering = self.in_fit = False
@@ -1049,6 +1143,7 @@ class EnergyAccount:
         self._last_step_log: tuple[float, float] | None = None
         self._last_so_far_kwh = 0.0
         self._ended_kwh: float | None = None  # the run's figure when its training loop ended
+        self._open_epoch: int | None = None  # the epoch whose label is in force, until it closes
         self._progress_at: float | None = None
         self._progress_text = ""
 

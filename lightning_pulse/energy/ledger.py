@@ -132,6 +132,11 @@ class Label:
 _UNCHANGED: Any = object()
 
 
+def _banded(label: Label) -> tuple[str | None, int | None]:
+    """The phase band (the report's ``phase_segments``) ``label`` is in: none during the meter start-up."""
+    return (None, None) if label.stage == STARTUP_STAGE else (label.phase, label.cycle)
+
+
 class _Tally:
     """Counts of consecutive batches with the same label, kept as plain numbers until flushed."""
 
@@ -167,6 +172,8 @@ class EnergyLedger:
         self._last_time: float | None = None
         self._last_wall: float | None = None
         self.totals_j = {component: 0.0 for component in COMPONENTS}
+        # the meter start-up's share of them: the timeline leaves it out, as the report's total does
+        self._startup_j = {component: 0.0 for component in COMPONENTS}
         self.methods = {component: NONE for component in COMPONENTS}
         self.timeline_wall: list[float] = []
         self.timeline_j: list[tuple[float, float, float]] = []
@@ -234,11 +241,13 @@ class EnergyLedger:
             self.label = new
             if self.started:
                 self._segments.append((now, new))
-            if (new.phase, new.cycle) != (old.phase, old.cycle):
+            # the meter start-up is in no phase's band, as in no phase's figures
+            shown, before = _banded(new), _banded(old)
+            if shown != before:
                 if self.phase_segments and self.phase_segments[-1]["end_wall"] is None:
                     self.phase_segments[-1]["end_wall"] = wall
-                if new.phase is not None:
-                    segment = {"phase": new.phase, "cycle": new.cycle, "start_wall": wall, "end_wall": None}
+                if shown[0] is not None:
+                    segment = {"phase": shown[0], "cycle": shown[1], "start_wall": wall, "end_wall": None}
                     append_recent(self.phase_segments, segment)
 
     def settle_time(self, now: float) -> None:
@@ -373,12 +382,17 @@ class EnergyLedger:
                     share = (end - start) / span
                     if label.stage == STARTUP_STAGE:
                         startup_s += end - start
+                        for component, delta in deltas.items():
+                            self._startup_j[component] += delta * share
                     piece_wall0 = wall0 + (start - t0) / span * (wall - wall0)
                     piece_wall1 = wall0 + (end - t0) / span * (wall - wall0)
                     self._credit(label, deltas, totals, share, piece_wall0, piece_wall1)
             else:
                 # two readings at the same instant: nothing to spread over, give it to the current label
                 self._credit(self.label, deltas, totals, 1.0, wall, wall)
+                if self.label.stage == STARTUP_STAGE:
+                    for component, delta in deltas.items():
+                        self._startup_j[component] += delta
             if span > 0:
                 self.last_power_w = sum(deltas.values()) / span
                 self._run_seconds += span - startup_s
@@ -437,7 +451,9 @@ class EnergyLedger:
 
     def _append_timeline(self, wall: float) -> None:
         self.timeline_wall.append(wall)
-        self.timeline_j.append(tuple(self.totals_j[c] for c in COMPONENTS))  # type: ignore[arg-type]
+        # without the meter start-up's energy: the timeline sums to the report's total, as every figure does
+        run_j = tuple(self.totals_j[c] - self._startup_j[c] for c in COMPONENTS)
+        self.timeline_j.append(run_j)  # type: ignore[arg-type]
         if len(self.timeline_wall) > self.max_points:
             # keep the first and last reading, drop every other one in between
             keep = list(range(0, len(self.timeline_wall) - 1, 2)) + [len(self.timeline_wall) - 1]
