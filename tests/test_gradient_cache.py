@@ -1381,6 +1381,61 @@ def test_a_frozen_gru_the_activation_cache_cannot_replay_is_named_once_with_why(
     assert list(cache.activations.uncached) == ["rnn"] and cache.activations.hits == 0
 
 
+class _LoopedStem(pl.LightningModule):
+    """A stem held in an ``nn.ModuleList`` that ``training_step`` loops over, as HF PoolFormer's
+    ``encoder.block.0`` and ConvNeXtV2's ``stages.1.downsampling_layer`` are looped over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = torch.nn.ModuleList([torch.nn.Linear(8, 16), torch.nn.Linear(16, 16)])
+        self.head = torch.nn.Linear(16, 3)
+
+    def training_step(self, batch, batch_idx):
+        h = batch[0]
+        for layer in self.stem:
+            h = torch.tanh(layer(h))
+        return torch.nn.functional.cross_entropy(self.head(h), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _fit_looped_stem(units: list[str]) -> tuple[GradientCache, list[str]]:
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(24, 8, generator=generator), torch.randint(0, 3, (24,), generator=generator)
+    )
+    # three batches an epoch and eight steps frozen: frozen samples come back while frozen, to be replayed
+    cache = GradientCache(
+        check_every=4, freeze_for=8, threshold=1.0, activation_cache_mb=16, max_frozen_share=0.97, units=units
+    )
+    trainer = pl.Trainer(callbacks=[cache], max_steps=36, **trainer_kwargs())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer.fit(_LoopedStem(), DataLoader(data, batch_size=8, shuffle=True))
+    assert any(event["to"] >= 1 for event in cache.events)  # the stem froze
+    return cache, [str(w.message) for w in said if "activation cache" in str(w.message)]
+
+
+def test_a_frozen_module_list_unit_is_named_a_container_with_no_forward_and_its_children_as_the_way_out():
+    """Held-out sweep (HF PoolFormer, ConvNeXtV2): a frozen ``nn.ModuleList`` unit was said to have its
+    "weights read directly, or the module skipped on some batches"; it has no forward, its children run on
+    every batch, and no way out was named. Naming its children in `units` lets the cache reach them."""
+    cache, about_cache = _fit_looped_stem(["stem", "head"])
+    assert about_cache == [
+        "GradientCache: the activation cache cannot replay the frozen module `stem`: it is an "
+        "`nn.ModuleList`, a container with no forward of its own: its parent loops over it and calls its "
+        "children, so there is no call of it whose inputs can be cached; to cache them, name its children "
+        "in `units` (`stem.0`, `stem.1`). It runs for real, as do the frozen modules after it, and the cache "
+        "holds nothing while it is frozen."
+    ]
+    assert list(cache.activations.uncached) == ["stem"] and cache.activations.hits == 0
+    # the way out named: the children, which the parent calls, are cached
+    cache, about_cache = _fit_looped_stem(["stem.0", "stem.1", "head"])
+    assert about_cache == [] and cache.activations.hits > 0
+
+
 class _CheckpointedLayer(torch.nn.Module):
     """A decoder layer shaped like Hugging Face's under gradient checkpointing: its body runs in a
     non-reentrant activation checkpoint, its children are the units, and its attention returns a tuple."""

@@ -1349,9 +1349,12 @@ def test_setup_summary_and_unfinished_warning_state_the_schedule():
     summary = prune_setup.setup_summary("unstructured", model, selection, schedule, on_maintain=False)
     # 24 of the 30 parameters are the two weights (the rest are biases)
     assert summary == (
-        "ScheduledPrune: unstructured pruning of 2 layers (80% of the model's weights) to 50% between steps 10 "
-        "and 50, at every 5 steps."
+        "ScheduledPrune: unstructured pruning of 2 layers (80% of the model's weights) to 50% of their "
+        "weights (the logged `sparsity` counts these layers only) between steps 10 and 50, at every 5 steps."
     )
+    # sweep: the events' `sparsity` is a share of the chosen layers, said where they are named
+    structured = prune_setup.setup_summary("structured", model, selection, schedule, on_maintain=False)
+    assert "to 50% of their output channels (the logged `sparsity` counts these layers only)" in structured
     # cadence 'auto' chose the maintain phases at fit start: an `every` the user set is said to go unread
     on_maintain = prune_setup.setup_summary("unstructured", model, selection, schedule, on_maintain=True)
     assert on_maintain.endswith(

@@ -333,3 +333,62 @@ def test_a_dict_handed_whole_to_forward_is_moved_and_converted_as_a_top_level_in
     model = nn.Linear(4, 2).to(torch.bfloat16)
     (moved,) = inputs_for(model, ({"values": torch.randn(2, 4), "labels": torch.tensor([0, 1])},))
     assert moved["values"].dtype == torch.bfloat16 and moved["labels"].dtype == torch.int64
+
+
+class _SqueezeBert(_Classifier):
+    """HF SqueezeBERT from a tiny config: every encoder layer a grouped ``Conv1d``, whose groups must divide
+    the channels a neighbour's cut leaves."""
+
+    def __init__(self, transformers) -> None:
+        super().__init__()
+        config = transformers.SqueezeBertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            embedding_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=2,
+            q_groups=2,
+            k_groups=2,
+            v_groups=2,
+            post_attention_groups=2,
+            intermediate_groups=2,
+            output_groups=2,
+        )
+        self.model = transformers.SqueezeBertForSequenceClassification(config)
+        self.example_input_array = torch.randint(3, 64, (2, 8))
+
+    def forward(self, x):
+        return self.model(input_ids=x).logits
+
+
+def test_a_refusal_offers_the_same_pattern_whichever_layer_the_sparsity_breaks_first_and_says_what_it_leaves(
+    monkeypatch,
+):
+    transformers = pytest.importorskip("transformers")
+    from lightning_pulse.core import pruning
+
+    # a shared, loaded machine: the search's answer is checked here, not its time
+    monkeypatch.setattr(pruning, "WAY_OUT_SECONDS", 600.0)
+    monkeypatch.setattr(pruning, "SLOW_TRIAL_SECONDS", 600.0)
+    # sweep (HF SqueezeBERT): at 0.3 the cut broke in `output.conv1d`, and the refusal said no pattern it
+    # checked passes; at 0.5 it broke in `attention.query` and offered 'attention|layers', which leaves out
+    # every encoder layer: only the pooler was cut (2.5% of the parameters) under a logged sparsity of 0.5
+    messages = {}
+    for sparsity in (0.3, 0.5):
+        with pytest.raises(PulseRefusal, match=r"the trial cut passes") as refused:
+            # the sweep's schedule: its levels (0.211, 0.289, 0.3 at 0.3) decide where the first cut breaks
+            prune = _prune(final_sparsity=sparsity, start=4, end=28, every=8)
+            torch.manual_seed(0)  # the weights rank the channels, and so say which layer breaks first
+            _fit(_SqueezeBert(transformers), _tokens(), prune, steps=40)
+        messages[sparsity] = str(refused.value)
+    assert re.search(r"broke in model\.transformer\.encoder\.layers\.\d\.output\.conv1d", messages[0.3])
+    assert re.search(r"broke in model\.transformer\.encoder\.layers\.\d\.attention\.query", messages[0.5])
+    assert _offered(messages[0.3]) == _offered(messages[0.5]) == ["layers"]
+    for message in messages.values():
+        assert (
+            "the trial cut passes and leaves 2 layers holding 7.6% of the model's weights to cut "
+            "(model.transformer.pooler.dense, model.classifier)"
+        ) in message

@@ -702,12 +702,44 @@ def _why_unrecorded(entry: _ActivationEntry) -> str:
     """Why the forward just recorded left ``entry`` without a record it could replay."""
     if entry.unrecordable is not None:
         return entry.unrecordable
+    if entry.calls == 0 and _no_forward_of_its_own(entry.module):
+        return _container_reason(entry)
     if entry.calls == 0:
         return (
             "its forward did not run in a frozen batch (its weights read directly, or the module skipped on "
             "some batches)"
         )
     return "it runs more than once per forward, and one record per sample cannot stand for several calls"
+
+
+def _no_forward_of_its_own(module: nn.Module) -> bool:
+    """Whether ``module``'s class has only ``nn.Module``'s placeholder ``forward`` (an ``nn.ModuleList`` or
+    ``nn.ModuleDict``): the model calls its children, never it."""
+    owner = next(cls for cls in type(module).__mro__ if "forward" in vars(cls))
+    return owner is nn.Module
+
+
+def _class_name(module: nn.Module) -> str:
+    cls = type(module)
+    return f"nn.{cls.__name__}" if cls.__module__.startswith("torch.nn") else cls.__name__
+
+
+def _container_reason(entry: _ActivationEntry) -> str:
+    """Why a unit with no forward of its own (the automatic split makes them: PoolFormer's
+    ``encoder.block.0``, ConvNeXtV2's ``downsampling_layer``) cannot be cached, with the children to name in
+    ``units`` instead: the cache replays a module's forward, and the parent calls the container's children
+    one by one."""
+    children = [
+        f"`{entry.name}.{child}`"
+        for child, module in entry.module.named_children()
+        if any(True for _ in module.parameters())
+    ]
+    shown = ", ".join(children[:3]) + (f" and {len(children) - 3} more" if len(children) > 3 else "")
+    way_out = f"; to cache them, name its children in `units` ({shown})" if children else ""
+    return (
+        f"it is an `{_class_name(entry.module)}`, a container with no forward of its own: its parent "
+        f"loops over it and calls its children, so there is no call of it whose inputs can be cached{way_out}"
+    )
 
 
 class LoaderActivationCache:

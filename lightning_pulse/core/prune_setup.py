@@ -991,10 +991,13 @@ def setup_summary(
     if on_maintain and schedule.every != PRUNE_EVERY_DEFAULT:  # cadence 'auto' chose maintain at fit start
         where += f" (cadence 'auto' next to a maintain phase: `every`={schedule.every} is not read)"
     share = prune_targets.weight_share(model, selection.layers)
+    # the events' `sparsity` is that of these layers, not the model's: said where they are named
+    of_what = "output channels" if mode == "structured" else "weights"
     return (
         f"ScheduledPrune: {mode} pruning of {len(selection.layers)} layers ({share:.0%} of the model's "
-        f"weights) to {schedule.final_sparsity:.0%} between steps {schedule.start_step} and "
-        f"{schedule.end_step}, at {where}.{left_out_note(selection)}"
+        f"weights) to {schedule.final_sparsity:.0%} of their {of_what} (the logged `sparsity` counts these "
+        f"layers only) between steps {schedule.start_step} and {schedule.end_step}, at {where}."
+        f"{left_out_note(selection)}"
     )
 
 

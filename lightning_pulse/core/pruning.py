@@ -1441,7 +1441,7 @@ def check_structured(
         # the loss does not end with the attention left out either (HF DETR)
         # nor is the attention named next to HyperConnection streams: the search never ends on those
         endless = LOSS_IN_OUTPUT in reason or ON_HYPER_CONNECTION_STREAMS in reason
-        hint = None if endless else attention_hint(model, pruner.exclude_pattern)
+        hint = None if endless else attention_hint(model, pruner.exclude_pattern, pruner)
         if ON_HYPER_CONNECTION_STREAMS in reason:  # only the groups reaching the streams never end
             hint = _stream_writers_way_out(model, pruner, sparsities, example)
         reason = reason if hint is None else f"{reason}; {hint}"
@@ -1765,14 +1765,24 @@ def _way_out(
     or every one of them (the module holding the whole model) is not tried. Where none passes within
     :data:`WAY_OUT_TRIES` cuts, chosen layers are left out by name (:func:`_layer_search`: the break is in the
     model's own ``forward``, or in a layer whose input another one cuts). Where no pattern passes, the failing
-    module is named, with the patterns that failed, and no pattern is offered. :class:`_TrialClock` says when
-    no further trial cut starts."""
+    module is named, with the patterns that failed, and no pattern is offered. Where that search finds none
+    either, wider parts around the break are left out (:func:`_wider_way_out`). :class:`_TrialClock` says when
+    no further trial cut starts.
+
+    The pattern offered has no part the others make needless (:func:`_without_needless`): where the first
+    break depends on the sparsity (a head reshape at 0.5, a grouped convolution at 0.3), the searches from
+    each end at the same pattern. It says what it leaves to cut (:func:`_left_to_cut`): a pattern that leaves
+    out every block leaves little, and the refusal must not read as if the model were cut as asked."""
     clock, tries, failed = _TrialClock(), 0, []
     current = pruner.exclude_pattern
     place = "" if where is None else f"it broke in {where} ({type(model.get_submodule(where)).__name__})"
 
     def passes(with_pattern: str) -> str:
-        return f"{place}; with `exclude_pattern`={with_pattern!r} {TRIAL_CUT_PASSES} and the other layers are cut"
+        offered = _without_needless(model, pruner, with_pattern)
+        return (
+            f"{place}; with `exclude_pattern`={offered!r} {TRIAL_CUT_PASSES} and "
+            f"{_left_to_cut(model, pruner, offered)}"
+        )
 
     while tries < WAY_OUT_TRIES and not clock.out_of_time():
         candidates = _exclusions_for(model, pruner, where, current)
@@ -1792,6 +1802,8 @@ def _way_out(
         if broke_in != where:  # this part was the trouble there: keep it out, and look at the next one
             current, where = trial_pattern, broke_in
     found, searched = _layer_search(model, pruner, current, sparsities, example, where, clock)
+    if found is None:
+        found = _wider_way_out(model, pruner, current, sparsities, example, where, clock, failed)
     if found is not None:
         return passes(found).lstrip("; ")
     tried = [repr(pattern) for pattern in failed[:3]] + (
@@ -1920,7 +1932,8 @@ def _stream_writers_way_out(
         reason, _ = _trial_cut(model, pruner, pattern, sparsities, example)
         if reason is None:
             return (
-                f"with `exclude_pattern`={pattern!r} (the layers writing into the streams) {TRIAL_CUT_PASSES}"
+                f"with `exclude_pattern`={pattern!r} (the layers writing into the streams) "
+                f"{TRIAL_CUT_PASSES} and {_left_to_cut(model, pruner, pattern)}"
             )
         if not reason.startswith((CUT_FAILED, NOTHING_TO_CUT)):  # out of time again: no third search
             return None
@@ -1930,7 +1943,10 @@ def _stream_writers_way_out(
         which = (
             "the layers writing into the streams" if writers == wide else "the chosen layers as wide as them"
         )
-        return f"with `exclude_pattern`={pattern!r} ({which}) {TRIAL_CUT_PASSES}"
+        return (
+            f"with `exclude_pattern`={pattern!r} ({which}) {TRIAL_CUT_PASSES} and "
+            f"{_left_to_cut(model, pruner, pattern)}"
+        )
     if not reason.startswith(CUT_FAILED):
         return None
     narrowed = copy.copy(pruner)
@@ -2007,23 +2023,118 @@ def _hook_way_out(
         return None
     return (
         f"leave out the layers whose channels reach `{hooked}` ({first_names(reaching, 3)}): with "
-        f"`exclude_pattern`={pattern!r} the trial cut passes and the other layers are cut; or make the hook "
-        "read its widths from the tensors it gets"
+        f"`exclude_pattern`={pattern!r} the trial cut passes and {_left_to_cut(model, pruner, pattern)}; or "
+        "make the hook read its widths from the tensors it gets"
     )
 
 
 def _exclusion_for(model: nn.Module, where: str) -> str | None:
     """The pattern that leaves out the innermost part around ``where`` that holds another layer with a weight
     (see :func:`_way_out`), or ``None``."""
+    return next(iter(_exclusions_around(model, where)), None)
+
+
+def _exclusions_around(model: nn.Module, where: str) -> list[str]:
+    """The patterns that leave out the parts around ``where`` holding another layer with a weight, innermost
+    first: each the last name component of its part that is not an index (``layers.0``: ``layers``)."""
     weighted = _weighted_names(model)
-    parts = where.split(".")
+    parts, found = where.split("."), []
     for end in range(len(parts), 0, -1):
         prefix = ".".join(parts[:end])
         holds_layer = any(n == prefix or n.startswith(prefix + ".") for n in weighted if n != where)
         component = next((part for part in reversed(parts[:end]) if not part.isdigit()), None)
-        if holds_layer and component is not None:
-            return re.escape(component)
+        if holds_layer and component is not None and re.escape(component) not in found:
+            found.append(re.escape(component))
+    return found
+
+
+#: how many trial cuts :func:`_wider_way_out` spends on wider parts around the break
+WIDER_TRIES = 2
+
+
+def _wider_way_out(
+    model: nn.Module,
+    pruner: Pruner,
+    current: str | None,
+    sparsities: Sequence[float],
+    example: Any,
+    where: str | None,
+    clock: _TrialClock,
+    failed: list[str],
+) -> str | None:
+    """A pattern leaving out a wider part around ``where`` (the blocks holding it) that lets the trial cut
+    pass, or ``None``; the patterns that fail are added to ``failed``. The last resort of :func:`_way_out`:
+    where the cut breaks in a layer whose inputs its neighbours cut (a grouped convolution fed by the
+    feed-forward layer before it), leaving out the layer's own part moves nothing, and the search by layer
+    runs out of cuts. Such a pattern may leave little to cut, which the refusal says (:func:`_left_to_cut`).
+    """
+    if where is None:
+        return None
+    chosen, tries = set(_chosen(model, pruner, current)), 0
+    for part in _exclusions_around(model, where):
+        pattern = _joined(current, part)
+        left = set(_chosen(model, pruner, pattern))
+        if pattern in failed or left == chosen or not left:
+            continue
+        if tries >= WIDER_TRIES or clock.out_of_time():
+            return None
+        tries += 1
+        reason, _ = clock.cut(model, pruner, pattern, sparsities, example)
+        if reason is None:
+            return pattern
+        failed.append(pattern)
+        if not reason.startswith((CUT_FAILED, NOTHING_TO_CUT)):  # out of time, say: no further search
+            return None
     return None
+
+
+def _alternatives(pattern: str) -> list[str]:
+    """The top-level alternatives of ``pattern`` (split at each ``|`` outside brackets and escapes)."""
+    found, depth, start, escaped = [], 0, 0, False
+    for at, char in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char in "([":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        elif char == "|" and depth == 0:
+            found.append(pattern[start:at])
+            start = at + 1
+    return [*found, pattern[start:]]
+
+
+def _without_needless(model: nn.Module, pruner: Pruner, pattern: str) -> str:
+    """``pattern`` without the alternatives :func:`_way_out` added that leave out no layer the others leave in
+    (``'attention|layers'``: every attention module is in the layers, so ``'layers'``); the user's own
+    ``exclude_pattern`` is kept whole. A search that began at another break gets to the same pattern."""
+    own = pruner.exclude_pattern
+    if own and not pattern.startswith(own + "|"):
+        return pattern
+    added = _alternatives(pattern[len(own) + 1 :] if own else pattern)
+    keep = [True] * len(added)
+    try:
+        left = set(_chosen(model, pruner, pattern))
+        for at in range(len(added)):
+            fewer = [part for other, part in enumerate(added) if keep[other] and other != at]
+            if fewer and set(_chosen(model, pruner, _joined(own, *fewer))) == left:
+                keep[at] = False
+    except re.error:  # only a message needs this: the pattern as the trial cut checked it
+        return pattern
+    return _joined(own, *(part for part, kept in zip(added, keep) if kept))
+
+
+def _left_to_cut(model: nn.Module, pruner: Pruner, pattern: str) -> str:
+    """What a checked ``pattern`` leaves to cut: how many layers, their share of the model's weights (as the
+    fit-start line counts them), and their names where they are few."""
+    left = _chosen(model, pruner, pattern)
+    share = prune_targets.weight_share(model, {name: model.get_submodule(name) for name in left})
+    shown = f"{share:.1%}" if share < 0.1 else f"{share:.0%}"
+    names = f" ({', '.join(left)})" if len(left) <= 3 else ""
+    layers = "layer" if len(left) == 1 else "layers"
+    return f"leaves {len(left)} {layers} holding {shown} of the model's weights to cut{names}"
 
 
 def _weighted_names(model: nn.Module) -> list[str]:
@@ -2123,17 +2234,23 @@ def attention_pattern(model: nn.Module, exclude_pattern: str | None) -> tuple[st
     return pattern, outermost
 
 
-def attention_hint(model: nn.Module, exclude_pattern: str | None) -> str | None:
+def attention_hint(model: nn.Module, exclude_pattern: str | None, pruner: Pruner | None = None) -> str | None:
     """The attention modules as the likely cause of a trial cut that could not be finished (a head reshape breaks
-    at intermediate widths), with their :func:`attention_pattern`, or ``None`` when the model has none."""
+    at intermediate widths), with their :func:`attention_pattern`, or ``None`` when the model has none. With
+    ``pruner``, what the pattern leaves to cut (:func:`_left_to_cut`)."""
     found = attention_pattern(model, exclude_pattern)
     if found is None:
         return None
     pattern, outermost = found
     more = f" and {len(outermost) - 1} more" if len(outermost) > 1 else ""
+    left = (
+        " and the other layers are cut"
+        if pruner is None
+        else f", which {_left_to_cut(model, pruner, _joined(exclude_pattern, pattern))}"
+    )
     return (
         f"the model's attention modules ({outermost[0]}{more}) are the usual cause, since head reshapes break at "
-        f"intermediate widths: leave them out with `exclude_pattern`={pattern!r} and the other layers are cut"
+        f"intermediate widths: leave them out with `exclude_pattern`={pattern!r}{left}"
     )
 
 
