@@ -573,6 +573,7 @@ class PhaseClock:
         if position <= self.position:
             self.cycle += 1
         self.position = position
+        self.rows.phase_ended_by_hold()
         return [self._enter(self.order[position], reason)]
 
     def start_or_resume(self, total_steps: int | float | None) -> PhaseChange:
@@ -785,16 +786,35 @@ class PhaseRows:
     def __init__(self) -> None:
         self.trained: dict[str, float] = {}  # this step's phase code and cycle
         self._previous: dict[str, float] | None = None  # the last step's (None: the fit's first step)
+        self._in_step = False  # between a step's start and its row's decision
+        self._ended_by_hold = False  # a hold ended the step's phase before its row was decided
+        self._unwritten: dict[str, float] | None = None  # the last step's row, where none was written
+        self.late_row: dict[str, float] | None = None  # that row, due since a hold ended its phase after it
 
     def step_starts(self, clock: PhaseClock) -> None:
         self.trained = {"pulse/phase": clock.phase.code, "pulse/cycle": clock.cycle}
+        self._in_step, self._ended_by_hold = True, False
 
     def after_step(self, step: int, every_n_steps: int, ended: bool) -> dict[str, float] | None:
         """The row of the step that just ended, or ``None``: ``step`` is Lightning's ``global_step`` after it,
         ``ended`` whether the clock ended a phase with it."""
         first = self.trained != self._previous
-        self._previous = self.trained
-        return self.trained if first or ended or step % max(every_n_steps, 1) == 0 else None
+        self._previous, self._in_step = self.trained, False
+        due = first or ended or self._ended_by_hold or step % max(every_n_steps, 1) == 0
+        self._unwritten = None if due else self.trained
+        return self.trained if due else None
+
+    def phase_ended_by_hold(self) -> None:
+        """A hold (:meth:`PhaseClock.hold`) ended the phase: the step in it that trained last was its last.
+        Before that step's row was decided, it is written; after, it is due now (:attr:`late_row`)."""
+        if self._in_step:
+            self._ended_by_hold = True
+        else:
+            self.late_row, self._unwritten = self._unwritten, None
+
+    def take_late_row(self) -> dict[str, float] | None:
+        row, self.late_row = self.late_row, None
+        return row
 
 
 #: what PulseCycle's ``maintain_eval`` accepts

@@ -152,6 +152,29 @@ def test_a_hold_from_a_scheduler_listed_first_does_not_relabel_the_step_it_follo
     assert rows == dict(enumerate(model.trained_in))
 
 
+@pytest.mark.parametrize("scheduler_first", [True, False])
+def test_a_phase_a_hold_ends_gets_its_last_step_row_in_either_callback_order(scheduler_first, tmp_path):
+    # a review: the rows at a phase's last step came only from the clock's own ends, so a burst a hold ended
+    # (GreenWindow's light mode) had none under a long cadence, in both orders of the callbacks
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(192, 16, generator=generator), torch.randint(0, 4, (192,), generator=generator)
+    )
+    logger = RecordingLogger()
+    cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0, anneal=0, maintain_eval="none")
+    hold = HoldsLightAfter(step=1)
+    trainer = pl.Trainer(
+        callbacks=[hold, cycle] if scheduler_first else [cycle, hold],
+        **trainer_kwargs(logger=logger, max_steps=6, log_every_n_steps=1000, default_root_dir=tmp_path),
+    )
+    model = LogsItsPhase()
+    trainer.fit(model, DataLoader(data, batch_size=16))
+    rows = phase_rows(logger)
+    assert [phase for phase, _ in model.trained_in][:3] == [0, 0, 1]  # the burst ended by the hold at step 1
+    assert all(rows[step] == model.trained_in[step] for step in rows)
+    assert set(rows) == switch_steps(model.trained_in)
+
+
 def test_a_skipped_step_is_counted_in_the_row_of_the_loss_it_skipped(mnist1d_small, tmp_path):
     # values, not only steps: the guard's row after a skipped step gives the count that step raised, where
     # Lightning writes the NaN loss of the batch it skipped (not one step early or late)

@@ -198,6 +198,7 @@ class PulseCycle(Callback):
         """
         for change in self.clock.hold(held):
             self._announce(trainer, pl_module, change)
+        log_to_loggers(trainer, self.clock.rows.take_late_row())  # the ended phase's last step, if unwritten
 
     def on_pulse_pause(self, trainer: pl.Trainer, paused: bool) -> None:  # a PauseListener: GreenWindow's
         self.timer.pause(paused)  # no step trains in a pause: phases in seconds leave it out

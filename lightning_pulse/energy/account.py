@@ -489,7 +489,7 @@ class EnergyAccount:
         (:class:`~lightning_pulse.energy.counting.BatchCounter`)."""
         self._counter = BatchCounter(loader)
         self.step_counter = step_counter
-        self._counted_step = self._logged_step = step_counter()
+        self._counted_step = self._logged_step = self._fit_first_step = step_counter()
         self.fit_start_progress = progress
 
     def mark_training(self, phase: str, cycle: int | None, epoch: int) -> None:
@@ -513,7 +513,11 @@ class EnergyAccount:
         """After :meth:`end_training`: the figures of the fit's last epoch, which its end closed (every
         rank calls it)."""
         closing, self._open_epoch = self._open_epoch, None
-        return {} if closing is None else self.closed_epoch_metrics(closing, collective)
+        # a resumed fit that stepped nothing (suspended again before its first batch) closes nothing: the fit
+        # before logged that epoch's figures so far, and the fit that trains on in it logs them whole
+        if closing is None or not self._fit_stepped:
+            return {}
+        return self.closed_epoch_metrics(closing, collective)
 
     def closed_epoch_metrics(self, epoch: int, collective: Collective | None = None) -> dict[str, float]:
         """``energy/epoch_*`` of ``epoch`` once its label has ended (the next epoch's start, or the end of
@@ -680,7 +684,8 @@ class EnergyAccount:
         try:
             self._settle_together(collective, after="other")  # the report follows
         finally:
-            self.step_counter = None
+            stepped = self.step_counter is not None and self.step_counter() != self._fit_first_step
+            self._fit_stepped, self.step_counter = stepped, None
             try:
                 self._ended_kwh = self.kwh_now()
             except Exception as error:
@@ -1144,6 +1149,8 @@ class EnergyAccount:
         self._last_so_far_kwh = 0.0
         self._ended_kwh: float | None = None  # the run's figure when its training loop ended
         self._open_epoch: int | None = None  # the epoch whose label is in force, until it closes
+        self._fit_first_step = 0  # the optimizer step the fit started at (see close_last_epoch)
+        self._fit_stepped = False  # whether the fit took a step, read as its training ended
         self._progress_at: float | None = None
         self._progress_text = ""
 
