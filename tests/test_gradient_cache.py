@@ -1401,7 +1401,24 @@ class _LoopedStem(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
-def _fit_looped_stem(units: list[str]) -> tuple[GradientCache, list[str]]:
+class _ScalesReadDirectly(_LoopedStem):
+    """An ``nn.ParameterList`` the step reads directly: no forward, no children to call instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16, 16))]
+        )
+
+    def training_step(self, batch, batch_idx):
+        h = batch[0]
+        for weight in self.stem:
+            h = torch.tanh(h @ weight)
+        return torch.nn.functional.cross_entropy(self.head(h), batch[1])
+
+
+def _fit_looped_stem(units: list[str], module: type = _LoopedStem) -> tuple[GradientCache, list[str]]:
     generator = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
         torch.randn(24, 8, generator=generator), torch.randint(0, 3, (24,), generator=generator)
@@ -1413,7 +1430,7 @@ def _fit_looped_stem(units: list[str]) -> tuple[GradientCache, list[str]]:
     trainer = pl.Trainer(callbacks=[cache], max_steps=36, **trainer_kwargs())
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        trainer.fit(_LoopedStem(), DataLoader(data, batch_size=8, shuffle=True))
+        trainer.fit(module(), DataLoader(data, batch_size=8, shuffle=True))
     assert any(event["to"] >= 1 for event in cache.events)  # the stem froze
     return cache, [str(w.message) for w in said if "activation cache" in str(w.message)]
 
@@ -1424,16 +1441,19 @@ def test_a_frozen_module_list_unit_is_named_a_container_with_no_forward_and_its_
     every batch, and no way out was named. Naming its children in `units` lets the cache reach them."""
     cache, about_cache = _fit_looped_stem(["stem", "head"])
     assert about_cache == [
-        "GradientCache: the activation cache cannot replay the frozen module `stem`: it is an "
-        "`nn.ModuleList`, a container with no forward of its own: its parent loops over it and calls its "
-        "children, so there is no call of it whose inputs can be cached; to cache them, name its children "
-        "in `units` (`stem.0`, `stem.1`). It runs for real, as do the frozen modules after it, and the cache "
-        "holds nothing while it is frozen."
+        "GradientCache: the activation cache cannot replay the frozen module `stem`: it is a container "
+        "(`nn.ModuleList`) with no forward of its own: its parent loops over it and calls its children, so "
+        "there is no call of it whose inputs can be cached; to cache them, name its parts in `units` "
+        "(`stem.0`, `stem.1`). It runs for real, as do the frozen modules after it, and the cache holds "
+        "nothing while it is frozen."
     ]
     assert list(cache.activations.uncached) == ["stem"] and cache.activations.hits == 0
     # the way out named: the children, which the parent calls, are cached
     cache, about_cache = _fit_looped_stem(["stem.0", "stem.1", "head"])
     assert about_cache == [] and cache.activations.hits > 0
+    # a review: parameters the step reads directly (no children to call) keep the first reason
+    cache, about_cache = _fit_looped_stem(["stem", "head"], _ScalesReadDirectly)
+    assert len(about_cache) == 1 and "its weights read directly" in about_cache[0]
 
 
 class _CheckpointedLayer(torch.nn.Module):

@@ -713,10 +713,27 @@ def _why_unrecorded(entry: _ActivationEntry) -> str:
 
 
 def _no_forward_of_its_own(module: nn.Module) -> bool:
-    """Whether ``module``'s class has only ``nn.Module``'s placeholder ``forward`` (an ``nn.ModuleList`` or
-    ``nn.ModuleDict``): the model calls its children, never it."""
+    """Whether ``module`` is a container of modules whose class has only ``nn.Module``'s placeholder
+    ``forward`` (an ``nn.ModuleList`` or ``nn.ModuleDict``): the model calls its children, never it. Not a
+    holder of parameters alone (an ``nn.ParameterList``, a codebook): the model reads those directly."""
     owner = next(cls for cls in type(module).__mro__ if "forward" in vars(cls))
-    return owner is nn.Module
+    return owner is nn.Module and any(_holds_parameters(child) for child in module.children())
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _called_parts(name: str, module: nn.Module) -> list[str]:
+    """The parts under container ``module`` (named ``name``) that hold parameters and have a forward: its
+    children, and for a child that is itself a container, that child's parts."""
+    parts = []
+    for child_name, child in module.named_children():
+        if not _holds_parameters(child):
+            continue
+        full = f"{name}.{child_name}"
+        parts.extend(_called_parts(full, child) if _no_forward_of_its_own(child) else [full])
+    return parts
 
 
 def _class_name(module: nn.Module) -> str:
@@ -729,16 +746,12 @@ def _container_reason(entry: _ActivationEntry) -> str:
     ``encoder.block.0``, ConvNeXtV2's ``downsampling_layer``) cannot be cached, with the children to name in
     ``units`` instead: the cache replays a module's forward, and the parent calls the container's children
     one by one."""
-    children = [
-        f"`{entry.name}.{child}`"
-        for child, module in entry.module.named_children()
-        if any(True for _ in module.parameters())
-    ]
+    children = [f"`{part}`" for part in _called_parts(entry.name, entry.module)]
     shown = ", ".join(children[:3]) + (f" and {len(children) - 3} more" if len(children) > 3 else "")
-    way_out = f"; to cache them, name its children in `units` ({shown})" if children else ""
+    way_out = f"; to cache them, name its parts in `units` ({shown})" if children else ""
     return (
-        f"it is an `{_class_name(entry.module)}`, a container with no forward of its own: its parent "
-        f"loops over it and calls its children, so there is no call of it whose inputs can be cached{way_out}"
+        f"it is a container (`{_class_name(entry.module)}`) with no forward of its own: its parent loops "
+        f"over it and calls its children, so there is no call of it whose inputs can be cached{way_out}"
     )
 
 

@@ -2130,6 +2130,8 @@ def _left_to_cut(model: nn.Module, pruner: Pruner, pattern: str) -> str:
     """What a checked ``pattern`` leaves to cut: how many layers, their share of the model's weights (as the
     fit-start line counts them), and their names where they are few."""
     left = _chosen(model, pruner, pattern)
+    if not left:
+        return "leaves no layer to cut"
     share = prune_targets.weight_share(model, {name: model.get_submodule(name) for name in left})
     shown = f"{share:.1%}" if share < 0.1 else f"{share:.0%}"
     names = f" ({', '.join(left)})" if len(left) <= 3 else ""
