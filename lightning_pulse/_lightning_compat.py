@@ -266,8 +266,8 @@ def reduce_held(strategy: Any, tensor: torch.Tensor, reduce_op: str, hold: Colle
 
 
 def rank_zero_number(trainer: pl.Trainer, device: torch.device, value: float, hold: CollectiveHold) -> float:
-    """Rank 0's ``value`` on every rank: a sum all-reduce of a tensor kept in ``hold`` until the backend lets go
-    of it, not an object broadcast whose tensors nobody here can keep."""
+    """Rank 0's ``value`` on every rank: a sum all-reduce of a tensor kept in ``hold`` until the backend lets
+    go of it, not an object broadcast whose tensors nobody here can keep."""
     mine = torch.tensor([value if trainer.global_rank == 0 else 0.0], dtype=torch.float64)
     return float(reduce_held(trainer.strategy, mine.to(device), "sum", hold)[0])
 
@@ -773,9 +773,9 @@ def note_run_shares(
     :func:`~lightning_pulse.core.run_shares.shares_named` names them; none: nothing to note), or what was
     placed, in words. ``in_steps``, ``in_duration``: the settings also take int optimizer steps, a duration
     (ways out the warning names). ``rereads``: what was placed is read again at each epoch's end (a forecast),
-    so only the epochs still to come are unseen. Lightning attaches a new training DataLoader for each fit and rebuilds none
-    between the callbacks' ``on_train_start``: a note with another DataLoader than the record's is another
-    fit's, and starts a new record."""
+    so only the epochs still to come are unseen. Lightning attaches a new training DataLoader for each fit and
+    rebuilds none between the callbacks' ``on_train_start``: a note with another DataLoader than the record's
+    is another fit's, and starts a new record."""
     if not (what := placed if isinstance(placed, str) else shares_named(**placed)):
         return
     if (loader := trainer.fit_loop._combined_loader) is None:  # a fit that trains nothing

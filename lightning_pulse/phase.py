@@ -774,13 +774,13 @@ class StepTimer:
 
 
 class PhaseRows:
-    """Which steps get a ``pulse/phase`` and ``pulse/cycle`` row, and what it says: the phase and cycle the step
-    trained in, read at its start (:meth:`step_starts`), since a scheduler holding light at its batch end
+    """Which steps get a ``pulse/phase`` and ``pulse/cycle`` row, and what it says: the phase and cycle the
+    step trained in, read at its start (:meth:`step_starts`), since a scheduler holding light at its batch end
     (:meth:`PhaseClock.hold`, GreenWindow) can move the clock before PulseCycle's batch end reads it.
 
-    A row at every ``log_every_n_steps``-th step, as Lightning logs, and at every switch whatever that cadence:
-    the first step of a phase and the last one of a phase the clock ended, so that a phase shorter than the
-    cadence still shows, at its true steps.
+    A row at every ``log_every_n_steps``-th step, as Lightning logs, and at every switch whatever that
+    cadence: the first step of a phase and the last one of a phase the clock ended, so that a phase shorter
+    than the cadence still shows, at its true steps.
     """
 
     def __init__(self) -> None:

@@ -1,10 +1,12 @@
-"""HardSampleReplay next to StabilityGuard: a step whose update the guard drops is not scored, and a sample whose
-loss is not finite is held out of the selection instead of counting as never scored (which always trains).
+"""HardSampleReplay next to StabilityGuard: a step whose update the guard drops is not scored, and a sample
+whose loss is not finite is held out of the selection instead of counting as never scored (which always
+trains).
 
-A real fit: an autoencoder on 640 sklearn digits, two of them corrupted (x50, or a NaN pixel). Every batch holding
-one spikes and the guard skips it. Before the fix the skipped steps' losses became the two samples' scores (about
-80 against a median of 0.02), so top-k put them into every replay window that held them and the guard skipped
-a replay step in five; their NaN scores, in the NaN variant, read as never scored and were always kept.
+A real fit: an autoencoder on 640 sklearn digits, two of them corrupted (x50, or a NaN pixel). Every batch
+holding one spikes and the guard skips it. Before the fix the skipped steps' losses became the two samples'
+scores (about 80 against a median of 0.02), so top-k put them into every replay window that held them and the
+guard skipped a replay step in five; their NaN scores, in the NaN variant, read as never scored and were
+always kept.
 """
 
 from __future__ import annotations

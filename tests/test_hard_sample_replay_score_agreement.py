@@ -1,10 +1,10 @@
 """HardSampleReplay's self-check: do a sample's successive scores agree?
 
 Where the per-sample loss depends on a random draw made inside training_step (a diffusion model's timestep and
-noise, drawn per sample) more than on the sample, top-k ranks the draw: the sweep's DDPM stored scores whose rank
-correlation with each sample's expected loss was -0.07. Nothing said so. Once a run has scored 200 samples twice
-(untouched, in PulseCycle's burst phases, after its first epoch), the rank agreement of their previous and new scores is measured, logged, and warned
-about when it is near zero.
+noise, drawn per sample) more than on the sample, top-k ranks the draw: the sweep's DDPM stored scores whose
+rank correlation with each sample's expected loss was -0.07. Nothing said so. Once a run has scored 400
+samples twice (untouched, in PulseCycle's burst phases, after its first epoch), the rank agreement of their
+previous and new scores is measured, logged, and warned about when it is near zero.
 """
 
 from __future__ import annotations

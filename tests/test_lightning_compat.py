@@ -380,8 +380,8 @@ def test_a_part_compiled_in_place_is_found_and_watched_only_under_fullgraph(full
 
 
 FORECAST_LINE = (
-    "Read again at each epoch's end as `max_epochs` times that epoch's batches, so blind to the lengths of the "
-    "epochs still to come: EnergyLogger (the forecast of the run's energy)."
+    "Read again at each epoch's end as `max_epochs` times that epoch's batches, so blind to the lengths of "
+    "the epochs still to come: EnergyLogger (the forecast of the run's energy)."
 )
 
 

@@ -71,9 +71,9 @@ class RankAgreement:
     ) -> str | None:
         """Add the pairs where both ``previous`` (the table's scores before this update) and ``new`` (the
         measured losses) are finite and the previous score was measured at step ``since`` or later (the first
-        epoch's scores come from a model that changes fastest: a classifier's first-epoch scores agree with its
-        next ones at about 0.1, its later ones at 0.6 and more); once there are enough, measure and return the
-        warning when the agreement is low (once), else ``None``."""
+        epoch's scores come from a model that changes fastest: a classifier's first-epoch scores agree with
+        its next ones at about 0.1, its later ones at 0.6 and more); once there are enough, measure and return
+        the warning when the agreement is low (once), else ``None``."""
         if self.measured:
             return None
         both = np.isfinite(previous) & np.isfinite(new) & (previous_steps >= since)
