@@ -582,9 +582,7 @@ def test_bad_samples_of_a_batch_hard_sample_replay_cut_name_the_sample_that_trai
     x, y = torch.randn(256, 10, generator=generator), torch.randint(0, 3, (256,), generator=generator)
     x[37, 4] = float("nan")
     pl.seed_everything(0)
-    # a sample of a step the guard skips is held out of top-k (hard-sample-replay.md); a one-step half-life
-    # ends the hold at once, so sample 37 reads as never scored and trains in every epoch's cut batch
-    guard, replay = StabilityGuard(), HardSampleReplay(mode="batch", replay_fraction=0.5, score_half_life=1)
+    guard, replay = StabilityGuard(), HardSampleReplay(mode="batch", replay_fraction=0.5)
     callbacks = [guard, replay] if guard_first else [replay, guard]
     trainer = pl.Trainer(max_epochs=4, callbacks=callbacks, **trainer_kwargs())
     trainer.fit(_Classifier(), DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
@@ -1379,14 +1377,11 @@ def test_a_popped_nan_weight_of_a_batch_hard_sample_replay_cut_names_the_sample_
     weight[37] = float("nan")
     samples = [{"x": x[i], "y": y[i], "weight": weight[i]} for i in range(256)]
     pl.seed_everything(0)
-    # the hold on a skipped step's sample ends at once (score_half_life=1): see the test above
-    guard, replay = StabilityGuard(), HardSampleReplay(mode="batch", replay_fraction=0.5, score_half_life=1)
+    guard, replay = StabilityGuard(), HardSampleReplay(mode="batch", replay_fraction=0.5)
     callbacks = [guard, replay] if guard_first else [replay, guard]
     trainer = pl.Trainer(max_epochs=4, callbacks=callbacks, **trainer_kwargs())
     trainer.fit(_PopsWeightClassifier(), DataLoader(samples, batch_size=16, shuffle=True))
-    # once an epoch: its skipped step is not scored, so it reads as never scored and is kept (before, that
-    # step's finite loss became its score, and one epoch's cut left it out)
-    assert [sample["indices"] for sample in guard.bad_samples] == [[37]] * 4
+    assert [sample["indices"] for sample in guard.bad_samples] == [[37]] * 3  # an epoch's cut left it out
     assert max(sample["rows"][0] for sample in guard.bad_samples[1:]) < 8  # rows of cut batches
 
 

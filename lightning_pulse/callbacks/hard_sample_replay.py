@@ -25,7 +25,6 @@ from lightning_pulse.core.step_plan import epoch_steps
 from lightning_pulse.errors import OneRunPerInstance, names_itself, tuner_search
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase
-from lightning_pulse.protocols import StepUndoer, listeners, step_undone
 from lightning_pulse.step_saving import StepSavingLoader
 
 
@@ -261,11 +260,7 @@ class HardSampleReplay(Callback):
         gather, last = None, batch_idx + 1 >= trainer.num_training_batches  # see finish_batch's epoch_ends
         if trainer.world_size > 1:  # every rank keeps every rank's rows: identical tables and decisions
             gather = partial(compat.all_gather_held, trainer.strategy, hold=self._held)
-        # a guard's verdict (finish_batch's `undone`), awaited inside an accumulation window
-        now, flight = trainer.global_step, self.batches.current
-        waits = flight is not None and now <= flight.step and any(listeners(trainer, StepUndoer))
-        gone = None if waits else flight is not None and step_undone(trainer, now)
-        if (finished := self.batches.finish_batch(pl_module, batch, outputs, gather, last, gone)) is not None:
+        if (finished := self.batches.finish_batch(pl_module, batch, outputs, gather, last)) is not None:
             self._log(trainer)  # before the carried-state check: a refused step is still logged
             self.batches.check_carried_state(finished)
 

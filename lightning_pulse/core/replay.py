@@ -31,7 +31,6 @@ import dataclasses
 import itertools
 import math
 import re
-import warnings
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -50,7 +49,6 @@ from lightning_pulse.core.per_sample_loss import (
 )
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
-from lightning_pulse.core.score_agreement import RankAgreement
 from lightning_pulse.core.selection import RULES, Selection, infobatch_prune, select_random, select_topk
 from lightning_pulse.phase import PHASE_NAMES, Duration, parse_duration
 
@@ -576,18 +574,7 @@ class BatchPlan:
 class _Measured:
     """One training step's measurement, kept until it is applied to the table."""
 
-    __slots__ = (
-        "indices",
-        "losses",
-        "roles",
-        "step",
-        "threshold",
-        "active",
-        "offered",
-        "shared",
-        "scored",
-        "undone",
-    )
+    __slots__ = ("indices", "losses", "roles", "step", "threshold", "active", "offered", "shared")
 
     def __init__(
         self,
@@ -599,8 +586,6 @@ class _Measured:
         active: bool,
         offered: float,
         shared: bool = False,
-        scored: bool = True,
-        undone: bool = False,
     ) -> None:
         self.indices = indices
         self.losses = losses  # a capture (read when applied), or (B,) losses
@@ -610,23 +595,6 @@ class _Measured:
         self.active = active
         self.offered = offered
         self.shared = shared  # rows of every rank (indices may repeat: DistributedSampler's padding)
-        # False: the step's loss did not split into its samples (NaN rows: no measurement, nothing held out)
-        self.scored = scored
-        # the guard dropped the step's update (a skip, a rollback): its samples are held out, not scored
-        self.undone = undone
-
-
-def measured_losses(entries: Sequence[_Measured]) -> np.ndarray:
-    """The entries' losses as one host array (:func:`host_losses`), a measured non-finite loss as ``+inf``:
-    ``NaN`` is left to mean "no measurement" (a step whose loss did not split), so that a NaN sample is held
-    out of the selection instead of counting as never scored (which always trains)."""
-    losses = host_losses([entry.losses for entry in entries])
-    sizes = [entry.roles.size for entry in entries]
-    # rows gathered over ranks were read so before the gather (the flag is this rank's alone)
-    scored = np.repeat([entry.scored and not entry.shared for entry in entries], sizes)
-    if scored.any() and not np.isfinite(losses[scored]).all():
-        losses = np.where(scored & ~np.isfinite(losses), np.float32(np.inf), losses)
-    return losses
 
 
 def host_losses(parts: Sequence[LossCapture | Tensor | np.ndarray]) -> np.ndarray:
@@ -698,12 +666,6 @@ def gather_rows_and_codes(
     )
 
 
-def _first_rank() -> bool:
-    """Whether this process is rank 0 of its process group, or the only process."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return not distributed or torch.distributed.get_rank() == 0
-
-
 def mix_seed(seed: int, step: int, batch_idx: int, rank: int) -> int:
     """One seed per (seed, step, batch, rank): a resumed run draws what the uninterrupted one would have."""
     return (seed * 1_000_003 + step * 10_007 + (batch_idx + 1) * 101 + rank) % (2**63 - 1)
@@ -761,9 +723,6 @@ class HardSampleSelector:
         self._threshold = (math.nan, -1)  # (value, step it was computed at)
         self._applied_since_threshold = False  # a NaN threshold (nothing scored yet) is redone after an apply
         self._unapplied: list[_Measured] = []
-        self._unsettled = 0  # the last entries of _unapplied, waiting for their step's verdict (record)
-        self.agreement = RankAgreement()  # do a sample's successive scores agree (a loss of random draws)?
-        self._epoch_steps = 50  # set_cadence: an epoch's optimizer steps (the agreement leaves out the first)
         self._totals = np.zeros(len(TOTAL_NAMES))
         self._window = np.zeros(len(TOTAL_NAMES))
         self._window_steps = 0  # _window's step count as an int: read every step, changed only at an apply
@@ -810,7 +769,6 @@ class HardSampleSelector:
         logging needs (a setting, not whether a logger is attached, so attaching one never changes what is
         selected); start a new metrics window."""
         self.threshold_every = max(1, steps_per_epoch // 2) if steps_per_epoch else 50
-        self._epoch_steps = steps_per_epoch or 50
         self.apply_every = min(APPLY_EVERY, log_every)
         self.take_window()
 
@@ -1014,66 +972,34 @@ class HardSampleSelector:
         offered: float,
         all_gather: Callable[[Tensor], Tensor] | None = None,
         refusal: int = 0,
-        scored: bool = True,
-        undone: bool | None = False,
     ) -> list[int]:
         """Keep a step's measurement: the trained samples' ``indices`` ``(k,)``, their ``losses`` (a capture,
         read when applied, or a ``(k,)`` tensor), ``roles``, whether the step selected (``active``) and how
         many samples were offered. With ``all_gather`` (data parallel), every rank's rows are kept, and every
-        rank's ``refusal`` (a caller's code, 0 for none) returned, in rank order (``[]`` without).
-
-        ``scored``: ``False`` for a step whose loss did not split (its NaN losses are no measurement).
-        ``undone``: whether a :class:`~lightning_pulse.StabilityGuard` dropped the step's update (its samples
-        are then held out of the selection, :meth:`~SampleScoreTable.hold_out`, not scored from it); ``None``
-        while unknown (a micro-batch inside an accumulation window): the entry waits, unapplied, for the
-        window's last micro-batch, whose verdict settles the whole window."""
-        threshold = self.current_threshold(step)  # may apply the settled entries
-        entry = _Measured(indices, losses, roles, step, threshold, active, float(offered), scored=scored)
+        rank's ``refusal`` (a caller's code, 0 for none) returned, in rank order (``[]`` without)."""
+        entry = _Measured(indices, losses, roles, step, self.current_threshold(step), active, float(offered))
         codes: list[int] = []
         if all_gather is not None:
-            # the rows travel as measured_losses reads them (+inf: a non-finite loss), the same on every rank
-            local = torch.from_numpy(measured_losses([entry]))
+            local = torch.from_numpy(host_losses([losses]))
             entry.indices, entry.losses, entry.roles, entry.offered, codes = gather_rows_and_codes(
                 all_gather, indices, local, roles, offered, refusal
             )
             entry.shared = True
         self._unapplied.append(entry)
-        self._unsettled += 1
-        if undone is not None:  # the step's verdict: it settles the micro-batches of its window
-            for waiting in self._unapplied[len(self._unapplied) - self._unsettled :]:
-                waiting.undone = undone
-            self._unsettled = 0
         if len(self._unapplied) >= self.apply_every:
             self.apply()
         return codes
 
     def apply(self) -> None:
-        """Apply the kept steps' losses to the table (one vectorized update) and to the running totals; the
-        steps whose verdict is not known yet (:meth:`record`'s ``undone=None``) wait."""
-        settled = len(self._unapplied) - self._unsettled
-        pending = self._unapplied[:settled]
+        """Apply the kept steps' losses to the table (one vectorized update) and to the running totals."""
+        pending = self._unapplied
         if not pending:
             return
-        self._unapplied = self._unapplied[settled:]
-        losses = measured_losses(pending)
+        self._unapplied = []
+        losses = host_losses([entry.losses for entry in pending])
         roles = np.concatenate([entry.roles for entry in pending])
         sizes = np.fromiter((entry.roles.size for entry in pending), dtype=np.int64, count=len(pending))
         indices = np.concatenate([entry.indices.numpy() for entry in pending])
-        # held out: a non-finite loss, or any sample of a step whose update was dropped (the spike of a
-        # corrupted sample would rank it hardest, and top-k would bring it back into every replay window)
-        undone = np.repeat([entry.undone for entry in pending], sizes)
-        held = undone | np.isposinf(losses)
-        if held.any():
-            losses = np.where(held, np.float32(np.nan), losses)  # neither scores nor counts
-        # a few host reads until measured; only samples that trained untouched (a burst phase): a selected
-        # sample was chosen for its previous score, and that restricted range hides the agreement (an MLP on
-        # digits replaying every step: 0.07-0.12, against 0.5-0.6 untouched)
-        if not self.agreement.measured and self.config.rule != "random" and (roles == UNTOUCHED).any():
-            slots, since = indices[roles == UNTOUCHED], self._epoch_steps  # the first epoch's: left out
-            previous = (self.table.scores[slots], self.table.steps[slots])
-            note = self.agreement.add(previous[0], losses[roles == UNTOUCHED], previous[1], since)
-            if note is not None and _first_rank():  # every rank measures the same value: said once
-                warnings.warn(f"HardSampleReplay: {note}", stacklevel=2)
         hard = None
         if any(entry.active for entry in pending):
             hard = np.repeat([entry.active for entry in pending], sizes) & (roles == SELECTED)
@@ -1087,17 +1013,12 @@ class HardSampleSelector:
             steps = [entry.step for entry in pending]
             thresholds = [entry.threshold for entry in pending]
             self.table.update_steps(indices, losses, sizes, steps, thresholds, replayed=hard)
-        if held.any():  # after the scores: a later finite measurement of the same sample stands
-            entry_steps = np.repeat([entry.step for entry in pending], sizes)
-            slots, at = indices[held], entry_steps[held]
-            later = at >= self.table.steps[slots]
-            self.table.hold_out(slots[later], at[later])
         self._count(pending, losses, roles)
         self._applied_since_threshold = True
 
     def drop_pending(self) -> None:
         """Forget measured steps not yet applied (a rollback replaces the model they were measured on)."""
-        self._unapplied, self._unsettled = [], 0
+        self._unapplied = []
 
     def _count(self, pending: list[_Measured], losses: np.ndarray, roles: np.ndarray) -> None:
         step = np.zeros(len(TOTAL_NAMES))
@@ -1119,7 +1040,6 @@ class HardSampleSelector:
     def _with_table(self, figures: dict[str, float]) -> dict[str, float]:
         figures.update(self.table.stats())
         figures["threshold"] = self.threshold
-        figures["score_rank_agreement"] = self.agreement.value  # NaN (not logged) until measured
         return figures
 
     def metrics(self) -> dict[str, float]:
@@ -1148,20 +1068,18 @@ class HardSampleSelector:
             # a NaN threshold is redone at the next step after an apply; without it a resume waits
             # `threshold_every` steps and its figures part from the uninterrupted run's
             "applied_since_threshold": self._applied_since_threshold,
-            "score_rank_agreement": self.agreement.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("table") is None:
             raise ValueError("HardSampleSelector: the state holds no score table.")
         self.table.load_state_dict(state["table"])
-        self._unapplied, self._unsettled = _unapplied_from_state(state.get("unapplied")), 0
+        self._unapplied = _unapplied_from_state(state.get("unapplied"))
         saved = state.get("totals", {})
         self._totals = np.array([float(saved.get(name, 0.0)) for name in TOTAL_NAMES])
         value, step = state.get("threshold", (math.nan, -1))
         self._threshold = (float(value), int(step))
         self._applied_since_threshold = bool(state.get("applied_since_threshold", False))  # older: absent
-        self.agreement.load(state.get("score_rank_agreement"))  # measured once a run: not again on resume
 
 
 def _unapplied_state(unapplied: list[_Measured]) -> dict[str, Any] | None:
@@ -1170,7 +1088,7 @@ def _unapplied_state(unapplied: list[_Measured]) -> dict[str, Any] | None:
         return None
     return {
         "indices": torch.cat([entry.indices for entry in unapplied]).clone(),
-        "losses": torch.from_numpy(measured_losses(unapplied).copy()),
+        "losses": torch.from_numpy(host_losses([entry.losses for entry in unapplied]).copy()),
         "roles": torch.from_numpy(np.concatenate([entry.roles for entry in unapplied])),
         "sizes": [int(entry.roles.size) for entry in unapplied],
         "steps": [entry.step for entry in unapplied],
@@ -1178,9 +1096,6 @@ def _unapplied_state(unapplied: list[_Measured]) -> dict[str, Any] | None:
         "active": [entry.active for entry in unapplied],
         "offered": [entry.offered for entry in unapplied],
         "shared": [entry.shared for entry in unapplied],
-        "scored": [entry.scored for entry in unapplied],
-        # a step still waiting for its verdict is saved as applied (a checkpoint is taken at a step's end)
-        "undone": [bool(entry.undone) for entry in unapplied],
     }
 
 
@@ -1203,9 +1118,6 @@ def _unapplied_from_state(state: dict[str, Any] | None) -> list[_Measured]:
                 bool(state["active"][position]),
                 float(state["offered"][position]),
                 bool(state["shared"][position]),
-                # older states: a step whose losses are all NaN was one that did not split
-                bool(state["scored"][position]) if "scored" in state else bool(losses[part].isfinite().any()),
-                bool(state["undone"][position]) if "undone" in state else False,
             )
         )
         start += size

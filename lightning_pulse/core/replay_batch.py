@@ -694,7 +694,6 @@ class ReplayBatchLifecycle:
         outputs: Any,
         all_gather: Callable[[Tensor], Tensor] | None = None,
         epoch_ends: bool = False,
-        undone: bool | None = False,
     ) -> StepInFlight | None:
         """Record the step's per-sample losses into its selector and end the step.
 
@@ -709,9 +708,6 @@ class ReplayBatchLifecycle:
                 (``ModelCheckpoint(every_n_train_steps=...)`` landing there) then holds them applied:
                 Lightning resumes from it without running the epoch's end hooks again, so the next epoch chose
                 from unapplied scores (a held-out two-rank run resumed at step 14 ended with other weights).
-            undone: whether the step's update was dropped (a StabilityGuard skip or rollback): its samples are
-                held out, not scored; ``None`` inside an accumulation window, whose last micro-batch decides
-                (:meth:`~lightning_pulse.core.replay.HardSampleSelector.record`).
 
         Returns:
             The finished step (for :meth:`check_carried_state`), or ``None`` when no step was started (or
@@ -745,7 +741,6 @@ class ReplayBatchLifecycle:
         plan = finished.plan
         losses: LossCapture | Tensor
         found, code, self._deferred, self._after_log = self._deferred, _OTHER, None, None
-        scored = True
         if self.scorer is None:
             assert capture is not None  # opened at the batch start whenever there is no scorer
             if capture.maps_onto_batch:
@@ -753,7 +748,7 @@ class ReplayBatchLifecycle:
                 if self.state_check.first_batch and found is None:
                     found = time_major_refusal(losses, batch)
             else:  # a later step whose loss does not split (close_capture said so): no scores, every rank alike
-                losses, scored = torch.full((int(plan.roles.size),), math.nan), False
+                losses = torch.full((int(plan.roles.size),), math.nan)
         else:
             losses = self._score(module, batch, outputs, int(plan.roles.size))
         # after the scorer (which may read the state) and before the rows' gather, which the ranks vote on
@@ -772,8 +767,6 @@ class ReplayBatchLifecycle:
             plan.offered,
             all_gather,
             refusal=0 if found is None else code,
-            scored=scored,
-            undone=undone,
         )
         if any(codes):  # over ranks: every rank refuses what the first refusing rank found
             agreed = self._agreed_refusal(codes, found)

@@ -206,24 +206,6 @@ class SampleScoreTable:
             self.replays[marked] += 1
             self.awaiting[marked] = True
 
-    def hold_out(self, indices: Tensor | np.ndarray, steps: int | np.ndarray) -> None:
-        """Hold these samples out of the selection from ``steps`` on: their loss was not finite, or the step
-        that measured it was dropped (a :class:`~lightning_pulse.StabilityGuard` skip or rollback). Their
-        score reads ``-inf`` (top-k ranks them below every scored sample, InfoBatch may prune them) until a
-        finite measurement replaces it, or, with a half-life, until it is a half-life old: then it reads
-        ``NaN`` (never scored), so the sample trains once more and is measured afresh. Kept as ``-inf`` in
-        :attr:`scores`: no byte more per sample."""
-        slots = _np_indices(indices)
-        self.scores[slots] = -np.inf
-        self.steps[slots] = steps
-        self.awaiting[slots] = False
-
-    @property
-    def held_out(self) -> int:
-        """How many samples are held out of the selection now (:meth:`hold_out`; a released hold counts until
-        the sample is measured again)."""
-        return int(np.isneginf(self.scores).sum())
-
     def _fold_mean(self, batch_mean: float) -> None:
         if math.isnan(self.prior):
             self.prior = batch_mean
@@ -246,12 +228,7 @@ class SampleScoreTable:
         if self.half_life is None or math.isnan(prior):
             return scores
         age = np.maximum(step - self.steps[slots], 0).astype(np.float32)
-        with np.errstate(invalid="ignore"):  # a hold's -inf times a weight that underflowed to 0
-            faded = prior + (scores - prior) * np.exp2(-age / np.float32(self.half_life))
-        held = np.isneginf(scores)
-        if held.any():  # a hold ends after a half-life: the sample reads as never scored (hold_out)
-            faded = np.where(held, np.where(age >= self.half_life, np.nan, -np.inf), faded).astype(np.float32)
-        return faded
+        return prior + (scores - prior) * np.exp2(-age / np.float32(self.half_life))
 
     def effective(self, indices: Tensor | np.ndarray, step: int) -> Tensor:
         """Age-weighted scores ``(n,)`` of dataset ``indices`` at ``step`` (``NaN`` for never scored)."""
@@ -266,7 +243,7 @@ class SampleScoreTable:
         return self._effective(_np_indices(indices), step, prior)
 
     def _scored(self) -> np.ndarray:
-        return np.flatnonzero((self.steps >= 0) & np.isfinite(self.scores))  # not the held-out samples
+        return np.flatnonzero(self.steps >= 0)
 
     def mean_score(self, step: int) -> float:
         """Mean age-weighted score over the scored samples (InfoBatch's threshold); ``NaN`` if none."""
@@ -289,7 +266,6 @@ class SampleScoreTable:
         return {
             "table_samples": float(self.num_samples),
             "table_seen": float(self.seen),
-            "table_held_out": float(self.held_out),
             "table_bytes": float(self.memory_bytes),
             "replayed_distinct": float(distinct),
             "came_back_rate": float((self.replays > 1).sum()) / distinct if distinct else 0.0,
