@@ -816,6 +816,12 @@ class PhaseRows:
         row, self.late_row = self.late_row, None
         return row
 
+    def take_last_row(self) -> dict[str, float] | None:
+        """At the fit's end: the last step's row where none was written (off the cadence, no phase ended),
+        so the fit's last step, the last of its phase, shows; a later fit's hold finds none left."""
+        row, self._unwritten = self._unwritten, None
+        return row
+
 
 #: what PulseCycle's ``maintain_eval`` accepts
 PROBE_MODES = ("probe", "none")

@@ -7,6 +7,7 @@ import time
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pulse import GreenWindow, SimulatedClock
@@ -125,3 +126,41 @@ def test_the_logged_epoch_figures_are_the_reports_final_ones(tmp_path):
         row_name = name
         values = [value for _, value in logger.logged(f"energy/epoch_{name}")]
         assert values == pytest.approx([row[row_name] for row in final.values() if row[row_name] is not None])
+
+
+class _TrainsAStatistic(pl.LightningModule):
+    """Manual optimization that steps no optimizer (a k-means or BatchNorm-recalibration style pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = torch.nn.Linear(16, 4)
+        self.register_buffer("mean", torch.zeros(16))
+
+    def training_step(self, batch, batch_idx):
+        self.mean.mul_(0.9).add_(0.1 * batch[0].mean(0))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_fit_that_trains_batches_without_an_optimizer_step_logs_every_epochs_figures(tmp_path):
+    # a review: the last epoch's row was dropped where the fit's steps did not move (the rule meant for a
+    # resumed fit that trains no batch at all)
+    from lightning_pulse import EnergyLogger, MeterConfig
+    from tests.conftest import RecordingLogger
+
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(96, 16, generator=generator), torch.randint(0, 4, (96,), generator=generator)
+    )
+    energy = EnergyLogger(
+        gpu="none", cpu="constant", ram="none", meters=MeterConfig(cpu_watts=100.0), report_dir=str(tmp_path)
+    )
+    logger = RecordingLogger()
+    trainer = pl.Trainer(
+        callbacks=[energy], max_epochs=3, **trainer_kwargs(logger=logger, log_every_n_steps=1)
+    )
+    trainer.fit(_TrainsAStatistic(), torch.utils.data.DataLoader(data, batch_size=16))
+    assert trainer.global_step == 0
+    assert [step for step, _ in logger.logged("energy/epoch_kwh")] == [5, 11, 17]

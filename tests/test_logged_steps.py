@@ -144,6 +144,14 @@ def test_the_phase_row_at_a_step_is_the_phase_that_step_trained_in(every, tmp_pa
     assert set(rows) == cadence | switch_steps(trained_in)
 
 
+def test_a_fit_ending_inside_a_phase_off_the_cadence_writes_its_last_step_row(tmp_path):
+    # a review: the fit's last step got no row when it was off the cadence and ended no phase
+    model, rows = fit_logging_phases(5, tmp_path, steps=8)
+    assert [phase for phase, _ in model.trained_in] == [0, 0, 0, 1, 1, 2, 0, 0]  # ends inside a burst
+    assert all(rows[step] == model.trained_in[step] for step in rows)
+    assert set(rows) == {4} | switch_steps(model.trained_in)
+
+
 def test_a_hold_from_a_scheduler_listed_first_does_not_relabel_the_step_it_follows(tmp_path):
     # a review: holding light at step 1's batch end, before PulseCycle's batch end read the clock, logged
     # that burst step as replay

@@ -489,7 +489,7 @@ class EnergyAccount:
         (:class:`~lightning_pulse.energy.counting.BatchCounter`)."""
         self._counter = BatchCounter(loader)
         self.step_counter = step_counter
-        self._counted_step = self._logged_step = self._fit_first_step = step_counter()
+        self._counted_step = self._logged_step = step_counter()
         self.fit_start_progress = progress
 
     def mark_training(self, phase: str, cycle: int | None, epoch: int) -> None:
@@ -513,9 +513,9 @@ class EnergyAccount:
         """After :meth:`end_training`: the figures of the fit's last epoch, which its end closed (every
         rank calls it)."""
         closing, self._open_epoch = self._open_epoch, None
-        # a resumed fit that stepped nothing (suspended again before its first batch) closes nothing: the fit
+        # a resumed fit that trained no batch (suspended again before its first) closes nothing: the fit
         # before logged that epoch's figures so far, and the fit that trains on in it logs them whole
-        if closing is None or not self._fit_stepped:
+        if closing is None or not self.batches_this_fit:
             return {}
         return self.closed_epoch_metrics(closing, collective)
 
@@ -684,8 +684,7 @@ class EnergyAccount:
         try:
             self._settle_together(collective, after="other")  # the report follows
         finally:
-            stepped = self.step_counter is not None and self.step_counter() != self._fit_first_step
-            self._fit_stepped, self.step_counter = stepped, None
+            self.step_counter = None
             try:
                 self._ended_kwh = self.kwh_now()
             except Exception as error:
@@ -1149,8 +1148,6 @@ class EnergyAccount:
         self._last_so_far_kwh = 0.0
         self._ended_kwh: float | None = None  # the run's figure when its training loop ended
         self._open_epoch: int | None = None  # the epoch whose label is in force, until it closes
-        self._fit_first_step = 0  # the optimizer step the fit started at (see close_last_epoch)
-        self._fit_stepped = False  # whether the fit took a step, read as its training ended
         self._progress_at: float | None = None
         self._progress_text = ""
 
