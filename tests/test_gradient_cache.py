@@ -1627,3 +1627,18 @@ def test_a_guard_rollback_listed_before_gradient_cache_is_not_undone_for_the_fro
             _MLP("lookahead"), _small_data(16)
         )
     assert guard.rollbacks >= 1 and last.differing == []
+
+
+def test_a_containers_parts_to_name_leave_out_parameters_read_directly():
+    # a review: a ModuleDict holding an nn.ParameterList the step reads directly named that list as a part to
+    # give in `units`, where the cache can no more reach it
+    from lightning_pulse.core.activation_cache import _called_parts
+
+    stem = torch.nn.ModuleDict(
+        {
+            "scales": torch.nn.ParameterList([torch.nn.Parameter(torch.ones(4))]),
+            "proj": torch.nn.Linear(4, 4),
+            "blocks": torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Identity()]),
+        }
+    )
+    assert _called_parts("stem", stem) == ["stem.proj", "stem.blocks.0"]

@@ -716,8 +716,9 @@ def _no_forward_of_its_own(module: nn.Module) -> bool:
     """Whether ``module`` is a container of modules whose class has only ``nn.Module``'s placeholder
     ``forward`` (an ``nn.ModuleList`` or ``nn.ModuleDict``): the model calls its children, never it. Not a
     holder of parameters alone (an ``nn.ParameterList``, a codebook): the model reads those directly."""
-    owner = next(cls for cls in type(module).__mro__ if "forward" in vars(cls))
-    return owner is nn.Module and any(_holds_parameters(child) for child in module.children())
+    return _forward_owner(module) is nn.Module and any(
+        _holds_parameters(child) for child in module.children()
+    )
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -732,8 +733,15 @@ def _called_parts(name: str, module: nn.Module) -> list[str]:
         if not _holds_parameters(child):
             continue
         full = f"{name}.{child_name}"
-        parts.extend(_called_parts(full, child) if _no_forward_of_its_own(child) else [full])
+        if _no_forward_of_its_own(child):
+            parts.extend(_called_parts(full, child))
+        elif _forward_owner(child) is not nn.Module:  # not parameters read directly (an nn.ParameterList)
+            parts.append(full)
     return parts
+
+
+def _forward_owner(module: nn.Module) -> type:
+    return next(cls for cls in type(module).__mro__ if "forward" in vars(cls))
 
 
 def _class_name(module: nn.Module) -> str:
