@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
 
 import pytest
 
@@ -338,74 +337,3 @@ def test_jump_zscore_measures_the_noise_of_one_step_not_the_trend():
     spread = 1.4826 * 0.2 / math.sqrt(2)
     assert tracker.jump_zscore(-9.1 + 3 * spread) == pytest.approx(3.0)
     assert tracker.zscore(-9.1 + 3 * spread) < 0  # below the window's median (-5.1)
-
-
-def _nll_crossing_zero(seed: int, steps: int, noise: float, floor: float = -0.3) -> list[float]:
-    """A negative log-likelihood as a mixture density network's trains (sweep G): from +2.1 it falls fast,
-    then slowly (crossing 0 near step 60), down to ``floor`` at step 200 and flat after, with additive
-    small-batch noise."""
-    rng = random.Random(seed)
-    return [
-        2.0 * math.exp(-step / 20) + 0.1 + (floor - 0.1) * min(step, 200) / 200 + rng.gauss(0.0, noise)
-        for step in range(steps)
-    ]
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_a_positive_loss_far_above_a_loss_gone_negative_is_a_spike_on_a_log_scale(seed):
-    # as a mixture density network (sweep G): once the loss went negative only its positive values entered
-    # the log-scale windows, spread over decades near the crossing; at step 200 a poisoned batch (99.35
-    # against a median of -0.26) was judged against them (z 3.66) and went through, "no spike" in the end line
-    detector = SpikeDetector()  # the defaults: log scale, window 100, warm-up 50
-    losses = _nll_crossing_zero(seed, steps=200, noise=0.05)
-    for loss in losses:
-        assert detector.assess(loss, 1.0, accept=True).verdict is Verdict.OK
-    assessment = detector.assess(99.35, 1.0)
-    assert assessment.verdict is Verdict.LOSS_SPIKE and assessment.loss_z > 6
-    assert detector.loss_window_scale == "linear"  # the loss went negative: its windows take every loss
-    assert detector.baseline()["loss"] == pytest.approx(statistics.median(losses[-100:]))
-    # a loss <= 0 stays unjudged, as a log scale says it is: a spike that stays below 0 goes through
-    unjudged = detector.unjudged_losses
-    assert detector.assess(-1e-3, 1.0).verdict is Verdict.OK and detector.unjudged_losses == unjudged + 1
-
-
-@pytest.mark.parametrize(("noise", "floor"), [(0.05, -0.3), (0.3, -0.3), (0.05, -1.0), (0.3, -1.0)])
-@pytest.mark.parametrize("seed", range(10))
-def test_a_healthy_loss_crossing_zero_on_its_way_down_is_never_a_spike(seed, noise, floor):
-    # a negative log-likelihood trending from +2 to -0.3 or -1: the positive losses near and after the
-    # crossing are judged on a linear scale against the recent losses, which a descent keeps above them
-    detector = SpikeDetector()
-    for step, loss in enumerate(_nll_crossing_zero(seed, steps=400, noise=noise, floor=floor)):
-        assert detector.assess(loss, 1.0 + 0.1 * math.sin(step), accept=True).verdict is Verdict.OK, step
-
-
-def test_a_loss_gone_below_zero_in_the_warm_up_still_catches_divergence_on_a_log_scale():
-    # a Gaussian NLL below 0 from step 11: while the windows were log, a positive loss 10x the median of the
-    # positive losses was divergence; with linear windows not yet warm it must stay caught (a loss of 1.2e7 at
-    # step 30 went through), while the descent's own positive losses are not
-    detector = SpikeDetector()
-    losses = [2.0 * math.exp(-step / 4) - 0.3 + 0.05 * math.sin(step) for step in range(30)]
-    for loss in losses:
-        assert detector.assess(loss, 1.0, accept=True).verdict is Verdict.OK
-    assert detector.loss_window_scale == "linear" and not detector._loss[POOLED].ready
-    assert detector.assess(1.25e7, 1.0).verdict is Verdict.LOSS_SPIKE
-    assert detector.assess(max(losses) * 5, 1.0).verdict is Verdict.OK
-    linear = SpikeDetector(loss_scale="linear")  # as before: no such check on a linear scale
-    for loss in losses:
-        linear.assess(loss, 1.0, accept=True)
-    assert linear.assess(1.25e7, 1.0).verdict is Verdict.OK
-
-
-def test_a_loss_at_zero_keeps_the_log_scale_and_the_switch_survives_a_checkpoint():
-    # a hinge loss reaches 0 exactly and its positive values keep their multiplicative noise: only a loss
-    # below 0 shows that the log scale cannot place this loss
-    detector = SpikeDetector(warmup=20)
-    _warm(detector)
-    detector.assess(0.0, 2.0, accept=True)
-    assert detector.loss_window_scale == "log" and detector.unjudged_losses == 1
-    detector.assess(-0.5, 2.0, accept=True)
-    assert detector.loss_window_scale == "linear" and detector.baseline()["loss"] == pytest.approx(1.0, 0.1)
-    restored = SpikeDetector(warmup=20)
-    restored.load_state_dict(detector.state_dict())
-    assert restored.loss_window_scale == "linear" and restored.baseline() == detector.baseline()
-    assert restored.state_dict() == detector.state_dict()

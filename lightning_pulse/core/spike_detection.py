@@ -189,11 +189,7 @@ class SpikeDetector:
     is at least ``min_ratio`` times the window median. By default both quantities are judged on a log
     scale: their noise is multiplicative (late in training a loss of 0.05 fluctuates by a factor, not by a
     constant), and on a log scale the z-score of a loss that trends down or a gradient norm that grows
-    during early training stays small. Losses that can be zero or negative need ``loss_scale="linear"``: a
-    log scale leaves a loss <= 0 unjudged. From its first loss below 0 it also stops placing the positive
-    losses on the log scale (its windows would hold the positive values only, spread over decades near 0, the
-    tail of losses centred below it): the loss windows take every accepted loss from then on, on a linear
-    scale (:attr:`loss_window_scale`), and a positive loss is judged against them as ``"linear"`` judges it.
+    during early training stays small. Losses that can be zero or negative need ``loss_scale="linear"``.
     A loss at least ``cold_ratio`` times the median is also a spike when it jumps above the latest values by
     more than the threshold in the spread of successive differences (:meth:`RunningRobustZ.jump_zscore`):
     after a descent by decades inside the window the MAD spans decades and hides a x1e4 step.
@@ -275,8 +271,6 @@ class SpikeDetector:
             self.cold_ratio: math.log(self.cold_ratio),
         }
         self.unjudged_losses = 0  # losses <= 0 seen on a log scale
-        #: the scale of the loss windows: ``loss_scale``, or ``"linear"`` once a log scale saw a loss below 0
-        self.loss_window_scale = loss_scale
         self.accepted_steps = 0  # the windows' clock: a value is stamped with it when it enters
         self._loss: dict[str, RunningRobustZ] = {}
         self._grad_norm: dict[str, RunningRobustZ] = {}
@@ -294,23 +288,16 @@ class SpikeDetector:
             return Assessment(Verdict.NONFINITE_LOSS)
         if grad_norm is not None and not math.isfinite(grad_norm):
             return Assessment(Verdict.NONFINITE_GRAD)
-        loss_scale = self.loss_window_scale  # a loss > 0 on the log windows (the common path): one test each
+        loss_scale = self.loss_scale
         if loss is None or loss_scale == "linear":
-            scaled_loss = judged_loss = loss
-            if loss is not None and loss <= 0 and self.loss_scale == "log":  # the windows went linear
-                judged_loss = None
-                self.unjudged_losses += 1
+            scaled_loss = loss
         elif loss > 0:
-            scaled_loss = judged_loss = math.log(loss)
+            scaled_loss = math.log(loss)
         else:
-            self.unjudged_losses += 1
-            judged_loss = None
             scaled_loss = None
-            if loss < 0:
-                self._take_every_loss()
-                scaled_loss, loss_scale = loss, "linear"
+            self.unjudged_losses += 1
         scaled_grad = math.log(grad_norm) if grad_norm is not None and grad_norm > 0 else None
-        loss_spike, loss_z = self._judge(self._loss, key, judged_loss, self.loss_zscore, loss_scale)
+        loss_spike, loss_z = self._judge(self._loss, key, scaled_loss, self.loss_zscore, loss_scale)
         grad_spike, grad_z = self._judge(self._grad_norm, key, scaled_grad, self.grad_norm_zscore, "log")
         if loss_spike:
             return Assessment(Verdict.LOSS_SPIKE, loss_z, grad_z)
@@ -327,16 +314,14 @@ class SpikeDetector:
     def accept(self, loss: float | None, grad_norm: float | None, key: str = "default") -> None:
         """Add a healthy step's values to the baseline windows of ``key``."""
         self.accepted_steps += 1
-        if loss is not None and loss < 0 and self.loss_window_scale == "log":
-            self._take_every_loss()
-        self._add(self._loss, key, self._on_scale(loss, self.loss_window_scale))
+        self._add(self._loss, key, self._on_scale(loss, self.loss_scale))
         self._add(self._grad_norm, key, self._on_scale(grad_norm, "log"))
 
     def baseline(self, key: str = "default") -> dict[str, float | None]:
         """Median loss and gradient norm of ``key``'s windows, in their own units (``None`` while empty)."""
         out: dict[str, float | None] = {}
         for name, trackers, scale in (
-            ("loss", self._loss, self.loss_window_scale),
+            ("loss", self._loss, self.loss_scale),
             ("grad_norm", self._grad_norm, "log"),
         ):
             tracker = trackers.get(key)
@@ -350,7 +335,6 @@ class SpikeDetector:
             "grad_norm": {key: tracker.state_dict() for key, tracker in self._grad_norm.items()},
             "unjudged_losses": self.unjudged_losses,
             "accepted_steps": self.accepted_steps,
-            "loss_window_scale": self.loss_window_scale,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -361,21 +345,8 @@ class SpikeDetector:
                 trackers[key].load_state_dict(tracker_state)
         self.unjudged_losses = int(state_dict.get("unjudged_losses", 0))
         self.accepted_steps = int(state_dict.get("accepted_steps", 0))
-        # absent before the loss windows could go linear: they held the configured scale's values
-        linear = state_dict.get("loss_window_scale") == "linear"
-        self.loss_window_scale = "linear" if linear else self.loss_scale
 
     # ------------------------------------------------------------------ internals
-    def _take_every_loss(self) -> None:
-        """At a log scale's first loss below 0: the loss windows go linear, their values (the recent losses,
-        all > 0 until now) back in the loss's units, so they stay warm and hold every loss from now on."""
-        self.loss_window_scale = "linear"
-        for tracker in self._loss.values():
-            state = tracker.state_dict()
-            tracker.load_state_dict(
-                {"values": [math.exp(v) for v in state["values"]], "stamps": state["stamps"]}
-            )
-
     @staticmethod
     def _on_scale(value: float | None, scale: str) -> float | None:
         if value is None or scale == "linear":
@@ -453,17 +424,9 @@ class SpikeDetector:
         # losses seen so far is divergence. Not for gradient norms (they legitimately grow by more than that
         # early on), nor on a linear scale (a ratio to a median near zero means nothing).
         early = trackers.get(POOLED)
-        if trackers is not self._loss or early is None or early.median is None:
+        if trackers is not self._loss or scale != "log" or early is None or early.median is None:
             return False, None
-        if scale == "log":
-            return self._exceeds(value, early.median, self.cold_ratio, scale), None  # type: ignore[arg-type]
-        if self.loss_scale == "log":
-            # a log scale's loss gone below 0 early on (its windows linear and not yet warm) kept this check
-            # while they were log: a positive loss cold_ratio times the largest loss seen so far, in size, is
-            # divergence (a loss that descends stays under its first values)
-            ordered = early._sorted
-            return value > self.cold_ratio * max(-ordered[0], ordered[-1]), None
-        return False, None
+        return self._exceeds(value, early.median, self.cold_ratio, scale), None  # type: ignore[arg-type]
 
     def _add(self, trackers: dict[str, RunningRobustZ], key: str, value: float | None) -> None:
         if value is None:

@@ -49,9 +49,7 @@ class StabilityGuardConfig:
     Args:
         min_ratio: a spike must also be at least this many times the window median, in ``(1, 10]``.
         loss_scale: ``"log"`` (loss noise is multiplicative) or ``"linear"``, for losses that can be zero or
-            negative (a log scale leaves a loss <= 0 unjudged; from the first loss below 0 it judges a
-            positive loss on a linear scale, against every recent loss). The gradient norm is always judged on
-            a log scale.
+            negative. The gradient norm is always judged on a log scale.
         per_phase_baselines: keep one baseline window per pulse phase.
         learn_recurring_level: train the batches of recurring loss spikes once they make a fifth of recent
             steps, as a level of the data (a second task at a higher loss in round-robin multi-task

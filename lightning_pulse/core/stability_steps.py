@@ -1110,7 +1110,7 @@ class StabilityCore:
         median = detector.baseline(key)["loss"]
         if loss is None or not loss_spiked(verdict, loss, median, detector.min_ratio):
             return True
-        if not comparable or detector.loss_window_scale != "log":  # a ratio of losses near 0 tells nothing
+        if not comparable or detector.loss_scale != "log":
             return True
         candidates = self._rollback_candidates(model, step, optimizers, schedulers)
         try:
@@ -1469,17 +1469,9 @@ def fmt(value: float | None) -> str:
 
 
 def unjudged_loss_message(loss: float | None) -> str:
-    # below 0 the detector's loss windows went linear (SpikeDetector.loss_window_scale): a positive loss is
-    # still judged, against every recent loss; at 0 (a hinge loss) the positive ones stay on the log scale
-    judged = (
-        "; a positive loss is judged from now on on a linear scale, against the recent losses"
-        if loss is not None and loss < 0
-        else ""
-    )
     return (
-        f"StabilityGuard: the loss is {fmt(loss)} <= 0, which a log scale cannot judge; a loss spike that "
-        f"stays <= 0 goes unnoticed{judged}. Pass `config=StabilityGuardConfig(loss_scale='linear')` for "
-        "such losses."
+        f"StabilityGuard: the loss is {fmt(loss)} <= 0, which a log scale cannot judge; loss spikes go "
+        "unnoticed. Pass `config=StabilityGuardConfig(loss_scale='linear')` for such losses."
     )
 
 
@@ -1494,10 +1486,7 @@ def flag_message(
 ) -> str:
     baseline = detector.baseline(key)
     # a log scale's loss window holds the positive losses only: with a loss <= 0 seen, not the run's median
-    # (unless a loss below 0 turned the windows linear: then they hold every loss)
-    positive = (
-        " of the positive losses" if detector.loss_window_scale == "log" and detector.unjudged_losses else ""
-    )
+    positive = " of the positive losses" if detector.loss_scale == "log" and detector.unjudged_losses else ""
     return (
         f"StabilityGuard: step {step} flagged as {verdict} (loss={fmt(loss)}, grad_norm={fmt(grad_norm)}; "
         f"{key} medians loss={fmt(baseline['loss'])}{positive}, grad_norm={fmt(baseline['grad_norm'])}); "
@@ -1711,31 +1700,26 @@ def summary_message(
     judged them against), when ``detector`` is given and judged a step in this fit; else ``None``. The spike
     figures are the run's (checkpointed): "no spike" holds for this fit and, after a resume, for the steps
     before it that the guard watched. Losses a log scale could not judge in this fit (the detector's count
-    beyond ``fit_start_unjudged``) are said, and then no loss median is given while the loss windows are on
-    the log scale: it would be of the positive losses only. Once a loss below 0 turned them linear, they hold
-    every loss, and the line says that the positive losses were judged on them."""
+    beyond ``fit_start_unjudged``) are said, and then no loss median is given: it would be of the positive
+    losses only."""
     unjudged = 0 if detector is None else detector.unjudged_losses - fit_start_unjudged
-    linear = detector is not None and detector.loss_window_scale == "linear"
     spikes = policy.spikes_detected
     if not spikes and not policy.rollbacks:
         judged = 0 if detector is None else detector.accepted_steps - fit_start_accepted
         if detector is None or judged <= 0:
             return None
         baseline = detector.baseline(POOLED)
-        if unjudged and not linear:
+        if unjudged:
             baseline.pop("loss")
         medians = ", ".join(
             f"{name.replace('_', ' ')} {value:.4g}" for name, value in baseline.items() if value is not None
         )
         clean = f"StabilityGuard: no spike or non-finite value in this fit's {judged} optimizer step(s)"
-        medians = f"medians of the last {detector.window} at most: {medians}" if medians else ""
         if not unjudged:
-            return clean + (f" ({medians})." if medians else ".")
-        if linear:
-            return f"{clean}, but {unjudged_losses_note(unjudged, 'their', linear)}" + (
-                f" ({medians})." if medians else "."
+            return clean + (
+                f" (medians of the last {detector.window} at most: {medians})." if medians else "."
             )
-        medians = f"{medians}; " if medians else ""
+        medians = f"medians of the last {detector.window} at most: {medians}; " if medians else ""
         return (
             f"{clean}, but {unjudged_losses_note(unjudged, 'their')} ({medians}no loss median: on a log "
             "scale it would be of the positive losses only)."
@@ -1746,25 +1730,18 @@ def summary_message(
         if policy.recurring_spikes
         else ""
     )
-    unjudged_note = " Also, " + unjudged_losses_note(unjudged, "this fit's", linear) + "." if unjudged else ""
+    unjudged_note = " Also, " + unjudged_losses_note(unjudged, "this fit's") + "." if unjudged else ""
     return (
         f"StabilityGuard: {spikes} spike(s){recurring}, {policy.steps_skipped} step(s) skipped, "
         f"{policy.rollbacks} rollback(s), {policy.steps_lost} step(s) of work lost.{unjudged_note}"
     )
 
 
-def unjudged_losses_note(count: int, whose: str, linear: bool = False) -> str:
+def unjudged_losses_note(count: int, whose: str) -> str:
     """What ``count`` of ``whose`` losses a log scale could not judge mean, and the way out (the
-    end-of-training line); ``linear``: a loss below 0 had turned the loss windows linear, so the positive
-    losses after it were judged (a spike there was not missed, only one that stayed <= 0)."""
-    judged = (
-        " (the positive losses after the first below 0 were judged on a linear scale, against the recent "
-        "losses)"
-        if linear
-        else ""
-    )
+    end-of-training line)."""
     return (
         f"{count} of {whose} losses {'was' if count == 1 else 'were'} <= 0, which a log scale cannot judge, "
-        f"so a loss spike among them would have gone unnoticed{judged}: pass "
+        "so a loss spike there would have gone unnoticed: pass "
         "`config=StabilityGuardConfig(loss_scale='linear')` for such losses"
     )
