@@ -629,9 +629,13 @@ def test_codecarbon_failing_after_a_slow_start_falls_back_to_codecarbons_default
     assert cpu.read(14.0) == (pytest.approx(4.0 * watts), ESTIMATED)  # from the failed start, 4 s earlier
     assert ram.read(14.0) == (0.0, NONE)
     assert cpu.meter_name == CODECARBON_DEFAULT and cpu.describe()["source"] == source
-    assert len(warnings_seen) == 1 and "cpu meter 'codecarbon' failed" in warnings_seen[0]
-    assert "covers the 4.0 s since the failed meter's start" in warnings_seen[0]
-    assert any("ram meter 'codecarbon' failed" in line for line in infos)
+    # one warning for the one failure: the chain that meets it first warns (the tracker fails in its own
+    # thread, so that is the CPU's or the RAM's, by timing), the other says it as an info line
+    assert len(warnings_seen) == 1 and "meter 'codecarbon' failed" in warnings_seen[0]
+    said = warnings_seen + infos
+    cpu_line = [line for line in said if "cpu meter 'codecarbon' failed" in line]
+    assert len(cpu_line) == 1 and "covers the 4.0 s since the failed meter's start" in cpu_line[0]
+    assert any("ram meter 'codecarbon' failed" in line for line in said)
     assert [event.component for event in cpu.events + ram.events] == ["cpu", "ram"]
     for chain in (cpu, ram):
         chain.close()
