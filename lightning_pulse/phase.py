@@ -789,7 +789,7 @@ class PhaseRows:
         self._in_step = False  # between a step's start and its row's decision
         self._ended_by_hold = False  # a hold ended the step's phase before its row was decided
         self._unwritten: dict[str, float] | None = None  # the last step's row, where none was written
-        self.late_row: dict[str, float] | None = None  # that row, due since a hold ended its phase after it
+        self._late_row: dict[str, float] | None = None  # that row, due since a hold ended its phase after it
 
     def step_starts(self, clock: PhaseClock) -> None:
         self.trained = {"pulse/phase": clock.phase.code, "pulse/cycle": clock.cycle}
@@ -806,14 +806,14 @@ class PhaseRows:
 
     def phase_ended_by_hold(self) -> None:
         """A hold (:meth:`PhaseClock.hold`) ended the phase: the step in it that trained last was its last.
-        Before that step's row was decided, it is written; after, it is due now (:attr:`late_row`)."""
+        Before that step's row was decided, it is written; after, it is due now (:meth:`take_late_row`)."""
         if self._in_step:
             self._ended_by_hold = True
         else:
-            self.late_row, self._unwritten = self._unwritten, None
+            self._late_row, self._unwritten = self._unwritten, None
 
     def take_late_row(self) -> dict[str, float] | None:
-        row, self.late_row = self.late_row, None
+        row, self._late_row = self._late_row, None
         return row
 
     def take_last_row(self) -> dict[str, float] | None:

@@ -115,7 +115,10 @@ def switch_steps(trained_in: list[tuple[float, float]]) -> set[int]:
     return edges
 
 
-def fit_logging_phases(every: int, tmp_path, callbacks=(), steps: int = 12) -> tuple[LogsItsPhase, dict]:
+def fit_logging_phases(
+    every: int, tmp_path, callbacks=(), steps: int = 12, after=()
+) -> tuple[LogsItsPhase, dict]:
+    """A fit of PulseCycle (3/2/1 steps) between ``callbacks`` and ``after``, and its phase rows."""
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
         torch.randn(192, 16, generator=generator), torch.randint(0, 4, (192,), generator=generator)
@@ -123,7 +126,7 @@ def fit_logging_phases(every: int, tmp_path, callbacks=(), steps: int = 12) -> t
     logger = RecordingLogger()
     cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0, anneal=0, maintain_eval="none")
     trainer = pl.Trainer(
-        callbacks=[*callbacks, cycle],
+        callbacks=[*callbacks, cycle, *after],
         **trainer_kwargs(logger=logger, max_steps=steps, log_every_n_steps=every, default_root_dir=tmp_path),
     )
     model = LogsItsPhase()
@@ -164,20 +167,9 @@ def test_a_hold_from_a_scheduler_listed_first_does_not_relabel_the_step_it_follo
 def test_a_phase_a_hold_ends_gets_its_last_step_row_in_either_callback_order(scheduler_first, tmp_path):
     # a review: the rows at a phase's last step came only from the clock's own ends, so a burst a hold ended
     # (GreenWindow's light mode) had none under a long cadence, in both orders of the callbacks
-    generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(
-        torch.randn(192, 16, generator=generator), torch.randint(0, 4, (192,), generator=generator)
-    )
-    logger = RecordingLogger()
-    cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0, anneal=0, maintain_eval="none")
-    hold = HoldsLightAfter(step=1)
-    trainer = pl.Trainer(
-        callbacks=[hold, cycle] if scheduler_first else [cycle, hold],
-        **trainer_kwargs(logger=logger, max_steps=6, log_every_n_steps=1000, default_root_dir=tmp_path),
-    )
-    model = LogsItsPhase()
-    trainer.fit(model, DataLoader(data, batch_size=16))
-    rows = phase_rows(logger)
+    hold = [HoldsLightAfter(step=1)]
+    before, after = (hold, ()) if scheduler_first else ((), hold)
+    model, rows = fit_logging_phases(1000, tmp_path, callbacks=before, steps=6, after=after)
     assert [phase for phase, _ in model.trained_in][:3] == [0, 0, 1]  # the burst ended by the hold at step 1
     assert all(rows[step] == model.trained_in[step] for step in rows)
     assert set(rows) == switch_steps(model.trained_in)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_pulse.core.freeze_metrics import METRIC_PREFIX
+from lightning_pulse.core.prune_targets import has_own_forward
 from lightning_pulse.core.sample_index import KEEP_ONE_ROW_PER_INDEX
 from lightning_pulse.errors import PulseRefusal
 
@@ -716,9 +717,7 @@ def _no_forward_of_its_own(module: nn.Module) -> bool:
     """Whether ``module`` is a container of modules whose class has only ``nn.Module``'s placeholder
     ``forward`` (an ``nn.ModuleList`` or ``nn.ModuleDict``): the model calls its children, never it. Not a
     holder of parameters alone (an ``nn.ParameterList``, a codebook): the model reads those directly."""
-    return _forward_owner(module) is nn.Module and any(
-        _holds_parameters(child) for child in module.children()
-    )
+    return not has_own_forward(module) and any(_holds_parameters(child) for child in module.children())
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -735,13 +734,9 @@ def _called_parts(name: str, module: nn.Module) -> list[str]:
         full = f"{name}.{child_name}"
         if _no_forward_of_its_own(child):
             parts.extend(_called_parts(full, child))
-        elif _forward_owner(child) is not nn.Module:  # not parameters read directly (an nn.ParameterList)
+        elif has_own_forward(child):  # not parameters read directly (an nn.ParameterList)
             parts.append(full)
     return parts
-
-
-def _forward_owner(module: nn.Module) -> type:
-    return next(cls for cls in type(module).__mro__ if "forward" in vars(cls))
 
 
 def _class_name(module: nn.Module) -> str:
