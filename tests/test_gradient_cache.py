@@ -1456,6 +1456,89 @@ def test_a_frozen_module_list_unit_is_named_a_container_with_no_forward_and_its_
     assert len(about_cache) == 1 and "its weights read directly" in about_cache[0]
 
 
+class _ParameterListsInADict(_ScalesReadDirectly):
+    """An ``nn.ModuleDict`` holding an ``nn.ParameterList``, every weight read directly: no part is called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.ModuleDict({"w": self.stem})
+
+    def training_step(self, batch, batch_idx):
+        h = batch[0]
+        for weight in self.stem["w"]:
+            h = torch.tanh(h @ weight)
+        return torch.nn.functional.cross_entropy(self.head(h), batch[1])
+
+
+def test_a_module_dict_of_parameter_lists_read_directly_keeps_the_weights_read_directly_reason():
+    # a review: any child holding parameters made a unit a container, and an nn.ParameterList is one; the
+    # warning said its parent "calls its children", though nothing under it is called
+    cache, about_cache = _fit_looped_stem(["stem", "head"], _ParameterListsInADict)
+    assert len(about_cache) == 1 and "its weights read directly" in about_cache[0]
+    assert "container" not in about_cache[0] and list(cache.activations.uncached) == ["stem"]
+
+
+class _ScaledBlocks(torch.nn.Module):  # no forward: a scale read directly beside layers the step calls
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(16))
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 16), torch.nn.Linear(16, 16)])
+
+
+class _ScaledBlocksStem(_LoopedStem):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = _ScaledBlocks()
+
+    def training_step(self, batch, batch_idx):
+        h = torch.tanh(self.stem.blocks[0](batch[0])) * self.stem.scale
+        return torch.nn.functional.cross_entropy(self.head(torch.tanh(self.stem.blocks[1](h))), batch[1])
+
+
+def test_a_containers_parameters_read_directly_are_named_beside_its_parts_to_name():
+    # a review: the way out named only the called parts, and following it left `stem.scale` in no unit
+    # named (in `<rest>`) without a word
+    cache, about_cache = _fit_looped_stem(["stem", "head"], _ScaledBlocksStem)
+    assert len(about_cache) == 1
+    assert (
+        "name its parts in `units` (`stem.blocks.0`, `stem.blocks.1`); `stem.scale` is read directly: name it "
+        "too, or it joins `<rest>` (not cached either way)."
+    ) in about_cache[0]
+    cache, about_cache = _fit_looped_stem(
+        ["stem.blocks.0", "stem.scale", "stem.blocks.1", "head"], _ScaledBlocksStem
+    )
+    assert about_cache == [] and cache.activations.hits > 0
+
+
+class _Backbone(pl.LightningModule):  # a pretrained LightningModule reused as a part: no forward of its own
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mid = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16)
+
+
+class _PretrainedStem(_LoopedStem):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = _Backbone()
+
+    def training_step(self, batch, batch_idx):
+        h = torch.tanh(self.stem.mid(torch.tanh(self.stem.enc(batch[0]))))
+        return torch.nn.functional.cross_entropy(self.head(h), batch[1])
+
+
+def test_a_lightning_module_reused_as_a_part_without_forward_is_a_container_with_its_parts_as_the_way_out():
+    """A review of a6dbbb4: ``LightningModule``'s placeholder ``forward`` counts as no forward, so a
+    pretrained backbone without one, used as a unit, is a container whose parts the step calls (it was told
+    its "weights [are] read directly", with no way out); its parts, so named, are replayed."""
+    cache, about_cache = _fit_looped_stem(["stem", "head"], _PretrainedStem)
+    assert len(about_cache) == 1 and "container (`_Backbone`) with no forward of its own" in about_cache[0]
+    assert "name its parts in `units` (`stem.enc`, `stem.mid`)." in about_cache[0]
+    cache, about_cache = _fit_looped_stem(["stem.enc", "stem.mid", "head"], _PretrainedStem)
+    assert about_cache == [] and cache.activations.hits > 0
+
+
 class _CheckpointedLayer(torch.nn.Module):
     """A decoder layer shaped like Hugging Face's under gradient checkpointing: its body runs in a
     non-reentrant activation checkpoint, its children are the units, and its attention returns a tuple."""
@@ -1632,7 +1715,7 @@ def test_a_guard_rollback_listed_before_gradient_cache_is_not_undone_for_the_fro
 def test_a_containers_parts_to_name_leave_out_parameters_read_directly():
     # a review: a ModuleDict holding an nn.ParameterList the step reads directly named that list as a part to
     # give in `units`, where the cache can no more reach it
-    from lightning_pulse.core.activation_cache import _called_parts
+    from lightning_pulse.core.activation_cache import _called_parts, _no_forward_of_its_own
 
     stem = torch.nn.ModuleDict(
         {
@@ -1642,3 +1725,6 @@ def test_a_containers_parts_to_name_leave_out_parameters_read_directly():
         }
     )
     assert _called_parts("stem", stem) == ["stem.proj", "stem.blocks.0"]
+    # one whose parameters are all read directly is no container: nothing under it is called
+    assert not _no_forward_of_its_own(torch.nn.ModuleDict({"scales": stem["scales"]}))
+    assert _no_forward_of_its_own(stem)

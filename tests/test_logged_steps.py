@@ -100,8 +100,20 @@ class HoldsLightAfter(Callback):
             pulse_cycle_of(trainer).hold_light(trainer, pl_module, True)
 
 
+class HoldsLightAtStart(Callback):
+    """Holds light as the fit starts, as GreenWindow does for a fit resumed inside a dirty window."""
+
+    def on_train_start(self, trainer, pl_module):
+        pulse_cycle_of(trainer).hold_light(trainer, pl_module, True)
+
+
 def phase_rows(logger: RecordingLogger) -> dict[int, tuple[float, float]]:
-    phases, cycles = dict(logger.logged("pulse/phase")), dict(logger.logged("pulse/cycle"))
+    """The phase and cycle rows by step; two rows at one step (a stale one beside the real one) fail here,
+    where the dict would keep one of them."""
+    phases, cycles = logger.logged("pulse/phase"), logger.logged("pulse/cycle")
+    for rows in (phases, cycles):
+        assert len({step for step, _ in rows}) == len(rows)
+    phases, cycles = dict(phases), dict(cycles)
     assert phases.keys() == cycles.keys()
     return {step: (phases[step], cycles[step]) for step in phases}
 
@@ -116,21 +128,31 @@ def switch_steps(trained_in: list[tuple[float, float]]) -> set[int]:
 
 
 def fit_logging_phases(
-    every: int, tmp_path, callbacks=(), steps: int = 12, after=()
+    every: int, tmp_path, callbacks=(), steps: int = 12, after=(), cycle=None, ckpt_path=None
 ) -> tuple[LogsItsPhase, dict]:
-    """A fit of PulseCycle (3/2/1 steps) between ``callbacks`` and ``after``, and its phase rows."""
+    """A fit of PulseCycle (3/2/1 steps, or ``cycle``) between ``callbacks`` and ``after``, and its phase
+    rows; ``ckpt_path`` resumes it."""
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
         torch.randn(192, 16, generator=generator), torch.randint(0, 4, (192,), generator=generator)
     )
     logger = RecordingLogger()
-    cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0, anneal=0, maintain_eval="none")
+    if cycle is None:
+        cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0, anneal=0, maintain_eval="none")
+    callbacks = [*callbacks, cycle, *after]
+    checkpoints = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
     trainer = pl.Trainer(
-        callbacks=[*callbacks, cycle, *after],
-        **trainer_kwargs(logger=logger, max_steps=steps, log_every_n_steps=every, default_root_dir=tmp_path),
+        callbacks=callbacks,
+        **trainer_kwargs(
+            logger=logger,
+            max_steps=steps,
+            log_every_n_steps=every,
+            default_root_dir=tmp_path,
+            enable_checkpointing=checkpoints,
+        ),
     )
     model = LogsItsPhase()
-    trainer.fit(model, DataLoader(data, batch_size=16))
+    trainer.fit(model, DataLoader(data, batch_size=16), ckpt_path=ckpt_path)
     return model, phase_rows(logger)
 
 
@@ -173,6 +195,21 @@ def test_a_phase_a_hold_ends_gets_its_last_step_row_in_either_callback_order(sch
     assert [phase for phase, _ in model.trained_in][:3] == [0, 0, 1]  # the burst ended by the hold at step 1
     assert all(rows[step] == model.trained_in[step] for step in rows)
     assert set(rows) == switch_steps(model.trained_in)
+
+
+def test_the_same_cycle_resumed_with_a_hold_at_the_fit_start_logs_no_stale_row_at_its_first_step(tmp_path):
+    # a review of 18302e0: the first fit's last step, off the cadence and ending no phase, kept its row due,
+    # and a hold at the resumed fit's start wrote it at that fit's first step: a burst row beside the replay
+    # row of the step that trained there
+    cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0, anneal=0, maintain_eval="none")
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    first, _ = fit_logging_phases(50, tmp_path, steps=8, cycle=cycle, after=[saves])
+    assert [phase for phase, _ in first.trained_in][-2:] == [0, 0]  # it ends inside the second burst
+    model, rows = fit_logging_phases(
+        50, tmp_path, steps=11, cycle=cycle, after=[HoldsLightAtStart()], ckpt_path=tmp_path / "last.ckpt"
+    )
+    assert model.trained_in == [(1, 1), (1, 1), (2, 1)]  # the hold ended the burst before step 8
+    assert rows == dict(zip(range(8, 11), model.trained_in))
 
 
 def test_a_skipped_step_is_counted_in_the_row_of_the_loss_it_skipped(mnist1d_small, tmp_path):

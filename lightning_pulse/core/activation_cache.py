@@ -714,10 +714,12 @@ def _why_unrecorded(entry: _ActivationEntry) -> str:
 
 
 def _no_forward_of_its_own(module: nn.Module) -> bool:
-    """Whether ``module`` is a container of modules whose class has only ``nn.Module``'s placeholder
-    ``forward`` (an ``nn.ModuleList`` or ``nn.ModuleDict``): the model calls its children, never it. Not a
-    holder of parameters alone (an ``nn.ParameterList``, a codebook): the model reads those directly."""
-    return not has_own_forward(module) and any(_holds_parameters(child) for child in module.children())
+    """Whether ``module`` is a container the model calls the parts of, never itself: its class, like
+    ``nn.ModuleList``, ``nn.ModuleDict`` or a ``LightningModule`` reused as a part, defines no ``forward``
+    (``has_own_forward``), and it holds parts that do (:func:`_called_parts`). Not one whose parameters are
+    all read directly (an ``nn.ParameterList``, a codebook, a ``ModuleDict`` of parameter lists): naming
+    its parts would reach nothing the cache can replay."""
+    return not has_own_forward(module) and bool(_called_parts("", module))
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -726,17 +728,27 @@ def _holds_parameters(module: nn.Module) -> bool:
 
 def _called_parts(name: str, module: nn.Module) -> list[str]:
     """The parts under container ``module`` (named ``name``) that hold parameters and have a forward: its
-    children, and for a child that is itself a container, that child's parts."""
+    children, and for a child with no forward of its own, that child's parts."""
     parts = []
     for child_name, child in module.named_children():
         if not _holds_parameters(child):
             continue
         full = f"{name}.{child_name}"
-        if _no_forward_of_its_own(child):
-            parts.extend(_called_parts(full, child))
-        elif has_own_forward(child):  # not parameters read directly (an nn.ParameterList)
-            parts.append(full)
+        # a child with no forward is called through its parts, or only read (an nn.ParameterList: none)
+        parts.extend([full] if has_own_forward(child) else _called_parts(full, child))
     return parts
+
+
+def _read_directly(name: str, module: nn.Module, parts: Sequence[str]) -> list[str]:
+    """The parameters under container ``module`` (named ``name``) that none of its ``parts`` holds: the model
+    reads them directly, so naming the parts leaves them to the unit ``<rest>``."""
+    names = (f"{name}.{param_name}" for param_name, _ in module.named_parameters())
+    return [full for full in names if not any(full.startswith(f"{part}.") for part in parts)]
+
+
+def _listed(names: Sequence[str]) -> str:
+    shown = ", ".join(f"`{name}`" for name in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _class_name(module: nn.Module) -> str:
@@ -749,9 +761,14 @@ def _container_reason(entry: _ActivationEntry) -> str:
     ``encoder.block.0``, ConvNeXtV2's ``downsampling_layer``) cannot be cached, with the children to name in
     ``units`` instead: the cache replays a module's forward, and the parent calls the container's children
     one by one."""
-    children = [f"`{part}`" for part in _called_parts(entry.name, entry.module)]
-    shown = ", ".join(children[:3]) + (f" and {len(children) - 3} more" if len(children) > 3 else "")
-    way_out = f"; to cache them, name its parts in `units` ({shown})" if children else ""
+    parts = _called_parts(entry.name, entry.module)
+    way_out = f"; to cache them, name its parts in `units` ({_listed(parts)})"
+    if read := _read_directly(entry.name, entry.module, parts):
+        # left unnamed, they join `<rest>`, which pools every parameter no entry names, wherever it sits
+        what = "are read directly: name them too, or they join"
+        if len(read) == 1:
+            what = "is read directly: name it too, or it joins"
+        way_out += f"; {_listed(read)} {what} `<rest>` (not cached either way)"
     return (
         f"it is a container (`{_class_name(entry.module)}`) with no forward of its own: its parent loops "
         f"over it and calls its children, so there is no call of it whose inputs can be cached{way_out}"
