@@ -363,6 +363,23 @@ def backend_released(tensor: torch.Tensor) -> bool:
     return tensor._use_count() <= 1
 
 
+# ---------------------------------------------------------------------------- GreenWindow's deferred save
+def append_callback_for_fit(trainer: pl.Trainer, callback: Any) -> None:
+    """Append ``callback`` to ``trainer.callbacks`` (once), from a ``setup`` hook of the fit.
+
+    Relies on Lightning's hook calls iterating ``trainer.callbacks`` itself, in order, at every hook (not a
+    copy taken earlier), and on its checkpoint callbacks having been moved to the end before ``setup``: the
+    callback then runs last in every later hook of the fit, after a ModelCheckpoint too.
+    """
+    if not any(c is callback for c in trainer.callbacks):
+        trainer.callbacks.append(callback)
+
+
+def remove_callback(trainer: pl.Trainer, callback: Any) -> None:
+    """Take ``callback`` out of ``trainer.callbacks`` again (teardown, or an exception ending the fit)."""
+    trainer.callbacks[:] = [c for c in trainer.callbacks if c is not callback]
+
+
 # ---------------------------------------------------------------------------- ScheduledPrune (issue 6)
 def loaded_checkpoint(trainer: pl.Trainer) -> dict[str, Any] | None:
     """The checkpoint dict Lightning is restoring from right now, or ``None``.

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_pulse import GreenWindow, GreenWindowOptions, SimulatedClock
+from lightning_pulse import GreenWindow, GreenWindowOptions, PulseCycle, SimulatedClock
+from lightning_pulse.callbacks.green_window import SUSPEND_CHECKPOINT
 from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
 from lightning_pulse.energy.carbon import parse_timestamp
 from tests.conftest import trainer_kwargs
@@ -59,3 +62,27 @@ def test_without_a_report_dir_the_fit_ends_and_rank_zero_writes_to_the_log_dir(m
     report = json.loads((tmp_path / "green_window_report.json").read_text())  # logger=False: the root dir
     assert report["status"] == "complete"
     assert report["summary"]["compute_s"] == pytest.approx(12 * 600.0)
+
+
+@pytest.mark.ddp
+def test_ranks_suspend_together_with_the_pulse_cycle_listed_after_at_the_saved_step(mnist1d_small, tmp_path):
+    # the suspend checkpoint is saved (a collective) by a callback appended last, on every rank in the same
+    # hook: the fit ends on both ranks, and a PulseCycle listed after GreenWindow is saved after the step
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock("2020-06-15 14:00:00")
+    green = GreenWindow(signal=DE_JUNE, when_dirty="suspend", max_delay=1.0, clock=clock)
+    pulse = PulseCycle(burst=5, replay=3, maintain=2, warmup=0, anneal=0, maintain_eval="none")
+    kwargs = trainer_kwargs(
+        devices=2, strategy=TwoGlooProcesses(), enable_checkpointing=True, default_root_dir=str(tmp_path)
+    )
+    callbacks = [
+        SimulatedStepTime(clock, 600.0),
+        green,
+        pulse,
+        ModelCheckpoint(dirpath=tmp_path, save_top_k=0),
+    ]
+    trainer = pl.Trainer(callbacks=callbacks, max_steps=48, limit_val_batches=0, **kwargs)
+    trainer.fit(model, data)
+    saved = torch.load(tmp_path / SUSPEND_CHECKPOINT, weights_only=False)
+    assert 0 < saved["global_step"] < 48
+    assert saved["callbacks"]["PulseCycle"]["clock"]["step"] == saved["global_step"]

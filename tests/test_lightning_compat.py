@@ -162,6 +162,46 @@ def test_set_callback_metric_is_visible_through_the_public_callback_metrics():
     assert float(trainer.callback_metrics["energy/total_kwh"]) == 0.25
 
 
+class _HookOrder(pl.Callback):
+    def __init__(self, name: str, calls: list[str], appends: pl.Callback | None = None) -> None:
+        self.name, self.calls, self.appends = name, calls, appends
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if self.appends is not None:
+            compat.append_callback_for_fit(trainer, self.appends)
+            compat.append_callback_for_fit(trainer, self.appends)  # once
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.calls.append(self.name)
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if self.appends is not None:
+            compat.remove_callback(trainer, self.appends)
+
+
+def test_a_callback_appended_at_setup_runs_last_in_each_later_hook_after_a_model_checkpoint(
+    mnist1d_small, tmp_path
+):
+    # GreenWindow's SuspendSave relies on it: hooks iterate trainer.callbacks itself, checkpoints moved first
+    calls: list[str] = []
+
+    class Checkpoint(pl.callbacks.ModelCheckpoint):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            calls.append("checkpoint")
+            super().on_train_batch_end(trainer, *args)
+
+    last = _HookOrder("appended", calls)
+    callbacks = [
+        _HookOrder("first", calls, appends=last),
+        Checkpoint(dirpath=tmp_path),
+        _HookOrder("after", calls),
+    ]
+    trainer = pl.Trainer(max_steps=2, callbacks=callbacks, **trainer_kwargs(enable_checkpointing=True))
+    trainer.fit(*mnist1d_small(arch="mlp"))
+    assert calls == ["first", "after", "checkpoint", "appended"] * 2
+    assert last not in trainer.callbacks
+
+
 def test_the_exit_time_group_teardown_is_registered_only_in_a_distributed_run(monkeypatch):
     registered = []
     monkeypatch.setattr("atexit.register", registered.append)

@@ -17,6 +17,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.callbacks._suspend_save import SUSPEND_CHECKPOINT as SUSPEND_CHECKPOINT  # re-exported
+from lightning_pulse.callbacks._suspend_save import SuspendSave
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
 from lightning_pulse.core.green_report import energy_source, report_record, saving_line, write_report_safely
 from lightning_pulse.core.green_window import (
@@ -31,13 +33,11 @@ from lightning_pulse.core.green_window import (
     pause_slot,
     restart_run,
     unknown_length_refusal,
-    write_resume_notice,
 )
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, refuse_unwritable_dir, refusing
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.protocols import pausing
 
-SUSPEND_CHECKPOINT = "last-green-window.ckpt"
 SYNC_EVERY_N_STEPS = 10  # under DDP, rank 0's clock is consulted (and its decision shared) this often
 
 
@@ -146,6 +146,7 @@ class GreenWindow(Callback):
         self.report: dict[str, Any] | None = None
         self.report_paths: list[Path] = []
         self._held = compat.CollectiveHold()
+        self._suspend_save = SuspendSave()  # last in trainer.callbacks (see callbacks._suspend_save)
         self._energy: Any = None
         self._open: dict[str, Any] | None = None  # the segment a checkpoint held, until training resumes
         self._carried_s = 0.0  # the run-time shift a checkpoint held (RunClock.restart)
@@ -155,6 +156,8 @@ class GreenWindow(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._one_run.setup(trainer)  # in every stage, before Lightning restores: see FitRestores
+        if stage == "fit" and self.when_dirty == "suspend":
+            self._suspend_save.attach(trainer)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -244,6 +247,11 @@ class GreenWindow(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
+        self._suspend_save.detach(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: BaseException) -> None:
+        self._suspend_save.detach(trainer)  # no teardown follows an exception
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -312,19 +320,10 @@ class GreenWindow(Callback):
                 rank_zero_info(stopped)
             self._next_check = -math.inf if stopped is None else self._next_check
             return stopped is None
-        self._suspend(trainer, decision, self.run_clock.time())
-        return False
-
-    def _suspend(self, trainer: pl.Trainer, decision: Decision, now: float) -> None:
         # the checkpoint keeps the run's times; the resume file, the clock's (see RunClock.suspension)
-        self.suspended, now, resume_at = self.run_clock.suspension(now, decision)
-        folder = Path(trainer.checkpoint_callback.dirpath or trainer.default_root_dir)  # type: ignore[union-attr]
-        trainer.save_checkpoint(path := folder / SUSPEND_CHECKPOINT)
-        if self._energy is not None:  # its energy after this (Lightning validates after a stop) is carried
-            self._energy.account.saved_for_suspend(path)
-        if trainer.is_global_zero:
-            rank_zero_info(write_resume_notice(folder, now, resume_at, path, decision, self.schedule))
-        trainer.should_stop = True
+        self.suspended, now, resume_at = self.run_clock.suspension(self.run_clock.time(), decision)
+        self._suspend_save.due(decision, now, resume_at, self.schedule, self._energy)  # saves, stops the fit
+        return False
 
     # ------------------------------------------------------------------ energy
     def _mark_kind(self, trainer: pl.Trainer) -> None:

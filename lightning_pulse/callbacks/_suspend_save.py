@@ -1,0 +1,72 @@
+"""SuspendSave: GreenWindow's suspend checkpoint, saved once every callback's hook of the step has run.
+
+Saved inside GreenWindow's own ``on_train_batch_end``, the checkpoint held the callbacks listed after it as
+they were before their hook of that step ran, a step behind: with ``[GreenWindow, PulseCycle]`` every suspend
+and resume trained one more step of the phase in progress. Lightning moves its checkpoint callbacks to the end
+of ``trainer.callbacks`` for this reason. GreenWindow is no checkpoint callback (it decides in its hook whether
+to save at all, and its place in the list orders its other hooks), so it hands the suspend to a
+:class:`SuspendSave` appended at the end of the list: it runs at the end of the same hook, after a
+ModelCheckpoint's save of the step, on every rank (``save_checkpoint`` is a collective; every rank takes the
+same decision, rank 0's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.core.green_window import Decision, write_resume_notice
+
+SUSPEND_CHECKPOINT = "last-green-window.ckpt"
+
+
+class SuspendSave(Callback):
+    """Saves the suspend a GreenWindow decided (:meth:`due`) at the end of the hook now running (training
+    start or a training batch's end), writes when to resume and stops the fit. Stateless: a checkpoint holds
+    no entry for it, so a fit resumes from it with or without one, in any callback order.
+    """
+
+    def __init__(self) -> None:
+        self._due: tuple[Decision, float, float, Any, Any] | None = None
+
+    def attach(self, trainer: pl.Trainer) -> None:
+        """Listed last in ``trainer.callbacks`` for this fit (once), after Lightning ordered them."""
+        compat.append_callback_for_fit(trainer, self)
+
+    def detach(self, trainer: pl.Trainer) -> None:
+        """Out of ``trainer.callbacks`` again; a suspend still due is dropped (the fit has ended)."""
+        self._due = None
+        compat.remove_callback(trainer, self)
+
+    def due(self, decision: Decision, now: float, resume_at: float, schedule: Any, energy: Any) -> None:
+        """Suspend once every callback's part of the hook now running is done (``now``, ``resume_at``: the
+        clock's times for the resume file; ``energy``: the EnergyLogger whose later energy is carried)."""
+        self._due = (decision, now, resume_at, schedule, energy)
+
+    def _save_due(self, trainer: pl.Trainer) -> None:
+        if self._due is None:
+            return
+        (decision, now, resume_at, schedule, energy), self._due = self._due, None
+        folder = Path(trainer.checkpoint_callback.dirpath or trainer.default_root_dir)  # type: ignore[union-attr]
+        trainer.save_checkpoint(path := folder / SUSPEND_CHECKPOINT)
+        if energy is not None:  # its energy after this (Lightning validates after a stop) is carried
+            energy.account.saved_for_suspend(path)
+        if trainer.is_global_zero:
+            rank_zero_info(write_resume_notice(folder, now, resume_at, path, decision, schedule))
+        trainer.should_stop = True  # here: the callbacks before this one ran their hook as if never stopped
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._save_due(trainer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._save_due(trainer)
