@@ -3,8 +3,8 @@
 Saved inside GreenWindow's own ``on_train_batch_end``, the checkpoint held the callbacks listed after it as
 they were before their hook of that step ran, a step behind: with ``[GreenWindow, PulseCycle]`` every suspend
 and resume trained one more step of the phase in progress. Lightning moves its checkpoint callbacks to the end
-of ``trainer.callbacks`` for this reason. GreenWindow is no checkpoint callback (it decides in its hook whether
-to save at all, and its place in the list orders its other hooks), so it hands the suspend to a
+of ``trainer.callbacks`` for this reason. GreenWindow is no checkpoint callback (it decides in its hook
+whether to save at all, and its place in the list orders its other hooks), so it hands the suspend to a
 :class:`SuspendSave` appended at the end of the list: it runs at the end of the same hook, after a
 ModelCheckpoint's save of the step, on every rank (``save_checkpoint`` is a collective; every rank takes the
 same decision, rank 0's).
@@ -53,7 +53,8 @@ class SuspendSave(Callback):
         if self._due is None:
             return
         (decision, now, resume_at, schedule, energy), self._due = self._due, None
-        folder = Path(trainer.checkpoint_callback.dirpath or trainer.default_root_dir)  # type: ignore[union-attr]
+        checkpointing = trainer.checkpoint_callback
+        folder = Path(checkpointing.dirpath or trainer.default_root_dir)  # type: ignore[union-attr]
         trainer.save_checkpoint(path := folder / SUSPEND_CHECKPOINT)
         if energy is not None:  # its energy after this (Lightning validates after a stop) is carried
             energy.account.saved_for_suspend(path)
