@@ -5,6 +5,8 @@ beneath."""
 from __future__ import annotations
 
 import logging
+import re
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -247,3 +249,127 @@ def test_a_backbone_unfrozen_with_a_new_optimizer_at_an_epochs_start_is_followed
     trainer.fit(_UnfrozenWithANewOptimizer(), data)
     retraces = [event["step"] for event in cache.events if event["reason"] == "retrace"]
     assert retraces and retraces[0] == 12  # epoch 1's first batch (12 batches an epoch)
+
+
+class RawMLP(nn.Module):
+    """A layer of the user's own: its parameters held as its attributes, no children."""
+
+    def __init__(self, *weights: torch.Tensor) -> None:
+        super().__init__()
+        self.w1, self.b1, self.w2, self.w3 = map(nn.Parameter, weights)
+
+    def forward(self, x):
+        return F.relu(F.relu(x @ self.w1 + self.b1) @ self.w2) @ self.w3
+
+
+class RawParameters(pl.LightningModule):
+    """An MLP written with matmuls over one ``nn.ParameterDict`` or ``nn.ParameterList``: the automatic split
+    keeps the container whole, so it is the model's single unit."""
+
+    def __init__(self, container: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        w1, b1, w2, w3 = (
+            torch.randn(16, 32) / 4,
+            torch.zeros(32),
+            torch.randn(32, 32) / 6,
+            torch.randn(32, 4) / 6,
+        )
+        if container == "dict":
+            self.p = nn.ParameterDict(
+                {name: nn.Parameter(t) for name, t in zip(("w1", "b1", "w2", "w3"), (w1, b1, w2, w3))}
+            )
+            self.order = ["p.w1", "p.b1", "p.w2", "p.w3"]
+        elif container == "list":
+            self.p = nn.ParameterList([nn.Parameter(w1), nn.Parameter(w2), nn.Parameter(w3)])
+            self.order = ["p.0", "p.1", "p.2"]
+        else:
+            self.p = RawMLP(w1, b1, w2, w3)
+            self.order = ["p.w1", "p.b1", "p.w2", "p.w3"]
+
+    def forward(self, x):
+        p = self.p
+        if isinstance(p, nn.ParameterDict):
+            return F.relu(F.relu(x @ p["w1"] + p["b1"]) @ p["w2"]) @ p["w3"]
+        if isinstance(p, nn.ParameterList):
+            return F.relu(F.relu(x @ p[0]) @ p[1]) @ p[2]
+        return p(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class FrozenSets(Callback):
+    """The names of the parameters that do not train, at each batch where they change."""
+
+    def __init__(self) -> None:
+        self.sets: list[list[str]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        frozen = [name for name, param in pl_module.named_parameters() if not param.requires_grad]
+        if not self.sets or self.sets[-1] != frozen:
+            self.sets.append(frozen)
+
+
+def _fit_raw(container: str, **options) -> tuple[GradientCache, FrozenSets]:
+    x = torch.randn(128, 16, generator=torch.Generator().manual_seed(0))
+    cache, frozen = GradientCache(**EAGER, **options), FrozenSets()
+    trainer = pl.Trainer(callbacks=[cache, frozen], **trainer_kwargs(max_steps=40))
+    trainer.fit(RawParameters(container), DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=16))
+    return cache, frozen
+
+
+@pytest.mark.parametrize("container", ["dict", "list", "module"])
+def test_a_model_whose_weights_sit_in_one_parameter_container_is_told_the_units_that_freeze_them(container):
+    # sweep: the container was the model's single unit, and fit start said only (info) "the model has a single
+    # trainable unit, so nothing can be frozen": no freeze in the whole run, and no way out named
+    with pytest.warns(
+        UserWarning, match=r"single trainable unit, so nothing can be frozen: `p` holds"
+    ) as said:
+        cache, frozen = _fit_raw(container)
+    assert frozen.sets == [[]] and not cache.events
+    (message,) = [str(w.message) for w in said if "single trainable unit" in str(w.message)]
+    kind = {
+        "dict": "an nn.ParameterDict",
+        "list": "an nn.ParameterList",
+        "module": "a RawMLP without children",
+    }
+    assert f"in {kind[container]}, which the automatic split keeps whole" in message
+    assert message.endswith("(each name is its own unit; any order).")
+    units = eval(re.search(r"units=(\[[^]]*\])", message).group(1))
+    assert sorted(units) == sorted(RawParameters(container).order)
+    # the way out: the units named freeze, each frozen set a prefix of the forward order
+    cache, frozen = _fit_raw(container, units=units)
+    assert any(event["to"] > event["from"] for event in cache.events)
+    order = RawParameters(container).order
+    prefixes = [sorted(order[:count]) for count in range(len(order))]
+    assert len(frozen.sets) > 1 and all(sorted(frozen_set) in prefixes for frozen_set in frozen.sets), (
+        frozen.sets
+    )
+
+
+class OneLinear(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    training_step, configure_optimizers = RawParameters.training_step, RawParameters.configure_optimizers
+
+
+def test_a_single_torch_layer_is_not_told_to_split_its_weight_from_its_bias(caplog):
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    trainer = pl.Trainer(callbacks=[GradientCache(**EAGER)], **trainer_kwargs(max_steps=4))
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        trainer.fit(OneLinear(), DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=16))
+    assert (
+        "GradientCache: the model has a single trainable unit, so nothing can be frozen." in caplog.messages
+    )
+    assert not any("units=" in str(w.message) for w in warned)

@@ -840,8 +840,8 @@ def test_the_trace_call_comes_from_the_batch_by_the_forward_signature():
         prune_targets.example_from_batch(_TwoInputs(), {"a": ids})
     with pytest.raises(
         ValueError,
-        match=r"takes 2 arguments \(a, b\), and a tuple batch gives one input .*"
-        r"`example_input_array`",
+        match=r"^the training batch does not give `forward`'s arguments: `forward` of _TwoInputs takes 2 "
+        r"arguments \(a, b\), and a tuple batch gives one input",
     ):
         prune_targets.example_from_batch(_TwoInputs(), (ids, mask))
     # a namedtuple batch whose fields name the arguments gives them by name (a held-out GRU's batch)
@@ -1484,7 +1484,9 @@ def test_a_model_that_cannot_run_on_the_example_is_named_as_such_not_blamed_on_a
 def test_a_forward_whose_arguments_the_batch_does_not_name_is_described_by_its_signature():
     # held-out sweep: `forward(self, batch=None, **kw)` was said to take "no named arguments"
     with pytest.raises(
-        ValueError, match=r"^`forward\(batch=None, \*\*inputs\)` of _OptionalBatchForward cannot be"
+        ValueError,
+        match=r"^the training batch does not give `forward`'s arguments: `forward\(batch=None, \*\*inputs\)` "
+        r"of _OptionalBatchForward cannot be",
     ):
         prune_targets.example_from_batch(
             _OptionalBatchForward(), {"x": torch.randn(4, 8), "y": torch.zeros(4)}

@@ -7,6 +7,7 @@ on it."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 
@@ -392,3 +393,174 @@ def test_a_refusal_offers_the_same_pattern_whichever_layer_the_sparsity_breaks_f
             "the trial cut passes and leaves 2 layers holding 7.6% of the model's weights to cut "
             "(model.transformer.pooler.dense, model.classifier)"
         ) in message
+
+
+@dataclasses.dataclass
+class _Rows:
+    """A batch as a dataclass: it holds the model's input, but not where a tuple, list or dict batch does."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _RowsClassifier(_Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch.x), batch.y)
+
+
+def _rows() -> DataLoader:
+    x, y = _vectors().dataset.tensors
+    return DataLoader(
+        list(zip(x, y)), batch_size=16, collate_fn=lambda items: _Rows(*map(torch.stack, zip(*items)))
+    )
+
+
+class _SourceAndTarget(_Classifier):
+    """`forward(src, tgt_in)` over a dict batch {'src', 'tgt'}: the decoder input is made in `training_step`,
+    as a seq2seq model shifts its target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode, self.decode = nn.Linear(16, 32), nn.Linear(16, 32)
+        self.mid, self.head = nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, src, tgt_in):
+        return self.head(torch.relu(self.mid(torch.relu(self.encode(src) + self.decode(tgt_in)))))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch["src"], batch["tgt"] * 0.5), batch["y"])
+
+
+def _source_and_target() -> DataLoader:
+    x, y = _vectors().dataset.tensors
+    rows = [{"src": row, "tgt": row.flip(0), "y": label} for row, label in zip(x, y)]
+    return DataLoader(rows, batch_size=16)
+
+
+class _WithPadding(_Classifier):
+    """`forward(x, pad)` over a tuple batch (x, pad, y), as a set model with a padding mask takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x, pad):
+        return self.head(torch.relu(self.b(torch.relu(self.a(x.masked_fill(pad, 0.0))))))
+
+    def training_step(self, batch, batch_idx):
+        x, pad, y = batch
+        return nn.functional.cross_entropy(self(x, pad), y)
+
+
+def _with_padding() -> DataLoader:
+    x, y = _vectors().dataset.tensors
+    return DataLoader(TensorDataset(x, x.abs() > 2.0, y), batch_size=16)
+
+
+def _example(module: pl.LightningModule, data: DataLoader) -> pl.LightningModule:
+    """``module`` with the ``example_input_array`` the refusal asks for: what its ``forward`` takes."""
+    batch = next(iter(data))
+    if isinstance(module, _RowsClassifier):
+        module.example_input_array = batch.x
+    elif isinstance(module, _SourceAndTarget):  # a dict: keyword arguments
+        module.example_input_array = {"src": batch["src"], "tgt_in": batch["tgt"] * 0.5}
+    else:  # a tuple: positional arguments
+        module.example_input_array = (batch[0], batch[1])
+    return module
+
+
+@pytest.mark.parametrize(
+    ("module_type", "data", "reason"),
+    [
+        (_RowsClassifier, _rows, "no model input found in a batch of type _Rows"),
+        (_SourceAndTarget, _source_and_target, r"cannot be called with the batch's entries .* \['tgt_in'\]"),
+        (_WithPadding, _with_padding, r"takes 2 arguments \(x, pad\), and a list batch gives one input"),
+    ],
+)
+def test_a_batch_without_forwards_arguments_is_told_of_example_input_array_which_then_prunes(
+    module_type, data, reason
+):
+    # sweep (a dataclass batch, nn.Transformer's `forward(src, tgt_in)`, an MHA set model's `forward(x, pad)`):
+    # the refusal ended "Use mode='unstructured'; or narrow `layer_types`/`exclude_pattern` to layers that can
+    # be cut", and narrowing gave the same refusal word for word: the input is read before any layer is chosen.
+    # The two ways out that work, `example_input_array` (named for none but the tuple batch) and unstructured
+    messages = []
+    for narrowed in ({}, {"exclude_pattern": "head|net\\.4"}):
+        with pytest.raises(PulseRefusal, match=reason) as refused:
+            _fit(module_type(), data(), _prune(**narrowed))
+        messages.append(str(refused.value))
+    assert messages[0] == messages[1]
+    assert messages[0].endswith(
+        "Give the LightningModule an `example_input_array` that its `forward` takes (a tuple is passed as "
+        "positional arguments, a dict as keyword arguments, anything else as the one argument): the model is "
+        "traced with it instead of the batch. Or use mode='unstructured' (its masks need no trace)."
+    )
+    assert "narrow" not in messages[0]
+    module = _example(module_type(), data())
+    parameters = sum(p.numel() for p in module.parameters())
+    prune = _prune()
+    _fit(module, data(), prune)
+    assert prune.events[-1]["sparsity"] > 0.2 and sum(p.numel() for p in module.parameters()) < parameters
+    prune = _prune(mode="unstructured")
+    _fit(module_type(), data(), prune)
+    assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)
+
+
+class _FakeQuantized(_Classifier):
+    """Eager-mode QAT (`prepare_qat`): every Linear has a per-channel fake quantizer of its weight, whose
+    scales no cut of the Linear's channels reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.ao import quantization
+
+        net = nn.Sequential(
+            quantization.QuantStub(),
+            nn.Linear(16, 32),
+            nn.ReLU(),
+            nn.Linear(32, 32),
+            nn.ReLU(),
+            nn.Linear(32, 4),
+            quantization.DeQuantStub(),
+        )
+        net.qconfig = quantization.get_default_qat_qconfig("x86")
+        self.net = quantization.prepare_qat(net.train())
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_fake_quantized_model_whose_every_cut_fails_is_offered_unstructured_only_which_prunes(monkeypatch):
+    from lightning_pulse.core import pruning
+
+    # a shared, loaded machine: the search must run its course, as it does on a free one
+    monkeypatch.setattr(pruning, "WAY_OUT_SECONDS", 600.0)
+    monkeypatch.setattr(pruning, "SLOW_TRIAL_SECONDS", 600.0)
+    # sweep (eager QAT): "no `exclude_pattern` it checked lets the trial cut pass ('l1', 'l1|l2'). Use
+    # mode='unstructured'; or narrow `layer_types`/`exclude_pattern` to layers that can be cut": every
+    # narrowing the search tried failed, and none can pass (each Linear's fake quantizer breaks its cut)
+    with pytest.raises(
+        PulseRefusal, match=r"broke in net\.1\.weight_fake_quant .*it checked lets"
+    ) as refused:
+        _fit(_FakeQuantized(), _vectors(), _prune())
+    assert re.search(
+        r"it checked lets the trial cut pass \([^)]*\)\. Use mode='unstructured' \(its masks keep "
+        r"every shape\)\.$",
+        str(refused.value),
+    ), str(refused.value)
+    # narrowing breaks in the next layer's quantizer, and leaves nothing else to leave out
+    with pytest.raises(PulseRefusal, match=r"broke in net\.3\.weight_fake_quant") as refused:
+        _fit(_FakeQuantized(), _vectors(), _prune(exclude_pattern="1"))
+    assert str(refused.value).endswith(
+        "it found no `exclude_pattern` to check. Use mode='unstructured' (its masks keep every shape)."
+    )
+    prune = _prune(mode="unstructured")
+    _fit(_FakeQuantized(), _vectors(), prune)
+    assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)

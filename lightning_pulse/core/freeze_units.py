@@ -136,6 +136,39 @@ def order_note(units: Sequence[FreezeUnit]) -> str:
     )
 
 
+#: the most parameter names a way out lists in full; a longer list is given as an expression
+LISTED_NAMES = 8
+
+
+def finer_units_way_out(root: nn.Module, unit: FreezeUnit) -> str | None:
+    """The ``units`` that split ``unit``, ``root``'s single trainable unit, so that its parameters freeze one by
+    one, where its module holds them itself and has no children: an ``nn.ParameterDict`` or
+    ``nn.ParameterList`` the model reads directly, or a layer of the user's written with raw parameters. The
+    automatic split divides modules into their children only, so it keeps such a module whole. ``None`` for a
+    unit of one parameter, and for a torch layer (a Linear's weight and bias belong together)."""
+    module = dict(root.named_modules()).get(unit.name)
+    if module is None or len(unit.param_names) < 2 or any(True for _ in module.children()):
+        return None
+    container = isinstance(module, (nn.ParameterDict, nn.ParameterList))
+    if not container and type(module).__module__.startswith("torch."):
+        return None
+    what = f"an nn.{type(module).__name__}" if container else f"a {type(module).__name__} without children"
+    names, listed, every = unit.param_names, repr(unit.param_names), ""
+    if len(names) > LISTED_NAMES:
+        listed = f"[{', '.join(map(repr, names[:3]))}, ...]"
+        every = (
+            f"all {len(names)}: `[name for name, _ in pl_module.named_parameters() if "
+            f"name.startswith({unit.name + '.'!r})]`; "
+        )
+    # `units` takes names only (no nested lists), so each parameter is its own unit; the first backward puts
+    # them in forward order, whatever order they are named in
+    return (
+        f"`{unit.name}` holds every parameter, in {what}, which the automatic split keeps whole; to freeze its "
+        f"parameters one by one, name each in `units`: units={listed} ({every}each name is its own unit; any "
+        "order)"
+    )
+
+
 def pinned_note(units: Sequence[FreezeUnit]) -> str | None:
     """One line naming the pinned units and the other names of their parameters (``None``: none pinned)."""
     pinned = [f"{u.name} (also {', '.join(u.shared_with)})" for u in units if u.pinned]

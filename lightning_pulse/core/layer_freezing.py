@@ -44,6 +44,7 @@ from lightning_pulse.core.freeze_units import (
     cut_like,
     discover_units,
     farthest_reads,
+    finer_units_way_out,
     head_positions,
     heads_note,
     mark_inputs,
@@ -1398,7 +1399,7 @@ class FreezerLifecycle:
         units = self.freezer.units
         if self._announced != (said := (order_note(units), pinned_note(units))):
             self._announced = said
-            announce_units(self.freezer, info, warn)
+            announce_units(self.freezer, info, warn, self._model)
             if (
                 self.unit_names
                 and self._model is not None
@@ -2150,14 +2151,26 @@ def _host_copy(param: torch.Tensor) -> torch.Tensor:
     return param.detach().to("cpu", copy=True)
 
 
-def announce_units(freezer: LayerFreezer, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
+def announce_units(
+    freezer: LayerFreezer,
+    info: Callable[[str], None],
+    warn: Callable[[str], None],
+    model: nn.Module | None = None,
+) -> None:
     """Say, once the units are in forward order, what they are (``info``), and why nothing can ever freeze if
-    so: a single trainable unit (``info``) or a tied first unit (``warn``); which other units are pinned
-    (``info``, :func:`~lightning_pulse.core.freeze_units.pinned_note`) and which freeze only with later ones
-    (``info``, :func:`~lightning_pulse.core.freeze_units.reread_note`)."""
+    so: a single trainable unit (``info``; ``warn`` with the ``units`` that split it where ``model`` holds its
+    parameters in one container, :func:`~lightning_pulse.core.freeze_units.finer_units_way_out`) or a tied
+    first unit (``warn``); which other units are pinned (``info``,
+    :func:`~lightning_pulse.core.freeze_units.pinned_note`) and which freeze only with later ones (``info``,
+    :func:`~lightning_pulse.core.freeze_units.reread_note`)."""
     pinned = freezer.units
     if freezer.freezable_limit == 0:
-        info("GradientCache: the model has a single trainable unit, so nothing can be frozen.")
+        single = "GradientCache: the model has a single trainable unit, so nothing can be frozen"
+        way_out = None if model is None else finer_units_way_out(model, freezer.units[0])
+        if way_out is None:
+            info(f"{single}.")
+        else:  # a callback that can never act, where it could: a warning, as for other options that do nothing
+            warn(f"{single}: {way_out}.")
     elif freezer.pinned_first is not None:
         warn(f"GradientCache: {freezer.pinned_first}.")
         pinned = pinned[1:]  # the warning named the first unit's tie: one message for one fact

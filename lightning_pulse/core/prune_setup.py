@@ -860,6 +860,11 @@ def refuse_structured(reason: str | None, model: nn.Module | None = None) -> Non
         "mode='unstructured'.",
         BATCH_NOT_CUT: "Give the LightningModule an `example_input_array` (what its `forward` takes): it is "
         "traced as given, uncut. Or use mode='unstructured'.",
+        # read before any layer is chosen: narrowing `layer_types`/`exclude_pattern` gave the same refusal
+        prune_targets.BATCH_NOT_INPUT: "Give the LightningModule an `example_input_array` that its `forward` "
+        "takes (a tuple is passed as positional arguments, a dict as keyword arguments, anything else as the "
+        "one argument): the model is traced with it instead of the batch. Or use mode='unstructured' (its "
+        "masks need no trace).",
         pruning.REENTRANT_CHECKPOINT: "Pass use_reentrant=False to torch.utils.checkpoint / "
         "checkpoint_sequential (the non-reentrant form is traced whole), or use mode='unstructured'.",
         pruning.AUTOGRAD_OFF: "Leave these layers out with `exclude_pattern`, pass use_reentrant=False to a "
@@ -896,6 +901,13 @@ def refuse_structured(reason: str | None, model: nn.Module | None = None) -> Non
         )
     if reason is not None and pruning.IN_USER_HOOK in reason:  # the reason names the hook and the way out
         raise PulseRefusal(f"ScheduledPrune: structured pruning cannot run on this model: {reason}.")
+    if reason is not None and (pruning.NO_PATTERN_PASSES in reason or pruning.NO_PATTERN_TO_CHECK in reason):
+        # the search for a pattern ran its course and found none: a narrowing offered untried would be a guess
+        # (eager QAT, whose per-channel fake quantizers break every cut of every layer)
+        raise PulseRefusal(
+            f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured' "
+            "(its masks keep every shape)."
+        )
     if reason is not None:
         forward = (
             "give the module a `forward` (and an `example_input_array` when a batch does not hold its "

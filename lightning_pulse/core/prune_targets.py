@@ -639,7 +639,8 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
     required argument the batch does not name).
 
     Raises:
-        ValueError: the reason the call cannot be made from the batch.
+        ValueError: the reason the call cannot be made from the batch; where the batch does not hold
+            ``forward``'s arguments, it starts with :data:`BATCH_NOT_INPUT`.
     """
     if not has_own_forward(module):
         raise ValueError(f"{type(module).__name__} has no `forward` to trace the model with")
@@ -670,21 +671,25 @@ def example_from_batch(module: nn.Module, batch: Any) -> Any:
             return (batch,)
         missing = [name for name in required if name not in batch]
         raise ValueError(
-            f"`forward{signature}` of {type(module).__name__} cannot be called with the "
+            f"{BATCH_NOT_INPUT}: `forward{signature}` of {type(module).__name__} cannot be called with the "
             f"batch's entries {sorted(map(str, batch))} by name{f' (missing {missing})' if missing else ''}"
         )
     first = batch if isinstance(batch, torch.Tensor) else None
     if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
         first = batch[0]
     if first is None:
-        raise ValueError(f"no model input found in a batch of type {type(batch).__name__}")
+        raise ValueError(f"{BATCH_NOT_INPUT}: no model input found in a batch of type {type(batch).__name__}")
     if len(required) > 1:
         raise ValueError(
-            f"`forward` of {type(module).__name__} takes {len(required)} arguments ({', '.join(required)}), "
-            f"and a {type(batch).__name__} batch gives one input (its first item); set `example_input_array` "
-            "to the arguments as a tuple"
+            f"{BATCH_NOT_INPUT}: `forward` of {type(module).__name__} takes {len(required)} arguments "
+            f"({', '.join(required)}), and a {type(batch).__name__} batch gives one input (its first item)"
         )
     return (first,)
+
+
+#: the start of the reason :func:`example_from_batch` gives for a batch that does not hold ``forward``'s
+#: arguments: the input is read before any layer is chosen, so no `layer_types`/`exclude_pattern` changes it
+BATCH_NOT_INPUT = "the training batch does not give `forward`'s arguments"
 
 
 def output_shapes(output: Any) -> list[tuple[int, ...]]:

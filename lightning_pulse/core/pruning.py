@@ -1626,6 +1626,11 @@ GRAPH_BUILD_FAILED = (
 )
 #: how a way out says that a trial cut checked the ``exclude_pattern`` it offers
 TRIAL_CUT_PASSES = "the trial cut passes"
+#: how a failed trial cut's reason says that no ``exclude_pattern`` the search tried let it pass, or that it
+#: found none to try (every one would leave no layer to cut), where it ran its course (not stopped by
+#: :class:`_TrialClock`): no narrowing is offered then
+NO_PATTERN_PASSES = "no `exclude_pattern` it checked lets the trial cut pass"
+NO_PATTERN_TO_CHECK = "it found no `exclude_pattern` to check"
 #: how the reason for a dependency search that ran out of time names HyperConnection layers: torch-pruning's
 #: search on their streams never ends (see :func:`_endless_search_on_streams`)
 ON_HYPER_CONNECTION_STREAMS = "on the streams of HyperConnection layers"
@@ -1765,9 +1770,10 @@ def _way_out(
     or every one of them (the module holding the whole model) is not tried. Where none passes within
     :data:`WAY_OUT_TRIES` cuts, chosen layers are left out by name (:func:`_layer_search`: the break is in the
     model's own ``forward``, or in a layer whose input another one cuts). Where no pattern passes, the failing
-    module is named, with the patterns that failed, and no pattern is offered. Where that search finds none
-    either, wider parts around the break are left out (:func:`_wider_way_out`). :class:`_TrialClock` says when
-    no further trial cut starts.
+    module is named, with the patterns that failed, and no pattern is offered (:data:`NO_PATTERN_PASSES` or
+    :data:`NO_PATTERN_TO_CHECK` where the search ran its course: the refusal then offers no narrowing). Where
+    that search finds none either, wider parts around the break are left out (:func:`_wider_way_out`).
+    :class:`_TrialClock` says when no further trial cut starts.
 
     The pattern offered has no part the others make needless (:func:`_without_needless`): where the first
     break depends on the sparsity (a head reshape at 0.5, a grouped convolution at 0.3), the searches from
@@ -1809,11 +1815,12 @@ def _way_out(
     tried = [repr(pattern) for pattern in failed[:3]] + (
         ["chosen layers left out by name"] if searched else []
     )
-    if not tried:
-        return f"{place}; it found no `exclude_pattern` to check".lstrip("; ")
-    return f"{place}; no `exclude_pattern` it checked lets the trial cut pass ({', '.join(tried)})".lstrip(
-        "; "
-    )
+    checked = f" ({', '.join(tried)})" if tried else ""
+    if clock.out_of_time():  # a pattern it had no time for may pass: the refusal still offers narrowing
+        said = f"no `exclude_pattern` it checked in time lets the trial cut pass{checked}"
+    else:
+        said = f"{NO_PATTERN_PASSES}{checked}" if tried else NO_PATTERN_TO_CHECK
+    return f"{place}; {said}".lstrip("; ")
 
 
 def _joined(*patterns: str | None) -> str:
