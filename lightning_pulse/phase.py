@@ -258,12 +258,16 @@ class PhaseClock:
     cycle ``order`` (each phase for its duration; zero-length phases are skipped), and ends with a pure
     burst anneal for the last ``anneal`` share of steps, so the end of training sees the full data.
 
+    :attr:`step` counts the run's optimizer steps. A clock that starts with the run starts at 0; one placed at
+    a later step before it starts (:meth:`begin_at`) counts from there, and its shares are of the steps left.
+
     Args:
         durations: phase name -> duration (see :func:`parse_duration`). Phases missing from the mapping
             last zero.
         order: the phases of one cycle, in order. Each must be a :class:`Phase` name and appear once.
-        warmup: share of total optimizer steps, at the start, that is pure burst. In ``[0, 1)``.
-        anneal: share of total optimizer steps, at the end, that is pure burst. In ``[0, 1)``.
+        warmup: share of the optimizer steps from the clock's start to the run's end, at the start, that is
+            pure burst. In ``[0, 1)``.
+        anneal: share of those steps, at the end, that is pure burst. In ``[0, 1)``.
 
     Raises:
         ValueError: on an unknown phase, a bad duration, a cycle whose durations are all zero, or
@@ -310,7 +314,8 @@ class PhaseClock:
         self.phase: Phase = Phase.BURST
         self.position = 0  # index into `order` of the current cycle phase
         self.cycle = 0
-        self.step = 0  # optimizer steps seen
+        self.step = 0  # the run's optimizer step (see begin_at)
+        self.origin = 0  # the step it started at: warm-up and anneal are shares of the steps from there
         self.steps_in_phase = 0
         self.seconds_in_phase = 0.0
         self.epochs_in_phase = 0.0
@@ -364,6 +369,7 @@ class PhaseClock:
             "held": self.held,
             "span": self.span,
             "order": [phase.value for phase in self.order],
+            "origin": self.origin,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -391,6 +397,7 @@ class PhaseClock:
         self.held = bool(state.get("held", False))
         span = state.get("span")
         self.span = None if span is None else int(span)
+        self.origin = int(state.get("origin", 0))  # saved before it was: every clock started at step 0
 
     def pin_span(self, span: int | None) -> None:
         """Place warm-up and anneal as shares of ``span`` steps from now on, whatever run length each call
@@ -399,13 +406,37 @@ class PhaseClock:
         must stay where the plan put them (the plan's batches depend on them). Kept in :meth:`state_dict`."""
         self.span = None if span is None else int(span)
 
-    # ------------------------------------------------------------------ progress
+    def begin_at(self, step: int) -> None:
+        """Place a clock that has not started at the run's optimizer step ``step``: it counts the run's steps
+        from there, and warm-up and anneal become shares of the steps left (a PulseCycle added when resuming a
+        checkpoint saved without one, whose fit starts at the checkpoint's step). A started clock, restored or
+        running, is left as it is."""
+        if self.stage == "pending":
+            self.step = self.origin = int(step)
+
+    def late_start_plan(self, total_steps: float) -> str:
+        """For the log, on a clock placed past step 0 (:meth:`begin_at`): where it started and what it placed
+        on the steps left to the run's end ``total_steps``."""
+        end = self._run_end(total_steps)
+        if end is None or not math.isfinite(end):
+            rest = "the rest of the run (of unknown length)"
+        else:
+            rest = f"the {max(end - self.origin, 0):g} steps left (steps {self.origin} to {end:g})"
+        placed = [f"a warm-up to step {self._warmup_end(total_steps)}"] if self.warmup else []
+        if self.anneal:
+            placed.append(f"an anneal from step {self._anneal_start(total_steps)}")
+        plan = f": {' and '.join(placed)}, as shares of them" if placed else ", with no warm-up or anneal"
+        return (
+            f"starting at step {self.origin} with no saved state (the checkpoint holds none of "
+            f"PulseCycle's): its clock counts the run's steps from there, and its phases run on {rest}{plan}."
+        )
+
     def start(self, total_steps: int | float | None) -> PhaseChange | None:
         """Enter the first phase. Returns the change, or ``None`` if the clock was already running
         (a resumed run keeps its restored phase)."""
         if self.stage != "pending":
             return None
-        if self._warmup_steps(total_steps) > 0:
+        if self._warmup_end(total_steps) > self.step:
             self.stage = "warmup"
             return self._enter(Phase.BURST, "start")
         self.stage = "cycle"
@@ -457,7 +488,7 @@ class PhaseClock:
                 changes.append(self._enter(Phase.BURST, "anneal"))
             return changes
         if self.stage == "warmup":
-            if self.step >= self._warmup_steps(total_steps):
+            if self.step >= self._warmup_end(total_steps):
                 self.stage = "cycle"
                 self.position = self._first_nonzero(0, skip_burst=self.held)
                 next_phase = self.order[self.position]
@@ -539,7 +570,7 @@ class PhaseClock:
                 return 1
             bounds.append(math.ceil(duration.amount - 1e-9) - self.steps_in_phase)
         if self.stage == "warmup":
-            bounds.append(self._warmup_steps(total_steps) - self.step)
+            bounds.append(self._warmup_end(total_steps) - self.step)
         if (anneal_from := self._anneal_start(total_steps)) is not None:
             bounds.append(anneal_from - self.step)
         return max(1, min(bounds, default=1))
@@ -576,11 +607,21 @@ class PhaseClock:
         self.rows.phase_ended_by_hold()
         return [self._enter(self.order[position], reason)]
 
-    def start_or_resume(self, total_steps: int | float | None) -> PhaseChange:
-        """:meth:`start`, or on a clock already running (a resumed run keeps its restored phase) the
-        :meth:`resume_change`: the change to tell listeners either way."""
+    def start_or_resume(self, total_steps: int | float | None, step: int = 0) -> PhaseChange:
+        """:meth:`start` at the run's optimizer ``step`` (:meth:`begin_at`), or on a clock already running (a
+        resumed run keeps its restored phase) the :meth:`resume_change`: the change to tell listeners either
+        way."""
+        self.begin_at(step)
         change = self.start(total_steps)
         return self.resume_change() if change is None else change
+
+    def start_note(self, change: PhaseChange, total_steps: float) -> str | None:
+        """The line for the log at the fit's start, given the :meth:`start_or_resume` ``change``: where a
+        resume goes on, or what a clock that started past step 0 with no saved state placed
+        (:meth:`late_start_plan`); ``None`` for a clock that starts with the run."""
+        if change.reason == "resume":
+            return f"resuming in {change.place}."
+        return self.late_start_plan(total_steps) if self.origin > 0 else None
 
     def resume_change(self) -> PhaseChange:
         """The change that tells listeners the phase training goes on in, reason ``"resume"``: after a
@@ -610,7 +651,7 @@ class PhaseClock:
     def check_run_length(self, total_steps: int | float | None) -> None:
         """Raise ``ValueError`` if warm-up or anneal (shares of the run) cannot be placed in a run of
         ``total_steps``."""
-        self._warmup_steps(total_steps)
+        self._warmup_end(total_steps)
         self._anneal_start(total_steps)
 
     def check_steps_per_batch_unknown(self, optimizers: int, total_steps: float) -> None:
@@ -691,27 +732,31 @@ class PhaseClock:
         # a tiny tolerance keeps epoch fractions like 0.1 * 10 steps from missing their boundary
         return self._used(duration, steps_per_epoch) >= duration.amount - 1e-9
 
-    def _warmup_steps(self, total_steps: int | float | None) -> int:
-        if not self.warmup:
-            return 0
-        total_steps = self.span if self.span is not None else total_steps
-        if total_steps is None or not math.isfinite(total_steps):
+    def _run_end(self, total_steps: int | float | None) -> int | float | None:
+        """The step warm-up and anneal are placed up to: the pinned span (:meth:`pin_span`) or the run's."""
+        return self.span if self.span is not None else total_steps
+
+    def _steps_left(self, share: str, total_steps: int | float | None) -> float:
+        """The steps from the clock's start to the run's end, which warm-up and anneal are shares of."""
+        end = self._run_end(total_steps)
+        if end is None or not math.isfinite(end):
             raise ValueError(
-                f"`warmup`={self.warmup!r} is a share of the run, which needs {KNOWN_LENGTH}; set one, or "
-                "`warmup=0`."
+                f"`{share}`={getattr(self, share)!r} is a share of the run, which needs {KNOWN_LENGTH}; set "
+                f"one, or `{share}=0`."
             )
-        return int(round(self.warmup * total_steps))
+        return max(end - self.origin, 0)
+
+    def _warmup_end(self, total_steps: int | float | None) -> int:
+        """The step the warm-up ends at (the clock's start: none)."""
+        if not self.warmup:
+            return self.origin
+        return self.origin + int(round(self.warmup * self._steps_left("warmup", total_steps)))
 
     def _anneal_start(self, total_steps: int | float | None) -> int | None:
+        """The step the anneal starts at, or ``None`` without one."""
         if not self.anneal:
             return None
-        total_steps = self.span if self.span is not None else total_steps
-        if total_steps is None or not math.isfinite(total_steps):
-            raise ValueError(
-                f"`anneal`={self.anneal!r} is a share of the run, which needs {KNOWN_LENGTH}; set one, or "
-                "`anneal=0`."
-            )
-        return int(round((1.0 - self.anneal) * total_steps))
+        return self.origin + int(round((1.0 - self.anneal) * self._steps_left("anneal", total_steps)))
 
 
 class StepTimer:

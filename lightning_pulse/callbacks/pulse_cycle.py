@@ -91,7 +91,7 @@ class PulseCycle(Callback):
         order: the phases of one cycle, each at most once. An option of a phase left out, set away from its
             default, is refused (it would do nothing).
         warmup: share of the run's optimizer steps, at the start, that is pure burst (InfoBatch-style), in
-            ``[0, 1)``.
+            ``[0, 1)``. Both it and ``anneal``: of the steps left, in a resume of a checkpoint without it.
         anneal: share of the run's optimizer steps, at the end, that is pure burst, in ``[0, 1)``.
         maintain_eval: ``"probe"`` evaluates the module's own ``validation_step`` on ``probe_batches`` held-out
             batches when a maintain phase starts and logs the means under ``pulse/probe/``; ``"none"``
@@ -251,13 +251,13 @@ class PulseCycle(Callback):
             why = "phases counted in epochs would switch at other steps on each rank"
             out = "give the durations in steps or seconds"
             compat.refuse_uneven_epochs(trainer, "PulseCycle", why, self._held, out)
-        with refusing("PulseCycle"):
-            self.timer.start(trainer.global_step)  # refuses a time source that returns no number
-            change = self.clock.start_or_resume(self._total_steps)  # refuses warm-up, anneal without a length
+        with refusing("PulseCycle"):  # a time source that returns no number, warm-up/anneal without a length
+            self.timer.start(trainer.global_step)
+            change = self.clock.start_or_resume(self._total_steps, trainer.global_step)  # see begin_at
         self.probe.reset()
         compat.add_progress_bar_item(trainer, "phase", lambda: self.clock.label)
-        if change.reason == "resume":  # resumed: tell listeners where we are
-            rank_zero_info(f"PulseCycle: resuming in {change.place}.")
+        if note := self.clock.start_note(change, self._total_steps):  # resumed, or added to a resumed run
+            rank_zero_info(f"PulseCycle: {note}")
         self._announce(trainer, pl_module, change)
 
     @override
@@ -302,6 +302,11 @@ class PulseCycle(Callback):
     def state_dict(self) -> dict[str, Any]:
         state = {"clock": self.clock.state_dict(), "last_probe": dict(self.last_probe)}
         return {**state, "planned_steps": getattr(self.plan, "total_steps", None)}  # see plan_lost_warning
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        if trainer.state.fn == "fit":  # a resume: placed before a step plan copies the clock
+            self.clock.begin_at(int(checkpoint.get("global_step", 0)))  # load_state_dict replaces a saved one
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
