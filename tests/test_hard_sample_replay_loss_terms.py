@@ -4,7 +4,8 @@ term for low-weight classes), terms whose coefficients change from step to step 
 (1 - lam) * ce(y[perm])``, scored ``1 / max(lam, 1 - lam)`` too high; uncertainty weighting) and a
 distillation KL on flattened ``(B*T, V)`` token logits with ``reduction="batchmean"`` (counted ``T`` times
 next to the token cross-entropy) and a token cross-entropy with ``reduction="sum"`` and ``-100`` labels or
-class weights (counted ``numel / counted weight`` times next to another term)."""
+class weights (counted ``numel / counted weight`` times next to another term); a regression loss on squeezed
+outputs, 0-d for a batch of one sample (Hugging Face's ``num_labels=1`` head), refused at the first step."""
 
 from __future__ import annotations
 
@@ -390,3 +391,61 @@ def test_a_summed_token_cross_entropy_scores_each_samples_part_next_to_another_t
     # tokens and divide out the class weights: with half the labels -100 the cross-entropy weighed twice its
     # part next to the regression term ("mean" and an unweighted, unpadded "sum" were right, and still are)
     assert torch.allclose(scores, expected, rtol=1e-5, atol=1e-6)
+
+
+class _SqueezedRegression(pl.LightningModule):
+    """``F.mse_loss(pred.squeeze(), y.squeeze())``, as Hugging Face's ``num_labels=1`` head computes it: a 0-d
+    loss for a batch of one sample. Records each sample's loss as its step computed it, before the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.expected: dict[int, float] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y, indices = batch
+        loss = F.mse_loss(self.net(x).squeeze(), y.float().squeeze())
+        self.expected[int(indices)] = float(loss.detach())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_a_zero_dim_loss_of_a_batch_of_one_sample_is_scored_as_that_samples_loss(accumulate):
+    # held-out sweep: refused at the first step, "does not split into the batch's samples", though a batch of
+    # one sample has one loss, its own
+    pl.seed_everything(0)
+    module = _SqueezedRegression()
+    before = [p.detach().clone() for p in module.parameters()]
+    replay = HardSampleReplay(mode="steps", replay_fraction=0.5)
+    trainer = pl.Trainer(
+        **trainer_kwargs(max_epochs=3, callbacks=[replay], accumulate_grad_batches=accumulate)
+    )
+    trainer.fit(module, DataLoader(_data(), batch_size=1, shuffle=True))
+    assert trainer.global_step == 3 * N // 2 // accumulate  # windows of two samples, one trained of each
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    indices = sorted(module.expected)
+    assert len(indices) >= N // 2
+    scores = torch.as_tensor(replay.table.scores[indices], dtype=torch.float32)
+    assert torch.allclose(scores, torch.tensor([module.expected[i] for i in indices]), rtol=1e-6)
+
+
+def test_a_zero_dim_penalty_on_the_weights_is_not_a_batch_of_one_samples_loss():
+    net = nn.Linear(4, 1)
+    x, y = torch.randn(1, 4), torch.randn(1, 1)
+    with LossCapture(batch_size=1, batch=(x, y)) as capture:
+        fit = F.mse_loss(net(x).squeeze(), y.squeeze())
+        (fit + F.mse_loss(net.weight.norm(), torch.tensor(1.0))).backward()
+    assert torch.allclose(capture.per_sample(), fit.detach().reshape(1))  # the penalty is left out
+    with LossCapture(batch_size=1, batch=(x, y)) as capture:
+        F.mse_loss(net.weight.norm(), torch.tensor(1.0)).backward()
+    assert not capture.maps_onto_batch and "computed from parameters alone" in capture.describe()
+    # InfoBatch's weight reaches the sample's 0-d loss as it reaches a (B,) one
+    weight = torch.tensor([2.0])
+    with LossCapture(batch_size=1, sample_weights=weight, batch=(x, y)) as capture:
+        weighted = F.mse_loss(net(x).squeeze(), y.squeeze())
+    assert weighted.dim() == 0 and torch.allclose(weighted, 2 * fit)
+    assert torch.allclose(capture.per_sample(), fit.detach().reshape(1))

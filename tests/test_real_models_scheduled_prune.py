@@ -379,18 +379,21 @@ def test_structured_mode_next_to_stochastic_weight_averaging_is_refused_before_t
 class _TinyLlama(pl.LightningModule):
     """Hugging Face Llama (rotary attention, RMSNorm, SwiGLU) from a config, on random tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, **config) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=64,
+            **{
+                "vocab_size": 64,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "max_position_embeddings": 64,
+                **config,
+            }
         )
         self.model = LlamaForCausalLM(config)
 
@@ -431,6 +434,40 @@ def test_a_dependency_search_that_does_not_end_is_refused_in_time_and_the_way_ou
     trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[prune]))
     trainer.fit(_TinyLlama(), _tokens())
     assert trainer.global_step == STEPS and prune.events
+
+
+class _TinyLlamaReturningItsLoss(_TinyLlama):
+    """The usual Hugging Face ``forward``: the whole output, its loss included (grouped-query attention and no
+    KV cache, as the sweep's Gemma, StableLM and Granite)."""
+
+    def __init__(self) -> None:
+        super().__init__(num_key_value_heads=2, use_cache=False)
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, labels=ids)
+
+
+def test_a_search_held_up_by_rotary_attention_next_to_a_loss_in_the_output_names_the_attention_left_out(
+    monkeypatch,
+):
+    # held-out sweep (HF Gemma, StableLM, Granite): after 60 s the refusal named only "return the logits and
+    # compute the loss in training_step"; doing that gave a second 60 s refusal that named
+    # `exclude_pattern`='self_attn', which alone trains, with the loss still in the output
+    monkeypatch.setattr(pruning, "STRUCTURED_CHECK_SECONDS", 2.0)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[_prune(mode="structured")]))
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(_TinyLlamaReturningItsLoss(), _tokens())
+    message = str(refusal.value)
+    assert "did not finish within 2 s" in message and trainer.global_step == 0
+    checked = "`exclude_pattern`='self_attn', the trial cut passes"
+    assert checked in message and message.index(checked) < message.index("mode='unstructured'")
+    assert "training_step" not in message  # returning the logits alone is no way out here
+    # the way out it names, the loss still in the output (under the shipped limit, as above)
+    monkeypatch.setattr(pruning, "STRUCTURED_CHECK_SECONDS", SHIPPED_CHECK_SECONDS)
+    prune = _prune(mode="structured", exclude_pattern="self_attn")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[prune]))
+    trainer.fit(_TinyLlamaReturningItsLoss(), _tokens())
+    assert trainer.global_step == STEPS and prune.events[-1]["sparsity"] > 0.4
 
 
 class _DigitsWithFrozenCopy(pl.LightningModule):

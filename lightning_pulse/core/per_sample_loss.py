@@ -440,7 +440,8 @@ def _weigh_gradient(sample_weights: Tensor) -> Callable[[Tensor], Tensor]:
     of ``sum_i f(w_i * loss_i)`` (the same for a linear ``f``)."""
 
     def weigh(grad: Tensor) -> Tensor:
-        rows = rows_per_sample(grad, sample_weights.shape[0])
+        # a 0-d gradient: of a batch of one sample's 0-d loss (LossCapture._record), its one row
+        rows = rows_per_sample(grad.reshape(1) if not grad.dim() else grad, sample_weights.shape[0])
         assert rows is not None  # the loss was checked to split into the weights' samples
         return (rows * sample_weights.to(rows.dtype).unsqueeze(1)).reshape(grad.shape)
 
@@ -1026,10 +1027,13 @@ class LossCapture:
             unreduced = original(**signature.unreduced_call(arguments))
             scored = _without_class_weights(name, original, arguments, unreduced.detach())
             record = self._record(name, arguments, scored, reduction)
-            if weights is None or _splits(tuple(unreduced.shape), self.batch_size):
+            # a batch of one sample's 0-d loss, found to be that sample's (_record): weighted as its (1,) row
+            rows = unreduced.reshape(1) if not unreduced.dim() and record.maps_onto_batch else unreduced
+            if weights is None or _splits(tuple(rows.shape), self.batch_size):
                 if reduction == "sum":
                     weights = self._sum_weights
-                result = record.watch(_reduce(name, arguments, unreduced, reduction, weights))
+                result = _reduce(name, arguments, rows, reduction, weights)
+                result = record.watch(result if rows is unreduced else result.reshape(unreduced.shape))
                 if weights is not None and reduction == "none" and result.requires_grad:
                     # after watch's hook, which records the gradient as returned (the loss's parts),
                     # unweighted
@@ -1053,6 +1057,12 @@ class LossCapture:
     ) -> CapturedLoss:
         if name == "ctc_loss" and reduction == "mean":  # a sample's share of the mean: its loss per target
             unreduced = _per_target_length(arguments, unreduced.detach())
+        # one value for a batch of one sample: Hugging Face's regression head squeezes its (1, 1) logits and
+        # labels to 0-d, as `F.mse_loss(pred.squeeze(), y)` does, where larger batches give (B,) rows. Read as
+        # that sample's one row, if it was computed from the batch (a penalty on the weights is not)
+        one_value = not unreduced.dim() and self.batch_size == 1
+        if one_value:
+            unreduced = unreduced.reshape(1)
         # keep only what the per-sample losses need (never the model's outputs, which hold the graph)
         kept: dict[str, Any] = {}
         if name in _CLASS_WEIGHTED:
@@ -1088,7 +1098,13 @@ class LossCapture:
                     f"OutputKeyScorer return a ({self.batch_size},) tensor, e.g. the unreduced rows' "
                     f"`.view({views}, {self.batch_size}).mean(0)` for views stacked as [view1; view2]"
                 )
-        if (
+        if one_value and _from_parameters_alone(arguments):
+            record.maps_onto_batch, record.on_batch_rows = False, False
+            record.why_not = (
+                "a 0-d loss computed from parameters alone, not from the batch's one sample (left out: it adds "
+                "the same to every sample)"
+            )
+        elif (
             not record.on_batch_rows
             and record.shape
             and (not record.maps_onto_batch or record.shape[0] != self.batch_size)  # B rows: the usual case
@@ -1282,6 +1298,40 @@ def _computed_from_parameters(tensor: Tensor, limit: int = 4) -> bool:
     return not any(
         saved.dim() >= 1 and not saved.requires_grad for node in nodes for saved in _saved_tensors(node)
     )
+
+
+def _from_parameters_alone(arguments: dict[str, Any]) -> bool:
+    """Whether a loss call's inputs with gradient (``input``, a margin loss's ``input1``, ...) were all
+    computed from parameters alone (``F.mse_loss(w.norm(), c)``, a penalty): no autograd graph among them
+    saved a tensor without gradient (what a layer read of the batch: its features, token ids) or starts at a
+    leaf that is not a parameter (an input that requires grad). ``False`` with no such input. Each graph is
+    walked whole, each node once, until the batch is found."""
+    inputs = [
+        value
+        for key, value in arguments.items()
+        if key in _INPUTS and isinstance(value, Tensor) and value.requires_grad
+    ]
+    return bool(inputs) and not any(_reads_beyond_parameters(tensor) for tensor in inputs)
+
+
+def _reads_beyond_parameters(tensor: Tensor) -> bool:
+    if tensor.grad_fn is None:
+        return not isinstance(tensor, torch.nn.Parameter)
+    seen, stack = {tensor.grad_fn}, [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if not isinstance(variable, torch.nn.Parameter):
+                return True
+            continue
+        if any(_holds_batch_rows(saved, 1) for saved in _saved_tensors(node)):
+            return True
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return False
 
 
 #: nodes that keep a tensor's rows where they are (element-wise with a scalar or a broadcast constant, a cast)

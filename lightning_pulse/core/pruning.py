@@ -1437,13 +1437,17 @@ def check_structured(
     """
     reason, where = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example)
     if reason is not None and reason.startswith("tracing which channels"):
-        # a loss in the output is named first: the attention hint is checked by no cut, and a search through
-        # the loss does not end with the attention left out either (HF DETR)
-        # nor is the attention named next to HyperConnection streams: the search never ends on those
-        endless = LOSS_IN_OUTPUT in reason or ON_HYPER_CONNECTION_STREAMS in reason
-        hint = None if endless else attention_hint(model, pruner.exclude_pattern, pruner)
         if ON_HYPER_CONNECTION_STREAMS in reason:  # only the groups reaching the streams never end
             hint = _stream_writers_way_out(model, pruner, sparsities, example)
+        elif LOSS_IN_OUTPUT in reason:
+            # which one held the search up, the attention or the loss, only a cut tells: rotary attention
+            # (HF Gemma, StableLM, Granite) holds it up with the loss in the output or not, and leaving the
+            # attention out is enough; HF DETR's box matching holds it up with the attention left out too
+            hint = _attention_way_out(model, pruner, sparsities, example)
+            if hint is not None:  # returning the logits alone would only have led to a second refusal
+                reason = reason.partition(f"; {LOSS_IN_OUTPUT}")[0]
+        else:
+            hint = attention_hint(model, pruner.exclude_pattern, pruner)
         reason = reason if hint is None else f"{reason}; {hint}"
     elif reason is not None and reason.startswith(CUT_FAILED):
         hooked = IN_USER_HOOK in reason and where is not None
@@ -1914,6 +1918,33 @@ def _layer_search(
         else:
             break
     return passing, tries
+
+
+def _attention_way_out(
+    model: nn.Module, pruner: Pruner, sparsities: Sequence[float], example: Any
+) -> str | None:
+    """The attention modules left out, checked by a trial cut, after the dependency search ran out of time on a
+    model whose output holds its loss: the ``exclude_pattern`` to offer, or ``None`` when the model has no
+    attention or the search does not end without it either (the loss holds it up: HF DETR). A cut that then
+    fails is refined by :func:`_way_out`. Costs one more search, bounded as the first."""
+    found = attention_pattern(model, pruner.exclude_pattern)
+    if found is None:
+        return None
+    attention, outermost = found
+    pattern = _joined(pruner.exclude_pattern, attention)
+    reason, where = _trial_cut(model, pruner, pattern, sparsities, example)
+    if reason is None:
+        more = f" and {len(outermost) - 1} more" if len(outermost) > 1 else ""
+        return (
+            f"with the model's attention modules ({outermost[0]}{more}) left out, `exclude_pattern`="
+            f"{pattern!r}, {TRIAL_CUT_PASSES} and {_left_to_cut(model, pruner, pattern)}"
+        )
+    if not reason.startswith(CUT_FAILED):  # out of time again, or nothing left to cut
+        return None
+    narrowed = copy.copy(pruner)
+    narrowed.exclude_pattern = pattern
+    hint = _way_out(model, narrowed, sparsities, example, where)
+    return hint if hint is not None and TRIAL_CUT_PASSES in hint else None
 
 
 def _stream_writers_way_out(
