@@ -901,13 +901,6 @@ def refuse_structured(reason: str | None, model: nn.Module | None = None) -> Non
         )
     if reason is not None and pruning.IN_USER_HOOK in reason:  # the reason names the hook and the way out
         raise PulseRefusal(f"ScheduledPrune: structured pruning cannot run on this model: {reason}.")
-    if reason is not None and (pruning.NO_PATTERN_PASSES in reason or pruning.NO_PATTERN_TO_CHECK in reason):
-        # the search for a pattern ran its course and found none: a narrowing offered untried would be a guess
-        # (eager QAT, whose per-channel fake quantizers break every cut of every layer)
-        raise PulseRefusal(
-            f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured' "
-            "(its masks keep every shape)."
-        )
     if reason is not None:
         forward = (
             "give the module a `forward` (and an `example_input_array` when a batch does not hold its "
