@@ -1198,3 +1198,17 @@ def backward_loss_divisor(trainer: pl.Trainer, pl_module: pl.LightningModule) ->
     if scaler is not None and scaler.is_enabled() and isinstance(scale, torch.Tensor):
         divided_by = divided_by / scale.detach().clone()
     return divided_by
+
+
+# ---------------------------------------------------------------------- HardSampleReplay added on a resume
+def restored_position(trainer: pl.Trainer, epoch_batches: int) -> tuple[int, int]:
+    """``(epoch, batches of it trained)`` where a fit goes on from the loops' restored progress (inside the
+    data set-up): an epoch whose training ended (its ``epoch_batches`` trained, or its end hooks ran, as
+    ``ModelCheckpoint(save_last=True)`` saves) gives the next epoch and no batch."""
+    epochs = trainer.fit_loop.epoch_progress.current
+    if epochs.processed > epochs.completed:  # saved in or after the epoch's end hooks
+        return trainer.current_epoch + 1, 0
+    if epochs.ready == epochs.completed:  # no epoch under way (a second fit of the Trainer): the batch
+        return trainer.current_epoch, 0  # progress still holds the last epoch's count
+    trained = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+    return (trainer.current_epoch + 1, 0) if trained >= epoch_batches else (trainer.current_epoch, trained)

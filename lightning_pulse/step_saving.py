@@ -24,6 +24,7 @@ from lightning_pulse.core.replay import (
     STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL,
     STEPS_MODE_CLOCK_REFUSAL,
     STEPS_MODE_EMPTY_EPOCH_REFUSAL,
+    STEPS_MODE_JOINED_MID_EPOCH_REFUSAL,
     STEPS_MODE_LENGTH_REFUSAL,
     STEPS_MODE_LIMIT_REFUSAL,
     STEPS_MODE_OPTIMIZERS_REFUSAL,
@@ -238,6 +239,7 @@ class StepSavingLoader:
             raise PulseRefusal(STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL.format(accumulate=accumulate))
         if cycle is not None:
             cycle.fit_budget(fraction, light_phases, math.ceil(plain_batches / accumulate))
+        self._join_run_under_way(trainer, plain_batches)
         plan = self.stream.make_plan(
             None if cycle is None else cycle.clock,
             light_phases,
@@ -298,6 +300,26 @@ class StepSavingLoader:
             + (" (the checkpoint's plan remade for this run's length)." if replanned else ".")
         )
         return plan
+
+    def _join_run_under_way(self, trainer: pl.Trainer, plain_batches: int) -> None:
+        """A fit that goes on at ``global_step`` > 0 with no stream state restored (a HardSampleReplay added
+        on a resume, or to a second fit of the Trainer): plan from the next epoch Lightning trains, as a fresh
+        run would plan those epochs, not the whole run from epoch 0 (capped at that plan, the resumed fit
+        stopped after a few steps).
+
+        Raises:
+            PulseRefusal: for a fit that goes on mid-epoch, whose trained samples are not known.
+        """
+        if self.stream.has_restored_state or trainer.global_step <= 0:
+            return
+        epoch, batches = compat.restored_position(trainer, plain_batches)
+        if batches:
+            raise PulseRefusal(
+                STEPS_MODE_JOINED_MID_EPOCH_REFUSAL.format(
+                    step=trainer.global_step, batches=batches, epoch=epoch, next_epoch=epoch + 1
+                )
+            )
+        self.stream.join_at(epoch, trainer.global_step)
 
     def uncap(self, trainer: pl.Trainer) -> None:
         """Set ``trainer.max_steps`` back as the user set it before a new fit of ``trainer``, unless changed

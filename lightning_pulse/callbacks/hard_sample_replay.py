@@ -74,8 +74,9 @@ class HardSampleReplay(Callback):
             to cut at ``replay_fraction`` (the smallest that cuts is named), a ``training_step`` compiled with
             ``fullgraph=True`` unless a ``scorer`` is set (rule other than ``'infobatch'``), ``phases``
             without ``"replay"`` and no PulseCycle (they would never come), a second run of this instance
-            unless a checkpoint was restored into it, or in ``mode="steps"`` a run of unknown length,
-            ``limit_train_batches``, ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, a
+            unless a checkpoint was restored into it, or in ``mode="steps"`` a run of unknown length, a
+            resume from a mid-epoch checkpoint that holds no state of it, ``limit_train_batches``,
+            ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, a
             ``GradientAccumulationScheduler``, a per-step LR scheduler built for the run's unplanned length
             (``max_steps``, or ``max_epochs`` of plain epochs) when the plan is shorter, a PulseCycle in seconds
             or manual optimization stepping several optimizers per batch; after the fit's first two batches

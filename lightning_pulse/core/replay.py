@@ -257,6 +257,17 @@ STEPS_MODE_RELOAD_REFUSAL = (
     "`reload_dataloaders_every_n_epochs`={every!r} replaces that DataLoader with one the plan does not drive; "
     "set reload_dataloaders_every_n_epochs=0 or use mode='batch'."
 )
+# a plain run's mid-epoch checkpoint: Lightning restarts the DataLoader's pass, so which samples of the epoch
+# trained is not known, and a plan of the epoch's rest would train some twice and others never
+STEPS_MODE_JOINED_MID_EPOCH_REFUSAL = (
+    "HardSampleReplay: the checkpoint holds no HardSampleReplay(mode='steps') state, and the fit resumes "
+    "at step {step}, {batches} batches into epoch {epoch}. mode='steps' plans the rest of the run's data "
+    "from where it goes on, and which samples of a part-trained epoch trained is not known (the checkpoint "
+    "was saved mid-epoch, and Lightning restarts the DataLoader's pass). Resume from a checkpoint saved at "
+    "an epoch's end (`ModelCheckpoint(save_last=True)` or `every_n_epochs=1`), or finish this epoch "
+    "without HardSampleReplay (resume with `max_epochs={next_epoch}`) and add it from that fit's "
+    "checkpoint, or use mode='batch'."
+)
 
 
 STEPS_MODE_EMPTY_EPOCH_REFUSAL = (

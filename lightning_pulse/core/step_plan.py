@@ -54,6 +54,9 @@ class StepPlan:
     data_steps: int | None = None
     from_step: int = 0  # the optimizer step the plan was made at (a resume plans the rest of the run)
     phase_steps: int | None = None
+    # steps trained before the plan without step-saving replay (a HardSampleReplay added on a resume):
+    # ``total_steps`` and ``plain_steps`` count them, the plan saved nothing on them
+    steps_before: int = 0
 
     @property
     def span(self) -> int:
@@ -72,8 +75,10 @@ class StepPlan:
 
     @property
     def spent(self) -> float:
-        """Planned optimizer steps over the plain run's (the compute spent, in full-batch steps)."""
-        return self.total_steps / self.plain_steps if self.plain_steps else 1.0
+        """Planned optimizer steps over the plain run's (the compute spent, in full-batch steps), both
+        counted from :attr:`steps_before` on."""
+        plain = self.plain_steps - self.steps_before
+        return (self.total_steps - self.steps_before) / plain if plain > 0 else 1.0
 
 
 def epoch_steps(batches: float, accumulate: int) -> int | None:
@@ -236,9 +241,7 @@ def _simulate(
     total_steps: int,
 ) -> StepPlan:
     from_step = step
-    sim = clock.copy() if clock is not None else None
-    if sim is not None and sim.stage == "pending":
-        sim.start(total_steps)
+    sim = None if clock is None else clock_started_at(clock, step, total_steps)
     window = window_size(batch_size, fraction)
     # the plain run's samples not yet trained
     data_left = plain_samples - trained_before
@@ -269,6 +272,18 @@ def _simulate(
     if sizes:
         epochs.append(sizes)
     return StepPlan(first_epoch, epochs, step, plain_steps, light_steps, from_step=from_step)
+
+
+def clock_started_at(clock: PhaseClock, step: int, total_steps: int) -> PhaseClock:
+    """A copy of ``clock`` as it runs from optimizer ``step`` on. One not started yet is placed there
+    (:meth:`~lightning_pulse.phase.PhaseClock.begin_at`, as PulseCycle starts it at ``trainer.global_step``)
+    and started: a PulseCycle added on a resume, placed already from the checkpoint, or to a second fit of the
+    Trainer, placed only at train start, after the plan."""
+    sim = clock.copy()
+    if sim.stage == "pending":
+        sim.begin_at(step)
+        sim.start(total_steps)
+    return sim
 
 
 def replay_steps_for_budget(
@@ -354,8 +369,16 @@ def _spent(fraction: float, full: float, light: float, replay: float, edges: flo
 
 def spent_summary(plan: StepPlan, global_step: int, budget: float | None) -> tuple[float, str]:
     """The share of the plain run's steps the run took, and the line that says it."""
-    spent = global_step / plan.plain_steps
     asked = "" if budget is None else f" (budget {budget:g})"
+    before = plan.steps_before
+    if before:  # steps trained before HardSampleReplay was added saved nothing: this fit's share is its own
+        plain = plan.plain_steps - before
+        spent = (global_step - before) / plain if plain > 0 else 1.0
+        return spent, (
+            f"the run took {global_step - before} optimizer steps from step {before} on (where "
+            f"HardSampleReplay joined it), {spent:.3f} of the plain run's {plain} from there{asked}."
+        )
+    spent = global_step / plan.plain_steps
     return (
         spent,
         f"the run took {global_step} optimizer steps, {spent:.3f} of the plain run's {plan.plain_steps}{asked}.",
@@ -384,6 +407,14 @@ def budget_shortfall(plan: StepPlan, budget: float | None) -> str | None:
 def plan_summary(plan: StepPlan, budget: float | None) -> str:
     """One line for the log: the planned steps against plain, and the budget if one was asked for."""
     light = f"{plan.light_steps} in light phases"
+    if plan.steps_before:  # HardSampleReplay added on a resume: the rest of the run is its plan
+        before, rest = plan.steps_before, plan.total_steps - plan.steps_before
+        text = (
+            f"no HardSampleReplay(mode='steps') state was restored: the rest of the run's data, from step "
+            f"{before} (epoch {plan.first_epoch}) on, takes {rest} optimizer steps instead of "
+            f"{plan.plain_steps - before} ({plan.spent:.3f}x; {light})"
+        )
+        return text if budget is None else text + f", for a budget of {budget:g}"
     if plan.from_step:  # a resume plans the rest of the run
         rest = plan.total_steps - plan.from_step
         light = f"{plan.light_steps} of the {rest} from step {plan.from_step} on in light phases"
@@ -430,6 +461,18 @@ class StepSavingStream:
         self.latest = 0  # raw samples of this pass's latest batch drawn (0: none drawn yet)
         # a restored or final state, while no pass runs: what a checkpoint saves then (see checkpoint)
         self.held: dict[str, Any] | None = None
+        self._joined_at: tuple[int, int] | None = None  # (epoch, step): see join_at
+
+    @property
+    def has_restored_state(self) -> bool:
+        """Whether a checkpoint's stream state was restored (the plan goes on from it)."""
+        return self._resume is not None
+
+    def join_at(self, epoch: int, step: int) -> None:
+        """Plan from the start of ``epoch`` at optimizer ``step``, where the fit goes on from a checkpoint
+        that holds no stream state (a HardSampleReplay added on a resume): only the epochs left are planned,
+        and the steps before count as plain ones, not as the plan's."""
+        self._joined_at = (int(epoch), int(step))
 
     def make_plan(
         self, clock: PhaseClock | None, light_phases: Iterable[str], **run: int | bool | None
@@ -437,9 +480,14 @@ class StepSavingStream:
         """Plan the run from where it stands (a restored state, or its start). ``run`` holds
         :func:`plan_steps`' ``batch_size``, ``fraction``, ``samples_per_epoch``, ``max_epochs``, ``max_steps``,
         ``accumulate`` and ``drop_last``."""
-        resume = self._resume
         samples_per_epoch, batch_size = int(run["samples_per_epoch"] or 0), int(run["batch_size"] or 1)
         self._plain_pass = _plain_sizes(samples_per_epoch, batch_size, bool(run["drop_last"]))
+        joined = self._resume is None and self._joined_at is not None
+        if joined:  # the plain epochs before it trained their every sample
+            epoch, step = self._joined_at  # type: ignore[misc]
+            trained = epoch * sum(self._plain_pass)
+            self._resume = {"epoch": epoch, "samples": 0, "batches": 0, "step": step, "trained": trained}
+        resume = self._resume
         self.resumed_at_pass_end = False
         if resume is not None and _pass_ended(
             resume["samples"], samples_per_epoch, batch_size, run["drop_last"]
@@ -463,6 +511,8 @@ class StepSavingStream:
             planned_plain_steps=resume.get("plain_steps"),
             **run,  # type: ignore[arg-type]
         )
+        if steps_before := resume["step"] if joined else resume.get("steps_before", 0):
+            self.plan = replace(self.plan, steps_before=steps_before)
         saved_plain_steps = resume.get("plain_steps")
         self.replanned_for_another_length = saved_plain_steps not in (None, self.plan.plain_steps)
         # a checkpoint of an older version holds no count: its plain passes' samples, as plan_steps reckons
@@ -525,7 +575,13 @@ class StepSavingStream:
             "pass_prior": self.pass_prior,
             "trained": self.trained_samples - left_out,
             "pulse_cycle": int(self.with_cycle),  # the plan depends on it: a resume without it plans anew
-        }
+        } | self._joined_state()
+
+    def _joined_state(self) -> dict[str, int]:
+        """The plain steps before a plan that joined the run (:meth:`join_at`), so its resume keeps counting
+        them as plain; nothing for a plan from the run's start (its checkpoints are as they were)."""
+        before = 0 if self.plan is None else self.plan.steps_before
+        return {"steps_before": before} if before else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("total_steps", -1) < 0:
