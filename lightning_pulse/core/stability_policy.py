@@ -29,6 +29,15 @@ from lightning_pulse.records import append_recent
 
 CAUSES = (None, "data", "state")  # where a flagged step came from, for EscalationPolicy.decide
 
+#: non-finite flagged steps in a row (no step applied between, the model's state finite) that the rollback
+#: test may still find the data's: a loss infinite on a few samples at any weights (a CTC target longer than
+#: its input) fills a row by chance where about half the batches hold one (3 in a row in 4 of 4 seeds of 48
+#: steps), and rolling back for it threw away every applied step. 16 in a row, at half the batches bad, come
+#: once in about 130,000 steps, as for bad data that cannot be checked (8 presumed, 8 tested at the snapshot:
+#: ``stability_steps.UNCHECKED_DATA_FAULTS + RECURRING_DATA_FAULTS``); a longer row is a data stream gone bad
+#: for good, or the model, and escalates untested.
+NONFINITE_ROW_TESTED = 16
+
 
 class Action(str, Enum):
     """What :class:`EscalationPolicy` tells the trainer to do with one optimizer step."""
@@ -136,7 +145,10 @@ class EscalationPolicy:
       ``rollback_helps`` (given to :meth:`decide`) answers ``False``, the flagged batch spiking on the snapshot
       the rollback would return to as well, the spikes are the data's (outlier targets, a loss infinite on a
       few samples, which come back every epoch): the step is skipped, the incident ends, and its flagged steps
-      count in ``recurring_spikes``. Flagged steps in an unbroken row escalate as before.
+      count in ``recurring_spikes``. Flagged steps in an unbroken row escalate untested (every batch failing:
+      a model or a whole data stream gone bad), unless every one of them is non-finite on a model whose
+      state is finite (``cause`` ``None``), for up to :data:`NONFINITE_ROW_TESTED` steps in a row: a loss
+      infinite on a few samples makes such rows by chance, and the test tells them from a model gone bad.
     * When a rollback is needed but ``max_rollbacks`` rollbacks already happened within the last
       ``rollback_memory`` steps, the run stops instead.
 
@@ -193,6 +205,9 @@ class EscalationPolicy:
         self.steps_skipped = 0
         self.bad_batches = 0  # steps skipped because their batch held non-finite values
         self.recurring_spikes = 0  # flagged steps whose batch spiked on the rollback's snapshot too
+        self.recurring_nonfinite = 0  # incidents of them resolved by a non-finite step (inf at any weights)
+        # non-finite flagged steps on a finite model state (data faults too) since the last applied step
+        self.nonfinite_row = 0
         self.rollbacks = 0
         self.steps_undone = 0  # applied updates thrown away by rollbacks
         self.energy_wasted_kwh = 0.0
@@ -263,18 +278,22 @@ class EscalationPolicy:
         if cause == "data":
             action = Action.SKIP
             self.bad_batches += 1
+            self.nonfinite_row += 1  # no step applied either: a row of bad data counts towards the bound
         else:
             self.spike_steps.append(step)
+            nonfinite = verdict in (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
+            self.nonfinite_row = self.nonfinite_row + 1 if nonfinite and cause is None else 0
             if len(self.spike_steps) < self.rollback_after and cause is None:
                 action = Action.SKIP
             elif (
                 cause is None
                 and rollback_helps is not None
-                and self._healthy_between()
+                and (self._healthy_between() or self._nonfinite_row_tested())
                 and not rollback_helps()
             ):
                 action = Action.SKIP
                 self.recurring_spikes += len(self.spike_steps)
+                self.recurring_nonfinite += verdict is Verdict.NONFINITE_LOSS
                 self.spike_steps = []
                 event["cause"] = "recurring"
             elif len(self.rollback_steps) >= self.max_rollbacks:
@@ -290,12 +309,21 @@ class EscalationPolicy:
 
     def _healthy_between(self) -> bool:
         """Whether applied steps came between the incident's flagged steps (step numbers with gaps). Without
-        any, every batch failed: a whole data stream gone bad, or the model, escalates as before."""
+        any, every batch failed: a whole data stream gone bad, or the model, escalates untested (but see
+        :meth:`_nonfinite_row_tested`)."""
         return self.spike_steps[-1] - self.spike_steps[0] + 1 > len(self.spike_steps)
+
+    def _nonfinite_row_tested(self) -> bool:
+        """Whether an unbroken row still gets the rollback test: each of the incident's flagged steps is
+        non-finite on a finite model state, and the row (across incidents the test resolved) is at most
+        :data:`NONFINITE_ROW_TESTED` long. A model gone bad is finite on the snapshot before it, so the test
+        rolls it back; a batch non-finite there too is the data's."""
+        return len(self.spike_steps) <= self.nonfinite_row <= NONFINITE_ROW_TESTED
 
     def finish(self, action: Action, energy_kwh: float = 0.0) -> None:
         """Book a step once its update was applied or dropped, with the energy it used."""
         if action is Action.APPLY:
+            self.nonfinite_row = 0
             self.lineage_steps += 1
             self.lineage_energy_kwh += energy_kwh
             self.cooldown_remaining = max(0, self.cooldown_remaining - 1)
@@ -320,7 +348,7 @@ class EscalationPolicy:
         """Record a rollback at ``step`` (to the snapshot of ``to_step``): the incident is resolved, the next
         steps are skipped, the cooldown starts. A rollback without a usable snapshot counts too."""
         self.rollback_steps.append(step)
-        self.spike_steps = []
+        self.spike_steps = []  # the row of non-finite steps goes on: a rollback applies no step
         self.skip_remaining = self.skip_after_rollback
         self.cooldown_remaining = self.lr_cooldown_steps
         self.rollbacks += 1
@@ -340,6 +368,8 @@ class EscalationPolicy:
             "steps_skipped": self.steps_skipped,
             "bad_batches": self.bad_batches,
             "recurring_spikes": self.recurring_spikes,
+            "recurring_nonfinite": self.recurring_nonfinite,
+            "nonfinite_row": self.nonfinite_row,
             "rollbacks": self.rollbacks,
             "steps_undone": self.steps_undone,
             "energy_wasted_kwh": self.energy_wasted_kwh,
@@ -358,6 +388,8 @@ class EscalationPolicy:
             "steps_skipped",
             "bad_batches",
             "recurring_spikes",
+            "recurring_nonfinite",
+            "nonfinite_row",
             "rollbacks",
             "steps_undone",
         )

@@ -131,6 +131,16 @@ RECURRING_DATA_FAULTS = 8
 LOSS_VERDICTS = frozenset({Verdict.LOSS_SPIKE, Verdict.NONFINITE_LOSS})
 
 
+def _holds_the_weights(model: nn.Module, snapshots: Sequence[TrainingSnapshot]) -> bool:
+    """Whether each of ``snapshots`` holds ``model``'s parameters as they are, bit for bit (a rare step only:
+    each parameter copied to the CPU in turn, up to the first that differs)."""
+    for name, param in model.named_parameters():
+        value = param.detach().cpu()
+        if not all(name in s.model and torch.equal(value, s.model[name]) for s in snapshots):
+            return False
+    return True
+
+
 def loss_spiked(verdict: Verdict, loss: float | None, median: float | None, min_ratio: float) -> bool:
     """Whether a flagged step's loss is abnormal, so that losses at a snapshot can tell whether a rollback helps:
     a loss verdict, or a gradient-norm spike whose loss is at least ``min_ratio`` squared times the baseline
@@ -1103,16 +1113,21 @@ class StabilityCore:
         fits ``model``, ``optimizers`` and, rewinding the schedule, ``schedulers``), then on the oldest held;
         ``True`` where it cannot tell anything. It can with a loss that spiked (:func:`loss_spiked`), a log
         loss scale and ``comparable``: an ordinary applied batch to compare with, and no activation cache that
-        a forward would fill. A gradient-norm spike with an ordinary loss cannot. A re-run of
+        a forward would fill. A gradient-norm spike with an ordinary loss cannot. Without those, a non-finite
+        loss on weights every rollback target holds bit for bit is ``False``, with no re-run. A re-run of
         ``training_step`` that fails leaves the test inconclusive (``True``; said through ``warn`` once a
         fit)."""
         detector = self.detector
         median = detector.baseline(key)["loss"]
         if loss is None or not loss_spiked(verdict, loss, median, detector.min_ratio):
             return True
-        if not comparable or detector.loss_scale != "log":
-            return True
         candidates = self._rollback_candidates(model, step, optimizers, schedulers)
+        if not comparable or detector.loss_scale != "log":
+            # nothing to compare a re-run with (no step applied in this fit yet); but a non-finite loss on the
+            # very weights every rollback target holds cannot be helped by returning there: the fit's first 3
+            # batches each with a CTC target longer than its input were rolled back to the start, 0 steps
+            # undone, and the next 20 batches skipped
+            return math.isfinite(loss) or not candidates or not _holds_the_weights(model, candidates)
         try:
             losses_at = self._rerun_or_inconclusive(model, losses_at, warn)
             helps, self.rollback_to = rollback_test(candidates, losses_at, loss, self.config.min_ratio)
@@ -1512,6 +1527,14 @@ def data_fault_message(
     )
 
 
+#: what makes a loss non-finite on finite inputs at the snapshot's weights too, and the way out (the end line)
+NONFINITE_LOSS_CAUSES = (
+    "samples whose loss is non-finite at any weights, on finite inputs: a CTC target longer than its input "
+    "(the way out: Hugging Face `ctc_zero_infinity=True`, `nn.CTCLoss(zero_infinity=True)`), a log of 0, "
+    "inputs so large that the forward overflows; fix those samples or make the loss finite for them"
+)
+
+
 def presumption_ended_message(step: int) -> str:
     return (
         f"StabilityGuard: step {step} is non-finite with NaN or +inf values in its data, like the "
@@ -1731,9 +1754,17 @@ def summary_message(
         else ""
     )
     unjudged_note = " Also, " + unjudged_losses_note(unjudged, "this fit's") + "." if unjudged else ""
+    nonfinite_note = (
+        f" {policy.recurring_nonfinite} recurring incident(s) ended on a loss non-finite at the "
+        f"snapshot's weights too, on a finite model: likely {NONFINITE_LOSS_CAUSES}; their batches were "
+        "skipped."
+        if policy.recurring_nonfinite
+        else ""
+    )
     return (
         f"StabilityGuard: {spikes} spike(s){recurring}, {policy.steps_skipped} step(s) skipped, "
-        f"{policy.rollbacks} rollback(s), {policy.steps_lost} step(s) of work lost.{unjudged_note}"
+        f"{policy.rollbacks} rollback(s), {policy.steps_lost} step(s) of work lost.{nonfinite_note}"
+        f"{unjudged_note}"
     )
 
 
