@@ -427,8 +427,8 @@ class PhaseClock:
             placed.append(f"an anneal from step {self._anneal_start(total_steps)}")
         plan = f": {' and '.join(placed)}, as shares of them" if placed else ", with no warm-up or anneal"
         return (
-            f"starting at step {self.origin} with no saved state (the checkpoint holds none of "
-            f"PulseCycle's): its clock counts the run's steps from there, and its phases run on {rest}{plan}."
+            f"starting at step {self.origin} with no saved state (none of PulseCycle's was restored: a "
+            f"checkpoint without it, or a later fit of the Trainer): its clock counts the run's steps from there, and its phases run on {rest}{plan}."
         )
 
     def start(self, total_steps: int | float | None) -> PhaseChange | None:

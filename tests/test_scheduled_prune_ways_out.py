@@ -555,6 +555,10 @@ def test_a_fake_quantized_model_whose_every_cut_fails_names_unstructured_first_w
         r"it checked lets the trial cut pass \([^)]*\)\. Use mode='unstructured'; or narrow",
         str(refused.value),
     ), str(refused.value)
+    # narrowing breaks in the next layer's quantizer, and leaves nothing else to leave out
+    with pytest.raises(PulseRefusal, match=r"broke in net\.3\.weight_fake_quant") as refused:
+        _fit(_FakeQuantized(), _vectors(), _prune(exclude_pattern="1"))
+    assert "it found no `exclude_pattern` to check. Use mode='unstructured'; or narrow" in str(refused.value)
     prune = _prune(mode="unstructured")
     _fit(_FakeQuantized(), _vectors(), prune)
     assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)

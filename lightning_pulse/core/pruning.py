@@ -1775,7 +1775,7 @@ def _way_out(
     :data:`WAY_OUT_TRIES` cuts, chosen layers are left out by name (:func:`_layer_search`: the break is in the
     model's own ``forward``, or in a layer whose input another one cuts). Where no pattern passes, the failing
     module is named, with the patterns that failed, and no pattern is offered (:data:`NO_PATTERN_PASSES` or
-    :data:`NO_PATTERN_TO_CHECK` where the search ran its course: the refusal then offers no narrowing). Where
+    :data:`NO_PATTERN_TO_CHECK` where the search ran its course; a search out of time says so). Where
     that search finds none either, wider parts around the break are left out (:func:`_wider_way_out`).
     :class:`_TrialClock` says when no further trial cut starts.
 
