@@ -42,6 +42,7 @@ from lightning_pulse.core.step_plan import (
     StepPlan,
     StepSavingStream,
     budget_shortfall,
+    plan_settings,
     plan_summary,
     resumed_plan_change,
     schedule_lengths,
@@ -240,9 +241,11 @@ class StepSavingLoader:
         if cycle is not None:
             cycle.fit_budget(fraction, light_phases, math.ceil(plain_batches / accumulate))
         self._join_run_under_way(trainer, plain_batches)
+        clock, budget = (None, None) if cycle is None else (cycle.clock, cycle.budget)
         plan = self.stream.make_plan(
-            None if cycle is None else cycle.clock,
+            clock,
             light_phases,
+            plan_settings(clock, budget, fraction, light_phases),
             batch_size=batches.batch_size,
             fraction=fraction,
             samples_per_epoch=len(tracker.recorder.sampler),
@@ -268,7 +271,8 @@ class StepSavingLoader:
             if (every := max(cut.frequency for cut in cuts)) > 1:
                 refusal += f" (Its length is max_steps over the scheduler's `frequency`={every}.)"
             raise PulseRefusal(refusal)
-        shortfall = None if cycle is None else budget_shortfall(plan, cycle.budget)
+        changed = bool(self.stream.changed_settings)
+        shortfall = None if cycle is None else budget_shortfall(plan, cycle.budget, changed)
         if shortfall is not None:  # a warning, not a refusal: a smoke run of a shipped YAML must still train
             rank_zero_warn(f"PulseCycle: {shortfall}")
         self._unplanned = unplanned
@@ -288,8 +292,11 @@ class StepSavingLoader:
         compat.replace_batch_sampler(loader, self._sampler)
         if cycle is not None:
             cycle.adopt_plan(plan)
-        budget = None if cycle is None else cycle.budget
         replanned = self.stream.replanned_for_another_length
+        if settings_changed := self.stream.changed_settings:
+            remade = f" (the checkpoint's plan remade from step {plan.from_step} on for {settings_changed})."
+        else:
+            remade = " (the checkpoint's plan remade for this run's length)." if replanned else "."
         rank_zero_info(
             f"HardSampleReplay: {plan_summary(plan, budget)}; trainer.max_steps={cap}"
             + (
@@ -297,7 +304,7 @@ class StepSavingLoader:
                 if batch_norm_step
                 else ""
             )
-            + (" (the checkpoint's plan remade for this run's length)." if replanned else ".")
+            + remade
         )
         return plan
 
@@ -464,7 +471,7 @@ class StepSavingLoader:
                 STEPS_MODE_RESUMED_SCHEDULE_REFUSAL.format(scheduler=past[0], length=past[1], change=change)
             )
         cycle_changed = stream.saved_with_cycle not in (None, stream.with_cycle)
-        if cycle_changed or not stream.replanned_for_another_length:
+        if cycle_changed or stream.changed_settings or not stream.replanned_for_another_length:
             rank_zero_warn(
                 f"HardSampleReplay: {change}; the resumed run is not the one the checkpoint saved."
             )

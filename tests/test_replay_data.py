@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pulse.core.replay import ReplayConfig, parse_half_life
 from lightning_pulse.core.replay_data import ReplayData
 from lightning_pulse.core.sample_index import RecordingSampler
+from lightning_pulse.errors import PulseRefusal
 
 
 def _loader(samples: int = 12, batch_size: int = 4) -> DataLoader:
@@ -81,7 +82,9 @@ def test_restored_scores_of_another_dataset_size_fail_when_the_data_comes():
     source.attach(_loader(samples=12), at=(0, 0))
     resumed = ReplayData(ReplayConfig())
     resumed.load_state_dict(source.state_dict())
-    with pytest.raises(ValueError, match="different dataset"):
+    with pytest.raises(
+        PulseRefusal, match="scores cover 12 training samples, and this fit's training data holds 8"
+    ):
         resumed.attach(_loader(samples=8), at=(0, 0))
 
 

@@ -41,6 +41,7 @@ from lightning_pulse.core.selection import (
     take_samples,
     whole_parts,
 )
+from lightning_pulse.errors import PulseRefusal
 from tests.conftest import AttributeStoredMapping
 
 NAN = math.nan
@@ -620,7 +621,7 @@ def test_the_selector_for_new_data_keeps_a_table_of_its_size_and_takes_a_state_r
     scored.table.update(torch.arange(3), torch.tensor([1.0, 2.0, 3.0]), step=0)
     resized = HardSampleSelector.for_data(selector, 6, SampleScoreTable, selector.config, scored.state_dict())
     assert resized is not selector and resized.table.num_samples == 6 and resized.table.seen == 3
-    with pytest.raises(ValueError, match="different dataset"):
+    with pytest.raises(PulseRefusal, match="HardSampleReplay: the checkpoint's sample scores cover 6"):
         HardSampleSelector.for_data(None, 5, SampleScoreTable, selector.config, scored.state_dict())
 
 

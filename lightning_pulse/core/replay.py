@@ -50,6 +50,7 @@ from lightning_pulse.core.per_sample_loss import (
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.core.selection import RULES, Selection, infobatch_prune, select_random, select_topk
+from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PHASE_NAMES, Duration, parse_duration
 
 #: Why a sample was in the batch a step trained on.
@@ -267,6 +268,15 @@ STEPS_MODE_JOINED_MID_EPOCH_REFUSAL = (
     "an epoch's end (`ModelCheckpoint(save_last=True)` or `every_n_epochs=1`), or finish this epoch "
     "without HardSampleReplay (resume with `max_epochs={next_epoch}`) and add it from that fit's "
     "checkpoint, or use mode='batch'."
+)
+
+
+# the scores are one row per training sample, in both modes: a table of another size is another dataset's
+RESUMED_DATA_SIZE_REFUSAL = (
+    "HardSampleReplay: the checkpoint's sample scores cover {saved} training samples, and this fit's "
+    "training data holds {now}: they were saved for another dataset (mode='batch' keeps the same per-sample "
+    "scores, so it does not help). Resume on the data the checkpoint was saved with, or start a new fit (no "
+    "`ckpt_path`) from its weights (`YourModule.load_from_checkpoint(path)`), whose scores start afresh."
 )
 
 
@@ -752,12 +762,15 @@ class HardSampleSelector:
         applied are dropped, and ``restored``, a checkpoint's state that came before the data, is loaded.
 
         Raises:
-            ValueError: when ``restored`` holds the scores of a dataset of another size.
+            PulseRefusal: when ``restored`` holds the scores of a dataset of another size.
         """
         if current is None or current.table.num_samples != num_samples:
             current = cls(new_table(num_samples), config)
         current.drop_pending()
         if restored is not None:
+            scores = (restored.get("table") or {}).get("scores")
+            if scores is not None and scores.numel() != num_samples:
+                raise PulseRefusal(RESUMED_DATA_SIZE_REFUSAL.format(saved=scores.numel(), now=num_samples))
             current.load_state_dict(restored)
         return current
 

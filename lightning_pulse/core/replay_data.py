@@ -100,8 +100,8 @@ class ReplayData:
         scores age by epochs of ``loader`` at ``accumulate`` batches a step.
 
         Raises:
-            ValueError: for restored scores of a dataset of another size, or a half-life in epochs with a
-                DataLoader without a length.
+            PulseRefusal: for restored scores of a dataset of another size.
+            ValueError: for a half-life in epochs with a DataLoader without a length.
         """
         note, fresh = reloaded_data_note(self.tracker.dataset if self.ready else None, loader.dataset)
         warn(note)

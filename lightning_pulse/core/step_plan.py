@@ -390,17 +390,25 @@ def spent_summary(plan: StepPlan, global_step: int, budget: float | None) -> tup
 BUDGET_TOLERANCE = 0.05
 
 
-def budget_shortfall(plan: StepPlan, budget: float | None) -> str | None:
-    """Why ``plan`` does not meet ``budget`` (it spends more than ``budget + BUDGET_TOLERANCE``), or ``None``."""
+def budget_shortfall(plan: StepPlan, budget: float | None, resumed_changed: bool = False) -> str | None:
+    """Why ``plan`` does not meet ``budget`` (it spends more than ``budget + BUDGET_TOLERANCE``), or ``None``.
+    ``resumed_changed``: the plan was remade on a resume with other settings, whose steps before it spent
+    what the checkpoint's settings did."""
     if budget is None or plan.spent <= budget + BUDGET_TOLERANCE:
         return None
     reachable = math.ceil(100 * plan.spent) / 100
     way_out = f"raise `budget` to at least {reachable:g}" if reachable < 1 else "drop `budget`"
+    before = plan.from_step - plan.steps_before if resumed_changed else 0
+    resumed = (
+        f"its first {before} trained before the resume, with the checkpoint's settings, and "
+        if before
+        else ""
+    )
     return (
         f"`budget`={budget:g} is not met on this run: its plan takes {plan.total_steps} of the plain run's "
-        f"{plan.plain_steps} optimizer steps ({plan.spent:.3f}), since warm-up, bursts and anneal train full "
-        "batches and a short run ends inside its first cycles. Train for more steps, shorten `burst` or "
-        f"`warmup`, or {way_out}."
+        f"{plan.plain_steps} optimizer steps ({plan.spent:.3f}), since {resumed}warm-up, bursts and anneal "
+        "train full batches and a short run ends inside its first cycles. Train for more steps, shorten "
+        f"`burst` or `warmup`, or {way_out}."
     )
 
 
@@ -425,6 +433,49 @@ def plan_summary(plan: StepPlan, budget: float | None) -> str:
     if budget is not None:
         text += f", for a budget of {budget:g}"
     return text
+
+
+def plan_settings(
+    clock: PhaseClock | None, budget: float | None, fraction: float, light_phases: Iterable[str]
+) -> dict[str, Any]:
+    """The settings a step plan is made of, besides the run's length and data: HardSampleReplay's replay
+    fraction and light phases, and the PulseCycle's phase lengths (the replay one as its ``budget`` set it),
+    warm-up, anneal and budget. Saved with the plan, so that a resume with other settings plans anew."""
+    settings: dict[str, Any] = {
+        "replay_fraction": float(fraction),
+        "phases": sorted(Phase(name).value for name in light_phases),
+    }
+    if clock is not None:
+        settings |= {phase.value: str(duration) for phase, duration in clock.durations.items()}
+        settings |= {"warmup": clock.warmup, "anneal": clock.anneal, "budget": budget}
+    return settings
+
+
+def settings_change(saved: dict[str, Any] | None, now: dict[str, Any]) -> str | None:
+    """The settings that differ between a checkpoint's plan (``saved``, ``None``: a checkpoint saved before
+    they were) and this run's, each with both values; ``None`` where none does, or where a PulseCycle was
+    added or removed (said on its own: :func:`resumed_plan_change`)."""
+    if saved is None or ("warmup" in saved) != ("warmup" in now):
+        return None
+    changed = [name for name in now if saved.get(name) != now[name]]
+    by_budget = "budget" in changed and now.get("budget") is not None
+    parts = []
+    for name in changed:
+        owner = "HardSampleReplay" if name in ("replay_fraction", "phases") else "PulseCycle"
+        if name == "replay" and by_budget:
+            continue  # said with the budget that set it
+        part = f"{owner}'s `{name}` {_setting(saved.get(name))} -> {_setting(now[name])}"
+        if name == "replay" and now.get("budget") is not None:  # the same budget, on another epoch length
+            budget = f"`budget`={now['budget']:g}"
+            part = f"PulseCycle's replay phase, set by {budget}, {saved.get(name)} -> {now[name]}"
+        if name == "budget" and by_budget and "replay" in changed:
+            part += f" (its replay phase {saved.get('replay')} -> {now['replay']})"
+        parts.append(part)
+    return ", ".join(parts) or None
+
+
+def _setting(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 class StepSavingStream:
@@ -452,6 +503,10 @@ class StepSavingStream:
         self._plain_pass: list[int] = []
         self.resumed_at_pass_end = False  # the checkpoint was saved on the last batch of a pass
         self.replanned_for_another_length = False  # a resume to another run length remade the saved plan
+        # the plan's settings (plan_settings), and those that differ from the checkpoint's: the saved plan
+        # is remade for them (see settings_change)
+        self.settings: dict[str, Any] | None = None
+        self.changed_settings: str | None = None
         # the checkpoint's planned total and whether a PulseCycle's clock planned it (None: no checkpoint, or
         # one saved before it was recorded), and whether one plans this run: see resumed_plan_change
         self.saved_total_steps: int | None = None
@@ -475,11 +530,18 @@ class StepSavingStream:
         self._joined_at = (int(epoch), int(step))
 
     def make_plan(
-        self, clock: PhaseClock | None, light_phases: Iterable[str], **run: int | bool | None
+        self,
+        clock: PhaseClock | None,
+        light_phases: Iterable[str],
+        settings: dict[str, Any] | None = None,
+        **run: int | bool | None,
     ) -> StepPlan:
         """Plan the run from where it stands (a restored state, or its start). ``run`` holds
         :func:`plan_steps`' ``batch_size``, ``fraction``, ``samples_per_epoch``, ``max_epochs``, ``max_steps``,
-        ``accumulate`` and ``drop_last``."""
+        ``accumulate`` and ``drop_last``; ``settings`` the plan's :func:`plan_settings`. A resume whose
+        settings differ from the checkpoint's plans the rest of the run again, from where it stands: the
+        saved total and span belong to the old settings (a budget added kept the old length, and the run ended
+        its data inside a replay phase, its anneal never reached)."""
         samples_per_epoch, batch_size = int(run["samples_per_epoch"] or 0), int(run["batch_size"] or 1)
         self._plain_pass = _plain_sizes(samples_per_epoch, batch_size, bool(run["drop_last"]))
         joined = self._resume is None and self._joined_at is not None
@@ -500,13 +562,16 @@ class StepSavingStream:
         self.saved_total_steps = None if saved_total is None else int(saved_total)
         self.saved_with_cycle = None if saved_cycle is None else bool(saved_cycle)
         self.with_cycle = clock is not None
+        self.settings = settings
+        saved_settings = resume.get("settings")
+        self.changed_settings = None if settings is None else settings_change(saved_settings, settings)
         self.plan = plan_steps(
             clock,
             light_phases,
             start_epoch=resume.get("epoch", 0),
             start_samples=resume.get("samples", 0),
             start_step=resume.get("step", 0),
-            total_steps=resume.get("total_steps"),
+            total_steps=None if self.changed_settings else resume.get("total_steps"),
             start_trained=resume.get("trained"),
             planned_plain_steps=resume.get("plain_steps"),
             **run,  # type: ignore[arg-type]
@@ -564,18 +629,22 @@ class StepSavingStream:
         counts it out too."""
         left_out = self.latest if latest_untrained and self.batches > 0 else 0
         total = -1 if self.plan is None else self.plan.total_steps
-        return {
-            "plain_steps": -1 if self.plan is None else self.plan.plain_steps,
-            "epoch": self.epoch,
-            "samples": self.samples - left_out,
-            "batches": self.batches - (1 if left_out else 0),
-            "step": int(global_step),
-            "total_steps": total,
-            "pass_step": self.pass_step,
-            "pass_prior": self.pass_prior,
-            "trained": self.trained_samples - left_out,
-            "pulse_cycle": int(self.with_cycle),  # the plan depends on it: a resume without it plans anew
-        } | self._joined_state()
+        return (
+            {
+                "plain_steps": -1 if self.plan is None else self.plan.plain_steps,
+                "epoch": self.epoch,
+                "samples": self.samples - left_out,
+                "batches": self.batches - (1 if left_out else 0),
+                "step": int(global_step),
+                "total_steps": total,
+                "pass_step": self.pass_step,
+                "pass_prior": self.pass_prior,
+                "trained": self.trained_samples - left_out,
+                "pulse_cycle": int(self.with_cycle),  # the plan depends on it: a resume without it plans anew
+            }
+            | self._joined_state()
+            | self._settings_state()
+        )
 
     def _joined_state(self) -> dict[str, int]:
         """The plain steps before a plan that joined the run (:meth:`join_at`), so its resume keeps counting
@@ -583,11 +652,15 @@ class StepSavingStream:
         before = 0 if self.plan is None else self.plan.steps_before
         return {"steps_before": before} if before else {}
 
+    def _settings_state(self) -> dict[str, Any]:
+        """The settings the plan was made of (:func:`plan_settings`): a resume with others plans anew."""
+        return {} if self.settings is None else {"settings": dict(self.settings)}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("total_steps", -1) < 0:
             self._resume = None
             return
-        self._resume = {k: float(v) if k == "pass_prior" else int(v) for k, v in state.items()}
+        self._resume = {k: _resumed_value(k, v) for k, v in state.items()}
 
     def restore(self, state: dict[str, Any] | None) -> None:
         """A checkpoint's state (``None``: it holds none): :attr:`held` until a pass runs, so that a fit with
@@ -625,10 +698,19 @@ def resumed_plan_change(stream: StepSavingStream, run_steps: int) -> str | None:
             if stream.with_cycle
             else "the PulseCycle it was saved with is gone"
         )
+    elif stream.changed_settings:
+        length = " and the run's max_epochs or max_steps" if stream.replanned_for_another_length else ""
+        cause = (
+            f"{stream.changed_settings}{length}; the rest of the run was planned again from step "
+            f"{stream.plan.from_step if stream.plan is not None else 0} on, for them"
+        )
     elif stream.replanned_for_another_length:
         cause = "the run's max_epochs or max_steps changed"
-    else:
-        cause = "the callbacks changed since (a PulseCycle added or removed, or its settings)"
+    else:  # a checkpoint saved before the settings were
+        cause = (
+            "the callbacks' settings changed since (PulseCycle's phase lengths, warm-up, anneal or budget, "
+            "or HardSampleReplay's replay_fraction or phases)"
+        )
     return f"the checkpoint's plan was {saved} optimizer steps, this run plans {run_steps}: {cause}"
 
 
@@ -675,6 +757,12 @@ def resumed_without_plan(
             "checkpoint was saved with, or start a new run."
         )
     return f"PulseCycle: {change}; the resumed run is not the one the checkpoint saved."
+
+
+def _resumed_value(name: str, value: Any) -> Any:
+    if name == "settings":
+        return dict(value)
+    return float(value) if name == "pass_prior" else int(value)
 
 
 def _pass_ended(samples: int, samples_per_epoch: int, batch_size: int, drop_last: Any) -> bool:
