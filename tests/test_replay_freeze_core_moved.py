@@ -164,7 +164,8 @@ def test_the_checkpoint_holds_the_freezer_the_given_ledger_and_a_copy_of_the_eve
     waiting = FreezerLifecycle(SETTINGS)
     events = [{"step": 3, "from": 0, "to": 2, "reason": "check"}]
     state = waiting.state_dict({"skipped": 1.5}, events)
-    assert list(state) == ["cache", "ledger", "events", "optimizer_check"]
+    assert list(state) == ["cache", "ledger", "events", "optimizer_check", "units_argument"]
+    assert state["units_argument"] is None  # the automatic split: a resume compares its own with it
     assert state["cache"] is None and state["ledger"] == {"skipped": 1.5}
     assert state["events"] == events and state["events"] is not events
     assert state["optimizer_check"] == waiting.optimizer_check.state_dict()

@@ -186,8 +186,10 @@ class GradientCache(Callback):
         )
         self._loader_watch.stop()  # the data is set up (reloading it is refused with the cache)
         self._fit_refs = (trainer, pl_module)
-        # a checkpoint applies here, after the strategy wrapped the model: DDP must see every parameter trainable
-        self._lifecycle.resume(self._lifecycle.pending, pl_module, self._replay, info=rank_zero_info)
+        # a checkpoint applies here, after the strategy wrapped the model: DDP must see every parameter
+        # trainable; `units` changed since it was saved are honoured there (scores start over on them)
+        pending, step = self._lifecycle.pending, trainer.global_step
+        self._lifecycle.resume(pending, pl_module, self._replay, rank_zero_info, step, self.ledger)
 
     def _end_activation_batch(self) -> None:
         if self._replay is not None and (reason := self._replay.end_batch()) is not None:

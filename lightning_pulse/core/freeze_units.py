@@ -432,6 +432,35 @@ def discover_units(
     return mark_shared(units, root)
 
 
+def units_changed_since(
+    saved_units: Sequence[str],
+    saved_argument: Sequence[str] | None,
+    argument: Sequence[str] | None,
+    root: nn.Module,
+    argument_saved: bool = True,
+) -> list[FreezeUnit] | None:
+    """The units this fit's ``units`` ``argument`` gives ``root`` (:func:`discover_units`), when they are not
+    the ``saved_units`` that a checkpoint's run froze with ``saved_argument``; ``None`` when they are the same.
+
+    Only a changed argument is looked at: with the same one, the saved units stand, also where ``root``'s
+    trainable set would now give others (the saved run took in a backbone it saw start training). A
+    checkpoint written before the argument was saved (``argument_saved`` false) is compared when either side
+    names units explicitly: its units hold a ``"<rest>"`` unit, or ``argument`` is given.
+
+    Raises:
+        PulseRefusal: from :func:`discover_units`, for a name ``root`` does not have.
+    """
+    if argument_saved:
+        if saved_argument == argument:
+            return None
+    elif argument is None and REST not in saved_units:
+        return None  # the automatic split in both runs, as far as such a checkpoint tells
+    if argument is not None and set(saved_units) - {REST} == set(argument):
+        return None  # each entry one unit, as saved (their order is traced either way)
+    units = discover_units(root, argument)
+    return None if {unit.name for unit in units} == set(saved_units) else units
+
+
 def untrained_entries(root: nn.Module, module_names: Sequence[str]) -> list[str]:
     """The explicit ``units`` entries of ``root`` holding no parameter that trains (all frozen by the user):
     :func:`discover_units` leaves them out, as it leaves out every frozen parameter."""

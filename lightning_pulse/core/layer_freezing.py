@@ -54,6 +54,7 @@ from lightning_pulse.core.freeze_units import (
     pinned_note,
     replace_unit_parameters,
     reread_note,
+    units_changed_since,
     untrained_entries,
 )
 from lightning_pulse.core.snapshots import hook_around_steps, runs_step_hooks
@@ -62,6 +63,8 @@ from lightning_pulse.phase import KNOWN_LENGTH
 from lightning_pulse.records import append_recent
 
 STATE_VERSION = 2
+# the `units` argument of the run that saved a state (a key of its own: older states are read without it)
+UNITS_ARGUMENT = "units_argument"
 
 
 # ---------------------------------------------------------------------------------------------------- settings
@@ -1153,11 +1156,13 @@ class FreezerLifecycle:
         """Leading units the next backward skips (none in a resumed fit's first: :meth:`begin_forward`)."""
         return 0 if self._opened else self.frozen_prefix
 
-    def start(self, state: Mapping[str, Any] | None, model: nn.Module) -> str | None:
+    def start(
+        self, state: Mapping[str, Any] | None, model: nn.Module, units: Sequence[FreezeUnit] | None = None
+    ) -> str | None:
         """Start a fit from a checkpoint's freezer ``state`` (``requires_grad`` set from it), or, for a fresh run
-        or a state saved before the first backward (``None``), with the units discovered in ``model`` waiting.
-        Returns :func:`~lightning_pulse.core.freeze_units.pinned_note` for a restored freezer's units (units
-        still to be ordered are named when they are: :meth:`announce`), else ``None``.
+        or a state saved before the first backward (``None``), with ``units`` (default: those discovered in
+        ``model``) waiting. Returns :func:`~lightning_pulse.core.freeze_units.pinned_note` for a restored
+        freezer's units (units still to be ordered are named when they are: :meth:`announce`), else ``None``.
 
         Raises:
             ValueError: for a name in ``unit_names`` that ``model`` does not have (see :func:`discover_units`).
@@ -1170,7 +1175,7 @@ class FreezerLifecycle:
         self.freezer, self.trace = restore_freezer(None, state, model, self.settings, self.optimizers), None
         self._open_first_forward, self._opened, self._opened_gradients = self.freezer is not None, [], []
         if self.freezer is None:
-            self.trace = ForwardOrderTrace(discover_units(model, self.unit_names))
+            self.trace = ForwardOrderTrace(discover_units(model, self.unit_names) if units is None else units)
             return None
         return pinned_note(self.freezer.units)
 
@@ -1603,20 +1608,60 @@ class FreezerLifecycle:
         model: nn.Module,
         replay: LoaderActivationCache | None = None,
         info: Callable[[str], None] | None = None,
+        step: int = 0,
+        ledger: BackwardFlopLedger | None = None,
     ) -> str | None:
         """Start a fit from a :meth:`state_dict` (``None``: a fresh run): :meth:`start` from its freezer,
         plan ``replay`` (the fit's activation cache) on the restored frozen units, then
         :meth:`load_optimizer_check`. Returns :meth:`start`'s note on the pinned units, and says it through
         ``info``: a restored freezer's (units still to be ordered are named when they are:
-        :meth:`announce`). Drops the :attr:`pending` state (pass it as ``state``)."""
+        :meth:`announce`). Drops the :attr:`pending` state (pass it as ``state``).
+
+        When this fit's ``unit_names`` give other units than the state's (:func:`units_changed_since`), they
+        are honoured: :meth:`_take_over_saved_run` at optimizer ``step``, with the fit's FLOP ``ledger``.
+        """
         self.pending = None
-        pinned = self.start(None if state is None else state["cache"], model)
+        saved = None if state is None else state["cache"]
+        units = None
+        if saved is not None:
+            argument_saved = UNITS_ARGUMENT in state
+            units = units_changed_since(
+                saved["units"], state.get(UNITS_ARGUMENT), self.unit_names, model, argument_saved
+            )
+        pinned = self.start(saved if units is None else None, model, units)
+        if units is not None:
+            self._take_over_saved_run(state, units, step, ledger, info)
         if state is not None:
             self.replan(replay)
             self.load_optimizer_check(state.get("optimizer_check"))
         if pinned is not None and info is not None:
             info(f"GradientCache: {pinned}.")
         return pinned
+
+    def _take_over_saved_run(
+        self,
+        state: Mapping[str, Any],
+        units: Sequence[FreezeUnit],
+        step: int,
+        ledger: BackwardFlopLedger | None,
+        info: Callable[[str], None] | None,
+    ) -> None:
+        """Continue a checkpoint's run on other ``units`` (this fit's ``units`` argument), as a retrace does:
+        scores, windows and snapshots belong to the saved units and say nothing of regrouped ones (a unit's
+        plasticity is its movement against its own largest), so the new units start unfrozen, wait for the
+        first backward to order them and are scored from new windows; the step count and statistics go on.
+        The saved frozen prefix's release goes to :attr:`events` (reason ``"units"``) at ``step``, the
+        ``ledger``'s per-prefix measurements are taken again, and ``info`` says what changed."""
+        saved = state["cache"]
+        # continued by the freezer that _order_waiting builds on the new units
+        self._statistics = {"steps": saved["steps"], **saved["stats"]}
+        released = next((i for i, frozen in enumerate(saved["frozen"]) if not frozen), len(saved["frozen"]))
+        if released:
+            append_recent(self.events, freeze_event(step, released, 0, "units"))
+        if ledger is not None:
+            ledger.remeasure()
+        if info is not None:
+            info(units_changed_note(state, saved["units"], self.unit_names, units, released))
 
     def roll_back(
         self,
@@ -1652,9 +1697,10 @@ class FreezerLifecycle:
 
     def state_dict(self, ledger: Mapping[str, Any], events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         """:class:`~lightning_pulse.GradientCache`'s checkpoint: the freezer's state (``None`` while the units
-        wait for their order), the given FLOP ``ledger`` state and frozen-prefix ``events``, and the optimizer
-        check's state; the :attr:`pending` state as it came while a restored fit trained nothing (no
-        :meth:`resume` came)."""
+        wait for their order), the given FLOP ``ledger`` state and frozen-prefix ``events``, the optimizer
+        check's state and the ``units`` argument (:data:`UNITS_ARGUMENT`, which a resume compares with its
+        own); the :attr:`pending` state as it came while a restored fit trained nothing (no :meth:`resume`
+        came)."""
         if self.pending is not None:
             return dict(self.pending)
         return {
@@ -1662,6 +1708,7 @@ class FreezerLifecycle:
             "ledger": ledger,
             "events": list(events),
             "optimizer_check": self.optimizer_check.state_dict(),
+            UNITS_ARGUMENT: None if self.unit_names is None else list(self.unit_names),
         }
 
     def follow(
@@ -1701,6 +1748,38 @@ class FreezerLifecycle:
             self.freezer.optimizers = None
         if self.freezer is not None:
             self.freezer.restore_requires_grad()
+
+
+def units_changed_note(
+    state: Mapping[str, Any],
+    saved_units: Sequence[str],
+    argument: Sequence[str] | None,
+    units: Sequence[FreezeUnit],
+    released: int,
+) -> str:
+    """What :meth:`FreezerLifecycle.resume` says when this fit's ``units`` ``argument`` gives other ``units``
+    than the ``saved_units`` of the checkpoint ``state``, whose frozen prefix of ``released`` units it let
+    go."""
+    saved_argument = (
+        f"`units`={state[UNITS_ARGUMENT]!r}" if UNITS_ARGUMENT in state else "saved by an older release"
+    )
+    way_back = (
+        f"resume with `units`={state[UNITS_ARGUMENT]!r}"
+        if UNITS_ARGUMENT in state
+        else f"resume with the `units` that gave {list(saved_units)}"
+    )
+    frozen = (
+        f"the checkpoint's frozen prefix of {released} unit(s) is released"
+        if released
+        else "nothing was frozen then"
+    )
+    return (
+        f"GradientCache: `units` changed since the checkpoint: its run's units were {list(saved_units)} "
+        f"({saved_argument}), this fit's `units`={None if argument is None else list(argument)!r} gives "
+        f"{[unit.name for unit in units]}, which it uses. They start unfrozen ({frozen}), are put in forward "
+        "order at the first backward and scored from new windows, as in a fresh fit; the step count and the "
+        f"freeze statistics go on. To continue the checkpoint's freezing instead, {way_back}."
+    )
 
 
 def misplaced_note(names: Sequence[str]) -> str:
