@@ -1758,7 +1758,8 @@ def summary_message(
         f" {policy.recurring_nonfinite} recurring incident(s) ended on a loss non-finite at the "
         f"snapshot's weights too, on a finite model: likely {NONFINITE_LOSS_CAUSES}; their batches were "
         "skipped."
-        if policy.recurring_nonfinite
+        # not after a stop: every batch failing to the end is the model's (the stop's message says so)
+        if policy.recurring_nonfinite and not policy.stopped
         else ""
     )
     return (
