@@ -201,12 +201,19 @@ class PruneEvents:
         """At fit start, decide :attr:`uses_maintain`
         (:func:`~lightning_pulse.core.prune_setup.event_cadence`; a resumed run keeps what its first fit
         decided) and give its warnings. Raises :class:`~lightning_pulse.errors.PulseRefusal` as that does.
-        Keeps ``total_steps`` as :attr:`run_end`."""
+        Keeps ``total_steps`` as :attr:`run_end`. First, a finished schedule resumed with a higher
+        ``final_sparsity`` is opened again (:meth:`PruneSchedule.reopen
+        <lightning_pulse.core.prune_schedule.PruneSchedule.reopen>`), with a warning
+        (:func:`reopened_warning`): the plan and its warnings then count the cuts still to come."""
         self.run_end = total_steps
+        reached = self.schedule.sparsity
+        reopened = self.schedule.reopen(step)
         self.uses_maintain, texts = event_cadence(
             cadence, clock, self.schedule, step, total_steps, steps_per_epoch,
             decided=self.uses_maintain, pruned=bool(self.events), holder=holder,
         )  # fmt: skip
+        if reopened:
+            texts.insert(0, reopened_warning(self.schedule, reached, bool(self.uses_maintain), total_steps))
         for text in texts:
             self.warn(text)
 
@@ -438,6 +445,9 @@ class PruneEvents:
         :meth:`start_training` does)."""
         self.deferred = bool(state.get("deferred_event", False)) or (rollback and self.deferred)
         self.schedule.load_state_dict(state)
+        # a snapshot from before this fit's start: its finished schedule is opened again, as plan_cadence did
+        if rollback:
+            self.schedule.reopen(self.last_step)
         self.pruner.load_state_dict(state)
         self.events = [dict(event) for event in state["events"]]
         self.uses_maintain = state.get("uses_maintain", self.uses_maintain)
@@ -485,6 +495,40 @@ class PruneEvents:
         # a write to a computed weight before the rollback is undone too
         pruning.discard_written_weights(model)
         self.masks.refresh(model, grad=False)
+
+
+def reopened_warning(schedule: PruneSchedule, reached: float, on_maintain: bool, run_end: float) -> str:
+    """The fit-start warning for a finished ``schedule`` opened again (:meth:`PruneSchedule.reopen
+    <lightning_pulse.core.prune_schedule.PruneSchedule.reopen>`) at ``reached`` sparsity: this run's raised
+    ``final_sparsity`` is honoured, as in a resume of an unfinished schedule, from the next chance on (a
+    maintain-phase start with ``on_maintain``) before ``run_end``. Before, the restored ``finished`` kept the
+    model at 0.5 under ``final_sparsity=0.8`` with nothing said."""
+    first = schedule.next_step if schedule.next_step is not None else schedule.start_step
+    final, start, end, value = (
+        schedule.final_sparsity,
+        schedule.start_step,
+        schedule.end_step,
+        schedule.target(first),
+    )
+    # the schedule only grows: a maintain phase starting at or after `first` cuts to at least its value there
+    first_cut = (
+        f"at the next maintain-phase start, cuts to at least {value:.3f}"
+        if on_maintain
+        else f"at step {first}, cuts to {value:.3f}"
+    )
+    text = (
+        f"ScheduledPrune: the resumed schedule had finished at sparsity {reached:.3f}, below this run's "
+        f"`final_sparsity`={final:g}: pruning goes on, each event to the schedule's value at its step on "
+        f"this run's span (steps {start} to {end}); the first, {first_cut}."
+    )
+    if first >= end:
+        text += (
+            f" The span has ended, so that one cut goes to {final:g} at once; resume with a later `end` to "
+            "spread it."
+        )
+    if first >= run_end:
+        text += " No step of this run is left for it: the sparsity stays at the one reached."
+    return text + f" To keep {reached:.3f}, resume with the `final_sparsity` of the checkpoint's run."
 
 
 def reusable_probe(cycle: Any, maintain_entry: bool) -> dict[str, float] | None:

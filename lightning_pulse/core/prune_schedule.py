@@ -125,13 +125,29 @@ class PruneSchedule:
         return {"start": self.start, "end": self.end}
 
     def resolve(self, total_steps: float) -> None:
-        """Fix the span in optimizer steps for a run of ``total_steps`` (``inf`` if unknown)."""
+        """Fix the span in optimizer steps for a run of ``total_steps`` (``inf`` if unknown); a restored
+        chance before ``start`` moves up to it."""
         self.start_step = resolve_step(self.start, total_steps, "start")
         self.end_step = resolve_step(self.end, total_steps, "end")
         if self.end_step < self.start_step:
             raise ValueError(f"`end` (step {self.end_step}) comes before `start` (step {self.start_step}).")
-        if self.next_step is None and not self.finished:
+        # a resume whose start moved past the chance its checkpoint saved (a longer run with a share `start`,
+        # a smaller batch, a later `start`): nothing is due before the start, and a chance left before it
+        # hung planned_cuts (advance never moved it)
+        if not self.finished and (self.next_step is None or self.next_step < self.start_step):
             self.next_step = self.start_step
+
+    def reopen(self, step: int) -> bool:
+        """At a resume at optimizer ``step``: open a schedule the checkpoint restored as finished again when
+        this run's ``final_sparsity`` is above the sparsity it reached (raised on resume), its next chance on
+        the step cadence at the next step or at ``start``. Returns whether it did; call after :meth:`resolve`.
+        A finished mid-run schedule meets the raised target as an unfinished one does: at the schedule's value
+        at each later chance, on this run's span."""
+        if not self.finished or self.final_sparsity <= self.sparsity + _EPSILON:
+            return False
+        self.finished = False
+        self.next_step = max(step + 1, self.start_step)
+        return True
 
     def target(self, step: int) -> float:
         """The schedule's sparsity at ``step``."""
@@ -152,7 +168,10 @@ class PruneSchedule:
 
     def advance(self, step: int) -> float | None:
         """Take the chance to prune at ``step``: the sparsity to prune to now, or ``None``."""
-        if self.finished or step < self.start_step:
+        if self.finished:
+            return None
+        if step < self.start_step:
+            self.next_step = self.start_step  # the chance moves on: a caller looping on it cannot spin
             return None
         target = self.target(step)
         reached_end = step >= self.end_step
@@ -163,10 +182,18 @@ class PruneSchedule:
         self.sparsity = target
         return target
 
-    def planned_cuts(self, chances: Iterable[int] | None = None) -> list[tuple[int, float, float]]:
+    def planned_cuts(
+        self, chances: Iterable[int] | None = None, until: float = math.inf
+    ) -> list[tuple[int, float, float]]:
         """The events of the resolved schedule, as ``(step, from, to)`` sparsities, from the sparsity reached
         so far (nothing is changed): at the step cadence's chances, or at ``chances`` (the steps, in order, at
-        which maintain phases start)."""
+        which maintain phases start), before step ``until`` (the run's end, where no cut is made).
+
+        ``until`` bounds the work too: an int ``end`` far past a short run with ``every=1`` took 3 s and a
+        million entries at 10**6 without it. Each
+        step-cadence chance moves :attr:`next_step` past the one before, up to ``end``, where the schedule
+        finishes; a chance that does not (a bug) ends the plan rather than the fit (a chance left before
+        ``start`` on a resume spun here forever, deaf to SIGTERM)."""
         cuts: list[tuple[int, float, float]] = []
         if math.isinf(self.end_step):
             return cuts
@@ -174,11 +201,13 @@ class PruneSchedule:
         given = None if chances is None else iter(chances)
         while not trial.finished:
             step = trial.next_step if given is None else next(given, None)
-            if step is None:
+            if step is None or step >= until:
                 break
             before = trial.sparsity
             if (target := trial.advance(step)) is not None:
                 cuts.append((step, before, target))
+            if given is None and not trial.finished and (trial.next_step is None or trial.next_step <= step):
+                break
         return cuts
 
     def state_dict(self) -> dict[str, Any]:

@@ -751,7 +751,7 @@ def abrupt_schedule_warning(
     no hold by ``holder``, a callback that can hold the PulseCycle in its light phases). Chances at or after
     ``run_end`` (the run's optimizer steps) make no cut (:meth:`PruneEvents.advance
     <lightning_pulse.core.prune_events.PruneEvents.advance>`) and are not counted."""
-    cuts = [cut for cut in schedule.planned_cuts(maintain_at) if cut[0] < run_end]
+    cuts = schedule.planned_cuts(maintain_at, until=run_end)
     if not cuts or schedule.final_sparsity <= 0:
         return None
     step, before, after = max(cuts, key=lambda cut: cut[2] - cut[1])
