@@ -94,6 +94,10 @@ _CLASS_WEIGHTED = ("cross_entropy", "nll_loss")
 #: Below it, the caller's call runs as written (bit for bit) and the unreduced loss is a second, cheap call.
 SINGLE_PASS_ELEMENTS = 1 << 20
 _REDUCTIONS = ("mean", "sum", "none", "batchmean")
+#: How many autograd nodes of a batch of one sample's 0-d loss are searched for a tensor of the batch (a
+#: 48-layer transformer has some 2,600, its token ids at the bottom): bounds the search on a large graph,
+#: run once per such call, and only where no argument is itself the batch's (squeezed labels).
+BATCH_SEARCH_NODES = 8192
 
 
 def _sign_order(grad: Tensor, unreduced: Tensor) -> Tensor:
@@ -666,6 +670,11 @@ class LossCapture:
         self._batch_rows = frozenset(count for leaf in packed for count in _row_counts(leaf))
         self._batch_storages = frozenset(_storage_key(leaf) for leaf in packed)
         self._joined_items = _joined_item_shapes(batch, batch_size)
+        # every tensor of the batch, by storage: a batch of one sample's 0-d loss is its loss only where the
+        # call read one (views, `labels.squeeze()`, share the storage)
+        self._all_batch_storages = frozenset(
+            _storage_key(leaf) for leaf in tree_leaves(batch) if isinstance(leaf, Tensor) and leaf.numel()
+        )
         # call sites whose graph was walked and read no batch tensor of their rows' count: not walked again
         # (a walk that finds nothing walks the whole graph, ms per call);
         # StepLossCaptures shares it over a fit
@@ -1059,7 +1068,8 @@ class LossCapture:
             unreduced = _per_target_length(arguments, unreduced.detach())
         # one value for a batch of one sample: Hugging Face's regression head squeezes its (1, 1) logits and
         # labels to 0-d, as `F.mse_loss(pred.squeeze(), y)` does, where larger batches give (B,) rows. Read as
-        # that sample's one row, if it was computed from the batch (a penalty on the weights is not)
+        # that sample's one row, if it was computed from the batch (a penalty on the weights is not; see
+        # _reads_the_batch)
         one_value = not unreduced.dim() and self.batch_size == 1
         if one_value:
             unreduced = unreduced.reshape(1)
@@ -1098,10 +1108,11 @@ class LossCapture:
                     f"OutputKeyScorer return a ({self.batch_size},) tensor, e.g. the unreduced rows' "
                     f"`.view({views}, {self.batch_size}).mean(0)` for views stacked as [view1; view2]"
                 )
-        if one_value and _from_parameters_alone(arguments):
+        if one_value and not self._reads_the_batch(arguments):
             record.maps_onto_batch, record.on_batch_rows = False, False
             record.why_not = (
-                "a 0-d loss computed from parameters alone, not from the batch's one sample (left out: it adds "
+                "a 0-d loss not found to be computed from the batch's one sample: no argument of the call is a "
+                "tensor of the batch or computed from one, as with a penalty on the weights (left out: it adds "
                 "the same to every sample)"
             )
         elif (
@@ -1115,6 +1126,38 @@ class LossCapture:
         self.records.append(record)
         self._per_sample_count = -1
         return record
+
+    def _reads_the_batch(self, arguments: dict[str, Any]) -> bool:
+        """Whether an argument of a loss call is (a view of) a tensor of the batch, as the squeezed labels of
+        Hugging Face's regression head are, or its autograd graph read one (a layer's input, token ids; an
+        input that requires grad). Identified by storage: "reads something not a parameter" also held for a
+        weight penalty scaled by a ``(1,)`` buffer or indexing the weight, taken for the sample's loss. A
+        graph is walked to :data:`BATCH_SEARCH_NODES` nodes at most; a batch found nowhere in them (under
+        autocast, a layer reads a cast copy) leaves the loss out, the sample unscored."""
+        if not self._all_batch_storages:
+            return False
+        tensors = [value for value in arguments.values() if isinstance(value, Tensor)]
+        if any(self._is_batch_tensor(tensor) for tensor in tensors):
+            return True
+        roots = [tensor.grad_fn for tensor in tensors if tensor.grad_fn is not None]
+        seen, stack = set(roots), roots
+        while stack and len(seen) <= BATCH_SEARCH_NODES:
+            node = stack.pop()
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                if self._is_batch_tensor(variable):
+                    return True
+                continue
+            if any(self._is_batch_tensor(saved) for saved in _saved_tensors(node)):
+                return True
+            for child, _ in node.next_functions:
+                if child is not None and child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+        return False
+
+    def _is_batch_tensor(self, tensor: Tensor) -> bool:
+        return tensor.numel() > 0 and _storage_key(tensor) in self._all_batch_storages
 
     def _check_row_origin(self, record: CapturedLoss, arguments: dict[str, Any]) -> None:
         """Mark ``record`` as not splitting into samples when none of the loss's row arguments (the tensors
@@ -1298,40 +1341,6 @@ def _computed_from_parameters(tensor: Tensor, limit: int = 4) -> bool:
     return not any(
         saved.dim() >= 1 and not saved.requires_grad for node in nodes for saved in _saved_tensors(node)
     )
-
-
-def _from_parameters_alone(arguments: dict[str, Any]) -> bool:
-    """Whether a loss call's inputs with gradient (``input``, a margin loss's ``input1``, ...) were all
-    computed from parameters alone (``F.mse_loss(w.norm(), c)``, a penalty): no autograd graph among them
-    saved a tensor without gradient (what a layer read of the batch: its features, token ids) or starts at a
-    leaf that is not a parameter (an input that requires grad). ``False`` with no such input. Each graph is
-    walked whole, each node once, until the batch is found."""
-    inputs = [
-        value
-        for key, value in arguments.items()
-        if key in _INPUTS and isinstance(value, Tensor) and value.requires_grad
-    ]
-    return bool(inputs) and not any(_reads_beyond_parameters(tensor) for tensor in inputs)
-
-
-def _reads_beyond_parameters(tensor: Tensor) -> bool:
-    if tensor.grad_fn is None:
-        return not isinstance(tensor, torch.nn.Parameter)
-    seen, stack = {tensor.grad_fn}, [tensor.grad_fn]
-    while stack:
-        node = stack.pop()
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            if not isinstance(variable, torch.nn.Parameter):
-                return True
-            continue
-        if any(_holds_batch_rows(saved, 1) for saved in _saved_tensors(node)):
-            return True
-        for child, _ in node.next_functions:
-            if child is not None and child not in seen:
-                seen.add(child)
-                stack.append(child)
-    return False
 
 
 #: nodes that keep a tensor's rows where they are (element-wise with a scalar or a broadcast constant, a cast)
