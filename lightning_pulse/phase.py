@@ -428,7 +428,8 @@ class PhaseClock:
         plan = f": {' and '.join(placed)}, as shares of them" if placed else ", with no warm-up or anneal"
         return (
             f"starting at step {self.origin} with no saved state (none of PulseCycle's was restored: a "
-            f"checkpoint without it, or a later fit of the Trainer): its clock counts the run's steps from there, and its phases run on {rest}{plan}."
+            f"checkpoint without it, or a later fit of the Trainer): its clock counts the run's steps from "
+            f"there, and its phases run on {rest}{plan}."
         )
 
     def start(self, total_steps: int | float | None) -> PhaseChange | None:

@@ -104,9 +104,10 @@ def test_a_pulse_cycle_added_on_resume_runs_on_the_steps_left_in_global_steps(
     assert rows and min(rows) == SAVED_AT and all(rows[step] == trained_in[step] for step in rows)
     # one line says where it started and what it placed
     assert (
-        "PulseCycle: starting at step 36 with no saved state (none of PulseCycle's was restored: a checkpoint "
-        "without it, or a later fit of the Trainer): its clock counts the run's steps from there, and its phases run on the 36 steps left (steps 36 to "
-        "72): a warm-up to step 40 and an anneal from step 68, as shares of them." in caplog.text
+        "PulseCycle: starting at step 36 with no saved state (none of PulseCycle's was restored: a "
+        "checkpoint without it, or a later fit of the Trainer): its clock counts the run's steps from there, "
+        "and its phases run on the 36 steps left (steps 36 to 72): a warm-up to step 40 and an anneal from "
+        "step 68, as shares of them." in caplog.text
     )
 
 
