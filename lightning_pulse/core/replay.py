@@ -265,7 +265,8 @@ STEPS_MODE_JOINED_MID_EPOCH_REFUSAL = (
     "at step {step}, {batches} batches into epoch {epoch}. mode='steps' plans the rest of the run's data "
     "from where it goes on, and which samples of a part-trained epoch trained is not known (the checkpoint "
     "was saved mid-epoch, and Lightning restarts the DataLoader's pass). Resume from a checkpoint saved at "
-    "an epoch's end (`ModelCheckpoint(save_last=True)` or `every_n_epochs=1`), or finish this epoch "
+    "an epoch's end (`ModelCheckpoint(save_last=True)`, or `save_on_train_epoch_end=True` where it saves "
+    "at validation), or finish this epoch "
     "without HardSampleReplay (resume with `max_epochs={next_epoch}`) and add it from that fit's "
     "checkpoint, or use mode='batch'."
 )
