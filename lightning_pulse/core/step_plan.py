@@ -418,8 +418,8 @@ def plan_summary(plan: StepPlan, budget: float | None) -> str:
     if plan.steps_before:  # HardSampleReplay added on a resume: the rest of the run is its plan
         before, rest = plan.steps_before, plan.total_steps - plan.steps_before
         text = (
-            f"no HardSampleReplay(mode='steps') state was restored: the rest of the run's data, from step "
-            f"{before} (epoch {plan.first_epoch}) on, takes {rest} optimizer steps instead of "
+            f"HardSampleReplay(mode='steps') joined this run at step {before}, with no state of its own from "
+            f"before: the rest of the run's data, from there on, takes {rest} optimizer steps instead of "
             f"{plan.plain_steps - before} ({plan.spent:.3f}x; {light})"
         )
         return text if budget is None else text + f", for a budget of {budget:g}"
