@@ -100,3 +100,33 @@ def test_an_argument_that_gives_the_checkpoint_s_units_again_keeps_its_freezing_
     assert resumed.events == whole.events and all(event["reason"] != "units" for event in resumed.events)
     for name, param in whole_model.named_parameters():
         assert torch.equal(param, dict(model.named_parameters())[name]), name
+
+
+def test_a_guard_rollback_after_a_resume_with_other_units_keeps_them(mnist1d_small, tmp_path):
+    """A StabilityGuard listed first snapshots at fit start, before GradientCache takes the checkpoint over:
+    a rollback to that snapshot put the checkpoint's units back, silently, and the next checkpoint saved them
+    under this fit's `units` argument, so every later resume kept them (a review)."""
+    from lightning_pulse import StabilityGuard
+
+    checkpoint = tmp_path / "default_units.ckpt"
+    run(mnist1d_small, 12, save=checkpoint)
+    pl.seed_everything(7)
+    model, data = mnist1d_small()
+    data.setup("fit")
+    loader = DataLoader(data.train_set, batch_size=64, shuffle=False)
+    original = model.training_step
+
+    def training_step(batch, batch_idx):  # a fault after the resume: the guard rolls back to its fit start
+        loss = original(batch, batch_idx)
+        return loss * float("nan") if model.trainer.global_step in (14, 15, 16) else loss
+
+    model.training_step = training_step
+    guard, cache = StabilityGuard(snapshot_every=1000), GradientCache(**EAGER, units=OTHER_UNITS)
+    trainer = pl.Trainer(callbacks=[guard, cache], max_epochs=4, limit_train_batches=6, **trainer_kwargs())
+    trainer.fit(model, train_dataloaders=loader, ckpt_path=str(checkpoint))
+
+    rollbacks = [event for event in guard.events if event["event"] == "rollback"]
+    assert rollbacks and rollbacks[0]["to_step"] == 12  # the fit-start snapshot
+    assert [unit.name for unit in cache.freezer.units] == ["<rest>", "net.5", "net.8"]
+    state = cache.state_dict()
+    assert state["cache"]["units"] == ["<rest>", "net.5", "net.8"] and state[UNITS_ARGUMENT] == OTHER_UNITS

@@ -1675,7 +1675,21 @@ class FreezerLifecycle:
         :attr:`events` (reason ``"restore"``), which the state does not replace. Returns the frozen prefix
         before."""
         before = self.frozen_prefix
-        self.restore(state["cache"], model, step)
+        saved = state["cache"]
+        units = None
+        if saved is not None:  # a snapshot from before this fit's `units` took over its checkpoint's
+            units = units_changed_since(
+                saved["units"], state.get(UNITS_ARGUMENT), self.unit_names, model, UNITS_ARGUMENT in state
+            )
+        if units is None:
+            self.restore(saved, model, step)
+        else:
+            # StabilityGuard listed first snapshots at fit start, before GradientCache resumes: restoring that
+            # snapshot's units put the old ones back silently (and the next checkpoint saved them under the new
+            # argument). This fit's units stay, unfrozen and traced again as at the resume (a state from
+            # before the first backward), with the snapshot's statistics
+            self.restore(None, model, step)
+            self._statistics = {"steps": saved["steps"], **saved["stats"]}
         self.load_optimizer_check(state.get("optimizer_check"))
         # the records were made with parameters the rollback may have changed: record again
         self.replan(replay, again=True)
