@@ -135,6 +135,26 @@ def test_a_plan_until_the_run_end_stops_there_however_far_an_int_end_lies():
     assert [step for step, _, _ in cuts] == list(range(1, 100))
 
 
+def test_a_reopened_schedule_with_no_step_left_says_only_that_the_sparsity_stays():
+    """A review: with no step of the run left for a cut, the warning said both "pruning goes on ... cuts to
+    0.800" and "the sparsity stays", then offered a way to keep what it kept anyway."""
+    from lightning_pulse.core.prune_events import reopened_warning
+
+    saved = PruneSchedule(start=0.2, end=0.6, every=2, final_sparsity=0.5)
+    saved.resolve(40)
+    saved.sparsity, saved.finished = 0.5, True
+    raised = PruneSchedule(start=0.2, end=0.6, every=2, final_sparsity=0.8)
+    raised.load_state_dict(saved.state_dict())
+    raised.resolve(43)
+    assert raised.reopen(42)
+    text = reopened_warning(raised, 0.5, False, run_end=43)
+    assert text == (
+        "ScheduledPrune: the resumed schedule had finished at sparsity 0.500, below this run's "
+        "`final_sparsity`=0.8, but no step of this run is left for a cut: the sparsity stays at 0.500."
+    )
+    assert "pruning goes on" in reopened_warning(raised, 0.5, False, run_end=100)
+
+
 def test_a_finished_schedule_resumed_with_a_higher_final_sparsity_prunes_on_to_it_and_says_so(tmp_path):
     """Resume sweep: a schedule finished at 0.5, resumed to a longer run with final_sparsity=0.8, kept the
     model at 0.5 with nothing said (the restored `finished` stopped every chance), while a mid-run checkpoint

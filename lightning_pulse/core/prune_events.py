@@ -516,18 +516,21 @@ def reopened_warning(schedule: PruneSchedule, reached: float, on_maintain: bool,
         if on_maintain
         else f"at step {first}, cuts to {value:.3f}"
     )
-    text = (
+    finished = (
         f"ScheduledPrune: the resumed schedule had finished at sparsity {reached:.3f}, below this run's "
-        f"`final_sparsity`={final:g}: pruning goes on, each event to the schedule's value at its step on "
-        f"this run's span (steps {start} to {end}); the first, {first_cut}."
+        f"`final_sparsity`={final:g}"
+    )
+    if first >= run_end:  # nothing to say of cuts that will not come, nor a way to avoid them
+        return f"{finished}, but no step of this run is left for a cut: the sparsity stays at {reached:.3f}."
+    text = (
+        f"{finished}: pruning goes on, each event to the schedule's value at its step on this run's span "
+        f"(steps {start} to {end}); the first, {first_cut}."
     )
     if first >= end:
         text += (
             f" The span has ended, so that one cut goes to {final:g} at once; resume with a later `end` to "
             "spread it."
         )
-    if first >= run_end:
-        text += " No step of this run is left for it: the sparsity stays at the one reached."
     return text + f" To keep {reached:.3f}, resume with the `final_sparsity` of the checkpoint's run."
 
 
