@@ -662,18 +662,18 @@ class LossCapture:
             self._sum_weights = sample_weights * (self.offered / batch_size)
         # the batch's tensors whose first dimension is not B (packed rows: a graph batch's nodes), by storage:
         # their row counts and where they lie, to know a loss reading them (no reference to the batch is kept)
-        packed = [
-            leaf
-            for leaf in tree_leaves(batch)
-            if isinstance(leaf, Tensor) and leaf.dim() >= 1 and leaf.shape[0] != batch_size
-        ]
+        leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)]
+        packed = [leaf for leaf in leaves if leaf.dim() >= 1 and leaf.shape[0] != batch_size]
         self._batch_rows = frozenset(count for leaf in packed for count in _row_counts(leaf))
         self._batch_storages = frozenset(_storage_key(leaf) for leaf in packed)
         self._joined_items = _joined_item_shapes(batch, batch_size)
         # every tensor of the batch, by storage: a batch of one sample's 0-d loss is its loss only where the
-        # call read one (views, `labels.squeeze()`, share the storage)
-        self._all_batch_storages = frozenset(
-            _storage_key(leaf) for leaf in tree_leaves(batch) if isinstance(leaf, Tensor) and leaf.numel()
+        # call read one (views, `labels.squeeze()`, share the storage). Only a batch of one asks: not built for
+        # the others (a second walk of the batch, every step, on HardSampleReplay's per-step path)
+        self._all_batch_storages = (
+            frozenset(_storage_key(leaf) for leaf in leaves if leaf.numel())
+            if batch_size == 1
+            else frozenset()
         )
         # call sites whose graph was walked and read no batch tensor of their rows' count: not walked again
         # (a walk that finds nothing walks the whole graph, ms per call);
