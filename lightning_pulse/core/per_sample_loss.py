@@ -50,7 +50,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -1139,22 +1139,7 @@ class LossCapture:
         tensors = [value for value in arguments.values() if isinstance(value, Tensor)]
         if any(self._is_batch_tensor(tensor) for tensor in tensors):
             return True
-        roots = [tensor.grad_fn for tensor in tensors if tensor.grad_fn is not None]
-        seen, stack = set(roots), roots
-        while stack and len(seen) <= BATCH_SEARCH_NODES:
-            node = stack.pop()
-            variable = getattr(node, "variable", None)
-            if variable is not None:
-                if self._is_batch_tensor(variable):
-                    return True
-                continue
-            if any(self._is_batch_tensor(saved) for saved in _saved_tensors(node)):
-                return True
-            for child, _ in node.next_functions:
-                if child is not None and child not in seen:
-                    seen.add(child)
-                    stack.append(child)
-        return False
+        return _reads(tensors, self._is_batch_tensor, leaves=True, limit=BATCH_SEARCH_NODES)
 
     def _is_batch_tensor(self, tensor: Tensor) -> bool:
         return tensor.numel() > 0 and _storage_key(tensor) in self._all_batch_storages
@@ -1434,17 +1419,27 @@ def _holds_batch_rows(tensor: Tensor, batch_size: int) -> bool:
     )
 
 
-def _reads(tensor: Tensor, wanted: Callable[[Tensor], bool]) -> bool:
-    """Whether ``tensor``'s autograd graph saved a tensor that is ``wanted``: what a layer read (its input,
-    token ids). The whole graph is walked, each node once, however deep: the token ids a deep model's
-    embedding read are at its bottom, and a walk cut short would answer "reads none" (a penalty, left out of
-    the score) for a term that is the batch's (a 48-layer transformer: some 2,600 nodes, a few ms, once per
-    call site)."""
-    root = tensor.grad_fn
-    seen, stack = {root}, [root]
-    while stack:
+def _reads(
+    tensor: Tensor | Sequence[Tensor],
+    wanted: Callable[[Tensor], bool],
+    leaves: bool = False,
+    limit: int | None = None,
+) -> bool:
+    """Whether ``tensor``'s autograd graph (or one of theirs, for several) saved a tensor that is ``wanted``: what
+    a layer read (its input, token ids); with ``leaves``, or starts at a ``wanted`` leaf (an input that requires
+    grad). Each node once. Without ``limit`` the whole graph is walked, however deep: the token ids a deep
+    model's embedding read are at its bottom, and a walk cut short would answer "reads none" (a penalty, left
+    out of the score) for a term that is the batch's (a 48-layer transformer: some 2,600 nodes, a few ms, once
+    per call site); with it, at most ``limit`` nodes (a walk every step)."""
+    tensors = [tensor] if isinstance(tensor, Tensor) else list(tensor)
+    roots = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen, stack = set(roots), roots
+    while stack and (limit is None or len(seen) <= limit):
         node = stack.pop()
-        if getattr(node, "variable", None) is not None:
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if leaves and wanted(variable):
+                return True
             continue
         if any(wanted(saved) for saved in _saved_tensors(node)):
             return True
