@@ -190,10 +190,9 @@ class PruneSchedule:
         which maintain phases start), before step ``until`` (the run's end, where no cut is made).
 
         ``until`` bounds the work too: an int ``end`` far past a short run with ``every=1`` took 3 s and a
-        million entries at 10**6 without it. Each
-        step-cadence chance moves :attr:`next_step` past the one before, up to ``end``, where the schedule
-        finishes; a chance that does not (a bug) ends the plan rather than the fit (a chance left before
-        ``start`` on a resume spun here forever, deaf to SIGTERM)."""
+        million entries at 10**6 without it. Each step-cadence chance moves :attr:`next_step` past the one
+        before, up to ``end``, where the schedule finishes; a chance that does not (a bug) ends the plan rather
+        than the fit (a chance left before ``start`` on a resume spun here forever, deaf to SIGTERM)."""
         cuts: list[tuple[int, float, float]] = []
         if math.isinf(self.end_step):
             return cuts
