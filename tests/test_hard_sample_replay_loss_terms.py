@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pulse import HardSampleReplay
 from lightning_pulse.core import per_sample_loss
 from lightning_pulse.core.per_sample_loss import LossCapture
+from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 
 N, B, CLASSES = 64, 16, 5
@@ -507,3 +508,33 @@ def test_a_trailing_batch_of_one_sample_is_scored_by_its_loss_without_a_penalty_
     indices = sorted(module.expected)
     scores = torch.as_tensor(replay.table.scores[indices], dtype=torch.float32)
     assert torch.allclose(scores, torch.tensor([module.expected[i] for i in indices]), rtol=1e-5)
+
+
+class _FloatLabelsRegression(_SqueezedRegression):
+    """The way out of the refusal below: the labels stored in the dtype the loss needs, passed as a view."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, indices = batch
+        loss = F.mse_loss(self.net(x).squeeze(), y.squeeze())
+        self.expected[int(indices)] = float(loss.detach())
+        return loss
+
+
+def test_a_batch_of_one_under_autocast_with_cast_labels_is_refused_naming_the_way_out_that_scores():
+    """A review: under bf16-mixed every layer reads a cast copy of the input and `y.float()` is a copy of the
+    labels, so nothing the 0-d loss reads is the batch's; at batch size 1 from the first step the fit is
+    refused (the pass's base refused every 0-d loss at batch size 1), and the reason names the way out."""
+    x, y, indices = _data().tensors
+    pl.seed_everything(0)
+    replay = HardSampleReplay(mode="steps", replay_fraction=0.5)
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=1, callbacks=[replay], precision="bf16-mixed"))
+    with pytest.raises(PulseRefusal, match=r"target cast from the labels \(`y\.float\(\)`"):
+        trainer.fit(_SqueezedRegression(), DataLoader(_data(), batch_size=1))
+    floats = TensorDataset(x, y.float(), indices)
+    module, replay = _FloatLabelsRegression(), HardSampleReplay(mode="steps", replay_fraction=0.5)
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=1, callbacks=[replay], precision="bf16-mixed"))
+    trainer.fit(module, DataLoader(floats, batch_size=1))
+    scored = sorted(module.expected)
+    scores = torch.as_tensor(replay.table.scores[scored], dtype=torch.float32)
+    assert len(scored) >= N // 2
+    assert torch.allclose(scores, torch.tensor([module.expected[i] for i in scored]), rtol=1e-6)

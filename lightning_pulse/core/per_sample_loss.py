@@ -1113,7 +1113,9 @@ class LossCapture:
             record.why_not = (
                 "a 0-d loss not found to be computed from the batch's one sample: no argument of the call is a "
                 "tensor of the batch or computed from one, as with a penalty on the weights (left out: it adds "
-                "the same to every sample)"
+                "the same to every sample), or under autocast with a target cast from the labels (`y.float()`: "
+                "give the loss the labels as the batch holds them, a view such as `y.squeeze()`, or store them "
+                "in the dtype the loss needs)"
             )
         elif (
             not record.on_batch_rows
