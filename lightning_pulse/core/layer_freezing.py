@@ -1622,12 +1622,7 @@ class FreezerLifecycle:
         """
         self.pending = None
         saved = None if state is None else state["cache"]
-        units = None
-        if saved is not None:
-            argument_saved = UNITS_ARGUMENT in state
-            units = units_changed_since(
-                saved["units"], state.get(UNITS_ARGUMENT), self.unit_names, model, argument_saved
-            )
+        units = None if state is None else self._changed_units(state, model)
         pinned = self.start(saved if units is None else None, model, units)
         if units is not None:
             self._take_over_saved_run(state, units, step, ledger, info)
@@ -1637,6 +1632,17 @@ class FreezerLifecycle:
         if pinned is not None and info is not None:
             info(f"GradientCache: {pinned}.")
         return pinned
+
+    def _changed_units(self, state: Mapping[str, Any], model: nn.Module) -> list[FreezeUnit] | None:
+        """The units this fit's ``units`` argument gives where ``state`` (a :meth:`state_dict`) was saved with
+        others (:func:`units_changed_since`); ``None`` when they are the same, or it holds no freezer."""
+        saved = state["cache"]
+        if saved is None:
+            return None
+        argument_saved = UNITS_ARGUMENT in state
+        return units_changed_since(
+            saved["units"], state.get(UNITS_ARGUMENT), self.unit_names, model, argument_saved
+        )
 
     def _take_over_saved_run(
         self,
@@ -1676,11 +1682,7 @@ class FreezerLifecycle:
         before."""
         before = self.frozen_prefix
         saved = state["cache"]
-        units = None
-        if saved is not None:  # a snapshot from before this fit's `units` took over its checkpoint's
-            units = units_changed_since(
-                saved["units"], state.get(UNITS_ARGUMENT), self.unit_names, model, UNITS_ARGUMENT in state
-            )
+        units = self._changed_units(state, model)  # a snapshot from before this fit's `units` took over
         if units is None:
             self.restore(saved, model, step)
         else:

@@ -1941,10 +1941,7 @@ def _attention_way_out(
         )
     if not reason.startswith(CUT_FAILED):  # out of time again, or nothing left to cut
         return None
-    narrowed = copy.copy(pruner)
-    narrowed.exclude_pattern = pattern
-    hint = _way_out(model, narrowed, sparsities, example, where)
-    return hint if hint is not None and TRIAL_CUT_PASSES in hint else None
+    return _refined_way_out(model, pruner, pattern, sparsities, example, where)
 
 
 def _stream_writers_way_out(
@@ -1987,6 +1984,19 @@ def _stream_writers_way_out(
         )
     if not reason.startswith(CUT_FAILED):
         return None
+    return _refined_way_out(model, pruner, pattern, sparsities, example, where)
+
+
+def _refined_way_out(
+    model: nn.Module,
+    pruner: Pruner,
+    pattern: str,
+    sparsities: Sequence[float],
+    example: Any,
+    where: str | None,
+) -> str | None:
+    """:func:`_way_out` from ``pattern``, whose trial cut failed at ``where``: the refined pattern it offers
+    where its cut passes, else ``None``."""
     narrowed = copy.copy(pruner)
     narrowed.exclude_pattern = pattern
     hint = _way_out(model, narrowed, sparsities, example, where)
