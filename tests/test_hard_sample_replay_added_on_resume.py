@@ -12,7 +12,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from examples.digits.data import DigitsDataModule
 from lightning_pulse import HardSampleReplay, PulseCycle
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
-from lightning_pulse.core.step_plan import spent_summary
+from lightning_pulse.core.cycle_budget import spent_report
+from lightning_pulse.core.step_plan import plan_summary, spent_summary
 from lightning_pulse.errors import PulseRefusal
 from tests.clients import EncoderClassifier
 from tests.conftest import trainer_kwargs
@@ -41,7 +42,7 @@ class OfferedPerEpoch(Callback):
                 self.plan_off_clock.append((trainer.global_step, phase))
 
 
-def _fit(callbacks, epochs, ckpt_path=None, checkpoints=None, every_n_train_steps=None):
+def _fit(callbacks, epochs, ckpt_path=None, checkpoints=None, every_n_train_steps=None, accumulate=1):
     pl.seed_everything(0)
     replay = next((c for c in callbacks if isinstance(c, HardSampleReplay)), None)
     counter = OfferedPerEpoch(replay)
@@ -55,6 +56,7 @@ def _fit(callbacks, epochs, ckpt_path=None, checkpoints=None, every_n_train_step
     trainer = pl.Trainer(
         callbacks=[*callbacks, counter, *saving],
         max_epochs=epochs,
+        accumulate_grad_batches=accumulate,
         **trainer_kwargs(enable_checkpointing=bool(saving), limit_val_batches=1),
     )
     data = DigitsDataModule(batch_size=BATCH)
@@ -178,6 +180,31 @@ def test_a_resume_of_the_fit_it_joined_keeps_counting_the_steps_before_it_as_pla
     spent, line = spent_summary(replay.steps.plan, resumed.global_step, None)
     assert spent == pytest.approx((resumed.global_step - 2 * EPOCH_BATCHES) / (2 * EPOCH_BATCHES))
     assert f"from step {2 * EPOCH_BATCHES} on" in line
+
+
+def test_joined_after_a_fit_of_other_steps_per_epoch_its_figures_compare_with_the_epochs_left(tmp_path):
+    # the earlier fit accumulated 2 batches a step: 6 steps an epoch where this fit's plain epoch takes 11
+    _fit([], epochs=2, checkpoints=tmp_path, accumulate=2)
+    replay = HardSampleReplay()
+    resumed, counts, samples = _fit(
+        [replay], epochs=4, ckpt_path=str(tmp_path / "last.ckpt"), checkpoints=tmp_path / "j"
+    )
+    plan, rest = replay.steps.plan, counts.steps[2] + counts.steps[3]
+    assert (plan.steps_before, plan.plain_before, plan.own_steps) == (12, 2 * EPOCH_BATCHES, rest)
+    assert plan.own_plain_steps == 2 * EPOCH_BATCHES  # the two epochs left, plain: not 44 - 12 steps
+    assert f"takes {rest} optimizer steps instead of {2 * EPOCH_BATCHES} " in plan_summary(plan, None)
+    spent, line = spent_summary(plan, resumed.global_step, None)
+    assert spent == pytest.approx(rest / (2 * EPOCH_BATCHES)) == pytest.approx(plan.spent)
+    assert (
+        f"took {rest} optimizer steps from step 12 on" in line and f"plain run's {2 * EPOCH_BATCHES} " in line
+    )
+    _, stopped = spent_report(plan, resumed.global_step - 1, None)
+    assert f"It stopped early: {rest} steps from step 12 on ({plan.spent:.3f}) were planned." in stopped
+
+    # a resume of that fit counts the plain steps before the join as the join did
+    again = HardSampleReplay()
+    _fit([again], epochs=5, ckpt_path=str(tmp_path / "j" / "last.ckpt"))
+    assert (again.steps.plan.steps_before, again.steps.plan.plain_before) == (12, 2 * EPOCH_BATCHES)
 
 
 def test_both_added_to_a_second_fit_of_the_trainer_the_plan_follows_the_clock_placed_at_train_start():

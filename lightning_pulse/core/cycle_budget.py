@@ -59,5 +59,6 @@ def spent_report(plan: StepPlan, taken: int, budget: float | None) -> tuple[floa
     was planned. ``plan.plain_steps`` must not be 0."""
     spent, message = spent_summary(plan, taken, budget)
     if taken < plan.total_steps:
-        message += f" It stopped early: {plan.total_steps} steps ({plan.spent:.3f}) were planned."
+        joined = f" from step {plan.steps_before} on" if plan.steps_before else ""
+        message += f" It stopped early: {plan.own_steps} steps{joined} ({plan.spent:.3f}) were planned."
     return spent, message

@@ -55,8 +55,11 @@ class StepPlan:
     from_step: int = 0  # the optimizer step the plan was made at (a resume plans the rest of the run)
     phase_steps: int | None = None
     # steps trained before the plan without step-saving replay (a HardSampleReplay added on a resume):
-    # ``total_steps`` and ``plain_steps`` count them, the plan saved nothing on them
+    # ``total_steps`` counts them, the plan saved nothing on them
     steps_before: int = 0
+    # the plain run's steps before the plan joined (the joined epoch's whole plain epochs, as ``plain_steps``
+    # counts them): the earlier fit may have taken another number (another batch size or accumulation)
+    plain_before: int = 0
 
     @property
     def span(self) -> int:
@@ -74,11 +77,22 @@ class StepPlan:
         return self.batch_sizes[position] if 0 <= position < len(self.batch_sizes) else []
 
     @property
+    def own_steps(self) -> int:
+        """The planned optimizer steps from where the plan joined the run (all of them for a plan from the
+        run's start)."""
+        return self.total_steps - self.steps_before
+
+    @property
+    def own_plain_steps(self) -> int:
+        """The plain run's optimizer steps over the data :attr:`own_steps` train."""
+        return self.plain_steps - self.plain_before
+
+    @property
     def spent(self) -> float:
         """Planned optimizer steps over the plain run's (the compute spent, in full-batch steps), both
-        counted from :attr:`steps_before` on."""
-        plain = self.plain_steps - self.steps_before
-        return (self.total_steps - self.steps_before) / plain if plain > 0 else 1.0
+        counted from where the plan joined the run."""
+        plain = self.own_plain_steps
+        return self.own_steps / plain if plain > 0 else 1.0
 
 
 def epoch_steps(batches: float, accumulate: int) -> int | None:
@@ -372,7 +386,7 @@ def spent_summary(plan: StepPlan, global_step: int, budget: float | None) -> tup
     asked = "" if budget is None else f" (budget {budget:g})"
     before = plan.steps_before
     if before:  # steps trained before HardSampleReplay was added saved nothing: this fit's share is its own
-        plain = plan.plain_steps - before
+        plain = plan.own_plain_steps
         spent = (global_step - before) / plain if plain > 0 else 1.0
         return spent, (
             f"the run took {global_step - before} optimizer steps from step {before} on (where "
@@ -404,10 +418,11 @@ def budget_shortfall(plan: StepPlan, budget: float | None, resumed_changed: bool
         if before
         else ""
     )
+    joined = f" from step {plan.steps_before} on" if plan.steps_before else ""
     return (
-        f"`budget`={budget:g} is not met on this run: its plan takes {plan.total_steps} of the plain run's "
-        f"{plan.plain_steps} optimizer steps ({plan.spent:.3f}), since {resumed}warm-up, bursts and anneal "
-        "train full batches and a short run ends inside its first cycles. Train for more steps, shorten "
+        f"`budget`={budget:g} is not met on this run: its plan takes {plan.own_steps} of the plain run's "
+        f"{plan.own_plain_steps} optimizer steps{joined} ({plan.spent:.3f}), since {resumed}warm-up, bursts "
+        "and anneal train full batches and a short run ends inside its first cycles. Train for more steps, shorten "
         f"`burst` or `warmup`, or {way_out}."
     )
 
@@ -416,11 +431,10 @@ def plan_summary(plan: StepPlan, budget: float | None) -> str:
     """One line for the log: the planned steps against plain, and the budget if one was asked for."""
     light = f"{plan.light_steps} in light phases"
     if plan.steps_before:  # HardSampleReplay added on a resume: the rest of the run is its plan
-        before, rest = plan.steps_before, plan.total_steps - plan.steps_before
         text = (
-            f"HardSampleReplay(mode='steps') joined this run at step {before}, with no state of its own from "
-            f"before: the rest of the run's data, from there on, takes {rest} optimizer steps instead of "
-            f"{plan.plain_steps - before} ({plan.spent:.3f}x; {light})"
+            f"HardSampleReplay(mode='steps') joined this run at step {plan.steps_before}, with no state of its "
+            f"own from before: the rest of the run's data, from there on, takes {plan.own_steps} optimizer "
+            f"steps instead of {plan.own_plain_steps} ({plan.spent:.3f}x; {light})"
         )
         return text if budget is None else text + f", for a budget of {budget:g}"
     if plan.from_step:  # a resume plans the rest of the run
@@ -577,7 +591,15 @@ class StepSavingStream:
             **run,  # type: ignore[arg-type]
         )
         if steps_before := resume["step"] if joined else resume.get("steps_before", 0):
-            self.plan = replace(self.plan, steps_before=steps_before)
+            # the plain steps before the join: its epochs as the plan counts them (a checkpoint saved before
+            # they were recorded counted the steps taken)
+            epoch_steps = math.ceil(len(self._plain_pass) / max(1, int(run["accumulate"] or 1)))
+            plain_before = (
+                min(self._joined_at[0] * epoch_steps, self.plan.plain_steps)  # type: ignore[index]
+                if joined
+                else resume.get("plain_before", steps_before)
+            )
+            self.plan = replace(self.plan, steps_before=steps_before, plain_before=plain_before)
         saved_plain_steps = resume.get("plain_steps")
         self.replanned_for_another_length = saved_plain_steps not in (None, self.plan.plain_steps)
         # a checkpoint of an older version holds no count: its plain passes' samples, as plan_steps reckons
@@ -649,8 +671,9 @@ class StepSavingStream:
     def _joined_state(self) -> dict[str, int]:
         """The plain steps before a plan that joined the run (:meth:`join_at`), so its resume keeps counting
         them as plain; nothing for a plan from the run's start (its checkpoints are as they were)."""
-        before = 0 if self.plan is None else self.plan.steps_before
-        return {"steps_before": before} if before else {}
+        if self.plan is None or not self.plan.steps_before:
+            return {}
+        return {"steps_before": self.plan.steps_before, "plain_before": self.plan.plain_before}
 
     def _settings_state(self) -> dict[str, Any]:
         """The settings the plan was made of (:func:`plan_settings`): a resume with others plans anew."""
