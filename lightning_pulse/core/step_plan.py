@@ -422,8 +422,8 @@ def budget_shortfall(plan: StepPlan, budget: float | None, resumed_changed: bool
     return (
         f"`budget`={budget:g} is not met on this run: its plan takes {plan.own_steps} of the plain run's "
         f"{plan.own_plain_steps} optimizer steps{joined} ({plan.spent:.3f}), since {resumed}warm-up, bursts "
-        "and anneal train full batches and a short run ends inside its first cycles. Train for more steps, shorten "
-        f"`burst` or `warmup`, or {way_out}."
+        "and anneal train full batches and a short run ends inside its first cycles. Train for more steps, "
+        f"shorten `burst` or `warmup`, or {way_out}."
     )
 
 
