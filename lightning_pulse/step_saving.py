@@ -281,8 +281,10 @@ class StepSavingLoader:
         # EarlyStopping's patience and epoch checkpoints count the epochs they were given
         # that epoch runs after the plain run's last epoch (not after a max_steps that ends it sooner) and
         # takes a step of its own, which max_steps counts
+        # (a plan that joined the run counts the steps before it in this fit's epochs: max_steps too)
         batch_norm_step = compat.adds_batch_norm_epoch(trainer) and (
-            max_epochs is not None and (max_steps is None or max_steps > plan.plain_steps)
+            max_epochs is not None
+            and (max_steps is None or max_steps - plan.steps_before + plan.plain_before > plan.plain_steps)
         )
         user_max_steps = trainer.max_steps
         cap = compat.cap_training_steps(trainer, plan.total_steps, batch_norm_step)

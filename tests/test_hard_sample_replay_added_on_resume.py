@@ -42,7 +42,9 @@ class OfferedPerEpoch(Callback):
                 self.plan_off_clock.append((trainer.global_step, phase))
 
 
-def _fit(callbacks, epochs, ckpt_path=None, checkpoints=None, every_n_train_steps=None, accumulate=1):
+def _fit(
+    callbacks, epochs, ckpt_path=None, checkpoints=None, every_n_train_steps=None, accumulate=1, max_steps=-1
+):
     pl.seed_everything(0)
     replay = next((c for c in callbacks if isinstance(c, HardSampleReplay)), None)
     counter = OfferedPerEpoch(replay)
@@ -57,6 +59,7 @@ def _fit(callbacks, epochs, ckpt_path=None, checkpoints=None, every_n_train_step
         callbacks=[*callbacks, counter, *saving],
         max_epochs=epochs,
         accumulate_grad_batches=accumulate,
+        max_steps=max_steps,
         **trainer_kwargs(enable_checkpointing=bool(saving), limit_val_batches=1),
     )
     data = DigitsDataModule(batch_size=BATCH)
@@ -201,10 +204,27 @@ def test_joined_after_a_fit_of_other_steps_per_epoch_its_figures_compare_with_th
     _, stopped = spent_report(plan, resumed.global_step - 1, None)
     assert f"It stopped early: {rest} steps from step 12 on ({plan.spent:.3f}) were planned." in stopped
 
-    # a resume of that fit counts the plain steps before the join as the join did
+    # a resume of that fit counts the plain steps before the join in its own epochs (here 6 steps each)
     again = HardSampleReplay()
-    _fit([again], epochs=5, ckpt_path=str(tmp_path / "j" / "last.ckpt"))
-    assert (again.steps.plan.steps_before, again.steps.plan.plain_before) == (12, 2 * EPOCH_BATCHES)
+    _fit([again], epochs=5, ckpt_path=str(tmp_path / "j" / "last.ckpt"), accumulate=2)
+    assert (again.steps.plan.steps_before, again.steps.plan.plain_before) == (12, 2 * 6)
+    assert again.steps.plan.own_plain_steps == 3 * 6
+
+
+@pytest.mark.parametrize("max_steps", [30, 20])
+def test_joined_after_a_fit_of_other_steps_per_epoch_a_binding_max_steps_counts_the_steps_taken(
+    tmp_path, max_steps
+):
+    # the earlier fit ended at step 12 (6 steps an epoch); max_steps, a global step, leaves max_steps - 12
+    _fit([], epochs=2, checkpoints=tmp_path, accumulate=2)
+    plain, _, _ = _fit([], epochs=5, ckpt_path=str(tmp_path / "last.ckpt"), max_steps=max_steps)
+    assert plain.global_step == max_steps
+    replay = HardSampleReplay()
+    joined, counts, _ = _fit([replay], epochs=5, ckpt_path=str(tmp_path / "last.ckpt"), max_steps=max_steps)
+    plan = replay.steps.plan
+    assert plan.own_plain_steps == max_steps - 12  # what a plain resume trains
+    assert 0 < plan.own_steps < max_steps - 12  # light steps save some; before, 30 - 22 plain steps were left
+    assert joined.global_step == 12 + plan.own_steps == 12 + sum(counts.steps.values())
 
 
 def test_both_added_to_a_second_fit_of_the_trainer_the_plan_follows_the_clock_placed_at_train_start():

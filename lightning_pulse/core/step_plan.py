@@ -432,9 +432,9 @@ def plan_summary(plan: StepPlan, budget: float | None) -> str:
     light = f"{plan.light_steps} in light phases"
     if plan.steps_before:  # HardSampleReplay added on a resume: the rest of the run is its plan
         text = (
-            f"HardSampleReplay(mode='steps') joined this run at step {plan.steps_before}, with no state of its "
-            f"own from before: the rest of the run's data, from there on, takes {plan.own_steps} optimizer "
-            f"steps instead of {plan.own_plain_steps} ({plan.spent:.3f}x; {light})"
+            f"HardSampleReplay(mode='steps') joined this run at step {plan.steps_before}, with no state of "
+            f"its own from before: the rest of the run's data, from there on, takes {plan.own_steps} "
+            f"optimizer steps instead of {plan.own_plain_steps} ({plan.spent:.3f}x; {light})"
         )
         return text if budget is None else text + f", for a budget of {budget:g}"
     if plan.from_step:  # a resume plans the rest of the run
@@ -531,6 +531,7 @@ class StepSavingStream:
         # a restored or final state, while no pass runs: what a checkpoint saves then (see checkpoint)
         self.held: dict[str, Any] | None = None
         self._joined_at: tuple[int, int] | None = None  # (epoch, step): see join_at
+        self._joined_epoch: int | None = None  # the epoch a plan joined the run at, saved with its state
 
     @property
     def has_restored_state(self) -> bool:
@@ -579,6 +580,15 @@ class StepSavingStream:
         self.settings = settings
         saved_settings = resume.get("settings")
         self.changed_settings = None if settings is None else settings_change(saved_settings, settings)
+        # a joined plan: the steps before the join in this fit's plain epochs (the earlier fit may have taken
+        # another number an epoch); max_steps, a global step, counts the steps the earlier fit really took
+        steps_before = resume["step"] if joined else resume.get("steps_before", 0)
+        joined_epoch = self._joined_at[0] if joined else resume.get("joined_epoch")  # type: ignore[index]
+        plain_epoch_steps = math.ceil(len(self._plain_pass) / max(1, int(run["accumulate"] or 1)))
+        plain_before = steps_before if joined_epoch is None else int(joined_epoch) * plain_epoch_steps
+        if steps_before and run["max_steps"] is not None:
+            run = {**run, "max_steps": int(run["max_steps"]) - steps_before + plain_before}
+        self._joined_epoch = joined_epoch if steps_before else None
         self.plan = plan_steps(
             clock,
             light_phases,
@@ -590,15 +600,7 @@ class StepSavingStream:
             planned_plain_steps=resume.get("plain_steps"),
             **run,  # type: ignore[arg-type]
         )
-        if steps_before := resume["step"] if joined else resume.get("steps_before", 0):
-            # the plain steps before the join: its epochs as the plan counts them (a checkpoint saved before
-            # they were recorded counted the steps taken)
-            epoch_steps = math.ceil(len(self._plain_pass) / max(1, int(run["accumulate"] or 1)))
-            plain_before = (
-                min(self._joined_at[0] * epoch_steps, self.plan.plain_steps)  # type: ignore[index]
-                if joined
-                else resume.get("plain_before", steps_before)
-            )
+        if steps_before:
             self.plan = replace(self.plan, steps_before=steps_before, plain_before=plain_before)
         saved_plain_steps = resume.get("plain_steps")
         self.replanned_for_another_length = saved_plain_steps not in (None, self.plan.plain_steps)
@@ -673,7 +675,8 @@ class StepSavingStream:
         them as plain; nothing for a plan from the run's start (its checkpoints are as they were)."""
         if self.plan is None or not self.plan.steps_before:
             return {}
-        return {"steps_before": self.plan.steps_before, "plain_before": self.plan.plain_before}
+        state = {"steps_before": self.plan.steps_before}
+        return state if self._joined_epoch is None else state | {"joined_epoch": self._joined_epoch}
 
     def _settings_state(self) -> dict[str, Any]:
         """The settings the plan was made of (:func:`plan_settings`): a resume with others plans anew."""
