@@ -194,14 +194,15 @@ class GreenWindow(Callback):
             now, behind = self.run_clock.restart(self._open, self.suspended, self._carried_s)
             at = now if trainer.world_size == 1 else compat.broadcast_held(trainer.strategy, now, self._held)
             late = self.schedule.deadline_at_start(at)
+        joined, rebuilt = self.schedule.start_fit(trainer.global_step, compat.steps_left_at_run_pace(trainer))
         energy_now = None if self._energy is None else self._energy.account.wall_clock()
-        for line in filter(None, (behind, late, clocks_apart(now, energy_now, self.options.slot_s))):
+        for line in filter(None, (behind, late, rebuilt, clocks_apart(now, energy_now, self.options.slot_s))):
             rank_zero_warn(line)
         self._next_check, resumed = restart_run(
             now, energy_now, self.signal, self.schedule, self.segment, self._kwh, self._open, self.suspended
         )
-        if resumed is not None:
-            rank_zero_info(resumed)
+        for line in filter(None, (joined, resumed)):
+            rank_zero_info(line)
         self._open, self.suspended, self._last_step = None, None, trainer.global_step
         if trainer.fast_dev_run:  # a smoke test: `_check` takes no decision, so its batches run
             rank_zero_info(FAST_DEV_RUN_LINE)

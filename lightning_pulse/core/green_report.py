@@ -111,7 +111,7 @@ def money(amount: float | None, unit: str) -> tuple[str, float | None]:
 def saving_line(summary: dict[str, Any], unit: str) -> str:
     """One line: the saving against the carbon-agnostic schedule (a loss says "more", its figures positive:
     "-0.0% less CO2 (-5.8e-05 kg)" read as a saving), the time waited (and its idle draw's CO2) and held
-    light."""
+    light, and the step they count from where GreenWindow was added on a resume."""
     carbon = unit.startswith("gCO2")
     what = "CO2" if carbon else "cost"
     pct = summary.get("saving_pct") or 0.0
@@ -127,9 +127,10 @@ def saving_line(summary: dict[str, Any], unit: str) -> str:
         else ""
     )
     waited, light = summary.get("waited_s", 0) / 3600, summary.get("light_s", 0) / 3600
+    joined = f", counted from step {summary['from_step']} on" if summary.get("from_step") else ""
     return (
         f"{abs(pct):.1f}% {'more' if pct < 0 else 'less'} {what}{shown} than the carbon-agnostic schedule; "
-        f"waited {waited:.1f} h{idle}, held light {light:.1f} h."
+        f"waited {waited:.1f} h{idle}, held light {light:.1f} h{joined}."
     )
 
 
@@ -166,8 +167,11 @@ def report_markdown(report: dict[str, Any]) -> str:
         currency, cost = money(summary.get("wait_cost"), unit)
         paused = (f"cost while paused ({currency})", cost)
         saving = (f"saving ({currency})", money(summary.get("saving"), unit)[1])
+    # a GreenWindow added on a resume (its figures are the rest of the run's): no row for a whole run
+    joined = summary.get("from_step") or None
     rows = [
         ("status", report["status"]),
+        ("counts from step", joined and f"{joined} (GreenWindow was added on a resume there)"),
         ("when dirty", report["when_dirty"]),
         ("rule", f"{report['rule']} {report['level'] if report['level'] is not None else ''}".strip()),
         ("forecast", report["forecast"]),

@@ -962,6 +962,38 @@ def duration_text(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds >= 0.5 else "under a second"
 
 
+def span_text(seconds: float) -> str:
+    """:func:`duration_text`, with ``0 s`` for none (a budget of ``max_delay=0``)."""
+    return "0 s" if seconds < 0.5 else duration_text(seconds)
+
+
+def duration_arg(seconds: float) -> str:
+    """``seconds`` as a duration argument (``'4h'``, ``'30min'``, ``'90s'``), to give back as it is."""
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"'{seconds / 3600:g}h'"
+    return f"'{seconds / 60:g}min'" if seconds >= 60 and seconds % 60 == 0 else f"'{seconds:g}s'"
+
+
+def changed_inputs(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """The arguments, of the budget's :attr:`GreenSchedule.inputs`, by which ``now`` builds another budget
+    than ``saved`` did: ``max_delay`` (its value or kind), and ``expected_duration`` under a share."""
+    changed = (
+        ["max_delay"] if (saved["max_delay"], saved["share"]) != (now["max_delay"], now["share"]) else []
+    )
+    if now["share"] and saved["expected_work_s"] != now["expected_work_s"]:
+        changed.append("expected_duration")
+    return changed
+
+
+def input_text(field: str, inputs: Mapping[str, Any]) -> str:
+    """``field`` of the budget's inputs as an argument: `max_delay`=0.5, `max_delay`='30min'."""
+    if field == "max_delay":
+        value = inputs["max_delay"]
+        return f"`max_delay`={float(value)!r}" if inputs["share"] else f"`max_delay`={duration_arg(value)}"
+    expected = inputs["expected_work_s"]
+    return f"`expected_duration`={'None' if expected is None else duration_arg(expected)}"
+
+
 DEADLINE_MARGIN = 0.1  # share of the remaining-work estimate kept in reserve before a deadline
 
 
@@ -1002,6 +1034,9 @@ class GreenSchedule:
         self.run_start: float | None = None
         self.planned_work_s: float | None = None
         self.budget_s: float | None = None
+        self.from_step = 0  # the run's step its figures count from: > 0 for a GreenWindow added on a resume
+        self.work_share = 1.0  # the share of the run's steps it plans (`expected_work_s` is the whole run's)
+        self.saved_inputs: dict[str, Any] | None = None  # what a restored budget was built from (`inputs`)
         self.delayed_s = 0.0  # waited, plus held light: what the budget pays for
         self.compute_s = 0.0
         self.compute_steps = 0
@@ -1029,14 +1064,85 @@ class GreenSchedule:
         is fixed, at the first decision); none given as a duration, or as a share of ``expected_duration``."""
         return {"max_delay": self.max_delay} if self.share and self.expected_work_s is None else {}
 
+    @property
+    def inputs(self) -> dict[str, Any]:
+        """What the delay budget is built from: ``max_delay``, whether it is a share, and the expected compute
+        time (for a share, what it is placed on; ``None``: the run's length as measured)."""
+        return {"max_delay": self.max_delay, "share": self.share, "expected_work_s": self.expected_work_s}
+
     def remaining_work_s(self, steps_left: float) -> float | None:
-        """Compute still to do: measured seconds per step times the steps left, else the expected time
-        minus what ran; ``None`` while neither is known."""
+        """Compute still to do: measured seconds per step times the steps left, else the expected time (of
+        the part of the run it plans) minus what ran; ``None`` while neither is known."""
         if self.compute_steps > 0 and math.isfinite(steps_left):
             return max(steps_left, 0.0) * self.compute_s / self.compute_steps
         if self.expected_work_s is not None:
-            return max(self.expected_work_s - self.compute_s, 0.0)
+            return max(self.expected_work_s * self.work_share - self.compute_s, 0.0)
         return None
+
+    def start_fit(self, step: int, steps_left: float) -> tuple[str | None, str | None]:
+        """This fit trains from the run's optimizer ``step``, with ``steps_left`` (at the run's pace) to go;
+        before :meth:`begin`. Returns two lines (or ``None``), to tell and to warn. With no state of its own
+        at a step > 0 (added on a resume), it plans the rest of the run (:meth:`join`, the first line). A
+        restored budget built from another ``max_delay`` or ``expected_duration`` is built again from these
+        (:meth:`rebuild_budget`, the second): it used to keep the checkpoint's, and a resume with
+        ``max_delay=0`` still waited 3 h."""
+        saved, self.saved_inputs = self.saved_inputs, None
+        if self.run_start is None:
+            return (self.join(step, steps_left) if step > 0 else None), None
+        if saved is not None and self.budget_s is not None and changed_inputs(saved, self.inputs):
+            return None, self.rebuild_budget(saved, step, steps_left)
+        return None, None
+
+    def join(self, step: int, steps_left: float) -> str:
+        """Added on a resume at the run's ``step``: it plans the work left, the share ``steps_left`` of the
+        run's steps (of ``expected_work_s``, the whole run's; taken whole where the run's length is unknown),
+        and its figures count from ``step`` (the report's ``from_step``). It used to plan the whole run's
+        ``expected_duration`` for the half left, and waited 6 h on a budget of 8 h for 4 h of work."""
+        self.from_step = int(step)
+        if math.isfinite(steps_left):
+            self.work_share = max(steps_left, 0.0) / (step + max(steps_left, 0.0))
+        expected = self.expected_work_s
+        rest = f"{steps_left:.0f} of the run's {step + steps_left:.0f} steps"
+        if expected is None:
+            plan = f"it plans the work left, {rest}, at the pace it measures"
+        elif math.isfinite(steps_left):
+            plan = (
+                f"it plans the work left, {rest}: {duration_text(expected * self.work_share)} of "
+                f"`expected_duration` ({duration_text(expected)}, the whole run's)"
+            )
+        else:
+            whole = duration_text(expected)
+            plan = f"the run's length in steps is unknown: it plans `expected_duration` ({whole}) as the rest"
+        return (
+            f"GreenWindow: added on a resume at step {step}, with no state of its own in the checkpoint: "
+            f"{plan}; its report (compute, waits, saving) counts from step {step} on."
+        )
+
+    def rebuild_budget(self, saved: dict[str, Any], step: int, steps_left: float) -> str:
+        """Build the restored budget again from :attr:`inputs` where the checkpoint's was built from ``saved``
+        ones, as a fresh run builds it: a duration, or the share of the planned work (``expected_duration``'s
+        part that this schedule plans, else the run's length at its measured pace, else the planned work the
+        checkpoint holds). What was waited or held light counts against it. Returns the warning."""
+        budget_was = float(self.budget_s)  # type: ignore[arg-type]
+        if self.share and self.expected_work_s is not None:
+            self.planned_work_s = self.expected_work_s * self.work_share
+        elif self.share and saved["expected_work_s"] is not None and self.compute_steps > 0:
+            # placed on the run's length as measured (the steps since it joined, and those left)
+            self.planned_work_s = (step - self.from_step + steps_left) * self.compute_s / self.compute_steps
+        planned = float(self.planned_work_s)  # type: ignore[arg-type]
+        self.budget_s = self.max_delay * planned if self.share else self.max_delay
+        built = (
+            f"{round(self.max_delay, 4)!r} x {duration_text(planned)} of planned work, " if self.share else ""
+        )
+        changed = changed_inputs(saved, self.inputs)
+        was = " and ".join(input_text(field, saved) for field in changed)
+        return (
+            f"GreenWindow: resumed with {' and '.join(input_text(field, self.inputs) for field in changed)}, "
+            f"where the checkpoint's delay budget was built from {was}: the budget is now "
+            f"{span_text(self.budget_s)} ({built}was {span_text(budget_was)}), and the "
+            f"{span_text(self.delayed_s)} already waited or held light counts against it, leaving "
+            f"{span_text(self.budget_left_s())}. To keep the checkpoint's budget, resume with {was}."
+        )
 
     def budget_left_s(self) -> float:
         return max((self.budget_s or 0.0) - self.delayed_s, 0.0)
@@ -1229,6 +1335,7 @@ class GreenSchedule:
             "budget_s": self.budget_s,
             "budget_left_s": self.budget_left_s() if self.budget_s is not None else None,
             "planned_work_s": self.planned_work_s,
+            "from_step": self.from_step,
             "decisions": self.decision_count,
             "deadline": None if self.deadline is None else format_utc(self.deadline),
             "deadline_unmet": self.deadline_unmet,
@@ -1240,6 +1347,9 @@ class GreenSchedule:
             "run_start": self.run_start,
             "planned_work_s": self.planned_work_s,
             "budget_s": self.budget_s,
+            "budget_from": self.inputs,
+            "from_step": self.from_step,
+            "work_share": self.work_share,
             "delayed_s": self.delayed_s,
             "compute_s": self.compute_s,
             "compute_steps": self.compute_steps,
@@ -1254,6 +1364,8 @@ class GreenSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.run_start = state["run_start"]
         self.planned_work_s, self.budget_s = state["planned_work_s"], state["budget_s"]
+        self.saved_inputs = state.get("budget_from")  # older checkpoints have none: their budget is kept
+        self.from_step, self.work_share = int(state.get("from_step", 0)), float(state.get("work_share", 1.0))
         self.delayed_s, self.compute_s = float(state["delayed_s"]), float(state["compute_s"])
         self.compute_steps = int(state["compute_steps"])
         self.decisions = [dict(d) for d in state["decisions"]]
