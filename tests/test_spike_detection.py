@@ -150,6 +150,72 @@ def test_detector_state_round_trips():
     assert restored.assess(5.0, 2.0, "burst") == detector.assess(5.0, 2.0, "burst")
 
 
+def test_a_state_saved_on_the_other_loss_scale_is_converted_to_this_ones():
+    """A StabilityGuard resumed with another ``loss_scale`` judged losses against values on the old one."""
+    on_log = SpikeDetector(warmup=20)
+    _warm(on_log, key="burst")
+    on_linear = SpikeDetector(warmup=20, loss_scale="linear")
+    _warm(on_linear, key="burst")
+    saved = on_log.state_dict()
+    restored = SpikeDetector(warmup=20, loss_scale="linear")
+    restored.load_state_dict(saved)
+    assert restored.converted == {"loss_scale": ("log", "linear")}
+    ended = restored.state_dict()
+    for key in ("burst", POOLED):
+        assert ended["loss"][key]["values"] == pytest.approx(
+            [math.exp(v) for v in saved["loss"][key]["values"]]
+        )
+        assert ended["loss"][key]["stamps"] == saved["loss"][key]["stamps"]
+    assert ended["grad_norm"] == saved["grad_norm"]  # always on a log scale
+    # judged as the detector that ran on a linear scale throughout (the same losses)
+    assert ended["loss"]["burst"]["values"] == pytest.approx(
+        on_linear.state_dict()["loss"]["burst"]["values"]
+    )
+    verdicts = [restored.assess(loss, 2.0, "burst").verdict for loss in (1.05, 1.3, 3.0)]
+    assert verdicts == [on_linear.assess(loss, 2.0, "burst").verdict for loss in (1.05, 1.3, 3.0)]
+    assert verdicts[-1] is Verdict.LOSS_SPIKE
+    # back to a log scale: the log of each value, and a loss <= 0 left out as a log scale leaves it out
+    linear_state = on_linear.state_dict()
+    linear_state["loss"]["burst"] = {"values": [0.0, -1.0, 2.0], "stamps": [28, 29, 30]}
+    back = SpikeDetector(warmup=20)
+    back.load_state_dict(linear_state)
+    assert back.converted == {"loss_scale": ("linear", "log")}
+    assert back.state_dict()["loss"]["burst"] == {"values": [math.log(2.0)], "stamps": [30]}
+
+
+def test_a_state_saved_under_another_main_key_is_merged_into_this_ones():
+    """StabilityGuard keys a step without a pulse phase "burst" with per-phase baselines, "all" without."""
+    per_phase = SpikeDetector(warmup=20, main_key="burst")
+    _warm(per_phase, key="burst")
+    for _ in range(3):
+        per_phase.accept(1.0, 2.0, "replay")
+    saved = per_phase.state_dict()
+    one = SpikeDetector(warmup=20, main_key="all")
+    one.load_state_dict(saved)
+    assert one.converted == {"main_key": ("burst", "all")}
+    for name in ("loss", "grad_norm"):  # the pooled window, every key's values: what "all" would hold
+        assert one.state_dict()[name] == {"all": saved[name][POOLED], POOLED: saved[name][POOLED]}
+    back = SpikeDetector(warmup=20, main_key="burst")
+    back.load_state_dict(one.state_dict())
+    assert back.converted == {"main_key": ("all", "burst")} and set(back.state_dict()["loss"]) == {
+        "burst",
+        POOLED,
+    }
+
+
+def test_a_state_of_an_earlier_version_loads_as_saved():
+    """Before the scale and key were saved: taken as the detector's own, as before."""
+    detector = SpikeDetector(warmup=20)
+    _warm(detector, key="burst")
+    saved = detector.state_dict()
+    earlier = {name: value for name, value in saved.items() if name not in ("loss_scale", "main_key")}
+    restored = SpikeDetector(warmup=20, loss_scale="linear", main_key="all")
+    restored.load_state_dict(earlier)
+    assert restored.converted == {}
+    state = restored.state_dict()
+    assert state["loss"] == saved["loss"] and state["grad_norm"] == saved["grad_norm"]
+
+
 def test_assess_with_accept_adds_only_healthy_steps_to_the_baseline():
     detector = SpikeDetector(warmup=20)
     _warm(detector, steps=20)

@@ -149,7 +149,7 @@ class StabilityGuard(Callback):
         self._record = steps.StepRecord()  # the current optimizer step's micro-batches, losses and action
         self._entry_watch = compat.HookWatch(compat.on_training_step_input)
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
-        self._fixed_key = "burst" if self.config.per_phase_baselines else "all"  # the key without one
+        self._fixed_key = self.detector.main_key  # the key without one: "burst", or "all" without phases
         self._energy = StepEnergy()
 
     def metrics(self) -> dict[str, float]:
@@ -170,6 +170,7 @@ class StabilityGuard(Callback):
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         refuse_uninitialized_parameters(pl_module, "StabilityGuard")  # after a sanity check's forward
         steps.warn_of_anomaly_detection(_warn_here)  # Lightning enables it around the fit loop, after setup
+        steps.warn_of_converted_baselines(self.detector, _warn_here)  # a checkpoint's on another scale or key
         self._changes.attach(trainer.optimizers)
         self._keep_gradients = compat.gradients_read_before_step(trainer, pl_module, self)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None

@@ -223,6 +223,9 @@ class SpikeDetector:
             judged on a log scale.
         cold_ratio: while a key warms up, a spike must be at least this many times the pooled median (and,
             once the pooled window is warm, above the threshold in its spread).
+        main_key: the key most steps are judged under (``StabilityGuard``: ``"burst"`` with per-phase
+            baselines, else ``"all"``). Saved with ``loss_scale``: a state saved with others is converted on
+            load (:meth:`load_state_dict`).
 
     Raises:
         ValueError: naming the argument, for a non-positive threshold, ``min_ratio <= 1``, an unknown scale
@@ -245,6 +248,7 @@ class SpikeDetector:
         min_ratio: float = 1.5,
         loss_scale: str = "log",
         cold_ratio: float = COLD_RATIO,
+        main_key: str = "default",
     ) -> None:
         for name, threshold in (("loss_zscore", loss_zscore), ("grad_norm_zscore", grad_norm_zscore)):
             if threshold is not None and not _is_positive_number(threshold):
@@ -265,6 +269,9 @@ class SpikeDetector:
         self.min_ratio = float(min_ratio)
         self.cold_ratio = float(cold_ratio)
         self.loss_scale = loss_scale
+        self.main_key = main_key
+        # what the last load_state_dict converted: {"loss_scale" or "main_key": (the state's, this one's)}
+        self.converted: dict[str, tuple[str, str]] = {}
         # log(ratio) for the log-scale ratio test, computed once
         self._log_ratio = {
             self.min_ratio: math.log(self.min_ratio),
@@ -335,14 +342,31 @@ class SpikeDetector:
             "grad_norm": {key: tracker.state_dict() for key, tracker in self._grad_norm.items()},
             "unjudged_losses": self.unjudged_losses,
             "accepted_steps": self.accepted_steps,
+            "loss_scale": self.loss_scale,
+            "main_key": self.main_key,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the windows. Those of a state saved on another ``loss_scale`` are converted to this one
+        (a log-scale value's exponential; a linear one's log, a value <= 0 left out as a log scale leaves
+        it out), and those saved under another ``main_key`` are merged into this one's: it gets the pooled
+        window, which a detector that used only this key would hold. :attr:`converted` tells what was.
+        A state of an earlier version (neither saved) is taken as this detector's."""
+        own = {"loss_scale": self.loss_scale, "main_key": self.main_key}
+        saved = {name: state_dict.get(name, value) for name, value in own.items()}
+        self.converted = {name: (value, own[name]) for name, value in saved.items() if value != own[name]}
+        scale, main_key = saved["loss_scale"], saved["main_key"]
         for name, trackers in (("loss", self._loss), ("grad_norm", self._grad_norm)):
             trackers.clear()
             for key, tracker_state in state_dict[name].items():
+                if name == "loss" and scale != self.loss_scale:
+                    tracker_state = _rescaled(tracker_state, self.loss_scale)
                 trackers[key] = RunningRobustZ(self.window, self.warmup)
                 trackers[key].load_state_dict(tracker_state)
+            if main_key != self.main_key and (pooled := trackers.get(POOLED)) is not None:
+                trackers.clear()
+                trackers[POOLED], trackers[self.main_key] = pooled, RunningRobustZ(self.window, self.warmup)
+                trackers[self.main_key].load_state_dict(pooled.state_dict())
         self.unjudged_losses = int(state_dict.get("unjudged_losses", 0))
         self.accepted_steps = int(state_dict.get("accepted_steps", 0))
 
@@ -442,6 +466,17 @@ class SpikeDetector:
             if pooled is None:
                 pooled = trackers[POOLED] = RunningRobustZ(self.window, self.warmup)
             pooled.add(value, stamp)
+
+
+def _rescaled(tracker_state: Mapping[str, Any], scale: str) -> dict[str, Any]:
+    """A :class:`RunningRobustZ` state of loss values on the other scale, converted to ``scale``."""
+    values = list(tracker_state["values"])
+    stamps = list(tracker_state.get("stamps", [0] * len(values)))
+    if scale == "linear":  # from log: a value above ~709 (a loss over 1e307) overflows, and is left out
+        pairs = [(math.exp(value), stamp) for value, stamp in zip(values, stamps) if value < 709.0]
+    else:
+        pairs = [(math.log(value), stamp) for value, stamp in zip(values, stamps) if value > 0]
+    return {"values": [value for value, _ in pairs], "stamps": [stamp for _, stamp in pairs]}
 
 
 def _is_positive_number(value: Any) -> bool:

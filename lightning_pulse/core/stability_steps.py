@@ -102,6 +102,39 @@ def warn_of_anomaly_detection(warn: Callable[[str], Any]) -> None:
         warn(ANOMALY_DETECTION_WARNING)
 
 
+def warn_of_converted_baselines(detector: SpikeDetector, warn: Callable[[str], Any]) -> None:
+    """Say through ``warn`` how the baselines of a checkpoint saved with another ``loss_scale`` or
+    ``per_phase_baselines`` were converted (:attr:`SpikeDetector.converted`); at train start, once a fit."""
+    converted, detector.converted = detector.converted, {}
+    if "loss_scale" in converted:
+        saved, own = converted["loss_scale"]
+        how = (
+            "the exponential of each value"
+            if own == "linear"
+            else "the log of each value; a log scale leaves values <= 0 out"
+        )
+        warn(
+            f"StabilityGuard: this fit's `config.loss_scale`={own!r} differs from the checkpoint's "
+            f"{saved!r}; the restored loss baselines were converted to {own!r} ({how}) and judge from the "
+            f"first step, as in a run on {own!r} throughout. Pass "
+            f"`config=StabilityGuardConfig(loss_scale={saved!r})` to keep the checkpoint's scale."
+        )
+    if "main_key" in converted:
+        saved, own = (key == "burst" for key in converted["main_key"])
+        how = (
+            "one baseline now serves the burst phase (every step without a PulseCycle) and judges from the "
+            "first step; other phases warm up against it, as in a fresh run"
+            if own
+            else "baselines of the pulse phases were merged into one (the pooled window of all phases), "
+            "which judges from the first step"
+        )
+        warn(
+            f"StabilityGuard: this fit's `config.per_phase_baselines`={own} differs from the checkpoint's "
+            f"{saved}; the checkpoint's {how}. Pass "
+            f"`config=StabilityGuardConfig(per_phase_baselines={saved})` to keep the checkpoint's baselines."
+        )
+
+
 def refuse_manual_optimization(module: Any) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` for a module that runs its own optimizer."""
     if not module.automatic_optimization:
@@ -483,9 +516,9 @@ class StabilityCore:
         max_rollbacks: int,
     ) -> None:
         self.config = config = as_config(config, StabilityGuardConfig, "config") or StabilityGuardConfig()
-        self.detector = SpikeDetector(
-            loss_zscore, grad_norm_zscore, window, warmup, config.min_ratio, config.loss_scale
-        )
+        detection = (loss_zscore, grad_norm_zscore, window, warmup, config.min_ratio, config.loss_scale)
+        # the key of a step without a pulse phase
+        self.detector = SpikeDetector(*detection, main_key="burst" if config.per_phase_baselines else "all")
         self.policy = EscalationPolicy(
             rollback_after,
             config.spike_memory,
