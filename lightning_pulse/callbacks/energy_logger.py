@@ -164,6 +164,7 @@ class EnergyLogger(Callback):
         # the gather the others wait in): a refusal of process mode is decided together
         meters, rank = (self.meters, self.cpu, self.ram), (trainer.node_rank, trainer.local_rank)
         refuse_uncounted_processes(*meters, self._collective(trainer), *rank)
+        self.account.refuse_changed_currency()  # a cost in EUR and one in USD do not add up
         self.account.extend_carried(trainer.ckpt_path, rank_zero_info)  # a suspended fit's end, next to it
         self.account.start(
             lambda: trainer_chains(trainer, self, self._warn_rank, rank_zero_info),
@@ -187,6 +188,7 @@ class EnergyLogger(Callback):
         self._in_train_loop = True
         progress = compat.run_progress(trainer)  # the loader's batch size tells a time-major batch's samples
         self.account.begin_training(lambda: trainer.global_step, progress, trainer.train_dataloader)
+        self.account.join_run(trainer.global_step, rank_zero_info, rank_zero_warn)  # added or rates changed
         compat.note_run_shares(trainer, "EnergyLogger", "the forecast of the run's energy", rereads=True)
         if compat.steps_per_batch_unknown(trainer):  # manual optimization, several optimizers
             if (line := no_forecast_line(compat.total_steps(trainer), len(trainer.optimizers))) is not None:

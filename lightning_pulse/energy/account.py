@@ -48,6 +48,13 @@ from lightning_pulse.energy.ledger import figures as bucket_figures
 from lightning_pulse.energy.meter import COMPONENTS, NONE, MeterChain, MeterFactory
 from lightning_pulse.energy.nvml import NvmlCounterMeter, NvmlPowerMeter, nvml_devices_for_cuda
 from lightning_pulse.energy.rapl import RaplMeter
+from lightning_pulse.energy.rate_parts import (
+    RATES,
+    UNCOUNTED_FIELD,
+    extend_parts,
+    rate_part,
+    refuse_changed_currency,
+)
 from lightning_pulse.energy.report import assemble_report
 from lightning_pulse.energy.sampler import EnergySampler
 from lightning_pulse.energy.suspend_carry import carry_path, read_carry, write_carry
@@ -334,8 +341,9 @@ def no_forecast_line(total_steps: float, optimizers: int) -> str | None:
 def forecast_message(forecast: dict[str, Any]) -> str:
     """The one line that announces :func:`~lightning_pulse.energy.ledger.predict_run`'s forecast."""
     co2 = f", {forecast['co2_kg']:.4g} kg CO2" if forecast["co2_kg"] is not None else ""
+    run = f"the run from step {forecast['from_step']} on" if forecast.get("from_step") else "the whole run"
     return (
-        f"EnergyLogger: forecast from {forecast['basis']}: the whole run ({int(forecast['total_steps'])} "
+        f"EnergyLogger: forecast from {forecast['basis']}: {run} ({int(forecast['total_steps'])} "
         f"steps) needs about {forecast['energy_kwh']:.4g} kWh, {forecast['duration_s'] / 60:.1f} min{co2}."
     )
 
@@ -374,6 +382,12 @@ class EnergyAccount:
         self.clock, self.wall_clock = clock, wall_clock
         self.carried: dict[str, Any] | None = None  # the whole run before this fit (from a checkpoint)
         self.resumed_runs = 0
+        # the run's step this account's figures count from: 0, or where it joined (added on a resume of a
+        # checkpoint saved without it); None until a new run's training starts (join_run)
+        self.from_step: int | None = None
+        # the carbon intensity and price each part of the run was counted with (see rate_parts)
+        self.rate_parts: dict[str, list[dict[str, Any]]] = {name: [] for name in RATES}
+        self._uncounted_before: tuple[str, ...] = ()  # the rates an old checkpoint's run had none of
         self._restored = False  # a checkpoint was loaded for the next fit (not during one)
         self._settled_once = False
         self.prediction: dict[str, Any] | None = None
@@ -404,6 +418,7 @@ class EnergyAccount:
         count of an earlier fit of this account are dropped (a second ``fit`` of the same EnergyLogger)."""
         if not self._restored:
             self.carried, self.prediction, self.resumed_runs = None, None, 0
+            self.from_step, self.rate_parts = None, {name: [] for name in RATES}
             for rate in (self.intensity, self.price):
                 if rate is not None:
                     rate.run_start = None  # anchored again below, at this run's start
@@ -491,6 +506,37 @@ class EnergyAccount:
         self.step_counter = step_counter
         self._counted_step = self._logged_step = step_counter()
         self.fit_start_progress = progress
+
+    def join_run(self, step: int, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
+        """This fit's training starts at optimizer ``step`` (after :meth:`begin_training`). A new run's
+        figures count from there: past 0 the account joined a run under way (an EnergyLogger added on a
+        resume of a checkpoint saved without it), which ``info`` says. A rate that differs from the run's
+        before adds a part to :attr:`rate_parts` from ``step`` on, said with ``info`` or ``warn``
+        (:func:`~lightning_pulse.energy.rate_parts.extend_parts`); another currency is refused."""
+        refuse_changed_currency(self.rate_parts["price"], self.price)  # a restore after set-up: first here
+        if self.from_step is None:
+            self.from_step = int(step)
+            if step > 0:
+                info(
+                    f"EnergyLogger: added to this run at step {step}, with no state of its own from "
+                    f"before: its figures (energy, CO2, cost, steps, samples) cover the run from step {step} "
+                    "on only, not the whole run; the report says so (`figures_from_step`)."
+                )
+        total = (self.carried or {}).get("buckets", {}).get("total", {})
+        for name, rate in (("intensity", self.intensity), ("price", self.price)):
+            if not self.rate_parts[name]:  # a new run, or a version-1 checkpoint's with a rate: this one
+                self.rate_parts[name].append(rate_part(rate, self.from_step))
+                continue
+            uncounted_kwh = float(total.get(UNCOUNTED_FIELD[name], 0.0)) / J_PER_KWH
+            said = extend_parts(self.rate_parts[name], name, rate, step, uncounted_kwh)
+            if said is not None:
+                (warn if said[0] == "warn" else info)(said[1])
+
+    def refuse_changed_currency(self) -> None:
+        """Before :meth:`start` of a fit resumed from a checkpoint: refuse a price in another currency than
+        the run's cost before it (:func:`~lightning_pulse.energy.rate_parts.refuse_changed_currency`)."""
+        if self._restored:
+            refuse_changed_currency(self.rate_parts["price"], self.price)
 
     def mark_training(self, phase: str, cycle: int | None, epoch: int) -> None:
         """The training loop starts in ``phase`` of pulse ``cycle`` (``None``: no pulse cycle) and ``epoch``;
@@ -962,6 +1008,8 @@ class EnergyAccount:
                 total_batches=total_batches,
             )
             if forecast is not None:
+                if self.from_step:  # joined the run there: the forecast is of the rest of it
+                    forecast["from_step"] = self.from_step
                 metrics["energy/predicted_kwh"] = forecast["energy_kwh"]
                 metrics["energy/predicted_duration_s"] = forecast["duration_s"]
                 metrics["energy/predicted_co2_kg"] = forecast["co2_kg"]
@@ -1016,6 +1064,8 @@ class EnergyAccount:
             num_nodes=num_nodes,
             sampling_period_s=self.sampling_period,
             resumed_runs=self.resumed_runs,
+            from_step=self.from_step,
+            rate_parts=self.rate_parts,
             meters=self.meter_descriptions(1 if collective is None else collective.world_size),
             intensity=self.intensity,
             price=self.price,
@@ -1055,12 +1105,14 @@ class EnergyAccount:
         total = (snapshot or {}).get("buckets", {}).get("total")
         self._saved_total = None if total is None else dict(total)
         return {
-            "version": 1,
+            "version": 2,
             "snapshot": snapshot,
             "resumed_runs": self.resumed_runs,
             "prediction": self.prediction,
             "intensity": None if self.intensity is None else self.intensity.state_dict(),
             "price": None if self.price is None else self.price.state_dict(),
+            "from_step": self.from_step,
+            "rates": {name: [dict(part) for part in parts] for name, parts in self.rate_parts.items()},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1073,6 +1125,19 @@ class EnergyAccount:
         for rate, key in ((self.intensity, "intensity"), (self.price, "price")):
             if rate is not None and state_dict.get(key):
                 rate.load_state_dict(state_dict[key])
+        self.from_step = int(state_dict.get("from_step") or 0)  # version 1: from the run's start
+        rates = state_dict.get("rates")
+        if isinstance(rates, dict):
+            self.rate_parts = {name: [dict(part) for part in rates.get(name, [])] for name in RATES}
+            self._uncounted_before = ()
+        else:  # version 1 kept no parts: a rate its run had none of counted none of its energy
+            self._uncounted_before = tuple(
+                name for name in RATES if name in state_dict and not state_dict[name]
+            )
+            self.rate_parts = {
+                name: [rate_part(None, 0)] if name in self._uncounted_before else [] for name in RATES
+            }
+            _mark_uncounted(self.carried, self._uncounted_before)
 
     # ------------------------------------------------------------------ a suspend's checkpoint
     def saved_for_suspend(self, checkpoint: str | os.PathLike) -> None:
@@ -1122,6 +1187,7 @@ class EnergyAccount:
         before = sum(float(self.carried["buckets"]["total"].get(f"{c}_j", 0.0)) for c in COMPONENTS)
         after = sum(float(snapshot["buckets"].get("total", {}).get(f"{c}_j", 0.0)) for c in COMPONENTS)
         self.carried = snapshot
+        _mark_uncounted(self.carried, self._uncounted_before)
         info(
             f"EnergyLogger: the suspended fit used {(after - before) / J_PER_KWH:.3g} kWh after saving its "
             f"checkpoint (Lightning's validation after the stop, its shut-down): counted from "
@@ -1203,6 +1269,15 @@ class EnergyAccount:
             }
             combined["phase_segments"] = local["phase_segments"]
         return combined
+
+
+def _mark_uncounted(snapshot: dict[str, Any] | None, rates: Sequence[str]) -> None:
+    """Every joule of a version-1 checkpoint's ``snapshot`` uncounted by each of ``rates`` (its run had none;
+    version 1 did not keep the joules no rate counted)."""
+    for bucket in (snapshot or {}).get("buckets", {}).values():
+        joules = sum(float(bucket.get(f"{c}_j", 0.0)) for c in COMPONENTS)
+        for name in rates:
+            bucket[UNCOUNTED_FIELD[name]] = joules
 
 
 def _present(metrics: dict[str, float | None]) -> dict[str, float]:

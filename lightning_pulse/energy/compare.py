@@ -193,8 +193,11 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
             ratio, note = None, f"currencies differ ({currencies[0]} / {currencies[1]})"
         if method_key and NONE in methods:
             ratio = None
-        elif method_key and (PARTIAL in methods or energy_partial):  # an undercount (a meter lost mid-run)
+        elif method_key and energy_partial:  # an undercount (a meter lost mid-run)
             ratio, note = None, "partial: a meter was lost mid-run, so the figure undercounts"
+        elif method_key and PARTIAL in methods:  # a rate given on a resume only
+            rate = "price" if key == "cost" else "carbon intensity"
+            ratio, note = None, f"partial: part of the run had no {rate}"
         if key in COST_FIGURES and unfinished is not None and values != [None, None]:  # less work done
             per_step = _ratio(*(_per_step(value, total) for value, total in zip(values, totals)))
             per_step_text = (
@@ -226,24 +229,39 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
         for name in names
     ]
     return {
-        "a": {"path": a["path"], "status": a["report"].get("status"), "metrics_source": a["metrics_source"]},
-        "b": {"path": b["path"], "status": b["report"].get("status"), "metrics_source": b["metrics_source"]},
+        **{
+            name: {
+                "path": run["path"],
+                "status": run["report"].get("status"),
+                "metrics_source": run["metrics_source"],
+                "figures_from_step": run["report"].get("figures_from_step"),
+            }
+            for name, run in (("a", a), ("b", b))
+        },
         "figures": figures,
         "metrics": metrics,
     }
 
 
 def _unfinished_note(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
-    """``"A is interrupted: unequal work (A: 20 steps, B: 48)"`` when either run did not complete, else
-    ``None``."""
-    parts = [
-        f"{name} is {report.get('status')}" for name, report in (("A", a), ("B", b)) if not _complete(report)
-    ]
+    """``"A is interrupted: unequal work (A: 20 steps, B: 48)"`` when either run did not complete or counts
+    from a step past its first (EnergyLogger added on a resume), else ``None``."""
+    parts = [f"{name} {why}" for name, report in (("A", a), ("B", b)) if (why := _part_only(report))]
     if not parts:
         return None
     return (
         f"{', '.join(parts)}: unequal work (A: {a['total'].get('steps')} steps, B: {b['total'].get('steps')})"
     )
+
+
+def _part_only(report: Mapping[str, Any]) -> str | None:
+    """Why a report (or a comparison's side) covers only part of its run's work: ``"is interrupted"`` (not
+    complete), ``"counts from step 30 on"`` (an EnergyLogger added on a resume); ``None`` when it is whole."""
+    if not _complete(report):
+        return f"is {report.get('status')}"
+    if report.get("figures_from_step"):
+        return f"counts from step {report['figures_from_step']} on"
+    return None
 
 
 def _complete(report: Mapping[str, Any]) -> bool:
@@ -413,7 +431,7 @@ def write_comparison_plot(comparison: Mapping[str, Any], path: str | Path) -> Pa
         return None
     # costs (time, energy, CO2, money) are green below the baseline and red above; steps, samples and metrics
     # stay grey, as whether more is better depends on them; so do costs against a run that did not finish
-    unfinished = [name for name in ("a", "b") if not _complete(comparison[name])]
+    unfinished = [name for name in ("a", "b") if _part_only(comparison[name])]
     rows = [
         (row["label"], row["ratio"], row["figure"] in COST_FIGURES and not unfinished)
         for row in comparison["figures"]
@@ -453,10 +471,8 @@ def chart_title(comparison: Mapping[str, Any]) -> str:
     """The PNG's title: the two runs, and a line for each that did not complete."""
     title = f"B: {_run_name(comparison['b']['path'])}  against  A: {_run_name(comparison['a']['path'])}"
     for name in ("a", "b"):
-        if not _complete(comparison[name]):
-            title += (
-                f"\n{name.upper()} is {comparison[name]['status']}: its totals cover only part of the run"
-            )
+        if why := _part_only(comparison[name]):
+            title += f"\n{name.upper()} {why}: its totals cover only part of the run"
     return title
 
 

@@ -29,6 +29,7 @@ from lightning_pulse.energy.meter import (
     MEASURED,
     METHOD_FLAGS,
     NONE,
+    PARTIAL,
     method_from_flags,
 )
 from lightning_pulse.records import RECENT_RECORDS, append_recent
@@ -44,9 +45,14 @@ STARTUP_STAGE = "meter_startup"
 STARTUP_KEY = "meter_startup"
 
 _COUNTING = (MEASURED, ESTIMATED)
+#: the relative difference between two sums of the same joules, added in another order, that is rounding
+_ROUNDING = 1e-9
 
 # how each field combines over DDP ranks (over resumed runs every field adds up)
-SUM_FIELDS = ("gpu_j", "cpu_j", "ram_j", "co2_kg", "cost", "samples", "tokens", "batches", "token_batches")
+SUM_FIELDS = (
+    *("gpu_j", "cpu_j", "ram_j", "co2_kg", "cost", "samples", "tokens", "batches", "token_batches"),
+    *("co2_uncounted_j", "cost_uncounted_j"),
+)
 MAX_FIELDS = ("seconds", "steps")
 MEAN_FIELDS = ("stall_s", "loop_s")
 OR_FIELDS = ("gpu_flags", "cpu_flags", "ram_flags")
@@ -54,7 +60,9 @@ OR_FIELDS = ("gpu_flags", "cpu_flags", "ram_flags")
 
 @dataclass
 class Bucket:
-    """Raw sums of one bucket (e.g. ``phase/burst``): seconds, joules per component, counts, CO2, cost."""
+    """Raw sums of one bucket (e.g. ``phase/burst``): seconds, joules per component, counts, CO2, cost, and
+    the joules that no carbon intensity (``co2_uncounted_j``) or price (``cost_uncounted_j``) counted: a part
+    of the run without one, before a resume that gave it (its CO2 or cost is then partial)."""
 
     seconds: float = 0.0
     gpu_j: float = 0.0
@@ -72,6 +80,8 @@ class Bucket:
     steps: float = 0.0
     stall_s: float = 0.0
     loop_s: float = 0.0
+    co2_uncounted_j: float = 0.0
+    cost_uncounted_j: float = 0.0
 
     def add(self, other: Bucket) -> None:
         for item in fields(self):
@@ -436,9 +446,13 @@ class EnergyLedger:
             )
             for component, delta in deltas.items()
         ]
-        kwh = sum(piece[2] for piece in pieces) / J_PER_KWH
+        joules = sum(piece[2] for piece in pieces)
+        kwh = joules / J_PER_KWH
         co2 = kwh * self.intensity.mean(wall0, wall1) / 1000.0 if self.intensity is not None and kwh else 0.0
         cost = kwh * self.price.mean(wall0, wall1) if self.price is not None and kwh else 0.0
+        # kept, so that a resume which adds the rate reports the CO2 or cost as partial, not as the run's
+        co2_uncounted = joules if self.intensity is None else 0.0
+        cost_uncounted = joules if self.price is None else 0.0
         keys = self._label_keys.get(label)
         if keys is None:
             keys = self._label_keys[label] = label.keys()
@@ -448,6 +462,8 @@ class EnergyLedger:
                 setattr(bucket, flag_field, getattr(bucket, flag_field) | flag)
             bucket.co2_kg += co2
             bucket.cost += cost
+            bucket.co2_uncounted_j += co2_uncounted
+            bucket.cost_uncounted_j += cost_uncounted
 
     def _append_timeline(self, wall: float) -> None:
         self.timeline_wall.append(wall)
@@ -657,6 +673,8 @@ def figures(bucket: Mapping[str, float], has_intensity: bool, has_price: bool) -
     method = method_from_flags(flags)
     kwh = joules / J_PER_KWH
     tokens_known = b.batches > 0 and b.token_batches == b.batches
+    co2_method, co2_kwh = _rated(ESTIMATED, b.co2_uncounted_j, joules, has_intensity and method != NONE)
+    cost_method, _ = _rated(method, b.cost_uncounted_j, joules, has_price)
     return {
         "duration_s": b.seconds,
         "energy_kwh": kwh if method != NONE else None,
@@ -666,11 +684,11 @@ def figures(bucket: Mapping[str, float], has_intensity: bool, has_price: bool) -
         "energy_method": method,
         "methods": methods,
         "avg_power_w": joules / b.seconds if b.seconds > 0 and method in _COUNTING else None,
-        "co2_kg": b.co2_kg if has_intensity and method != NONE else None,
-        "co2_method": ESTIMATED if has_intensity and method != NONE else NONE,
-        "g_co2_per_kwh": (b.co2_kg * 1000.0 / kwh) if has_intensity and kwh > 0 else None,
-        "cost": b.cost if has_price and method != NONE else None,
-        "cost_method": method if has_price else NONE,
+        "co2_kg": b.co2_kg if co2_method != NONE else None,
+        "co2_method": co2_method,
+        "g_co2_per_kwh": b.co2_kg * 1000.0 / co2_kwh if co2_method != NONE and co2_kwh > 0 else None,
+        "cost": b.cost if cost_method != NONE else None,
+        "cost_method": cost_method,
         "samples": int(b.samples),
         "tokens": int(b.tokens) if tokens_known else None,
         "steps": int(b.steps),
@@ -681,6 +699,26 @@ def figures(bucket: Mapping[str, float], has_intensity: bool, has_price: bool) -
         "loop_s": b.loop_s,
         "stall_share": b.stall_s / b.loop_s if b.loop_s > 0 else None,
     }
+
+
+def counted_part(uncounted_j: float, joules: float) -> float:
+    """The joules of a bucket that a rate counted, of its ``joules`` of which ``uncounted_j`` it did not: 0
+    when (up to rounding) none, all of them when (up to rounding) every joule was counted."""
+    if uncounted_j <= _ROUNDING * joules:
+        return joules
+    counted = joules - uncounted_j
+    return counted if counted > _ROUNDING * joules else 0.0
+
+
+def _rated(method: str, uncounted_j: float, joules: float, has_rate: bool) -> tuple[str, float]:
+    """The method of a bucket's CO2 or cost (``method`` when a rate counted all of its energy, partial when
+    part of it, none when none or no rate is set now) and the kWh it counted."""
+    if not has_rate:
+        return NONE, 0.0
+    counted = counted_part(uncounted_j, joules)
+    if counted < joules:
+        return (PARTIAL, counted / J_PER_KWH) if counted > 0 and method != NONE else (NONE, 0.0)
+    return method, joules / J_PER_KWH
 
 
 def grouped_figures(
@@ -736,6 +774,7 @@ def predict_run(
         "total_steps": float(total_steps),
         "energy_kwh": kwh,
         "duration_s": b.seconds * scale,
-        "co2_kg": b.co2_kg * scale if intensity_known else None,
-        "cost": b.cost * scale if price_known else None,
+        # an epoch with energy no rate counted (a rate given on a resume) forecasts no CO2 or cost
+        "co2_kg": b.co2_kg * scale if intensity_known and not b.co2_uncounted_j else None,
+        "cost": b.cost * scale if price_known and not b.cost_uncounted_j else None,
     }

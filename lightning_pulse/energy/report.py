@@ -12,14 +12,15 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from lightning_pulse.energy.carbon import Rate
-from lightning_pulse.energy.ledger import STARTUP_KEY, figures, grouped_figures
-from lightning_pulse.energy.meter import COMPONENTS, NONE
+from lightning_pulse.energy.ledger import J_PER_KWH, STARTUP_KEY, figures, grouped_figures
+from lightning_pulse.energy.meter import COMPONENTS, NONE, PARTIAL
+from lightning_pulse.energy.rate_parts import UNCOUNTED_FIELD, parts_line, uncounted_steps
 
 JSON_NAME = "energy_report.json"
 MARKDOWN_NAME = "energy_report.md"
@@ -38,6 +39,8 @@ def assemble_report(
     num_nodes: int = 1,
     sampling_period_s: float | None = None,
     resumed_runs: int = 0,
+    from_step: int | None = 0,
+    rate_parts: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     meters: Mapping[str, Any] | None = None,
     intensity: Rate | None = None,
     price: Rate | None = None,
@@ -46,10 +49,18 @@ def assemble_report(
     counting: Mapping[str, str] | None = None,
     disabled: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON-ready report of a run snapshot (all ranks, all resumed parts already combined)."""
+    """The JSON-ready report of a run snapshot (all ranks, all resumed parts already combined): its figures
+    count from optimizer step ``from_step`` (past 0: EnergyLogger joined the run there), its CO2 and cost
+    with the ``rate_parts`` (:mod:`~lightning_pulse.energy.rate_parts`)."""
     buckets = snapshot.get("buckets", {})
     groups = grouped_figures(buckets, intensity is not None, price is not None)
     startup = buckets.get(STARTUP_KEY)
+    parts = rate_parts or {}
+    total = buckets.get("total", {})
+    described = {
+        name: _rate_described(rate, parts.get(name, ()), total.get(UNCOUNTED_FIELD[name], 0.0))
+        for name, rate in (("intensity", intensity), ("price", price))
+    }
     return {
         "schema": SCHEMA,
         "status": status,
@@ -58,10 +69,11 @@ def assemble_report(
         "num_nodes": num_nodes,
         "sampling_period_s": sampling_period_s,
         "resumed_runs": resumed_runs,
+        "figures_from_step": from_step,
         "disabled": disabled,
         "meters": dict(meters or {}),
-        "carbon_intensity": None if intensity is None else intensity.describe(),
-        "price": None if price is None else {**price.describe(), "currency": currency},
+        "carbon_intensity": described["intensity"],
+        "price": None if price is None else {**described["price"], "currency": currency},
         "currency": currency,
         "counting": dict(counting or {}),
         **groups,
@@ -75,6 +87,21 @@ def assemble_report(
         "phase_segments": snapshot.get("phase_segments", []),
         "events": snapshot.get("events", []),
     }
+
+
+def _rate_described(
+    rate: Rate | None, parts: Sequence[Mapping[str, Any]], uncounted_j: float
+) -> dict[str, Any] | None:
+    """``rate.describe()``, with the ``parts`` of the run when a resume changed the rate, and the energy no
+    rate counted (``uncounted_kwh``) when part of the run had none."""
+    if rate is None:
+        return None
+    described = rate.describe()
+    if len(parts) > 1:
+        described["parts"] = [dict(part) for part in parts]
+    if uncounted_j > 0:
+        described["uncounted_kwh"] = uncounted_j / J_PER_KWH
+    return described
 
 
 # ---------------------------------------------------------------------- atomic files
@@ -263,6 +290,39 @@ def _held_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _joined_lines(report: Mapping[str, Any]) -> list[str]:
+    """The line that says the figures start at a step past the run's first (EnergyLogger joined it there)."""
+    step = report.get("figures_from_step")
+    if not step:
+        return []
+    return [
+        f"**Figures from step {step} on only**: EnergyLogger joined the run there (added on a resume of a "
+        f"checkpoint saved without it), so the run's first {step} steps are in none of them.",
+        "",
+    ]
+
+
+def _uncounted_text(method: Any, rate: Mapping[str, Any], name: str) -> str:
+    """After a partial CO2 or cost (a rate given on a resume): what it leaves out."""
+    if method != PARTIAL or not rate.get("uncounted_kwh"):
+        return ""
+    where = f" at {uncounted_steps(rate['parts'])}" if rate.get("parts") else ""
+    return (
+        ", over the part of the run it counts only: not the whole run's, the "
+        f"{_num(rate['uncounted_kwh'], 4)} kWh used{where} had no {name}"
+    )
+
+
+def _parts_lines(report: Mapping[str, Any]) -> list[str]:
+    """One line per rate a resume changed: the rate of each part of the run."""
+    lines = []
+    for key, label in (("carbon_intensity", "Carbon intensity"), ("price", "Price")):
+        parts = (report.get(key) or {}).get("parts")
+        if parts:
+            lines.append(f"- {label} by part of the run (changed on a resume): {parts_line(parts)}.")
+    return lines
+
+
 def report_markdown(report: Mapping[str, Any]) -> str:
     """The Markdown report: summary, meters, then one table per phase / cycle / epoch / stage."""
     total = report.get("total", {})
@@ -274,9 +334,11 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         f"Status: **{report.get('status', 'complete')}**; world size {report.get('world_size', 1)}; "
         f"{report.get('resumed_runs', 0)} resume(s); created {report.get('created_utc', '?')} UTC.",
         "",
+        *_joined_lines(report),
         "Every figure carries its method: *measured* (NVML counter or power sensor, RAPL), *estimated* "
-        "(codecarbon's model, a configured constant, a carbon intensity), *partial* (a meter was lost "
-        "part-way and nothing took over: an undercount) or *none* (not available). "
+        "(codecarbon's model, a configured constant, a carbon intensity), *partial* (an undercount: a meter "
+        "was lost part-way and nothing took over, or a CO2 or cost whose rate was given on a resume only) or "
+        "*none* (not available). "
         f"`lightning-pulse report DIR` draws {PNG_NAME} (power over time, energy per phase) from the JSON.",
         "",
         "## Summary",
@@ -287,13 +349,15 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         "- CO2: "
         + (
             f"{_with_method(total.get('co2_kg'), total.get('co2_method', NONE), 6, 'kg')} at "
-            f"{_num(total.get('g_co2_per_kwh'))} gCO2eq/kWh on average ({intensity.get('source')})."
+            f"{_num(total.get('g_co2_per_kwh'))} gCO2eq/kWh on average ({intensity.get('source')})"
+            f"{_uncounted_text(total.get('co2_method'), intensity, 'carbon intensity')}."
             if intensity
             else "— (none: no carbon intensity configured)."
         ),
         "- Cost: "
         + (
-            f"{_with_method(total.get('cost'), total.get('cost_method', NONE), 6, currency)}."
+            f"{_with_method(total.get('cost'), total.get('cost_method', NONE), 6, currency)}"
+            f"{_uncounted_text(total.get('cost_method'), report.get('price') or {}, 'price')}."
             if report.get("price")
             else "— (none: no price configured)."
         ),
@@ -302,6 +366,7 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         f"{_with_method(total.get('energy_per_token_j'), total.get('per_sample_method', NONE), 4, 'J')}.",
         f"- Data-loader stall: {_share(total.get('stall_share'))} of training-loop time.",
         *_held_lines(report),
+        *_parts_lines(report),
         "",
         "## Meters",
         "",
@@ -371,7 +436,7 @@ def report_markdown(report: Mapping[str, Any]) -> str:
             ["## How counts are taken", ""] + [f"- {name}: {text}" for name, text in notes.items()] + [""]
         )
     if intensity:
-        described = ", ".join(f"{k}={v}" for k, v in intensity.items() if v is not None)
+        described = ", ".join(f"{k}={v}" for k, v in intensity.items() if v is not None and k != "parts")
         lines += [f"Carbon intensity: {described}.", ""]
     return "\n".join(lines)
 
