@@ -625,13 +625,22 @@ def set_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
     ones; on a resume Lightning reads it to tell whether the restored batch validated); an int interval keeps
     its count (:func:`mark_last_batch_of` may have moved the check to the previous pass's end). The epoch
     itself ends when the loader does."""
-    interval, check = trainer.val_check_interval, trainer.val_check_batch
+    interval, check = _val_check_interval(trainer), trainer.val_check_batch
     if trainer.check_val_every_n_epoch is None or batches <= 0 or not isinstance(check, int):
         return  # validation counted over the run's batches, by time, or on an endless loader
     if isinstance(interval, float):
         _place_fractional_check(trainer, batches, position=max(1, trainer.fit_loop.epoch_loop.batch_idx + 1))
     elif isinstance(interval, int):
         trainer.val_check_batch = interval
+
+
+def _val_check_interval(trainer: pl.Trainer) -> int | float | None:
+    """``trainer.val_check_interval``, or ``None`` where the interval is a time (Lightning 2.6 takes
+    ``{"seconds": 30}``, ``"DD:HH:MM:SS"`` or a ``timedelta``, keeps it in ``_val_check_time_interval`` and
+    sets no ``val_check_interval``): validation by time needs no batch placed for it."""
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return None
+    return getattr(trainer, "val_check_interval", None)
 
 
 def _fractional_checks(plain: int, batches: int, interval: float) -> list[int]:
@@ -650,7 +659,8 @@ def _place_fractional_check(trainer: pl.Trainer, batches: int, position: int) ->
     it, as Lightning validates where ``(batch_idx + 1) % val_check_batch == 0``. Checks every
     ``int(batches * interval)`` batches put a third check at 0.5 in a 9-batch pass (at 4 and 8), once its
     end was validated as the plain epoch's."""
-    interval, check, plain = trainer.val_check_interval, trainer.val_check_batch, trainer.num_training_batches
+    interval, check = _val_check_interval(trainer), trainer.val_check_batch
+    plain = trainer.num_training_batches
     if trainer.check_val_every_n_epoch is None or not isinstance(interval, float):
         return
     if not isinstance(check, int) or not isinstance(plain, int) or plain <= 0 or batches <= 0:
@@ -665,7 +675,8 @@ def _validate_at_pass_end(trainer: pl.Trainer, batches: int) -> None:
     of the interval. Lightning validates where ``(batch_idx + 1) % val_check_batch == 0``, so a shorter pass
     would miss the epoch's end (and the run's final weights) whenever its length is no multiple; the check
     moves to this batch, and :func:`set_epoch_batches` sets it back at the next pass."""
-    interval, check, plain = trainer.val_check_interval, trainer.val_check_batch, trainer.num_training_batches
+    interval, check = _val_check_interval(trainer), trainer.val_check_batch
+    plain = trainer.num_training_batches
     if trainer.check_val_every_n_epoch is None or not isinstance(check, int) or not isinstance(plain, int):
         return
     if isinstance(interval, int) and plain > 0 and plain % interval == 0:

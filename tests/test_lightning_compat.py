@@ -486,3 +486,22 @@ def test_an_energy_logger_alone_on_a_growing_curriculum_says_its_forecast_is_rea
     assert said[0].endswith(
         "Set Trainer(max_steps=N) and leave `max_epochs` unset, so that the run's length is known."
     )
+
+
+@pytest.mark.parametrize("interval", [{"seconds": 3600}, "00:00:00:01"])
+def test_a_time_based_val_check_interval_leaves_a_step_saving_plan_to_lightning(interval):
+    # Lightning 2.6 keeps a time interval in `_val_check_time_interval` and sets no `val_check_interval`:
+    # reading the latter at each planned pass crashed the README's stack at train start
+    from examples.digits.data import DigitsDataModule
+    from lightning_pulse import HardSampleReplay, PulseCycle
+    from tests.clients import EncoderClassifier
+
+    pl.seed_everything(0)
+    replay = HardSampleReplay()
+    cycle = PulseCycle(burst=6, replay=4, maintain=2, maintain_eval="none")
+    trainer = pl.Trainer(
+        callbacks=[cycle, replay], max_epochs=3, val_check_interval=interval, **trainer_kwargs()
+    )
+    trainer.fit(EncoderClassifier(), DigitsDataModule(batch_size=128))
+    assert trainer.global_step == replay.steps.plan.total_steps < 3 * 11  # the plan ran, and saved steps
+    assert trainer.current_epoch == 3
