@@ -81,6 +81,24 @@ def val_dataloader_of(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any
     return None
 
 
+def validation_batches_taken(trainer: pl.Trainer, loader: Any) -> int | float:
+    """How many batches of ``loader`` the fit's validation takes under the Trainer's ``limit_val_batches`` (an
+    int caps them, a fraction takes that share; ``fast_dev_run`` and ``overfit_batches`` set it), reckoned by
+    Lightning's own ``_parse_num_batches``; ``inf`` for a loader without a length. A limit Lightning refuses
+    (a fraction of no whole batch, a fraction of a loader without a length) caps nothing here: Lightning's
+    validation refuses it itself, with its message."""
+    from lightning.fabric.utilities.data import has_len
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    length = len(loader) if has_len(loader) else math.inf
+    try:
+        return _parse_num_batches(RunningStage.VALIDATING, length, trainer.limit_val_batches)
+    except MisconfigurationException:
+        return length
+
+
 @contextmanager
 def frozen_metric_states(module: Any) -> Iterator[None]:
     """Run a block that may update torchmetrics metrics, then put every metric back as it was.
@@ -128,6 +146,10 @@ def private_api_problems() -> list[str]:
 
     if not callable(getattr(fabric_distributed, "_destroy_dist_connection", None)):
         problems.append("lightning.fabric.utilities.distributed._destroy_dist_connection")
+    from lightning.pytorch.trainer.connectors import data_connector
+
+    if not callable(getattr(data_connector, "_parse_num_batches", None)):
+        problems.append("lightning.pytorch.trainer.connectors.data_connector._parse_num_batches")
     if "_model_contains_batch_norm" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):
         problems.append("StochasticWeightAveraging._model_contains_batch_norm")
     if "_average_model" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):

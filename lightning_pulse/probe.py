@@ -40,6 +40,8 @@ def first_validation_batches(
 ) -> tuple[list[Any], bool]:
     """The first ``count`` batches of the run's first validation dataloader (empty if there is none), and whether
     there are several (a list or dict of them: Lightning then passes ``dataloader_idx`` to ``validation_step``).
+    At most as many as the fit's validation takes of it (``limit_val_batches``): the probe evaluates only data
+    that Lightning would validate on.
 
     Taken inside ``isolate_rng``: creating a DataLoader iterator draws a seed from the global generator, and
     an evaluation must not change the training run's shuffling or dropout.
@@ -51,7 +53,9 @@ def first_validation_batches(
     if isinstance(loaders, (list, tuple)):
         loaders = loaders[0] if loaders else None
     batches: list[Any] = []
-    if loaders is None:
+    if loaders is not None:
+        count = min(count, compat.validation_batches_taken(trainer, loaders))
+    if loaders is None or count < 1:
         return batches, several
     with isolate_rng():
         for batch in loaders:
@@ -308,13 +312,15 @@ def losses_at(
 
 class HeldOutProbe:
     """A callback's evaluation probe: the first ``batches`` validation batches, taken once per fit, and the
-    module's ``validation_step`` run on them. Where there is no validation data or ``validation_step``, it warns
-    once (``"<owner>: ... <what_stops>"``) and answers ``None`` from then on."""
+    module's ``validation_step`` run on them. Where there is no validation data or ``validation_step``, or the
+    Trainer's ``limit_val_batches=0`` switches validation off, it warns once (``"<owner>: ... <what_stops>"``,
+    with ``off_switch``, the owner's argument that turns the probe off) and answers ``None`` from then on."""
 
-    def __init__(self, owner: str, batches: int, what_stops: str) -> None:
+    def __init__(self, owner: str, batches: int, what_stops: str, off_switch: str) -> None:
         self.owner = owner
         self.batches = batches
         self.what_stops = what_stops
+        self.off_switch = off_switch
         self._data: list[Any] | None = None
         self._several = False  # several validation dataloaders (the batches are the first one's)
         self._unavailable = False
@@ -327,6 +333,15 @@ class HeldOutProbe:
         """What ``validation_step`` logs on the probe's batches (:func:`run_validation_probe`), or ``None`` if
         unavailable."""
         if self._unavailable or self.batches == 0:
+            return None
+        if self._data is None and trainer.limit_val_batches == 0:
+            # switched off for speed, or because the validation data or step is not ready: the probe follows
+            rank_zero_warn(
+                f"{self.owner}: `limit_val_batches={trainer.limit_val_batches}` switches validation off, so "
+                f"{self.what_stops}. Set `limit_val_batches` above 0 to run it, or `{self.off_switch}` to "
+                "turn it off without this warning."
+            )
+            self._unavailable = True
             return None
         if self._data is None:
             self._data, self._several = first_validation_batches(trainer, pl_module, self.batches)

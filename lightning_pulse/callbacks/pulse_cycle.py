@@ -161,7 +161,8 @@ class PulseCycle(Callback):
         self._listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
         self._total_steps = math.inf  # both refreshed every epoch: a callback can change the epoch's length
         self._epoch_steps: float | None = None
-        self.probe = HeldOutProbe("PulseCycle", probe_batches, "the maintain probe is off")
+        off = 'maintain_eval="none"'  # the probe's off switch, named in its warnings
+        self.probe = HeldOutProbe("PulseCycle", probe_batches, "the maintain probe is off", off)
         self.last_probe: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public API

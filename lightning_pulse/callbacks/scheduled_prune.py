@@ -138,7 +138,8 @@ class ScheduledPrune(Callback):
         self.core = PruneEvents(self.schedule, self.pruner, self.distill, warn, info)
         self.core.fixed_copies = options.fixed_copies
         self._window, self._masks = self.core.window, self.core.masks
-        self.probe = HeldOutProbe("ScheduledPrune", probe_batches, "accuracy at events is off")
+        off = "probe_batches=0"  # the probe's off switch, named in its warnings
+        self.probe = HeldOutProbe("ScheduledPrune", probe_batches, "accuracy at events is off", off)
         self._trainer_ref: Callable[[], pl.Trainer | None] = _no_trainer  # picklable, for ddp_spawn
         self._training = False  # between on_train_start and the end of fit: a state load is a rollback
 
