@@ -13,7 +13,7 @@ from examples.digits.data import DigitsDataModule
 from lightning_pulse import HardSampleReplay, PulseCycle
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.core.cycle_budget import spent_report
-from lightning_pulse.core.step_plan import plan_summary, spent_summary
+from lightning_pulse.core.step_plan import StepPlan, plan_summary, spent_summary
 from lightning_pulse.errors import PulseRefusal
 from tests.clients import EncoderClassifier
 from tests.conftest import trainer_kwargs
@@ -238,3 +238,15 @@ def test_both_added_to_a_second_fit_of_the_trainer_the_plan_follows_the_clock_pl
     assert counts.offered[2] == counts.offered[3] == samples
     assert counts.plan_off_clock == [] and cycle.clock.origin == 2 * EPOCH_BATCHES
     assert trainer.global_step == trainer.max_steps == replay.steps.plan.total_steps
+
+
+def test_the_plan_line_of_a_resume_of_a_joined_fit_counts_its_light_steps_from_the_resume():
+    # joined at step 24, resumed at step 32: the steps count from the join, the light steps (the plan's
+    # from the resume on) say where they count from
+    plan = StepPlan(3, [[16] * 6], 45, 48, light_steps=3, from_step=32, steps_before=24, plain_before=24)
+    line = plan_summary(plan, None)
+    assert (
+        "takes 21 optimizer steps instead of 24 (0.875x; 3 of the 13 from step 32 on in light phases)" in line
+    )
+    joined = StepPlan(3, [[16] * 6], 45, 48, light_steps=4, from_step=24, steps_before=24, plain_before=24)
+    assert "(0.875x; 4 in light phases)" in plan_summary(joined, None)

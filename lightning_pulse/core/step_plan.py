@@ -430,6 +430,9 @@ def budget_shortfall(plan: StepPlan, budget: float | None, resumed_changed: bool
 def plan_summary(plan: StepPlan, budget: float | None) -> str:
     """One line for the log: the planned steps against plain, and the budget if one was asked for."""
     light = f"{plan.light_steps} in light phases"
+    if plan.from_step > plan.steps_before:  # a resume plans the rest of the run: its light steps
+        rest = plan.total_steps - plan.from_step
+        light = f"{plan.light_steps} of the {rest} from step {plan.from_step} on in light phases"
     if plan.steps_before:  # HardSampleReplay added on a resume: the rest of the run is its plan
         text = (
             f"HardSampleReplay(mode='steps') joined this run at step {plan.steps_before}, with no state of "
@@ -437,9 +440,6 @@ def plan_summary(plan: StepPlan, budget: float | None) -> str:
             f"optimizer steps instead of {plan.own_plain_steps} ({plan.spent:.3f}x; {light})"
         )
         return text if budget is None else text + f", for a budget of {budget:g}"
-    if plan.from_step:  # a resume plans the rest of the run
-        rest = plan.total_steps - plan.from_step
-        light = f"{plan.light_steps} of the {rest} from step {plan.from_step} on in light phases"
     text = (
         f"the run's data takes {plan.total_steps} optimizer steps instead of {plan.plain_steps} "
         f"({plan.spent:.3f}x; {light})"
