@@ -925,6 +925,23 @@ def training_steps_taken(trainer: pl.Trainer) -> int:
     return trainer.global_step - int(ran)
 
 
+def optimizer_steps_counter(trainer: pl.Trainer) -> Callable[[], int] | None:
+    """A function that reads ``trainer.global_step`` later without keeping the trainer (its model, its data)
+    alive: the fit loop's own count of optimizer steps, read in place (Lightning keeps one tracker for the
+    Trainer's life, moves it on at every step and loads a restored checkpoint's count into it). ``None``
+    where a Trainer has no fit loop of that shape."""
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    module = getattr(trainer, "lightning_module", None)
+    try:
+        if module is None or module.automatic_optimization:
+            total = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+        else:
+            total = epoch_loop.manual_optimization.optim_step_progress.total
+    except AttributeError:
+        return None
+    return lambda: total.completed
+
+
 #: hooks Lightning runs after its count of batches that stepped moved past the epoch's last step
 _AFTER_THE_LAST_COUNT = frozenset({"on_train_epoch_end", "on_train_end", "on_fit_end"})
 

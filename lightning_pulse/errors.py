@@ -38,9 +38,10 @@ class PulseRefusal(MisconfigurationException):
 
 class StabilityGuardError(RuntimeError):
     """Raised by :class:`~lightning_pulse.StabilityGuard` when rollbacks no longer help; a checkpoint was saved
-    first, at ``checkpoint_path``."""
+    first, at ``checkpoint_path`` (``None`` where that save failed: the message says why, and the error is
+    chained to the save's)."""
 
-    def __init__(self, message: str, checkpoint_path: str) -> None:
+    def __init__(self, message: str, checkpoint_path: str | None) -> None:
         super().__init__(message)
         self.checkpoint_path = checkpoint_path
 
@@ -86,18 +87,22 @@ def as_config(value: Any, cls: type, field: str) -> Any:
     raise ValueError(f"`{field}`={value!r} must be a {cls.__name__} (or a mapping of its fields) or None.")
 
 
+def unwritable_dir_reason(directory: str | os.PathLike) -> str | None:
+    """Why ``directory`` cannot hold files written later (``"it cannot be created: ..."``, ``"it is not
+    writable"``), or ``None``; a missing folder is created, as the writer would."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        return f"it cannot be created: {error.strerror or error}"
+    return None if os.access(directory, os.W_OK | os.X_OK) else "it is not writable"
+
+
 def refuse_unwritable_dir(callback: str, field: str, directory: str | os.PathLike | None) -> None:
     """Raise :class:`PulseRefusal` at fit start for a report folder that cannot be created or written: the
     report is written at the end, and a run should not learn after all its training that it is lost."""
     if directory is None:
         return
-    try:
-        os.makedirs(directory, exist_ok=True)
-        writable = os.access(directory, os.W_OK | os.X_OK)
-        reason = "it is not writable"
-    except OSError as error:
-        writable, reason = False, f"it cannot be created: {error.strerror or error}"
-    if not writable:
+    if (reason := unwritable_dir_reason(directory)) is not None:
         raise PulseRefusal(
             f"{callback}: `{field}`={os.fspath(directory)!r} cannot hold the report ({reason}); give a writable "
             "folder, or None for the logger's log dir."
@@ -194,7 +199,9 @@ class OneRunPerInstance(FitRestores):
     ``on_train_start``, refuses when this instance already started a run, unless a checkpoint was just
     restored into it (:meth:`restored`, from ``load_state_dict``: a resume); then it records the run. A Tuner
     search does not count: it restores the state from before its trials. A state loaded by validate, test or
-    predict is dropped (:class:`FitRestores`): it is no resume.
+    predict is dropped (:class:`FitRestores`): it is no resume. An earlier fit that stopped before its first
+    optimizer step (a refusal at train start, an exception in the first ``training_step``) is refused too (the
+    instance may be partly set up for it), and so is a ``fast_dev_run`` smoke test; the message says which.
 
     Args:
         callback: the callback's name, for the message.
@@ -205,6 +212,9 @@ class OneRunPerInstance(FitRestores):
         self.callback = callback
         self.started_at_step: int | None = None
         self._restored = False
+        # the started fit's optimizer steps, read at the next start (its Trainer may be gone by then)
+        self._steps_counted: Callable[[], int] | None = None
+        self._smoke_test = False  # the started fit was a fast_dev_run
 
     def restored(self) -> bool:
         """A checkpoint's state is loaded into the instance (a mid-run rollback is cleared at the run's end):
@@ -224,13 +234,34 @@ class OneRunPerInstance(FitRestores):
         if tuner_search(trainer) is not None:
             return
         if self.started_at_step is not None and not restored:
-            raise PulseRefusal(
-                f"{self.callback}: this instance already trained a run (from step {self.started_at_step}), and "
-                "its state belongs to that run; a second trainer.fit would carry it into this one. Create new "
-                "callbacks for each fit (e.g. inside the loop over folds), or continue a saved run with "
-                "trainer.fit(..., ckpt_path=...)."
-            )
+            raise PulseRefusal(self._second_run_message())
+        from lightning_pulse import _lightning_compat as compat  # it imports this module
+
         self.started_at_step = trainer.global_step
+        self._steps_counted = compat.optimizer_steps_counter(trainer)
+        self._smoke_test = bool(getattr(trainer, "fast_dev_run", False))
+
+    def _second_run_message(self) -> str:
+        """The refusal of a second run: what the earlier fit of this instance did decides the way out."""
+        name, step = self.callback, self.started_at_step
+        counted = None if self._steps_counted is None else self._steps_counted()
+        if counted is not None and step is not None and counted <= step:
+            return (
+                f"{name}: this instance's earlier trainer.fit stopped before its first optimizer step (a "
+                "refusal or an exception at train start or in the first training_step): it trained nothing, but "
+                "it may have left the instance partly set up for that fit. Create new callbacks for this fit "
+                "(build the callback list again)."
+            )
+        if self._smoke_test:
+            return (
+                f"{name}: this instance ran a fast_dev_run smoke test, and its state belongs to that test; "
+                "the real fit needs new callbacks: build the callback list again for its Trainer."
+            )
+        return (
+            f"{name}: this instance already trained a run (from step {step}), and its state belongs to that "
+            "run; a second trainer.fit would carry it into this one. Create new callbacks for each fit (e.g. "
+            "inside the loop over folds), or continue a saved run with trainer.fit(..., ckpt_path=...)."
+        )
 
     def end(self) -> None:
         """At ``on_train_end``: a restore seen during the run (a rollback) is not a resume of the next one."""

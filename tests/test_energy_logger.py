@@ -874,7 +874,8 @@ def test_the_maintain_probe_is_booked_to_the_maintain_phase_it_runs_for(tmp_path
         max_epochs=1,
         max_steps=24,
         limit_train_batches=24,
-        limit_val_batches=0,
+        limit_val_batches=2,  # the probe takes at most what validation does (0 would switch it off)
+        check_val_every_n_epoch=2,  # no validation of its own in this one-epoch run
         default_root_dir=tmp_path,  # the report goes there, not into the working directory
     )
     fit.fit(SlowProbe(arch="mlp"), data())

@@ -505,3 +505,21 @@ def test_a_time_based_val_check_interval_leaves_a_step_saving_plan_to_lightning(
     trainer.fit(EncoderClassifier(), DigitsDataModule(batch_size=128))
     assert trainer.global_step == replay.steps.plan.total_steps < 3 * 11  # the plan ran, and saved steps
     assert trainer.current_epoch == 3
+
+
+class _StepsCounter(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.counter = compat.optimizer_steps_counter(trainer)
+        assert self.counter() == 0
+
+
+def test_the_steps_counter_reads_a_trainers_global_step_later_automatic_and_manual():
+    """OneRunPerInstance reads, at an instance's next fit, the optimizer steps its earlier fit took, through
+    this counter (the earlier Trainer may be gone): it must follow ``global_step``, not stay at its start."""
+    from tests.test_pulse_cycle import ManualPlayers
+
+    for module, steps in ((BatchNormMLP(), 20), (ManualPlayers(players=2), 40)):
+        counting = _StepsCounter()
+        trainer = pl.Trainer(callbacks=[counting], max_epochs=2, **trainer_kwargs())
+        trainer.fit(module, _loader())
+        assert counting.counter() == trainer.global_step == steps

@@ -124,3 +124,82 @@ def test_energy_logger_forecasts_the_steps_its_report_counts_on_a_second_fit_and
     resumed.fit(MNIST1DClassifier(), _data(), ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt"))
     report = resumed_energy.report
     assert report["prediction"]["total_steps"] == report["total"]["steps"] == resumed.global_step
+
+
+class _FailsFirstStep(MNIST1DClassifier):
+    """A ``training_step`` with a bug in it until ``fixed`` (a notebook: fix the cell, fit again)."""
+
+    fixed = False
+
+    def training_step(self, batch, batch_idx):
+        if not self.fixed:
+            raise RuntimeError("a typo in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_refused_at_train_start_is_named_as_one_that_trained_nothing_on_a_new_trainer():
+    """Held-out sweep: PulseCycle refused a run bounded by max_time alone at train start, after StabilityGuard
+    and GradientCache had started; the user took its way out (max_epochs) with the same callbacks and was
+    refused again: "already trained a run ... or continue a saved run with ckpt_path", of a fit that took no
+    step and saved nothing."""
+    callbacks = [StabilityGuard(), GradientCache(), PulseCycle(**CYCLE)]
+    unbounded = pl.Trainer(callbacks=callbacks, max_epochs=-1, max_time={"seconds": 60}, **trainer_kwargs())
+    with pytest.raises(PulseRefusal, match=r"^PulseCycle: `warmup`=0.1 is a share of the run"):
+        unbounded.fit(MNIST1DClassifier(arch="mlp"), _data())
+    assert unbounded.global_step == 0
+    del unbounded  # the earlier Trainer may be gone by the next fit
+    bounded = pl.Trainer(callbacks=callbacks, max_epochs=1, **trainer_kwargs())
+    with pytest.raises(PulseRefusal) as refused:
+        bounded.fit(MNIST1DClassifier(arch="mlp"), _data())
+    message = str(refused.value)
+    assert message.startswith(
+        "StabilityGuard: this instance's earlier trainer.fit stopped before its first optimizer step"
+    )
+    assert (
+        "Create new callbacks" in message and "ckpt_path" not in message and "already trained" not in message
+    )
+    assert bounded.global_step == 0
+
+
+def test_a_fit_that_raised_in_its_first_training_step_is_named_as_one_that_trained_nothing_on_the_same_trainer():
+    cycle = PulseCycle(**CYCLE)
+    trainer = pl.Trainer(callbacks=[cycle], max_epochs=1, **trainer_kwargs())
+    model = _FailsFirstStep(arch="mlp")
+    with pytest.raises(RuntimeError, match="a typo"):
+        trainer.fit(model, _data())
+    model.fixed = True
+    with pytest.raises(
+        PulseRefusal, match=r"^PulseCycle: this instance's earlier trainer.fit stopped before"
+    ) as refused:
+        trainer.fit(model, _data())
+    assert "ckpt_path" not in str(refused.value)
+    # a fit that took steps before it raised trained a run: that refusal is unchanged
+    stepped = PulseCycle(**CYCLE)
+    trainer = pl.Trainer(callbacks=[stepped, _RaisesAtStep(3)], max_epochs=1, **trainer_kwargs())
+    with pytest.raises(RuntimeError, match="at step 3"):
+        trainer.fit(MNIST1DClassifier(arch="mlp"), _data())
+    again = pl.Trainer(callbacks=[stepped], max_epochs=1, **trainer_kwargs())
+    with pytest.raises(PulseRefusal, match=r"^PulseCycle: this instance already trained a run .*ckpt_path"):
+        again.fit(MNIST1DClassifier(arch="mlp"), _data())
+
+
+class _RaisesAtStep(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"at step {self.step}")
+
+
+def test_a_fast_dev_run_before_the_real_fit_is_named_in_the_refusal():
+    callbacks = [PulseCycle(**CYCLE), GradientCache(), StabilityGuard()]
+    smoke = pl.Trainer(callbacks=callbacks, fast_dev_run=True, **trainer_kwargs())
+    smoke.fit(MNIST1DClassifier(arch="mlp"), _data())
+    assert smoke.global_step == 1
+    real = pl.Trainer(callbacks=callbacks, max_epochs=1, **trainer_kwargs())
+    with pytest.raises(
+        PulseRefusal, match=r"^PulseCycle: this instance ran a fast_dev_run smoke test"
+    ) as refused:
+        real.fit(MNIST1DClassifier(arch="mlp"), _data())
+    assert "the real fit needs new callbacks" in str(refused.value) and "ckpt_path" not in str(refused.value)

@@ -25,10 +25,12 @@ from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import GradientCache, HardSampleReplay, PulseCycle, ScheduledPrune
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.callbacks.stability_guard import StabilityGuard, StabilityGuardError
+from lightning_pulse.core import stability_steps as steps
 from lightning_pulse.core.snapshots import copy_to_cpu
 from lightning_pulse.core.spike_detection import POOLED
 from lightning_pulse.core.stability_policy import StabilityGuardConfig
 from lightning_pulse.energy import MeterConfig
+from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import PhaseChange
 from lightning_pulse.protocols import rollback_states
 from tests.conftest import trainer_kwargs
@@ -403,6 +405,91 @@ def test_stop_saves_the_last_good_state_then_raises(small_data, tmp_path):
     message = str(raised.value)
     assert "holds the snapshot of step 15." in message and "None:" not in message
     assert "load_from_checkpoint" in message and "resuming with ckpt_path restores" in message
+
+
+def _stopping_run(tmp_path, path, *extra):
+    """The stop above (at step 25, back to the snapshot of step 15), saving to ``path``."""
+    pl.seed_everything(0)
+    config = StabilityGuardConfig(stop_checkpoint_path=path)
+    guard = StabilityGuard(
+        rollback_after=2,
+        skip_after_rollback=2,
+        snapshot_every=5,
+        rollback_margin=2,
+        max_rollbacks=1,
+        config=config,
+    )
+    return pl.Trainer(
+        callbacks=[FaultInjector("scale", start=20, length=100), guard, *extra],
+        max_steps=60,
+        **trainer_kwargs(limit_val_batches=0, default_root_dir=str(tmp_path)),
+    )
+
+
+@pytest.mark.parametrize("where", ["under a file", "a folder", "under /proc"])
+def test_a_stop_checkpoint_path_that_cannot_be_written_is_refused_at_fit_start(small_data, tmp_path, where):
+    """Held-out sweep: such a path was found only at the stop, after the whole run up to it, and the save's bare
+    FileNotFoundError (FileExistsError) came instead of the guard's error, with no checkpoint."""
+    (tmp_path / "a_file").write_text("")
+    path = {
+        "under a file": str(tmp_path / "a_file" / "stop.ckpt"),
+        "a folder": str(tmp_path),
+        "under /proc": "/proc/no_such_dir/stop.ckpt",
+    }[where]
+    trainer = _stopping_run(tmp_path, path)
+    with pytest.raises(PulseRefusal) as refused:
+        trainer.fit(MNIST1DClassifier(arch="mlp"), small_data)
+    message = str(refused.value)
+    assert message.startswith(
+        f"StabilityGuard: `config.stop_checkpoint_path`={path!r} cannot hold the checkpoint"
+    )
+    reason = {"under a file": "cannot be created: File exists", "a folder": "(it is a folder)"}
+    assert reason.get(where, "cannot be created") in message
+    assert "give a file path in a writable folder, or None" in message
+    assert trainer.global_step == 0
+
+
+def test_ranks_take_rank_zeros_finding_on_the_stop_checkpoint_path(tmp_path):
+    """Rank 0 writes the checkpoint, so it decides; every rank raises its refusal (none waits in a collective)."""
+    (tmp_path / "a_file").write_text("")
+    bad, good = str(tmp_path / "a_file" / "stop.ckpt"), str(tmp_path / "new" / "stop.ckpt")
+    said = []
+    steps.refuse_unwritable_stop_path(bad, False, lambda values: said.append(values) or [None])
+    assert said == [[None]]  # another rank does not look; rank 0 found the path fine
+    with pytest.raises(PulseRefusal, match="its folder .* cannot be created"):
+        steps.refuse_unwritable_stop_path(good, False, lambda values: ["its folder 'x' cannot be created"])
+    steps.refuse_unwritable_stop_path(good, True, None)
+    assert (tmp_path / "new").is_dir()  # made, as the save would
+
+
+class _FolderBecomesAFile(Callback):
+    """Replaces the stop checkpoint's folder with a regular file at step 22 (a folder removed, a disk full)."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 22 and trainer.is_global_zero:
+            self.folder.rmdir()
+            self.folder.write_text("")
+
+
+def test_a_stop_whose_checkpoint_cannot_be_written_still_raises_the_guards_error(small_data, tmp_path):
+    folder = tmp_path / "stops"
+    recorder = StepRecorder()
+    trainer = _stopping_run(tmp_path, str(folder / "stop.ckpt"), recorder, _FolderBecomesAFile(folder))
+    with pytest.raises(StabilityGuardError, match="stopped training at step 25") as raised:
+        trainer.fit(MNIST1DClassifier(arch="mlp"), small_data)
+    message = str(raised.value)
+    assert "holds the snapshot of step 15." in message and "load_from_checkpoint" in message  # what it was
+    assert "But that checkpoint could not be written (FileExistsError: " in message
+    assert raised.value.checkpoint_path is None
+    assert isinstance(raised.value.__cause__, FileExistsError)
+    # the way out works: the state is in memory, back at the snapshot of step 15
+    trainer.save_checkpoint(tmp_path / "rescued.ckpt")
+    saved = torch.load(tmp_path / "rescued.ckpt", weights_only=False)["state_dict"]
+    expected = recorder.after_step[15]["params"]
+    assert all(torch.equal(saved[name], value) for name, value in expected.items())
 
 
 # ---------------------------------------------------------------- resume

@@ -7,6 +7,8 @@ numbers makes both ranks skip and roll back together (otherwise their parameters
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -137,3 +139,94 @@ def test_a_nan_in_one_ranks_state_leaves_the_snapshot_out_on_every_rank(tmp_path
     rank0, rank1 = fit_two_ranks(tmp_path, [NaNInABufferOnRank1At10()], guard, max_steps=22)
     assert rank0["snapshots"] == rank1["snapshots"] == [[5, 15, 20], 4]  # 0, 5, 15, 20 taken; 10 left out
     assert rank0["params"] == rank1["params"]
+
+
+class _RankView(Callback):
+    """Before the guard: each rank works in its own folder (``rank<r>``, where rank 0's ``stops`` is a
+    regular file); with ``block_at``, rank 0 turns the stop checkpoint's folder into a file at that step (a
+    folder removed, a disk full)."""
+
+    def __init__(self, directory: str, block_at: int | None = None) -> None:
+        self.directory, self.block_at = Path(directory), block_at
+
+    def setup(self, trainer, pl_module, stage):
+        os.chdir(self.directory / f"rank{trainer.global_rank}")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        folder = Path("stops")
+        if trainer.global_step == self.block_at and trainer.is_global_zero and folder.is_dir():
+            shutil.rmtree(folder)
+            folder.write_text("")
+
+
+class _SaysWhatItRaised(StabilityGuard):
+    """A guard that writes, per rank, what its hooks raised to ``said<r>.txt`` (a rank's own exception is not
+    what the launching process reraises, and the ranks run no ``on_exception`` hook)."""
+
+    def __init__(self, directory: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.directory = directory
+
+    def _said(self, trainer, hook, *args) -> None:
+        try:
+            getattr(super(), hook)(trainer, *args)
+        except Exception as error:
+            Path(self.directory, f"said{trainer.global_rank}.txt").write_text(
+                f"{type(error).__name__}: {error}"
+            )
+            raise
+
+    def setup(self, trainer, pl_module, stage):
+        self._said(trainer, "setup", pl_module, stage)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._said(trainer, "on_train_batch_end", pl_module, outputs, batch, batch_idx)
+
+
+def _stop_on_two_ranks(tmp_path, block_at=None):
+    """A two-rank fit whose guard stops at step 25, saving to ``stops/stop.ckpt`` in each rank's folder; what
+    each rank raised."""
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}").mkdir()
+    if block_at is None:
+        (tmp_path / "rank0" / "stops").write_text("")  # rank 0 cannot write it; rank 1 could
+    config = {"stop_checkpoint_path": "stops/stop.ckpt"}
+    guard = _SaysWhatItRaised(
+        str(tmp_path),
+        grad_norm_zscore=None,
+        rollback_after=2,
+        skip_after_rollback=2,
+        snapshot_every=5,
+        rollback_margin=2,
+        max_rollbacks=1,
+        config=config,
+    )
+    fault = FaultInjector("scale", start=20, length=100)
+    trainer = pl.Trainer(
+        callbacks=[_RankView(str(tmp_path), block_at), fault, guard],
+        max_steps=60,
+        **trainer_kwargs(devices=2, strategy=TwoGlooProcesses(), limit_val_batches=0),
+    )
+    with pytest.raises(Exception, match="StabilityGuard"):
+        trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=60))
+    return [(tmp_path / f"said{rank}.txt").read_text() for rank in (0, 1)]
+
+
+@pytest.mark.ddp
+def test_ranks_refuse_a_stop_path_rank_zero_cannot_write_together(tmp_path):
+    """Rank 0 writes the checkpoint, so its finding is every rank's: rank 1, which could write the path in its
+    folder, refuses too instead of waiting in the next collective."""
+    said = _stop_on_two_ranks(tmp_path)
+    assert said[0] == said[1], said
+    assert said[0].startswith("PulseRefusal: StabilityGuard: `config.stop_checkpoint_path`='stops/stop.ckpt'")
+    assert "cannot be created: File exists" in said[0]
+
+
+@pytest.mark.ddp
+def test_ranks_raise_the_guards_error_together_when_the_stop_checkpoint_cannot_be_written(tmp_path):
+    """Rank 0's save fails; rank 1, which writes nothing, waits in the save's barrier: both raise the guard's
+    error with the reason."""
+    said = _stop_on_two_ranks(tmp_path, block_at=22)
+    assert said[0] == said[1], said
+    assert said[0].startswith("StabilityGuardError: StabilityGuard stopped training at step 25")
+    assert "But that checkpoint could not be written (FileExistsError: " in said[0]

@@ -85,10 +85,12 @@ class StabilityGuard(Callback):
     Raises:
         ValueError: at construction, naming the argument, for a value out of range.
         PulseRefusal: at fit start, for a module using manual optimization, or under FSDP, DeepSpeed or
-            model parallelism (a rank holds a shard of the parameters and gradients), and for a second run of
-            this instance (another ``trainer.fit``) unless a checkpoint was restored into it; at train start, for
-            lazy parameters no forward has created yet, and for torch's ``ZeroRedundancyOptimizer``.
-        StabilityGuardError: during training, when the guard stops the run (after saving a checkpoint).
+            model parallelism (a rank holds a shard of the parameters and gradients), for a
+            ``config.stop_checkpoint_path`` that cannot be written, and for a second run of this instance
+            (another ``trainer.fit``) unless a checkpoint was restored into it; at train start, for lazy
+            parameters no forward has created yet, and for torch's ``ZeroRedundancyOptimizer``.
+        StabilityGuardError: during training, when the guard stops the run (after saving a checkpoint, or
+            saying why that save failed).
 
     Example::
 
@@ -164,6 +166,8 @@ class StabilityGuard(Callback):
             return
         steps.refuse_manual_optimization(pl_module)
         refuse_sharded_strategy(trainer, "StabilityGuard", steps.SHARDED_REASON)
+        path, decides = self.config.stop_checkpoint_path, trainer.is_global_zero
+        steps.refuse_unwritable_stop_path(path, decides, compat.from_rank_zero(trainer))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -342,5 +346,5 @@ class StabilityGuard(Callback):
             rank_zero_warn(message)
             return
         log_to_loggers(trainer, self.metrics())
-        trainer.save_checkpoint(path)
-        raise StabilityGuardError(message, checkpoint_path=path)
+        save, barrier = partial(trainer.save_checkpoint, path), partial(trainer.strategy.barrier, "stop")
+        raise steps.stop_error(message, path, save, barrier, compat.from_rank_zero(trainer))

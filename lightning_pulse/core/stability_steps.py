@@ -55,7 +55,13 @@ from lightning_pulse.core.stability_policy import (
     StabilityGuardConfig,
     StepChanges,
 )
-from lightning_pulse.errors import PulseRefusal, as_config, first_names
+from lightning_pulse.errors import (
+    PulseRefusal,
+    StabilityGuardError,
+    as_config,
+    first_names,
+    unwritable_dir_reason,
+)
 from lightning_pulse.phase import Phase, PhaseChange
 
 NONFINITE = (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
@@ -1510,6 +1516,63 @@ def stop_checkpoint_path(config: StabilityGuardConfig, root_dir: str, step: int)
     return config.stop_checkpoint_path or os.path.join(
         root_dir, "stability_guard", f"stopped-step={step}.ckpt"
     )
+
+
+def refuse_unwritable_stop_path(
+    path: str | None, decides: bool, from_rank_zero: Callable[[list[Any]], list[Any]] | None
+) -> None:
+    """Raise :class:`PulseRefusal` at fit start where ``config.stop_checkpoint_path`` cannot be written: found
+    at the stop, the save's error would come instead of the guard's, and the checkpoint would be lost. Rank 0
+    writes it, so it ``decides``; under DDP ``from_rank_zero`` hands every rank its finding (they refuse
+    together). A remote path (``s3://...``) is left to the checkpoint IO's file system."""
+    reason = None
+    if decides and path is not None and "://" not in path:
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            reason = "it is a folder"
+        elif os.path.exists(path) and not os.access(path, os.W_OK):
+            reason = "it exists and is not writable"
+        elif (why := unwritable_dir_reason(folder)) is not None:
+            reason = f"its folder {folder!r} {why.removeprefix('it ')}"
+    if from_rank_zero is not None:
+        reason = from_rank_zero([reason])[0]
+    if reason is not None:
+        raise PulseRefusal(
+            f"StabilityGuard: `config.stop_checkpoint_path`={path!r} cannot hold the checkpoint the guard saves "
+            f"when it stops a run ({reason}); give a file path in a writable folder, or None for "
+            "<default_root_dir>/stability_guard/stopped-step=<step>.ckpt."
+        )
+
+
+def stop_error(
+    message: str,
+    path: str,
+    save: Callable[[], None],
+    barrier: Callable[[], None],
+    from_rank_zero: Callable[[list[Any]], list[Any]] | None,
+) -> StabilityGuardError:
+    """The :class:`StabilityGuardError` of a stop with ``message``, after ``save`` wrote its checkpoint to
+    ``path``. A save that fails (a full disk, a folder removed since fit start) must not hide the error: its
+    reason is added and the error chained to it. Rank 0 writes: after its failure ``barrier`` meets the
+    ranks waiting in the save's own barrier, and under DDP ``from_rank_zero`` gives each rank the reason."""
+    failure: Exception | None = None
+    try:
+        save()
+    except Exception as error:
+        failure = error
+        barrier()
+    reason = None if failure is None else f"{type(failure).__name__}: {failure}"
+    if from_rank_zero is not None:
+        reason = from_rank_zero([reason])[0]
+    if reason is None:
+        return StabilityGuardError(message, checkpoint_path=path)
+    stopped = StabilityGuardError(
+        f"{message} But that checkpoint could not be written ({reason}): no file holds the state, the model and "
+        "optimizers in memory do; save them now with trainer.save_checkpoint(<a path in a writable folder>).",
+        checkpoint_path=None,
+    )
+    stopped.__cause__ = failure
+    return stopped
 
 
 def fmt(value: float | None) -> str:
