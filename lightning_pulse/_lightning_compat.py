@@ -939,7 +939,7 @@ def optimizer_steps_counter(trainer: pl.Trainer) -> Callable[[], int] | None:
             total = epoch_loop.manual_optimization.optim_step_progress.total
     except AttributeError:
         return None
-    return lambda: total.completed
+    return functools.partial(getattr, total, "completed")  # picklable: ddp_spawn pickles the callbacks
 
 
 #: hooks Lightning runs after its count of batches that stepped moved past the epoch's last step
