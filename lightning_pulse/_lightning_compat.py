@@ -517,6 +517,24 @@ def on_training_step_input(trainer: pl.Trainer, hook: Callable[[Any], None]) -> 
     return _wrap_on_instance(trainer.strategy, "training_step", wrap)
 
 
+def after_train_start(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``hook(trainer)`` once every ``on_train_start`` has run (the callbacks', in their order, and the
+    module's), before the first epoch's hooks: Lightning's fit loop calls the strategy's ``on_train_start``
+    right after them. Wrapped on this trainer's strategy instance only, as :func:`on_train_dataloader_ready`
+    wraps ``process_dataloader``. Returns a function removing the hook."""
+
+    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
+        def on_train_start(*args: Any, **kwargs: Any) -> Any:
+            output = original(*args, **kwargs)
+            if state["active"]:
+                hook(trainer)
+            return output
+
+        return on_train_start
+
+    return _wrap_on_instance(trainer.strategy, "on_train_start", wrap)
+
+
 def _wrap_on_instance(
     owner: Any, name: str, wrap: Callable[[Callable[..., Any], dict[str, bool]], Callable[..., Any]]
 ) -> Callable[[], None]:
@@ -543,8 +561,8 @@ def _wrap_on_instance(
 
 class HookWatch:
     """Holds at most one hook installed by ``install(trainer, hook)`` (:func:`on_train_dataloader_ready`,
-    :func:`on_training_step_input`): :meth:`watch` replaces the previous one (a previous fit's, which ended
-    before it was stopped), :meth:`stop` removes it."""
+    :func:`on_training_step_input`, :func:`after_train_start`): :meth:`watch` replaces the previous one (a
+    previous fit's, which ended before it was stopped), :meth:`stop` removes it."""
 
     def __init__(self, install: Callable[[pl.Trainer, Callable[[Any], None]], Callable[[], None]]) -> None:
         self._install = install

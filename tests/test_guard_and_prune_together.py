@@ -248,3 +248,26 @@ def test_a_final_cut_the_guard_pushes_onto_the_runs_last_step_is_said_to_have_wa
     assert f"sparsity reached {prune.sparsity:.3f} of 0.5" in said[0] and prune.sparsity < 0.495
     assert "An event due (a cut to 0.500) waited for a step StabilityGuard did not flag" in said[0]
     assert "none came before the run's last step, where no cut is made" in said[0]
+
+
+@pytest.mark.parametrize("cycle", [False, True], ids=["step_cadence", "maintain_entries"])
+@pytest.mark.parametrize("guard_first", [True, False])
+def test_a_rollback_to_the_fit_start_snapshot_keeps_the_pruning_schedule_in_either_order(
+    guard_first, cycle, tmp_path
+):
+    # sweep (DDP): listed first, the guard snapshotted the fit's start in its own on_train_start, before
+    # ScheduledPrune planned its schedule and cadence in its own; a rollback to that snapshot put back the
+    # unplanned state, and with both at their defaults nothing was pruned for the rest of the run (sparsity 0
+    # of 0.5, said only by the end warning). The fit-start snapshot now follows every callback's train start
+    pl.seed_everything(0)
+    guard, prune = StabilityGuard(), ScheduledPrune(probe_batches=0)
+    callbacks = [guard, prune] if guard_first else [prune, guard]
+    if cycle:
+        pulse = PulseCycle(burst=6, replay=3, maintain=1, warmup=0, anneal=0, maintain_eval="none")
+        callbacks.insert(0, pulse)
+    trainer = pl.Trainer(max_steps=64, callbacks=callbacks, **trainer_kwargs(default_root_dir=tmp_path))
+    trainer.fit(_NaNLossAt(nan_steps=(10, 11, 12)), _rows())
+    assert [(e["step"], e["to_step"]) for e in guard.events if e["event"] == "rollback"] == [(12, 0)]
+    # the schedule runs on in either order (before: no event at all with the guard listed first)
+    assert [event["step"] for event in prune.events] == ([19, 29, 39, 49] if cycle else [14, 45])
+    assert prune.sparsity == pytest.approx(0.5) and prune.finished

@@ -1682,10 +1682,10 @@ def test_a_rollback_to_a_snapshot_from_before_the_first_event_undoes_the_masks_w
 
 
 def test_a_rollback_to_the_start_of_a_fit_resumed_after_a_fits_end_keeps_the_pruned_zeros_masked(tmp_path):
-    """A fit resumed after a fit's end masks the zeros folded into the weights again at its start, after a
-    StabilityGuard listed before ScheduledPrune took its fit-start snapshot (no masks). A rollback there gives
-    those layers a mask of ones (the snapshot had none) while the restored record says pruned: the zeros are
-    masked again, so they do not grow back and the record and the masks agree."""
+    """A fit resumed after a fit's end masks the zeros folded into the weights again at its start. A rollback
+    to its fit-start snapshot (taken after that, though StabilityGuard is listed before ScheduledPrune; before
+    it was taken with no masks, and the rollback load masked the zeros again) keeps the zeros masked, so they
+    do not grow back and the record and the masks agree."""
     from lightning_pulse import StabilityGuard
 
     pl.seed_everything(0)
@@ -1749,9 +1749,9 @@ def test_a_rollback_to_the_start_of_a_resumed_fit_undoes_the_events_since_and_ke
     tmp_path,
 ):
     """A fit resumed after a fit's end that left the schedule unfinished goes on pruning. A rollback to its
-    start snapshot, taken (guard listed first) before ScheduledPrune masked the folded zeros again, restores
-    the layers under the masks they have now (the snapshot has none): ScheduledPrune's rollback load sets
-    them back to the folded zeros, so the events since are undone with the record and redone."""
+    start snapshot (guard listed first; taken after ScheduledPrune masked the folded zeros again) sets the
+    layers back to the folded zeros under their masks, so the events since are undone with the record and
+    redone."""
     from lightning_pulse import StabilityGuard
 
     pl.seed_everything(0)

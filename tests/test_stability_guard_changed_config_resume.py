@@ -18,9 +18,12 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
-from lightning_pulse import StabilityGuard
+from lightning_pulse import PulseCycle, StabilityGuard
 from lightning_pulse.core.stability_policy import StabilityGuardConfig
 from tests.conftest import trainer_kwargs
+from tests.test_stability_guard_mid_incident_resume import MAX_STEPS as INCIDENT_STEPS
+from tests.test_stability_guard_mid_incident_resume import _GoesBad, _Regressor
+from tests.test_stability_guard_mid_incident_resume import _loader as _incident_loader
 
 MAX_STEPS = 40
 SAVED_AT = 20
@@ -50,9 +53,10 @@ def _loader() -> torch.utils.data.DataLoader:
 
 
 def _fit(
-    config: StabilityGuardConfig, root: Path, resume_from: Path | None = None
+    config: StabilityGuardConfig, root: Path, resume_from: Path | None = None, cycle: bool = False
 ) -> tuple[StabilityGuard, list[str]]:
-    """The guard after a fit to MAX_STEPS (checkpoints at SAVED_AT under ``root``), and its warnings."""
+    """The guard after a fit to MAX_STEPS (checkpoints at SAVED_AT under ``root``, an epoch's end), next
+    to a PulseCycle if ``cycle``, and its warnings."""
     pl.seed_everything(0)
     guard = StabilityGuard(
         window=30,  # the windows at the end still hold 10 restored values
@@ -65,6 +69,8 @@ def _fit(
         config=config,
     )
     callbacks: list[Callback] = [guard]
+    if cycle:  # phases of 8, 4 and 2 steps: the checkpoint at SAVED_AT holds a window for each
+        callbacks.append(PulseCycle(burst=8, replay=4, maintain=2, warmup=0, anneal=0, maintain_eval="none"))
     callbacks.append(
         ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=SAVED_AT, save_top_k=-1)
     )
@@ -120,17 +126,23 @@ def test_a_run_resumed_on_another_loss_scale_judges_as_a_run_on_that_scale_throu
     assert f"`config=StabilityGuardConfig(loss_scale={saved!r})`" in said[0]
 
 
-@pytest.mark.parametrize(("saved", "resumed"), [(True, False), (False, True)])
-def test_a_run_resumed_with_per_phase_baselines_changed_keeps_its_baselines(tmp_path, saved, resumed):
+@pytest.mark.parametrize(
+    ("saved", "resumed", "cycle"), [(True, False, False), (False, True, False), (True, False, True)]
+)
+def test_a_run_resumed_with_per_phase_baselines_changed_keeps_its_baselines(tmp_path, saved, resumed, cycle):
     """Without a PulseCycle the key is "burst" with per-phase baselines and "all" without: the restored
-    window used to sit under the other key, unused, while a new one warmed up (judging only 10x spikes)."""
-    whole, _ = _fit(StabilityGuardConfig(per_phase_baselines=resumed), tmp_path / "whole")
-    _fit(StabilityGuardConfig(per_phase_baselines=saved), tmp_path / "saved")
+    window used to sit under the other key, unused, while a new one warmed up (judging only 10x spikes).
+    With one, the phases' windows given up for "all" leave it the pooled window of every phase."""
+    whole, _ = _fit(StabilityGuardConfig(per_phase_baselines=resumed), tmp_path / "whole", cycle=cycle)
+    saved_guard, _ = _fit(StabilityGuardConfig(per_phase_baselines=saved), tmp_path / "saved", cycle=cycle)
     guard, said = _fit(
         StabilityGuardConfig(per_phase_baselines=resumed),
         tmp_path / "resumed",
         tmp_path / "saved" / f"step={SAVED_AT}.ckpt",
+        cycle=cycle,
     )
+    if cycle:  # the checkpoint's windows of the replay and maintain phases are merged, not lost
+        assert {"replay", "maintain"} <= saved_guard.detector.state_dict()["loss"].keys()
     # the spike two steps in is flagged as in the uninterrupted run: a new window, warming up, let it pass
     assert whole.spikes_detected == 1 and guard.metrics() == whole.metrics()
     # the new key's window holds every step's values, as if it had been used throughout
@@ -138,4 +150,75 @@ def test_a_run_resumed_with_per_phase_baselines_changed_keeps_its_baselines(tmp_
     assert len(said) == 1
     assert f"`config.per_phase_baselines`={resumed} differs from the checkpoint's {saved}" in said[0]
     assert "judges from the first step" in said[0]
+    # a run without a PulseCycle had no pulse phases to merge: the message says it merged them only if one ran
+    merged = "its pulse phases' baselines merged, where its run had a PulseCycle"
+    assert (merged in said[0]) == (not resumed)
     assert f"`config=StabilityGuardConfig(per_phase_baselines={saved})`" in said[0]
+
+
+class _LossWindows(Callback):
+    """The guard's loss windows after each step (after the guard's batch end: after a rollback)."""
+
+    def __init__(self) -> None:
+        self.after: dict[int, dict] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        guard = next(callback for callback in trainer.callbacks if isinstance(callback, StabilityGuard))
+        self.after[trainer.global_step] = guard.detector.state_dict()["loss"]
+
+
+def _mid_incident_fit(
+    loss_scale: str, root: Path, resume_from: Path | None = None
+) -> tuple[StabilityGuard, _LossWindows]:
+    """The mid-incident test's fit (the model goes bad after step 13, rolled back 15 -> 10) on
+    ``loss_scale``, a checkpoint every step under ``root`` unless it resumes."""
+    pl.seed_everything(0)
+    guard = StabilityGuard(
+        window=10,
+        warmup=5,
+        snapshot_every=5,
+        rollback_margin=2,
+        skip_after_rollback=2,
+        config=StabilityGuardConfig(loss_scale=loss_scale),
+    )
+    windows = _LossWindows()
+    callbacks: list[Callback] = [guard, _GoesBad(), windows]
+    if resume_from is None:
+        callbacks.append(
+            ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+        )
+    trainer = pl.Trainer(
+        max_steps=INCIDENT_STEPS,
+        callbacks=callbacks,
+        default_root_dir=root,
+        **trainer_kwargs(enable_checkpointing=resume_from is None),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the conversion is said: tested above
+        trainer.fit(_Regressor(), _incident_loader(), ckpt_path=resume_from)
+    return guard, windows
+
+
+def test_a_rollback_after_a_resume_on_another_loss_scale_converts_the_snapshot_it_restores(tmp_path):
+    """A checkpoint saved mid-incident on "log" carries the snapshots a rollback returns to, each with the
+    detector's windows on "log". Resumed on "linear", the rollback restored them as they were: log values in a
+    linear detector (off by about 1.1 from the uninterrupted linear run's), blind until they turned over."""
+    whole, whole_windows = _mid_incident_fit("linear", tmp_path / "whole")
+    _mid_incident_fit("log", tmp_path / "saved")
+    for resume_at in (14, 15):  # the rollback comes in the resumed fit's second step, or its first
+        checkpoint = tmp_path / "saved" / f"step={resume_at}.ckpt"
+        guard, windows = _mid_incident_fit("linear", tmp_path / f"resumed{resume_at}", checkpoint)
+        assert [(e["step"], e["to_step"]) for e in guard.events if e["event"] == "rollback"] == [(15, 10)]
+        assert guard.metrics() == whole.metrics()
+        # after every step, the rollback's first, the windows hold what the uninterrupted linear run's hold
+        assert min(windows.after) == resume_at + 1 and 16 in windows.after
+        for step, ended in windows.after.items():
+            expected = whole_windows.after[step]
+            assert ended.keys() == expected.keys(), (resume_at, step)
+            for key, window in ended.items():
+                assert window["stamps"] == expected[key]["stamps"], (resume_at, step, key)
+                assert window["values"] == pytest.approx(expected[key]["values"], rel=1e-12, abs=1e-12), (
+                    resume_at,
+                    step,
+                    key,
+                )

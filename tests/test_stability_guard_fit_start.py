@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, Stochastic
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.stability_guard import StabilityGuard
 from tests.conftest import trainer_kwargs
 from tests.ddp_workers import TwoGlooProcesses
@@ -77,6 +78,41 @@ def test_a_start_snapshot_that_still_fits_is_not_retaken(tmp_path):
     trainer = pl.Trainer(max_steps=5, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
     trainer.fit(_MLP(), _data())
     assert guard.snapshots.steps == [0] and guard.snapshots_taken == 1
+
+
+class _PlansAtTrainStart(Callback):
+    """Rolls back with the model; makes its plan in ``on_train_start``, as ScheduledPrune does."""
+
+    restore_on_rollback = True
+
+    def __init__(self) -> None:
+        self.plan: str | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.plan = f"from step {trainer.global_step}"
+
+    def state_dict(self):
+        return {"plan": self.plan}
+
+    def load_state_dict(self, state_dict):
+        self.plan = state_dict["plan"]
+
+
+@pytest.mark.parametrize("taken_at", ["train_start", "first_batch"])
+def test_the_start_snapshot_holds_what_a_callback_listed_after_the_guard_planned_at_train_start(
+    tmp_path, monkeypatch, taken_at
+):
+    # sweep: taken in the guard's own on_train_start, the snapshot predated the plans of the callbacks listed
+    # after it; a rollback to it put their unplanned state back (ScheduledPrune then never pruned again)
+    if taken_at == "first_batch":  # no hook after every train start: the first batch start takes it
+        monkeypatch.setattr(compat, "after_train_start", lambda trainer, hook: lambda: None)
+    guard, planner = StabilityGuard(snapshot_every=100, rollback_margin=2), _PlansAtTrainStart()
+    callbacks = [guard, planner]
+    trainer = pl.Trainer(max_steps=10, callbacks=callbacks, **trainer_kwargs(default_root_dir=tmp_path))
+    trainer.fit(_MLP(nan_weight_at=6), _data())  # a NaN weight: rolled back at once, to the step-0 snapshot
+    assert [(e["step"], e["to_step"]) for e in guard.events if e["event"] == "rollback"] == [(6, 0)]
+    assert planner.plan == "from step 0"
+    assert guard.snapshots_taken == 1 and guard.snapshots.steps == [0]
 
 
 # ---------------------------------------------------------------- 2. weight-averaging callbacks

@@ -150,6 +150,7 @@ class StabilityGuard(Callback):
         self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
         self._record = steps.StepRecord()  # the current optimizer step's micro-batches, losses and action
         self._entry_watch = compat.HookWatch(compat.on_training_step_input)
+        self._start_watch = compat.HookWatch(compat.after_train_start)  # the fit-start snapshot: see there
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
         self._fixed_key = self.detector.main_key  # the key without one: "burst", or "all" without phases
         self._energy = StepEnergy()
@@ -184,14 +185,15 @@ class StabilityGuard(Callback):
         self._entry_watch.watch(trainer, self._entered)  # after every batch-start hook and a cut
         # refuses ZeRO's sharded optimizer
         self.core.start(trainer.global_step, trainer.optimizers, pl_module)
-        self._take_snapshot(trainer, pl_module)  # the state training starts from (or resumes at) is good
+        self.core.snapshot_owed = True  # the start is good: snapshot after all on_train_start (or at batch 0)
+        self._start_watch.watch(trainer, lambda _: self._take_snapshot(trainer, pl_module))
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._energy.begin()  # at the first batch of an optimizer step
-        if self.core.snapshot_owed:  # a cut after the last step's batch end, all its callbacks' hooks done
+        if self.core.snapshot_owed:  # a cut after the last step's batch end (or the fit's start): hooks done
             self._take_snapshot(trainer, pl_module)
         self.core.pre_step.before_step(self._record.batches)  # at the first: copies what forwards write
         self._record.add(batch_idx, batch)  # its generator states: at training_step's entry (_entered)
@@ -258,11 +260,13 @@ class StabilityGuard(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: BaseException) -> None:
         self._changes.detach()  # no train-end hook runs after an exception (the guard's own stop too)
         self._entry_watch.stop()
+        self._start_watch.stop()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._changes.detach()
         self._entry_watch.stop()
+        self._start_watch.stop()
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
 
     def on_pulse_phase_change(

@@ -474,9 +474,9 @@ class PruneEvents:
         A layer with a mask now and none at the snapshot kept its mask in the restore
         (``core/snapshots.py:fitted_state``: another pruner's masks stay, as it does not prune again). Here
         it was this callback's own event, undone: with no event in the restored record, the layer comes back
-        unpruned (a mask of ones) and the schedule redoes the event. With events, the snapshot is the start of
-        a fit resumed after a fit's end, taken (StabilityGuard listed before this callback) before
-        ``on_train_start`` masked the zeros folded into the weights again: those zeros are masked again, as at
+        unpruned (a mask of ones) and the schedule redoes the event. With events, a fit resumed after a fit's
+        end masks the zeros folded into the weights again in its ``on_train_start``, and StabilityGuard's
+        fit-start snapshot, taken after every train start, holds those masks: the zeros are masked again, as at
         that start. A layer masked at the snapshot got its saved mask back. A pass over the layers, at a
         rollback only.
         """

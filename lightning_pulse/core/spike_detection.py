@@ -270,7 +270,8 @@ class SpikeDetector:
         self.cold_ratio = float(cold_ratio)
         self.loss_scale = loss_scale
         self.main_key = main_key
-        # what the last load_state_dict converted: {"loss_scale" or "main_key": (the state's, this one's)}
+        # what the last load_state_dict converted: {"loss_scale" or "main_key": (the state's, this one's)};
+        # a checkpoint's is said (and cleared) at train start, a rollback's snapshot's is left unread
         self.converted: dict[str, tuple[str, str]] = {}
         # log(ratio) for the log-scale ratio test, computed once
         self._log_ratio = {

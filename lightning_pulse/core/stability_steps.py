@@ -131,8 +131,8 @@ def warn_of_converted_baselines(detector: SpikeDetector, warn: Callable[[str], A
             "one baseline now serves the burst phase (every step without a PulseCycle) and judges from the "
             "first step; other phases warm up against it, as in a fresh run"
             if own
-            else "baselines of the pulse phases were merged into one (the pooled window of all phases), "
-            "which judges from the first step"
+            else "pooled window of every step (its pulse phases' baselines merged, where its run had a "
+            "PulseCycle) now serves as the one baseline and judges from the first step"
         )
         warn(
             f"StabilityGuard: this fit's `config.per_phase_baselines`={own} differs from the checkpoint's "
@@ -544,7 +544,8 @@ class StabilityCore:
         # left out) has followed yet, and the one a rollback found so (no_snapshot_message names it)
         self.replaced_at: int | None = None
         self.cut_unsnapshotted: int | None = None
-        self.snapshot_owed = False  # a cut came after an applied step's batch end: snapshot before the next
+        # a cut came after an applied step's batch end, or a fit starts: snapshot before the next step
+        self.snapshot_owed = False
         # the step this fit started at: its snapshot predates the fit's first forward
         self.fit_start: int | None = None
         # the step after the fit's first applied step (the fit's start, where that step overflowed a value)
@@ -1294,7 +1295,7 @@ class StabilityCore:
         A fit resumed mid-incident takes none at its start (:meth:`start`): the state it resumes at went bad,
         and its ring holds what the uninterrupted run's held, which took none during the incident either."""
         if self.resumed_mid_incident and step == self.fit_start:
-            self.resumed_mid_incident = False
+            self.resumed_mid_incident = self.snapshot_owed = False  # owed at train start: taken by none
             last = self.schedule.last_step  # the next periodic one is due when the uninterrupted run's is
             self.schedule.settle(step, optimizers, schedulers)
             self.schedule.last_step = last
