@@ -13,7 +13,8 @@ final metrics, ratios B/A) and writes it as ``energy_comparison.{json,md,png}`` 
 ``lightning-pulse wait-for-window DIR [--print [--format iso|unix|slurm]]`` sleeps until the clean window a
 run suspended by GreenWindow waits for (``DIR/green_window.json``, next to its checkpoint), or prints its
 time, for cron or ``sbatch --begin``; then the ``resume_command`` it prints (``lightning-pulse fit ...
---ckpt_path`` the suspended run's checkpoint) resumes the run.
+--ckpt_path`` the suspended run's checkpoint) resumes the run. Once the run has completed it says so and exits
+3 (``WINDOW_FINISHED_EXIT``), so that ``while lightning-pulse wait-for-window DIR; do ...; done`` ends.
 """
 
 from __future__ import annotations
@@ -551,9 +552,18 @@ def run_wait_for_window(argv: Sequence[str], clock: object | None = None) -> int
     import argparse
     from datetime import datetime, timezone
 
+    from lightning_pulse.core.green_window import (
+        WINDOW_FINISHED_EXIT,
+        finished_line,
+        read_resume_file,
+        wait_for_window,
+    )
+
     parser = argparse.ArgumentParser(
         prog="lightning-pulse wait-for-window",
         description="Sleep until the clean window a run suspended by GreenWindow waits for, or print it.",
+        epilog=f"Exit status: 0 the window is open (or its time printed); {WINDOW_FINISHED_EXIT} the run has "
+        "completed, nothing to resume; 2 an error.",
     )
     parser.add_argument("path", help="green_window.json, or the checkpoint folder holding it")
     parser.add_argument("--print", action="store_true", help="print the time instead of sleeping")
@@ -564,13 +574,14 @@ def run_wait_for_window(argv: Sequence[str], clock: object | None = None) -> int
         help="iso: UTC, e.g. 2026-03-01T02:00:00Z; unix: seconds; slurm: local time for sbatch --begin",
     )
     args = parser.parse_args(list(argv))
-    from lightning_pulse.core.green_window import read_resume_file, wait_for_window
-
     try:
         record = read_resume_file(args.path)
     except ValueError as error:
         sys.stderr.write(f"error: {error}\n")
         return 2
+    if record["status"] == "finished":  # on stderr: nothing for `sbatch --begin=$(... --print)` to read
+        sys.stderr.write(f"{finished_line(args.path, record)}\n")
+        return WINDOW_FINISHED_EXIT
     at = float(record["resume_at_unix"])
     if args.print:
         if args.format == "unix":

@@ -174,6 +174,32 @@ def test_console_script_resolves_class_paths_from_the_working_directory(tmp_path
     assert "examples.mnist1d.MNIST1DClassifier" in result.stdout
 
 
+def test_wait_for_window_on_a_completed_run_says_so_and_exits_3_so_a_wrapper_loop_ends(tmp_path, capsys):
+    # a sweep: a completed run's file kept its last suspend; `while wait-for-window DIR; do <resume>; done`
+    # retrained the run's tail from that checkpoint on every pass, and never ended
+    from lightning_pulse.core.green_window import mark_resume_files_finished
+
+    mark_resume_files_finished(tmp_path, [], 1592215200.0, 40)
+    assert main(["wait-for-window", str(tmp_path)]) == 3
+    assert main(["wait-for-window", str(tmp_path / "green_window.json"), "--print", "--format", "unix"]) == 3
+    out, err = capsys.readouterr()
+    assert out == ""  # `sbatch --begin=$(... --print)` reads nothing
+    assert (
+        err.count("the run finished at step 40 (2020-06-15 10:00:00 UTC); there is nothing to resume.") == 2
+    )
+    with pytest.raises(SystemExit):
+        main(["wait-for-window", "--help"])
+    assert "3 the run has completed" in " ".join(capsys.readouterr().out.split())
+    result = subprocess.run(  # the exit status a shell sees
+        [sys.executable, "-m", "lightning_pulse.cli", "wait-for-window", str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 3 and result.stdout == "", result.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     "config",
     sorted(str(p) for p in ROOT.glob("examples/*/*.yaml")),

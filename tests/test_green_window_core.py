@@ -17,9 +17,11 @@ from lightning_pulse.core.green_window import (
     GreenSchedule,
     GreenWindowPolicy,
     RunClock,
+    RunFinished,
     ScheduleLedger,
     SimulatedClock,
     duration_text,
+    mark_resume_files_finished,
     parse_deadline,
     parse_threshold,
     passed_deadline,
@@ -421,6 +423,19 @@ def test_wait_for_window_sleeps_on_the_clock_until_the_recorded_time(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a GreenWindow resume file"):
         read_resume_file(tmp_path / "bad.json")
+
+
+def test_wait_for_window_on_a_finished_run_raises_without_sleeping(tmp_path):
+    # a sweep: the resume file kept the last suspend after the run completed, and a wrapper resumed it again
+    clock = SimulatedClock(1000.0)
+    assert mark_resume_files_finished(tmp_path, [], 1000.0, 40) == ([tmp_path / "green_window.json"], None)
+    assert read_resume_file(tmp_path)["status"] == "finished"
+    with pytest.raises(RunFinished, match=r"the run finished at step 40 \(1970-01-01 00:16:40 UTC\)"):
+        wait_for_window(tmp_path, clock)
+    assert clock.time() == 1000.0
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ValueError, match="not a GreenWindow resume file"):
+        read_resume_file(tmp_path / "list.json")
 
 
 def test_signal_sources_json_pairs_and_live_readings(tmp_path):

@@ -7,7 +7,9 @@ of ``trainer.callbacks`` for this reason. GreenWindow is no checkpoint callback 
 whether to save at all, and its place in the list orders its other hooks), so it hands the suspend to a
 :class:`SuspendSave` appended at the end of the list: it runs at the end of the same hook, after a
 ModelCheckpoint's save of the step, on every rank (``save_checkpoint`` is a collective; every rank takes the
-same decision, rank 0's).
+same decision, rank 0's). At the end of a complete run it marks the run's resume files finished
+(:meth:`SuspendSave.run_ended`): they used to name the last suspend checkpoint for good, and a wrapper that
+looped on ``wait-for-window`` trained the run's tail again from it on every call.
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.core.green_window import Decision, write_resume_notice
+from lightning_pulse.core.green_window import (
+    RESUME_FILE,
+    Decision,
+    finished_notice,
+    mark_resume_files_finished,
+    write_resume_notice,
+)
 
 SUSPEND_CHECKPOINT = "last-green-window.ckpt"
 
@@ -33,7 +41,7 @@ class SuspendSave(Callback):
     """
 
     def __init__(self) -> None:
-        self._due: tuple[Decision, float, float, Any, Any] | None = None
+        self._due: tuple[Decision, float, float, Any, Any, list[str]] | None = None
 
     def attach(self, trainer: pl.Trainer) -> None:
         """Listed last in ``trainer.callbacks`` for this fit (once), after Lightning ordered them."""
@@ -44,22 +52,47 @@ class SuspendSave(Callback):
         self._due = None
         compat.remove_callback(trainer, self)
 
-    def due(self, decision: Decision, now: float, resume_at: float, schedule: Any, energy: Any) -> None:
+    def due(
+        self,
+        trainer: pl.Trainer,
+        decision: Decision,
+        now: float,
+        resume_at: float,
+        schedule: Any,
+        energy: Any,
+        files: list[str],
+    ) -> None:
         """Suspend once every callback's part of the hook now running is done (``now``, ``resume_at``: the
-        clock's times for the resume file; ``energy``: the EnergyLogger whose later energy is carried)."""
-        self._due = (decision, now, resume_at, schedule, energy)
+        clock's times for the resume file; ``energy``: the EnergyLogger whose later energy is carried).
+        ``files``, GreenWindow's list of the run's resume files (in its state, so in the checkpoint), gets
+        this suspend's now, last; the earlier ones, in other folders, get its record too."""
+        file = str(_folder(trainer) / RESUME_FILE)
+        files[:] = [*(earlier := [other for other in files if other != file]), file]
+        self._due = (decision, now, resume_at, schedule, energy, earlier)
+
+    def run_ended(self, trainer: pl.Trainer, status: str, files: list[str], now: float) -> None:
+        """At train end (``now`` on the clock itself): a complete run marks its resume files (``files``, and
+        the one in its checkpoint folder) finished, so that ``wait-for-window`` sends no wrapper back to its
+        last suspend. Only where attached (suspend mode); rank 0 writes; a fast_dev_run writes no file."""
+        attached = any(callback is self for callback in trainer.callbacks)
+        if status != "complete" or not attached or trainer.fast_dev_run or not trainer.is_global_zero:
+            return
+        written, failure = mark_resume_files_finished(_folder(trainer), files, now, trainer.global_step)
+        if failure is not None:
+            rank_zero_warn(failure)
+        if written:
+            rank_zero_info(finished_notice(written))
 
     def _save_due(self, trainer: pl.Trainer) -> None:
         if self._due is None:
             return
-        (decision, now, resume_at, schedule, energy), self._due = self._due, None
-        checkpointing = trainer.checkpoint_callback
-        folder = Path(checkpointing.dirpath or trainer.default_root_dir)  # type: ignore[union-attr]
+        (decision, now, resume_at, schedule, energy, earlier), self._due = self._due, None
+        folder = _folder(trainer)
         trainer.save_checkpoint(path := folder / SUSPEND_CHECKPOINT)
         if energy is not None:  # its energy after this (Lightning validates after a stop) is carried
             energy.account.saved_for_suspend(path)
         if trainer.is_global_zero:
-            rank_zero_info(write_resume_notice(folder, now, resume_at, path, decision, schedule))
+            rank_zero_info(write_resume_notice(folder, now, resume_at, path, decision, schedule, earlier))
         trainer.should_stop = True  # here: the callbacks before this one ran their hook as if never stopped
 
     @override
@@ -71,3 +104,10 @@ class SuspendSave(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._save_due(trainer)
+
+
+def _folder(trainer: pl.Trainer) -> Path:
+    """The folder of the suspend checkpoint and the resume file: the ModelCheckpoint's (absolute: a resumed
+    run may start in another working directory)."""
+    checkpointing = trainer.checkpoint_callback
+    return Path(checkpointing.dirpath or trainer.default_root_dir).absolute()  # type: ignore[union-attr]

@@ -50,10 +50,10 @@ class GreenWindow(Callback):
 
     * ``"light"``: stays in PulseCycle's light phases (replay, maintain): lighter, never stopped;
     * ``"pause"``: sleeps in-process on its clock (machines you own whose idle power is low; SIGTERM ends it);
-    * ``"suspend"``: saves ``last-green-window.ckpt`` in the ModelCheckpoint's folder, stops ``fit``
-      cleanly, and writes when to come back to ``green_window.json`` next to it; ``lightning-pulse
-      wait-for-window DIR`` sleeps until then (or ``--print`` s it for cron or Slurm ``--begin``), and
-      the ``resume_command`` it names (``--ckpt_path`` that checkpoint) resumes.
+    * ``"suspend"``: saves ``last-green-window.ckpt`` in the ModelCheckpoint's folder, stops ``fit``, and
+      writes when to come back to ``green_window.json`` next to it; ``lightning-pulse wait-for-window DIR``
+      sleeps until then (or ``--print`` s it for cron or Slurm ``--begin``) and names the ``resume_command``
+      (``--ckpt_path`` that checkpoint). A complete run marks the file finished: it then exits 3.
 
     Waiting never makes the run miss its deadline: it waits a slot only if the remaining work (with a 10%
     reserve) still fits before it. A deadline out of reach (or past) is warned, and the run trains without
@@ -143,6 +143,7 @@ class GreenWindow(Callback):
         # run_clock: the clock, never earlier than a resumed checkpoint's save (see GreenWindowParts)
         self.run_clock, self.schedule, self.segment = parts.run_clock, parts.schedule, parts.segment
         self.suspended: dict[str, Any] | None = None
+        self.resume_files: list[str] = []  # the run's green_window.json, one per folder it suspended into
         self.report: dict[str, Any] | None = None
         self.report_paths: list[Path] = []
         self._held = compat.CollectiveHold()
@@ -244,6 +245,7 @@ class GreenWindow(Callback):
         folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)
         if trainer.is_global_zero:
             self._write_report(None if trainer.fast_dev_run else folder, status)
+        self._suspend_save.run_ended(trainer, status, self.resume_files, now - self.run_clock.behind_s)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -263,6 +265,7 @@ class GreenWindow(Callback):
             "signal": self.signal.state_dict(),
             "open": self.segment.state_dict(self.run_clock.time(), self._next_check),
             "behind_s": self.run_clock.behind_s,
+            "resume_files": list(self.resume_files),
         }
 
     @override
@@ -273,6 +276,7 @@ class GreenWindow(Callback):
         self.suspended, self._waiting = state_dict.get("suspended"), bool(state_dict.get("waiting", False))
         self._open, self._carried_s = state_dict.get("open"), float(state_dict.get("behind_s", 0.0))
         self.signal.load_state_dict(state_dict.get("signal", {}))  # kept for a series followed at fit start
+        self.resume_files = list(state_dict.get("resume_files", []))
 
     # ------------------------------------------------------------------ decisions
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -323,7 +327,8 @@ class GreenWindow(Callback):
             return stopped is None
         # the checkpoint keeps the run's times; the resume file, the clock's (see RunClock.suspension)
         self.suspended, now, resume_at = self.run_clock.suspension(self.run_clock.time(), decision)
-        self._suspend_save.due(decision, now, resume_at, self.schedule, self._energy)  # saves, stops the fit
+        energy, files = self._energy, self.resume_files  # due() adds this suspend's file to the state
+        self._suspend_save.due(trainer, decision, now, resume_at, self.schedule, energy, files)
         return False
 
     # ------------------------------------------------------------------ energy

@@ -1558,18 +1558,33 @@ def green_window_parts(
 
 # ---------------------------------------------------------------------------- suspended runs
 RESUME_FILE = "green_window.json"
+WINDOW_FINISHED_EXIT = 3  # `wait-for-window`'s exit status on a run that completed: nothing to resume
+
+
+class RunFinished(Exception):
+    """:func:`wait_for_window` on the resume file of a run that completed: there is nothing to resume."""
 
 
 def write_resume_file(
-    folder: Path, now: float, resume_at: float, checkpoint: Path, decision: Decision, budget_left_s: float
+    folder: Path,
+    now: float,
+    resume_at: float,
+    checkpoint: Path,
+    decision: Decision,
+    budget_left_s: float,
+    earlier: Sequence[str | Path] = (),
 ) -> Path:
-    """Record, next to the checkpoint, when a suspended run should come back."""
+    """Record, next to the checkpoint, when a suspended run should come back. The resume files of the run's
+    earlier suspends (``earlier``) that are still there get the same record: a resumed run that writes into
+    another folder (the logger's next version folder) must not leave the one a wrapper reads naming the
+    checkpoint it resumed from, which would train the steps since then again."""
     import json
     import shlex
 
     from lightning_pulse.energy.report import write_text_atomic
 
     record = {
+        "status": "suspended",
         "resume_at": format_utc(resume_at),
         "resume_at_unix": resume_at,
         "suspended_at": format_utc(now),
@@ -1581,20 +1596,83 @@ def write_resume_file(
         "decision": decision.to_dict(),
         "budget_left_s": budget_left_s,
     }
-    return write_text_atomic(Path(folder) / RESUME_FILE, json.dumps(record, indent=2))
+    written = write_text_atomic(Path(folder) / RESUME_FILE, json.dumps(record, indent=2))
+    for other in map(Path, earlier):
+        if other.is_file() and other != written:
+            write_text_atomic(other, json.dumps(record, indent=2))
+    return written
 
 
 def write_resume_notice(
-    folder: Path, now: float, resume_at: float, checkpoint: Path, decision: Decision, schedule: GreenSchedule
+    folder: Path,
+    now: float,
+    resume_at: float,
+    checkpoint: Path,
+    decision: Decision,
+    schedule: GreenSchedule,
+    earlier: Sequence[str | Path] = (),
 ) -> str:
     """:func:`write_resume_file` (with ``schedule``'s delay budget left), and the line that says until when
     the run is suspended, and where the file is."""
-    written = write_resume_file(folder, now, resume_at, checkpoint, decision, schedule.budget_left_s())
+    left = schedule.budget_left_s()
+    written = write_resume_file(folder, now, resume_at, checkpoint, decision, left, earlier)
     return f"GreenWindow: suspended until {format_utc(resume_at)} UTC ({written})."
 
 
+def mark_resume_files_finished(
+    folder: Path, earlier: Sequence[str | Path], now: float, step: int
+) -> tuple[list[Path], str | None]:
+    """A run that completed (its planned length, or EarlyStopping) says so in its resume file in ``folder``
+    (its checkpoint folder; written even where it never suspended) and in those of its earlier suspends
+    that are still there: ``wait-for-window`` then ends a wrapper's loop instead of resuming the last suspend
+    again. Returns the files written, and the line that says why one could not be (else ``None``): it
+    must not fail a finished run. A run that ends in an exception, or that ``max_time`` stops, does not come
+    here: its files keep naming its last suspend checkpoint."""
+    import json
+
+    from lightning_pulse.energy.report import write_text_atomic
+
+    record = {
+        "status": "finished",
+        "finished_at": format_utc(now),
+        "finished_at_unix": now,
+        "global_step": step,
+    }
+    paths = [Path(folder) / RESUME_FILE]
+    paths += [path for path in map(Path, earlier) if path.is_file() and path not in paths]
+    written, failures = [], []
+    for path in paths:
+        try:
+            written.append(write_text_atomic(path, json.dumps(record, indent=2)))
+        except OSError as error:
+            failures.append(f"{path} ({error})")
+    if not failures:
+        return written, None
+    return written, (
+        f"GreenWindow: could not mark the resume file finished: {'; '.join(failures)}; `lightning-pulse "
+        "wait-for-window` on it still names the last suspend checkpoint: delete the file by hand."
+    )
+
+
+def finished_line(path: str | Path, record: Mapping[str, Any]) -> str:
+    """What ``wait-for-window`` says of the resume file of a run that completed."""
+    return (
+        f"{path}: the run finished at step {record.get('global_step')} ({record.get('finished_at')} UTC); "
+        "there is nothing to resume."
+    )
+
+
+def finished_notice(written: Sequence[Path]) -> str:
+    """The line a complete run says of the resume files it marked finished."""
+    return (
+        f"GreenWindow: the run is complete: {', '.join(map(str, written))} marked finished "
+        f"(`lightning-pulse wait-for-window` exits {WINDOW_FINISHED_EXIT} on it: nothing to resume)."
+    )
+
+
 def read_resume_file(path: str | Path) -> dict[str, Any]:
-    """The record a suspended run left (``path`` is the file or the folder holding it)."""
+    """The record a suspended run left (``path`` is the file or the folder holding it); ``status``
+    ``"finished"`` once the run completed (:func:`mark_resume_files_finished`), else ``"suspended"``."""
     import json
 
     path = Path(path)
@@ -1602,8 +1680,9 @@ def read_resume_file(path: str | Path) -> dict[str, Any]:
         path = path / RESUME_FILE
     try:
         record = json.loads(path.read_text())
-        float(record["resume_at_unix"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        if record.setdefault("status", "suspended") != "finished":  # a file from before: a suspend
+            float(record["resume_at_unix"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(
             f"{path} is not a GreenWindow resume file ({type(error).__name__}: {error})."
         ) from None
@@ -1611,8 +1690,15 @@ def read_resume_file(path: str | Path) -> dict[str, Any]:
 
 
 def wait_for_window(path: str | Path, clock: SystemClock | SimulatedClock | None = None) -> float:
-    """Sleep on ``clock`` until the suspended run's window opens; returns the seconds slept."""
+    """Sleep on ``clock`` until the suspended run's window opens; returns the seconds slept.
+
+    Raises:
+        RunFinished: the run has completed since (nothing to resume).
+    """
     clock = clock or SystemClock()
-    seconds = max(float(read_resume_file(path)["resume_at_unix"]) - clock.time(), 0.0)
+    record = read_resume_file(path)
+    if record["status"] == "finished":
+        raise RunFinished(finished_line(path, record))
+    seconds = max(float(record["resume_at_unix"]) - clock.time(), 0.0)
     clock.sleep(seconds)
     return seconds
