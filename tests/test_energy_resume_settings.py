@@ -19,6 +19,7 @@ from lightning_pulse.energy.compare import chart_title, compare_runs, load_run
 from lightning_pulse.energy.config import MeterConfig
 from lightning_pulse.energy.meter import ESTIMATED, NONE, PARTIAL
 from lightning_pulse.energy.report import JSON_NAME, MARKDOWN_NAME
+from lightning_pulse.energy.suspend_carry import carry_path
 from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 from tests.test_energy_ledger import ManualClock, constant_chain
@@ -98,6 +99,7 @@ def test_a_rate_given_only_on_a_resume_makes_the_figure_partial_not_the_whole_ru
     assert (
         "(partial)" in markdown and "not the whole run's" in markdown and "at steps 0-24 had no" in markdown
     )
+    assert "uncounted_kwh=" not in markdown  # said in the line above, not as a raw float in the footer
 
 
 @pytest.mark.parametrize("rate", sorted(RATES))
@@ -137,7 +139,9 @@ def test_an_energy_logger_added_on_a_resume_says_its_figures_start_at_the_resume
     assert len(added) == 1 and "from step 24 on only, not the whole run" in added[0]
     assert any("the run from step 24 on (24 steps)" in line for line in lines if "forecast" in line)
     markdown = (tmp_path / MARKDOWN_NAME).read_text()
-    assert "**Figures from step 24 on only**: EnergyLogger joined the run there" in markdown
+    assert (
+        "**Figures from step 24 on only**: EnergyLogger's figures start there (it was added on a" in markdown
+    )
     # compared with a run metered whole, its totals are unequal work, not a saving
     whole = tmp_path / "whole"
     whole.mkdir()
@@ -156,6 +160,33 @@ def test_an_energy_logger_added_on_a_resume_says_its_figures_start_at_the_resume
     assert not any("added to this run" in r.getMessage() for r in caplog.records)
 
 
+def test_a_later_fit_of_a_trainer_without_a_checkpoint_says_its_figures_cover_that_fit_not_a_resume(
+    tmp_path, caplog
+):
+    # review of the fix above: a second `fit` of one Trainer, with no checkpoint, said "added to this run
+    # at step 24, with no state of its own" and, in the Markdown, "added on a resume of a checkpoint saved
+    # without it": neither happened (it metered steps 0-24 and, a new run, dropped them); step 24 was right
+    energy = energy_logger(tmp_path)
+    options = trainer_kwargs(max_epochs=2, limit_train_batches=12, limit_val_batches=2)
+    trainer = pl.Trainer(callbacks=[energy], default_root_dir=tmp_path, **options)
+    pl.seed_everything(0)
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=20))
+    assert energy.report["figures_from_step"] == 0
+    trainer.fit_loop.max_epochs = 4
+    with caplog.at_level(logging.INFO):
+        trainer.fit(trainer.lightning_module, MNIST1DDataModule(num_samples=1000, batch_size=20))
+    report = energy.report
+    assert (
+        report["figures_from_step"] == 24 and report["total"]["steps"] == 24 and report["resumed_runs"] == 0
+    )
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("EnergyLogger:")]
+    assert not any("added to this run" in line for line in lines)
+    later = [line for line in lines if "this fit starts at step 24 with no checkpoint" in line]
+    assert len(later) == 1 and "cover this fit only, from step 24 on, not the steps before" in later[0]
+    markdown = (tmp_path / MARKDOWN_NAME).read_text()
+    assert "or a later `fit` of a Trainer started there with no checkpoint" in markdown
+
+
 # ---------------------------------------------------------------------- the account, on a manual clock
 def rate(value: float, unit: str = G_PER_KWH) -> Rate:
     return Rate("constant", unit, constant=value)
@@ -168,10 +199,10 @@ def account(clock: ManualClock, intensity: Rate | None, price: Rate | None = Non
 
 
 def train(account: EnergyAccount, clock: ManualClock, step: int, seconds: float, said: list[str]) -> None:
-    """A fit from ``step`` that trains ``seconds`` at 36 W (0.001 kWh in 100 s)."""
+    """A fit from ``step`` (a resume past 0) that trains ``seconds`` at 36 W (0.001 kWh in 100 s)."""
     account.start([constant_chain("cpu", 36.0)])
     account.begin_training(lambda: step)
-    account.join_run(step, said.append, said.append)
+    account.join_run(step, step > 0, said.append, said.append)
     account.mark_training("burst", None, 0)
     clock.now += seconds
 
@@ -201,6 +232,19 @@ def test_a_changed_rate_adds_the_parts_each_at_its_own_rate_and_says_so():
     ]
 
 
+def version_1_buckets(snapshot: dict) -> dict:
+    """``snapshot`` as a version-1 account (before rate parts were kept) saved it: no uncounted joules."""
+    for bucket in snapshot["buckets"].values():
+        bucket.pop("co2_uncounted_j"), bucket.pop("cost_uncounted_j")
+    return snapshot
+
+
+def version_1(state: dict) -> dict:
+    """``state`` as a version-1 account saved it: no rate parts, no start step, no uncounted joules."""
+    state = {key: value for key, value in state.items() if key not in ("rates", "from_step")} | {"version": 1}
+    return {**state, "snapshot": version_1_buckets(state["snapshot"])}
+
+
 def test_a_version_1_checkpoint_of_a_run_without_a_rate_resumed_with_one_is_partial():
     # checkpoints saved before the parts were kept: a run with no intensity counted none of its energy
     clock, said = ManualClock(), []
@@ -208,9 +252,7 @@ def test_a_version_1_checkpoint_of_a_run_without_a_rate_resumed_with_one_is_part
     train(first, clock, 0, 100.0, said)
     state = first.state_dict()
     first.stop()
-    state = {key: value for key, value in state.items() if key not in ("rates", "from_step")} | {"version": 1}
-    for bucket in state["snapshot"]["buckets"].values():
-        bucket.pop("co2_uncounted_j"), bucket.pop("cost_uncounted_j")
+    state = version_1(state)
     resumed = account(clock, rate(400.0))
     resumed.load_state_dict(state)
     train(resumed, clock, 10, 100.0, said)
@@ -227,9 +269,7 @@ def test_a_version_1_checkpoint_with_the_same_rate_resumes_as_before():
     train(first, clock, 0, 100.0, said)
     state = first.state_dict()
     first.stop()
-    state = {key: value for key, value in state.items() if key not in ("rates", "from_step")} | {"version": 1}
-    for bucket in state["snapshot"]["buckets"].values():
-        bucket.pop("co2_uncounted_j"), bucket.pop("cost_uncounted_j")
+    state = version_1(state)
     resumed = account(clock, rate(400.0))
     resumed.load_state_dict(state)
     train(resumed, clock, 10, 100.0, said)
@@ -255,3 +295,41 @@ def test_a_dropped_rate_is_said_and_the_report_has_no_figure():
         "EnergyLogger: no `price_per_kwh` on this resume (step 10); the run before counted its cost with "
         "constant 0.3 EUR/kWh: the report has no cost."
     ]
+
+
+def test_a_version_1_suspend_checkpoint_and_carry_file_resumed_with_a_rate_leave_the_whole_fit_unpriced(
+    tmp_path,
+):
+    # review: a GreenWindow suspend checkpoint and its carry file saved before the parts were kept, of a run
+    # without a carbon intensity, resumed with one: the carry file's figures (which replace the checkpoint's)
+    # must count no joule as priced, or the CO2 came back estimated at 327 g/kWh for a constant 400; and the
+    # file must still match the checkpoint that gained fields on loading, or its 0.0005 kWh are lost
+    clock, said = ManualClock(), []
+    checkpoint = tmp_path / "last-green-window.ckpt"
+    first = account(clock, None)
+    train(first, clock, 0, 100.0, said)  # 0.001 kWh up to the suspend checkpoint
+    state = first.state_dict()
+    first.saved_for_suspend(checkpoint)
+    clock.now += 50.0  # Lightning's validation after the stop: 0.0005 kWh more, in the carry file only
+    first.carry_past_checkpoint(writes=True)
+    first.stop()
+    record = json.loads(carry_path(checkpoint).read_text())  # as version 1 wrote it (the format kept its 1)
+    assert record["version"] == 1
+    for name in ("co2_uncounted_j", "cost_uncounted_j"):
+        record["checkpoint_total"].pop(name)
+    version_1_buckets(record["snapshot"])
+    carry_path(checkpoint).write_text(json.dumps(record))
+
+    resumed = account(clock, rate(400.0))
+    resumed.load_state_dict(version_1(state))
+    resumed.extend_carried(checkpoint, said.append)
+    train(resumed, clock, 10, 100.0, said)
+    report = resumed.report("complete", "EUR")
+    resumed.stop()
+    total = report["total"]
+    assert total["energy_kwh"] == pytest.approx(0.0025)
+    assert report["carbon_intensity"].get("uncounted_kwh") == pytest.approx(0.0015)  # the whole suspended fit
+    assert total["co2_method"] == PARTIAL and total["co2_kg"] == pytest.approx(0.001 * 0.4)
+    assert total["g_co2_per_kwh"] == pytest.approx(400.0)
+    assert said[0].startswith("EnergyLogger: the suspended fit used 0.0005 kWh after saving its checkpoint")
+    assert len(said) == 2 and "leaves out the 0.0015 kWh used there" in said[1]

@@ -188,7 +188,8 @@ class EnergyLogger(Callback):
         self._in_train_loop = True
         progress = compat.run_progress(trainer)  # the loader's batch size tells a time-major batch's samples
         self.account.begin_training(lambda: trainer.global_step, progress, trainer.train_dataloader)
-        self.account.join_run(trainer.global_step, rank_zero_info, rank_zero_warn)  # added or rates changed
+        resumed = trainer.ckpt_path is not None  # added on a resume, or a later fit; rates changed
+        self.account.join_run(trainer.global_step, resumed, rank_zero_info, rank_zero_warn)
         compat.note_run_shares(trainer, "EnergyLogger", "the forecast of the run's energy", rereads=True)
         if compat.steps_per_batch_unknown(trainer):  # manual optimization, several optimizers
             if (line := no_forecast_line(compat.total_steps(trainer), len(trainer.optimizers))) is not None:
@@ -340,8 +341,7 @@ class EnergyLogger(Callback):
 
     @guarded_hook
     def _log_cycle(self, trainer: pl.Trainer, cycle: int) -> None:
-        metrics = self.account.cycle_metrics(cycle, self._collective(trainer))
-        log_to_loggers(trainer, metrics)
+        log_to_loggers(trainer, self.account.cycle_metrics(cycle, self._collective(trainer)))
 
     def _warn_rank(self, message: str) -> None:
         # a meter can fail on one rank only (its own GPU), so under DDP every rank may warn, with its rank

@@ -382,8 +382,9 @@ class EnergyAccount:
         self.clock, self.wall_clock = clock, wall_clock
         self.carried: dict[str, Any] | None = None  # the whole run before this fit (from a checkpoint)
         self.resumed_runs = 0
-        # the run's step this account's figures count from: 0, or where it joined (added on a resume of a
-        # checkpoint saved without it); None until a new run's training starts (join_run)
+        # the run's step this account's figures count from: 0, or where a new run's first fit started past 0
+        # (added on a resume of a checkpoint saved without it, or a later fit of a Trainer, no checkpoint);
+        # None until a new run's training starts (join_run)
         self.from_step: int | None = None
         # the carbon intensity and price each part of the run was counted with (see rate_parts)
         self.rate_parts: dict[str, list[dict[str, Any]]] = {name: [] for name in RATES}
@@ -507,20 +508,31 @@ class EnergyAccount:
         self._counted_step = self._logged_step = step_counter()
         self.fit_start_progress = progress
 
-    def join_run(self, step: int, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
-        """This fit's training starts at optimizer ``step`` (after :meth:`begin_training`). A new run's
-        figures count from there: past 0 the account joined a run under way (an EnergyLogger added on a
-        resume of a checkpoint saved without it), which ``info`` says. A rate that differs from the run's
-        before adds a part to :attr:`rate_parts` from ``step`` on, said with ``info`` or ``warn``
+    def join_run(
+        self, step: int, resumed: bool, info: Callable[[str], None], warn: Callable[[str], None]
+    ) -> None:
+        """This fit's training starts at optimizer ``step`` (after :meth:`begin_training`); ``resumed``: the
+        fit restored a checkpoint. A new run's figures count from there: past 0, ``info`` says why (an
+        EnergyLogger added on a resume of a checkpoint saved without it; else a later fit of a Trainer that
+        trained before, with no checkpoint: a new run, which counts that fit only). A rate that differs from
+        the run's before adds a part to :attr:`rate_parts` from ``step`` on, said with ``info`` or ``warn``
         (:func:`~lightning_pulse.energy.rate_parts.extend_parts`); another currency is refused."""
         refuse_changed_currency(self.rate_parts["price"], self.price)  # a restore after set-up: first here
         if self.from_step is None:
             self.from_step = int(step)
-            if step > 0:
+            figures = "its figures (energy, CO2, cost, steps, samples) cover"
+            if step > 0 and resumed:
                 info(
                     f"EnergyLogger: added to this run at step {step}, with no state of its own from "
-                    f"before: its figures (energy, CO2, cost, steps, samples) cover the run from step {step} "
-                    "on only, not the whole run; the report says so (`figures_from_step`)."
+                    f"before: {figures} the run from step {step} on only, not the whole run; the report says "
+                    "so (`figures_from_step`)."
+                )
+            elif step > 0:
+                info(
+                    f"EnergyLogger: this fit starts at step {step} with no checkpoint (a later `fit` of a "
+                    f"Trainer that trained before): a new run, so {figures} this fit only, from step {step} "
+                    "on, not the steps before; the report says so (`figures_from_step`). To count them, "
+                    "resume from a checkpoint saved with the EnergyLogger."
                 )
         total = (self.carried or {}).get("buckets", {}).get("total", {})
         for name, rate in (("intensity", self.intensity), ("price", self.price)):

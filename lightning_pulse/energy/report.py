@@ -50,7 +50,7 @@ def assemble_report(
     disabled: str | None = None,
 ) -> dict[str, Any]:
     """The JSON-ready report of a run snapshot (all ranks, all resumed parts already combined): its figures
-    count from optimizer step ``from_step`` (past 0: EnergyLogger joined the run there), its CO2 and cost
+    count from optimizer step ``from_step`` (past 0: EnergyLogger's run began there), its CO2 and cost
     with the ``rate_parts`` (:mod:`~lightning_pulse.energy.rate_parts`)."""
     buckets = snapshot.get("buckets", {})
     groups = grouped_figures(buckets, intensity is not None, price is not None)
@@ -291,13 +291,14 @@ def _held_lines(report: Mapping[str, Any]) -> list[str]:
 
 
 def _joined_lines(report: Mapping[str, Any]) -> list[str]:
-    """The line that says the figures start at a step past the run's first (EnergyLogger joined it there)."""
+    """The line that says the figures start at a step past the run's first (where EnergyLogger began)."""
     step = report.get("figures_from_step")
     if not step:
         return []
     return [
-        f"**Figures from step {step} on only**: EnergyLogger joined the run there (added on a resume of a "
-        f"checkpoint saved without it), so the run's first {step} steps are in none of them.",
+        f"**Figures from step {step} on only**: EnergyLogger's figures start there (it was added on a resume "
+        "of a checkpoint saved without it, or a later `fit` of a Trainer started there with no checkpoint: a "
+        f"new run), so the run's first {step} steps are in none of them.",
         "",
     ]
 
@@ -436,7 +437,9 @@ def report_markdown(report: Mapping[str, Any]) -> str:
             ["## How counts are taken", ""] + [f"- {name}: {text}" for name, text in notes.items()] + [""]
         )
     if intensity:
-        described = ", ".join(f"{k}={v}" for k, v in intensity.items() if v is not None and k != "parts")
+        # the parts and the energy no rate counted have their own lines above
+        left_out = ("parts", "uncounted_kwh")
+        described = ", ".join(f"{k}={v}" for k, v in intensity.items() if v is not None and k not in left_out)
         lines += [f"Carbon intensity: {described}.", ""]
     return "\n".join(lines)
 

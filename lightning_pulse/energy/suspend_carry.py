@@ -48,7 +48,8 @@ def write_carry(checkpoint: str | os.PathLike, base: Mapping[str, Any], snapshot
 
 def read_carry(checkpoint: str | os.PathLike, base: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The whole-run snapshot written by :func:`write_carry` next to ``checkpoint``, when it continues the
-    figures the checkpoint holds (its ``total`` bucket is ``base``, exactly); else ``None`` (no such file, an
+    figures the checkpoint holds (every field of the ``total`` bucket it recorded has its value in ``base``,
+    exactly: a checkpoint of an older version gains fields when it loads); else ``None`` (no such file, an
     unreadable one, or one written for another save of that path)."""
     if base is None:
         return None
@@ -61,7 +62,6 @@ def read_carry(checkpoint: str | os.PathLike, base: Mapping[str, Any] | None) ->
     total = record.get("checkpoint_total")
     if not isinstance(total, dict) or not isinstance(record.get("snapshot"), dict):
         return None
-    # on the record's fields: a checkpoint of an older version gains fields when it loads (account.py)
     if any(base.get(name) != value for name, value in total.items()) or not total:
         return None
     return record["snapshot"]
