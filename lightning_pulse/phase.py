@@ -322,6 +322,7 @@ class PhaseClock:
         self.stage = "pending"  # pending -> warmup -> cycle -> anneal
         self.history: list[PhaseChange] = []
         self.held = False  # see `hold`
+        self._hold_due: bool | None = None  # a hold asked for before the step that trained was counted
         self.span: int | None = None  # see `pin_span`
         self.rows = PhaseRows()  # which steps log the phase, and what: PulseCycle's rows
         self.steps_by_phase = {phase.value: 0 for phase in Phase}
@@ -581,14 +582,23 @@ class PhaseClock:
         """The cycle's phases other than burst that have a length (where :meth:`hold` can keep the run)."""
         return tuple(p for p in self.order if p is not Phase.BURST and not self.durations[p].is_zero)
 
-    def hold(self, held: bool) -> list[PhaseChange]:
+    def hold(self, held: bool, step: int | None = None) -> list[PhaseChange]:
         """Keep the cycle in its light phases while ``held`` (for a scheduler such as GreenWindow).
 
         Holding ends a running burst now and moves to the next light phase; while held, a burst that falls
         due is skipped and the light phases follow one another. Letting go ends a light phase now and
         starts a burst. Warm-up and anneal stay pure burst: the hold takes effect when the cycle starts.
         Returns the phase changes (none if nothing changed).
+
+        ``step`` is the run's optimizer step now (``trainer.global_step``). Past the clock's own, inside a
+        step (:meth:`PhaseRows.step_starts`), the step that just trained is not counted yet (a scheduler's
+        batch end that runs before PulseCycle's): the hold waits for :meth:`take_due_hold`, after
+        :meth:`advance` counts that step, so it takes effect at the same step whatever the callback order.
         """
+        if step is not None and self.rows.in_step and step > self.step and self.stage != "pending":
+            self._hold_due = bool(held)
+            return []
+        self._hold_due = None
         held = bool(held)
         changed, self.held = held != self.held, held
         if not changed or self.stage != "cycle" or not self.light_phases:
@@ -607,6 +617,17 @@ class PhaseClock:
         self.position = position
         self.rows.phase_ended_by_hold()
         return [self._enter(self.order[position], reason)]
+
+    @property
+    def holding(self) -> bool:
+        """Whether the cycle is held (:meth:`hold`), a hold that waits for its step to be counted included."""
+        return self.held if self._hold_due is None else self._hold_due
+
+    def take_due_hold(self) -> bool | None:
+        """The hold that waits for the step that trained to be counted (:meth:`hold`), or ``None``; the
+        caller applies it now, after :meth:`advance`."""
+        due, self._hold_due = self._hold_due, None
+        return due
 
     def start_or_resume(self, total_steps: int | float | None, step: int = 0) -> PhaseChange:
         """:meth:`start` at the run's optimizer ``step`` (:meth:`begin_at`), or on a clock already running (a
@@ -849,6 +870,12 @@ class PhaseRows:
         due = first or ended or self._ended_by_hold or step % max(every_n_steps, 1) == 0
         self._unwritten = None if due else self.trained
         return self.trained if due else None
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a step has started (:meth:`step_starts`) and its row is not decided yet (:meth:`after_step`):
+        the clock has not counted it."""
+        return self._in_step
 
     def phase_ended_by_hold(self) -> None:
         """A hold (:meth:`PhaseClock.hold`) ended the phase: the step in it that trained last was its last.

@@ -38,7 +38,7 @@ from lightning_pulse.cli import main as cli_main
 from lightning_pulse.cli import run_wait_for_window
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import OracleForecast
-from tests.conftest import trainer_kwargs
+from tests.conftest import RecordingLogger, trainer_kwargs
 
 CARBON = Path(__file__).resolve().parents[1] / "examples" / "data" / "carbon"
 DE_JUNE = str(CARBON / "de_2020_june_excerpt.csv")
@@ -1233,3 +1233,41 @@ def test_a_max_delay_share_placed_on_a_run_whose_reloaded_epochs_change_length_i
     assert said[0].startswith("GreenWindow: the training DataLoader rebuilt for epoch 1 ")
     assert "GreenWindow (`max_delay`=1.0)" in said[0] and "Set Trainer(max_steps=N)" in said[0]
     assert "give GreenWindow's settings as a duration" in said[0]
+
+
+def test_light_mode_releases_at_the_same_step_in_either_callback_order(mnist1d_small, tmp_path):
+    # the grid turns clean at 08:00 (step 48), inside a maintain phase: listed before PulseCycle, GreenWindow
+    # released the hold before PulseCycle had counted step 47, which was booked to the burst (a review sweep)
+    def run(green_first: bool):
+        pl.seed_everything(0)
+        model, data = mnist1d_small(arch="mlp")
+        clock = SimulatedClock("2020-06-19 00:00:00")
+        green = GreenWindow(
+            signal=DE_JUNE,
+            when_dirty="light",
+            max_delay=1.0,
+            expected_duration="8h",
+            clock=clock,
+            options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path)),
+        )
+        pulse = PulseCycle(burst=6, replay=4, maintain=3, warmup=0, anneal=0, maintain_eval="none")
+        logger = RecordingLogger()
+        callbacks = [green, pulse] if green_first else [pulse, green]
+        fit(callbacks, clock, steps=64, logger=logger, log_every_n_steps=1).fit(model, data)
+        # from step 1: listed first, GreenWindow holds the cycle before it starts (no burst at step 0)
+        changes = [(c.step, c.current.value, c.reason) for c in pulse.history if c.step > 0]
+        logged = [  # not the seconds: the wall clock's
+            (s, k, v)
+            for s, row in logger.rows
+            for k, v in row.items()
+            if k[:6] == "pulse/" and "seconds" not in k and s
+        ]
+        return changes, logged, pulse.clock.steps_by_phase, list(model.parameters())
+
+    changes, logged, steps, weights = run(green_first=False)
+    assert (48, "burst", "release") in changes
+    assert (47, "pulse/maintain_steps", 2.0) in logged  # the maintain phase trained steps 46 and 47
+    changes2, logged2, steps2, weights2 = run(green_first=True)
+    assert changes2 == changes and logged2 == logged and steps2 == steps
+    for mine, theirs in zip(weights, weights2, strict=True):
+        assert torch.equal(mine, theirs)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_pulse import Phase, PhaseClock, PulseCycle, phase_of
@@ -78,3 +80,36 @@ def test_pulse_cycle_hold_light_tells_listeners_and_holds_a_real_fit(mnist1d_sma
     assert "".join(hold.phases) == "bb" + "r" * 7 + "bbbbr"
     assert hold.told[:3] == ["burst:start", "replay:hold", "burst:release"]
     assert not cycle.held
+
+
+def test_a_hold_asked_before_the_step_is_counted_takes_effect_after_it():
+    # a scheduler's batch end that runs before PulseCycle's: the clock has not counted the step that trained
+    clock = PhaseClock({"burst": 3, "replay": 2, "maintain": 1})
+    clock.start(None)
+    clock.rows.step_starts(clock)
+    assert clock.hold(True, step=1) == [] and clock.holding and not clock.held
+    assert clock.advance(1) == [] and clock.phase is Phase.BURST  # step 0 trained as burst, is counted so
+    assert clock.take_due_hold() is True and clock.take_due_hold() is None
+    (change,) = clock.hold(True, step=1)  # what PulseCycle's batch end does with it: as if asked now
+    assert (change.step, change.current, change.ended_steps) == (1, Phase.REPLAY, 1)
+    assert clock.steps_by_phase["burst"] == 1
+
+
+@pytest.mark.parametrize("end", [9, 10])  # a release inside the second replay phase, and at its last step
+def test_hold_light_before_pulse_cycles_batch_end_books_the_same_steps_as_after_it(mnist1d_small, end):
+    def fit(hold_first: bool) -> tuple[PulseCycle, HoldBetween, pl.LightningModule]:
+        pl.seed_everything(0)
+        model, data = mnist1d_small(arch="mlp")
+        cycle = PulseCycle(burst=4, replay=3, maintain=2, warmup=0, anneal=0, maintain_eval="none")
+        hold = HoldBetween(start=2, end=end)
+        callbacks = [hold, cycle] if hold_first else [cycle, hold]
+        pl.Trainer(callbacks=callbacks, max_steps=20, **trainer_kwargs()).fit(model, data)
+        return cycle, hold, model
+
+    (cycle, hold, model), (cycle2, hold2, model2) = fit(hold_first=False), fit(hold_first=True)
+    changes = [(c.step, c.current.value, c.reason, c.ended_steps) for c in cycle.history]
+    assert changes == [(c.step, c.current.value, c.reason, c.ended_steps) for c in cycle2.history]
+    assert changes[1] == (2, "replay", "hold", 2) and (end, "burst", "release") in [c[:3] for c in changes]
+    assert hold2.phases == hold.phases and cycle2.clock.steps_by_phase == cycle.clock.steps_by_phase
+    for mine, theirs in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(mine, theirs)

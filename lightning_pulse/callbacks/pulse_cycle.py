@@ -29,8 +29,7 @@ from lightning_pulse.protocols import PhaseListener, PhaseStartListener, listene
 
 def pulse_cycle_of(trainer: pl.Trainer | None) -> PulseCycle | None:
     """The :class:`PulseCycle` attached to ``trainer``, or ``None``."""
-    callbacks = trainer.callbacks if trainer is not None else ()
-    return next((callback for callback in callbacks if isinstance(callback, PulseCycle)), None)
+    return next((c for c in getattr(trainer, "callbacks", ()) if isinstance(c, PulseCycle)), None)
 
 
 def refuse_unreachable_phases(owner: str, phases: Sequence[Any], trainer: pl.Trainer) -> None:
@@ -188,7 +187,7 @@ class PulseCycle(Callback):
     @property
     def held(self) -> bool:
         """Whether another callback holds the cycle in its light phases (:meth:`hold_light`)."""
-        return self.clock.held
+        return self.clock.holding
 
     def hold_light(self, trainer: pl.Trainer, pl_module: pl.LightningModule, held: bool) -> None:
         """Keep the run in its light phases (replay, maintain) while ``held``; ``False`` lets it go.
@@ -197,7 +196,7 @@ class PulseCycle(Callback):
         starts until the hold is let go, which starts one now (:meth:`PhaseClock.hold`). Listeners are told
         of every change. Call it on every rank with the same value at the same step (the hold is saved).
         """
-        for change in self.clock.hold(held):
+        for change in self.clock.hold(held, trainer.global_step):
             self._announce(trainer, pl_module, change)
         log_to_loggers(trainer, self.clock.rows.take_late_row())  # the ended phase's last step, if unwritten
 
@@ -294,10 +293,11 @@ class PulseCycle(Callback):
             seconds = compat.rank_zero_number(trainer, pl_module.device, seconds, self._held)
         changes = self.clock.advance(steps, seconds, self._epoch_steps, self._total_steps)
         row = self.clock.rows.after_step(trainer.global_step, trainer.log_every_n_steps, bool(changes))
-        if row is not None:  # the phase and cycle the step trained in, read at its start
-            log_to_loggers(trainer, row)
+        log_to_loggers(trainer, row)  # where due: the phase and cycle the step trained in, read at its start
         for change in changes:
             self._announce(trainer, pl_module, change)
+        if (due := self.clock.take_due_hold()) is not None:  # asked before this batch end: after its step
+            self.hold_light(trainer, pl_module, due)
 
     @override
     def state_dict(self) -> dict[str, Any]:
