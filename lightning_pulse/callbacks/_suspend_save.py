@@ -73,11 +73,18 @@ class SuspendSave(Callback):
     def run_ended(self, trainer: pl.Trainer, status: str, files: list[str], now: float) -> None:
         """At train end (``now`` on the clock itself): a complete run marks its resume files (``files``, and
         the one in its checkpoint folder) finished, so that ``wait-for-window`` sends no wrapper back to its
-        last suspend. Only where attached (suspend mode); rank 0 writes; a fast_dev_run writes no file."""
+        last suspend. The folder's own file only where attached (suspend mode): a run resumed in another mode
+        marks its earlier suspends' files only. Rank 0 writes; a fast_dev_run writes no file."""
         attached = any(callback is self for callback in trainer.callbacks)
-        if status != "complete" or not attached or trainer.fast_dev_run or not trainer.is_global_zero:
+        if (
+            status != "complete"
+            or not (attached or files)
+            or trainer.fast_dev_run
+            or not trainer.is_global_zero
+        ):
             return
-        written, failure = mark_resume_files_finished(_folder(trainer), files, now, trainer.global_step)
+        folder = _folder(trainer) if attached else None
+        written, failure = mark_resume_files_finished(folder, files, now, trainer.global_step)
         if failure is not None:
             rank_zero_warn(failure)
         if written:

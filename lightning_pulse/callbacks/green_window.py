@@ -26,8 +26,8 @@ from lightning_pulse.core.green_window import (
     NO_ENERGY_LINE,
     Decision,
     GreenWindowOptions,
-    clocks_apart,
     decision_line,
+    end_run,
     fit_start_refusal,
     green_window_parts,
     pause_slot,
@@ -195,14 +195,13 @@ class GreenWindow(Callback):
             now, behind = self.run_clock.restart(self._open, self.suspended, self._carried_s)
             at = now if trainer.world_size == 1 else compat.broadcast_held(trainer.strategy, now, self._held)
             late = self.schedule.deadline_at_start(at)
-        joined, rebuilt = self.schedule.start_fit(trainer.global_step, compat.steps_left_at_run_pace(trainer))
-        energy_now = None if self._energy is None else self._energy.account.wall_clock()
-        for line in filter(None, (behind, late, rebuilt, clocks_apart(now, energy_now, self.options.slot_s))):
-            rank_zero_warn(line)
-        self._next_check, resumed = restart_run(
-            now, energy_now, self.signal, self.schedule, self.segment, self._kwh, self._open, self.suspended
+        account, steps = getattr(self._energy, "account", None), compat.steps_left_at_run_pace(trainer)
+        self._next_check, warn, tell = restart_run(
+            now, account, (trainer.global_step, steps), self.signal, self.segment, self._open, self.suspended
         )
-        for line in filter(None, (joined, resumed)):
+        for line in filter(None, (behind, late, *warn)):
+            rank_zero_warn(line)
+        for line in tell:
             rank_zero_info(line)
         self._open, self.suspended, self._last_step = None, None, trainer.global_step
         if trainer.fast_dev_run:  # a smoke test: `_check` takes no decision, so its batches run
@@ -236,11 +235,8 @@ class GreenWindow(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()  # a state loaded during this run is no resume of the next
-        now = self.run_clock.time()
-        self.segment.close(now, self._kwh)
-        status = compat.run_end_status(trainer, bool(self.suspended))
-        if status == "complete":  # the run has ended: its deadline record is the outcome, not an estimate
-            self.schedule.finish(now)
+        now, status = self.run_clock.time(), compat.run_end_status(trainer, bool(self.suspended))
+        end_run(now, status == "complete", self.segment, self._kwh)
         # `trainer.log_dir` is a collective (a broadcast): read on every rank, though rank 0 alone writes
         folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)
         if trainer.is_global_zero:

@@ -968,7 +968,9 @@ def span_text(seconds: float) -> str:
 
 
 def duration_arg(seconds: float) -> str:
-    """``seconds`` as a duration argument (``'4h'``, ``'30min'``, ``'90s'``), to give back as it is."""
+    """``seconds`` as a duration argument (``'4h'``, ``'30min'``, ``'90s'``), to give back as it is (to the
+    microsecond: ``"1.1h"`` parses to 3960.0000000000005 s, given back as ``'66min'``)."""
+    seconds = round(seconds, 6)
     if seconds >= 3600 and seconds % 3600 == 0:
         return f"'{seconds / 3600:g}h'"
     return f"'{seconds / 60:g}min'" if seconds >= 60 and seconds % 60 == 0 else f"'{seconds:g}s'"
@@ -976,13 +978,21 @@ def duration_arg(seconds: float) -> str:
 
 def changed_inputs(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """The arguments, of the budget's :attr:`GreenSchedule.inputs`, by which ``now`` builds another budget
-    than ``saved`` did: ``max_delay`` (its value or kind), and ``expected_duration`` under a share."""
+    than ``saved`` did: ``max_delay`` (its value or kind), and ``expected_duration`` where both are shares (a
+    duration budget is built from no ``expected_duration``). Values are compared to 1e-9 of their size: one
+    duration written two ways (``"1.1h"``, ``"66min"``) is the same."""
     changed = (
-        ["max_delay"] if (saved["max_delay"], saved["share"]) != (now["max_delay"], now["share"]) else []
+        []
+        if saved["share"] == now["share"] and _same(saved["max_delay"], now["max_delay"])
+        else ["max_delay"]
     )
-    if now["share"] and saved["expected_work_s"] != now["expected_work_s"]:
+    if now["share"] and saved["share"] and not _same(saved["expected_work_s"], now["expected_work_s"]):
         changed.append("expected_duration")
     return changed
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    return a == b if a is None or b is None else math.isclose(a, b, rel_tol=1e-9)
 
 
 def input_text(field: str, inputs: Mapping[str, Any]) -> str:
@@ -1079,30 +1089,34 @@ class GreenSchedule:
             return max(self.expected_work_s * self.work_share - self.compute_s, 0.0)
         return None
 
-    def start_fit(self, step: int, steps_left: float) -> tuple[str | None, str | None]:
+    def start_fit(self, step: int, steps_left: float) -> str | None:
         """This fit trains from the run's optimizer ``step``, with ``steps_left`` (at the run's pace) to go;
-        before :meth:`begin`. Returns two lines (or ``None``), to tell and to warn. With no state of its own
-        at a step > 0 (added on a resume), it plans the rest of the run (:meth:`join`, the first line). A
-        restored budget built from another ``max_delay`` or ``expected_duration`` is built again from these
-        (:meth:`rebuild_budget`, the second): it used to keep the checkpoint's, and a resume with
-        ``max_delay=0`` still waited 3 h."""
+        before :meth:`begin`. With no state of its own at a step > 0 (added on a resume), it plans the rest of
+        the run: returns :meth:`join`'s line, else ``None``."""
+        return self.join(step, steps_left) if self.run_start is None and step > 0 else None
+
+    def restarted(self, step: int, steps_left: float, held_open_s: float = 0.0) -> str | None:
+        """Once the restart has counted the time away as waited (:func:`restart_run`): a restored budget built
+        from another ``max_delay`` or ``expected_duration`` is built again from these (:meth:`rebuild_budget`;
+        ``held_open_s``: light held in the segment still open); returns its warning, else ``None``. It used to
+        keep the checkpoint's, and a resume with ``max_delay=0`` still waited 3 h."""
         saved, self.saved_inputs = self.saved_inputs, None
-        if self.run_start is None:
-            return (self.join(step, steps_left) if step > 0 else None), None
         if saved is not None and self.budget_s is not None and changed_inputs(saved, self.inputs):
-            return None, self.rebuild_budget(saved, step, steps_left)
-        return None, None
+            return self.rebuild_budget(saved, step, steps_left, held_open_s)
+        return None
 
     def join(self, step: int, steps_left: float) -> str:
         """Added on a resume at the run's ``step``: it plans the work left, the share ``steps_left`` of the
         run's steps (of ``expected_work_s``, the whole run's; taken whole where the run's length is unknown),
         and its figures count from ``step`` (the report's ``from_step``). It used to plan the whole run's
-        ``expected_duration`` for the half left, and waited 6 h on a budget of 8 h for 4 h of work."""
+        ``expected_duration`` for the half left, and waited 6 h on a budget of 8 h for 4 h of work. The line
+        gives the share of the run's batches: under a GradientAccumulationScheduler ``steps_left`` is in
+        steps of the run's average size so far, not in its optimizer steps."""
         self.from_step = int(step)
         if math.isfinite(steps_left):
             self.work_share = max(steps_left, 0.0) / (step + max(steps_left, 0.0))
         expected = self.expected_work_s
-        rest = f"{steps_left:.0f} of the run's {step + steps_left:.0f} steps"
+        rest = f"{self.work_share:.0%} of the run's training batches"
         if expected is None:
             plan = f"it plans the work left, {rest}, at the pace it measures"
         elif math.isfinite(steps_left):
@@ -1118,11 +1132,14 @@ class GreenSchedule:
             f"{plan}; its report (compute, waits, saving) counts from step {step} on."
         )
 
-    def rebuild_budget(self, saved: dict[str, Any], step: int, steps_left: float) -> str:
+    def rebuild_budget(
+        self, saved: dict[str, Any], step: int, steps_left: float, held_open_s: float = 0.0
+    ) -> str:
         """Build the restored budget again from :attr:`inputs` where the checkpoint's was built from ``saved``
         ones, as a fresh run builds it: a duration, or the share of the planned work (``expected_duration``'s
         part that this schedule plans, else the run's length at its measured pace, else the planned work the
-        checkpoint holds). What was waited or held light counts against it. Returns the warning."""
+        checkpoint holds). What was waited or held light (``held_open_s`` of it still in the open segment)
+        counts against it. Returns the warning."""
         budget_was = float(self.budget_s)  # type: ignore[arg-type]
         if self.share and self.expected_work_s is not None:
             self.planned_work_s = self.expected_work_s * self.work_share
@@ -1136,12 +1153,14 @@ class GreenSchedule:
         )
         changed = changed_inputs(saved, self.inputs)
         was = " and ".join(input_text(field, saved) for field in changed)
+        delayed = self.delayed_s + held_open_s
+        left = max(self.budget_s - delayed, 0.0)
         return (
             f"GreenWindow: resumed with {' and '.join(input_text(field, self.inputs) for field in changed)}, "
             f"where the checkpoint's delay budget was built from {was}: the budget is now "
-            f"{span_text(self.budget_s)} ({built}was {span_text(budget_was)}), and the "
-            f"{span_text(self.delayed_s)} already waited or held light counts against it, leaving "
-            f"{span_text(self.budget_left_s())}. To keep the checkpoint's budget, resume with {was}."
+            f"{span_text(self.budget_s)} ({built}was {span_text(budget_was)}), and the {span_text(delayed)} "
+            f"already waited or held light counts against it, leaving {span_text(left)}. To keep the "
+            f"checkpoint's budget, resume with {was}."
         )
 
     def budget_left_s(self) -> float:
@@ -1434,6 +1453,10 @@ class OpenSegment:
     def stepped(self, steps: int) -> None:
         self.steps += steps
 
+    def held_s(self, now: float) -> float:
+        """The light held in this segment up to ``now``, not yet in the schedule's ``delayed_s``."""
+        return max(now - self.start, 0.0) if self.kind == "light" and self.start is not None else 0.0
+
     def state_dict(self, now: float, next_check: float) -> dict[str, Any]:
         """The segment as saved at ``now``, and when the next decision is due."""
         state = {"start": self.start, "kwh": self.kwh, "steps": self.steps, "kind": self.kind}
@@ -1478,25 +1501,45 @@ class OpenSegment:
 
 def restart_run(
     now: float,
-    energy_now: float | None,
+    account: Any,
+    steps: tuple[int, float],
     signal: GreenSignal,
-    schedule: GreenSchedule,
     segment: OpenSegment,
-    read_kwh: Callable[[], float | None],
     saved: dict[str, Any] | None,
     suspended: Mapping[str, Any] | None,
-) -> tuple[float, str | None]:
-    """Training (re)starts at ``now`` (the run's time, :meth:`RunClock.restart`), from a checkpoint that held
-    the ``saved`` segment and maybe a suspend (``suspended``), or afresh. Returns when the next decision is
-    due (:meth:`OpenSegment.restart`), and the line that says how long the run was suspended (else ``None``).
-    ``energy_now``: a followed EnergyLogger's wall clock read at ``now``, or ``None``."""
+) -> tuple[float, list[str], list[str]]:
+    """Training (re)starts at ``now`` (the run's time, :meth:`RunClock.restart`), at ``steps``: the run's
+    optimizer step and the steps left at its pace, from a checkpoint that held the ``saved`` segment and maybe
+    a suspend (``suspended``), or afresh. ``account``: an attached EnergyLogger's
+    :class:`~lightning_pulse.energy.account.EnergyAccount` (or ``None``), whose wall clock is compared with
+    ``now`` and whose meters mark the segment. Returns when the next decision is due
+    (:meth:`OpenSegment.restart`), the lines to warn (a rebuilt budget, clocks apart) and those to tell (added
+    on a resume, how long the run was suspended).
+
+    A rebuilt budget (:meth:`GreenSchedule.restarted`) is built once the time away is counted, so its warning
+    counts it (it used to say "0 s already waited, leaving 3.0 h" of a run back from 7 h suspended, which had
+    none left); the next decision is then due at once, not at the saved slot's end, so a light slot the
+    checkpoint was holding is not held to its end on a budget that is spent."""
+    schedule, energy_now = segment.schedule, None if account is None else account.wall_clock()
+    read_kwh = (lambda: None) if account is None else account.kwh_now
+    joined = schedule.start_fit(*steps)  # before `begin`: a run with no start of its own joined here
     signal.anchor(now, energy_now)  # a followed EnergyLogger's run start, moved onto this clock
     schedule.begin(now)
     away = None if suspended is None else suspended["at"]  # suspended: the time away was waited
     next_check = segment.restart(now, read_kwh, saved, away)
-    if away is None:
-        return next_check, None
-    return next_check, f"GreenWindow: resuming after {(now - away) / 3600:.1f} h suspended."
+    rebuilt = schedule.restarted(*steps, held_open_s=segment.held_s(now))
+    resumed = None if away is None else f"GreenWindow: resuming after {(now - away) / 3600:.1f} h suspended."
+    apart = clocks_apart(now, energy_now, schedule.policy.slot_s)
+    warn, tell = [line for line in (rebuilt, apart) if line], [line for line in (joined, resumed) if line]
+    return (-math.inf if rebuilt else next_check), warn, tell
+
+
+def end_run(now: float, complete: bool, segment: OpenSegment, read_kwh: Callable[[], float | None]) -> None:
+    """Training ends at ``now``: the open segment is closed; a ``complete`` run's deadline record becomes the
+    outcome, not an estimate (:meth:`GreenSchedule.finish`)."""
+    segment.close(now, read_kwh)
+    if complete:
+        segment.schedule.finish(now)
 
 
 class GreenWindowParts(NamedTuple):
@@ -1620,14 +1663,15 @@ def write_resume_notice(
 
 
 def mark_resume_files_finished(
-    folder: Path, earlier: Sequence[str | Path], now: float, step: int
+    folder: Path | None, earlier: Sequence[str | Path], now: float, step: int
 ) -> tuple[list[Path], str | None]:
     """A run that completed (its planned length, or EarlyStopping) says so in its resume file in ``folder``
     (its checkpoint folder; written even where it never suspended) and in those of its earlier suspends
     that are still there: ``wait-for-window`` then ends a wrapper's loop instead of resuming the last suspend
     again. Returns the files written, and the line that says why one could not be (else ``None``): it
     must not fail a finished run. A run that ends in an exception, or that ``max_time`` stops, does not come
-    here: its files keep naming its last suspend checkpoint."""
+    here: its files keep naming its last suspend checkpoint. ``folder`` is ``None`` for a run no longer in
+    suspend mode (``when_dirty`` changed on a resume): only its earlier suspends' files are marked."""
     import json
 
     from lightning_pulse.energy.report import write_text_atomic
@@ -1638,7 +1682,7 @@ def mark_resume_files_finished(
         "finished_at_unix": now,
         "global_step": step,
     }
-    paths = [Path(folder) / RESUME_FILE]
+    paths = [] if folder is None else [Path(folder) / RESUME_FILE]
     paths += [path for path in map(Path, earlier) if path.is_file() and path not in paths]
     written, failures = [], []
     for path in paths:
