@@ -535,6 +535,23 @@ def after_train_start(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Calla
     return _wrap_on_instance(trainer.strategy, "on_train_start", wrap)
 
 
+def after_train_batch_ends(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``hook(trainer)`` once every callback's ``on_train_batch_end`` has run (in their order, with
+    ``ModelCheckpoint``'s, which Lightning moves last), right before the module's own: Lightning's training
+    loop calls the module's hook next. Wrapped on the module instance (not its class), only while installed.
+    Returns a function removing the hook."""
+
+    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
+        def on_train_batch_end(*args: Any, **kwargs: Any) -> Any:
+            if state["active"]:
+                hook(trainer)
+            return original(*args, **kwargs)
+
+        return on_train_batch_end
+
+    return _wrap_on_instance(trainer.lightning_module, "on_train_batch_end", wrap)
+
+
 def _wrap_on_instance(
     owner: Any, name: str, wrap: Callable[[Callable[..., Any], dict[str, bool]], Callable[..., Any]]
 ) -> Callable[[], None]:
@@ -561,8 +578,9 @@ def _wrap_on_instance(
 
 class HookWatch:
     """Holds at most one hook installed by ``install(trainer, hook)`` (:func:`on_train_dataloader_ready`,
-    :func:`on_training_step_input`, :func:`after_train_start`): :meth:`watch` replaces the previous one (a
-    previous fit's, which ended before it was stopped), :meth:`stop` removes it."""
+    :func:`on_training_step_input`, :func:`after_train_start`, :func:`after_train_batch_ends`): :meth:`watch`
+    replaces the previous one (a previous fit's, which ended before it was stopped), :meth:`once` calls its
+    hook the next time only, :meth:`stop` removes it."""
 
     def __init__(self, install: Callable[[pl.Trainer, Callable[[Any], None]], Callable[[], None]]) -> None:
         self._install = install
@@ -572,6 +590,15 @@ class HookWatch:
         """Call ``hook`` from now on, as the installer says (``None``: no hook)."""
         self.stop()
         self._remove = None if hook is None else self._install(trainer, hook)
+
+    def once(self, trainer: pl.Trainer, hook: Callable[[Any], None]) -> None:
+        """Call ``hook`` the next time only: removed before it runs (nothing stays on a per-step path)."""
+
+        def call_once(argument: Any) -> None:
+            self.stop()
+            hook(argument)
+
+        self.watch(trainer, call_once)
 
     def stop(self) -> None:
         if self._remove is not None:

@@ -139,6 +139,15 @@ def rollback_states(trainer: pl.Trainer, exclude: object = None) -> dict[str, Ro
     return {f"{trainer.callbacks.index(cb)}:{cb.state_key}": RollbackState(cb) for cb in aware}
 
 
+def rollback_aware_after(trainer: pl.Trainer, callback: object) -> bool:
+    """Whether a ``RollbackAware`` callback is listed after ``callback`` in ``trainer.callbacks``: its
+    ``on_train_batch_end`` closes each step's books after ``callback``'s."""
+    index = trainer.callbacks.index(callback)
+    return any(
+        trainer.callbacks.index(aware) > index for aware in listeners(trainer, RollbackAware, callback)
+    )
+
+
 def tell_restored_phase(
     trainer: pl.Trainer, pl_module: pl.LightningModule, states: dict[str, RollbackState], change: PhaseChange
 ) -> None:

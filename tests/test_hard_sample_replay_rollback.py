@@ -28,16 +28,16 @@ FAULT_STEP, SNAPSHOT_STEP = 32, 30
 
 
 class SnapshotTwin(Callback):
-    """Placed right after the guard: copies the replay state whenever the guard has just taken a snapshot,
-    at the same point of the step, so it holds what the snapshot holds."""
+    """Placed after both: copies the replay state at the start and once every batch end of a step ran, where
+    the guard snapshots in either order (before HardSampleReplay's batch end, a snapshot held the replay
+    state a step behind the weights), so it holds what a snapshot of the step holds."""
 
     def __init__(self, guard: StabilityGuard, replay: HardSampleReplay) -> None:
         self.guard, self.replay = guard, replay
         self.at_step: dict[int, dict] = {}
 
     def _record(self, trainer: pl.Trainer) -> None:
-        if self.guard.last_snapshot_step == trainer.global_step:
-            self.at_step[trainer.global_step] = copy.deepcopy(self.replay.state_dict())
+        self.at_step[trainer.global_step] = copy.deepcopy(self.replay.state_dict())
 
     def on_train_start(self, trainer, pl_module):
         self._record(trainer)
@@ -115,7 +115,7 @@ def test_rollback_returns_scores_and_unapplied_steps_to_the_snapshot(data, repla
     twin, after = SnapshotTwin(guard, replay), AfterRollback(guard, replay)
     # the injector follows the replay callback, so its NaN lands in the batch training_step really sees
     fault = FaultInjector("nan_output", start=FAULT_STEP, length=2)
-    callbacks = [replay, fault, guard, twin, after] if replay_first else [guard, twin, replay, fault, after]
+    callbacks = [replay, fault, guard, twin, after] if replay_first else [guard, replay, fault, twin, after]
     trainer = pl.Trainer(callbacks=callbacks, max_epochs=4, **trainer_kwargs(limit_val_batches=0))
     trainer.fit(MNIST1DClassifier(arch="mlp"), data)
 

@@ -324,9 +324,11 @@ def test_rollback_restores_the_callbacks_that_opt_in_and_only_those(rollback_run
     cycle = trainer.callbacks[0]
     # PulseCycle opts in for its probe only; the EnergyLogger (a meter) does not
     assert [state.callback for state in rollback_states(trainer, exclude=guard).values()] == [cycle, recorder]
-    # the recorder's counter went back with the model: 50 batches ran, those of steps 26..rollback undone
+    # the recorder's counter went back with the model: 50 batches ran, those of steps 26..rollback undone (the
+    # snapshot of step 26 holds its count at that step's end, 26); listed after the guard, it then counts the
+    # flagged batch at its own batch end, after the rollback
     rolled_back_at = next(e["step"] for e in guard.events if e["event"] == "rollback") + 1
-    assert recorder.batches_seen == 50 - (rolled_back_at - 26)
+    assert recorder.batches_seen == 50 - (rolled_back_at - 26) + 1
     # ... and, like after a checkpoint restore, it was told the current phase again
     resumes = [change for change in recorder.announcements if change.reason == "resume"]
     assert [change.step for change in resumes] == [rolled_back_at]

@@ -1429,11 +1429,24 @@ class StabilityCore:
         else:
             self.schedule.pending = self.schedule.pending or self.policy.healthy
 
-    def request_maintain_snapshot(self, change: PhaseChange, probe: Mapping[str, float]) -> None:
-        """Ask for a snapshot at the end of this step when ``change`` starts a maintain phase
-        (:func:`maintain_snapshot_wanted`, in the policy's health)."""
-        if maintain_snapshot_wanted(self.config, change, probe, self.policy.healthy):
-            self.schedule.pending = True
+    def request_maintain_snapshot(
+        self,
+        change: PhaseChange,
+        probe: Mapping[str, float],
+        record: StepRecord | None = None,
+        step: int = -1,
+    ) -> bool:
+        """Ask for a snapshot at the end of this step (the one that leaves the counter at ``step``) when
+        ``change`` starts a maintain phase (:func:`maintain_snapshot_wanted`, in the policy's health). Told
+        after the step's batch end in ``record`` (a callback listed after the guard announced it): dropped if
+        the step was not applied, as :meth:`finish_step` drops it; else ``True``, the caller snapshots once
+        every callback's batch end closed the step (:attr:`SnapshotSchedule.pending` stays set until then)."""
+        if not maintain_snapshot_wanted(self.config, change, probe, self.policy.healthy):
+            return False
+        ended = record is not None and record.decided is None and record.ended is not None
+        ended = ended and record.ended[0] == step
+        self.schedule.pending = not ended or record.applied(step)
+        return ended and self.schedule.pending
 
     def summary(self) -> str | None:
         """The end-of-training line of this fit (:func:`summary_message`), or ``None``."""
