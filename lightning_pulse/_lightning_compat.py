@@ -536,20 +536,29 @@ def after_train_start(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Calla
 
 
 def after_train_batch_ends(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Callable[[], None]:
-    """Call ``hook(trainer)`` once every callback's ``on_train_batch_end`` has run (in their order, with
-    ``ModelCheckpoint``'s, which Lightning moves last), right before the module's own: Lightning's training
-    loop calls the module's hook next. Wrapped on the module instance (not its class), only while installed.
-    Returns a function removing the hook."""
+    """Call ``hook(trainer)`` once every callback's ``on_train_batch_end`` of this batch has run (in their
+    order, with ``ModelCheckpoint``'s, which Lightning moves last), before the module's own: a stateless
+    callback appended to ``trainer.callbacks`` (:func:`append_callback_for_fit`: Lightning's hook calls
+    iterate the list itself) runs last in the hook now running, or in the next batch end. Nothing is put on the
+    module (a review: a wrapper on the module instance was deep-copied with it, into ScheduledPrune's
+    distillation teacher, which could then not be pickled). Returns a function removing it."""
+    from lightning.pytorch.callbacks import Callback
 
-    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
-        def on_train_batch_end(*args: Any, **kwargs: Any) -> Any:
-            if state["active"]:
+    class _LastBatchEnd(Callback):
+        active = True
+
+        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+            if self.active:
                 hook(trainer)
-            return original(*args, **kwargs)
 
-        return on_train_batch_end
+    last = _LastBatchEnd()
+    append_callback_for_fit(trainer, last)
 
-    return _wrap_on_instance(trainer.lightning_module, "on_train_batch_end", wrap)
+    def remove() -> None:
+        last.active = False
+        remove_callback(trainer, last)
+
+    return remove
 
 
 def _wrap_on_instance(

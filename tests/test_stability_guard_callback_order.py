@@ -1,4 +1,4 @@
-"""StabilityGuard anywhere in the callback list: a snapshot holds every callback's state at the end of its step.
+"""StabilityGuard anywhere in the callback list: a snapshot holds every callback's state at its step's end.
 
 A tiny MLP on sklearn's digits (1,400 samples, unshuffled batches of 64), PulseCycle(6/4/2) and, in the first
 test, HardSampleReplay. Listed before a ``RollbackAware`` callback (PulseCycle, HardSampleReplay), the guard
@@ -123,3 +123,26 @@ def test_maintain_entry_snapshot_is_taken_at_its_step_in_either_order(digits):
     first, second = rings.values()
     assert dict(first)[11] == [0, 8, 10] and dict(first)[23] == [10, 18, 22]
     assert first == second
+
+
+def test_a_snapshot_after_every_batch_end_puts_nothing_on_the_module_a_distillation_teacher_copies(
+    digits, tmp_path
+):
+    # a review: the deferred snapshot was a wrapper on the module instance; ScheduledPrune's distillation
+    # teacher, deep-copied at a maintain entry that was also a prune step, kept it and could not be pickled
+    from lightning_pulse import ScheduledPrune
+    from lightning_pulse.core.distillation import DistillConfig
+
+    pl.seed_everything(0)
+    guard = StabilityGuard(warmup=5, window=20, snapshot_every=4, max_snapshots=3, rollback_margin=1)
+    cycle = PulseCycle(burst=6, replay=4, maintain=2, warmup=0, anneal=0, maintain_eval="none")
+    prune = ScheduledPrune(
+        final_sparsity=0.5, start=1, end=30, probe_batches=0, distill=DistillConfig(steps=2)
+    )
+    model = Net(None)
+    trainer = pl.Trainer(callbacks=[guard, cycle, prune], max_steps=24, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(model, DataLoader(digits, batch_size=64))
+    assert [event["step"] for event in prune.events] == [10, 22]
+    assert "on_train_batch_end" not in vars(model)
+    assert [type(c) for c in trainer.callbacks if type(c).__module__.startswith("lightning_pulse._")] == []
+    trainer.save_checkpoint(tmp_path / "after.ckpt")  # the module and everything it holds pickle
