@@ -594,6 +594,9 @@ class PhaseClock:
         step (:meth:`PhaseRows.step_starts`), the step that just trained is not counted yet (a scheduler's
         batch end that runs before PulseCycle's): the hold waits for :meth:`take_due_hold`, after
         :meth:`advance` counts that step, so it takes effect at the same step whatever the callback order.
+        A waiting hold is not in :meth:`state_dict`: a checkpoint saved between the two batch ends (a
+        StabilityGuard's stop, listed between them) resumes unheld, and the scheduler decides again at its next
+        check.
         """
         if step is not None and self.rows.in_step and step > self.step and self.stage != "pending":
             self._hold_due = bool(held)
@@ -873,8 +876,8 @@ class PhaseRows:
 
     @property
     def in_step(self) -> bool:
-        """Whether a step has started (:meth:`step_starts`) and its row is not decided yet (:meth:`after_step`):
-        the clock has not counted it."""
+        """Whether a step has started (:meth:`step_starts`) and its row is not decided yet
+        (:meth:`after_step`): the clock has not counted it."""
         return self._in_step
 
     def phase_ended_by_hold(self) -> None:

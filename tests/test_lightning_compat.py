@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -488,7 +489,7 @@ def test_an_energy_logger_alone_on_a_growing_curriculum_says_its_forecast_is_rea
     )
 
 
-@pytest.mark.parametrize("interval", [{"seconds": 3600}, "00:00:00:01"])
+@pytest.mark.parametrize("interval", [{"seconds": 0.3}, "00:00:00:01"])
 def test_a_time_based_val_check_interval_leaves_a_step_saving_plan_to_lightning(interval):
     # Lightning 2.6 keeps a time interval in `_val_check_time_interval` and sets no `val_check_interval`:
     # reading the latter at each planned pass crashed the README's stack at train start
@@ -496,15 +497,25 @@ def test_a_time_based_val_check_interval_leaves_a_step_saving_plan_to_lightning(
     from lightning_pulse import HardSampleReplay, PulseCycle
     from tests.clients import EncoderClassifier
 
+    class Slow(pl.Callback):  # 0.1 s a batch: a run of about 3 s validates by time, whatever the machine
+        validated: list[int] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            time.sleep(0.1)
+
+        def on_validation_end(self, trainer, pl_module):
+            self.validated.append(trainer.global_step)
+
     pl.seed_everything(0)
-    replay = HardSampleReplay()
+    replay, slow = HardSampleReplay(), Slow()
     cycle = PulseCycle(burst=6, replay=4, maintain=2, maintain_eval="none")
     trainer = pl.Trainer(
-        callbacks=[cycle, replay], max_epochs=3, val_check_interval=interval, **trainer_kwargs()
+        callbacks=[cycle, replay, slow], max_epochs=3, val_check_interval=interval, **trainer_kwargs()
     )
     trainer.fit(EncoderClassifier(), DigitsDataModule(batch_size=128))
     assert trainer.global_step == replay.steps.plan.total_steps < 3 * 11  # the plan ran, and saved steps
     assert trainer.current_epoch == 3
+    assert slow.validated and any(0 < step < trainer.global_step for step in slow.validated)  # by time
 
 
 class _StepsCounter(pl.Callback):
