@@ -248,9 +248,9 @@ class OneRunPerInstance(FitRestores):
         if counted is not None and step is not None and counted <= step:
             return (
                 f"{name}: this instance's earlier trainer.fit stopped before its first optimizer step (a "
-                "refusal or an exception at train start or in the first training_step): it trained nothing, but "
-                "it may have left the instance partly set up for that fit. Create new callbacks for this fit "
-                "(build the callback list again)."
+                "refusal or an exception at train start or in the first training_step): it trained nothing, "
+                "but it may have left the instance partly set up for that fit. Create new callbacks for this "
+                "fit (build the callback list again)."
             )
         if self._smoke_test:
             return (

@@ -1552,8 +1552,8 @@ def refuse_unwritable_stop_path(
         reason = from_rank_zero([reason])[0]
     if reason is not None:
         raise PulseRefusal(
-            f"StabilityGuard: `config.stop_checkpoint_path`={path!r} cannot hold the checkpoint the guard saves "
-            f"when it stops a run ({reason}); give a file path in a writable folder, or None for "
+            f"StabilityGuard: `config.stop_checkpoint_path`={path!r} cannot hold the checkpoint the guard "
+            f"saves when it stops a run ({reason}); give a file path in a writable folder, or None for "
             "<default_root_dir>/stability_guard/stopped-step=<step>.ckpt."
         )
 
@@ -1581,8 +1581,9 @@ def stop_error(
     if reason is None:
         return StabilityGuardError(message, checkpoint_path=path)
     stopped = StabilityGuardError(
-        f"{message} But that checkpoint could not be written ({reason}): no file holds the state, the model and "
-        "optimizers in memory do; save them now with trainer.save_checkpoint(<a path in a writable folder>).",
+        f"{message} But that checkpoint could not be written ({reason}): no file holds the state, the model "
+        "and optimizers in memory do; save them now with trainer.save_checkpoint(<a path in a writable "
+        "folder>).",
         checkpoint_path=None,
     )
     stopped.__cause__ = failure
