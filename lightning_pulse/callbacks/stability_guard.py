@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.callbacks._snapshot_moments import SnapshotMoments
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
 from lightning_pulse.callbacks.pulse_cycle import PulseCycle, pulse_cycle_of
 from lightning_pulse.core import stability_steps as steps
@@ -27,7 +28,7 @@ from lightning_pulse.errors import (
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PhaseChange
 from lightning_pulse.probe import losses_at, training_losses
-from lightning_pulse.protocols import rollback_aware_after, rollback_states, tell_restored_phase
+from lightning_pulse.protocols import rollback_states, tell_restored_phase
 
 __all__ = ["StabilityGuard", "StabilityGuardConfig", "StabilityGuardError"]
 
@@ -150,9 +151,7 @@ class StabilityGuard(Callback):
         self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
         self._record = steps.StepRecord()  # the current optimizer step's micro-batches, losses and action
         self._entry_watch = compat.HookWatch(compat.on_training_step_input)
-        self._start_watch = compat.HookWatch(compat.after_train_start)  # the fit-start snapshot: see there
-        self._end_watch = compat.HookWatch(compat.after_train_batch_ends)  # a snapshot after later batch ends
-        self._snapshot_later = False  # a RollbackAware callback listed after the guard closes steps later
+        self._moments = SnapshotMoments()  # snapshots after the other callbacks' part of a hook, where needed
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
         self._fixed_key = self.detector.main_key  # the key without one: "burst", or "all" without phases
         self._energy = StepEnergy()
@@ -184,12 +183,11 @@ class StabilityGuard(Callback):
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
         # HardSampleReplay cuts batches in place and tells their rows
         self._record = steps.StepRecord.of_callbacks(trainer.callbacks, HardSampleReplay, pl_module.device)
-        self._snapshot_later = rollback_aware_after(trainer, self)  # its state in a snapshot: the step's end
         self._entry_watch.watch(trainer, self._entered)  # after every batch-start hook and a cut
         # refuses ZeRO's sharded optimizer
         self.core.start(trainer.global_step, trainer.optimizers, pl_module)
         self.core.snapshot_owed = True  # the start is good: snapshot after all on_train_start (or at batch 0)
-        self._start_watch.watch(trainer, lambda _: self._take_snapshot(trainer, pl_module))
+        self._moments.fit_starts(trainer, self, partial(self._take_snapshot, trainer, pl_module))
 
     @override
     def on_train_batch_start(
@@ -245,7 +243,7 @@ class StabilityGuard(Callback):
         energy, optimizers, schedulers = self._energy.end(), trainer.optimizers, self._schedulers(trainer)
         step, forced = trainer.global_step, self._record.forced  # forced: skipped after a rollback
         if self.core.finish_step(action, step, energy, optimizers, pl_module, schedulers, forced):
-            self._snapshot_step_end(trainer, pl_module, self._snapshot_later)
+            self._moments.step_ends(trainer, partial(self._take_snapshot, trainer, pl_module))
         if action in (Action.ROLLBACK, Action.STOP):
             self._roll_back(trainer, pl_module, action)
         if action is not Action.APPLY:
@@ -262,14 +260,14 @@ class StabilityGuard(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: BaseException) -> None:
         self._changes.detach()  # no train-end hook runs after an exception (the guard's own stop too)
-        for watch in (self._entry_watch, self._start_watch, self._end_watch):
-            watch.stop()
+        self._entry_watch.stop()
+        self._moments.stop()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._changes.detach()
-        for watch in (self._entry_watch, self._start_watch, self._end_watch):
-            watch.stop()
+        self._entry_watch.stop()
+        self._moments.stop()
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
 
     def on_pulse_phase_change(
@@ -280,7 +278,8 @@ class StabilityGuard(Callback):
         told after the guard's batch end, at the end of every callback's)."""
         probe = cycle.last_probe if (cycle := pulse_cycle_of(trainer)) is not None else {}
         if self.core.request_maintain_snapshot(change, probe, self._record, trainer.global_step):
-            self._snapshot_step_end(trainer, pl_module, later=True)  # after the guard's batch end of the step
+            take = partial(self._take_snapshot, trainer, pl_module)
+            self._moments.step_ends(trainer, take, told_late=True)  # after the guard's batch end of the step
 
     def on_pulse_parameters_replaced(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
@@ -340,14 +339,6 @@ class StabilityGuard(Callback):
         self.core.take_snapshot(
             trainer.global_step, pl_module, *state, rank_zero_warn, self._sum_over_ranks(trainer)
         )
-
-    def _snapshot_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, later: bool) -> None:
-        """Snapshot the step just ended: now, or (``later``) once every callback's batch end closed it (a
-        ``RollbackAware`` one's books then hold the step, as with the guard listed last), if still at it."""
-        take, step = partial(self._take_snapshot, trainer, pl_module), trainer.global_step
-        if later:  # a request between two steps (none in the library) stays pending, for the next step's end
-            return self._end_watch.once(trainer, lambda _: trainer.global_step == step and take())
-        take()
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
         """Return to the newest snapshot taken ``rollback_margin`` steps before the incident; then go on
