@@ -535,6 +535,18 @@ def after_train_start(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Calla
     return _wrap_on_instance(trainer.strategy, "on_train_start", wrap)
 
 
+class _LastBatchEnd(pl.Callback):
+    """A stateless callback that calls ``hook(trainer)`` at its ``on_train_batch_end`` while ``active``
+    (:func:`after_train_batch_ends`)."""
+
+    def __init__(self, hook: Callable[[Any], None]) -> None:
+        self.hook, self.active = hook, True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.active:
+            self.hook(trainer)
+
+
 def after_train_batch_ends(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Callable[[], None]:
     """Call ``hook(trainer)`` once every callback's ``on_train_batch_end`` of this batch has run (in their
     order, with ``ModelCheckpoint``'s, which Lightning moves last), before the module's own: a stateless
@@ -542,16 +554,7 @@ def after_train_batch_ends(trainer: pl.Trainer, hook: Callable[[Any], None]) -> 
     iterate the list itself) runs last in the hook now running, or in the next batch end. Nothing is put on the
     module (a review: a wrapper on the module instance was deep-copied with it, into ScheduledPrune's
     distillation teacher, which could then not be pickled). Returns a function removing it."""
-    from lightning.pytorch.callbacks import Callback
-
-    class _LastBatchEnd(Callback):
-        active = True
-
-        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-            if self.active:
-                hook(trainer)
-
-    last = _LastBatchEnd()
+    last = _LastBatchEnd(hook)
     append_callback_for_fit(trainer, last)
 
     def remove() -> None:

@@ -1101,9 +1101,9 @@ class GreenSchedule:
         ``held_open_s``: light held in the segment still open); returns its warning, else ``None``. It used to
         keep the checkpoint's, and a resume with ``max_delay=0`` still waited 3 h."""
         saved, self.saved_inputs = self.saved_inputs, None
-        if saved is not None and self.budget_s is not None and changed_inputs(saved, self.inputs):
-            return self.rebuild_budget(saved, step, steps_left, held_open_s)
-        return None
+        if saved is None or self.budget_s is None or not (changed := changed_inputs(saved, self.inputs)):
+            return None
+        return self.rebuild_budget(saved, changed, step, steps_left, held_open_s)
 
     def join(self, step: int, steps_left: float) -> str:
         """Added on a resume at the run's ``step``: it plans the work left, the share ``steps_left`` of the
@@ -1133,10 +1133,15 @@ class GreenSchedule:
         )
 
     def rebuild_budget(
-        self, saved: dict[str, Any], step: int, steps_left: float, held_open_s: float = 0.0
+        self,
+        saved: dict[str, Any],
+        changed: list[str],
+        step: int,
+        steps_left: float,
+        held_open_s: float = 0.0,
     ) -> str:
         """Build the restored budget again from :attr:`inputs` where the checkpoint's was built from ``saved``
-        ones, as a fresh run builds it: a duration, or the share of the planned work (``expected_duration``'s
+        ones that differ in the ``changed`` arguments (:func:`changed_inputs`), as a fresh run builds it: a duration, or the share of the planned work (``expected_duration``'s
         part that this schedule plans, else the run's length at its measured pace, else the planned work the
         checkpoint holds). What was waited or held light (``held_open_s`` of it still in the open segment)
         counts against it. Returns the warning."""
@@ -1151,7 +1156,6 @@ class GreenSchedule:
         built = (
             f"{round(self.max_delay, 4)!r} x {duration_text(planned)} of planned work, " if self.share else ""
         )
-        changed = changed_inputs(saved, self.inputs)
         was = " and ".join(input_text(field, saved) for field in changed)
         delayed = self.delayed_s + held_open_s
         left = max(self.budget_s - delayed, 0.0)
