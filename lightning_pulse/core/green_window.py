@@ -1141,9 +1141,9 @@ class GreenSchedule:
         held_open_s: float = 0.0,
     ) -> str:
         """Build the restored budget again from :attr:`inputs` where the checkpoint's was built from ``saved``
-        ones that differ in the ``changed`` arguments (:func:`changed_inputs`), as a fresh run builds it: a duration, or the share of the planned work (``expected_duration``'s
-        part that this schedule plans, else the run's length at its measured pace, else the planned work the
-        checkpoint holds). What was waited or held light (``held_open_s`` of it still in the open segment)
+        ones that differ in the ``changed`` arguments (:func:`changed_inputs`), as a fresh run builds it: a
+        duration, or the share of the planned work (``expected_duration``'s part that this schedule plans,
+        else the run's length at its measured pace, else the planned work the checkpoint holds). What was waited or held light (``held_open_s`` of it still in the open segment)
         counts against it. Returns the warning."""
         budget_was = float(self.budget_s)  # type: ignore[arg-type]
         if self.share and self.expected_work_s is not None:
