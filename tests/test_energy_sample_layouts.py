@@ -470,3 +470,74 @@ def test_a_list_whose_first_sample_is_as_long_as_the_batch_twice_is_told_by_its_
     ]
     assert counts == [4, 4, 2] and not doubts
     assert "list of per-sample tensors" in counter.described()
+
+
+def test_a_resumed_counter_applies_the_runs_layouts_not_its_first_batchs(tmp_path):
+    # a resume mid-epoch may start at the epoch's short last batch: (4, 8) rows of 8 features from a loader of
+    # batch_size=8 looks like a time-major (T=4, B=8) batch, and its 4 samples counted as 8
+    from lightning_pulse.energy.counting import BatchCounter
+
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.zeros(36, 8)), batch_size=8)  # 4 x 8, then 4
+    run = BatchCounter(loader)
+    assert run.count([torch.zeros(8, 8)], print)[0] == 8
+    torch.save(run.state_dict(), tmp_path / "layouts.pt")
+    saved = torch.load(tmp_path / "layouts.pt", weights_only=True)  # as Lightning may load a checkpoint
+    short_last = [torch.zeros(4, 8)]
+    assert BatchCounter(loader, saved).count(short_last, print)[0] == 4
+    assert BatchCounter(loader).count(short_last, print)[0] == 8  # told from the short batch itself
+    other_size = DataLoader(torch.utils.data.TensorDataset(torch.zeros(36, 8)), batch_size=6)
+    assert BatchCounter(other_size, saved).state_dict() == saved  # kept, but for a loader of batch_size=8
+    assert BatchCounter(other_size, saved).count([torch.zeros(4, 8)], print)[0] == 4  # told anew: no (T, 6)
+    assert BatchCounter(loader, [{"path": None}]).count(short_last, print)[0] == 8  # unreadable: told anew
+
+
+def test_a_fit_resumed_at_an_epochs_short_last_batch_counts_the_samples_the_uninterrupted_run_counts(
+    tmp_path,
+):
+    """Sweep s36 (order sweep): resumed inside StabilityGuard's skip window after a rollback, EnergyLogger's
+    burst row counted 8 samples more than the uninterrupted run's. The skip window was not the cause: the
+    resumed fit's first batch was the epoch's short last batch (HardSampleReplay's steps mode resumes the data
+    where the checkpoint left it), and its layout, told afresh from that batch, read (32, 40) MNIST-1D rows of
+    a 40-sample loader as time-major (T=32, B=40): 40 counted for each short batch, the report saying
+    "time-major". The resumed fit now applies the layouts the run told, saved in the checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+    from lightning_pulse import HardSampleReplay, PulseCycle, StabilityGuard
+
+    class BadWeightAtFifteen(MNIST1DClassifier):
+        def training_step(self, batch, batch_idx):
+            self.trained_rows.append(len(batch[1]))
+            if self.global_step == 15 and not self.went_bad:  # the state goes non-finite: a rollback at once
+                self.went_bad = True
+                with torch.no_grad():
+                    self.net[-1].weight[0, 0] = float("nan")
+            return super().training_step(batch, batch_idx)
+
+    def run(ckpt_path=None, checkpoints=()):
+        pl.seed_everything(0)
+        model = BadWeightAtFifteen(arch="cnn", channels=8)
+        model.went_bad, model.trained_rows = ckpt_path is not None, []
+        guard = StabilityGuard(
+            warmup=5, window=20, snapshot_every=5, rollback_margin=2, skip_after_rollback=4
+        )
+        energy = logger_for(tmp_path / ("resumed" if ckpt_path else "whole"))
+        cycle = PulseCycle(burst=6, replay=4, maintain=2, warmup=0, anneal=0, probe_batches=1)
+        callbacks = [cycle, HardSampleReplay(mode="steps"), guard, energy, *checkpoints]
+        kwargs = trainer_kwargs(
+            max_steps=40, default_root_dir=tmp_path, enable_checkpointing=bool(checkpoints)
+        )
+        trainer = pl.Trainer(callbacks=callbacks, **kwargs)
+        # 432 training samples: 10 batches of 40, then 32
+        trainer.fit(model, MNIST1DDataModule(num_samples=600, batch_size=40), ckpt_path=ckpt_path)
+        return model, guard, energy.report
+
+    every_step = ModelCheckpoint(tmp_path / "ckpt", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    _, guard, whole = run(checkpoints=[every_step])
+    assert [event["step"] for event in guard.events if event["event"] == "rollback"] == [15]  # skips 16-19
+    resumed_model, _, resumed = run(ckpt_path=tmp_path / "ckpt" / "step=18.ckpt")
+    assert resumed_model.trained_rows[:2] == [32, 40]  # the resume starts at the epoch's short last batch
+    samples = {phase: row["samples"] for phase, row in whole["phases"].items()}
+    assert {phase: row["samples"] for phase, row in resumed["phases"].items()} == samples
+    assert resumed["total"]["samples"] == whole["total"]["samples"]
+    assert resumed["counting"]["samples"] == whole["counting"]["samples"]  # not "time-major"

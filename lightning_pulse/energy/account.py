@@ -390,6 +390,7 @@ class EnergyAccount:
         self.rate_parts: dict[str, list[dict[str, Any]]] = {name: [] for name in RATES}
         self._uncounted_before: tuple[str, ...] = ()  # the rates an old checkpoint's run had none of
         self._restored = False  # a checkpoint was loaded for the next fit (not during one)
+        self._layouts_told_before: list[dict[str, Any]] = []  # the run's sample layouts, from a checkpoint
         self._settled_once = False
         self.prediction: dict[str, Any] | None = None
         self.ledger: EnergyLedger | None = None
@@ -420,6 +421,7 @@ class EnergyAccount:
         if not self._restored:
             self.carried, self.prediction, self.resumed_runs = None, None, 0
             self.from_step, self.rate_parts = None, {name: [] for name in RATES}
+            self._layouts_told_before = []
             for rate in (self.intensity, self.price):
                 if rate is not None:
                     rate.run_start = None  # anchored again below, at this run's start
@@ -503,7 +505,7 @@ class EnergyAccount:
         :meth:`forecast_length`); ``loader`` the training DataLoader (or the several Lightning combines),
         whose batch size tells a time-major batch's samples
         (:class:`~lightning_pulse.energy.counting.BatchCounter`)."""
-        self._counter = BatchCounter(loader)
+        self._counter = BatchCounter(loader, self._layouts_told_before)
         self.step_counter = step_counter
         self._counted_step = self._logged_step = step_counter()
         self.fit_start_progress = progress
@@ -1125,6 +1127,8 @@ class EnergyAccount:
             "price": None if self.price is None else self.price.state_dict(),
             "from_step": self.from_step,
             "rates": {name: [dict(part) for part in parts] for name, parts in self.rate_parts.items()},
+            # before this fit's training, the counter is empty: the run's layouts are still those restored
+            "sample_layouts": self._counter.state_dict() or list(self._layouts_told_before),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1138,6 +1142,7 @@ class EnergyAccount:
             if rate is not None and state_dict.get(key):
                 rate.load_state_dict(state_dict[key])
         self.from_step = int(state_dict.get("from_step") or 0)  # version 1: from the run's start
+        self._layouts_told_before = list(state_dict.get("sample_layouts") or [])  # none before this version
         rates = state_dict.get("rates")
         if isinstance(rates, dict):
             self.rate_parts = {name: [dict(part) for part in rates.get(name, [])] for name in RATES}

@@ -28,7 +28,7 @@ in a few attribute look-ups, since it runs on every training batch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -459,13 +459,19 @@ class BatchCounter:
     hold the loaders' batches at their places (joined in ``on_after_batch_transfer``, say) is counted as one
     batch, with a doubt.
 
-    ``loaders``: ``trainer.train_dataloader``."""
+    ``loaders``: ``trainer.train_dataloader``. ``told_before``: the layouts the run told before a resume
+    (:meth:`state_dict`, from a checkpoint): a resumed fit applies them instead of telling its own from its
+    first batch, which may be an epoch's short last batch (a resume mid-epoch can start there), which the
+    loader's batch size does not describe: a ``(32, 40)`` batch of a loader of ``batch_size=40`` was read as
+    time-major, 40 samples counted for 32."""
 
-    def __init__(self, loaders: Any = None) -> None:
+    def __init__(self, loaders: Any = None, told_before: Sequence[Mapping[str, Any]] = ()) -> None:
         self.parts = loader_parts(loaders)
         self.batch_size = loader_batch_size(loaders) if self.parts is None else None
         self.uneven = loader_ends_short(loaders) if self.parts is None else True
         self.layouts: dict[tuple[tuple[Any, ...], type], SampleLayout] = {}
+        self._sizes: dict[tuple[tuple[Any, ...], type], int | None] = {}  # each layout's loader batch size
+        self._told_before = dict(filter(None, map(_saved_layout, told_before)))
 
     def count(
         self, batch: Any, doubted: Callable[[str, str], None]
@@ -518,6 +524,28 @@ class BatchCounter:
         )
         return f"every training loader's batch, added up: {'; '.join(told)}"
 
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The layouts told (and those told before a resume, not met yet), for a checkpoint: plain values
+        only, so that a checkpoint loads with ``weights_only``; a layout under keys of other types is left
+        out (told again on a resume)."""
+        saved = dict(self._told_before)
+        for (path, batch_type), layout in self.layouts.items():
+            saved[(path, _type_name(batch_type), self._sizes[(path, batch_type)])] = layout
+        return [
+            {
+                "path": None if path is None else list(path),
+                "type": name,
+                "batch_size": size,
+                "layout": {
+                    **dataclasses.asdict(layout),
+                    "path": list(layout.path),
+                    "lengths": list(layout.lengths),
+                },
+            }
+            for (path, name, size), layout in saved.items()
+            if _plain_keys(path) and _plain_keys(layout.path)
+        ]
+
     def _layout(
         self,
         path: tuple[Any, ...] | None,
@@ -530,7 +558,9 @@ class BatchCounter:
         layout = self.layouts.get(key)
         if layout is None or layout.kind == "items_or_first":
             if layout is None:
-                layout = self.layouts[key] = self._tell(path, batch, size, uneven)
+                told = self._told_before.pop((path, _type_name(type(batch)), size), None)
+                layout = self.layouts[key] = told or self._tell(path, batch, size, uneven)
+                self._sizes[key] = size
             elif size is not None:  # told at the first batch: both readings counted it the same
                 layout = self.layouts[key] = second_look(layout, batch, size, uneven)
             if layout.doubt is not None:
@@ -558,6 +588,28 @@ class BatchCounter:
 
     def _name(self, path: tuple[Any, ...] | None) -> str:
         return "" if path is None or self.parts is None else f"training loader {_place(path)}: "
+
+
+def _type_name(batch_type: type) -> str:
+    return f"{batch_type.__module__}.{batch_type.__qualname__}"
+
+
+def _plain_keys(path: tuple[Any, ...] | None) -> bool:
+    return path is None or all(type(key) in (str, int) for key in path)
+
+
+def _saved_layout(record: Mapping[str, Any]) -> tuple[tuple[Any, ...], SampleLayout] | None:
+    """``((path, type name, loader batch size), layout)`` of a :meth:`BatchCounter.state_dict` record;
+    ``None`` for one this version cannot read (it is told again)."""
+    try:
+        path = None if record["path"] is None else tuple(record["path"])
+        fields = dict(record["layout"])
+        layout = SampleLayout(
+            **{**fields, "path": tuple(fields["path"]), "lengths": tuple(fields["lengths"])}
+        )
+        return (path, str(record["type"]), record["batch_size"]), layout
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _place(path: tuple[Any, ...]) -> str:
