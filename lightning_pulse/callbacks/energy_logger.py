@@ -222,7 +222,7 @@ class EnergyLogger(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self.account.batch_started(batch)
+        self.account.batch_started(batch, batch_idx)
 
     @override
     def on_before_backward(

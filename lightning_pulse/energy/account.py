@@ -644,9 +644,10 @@ class EnergyAccount:
             self.mark(stage=label.stage, phase=label.phase, cycle=label.cycle, epoch=label.epoch)
             self.skip_gap()  # the time since the last batch's end holds the pause, not a data-loader wait
 
-    def batch_started(self, batch: Any) -> None:
+    def batch_started(self, batch: Any, batch_idx: int = 0) -> None:
         """A training batch starts: the data-loader wait before it; its samples and tokens are counted by
-        :meth:`count_batch`.
+        :meth:`count_batch`. ``batch_idx``: its index in the epoch (which batches tell a layout for good:
+        :class:`~lightning_pulse.energy.counting.BatchCounter`).
 
         Runs on every batch: plain-number tallies only, folded into the ledger at the next label change or
         read-out. A token count on the device stays pending (reading it would synchronise a GPU).
@@ -662,7 +663,7 @@ class EnergyAccount:
         self._last_batch_start = now
         self._batches += 1
         self.batches_started_this_fit += 1
-        self._uncounted = batch
+        self._uncounted, self._uncounted_index = batch, batch_idx
 
     def drop_batch_in_flight(self) -> None:
         """The batch that started and reached no backward (an exception in its forward) trained nothing: it is
@@ -691,7 +692,7 @@ class EnergyAccount:
                 samples = int(self.sample_counter(batch))
                 tokens = self.token_counter(batch) if self.token_counter else self._counter.tokens(batch)
             else:  # the layout is decided at a batch type's first batch, then only applied
-                samples, tokens = self._counter.count(batch, self._doubted)
+                samples, tokens = self._counter.count(batch, self._doubted, self._uncounted_index)
                 if self.token_counter is not None:
                     tokens = self.token_counter(batch)
         except Exception as error:  # a counter that cannot read a batch must not stop training
@@ -1222,6 +1223,7 @@ class EnergyAccount:
         self._last_batch_end: float | None = None
         self._batches = self._samples = self._tokens = self._token_batches = 0
         self._uncounted: Any = None  # the batch that started, until its samples are counted
+        self._uncounted_index = 0  # its index in the epoch
         self._stall_s = self._loop_s = 0.0
         self._pending_now: torch.Tensor | None = None
         self._pending: dict[tuple[str, ...], torch.Tensor] = {}

@@ -163,6 +163,10 @@ class SampleLayout:
 
 
 _SAMPLE_COUNTER_WAY_OUT = "pass `accounting=AccountingConfig(sample_counter=...)`"
+_KINDS = ("first", "graphs", "time_major", "items", "items_or_first")
+# the rules :func:`sample_layout` and :func:`second_look` tell layouts by, saved with them: raised when they
+# tell a batch otherwise, so that a resume from an older checkpoint tells its layouts again by the new ones
+LAYOUT_RULES = 1
 
 
 def graph_vector(batch: Any, loader_batch_size: int | None = None) -> torch.Tensor | None:
@@ -463,20 +467,28 @@ class BatchCounter:
     (:meth:`state_dict`, from a checkpoint): a resumed fit applies them instead of telling its own from its
     first batch, which may be an epoch's short last batch (a resume mid-epoch can start there), which the
     loader's batch size does not describe: a ``(32, 40)`` batch of a loader of ``batch_size=40`` was read as
-    time-major, 40 samples counted for 32."""
+    time-major, 40 samples counted for 32. A layout told in the epoch a fit resumed in mid-way (none saved
+    for it: an EnergyLogger added on the resume, an older checkpoint) is provisional: applied, but not saved,
+    and told again at its type's first batch from the next epoch on, whose first batch is full."""
 
     def __init__(self, loaders: Any = None, told_before: Sequence[Mapping[str, Any]] = ()) -> None:
         self.parts = loader_parts(loaders)
         self.batch_size = loader_batch_size(loaders) if self.parts is None else None
         self.uneven = loader_ends_short(loaders) if self.parts is None else True
         self.layouts: dict[tuple[tuple[Any, ...], type], SampleLayout] = {}
-        self._sizes: dict[tuple[tuple[Any, ...], type], int | None] = {}  # each layout's loader batch size
         self._told_before = dict(filter(None, map(_saved_layout, told_before)))
+        # told in the epoch the fit resumed in, whose next batch may be its short last one: not saved (later
+        # resumes inherited a time-major misreading, 80 samples counted for 70), told again past that epoch
+        self._provisional: set[tuple[tuple[Any, ...] | None, type]] = set()
+        self._in_resumed_epoch: bool | None = None  # decided at the fit's first batch counted
 
     def count(
-        self, batch: Any, doubted: Callable[[str, str], None]
+        self, batch: Any, doubted: Callable[[str, str], None], batch_idx: int = 0
     ) -> tuple[int | torch.Tensor, int | torch.Tensor | None]:
-        """``(samples, tokens)`` of ``batch``; ``doubted(key, why)`` once per layout that may count wrong."""
+        """``(samples, tokens)`` of ``batch``; ``doubted(key, why)`` once per layout that may count wrong.
+        ``batch_idx``: the batch's index in its epoch (a fit's first batch past 0 resumed mid-epoch)."""
+        if self._in_resumed_epoch is None or batch_idx == 0:
+            self._in_resumed_epoch = batch_idx > 0
         if self.parts is None:
             return count_batch(batch, self._layout((), batch, self.batch_size, self.uneven, doubted))
         batches = [(path, _loader_batch(batch, path), size, uneven) for path, size, uneven in self.parts]
@@ -525,14 +537,17 @@ class BatchCounter:
         return f"every training loader's batch, added up: {'; '.join(told)}"
 
     def state_dict(self) -> list[dict[str, Any]]:
-        """The layouts told (and those told before a resume, not met yet), for a checkpoint: plain values
-        only, so that a checkpoint loads with ``weights_only``; a layout under keys of other types is left
-        out (told again on a resume)."""
+        """The layouts told, but not the provisional ones, for a checkpoint: plain values only, so that a
+        checkpoint loads with ``weights_only``; a layout under keys of other types is left out (told again on
+        a resume). Those told before a resume and not met yet are kept (a loader of another batch size may
+        come back): a few records a batch type."""
         saved = dict(self._told_before)
         for (path, batch_type), layout in self.layouts.items():
-            saved[(path, _type_name(batch_type), self._sizes[(path, batch_type)])] = layout
+            if (path, batch_type) not in self._provisional:
+                saved[(path, _type_name(batch_type), self._loader_size(path))] = layout
         return [
             {
+                "rules": LAYOUT_RULES,
                 "path": None if path is None else list(path),
                 "type": name,
                 "batch_size": size,
@@ -556,16 +571,44 @@ class BatchCounter:
     ) -> SampleLayout:
         key = (path, type(batch))
         layout = self.layouts.get(key)
-        if layout is None or layout.kind == "items_or_first":
-            if layout is None:
-                told = self._told_before.pop((path, _type_name(type(batch)), size), None)
-                layout = self.layouts[key] = told or self._tell(path, batch, size, uneven)
-                self._sizes[key] = size
-            elif size is not None:  # told at the first batch: both readings counted it the same
-                layout = self.layouts[key] = second_look(layout, batch, size, uneven)
-            if layout.doubt is not None:
-                doubted(f"samples {path}", f"{self._name(path)}{layout.doubt}")
+        if layout is not None and layout.kind != "items_or_first" and not self._provisional:
+            return layout  # the common case, fast
+        if layout is None or (key in self._provisional and not self._in_resumed_epoch):
+            told = self._restored(path, batch, size, uneven) if layout is None else None
+            if told is None:
+                told = self._tell(path, batch, size, uneven)
+                if self._in_resumed_epoch:
+                    self._provisional.add(key)
+                else:  # told by the first batch from the epoch after it on: a full one
+                    self._provisional.discard(key)
+            layout = self.layouts[key] = told
+        elif layout.kind == "items_or_first" and size is not None:
+            # told at the type's first batch: both readings counted it the same
+            layout = self.layouts[key] = second_look(layout, batch, size, uneven)
+        else:
+            return layout
+        if layout.doubt is not None:  # each doubt once (one told again may differ)
+            doubted(f"samples {path}: {layout.doubt}", f"{self._name(path)}{layout.doubt}")
         return layout
+
+    def _restored(
+        self, path: tuple[Any, ...] | None, batch: Any, size: int | None, uneven: bool
+    ) -> SampleLayout | None:
+        """The layout the run told for ``batch``'s type before the resume, if any (:meth:`state_dict`)."""
+        layout = self._told_before.pop((path, _type_name(type(batch)), size), None)
+        if layout is not None and layout.kind == "items_or_first" and size is not None:
+            # saved after the type's one batch: this is the run's next, the one that tells (else a later
+            # short last batch told it: a list of per-sample tensors, 18 samples counted for 15)
+            layout = second_look(layout, batch, size, uneven)
+        return layout
+
+    def _loader_size(self, path: tuple[Any, ...] | None) -> int | None:
+        """The loader batch size a layout at ``path`` is told with (as :meth:`count` gives it)."""
+        if path is None:
+            return None
+        if self.parts is None:
+            return self.batch_size
+        return next(size for part, size, _ in self.parts if part == path)
 
     def _tell(self, path: tuple[Any, ...] | None, batch: Any, size: int | None, uneven: bool) -> SampleLayout:
         layout = sample_layout(batch, size, uneven)
@@ -600,15 +643,21 @@ def _plain_keys(path: tuple[Any, ...] | None) -> bool:
 
 def _saved_layout(record: Mapping[str, Any]) -> tuple[tuple[Any, ...], SampleLayout] | None:
     """``((path, type name, loader batch size), layout)`` of a :meth:`BatchCounter.state_dict` record;
-    ``None`` for one this version cannot read (it is told again)."""
+    ``None`` for one told by other rules (:data:`LAYOUT_RULES`) or that this version cannot read: its
+    layout is told again."""
     try:
+        if record.get("rules") != LAYOUT_RULES:
+            return None
         path = None if record["path"] is None else tuple(record["path"])
         fields = dict(record["layout"])
         layout = SampleLayout(
             **{**fields, "path": tuple(fields["path"]), "lengths": tuple(fields["lengths"])}
         )
-        return (path, str(record["type"]), record["batch_size"]), layout
-    except (KeyError, TypeError, ValueError):
+        key = (path, str(record["type"]), record["batch_size"])
+        hash(key)  # a list inside would raise where the key is looked up, mid-fit
+        readable = layout.kind in _KINDS and isinstance(layout.described, str)
+        return (key, layout) if readable and isinstance(layout.doubt, (str, type(None))) else None
+    except (AttributeError, KeyError, TypeError, ValueError):
         return None
 
 
