@@ -317,11 +317,40 @@ def checked_selection(pruner: pruning.Pruner, model: nn.Module) -> LayerSelectio
         if (frozen := _frozen_way_out(pruner, model)) is not None:
             raise PulseRefusal(f"ScheduledPrune: {chosen}, and {frozen[0]}{weightless} {frozen[1]}")
         embeddings = _embeddings_only_note(pruner, model)
+        if (computed := _computed_way_out(pruner, model, selection)) is not None:
+            raise PulseRefusal(
+                f"ScheduledPrune: {chosen}.{left_out_note(selection)}{weightless}{embeddings} {computed}"
+            )
         raise PulseRefusal(
             f"ScheduledPrune: {chosen}.{left_out_note(selection)}{weightless}{embeddings} Choose other "
             "`layer_types` or remove ScheduledPrune."
         )
     return selection
+
+
+def _computed_way_out(pruner: pruning.Pruner, model: nn.Module, selection: LayerSelection) -> str | None:
+    """Where layers of the chosen types are left out because their ``weight`` is computed (a parametrization,
+    the older ``weight_norm`` / ``spectral_norm`` hooks): the call that removes each kind, the way to prune
+    them; other ``layer_types`` only where they would select a layer. ``None`` where none is. A sweep's MLP
+    with every ``Linear`` parametrized was told only to "choose other `layer_types`", which cannot help."""
+    computed = [name for name, why in selection.left_out.items() if why == prune_targets.COMPUTED_WEIGHT]
+    if not computed:
+        return None
+    removals: dict[str, list[str]] = {}
+    for name in computed:
+        call = prune_targets.weight_computation_removal(model.get_submodule(name))
+        removals.setdefault(call, []).append(name)
+    # each kind its own call: `remove_parametrizations` raises on an old-style `weight_norm` hook
+    calls = "; ".join(f"`{call}` for {_some_names(names)}" for call, names in removals.items())
+    any_type = prune_targets.select_targets(
+        model, (), pruner.exclude_pattern, pruner.mode == "structured", pruner.user_frozen, pruner.not_trained
+    )
+    other_types = ", choose other `layer_types`" if any_type.layers else ""
+    them, their = ("it", "its") if len(computed) == 1 else ("them", "their")
+    return (
+        f"Way out: remove what computes {their} weight before the fit ({calls}) to prune {them}{other_types} "
+        "or remove ScheduledPrune."
+    )
 
 
 def _frozen_way_out(pruner: pruning.Pruner, model: nn.Module) -> tuple[str, str] | None:

@@ -214,13 +214,25 @@ def uncut_averaged_copies(before: nn.Module, after: nn.Module) -> list[tuple[str
 
 
 def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
-    """``id(parameter) -> [qualified names]`` over every owner (``remove_duplicate=False``); a pruned
-    ``weight_orig`` is named ``weight``."""
+    """``id(parameter) -> [qualified names]``, one per module attribute holding it (found over every module
+    name, ``remove_duplicate=False``), each under its module's name in ``named_modules()``; a pruned
+    ``weight_orig`` is named ``weight``.
+
+    A second name for the same module (a handle such as ``self.first = self.backbone[0]``, or
+    ``self.features = self.backbone``) is no second owner: counted as one, its layer was left out as "shared
+    with first.weight, which is not pruned" (a sweep: 93% of a model unpruned), and structured mode failed
+    with ``KeyError: 'first'``, a name ``named_modules()`` does not give."""
+    module_names = {id(module): name for name, module in model.named_modules()}
     owners: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if name.endswith("weight_orig"):
-            name = name[: -len("_orig")]
-        owners.setdefault(id(parameter), []).append(name)
+    seen: set[tuple[int, str]] = set()
+    for _, module in model.named_modules(remove_duplicate=False):
+        for key, parameter in module._parameters.items():
+            if parameter is None or (id(module), key) in seen:
+                continue
+            seen.add((id(module), key))
+            key = key[: -len("_orig")] if key == "weight_orig" else key
+            prefix = module_names[id(module)]
+            owners.setdefault(id(parameter), []).append(f"{prefix}.{key}" if prefix else key)
     return owners
 
 
@@ -260,6 +272,9 @@ class LayerSelection:
         more = len(items) - limit
         return ", ".join(items[:limit]) + (f" and {more} more" if more > 0 else "")
 
+
+#: why a layer whose ``weight`` is computed at every read is never pruned (:func:`computes_its_weight`)
+COMPUTED_WEIGHT = "its weight is computed by a parametrization (weight_norm, spectral_norm...)"
 
 #: why a layer whose ``weight`` the user froze is never pruned (:func:`frozen_layers`)
 FROZEN_BY_USER = "frozen by the user (`requires_grad=False`)"
@@ -318,9 +333,7 @@ def select_targets(
         elif parametrized:
             # weight_norm, spectral_norm, orthogonal...: `weight` is computed from other tensors on every read, so
             # a mask on it would not hold, and zeros in those tensors need not be zeros of the weight
-            selection.left_out[name] = (
-                "its weight is computed by a parametrization (weight_norm, spectral_norm...)"
-            )
+            selection.left_out[name] = COMPUTED_WEIGHT
         elif name in frozen:
             selection.left_out[name] = FROZEN_BY_USER
         elif name in hidden:
@@ -731,10 +744,14 @@ UNREACHED_SHARE = 1 / 3
 
 def weightless_of_types(model: nn.Module, layer_types: tuple[type, ...]) -> dict[str, str]:
     """Modules of ``layer_types`` that have no ``weight`` parameter (a Hugging Face MoE's ``OlmoeExperts``
-    keeps every expert in fused 3-D ``gate_up_proj`` / ``down_proj``), name -> why they cannot be pruned."""
+    keeps every expert in fused 3-D ``gate_up_proj`` / ``down_proj``), name -> why they cannot be pruned. A
+    layer whose ``weight`` a parametrization computes has one (:data:`COMPUTED_WEIGHT` says why it is left
+    out): called weightless, it was offered other ``layer_types``, which cannot help."""
     found = {}
     for name, module in model.named_modules():
         if not name or not layer_types or not isinstance(module, layer_types) or _has_weight(module):
+            continue
+        if computes_its_weight(module):
             continue
         own = [f"`{key}` ({value.dim()}-D)" for key, value in module._parameters.items() if value is not None]
         found[name] = (

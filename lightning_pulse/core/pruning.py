@@ -1467,7 +1467,9 @@ def check_structured(
 def _parametrized_left_out(model: nn.Module, pruner: Pruner) -> str | None:
     """Why nothing could be cut when layers whose weight a parametrization computes are left out: they are
     named, with the way to let them be cut. ``None`` when there are none."""
-    left_out = [name for name, why in pruner.selection(model).left_out.items() if "parametrization" in why]
+    left_out = [
+        name for name, why in pruner.selection(model).left_out.items() if why == prune_targets.COMPUTED_WEIGHT
+    ]
     if not left_out:
         return None
     them = "it" if len(left_out) == 1 else "them"
