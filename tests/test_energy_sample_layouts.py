@@ -483,13 +483,13 @@ def test_a_resumed_counter_applies_the_runs_layouts_not_its_first_batchs(tmp_pat
     assert run.count([torch.zeros(8, 8)], print)[0] == 8
     torch.save(run.state_dict(), tmp_path / "layouts.pt")
     saved = torch.load(tmp_path / "layouts.pt", weights_only=True)  # as Lightning may load a checkpoint
-    short_last = [torch.zeros(4, 8)]
-    assert BatchCounter(loader, saved).count(short_last, print)[0] == 4
-    assert BatchCounter(loader).count(short_last, print)[0] == 8  # told from the short batch itself
+    short_last = [torch.zeros(4, 8)]  # batch 4 of its epoch: the resumed fit's first
+    assert BatchCounter(loader, saved).count(short_last, print, batch_idx=4)[0] == 4
+    assert BatchCounter(loader).count(short_last, print, batch_idx=4)[0] == 8  # told from the short batch
     other_size = DataLoader(torch.utils.data.TensorDataset(torch.zeros(36, 8)), batch_size=6)
     assert BatchCounter(other_size, saved).state_dict() == saved  # kept, but for a loader of batch_size=8
-    assert BatchCounter(other_size, saved).count([torch.zeros(4, 8)], print)[0] == 4  # told anew: no (T, 6)
-    assert BatchCounter(loader, [{"path": None}]).count(short_last, print)[0] == 8  # unreadable: told anew
+    assert BatchCounter(other_size, saved).count([torch.zeros(4, 8)], print, batch_idx=4)[0] == 4  # no (T, 6)
+    assert BatchCounter(loader, [{"path": None}]).count(short_last, print, batch_idx=4)[0] == 8  # unreadable
 
 
 def test_a_fit_resumed_at_an_epochs_short_last_batch_counts_the_samples_the_uninterrupted_run_counts(
@@ -637,6 +637,82 @@ def test_a_counter_saves_a_layout_told_mid_epoch_of_a_resumed_fit_only_once_told
     assert fresh.count([torch.zeros(8, 8)], print, batch_idx=0)[0] == 8 and len(fresh.state_dict()) == 1
 
 
+class SequenceClassifier(pl.LightningModule):
+    """Mean-pools `(x, y)` sequences of FEATURES-wide steps, time-major `(T, B, F)` or batch-first."""
+
+    def __init__(self, time_major: bool) -> None:
+        super().__init__()
+        self.time_major = time_major
+        self.net = nn.Linear(FEATURES, 2)
+        self.trained_samples = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.trained_samples += len(y)
+        return F.cross_entropy(self.net(x.mean(0 if self.time_major else 1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def steps_first(items) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([x for x, _ in items], 1), torch.tensor([y for _, y in items])
+
+
+def samples_first(items) -> tuple[torch.Tensor, torch.Tensor]:  # the same batch type as `steps_first`'s
+    return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
+
+
+def test_a_fit_resumed_onto_other_data_of_the_same_batch_type_counts_its_own_batches(tmp_path):
+    # a review: the saved layouts were applied whatever the data. Fine-tuning from a checkpoint of a run on
+    # time-major (T=10, B=8) batches onto batch-first (8, 10) ones of the same type (a tuple) and batch_size
+    # counted dimension 1 of each: 10 samples for 8, "time-major"
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    sequences = [(torch.randn(10, FEATURES, generator=generator), i % 2) for i in range(24)]  # 3 batches of 8
+
+    def run(name, time_major, ckpt_path=None):
+        pl.seed_everything(0)
+        module, energy = SequenceClassifier(time_major), logger_for(tmp_path / name)
+        kwargs = trainer_kwargs(
+            max_epochs=1 if ckpt_path is None else 2,
+            default_root_dir=tmp_path / name,
+            enable_checkpointing=True,
+        )
+        every_epoch = ModelCheckpoint(tmp_path / name, filename="{epoch}", save_top_k=-1)
+        trainer = pl.Trainer(callbacks=[energy, every_epoch], **kwargs)
+        loader = DataLoader(sequences, batch_size=8, collate_fn=steps_first if time_major else samples_first)
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        return module, energy.report
+
+    _, pretrained = run("pretrain", time_major=True)
+    assert pretrained["total"]["samples"] == 24 and "time-major" in pretrained["counting"]["samples"]
+    assert saved_layouts(tmp_path / "pretrain" / "epoch=0.ckpt")[0]["layout"]["kind"] == "time_major"
+    module, finetuned = run("finetune", time_major=False, ckpt_path=tmp_path / "pretrain" / "epoch=0.ckpt")
+    assert module.trained_samples == 24
+    assert finetuned["total"]["samples"] == 24 + 24  # the run's, then its own (not 24 + 30)
+    assert "time-major" not in finetuned["counting"]["samples"]
+    assert saved_layouts(tmp_path / "finetune" / "epoch=1.ckpt")[0]["layout"]["kind"] == "first"
+
+
+def test_a_restored_layout_counts_only_the_rest_of_the_epoch_the_fit_resumed_in():
+    from lightning_pulse.energy.counting import BatchCounter
+
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.zeros(36, 8)), batch_size=8)  # 4 x 8, then 4
+    run = BatchCounter(loader)
+    assert run.count([torch.zeros(8, 8)], print)[0] == 8
+    saved = run.state_dict()
+    short_last, other_data = [torch.zeros(4, 8)], [torch.zeros(10, 8)]  # other data: time-major (T=10, B=8)
+    resumed = BatchCounter(loader, saved)
+    assert resumed.count(short_last, print, batch_idx=4)[0] == 4  # the run's layout, not time-major
+    assert resumed.state_dict() == saved  # a checkpoint in that epoch holds it still
+    assert resumed.count(other_data, print, batch_idx=0)[0] == 8  # the next epoch's first batch tells again
+    assert [record["layout"]["kind"] for record in resumed.state_dict()] == ["time_major"]
+    at_an_epochs_start = BatchCounter(loader, saved)  # as a new fit, whatever was saved
+    assert at_an_epochs_start.count(other_data, print, batch_idx=0)[0] == 8
+    assert at_an_epochs_start.count([torch.zeros(10, 4)], print, batch_idx=3)[0] == 4
+
+
 def anchors_and_negatives(items):
     return torch.stack(items), torch.ones(7, FEATURES)  # anchors (b, F), then a bank of 7 negatives
 
@@ -688,7 +764,9 @@ def test_saved_layouts_that_cannot_be_read_or_were_told_by_other_rules_are_told_
     layout = {"kind": "time_major", "described": "time-major", "doubt": None, "path": [], "lengths": []}
     record = {"rules": LAYOUT_RULES, "path": [], "type": "builtins.list", "batch_size": 8, "layout": layout}
     batch = [torch.zeros(8, 3)]  # (B, F): 8 samples; by the record's time-major layout, 3
-    assert BatchCounter(loader, [record]).count(batch, print)[0] == 3  # a readable record is applied
+    assert (
+        BatchCounter(loader, [record]).count(batch, print, batch_idx=1)[0] == 3
+    )  # a readable one is applied
     unreadable = [
         {**record, "batch_size": [8]},
         {**record, "path": [[0]]},
@@ -703,4 +781,4 @@ def test_saved_layouts_that_cannot_be_read_or_were_told_by_other_rules_are_told_
         None,
     ]
     for told_before in unreadable:
-        assert BatchCounter(loader, [told_before]).count(batch, print)[0] == 8, told_before
+        assert BatchCounter(loader, [told_before]).count(batch, print, batch_idx=1)[0] == 8, told_before

@@ -464,12 +464,14 @@ class BatchCounter:
     batch, with a doubt.
 
     ``loaders``: ``trainer.train_dataloader``. ``told_before``: the layouts the run told before a resume
-    (:meth:`state_dict`, from a checkpoint): a resumed fit applies them instead of telling its own from its
-    first batch, which may be an epoch's short last batch (a resume mid-epoch can start there), which the
+    (:meth:`state_dict`, from a checkpoint). A fit resumed mid-epoch applies them for the rest of that epoch
+    instead of telling its own from its first batch, which may be the epoch's short last batch, which the
     loader's batch size does not describe: a ``(32, 40)`` batch of a loader of ``batch_size=40`` was read as
-    time-major, 40 samples counted for 32. A layout told in the epoch a fit resumed in mid-way (none saved
-    for it: an EnergyLogger added on the resume, an older checkpoint) is provisional: applied, but not saved,
-    and told again at its type's first batch from the next epoch on, whose first batch is full."""
+    time-major, 40 samples counted for 32. A layout got in that epoch (restored, or told where none was
+    saved: an EnergyLogger added on the resume, an older checkpoint) is provisional: told again at its type's
+    first batch from the next epoch on, which is full. A fit resumed at an epoch's start tells its layouts as
+    a new fit does: the run's may not describe its data (a time-major layout counted dimension 1 of a
+    fine-tuning set's batch-first ``(32, 50)`` batches: 50 samples for 32)."""
 
     def __init__(self, loaders: Any = None, told_before: Sequence[Mapping[str, Any]] = ()) -> None:
         self.parts = loader_parts(loaders)
@@ -477,8 +479,9 @@ class BatchCounter:
         self.uneven = loader_ends_short(loaders) if self.parts is None else True
         self.layouts: dict[tuple[tuple[Any, ...], type], SampleLayout] = {}
         self._told_before = dict(filter(None, map(_saved_layout, told_before)))
-        # told in the epoch the fit resumed in, whose next batch may be its short last one: not saved (later
-        # resumes inherited a time-major misreading, 80 samples counted for 70), told again past that epoch
+        # got in the epoch the fit resumed in, whose next batch may be its short last one, told again past
+        # it; those told there are not saved (later resumes inherited a time-major misreading, 80 samples
+        # counted for 70), those restored are saved as restored (in `_told_before`)
         self._provisional: set[tuple[tuple[Any, ...] | None, type]] = set()
         self._in_resumed_epoch: bool | None = None  # decided at the fit's first batch counted
 
@@ -537,10 +540,10 @@ class BatchCounter:
         return f"every training loader's batch, added up: {'; '.join(told)}"
 
     def state_dict(self) -> list[dict[str, Any]]:
-        """The layouts told, but not the provisional ones, for a checkpoint: plain values only, so that a
-        checkpoint loads with ``weights_only``; a layout under keys of other types is left out (told again on
-        a resume). Those told before a resume and not met yet are kept (a loader of another batch size may
-        come back): a few records a batch type."""
+        """The layouts told, but not the provisional ones (those restored stay as restored), for a checkpoint:
+        plain values only, so that a checkpoint loads with ``weights_only``; a layout under keys of other
+        types is left out (told again on a resume). Those told before a resume and not told again yet are
+        kept (a loader of another batch size may come back): a few records a batch type."""
         saved = dict(self._told_before)
         for (path, batch_type), layout in self.layouts.items():
             if (path, batch_type) not in self._provisional:
@@ -574,14 +577,13 @@ class BatchCounter:
         if layout is not None and layout.kind != "items_or_first" and not self._provisional:
             return layout  # the common case, fast
         if layout is None or (key in self._provisional and not self._in_resumed_epoch):
-            told = self._restored(path, batch, size, uneven) if layout is None else None
-            if told is None:
-                told = self._tell(path, batch, size, uneven)
-                if self._in_resumed_epoch:
-                    self._provisional.add(key)
-                else:  # told by the first batch from the epoch after it on: a full one
-                    self._provisional.discard(key)
-            layout = self.layouts[key] = told
+            if self._in_resumed_epoch:  # the run's layout, if saved: this batch may be the short last one
+                layout = self._restored(path, batch, size, uneven) or self._tell(path, batch, size, uneven)
+                self._provisional.add(key)
+            else:  # told by the type's first batch from an epoch's start on, as in a new fit
+                layout = self._tell(path, batch, size, uneven)
+                self._provisional.discard(key)
+            self.layouts[key] = layout
         elif layout.kind == "items_or_first" and size is not None:
             # told at the type's first batch: both readings counted it the same
             layout = self.layouts[key] = second_look(layout, batch, size, uneven)
@@ -595,11 +597,12 @@ class BatchCounter:
         self, path: tuple[Any, ...] | None, batch: Any, size: int | None, uneven: bool
     ) -> SampleLayout | None:
         """The layout the run told for ``batch``'s type before the resume, if any (:meth:`state_dict`)."""
-        layout = self._told_before.pop((path, _type_name(type(batch)), size), None)
+        saved = (path, _type_name(type(batch)), size)
+        layout = self._told_before.get(saved)
         if layout is not None and layout.kind == "items_or_first" and size is not None:
             # saved after the type's one batch: this is the run's next, the one that tells (else a later
-            # short last batch told it: a list of per-sample tensors, 18 samples counted for 15)
-            layout = second_look(layout, batch, size, uneven)
+            # short last batch told it: a list of per-sample tensors, 18 samples counted for 15); saved told
+            layout = self._told_before[saved] = second_look(layout, batch, size, uneven)
         return layout
 
     def _loader_size(self, path: tuple[Any, ...] | None) -> int | None:
