@@ -42,10 +42,6 @@ class Phase(str, Enum):
 
 _PHASE_CODES = {Phase.BURST: 0, Phase.REPLAY: 1, Phase.MAINTAIN: 2}
 PHASE_NAMES = tuple(p.value for p in Phase)
-#: the changes within the cycle, from one of its places to another (their wraps count cycles)
-_MOVES_IN_CYCLE = ("budget", "hold", "release")
-#: the entries a hold at their own step replaces, before any step ran in the phase (:meth:`PhaseClock.hold`)
-_REPLACEABLE_ENTRIES = (*_MOVES_IN_CYCLE, "start", "warmup_end", "extended")
 #: what a share of the run needs, for the refusals: an IterableDataset without a length leaves max_epochs
 #: without a step count, and max_time alone gives none
 KNOWN_LENGTH = (
@@ -182,10 +178,9 @@ class PhaseChange:
             the cycle around them).
         step: the optimizer step at which the new phase starts.
         reason: ``"start"``, ``"budget"`` (the previous phase used up its duration), ``"warmup_end"``,
-            ``"anneal"``, ``"resume"``, ``"hold"`` (a burst ended early, or skipped where it fell due, by
-            :meth:`PhaseClock.hold`) or ``"release"`` (a light phase ended early, or the next one skipped
-            where it fell due, when the hold was let go) or ``"extended"`` (a finished run resumed to a longer
-            one left its anneal: a new cycle starts).
+            ``"anneal"``, ``"resume"``, ``"hold"`` (a burst ended early by :meth:`PhaseClock.hold`) or
+            ``"release"`` (a light phase ended early when the hold was let go) or ``"extended"`` (a finished run
+            resumed to a longer one left its anneal: a new cycle starts).
         ended_steps: optimizer steps the previous phase lasted (0 at the start).
         ended_seconds: wall-clock seconds the previous phase lasted (0 at the start).
     """
@@ -593,31 +588,38 @@ class PhaseClock:
         Holding ends a running burst now and moves to the next light phase; while held, a burst that falls
         due is skipped and the light phases follow one another. Letting go ends a light phase now and
         starts a burst. Warm-up and anneal stay pure burst: the hold takes effect when the cycle starts.
-        Returns the phase changes to tell listeners (none if nothing changed).
+        Returns the phase changes (none if nothing changed).
 
         ``step`` is the run's optimizer step now (``trainer.global_step``). Past the clock's own, inside a
         step (:meth:`PhaseRows.step_starts`), the step that just trained is not counted yet (a scheduler's
-        batch end that runs before PulseCycle's): the hold waits for :meth:`with_due_hold`, after
+        batch end that runs before PulseCycle's): the hold waits for :meth:`take_due_hold`, after
         :meth:`advance` counts that step, so it takes effect at the same step whatever the callback order.
         A waiting hold is not in :meth:`state_dict`: a checkpoint saved between the two batch ends (a
         StabilityGuard's stop, listed between them) resumes unheld, and the scheduler decides again at its next
         check.
-
-        A hold or a release at the step the clock entered a phase (the start, a budget run out, warm-up's end,
-        another hold), before any step ran in it, replaces that entry: the phase that ended goes straight to
-        where the hold leads, one change counted in cycles as such (a release where a held cycle just
-        wrapped to its first light phase starts the burst in that cycle, not in the next); where that is
-        the phase that ended (a held cycle of one light phase, a release as a held warm-up ends) nothing
-        changes: that phase goes on with a new budget, as in a cycle of one phase; at the start, the clock
-        starts where the hold leads, as one held before it starts does. No phase without a step is kept or
-        counted. Where the replaced entry was told already (a hold after PulseCycle's batch end, or its fit
-        start), listeners are told the replacement, or :meth:`resume_change` where none is.
         """
         if step is not None and self.rows.in_step and step > self.step and self.stage != "pending":
             self._hold_due = bool(held)
             return []
         self._hold_due = None
-        return self._apply_hold(bool(held), untold=None)[1]
+        held = bool(held)
+        changed, self.held = held != self.held, held
+        if not changed or self.stage != "cycle" or not self.light_phases:
+            return []
+        if held and self.phase is Phase.BURST:
+            position = self._first_nonzero(self.position + 1, skip_burst=True)
+            reason = "hold"
+        elif not held and self.phase is not Phase.BURST:
+            if Phase.BURST not in self.order or self.durations[Phase.BURST].is_zero:
+                return []
+            position, reason = self.order.index(Phase.BURST), "release"
+        else:
+            return []
+        if position <= self.position:
+            self.cycle += 1
+        self.position = position
+        self.rows.phase_ended_by_hold()
+        return [self._enter(self.order[position], reason)]
 
     @property
     def holding(self) -> bool:
@@ -626,67 +628,9 @@ class PhaseClock:
 
     def take_due_hold(self) -> bool | None:
         """The hold that waits for the step that trained to be counted (:meth:`hold`), or ``None``; the
-        caller applies it now, after :meth:`advance` (:meth:`with_due_hold` does both)."""
+        caller applies it now, after :meth:`advance`."""
         due, self._hold_due = self._hold_due, None
         return due
-
-    def with_due_hold(self, changes: list[PhaseChange]) -> list[PhaseChange]:
-        """``changes``, just made by :meth:`advance` and not told yet, with the hold that waited for them
-        applied (:meth:`hold`): an entry it replaces is left out, so no listener hears of a phase that no step
-        ran in."""
-        if (due := self.take_due_hold()) is None:
-            return changes
-        replaced, made = self._apply_hold(due, untold=changes[-1] if changes else None)
-        return [change for change in changes if change is not replaced] + made
-
-    def _apply_hold(
-        self, held: bool, untold: PhaseChange | None
-    ) -> tuple[PhaseChange | None, list[PhaseChange]]:
-        """Apply a hold now (:meth:`hold`): the entry it replaced, if any, and the changes to tell. ``untold``
-        is the change not told yet, if any: replacing it needs no word to listeners where nothing changes."""
-        changed, self.held = held != self.held, held
-        if not changed or self.stage != "cycle" or not self.light_phases:
-            return None, []
-        if held and self.phase is Phase.BURST:
-            position = self._first_nonzero(self.position + 1, skip_burst=True)
-            reason = "hold"
-        elif not held and self.phase is not Phase.BURST:
-            if Phase.BURST not in self.order or self.durations[Phase.BURST].is_zero:
-                return None, []
-            position, reason = self.order.index(Phase.BURST), "release"
-        else:
-            return None, []
-        if (entry := self._entry_without_steps()) is not None:
-            return entry, self._replace_entry(entry, position, reason, told=entry is not untold)
-        if position <= self.position:
-            self.cycle += 1
-        self.position = position
-        self.rows.phase_ended_by_hold()
-        return None, [self._enter(self.order[position], reason)]
-
-    def _entry_without_steps(self) -> PhaseChange | None:
-        """The change that entered the current phase at this step, before any step ran in it, where a hold may
-        replace it (:meth:`hold`): not the anneal's (no hold moves it)."""
-        entry = self.history[-1] if self.history else None
-        if entry is None or entry.step != self.step or entry.current is not self.phase or self._segment_steps:
-            return None
-        return entry if entry.reason in _REPLACEABLE_ENTRIES else None
-
-    def _replace_entry(self, entry: PhaseChange, position: int, reason: str, told: bool) -> list[PhaseChange]:
-        """Go from the phase ``entry`` ended straight to the cycle's ``position`` (:meth:`hold`); at the
-        start, start there, as a clock held before it starts does."""
-        self.history.pop()
-        self.position = position
-        if (ended := entry.previous) is None:
-            return [self._enter(self.order[position], "start")]
-        if entry.reason in _MOVES_IN_CYCLE:  # the entry's wrap (if any) gives way to the hold's from there
-            left = self.order.index(ended)
-            self.cycle += int(position <= left) - int(self.order.index(entry.current) <= left)
-        self.phase = ended
-        self._segment_steps, self._segment_seconds = entry.ended_steps, entry.ended_seconds
-        if self.order[position] is ended:  # its budget restarted with the entry: it goes on, a new stay
-            return [self.resume_change()] if told else []
-        return [self._enter(self.order[position], reason)]
 
     def start_or_resume(self, total_steps: int | float | None, step: int = 0) -> PhaseChange:
         """:meth:`start` at the run's optimizer ``step`` (:meth:`begin_at`), or on a clock already running (a

@@ -1271,39 +1271,3 @@ def test_light_mode_releases_at_the_same_step_in_either_callback_order(mnist1d_s
     assert changes2 == changes and logged2 == logged and steps2 == steps
     for mine, theirs in zip(weights, weights2, strict=True):
         assert torch.equal(mine, theirs)
-
-
-def test_light_mode_releasing_where_the_held_cycle_wraps_counts_no_cycle_without_steps(
-    mnist1d_small, tmp_path
-):
-    # held, the cycle wraps from maintain to replay at step 48 (cycle 8), where the grid turns clean: the
-    # release made a replay of no step, a cycle 8 of it alone and the burst a cycle 9; listed after
-    # PulseCycle, GreenWindow's hold at the fit's start made a burst of no step
-    def run(green_first: bool):
-        pl.seed_everything(0)
-        model, data = mnist1d_small(arch="mlp")
-        clock = SimulatedClock("2020-06-19 00:00:00")
-        options = GreenWindowOptions(watts=300.0, report_dir=str(tmp_path))
-        green = GreenWindow(
-            signal=DE_JUNE,
-            when_dirty="light",
-            max_delay=1.0,
-            expected_duration="8h",
-            clock=clock,
-            options=options,
-        )
-        pulse = PulseCycle(burst=6, replay=4, maintain=2, warmup=0, anneal=0, maintain_eval="none")
-        energy = energy_on(clock, tmp_path)
-        callbacks = [green, pulse, energy] if green_first else [pulse, green, energy]
-        fit(callbacks, clock, steps=56).fit(model, data)
-        changes = [(c.step, str(c.previous), c.current.value, c.reason, c.cycle) for c in pulse.history]
-        return changes, pulse, {n: row["steps"] for n, row in energy.report["cycles"].items()}
-
-    changes, pulse, cycle_steps = run(green_first=False)
-    assert (
-        changes[0] == (0, "None", "replay", "start", 0) and (48, "maintain", "burst", "release", 8) in changes
-    )
-    assert all(c.ended_steps for c in pulse.history[1:]) and pulse.cycle == 8
-    assert sorted(cycle_steps, key=int) == [str(n) for n in range(9)] and all(cycle_steps.values())
-    changes2, _, cycle_steps2 = run(green_first=True)
-    assert changes2 == changes and cycle_steps2 == cycle_steps

@@ -193,9 +193,8 @@ class PulseCycle(Callback):
         """Keep the run in its light phases (replay, maintain) while ``held``; ``False`` lets it go.
 
         For schedulers such as :class:`~lightning_pulse.GreenWindow`: holding ends a burst now, and no burst
-        starts until the hold is let go, which starts one now (:meth:`PhaseClock.hold`: at a phase's first
-        step, before it ran, it replaces that phase). Listeners are told of every change. Call it on every
-        rank with the same value at the same step (the hold is saved).
+        starts until the hold is let go, which starts one now (:meth:`PhaseClock.hold`). Listeners are told
+        of every change. Call it on every rank with the same value at the same step (the hold is saved).
         """
         for change in self.clock.hold(held, trainer.global_step):
             self._announce(trainer, pl_module, change)
@@ -295,9 +294,10 @@ class PulseCycle(Callback):
         changes = self.clock.advance(steps, seconds, self._epoch_steps, self._total_steps)
         row = self.clock.rows.after_step(trainer.global_step, trainer.log_every_n_steps, bool(changes))
         log_to_loggers(trainer, row)  # where due: the phase and cycle the step trained in, read at its start
-        for change in self.clock.with_due_hold(changes):  # a hold asked before this batch end: after its step
+        for change in changes:
             self._announce(trainer, pl_module, change)
-        log_to_loggers(trainer, self.clock.rows.take_late_row())  # as hold_light does
+        if (due := self.clock.take_due_hold()) is not None:  # asked before this batch end: after its step
+            self.hold_light(trainer, pl_module, due)
 
     @override
     def state_dict(self) -> dict[str, Any]:
