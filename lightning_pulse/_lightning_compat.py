@@ -751,14 +751,20 @@ def _place_fractional_check(trainer: pl.Trainer, batches: int, position: int) ->
 def _validate_at_pass_end(trainer: pl.Trainer, batches: int) -> None:
     """At the last batch of a pass of ``batches`` batches, with an int ``val_check_interval``: let Lightning
     validate there when the plain epoch (the DataLoader's length) validated at its end, its length a multiple
-    of the interval. Lightning validates where ``(batch_idx + 1) % val_check_batch == 0``, so a shorter pass
-    would miss the epoch's end (and the run's final weights) whenever its length is no multiple; the check
-    moves to this batch, and :func:`set_epoch_batches` sets it back at the next pass."""
+    of the interval, or when the pass ends before its first check. Lightning validates where
+    ``(batch_idx + 1) % val_check_batch == 0``, so a shorter pass would miss the epoch's end (and the run's
+    final weights) whenever its length is no multiple; the check moves to this batch, and
+    :func:`set_epoch_batches` sets it back at the next pass.
+
+    Lightning refuses an interval longer than the epoch, so the plain run validates every epoch it checks.
+    The DataLoader keeps its plain length, so Lightning accepts an interval longer than a planned pass, which
+    its count from the pass's start never reached: ``val_check_interval=20`` on 23-batch epochs validated
+    none of the 12- to 19-batch passes of a held-out run."""
     interval, check = _val_check_interval(trainer), trainer.val_check_batch
     plain = trainer.num_training_batches
     if trainer.check_val_every_n_epoch is None or not isinstance(check, int) or not isinstance(plain, int):
         return
-    if isinstance(interval, int) and plain > 0 and plain % interval == 0:
+    if isinstance(interval, int) and plain > 0 and (plain % interval == 0 or batches < interval):
         trainer.val_check_batch = batches
 
 
@@ -1043,9 +1049,9 @@ def mark_last_batch_of(trainer: pl.Trainer, batches: int) -> None:
     """Call at each training batch (after its fetch) of an epoch that holds ``batches`` batches, fewer than the
     DataLoader's length: Lightning's data fetcher marks the last batch by that length, and there an accumulation
     window closes on a partial window and epoch-interval LR schedulers step, and the pass's end is validated
-    where the plain epoch's end was (:func:`_validate_at_pass_end`). Not at the pass's start: the
-    fetcher may still hold the previous epoch's count then. ``num_training_batches`` is left alone
-    (``estimated_stepping_batches`` reads it)."""
+    where the plain epoch's end was, or where the pass holds no check (:func:`_validate_at_pass_end`). Not at
+    the pass's start: the fetcher may still hold the previous epoch's count then. ``num_training_batches`` is
+    left alone (``estimated_stepping_batches`` reads it)."""
     fetcher = trainer.fit_loop._data_fetcher
     if batches <= 0 or fetcher is None or fetcher.length is None:
         return

@@ -4,11 +4,13 @@ float interval."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from lightning import pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -538,3 +540,98 @@ def test_an_int_val_check_interval_keeps_counting_batches_next_to_the_float_plac
     )
     assert validations.batches == {0: 6, 1: 6, 2: 6, 3: 6}  # non-vacuous: passes shorter than the 12 batches
     assert validations.validated == expected
+
+
+# ------------------------------------------------- validation with an int interval longer than a planned pass
+def _light_cycle() -> list[Callback]:
+    """PulseCycle and HardSampleReplay whose light phases cut the 12-batch epochs to passes of 8 and 9."""
+    cycle = PulseCycle(burst=4, replay=4, maintain=2, warmup=0, anneal=0, probe_batches=1)
+    return [cycle, HardSampleReplay(rule="topk", replay_fraction=0.5)]
+
+
+@pytest.mark.parametrize(
+    "interval, every_n_epochs, light, expected",
+    [
+        # plain: every epoch at batch 8; each 6-batch pass ends before its 8th: it validates at its end
+        (8, 1, False, {0: [6], 1: [6], 2: [6], 3: [6]}),
+        (8, 2, False, {1: [6], 3: [6]}),
+        # passes of 8 and 9 batches: each reaches an 8th batch and validates there, not at its end as well
+        (8, 1, True, {0: [8], 1: [8], 2: [8], 3: [8]}),
+        # plain: every epoch at batch 11; each pass of 8 or 9 at its end
+        (11, 1, True, {0: [8], 1: [9], 2: [9], 3: [9]}),
+    ],
+)
+def test_an_int_val_check_interval_longer_than_a_planned_pass_validates_the_pass_at_its_end(
+    interval, every_n_epochs, light, expected
+):
+    """Held-out sweep: Lightning refuses an int interval longer than the epoch (with
+    `check_val_every_n_epoch` set), so the plain run validates every epoch; the DataLoader keeps its plain
+    length, so Lightning accepted an interval longer than the planned passes, which their count from the
+    pass's start never reached: `val_check_interval=20` on 23-batch epochs validated in none of 4 epochs (the
+    plain run in each). A pass that reaches the interval validates there only, as before."""
+    validations = _fit_validations(
+        _light_cycle() if light else [HardSampleReplay()],
+        val_check_interval=interval,
+        check_val_every_n_epoch=every_n_epochs,
+    )
+    # non-vacuous: passes shorter than the 12 batches, some or all shorter than the interval
+    assert validations.batches == ({0: 8, 1: 9, 2: 9, 3: 9} if light else {0: 6, 1: 6, 2: 6, 3: 6})
+    assert validations.validated == expected
+
+
+class _PlateauClassifier(_Classifier):
+    """Its LR steps on the validation loss at each epoch's end: Lightning raises where an epoch has none."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+        return [optimizer], [{"scheduler": plateau, "interval": "epoch", "monitor": "val_loss"}]
+
+
+def test_monitors_of_the_validation_loss_work_with_an_int_interval_longer_than_the_planned_passes(tmp_path):
+    """The finding's setup: with no validation in any pass a monitored ModelCheckpoint saved no model,
+    EarlyStopping never checked, and a ReduceLROnPlateau on the validation loss raised at the first epoch's
+    end."""
+    pl.seed_everything(0, verbose=False)
+    module = _PlateauClassifier()
+    best = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", filename="{step}")
+    stop = EarlyStopping(monitor="val_loss", patience=100)
+    trainer = pl.Trainer(
+        max_epochs=4,
+        val_check_interval=11,
+        callbacks=[*_light_cycle(), best, stop],
+        **trainer_kwargs(enable_checkpointing=True),
+    )
+    trainer.fit(module, DataLoader(_data(96), batch_size=8), DataLoader(_data(32, seed=1), batch_size=8))
+    assert trainer.global_step == 35  # non-vacuous: passes of 8 and 9 of the 12 batches
+    assert module.validated_at == [8, 17, 26, 35]  # each pass's end, the run's final weights among them
+    assert Path(best.best_model_path).stem in {f"step={step}" for step in module.validated_at}
+    assert stop.best_score is not None and torch.isfinite(stop.best_score)
+
+
+def test_a_resume_validates_the_ends_of_passes_shorter_than_the_int_interval_as_the_uninterrupted_run(
+    tmp_path,
+):
+    """Lightning reads on a resume whether the restored batch validated: resumed at or inside a pass, the run
+    validates the later pass ends the uninterrupted run validated, not the restored one again."""
+
+    def fit(callbacks=(), ckpt_path=None):
+        pl.seed_everything(0, verbose=False)
+        module = _Classifier()
+        trainer = pl.Trainer(
+            max_epochs=4,
+            val_check_interval=8,
+            callbacks=[HardSampleReplay(), *callbacks],
+            **trainer_kwargs(enable_checkpointing=bool(callbacks)),
+        )
+        data = DataLoader(_data(96), batch_size=8), DataLoader(_data(32, seed=1), batch_size=8)
+        trainer.fit(module, *data, ckpt_path=ckpt_path)
+        return module
+
+    every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    full = fit([every_step])
+    assert full.validated_at == [6, 12, 18, 24]  # the 6-batch passes' ends
+    for saved in (6, 9, 12, 18):  # at a pass's end (before its validation) and inside one
+        resumed = fit(ckpt_path=str(tmp_path / f"step={saved}.ckpt"))
+        assert resumed.validated_at == [step for step in full.validated_at if step > saved]
+        assert torch.equal(_parameters(resumed), _parameters(full))
