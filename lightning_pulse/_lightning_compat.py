@@ -87,14 +87,29 @@ def validation_batches_taken(trainer: pl.Trainer, loader: Any) -> int | float:
     Lightning's own ``_parse_num_batches``; ``inf`` for a loader without a length. A limit Lightning refuses
     (a fraction of no whole batch, a fraction of a loader without a length) caps nothing here: Lightning's
     validation refuses it itself, with its message."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    return _batches_taken(RunningStage.VALIDATING, loader, trainer.limit_val_batches)
+
+
+def training_batches_taken(trainer: pl.Trainer, loader: Any) -> int | float:
+    """How many batches of ``loader`` an epoch of the fit trains under ``limit_train_batches``, as
+    :func:`validation_batches_taken` reckons them: ``trainer.num_training_batches`` for ``loader``, known at
+    its set-up (:func:`on_train_dataloader_ready`), before Lightning sets that figure (a reloaded DataLoader's
+    too); ``inf`` for a loader without a length (a sampler without ``__len__``)."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    return _batches_taken(RunningStage.TRAINING, loader, trainer.limit_train_batches)
+
+
+def _batches_taken(stage: Any, loader: Any, limit: int | float) -> int | float:
     from lightning.fabric.utilities.data import has_len
     from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
-    from lightning.pytorch.trainer.states import RunningStage
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
     length = len(loader) if has_len(loader) else math.inf
     try:
-        return _parse_num_batches(RunningStage.VALIDATING, length, trainer.limit_val_batches)
+        return _parse_num_batches(stage, length, limit)
     except MisconfigurationException:
         return length
 
@@ -466,6 +481,28 @@ def on_train_dataloader_ready(trainer: pl.Trainer, hook: Callable[[Any], None]) 
         return process_dataloader
 
     return _wrap_on_instance(trainer.strategy, "process_dataloader", wrap)
+
+
+def on_train_dataloaders_built(trainer: pl.Trainer, hook: Callable[[list[Any]], None]) -> Callable[[], None]:
+    """Call ``hook(loaders)`` with the training iterables the fit's data set-up requests (a
+    ``train_dataloader`` hook of the module or datamodule builds them; given to ``fit``,
+    :func:`train_dataloaders_given` has them from ``setup`` on), flattened as that function flattens them,
+    right after they are requested and before any of them is set up (:func:`on_train_dataloader_ready`, which
+    sees them one by one). ``_DataLoaderSource.dataloader`` of the fit loop is wrapped on that instance only.
+    Returns a function removing the hook."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
+        def dataloader() -> Any:
+            loaders = original()
+            if state["active"]:
+                combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders)
+                hook(combined.flattened)
+            return loaders
+
+        return dataloader
+
+    return _wrap_on_instance(trainer.fit_loop._data_source, "dataloader", wrap)
 
 
 def train_dataloaders_given(trainer: pl.Trainer) -> list[Any] | None:

@@ -30,6 +30,7 @@ from lightning_pulse.core.replay import (
     STEPS_MODE_OPTIMIZERS_REFUSAL,
     STEPS_MODE_RELOAD_REFUSAL,
     STEPS_MODE_RESUMED_SCHEDULE_REFUSAL,
+    STEPS_MODE_SAMPLER_LENGTH_REFUSAL,
     STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL,
     STEPS_MODE_SCHEDULE_LENGTH_REFUSAL,
     STEPS_MODE_STEP_BOUND_REFUSAL,
@@ -164,18 +165,21 @@ class StepSavingLoader:
         (:func:`~lightning_pulse.core.replay.loader_refusal`), then :meth:`check_trainer`, whose ways out
         (``mode='batch'``, dropping the setting) leave that refusal standing. ``loaders``: the ones given to
         ``fit``; built by a hook (``None``), they come at the data set-up, where :meth:`check_deferred` checks
-        the settings after the DataLoader's own refusal."""
+        the settings after the DataLoaders' own refusal."""
         # nothing reaches a data set-up that trains no batch (limit_train_batches=0): checked here then
         self._deferred = trainer if loaders is None and trainer.limit_train_batches != 0 else None
         refuse(None if loaders is None else given_loaders_refusal(loaders))
         if self._deferred is None:
             self.check_trainer(trainer)
 
-    def check_deferred(self) -> None:
-        """At the data set-up, after the DataLoader's own refusal: :meth:`check_trainer`, where
-        :meth:`check_at_setup` left it to the data set-up; nothing otherwise."""
+    def check_deferred(self, loaders: list[Any] | None = None) -> None:
+        """At the data set-up, where :meth:`check_at_setup` left the checks to it: the DataLoaders' own
+        refusal (``loaders``: all that the hook built, before any is set up, so that the refusal of a second
+        one comes before the settings', whose way out it refuses too; ``None``: each one's, at its own set-up,
+        already passed), then :meth:`check_trainer`; nothing otherwise."""
         trainer, self._deferred = self._deferred, None
         if trainer is not None:
+            refuse(None if loaders is None else given_loaders_refusal(loaders))
             self.check_trainer(trainer)
 
     @staticmethod
@@ -215,8 +219,8 @@ class StepSavingLoader:
         epoch and ``steps`` the optimizer steps they train at.
 
         Raises:
-            PulseRefusal: for a PulseCycle with wall-clock durations or a budget it cannot meet, and for a
-                run of unknown length.
+            PulseRefusal: for a PulseCycle with wall-clock durations or a budget it cannot meet, for a
+                run of unknown length, and for a sampler without a length.
         """
         self._trainer = trainer
         self._selector = selector
@@ -234,8 +238,14 @@ class StepSavingLoader:
             if cycle is not None:
                 cycle.check_run_length(math.inf)  # its warm-up or anneal speaks first
             raise PulseRefusal(STEPS_MODE_LENGTH_REFUSAL)
-        batches = loader.batch_sampler
-        plain_batches, accumulate = len(batches), trainer.accumulate_grad_batches
+        batches, sampler = loader.batch_sampler, tracker.recorder.sampler
+        try:  # a sampler without __len__ (one streaming indices) has no pass to plan; batch mode needs none
+            plain_batches = len(batches)
+        except TypeError:
+            raise PulseRefusal(
+                STEPS_MODE_SAMPLER_LENGTH_REFUSAL.format(sampler=type(sampler).__name__)
+            ) from None
+        accumulate = trainer.accumulate_grad_batches
         if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
             raise PulseRefusal(STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL.format(accumulate=accumulate))
         if cycle is not None:
@@ -248,7 +258,7 @@ class StepSavingLoader:
             plan_settings(clock, budget, fraction, light_phases),
             batch_size=batches.batch_size,
             fraction=fraction,
-            samples_per_epoch=len(tracker.recorder.sampler),
+            samples_per_epoch=len(sampler),
             max_epochs=max_epochs,
             max_steps=max_steps,
             accumulate=accumulate,

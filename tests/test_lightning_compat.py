@@ -93,6 +93,23 @@ def test_train_dataloader_hook_runs_before_the_first_pass(mnist1d_small):
     assert "process_dataloader" not in vars(trainer.strategy)
 
 
+def test_train_dataloaders_built_hook_sees_a_hooks_loaders_before_any_is_set_up(mnist1d_small):
+    model, data = mnist1d_small()
+    built, ready = [], []
+    trainer = pl.Trainer(max_steps=1, limit_train_batches=3, **trainer_kwargs())
+    remove_ready = compat.on_train_dataloader_ready(trainer, lambda loader: ready.append(len(built)))
+    remove = compat.on_train_dataloaders_built(trainer, built.append)
+    trainer.fit(model, data)
+    assert len(built) == 1 and len(built[0]) == 1 and ready == [1]  # the datamodule's one, before its set-up
+    assert built[0][0].dataset is trainer.train_dataloader.dataset
+    # an epoch's batches under limit_train_batches, as Lightning counts them: 3 of the loader's 12
+    assert (
+        compat.training_batches_taken(trainer, trainer.train_dataloader) == trainer.num_training_batches == 3
+    )
+    remove(), remove_ready()
+    assert "dataloader" not in vars(trainer.fit_loop._data_source)
+
+
 def test_training_step_output_hook_sees_the_output_before_the_steps_backward(mnist1d_small):
     model, data = mnist1d_small()
     seen, at_backward = [], []

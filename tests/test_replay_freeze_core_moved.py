@@ -79,6 +79,12 @@ def test_loader_epoch_steps_counts_a_short_last_window_and_nothing_for_a_loader_
     assert loader_epoch_steps(_loader(samples=40, batch_size=4), 3) == 4  # 10 batches, 3 a step
     assert loader_epoch_steps(iter([[0.0], [1.0]]), 1) is None  # an iterable of batches, no length
 
+    class NoLength(torch.utils.data.Sampler):  # a DataLoader has __len__, which raises over this sampler
+        def __iter__(self):
+            return iter(range(8))
+
+    assert loader_epoch_steps(DataLoader(range(8), batch_size=4, sampler=NoLength()), 1) is None
+
 
 def test_a_restored_stream_is_saved_as_it_came_until_a_pass_runs_and_the_fits_end_is_held_once():
     stream = StepSavingStream()

@@ -74,8 +74,8 @@ class HardSampleReplay(Callback):
             to cut at ``replay_fraction`` (the smallest that cuts is named), a ``training_step`` compiled with
             ``fullgraph=True`` unless a ``scorer`` is set (rule other than ``'infobatch'``), ``phases``
             without ``"replay"`` and no PulseCycle (they would never come), a second run of this instance
-            unless a checkpoint was restored into it, or in ``mode="steps"`` a run of unknown length, a
-            resume from a mid-epoch checkpoint that holds no state of it, ``limit_train_batches``,
+            unless a checkpoint was restored into it, or in ``mode="steps"`` a run or sampler of unknown
+            length, a resume from a mid-epoch checkpoint that holds no state of it, ``limit_train_batches``,
             ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, a
             ``GradientAccumulationScheduler``, a per-step LR scheduler built for the run's unplanned length
             (``max_steps``, or ``max_epochs`` of plain epochs) when the plan is shorter, a PulseCycle in seconds
@@ -174,6 +174,8 @@ class HardSampleReplay(Callback):
         if self._remove_hook is not None:
             self._remove_hook()
         hooks = [compat.on_train_dataloader_ready(trainer, self._on_train_dataloader)]
+        if self.mode == "steps":  # a hook's second DataLoader is refused before the Trainer's settings
+            hooks.append(compat.on_train_dataloaders_built(trainer, self.steps.check_deferred))
         if self.scorer is not None:  # tried once on the fit's first training_step output, before the update
             hooks.append(compat.on_training_step_output(trainer, self.batches.try_scorer))
         self._remove_hook = lambda: [remove() for remove in hooks]
@@ -191,7 +193,8 @@ class HardSampleReplay(Callback):
         self.steps.check_deferred()  # steps mode, DataLoaders from a hook: the Trainer's settings, only now
         self.steps.release()  # a reload (batch mode): the previous loader is the user's again
         self.steps.loader = loader  # given back at the fit's end (also when the set-up fails from here on)
-        self.data.attach(loader, at, self._trainer.accumulate_grad_batches, self._new_table, _warn)
+        batches = compat.training_batches_taken(self._trainer, loader)  # an epoch's, limit_train_batches too
+        self.data.attach(loader, at, self._trainer.accumulate_grad_batches, self._new_table, _warn, batches)
         if self.mode == "steps" and self.steps.plan is None:  # planned once per fit
             self.steps.install(self._trainer, loader, self.tracker, self.selector, self.phases, self._choose)
 

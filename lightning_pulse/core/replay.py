@@ -208,6 +208,11 @@ STEPS_MODE_LENGTH_REFUSAL = (
     "HardSampleReplay: mode='steps' plans the run's steps before the first one, which needs a finite max_epochs "
     "or max_steps; set one, or use mode='batch'."
 )
+STEPS_MODE_SAMPLER_LENGTH_REFUSAL = (
+    "HardSampleReplay: mode='steps' plans every pass of the training DataLoader's sampler before it runs, "
+    "which needs the pass's length, and its sampler ({sampler}) has no `__len__`; give it one, or use "
+    "mode='batch'."
+)
 STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL = (
     "HardSampleReplay: mode='steps' plans the run's optimizer steps at fit start with `accumulate_grad_batches`="
     "{accumulate}, and a GradientAccumulationScheduler changes it during the run, so max_steps and a schedule "
@@ -1047,7 +1052,8 @@ class HardSampleSelector:
 
     def _count(self, pending: list[_Measured], losses: np.ndarray, roles: np.ndarray) -> None:
         step = np.zeros(len(TOTAL_NAMES))
-        step[_STEPS] = len(pending)
+        # a step training_step skipped (it returned None) is recorded with no rows: no step of the replay
+        step[_STEPS] = sum(entry.roles.size > 0 for entry in pending)
         step[_ACTIVE_STEPS] = sum(entry.active for entry in pending)
         step[_OFFERED] = sum(entry.offered for entry in pending if entry.active)
         step[_TRAINED] = sum(entry.roles.size for entry in pending if entry.active)

@@ -739,9 +739,16 @@ class ReplayBatchLifecycle:
                 stacklevel=2,
             )
         plan = finished.plan
+        # Lightning's automatic optimization runs a backward for every batch that trains; none ran here:
+        # training_step returned None and Lightning skipped the step. Its samples did not train: recorded as
+        # no rows (no scores, counts or replay marks), still recorded for the ranks' vote. Manual optimization
+        # may call loss.backward() itself, which no hook sees: every step counts as trained there
+        trained = self._backward_ran or not getattr(module, "automatic_optimization", False)
         losses: LossCapture | Tensor
         found, code, self._deferred, self._after_log = self._deferred, _OTHER, None, None
-        if self.scorer is None:
+        if not trained:
+            losses = torch.empty(0)
+        elif self.scorer is None:
             assert capture is not None  # opened at the batch start whenever there is no scorer
             if capture.maps_onto_batch:
                 losses = capture
@@ -758,13 +765,14 @@ class ReplayBatchLifecycle:
                 found, code = self._after_log, _CARRIED
         if all_gather is None and code != _CARRIED:  # one process: refused before the record, as found
             refuse(found)
+        rows = slice(None) if trained else slice(0)
         codes = finished.selector.record(
-            plan.indices,
+            plan.indices[rows],
             losses,
-            plan.roles,
+            plan.roles[rows],
             finished.step,
-            plan.active,
-            plan.offered,
+            plan.active and trained,
+            plan.offered if trained else 0,
             all_gather,
             refusal=0 if found is None else code,
         )
@@ -773,7 +781,7 @@ class ReplayBatchLifecycle:
             if codes[[bool(vote) for vote in codes].index(True)] != _CARRIED:
                 refuse(agreed)
             self._after_log = agreed
-        if not finished.rows_unmatched:
+        if trained and not finished.rows_unmatched:
             self.recorded_steps += 1
         self._end_epoch(epoch_ends)
         return finished

@@ -40,7 +40,7 @@ from lightning_pulse.core.replay import (
 )
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import SampleScoreTable
-from lightning_pulse.core.step_plan import loader_epoch_steps
+from lightning_pulse.core.step_plan import epoch_steps, loader_epoch_steps
 from lightning_pulse.phase import Duration
 
 
@@ -92,12 +92,14 @@ class ReplayData:
         accumulate: int = 1,
         new_table: Callable[[int], SampleScoreTable] = SampleScoreTable,
         warn: Callable[[str | None], None] = _say_nothing,
+        batches: float | None = None,
     ) -> None:
         """Track ``loader``'s dataset indices (its set-up at ``at``, epoch and step) and give its samples a
         selector: the previous one while they are the same samples, else one on ``new_table(num_samples)``,
         into which a checkpoint's scores restored before any data go. ``warn`` gets what to say of a reloaded
         dataset (:func:`~lightning_pulse.core.replay.reloaded_data_note`), before anything is installed; the
-        scores age by epochs of ``loader`` at ``accumulate`` batches a step.
+        scores age by epochs of ``batches`` batches (``None``: a pass over ``loader``; a Trainer's
+        ``limit_train_batches`` makes it fewer) at ``accumulate`` batches a step.
 
         Raises:
             PulseRefusal: for restored scores of a dataset of another size.
@@ -109,7 +111,10 @@ class ReplayData:
         restored, self._restored = self._restored, None
         current, size = None if fresh else self.selector, self.tracker.dataset_size  # fresh: a new table
         self.selector = HardSampleSelector.for_data(current, size, new_table, self.config, restored)
-        self.selector.set_half_life(self.half_life, loader_epoch_steps(loader, accumulate))
+        steps = (
+            loader_epoch_steps(loader, accumulate) if batches is None else epoch_steps(batches, accumulate)
+        )
+        self.selector.set_half_life(self.half_life, steps)
         self.ready = True
 
     def detach(self) -> None:

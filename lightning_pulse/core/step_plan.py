@@ -103,7 +103,11 @@ def epoch_steps(batches: float, accumulate: int) -> int | None:
 
 def loader_epoch_steps(loader: Any, accumulate: int) -> int | None:
     """:func:`epoch_steps` of a pass over ``loader`` (``None`` for one without a length)."""
-    return epoch_steps(len(loader) if hasattr(loader, "__len__") else math.inf, accumulate)
+    try:
+        batches = len(loader)
+    except TypeError:  # no __len__, or a DataLoader whose sampler has none (which its __len__ reads)
+        batches = math.inf
+    return epoch_steps(batches, accumulate)
 
 
 def clock_epoch_steps(batches: float, accumulate: int) -> float | None:
