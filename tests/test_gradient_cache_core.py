@@ -1101,22 +1101,53 @@ def test_activation_cache_switches_itself_off_when_a_sample_changes_between_visi
 
 class _CountsItsCalls(nn.Linear):
     """A linear layer whose forward writes a buffer of its own in place, as BatchNorm writes its
-    statistics."""
+    statistics; ``through_data``: through ``.data``, which bumps no version counter of the buffer."""
 
-    def __init__(self) -> None:
+    def __init__(self, through_data: bool = False) -> None:
         super().__init__(4, 8)
         self.register_buffer("calls", torch.zeros(()))
+        self.through_data = through_data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        if self.through_data:
+            self.calls.data.add_(1)
+        else:
+            self.calls += 1
         return super().forward(x)
+
+
+@pytest.mark.parametrize("through_data", [False, True], ids=["in place", "through .data"])
+def test_a_frozen_module_whose_forward_writes_its_own_buffer_is_not_replayed_and_the_one_before_it_is(
+    through_data,
+):
+    # sweep 37: InstanceNorm1d(track_running_stats=True) and an EMA buffer in a frozen prefix were replayed,
+    # so their statistics stood still (running_mean 16% off a run without the cache) with no word
+    from lightning_pulse.core.activation_cache import PrefixActivationCache
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _CountsItsCalls(through_data), nn.ReLU(), nn.Linear(8, 2))
+    model[:2].requires_grad_(False)
+    cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
+    cache.plan([("0", model[0]), ("1", model[1])])
+    data, indices = torch.randn(4, 4), torch.tensor([0, 1, 2, 3])
+    expected = model(data)
+    modes = []
+    for _ in range(4):
+        modes.append(cache.begin_batch(indices))
+        assert torch.equal(model(data), expected)
+        cache.end_batch()
+    assert modes == ["record", "verify", "hit", "hit"]  # the first layer is replayed
+    assert [entry.name for entry in cache.entries] == ["0"] and cache.hits == 2
+    assert list(cache.uncached) == ["1"] and "writes its own `calls` in training mode" in cache.uncached["1"]
+    assert float(model[1].calls) == 1 + 4  # every forward ran and counted, as without the cache
+    assert cache.disabled_reason is None
 
 
 def test_activation_cache_records_again_after_a_frozen_weight_is_written_between_forwards_not_by_them():
     from lightning_pulse.core.activation_cache import PrefixActivationCache
 
     torch.manual_seed(0)
-    layer = _CountsItsCalls().requires_grad_(False)
+    layer = nn.Linear(4, 8).requires_grad_(False)
     cache = PrefixActivationCache(capacity=4, dataset_size=4, budget_bytes=2**20)
     cache.plan([("0", layer)])
     data, indices = torch.randn(4, 4), torch.tensor([0, 1, 2, 3])
@@ -1128,7 +1159,6 @@ def test_activation_cache_records_again_after_a_frozen_weight_is_written_between
         assert torch.equal(output, nn.functional.linear(data, layer.weight, layer.bias))  # never stale
         return mode
 
-    # the forward's own writes to its buffer do not count: it records, verifies, then replays
     assert [visit() for _ in range(4)] == ["record", "verify", "hit", "hit"]
     with torch.no_grad():
         layer.weight.mul_(0.5)  # an in-place write (a prune event's mask, a rollback, the user's code)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_pulse.core.forward_writes import StateBeforeForward, tensor_dicts, writes_state_reason
 from lightning_pulse.core.freeze_metrics import METRIC_PREFIX
 from lightning_pulse.core.prune_targets import has_own_forward
 from lightning_pulse.core.sample_index import KEEP_ONE_ROW_PER_INDEX
@@ -41,7 +42,8 @@ def uncacheable_reason(module: nn.Module) -> str | None:
 
     Replaying needs the output to be a function of the sample alone: no dropout and no batch-statistics
     normalisation in training mode inside it, and a plain class ``forward`` that can be swapped for the
-    replay while the module is frozen.
+    replay while the module is frozen. A forward that writes the module's own state (InstanceNorm's running
+    statistics, an EMA, a counter) is found when it first runs recorded (:class:`PrefixActivationCache`).
     """
     if "forward" in vars(module):
         return "it already has an instance-level `forward`"
@@ -244,7 +246,8 @@ class PrefixActivationCache:
     change either. The first visit of a sample records the outputs of the frozen modules; once every sample
     of a batch is recorded, the modules' ``forward`` returns a lookup for that batch instead, and is restored
     right after. The first all-recorded batch of every plan is computed for real once more and compared with
-    the records: a mismatch (data augmentation, noise added in ``training_step``) switches the cache off.
+    the records: a mismatch (data augmentation, noise added in ``training_step``, a collate_fn that reorders
+    a batch's samples) switches the cache off.
     Every replay also compares two sums per row of each cached module's input with those noted when it was
     recorded (:func:`_row_print`): an input that differs (a transform started after that check) runs the
     batch for real and switches the cache off. So
@@ -257,10 +260,12 @@ class PrefixActivationCache:
     A frozen module that cannot be replayed (its output is a tuple, as from ``nn.GRU``; it runs twice per
     forward; its store does not fit the budget; dropout inside; it reads or returns a tensor that requires
     grad, as inside a Hugging Face layer under gradient checkpointing; on a replayed batch too, where it
-    then runs for real) leaves the cache with every module after it: :attr:`uncached` names it and says why
-    (the modules found uncacheable during the fit; never cleared). A parameter or buffer of a cached module
-    written, added or replaced between two forwards (not by its own forward, as BatchNorm's statistics are)
-    drops every record (:attr:`weight_changes` counts it): the samples are recorded and verified again.
+    then runs for real; its forward writes its own parameters or buffers, found by their version counters at
+    every forward that runs while recording or verifying, and by their values at its first recorded forward)
+    leaves the cache with every module after it: :attr:`uncached` names it and says why (the modules found
+    uncacheable during the fit; never cleared). A parameter or buffer of a cached module written, added or
+    replaced between two forwards drops every record (:attr:`weight_changes` counts it): the samples are
+    recorded and verified again.
 
     Args:
         capacity: how many distinct samples this process sees per epoch (rows of each store).
@@ -296,6 +301,7 @@ class PrefixActivationCache:
         self._stubbed: list[nn.Module] = []
         self._indices: torch.Tensor | Callable[[], torch.Tensor] | None = None
         self._slots: torch.Tensor | None = None
+        self._keys: torch.Tensor | None = None  # the dataset indices of the batch under way, once resolved
         self._replayed: list[torch.Tensor] = []  # the lookups returned in the batch under way
         self._print_weights: _PrintWeights = {}  # the weights of the input sums (_row_print), per row length
         self._mode = "off"
@@ -328,8 +334,7 @@ class PrefixActivationCache:
             if (reason := uncacheable_reason(module)) is not None:
                 self.uncached.setdefault(name, reason)
                 break
-            dicts = [d for sub in module.modules() for d in (sub._parameters, sub._buffers)]
-            self.entries.append(_ActivationEntry(name, module, dicts))
+            self.entries.append(_ActivationEntry(name, module, tensor_dicts(module)))
         if changed:
             self.verified = False
             self._weights_seen = None
@@ -386,7 +391,10 @@ class PrefixActivationCache:
         if self._unmatched is not None:
             self._count_unmatched(*self._unmatched)
         elif self._mode in ("record", "verify") and self._slots is not None and self.disabled_reason is None:
-            broken = next((e for e in self.entries if e.calls != 1 or e.storage is None), None)
+            broken = next(
+                (e for e in self.entries if e.calls != 1 or e.storage is None or e.unrecordable is not None),
+                None,
+            )
             if broken is not None:
                 # a module called twice (or not at all) per forward cannot be replayed by one lookup
                 self.uncached.setdefault(broken.name, _why_unrecorded(broken))
@@ -398,7 +406,7 @@ class PrefixActivationCache:
         if len(self.entries) != cached and self._weights_seen is not None:  # fewer cached, none written
             self._weights_seen = _weights_of(self.entries)
         self._mode = "off"
-        self._slots = self._indices = self._unmatched = None
+        self._slots = self._indices = self._unmatched = self._keys = None
         self._replayed = []
 
     def _drop_records_if_written(self) -> bool:
@@ -437,7 +445,7 @@ class PrefixActivationCache:
         if slots is None:
             self._mode = "off"
             return
-        self._slots = slots
+        self._slots, self._keys = slots, indices
         complete = bool(self.filled[slots].all()) and all(e.storage is not None for e in self.entries)
         if complete and self.verified:
             self.hits += 1
@@ -509,14 +517,30 @@ class PrefixActivationCache:
                 return
         stored = entry.storage.index_select(0, slots.to(entry.storage.device))
         if self._mode == "verify" and not torch.allclose(stored, output.detach(), rtol=1e-3, atol=1e-5):
-            self.mismatched = entry.name
-            self.disabled_reason = (
-                f"the output of {entry.name} differs between two visits of the same frozen sample (random data "
-                "augmentation or noise in the forward, or state that every forward updates?)"
-            )
+            if self.disabled_reason is None:  # the first module that differs: those after it read its output
+                self.mismatched = entry.name
+                self.disabled_reason = self._mismatch_reason(entry, stored, output.detach())
             return
         entry.storage.index_copy_(0, slots.to(entry.storage.device), output.detach())
         self._record_prints(entry, args, kwargs, slots)
+
+    def _mismatch_reason(self, entry: _ActivationEntry, stored: torch.Tensor, live: torch.Tensor) -> str:
+        """Why the cache switches off when ``entry``'s records of the batch's samples (``stored``) differ from
+        their output now (``live``), a row per sample each: what was seen (the module, one sample) and the
+        causes that give it, none asserted (a collate_fn sorting each batch by length records every sample
+        under another's index, and has nothing to do with augmentation)."""
+        close = torch.isclose(stored, live, rtol=1e-3, atol=1e-5).reshape(len(live), -1).all(1)
+        differing = (~close).nonzero().flatten().tolist()
+        keys = self._keys
+        first = f"dataset index {int(keys[differing[0]])}" if keys is not None and differing else "one sample"
+        more = f", and {len(differing) - 1} more of the batch's {len(live)}" if len(differing) > 1 else ""
+        return (
+            f"the output of {entry.name} differs between two visits of the same frozen sample "
+            f"({first}{more}): its records are not what its forward gives now. Data augmentation or noise "
+            "in the forward does this, as does state that every forward updates, or a collate_fn that "
+            "reorders a batch's samples (sorting by length), so that its rows are not in the order the "
+            "sampler drew their indices"
+        )
 
     def _record_prints(
         self, entry: _ActivationEntry, args: tuple[Any, ...], kwargs: dict[str, Any], slots: torch.Tensor
@@ -605,6 +629,20 @@ class PrefixActivationCache:
         rows = _input_rows(entry, args)
         return rows is None or rows == len(self._slots)
 
+    def _forward_watching_writes(
+        self, entry: _ActivationEntry, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``entry``'s forward, run for real; if it wrote the module's own parameters or buffers, the module
+        cannot be replayed (a replay would leave them where the real forward moves them): it leaves the
+        cache at the batch's end, with the ones after it. Their values are compared at its first recorded
+        forward only (one copy of its buffers), their version counters at each."""
+        module = entry.module
+        before = StateBeforeForward(entry.tensor_dicts, with_values=entry.storage is None)
+        output = type(module).forward(module, *args, **kwargs)
+        if written := before.written(module, entry.tensor_dicts):
+            self._unrecordable(entry, writes_state_reason(module, written))
+        return output
+
     def _install_gate(self, entry: _ActivationEntry) -> None:
         """Swap ``entry``'s forward, for this batch, for one that replays, records or just runs it."""
         module = entry.module
@@ -633,16 +671,18 @@ class PrefixActivationCache:
                 rows = _input_rows(entry, args)  # on the axis that held the samples (1 when time-major)
                 if rows is not None and rows != len(self._slots):
                     self._unmatched = (rows, len(self._slots))  # rows that are not its keys: skipped, counted
-                output = type(module).forward(module, *args, **kwargs)
+                output = self._forward_watching_writes(entry, args, kwargs)
                 input_shape = _per_sample_shape(args, entry.input_rows_axis)
                 if input_shape != entry.input_shape and self.disabled_reason is None:
                     # samples seen before, padded differently: the records no longer fit, so stop caching
                     self._switch_off_for_shape(entry, input_shape, output)
+            elif self._mode in ("record", "verify", "miss"):
+                output = self._forward_watching_writes(entry, args, kwargs)
+                if self._mode != "miss" and entry.unrecordable is None:
+                    self._record(entry, args, kwargs, output)
             else:
                 output = type(module).forward(module, *args, **kwargs)
-                if self._mode in ("record", "verify"):
-                    self._record(entry, args, kwargs, output)
-            if entry is self.entries[-1]:  # what the forwards wrote into their own buffers (BatchNorm's)
+            if entry is self.entries[-1]:  # their own writes (old spectral_norm's pre-hook): not a change
                 self._weights_seen = _weights_of(self.entries)
             return output
 
