@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pulse import PulseCycle, ScheduledPrune, StabilityGuard
+from lightning_pulse import PulseCycle, ScheduledPrune, StabilityGuard, StabilityGuardError
 from lightning_pulse.core import pruning
 from lightning_pulse.core.prune_events import PruneEvents
 from lightning_pulse.core.prune_schedule import PruneSchedule
@@ -271,3 +271,45 @@ def test_a_rollback_to_the_fit_start_snapshot_keeps_the_pruning_schedule_in_eith
     # the schedule runs on in either order (before: no event at all with the guard listed first)
     assert [event["step"] for event in prune.events] == ([19, 29, 39, 49] if cycle else [14, 45])
     assert prune.sparsity == pytest.approx(0.5) and prune.finished
+
+
+class _NaNWeightFrom(pl.Callback):
+    """From ``step`` on, writes a NaN into the first layer's trained weight (``weight_orig`` once pruned)
+    before every step: a model gone bad for good, which the guard rolls back, then stops."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            layer = pl_module.net[0]
+            with torch.no_grad():
+                getattr(layer, "weight_orig", layer.weight)[0, 0] = float("nan")
+
+
+def test_a_skip_after_a_rollback_to_before_the_first_unstructured_prune_mends_and_the_run_stops(tmp_path):
+    # held-out sweep (bf16, accumulation, injected faults): a rollback to the fit-start snapshot, taken before
+    # ScheduledPrune's first unstructured event, then a forced skip whose forward left the pruned layer's
+    # `weight` (now a plain attribute, weight_orig * weight_mask) NaN: the guard's mend copied the snapshot's
+    # `weight` into a parameter the layer no longer has, and the fit died of `KeyError: 'weight'` mid-run,
+    # with no stop checkpoint
+    pl.seed_everything(0)
+    guard = StabilityGuard(window=20, warmup=5, snapshot_every=100, skip_after_rollback=2)
+    prune = ScheduledPrune(final_sparsity=0.5, start=2, end=8, every=2, probe_batches=0)  # unstructured
+    trainer = pl.Trainer(
+        max_steps=30,
+        callbacks=[prune, guard, _NaNWeightFrom(12)],
+        **trainer_kwargs(default_root_dir=tmp_path),
+    )
+    model = _NaNLossAt(nan_steps=())
+    with pytest.raises(StabilityGuardError) as raised:
+        trainer.fit(model, _rows())
+    # rolled back to the fit's start three times (each time after the two forced skips), then stopped
+    assert guard.policy.rollback_steps == [12, 15, 18]
+    assert [event.get("to_step") for event in guard.events if event["event"] in ("rollback", "stop")] == [
+        0
+    ] * 4
+    saved = torch.load(raised.value.checkpoint_path, weights_only=False)
+    assert all(torch.isfinite(value).all() for value in saved["state_dict"].values())
+    # the mend set the pruned layer's trained weight back to the snapshot's, as the rollback loads it
+    assert torch.equal(saved["state_dict"]["net.0.weight_orig"], model.net[0].weight_orig.cpu())

@@ -41,6 +41,7 @@ from lightning_pulse.core.snapshots import (
     SnapshotSchedule,
     TrainingSnapshot,
     fingerprints,
+    fitted_state,
     is_zero_redundancy,
     nonfinite_tensors,
     snapshot_from_state,
@@ -274,6 +275,15 @@ def _saved_forward_state(snapshot: TrainingSnapshot, model: nn.Module) -> dict[s
     saved = {**snapshot.model, **snapshot.buffers}
     buffers = {name: saved[name] for name, _ in model.named_buffers() if name in saved}
     return forward_state_tensors(buffers, snapshot.extra.get("carried", {}))
+
+
+def _saved_under_current_names(snapshot: TrainingSnapshot, model: nn.Module) -> dict[str, Any]:
+    """``snapshot``'s parameters and buffers under the names ``model`` holds them by now (the snapshot fits
+    it): a layer unstructured-pruned since holds the saved ``weight`` as ``weight_orig``, as a rollback loads
+    it (:func:`~lightning_pulse.core.snapshots.fitted_state`). Its ``weight`` is then a plain attribute the
+    pruning hook recomputes, no parameter to copy into (a mend after a rollback to a snapshot from before the
+    first prune raised ``KeyError: 'weight'``)."""
+    return {**(fitted_state(snapshot.model, model.state_dict()) or {}), **snapshot.buffers}
 
 
 def _made_bad(model: nn.Module, evidence: Mapping[str, Tensor]) -> list[str]:
@@ -1091,7 +1101,7 @@ class StabilityCore:
             before_step = set(self._set_back_to_snapshot(model, snapshot, optimizers))
         if before_step:  # a copy taken after a forward on the bad batch (a callback's, listed first) holds it
             before_step -= set(_made_bad(model, evidence))
-        saved_tensors = {} if snapshot is None else {**snapshot.model, **snapshot.buffers}
+        saved_tensors = {} if snapshot is None else _saved_under_current_names(snapshot, model)
         carried = {} if snapshot is None else snapshot.extra.get("carried", {})
         mended, self.mended_from_copy = [], [name for name in bad if name in before_step]
         for name in bad:
