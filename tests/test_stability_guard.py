@@ -70,9 +70,9 @@ class StepRecorder(Callback):
 
 
 class StepEnergy(Callback):
-    """Each optimizer step's energy as the guard read it: the meter readings it takes at a step's first batch and
-    at the step's end (its ``StepEnergy``), recorded by wrapping its reader. A reader of its own at other hooks
-    read other moments, which a busy machine moved by up to a fifth of a 3 ms step."""
+    """Each optimizer step's energy as the guard read it: the meter readings it takes at a step's first batch
+    and at the step's end (its ``StepEnergy``), recorded by wrapping its reader. A reader of its own at other
+    hooks read other moments, which a busy machine moved by up to a fifth of a 3 ms step."""
 
     def __init__(self, guard: StabilityGuard) -> None:
         self.guard = guard
