@@ -546,6 +546,8 @@ def run_compare(argv: Sequence[str]) -> int:
 
 
 WINDOW_FORMATS = ("iso", "unix", "slurm")
+#: the exit status of a wait interrupted by Ctrl-C: 128 + SIGINT, as a shell reports a process it ended
+INTERRUPTED_EXIT = 130
 
 
 def run_wait_for_window(argv: Sequence[str], clock: object | None = None) -> int:
@@ -563,7 +565,7 @@ def run_wait_for_window(argv: Sequence[str], clock: object | None = None) -> int
         prog="lightning-pulse wait-for-window",
         description="Sleep until the clean window a run suspended by GreenWindow waits for, or print it.",
         epilog=f"Exit status: 0 the window is open (or its time printed); {WINDOW_FINISHED_EXIT} the run has "
-        "completed, nothing to resume; 2 an error.",
+        "completed, nothing to resume; 2 an error; 130 interrupted (Ctrl-C).",
     )
     parser.add_argument("path", help="green_window.json, or the checkpoint folder holding it")
     parser.add_argument("--print", action="store_true", help="print the time instead of sleeping")
@@ -591,7 +593,16 @@ def run_wait_for_window(argv: Sequence[str], clock: object | None = None) -> int
         else:
             print(datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
         return 0
-    slept = wait_for_window(args.path, clock)  # type: ignore[arg-type]
+    try:
+        slept = wait_for_window(args.path, clock)  # type: ignore[arg-type]
+    except (
+        KeyboardInterrupt
+    ):  # Ctrl-C on a wait one started is ordinary: a line, and the shell's 128 + SIGINT
+        sys.stderr.write(
+            f"wait-for-window: interrupted before the window opens; the run is still suspended, resume it "
+            f"with: {record.get('resume_command', '')}\n"
+        )
+        return INTERRUPTED_EXIT
     print(f"window open ({slept / 3600:.2f} h waited); resume with: {record.get('resume_command', '')}")
     return 0
 

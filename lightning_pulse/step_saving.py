@@ -309,8 +309,15 @@ class StepSavingLoader:
             remade = f" (the checkpoint's plan remade from step {plan.from_step} on for {settings_changed})."
         else:
             remade = " (the checkpoint's plan remade for this run's length)." if replanned else "."
+        # past a plan's data the run trains plain batches while its epochs allow: max_epochs ends it there
+        run_steps = plan.run_steps(max_epochs is not None)
+        ends_sooner = (
+            f", but max_epochs={trainer.max_epochs} ends the run at step {run_steps}, where its data ends"
+            if run_steps < plan.total_steps
+            else ""
+        )
         rank_zero_info(
-            f"HardSampleReplay: {plan_summary(plan, budget)}; trainer.max_steps={cap}"
+            f"HardSampleReplay: {plan_summary(plan, budget, run_steps)}; trainer.max_steps={cap}{ends_sooner}"
             + (
                 " (one more for StochasticWeightAveraging's BatchNorm-update epoch)"
                 if batch_norm_step
@@ -473,7 +480,7 @@ class StepSavingLoader:
             return
         # past a plan's data the run trains plain batches while its epochs allow: max_epochs ends it there
         bounded = unplanned is not None and unplanned.max_epochs is not None
-        run_steps = plan.data_steps if plan.data_steps is not None and bounded else plan.total_steps
+        run_steps = plan.run_steps(bounded)
         change = resumed_plan_change(stream, run_steps)
         if change is None:
             return

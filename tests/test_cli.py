@@ -591,3 +591,112 @@ def test_jsonargparse_debug_is_read_as_jsonargparse_reads_it(tmp_path, capsys, m
         )
     else:
         assert _first_error_line(capsys, ["fit", "--config", bad]).startswith("error: PulseCycle: `burst`=")
+
+
+def test_ctrl_c_on_wait_for_window_exits_130_with_one_line_and_no_traceback(tmp_path, capsys):
+    # sweep-cli-yaml: Ctrl-C on a wait one had started printed a KeyboardInterrupt traceback
+    from lightning_pulse.cli import INTERRUPTED_EXIT, run_wait_for_window
+
+    record = {
+        "status": "suspended",
+        "resume_at": "2020-06-15 11:00:00",
+        "resume_at_unix": 1592218800.0,
+        "checkpoint": "x.ckpt",
+        "resume_command": "lightning-pulse fit --ckpt_path x.ckpt",
+    }
+    (tmp_path / "green_window.json").write_text(json.dumps(record))
+
+    class InterruptedClock:  # the user presses Ctrl-C while the wait sleeps
+        def time(self) -> float:
+            return 1592215200.0
+
+        def sleep(self, seconds: float) -> None:
+            assert seconds == 3600.0
+            raise KeyboardInterrupt
+
+    assert run_wait_for_window([str(tmp_path)], clock=InterruptedClock()) == INTERRUPTED_EXIT == 130
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    assert err == (
+        "wait-for-window: interrupted before the window opens; the run is still suspended, resume it with: "
+        "lightning-pulse fit --ckpt_path x.ckpt\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda text: text[: len(text) // 2], "is not a lightning-pulse energy report (not JSON: "),
+        (
+            lambda text: text.replace('"phases": {', '"phases": "x", "old_phases": {', 1),
+            "`phases`='x' is not a mapping",
+        ),
+        (
+            lambda text: text.replace('"timeline": {', '"timeline": null, "old_timeline": {', 1),
+            "`timeline`=None is not",
+        ),
+        (
+            lambda text: text.replace('"meters": {', '"meters": [], "old_meters": {', 1),
+            "`meters`=[] is not a mapping",
+        ),
+    ],
+    ids=["truncated", "phases-text", "timeline-null", "meters-list"],
+)
+def test_report_subcommand_on_a_broken_report_names_the_file_in_one_line(tmp_path, capsys, edit, expected):
+    # sweep-cli-yaml: a truncated report gave json's message naming no file; a section of another type a
+    # traceback (AttributeError), where `compare` gave one line naming the file
+    from lightning_pulse.energy.report import JSON_NAME, write_report
+    from tests.test_energy_report import small_report
+
+    write_report(small_report(), tmp_path)
+    text = (tmp_path / JSON_NAME).read_text()
+    (tmp_path / JSON_NAME).write_text(edit(text))
+    assert (tmp_path / JSON_NAME).read_text() != text
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert f"{tmp_path / JSON_NAME}" in err and expected in err, err
+
+
+@pytest.mark.parametrize(
+    ("clock", "expected"),
+    [
+        (
+            "{class_path: lightning_pulse.SimulatedClok}",
+            "lightning_pulse.SimulatedClok() could not be built (AttributeError: module 'lightning_pulse' "
+            "has no attribute 'SimulatedClok')",
+        ),
+        (
+            "{class_path: lightning_pulse.SimulatedClock, init_args: {start: notatime}}",
+            "lightning_pulse.SimulatedClock(start='notatime') could not be built (ValueError: ",
+        ),
+        (
+            "{class_path: lightning_pulse.SimulatedClock, init_args: {strat: '2020-06-19 00:00:00'}}",
+            "unexpected keyword argument 'strat'",
+        ),
+    ],
+    ids=["class-path-typo", "bad-start", "unknown-key"],
+)
+def test_a_green_window_clock_from_yaml_that_cannot_be_built_names_the_problem(
+    tmp_path, capsys, clock, expected
+):
+    # sweep-cli-yaml: each was reported as "`clock`=... must have `time()` and `sleep(seconds)` methods"
+    signal = ROOT / "examples" / "data" / "carbon" / "de_2020_june_excerpt.csv"
+    config = {
+        "trainer": {"max_steps": 2, "logger": False, "enable_checkpointing": False},
+        "model": {"class_path": "examples.digits.DigitsClassifier", "init_args": {"channels": 8}},
+        "data": {"class_path": "examples.digits.DigitsDataModule", "init_args": {"batch_size": 32}},
+    }
+    text = yaml.safe_dump(config).replace(
+        "trainer:\n",
+        "trainer:\n  callbacks:\n  - class_path: lightning_pulse.GreenWindow\n"
+        f"    init_args: {{signal: {signal}, when_dirty: pause, clock: {clock}}}\n",
+    )
+    (tmp_path / "gw.yaml").write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(tmp_path / "gw.yaml"), "--trainer.default_root_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    first = capsys.readouterr().err.strip().splitlines()[0]
+    assert first.startswith("error: GreenWindow: `clock`: ") and expected in first, first
+    assert "must have `time()`" not in first and "Namespace(" not in first

@@ -356,3 +356,39 @@ def test_a_hand_edited_report_of_the_wrong_types_is_refused_naming_the_file(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: `RUN_B`={str(path)!r}: {path}: "), err
     assert expected in err, err
+
+
+def _fit_with_codecarbon_ram(root: Path, tracking_mode: str) -> Path:
+    """A tiny run whose RAM codecarbon meters in ``tracking_mode``; returns its log directory."""
+    pl.seed_everything(0, verbose=False)
+    meters = MeterConfig(sampling_period=0.05, cpu_watts=10.0, codecarbon_tracking_mode=tracking_mode)
+    energy = EnergyLogger(cpu="constant", ram="codecarbon", country_iso_code="DEU", meters=meters)
+    trainer = pl.Trainer(
+        callbacks=[energy],
+        **trainer_kwargs(max_epochs=1, limit_train_batches=8, limit_val_batches=0, logger=CSVLogger(root)),
+    )
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=600, batch_size=32))
+    return Path(trainer.logger.log_dir)
+
+
+def test_runs_metered_in_different_codecarbon_tracking_modes_get_no_energy_ratio(tmp_path, capsys):
+    # sweep-cli-yaml: the same run in "machine" (the baseline YAML plus EnergyLogger) and "process" mode (the
+    # pulse YAML) compared at 0.59x energy with no note: the node's RAM against this process's share
+    machine = _fit_with_codecarbon_ram(tmp_path / "machine", "machine")
+    process = _fit_with_codecarbon_ram(tmp_path / "process", "process")
+    assert report(machine)["meters"]["ram"]["tracking_mode"] == "machine"
+    assert main(["compare", str(machine), str(process), "--out", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    assert "not comparable: codecarbon tracking mode 'machine' in A, 'process' in B (ram)" in out
+    assert "Meter both runs with the same `meters.codecarbon_tracking_mode`." in out
+    comparison = json.loads((tmp_path / "cmp" / COMPARISON_JSON).read_text())
+    for figure in ("energy_kwh", "co2_kg", "cost"):
+        row = next(row for row in comparison["figures"] if row["figure"] == figure)
+        assert row["ratio"] is None, row
+    assert "'machine' in A, 'process' in B" in comparison["not_comparable"]
+    assert ratio_of(comparison, "duration_s") is not None and ratio_of(comparison, "steps") == 1.0
+
+    # one tracking mode on both sides compares as before
+    same = compare_runs(load_run(machine), load_run(machine))
+    assert ratio_of(same, "energy_kwh") == 1.0 and same["not_comparable"] is None
+    assert "not comparable" not in comparison_markdown(same)

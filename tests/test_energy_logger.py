@@ -525,6 +525,17 @@ def test_a_fit_that_fails_in_its_first_batch_says_whether_it_trained(tmp_path, w
         ]
 
 
+def test_a_failed_predict_says_nothing_about_a_fit(tmp_path, caplog):
+    # sweep-cli-yaml: `lightning-pulse predict` on a data module without predict_dataloader printed
+    # "EnergyLogger: the fit stopped before its first training batch" before the error; there was no fit
+    energy = EnergyLogger(cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.02, cpu_watts=5.0))
+    predictor = trainer([energy], default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO), pytest.raises(Exception, match="predict_dataloader"):
+        predictor.predict(MNIST1DClassifier(arch="mlp"), data())
+    assert [record.getMessage() for record in caplog.records if "EnergyLogger" in record.getMessage()] == []
+    assert energy.report is None and not list(tmp_path.rglob("energy_report*"))
+
+
 def test_a_bug_in_the_epoch_figures_warns_once_and_training_goes_on(tmp_path, monkeypatch, recwarn):
     import lightning_pulse.energy.account as account_module
 

@@ -126,3 +126,26 @@ def test_a_resume_to_more_epochs_is_refused_before_its_restored_onecycle_overrun
             epochs=6,
         )
     assert "the run's max_epochs or max_steps changed" in str(refusal.value)
+
+
+def test_the_plan_line_of_a_resume_with_the_pulse_cycle_left_out_states_the_steps_the_run_takes(
+    tmp_path, caplog
+):
+    # sweep-cli-yaml: the fit-start line quoted the checkpoint's 64 steps ("41 of the 44 from step 20 on",
+    # max_steps=64) while the warning after it said 61 and max_epochs ended the run at 61
+    saved = _onecycle_fit([PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5)], checkpoints=tmp_path)
+    caplog.set_level("INFO")
+    caplog.clear()
+    with pytest.warns(UserWarning, match="HardSampleReplay: the checkpoint's plan was"):
+        resumed = _onecycle_fit(
+            [HardSampleReplay(replay_fraction=0.5)], ckpt_path=str(next(tmp_path.glob("*step=10.ckpt")))
+        )
+    assert resumed.global_step < saved.global_step
+    lines = [
+        r.getMessage() for r in caplog.records if "HardSampleReplay: the run's data takes" in r.getMessage()
+    ]
+    assert len(lines) == 1, lines
+    taken, rest = resumed.global_step, resumed.global_step - 10
+    assert f"the run's data takes {taken} optimizer steps instead of " in lines[0], lines[0]
+    assert f" of the {rest} from step 10 on in light phases" in lines[0], lines[0]
+    assert f"but max_epochs=4 ends the run at step {taken}, where its data ends" in lines[0], lines[0]

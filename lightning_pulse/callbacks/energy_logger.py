@@ -287,6 +287,8 @@ class EnergyLogger(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        if trainer.state.fn != "fit":  # a failed validate, test or predict: EnergyLogger meters fits only
+            return
         if (where := self.account.interrupted()) is not None:  # no run to report on
             rank_zero_info(f"EnergyLogger: the fit stopped {where}; no energy report.")
             return

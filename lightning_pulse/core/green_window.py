@@ -17,6 +17,7 @@ objects, and ``benchmarks/green_window.py`` drives the same objects on the 2020 
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import re
@@ -85,6 +86,33 @@ class SimulatedClock:
         return self.now
 
 
+def unbuilt_clock(clock: Any) -> str | None:
+    """Why a ``clock`` given as ``{class_path, init_args}`` was not built, or ``None`` for any other value.
+    jsonargparse hands GreenWindow's ``clock: Any`` on as that mapping (or a Namespace) when it cannot build
+    it: building it again here names the real problem (a class_path typo, an unknown or bad init_arg)."""
+    if hasattr(clock, "as_dict"):  # a jsonargparse Namespace
+        clock = clock.as_dict()
+    if not isinstance(clock, Mapping) or not isinstance(clock.get("class_path"), str):
+        return None
+    class_path, init_args = clock["class_path"], clock.get("init_args") or {}
+    unknown = sorted(set(clock) - {"class_path", "init_args"})
+    if unknown:
+        return (
+            f"{class_path}: unknown key(s) {', '.join(map(repr, unknown))} next to class_path and init_args"
+        )
+    if not isinstance(init_args, Mapping):
+        return f"{class_path}: `init_args`={init_args!r} is not a mapping"
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        built = getattr(importlib.import_module(module_name), name)(**init_args)
+    except Exception as error:  # what jsonargparse met and did not say
+        arguments = ", ".join(f"{key}={value!r}" for key, value in init_args.items())
+        return f"{class_path}({arguments}) could not be built ({type(error).__name__}: {error})"
+    if all(callable(getattr(built, method, None)) for method in ("time", "sleep")):
+        return None  # it builds here: the generic message stands
+    return f"{class_path} builds a {type(built).__name__}, which has no `time()` and `sleep(seconds)`"
+
+
 class RunClock:
     """A run's time: its clock's reading, moved later where needed so that it never goes back.
 
@@ -104,6 +132,11 @@ class RunClock:
 
     def __init__(self, clock: Any) -> None:
         if not all(callable(getattr(clock, name, None)) for name in ("time", "sleep")):
+            if (unbuilt := unbuilt_clock(clock)) is not None:
+                raise ValueError(
+                    f"`clock`: {unbuilt}; give the class_path of a clock and its init_args (e.g. "
+                    "lightning_pulse.SimulatedClock with `start`), or null for the system clock."
+                )
             raise ValueError(
                 f"`clock`={clock!r} must have `time()` (Unix seconds) and `sleep(seconds)` methods, or be "
                 "None for the system clock."

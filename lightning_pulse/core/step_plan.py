@@ -76,6 +76,11 @@ class StepPlan:
         position = epoch - self.first_epoch
         return self.batch_sizes[position] if 0 <= position < len(self.batch_sizes) else []
 
+    def run_steps(self, bounded_by_epochs: bool) -> int:
+        """The optimizer steps the run takes: :attr:`total_steps`, but only :attr:`data_steps` where the
+        planned batches fall short of the total and ``max_epochs`` ends the run when they run out."""
+        return self.data_steps if self.data_steps is not None and bounded_by_epochs else self.total_steps
+
     @property
     def own_steps(self) -> int:
         """The planned optimizer steps from where the plan joined the run (all of them for a plan from the
@@ -431,8 +436,12 @@ def budget_shortfall(plan: StepPlan, budget: float | None, resumed_changed: bool
     )
 
 
-def plan_summary(plan: StepPlan, budget: float | None) -> str:
-    """One line for the log: the planned steps against plain, and the budget if one was asked for."""
+def plan_summary(plan: StepPlan, budget: float | None, run_steps: int | None = None) -> str:
+    """One line for the log: the planned steps against plain, and the budget if one was asked for.
+    ``run_steps``: the steps the run takes, where ``max_epochs`` ends it before ``plan.total_steps`` (see
+    :meth:`StepPlan.run_steps`); the line states what the run will do, not the checkpoint's total."""
+    if run_steps is not None and run_steps != plan.total_steps:
+        plan = replace(plan, total_steps=run_steps, data_steps=None)
     light = f"{plan.light_steps} in light phases"
     if plan.from_step > plan.steps_before:  # a resume plans the rest of the run: its light steps
         rest = plan.total_steps - plan.from_step

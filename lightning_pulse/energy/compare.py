@@ -181,6 +181,7 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     figures = []
     # CO2 and cost are the energy times a rate: an undercounted energy undercounts them too
     energy_partial = PARTIAL in [total.get("energy_method", NONE) for total in totals]
+    metered_apart = tracking_modes_differ(a["report"], b["report"])
     unfinished = _unfinished_note(a["report"], b["report"])
     for key, label, unit, method_key in FIGURES:
         if key == "cost":
@@ -193,6 +194,8 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
             ratio, note = None, f"currencies differ ({currencies[0]} / {currencies[1]})"
         if method_key and NONE in methods:
             ratio = None
+        elif method_key and metered_apart:  # one run's figure covers the whole machine, the other's a share
+            ratio, note = None, f"not comparable: {metered_apart}"
         elif method_key and energy_partial:  # an undercount (a meter lost mid-run)
             ratio, note = None, "partial: a meter was lost mid-run, so the figure undercounts"
         elif method_key and PARTIAL in methods:  # a rate given on a resume only
@@ -240,7 +243,41 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
         },
         "figures": figures,
         "metrics": metrics,
+        "not_comparable": None if metered_apart is None else _not_comparable_line(metered_apart),
     }
+
+
+def tracking_modes_differ(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
+    """``"codecarbon tracking mode 'machine' in A, 'process' in B (cpu, ram)"`` when codecarbon metered a
+    component of the two runs in different tracking modes (recorded in each report's ``meters``), else
+    ``None``. ``machine`` counts the whole node, ``process`` this process's share (its RAM, its CPU time):
+    the same work read 0.59x in ``process`` mode, a saving nobody made."""
+    differing: dict[tuple[str, str], list[str]] = {}
+    meters_a, meters_b = a.get("meters"), b.get("meters")
+    if not isinstance(meters_a, Mapping) or not isinstance(meters_b, Mapping):
+        return None
+    for component, described_a in meters_a.items():
+        described_b = meters_b.get(component)
+        if not isinstance(described_a, Mapping) or not isinstance(described_b, Mapping):
+            continue
+        modes = described_a.get("tracking_mode"), described_b.get("tracking_mode")
+        if None not in modes and modes[0] != modes[1]:
+            differing.setdefault((str(modes[0]), str(modes[1])), []).append(str(component))
+    if not differing:
+        return None
+    return "; ".join(
+        f"codecarbon tracking mode {mode_a!r} in A, {mode_b!r} in B ({', '.join(components)})"
+        for (mode_a, mode_b), components in differing.items()
+    )
+
+
+def _not_comparable_line(metered_apart: str) -> str:
+    return (
+        f"The energy, CO2 and cost of A and B are not comparable: {metered_apart}. 'machine' counts the "
+        "whole node, 'process' only this process's share, so the same work reads as less energy in "
+        "'process' mode. "
+        "Meter both runs with the same `meters.codecarbon_tracking_mode`."
+    )
 
 
 def _unfinished_note(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
@@ -390,6 +427,7 @@ def comparison_markdown(comparison: Mapping[str, Any], title: str = "# Energy co
         "",
         f"A (baseline): `{a['path']}` ({a.get('status')}); B: `{b['path']}` ({b.get('status')}).",
         "",
+        *([f"**{comparison['not_comparable']}**", ""] if comparison.get("not_comparable") else []),
         "| figure | A | B | B/A |",
         "|---|---|---|---|",
     ]

@@ -170,10 +170,29 @@ def render_report(directory: str | Path, field: str | None = None) -> list[Path]
     from lightning_pulse.energy.compare import find_report  # compare imports this module
 
     json_path = find_report(directory, field)
-    report = json.loads(json_path.read_text(encoding="utf-8"))
+    try:
+        report = json.loads(json_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:  # a truncated or hand-edited file
+        raise ValueError(f"{json_path} is not a lightning-pulse energy report (not JSON: {error}).") from None
     if not isinstance(report, dict) or report.get("schema") != SCHEMA:
         raise ValueError(f"{json_path} is not a lightning-pulse energy report (schema {SCHEMA!r}).")
+    for key, shape in _SECTION_SHAPES.items():  # a hand-edited section would fail deep in the renderer
+        if key in report and not isinstance(report[key], shape):
+            kind = "a mapping" if shape is dict else "a list"
+            raise ValueError(
+                f"{json_path}: `{key}`={report[key]!r} is not {kind}, as EnergyLogger writes it; not a "
+                "lightning-pulse energy report."
+            )
     return _render(report, json_path.parent)
+
+
+#: the sections of a report the renderer walks, with the container EnergyLogger writes each as
+_SECTION_SHAPES = {
+    **dict.fromkeys(
+        ("meters", "total", "counting", "phases", "cycles", "epochs", "stages", "timeline"), dict
+    ),
+    **dict.fromkeys(("phase_segments", "events"), list),
+}
 
 
 def _render(report: Mapping[str, Any], directory: Path, chart: bool = True) -> list[Path]:
