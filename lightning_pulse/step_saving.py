@@ -10,6 +10,7 @@ validation batch to the pass's real end. :class:`~lightning_pulse.HardSampleRepl
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from lightning_pulse.core.replay import (
     STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL,
     STEPS_MODE_SCHEDULE_LENGTH_REFUSAL,
     STEPS_MODE_STEP_BOUND_REFUSAL,
+    Composition,
     HardSampleSelector,
     given_loaders_refusal,
 )
@@ -141,6 +143,7 @@ class StepSavingLoader:
         self.epoch_batches = 0  # the batches of the pass under way
         self.loader: Any = None  # the training DataLoader tracked in this fit (either mode), until released
         self._drawn_at: int | None = None  # Lightning's count of batches fetched when the latest was drawn
+        self._latest_cut: Any = None  # the latest batch's cut (None: a plain batch)
         self._trainer: pl.Trainer | None = None
         self._sampler: PlannedBatchSampler | None = None
         self._choose: Callable[[list[list[int]], list[int], list[int], float], list[Any]] | None = None
@@ -386,6 +389,9 @@ class StepSavingLoader:
         if early and self.loader is not None:  # the pass's epoch, which Lightning sets only after the draw
             compat.set_sampler_epoch(self.loader, self.stream.epoch)
         self._sampler.start_pass_at(self.stream.batches)
+        self._sampler.given = deque(
+            None if cut is None else Composition.from_state(cut) for cut in self.stream.given_cuts
+        )
         compat.set_epoch_batches(trainer, self.epoch_batches)
         return skip, sizes
 
@@ -403,6 +409,7 @@ class StepSavingLoader:
         counts it once its step ran through: :meth:`checkpoint`)."""
         assert self._sampler is not None and self._trainer is not None
         window, cut = self._sampler.take_window()
+        self._latest_cut = cut
         self.stream.drawn(window)
         self._batches_drawn += 1
         self._drawn_at = compat.batches_fetched(self._trainer)
@@ -411,8 +418,29 @@ class StepSavingLoader:
 
     def checkpoint(self, global_step: int | None) -> dict[str, Any] | None:
         """What a checkpoint saves of the stream (see :meth:`StepSavingStream.checkpoint`), counting only the
-        batches whose step ran through."""
-        return self.stream.checkpoint(global_step, self._latest_batch_untrained())
+        batches whose step ran through; with the cuts of the batches drawn ahead before a rollback (see
+        :meth:`choose_again`), which the resume trains as they are. Normally there are none: a resume chooses
+        the rest of the pass again, from the scores of the samples it has not drawn, which no step changed."""
+        untrained = self._latest_batch_untrained()
+        state = self.stream.checkpoint(global_step, untrained)
+        if state is None or state is self.stream.held or self._sampler is None:
+            return state
+        fixed = self._sampler.fixed_cuts()
+        if untrained and self._sampler.taken_fixed:  # the resume draws it again
+            fixed.insert(0, self._latest_cut)
+        if fixed:  # a few batches' indices (the DataLoader's read-ahead), never a list per sample
+            state["fixed_cuts"] = [None if cut is None else cut.state_dict() for cut in fixed]
+        return state
+
+    def choose_again(self) -> None:
+        """A :class:`~lightning_pulse.StabilityGuard` rollback restored older scores mid-pass: the windows the
+        sampler has not yielded yet are cut again from them, as choosing each window just before it trains
+        would, after the steps measured before the pass began are applied (the epoch end applied them before
+        the pass chose). The batches drawn ahead keep their cuts, and a checkpoint carries them."""
+        if self._sampler is None or self._selector is None:  # batch mode: nothing chosen ahead
+            return
+        self._selector.apply_measured_before(self.stream.pass_step)
+        self._sampler.choose_again()
 
     def _latest_batch_untrained(self) -> bool:
         """Whether the batch drawn last is still in flight, its step not run through: Lightning's batch

@@ -329,14 +329,15 @@ class HardSampleReplay(Callback):
 
         At a checkpoint restore (before the DataLoader that sizes the table exists) it applies when the table is
         built; during training (a :class:`~lightning_pulse.StabilityGuard` rollback) at once, dropping a step in
-        flight (measured on the model being replaced). The DataLoader's pass (next batches, an epoch's selection)
-        is not rewound.
+        flight (measured on the model being replaced). The DataLoader's pass is not rewound; in steps mode its
+        windows not drawn yet are cut again from the restored scores.
         """
         if not self._one_run.restored():  # loaded by validate, test or predict: no resume
             return
         if self.data.ready:  # a rollback: the scores apply at once, the data stream is not rewound
             self.batches.drop_step()
             self.data.load_state_dict(state_dict)
+            self.steps.choose_again()  # steps mode: the windows not drawn yet, from the restored scores
         else:  # the scores apply when a DataLoader sizes the table
             self.steps.stream.restore(self.data.load_state_dict(state_dict))
 

@@ -568,6 +568,20 @@ class Composition:
     roles: np.ndarray
     weights: Tensor | None
 
+    def state_dict(self) -> dict[str, Tensor | None]:
+        """Tensors only, which a checkpoint loaded with ``weights_only=True`` reads back."""
+        weights = self.weights
+        return {
+            "positions": self.positions,
+            "indices": self.indices,
+            "roles": torch.from_numpy(self.roles),
+        } | ({} if weights is None else {"weights": weights})
+
+    @classmethod
+    def from_state(cls, state: dict[str, Tensor | None]) -> Composition:
+        roles = torch.as_tensor(state["roles"]).long().numpy()
+        return cls(state["positions"], torch.as_tensor(state["indices"]).long(), roles, state.get("weights"))
+
 
 @dataclass
 class BatchPlan:
@@ -1045,6 +1059,13 @@ class HardSampleSelector:
             self.table.update_steps(indices, losses, sizes, steps, thresholds, replayed=hard)
         self._count(pending, losses, roles)
         self._applied_since_threshold = True
+
+    def apply_measured_before(self, step: int) -> None:
+        """Apply the kept steps if one was measured before ``step``, the start of a pass: a rollback to a
+        snapshot older than the pass brings back steps that the epoch end had applied before the pass chose
+        (the next epoch selects from every score of this one)."""
+        if any(entry.step < step for entry in self._unapplied):
+            self.apply()
 
     def drop_pending(self) -> None:
         """Forget measured steps not yet applied (a rollback replaces the model they were measured on)."""

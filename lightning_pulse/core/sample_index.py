@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
@@ -251,6 +252,18 @@ class SampleIndexTracker:
         return self.collate_fn([self.dataset[int(i)] for i in indices])
 
 
+@dataclass
+class _Block:
+    """The block of batches a :class:`PlannedBatchSampler` is yielding: their windows, their cuts (``None``:
+    a plain batch), the epoch ordinal of the first, how many lead with a given cut, the first not yielded."""
+
+    batches: list[list[int]]
+    cuts: list[Any]
+    ordinal: int
+    given: int
+    undrawn: int = 0
+
+
 class PlannedBatchSampler(BatchSampler):
     """A ``BatchSampler`` whose batches follow a plan: each pass yields the raw batch sizes ``sizes_for_pass``
     gives, from the same index sampler (step-saving replay fetches a larger window for a light-phase step).
@@ -259,7 +272,9 @@ class PlannedBatchSampler(BatchSampler):
     :attr:`CHOOSE_BLOCK` batches, ``choose(windows, ordinals)`` gets every such window of the block (its dataset
     indices) and the batches' places in the epoch, and returns one cut per window (its ``indices``: the dataset
     indices to yield, in window order), so the DataLoader loads only the samples that train. What each batch was cut from is kept in
-    :attr:`windows`, in order, for the consumer to :meth:`take_window`.
+    :attr:`windows`, in order, for the consumer to :meth:`take_window`. :meth:`choose_again` cuts the windows
+    not yet yielded again (a rollback restored the scores they were cut from); a pass's first batches may come
+    with their cuts already :attr:`given` (a resume's, cut before such a rollback).
 
     Args:
         original: the DataLoader's batch sampler (its ``sampler`` and ``drop_last`` are kept).
@@ -291,11 +306,20 @@ class PlannedBatchSampler(BatchSampler):
         # per yielded batch: (raw window size, the cut or None)
         self.windows: deque[tuple[int, Any]] = deque()
         self._first_ordinal = 0
+        # the cuts (or None) of the next pass's first batches, yielded as given instead of chosen: the
+        # uninterrupted run cut them before a rollback, from scores a resume no longer holds
+        self.given: deque[Any] = deque()
+        # how many of `windows`' leading batches hold such a cut (given, or yielded before choose_again), and
+        # whether the batch taken last did
+        self.fixed_ahead = 0
+        self.taken_fixed = False
+        self._block: _Block | None = None  # the block being yielded
 
     def __iter__(self) -> Iterator[list[int]]:
-        skip, sizes = self.sizes_for_pass()
+        skip, sizes = self.sizes_for_pass()  # sets `given` for a resumed pass
         recorder = self.sampler if isinstance(self.sampler, RecordingSampler) else None
         self.windows.clear()
+        self.fixed_ahead, self._block = 0, None
         source = iter(self.sampler) if recorder is None else recorder.begin_batch_pass()
         if skip:
             for _ in islice(source, skip):
@@ -308,14 +332,15 @@ class PlannedBatchSampler(BatchSampler):
             order = list(islice(source, int(sum(block))))
             bounds = np.minimum(np.concatenate([[0], np.cumsum(block, dtype=np.int64)]), len(order))
             batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-            cuts: list[Any] = [None] * len(batches)
-            light = [k for k, batch in enumerate(batches) if len(batch) > self.batch_size]
-            if light and self.choose is not None:
-                chosen = self.choose([batches[k] for k in light], [ordinal + k for k in light])
-                for k, cut in zip(light, chosen):
-                    cuts[k] = cut
-            for batch, cut in zip(batches, cuts):
+            given = self._take_given(batches)
+            self._block = current = _Block(batches, [None] * len(batches), ordinal, given)
+            self._choose_from(given)
+            for k, batch in enumerate(batches):
+                # read at its turn, not before: choose_again may have cut it again since the block was chosen
+                cut = self.given.popleft() if k < given else current.cuts[k]
+                current.undrawn = k + 1
                 self.windows.append((len(batch), cut))
+                self.fixed_ahead += k < given
                 if recorder is not None:
                     recorder.record_batch(batch if cut is None else cut.indices.numpy())
                 yield batch if cut is None else cut.indices.tolist()
@@ -323,12 +348,51 @@ class PlannedBatchSampler(BatchSampler):
                 return
             ordinal += len(block)
 
+    def _take_given(self, batches: list[list[int]]) -> int:
+        """How many of ``batches``, from the first, take their cut from :attr:`given`: those whose given cut
+        fits (``None`` for a plain batch, else indices of its window). A resume planned otherwise than its
+        checkpoint (other settings) draws other windows: the cuts that do not fit are dropped and chosen."""
+        fits = 0
+        for cut, batch in zip(self.given, batches):
+            light = len(batch) > self.batch_size
+            if (cut is not None) != light or (light and not np.isin(cut.indices.numpy(), batch).all()):
+                self.given = deque(islice(self.given, fits))
+                break
+            fits += 1
+        return fits
+
+    def _choose_from(self, start: int) -> None:
+        """Cut the current block's light windows from its ``start``-th batch on."""
+        block = self._block
+        assert block is not None
+        batches = block.batches
+        light = [k for k in range(start, len(batches)) if len(batches[k]) > self.batch_size]
+        if light and self.choose is not None:
+            chosen = self.choose([batches[k] for k in light], [block.ordinal + k for k in light])
+            for k, cut in zip(light, chosen):
+                block.cuts[k] = cut
+
+    def choose_again(self) -> None:
+        """Cut the pass's windows not yet yielded again, from the scores as they are now (a rollback restored
+        older ones); the batches already yielded (loaded, or being loaded) keep their cuts, which a resume
+        cannot choose again: :meth:`fixed_cuts` lists them. Later blocks are cut when reached anyway."""
+        if self._block is not None:
+            self._choose_from(max(self._block.undrawn, self._block.given))
+        self.fixed_ahead = len(self.windows)
+
+    def fixed_cuts(self) -> list[Any]:
+        """The cuts (or ``None``) of the batches after the one taken last whose cut a resume could not choose
+        again (see :attr:`given`), in order; normally none."""
+        return [cut for _, cut in islice(self.windows, self.fixed_ahead)] + list(self.given)
+
     def start_pass_at(self, ordinal: int) -> None:
         """The epoch ordinal of the next pass's first batch (a resumed pass starts past its trained batches)."""
         self._first_ordinal = ordinal
 
     def take_window(self) -> tuple[int, Any]:
         """``(raw size, cut)`` of the oldest batch not yet taken (batches are taken in the order yielded)."""
+        self.taken_fixed = self.fixed_ahead > 0
+        self.fixed_ahead = max(0, self.fixed_ahead - 1)
         return self.windows.popleft()
 
     def __len__(self) -> int:

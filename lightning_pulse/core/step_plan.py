@@ -525,6 +525,8 @@ class StepSavingStream:
         # the step the pass started at and the score prior then: what a sampler choosing ahead reads
         self.pass_step = 0
         self.pass_prior = math.nan
+        # a resumed pass's first cuts, made before a rollback and saved (StepSavingLoader.checkpoint)
+        self.given_cuts: list[Any] = []
         self._resume: dict[str, Any] | None = None
         self._first_pass = True
         self._plain_pass: list[int] = []
@@ -632,13 +634,14 @@ class StepSavingStream:
         it), whose start step and prior come from the checkpoint."""
         assert self.plan is not None
         skip, done = 0, 0
-        self.pass_step, self.pass_prior = int(step), float(prior)
+        self.pass_step, self.pass_prior, self.given_cuts = int(step), float(prior), []
         if self._first_pass and self._resume is not None:
             resume = self._resume
             epoch, skip, done = resume["epoch"], resume["samples"], resume["batches"]
             if resume["samples"]:  # mid-epoch: the pass began earlier
                 self.pass_step = int(resume.get("pass_step", resume["step"] - done // accumulate))
                 self.pass_prior = float(resume.get("pass_prior", prior))
+                self.given_cuts = list(resume.get("fixed_cuts", []))
         self._first_pass = False
         self.epoch, self.samples, self.batches, self.latest = epoch, skip, done, 0
         sizes = self.plan.sizes_of(epoch)
@@ -801,6 +804,8 @@ def resumed_without_plan(
 def _resumed_value(name: str, value: Any) -> Any:
     if name == "settings":
         return dict(value)
+    if name == "fixed_cuts":
+        return list(value)
     return float(value) if name == "pass_prior" else int(value)
 
 
