@@ -816,10 +816,10 @@ def test_step_figures_leave_out_codecarbons_start_up_and_end_at_the_reports_tota
     assert so_far == sorted(so_far) and 0 < so_far[-1] <= total
     assert all(float(row["energy/power_w"]) > 0 for row in rows if row.get("energy/power_w"))
     # after the fit: the run's figure at its end, which the report counts (the report's reading comes a moment
-    # later, after the fit's shut-down, so it may hold a little more: on this 6-step run, under a loaded
-    # machine, more than 1% once in a full suite; the bug this guards against was 25x the total)
+    # later, after the fit's shut-down, so it may hold more: on this 6-step run under a loaded machine, a
+    # quarter more once; the bug this guards against was 25x the total), and no less than the last logged
     final = energy.energy_so_far_kwh()
-    assert 0.75 * total <= final <= total
+    assert so_far[-1] <= final <= total
 
 
 def test_a_codecarbon_start_that_fails_in_the_background_falls_back(tmp_path, monkeypatch, recwarn):
