@@ -695,22 +695,112 @@ def test_a_fit_resumed_onto_other_data_of_the_same_batch_type_counts_its_own_bat
     assert saved_layouts(tmp_path / "finetune" / "epoch=1.ckpt")[0]["layout"]["kind"] == "first"
 
 
-def test_a_restored_layout_counts_only_the_rest_of_the_epoch_the_fit_resumed_in():
+def test_a_restored_layout_counts_while_it_describes_the_batches_and_is_told_again_where_it_does_not():
     from lightning_pulse.energy.counting import BatchCounter
 
-    loader = DataLoader(torch.utils.data.TensorDataset(torch.zeros(36, 8)), batch_size=8)  # 4 x 8, then 4
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.zeros(80, 20)), batch_size=20)
     run = BatchCounter(loader)
-    assert run.count([torch.zeros(8, 8)], print)[0] == 8
+    assert run.count([torch.zeros(20, 20), torch.zeros(20)], print, batch_idx=0)[0] == 20
     saved = run.state_dict()
-    short_last, other_data = [torch.zeros(4, 8)], [torch.zeros(10, 8)]  # other data: time-major (T=10, B=8)
+    # a review: told again at a resumed epoch's first batch, one HardSampleReplay(mode="batch") cut in place
+    # to (10, 20) was read as time-major (T=10, B=20): 20 samples counted for 10
+    cut = [torch.zeros(10, 20), torch.zeros(10)]
     resumed = BatchCounter(loader, saved)
-    assert resumed.count(short_last, print, batch_idx=4)[0] == 4  # the run's layout, not time-major
-    assert resumed.state_dict() == saved  # a checkpoint in that epoch holds it still
-    assert resumed.count(other_data, print, batch_idx=0)[0] == 8  # the next epoch's first batch tells again
-    assert [record["layout"]["kind"] for record in resumed.state_dict()] == ["time_major"]
-    at_an_epochs_start = BatchCounter(loader, saved)  # as a new fit, whatever was saved
-    assert at_an_epochs_start.count(other_data, print, batch_idx=0)[0] == 8
-    assert at_an_epochs_start.count([torch.zeros(10, 4)], print, batch_idx=3)[0] == 4
+    assert [resumed.count(cut, print, batch_idx=index)[0] for index in (0, 1, 0)] == [10, 10, 10]
+    assert resumed.state_dict() == saved
+    # other data (time-major (T=30, B=20)): the run's layout counts 30 > 20, so it is told from this batch,
+    # in an epoch or at its start, and saved
+    other_data = [torch.zeros(30, 20, 4), torch.zeros(20)]
+    for batch_idx in (0, 2):
+        onto_other_data = BatchCounter(loader, saved)
+        assert onto_other_data.count(other_data, print, batch_idx=batch_idx)[0] == 20
+        assert onto_other_data.count([torch.zeros(30, 7, 4), torch.zeros(7)], print, batch_idx=3)[0] == 7
+        assert [record["layout"]["kind"] for record in onto_other_data.state_dict()] == ["time_major"]
+    # a list of samples no longer there (the same batch type, a tensor first) is told again, too
+    items = BatchCounter(loader)
+    samples = [torch.zeros(int(length), 3) for length in torch.arange(20) + 1]
+    assert items.count([samples, torch.zeros(20)], print, batch_idx=0)[0] == 20
+    moved = BatchCounter(loader, items.state_dict())
+    assert moved.count([torch.zeros(12, 3), torch.zeros(12)], print, batch_idx=1)[0] == 12
+    assert [record["layout"]["kind"] for record in moved.state_dict()] == ["first"]
+
+
+class RowsTrained(pl.LightningModule):
+    """Wraps a module's training step to record the rows each step trained (after an in-place cut)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trained_rows: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.trained_rows.append(len(batch[1]))
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_batch_mode_replay_fit_resumed_at_an_epochs_start_counts_the_rows_it_trains(tmp_path):
+    """A review (M1): HardSampleReplay(mode="batch") alone on MNIST-1D at batch_size=40 (40 features), resumed
+    from epoch 0's end. The resumed fit told its layout again at its first batch, a replay batch cut in place
+    to (20, 40), and read it as time-major (T=20, B=40): 720 samples counted for 480, "time-major". The saved
+    layout, which describes a cut batch of the run's data, counts it."""
+    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+    from lightning_pulse import HardSampleReplay
+
+    torch.set_num_threads(1)
+
+    class Classifier(RowsTrained, MNIST1DClassifier):
+        pass
+
+    def run(name, ckpt_path=None):
+        pl.seed_everything(0)
+        module, energy = Classifier(arch="cnn", channels=8), logger_for(tmp_path / name)
+        every_epoch = ModelCheckpoint(tmp_path / name, filename="{epoch}", save_top_k=-1)
+        kwargs = trainer_kwargs(
+            max_epochs=3,
+            limit_train_batches=6,
+            limit_val_batches=0,
+            default_root_dir=tmp_path / name,
+            enable_checkpointing=True,
+        )
+        trainer = pl.Trainer(callbacks=[HardSampleReplay(mode="batch"), energy, every_epoch], **kwargs)
+        trainer.fit(module, MNIST1DDataModule(num_samples=600, batch_size=40), ckpt_path=ckpt_path)
+        return module, energy.report
+
+    whole, whole_report = run("whole")
+    assert whole_report["total"]["samples"] == sum(whole.trained_rows)
+    resumed, resumed_report = run("resumed", ckpt_path=tmp_path / "whole" / "epoch=0.ckpt")
+    assert resumed.trained_rows[0] == 20  # the resumed fit's first batch was cut in place
+    assert resumed_report["total"]["samples"] == sum(whole.trained_rows[:6]) + sum(resumed.trained_rows)
+    assert resumed_report["counting"]["samples"] == whole_report["counting"]["samples"]  # not "time-major"
+
+
+def test_a_pulse_cycle_with_batch_mode_replay_resumed_mid_epoch_counts_the_rows_it_trains(tmp_path):
+    # a review: resumed at step 2 (mid-epoch), the next epoch's first batch, a replay batch cut in place to
+    # (10, 20), told the layout again as time-major: 310 samples counted for 250
+    from lightning_pulse import HardSampleReplay, PulseCycle
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(80, 20, generator=generator)
+    data = torch.utils.data.TensorDataset(features, (features[:, 0] > 0).long())  # 4 batches of 20 an epoch
+
+    def run(name, ckpt_path=None):
+        pl.seed_everything(0)
+        module, energy = RowsClassifier(20), logger_for(tmp_path / name)
+        every_step = ModelCheckpoint(tmp_path / name, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+        cycle = PulseCycle(burst=3, replay=3, maintain=0, warmup=0, anneal=0, maintain_eval="none")
+        kwargs = trainer_kwargs(
+            max_epochs=4, limit_val_batches=0, default_root_dir=tmp_path / name, enable_checkpointing=True
+        )
+        trainer = pl.Trainer(callbacks=[cycle, HardSampleReplay(mode="batch"), energy, every_step], **kwargs)
+        trainer.fit(module, DataLoader(data, batch_size=20), ckpt_path=ckpt_path)
+        return module, energy.report
+
+    whole, whole_report = run("whole")
+    assert whole_report["total"]["samples"] == sum(whole.trained_rows)
+    resumed, resumed_report = run("resumed", ckpt_path=tmp_path / "whole" / "step=2.ckpt")
+    assert resumed.trained_rows[2] == 10  # the next epoch's first batch, cut in place
+    assert resumed_report["total"]["samples"] == sum(whole.trained_rows[:2]) + sum(resumed.trained_rows)
+    assert "time-major" not in resumed_report["counting"]["samples"]
 
 
 def anchors_and_negatives(items):

@@ -391,6 +391,26 @@ def count_with(layout: SampleLayout, batch: Any) -> int | torch.Tensor:
     return count_samples(batch)
 
 
+def describes(layout: SampleLayout, batch: Any, loader_batch_size: int | None) -> bool:
+    """Whether ``layout`` (told from other batches of ``batch``'s type) can count ``batch``: what it counts
+    is there (the graph vector, the list of samples, a first tensor of rank >= 2 for time-major), and the
+    count is at most the loader's batch size. A saved time-major ``(T=50, B=32)`` layout counts batch-first
+    ``(32, 50)`` rows as 50: not these. A short or cut batch of the run's data passes (it holds fewer)."""
+    if layout.kind == "graphs":
+        there = isinstance(batch, Mapping) and any(
+            isinstance(batch.get(name), torch.Tensor) and batch[name].dim() == 1 for name in ("ptr", "batch")
+        )
+    elif layout.kind in ("items", "items_or_first"):
+        there = isinstance(_at_path(batch, layout.path), (list, tuple))
+    else:
+        first = first_tensor(batch)
+        there = first is not None and (layout.kind != "time_major" or first.dim() > 1)
+    if not there:
+        return False
+    samples = count_with(layout, batch)  # a tensor (graphs by their vector) is not read: no GPU sync
+    return loader_batch_size is None or not isinstance(samples, int) or samples <= loader_batch_size
+
+
 def loader_batch_size(loader: Any) -> int | None:
     """The samples a training DataLoader's first batch holds: its ``batch_size`` (or its batch sampler's),
     at most its sampler's length (a dataset smaller than a batch); ``None`` when it does not say."""
@@ -464,45 +484,44 @@ class BatchCounter:
     batch, with a doubt.
 
     ``loaders``: ``trainer.train_dataloader``. ``told_before``: the layouts the run told before a resume
-    (:meth:`state_dict`, from a checkpoint). A fit resumed mid-epoch applies them for the rest of that epoch
-    instead of telling its own from its first batch, which may be the epoch's short last batch, which the
-    loader's batch size does not describe: a ``(32, 40)`` batch of a loader of ``batch_size=40`` was read as
-    time-major, 40 samples counted for 32. A layout got in that epoch (restored, or told where none was
-    saved: an EnergyLogger added on the resume, an older checkpoint) is provisional: told again at its type's
-    first batch from the next epoch on, which is full. A fit resumed at an epoch's start tells its layouts as
-    a new fit does: the run's may not describe its data (a time-major layout counted dimension 1 of a
-    fine-tuning set's batch-first ``(32, 50)`` batches: 50 samples for 32)."""
+    (:meth:`state_dict`, from a checkpoint). A resumed fit applies each to its batch type for as long as it
+    describes the batches (:func:`describes`), instead of telling its own from its first batch, which may be
+    an epoch's short last batch or one cut in place (``HardSampleReplay(mode="batch")``): ``(B/2, F)`` rows
+    with ``F == B`` were read as time-major, ``B`` samples counted for ``B/2``. A batch the saved layout does
+    not describe (other data: batch-first ``(32, 50)`` rows by a time-major ``(T=50, B=32)`` layout count
+    50) has its layout told from it, and that one is saved. A layout told mid-epoch where none was saved (an
+    EnergyLogger added on the resume, an older checkpoint) is provisional: not saved, and told again at its
+    type's next batch that starts an epoch (a time-major misreading of a short last batch was inherited by
+    every later resume: 80 samples counted for 70)."""
 
     def __init__(self, loaders: Any = None, told_before: Sequence[Mapping[str, Any]] = ()) -> None:
         self.parts = loader_parts(loaders)
         self.batch_size = loader_batch_size(loaders) if self.parts is None else None
         self.uneven = loader_ends_short(loaders) if self.parts is None else True
-        self.layouts: dict[tuple[tuple[Any, ...], type], SampleLayout] = {}
+        self.layouts: dict[tuple[tuple[Any, ...] | None, type], SampleLayout] = {}
         self._told_before = dict(filter(None, map(_saved_layout, told_before)))
-        # got in the epoch the fit resumed in, whose next batch may be its short last one, told again past
-        # it; those told there are not saved (later resumes inherited a time-major misreading, 80 samples
-        # counted for 70), those restored are saved as restored (in `_told_before`)
-        self._provisional: set[tuple[tuple[Any, ...] | None, type]] = set()
-        self._in_resumed_epoch: bool | None = None  # decided at the fit's first batch counted
+        self._restored: set[tuple[tuple[Any, ...] | None, type]] = set()  # checked at each batch
+        self._provisional: set[tuple[tuple[Any, ...] | None, type]] = set()  # told again at an epoch's start
 
     def count(
         self, batch: Any, doubted: Callable[[str, str], None], batch_idx: int = 0
     ) -> tuple[int | torch.Tensor, int | torch.Tensor | None]:
         """``(samples, tokens)`` of ``batch``; ``doubted(key, why)`` once per layout that may count wrong.
-        ``batch_idx``: the batch's index in its epoch (a fit's first batch past 0 resumed mid-epoch)."""
-        if self._in_resumed_epoch is None or batch_idx == 0:
-            self._in_resumed_epoch = batch_idx > 0
+        ``batch_idx``: the batch's index in its epoch (a layout told past 0 is provisional)."""
         if self.parts is None:
-            return count_batch(batch, self._layout((), batch, self.batch_size, self.uneven, doubted))
+            return count_batch(
+                batch, self._layout((), batch, self.batch_size, self.uneven, doubted, batch_idx)
+            )
         batches = [(path, _loader_batch(batch, path), size, uneven) for path, size, uneven in self.parts]
         if any(part is _MISSING for _, part, _, _ in batches):
-            return count_batch(batch, self._layout(None, batch, None, True, doubted))
+            return count_batch(batch, self._layout(None, batch, None, True, doubted, batch_idx))
         samples: int | torch.Tensor = 0
         tokens: int | torch.Tensor | None = 0
         for path, part, size, uneven in batches:
             if part is None:  # an exhausted loader
                 continue
-            part_samples, part_tokens = count_batch(part, self._layout(path, part, size, uneven, doubted))
+            layout = self._layout(path, part, size, uneven, doubted, batch_idx)
+            part_samples, part_tokens = count_batch(part, layout)
             samples = samples + part_samples
             # known only when every loader's batch tells (the ledger's rule for a run's batches)
             tokens = None if tokens is None or part_tokens is None else tokens + part_tokens
@@ -540,10 +559,10 @@ class BatchCounter:
         return f"every training loader's batch, added up: {'; '.join(told)}"
 
     def state_dict(self) -> list[dict[str, Any]]:
-        """The layouts told, but not the provisional ones (those restored stay as restored), for a checkpoint:
-        plain values only, so that a checkpoint loads with ``weights_only``; a layout under keys of other
-        types is left out (told again on a resume). Those told before a resume and not told again yet are
-        kept (a loader of another batch size may come back): a few records a batch type."""
+        """The layouts told or restored, but not the provisional ones, for a checkpoint: plain values only, so
+        that a checkpoint loads with ``weights_only``; a layout under keys of other types is left out (told
+        again on a resume). Those restored and not met yet are kept (a loader of another batch size may come
+        back): a few records a batch type."""
         saved = dict(self._told_before)
         for (path, batch_type), layout in self.layouts.items():
             if (path, batch_type) not in self._provisional:
@@ -571,38 +590,41 @@ class BatchCounter:
         size: int | None,
         uneven: bool,
         doubted: Callable[[str, str], None],
+        batch_idx: int,
     ) -> SampleLayout:
+        """``batch``'s layout: the one told, else the run's saved one while it describes the batches, else
+        told from ``batch`` (provisional mid-epoch, where none was saved)."""
         key = (path, type(batch))
         layout = self.layouts.get(key)
-        if layout is not None and layout.kind != "items_or_first" and not self._provisional:
+        if (
+            layout is not None
+            and layout.kind != "items_or_first"
+            and key not in self._restored
+            and key not in self._provisional
+        ):
             return layout  # the common case, fast
-        if layout is None or (key in self._provisional and not self._in_resumed_epoch):
-            if self._in_resumed_epoch:  # the run's layout, if saved: this batch may be the short last one
-                layout = self._restored(path, batch, size, uneven) or self._tell(path, batch, size, uneven)
-                self._provisional.add(key)
-            else:  # told by the type's first batch from an epoch's start on, as in a new fit
-                layout = self._tell(path, batch, size, uneven)
-                self._provisional.discard(key)
-            self.layouts[key] = layout
+        if layout is None:
+            layout = self._told_before.get((path, _type_name(type(batch)), size))
+            if layout is not None:
+                self._restored.add(key)
+        if key in self._restored and not describes(layout, batch, size):
+            self._restored.discard(key)  # other data than the run's: told from this batch, for good
+            layout = None
+        elif key in self._provisional and batch_idx == 0:
+            self._provisional.discard(key)  # told again at an epoch's first batch, not a short last one
+            layout = None
+        elif layout is None and batch_idx > 0:
+            self._provisional.add(key)  # this batch may be an epoch's short last one
+        if layout is None:
+            layout = self._tell(path, batch, size, uneven)
         elif layout.kind == "items_or_first" and size is not None:
-            # told at the type's first batch: both readings counted it the same
-            layout = self.layouts[key] = second_look(layout, batch, size, uneven)
-        else:
+            # told at the type's previous batch (the run's last, if restored): both readings counted it alike
+            layout = second_look(layout, batch, size, uneven)
+        elif self.layouts.get(key) is layout:
             return layout
+        self.layouts[key] = layout
         if layout.doubt is not None:  # each doubt once (one told again may differ)
             doubted(f"samples {path}: {layout.doubt}", f"{self._name(path)}{layout.doubt}")
-        return layout
-
-    def _restored(
-        self, path: tuple[Any, ...] | None, batch: Any, size: int | None, uneven: bool
-    ) -> SampleLayout | None:
-        """The layout the run told for ``batch``'s type before the resume, if any (:meth:`state_dict`)."""
-        saved = (path, _type_name(type(batch)), size)
-        layout = self._told_before.get(saved)
-        if layout is not None and layout.kind == "items_or_first" and size is not None:
-            # saved after the type's one batch: this is the run's next, the one that tells (else a later
-            # short last batch told it: a list of per-sample tensors, 18 samples counted for 15); saved told
-            layout = self._told_before[saved] = second_look(layout, batch, size, uneven)
         return layout
 
     def _loader_size(self, path: tuple[Any, ...] | None) -> int | None:
