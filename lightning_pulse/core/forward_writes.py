@@ -38,6 +38,12 @@ def _version_or_none(tensor: torch.Tensor | None) -> int:
         return -1
 
 
+def _comparable(tensor: torch.Tensor) -> bool:
+    """Whether a buffer's values can be copied and compared (``torch.equal``): not a sparse or nested one
+    (a graph layer's sparse adjacency), whose writes the identity and version counter still see."""
+    return tensor.layout == torch.strided and not tensor.is_nested
+
+
 def _same_values(before: torch.Tensor, now: torch.Tensor) -> bool:
     """Whether ``now`` holds the values of ``before``; NaN equals NaN (a buffer holding one is not written
     by being read)."""
@@ -76,7 +82,7 @@ class StateBeforeForward:
                 for position, d in enumerate(dicts)
                 if position % 2
                 for key, tensor in d.items()
-                if tensor is not None
+                if tensor is not None and _comparable(tensor)
             }
 
     def written(self, module: nn.Module, dicts: TensorDicts) -> list[str]:
