@@ -18,7 +18,6 @@ from lightning.pytorch.callbacks import Callback
 
 from benchmarks.stability_guard import FaultInjector
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
-from lightning_pulse.callbacks._snapshot_moments import SnapshotMoments
 from lightning_pulse.callbacks.stability_guard import StabilityGuard
 from tests.conftest import trainer_kwargs
 from tests.ddp_workers import TwoGlooProcesses
@@ -160,40 +159,21 @@ class _RankView(Callback):
             folder.write_text("")
 
 
-class _StopThatSays(SnapshotMoments):
-    """The guard's step-end moments, its stop told to ``say`` as it is raised (after every callback's batch
-    end: from no hook of the guard's own)."""
-
-    def __init__(self, say) -> None:
-        super().__init__()
-        self.say = say
-
-    def raise_after_step_ends(self, trainer, stop) -> None:
-        def stop_and_say():
-            error = stop()
-            self.say(trainer, error)
-            return error
-
-        super().raise_after_step_ends(trainer, stop_and_say)
-
-
 class _SaysWhatItRaised(StabilityGuard):
-    """A guard that writes, per rank, what its hooks and its stop raised to ``said<r>.txt`` (a rank's own
-    exception is not what the launching process reraises, and the ranks run no ``on_exception`` hook)."""
+    """A guard that writes, per rank, what its hooks raised to ``said<r>.txt`` (a rank's own exception is not
+    what the launching process reraises, and the ranks run no ``on_exception`` hook)."""
 
     def __init__(self, directory: str, **kwargs) -> None:
         super().__init__(**kwargs)
         self.directory = directory
-        self._moments = _StopThatSays(self._say)
-
-    def _say(self, trainer, error: Exception) -> None:
-        Path(self.directory, f"said{trainer.global_rank}.txt").write_text(f"{type(error).__name__}: {error}")
 
     def _said(self, trainer, hook, *args) -> None:
         try:
             getattr(super(), hook)(trainer, *args)
         except Exception as error:
-            self._say(trainer, error)
+            Path(self.directory, f"said{trainer.global_rank}.txt").write_text(
+                f"{type(error).__name__}: {error}"
+            )
             raise
 
     def setup(self, trainer, pl_module, stage):

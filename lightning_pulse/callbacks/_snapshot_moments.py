@@ -1,5 +1,4 @@
-"""When StabilityGuard takes its snapshots, so that each holds every callback's state of its moment, and when
-it stops the run.
+"""When StabilityGuard takes its snapshots, so that each holds every callback's state of its moment.
 
 Lightning calls a hook on the callbacks in list order, so a snapshot taken inside the guard's own hook holds
 the callbacks listed after it as they were before their part of that hook. Two moments need the others done:
@@ -13,11 +12,6 @@ the callbacks listed after it as they were before their part of that hook. Two m
 
 With the guard listed after every ``RollbackAware`` callback a step's snapshot is taken in its own batch end,
 as always. Plain Lightning glue, no per-step work: the hooks are installed only where a snapshot is due.
-
-The stop (its checkpoint saved, ``StabilityGuardError`` raised) comes after every callback's batch end of the
-step too, in any order: raised in the guard's own, it kept the callbacks listed after the guard from counting
-the step (PulseCycle's phase steps one short of the trainer's, and its clock in the stop checkpoint a step
-behind the loop position, so a fit resumed from it ran every later phase a step late).
 """
 
 from __future__ import annotations
@@ -37,7 +31,6 @@ class SnapshotMoments:
     def __init__(self) -> None:
         self._start = compat.HookWatch(compat.after_train_start)
         self._end = compat.HookWatch(compat.after_train_batch_ends)
-        self._stop = compat.HookWatch(compat.after_train_batch_ends)
         self._after_others = False  # a RollbackAware callback listed after the guard closes steps later
 
     def fit_starts(self, trainer: pl.Trainer, guard: Any, take: Callable[[], None]) -> None:
@@ -54,18 +47,7 @@ class SnapshotMoments:
         step = trainer.global_step
         self._end.once(trainer, lambda _: trainer.global_step == step and take())
 
-    def raise_after_step_ends(self, trainer: pl.Trainer, stop: Callable[[], BaseException]) -> None:
-        """Raise ``stop()`` (it saves the stop checkpoint first) once every callback's batch end of the step
-        now ending ran: the error then leaves the fit from that hook, and every callback's ``on_exception``
-        runs as for any error."""
-
-        def raise_stop(_: Any) -> None:
-            raise stop()
-
-        self._stop.once(trainer, raise_stop)
-
     def stop(self) -> None:
         """Remove what is installed (the fit's end, an exception)."""
         self._start.stop()
         self._end.stop()
-        self._stop.stop()

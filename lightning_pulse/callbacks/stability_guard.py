@@ -151,7 +151,7 @@ class StabilityGuard(Callback):
         self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
         self._record = steps.StepRecord()  # the current optimizer step's micro-batches, losses and action
         self._entry_watch = compat.HookWatch(compat.on_training_step_input)
-        self._moments = SnapshotMoments()  # snapshots (where needed) and the stop after the others' hooks
+        self._moments = SnapshotMoments()  # snapshots after the other callbacks' part of a hook, where needed
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
         self._fixed_key = self.detector.main_key  # the key without one: "burst", or "all" without phases
         self._energy = StepEnergy()
@@ -342,7 +342,7 @@ class StabilityGuard(Callback):
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
         """Return to the newest snapshot taken ``rollback_margin`` steps before the incident; then go on
-        (``Action.ROLLBACK``) or, after every callback's batch end, save a checkpoint and raise (a stop)."""
+        (``Action.ROLLBACK``) or save a checkpoint and raise (``Action.STOP``)."""
         step = trainer.global_step - 1  # the flagged step that triggered it (already taken)
         state = self._training_state(trainer)
         target, undone = self.core.return_to_snapshot(pl_module, state, step, rank_zero_warn)
@@ -353,6 +353,6 @@ class StabilityGuard(Callback):
         if path is None:  # rolled back: training goes on
             rank_zero_warn(message)
             return
+        log_to_loggers(trainer, self.metrics())
         save, barrier = partial(trainer.save_checkpoint, path), partial(trainer.strategy.barrier, "stop")
-        stop = partial(steps.stop_error, message, path, save, barrier, compat.from_rank_zero(trainer))
-        self._moments.raise_after_step_ends(trainer, stop)
+        raise steps.stop_error(message, path, save, barrier, compat.from_rank_zero(trainer))
