@@ -872,3 +872,47 @@ def test_saved_layouts_that_cannot_be_read_or_were_told_by_other_rules_are_told_
     ]
     for told_before in unreadable:
         assert BatchCounter(loader, [told_before]).count(batch, print, batch_idx=1)[0] == 8, told_before
+
+
+def test_a_fresh_fit_tells_and_keeps_a_layout_whose_batch_type_first_comes_mid_epoch(tmp_path):
+    """A review: the resume rule that a layout told mid-epoch is provisional (told again at an epoch's start)
+    applied to fresh fits too. A batch type first seen mid-epoch (the batch turned into a dict from step 2)
+    was told again at epoch 1's first batch, which HardSampleReplay(mode="batch") had cut in place to
+    (10, 20) rows of a 20-sample loader: read as time-major, 240 samples counted for 200 trained."""
+    from lightning_pulse import HardSampleReplay, PulseCycle
+
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(80, 20, generator=generator)
+    labels = (inputs[:, 0] > 0).long()
+
+    class DictFromStepTwo(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.trained_rows = nn.Linear(20, 2), []
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            if self.trainer.training and self.global_step >= 2:
+                return {"x": batch[0], "y": batch[1]}
+            return batch
+
+        def training_step(self, batch, batch_idx):
+            x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
+            self.trained_rows.append(len(y))
+            return F.cross_entropy(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    pl.seed_everything(0)
+    model, energy = DictFromStepTwo(), logger_for(tmp_path)
+    cycle = PulseCycle(
+        burst=4, replay=4, maintain=0, warmup=0, anneal=0, maintain_eval="none", probe_batches=4
+    )
+    trainer = pl.Trainer(
+        callbacks=[cycle, HardSampleReplay(mode="batch"), energy],
+        **trainer_kwargs(max_epochs=3, limit_val_batches=0, default_root_dir=tmp_path),
+    )
+    trainer.fit(model, DataLoader(torch.utils.data.TensorDataset(inputs, labels), batch_size=20))
+    assert min(model.trained_rows) < 20  # some batches were cut in place
+    assert energy.report["total"]["samples"] == sum(model.trained_rows)
+    assert "time-major" not in energy.report["counting"]["samples"]

@@ -489,10 +489,12 @@ class BatchCounter:
     an epoch's short last batch or one cut in place (``HardSampleReplay(mode="batch")``): ``(B/2, F)`` rows
     with ``F == B`` were read as time-major, ``B`` samples counted for ``B/2``. A batch the saved layout does
     not describe (other data: batch-first ``(32, 50)`` rows by a time-major ``(T=50, B=32)`` layout count
-    50) has its layout told from it, and that one is saved. A layout told mid-epoch where none was saved (an
-    EnergyLogger added on the resume, an older checkpoint) is provisional: not saved, and told again at its
-    type's next batch that starts an epoch (a time-major misreading of a short last batch was inherited by
-    every later resume: 80 samples counted for 70)."""
+    50) has its layout told from it, and that one is saved. In a fit resumed mid-epoch, a layout told past an
+    epoch's first batch where none was saved (an EnergyLogger added on the resume, an older checkpoint) is
+    provisional: not saved, and told again at its type's next batch that starts an epoch (a time-major
+    misreading of a short last batch was inherited by every later resume: 80 samples counted for 70). A fresh
+    fit tells and saves each layout at once, wherever its type first comes (provisional there, a type first
+    seen mid-epoch was told again at an epoch's start from a batch HardSampleReplay had cut: 240 for 200)."""
 
     def __init__(self, loaders: Any = None, told_before: Sequence[Mapping[str, Any]] = ()) -> None:
         self.parts = loader_parts(loaders)
@@ -502,12 +504,16 @@ class BatchCounter:
         self._told_before = dict(filter(None, map(_saved_layout, told_before)))
         self._restored: set[tuple[tuple[Any, ...] | None, type]] = set()  # checked at each batch
         self._provisional: set[tuple[tuple[Any, ...] | None, type]] = set()  # told again at an epoch's start
+        self._first_batch_idx: int | None = None  # past 0: the fit resumed mid-epoch
 
     def count(
         self, batch: Any, doubted: Callable[[str, str], None], batch_idx: int = 0
     ) -> tuple[int | torch.Tensor, int | torch.Tensor | None]:
         """``(samples, tokens)`` of ``batch``; ``doubted(key, why)`` once per layout that may count wrong.
-        ``batch_idx``: the batch's index in its epoch (a layout told past 0 is provisional)."""
+        ``batch_idx``: the batch's index in its epoch (in a fit resumed mid-epoch, a layout told past 0 is
+        provisional)."""
+        if self._first_batch_idx is None:
+            self._first_batch_idx = batch_idx
         if self.parts is None:
             return count_batch(
                 batch, self._layout((), batch, self.batch_size, self.uneven, doubted, batch_idx)
@@ -613,7 +619,7 @@ class BatchCounter:
         elif key in self._provisional and batch_idx == 0:
             self._provisional.discard(key)  # told again at an epoch's first batch, not a short last one
             layout = None
-        elif layout is None and batch_idx > 0:
+        elif layout is None and batch_idx > 0 and self._first_batch_idx:  # a fresh fit tells at once
             self._provisional.add(key)  # this batch may be an epoch's short last one
         if layout is None:
             layout = self._tell(path, batch, size, uneven)
