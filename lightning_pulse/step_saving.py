@@ -42,6 +42,7 @@ from lightning_pulse.core.replay import (
 from lightning_pulse.core.replay_batch import refuse
 from lightning_pulse.core.sample_index import PlannedBatchSampler, SampleIndexTracker
 from lightning_pulse.core.step_plan import (
+    DROPPED_PASS_REST,
     StepPlan,
     StepSavingStream,
     budget_shortfall,
@@ -255,10 +256,12 @@ class StepSavingLoader:
             cycle.fit_budget(fraction, light_phases, math.ceil(plain_batches / accumulate))
         self._join_run_under_way(trainer, plain_batches)
         clock, budget = (None, None) if cycle is None else (cycle.clock, cycle.budget)
+        restored = self.stream.has_restored_state and trainer.global_step > 0
         plan = self.stream.make_plan(
             clock,
             light_phases,
             plan_settings(clock, budget, fraction, light_phases),
+            lightning_epoch=compat.restored_position(trainer, plain_batches)[0] if restored else None,
             batch_size=batches.batch_size,
             fraction=fraction,
             samples_per_epoch=len(sampler),
@@ -308,7 +311,10 @@ class StepSavingLoader:
         if cycle is not None:
             cycle.adopt_plan(plan)
         replanned = self.stream.replanned_for_another_length
-        if settings_changed := self.stream.changed_settings:
+        if dropped := self.stream.dropped_pass_rest:
+            rest = DROPPED_PASS_REST.format(epoch=dropped[0], batches=dropped[1], next_epoch=dropped[0] + 1)
+            remade = f" ({rest}; the checkpoint's plan remade from step {plan.from_step} on)."
+        elif settings_changed := self.stream.changed_settings:
             remade = f" (the checkpoint's plan remade from step {plan.from_step} on for {settings_changed})."
         else:
             remade = " (the checkpoint's plan remade for this run's length)." if replanned else "."

@@ -547,6 +547,7 @@ class StepSavingStream:
         self.held: dict[str, Any] | None = None
         self._joined_at: tuple[int, int] | None = None  # (epoch, step): see join_at
         self._joined_epoch: int | None = None  # the epoch a plan joined the run at, saved with its state
+        self.dropped_pass_rest: tuple[int, int] | None = None  # see _drop_rest_of_pass
 
     @property
     def has_restored_state(self) -> bool:
@@ -564,6 +565,7 @@ class StepSavingStream:
         clock: PhaseClock | None,
         light_phases: Iterable[str],
         settings: dict[str, Any] | None = None,
+        lightning_epoch: int | None = None,
         **run: int | bool | None,
     ) -> StepPlan:
         """Plan the run from where it stands (a restored state, or its start). ``run`` holds
@@ -571,7 +573,8 @@ class StepSavingStream:
         ``accumulate`` and ``drop_last``; ``settings`` the plan's :func:`plan_settings`. A resume whose
         settings differ from the checkpoint's plans the rest of the run again, from where it stands: the
         saved total and span belong to the old settings (a budget added kept the old length, and the run ended
-        its data inside a replay phase, its anneal never reached)."""
+        its data inside a replay phase, its anneal never reached). ``lightning_epoch``: the epoch Lightning's
+        restored loops go on with (:meth:`_drop_rest_of_pass`)."""
         samples_per_epoch, batch_size = int(run["samples_per_epoch"] or 0), int(run["batch_size"] or 1)
         self._plain_pass = _plain_sizes(samples_per_epoch, batch_size, bool(run["drop_last"]))
         joined = self._resume is None and self._joined_at is not None
@@ -587,6 +590,7 @@ class StepSavingStream:
             # saved at an epoch's end: the run resumes at the next epoch's start
             self.resumed_at_pass_end = resume["batches"] > 0  # on the pass's last batch, not after the epoch
             resume.update(epoch=resume["epoch"] + 1, samples=0, batches=0)
+        self.dropped_pass_rest = self._drop_rest_of_pass(lightning_epoch, samples_per_epoch)
         resume = resume or {}
         saved_total, saved_cycle = resume.get("total_steps"), resume.get("pulse_cycle")
         self.saved_total_steps = None if saved_total is None else int(saved_total)
@@ -610,7 +614,9 @@ class StepSavingStream:
             start_epoch=resume.get("epoch", 0),
             start_samples=resume.get("samples", 0),
             start_step=resume.get("step", 0),
-            total_steps=None if self.changed_settings else resume.get("total_steps"),
+            total_steps=None
+            if self.changed_settings or self.dropped_pass_rest
+            else resume.get("total_steps"),
             start_trained=resume.get("trained"),
             planned_plain_steps=resume.get("plain_steps"),
             **run,  # type: ignore[arg-type]
@@ -624,6 +630,28 @@ class StepSavingStream:
         self.trained_samples = resume.get("trained", passes)
         self._first_pass = True
         return self.plan
+
+    def _drop_rest_of_pass(
+        self, lightning_epoch: int | None, samples_per_epoch: int
+    ) -> tuple[int, int] | None:
+        """``(epoch, batches trained of its pass)`` of a resumed pass that Lightning does not go on with,
+        else ``None``. A checkpoint saved at a stop mid-epoch (``max_time``, ``trainer.should_stop``) in or
+        after the epoch's end hooks (``ModelCheckpoint(save_last=True)``, ``trainer.save_checkpoint`` after
+        the fit) marks the epoch finished, so Lightning resumes at the next one and drops the rest of it, as a
+        plain run does. The plan goes on from that epoch too, with the dropped samples counted as spent (the
+        plain run's data for the epochs left is what remains), and its steps from here are planned again: had
+        the pass gone on under the next epoch, the plan's last pass and its anneal never trained, while its
+        lines promised them."""
+        resume = self._resume
+        if resume is None or not resume["samples"] or lightning_epoch != resume["epoch"] + 1:
+            return None
+        dropped = (resume["epoch"], resume["batches"])
+        rest = samples_per_epoch - resume["samples"]
+        trained = resume.get("trained", resume["epoch"] * samples_per_epoch + resume["samples"])
+        resume.update(epoch=lightning_epoch, samples=0, batches=0, trained=trained + rest)
+        for key in ("pass_step", "pass_prior", "fixed_cuts"):  # of the dropped pass
+            resume.pop(key, None)
+        return dropped
 
     def sizes_for_pass(
         self, epoch: int, step: int = 0, prior: float = math.nan, accumulate: int = 1
@@ -726,6 +754,13 @@ class StepSavingStream:
         return self.state_dict(global_step, latest_untrained)
 
 
+DROPPED_PASS_REST = (
+    "the checkpoint was saved at a stop inside epoch {epoch}, after {batches} batches of its pass, and "
+    "Lightning resumes at epoch {next_epoch}: the rest of epoch {epoch} is not trained, as in a run without "
+    "these callbacks"
+)
+
+
 def resumed_plan_change(stream: StepSavingStream, run_steps: int) -> str | None:
     """What changed a resumed run's length from the plan its checkpoint saved (``run_steps``: the steps this
     run takes in all): ``None`` where it did not, else the old and new lengths and the cause. Within a plan
@@ -740,6 +775,11 @@ def resumed_plan_change(stream: StepSavingStream, run_steps: int) -> str | None:
             if stream.with_cycle
             else "the PulseCycle it was saved with is gone"
         )
+    elif stream.dropped_pass_rest is not None:
+        epoch, batches = stream.dropped_pass_rest
+        dropped = DROPPED_PASS_REST.format(epoch=epoch, batches=batches, next_epoch=epoch + 1)
+        from_step = stream.plan.from_step if stream.plan is not None else 0
+        cause = f"{dropped}; the rest of the run was planned again from step {from_step} on"
     elif stream.changed_settings:
         length = " and the run's max_epochs or max_steps" if stream.replanned_for_another_length else ""
         cause = (
