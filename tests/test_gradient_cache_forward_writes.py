@@ -14,7 +14,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pulse.callbacks.gradient_cache import GradientCache
-from lightning_pulse.core import collate_order
 from tests.conftest import trainer_kwargs
 
 
@@ -124,14 +123,9 @@ def _sorted_by_signal(items):
     return torch.utils.data.default_collate(ordered)
 
 
-def test_under_a_collate_fn_that_reorders_the_batch_the_switch_off_says_what_it_saw_and_names_that_cause(
-    monkeypatch,
-):
+def test_under_a_collate_fn_that_reorders_the_batch_the_switch_off_says_what_it_saw_and_names_that_cause():
     """Sweep 37 (4b): under a sorting collate_fn the cache switched itself off (rightly: the records are keyed
-    by the sampler's order) but blamed "random data augmentation or noise in the forward". The order check of
-    the fit's first batches now finds such a collate_fn before anything is recorded
-    (``tests/test_collate_order.py``); this is the switch-off for one it cannot tell (off here)."""
-    monkeypatch.setattr(collate_order, "PROBED_BATCHES", 0)
+    by the sampler's order) but blamed "random data augmentation or noise in the forward"."""
     plain = _StemNormNet("ema")
     plain.stem.norm = nn.Identity()
     _fit(plain, 0.0, _sorted_by_signal)

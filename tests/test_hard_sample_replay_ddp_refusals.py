@@ -33,21 +33,17 @@ def _split(samples):
     return torch.tensor(index), torch.stack(x), torch.tensor(y)
 
 
-def _rank_0_and_call(counted, index):
-    """Whether this process is rank 0, and how many batches of other samples ``counted`` collated before this
-    one, of samples ``index`` (HardSampleReplay's order check collates the first batch's samples again, in two
-    orders: the same batch, not later ones)."""
-    samples = frozenset(index.tolist())
-    if samples not in counted:
-        counted.append(samples)
-    return torch.distributed.get_rank() == 0, counted.index(samples)
+def _rank_0_and_call(counted):
+    """Whether this process is rank 0, and how many batches ``counted`` collated before this one."""
+    counted.append(None)
+    return torch.distributed.get_rank() == 0, len(counted) - 1
 
 
 def _time_major_from_rank_0s_fourth_batch(samples, _calls=[]):  # noqa: B006 (the process's batches so far)
     """Time-major ``(T, B)`` tokens padded to the longest sample: 4 long (T == B, which no batch tells from
     batch-first), but 6 on rank 0's fourth batch, past the batches the ranks vote at before a step."""
     index, _, y = _split(samples)
-    on_rank_0, call = _rank_0_and_call(_calls, index)
+    on_rank_0, call = _rank_0_and_call(_calls)
     length = 6 if on_rank_0 and call == 3 else BATCH
     return {"tokens": (index[None, :] + torch.arange(length)[:, None]) % 10, "y": y}
 
@@ -56,7 +52,7 @@ def _time_major_on_both_ranks_fourth_batch(samples, _calls=[]):  # noqa: B006 (t
     """As above, but both ranks' fourth batches stop matching B, each its own
     way: 6 long on rank 0, 5 on 1."""
     index, _, y = _split(samples)
-    on_rank_0, call = _rank_0_and_call(_calls, index)
+    on_rank_0, call = _rank_0_and_call(_calls)
     length = (6 if on_rank_0 else 5) if call == 3 else BATCH
     return {"tokens": (index[None, :] + torch.arange(length)[:, None]) % 10, "y": y}
 
@@ -83,7 +79,7 @@ def _patches_joined_on_rank_0(samples, _calls=[]):  # noqa: B006 (the process's 
     per-batch constant, for all a batch tells); on rank 0 two, then three per
     sample: ``(8, 2)``, ``(12, 2)``."""
     index, x, y = _split(samples)
-    on_rank_0, call = _rank_0_and_call(_calls, index)
+    on_rank_0, call = _rank_0_and_call(_calls)
     per_sample = 2 + int(on_rank_0 and call == 1)
     return {"x": x, "y": y, "patches": torch.ones(per_sample * len(index), 2)}
 
@@ -187,22 +183,3 @@ def test_every_rank_refuses_carried_state_that_only_one_rank_reads(tmp_path):
     texts, steps = _fit_refused(_CarriedOnRank0(str(tmp_path)), _streams_fresh_on_rank_1, tmp_path)
     _refused_alike(texts, "cannot cut the batches of a module that carries state from one batch to the next")
     assert steps == [["0", "1"], ["0", "1"]]  # both refused at the second batch's end
-
-
-def _sorted_on_rank_0(samples):
-    """Features and labels, sorted by label, largest first, on rank 0 only (a collate_fn sorting by length on
-    the ranks whose lengths differ): rank 1's batches keep the sampler's order."""
-    index, x, y = _split(samples)
-    order = torch.argsort(-y, stable=True) if torch.distributed.get_rank() == 0 else torch.arange(len(y))
-    return {"x": x[order], "y": y[order]}
-
-
-@pytest.mark.ddp
-def test_every_rank_refuses_a_collate_fn_that_reorders_only_one_ranks_batches_alike(tmp_path):
-    # the order is told on each rank's own batches; a rank refusing alone would leave the other waiting in its
-    # next backward. Rank 0's first batch holds one label only, which the sort leaves as it came (no order to
-    # tell): its second shows the reorder, and both ranks refuse before that batch's step
-    texts, steps = _fit_refused(_Features(str(tmp_path)), _sorted_on_rank_0, tmp_path)
-    _refused_alike(texts, "cannot tell which sample each row of a batch is: the DataLoader's collate_fn")
-    assert "(Found on rank 0 of 2;" in texts[0] and "`_sorted_on_rank_0`" in texts[0]
-    assert steps == [["0"], ["0"]]

@@ -66,8 +66,7 @@ class GradientCache(Callback):
         units: explicit units as module or parameter names (the order is traced); ``None``: automatic split.
         activation_cache_mb: memory for replaying the frozen modules' outputs per sample, which skips the frozen
             prefix's forward too (0: off). Needs one map-style DataLoader (worker processes are fine) and
-            samples that are the same at every visit (checked: the cache switches itself off on a mismatch),
-            in the order drawn (a collate_fn sorting them by length switches it off at the first batches).
+            samples that are the same at every visit (checked: the cache switches itself off on a mismatch).
         measure_flops: measure each frozen-prefix length's backward once with ``torch.utils.flop_counter`` and
             log the backward FLOPs skipped.
 
@@ -209,7 +208,7 @@ class GradientCache(Callback):
             self._lifecycle.release_taken_back(trainer.global_step, self._replay)
         self._lifecycle.begin_forward()  # a resumed fit's first backward trains its prefix: graph checked
         if self._replay is not None:  # not that batch: its prefix's outputs require grad, no record of them
-            self._replay.begin_batch(batch_idx, self._lifecycle.backward_prefix > 0, batch)
+            self._replay.begin_batch(batch_idx, frozen=self._lifecycle.backward_prefix > 0)
 
     @override
     def on_train_batch_end(

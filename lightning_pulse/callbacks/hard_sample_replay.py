@@ -86,9 +86,7 @@ class HardSampleReplay(Callback):
             without a ``scorer`` (or with rule='infobatch'): for a loss called in a ``fullgraph=True`` part, a
             loss with no per-sample value, or packed rows (graph nodes, packed tokens: more rows than indices,
             none of B rows) the loss does not split; in ``mode="batch"``, at the first batch, for a batch
-            that cannot be cut in place: immutable, holding nothing per sample (or fewer rows), or time-major;
-            at the fit's first batches, before a step, for a collate_fn that reorders samples (sorts by
-            length).
+            that cannot be cut in place: immutable, holding nothing per sample (or fewer rows), or time-major.
 
     Example::
 
@@ -237,16 +235,14 @@ class HardSampleReplay(Callback):
         selector, tracker = self.data.selector, self.data.tracker
         assert selector is not None and tracker is not None
         # the sampler's indices say how many samples the batch holds (a cut batch's: the cut, as loaded)
-        step, rank, indices = trainer.global_step, trainer.global_rank, tracker.batch_indices(batch_idx)
+        step, indices = trainer.global_step, tracker.batch_indices(batch_idx)
         # SWA's BatchNorm-update epoch recomputes the statistics over the plain data: no selection there
         active = phase_of(trainer, default=Phase.REPLAY).value in self.phases and not (
             compat.in_batch_norm_update_epoch(trainer)
         )
         window, cut = self.steps.next_batch() if self.mode == "steps" else (0, None)
-        # a collate_fn that reorders the samples (sorts them by length): told at the fit's first batches
-        reordered = self.data.order_refusal(batch, indices)
         self.batches.start_batch(
-            selector, batch, indices, step, batch_idx, active, rank, window, cut, pl_module, reordered
+            selector, batch, indices, step, batch_idx, active, trainer.global_rank, window, cut, pl_module
         )
 
     @override

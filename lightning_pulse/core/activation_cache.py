@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_pulse.core.collate_order import KEEP_THE_DRAWN_ORDER
 from lightning_pulse.core.forward_writes import StateBeforeForward, tensor_dicts, writes_state_reason
 from lightning_pulse.core.freeze_metrics import METRIC_PREFIX
 from lightning_pulse.core.prune_targets import has_own_forward
@@ -911,17 +910,9 @@ class LoaderActivationCache:
         self.cache.plan([(name, self._modules[name]) for name in frozen_units if name in self._modules])
         self._report_uncached()
 
-    def begin_batch(self, batch_idx: int, frozen: bool, batch: Any = None) -> None:
-        """Before the forward of batch ``batch_idx`` (``batch``, as loaded); ``frozen``: whether a prefix is
-        frozen now. A collate_fn found to reorder a batch's samples (at the fit's first batches) switches the
-        cache off before it records anything."""
+    def begin_batch(self, batch_idx: int, frozen: bool) -> None:
+        """Before the forward of batch ``batch_idx``; ``frozen``: whether a prefix is frozen now."""
         indices = self.tracker.batch_indices(batch_idx)  # asked for every batch, as the tracker requires
-        order = self.tracker.order
-        if order.check(batch, indices) is False and self.cache.disabled_reason is None:
-            self.cache.disabled_reason = (
-                f"{order.cause}, so it would store each sample's outputs under another sample's index; to "
-                f"use the cache, {KEEP_THE_DRAWN_ORDER}"
-            )
         if not frozen:
             return
         trained = self.trained

@@ -321,8 +321,6 @@ def _bad_batches(
             drawn = tracker.batch_indices(batch_idx) if tracker is not None else None
         except RuntimeError:  # not recorded (the tracker's pass started elsewhere): rows and step only
             drawn = None
-        if tracker is not None and tracker.order.keeps_order is False:  # a collate_fn that sorts: not rows'
-            drawn = None
         given = [t for t in (cut, drawn) if t is not None and _is_index_tensor(t)]
         count = batch_sample_count(batch, [len(t) for t in given])
         rows = nonfinite_rows(batch, count)
@@ -341,8 +339,7 @@ def find_bad_samples(
     the batch, ``None`` when the value is in a tensor without one row per sample, :func:`nonfinite_rows`;
     ``indices``: their dataset indices, from the batch, from ``trained`` (batch_idx to the indices of the
     samples trained, where a callback cut the batch) or from a ``SampleIndexTracker`` installed on
-    ``loader`` unless its collate_fn was found to reorder a batch's samples, else ``None``:
-    :func:`batch_sample_ids`)."""
+    ``loader``, else ``None``: :func:`batch_sample_ids`)."""
     return [
         {"step": step, "batch_idx": batch_idx, "rows": rows, "indices": ids}
         for batch_idx, _, _, rows, ids in _bad_batches(batches, loader, trained)

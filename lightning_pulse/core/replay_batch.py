@@ -275,7 +275,6 @@ class ReplayBatchLifecycle:
         window: int = 0,
         cut: Composition | None = None,
         module: nn.Module | None = None,
-        reordered: str | None = None,
     ) -> StepInFlight:
         """Plan the batch about to train, cut it in place when the plan says so and open its loss capture.
 
@@ -296,12 +295,9 @@ class ReplayBatchLifecycle:
                 only appends to (per-step outputs, also a list made anew in its ``on_train_epoch_start``,
                 which runs after the fit's start) is told from state carried across batches also when the
                 second batch is cut (steps mode).
-            reordered: why the batch's rows are not in the order of ``indices`` (a collate_fn that reorders
-                them: :meth:`~lightning_pulse.core.replay_data.ReplayData.order_refusal`), else ``None``.
 
         Raises:
-            PulseRefusal: for ``reordered``, before anything reads the batch. In batch mode, for a batch
-                that cannot be cut in place to some of its samples
+            PulseRefusal: in batch mode, for a batch that cannot be cut in place to some of its samples
                 (:func:`~lightning_pulse.core.selection.cut_refusal`), at the fit's first batch that holds a
                 row per index, before any update; for one holding the samples' items concatenated
                 (:func:`~lightning_pulse.core.selection.concatenated_parts`, CTC's 1-D targets, Qwen2-VL's
@@ -322,7 +318,6 @@ class ReplayBatchLifecycle:
         self._unaccounted, self._module, self._signed = None, module, None
         # a refusal deferred to a step a rollback dropped: found again, for this batch's step
         self._found, self._deferred, self._dropped_deferral = self._dropped_deferral, None, None
-        self._refuse_here(reordered)  # every row's loss would be stored under another sample's index
         self._selector = selector
         batch_size = int(indices.numel())
         first_checked = False

@@ -28,7 +28,6 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_pulse.core.collate_order import KEEP_THE_DRAWN_ORDER
 from lightning_pulse.core.replay import (
     HardSampleSelector,
     ReplayConfig,
@@ -117,20 +116,6 @@ class ReplayData:
         )
         self.selector.set_half_life(self.half_life, steps)
         self.ready = True
-
-    def order_refusal(self, batch: Any, indices: Tensor) -> str | None:
-        """Why the rows of ``batch`` cannot be scored as the samples ``indices`` (completes "HardSampleReplay
-        ..."): the DataLoader's collate_fn reorders a batch's samples, as told at the fit's first batches
-        (:class:`~lightning_pulse.core.collate_order.CollateOrderCheck`); else ``None``."""
-        assert self.tracker is not None
-        if self.tracker.order.check(batch, indices) is not False:
-            return None
-        return (
-            f"cannot tell which sample each row of a batch is: {self.tracker.order.cause}, and each row's "
-            "loss is stored under the dataset index drawn for its place: the scores, and the samples chosen "
-            f"by them, would be other samples'. Refused before the batch's step. To train with it, "
-            f"{KEEP_THE_DRAWN_ORDER}."
-        )
 
     def detach(self) -> None:
         """The fit is over: its DataLoader is no longer tracked (the selector and its scores stay)."""

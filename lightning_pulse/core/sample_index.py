@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
-from lightning_pulse.core.collate_order import CollateOrderCheck
 from lightning_pulse.core.selection import holds_item_per_sample
 from lightning_pulse.energy.counting import batch_tensors
 
@@ -104,14 +103,10 @@ class SampleIndexTracker:
     ``batch_idx`` that does not start at 0 (a run resumed mid-epoch) is handled. Several callers may share
     one tracker: asking twice for the same batch returns the same indices.
 
-    The ``k``-th index of a batch names its ``k``-th row only while the ``collate_fn`` keeps the samples in
-    the order drawn: callers that name rows by index ask :attr:`order` at each batch (told at the first ones).
-
     Attributes:
         dataset: the DataLoader's dataset (for fetching samples by index).
         collate_fn: the DataLoader's ``collate_fn``.
         batch_size: the DataLoader's batch size.
-        order: whether the ``collate_fn`` keeps the drawn order (:class:`CollateOrderCheck`).
     """
 
     def __init__(self, recorder: RecordingSampler, dataset: Any, collate_fn: Any, batch_size: int) -> None:
@@ -119,7 +114,6 @@ class SampleIndexTracker:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.batch_size = batch_size
-        self.order = CollateOrderCheck(dataset, collate_fn)
         self._iteration = -1
         self._base = 0
         self._ordinal = -1
