@@ -200,3 +200,22 @@ def test_two_loaders_of_a_datamodule_hook_are_refused_before_a_setting_whose_way
     ):
         trainer.fit(model, datamodule=_TwoLoaders())
     assert model.steps_trained == 0
+
+
+def test_the_rank_gather_of_a_step_where_no_rank_trained_a_row_gives_no_rows():
+    # a review: under DDP, the BatchNorm-update epoch of StochasticWeightAveraging runs no backward, so
+    # every rank records no row; the gather reshaped its zero rows to (-1, 0, 3) and raised on both ranks
+    import numpy as np
+
+    from lightning_pulse.core.replay import gather_rows_and_codes
+
+    def all_gather_of_two_ranks(tensor):  # two ranks sending the same tensor, stacked as all_gather does
+        return torch.stack([tensor, tensor])
+
+    indices, losses = torch.zeros(0, dtype=torch.long), torch.zeros(0)
+    gathered = gather_rows_and_codes(
+        all_gather_of_two_ranks, indices, losses, np.zeros(0, dtype=np.int64), offered=8.0, code=1
+    )
+    merged_indices, merged_losses, roles, offered, codes = gathered
+    assert merged_indices.numel() == merged_losses.numel() == roles.size == 0
+    assert offered == 16.0 and codes == [1, 1]

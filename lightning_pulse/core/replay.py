@@ -696,7 +696,7 @@ def gather_rows_and_codes(
     rows[: losses.numel(), 0] = indices.double()
     rows[: losses.numel(), 1] = losses.double()
     rows[: losses.numel(), 2] = torch.from_numpy(roles).double()
-    gathered = all_gather(rows).cpu().reshape(-1, capacity, 3)
+    gathered = all_gather(rows).cpu().reshape(len(counts), capacity, 3)  # no row on any rank: capacity 0
     merged = torch.cat([gathered[rank, :n] for rank, n in enumerate(counts)])
     return (
         merged[:, 0].long(),
