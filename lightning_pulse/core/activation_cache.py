@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_pulse.core.forward_writes import StateBeforeForward, tensor_dicts, writes_state_reason
+from lightning_pulse.core.forward_writes import (
+    StateBeforeForward,
+    tensor_dicts,
+    versions,
+    writes_state_reason,
+)
 from lightning_pulse.core.freeze_metrics import METRIC_PREFIX
 from lightning_pulse.core.prune_targets import has_own_forward
 from lightning_pulse.core.sample_index import KEEP_ONE_ROW_PER_INDEX
@@ -219,17 +224,7 @@ def _weights_of(entries: Sequence[_ActivationEntry]) -> _Weights:
     write bumps. A tensor made under ``torch.inference_mode`` (a buffer rebuilt during validation) keeps no
     counter: it is compared by identity alone (-1). One pass over the tensors, under 1 us each."""
     tensors = [t for entry in entries for d in entry.tensor_dicts for t in d.values() if t is not None]
-    try:
-        return tensors, [tensor._version for tensor in tensors]
-    except RuntimeError:
-        return tensors, [_version_or_none(tensor) for tensor in tensors]
-
-
-def _version_or_none(tensor: torch.Tensor) -> int:
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference tensor
-        return -1
+    return tensors, versions(tensors)
 
 
 def _same_weights(now: _Weights, seen: _Weights) -> bool:

@@ -22,7 +22,7 @@ def tensor_dicts(module: nn.Module) -> TensorDicts:
     return [d for sub in module.modules() for d in (sub._parameters, sub._buffers)]
 
 
-def _versions(tensors: list[torch.Tensor | None]) -> list[int]:
+def versions(tensors: list[torch.Tensor | None]) -> list[int]:
     """The version counter of each tensor (each in-place write bumps it); -1 for ``None`` and for an inference
     tensor, which keeps none (it is compared by identity alone)."""
     try:
@@ -74,7 +74,7 @@ class StateBeforeForward:
     def __init__(self, dicts: TensorDicts, with_values: bool) -> None:
         self.keys = [tuple(d) for d in dicts]
         self.tensors = [tensor for d in dicts for tensor in d.values()]
-        self.versions = _versions(self.tensors)
+        self.versions = versions(self.tensors)
         self.buffer_values: dict[tuple[int, str], torch.Tensor] | None = None
         if with_values:  # the buffer dicts are every second one
             self.buffer_values = {
@@ -92,7 +92,7 @@ class StateBeforeForward:
         same = (
             [tuple(d) for d in dicts] == self.keys
             and all(map(operator.is_, tensors, self.tensors))
-            and _versions(tensors) == self.versions
+            and versions(tensors) == self.versions
         )
         changed = [] if same else self._changed_entries(dicts)
         if self.buffer_values is not None:
