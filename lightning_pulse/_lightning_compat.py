@@ -24,6 +24,7 @@ from torchmetrics import Metric
 
 from lightning_pulse.core.freeze_units import trainable_while
 from lightning_pulse.core.run_shares import PlacedShares, shares_named
+from lightning_pulse.core.step_plan import clock_epoch_steps
 from lightning_pulse.errors import PulseRefusal, first_names
 from lightning_pulse.protocols import temporarily_frozen
 
@@ -955,6 +956,18 @@ def check_run_shares(trainer: pl.Trainer) -> None:
 def accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler | None:
     """The trainer's ``GradientAccumulationScheduler``, if it has one."""
     return next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+
+
+def epoch_optimizer_steps(trainer: pl.Trainer) -> float | None:
+    """The current training epoch's optimizer steps, as ``PhaseClock.advance`` takes an epoch's length
+    (``core.step_plan.clock_epoch_steps``; a step-saving sampler reports the plain epoch's batches). Call it
+    at the epoch's first training batch, not in ``on_train_epoch_start``: a ``GradientAccumulationScheduler``
+    sets the epoch's ``accumulate_grad_batches`` in its own ``on_train_epoch_start``, which may come after the
+    caller's (then the previous epoch's factor, or 1 at a run's start, was read: a 1.0-epoch burst took 8
+    steps of a 6-step epoch). Lightning calls no ``on_train_epoch_start`` in a fit resumed mid-epoch, so the
+    scheduler leaves the Trainer's factor for the rest of that epoch, and its steps are taken at that factor:
+    read at the first batch, each step counts its batches' share of the epoch, as in the uninterrupted run."""
+    return clock_epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
 
 
 # ---------------------------------------------------------------------------- StochasticWeightAveraging

@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.cycle_budget import fit_replay_to_budget, spent_report, start_without_plan
 from lightning_pulse.core.optimizer_modes import at_evaluation_point
-from lightning_pulse.core.step_plan import StepPlan, clock_epoch_steps
+from lightning_pulse.core.step_plan import StepPlan
 from lightning_pulse.core.step_plan import resumed_without_plan as plan_lost_warning
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refusing
 from lightning_pulse.loggers import log_to_loggers
@@ -159,7 +159,8 @@ class PulseCycle(Callback):
         self.timer = StepTimer(time_source)  # the optimizer steps and seconds the clock advances by
         self._listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
         self._total_steps = math.inf  # both refreshed every epoch: a callback can change the epoch's length
-        self._epoch_steps: float | None = None
+        self._epoch_steps: float | None = None  # read at the epoch's first batch (_epoch_steps_due)
+        self._epoch_steps_due = False
         off = 'maintain_eval="none"'  # the probe's off switch, named in its warnings
         self.probe = HeldOutProbe("PulseCycle", probe_batches, "the maintain probe is off", off)
         self.last_probe: dict[str, float] = {}
@@ -278,6 +279,8 @@ class PulseCycle(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int
     ) -> None:
+        if self._epoch_steps_due:  # the epoch's first batch: after every callback's on_train_epoch_start
+            self._epoch_steps_due, self._epoch_steps = False, compat.epoch_optimizer_steps(trainer)
         self.clock.rows.step_starts(self.clock)  # what the step trains in, for its row
 
     @override
@@ -345,8 +348,7 @@ class PulseCycle(Callback):
     def _refresh_run_length(self, trainer: pl.Trainer) -> None:
         if compat.in_batch_norm_update_epoch(trainer):  # its batches and accumulation are not the training's
             return
-        # a step-saving sampler reports the plain epoch's length
-        self._epoch_steps = clock_epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
+        self._epoch_steps_due = True  # its accumulation may not be set yet: see compat.epoch_optimizer_steps
         self._total_steps = compat.total_steps(trainer)
 
     def _run_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
