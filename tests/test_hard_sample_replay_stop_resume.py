@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from examples.mnist1d import MNIST1DClassifier
@@ -80,3 +82,37 @@ def test_a_resume_from_a_stop_inside_an_epoch_trains_the_plan_it_announces_and_i
     assert _anneal_steps(full_cycle) and _anneal_steps(cycle), "the planned anneal runs after the resume"
     assert "It stopped early" not in caplog.text
     assert f"trainer.max_steps={resumed.global_step} (the checkpoint was saved at a stop" in caplog.text
+
+
+def test_the_plan_and_end_lines_of_a_resume_from_a_stop_inside_an_epoch_count_no_saving_on_its_dropped_rest(
+    tmp_path, caplog
+):
+    # thirty-seventh pass, left open: the resume drops the rest of the stopped epoch (as a plain run does),
+    # and its plan line's ratio counted those untrained samples' plain steps as saved (33 steps "instead of
+    # 48", 0.688x, where the plain run takes 44 over the data it trains: 0.750x); so did PulseCycle's end line
+    full, _, full_ends = _fit(root=tmp_path / "full")
+    plain_epoch_steps = 12  # 768 training samples in batches of 64
+    assert f"instead of {4 * plain_epoch_steps} " in caplog.text
+    saving = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)
+    _fit([StopAtStep(full_ends.steps[1] - 3), saving], root=tmp_path / "stopped")
+    checkpoint = torch.load(saving.last_model_path, weights_only=False)
+    stream = next(v for k, v in checkpoint["callbacks"].items() if "HardSampleReplay" in k)["stream"]
+    # the plain run's batches that reach the samples the stopped pass trained; the rest of the epoch drops
+    dropped = plain_epoch_steps - math.ceil(stream["samples"] / 64)
+    assert stream["epoch"] == 1 and dropped > 0
+
+    caplog.clear()
+    resaving = ModelCheckpoint(dirpath=tmp_path / "ck2", save_last=True)
+    with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match="stop inside epoch 1"):
+        resumed, _, _ = _fit([resaving], ckpt_path=saving.last_model_path, root=tmp_path / "resumed")
+    steps, plain = resumed.global_step, 4 * plain_epoch_steps - dropped
+    assert f"takes {steps} optimizer steps instead of {plain} ({steps / plain:.3f}x;" in caplog.text
+    assert f"the plain run's {dropped} steps over a stopped epoch's untrained rest left out" in caplog.text
+    assert (
+        f"the run took {steps} optimizer steps, {steps / plain:.3f} of the plain run's {plain} "
+        in caplog.text
+    )
+    # a checkpoint of the resumed run keeps them out too (its own resume plans from it)
+    saved = torch.load(resaving.last_model_path, weights_only=False)
+    resumed_stream = next(v for k, v in saved["callbacks"].items() if "HardSampleReplay" in k)["stream"]
+    assert resumed_stream["plain_dropped"] == dropped

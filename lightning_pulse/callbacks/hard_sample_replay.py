@@ -171,8 +171,7 @@ class HardSampleReplay(Callback):
             self.steps.uncap(trainer)  # a second fit of the same Trainer plans for the user's max_steps
             self.steps = StepSavingLoader()
             self.steps.check_at_setup(trainer, compat.train_dataloaders_given(trainer))
-        if self._remove_hook is not None:
-            self._remove_hook()
+        self._remove_hooks()
         hooks = [compat.on_train_dataloader_ready(trainer, self._on_train_dataloader)]
         if self.mode == "steps":  # a hook's second DataLoader is refused before the Trainer's settings
             hooks.append(compat.on_train_dataloaders_built(trainer, self.steps.check_deferred))
@@ -294,7 +293,10 @@ class HardSampleReplay(Callback):
     ) -> None:
         self.batches.release()
         self._fullgraph.release()
-        self.steps.release()  # Lightning calls no teardown hook after an exception
+        self.steps.release()  # Lightning calls no teardown hook after an exception: what setup put on the
+        self._remove_hooks()  # Trainer comes off here, else a later fit without this instance ran them
+        if trainer.state.fn == "fit":  # and the plan's max_steps cap, which that fit read as the user's
+            self.steps.uncap(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -303,13 +305,17 @@ class HardSampleReplay(Callback):
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
         if stage != "fit":
             return
-        if self._remove_hook is not None:
-            self._remove_hook()
+        self._remove_hooks()
         if self.mode == "steps":  # a checkpoint saved after the fit resumes it
             self.steps.stream.hold(trainer.global_step)
         self.steps.release()
-        self._remove_hook, self._trainer = None, None
+        self._trainer = None
         self.data.detach()
+
+    def _remove_hooks(self) -> None:
+        if self._remove_hook is not None:
+            self._remove_hook()
+        self._remove_hook = None
 
     @override
     def state_dict(self) -> dict[str, Any]:

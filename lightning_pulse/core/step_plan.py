@@ -16,8 +16,10 @@ replay-phase length.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -60,6 +62,9 @@ class StepPlan:
     # the plain run's steps before the plan joined (the joined epoch's whole plain epochs, as ``plain_steps``
     # counts them): the earlier fit may have taken another number (another batch size or accumulation)
     plain_before: int = 0
+    # the plain run's steps over the samples a resume from a stop inside an epoch leaves untrained (the rest
+    # of that epoch's pass, see StepSavingStream._drop_rest_of_pass): no saving, so left out of the ratios
+    plain_dropped: int = 0
 
     @property
     def span(self) -> int:
@@ -89,8 +94,16 @@ class StepPlan:
 
     @property
     def own_plain_steps(self) -> int:
-        """The plain run's optimizer steps over the data :attr:`own_steps` train."""
-        return self.plain_steps - self.plain_before
+        """The plain run's optimizer steps over the data :attr:`own_steps` train (not over the untrained rest
+        of a stopped epoch: :attr:`plain_dropped`)."""
+        return self.plain_steps - self.plain_before - self.plain_dropped
+
+    @property
+    def dropped_note(self) -> str:
+        """What a ratio of :attr:`own_plain_steps` leaves out (empty: nothing)."""
+        if not self.plain_dropped:
+            return ""
+        return f"; the plain run's {self.plain_dropped} steps over a stopped epoch's untrained rest left out"
 
     @property
     def spent(self) -> float:
@@ -393,19 +406,19 @@ def _spent(fraction: float, full: float, light: float, replay: float, edges: flo
 def spent_summary(plan: StepPlan, global_step: int, budget: float | None) -> tuple[float, str]:
     """The share of the plain run's steps the run took, and the line that says it."""
     asked = "" if budget is None else f" (budget {budget:g})"
+    dropped = f" ({plan.dropped_note[2:]})" if plan.plain_dropped else ""
     before = plan.steps_before
     if before:  # steps trained before HardSampleReplay was added saved nothing: this fit's share is its own
         plain = plan.own_plain_steps
         spent = (global_step - before) / plain if plain > 0 else 1.0
         return spent, (
             f"the run took {global_step - before} optimizer steps from step {before} on (where "
-            f"HardSampleReplay joined it), {spent:.3f} of the plain run's {plain} from there{asked}."
+            f"HardSampleReplay joined it), {spent:.3f} of the plain run's {plain} from there{dropped}{asked}."
         )
-    spent = global_step / plan.plain_steps
-    return (
-        spent,
-        f"the run took {global_step} optimizer steps, {spent:.3f} of the plain run's {plan.plain_steps}{asked}.",
-    )
+    plain = plan.own_plain_steps
+    spent = global_step / plain if plain > 0 else 1.0
+    text = f"the run took {global_step} optimizer steps, {spent:.3f} of the plain run's {plain}"
+    return spent, f"{text}{dropped}{asked}."
 
 
 #: how far above its budget a plan may spend: the replay length is solved for whole cycles, so a run ending
@@ -450,12 +463,13 @@ def plan_summary(plan: StepPlan, budget: float | None, run_steps: int | None = N
         text = (
             f"HardSampleReplay(mode='steps') joined this run at step {plan.steps_before}, with no state of "
             f"its own from before: the rest of the run's data, from there on, takes {plan.own_steps} "
-            f"optimizer steps instead of {plan.own_plain_steps} ({plan.spent:.3f}x; {light})"
+            f"optimizer steps instead of {plan.own_plain_steps} ({plan.spent:.3f}x; {light}"
+            f"{plan.dropped_note})"
         )
         return text if budget is None else text + f", for a budget of {budget:g}"
     text = (
-        f"the run's data takes {plan.total_steps} optimizer steps instead of {plan.plain_steps} "
-        f"({plan.spent:.3f}x; {light})"
+        f"the run's data takes {plan.total_steps} optimizer steps instead of {plan.own_plain_steps} "
+        f"({plan.spent:.3f}x; {light}{plan.dropped_note})"
     )
     if budget is not None:
         text += f", for a budget of {budget:g}"
@@ -590,7 +604,8 @@ class StepSavingStream:
             # saved at an epoch's end: the run resumes at the next epoch's start
             self.resumed_at_pass_end = resume["batches"] > 0  # on the pass's last batch, not after the epoch
             resume.update(epoch=resume["epoch"] + 1, samples=0, batches=0)
-        self.dropped_pass_rest = self._drop_rest_of_pass(lightning_epoch, samples_per_epoch)
+        accumulate = max(1, int(run["accumulate"] or 1))
+        self.dropped_pass_rest = self._drop_rest_of_pass(lightning_epoch, samples_per_epoch, accumulate)
         resume = resume or {}
         saved_total, saved_cycle = resume.get("total_steps"), resume.get("pulse_cycle")
         self.saved_total_steps = None if saved_total is None else int(saved_total)
@@ -603,7 +618,7 @@ class StepSavingStream:
         # another number an epoch); max_steps, a global step, counts the steps the earlier fit really took
         steps_before = resume["step"] if joined else resume.get("steps_before", 0)
         joined_epoch = self._joined_at[0] if joined else resume.get("joined_epoch")  # type: ignore[index]
-        plain_epoch_steps = math.ceil(len(self._plain_pass) / max(1, int(run["accumulate"] or 1)))
+        plain_epoch_steps = math.ceil(len(self._plain_pass) / accumulate)
         plain_before = steps_before if joined_epoch is None else int(joined_epoch) * plain_epoch_steps
         if steps_before and run["max_steps"] is not None:
             run = {**run, "max_steps": int(run["max_steps"]) - steps_before + plain_before}
@@ -623,6 +638,8 @@ class StepSavingStream:
         )
         if steps_before:
             self.plan = replace(self.plan, steps_before=steps_before, plain_before=plain_before)
+        if plain_dropped := int(resume.get("plain_dropped", 0)):
+            self.plan = replace(self.plan, plain_dropped=plain_dropped)
         saved_plain_steps = resume.get("plain_steps")
         self.replanned_for_another_length = saved_plain_steps not in (None, self.plan.plain_steps)
         # a checkpoint of an older version holds no count: its plain passes' samples, as plan_steps reckons
@@ -632,7 +649,7 @@ class StepSavingStream:
         return self.plan
 
     def _drop_rest_of_pass(
-        self, lightning_epoch: int | None, samples_per_epoch: int
+        self, lightning_epoch: int | None, samples_per_epoch: int, accumulate: int = 1
     ) -> tuple[int, int] | None:
         """``(epoch, batches trained of its pass)`` of a resumed pass that Lightning does not go on with,
         else ``None``. A checkpoint saved at a stop mid-epoch (``max_time``, ``trainer.should_stop``) in or
@@ -641,11 +658,18 @@ class StepSavingStream:
         plain run does. The plan goes on from that epoch too, with the dropped samples counted as spent (the
         plain run's data for the epochs left is what remains), and its steps from here are planned again: had
         the pass gone on under the next epoch, the plan's last pass and its anneal never trained, while its
-        lines promised them."""
+        lines promised them. The plain run's steps over the dropped samples (its epoch's steps less those that
+        reach the samples trained) are counted in ``plain_dropped``: the plan's ratios leave them out."""
         resume = self._resume
         if resume is None or not resume["samples"] or lightning_epoch != resume["epoch"] + 1:
             return None
         dropped = (resume["epoch"], resume["batches"])
+        sums = list(
+            itertools.accumulate(self._plain_pass)
+        )  # the plain batches that reach the samples trained
+        reached = min(bisect.bisect_left(sums, resume["samples"]) + 1, len(sums))
+        plain_left = math.ceil(len(self._plain_pass) / accumulate) - math.ceil(reached / accumulate)
+        resume["plain_dropped"] = resume.get("plain_dropped", 0) + plain_left
         rest = samples_per_epoch - resume["samples"]
         trained = resume.get("trained", resume["epoch"] * samples_per_epoch + resume["samples"])
         resume.update(epoch=lightning_epoch, samples=0, batches=0, trained=trained + rest)
@@ -712,7 +736,13 @@ class StepSavingStream:
             }
             | self._joined_state()
             | self._settings_state()
+            | self._dropped_state()
         )
+
+    def _dropped_state(self) -> dict[str, int]:
+        """The plain steps over a stopped epoch's dropped rest (``StepPlan.plain_dropped``), so a later resume
+        keeps them out of the ratios; nothing where none were dropped (its checkpoints are as they were)."""
+        return {"plain_dropped": self.plan.plain_dropped} if self.plan and self.plan.plain_dropped else {}
 
     def _joined_state(self) -> dict[str, int]:
         """The plain steps before a plan that joined the run (:meth:`join_at`), so its resume keeps counting
