@@ -118,6 +118,8 @@ def test_a_resume_mid_burst_across_an_accumulation_change_switches_at_the_same_b
     assert resumed_batches.rows[0][:2] == (1, 8)
     assert resumed_batches.rows == full_batches.rows[12 + 8 :]
     # the burst of epochs 1 and 2 ended after the same 12 batches: 6 steps of 2 there, 1 + 4 + 3 here
-    assert resumed.global_step == 26
+    # Lightning 2.6 calls no on_train_epoch_start in a fit resumed mid-epoch, so the scheduler leaves the
+    # rest of that epoch at accumulation 1 (fit_loop): a later Lightning may not, and this count then changes
+    assert resumed.global_step == 26, "Lightning's mid-epoch resume under the scheduler changed: re-check"
     bursts = [c.ended_steps for c in pulse_cycle_of(resumed).history if c.previous is Phase.BURST]
     assert bursts == [12, 8]
