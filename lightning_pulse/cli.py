@@ -27,10 +27,13 @@ import re
 import sys
 import warnings
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_pulse._callback_entries import callback_entries, entries_problem, entry_named
 
 #: set to 1 for the full tracebacks and jsonargparse's whole report instead of one-line errors
 TRACEBACK_ENV = "LIGHTNING_PULSE_TRACEBACK"
@@ -353,15 +356,74 @@ class PulseArgumentParser(LightningArgumentParser):
     false there) for jsonargparse's full report.
     """
 
+    def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
+        # the command line, for :meth:`error` to read a `--trainer.callbacks` value given on it
+        token = _COMMAND_LINE.set(tuple(sys.argv[1:] if args is None else args))
+        try:
+            return super().parse_args(args, *rest, **kwargs)
+        finally:
+            _COMMAND_LINE.reset(token)
+
+    def parse_string(self, *args: Any, **kwargs: Any) -> Any:
+        # the config being read, for :meth:`error` to name the entry of trainer.callbacks it refused
+        content = args[0] if args else kwargs.get("content", kwargs.get("cfg_str"))
+        token = _CONFIG_BEING_READ.set(content if isinstance(content, str) else None)
+        try:
+            return super().parse_string(*args, **kwargs)
+        finally:
+            _CONFIG_BEING_READ.reset(token)
+
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if _verbose() or not self.exit_on_error:
             super().error(message, ex)
-        sys.stderr.write(f"error: {summarise_parser_error(message)}\n")
+        summary = summarise_parser_error(message)
+        if "trainer.callbacks" in message:
+            summary = self._naming_the_callback_entry(summary)
+        sys.stderr.write(f"error: {summary}\n")
         sys.stderr.write(
             f"(`{self.prog.replace(' [options]', '')} --help` lists the options; "
             f"{TRACEBACK_ENV}=1 prints the parser's full report)\n"
         )
         self.exit(2)
+
+    def _naming_the_callback_entry(self, summary: str) -> str:
+        """For a refusal of ``trainer.callbacks`` in the config being read: the first entry that is certainly
+        no callback, by index and class, with its bad key or value, what is allowed and the closest accepted
+        name; else ``summary`` (the parser's own sentence, e.g. on a wrong-typed value) with the entry it is
+        about named in front where one entry is that class given that option."""
+        import yaml
+
+        content = _CONFIG_BEING_READ.get()
+        if content is None:  # not a config file's: a whole `--trainer.callbacks` on the command line
+            content = _callbacks_on_the_command_line(_COMMAND_LINE.get())
+        if content is None or self.parser_mode not in ("yaml", "omegaconf"):
+            return summary
+        try:
+            found = callback_entries(yaml.safe_load(content))
+        except yaml.YAMLError:
+            return summary
+        if found is None:
+            return summary
+        problem = entries_problem(*found)
+        return entry_named(*found, summary) if problem is None else problem
+
+
+def _callbacks_on_the_command_line(args: Sequence[str]) -> str | None:
+    """A config holding the last list or mapping given whole as ``--trainer.callbacks`` in ``args``."""
+    given = [
+        value if option == "--trainer.callbacks" else option.partition("=")[2]
+        for option, value in zip(args, [*args[1:], ""])
+        if option == "--trainer.callbacks" or option.startswith("--trainer.callbacks=")
+    ]
+    if not given or not given[-1].lstrip().startswith(("[", "{")):
+        return None  # a class path, or an appended one (`+=`): the parser's own sentence names it
+    return f"trainer: {{callbacks: {given[-1]}}}"
+
+
+#: the command line the parser is reading, while it reads it
+_COMMAND_LINE: ContextVar[tuple[str, ...]] = ContextVar("lightning_pulse_command_line", default=())
+#: the text of the config file (or string) the parser is reading, while it reads it
+_CONFIG_BEING_READ: ContextVar[str | None] = ContextVar("lightning_pulse_config_being_read", default=None)
 
 
 def _raised_by(error: BaseException) -> str:

@@ -135,9 +135,9 @@ def test_numbers_for_layer_types_in_yaml_name_the_field_the_entry_and_what_it_ta
     # the line was "ScheduledPrune: Expected a <class 'str'>"
     callback = {"class_path": "lightning_pulse.ScheduledPrune", "init_args": {"layer_types": [1, 2]}}
     assert _cli_error(tmp_path, capsys, callback) == (
-        "error: ScheduledPrune: `layer_types`=[1, 2]: entry 1 is not accepted; expected a list of layer "
-        "classes by name: a torch.nn name such as Linear, or a dotted import path such as "
-        "mypackage.layers.MyConv, or null."
+        "error: `trainer.callbacks[0]` ScheduledPrune: `layer_types`=[1, 2]: entry 1 is not accepted; "
+        "expected a list of layer classes by name: a torch.nn name such as Linear, or a dotted import path "
+        "such as mypackage.layers.MyConv, or null."
     )
 
 

@@ -1,0 +1,212 @@
+"""What is wrong with an entry of ``trainer.callbacks`` as the user wrote it in a YAML config.
+
+jsonargparse refuses a malformed entry as a failed Union over ``list[Callback] | Callback | None`` and its
+report names neither the entry nor the key: the CLI reads the entries of the config it was reading when the
+parser refused and names the first entry that cannot be a callback (its index and class), the bad key or
+value, what is allowed and the closest accepted name. Only what is certainly wrong is named (a path that does
+not import, an option the class does not take, a key a callback entry does not have, ``init_args`` that is no
+mapping); anything else (a wrong-typed value) is left to the parser's own sentence, with the entry named in
+front of it by :func:`entry_named`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+import sys
+from typing import Any
+
+#: the keys jsonargparse reads in a mapping that names a class
+ENTRY_KEYS = ("class_path", "init_args", "dict_kwargs")
+
+
+def callback_entries(config: Any) -> tuple[str, Any] | None:
+    """``(field, value)`` of ``trainer.callbacks`` in a loaded config, or under one subcommand's section
+    (``fit.trainer.callbacks`` in a config given before the subcommand); ``None`` where it holds none."""
+    if not isinstance(config, dict):
+        return None
+    trainer = config.get("trainer")
+    if isinstance(trainer, dict) and "callbacks" in trainer:
+        return "trainer.callbacks", trainer["callbacks"]
+    for name, section in config.items():
+        found = callback_entries(section) if isinstance(section, dict) and "trainer" in section else None
+        if found is not None:
+            return f"{name}.{found[0]}", found[1]
+    return None
+
+
+def _callback_type() -> type:
+    from lightning.pytorch.callbacks import Callback
+
+    import lightning_pulse  # noqa: F401  (its callbacks are the ones a suggestion most likely names)
+
+    return Callback
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, todo = [], list(cls.__subclasses__())
+    while todo:
+        sub = todo.pop()
+        if sub not in found:
+            found.append(sub)
+            todo.extend(sub.__subclasses__())
+    return found
+
+
+def _public_paths(cls: type) -> list[str]:
+    """The paths a user writes for ``cls``: its module's, and its package's where the package exports it."""
+    paths = [f"{cls.__module__}.{cls.__qualname__}"]
+    package = cls.__module__.split(".")[0]
+    for prefix in (package, cls.__module__.rpartition(".")[0]):
+        module = sys.modules.get(prefix)
+        if prefix and getattr(module, cls.__name__, None) is cls:
+            paths.insert(0, f"{prefix}.{cls.__name__}")
+    return list(dict.fromkeys(paths))
+
+
+def _resolve(path: str) -> tuple[Any, str | None]:
+    """The object ``path`` names (a dotted import path, or a Callback's bare class name as jsonargparse
+    takes it) and ``None``, or ``None`` and why it does not import."""
+    if "." not in path:
+        named = [sub for sub in _subclasses(_callback_type()) if sub.__name__ == path]
+        return (named[0], None) if named else (None, f"no Callback is named {path!r}")
+    module_name, _, attribute = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:  # a typo in the module, or a module that fails on an import of its own
+        return None, str(error)
+    except Exception as error:  # the module's own code failed: not a typo, nothing to suggest
+        return None, f"importing {module_name} raised {type(error).__name__}: {error}"
+    if not hasattr(module, attribute):
+        return None, f"module {module_name!r} has no attribute {attribute!r}"
+    return getattr(module, attribute), None
+
+
+def _did_you_mean(given: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(given, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _class_path_problem(path: Any) -> tuple[type | None, str | None]:
+    """The callback class ``path`` names, or why it names none (with the closest callback's path)."""
+    callback = _callback_type()
+    if not isinstance(path, str) or not path:
+        return None, f"class_path={path!r} is not accepted; expected the import path of a Callback class"
+    cls, reason = _resolve(path)
+    if reason is not None:
+        choices = [
+            p for sub in _subclasses(callback) if not sub.__name__.startswith("_") for p in _public_paths(sub)
+        ]
+        if "." not in path:
+            choices += [sub.__name__ for sub in _subclasses(callback)]
+        return None, (
+            f"class_path {path} cannot be imported: {reason}{_did_you_mean(path, choices)}"
+            "; expected the import path of a Callback class, such as lightning_pulse.PulseCycle"
+        )
+    if not (isinstance(cls, type) and issubclass(cls, callback)):
+        return (
+            None,
+            f"class_path {path} is not a Callback class (it is {cls!r}); expected a Callback's class_path",
+        )
+    return cls, None
+
+
+def _options(cls: type) -> list[str] | None:
+    """The options ``cls`` takes by name, or ``None`` where its ``**kwargs`` may take any."""
+    try:
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind != p.POSITIONAL_ONLY]
+
+
+def _entry_problem(entry: Any) -> tuple[str, str] | None:
+    """``(class name or "", what is wrong)`` for one entry, or ``None`` where nothing is certainly wrong."""
+    if isinstance(entry, str):
+        if not re.fullmatch(r"[A-Za-z_][\w.]*", entry):
+            return None  # the path of a file holding the entry, or the entry inline: the parser reads it
+        cls, problem = _class_path_problem(entry)
+        return ("", problem) if problem else None
+    if entry is None:
+        return None  # left to the parser's own sentence
+    if not isinstance(entry, dict):
+        return "", (
+            f"the entry {entry!r} is not accepted; expected a Callback's class_path, or a mapping with "
+            "class_path and, optionally, init_args (a mapping of its options)"
+        )
+    unknown = [key for key in entry if key not in ENTRY_KEYS]
+    if "class_path" not in entry:
+        keys = ", ".join(map(str, entry)) or "none"
+        return "", (
+            f"the entry has no class_path (its keys: {keys}); an entry is a mapping with class_path (the "
+            "Callback's import path, such as lightning_pulse.PulseCycle) and, optionally, init_args (a "
+            "mapping of its options)"
+        )
+    cls, problem = _class_path_problem(entry["class_path"])
+    if problem is not None:
+        return "", problem
+    assert cls is not None
+    name = cls.__name__
+    options = _options(cls)
+    shown = f"; {name} accepts: {', '.join(options)}" if options else ""
+    if unknown:
+        key = unknown[0]
+        if options and key in options:  # an option of the class written next to class_path
+            hint = f" (did you mean init_args: {{{key}: ...}}?)"
+        else:
+            hint = _did_you_mean(str(key), list(ENTRY_KEYS))
+        return name, (
+            f"key {key!r} is not accepted in a callback entry{hint}; expected class_path, init_args (a "
+            "mapping of the callback's options) or dict_kwargs"
+        )
+    init_args = entry.get("init_args")
+    if init_args is not None and not isinstance(init_args, dict):
+        return name, f"init_args={init_args!r} is not accepted; expected a mapping of {name}'s options{shown}"
+    if options is None or not init_args:
+        return None
+    for key in init_args:
+        if key not in options:
+            return name, f"Option {key!r} is not accepted{_did_you_mean(str(key), options)}{shown}"
+    return None
+
+
+def _where(field: str, index: int | None, name: str) -> str:
+    return f"`{field}{'' if index is None else f'[{index}]'}`{f' {name}' if name else ''}: "
+
+
+def entries_problem(field: str, value: Any) -> str | None:
+    """The sentence for the first entry of ``value`` (``trainer.callbacks`` as loaded) that is certainly no
+    callback, naming the entry, its class, the key or value and what is allowed; ``None`` if none is."""
+    entries = value if isinstance(value, list) else [value]
+    for index, entry in enumerate(entries):
+        problem = _entry_problem(entry)
+        if problem is not None:
+            name, sentence = problem
+            return f"{_where(field, index if isinstance(value, list) else None, name)}{sentence}."
+    return None
+
+
+def entry_named(field: str, value: Any, summary: str) -> str:
+    """``summary`` (the parser's sentence about one callback's option, ``"Owner: `key`=..."``) with the entry
+    it is about named in front, where exactly one entry of ``value`` is an ``Owner`` given ``key``."""
+    about = re.match(r"(\w+): (?:`(\w+)`|Option '(\w+)')", summary)
+    if about is None:
+        return summary
+    owner, key = about.group(1), about.group(2) or about.group(3)
+    entries = value if isinstance(value, list) else [value]
+    found = [
+        index
+        for index, entry in enumerate(entries)
+        if isinstance(entry, dict)
+        and isinstance(entry.get("class_path"), str)
+        and entry["class_path"].rpartition(".")[2] == owner
+        and isinstance(entry.get("init_args"), dict)
+        and key in entry["init_args"]
+    ]
+    if len(found) != 1:
+        return summary
+    return f"`{field}{f'[{found[0]}]' if isinstance(value, list) else ''}` {summary}"
