@@ -287,7 +287,8 @@ class StepSavingLoader:
             if (every := max(cut.frequency for cut in cuts)) > 1:
                 refusal += f" (Its length is max_steps over the scheduler's `frequency`={every}.)"
             raise PulseRefusal(refusal)
-        changed = bool(self.stream.changed_settings)
+        # a resume that dropped a stopped epoch's rest plans the rest anew: its own warm-up and anneal
+        changed = bool(self.stream.changed_settings) or self.stream.dropped_pass_rest is not None
         shortfall = None if cycle is None else budget_shortfall(plan, cycle.budget, changed)
         if shortfall is not None:  # a warning, not a refusal: a smoke run of a shipped YAML must still train
             rank_zero_warn(f"PulseCycle: {shortfall}")
