@@ -107,7 +107,9 @@ def test_the_plan_and_end_lines_of_a_resume_from_a_stop_inside_an_epoch_count_no
         resumed, _, _ = _fit([resaving], ckpt_path=saving.last_model_path, root=tmp_path / "resumed")
     steps, plain = resumed.global_step, 4 * plain_epoch_steps - dropped
     assert f"takes {steps} optimizer steps instead of {plain} ({steps / plain:.3f}x;" in caplog.text
-    assert f"the plain run's {dropped} steps over the untrained rest of stopped epochs left out" in caplog.text
+    assert (
+        f"the plain run's {dropped} steps over the untrained rest of stopped epochs left out" in caplog.text
+    )
     assert (
         f"the run took {steps} optimizer steps, {steps / plain:.3f} of the plain run's {plain} "
         in caplog.text

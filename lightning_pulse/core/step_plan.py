@@ -103,7 +103,9 @@ class StepPlan:
         """What a ratio of :attr:`own_plain_steps` leaves out (empty: nothing)."""
         if not self.plain_dropped:
             return ""
-        return f"; the plain run's {self.plain_dropped} steps over the untrained rest of stopped epochs left out"
+        return (
+            f"; the plain run's {self.plain_dropped} steps over the untrained rest of stopped epochs left out"
+        )
 
     @property
     def spent(self) -> float:
