@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay
@@ -219,3 +220,65 @@ def test_buffers_as_wide_as_the_batch_updated_in_place_are_not_refused_in_steps_
     trainer.fit(_BuffersUpdatedInPlace(), DataLoader(_tokens(64), batch_size=B))
     assert replay.state_check.done and replay.state_check.found == {}
     assert trainer.global_step == 16  # 2 epochs of 16 batches, each trained on half its data
+
+
+class _LossInACheckpoint(pl.LightningModule):
+    """The chunked-loss pattern: the head and its loss run inside an activation checkpoint
+    (``use_reentrant`` as given; ``None``: no checkpoint)."""
+
+    def __init__(self, use_reentrant: bool | None) -> None:
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32))
+        self.head = nn.Linear(32, 10)
+
+    def _head_and_loss(self, hidden: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(hidden), y)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.use_reentrant is None:
+            return self._head_and_loss(self.body(x), y)
+        return checkpoint(self._head_and_loss, self.body(x), y, use_reentrant=self.use_reentrant)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _vectors(n: int = 64) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 16, generator=generator), torch.randint(0, 10, (n,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def test_a_loss_inside_a_reentrant_checkpoint_is_refused_naming_the_cause_and_use_reentrant_false():
+    """A reentrant checkpoint runs its forward without autograd, so the captured loss call has no gradient:
+    the refusal blamed "a value computed for logging?" and offered only `scorer=`; the non-reentrant form,
+    which it now names, trains with the scores and weights of the module without a checkpoint."""
+    torch.manual_seed(0)
+    module = _LossInACheckpoint(use_reentrant=True)
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_epochs=3, **trainer_kwargs())
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(module, _vectors())
+    assert trainer.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters())), "the weights were updated"
+    first = str(refusal.value).splitlines()[0]
+    assert first.startswith("HardSampleReplay") and "autograd off" in first
+    assert "use_reentrant=True" in first and "use_reentrant=False" in first and "`scorer=`" in first
+    assert "a value computed for logging?" not in first
+    fitted = {}
+    for use_reentrant in (None, False):
+        torch.manual_seed(0)
+        module, replay = _LossInACheckpoint(use_reentrant), HardSampleReplay()
+        trainer = pl.Trainer(callbacks=[replay], max_epochs=3, **trainer_kwargs())
+        trainer.fit(module, _vectors())
+        assert replay.metrics()["replayed_distinct"] > 0  # it selected
+        fitted[use_reentrant] = (trainer.global_step, list(replay.table.scores), _flat(module))
+    assert fitted[False][0] == fitted[None][0] > 0
+    assert fitted[False][1] == fitted[None][1]
+    assert torch.equal(fitted[False][2], fitted[None][2])
+
+
+def _flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])

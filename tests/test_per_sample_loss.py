@@ -865,6 +865,33 @@ def test_a_summed_token_cross_entropy_counts_as_its_mean_times_what_the_mean_div
     torch.testing.assert_close(scores[1], expected)
 
 
+def test_a_loss_call_with_autograd_off_is_refused_naming_the_cause_and_its_ways_out():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 4, requires_grad=True)
+    target = torch.randint(0, 4, (8,))
+    capture = LossCapture(batch_size=8)
+    with capture:
+        with torch.no_grad():  # as in a reentrant checkpoint's forward
+            F.cross_entropy(logits, target)
+    (logits**2).mean().backward()
+    capture.drop_unused()
+    assert capture.records[0].why_not == per_sample_loss.AUTOGRAD_OFF
+    with pytest.raises(PulseRefusal, match="ran with autograd off") as refusal:
+        capture.require()
+    assert "use_reentrant=False" in str(refusal.value) and "`scorer=`" in str(refusal.value)
+    mixed = LossCapture(
+        batch_size=8
+    )  # one call with autograd off, one logged with it on: the general refusal
+    with mixed:
+        with torch.no_grad():
+            F.cross_entropy(logits, target)
+        F.mse_loss(logits[:, 0], target.float())
+    (logits**2).mean().backward()
+    mixed.drop_unused()
+    with pytest.raises(PulseRefusal, match="found no per-sample loss in training_step \\(captured"):
+        mixed.require()
+
+
 def test_a_single_logged_value_is_refused_and_a_single_loss_keeps_its_own_scale():
     torch.manual_seed(0)
     logits = torch.randn(8, 4, requires_grad=True)

@@ -114,6 +114,15 @@ def _sign_order(grad: Tensor, unreduced: Tensor) -> Tensor:
     return torch.stack([low, high, pushed_up, pushed_down])
 
 
+#: why a captured call that no backward reached does not count (:meth:`LossCapture.drop_unused`)
+NOT_BACKPROPAGATED = "not part of the loss that is backpropagated (a value computed for logging?)"
+#: the same, for a call that ran with autograd off
+AUTOGRAD_OFF = (
+    "ran with autograd off (in a reentrant activation checkpoint, use_reentrant=True, or a torch.no_grad() "
+    "block): not part of the loss that is backpropagated"
+)
+
+
 class CapturedLoss:
     """One loss call seen by a :class:`LossCapture`.
 
@@ -132,6 +141,8 @@ class CapturedLoss:
             weights of its non-ignored targets (a 0-dim tensor on the loss's device).
         per_sample: ``(B,)`` float32 losses, detached (on the loss's device), or ``None`` when
             ``maps_onto_batch`` is false.
+        autograd_off: the call ran with autograd off (in a ``torch.no_grad()`` block, or in the forward of a
+            reentrant activation checkpoint), so no backward can reach it.
     """
 
     __slots__ = (
@@ -145,6 +156,7 @@ class CapturedLoss:
         "grad",
         "node",
         "unreduced",
+        "autograd_off",
         "_source",
         "_per_sample",
     )
@@ -171,6 +183,8 @@ class CapturedLoss:
         self.node: Any = None  # the autograd node of what the caller got, until the step's loss was accounted
         # a call the caller reduces (reduction="none"): its elements, for its part in the loss
         self.unreduced = source[1] if source is not None and reduction == "none" else None
+        # the call ran with autograd off (a `torch.no_grad()` block, a reentrant checkpoint's forward)
+        self.autograd_off = False
 
     @property
     def per_sample(self) -> Tensor | None:
@@ -210,6 +224,8 @@ class CapturedLoss:
         if output.requires_grad:
             output.register_hook(self._add_grad)
             self.node = output.grad_fn
+        else:  # one flag read: why no backward will reach it, for the refusal
+            self.autograd_off = not torch.is_grad_enabled()
         return output
 
     def _add_grad(self, grad: Tensor) -> None:
@@ -853,7 +869,7 @@ class LossCapture:
             record.node = None  # the backward ran: nothing is left to account for
             if record.grad is None:
                 record.maps_onto_batch, record.on_batch_rows = False, False
-                record.why_not = "not part of the loss that is backpropagated (a value computed for logging?)"
+                record.why_not = AUTOGRAD_OFF if record.autograd_off else NOT_BACKPROPAGATED
         self._per_sample_count = -1
 
     def _parts(self, mapped: list[CapturedLoss]) -> Callable[[int, Tensor], Tensor] | None:
@@ -1003,6 +1019,18 @@ class LossCapture:
     def require(self, who: str = "HardSampleReplay") -> LossCapture:
         """This capture, or a :class:`~lightning_pulse.errors.PulseRefusal` saying what was captured and what to
         configure when no captured call splits into the batch's samples."""
+        if self.records and all(record.why_not == AUTOGRAD_OFF for record in self.records):
+            raise PulseRefusal(
+                f"{who} found no per-sample loss in training_step: its loss function ran with autograd off, "
+                "so no backward reached it. Inside a reentrant activation checkpoint "
+                "(torch.utils.checkpoint with use_reentrant=True, which runs its forward without autograd, "
+                "then again in the backward), pass use_reentrant=False to checkpoint (Hugging Face: "
+                'gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})), '
+                "which trains the same and is captured. In a torch.no_grad() block (a value computed for "
+                "logging), set `scorer=` to a PerSampleScorer for the loss that trains, e.g. "
+                "lightning_pulse.core.per_sample_loss.OutputKeyScorer or ForwardLossScorer "
+                f"({self.describe()}; batch of {self.batch_size} samples)."
+            )
         if not self.maps_onto_batch:
             raise PulseRefusal(
                 f"{who} found no per-sample loss in training_step ({self.describe()}; batch of {self.batch_size} "
