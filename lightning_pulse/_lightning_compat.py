@@ -341,6 +341,17 @@ def broadcast_held(strategy: Any, value: Any, hold: CollectiveHold) -> Any:
     return strategy.broadcast(value, src=0)
 
 
+def all_gather_objects(trainer: pl.Trainer, value: Any) -> list[Any]:
+    """``value`` (picklable) of every rank, in rank order; ``[value]`` in one process. The pickled buffers are
+    torch's own, so only the exit-time process-group teardown is registered (see :func:`broadcast_held`)."""
+    if trainer.world_size <= 1 or not torch.distributed.is_initialized():
+        return [value]
+    destroy_process_group_at_exit()
+    gathered: list[Any] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
 def from_rank_zero(trainer: pl.Trainer) -> Callable[[list[Any]], list[Any]] | None:
     """Under DDP, a function that gives every process rank 0's list; ``None`` in a single process."""
     if trainer.world_size == 1:

@@ -40,7 +40,12 @@ from lightning_pulse.core.replay import (
     given_loaders_refusal,
 )
 from lightning_pulse.core.replay_batch import refuse
-from lightning_pulse.core.sample_index import PlannedBatchSampler, SampleIndexTracker
+from lightning_pulse.core.sample_index import (
+    PlannedBatchSampler,
+    RanksReadAhead,
+    SampleIndexTracker,
+    read_ahead_of_rank,
+)
 from lightning_pulse.core.step_plan import (
     DROPPED_PASS_REST,
     StepPlan,
@@ -155,6 +160,8 @@ class StepSavingLoader:
         # (trainer, its max_steps as the user set it, the plan's cap): see uncap
         self._capped: tuple[pl.Trainer, int, int] | None = None
         self._batches_drawn = 0  # this fit's, all epochs
+        # under DDP, every rank's cuts of the batches drawn ahead of a rollback, for rank 0's checkpoint
+        self._ranks_read_ahead = RanksReadAhead()
         self._drawn_before_epoch = 0  # by the end of the previous epoch (see on_train_epoch_end)
         self._restored_epoch_open = False  # the fit's first epoch goes on from a checkpoint: it may draw none
         self._training_started = False  # on_train_start ran: Lightning sets each pass's sampler epoch first
@@ -396,9 +403,13 @@ class StepSavingLoader:
         if early and self.loader is not None:  # the pass's epoch, which Lightning sets only after the draw
             compat.set_sampler_epoch(self.loader, self.stream.epoch)
         self._sampler.start_pass_at(self.stream.batches)
-        self._sampler.given = deque(
-            None if cut is None else Composition.from_state(cut) for cut in self.stream.given_cuts
+        given, of_ranks, note = read_ahead_of_rank(
+            self.stream.given_cuts_of_ranks, self.stream.given_cuts, trainer.global_rank, trainer.world_size
         )
+        if note is not None:
+            rank_zero_warn(note)
+        self._ranks_read_ahead.set(of_ranks, self._batches_drawn)
+        self._sampler.given = deque(None if cut is None else Composition.from_state(cut) for cut in given)
         compat.set_epoch_batches(trainer, self.epoch_batches)
         return skip, sizes
 
@@ -435,8 +446,14 @@ class StepSavingLoader:
         fixed = self._sampler.fixed_cuts()
         if untrained and self._sampler.taken_fixed:  # the resume draws it again
             fixed.insert(0, self._latest_cut)
-        if fixed:  # a few batches' indices (the DataLoader's read-ahead), never a list per sample
-            state["fixed_cuts"] = [None if cut is None else cut.state_dict() for cut in fixed]
+        # a few batches' indices (the DataLoader's read-ahead), never a list per sample
+        own = [None if cut is None else cut.state_dict() for cut in fixed]
+        rank = 0 if self._trainer is None else self._trainer.global_rank
+        of_ranks = self._ranks_read_ahead.of_ranks(rank, own, self._batches_drawn, untrained)
+        if of_ranks is not None and any(of_ranks):  # DDP: Lightning writes rank 0's checkpoint only
+            state["fixed_cuts_of_ranks"] = of_ranks
+        elif own and of_ranks is None:
+            state["fixed_cuts"] = own
         return state
 
     def choose_again(self) -> None:
@@ -448,6 +465,10 @@ class StepSavingLoader:
             return
         self._selector.apply_measured_before(self.stream.pass_step)
         self._sampler.choose_again()
+        trainer = self._trainer
+        if trainer is not None and trainer.world_size > 1:  # every rank rolls back at this step
+            mine = [None if cut is None else cut.state_dict() for cut in self._sampler.fixed_cuts()]
+            self._ranks_read_ahead.set(compat.all_gather_objects(trainer, mine), self._batches_drawn)
 
     def _latest_batch_untrained(self) -> bool:
         """Whether the batch drawn last is still in flight, its step not run through: Lightning's batch

@@ -399,6 +399,65 @@ class PlannedBatchSampler(BatchSampler):
         return self.plain_length
 
 
+class RanksReadAhead:
+    """Under data parallelism, every rank's :meth:`PlannedBatchSampler.fixed_cuts` (as checkpoint states), for
+    the checkpoint that rank 0 alone writes: each rank's list as it stood when it was gathered (a rollback) or
+    restored (a resume), and how many batches the fit had drawn then. Every rank draws one batch a step, so a
+    rank's list later is the rest past the batches drawn since; nothing is exchanged per step."""
+
+    def __init__(self) -> None:
+        self.lists: list[list[Any]] | None = None  # rank r's at [r]; None: no rank holds such a cut
+        self.drawn_at = 0
+
+    def set(self, lists: list[list[Any]] | None, drawn: int) -> None:
+        self.lists, self.drawn_at = lists, drawn
+
+    def of_ranks(
+        self, rank: int, own: list[Any], drawn: int, latest_untrained: bool
+    ) -> list[list[Any]] | None:
+        """Every rank's list now, ``own`` for ``rank``; with ``latest_untrained`` the batch drawn last (still
+        in flight) leads each list that held it. ``None`` when none was gathered."""
+        if self.lists is None:
+            return None
+        since = drawn - self.drawn_at
+        ranks = []
+        for other, cuts in enumerate(self.lists):
+            start = since - 1 if latest_untrained and 0 < since <= len(cuts) else since
+            ranks.append(own if other == rank else cuts[start:])
+        return ranks
+
+
+def read_ahead_of_rank(
+    of_ranks: list[list[Any]] | None, saved: list[Any], rank: int, world_size: int
+) -> tuple[list[Any], list[list[Any]] | None, str | None]:
+    """``(this rank's cuts, every rank's, a warning)`` of a resumed pass's batches drawn ahead of a rollback,
+    from a checkpoint holding every rank's (``of_ranks``) or, older or from one process, its writer's
+    (``saved``). A rank whose cuts it lacks chooses those batches again from the restored scores (other
+    samples than the uninterrupted run's), which the warning says (the same on every rank)."""
+    if of_ranks is not None:
+        if len(of_ranks) == world_size:
+            return list(of_ranks[rank]), of_ranks, None
+        lacking = f"the cuts of {len(of_ranks)} processes, not of this run's {world_size}: every rank chooses"
+        return [], None, _READ_AHEAD_LACKING.format(lacking=lacking, way_out=f"on {len(of_ranks)} processes")
+    if world_size == 1 or not saved:
+        return list(saved), None, None
+    lists = [list(saved)] + [[] for _ in range(world_size - 1)]
+    lacking = (
+        "one process's cuts only (saved by an earlier version, or by a single process): ranks 1 to "
+        f"{world_size - 1} choose"
+    )
+    note = _READ_AHEAD_LACKING.format(lacking=lacking, way_out="from a checkpoint saved by this version")
+    return lists[rank], lists, note
+
+
+_READ_AHEAD_LACKING = (
+    "HardSampleReplay: the checkpoint was saved after a StabilityGuard rollback, while DataLoader workers "
+    "held batches drawn ahead of it whose cuts a resume cannot choose again, and holds {lacking} those "
+    "batches again from the restored scores, so the resumed run trains other samples than the uninterrupted "
+    "one. To reproduce it, resume {way_out}."
+)
+
+
 #: the way out when a batch's rows are not its drawn dataset indices (completes a sentence)
 KEEP_ONE_ROW_PER_INDEX = (
     "keep one row per drawn index: return a stand-in sample from the Dataset, or leave the unreadable "

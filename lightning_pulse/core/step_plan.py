@@ -543,6 +543,8 @@ class StepSavingStream:
         self.pass_prior = math.nan
         # a resumed pass's first cuts, made before a rollback and saved (StepSavingLoader.checkpoint)
         self.given_cuts: list[Any] = []
+        # under DDP, every rank's such cuts (rank r's at [r]); None in a checkpoint that holds rank 0's only
+        self.given_cuts_of_ranks: list[list[Any]] | None = None
         self._resume: dict[str, Any] | None = None
         self._first_pass = True
         self._plain_pass: list[int] = []
@@ -675,7 +677,7 @@ class StepSavingStream:
         rest = samples_per_epoch - resume["samples"]
         trained = resume.get("trained", resume["epoch"] * samples_per_epoch + resume["samples"])
         resume.update(epoch=lightning_epoch, samples=0, batches=0, trained=trained + rest)
-        for key in ("pass_step", "pass_prior", "fixed_cuts"):  # of the dropped pass
+        for key in ("pass_step", "pass_prior", "fixed_cuts", "fixed_cuts_of_ranks"):  # of the dropped pass
             resume.pop(key, None)
         return dropped
 
@@ -689,6 +691,7 @@ class StepSavingStream:
         assert self.plan is not None
         skip, done = 0, 0
         self.pass_step, self.pass_prior, self.given_cuts = int(step), float(prior), []
+        self.given_cuts_of_ranks = None
         if self._first_pass and self._resume is not None:
             resume = self._resume
             epoch, skip, done = resume["epoch"], resume["samples"], resume["batches"]
@@ -696,6 +699,7 @@ class StepSavingStream:
                 self.pass_step = int(resume.get("pass_step", resume["step"] - done // accumulate))
                 self.pass_prior = float(resume.get("pass_prior", prior))
                 self.given_cuts = list(resume.get("fixed_cuts", []))
+                self.given_cuts_of_ranks = resume.get("fixed_cuts_of_ranks")
         self._first_pass = False
         self.epoch, self.samples, self.batches, self.latest = epoch, skip, done, 0
         sizes = self.plan.sizes_of(epoch)
@@ -878,6 +882,8 @@ def _resumed_value(name: str, value: Any) -> Any:
         return dict(value)
     if name == "fixed_cuts":
         return list(value)
+    if name == "fixed_cuts_of_ranks":
+        return [list(cuts) for cuts in value]
     return float(value) if name == "pass_prior" else int(value)
 
 
