@@ -24,7 +24,7 @@ from torchmetrics import Metric
 
 from lightning_pulse.core.freeze_units import trainable_while
 from lightning_pulse.core.run_shares import PlacedShares, shares_named
-from lightning_pulse.core.step_plan import clock_epoch_steps
+from lightning_pulse.core.step_plan import clock_epoch_steps, epoch_steps
 from lightning_pulse.errors import PulseRefusal, first_names
 from lightning_pulse.protocols import temporarily_frozen
 
@@ -967,6 +967,26 @@ def check_run_shares(trainer: pl.Trainer) -> None:
 def accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler | None:
     """The trainer's ``GradientAccumulationScheduler``, if it has one."""
     return next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+
+
+def scheduled_accumulation(trainer: pl.Trainer) -> int:
+    """The batches a step the current training epoch takes as the run is set up: a
+    ``GradientAccumulationScheduler``'s factor for ``trainer.current_epoch``, read from its schedule, else
+    ``trainer.accumulate_grad_batches``. The scheduler sets the Trainer's value only in its own
+    ``on_train_epoch_start``, so before it (setup, ``on_train_start``, a caller's ``on_train_epoch_start``
+    before the scheduler's) the Trainer still holds 1 or the previous epoch's factor. A fit resumed mid-epoch
+    gets no ``on_train_epoch_start`` and Lightning trains that epoch's rest at the Trainer's 1; this still
+    gives the schedule's factor, what the uninterrupted run had."""
+    schedule = accumulation_schedule(trainer)
+    if schedule is None:
+        return trainer.accumulate_grad_batches
+    return schedule.get_accumulate_grad_batches(trainer.current_epoch)
+
+
+def scheduled_epoch_steps(trainer: pl.Trainer) -> int | None:
+    """The current training epoch's optimizer steps at :func:`scheduled_accumulation` (``None``: an epoch of
+    unknown length), whichever callback's ``on_train_epoch_start`` ran first."""
+    return epoch_steps(trainer.num_training_batches, scheduled_accumulation(trainer))
 
 
 def epoch_optimizer_steps(trainer: pl.Trainer) -> float | None:

@@ -21,7 +21,6 @@ from lightning_pulse.core.replay import ReplayConfig
 from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, refuse
 from lightning_pulse.core.replay_data import ReplayData
 from lightning_pulse.core.sample_scores import SampleScoreTable
-from lightning_pulse.core.step_plan import epoch_steps
 from lightning_pulse.errors import OneRunPerInstance, names_itself, tuner_search
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase
@@ -95,8 +94,7 @@ class HardSampleReplay(Callback):
         trainer = Trainer(max_epochs=20, callbacks=[PulseCycle(burst=200, replay=100, maintain=20), HardSampleReplay()])
     """
 
-    # load_state_dict works mid-run, so StabilityGuard rolls the scores back with the model
-    restore_on_rollback = True
+    restore_on_rollback = True  # load_state_dict works mid-run: StabilityGuard rolls scores back too
 
     @names_itself
     def __init__(
@@ -193,7 +191,8 @@ class HardSampleReplay(Callback):
         self.steps.release()  # a reload (batch mode): the previous loader is the user's again
         self.steps.loader = loader  # given back at the fit's end (also when the set-up fails from here on)
         batches = compat.training_batches_taken(self._trainer, loader)  # an epoch's, limit_train_batches too
-        self.data.attach(loader, at, self._trainer.accumulate_grad_batches, self._new_table, _warn, batches)
+        accumulate = compat.scheduled_accumulation(self._trainer)  # a scheduler's, before it sets it
+        self.data.attach(loader, at, accumulate, self._new_table, _warn, batches)
         if self.mode == "steps" and self.steps.plan is None:  # planned once per fit
             self.steps.install(self._trainer, loader, self.tracker, self.selector, self.phases, self._choose)
 
@@ -215,7 +214,7 @@ class HardSampleReplay(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refuse(self.data.start_refusal(trainer.train_dataloader, self.mode))  # several loaders, uncut batches
         refuse_unreachable_phases("HardSampleReplay", self.phases, trainer)
-        steps_per_epoch = epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)
+        steps_per_epoch = compat.scheduled_epoch_steps(trainer)  # a scheduler's factor, before it sets it
         # a module stepping several optimizers itself: scores age by its steps, an epoch is read as batches
         manual = len(trainer.optimizers) if compat.steps_per_batch_unknown(trainer) else 0
         log_every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
@@ -236,9 +235,8 @@ class HardSampleReplay(Callback):
         # the sampler's indices say how many samples the batch holds (a cut batch's: the cut, as loaded)
         step, indices = trainer.global_step, tracker.batch_indices(batch_idx)
         # SWA's BatchNorm-update epoch recomputes the statistics over the plain data: no selection there
-        active = phase_of(trainer, default=Phase.REPLAY).value in self.phases and not (
-            compat.in_batch_norm_update_epoch(trainer)
-        )
+        in_phase = phase_of(trainer, default=Phase.REPLAY).value in self.phases
+        active = in_phase and not compat.in_batch_norm_update_epoch(trainer)
         window, cut = self.steps.next_batch() if self.mode == "steps" else (0, None)
         self.batches.start_batch(
             selector, batch, indices, step, batch_idx, active, trainer.global_rank, window, cut, pl_module
@@ -266,6 +264,11 @@ class HardSampleReplay(Callback):
         if (finished := self.batches.finish_batch(pl_module, batch, outputs, gather, last)) is not None:
             self._log(trainer)  # before the carried-state check: a refused step is still logged
             self.batches.check_carried_state(finished)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if compat.accumulation_schedule(trainer) and not compat.in_batch_norm_update_epoch(trainer):
+            self.data.epoch_length(compat.scheduled_epoch_steps(trainer))  # its factor, in either order
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -313,9 +316,9 @@ class HardSampleReplay(Callback):
         self.data.detach()
 
     def _remove_hooks(self) -> None:
-        if self._remove_hook is not None:
-            self._remove_hook()
-        self._remove_hook = None
+        remove, self._remove_hook = self._remove_hook, None
+        if remove is not None:
+            remove()
 
     @override
     def state_dict(self) -> dict[str, Any]:

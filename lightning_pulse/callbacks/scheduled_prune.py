@@ -221,6 +221,8 @@ class ScheduledPrune(Callback):
     ) -> None:
         if batch_idx == 0:  # an epoch's start: a DataLoader rebuilt at another length moves `start` and `end`
             compat.check_run_shares(trainer)
+            # a GradientAccumulationScheduler's factor for the epoch is set only now (fit start read 1)
+            self.core.accumulate(trainer.accumulate_grad_batches)
         if self.mode == "structured" and self.core.example is None and self.pruner.example_inputs is None:
             self.core.example_from(pl_module, batch)  # on the first batch, before its step
         self._masks.refresh(pl_module, grad=True)  # a read of `layer.weight` before its call is this step's

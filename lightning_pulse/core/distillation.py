@@ -226,6 +226,13 @@ class DistillWindow:
         self.distiller, self.event = distiller, event
         self.steps_left = self.config.steps if steps_left is None else steps_left
 
+    def accumulate(self, accumulation: int) -> None:
+        """The open window's term is divided by ``accumulation`` from now on: the gradient-accumulation factor
+        changed (a ``GradientAccumulationScheduler`` sets it at an epoch's start, after a resume reopened the
+        window at the Trainer's factor)."""
+        if self.distiller is not None:
+            self.distiller.weight = self.config.weight / max(1, accumulation)
+
     def ends_with(self, change: PhaseChange) -> bool:
         """Whether the phase ``change`` ends the window: it leaves a maintain phase, and the window lasts until
         then (``config.steps`` is ``None``)."""

@@ -391,6 +391,12 @@ class PruneEvents:
         if self.window is not None and teacher is not None:
             self.window.open(student, teacher, len(self.events) - 1, accumulation)
 
+    def accumulate(self, accumulation: int) -> None:
+        """An open distillation window's term is divided by ``accumulation`` from now on
+        (:meth:`DistillWindow.accumulate <lightning_pulse.core.distillation.DistillWindow.accumulate>`)."""
+        if self.window is not None:
+            self.window.accumulate(accumulation)
+
     def end_distillation(self) -> dict[str, float]:
         """Close the open distillation window, if any (its event's record gets its calls and loss), and return
         the metrics to log: none without a window, and a warning instead when its term never reached the

@@ -808,11 +808,16 @@ class HardSampleSelector:
         """
         self.table.half_life = half_life_steps(half_life, steps_per_epoch)
 
+    def set_threshold_every(self, steps_per_epoch: int | None) -> None:
+        """Refresh the threshold twice per epoch of ``steps_per_epoch`` optimizer steps (every 50 steps for an
+        epoch of unknown length)."""
+        self.threshold_every = max(1, steps_per_epoch // 2) if steps_per_epoch else 50
+
     def set_cadence(self, steps_per_epoch: int | None, log_every: int) -> None:
         """Refresh the threshold twice per epoch (it scans every score) and apply measured steps as often as
         logging needs (a setting, not whether a logger is attached, so attaching one never changes what is
         selected); start a new metrics window."""
-        self.threshold_every = max(1, steps_per_epoch // 2) if steps_per_epoch else 50
+        self.set_threshold_every(steps_per_epoch)
         self.apply_every = min(APPLY_EVERY, log_every)
         self.take_window()
 

@@ -158,6 +158,14 @@ class ReplayData:
         warn(shorter_than_an_epoch(planned_steps, steps_per_epoch, mode))
         self.selector.set_cadence(steps_per_epoch, log_every)
 
+    def epoch_length(self, steps_per_epoch: int | None) -> None:
+        """The epoch starting is ``steps_per_epoch`` optimizer steps (a ``GradientAccumulationScheduler``
+        changed the accumulation): from now on the scores age by epochs of that length and the threshold is
+        refreshed twice in it, as :meth:`start_training` set them; the metrics window goes on."""
+        assert self.selector is not None
+        self.selector.set_half_life(self.half_life, steps_per_epoch)
+        self.selector.set_threshold_every(steps_per_epoch)
+
     def choose(
         self, windows: list[list[int]], ordinals: list[int], steps: list[int], prior: float, rank: int = 0
     ) -> list[Any]:
