@@ -20,6 +20,8 @@ from typing import Any
 
 #: the keys jsonargparse reads in a mapping that names a class
 ENTRY_KEYS = ("class_path", "init_args", "dict_kwargs")
+#: an entry given as a file holding it (``callbacks: [early_stopping.yaml]``): a dotted name all the same
+FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonnet")
 
 
 def callback_entries(config: Any) -> tuple[str, Any] | None:
@@ -127,7 +129,7 @@ def _options(cls: type) -> list[str] | None:
 def _entry_problem(entry: Any) -> tuple[str, str] | None:
     """``(class name or "", what is wrong)`` for one entry, or ``None`` where nothing is certainly wrong."""
     if isinstance(entry, str):
-        if not re.fullmatch(r"[A-Za-z_][\w.]*", entry):
+        if not re.fullmatch(r"[A-Za-z_][\w.]*", entry) or entry.lower().endswith(FILE_SUFFIXES):
             return None  # the path of a file holding the entry, or the entry inline: the parser reads it
         cls, problem = _class_path_problem(entry)
         return ("", problem) if problem else None
@@ -164,8 +166,12 @@ def _entry_problem(entry: Any) -> tuple[str, str] | None:
             "mapping of the callback's options) or dict_kwargs"
         )
     init_args = entry.get("init_args")
-    if init_args is not None and not isinstance(init_args, dict):
-        return name, f"init_args={init_args!r} is not accepted; expected a mapping of {name}'s options{shown}"
+    if "init_args" in entry and not isinstance(init_args, dict):  # an empty `init_args:` reads as None
+        empty = "; leave init_args out for the defaults" if init_args is None else ""
+        return (
+            name,
+            f"init_args={init_args!r} is not accepted; expected a mapping of {name}'s options{shown}{empty}",
+        )
     if options is None or not init_args:
         return None
     for key in init_args:
@@ -178,11 +184,14 @@ def _where(field: str, index: int | None, name: str) -> str:
     return f"`{field}{'' if index is None else f'[{index}]'}`{f' {name}' if name else ''}: "
 
 
-def entries_problem(field: str, value: Any) -> str | None:
+def entries_problem(field: str, value: Any, only: int | None = None) -> str | None:
     """The sentence for the first entry of ``value`` (``trainer.callbacks`` as loaded) that is certainly no
-    callback, naming the entry, its class, the key or value and what is allowed; ``None`` if none is."""
+    callback, naming the entry, its class, the key or value and what is allowed; ``None`` if none is.
+    ``only``: look at that entry alone (the one the parser's own sentence is about)."""
     entries = value if isinstance(value, list) else [value]
     for index, entry in enumerate(entries):
+        if only is not None and index != only:
+            continue
         problem = _entry_problem(entry)
         if problem is not None:
             name, sentence = problem
@@ -190,12 +199,12 @@ def entries_problem(field: str, value: Any) -> str | None:
     return None
 
 
-def entry_named(field: str, value: Any, summary: str) -> str:
-    """``summary`` (the parser's sentence about one callback's option, ``"Owner: `key`=..."``) with the entry
-    it is about named in front, where exactly one entry of ``value`` is an ``Owner`` given ``key``."""
+def entry_about(value: Any, summary: str) -> int | None:
+    """The index of the one entry of ``value`` that ``summary`` (the parser's sentence about one callback's
+    option, ``"Owner: `key`=..."``) is about: the only ``Owner`` given ``key``; else ``None``."""
     about = re.match(r"(\w+): (?:`(\w+)`|Option '(\w+)')", summary)
     if about is None:
-        return summary
+        return None
     owner, key = about.group(1), about.group(2) or about.group(3)
     entries = value if isinstance(value, list) else [value]
     found = [
@@ -207,6 +216,12 @@ def entry_named(field: str, value: Any, summary: str) -> str:
         and isinstance(entry.get("init_args"), dict)
         and key in entry["init_args"]
     ]
-    if len(found) != 1:
+    return found[0] if len(found) == 1 else None
+
+
+def entry_named(field: str, value: Any, summary: str) -> str:
+    """``summary`` with the entry it is about (:func:`entry_about`) named in front, where there is one."""
+    index = entry_about(value, summary)
+    if index is None:
         return summary
-    return f"`{field}{f'[{found[0]}]' if isinstance(value, list) else ''}` {summary}"
+    return f"`{field}{f'[{index}]' if isinstance(value, list) else ''}` {summary}"

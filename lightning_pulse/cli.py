@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_pulse._callback_entries import callback_entries, entries_problem, entry_named
+from lightning_pulse._callback_entries import callback_entries, entries_problem, entry_about, entry_named
 
 #: set to 1 for the full tracebacks and jsonargparse's whole report instead of one-line errors
 TRACEBACK_ENV = "LIGHTNING_PULSE_TRACEBACK"
@@ -357,7 +357,9 @@ class PulseArgumentParser(LightningArgumentParser):
     """
 
     def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Any:
-        # the command line, for :meth:`error` to read a `--trainer.callbacks` value given on it
+        # the command line, for :meth:`error` to read a `--trainer.callbacks` value given on it (an iterator
+        # is read once: the parser gets the same list)
+        args = None if args is None else list(args)
         token = _COMMAND_LINE.set(tuple(sys.argv[1:] if args is None else args))
         try:
             return super().parse_args(args, *rest, **kwargs)
@@ -404,7 +406,9 @@ class PulseArgumentParser(LightningArgumentParser):
             return summary
         if found is None:
             return summary
-        problem = entries_problem(*found)
+        # the parser stopped at the entry its sentence is about: that entry's problem, or the sentence named;
+        # else the first entry certainly wrong
+        problem = entries_problem(*found, only=entry_about(found[1], summary))
         return entry_named(*found, summary) if problem is None else problem
 
 

@@ -827,3 +827,38 @@ def test_a_valid_callbacks_list_with_lightnings_own_callbacks_still_trains(tmp_p
         str(tmp_path),
     ]
     assert main(args) == 0
+
+
+_TYPO_WARMUP = {"class_path": "lightning_pulse.PulseCycle", "init_args": {"warmup": "abc"}}
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "expected"),
+    [
+        # an entry given as a file is a dotted name all the same: it was blamed for the other entry's value
+        (["early_stopping.yaml", _TYPO_WARMUP], "error: `trainer.callbacks[1]` PulseCycle: `warmup`=abc"),
+        # the parser stops at the first entry: the line is about it, not about a later one it never read
+        ([_TYPO_WARMUP, {"class_path": "no_such_module.Nope"}], "error: `trainer.callbacks[0]` PulseCycle:"),
+        # an empty `init_args:` (None) gave "PulseCycle: 'NoneType' object has no attribute 'keys'"
+        (
+            [
+                {"class_path": "lightning_pulse.StabilityGuard"},
+                {"class_path": "lightning_pulse.PulseCycle", "init_args": None},
+            ],
+            "error: `trainer.callbacks[1]` PulseCycle: init_args=None is not accepted; expected a mapping",
+        ),
+    ],
+    ids=["file-entry", "first-entry", "empty-init-args"],
+)
+def test_the_refused_callback_entry_is_the_one_named(tmp_path, capsys, callbacks, expected):
+    (tmp_path / "early_stopping.yaml").write_text("class_path: lightning.pytorch.callbacks.EarlyStopping\n")
+    args = ["fit", "--config", _pulse_config_with_callbacks(tmp_path, callbacks)]
+    line = _first_error_line(capsys, args)
+    assert line.startswith(expected), line
+
+
+def test_an_unknown_option_of_a_single_callback_mapping_is_named_with_the_closest_option(tmp_path, capsys):
+    callback = {"class_path": "lightning_pulse.PulseCycle", "init_args": {"burts": "2"}}
+    line = _first_error_line(capsys, ["fit", "--config", _pulse_config_with_callbacks(tmp_path, callback)])
+    assert line.startswith("error: `trainer.callbacks` PulseCycle: Option 'burts' is not accepted"), line
+    assert "(did you mean burst?)" in line
