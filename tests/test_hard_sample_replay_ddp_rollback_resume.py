@@ -26,8 +26,9 @@ from tests.conftest import trainer_kwargs
 from tests.ddp_workers import TwoGlooProcesses
 
 # 1440 training samples, 720 a rank: 12 batches of 64 a rank, as the single-process test's 720
-# the fit stops at STOP_STEP, past the batches drawn ahead of the rollback (saved at SAVE_STEP)
-FAULT_STEP, SNAPSHOT_STEP, SAVE_STEP, STOP_STEP = 10, 8, 11, 17
+# the fit stops at STOP_STEP, past the batches drawn ahead of the rollback (saved at the rollback's step, and
+# two batches later: rank 0 then writes the other ranks' lists past the batches they drew since the gather)
+FAULT_STEP, SNAPSHOT_STEP, SAVE_STEPS, STOP_STEP = 10, 8, (11, 13), 17
 
 
 class ShuffleFreeData(MNIST1DDataModule):
@@ -52,16 +53,16 @@ class NaNWeightBefore(Callback):
 
 
 class SaveAndRecord(Callback):
-    """Saves ``<directory>/saved.ckpt`` after step ``save_step`` (every rank calls it, as Lightning asks),
+    """Saves ``<directory>/saved_<step>.ckpt`` after each of ``save_steps`` (every rank calls it, as Lightning asks),
     stops the fit after step ``STOP_STEP``, and writes each rank's final parameters, scores and the guard's
     rollbacks to ``<directory>/rank<r>.json``."""
 
-    def __init__(self, directory: str, save_step: int | None) -> None:
-        self.directory, self.save_step = directory, save_step
+    def __init__(self, directory: str, save_steps: tuple[int, ...]) -> None:
+        self.directory, self.save_steps = directory, save_steps
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.save_step:
-            trainer.save_checkpoint(Path(self.directory, "saved.ckpt"))
+        if trainer.global_step in self.save_steps:
+            trainer.save_checkpoint(Path(self.directory, f"saved_{trainer.global_step}.ckpt"))
         trainer.should_stop = trainer.global_step >= STOP_STEP
 
     def on_train_end(self, trainer, pl_module):
@@ -77,7 +78,7 @@ class SaveAndRecord(Callback):
         Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def _fit(directory: Path, save_step: int | None = None, resume: Path | None = None, devices: int = 2):
+def _fit(directory: Path, save_steps: tuple[int, ...] = (), resume: Path | None = None, devices: int = 2):
     directory.mkdir()
     pl.seed_everything(0)
     guard = StabilityGuard(
@@ -88,7 +89,7 @@ def _fit(directory: Path, save_step: int | None = None, resume: Path | None = No
         HardSampleReplay(replay_fraction=0.5),
         guard,
         NaNWeightBefore(FAULT_STEP),
-        SaveAndRecord(str(directory), save_step),
+        SaveAndRecord(str(directory), save_steps),
     ]
     ddp = {"devices": 2, "strategy": TwoGlooProcesses()} if devices == 2 else {}
     trainer = pl.Trainer(
@@ -105,16 +106,18 @@ def _fit(directory: Path, save_step: int | None = None, resume: Path | None = No
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
-    full = _fit(root / "full", save_step=SAVE_STEP)
+    full = _fit(root / "full", save_steps=SAVE_STEPS)
     assert full[0]["rollbacks"] == [[FAULT_STEP, SNAPSHOT_STEP]] and full[0] == full[1]
-    return full, root / "full" / "saved.ckpt"
+    return full, {step: root / "full" / f"saved_{step}.ckpt" for step in SAVE_STEPS}
 
 
 @pytest.mark.ddp
+@pytest.mark.parametrize("save_step", SAVE_STEPS)
 def test_a_checkpoint_saved_after_a_rollback_under_ddp_with_workers_resumes_every_ranks_samples(
-    uninterrupted, tmp_path
+    uninterrupted, tmp_path, save_step
 ):
-    full, checkpoint = uninterrupted
+    full, checkpoints = uninterrupted
+    checkpoint = checkpoints[save_step]
     resumed = _fit(tmp_path / "resumed", resume=checkpoint)
     assert resumed[0] == resumed[1]  # the ranks agree
     assert resumed[0]["step"] == full[0]["step"]
@@ -138,7 +141,8 @@ def test_a_resume_on_another_world_size_says_the_batches_drawn_ahead_are_chosen_
 ):
     # the checkpoint holds two ranks' cuts: one process draws other windows, and says so rather than silently
     # training other samples than the run it resumes
-    _, checkpoint = uninterrupted
+    _, checkpoints = uninterrupted
+    checkpoint = checkpoints[SAVE_STEPS[0]]
     with pytest.warns(
         UserWarning, match=r"holds the cuts of 2 processes, not of this run.s 1.*resume on 2 processes"
     ):

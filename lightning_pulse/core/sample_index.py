@@ -402,8 +402,9 @@ class PlannedBatchSampler(BatchSampler):
 class RanksReadAhead:
     """Under data parallelism, every rank's :meth:`PlannedBatchSampler.fixed_cuts` (as checkpoint states), for
     the checkpoint that rank 0 alone writes: each rank's list as it stood when it was gathered (a rollback) or
-    restored (a resume), and how many batches the fit had drawn then. Every rank draws one batch a step, so a
-    rank's list later is the rest past the batches drawn since; nothing is exchanged per step."""
+    restored (a resume), and how many batches the fit had drawn then. Every rank draws the same number of
+    batches (one a micro-batch, in lockstep), so a rank's list later is the rest past the batches drawn since;
+    nothing is exchanged per step."""
 
     def __init__(self) -> None:
         self.lists: list[list[Any]] | None = None  # rank r's at [r]; None: no rank holds such a cut
@@ -442,11 +443,10 @@ def read_ahead_of_rank(
     if world_size == 1 or not saved:
         return list(saved), None, None
     lists = [list(saved)] + [[] for _ in range(world_size - 1)]
-    lacking = (
-        "one process's cuts only (saved by an earlier version, or by a single process): ranks 1 to "
-        f"{world_size - 1} choose"
-    )
-    note = _READ_AHEAD_LACKING.format(lacking=lacking, way_out="from a checkpoint saved by this version")
+    others = "rank 1 chooses" if world_size == 2 else f"ranks 1 to {world_size - 1} choose"
+    lacking = f"one process's cuts only (saved by an earlier version, or by a single process): {others}"
+    way_out = "on one process if one process saved it, else from a checkpoint saved by this version"
+    note = _READ_AHEAD_LACKING.format(lacking=lacking, way_out=way_out)
     return lists[rank], lists, note
 
 
