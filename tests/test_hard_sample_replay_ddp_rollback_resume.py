@@ -54,9 +54,8 @@ class NaNWeightBefore(Callback):
 
 class SaveAndRecord(Callback):
     """Saves ``<directory>/saved_<step>.ckpt`` after each of ``save_steps`` (every rank calls it, as Lightning
-    asks),
-    stops the fit after step ``STOP_STEP``, and writes each rank's final parameters, scores and the guard's
-    rollbacks to ``<directory>/rank<r>.json``."""
+    asks), stops the fit after step ``STOP_STEP``, and writes each rank's final parameters, scores and the
+    guard's rollbacks to ``<directory>/rank<r>.json``."""
 
     def __init__(self, directory: str, save_steps: tuple[int, ...]) -> None:
         self.directory, self.save_steps = directory, save_steps
