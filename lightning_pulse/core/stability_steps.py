@@ -1337,10 +1337,10 @@ class StabilityCore:
                 self.overflow_warned = True
                 warn(turned_infinite_message(infinite, since, step))
         extra = {"detector": self.detector.state_dict(), "carried": carried}
-        # a resumed fit's snapshot of the state it resumes at keeps the checkpoint's last periodic step, so the
-        # next is due when the uninterrupted run's is (counted from the resume, later rollbacks returned
-        # elsewhere); unless one was due at the resume step (a checkpoint saved before that step's snapshot):
-        # this one is it
+        # a resumed fit's snapshot of the state it resumes at keeps the checkpoint's last periodic step, so
+        # the next is due when the uninterrupted run's is (counted from the resume, later rollbacks returned
+        # elsewhere); unless one was due at the resume step (a checkpoint saved before that step's
+        # snapshot): this one is it
         last, every = self.schedule.last_step, self.schedule.every
         resumed = step and step == self.fit_start and last is not None and every and step - last < every
         self.schedule.take(
