@@ -112,7 +112,8 @@ class PauseListener(Protocol):
     :class:`~lightning_pulse.GreenWindow` pause): ``paused=True`` before it, ``False`` after it
     (:func:`pausing`). No step runs in between, so what is counted in training time leaves it out, each on
     its own clock: :class:`~lightning_pulse.PulseCycle`'s phases in seconds (a 15 min burst after a 4 h pause
-    had ended after one step)."""
+    had ended after one step), :class:`~lightning_pulse.StabilityGuard`'s step energy (a pause inside a step,
+    GreenWindow listed first, was that step's wasted energy)."""
 
     def on_pulse_pause(self, trainer: pl.Trainer, paused: bool) -> None: ...
 

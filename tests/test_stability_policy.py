@@ -232,6 +232,25 @@ def test_step_energy_is_the_meters_difference_and_a_failing_meter_is_dropped_wit
     assert energy.end() == 0.0 and len(warnings) == 1 and "meter gone" in warnings[0]
 
 
+def test_step_energy_leaves_out_a_pause_inside_the_step_and_ignores_one_between_steps():
+    meter = [0.0]
+    energy = StepEnergy(lambda: meter[0])
+    energy.begin()
+    meter[0] = 1.0  # the step's work
+    energy.on_pulse_pause(None, True)
+    meter[0] = 9.0  # the pause's idle draw (GreenWindow's batch end before the guard's)
+    energy.on_pulse_pause(None, False)
+    meter[0] = 9.5
+    assert energy.end() == pytest.approx(1.5)
+    energy.on_pulse_pause(None, True)  # between steps (GreenWindow after the guard): the next begin is later
+    meter[0] = 20.0
+    energy.on_pulse_pause(None, False)
+    energy.begin()
+    meter[0] = 21.0
+    assert energy.end() == pytest.approx(1.0)
+    StepEnergy().on_pulse_pause(None, True)  # no meter: nothing to do
+
+
 def test_step_energy_reads_the_first_callback_with_an_energy_meter():
     class Meter:
         def __init__(self, kwh):

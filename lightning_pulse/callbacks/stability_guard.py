@@ -118,6 +118,7 @@ class StabilityGuard(Callback):
     )
     snapshots_taken = property(lambda self: self.schedule.taken, doc="Snapshots taken in this fit.")
     undoes_step = property(lambda self: self._record.undoes, doc=steps.StepRecord.undoes.__doc__)
+    on_pulse_pause = property(lambda self: self._energy.on_pulse_pause, doc=StepEnergy.on_pulse_pause.__doc__)
     bad_samples = property(
         lambda self: self.core.bad_samples,
         doc='Data faults\' samples ``{"step", "batch_idx", "rows", "indices"}``, newest last (checkpointed).',
@@ -146,7 +147,7 @@ class StabilityGuard(Callback):
         self.core = steps.StabilityCore(config, *detection, *escalation, max_rollbacks)
         self.config, self.detector, self.policy = self.core.config, self.core.detector, self.core.policy
         self.schedule, self.snapshots = self.core.schedule, self.core.schedule.ring
-        self._changes = StepChanges()
+        self._changes, self._energy = StepChanges(), StepEnergy()  # the energy meter: at train start
         self._keep_gradients = False  # skip by zeroing gradients and undoing the step (clipping by value)
         self._held = compat.CollectiveHold()  # tensors handed to collectives, until the backend lets go
         self._record = steps.StepRecord()  # the current optimizer step's micro-batches, losses and action
@@ -154,7 +155,6 @@ class StabilityGuard(Callback):
         self._moments = SnapshotMoments()  # snapshots after the other callbacks' part of a hook, where needed
         self._cycle: PulseCycle | None = None  # the cycle whose phase keys the baselines
         self._fixed_key = self.detector.main_key  # the key without one: "burst", or "all" without phases
-        self._energy = StepEnergy()
 
     def metrics(self) -> dict[str, float]:
         """The stability figures of the run so far, as logged under ``stability/``."""

@@ -543,7 +543,8 @@ class StepEnergy:
     """The energy of each optimizer step, from a meter's cumulative reading (``EnergyLogger.energy_so_far_kwh``).
 
     :meth:`begin` at the first batch of a step, :meth:`end` when it ended. A reading that fails turns the
-    meter off for the rest of the run (a meter never kills the run), said once through ``warn``.
+    meter off for the rest of the run (a meter never kills the run), said once through ``warn``. A pause
+    between the two (:meth:`on_pulse_pause`) is left out.
     """
 
     def __init__(
@@ -552,6 +553,7 @@ class StepEnergy:
         self.read = read
         self.warn = warn
         self._start: float | None = None
+        self._paused_at: float | None = None
 
     @classmethod
     def of_callbacks(cls, callbacks: Iterable[Any], warn: Callable[[str], Any] | None = None) -> StepEnergy:
@@ -563,8 +565,23 @@ class StepEnergy:
         if self.read is not None and self._start is None:
             self._start = self._value()
 
+    def on_pulse_pause(self, trainer: Any, paused: bool) -> None:
+        """A :class:`~lightning_pulse.protocols.PauseListener` (the guard's): a
+        :class:`~lightning_pulse.GreenWindow` pause inside a step (GreenWindow's batch end before the
+        guard's) is idle draw, not the step's energy: the meter's growth over it is left out of the step
+        (and of ``energy_wasted_kwh`` and the lineage's energy). A pause between two steps needs nothing: the
+        next step's first reading comes after it."""
+        if self._start is None:  # between steps (or no meter)
+            return
+        if paused:
+            self._paused_at = self._value()
+            return
+        paused_at, self._paused_at = self._paused_at, None
+        if paused_at is not None and (now := self._value()) is not None and self._start is not None:
+            self._start += max(0.0, now - paused_at)  # the step's start moved past the pause's energy
+
     def end(self) -> float:
-        start, self._start = self._start, None
+        start, self._start, self._paused_at = self._start, None, None
         now = self._value() if start is not None else None
         return 0.0 if now is None or start is None else max(0.0, now - start)
 
