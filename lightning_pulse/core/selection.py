@@ -301,12 +301,64 @@ def take_samples(
             take_samples(value, positions, batch_size, True, whole, where + key)
             for key, value in _parts(batch)
         ]
+        if type(batch) is dict:  # the common batch: as cheap as it gets
+            return dict(zip(batch.keys(), parts))
         if isinstance(batch, Mapping):
-            return type(batch)(dict(zip(batch.keys(), parts)))
+            return _rebuilt_mapping(batch, parts, positions, batch_size)
         if isinstance(batch, (list, tuple)):
             return _rebuild(batch, parts)
-        return dataclasses.replace(batch, **{f.name: v for f, v in zip(dataclasses.fields(batch), parts)})
+        return _rebuilt_dataclass(batch, parts)
     return batch
+
+
+def _rebuilt_mapping(batch: Mapping[Any, Any], parts: list[Any], positions: Tensor, batch_size: int) -> Any:
+    """``batch`` (a mapping other than a plain dict) holding ``parts``: a dict subclass or ``UserDict`` copied
+    (``copy.copy``: a ``defaultdict`` keeps its ``default_factory``, an ``OrderedDict`` its order, a Hugging
+    Face ``BatchEncoding`` its attributes, its per-sample ``encodings`` cut too) and its entries set; another
+    mapping built by its constructor from a dict, as before."""
+    if not isinstance(batch, (dict, UserDict)):
+        return type(batch)(dict(zip(batch.keys(), parts)))  # type: ignore[call-arg]
+    copied = copy.copy(batch)
+    entries = copied.data if isinstance(copied, UserDict) else copied
+    for key, part in zip(list(batch.keys()), parts):
+        entries[key] = part
+    encodings = getattr(copied, "_encodings", None)  # a BatchEncoding's: one per sample
+    if isinstance(encodings, list) and len(encodings) == batch_size:
+        copied._encodings = [encodings[int(i)] for i in positions]  # type: ignore[union-attr]
+    return copied
+
+
+def _rebuilt_dataclass(batch: Any, parts: list[Any]) -> Any:
+    """``batch`` (a dataclass, frozen too) holding ``parts``, one per field: made anew from its ``init``
+    fields (``dataclasses.replace``, so that ``__post_init__`` derives its ``init=False`` fields, a ``size``,
+    from the cut parts), then each ``init=False`` field the cut changed, or ``__post_init__`` left unset or at
+    its default, set from ``parts``. Where making it anew fails (a ``__post_init__`` that checks a size, an
+    ``__init__`` of the class's own), a copy with every field set from ``parts``."""
+    fields = dataclasses.fields(batch)
+    try:
+        new = dataclasses.replace(batch, **{f.name: part for f, part in zip(fields, parts) if f.init})
+    except Exception:  # its own __init__/__post_init__ refused the cut batch: the fields as they were cut
+        new = copy.copy(batch)
+        for f, part in zip(fields, parts):
+            object.__setattr__(new, f.name, part)
+        return new
+    for f, part in zip(fields, parts):
+        if not f.init and (
+            part is not getattr(batch, f.name)
+            or not hasattr(new, f.name)
+            or _at_default(f, getattr(new, f.name))
+        ):
+            object.__setattr__(new, f.name, part)  # a frozen one too
+    return new
+
+
+def _at_default(field: dataclasses.Field[Any], value: Any) -> bool:
+    """Whether ``value`` is what ``__init__`` gave an ``init=False`` field (not one ``__post_init__`` set)."""
+    if field.default is not dataclasses.MISSING:
+        return value is field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return isinstance(value, (list, dict, set, tuple)) and not value  # an empty container, as made
+    return False
 
 
 def _size_of(value: Any) -> tuple[Any, ...] | None:
