@@ -162,8 +162,11 @@ def private_api_problems() -> list[str]:
 
     if not callable(getattr(fabric_distributed, "_destroy_dist_connection", None)):
         problems.append("lightning.fabric.utilities.distributed._destroy_dist_connection")
+    from lightning.pytorch.loops import _FitLoop
     from lightning.pytorch.trainer.connectors import data_connector
 
+    if "_combined_loader_states_to_load" not in _FitLoop.__init__.__code__.co_names:
+        problems.append("_FitLoop._combined_loader_states_to_load")
     if not callable(getattr(data_connector, "_parse_num_batches", None)):
         problems.append("lightning.pytorch.trainer.connectors.data_connector._parse_num_batches")
     if "_model_contains_batch_norm" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):
@@ -665,6 +668,23 @@ class HookWatch:
         if self._remove is not None:
             self._remove()
         self._remove = None
+
+
+def restored_loader_state(trainer: pl.Trainer, loader: Any, drop: bool) -> bool:
+    """Whether Lightning holds a checkpoint's state for the training DataLoader ``loader`` (one with
+    ``state_dict``/``load_state_dict``, as torchdata's ``StatefulDataLoader``) that it loads into it before
+    the resumed pass, so the loader itself skips the batches drawn before the checkpoint. With ``drop`` that
+    state is discarded instead (the pass starts over, as a plain DataLoader's does). Call it while the fit's
+    data is set up (:func:`on_train_dataloader_ready`): ``FitLoop.setup_data`` loads the state right after."""
+    from lightning.fabric.utilities.types import _Stateful
+
+    fit_loop = trainer.fit_loop
+    states = getattr(fit_loop, "_combined_loader_states_to_load", None)
+    if not states or not fit_loop.restarting or not isinstance(loader, _Stateful):
+        return False
+    if drop:
+        fit_loop._combined_loader_states_to_load = []
+    return True
 
 
 def replace_batch_sampler(loader: Any, batch_sampler: Any) -> None:

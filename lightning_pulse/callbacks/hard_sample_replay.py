@@ -178,14 +178,12 @@ class HardSampleReplay(Callback):
         self._remove_hook = lambda: [remove() for remove in hooks]
 
     def _on_train_dataloader(self, loader: Any) -> None:
-        # runs inside Lightning's data setup, before the loader's first pass (and on a resume, after the
-        # checkpoint's state was handed over), so the first epoch is tracked and can already be selected
+        # inside Lightning's data set-up, before the first pass: the first epoch is tracked and can be chosen
         if not self._run_checked:  # here, not at on_train_start: a fit whose steps are done never gets there
             self._one_run.start(self._trainer)
             self._run_checked = True
-        # a second loader of the same data set-up (a CombinedLoader): refused before anything is installed
+        # a CombinedLoader's second loader: refused before anything is installed; DDP: one all-gather per rank
         at = (self._trainer.current_epoch, self._trainer.global_step)
-        # DDP: one all-gather on every rank here, as Lightning's own has_len_all_ranks does in this set-up
         refuse(self.data.loader_refusal(loader, at, compat.all_gather_of(self._trainer, self._held)))
         self.steps.check_deferred()  # steps mode, DataLoaders from a hook: the Trainer's settings, only now
         self.steps.release()  # a reload (batch mode): the previous loader is the user's again
@@ -193,6 +191,8 @@ class HardSampleReplay(Callback):
         batches = compat.training_batches_taken(self._trainer, loader)  # an epoch's, limit_train_batches too
         accumulate = compat.scheduled_accumulation(self._trainer)  # a scheduler's, before it sets it
         self.data.attach(loader, at, accumulate, self._new_table, _warn, batches)
+        if compat.restored_loader_state(self._trainer, loader, drop=self.mode == "steps"):  # loaded next
+            rank_zero_info(self.data.loader_state_restored(self.mode))
         if self.mode == "steps" and self.steps.plan is None:  # planned once per fit
             self.steps.install(self._trainer, loader, self.tracker, self.selector, self.phases, self._choose)
 

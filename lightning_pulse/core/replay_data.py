@@ -117,6 +117,24 @@ class ReplayData:
         self.selector.set_half_life(self.half_life, steps)
         self.ready = True
 
+    def loader_state_restored(self, mode: str) -> str:
+        """What a resume does with the training DataLoader's own state (one with ``state_dict``, as
+        torchdata's ``StatefulDataLoader``; Lightning saves it mid-epoch), said once: in steps mode it is not
+        loaded (the replay's plan already resumes the pass past what trained, which would be skipped twice);
+        in batch mode it is, and the tracker passes over the indices of the batches the loader skips."""
+        if mode == "steps":
+            return (
+                "HardSampleReplay: the checkpoint holds the training DataLoader's own state; it is not "
+                "loaded: in mode='steps' the replay's own checkpointed plan resumes the data where the "
+                "checkpoint was saved (loaded, the loader would skip the batches that trained a second time)."
+            )
+        assert self.tracker is not None
+        self.tracker.expect_resumed_pass()
+        return (
+            "HardSampleReplay: the training DataLoader resumes its pass from the checkpoint's state; the "
+            "indices of the batches it skips are passed over."
+        )
+
     def detach(self) -> None:
         """The fit is over: its DataLoader is no longer tracked (the selector and its scores stay)."""
         self.loader, self.tracker, self.ready = None, None, False
