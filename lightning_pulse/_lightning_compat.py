@@ -874,6 +874,16 @@ def run_end_status(trainer: pl.Trainer, suspended: bool) -> str:
     return run_status(suspended, timers, lambda: steps_left_at_run_pace(trainer))
 
 
+def max_time_left_s(trainer: pl.Trainer) -> float | None:
+    """Seconds the ``Trainer(max_time)`` Timers leave of the fit's training (the least), ``None`` without
+    one. The Timer counts wall time (a GreenWindow pause included) on ``time.monotonic``."""
+    from lightning.pytorch.callbacks import Timer
+
+    timers = [callback.time_remaining() for callback in trainer.callbacks if isinstance(callback, Timer)]
+    left = [float(value) for value in timers if value is not None]
+    return min(left) if left else None
+
+
 def run_progress(trainer: pl.Trainer) -> tuple[int, int]:
     """``(optimizer steps, training batches on this rank)`` the run has taken so far, a resumed run's earlier
     part and an earlier ``fit`` of the same Trainer included: the counts :func:`run_length` gives in total."""

@@ -559,3 +559,38 @@ def test_green_window_read_at_the_same_time_of_year_wraps_its_signal_into_januar
     past_end = [d for d in decisions if d["wall"] >= new_year]
     assert past_end and all(d["signal"] == 100.0 for d in past_end)  # January 2020, not 31 December's 500
     assert green.report["signal"]["wraps"]["to_utc"] == "2020-01-01 00:00:00"
+
+
+def test_a_gap_inside_a_series_is_warned_once_naming_the_file_and_recorded(tmp_path):
+    rows = EXCERPT.read_text().splitlines()
+    holed = tmp_path / "holed.csv"
+    holed.write_text("\n".join(r for r in rows if not r.startswith("2020-06-02")) + "\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rate = carbon_intensity_from(str(holed), None)
+        whole = carbon_intensity_from(str(EXCERPT), None)
+    told = [str(w.message) for w in caught]
+    assert len(told) == 1 and f"'{holed}' has 1 gap longer than 2x its usual 15 min between rows" in told[0]
+    assert "no rows from 2020-06-01 23:45:00 to 2020-06-03 00:00:00 (UTC), 24.2 h" in told[0]
+    assert rate.describe()["gaps"] == [
+        {
+            "from_utc": "2020-06-01 23:45:00",
+            "to_utc": "2020-06-03 00:00:00",
+            "hours": 24.25,
+            "value": float(TimeSeries.from_csv(holed).value_at(utc("2020-06-01 23:45:00"))),
+        }
+    ]
+    assert rate.describe()["gap_count"] == 1 and whole.describe()["gaps"] == []
+    # one missing row of an hourly series (a 2 h step, twice the usual) is no gap: the 2020 files have those
+    series = TimeSeries(np.array([0.0, 3600.0, 10800.0, 14400.0]), np.array([1.0, 2.0, 3.0, 4.0]))
+    assert series.gaps() == []
+
+
+@pytest.mark.skipif(not (SHARED / "de_2020.csv").exists(), reason="shared carbon data not on this machine")
+@pytest.mark.parametrize("country", ["de", "fr", "gb"])
+def test_the_real_2020_series_load_without_a_gap_warning(country):
+    # de_2020.csv has two 30-min steps in its 15-min rows, gb_2020.csv mixes 15 and 30 min: no gaps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rate = carbon_intensity_from(str(SHARED / f"{country}_2020.csv"), None)
+    assert not [w for w in caught if "gap" in str(w.message)] and rate.describe()["gap_count"] == 0

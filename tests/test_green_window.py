@@ -1271,3 +1271,87 @@ def test_light_mode_releases_at_the_same_step_in_either_callback_order(mnist1d_s
     assert changes2 == changes and logged2 == logged and steps2 == steps
     for mine, theirs in zip(weights, weights2, strict=True):
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize(("max_time_h", "waited_h"), [(5.0, 2.0), (4.5, 1.5)])
+def test_a_pause_stays_within_max_time_and_the_run_trains_its_last_slot(
+    mnist1d_small, tmp_path, monkeypatch, max_time_h, waited_h
+):
+    # a held-out sweep: with max_time 5 h, a pause from the second hour slept 7 h; Lightning's Timer (which
+    # counts the pause) stopped the fit 4 h past max_time, without a step in the clean hour it waited for
+    clock = SimulatedClock("2020-06-15 14:00:00")
+    monkeypatch.setattr(lightning_timer, "time", SimpleNamespace(monotonic=clock.time))
+    green = GreenWindow(
+        signal=DE_JUNE,
+        when_dirty="pause",
+        max_delay=1.0,
+        expected_duration="8h",
+        clock=clock,
+        options=GreenWindowOptions(watts=100.0, report_dir=str(tmp_path / "report")),
+    )
+    after_pause = []
+
+    class AfterPause(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if any(not d["run"] for d in green.schedule.decisions):
+                after_pause.append(trainer.global_step)
+
+    trainer = fit(
+        [green, AfterPause()], clock, steps=48, enable_checkpointing=False, max_time={"hours": max_time_h}
+    )
+    start = clock.time()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(*mnist1d_small(arch="mlp"))
+    summary = green.report["summary"]
+    # the fit ends at max_time, not past it: it paused from 16:00 and trained the last hour (6 steps)
+    assert clock.time() - start == pytest.approx(max_time_h * 3600)
+    assert summary["waited_s"] == pytest.approx(waited_h * 3600)
+    assert len(after_pause) == 6 and trainer.global_step == round((max_time_h - waited_h) * 6)
+    assert green.report["status"] == "stopped"
+    told = [
+        str(w.message) for w in caught if "max_time" in str(w.message) and "GreenWindow" in str(w.message)
+    ]
+    choice = "shortened to 30 min" if max_time_h == 4.5 else "not taken: the run trains"
+    assert len(told) == 1 and choice in told[0] and "Trainer(max_time) leaves" in told[0]
+    assert green.report["decisions"][-1]["reason"] == "max_time" and green.report["decisions"][-1]["run"]
+
+
+def holed_june(tmp_path) -> Path:
+    """The German June series with 14 and 15 June missing (a provider export's outage)."""
+    rows = Path(DE_JUNE).read_text().splitlines()
+    path = tmp_path / "de_with_hole.csv"
+    path.write_text("\n".join(r for r in rows if not r.startswith(("2020-06-14", "2020-06-15"))) + "\n")
+    return path
+
+
+def test_a_gap_in_the_series_is_warned_at_load_and_recorded_in_both_reports(mnist1d_small, tmp_path):
+    # a held-out sweep: two missing days read as the value before them, held flat for 48 h, with no word:
+    # decisions and the saving (3.36% against 6.20% on the full series) came from the made-up stretch
+    path = holed_june(tmp_path)
+    clock = SimulatedClock("2020-06-13 20:00:00")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        energy = EnergyLogger(
+            carbon_intensity=str(path),
+            gpu="none",
+            cpu="constant",
+            ram="none",
+            meters=MeterConfig(sampling_period=0.05, cpu_watts=100.0),
+            report_dir=str(tmp_path / "energy"),
+        )
+        green = GreenWindow(when_dirty="pause", max_delay=1.0, expected_duration="8h", clock=clock)
+    energy.account.clock = energy.account.wall_clock = clock
+    told = [str(w.message) for w in caught if "gap" in str(w.message)]
+    assert len(told) == 1 and str(path) in told[0] and told[0].startswith("EnergyLogger: `carbon_intensity`")
+    assert "no rows from 2020-06-13 23:45:00 to 2020-06-16 00:00:00 (UTC), 48.2 h" in told[0]
+    trainer = fit([green, energy], clock, steps=48, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit(*mnist1d_small(arch="mlp"))
+    gap = {"from_utc": "2020-06-13 23:45:00", "to_utc": "2020-06-16 00:00:00", "hours": 48.25}
+    for block in (green.report["signal"], energy.report["carbon_intensity"]):
+        assert block["gap_count"] == 1 and {k: block["gaps"][0][k] for k in gap} == gap
+    markdown = (tmp_path / "energy" / "energy_report.md").read_text()
+    assert "has 1 gap (rows missing)" in markdown and "2020-06-13 23:45:00 to 2020-06-16 00:00:00" in markdown
+    # GreenWindow's own signal file is told too, as GreenWindow's
+    with pytest.warns(UserWarning, match=r"GreenWindow: `signal` .*de_with_hole.csv' has 1 gap"):
+        GreenWindow(signal=str(path), when_dirty="pause", clock=clock)

@@ -293,7 +293,8 @@ class GreenWindow(Callback):
                 return
 
     def _decide(self, trainer: pl.Trainer, now: float) -> Decision | None:
-        decision = self.schedule.decide_from(self.signal, now, compat.steps_left_at_run_pace(trainer))
+        left = compat.max_time_left_s(trainer) if self.when_dirty == "pause" else None  # see within_max_time
+        decision = self.schedule.decide_from(self.signal, now, compat.steps_left_at_run_pace(trainer), left)
         while self.schedule.news:  # a deadline found out of reach, or in reach again
             rank_zero_warn(self.schedule.news.pop(0))
         if decision is not None:

@@ -24,7 +24,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -248,7 +248,8 @@ class Decision:
         run: whether the slot starting now runs.
         reason: ``"clean"`` (the rule says run), ``"dirty"`` (it says wait), ``"deadline"`` or ``"budget"``
             (waiting one more slot could miss the deadline / overrun the delay budget, or the work left no
-            longer fits before the deadline, so it runs), ``"held"``
+            longer fits before the deadline, so it runs), ``"max_time"`` (a pause would leave less than one
+            slot of ``Trainer(max_time)`` to train in: :meth:`GreenSchedule.within_max_time`), ``"held"``
             (a series read past its end holds its last value: no later slot is cleaner, so it runs).
         signal: the value observed now.
         forecast_now: the forecast's value for the slot starting now (the observed value, except for an oracle).
@@ -1092,6 +1093,7 @@ class GreenSchedule:
         self.deadline_cleared: dict[str, Any] | None = None  # the latest such finding that did not hold
         self.told_passed = False  # this fit was told at its start that its deadline had passed
         self.news: list[str] = []  # warnings for the caller to give, once each
+        self.told_max_time = False  # this fit was told that max_time shortens (or skips) its pauses
 
     @property
     def deadline(self) -> float | None:
@@ -1234,9 +1236,12 @@ class GreenSchedule:
         now: float,
         steps_left: float,
         holds_from: float = math.inf,
+        time_left_s: float | None = None,
     ) -> Decision | None:
         """The decision at wall time ``now``, or ``None`` while the remaining work is unknown; ``holds_from``:
-        the series time from which the signal holds its last value (:meth:`GreenWindowPolicy.decide`)."""
+        the series time from which the signal holds its last value (:meth:`GreenWindowPolicy.decide`);
+        ``time_left_s``: what Lightning's Timer (``max_time``) leaves of a pausing run
+        (:meth:`within_max_time`)."""
         remaining = self.remaining_work_s(steps_left)
         if remaining is None:
             return None
@@ -1262,6 +1267,8 @@ class GreenSchedule:
         decision, starts, forecast = self.policy.decide(
             series, now + offset, work, budget, deadline, holds_from
         )
+        if time_left_s is not None and not decision.run:
+            decision = self.within_max_time(decision, now, time_left_s)
         record = {**decision.to_dict(), "wall": now}
         if self.light:  # what is left of the run and of its light budget, not the policy's split of them
             record.update(remaining_work_s=float(remaining), budget_left_s=float(self.budget_left_s()))
@@ -1272,6 +1279,31 @@ class GreenSchedule:
         if self.first_forecast is None:
             self.first_forecast = ((starts - offset).tolist(), forecast.tolist())
         return decision
+
+    def within_max_time(self, decision: Decision, now: float, time_left_s: float) -> Decision:
+        """A pause that keeps less than one slot of ``max_time`` (``time_left_s`` at wall time ``now``) to
+        train in after it: Lightning's Timer counts a pause as run time, and stopped the run at the pause's
+        end, without a step in the slot it waited for (a 5 h run paused 7 h from its second hour). Such a
+        pause is shortened to leave one slot, or not taken (the slot runs, reason ``"max_time"``) when less
+        than two slots are left; the first time in a fit is told (:attr:`news`)."""
+        slot, room = self.policy.slot_s, time_left_s - self.policy.slot_s
+        if room >= decision.wait_s - 1e-6:
+            return decision
+        if room > 1e-6:
+            capped, choice = replace(decision, wait_s=room), f"shortened to {duration_text(room)}"
+        else:
+            capped = replace(decision, run=True, reason="max_time", wait_s=0.0, resume_at=None)
+            choice = "not taken: the run trains"
+        if not self.told_max_time:
+            self.told_max_time = True
+            self.news.append(
+                f"GreenWindow: Trainer(max_time) leaves {duration_text(max(time_left_s, 0.0))} at "
+                f"{format_utc(now)} and its Timer counts a pause as run time: the pause of "
+                f"{duration_text(decision.wait_s)} is {choice}, so that the run trains its last "
+                f"{duration_text(slot)} before max_time stops it. Pauses stay within max_time from now on; "
+                "for longer waits, give a larger max_time or use when_dirty='suspend'."
+            )
+        return capped
 
     def follow_deadline(self, now: float, remaining: float) -> None:
         """Keep :attr:`deadline_unmet` on the latest estimate of the work left (``remaining`` at ``now``).
@@ -1360,7 +1392,9 @@ class GreenSchedule:
                 "ended_at": format_utc(now),
             }
 
-    def decide_from(self, signal: Any, now: float, steps_left: float) -> Decision | None:
+    def decide_from(
+        self, signal: Any, now: float, steps_left: float, time_left_s: float | None = None
+    ) -> Decision | None:
         """The decision at wall time ``now`` on ``signal`` (a
         :class:`~lightning_pulse.energy.signal.GreenSignal`, read only when a decision is due), or ``None``:
         once the last step is done (``steps_left`` <= 0: nothing is left to move into a cleaner hour), or
@@ -1371,7 +1405,7 @@ class GreenSchedule:
         # a series read past its end holds its last value (a wrapping one has no end); a live signal can
         # change, and so can one that does not say (a signal of the caller's own, with no `live`)
         holds_from = series.end if getattr(signal, "live", True) is None else math.inf
-        return self.decide(series, to_series, now, steps_left, holds_from)
+        return self.decide(series, to_series, now, steps_left, holds_from, time_left_s)
 
     def metrics(self, decision: Decision) -> dict[str, float]:
         """What a decision logs: the signal and forecast behind it, and the seconds waited so far."""

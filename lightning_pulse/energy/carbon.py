@@ -37,6 +37,11 @@ _VALUE_COLUMNS = ("value", "carbon intensity", "carbon_intensity", "price")
 #: for less than a day, where the same time of year could be the series' last hours (a run from 31 December
 #: 23:00 on a series of the next calendar year) and hold its last value for the rest of the run
 OWN_DATES_WITHIN_S = 24 * 3600.0
+#: a step between two rows longer than this many times the series' median spacing is a gap: rows are missing
+#: there, and the value before it holds across it. The 2020 grid series have steps of up to twice their median
+#: (``de_2020.csv``: two 30-min steps in a 15-min series; ``gb_2020.csv`` mixes 15 and 30 min), which are not
+GAP_FACTOR = 2.0
+GAPS_RECORDED = 20  # the report's `gaps` lists the first ones; `gap_count` counts them all
 
 
 def parse_timestamp(text: str) -> float:
@@ -173,6 +178,22 @@ class TimeSeries:
                 )
             raise ValueError(f"`{field}`: {path}:{line}: value {value!r} must be finite and non-negative.")
         return cls(time_array, value_array, name=path.name)
+
+    def gaps(self) -> list[dict[str, Any]]:
+        """The steps longer than :data:`GAP_FACTOR` times the median spacing (:attr:`interval`), first to
+        last: the last row before each (``from_utc``), the first row after it (``to_utc``), its ``hours`` and
+        the ``value`` held across it."""
+        steps = np.diff(self.times)
+        found = np.flatnonzero(steps > GAP_FACTOR * self.interval * (1 + 1e-9))
+        return [
+            {
+                "from_utc": format_utc(self.times[i]),
+                "to_utc": format_utc(self.times[i + 1]),
+                "hours": float(steps[i]) / 3600,
+                "value": float(self.values[i]),
+            }
+            for i in found
+        ]
 
     def integral(self, t: float) -> float:
         """Integral of the step function from ``times[0]`` to ``t`` (negative before the start)."""
@@ -320,6 +341,29 @@ class Rate:
         # (run_start, series time - wall time, the series as read) for that start
         self._reading: tuple[float, float, TimeSeries] | None = None
         self.held: dict[str, dict[str, Any]] = {}  # "after" / "before" the series: the first reading held
+        self.gaps = [] if series is None else series.gaps()  # rows missing inside the series (GAP_FACTOR)
+
+    def warn_gaps(self, where: str) -> None:
+        """Warn once, at load, when the series has gaps (:meth:`TimeSeries.gaps`): ``where`` names the file
+        (or the list) they are in. The report's block records them under ``gaps``."""
+        if not self.gaps:
+            return
+        series = self.series
+        assert series is not None
+        first = self.gaps[0]
+        shown = f"{first['value']:g}" if self.unit == "signal" else f"{first['value']:g} {self.unit}"
+        more = f" (the first of {len(self.gaps)})" if len(self.gaps) > 1 else ""
+        plural = "s" if len(self.gaps) > 1 else ""
+        spacing = (
+            f"{series.interval / 60:g} min" if series.interval < 3600 else f"{series.interval / 3600:g} h"
+        )
+        (self.warn or _rank_zero_warn)(
+            f"{self.reader}: `{self.field}` {where} has {len(self.gaps)} gap"
+            f"{plural} longer than {GAP_FACTOR:g}x its usual {spacing} between rows: "
+            f"no rows from {first['from_utc']} to {first['to_utc']} (UTC), {first['hours']:.1f} h{more}; "
+            f"the value before a gap ({shown} there) is held across it, as if measured. Fill the missing "
+            "rows, or give a series without gaps; the report records them under `gaps`."
+        )
 
     def anchor(self, run_start: float) -> None:
         """Fix the run's start (wall-clock Unix seconds), and with it where the run reads the series; kept
@@ -486,6 +530,8 @@ class Rate:
                 else format_utc(self.run_start + self._run_shift()),
                 held={side: dict(held) for side, held in self.held.items()},
                 wraps=_wrap_described(self.run_series),  # type: ignore[arg-type]
+                gaps=[dict(gap) for gap in self.gaps[:GAPS_RECORDED]],
+                gap_count=len(self.gaps),
             )
         return described
 
@@ -667,7 +713,7 @@ def _rate_from(
         series = TimeSeries.from_csv(value, field=field)
         start = parse_series_start(series_start, start_field)
         refuse_start_outside_series(series, start, f"accounting.{start_field}", series_start)
-        return Rate(
+        rate = Rate(
             f"series:{series.name}",
             unit,
             series=series,
@@ -676,6 +722,8 @@ def _rate_from(
             start_field=f"accounting.{start_field}",
             field=field,
         )
+        rate.warn_gaps(repr(str(value)))
+        return rate
     raise ValueError(
         f"`{field}`={value!r} has type {type(value).__name__}; "
         f"expected {expected} or the path of a `timestamp,value` CSV."

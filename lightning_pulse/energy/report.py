@@ -299,6 +299,13 @@ def _held_lines(report: Mapping[str, Any]) -> list[str]:
                 f"{_num(held.get('value'))} {rate.get('unit')}, is held from {held.get('from_utc')} UTC"
                 f"{' on' if after else ' while the run reads before the series'}."
             )
+        if gaps := rate.get("gaps"):
+            first, count = gaps[0], rate.get("gap_count", len(gaps))
+            lines.append(
+                f"- {label}: {rate.get('source')} has {count} gap{'s' if count != 1 else ''} (rows missing); "
+                f"the value before each is held across it, the first from {first.get('from_utc')} to "
+                f"{first.get('to_utc')} UTC ({_num(first.get('value'))} {rate.get('unit')})."
+            )
         if wraps := rate.get("wraps"):
             years = wraps.get("years")
             lines.append(

@@ -96,7 +96,7 @@ def series_signal(
     given = series_start if isinstance(series_start, str) else None
     start = parse_series_start(given, "options.signal_start") if given is not None else series_start
     refuse_start_outside_series(series, start, "options.signal_start", given)
-    return Rate(
+    rate = Rate(
         f"series:{series.name}",
         unit,
         series=series,
@@ -105,6 +105,8 @@ def series_signal(
         start_field="options.signal_start",
         field=field,
     )
+    rate.warn_gaps(repr(str(source)) if isinstance(source, (str, Path)) else f"({series.name})")
+    return rate
 
 
 class LiveSignal:
