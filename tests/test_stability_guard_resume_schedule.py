@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pulse import StabilityGuard
+from lightning_pulse import PulseCycle, StabilityGuard
 from tests.conftest import trainer_kwargs
 
 NAN_AT, EPOCH_BATCHES, MAX_STEPS = 20, 12, 36
@@ -74,7 +74,7 @@ class _BatchesSeen(Callback):
         self.seen = state_dict["seen"]
 
 
-def _fit(root, every: int, ckpt_path=None, listed_after: bool = False):
+def _fit(root, every: int, ckpt_path=None, listed_after: bool = False, extra: Callback | None = None):
     pl.seed_everything(0, verbose=False)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(EPOCH_BATCHES * 16, 16, generator=generator)
@@ -84,7 +84,7 @@ def _fit(root, every: int, ckpt_path=None, listed_after: bool = False):
         warmup=5, window=10, snapshot_every=every, rollback_after=1, skip_after_rollback=2, rollback_margin=1
     )
     targets = _RollbackTargets()
-    callbacks = [guard, targets, *([_BatchesSeen()] if listed_after else [])]
+    callbacks = [guard, *([extra] if extra else []), targets, *([_BatchesSeen()] if listed_after else [])]
     if ckpt_path is None:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=EPOCH_BATCHES, save_top_k=-1))
     trainer = pl.Trainer(
@@ -112,4 +112,33 @@ def test_a_resume_between_periodic_snapshots_rolls_back_where_the_uninterrupted_
     expected = (NAN_AT - 1) // every * every  # the newest periodic snapshot at least rollback_margin before
     assert full_targets == [[expected]]
     assert resumed_targets == full_targets
+    assert all(map(torch.equal, resumed_weights, full_weights))
+
+
+class _CutAfterGuard(Callback):
+    """Tells the guard, after its batch end of step 12, that parameters were replaced (a structured cut listed
+    after it, through the documented contract): the guard owes a snapshot, taken after the step's save."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == EPOCH_BATCHES:
+            guard = next(c for c in trainer.callbacks if isinstance(c, StabilityGuard))
+            guard.on_pulse_parameters_replaced(trainer, pl_module, None)
+
+
+@pytest.mark.parametrize("asked_by", ["maintain entry", "cut"])
+def test_a_resume_whose_step_snapshot_was_asked_for_after_the_save_keeps_the_uninterrupted_schedule(
+    tmp_path, asked_by
+):
+    # a snapshot asked for at the checkpoint's step (a maintain entry told after the guard's batch end, a cut)
+    # restarts the periodic count after the save: the checkpoint holds the previous periodic step (10), and a
+    # resume that kept it snapshotted at 15 where the uninterrupted run did at 17 (weights 0.034 apart)
+    def asking():
+        if asked_by == "cut":
+            return _CutAfterGuard()
+        return PulseCycle(burst=8, replay=4, maintain=4, warmup=0, anneal=0, maintain_eval="none")
+
+    full_weights, full_targets = _fit(tmp_path, 5, listed_after=False, extra=asking())
+    checkpoint = next(tmp_path.glob(f"*step={EPOCH_BATCHES}.ckpt"))
+    resumed_weights, resumed_targets = _fit(tmp_path / "resumed", 5, str(checkpoint), extra=asking())
+    assert full_targets == [[17]] and resumed_targets == full_targets
     assert all(map(torch.equal, resumed_weights, full_weights))

@@ -32,6 +32,9 @@ class SnapshotMoments:
         self._start = compat.HookWatch(compat.after_train_start)
         self._end = compat.HookWatch(compat.after_train_batch_ends)
         self._after_others = False  # a RollbackAware callback listed after the guard closes steps later
+        self.due_step: int | None = (
+            None  # a step whose snapshot waits for every batch end (a save in between)
+        )
 
     def fit_starts(self, trainer: pl.Trainer, guard: Any, take: Callable[[], None]) -> None:
         """At the guard's ``on_train_start``: the fit-start snapshot once every ``on_train_start`` ran."""
@@ -44,10 +47,17 @@ class SnapshotMoments:
         guard), if the run is still at that step then."""
         if not (told_late or self._after_others):
             return take()
-        step = trainer.global_step
-        self._end.once(trainer, lambda _: trainer.global_step == step and take())
+        step = self.due_step = trainer.global_step
+
+        def take_when_done(_: Any) -> None:
+            self.due_step = None
+            if trainer.global_step == step:
+                take()
+
+        self._end.once(trainer, take_when_done)
 
     def stop(self) -> None:
         """Remove what is installed (the fit's end, an exception)."""
+        self.due_step = None
         self._start.stop()
         self._end.stop()

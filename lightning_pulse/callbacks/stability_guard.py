@@ -289,7 +289,7 @@ class StabilityGuard(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.core.state_dict()
+        return self.core.state_dict(snapshot_due=self._moments.due_step is not None)  # taken after a save
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -583,6 +583,7 @@ class StabilityCore:
         # from a checkpoint saved mid-incident: the snapshots its rollback may return to, for this fit's ring
         self.resumed_snapshots: list[TrainingSnapshot] = []
         self.resumed_mid_incident = False  # this fit's ring holds them: no snapshot of the state resumed at
+        self.resumed_snapshot_due = False  # the checkpoint was saved before its step's snapshot
         # recurring spikes that make a level of the data, the steps applied at it, the open incident's losses
         self.level = RecurringLevel(window, SAME_SPIKE_FACTOR, self.config.learn_recurring_level)
         self.level_steps = 0
@@ -1339,10 +1340,12 @@ class StabilityCore:
         extra = {"detector": self.detector.state_dict(), "carried": carried}
         # a resumed fit's snapshot of the state it resumes at keeps the checkpoint's last periodic step, so
         # the next is due when the uninterrupted run's is (counted from the resume, later rollbacks returned
-        # elsewhere); unless one was due at the resume step (a checkpoint saved before that step's
-        # snapshot): this one is it
+        # elsewhere); unless one was due at the resume step, periodic or asked for (a maintain entry, a
+        # cut), and came after the save: this one is it
         last, every = self.schedule.last_step, self.schedule.every
+        due, self.resumed_snapshot_due = self.resumed_snapshot_due, False
         resumed = step and step == self.fit_start and last is not None and every and step - last < every
+        resumed = resumed and not due
         self.schedule.take(
             step, model, optimizers, schedulers, states, extra={**extra, **self.policy.lineage()}
         )
@@ -1470,11 +1473,15 @@ class StabilityCore:
         """The end-of-training line of this fit (:func:`summary_message`), or ``None``."""
         return summary_message(self.policy, self.detector, self.fit_start_accepted, self.fit_start_unjudged)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, snapshot_due: bool = False) -> dict[str, Any]:
+        """The guard's state for a checkpoint. ``snapshot_due``: a snapshot of this step comes after the save
+        (once every callback's batch end ran); so does one owed or requested here. A fit resumed from it
+        takes that one at its start (:meth:`take_snapshot`)."""
         state = {
             "detector": self.detector.state_dict(),
             "policy": self.policy.state_dict(),
             "last_snapshot_step": self.schedule.last_step,
+            "snapshot_due": bool(snapshot_due or self.snapshot_owed or self.schedule.pending),
             "bad_samples": self.bad_samples,
             "level": {**self.level.state_dict(), "applied": self.level_steps},
             "written_by_forwards": list(self.pre_step.names),
@@ -1504,6 +1511,7 @@ class StabilityCore:
         self.policy.load_state_dict({**state_dict, **state_dict["policy"]})
         last = state_dict["last_snapshot_step"]
         self.schedule.last_step = None if last is None else int(last)
+        self.resumed_snapshot_due = bool(state_dict.get("snapshot_due", False))
         self.bad_samples = [dict(sample) for sample in state_dict.get("bad_samples", [])]
         self.level.load_state_dict(state_dict.get("level", {}))
         self.level_steps = int(state_dict.get("level", {}).get("applied", 0))
