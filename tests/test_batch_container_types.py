@@ -200,3 +200,31 @@ def test_stability_guard_checks_a_nan_dataclass_or_defaultdict_batch_as_a_dict_o
     assert figures["stability/steps_skipped"] >= 1  # the NaN batch's step, skipped as the dict batch's
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+@dataclasses.dataclass
+class _PaddedRows:
+    """Fields ``__post_init__`` derives from the whole batch: a count that may fall to its default, and an
+    order and weights of the rows."""
+
+    lengths: torch.Tensor
+    n_empty: int = dataclasses.field(init=False, default=0)
+    order: torch.Tensor = dataclasses.field(init=False)
+    weights: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.n_empty = int((self.lengths == 0).sum())
+        self.order = self.lengths.argsort()
+        self.weights = self.lengths / self.lengths.sum()
+
+
+def test_take_samples_keeps_what_post_init_derives_from_the_kept_rows():
+    # a review: the cut set a derived field back from the full batch where its recomputed value equalled the
+    # field's default (n_empty 1 for rows without an empty one: a loss divided by B - n_empty, scaled by 4/3)
+    # or where the cut changed it (an order of 4 rows for 2: [2, 3]; weights summing to 0.706)
+    batch = _PaddedRows(torch.tensor([3.0, 0.0, 5.0, 7.0]))
+    cut = take_samples(batch, torch.tensor([2, 3]), 4)
+    assert cut.n_empty == 0
+    assert cut.order.tolist() == [0, 1]
+    assert torch.allclose(cut.weights, torch.tensor([5 / 12, 7 / 12]))
+    assert batch.n_empty == 1 and batch.order.tolist() == [1, 0, 2, 3]  # the original unchanged

@@ -331,9 +331,10 @@ def _rebuilt_mapping(batch: Mapping[Any, Any], parts: list[Any], positions: Tens
 def _rebuilt_dataclass(batch: Any, parts: list[Any]) -> Any:
     """``batch`` (a dataclass, frozen too) holding ``parts``, one per field: made anew from its ``init``
     fields (``dataclasses.replace``, so that ``__post_init__`` derives its ``init=False`` fields, a ``size``,
-    from the cut parts), then each ``init=False`` field the cut changed, or ``__post_init__`` left unset or at
-    its default, set from ``parts``. Where making it anew fails (a ``__post_init__`` that checks a size, an
-    ``__init__`` of the class's own), a copy with every field set from ``parts``."""
+    a mask, an order of the rows, from the cut parts). An ``init=False`` field that ``__post_init__`` does not
+    derive (the whole batch made anew from its own ``init`` fields gives another value: set after
+    construction, by a collate) is set from ``parts``. Where making it anew fails (a ``__post_init__`` that
+    checks a size, an ``__init__`` of the class's own), a copy with every field set from ``parts``."""
     fields = dataclasses.fields(batch)
     try:
         new = dataclasses.replace(batch, **{f.name: part for f, part in zip(fields, parts) if f.init})
@@ -342,23 +343,34 @@ def _rebuilt_dataclass(batch: Any, parts: list[Any]) -> Any:
         for f, part in zip(fields, parts):
             object.__setattr__(new, f.name, part)
         return new
-    for f, part in zip(fields, parts):
-        if not f.init and (
-            part is not getattr(batch, f.name)
-            or not hasattr(new, f.name)
-            or _at_default(f, getattr(new, f.name))
-        ):
-            object.__setattr__(new, f.name, part)  # a frozen one too
+    late = [(f, part) for f, part in zip(fields, parts) if not f.init]
+    if not late:
+        return new
+    # which init=False fields __post_init__ derives: the batch made anew from its own init fields gives them
+    # back (kept as derived from the cut); any other was set after construction: the cut's (a frozen one too)
+    again = dataclasses.replace(batch) if hasattr(type(batch), "__post_init__") else None
+    for f, part in late:
+        derived = again is not None and _same(getattr(again, f.name, _UNSET), getattr(batch, f.name, _UNSET))
+        if not derived or not hasattr(new, f.name):
+            object.__setattr__(new, f.name, part)
     return new
 
 
-def _at_default(field: dataclasses.Field[Any], value: Any) -> bool:
-    """Whether ``value`` is what ``__init__`` gave an ``init=False`` field (not one ``__post_init__`` set)."""
-    if field.default is not dataclasses.MISSING:
-        return value is field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return isinstance(value, (list, dict, set, tuple)) and not value  # an empty container, as made
-    return False
+_UNSET = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two field values are equal (tensors by shape and values; what fails to compare: no)."""
+    if a is b:
+        return True
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+        )
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
 
 
 def _size_of(value: Any) -> tuple[Any, ...] | None:
