@@ -165,8 +165,11 @@ def private_api_problems() -> list[str]:
     from lightning.pytorch.loops import _FitLoop
     from lightning.pytorch.trainer.connectors import data_connector
 
-    if "_combined_loader_states_to_load" not in _FitLoop.__init__.__code__.co_names:
-        problems.append("_FitLoop._combined_loader_states_to_load")
+    if "_combined_loader_states_to_load" not in _FitLoop.__init__.__code__.co_names or (
+        "_load_combined_loader_states"
+        not in _FitLoop.setup_data.__code__.co_names  # after the DataLoader hook
+    ):
+        problems.append("_FitLoop._combined_loader_states_to_load, loaded in setup_data")
     if not callable(getattr(data_connector, "_parse_num_batches", None)):
         problems.append("lightning.pytorch.trainer.connectors.data_connector._parse_num_batches")
     if "_model_contains_batch_norm" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):

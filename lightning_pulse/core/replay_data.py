@@ -119,20 +119,20 @@ class ReplayData:
 
     def loader_state_restored(self, mode: str) -> str:
         """What a resume does with the training DataLoader's own state (one with ``state_dict``, as
-        torchdata's ``StatefulDataLoader``; Lightning saves it mid-epoch), said once: in steps mode it is not
-        loaded (the replay's plan already resumes the pass past what trained, which would be skipped twice);
-        in batch mode it is, and the tracker passes over the indices of the batches the loader skips."""
-        if mode == "steps":
-            return (
-                "HardSampleReplay: the checkpoint holds the training DataLoader's own state; it is not "
-                "loaded: in mode='steps' the replay's own checkpointed plan resumes the data where the "
-                "checkpoint was saved (loaded, the loader would skip the batches that trained a second time)."
-            )
-        assert self.tracker is not None
-        self.tracker.expect_resumed_pass()
+        torchdata's ``StatefulDataLoader``; Lightning saves it mid-epoch): it is not loaded. Loaded, the
+        loader would skip the batches drawn before the checkpoint by drawing them, which the steps mode's plan
+        skips too (11 steps resumed for 17) and which the batch mode's tracker cannot tell from a prefetching
+        worker's draws (a review: indices of other batches, or a crash, with DataLoader workers)."""
+        rest = (
+            "the replay's own checkpointed plan resumes the pass where the checkpoint was saved"
+            if mode == "steps"
+            else "the interrupted pass starts over, as a plain DataLoader's does on a mid-epoch resume"
+        )
         return (
-            "HardSampleReplay: the training DataLoader resumes its pass from the checkpoint's state; the "
-            "indices of the batches it skips are passed over."
+            "the checkpoint holds the training DataLoader's own state; it is not loaded, so what else it "
+            f"holds (a shuffle generator's state, a stateful dataset's) is not restored: {rest}. "
+            "To reproduce a shuffled order, seed the sampler per epoch (set_epoch), or resume from a "
+            "checkpoint saved at an epoch's end."
         )
 
     def detach(self) -> None:

@@ -118,7 +118,6 @@ class SampleIndexTracker:
         self._base = 0
         self._ordinal = -1
         self._indices: Tensor | None = None
-        self._resumed = False  # the next pass resumes mid-epoch, its loader drawing the skipped batches
 
     # ------------------------------------------------------------------ install
     @staticmethod
@@ -194,14 +193,6 @@ class SampleIndexTracker:
     def dataset_size(self) -> int:
         return len(self.dataset)
 
-    def expect_resumed_pass(self) -> None:
-        """The next pass is a resumed one whose DataLoader restored its own state (a ``StatefulDataLoader``
-        resumed mid-epoch): it draws and drops the batches trained before the checkpoint, so the first
-        ``batch_idx`` asked for is the batch's place in the pass, not the pass's first batch. Told by the
-        indices recorded by then: a loader whose sampler skipped them itself (none recorded) keeps the
-        first ``batch_idx`` as the pass's first batch."""
-        self._resumed = True
-
     def batch_indices(self, batch_idx: int) -> Tensor:
         """The dataset indices ``(B,)`` (int64) of the batch Lightning calls ``batch_idx``, in batch order.
 
@@ -212,11 +203,7 @@ class SampleIndexTracker:
         recorder = self.recorder
         if recorder.iteration != self._iteration:
             self._iteration = recorder.iteration
-            drawn = recorder.stream_start + len(recorder.pending)  # the skipped batches', when drawn
-            skipped = (
-                self._resumed and recorder.batches is None and drawn >= (batch_idx + 1) * self.batch_size
-            )
-            self._base, self._resumed = 0 if skipped else batch_idx, False
+            self._base = batch_idx
             self._ordinal = -1
         ordinal = batch_idx - self._base
         if ordinal == self._ordinal and self._indices is not None:
