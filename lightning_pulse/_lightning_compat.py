@@ -866,15 +866,16 @@ def steps_left_at_run_pace(trainer: pl.Trainer) -> float:
 
 
 def run_end_status(trainer: pl.Trainer, suspended: bool) -> str:
-    """How a fit's training ended (``core.green_window.run_status``): ``"suspended"``, ``"stopped"``
-    (Lightning's Timer, ``max_time``, ended it with steps left) or ``"complete"``. What GreenWindow and
-    EnergyLogger report."""
+    """How a fit's training ended (``core.green_window.run_status``): ``"smoke_test"`` (``fast_dev_run``),
+    ``"suspended"``, ``"stopped"`` (Lightning's Timer, ``max_time``, ended it with steps left) or
+    ``"complete"``. What GreenWindow and EnergyLogger report."""
     from lightning.pytorch.callbacks import Timer
 
     from lightning_pulse.core.green_window import run_status
 
     timers = [callback.time_remaining() for callback in trainer.callbacks if isinstance(callback, Timer)]
-    return run_status(suspended, timers, lambda: steps_left_at_run_pace(trainer))
+    smoke_test = bool(trainer.fast_dev_run)
+    return run_status(suspended, timers, lambda: steps_left_at_run_pace(trainer), smoke_test=smoke_test)
 
 
 def max_time_left_s(trainer: pl.Trainer) -> float | None:

@@ -205,11 +205,11 @@ class StepSavingLoader:
         # Lightning turns both into limit_train_batches: the refusal names the flag the user set
         for flag in ("fast_dev_run", "overfit_batches"):
             if value := getattr(trainer, flag, 0):
-                raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(setting=f"`{flag}`={value!r}"))
+                raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(flag=flag, value=value))
         limit = getattr(trainer, "limit_train_batches", 1.0)
         # an int counts batches (1: one batch), a float is a share (1.0: all of them)
         if limit is not None and not (isinstance(limit, float) and limit == 1.0):
-            raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(setting=f"`limit_train_batches`={limit!r}"))
+            raise PulseRefusal(STEPS_MODE_LIMIT_REFUSAL.format(flag="limit_train_batches", value=limit))
         if reload := getattr(trainer, "reload_dataloaders_every_n_epochs", 0):
             raise PulseRefusal(STEPS_MODE_RELOAD_REFUSAL.format(every=reload))
 

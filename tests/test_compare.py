@@ -305,6 +305,35 @@ def test_an_interrupted_run_gets_a_note_on_its_cost_rows_and_a_marked_chart(runs
     assert "\n" not in chart_title(compare_runs(load_run(plain), load_run(pulsed)))
 
 
+def test_a_fast_dev_run_report_saved_by_hand_is_compared_as_a_smoke_test(runs, tmp_path, capsys):
+    # sweep-flags: a fast_dev_run's `.report` (no file is written under fast_dev_run) said "complete" for its
+    # 1 batch; saved and compared, its ratios read as those of a whole run, with no note
+    _, _, pulsed = runs
+    energy = EnergyLogger(
+        cpu="constant", ram="none", carbon_intensity=250.0, meters=MeterConfig(cpu_watts=10.0)
+    )
+    trainer = pl.Trainer(callbacks=[energy], **trainer_kwargs(fast_dev_run=True, default_root_dir=tmp_path))
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=600, batch_size=32))
+    assert trainer.global_step == 1 and energy.report_paths == [] and energy.report["status"] == "smoke_test"
+    smoke = tmp_path / "smoke"
+    smoke.mkdir()
+    (smoke / JSON_NAME).write_text(json.dumps(energy.report))
+    comparison = compare_runs(load_run(smoke), load_run(pulsed))
+    rows = {row["figure"]: row for row in comparison["figures"]}
+    for figure in ("duration_s", "energy_kwh", "co2_kg"):
+        assert rows[figure]["note"].startswith(
+            "A is a fast_dev_run smoke test: unequal work (A: 1 steps, B: 16)"
+        )
+        assert rows[figure]["ratio"] is None  # withheld: a few batches against a run
+    assert comparison["a"]["status"] == "smoke_test"
+    assert chart_title(comparison).endswith(
+        "\nA is a fast_dev_run smoke test: its totals cover only part of the run"
+    )
+    assert main(["compare", str(smoke), str(pulsed), "--out", str(tmp_path / "out")]) == 0
+    markdown = (tmp_path / "out" / COMPARISON_MARKDOWN).read_text()
+    assert "(smoke_test)" in markdown and "A is a fast_dev_run smoke test: unequal work" in markdown
+
+
 def red_and_green_pixels(png: Path) -> int:
     from matplotlib.image import imread
 

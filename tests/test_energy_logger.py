@@ -857,6 +857,8 @@ def test_fast_dev_run_writes_no_report(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         fit.fit(MNIST1DClassifier(arch="mlp"), data())
     assert energy.report is not None and energy.report["total"]["energy_kwh"] > 0  # kept in memory
+    # sweep-flags: the 1-batch smoke test's report said "complete", as a whole run's does
+    assert energy.report["status"] == "smoke_test" and energy.report["total"]["steps"] == 1
     assert energy.report_paths == [] and not list(tmp_path.rglob(JSON_NAME))
     assert any("fast_dev_run: the energy report is not written" in r.getMessage() for r in caplog.records)
 

@@ -464,6 +464,26 @@ def test_suspend_without_checkpointing_and_no_signal_are_refused(mnist1d_small):
         trainer.fit(*mnist1d_small(arch="mlp"))
 
 
+def test_suspend_under_barebones_is_refused_with_a_way_out_barebones_allows(mnist1d_small, tmp_path):
+    # sweep-flags: the refusal said "enable checkpointing", and Trainer(barebones=True,
+    # enable_checkpointing=True) raises Lightning's ValueError
+    clock = SimulatedClock(START)
+    trainer = fit(
+        [GreenWindow(signal=DE_JUNE, when_dirty="suspend", clock=clock)], clock, steps=4, barebones=True
+    )
+    with pytest.raises(PulseRefusal) as refused:
+        trainer.fit(*mnist1d_small(arch="mlp"))
+    assert str(refused.value).endswith(
+        "the Trainer has none; Trainer(barebones=True) turns checkpointing off (and refuses "
+        "enable_checkpointing=True); use 'pause'/'light', or drop barebones=True."
+    )
+    assert trainer.global_step == 0
+    green = GreenWindow(signal=DE_JUNE, when_dirty="pause", clock=clock)
+    trainer = fit([green], clock, steps=4, barebones=True, default_root_dir=tmp_path)
+    trainer.fit(*mnist1d_small(arch="mlp"))  # the way out it names trains under barebones
+    assert trainer.global_step == 4
+
+
 @pytest.mark.parametrize(
     ("kwargs", "first"),
     [

@@ -123,9 +123,12 @@ def test_a_fast_dev_run_smoke_test_runs_its_batch_without_waiting_or_suspending(
     assert (
         not [*tmp_path.rglob("*green-window*"), *tmp_path.rglob("green_window*")] and green.report_paths == []
     )
-    assert green.report is not None and green.report["status"] == "complete"  # kept in memory
+    # kept in memory; sweep-flags: its status was "complete", as a whole run's is
+    assert green.report is not None and green.report["status"] == "smoke_test"
     said = [r.getMessage() for r in caplog.records if "GreenWindow: fast_dev_run" in r.getMessage()]
     assert len(said) == 1 and "does not act" in said[0]
+    # sweep-flags: "0.0% less CO2 than the carbon-agnostic schedule" came right after "it does not act"
+    assert not [r for r in caplog.records if "carbon-agnostic schedule" in r.getMessage()]
     # the same callbacks without fast_dev_run still wait: the smoke test is what changes it
     check = GreenWindow(
         signal=dirty_now_signal(start), when_dirty="pause", expected_duration="8h", clock=clock

@@ -181,8 +181,9 @@ def test_a_budget_without_step_saving_replay_is_refused_before_the_first_step():
         (dict(burst="5s", replay="3s", maintain=0), {}, "durations, which here are in seconds"),
         (CYCLE, {"limit_train_batches": 0.5}, "`limit_train_batches`=0.5"),
         (CYCLE, {"limit_train_batches": 1}, "`limit_train_batches`=1 cuts"),  # one batch, not all (1.0)
-        (CYCLE, {"overfit_batches": 2}, "`overfit_batches`=2 cuts"),  # not the limit Lightning made of it
-        (CYCLE, {"fast_dev_run": True}, "`fast_dev_run`=True cuts"),  # held-out sweep: it named the limit
+        # not the limit Lightning made of it; sweep-flags: the way out said "drop it"
+        (CYCLE, {"overfit_batches": 2}, "`overfit_batches`=2 cuts short; drop `overfit_batches` or"),
+        (CYCLE, {"fast_dev_run": True}, "`fast_dev_run`=True cuts short; drop `fast_dev_run` or use"),
         (
             CYCLE,
             {"reload_dataloaders_every_n_epochs": 1},
@@ -260,7 +261,7 @@ def test_a_map_style_dataset_with_limit_train_batches_keeps_its_refusal_and_the_
         )
     assert str(refused.value) == (
         "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which `limit_train_batches`=6 "
-        "cuts short; drop it or use mode='batch'."
+        "cuts short; drop `limit_train_batches` or use mode='batch'."
     )
     assert trainer.global_step == 0
     trainer = pl.Trainer(

@@ -24,6 +24,7 @@ from lightning_pulse.core.green_report import energy_source, report_record, savi
 from lightning_pulse.core.green_window import (
     FAST_DEV_RUN_LINE,
     NO_ENERGY_LINE,
+    SMOKE_TEST,
     Decision,
     GreenWindowOptions,
     decision_line,
@@ -175,6 +176,7 @@ class GreenWindow(Callback):
             steps_replay=planned,
             checkpointing=isinstance(trainer.checkpoint_callback, ModelCheckpoint),
             signal=self.signal.known or (intensity is not None and intensity.series is not None),
+            barebones=trainer.barebones,
         ) or unknown_length_refusal(
             compat.total_steps(trainer),
             self.schedule.expected_work_s,
@@ -349,4 +351,5 @@ class GreenWindow(Callback):
         self.report_paths = self.report_paths if written is None else written
         if failure is not None:  # a report that cannot be written must not fail a finished run
             rank_zero_warn(failure)
-        rank_zero_info(f"GreenWindow: {saving_line(self.report['summary'], self.options.unit)}")
+        if status != SMOKE_TEST:  # a fast_dev_run's batches make no saving (FAST_DEV_RUN_LINE said so)
+            rank_zero_info(f"GreenWindow: {saving_line(self.report['summary'], self.options.unit)}")

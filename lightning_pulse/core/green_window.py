@@ -196,6 +196,7 @@ class RunClock:
 
 
 WAIT_SLICE_S = 1.0  # a real pause sleeps in slices this long, so that a stop request (SIGTERM) ends it soon
+SMOKE_TEST = "smoke_test"  # the status of a fast_dev_run's reports (see run_status)
 FAST_DEV_RUN_LINE = (
     "GreenWindow: fast_dev_run: it does not act (no wait, hold or suspend: the smoke test runs its batches) "
     "and writes no report (kept in `.report`)."
@@ -901,13 +902,21 @@ def passed_deadline(deadline: float | None, now: float, resumed: bool, light: bo
     )
 
 
-def run_status(suspended: bool, timers_left_s: list[float | None], steps_left: Callable[[], float]) -> str:
-    """How a fit's training ended: ``"suspended"`` (it waits to resume), ``"stopped"`` (Lightning's Timer,
-    ``max_time``, ended it with steps left: ``timers_left_s`` are the Timers' ``time_remaining()``,
-    ``steps_left`` the steps the run has left, read only then), else ``"complete"``: the run reached its
-    planned length, or a callback ended it for good (EarlyStopping). Only a complete run settles its
-    deadline record (:meth:`GreenSchedule.finish`): a run max_time stops is usually requeued, and its work
-    left still decides whether it meets the deadline."""
+def run_status(
+    suspended: bool,
+    timers_left_s: list[float | None],
+    steps_left: Callable[[], float],
+    smoke_test: bool = False,
+) -> str:
+    """How a fit's training ended: ``"smoke_test"`` (a ``fast_dev_run``: a few batches that check the code,
+    not a run; its report stays in ``.report``), ``"suspended"`` (it waits to resume), ``"stopped"``
+    (Lightning's Timer, ``max_time``, ended it with steps left: ``timers_left_s`` are the Timers'
+    ``time_remaining()``, ``steps_left`` the steps the run has left, read only then), else ``"complete"``:
+    the run reached its planned length, or a callback ended it for good (EarlyStopping). Only a complete run
+    settles its deadline record (:meth:`GreenSchedule.finish`): a run max_time stops is usually requeued,
+    and its work left still decides whether it meets the deadline."""
+    if smoke_test:  # a sweep: a 1-batch fast_dev_run's `.report` said "complete"
+        return SMOKE_TEST
     if suspended:
         return "suspended"
     if any(left is not None and left <= 0 for left in timers_left_s) and steps_left() > 0:
@@ -921,11 +930,13 @@ def fit_start_refusal(
     steps_replay: bool,
     checkpointing: bool,
     signal: bool,
+    barebones: bool = False,
 ) -> str | None:
     """Why GreenWindow cannot run in this Trainer (``None``: it can). ``light_phases``: the attached
     PulseCycle has a light phase (``None``: no PulseCycle is attached); ``steps_replay``: a
     ``HardSampleReplay(mode="steps")`` is attached; ``checkpointing``: the Trainer has a ModelCheckpoint;
-    ``signal``: a signal was given, or an attached EnergyLogger has a carbon-intensity series."""
+    ``signal``: a signal was given, or an attached EnergyLogger has a carbon-intensity series;
+    ``barebones``: ``Trainer(barebones=True)``, which cannot have checkpointing."""
     if when_dirty == "light" and not light_phases:
         pulse_cycle = light_phases is not None
         return (
@@ -940,9 +951,16 @@ def fit_start_refusal(
             "when_dirty='pause' or 'suspend'."
         )
     if when_dirty == "suspend" and not checkpointing:
+        # barebones=True refuses enable_checkpointing=True (Lightning's ValueError): no way out there
+        way_out = (
+            "Trainer(barebones=True) turns checkpointing off (and refuses enable_checkpointing=True); use "
+            "'pause'/'light', or drop barebones=True"
+            if barebones
+            else "enable checkpointing or use 'pause'/'light'"
+        )
         return (
             "GreenWindow: when_dirty='suspend' saves the checkpoint the run resumes from in the "
-            "ModelCheckpoint's folder, and the Trainer has none; enable checkpointing or use 'pause'/'light'."
+            f"ModelCheckpoint's folder, and the Trainer has none; {way_out}."
         )
     if not signal:
         return (

@@ -250,8 +250,8 @@ STEPS_MODE_RESUMED_SCHEDULE_REFUSAL = (
     "for the new plan)."
 )
 STEPS_MODE_LIMIT_REFUSAL = (
-    "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which {setting} cuts short; drop it "
-    "or use mode='batch'."
+    "HardSampleReplay: mode='steps' plans whole epochs of the DataLoader, which `{flag}`={value!r} cuts "
+    "short; drop `{flag}` or use mode='batch'."
 )
 STEPS_MODE_OPTIMIZERS_REFUSAL = (
     "HardSampleReplay: mode='steps' plans one optimizer step per batch, and this module steps {count} optimizers "

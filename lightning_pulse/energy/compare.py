@@ -39,6 +39,7 @@ FIGURES = (
 #: the figures that are costs of the run (coloured in the PNG; a run that did not finish undercounts them)
 COST_FIGURES = ("duration_s", "energy_kwh", "co2_kg", "cost")
 COMPLETE = "complete"
+SMOKE_TEST = "smoke_test"  # a fast_dev_run's report (kept in `.report`, saved by hand): a few batches
 _NOT_METRICS = ("epoch", "step")
 
 
@@ -183,6 +184,8 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     energy_partial = PARTIAL in [total.get("energy_method", NONE) for total in totals]
     metered_apart = tracking_modes_differ(a["report"], b["report"])
     unfinished = _unfinished_note(a["report"], b["report"])
+    # a fast_dev_run's few batches against a run: no ratio means anything (the note says why)
+    smoke = SMOKE_TEST in (a["report"].get("status"), b["report"].get("status"))
     for key, label, unit, method_key in FIGURES:
         if key == "cost":
             unit = currencies[1] or currencies[0]
@@ -201,6 +204,8 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
         elif method_key and PARTIAL in methods:  # a rate given on a resume only
             rate = "price" if key == "cost" else "carbon intensity"
             ratio, note = None, f"partial: part of the run had no {rate}"
+        if smoke and key in COST_FIGURES:
+            ratio = None
         if key in COST_FIGURES and unfinished is not None and values != [None, None]:  # less work done
             per_step = _ratio(*(_per_step(value, total) for value, total in zip(values, totals)))
             per_step_text = (
@@ -293,7 +298,10 @@ def _unfinished_note(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
 
 def _part_only(report: Mapping[str, Any]) -> str | None:
     """Why a report (or a comparison's side) covers only part of its run's work: ``"is interrupted"`` (not
-    complete), ``"counts from step 30 on"`` (an EnergyLogger added on a resume); ``None`` when it is whole."""
+    complete; ``"is a fast_dev_run smoke test"``), ``"counts from step 30 on"`` (an EnergyLogger added on a
+    resume); ``None`` when it is whole."""
+    if report.get("status") == SMOKE_TEST:
+        return "is a fast_dev_run smoke test"
     if not _complete(report):
         return f"is {report.get('status')}"
     if report.get("figures_from_step"):
