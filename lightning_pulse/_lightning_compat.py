@@ -880,10 +880,16 @@ def run_end_status(trainer: pl.Trainer, suspended: bool) -> str:
 
 def max_time_left_s(trainer: pl.Trainer) -> float | None:
     """Seconds the ``Trainer(max_time)`` Timers leave of the fit's training (the least), ``None`` without
-    one. The Timer counts wall time (a GreenWindow pause included) on ``time.monotonic``."""
+    one. The Timer counts wall time (a GreenWindow pause included) on ``time.monotonic``, from its own
+    ``on_train_start``: one not started yet (a decision at the fit's start, Lightning listing its Timer last)
+    counts nothing, so a pause there is outside ``max_time``."""
     from lightning.pytorch.callbacks import Timer
 
-    timers = [callback.time_remaining() for callback in trainer.callbacks if isinstance(callback, Timer)]
+    timers = [
+        callback.time_remaining()
+        for callback in trainer.callbacks
+        if isinstance(callback, Timer) and callback.start_time() is not None
+    ]
     left = [float(value) for value in timers if value is not None]
     return min(left) if left else None
 

@@ -1375,3 +1375,32 @@ def test_a_gap_in_the_series_is_warned_at_load_and_recorded_in_both_reports(mnis
     # GreenWindow's own signal file is told too, as GreenWindow's
     with pytest.warns(UserWarning, match=r"GreenWindow: `signal` .*de_with_hole.csv' has 1 gap"):
         GreenWindow(signal=str(path), when_dirty="pause", clock=clock)
+
+
+def test_a_pause_at_the_fits_start_comes_before_max_time_counts_and_the_run_trains_it_in_full(
+    mnist1d_small, tmp_path, monkeypatch
+):
+    # a review: the first decision comes before Lightning's Timer starts (it is listed after the callbacks),
+    # so its frozen time left shortened every pause at the start to 30 min, one after another (7 h paused
+    # in 14 pauses at twice the decision rate), each told "shortened". That pause is outside max_time.
+    clock = SimulatedClock("2020-06-15 16:00:00")
+    monkeypatch.setattr(lightning_timer, "time", SimpleNamespace(monotonic=clock.time))
+    green = GreenWindow(
+        signal=DE_JUNE,
+        when_dirty="pause",
+        max_delay=1.0,
+        expected_duration="8h",
+        clock=clock,
+        options=GreenWindowOptions(watts=100.0, report_dir=str(tmp_path / "report")),
+    )
+    trainer = fit([green], clock, steps=48, enable_checkpointing=False, max_time={"hours": 1.5})
+    start = clock.time()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(*mnist1d_small(arch="mlp"))
+    waited = green.report["summary"]["waited_s"]
+    pauses = [d for d in green.report["decisions"] if not d["run"]]
+    assert waited > 0 and all(d["wait_s"] >= 3600 for d in pauses)  # whole slots, not 30 min ones
+    assert clock.time() - start == pytest.approx(waited + 1.5 * 3600)  # then max_time of training
+    assert trainer.global_step == 9
+    assert not [str(w.message) for w in caught if "Trainer(max_time) leaves" in str(w.message)]

@@ -1302,8 +1302,8 @@ class GreenSchedule:
         """A pause that keeps less than one slot of ``max_time`` (``time_left_s`` at wall time ``now``) to
         train in after it: Lightning's Timer counts a pause as run time, and stopped the run at the pause's
         end, without a step in the slot it waited for (a 5 h run paused 7 h from its second hour). Such a
-        pause is shortened to leave one slot, or not taken (the slot runs, reason ``"max_time"``) when less
-        than two slots are left; the first time in a fit is told (:attr:`news`)."""
+        pause is shortened to leave one slot, or not taken (the slot runs, reason ``"max_time"``) when one
+        slot or less is left; the first time in a fit is told (:attr:`news`)."""
         slot, room = self.policy.slot_s, time_left_s - self.policy.slot_s
         if room >= decision.wait_s - 1e-6:
             return decision

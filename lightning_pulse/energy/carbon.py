@@ -40,6 +40,7 @@ OWN_DATES_WITHIN_S = 24 * 3600.0
 #: a step between two rows longer than this many times the series' median spacing is a gap: rows are missing
 #: there, and the value before it holds across it. The 2020 grid series have steps of up to twice their median
 #: (``de_2020.csv``: two 30-min steps in a 15-min series; ``gb_2020.csv`` mixes 15 and 30 min), which are not
+#: gaps. A series whose spacing changes (hourly, then 15-min rows) reads its longer steps as gaps.
 GAP_FACTOR = 2.0
 GAPS_RECORDED = 20  # the report's `gaps` lists the first ones; `gap_count` counts them all
 
