@@ -204,14 +204,16 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
         elif method_key and PARTIAL in methods:  # a rate given on a resume only
             rate = "price" if key == "cost" else "carbon intensity"
             ratio, note = None, f"partial: part of the run had no {rate}"
-        if smoke and key in COST_FIGURES:
-            ratio = None
+        withheld = smoke and key in COST_FIGURES and values != [None, None]
+        ratio = None if withheld else ratio
         if key in COST_FIGURES and unfinished is not None and values != [None, None]:  # less work done
             per_step = _ratio(*(_per_step(value, total) for value, total in zip(values, totals)))
             per_step_text = (
                 "" if ratio is None or per_step is None else f"; per optimizer step {per_step:.3f}x"
             )
-            note = "; ".join(filter(None, (note, unfinished + per_step_text)))
+            note = "; ".join(
+                filter(None, (note, unfinished + per_step_text, "no ratio" if withheld else None))
+            )
         figures.append(
             {
                 "figure": key,
