@@ -29,6 +29,13 @@ COLD_RATIO = 10.0
 POOLED = "*"  # the key of the baseline that pools every other key's values
 #: how many of a window's latest values set the level a jump is measured from (``jump_zscore``)
 RECENT = 5
+#: on a linear scale, in a window whose lowest tenth is one value (a hinge loss at 0 on many steps: a
+#: median and a MAD of 0, so every positive loss scored an infinite z-score and passed the ratio test), a
+#: spike must stand this many times further above the median than the window's highest value ...
+LINEAR_SPAN = 3.0
+#: ... given at least this many values above the median; with fewer, a window at 0 judges no loss (as a log
+#: scale, which needs ``warmup`` positive ones), one at another level (constant) the ratio test alone
+LINEAR_ABOVE = 10
 
 
 class Verdict(str, Enum):
@@ -189,7 +196,13 @@ class SpikeDetector:
     is at least ``min_ratio`` times the window median. By default both quantities are judged on a log
     scale: their noise is multiplicative (late in training a loss of 0.05 fluctuates by a factor, not by a
     constant), and on a log scale the z-score of a loss that trends down or a gradient norm that grows
-    during early training stays small. Losses that can be zero or negative need ``loss_scale="linear"``.
+    during early training stays small. Losses that can go negative need ``loss_scale="linear"``; a loss
+    exactly 0 on some steps (a hinge, triplet or margin loss) does not: the log scale leaves its 0s out and
+    judges the positive losses against the positive ones. On a linear scale, a window whose lowest tenth
+    is one value (such a loss at 0) has a MAD that says nothing of the other values and a median that makes
+    the ratio no test: a spike there must also be more than :data:`LINEAR_SPAN` times as far above the
+    median as the window's highest value, and a window at 0 with fewer than :data:`LINEAR_ABOVE` values
+    above it judges no loss.
     A loss at least ``cold_ratio`` times the median is also a spike when it jumps above the latest values by
     more than the threshold in the spread of successive differences (:meth:`RunningRobustZ.jump_zscore`):
     after a descent by decades inside the window the MAD spans decades and hides a x1e4 step.
@@ -279,6 +292,7 @@ class SpikeDetector:
             self.cold_ratio: math.log(self.cold_ratio),
         }
         self.unjudged_losses = 0  # losses <= 0 seen on a log scale
+        self.negative_losses = 0  # those of them < 0 (a 0 is left out harmlessly: it cannot be a spike)
         self.accepted_steps = 0  # the windows' clock: a value is stamped with it when it enters
         self._loss: dict[str, RunningRobustZ] = {}
         self._grad_norm: dict[str, RunningRobustZ] = {}
@@ -304,6 +318,8 @@ class SpikeDetector:
         else:
             scaled_loss = None
             self.unjudged_losses += 1
+            if loss < 0:
+                self.negative_losses += 1
         scaled_grad = math.log(grad_norm) if grad_norm is not None and grad_norm > 0 else None
         loss_spike, loss_z = self._judge(self._loss, key, scaled_loss, self.loss_zscore, loss_scale)
         grad_spike, grad_z = self._judge(self._grad_norm, key, scaled_grad, self.grad_norm_zscore, "log")
@@ -342,6 +358,7 @@ class SpikeDetector:
             "loss": {key: tracker.state_dict() for key, tracker in self._loss.items()},
             "grad_norm": {key: tracker.state_dict() for key, tracker in self._grad_norm.items()},
             "unjudged_losses": self.unjudged_losses,
+            "negative_losses": self.negative_losses,
             "accepted_steps": self.accepted_steps,
             "loss_scale": self.loss_scale,
             "main_key": self.main_key,
@@ -369,6 +386,8 @@ class SpikeDetector:
                 trackers[POOLED], trackers[self.main_key] = pooled, RunningRobustZ(self.window, self.warmup)
                 trackers[self.main_key].load_state_dict(pooled.state_dict())
         self.unjudged_losses = int(state_dict.get("unjudged_losses", 0))
+        # a state from before this count: its unjudged losses taken as negative (what was said of them then)
+        self.negative_losses = int(state_dict.get("negative_losses", self.unjudged_losses))
         self.accepted_steps = int(state_dict.get("accepted_steps", 0))
 
     # ------------------------------------------------------------------ internals
@@ -378,12 +397,23 @@ class SpikeDetector:
             return value
         return math.log(value) if value > 0 else None
 
-    def _exceeds(self, value: float, median: float, ratio: float, scale: str) -> bool:
-        """Whether ``value`` is more than ``ratio`` times ``median`` (both on ``scale``)."""
+    def _exceeds(self, value: float, tracker: RunningRobustZ, ratio: float, scale: str) -> bool:
+        """Whether ``value`` is more than ``ratio`` times ``tracker``'s median (both on ``scale``); on a
+        linear scale, in a window with a tenth at one value, also more than :data:`LINEAR_SPAN` times as far
+        above it as the window's highest value (see :data:`LINEAR_ABOVE`)."""
+        median: float = tracker.median  # type: ignore[assignment]
         if scale == "log":
             log_ratio = self._log_ratio.get(ratio)
             return value - median > (math.log(ratio) if log_ratio is None else log_ratio)
-        return value - median > (ratio - 1) * abs(median)
+        rise = value - median
+        if rise <= (ratio - 1) * abs(median):
+            return False
+        ordered = tracker._sorted
+        if ordered[len(ordered) // 10] != ordered[0]:  # no value on a tenth of the window: the ratio test
+            return True
+        if len(ordered) - bisect.bisect_right(ordered, median) >= LINEAR_ABOVE:  # a spread above the median
+            return rise > LINEAR_SPAN * (ordered[-1] - median)
+        return median != 0  # (nearly) constant at 0 (a hinge loss at 0 on nearly every step): no reference
 
     def _judge(
         self,
@@ -401,8 +431,7 @@ class SpikeDetector:
             own.forget_before(self.accepted_steps - self.window + 1)  # O(1) unless the key was away a while
         pooled = trackers.get(POOLED) if key != POOLED else None
         if own is not None and len(own.values) >= own.warmup:  # ``own.ready``, without a property call
-            median = own.median
-            if not self._exceeds(value, median, self.min_ratio, scale):  # type: ignore[arg-type]
+            if not self._exceeds(value, own, self.min_ratio, scale):
                 return False, None
             z = own.zscore(value)
             score = z
@@ -417,7 +446,7 @@ class SpikeDetector:
                 # unfrozen, a prune) would become a run of spikes, and a loss spike's gradient norm comes
                 # with its loss.
                 far = trackers is self._loss and scale == "log"
-                far = far and self._exceeds(value, median, self.cold_ratio, scale)  # type: ignore[arg-type]
+                far = far and self._exceeds(value, own, self.cold_ratio, scale)
                 jump = own.jump_zscore(value) if far else None
                 if jump is None or jump <= threshold:
                     return False, z
@@ -430,9 +459,9 @@ class SpikeDetector:
             # levels widen that spread). Without phases the pooled window holds the same values: the same
             # verdict, one more score for a flagged step only.
             if pooled is not None and pooled.ready:
-                if self._exceeds(value, pooled.median, self.cold_ratio, scale):  # type: ignore[arg-type]
+                if self._exceeds(value, pooled, self.cold_ratio, scale):
                     return True, score
-                if not self._exceeds(value, pooled.median, self.min_ratio, scale):  # type: ignore[arg-type]
+                if not self._exceeds(value, pooled, self.min_ratio, scale):
                     return False, score
                 pooled_z = pooled.zscore(value)
                 return pooled_z is not None and pooled_z > threshold, score
@@ -441,7 +470,7 @@ class SpikeDetector:
             # a key still warming up (a phase that just started) is judged against every key's recent values:
             # far above their median (cold_ratio) and far outside their spread (the z-score). A phase that
             # deliberately shifts the distribution (replay of the hardest samples) stays inside that spread.
-            if not self._exceeds(value, pooled.median, self.cold_ratio, scale):  # type: ignore[arg-type]
+            if not self._exceeds(value, pooled, self.cold_ratio, scale):
                 return False, None
             z = pooled.zscore(value)
             return z is not None and z > threshold, z
@@ -451,7 +480,7 @@ class SpikeDetector:
         early = trackers.get(POOLED)
         if trackers is not self._loss or scale != "log" or early is None or early.median is None:
             return False, None
-        return self._exceeds(value, early.median, self.cold_ratio, scale), None  # type: ignore[arg-type]
+        return self._exceeds(value, early, self.cold_ratio, scale), None
 
     def _add(self, trackers: dict[str, RunningRobustZ], key: str, value: float | None) -> None:
         if value is None:

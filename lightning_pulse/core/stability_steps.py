@@ -564,7 +564,7 @@ class StabilityCore:
         self.first_forward: tuple[int, dict[str, Tensor]] | None = None
         # the steps the detector had judged, and the losses it could not, when this fit started (a
         # checkpoint's): the end-of-training line counts on
-        self.fit_start_accepted = self.fit_start_unjudged = 0
+        self.fit_start_accepted = self.fit_start_unjudged = self.fit_start_negative = 0
         self.overflow_warned = False  # a forward state that turned infinite between snapshots was said (once)
         # unchecked data faults in a row (UNCHECKED_DATA_FAULTS); whether this fit said it stopped presuming
         self.unchecked_data_faults = 0
@@ -609,14 +609,19 @@ class StabilityCore:
         ``trace_cause`` is called only for a non-finite step (where it came from, see
         :func:`~lightning_pulse.core.fault_origin.trace_nonfinite`); ``rollback_helps(verdict)`` only when the
         step would roll back or stop (see :meth:`EscalationPolicy.decide`). Returns ``(verdict, action, cause,
-        note)``; ``note`` is a warning to say (once): the first loss a log scale cannot judge, or recurring
-        spikes that make a large share of recent steps (:class:`RecurringLevel`). A flagged step at the level
-        such spikes turned out to be is applied and accepted into the baselines (verdict OK, ``level_steps``).
+        note)``; ``note`` is a warning to say (once): the first loss a log scale cannot judge (and the first
+        below 0 after 0s), or recurring spikes that make a large share of recent steps
+        (:class:`RecurringLevel`). A flagged step at the level such spikes turned out to be is applied and
+        accepted into the baselines (verdict OK, ``level_steps``).
         """
         detector, policy = self.detector, self.policy
-        unjudged_before = detector.unjudged_losses
+        unjudged_before, negative_before = detector.unjudged_losses, detector.negative_losses
         verdict = detector.assess(loss, grad_norm, key, accept=True).verdict
-        note = unjudged_loss_message(loss) if not unjudged_before and detector.unjudged_losses else None
+        # said at the first loss <= 0, and again at the first < 0 after 0s (only that needs a linear scale)
+        first = (not unjudged_before and detector.unjudged_losses) or (
+            not negative_before and detector.negative_losses
+        )
+        note = unjudged_loss_message(loss) if first else None
         if verdict.is_spike and verdict not in NONFINITE and self.level.holds(loss, grad_norm):
             # a step at the level of the data that recurring spikes turned out to be: trained, and its values
             # teach the windows that level (no rollback test: it would find the batch spiking again)
@@ -743,6 +748,7 @@ class StabilityCore:
         self.flagged_losses = {}
         self.fit_start_accepted = self.detector.accepted_steps
         self.fit_start_unjudged = self.detector.unjudged_losses
+        self.fit_start_negative = self.detector.negative_losses
         self.schedule.ring.clear()
         for snapshot in self.resumed_snapshots:
             self.schedule.ring.add(snapshot)
@@ -1471,7 +1477,13 @@ class StabilityCore:
 
     def summary(self) -> str | None:
         """The end-of-training line of this fit (:func:`summary_message`), or ``None``."""
-        return summary_message(self.policy, self.detector, self.fit_start_accepted, self.fit_start_unjudged)
+        return summary_message(
+            self.policy,
+            self.detector,
+            self.fit_start_accepted,
+            self.fit_start_unjudged,
+            self.fit_start_negative,
+        )
 
     def state_dict(self, snapshot_due: bool = False) -> dict[str, Any]:
         """The guard's state for a checkpoint. ``snapshot_due``: a snapshot of this step comes after the save
@@ -1621,6 +1633,13 @@ def fmt(value: float | None) -> str:
 
 
 def unjudged_loss_message(loss: float | None) -> str:
+    if loss is not None and loss == 0:  # a hinge, triplet or margin loss: nothing to change
+        return (
+            "StabilityGuard: the loss is 0, which a log scale cannot judge: such losses are left out of the "
+            "loss baselines and the positive losses are judged against the positive ones (right for a hinge, "
+            "triplet or margin loss). Only a loss that goes below 0 needs "
+            "`config=StabilityGuardConfig(loss_scale='linear')`."
+        )
     return (
         f"StabilityGuard: the loss is {fmt(loss)} <= 0, which a log scale cannot judge; loss spikes go "
         "unnoticed. Pass `config=StabilityGuardConfig(loss_scale='linear')` for such losses."
@@ -1854,6 +1873,7 @@ def summary_message(
     detector: SpikeDetector | None = None,
     fit_start_accepted: int = 0,
     fit_start_unjudged: int = 0,
+    fit_start_negative: int = 0,
 ) -> str | None:
     """The end-of-training line. A run without spikes or rollbacks says what the guard watched (the optimizer
     steps it judged in this fit, since the detector had judged ``fit_start_accepted``, and the baselines it
@@ -1863,6 +1883,7 @@ def summary_message(
     beyond ``fit_start_unjudged``) are said, and then no loss median is given: it would be of the positive
     losses only."""
     unjudged = 0 if detector is None else detector.unjudged_losses - fit_start_unjudged
+    negative = 0 if detector is None else detector.negative_losses - fit_start_negative
     spikes = policy.spikes_detected
     if not spikes and not policy.rollbacks:
         judged = 0 if detector is None else detector.accepted_steps - fit_start_accepted
@@ -1880,9 +1901,10 @@ def summary_message(
                 f" (medians of the last {detector.window} at most: {medians})." if medians else "."
             )
         medians = f"medians of the last {detector.window} at most: {medians}; " if medians else ""
+        note = unjudged_losses_note(unjudged, "their", negative)
         return (
-            f"{clean}, but {unjudged_losses_note(unjudged, 'their')} ({medians}no loss median: on a log "
-            "scale it would be of the positive losses only)."
+            f"{clean}, but {note} ({medians}no loss median: on a log scale it would be of the positive "
+            "losses only)."
         )
     recurring = (
         f" ({policy.recurring_spikes} recurring: their batches spiked on the rollback's snapshot too, so they "
@@ -1890,7 +1912,9 @@ def summary_message(
         if policy.recurring_spikes
         else ""
     )
-    unjudged_note = " Also, " + unjudged_losses_note(unjudged, "this fit's") + "." if unjudged else ""
+    unjudged_note = (
+        " Also, " + unjudged_losses_note(unjudged, "this fit's", negative) + "." if unjudged else ""
+    )
     nonfinite_note = (
         f" {policy.recurring_nonfinite} recurring incident(s) ended on a loss non-finite at the "
         f"snapshot's weights too, on a finite model: likely {NONFINITE_LOSS_CAUSES}; their batches were "
@@ -1906,9 +1930,16 @@ def summary_message(
     )
 
 
-def unjudged_losses_note(count: int, whose: str) -> str:
-    """What ``count`` of ``whose`` losses a log scale could not judge mean, and the way out (the
-    end-of-training line)."""
+def unjudged_losses_note(count: int, whose: str, negative: int) -> str:
+    """What ``count`` of ``whose`` losses a log scale could not judge mean, ``negative`` of them < 0, and the
+    way out (the end-of-training line): a linear scale only for losses below 0. Losses exactly 0 (a hinge,
+    triplet or margin loss) are left out of the baselines harmlessly (a 0 is no spike)."""
+    if not negative:
+        return (
+            f"{count} of {whose} losses {'was' if count == 1 else 'were'} 0, which a log scale leaves out of "
+            "its loss baselines: the positive losses were judged against the positive ones (right for a "
+            "hinge, triplet or margin loss)"
+        )
     return (
         f"{count} of {whose} losses {'was' if count == 1 else 'were'} <= 0, which a log scale cannot judge, "
         "so a loss spike there would have gone unnoticed: pass "
