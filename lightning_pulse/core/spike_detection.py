@@ -29,13 +29,6 @@ COLD_RATIO = 10.0
 POOLED = "*"  # the key of the baseline that pools every other key's values
 #: how many of a window's latest values set the level a jump is measured from (``jump_zscore``)
 RECENT = 5
-#: on a linear scale, in a window whose lowest tenth is one value (a hinge loss at 0 on many steps: a
-#: median and a MAD of 0, so every positive loss scored an infinite z-score and passed the ratio test), a
-#: spike must stand this many times further above the median than the window's highest value ...
-LINEAR_SPAN = 3.0
-#: ... given at least this many values above the median; with fewer, a window at 0 judges no loss (as a log
-#: scale, which needs ``warmup`` positive ones), one at another level (constant) the ratio test alone
-LINEAR_ABOVE = 10
 
 
 class Verdict(str, Enum):
@@ -197,12 +190,8 @@ class SpikeDetector:
     scale: their noise is multiplicative (late in training a loss of 0.05 fluctuates by a factor, not by a
     constant), and on a log scale the z-score of a loss that trends down or a gradient norm that grows
     during early training stays small. Losses that can go negative need ``loss_scale="linear"``; a loss
-    exactly 0 on some steps (a hinge, triplet or margin loss) does not: the log scale leaves its 0s out and
-    judges the positive losses against the positive ones. On a linear scale, a window whose lowest tenth
-    is one value (such a loss at 0) has a MAD that says nothing of the other values and a median that makes
-    the ratio no test: a spike there must also be more than :data:`LINEAR_SPAN` times as far above the
-    median as the window's highest value, and a window at 0 with fewer than :data:`LINEAR_ABOVE` values
-    above it judges no loss.
+    exactly 0 on some steps (a hinge, triplet or margin loss) does not: the log scale leaves its 0s out. On a
+    linear scale a window mostly at 0 has a median and a MAD of 0, and every positive loss is a spike there.
     A loss at least ``cold_ratio`` times the median is also a spike when it jumps above the latest values by
     more than the threshold in the spread of successive differences (:meth:`RunningRobustZ.jump_zscore`):
     after a descent by decades inside the window the MAD spans decades and hides a x1e4 step.
@@ -397,23 +386,12 @@ class SpikeDetector:
             return value
         return math.log(value) if value > 0 else None
 
-    def _exceeds(self, value: float, tracker: RunningRobustZ, ratio: float, scale: str) -> bool:
-        """Whether ``value`` is more than ``ratio`` times ``tracker``'s median (both on ``scale``); on a
-        linear scale, in a window with a tenth at one value, also more than :data:`LINEAR_SPAN` times as far
-        above it as the window's highest value (see :data:`LINEAR_ABOVE`)."""
-        median: float = tracker.median  # type: ignore[assignment]
+    def _exceeds(self, value: float, median: float, ratio: float, scale: str) -> bool:
+        """Whether ``value`` is more than ``ratio`` times ``median`` (both on ``scale``)."""
         if scale == "log":
             log_ratio = self._log_ratio.get(ratio)
             return value - median > (math.log(ratio) if log_ratio is None else log_ratio)
-        rise = value - median
-        if rise <= (ratio - 1) * abs(median):
-            return False
-        ordered = tracker._sorted
-        if ordered[len(ordered) // 10] != ordered[0]:  # no value on a tenth of the window: the ratio test
-            return True
-        if len(ordered) - bisect.bisect_right(ordered, median) >= LINEAR_ABOVE:  # a spread above the median
-            return rise > LINEAR_SPAN * (ordered[-1] - median)
-        return median != 0  # (nearly) constant at 0 (a hinge loss at 0 on nearly every step): no reference
+        return value - median > (ratio - 1) * abs(median)
 
     def _judge(
         self,
@@ -431,7 +409,8 @@ class SpikeDetector:
             own.forget_before(self.accepted_steps - self.window + 1)  # O(1) unless the key was away a while
         pooled = trackers.get(POOLED) if key != POOLED else None
         if own is not None and len(own.values) >= own.warmup:  # ``own.ready``, without a property call
-            if not self._exceeds(value, own, self.min_ratio, scale):
+            median = own.median
+            if not self._exceeds(value, median, self.min_ratio, scale):  # type: ignore[arg-type]
                 return False, None
             z = own.zscore(value)
             score = z
@@ -446,7 +425,7 @@ class SpikeDetector:
                 # unfrozen, a prune) would become a run of spikes, and a loss spike's gradient norm comes
                 # with its loss.
                 far = trackers is self._loss and scale == "log"
-                far = far and self._exceeds(value, own, self.cold_ratio, scale)
+                far = far and self._exceeds(value, median, self.cold_ratio, scale)  # type: ignore[arg-type]
                 jump = own.jump_zscore(value) if far else None
                 if jump is None or jump <= threshold:
                     return False, z
@@ -459,9 +438,9 @@ class SpikeDetector:
             # levels widen that spread). Without phases the pooled window holds the same values: the same
             # verdict, one more score for a flagged step only.
             if pooled is not None and pooled.ready:
-                if self._exceeds(value, pooled, self.cold_ratio, scale):
+                if self._exceeds(value, pooled.median, self.cold_ratio, scale):  # type: ignore[arg-type]
                     return True, score
-                if not self._exceeds(value, pooled, self.min_ratio, scale):
+                if not self._exceeds(value, pooled.median, self.min_ratio, scale):  # type: ignore[arg-type]
                     return False, score
                 pooled_z = pooled.zscore(value)
                 return pooled_z is not None and pooled_z > threshold, score
@@ -470,7 +449,7 @@ class SpikeDetector:
             # a key still warming up (a phase that just started) is judged against every key's recent values:
             # far above their median (cold_ratio) and far outside their spread (the z-score). A phase that
             # deliberately shifts the distribution (replay of the hardest samples) stays inside that spread.
-            if not self._exceeds(value, pooled, self.cold_ratio, scale):
+            if not self._exceeds(value, pooled.median, self.cold_ratio, scale):  # type: ignore[arg-type]
                 return False, None
             z = pooled.zscore(value)
             return z is not None and z > threshold, z
@@ -480,7 +459,7 @@ class SpikeDetector:
         early = trackers.get(POOLED)
         if trackers is not self._loss or scale != "log" or early is None or early.median is None:
             return False, None
-        return self._exceeds(value, early, self.cold_ratio, scale), None
+        return self._exceeds(value, early.median, self.cold_ratio, scale), None  # type: ignore[arg-type]
 
     def _add(self, trackers: dict[str, RunningRobustZ], key: str, value: float | None) -> None:
         if value is None:

@@ -1636,9 +1636,10 @@ def unjudged_loss_message(loss: float | None) -> str:
     if loss is not None and loss == 0:  # a hinge, triplet or margin loss: nothing to change
         return (
             "StabilityGuard: the loss is 0, which a log scale cannot judge: such losses are left out of the "
-            "loss baselines and the positive losses are judged against the positive ones (right for a hinge, "
-            "triplet or margin loss). Only a loss that goes below 0 needs "
-            "`config=StabilityGuardConfig(loss_scale='linear')`."
+            "loss baselines and the positive losses are judged against the positive ones, once `warmup` of "
+            "them fall within the last `window` steps (before, only a loss 10x their median is a spike). "
+            "Only a loss that goes below 0 needs `config=StabilityGuardConfig(loss_scale='linear')`; a "
+            "linear scale flags every positive loss of a window mostly at 0."
         )
     return (
         f"StabilityGuard: the loss is {fmt(loss)} <= 0, which a log scale cannot judge; loss spikes go "
@@ -1937,8 +1938,8 @@ def unjudged_losses_note(count: int, whose: str, negative: int) -> str:
     if not negative:
         return (
             f"{count} of {whose} losses {'was' if count == 1 else 'were'} 0, which a log scale leaves out of "
-            "its loss baselines: the positive losses were judged against the positive ones (right for a "
-            "hinge, triplet or margin loss)"
+            "its loss baselines: the positive losses were judged against the positive ones (once `warmup` of "
+            "them fell within the last `window` steps; before, only a loss 10x their median was a spike)"
         )
     return (
         f"{count} of {whose} losses {'was' if count == 1 else 'were'} <= 0, which a log scale cannot judge, "
