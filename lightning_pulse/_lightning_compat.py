@@ -673,20 +673,19 @@ class HookWatch:
         self._remove = None
 
 
-def restored_loader_state(trainer: pl.Trainer, loader: Any, drop: bool) -> bool:
-    """Whether Lightning holds a checkpoint's state for the training DataLoader ``loader`` (one with
-    ``state_dict``/``load_state_dict``, as torchdata's ``StatefulDataLoader``) that it loads into it before
-    the resumed pass, so the loader itself skips the batches drawn before the checkpoint. With ``drop`` that
-    state is discarded instead (the pass starts over, as a plain DataLoader's does). Call it while the fit's
-    data is set up (:func:`on_train_dataloader_ready`): ``FitLoop.setup_data`` loads the state right after."""
+def drop_restored_loader_state(trainer: pl.Trainer, loader: Any) -> bool:
+    """Whether Lightning held a checkpoint's state for the training DataLoader ``loader`` (one with
+    ``state_dict``/``load_state_dict``, as torchdata's ``StatefulDataLoader``), which it would load into it
+    before the resumed pass so that the loader itself skips the batches drawn before the checkpoint; that
+    state is discarded (the pass starts as a plain DataLoader's does). Call it while the fit's data is set up
+    (:func:`on_train_dataloader_ready`): ``FitLoop.setup_data`` loads the state right after."""
     from lightning.fabric.utilities.types import _Stateful
 
     fit_loop = trainer.fit_loop
     states = getattr(fit_loop, "_combined_loader_states_to_load", None)
     if not states or not fit_loop.restarting or not isinstance(loader, _Stateful):
         return False
-    if drop:
-        fit_loop._combined_loader_states_to_load = []
+    fit_loop._combined_loader_states_to_load = []
     return True
 
 

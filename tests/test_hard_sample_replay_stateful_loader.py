@@ -1,7 +1,8 @@
 """HardSampleReplay with a DataLoader that has its own state (``state_dict``/``load_state_dict``, as
 torchdata's ``StatefulDataLoader``): Lightning saves that state in a mid-epoch checkpoint and, on the
 resume, loads it, so the loader skips the batches drawn before the checkpoint itself. Without the callback
-such a resume is exact; with it, the resume must train what the uninterrupted run trains, in both modes."""
+such a resume is exact. With it, the state is not loaded (a warning says so): steps mode trains what the
+uninterrupted run trains, batch mode starts the interrupted pass over with every batch tracked right."""
 
 from __future__ import annotations
 

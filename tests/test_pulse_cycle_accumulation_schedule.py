@@ -95,10 +95,10 @@ def test_a_resume_mid_burst_across_an_accumulation_change_switches_at_the_same_b
     mnist1d_small, tmp_path, cycle_first
 ):
     # checkpoint at step 16: epoch 1 (accumulation 2), 8 of its 12 batches trained, one step into the burst.
-    # Lightning calls no on_train_epoch_start in a fit resumed mid-epoch, so the scheduler leaves the Trainer's
-    # accumulation 1 for the epoch's last 4 batches: 4 steps where the uninterrupted run took 2. Each counts
-    # its batches' share of the epoch (1/12, where a step of 2 counted 1/6): the phases change at the same
-    # batches as in the uninterrupted run, which changes them at the expected steps
+    # Lightning calls no on_train_epoch_start in a fit resumed mid-epoch, so the scheduler leaves the
+    # Trainer's accumulation 1 for the epoch's last 4 batches: 4 steps where the uninterrupted run took 2.
+    # Each counts its batches' share of the epoch (1/12, where a step of 2 counted 1/6): the phases change at
+    # the same batches as in the uninterrupted run, which changes them at the expected steps
     schedule, replay, expected = CASES["1-then-2"]
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, save_last=False)
     full_batches, resumed_batches = BatchPhases(), BatchPhases()

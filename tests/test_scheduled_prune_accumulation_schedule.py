@@ -1,8 +1,9 @@
 """ScheduledPrune's distillation term after a resume under a GradientAccumulationScheduler, in either order.
 
 The distillation term is divided by the accumulation, as Lightning divides the loss. A resume reopens the
-checkpoint's open window at fit start, where a scheduler has not set the epoch's factor yet (the Trainer holds
-1): the term was 4 times too strong under ``GradientAccumulationScheduler({0: 4})`` until the window closed."""
+checkpoint's open window at fit start, where a scheduler has not set the epoch's factor yet (the Trainer
+holds 1): the term was 4 times too strong under ``GradientAccumulationScheduler({0: 4})`` until the window
+closed."""
 
 from __future__ import annotations
 

@@ -191,7 +191,7 @@ class HardSampleReplay(Callback):
         batches = compat.training_batches_taken(self._trainer, loader)  # an epoch's, limit_train_batches too
         accumulate = compat.scheduled_accumulation(self._trainer)  # a scheduler's, before it sets it
         self.data.attach(loader, at, accumulate, self._new_table, _warn, batches)
-        if compat.restored_loader_state(self._trainer, loader, drop=True):  # else loaded right after this
+        if compat.drop_restored_loader_state(self._trainer, loader):  # Lightning would load it next
             _warn(self.data.loader_state_restored(self.mode))
         if self.mode == "steps" and self.steps.plan is None:  # planned once per fit
             self.steps.install(self._trainer, loader, self.tracker, self.selector, self.phases, self._choose)

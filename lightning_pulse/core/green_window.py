@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
+from lightning_pulse.energy.compare import SMOKE_TEST  # the status of a fast_dev_run's reports (run_status)
 from lightning_pulse.energy.forecast import Forecast
 from lightning_pulse.energy.signal import GreenSignal
 from lightning_pulse.phase import (
@@ -196,7 +197,6 @@ class RunClock:
 
 
 WAIT_SLICE_S = 1.0  # a real pause sleeps in slices this long, so that a stop request (SIGTERM) ends it soon
-SMOKE_TEST = "smoke_test"  # the status of a fast_dev_run's reports (see run_status)
 FAST_DEV_RUN_LINE = (
     "GreenWindow: fast_dev_run: it does not act (no wait, hold or suspend: the smoke test runs its batches) "
     "and writes no report (kept in `.report`)."
