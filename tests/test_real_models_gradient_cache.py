@@ -742,3 +742,21 @@ def test_wav2vec2_feature_encoder_is_not_replayed_and_the_warning_names_freeze_f
         trainer.fit(TinyWav2Vec2CTC(), loader)
     assert trainer.global_step == 20
     assert "model.wav2vec2.feature_extractor" in cache.activations.uncached
+
+
+def test_a_model_whose_config_always_ties_its_embeddings_is_told_the_untie_does_nothing():
+    # a held-out sweep: on T5 the warning's way out, `tie_word_embeddings=False`, was already set and did
+    # nothing (transformers 5's T5Config sets True itself): the same warning came back, and nothing froze
+    from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration
+
+    from lightning_pulse.core.layer_freezing import forced_tie_note
+
+    config = T5Config(
+        d_model=16, num_layers=1, num_heads=2, d_ff=32, d_kv=8, vocab_size=50, tie_word_embeddings=False
+    )
+    t5 = T5ForConditionalGeneration(config)
+    assert t5.lm_head.weight is t5.shared.weight  # the setting did nothing
+    note = forced_tie_note(nn.Sequential(t5))
+    assert note.startswith("; but T5Config ties them whatever it is given") and "leave it out" in note
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16))
+    assert forced_tie_note(gpt2) == ""  # GPT-2 unties with the setting: the warning's way out stands

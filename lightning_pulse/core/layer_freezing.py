@@ -2267,12 +2267,34 @@ def announce_units(
         else:  # a callback that can never act, where it could: a warning, as for other options that do nothing
             warn(f"{single}: {way_out}.")
     elif freezer.pinned_first is not None:
-        warn(f"GradientCache: {freezer.pinned_first}.")
+        warn(f"GradientCache: {freezer.pinned_first}{'' if model is None else forced_tie_note(model)}.")
         pinned = pinned[1:]  # the warning named the first unit's tie: one message for one fact
     info(f"GradientCache: {order_note(freezer.units)}")
     for note in (pinned_note(pinned), reread_note(freezer.units), heads_note(freezer.units)):
         if note is not None:
             info(f"GradientCache: {note}.")
+
+
+def forced_tie_note(model: nn.Module) -> str:
+    """Where ``model`` holds a Hugging Face model whose config class ties its embeddings whatever it is given
+    (transformers 5's ``T5Config`` sets ``tie_word_embeddings=True`` itself), that the way out the warning
+    names does nothing there; else ``""``. Read at fit start only: it builds one config of that class with
+    its defaults."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "tie_word_embeddings", None) is not True:
+            continue
+        try:
+            forced = type(config)(tie_word_embeddings=False).tie_word_embeddings is True
+        except Exception:  # a config class that needs arguments: nothing to tell
+            return ""
+        if forced:
+            return (
+                f"; but {type(config).__name__} ties them whatever it is given (it sets "
+                "`tie_word_embeddings=True` itself), so GradientCache cannot freeze this model: leave it out"
+            )
+        return ""
+    return ""
 
 
 def frozen_parameter_ids(model: nn.Module) -> set[int]:
