@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import sys
+from pathlib import Path
 import warnings
 from collections.abc import Sequence
 from contextvars import ContextVar
@@ -381,6 +382,8 @@ class PulseArgumentParser(LightningArgumentParser):
         summary = summarise_parser_error(message)
         if "trainer.callbacks" in message:
             summary = self._naming_the_callback_entry(summary)
+        if message.startswith("Problems parsing config"):  # YAML that does not parse: where, in which file
+            summary = _where_yaml_breaks(summary, _COMMAND_LINE.get())
         sys.stderr.write(f"error: {summary}\n")
         sys.stderr.write(
             f"(`{self.prog.replace(' [options]', '')} --help` lists the options; "
@@ -410,6 +413,28 @@ class PulseArgumentParser(LightningArgumentParser):
         # else the first entry certainly wrong
         problem = entries_problem(*found, only=entry_about(found[1], summary))
         return entry_named(*found, summary) if problem is None else problem
+
+
+def _where_yaml_breaks(summary: str, args: Sequence[str]) -> str:
+    """``summary`` with the file, line and column of the first ``--config`` file in ``args`` that is no YAML
+    (jsonargparse names only ``"<unicode string>"``, the file's text it read)."""
+    import yaml
+
+    paths = [
+        value if option == "--config" else option.partition("=")[2]
+        for option, value in zip(args, [*args[1:], ""])
+        if option == "--config" or option.startswith("--config=")
+    ]
+    for path in paths:
+        try:
+            yaml.safe_load(Path(path).read_text())
+        except (OSError, UnicodeDecodeError):
+            continue
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = "" if mark is None else f", line {mark.line + 1}, column {mark.column + 1}"
+            return f"{summary.rstrip('.')} ({path}{where})."
+    return summary
 
 
 def _callbacks_on_the_command_line(args: Sequence[str]) -> str | None:

@@ -862,3 +862,16 @@ def test_an_unknown_option_of_a_single_callback_mapping_is_named_with_the_closes
     line = _first_error_line(capsys, ["fit", "--config", _pulse_config_with_callbacks(tmp_path, callback)])
     assert line.startswith("error: `trainer.callbacks` PulseCycle: Option 'burts' is not accepted"), line
     assert "(did you mean burst?)" in line
+
+
+def test_a_config_that_is_no_yaml_is_named_with_its_line_and_column(tmp_path, capsys):
+    # a regression sweep: a mis-indented key gave "Problems parsing config: mapping values are not allowed in
+    # this context", naming no file and no line (jsonargparse names "<unicode string>", in its full report)
+    lines = Path(PULSE_YAML).read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("max_epochs"))
+    lines[at] = "   " + lines[at].strip() + ": 3"
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("\n".join(lines))
+    line = _first_error_line(capsys, ["fit", "--config", str(broken)])
+    assert line.startswith("error: Problems parsing config: mapping values are not allowed"), line
+    assert line.endswith(f"({broken}, line {at + 1}, column 14)."), line  # at the line's second colon
