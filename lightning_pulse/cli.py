@@ -25,10 +25,10 @@ import logging
 import os
 import re
 import sys
-from pathlib import Path
 import warnings
 from collections.abc import Sequence
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
