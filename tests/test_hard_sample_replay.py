@@ -1031,6 +1031,71 @@ def test_batch_mode_keeps_a_class_weight_vector_whole_on_a_short_last_batch_as_l
     assert all(weights == _CLASS_WEIGHTS.tolist() for _, weights in module.seen)
 
 
+_SIXTEEN_WEIGHTS = torch.linspace(0.5, 1.5, 16)
+
+
+class _WeightedBy(pl.LightningModule):
+    """Reads ``{"x", "y", key}``: ``key`` either a ``(16,)`` class weight or one weight per sample."""
+
+    def __init__(self, per_sample: bool) -> None:
+        super().__init__()
+        self.per_sample = per_sample
+        self.head = torch.nn.Linear(4, 16)
+        self.seen: list[tuple[int, int]] = []
+
+    def training_step(self, batch, batch_idx):
+        if self.per_sample:
+            self.seen.append((len(batch["y"]), len(batch["sample_weights"])))
+            losses = F.cross_entropy(self.head(batch["x"]), batch["y"], reduction="none")
+            return (losses * batch["sample_weights"]).mean()
+        self.seen.append((len(batch["y"]), len(batch["class_weights"])))
+        return F.cross_entropy(self.head(batch["x"]), batch["y"], weight=batch["class_weights"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_batch_mode_keeps_a_class_weight_vector_as_long_as_the_batch_whole_at_every_cut():
+    # regression sweep: 16 class weights in batches of 16, the same in every batch, were cut with the samples
+    # (to 8): cross_entropy raised at the first cut step, 16 good steps into the fit
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(
+        torch.randn(64, 4, generator=generator), torch.randint(0, 16, (64,), generator=generator)
+    )
+
+    def collate(items):
+        xs, ys = zip(*items)
+        return {"x": torch.stack(xs), "y": torch.stack(ys), "class_weights": _SIXTEEN_WEIGHTS}
+
+    module, replay = _WeightedBy(per_sample=False), HardSampleReplay(mode="batch", replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    loader = DataLoader(data, batch_size=16, shuffle=True, collate_fn=collate, generator=generator)
+    trainer.fit(module, loader)
+    assert trainer.global_step == 8
+    assert module.seen == [(16, 16)] * 4 + [(8, 16)] * 4  # the samples are cut, the weights kept whole
+
+
+@pytest.mark.parametrize("order", ["labels in turn", "sorted by class"])
+def test_batch_mode_cuts_per_sample_weights_the_same_at_the_first_two_batches(order):
+    # no data order makes a per-sample vector a per-batch constant: labels 0..15 in turn at every batch (an
+    # unshuffled dataset ordered so) and weights by class the same at the first two batches, or a dataset
+    # sorted by class whose first two batches hold one class each, are cut with the samples
+    generator = torch.Generator().manual_seed(2)
+    labels = torch.arange(64) % 16 if order == "labels in turn" else torch.arange(64) // 32
+    x = torch.randn(64, 4, generator=generator)
+
+    def collate(items):
+        xs, ys = zip(*items)
+        y = torch.stack(ys)
+        return {"x": torch.stack(xs), "y": y, "sample_weights": _SIXTEEN_WEIGHTS[y]}
+
+    module, replay = _WeightedBy(per_sample=True), HardSampleReplay(mode="batch", replay_fraction=0.5)
+    trainer = pl.Trainer(callbacks=[replay], max_epochs=2, **trainer_kwargs())
+    trainer.fit(module, DataLoader(TensorDataset(x, labels), batch_size=16, collate_fn=collate))
+    assert trainer.global_step == 8
+    assert module.seen == [(16, 16)] * 4 + [(8, 8)] * 4
+
+
 class _FocalLoss(pl.LightningModule):
     """A hand-written focal loss over F.cross_entropy(reduction="none"); each InfoBatch-weighted step checks
     its gradient against the intended one, the gradient of mean_i(w_i * focal_i) over the true
