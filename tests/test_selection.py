@@ -31,7 +31,6 @@ from lightning_pulse.core.replay import (
 from lightning_pulse.core.sample_index import SampleIndexTracker
 from lightning_pulse.core.sample_scores import BYTES_PER_SAMPLE, SampleScoreTable
 from lightning_pulse.core.selection import (
-    ConstantWatch,
     assign_in_place,
     concatenated_parts,
     containers_copied,
@@ -133,29 +132,6 @@ def test_parts_a_full_batch_held_whole_stay_whole_at_a_batch_as_long_as_them():
     assert take_samples(last, torch.tensor([7, 2]), 10)["w"].tolist() == [7.0, 2.0]  # by shape alone: cut
     # a part of another size than the full batch showed is judged by its shape, as before
     assert take_samples({"w": torch.arange(12.0)}, torch.tensor([1]), 12, whole=whole)["w"].tolist() == [1.0]
-
-
-def test_a_float_vector_as_long_as_the_batch_the_same_at_two_full_batches_is_a_constant_only_then():
-    weights = torch.linspace(0.5, 1.5, 8)
-
-    def batch(size: int = 8, y=None, w=weights) -> dict:
-        y = torch.randint(0, 8, (size,)) if y is None else y
-        return {"x": torch.randn(size, 4), "y": y, "w": w, "ones": torch.ones(size), "y2": y[:, None].float()}
-
-    first = batch()
-    watch = ConstantWatch(first, 8)
-    assert watch.candidates == ["batch['w']"]  # not int labels, a vector of one value or a 2-D tensor
-    assert watch.constants(batch(3), 3) == {} and watch.pending  # a short batch is not compared
-    assert watch.constants(batch(), 8) == {"batch['w']": (8,)} and not watch.pending
-    # the same batch again (overfit_batches): nothing changed, nothing told
-    assert ConstantWatch(first, 8).constants(dict(first), 8) == {}
-    # a per-sample vector that changes is cut
-    assert ConstantWatch(first, 8).constants(batch(w=torch.rand(8)), 8) == {}
-    # labels 0..7 in turn at both batches: the data's order repeats, weights by class are per-sample too
-    turn = torch.arange(8)
-    assert ConstantWatch(batch(y=turn, w=weights[turn]), 8).constants(batch(y=turn, w=weights[turn]), 8) == {}
-    # nothing to compare: nothing held
-    assert not ConstantWatch({"x": torch.randn(8, 4), "y": torch.arange(8)}, 8).pending
 
 
 def test_assign_in_place_changes_lists_dicts_and_tensors_held_by_tuples():

@@ -59,7 +59,6 @@ from lightning_pulse.core.sample_index import (
     unmatched_rows_cause,
 )
 from lightning_pulse.core.selection import (
-    ConstantWatch,
     PairwiseWatch,
     assign_in_place,
     concatenated_parts,
@@ -218,9 +217,6 @@ class ReplayBatchLifecycle:
         # batch mode: the parts the first checked batch held whole, not B long (whole_parts), kept whole at
         # every cut: a (10,) class-weight vector matches a short last batch of 10, not its samples
         self._whole_parts: dict[str, tuple[Any, ...]] = {}
-        # batch mode: a 1-D float vector of B values that may be a per-batch constant (class weights of B
-        # classes), compared with the next full batch and then kept whole; None once compared or if none
-        self._constants: ConstantWatch | None = None
         # batch mode over ranks: whether they vote on the pairwise watch at the next batch, and at the next
         # batch of a size this fit has not had (the sizes are the same on every rank; what each rank watches
         # is not: its own batch's padded lengths can be B), and what the votes handed to the backend
@@ -260,7 +256,7 @@ class ReplayBatchLifecycle:
         self.recorded_steps = self.unscored_steps = 0
         self._structure_checked = self._said_coefficients = self._scorer_tried = False
         self._concatenated, self._joined_rows, self._square_parts = {}, {}, {}
-        self._pairwise, self._whole_parts, self._constants = None, {}, None
+        self._pairwise, self._whole_parts = None, {}
         self._pairwise_vote_next, self._pairwise_vote_new_size, self._sizes_seen = True, False, set()
         self._dropped_deferral, self._start_votes = None, 0
         self._sign_checks_left = SIGN_CHECKED_STEPS
@@ -348,14 +344,8 @@ class ReplayBatchLifecycle:
                 self._square_parts = square_parts(batch, batch_size)
                 self._pairwise = PairwiseWatch(batch, batch_size) if self._square_parts else None
                 self._whole_parts = whole_parts(batch, batch_size)
-                self._constants = ConstantWatch(batch, batch_size)
-                self._constants = self._constants if self._constants.pending else None
         elif self._square_parts and batch_size >= 2:  # empty for most batches: then no cost
             self._refuse_here(time_major_later_refusal(self._square_parts, batch, batch_size))
-        if self._constants is not None and not first_checked and batch_size == self._constants.batch_size:
-            if rows_short_of_indices(batch, batch_size) is None:  # the next full batch: read once
-                self._whole_parts = {**self._whole_parts, **self._constants.constants(batch, batch_size)}
-                self._constants = None
         plan = selector.plan_batch(self.mode, indices, active, step, batch_idx, rank, cut, window)
         if self._concatenated or self._joined_rows:
             self._check_concatenated(batch, batch_size, first_checked, plan.positions is not None)

@@ -15,9 +15,7 @@ named tuples, dicts and dataclasses. A *per-sample leaf* is a tensor whose first
 ``B`` (or a list of ``B`` strings, or below the top level a list or tuple of ``B`` alike items not all of which
 are per-sample themselves, as ``zip(*items)`` makes); every other leaf is shared by the whole batch and kept.
 :func:`whole_parts` notes those a full batch held with another first dimension or length than ``B``, so that
-:func:`take_samples` keeps them whole also at a batch of their size (an epoch's short last batch);
-:class:`ConstantWatch` those as long as the batch that the first two full batches held the same (a
-``(B,)`` class-weight vector of ``B`` classes).
+:func:`take_samples` keeps them whole also at a batch of their size (an epoch's short last batch).
 :func:`cut_refusal` says when a cut would go wrong: a batch that cannot change in place (a
 per-sample tuple held by a tuple included), one with no per-sample leaf, or one holding a tensor with ``B``
 second and another length first (time-major). :func:`concatenated_parts` finds what a cut would leave whole
@@ -408,62 +406,6 @@ def whole_parts(
         for key, value in _parts(batch):
             found.update(whole_parts(value, batch_size, True, where + key))
     return found
-
-
-class ConstantWatch:
-    """Finds, at the fit's first two full batches, a per-batch constant whose length is the batch size (a
-    ``(16,)`` class-weight vector in batches of 16), which :func:`whole_parts` cannot tell from one value per
-    sample by its size, so that :func:`take_samples` keeps it whole (passed in ``whole``).
-
-    A candidate is a 1-D floating-point tensor of ``B`` values not all equal at the first full batch. It is a
-    constant when it holds the same values at the next full batch of the same ``B`` while another tensor of
-    ``B`` rows (the inputs) does not. Integer and bool vectors (labels, ids, masks) and tensors of two or more
-    dimensions are never candidates: labels the same at two batches (a dataset sorted by class, a batch of one
-    class) are cut as before; a vector of one value (uniform weights, an all-ones mask) too. Nothing is taken
-    for a constant when every part is the same at both batches (the same batch again, ``overfit_batches``), or
-    when another part of ``B`` rows that holds several values is (labels ``0 .. B-1`` in turn at both: the
-    data's order repeats, and a float vector derived from them, per-sample weights by class, would be too).
-
-    Only a batch holding a candidate is read, at those two batches only: the first batch's tensors of ``B``
-    rows are held until the next full batch (no copy) and compared there (a device sync or two each); no
-    batch after it is read."""
-
-    def __init__(self, batch: Any, batch_size: int) -> None:
-        rows = {
-            where: t
-            for where, t in _parts_with_paths(batch, batch_size)
-            if where != "batch" and isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == batch_size
-        }
-        self.candidates = [
-            where
-            for where, t in rows.items()
-            if t.dim() == 1 and t.is_floating_point() and batch_size >= 2 and not _is_constant(t)
-        ]
-        self.batch_size = batch_size
-        self._first = rows if self.candidates else {}
-
-    @property
-    def pending(self) -> bool:
-        """Whether a later full batch is still to be compared (a batch holding no candidate: never)."""
-        return bool(self._first)
-
-    def constants(self, batch: Any, batch_size: int) -> dict[str, tuple[Any, ...]]:
-        """The candidates ``batch`` (the next full batch of the same size) holds unchanged, by where they are,
-        with their sizes (for ``whole``), when another of its tensors of ``B`` rows changed; then forgets the
-        first batch. A batch of another size is not compared (``{}``, still pending)."""
-        if not self._first or batch_size != self.batch_size:
-            return {}
-        first, self._first = self._first, {}
-        now = {where: t for where, t in _parts_with_paths(batch, batch_size) if where in first}
-        same = {where for where in first if _same(now.get(where), first[where])}
-        constants = [where for where in self.candidates if where in same]
-        # another part of B rows that holds several values and is the same too (labels 0..B-1 in turn, as an
-        # unshuffled dataset ordered by class repeats them): the data's order repeats, so a float vector the
-        # same at both batches may be per-sample (weights by class): none is taken for a constant
-        repeated = any(where not in self.candidates and not _is_constant(first[where]) for where in same)
-        if not constants or repeated or len(same) == len(first):  # nothing changed: the same batch again
-            return {}
-        return {where: tuple(first[where].shape) for where in constants}
 
 
 def _contents(batch: Any) -> Any:
