@@ -179,8 +179,8 @@ class PhaseChange:
         step: the optimizer step at which the new phase starts.
         reason: ``"start"``, ``"budget"`` (the previous phase used up its duration), ``"warmup_end"``,
             ``"anneal"``, ``"resume"``, ``"hold"`` (a burst ended early by :meth:`PhaseClock.hold`) or
-            ``"release"`` (a light phase ended early when the hold was let go) or ``"extended"`` (a finished run
-            resumed to a longer one left its anneal: a new cycle starts).
+            ``"release"`` (a light phase ended early when the hold was let go) or ``"extended"`` (a finished
+            run resumed to a longer one left its anneal: a new cycle starts).
         ended_steps: optimizer steps the previous phase lasted (0 at the start).
         ended_seconds: wall-clock seconds the previous phase lasted (0 at the start).
     """

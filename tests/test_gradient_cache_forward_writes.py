@@ -140,7 +140,8 @@ def test_under_a_collate_fn_that_reorders_the_batch_the_switch_off_says_what_it_
 
 
 class _GraphConv(nn.Module):
-    """A graph convolution over a fixed ring of 12 nodes, its normalised adjacency a sparse buffer (read only)."""
+    """A graph convolution over a fixed ring of 12 nodes, its normalised adjacency a sparse buffer (read
+    only)."""
 
     def __init__(self, features_in: int, features_out: int) -> None:
         super().__init__()

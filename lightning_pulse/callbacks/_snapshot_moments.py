@@ -32,9 +32,8 @@ class SnapshotMoments:
         self._start = compat.HookWatch(compat.after_train_start)
         self._end = compat.HookWatch(compat.after_train_batch_ends)
         self._after_others = False  # a RollbackAware callback listed after the guard closes steps later
-        self.due_step: int | None = (
-            None  # a step whose snapshot waits for every batch end (a save in between)
-        )
+        # a step whose snapshot waits for every batch end (a checkpoint saved in between holds none of it)
+        self.due_step: int | None = None
 
     def fit_starts(self, trainer: pl.Trainer, guard: Any, take: Callable[[], None]) -> None:
         """At the guard's ``on_train_start``: the fit-start snapshot once every ``on_train_start`` ran."""

@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
-from lightning_pulse.energy.compare import SMOKE_TEST  # the status of a fast_dev_run's reports (run_status)
 from lightning_pulse.energy.forecast import Forecast
+from lightning_pulse.energy.report import SMOKE_TEST
 from lightning_pulse.energy.signal import GreenSignal
 from lightning_pulse.phase import (
     KNOWN_LENGTH,

@@ -1350,8 +1350,8 @@ class StabilityCore:
         # cut), and came after the save: this one is it
         last, every = self.schedule.last_step, self.schedule.every
         due, self.resumed_snapshot_due = self.resumed_snapshot_due, False
-        resumed = step and step == self.fit_start and last is not None and every and step - last < every
-        resumed = resumed and not due
+        resumed = step == self.fit_start and step and not due and last is not None and every
+        resumed = resumed and step - last < every
         self.schedule.take(
             step, model, optimizers, schedulers, states, extra={**extra, **self.policy.lineage()}
         )

@@ -99,13 +99,17 @@ class StepPlan:
         return self.plain_steps - self.plain_before - self.plain_dropped
 
     @property
-    def dropped_note(self) -> str:
+    def dropped_text(self) -> str:
         """What a ratio of :attr:`own_plain_steps` leaves out (empty: nothing)."""
         if not self.plain_dropped:
             return ""
-        return (
-            f"; the plain run's {self.plain_dropped} steps over the untrained rest of stopped epochs left out"
-        )
+        dropped = self.plain_dropped
+        return f"the plain run's {dropped} steps over the untrained rest of stopped epochs left out"
+
+    @property
+    def dropped_note(self) -> str:
+        """:attr:`dropped_text` as a clause to append (``"; ..."``; empty: nothing)."""
+        return f"; {self.dropped_text}" if self.plain_dropped else ""
 
     @property
     def spent(self) -> float:
@@ -408,7 +412,7 @@ def _spent(fraction: float, full: float, light: float, replay: float, edges: flo
 def spent_summary(plan: StepPlan, global_step: int, budget: float | None) -> tuple[float, str]:
     """The share of the plain run's steps the run took, and the line that says it."""
     asked = "" if budget is None else f" (budget {budget:g})"
-    dropped = f" ({plan.dropped_note[2:]})" if plan.plain_dropped else ""
+    dropped = f" ({plan.dropped_text})" if plan.plain_dropped else ""
     before = plan.steps_before
     if before:  # steps trained before HardSampleReplay was added saved nothing: this fit's share is its own
         plain = plan.own_plain_steps
@@ -668,9 +672,8 @@ class StepSavingStream:
         if resume is None or not resume["samples"] or lightning_epoch != resume["epoch"] + 1:
             return None
         dropped = (resume["epoch"], resume["batches"])
-        sums = list(
-            itertools.accumulate(self._plain_pass)
-        )  # the plain batches that reach the samples trained
+        # the plain batches that reach the samples trained
+        sums = list(itertools.accumulate(self._plain_pass))
         reached = min(bisect.bisect_left(sums, resume["samples"]) + 1, len(sums))
         plain_left = math.ceil(len(self._plain_pass) / accumulate) - math.ceil(reached / accumulate)
         resume["plain_dropped"] = resume.get("plain_dropped", 0) + plain_left

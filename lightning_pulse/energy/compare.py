@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning_pulse.energy.meter import NONE, PARTIAL
-from lightning_pulse.energy.report import JSON_NAME, SCHEMA, write_atomic, write_report, write_text_atomic
+from lightning_pulse.energy.report import (
+    JSON_NAME,
+    SCHEMA,
+    SMOKE_TEST,
+    write_atomic,
+    write_report,
+    write_text_atomic,
+)
 from lightning_pulse.errors import PulseRefusal
 
 COMPARISON_JSON = "energy_comparison.json"
@@ -39,7 +46,6 @@ FIGURES = (
 #: the figures that are costs of the run (coloured in the PNG; a run that did not finish undercounts them)
 COST_FIGURES = ("duration_s", "energy_kwh", "co2_kg", "cost")
 COMPLETE = "complete"
-SMOKE_TEST = "smoke_test"  # a fast_dev_run's report (kept in `.report`, saved by hand): a few batches
 _NOT_METRICS = ("epoch", "step")
 
 

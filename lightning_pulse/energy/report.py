@@ -22,6 +22,10 @@ from lightning_pulse.energy.ledger import J_PER_KWH, STARTUP_KEY, figures, group
 from lightning_pulse.energy.meter import COMPONENTS, NONE, PARTIAL
 from lightning_pulse.energy.rate_parts import UNCOUNTED_FIELD, parts_line, uncounted_steps
 
+#: the status of a ``fast_dev_run``'s report (EnergyLogger's and GreenWindow's, kept in ``.report``): a few
+#: batches that check the code, not a run (``core.green_window.run_status``; ``compare`` gives it no ratio)
+SMOKE_TEST = "smoke_test"
+
 JSON_NAME = "energy_report.json"
 MARKDOWN_NAME = "energy_report.md"
 PNG_NAME = "energy_report.png"
