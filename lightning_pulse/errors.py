@@ -1,13 +1,14 @@
 """The one exception a lightning-pulse callback raises when it refuses a run at fit start, and the checks
-that several callbacks share: sharded strategies, Tuner searches, one training run per instance, states loaded
-by validate, test or predict, parameters a lazy module has not created yet, a plain check's ``ValueError`` as
-a refusal, and the argument checks (a callback's name first in its errors, nested configs given as
-mappings)."""
+that several callbacks share: sharded strategies, Tuner searches, one training run per instance, one instance
+per checkpoint key, states loaded by validate, test or predict, parameters a lazy module has not created yet,
+a plain check's ``ValueError`` as a refusal, and the argument checks (a callback's name first in its errors,
+nested configs given as mappings)."""
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from torch.nn.parameter import is_lazy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
     from torch import nn
 
 
@@ -164,6 +166,27 @@ def tuner_search(trainer: pl.Trainer) -> str | None:
     return None
 
 
+def refuse_shared_key(trainer: pl.Trainer, callback: Callback) -> None:
+    """Raise :class:`PulseRefusal` when another of the trainer's callbacks has ``callback``'s ``state_key``.
+
+    A checkpoint keeps one state per key, so a resume would load the last one saved into each instance (one
+    EnergyLogger reporting the other's power, two PulseCycles' clocks). Lightning checks the keys only for
+    ``Trainer(callbacks=...)``: those returned by ``LightningModule.configure_callbacks`` join the list later.
+    """
+    key, name = callback.state_key, type(callback).__name__
+    count = sum(other.state_key == key for other in getattr(trainer, "callbacks", ()))
+    if count < 2:
+        return
+    options = re.findall(r"'(\w+)':", key.removeprefix(type(callback).__qualname__))  # in the key: a prefix
+    distinct = f", or give each a distinct {' and '.join(f'`{o}`' for o in options)}" if options else ""
+    raise PulseRefusal(
+        f"{name}: {count} instances share the checkpoint key {key!r} (e.g. returned by "
+        "LightningModule.configure_callbacks, whose callbacks Lightning does not check for unique keys), so a "
+        f"checkpoint would keep one state for all of them and a resume would load it into each. Keep one {name}"
+        f"{distinct}."
+    )
+
+
 class FitRestores:
     """Tells a callback whether a state Lightning loads into it is a resume of the fit it starts.
 
@@ -179,10 +202,13 @@ class FitRestores:
     def __init__(self) -> None:
         self._trainer_state: TrainerState | None = None  # one object for the Trainer's life, updated in place
 
-    def setup(self, trainer: pl.Trainer) -> None:
-        """At the ``setup`` hook, in every stage (before Lightning restores a checkpoint into the
-        callback)."""
+    def setup(self, trainer: pl.Trainer, callback: Callback) -> None:
+        """At ``callback``'s ``setup`` hook, in every stage (before Lightning restores a checkpoint into the
+        callback); at a fit's, refuses a second callback with its checkpoint key (:func:`refuse_shared_key`).
+        """
         self._trainer_state = getattr(trainer, "state", None)  # a stand-in trainer (a test's) may have none
+        if getattr(self._trainer_state, "fn", None) == TrainerFn.FITTING:
+            refuse_shared_key(trainer, callback)
 
     def restored(self) -> bool:
         """From ``load_state_dict``: whether to load the state (not while validate, test or predict run)."""

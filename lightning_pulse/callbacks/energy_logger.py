@@ -152,7 +152,7 @@ class EnergyLogger(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._fit_restores.setup(trainer)  # in every stage, before Lightning restores: see FitRestores
+        self._fit_restores.setup(trainer, self)  # in every stage, before Lightning restores: see FitRestores
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -152,7 +152,7 @@ class GradientCache(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._one_run.setup(trainer)  # in every stage: see FitRestores
+        self._one_run.setup(trainer, self)  # in every stage: see FitRestores
         if stage != "fit":
             return
         refuse_setup(trainer, pl_module, compat.compiled_trainable_part(pl_module), self.activation_cache_mb)

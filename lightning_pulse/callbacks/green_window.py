@@ -157,7 +157,7 @@ class GreenWindow(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._one_run.setup(trainer)  # in every stage, before Lightning restores: see FitRestores
+        self._one_run.setup(trainer, self)  # in every stage, before Lightning restores: see FitRestores
         if stage == "fit" and self.when_dirty == "suspend":
             self._suspend_save.attach(trainer)
 

@@ -158,7 +158,7 @@ class HardSampleReplay(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._one_run.setup(trainer)  # in every stage: see FitRestores
+        self._one_run.setup(trainer, self)  # in every stage: see FitRestores
         if stage != "fit":
             return
         parallel = isinstance(trainer.strategy, ModelParallelStrategy)

@@ -104,7 +104,7 @@ class HyperConnectionMonitor(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._fit_restores.setup(trainer)  # in every stage, before Lightning restores: see FitRestores
+        self._fit_restores.setup(trainer, self)  # in every stage, before Lightning restores: see FitRestores
         # a new fit counts from step 0 again: a step measured in an earlier fit would skip step 0 of this one,
         # and a fit shorter than every_n_steps logged nothing. Here, not in on_fit_start: a checkpoint's
         # state is loaded after setup, before on_fit_start, and must win on a resume

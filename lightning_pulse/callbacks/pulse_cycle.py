@@ -231,7 +231,7 @@ class PulseCycle(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._one_run.setup(trainer)  # in every stage, before Lightning restores: see FitRestores
+        self._one_run.setup(trainer, self)  # in every stage, before Lightning restores: see FitRestores
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

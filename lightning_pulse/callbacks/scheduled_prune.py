@@ -171,7 +171,7 @@ class ScheduledPrune(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._one_run.setup(trainer)  # in every stage: see FitRestores
+        self._one_run.setup(trainer, self)  # in every stage: see FitRestores
         self._trainer_ref = weakref.ref(trainer)
         if stage == "fit":
             errors.refuse_sharded_strategy(trainer, "ScheduledPrune", prune_setup.SHARDED_REASON)

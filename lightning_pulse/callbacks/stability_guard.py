@@ -163,7 +163,7 @@ class StabilityGuard(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._one_run.setup(trainer)  # in every stage: see FitRestores
+        self._one_run.setup(trainer, self)  # in every stage: see FitRestores
         if stage != "fit":
             return
         steps.refuse_manual_optimization(pl_module)
