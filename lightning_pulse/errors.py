@@ -2,17 +2,20 @@
 that several callbacks share: sharded strategies, Tuner searches, one training run per instance, one instance
 per checkpoint key, states loaded by validate, test or predict, parameters a lazy module has not created yet,
 a plain check's ``ValueError`` as a refusal, and the argument checks (a callback's name first in its errors,
-nested configs given as mappings)."""
+numpy numbers as Python's, nested configs given as mappings)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import numbers
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn.parameter import is_lazy
@@ -60,11 +63,16 @@ def refusing(callback: str) -> Iterator[None]:
 
 def names_itself(init: Callable[..., None]) -> Callable[..., None]:
     """Decorate a callback's ``__init__`` so that a ``ValueError`` it raises starts with the callback's name, as
-    Lightning's own messages do: "StabilityGuard: `window`=1 must be an int >= 2." The signature is kept
+    Lightning's own messages do: "StabilityGuard: `window`=1 must be an int >= 2." The arguments (a config
+    dataclass's fields, for a ``__post_init__``) go through :func:`plain_argument` first. The signature is kept
     (``functools.wraps``), so LightningCLI reads the same arguments."""
 
     @functools.wraps(init)
     def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        if init.__name__ == "__post_init__":  # a config dataclass: its fields are the arguments
+            plain_fields(self)
+        args = tuple(plain_argument(value) for value in args)
+        kwargs = {key: plain_argument(value) for key, value in kwargs.items()}
         try:
             init(self, *args, **kwargs)
         except ValueError as error:
@@ -75,6 +83,36 @@ def names_itself(init: Callable[..., None]) -> Callable[..., None]:
             raise ValueError(f"{name}: {text}") from None
 
     return checked
+
+
+def plain_number(value: Any) -> Any:
+    """``value`` as a Python ``int`` when it is an integer of another type (``np.int64(100)``, as numpy and
+    Hydra sweeps give), as a ``float`` when it is a real number of another type (``np.float32(0.1)``); anything
+    else as it is. A bool stays a bool (refused where a number is asked), and so do ``Fraction`` (exact, so a
+    float would change it) and ``Decimal`` (not a ``numbers.Real``): the checks refuse them by name."""
+    if isinstance(value, bool) or type(value) in (int, float) or not isinstance(value, numbers.Real):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return value if isinstance(value, numbers.Rational) else float(value)
+
+
+def plain_argument(value: Any) -> Any:
+    """:func:`plain_number`, and a 1-D numpy array of strings or objects as a list (``phases``, ``order``,
+    ``layer_types`` from a numpy or Hydra sweep): a list check would otherwise meet numpy's "truth value of
+    an array is ambiguous", naming no field."""
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "UO":
+        return value.tolist()
+    return plain_number(value)
+
+
+def plain_fields(config: Any) -> None:
+    """:func:`plain_number` on each field of a (possibly frozen) config dataclass, before its checks read
+    them: a checkpoint or report keeps Python numbers (``torch.load(weights_only=True)`` refuses numpy's)."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if (plain := plain_number(value)) is not value:
+            object.__setattr__(config, field.name, plain)
 
 
 def as_config(value: Any, cls: type, field: str) -> Any:

@@ -115,7 +115,7 @@ class Duration:
 DurationLike = int | float | str | Duration
 
 
-def parse_duration(value: DurationLike, field: str = "duration") -> Duration:
+def parse_duration(value: DurationLike, field: str = "duration", allowed: str | None = None) -> Duration:
     """Turn a user-facing duration into a :class:`Duration`.
 
     Accepted forms:
@@ -125,11 +125,16 @@ def parse_duration(value: DurationLike, field: str = "duration") -> Duration:
     * a string with a unit: ``"200steps"``, ``"0.5epoch"``, ``"90s"``, ``"15min"``, ``"1.5h"``.
       A bare number in a string follows the int/float rule.
 
+    ``allowed`` is what the messages list as accepted: a field that takes fewer forms names only its own.
+
     Raises:
         ValueError: naming ``field``, the value and what is allowed, if the value is negative, not finite,
             or cannot be parsed.
     """
-    allowed = "an int of optimizer steps, a float of epochs, or a string like '200steps', '0.5epoch', '90s', '15min', '1h'"
+    allowed = allowed or (
+        "an int of optimizer steps, a float of epochs, or a string like '200steps', '0.5epoch', '90s', "
+        "'15min', '1h'"
+    )
     if isinstance(value, Duration):
         duration = value
     elif isinstance(value, bool):
@@ -148,7 +153,7 @@ def parse_duration(value: DurationLike, field: str = "duration") -> Duration:
             except ValueError:
                 number = None  # type: ignore[assignment]
         if number is not None:
-            return parse_duration(number, field)
+            return parse_duration(number, field, allowed)
         match = _DURATION_RE.match(text)
         unit = _UNIT_ALIASES.get(match.group(2).lower()) if match else None
         if match is None or unit is None:

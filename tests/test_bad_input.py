@@ -3,9 +3,14 @@ refused before the first training step, and the message starts with the callback
 
 from __future__ import annotations
 
+from collections import UserList
+from collections.abc import Sequence
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -29,6 +34,7 @@ from lightning_pulse.core.stability_policy import StabilityGuardConfig
 from lightning_pulse.energy.config import AccountingConfig
 from lightning_pulse.energy.signal import LiveSignal
 from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.phase import Phase
 from tests.conftest import trainer_kwargs
 
 
@@ -457,3 +463,147 @@ def test_the_total_of_a_run_bounded_by_epochs_of_a_stream_without_length_is_unkn
     trainer.fit(_StreamClassifier(), DataLoader(_Stream(), batch_size=20))
     assert trainer.estimated_stepping_batches == -1  # Lightning's figure: max_steps
     assert compat.total_steps(trainer) == float("inf")
+
+
+# ---------------------------------------------------------------- from a numpy or Hydra sweep (39th pass)
+def test_numpy_numbers_and_name_arrays_from_a_sweep_train_as_python_values(mnist1d_small, tmp_path):
+    # "`window`=np.int64(8) must be an int >= 2" was false: the value is one. Taken as Python's, and kept so:
+    # a checkpoint loads with weights_only=True, which refuses numpy scalars
+    model, data = mnist1d_small(arch="mlp")
+    pulse = PulseCycle(
+        burst=np.int64(4), replay=np.int32(2), maintain=np.int64(2), warmup=np.float32(0.1), anneal=0.0
+    )
+    guard = StabilityGuard(window=np.int64(8), warmup=np.int64(4), config={"spike_memory": np.int64(20)})
+    prune = ScheduledPrune(
+        final_sparsity=np.float32(0.5),
+        start=0,
+        end=np.int64(16),
+        every=np.int64(2),
+        layer_types=np.array(["Linear"]),
+        options={"cadence": "steps"},
+    )
+    cache = GradientCache(phases=np.array(["replay", "maintain"]), check_every=np.int64(4))
+    assert type(prune.final_sparsity) is float and prune.final_sparsity == 0.5
+    assert type(guard.config.spike_memory) is int and cache.phases == (Phase.REPLAY, Phase.MAINTAIN)
+    trainer = pl.Trainer(
+        callbacks=[pulse, guard, prune, cache],
+        max_steps=24,
+        default_root_dir=tmp_path,
+        **trainer_kwargs(enable_checkpointing=True),
+    )
+    trainer.fit(model, data)
+    assert trainer.global_step == 24 and prune.sparsity == pytest.approx(0.5)
+    assert pulse.clock.durations[Phase.BURST].kind == "steps"  # an integer is steps, as Python's int
+    (checkpoint,) = Path(tmp_path).rglob("*.ckpt")
+    torch.load(checkpoint, weights_only=True)
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (True, r"`window`=True must be an int >= 2"),
+        (np.bool_(True), r"`window`=np.True_ must be an int >= 2"),
+        (np.float32(8), r"`window`=8.0 must be an int >= 2"),  # a float is no count, numpy's as Python's
+        (Fraction(8), r"`window`=Fraction\(8, 1\) must be an int >= 2"),
+        (Decimal(8), r"`window`=Decimal\('8'\) must be an int >= 2"),
+    ],
+)
+def test_a_number_that_is_no_int_is_still_refused_as_a_count(value, match):
+    with pytest.raises(ValueError, match=rf"^StabilityGuard: {match}"):
+        StabilityGuard(window=value)
+
+
+@pytest.mark.parametrize("value", [np.float32("nan"), np.float64("inf"), Fraction(1, 10), Decimal("0.1")])
+def test_a_number_that_is_no_finite_float_is_still_refused_as_a_share(value):
+    with pytest.raises(ValueError, match=r"^PulseCycle: `warmup`=.* must be a number in \[0, 1\)"):
+        PulseCycle(warmup=value)
+
+
+@pytest.mark.parametrize("value", [np.complex64(5), "15x", "15min", b"200steps"])
+def test_a_bad_half_life_lists_only_the_forms_score_half_life_takes(value):
+    # it listed '90s', '15min', '1h' (the phase durations' forms), which score_half_life then refuses
+    with pytest.raises(ValueError, match=r"^HardSampleReplay: `score_half_life`=") as caught:
+        HardSampleReplay(score_half_life=value)
+    message = str(caught.value)
+    assert "steps (int, '500steps') or epochs (float, '2epochs')" in message
+    assert "'90s'" not in message and "'1h'" not in message
+
+
+def test_a_1d_array_of_names_is_taken_as_the_list_of_its_names():
+    # both crashed with numpy's "The truth value of an array with more than one element is ambiguous"
+    assert GradientCache(phases=np.array(["replay", "maintain"])).phases == (Phase.REPLAY, Phase.MAINTAIN)
+    prune = ScheduledPrune(layer_types=np.array(["Linear", "Conv1d"]))
+    assert prune.pruner.layer_types == (torch.nn.Linear, torch.nn.Conv1d)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: GradientCache(phases=np.array([["replay"]])), r"^GradientCache: `phases`=array"),
+        (
+            lambda: ScheduledPrune(layer_types=np.array([["Linear"]])),
+            r"^ScheduledPrune: `layer_types` entry array",
+        ),
+        (lambda: ScheduledPrune(layer_types=5), r"^ScheduledPrune: `layer_types`=5 has type int"),
+    ],
+    ids=["phases-2d", "layer-types-2d", "layer-types-int"],
+)
+def test_an_array_or_a_number_where_names_are_asked_is_refused_naming_the_field(make, match):
+    # numpy's "truth value of an array ... is ambiguous" named no field
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_a_stop_checkpoint_path_may_be_a_pathlib_path_as_every_other_path_field(mnist1d_small, tmp_path):
+    model, data = mnist1d_small(arch="mlp")
+    config = StabilityGuardConfig(stop_checkpoint_path=tmp_path / "stop" / "stopped.ckpt")
+    assert config.stop_checkpoint_path == str(tmp_path / "stop" / "stopped.ckpt")  # a checkpoint holds a str
+    trainer = pl.Trainer(callbacks=[StabilityGuard(config=config)], max_steps=4, **trainer_kwargs())
+    trainer.fit(model, data)
+    assert trainer.global_step == 4
+    with pytest.raises(
+        ValueError, match=r"^StabilityGuardConfig: `stop_checkpoint_path`=3 must be a non-empty"
+    ):
+        StabilityGuardConfig(stop_checkpoint_path=3)
+
+
+class _Pairs(Sequence):
+    """A sequence that is no list, as Hydra's ListConfig is."""
+
+    def __init__(self, items):
+        self._items = list(items)
+
+    def __getitem__(self, index):
+        return self._items[index]
+
+    def __len__(self):
+        return len(self._items)
+
+
+def test_a_signal_of_pairs_in_any_sequence_schedules_as_the_same_list(mnist1d_small, tmp_path):
+    from lightning_pulse import SimulatedClock
+    from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
+    from lightning_pulse.energy.carbon import parse_timestamp
+
+    start = parse_timestamp("2020-06-15 00:00:00")
+    pairs = [[start + hour * 3600, 100.0 if hour % 6 < 3 else 400.0] for hour in range(48)]
+    reports = []
+    for signal in (pairs, _Pairs(UserList(pair) for pair in pairs)):
+        model, data = mnist1d_small(arch="mlp")
+        clock = SimulatedClock("2020-06-15 00:00:00")
+        green = GreenWindow(
+            signal=signal,
+            when_dirty="light",
+            clock=clock,
+            options={"watts": 100.0, "report_dir": str(tmp_path)},
+        )
+        pulse = PulseCycle(burst=3, replay=3, maintain=0, warmup=0, anneal=0, maintain_eval="none")
+        trainer = pl.Trainer(
+            callbacks=[SimulatedStepTime(clock, 600.0), pulse, green],
+            max_steps=36,
+            limit_val_batches=0,
+            **trainer_kwargs(),
+        )
+        trainer.fit(model, data)
+        reports.append(green.report["summary"])
+    assert reports[1] == reports[0] and reports[0]["decisions"] >= 5

@@ -41,7 +41,7 @@ from lightning_pulse.energy.config import (
     checked_configs,
     naming_energy_logger,
 )
-from lightning_pulse.errors import FitRestores, refuse_unwritable_dir
+from lightning_pulse.errors import FitRestores, names_itself, refuse_unwritable_dir
 from lightning_pulse.loggers import log_closed_epoch, log_to_loggers
 
 MONITORABLE = ("energy/total_kwh",)
@@ -104,6 +104,7 @@ class EnergyLogger(Callback):
     DEU, price_per_kwh: 0.3, meters: {codecarbon_tracking_mode: process}}}`` under ``trainer.callbacks``.
     """
 
+    @names_itself  # numpy numbers as Python's (the messages already name the callback)
     def __init__(
         self,
         country_iso_code: str | None = None,

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse import errors
 from lightning_pulse.callbacks._suspend_save import SUSPEND_CHECKPOINT as SUSPEND_CHECKPOINT  # re-exported
 from lightning_pulse.callbacks._suspend_save import SuspendSave
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
@@ -112,6 +113,7 @@ class GreenWindow(Callback):
     when_dirty: suspend, max_delay: 12h, deadline: "+36h"}}`` under ``trainer.callbacks``.
     """
 
+    @errors.names_itself  # numpy numbers as Python's (the messages already name the callback)
     def __init__(
         self,
         signal: Any = None,

@@ -34,6 +34,7 @@ from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestam
 from lightning_pulse.energy.forecast import Forecast
 from lightning_pulse.energy.report import SMOKE_TEST
 from lightning_pulse.energy.signal import GreenSignal
+from lightning_pulse.errors import plain_fields
 from lightning_pulse.phase import (
     KNOWN_LENGTH,
     SECONDS_UNIT_NAMES,
@@ -750,6 +751,7 @@ class GreenWindowOptions:
     report_dir: str | None = None
 
     def __post_init__(self) -> None:
+        plain_fields(self)  # np.float32(0.5) as 0.5, as the callbacks' own arguments
         self.slot_s = seconds_of(self.slot, "options.slot")
         if not self.slot_s:
             raise ValueError(f"`options.slot`={self.slot!r} must be a positive duration such as '1h'.")

@@ -100,12 +100,13 @@ class FreezeWindow:
     def __post_init__(self) -> None:
         from lightning_pulse.phase import PHASE_NAMES
 
-        phases = self.phases
-        if isinstance(phases, str) or not phases or not all(name in PHASE_NAMES for name in phases):
+        phases = self.phases  # its type before any truth test: an array's is ambiguous
+        names = tuple(phases) if isinstance(phases, Iterable) and not isinstance(phases, str) else ()
+        if not names or not all(isinstance(name, str) and name in PHASE_NAMES for name in names):
             raise ValueError(
                 f"`phases`={phases!r} must be a non-empty list of phase names from {list(PHASE_NAMES)}."
             )
-        object.__setattr__(self, "phases", tuple(phases))
+        object.__setattr__(self, "phases", names)
         _check_run_point("start_at", self.start_at)
         _check_run_point("release_at", self.release_at)
         if self.release_at is not None:

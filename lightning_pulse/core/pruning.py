@@ -88,6 +88,12 @@ def resolve_layer_types(
         return ()
     if isinstance(layer_types, (str, type)):
         layer_types = [layer_types]
+    if not isinstance(layer_types, Iterable):
+        raise ValueError(
+            f"`{field}`={layer_types!r} has type {type(layer_types).__name__}; give a list of layer types, "
+            "such as ['Linear', 'Conv2d'], or None."
+        )
+    layer_types = list(layer_types)  # a list before any truth test: an array's is ambiguous
     if not layer_types:  # would mean every layer, as None does: said, not guessed
         raise ValueError(
             f"`{field}`={layer_types!r} names no layer type; give None to choose every layer with a weight, or "
@@ -96,7 +102,7 @@ def resolve_layer_types(
     resolved = []
     for item in layer_types:
         cls: Any = item
-        if item == "HFConv1D":
+        if isinstance(item, str) and item == "HFConv1D":
             cls = prune_targets.HFConv1D
         elif isinstance(item, str):
             module_path, _, name = item.rpartition(".")

@@ -455,12 +455,10 @@ def parse_half_life(value: int | float | str | None) -> Duration | None:
     """
     if value is None:
         return None
-    duration = parse_duration(value, "score_half_life")
+    allowed = "a positive number of steps (int, '500steps') or epochs (float, '2epochs'), or None"
+    duration = parse_duration(value, "score_half_life", allowed)  # its messages list only these forms
     if duration.kind == "seconds" or duration.is_zero:
-        raise ValueError(
-            f"`score_half_life`={value!r} must be a positive number of steps (int, '500steps') or epochs "
-            "(float, '2epochs'), or None."
-        )
+        raise ValueError(f"`score_half_life`={value!r} must be {allowed}.")
     return duration
 
 

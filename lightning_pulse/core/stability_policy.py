@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -72,8 +73,8 @@ class StabilityGuardConfig:
         lr_factor_after_rollback: factor on the learning rate during the cooldown after a rollback, in
             ``(0, 1]``; ``1`` leaves it alone.
         lr_cooldown_steps: applied steps the lowered learning rate lasts.
-        stop_checkpoint_path: where to save the checkpoint before stopping; by default
-            ``<default_root_dir>/stability_guard/stopped-step=<step>.ckpt``.
+        stop_checkpoint_path: where to save the checkpoint before stopping (a ``str`` or ``os.PathLike``,
+            kept as a ``str``); by default ``<default_root_dir>/stability_guard/stopped-step=<step>.ckpt``.
 
     Raises:
         ValueError: at construction, naming this class, the field and what is allowed, for a value out of range.
@@ -127,8 +128,13 @@ class StabilityGuardConfig:
                 "nothing: set lr_factor_after_rollback < 1, or leave lr_cooldown_steps at 0."
             )
         path = self.stop_checkpoint_path
-        if path is not None and (not isinstance(path, str) or not path):
-            raise ValueError(f"`stop_checkpoint_path`={path!r} must be a non-empty path or None.")
+        if path is not None:  # a str, as the other path fields keep it (a checkpoint holds no PosixPath)
+            text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+            if not isinstance(text, str) or not text:
+                raise ValueError(
+                    f"`stop_checkpoint_path`={path!r} must be a non-empty path (str or Path) or None."
+                )
+            object.__setattr__(self, "stop_checkpoint_path", text)
 
 
 class EscalationPolicy:

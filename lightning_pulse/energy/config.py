@@ -20,12 +20,14 @@ from typing import Any
 
 from lightning_pulse.energy.codecarbon_meter import TRACKING_MODES
 from lightning_pulse.energy.rapl import DEFAULT_POWERCAP_ROOT
+from lightning_pulse.errors import plain_fields
 
 
 class _EnergyLoggerConfig:
     """Validates a config dataclass at construction; an error names EnergyLogger, whose arguments these are."""
 
     def __post_init__(self) -> None:
+        plain_fields(self)  # np.float32(0.5) as 0.5, as the callbacks' own arguments
         try:
             self._validate()
         except ValueError as error:

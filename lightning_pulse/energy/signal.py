@@ -13,7 +13,7 @@ returned so far, so no forecast can read its future.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,12 @@ from lightning_pulse.energy.carbon import (
 SignalSource = str | Path | Sequence[Any] | TimeSeries | Callable[[], tuple[float, float]]
 
 
+def is_pair_list(value: Any) -> bool:
+    """Whether ``value`` is a sequence that can hold pairs (a list, a tuple, Hydra's ListConfig), not a
+    string."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
 def series_from_json(path: str | Path, field: str = "signal") -> TimeSeries:
     """A series from a JSON list of ``[time, value]`` pairs or ``{"time": ..., "value": ...}`` objects
     (times ISO 8601, naive = UTC, or Unix seconds)."""
@@ -42,15 +48,16 @@ def series_from_json(path: str | Path, field: str = "signal") -> TimeSeries:
 
 
 def series_from_pairs(items: Any, field: str = "signal", name: str = "series") -> TimeSeries:
-    """A series from ``[[time, value], ...]`` or ``[{"time": t, "value": v}, ...]``."""
-    if not isinstance(items, (list, tuple)) or not items:
+    """A series from ``[[time, value], ...]`` or ``[{"time": t, "value": v}, ...]`` (any sequences and
+    mappings: Hydra gives a ListConfig of ListConfigs)."""
+    if not is_pair_list(items) or len(items) == 0:
         raise ValueError(
             f"`{field}` must be a non-empty list of [time, value] pairs or {{'time', 'value'}} objects."
         )
     times, values = [], []
     for index, item in enumerate(items):
         try:
-            if isinstance(item, dict):
+            if isinstance(item, Mapping):
                 moment = item.get("time", item.get("timestamp"))
                 value = item.get("value", item.get("carbon_intensity"))
             else:
@@ -86,7 +93,7 @@ def series_signal(
             if path.suffix.lower() == ".json"
             else TimeSeries.from_csv(path, field)
         )
-    elif isinstance(source, (list, tuple)):
+    elif is_pair_list(source):
         series = series_from_pairs(source, field)
     else:
         raise ValueError(
