@@ -590,6 +590,24 @@ def after_train_start(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Calla
     return _wrap_on_instance(trainer.strategy, "on_train_start", wrap)
 
 
+def after_exception_hooks(trainer: pl.Trainer, hook: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``hook(trainer)`` once every ``on_exception`` hook has run (the callbacks', checkpoint callbacks
+    last, and the datamodule's): Lightning's ``_interrupt`` calls the strategy's ``on_exception`` right after
+    them, and no teardown hook follows an exception. Wrapped on this trainer's strategy instance only, as
+    :func:`after_train_start` wraps ``on_train_start``. Returns a function removing the hook."""
+
+    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
+        def on_exception(*args: Any, **kwargs: Any) -> Any:
+            output = original(*args, **kwargs)
+            if state["active"]:
+                hook(trainer)
+            return output
+
+        return on_exception
+
+    return _wrap_on_instance(trainer.strategy, "on_exception", wrap)
+
+
 class _LastBatchEnd(pl.Callback):
     """A stateless callback that calls ``hook(trainer)`` at its ``on_train_batch_end`` while ``active``
     (:func:`after_train_batch_ends`)."""
@@ -645,9 +663,9 @@ def _wrap_on_instance(
 
 class HookWatch:
     """Holds at most one hook installed by ``install(trainer, hook)`` (:func:`on_train_dataloader_ready`,
-    :func:`on_training_step_input`, :func:`after_train_start`, :func:`after_train_batch_ends`): :meth:`watch`
-    replaces the previous one (a previous fit's, which ended before it was stopped), :meth:`once` calls its
-    hook the next time only, :meth:`stop` removes it."""
+    :func:`on_training_step_input`, :func:`after_train_start`, :func:`after_train_batch_ends`,
+    :func:`after_exception_hooks`): :meth:`watch` replaces the previous one (a previous fit's, which ended
+    before it was stopped), :meth:`once` calls its hook the next time only, :meth:`stop` removes it."""
 
     def __init__(self, install: Callable[[pl.Trainer, Callable[[Any], None]], Callable[[], None]]) -> None:
         self._install = install

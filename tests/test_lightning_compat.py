@@ -551,3 +551,40 @@ def test_the_steps_counter_reads_a_trainers_global_step_later_automatic_and_manu
         trainer = pl.Trainer(callbacks=[counting], max_epochs=2, **trainer_kwargs())
         trainer.fit(module, _loader())
         assert counting.counter() == trainer.global_step == steps
+
+
+class _ExceptionOrder(pl.Callback):
+    """Records its ``on_exception`` and, from it, installs the hook that runs after every other one."""
+
+    def __init__(self, calls: list[str], name: str, install: bool = False) -> None:
+        self.calls, self.name, self.install = calls, name, install
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.calls.append(self.name)
+        if self.install:
+            self.watch = compat.HookWatch(compat.after_exception_hooks)
+            self.watch.once(trainer, lambda _: self.calls.append("after"))
+
+
+class _SavesOnException(_ExceptionOrder, pl.callbacks.Checkpoint):
+    pass
+
+
+class _Fails(BatchNormMLP):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("fails")
+
+
+def test_the_hook_after_exception_runs_once_every_on_exception_ran_checkpoint_callbacks_last(tmp_path):
+    """ScheduledPrune folds its masks there, so that a checkpoint saved on the exception keeps them."""
+    calls: list[str] = []
+    callbacks = [_SavesOnException(calls, "checkpoint"), _ExceptionOrder(calls, "first", install=True)]
+    trainer = pl.Trainer(
+        callbacks=callbacks,
+        max_steps=2,
+        **trainer_kwargs(default_root_dir=tmp_path, enable_checkpointing=True),
+    )
+    with pytest.raises(RuntimeError, match="fails"):
+        trainer.fit(_Fails(), _loader())
+    assert calls == ["first", "checkpoint", "after"]  # Lightning calls checkpoint callbacks last
+    assert "on_exception" not in vars(trainer.strategy)  # a once-hook removes itself

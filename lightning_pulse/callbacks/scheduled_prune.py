@@ -142,6 +142,7 @@ class ScheduledPrune(Callback):
         self.probe = HeldOutProbe("ScheduledPrune", probe_batches, "accuracy at events is off", off)
         self._trainer_ref: Callable[[], pl.Trainer | None] = _no_trainer  # picklable, for ddp_spawn
         self._training = False  # between on_train_start and the end of fit: a state load is a rollback
+        self._after_exception = compat.HookWatch(compat.after_exception_hooks)  # see on_exception
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -266,6 +267,13 @@ class ScheduledPrune(Callback):
         self._end_distillation(trainer)
         fold = self.mode == "unstructured" and self.options.make_permanent
         self.core.end_fit(pl_module, trainer.global_step, fold)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: BaseException) -> None:
+        started, self._training = self._training, False  # a resume of this instance then loads no rollback
+        # no teardown follows: fold once every on_exception ran, so that a checkpoint saved in one keeps masks
+        end = partial(self.core.end_after_exception, pl_module, trainer.global_step, started=started)
+        self._after_exception.once(trainer, lambda _: end(fold=self.options.make_permanent))
 
     @override
     def on_load_checkpoint(

@@ -306,6 +306,14 @@ class PruneEvents:
         if warning is not None:
             waited = WAITED_NOTE.format(target=self.schedule.target(step)) if self.deferred else ""
             self.warn(warning + waited)
+        self._fold_own_masks(model, fold)
+        if self.events:
+            kept = kept_above_target(self.schedule)
+            self.info(f"ScheduledPrune: at fit end, {kept}{pruning.event_summary(self.events[-1])}.")
+
+    def _fold_own_masks(self, model: nn.Module, fold: bool) -> list[str]:
+        """:meth:`end_fit`'s refresh of the masked weights and, with ``fold``, fold of the ``weight`` masks of
+        :attr:`own_masked`; returns the layers folded."""
         self.masks.forget()  # the hooks there now, not those found before another callback folded some
         self.masks.refresh(model, grad=False)
         modules = dict(model.named_modules()) if self.own_masked else {}
@@ -313,12 +321,42 @@ class PruneEvents:
         gone = [name for name in masked if pruning.current_mask(modules[name]) is None]
         if gone:
             (self.info if fold else self.warn)(folded_elsewhere_note(gone, fold))
+        folded = []
         if fold:
-            pruning.make_masks_permanent(model, only=set(masked) - set(gone), tensors={"weight"})
+            folded = pruning.make_masks_permanent(model, only=set(masked) - set(gone), tensors={"weight"})
         self.masks.forget()
-        if self.events:
-            kept = kept_above_target(self.schedule)
-            self.info(f"ScheduledPrune: at fit end, {kept}{pruning.event_summary(self.events[-1])}.")
+        return folded
+
+    def end_after_exception(self, model: nn.Module, step: int, started: bool, fold: bool) -> None:
+        """After an exception ended a stage at optimizer ``step``, once every ``on_exception`` hook ran
+        (Lightning calls no fit-end or teardown hook then): what the stage's end does, so that the model is
+        the same whichever way a fit ended. The distillation hook comes off the model; with ``fold``
+        (``make_permanent``; unstructured only), a fit that ``started`` training folds :attr:`own_masked` as
+        :meth:`end_fit` does, else the masks gained since the stage's setup (a restored checkpoint's) are
+        folded as :meth:`stop_fitting_loads` does.
+        Before, the masks and prune hooks stayed: the model's ``state_dict()`` did not load into its plain
+        class, a plain Trainer went on training it under the masks, and a later ``trainer.validate`` folded
+        them. A checkpoint saved in an ``on_exception`` hook (``OnExceptionCheckpoint``) ran before this and
+        holds the masks, as any mid-run checkpoint does. A failure here is a warning: the stage's exception
+        is the one to raise."""
+        self.end_distillation()  # not logged: the logger may be what failed
+        fold = fold and self.pruner.mode == "unstructured"
+        try:
+            folded = self._fold_own_masks(model, fold and started)
+            self.stop_fitting_loads(model, fold=fold and not started)
+        except Exception as error:  # raised here, it would hide the stage's exception
+            self.warn(
+                f"ScheduledPrune: after the exception, its masks could not be folded ({error!r}); fold them "
+                "with `lightning_pulse.core.pruning.make_masks_permanent(model)`."
+            )
+            return
+        if folded:
+            sparsity = f"{self.schedule.sparsity:.3f}"
+            self.info(
+                f"ScheduledPrune: the fit stopped on an exception or interrupt at step {step}; the masks of "
+                f"{len(folded)} layers were folded into their weights (sparsity {sparsity}), as at fit end: "
+                "the model loads into its plain class. A checkpoint of the run resumes with ScheduledPrune."
+            )
 
     # ------------------------------------------------------------------ an event
     def cut(
