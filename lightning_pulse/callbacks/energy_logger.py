@@ -7,6 +7,7 @@ glue: hooks onto the account, the report's location, and logging.
 from __future__ import annotations
 
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ class EnergyLogger(Callback):
             )
             self.report: dict[str, Any] | None = None
             self.report_paths: list[Path] = []
-            self._trainer: pl.Trainer | None = None
+            self._trainer: weakref.ReferenceType[pl.Trainer] | None = None  # weak: not its model and data
             self._fit_restores = FitRestores()
             self._held = compat.CollectiveHold()  # gathered figures, until gloo's worker lets go of them
             self._in_train_loop = False
@@ -159,7 +160,7 @@ class EnergyLogger(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refuse_unwritable_dir("EnergyLogger", "report_dir", self.report_dir)
         refuse_overwriting_baseline(self.accounting.baseline, self.report_dir, trainer)
-        self._trainer, self._in_train_loop = trainer, False
+        self._trainer, self._in_train_loop = weakref.ref(trainer), False
         self.report, self.report_paths = None, []
         # every rank, outside the meters' start (where an error only disables a rank, which would then miss
         # the gather the others wait in): a refusal of process mode is decided together
@@ -188,7 +189,8 @@ class EnergyLogger(Callback):
         compat.refuse_uneven_epochs(trainer, "EnergyLogger", why, self._held, only_if_an_epoch_ends=True)
         self._in_train_loop = True
         progress = compat.run_progress(trainer)  # the loader's batch size tells a time-major batch's samples
-        self.account.begin_training(lambda: trainer.global_step, progress, trainer.train_dataloader)
+        steps = compat.optimizer_steps_counter(trainer)  # `global_step`; the account outlives the Trainer
+        self.account.begin_training(steps, progress, trainer.train_dataloader)
         resumed = trainer.ckpt_path is not None  # added on a resume, or a later fit; rates changed
         self.account.join_run(trainer.global_step, resumed, rank_zero_info, rank_zero_warn)
         compat.note_run_shares(trainer, "EnergyLogger", "the forecast of the run's energy", rereads=True)
@@ -285,14 +287,11 @@ class EnergyLogger(Callback):
         self.account.stop()
 
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: BaseException) -> None:
         if trainer.state.fn != "fit":  # a failed validate, test or predict: EnergyLogger meters fits only
             return
         if (where := self.account.interrupted()) is not None:  # no run to report on
-            rank_zero_info(f"EnergyLogger: the fit stopped {where}; no energy report.")
-            return
+            return rank_zero_info(f"EnergyLogger: the fit stopped {where}; no energy report.")
         # collectives are not safe after an exception on one rank, so only a single process reports
         if self.account.ledger is not None and trainer.world_size == 1 and self.report is None:
             try:
@@ -307,13 +306,16 @@ class EnergyLogger(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        trainer = self._trainer
+        trainer = None if self._trainer is None else self._trainer()
         return self.account.state_dict(None if trainer is None else self._collective(trainer))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._fit_restores.restored():  # not when loaded by validate, test or predict: no resume
             self.account.load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled by ``ddp_spawn`` after a fit too: no weak reference
+        return {**self.__dict__, "_trainer": None}
 
     # ------------------------------------------------------------------ internals
     def _finish(self, trainer: pl.Trainer, status: str) -> dict[str, Any]:
@@ -348,7 +350,7 @@ class EnergyLogger(Callback):
 
     def _warn_rank(self, message: str) -> None:
         # a meter can fail on one rank only (its own GPU), so under DDP every rank may warn, with its rank
-        trainer = self._trainer
+        trainer = None if self._trainer is None else self._trainer()
         if trainer is None or trainer.world_size <= 1:
             rank_zero_warn(message)
         else:

@@ -79,19 +79,17 @@ class ScheduledPrune(Callback):
         probe_batches: validation batches evaluated right after each event (and before it when no PulseCycle
             probe just ran); ``0`` turns the probes off.
         distill: a :class:`~lightning_pulse.core.distillation.DistillConfig` to distil the pre-event model
-            into the pruned one after each event (a KL term on the logits added through a forward hook; the
-            module's ``forward`` must return the logits); ``None`` (default) for none.
+            into the pruned one after each event (a KL term on the logits, which ``forward`` must return).
         options: rarely turned knobs, a :class:`PruneOptions`.
 
     Raises:
         ValueError: at construction, naming the field, for a value out of range or of the wrong type, an
             unknown ``mode``/``cadence``/``ranking``, an invalid regex or layer type.
         PulseRefusal: at fit start, before the first step: no layer can be pruned, ``start`` after ``end``
-            or after the run's last step, ``cadence="maintain"`` without a maintain phase, FSDP/DeepSpeed or
-            another unsupported strategy, a model structured pruning cannot trace or cut safely (one under
-            ``torch.compile``, or one whose trial cut does not finish within ``STRUCTURED_CHECK_SECONDS``), a
-            lazy module (``nn.LazyLinear``) whose weights no forward has created yet, a second run of this
-            instance unless a checkpoint was restored into it.
+            or after the run's last step, ``cadence="maintain"`` without a maintain phase, an unsupported
+            strategy (FSDP, DeepSpeed), a model structured pruning cannot trace or cut safely (one under
+            ``torch.compile``, or a trial cut over ``STRUCTURED_CHECK_SECONDS``), a lazy module whose weights
+            no forward has created yet, a second run of this instance (unless a checkpoint was restored).
         ModuleNotFoundError: at construction, structured mode without torch-pruning installed.
 
     Example::
@@ -311,6 +309,9 @@ class ScheduledPrune(Callback):
         self.load_state_dict(state_dict)
         if (trainer := self._trainer_ref()) is not None and trainer.lightning_module is not None:
             self.core.masks_after_rollback(trainer.lightning_module, state_dict.get("masked_layers"))
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled by ``ddp_spawn`` after a fit too: no weak reference
+        return {**self.__dict__, "_trainer_ref": _no_trainer}
 
     # ------------------------------------------------------------------ the event
     def _prune_event(

@@ -158,7 +158,7 @@ class StabilityGuard(Callback):
 
     def metrics(self) -> dict[str, float]:
         """The stability figures of the run so far, as logged under ``stability/``."""
-        return steps.guard_metrics(self.policy, with_energy=self._energy.read is not None)
+        return steps.guard_metrics(self.policy, with_energy=self._energy.counted)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -268,6 +268,7 @@ class StabilityGuard(Callback):
         self._changes.detach()
         self._entry_watch.stop()
         self._moments.stop()
+        self._energy.release()  # an EnergyLogger's meter: not kept (nor pickled) with the guard after the fit
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
 
     def on_pulse_phase_change(
@@ -351,8 +352,7 @@ class StabilityGuard(Callback):
             tell_restored_phase(trainer, pl_module, state[2], cycle.clock.resume_change())
         message, path = self.core.conclude_rollback(action, step, target, undone, trainer.default_root_dir)
         if path is None:  # rolled back: training goes on
-            rank_zero_warn(message)
-            return
+            return rank_zero_warn(message)
         log_to_loggers(trainer, self.metrics())
         save, barrier = partial(trainer.save_checkpoint, path), partial(trainer.strategy.barrier, "stop")
         raise steps.stop_error(message, path, save, barrier, compat.from_rank_zero(trainer))

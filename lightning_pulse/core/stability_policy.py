@@ -550,7 +550,8 @@ class StepEnergy:
 
     :meth:`begin` at the first batch of a step, :meth:`end` when it ended. A reading that fails turns the
     meter off for the rest of the run (a meter never kills the run), said once through ``warn``. A pause
-    between the two (:meth:`on_pulse_pause`) is left out.
+    between the two (:meth:`on_pulse_pause`) is left out. :attr:`counted`: whether the steps' energy is
+    counted (a meter was given and never failed); it stays so after :meth:`release`.
     """
 
     def __init__(
@@ -558,6 +559,7 @@ class StepEnergy:
     ) -> None:
         self.read = read
         self.warn = warn
+        self.counted = read is not None
         self._start: float | None = None
         self._paused_at: float | None = None
 
@@ -591,11 +593,19 @@ class StepEnergy:
         now = self._value() if start is not None else None
         return 0.0 if now is None or start is None else max(0.0, now - start)
 
+    def release(self) -> None:
+        """At the fit's end: let go of the meter (an EnergyLogger's bound method), which the guard no longer
+        reads; the logger is not kept alive, nor copied, through the guard."""
+        self.read, self._start, self._paused_at = None, None, None
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled (``ddp_spawn``) and copied without the meter's logger
+        return {**self.__dict__, "read": None}
+
     def _value(self) -> float | None:
         try:
             return None if self.read is None else float(self.read())
         except Exception as error:
-            self.read = None
+            self.read, self.counted = None, False
             if self.warn is not None:
                 self.warn(
                     f"StabilityGuard: reading energy failed ({error!r}); wasted energy is no longer counted."

@@ -500,8 +500,9 @@ class EnergyAccount:
     def begin_training(
         self, step_counter: Callable[[], int], progress: tuple[int, int] = (0, 0), loader: Any = None
     ) -> None:
-        """The training loop starts; ``step_counter()`` is the optimizer steps taken so far, ``progress`` the
-        run's ``(optimizer steps, batches)`` so far (a new run's forecast counts from there:
+        """The training loop starts; ``step_counter()`` is the optimizer steps taken so far (a reader that
+        holds no Trainer: a fit that raises leaves it in the account, which outlives the fit), ``progress``
+        the run's ``(optimizer steps, batches)`` so far (a new run's forecast counts from there:
         :meth:`forecast_length`); ``loader`` the training DataLoader (or the several Lightning combines),
         whose batch size tells a time-major batch's samples
         (:class:`~lightning_pulse.energy.counting.BatchCounter`)."""

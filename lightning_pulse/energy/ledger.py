@@ -202,6 +202,15 @@ class EnergyLedger:
         self._label_keys: dict[Label, tuple[str, ...]] = {}  # under `lock` (current_keys() is not)
         self._tally = _Tally(())
 
+    # an EnergyLogger is pickled by ``ddp_spawn`` and copied by sweeps, also after a fit: the figures go with
+    # it, the lock is made anew
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if key != "lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+
     # ------------------------------------------------------------------ time and labels
     def begin(self, now: float, wall: float, totals: Mapping[str, tuple[float, str]] | None = None) -> None:
         """Start the clock at the first reading (cumulative ``totals`` become the zero point)."""

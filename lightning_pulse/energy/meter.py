@@ -183,7 +183,7 @@ class MeterChain:
         self._factories = list(factories)
         self._position = -1
         self._warn = warn
-        self._info = info or (lambda message: None)
+        self._info = info or _ignore
         self.required = bool(required)
         self.meter: EnergyMeter | None = None
         self.offset_j = 0.0
@@ -197,6 +197,14 @@ class MeterChain:
         self._counted = False  # whether any meter of this chain has
         self._closed_description: dict[str, Any] | None = None  # the active meter's, when the chain closed
         self._given_up: str | None = None  # why the active meter's background start was given up
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled and deep-copied with its EnergyLogger (``ddp_spawn``, a sweep's copies): a copy is a closed
+        # chain, its records and description kept; the meters (a codecarbon tracker, NVML handles), the
+        # factories building them (closures) and the warners stay with the fit that ran them
+        closed = self._closed_description if self.meter is None else self.meter.describe()
+        dropped = {"_factories": [], "meter": None, "_closed_description": closed}
+        return {**self.__dict__, **dropped, "_warn": _ignore, "_info": _ignore}
 
     @property
     def method(self) -> str:
@@ -385,6 +393,10 @@ class MeterChain:
             meter.close()
         except Exception:  # closing a broken meter may fail too; nothing useful to do about it
             pass
+
+
+def _ignore(message: str) -> None:
+    return None
 
 
 def _one_line(error: BaseException) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from lightning_pulse.energy.ledger import EnergyLedger
 from lightning_pulse.energy.meter import MeterChain
@@ -60,6 +61,16 @@ class EnergySampler:
         self._thread: threading.Thread | None = None
         self._started = False
         self._started_at = 0.0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled and deep-copied with its EnergyLogger (``ddp_spawn``, a sweep's copies): a copy is a stopped
+        # sampler, its readings kept; the thread, its lock and its event stay with this one
+        dropped = ("_lock", "_stop_event", "_thread")
+        return {**{k: v for k, v in self.__dict__.items() if k not in dropped}, "_started": False}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock, self._stop_event, self._thread = threading.Lock(), threading.Event(), None
 
     @property
     def running(self) -> bool:

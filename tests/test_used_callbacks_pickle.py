@@ -1,0 +1,91 @@
+"""EnergyLogger, ScheduledPrune and StabilityGuard after a fit: they pickle, deep-copy and keep no Trainer.
+
+``ddp_spawn`` pickles the callbacks at every fit, and sweeps copy them. After one fit, EnergyLogger once held
+its ledger's and sampler's locks, its sampler's event, its meters' closures and the Trainer; ScheduledPrune a
+weak reference to the Trainer; a StabilityGuard fitted beside an EnergyLogger the logger's bound meter. A
+reused EnergyLogger (allowed) then died under ``ddp_spawn`` with ``TypeError: cannot pickle
+'_thread.RLock' object``, and a reused ScheduledPrune gave that raw error instead of its own refusal.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import pickle
+import weakref
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_pulse import EnergyLogger, MeterConfig, ScheduledPrune, StabilityGuard
+from lightning_pulse.energy.report import JSON_NAME
+from tests.conftest import trainer_kwargs
+from tests.ddp_workers import TwoGlooProcesses
+
+BATCH = 64  # mnist1d_small's
+# a short run's schedule: few, large cuts (said once, as a warning)
+pytestmark = pytest.mark.filterwarnings("ignore:ScheduledPrune. with .every.")
+
+
+def energy_logger(tmp_path) -> EnergyLogger:
+    meters = MeterConfig(cpu_watts=10.0, sampling_period=0.05)
+    return EnergyLogger(
+        cpu="constant", gpu="none", ram="none", meters=meters, report_dir=str(tmp_path / "report")
+    )
+
+
+def test_used_callbacks_pickle_and_copy_with_their_figures_and_keep_no_trainer(mnist1d_small, tmp_path):
+    energy = energy_logger(tmp_path)
+    prune = ScheduledPrune(final_sparsity=0.5, start=1, end=3, every=1, probe_batches=0)
+    guard = StabilityGuard(window=5, warmup=3, snapshot_every=2, rollback_margin=1)
+    model, data = mnist1d_small(arch="mlp")
+    callbacks = [energy, prune, guard]
+    trainer = pl.Trainer(max_steps=4, callbacks=callbacks, **trainer_kwargs(default_root_dir=tmp_path))
+    trainer.fit(model, data)
+    assert energy.report is not None and prune.sparsity == 0.5
+    for callback in callbacks:
+        for restored in (pickle.loads(pickle.dumps(callback)), copy.deepcopy(callback)):
+            assert type(restored) is type(callback)
+    restored = pickle.loads(pickle.dumps(energy))
+    assert restored.report == energy.report
+    assert restored.energy_so_far_kwh() == energy.energy_so_far_kwh() > 0.0
+    totals = [callback.state_dict()["snapshot"]["buckets"]["total"] for callback in (restored, energy)]
+    assert totals[0]["cpu_j"] == totals[1]["cpu_j"] > 0.0 and totals[0]["samples"] == totals[1]["samples"]
+    assert copy.deepcopy(prune).events == prune.events
+    # the guard lets go of the logger's meter at the fit's end, but still reports that fit's wasted energy
+    assert "stability/energy_wasted_kwh" in pickle.loads(pickle.dumps(guard)).metrics()
+    # Lightning gives every callback the module's `log` and `log_dict` (they hold the module, and through it
+    # the Trainer); nothing else of these callbacks may keep the finished Trainer, its model and data alive
+    for callback in callbacks:
+        del callback.log, callback.log_dict
+    finished, logger = weakref.ref(trainer), weakref.ref(energy)
+    del trainer, model, data, callbacks, restored, energy
+    gc.collect()
+    assert finished() is None
+    assert logger() is None  # nor does the guard keep the EnergyLogger whose meter it read
+    assert "stability/energy_wasted_kwh" in guard.metrics()
+
+
+@pytest.mark.ddp
+def test_a_used_energy_logger_fits_again_in_spawned_ranks_and_a_used_prune_refuses_by_name(
+    mnist1d_small, tmp_path
+):
+    energy = energy_logger(tmp_path)
+    prune = ScheduledPrune(final_sparsity=0.5, start=1, end=3, every=1, probe_batches=0)
+    model, data = mnist1d_small(arch="mlp")
+    kwargs = trainer_kwargs(default_root_dir=tmp_path / "first")
+    pl.Trainer(max_steps=4, callbacks=[energy, prune], **kwargs).fit(model, data)
+
+    # the launcher pickles the Trainer with its callbacks into each rank
+    kwargs = trainer_kwargs(devices=2, strategy=TwoGlooProcesses(), default_root_dir=tmp_path / "second")
+    model, data = mnist1d_small(arch="mlp")
+    pl.Trainer(max_steps=3, callbacks=[energy], **kwargs).fit(model, data)
+    report = json.loads((tmp_path / "report" / JSON_NAME).read_text())
+    assert report["world_size"] == 2
+    assert report["total"]["samples"] == 2 * 3 * BATCH  # the second fit only: two ranks, three steps each
+
+    kwargs = trainer_kwargs(devices=2, strategy=TwoGlooProcesses(), default_root_dir=tmp_path / "third")
+    model, data = mnist1d_small(arch="mlp")
+    with pytest.raises(Exception, match="ScheduledPrune: this instance already trained a run"):
+        pl.Trainer(max_steps=3, callbacks=[prune], **kwargs).fit(model, data)
