@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 from lightning_pulse.records import append_recent
+from lightning_pulse.step_rows import is_step_row
 
 
 class Phase(str, Enum):
@@ -637,6 +638,18 @@ class PhaseClock:
         due, self._hold_due = self._hold_due, None
         return due
 
+    def end_rows(self) -> dict[str, float]:
+        """At the fit's end, what PulseCycle logs at its last step: that step's row where none was written
+        (:meth:`PhaseRows.take_last_row`), and ``pulse/<phase>_steps`` and ``pulse/<phase>_seconds`` of the
+        phase in progress, as a change logs those of the phase it ends (none if it trained no step): the
+        logged steps add up to the run's. A fit resumed in that phase logs it whole when it ends, a later row
+        at a later step (the last row of a phase is its figure, as the last of an epoch is EnergyLogger's)."""
+        row = dict(self.rows.take_last_row() or {})
+        if self._segment_steps > 0:
+            phase = f"pulse/{self.phase.value}"
+            row[f"{phase}_steps"], row[f"{phase}_seconds"] = float(self._segment_steps), self._segment_seconds
+        return row
+
     def start_or_resume(self, total_steps: int | float | None, step: int = 0) -> PhaseChange:
         """:meth:`start` at the run's optimizer ``step`` (:meth:`begin_at`), or on a clock already running (a
         resumed run keeps its restored phase) the :meth:`resume_change`: the change to tell listeners either
@@ -853,9 +866,9 @@ class PhaseRows:
     step trained in, read at its start (:meth:`step_starts`), since a scheduler holding light at its batch end
     (:meth:`PhaseClock.hold`, GreenWindow) can move the clock before PulseCycle's batch end reads it.
 
-    A row at every ``log_every_n_steps``-th step, as Lightning logs, and at every switch whatever that
-    cadence: the first step of a phase and the last one of a phase the clock ended, so that a phase shorter
-    than the cadence still shows, at its true steps.
+    A row at every ``log_every_n_steps``-th step, as Lightning logs (none at ``0``, as Lightning's), and at
+    every switch whatever that cadence: the first step of a phase and the last one of a phase the clock ended,
+    so that a phase shorter than the cadence still shows, at its true steps.
     """
 
     def __init__(self) -> None:
@@ -875,7 +888,7 @@ class PhaseRows:
         ``ended`` whether the clock ended a phase with it."""
         first = self.trained != self._previous
         self._previous, self._in_step = self.trained, False
-        due = first or ended or self._ended_by_hold or step % max(every_n_steps, 1) == 0
+        due = first or ended or self._ended_by_hold or is_step_row(step, every_n_steps)  # 0: none
         self._unwritten = None if due else self.trained
         return self.trained if due else None
 

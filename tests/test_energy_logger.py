@@ -25,7 +25,7 @@ from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.meter import ESTIMATED, MEASURED, NONE, PARTIAL
 from lightning_pulse.energy.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME, render_report
 from lightning_pulse.energy.sampler import THREAD_NAME
-from tests.conftest import trainer_kwargs
+from tests.conftest import RecordingLogger, trainer_kwargs
 from tests.test_energy_meters import FakeGpu, fake_nvml, make_rapl_tree, set_energy  # noqa: F401
 
 BATCH = 20
@@ -820,6 +820,31 @@ def test_step_figures_leave_out_codecarbons_start_up_and_end_at_the_reports_tota
     # quarter more once; the bug this guards against was 25x the total), and no less than the last logged
     final = energy.energy_so_far_kwh()
     assert so_far[-1] <= final <= total
+
+
+def test_cycles_that_end_before_codecarbons_first_reading_are_logged_with_their_energy_once_it_comes(
+    tmp_path, monkeypatch
+):
+    """Sweep-loggers 5: the cycles that ended while codecarbon was still starting reached the logger as a lone
+    `energy/cycle`, with no kWh, though the report later gave them their energy. They now wait for the first
+    reading (here the first epoch's end, which waits for the held start) and are logged at their own last
+    step, with the report's figures."""
+    held = HeldCodecarbonStart(monkeypatch)  # held for the whole first epoch: cycles 0 and 1 end in it
+    cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0.0, anneal=0.0, maintain_eval="none")
+    energy = EnergyLogger(cpu="codecarbon", meters=MeterConfig(sampling_period=0.05))
+    logger = RecordingLogger()
+    fit = trainer([held, cycle, energy], limit_val_batches=0, logger=logger, default_root_dir=tmp_path)
+    fit.fit(MNIST1DClassifier(arch="mlp"), data())
+
+    assert held.pending_at_first_batch is True and fit.global_step == 24
+    rows = [(step, row) for step, row in logger.rows if "energy/cycle" in row]
+    assert all("energy/cycle_kwh" in row for _, row in rows)  # never a lone `energy/cycle`
+    # each at its last step (6 steps a cycle); the fourth ends at the fit's last step, where the clock enters
+    # a fifth that trains no step and gets no row
+    assert {int(row["energy/cycle"]): step for step, row in rows} == {0: 5, 1: 11, 2: 17, 3: 23}
+    report = energy.report["cycles"]
+    for _, row in rows:
+        assert row["energy/cycle_kwh"] == pytest.approx(report[str(int(row["energy/cycle"]))]["energy_kwh"])
 
 
 def test_a_codecarbon_start_that_fails_in_the_background_falls_back(tmp_path, monkeypatch, recwarn):

@@ -14,12 +14,14 @@ from benchmarks.stability_guard import FaultInjector
 from lightning_pulse import (
     EnergyLogger,
     GradientCache,
+    HardSampleReplay,
     HyperConnectionMonitor,
     PulseCycle,
     StabilityGuard,
     phase_of,
 )
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
+from lightning_pulse.energy.config import MeterConfig
 from lightning_pulse.loggers import log_to_loggers
 from tests.conftest import RecordingLogger, trainer_kwargs
 
@@ -64,7 +66,8 @@ def test_energy_and_phase_metrics_line_up_with_the_training_loss(mnist1d_small, 
     library = [
         step for step, metrics in logger.rows if any(key.startswith(("energy/", "pulse/")) for key in metrics)
     ]
-    assert {step for step, _ in logger.logged("pulse/burst_steps")} == {2}  # the burst ended with step 3
+    # the burst that ended with step 3, and the one in progress when the fit ended (its two steps so far)
+    assert logger.logged("pulse/burst_steps") == [(2, 3.0), (7, 2.0)]
     # every figure lands on a step that has a loss, the epoch's and the run's summaries on the last one, where
     # Lightning writes an epoch's own metrics
     assert set(library) <= loss_steps
@@ -327,3 +330,72 @@ def test_a_resumed_fit_that_trains_nothing_logs_its_summary_at_the_last_step_not
     last_loss = first.logged("train_loss")[-1][0]
     assert [step for step, _ in first.logged("energy/final_kwh")] == [last_loss]
     assert [step for step, _ in resumed.logged("energy/final_kwh")] == [last_loss]
+
+
+def fit_with_every_logging_callback(every: int, mnist1d_small, tmp_path) -> RecordingLogger:
+    """Two 12-step epochs of PulseCycle, HardSampleReplay, GradientCache and EnergyLogger (a constant meter:
+    the same rows in every fit) under ``Trainer(log_every_n_steps=every)``."""
+    pl.seed_everything(0)
+    model, data = mnist1d_small(arch="mlp")
+    logger = RecordingLogger()
+    callbacks = [
+        PulseCycle(burst=3, replay=2, maintain=1, warmup=0, anneal=0, maintain_eval="none"),
+        HardSampleReplay(mode="batch", replay_fraction=0.5),
+        GradientCache(threshold=2.0, check_every=5, freeze_for=20),
+        EnergyLogger(cpu="constant", ram="none", gpu="none", meters=MeterConfig(cpu_watts=20.0)),
+    ]
+    options = trainer_kwargs(logger=logger, max_epochs=2, log_every_n_steps=every, default_root_dir=tmp_path)
+    pl.Trainer(callbacks=callbacks, limit_train_batches=12, limit_val_batches=1, **options).fit(model, data)
+    return logger
+
+
+def callback_rows(logger: RecordingLogger, prefixes: tuple[str, ...]) -> set[tuple[int, str]]:
+    return {(step, key) for step, row in logger.rows for key in row if key.startswith(prefixes)}
+
+
+def test_log_every_n_steps_zero_gives_no_step_level_rows_and_keeps_the_event_rows(mnist1d_small, tmp_path):
+    # sweep-loggers 4: Lightning's `log_every_n_steps=0` (no step-level logging) was read as 1: PulseCycle,
+    # HardSampleReplay, GradientCache and EnergyLogger logged at each of the 24 steps
+    off = fit_with_every_logging_callback(0, mnist1d_small, tmp_path / "off")
+    assert off.logged("train_loss") == []  # Lightning's own: none
+    # the rows that are not on the cadence (phase boundaries, the checks, the epochs', cycles' and fit's ends)
+    # are those of a cadence longer than the run
+    beyond = fit_with_every_logging_callback(1000, mnist1d_small, tmp_path / "beyond")
+    prefixes = ("pulse/", "gradient_cache/", "energy/")
+    assert callback_rows(off, prefixes) == callback_rows(beyond, prefixes)
+    pulse_steps = {step for step, _ in callback_rows(off, ("pulse/",))}
+    assert pulse_steps == {0, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 14, 15, 16, 17, 18, 20, 21, 22, 23}
+    keys = {key for _, key in callback_rows(off, prefixes)}
+    assert {"energy/epoch_kwh", "energy/cycle_kwh", "gradient_cache/frozen_share"} <= keys  # events: kept
+    assert not keys & {"energy/power_w", "energy/kwh_so_far"}  # step figures only
+    # HardSampleReplay's window, logged every `log_every_n_steps` applied steps, comes at the epochs' ends
+    replay = {step for step, _ in callback_rows(off, ("hard_sample_replay/",))}
+    assert replay == {11, 23}
+
+
+def test_the_phase_and_cycle_in_progress_at_the_fits_end_are_logged_at_its_last_step(tmp_path):
+    # sweep-loggers 6: the phase in progress when training ended never reached the logger (the logged
+    # `pulse/<phase>_steps` summed to 22 of 26 steps), nor did that cycle's `energy/cycle_*`
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(256, 16, generator=generator), torch.randint(0, 4, (256,), generator=generator)
+    )
+    logger = RecordingLogger()
+    cycle = PulseCycle(burst=6, replay=3, maintain=2, warmup=0, anneal=0, maintain_eval="none")
+    energy = EnergyLogger(cpu="constant", ram="none", gpu="none", meters=MeterConfig(cpu_watts=20.0))
+    options = trainer_kwargs(logger=logger, max_steps=26, log_every_n_steps=5, default_root_dir=tmp_path)
+    pl.Trainer(callbacks=[cycle, energy], **options).fit(LogsItsPhase(), DataLoader(data, batch_size=16))
+
+    logged = {phase: 0.0 for phase in cycle.clock.steps_by_phase}
+    for _, row in logger.rows:
+        for phase in logged:
+            logged[phase] += row.get(f"pulse/{phase}_steps", 0.0)
+    assert logged == {"burst": 16, "replay": 6, "maintain": 4} == cycle.clock.steps_by_phase
+    assert logger.logged("pulse/burst_steps")[-1] == (25, 4.0)  # the third burst's 4 steps, at the last step
+    # every cycle of the report, the one training ended in too (steps 22-25), at its last step
+    cycles = {int(value): step for step, value in logger.logged("energy/cycle")}
+    assert cycles == {0: 10, 1: 21, 2: 25}
+    report = energy.report["cycles"]
+    assert [row["steps"] for row in report.values()] == [11, 11, 4]
+    for (_, kwh), row in zip(logger.logged("energy/cycle_kwh"), report.values(), strict=True):
+        assert kwh == pytest.approx(row["energy_kwh"], rel=1e-9)

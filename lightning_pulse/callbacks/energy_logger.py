@@ -197,13 +197,11 @@ class EnergyLogger(Callback):
         if compat.steps_per_batch_unknown(trainer):  # manual optimization, several optimizers
             if (line := no_forecast_line(compat.total_steps(trainer), len(trainer.optimizers))) is not None:
                 rank_zero_info(line)
-        self.account.log_steps_every(self.accounting.log_every_n_steps or max(trainer.log_every_n_steps, 1))
+        self.account.log_steps_every(self.accounting.log_every_n_steps, trainer.log_every_n_steps)
         self._log_steps = trainer.is_global_zero and bool(trainer.loggers)
-        cycle = pulse_cycle_of(trainer)
+        cycle = getattr(pulse_cycle_of(trainer), "cycle", None)
         # the epoch too: a fit resumed mid-epoch gets no `on_train_epoch_start` for the epoch it resumes in
-        self.account.mark_training(
-            phase_of(trainer).value, None if cycle is None else cycle.cycle, trainer.current_epoch
-        )
+        self.account.mark_training(phase_of(trainer).value, cycle, trainer.current_epoch)
 
     def on_pulse_phase_begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: Any) -> None:
         """Listener of :class:`~lightning_pulse.PulseCycle`, called (once PulseCycle calls it) before the new
@@ -214,7 +212,7 @@ class EnergyLogger(Callback):
         """Listener of :class:`~lightning_pulse.PulseCycle`: the energy from now on belongs to the new phase."""
         finished = self.account.change_phase(change.current.value, change.cycle, change.previous is not None)
         if finished is not None:  # the change entered a later cycle: the one it left is complete
-            self._log_cycle(trainer, finished)
+            self._log_cycles(trainer, finished)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -238,9 +236,8 @@ class EnergyLogger(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.account.batch_ended()
-        if self._log_steps:  # only rank 0 with a logger reads the step here
-            if (metrics := self.account.due_step_metrics(trainer.global_step)) is not None:
-                log_to_loggers(trainer, metrics)
+        if self._log_steps and (metrics := self.account.due_step_metrics(trainer.global_step)) is not None:
+            log_to_loggers(trainer, metrics)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -269,6 +266,7 @@ class EnergyLogger(Callback):
             if name in metrics:
                 compat.set_callback_metric(trainer, name, metrics[name])
         log_to_loggers(trainer, metrics)
+        self._log_cycles(trainer, None, settled=True)  # cycles that waited for a first reading: it is taken
 
     @override
     @guarded_hook
@@ -280,6 +278,7 @@ class EnergyLogger(Callback):
         status = compat.run_end_status(trainer, self.account.suspended)
         report = self._finish(trainer, status=status)
         self.account.carry_past_checkpoint(collective, trainer.is_global_zero, rank_zero_warn)
+        self._log_cycles(trainer, self.account.close_cycle(), settled=True)  # the cycle training ended in
         log_to_loggers(trainer, {**self.account.close_last_epoch(collective), **final_metrics(report)})
 
     @override
@@ -345,8 +344,10 @@ class EnergyLogger(Callback):
         )
 
     @guarded_hook
-    def _log_cycle(self, trainer: pl.Trainer, cycle: int) -> None:
-        log_to_loggers(trainer, self.account.cycle_metrics(cycle, self._collective(trainer)))
+    def _log_cycles(self, trainer: pl.Trainer, completed: int | None, settled: bool = False) -> None:
+        collective, step = self._collective(trainer), compat.logging_step(trainer)  # the cycle's last step
+        for metrics, at in self.account.due_cycle_rows(completed, step, collective, settled):
+            log_to_loggers(trainer, metrics, at)
 
     def _warn_rank(self, message: str) -> None:
         # a meter can fail on one rank only (its own GPU), so under DDP every rank may warn, with its rank

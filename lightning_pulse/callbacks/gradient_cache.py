@@ -38,6 +38,7 @@ from lightning_pulse.core.layer_freezing import (
 from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_uninitialized_parameters, refusing
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
+from lightning_pulse.step_rows import is_step_row, step_rows_every
 
 
 class GradientCache(Callback):
@@ -247,7 +248,8 @@ class GradientCache(Callback):
         report = self._lifecycle.step(enabled, from_rank_zero(trainer), trainer.optimizers)
         self._lifecycle.record_step(trainer.global_step + 1, before, report, self._replay)
         # Lightning's rule (the loss's rows): the step this optimizer step completes is a multiple
-        due = report.window_closed or (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0
+        every = step_rows_every(None, trainer.log_every_n_steps)  # 0: the checks' rows only
+        due = report.window_closed or is_step_row(trainer.global_step + 1, every)
         if due:  # every rank joins the hit rates' gather (a logger may be on rank 0 only); the lowest logged
             gather = functools.partial(compat.all_gather_held, trainer.strategy, hold=self._held)
             rate = self._replay.logged_hit_rate(gather) if self._replay is not None else {}

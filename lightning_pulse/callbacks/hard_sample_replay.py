@@ -24,6 +24,7 @@ from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.errors import OneRunPerInstance, names_itself, tuner_search
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase
+from lightning_pulse.step_rows import step_rows_every
 from lightning_pulse.step_saving import StepSavingLoader
 
 
@@ -217,7 +218,7 @@ class HardSampleReplay(Callback):
         steps_per_epoch = compat.scheduled_epoch_steps(trainer)  # a scheduler's factor, before it sets it
         # a module stepping several optimizers itself: scores age by its steps, an epoch is read as batches
         manual = len(trainer.optimizers) if compat.steps_per_batch_unknown(trainer) else 0
-        log_every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
+        log_every = step_rows_every(self.log_every_n_steps, trainer.log_every_n_steps)  # 0: epoch ends only
         planned = compat.total_steps(trainer)  # the run's optimizer steps (inf: unknown)
         self.data.start_training(steps_per_epoch, log_every, planned, self.mode, manual, _warn)
         self.steps.on_train_start(trainer)  # steps mode only: Lightning learns the planned pass's length
@@ -275,13 +276,12 @@ class HardSampleReplay(Callback):
         self.steps.on_train_epoch_end(trainer)  # steps mode: an epoch that drew no batch is refused
         if (selector := self.data.selector) is not None:
             selector.apply()  # the next epoch selects from every score of this one
-            self._log(trainer)
+            self._log(trainer, epoch_end=True)
 
-    def _log(self, trainer: pl.Trainer) -> None:
-        every, selector = self.log_every_n_steps or max(trainer.log_every_n_steps, 1), self.data.selector
-        if selector is not None and selector.window_steps >= every:  # before the trainer's dearer properties
-            if trainer.is_global_zero and trainer.loggers:
-                log_to_loggers(trainer, selector.window_metrics())
+    def _log(self, trainer: pl.Trainer, epoch_end: bool = False) -> None:
+        # whether the window is due first: it is cheaper than the trainer's properties
+        if self.data.window_due(epoch_end) and trainer.is_global_zero and trainer.loggers:
+            log_to_loggers(trainer, self.data.window_metrics())
 
     # ------------------------------------------------------------------ lifecycle
     @override

@@ -269,7 +269,7 @@ class PulseCycle(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()
-        log_to_loggers(trainer, self.clock.rows.take_last_row())  # at the last step: the end of its phase
+        log_to_loggers(trainer, self.clock.end_rows())  # at the last step: the phase in progress so far
         if self.plan is not None and self.plan.plain_steps:
             spent, message = spent_report(self.plan, compat.training_steps_taken(trainer), self.budget)
             log_to_loggers(trainer, {"pulse/budget_spent": spent})

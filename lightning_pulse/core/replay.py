@@ -759,6 +759,7 @@ class HardSampleSelector:
         self.config = config or ReplayConfig()
         self.threshold_every = 1
         self.apply_every = APPLY_EVERY
+        self.log_every = APPLY_EVERY  # the metrics window's steps (set_cadence); 0: a window per epoch
         self._threshold = (math.nan, -1)  # (value, step it was computed at)
         self._applied_since_threshold = False  # a NaN threshold (nothing scored yet) is redone after an apply
         self._unapplied: list[_Measured] = []
@@ -814,9 +815,11 @@ class HardSampleSelector:
     def set_cadence(self, steps_per_epoch: int | None, log_every: int) -> None:
         """Refresh the threshold twice per epoch (it scans every score) and apply measured steps as often as
         logging needs (a setting, not whether a logger is attached, so attaching one never changes what is
-        selected); start a new metrics window."""
+        selected); start a new metrics window. ``log_every`` 0 is Lightning's ``log_every_n_steps=0``: no
+        step-level rows, so a window per epoch (:meth:`window_due`)."""
         self.set_threshold_every(steps_per_epoch)
-        self.apply_every = min(APPLY_EVERY, log_every)
+        self.apply_every = min(APPLY_EVERY, log_every) if log_every > 0 else APPLY_EVERY
+        self.log_every = log_every
         self.take_window()
 
     @property
@@ -861,6 +864,13 @@ class HardSampleSelector:
     def window_steps(self) -> int:
         """Applied steps since the last :meth:`take_window`."""
         return self._window_steps
+
+    def window_due(self, epoch_end: bool = False) -> bool:
+        """Whether the metrics window is due to the loggers: it holds ``log_every`` applied steps
+        (:meth:`set_cadence`), or, with no step-level rows (``log_every`` 0), any at an ``epoch_end``."""
+        if self.log_every > 0:
+            return self._window_steps >= self.log_every
+        return epoch_end and self._window_steps > 0
 
     # ------------------------------------------------------------------ selection
     def _select(

@@ -203,6 +203,16 @@ class ReplayData:
         """The score above which a sample counts as hard (``NaN`` before anything was scored)."""
         return math.nan if self.selector is None else self.selector.threshold
 
+    def window_due(self, epoch_end: bool = False) -> bool:
+        """Whether the selector's metrics window is due to the loggers
+        (:meth:`~lightning_pulse.core.replay.HardSampleSelector.window_due`)."""
+        return self.selector is not None and self.selector.window_due(epoch_end)
+
+    def window_metrics(self) -> dict[str, float]:
+        """The selector's metrics window, taken (:meth:`HardSampleSelector.window_metrics`)."""
+        assert self.selector is not None
+        return self.selector.window_metrics()
+
     def state_dict(self, stream: dict[str, Any] | None = None) -> dict[str, Any]:
         """The scores' state (a checkpoint's, restored before any data, as it came), with the data
         ``stream``'s state (steps mode's :class:`~lightning_pulse.core.step_plan.StepSavingStream`) under

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -60,6 +60,7 @@ from lightning_pulse.energy.sampler import EnergySampler
 from lightning_pulse.energy.suspend_carry import carry_path, read_carry, write_carry
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH
+from lightning_pulse.step_rows import is_step_row, step_rows_every
 
 GPU_MODES = ("auto", "none")
 CPU_MODES = ("auto", "codecarbon", "constant", "none")
@@ -909,10 +910,12 @@ class EnergyAccount:
         self._last_step_log = (joules, seconds)
         return metrics
 
-    def log_steps_every(self, every: int) -> None:
-        """:meth:`due_step_metrics` gives the step figures at each optimizer step that is a multiple of
-        ``every``, after the step the training loop began at (:meth:`begin_training`)."""
-        self._log_every = every
+    def log_steps_every(self, own: int | None, trainers: int) -> None:
+        """:meth:`due_step_metrics` gives the step figures at each optimizer step that is a multiple of the
+        interval, ``own`` (``accounting.log_every_n_steps``) or else the Trainer's ``log_every_n_steps``
+        (``trainers``), after the step the training loop began at (:meth:`begin_training`); at none for the
+        Trainer's ``0``, Lightning's "no step-level logging" (:func:`~.step_rows.step_rows_every`)."""
+        self._log_every = step_rows_every(own, trainers)
 
     def due_step_metrics(self, global_step: int) -> dict[str, float] | None:
         """:meth:`step_metrics` at the first batch end of optimizer step ``global_step`` when it is a multiple
@@ -921,7 +924,7 @@ class EnergyAccount:
         if global_step <= self._logged_step:
             return None
         self._logged_step = global_step
-        if global_step % self._log_every:
+        if not is_step_row(global_step, self._log_every):  # 0: Lightning's "no step-level logging"
             return None
         return self.step_metrics()
 
@@ -1033,19 +1036,40 @@ class EnergyAccount:
 
     def cycle_metrics(self, cycle: int, collective: Collective | None = None) -> dict[str, float] | None:
         """The figures of a completed pulse cycle (``None`` if it has no bucket)."""
-        key = f"cycle/{cycle}"
-        bucket = self.snapshot(collective, keys=lambda name: name == key)["buckets"].get(key)
-        if bucket is None:
-            return None
-        figures = grouped_figures({key: bucket}, self.intensity is not None, self.price is not None)
-        row = figures["cycles"][str(cycle)]
-        metrics = {
-            f"energy/cycle_{name.replace('energy_', '')}": row[name]
-            for name in ("energy_kwh", "co2_kg", "cost")
-        }
-        metrics["energy/cycle_avg_power_w"] = row["avg_power_w"]
-        metrics["energy/cycle"] = float(cycle)
-        return _present(metrics)
+        row = self._cycle_row(cycle, collective)
+        return None if row is None else _cycle_present(cycle, row)
+
+    def close_cycle(self) -> int | None:
+        """After :meth:`end_training`: the pulse cycle training ended in, whose figures are then due as a
+        completed cycle's (:meth:`due_cycle_rows`); ``None`` without a pulse cycle, or for a fit that trained
+        no batch. A fit resumed in that cycle logs it whole once complete (a later row at a later step: the
+        last row of a cycle is its figure, as for an epoch)."""
+        cycle, self._cycle = self._cycle, None
+        return cycle if self.batches_this_fit else None
+
+    def due_cycle_rows(
+        self, completed: int | None, step: int, collective: Collective | None = None, settled: bool = False
+    ) -> list[tuple[dict[str, float], int]]:
+        """The cycle figures due to the loggers, each with its step: those of cycle ``completed``
+        at ``step`` (``None``: none completed), after those of the cycles that completed before the meters'
+        first reading (codecarbon starting in the background, about 1.6 s in a process's first fit) and waited
+        for it. Logged at once, they would have been a lone ``energy/cycle``, though that reading gives them
+        energy. ``settled``: the meters have settled (an epoch end, the end of training), so a cycle still
+        without energy never gets any (nothing metered): no row. Nor does a cycle with no training step
+        (entered at the fit's last step, its bucket holds the validation after it). Every rank calls it: the
+        collectives, and what waits, follow figures combined over the ranks, the same on every rank."""
+        if completed is not None:
+            self._pending_cycles.append((completed, step))
+        rows: list[tuple[dict[str, float], int]] = []
+        while self._pending_cycles:
+            cycle, at = self._pending_cycles[0]
+            row = self._cycle_row(cycle, collective)
+            if row is not None and row["energy_kwh"] is None and not settled:
+                break  # no reading yet: none after it has one either (the first gives all before it energy)
+            self._pending_cycles.pop(0)
+            if row is not None and row["energy_kwh"] is not None and row["steps"] > 0:
+                rows.append((_cycle_present(cycle, row), at))
+        return rows
 
     def warn_if_unmetered(self, total: dict[str, Any]) -> None:
         """One warning when the run's energy is *none* (no meter counted anything) once no meter is still
@@ -1234,8 +1258,19 @@ class EnergyAccount:
         self._last_so_far_kwh = 0.0
         self._ended_kwh: float | None = None  # the run's figure when its training loop ended
         self._open_epoch: int | None = None  # the epoch whose label is in force, until it closes
+        self._pending_cycles: list[tuple[int, int]] = []  # (cycle, its last step), see due_cycle_rows
         self._progress_at: float | None = None
         self._progress_text = ""
+
+    def _cycle_row(self, cycle: int, collective: Collective | None) -> dict[str, Any] | None:
+        """The report's row of pulse ``cycle`` so far, all ranks (``None`` if it has no bucket)."""
+        key = f"cycle/{cycle}"
+        bucket = self.snapshot(collective, keys=lambda name: name == key)["buckets"].get(key)
+        if bucket is None:
+            return None
+        return grouped_figures({key: bucket}, self.intensity is not None, self.price is not None)["cycles"][
+            str(cycle)
+        ]
 
     def _local_snapshot(
         self,
@@ -1302,3 +1337,13 @@ def _mark_uncounted(snapshot: dict[str, Any] | None, rates: Sequence[str]) -> No
 
 def _present(metrics: dict[str, float | None]) -> dict[str, float]:
     return {name: float(value) for name, value in metrics.items() if value is not None}
+
+
+def _cycle_present(cycle: int, row: Mapping[str, Any]) -> dict[str, float]:
+    """``energy/cycle_*`` of a pulse cycle's report ``row``, and ``energy/cycle``, its number."""
+    metrics = {
+        f"energy/cycle_{name.replace('energy_', '')}": row[name] for name in ("energy_kwh", "co2_kg", "cost")
+    }
+    metrics["energy/cycle_avg_power_w"] = row["avg_power_w"]
+    metrics["energy/cycle"] = float(cycle)
+    return _present(metrics)
