@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import numbers
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -212,17 +211,27 @@ def refuse_shared_key(trainer: pl.Trainer, callback: Callback) -> None:
     ``Trainer(callbacks=...)``: those returned by ``LightningModule.configure_callbacks`` join the list later.
     """
     key, name = callback.state_key, type(callback).__name__
-    count = sum(other.state_key == key for other in getattr(trainer, "callbacks", ()))
-    if count < 2:
+    # entries of the list (an instance listed twice runs its hooks twice), stateful ones only: Lightning's own
+    # check's rule (a callback without a state_dict saves nothing)
+    callbacks = getattr(trainer, "callbacks", ())
+    sharing = sum(other.state_key == key and _stateful(other) for other in callbacks)
+    if sharing < 2:
         return
-    options = re.findall(r"'(\w+)':", key.removeprefix(type(callback).__qualname__))  # in the key: a prefix
-    distinct = f", or give each a distinct {' and '.join(f'`{o}`' for o in options)}" if options else ""
+    distinct = (
+        ", or give each a distinct `prefix`" if isinstance(getattr(callback, "prefix", None), str) else ""
+    )
     raise PulseRefusal(
-        f"{name}: {count} instances share the checkpoint key {key!r} (e.g. returned by "
+        f"{name}: {sharing} callbacks share the checkpoint key {key!r} (e.g. returned by "
         "LightningModule.configure_callbacks, whose callbacks Lightning does not check for unique keys), so a "
         f"checkpoint would keep one state for all of them and a resume would load it into each. Keep one {name}"
         f"{distinct}."
     )
+
+
+def _stateful(callback: Callback) -> bool:
+    from lightning.pytorch.callbacks import Callback
+
+    return type(callback).state_dict is not Callback.state_dict
 
 
 class FitRestores:

@@ -1,6 +1,7 @@
-"""One instance per checkpoint key: two callbacks of one kind returned by ``LightningModule.configure_callbacks``
-(which Lightning merges after its own unique-``state_key`` check) are refused before the first step, naming the
-callback, the shared key and the way out; one instance returned there still trains."""
+"""One instance per checkpoint key: two callbacks of one kind returned by
+``LightningModule.configure_callbacks`` (which Lightning merges after its own unique-``state_key`` check) are
+refused before the first step, naming the callback, the shared key and the way out; one instance returned
+there still trains."""
 
 from __future__ import annotations
 
@@ -74,13 +75,13 @@ MAKE = {
 
 @pytest.mark.parametrize("name", list(MAKE))
 def test_two_instances_from_configure_callbacks_are_refused_before_the_first_step(name, tmp_path):
-    """Held-out sweep 39: such a pair trained with one checkpoint entry for both (a resumed EnergyLogger reported
-    the other's power and carbon), two PulseCycles ran two clocks, and two HardSampleReplays were refused for a
-    per-sample loss their training_step has."""
+    """Held-out sweep 39: such a pair trained with one checkpoint entry for both (a resumed EnergyLogger
+    reported the other's power and carbon), two PulseCycles ran two clocks, and two HardSampleReplays were
+    refused for a per-sample loss their training_step has."""
     model = _ModelWithCallbacks([MAKE[name](tmp_path, 0), MAKE[name](tmp_path, 1)])
     trainer = pl.Trainer(max_steps=8, **trainer_kwargs(default_root_dir=str(tmp_path)))
     key = model.given[0].state_key
-    with pytest.raises(PulseRefusal, match=rf"^{name}: 2 instances share the checkpoint key ") as caught:
+    with pytest.raises(PulseRefusal, match=rf"^{name}: 2 callbacks share the checkpoint key ") as caught:
         trainer.fit(model, _loader())
     message = str(caught.value)
     assert (
@@ -105,4 +106,21 @@ def test_hyper_connection_monitors_with_distinct_prefixes_from_configure_callbac
     trainer = pl.Trainer(max_steps=4, **trainer_kwargs(default_root_dir=str(tmp_path)))
     with pytest.warns(UserWarning, match="found no HyperConnection"):  # this MLP has none: nothing logged
         trainer.fit(model, _loader())
+    assert trainer.global_step == 4
+
+
+class StabilityGuardNamedAlike(pl.Callback):
+    """A user's callback that saves nothing, of the same class name as a lightning-pulse one."""
+
+
+StabilityGuardNamedAlike.__qualname__ = "StabilityGuard"
+
+
+def test_a_callback_that_saves_nothing_under_the_same_key_is_not_counted(tmp_path):
+    """Review of sweep 39's fix: Lightning's own check counts only callbacks with a ``state_dict``; a user's
+    stateless callback whose key is the same trained before the check and still does."""
+    guard = StabilityGuard()
+    model = _ModelWithCallbacks([StabilityGuardNamedAlike()])
+    trainer = pl.Trainer(max_steps=4, callbacks=[guard], **trainer_kwargs(default_root_dir=str(tmp_path)))
+    trainer.fit(model, _loader())
     assert trainer.global_step == 4
