@@ -86,22 +86,30 @@ def names_itself(init: Callable[..., None]) -> Callable[..., None]:
 
 def plain_number(value: Any) -> Any:
     """``value`` as a Python ``int`` when it is an integer of another type (``np.int64(100)``, as numpy and
-    Hydra sweeps give), as a ``float`` when it is a real number of another type (``np.float32(0.1)``); anything
-    else as it is. A bool stays a bool (refused where a number is asked), and so do ``Fraction`` (exact, so a
-    float would change it) and ``Decimal`` (not a ``numbers.Real``): the checks refuse them by name."""
+    Hydra sweeps give), as a ``float`` when it is a real of another type (``np.float32(0.1)`` as ``0.1``,
+    the decimal it prints as, not the binary float32 widened: a duration of 0.3 epoch ends where Python's 0.3
+    does), a numpy bool as ``bool``; anything else as it is. A bool stays a bool (refused where a number is
+    asked), and so do ``Fraction`` (exact, so a float would change it) and ``Decimal`` (not a
+    ``numbers.Real``): the checks refuse them by name."""
+    if isinstance(value, np.bool_):
+        return bool(value)
     if isinstance(value, bool) or type(value) in (int, float) or not isinstance(value, numbers.Real):
         return value
     if isinstance(value, numbers.Integral):
         return int(value)
+    if isinstance(value, np.floating) and value.dtype.itemsize < 8:
+        return float(str(value))  # numpy prints the shortest decimal that reads back as the same float32
     return value if isinstance(value, numbers.Rational) else float(value)
 
 
 def plain_argument(value: Any) -> Any:
-    """:func:`plain_number`, and a 1-D numpy array of strings or objects as a list (``phases``, ``order``,
-    ``layer_types`` from a numpy or Hydra sweep): a list check would otherwise meet numpy's "truth value of
-    an array is ambiguous", naming no field."""
+    """:func:`plain_number`, a 1-D numpy array of strings or objects as a list (``phases``, ``order``,
+    ``layer_types`` from a numpy or Hydra sweep: a list check would otherwise meet numpy's "truth value of
+    an array is ambiguous", naming no field), and a 0-d array as its one value."""
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "UO":
         return value.tolist()
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value.item()
     return plain_number(value)
 
 

@@ -3,7 +3,7 @@ refused before the first training step, and the message starts with the callback
 
 from __future__ import annotations
 
-from collections import UserList
+from collections import UserDict, UserList
 from collections.abc import Sequence
 from decimal import Decimal
 from fractions import Fraction
@@ -502,7 +502,7 @@ def test_numpy_numbers_and_name_arrays_from_a_sweep_train_as_python_values(mnist
     ("value", "match"),
     [
         (True, r"`window`=True must be an int >= 2"),
-        (np.bool_(True), r"`window`=np.True_ must be an int >= 2"),
+        (np.bool_(True), r"`window`=True must be an int >= 2"),  # numpy's bool as Python's: no count
         (np.float32(8), r"`window`=8.0 must be an int >= 2"),  # a float is no count, numpy's as Python's
         (Fraction(8), r"`window`=Fraction\(8, 1\) must be an int >= 2"),
         (Decimal(8), r"`window`=Decimal\('8'\) must be an int >= 2"),
@@ -607,3 +607,33 @@ def test_a_signal_of_pairs_in_any_sequence_schedules_as_the_same_list(mnist1d_sm
         trainer.fit(model, data)
         reports.append(green.report["summary"])
     assert reports[1] == reports[0] and reports[0]["decisions"] >= 5
+
+
+def test_a_float32_share_is_the_decimal_it_prints_as_so_phases_end_where_pythons_do():
+    """Review, 39th pass: ``float(np.float32(0.3))`` is 0.30000001192..., past the clock's 1e-9 margin, so
+    every epoch-sized phase took one step more than Python's 0.3 gave."""
+    from lightning_pulse.errors import plain_argument
+
+    assert plain_argument(np.float32(0.3)) == 0.3 and plain_argument(np.float16(0.1)) == 0.1
+    assert plain_argument(np.float64(0.1)) == 0.1 and plain_argument(np.array(0.25)) == 0.25
+    assert plain_argument(np.bool_(False)) is False and plain_argument(np.array("replay")) == "replay"
+    numpy_cycle = PulseCycle(burst=np.float32(0.3), replay=np.float32(0.2), maintain=np.float16(0.1))
+    python_cycle = PulseCycle(burst=0.3, replay=0.2, maintain=0.1)
+    assert numpy_cycle.clock.durations == python_cycle.clock.durations
+
+
+def test_numpy_bools_0d_arrays_and_hydra_mappings_are_taken_as_pythons():
+    # a numpy bool was refused as no bool; a 0-d array of a name crashed with "iteration over a 0-d array"
+    assert GradientCache(measure_flops=np.bool_(False)).measure_flops is False
+    with pytest.raises(ValueError, match=r"^GradientCache: `phases`='replay' must be a non-empty list"):
+        GradientCache(phases=np.array("replay"))  # as the str is: named
+    assert ScheduledPrune(layer_types=np.array("Linear")).pruner.layer_types == (torch.nn.Linear,)
+    # EnergyLogger and its configs: numpy numbers kept as Python's (a checkpoint and a report hold them)
+    logger = EnergyLogger(cpu="constant", gpu="none", ram="none", meters={"cpu_watts": np.float32(12.5)})
+    assert type(logger.meters.cpu_watts) is float and logger.meters.cpu_watts == 12.5
+    # GreenWindow's signal as Hydra gives it: a sequence of {time, value} mappings
+    from lightning_pulse.energy.signal import series_from_pairs
+
+    entries = _Pairs(UserDict(time=3600.0 * hour, value=100.0 + hour) for hour in range(4))
+    series = series_from_pairs(entries)
+    assert list(series.values) == [100.0, 101.0, 102.0, 103.0]
