@@ -100,7 +100,11 @@ def outside_the_loop(
 
 
 def run_validation_probe(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any], several: bool = False
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    batches: list[Any],
+    several: bool = False,
+    unlogged: set[str] | None = None,
 ) -> dict[str, float]:
     """Evaluate the module's own ``validation_step`` on ``batches`` (of the first of ``several`` validation
     dataloaders: then called with ``dataloader_idx=0``, as Lightning does) and return what it logs, reduced as
@@ -108,7 +112,9 @@ def run_validation_probe(
     (``self.log(..., batch_size=...)``, else inferred from the batch as Lightning infers it, only for these), so
     a short last batch counts for its samples; ``"sum"``, ``"max"`` and ``"min"`` as named; a torchmetrics
     object computed once, after the last batch, over all the batches it saw. A value logged with
-    ``on_epoch=False`` has no epoch figure and is left out.
+    ``on_epoch=False`` has no epoch figure and is left out. The names of values logged with ``logger=False``
+    are added to ``unlogged``, where given: the figures keep them, the callbacks do not send them to the
+    loggers (the user kept them out of the loggers).
 
     The module's ``self.log`` calls are captured instead of reaching Lightning's logger connector; its
     torchmetrics states, any tensor state it carries between batches (an RNN's hidden state), its public
@@ -142,6 +148,8 @@ def run_validation_probe(
         reduction = _reduction(arguments.get("reduce_fx", "mean"))
         if arguments.get("on_epoch") is False or reduction is None:
             return
+        if arguments.get("logger") is False and unlogged is not None:
+            unlogged.add(name)
         if hasattr(value, "compute") and callable(value.compute):  # a torchmetrics Metric object
             metrics[name] = value
             return
@@ -166,7 +174,8 @@ def run_validation_probe(
 
     def capture_dict(dictionary: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
         arguments = _LOG_DICT.bind_partial(pl_module, dictionary, *args, **kwargs).arguments
-        shared = {key: arguments[key] for key in ("batch_size", "reduce_fx", "on_epoch") if key in arguments}
+        keys = ("batch_size", "reduce_fx", "on_epoch", "logger")
+        shared = {key: arguments[key] for key in keys if key in arguments}
         for name, value in dictionary.items():
             capture(name, value, **shared)
 
@@ -324,10 +333,17 @@ class HeldOutProbe:
         self._data: list[Any] | None = None
         self._several = False  # several validation dataloaders (the batches are the first one's)
         self._unavailable = False
+        self.unlogged: set[str] = set()  # the names validation_step logged with `logger=False` this fit
 
     def reset(self) -> None:
         """Take the batches again at the next run (a new fit may have new validation data)."""
         self._data = None
+        self.unlogged = set()
+
+    def for_loggers(self, figures: Mapping[str, float], prefix: str) -> dict[str, float]:
+        """``figures`` as sent to the loggers, each name after ``prefix``: without those the module logged
+        with ``logger=False`` (a progress-bar-only or private figure stays out of the loggers)."""
+        return {f"{prefix}{name}": value for name, value in figures.items() if name not in self.unlogged}
 
     def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
         """What ``validation_step`` logs on the probe's batches (:func:`run_validation_probe`), or ``None`` if
@@ -349,4 +365,4 @@ class HeldOutProbe:
             rank_zero_warn(f"{self.owner}: no validation dataloader or `validation_step`; {self.what_stops}.")
             self._unavailable = True
             return None
-        return run_validation_probe(trainer, pl_module, self._data, self._several)
+        return run_validation_probe(trainer, pl_module, self._data, self._several, self.unlogged)

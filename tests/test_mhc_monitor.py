@@ -50,7 +50,7 @@ def test_logs_gains_and_off_diagonal_mass_every_n_steps_to_the_trainer_logger(tm
         assert float(row["mhc/forward_gain"]) == pytest.approx(1.0, abs=1e-3)  # doubly stochastic product
         assert 1.0 - 1e-3 <= float(row["mhc/backward_gain"]) <= 1.5
         assert 0.0 < float(row["mhc/off_diagonal_mass"]) < 0.75
-        assert all(row[f"mhc/off_diagonal_mass/layer_{i:02d}"] for i in range(4))
+        assert all(row[f"mhc/layer_{i:02d}/off_diagonal_mass"] for i in range(4))
     assert monitor.history[0]["off_diagonal_mass"] == pytest.approx(0.1, abs=0.01)  # H_res starts at diag 0.9
 
 

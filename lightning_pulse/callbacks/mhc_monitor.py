@@ -29,8 +29,9 @@ class HyperConnectionMonitor(Callback):
       magnitude"); 1 for mHC (doubly stochastic) and for plain residuals, unbounded for HC;
     * ``{prefix}/off_diagonal_mass``: mean over the layers that ran of the share of ``|H_res|`` off the
       diagonal (0: the streams never mix); with ``per_layer=True`` also
-      ``{prefix}/off_diagonal_mass/layer_NN``, ``NN`` the layer's position among the hooked layers
-      (``modules()`` order);
+      ``{prefix}/layer_NN/off_diagonal_mass``, ``NN`` the layer's position among the hooked layers
+      (``modules()`` order). No logged name is a path prefix of another: a store that keeps a metric in a
+      file at its name (MLflow's file store) cannot hold ``a`` beside ``a/b``;
     * ``{prefix}/stream_rms``: the largest RMS of any layer's output streams, an activation-scale signal.
 
     A step whose streams hold a NaN (at any position, on any rank) logs NaN gains and stream RMS, never a
@@ -233,7 +234,7 @@ class HyperConnectionMonitor(Callback):
         }
         if self.per_layer:
             metrics.update(
-                {f"{self.prefix}/off_diagonal_mass/layer_{i:02d}": mass for i, mass in per_layer.items()}
+                {f"{self.prefix}/layer_{i:02d}/off_diagonal_mass": mass for i, mass in per_layer.items()}
             )
         log_to_loggers(trainer, metrics, step=self._logged_at)
 

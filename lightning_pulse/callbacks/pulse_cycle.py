@@ -355,4 +355,4 @@ class PulseCycle(Callback):
         probe = at_evaluation_point(trainer.optimizers, self.probe.run, trainer, pl_module)
         if probe is not None:
             self.last_probe = probe
-            log_to_loggers(trainer, {f"pulse/probe/{name}": value for name, value in probe.items()})
+            log_to_loggers(trainer, self.probe.for_loggers(probe, "pulse/probe/"))

@@ -322,16 +322,16 @@ class ScheduledPrune(Callback):
         self._end_distillation(trainer)
         self._masks.refresh(pl_module, grad=False)  # the probe reads this step's weights
         # PulseCycle has just evaluated the model at this maintain entry: reuse it rather than evaluate twice
-        reused = reusable_probe(pulse_cycle_of(trainer), maintain_entry)
+        reused = reusable_probe(cycle := pulse_cycle_of(trainer), maintain_entry)
         probe_before = reused if reused is not None else self.probe.run(trainer, pl_module)
         outcome, teacher = self.core.cut(pl_module, target, trainer.optimizers, self.distill is not None)
         tell_weights_changed(trainer, pl_module, outcome.remap, exclude=self)  # both modes change weights
         if len(outcome.remap):
             compat.rewrap_ddp(trainer)
         probes = (probe_before, self.probe.run(trainer, pl_module))
-        phase = phase_of(trainer).value if pulse_cycle_of(trainer) is not None else None
-        event = self.core.record(step, target, outcome, pl_module, probes, phase)
-        log_to_loggers(trainer, pruning.event_metrics(event))
+        event = self.core.record(step, target, outcome, pl_module, probes, cycle and phase_of(trainer).value)
+        unlogged = self.probe.unlogged | (cycle.probe.unlogged if reused else set())  # logger=False: not sent
+        log_to_loggers(trainer, pruning.event_metrics(event, unlogged))
         rank_zero_info(f"ScheduledPrune: {pruning.event_summary(event)}")
         self.core.open_window(pl_module, teacher, trainer.accumulate_grad_batches)
 

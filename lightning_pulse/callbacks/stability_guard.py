@@ -184,8 +184,7 @@ class StabilityGuard(Callback):
         # HardSampleReplay cuts batches in place and tells their rows
         self._record = steps.StepRecord.of_callbacks(trainer.callbacks, HardSampleReplay, pl_module.device)
         self._entry_watch.watch(trainer, self._entered)  # after every batch-start hook and a cut
-        # refuses ZeRO's sharded optimizer
-        self.core.start(trainer.global_step, trainer.optimizers, pl_module)
+        self.core.start(trainer.global_step, trainer.optimizers, pl_module)  # refuses a ZeRO optimizer
         self.core.snapshot_owed = True  # the start is good: snapshot after all on_train_start (or at batch 0)
         self._moments.fit_starts(trainer, self, partial(self._take_snapshot, trainer, pl_module))
 
@@ -353,6 +352,7 @@ class StabilityGuard(Callback):
         message, path = self.core.conclude_rollback(action, step, target, undone, trainer.default_root_dir)
         if path is None:  # rolled back: training goes on
             return rank_zero_warn(message)
-        log_to_loggers(trainer, self.metrics())
         save, barrier = partial(trainer.save_checkpoint, path), partial(trainer.strategy.barrier, "stop")
-        raise steps.stop_error(message, path, save, barrier, compat.from_rank_zero(trainer))
+        stopped = steps.stop_error(message, path, save, barrier, compat.from_rank_zero(trainer))
+        log_to_loggers(trainer, self.metrics())  # after the save: no logger may cost the stop its file
+        raise stopped

@@ -2996,8 +2996,9 @@ def event_record(
     }
 
 
-def event_metrics(event: Mapping[str, Any]) -> dict[str, float]:
-    """An :func:`event_record` as flat ``prune/...`` metrics for a logger."""
+def event_metrics(event: Mapping[str, Any], unlogged: Collection[str] = ()) -> dict[str, float]:
+    """An :func:`event_record` as flat ``prune/...`` metrics for a logger; the probe figures named in
+    ``unlogged`` (logged by the module with ``logger=False``) are left out."""
     metrics = {
         "prune/target_sparsity": float(event["target_sparsity"]),
         "prune/sparsity": float(event["sparsity"]),
@@ -3009,7 +3010,11 @@ def event_metrics(event: Mapping[str, Any]) -> dict[str, float]:
     metrics.update({f"prune/layer/{name}": value for name, value in event["layer_sparsity"].items()})
     for when in ("before", "after"):
         metrics.update(
-            {f"prune/{name}_{when}": value for name, value in (event[f"probe_{when}"] or {}).items()}
+            {
+                f"prune/{name}_{when}": value
+                for name, value in (event[f"probe_{when}"] or {}).items()
+                if name not in unlogged
+            }
         )
     return metrics
 
