@@ -158,3 +158,39 @@ def test_a_checkpoint_saved_on_the_exception_keeps_the_masks_and_resumes_like_th
     assert [e["step"] for e in prune.events] == [e["step"] for e in straight_prune.events]
     for name, parameter in straight.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[name], parameter, rtol=0, atol=1e-6, msg=name)
+
+
+class _FailsInForwardAt(_FailsAt):
+    """Trains through ``self(...)`` (the forward distillation hooks), raising at optimizer step ``fail_at``;
+    and raises in ``validation_step`` when ``fail_validation``."""
+
+    fail_validation = False
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_at:
+            raise RuntimeError("trial failed")
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        if self.fail_validation:
+            raise RuntimeError("evaluation failed")
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+
+def test_an_exception_says_nothing_false_of_masks_or_distillation(tmp_path, recwarn):
+    """Review of sweep 39's fix: a validate raising after a clean fit warned that another callback had folded
+    the masks (those of the fit, folded at its end), and an exception in the first step after an event warned
+    that distillation "had no effect" (the fit was cut short, not the forward at fault)."""
+    model = _FailsInForwardAt(fail_at=8)  # the event at step 8 opens a window; its step raises in training
+    prune = _prune(distill=DistillConfig(weight=1.0, steps=10))
+    trainer = pl.Trainer(max_steps=40, callbacks=[prune], **trainer_kwargs(default_root_dir=str(tmp_path)))
+    with pytest.raises(RuntimeError, match="trial failed"):
+        trainer.fit(model, _data())
+    fresh, fitted = _FailsInForwardAt(), ScheduledPrune(final_sparsity=0.5, start=4, end=8, every=4)
+    trainer = pl.Trainer(max_steps=12, callbacks=[fitted], **trainer_kwargs(default_root_dir=str(tmp_path)))
+    trainer.fit(fresh, _data(), _data())  # a clean fit: its masks folded at its end
+    fresh.fail_validation = True
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        trainer.validate(fresh, _data())
+    said = [str(warning.message) for warning in recwarn if "ScheduledPrune" in str(warning.message)]
+    assert not [text for text in said if "had no effect" in text or "another callback" in text], said

@@ -339,12 +339,14 @@ class PruneEvents:
         them. A checkpoint saved in an ``on_exception`` hook (``OnExceptionCheckpoint``) ran before this and
         holds the masks, as any mid-run checkpoint does. A failure here is a warning: the stage's exception
         is the one to raise."""
-        self.end_distillation()  # not logged: the logger may be what failed
+        if self.window is not None:  # not logged, and no "had no effect" warning: the fit was cut short
+            self.window.close(self.events)
         fold = fold and self.pruner.mode == "unstructured"
-        try:
-            folded = self._fold_own_masks(model, fold and started)
+        try:  # own_masked is a past fit's (folded then) unless this stage trained
+            folded = self._fold_own_masks(model, fold) if started else []
             self.stop_fitting_loads(model, fold=fold and not started)
         except Exception as error:  # raised here, it would hide the stage's exception
+            self.stop_fitting_loads()  # the load hook comes off all the same
             self.warn(
                 f"ScheduledPrune: after the exception, its masks could not be folded ({error!r}); fold them "
                 "with `lightning_pulse.core.pruning.make_masks_permanent(model)`."
