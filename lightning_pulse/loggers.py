@@ -7,15 +7,23 @@ most of the callbacks' own work.
 A logger that fails (a tracking server out of reach, a store that refuses a name) never fails the run: the
 project's rule is that measurement never kills training. Its failure is said once per logger, and the other
 loggers still get the figures.
+
+The folder of a run's own files (EnergyLogger's and GreenWindow's reports) is the first logger's run's too:
+Lightning's ``trainer.log_dir`` is a run's own folder only for TensorBoardLogger and CSVLogger
+(``save_dir/name/version``). For any other first logger (MLflow, W&B, Comet, one's own) it is the logger's
+``save_dir``: the root of a store that every run shares (``./mlruns``), where each run's report would replace
+the one before it (:func:`run_folder`).
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Mapping
+from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_pulse import _lightning_compat as compat
@@ -64,3 +72,41 @@ def _drop_figures(trainer: pl.Trainer, logger: Logger, error: Exception) -> None
         "lightning-pulse's figures to this logger are being dropped while it fails (said once), the run and "
         "the other loggers go on. Lightning's own logging to it is not guarded: fix the logger or remove it."
     )
+
+
+def run_folder(trainer: pl.Trainer, report_dir: str | os.PathLike | None = None) -> str:
+    """``report_dir`` where given, else the folder of this run's files: the Trainer's ``log_dir`` for
+    TensorBoard and CSV loggers (and ``default_root_dir`` without a logger), else
+    ``<save_dir>/<name>/<version>`` of the first logger, as ModelCheckpoint builds its own (MLflow: the
+    experiment id and the run id), so a report sits next to the run's checkpoints. A logger with no version
+    (``None``) names no run: its ``save_dir``, as ``trainer.log_dir``.
+
+    Without ``report_dir`` a collective under DDP, as ``trainer.log_dir`` is (a broadcast of rank 0's folder:
+    the other ranks' loggers hold no run), so call it on every rank."""
+    if report_dir is not None:
+        return os.fspath(report_dir)
+    loggers = trainer.loggers
+    if not loggers or isinstance(loggers[0], (TensorBoardLogger, CSVLogger)):
+        return trainer.log_dir or trainer.default_root_dir
+    folder = _own_folder(loggers[0], trainer.default_root_dir) if trainer.is_global_zero else None
+    return trainer.strategy.broadcast(folder)
+
+
+def _own_folder(logger: Any, default_root_dir: str) -> str:
+    root = logger.save_dir or default_root_dir  # a remote store (MLflow over http) keeps no local files
+    version = logger.version
+    if version is None:
+        return root
+    name = logger.name
+    version = version if isinstance(version, str) else f"version_{version}"  # as ModelCheckpoint names it
+    return os.path.join(root, *([] if name is None or name == "" else [str(name)]), version)
+
+
+def logger_run(trainer: pl.Trainer) -> str | None:
+    """The run's name in its first logger (``<name>/<version>``), recorded in its reports so that a report
+    about to replace another run's can tell: ``None`` without a logger, with a logger of no version, and on
+    the ranks other than 0 (which write no report, and whose loggers hold no run)."""
+    if not trainer.loggers or not trainer.is_global_zero or trainer.loggers[0].version is None:
+        return None
+    logger = trainer.loggers[0]
+    return f"{logger.name}/{logger.version}"

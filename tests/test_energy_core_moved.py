@@ -84,15 +84,19 @@ class ReportTrainer:
 
 
 def test_the_report_folder_reads_the_log_dir_only_where_every_rank_reads_it():
+    def read(trainer: ReportTrainer):
+        return lambda: trainer.log_dir
+
     given = ReportTrainer(world_size=2)
-    assert report_folder("mine", given, ended=True) == "mine" and given.reads == 0
+    assert report_folder("mine", given, True, read(given)) == "mine" and given.reads == 0
     complete = ReportTrainer(world_size=2)
-    assert report_folder(None, complete, ended=True) == "logs/version_0" and complete.reads == 1
+    assert report_folder(None, complete, True, read(complete)) == "logs/version_0" and complete.reads == 1
     interrupted = ReportTrainer(world_size=2)  # after an exception on one rank: no collective
-    assert report_folder(None, interrupted, ended=False) == "root" and interrupted.reads == 0
+    assert report_folder(None, interrupted, False, read(interrupted)) == "root" and interrupted.reads == 0
     alone = ReportTrainer(world_size=1)
-    assert report_folder(None, alone, ended=False) == "logs/version_0" and alone.reads == 1
-    assert report_folder(None, ReportTrainer(world_size=1, log_dir=None), ended=True) == "root"
+    assert report_folder(None, alone, False, read(alone)) == "logs/version_0" and alone.reads == 1
+    nowhere = ReportTrainer(world_size=1, log_dir=None)
+    assert report_folder(None, nowhere, True, read(nowhere)) == "root"
 
 
 def test_no_forecast_is_said_only_for_a_run_of_unknown_length():

@@ -43,7 +43,7 @@ from lightning_pulse.energy.config import (
     naming_energy_logger,
 )
 from lightning_pulse.errors import FitRestores, names_itself, refuse_unwritable_dir
-from lightning_pulse.loggers import log_closed_epoch, log_to_loggers
+from lightning_pulse.loggers import log_closed_epoch, log_to_loggers, logger_run, run_folder
 
 MONITORABLE = ("energy/total_kwh",)
 
@@ -61,7 +61,7 @@ class EnergyLogger(Callback):
     per completed pulse cycle (``energy/cycle_kwh``) and every ``log_every_n_steps`` (``energy/power_w``,
     ``energy/kwh_so_far``). After the first epoch, a forecast of the whole run's energy, time and CO2 is
     logged and printed once. The progress bar shows ``kWh``. At the end of fit, ``energy_report.json`` and
-    ``energy_report.md`` are written atomically to ``report_dir`` or the logger's log dir (rank 0 only; not
+    ``energy_report.md`` are written atomically to ``report_dir`` or the run's own folder (rank 0 only; not
     under ``fast_dev_run``, which suppresses logging); a figure no meter counted is null there and not logged;
     ``lightning-pulse report DIR`` draws ``energy_report.png`` from the JSON (not at fit end: it took longer
     than a short run's training).
@@ -83,7 +83,7 @@ class EnergyLogger(Callback):
             for a generic CPU, 42.5 W, estimated), ``"codecarbon"`` (then the same last fallback),
             ``"constant"`` (``meters.cpu_watts`` only) or ``"none"``.
         ram: ``"codecarbon"`` (codecarbon's estimate) or ``"none"``.
-        report_dir: where to write the report; default the logger's log dir (``trainer.log_dir``).
+        report_dir: where to write the report; default the run's folder of the first logger (see docs).
         meters: how the meters are read (:class:`~lightning_pulse.energy.config.MeterConfig`: sampling
             period, GPU devices, constant CPU watts, RAPL root, codecarbon's tracking mode).
         accounting: how figures are dated, counted and shown
@@ -159,7 +159,7 @@ class EnergyLogger(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refuse_unwritable_dir("EnergyLogger", "report_dir", self.report_dir)
-        refuse_overwriting_baseline(self.accounting.baseline, self.report_dir, trainer)
+        refuse_overwriting_baseline(self.accounting.baseline, self.report_dir, lambda: run_folder(trainer))
         self._trainer, self._in_train_loop = weakref.ref(trainer), False
         self.report, self.report_paths = None, []
         # every rank, outside the meters' start (where an error only disables a rank, which would then miss
@@ -319,10 +319,10 @@ class EnergyLogger(Callback):
     # ------------------------------------------------------------------ internals
     def _finish(self, trainer: pl.Trainer, status: str) -> dict[str, Any]:
         ended = status != "interrupted"  # every rank reaches a train end: collectives are safe
-        directory = report_folder(self.report_dir, trainer, ended=ended)
+        directory = report_folder(self.report_dir, trainer, ended, lambda: run_folder(trainer))
         collective = self._collective(trainer) if ended else None
         self.report = self.account.report(status, self.currency, collective, num_nodes=trainer.num_nodes)
-        self.report["metrics"] = scalar_metrics(trainer.callback_metrics)
+        self.report.update(metrics=scalar_metrics(trainer.callback_metrics), run=logger_run(trainer))
         self.report_paths = write_fit_report(  # rank 0 only, and not under fast_dev_run (a smoke test)
             self.report,
             directory,

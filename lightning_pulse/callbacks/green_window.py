@@ -37,7 +37,7 @@ from lightning_pulse.core.green_window import (
     unknown_length_refusal,
 )
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, refuse_unwritable_dir, refusing
-from lightning_pulse.loggers import log_to_loggers
+from lightning_pulse.loggers import log_to_loggers, logger_run, run_folder
 from lightning_pulse.protocols import pausing
 
 SYNC_EVERY_N_STEPS = 10  # under DDP, rank 0's clock is consulted (and its decision shared) this often
@@ -241,10 +241,10 @@ class GreenWindow(Callback):
         self._one_run.end()  # a state loaded during this run is no resume of the next
         now, status = self.run_clock.time(), compat.run_end_status(trainer, bool(self.suspended))
         end_run(now, status == "complete", self.segment, self._kwh)
-        # `trainer.log_dir` is a collective (a broadcast): read on every rank, though rank 0 alone writes
-        folder = Path(self.options.report_dir or trainer.log_dir or trainer.default_root_dir)
+        # the run's folder is a collective (a broadcast): read on every rank, though rank 0 alone writes
+        folder = Path(run_folder(trainer, self.options.report_dir))
         if trainer.is_global_zero:
-            self._write_report(None if trainer.fast_dev_run else folder, status)
+            self._write_report(None if trainer.fast_dev_run else folder, status, logger_run(trainer))
         self._suspend_save.run_ended(trainer, status, self.resume_files, now - self.run_clock.behind_s)
 
     @override
@@ -345,13 +345,14 @@ class GreenWindow(Callback):
         return None if self._energy is None else self._energy.account.kwh_now()
 
     # ------------------------------------------------------------------ report
-    def _write_report(self, folder: Path | None, status: str) -> None:
+    def _write_report(self, folder: Path | None, status: str, run: str | None = None) -> None:
         source, signal = energy_source(self._energy is not None, self.options.watts), self.signal.describe()
         self.report = report_record(status, self.when_dirty, self.schedule, signal, source, self.suspended)
+        self.report["run"] = run  # tells a later run's report that it replaces this one
         # kept before the files are written (an interrupt there leaves it); folder None: fast_dev_run
-        written, failure = write_report_safely(self.report, folder, self.signal, self.schedule, self.options)
+        written, lines = write_report_safely(self.report, folder, self.signal, self.schedule, self.options)
         self.report_paths = self.report_paths if written is None else written
-        if failure is not None:  # a report that cannot be written must not fail a finished run
-            rank_zero_warn(failure)
+        for line in lines:  # another run's report replaced; a failure must not fail a finished run
+            rank_zero_warn(line)
         if status != SMOKE_TEST:  # a fast_dev_run's batches make no saving (FAST_DEV_RUN_LINE said so)
             rank_zero_info(f"GreenWindow: {saving_line(self.report['summary'], self.options.unit)}")

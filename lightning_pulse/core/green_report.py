@@ -13,7 +13,7 @@ from lightning_pulse.core.green_window import (
     duration_text,
     write_schedule_plot,
 )
-from lightning_pulse.energy.report import write_text_atomic
+from lightning_pulse.energy.report import replaced_run_line, write_text_atomic
 from lightning_pulse.energy.signal import GreenSignal
 
 REPORT_NAME = "green_window_report"
@@ -35,7 +35,7 @@ def report_record(
     suspended: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """What ``green_window_report.json`` holds: the mode, the policy's rule and forecast, the signal, the
-    schedule's summary, every decision and every segment."""
+    schedule's summary, every decision and every segment (GreenWindow adds the logger's ``run``)."""
     policy = schedule.policy
     return {
         "status": status,
@@ -86,16 +86,19 @@ def write_report_safely(
     signal: GreenSignal,
     schedule: GreenSchedule,
     options: GreenWindowOptions,
-) -> tuple[list[Path] | None, str | None]:
+) -> tuple[list[Path] | None, list[str]]:
     """Write ``report`` into ``folder`` (:func:`write_green_report`; ``None``: a fast_dev_run smoke test,
-    which writes no files): the paths written (``None`` where none were), and the line that says why they
-    could not be (else ``None``): a report that cannot be written must not fail a finished run."""
+    which writes no files): the paths written (``None`` where none were), and the lines to warn: that it
+    replaces another run's report, that the files could not be written (a report that cannot be written
+    must not fail a finished run)."""
     if folder is None:
-        return None, None
+        return None, []
+    replacing = replaced_run_line(folder / f"{REPORT_NAME}.json", report.get("run"), "GreenWindow")
+    lines = [] if replacing is None else [replacing]
     try:
-        return write_green_report(report, folder, signal.mean, schedule.first_forecast, options), None
+        return write_green_report(report, folder, signal.mean, schedule.first_forecast, options), lines
     except Exception as error:
-        return None, f"GreenWindow: could not write the report to {folder} ({error})."
+        return None, [*lines, f"GreenWindow: could not write the report to {folder} ({error})."]
 
 
 def money(amount: float | None, unit: str) -> tuple[str, float | None]:

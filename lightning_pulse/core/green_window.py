@@ -741,7 +741,7 @@ class GreenWindowOptions:
             series is read from its own start) and a callable (its readings carry their own times).
         unit: the signal's unit; ``gCO2eq/kWh`` gives savings in kg too, a price per energy (``EUR/MWh``) in
             money.
-        report_dir: where the report goes; default the logger's log dir.
+        report_dir: where the report goes; default the run's folder of the first logger (see the docs).
     """
 
     slot: str | float = "1h"

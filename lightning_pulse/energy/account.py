@@ -55,7 +55,7 @@ from lightning_pulse.energy.rate_parts import (
     rate_part,
     refuse_changed_currency,
 )
-from lightning_pulse.energy.report import assemble_report
+from lightning_pulse.energy.report import JSON_NAME, assemble_report, replaced_run_line
 from lightning_pulse.energy.sampler import EnergySampler
 from lightning_pulse.energy.suspend_carry import carry_path, read_carry, write_carry
 from lightning_pulse.errors import PulseRefusal
@@ -266,14 +266,14 @@ def trainer_chains(
     )
 
 
-def report_folder(report_dir: str | None, trainer: Any, ended: bool) -> str:
-    """Where EnergyLogger writes the report: ``report_dir``, else the Trainer's ``log_dir``, else its
-    ``default_root_dir``. ``log_dir`` is a collective under DDP (a broadcast): it is read only when every rank
-    ``ended`` its training (complete, suspended or stopped; not interrupted) or in a single process, never
-    after an exception on one rank."""
+def report_folder(report_dir: str | None, trainer: Any, ended: bool, log_dir: Callable[[], str]) -> str:
+    """Where EnergyLogger writes the report: ``report_dir``, else the run's own folder, ``log_dir()``
+    (:func:`~lightning_pulse.loggers.run_folder`), else the Trainer's ``default_root_dir``. ``log_dir()``
+    is a collective under DDP (a broadcast): it is read only when every rank ``ended`` its training (complete,
+    suspended or stopped; not interrupted) or in a single process, never after an exception on one rank."""
     directory = report_dir
     if directory is None:
-        directory = trainer.log_dir if ended or trainer.world_size == 1 else None
+        directory = log_dir() if ended or trainer.world_size == 1 else None
     return directory or trainer.default_root_dir
 
 
@@ -289,13 +289,19 @@ def write_fit_report(
 ) -> list[Path]:
     """Write EnergyLogger's ``report`` into ``directory``, compared against the ``baseline`` run
     (:func:`~lightning_pulse.energy.compare.write_report_compared`), where this process ``writes`` (the
-    global rank 0); the paths written. Under a ``smoke_test`` (``fast_dev_run``) Lightning suppresses logging
-    and checkpointing, so no file is written either (the report stays in EnergyLogger's ``.report``)."""
+    global rank 0); the paths written. One warning where it replaces the report of another run than its
+    ``run`` (the logger's run, :func:`~lightning_pulse.loggers.logger_run`). Under a ``smoke_test``
+    (``fast_dev_run``) Lightning suppresses logging and checkpointing, so no file is written either (the
+    report stays in EnergyLogger's ``.report``)."""
     if smoke_test:
         info("EnergyLogger: fast_dev_run: the energy report is not written (kept in `.report`).")
         return []
     if not writes:
         return []
+    if (
+        replacing := replaced_run_line(Path(directory) / JSON_NAME, report.get("run"), "EnergyLogger")
+    ) is not None:
+        warn(replacing)
     return write_report_compared(report, directory, baseline, warn)
 
 

@@ -361,15 +361,18 @@ def add_comparison(report: dict[str, Any], baseline: str | Path | None, path: st
         warn(f"EnergyLogger: no comparison with the baseline ({error}).")
 
 
-def refuse_overwriting_baseline(baseline: str | Path | None, report_dir: str | None, trainer: Any) -> None:
+def refuse_overwriting_baseline(
+    baseline: str | Path | None, report_dir: str | None, run_folder: Callable[[], str]
+) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` at fit start when this run's report, written at the
-    end of fit into ``report_dir`` (else the Trainer's ``log_dir``, else its ``default_root_dir``, as
-    EnergyLogger does), would replace the ``baseline`` run's own ``energy_report.json``: the comparison would
-    be written over the report it compares against, and the baseline lost. This happens when both runs write
-    into one folder: ``logger=False`` (both write into ``default_root_dir``) or one ``report_dir``."""
+    end of fit into ``report_dir`` (else the run's own folder, ``run_folder()``: a collective under DDP, read
+    on every rank; see :func:`~lightning_pulse.loggers.run_folder`), would replace the ``baseline`` run's
+    own ``energy_report.json``: the comparison would be written over the report it compares against, and the
+    baseline lost. This happens when both runs write into one folder: ``logger=False`` (both write into
+    ``default_root_dir``), one ``report_dir``, or one logger run continued."""
     if baseline is None:
         return
-    target = Path(report_dir or trainer.log_dir or trainer.default_root_dir) / JSON_NAME
+    target = Path(report_dir or run_folder()) / JSON_NAME
     try:
         same = find_report(baseline).resolve() == target.resolve()
     except (OSError, ValueError):  # a baseline gone since construction: the comparison at the end warns
@@ -378,8 +381,8 @@ def refuse_overwriting_baseline(baseline: str | Path | None, report_dir: str | N
         raise PulseRefusal(
             f"EnergyLogger: `accounting.baseline`={os.fspath(baseline)!r} is {target}, the file this run's own "
             "report would be written to at the end of fit, replacing the baseline. Give this run its own folder: "
-            "set `report_dir`, or attach a logger (each run gets its own version folder), or copy the "
-            "baseline's report elsewhere and point `accounting.baseline` at the copy."
+            "set `report_dir`, or attach a logger that starts a new run (each run gets its own folder), or "
+            "copy the baseline's report elsewhere and point `accounting.baseline` at the copy."
         )
 
 

@@ -146,6 +146,22 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def replaced_run_line(path: str | Path, run: str | None, who: str) -> str | None:
+    """The warning for a report about to be written over ``path`` where the report there names another run
+    (its ``run`` field) than ``run``; ``None`` where there is no such file, it names no run (written without
+    a logger, or before runs were named) or the same run (a resume replacing its own interrupted report)."""
+    try:
+        recorded = json.loads(Path(path).read_text(encoding="utf-8")).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if recorded is None or recorded == run:
+        return None
+    return (
+        f"{who}: {path} holds the report of another run ({recorded}); this run ({run}) replaces it. To keep "
+        "each run's report, give each run its own report folder, or a logger that names each run (a version)."
+    )
+
+
 # ---------------------------------------------------------------------- writing and rendering
 def write_report(report: Mapping[str, Any], directory: str | Path, chart: bool = True) -> list[Path]:
     """Write the JSON and Markdown of ``report`` into ``directory``, and the PNG with ``chart``; return the

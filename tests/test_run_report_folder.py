@@ -1,0 +1,155 @@
+"""Where EnergyLogger and GreenWindow write their reports under a logger whose ``save_dir`` is a store every
+run shares (MLflow, W&B, Comet: Lightning's ``trainer.log_dir`` is that root): each run in its own folder."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+
+from lightning_pulse import EnergyLogger, GreenWindow, GreenWindowOptions, MeterConfig, SimulatedClock
+from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
+from lightning_pulse.energy.config import AccountingConfig
+from tests.conftest import trainer_kwargs
+
+DE_JUNE = str(
+    Path(__file__).resolve().parents[1] / "examples" / "data" / "carbon" / "de_2020_june_excerpt.csv"
+)
+REPLACED = "holds the report of another run"
+
+
+class StoreLogger(Logger):
+    """Shaped like MLFlowLogger or WandbLogger: one store root (``save_dir``) for every run, a new ``version``
+    (the run id) for each."""
+
+    def __init__(self, root: Path, version: str | int | None) -> None:
+        super().__init__()
+        self.root, self._version = root, version
+
+    @property
+    def name(self) -> str:
+        return "experiment"
+
+    @property
+    def version(self) -> str | int | None:
+        return self._version
+
+    @property
+    def save_dir(self) -> str:
+        return str(self.root)
+
+    def log_metrics(self, metrics, step=None) -> None:
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+def fit(mnist1d_small, root, logger, steps=4, report_dir=None, ckpt_path=None, checkpoint=None, **accounting):
+    """One fit with an EnergyLogger and a GreenWindow; both callbacks."""
+    clock = SimulatedClock("2020-06-15 14:00:00")
+    energy = EnergyLogger(
+        cpu="constant", ram="none", gpu="none", meters=MeterConfig(cpu_watts=20.0), report_dir=report_dir,
+        accounting=AccountingConfig(**accounting),
+    )  # fmt: skip
+    energy.account.clock = energy.account.wall_clock = clock  # one clock: no warning that they differ
+    green = GreenWindow(
+        signal=DE_JUNE,
+        when_dirty="pause",
+        max_delay=1.0,
+        clock=clock,
+        options=GreenWindowOptions(watts=20.0, report_dir=report_dir),
+    )
+    callbacks = [SimulatedStepTime(clock, 60.0), energy, green, *([checkpoint] if checkpoint else [])]
+    trainer = pl.Trainer(
+        callbacks=callbacks,
+        max_steps=steps,
+        limit_val_batches=0,
+        **trainer_kwargs(logger=logger, default_root_dir=root, enable_checkpointing=checkpoint is not None),
+    )
+    trainer.fit(*mnist1d_small(arch="mlp"), ckpt_path=ckpt_path)
+    return energy, green
+
+
+def folders(energy: EnergyLogger, green: GreenWindow) -> tuple[Path, Path]:
+    return energy.report_paths[0].parent, green.report_paths[0].parent
+
+
+def test_two_runs_logged_to_one_store_keep_two_reports_each_in_its_run_folder(mnist1d_small, tmp_path):
+    store = tmp_path / "store"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = fit(mnist1d_small, tmp_path, StoreLogger(store, "run-a"), steps=3)
+        second = fit(mnist1d_small, tmp_path, StoreLogger(store, 7), steps=5)
+    # <save_dir>/<name>/<version>, an int version named as ModelCheckpoint names it
+    assert folders(*first) == (store / "experiment" / "run-a",) * 2
+    assert folders(*second) == (store / "experiment" / "version_7",) * 2
+    reports = sorted(store.rglob("energy_report.json"))
+    assert [json.loads(p.read_text())["total"]["steps"] for p in reports] == [3, 5]
+    assert [json.loads(p.read_text())["run"] for p in reports] == ["experiment/run-a", "experiment/7"]
+    assert len(sorted(store.rglob("green_window_report.json"))) == 2
+    assert not [w for w in caught if REPLACED in str(w.message)]
+
+
+def test_a_new_run_in_the_store_compares_against_the_last_one_instead_of_being_refused(
+    mnist1d_small, tmp_path
+):
+    store = tmp_path / "store"
+    baseline, _ = fit(mnist1d_small, tmp_path, StoreLogger(store, "run-a"), steps=3)
+    energy, _ = fit(
+        mnist1d_small, tmp_path, StoreLogger(store, "run-b"), baseline=str(baseline.report_paths[0])
+    )
+    assert energy.report["comparison"] is not None
+    assert json.loads(baseline.report_paths[0].read_text())["total"]["steps"] == 3  # the baseline is kept
+
+
+@pytest.mark.parametrize("logger_class", [TensorBoardLogger, CSVLogger])
+def test_tensorboard_and_csv_reports_stay_in_the_loggers_version_folder(
+    mnist1d_small, tmp_path, logger_class
+):
+    for version in range(2):
+        logger = logger_class(tmp_path / "logs")
+        energy, green = fit(mnist1d_small, tmp_path, logger)
+        assert folders(energy, green) == (Path(logger.log_dir),) * 2
+        assert Path(logger.log_dir).name == f"version_{version}"
+
+
+def test_a_resumed_run_continues_its_report_in_its_own_folder_without_a_warning(mnist1d_small, tmp_path):
+    store, saves = tmp_path / "store", tmp_path / "checkpoints"
+    saving = ModelCheckpoint(dirpath=saves, every_n_train_steps=3, save_top_k=-1)
+    first, _ = fit(mnist1d_small, tmp_path, StoreLogger(store, "run-a"), steps=3, checkpoint=saving)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = fit(
+            mnist1d_small,
+            tmp_path,
+            StoreLogger(store, "run-a"),
+            steps=6,
+            ckpt_path=str(saves / "epoch=0-step=3.ckpt"),
+        )
+    assert folders(*resumed) == (store / "experiment" / "run-a",) * 2
+    assert resumed[0].report_paths[0] == first.report_paths[0]
+    report = json.loads(resumed[0].report_paths[0].read_text())
+    assert (report["total"]["steps"], report["resumed_runs"]) == (6, 1)
+    assert not [w for w in caught if REPLACED in str(w.message)]
+
+
+def test_a_report_replacing_another_runs_says_so_once_per_report(mnist1d_small, tmp_path):
+    shared = tmp_path / "reports"
+    fit(mnist1d_small, tmp_path, StoreLogger(tmp_path / "store", "run-a"), report_dir=shared)
+    with pytest.warns(UserWarning, match=REPLACED) as caught:
+        fit(mnist1d_small, tmp_path, StoreLogger(tmp_path / "store", "run-b"), report_dir=shared)
+    said = [str(w.message) for w in caught if REPLACED in str(w.message)]
+    assert [line.split(":")[0] for line in said] == ["EnergyLogger", "GreenWindow"]
+    assert all("(experiment/run-a)" in line and "(experiment/run-b)" in line for line in said)
+
+
+def test_a_logger_without_a_version_writes_into_its_save_dir(mnist1d_small, tmp_path):
+    energy, green = fit(mnist1d_small, tmp_path, StoreLogger(tmp_path / "store", None))
+    assert folders(energy, green) == (tmp_path / "store",) * 2
+    assert energy.report["run"] is None
