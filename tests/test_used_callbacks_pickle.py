@@ -89,3 +89,27 @@ def test_a_used_energy_logger_fits_again_in_spawned_ranks_and_a_used_prune_refus
     model, data = mnist1d_small(arch="mlp")
     with pytest.raises(Exception, match="ScheduledPrune: this instance already trained a run"):
         pl.Trainer(max_steps=3, callbacks=[prune], **kwargs).fit(model, data)
+
+
+def test_an_energy_logger_of_a_fit_that_raised_pickles_and_keeps_no_trainer(mnist1d_small, tmp_path):
+    """Review of the 39th pass: its account's step reader was ``lambda: trainer.global_step``, kept after a
+    fit that raised (no teardown follows): it did not pickle and held the Trainer, its model and data."""
+
+    class _Fails(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 2:
+                raise RuntimeError("trial failed")
+
+    energy = energy_logger(tmp_path)
+    model, data = mnist1d_small(arch="mlp")
+    trainer = pl.Trainer(
+        max_steps=6, callbacks=[energy, _Fails()], **trainer_kwargs(default_root_dir=tmp_path)
+    )
+    with pytest.raises(RuntimeError, match="trial failed"):
+        trainer.fit(model, data)
+    assert pickle.loads(pickle.dumps(energy)).report["status"] == "interrupted"
+    del energy.log, energy.log_dict  # Lightning's, holding the module (see above)
+    finished = weakref.ref(trainer)
+    del trainer, model, data
+    gc.collect()
+    assert finished() is None

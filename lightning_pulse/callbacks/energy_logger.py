@@ -189,7 +189,8 @@ class EnergyLogger(Callback):
         compat.refuse_uneven_epochs(trainer, "EnergyLogger", why, self._held, only_if_an_epoch_ends=True)
         self._in_train_loop = True
         progress = compat.run_progress(trainer)  # the loader's batch size tells a time-major batch's samples
-        steps = compat.optimizer_steps_counter(trainer)  # `global_step`; the account outlives the Trainer
+        # `global_step`, not holding the Trainer (the account outlives it); a fit loop of another shape: held
+        steps = compat.optimizer_steps_counter(trainer) or (lambda: trainer.global_step)
         self.account.begin_training(steps, progress, trainer.train_dataloader)
         resumed = trainer.ckpt_path is not None  # added on a resume, or a later fit; rates changed
         self.account.join_run(trainer.global_step, resumed, rank_zero_info, rank_zero_warn)
@@ -200,8 +201,7 @@ class EnergyLogger(Callback):
         self.account.log_steps_every(self.accounting.log_every_n_steps, trainer.log_every_n_steps)
         self._log_steps = trainer.is_global_zero and bool(trainer.loggers)
         cycle = getattr(pulse_cycle_of(trainer), "cycle", None)
-        # the epoch too: a fit resumed mid-epoch gets no `on_train_epoch_start` for the epoch it resumes in
-        self.account.mark_training(phase_of(trainer).value, cycle, trainer.current_epoch)
+        self.account.mark_training(phase_of(trainer).value, cycle, trainer.current_epoch)  # the epoch too
 
     def on_pulse_phase_begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: Any) -> None:
         """Listener of :class:`~lightning_pulse.PulseCycle`, called (once PulseCycle calls it) before the new

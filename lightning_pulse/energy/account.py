@@ -561,7 +561,8 @@ class EnergyAccount:
             refuse_changed_currency(self.rate_parts["price"], self.price)
 
     def mark_training(self, phase: str, cycle: int | None, epoch: int) -> None:
-        """The training loop starts in ``phase`` of pulse ``cycle`` (``None``: no pulse cycle) and ``epoch``;
+        """The training loop starts in ``phase`` of pulse ``cycle`` (``None``: no pulse cycle) and ``epoch``
+        (told here too: a fit resumed mid-epoch gets no ``on_train_epoch_start`` for the epoch it resumes in);
         a later phase change into a later cycle completes this one (:meth:`change_phase`)."""
         self._cycle = cycle
         self.mark(stage="train", phase=phase, cycle=cycle, epoch=epoch)
