@@ -152,7 +152,7 @@ def refuse_unwritable_dir(callback: str, field: str, directory: str | os.PathLik
     if (reason := unwritable_dir_reason(directory)) is not None:
         raise PulseRefusal(
             f"{callback}: `{field}`={os.fspath(directory)!r} cannot hold the report ({reason}); give a writable "
-            "folder, or None for the logger's log dir."
+            "folder, or None for the run's own folder."
         )
 
 

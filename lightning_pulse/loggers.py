@@ -94,19 +94,30 @@ def run_folder(trainer: pl.Trainer, report_dir: str | os.PathLike | None = None)
 
 def _own_folder(logger: Any, default_root_dir: str) -> str:
     root = logger.save_dir or default_root_dir  # a remote store (MLflow over http) keeps no local files
-    version = logger.version
-    if version is None:
+    name_and_version = _name_and_version(logger)
+    if name_and_version is None:
         return root
-    name = logger.name
+    name, version = name_and_version
     version = version if isinstance(version, str) else f"version_{version}"  # as ModelCheckpoint names it
-    return os.path.join(root, *([] if name is None or name == "" else [str(name)]), version)
+    return os.path.join(root, str(name), version)  # ModelCheckpoint's folder, less its `checkpoints`
+
+
+def _name_and_version(logger: Any) -> tuple[Any, Any] | None:
+    """The logger's ``(name, version)``, or ``None`` where it has no version or reading one raises (a
+    report is no reason to fail a run: its ``save_dir`` then, as before the run's own folder)."""
+    try:
+        name, version = logger.name, logger.version
+    except Exception:
+        return None
+    return None if version is None else (name, version)
 
 
 def logger_run(trainer: pl.Trainer) -> str | None:
     """The run's name in its first logger (``<name>/<version>``), recorded in its reports so that a report
-    about to replace another run's can tell: ``None`` without a logger, with a logger of no version, and on
-    the ranks other than 0 (which write no report, and whose loggers hold no run)."""
-    if not trainer.loggers or not trainer.is_global_zero or trainer.loggers[0].version is None:
+    about to replace another run's can tell: ``None`` without a logger, with a logger of no version (or one
+    whose version cannot be read), and on the ranks other than 0 (which write no report, and whose loggers
+    hold no run)."""
+    if not trainer.loggers or not trainer.is_global_zero:
         return None
-    logger = trainer.loggers[0]
-    return f"{logger.name}/{logger.version}"
+    name_and_version = _name_and_version(trainer.loggers[0])
+    return None if name_and_version is None else "/".join(map(str, name_and_version))

@@ -766,8 +766,8 @@ class GreenWindowOptions:
             not isinstance(self.report_dir, (str, os.PathLike)) or not str(self.report_dir).strip()
         ):
             raise ValueError(
-                f"`options.report_dir`={self.report_dir!r} must be a directory path, or None for the logger's "
-                "log dir."
+                f"`options.report_dir`={self.report_dir!r} must be a directory path, or None for the run's "
+                "own folder."
             )
         if self.signal_start is not None:
             try:

@@ -238,7 +238,7 @@ def checked_arguments(
         )
     if report_dir is not None and (not isinstance(report_dir, (str, Path)) or not str(report_dir).strip()):
         raise ValueError(
-            f"`report_dir`={report_dir!r} must be a directory path, or None for the logger's log dir."
+            f"`report_dir`={report_dir!r} must be a directory path, or None for the run's own folder."
         )
     if country_iso_code is None:
         return None
