@@ -67,8 +67,9 @@ def _drop_figures(trainer: pl.Trainer, logger: Logger, error: Exception) -> None
     if id(logger) in said:
         return
     said.add(id(logger))
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"  # one line: the first
     rank_zero_warn(
-        f"lightning-pulse: {type(logger).__name__}.log_metrics failed ({type(error).__name__}: {error}); "
+        f"lightning-pulse: {type(logger).__name__}.log_metrics failed ({type(error).__name__}: {reason}); "
         "lightning-pulse's figures to this logger are being dropped while it fails (said once), the run and "
         "the other loggers go on. Lightning's own logging to it is not guarded: fix the logger or remove it."
     )

@@ -3,6 +3,7 @@ prefix of another, and what the module keeps out of the loggers stays out."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from pathlib import Path
 
@@ -213,3 +214,34 @@ def test_a_stability_guard_stop_with_a_failing_logger_writes_its_checkpoint_and_
         with pytest.raises(StabilityGuardError, match="StabilityGuard stopped training") as stopped:
             trainer.fit(StreamsClassifier(nan_from=12))
     assert stopped.value.checkpoint_path is not None and Path(stopped.value.checkpoint_path).is_file()
+
+
+class _Interrupted(BaseException):
+    """Not an ``Exception``: a logger raising it is not skipped, it propagates (as a Ctrl-C would)."""
+
+
+class _InterruptsAtTheStop(FailingLogger):
+    """Works until the guard's stop is logged (a call from its rollback, which logs only at a stop), then
+    raises."""
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if any(frame.function == "_roll_back" for frame in inspect.stack()):
+            raise _Interrupted("the stop's log call")
+
+
+def test_a_stability_guard_stop_writes_its_checkpoint_before_it_logs(tmp_path):
+    """Review of the 39th pass: the order alone, with a logger whose failure is not skipped."""
+    pl.seed_everything(0, verbose=False)
+    guard = StabilityGuard(
+        warmup=5,
+        rollback_after=1,
+        max_rollbacks=1,
+        snapshot_every=5,
+        rollback_margin=5,
+        skip_after_rollback=0,
+    )
+    kwargs = trainer_kwargs(logger=_InterruptsAtTheStop(), max_steps=30, limit_val_batches=0)
+    trainer = pl.Trainer(callbacks=[guard], **{**kwargs, "default_root_dir": tmp_path})
+    with pytest.raises(_Interrupted):
+        trainer.fit(StreamsClassifier(nan_from=12))
+    assert len(list(Path(tmp_path).rglob("stopped-step=*.ckpt"))) == 1
