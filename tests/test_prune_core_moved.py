@@ -188,7 +188,7 @@ def test_an_event_is_cut_recorded_and_followed_by_its_distillation_window():
     event = events.record(10, 0.5, outcome, model, ({"acc": 0.9}, None), "maintain")
     assert events.events == [event] and event["phase"] == "maintain" and event["probe_before"] == {"acc": 0.9}
     events.open_window(model, teacher, accumulation=2)
-    assert events.window.event == 0 and events.window.distiller.weight == 0.5
+    assert events.window.event_step == 10 and events.window.distiller.weight == 0.5
     model.train()
     F.cross_entropy(model(torch.randn(4, 40)), torch.zeros(4, dtype=torch.long)).backward()
     metrics = events.end_distillation()
@@ -219,7 +219,7 @@ def test_the_state_round_trips_and_a_loaded_teacher_waits_for_the_fit():
     state = events.state_dict()
     assert state["user_frozen"] == ["1", "3"] and state["uses_maintain"] is True
     assert state["events"] == events.events and state["events"][0] is not events.events[0]
-    assert state["teacher"]["event"] == 0 and state["teacher"]["steps_left"] == 5
+    assert state["teacher"]["event_step"] == 10 and state["teacher"]["steps_left"] == 5
     fresh, _ = _events(distill=DistillConfig(steps=5))
     fresh.load_state_dict(state)
     assert fresh.events == events.events and fresh.uses_maintain is True
@@ -227,7 +227,11 @@ def test_the_state_round_trips_and_a_loaded_teacher_waits_for_the_fit():
     assert fresh.pending_teacher is state["teacher"]
     student = _Student()
     fresh.restore_teacher(student, 2)
-    assert fresh.pending_teacher is None and fresh.window.event == 0 and fresh.window.distiller.weight == 0.5
+    assert (
+        fresh.pending_teacher is None
+        and fresh.window.event_step == 10
+        and fresh.window.distiller.weight == 0.5
+    )
     fresh.load_state_dict({k: v for k, v in state.items() if k not in ("uses_maintain", "teacher")})
     assert fresh.uses_maintain is True and fresh.pending_teacher is None  # an older checkpoint
 

@@ -289,14 +289,14 @@ def test_distill_window_closes_after_its_steps_and_survives_a_state_round_trip()
     torch.manual_seed(0)
     student, teacher = nn.Linear(4, 3), nn.Linear(4, 3)
     window = DistillWindow(DistillConfig(weight=2.0, steps=3))
-    window.open(student, teacher, event=0, accumulation=2)
+    window.open(student, teacher, event_step=5, accumulation=2)
     assert window.distiller.weight == 1.0  # divided by the accumulation factor, like the loss
     student(torch.randn(5, 4)).sum().backward()
     assert not window.step(2)
     state = window.state_dict()
     restored = DistillWindow(DistillConfig(weight=2.0, steps=3))
     restored.load_state_dict(nn.Linear(4, 3), state, accumulation=2)
-    assert (restored.steps_left, restored.event, restored.distiller.calls) == (1, 0, 1)
+    assert (restored.steps_left, restored.event_step, restored.distiller.calls) == (1, 5, 1)
     x = torch.randn(2, 4)
     assert torch.equal(restored.distiller.teacher(x), teacher(x))
     assert window.step(1)
@@ -1095,12 +1095,12 @@ def test_sample_targets_spread_over_the_schedule_and_end_at_the_final_sparsity()
 def test_distill_window_restore_drops_the_open_window_and_reopens_a_saved_one():
     student = nn.Linear(4, 3)
     window = DistillWindow(DistillConfig(steps=3))
-    window.open(student, nn.Linear(4, 3), event=0)
+    window.open(student, nn.Linear(4, 3), event_step=0)
     saved = window.state_dict()
     window.restore(student, None)
     assert window.distiller is None and window.state_dict() is None
     window.restore(student, saved, accumulation=2)
-    assert (window.event, window.steps_left, window.distiller.weight) == (0, 3, 0.5)
+    assert (window.event_step, window.steps_left, window.distiller.weight) == (0, 3, 0.5)
 
 
 def test_a_distill_window_without_a_length_ends_when_the_maintain_phase_does():

@@ -552,7 +552,10 @@ class RestoreAt(Callback):
             model_state, prune_state = self.saved
             pl_module.load_state_dict(model_state)
             self.prune.load_state_dict(prune_state)
-            self.after_load = {"events": len(self.prune.events), "distill_event": self.prune._window.event}
+            self.after_load = {
+                "events": len(self.prune.events),
+                "distill_event": self.prune._window.event_step,
+            }
 
 
 def test_state_loaded_mid_run_redoes_the_undone_event_and_keeps_distillation_consistent(
@@ -563,14 +566,14 @@ def test_state_loaded_mid_run_redoes_the_undone_event_and_keeps_distillation_con
     prune = ScheduledPrune(
         final_sparsity=0.7, start=10, end=40, every=10, probe_batches=1, distill=DistillConfig()
     )
-    # saved after the event at 20 (masks exist, distilling from event 0's teacher); loaded two steps after
+    # saved after the event at 20 (masks exist, distilling from its teacher); loaded two steps after
     # the event at 30, while its teacher distils
     restore = RestoreAt(prune, save_at=25, load_at=32)
     trainer = pl.Trainer(max_steps=48, callbacks=[prune, restore], **trainer_kwargs())
     trainer.fit(model, data)
 
     # the event at 30 was undone with the model; the schedule redid it at the next step, at step 33's target
-    assert restore.after_load == {"events": 1, "distill_event": 0}
+    assert restore.after_load == {"events": 1, "distill_event": 20}
     assert [event["step"] for event in prune.events] == [20, 33, 40]
     assert prune.events[1]["target_sparsity"] == pytest.approx(cubic_sparsity(33, 0.0, 0.7, 10, 40))
     # the redone event distilled from its own teacher; the undone one's calls were not booked onto event 0

@@ -144,7 +144,7 @@ class ScheduledPrune(Callback):
 
     @property
     def events(self) -> list[dict[str, Any]]:
-        """The record of each event (:func:`~lightning_pulse.core.pruning.event_record`), oldest first."""
+        """The latest 1,000 records (:func:`~lightning_pulse.core.pruning.event_record`), oldest first."""
         return self.core.events
 
     @events.setter

@@ -206,24 +206,27 @@ class DistillWindow:
         self.config = config
         self.distiller: LogitDistiller | None = None
         self.steps_left: int | None = None
-        self.event = -1  # index of the event the open window follows
+        # the step of the event the open window follows (its record's ``step``), not its index: the record
+        # list keeps the latest RECENT_RECORDS, so an index shifts once older records drop
+        self.event_step: int | None = None
 
     def open(
         self,
         student: nn.Module,
         teacher: nn.Module | LogitDistiller,
-        event: int,
+        event_step: int | None,
         accumulation: int = 1,
         steps_left: int | None = None,
     ) -> None:
-        """Start distilling ``teacher`` into ``student``; the term is divided by ``accumulation`` (the
-        gradient-accumulation factor), as Lightning divides the loss."""
+        """Start distilling ``teacher`` into ``student`` after the event at optimizer step ``event_step``
+        (``None``: unknown); the term is divided by ``accumulation`` (the gradient-accumulation factor), as
+        Lightning divides the loss."""
         self.close()
         distiller = teacher if isinstance(teacher, LogitDistiller) else LogitDistiller(student, teacher)
         distiller.weight = self.config.weight / max(1, accumulation)
         distiller.temperature = self.config.temperature
         distiller.attach()
-        self.distiller, self.event = distiller, event
+        self.distiller, self.event_step = distiller, event_step
         self.steps_left = self.config.steps if steps_left is None else steps_left
 
     def accumulate(self, accumulation: int) -> None:
@@ -248,14 +251,17 @@ class DistillWindow:
 
     def close(self, events: list[dict[str, Any]] | None = None) -> tuple[int, float] | None:
         """Stop distilling: ``(calls, mean loss)`` of the window, or ``None`` if none was open. With
-        ``events`` (records by event index), the window's event gets ``distill_calls`` and ``distill_loss``."""
+        ``events`` (event records, oldest first), the record of the window's event (found by its ``step``)
+        gets ``distill_calls`` and ``distill_loss``."""
         distiller, self.distiller = self.distiller, None
         if distiller is None:
             return None
         distiller.detach()
-        event, self.event, self.steps_left = self.event, -1, None
-        if events is not None and 0 <= event < len(events):
-            record = events[event]
+        step, self.event_step, self.steps_left = self.event_step, None, None
+        # searched from the newest: the window's event is the last record (none if it was dropped)
+        found = (r for r in reversed(events or ()) if r.get("step") == step)
+        record = next(found, None) if step is not None else None
+        if record is not None:
             record["distill_calls"] = record.get("distill_calls", 0) + distiller.calls
             record["distill_loss"] = distiller.mean_loss
         return distiller.calls, distiller.mean_loss
@@ -263,7 +269,7 @@ class DistillWindow:
     def state_dict(self) -> dict[str, Any] | None:
         if self.distiller is None:
             return None
-        return {**self.distiller.state_dict(), "steps_left": self.steps_left, "event": self.event}
+        return {**self.distiller.state_dict(), "steps_left": self.steps_left, "event_step": self.event_step}
 
     def restore(
         self,
@@ -280,6 +286,7 @@ class DistillWindow:
     def load_state_dict(
         self, student: nn.Module, state: dict[str, Any], accumulation: int = 1, map_location: Any = None
     ) -> None:
-        """Reopen the window saved in ``state`` (its teacher, running loss and steps left)."""
+        """Reopen the window saved in ``state`` (its teacher, running loss, steps left and event's step)."""
         distiller = LogitDistiller.from_state_dict(student, state, map_location=map_location)
-        self.open(student, distiller, int(state["event"]), accumulation, state["steps_left"])
+        step = state.get("event_step")
+        self.open(student, distiller, None if step is None else int(step), accumulation, state["steps_left"])

@@ -46,6 +46,7 @@ from lightning_pulse.core.prune_setup import (
 from lightning_pulse.core.prune_targets import NOT_OWN_WEIGHT, LayerSelection, OwnWeightWatch
 from lightning_pulse.errors import PulseRefusal
 from lightning_pulse.phase import Phase, PhaseChange, PhaseClock
+from lightning_pulse.records import RECENT_RECORDS, append_recent
 
 _log = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ class PruneEvents:
         info: gives an informative line (the callback hands in Lightning's ``rank_zero_info``).
 
     Attributes:
-        events: the record of each event (:func:`~lightning_pulse.core.pruning.event_record`), oldest first.
+        events: the record of each event (:func:`~lightning_pulse.core.pruning.event_record`), oldest first:
+            the latest :data:`~lightning_pulse.records.RECENT_RECORDS` (a long run's checkpoint stays small).
         window: the distillation window after an event (``None`` without ``distill``).
         masks: keeps the masked weights current outside their layers' calls (unstructured only).
         uses_maintain: whether events happen at maintain-phase starts (:meth:`plan_cadence`).
@@ -418,18 +420,22 @@ class PruneEvents:
         phase: str | None,
     ) -> dict[str, Any]:
         """Add the record of the event at ``step`` (:func:`~lightning_pulse.core.pruning.event_record`, with
-        the pulse ``phase`` it happened in, ``None`` without a PulseCycle) to :attr:`events`, and return it.
-        ``probes``: the probe metrics before and after the event."""
+        the pulse ``phase`` it happened in, ``None`` without a PulseCycle) to :attr:`events`, dropping the
+        oldest beyond :data:`~lightning_pulse.records.RECENT_RECORDS`, and return it. ``probes``: the probe
+        metrics before and after the event. Nothing reads a total off the records: the schedule keeps the
+        sparsity reached, and the messages read the latest record."""
         event = pruning.event_record(step, target, outcome, model, *probes)
         event["phase"] = phase
-        self.events.append(event)
+        # each record holds a per-layer dict: a million-step run of a deep model held MBs of them
+        append_recent(self.events, event, RECENT_RECORDS)
         return event
 
     def open_window(self, student: nn.Module, teacher: nn.Module | None, accumulation: int) -> None:
         """Start distilling ``teacher`` (:meth:`cut`'s copy) into ``student`` after the last event, if
         distillation is on (the term divided by ``accumulation``, the gradient-accumulation factor)."""
         if self.window is not None and teacher is not None:
-            self.window.open(student, teacher, len(self.events) - 1, accumulation)
+            step = self.events[-1]["step"] if self.events else None
+            self.window.open(student, teacher, step, accumulation)
 
     def accumulate(self, accumulation: int) -> None:
         """An open distillation window's term is divided by ``accumulation`` from now on
@@ -454,6 +460,11 @@ class PruneEvents:
         """Close the open distillation window and reopen the one :attr:`pending_teacher` holds, if any, on the
         device of ``student`` (the term divided by ``accumulation``, the gradient-accumulation factor)."""
         saved, self.pending_teacher = self.pending_teacher, None
+        if saved is not None and "event_step" not in saved and "event" in saved:
+            # a checkpoint of an earlier version: the index of the window's event in its records
+            index = int(saved["event"])
+            step = self.events[index]["step"] if 0 <= index < len(self.events) else None
+            saved = {**saved, "event_step": step}
         if self.window is not None:
             self.window.restore(student, saved, accumulation, student.device)
 

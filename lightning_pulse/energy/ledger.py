@@ -14,6 +14,7 @@ intensity and price over the piece's wall-clock time.
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -198,8 +199,12 @@ class EnergyLedger:
         self._latest: tuple[float, float | None, float, float] = (0.0, None, 0.0, 0.0)
         self._keys: tuple[str, ...] = ()
         self._keys_of: Label | None = None
+        # caches of the buckets' lookups, emptied whenever a numbered bucket is dropped (:meth:`_bucket`)
         self._bucket_lists: dict[tuple[str, ...], list[Bucket]] = {}
         self._label_keys: dict[Label, tuple[str, ...]] = {}  # under `lock` (current_keys() is not)
+        # per prefix of NUMBERED, a heap of ``(number, key)`` of the kept numbered buckets: the oldest is
+        # dropped without sorting every key (a run of tiny epochs opens one every few steps)
+        self._numbered: dict[str, list[tuple[int, str]]] = {prefix: [] for prefix in NUMBERED}
         self._tally = _Tally(())
 
     # an EnergyLogger is pickled by ``ddp_spawn`` and copied by sweeps, also after a fit: the figures go with
@@ -490,9 +495,15 @@ class EnergyLedger:
         if bucket is None:
             bucket = self.buckets[key] = Bucket()
             if key.startswith(NUMBERED):
-                for dropped in set(self.buckets) - set(recent_buckets(self.buckets)):
-                    del self.buckets[dropped]  # its figures stay in the totals and the phase buckets
-                    self._bucket_lists = {k: v for k, v in self._bucket_lists.items() if dropped not in k}
+                prefix = key[: key.index("/") + 1]
+                numbered = self._numbered[prefix]
+                heapq.heappush(numbered, (int(key[len(prefix) :]), key))
+                if len(numbered) > RECENT_RECORDS:  # the lowest number, as recent_buckets drops
+                    del self.buckets[heapq.heappop(numbered)[1]]  # its figures stay in the totals and phases
+                    # the caches may hold the dropped bucket, and gain an entry per label: rebuilt on demand
+                    # from the labels in use, so they stay as small as the latest few cycles' labels
+                    self._bucket_lists.clear()
+                    self._label_keys.clear()
         return bucket
 
     # ------------------------------------------------------------------ read-out
