@@ -373,3 +373,73 @@ def test_a_single_torch_layer_is_not_told_to_split_its_weight_from_its_bias(capl
         "GradientCache: the model has a single trainable unit, so nothing can be frozen." in caplog.messages
     )
     assert not any("units=" in str(w.message) for w in warned)
+
+
+class _FirstLayerReplaced(pl.LightningModule):
+    """An MLP whose module puts a fresh first layer in at epoch ``swap_epoch``'s start (a new ``nn.Linear``
+    object) and makes a new optimizer; ``tell``: it also tells GradientCache that its units no longer cover
+    what trains (:attr:`LayerFreezer.outgrown`), the way it reacts to a backbone the user unfroze. Each step
+    records whether the live first layer moved and the backward FLOPs GradientCache counted as skipped."""
+
+    def __init__(self, swap_epoch: int | None, tell: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.swap_epoch, self.tell = swap_epoch, tell
+        self.backbone = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+        self.steps: list[tuple[int, bool, float]] = []  # (step, first layer moved, FLOPs counted skipped)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def _cache(self) -> GradientCache:
+        return next(c for c in self.trainer.callbacks if isinstance(c, GradientCache))
+
+    def on_train_epoch_start(self):
+        if self.current_epoch == self.swap_epoch:
+            torch.manual_seed(1)
+            self.backbone[0] = nn.Linear(16, 32)
+            self.trainer.strategy.setup_optimizers(self.trainer)
+            if self.tell:
+                self._cache().freezer.outgrown = True
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._before = (self.backbone[0].weight.detach().clone(), self._cache().ledger.skipped)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        weight, skipped = self._before
+        moved = not torch.equal(weight, self.backbone[0].weight.detach())
+        self.steps.append((self.global_step, moved, self._cache().ledger.skipped - skipped))
+
+
+def _fit_replaced(swap_epoch: int | None, tell: bool = False) -> tuple[GradientCache, _FirstLayerReplaced]:
+    pl.seed_everything(0)
+    x = torch.randn(128, 16, generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=16)
+    model = _FirstLayerReplaced(swap_epoch, tell)
+    cache = GradientCache(threshold=1.0, check_every=2, freeze_for=8)
+    trainer = pl.Trainer(callbacks=[cache], **trainer_kwargs(max_epochs=4, limit_val_batches=0))
+    trainer.fit(model, data)
+    return cache, model
+
+
+def test_a_layer_the_module_replaces_is_no_longer_frozen_nor_counted_as_skipped():
+    # sweep-surgery finding 3: the units kept the replaced layer's parameter objects, so every later freeze
+    # "froze" them, logging frozen units and skipped backward FLOPs while the new layer trained at every step
+    control, _ = _fit_replaced(None)
+    assert any(event["to"] > event["from"] for event in control.events)
+    assert not any(event["reason"] == "retrace" for event in control.events)
+    cache, model = _fit_replaced(swap_epoch=2)
+    told, told_model = _fit_replaced(swap_epoch=2, tell=True)
+    swapped_at = 16  # epoch 2's first step (8 batches an epoch)
+    assert any(event["reason"] == "retrace" and event["step"] == swapped_at for event in cache.events)
+    false = [(step, skipped) for step, moved, skipped in model.steps if moved and skipped > 0]
+    assert false == []
+    assert any(skipped > 0 for step, _, skipped in model.steps if step > swapped_at)  # it froze again
+    assert cache.events == told.events
+    for name, param in model.named_parameters():
+        assert torch.equal(param, told_model.get_parameter(name)), name

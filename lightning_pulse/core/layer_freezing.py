@@ -326,7 +326,11 @@ class LayerFreezer:
     (a window's end, a light phase, a restored state; :meth:`check_outside` at other points) the freezer
     checks ``outside``; if one trains, it releases everything and freezes nothing more (:attr:`outgrown`) until
     its units are discovered again (:meth:`FreezerLifecycle.retrace`). One trains when it requires grad and
-    got a gradient or one of ``optimizers`` holds it (:meth:`_outside_trains`).
+    got a gradient or one of ``optimizers`` holds it (:meth:`_outside_trains`). At the same points the
+    ``model``'s parameters are compared with the units' and ``outside`` (a set of ids): a parameter created
+    since (a layer the user replaced) joins ``outside``, and a trained unit's parameter the model no longer
+    holds (:attr:`replaced`) counts as outgrown too, or the freezer would go on freezing (and reporting as
+    skipped) parameter objects the model no longer uses.
 
     Args:
         units: the bound units in forward order (see :func:`discover_units` and :func:`order_units`).
@@ -335,6 +339,7 @@ class LayerFreezer:
             none: the trainable set is not watched.
         optimizers: the fit's optimizers, read at each look (a param group added later counts); ``None``:
             unknown, so an ``outside`` parameter trains as soon as it requires grad.
+        model: the module whose parameters the units and ``outside`` cover; ``None``: it is not compared.
     """
 
     def __init__(
@@ -344,12 +349,17 @@ class LayerFreezer:
         outside: Iterable[nn.Parameter] = (),
         rare: Iterable[str] = (),
         optimizers: Sequence[torch.optim.Optimizer] | None = None,
+        model: nn.Module | None = None,
     ) -> None:
         self.units = list(units)
         self.settings = settings or FreezeSettings()
         self.outside = list(outside)
         self.optimizers = optimizers
         self.outgrown = False  # a parameter outside the units requires grad: nothing freezes any more
+        self.model = model
+        # ids of the model's parameters at the last look (_parameters_changed); the units' and `outside`'s
+        self._known = {id(param) for unit in self.units for param in unit.params} | set(map(id, self.outside))
+        self.replaced: list[str] = []  # trained units' parameters the model no longer holds
         n = len(self.units)
         # units the ordering backward gave no gradient (ordered last): one that gets a gradient later (a block
         # LayerDrop skipped then) has an unknown place, so nothing freezes until the units are ordered again;
@@ -579,11 +589,33 @@ class LayerFreezer:
         One that neither can move, nor slow a backward: a model re-creating an ``nn.Parameter`` in its forward
         (the widely copied VQ-VAE ``VectorQuantizerEMA``) leaves a new one outside at every step, which, taken
         for one that started training, released every unit at every window's end, so nothing ever froze."""
+        if self._parameters_changed():
+            return True
         wanting = [param for param in self.outside if param.requires_grad]
         if not wanting or self.optimizers is None or any(param.grad is not None for param in wanting):
             return bool(wanting)
         held = optimizer_parameter_ids(self.optimizers)
         return held is None or any(id(param) in held for param in wanting)
+
+    def _parameters_changed(self) -> bool:
+        """Whether a trained unit holds a parameter the model no longer does (:attr:`replaced`); parameters
+        the model gained since the last look join :attr:`outside`. One set of ids built per look: it runs
+        where :meth:`_outside_trains` does, not at every step."""
+        if self.model is None or self.replaced:
+            return bool(self.replaced)
+        current = {id(param) for param in self.model.parameters()}
+        if current == self._known:
+            return False
+        self._known = current
+        self.outside = parameters_outside(self.model, self.units)
+        self.replaced = [
+            name
+            for unit in self.units
+            if unit.used
+            for name, param in zip(unit.param_names, unit.params)
+            if id(param) not in current
+        ]
+        return bool(self.replaced)
 
     def run_statistics(self) -> dict[str, float]:
         """The run's step count and statistics, which a freezer over rediscovered units continues."""
@@ -853,7 +885,7 @@ def freezer_from_state(
     for unit in units:
         unit.bind(everything)
     outside = parameters_outside(model, units)
-    freezer = LayerFreezer(mark_shared(units, model), settings, outside, optimizers=optimizers)
+    freezer = LayerFreezer(mark_shared(units, model), settings, outside, optimizers=optimizers, model=model)
     freezer.load_state_dict(state)
     return freezer
 
@@ -1392,7 +1424,8 @@ class FreezerLifecycle:
             return False
         outside = parameters_outside(self._model, units) if self._model is not None else []
         rare = [*self._rare, *self.trace.given_up]
-        self.freezer, self.trace = LayerFreezer(units, self.settings, outside, rare, self.optimizers), None
+        freezer = LayerFreezer(units, self.settings, outside, rare, self.optimizers, self._model)
+        self.freezer, self.trace = freezer, None
         self.backward_reach.longest_checked = 0  # new units: their prefixes are looked at anew
         if self._statistics is not None:
             self.freezer.continue_statistics(self._statistics)
@@ -1466,9 +1499,17 @@ class FreezerLifecycle:
         self._statistics, self._model, self._graph_checked = freezer.run_statistics(), model, False
         self.freezer, self.trace = None, ForwardOrderTrace(discover_units(model, self.unit_names), previous)
         shown = ", ".join(grown[:3]) + (f" and {len(grown) - 3} more" if len(grown) > 3 else "")
+        replaced = freezer.replaced
+        gone = ", ".join(replaced[:3]) + (f" and {len(replaced) - 3} more" if len(replaced) > 3 else "")
+        why = (
+            f"the model no longer holds parameters of its units ({gone}; a layer replaced by a new one?), so "
+            "freezing them would stop nothing and count backward FLOPs as skipped that still run"
+            if replaced
+            else f"parameters outside its units started training ({shown or 'on rank 0'}), so a frozen "
+            "prefix could have trainable layers before it"
+        )
         note = (
-            f"parameters outside its units started training ({shown or 'on rank 0'}), so a frozen "
-            "prefix could have trainable layers before it. It released every unit, discovered the units again "
+            f"{why}. It released every unit, discovered the units again "
             "with them, and orders them at the next backward; freezing resumes once they are scored, and the "
             "backward FLOPs are measured again"
         )
