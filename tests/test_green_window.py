@@ -604,6 +604,68 @@ def test_a_live_reading_stamped_after_the_decision_read_the_clock_is_the_one_it_
     assert green.report["summary"]["waited_s"] == pytest.approx(3600.0, abs=1e-3)
 
 
+def test_a_live_signal_that_fails_mid_run_holds_its_last_good_reading_and_warns_once(mnist1d_small, tmp_path):
+    # a sweep: one NaN or one timeout from the callable after good readings ended the fit mid-run (step 12 of
+    # 48); a meter that fails must not end a run
+    model, data = mnist1d_small(arch="mlp")
+    clock = SimulatedClock(START)
+    answers = iter([300.0, 250.0, math.nan, ConnectionError("carbon API timed out"), 80.0])
+
+    def live() -> tuple[float, float]:
+        answer = next(answers, 60.0)
+        if isinstance(answer, Exception):
+            raise answer
+        return clock.time(), answer
+
+    green = GreenWindow(
+        signal=live,
+        when_dirty="pause",
+        threshold=100.0,
+        max_delay="12h",
+        expected_duration="4h",
+        clock=clock,
+        options={"watts": 100.0, "report_dir": str(tmp_path)},
+    )
+    trainer = fit([green], clock, steps=24, default_root_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data)
+    assert trainer.global_step == 24 and green.report["status"] == "complete"
+    failed = [str(w.message) for w in caught if "live `signal` failed" in str(w.message)]
+    assert len(failed) == 1 and failed[0].startswith("GreenWindow: a reading of the live `signal` failed: ")
+    assert ", nan)" in failed[0] and "its last good reading, 250 gCO2eq/kWh" in failed[0]
+    # the NaN and the timeout each decided on the last good reading (250, dirty: a wait), then 80 ran
+    decisions = green.report["decisions"]
+    assert [d["signal"] for d in decisions[:5]] == [300.0, 250.0, 250.0, 250.0, 80.0]
+    assert [d["run"] for d in decisions[:5]] == [False, False, False, False, True]
+    signal = green.report["signal"]
+    assert signal["failed_readings"] == 2 and signal["first_failure"]["held_value"] == 250.0
+    assert "| live readings failed | 2 " in (tmp_path / "green_window_report.md").read_text()
+
+
+def test_a_live_signal_whose_first_reading_fails_is_refused_naming_it_and_the_way_out(
+    mnist1d_small, tmp_path
+):
+    # its message was "live: reading nan is not a finite value >= 0." (no GreenWindow, no `signal`, no way
+    # out), and an exception of the callable came out bare
+    clock = SimulatedClock(START)
+
+    def down() -> tuple[float, float]:
+        raise ConnectionError("carbon API timed out")
+
+    for source, said in [
+        (lambda: (clock.time(), math.nan), r"returned \(1592179200\.0, nan\); its time must be finite"),
+        (down, r"raised ConnectionError: carbon API timed out"),
+    ]:
+        green = GreenWindow(signal=source, when_dirty="pause", expected_duration="4h", clock=clock)
+        trainer = fit([green], clock, steps=4, default_root_dir=tmp_path)
+        with pytest.raises(PulseRefusal, match=rf"^GreenWindow: `signal`: the callable {said}") as refused:
+            trainer.fit(*mnist1d_small(arch="mlp"))
+        assert "first reading" in str(refused.value) and "give `signal` a series" in str(refused.value)
+        assert trainer.global_step == 0
+    assert isinstance(refused.value.__cause__, ConnectionError)  # the callable's own traceback is kept
+
+
 def test_wait_for_window_prints_for_schedulers_and_fails_in_one_line(tmp_path, capsys):
     (tmp_path / "green_window.json").write_text(json.dumps({"resume_at_unix": 1592215200.0}))
     assert cli_main(["wait-for-window", str(tmp_path), "--print", "--format", "unix"]) == 0

@@ -94,7 +94,7 @@ class GreenWindow(Callback):
             PulseCycle with light phases or next to ``HardSampleReplay(mode="steps")`` (it plans its batches
             on the phase sequence), ``"suspend"`` without a ModelCheckpoint, no signal and no EnergyLogger
             series, a new run's ``deadline`` already past (a resumed run's warns and runs on), a second fit of
-            this instance (create one per fit; a checkpoint restored into it resumes).
+            this instance (one per fit; a checkpoint loaded into it resumes), a failed first live reading.
 
     Example::
 

@@ -172,6 +172,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         saving = (f"saving ({currency})", money(summary.get("saving"), unit)[1])
     # a GreenWindow added on a resume (its figures are the rest of the run's): no row for a whole run
     joined = summary.get("from_step") or None
+    failed = (report.get("signal") or {}).get("failed_readings")  # a live signal's, held (LiveSignal)
     rows = [
         ("status", report["status"]),
         ("counts from step", joined and f"{joined} (GreenWindow was added on a resume there)"),
@@ -189,6 +190,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         ("saving (%)", summary.get("saving_pct")),
         saving,
         ("decisions", summary.get("decisions")),
+        ("live readings failed", f"{failed} (the last good reading held for each)" if failed else None),
         ("deadline (UTC)", summary.get("deadline") or "none"),
         ("deadline unmet", unmet_text(summary.get("deadline_unmet"), summary.get("deadline_cleared"))),
     ]

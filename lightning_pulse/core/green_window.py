@@ -33,8 +33,8 @@ import numpy as np
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import Forecast
 from lightning_pulse.energy.report import SMOKE_TEST
-from lightning_pulse.energy.signal import GreenSignal
-from lightning_pulse.errors import plain_fields
+from lightning_pulse.energy.signal import GreenSignal, SignalUnreadable
+from lightning_pulse.errors import PulseRefusal, plain_fields
 from lightning_pulse.phase import (
     KNOWN_LENGTH,
     SECONDS_UNIT_NAMES,
@@ -1418,10 +1418,15 @@ class GreenSchedule:
         """The decision at wall time ``now`` on ``signal`` (a
         :class:`~lightning_pulse.energy.signal.GreenSignal`, read only when a decision is due), or ``None``:
         once the last step is done (``steps_left`` <= 0: nothing is left to move into a cleaner hour), or
-        while the remaining work is unknown (:meth:`decide`)."""
+        while the remaining work is unknown (:meth:`decide`). A live signal whose first reading fails is
+        refused (:class:`~lightning_pulse.PulseRefusal`, at the first decision: the run's start); a later
+        failure holds its last good reading (:class:`~lightning_pulse.energy.signal.LiveSignal`)."""
         if steps_left <= 0:
             return None
-        series, to_series = signal.now()
+        try:
+            series, to_series = signal.now()
+        except SignalUnreadable as error:  # chained to the callable's own exception, where it raised one
+            raise PulseRefusal(f"GreenWindow: {error}") from error.__cause__
         # a series read past its end holds its last value (a wrapping one has no end); a live signal can
         # change, and so can one that does not say (a signal of the caller's own, with no `live`)
         holds_from = series.end if getattr(signal, "live", True) is None else math.inf

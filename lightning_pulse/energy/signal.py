@@ -22,6 +22,8 @@ import numpy as np
 from lightning_pulse.energy.carbon import (
     Rate,
     TimeSeries,
+    _rank_zero_warn,
+    format_utc,
     parse_series_start,
     parse_timestamp,
     refuse_start_outside_series,
@@ -116,33 +118,55 @@ def series_signal(
     return rate
 
 
+#: the way out of a live signal that fails before any good reading (a refusal at fit start)
+LIVE_WAY_OUT = (
+    "Check the source (one call by hand should return (unix_seconds, value)), or give `signal` a series: a "
+    "CSV or JSON path, or a list of (time, value) pairs."
+)
+
+
+class SignalUnreadable(ValueError):
+    """A live signal's first reading failed: no good reading can stand in for it (GreenWindow refuses the run
+    at fit start). The callable's own exception, if it raised, is the ``__cause__``."""
+
+
 class LiveSignal:
     """Readings of a callable ``read() -> (unix_seconds, value)``, kept as the history forecasts see.
 
-    A reading older than the last one is ignored; one at the same time replaces it.
+    A reading older than the last one is ignored; one at the same time replaces it. Once a reading was good,
+    a failed one (the callable raised, returned no pair of finite numbers, or a value below 0) is counted in
+    ``failed`` and the last good reading stands in for it, with one warning (``warn``: Lightning's
+    ``rank_zero_warn`` by default): a meter that fails must not end a run. With no good reading yet,
+    :class:`SignalUnreadable` says why.
     """
 
     def __init__(
-        self, read: Callable[[], tuple[float, float]], name: str = "live", unit: str = "signal"
+        self,
+        read: Callable[[], tuple[float, float]],
+        name: str = "live",
+        unit: str = "signal",
+        warn: Callable[[str], None] | None = None,
     ) -> None:
-        self.read, self.name, self.unit = read, name, unit
+        self.read, self.name, self.unit, self.warn = read, name, unit, warn
         self.times: list[float] = []
         self.values: list[float] = []
         self._series: TimeSeries | None = None
+        self.failed = 0  # readings that failed, the last good one held in their place
+        self.first_failure: dict[str, Any] | None = None
+        self._warned = False  # once per fit: a source that is down fails at every decision
 
     def observe(self) -> tuple[float, float]:
-        """Read the callable now; returns ``(time, value)``."""
-        reading = self.read()
+        """Read the callable now; returns ``(time, value)``: the last good reading where this one failed."""
         try:
-            moment, value = reading
-            moment, value = float(moment), float(value)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"`signal`: the callable returned {reading!r}; it must return a (unix_seconds, value) pair of "
-                "numbers."
-            ) from None
-        if not np.isfinite(value) or value < 0:
-            raise ValueError(f"{self.name}: reading {value!r} is not a finite value >= 0.")
+            moment, value = self._read()
+        except SignalUnreadable as error:
+            if not self.times:
+                raise SignalUnreadable(
+                    f"`signal`: {error}. That was its first reading, so no earlier one can stand in for it "
+                    f"(a later failure holds the last good reading). {LIVE_WAY_OUT}"
+                ) from error.__cause__
+            self._hold(str(error))
+            return self.times[-1], self.values[-1]
         if self.times and moment < self.times[-1]:
             return self.times[-1], self.values[-1]
         if self.times and moment == self.times[-1]:
@@ -153,6 +177,42 @@ class LiveSignal:
         self._series = None
         return moment, value
 
+    def _read(self) -> tuple[float, float]:
+        """One reading of the callable, checked: :class:`SignalUnreadable` (no way out in it) if it failed."""
+        try:
+            reading = self.read()
+        except Exception as error:  # an API timeout, a meter that is down: any failure of the source
+            raise SignalUnreadable(f"the callable raised {type(error).__name__}: {error}") from error
+        try:
+            moment, value = reading
+            moment, value = float(moment), float(value)
+        except (TypeError, ValueError):
+            raise SignalUnreadable(
+                f"the callable returned {reading!r}; it must return a (unix_seconds, value) pair of numbers"
+            ) from None
+        if not np.isfinite(moment) or not np.isfinite(value) or value < 0:
+            raise SignalUnreadable(
+                f"the callable returned {reading!r}; its time must be finite and its value finite and >= 0"
+            )
+        return moment, value
+
+    def _hold(self, failure: str) -> None:
+        """Count a failed reading; the first of this fit is warned, naming what stands in for it."""
+        self.failed += 1
+        held, since = self.values[-1], format_utc(self.times[-1])
+        if self.first_failure is None:
+            self.first_failure = {"error": failure, "after_utc": since, "held_value": held}
+        if self._warned:
+            return
+        self._warned = True
+        shown = f"{held:g}" if self.unit == "signal" else f"{held:g} {self.unit}"
+        (self.warn or _rank_zero_warn)(
+            f"GreenWindow: a reading of the live `signal` failed: {failure}. The decisions take its last "
+            f"good reading, {shown} from {since} (UTC), as the value now until a reading succeeds, and "
+            "training goes on. Later failures are not warned again: the report's `signal` block counts them "
+            "(`failed_readings`). Check the source if this persists."
+        )
+
     def history(self) -> TimeSeries:
         """Every reading so far, as a step function."""
         if not self.times:
@@ -162,11 +222,17 @@ class LiveSignal:
         return self._series
 
     def state_dict(self) -> dict[str, Any]:
-        return {"times": list(self.times), "values": list(self.values)}
+        return {
+            "times": list(self.times),
+            "values": list(self.values),
+            "failed": self.failed,
+            "first_failure": self.first_failure,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.times = [float(t) for t in state.get("times", [])]
         self.values = [float(v) for v in state.get("values", [])]
+        self.failed, self.first_failure = int(state.get("failed", 0)), state.get("first_failure")
         self._series = None
 
 
@@ -269,6 +335,8 @@ class GreenSignal:
                 "source": f"live:{self.live.name}",
                 "unit": self.live.unit,
                 "readings": len(self.live.times),
+                "failed_readings": self.live.failed,  # each decided on the last good reading, held
+                "first_failure": self.live.first_failure,
             }
         return None if self.rate is None else self.rate.describe()
 
