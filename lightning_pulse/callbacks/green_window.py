@@ -288,6 +288,8 @@ class GreenWindow(Callback):
                 if now >= self._next_check:
                     self.segment.close(now, self._kwh)  # the compute since the last mark: a segment
                     decision = self._decide(trainer, now)
+                while self.schedule.news:  # a deadline out of reach or in reach again, a clock step
+                    rank_zero_warn(self.schedule.news.pop(0))
             if trainer.world_size > 1:
                 shared = compat.broadcast_held(
                     trainer.strategy, None if decision is None else decision.to_dict(), self._held
@@ -299,8 +301,6 @@ class GreenWindow(Callback):
     def _decide(self, trainer: pl.Trainer, now: float) -> Decision | None:
         left = compat.max_time_left_s(trainer) if self.when_dirty == "pause" else None  # see within_max_time
         decision = self.schedule.decide_from(self.signal, now, compat.steps_left_at_run_pace(trainer), left)
-        while self.schedule.news:  # a deadline found out of reach, or in reach again
-            rank_zero_warn(self.schedule.news.pop(0))
         if decision is not None:
             self._next_check = now + self.options.slot_s
             log_to_loggers(trainer, self.schedule.metrics(decision))

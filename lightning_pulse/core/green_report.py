@@ -130,10 +130,12 @@ def saving_line(summary: dict[str, Any], unit: str) -> str:
         else ""
     )
     waited, light = summary.get("waited_s", 0) / 3600, summary.get("light_s", 0) / 3600
+    away = summary.get("clock_away_s") or 0.0  # a forward step of the clock: booked as waited
+    stepped = f" ({away / 3600:.1f} h of it a step of the clock)" if away >= 1.0 else ""
     joined = f", counted from step {summary['from_step']} on" if summary.get("from_step") else ""
     return (
         f"{abs(pct):.1f}% {'more' if pct < 0 else 'less'} {what}{shown} than the carbon-agnostic schedule; "
-        f"waited {waited:.1f} h{idle}, held light {light:.1f} h{joined}."
+        f"waited {waited:.1f} h{stepped}{idle}, held light {light:.1f} h{joined}."
     )
 
 
@@ -182,6 +184,10 @@ def report_markdown(report: dict[str, Any]) -> str:
         ("energy from", report["energy_source"] or "none (time as a proxy)"),
         ("compute (h)", f"{summary.get('compute_s', 0) / 3600:.2f}"),
         ("waited (h)", f"{summary.get('waited_s', 0) / 3600:.2f}"),
+        (
+            "of it, clock steps (h)",
+            f"{summary['clock_away_s'] / 3600:.2f}" if summary.get("clock_away_s") else None,
+        ),
         ("held light (h)", f"{summary.get('light_s', 0) / 3600:.2f}"),
         (f"mean signal ({unit}), as run (compute)", summary.get("mean_signal_run")),
         (f"mean signal ({unit}), carbon-agnostic", summary.get("mean_signal_counterfactual")),

@@ -9,7 +9,8 @@ objects, and ``benchmarks/green_window.py`` drives the same objects on the 2020 
   its delay budget (:meth:`GreenWindowPolicy.decide`).
 * :class:`SimulatedClock` stands in for the wall clock: sleeping advances it instantly, so days of a real
   series replay in seconds; :class:`SystemClock` is the real one; :class:`RunClock` keeps a run's time from
-  going back (a resume on a clock that reads earlier than the checkpoint's save continues from the save).
+  going back (a resume on a clock that reads earlier than the checkpoint's save continues from the save), and
+  on a clock with a monotonic companion finds the spans a forward step of the clock jumped over.
 * :class:`ScheduleLedger` keeps what ran when, with its energy, and prices it against the counterfactual:
   the same energy on a carbon-agnostic schedule started at the same moment.
 * :func:`simulate_job` runs a job of a given compute length through the policy on a clock, slot by slot.
@@ -50,10 +51,14 @@ SEGMENT_KINDS = (*COMPUTE_KINDS, "wait")
 
 # ---------------------------------------------------------------------------- clocks
 class SystemClock:
-    """The machine's clock: Unix seconds, and a real sleep."""
+    """The machine's clock: Unix seconds, and a real sleep. Its :meth:`monotonic` companion never steps: an
+    NTP step or a suspend moves ``time()`` alone, and :class:`RunClock` books that as time away."""
 
     def time(self) -> float:
         return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
 
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -115,6 +120,10 @@ def unbuilt_clock(clock: Any) -> str | None:
     return f"{class_path} builds a {type(built).__name__}, which has no `time()` and `sleep(seconds)`"
 
 
+CLOCK_STEP_TOLERANCE_S = 1.0  # wall and monotonic progress differ by less: reading jitter, not a step
+CLOCK_STEP_WARN_S = 60.0  # a step this long is warned (once a fit); shorter ones are booked silently
+
+
 class RunClock:
     """A run's time: its clock's reading, moved later where needed so that it never goes back.
 
@@ -125,8 +134,15 @@ class RunClock:
     and no time is counted as waited while the run was down (none can be measured). A clock that steps back
     during a run (an NTP correction) is held the same way.
 
+    A clock with a ``monotonic()`` companion (:class:`SystemClock`) is also read on it: where the clock moves
+    further than the monotonic one between two readings (an NTP step forward, a resume from a laptop's
+    suspend), the difference is time away, not compute. The run's time follows the clock (the signal's hours
+    are the clock's), and the span jumped over is kept in :attr:`away` for the open segment to book as waited
+    (:meth:`OpenSegment.close`); a step over :data:`CLOCK_STEP_WARN_S` is warned once (:attr:`news`). A clock
+    without one (a :class:`SimulatedClock`, whose time moves only when told) is taken as it reads.
+
     Args:
-        clock: an object with ``time()`` (Unix seconds) and ``sleep(seconds)``.
+        clock: an object with ``time()`` (Unix seconds) and ``sleep(seconds)``, maybe ``monotonic()``.
 
     Raises:
         ValueError: naming ``clock`` when it lacks one of them.
@@ -146,6 +162,12 @@ class RunClock:
         self.clock = clock
         self.behind_s = 0.0  # added to every reading of the clock
         self.latest = -math.inf
+        monotonic = getattr(clock, "monotonic", None)
+        self.monotonic: Callable[[], float] | None = monotonic if callable(monotonic) else None
+        self.last: tuple[float, float] | None = None  # the run's and the monotonic time at the last reading
+        self.away: list[tuple[float, float]] = []  # spans of the run's time a clock step jumped over
+        self.news: list[str] = []  # warnings for the caller to give (GreenSchedule.news where built together)
+        self.told_step = False
 
     def restart(
         self,
@@ -170,7 +192,7 @@ class RunClock:
         floor = max((float(mark) for mark in marks if mark is not None), default=-math.inf)
         now = raw + carried_s
         moved = max(floor - now, 0.0)
-        self.behind_s, self.latest = carried_s + moved, -math.inf
+        self.behind_s, self.latest, self.last, self.away = carried_s + moved, -math.inf, None, []
         if not moved:
             return self.time(), None
         behind = f"{moved / 3600:.1f} h" if moved >= 3600 else f"{moved:.0f} s"
@@ -193,8 +215,34 @@ class RunClock:
         if now < self.latest:  # the clock stepped back: the run's time carries on from where it was
             self.behind_s += self.latest - now
             now = self.latest
+        if self.monotonic is not None:
+            mono = float(self.monotonic())
+            if self.last is not None:
+                stepped = (now - self.last[0]) - (mono - self.last[1])
+                if stepped > CLOCK_STEP_TOLERANCE_S:
+                    self.stepped(now - stepped, now)
+            self.last = (now, mono)
         self.latest = now
         return now
+
+    def stepped(self, start: float, end: float) -> None:
+        """The clock jumped from the run's ``start`` to ``end`` with no monotonic time passing: time away."""
+        self.away.append((start, end))
+        if end - start >= CLOCK_STEP_WARN_S and not self.told_step:
+            self.told_step = True
+            self.news.append(
+                f"GreenWindow: the clock stepped forward {span_text(end - start)} at {format_utc(start)} "
+                "(an NTP step, or a resume from suspend): the monotonic clock saw no time pass, so the step "
+                "is booked as time away (waited: it counts against the delay budget), not as compute; the "
+                "run's time, and the signal's hour, follow the clock."
+            )
+
+    def take_away(self, start: float, end: float) -> list[tuple[float, float]]:
+        """The spans a clock step jumped over within ``[start, end]`` (the run's time), clipped to it; they
+        are booked now, so spans that end by ``end`` are dropped."""
+        within = [(max(a, start), min(b, end)) for a, b in self.away if b > start and a < end]
+        self.away = [(max(a, end), b) for a, b in self.away if b > end]
+        return within
 
 
 WAIT_SLICE_S = 1.0  # a real pause sleeps in slices this long, so that a stop request (SIGTERM) ends it soon
@@ -1104,6 +1152,7 @@ class GreenSchedule:
         self.delayed_s = 0.0  # waited, plus held light: what the budget pays for
         self.compute_s = 0.0
         self.compute_steps = 0
+        self.clock_away_s = 0.0  # of delayed_s: spans a forward step of the clock jumped over (RunClock)
         self.decisions: list[dict[str, Any]] = []  # the latest RECENT_RECORDS
         self.decision_count = 0
         self.first_forecast: tuple[list[float], list[float]] | None = None
@@ -1245,8 +1294,10 @@ class GreenSchedule:
             self.delayed_s += max(end - start, 0.0)
         self.ledger.add(kind, start, end, kwh)
 
-    def waited(self, start: float, end: float, kwh: float | None) -> None:
+    def waited(self, start: float, end: float, kwh: float | None, away: bool = False) -> None:
+        """``[start, end]`` was waited; ``away``: a clock step jumped over it (:attr:`clock_away_s`)."""
         self.delayed_s += max(end - start, 0.0)
+        self.clock_away_s += max(end - start, 0.0) if away else 0.0
         self.ledger.add("wait", start, end, kwh)
 
     def decide(
@@ -1450,6 +1501,7 @@ class GreenSchedule:
             "budget_s": self.budget_s,
             "budget_left_s": self.budget_left_s() if self.budget_s is not None else None,
             "planned_work_s": self.planned_work_s,
+            "clock_away_s": self.clock_away_s,
             "from_step": self.from_step,
             "decisions": self.decision_count,
             "deadline": None if self.deadline is None else format_utc(self.deadline),
@@ -1468,6 +1520,7 @@ class GreenSchedule:
             "delayed_s": self.delayed_s,
             "compute_s": self.compute_s,
             "compute_steps": self.compute_steps,
+            "clock_away_s": self.clock_away_s,
             "decisions": [dict(d) for d in self.decisions],
             "decision_count": self.decision_count,
             "first_forecast": self.first_forecast,
@@ -1483,6 +1536,7 @@ class GreenSchedule:
         self.from_step, self.work_share = int(state.get("from_step", 0)), float(state.get("work_share", 1.0))
         self.delayed_s, self.compute_s = float(state["delayed_s"]), float(state["compute_s"])
         self.compute_steps = int(state["compute_steps"])
+        self.clock_away_s = float(state.get("clock_away_s", 0.0))  # older checkpoints have none
         self.decisions = [dict(d) for d in state["decisions"]]
         self.decision_count = int(state.get("decision_count", len(self.decisions)))
         first = state.get("first_forecast")
@@ -1502,10 +1556,14 @@ class OpenSegment:
     Args:
         schedule: where closed segments go.
         watts: power while computing when no meter reads the energy (``options.watts``), or ``None``.
+        run_clock: the run's clock, whose spans jumped over by a clock step (:attr:`RunClock.away`) are booked
+            as waited, not compute; ``None``: none are.
     """
 
-    def __init__(self, schedule: GreenSchedule, watts: float | None) -> None:
-        self.schedule, self.watts = schedule, watts
+    def __init__(
+        self, schedule: GreenSchedule, watts: float | None, run_clock: RunClock | None = None
+    ) -> None:
+        self.schedule, self.watts, self.run_clock = schedule, watts, run_clock
         self.start: float | None = None
         self.kwh: float | None = None
         self.steps = 0
@@ -1525,15 +1583,30 @@ class OpenSegment:
         return None
 
     def close(self, now: float, read_kwh: Callable[[], float | None]) -> None:
-        """The compute up to ``now`` becomes a segment of its kind; the next one starts at ``now``."""
+        """The compute up to ``now`` becomes a segment of its kind; the next one starts at ``now``. A span a
+        clock step jumped over in it is waited between its parts: it used to count as compute, and a 1 h NTP
+        step made a 1 s job plan 40 h of work and pause an hour."""
         if self.start is None or now <= self.start and not self.steps:
             return
         kwh = read_kwh()
-        self.schedule.ran(self.kind, self.start, now, self.steps, self.used(kwh, now - self.start, True))
+        away = [] if self.run_clock is None else self.run_clock.take_away(self.start, now)
+        starts, ends = [self.start, *(end for _, end in away)], [*(start for start, _ in away), now]
+        computed = sum(end - start for start, end in zip(starts, ends))
+        used = self.used(kwh, computed, True)
+        for index, (start, end) in enumerate(zip(starts, ends)):
+            last = index == len(away)  # its steps are booked once, with the last part
+            share = (end - start) / computed if computed > 0 else float(last)  # the meters' energy, by time
+            self.schedule.ran(
+                self.kind, start, end, self.steps if last else 0, None if used is None else used * share
+            )
+            if not last:  # the span jumped over: no time passed in it, so no energy
+                self.schedule.waited(end, starts[index + 1], None if used is None else 0.0, away=True)
         self.begin(now, kwh)
 
     def waited(self, start: float, end: float, kwh: float | None) -> None:
         """``[start, end]`` was waited (``kwh``: the meters at its end); the next segment starts at ``end``."""
+        if self.run_clock is not None:  # a clock step within is waited as the rest is
+            self.run_clock.take_away(start, end)
         self.schedule.waited(start, end, self.used(kwh, end - start, False))
         self.begin(end, kwh)
 
@@ -1689,7 +1762,8 @@ def green_window_parts(
         raise ValueError(text if text.startswith("GreenWindow") else f"GreenWindow: {text}") from None
     ledger = ScheduleLedger(green_signal.mean, options.unit)
     schedule = GreenSchedule(policy, delay, share, expected, deadline_s, ledger, light=when_dirty == "light")
-    segment = OpenSegment(schedule, options.watts)
+    segment = OpenSegment(schedule, options.watts, run_clock)
+    run_clock.news = schedule.news  # a clock step is warned where the schedule's findings are
     return GreenWindowParts(
         options, when_dirty, checked_forecast, policy, green_signal, clock, run_clock, schedule, segment
     )
