@@ -1453,6 +1453,31 @@ def test_frozen_twins_are_copies_not_frozen_parts_that_happen_to_share_a_structu
     assert prune_targets.frozen_twins(pair, layers) == {"teacher": "student"}
 
 
+def test_frozen_twins_look_inside_a_frozen_module_that_copies_several_parts_by_their_values():
+    """A sweep's EMA teacher of two parts together (`deepcopy(nn.Sequential(backbone, head))`) was shaped like
+    neither part and went unseen; its entries are copies. Inside a frozen module that copies no part, only the
+    values tell a copy: a frozen encoder built from the model's block type, with values of its own, is none,
+    nor is a zero-initialised layer that equals a zero-initialised part of its shape."""
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    model = nn.Module()
+    model.backbone, model.head = block(), nn.Linear(8, 4)
+    model.ema = copy.deepcopy(nn.Sequential(model.backbone, model.head)).requires_grad_(False)
+    layers = {"backbone.0": model.backbone[0], "backbone.2": model.backbone[2], "head": model.head}
+    assert prune_targets.frozen_twins(model, layers) == {"ema.0": "backbone", "ema.1": "head"}
+    assert prune_targets.frozen_twins(model, {"head": model.head}) == {"ema.1": "head"}
+
+    model.ema = nn.Sequential(nn.Embedding(10, 8), block(), block(), nn.Linear(8, 4)).requires_grad_(False)
+    nn.init.zeros_(model.head.weight), nn.init.zeros_(model.head.bias)
+    nn.init.zeros_(model.ema[3].weight), nn.init.zeros_(model.ema[3].bias)
+    assert prune_targets.frozen_twins(model, layers) == {}
+    # with a real copy beside it, the zero-initialised entry is a copy of the zero-initialised head too
+    model.ema[1].load_state_dict(model.backbone.state_dict())
+    assert prune_targets.frozen_twins(model, layers) == {"ema.1": "backbone", "ema.3": "head"}
+
+
 class _KeywordOnlyForward(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -426,3 +426,69 @@ def test_a_frozen_block_of_the_same_layout_with_values_of_its_own_is_not_taken_f
         pl.Trainer(max_steps=4, callbacks=[_prune(mode="unstructured")], **trainer_kwargs()).fit(
             teacher, _data()
         )
+
+
+class _EmaOfParts(pl.LightningModule):
+    """A backbone and a head, and a frozen module beside them (`frozen`): an EMA teacher of the backbone, of
+    both parts together (the usual mean-teacher update, by position, with the student split over two
+    attributes), or a text encoder of another structure with values of its own."""
+
+    def __init__(self, frozen: str) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+        self.frozen = frozen
+        if frozen == "text encoder":  # holds a Linear shaped like `backbone.2`, not copied from it
+            self.ema = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 32), nn.LayerNorm(32))
+        else:
+            self.ema = copy.deepcopy(self.student())
+        self.ema.requires_grad_(False)
+
+    def student(self) -> nn.Module:
+        return self.backbone if self.frozen == "backbone" else nn.Sequential(self.backbone, self.head)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    @torch.no_grad()
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.frozen != "text encoder":
+            for teacher, student in zip(self.ema.parameters(), self.student().parameters()):
+                teacher.lerp_(student, 0.1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+
+@pytest.mark.parametrize("mode", ["unstructured", "structured"])
+def test_a_frozen_copy_of_two_parts_together_is_refused_like_one_of_one_part_and_a_frozen_encoder_trains(
+    mode, tmp_path
+):
+    """Sweep: `deepcopy(nn.Sequential(self.backbone, self.head))` as an EMA teacher is shaped like no part,
+    and only it was compared: unrefused, structured mode crashed in the user's EMA update at the first event
+    and unstructured averaged the unmasked `weight_orig` (0.089 off), with nothing said. Its entries are copies
+    of the parts: refused at fit start as a copy of one part is, naming each."""
+    for frozen, head in (
+        ("backbone", "`ema` is a frozen copy of `backbone`"),
+        ("both", "`ema.0` is a frozen copy of `backbone` (and `ema.1` of `head`)"),
+    ):
+        trainer = pl.Trainer(
+            max_steps=12,
+            callbacks=[_prune(mode=mode), _NoStepBefore()],
+            **trainer_kwargs(default_root_dir=tmp_path),
+        )
+        with pytest.raises(PulseRefusal, match=rf"^ScheduledPrune: {re.escape(head)}\. ") as error:
+            trainer.fit(_EmaOfParts(frozen), _data())
+        assert "fixed_copies=True" in str(error.value) and "EMAWeightAveraging" in str(error.value)
+    # a frozen module of another structure, with a layer shaped like a part's, is no copy: it prunes
+    pl.seed_everything(0)
+    prune = _prune(mode=mode)
+    module = _EmaOfParts("text encoder")
+    pl.Trainer(max_steps=12, callbacks=[prune], **trainer_kwargs(default_root_dir=tmp_path)).fit(
+        module, _data()
+    )
+    assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)
+    assert module.backbone[0].weight.requires_grad and not module.ema[1].weight.requires_grad

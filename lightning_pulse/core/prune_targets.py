@@ -472,7 +472,18 @@ def _structure(module: nn.Module, plain: bool = False) -> tuple:
 
 
 def _same_values(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(p.detach(), q.detach()) for p, q in zip(a.parameters(), b.parameters()))
+    # a few leading entries first: a frozen encoder's submodules are compared with every part of their shape,
+    # and most differ there, without reading whole weights
+    pairs = list(zip(a.parameters(), b.parameters()))
+    return all(
+        torch.equal(p.detach().reshape(-1)[:16], q.detach().reshape(-1)[:16]) for p, q in pairs
+    ) and all(torch.equal(p.detach(), q.detach()) for p, q in pairs)
+
+
+def _distinctive(module: nn.Module) -> bool:
+    """Whether a parameter of ``module`` holds two different values: a zero-initialised layer (a DiT's final
+    or modulation layer, a LoRA ``B``) equals any other of its shape without being copied from it."""
+    return any(p.numel() > 1 and not bool((p == p.reshape(-1)[0]).all()) for p in module.parameters())
 
 
 def _positional_siblings(a: str, b: str) -> bool:
@@ -489,8 +500,10 @@ def frozen_twins(
     A copy is a submodule with parameters, none of them trainable, with the structure of a trainable submodule
     that holds some of ``layers``, and either the same values now (a copy made before training: an EMA teacher,
     a target network, a reference model) or, with other values (a resumed run), two layers or more and not an
-    entry of the same list as the part. Frozen lower blocks of a stack (partial fine-tuning) and a fixed layer
-    that happens to be shaped like a trained one are not copies."""
+    entry of the same list as the part. Frozen lower blocks of a stack and a fixed layer that happens to be
+    shaped like a trained one are not copies. Inside a frozen module that is no copy, each outermost submodule
+    with a part's structure and values is one (``deepcopy(nn.Sequential(self.backbone, self.head))``: its
+    ``0`` and ``1``), where one of them holds two different values."""
     modules = dict(model.named_modules())
     frozen = [
         name
@@ -501,26 +514,48 @@ def frozen_twins(
     # the names of the modules that hold a layer (the layer and its ancestors): a set, not a scan per module
     splits = [name.split(".") for name in layers]
     holding = {".".join(parts[:end]) for parts in splits for end in range(1, len(parts) + 1)}
-    twins: dict[str, str] = {}
-    for copy_name in frozen:
-        copy = modules[copy_name]
+    # each part's structure once: a frozen module's submodules are each compared with them
+    parts = [
+        (name, modules[name], _structure(modules[name]))
+        for name in modules
+        if name and name in holding and all(p.requires_grad for p in modules[name].parameters())
+    ]
+
+    def part_copied(copy_name: str, copy: nn.Module, same_values: bool) -> str | None:
         shape = _structure(copy)
         layered = sum(1 for m in copy.modules() if any(True for _ in m.parameters(recurse=False))) >= 2
-        for name, part in modules.items():
-            if (
+        return next(
+            (
                 name
-                and type(part) is type(copy)
+                for name, part, structure in parts
+                if type(part) is type(copy)
                 and not name.startswith(copy_name + ".")
-                and name in holding
-                and all(p.requires_grad for p in part.parameters())
-                and _structure(part) == shape
+                and structure == shape
                 and (
                     _same_values(part, copy)
-                    or (layered and not same_values_only and not _positional_siblings(name, copy_name))
+                    or (layered and not same_values and not _positional_siblings(name, copy_name))
                 )
-            ):
-                twins[copy_name] = name
-                break
+            ),
+            None,
+        )
+
+    twins: dict[str, str] = {}
+    for copy_name in frozen:
+        part = part_copied(copy_name, modules[copy_name], same_values_only)
+        if part is not None:
+            twins[copy_name] = part
+            continue
+        # a copy of several parts together is shaped like none of them: a sweep's EMA teacher of
+        # `nn.Sequential(backbone, head)` went unrefused and crashed at the first event. Inside a module that
+        # is no copy (a frozen encoder of the same block type), only values shared at fit start tell a copy
+        inner: dict[str, str] = {}
+        for name, module in modules[copy_name].named_modules(prefix=copy_name):
+            if name == copy_name or any(name.startswith(found + ".") for found in inner):
+                continue
+            if any(True for _ in module.parameters()) and (part := part_copied(name, module, True)):
+                inner[name] = part
+        if any(_distinctive(modules[name]) for name in inner):
+            twins.update(inner)
     return twins
 
 
