@@ -469,7 +469,7 @@ def test_a_frozen_copy_of_two_parts_together_is_refused_like_one_of_one_part_and
 ):
     """Sweep: `deepcopy(nn.Sequential(self.backbone, self.head))` as an EMA teacher is shaped like no part,
     and only it was compared: unrefused, structured mode crashed in the user's EMA update at the first event
-    and unstructured averaged the unmasked `weight_orig` (0.089 off), with nothing said. Its entries are copies
+    and unstructured averaged the unmasked `weight_orig` (0.089 off), nothing said. Its entries are copies
     of the parts: refused at fit start as a copy of one part is, naming each."""
     for frozen, head in (
         ("backbone", "`ema` is a frozen copy of `backbone`"),
