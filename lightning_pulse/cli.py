@@ -35,6 +35,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_pulse._callback_entries import callback_entries, entries_problem, entry_about, entry_named
+from lightning_pulse.errors import pulse_class
 
 #: set to 1 for the full tracebacks and jsonargparse's whole report instead of one-line errors
 TRACEBACK_ENV = "LIGHTNING_PULSE_TRACEBACK"
@@ -516,10 +517,22 @@ class PulseCLI(LightningCLI):
 def _duplicated_callback(name: str, callbacks: list[Any]) -> str:
     """The error for two callbacks of class ``name`` that Lightning refuses: a checkpoint keeps a callback's
     state under its ``state_key``, the class name unless the callback adds some of its options to it, as
-    ``{'prefix': 'mhc'}`` (HyperConnectionMonitor) or ModelCheckpoint's ``monitor``."""
+    ``{'prefix': 'mhc'}`` (HyperConnectionMonitor) or ModelCheckpoint's ``monitor``; a user's subclass of a
+    lightning-pulse callback keeps the lightning-pulse class's name."""
     same = [callback for callback in callbacks if type(callback).__name__ == name]
-    options = same[0].state_key.removeprefix(type(same[0]).__qualname__) if same else ""
+    key = same[0].state_key if same else name
+    options = key.removeprefix(pulse_class(same[0]).__qualname__) if same else ""
     keyed = [(f"`{option}`", value) for option, value in re.findall(r"'(\w+)': ([^,}]+)", options)]
+    # Lightning names the later of the two: a user's subclass beside its lightning-pulse class shares its key
+    kinds = sorted(
+        {type(callback).__name__ for callback in callbacks if getattr(callback, "state_key", 0) == key}
+    )
+    if len(kinds) > 1:
+        return (
+            f"`trainer.callbacks` holds {' and '.join(kinds)}, which a checkpoint keeps under one key "
+            f"{key!r} (a subclass keeps its lightning-pulse class's key); a Trainer takes one of them: "
+            "remove the others."
+        )
     if not keyed:
         return (
             f"`trainer.callbacks` holds {name} more than once; a Trainer takes one (a checkpoint keeps its "

@@ -1,8 +1,9 @@
 """The one exception a lightning-pulse callback raises when it refuses a run at fit start, and the checks
 that several callbacks share: sharded strategies, Tuner searches, one training run per instance, one instance
-per checkpoint key, states loaded by validate, test or predict, parameters a lazy module has not created yet,
-a plain check's ``ValueError`` as a refusal, and the argument checks (a callback's name first in its errors,
-numpy numbers as Python's, nested configs given as mappings)."""
+per checkpoint key (a user's subclass keeps its lightning-pulse class's key), states loaded by validate, test
+or predict, parameters a lazy module has not created yet, a plain check's ``ValueError`` as a refusal, and the
+argument checks (a callback's name first in its errors, numpy numbers as Python's, nested configs given as
+mappings)."""
 
 from __future__ import annotations
 
@@ -211,6 +212,30 @@ def tuner_search(trainer: pl.Trainer) -> str | None:
     return None
 
 
+def pulse_class(callback: object) -> type:
+    """The lightning-pulse class ``callback`` is an instance of: the first class in its MRO defined in the
+    lightning-pulse package (``PulseCycle`` for a user's ``class MyCycle(PulseCycle)``)."""
+    in_package = (cls for cls in type(callback).__mro__ if cls.__module__.partition(".")[0] == __package__)
+    return next(in_package, type(callback))
+
+
+class PulseStateKey:
+    """Keys a lightning-pulse callback's checkpoint state by its lightning-pulse class's name; listed before
+    ``Callback`` in the bases of each stateful one.
+
+    Lightning's default key is the instance's class name, so a user's subclass saved and loaded under its own
+    name: a checkpoint of ``PulseCycle`` resumed into ``class MyCycle(PulseCycle)`` (or back) dropped every
+    state without a word (a structured ScheduledPrune cut the already cut model again), and a PulseCycle
+    beside a subclass of it ran two clocks. With one key, the state resumes across them and the pair is
+    refused (by Lightning for ``Trainer(callbacks=...)``, by :func:`refuse_shared_key` at fit start).
+    Checkpoints saved by the lightning-pulse classes themselves keep their keys.
+    """
+
+    @property
+    def state_key(self) -> str:
+        return pulse_class(self).__qualname__
+
+
 def refuse_shared_key(trainer: pl.Trainer, callback: Callback) -> None:
     """Raise :class:`PulseRefusal` when another of the trainer's callbacks has ``callback``'s ``state_key``.
 
@@ -218,21 +243,23 @@ def refuse_shared_key(trainer: pl.Trainer, callback: Callback) -> None:
     EnergyLogger reporting the other's power, two PulseCycles' clocks). Lightning checks the keys only for
     ``Trainer(callbacks=...)``: those returned by ``LightningModule.configure_callbacks`` join the list later.
     """
-    key, name = callback.state_key, type(callback).__name__
+    key, name = callback.state_key, pulse_class(callback).__qualname__
     # entries of the list (an instance listed twice runs its hooks twice), stateful ones only: Lightning's own
     # check's rule (a callback without a state_dict saves nothing)
     callbacks = getattr(trainer, "callbacks", ())
-    sharing = sum(other.state_key == key and _stateful(other) for other in callbacks)
-    if sharing < 2:
+    sharing = [other for other in callbacks if other.state_key == key and _stateful(other)]
+    if len(sharing) < 2:
         return
     distinct = (
         ", or give each a distinct `prefix`" if isinstance(getattr(callback, "prefix", None), str) else ""
     )
+    kinds = sorted({type(other).__qualname__ for other in sharing})  # a subclass beside its base class
+    subclass = f" ({' and '.join(kinds)}: a subclass saves under its lightning-pulse class's key)"
     raise PulseRefusal(
-        f"{name}: {sharing} callbacks share the checkpoint key {key!r} (e.g. returned by "
+        f"{name}: {len(sharing)} callbacks share the checkpoint key {key!r} (e.g. returned by "
         "LightningModule.configure_callbacks, whose callbacks Lightning does not check for unique keys), so a "
         f"checkpoint would keep one state for all of them and a resume would load it into each. Keep one {name}"
-        f"{distinct}."
+        f"{subclass if len(kinds) > 1 else ''}{distinct}."
     )
 
 

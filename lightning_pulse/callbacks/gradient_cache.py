@@ -35,13 +35,19 @@ from lightning_pulse.core.layer_freezing import (
     refuse_compiled_module,
     refuse_setup,
 )
-from lightning_pulse.errors import OneRunPerInstance, names_itself, refuse_uninitialized_parameters, refusing
+from lightning_pulse.errors import (
+    OneRunPerInstance,
+    PulseStateKey,
+    names_itself,
+    refuse_uninitialized_parameters,
+    refusing,
+)
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.step_rows import is_step_row, step_rows_every
 
 
-class GradientCache(Callback):
+class GradientCache(PulseStateKey, Callback):
     r"""Freezes the leading module units whose parameters have stopped moving, so backward stops early.
 
     Every ``check_every`` optimizer steps each unit (embedding, block, head, ..., in forward order) is scored

@@ -11,12 +11,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.errors import FitRestores, names_itself
+from lightning_pulse.errors import FitRestores, PulseStateKey, names_itself
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
 
 
-class HyperConnectionMonitor(Callback):
+class HyperConnectionMonitor(PulseStateKey, Callback):
     r"""Logs the composite gain and off-diagonal mass of a model's hyper-connection layers.
 
     Every ``every_n_steps`` optimizer steps it watches one training forward pass: forward hooks on every
@@ -277,7 +277,7 @@ class HyperConnectionMonitor(Callback):
     def state_key(self) -> str:
         # keyed by prefix, as ModelCheckpoint keys by its settings: two monitors with different prefixes
         # coexist
-        return f"{type(self).__qualname__}{ {'prefix': self.prefix}!r}"
+        return f"{super().state_key}{ {'prefix': self.prefix}!r}"
 
     @override
     def on_load_checkpoint(
@@ -285,7 +285,7 @@ class HyperConnectionMonitor(Callback):
     ) -> None:
         # checkpoints written before the state key held the prefix keep the state under the class name
         states = checkpoint.get("callbacks") or {}
-        legacy = states.get(type(self).__qualname__)
+        legacy = states.get(super().state_key)
         if self.state_key not in states and isinstance(legacy, dict):
             self.load_state_dict(legacy)
 

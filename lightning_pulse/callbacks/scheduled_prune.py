@@ -40,7 +40,7 @@ from lightning_pulse.protocols import step_undone, tell_weights_changed
 __all__ = ["DistillConfig", "PruneOptions", "ScheduledPrune"]
 
 
-class ScheduledPrune(Callback):
+class ScheduledPrune(errors.PulseStateKey, Callback):
     r"""Gradual magnitude pruning (Zhu & Gupta 2017) that runs in the maintain phases of a pulse cycle.
 
     Sparsity follows the cubic schedule ``s_t = s_f + (s_i - s_f)(1 - (t - t_start)/(t_end - t_start))^3``.
