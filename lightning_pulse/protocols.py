@@ -20,13 +20,19 @@ from lightning_pulse.errors import PulseStateKey as PulseStateKey
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_pulse.callbacks.pulse_cycle import PulseCycle
     from lightning_pulse.phase import PhaseChange
 
 
 @runtime_checkable
 class PhaseListener(Protocol):
     """Told by :class:`~lightning_pulse.PulseCycle` when the phase changes, after a resume
-    (``change.reason == "resume"``) and after a :class:`~lightning_pulse.StabilityGuard` rollback."""
+    (``change.reason == "resume"``) and after a :class:`~lightning_pulse.StabilityGuard` rollback: every
+    listener but the guard, restored with the model or not, is told the phase training goes on in (reason
+    ``"resume"``, ``change.previous`` ``None``, the phase and cycle it was already in), so that what it set
+    for the phase and the rollback took back (a learning rate set in place, which ``rewind_lr_schedule``
+    rewinds) is set again. No phase ended: a listener that books per phase must not count one
+    (:func:`tell_restored_phase`)."""
 
     def on_pulse_phase_change(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, change: PhaseChange
@@ -154,13 +160,19 @@ def rollback_aware_after(trainer: pl.Trainer, callback: object) -> bool:
 
 
 def tell_restored_phase(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, states: dict[str, RollbackState], change: PhaseChange
+    trainer: pl.Trainer, pl_module: pl.LightningModule, cycle: PulseCycle, exclude: object
 ) -> None:
-    """Tell each restored callback that is a ``PhaseListener`` the phase training continues in (``change``,
-    reason ``"resume"``), as after a checkpoint restore: a rollback does not turn the clock back."""
-    for state in states.values():
-        if isinstance(state.callback, PhaseListener):
-            state.callback.on_pulse_phase_change(trainer, pl_module, change)
+    """Tell every :class:`PhaseListener` of ``trainer`` but ``exclude`` (the guard that rolled back), in
+    ``trainer.callbacks`` order, then each function given to ``cycle.add_listener``, the phase training
+    continues in after a rollback (``cycle.clock.resume_change()``, reason ``"resume"``), as after a
+    checkpoint restore: a rollback does not turn the clock back. The restored ones follow the phase with the
+    state they got back; the others set again what the rollback took back (the optimizers' hyperparameters
+    go back with the snapshot)."""
+    change = cycle.clock.resume_change()
+    for listener in listeners(trainer, PhaseListener, exclude=exclude):
+        listener.on_pulse_phase_change(trainer, pl_module, change)
+    for function in cycle.added_listeners:
+        function(trainer, pl_module, change)
 
 
 def temporarily_frozen(trainer: pl.Trainer, pl_module: pl.LightningModule) -> set[str]:

@@ -157,7 +157,7 @@ class PulseCycle(PulseStateKey, Callback):
         self.maintain_eval, self.probe_batches = maintain_eval, probe_batches
         self._held = compat.CollectiveHold()
         self.timer = StepTimer(time_source)  # the optimizer steps and seconds the clock advances by
-        self._listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
+        self.added_listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
         self._total_steps = math.inf  # both refreshed every epoch: a callback can change the epoch's length
         self._epoch_steps: float | None = None  # read at the epoch's first batch (_epoch_steps_due)
         self._epoch_steps_due = False
@@ -225,8 +225,8 @@ class PulseCycle(PulseStateKey, Callback):
         self.clock.pin_span(plan.span)
 
     def add_listener(self, listener: Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]) -> None:
-        """Call ``listener(trainer, pl_module, change)`` at every phase change, on every rank."""
-        self._listeners.append(listener)
+        """Call ``listener(trainer, pl_module, change)`` at every change, on every rank (a PhaseListener)."""
+        self.added_listeners.append(listener)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -342,7 +342,7 @@ class PulseCycle(PulseStateKey, Callback):
             self._run_probe(trainer, pl_module)
         for callback in listeners(trainer, PhaseListener, exclude=self):
             callback.on_pulse_phase_change(trainer, pl_module, change)
-        for listener in self._listeners:
+        for listener in self.added_listeners:
             listener(trainer, pl_module, change)
 
     def _refresh_run_length(self, trainer: pl.Trainer) -> None:

@@ -347,8 +347,8 @@ class StabilityGuard(PulseStateKey, Callback):
         state = self._training_state(trainer)
         target, undone = self.core.return_to_snapshot(pl_module, state, step, rank_zero_warn)
         cycle = pulse_cycle_of(trainer)
-        if target is not None and cycle is not None:  # the restored listeners learn the phase they are in
-            tell_restored_phase(trainer, pl_module, state[2], cycle.clock.resume_change())
+        if target is not None and cycle is not None:  # every phase listener learns the phase it is in again
+            tell_restored_phase(trainer, pl_module, cycle, exclude=self)
         message, path = self.core.conclude_rollback(action, step, target, undone, trainer.default_root_dir)
         if path is None:  # rolled back: training goes on
             return rank_zero_warn(message)

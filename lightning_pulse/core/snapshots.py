@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -74,6 +76,57 @@ def copy_to_cpu(obj: Any, into: Any = None) -> Any:
         items = [copy_to_cpu(value, old) for value, old in zip(obj, previous)]
         return items if isinstance(obj, list) else tuple(items)
     return copy.deepcopy(obj)
+
+
+class StateCopyError(TypeError):
+    """A selected callback's state that a snapshot cannot copy (a lock, a generator, an open file).
+
+    Attributes:
+        key: the callback's key in the snapshot.
+        stateful: what gave the state (a :class:`RollbackState`).
+        part: where in the state the value that cannot be copied is (``"['lock']"``), and its type's name.
+    """
+
+    def __init__(self, key: str, stateful: Any, part: tuple[str, str] | None, error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.key, self.stateful, self.part = key, stateful, part
+
+
+def uncopyable_part(obj: Any, path: str = "") -> tuple[str, str] | None:
+    """The first value in ``obj`` (nested dicts, lists and tuples) that :func:`copy_to_cpu` cannot copy: its
+    path (``"['lock']"``) and its type's name; ``None`` if there is none. Only asked after a copy failed."""
+    if isinstance(obj, (torch.Tensor, *_IMMUTABLE)):
+        return None
+    if isinstance(obj, (dict, list, tuple)):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        return next(
+            (found for key, value in items if (found := uncopyable_part(value, f"{path}[{key!r}]"))), None
+        )
+    try:
+        copy.deepcopy(obj)
+    except Exception:
+        kind = type(obj)
+        return (
+            path,
+            kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}",
+        )
+    return None
+
+
+def copy_states(states: Mapping[str, Stateful] | None, into: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`copy_to_cpu` of each ``state_dict()`` of ``states``, by key (``into``: an earlier copy).
+
+    Raises:
+        StateCopyError: naming the one whose state cannot be copied, and where in it.
+    """
+    copied = {}
+    for key, stateful in (states or {}).items():
+        state = stateful.state_dict()
+        try:
+            copied[key] = copy_to_cpu(state, into.get(key))
+        except Exception as error:  # deepcopy's: a TypeError for a lock, copy.Error, a class's own
+            raise StateCopyError(key, stateful, uncopyable_part(state), error) from error
+    return copied
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -475,9 +528,7 @@ def take_snapshot(
         optimizer_kinds=optimizer_kinds(optimizers),
         inner_kinds=optimizer_kinds(held),
         schedulers=copy_to_cpu([scheduler.state_dict() for scheduler in schedulers], old.schedulers),
-        callbacks=copy_to_cpu(
-            {key: stateful.state_dict() for key, stateful in (callbacks or {}).items()}, old.callbacks
-        ),
+        callbacks=copy_states(callbacks, old.callbacks),
         extra=copy_to_cpu(dict(extra or {})),
         scheduler_kinds=scheduler_kinds(schedulers),
         layout=layout,
@@ -811,10 +862,19 @@ class RollbackState:
 
     def load_state_dict(self, state_dict: Any) -> None:
         own = getattr(self.callback, "load_rollback_state_dict", None)
-        if callable(own):
-            own(state_dict)
-        else:
-            self.callback.load_state_dict(state_dict)
+        load, name = (own, "load_rollback_state_dict") if callable(own) else (None, "load_state_dict")
+        try:
+            (load or self.callback.load_state_dict)(state_dict)
+        except Exception as error:  # the user's error, kept; a note says whose load failed, and when
+            note = (
+                f"raised by {type(self.callback).__name__}.{name} while a StabilityGuard rollback restored "
+                "its state (it sets `restore_on_rollback = True`, which promises a load that works mid-run); "
+                "the model and optimizers were already restored, so the run cannot go on. Make it load any "
+                "state its rollback_state_dict() (or state_dict()) gave, or set "
+                "`restore_on_rollback = False`."
+            )
+            getattr(error, "add_note", partial(warnings.warn, stacklevel=2))(note)  # a note from Python 3.11
+            raise
 
 
 class SnapshotRing:

@@ -39,6 +39,7 @@ from lightning_pulse.core.selection import containers_copied
 from lightning_pulse.core.snapshots import (
     PreStepBuffers,
     SnapshotSchedule,
+    StateCopyError,
     TrainingSnapshot,
     fingerprints,
     fitted_state,
@@ -1352,9 +1353,12 @@ class StabilityCore:
         due, self.resumed_snapshot_due = self.resumed_snapshot_due, False
         resumed = step == self.fit_start and step and not due and last is not None and every
         resumed = resumed and step - last < every
-        self.schedule.take(
-            step, model, optimizers, schedulers, states, extra={**extra, **self.policy.lineage()}
-        )
+        try:
+            self.schedule.take(
+                step, model, optimizers, schedulers, states, extra={**extra, **self.policy.lineage()}
+            )
+        except StateCopyError as error:  # a user's opted-in state: at the fit-start snapshot, its first
+            raise PulseRefusal(uncopyable_state_message(error)) from error
         if resumed:
             self.schedule.last_step = last
         return True
@@ -1562,6 +1566,20 @@ def maintain_snapshot_wanted(
     if not config.snapshot_at_maintain or change.current is not Phase.MAINTAIN or change.reason == "resume":
         return False
     return healthy and all(math.isfinite(value) for value in probe.values())
+
+
+def uncopyable_state_message(error: StateCopyError) -> str:
+    """The refusal of a snapshot that cannot copy a callback's rollback state (:class:`StateCopyError`)."""
+    owner = getattr(error.stateful, "callback", error.stateful)
+    name, own = type(owner).__name__, callable(getattr(owner, "rollback_state_dict", None))
+    method = "rollback_state_dict()" if own else "state_dict()"
+    where = f"{method}{error.part[0]} is a {error.part[1]} and" if error.part else f"{method}"
+    return (
+        f"StabilityGuard: {name} sets `restore_on_rollback = True`, so every snapshot copies its state, but "
+        f"its {where} cannot be copied ({error}). Give {name} a `rollback_state_dict()` that returns only "
+        "tensors and values `copy.deepcopy` can copy (and a `load_rollback_state_dict(state)` that restores "
+        "them), or set `restore_on_rollback = False` to keep its state out of rollbacks."
+    )
 
 
 def stop_checkpoint_path(config: StabilityGuardConfig, root_dir: str, step: int) -> str:

@@ -610,7 +610,12 @@ class EnergyAccount:
     def change_phase(self, phase: str, cycle: int, after_phase: bool) -> int | None:
         """The pulse cycle's phase changes to ``phase`` of ``cycle``: the energy from now on belongs to it.
         Returns the cycle this change completed, whose figures are then due: the one the training was in,
-        when the change comes ``after_phase`` (a phase before it) and enters a later cycle; else ``None``."""
+        when the change comes ``after_phase`` (a phase before it) and enters a later cycle; else ``None``.
+        A change with no phase before it into the phase and cycle already marked (a StabilityGuard rollback
+        tells every listener its phase again) changes nothing: no label, no data wait dropped, no cycle."""
+        label = None if self.ledger is None else self.ledger.label
+        if not after_phase and cycle == self._cycle and (label is None or label.phase == phase):
+            return None
         self.mark(phase=phase, cycle=cycle)
         self.skip_gap()  # the gap holds the phase change (maybe a probe), not a data wait
         finished, self._cycle = self._cycle, cycle
