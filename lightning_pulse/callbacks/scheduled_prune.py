@@ -153,8 +153,8 @@ class ScheduledPrune(errors.PulseStateKey, Callback):
 
     @property
     def sparsity(self) -> float:
-        """The target reached by the last event."""
-        return self.schedule.sparsity
+        """The last event's target; the sparsity it reached where it left out layers (:attr:`events`)."""
+        return self.core.sparsity
 
     @property
     def finished(self) -> bool:

@@ -44,7 +44,7 @@ from lightning_pulse.core.prune_setup import (
     unreached_warning,
 )
 from lightning_pulse.core.prune_targets import NOT_OWN_WEIGHT, LayerSelection, OwnWeightWatch
-from lightning_pulse.errors import PulseRefusal
+from lightning_pulse.errors import PulseRefusal, first_names
 from lightning_pulse.phase import Phase, PhaseChange, PhaseClock
 from lightning_pulse.records import RECENT_RECORDS, append_recent
 
@@ -110,6 +110,17 @@ class PruneEvents:
         self.restored_mode: str | None = None
         #: the run's optimizer steps (:meth:`plan_cadence`): no event at or after it (:meth:`advance`)
         self.run_end = math.inf
+        #: the layers the fit start chose (:meth:`start_training`), and those an event found it could no
+        #: longer prune and warned of (:meth:`cut`, :meth:`record`)
+        self.chosen: list[str] = []
+        self.warned_left_out: set[str] = set()
+
+    @property
+    def sparsity(self) -> float:
+        """The target the last event reached (the schedule's), or, where that event could no longer prune
+        layers chosen before (its record's ``left_out_layers``), the sparsity it really reached."""
+        last = self.events[-1] if self.events else {}
+        return float(last["sparsity"]) if last.get("left_out_layers") else self.schedule.sparsity
 
     # ------------------------------------------------------------------ loading a pruned state dict
     def fit_loads(self, module: nn.Module, structure: Callable[[], Mapping[str, Any] | None]) -> None:
@@ -230,6 +241,7 @@ class PruneEvents:
         Unstructured: watch the layers' forwards over the first optimizer step
         (:meth:`leave_out_substituted`)."""
         self.last_step = step
+        self.chosen = list(selection.layers)
         self.restore_teacher(model, accumulation)
         self.masks.forget()
         if (lowered := lowered_target_warning(self.schedule)) is not None:
@@ -312,6 +324,8 @@ class PruneEvents:
         if self.events:
             kept = kept_above_target(self.schedule)
             self.info(f"ScheduledPrune: at fit end, {kept}{pruning.event_summary(self.events[-1])}.")
+            if (short := short_warning(self.events[-1], self.schedule.final_sparsity)) is not None:
+                self.warn(short)
 
     def _fold_own_masks(self, model: nn.Module, fold: bool) -> list[str]:
         """:meth:`end_fit`'s refresh of the masked weights and, with ``fold``, fold of the ``weight`` masks of
@@ -355,7 +369,7 @@ class PruneEvents:
             )
             return
         if folded:
-            sparsity = f"{self.schedule.sparsity:.3f}"
+            sparsity = f"{self.sparsity:.3f}"
             self.info(
                 f"ScheduledPrune: the fit stopped on an exception or interrupt at step {step}; the masks of "
                 f"{len(folded)} layers were folded into their weights (sparsity {sparsity}), as at fit end: "
@@ -374,12 +388,31 @@ class PruneEvents:
         self.leave_out_substituted(model)
         copied = pruning.copy_without_hooks(model) if teacher else None
         outcome = self.pruner.prune(model, target, optimizers, self.example)
+        self._left_out_since(model, outcome)
         if self.pruner.mode == "unstructured":  # every chosen layer is masked now
             self.own_masked.update(outcome.layer_sparsity)
         self.masks.forget()
         for problem in outcome.problems:
             self.warn(f"ScheduledPrune: {problem}")
         return outcome, copied
+
+    def _left_out_since(self, model: nn.Module, outcome: pruning.PruneOutcome) -> None:
+        """Add to ``outcome``'s ``left_out`` (and ``uncut``) the layers the fit start chose that the selection
+        leaves out now (a parametrization registered on one since: the fit-start check, made again), but
+        those an earlier event left uncut already. The pruner adds the structured roots it cut
+        before and cannot cut now."""
+        selection = self.pruner.selection(model)
+        # a layer an earlier event left uncut for another reason (an output layer) loses nothing now
+        before = {
+            name
+            for e in self.events
+            for name in set(e.get("uncut_layers") or ()) - set(e.get("left_out_layers") or ())
+        }
+        before |= set(self.pruner.not_trained)  # said by leave_out_substituted, not a change to the model
+        for name in self.chosen:
+            if name in selection.left_out and name not in before and name not in outcome.left_out:
+                outcome.left_out[name] = pruning.why_left_out(name, selection, model)
+                outcome.uncut.append(name)
 
     def leave_out_substituted(self, model: nn.Module) -> None:
         """After the fit's first optimizer step (or at an event before it), before any mask: stop watching
@@ -428,6 +461,12 @@ class PruneEvents:
         event["phase"] = phase
         # each record holds a per-layer dict: a million-step run of a deep model held MBs of them
         append_recent(self.events, event, RECENT_RECORDS)
+        new = {name: why for name, why in outcome.left_out.items() if name not in self.warned_left_out}
+        if new:  # once per layer: every later event names it in its line and record
+            self.warned_left_out.update(new)
+            self.warn(
+                left_out_warning(event, new, self.schedule.final_sparsity, self.pruner.mode == "structured")
+            )
         return event
 
     def open_window(self, student: nn.Module, teacher: nn.Module | None, accumulation: int) -> None:
@@ -589,6 +628,42 @@ def reopened_warning(schedule: PruneSchedule, reached: float, on_maintain: bool,
             "spread it."
         )
     return text + f" To keep {reached:.3f}, resume with the `final_sparsity` of the checkpoint's run."
+
+
+def left_out_warning(
+    event: Mapping[str, Any], left_out: Mapping[str, str], final: float, structured: bool
+) -> str:
+    """The warning for chosen layers an event could no longer prune (``left_out``: name -> why): why, what it
+    does to the sparsity, and the ways out."""
+    reasons = "; ".join(f"{name}: {why}" for name, why in left_out.items())
+    # structured counts every layer it cut; unstructured, the layers it masks now
+    short = (
+        f"the run ends short of `final_sparsity`={final} (this event: {event['sparsity']:.3f} for a target "
+        f"of {event['target_sparsity']:.3f}; `ScheduledPrune.sparsity` gives the sparsity reached)"
+        if structured
+        else "the event's sparsity counts the other layers only"
+    )
+    return (
+        f"ScheduledPrune: at the event of step {event['step']}, {len(left_out)} layer(s) chosen at fit "
+        f"start could no longer be pruned, after a change to the model since ({reasons}). They keep the "
+        "sparsity they have and are named in each event's `uncut_layers` and `left_out_layers`; "
+        f"{short}. Way out: make that change before the fit (the fit-start check then leaves out what it "
+        "blocks, or refuses the run naming a way out, and the layers left reach the target), or undo it "
+        "before the next event."
+    )
+
+
+def short_warning(event: Mapping[str, Any], final: float) -> str | None:
+    """At fit end, where the last ``event`` could no longer prune chosen layers and ended short of ``final``:
+    the warning that says so; ``None`` otherwise."""
+    left_out = event.get("left_out_layers") or []
+    if not left_out or event["sparsity"] >= final - 1e-9:
+        return None
+    return (
+        f"ScheduledPrune: the fit ended short of `final_sparsity`={final}, at sparsity "
+        f"{event['sparsity']:.3f}: {first_names(left_out, 3)} could no longer be pruned (see the warning "
+        "of the event that first found it)."
+    )
 
 
 def reusable_probe(cycle: Any, maintain_entry: bool) -> dict[str, float] | None:

@@ -881,7 +881,11 @@ def tied_channels(graph: Any, root: nn.Module, channels: int) -> int | None:
 
 
 def channel_groups(
-    graph: Any, model: nn.Module, roots: Mapping[str, nn.Module], frozen: Collection[str] = ()
+    graph: Any,
+    model: nn.Module,
+    roots: Mapping[str, nn.Module],
+    frozen: Collection[str] = (),
+    blocked: dict[str, list[str]] | None = None,
 ) -> list[ChannelGroup]:
     """Prunable channel groups whose root is one of ``roots``.
 
@@ -895,6 +899,8 @@ def channel_groups(
     channels of a module named in ``frozen`` (the user's frozen layers, of any type: a norm after the root),
     or of a module holding one, or when the root's own channels are tied in a pattern other than
     :func:`tied_channels` counts. A frozen layer that only reads the cut channels loses those input columns.
+    ``blocked``, when given, gets root name -> the modules whose computed weight kept its group from being
+    cut.
     """
     root_types = tuple({type(module) for module in roots.values()})
     chosen = set(roots.values())
@@ -910,7 +916,8 @@ def channel_groups(
     unsafe |= {m for m in model.modules() if m not in left_out and any(c in left_out for c in m.children())}
     # a weight computed from other tensors (a parametrization, the older weight_norm / spectral_norm hooks) is
     # recomputed from its uncut sources at the next forward: such a layer cannot be cut as a consumer either
-    unsafe |= {m for m in model.modules() if prune_targets.computes_its_weight(m)}
+    computed = {m for m in model.modules() if prune_targets.computes_its_weight(m)}
+    unsafe |= computed
     # the user's frozen layers keep their channels: not only those of the chosen types (unchosen above), but a
     # frozen norm or scale that the root's group would cut with it
     named = dict(model.named_modules())
@@ -925,6 +932,8 @@ def channel_groups(
             continue
         targets = [dependency.target.module for dependency, _ in group]
         if any(isinstance(target, nn.Parameter) or target in unsafe for target in targets):
+            if blocked is not None and (computing := [names[t] for t in targets if t in computed]):
+                blocked[names[root_module]] = list(dict.fromkeys(computing))
             continue
         channels = int(graph.get_pruner_of_module(root_module).get_out_channels(root_module))
         tied = tied_channels(graph, root_module, channels)
@@ -1305,11 +1314,16 @@ class StructuredResult:
         history: torch-pruning's history entries ``[root name, is_out_channel, indices]`` of this call, in
             order; replaying all calls' entries on a fresh module reproduces the pruned shapes.
         remap: the parameters replaced.
+        roots: the roots whose channel group could be cut in this call (whether or not it was).
+        blocked: root name -> the modules whose computed weight kept its group from being cut
+            (:func:`channel_groups`).
     """
 
     removed: dict[str, int]
     history: list[list[Any]]
     remap: ParameterRemap
+    roots: set[str] = field(default_factory=set)
+    blocked: dict[str, list[str]] = field(default_factory=dict)
 
 
 def prune_channels(
@@ -1330,7 +1344,8 @@ def prune_channels(
     ``frozen``: names of the layers the user froze; no group that would cut one of them is cut.
     """
     graph = build_dependency_graph(model, example_inputs, precision)
-    groups = channel_groups(graph, model, layers, frozen)
+    blocked: dict[str, list[str]] = {}
+    groups = channel_groups(graph, model, layers, frozen, blocked)
     for channel_group in groups:
         original_channels.setdefault(channel_group.root, channel_group.channels)
     importances = channel_importance(groups, normalize=ranking == "global")
@@ -1344,7 +1359,7 @@ def prune_channels(
         [str(name), bool(is_out), [int(i) for i in idxs]] for name, is_out, idxs in graph.pruning_history()
     ]
     removed = {name: len(indices) * tied[name] for name, indices in removals.items()}
-    return StructuredResult(removed, history, remap)
+    return StructuredResult(removed, history, remap, {group.root for group in groups}, blocked)
 
 
 def replay_structure(
@@ -2752,6 +2767,9 @@ class PruneOutcome:
         removed_share: share of the whole model's parameters removed so far: masked (unstructured) or gone
             since before the first event (structured: the chosen layers' and every coupled module's, an
             embedding or a norm included); ``None`` when unknown (a checkpoint from before it was kept).
+        left_out: chosen layers this event could not cut or mask although an earlier one did (or the fit
+            start chose them), with why: a parametrization registered on them or on a layer they are cut
+            with since then. They are in ``uncut`` too.
     """
 
     sparsity: float
@@ -2762,6 +2780,7 @@ class PruneOutcome:
     uncut: list[str] = field(default_factory=list)
     narrowed: list[str] = field(default_factory=list)
     removed_share: float | None = None
+    left_out: dict[str, str] = field(default_factory=dict)
 
 
 def masked_parameter_count(model: nn.Module) -> int:
@@ -2947,7 +2966,15 @@ class Pruner:
         }
         uncut = [name for name in layers if name not in per_layer]
         narrowed = [name for name in uncut if name in self.narrowed]
-        return PruneOutcome(reached, per_layer, result.remap, problems, share, uncut, narrowed, removed)
+        # a root an earlier event cut whose group cannot be cut now: the model changed since (a
+        # parametrization on it or on a layer it is cut with); unnamed, it held the run below the target
+        named = dict(model.named_modules())
+        lost = [name for name in self.original_channels if name in named and name not in result.roots]
+        left_out = {name: why_left_out(name, selection, model, result.blocked) for name in lost}
+        uncut += [name for name in lost if name not in uncut]
+        outcome = PruneOutcome(reached, per_layer, result.remap, problems, share, uncut, narrowed, removed)
+        outcome.left_out = left_out
+        return outcome
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -2971,6 +2998,31 @@ class Pruner:
         self.not_trained = dict(state.get("not_trained", {}))
 
 
+def why_left_out(
+    name: str, selection: LayerSelection, model: nn.Module, blocked: Mapping[str, list[str]] | None = None
+) -> str:
+    """Why the chosen layer ``name`` of ``model`` cannot be pruned now (it is left out of ``selection``, or
+    its channel group is ``blocked`` by the computed weight of the modules named there), with the call that
+    lets it be pruned where a parametrization is the cause."""
+    if name in selection.left_out:
+        reason = selection.left_out[name]
+        if reason != prune_targets.COMPUTED_WEIGHT:
+            return reason
+        computing = [name]
+    elif blocked and blocked.get(name):
+        computing = blocked[name]
+        reason = f"it is cut with {first_names(computing, 3)}, whose weight is computed by a parametrization"
+    else:
+        return "no channel group of its can be cut safely any more"
+    removals: dict[str, list[str]] = {}
+    for module in computing:
+        removals.setdefault(prune_targets.weight_computation_removal(model.get_submodule(module)), []).append(
+            module
+        )
+    calls = "; ".join(f"`{call}` for {first_names(names, 3)}" for call, names in removals.items())
+    return f"{reason}, which a cut or a mask cannot follow (removed with {calls})"
+
+
 def event_record(
     step: int,
     target: float,
@@ -2988,6 +3040,7 @@ def event_record(
         "layer_sparsity": dict(outcome.layer_sparsity),
         "weight_share": float(outcome.weight_share),
         "uncut_layers": list(outcome.uncut),
+        "left_out_layers": list(outcome.left_out),
         "narrowed_layers": list(outcome.narrowed),
         "params_removed_share": outcome.removed_share,
         **count_parameters(model),
@@ -3036,7 +3089,14 @@ def event_summary(event: Mapping[str, Any]) -> str:
     if event["probe_after"]:
         text += f", {probe(event['probe_before'])} -> {probe(event['probe_after'])}"
     narrowed = event.get("narrowed_layers") or []
-    uncut = [name for name in event.get("uncut_layers") or [] if name not in narrowed]
+    left_out = event.get("left_out_layers") or []
+    uncut = [
+        name for name in event.get("uncut_layers") or [] if name not in narrowed and name not in left_out
+    ]
+    if left_out:
+        text += (
+            f"; chosen but no longer pruned (the model changed since, said in a warning): {_some(left_out)}"
+        )
     if uncut:
         text += f"; left uncut, no channel group of theirs can be cut safely: {_some(uncut)}"
     if narrowed:
