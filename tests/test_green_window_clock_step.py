@@ -73,6 +73,35 @@ def test_a_forward_step_is_booked_as_waited_between_the_computes_parts():
     assert run_clock.away == []  # booked once
 
 
+def test_a_step_not_yet_booked_at_a_save_is_booked_as_waited_after_the_resume():
+    """Review, 39th pass: a step inside the open segment at a checkpoint's save was left out of the saved
+    segment, and the resumed run booked it as compute (1,200 s of compute for a 0.7 s fit)."""
+
+    def segment_on(clock):
+        run_clock = RunClock(clock)
+        ledger = ScheduleLedger(lambda t0, t1: 100.0)
+        schedule = GreenSchedule(GreenWindowPolicy(SeasonalBlendForecast()), 1.0, True, None, None, ledger)
+        run_clock.news = schedule.news
+        return run_clock, schedule, OpenSegment(schedule, watts=360.0, run_clock=run_clock)
+
+    clock = SteppingClock(1000.0)
+    run_clock, _, segment = segment_on(clock)
+    run_clock.restart()
+    segment.begin(run_clock.time(), None)
+    clock.run(1.0)
+    run_clock.time()
+    clock.step(1200.0)
+    clock.run(1.0)
+    segment.stepped(2)
+    saved = segment.state_dict(run_clock.time(), next_check=5000.0)  # the step is in the open segment
+    assert saved["away"] == [[1002.0, 2202.0]]  # placed at the end of the readings it fell between
+
+    resumed_clock, schedule, resumed = segment_on(clock)  # a new process: the same clock, read on
+    resumed.resume(saved, resumed_clock.restart(saved)[0], lambda: None)
+    resumed.close(resumed_clock.time(), lambda: None)
+    assert schedule.compute_s == pytest.approx(2.0) and schedule.clock_away_s == pytest.approx(1200.0)
+
+
 def test_a_clock_without_a_monotonic_companion_is_taken_as_it_reads():
     clock = SimulatedClock(0.0)
     run_clock = RunClock(clock)

@@ -1627,9 +1627,11 @@ class OpenSegment:
         return max(now - self.start, 0.0) if self.kind == "light" and self.start is not None else 0.0
 
     def state_dict(self, now: float, next_check: float) -> dict[str, Any]:
-        """The segment as saved at ``now``, and when the next decision is due."""
+        """The segment as saved at ``now``, and when the next decision is due; with the spans a clock step
+        jumped over in it, not yet booked (a resume books them as waited, not as compute)."""
         state = {"start": self.start, "kwh": self.kwh, "steps": self.steps, "kind": self.kind}
-        return {**state, "saved_at": float(now), "next_check": float(next_check)}
+        away = [] if self.run_clock is None else [[a, min(b, now)] for a, b in self.run_clock.away if a < now]
+        return {**state, "saved_at": float(now), "next_check": float(next_check), "away": away}
 
     def restart(
         self,
@@ -1658,6 +1660,9 @@ class OpenSegment:
         as after a suspend."""
         self.start, self.kwh, self.steps = state["start"], state["kwh"], int(state["steps"])
         self.kind, saved = str(state["kind"]), float(state["saved_at"])
+        if self.run_clock is not None:  # the saved spans not yet booked (older checkpoints have none)
+            spans = [(float(a), float(b)) for a, b in state.get("away", [])]
+            self.run_clock.away = spans + self.run_clock.away
         if self.start is None:
             self.begin(now, read_kwh())
         elif now > saved:

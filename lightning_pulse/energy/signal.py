@@ -186,7 +186,7 @@ class LiveSignal:
         try:
             moment, value = reading
             moment, value = float(moment), float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, ArithmeticError):  # an int too large for a float too
             raise SignalUnreadable(
                 f"the callable returned {reading!r}; it must return a (unix_seconds, value) pair of numbers"
             ) from None
