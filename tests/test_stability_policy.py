@@ -602,7 +602,7 @@ def test_the_guards_core_says_why_no_snapshot_was_left_to_return_to():
     )
     assert core.return_to_snapshot(model, ([], [], {}), 7, warnings.append) == (None, 0)
     assert warnings[1] == (
-        "StabilityGuard: no snapshot fits the model any more (or its optimizers' classes or parameter "
-        "groups, or its LR schedulers), and none was taken since step 5 (a non-finite state); the parameters "
-        "stay as they are."
+        "StabilityGuard: no snapshot fits the model any more (or its optimizers' classes, parameter "
+        "groups or parameters, or its LR schedulers), and none was taken since step 5 (a non-finite state); "
+        "the parameters stay as they are."
     )

@@ -18,6 +18,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 from typing import Any, Protocol
 
 import torch
@@ -205,6 +206,8 @@ class TrainingSnapshot:
         inner_layout: the layout of those inner optimizers when taken; ``None``: not recorded.
         optimizer_kinds: the optimizers' classes (:func:`optimizer_kinds`); ``None``: not recorded.
         inner_kinds: the classes of those inner optimizers; ``None``: not recorded.
+        parameter_ids: the identities of the parameters the optimizers held when taken
+            (:func:`optimizer_parameter_ids`); ``None``: not recorded (a checkpoint's: ids are per process).
     """
 
     step: int
@@ -220,6 +223,7 @@ class TrainingSnapshot:
     inner_layout: tuple[tuple[int, ...], ...] | None = None
     optimizer_kinds: tuple[type, ...] | None = None
     inner_kinds: tuple[type, ...] | None = None
+    parameter_ids: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -248,20 +252,30 @@ class TrainingSnapshot:
     ) -> bool:
         """Whether the snapshot can still be loaded into ``model``: same entries with the same shapes, or the
         entries of layers masked since (:func:`fitted_state`); when ``optimizers`` are given, into them: the
-        same classes (:func:`optimizer_kinds`, inner ones too) and parameter-group layout
-        (:func:`optimizer_layout`); and when ``schedulers`` are given, into them: the same LR schedulers, in
-        number and class (:func:`scheduler_kinds`).
+        same classes (:func:`optimizer_kinds`, inner ones too), parameter-group layout
+        (:func:`optimizer_layout`) and parameter objects (:func:`optimizer_parameter_ids`, where recorded);
+        and when ``schedulers`` are given, into them: the same LR schedulers, in number and class
+        (:func:`scheduler_kinds`).
 
         Another structural change since the snapshot (channels pruned away, a layer added, a parameter group
         added to an optimizer, an optimizer swapped for one of another class, an LR scheduler swapped or
         added: ``StochasticWeightAveraging``'s ``SWALR``) makes it unusable: Adam's state would load into SGD
         (which then ran on Adam's ``lr``), SGD's into Adam (``KeyError: 'step'``), a scheduler's state into
         another kind of scheduler, and the optimizer's groups would lose the keys the new one set on them
-        (``SWALR``'s ``swa_lr``).
+        (``SWALR``'s ``swa_lr``). So does a parameter replaced by a new object of the same shape (the module's
+        ``self.head = nn.Linear(...)`` and a new optimizer over it): loading would put the old head's weights
+        and momentum into the new one, undoing the module's own change. A parameter no optimizer holds is
+        not compared: a forward may re-create one at every step (an EMA codebook).
         """
         if optimizers is not None and not self.holds_optimizers(optimizers):
             return False
         if optimizers is not None and optimizer_layout(optimizers) != self.optimizer_layout:
+            return False
+        if (
+            optimizers is not None
+            and self.parameter_ids is not None
+            and optimizer_parameter_ids(optimizers) != self.parameter_ids
+        ):
             return False
         if optimizers is not None and not self.holds_inner_optimizers(optimizers):
             return False
@@ -326,6 +340,15 @@ def optimizer_layout(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple
     ``add_param_group`` (Lightning's ``BackboneFinetuning``) changes it. A ``len`` per group, no pass over the
     parameters."""
     return tuple(tuple(len(group["params"]) for group in optimizer.param_groups) for optimizer in optimizers)
+
+
+def optimizer_parameter_ids(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[int, ...]:
+    """The ``id`` of each parameter ``optimizers`` hold, in group order: a module that assigns a new submodule
+    (``self.head = nn.Linear(...)``) and builds a new optimizer over it keeps the layout and the shapes, only
+    the parameter objects change. A re-initialisation in place (``reset_parameters()``) keeps them, and
+    cannot be told from training."""
+    groups = (group["params"] for optimizer in optimizers for group in optimizer.param_groups)
+    return tuple(map(id, chain.from_iterable(groups)))
 
 
 def optimizer_kinds(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[type, ...]:
@@ -532,6 +555,7 @@ def take_snapshot(
         extra=copy_to_cpu(dict(extra or {})),
         scheduler_kinds=scheduler_kinds(schedulers),
         layout=layout,
+        parameter_ids=optimizer_parameter_ids(optimizers),
     )
 
 
@@ -1022,10 +1046,10 @@ class SnapshotSchedule:
     """When :class:`~lightning_pulse.StabilityGuard` snapshots, and which snapshot a rollback returns to.
 
     A snapshot is due every ``every`` steps, when one was requested (a maintain phase began, the model's
-    structure changed) and when the optimizers' classes or parameter groups or the LR schedulers changed
-    since the newest one (older snapshots no longer fit them), but only in a healthy state (no open incident,
-    no skips pending). A rollback returns to the newest snapshot taken at least ``margin`` steps before the
-    incident began.
+    structure changed) and when the optimizers' classes, parameter groups or parameters (objects replaced:
+    a submodule assigned anew with a new optimizer) or the LR schedulers changed since the newest one (older
+    snapshots no longer fit them), but only in a healthy state (no open incident, no skips pending). A
+    rollback returns to the newest snapshot taken at least ``margin`` steps before the incident began.
 
     Args:
         every: steps between periodic snapshots; ``0``: only on request.
@@ -1061,6 +1085,11 @@ class SnapshotSchedule:
         self.scheduler_kinds: tuple[type, ...] | None = None  # and the schedulers' classes
         self.optimizer_kinds: tuple[type, ...] | None = None  # and the optimizers' classes
         self.inner_kinds: tuple[type, ...] = ()  # and their inner ones' (SAM's base optimizer)
+        self.parameter_ids: tuple[int, ...] = ()  # and the ids of the parameters they held
+        # the optimizers' own ids: their parameters are compared only when one of these changed (a new
+        # optimizer), so a step pays a tuple per optimizer, not a pass over the parameters
+        self.optimizer_ids: tuple[int, ...] = ()
+        self.replaced = False  # the parameters changed since the newest snapshot: sticky until the next
 
     def due(
         self,
@@ -1074,7 +1103,8 @@ class SnapshotSchedule:
         layout than at the newest snapshot (a ``len`` per group: :func:`optimizer_layout`), or ``schedulers``
         (if given) other classes (:func:`scheduler_kinds`), so that a rollback after a callback swapped the
         optimizer for another kind, after ``add_param_group``, or after ``StochasticWeightAveraging`` swapped
-        in its scheduler, has one that fits."""
+        in its scheduler, or after the module replaced parameters and built a new optimizer over them
+        (:meth:`parameters_replaced`), has one that fits."""
         requested, self.pending = self.pending, False
         relaid = (
             optimizers is not None
@@ -1082,6 +1112,9 @@ class SnapshotSchedule:
             and (
                 optimizer_kinds(optimizers) != self.optimizer_kinds
                 or optimizer_layout(optimizers) != self.layout
+                # a new optimizer: over replaced parameters? (a pass over them only then)
+                or self.replaced
+                or (tuple(map(id, optimizers)) != self.optimizer_ids and self.parameters_replaced(optimizers))
                 # a wrapper's inner optimizer swapped (SAM(Adam) -> SAM(SGD)); no walk for plain optimizers
                 or (
                     bool(self.inner_kinds)
@@ -1096,6 +1129,20 @@ class SnapshotSchedule:
         if requested or relaid:
             return healthy
         return bool(self.every) and step - (self.last_step or 0) >= self.every and healthy
+
+    def parameters_replaced(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+        """Whether ``optimizers`` hold other parameter objects than at the newest snapshot
+        (:func:`optimizer_parameter_ids`). Read only when an optimizer is another object than then: torch
+        keeps an optimizer's parameters, and a module that replaces some builds a new optimizer over them
+        (or the parameters would not train). A new optimizer over the same parameters is no change, and is
+        then the one compared. Once found, the change holds until the next snapshot: a later optimizer could
+        take the address, so the ``id``, of the one then."""
+        if not self.replaced and (ids := tuple(map(id, optimizers))) != self.optimizer_ids:
+            if optimizer_parameter_ids(optimizers) == self.parameter_ids:
+                self.optimizer_ids = ids
+            else:
+                self.replaced = True
+        return self.replaced
 
     def take(
         self,
@@ -1123,6 +1170,8 @@ class SnapshotSchedule:
         self.optimizer_kinds = optimizer_kinds(optimizers)
         self.inner_kinds = optimizer_kinds(inner_optimizers(optimizers))
         self.scheduler_kinds = scheduler_kinds(schedulers)
+        self.parameter_ids = optimizer_parameter_ids(optimizers)
+        self.optimizer_ids, self.replaced = tuple(map(id, optimizers)), False
 
     def roll_back(
         self,

@@ -45,6 +45,7 @@ from lightning_pulse.core.snapshots import (
     fitted_state,
     is_zero_redundancy,
     nonfinite_tensors,
+    optimizer_parameter_ids,
     snapshot_from_state,
     snapshot_state,
     written_outside,
@@ -752,6 +753,8 @@ class StabilityCore:
         self.fit_start_negative = self.detector.negative_losses
         self.schedule.ring.clear()
         for snapshot in self.resumed_snapshots:
+            # a checkpoint keeps no ids; they are of the parameters the resumed optimizers hold
+            snapshot.parameter_ids = optimizer_parameter_ids(optimizers)
             self.schedule.ring.add(snapshot)
         self.resumed_mid_incident, self.resumed_snapshots = bool(self.resumed_snapshots), []
         self.pre_step.clear(learn_after=-1 if step is None else step)  # learned at the first applied step
@@ -1397,7 +1400,7 @@ class StabilityCore:
             fitting = [snapshot.step for snapshot in held if snapshot.fits(model)]
             self.unfit_optimizers_after = max(fitting) if fitting else None
             self.cut_unsnapshotted = self.replaced_at
-            optimizers = "its optimizers' classes or parameter groups"
+            optimizers = "its optimizers' classes, parameter groups or parameters"
             why = f"fits the model any more (or {optimizers}, or its LR schedulers)"
             if self.left_out is not None:
                 left_out = f"none was taken since step {self.left_out[0]} (a non-finite state)"
@@ -1855,10 +1858,12 @@ def no_snapshot_message(
             f"optimizers or LR schedulers: they changed after the newest snapshot (step "
             f"{unfit_optimizers_after}) (an optimizer swapped for another class: `trainer.optimizers = "
             "[...]`; a group added to an optimizer's parameter groups: BackboneFinetuning, "
-            "`optimizer.add_param_group`; StochasticWeightAveraging swapping in SWALR), and no healthy step "
-            "followed the change. The first one after it would have been snapshotted whatever "
-            "`snapshot_every`, so more frequent snapshots would not help; a rollback would load the old "
-            f"state into the new ones, and training on would go on from the bad state. The checkpoint "
+            "`optimizer.add_param_group`; parameters replaced by new ones: a submodule assigned anew, "
+            "`self.head = nn.Linear(...)`, with a new optimizer; StochasticWeightAveraging swapping in "
+            "SWALR), and no healthy step followed the change. The first one after it would have been "
+            "snapshotted whatever `snapshot_every`, so more frequent snapshots would not help; a rollback "
+            "would load the old state into the new ones (undoing a replacement), and training on would go "
+            f"on from the bad state. The checkpoint "
             f"{path!r} holds the current state. If the change made these steps diverge (a learning rate too "
             "high for the new optimizer), change that. To train on with the change, make it at a fit's "
             "start, which the guard snapshots: load the weights of a checkpoint saved before the change (or "
