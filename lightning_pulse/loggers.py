@@ -121,4 +121,7 @@ def logger_run(trainer: pl.Trainer) -> str | None:
     if not trainer.loggers or not trainer.is_global_zero:
         return None
     name_and_version = _name_and_version(trainer.loggers[0])
-    return None if name_and_version is None else "/".join(map(str, name_and_version))
+    if name_and_version is None:
+        return None
+    name, version = name_and_version  # the version named as its folder is (`version=0` is `version_0`)
+    return f"{name}/{version if isinstance(version, str) else f'version_{version}'}"

@@ -10,6 +10,7 @@ validation batch to the pass's real end. :class:`~lightning_pulse.HardSampleRepl
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -158,7 +159,7 @@ class StepSavingLoader:
         # through its course (see refuse_schedules_cut_short)
         self._unplanned: UnplannedLengths | None = None
         # (trainer, its max_steps as the user set it, the plan's cap): see uncap
-        self._capped: tuple[pl.Trainer, int, int] | None = None
+        self._capped: tuple[weakref.ReferenceType[pl.Trainer], int, int] | None = None
         self._batches_drawn = 0  # this fit's, all epochs
         # under DDP, every rank's cuts of the batches drawn ahead of a rollback, for rank 0's checkpoint
         self._ranks_read_ahead = RanksReadAhead()
@@ -312,7 +313,11 @@ class StepSavingLoader:
         )
         user_max_steps = trainer.max_steps
         cap = compat.cap_training_steps(trainer, plan.total_steps, batch_norm_step)
-        self._capped = (trainer, user_max_steps, cap)
+        self._capped = (
+            weakref.ref(trainer),
+            user_max_steps,
+            cap,
+        )  # weak: kept after the fit, not the Trainer
         self._choose = choose
         self._sampler = PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches, self._cut)
         compat.replace_batch_sampler(loader, self._sampler)
@@ -364,18 +369,24 @@ class StepSavingLoader:
             )
         self.stream.join_at(epoch, trainer.global_step)
 
+    def __getstate__(self) -> dict[str, Any]:  # pickled (``ddp_spawn``, a sweep's copy) without the Trainer
+        return {**self.__dict__, "_trainer": None, "_deferred": None, "_capped": None}
+
     def uncap(self, trainer: pl.Trainer) -> None:
         """Set ``trainer.max_steps`` back as the user set it before a new fit of ``trainer``, unless changed
         since this fit capped it. The cap stays after the fit (it is the run's length), but read as the user's
         at a second fit from a checkpoint it made the plain run shorter, and the run was replanned shorter."""
-        if self._capped is not None and self._capped[0] is trainer and trainer.max_steps == self._capped[2]:
+        if self._capped is not None and self._capped[0]() is trainer and trainer.max_steps == self._capped[2]:
             compat.set_max_steps(trainer, self._capped[1])
         self._capped = None
 
-    def release(self) -> None:
+    def release(self, fit_ended: bool = False) -> None:
         """Give :attr:`loader` back as the user built it (at the fit's end, when it stopped early, at a reload):
         its own batch sampler and index sampler, so it iterates as before outside this fit (predict, a plain
-        Trainer)."""
+        Trainer). With ``fit_ended``, let go of the fit's Trainer too (its model and data: a used callback
+        keeps none of them alive, and pickles)."""
+        if fit_ended:
+            self._trainer = self._deferred = None
         loader, self.loader = self.loader, None
         if loader is None:
             return

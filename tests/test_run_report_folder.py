@@ -91,7 +91,10 @@ def test_two_runs_logged_to_one_store_keep_two_reports_each_in_its_run_folder(mn
     assert folders(*second) == (store / "experiment" / "version_7",) * 2
     reports = sorted(store.rglob("energy_report.json"))
     assert [json.loads(p.read_text())["total"]["steps"] for p in reports] == [3, 5]
-    assert [json.loads(p.read_text())["run"] for p in reports] == ["experiment/run-a", "experiment/7"]
+    assert [json.loads(p.read_text())["run"] for p in reports] == [
+        "experiment/run-a",
+        "experiment/version_7",
+    ]  # named as its folder
     assert len(sorted(store.rglob("green_window_report.json"))) == 2
     assert not [w for w in caught if REPLACED in str(w.message)]
 
@@ -168,3 +171,16 @@ def test_a_logger_whose_version_cannot_be_read_leaves_the_reports_in_its_store(m
     energy, green = fit(mnist1d_small, tmp_path, _VersionRaises(store, None))
     assert folders(energy, green) == (store, store)
     assert energy.report["run"] is None
+
+
+def test_a_run_continued_under_its_version_folders_name_is_the_same_run(mnist1d_small, tmp_path):
+    """A regression sweep of the 39th pass: the report recorded the raw version (`experiment/0`) while the
+    folder was `version_0`, so the same run continued with `version="version_0"` warned that it replaced
+    another run's report."""
+    store = tmp_path / "store"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = fit(mnist1d_small, tmp_path, StoreLogger(store, 0), steps=3)
+        second = fit(mnist1d_small, tmp_path, StoreLogger(store, "version_0"), steps=3)
+    assert folders(*first) == folders(*second) == (store / "experiment" / "version_0",) * 2
+    assert not [w for w in caught if REPLACED in str(w.message)]

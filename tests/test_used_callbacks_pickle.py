@@ -113,3 +113,26 @@ def test_an_energy_logger_of_a_fit_that_raised_pickles_and_keeps_no_trainer(mnis
     del trainer, model, data
     gc.collect()
     assert finished() is None
+
+
+def test_the_shipped_suites_guard_and_replay_pickle_after_a_fit_and_keep_no_trainer(mnist1d_small, tmp_path):
+    """A regression sweep of the 39th pass: beside PulseCycle and HardSampleReplay (steps mode), the guard's
+    step record holds the HardSampleReplay, whose step-saving part kept the Trainer (and a weak reference to
+    it, which does not pickle) and whose batch part kept the module: neither pickled after the fit, and the
+    finished Trainer stayed alive."""
+    from lightning_pulse import HardSampleReplay, PulseCycle
+
+    model, data = mnist1d_small(arch="mlp")
+    cycle = PulseCycle(burst=4, replay=3, maintain=2, warmup=0, anneal=0, maintain_eval="none")
+    guard, replay = StabilityGuard(window=10, warmup=3), HardSampleReplay()
+    callbacks = [cycle, guard, replay]
+    trainer = pl.Trainer(max_steps=12, callbacks=callbacks, **trainer_kwargs(default_root_dir=tmp_path))
+    trainer.fit(model, data)
+    for callback in (guard, replay):
+        assert type(pickle.loads(pickle.dumps(callback))) is type(callback)
+    for callback in callbacks:
+        del callback.log, callback.log_dict  # Lightning's, holding the module (see above)
+    finished = weakref.ref(trainer)
+    del trainer, model, data
+    gc.collect()
+    assert finished() is None

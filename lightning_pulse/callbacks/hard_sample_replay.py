@@ -311,7 +311,7 @@ class HardSampleReplay(PulseStateKey, Callback):
         self._remove_hooks()
         if self.mode == "steps":  # a checkpoint saved after the fit resumes it
             self.steps.stream.hold(trainer.global_step)
-        self.steps.release()
+        self.steps.release(fit_ended=True)
         self._trainer = None
         self.data.detach()
 

@@ -813,6 +813,6 @@ class ReplayBatchLifecycle:
         """Close every capture and watch, end the capture scope and forget the step in flight."""
         self.captures.release()
         self.state_check.stop()
-        self.current = self._batch = None
+        self.current = self._batch = self._module = None  # the module (its Trainer) not kept after the fit
         if self.hold is not None:
             self.hold.wait()  # the rank may exit right after (see _gather_flags)
