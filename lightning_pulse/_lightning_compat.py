@@ -11,7 +11,7 @@ import functools
 import math
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,7 +25,7 @@ from torchmetrics import Metric
 from lightning_pulse.core.freeze_units import trainable_while
 from lightning_pulse.core.run_shares import PlacedShares, shares_named
 from lightning_pulse.core.step_plan import clock_epoch_steps, epoch_steps
-from lightning_pulse.errors import PulseRefusal, first_names
+from lightning_pulse.errors import PulseRefusal, first_names, pulse_class
 from lightning_pulse.protocols import temporarily_frozen
 
 LIGHTNING_VERSION = pl.__version__
@@ -1463,3 +1463,32 @@ def restored_position(trainer: pl.Trainer, epoch_batches: int) -> tuple[int, int
         return trainer.current_epoch, 0  # progress still holds the last epoch's count
     trained = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
     return (trainer.current_epoch + 1, 0) if trained >= epoch_batches else (trainer.current_epoch, trained)
+
+
+class PulseStateKey:
+    """Keys a lightning-pulse callback's checkpoint state by its lightning-pulse class's name
+    (:func:`~lightning_pulse.errors.pulse_class`); listed before ``Callback`` in the bases of each stateful
+    one.
+
+    Lightning's default key is the instance's class name, so a user's subclass saved and loaded under its own
+    name: a checkpoint of ``PulseCycle`` resumed into ``class MyCycle(PulseCycle)`` (or back) dropped every
+    state without a word (a structured ScheduledPrune cut the already cut model again), and a PulseCycle
+    beside a subclass of it ran two clocks. With one key, the state resumes across them and the pair is
+    refused (by Lightning for ``Trainer(callbacks=...)``, by ``errors.refuse_shared_key`` at fit start).
+    Checkpoints saved by the lightning-pulse classes themselves keep their keys; one a subclass saved under
+    its own name before is still found: Lightning loads ``_legacy_state_key`` where ``state_key`` is missing.
+    """
+
+    @property
+    def state_key(self) -> str:
+        return pulse_class(self).__qualname__
+
+    @property
+    def _legacy_state_key(self) -> str:  # Lightning's fallback key at a load: the subclass's own old key
+        return type(self).__qualname__
+
+
+def saved_state(states: Mapping[str, Any], callback: PulseStateKey) -> Any:
+    """``callback``'s entry in a checkpoint's ``callbacks`` (``states``), found as Lightning's load finds it:
+    under its ``state_key``, else under the key a subclass saved under before (:class:`PulseStateKey`)."""
+    return states.get(callback.state_key, states.get(callback._legacy_state_key))

@@ -215,25 +215,13 @@ def tuner_search(trainer: pl.Trainer) -> str | None:
 def pulse_class(callback: object) -> type:
     """The lightning-pulse class ``callback`` is an instance of: the first class in its MRO defined in the
     lightning-pulse package (``PulseCycle`` for a user's ``class MyCycle(PulseCycle)``)."""
-    in_package = (cls for cls in type(callback).__mro__ if cls.__module__.partition(".")[0] == __package__)
-    return next(in_package, type(callback))
+    from lightning.pytorch.callbacks import Callback
 
+    def ours(cls: type) -> bool:  # a callback class of the package (not a mixin of it)
+        module = getattr(cls, "__module__", None) or ""
+        return module.partition(".")[0] == __package__ and issubclass(cls, Callback)
 
-class PulseStateKey:
-    """Keys a lightning-pulse callback's checkpoint state by its lightning-pulse class's name; listed before
-    ``Callback`` in the bases of each stateful one.
-
-    Lightning's default key is the instance's class name, so a user's subclass saved and loaded under its own
-    name: a checkpoint of ``PulseCycle`` resumed into ``class MyCycle(PulseCycle)`` (or back) dropped every
-    state without a word (a structured ScheduledPrune cut the already cut model again), and a PulseCycle
-    beside a subclass of it ran two clocks. With one key, the state resumes across them and the pair is
-    refused (by Lightning for ``Trainer(callbacks=...)``, by :func:`refuse_shared_key` at fit start).
-    Checkpoints saved by the lightning-pulse classes themselves keep their keys.
-    """
-
-    @property
-    def state_key(self) -> str:
-        return pulse_class(self).__qualname__
+    return next((cls for cls in type(callback).__mro__ if ours(cls)), type(callback))
 
 
 def refuse_shared_key(trainer: pl.Trainer, callback: Callback) -> None:

@@ -13,10 +13,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from lightning_pulse.core.snapshots import RollbackState
 
-# the one base the stateful lightning-pulse callbacks share: their checkpoint key, defined beside the
-# shared-key refusal that relies on it
-from lightning_pulse.errors import PulseStateKey as PulseStateKey
-
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 

@@ -109,6 +109,24 @@ def test_a_checkpoint_resumes_across_a_lightning_pulse_class_and_a_users_subclas
     )  # the state went on from the save, as an unbroken run's
 
 
+def test_a_checkpoint_a_subclass_saved_under_its_own_name_still_resumes_into_it(tmp_path):
+    """Review, 39th pass: before the shared key, ``MyCycle`` and ``MyPrune`` saved under their own names; such
+    a checkpoint must still resume into them (Lightning's load falls back to ``_legacy_state_key``, and
+    ScheduledPrune's early read of the cut structure the same way), not cut the model again."""
+    trainer, model, cycle, _ = _fit(tmp_path, MyCycle, MyPrune, max_steps=24)
+    trainer.save_checkpoint(tmp_path / "saved.ckpt")
+    checkpoint = torch.load(tmp_path / "saved.ckpt", weights_only=False)
+    states = checkpoint["callbacks"]
+    states["MyCycle"], states["MyPrune"] = (
+        states.pop("PulseCycle"),
+        states.pop("ScheduledPrune"),
+    )  # the old keys
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+
+    _, model, cycle, prune = _fit(tmp_path, MyCycle, MyPrune, max_steps=40, ckpt_path=tmp_path / "old.ckpt")
+    assert model.net[0].out_features == 16 and cycle.cycle == 5 and len(prune.events) == 4
+
+
 def _stateful_pulse_callbacks(tmp_path):
     energy = dict(report_dir=str(tmp_path), cpu="constant", gpu="none", ram="none")
     return [

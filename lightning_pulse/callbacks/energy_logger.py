@@ -42,13 +42,13 @@ from lightning_pulse.energy.config import (
     checked_configs,
     naming_energy_logger,
 )
-from lightning_pulse.errors import FitRestores, PulseStateKey, names_itself, refuse_unwritable_dir
+from lightning_pulse.errors import FitRestores, names_itself, refuse_unwritable_dir
 from lightning_pulse.loggers import log_closed_epoch, log_to_loggers, logger_run, run_folder
 
 MONITORABLE = ("energy/total_kwh",)
 
 
-class EnergyLogger(PulseStateKey, Callback):
+class EnergyLogger(compat.PulseStateKey, Callback):
     r"""Meters the energy of training and reports it per phase, cycle, epoch and in total.
 
     Every figure says how it was obtained: *measured* (NVML energy counter or power sensor for GPUs, RAPL

@@ -37,7 +37,6 @@ from lightning_pulse.core.layer_freezing import (
 )
 from lightning_pulse.errors import (
     OneRunPerInstance,
-    PulseStateKey,
     names_itself,
     refuse_uninitialized_parameters,
     refusing,
@@ -47,7 +46,7 @@ from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.step_rows import is_step_row, step_rows_every
 
 
-class GradientCache(PulseStateKey, Callback):
+class GradientCache(compat.PulseStateKey, Callback):
     r"""Freezes the leading module units whose parameters have stopped moving, so backward stops early.
 
     Every ``check_every`` optimizer steps each unit (embedding, block, head, ..., in forward order) is scored

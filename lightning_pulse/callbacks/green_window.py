@@ -43,7 +43,7 @@ from lightning_pulse.protocols import pausing
 SYNC_EVERY_N_STEPS = 10  # under DDP, rank 0's clock is consulted (and its decision shared) this often
 
 
-class GreenWindow(errors.PulseStateKey, Callback):
+class GreenWindow(compat.PulseStateKey, Callback):
     r"""Runs training's bursts in the clean (or cheap) hours of a carbon-intensity or price signal.
 
     At every slot (default one hour of its clock) it compares the signal now with a forecast of the slots

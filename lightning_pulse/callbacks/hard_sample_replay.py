@@ -21,14 +21,14 @@ from lightning_pulse.core.replay import ReplayConfig
 from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, refuse
 from lightning_pulse.core.replay_data import ReplayData
 from lightning_pulse.core.sample_scores import SampleScoreTable
-from lightning_pulse.errors import OneRunPerInstance, PulseStateKey, names_itself, tuner_search
+from lightning_pulse.errors import OneRunPerInstance, names_itself, tuner_search
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import Phase
 from lightning_pulse.step_rows import step_rows_every
 from lightning_pulse.step_saving import StepSavingLoader
 
 
-class HardSampleReplay(PulseStateKey, Callback):
+class HardSampleReplay(compat.PulseStateKey, Callback):
     r"""Trains light phases on the hardest samples, in fewer steps (or, in batch mode, smaller batches).
 
     Every step, the loss the module already computes is captured per sample (a scoped hook on the

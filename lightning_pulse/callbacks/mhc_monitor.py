@@ -11,12 +11,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
-from lightning_pulse.errors import FitRestores, PulseStateKey, names_itself
+from lightning_pulse.errors import FitRestores, names_itself
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
 
 
-class HyperConnectionMonitor(PulseStateKey, Callback):
+class HyperConnectionMonitor(compat.PulseStateKey, Callback):
     r"""Logs the composite gain and off-diagonal mass of a model's hyper-connection layers.
 
     Every ``every_n_steps`` optimizer steps it watches one training forward pass: forward hooks on every

@@ -20,7 +20,7 @@ from lightning_pulse.core.cycle_budget import fit_replay_to_budget, spent_report
 from lightning_pulse.core.optimizer_modes import at_evaluation_point
 from lightning_pulse.core.step_plan import StepPlan
 from lightning_pulse.core.step_plan import resumed_without_plan as plan_lost_warning
-from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, PulseStateKey, names_itself, refusing
+from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refusing
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, StepTimer, cycle_clock, unreachable_alone
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
@@ -62,7 +62,7 @@ def phase_of(trainer: pl.Trainer | None, default: Phase = Phase.BURST) -> Phase:
     return default if cycle is None else cycle.phase
 
 
-class PulseCycle(PulseStateKey, Callback):
+class PulseCycle(compat.PulseStateKey, Callback):
     r"""Gives training a rhythm: bursts of ordinary training, then light replay and maintain phases.
 
     The cycle ``order`` (default burst -> replay -> maintain) repeats for the whole run, after a pure-burst

@@ -40,7 +40,7 @@ from lightning_pulse.protocols import step_undone, tell_weights_changed
 __all__ = ["DistillConfig", "PruneOptions", "ScheduledPrune"]
 
 
-class ScheduledPrune(errors.PulseStateKey, Callback):
+class ScheduledPrune(compat.PulseStateKey, Callback):
     r"""Gradual magnitude pruning (Zhu & Gupta 2017) that runs in the maintain phases of a pulse cycle.
 
     Sparsity follows the cubic schedule ``s_t = s_f + (s_i - s_f)(1 - (t - t_start)/(t_end - t_start))^3``.
@@ -340,7 +340,7 @@ class ScheduledPrune(errors.PulseStateKey, Callback):
         # Lightning restores a module's weights before it hands callbacks their state: read it from the checkpoint
         trainer = self._trainer_ref()
         checkpoint = compat.loaded_checkpoint(trainer) if trainer is not None else None
-        return ((checkpoint or {}).get("callbacks") or {}).get(self.state_key)
+        return compat.saved_state((checkpoint or {}).get("callbacks") or {}, self)
 
     def _end_distillation(self, trainer: pl.Trainer | None) -> None:
         if (metrics := self.core.end_distillation()) and trainer is not None:

@@ -28,7 +28,7 @@ from lightning_pulse.errors import (
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PhaseChange
 from lightning_pulse.probe import losses_at, training_losses
-from lightning_pulse.protocols import PulseStateKey, rollback_states, tell_restored_phase
+from lightning_pulse.protocols import rollback_states, tell_restored_phase
 
 __all__ = ["StabilityGuard", "StabilityGuardConfig", "StabilityGuardError"]
 
@@ -38,7 +38,7 @@ def _warn_here(message: str) -> None:
     rank_zero_warn(message)
 
 
-class StabilityGuard(PulseStateKey, Callback):
+class StabilityGuard(compat.PulseStateKey, Callback):
     r"""Detects non-finite values and loss or gradient-norm spikes, and answers them, escalating.
 
     Every optimizer step it reads the loss (mean over the accumulation window and DDP ranks) and the gradient
