@@ -16,6 +16,7 @@ from lightning_pulse.core.stability_policy import (
     StepChanges,
     StepEnergy,
 )
+from lightning_pulse.core.stability_steps import guard_metrics
 
 
 def test_policy_skips_then_rolls_back_then_stops():
@@ -606,3 +607,40 @@ def test_the_guards_core_says_why_no_snapshot_was_left_to_return_to():
         "groups or parameters, or its LR schedulers), and none was taken since step 5 (a non-finite state); "
         "the parameters stay as they are."
     )
+
+
+def test_steps_begun_before_the_meters_first_reading_have_unknown_energy_not_a_measured_zero():
+    # a stand-in EnergyLogger: its meter (codecarbon) still starting reads 0 until its first reading
+    class Account:
+        counted = False
+
+        def has_reading(self):
+            return self.counted
+
+    class Logger:
+        account, kwh = Account(), 0.0
+
+        def energy_so_far_kwh(self):
+            return self.kwh
+
+    logger = Logger()
+    energy = StepEnergy.of_callbacks([object(), logger])
+    policy = EscalationPolicy()
+    energy.begin()
+    policy.finish(Action.APPLY, energy.end())  # applied, unknown: in the lineage
+    snapshot = policy.lineage()
+    energy.begin()
+    policy.finish(Action.APPLY, energy.end())
+    energy.begin()
+    policy.finish(Action.SKIP, energy.end())  # lost, unknown: not a measured 0
+    assert policy.steps_lost_unmetered == 1 and policy.energy_wasted_kwh == 0.0
+    logger.account.counted = True
+    energy.begin()
+    logger.kwh = 0.5
+    policy.finish(Action.SKIP, energy.end())  # lost after the first reading: measured
+    assert policy.energy_wasted_kwh == 0.5 and policy.steps_lost_unmetered == 1
+    policy.rewind(snapshot)  # undoes one applied step of unknown energy
+    assert policy.steps_lost_unmetered == 2
+    metrics = guard_metrics(policy, with_energy=True)
+    assert metrics["stability/energy_wasted_kwh"] == 0.5 and metrics["stability/steps_lost_unmetered"] == 2.0
+    assert "stability/steps_lost_unmetered" not in guard_metrics(EscalationPolicy(), True)

@@ -217,9 +217,11 @@ class EscalationPolicy:
         self.rollbacks = 0
         self.steps_undone = 0  # applied updates thrown away by rollbacks
         self.energy_wasted_kwh = 0.0
+        self.steps_lost_unmetered = 0  # lost steps begun before the meter's first reading: not in the above
         # the updates (and their energy) the current parameters descend from; a rollback cuts them back
         self.lineage_steps = 0
         self.lineage_energy_kwh = 0.0
+        self.lineage_unmetered = 0  # the lineage's steps of unknown energy (StepEnergy.end gave None)
         self.stopped = False
         # what happened and when: {"step", "event" (a verdict, "rollback" or "stop"), "action" or "to_step"}
         self.events: list[dict[str, Any]] = []
@@ -326,20 +328,28 @@ class EscalationPolicy:
         rolls it back; a batch non-finite there too is the data's."""
         return len(self.spike_steps) <= self.nonfinite_row <= NONFINITE_ROW_TESTED
 
-    def finish(self, action: Action, energy_kwh: float = 0.0) -> None:
-        """Book a step once its update was applied or dropped, with the energy it used."""
+    def finish(self, action: Action, energy_kwh: float | None = 0.0) -> None:
+        """Book a step once its update was applied or dropped, with the energy it used (``None``: unknown,
+        counted apart rather than as a 0 no meter measured)."""
+        unmetered, energy_kwh = energy_kwh is None, energy_kwh or 0.0
         if action is Action.APPLY:
+            self.lineage_unmetered += unmetered
             self.nonfinite_row = 0
             self.lineage_steps += 1
             self.lineage_energy_kwh += energy_kwh
             self.cooldown_remaining = max(0, self.cooldown_remaining - 1)
         else:
             self.steps_skipped += 1
+            self.steps_lost_unmetered += unmetered
             self.energy_wasted_kwh += energy_kwh
 
     def lineage(self) -> dict[str, float]:
         """What a snapshot records, for :meth:`rewind`."""
-        return {"lineage_steps": self.lineage_steps, "lineage_energy_kwh": self.lineage_energy_kwh}
+        return {
+            "lineage_steps": self.lineage_steps,
+            "lineage_energy_kwh": self.lineage_energy_kwh,
+            "lineage_unmetered": self.lineage_unmetered,
+        }
 
     def rewind(self, lineage: Mapping[str, float]) -> int:
         """Return the books to a snapshot's :meth:`lineage`; the number of applied steps undone."""
@@ -348,6 +358,9 @@ class EscalationPolicy:
         self.lineage_steps = int(lineage["lineage_steps"])
         self.energy_wasted_kwh += max(0.0, self.lineage_energy_kwh - float(lineage["lineage_energy_kwh"]))
         self.lineage_energy_kwh = float(lineage["lineage_energy_kwh"])
+        kept_unmetered = int(lineage.get("lineage_unmetered", 0))
+        self.steps_lost_unmetered += max(0, self.lineage_unmetered - kept_unmetered)
+        self.lineage_unmetered = kept_unmetered
         return undone
 
     def rolled_back(self, step: int, to_step: int | None) -> None:
@@ -381,6 +394,8 @@ class EscalationPolicy:
             "energy_wasted_kwh": self.energy_wasted_kwh,
             "lineage_steps": self.lineage_steps,
             "lineage_energy_kwh": self.lineage_energy_kwh,
+            "steps_lost_unmetered": self.steps_lost_unmetered,
+            "lineage_unmetered": self.lineage_unmetered,
             "stopped": self.stopped,
             "events": [dict(event) for event in self.events],
         }
@@ -398,6 +413,8 @@ class EscalationPolicy:
             "nonfinite_row",
             "rollbacks",
             "steps_undone",
+            "steps_lost_unmetered",
+            "lineage_unmetered",
         )
         for name in names:
             setattr(self, name, int(state_dict.get(name, 0)))
@@ -551,26 +568,39 @@ class StepEnergy:
     :meth:`begin` at the first batch of a step, :meth:`end` when it ended. A reading that fails turns the
     meter off for the rest of the run (a meter never kills the run), said once through ``warn``. A pause
     between the two (:meth:`on_pulse_pause`) is left out. :attr:`counted`: whether the steps' energy is
-    counted (a meter was given and never failed); it stays so after :meth:`release`.
+    counted (a meter was given and never failed); it stays so after :meth:`release`. ``known``: whether the
+    meter has counted yet (``EnergyAccount.has_reading``); a step begun before that has unknown energy.
     """
 
     def __init__(
-        self, read: Callable[[], float] | None = None, warn: Callable[[str], Any] | None = None
+        self,
+        read: Callable[[], float] | None = None,
+        warn: Callable[[str], Any] | None = None,
+        known: Callable[[], bool] | None = None,
     ) -> None:
         self.read = read
         self.warn = warn
+        self.known = known
         self.counted = read is not None
         self._start: float | None = None
+        self._unknown = False  # the step began before the meter's first reading
         self._paused_at: float | None = None
 
     @classmethod
     def of_callbacks(cls, callbacks: Iterable[Any], warn: Callable[[str], Any] | None = None) -> StepEnergy:
-        """Read the first of ``callbacks`` with a callable ``energy_so_far_kwh`` (an EnergyLogger); none: off."""
-        readers = [getattr(callback, "energy_so_far_kwh", None) for callback in callbacks]
-        return cls(next((r for r in readers if callable(r)), None), warn=warn)
+        """Read the first of ``callbacks`` with a callable ``energy_so_far_kwh`` (an EnergyLogger); none: off.
+        Its ``account.has_reading`` (an EnergyLogger's), if any, tells whether the meter has counted yet."""
+        for callback in callbacks:
+            if callable(read := getattr(callback, "energy_so_far_kwh", None)):
+                known = getattr(getattr(callback, "account", None), "has_reading", None)
+                return cls(read, warn=warn, known=known if callable(known) else None)
+        return cls(None, warn=warn)
 
     def begin(self) -> None:
         if self.read is not None and self._start is None:
+            # a meter still starting reads 0 at both ends: not a measured 0 (why, at the step's start: the
+            # first reading back-fills the time before it, part of this step)
+            self._unknown = self.known is not None and not self.known()
             self._start = self._value()
 
     def on_pulse_pause(self, trainer: Any, paused: bool) -> None:
@@ -588,18 +618,21 @@ class StepEnergy:
         if paused_at is not None and (now := self._value()) is not None and self._start is not None:
             self._start += max(0.0, now - paused_at)  # the step's start moved past the pause's energy
 
-    def end(self) -> float:
+    def end(self) -> float | None:
+        """The step's energy in kWh; ``None`` where it is unknown (begun before the meter's first reading)."""
         start, self._start, self._paused_at = self._start, None, None
         now = self._value() if start is not None else None
+        if now is not None and start is not None and self._unknown:
+            return None
         return 0.0 if now is None or start is None else max(0.0, now - start)
 
     def release(self) -> None:
         """At the fit's end: let go of the meter (an EnergyLogger's bound method), which the guard no longer
         reads; the logger is not kept alive, nor copied, through the guard."""
-        self.read, self._start, self._paused_at = None, None, None
+        self.read, self.known, self._start, self._paused_at = None, None, None, None
 
     def __getstate__(self) -> dict[str, Any]:  # pickled (``ddp_spawn``) and copied without the meter's logger
-        return {**self.__dict__, "read": None}
+        return {**self.__dict__, "read": None, "known": None}
 
     def _value(self) -> float | None:
         try:

@@ -766,7 +766,7 @@ class StabilityCore:
         self,
         action: Action,
         step: int,
-        energy_kwh: float = 0.0,
+        energy_kwh: float | None = 0.0,
         optimizers: Sequence[Any] | None = None,
         model: nn.Module | None = None,
         schedulers: Sequence[Any] | None = None,
@@ -1558,6 +1558,10 @@ def guard_metrics(policy: EscalationPolicy, with_energy: bool) -> dict[str, floa
     }
     if with_energy:
         out["stability/energy_wasted_kwh"] = policy.energy_wasted_kwh
+        if (
+            policy.steps_lost_unmetered
+        ):  # lost steps of unknown energy, not in the figure above: said beside it
+            out["stability/steps_lost_unmetered"] = float(policy.steps_lost_unmetered)
     return out
 
 

@@ -882,6 +882,12 @@ class EnergyAccount:
         self._last_so_far_kwh = value
         return value
 
+    def has_reading(self) -> bool:
+        """Whether a meter has counted yet: before that (codecarbon still starting in the background),
+        :meth:`energy_so_far_kwh` holds no measured growth, so a difference of two of its values is
+        unknown."""
+        return self.ledger is not None and self.ledger.counted
+
     def metered_kwh(self) -> float:
         """The run's energy at the latest reading (no extrapolation, no meter start-up), carried run included
         on global rank 0."""
