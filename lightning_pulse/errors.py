@@ -64,8 +64,8 @@ def refusing(callback: str) -> Iterator[None]:
 def names_itself(init: Callable[..., None]) -> Callable[..., None]:
     """Decorate a callback's ``__init__`` so that a ``ValueError`` it raises starts with the callback's name, as
     Lightning's own messages do: "StabilityGuard: `window`=1 must be an int >= 2." The arguments (a config
-    dataclass's fields, for a ``__post_init__``) go through :func:`plain_argument` first. The signature is kept
-    (``functools.wraps``), so LightningCLI reads the same arguments."""
+    dataclass's fields, for a ``__post_init__``) go through :func:`plain_argument` first. The signature is
+    kept (``functools.wraps``), so LightningCLI reads the same arguments."""
 
     @functools.wraps(init)
     def checked(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -245,8 +245,9 @@ def refuse_shared_key(trainer: pl.Trainer, callback: Callback) -> None:
     subclass = f" ({' and '.join(kinds)}: a subclass saves under its lightning-pulse class's key)"
     raise PulseRefusal(
         f"{name}: {len(sharing)} callbacks share the checkpoint key {key!r} (e.g. returned by "
-        "LightningModule.configure_callbacks, whose callbacks Lightning does not check for unique keys), so a "
-        f"checkpoint would keep one state for all of them and a resume would load it into each. Keep one {name}"
+        "LightningModule.configure_callbacks, whose callbacks Lightning does not check for unique keys), so "
+        "a checkpoint would keep one state for all of them and a resume would load it into each. Keep one "
+        f"{name}"
         f"{subclass if len(kinds) > 1 else ''}{distinct}."
     )
 

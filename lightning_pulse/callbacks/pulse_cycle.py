@@ -78,8 +78,8 @@ class PulseCycle(compat.PulseStateKey, Callback):
     the run's real progress (``trainer.global_step``, which never goes back, and seconds really spent),
     warm-up and anneal are shares of that step count, and the per-phase step and time totals account for
     work that was done (and paid for) even if its result was thrown away. Only the maintain probe's metrics,
-    which describe the model, go back to the snapshot (:meth:`rollback_state_dict`). Restored listeners are
-    told the current phase again with reason ``"resume"``.
+    which describe the model, go back to the snapshot (:meth:`rollback_state_dict`). Every listener but the
+    guard is told the current phase again with reason ``"resume"``.
 
     Args:
         burst: length of the burst phase. An ``int`` counts optimizer steps; a ``float`` counts epochs (so

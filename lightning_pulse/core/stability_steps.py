@@ -1545,7 +1545,8 @@ def guard_figure(name: str) -> property:
 
 
 def guard_metrics(policy: EscalationPolicy, with_energy: bool) -> dict[str, float]:
-    """The stability figures logged under ``stability/`` (wasted energy only ``with_energy``)."""
+    """The stability figures logged under ``stability/`` (wasted energy only ``with_energy``, and beside it
+    ``steps_lost_unmetered`` once a lost step's energy was unknown)."""
     spikes = policy.spikes_by_kind
     out = {
         "stability/spikes": float(policy.spikes_detected),
@@ -1558,9 +1559,8 @@ def guard_metrics(policy: EscalationPolicy, with_energy: bool) -> dict[str, floa
     }
     if with_energy:
         out["stability/energy_wasted_kwh"] = policy.energy_wasted_kwh
-        if (
-            policy.steps_lost_unmetered
-        ):  # lost steps of unknown energy, not in the figure above: said beside it
+        # lost steps of unknown energy, not in the figure above: said beside it
+        if policy.steps_lost_unmetered:
             out["stability/steps_lost_unmetered"] = float(policy.steps_lost_unmetered)
     return out
 
