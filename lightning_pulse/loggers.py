@@ -98,19 +98,20 @@ def _own_folder(logger: Any, default_root_dir: str) -> str:
     name_and_version = _name_and_version(logger)
     if name_and_version is None:
         return root
-    name, version = name_and_version
-    version = version if isinstance(version, str) else f"version_{version}"  # as ModelCheckpoint names it
-    return os.path.join(root, str(name), version)  # ModelCheckpoint's folder, less its `checkpoints`
+    return os.path.join(root, *name_and_version)  # ModelCheckpoint's folder, less its `checkpoints`
 
 
-def _name_and_version(logger: Any) -> tuple[Any, Any] | None:
-    """The logger's ``(name, version)``, or ``None`` where it has no version or reading one raises (a
-    report is no reason to fail a run: its ``save_dir`` then, as before the run's own folder)."""
+def _name_and_version(logger: Any) -> tuple[str, str] | None:
+    """The logger's name and version as ModelCheckpoint names its folder (``version_N`` for an int), or
+    ``None`` where it has no version or reading one raises (a report is no reason to fail a run: its
+    ``save_dir`` then, as before the run's own folder)."""
     try:
         name, version = logger.name, logger.version
     except Exception:
         return None
-    return None if version is None else (name, version)
+    if version is None:
+        return None
+    return str(name), version if isinstance(version, str) else f"version_{version}"
 
 
 def logger_run(trainer: pl.Trainer) -> str | None:
@@ -120,8 +121,5 @@ def logger_run(trainer: pl.Trainer) -> str | None:
     hold no run)."""
     if not trainer.loggers or not trainer.is_global_zero:
         return None
-    name_and_version = _name_and_version(trainer.loggers[0])
-    if name_and_version is None:
-        return None
-    name, version = name_and_version  # the version named as its folder is (`version=0` is `version_0`)
-    return f"{name}/{version if isinstance(version, str) else f'version_{version}'}"
+    name_and_version = _name_and_version(trainer.loggers[0])  # as its folder (`version=0` is `version_0`)
+    return None if name_and_version is None else "/".join(name_and_version)

@@ -1113,8 +1113,7 @@ class SnapshotSchedule:
                 optimizer_kinds(optimizers) != self.optimizer_kinds
                 or optimizer_layout(optimizers) != self.layout
                 # a new optimizer: over replaced parameters? (a pass over them only then)
-                or self.replaced
-                or (tuple(map(id, optimizers)) != self.optimizer_ids and self.parameters_replaced(optimizers))
+                or self.parameters_replaced(optimizers)
                 # a wrapper's inner optimizer swapped (SAM(Adam) -> SAM(SGD)); no walk for plain optimizers
                 or (
                     bool(self.inner_kinds)
