@@ -1,9 +1,9 @@
 """The one exception a lightning-pulse callback raises when it refuses a run at fit start, and the checks
-that several callbacks share: sharded strategies, Tuner searches, one training run per instance, one instance
-per checkpoint key (a user's subclass keeps its lightning-pulse class's key), states loaded by validate, test
-or predict, parameters a lazy module has not created yet, a plain check's ``ValueError`` as a refusal, and the
-argument checks (a callback's name first in its errors, numpy numbers as Python's, nested configs given as
-mappings)."""
+that several callbacks share: pytorch_lightning's Trainer, sharded strategies, Tuner searches, one training
+run per instance, one instance per checkpoint key (a user's subclass keeps its lightning-pulse class's key),
+states loaded by validate, test or predict, parameters a lazy module has not created yet, a plain check's
+``ValueError`` as a refusal, and the argument checks (a callback's name first in its errors, numpy numbers
+as Python's, nested configs given as mappings)."""
 
 from __future__ import annotations
 
@@ -252,6 +252,28 @@ def refuse_shared_key(trainer: pl.Trainer, callback: Callback) -> None:
     )
 
 
+def refuse_other_lightning_package(trainer: pl.Trainer, callback: Callback) -> None:
+    """Raise :class:`PulseRefusal` when ``trainer`` is ``pytorch_lightning``'s, not ``lightning``'s.
+
+    The two packages ship the same code under distinct classes. A ``pytorch_lightning.Trainer`` runs these
+    callbacks' hooks, but every check of its strategy, loggers, precision or callbacks against
+    ``lightning.pytorch``'s classes misses: StabilityGuard crashed at train start, and ScheduledPrune refused
+    a single device as an unsupported strategy.
+    """
+    package = next(
+        (base.__module__.partition(".")[0] for base in type(trainer).__mro__ if base.__name__ == "Trainer"),
+        "",
+    )
+    if package == "pytorch_lightning":
+        name = pulse_class(callback).__qualname__
+        raise PulseRefusal(
+            f"{name}: this Trainer is pytorch_lightning.Trainer, and lightning-pulse runs on the `lightning` "
+            "package's (the same code under other classes, which its checks of strategies, loggers and "
+            "callbacks would miss); import the Trainer and your LightningModule from `lightning.pytorch` "
+            "(`import lightning.pytorch as pl`) instead of `pytorch_lightning`."
+        )
+
+
 def _stateful(callback: Callback) -> bool:
     from lightning.pytorch.callbacks import Callback
 
@@ -275,9 +297,11 @@ class FitRestores:
 
     def setup(self, trainer: pl.Trainer, callback: Callback) -> None:
         """At ``callback``'s ``setup`` hook, in every stage (before Lightning restores a checkpoint into the
-        callback); at a fit's, refuses a second callback with its checkpoint key (:func:`refuse_shared_key`).
+        callback); refuses ``pytorch_lightning``'s Trainer (:func:`refuse_other_lightning_package`); at a
+        fit's, refuses a second callback with its checkpoint key (:func:`refuse_shared_key`).
         """
         self._trainer_state = getattr(trainer, "state", None)  # a stand-in trainer (a test's) may have none
+        refuse_other_lightning_package(trainer, callback)
         if getattr(self._trainer_state, "fn", None) == TrainerFn.FITTING:
             refuse_shared_key(trainer, callback)
 
