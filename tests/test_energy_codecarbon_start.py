@@ -10,12 +10,14 @@ import warnings
 
 import lightning.pytorch as pl
 import pytest
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.energy import sampler as sampler_module
 from lightning_pulse.energy.codecarbon_meter import START_THREAD_NAME
+from lightning_pulse.energy.config import MeterConfig
 from lightning_pulse.energy.constant import ConstantPowerMeter, codecarbon_default_cpu_watts
 from lightning_pulse.energy.ledger import EnergyLedger
 from lightning_pulse.energy.meter import ESTIMATED, NONE, MeterChain
@@ -194,3 +196,94 @@ def test_the_sampler_gives_up_a_start_past_its_grace_and_counts_the_fallback_fro
     assert ledger.methods["cpu"] == ESTIMATED and chain.meter_name == "constant"
     assert never.given_up == [f"its background start did not finish within {STARTING_GRACE_S:g} s"]
     assert len(warned) == 1 and "falling back to 'constant'" in warned[0]
+
+
+class ProcessModeStartSeesNoTick(Callback):
+    """Holds codecarbon's tracker start until ``release_at`` batches have trained, then holds training
+    until it has started (so the start-up gap holds training, and so do the intervals after it), and makes
+    codecarbon's start-up measurement see no tick of the process's CPU time, as it does intermittently on its
+    own: in ``"process"`` mode it reads the process's CPU times (10 ms ticks) at its start and measures a
+    millisecond or two later, then reads exactly 0 W. The one fake: that measurement's CPU times repeat the
+    start's."""
+
+    def __init__(self, monkeypatch, release_at: int) -> None:
+        from codecarbon import OfflineEmissionsTracker
+        from codecarbon.external.hardware import CPU
+
+        self.release, self.started = threading.Event(), threading.Event()
+        self.release_at = release_at
+        self.requested_at = self.started_at = 0.0
+        self.session = None
+        self.powers: list[float] = []  # codecarbon's CPU powers (W), as it measured them
+        start, cpu_start = OfflineEmissionsTracker.start, CPU.start
+        cpu_times, cpu_power = CPU._get_process_cpu_times, CPU._get_power_from_cpu_load
+
+        def held_start(tracker):
+            self.release.wait(timeout=20.0)
+            start(tracker)
+            self.started_at = time.perf_counter()
+            self.started.set()
+
+        def primed_start(cpu):
+            cpu_start(cpu)
+            cpu.no_tick_next = True
+
+        def times_without_a_tick(cpu):
+            if getattr(cpu, "no_tick_next", False):
+                cpu.no_tick_next = False
+                return dict(cpu._last_cpu_times)  # the start's own reading
+            return cpu_times(cpu)
+
+        def recorded_power(cpu):
+            power = cpu_power(cpu)
+            self.powers.append(power.W)
+            return power
+
+        monkeypatch.setattr(OfflineEmissionsTracker, "start", held_start)
+        monkeypatch.setattr(CPU, "start", primed_start)
+        monkeypatch.setattr(CPU, "_get_process_cpu_times", times_without_a_tick)
+        monkeypatch.setattr(CPU, "_get_power_from_cpu_load", recorded_power)
+
+    def on_fit_start(self, trainer, pl_module):  # listed before EnergyLogger: just before its request
+        self.requested_at = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx + 1 == self.release_at:
+            self.release.set()
+            self.started.wait(timeout=30.0)
+            energy = next(c for c in trainer.callbacks if isinstance(c, EnergyLogger))
+            self.session = next(c for c in energy.account.chains if c.component == "cpu").meter.session
+
+
+def test_a_process_mode_start_reading_0_w_counts_its_start_up_gap_at_codecarbons_first_measured_power(
+    tmp_path, monkeypatch
+):
+    """Thirty-ninth pass, left open: in `tracking_mode="process"` codecarbon's start-up measurement can read
+    exactly 0 W (it saw no tick of the process's CPU time), and EnergyLogger counted the start-up gap (the
+    1.5-3 s of its hardware detection, here training) at that power: 0 J. That power is now taken as not yet
+    measured: the gap is counted at the first power codecarbon measures over an interval of ours."""
+    held = ProcessModeStartSeesNoTick(monkeypatch, release_at=3)
+    energy = EnergyLogger(
+        cpu="codecarbon", meters=MeterConfig(sampling_period=0.05, codecarbon_tracking_mode="process")
+    )
+    options = trainer_kwargs(
+        max_epochs=1, limit_train_batches=12, limit_val_batches=0, default_root_dir=tmp_path
+    )
+    trainer = pl.Trainer(callbacks=[held, energy], **options)
+    trainer.fit(MNIST1DClassifier(arch="mlp"), train_dataloaders=train_loader())
+
+    session = held.session
+    if not held.powers:
+        pytest.skip("codecarbon reads this machine's CPU from RAPL, not from the process's CPU load")
+    measured = [watts for watts in held.powers[1:] if watts > 0]
+    assert held.powers[0] == 0.0 and measured  # the start read 0 W; the working process read more later
+    report = energy.report
+    assert report["meters"]["cpu"]["meter"] == "codecarbon"
+    assert report["total"]["methods"]["cpu"] == ESTIMATED
+    gap_cpu_kwh = session._gap_kwh[0]
+    gap_watts = gap_cpu_kwh * 3.6e6 / (held.started_at - held.requested_at)  # over a bound on the gap
+    assert min(measured) / 3 <= gap_watts <= max(measured) * 3  # was 0 W
+    counted_kwh = report["total"]["energy_kwh_by_component"]["cpu"]
+    if report.get("meter_startup"):
+        counted_kwh += report["meter_startup"]["energy_kwh_by_component"]["cpu"] or 0.0
+    assert counted_kwh >= gap_cpu_kwh

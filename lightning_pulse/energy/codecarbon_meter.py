@@ -50,6 +50,9 @@ PAYBACK_SHARE = 0.5
 #: the longest a fork on another thread (a DataLoader starting its workers) waits for a codecarbon start in
 #: flight; a start that takes longer is not waited for again (a first start takes 1.5-3 s)
 FORK_WAIT_S = 10.0
+#: codecarbon measures again at a flush at least this long (s) after its last measurement
+#: (``_measure_power_and_energy_if_stale``'s 50 ms), with a margin
+REMEASURE_S = 0.06
 
 
 class ForkGate:
@@ -242,6 +245,11 @@ class CodecarbonSession:
         self._starter: threading.Thread | None = None
         self._abandoned = False  # a background start given up: its thread stops its own tracker if it ends
         self._gap_kwh = (0.0, 0.0)  # (cpu, ram) before codecarbon's own start, of a background start
+        # seconds of that gap whose CPU energy waits for codecarbon's first power measured over an interval
+        # of ours: in process mode its start measures a window of a millisecond or two, below the 10 ms tick
+        # of the process CPU times it reads, and then reads exactly 0 W for a process that is working
+        self._cpu_gap_unmeasured_s: float | None = None
+        self._measured_at: float | None = None  # codecarbon's latest measurement, in time.perf_counter()
         self._dropped_kwh = (0.0, 0.0)  # (cpu, ram) cut from implausible intervals, off every later total
         self._notices: dict[str, list[str]] = {"cpu": [], "ram": []}
         self._metered = {"cpu": 0, "ram": 0}  # live meters per component: the ones that take notices
@@ -280,6 +288,14 @@ class CodecarbonSession:
         if starter is not None and starter is not threading.current_thread():
             starter.join(timeout)
         return self.tracker is not None
+
+    def wait_measurable(self) -> None:
+        """While a start's CPU gap waits for a measured power (:attr:`_cpu_gap_unmeasured_s`), wait until
+        codecarbon measures again at a flush (at most :data:`REMEASURE_S`): the reading after a settle then
+        holds the gap, where one within codecarbon's 50 ms would leave it for a later reading, or none."""
+        measured = self._measured_at
+        if self.tracker is not None and self._cpu_gap_unmeasured_s is not None and measured is not None:
+            time.sleep(min(max(measured + REMEASURE_S - time.perf_counter(), 0.0), REMEASURE_S))
 
     def abandon_start(self, reason: str) -> None:
         """Give up a background start still running: readings raise :class:`MeterError` from now on (the
@@ -370,9 +386,21 @@ class CodecarbonSession:
                 max(value[0] - self._flushed[0], 0.0) * _KWH_TO_J / seconds,
                 max(value[1] - self._flushed[1], 0.0) * _KWH_TO_J / seconds,
             )
+            value = self._with_cpu_gap(value)
+        self._measured_at = time.perf_counter()
         self._start_watts = model_watts
         self._flushed, self._flush_now, self._raw_flushed = value, now, raw
         return value
+
+    def _with_cpu_gap(self, value: tuple[float, float]) -> tuple[float, float]:
+        """``value`` plus the CPU energy of a start-up gap not counted yet (its start read 0 W in process
+        mode), at the power codecarbon has just measured over an interval of ours: the backlog lands here."""
+        gap_s, self._cpu_gap_unmeasured_s = self._cpu_gap_unmeasured_s, None
+        if gap_s is None or self._watts is None:
+            return value
+        cpu_kwh = self._watts[0] * gap_s / _KWH_TO_J
+        self._gap_kwh = (self._gap_kwh[0] + cpu_kwh, self._gap_kwh[1])
+        return value[0] + cpu_kwh, value[1]
 
     def _plausible(
         self, value: tuple[float, float], model_watts: tuple[float, float], seconds: float
@@ -507,6 +535,9 @@ class CodecarbonSession:
                 receiver.cpu_watts * hours / 1000.0,
                 receiver.ram_watts * hours / 1000.0,
             )
+            if self.tracking_mode == "process" and receiver.cpu_watts == 0.0:
+                # not a power: codecarbon's start-up window saw no tick of the process's CPU time
+                self._cpu_gap_unmeasured_s = hours * 3600.0
             # the start's flush, in the caller's clock at codecarbon's latest measurement (its totals
             # hold the energy up to then; start() ends with one): later readings carry forward from it,
             # so a span in which codecarbon measures nothing new still gets its energy
@@ -516,6 +547,7 @@ class CodecarbonSession:
             self._flushed = (receiver.cpu_kwh + gap[0], receiver.ram_kwh + gap[1])
             self._raw_flushed = (receiver.cpu_kwh, receiver.ram_kwh)
             self._flush_now = now + (measured - mono)
+            self._measured_at = measured
             self._start_watts = (receiver.cpu_watts, receiver.ram_watts)
         if error is not None:
             self.error = error
@@ -600,7 +632,8 @@ class CodecarbonMeter(EnergyMeter):
         return self.session.starting
 
     def settle(self, timeout: float) -> None:
-        self.session.wait_started(timeout)
+        if self.session.wait_started(timeout):
+            self.session.wait_measurable()
 
     def give_up_start(self, reason: str) -> None:
         self.session.abandon_start(reason)

@@ -190,6 +190,10 @@ class EnergyLedger:
         self.timeline_j: list[tuple[float, float, float]] = []
         self.phase_segments: list[dict[str, Any]] = []
         self.first_wall: float | None = None
+        # (monotonic, wall) at the first reading or label change: the timeline and the phase bands are dated
+        # from it on the monotonic clock, so that a step of the wall clock (an NTP correction, a resume from
+        # suspend, a user setting the clock) neither stretches nor empties them
+        self._timeline_anchor: tuple[float, float] | None = None
         self.last_power_w = 0.0
         self.metered = False  # whether any reading so far came from a meter (measured or estimated)
         self.readings = 0  # readings recorded after the zero point of `begin`
@@ -229,7 +233,7 @@ class EnergyLedger:
                 self.methods[component] = method
                 self.metered = self.metered or method in _COUNTING
             self._latest = (0.0, now, self.last_power_w, 0.0)  # a zero point: the run has counted nothing
-            self._append_timeline(wall)
+            self._append_timeline(self.timeline_time(now, wall))
 
     @property
     def last_reading_time(self) -> float | None:
@@ -268,10 +272,11 @@ class EnergyLedger:
             # the meter start-up is in no phase's band, as in no phase's figures
             shown, before = _banded(new), _banded(old)
             if shown != before:
+                dated = self.timeline_time(now, wall)
                 if self.phase_segments and self.phase_segments[-1]["end_wall"] is None:
-                    self.phase_segments[-1]["end_wall"] = wall
+                    self.phase_segments[-1]["end_wall"] = dated
                 if shown[0] is not None:
-                    segment = {"phase": shown[0], "cycle": shown[1], "start_wall": wall, "end_wall": None}
+                    segment = {"phase": shown[0], "cycle": shown[1], "start_wall": dated, "end_wall": None}
                     append_recent(self.phase_segments, segment)
 
     def settle_time(self, now: float) -> None:
@@ -426,7 +431,7 @@ class EnergyLedger:
             total = self.buckets.get("total")
             run_joules = total.joules if total is not None else 0.0
             self._latest = (run_joules, now, self.last_power_w, self._run_seconds)
-            self._append_timeline(wall)
+            self._append_timeline(self.timeline_time(now, wall))
 
     def _pieces(self, t0: float, t1: float) -> list[tuple[float, float, Label]]:
         pieces = []
@@ -478,6 +483,16 @@ class EnergyLedger:
             bucket.cost += cost
             bucket.co2_uncounted_j += co2_uncounted
             bucket.cost_uncounted_j += cost_uncounted
+
+    def timeline_time(self, now: float, wall: float) -> float:
+        """Where monotonic ``now`` (read with ``wall``) lies on the timeline: Unix seconds, the wall clock at
+        the ledger's first reading or label change plus the monotonic time since. CO2 and cost read the
+        rates at ``wall`` itself; only the timeline and the phase bands are kept on this clock."""
+        with self.lock:
+            if self._timeline_anchor is None:
+                self._timeline_anchor = (now, wall)
+            anchor_now, anchor_wall = self._timeline_anchor
+            return anchor_wall + (now - anchor_now)
 
     def _append_timeline(self, wall: float) -> None:
         self.timeline_wall.append(wall)
