@@ -1436,6 +1436,16 @@ def batch_in_flight(trainer: pl.Trainer, fetched: int) -> bool:
     return progress.total.ready == fetched and progress.current.processed < progress.current.ready
 
 
+def processed_batch_counts(trainer: pl.Trainer) -> tuple[float, int] | None:
+    """``(the epoch's batches, accumulate_grad_batches)`` when the training batch fetched last has run its
+    step through: Lightning counts it ``processed`` (after the update, before any ``on_train_batch_end``), and
+    a checkpoint saved now resumes after it; ``None`` otherwise."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    if progress.current.ready > 0 and progress.current.processed == progress.current.ready:
+        return trainer.num_training_batches, trainer.accumulate_grad_batches
+    return None
+
+
 def backward_loss_divisor(trainer: pl.Trainer, pl_module: pl.LightningModule) -> float | torch.Tensor:
     """What the loss a module's step returned was divided by to become the loss ``on_before_backward`` gets:
     ``accumulate_grad_batches`` under automatic optimization, over the GradScaler's scale under ``16-mixed``

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -147,6 +146,7 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
         return None if (step := self.batches.current) is None else step.plan.origins
 
     state_check = property(lambda self: self.batches.state_check, doc="The carried-state check.")
+    _gather = property(lambda self: compat.all_gather_of(self._trainer, self._held))  # DDP: every rank's rows
 
     def metrics(self) -> dict[str, float]:
         """Totals since fit start: replay fraction, losses by origin, table size and reuse, threshold. Steps
@@ -175,7 +175,7 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
         if self.mode == "steps":  # a hook's second DataLoader is refused before the Trainer's settings
             hooks.append(compat.on_train_dataloaders_built(trainer, self.steps.check_deferred))
         if self.scorer is not None:  # tried once on the fit's first training_step output, before the update
-            hooks.append(compat.on_training_step_output(trainer, self.batches.try_scorer))
+            hooks.append(compat.on_training_step_output(trainer, self.batches.step_returned))
         self._remove_hook = lambda: [remove() for remove in hooks]
 
     def _on_train_dataloader(self, loader: Any) -> None:
@@ -259,10 +259,8 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        gather, last = None, batch_idx + 1 >= trainer.num_training_batches  # see finish_batch's epoch_ends
-        if trainer.world_size > 1:  # every rank keeps every rank's rows: identical tables and decisions
-            gather = partial(compat.all_gather_held, trainer.strategy, hold=self._held)
-        if (finished := self.batches.finish_batch(pl_module, batch, outputs, gather, last)) is not None:
+        last = batch_idx + 1 >= trainer.num_training_batches  # see finish_batch's epoch_ends
+        if (finished := self.batches.finish_batch(pl_module, batch, outputs, self._gather, last)) is not None:
             self._log(trainer)  # before the carried-state check: a refused step is still logged
             self.batches.check_carried_state(finished)
 
@@ -322,7 +320,9 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        step = self._trainer.global_step if self.mode == "steps" and self._trainer is not None else None
+        if (trainer := self._trainer) is not None and (counts := compat.processed_batch_counts(trainer)):
+            self.batches.finish_trained_step(self._gather, *counts)  # a save before the batch end
+        step = trainer.global_step if self.mode == "steps" and trainer is not None else None
         # a fit with nothing left to train keeps the restored one (no pass ran)
         stream = self.steps.checkpoint(step)  # leaves out a batch in flight (an exception in training_step)
         return self.data.state_dict(stream)

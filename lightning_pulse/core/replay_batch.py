@@ -8,7 +8,9 @@
    the step's loss capture;
 2. :meth:`~ReplayBatchLifecycle.close_capture`, before backward: what runs after it is not the step's loss;
 3. :meth:`~ReplayBatchLifecycle.finish_batch`, after the step: take the per-sample losses (captured, or from a
-   :class:`~lightning_pulse.core.per_sample_loss.PerSampleScorer`) and record them into the selector;
+   :class:`~lightning_pulse.core.per_sample_loss.PerSampleScorer`) and record them into the selector
+   (:meth:`~ReplayBatchLifecycle.finish_trained_step` does it earlier for a checkpoint saved before the batch
+   end, after the update);
 4. :meth:`~ReplayBatchLifecycle.check_carried_state`: over a fit's first two batches, refuse a module that
    carries state from one batch to the next (:class:`~lightning_pulse.core.carried_state.CarriedStateCheck`).
 
@@ -149,6 +151,7 @@ class StepInFlight:
         batch_size: ``B``, the dataset indices of the batch as loaded, before a cut in batch mode (the
             carried-state check's size).
         window: steps mode's window the sampler cut the batch from, ``0`` otherwise.
+        batch_idx: the batch's place in its epoch.
         rows_unmatched: its batch holds another number of rows than ``batch_size`` (a collate_fn dropped
             samples): recorded without scores, and none of the fit's first-batch checks judges by it.
     """
@@ -158,6 +161,7 @@ class StepInFlight:
     step: int
     batch_size: int
     window: int
+    batch_idx: int = 0
     rows_unmatched: bool = False
 
     @property
@@ -182,7 +186,8 @@ class ReplayBatchLifecycle:
             InfoBatch's weights must reach the loss (the capture patches them for the fit, a graph break
             that a ``fullgraph=True`` part holding the loss cannot take).
         state_check: finds state the module carries across batches, over each fit's first two batches.
-        current: the step between :meth:`start_batch` and :meth:`finish_batch`, else ``None``.
+        current: the step between :meth:`start_batch` and :meth:`finish_batch` (or
+            :meth:`finish_trained_step`), else ``None``.
     """
 
     def __init__(
@@ -246,6 +251,10 @@ class ReplayBatchLifecycle:
         # the selector of the latest batch: an epoch's last batch applies its kept steps also when a rollback
         # dropped that batch's step (finish_batch's `epoch_ends`)
         self._selector: HardSampleSelector | None = None
+        # with a scorer: what training_step returned, for a step finished before its batch end
+        self._output: Any = None
+        # finished by finish_trained_step (a checkpoint saved before the batch end): the batch end's to log
+        self._finished_early: StepInFlight | None = None
 
     def start_fit(self, world_size: int = 1) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope; over
@@ -316,6 +325,7 @@ class ReplayBatchLifecycle:
         self.captures.drop()
         self._backward_ran = self._accounted = False
         self._unaccounted, self._module, self._signed = None, module, None
+        self._output = self._finished_early = None
         # a refusal deferred to a step a rollback dropped: found again, for this batch's step
         self._found, self._deferred, self._dropped_deferral = self._dropped_deferral, None, None
         self._selector = selector
@@ -367,7 +377,7 @@ class ReplayBatchLifecycle:
             plan = selector.plan_batch(self.mode, indices, False, step, batch_idx, rank, cut, window)
         if plan.positions is not None:
             assign_in_place(batch, take_samples(batch, plan.positions, batch_size, whole=self._whole_parts))
-        self.current = StepInFlight(selector, plan, step, batch_size, window)
+        self.current = StepInFlight(selector, plan, step, batch_size, window, batch_idx)
         self._batch = batch
         # InfoBatch's weights reach the module's loss through the capture, also next to a scorer; they stand
         # for the batch as loaded (a "sum" loss estimates its sum, a "mean" its mean)
@@ -376,6 +386,12 @@ class ReplayBatchLifecycle:
                 int(plan.roles.size), plan.weights, batch_size if plan.weights is not None else None, batch
             )
         return self.current
+
+    def step_returned(self, output: Any) -> None:
+        """Right after ``training_step`` returned ``output`` (with a scorer): kept for the scorer of a step
+        finished before its batch end (:meth:`finish_trained_step`), and tried once (:meth:`try_scorer`)."""
+        self._output = output
+        self.try_scorer(output)
 
     def try_scorer(self, output: Any) -> None:
         """At the fit's first step, right after ``training_step`` returned ``output`` (under automatic
@@ -710,8 +726,8 @@ class ReplayBatchLifecycle:
                 from unapplied scores (a held-out two-rank run resumed at step 14 ended with other weights).
 
         Returns:
-            The finished step (for :meth:`check_carried_state`), or ``None`` when no step was started (or
-            the one in flight was dropped).
+            The finished step (for :meth:`check_carried_state`; one :meth:`finish_trained_step` finished
+            before, recorded then), or ``None`` when no step was started (or the one in flight was dropped).
 
         Raises:
             PulseRefusal: at the fit's first batch, for a token loss flattened time-major. Under data
@@ -719,9 +735,14 @@ class ReplayBatchLifecycle:
                 (:data:`SIGN_CHECKED_STEPS`) when some rank's captured loss had per-sample coefficients of
                 both signs across its samples' losses.
         """
+        if self._finished_early is not None:  # recorded already, for a checkpoint saved before this batch end
+            finished, self._finished_early, self.current = self._finished_early, None, None
+            self._end_epoch(epoch_ends)
+            return finished
         if self._backward_ran and (note := self._drop_unused()) is not None:  # manual optimization's backward
             warnings.warn(f"HardSampleReplay: {note}", stacklevel=2)
         capture, finished, self.current, self._batch = self.captures.take(), self.current, None, None
+        self._output = None  # the step's graph is not kept
         if finished is None:
             self._end_epoch(epoch_ends)
             return None
@@ -786,6 +807,36 @@ class ReplayBatchLifecycle:
         self._end_epoch(epoch_ends)
         return finished
 
+    def finish_trained_step(
+        self,
+        all_gather: Callable[[Tensor], Tensor] | None = None,
+        batches_in_epoch: float = math.inf,
+        accumulation: int = 1,
+    ) -> None:
+        """Finish the step in flight now, as :meth:`finish_batch` would at its batch end: its update ran and
+        a checkpoint is saved before the batch end (a PulseCycle phase listener's, a callback listed first).
+        Its resume starts after the step, so the step's measurement (and an epoch's last batch's apply) must
+        be in the state saved now. The batch end then returns the step, for the caller's logging and
+        :meth:`check_carried_state`; :attr:`current` stays the step until then. Nothing without a step in
+        flight (or one started without its ``module``), or for one finished so already.
+
+        Args:
+            all_gather: as :meth:`finish_batch`'s (every rank saves at the same moment).
+            batches_in_epoch: the epoch's batches: whether this batch ends it.
+            accumulation: the Trainer's ``accumulate_grad_batches``: Lightning divides the returned ``loss``
+                by it (under automatic optimization) before the batch end's ``outputs``.
+        """
+        if (step := self.current) is None or self._module is None or self._finished_early is not None:
+            return
+        # a scorer gets what the batch end would: training_step's output, its 'loss' divided as Lightning does
+        output = self._output
+        outputs = dict(output) if isinstance(output, Mapping) else {"loss": output}
+        if getattr(self._module, "automatic_optimization", True) and isinstance(outputs.get("loss"), Tensor):
+            outputs["loss"] = outputs["loss"].detach() / accumulation
+        epoch_ends = step.batch_idx + 1 >= batches_in_epoch
+        self._finished_early = self.finish_batch(self._module, self._batch, outputs, all_gather, epoch_ends)
+        self.current = self._finished_early  # what trains, for the callbacks' batch ends after the save
+
     def _end_epoch(self, epoch_ends: bool) -> None:
         if epoch_ends and self._selector is not None:
             self._selector.apply()
@@ -807,12 +858,13 @@ class ReplayBatchLifecycle:
         its end goes to the next batch's step."""
         self._dropped_deferral, self._deferred = self._deferred, None
         self.captures.drop()
-        self.current = self._batch = None
+        self.current = self._batch = self._output = self._finished_early = None
 
     def release(self) -> None:
         """Close every capture and watch, end the capture scope and forget the step in flight."""
         self.captures.release()
         self.state_check.stop()
         self.current = self._batch = self._module = None  # the module (its Trainer) not kept after the fit
+        self._output = self._finished_early = None
         if self.hold is not None:
             self.hold.wait()  # the rank may exit right after (see _gather_flags)
