@@ -100,7 +100,7 @@ def test_a_checkpoint_saved_by_a_phase_listener_resumes_as_the_uninterrupted_run
 
 def _fit_two_ranks(model, data, directory, listener=None, ckpt_path=None) -> dict[int, dict]:
     directory.mkdir()
-    # 360 samples per rank: 6 batches an epoch; the cycle changes phase at step 6, the first epoch's last batch
+    # 360 samples per rank: 6 batches an epoch; the cycle changes phase at step 6, the first epoch's end
     cycle = PulseCycle(burst=3, replay=3, maintain=0, warmup=0.0, anneal=0.0, maintain_eval="none")
     callbacks = [cycle, HardSampleReplay(mode="batch"), FinalState(directory)] + (
         [listener] if listener else []
