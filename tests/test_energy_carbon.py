@@ -594,3 +594,74 @@ def test_the_real_2020_series_load_without_a_gap_warning(country):
         warnings.simplefilter("always")
         rate = carbon_intensity_from(str(SHARED / f"{country}_2020.csv"), None)
     assert not [w for w in caught if "gap" in str(w.message)] and rate.describe()["gap_count"] == 0
+
+
+@pytest.mark.parametrize(
+    ("stamps", "said"),
+    [
+        (  # JavaScript, Grafana and InfluxDB export Unix milliseconds
+            [str((1592179200 + 1800 * i) * 1000) for i in range(4)],
+            "ci.csv:2: timestamp '1592179200000' reads as 1.59218e+12 Unix seconds, about the year "
+            "52424, outside 1900-01-01 to 2200-01-01 (UTC), and looks like Unix milliseconds; timestamps "
+            "are ISO 8601 (naive ones are UTC) or Unix seconds: divide by 1000 (2020-06-15 00:00:00 UTC).",
+        ),
+        (  # compact YYYYMMDDHHMM stamps, read as Unix seconds: the year 8371
+            ["202006150000", "202006150030"],
+            "ci.csv:2: timestamp '202006150000' reads as 2.02006e+11 Unix seconds, about the year 8371, "
+            "outside 1900-01-01 to 2200-01-01 (UTC), and looks like a compact date; timestamps are ISO "
+            "8601 (naive ones are UTC) or Unix seconds: write '2020-06-15 00:00:00'.",
+        ),
+    ],
+    ids=["milliseconds", "compact-dates"],
+)
+def test_a_csv_stamped_in_another_unit_is_refused_at_construction_naming_its_line(tmp_path, stamps, said):
+    # held-out sweep: accepted, then GreenWindow's fit raised a bare "ValueError: year 52426 is out of
+    # range" at train start and EnergyLogger's metering stopped with it (no report); compact stamps read as
+    # the year 8371
+    from lightning_pulse import EnergyLogger, GreenWindow, MeterConfig
+    from lightning_pulse.energy.signal import series_from_pairs
+
+    path = tmp_path / "ci.csv"
+    path.write_text(
+        "timestamp,value\n" + "".join(f"{stamp},{250 + 10 * i}\n" for i, stamp in enumerate(stamps))
+    )
+    with pytest.raises(ValueError) as refused:
+        EnergyLogger(carbon_intensity=str(path), cpu="constant", meters=MeterConfig(cpu_watts=100.0))
+    assert str(refused.value) == f"EnergyLogger: `carbon_intensity`: {tmp_path}/{said}"
+    with pytest.raises(ValueError) as refused:
+        GreenWindow(signal=str(path), when_dirty="pause")
+    assert str(refused.value) == f"GreenWindow: `signal`: {tmp_path}/{said}"
+    # the same numbers in a list of pairs (and a JSON file) are refused as its item
+    with pytest.raises(ValueError, match=r"^`signal`: series: item 0 \(.*looks like (Unix milli|a compact)"):
+        series_from_pairs([[stamp, 300.0] for stamp in stamps])
+
+
+@pytest.mark.parametrize(
+    ("rows", "said"),
+    [
+        (  # a price with decimal commas, unquoted in a comma CSV: every price read as 0.0
+            "timestamp,value\n2020-06-15 00:00:00,0,31\n2020-06-15 01:00:00,0,27\n",
+            "price.csv:2: the row ['2020-06-15 00:00:00', '0', '31'] has 3 cells, more than the header's "
+            "2 (['timestamp', 'value']): its extra cells would be dropped; 0,31 looks like a decimal comma: "
+            "write 0.31 (commas separate cells).",
+        ),
+        (  # no header: two cells
+            "2020-06-15 00:00:00,0.31\n2020-06-15 01:00:00,0.27,EUR\n",
+            "price.csv:2: the row ['2020-06-15 01:00:00', '0.27', 'EUR'] has 3 cells, more than 2 "
+            "(`timestamp,value`): its extra cells would be dropped; give each row one cell per column, and a "
+            "header that names them all.",
+        ),
+    ],
+    ids=["decimal-comma", "no-header"],
+)
+def test_a_csv_row_with_more_cells_than_its_header_is_refused_at_construction(tmp_path, rows, said):
+    # held-out sweep: the extra cells were dropped without a word, "0,31" EUR/kWh read as 0.0 (every cost 0)
+    # and a France carbon row "19,7" as 19.0
+    path = tmp_path / "price.csv"
+    path.write_text(rows)
+    with pytest.raises(ValueError) as refused:
+        price_from(str(path), "EUR")
+    assert str(refused.value) == f"`price_per_kwh`: {tmp_path}/{said}"
+    # a trailing comma adds an empty cell, not a column: still read
+    path.write_text("timestamp,value,\n2020-06-15 00:00:00,0.31,\n2020-06-15 01:00:00,0.27,\n")
+    assert TimeSeries.from_csv(path).values.tolist() == [0.31, 0.27]

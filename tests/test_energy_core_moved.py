@@ -227,7 +227,7 @@ class CountingSignal:
     def __init__(self, series: TimeSeries) -> None:
         self.series, self.reads = series, 0
 
-    def now(self):
+    def now(self, at=None):
         self.reads += 1
         return self.series, lambda wall: wall
 

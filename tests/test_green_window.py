@@ -8,10 +8,13 @@ import json
 import math
 import shlex
 import warnings
+from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
+from zoneinfo import ZoneInfo
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -20,6 +23,7 @@ from lightning.pytorch.callbacks import timer as lightning_timer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_pulse import (
+    AccountingConfig,
     EnergyLogger,
     GreenWindow,
     GreenWindowOptions,
@@ -664,6 +668,85 @@ def test_a_live_signal_whose_first_reading_fails_is_refused_naming_it_and_the_wa
         assert "first reading" in str(refused.value) and "give `signal` a series" in str(refused.value)
         assert trainer.global_step == 0
     assert isinstance(refused.value.__cause__, ConnectionError)  # the callable's own traceback is kept
+
+
+def test_a_live_reading_stamped_far_ahead_of_the_clock_is_refused_first_and_held_later(
+    mnist1d_small, tmp_path
+):
+    # held-out sweep: a callable stamping Unix milliseconds was used as given: the decisions moved to the year
+    # 52000 (`at` 1.59e12), an 8 h job waited its whole 8 h budget, and the report priced every hour at the
+    # first reading (247.3 where the hours it trained averaged 347.1), without a word
+    clock = SimulatedClock(START)
+    series = TimeSeries.from_csv(DE_JUNE)
+
+    def in_milliseconds() -> tuple[float, float]:
+        return clock.time() * 1000, series.value_at(clock.time())
+
+    green = GreenWindow(signal=in_milliseconds, when_dirty="pause", expected_duration="4h", clock=clock)
+    trainer = fit([green], clock, steps=4, default_root_dir=tmp_path)
+    with pytest.raises(PulseRefusal) as refused:
+        trainer.fit(*mnist1d_small(arch="mlp"))
+    assert str(refused.value).startswith(
+        f"GreenWindow: `signal`: the callable `{in_milliseconds.__qualname__}` returned (1592179200000.0, "
+        "247.34020594647248), stamped 50404 years ahead of the clock's 2020-06-15 00:00:00 UTC, and looks "
+        "like Unix milliseconds; a reading's time must be Unix seconds (UTC) at most 1 h ahead of the clock: "
+        "divide by 1000 (2020-06-15 00:00:00 UTC). That was its first reading"
+    )
+    assert trainer.global_step == 0
+    # after a good reading, one stamped 2 h ahead (a local time in CEST taken as UTC) is a failed reading:
+    # the decision holds the last good one, as for a reading that raised
+    offsets = iter([0.0, 0.0, 2 * 3600.0])
+
+    def live() -> tuple[float, float]:
+        return clock.time() + next(offsets, 0.0), 300.0
+
+    green = GreenWindow(
+        signal=live,
+        when_dirty="pause",
+        expected_duration="4h",
+        clock=clock,
+        options={"watts": 100.0, "report_dir": str(tmp_path)},
+    )
+    trainer = fit([green], clock, steps=24, default_root_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(*mnist1d_small(arch="mlp"))
+    assert trainer.global_step == 24
+    failed = [str(w.message) for w in caught if "live `signal` failed" in str(w.message)]
+    assert len(failed) == 1 and "stamped 2.0 h ahead of the clock's" in failed[0], failed
+    assert "looks like a local time read as UTC" in failed[0]
+    decisions = green.report["decisions"]
+    assert green.report["signal"]["failed_readings"] == 1 and len(decisions) >= 4
+    assert all(d["at"] - parse_timestamp(START) < 24 * 3600 for d in decisions)  # on the clock's axis
+    assert green.signal.live.times == sorted(set(green.signal.live.times))
+    assert max(green.signal.live.times) <= decisions[-1]["at"] + 1.0
+
+
+@pytest.mark.parametrize(
+    "made",
+    [
+        lambda: datetime(2020, 6, 19, 2, 0, tzinfo=ZoneInfo("Europe/Berlin")),
+        lambda: pytest.importorskip("pandas").Timestamp("2020-06-19 00:00", tz="UTC"),
+        lambda: np.datetime64("2020-06-19T00:00"),
+    ],
+    ids=["datetime", "pandas", "numpy"],
+)
+def test_a_signal_start_given_as_a_datetime_is_read_as_energy_loggers_start_is(made):
+    # held-out sweep: `options.signal_start` passed its own check, then GreenWindow's construction raised a
+    # bare "TypeError: '<=' not supported between instances of 'float' and 'datetime.datetime'" (numpy: a
+    # UFuncTypeError), where EnergyLogger's carbon_intensity_start, SimulatedClock and `deadline` read it
+    start = made()
+    green = GreenWindow(signal=DE_JUNE, when_dirty="pause", options={"signal_start": start})
+    energy = EnergyLogger(
+        carbon_intensity=DE_JUNE,
+        cpu="constant",
+        meters=MeterConfig(cpu_watts=100.0),
+        accounting=AccountingConfig(carbon_intensity_start=start),
+    )
+    assert green.signal.rate.series_start == parse_timestamp("2020-06-19 00:00:00")
+    assert green.signal.rate.series_start == energy.account.intensity.series_start
+    with pytest.raises(ValueError, match=r"^GreenWindow: `options.signal_start`=datetime.datetime\(2021, 6"):
+        GreenWindow(signal=DE_JUNE, options={"signal_start": datetime(2021, 6, 19, tzinfo=ZoneInfo("UTC"))})
 
 
 def test_wait_for_window_prints_for_schedulers_and_fails_in_one_line(tmp_path, capsys):

@@ -785,8 +785,10 @@ class GreenWindowOptions:
         watts: power assumed for the accounting when no EnergyLogger is attached (then kg are estimates);
             ``None``: savings in % and per kWh only.
         signal_start: read a series signal from this moment (UTC) as if the run started then, as
-            EnergyLogger's ``carbon_intensity_start``; refused next to no ``signal`` (the EnergyLogger's
-            series is read from its own start) and a callable (its readings carry their own times).
+            EnergyLogger's ``carbon_intensity_start`` (ISO 8601 text, Unix seconds, or a ``datetime``, pandas
+            ``Timestamp`` or numpy ``datetime64``, read as it reads them); refused next to no ``signal`` (the
+            EnergyLogger's series is read from its own start) and a callable (its readings carry their own
+            times).
         unit: the signal's unit; ``gCO2eq/kWh`` gives savings in kg too, a price per energy (``EUR/MWh``) in
             money.
         report_dir: where the report goes; default the run's folder of the first logger (see the docs).
@@ -823,7 +825,7 @@ class GreenWindowOptions:
             except ValueError:
                 raise ValueError(
                     f"`options.signal_start`={self.signal_start!r} must be an ISO 8601 time such as "
-                    "'2020-06-15 00:00:00' (UTC unless it says otherwise), Unix seconds, or None."
+                    "'2020-06-15 00:00:00' (UTC unless it says otherwise), Unix seconds, a datetime, or None."
                 ) from None
 
 
@@ -1475,7 +1477,7 @@ class GreenSchedule:
         if steps_left <= 0:
             return None
         try:
-            series, to_series = signal.now()
+            series, to_series = signal.now(now)  # a live reading far ahead of `now` is a failed one
         except SignalUnreadable as error:  # chained to the callable's own exception, where it raised one
             raise PulseRefusal(f"GreenWindow: {error}") from error.__cause__
         # a series read past its end holds its last value (a wrapping one has no end); a live signal can

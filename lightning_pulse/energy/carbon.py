@@ -8,8 +8,10 @@ interval. Sources:
 * a constant (``float``);
 * a country ISO code, through codecarbon's offline energy-mix data (:func:`carbon_intensity_from`);
 * a CSV time series: header ``Time,Carbon Intensity`` (the 2020 grid series of Wiesner et al. 2021) or the
-  generic ``timestamp,value``. Timestamps are ISO 8601 (naive ones are UTC) or Unix seconds; each value
-  holds from its timestamp until the next one.
+  generic ``timestamp,value``. Timestamps are ISO 8601 (naive ones are UTC) or Unix seconds, from 1900 to
+  2199 (:data:`EARLIEST_TIME`, :data:`LATEST_TIME`: Unix milliseconds are refused, with a hint); each value
+  holds from its timestamp until the next one. A row has at most as many cells as the header (two without
+  one): an extra cell is refused, as a decimal comma (``0,31``) would lose its decimals.
 
 A run reads one continuous stretch of a series, fixed at its start: its own dates when the run starts inside
 the series or reaches it within a day; else the same time of year in a year where that lies inside the series
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,6 +46,16 @@ OWN_DATES_WITHIN_S = 24 * 3600.0
 #: gaps. A series whose spacing changes (hourly, then 15-min rows) reads its longer steps as gaps.
 GAP_FACTOR = 2.0
 GAPS_RECORDED = 20  # the report's `gaps` lists the first ones; `gap_count` counts them all
+#: a series' times (and a live signal's) lie from 1900-01-01 up to 2200-01-01 (UTC): no grid or price data is
+#: older, none is that far ahead, and a number outside is in another unit (Unix milliseconds read as seconds
+#: are the year 52000; a compact ``202006150000`` is the year 8371), which read as seconds failed at fit start
+EARLIEST_TIME = -2208988800.0
+LATEST_TIME = 7258118400.0
+DATED_RANGE = "1900-01-01 to 2200-01-01 (UTC)"
+_YEAR_S = 365.2425 * 24 * 3600  # the mean Gregorian year, for a year no datetime can hold
+_EPOCH_UNITS = (("milliseconds", "1000"), ("microseconds", "1e6"), ("nanoseconds", "1e9"))
+_LIKELY_FROM, _LIKELY_TO = 631152000.0, 4102444800.0  # 1990-01-01, 2100-01-01: where a hint's reading lands
+_COMPACT_DATE = re.compile(r"(?:19|20)\d{10}(?:\d{2})?")  # YYYYMMDDHHMM[SS]
 
 
 def parse_timestamp(text: str) -> float:
@@ -66,9 +79,51 @@ def format_utc(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def is_dated(seconds: float) -> bool:
+    """Whether Unix ``seconds`` lie in :data:`DATED_RANGE`: a date a series or a live reading can have."""
+    return EARLIEST_TIME <= seconds < LATEST_TIME
+
+
+def time_described(seconds: float) -> str:
+    """Unix ``seconds`` as a UTC time, or, outside :data:`DATED_RANGE`, as the year they reach."""
+    if is_dated(seconds):
+        return f"{format_utc(seconds)} UTC"
+    return f"{seconds:.6g} Unix seconds, about the year {int(1970 + seconds // _YEAR_S)}"
+
+
+def other_unit_hint(seconds: float) -> tuple[str, str] | None:
+    """What a time outside :data:`DATED_RANGE` probably is, and how to write it: a compact date
+    (``202006150000``), or Unix milliseconds, microseconds or nanoseconds; ``None`` when nothing fits."""
+    digits = f"{seconds:.0f}" if float(seconds).is_integer() else ""
+    if _COMPACT_DATE.fullmatch(digits):
+        try:
+            moment = datetime.strptime(digits, "%Y%m%d%H%M%S" if len(digits) == 14 else "%Y%m%d%H%M")
+        except ValueError:
+            pass
+        else:
+            return "a compact date", f"write '{moment:%Y-%m-%d %H:%M:%S}'"
+    for unit, per_second in _EPOCH_UNITS:
+        scaled = seconds / float(per_second)
+        if _LIKELY_FROM <= scaled < _LIKELY_TO:
+            return f"Unix {unit}", f"divide by {per_second} ({format_utc(scaled)} UTC)"
+    return None
+
+
+def _undated_text(seconds: float) -> str:
+    """Why a time outside :data:`DATED_RANGE` is refused, and what is allowed."""
+    hint = other_unit_hint(seconds)
+    return (
+        f"reads as {time_described(seconds)}, outside {DATED_RANGE}"
+        + (f", and looks like {hint[0]}" if hint else "")
+        + "; timestamps are ISO 8601 (naive ones are UTC) or Unix seconds"
+        + (f": {hint[1]}" if hint else "")
+    )
+
+
 def _first_invalid_row(times: np.ndarray, values: np.ndarray) -> tuple[int, str] | None:
-    """The index of the first row of a series that breaks its rules, and the rule: ``"order"`` (its timestamp
-    is not after the one before, or not finite) or ``"value"`` (not finite, or negative); ``None``: all valid.
+    """The index of the first row of a series that breaks its rules, and the rule: ``"date"`` (its timestamp
+    is finite and outside :data:`DATED_RANGE`), ``"order"`` (its timestamp is not after the one before, or not
+    finite) or ``"value"`` (not finite, or negative); ``None``: all valid.
 
     Args:
         times: Unix seconds, shape ``(N,)``.
@@ -76,13 +131,15 @@ def _first_invalid_row(times: np.ndarray, values: np.ndarray) -> tuple[int, str]
     """
     late = np.flatnonzero(~(np.diff(times) > 0)) + 1  # `~(> 0)` also catches a NaN timestamp
     bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
-    found = [(int(late[0]), "order")] if late.size else []
+    undated = np.flatnonzero(np.isfinite(times) & ((times < EARLIEST_TIME) | (times >= LATEST_TIME)))
+    found = [(int(undated[0]), "date")] if undated.size else []
+    found += [(int(late[0]), "order")] if late.size else []
     found += [(int(bad[0]), "value")] if bad.size else []
     return min(found) if found else None
 
 
 def _moment(seconds: float) -> str:
-    return f"{format_utc(seconds)} UTC" if math.isfinite(seconds) else repr(float(seconds))
+    return time_described(seconds) if math.isfinite(seconds) else repr(float(seconds))
 
 
 def _dated(text: str, seconds: float) -> str:
@@ -111,6 +168,8 @@ class TimeSeries:
         invalid = _first_invalid_row(times, values)
         if invalid is not None:
             row, rule = invalid
+            if rule == "date":
+                raise ValueError(f"{name}: item {row} ({float(times[row])!r}) {_undated_text(times[row])}.")
             if rule == "order":
                 raise ValueError(
                     f"{name}: item {row} ({_moment(times[row])}) is not after item {row - 1} "
@@ -145,15 +204,21 @@ class TimeSeries:
         values: list[float] = []
         rows: list[tuple[int, str, str]] = []  # (line number, timestamp text, value text) of each data row
         time_col, value_col = 0, 1
+        header: list[str] | None = None
         with path.open(newline="") as handle:
             for line_number, row in enumerate(csv.reader(handle), start=1):
                 if not row or all(not cell.strip() for cell in row):
                     continue
                 if line_number == 1 and not _looks_numeric(row[1] if len(row) > 1 else ""):
+                    header = _filled(row)
                     names = [cell.strip().lower() for cell in row]
                     time_col = next((i for i, n in enumerate(names) if n in _TIME_COLUMNS), 0)
                     value_col = next((i for i, n in enumerate(names) if n in _VALUE_COLUMNS), 1)
                     continue
+                if len(_filled(row)) > (2 if header is None else len(header)):
+                    raise ValueError(
+                        f"`{field}`: {path}:{line_number}: {_extra_cells(row, header, value_col)}."
+                    )
                 try:
                     times.append(parse_timestamp(row[time_col]))
                     values.append(float(row[value_col]))
@@ -170,6 +235,10 @@ class TimeSeries:
         if invalid is not None:
             index, rule = invalid
             line, moment, value = rows[index]
+            if rule == "date":
+                raise ValueError(
+                    f"`{field}`: {path}:{line}: timestamp {moment!r} {_undated_text(times[index])}."
+                )
             if rule == "order":
                 before_line, before, _ = rows[index - 1]
                 raise ValueError(
@@ -274,6 +343,31 @@ def whole_years(series: TimeSeries) -> int:
     while _in_year(series.start, first + years + 1) <= series.end:
         years += 1
     return years
+
+
+def _filled(row: list[str]) -> list[str]:
+    """A CSV row without its trailing empty cells (a trailing comma adds one)."""
+    while row and not row[-1].strip():
+        row = row[:-1]
+    return row
+
+
+def _extra_cells(row: list[str], header: list[str] | None, value_col: int) -> str:
+    """Why a data row with more cells than the header (two without one) is refused: its extra cells would be
+    dropped, a decimal comma's decimals with them (``0,31`` read as 0)."""
+    shape = f"the header's {len(header)} ({header!r})" if header is not None else "2 (`timestamp,value`)"
+    decimals = row[value_col + 1].strip() if len(row) > value_col + 1 else ""
+    whole = row[value_col].strip() if len(row) > value_col else ""
+    comma = re.fullmatch(r"[-+]?\d+", whole) and re.fullmatch(r"\d+", decimals)
+    way_out = (
+        f"{whole},{decimals} looks like a decimal comma: write {whole}.{decimals} (commas separate cells)"
+        if comma
+        else "give each row one cell per column, and a header that names them all"
+    )
+    return (
+        f"the row {row!r} has {len(_filled(row))} cells, more than {shape}: its extra cells would be "
+        f"dropped; {way_out}"
+    )
 
 
 def _looks_numeric(text: str) -> bool:

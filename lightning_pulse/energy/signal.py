@@ -7,12 +7,14 @@ same time of year (wrapping past the end of a whole-year series to its start), o
 as :class:`~lightning_pulse.EnergyLogger` does (a run at its own dates or from a configured start holds the
 last value past the series' end, with one warning). A *live
 signal* is a callable returning ``(unix_seconds, value)`` (an API poll, a meter): its history is what it has
-returned so far, so no forecast can read its future.
+returned so far, so no forecast can read its future. A reading stamped more than :data:`LIVE_AHEAD_S` ahead of
+the decision's clock (Unix milliseconds, a local time taken as UTC) is a failed reading.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,16 +22,25 @@ from typing import Any
 import numpy as np
 
 from lightning_pulse.energy.carbon import (
+    DATED_RANGE,
     Rate,
     TimeSeries,
     _rank_zero_warn,
     format_utc,
+    is_dated,
+    other_unit_hint,
     parse_series_start,
     parse_timestamp,
     refuse_start_outside_series,
+    time_described,
 )
 
 SignalSource = str | Path | Sequence[Any] | TimeSeries | Callable[[], tuple[float, float]]
+#: a live reading stamped further ahead of the clock than this is a failed reading: a reading of the value
+#: now is stamped now, or at the end of the period it covers (up to an hour ahead for hourly data); one
+#: further ahead moved every decision there (Unix milliseconds: to the year 52000; a local time read as UTC:
+#: by its offset), and its history with it
+LIVE_AHEAD_S = 3600.0
 
 
 def is_pair_list(value: Any) -> bool:
@@ -83,8 +94,9 @@ def series_signal(
     unit: str = "signal",
 ) -> Rate:
     """A :class:`Rate` over the series ``source`` names (CSV or JSON path, list of pairs, a TimeSeries), read
-    from ``series_start`` (Unix seconds, or the user's ``options.signal_start`` text, quoted as given when
-    refused) when set; ``unit``: the signal's (GreenWindow's ``options.unit``), for its report and
+    from ``series_start`` (the user's ``options.signal_start``: Unix seconds, text, a datetime, a pandas
+    Timestamp or a numpy datetime64, read as :func:`parse_series_start` reads EnergyLogger's start; quoted as
+    given when refused) when set; ``unit``: the signal's (GreenWindow's ``options.unit``), for its report and
     warnings."""
     if isinstance(source, TimeSeries):
         series = source
@@ -102,8 +114,9 @@ def series_signal(
             f"`{field}`={source!r} has type {type(source).__name__}; expected a CSV or JSON path, a list of "
             "(time, value) pairs, a callable returning (time, value), or None."
         )
-    given = series_start if isinstance(series_start, str) else None
-    start = parse_series_start(given, "options.signal_start") if given is not None else series_start
+    # a datetime, pandas Timestamp or numpy datetime64 as EnergyLogger's carbon_intensity_start reads it
+    start = parse_series_start(series_start, "options.signal_start")
+    given = None if isinstance(series_start, (int, float)) else series_start
     refuse_start_outside_series(series, start, "options.signal_start", given)
     rate = Rate(
         f"series:{series.name}",
@@ -125,6 +138,14 @@ LIVE_WAY_OUT = (
 )
 
 
+def _ahead_text(seconds: float) -> str:
+    """How far a reading is ahead of the clock: hours, days, or years (Unix milliseconds: 50000)."""
+    year = 365.2425 * 86400
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.0f} days" if seconds < 2 * year else f"{seconds / year:.0f} years"
+
+
 class SignalUnreadable(ValueError):
     """A live signal's first reading failed: no good reading can stand in for it (GreenWindow refuses the run
     at fit start). The callable's own exception, if it raised, is the ``__cause__``."""
@@ -134,7 +155,9 @@ class LiveSignal:
     """Readings of a callable ``read() -> (unix_seconds, value)``, kept as the history forecasts see.
 
     A reading older than the last one is ignored; one at the same time replaces it. Once a reading was good,
-    a failed one (the callable raised, returned no pair of finite numbers, or a value below 0) is counted in
+    a failed one (the callable raised, returned no pair of finite numbers, a value below 0, or a time outside
+    :data:`~lightning_pulse.energy.carbon.DATED_RANGE` or more than :data:`LIVE_AHEAD_S` ahead of the clock's
+    ``now`` given to :meth:`observe`) is counted in
     ``failed`` and the last good reading stands in for it, with one warning (``warn``: Lightning's
     ``rank_zero_warn`` by default): a meter that fails must not end a run. With no good reading yet,
     :class:`SignalUnreadable` says why.
@@ -155,10 +178,11 @@ class LiveSignal:
         self.first_failure: dict[str, Any] | None = None
         self._warned = False  # once per fit: a source that is down fails at every decision
 
-    def observe(self) -> tuple[float, float]:
-        """Read the callable now; returns ``(time, value)``: the last good reading where this one failed."""
+    def observe(self, now: float | None = None) -> tuple[float, float]:
+        """Read the callable at the clock's ``now`` (``None``: unchecked against a clock); returns ``(time,
+        value)``: the last good reading where this one failed."""
         try:
-            moment, value = self._read()
+            moment, value = self._read(now)
         except SignalUnreadable as error:
             if not self.times:
                 raise SignalUnreadable(
@@ -177,8 +201,9 @@ class LiveSignal:
         self._series = None
         return moment, value
 
-    def _read(self) -> tuple[float, float]:
-        """One reading of the callable, checked: :class:`SignalUnreadable` (no way out in it) if it failed."""
+    def _read(self, now: float | None) -> tuple[float, float]:
+        """One reading of the callable, checked (against the clock's ``now`` where given):
+        :class:`SignalUnreadable` (no way out in it) if it failed."""
         try:
             reading = self.read()
         except Exception as error:  # an API timeout, a meter that is down: any failure of the source
@@ -194,7 +219,30 @@ class LiveSignal:
             raise SignalUnreadable(
                 f"the callable returned {reading!r}; its time must be finite and its value finite and >= 0"
             )
+        if not is_dated(moment) or (now is not None and moment - now > LIVE_AHEAD_S):
+            raise SignalUnreadable(self._misdated(reading, moment, now))
         return moment, value
+
+    def _misdated(self, reading: Any, moment: float, now: float | None) -> str:
+        """Why a reading's time is refused: outside the dates a signal has, or too far ahead of the clock."""
+        name = getattr(self.read, "__qualname__", None) or type(self.read).__name__
+        ahead = -math.inf if now is None else moment - now
+        where = f"{time_described(moment)}, outside {DATED_RANGE}"
+        if now is not None and ahead > LIVE_AHEAD_S:
+            where = f"{_ahead_text(ahead)} ahead of the clock's {format_utc(now)} UTC"
+        hint = other_unit_hint(moment)
+        if hint is None and LIVE_AHEAD_S < ahead <= 15 * 3600:  # the widest UTC offset is 14 h
+            hint = (
+                "a local time read as UTC",
+                "stamp it with time.time(), or an aware datetime's timestamp()",
+            )
+        return (
+            f"the callable `{name}` returned {reading!r}, stamped {where}"
+            + (f", and looks like {hint[0]}" if hint else "")
+            + f"; a reading's time must be Unix seconds (UTC) at most {LIVE_AHEAD_S / 3600:g} h ahead of the "
+            + "clock"
+            + (f": {hint[1]}" if hint else "")
+        )
 
     def _hold(self, failure: str) -> None:
         """Count a failed reading; the first of this fit is warned, naming what stands in for it."""
@@ -265,8 +313,8 @@ class GreenSignal:
 
     Args:
         source: see :data:`SignalSource`, or ``None`` (filled in at fit start).
-        series_start: where a series is read from (the run's start maps there): Unix seconds, or the
-            ``options.signal_start`` text as the user gave it; refused without a series of its own.
+        series_start: where a series is read from (the run's start maps there): ``options.signal_start`` as
+            the user gave it (:func:`series_signal`); refused without a series of its own.
         unit: the signal's unit (``options.unit``); a followed EnergyLogger series keeps its own.
     """
 
@@ -309,12 +357,13 @@ class GreenSignal:
         if self.rate is not None:
             self.rate.anchor(now)
 
-    def now(self) -> tuple[TimeSeries, Callable[[float], float]]:
-        """The history to forecast from (reading a live signal now; a series as the run reads it, wrapped
-        past its end when the run wraps), and the wall -> series time mapping (for a live signal, the time of
-        the reading just taken where that is later: call it with the time the decision read before)."""
+    def now(self, at: float | None = None) -> tuple[TimeSeries, Callable[[float], float]]:
+        """The history to forecast from (reading a live signal now, its time checked against the clock's
+        ``at``; a series as the run reads it, wrapped past its end when the run wraps), and the wall -> series
+        time mapping (for a live signal, the time of the reading just taken where that is later: call it with
+        the time the decision read before)."""
         if self.live is not None:
-            moment, _ = self.live.observe()
+            moment, _ = self.live.observe(at)
             # the reading just taken is the value now, for the decision that asked for it: the callable's own
             # clock stamps it after the decision read the time (microseconds on the system clock), where the
             # history still held the reading before (every decision acted on the previous one, a slot late)
