@@ -1441,7 +1441,8 @@ def processed_batch_counts(trainer: pl.Trainer) -> tuple[float, int] | None:
     step through: Lightning counts it ``processed`` (after the update, before any ``on_train_batch_end``), and
     a checkpoint saved now resumes after it; ``None`` otherwise."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
-    if progress.current.ready > 0 and progress.current.processed == progress.current.ready:
+    current = progress.current  # `started` too: a batch whose on_train_batch_start returned -1 never ran
+    if current.ready > 0 and current.started == current.processed == current.ready:
         return trainer.num_training_batches, trainer.accumulate_grad_batches
     return None
 

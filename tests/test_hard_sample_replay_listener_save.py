@@ -165,3 +165,34 @@ def test_a_scorer_of_a_step_finished_at_a_listeners_save_gets_the_loss_lightning
     at_save = [ratio for step, ratio in seen if step == 7]
     assert at_save and all(ratio == pytest.approx(0.5) for ratio in at_save), seen
     assert all(ratio == pytest.approx(0.5) for _, ratio in seen[1:]), seen  # the first: the fit's trial call
+
+
+class SkipRestOfSecondEpoch(OneCycleClassifier):
+    """Returns -1 from ``on_train_batch_start`` at the second epoch's sixth batch: Lightning counts that batch
+    processed without running it."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if self.current_epoch == 1 and batch_idx == 5 else None
+
+
+class StateAtEpochEnd(Callback):
+    """The callback's state at each training epoch's end, as a ModelCheckpoint there would save it."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
+        unapplied = replay.state_dict()["unapplied"]
+        self.pending.append(None if unapplied is None else unapplied["steps"])
+
+
+def test_a_batch_skipped_by_on_train_batch_start_is_not_finished_by_a_save(tmp_path):
+    """Review of the fix: the skipped batch, counted processed, was finished at the epoch end's save as if it
+    had trained (a pending step 17 that never ran)."""
+    pl.seed_everything(0)
+    saver = StateAtEpochEnd()
+    replay = HardSampleReplay(replay_fraction=0.5, mode="batch")
+    trainer = pl.Trainer(callbacks=[replay, saver], max_epochs=2, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(SkipRestOfSecondEpoch(), ShuffleFreeData(num_samples=1000, batch_size=64))
+    assert saver.pending == [None, None], saver.pending  # each epoch's end applied its steps; nothing after
