@@ -689,8 +689,9 @@ def test_a_live_reading_stamped_far_ahead_of_the_clock_is_refused_first_and_held
     assert str(refused.value).startswith(
         f"GreenWindow: `signal`: the callable `{in_milliseconds.__qualname__}` returned (1592179200000.0, "
         "247.34020594647248), stamped 50404 years ahead of the clock's 2020-06-15 00:00:00 UTC, and looks "
-        "like Unix milliseconds; a reading's time must be Unix seconds (UTC) at most 1 h ahead of the clock: "
-        "divide by 1000 (2020-06-15 00:00:00 UTC). That was its first reading"
+        "like Unix milliseconds; a reading's time must be Unix seconds (UTC) at most 62 min ahead of the "
+        "clock (the end of an hourly period, and two minutes of clock skew): divide by 1000 (2020-06-15 "
+        "00:00:00 UTC). That was its first reading"
     )
     assert trainer.global_step == 0
     # after a good reading, one stamped 2 h ahead (a local time in CEST taken as UTC) is a failed reading:
@@ -1549,3 +1550,16 @@ def test_a_pause_at_the_fits_start_comes_before_max_time_counts_and_the_run_trai
     assert clock.time() - start == pytest.approx(waited + 1.5 * 3600)  # then max_time of training
     assert trainer.global_step == 9
     assert not [str(w.message) for w in caught if "Trainer(max_time) leaves" in str(w.message)]
+
+
+def test_a_live_reading_stamped_at_its_hours_end_by_a_clock_a_little_ahead_is_taken():
+    """Review of the fix: a reading stamped at the end of the hour it covers, by a source whose clock runs 2 s
+    ahead of ours, was refused (3602 s ahead, 'at most 1 h'); two minutes of skew are allowed."""
+    from lightning_pulse.energy.signal import LiveSignal
+
+    now = 1_592_179_200.0
+    signal = LiveSignal(lambda: (now + 3600.0 + 2.0, 250.0))
+    assert signal.observe(now) == (now + 3602.0, 250.0)
+    far = LiveSignal(lambda: (now + 3600.0 + 600.0, 250.0))
+    with pytest.raises(ValueError, match="stamped 70 min ahead of the clock"):
+        far.observe(now)

@@ -39,8 +39,8 @@ SignalSource = str | Path | Sequence[Any] | TimeSeries | Callable[[], tuple[floa
 #: a live reading stamped further ahead of the clock than this is a failed reading: a reading of the value
 #: now is stamped now, or at the end of the period it covers (up to an hour ahead for hourly data); one
 #: further ahead moved every decision there (Unix milliseconds: to the year 52000; a local time read as UTC:
-#: by its offset), and its history with it
-LIVE_AHEAD_S = 3600.0
+#: by its offset), and its history with it. Two minutes more are allowed for a source's clock ahead of ours
+LIVE_AHEAD_S = 3600.0 + 120.0
 
 
 def is_pair_list(value: Any) -> bool:
@@ -139,8 +139,10 @@ LIVE_WAY_OUT = (
 
 
 def _ahead_text(seconds: float) -> str:
-    """How far a reading is ahead of the clock: hours, days, or years (Unix milliseconds: 50000)."""
+    """How far a reading is ahead of the clock: minutes, hours, days, or years (Unix milliseconds: 50000)."""
     year = 365.2425 * 86400
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
     if seconds < 2 * 86400:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:.0f} days" if seconds < 2 * year else f"{seconds / year:.0f} years"
@@ -239,8 +241,9 @@ class LiveSignal:
         return (
             f"the callable `{name}` returned {reading!r}, stamped {where}"
             + (f", and looks like {hint[0]}" if hint else "")
-            + f"; a reading's time must be Unix seconds (UTC) at most {LIVE_AHEAD_S / 3600:g} h ahead of the "
-            + "clock"
+            + "; a reading's time must be Unix seconds (UTC) at most "
+            + f"{LIVE_AHEAD_S / 60:.0f} min ahead of the clock (the end of an hourly period, and two minutes "
+            + "of clock skew)"
             + (f": {hint[1]}" if hint else "")
         )
 
