@@ -8,6 +8,7 @@ phase it is.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -831,9 +832,15 @@ class StepTimer:
             ValueError: when the time source returns something other than a number of seconds.
         """
         self._step, self._paused_at = step, None
-        self._tick = self.time_source()
-        if isinstance(self._tick, bool) or not isinstance(self._tick, (int, float)):
-            raise ValueError(f"`time_source` returned {self._tick!r}; it must return seconds as a number.")
+        self._tick = self._now()
+
+    def _now(self) -> float:
+        # A Python float, whatever real number the source returns (numpy's float32 included): the readings
+        # reach the checkpoint, which torch.load's default weights_only=True refuses when they hold numpy.
+        now = self.time_source()
+        if isinstance(now, bool) or not isinstance(now, numbers.Real):
+            raise ValueError(f"`time_source` returned {now!r}; it must return seconds as a number.")
+        return float(now)
 
     def lap(self, step: int) -> tuple[int, float] | None:
         """``(steps, seconds)`` from the last reading to optimizer step ``step``, which becomes the last reading;
@@ -842,7 +849,7 @@ class StepTimer:
         if steps <= 0:
             return None
         self._step = step
-        now = self.time_source()
+        now = self._now()
         seconds = now - (self._tick if self._tick is not None else now)
         self._tick = now
         return steps, seconds
@@ -853,7 +860,7 @@ class StepTimer:
         (start reads the time afresh)."""
         if self._tick is None:
             return
-        now = self.time_source()
+        now = self._now()
         if paused:
             self._paused_at = now
         elif self._paused_at is not None:

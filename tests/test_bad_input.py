@@ -498,6 +498,49 @@ def test_numpy_numbers_and_name_arrays_from_a_sweep_train_as_python_values(mnist
     torch.load(checkpoint, weights_only=True)
 
 
+class _NumpyClock:
+    """Seconds kept in numpy (a simulated clock), advancing a quarter second a reading."""
+
+    def __init__(self, dtype) -> None:
+        self.dtype, self.now = dtype, dtype(0.0)
+
+    def __call__(self):
+        self.now = self.dtype(self.now + self.dtype(0.25))
+        return self.now
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_time_source_counting_in_numpy_checkpoints_python_seconds_that_load_and_resume(
+    mnist1d_small, tmp_path, dtype
+):
+    # np.float64 readings reached the checkpoint as numpy scalars, which torch.load's default
+    # weights_only=True refuses; np.float32 (no subclass of float) was refused at fit start as "not a number"
+    def fit(max_steps, checkpointing, **fit_kwargs):
+        model, data = mnist1d_small(arch="mlp")
+        pulse = PulseCycle(
+            burst="1s", replay="1s", maintain="1s", warmup=0, anneal=0, time_source=_NumpyClock(dtype)
+        )
+        trainer = pl.Trainer(
+            callbacks=[pulse],
+            max_steps=max_steps,
+            default_root_dir=tmp_path,
+            **trainer_kwargs(enable_checkpointing=checkpointing),
+        )
+        trainer.fit(model, data, **fit_kwargs)
+        return trainer, pulse
+
+    _, pulse = fit(12, checkpointing=True)
+    assert len(pulse.history) > 2  # phases switched on the clock's readings
+    (checkpoint,) = Path(tmp_path).rglob("*.ckpt")
+    state = torch.load(checkpoint)["callbacks"]["PulseCycle"]
+    assert {type(seconds) for seconds in state["clock"]["seconds_by_phase"].values()} == {float}
+    trainer, resumed = fit(16, checkpointing=False, ckpt_path=checkpoint)
+    assert (
+        trainer.global_step == 16
+        and resumed.history[: len(pulse.history)] == pulse.history[: len(pulse.history)]
+    )
+
+
 @pytest.mark.parametrize(
     ("value", "match"),
     [

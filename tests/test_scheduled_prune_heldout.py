@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import io
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -401,6 +404,52 @@ def test_a_folded_layer_keeps_no_hook_of_ours_and_a_masked_one_one_load_hook_how
     saved = io.BytesIO()
     torch.save(model, saved)
     assert b"lightning_pulse" not in saved.getvalue()
+
+
+_LOAD_WITHOUT_LIGHTNING_PULSE = """
+import importlib.abc, sys
+class NoLightningPulse(importlib.abc.MetaPathFinder):  # a deployment server: torch, lightning, the model
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "lightning_pulse":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, NoLightningPulse())
+sys.path.insert(0, sys.argv[1])
+import torch
+model = torch.load(sys.argv[2], weights_only=False)
+model.load_state_dict(model.state_dict())
+print(sum(len(m._load_state_dict_pre_hooks) for m in model.modules()))
+"""
+
+
+def test_a_whole_model_saved_mid_fit_with_structured_prune_loads_where_lightning_pulse_is_not_installed(
+    tmp_path,
+):
+    # held-out sweep: the load pre-hook pickled as lightning_pulse.core.pruning._inert_hook, so a
+    # torch.save(pl_module) made by a user's callback before any cut needed lightning_pulse to load
+    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+
+    saved = tmp_path / "mid_fit.pt"
+
+    class SaveWholeModel(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == 0:
+                torch.save(pl_module, saved)
+
+    prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=14, end=24, every=2)
+    trainer = pl.Trainer(
+        callbacks=[prune, SaveWholeModel()], max_steps=24, default_root_dir=tmp_path, **trainer_kwargs()
+    )
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=64))
+    assert trainer.global_step == 24 and prune.sparsity == pytest.approx(0.5)
+    repo_root = str(Path(__file__).resolve().parents[1])
+    loaded = subprocess.run(
+        [sys.executable, "-I", "-c", _LOAD_WITHOUT_LIGHTNING_PULSE, repo_root, str(saved)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.split() == ["1"]  # the fitter's hook came along, as a no-op
 
 
 def test_load_pruned_leaves_weight_equal_to_the_masked_loaded_weights_before_any_forward(tmp_path):

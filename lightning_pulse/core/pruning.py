@@ -3182,8 +3182,10 @@ def fit_to_state_dict(
             f"{current} in this module, which was cut since), and a module cannot take removed channels back. Load "
             "it into a freshly built module with ScheduledPrune.load_pruned(YourModule(...), checkpoint), which "
             "redoes the cuts the checkpoint records (YourModule.load_from_checkpoint(path) works only for a "
-            "checkpoint from before the first cut), or evaluate the cut model itself (trainer.test(ckpt_path=None) "
-            "or 'last')."
+            "checkpoint from before the first cut), or evaluate the cut model itself: "
+            "trainer.test(ckpt_path=None), or ckpt_path='last' only where that checkpoint was saved "
+            "after the cut (ModelCheckpoint(monitor=...) rewrites last.ckpt only with a top-k save, so it "
+            "can be this same pre-cut one)."
         )
     if recorded is None:
         recorded = structure() if callable(structure) else structure
@@ -3317,7 +3319,10 @@ class StateDictFitter:
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_inert_hook, ())
+        # A copy keeps a hook doing nothing that plain torch resolves without lightning_pulse (a model saved
+        # whole mid-fit, loaded where the library is not installed): a bound `"".format`, which takes the
+        # hook's arguments and formats none of them.
+        return (getattr, ("", "format"))
 
 
 def _held_weakly(function: Callable[..., Any] | None) -> Callable[[], Any]:
@@ -3326,6 +3331,7 @@ def _held_weakly(function: Callable[..., Any] | None) -> Callable[[], Any]:
 
 
 def _inert_hook(*args: Any) -> Callable[..., None]:
+    # what earlier versions pickled the fitter as: whole-module pickles saved by them still name it
     return _do_nothing
 
 
