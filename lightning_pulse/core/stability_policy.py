@@ -225,6 +225,10 @@ class EscalationPolicy:
         self.stopped = False
         # what happened and when: {"step", "event" (a verdict, "rollback" or "stop"), "action" or "to_step"}
         self.events: list[dict[str, Any]] = []
+        # the rollbacks and stop within ``rollback_memory``: {"step", "untested" (an unbroken row escalated
+        # without the rollback test), "undone" (applied steps undone; None until booked)}, for the stop's
+        # message, which must not blame the model on a test that never ran
+        self.escalations: list[dict[str, Any]] = []
 
     @property
     def in_incident(self) -> bool:
@@ -280,6 +284,8 @@ class EscalationPolicy:
             self.spike_steps.pop(0)
         while self.rollback_steps and step - self.rollback_steps[0] >= self.rollback_memory:
             self.rollback_steps.pop(0)
+        while self.escalations and step - self.escalations[0]["step"] >= self.rollback_memory:
+            self.escalations.pop(0)
         if verdict is Verdict.OK:
             return Action.APPLY
         event: dict[str, Any] = {"step": step, "event": verdict.value}
@@ -291,14 +297,10 @@ class EscalationPolicy:
             self.spike_steps.append(step)
             nonfinite = verdict in (Verdict.NONFINITE_LOSS, Verdict.NONFINITE_GRAD)
             self.nonfinite_row = self.nonfinite_row + 1 if nonfinite and cause is None else 0
+            testable = self._healthy_between() or self._nonfinite_row_tested()
             if len(self.spike_steps) < self.rollback_after and cause is None:
                 action = Action.SKIP
-            elif (
-                cause is None
-                and rollback_helps is not None
-                and (self._healthy_between() or self._nonfinite_row_tested())
-                and not rollback_helps()
-            ):
+            elif cause is None and rollback_helps is not None and testable and not rollback_helps():
                 action = Action.SKIP
                 self.recurring_spikes += len(self.spike_steps)
                 self.recurring_nonfinite += verdict is Verdict.NONFINITE_LOSS
@@ -308,6 +310,9 @@ class EscalationPolicy:
                 action = Action.STOP
             else:
                 action = Action.ROLLBACK
+            if action in (Action.ROLLBACK, Action.STOP):
+                untested = cause is None and rollback_helps is not None and not testable
+                self.escalations.append({"step": step, "untested": untested, "undone": None})
         self.spikes_by_kind[verdict.value] += 1
         event["action"] = action.value
         if cause is not None:
@@ -363,9 +368,11 @@ class EscalationPolicy:
         self.lineage_unmetered = kept_unmetered
         return undone
 
-    def rolled_back(self, step: int, to_step: int | None) -> None:
-        """Record a rollback at ``step`` (to the snapshot of ``to_step``): the incident is resolved, the next
-        steps are skipped, the cooldown starts. A rollback without a usable snapshot counts too."""
+    def rolled_back(self, step: int, to_step: int | None, undone: int | None = None) -> None:
+        """Record a rollback at ``step`` (to the snapshot of ``to_step``, ``undone`` applied steps undone):
+        the incident is resolved, the next steps are skipped, the cooldown starts. A rollback without a
+        usable snapshot counts too."""
+        self._book_undone(step, undone)
         self.rollback_steps.append(step)
         self.spike_steps = []  # the row of non-finite steps goes on: a rollback applies no step
         self.skip_remaining = self.skip_after_rollback
@@ -373,9 +380,14 @@ class EscalationPolicy:
         self.rollbacks += 1
         append_recent(self.events, {"step": step, "event": "rollback", "to_step": to_step})
 
-    def stop(self, step: int, to_step: int | None) -> None:
+    def stop(self, step: int, to_step: int | None, undone: int | None = None) -> None:
+        self._book_undone(step, undone)
         self.stopped = True
         append_recent(self.events, {"step": step, "event": "stop", "to_step": to_step})
+
+    def _book_undone(self, step: int, undone: int | None) -> None:
+        if self.escalations and self.escalations[-1]["step"] == step:
+            self.escalations[-1]["undone"] = undone
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -398,6 +410,7 @@ class EscalationPolicy:
             "lineage_unmetered": self.lineage_unmetered,
             "stopped": self.stopped,
             "events": [dict(event) for event in self.events],
+            "escalations": [dict(escalation) for escalation in self.escalations],
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -424,6 +437,7 @@ class EscalationPolicy:
         self.spikes_by_kind.update({k: int(n) for k, n in state_dict.get("spikes_by_kind", {}).items()})
         self.stopped = bool(state_dict.get("stopped", False))
         self.events = [dict(event) for event in state_dict.get("events", [])]
+        self.escalations = [dict(escalation) for escalation in state_dict.get("escalations", [])]
 
 
 #: a level of the data, not spikes: recurring spikes (flagged, and spiking on the rollback's snapshot too) at

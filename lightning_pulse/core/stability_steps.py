@@ -1424,11 +1424,11 @@ class StabilityCore:
         under ``root_dir``) the caller saves before raising it."""
         to_step = None if target is None else target.step
         if action is Action.ROLLBACK and target is not None:
-            self.policy.rolled_back(step, to_step)
+            self.policy.rolled_back(step, to_step, undone)
             return rollback_message(self.policy, step, to_step, undone), None
         # a rollback with no snapshot to return to cannot help: training on would report a run on a bad state
         recent_rollbacks = len(self.policy.rollback_steps)
-        self.policy.stop(step, to_step)
+        self.policy.stop(step, to_step, undone)
         path = stop_checkpoint_path(self.config, root_dir, step)
         if action is Action.ROLLBACK:
             unfit = (self.left_out, self.unfit_optimizers_after, self.cut_unsnapshotted)
@@ -1775,33 +1775,89 @@ def stop_message(
 ) -> str:
     """The stop's message; ``resumed_at``: the step this fit resumed a checkpoint at (``None``: not resumed).
     A stop back at that step's snapshot names the checkpoint first: it may hold a model gone bad before the
-    guard flagged a step (a checkpoint saved mid-incident carries the snapshots a rollback needs)."""
+    guard flagged a step (a checkpoint saved mid-incident carries the snapshots a rollback needs). A stop
+    whose rollbacks went untested or undid nothing says so (:func:`untested_stop_facts`) rather than blame
+    the model."""
     flagged = [str(e["step"]) for e in policy.events if e["event"] not in ("rollback", "stop")][-8:]
     holds = (
         f"the snapshot of step {to_step}" if to_step is not None else "the current state (no snapshot fitted)"
     )
     stopped = (
         f"StabilityGuard stopped training at step {step}: spikes kept coming after {recent_rollbacks} "
-        f"rollback(s) within {policy.rollback_memory} steps (`max_rollbacks`={policy.max_rollbacks})."
+        f"rollback(s) within {policy.rollback_memory} steps (`max_rollbacks`={policy.max_rollbacks})"
     )
     if resumed_at is not None and to_step == resumed_at:
         return (
-            f"{stopped} Every rollback returned to the state this fit resumed at (step {resumed_at}), its "
+            f"{stopped}. Every rollback returned to the state this fit resumed at (step {resumed_at}), its "
             f"only snapshot, and the spikes came back each time (last flagged: {', '.join(flagged)}); the "
             f"checkpoint {path!r} holds that state. If they began soon after the resume, the checkpoint it "
             "resumed from was most likely saved after the model went bad and before the guard flagged a "
             "step (one saved while steps were flagged carries older snapshots): resume from an earlier "
             "checkpoint. Otherwise inspect the data and learning rate around the flagged steps."
         )
-    return (
-        f"{stopped} The checkpoint {path!r} holds {holds}. Inspect the data "
-        f"around the flagged steps (last: {', '.join(flagged)}): spikes whose batch the snapshot reproduced were "
-        "skipped as the data's, so these came from the model, or were gradient-norm spikes with an ordinary loss, "
-        "which are not tested that way; data with many bad samples can do it too (then clean it, or raise `rollback_after`). To "
-        "train on with a lower learning rate, load the weights into a new run (YourModule.load_from_checkpoint("
-        "path), then trainer.fit): resuming with ckpt_path restores the optimizer's learning rate and the "
-        "guard's rollback count too."
+    train_on = (
+        "load the weights into a new run (YourModule.load_from_checkpoint(path), then trainer.fit): resuming "
+        "with ckpt_path restores the optimizer's learning rate and the guard's rollback count too."
     )
+    facts = untested_stop_facts(policy)
+    if facts is None:
+        return (
+            f"{stopped}. The checkpoint {path!r} holds {holds}. Inspect the data around the flagged steps "
+            f"(last: {', '.join(flagged)}): spikes whose batch the snapshot reproduced were skipped as the "
+            "data's, so these came from the model, or were gradient-norm spikes with an ordinary loss, which "
+            "are not tested that way; data with many bad samples can do it too (then clean it, or raise "
+            f"`rollback_after`). To train on with a lower learning rate, {train_on}"
+        )
+    facts, model_ruled_out = facts
+    model = (
+        ""
+        if model_ruled_out
+        else "; or the model went bad, every batch spiking once it had: train on with a lower learning rate"
+    )
+    return (
+        f"{stopped}, and nothing shows that rolling back helps; if the loss level changed on purpose, raise "
+        f"both `loss_zscore` and `grad_norm_zscore`. The checkpoint {path!r} holds {holds}. {facts} Readings "
+        "that fit: a lasting change of the loss level made on purpose (a loss weight raised, a curriculum "
+        "stage, a KL term or an auxiliary loss switched on), which looks like a run of spikes: raise both "
+        "thresholds (or set both to None; non-finite steps are still caught): the gradient norm jumps with "
+        "the loss, so raising `loss_zscore` alone still stops; or leave the guard out of a fit that makes "
+        "such a change; "
+        f"or a data stream gone bad: inspect the data around the flagged steps (last: {', '.join(flagged)})"
+        f"{model}. To train on, {train_on}"
+    )
+
+
+def untested_stop_facts(policy: EscalationPolicy) -> tuple[str, bool] | None:
+    """What the guard knows of a stop whose rollbacks (``policy.escalations``, within ``rollback_memory``)
+    escalated unbroken rows of flagged steps without the rollback test, or undid 0 applied steps (back to the
+    very weights the flagged batches were computed on): the sentence that says so and whether that rules out
+    a model gone bad since the snapshot; ``None`` where every escalation was tested and undid steps. A
+    lasting change of the loss level does both: a loss weight raised x10 at step 150 of a digits MLP stopped
+    at step 221 after rollbacks that undid 50, 0 and 0 steps, with no test run."""
+    escalations = policy.escalations
+    untested = sum(bool(e["untested"]) for e in escalations)
+    nothing_undone = [str(e["step"]) for e in escalations if e["undone"] == 0]
+    if not untested and not nothing_undone:
+        return None
+    said = []
+    if untested:
+        which = (
+            "each rollback and this stop"
+            if untested == len(escalations)
+            else f"{untested} of these {len(escalations)} escalations (the rollbacks and this stop)"
+        )
+        said.append(
+            f"The flagged steps behind {which} within the last {policy.rollback_memory} steps came in an "
+            "unbroken row, no ordinary step between them, which escalates without the snapshot test: nothing "
+            "ruled out the data."
+        )
+    if nothing_undone:
+        said.append(
+            f"The rollback(s) or stop at step(s) {', '.join(nothing_undone)} undid 0 applied steps: the "
+            "weights they returned to are the very ones the flagged batches were computed on, and they gave "
+            "the same spikes, so the model did not break after that snapshot and a rollback cannot help."
+        )
+    return " ".join(said), bool(nothing_undone)
 
 
 def named_list(names: Sequence[str], most: int = 4) -> str:
