@@ -27,21 +27,6 @@ def _cnn(seed: int = 0) -> nn.Module:
     return build_mnist1d_network("cnn", channels=25)
 
 
-class _Student(nn.Module):
-    """A module that tells its device, as a LightningModule does."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        self.net = _cnn(seed)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
 def _schedule(start: int = 0, end: int = 10, every: int = 5, final: float = 0.5) -> PruneSchedule:
     schedule = PruneSchedule(final_sparsity=final, start=start, end=end, every=every)
     schedule.resolve(100.0)
@@ -225,7 +210,7 @@ def test_the_state_round_trips_and_a_loaded_teacher_waits_for_the_fit():
     assert fresh.events == events.events and fresh.uses_maintain is True
     assert fresh.schedule.sparsity == target == 0.5 and fresh.schedule.finished
     assert fresh.pending_teacher is state["teacher"]
-    student = _Student()
+    student = _cnn()  # the teacher is rebuilt from the student: the model before the event
     fresh.restore_teacher(student, 2)
     assert (
         fresh.pending_teacher is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -92,7 +94,7 @@ def test_a_teacher_saved_with_its_events_index_by_an_earlier_version_finds_its_e
     prune = ScheduledPrune(final_sparsity=0.5, start=0.0, end=1.0, every=4, distill=DistillConfig(steps=3))
     core, student = prune.core, _Tiny()
     core.events = [{"step": 4}, {"step": 8}]
-    core.window.open(student, nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), 8)
+    core.window.open(student, copy.deepcopy(student), 8)  # the teacher: the student before an event
     old = core.window.state_dict()
     old["event"] = 1  # the index an earlier version saved, with no step
     del old["event_step"]

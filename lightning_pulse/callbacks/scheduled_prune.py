@@ -12,11 +12,9 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import BaseFinetuning, Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
@@ -161,11 +159,9 @@ class ScheduledPrune(compat.PulseStateKey, Callback):
         """Whether the schedule reached its end."""
         return self.schedule.finished
 
-    @staticmethod
-    def load_pruned(module: torch.nn.Module, checkpoint: str | Path | Mapping[str, Any]) -> torch.nn.Module:
-        """Load a checkpoint of a ScheduledPrune run (a weights-only one too) into a freshly built ``module``,
-        made to fit first (:func:`~lightning_pulse.core.pruning.load_pruned`). Returns ``module``."""
-        return pruning.load_pruned(module, checkpoint)
+    #: loads a checkpoint of a ScheduledPrune run (a weights-only one too) into a freshly built module, made
+    #: to fit first, read with torch's safe loader (:func:`~lightning_pulse.core.pruning.load_pruned`)
+    load_pruned = staticmethod(pruning.load_pruned)
 
     # ------------------------------------------------------------------ hooks
     @override

@@ -12,7 +12,6 @@ Cost: one teacher forward (no grad) per training forward while attached; memory 
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pulse.errors import names_itself
+from lightning_pulse.core import prune_widths, pruning
+from lightning_pulse.errors import PulseRefusal, names_itself
 from lightning_pulse.phase import Phase, PhaseChange
 
 
@@ -153,10 +153,13 @@ class LogitDistiller:
         return float(self._loss_total) / self.calls if self.calls else float("nan")
 
     def state_dict(self) -> dict[str, Any]:
-        """The teacher (pickled) and the running loss, enough to continue after a restore."""
-        buffer = io.BytesIO()
-        torch.save(self.teacher, buffer)
-        return {"module": buffer.getvalue(), "calls": self.calls, "loss_total": float(self._loss_total)}
+        """The teacher's tensors (its ``state_dict()``) and the running loss, enough to continue after a
+        restore. No module object is pickled: a checkpoint holding one could not be saved for a module with an
+        attribute pickle cannot take (a lambda), ran code when read, and needed the class where it was at
+        save time (``__main__.Net``); the restore rebuilds the teacher from the student
+        (:func:`teacher_from_state`)."""
+        tensors = self.teacher.state_dict()
+        return {"teacher_state": dict(tensors), "calls": self.calls, "loss_total": float(self._loss_total)}
 
     @classmethod
     def from_state_dict(
@@ -165,9 +168,26 @@ class LogitDistiller:
         state: dict[str, Any],
         weight: float = 1.0,
         temperature: float = 2.0,
-        map_location: Any = None,
+        teacher: nn.Module | None = None,
+        template: nn.Module | None = None,
     ) -> LogitDistiller:
-        teacher = torch.load(io.BytesIO(state["module"]), map_location=map_location, weights_only=False)
+        """The distiller saved in ``state``, its teacher ``teacher`` (the live one, at a rollback) or rebuilt
+        from ``student`` (or in ``template``) and the saved tensors (:func:`teacher_from_state`).
+
+        Raises:
+            PulseRefusal: the teacher cannot be rebuilt, or ``state`` holds a pickled one (an earlier
+                version's checkpoint), which is not unpickled.
+        """
+        if teacher is None:
+            if "teacher_state" not in state:
+                raise PulseRefusal(
+                    "ScheduledPrune: the checkpoint holds the distillation teacher (`distill`) as a pickled "
+                    "module, as earlier versions saved it, and it is not unpickled: that runs whatever code "
+                    "the file holds, past `weights_only=True`. Resume from a checkpoint saved outside a "
+                    "distillation window, or with the version that wrote it."
+                )
+            tensors, step = state["teacher_state"], state.get("event_step")
+            teacher = teacher_from_state(student, tensors, step, template)
         distiller = cls(student, teacher, weight=weight, temperature=temperature)
         distiller.calls = int(state["calls"])
         distiller._loss_total = torch.tensor(float(state["loss_total"]), dtype=torch.float64)
@@ -192,6 +212,44 @@ class LogitDistiller:
             + distillation_loss(output.detach(), teacher_output, self.temperature).double()
         )
         return _AddDistillationGradient.apply(output, teacher_output.detach(), self.weight, self.temperature)
+
+
+def teacher_from_state(
+    student: nn.Module,
+    tensors: dict[str, Any],
+    event_step: int | None = None,
+    template: nn.Module | None = None,
+) -> nn.Module:
+    """The teacher whose ``state_dict()`` was ``tensors``, rebuilt in ``template`` (structured, at a resume:
+    the model as built, with the cuts before the teacher's event redone) or in a hook-free copy of ``student``
+    (:func:`~lightning_pulse.core.pruning.copy_without_hooks`): the teacher is the student as it was before an
+    event. Unstructured: the copy's masks are made those the teacher had (an event masks more layers);
+    structured without ``template`` (a rollback): its layers take the teacher's wider shapes
+    (:func:`~lightning_pulse.core.prune_widths.fit_widths`; a cut module cannot be given its channels back by
+    replaying removals). Every value then comes from ``tensors``.
+
+    Raises:
+        PulseRefusal: the copy cannot take ``tensors`` (a layer whose width its shapes do not tell, a grouped
+            convolution; or other entries), naming the event's step and the way out.
+    """
+    teacher = template if template is not None else pruning.copy_without_hooks(student)
+    masked = {key[: -len(".weight_mask")] for key in tensors if key.endswith(".weight_mask")}
+    unmasked = set(pruning.masked_layer_names(teacher)) - masked
+    try:
+        if unmasked:  # masked by the event itself: the teacher computed with the plain weight
+            pruning.make_masks_permanent(teacher, only=unmasked, tensors={"weight"})
+        for name in masked:
+            pruning.add_mask(teacher.get_submodule(name))
+        prune_widths.fit_widths(teacher, tensors)
+        teacher.load_state_dict(tensors)
+    except (RuntimeError, AttributeError, KeyError) as error:
+        when = f"the event of step {event_step}" if event_step is not None else "the event"
+        raise PulseRefusal(
+            f"ScheduledPrune: the distillation teacher (`distill`: the model before {when}) saved in the "
+            f"checkpoint cannot be rebuilt from the resumed model ({error}). Resume from a checkpoint saved "
+            "outside a distillation window, or without `distill`."
+        ) from error
+    return teacher
 
 
 class DistillWindow:
@@ -276,17 +334,28 @@ class DistillWindow:
         student: nn.Module,
         state: dict[str, Any] | None,
         accumulation: int = 1,
-        map_location: Any = None,
+        template: nn.Module | None = None,
     ) -> None:
-        """Close the open window and reopen the one saved in ``state``, if any (a resume or a rollback)."""
+        """Close the open window and reopen the one saved in ``state``, if any (a resume or a rollback). A
+        rollback into the window still open keeps its teacher (a frozen copy: the saved tensors are its own);
+        else the teacher is rebuilt (:func:`teacher_from_state`, in ``template`` where given)."""
+        live = None
+        if state is not None and self.distiller is not None and self.event_step is not None:
+            live = self.distiller.teacher if state.get("event_step") == self.event_step else None
         self.close()
         if state is not None:
-            self.load_state_dict(student, state, accumulation, map_location)
+            self.load_state_dict(student, state, accumulation, live, template)
 
     def load_state_dict(
-        self, student: nn.Module, state: dict[str, Any], accumulation: int = 1, map_location: Any = None
+        self,
+        student: nn.Module,
+        state: dict[str, Any],
+        accumulation: int = 1,
+        teacher: nn.Module | None = None,
+        template: nn.Module | None = None,
     ) -> None:
-        """Reopen the window saved in ``state`` (its teacher, running loss, steps left and event's step)."""
-        distiller = LogitDistiller.from_state_dict(student, state, map_location=map_location)
+        """Reopen the window saved in ``state`` (its teacher, running loss, steps left and event's step); the
+        teacher is ``teacher``, or rebuilt (:meth:`LogitDistiller.from_state_dict`)."""
+        distiller = LogitDistiller.from_state_dict(student, state, teacher=teacher, template=template)
         step = state.get("event_step")
         self.open(student, distiller, None if step is None else int(step), accumulation, state["steps_left"])

@@ -93,6 +93,11 @@ class PruneEvents:
         self.masks = pruning.MaskedWeightRefresh(enabled=pruner.mode == "unstructured")
         self.uses_maintain: bool | None = None  # decided at the first fit start, kept by a checkpoint
         self.pending_teacher: dict[str, Any] | None = None
+        #: structured: the model as built, with the cuts before a restored teacher's event redone
+        #: (:meth:`_teacher_template`), until :meth:`restore_teacher` loads the teacher into it
+        self.teacher_template: nn.Module | None = None
+        #: the cuts recorded (the pruner's ``history``) before the open window's event: its teacher's
+        self.teacher_history: int | None = None
         self.restored_frozen: frozenset[str] | None = None
         self.last_step = 0
         self.deferred = False
@@ -128,7 +133,7 @@ class PruneEvents:
         :class:`~lightning_pulse.core.pruning.StateDictFitter` pre-hook with the structure ``structure()``
         returns and the pruner's run precision), once until :meth:`stop_fitting_loads`."""
         if self._fitter_handle is None:
-            fitter = pruning.StateDictFitter(structure, self._run_precision)
+            fitter = pruning.StateDictFitter(structure, self._run_precision, self._teacher_template)
             self._fitter_handle = module.register_load_state_dict_pre_hook(fitter)
             self._masked_at_setup = pruning.masked_layer_names(module)
 
@@ -141,6 +146,7 @@ class PruneEvents:
         if self._fitter_handle is not None:
             self._fitter_handle.remove()
             self._fitter_handle = None
+        self.teacher_template = None  # a restore that trains no more (validate, test) leaves no copy held
         if fold and module is not None and self.pruner.mode == "unstructured":
             self.masks.refresh(module, grad=False)  # the weights of the stage, then folded as they are
             pruning.make_masks_permanent(module, keep=set(self._masked_at_setup))
@@ -148,6 +154,35 @@ class PruneEvents:
 
     def _run_precision(self) -> pruning.RunPrecision | None:
         return self.pruner.run_precision
+
+    def _teacher_template(
+        self,
+        module: nn.Module,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        structure: Mapping[str, Any] | Callable[[], Mapping[str, Any] | None],
+        precision: pruning.RunPrecision | None,
+    ) -> None:
+        """Structured, as a resume restores the freshly built ``module`` (before its cuts are replayed): where
+        the checkpoint (``structure``, its state of this callback) holds a distillation teacher from before
+        later cuts, a hook-free copy of ``module`` with the cuts before the teacher's event replayed
+        (:func:`~lightning_pulse.core.pruning.fit_to_state_dict`), for :meth:`restore_teacher` to load the
+        teacher's tensors into. The cut student cannot be given its channels back, and a layer's widths read
+        from its shapes alone miss those held elsewhere (a depthwise convolution's ``groups``)."""
+        if self.window is None or prefix:
+            return
+        recorded = structure() if callable(structure) else structure  # read from the checkpoint when asked
+        teacher = recorded.get("teacher") if isinstance(recorded, Mapping) else None
+        if not isinstance(teacher, Mapping):
+            return
+        history = recorded.get("history") or []
+        before = teacher.get("history_length")
+        if "teacher_state" not in teacher or before is None or int(before) >= len(history):
+            return  # no cut since the teacher's: the student's copy has its shapes
+        template = pruning.copy_without_hooks(module)
+        earlier = {**recorded, "history": history[: int(before)]}
+        pruning.fit_to_state_dict(template, teacher["teacher_state"], "", earlier, precision)
+        self.teacher_template = template
 
     # ------------------------------------------------------------------ the run
     def check_neighbours(self, callbacks: Iterable[Any], averages_buffers: Callable[[Any], bool]) -> None:
@@ -387,6 +422,8 @@ class PruneEvents:
         (:func:`~lightning_pulse.core.pruning.copy_without_hooks`)."""
         self.leave_out_substituted(model)
         copied = pruning.copy_without_hooks(model) if teacher else None
+        if teacher:
+            self.teacher_history = len(self.pruner.history)  # the teacher's shapes: the cuts before this one
         outcome = self.pruner.prune(model, target, optimizers, self.example)
         self._left_out_since(model, outcome)
         if self.pruner.mode == "unstructured":  # every chosen layer is masked now
@@ -496,16 +533,20 @@ class PruneEvents:
         return {"prune/distill_loss": loss}
 
     def restore_teacher(self, student: nn.Module, accumulation: int) -> None:
-        """Close the open distillation window and reopen the one :attr:`pending_teacher` holds, if any, on the
-        device of ``student`` (the term divided by ``accumulation``, the gradient-accumulation factor)."""
+        """Close the open distillation window and reopen the one :attr:`pending_teacher` holds, if any, its
+        teacher rebuilt from ``student`` (:func:`~lightning_pulse.core.distillation.teacher_from_state`; the
+        term divided by ``accumulation``, the gradient-accumulation factor)."""
         saved, self.pending_teacher = self.pending_teacher, None
         if saved is not None and "event_step" not in saved and "event" in saved:
             # a checkpoint of an earlier version: the index of the window's event in its records
             index = int(saved["event"])
             step = self.events[index]["step"] if 0 <= index < len(self.events) else None
             saved = {**saved, "event_step": step}
+        template, self.teacher_template = self.teacher_template, None
+        if saved is not None and saved.get("history_length") is not None:
+            self.teacher_history = int(saved["history_length"])
         if self.window is not None:
-            self.window.restore(student, saved, accumulation, student.device)
+            self.window.restore(student, saved, accumulation, template)
 
     # ------------------------------------------------------------------ checkpoints and rollbacks
     def state_dict(self) -> dict[str, Any]:
@@ -519,7 +560,7 @@ class PruneEvents:
         state["mode"] = self.pruner.mode
         teacher = self.window.state_dict() if self.window is not None else None
         if teacher is not None:
-            state["teacher"] = teacher
+            state["teacher"] = {**teacher, "history_length": self.teacher_history}
         return state
 
     def load_state_dict(

@@ -3276,13 +3276,21 @@ def create_lazy_tensors(
 
 
 def load_pruned(
-    module: nn.Module, checkpoint: str | os.PathLike | Mapping[str, Any], state_key: str = "ScheduledPrune"
+    module: nn.Module,
+    checkpoint: str | os.PathLike | Mapping[str, Any],
+    state_key: str = "ScheduledPrune",
+    weights_only: bool = True,
 ) -> nn.Module:
     """Load a Lightning ``checkpoint`` (a dict, or the path of a checkpoint file, loaded on the CPU) into a
     freshly built ``module``, fitting it first with the structure recorded in the callback state whose key
-    starts with ``state_key``. Returns ``module``."""
+    starts with ``state_key``. Returns ``module``.
+
+    A file is read with ``torch.load(..., weights_only=weights_only)``: by default torch's safe loader, which
+    every lightning-pulse checkpoint passes (tensors, numbers, strings, lists and dicts only); it read every
+    file with ``weights_only=False`` before, so a file with a pickled object ran its code. Pass
+    ``weights_only=False`` only for a file you trust that holds other objects (your own callback's state)."""
     if not isinstance(checkpoint, Mapping):
-        checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=weights_only)
     callbacks = checkpoint.get("callbacks", {})
     structure = next((value for key, value in callbacks.items() if str(key).startswith(state_key)), None)
     fit_to_state_dict(module, checkpoint["state_dict"], structure=structure)
@@ -3295,7 +3303,8 @@ def load_pruned(
 class StateDictFitter:
     """``load_state_dict`` pre-hook running :func:`fit_to_state_dict` with the structure that ``structure()``
     returns when asked (e.g. read from the checkpoint being restored), and the run's :class:`RunPrecision`
-    that ``precision()`` returns (``None``: none known).
+    that ``precision()`` returns (``None``: none known). ``before`` (optional) is called first with the
+    module, still as built, the state dict, the prefix, the structure and the run precision.
 
     Holds bound functions weakly, and is neither deep-copied nor pickled with the module (a copy of the
     module would otherwise drag the owner, and through it a Trainer, along).
@@ -3305,14 +3314,18 @@ class StateDictFitter:
         self,
         structure: Callable[[], Structure | None],
         precision: Callable[[], RunPrecision | None] | None = None,
+        before: Callable[..., None] | None = None,
     ) -> None:
         self._structure = _held_weakly(structure)
         self._precision = _held_weakly(precision)
+        self._before = _held_weakly(before)
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        structure, precision = self._structure(), self._precision()
+        structure, precision, before = self._structure(), self._precision(), self._before()
         if structure is not None:
             run_precision = precision() if precision is not None else None
+            if before is not None:
+                before(module, state_dict, prefix, structure, run_precision)
             fit_to_state_dict(module, state_dict, prefix, structure, run_precision)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StateDictFitter:
