@@ -665,3 +665,12 @@ def test_a_csv_row_with_more_cells_than_its_header_is_refused_at_construction(tm
     # a trailing comma adds an empty cell, not a column: still read
     path.write_text("timestamp,value,\n2020-06-15 00:00:00,0.31,\n2020-06-15 01:00:00,0.27,\n")
     assert TimeSeries.from_csv(path).values.tolist() == [0.31, 0.27]
+
+
+def test_a_header_ending_in_an_unnamed_column_takes_rows_that_fill_it(tmp_path):
+    """Regression sweep of the fortieth pass: a spreadsheet's notes column with no name (`timestamp,value,`)
+    was refused as cells beyond the header's two; the header has three."""
+    path = tmp_path / "grid.csv"
+    path.write_text("timestamp,value,\n2020-01-01 00:00:00,100,checked\n2020-01-01 01:00:00,110,\n")
+    series = TimeSeries.from_csv(path)
+    assert series.values.tolist() == [100.0, 110.0]

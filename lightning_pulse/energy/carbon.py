@@ -210,7 +210,7 @@ class TimeSeries:
                 if not row or all(not cell.strip() for cell in row):
                     continue
                 if line_number == 1 and not _looks_numeric(row[1] if len(row) > 1 else ""):
-                    header = _filled(row)
+                    header = list(row)  # its unnamed cells too: a column of notes the rows fill
                     names = [cell.strip().lower() for cell in row]
                     time_col = next((i for i, n in enumerate(names) if n in _TIME_COLUMNS), 0)
                     value_col = next((i for i, n in enumerate(names) if n in _VALUE_COLUMNS), 1)
