@@ -14,9 +14,10 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+from lightning_pulse import PulseCycle
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
 from lightning_pulse.energy import sampler as sampler_module
-from lightning_pulse.energy.codecarbon_meter import START_THREAD_NAME
+from lightning_pulse.energy.codecarbon_meter import START_THREAD_NAME, CodecarbonSession
 from lightning_pulse.energy.config import MeterConfig
 from lightning_pulse.energy.constant import ConstantPowerMeter, codecarbon_default_cpu_watts
 from lightning_pulse.energy.ledger import EnergyLedger
@@ -260,8 +261,8 @@ def test_a_process_mode_start_reading_0_w_counts_its_start_up_gap_at_codecarbons
 ):
     """Thirty-ninth pass, left open: in `tracking_mode="process"` codecarbon's start-up measurement can read
     exactly 0 W (it saw no tick of the process's CPU time), and EnergyLogger counted the start-up gap (the
-    1.5-3 s of its hardware detection, here training) at that power: 0 J. That power is now taken as not yet
-    measured: the gap is counted at the first power codecarbon measures over an interval of ours."""
+    1.5-3 s of its hardware detection, here training) at that power: 0 J. That power is now taken as not
+    measured: the start thread measures again before the tracker is published, and counts the gap at that."""
     held = ProcessModeStartSeesNoTick(monkeypatch, release_at=3)
     energy = EnergyLogger(
         cpu="codecarbon", meters=MeterConfig(sampling_period=0.05, codecarbon_tracking_mode="process")
@@ -287,3 +288,112 @@ def test_a_process_mode_start_reading_0_w_counts_its_start_up_gap_at_codecarbons
     if report.get("meter_startup"):
         counted_kwh += report["meter_startup"]["energy_kwh_by_component"]["cpu"] or 0.0
     assert counted_kwh >= gap_cpu_kwh
+
+
+@pytest.fixture(scope="module")
+def codecarbon_ran_before() -> None:
+    """A process-mode tracker started and stopped before the fit, as an earlier fit of a sweep does: a later
+    start's hardware detection is quick, and its tracker is published a fraction of a millisecond after its
+    start-up measurement (about 100 ms after it in a process's first start), inside the 50 ms in which
+    codecarbon does not measure again."""
+    earlier = CodecarbonSession(tracking_mode="process")
+    earlier.acquire(time.monotonic(), "cpu")
+    earlier.read(time.monotonic())
+    earlier.release("cpu")
+
+
+class BusyBatches(Callback):
+    """Training that keeps the CPU busy (the MLP's batches take a millisecond), so that the start-up gap
+    holds CPU work on the process's own CPU time."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        began = time.perf_counter()
+        while time.perf_counter() - began < self.seconds:
+            pass
+
+
+def cpu_kwh(figures: dict) -> float:
+    return figures["energy_kwh_by_component"]["cpu"] or 0.0
+
+
+def test_a_later_process_mode_start_reading_0_w_spreads_its_start_up_gap_over_the_phases_it_spans(
+    tmp_path, monkeypatch, codecarbon_ran_before
+):
+    """Review of the thirty-ninth pass's fix: that gap waited for codecarbon's first power measured over an
+    interval of ours, but in a later start in a process the sampling thread's first reading came within
+    codecarbon's 50 ms and booked the whole run so far at 0 W CPU; the gap then landed in the next reading,
+    one interval of one phase (0 J over 1.38 s of training, then 0.94 J in 0.044 s, all `replay`). The start
+    thread now measures again before it publishes the tracker: the first reading holds the gap, and the ledger
+    spreads it by time over the burst and replay phases it spans (without that: replay 0.008-0.02 W, burst
+    1.9-5.8 W; with it, about equal)."""
+    held = ProcessModeStartSeesNoTick(monkeypatch, release_at=8)
+    energy = EnergyLogger(
+        gpu="none",
+        cpu="codecarbon",
+        ram="none",
+        meters=MeterConfig(sampling_period=0.02, codecarbon_tracking_mode="process"),
+    )
+    cycle = PulseCycle(burst=2, replay=2, maintain=0, warmup=0.0, anneal=0.0, maintain_eval="none")
+    options = trainer_kwargs(
+        max_epochs=1, limit_train_batches=10, limit_val_batches=0, default_root_dir=tmp_path
+    )
+    trainer = pl.Trainer(callbacks=[held, BusyBatches(0.04), cycle, energy], **options)
+    trainer.fit(MNIST1DClassifier(arch="mlp"), train_dataloaders=train_loader())
+
+    if not held.powers:
+        pytest.skip("codecarbon reads this machine's CPU from RAPL, not from the process's CPU load")
+    assert held.powers[0] == 0.0 and held.session._gap_kwh[0] > 0  # the 0 W start; its gap counted
+    report = energy.report
+    assert report["meters"]["cpu"]["meter"] == "codecarbon"
+    assert not report.get("meter_startup")  # the start ended mid-epoch: no epoch end waited for it
+    watts = {
+        phase: cpu_kwh(figures) * 3.6e6 / figures["duration_s"] for phase, figures in report["phases"].items()
+    }
+    assert set(watts) == {"burst", "replay"}
+    # both phases trained the same busy batches, in turns, all through the gap (batches 0-7; 8-9 are burst
+    # after it): the gap booked to one interval of one phase left the other's gap seconds at 0 W
+    assert watts["burst"] / 2 <= watts["replay"] <= watts["burst"] * 2, watts
+
+
+def test_a_fit_that_ends_before_a_later_0_w_process_mode_start_keeps_its_training_cpu_in_the_run_total(
+    tmp_path, monkeypatch, codecarbon_ran_before
+):
+    """The same race at the epoch end that waits for the start (`meter_startup`): every one of 5 such fits
+    lost the training's CPU from the run's total, either booked at 0 J ("estimated", the settle's 60 ms wait
+    re-read 0 W of a process idle in the wait) or landed in the one interval after the wait, all
+    `meter_startup` (total 0.006 J, meter_startup 0.536 J; here 0.00003-0.001 W against 4.9-5.1 W, or 0 J).
+    The start's thread now re-measures before it publishes; the backlog is spread by time over the training
+    and the wait, both at its power."""
+    held = ProcessModeStartSeesNoTick(monkeypatch, release_at=10**6)
+
+    class ReleaseAtTheEpochEnd(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):  # listed before EnergyLogger: just before its wait
+            held.release.set()
+
+    energy = EnergyLogger(
+        gpu="none",
+        cpu="codecarbon",
+        ram="none",
+        meters=MeterConfig(sampling_period=0.02, codecarbon_tracking_mode="process"),
+    )
+    options = trainer_kwargs(
+        max_epochs=1, limit_train_batches=16, limit_val_batches=0, default_root_dir=tmp_path
+    )
+    callbacks = [held, BusyBatches(0.05), ReleaseAtTheEpochEnd(), energy]
+    pl.Trainer(callbacks=callbacks, **options).fit(
+        MNIST1DClassifier(arch="mlp"), train_dataloaders=train_loader()
+    )
+
+    if not held.powers:
+        pytest.skip("codecarbon reads this machine's CPU from RAPL, not from the process's CPU load")
+    report = energy.report
+    assert held.powers[0] == 0.0 and report["meters"]["cpu"]["meter"] == "codecarbon"
+    startup = report["meter_startup"]
+    total_watts = cpu_kwh(report["total"]) * 3.6e6 / report["total"]["duration_s"]
+    startup_watts = cpu_kwh(startup) * 3.6e6 / startup["duration_s"]
+    assert total_watts > 0  # was 0 J, "estimated"
+    # one reading spans the training and the wait, spread by time: both at its power (not all in the wait)
+    assert startup_watts <= total_watts * 2, (total_watts, startup_watts)

@@ -53,6 +53,11 @@ FORK_WAIT_S = 10.0
 #: codecarbon measures again at a flush at least this long (s) after its last measurement
 #: (``_measure_power_and_energy_if_stale``'s 50 ms), with a margin
 REMEASURE_S = 0.06
+#: how often a background start in ``"process"`` mode whose CPU reads exactly 0 W measures again (each
+#: :data:`REMEASURE_S` later) before it takes 0 W as the process's power: a process idle but for codecarbon
+#: (its training thread waiting for the start at an epoch end) saw no 10 ms tick of CPU time in 6 of 16 such
+#: windows, so 5 tries (0.3 s) still read 0 W about once in 130 starts, 10 tries once in 20,000
+REMEASURE_TRIES = 10
 
 
 class ForkGate:
@@ -245,11 +250,6 @@ class CodecarbonSession:
         self._starter: threading.Thread | None = None
         self._abandoned = False  # a background start given up: its thread stops its own tracker if it ends
         self._gap_kwh = (0.0, 0.0)  # (cpu, ram) before codecarbon's own start, of a background start
-        # seconds of that gap whose CPU energy waits for codecarbon's first power measured over an interval
-        # of ours: in process mode its start measures a window of a millisecond or two, below the 10 ms tick
-        # of the process CPU times it reads, and then reads exactly 0 W for a process that is working
-        self._cpu_gap_unmeasured_s: float | None = None
-        self._measured_at: float | None = None  # codecarbon's latest measurement, in time.perf_counter()
         self._dropped_kwh = (0.0, 0.0)  # (cpu, ram) cut from implausible intervals, off every later total
         self._notices: dict[str, list[str]] = {"cpu": [], "ram": []}
         self._metered = {"cpu": 0, "ram": 0}  # live meters per component: the ones that take notices
@@ -288,14 +288,6 @@ class CodecarbonSession:
         if starter is not None and starter is not threading.current_thread():
             starter.join(timeout)
         return self.tracker is not None
-
-    def wait_measurable(self) -> None:
-        """While a start's CPU gap waits for a measured power (:attr:`_cpu_gap_unmeasured_s`), wait until
-        codecarbon measures again at a flush (at most :data:`REMEASURE_S`): the reading after a settle then
-        holds the gap, where one within codecarbon's 50 ms would leave it for a later reading, or none."""
-        measured = self._measured_at
-        if self.tracker is not None and self._cpu_gap_unmeasured_s is not None and measured is not None:
-            time.sleep(min(max(measured + REMEASURE_S - time.perf_counter(), 0.0), REMEASURE_S))
 
     def abandon_start(self, reason: str) -> None:
         """Give up a background start still running: readings raise :class:`MeterError` from now on (the
@@ -386,21 +378,9 @@ class CodecarbonSession:
                 max(value[0] - self._flushed[0], 0.0) * _KWH_TO_J / seconds,
                 max(value[1] - self._flushed[1], 0.0) * _KWH_TO_J / seconds,
             )
-            value = self._with_cpu_gap(value)
-        self._measured_at = time.perf_counter()
         self._start_watts = model_watts
         self._flushed, self._flush_now, self._raw_flushed = value, now, raw
         return value
-
-    def _with_cpu_gap(self, value: tuple[float, float]) -> tuple[float, float]:
-        """``value`` plus the CPU energy of a start-up gap not counted yet (its start read 0 W in process
-        mode), at the power codecarbon has just measured over an interval of ours: the backlog lands here."""
-        gap_s, self._cpu_gap_unmeasured_s = self._cpu_gap_unmeasured_s, None
-        if gap_s is None or self._watts is None:
-            return value
-        cpu_kwh = self._watts[0] * gap_s / _KWH_TO_J
-        self._gap_kwh = (self._gap_kwh[0] + cpu_kwh, self._gap_kwh[1])
-        return value[0] + cpu_kwh, value[1]
 
     def _plausible(
         self, value: tuple[float, float], model_watts: tuple[float, float], seconds: float
@@ -481,6 +461,7 @@ class CodecarbonSession:
         tracker: Any = None
         error: str | None = None
         origin = time.perf_counter()
+        cpu_watts = 0.0
         try:
             tracker = OfflineEmissionsTracker(
                 country_iso_code=self.country_iso_code,
@@ -495,6 +476,14 @@ class CodecarbonSession:
             tracker.start()  # codecarbon counts from the end of its hardware detection, inside start()
             origin = time.perf_counter()
             tracker.flush()
+            cpu_watts = receiver.cpu_watts
+            if (
+                requested is not None
+                and self.tracking_mode == "process"
+                and receiver.count
+                and cpu_watts == 0.0
+            ):
+                cpu_watts = self._remeasured_cpu_watts(tracker, receiver, origin)
         except Exception as caught:
             error = f"codecarbon could not start ({type(caught).__name__}: {caught})"
         if error is None and receiver.count == 0:
@@ -508,7 +497,7 @@ class CodecarbonSession:
         with self._lock:
             abandoned = self._abandoned  # the meters fell back without it: stopped below, unpublished
             if not abandoned:
-                self._publish(tracker, receiver, quiet, hardware, error, requested, origin)
+                self._publish(tracker, receiver, quiet, hardware, error, requested, origin, cpu_watts)
         if abandoned:
             _stop_tracker(tracker)
             quiet.__exit__(None, None, None)
@@ -525,33 +514,49 @@ class CodecarbonSession:
         error: str | None,
         requested: tuple[float, float] | None,
         origin: float,
+        cpu_watts: float,
     ) -> None:
-        """Under the lock: the started tracker becomes the session's (a failed one is stopped)."""
+        """Under the lock: the started tracker becomes the session's (a failed one is stopped). ``cpu_watts``:
+        the CPU power the start-up gap is counted at (codecarbon's, or :meth:`_remeasured_cpu_watts`)."""
         self.tracker, self.receiver, self._quiet, self.hardware = tracker, receiver, quiet, hardware
         if error is None and requested is not None:
             mono, now = requested
             hours = max(origin - mono, 0.0) / 3600.0
-            gap = self._gap_kwh = (
-                receiver.cpu_watts * hours / 1000.0,
-                receiver.ram_watts * hours / 1000.0,
-            )
-            if self.tracking_mode == "process" and receiver.cpu_watts == 0.0:
-                # not a power: codecarbon's start-up window saw no tick of the process's CPU time
-                self._cpu_gap_unmeasured_s = hours * 3600.0
+            gap = self._gap_kwh = (cpu_watts * hours / 1000.0, receiver.ram_watts * hours / 1000.0)
             # the start's flush, in the caller's clock at codecarbon's latest measurement (its totals
             # hold the energy up to then; start() ends with one): later readings carry forward from it,
             # so a span in which codecarbon measures nothing new still gets its energy
-            measured = getattr(tracker, "_last_measured_time", None)  # codecarbon's perf_counter
-            if not isinstance(measured, float) or not origin - 1.0 <= measured <= time.perf_counter():
-                measured = origin
+            measured = _measured_time(tracker, origin)
             self._flushed = (receiver.cpu_kwh + gap[0], receiver.ram_kwh + gap[1])
             self._raw_flushed = (receiver.cpu_kwh, receiver.ram_kwh)
             self._flush_now = now + (measured - mono)
-            self._measured_at = measured
-            self._start_watts = (receiver.cpu_watts, receiver.ram_watts)
+            self._start_watts = (cpu_watts, receiver.ram_watts)
         if error is not None:
             self.error = error
             self._stop()
+
+    def _remeasured_cpu_watts(self, tracker: Any, receiver: Any, origin: float) -> float:
+        """On the start thread, before the tracker is published (the meter still starting: no reading covers
+        the backlog meanwhile): the CPU power of a ``"process"``-mode start that read exactly 0 W, measured
+        again over :data:`REMEASURE_S` windows, at most :data:`REMEASURE_TRIES` times while it reads 0 W.
+        codecarbon's start-up window is a millisecond or two, below the 10 ms tick of the process CPU times
+        it reads, so its 0 W is no power: the start-up gap, counted at it, lost a working process's CPU
+        energy (a fit shorter than the start-up reported 0 kWh CPU). A process that really is idle still reads
+        0 W. The power of the latest window, not codecarbon's running mean (which averages the 0 W in)."""
+        watts, since = 0.0, _measured_time(tracker, origin)
+        for _ in range(REMEASURE_TRIES):
+            if self._abandoned:
+                break
+            kwh = receiver.cpu_kwh
+            time.sleep(REMEASURE_S)
+            tracker.flush()  # codecarbon measures: over 50 ms since its latest measurement
+            measured = _measured_time(tracker, time.perf_counter())
+            if measured > since:
+                watts = max(receiver.cpu_kwh - kwh, 0.0) * _KWH_TO_J / (measured - since)
+            since = measured
+            if watts > 0.0:
+                break
+        return watts
 
     def _stop(self) -> None:
         tracker, self.tracker = self.tracker, None
@@ -560,6 +565,14 @@ class CodecarbonSession:
         if self._quiet is not None:
             self._quiet.__exit__(None, None, None)
             self._quiet = None
+
+
+def _measured_time(tracker: Any, default: float) -> float:
+    """codecarbon's latest measurement in ``time.perf_counter()`` (``default`` where it does not say)."""
+    measured = getattr(tracker, "_last_measured_time", None)
+    if not isinstance(measured, float) or not default - 1.0 <= measured <= time.perf_counter():
+        return default
+    return measured
 
 
 def _stop_tracker(tracker: Any) -> None:
@@ -632,8 +645,7 @@ class CodecarbonMeter(EnergyMeter):
         return self.session.starting
 
     def settle(self, timeout: float) -> None:
-        if self.session.wait_started(timeout):
-            self.session.wait_measurable()
+        self.session.wait_started(timeout)
 
     def give_up_start(self, reason: str) -> None:
         self.session.abandon_start(reason)
