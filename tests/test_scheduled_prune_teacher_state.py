@@ -33,10 +33,13 @@ def _data(samples: int = 128, batch_size: int = 16) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
-def _fit(module, prune: ScheduledPrune, steps: int, root, ckpt_path=None, data=None, **kwargs):
+def _fit(
+    module, prune: ScheduledPrune, steps: int, root, ckpt_path=None, data=None, precision=None, **kwargs
+):
     checkpoints = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     trainer = pl.Trainer(
         max_steps=steps,
+        precision=precision,
         callbacks=[prune, checkpoints],
         default_root_dir=root,
         **trainer_kwargs(enable_checkpointing=True),
@@ -137,7 +140,13 @@ class _DepthwiseNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def test_a_structured_teacher_resumes_with_its_pre_event_widths_and_matches_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("precision", [None, "bf16-true"])
+def test_a_structured_teacher_resumes_with_its_pre_event_widths_and_matches_the_uninterrupted_run(
+    tmp_path, precision
+):
+    """Under ``bf16-true`` (a review): the teacher, rebuilt in a copy of the model as Lightning restores it,
+    kept float32 weights while the model's became bfloat16, and the first step crashed."""
+
     def prune():
         return ScheduledPrune(
             final_sparsity=0.5,
@@ -151,7 +160,7 @@ def test_a_structured_teacher_resumes_with_its_pre_event_widths_and_matches_the_
 
     full_prune, steps, data = prune(), 14, _data(160, 32)  # 5 batches an epoch: resumed at an epoch's end
     full = _DepthwiseNet()
-    _fit(full, full_prune, steps, tmp_path / "full", data=data)
+    _fit(full, full_prune, steps, tmp_path / "full", data=data, precision=precision)
     # events at steps 6, 9 and 12; step 10 is inside the window of the second: its teacher is cut once
     path = str(tmp_path / "full" / "step=10.ckpt")
     checkpoint = torch.load(path, weights_only=True)
@@ -160,7 +169,7 @@ def test_a_structured_teacher_resumes_with_its_pre_event_widths_and_matches_the_
     assert 16 > teacher["net.3.weight"].shape[0] > checkpoint["state_dict"]["net.3.weight"].shape[0]
 
     resumed_prune, resumed = prune(), _DepthwiseNet()
-    _fit(resumed, resumed_prune, steps, tmp_path / "resumed", ckpt_path=path, data=data)
+    _fit(resumed, resumed_prune, steps, tmp_path / "resumed", ckpt_path=path, data=data, precision=precision)
     assert [e["distill_calls"] for e in resumed_prune.events] == [
         e["distill_calls"] for e in full_prune.events
     ]
@@ -235,3 +244,33 @@ def test_load_pruned_reads_a_file_with_torchs_safe_loader(tmp_path):
     with pytest.raises(Exception, match="Weights only load failed"):
         ScheduledPrune.load_pruned(_Mlp(), path)
     assert not os.path.exists(marker)
+
+
+class _NonFiniteAt(_DepthwiseNet):
+    """Returns a NaN loss at steps 20-22: StabilityGuard rolls back, past the last window's end."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step in (20, 21, 22) else loss
+
+
+def test_a_guard_rollback_into_a_window_since_closed_takes_its_teacher_back(tmp_path):
+    """A review: the teacher rebuilt from the cut student (a depthwise convolution's widths are not in its
+    shapes) refused the run mid-training at the rollback; the last window's teacher is kept until the next."""
+    from lightning_pulse import PulseCycle, StabilityGuard
+
+    pl.seed_everything(0)
+    guard = StabilityGuard(
+        warmup=5, window=10, snapshot_every=4, rollback_after=3, rollback_margin=2, skip_after_rollback=1
+    )
+    prune = ScheduledPrune(
+        final_sparsity=0.5, mode="structured", start=5, end=17, probe_batches=0, distill=DistillConfig()
+    )
+    cycle = PulseCycle(burst=3, replay=2, maintain=1, warmup=0, anneal=0, probe_batches=1)
+    trainer = pl.Trainer(
+        max_steps=30, callbacks=[cycle, guard, prune], **trainer_kwargs(default_root_dir=tmp_path)
+    )
+    trainer.fit(_NonFiniteAt(), _data(512, 32))
+    assert trainer.global_step == 30
+    rollbacks = [event for event in guard.events if event["event"] == "rollback"]
+    assert rollbacks and all(prune.events[-1]["step"] <= event["to_step"] for event in rollbacks)

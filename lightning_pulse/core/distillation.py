@@ -241,6 +241,10 @@ def teacher_from_state(
         for name in masked:
             pruning.add_mask(teacher.get_submodule(name))
         prune_widths.fit_widths(teacher, tensors)
+        if (
+            template is not None
+        ):  # copied as Lightning restores the model, before its dtype and device are set
+            _to_saved_dtypes(teacher, tensors, next((p.device for p in student.parameters()), None))
         teacher.load_state_dict(tensors)
     except (RuntimeError, AttributeError, KeyError) as error:
         when = f"the event of step {event_step}" if event_step is not None else "the event"
@@ -250,6 +254,16 @@ def teacher_from_state(
             "outside a distillation window, or without `distill`."
         ) from error
     return teacher
+
+
+def _to_saved_dtypes(teacher: nn.Module, tensors: dict[str, Any], device: torch.device | None) -> None:
+    """Give each of ``teacher``'s parameters and buffers the dtype of its saved tensor (``bf16-true``,
+    ``64-true``) and the student's ``device``: ``load_state_dict`` copies values, keeping its own."""
+    for name, tensor in [*teacher.named_parameters(), *teacher.named_buffers()]:
+        saved = tensors.get(name)
+        dtype = saved.dtype if isinstance(saved, torch.Tensor) else tensor.dtype
+        if tensor.dtype != dtype or (device is not None and tensor.device != device):
+            tensor.data = tensor.data.to(device=device, dtype=dtype)
 
 
 class DistillWindow:
@@ -267,6 +281,11 @@ class DistillWindow:
         # the step of the event the open window follows (its record's ``step``), not its index: the record
         # list keeps the latest RECENT_RECORDS, so an index shifts once older records drop
         self.event_step: int | None = None
+        # (event step, teacher) of the last window, closed, until the next opens: a StabilityGuard rollback
+        # into it takes that teacher back (a structured rollback never crosses a cut, so no older one is
+        # needed; rebuilding it from the cut student fails for widths its shapes do not tell, a depthwise
+        # convolution's). Not pickled: a checkpoint holds the teacher's tensors only.
+        self._last: tuple[int | None, nn.Module] | None = None
 
     def open(
         self,
@@ -280,6 +299,7 @@ class DistillWindow:
         (``None``: unknown); the term is divided by ``accumulation`` (the gradient-accumulation factor), as
         Lightning divides the loss."""
         self.close()
+        self._last = None
         distiller = teacher if isinstance(teacher, LogitDistiller) else LogitDistiller(student, teacher)
         distiller.weight = self.config.weight / max(1, accumulation)
         distiller.temperature = self.config.temperature
@@ -316,6 +336,7 @@ class DistillWindow:
             return None
         distiller.detach()
         step, self.event_step, self.steps_left = self.event_step, None, None
+        self._last = (step, distiller.teacher)
         # searched from the newest: the window's event is the last record (none if it was dropped)
         found = (r for r in reversed(events or ()) if r.get("step") == step)
         record = next(found, None) if step is not None else None
@@ -329,6 +350,9 @@ class DistillWindow:
             return None
         return {**self.distiller.state_dict(), "steps_left": self.steps_left, "event_step": self.event_step}
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_last": None}
+
     def restore(
         self,
         student: nn.Module,
@@ -339,9 +363,11 @@ class DistillWindow:
         """Close the open window and reopen the one saved in ``state``, if any (a resume or a rollback). A
         rollback into the window still open keeps its teacher (a frozen copy: the saved tensors are its own);
         else the teacher is rebuilt (:func:`teacher_from_state`, in ``template`` where given)."""
-        live = None
-        if state is not None and self.distiller is not None and self.event_step is not None:
-            live = self.distiller.teacher if state.get("event_step") == self.event_step else None
+        live, step = None, None if state is None else state.get("event_step")
+        if step is not None and self.distiller is not None and step == self.event_step:
+            live = self.distiller.teacher
+        elif step is not None and self._last is not None and step == self._last[0]:
+            live = self._last[1]  # a rollback into the last window, since closed
         self.close()
         if state is not None:
             self.load_state_dict(student, state, accumulation, live, template)
