@@ -1001,7 +1001,8 @@ def note_run_shares(
         return
     record = getattr(trainer.fit_loop, _PLACED_SHARES_ATTR, None)
     if record is None or record.loader() is not loader:  # weakly: a rebuilt one's workers may end
-        record = PlacedShares(weakref.ref(loader), trainer.num_training_batches, run_length(trainer)[0])
+        batches, steps = trainer.num_training_batches, run_length(trainer)[0]
+        record = PlacedShares(weakref.ref(loader), batches, steps, _length_of_epochs(trainer, steps))
         setattr(trainer.fit_loop, _PLACED_SHARES_ATTR, record)
     record.place(owner, what, in_steps, in_duration, rereads)
 
@@ -1012,13 +1013,34 @@ def check_run_shares(trainer: pl.Trainer) -> None:
     noted, when this epoch's length gives the run another length than the one they were placed on. In a
     growing curriculum no later epoch's length is known ahead, so they cannot be placed again right. A
     DataLoader rebuilt at the same length (to reshuffle or re-sample), or a run that ``max_steps`` alone
-    bounds, says nothing."""
+    bounds, says nothing. The same warning, worded for it, follows an epoch the module's
+    ``on_train_batch_start`` ended early (it returned -1) in a run whose length ``max_epochs`` gave. Also
+    callable at an epoch's first batch start (before its step)."""
     record = getattr(trainer.fit_loop, _PLACED_SHARES_ATTR, None)
     batches = trainer.num_training_batches
-    if record is None or record.warned or batches == record.batches or in_batch_norm_update_epoch(trainer):
+    if record is None or record.warned or in_batch_norm_update_epoch(trainer):
+        return
+    if batches_skipped(trainer) and (warning := record.cut_short()) is not None:
+        rank_zero_warn(warning)
+        return
+    if batches == record.batches:
         return
     if (warning := record.moved(trainer.current_epoch, batches, run_length(trainer)[0])) is not None:
         rank_zero_warn(warning)
+
+
+def _length_of_epochs(trainer: pl.Trainer, steps: float) -> bool:
+    """Whether the run's length, ``steps`` (:func:`run_length`), is ``max_epochs`` whole epochs, not a
+    ``max_steps`` reached first: epochs that end early shorten only such a run."""
+    max_epochs, batches = training_max_epochs(trainer), trainer.num_training_batches
+    if max_epochs in (None, -1) or not math.isfinite(steps) or not math.isfinite(batches):
+        return False
+    schedule = accumulation_schedule(trainer)
+    windows = [
+        trainer.accumulate_grad_batches if schedule is None else schedule.get_accumulate_grad_batches(e)
+        for e in range(max_epochs)
+    ]
+    return sum(math.ceil(batches / window) for window in windows) <= steps
 
 
 def accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler | None:
@@ -1201,7 +1223,7 @@ def mark_last_batch_of(trainer: pl.Trainer, batches: int) -> None:
         _validate_at_pass_end(trainer, batches)
 
 
-def close_restored_epoch(trainer: pl.Trainer) -> None:
+def close_restored_epoch(trainer: pl.Trainer, cut_short: bool = False) -> None:
     """On a resume from a checkpoint saved on the last batch of an epoch shorter than the DataLoader's length
     (a planned pass), let Lightning count that epoch's batches as done, as it does for one saved on the loader's
     last batch. It resets an epoch's batch counters only when the restored count reaches
@@ -1213,9 +1235,11 @@ def close_restored_epoch(trainer: pl.Trainer) -> None:
     epoch loop completes it when it starts and the epoch ends there. Saved after it, at the epoch's validation
     (``every_n_epochs``), it is completed: the epoch ends with no further batch (setting every counter to one
     below the length trained a batch of the next pass in the finished epoch). Saved in the epoch's end hooks
-    with no validation there, the epoch is closed outright (below)."""
+    with no validation there, the epoch is closed outright (below); so is one ``cut_short`` (the module's
+    ``on_train_batch_start`` returned -1 in it), which Lightning never validates: restarted, it fetched the
+    next pass's first batch, and the hook skipped it and ended the epoch again."""
     fit_loop = trainer.fit_loop
-    if fit_loop.restarted_on_epoch_end and not fit_loop.epoch_loop._should_check_val_epoch():
+    if fit_loop.restarted_on_epoch_end and (cut_short or not fit_loop.epoch_loop._should_check_val_epoch()):
         # saved in the epoch's end hooks with no validation there: a step-limited run restarts that epoch, and a
         # restarting epoch loop ends only once validation has run, so it trained the next pass's first batch in
         # the finished epoch. Nothing is left to run in it: close it as Lightning does in an epoch-limited run
@@ -1434,6 +1458,23 @@ def batch_in_flight(trainer: pl.Trainer, fetched: int) -> bool:
     progress = trainer.fit_loop.epoch_loop.batch_progress
     # the same batch (total.ready only grows within a fit); current's counts are reset on a restart
     return progress.total.ready == fetched and progress.current.processed < progress.current.ready
+
+
+def batches_skipped(trainer: pl.Trainer) -> int:
+    """The training batches this fit's loop skipped so far, all epochs: those the LightningModule's
+    ``on_train_batch_start`` returned -1 for (each ended its epoch), which Lightning counts processed and
+    never started. Read between batches or at a batch's start hooks (then the batch is neither)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.total
+    return max(0, int(progress.processed) - int(progress.started))
+
+
+def batch_skipped(trainer: pl.Trainer, fetched: int) -> bool:
+    """Whether the batch fetched as the ``fetched``-th (:func:`batches_fetched`) did not train because the
+    LightningModule's ``on_train_batch_start`` returned -1 for it: Lightning then counts it ready and
+    processed but never started, and ends the epoch (it is the epoch's last fetched batch). Call it after the
+    batch's start hooks (at the epoch's end): inside them, every batch is not started yet."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return progress.total.ready == fetched and progress.current.started < progress.current.ready
 
 
 def processed_batch_counts(trainer: pl.Trainer) -> tuple[float, int] | None:

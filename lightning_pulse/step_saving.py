@@ -23,8 +23,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
 from lightning_pulse.core.replay import (
+    CUT_EPOCH_WAY_OUT_BY_EPOCHS,
+    CUT_EPOCH_WAY_OUT_BY_STEPS,
     STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL,
     STEPS_MODE_CLOCK_REFUSAL,
+    STEPS_MODE_CUT_EPOCH_SCHEDULE_REFUSAL,
     STEPS_MODE_EMPTY_EPOCH_REFUSAL,
     STEPS_MODE_JOINED_MID_EPOCH_REFUSAL,
     STEPS_MODE_LENGTH_REFUSAL,
@@ -56,6 +59,7 @@ from lightning_pulse.core.step_plan import (
     plan_summary,
     resumed_plan_change,
     schedule_lengths,
+    scheduler_end,
     scheduler_past_end,
 )
 from lightning_pulse.errors import PulseRefusal
@@ -167,6 +171,9 @@ class StepSavingLoader:
         self._restored_epoch_open = False  # the fit's first epoch goes on from a checkpoint: it may draw none
         self._training_started = False  # on_train_start ran: Lightning sets each pass's sampler epoch first
         self._deferred: pl.Trainer | None = None  # check_trainer waits for the data set-up (check_at_setup)
+        # what install planned with (light phases, make_plan's run, the SWA step): an epoch cut short plans
+        # the rest of the run again with them (see follow_cut_epoch)
+        self._planned_with: tuple[tuple[str, ...], dict[str, Any], bool] | None = None
 
     @property
     def plan(self) -> StepPlan | None:
@@ -265,11 +272,7 @@ class StepSavingLoader:
         self._join_run_under_way(trainer, plain_batches)
         clock, budget = (None, None) if cycle is None else (cycle.clock, cycle.budget)
         restored = self.stream.has_restored_state and trainer.global_step > 0
-        plan = self.stream.make_plan(
-            clock,
-            light_phases,
-            plan_settings(clock, budget, fraction, light_phases),
-            lightning_epoch=compat.restored_position(trainer, plain_batches)[0] if restored else None,
+        run: dict[str, Any] = dict(
             batch_size=batches.batch_size,
             fraction=fraction,
             samples_per_epoch=len(sampler),
@@ -277,6 +280,13 @@ class StepSavingLoader:
             max_steps=max_steps,
             accumulate=accumulate,
             drop_last=batches.drop_last,
+        )
+        plan = self.stream.make_plan(
+            clock,
+            light_phases,
+            plan_settings(clock, budget, fraction, light_phases),
+            lightning_epoch=compat.restored_position(trainer, plain_batches)[0] if restored else None,
+            **run,
         )
         unplanned = UnplannedLengths(plan.plain_steps, max_epochs, plain_batches, accumulate, max_steps)
         # a per-step schedule whose length is the unplanned max_steps (over its `frequency`, if any)
@@ -313,6 +323,7 @@ class StepSavingLoader:
         )
         user_max_steps = trainer.max_steps
         cap = compat.cap_training_steps(trainer, plan.total_steps, batch_norm_step)
+        self._planned_with = (tuple(light_phases), run, batch_norm_step)
         self._capped = (
             weakref.ref(trainer),
             user_max_steps,
@@ -403,7 +414,7 @@ class StepSavingLoader:
         # a resume into a later epoch drew its pass in epoch 0's order, and one from a pass's end chose it
         # before the finished pass's scores were applied
         early = not self._training_started
-        if early and self.stream.resumed_at_pass_end and self._selector is not None:
+        if early and self.stream.resumed_after_pass and self._selector is not None:
             self._selector.apply()
         skip, sizes, self.epoch_batches = self.stream.sizes_for_pass(
             trainer.current_epoch,
@@ -485,10 +496,13 @@ class StepSavingLoader:
         """Whether the batch drawn last is still in flight, its step not run through: Lightning's batch
         progress counts it fetched (``ready``) but not ``processed``, as after an exception inside
         ``training_step`` saved by ``OnExceptionCheckpoint``, and its resume starts at the processed batches.
-        Within ``on_train_batch_end`` (``ModelCheckpoint``) the batch is processed: it trained."""
+        Within ``on_train_batch_end`` (``ModelCheckpoint``) the batch is processed: it trained. One the
+        module's ``on_train_batch_start`` returned -1 for ended the epoch untrained (its rest is dropped: see
+        :meth:`follow_cut_epoch`)."""
         if self._trainer is None or self._drawn_at is None:
             return False
-        return compat.batch_in_flight(self._trainer, self._drawn_at)
+        trainer, fetched = self._trainer, self._drawn_at
+        return compat.batch_in_flight(trainer, fetched) or compat.batch_skipped(trainer, fetched)
 
     def refuse_schedules_cut_short(self, trainer: pl.Trainer) -> None:
         """Refuse, before the first step, a per-step LR scheduler built for the run's unplanned length (its
@@ -575,8 +589,8 @@ class StepSavingLoader:
         self._restored_epoch_open = compat.epoch_restarting(trainer)
         # Lightning set the first epoch's validation batch from the plain length after the first pass began
         compat.set_epoch_batches(trainer, self.epoch_batches)
-        if self.stream.resumed_at_pass_end:  # what the finished epoch's end did in the run that saved it
-            compat.close_restored_epoch(trainer)
+        if self.stream.resumed_after_pass:  # what the finished epoch's end did in the run that saved it
+            compat.close_restored_epoch(trainer, self.stream.resumed_after_cut)
             if self._selector is not None:
                 self._selector.apply()  # the next pass selects from every score of the finished one
 
@@ -600,3 +614,63 @@ class StepSavingLoader:
                     epoch=trainer.current_epoch, step=trainer.global_step, max_steps=trainer.max_steps
                 )
             )
+        # an epoch of a resumed fit that drew none ended in the fit that saved it, which followed any cut
+        if not drew_none and not stopping and 0 <= trainer.global_step < trainer.max_steps:
+            self.follow_cut_epoch(trainer)
+
+    def follow_cut_epoch(self, trainer: pl.Trainer) -> None:
+        """At the end of an epoch that trained fewer batches than its planned pass holds (the module's
+        ``on_train_batch_start`` returned -1) while the fit goes on: the next pass was planned to start at
+        another step, so its replay windows would train in bursts and its plain batches in the replay phase.
+        Plan the rest of the run again from the step it starts at (:meth:`StepSavingStream.cut_pass`, as a
+        resume from a stop inside an epoch plans it), cap ``max_steps`` there and hand the plan to the
+        PulseCycle, whose clock it was played on. Where the plan solved again would outrun a per-step LR
+        scheduler (see :func:`~lightning_pulse.core.step_plan.scheduler_end`), it keeps the old total, and
+        warm-up and anneal where they were placed.
+
+        Raises:
+            PulseRefusal: where even that plan would step a per-step LR scheduler past its end.
+        """
+        skipped = self._drawn_at is not None and compat.batch_skipped(trainer, self._drawn_at)
+        trained, planned, old = self.stream.batches - int(skipped), self.epoch_batches, self.plan
+        if self._planned_with is None or old is None or trained >= planned:
+            return
+        if compat.in_batch_norm_update_epoch(trainer):  # SWA's last epoch: nothing planned follows
+            return
+        light_phases, run, batch_norm_step = self._planned_with
+        cycle, epoch, step = pulse_cycle_of(trainer), self.stream.epoch, trainer.global_step
+        bounded = run["max_epochs"] is not None
+        end = scheduler_end(trainer.lr_scheduler_configs, step, old.run_steps(bounded))
+        too_long = None if end is None else (lambda plan: plan.run_steps(bounded) > end[3])
+        clock = None if cycle is None else cycle.clock
+        plan, kept_total = self.stream.cut_pass(clock, light_phases, step, skipped, too_long, **run)
+        run_steps = plan.run_steps(bounded)
+        why = " (the module's `on_train_batch_start` returned -1)" if skipped else ""
+        cut = f"epoch {epoch} ended after {trained} of its {planned} planned batches{why}"
+        if end is not None and run_steps > end[3]:
+            name, length, left, _ = end
+            refusal = STEPS_MODE_CUT_EPOCH_SCHEDULE_REFUSAL.format(
+                cut=cut, step=step, more=run_steps - step, scheduler=name, length=length, left=left
+            )
+            raise PulseRefusal(
+                refusal + (CUT_EPOCH_WAY_OUT_BY_EPOCHS if bounded else CUT_EPOCH_WAY_OUT_BY_STEPS)
+            )
+        cap = compat.cap_training_steps(trainer, plan.total_steps, batch_norm_step)
+        if self._capped is not None:
+            self._capped = (self._capped[0], self._capped[1], cap)
+        if cycle is not None:
+            cycle.adopt_plan(plan)
+        if run_steps <= step:  # the run ends here anyway (its last epoch): nothing to say
+            return
+        kept = (
+            f" (warm-up and anneal kept where they were placed: solved again, the plan would outrun the "
+            f"per-step {end[0]}, which has {end[2]} steps left)"
+            if kept_total and end is not None
+            else ""
+        )
+        budget = None if cycle is None else cycle.budget
+        rank_zero_info(
+            f"HardSampleReplay: {cut}, so the next epoch starts at step {step}, not where the plan placed "
+            f"it; the rest of the run is planned again from there{kept}: "
+            f"{plan_summary(plan, budget, run_steps)}; trainer.max_steps={cap}."
+        )

@@ -240,7 +240,7 @@ class PulseCycle(compat.PulseStateKey, Callback):
             start_without_plan(self.clock, self.budget)  # unpins the clock; refuses a `budget`
         self._refresh_run_length(trainer)
         shares = {"warmup": self.clock.warmup, "anneal": self.clock.anneal}
-        compat.note_run_shares(trainer, "PulseCycle", shares)
+        compat.note_run_shares(trainer, "PulseCycle", {} if self.plan else shares)  # a plan places its own
         if self.plan is None:  # a step-saving checkpoint resumed without its plan: another run length
             configs, saved = trainer.lr_scheduler_configs, self._saved_plan_steps
             if warning := plan_lost_warning(configs, trainer.global_step, saved, self._total_steps):

@@ -286,6 +286,18 @@ RESUMED_DATA_SIZE_REFUSAL = (
 )
 
 
+STEPS_MODE_CUT_EPOCH_SCHEDULE_REFUSAL = (
+    "HardSampleReplay: {cut}, and the rest of the run, planned again from step {step}, takes {more} more "
+    "optimizer steps, where the per-step {scheduler} of {length} steps has {left} left (Lightning also steps "
+    "it for each batch that `on_train_batch_start` skips, with no optimizer step): it would be stepped past "
+    "its end; "
+)
+CUT_EPOCH_WAY_OUT_BY_EPOCHS = (
+    "use mode='batch' (its schedule then spans whole epochs), or build the scheduler for more steps."
+)
+CUT_EPOCH_WAY_OUT_BY_STEPS = (
+    "build the scheduler for a step more per epoch that `on_train_batch_start` ends early (in either mode)."
+)
 STEPS_MODE_EMPTY_EPOCH_REFUSAL = (
     "HardSampleReplay: mode='steps' drew no batch from the planned data in epoch {epoch} while steps remain "
     "(global_step={step}, trainer.max_steps={max_steps}), and Lightning would start every following epoch the "

@@ -21,7 +21,7 @@ import functools
 import inspect
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -65,6 +65,9 @@ class StepPlan:
     # the plain run's steps over the samples a resume from a stop inside an epoch leaves untrained (the rest
     # of that epoch's pass, see StepSavingStream._drop_rest_of_pass): no saving, so left out of the ratios
     plain_dropped: int = 0
+    # epochs of a max_epochs run that Lightning ended before their planned pass did (the module's
+    # on_train_batch_start returned -1), their rests dropped (in plain_dropped): see StepSavingStream.cut_pass
+    epochs_cut: int = 0
 
     @property
     def span(self) -> int:
@@ -103,8 +106,21 @@ class StepPlan:
         """What a ratio of :attr:`own_plain_steps` leaves out (empty: nothing)."""
         if not self.plain_dropped:
             return ""
-        dropped = self.plain_dropped
-        return f"the plain run's {dropped} steps over the untrained rest of stopped epochs left out"
+        dropped, epochs = self.plain_dropped, "epochs ended early" if self.epochs_cut else "stopped epochs"
+        return f"the plain run's {dropped} steps over the untrained rest of {epochs} left out"
+
+    @property
+    def cut_note(self) -> str:
+        """What a ratio of :attr:`own_plain_steps` cannot say after :attr:`epochs_cut` (empty: none were)."""
+        if not self.epochs_cut:
+            return ""
+        epochs = "1 epoch" if self.epochs_cut == 1 else f"{self.epochs_cut} epochs"
+        passes = "its planned pass" if self.epochs_cut == 1 else "their planned passes"
+        return (
+            f"{epochs} ended before {passes} did (`on_train_batch_start` returned -1): the plain run of this "
+            "module ends its epochs by that rule too, after other samples, so its steps are not known here, "
+            "and this is no saving against it."
+        )
 
     @property
     def dropped_note(self) -> str:
@@ -410,21 +426,25 @@ def _spent(fraction: float, full: float, light: float, replay: float, edges: flo
 
 
 def spent_summary(plan: StepPlan, global_step: int, budget: float | None) -> tuple[float, str]:
-    """The share of the plain run's steps the run took, and the line that says it."""
+    """The share of the plain run's steps the run took, and the line that says it. After epochs cut short
+    (:attr:`StepPlan.epochs_cut`) the share is of the plain steps over the same data, and the line says so."""
     asked = "" if budget is None else f" (budget {budget:g})"
+    # after epochs cut short: the plain run over the data this run trained, not the plain run of the module
+    same_data = " over the same data" if plan.epochs_cut else ""
     dropped = f" ({plan.dropped_text})" if plan.plain_dropped else ""
+    cut = f" {plan.cut_note}" if plan.epochs_cut else ""
     before = plan.steps_before
+    plain = plan.own_plain_steps
     if before:  # steps trained before HardSampleReplay was added saved nothing: this fit's share is its own
-        plain = plan.own_plain_steps
         spent = (global_step - before) / plain if plain > 0 else 1.0
         return spent, (
             f"the run took {global_step - before} optimizer steps from step {before} on (where "
-            f"HardSampleReplay joined it), {spent:.3f} of the plain run's {plain} from there{dropped}{asked}."
+            f"HardSampleReplay joined it), {spent:.3f} of the plain run's {plain} from there{same_data}"
+            f"{dropped}{asked}.{cut}"
         )
-    plain = plan.own_plain_steps
     spent = global_step / plain if plain > 0 else 1.0
-    text = f"the run took {global_step} optimizer steps, {spent:.3f} of the plain run's {plain}"
-    return spent, f"{text}{dropped}{asked}."
+    text = f"the run took {global_step} optimizer steps, {spent:.3f} of the plain run's {plain}{same_data}"
+    return spent, f"{text}{dropped}{asked}.{cut}"
 
 
 #: how far above its budget a plan may spend: the replay length is solved for whole cycles, so a run ending
@@ -553,6 +573,10 @@ class StepSavingStream:
         self._first_pass = True
         self._plain_pass: list[int] = []
         self.resumed_at_pass_end = False  # the checkpoint was saved on the last batch of a pass
+        # the pass was cut short and the rest of the run planned again (cut_pass), and no pass began since;
+        # a checkpoint saved then (in the cut epoch's end hooks) says so: its resume closes that epoch
+        self.cut_pending = False
+        self.resumed_after_cut = False
         self.replanned_for_another_length = False  # a resume to another run length remade the saved plan
         # the plan's settings (plan_settings), and those that differ from the checkpoint's: the saved plan
         # is remade for them (see settings_change)
@@ -572,6 +596,13 @@ class StepSavingStream:
         self.dropped_pass_rest: tuple[int, int] | None = None  # see _drop_rest_of_pass
 
     @property
+    def resumed_after_pass(self) -> bool:
+        """Whether the checkpoint was saved where its pass had ended: on its last batch, or at the end of
+        an epoch cut short (after the rest of the run was planned again), so the resume goes on with the
+        next pass and Lightning's restored epoch is closed."""
+        return self.resumed_at_pass_end or self.resumed_after_cut
+
+    @property
     def has_restored_state(self) -> bool:
         """Whether a checkpoint's stream state was restored (the plan goes on from it)."""
         return self._resume is not None
@@ -588,6 +619,8 @@ class StepSavingStream:
         light_phases: Iterable[str],
         settings: dict[str, Any] | None = None,
         lightning_epoch: int | None = None,
+        whole_pass: bool = False,
+        keep_total: bool = False,
         **run: int | bool | None,
     ) -> StepPlan:
         """Plan the run from where it stands (a restored state, or its start). ``run`` holds
@@ -596,7 +629,8 @@ class StepSavingStream:
         settings differ from the checkpoint's plans the rest of the run again, from where it stands: the
         saved total and span belong to the old settings (a budget added kept the old length, and the run ended
         its data inside a replay phase, its anneal never reached). ``lightning_epoch``: the epoch Lightning's
-        restored loops go on with (:meth:`_drop_rest_of_pass`)."""
+        restored loops go on with (:meth:`_drop_rest_of_pass`; ``whole_pass``: also a pass that trained no
+        batch, as :meth:`cut_pass` drops one; ``keep_total``: the saved total and span stay, even so)."""
         samples_per_epoch, batch_size = int(run["samples_per_epoch"] or 0), int(run["batch_size"] or 1)
         self._plain_pass = _plain_sizes(samples_per_epoch, batch_size, bool(run["drop_last"]))
         joined = self._resume is None and self._joined_at is not None
@@ -606,6 +640,7 @@ class StepSavingStream:
             self._resume = {"epoch": epoch, "samples": 0, "batches": 0, "step": step, "trained": trained}
         resume = self._resume
         self.resumed_at_pass_end = False
+        self.resumed_after_cut = bool((resume or {}).get("after_cut"))
         if resume is not None and _pass_ended(
             resume["samples"], samples_per_epoch, batch_size, run["drop_last"]
         ):
@@ -613,7 +648,9 @@ class StepSavingStream:
             self.resumed_at_pass_end = resume["batches"] > 0  # on the pass's last batch, not after the epoch
             resume.update(epoch=resume["epoch"] + 1, samples=0, batches=0)
         accumulate = max(1, int(run["accumulate"] or 1))
-        self.dropped_pass_rest = self._drop_rest_of_pass(lightning_epoch, samples_per_epoch, accumulate)
+        self.dropped_pass_rest = self._drop_rest_of_pass(
+            lightning_epoch, samples_per_epoch, accumulate, whole_pass
+        )
         resume = resume or {}
         saved_total, saved_cycle = resume.get("total_steps"), resume.get("pulse_cycle")
         self.saved_total_steps = None if saved_total is None else int(saved_total)
@@ -638,7 +675,7 @@ class StepSavingStream:
             start_samples=resume.get("samples", 0),
             start_step=resume.get("step", 0),
             total_steps=None
-            if self.changed_settings or self.dropped_pass_rest
+            if (self.changed_settings or self.dropped_pass_rest) and not keep_total
             else resume.get("total_steps"),
             start_trained=resume.get("trained"),
             planned_plain_steps=resume.get("plain_steps"),
@@ -648,6 +685,8 @@ class StepSavingStream:
             self.plan = replace(self.plan, steps_before=steps_before, plain_before=plain_before)
         if plain_dropped := int(resume.get("plain_dropped", 0)):
             self.plan = replace(self.plan, plain_dropped=plain_dropped)
+        if epochs_cut := int(resume.get("epochs_cut", 0)):
+            self.plan = replace(self.plan, epochs_cut=epochs_cut)
         saved_plain_steps = resume.get("plain_steps")
         self.replanned_for_another_length = saved_plain_steps not in (None, self.plan.plain_steps)
         # a checkpoint of an older version holds no count: its plain passes' samples, as plan_steps reckons
@@ -657,7 +696,11 @@ class StepSavingStream:
         return self.plan
 
     def _drop_rest_of_pass(
-        self, lightning_epoch: int | None, samples_per_epoch: int, accumulate: int = 1
+        self,
+        lightning_epoch: int | None,
+        samples_per_epoch: int,
+        accumulate: int = 1,
+        whole_pass: bool = False,
     ) -> tuple[int, int] | None:
         """``(epoch, batches trained of its pass)`` of a resumed pass that Lightning does not go on with,
         else ``None``. A checkpoint saved at a stop mid-epoch (``max_time``, ``trainer.should_stop``) in or
@@ -669,12 +712,12 @@ class StepSavingStream:
         lines promised them. The plain run's steps over the dropped samples (its epoch's steps less those that
         reach the samples trained) are counted in ``plain_dropped``: the plan's ratios leave them out."""
         resume = self._resume
-        if resume is None or not resume["samples"] or lightning_epoch != resume["epoch"] + 1:
+        if resume is None or not (resume["samples"] or whole_pass) or lightning_epoch != resume["epoch"] + 1:
             return None
         dropped = (resume["epoch"], resume["batches"])
         # the plain batches that reach the samples trained
         sums = list(itertools.accumulate(self._plain_pass))
-        reached = min(bisect.bisect_left(sums, resume["samples"]) + 1, len(sums))
+        reached = min(bisect.bisect_left(sums, resume["samples"]) + 1, len(sums)) if resume["samples"] else 0
         plain_left = math.ceil(len(self._plain_pass) / accumulate) - math.ceil(reached / accumulate)
         resume["plain_dropped"] = resume.get("plain_dropped", 0) + plain_left
         rest = samples_per_epoch - resume["samples"]
@@ -683,6 +726,75 @@ class StepSavingStream:
         for key in ("pass_step", "pass_prior", "fixed_cuts", "fixed_cuts_of_ranks"):  # of the dropped pass
             resume.pop(key, None)
         return dropped
+
+    def cut_pass(
+        self,
+        clock: PhaseClock | None,
+        light_phases: Iterable[str],
+        step: int,
+        latest_untrained: bool,
+        too_long: Callable[[StepPlan], bool] | None = None,
+        **run: int | bool | None,
+    ) -> tuple[StepPlan, bool]:
+        """Plan the rest of the run again at the end of an epoch that Lightning ended before its planned pass
+        did (the module's ``on_train_batch_start`` returned -1): the next pass starts at optimizer ``step``,
+        not at the step the plan gave it, so its batches, planned for other phases, would have trained in
+        these (replay windows in a burst, plain batches in the replay phase). ``latest_untrained``: the pass's
+        latest batch was drawn and did not train (the one the hook returned -1 for). ``run``: as
+        :meth:`make_plan` takes it.
+
+        Where ``max_epochs`` bounds the run, the rest of the pass is dropped as a resume from a stop inside an
+        epoch drops it (:meth:`_drop_rest_of_pass`): its samples count as spent, its plain steps are left out
+        of the ratios, and the run's total and warm-up and anneal are solved again. Where ``max_steps`` alone
+        bounds it, the plain run also takes ``max_steps`` steps: the samples not trained stay in the run's
+        data (later epochs train them), and the total stays. The state moves to the next pass's start, so a
+        checkpoint saved now resumes this plan.
+
+        Solved again, the run may take a step or two more than planned (its anneal moved earlier, over replay
+        steps); a plan that ``too_long`` rejects (it would step a per-step LR scheduler past its end) is made
+        again on the old total and span instead: from here on the phases are the old plan's, over less data,
+        so the run takes no more steps than planned, and its anneal stays where it was placed. Returns the
+        plan and whether it kept the old total so."""
+        # what describes the fit's checkpoint (its resume's lines and checks), not this cut
+        kept = (
+            self.saved_total_steps,
+            self.saved_with_cycle,
+            self.dropped_pass_rest,
+            self.resumed_at_pass_end,
+            self.resumed_after_cut,
+            self.replanned_for_another_length,
+            self.changed_settings,
+        )
+        state = self.state_dict(step, latest_untrained)
+        bounded_by_epochs = run.get("max_epochs") is not None
+        if not bounded_by_epochs:
+            state.update(epoch=self.epoch + 1, samples=0, batches=0)
+        self.load_state_dict(state)
+        next_epoch = self.epoch + 1 if bounded_by_epochs else None
+        plan = self.make_plan(clock, light_phases, self.settings, next_epoch, whole_pass=True, **run)
+        kept_total = too_long is not None and too_long(plan)
+        if kept_total:
+            self.load_state_dict(state)
+            plan = self.make_plan(
+                clock, light_phases, self.settings, next_epoch, whole_pass=True, keep_total=True, **run
+            )
+            if bounded_by_epochs:  # max_epochs ends the run where its data does, short of the old total
+                self.plan = plan = replace(plan, total_steps=plan.run_steps(True), data_steps=None)
+        if self.dropped_pass_rest is not None:
+            self.plan = plan = replace(plan, epochs_cut=plan.epochs_cut + 1)
+        (
+            self.saved_total_steps,
+            self.saved_with_cycle,
+            self.dropped_pass_rest,
+            self.resumed_at_pass_end,
+            self.resumed_after_cut,
+            self.replanned_for_another_length,
+            self.changed_settings,
+        ) = kept
+        assert self._resume is not None
+        self.epoch, self.samples, self.batches, self.latest = int(self._resume["epoch"]), 0, 0, 0
+        self.cut_pending = True
+        return plan, kept_total
 
     def sizes_for_pass(
         self, epoch: int, step: int = 0, prior: float = math.nan, accumulate: int = 1
@@ -703,7 +815,7 @@ class StepSavingStream:
                 self.pass_prior = float(resume.get("pass_prior", prior))
                 self.given_cuts = list(resume.get("fixed_cuts", []))
                 self.given_cuts_of_ranks = resume.get("fixed_cuts_of_ranks")
-        self._first_pass = False
+        self._first_pass = self.cut_pending = False
         self.epoch, self.samples, self.batches, self.latest = epoch, skip, done, 0
         sizes = self.plan.sizes_of(epoch)
         if not sizes and not skip:
@@ -746,12 +858,18 @@ class StepSavingStream:
             | self._joined_state()
             | self._settings_state()
             | self._dropped_state()
+            | ({"after_cut": 1} if self.cut_pending else {})
         )
 
     def _dropped_state(self) -> dict[str, int]:
         """The plain steps over a stopped epoch's dropped rest (``StepPlan.plain_dropped``), so a later resume
-        keeps them out of the ratios; nothing where none were dropped (its checkpoints are as they were)."""
-        return {"plain_dropped": self.plan.plain_dropped} if self.plan and self.plan.plain_dropped else {}
+        keeps them out of the ratios, and the epochs cut short (``StepPlan.epochs_cut``); nothing where none
+        were dropped (its checkpoints are as they were)."""
+        if self.plan is None or not (self.plan.plain_dropped or self.plan.epochs_cut):
+            return {}
+        return {"plain_dropped": self.plan.plain_dropped} | (
+            {"epochs_cut": self.plan.epochs_cut} if self.plan.epochs_cut else {}
+        )
 
     def _joined_state(self) -> dict[str, int]:
         """The plain steps before a plan that joined the run (:meth:`join_at`), so its resume keeps counting
@@ -833,6 +951,30 @@ def resumed_plan_change(stream: StepSavingStream, run_steps: int) -> str | None:
             "or HardSampleReplay's replay_fraction or phases)"
         )
     return f"the checkpoint's plan was {saved} optimizer steps, this run plans {run_steps}: {cause}"
+
+
+def scheduler_end(configs: Iterable[Any], step: int, planned_steps: int) -> tuple[str, int, int, int] | None:
+    """``(name, length, steps left, optimizer step)`` of the per-step LR scheduler (Lightning's scheduler
+    configs) whose steps run out first from optimizer ``step`` on, with the optimizer step where they do,
+    among those the plan's ``planned_steps`` fit in (built for the plan, or longer: one shorter runs out
+    anyway); ``None`` for none. Its steps left are its length less its ``last_epoch`` now, one per
+    ``frequency`` optimizer steps. Lightning also steps such a scheduler for a batch the module's
+    ``on_train_batch_start`` skipped (returned -1), with no optimizer step: one built for the plan then has a
+    step fewer left than the plan has optimizer steps."""
+    ends = []
+    for config in configs:
+        lengths = schedule_lengths(config.scheduler)
+        if config.interval != "step" or not lengths:
+            continue
+        every, length = max(1, int(config.frequency or 1)), max(lengths)
+        if length < planned_steps // every:
+            continue
+        left = max(0, length - int(getattr(config.scheduler, "last_epoch", 0)))
+        ends.append((step + left * every, type(config.scheduler).__name__, length, left))
+    if not ends:
+        return None
+    end, name, length, left = min(ends)
+    return name, length, left, end
 
 
 def scheduler_past_end(

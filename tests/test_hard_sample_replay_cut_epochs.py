@@ -1,0 +1,276 @@
+"""Epochs the module's ``on_train_batch_start`` ends early (it returns -1: Lightning skips the rest of the
+epoch), under HardSampleReplay's steps mode and PulseCycle, and under PulseCycle alone.
+
+Found by a held-out sweep: the step plan fixed each epoch's batches at fit start, for an epoch starting at its
+planned step; after a -1 every later pass yielded its replay windows in bursts and its plain batches in the
+replay phase (1 of 8 replay steps trained a replay batch, 6 burst steps did), and the end line claimed a
+saving against a plain run of full epochs (``0.667 of the plain run's 48``) that this module never takes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_pulse import HardSampleReplay, PulseCycle, phase_of
+from lightning_pulse.errors import PulseRefusal
+from tests.conftest import trainer_kwargs
+
+BATCH = 16
+SAMPLES = 192  # 12 plain batches an epoch
+CYCLE = dict(burst=6, replay=4, maintain=2, warmup=0.1, anneal=0.2, maintain_eval="none")
+
+
+class Samples(Dataset):
+    def __init__(self, samples: int = SAMPLES) -> None:
+        self.x = torch.randn(samples, 32, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        return self.x[index]
+
+
+class EndsEpochsEarly(BoringModel):
+    """Lightning's BoringModel, whose ``on_train_batch_start`` returns -1 once ``batch_idx`` reaches ``stop``
+    in the epochs ``cut`` (all: ``None``). ``schedule``: a OneCycleLR built for the run's steps."""
+
+    def __init__(self, stop: int = 8, cut: tuple[int, ...] | None = None, schedule: bool = False) -> None:
+        super().__init__()
+        self.stop, self.cut, self.schedule = stop, cut, schedule
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx >= self.stop and (self.cut is None or self.current_epoch in self.cut):
+            return -1
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
+        if not self.schedule:
+            return optimizer
+        steps = int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=steps)
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+    def train_dataloader(self):
+        return DataLoader(Samples(), batch_size=BATCH)
+
+
+class Windows(Callback):
+    """Per trained batch: its epoch, optimizer step, phase and the samples it was chosen from (a replay
+    window: twice the batch)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, str, int]] = []
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
+        row = (trainer.current_epoch, trainer.global_step, phase_of(trainer).value, replay.offered_count)
+        self.rows.append(row)
+
+
+def _fit(module, root, *extra, ckpt_path=None, replay=None, cycle=None, **trainer_args):
+    pl.seed_everything(0, verbose=False)
+    windows = Windows()
+    callbacks = [PulseCycle(**CYCLE | (cycle or {})), HardSampleReplay(**(replay or {})), windows, *extra]
+    settings = dict(max_epochs=4, default_root_dir=root) | trainer_args
+    checkpoints = any(isinstance(c, ModelCheckpoint) for c in extra)
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(enable_checkpointing=checkpoints, **settings))
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer, windows.rows
+
+
+def _misplaced(rows) -> list[tuple[int, str]]:
+    """Steps that trained a replay window outside the replay phase."""
+    return [(step, phase) for _, step, phase, window in rows if window > BATCH and phase != "replay"]
+
+
+def _dropped_plain_steps(rows) -> int:
+    """The plain run's steps over the samples each epoch's pass left untrained."""
+    trained = [sum(window for epoch, *_, window in rows if epoch == e) for e in range(4)]
+    return sum(SAMPLES // BATCH - math.ceil(samples / BATCH) for samples in trained)
+
+
+@pytest.mark.parametrize("cut", [None, (0,)], ids=["every-epoch", "first-epoch"])
+def test_replay_windows_train_in_the_replay_phase_after_epochs_end_early(tmp_path, caplog, cut):
+    with caplog.at_level(logging.INFO):
+        trainer, rows = _fit(EndsEpochsEarly(cut=cut), tmp_path)
+    replay_steps = [window for _, _, phase, window in rows if phase == "replay"]
+    # before: 6 burst steps trained replay windows (every epoch), 5 (the first only)
+    assert _misplaced(rows) == []
+    assert len(replay_steps) == 8 and sum(window == 2 * BATCH for window in replay_steps) >= 7
+    cut_short = (
+        "epoch 0 ended after 8 of its 11 planned batches (the module's `on_train_batch_start` returned -1)"
+    )
+    assert f"HardSampleReplay: {cut_short}, so the next epoch starts at step 8" in caplog.text
+    assert "the rest of the run is planned again from there" in caplog.text
+    # the end line compares with the plain run over the data this run trained, and says that the plain run of
+    # this module (its epochs ended by the same rule) is not known: before, "0.667 of the plain run's 48" and
+    # "It stopped early: 40 steps (0.833) were planned", for a run as long as the module's plain one (32)
+    steps, dropped = trainer.global_step, _dropped_plain_steps(rows)
+    plain = 4 * SAMPLES // BATCH - dropped
+    assert dropped > 0 and steps == (32 if cut is None else 36)
+    took = (
+        f"the run took {steps} optimizer steps, {steps / plain:.3f} of the plain run's {plain} over the same"
+    )
+    left_out = f"the plain run's {dropped} steps over the untrained rest of epochs ended early left out"
+    assert f"PulseCycle: {took} data ({left_out})" in caplog.text
+    assert "its steps are not known here, and this is no saving against it" in caplog.text
+    assert "It stopped early" not in caplog.text and "plain run's 48" not in caplog.text
+
+
+def test_a_run_bounded_by_max_steps_alone_keeps_its_data_and_its_plain_length_after_epochs_end_early(
+    tmp_path, caplog
+):
+    # max_steps ends the plain run of this module too, however its epochs end: the plan keeps its total and
+    # the samples an epoch left untrained stay in the run's data, and the saving is against max_steps
+    with caplog.at_level(logging.INFO):
+        trainer, rows = _fit(EndsEpochsEarly(), tmp_path, max_epochs=-1, max_steps=40)
+    assert _misplaced(rows) == []
+    steps = trainer.global_step
+    assert steps == 33  # as the run without the early ends: the same data in the same phases
+    assert f"the run took {steps} optimizer steps, {steps / 40:.3f} of the plain run's 40." in caplog.text
+    assert "over the same data" not in caplog.text
+
+
+class SaveAtEpochEnd(ModelCheckpoint):
+    """Saves in every epoch's end hooks (after the plan was made again there)."""
+
+    def __init__(self, dirpath) -> None:
+        super().__init__(dirpath=dirpath, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)
+
+
+@pytest.mark.parametrize(
+    "resume_at",
+    ["step-5", "step-8", "epoch-0-end", "step-12", "epoch-2-end"],
+)
+def test_a_resume_across_epochs_ended_early_reproduces_the_uninterrupted_run(tmp_path, resume_at):
+    # step 8: after the cut epoch 0's last trained batch; the resume draws the batch the hook skips, and ends
+    # the epoch there
+    every_step = ModelCheckpoint(dirpath=tmp_path / "steps", every_n_train_steps=1, save_top_k=-1)
+    full, full_rows = _fit(
+        EndsEpochsEarly(), tmp_path / "full", every_step, SaveAtEpochEnd(tmp_path / "ends")
+    )
+    assert _misplaced(full_rows) == []
+    kind, at = resume_at.split("-", 1)
+    if kind == "step":
+        path = next((tmp_path / "steps").glob(f"*-step={at}.ckpt"))
+    else:
+        path = next((tmp_path / "ends").glob(f"epoch={at.split('-')[0]}-*.ckpt"))
+    resumed_module = EndsEpochsEarly()
+    resumed, rows = _fit(resumed_module, tmp_path / "resumed", ckpt_path=str(path))
+    start = torch.load(path, weights_only=False)["global_step"]
+    assert resumed.global_step == full.global_step == 32
+    assert rows == [row for row in full_rows if row[1] >= start]
+    for mine, theirs in zip(resumed.lightning_module.parameters(), full.lightning_module.parameters()):
+        assert torch.equal(mine, theirs)
+
+
+class OneCycleAtTheTail(EndsEpochsEarly):
+    """Skips epoch 2's last planned batch (its 6th), with a OneCycleLR built for the planned steps."""
+
+    def __init__(self) -> None:
+        super().__init__(stop=5, cut=(2,), schedule=True)
+
+
+def test_a_plan_made_again_that_would_outrun_a_one_cycle_schedule_keeps_its_old_total(tmp_path, caplog):
+    # solved again, this plan takes 33 steps where the OneCycleLR was built for the 31 planned (it raised
+    # "Tried to step 32 times" at the run's end): it keeps warm-up and anneal where they were placed instead
+    replay, cycle = dict(replay_fraction=0.25), dict(burst=3, replay=3, maintain=3)
+    ends = SaveAtEpochEnd(tmp_path / "ends")
+    with caplog.at_level(logging.INFO):
+        trainer, rows = _fit(OneCycleAtTheTail(), tmp_path, ends, replay=replay, cycle=cycle)
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert "warm-up and anneal kept where they were placed" in caplog.text
+    assert "the per-step OneCycleLR, which has 9 steps left" in caplog.text
+    assert schedule.last_epoch <= schedule.total_steps == 31
+    assert trainer.global_step == trainer.max_steps < 31 and _misplaced(rows) == []
+    # resumed from the cut epoch's end, the run follows that plan
+    path = str(next((tmp_path / "ends").glob("epoch=2-*.ckpt")))
+    resumed, resumed_rows = _fit(
+        OneCycleAtTheTail(), tmp_path / "r", ckpt_path=path, replay=replay, cycle=cycle
+    )
+    assert resumed.global_step == trainer.global_step and resumed_rows == [r for r in rows if r[0] == 3]
+    for mine, theirs in zip(resumed.lightning_module.parameters(), trainer.lightning_module.parameters()):
+        assert torch.equal(mine, theirs)
+
+
+class SkipsEachTail(EndsEpochsEarly):
+    """Skips each epoch's short last batch (200 samples: 12 of 16 and one of 8), with a OneCycleLR."""
+
+    def __init__(self) -> None:
+        super().__init__(schedule=True)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch.shape[0] < BATCH:
+            return -1
+
+    def train_dataloader(self):
+        return DataLoader(Samples(200), batch_size=BATCH)
+
+
+def test_a_plan_that_a_one_cycle_schedule_cannot_follow_is_refused_before_the_next_step(tmp_path):
+    # Lightning steps the scheduler for the skipped batch too, and dropping 8 samples saves no step: planned
+    # again, the run needs 52 more steps where the schedule has 51 left. mode='batch' spans whole epochs
+    with pytest.raises(PulseRefusal) as refused:
+        trainer, _ = _fit(SkipsEachTail(), tmp_path, max_epochs=6)
+    message = str(refused.value)
+    assert message.startswith("HardSampleReplay: epoch 0 ended after 12 of its 13 planned batches")
+    assert "`on_train_batch_start` returned -1" in message and "mode='batch'" in message
+    assert "takes 52 more optimizer steps, where the per-step OneCycleLR of 64 steps has 51 left" in message
+
+
+def test_pulse_cycle_alone_warns_once_that_epochs_ended_early_move_its_anneal(tmp_path):
+    # warm-up and anneal are shares of Lightning's 48 steps of whole epochs; the run takes 32, so its anneal
+    # (from step 38) never came, without a word
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(**CYCLE)], **trainer_kwargs(max_epochs=4, default_root_dir=tmp_path)
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"PulseCycle: an epoch ended early \(the module.s `on_train_batch_start` returned -1",
+    ) as caught:
+        trainer.fit(EndsEpochsEarly())
+    said = [str(w.message) for w in caught if "ended early" in str(w.message)]
+    assert len(said) == 1 and "PulseCycle (`warmup`=0.1, `anneal`=0.2)" in said[0]
+    assert "Set Trainer(max_steps=N)" in said[0] and trainer.global_step == 32
+    # the way out: max_steps ends the run however its epochs end, and the shares are placed on it
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(**CYCLE)], **trainer_kwargs(max_steps=40, default_root_dir=tmp_path)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(EndsEpochsEarly())
+    assert trainer.global_step == 40 and not [w for w in caught if "ended early" in str(w.message)]
+
+
+def test_every_share_placed_on_whole_epochs_is_named_once_after_an_epoch_ends_early(tmp_path):
+    # ScheduledPrune and GradientCache read it at the next epoch's first batch, EnergyLogger at its start
+    from lightning_pulse import EnergyLogger, GradientCache, MeterConfig, ScheduledPrune
+
+    prune = ScheduledPrune(final_sparsity=0.5, start=0.1, end=0.8, every=2)
+    cache = GradientCache(check_every=2, release_at=0.8)
+    energy = EnergyLogger(
+        report_dir=str(tmp_path), cpu="constant", ram="none", meters=MeterConfig(cpu_watts=50)
+    )
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        callbacks=[prune, cache, energy], **trainer_kwargs(max_epochs=4, default_root_dir=tmp_path)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(EndsEpochsEarly())
+    said = [str(w.message) for w in caught if "an epoch ended early" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("ScheduledPrune, GradientCache, EnergyLogger: an epoch ")
+    placed = "ScheduledPrune (`start`=0.1, `end`=0.8), GradientCache (`release_at`=0.8)."
+    assert "These were placed as shares of 48 steps and will not land where asked: " + placed in said[0]
+    assert "so blind to the lengths of the epochs still to come: EnergyLogger" in said[0]
