@@ -145,10 +145,31 @@ def unwritable_dir_reason(directory: str | os.PathLike) -> str | None:
     return None if os.access(directory, os.W_OK | os.X_OK) else "it is not writable"
 
 
-def refuse_unwritable_dir(callback: str, field: str, directory: str | os.PathLike | None) -> None:
+def uncreatable_dir_reason(directory: str | os.PathLike) -> str | None:
+    """:func:`unwritable_dir_reason` without creating ``directory``: why it could not be created (its first
+    existing parent is no folder, or not writable) or written, or ``None``."""
+    path = target = os.path.abspath(directory)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return f"it cannot be created: {path!r} is not a folder"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "it is not writable" if path == target else f"it cannot be created: {path!r} is not writable"
+    return None
+
+
+def refuse_unwritable_dir(
+    callback: str, field: str, directory: str | os.PathLike | None, trainer: pl.Trainer | None = None
+) -> None:
     """Raise :class:`PulseRefusal` at fit start for a report folder that cannot be created or written: the
-    report is written at the end, and a run should not learn after all its training that it is lost."""
+    report is written at the end, and a run should not learn after all its training that it is lost. Without
+    ``directory``, the ``trainer``'s run folder, where the report goes by default
+    (:func:`~lightning_pulse.loggers.refuse_unwritable_run_folder`)."""
     if directory is None:
+        if trainer is not None:
+            from lightning_pulse.loggers import refuse_unwritable_run_folder  # it imports this module
+
+            refuse_unwritable_run_folder(trainer, callback, field)
         return
     if (reason := unwritable_dir_reason(directory)) is not None:
         raise PulseRefusal(

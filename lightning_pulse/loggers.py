@@ -27,6 +27,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.errors import PulseRefusal, uncreatable_dir_reason
 
 #: by Trainer, the ids of its loggers whose failure was said: once per logger, not at every failed call. Ids,
 #: not the loggers: a logger need not be hashable; the Trainer holds its loggers, so no id is reused
@@ -91,6 +92,31 @@ def run_folder(trainer: pl.Trainer, report_dir: str | os.PathLike | None = None)
         return trainer.log_dir or trainer.default_root_dir
     folder = _own_folder(loggers[0], trainer.default_root_dir) if trainer.is_global_zero else None
     return trainer.strategy.broadcast(folder)
+
+
+def refuse_unwritable_run_folder(trainer: pl.Trainer, callback: str, field: str) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` at fit start where ``callback``'s report, written
+    at the end into the run's own folder (:func:`run_folder`: ``field`` is not given), could not be written
+    there: a read-only working directory as ``default_root_dir``, a ``save_dir`` under a file. The folder is
+    not created: a logger creates its own later, and numbers its version by the folders it finds; the first
+    folder above it that exists must take a new one. Rank 0 decides (the only rank that writes), every rank
+    refuses (a broadcast). Nothing under ``fast_dev_run``, which writes no report."""
+    if trainer.fast_dev_run:
+        return
+    folder = run_folder(trainer)  # a collective under DDP: every rank
+    reason = uncreatable_dir_reason(folder) if trainer.is_global_zero else None
+    if trainer.world_size > 1:
+        reason = trainer.strategy.broadcast(reason)
+    if reason is not None:
+        whose = (
+            "the logger a writable `save_dir`"
+            if trainer.loggers
+            else "the Trainer a writable `default_root_dir`"
+        )
+        raise PulseRefusal(
+            f"{callback}: the run's own folder {folder!r}, where the report goes without `{field}`, cannot "
+            f"hold the report ({reason}); give `{field}` a writable folder (or {whose})."
+        )
 
 
 def _own_folder(logger: Any, default_root_dir: str) -> str:

@@ -354,10 +354,11 @@ class PhaseClock:
 
     @property
     def label(self) -> str:
-        """A short label for a progress bar: ``"burst(warmup)"``, ``"replay·c3"``."""
+        """A short label for a progress bar: ``"burst(warmup)"``, ``"replay c3"``; ASCII, as any stdout can
+        print it (Lightning's TQDM bar writes to ``sys.stdout``, which raises on what its encoding lacks)."""
         if self.stage in ("warmup", "anneal"):
             return f"{self.phase}({self.stage})"
-        return f"{self.phase}·c{self.cycle}"
+        return f"{self.phase} c{self.cycle}"
 
     def state_dict(self) -> dict[str, Any]:
         return {

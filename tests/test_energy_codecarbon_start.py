@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing.context
 import os
+import signal
+import sys
 import threading
 import time
 import warnings
@@ -397,3 +399,74 @@ def test_a_fit_that_ends_before_a_later_0_w_process_mode_start_keeps_its_trainin
     assert total_watts > 0  # was 0 J, "estimated"
     # one reading spans the training and the wait, spread by time: both at its power (not all in the wait)
     assert startup_watts <= total_watts * 2, (total_watts, startup_watts)
+
+
+class CtrlCDuringTheStartWait(Callback):
+    """Listed before EnergyLogger: at the first epoch end, a Ctrl-C (SIGINT) once the training thread waits
+    in ``Thread.join`` for codecarbon's start, as a user's Ctrl-C lands there."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        threading.Thread(target=self._interrupt_the_wait, daemon=True).start()
+
+    @staticmethod
+    def _interrupt_the_wait() -> None:
+        main = threading.main_thread().ident
+        for _ in range(3000):  # at most ~30 s
+            frame, names = sys._current_frames().get(main), []
+            while frame is not None:
+                names.append(frame.f_code.co_name)
+                frame = frame.f_back
+            if names[:1] == ["_wait_for_tstate_lock"] and "wait_started" in names:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.01)
+
+
+@pytest.mark.skipif(
+    not hasattr(threading.Thread, "_wait_for_tstate_lock"),
+    reason="no _wait_for_tstate_lock in this Python's Thread.join: the one an interrupt breaks",
+)
+def test_a_ctrl_c_during_the_wait_for_codecarbons_start_says_the_fit_was_interrupted_not_a_30_s_wait(
+    tmp_path, monkeypatch
+):
+    """Fortieth pass: a Ctrl-C while EnergyLogger waited for codecarbon's start (a process's first epoch end)
+    warned that the start "did not finish within 30 s", in a fit that ended 0.3 s later. Python 3.11's
+    interrupted ``Thread.join`` marks the thread stopped, so the wait at the fit's end returned at once and
+    the message was built from the timeout, not from the wait."""
+    from codecarbon import OfflineEmissionsTracker
+
+    release = threading.Event()
+    original = OfflineEmissionsTracker.start
+
+    def held_start(tracker):  # still starting when the Ctrl-C comes
+        release.wait(timeout=60.0)
+        original(tracker)
+
+    monkeypatch.setattr(OfflineEmissionsTracker, "start", held_start)
+    energy = EnergyLogger(cpu="codecarbon")
+    options = trainer_kwargs(
+        max_epochs=3, limit_train_batches=2, limit_val_batches=0, default_root_dir=tmp_path
+    )
+    trainer = pl.Trainer(callbacks=[CtrlCDuringTheStartWait(), energy], **options)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with warnings.catch_warnings(record=True) as record, pytest.raises(SystemExit):
+            warnings.simplefilter("always")
+            trainer.fit(MNIST1DClassifier(arch="mlp"), train_dataloaders=train_loader())
+        held = start_thread()
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT once it has caught one
+        release.set()
+
+    assert trainer.current_epoch == 0 and trainer.global_step == 2  # stopped in the first epoch end's wait
+    lines = energy_warnings(record)
+    assert (
+        len(lines) == 1 and "cpu meter 'codecarbon' failed (MeterError: the fit was interrupted" in lines[0]
+    )
+    assert "did not finish within" not in lines[0]  # was "... within 30 s", in a wait of well under 1 s
+    for component in ("cpu", "ram"):  # the RAM meter's line is an info: it has no fallback
+        reason = energy.report["meters"][component]["fallbacks"][0]["reason"]
+        assert reason.startswith("MeterError: the fit was interrupted during its background start, "), reason
+    if held is not None:
+        held.join(timeout=30.0)
+        assert not held.is_alive()

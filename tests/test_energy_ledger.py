@@ -686,7 +686,7 @@ def test_a_run_no_meter_counted_has_null_energy_and_logs_no_energy_figure_with_o
     clock.now += 2.0
     metrics, forecast = account.epoch_metrics(0, 10.0)
     assert forecast is None and not any(name.endswith(("_kwh", "_co2_kg", "_cost")) for name in metrics)
-    assert account.step_metrics() is None and account.progress_text() == "—"
+    assert account.step_metrics() is None and account.progress_text() == "n/a"
     report = account.report("complete", "EUR")
     total = json.loads(json.dumps(report))["total"]
     assert total["energy_kwh"] is None and total["avg_power_w"] is None and total["energy_method"] == NONE

@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning_pulse import EnergyLogger, GreenWindow, GreenWindowOptions, MeterConfig, SimulatedClock
 from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
 from lightning_pulse.energy.config import AccountingConfig
+from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 
 DE_JUNE = str(
@@ -184,3 +185,85 @@ def test_a_run_continued_under_its_version_folders_name_is_the_same_run(mnist1d_
         second = fit(mnist1d_small, tmp_path, StoreLogger(store, "version_0"), steps=3)
     assert folders(*first) == folders(*second) == (store / "experiment" / "version_0",) * 2
     assert not [w for w in caught if REPLACED in str(w.message)]
+
+
+class _CountSteps(pl.Callback):
+    steps = 0
+
+    def on_train_batch_end(self, *args) -> None:
+        self.steps += 1
+
+
+def _one_callback(kind: str, clock: SimulatedClock) -> list[pl.Callback]:
+    if kind == "energy":
+        return [EnergyLogger(cpu="constant", ram="none", gpu="none", meters=MeterConfig(cpu_watts=20.0))]
+    green = GreenWindow(signal=DE_JUNE, when_dirty="pause", max_delay=1.0, clock=clock,
+                        options=GreenWindowOptions(watts=20.0))  # fmt: skip
+    return [SimulatedStepTime(clock, 60.0), green]
+
+
+@pytest.mark.parametrize("kind", ["energy", "green"])
+@pytest.mark.parametrize("where", ["default_root_dir", "logger_save_dir"])
+def test_an_unwritable_default_report_folder_is_refused_at_fit_start_not_found_after_the_training(
+    mnist1d_small, tmp_path, kind, where
+):
+    """Fortieth pass: with no `report_dir`, a run folder that could not be written (a read-only working
+    directory as `default_root_dir`; here one under a file, which root cannot write either) trained every
+    step, then warned "could not write the ... report" and lost it; only an explicit `report_dir` was checked
+    at fit start."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    root, logger = str(tmp_path), False
+    if where == "default_root_dir":
+        root = str(blocker / "run")
+    else:
+        logger = StoreLogger(blocker / "store", "run-a")
+    counter = _CountSteps()
+    callbacks = [*_one_callback(kind, SimulatedClock("2020-06-15 14:00:00")), counter]
+    trainer = pl.Trainer(
+        callbacks=callbacks,
+        max_steps=4,
+        limit_val_batches=0,
+        **trainer_kwargs(logger=logger, default_root_dir=root),
+    )
+    field = "report_dir" if kind == "energy" else "options.report_dir"
+    with pytest.raises(PulseRefusal) as refused:
+        trainer.fit(*mnist1d_small(arch="mlp"))
+    assert counter.steps == 0
+    message = str(refused.value)
+    assert message.startswith(
+        ("EnergyLogger: " if kind == "energy" else "GreenWindow: ") + "the run's own folder"
+    )
+    assert f"cannot hold the report (it cannot be created: {str(blocker)!r} is not a folder)" in message
+    assert f"give `{field}` a writable folder" in message
+
+
+@pytest.mark.parametrize("kind", ["energy", "green"])
+def test_a_default_report_folder_not_there_yet_is_checked_but_not_created_at_fit_start(
+    mnist1d_small, tmp_path, kind
+):
+    """The check reads the first folder above it that exists: the run's folder is not made at fit start (a
+    fit refused later would leave it behind, and TensorBoard and CSV loggers number their versions by the
+    folders they find); without a report (`fast_dev_run` writes none) nothing is checked."""
+    run = tmp_path / "store" / "experiment" / "run-a"
+    seen: list[bool] = []
+
+    class _RunFolderAtFitStart(pl.Callback):  # listed after the report's callback: after its check
+        def on_fit_start(self, trainer, pl_module) -> None:
+            seen.append(run.exists())
+
+    clock, logger = SimulatedClock("2020-06-15 14:00:00"), StoreLogger(tmp_path / "store", "run-a")
+    callbacks = [*_one_callback(kind, clock), _RunFolderAtFitStart()]
+    trainer = pl.Trainer(callbacks=callbacks, max_steps=3, limit_val_batches=0,
+                         **trainer_kwargs(logger=logger, default_root_dir=tmp_path))  # fmt: skip
+    trainer.fit(*mnist1d_small(arch="mlp"))
+    assert seen == [False] and trainer.global_step == 3
+    reports = callbacks[0].report_paths if kind == "energy" else callbacks[1].report_paths
+    assert reports and reports[0].parent == run
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    smoke = pl.Trainer(callbacks=_one_callback(kind, clock), fast_dev_run=True,
+                       **trainer_kwargs(default_root_dir=str(blocker / "run")))  # fmt: skip
+    smoke.fit(*mnist1d_small(arch="mlp"))
+    assert smoke.global_step == 1

@@ -158,7 +158,7 @@ class EnergyLogger(compat.PulseStateKey, Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        refuse_unwritable_dir("EnergyLogger", "report_dir", self.report_dir)
+        refuse_unwritable_dir("EnergyLogger", "report_dir", self.report_dir, trainer)
         refuse_overwriting_baseline(self.accounting.baseline, self.report_dir, lambda: run_folder(trainer))
         self._trainer, self._in_train_loop = weakref.ref(trainer), False
         self.report, self.report_paths = None, []

@@ -186,7 +186,7 @@ class GreenWindow(compat.PulseStateKey, Callback):
         )
         if refusal is not None:
             raise PulseRefusal(refusal)
-        refuse_unwritable_dir("GreenWindow", "options.report_dir", self.options.report_dir)
+        refuse_unwritable_dir("GreenWindow", "options.report_dir", self.options.report_dir, trainer)
         self.signal.follow(intensity)  # without a signal of its own: the EnergyLogger's series, on this clock
         if self.options.watts is None and self._energy is None:
             rank_zero_info(NO_ENERGY_LINE)

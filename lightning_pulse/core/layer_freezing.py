@@ -27,11 +27,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-try:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-except ImportError:  # a torch built without distributed support
-    ZeroRedundancyOptimizer = ()  # type: ignore[assignment,misc]
-
 from lightning_pulse.core.activation_cache import FEATURE_ENCODER_HINT, LoaderActivationCache, reads_gradient
 from lightning_pulse.core.backward_flops import BackwardFlopLedger
 from lightning_pulse.core.custom_functions import DDP_INNER_BACKWARD, FunctionScan
@@ -57,7 +52,7 @@ from lightning_pulse.core.freeze_units import (
     units_changed_since,
     untrained_entries,
 )
-from lightning_pulse.core.snapshots import hook_around_steps, runs_step_hooks
+from lightning_pulse.core.snapshots import hook_around_steps, is_zero_redundancy, runs_step_hooks
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import KNOWN_LENGTH
 from lightning_pulse.records import append_recent
@@ -1997,7 +1992,7 @@ def holds_frozen_parameters_every_step(
     if not runs_step_hooks(optimizer):
         return True
     inner = _inner_optimizers(optimizer)
-    if isinstance(optimizer, ZeroRedundancyOptimizer) or repeats_closure:
+    if is_zero_redundancy(optimizer) or repeats_closure:
         return not all(skips_gradless_parameters(held) for held in inner)
     return bool(inner)
 

@@ -947,11 +947,13 @@ class EnergyAccount:
         return self.step_metrics()
 
     def progress_text(self) -> str:
-        """The progress bar's figure; it changes only with a reading, so it is formatted once per reading."""
+        """The progress bar's figure; it changes only with a reading, so it is formatted once per reading.
+        ASCII (``n/a`` before the first reading): Lightning's TQDM bar writes to ``sys.stdout``, which raises
+        on a character its encoding (Latin-1, ASCII) lacks."""
         at = self.last_reading_time
         if at is None or at != self._progress_at:
             metered = self.ledger is not None and self.ledger.counted
-            self._progress_at, self._progress_text = at, f"{self.metered_kwh():.3g}" if metered else "—"
+            self._progress_at, self._progress_text = at, f"{self.metered_kwh():.3g}" if metered else "n/a"
         return self._progress_text
 
     def snapshot(

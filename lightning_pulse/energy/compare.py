@@ -429,13 +429,13 @@ def ratio_of(comparison: Mapping[str, Any], figure: str) -> float | None:
 # ---------------------------------------------------------------------- rendering
 def _cell(value: Any, method: str | None = None) -> str:
     if value is None:
-        return "—"
+        return "n/a"  # ASCII: `lightning-pulse compare` prints it, to a stdout of any encoding
     text = f"{value:.4g}" if isinstance(value, float) else str(value)
     return f"{text} ({method})" if method else text
 
 
 def _ratio_cell(ratio: float | None) -> str:
-    return "—" if ratio is None else f"{ratio:.3f}x"
+    return "n/a" if ratio is None else f"{ratio:.3f}x"
 
 
 def comparison_markdown(comparison: Mapping[str, Any], title: str = "# Energy comparison") -> str:

@@ -61,6 +61,7 @@ class EnergySampler:
         self._thread: threading.Thread | None = None
         self._started = False
         self._started_at = 0.0
+        self._waited_for_starts_s = 0.0  # in :meth:`settle`, for a start given up
 
     def __getstate__(self) -> dict[str, Any]:
         # pickled and deep-copied with its EnergyLogger (``ddp_spawn``, a sweep's copies): a copy is a stopped
@@ -103,7 +104,8 @@ class EnergySampler:
                     # and the ledger spreads it over the phases since the last reading (a zero reading here
                     # put a short fit's whole backlog into its last interval, the fit end)
                     return
-                self._give_up_starts(STARTING_GRACE_S)  # its zero point is no reading either
+                # its zero point is no reading either
+                self._give_up_starts(f"its background start did not finish within {STARTING_GRACE_S:g} s")
             totals = {chain.component: chain.read(now) for chain in self.chains}
             self.ledger.record(now, self.wall_clock(), totals)
             self.samples += 1
@@ -112,17 +114,33 @@ class EnergySampler:
         """Let every meter still starting in the background (codecarbon) finish, so the next reading holds
         its energy; a no-op once they run. ``timeout`` (default :data:`STARTING_WAIT_S`) bounds the whole
         wait (chains sharing one codecarbon session would otherwise each wait it out); a start still running
-        then is given up: the next reading falls back over the whole span since that meter's start."""
-        timeout = STARTING_WAIT_S if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        for chain in self.chains:
-            chain.settle(max(0.0, deadline - time.monotonic()))
-        self._give_up_starts(timeout)
+        then is given up: the next reading falls back over the whole span since that meter's start.
 
-    def _give_up_starts(self, waited_s: float) -> None:
+        A wait that returns well before ``timeout`` with a start still running was cut short: Python 3.11's
+        ``Thread.join``, once a Ctrl-C has interrupted it (at an epoch end's wait), marks the thread stopped
+        and returns at once from then on, while the start goes on. The start is given up as interrupted,
+        with the time really waited (all waits of this sampler), not as one that took ``timeout``."""
+        timeout = STARTING_WAIT_S if timeout is None else timeout
+        began = time.monotonic()
+        deadline = began + timeout
+        try:
+            for chain in self.chains:
+                chain.settle(max(0.0, deadline - time.monotonic()))
+        finally:
+            waited = time.monotonic() - began
+            self._waited_for_starts_s += waited  # an interrupted wait too: the time the fit really waited
+        if waited < timeout / 2:
+            total = self._waited_for_starts_s
+            self._give_up_starts(
+                f"the fit was interrupted during its background start, {total:.2f} s into the wait for it"
+            )
+        else:
+            self._give_up_starts(f"its background start did not finish within {timeout:g} s")
+
+    def _give_up_starts(self, reason: str) -> None:
         for chain in self.chains:
             if chain.starting:
-                chain.give_up_start(f"its background start did not finish within {waited_s:g} s")
+                chain.give_up_start(reason)
 
     def _run(self) -> None:
         try:
