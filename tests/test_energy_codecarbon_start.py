@@ -350,7 +350,8 @@ def test_a_later_process_mode_start_reading_0_w_spreads_its_start_up_gap_over_th
     assert held.powers[0] == 0.0 and held.session._gap_kwh[0] > 0  # the 0 W start; its gap counted
     report = energy.report
     assert report["meters"]["cpu"]["meter"] == "codecarbon"
-    assert not report.get("meter_startup")  # the start ended mid-epoch: no epoch end waited for it
+    # the start usually ends mid-epoch; on a loaded machine its re-measures may outlast the last batches, and
+    # the epoch end waits for it (`meter_startup`): either way the backlog is spread by time over the phases
     watts = {
         phase: cpu_kwh(figures) * 3.6e6 / figures["duration_s"] for phase, figures in report["phases"].items()
     }
