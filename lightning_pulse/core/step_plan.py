@@ -545,6 +545,19 @@ def _setting(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+#: what a stream's restored state says about the fit's checkpoint (its resume's lines and checks): kept as they
+#: are when an epoch cut short plans the rest again (:meth:`StepSavingStream.cut_pass`)
+_CHECKPOINT_FACTS = (
+    "saved_total_steps",
+    "saved_with_cycle",
+    "dropped_pass_rest",
+    "resumed_at_pass_end",
+    "resumed_after_cut",
+    "replanned_for_another_length",
+    "changed_settings",
+)
+
+
 class StepSavingStream:
     """Where a step-saving run stands in its data: the plan, the pass under way and what of it trained.
 
@@ -756,15 +769,7 @@ class StepSavingStream:
         so the run takes no more steps than planned, and its anneal stays where it was placed. Returns the
         plan and whether it kept the old total so."""
         # what describes the fit's checkpoint (its resume's lines and checks), not this cut
-        kept = (
-            self.saved_total_steps,
-            self.saved_with_cycle,
-            self.dropped_pass_rest,
-            self.resumed_at_pass_end,
-            self.resumed_after_cut,
-            self.replanned_for_another_length,
-            self.changed_settings,
-        )
+        kept = {name: getattr(self, name) for name in _CHECKPOINT_FACTS}
         state = self.state_dict(step, latest_untrained)
         bounded_by_epochs = run.get("max_epochs") is not None
         if not bounded_by_epochs:
@@ -782,15 +787,8 @@ class StepSavingStream:
                 self.plan = plan = replace(plan, total_steps=plan.run_steps(True), data_steps=None)
         if self.dropped_pass_rest is not None:
             self.plan = plan = replace(plan, epochs_cut=plan.epochs_cut + 1)
-        (
-            self.saved_total_steps,
-            self.saved_with_cycle,
-            self.dropped_pass_rest,
-            self.resumed_at_pass_end,
-            self.resumed_after_cut,
-            self.replanned_for_another_length,
-            self.changed_settings,
-        ) = kept
+        for name, value in kept.items():
+            setattr(self, name, value)
         assert self._resume is not None
         self.epoch, self.samples, self.batches, self.latest = int(self._resume["epoch"]), 0, 0, 0
         self.cut_pending = True
