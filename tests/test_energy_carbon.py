@@ -302,16 +302,17 @@ def test_callbacks_refuse_a_series_start_outside_their_series_naming_the_field()
     assert inside.signal.rate.series_start == utc("2020-06-02 00:00:00")
 
 
-def _paused_green_window_run(series, start: str, mnist1d_small, tmp_path):
-    """A GreenWindow (``when_dirty="pause"``, 300 W) on ``series`` from ``start`` on a simulated clock, an hour a
-    step, and the 36-step fit of a small MLP to run: ``(green_window, fit)``."""
+def _paused_green_window_run(series, start, mnist1d_small, tmp_path):
+    """A GreenWindow (``when_dirty="pause"``, 300 W) on ``series`` from ``start`` on a simulated clock (or on
+    ``start``, a SimulatedClock), an hour a step, and the 36-step fit of a small MLP to run:
+    ``(green_window, fit)``."""
     import lightning.pytorch as pl
 
     from lightning_pulse import GreenWindow, GreenWindowOptions, SimulatedClock
     from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
     from tests.conftest import trainer_kwargs
 
-    clock = SimulatedClock(start)
+    clock = start if isinstance(start, SimulatedClock) else SimulatedClock(start)
     green = GreenWindow(
         signal=series,
         when_dirty="pause",
@@ -674,3 +675,171 @@ def test_a_header_ending_in_an_unnamed_column_takes_rows_that_fill_it(tmp_path):
     path.write_text("timestamp,value,\n2020-01-01 00:00:00,100,checked\n2020-01-01 01:00:00,110,\n")
     series = TimeSeries.from_csv(path)
     assert series.values.tolist() == [100.0, 110.0]
+
+
+@pytest.mark.parametrize(
+    ("stamps", "said"),
+    [
+        (  # compact date-hours across a day's end: as Unix seconds 1 s, then 77 s apart, in January 2034
+            ["2020061522", "2020061523", "2020061600", "2020061601"],
+            "ci.csv:2: timestamp '2020061522' reads as 2034-01-05 08:12:02 UTC in Unix seconds, and as "
+            "2020-06-15 22:00:00 in a compact YYYYMMDDHH date, as every timestamp of the file does: a series of "
+            "Unix seconds almost never spells dates row after row, so it is refused, not guessed; timestamps "
+            "are ISO 8601 (naive ones are UTC) or Unix seconds: write '2020-06-15 22:00:00' (and Unix seconds "
+            "that spell dates as ISO 8601 too).",
+        ),
+        (  # compact dates of a daily series, as Unix seconds a day in August 1970
+            ["20200615", "20200616", "20200617"],
+            "ci.csv:2: timestamp '20200615' reads as 1970-08-22 19:16:55 UTC in Unix seconds, and as "
+            "2020-06-15 00:00:00 in a compact YYYYMMDD date, as every timestamp of the file does: a series of "
+            "Unix seconds almost never spells dates row after row, so it is refused, not guessed; timestamps "
+            "are ISO 8601 (naive ones are UTC) or Unix seconds: write '2020-06-15 00:00:00' (and Unix seconds "
+            "that spell dates as ISO 8601 too).",
+        ),
+    ],
+    ids=["date-hours", "dates"],
+)
+def test_a_csv_of_compact_dates_inside_the_dated_range_is_refused_not_read_as_seconds(tmp_path, stamps, said):
+    """Left open by the fortieth pass: `2020061500` is 2034-01-05 as Unix seconds, inside 1900-2199, so a
+    file of compact date-hours was read 14 years off (and `20200615` as 1970) with no word."""
+    from lightning_pulse import EnergyLogger, GreenWindow, MeterConfig
+    from lightning_pulse.energy.signal import series_from_pairs
+
+    path = tmp_path / "ci.csv"
+    path.write_text(
+        "timestamp,value\n" + "".join(f"{stamp},{250 + 10 * i}\n" for i, stamp in enumerate(stamps))
+    )
+    with pytest.raises(ValueError) as refused:
+        EnergyLogger(carbon_intensity=str(path), cpu="constant", meters=MeterConfig(cpu_watts=100.0))
+    assert str(refused.value) == f"EnergyLogger: `carbon_intensity`: {tmp_path}/{said}"
+    with pytest.raises(ValueError) as refused:
+        GreenWindow(signal=str(path), when_dirty="pause")
+    assert str(refused.value) == f"GreenWindow: `signal`: {tmp_path}/{said}"
+    # the same numbers as a list of pairs (and a JSON file, read as one) are refused as its item
+    with pytest.raises(
+        ValueError, match=r"^`signal`: series: item 0 \(2020061\d+\.0\) reads as .* in a compact"
+    ):
+        series_from_pairs([[stamp, 300.0] for stamp in stamps])
+
+
+@pytest.mark.parametrize(
+    ("first", "step", "rows"),
+    [
+        (2_000_000_000, 3600, 48),  # hourly from 2033-05-18: its second stamp spells no date (day 36)
+        (1_900_010_100, 300, 12),  # 5-min from 2030-03-17: the longest run that spells dates is 11 rows
+        (2_100_010_100, 900, 5),  # 15-min from 2036-07-18: at most 4 rows spell dates
+        (1_592_179_200, 1800, 48),  # 2020-06-15, as the bundled series' own times read
+    ],
+    ids=["hourly-2033", "5min-2030", "15min-2036", "30min-2020"],
+)
+def test_unix_seconds_whose_digits_start_like_a_year_are_still_read_as_seconds(tmp_path, first, step, rows):
+    """The compact-date refusal needs every timestamp of the file to spell a date: a Unix-seconds series of
+    the 2030s (digits 19..., 20..., 21...) stops spelling one within a few rows and is read as before."""
+    path = tmp_path / "ci.csv"
+    path.write_text("timestamp,value\n" + "".join(f"{first + step * i},{100 + i}\n" for i in range(rows)))
+    series = TimeSeries.from_csv(path)
+    assert series.times.tolist() == [float(first + step * i) for i in range(rows)]
+    assert series.interval == step
+
+
+def test_a_live_signal_stamped_in_whole_seconds_that_spell_a_date_keeps_deciding(mnist1d_small, tmp_path):
+    """The compact-date refusal is for the text a user brings (a CSV, JSON, pairs), not for a live signal's
+    history or a TimeSeries built in Python: a source stamping whole Unix seconds in 2033 (2000010100 s spells
+    2000-01-01 00h) has a first history of one reading that spells a date, which a check inside TimeSeries
+    refused mid-fit."""
+    from lightning_pulse import SimulatedClock
+
+    start = 2_000_010_100.0  # 2033-05-18 06:21:40 UTC
+    series = hourly_series(
+        "2033-05-17 00:00:00", "2033-05-20 00:00:00", lambda hours: 200.0 + 100.0 * (hours % 2)
+    )
+    clock = SimulatedClock(start)
+    green, fit = _paused_green_window_run(
+        lambda: (float(int(clock.time())), series.value_at(clock.time())), clock, mnist1d_small, tmp_path
+    )
+    fit()
+    readings = green.signal.live.times
+    assert readings[0] == start and len(readings) == len(green.report["decisions"]) >= 2
+    assert TimeSeries(np.array([start]), np.array([200.0])).start == start
+
+
+@pytest.mark.parametrize(
+    ("rows", "said"),
+    [
+        (  # a notes column with no name: the decimals land in it, and every value loses them
+            "timestamp,value,\n2020-06-15 00:00:00,123,4\n2020-06-15 01:00:00,120,5\n",
+            "ci.csv:2: the row ['2020-06-15 00:00:00', '123', '4'] has '123' under 'value' and '4' under its "
+            "unnamed column 3 of the header ['timestamp', 'value', ''], and would be read as the value 123; "
+            "123,4 looks like a decimal comma: write 123.4 (commas separate cells), or name the unnamed column "
+            "in the header if it holds notes (`note`).",
+        ),
+        (  # an unnamed column before the value, left out of the rows: the value read is the decimals
+            "timestamp,,value\n2020-06-15 00:00:00,123,4\n2020-06-15 01:00:00,120,5\n",
+            "ci.csv:2: the row ['2020-06-15 00:00:00', '123', '4'] has '123' under its unnamed column 2 and "
+            "'4' under 'value' of the header ['timestamp', '', 'value'], and would be read as the value 4; "
+            "123,4 looks like a decimal comma: write 123.4 (commas separate cells), or name the unnamed column "
+            "in the header if it holds notes (`note`).",
+        ),
+        (  # a pandas index's unnamed header cell, rows without it: the number read as 1970's Unix seconds
+            ",timestamp,value\n2020-06-15 00:00:00,100,4\n2020-06-15 01:00:00,110,5\n",
+            "ci.csv:2: the row ['2020-06-15 00:00:00', '100', '4'] has its timestamp '2020-06-15 00:00:00' under "
+            "its unnamed column 1 and '100' under 'timestamp' of the header ['', 'timestamp', 'value']: its "
+            "cells do not line up with the header; 100,4 looks like a decimal comma: write 100.4 (commas "
+            "separate cells); give every row the header's columns (a pandas index too), or a header that names "
+            "only them.",
+        ),
+    ],
+    ids=["unnamed-after-value", "unnamed-before-value", "unnamed-index"],
+)
+def test_a_decimal_comma_filling_a_headers_unnamed_column_is_refused_at_construction(tmp_path, rows, said):
+    """Left open by the fortieth pass: a header's unnamed column counts as a cell of every row, so a decimal
+    comma's extra cell filled it and the row was read with no extra cell to refuse (123,4 as 123, or as 4, or
+    at 100 Unix seconds)."""
+    from lightning_pulse import EnergyLogger, GreenWindow, MeterConfig
+
+    path = tmp_path / "ci.csv"
+    path.write_text(rows)
+    with pytest.raises(ValueError) as refused:
+        EnergyLogger(carbon_intensity=str(path), cpu="constant", meters=MeterConfig(cpu_watts=100.0))
+    assert str(refused.value) == f"EnergyLogger: `carbon_intensity`: {tmp_path}/{said}"
+    with pytest.raises(ValueError) as refused:
+        GreenWindow(signal=str(path), when_dirty="pause")
+    assert str(refused.value) == f"GreenWindow: `signal`: {tmp_path}/{said}"
+
+
+def test_an_unnamed_column_holding_notes_or_a_pandas_index_is_still_read(tmp_path):
+    """What the unnamed-column refusal leaves alone: notes that are no decimal comma's half (a word, a number
+    next to a decimal-point value), a named notes column, and a pandas index in every row."""
+    path = tmp_path / "ci.csv"
+    path.write_text(
+        "timestamp,value,\n2020-06-15 00:00:00,123.5,4\n2020-06-15 01:00:00,120,checked\n"
+        "2020-06-15 02:00:00,118,\n"
+    )
+    assert TimeSeries.from_csv(path).values.tolist() == [123.5, 120.0, 118.0]
+    path.write_text("timestamp,value,note\n2020-06-15 00:00:00,123,4\n2020-06-15 01:00:00,120,5\n")
+    assert TimeSeries.from_csv(path).values.tolist() == [123.0, 120.0]
+    path.write_text(",timestamp,value\n0,2020-06-15 00:00:00,123.4\n1,2020-06-15 01:00:00,120\n")
+    series = TimeSeries.from_csv(path)
+    assert series.values.tolist() == [123.4, 120.0] and series.start == utc("2020-06-15 00:00:00")
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        "timestamp;value\n2020-06-15 00:00:00;123,4\n",  # a spreadsheet's export in a German locale
+        ";carbon_intensity\n2020-06-15T00:00Z;123,4\n",  # and its pandas index
+        "timestamp;value\n2020-06-15 00:00:00;123\n",  # no decimals in the row
+    ],
+    ids=["decimal-comma", "unnamed-index", "whole-number"],
+)
+def test_a_semicolon_separated_csv_is_refused_naming_the_separator(tmp_path, rows):
+    """A `;`-separated file was refused too, but told to give each row one cell per column (or named the ISO
+    format) rather than its separator."""
+    path = tmp_path / "ci.csv"
+    path.write_text(rows)
+    with pytest.raises(ValueError, match=r"^`carbon_intensity`: .*ci\.csv:2") as refused:
+        carbon_intensity_from(str(path), None)
+    assert str(refused.value).endswith(
+        "its cells look separated by ';', as a spreadsheet in a decimal-comma locale exports them: write "
+        "commas between cells and a decimal point (2020-06-15 00:00:00,123.4)."
+    )

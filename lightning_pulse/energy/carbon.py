@@ -9,9 +9,11 @@ interval. Sources:
 * a country ISO code, through codecarbon's offline energy-mix data (:func:`carbon_intensity_from`);
 * a CSV time series: header ``Time,Carbon Intensity`` (the 2020 grid series of Wiesner et al. 2021) or the
   generic ``timestamp,value``. Timestamps are ISO 8601 (naive ones are UTC) or Unix seconds, from 1900 to
-  2199 (:data:`EARLIEST_TIME`, :data:`LATEST_TIME`: Unix milliseconds are refused, with a hint); each value
+  2199 (:data:`EARLIEST_TIME`, :data:`LATEST_TIME`: Unix milliseconds are refused, with a hint, and so is a
+  file whose every timestamp spells a compact date, ``2020061500``: :func:`compact_dates_refusal`); each value
   holds from its timestamp until the next one. A row has at most as many cells as the header (two without
-  one): an extra cell is refused, as a decimal comma (``0,31``) would lose its decimals.
+  one): an extra cell is refused, as a decimal comma (``0,31``) would lose its decimals, and so is a row that
+  fills a header's unnamed column with what looks like a decimal comma's half or the row's timestamp.
 
 A run reads one continuous stretch of a series, fixed at its start: its own dates when the run starts inside
 the series or reaches it within a day; else the same time of year in a year where that lies inside the series
@@ -55,7 +57,10 @@ DATED_RANGE = "1900-01-01 to 2200-01-01 (UTC)"
 _YEAR_S = 365.2425 * 24 * 3600  # the mean Gregorian year, for a year no datetime can hold
 _EPOCH_UNITS = (("milliseconds", "1000"), ("microseconds", "1e6"), ("nanoseconds", "1e9"))
 _LIKELY_FROM, _LIKELY_TO = 631152000.0, 4102444800.0  # 1990-01-01, 2100-01-01: where a hint's reading lands
-_COMPACT_DATE = re.compile(r"(?:19|20)\d{10}(?:\d{2})?")  # YYYYMMDDHHMM[SS]
+#: compact calendar stamps by their number of digits. The 8- and 10-digit ones are inside DATED_RANGE as Unix
+#: seconds (``2020061500`` s is 2034-01-05, ``20200615`` s is 1970-08-22), so a file of them is refused as a
+#: whole (:func:`compact_dates_refusal`); the 12- and 14-digit ones are outside it and refused row by row
+_COMPACT_PATTERNS = {8: "YYYYMMDD", 10: "YYYYMMDDHH", 12: "YYYYMMDDHHMM", 14: "YYYYMMDDHHMMSS"}
 
 
 def parse_timestamp(text: str) -> float:
@@ -91,17 +96,28 @@ def time_described(seconds: float) -> str:
     return f"{seconds:.6g} Unix seconds, about the year {int(1970 + seconds // _YEAR_S)}"
 
 
+def compact_date(seconds: float) -> datetime | None:
+    """The calendar time a whole number's digits spell as a compact stamp (:data:`_COMPACT_PATTERNS`:
+    ``YYYYMMDD[HH[MM[SS]]]``, a year from 1900 to 2199): ``2020061500`` is 2020-06-15 00:00; ``None`` when
+    they spell none (a month 13, an hour 24, another number of digits)."""
+    if not (math.isfinite(seconds) and float(seconds).is_integer()):
+        return None
+    digits = f"{seconds:.0f}"
+    if len(digits) not in _COMPACT_PATTERNS or not "1900" <= digits[:4] < "2200":
+        return None
+    try:
+        return datetime(int(digits[:4]), *(int(digits[i : i + 2]) for i in range(4, len(digits), 2)))
+    except ValueError:
+        return None
+
+
 def other_unit_hint(seconds: float) -> tuple[str, str] | None:
-    """What a time outside :data:`DATED_RANGE` probably is, and how to write it: a compact date
-    (``202006150000``), or Unix milliseconds, microseconds or nanoseconds; ``None`` when nothing fits."""
-    digits = f"{seconds:.0f}" if float(seconds).is_integer() else ""
-    if _COMPACT_DATE.fullmatch(digits):
-        try:
-            moment = datetime.strptime(digits, "%Y%m%d%H%M%S" if len(digits) == 14 else "%Y%m%d%H%M")
-        except ValueError:
-            pass
-        else:
-            return "a compact date", f"write '{moment:%Y-%m-%d %H:%M:%S}'"
+    """What a time outside :data:`DATED_RANGE` (or a live reading far ahead) probably is, and how to write
+    it: a compact date (``202006150000``), or Unix milliseconds, microseconds or nanoseconds; ``None`` when
+    nothing fits."""
+    moment = compact_date(seconds)
+    if moment is not None:
+        return "a compact date", f"write '{moment:%Y-%m-%d %H:%M:%S}'"
     for unit, per_second in _EPOCH_UNITS:
         scaled = seconds / float(per_second)
         if _LIKELY_FROM <= scaled < _LIKELY_TO:
@@ -117,6 +133,33 @@ def _undated_text(seconds: float) -> str:
         + (f", and looks like {hint[0]}" if hint else "")
         + "; timestamps are ISO 8601 (naive ones are UTC) or Unix seconds"
         + (f": {hint[1]}" if hint else "")
+    )
+
+
+def compact_dates_refusal(times: np.ndarray, every: str) -> str | None:
+    """Why a series read from text (a CSV, a JSON file, pairs) is refused at its first time when every time
+    lies in :data:`DATED_RANGE` and spells a compact date (:func:`compact_date`); ``None`` when one does not.
+
+    A series of real Unix seconds spells dates row after row for at most 11 rows at a 5-min step, 4 at 15
+    min, 2 at 30 min, 1 hourly (docs/energy.md). Live readings and a :class:`TimeSeries` built in Python are
+    not checked: one reading of whole Unix seconds in the 2030s can spell a date. ``every`` names the rows
+    (``timestamp of the file``, ``item``).
+
+    Args:
+        times: Unix seconds, shape ``(N,)``.
+    """
+    # stops at the first time that spells no compact date: the first one, for ISO or Unix-second series
+    if not all(is_dated(t) and compact_date(t) is not None for t in times):
+        return None
+    seconds = float(times[0])
+    moment = compact_date(seconds)
+    assert moment is not None
+    pattern = _COMPACT_PATTERNS[len(f"{seconds:.0f}")]
+    return (
+        f"reads as {time_described(seconds)} in Unix seconds, and as {moment:%Y-%m-%d %H:%M:%S} in a "
+        f"compact {pattern} date, as every {every} does: a series of Unix seconds almost never spells dates "
+        "row after row, so it is refused, not guessed; timestamps are ISO 8601 (naive ones are UTC) or Unix "
+        f"seconds: write '{moment:%Y-%m-%d %H:%M:%S}' (and Unix seconds that spell dates as ISO 8601 too)"
     )
 
 
@@ -205,6 +248,7 @@ class TimeSeries:
         rows: list[tuple[int, str, str]] = []  # (line number, timestamp text, value text) of each data row
         time_col, value_col = 0, 1
         header: list[str] | None = None
+        unnamed: list[int] = []  # the header's unnamed columns other than the time and value ones
         with path.open(newline="") as handle:
             for line_number, row in enumerate(csv.reader(handle), start=1):
                 if not row or all(not cell.strip() for cell in row):
@@ -214,22 +258,33 @@ class TimeSeries:
                     names = [cell.strip().lower() for cell in row]
                     time_col = next((i for i, n in enumerate(names) if n in _TIME_COLUMNS), 0)
                     value_col = next((i for i, n in enumerate(names) if n in _VALUE_COLUMNS), 1)
+                    unnamed = [i for i, n in enumerate(names) if not n and i not in (time_col, value_col)]
                     continue
                 if len(_filled(row)) > (2 if header is None else len(header)):
                     raise ValueError(
                         f"`{field}`: {path}:{line_number}: {_extra_cells(row, header, value_col)}."
                     )
+                misread = (
+                    _misaligned(row, header, unnamed, time_col, value_col) if header and unnamed else None
+                )
+                if misread:
+                    raise ValueError(f"`{field}`: {path}:{line_number}: {misread}.")
                 try:
                     times.append(parse_timestamp(row[time_col]))
                     values.append(float(row[value_col]))
                 except (ValueError, IndexError) as error:
+                    semicolons = f"; {_SEMICOLONS}" if any(";" in cell for cell in row) else ""
                     raise ValueError(
-                        f"`{field}`: {path}:{line_number} is not `timestamp,value` ({row!r}: {error})."
+                        f"`{field}`: {path}:{line_number} is not `timestamp,value` ({row!r}: {error})"
+                        f"{semicolons}."
                     ) from error
                 rows.append((line_number, row[time_col].strip(), row[value_col].strip()))
         if not times:
             raise ValueError(f"`{field}`: {path} has no data rows.")
         time_array, value_array = np.array(times), np.array(values)
+        compact = compact_dates_refusal(time_array, "timestamp of the file")
+        if compact is not None:
+            raise ValueError(f"`{field}`: {path}:{rows[0][0]}: timestamp {rows[0][1]!r} {compact}.")
         # checked here rather than in __init__, so the message names the file once and the line of the row
         invalid = _first_invalid_row(time_array, value_array)
         if invalid is not None:
@@ -352,16 +407,78 @@ def _filled(row: list[str]) -> list[str]:
     return row
 
 
+#: the way out for a row whose cells are separated by semicolons (never read: one cell to a comma reader)
+_SEMICOLONS = (
+    "its cells look separated by ';', as a spreadsheet in a decimal-comma locale exports them: write commas "
+    "between cells and a decimal point (2020-06-15 00:00:00,123.4)"
+)
+
+
+def _decimal_comma(row: list[str], first: int) -> str | None:
+    """The way out when cells ``first`` and ``first + 1`` of ``row`` look like one number split at a decimal
+    comma (``0`` and ``31`` of ``0,31``); ``None`` when they do not."""
+    whole = row[first].strip() if 0 <= first < len(row) else ""
+    decimals = row[first + 1].strip() if 0 <= first + 1 < len(row) else ""
+    if not (re.fullmatch(r"[-+]?\d+", whole) and re.fullmatch(r"\d+", decimals)):
+        return None
+    return f"{whole},{decimals} looks like a decimal comma: write {whole}.{decimals} (commas separate cells)"
+
+
+def _misaligned(
+    row: list[str], header: list[str], unnamed: list[int], time_col: int, value_col: int
+) -> str | None:
+    """Why a row of a file whose header has unnamed columns (``unnamed``: a notes column, a pandas index)
+    would not be read as the header says, or ``None``. A decimal comma (``123,4``) adds a cell, so a row that
+    leaves an unnamed column empty or out has as many cells as the header and no extra cell to refuse: the
+    number's halves are read as the value and the unnamed cell next to it (123), or the value is shifted (4),
+    or the row's timestamp lands in the unnamed column and the time column reads a number as Unix seconds."""
+
+    def under(col: int) -> str:
+        return (
+            f"under {header[col].strip()!r}" if header[col].strip() else f"under its unnamed column {col + 1}"
+        )
+
+    for col in unnamed:
+        if max(col, time_col) >= len(row):
+            continue
+        stamp = row[col].strip()
+        if not _looks_numeric(stamp) and _looks_numeric(row[time_col]) and _is_timestamp(stamp):
+            comma = next(filter(None, (_decimal_comma(row, i) for i in range(len(row)) if i != col)), None)
+            return (
+                f"the row {row!r} has its timestamp {stamp!r} {under(col)} and {row[time_col].strip()!r} "
+                f"{under(time_col)} of the header {header!r}: its cells do not line up with the header"
+                + (f"; {comma}" if comma else "")
+                + "; give every row the header's columns (a pandas index too), or a header that names only "
+                + "them"
+            )
+        if abs(col - value_col) == 1:
+            first = min(col, value_col)
+            comma = _decimal_comma(row, first)
+            if comma:
+                halves = f"{row[first].strip()!r} {under(first)} and {row[first + 1].strip()!r}"
+                return (
+                    f"the row {row!r} has {halves} {under(first + 1)} of the header {header!r}, and would be "
+                    f"read as the value {row[value_col].strip()}; {comma}, or name the unnamed column in the "
+                    "header if it holds notes (`note`)"
+                )
+    return None
+
+
+def _is_timestamp(text: str) -> bool:
+    try:
+        parse_timestamp(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _extra_cells(row: list[str], header: list[str] | None, value_col: int) -> str:
     """Why a data row with more cells than the header (two without one) is refused: its extra cells would be
     dropped, a decimal comma's decimals with them (``0,31`` read as 0)."""
     shape = f"the header's {len(header)} ({header!r})" if header is not None else "2 (`timestamp,value`)"
-    decimals = row[value_col + 1].strip() if len(row) > value_col + 1 else ""
-    whole = row[value_col].strip() if len(row) > value_col else ""
-    comma = re.fullmatch(r"[-+]?\d+", whole) and re.fullmatch(r"\d+", decimals)
-    way_out = (
-        f"{whole},{decimals} looks like a decimal comma: write {whole}.{decimals} (commas separate cells)"
-        if comma
+    way_out = _decimal_comma(row, value_col) or (
+        _SEMICOLONS
+        if any(";" in cell for cell in row)
         else "give each row one cell per column, and a header that names them all"
     )
     return (

@@ -26,6 +26,7 @@ from lightning_pulse.energy.carbon import (
     Rate,
     TimeSeries,
     _rank_zero_warn,
+    compact_dates_refusal,
     format_utc,
     is_dated,
     other_unit_hint,
@@ -81,8 +82,12 @@ def series_from_pairs(items: Any, field: str = "signal", name: str = "series") -
             raise ValueError(
                 f"`{field}`: item {index} ({item!r}) is not a (time, value) pair: {error}."
             ) from None
+    array = np.array(times, dtype=np.float64)
+    compact = compact_dates_refusal(array, "item")
+    if compact is not None:
+        raise ValueError(f"`{field}`: {name}: item 0 ({float(array[0])!r}) {compact}.")
     try:
-        return TimeSeries(np.array(times, dtype=np.float64), np.array(values), name=name)
+        return TimeSeries(array, np.array(values), name=name)
     except ValueError as error:
         raise ValueError(f"`{field}`: {error}") from None
 
