@@ -281,14 +281,11 @@ def refuse_other_lightning_package(trainer: pl.Trainer, callback: Callback) -> N
     ``lightning.pytorch``'s classes misses: StabilityGuard crashed at train start, and ScheduledPrune refused
     a single device as an unsupported strategy.
     """
-    package = next(
-        (base.__module__.partition(".")[0] for base in type(trainer).__mro__ if base.__name__ == "Trainer"),
-        "",
-    )
-    if package == "pytorch_lightning":
+    # any class of the MRO: a project's own wrapper (`class Trainer(pytorch_lightning.Trainer)`) comes first
+    if any(base.__module__.partition(".")[0] == "pytorch_lightning" for base in type(trainer).__mro__):
         name = pulse_class(callback).__qualname__
         raise PulseRefusal(
-            f"{name}: this Trainer is pytorch_lightning.Trainer, and lightning-pulse runs on the `lightning` "
+            f"{name}: this Trainer is pytorch_lightning.Trainer (or a subclass of it), and lightning-pulse runs on the `lightning` "
             "package's (the same code under other classes, which its checks of strategies, loggers and "
             "callbacks would miss); import the Trainer and your LightningModule from `lightning.pytorch` "
             "(`import lightning.pytorch as pl`) instead of `pytorch_lightning`."

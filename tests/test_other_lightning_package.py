@@ -33,17 +33,23 @@ class _OlderPackageModule(pytorch_lightning.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+class Trainer(pytorch_lightning.Trainer):
+    """A project's own wrapper, named like its base: the first class called ``Trainer`` in its MRO is the
+    user's, which the first refusal took for the package's."""
+
+
+@pytest.mark.parametrize("trainer_class", [pytorch_lightning.Trainer, Trainer], ids=["package", "subclass"])
 @pytest.mark.parametrize("name", list(MAKE))
-def test_the_pytorch_lightning_trainer_is_refused_before_the_first_step(name, tmp_path):
+def test_the_pytorch_lightning_trainer_is_refused_before_the_first_step(name, trainer_class, tmp_path):
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
     model = _OlderPackageModule()
-    trainer = pytorch_lightning.Trainer(
+    trainer = trainer_class(
         **trainer_kwargs(max_steps=4, default_root_dir=tmp_path, callbacks=[MAKE[name](tmp_path, 0)])
     )
     with pytest.raises(PulseRefusal) as refused:
         trainer.fit(model, loader)
     message = str(refused.value)
-    assert message.startswith(f"{name}: this Trainer is pytorch_lightning.Trainer"), message
+    assert message.startswith(f"{name}: this Trainer is pytorch_lightning.Trainer (or a subclass"), message
     assert "import lightning.pytorch as pl" in message
     assert model.steps_run == 0
