@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -418,3 +419,89 @@ def test_a_log_scale_counts_the_losses_below_zero_apart_from_those_at_zero():
     del state["negative_losses"]  # a state of an earlier version: its unjudged losses taken as negative
     restored.load_state_dict(state)
     assert restored.negative_losses == 3
+
+
+def _flags_at(detector: SpikeDetector, loss, grad_norm, key, which: str, threshold: float) -> bool:
+    """Whether ``detector``'s windows flag the value at ``which`` (``"loss"`` or ``"grad_norm"``) with that
+    threshold, the other one off."""
+    judge = copy.deepcopy(detector)
+    judge.loss_zscore = threshold if which == "loss" else None
+    judge.grad_norm_zscore = threshold if which == "grad_norm" else None
+    return judge.assess(loss, grad_norm, key).verdict.is_spike
+
+
+def _phases() -> SpikeDetector:
+    detector = SpikeDetector(warmup=20)
+    _warm(detector, key="burst")
+    for _ in range(30):
+        detector.accept(3.0, 2.0, "replay")
+    return detector
+
+
+def _descended() -> SpikeDetector:
+    detector = SpikeDetector()
+    for loss in _descending_losses(0, steps=70, slope=0.12, flat_after=70, noise=0.2):
+        detector.assess(loss, loss * 10, accept=True)
+    return detector
+
+
+def _early() -> SpikeDetector:
+    detector = SpikeDetector(warmup=50)
+    for loss in (8.8, 9.5, 40.0):
+        detector.assess(loss, 1.0, accept=True)
+    return detector
+
+
+def _warmed() -> SpikeDetector:
+    detector = SpikeDetector(warmup=20)
+    _warm(detector)
+    return detector
+
+
+@pytest.mark.parametrize(
+    ("build", "loss", "grad_norm", "key", "expected"),
+    [
+        (_warmed, 5.0, 50.0, "default", "scored"),  # each window's own z-score
+        (_warmed, 1.05, 2.1, "default", "zero"),  # under min_ratio: no spike at any threshold
+        (_descended, "x1e4", None, "default", "jump"),  # a loss 10x the median: its jump score counts too
+        (_phases, 30.0, 2.0, "burst", "scored"),  # 10x the pooled median: the own window decides
+        (_phases, 4.0, 2.0, "burst", "scored"),  # between: the lower of the own and the pooled score
+        (_phases, 30.0, 2.0, "maintain", "scored"),  # a key warming up: the pooled score
+        (_early, 446.0, 1.0, "default", "inf"),  # before any window is warm: the ratio alone, no threshold
+    ],
+)
+def test_clearing_scores_are_the_thresholds_at_which_a_step_stops_being_a_spike(
+    build, loss, grad_norm, key, expected
+):
+    detector = build()
+    if loss == "x1e4":
+        loss = math.exp(detector._loss["default"].values[-1]) * 1e4  # the last loss x1e4
+        grad_norm = loss * 10
+    clearing = detector.clearing_scores(loss, grad_norm, key)
+    scores = {"loss": clearing.loss, "grad_norm": clearing.grad_norm}
+    for which, score in scores.items():
+        if score == 0.0:
+            assert not _flags_at(detector, loss, grad_norm, key, which, 1e-9), which
+        elif math.isinf(score):
+            assert _flags_at(detector, loss, grad_norm, key, which, 1e12), which
+        else:  # flagged just under the score, not at it
+            assert _flags_at(detector, loss, grad_norm, key, which, score * (1 - 1e-9)), which
+            assert not _flags_at(detector, loss, grad_norm, key, which, score), which
+    if expected == "zero":
+        assert scores == {"loss": 0.0, "grad_norm": 0.0}
+    elif expected == "inf":
+        assert clearing.loss == math.inf
+    elif expected == "jump":
+        tracker = detector._loss["default"]
+        assert tracker.zscore(math.log(loss)) < clearing.loss == tracker.jump_zscore(math.log(loss))
+        # under a threshold its z-score exceeds, the verdict's score is that z-score: a threshold just above
+        # it still fails the jump score, which the clearing score names
+        low = copy.deepcopy(detector)
+        low.loss_zscore = tracker.zscore(math.log(loss)) / 2
+        assert low.assess(loss, grad_norm).loss_z < low.clearing_scores(loss, grad_norm).loss == clearing.loss
+    else:
+        assert 0 < clearing.loss < math.inf
+    # thresholds switched off need no raising
+    off = copy.deepcopy(detector)
+    off.loss_zscore = off.grad_norm_zscore = None
+    assert off.clearing_scores(loss, grad_norm, key) == (0.0, 0.0)

@@ -7,6 +7,8 @@ the way out (both thresholds); a stop whose rollbacks were tested and undid step
 
 from __future__ import annotations
 
+import math
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -20,8 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pulse import StabilityGuard, StabilityGuardError
 from lightning_pulse.core.snapshots import take_snapshot
 from lightning_pulse.core.spike_detection import Verdict
-from lightning_pulse.core.stability_policy import Action
-from lightning_pulse.core.stability_steps import StabilityCore
+from lightning_pulse.core.stability_policy import Action, EscalationPolicy
+from lightning_pulse.core.stability_steps import StabilityCore, threshold_way_out
 from tests.conftest import trainer_kwargs
 
 WEIGHT_RAISED_AT = 60
@@ -68,16 +70,23 @@ def _fit_with_the_weight_raised(tmp_path, **thresholds):
     return guard, None
 
 
+@pytest.fixture(scope="module")
+def stopped_by_default(tmp_path_factory):
+    """The scenario's fit with the guard's default thresholds (6 and 8): ``(guard, message)``."""
+    return _fit_with_the_weight_raised(tmp_path_factory.mktemp("defaults"))
+
+
 def test_a_stop_after_a_lasting_loss_weight_change_says_the_rows_went_untested_and_names_both_thresholds(
-    tmp_path,
+    tmp_path, stopped_by_default
 ):
-    guard, message = _fit_with_the_weight_raised(tmp_path)
+    guard, message = stopped_by_default
     assert message is not None and guard.stopped
     # the first sentence: who, why, and the way out
     first = message.split(". ")[0]
     assert first.startswith("StabilityGuard stopped training at step ")
     assert "nothing shows that rolling back helps" in first
-    assert "raise both `loss_zscore` and `grad_norm_zscore`" in first
+    assert "set `loss_zscore` to " in first and " and `grad_norm_zscore` to " in first
+    assert "or both to None to stop judging a lasting change" in first
     # what the guard knows, not a test that never ran
     assert "came in an unbroken row" in message and "without the snapshot test" in message
     assert "undid 0 applied steps" in message and "a rollback cannot help" in message
@@ -93,6 +102,98 @@ def test_a_stop_after_a_lasting_loss_weight_change_says_the_rows_went_untested_a
         tmp_path / "both-off", loss_zscore=None, grad_norm_zscore=None
     )
     assert message is None and guard.rollbacks == 0
+
+
+WAY_OUT = re.compile(
+    r"set `loss_zscore` to (\d+) or more and `grad_norm_zscore` to (\d+) or more \(the flagged steps behind "
+    r"these escalations scored up to z=([\d.]+) on the loss and z=([\d.]+) on the gradient norm\), or both "
+    r"to None to stop judging a lasting change"
+)
+
+
+def test_the_stop_names_how_far_to_raise_the_thresholds_and_a_rerun_there_trains_through(
+    tmp_path, stopped_by_default
+):
+    """Held-out sweep s41 (regressions finding 4): the message said "raise both" without how far; 12/16 and
+    30/30 stopped the same way after 2 rollbacks, only about 100/100 or None trained through. It now names
+    the next whole number above the highest scores of the flagged steps behind the rollbacks and the stop."""
+    guard, message = stopped_by_default
+    first = message.split(". ")[0]
+    named = WAY_OUT.search(first)
+    assert named is not None, first
+    loss_at, grad_at = int(named.group(1)), int(named.group(2))
+    scores = [escalation["scores"] for escalation in guard.policy.escalations]
+    highest = [max(score[i] for score in scores) for i in (0, 1)]
+    assert [loss_at, grad_at] == [math.floor(highest[0]) + 1, math.floor(highest[1]) + 1]
+    assert float(named.group(3)) == pytest.approx(highest[0], rel=1e-3)
+    assert float(named.group(4)) == pytest.approx(highest[1], rel=1e-3)
+    # far above the defaults and the 30 and 30 that still stopped (the run's first step at the new level,
+    # step 60, is the same in every run up to it, and scores above 30 on the loss)
+    assert loss_at > 30 and grad_at > 8 and scores[0][0] > 30
+    # the way out named is a way out: thresholds at those values train the same fit through
+    rerun, again = _fit_with_the_weight_raised(tmp_path, loss_zscore=loss_at, grad_norm_zscore=grad_at)
+    assert again is None and rerun.rollbacks == 0 and not rerun.stopped
+
+
+def _scored_policy(scores, untested_rows=1):
+    """A policy that escalated once (rollback) after two flagged steps, booked with ``scores``."""
+    policy = EscalationPolicy(rollback_after=2, max_rollbacks=1)
+    for step in (10, 11):
+        action = policy.decide(step, Verdict.LOSS_SPIKE, rollback_helps=lambda: True)
+    assert action is Action.ROLLBACK
+    policy.book_scores(11, scores)
+    return policy
+
+
+@pytest.mark.parametrize(
+    ("scores", "thresholds", "said", "unsaid"),
+    [
+        (
+            [(63.7, 20.9), (100.3, 3.0)],
+            (6.0, 8.0),
+            ["`loss_zscore` to 101 or more and `grad_norm_zscore` to 21"],
+            [],
+        ),
+        (
+            [(100.3, 3.0)],
+            (6.0, 8.0),
+            ["`loss_zscore` to 101 or more (", "z=100.3 on the loss)"],
+            ["`grad_norm"],
+        ),
+        ([(100.3, 20.9)], (6.0, None), ["set `loss_zscore` to 101 or more ("], ["`grad_norm_zscore` to"]),
+        (
+            [(math.inf, 20.9)],
+            (6.0, 8.0),
+            ["`loss_zscore` to None (no threshold", "z=20.9 on the gradient"],
+            [],
+        ),
+        (  # booked under lower thresholds (before a resume with these): no score to beat
+            [(100.3, 20.9)],
+            (200.0, 50.0),
+            ["both `loss_zscore` and `grad_norm_zscore` to None"],
+            ["or more"],
+        ),
+        (
+            [(100.3, 20.9), None],
+            (6.0, 8.0),
+            ["both `loss_zscore` and `grad_norm_zscore` to None"],
+            ["or more"],
+        ),
+    ],
+)
+def test_the_way_out_names_each_threshold_the_flagged_steps_need_raised(scores, thresholds, said, unsaid):
+    way_out, _ = threshold_way_out(_scored_policy(scores), thresholds)
+    assert all(text in way_out for text in said), way_out
+    assert not any(text in way_out for text in unsaid), way_out
+
+
+def test_escalations_booked_before_their_scores_were_kept_name_none():
+    policy = _scored_policy([(100.3, 20.9)])
+    del policy.escalations[-1]["scores"]  # a checkpoint of an earlier version
+    assert policy.thresholds_passed() is None
+    restored = EscalationPolicy(rollback_after=2, max_rollbacks=1)
+    restored.load_state_dict(_scored_policy([(100.3, 20.9)]).state_dict())
+    assert restored.thresholds_passed() == (100.3, 20.9)
 
 
 def _stopping_core(flagged_steps, tmp_path):

@@ -179,6 +179,14 @@ class Assessment(NamedTuple):
     grad_norm_z: float | None = None
 
 
+class Clearing(NamedTuple):
+    """The lowest ``loss_zscore`` and ``grad_norm_zscore`` a step passes at
+    (:meth:`SpikeDetector.clearing_scores`)."""
+
+    loss: float
+    grad_norm: float
+
+
 _OK_UNSCORED = Assessment(Verdict.OK)  # the common verdict, built once (a NamedTuple is immutable)
 
 
@@ -329,6 +337,49 @@ class SpikeDetector:
         self.accepted_steps += 1
         self._add(self._loss, key, self._on_scale(loss, self.loss_scale))
         self._add(self._grad_norm, key, self._on_scale(grad_norm, "log"))
+
+    def clearing_scores(self, loss: float | None, grad_norm: float | None, key: str = "default") -> Clearing:
+        """The thresholds a step's loss and gradient norm would pass at: at ``loss_zscore`` (or
+        ``grad_norm_zscore``) at or above the score, that value is no spike against the current windows; 0.0:
+        no spike at any threshold (or that threshold is ``None``); ``inf``: a spike at every one (a loss
+        judged by its ratio to the median alone, before any window is warm). Each score is the highest of
+        the tests :meth:`assess` makes (the jump score of a loss ``cold_ratio`` times the median too, not
+        only the one that flagged it). A MAD or two per value: for flagged steps, not every step."""
+        return Clearing(
+            self._clearing(self._loss, key, self._on_scale(loss, self.loss_scale), self.loss_zscore),
+            self._clearing(self._grad_norm, key, self._on_scale(grad_norm, "log"), self.grad_norm_zscore),
+        )
+
+    def _clearing(
+        self, trackers: dict[str, RunningRobustZ], key: str, value: float | None, threshold: float | None
+    ) -> float:
+        """:meth:`_judge`'s verdict as the lowest threshold that gives no spike (:meth:`clearing_scores`)."""
+        if value is None or threshold is None or not math.isfinite(value):
+            return 0.0
+        scale = self.loss_scale if trackers is self._loss else "log"
+        own, pooled = trackers.get(key), trackers.get(POOLED) if key != POOLED else None
+        if own is not None and own.ready:
+            if not self._exceeds(value, own.median, self.min_ratio, scale):  # type: ignore[arg-type]
+                return 0.0
+            score = own.zscore(value)
+            if trackers is self._loss and scale == "log":
+                if self._exceeds(value, own.median, self.cold_ratio, scale):  # type: ignore[arg-type]
+                    score = max(score, own.jump_zscore(value))  # type: ignore[type-var]
+            if pooled is None or not pooled.ready:
+                return score  # type: ignore[return-value]
+            if self._exceeds(value, pooled.median, self.cold_ratio, scale):  # type: ignore[arg-type]
+                return score  # type: ignore[return-value]
+            if not self._exceeds(value, pooled.median, self.min_ratio, scale):  # type: ignore[arg-type]
+                return 0.0
+            return min(score, pooled.zscore(value))  # type: ignore[type-var]
+        if pooled is not None and pooled.ready:
+            if not self._exceeds(value, pooled.median, self.cold_ratio, scale):  # type: ignore[arg-type]
+                return 0.0
+            return pooled.zscore(value)  # type: ignore[return-value]
+        early = trackers.get(POOLED)
+        if trackers is not self._loss or scale != "log" or early is None or early.median is None:
+            return 0.0
+        return math.inf if self._exceeds(value, early.median, self.cold_ratio, scale) else 0.0
 
     def baseline(self, key: str = "default") -> dict[str, float | None]:
         """Median loss and gradient norm of ``key``'s windows, in their own units (``None`` while empty)."""

@@ -226,8 +226,9 @@ class EscalationPolicy:
         # what happened and when: {"step", "event" (a verdict, "rollback" or "stop"), "action" or "to_step"}
         self.events: list[dict[str, Any]] = []
         # the rollbacks and stop within ``rollback_memory``: {"step", "untested" (an unbroken row escalated
-        # without the rollback test), "undone" (applied steps undone; None until booked)}, for the stop's
-        # message, which must not blame the model on a test that never ran
+        # without the rollback test), "undone" (applied steps undone; None until booked), "scores" (the
+        # thresholds its flagged steps pass at, :meth:`book_scores`)}, for the stop's message, which must
+        # not blame the model on a test that never ran and names how far to raise the thresholds
         self.escalations: list[dict[str, Any]] = []
 
     @property
@@ -388,6 +389,29 @@ class EscalationPolicy:
     def _book_undone(self, step: int, undone: int | None) -> None:
         if self.escalations and self.escalations[-1]["step"] == step:
             self.escalations[-1]["undone"] = undone
+
+    def book_scores(self, step: int, scores: Iterable[tuple[float, float] | None]) -> None:
+        """Book on the escalation at ``step`` the highest thresholds its incident's flagged steps pass at
+        (``(loss, grad_norm)`` each, :meth:`SpikeDetector.clearing_scores`; ``None``: a step not scored, a
+        non-finite one, which no threshold lets through): ``"scores"``, ``None`` where any step was not."""
+        if not self.escalations or self.escalations[-1]["step"] != step:
+            return
+        scores = list(scores)
+        known = scores and all(score is not None for score in scores)
+        self.escalations[-1]["scores"] = (
+            [max(score[i] for score in scores) for i in (0, 1)] if known else None  # type: ignore[index]
+        )
+
+    def thresholds_passed(self) -> tuple[float, float] | None:
+        """The lowest ``(loss_zscore, grad_norm_zscore)`` at which every flagged step behind the rollbacks and
+        stop within ``rollback_memory`` would have been no spike (0.0: that threshold needs no change;
+        ``inf``: none lets a step through, only ``None``); ``None`` where a step was not scored (a non-finite
+        one, or booked before this was kept: a checkpoint of an earlier version, a fit resumed mid-incident).
+        """
+        scores = [escalation.get("scores") for escalation in self.escalations]
+        if not scores or any(score is None for score in scores):
+            return None
+        return max(score[0] for score in scores), max(score[1] for score in scores)
 
     def state_dict(self) -> dict[str, Any]:
         return {

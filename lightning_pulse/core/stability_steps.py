@@ -50,7 +50,7 @@ from lightning_pulse.core.snapshots import (
     snapshot_state,
     written_outside,
 )
-from lightning_pulse.core.spike_detection import POOLED, SpikeDetector, Verdict
+from lightning_pulse.core.spike_detection import POOLED, Clearing, SpikeDetector, Verdict
 from lightning_pulse.core.stability_policy import (
     Action,
     EscalationPolicy,
@@ -590,6 +590,7 @@ class StabilityCore:
         self.level = RecurringLevel(window, SAME_SPIKE_FACTOR, self.config.learn_recurring_level)
         self.level_steps = 0
         self.flagged_losses: dict[int, tuple[float, float | None]] = {}
+        self.flagged_scores: dict[int, Clearing] = {}  # the open incident's (SpikeDetector.clearing_scores)
 
     @property
     def presumes_data(self) -> bool:
@@ -635,7 +636,14 @@ class StabilityCore:
         if verdict is Verdict.OK:  # the usual step: no incident, nothing for the level's books
             return verdict, policy.decide(step, verdict, cause, helps), cause, note
         incident, recurring_before = [*policy.spike_steps, step], policy.recurring_spikes
+        scores = self.flagged_scores
+        for old in [s for s in scores if step - s >= policy.spike_memory]:
+            del scores[old]
+        if verdict not in NONFINITE:  # how far the thresholds must rise to let it through (a stop says)
+            scores[step] = detector.clearing_scores(loss, grad_norm, key)
         action = policy.decide(step, verdict, cause, helps)
+        if action in (Action.ROLLBACK, Action.STOP):
+            policy.book_scores(step, [scores.get(s) for s in incident if step - s < policy.spike_memory])
         flagged = self.flagged_losses
         for old in [s for s in flagged if step - s >= policy.spike_memory]:
             del flagged[old]
@@ -747,7 +755,7 @@ class StabilityCore:
         self.check_oom_warned = False
         self.rerun_failed_warned = False
         self.level.start()
-        self.flagged_losses = {}
+        self.flagged_losses, self.flagged_scores = {}, {}
         self.fit_start_accepted = self.detector.accepted_steps
         self.fit_start_unjudged = self.detector.unjudged_losses
         self.fit_start_negative = self.detector.negative_losses
@@ -1434,7 +1442,8 @@ class StabilityCore:
             unfit = (self.left_out, self.unfit_optimizers_after, self.cut_unsnapshotted)
             return no_snapshot_message(step, path, *unfit), path
         resumed_at = self.fit_start if self.fit_start else None  # a fit started at step 0 resumed nothing
-        return stop_message(self.policy, step, to_step, recent_rollbacks, path, resumed_at), path
+        thresholds = (self.detector.loss_zscore, self.detector.grad_norm_zscore)
+        return stop_message(self.policy, step, to_step, recent_rollbacks, path, resumed_at, thresholds), path
 
     def parameters_replaced(
         self, step: int, model: nn.Module | None = None, record: StepRecord | None = None
@@ -1772,8 +1781,10 @@ def stop_message(
     recent_rollbacks: int,
     path: str,
     resumed_at: int | None = None,
+    thresholds: tuple[float | None, float | None] | None = None,
 ) -> str:
-    """The stop's message; ``resumed_at``: the step this fit resumed a checkpoint at (``None``: not resumed).
+    """The stop's message; ``resumed_at``: the step this fit resumed a checkpoint at (``None``: not resumed);
+    ``thresholds``: the guard's ``(loss_zscore, grad_norm_zscore)``, for :func:`threshold_way_out`.
     A stop back at that step's snapshot names the checkpoint first: it may hold a model gone bad before the
     guard flagged a step (a checkpoint saved mid-incident carries the snapshots a rollback needs). A stop
     whose rollbacks went untested or undid nothing says so (:func:`untested_stop_facts`) rather than blame
@@ -1814,17 +1825,63 @@ def stop_message(
         if model_ruled_out
         else "; or the model went bad, every batch spiking once it had: train on with a lower learning rate"
     )
+    way_out, raise_both = threshold_way_out(policy, thresholds)
     return (
-        f"{stopped}, and nothing shows that rolling back helps; if the loss level changed on purpose, raise "
-        f"both `loss_zscore` and `grad_norm_zscore`. The checkpoint {path!r} holds {holds}. {facts} Readings "
+        f"{stopped}, and nothing shows that rolling back helps; if the loss level changed on purpose, "
+        f"{way_out}. The checkpoint {path!r} holds {holds}. {facts} Readings "
         "that fit: a lasting change of the loss level made on purpose (a loss weight raised, a curriculum "
-        "stage, a KL term or an auxiliary loss switched on), which looks like a run of spikes: raise both "
-        "thresholds (or set both to None; non-finite steps are still caught): the gradient norm jumps with "
-        "the loss, so raising `loss_zscore` alone still stops; or leave the guard out of a fit that makes "
-        "such a change; "
+        "stage, a KL term or an auxiliary loss switched on), which looks like a run of spikes: "
+        f"{raise_both}; or leave the guard out of a fit that makes such a change; "
         f"or a data stream gone bad: inspect the data around the flagged steps (last: {', '.join(flagged)})"
         f"{model}. To train on, {train_on}"
     )
+
+
+def threshold_way_out(
+    policy: EscalationPolicy, thresholds: tuple[float | None, float | None] | None = None
+) -> tuple[str, str]:
+    """The way out of a stop after a lasting change of the loss level, with the values the flagged steps
+    behind its rollbacks demand (:meth:`EscalationPolicy.thresholds_passed`), against the guard's current
+    ``(loss_zscore, grad_norm_zscore)``: the clause for the message's first sentence and the one for its
+    readings (``thresholds`` ``None``: not known, every score counts). A threshold is named at the next
+    whole number above the highest score, where that is above the current one; ``None`` where no threshold
+    lets a step through (a loss judged before its window was warm, a window without spread). Both go to
+    ``None`` where the steps went unscored (a non-finite one, an earlier checkpoint) or no score is above
+    its threshold (booked under other thresholds, before a resume). The loss weight x10 at step 60 of
+    ``tests/test_stability_guard_stop_message.py``: scores up to 100.3 (loss) and 20.9 (gradient norm)
+    against 6 and 8, so 101 and 21, which train through; 30 and 30 stop."""
+    passed = policy.thresholds_passed()
+    current = thresholds or (0.0, 0.0)  # unknown: name every score
+    named, scored = [], []
+    for name, score, now in zip(("loss_zscore", "grad_norm_zscore"), passed or (0.0, 0.0), current):
+        if now is None or score <= now:
+            continue  # the current threshold (or None) lets those steps through already
+        if math.isinf(score):
+            named.append(f"`{name}` to None (no threshold lets its flagged steps through)")
+            continue
+        named.append(f"`{name}` to {math.floor(score) + 1} or more")
+        scored.append(f"z={score:.4g} on the {'loss' if name == 'loss_zscore' else 'gradient norm'}")
+    if not named:
+        return (
+            "set both `loss_zscore` and `grad_norm_zscore` to None to stop judging a lasting change (no "
+            "threshold can be named from the flagged steps' scores; non-finite steps are still caught)",
+            "set both thresholds to None",
+        )
+    scores = (
+        f" (the flagged steps behind these escalations scored up to {' and '.join(scored)})" if scored else ""
+    )
+    way_out = (
+        f"set {' and '.join(named)}{scores}, or both to None to stop judging a lasting change (non-finite "
+        "steps are still caught)"
+    )
+    both = len(named) == 2
+    readings = (
+        "raise both thresholds to the values named above, or set both to None: the gradient norm jumps with "
+        "the loss, so raising `loss_zscore` alone still stops"
+        if both
+        else "raise the threshold named above, or set both to None"
+    )
+    return way_out, readings
 
 
 def untested_stop_facts(policy: EscalationPolicy) -> tuple[str, bool] | None:
