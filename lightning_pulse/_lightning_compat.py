@@ -170,6 +170,8 @@ def private_api_problems() -> list[str]:
         not in _FitLoop.setup_data.__code__.co_names  # after the DataLoader hook
     ):
         problems.append("_FitLoop._combined_loader_states_to_load, loaded in setup_data")
+    if not isinstance(getattr(_FitLoop, "_can_stop_early", None), property):
+        problems.append("_FitLoop._can_stop_early")
     if not callable(getattr(data_connector, "_parse_num_batches", None)):
         problems.append("lightning.pytorch.trainer.connectors.data_connector._parse_num_batches")
     if "_model_contains_batch_norm" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):
@@ -747,6 +749,32 @@ def prepare_evaluation_batch(trainer: pl.Trainer, pl_module: pl.LightningModule,
 def set_max_steps(trainer: pl.Trainer, steps: int) -> None:
     """Cap the fit at ``steps`` optimizer steps (``Trainer(max_steps=...)``, set after construction)."""
     trainer.fit_loop.epoch_loop.max_steps = int(steps)
+
+
+def stop_takes_effect(trainer: pl.Trainer) -> bool:
+    """Whether the fit ends at the next check of its loops for a stop asked for (``trainer.should_stop``):
+    Lightning ignores the flag, and trains on, until ``Trainer(min_epochs=...)`` and ``min_steps=...`` are
+    met (``FitLoop._can_stop_early``). In an epoch's end hooks the ending epoch counts already, as it does in
+    the check that follows them. Read this, never ``should_stop`` alone, to conclude that the fit ends."""
+    return bool(trainer.should_stop) and bool(getattr(trainer.fit_loop, "_can_stop_early", True))
+
+
+def stop_this_fit(trainer: pl.Trainer) -> tuple[int | None, int | None]:
+    """Stop the fit at the next check of its loops, even where ``Trainer(min_epochs/min_steps)`` are not met
+    (they would overrule ``should_stop``: :func:`stop_takes_effect`): lifted for this fit. They come from the
+    Trainer's arguments, not from a checkpoint, so a fit resumed with the same arguments honours them again.
+    Returns the ``(min_epochs, min_steps)`` lifted, for :func:`restore_loop_minimums` at the fit's end."""
+    loop = trainer.fit_loop
+    lifted = (loop.min_epochs, loop.epoch_loop.min_steps)
+    trainer.should_stop = True
+    loop.min_epochs, loop.epoch_loop.min_steps = 0, None
+    return lifted
+
+
+def restore_loop_minimums(trainer: pl.Trainer, lifted: tuple[int | None, int | None]) -> None:
+    """Put back the ``(min_epochs, min_steps)`` :func:`stop_this_fit` lifted, for a later fit of the same
+    Trainer (Lightning reads them again at each ``fit``)."""
+    trainer.fit_loop.min_epochs, trainer.fit_loop.epoch_loop.min_steps = lifted
 
 
 # on the epoch loop: (training steps, max_steps set) of cap_training_steps, so run_length reads the first

@@ -606,8 +606,8 @@ class StepSavingLoader:
             return
         drew_none, restored = self._batches_drawn == self._drawn_before_epoch, self._restored_epoch_open
         self._drawn_before_epoch, self._restored_epoch_open = self._batches_drawn, False
-        # a stop asked for ends the fit here anyway
-        stopping = trainer.should_stop
+        # a stop Lightning honours (Trainer min_epochs/min_steps met) ends the fit here anyway
+        stopping = compat.stop_takes_effect(trainer)
         if drew_none and not restored and not stopping and 0 <= trainer.global_step < trainer.max_steps:
             raise PulseRefusal(
                 STEPS_MODE_EMPTY_EPOCH_REFUSAL.format(

@@ -303,6 +303,51 @@ def test_suspend_saves_stops_and_the_resumed_run_finishes_with_its_budget(mnist1
     assert summary["compute_s"] == pytest.approx(144 * STEP_S)
 
 
+@pytest.mark.parametrize("minimum", [{"min_steps": 60}, {"min_epochs": 5}], ids=["min_steps", "min_epochs"])
+def test_a_suspend_stops_the_fit_under_trainer_minimums_and_the_resumed_fits_keep_them(
+    mnist1d_small, tmp_path, minimum
+):
+    # held-out sweep (pass 41): Lightning ignores should_stop until Trainer(min_steps/min_epochs) are met, so
+    # under min_steps=60 a suspend did not stop the fit: it trained through the dirty hours to step 60,
+    # "suspending" 10 times (checkpoints at steps 1, 7, ..., 55), and green_window.json named step 55's
+    model, data = mnist1d_small(arch="mlp")  # 12 batches an epoch: min_epochs=5 is 60 steps too
+    clock, checkpoints = SimulatedClock("2020-06-15 06:00:00"), tmp_path / "ckpt"
+
+    def attempt(ckpt_path):
+        green = GreenWindow(
+            signal=DE_JUNE, when_dirty="suspend", max_delay=1.0, clock=clock, options={"watts": 250.0}
+        )
+        # asks to stop at every epoch end: the minimum alone holds the run, in every fit of the chain
+        stop = EarlyStopping("train_loss", stopping_threshold=1e3, check_on_train_epoch_end=True)
+        callbacks = [green, stop, ModelCheckpoint(dirpath=checkpoints, save_top_k=0)]
+        trainer = fit(
+            callbacks, clock, steps=144, enable_checkpointing=True, default_root_dir=tmp_path, **minimum
+        )
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+        return trainer, green
+
+    trainer, green = attempt(None)
+    ends = []
+    while green.suspended is not None and len(ends) < 20:
+        record = json.loads((checkpoints / "green_window.json").read_text())
+        saved_at = torch.load(record["checkpoint"], weights_only=False)["global_step"]
+        ends.append((trainer.global_step, saved_at))
+        # the minimums lifted to stop this fit are the Trainer's again (a later fit of it reads them)
+        assert (trainer.min_steps, trainer.min_epochs) == (
+            minimum.get("min_steps"),
+            minimum.get("min_epochs", 1),
+        )
+        assert run_wait_for_window([str(checkpoints)], clock=clock) == 0
+        trainer, green = attempt("last")
+    print(
+        f"(fit's last step, suspend checkpoint's step) per suspend: {ends}; chain ended at {trainer.global_step}"
+    )
+    assert ends[0] == (1, 1)  # the first suspend, after step 1, stopped the fit
+    assert all(end == saved_at for end, saved_at in ends)  # each fit ended at the step its resume file names
+    # the resumed fits kept the minimum: EarlyStopping's stop took effect at step 60, not earlier
+    assert trainer.global_step == 60 and green.report["status"] == "complete"
+
+
 def test_the_resume_command_resumes_where_the_logger_starts_a_new_version_folder(mnist1d_small, tmp_path):
     # held-out sweep: the documented `--ckpt_path last` looked in the second run's new version folder
     # (version_1), found nothing and trained from step 0 again

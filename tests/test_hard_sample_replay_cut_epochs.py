@@ -127,6 +127,32 @@ def test_replay_windows_train_in_the_replay_phase_after_epochs_end_early(tmp_pat
     assert "It stopped early" not in caplog.text and "plain run's 48" not in caplog.text
 
 
+class AsksToStopAfterFirstEpoch(Callback):
+    """Asks the fit to stop at epoch 0's end, as EarlyStopping does; ``Trainer(min_epochs/min_steps)`` may
+    overrule it (Lightning keeps ``should_stop`` set and trains on)."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        trainer.should_stop = trainer.should_stop or trainer.current_epoch == 0
+
+
+@pytest.mark.parametrize("minimum", [{"min_epochs": 4}, {"min_steps": 1000}], ids=["min_epochs", "min_steps"])
+def test_a_stop_the_trainer_minimums_overrule_still_plans_an_epoch_ended_early_again(
+    tmp_path, caplog, minimum
+):
+    # held-out sweep (pass 41): a stop asked for (EarlyStopping) that min_epochs/min_steps overruled was read
+    # as the fit's end, so the epoch the module ended early was not planned again: the run trained on to
+    # max_epochs out of step with its plan (37 steps for the plain run's 36, batches apart from epoch 2 on)
+    plain, plain_rows = _fit(EndsEpochsEarly(stop=5, cut=(1,)), tmp_path / "plain")
+    with caplog.at_level(logging.INFO):
+        held, rows = _fit(
+            EndsEpochsEarly(stop=5, cut=(1,)), tmp_path / "held", AsksToStopAfterFirstEpoch(), **minimum
+        )
+    print(f"steps: {plain.global_step} without the stop, {held.global_step} with it overruled by {minimum}")
+    assert held.should_stop and held.current_epoch == 4  # asked, overruled: the fit ran its epochs
+    assert held.global_step == plain.global_step and rows == plain_rows and _misplaced(rows) == []
+    assert "epoch 1 ended after 5 of its" in caplog.text and "It stopped early" not in caplog.text
+
+
 def test_a_run_bounded_by_max_steps_alone_keeps_its_data_and_its_plain_length_after_epochs_end_early(
     tmp_path, caplog
 ):

@@ -42,14 +42,19 @@ class SuspendSave(Callback):
 
     def __init__(self) -> None:
         self._due: tuple[Decision, float, float, Any, Any, list[str]] | None = None
+        self._lifted: tuple[int | None, int | None] | None = None  # the Trainer's minimums, lifted to stop
 
     def attach(self, trainer: pl.Trainer) -> None:
         """Listed last in ``trainer.callbacks`` for this fit (once), after Lightning ordered them."""
         compat.append_callback_for_fit(trainer, self)
 
     def detach(self, trainer: pl.Trainer) -> None:
-        """Out of ``trainer.callbacks`` again; a suspend still due is dropped (the fit has ended)."""
+        """Out of ``trainer.callbacks`` again; a suspend still due is dropped (the fit has ended). The
+        Trainer's ``min_epochs``/``min_steps`` a suspend lifted are put back for a later fit of it."""
         self._due = None
+        if self._lifted is not None:
+            compat.restore_loop_minimums(trainer, self._lifted)
+            self._lifted = None
         compat.remove_callback(trainer, self)
 
     def due(
@@ -100,7 +105,11 @@ class SuspendSave(Callback):
             energy.account.saved_for_suspend(path)
         if trainer.is_global_zero:
             rank_zero_info(write_resume_notice(folder, now, resume_at, path, decision, schedule, earlier))
-        trainer.should_stop = True  # here: the callbacks before this one ran their hook as if never stopped
+        # here: the callbacks before this one ran their hook as if never stopped. Trainer(min_epochs/min_steps)
+        # would overrule a bare should_stop (it trained on through the dirty hours, suspending again and
+        # again): lifted for this fit, a resumed fit has them from its Trainer's arguments
+        lifted = compat.stop_this_fit(trainer)
+        self._lifted = lifted if self._lifted is None else self._lifted
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
